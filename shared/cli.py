@@ -1,0 +1,42 @@
+"""The ``kvmesh`` command. Each subcommand lives in its own module, exposing
+``register(subparsers)`` which adds its parser and sets ``func(args) -> int``.
+Command modules keep their top-level imports light; heavy imports happen inside ``func``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# (module, attribute): each adds one or more subcommands to the top-level parser.
+COMMAND_MODULES: tuple[str, ...] = (
+    "shared.commands.generate",
+    "shared.commands.bench",
+    "shared.commands.serve",
+    "shared.commands.up",
+    "shared.commands.admin",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvmesh", description="Disaggregated LLM serving")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name == name:  # command not built yet
+                continue
+            raise
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""Paged KV cache: a pool of fixed-size blocks, one contiguous byte range per block.
+
+Layout (see docs/ARCHITECTURE.md): ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``.
+Every block holds all layers' K and V for ``block_size`` tokens in one contiguous span, so moving one
+block to another process is one scatter-gather entry of ``block_bytes`` bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheSpec:
+    """Shape of one worker's KV cache; two workers can exchange blocks iff their specs match."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int = 16
+    dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"KVCacheSpec.{name} must be positive, got {getattr(self, name)}")
+
+    @property
+    def dtype_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def bytes_per_token(self) -> int:
+        # 2 (K and V) * layers * kv_heads * head_dim * dtype size
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_size
+
+    @property
+    def block_bytes(self) -> int:
+        return self.block_size * self.bytes_per_token
+
+    def block_shape(self) -> tuple[int, ...]:
+        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+
+    def num_blocks_for(self, num_bytes: int) -> int:
+        return num_bytes // self.block_bytes
+
+
+class KVPool:
+    """The block pool. Either owns its memory or lives over a buffer handed in from outside
+    (a shared-memory segment, memory registered for RDMA)."""
+
+    def __init__(
+        self,
+        spec: KVCacheSpec,
+        num_blocks: int,
+        device: str | torch.device = "cpu",
+        buffer: memoryview | bytearray | torch.Tensor | None = None,
+    ) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        self.spec = spec
+        self.num_blocks = num_blocks
+        nbytes = num_blocks * spec.block_bytes
+        if buffer is None:
+            raw = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        elif isinstance(buffer, torch.Tensor):
+            raw = buffer.view(torch.uint8).reshape(-1)
+        else:
+            raw = torch.frombuffer(buffer, dtype=torch.uint8)
+        if raw.numel() < nbytes:
+            raise ValueError(
+                f"KV buffer holds {raw.numel()} bytes, {num_blocks} blocks of {spec.block_bytes} "
+                f"bytes need {nbytes}"
+            )
+        self.raw = raw[:nbytes]  # (num_blocks * block_bytes,) uint8
+        # (num_blocks, L, 2, block_size, H_kv, D)
+        self.tensor = self.raw.view(spec.dtype).view(num_blocks, *spec.block_shape())
+
+    @property
+    def device(self) -> torch.device:
+        return self.tensor.device
+
+    @property
+    def base_addr(self) -> int:
+        return self.raw.data_ptr()
+
+    @property
+    def nbytes(self) -> int:
+        return self.raw.numel()
+
+    def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Strided (num_blocks, block_size, H_kv, D) views of one layer's K and V."""
+        return self.tensor[:, layer_idx, 0], self.tensor[:, layer_idx, 1]
+
+    def block_offset(self, block_id: int) -> int:
+        """Byte offset of a block from the start of the pool."""
+        assert 0 <= block_id < self.num_blocks, block_id
+        return block_id * self.spec.block_bytes
+
+    def block_addr(self, block_id: int) -> int:
+        """Address of a block's first byte in this process."""
+        return self.base_addr + self.block_offset(block_id)
+
+    def block_bytes_view(self, block_id: int) -> torch.Tensor:
+        """The raw bytes of one block, (block_bytes,) uint8."""
+        off = self.block_offset(block_id)
+        return self.raw[off : off + self.spec.block_bytes]

@@ -1,0 +1,55 @@
+import torch
+
+from shared.engine.attention import AttentionMetadata, paged_attention
+from shared.engine.kv_cache import KVCacheSpec, KVPool
+
+
+def _reference(q, k, v, scale):
+    """Causal attention of the last len(q) positions over all of k/v; q (L, Hq, D), k (S, Hkv, D)."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    L, S = q.shape[0], k.shape[0]
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    q_pos = torch.arange(S - L, S)[:, None]
+    scores = scores.masked_fill(torch.arange(S)[None] > q_pos, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+def test_mixed_batch_of_prefill_and_continuation_matches_reference():
+    torch.manual_seed(0)
+    spec = KVCacheSpec(num_layers=1, num_kv_heads=2, head_dim=8, block_size=4)
+    pool = KVPool(spec, 16)
+    k_cache, v_cache = pool.layer(0)
+    scale = 8**-0.5
+    # seq B already holds 3 tokens in blocks 5, 6
+    kb, vb = torch.randn(3, 2, 8), torch.randn(3, 2, 8)
+    tables = torch.tensor([[1, 2, 0], [5, 6, 0]])
+    first = AttentionMetadata(torch.tensor([20, 21, 22]), [3], torch.tensor([3]), tables[1:], 4)
+    paged_attention(torch.randn(3, 4, 8), kb, vb, k_cache, v_cache, first, scale)
+    # now: seq A prefills 5 tokens (blocks 1, 2), seq B adds 2 tokens (slots 23, 24)
+    q, k, v = torch.randn(7, 4, 8), torch.randn(7, 2, 8), torch.randn(7, 2, 8)
+    slots = torch.tensor([4, 5, 6, 7, 8, 23, 24])
+    meta = AttentionMetadata(slots, [5, 2], torch.tensor([5, 5]), tables, 4)
+    out = paged_attention(q, k, v, k_cache, v_cache, meta, scale)
+    torch.testing.assert_close(out[:5], _reference(q[:5], k[:5], v[:5], scale))
+    expected_b = _reference(q[5:], torch.cat([kb, k[5:]]), torch.cat([vb, v[5:]]), scale)
+    torch.testing.assert_close(out[5:], expected_b)
+
+
+def test_single_prompt_fast_path_equals_paged_path():
+    torch.manual_seed(1)
+    spec = KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=8, block_size=4)
+    q, k, v = torch.randn(10, 2, 8), torch.randn(10, 1, 8), torch.randn(10, 1, 8)
+    tables = torch.tensor([[0, 1, 2]])
+    outs = []
+    for ctx_len in (10, 11):  # 11: one earlier token forces the paged path
+        pool = KVPool(spec, 4)
+        kc, vc = pool.layer(0)
+        slots = torch.arange(ctx_len - 10, ctx_len)
+        meta = AttentionMetadata(slots, [10], torch.tensor([ctx_len]), tables, 4)
+        if ctx_len == 11:
+            kc[0, 0] = 0.0  # an earlier token with zero key and value
+        outs.append(paged_attention(q, k, v, kc, vc, meta, 0.5))
+    torch.testing.assert_close(outs[0], _reference(q, k, v, 0.5))
+    ref_with_prefix = _reference(q, torch.cat([torch.zeros(1, 1, 8), k]), torch.cat([torch.zeros(1, 1, 8), v]), 0.5)
+    torch.testing.assert_close(outs[1], ref_with_prefix)
