@@ -1,0 +1,247 @@
+"""Paged decode attention: one query token per sequence attends over its KV blocks.
+
+The caches are the strided per-layer views of a KV pool (``KVPool.layer(i)``):
+``(num_blocks, block_size, H_kv, D)`` whose block stride spans every layer's K and V, so the kernel
+takes all strides as given and never copies the cache. One program handles one sequence and one KV
+head together with its whole GQA group of query heads, so each K/V block is loaded once per group.
+Softmax is computed online over blocks with fp32 statistics and accumulator.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+@triton.jit
+def _paged_decode_kernel(
+    out_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    block_tables_ptr,
+    context_lens_ptr,
+    scale,
+    stride_qb,
+    stride_qh,
+    stride_ob,
+    stride_oh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_btb,
+    stride_btj,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+    TOKENS_PAD: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, DIM_PAD)
+    t = tl.arange(0, TOKENS_PAD)
+    g_mask = g < GROUP
+    d_mask = d < HEAD_DIM
+    q_heads = kv_head * GROUP + g
+    q_mask = g_mask[:, None] & d_mask[None, :]
+
+    # (G, D) queries of this KV head's group, pre-scaled
+    q = tl.load(
+        q_ptr + seq * stride_qb + q_heads[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0
+    )
+    q = q.to(tl.float32) * scale
+
+    context_len = tl.load(context_lens_ptr + seq).to(tl.int32)
+    num_blocks = tl.cdiv(context_len, BLOCK_SIZE)
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
+    for j in range(0, num_blocks):
+        block_id = tl.load(block_tables_ptr + seq * stride_btb + j * stride_btj).to(tl.int64)
+        t_mask = (t < BLOCK_SIZE) & (j * BLOCK_SIZE + t < context_len)
+        kv_mask = t_mask[:, None] & d_mask[None, :]
+        k = tl.load(
+            k_ptr
+            + block_id * stride_kb
+            + t[:, None] * stride_kt
+            + kv_head * stride_kh
+            + d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        ).to(tl.float32)  # (T, D)
+        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # (G, T)
+        s = tl.where(t_mask[None, :], s, float("-inf"))
+        # every visited block holds >= 1 valid token, so m_new is finite
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])  # (G, T)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(
+            v_ptr
+            + block_id * stride_vb
+            + t[:, None] * stride_vt
+            + kv_head * stride_vh
+            + d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        ).to(tl.float32)  # (T, D)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        m_i = m_new
+
+    out = acc / l_i[:, None]
+    tl.store(
+        out_ptr + seq * stride_ob + q_heads[:, None] * stride_oh + d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=q_mask,
+    )
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Decode attention through block tables.
+
+    q: (B, H_q, D); k_cache, v_cache: (num_blocks, block_size, H_kv, D), any strides with the last
+    one 1; block_tables: (B, max_blocks) int32/int64; context_lens: (B,) int32/int64, each in
+    [1, max_blocks * block_size]. Returns (B, H_q, D) in q's dtype.
+    """
+    _check_inputs(q, k_cache, v_cache, block_tables, context_lens)
+    B, H_q, D = q.shape
+    _, block_size, H_kv, _ = k_cache.shape
+    group = H_q // H_kv
+    out = torch.empty((B, H_q, D), dtype=q.dtype, device=q.device)
+    if B == 0:
+        return out
+    context_lens = context_lens.contiguous()
+    _paged_decode_kernel[(B, H_kv)](
+        out,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        float(scale),
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        block_tables.stride(0),
+        block_tables.stride(1),
+        GROUP=group,
+        HEAD_DIM=D,
+        BLOCK_SIZE=block_size,
+        GROUP_PAD=max(triton.next_power_of_2(group), 2),
+        DIM_PAD=max(triton.next_power_of_2(D), 2),
+        TOKENS_PAD=max(triton.next_power_of_2(block_size), 2),
+    )
+    return out
+
+
+def paged_decode_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Pure-torch reference: gather each sequence's tokens, then plain softmax attention in fp32."""
+    B, H_q, _ = q.shape
+    block_size, H_kv = k_cache.shape[1], k_cache.shape[2]
+    group = H_q // H_kv
+    out = torch.empty_like(q)
+    for b in range(B):
+        n = int(context_lens[b])
+        blocks = block_tables[b, : -(-n // block_size)].long()
+        keys = k_cache[blocks].flatten(0, 1)[:n].float()  # (n, H_kv, D)
+        values = v_cache[blocks].flatten(0, 1)[:n].float()
+        keys = keys.repeat_interleave(group, dim=1)  # (n, H_q, D)
+        values = values.repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,nhd->hn", q[b].float(), keys) * scale  # (H_q, n)
+        probs = scores.softmax(dim=-1)
+        out[b] = torch.einsum("hn,nhd->hd", probs, values).to(q.dtype)
+    return out
+
+
+def _check_inputs(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+) -> None:
+    if q.dim() != 3:
+        raise ValueError(f"q must be (B, H_q, D), got shape {tuple(q.shape)}")
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            "k_cache and v_cache must both be (num_blocks, block_size, H_kv, D), got "
+            f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
+    B, H_q, D = q.shape
+    num_blocks, block_size, H_kv, D_kv = k_cache.shape
+    if D_kv != D:
+        raise ValueError(f"head_dim of q ({D}) and of the cache ({D_kv}) differ")
+    if H_q % H_kv != 0:
+        raise ValueError(f"query heads ({H_q}) must be a multiple of KV heads ({H_kv})")
+    if q.dtype not in SUPPORTED_DTYPES or k_cache.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(
+            f"q and the cache must be one of {SUPPORTED_DTYPES}, got {q.dtype} and {k_cache.dtype}"
+        )
+    if v_cache.dtype != k_cache.dtype:
+        raise TypeError(f"k_cache is {k_cache.dtype} but v_cache is {v_cache.dtype}")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have unit stride in head_dim, got strides {t.stride()}")
+    if block_tables.dim() != 2 or block_tables.shape[0] != B:
+        raise ValueError(f"block_tables must be ({B}, max_blocks), got {tuple(block_tables.shape)}")
+    if context_lens.shape != (B,):
+        raise ValueError(f"context_lens must be ({B},), got {tuple(context_lens.shape)}")
+    if block_tables.dtype not in _INDEX_DTYPES or context_lens.dtype not in _INDEX_DTYPES:
+        raise TypeError(
+            f"block_tables and context_lens must be int32/int64, got {block_tables.dtype} "
+            f"and {context_lens.dtype}"
+        )
+    devices = {t.device for t in (q, k_cache, v_cache, block_tables, context_lens)}
+    if len(devices) != 1:
+        raise ValueError(f"all inputs must be on one device, got {sorted(map(str, devices))}")
+    if B == 0:
+        return
+    # One host sync for all value checks: this runs once per layer per decode step.
+    max_len = block_tables.shape[1] * block_size
+    lens_lo, lens_hi = context_lens.long().aminmax()
+    # Only the entries a sequence actually reads must name real blocks; padding is never loaded.
+    used_blocks = (context_lens.clamp(0, max_len) + block_size - 1) // block_size  # (B,)
+    cols = torch.arange(block_tables.shape[1], device=block_tables.device)
+    used = cols[None, :] < used_blocks[:, None]  # (B, max_blocks)
+    ids_lo, ids_hi = torch.where(used, block_tables.long(), 0).aminmax()
+    lens_lo, lens_hi, ids_lo, ids_hi = torch.stack([lens_lo, lens_hi, ids_lo, ids_hi]).tolist()
+    if lens_lo < 1 or lens_hi > max_len:
+        raise ValueError(
+            f"context_lens must lie in [1, {max_len}] (max_blocks * block_size), "
+            f"got {context_lens.tolist()}"
+        )
+    if ids_lo < 0 or ids_hi >= num_blocks:
+        raise ValueError(
+            f"block_tables name blocks outside [0, {num_blocks}): min {ids_lo}, max {ids_hi}"
+        )
