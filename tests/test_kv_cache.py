@@ -35,3 +35,17 @@ def test_too_small_buffer_is_refused():
 def test_invalid_spec_is_refused():
     with pytest.raises(ValueError, match="block_size"):
         KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=4, block_size=0)
+
+
+def test_head_range_of_a_block_is_one_contiguous_span():
+    spec = KVCacheSpec(num_layers=3, num_kv_heads=4, head_dim=2, block_size=2)
+    pool = KVPool(spec, 2)
+    for layer in range(3):
+        k, v = pool.layer(layer)
+        k[1, :, 2] = 5.0  # head 2 of block 1, every token
+        v[1, :, 3] = 6.0
+    start, length = pool.head_span(1, 2, 4)
+    assert (start, length) == (spec.block_bytes + 2 * spec.head_bytes, 2 * spec.head_bytes)
+    floats = pool.raw[start : start + length].view(torch.float32)
+    assert (floats == 5.0).sum() == 3 * 2 * 2 and (floats == 6.0).sum() == 3 * 2 * 2
+    assert (pool.raw.view(torch.float32) != 0).sum() == 24  # nothing outside the span

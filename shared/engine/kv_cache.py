@@ -1,8 +1,10 @@
 """Paged KV cache: a pool of fixed-size blocks, one contiguous byte range per block.
 
-Layout (see docs/ARCHITECTURE.md): ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``.
+Layout (see docs/ARCHITECTURE.md): ``[num_blocks, num_kv_heads, num_layers, 2, block_size, head_dim]``.
 Every block holds all layers' K and V for ``block_size`` tokens in one contiguous span, so moving one
-block to another process is one scatter-gather entry of ``block_bytes`` bytes.
+block to another process is one scatter-gather entry of ``block_bytes`` bytes; and within a block
+each KV head is itself one contiguous span, so a tensor-parallel rank's head slice moves as one
+entry too (resharding without a staging copy).
 """
 
 from __future__ import annotations
@@ -40,8 +42,20 @@ class KVCacheSpec:
     def block_bytes(self) -> int:
         return self.block_size * self.bytes_per_token
 
+    @property
+    def head_bytes(self) -> int:
+        """Bytes of one KV head within one block (all layers, K and V)."""
+        return self.block_bytes // self.num_kv_heads
+
     def block_shape(self) -> tuple[int, ...]:
-        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+        return (self.num_kv_heads, self.num_layers, 2, self.block_size, self.head_dim)
+
+    def fingerprint(self) -> str:
+        """A short string two workers compare before exchanging blocks."""
+        dtype = str(self.dtype).removeprefix("torch.")
+        return (
+            f"L{self.num_layers}-H{self.num_kv_heads}-D{self.head_dim}-B{self.block_size}-{dtype}"
+        )
 
     def num_blocks_for(self, num_bytes: int) -> int:
         return num_bytes // self.block_bytes
@@ -75,7 +89,7 @@ class KVPool:
                 f"bytes need {nbytes}"
             )
         self.raw = raw[:nbytes]  # (num_blocks * block_bytes,) uint8
-        # (num_blocks, L, 2, block_size, H_kv, D)
+        # (num_blocks, H_kv, L, 2, block_size, D)
         self.tensor = self.raw.view(spec.dtype).view(num_blocks, *spec.block_shape())
 
     @property
@@ -92,7 +106,8 @@ class KVPool:
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Strided (num_blocks, block_size, H_kv, D) views of one layer's K and V."""
-        return self.tensor[:, layer_idx, 0], self.tensor[:, layer_idx, 1]
+        layer = self.tensor[:, :, layer_idx]  # (num_blocks, H_kv, 2, block_size, D)
+        return layer[:, :, 0].transpose(1, 2), layer[:, :, 1].transpose(1, 2)
 
     def block_offset(self, block_id: int) -> int:
         """Byte offset of a block from the start of the pool."""
@@ -102,6 +117,12 @@ class KVPool:
     def block_addr(self, block_id: int) -> int:
         """Address of a block's first byte in this process."""
         return self.base_addr + self.block_offset(block_id)
+
+    def head_span(self, block_id: int, head_start: int, head_end: int) -> tuple[int, int]:
+        """(byte offset from the pool start, length) of heads [head_start, head_end) of a block."""
+        assert 0 <= head_start < head_end <= self.spec.num_kv_heads, (head_start, head_end)
+        start = self.block_offset(block_id) + head_start * self.spec.head_bytes
+        return start, (head_end - head_start) * self.spec.head_bytes
 
     def block_bytes_view(self, block_id: int) -> torch.Tensor:
         """The raw bytes of one block, (block_bytes,) uint8."""
