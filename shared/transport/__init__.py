@@ -1,0 +1,72 @@
+"""KV data plane: verbs-like one-sided writes with immediate data (shm, tcp, rdma, auto).
+
+See docs/transport.md. Typical use::
+
+    async with create_transport("auto", config) as transport:
+        pool = KVPool(spec, n, buffer=transport.allocate(n * spec.block_bytes))
+        region = transport.register(pool.raw, Access.REMOTE_WRITE)
+        publish(transport.descriptor().to_dict())  # over NATS
+"""
+
+from shared.transport.auto import available_backends, create_transport, select_backend
+from shared.transport.base import (
+    IMM_CHUNK_BITS,
+    IMM_SLOT_BITS,
+    Access,
+    BackendUnavailableError,
+    Completion,
+    CompletionQueue,
+    Endpoint,
+    LocalAccessError,
+    MemoryRegion,
+    PeerDescriptor,
+    PeerGoneError,
+    PeerUnreachableError,
+    ProtocolError,
+    ReadEntry,
+    RefusalReason,
+    RemoteAccessError,
+    Transport,
+    TransportClosedError,
+    TransportConfig,
+    TransportError,
+    TransportStats,
+    WriteEntry,
+    local_host_id,
+    pack_imm,
+    unpack_imm,
+)
+from shared.transport.registry import Registry, as_byte_tensor
+
+__all__ = [
+    "IMM_CHUNK_BITS",
+    "IMM_SLOT_BITS",
+    "Access",
+    "BackendUnavailableError",
+    "Completion",
+    "CompletionQueue",
+    "Endpoint",
+    "LocalAccessError",
+    "MemoryRegion",
+    "PeerDescriptor",
+    "PeerGoneError",
+    "PeerUnreachableError",
+    "ProtocolError",
+    "ReadEntry",
+    "RefusalReason",
+    "Registry",
+    "RemoteAccessError",
+    "Transport",
+    "TransportClosedError",
+    "TransportConfig",
+    "TransportError",
+    "TransportStats",
+    "WriteEntry",
+    "as_byte_tensor",
+    "available_backends",
+    "create_transport",
+    "local_host_id",
+    "pack_imm",
+    "select_backend",
+    "unpack_imm",
+]

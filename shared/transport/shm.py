@@ -1,0 +1,376 @@
+"""Same-host backend: the receiver's regions live in /dev/shm segments the writer maps and copies
+into directly; immediates travel over a unix socket.
+
+Receiver: ``allocate`` creates a segment; registering remote-accessible memory inside one publishes
+``(rkey, addr, length, access, segment, offset)`` in a region table (itself a segment) that writers
+map. Deregistration marks the slot retired, so later writes are refused by the writer's check.
+Writer: validates every entry against the table, copies in a worker thread (torch ``copy_``
+releases the GIL), then sends ``WRITE_DONE(imm, seq, bytes)``; the receiver turns it into a
+Completion. Notifications leave in ``write()`` call order, so completions arrive in that order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import mmap
+import os
+import secrets
+import shutil
+import socket
+import struct
+import tempfile
+import threading
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from shared.transport.base import (
+    Access,
+    Buffer,
+    Completion,
+    CompletionQueue,
+    MemoryRegion,
+    PeerDescriptor,
+    PeerUnreachableError,
+    TransportClosedError,
+    TransportConfig,
+    TransportStats,
+    local_host_id,
+    new_peer_id,
+)
+from shared.transport.registry import Registry
+from shared.transport.threads import ThreadSet
+
+if TYPE_CHECKING:
+    from shared.transport.shm_endpoint import ShmEndpoint
+
+SHM_DIR = "/dev/shm"
+PAGE = mmap.PAGESIZE
+TABLE_SLOTS = 1024
+# One slot per remotely accessible region. state: 0 free, 1 live, 2 retired.
+TABLE_DTYPE = np.dtype(
+    [
+        ("rkey", "<u4"),
+        ("state", "<u4"),
+        ("addr", "<u8"),
+        ("length", "<u8"),
+        ("seg_offset", "<u8"),
+        ("access", "<u4"),
+        ("pad", "<u4"),
+        ("segment", "S64"),
+    ]
+)
+FREE, LIVE, RETIRED = 0, 1, 2
+
+# Notifications writer -> receiver: op, reason, imm, seq, num_bytes. HELLO's payload: peer id.
+NOTE = struct.Struct("<BBHIQQ")
+OP_HELLO, OP_WRITE_DONE, OP_READ_DONE, OP_REFUSED = 0, 1, 2, 3
+
+
+def _map_segment(name: str, create_bytes: int = 0) -> mmap.mmap:
+    path = os.path.join(SHM_DIR, name)
+    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create_bytes else 0)
+    fd = os.open(path, flags, 0o600)
+    try:
+        if create_bytes:
+            os.ftruncate(fd, create_bytes)
+        size = os.fstat(fd).st_size
+        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+    finally:
+        os.close(fd)
+
+
+def sweep_stale_segments() -> list[str]:
+    """Unlink segments of kvmesh processes that died without closing (SIGKILL, OOM): their pools
+    would otherwise pin host memory until reboot. Names carry the creator's pid."""
+    removed = []
+    for name in os.listdir(SHM_DIR):
+        parts = name.split("-")
+        if len(parts) < 3 or parts[0] != "kvmesh" or not parts[1].isdigit():
+            continue
+        try:
+            os.kill(int(parts[1]), 0)
+            continue  # alive (or not ours to signal: EPERM)
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(SHM_DIR, name))
+            removed.append(name)
+    return removed
+
+
+def _close_mapping(mm: mmap.mmap) -> None:
+    # A KVPool may still view the memory; then the mapping dies with the last view.
+    with contextlib.suppress(BufferError):
+        mm.close()
+
+
+class _Segment:
+    __slots__ = ("addr", "mm", "name", "size", "tensor")
+
+    def __init__(self, name: str, size: int) -> None:
+        self.name = name
+        self.size = size
+        self.mm = _map_segment(name, size)
+        self.tensor = torch.frombuffer(self.mm, dtype=torch.uint8)  # (size,)
+        self.addr = self.tensor.data_ptr()
+
+
+class ShmTransport:
+    """Shared-memory transport; use as ``async with ShmTransport(config) as t``."""
+
+    name = "shm"
+
+    def __init__(
+        self,
+        config: TransportConfig | None = None,
+        *,
+        registry: Registry | None = None,
+        completions: CompletionQueue | None = None,
+        strict: bool = True,
+    ) -> None:
+        self.config = config or TransportConfig()
+        self._peer_id = self.config.peer_id or new_peer_id()
+        self._registry = registry if registry is not None else Registry()
+        self._queue = completions if completions is not None else CompletionQueue()
+        self._strict = strict  # refuse remote registrations outside a segment (no tcp fallback)
+        self._token = f"kvmesh-{os.getpid()}-{secrets.token_hex(4)}"
+        self._segments: list[_Segment] = []
+        self._slots: dict[int, int] = {}
+        self._unshared: set[int] = set()  # remote regions outside segments (strict=False only)
+        self._table_seg: _Segment | None = None
+        self._table: np.ndarray | None = None
+        self._dir: str | None = None
+        self._listener: socket.socket | None = None
+        self._threads = ThreadSet()
+        self._conns: set[socket.socket] = set()
+        self._endpoints: set[ShmEndpoint] = set()
+        self._lock = threading.Lock()
+        self._closed = False
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+
+    @property
+    def peer_id(self) -> str:
+        return self._peer_id
+
+    @property
+    def completion_queue(self) -> CompletionQueue:
+        return self._queue
+
+    @property
+    def socket_path(self) -> str:
+        assert self._dir is not None, "enter the transport first"
+        return os.path.join(self._dir, "notify.sock")
+
+    async def __aenter__(self) -> ShmTransport:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def start(self) -> None:
+        if self._listener is not None:
+            return
+        sweep_stale_segments()
+        self._table_seg = _Segment(f"{self._token}-table", TABLE_SLOTS * TABLE_DTYPE.itemsize)
+        self._table = np.frombuffer(self._table_seg.mm, dtype=TABLE_DTYPE)
+        if self.config.shm_dir:
+            os.makedirs(self.config.shm_dir, exist_ok=True)
+            self._dir = tempfile.mkdtemp(prefix="kvmesh-", dir=self.config.shm_dir)
+        else:
+            self._dir = tempfile.mkdtemp(prefix="kvmesh-")
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._listener.bind(self.socket_path)
+        self._listener.listen(64)
+        self._registry.add_listener(self)
+        self._threads.spawn(self._accept_loop, "shm-accept")
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for ep in list(self._endpoints):
+            await ep.aclose()
+        if self._listener is not None:
+            with contextlib.suppress(OSError):
+                self._listener.shutdown(socket.SHUT_RDWR)
+            self._listener.close()
+        with self._lock:
+            conns = list(self._conns)
+        for conn in conns:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+        await asyncio.to_thread(self._threads.join)
+        for seg in [*self._segments, *([self._table_seg] if self._table_seg else [])]:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(SHM_DIR, seg.name))
+        self._table = None
+        if self._table_seg is not None:
+            self._table_seg.tensor = None  # type: ignore[assignment]
+            _close_mapping(self._table_seg.mm)
+        for seg in self._segments:
+            seg.tensor = None  # type: ignore[assignment]
+            _close_mapping(seg.mm)
+        if self._dir:
+            shutil.rmtree(self._dir, ignore_errors=True)
+        self._queue.close()
+
+    def allocate(self, nbytes: int) -> torch.Tensor:
+        """A flat uint8 tensor in a fresh /dev/shm segment (page-aligned, zeroed)."""
+        if nbytes <= 0:
+            raise ValueError(f"allocate needs a positive size, got {nbytes}")
+        if self._closed:
+            raise TransportClosedError("shm transport is closed")
+        size = -(-nbytes // PAGE) * PAGE
+        seg = _Segment(f"{self._token}-{len(self._segments)}", size)
+        self._segments.append(seg)
+        return seg.tensor[:nbytes]
+
+    def register(self, memory: Buffer, access: Access = Access.LOCAL) -> MemoryRegion:
+        return self._registry.register(memory, access)
+
+    def deregister(self, region: MemoryRegion) -> None:
+        self._registry.deregister(region)
+
+    def on_register(self, region: MemoryRegion) -> None:
+        if not region.access & Access.REMOTE:
+            return
+        seg = next(
+            (s for s in self._segments if s.addr <= region.addr and region.end <= s.addr + s.size),
+            None,
+        )
+        if seg is None:
+            if self._strict:
+                raise ValueError(
+                    "shm can expose only memory from transport.allocate(); register a view of an "
+                    "allocated tensor (e.g. KVPool built over it)"
+                )
+            self._unshared.add(region.rkey)
+            return
+        table = self._table
+        assert table is not None, "enter the transport before registering remote memory"
+        free = np.flatnonzero(table["state"] != LIVE)
+        if free.size == 0:
+            raise ValueError(f"shm region table full ({TABLE_SLOTS} live regions)")
+        slot = int(free[np.argmin(table["state"][free] == RETIRED)])  # prefer never-used slots
+        row = table[slot : slot + 1]
+        row["state"] = FREE
+        row["rkey"], row["addr"], row["length"] = region.rkey, region.addr, region.length
+        row["seg_offset"], row["access"] = region.addr - seg.addr, int(region.access)
+        row["segment"] = seg.name.encode()
+        row["state"] = LIVE  # last: writers read state first
+        self._slots[region.rkey] = slot
+
+    def on_deregister(self, region: MemoryRegion) -> None:
+        self._unshared.discard(region.rkey)
+        slot = self._slots.pop(region.rkey, None)
+        if slot is not None and self._table is not None:
+            self._table["state"][slot] = RETIRED
+
+    @property
+    def serves_all_regions(self) -> bool:
+        """False when a remotely accessible region lies outside shm (only with strict=False)."""
+        return not self._unshared
+
+    def descriptor(self) -> PeerDescriptor:
+        if self._table_seg is None:
+            raise TransportClosedError("enter the transport before asking for its descriptor")
+        segments = {
+            str(rkey): self._table["segment"][slot].decode()  # type: ignore[index]
+            for rkey, slot in self._slots.items()
+        }
+        return PeerDescriptor(
+            peer_id=self._peer_id,
+            host_id=local_host_id(),
+            backends={
+                "shm": {
+                    "socket": self.socket_path,
+                    "table": self._table_seg.name,
+                    "segments": segments,
+                }
+            },
+            regions=tuple(self._registry.regions(Access.REMOTE_WRITE)),
+        )
+
+    def completions(self) -> AsyncIterator[Completion]:
+        return aiter(self._queue)
+
+    def stats(self) -> TransportStats:
+        return self._registry.stats()
+
+    # -- receiver: notification channel ------------------------------------------------------------
+
+    def _accept_loop(self) -> None:
+        assert self._listener is not None
+        while not self._closed:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            with self._lock:
+                self._conns.add(conn)
+            self._threads.spawn(self._serve, "shm-notify", conn)
+
+    def _serve(self, conn: socket.socket) -> None:
+        buf = bytearray(NOTE.size)
+        try:
+            if conn.recv_into(buf, NOTE.size, socket.MSG_WAITALL) != NOTE.size:
+                return
+            op, _, _, _, _, n = NOTE.unpack(buf)
+            if op != OP_HELLO or not 0 < n <= 256:
+                return
+            peer_id = conn.recv(n, socket.MSG_WAITALL).decode(errors="replace")
+            while conn.recv_into(buf, NOTE.size, socket.MSG_WAITALL) == NOTE.size:
+                op, _, _, imm, _, n = NOTE.unpack(buf)
+                if op == OP_WRITE_DONE:
+                    self._registry.count_write(n)
+                    self._queue.put(Completion(imm=imm, peer_id=peer_id, num_bytes=n))
+                elif op == OP_READ_DONE:
+                    self._registry.count_read(n)
+                elif op == OP_REFUSED:
+                    self._registry.count_refused()
+                else:
+                    return  # corrupt stream: drop this peer, keep serving others
+        except OSError:
+            return
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+            conn.close()
+
+    # -- writer ------------------------------------------------------------------------------------
+
+    async def connect(self, descriptor: PeerDescriptor) -> ShmEndpoint:
+        from shared.transport.shm_endpoint import ShmEndpoint
+
+        if self._closed:
+            raise TransportClosedError("shm transport is closed")
+        info = descriptor.backends.get("shm")
+        if info is None:
+            raise PeerUnreachableError(f"peer {descriptor.peer_id} offers no shm backend")
+        if descriptor.host_id != local_host_id():
+            raise PeerUnreachableError(
+                f"peer {descriptor.peer_id} is on host {descriptor.host_id}, not this one "
+                f"({local_host_id()}); use tcp or rdma"
+            )
+        try:
+            table_mm = _map_segment(str(info["table"]))
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_unix_connection(str(info["socket"])), self.config.connect_timeout_s
+            )
+        except (OSError, TimeoutError) as exc:
+            raise PeerUnreachableError(
+                f"cannot reach shm peer {descriptor.peer_id} at {info.get('socket')}: {exc}"
+            ) from exc
+        hello = self._peer_id.encode()
+        writer.write(NOTE.pack(OP_HELLO, 0, 0, 0, 0, len(hello)) + hello)
+        ep = ShmEndpoint(self, descriptor.peer_id, table_mm, reader, writer)
+        self._endpoints.add(ep)
+        return ep

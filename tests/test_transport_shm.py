@@ -1,0 +1,87 @@
+"""shm backend specifics: segments, the region table seen by writers, cleanup."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+
+import pytest
+import torch
+
+from shared.transport import Access, PeerUnreachableError, TransportConfig, WriteEntry
+from shared.transport.base import PeerDescriptor
+from shared.transport.shm import SHM_DIR, ShmTransport
+
+
+def segments() -> set[str]:
+    return {n for n in os.listdir(SHM_DIR) if n.startswith(f"kvmesh-{os.getpid()}-")}
+
+
+async def test_allocate_creates_segments_that_close_unlinks() -> None:
+    before = segments()
+    async with ShmTransport(TransportConfig()) as t:
+        mem = t.allocate(10_000)
+        assert mem.numel() == 10_000 and mem.dtype == torch.uint8
+        assert mem.data_ptr() % 4096 == 0
+        assert len(segments() - before) == 2  # the region table and the segment
+        socket_path = t.socket_path
+        assert os.path.exists(socket_path)
+    assert segments() == before
+    assert not os.path.exists(socket_path)
+
+
+async def test_remote_registration_outside_a_segment_is_refused_with_a_hint() -> None:
+    async with ShmTransport(TransportConfig()) as t:
+        with pytest.raises(ValueError, match=r"transport\.allocate\(\)"):
+            t.register(torch.zeros(4096, dtype=torch.uint8), Access.REMOTE_WRITE)
+        local = t.register(torch.zeros(4096, dtype=torch.uint8))  # local sources are fine
+        assert local.length == 4096
+
+
+async def test_descriptor_names_segment_and_socket_of_each_region() -> None:
+    async with ShmTransport(TransportConfig()) as t:
+        mem = t.allocate(8192)
+        r = t.register(mem[4096:], Access.REMOTE_WRITE)
+        info = PeerDescriptor.from_dict(t.descriptor().to_dict()).backends["shm"]
+        assert info["socket"] == t.socket_path
+        assert os.path.exists(os.path.join(SHM_DIR, info["segments"][str(r.rkey)]))
+        assert os.path.exists(os.path.join(SHM_DIR, info["table"]))
+
+
+async def test_writes_through_a_sub_region_land_at_the_right_offset() -> None:
+    async with ShmTransport(TransportConfig()) as rx, ShmTransport(TransportConfig()) as tx:
+        mem = rx.allocate(3 * 4096)
+        r = rx.register(mem[4096:8192], Access.REMOTE_WRITE)  # a view, offset in its segment
+        src = torch.arange(256, dtype=torch.uint8).repeat(16)
+        local = tx.register(src)
+        async with await tx.connect(rx.descriptor()) as ep:
+            await asyncio.wait_for(ep.write([WriteEntry(local, 0, r.addr, r.rkey, 4096)], 3), 10)
+        assert torch.equal(mem[4096:8192], src)
+        assert int(mem[:4096].sum()) == 0 and int(mem[8192:].sum()) == 0
+
+
+async def test_connect_to_another_host_is_unreachable() -> None:
+    async with ShmTransport(TransportConfig()) as rx, ShmTransport(TransportConfig()) as tx:
+        d = rx.descriptor()
+        elsewhere = PeerDescriptor(d.peer_id, "other-host/boot", d.backends, d.regions)
+        with pytest.raises(PeerUnreachableError, match="not this one"):
+            await tx.connect(elsewhere)
+
+
+async def test_start_sweeps_segments_left_by_dead_processes() -> None:
+    proc = subprocess.Popen(["true"])  # its pid is free once it has exited
+    proc.wait()
+    stale = os.path.join(SHM_DIR, f"kvmesh-{proc.pid}-deadbeef-0")
+    live = os.path.join(SHM_DIR, f"kvmesh-{os.getpid()}-deadbeef-0")
+    for path in (stale, live):
+        with open(path, "wb") as f:
+            f.write(b"x")
+    try:
+        async with ShmTransport(TransportConfig()):
+            assert not os.path.exists(stale)
+            assert os.path.exists(live)
+    finally:
+        for path in (stale, live):
+            if os.path.exists(path):
+                os.unlink(path)

@@ -1,0 +1,236 @@
+"""tcp backend wire behaviour: hand-crafted frames from a raw socket, lanes, windows."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+
+import pytest
+import torch
+
+from shared.transport import (
+    Access,
+    PeerDescriptor,
+    PeerGoneError,
+    RefusalReason,
+    TransportConfig,
+    WriteEntry,
+)
+from shared.transport.tcp import (
+    ACK,
+    FRAME,
+    HELLO,
+    MAGIC_ACK,
+    MAGIC_FRAME,
+    MAGIC_HELLO,
+    OP_WRITE,
+    VERSION,
+    TcpTransport,
+)
+
+NBYTES = 64 << 10
+GUARD = 0xAB
+
+
+def timeout(coro, seconds: float = 20.0):
+    return asyncio.wait_for(coro, seconds)
+
+
+class Receiver:
+    """A tcp transport with one remotely writable region between two guard spans."""
+
+    def __init__(self, rx: TcpTransport) -> None:
+        self.rx = rx
+        self.mem = rx.allocate(NBYTES + 2 * 4096)
+        self.mem.fill_(GUARD)
+        self.body = self.mem[4096 : 4096 + NBYTES]
+        self.body.zero_()
+        self.region = rx.register(self.body, Access.REMOTE_WRITE)
+
+    def guards_intact(self) -> bool:
+        return bool((self.mem[:4096] == GUARD).all() and (self.mem[-4096:] == GUARD).all())
+
+
+def raw_lane(port: int, endpoint_id: int = 7, peer: bytes = b"raw-peer") -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    sock.sendall(HELLO.pack(MAGIC_HELLO, VERSION, 0, 1, endpoint_id, len(peer)) + peer)
+    return sock
+
+
+def frame(rkey: int, addr: int, length: int, seq: int = 1, imm: int = 0, span=None) -> bytes:
+    span_addr, span_len = span or (addr, length)
+    return FRAME.pack(
+        MAGIC_FRAME, VERSION, OP_WRITE, 0, rkey, imm, addr, length, seq, 0, 1, span_addr, span_len
+    )
+
+
+def read_ack(sock: socket.socket) -> tuple[int, int, int]:
+    data = b""
+    while len(data) < ACK.size:
+        chunk = sock.recv(ACK.size - len(data))
+        assert chunk, "receiver closed the connection instead of answering"
+        data += chunk
+    magic, status, _op, _, _idx, seq, length = ACK.unpack(data)
+    assert magic == MAGIC_ACK
+    return status, seq, length
+
+
+def closed_by_peer(sock: socket.socket) -> bool:
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+@pytest.fixture
+async def receiver():
+    async with TcpTransport(TransportConfig()) as rx:
+        yield Receiver(rx)
+
+
+async def test_refused_frame_is_nacked_drained_and_the_connection_keeps_working(receiver) -> None:
+    r = receiver.region
+    sock = await asyncio.to_thread(raw_lane, receiver.rx.port)
+    payload = b"\x11" * 1000
+    sock.sendall(frame(r.rkey ^ 0xFF, r.addr, 1000, seq=1, imm=5) + payload)
+    status, seq, _ = await asyncio.to_thread(read_ack, sock)
+    assert (status, seq) == (RefusalReason.UNKNOWN_RKEY, 1)
+    sock.sendall(frame(r.rkey, r.end - 500, 1000, seq=2, imm=6) + payload)  # crosses the end
+    assert (await asyncio.to_thread(read_ack, sock))[0] == RefusalReason.OUT_OF_BOUNDS
+    sock.sendall(frame(r.rkey, r.addr + 100, 1000, seq=3, imm=7) + payload)
+    assert (await asyncio.to_thread(read_ack, sock))[:2] == (0, 3)
+    c = await timeout(receiver.rx.completion_queue.get())
+    assert (c.imm, c.peer_id, c.num_bytes) == (7, "raw-peer", 1000)
+    assert bytes(receiver.body[100:1100].numpy()) == payload
+    assert int(receiver.body.sum()) == 0x11 * 1000  # nothing else written
+    assert receiver.guards_intact()
+    stats = receiver.rx.stats()
+    assert (stats.writes, stats.refused) == (1, 2)
+    sock.close()
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "oversized_length",
+        "bad_magic",
+        "bad_version",
+        "frame_outside_its_span",
+        "truncated_payload",
+        "truncated_header",
+    ],
+)
+async def test_corrupt_frames_close_the_connection_and_write_nothing(receiver, bad: str) -> None:
+    r = receiver.region
+    sock = await asyncio.to_thread(raw_lane, receiver.rx.port)
+    good = frame(r.rkey, r.addr, 4096, imm=1)
+    data = {
+        "oversized_length": frame(r.rkey, r.addr, 1 << 40),
+        "bad_magic": b"XXXX" + good[4:],
+        "bad_version": good[:4] + bytes([99]) + good[5:],
+        "frame_outside_its_span": frame(r.rkey, r.addr + 8192, 4096, span=(r.addr, 4096)),
+        "truncated_payload": good + b"\x22" * 1000,
+        "truncated_header": good[:20],
+    }[bad]
+    sock.sendall(data)
+    if bad.startswith("truncated"):
+        sock.shutdown(socket.SHUT_WR)  # the writer dies mid-frame
+    assert await asyncio.to_thread(closed_by_peer, sock)
+    sock.close()
+    await asyncio.sleep(0.05)
+    assert receiver.rx.completion_queue.get_nowait() is None
+    assert receiver.guards_intact()
+    if bad != "truncated_payload":  # a truncated payload may have landed partly, inside the target
+        assert int(receiver.body.sum()) == 0
+    # the receiver still serves other peers
+    async with TcpTransport(TransportConfig()) as tx:
+        src = torch.full((4096,), 3, dtype=torch.uint8)
+        local = tx.register(src)
+        async with await tx.connect(receiver.rx.descriptor()) as ep:
+            await timeout(ep.write([WriteEntry(local, 0, r.addr + 8192, r.rkey, 4096)], 9))
+    assert (await timeout(receiver.rx.completion_queue.get())).imm == 9
+
+
+async def test_large_write_is_sliced_across_lanes_and_completes_once(receiver) -> None:
+    r = receiver.region
+    cfg = TransportConfig(tcp_lanes=4, tcp_slice_bytes=4096, tcp_window=2)
+    async with TcpTransport(cfg) as tx:
+        src = torch.randint(0, 256, (NBYTES,), dtype=torch.uint8)
+        local = tx.register(src)
+        async with await tx.connect(receiver.rx.descriptor()) as ep:
+            assert ep.num_lanes == 2  # the receiver advertises 2 lanes (its default)
+            # one entry per 8 KiB, given in reverse: remote runs are not merged across entries
+            entries = [
+                WriteEntry(local, off, r.addr + off, r.rkey, 8192)
+                for off in reversed(range(0, NBYTES, 8192))
+            ]
+            await timeout(ep.write(entries, 42))
+            assert 1 <= ep.max_in_flight <= 2  # 16 frames, window 2 per lane
+            assert all(lane.peak > 0 for lane in ep._lanes)  # both lanes carried frames
+    c = await timeout(receiver.rx.completion_queue.get())
+    assert (c.imm, c.num_bytes) == (42, NBYTES)
+    assert receiver.rx.completion_queue.get_nowait() is None
+    assert torch.equal(receiver.body, src)
+    assert receiver.guards_intact()
+
+
+async def test_window_bounds_frames_in_flight_under_a_stream_of_writes(receiver) -> None:
+    r = receiver.region
+    cfg = TransportConfig(tcp_lanes=1, tcp_slice_bytes=4096, tcp_window=3)
+    async with TcpTransport(cfg) as tx:
+        src = torch.randint(0, 256, (NBYTES,), dtype=torch.uint8)
+        local = tx.register(src)
+        async with await tx.connect(receiver.rx.descriptor()) as ep:
+            writes = [
+                ep.write([WriteEntry(local, 0, r.addr, r.rkey, NBYTES)], i)  # 16 frames each
+                for i in range(8)
+            ]
+            await timeout(asyncio.gather(*writes))
+            assert ep.max_in_flight == 3  # 128 frames queued, never more than the window out
+    imms = [(await timeout(receiver.rx.completion_queue.get())).imm for _ in range(8)]
+    assert imms == list(range(8))
+    assert torch.equal(receiver.body, src)
+
+
+async def test_read_pulls_remote_bytes_and_is_refused_without_read_access(receiver) -> None:
+    r = receiver.region
+    receiver.body.copy_(torch.arange(NBYTES, dtype=torch.int64).to(torch.uint8))
+    readable = receiver.rx.register(receiver.body[:8192], Access.REMOTE_READ)
+    async with TcpTransport(TransportConfig(tcp_slice_bytes=4096)) as tx:
+        dst = torch.zeros(8192, dtype=torch.uint8)
+        local = tx.register(dst)
+        async with await tx.connect(receiver.rx.descriptor()) as ep:
+            await timeout(ep.read([WriteEntry(local, 0, readable.addr, readable.rkey, 8192)]))
+            assert torch.equal(dst, receiver.body[:8192])
+            with pytest.raises(Exception, match="access_denied"):
+                await timeout(ep.read([WriteEntry(local, 0, r.addr, r.rkey, 4096)]))
+    stats = receiver.rx.stats()
+    assert (stats.reads, stats.read_bytes, stats.refused) == (1, 8192, 1)
+
+
+def test_frame_header_layout_is_64_bytes() -> None:
+    assert FRAME.size == 64
+    assert struct.calcsize("<4sBBHIQQ") == ACK.size
+
+
+async def test_write_to_a_peer_that_never_acks_times_out_with_peer_gone() -> None:
+    mute = socket.create_server(("127.0.0.1", 0))
+    accepted: list[socket.socket] = []
+    port = mute.getsockname()[1]
+    desc = PeerDescriptor(
+        "mute", "elsewhere", {"tcp": {"host": "127.0.0.1", "port": port, "lanes": 1}}
+    )
+    try:
+        async with TcpTransport(TransportConfig(op_timeout_s=0.5)) as tx:
+            local = tx.register(torch.zeros(4096, dtype=torch.uint8))
+            ep = await tx.connect(desc)
+            accepted.append(await asyncio.to_thread(lambda: mute.accept()[0]))
+            with pytest.raises(PeerGoneError, match=r"did not acknowledge within 0\.5 s"):
+                await timeout(ep.write([WriteEntry(local, 0, 0x1000, 1, 4096)], 1))
+            with pytest.raises(PeerGoneError):  # the endpoint stays failed
+                await timeout(ep.write([WriteEntry(local, 0, 0x1000, 1, 4096)], 2))
+    finally:
+        for s in accepted:
+            s.close()
+        mute.close()
