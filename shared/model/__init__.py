@@ -1,0 +1,16 @@
+"""Llama-family models: config, rotary embeddings, the decoder, checkpoint loading, kvmesh-tiny."""
+
+from shared.model.config import ModelConfig, ModelConfigError
+from shared.model.llama import Transformer, kv_cache_spec
+from shared.model.loader import ModelLoadError, load_model
+from shared.model.tiny import TINY_NAME
+
+__all__ = [
+    "TINY_NAME",
+    "ModelConfig",
+    "ModelConfigError",
+    "ModelLoadError",
+    "Transformer",
+    "kv_cache_spec",
+    "load_model",
+]

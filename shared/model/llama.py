@@ -1,0 +1,170 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2) over the paged KV cache.
+
+Tokens arrive packed over the batch: ``input_ids`` and ``positions`` are (T,), and every layer
+writes its new K/V into ``kv_pool.layer(i)`` and attends through ``paged_attention``. q/k/v share one
+projection and gate/up share another (fused at load time); on CPU the fewer, larger matmuls matter.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shared.engine.attention import AttentionMetadata, paged_attention
+from shared.engine.kv_cache import KVCacheSpec, KVPool
+from shared.model.config import ModelConfig
+from shared.model.rope import apply_rope, rope_cos_sin
+
+
+def kv_cache_spec(
+    config: ModelConfig, block_size: int = 16, dtype: torch.dtype | None = None
+) -> KVCacheSpec:
+    """The KV cache shape this model needs; ``dtype`` defaults to the model's dtype."""
+    return KVCacheSpec(
+        num_layers=config.num_hidden_layers,
+        num_kv_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
+        block_size=block_size,
+        dtype=config.dtype if dtype is None else dtype,
+    )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32, scale in the model dtype (as the reference does).
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.q_size
+        self.scale = config.head_dim**-0.5
+        self.wqkv = nn.Linear(
+            config.hidden_size, self.q_size + 2 * config.kv_size, bias=config.attention_bias
+        )
+        self.wo = nn.Linear(self.q_size, config.hidden_size, bias=config.attention_out_bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_pool: KVPool,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        T = x.shape[0]
+        H_q, H_kv = self.num_heads, self.num_kv_heads
+        qkv = self.wqkv(x).view(T, H_q + 2 * H_kv, self.head_dim)
+        qk = apply_rope(qkv[:, : H_q + H_kv], cos, sin)  # q and k heads rotated in one go
+        q, k, v = qk[:, :H_q], qk[:, H_q:], qkv[:, H_q + H_kv :]  # (T, H_q, D), (T, H_kv, D) x 2
+        k_cache, v_cache = kv_pool.layer(self.layer_idx)
+        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)  # (T, H_q, D)
+        return self.wo(out.reshape(T, self.q_size))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.w_gate_up = nn.Linear(
+            config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias
+        )
+        self.w_down = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w_gate_up(x).split(self.intermediate_size, dim=-1)
+        return self.w_down(F.silu(gate) * up)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attention = Attention(config, layer_idx)
+        self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.feed_forward = FeedForward(config)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_pool: KVPool,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, kv_pool, meta)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """The decoder. ``model(input_ids, positions, kv_pool, meta) -> (T, hidden_size)``."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            TransformerBlock(config, i) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.output = None
+        if not config.tie_word_embeddings:
+            self.output = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.register_buffer("rope_cos", torch.empty(0), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(0), persistent=False)
+        self.reset_rope_cache()
+
+    def reset_rope_cache(self) -> None:
+        """(Re)build the cos/sin tables, (max_position_embeddings, head_dim // 2) float32, on the
+        model's device. Call after materialising a model built on the meta device."""
+        device = self.tok_embeddings.weight.device
+        num_positions = self.config.max_position_embeddings
+        if device.type == "meta":  # shapes only; the loader calls this again once materialised
+            shape = (num_positions, self.config.head_dim // 2)
+            self.rope_cos, self.rope_sin = (
+                torch.empty(shape, device=device),
+                torch.empty(shape, device=device),
+            )
+            return
+        cos, sin = rope_cos_sin(self.config, num_positions)
+        self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.tok_embeddings.weight if self.output is None else self.output.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_pool: KVPool,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """input_ids, positions: (T,) packed over the batch. Returns hidden states (T, hidden_size)."""
+        assert input_ids.shape == positions.shape and input_ids.dim() == 1, (
+            input_ids.shape,
+            positions.shape,
+        )
+        x = self.tok_embeddings(input_ids)  # (T, hidden)
+        cos = self.rope_cos[positions].to(x.dtype).unsqueeze(1)  # (T, 1, D/2)
+        sin = self.rope_sin[positions].to(x.dtype).unsqueeze(1)
+        for layer in self.layers:
+            x = layer(x, cos, sin, kv_pool, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(N, hidden_size) -> (N, vocab_size) float32."""
+        return F.linear(hidden, self.lm_head_weight).float()

@@ -1,0 +1,385 @@
+"""One Tokenizer for every model kvmesh serves.
+
+Two backends: a Hugging Face ``tokenizers`` tokenizer read from ``tokenizer.json`` +
+``tokenizer_config.json`` (+ ``chat_template.jinja``), and the byte-level tokenizer of
+``kvmesh-tiny`` (ids 0..255 are bytes, specials follow). Chat templates are rendered with jinja2 the
+way transformers does (sandboxed, ``trim_blocks``/``lstrip_blocks``, ``raise_exception``,
+``bos_token``, ``eos_token``, ``add_generation_prompt``).
+
+``IncrementalDetokenizer`` turns a stream of token ids into text deltas for SSE, holding back bytes
+of a UTF-8 character split across tokens until the character is complete.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Protocol
+
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
+from tokenizers import Tokenizer as HFTokenizer
+
+
+class TokenizerError(ValueError):
+    """Tokenizer files that are missing or malformed, or a request the tokenizer cannot serve."""
+
+
+class _Backend(Protocol):
+    @property
+    def vocab_size(self) -> int: ...
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool) -> str: ...
+
+    def token_to_id(self, token: str) -> int | None: ...
+
+
+class _HFBackend:
+    def __init__(self, path: Path) -> None:
+        try:
+            self._tok = HFTokenizer.from_file(str(path))
+        except Exception as e:  # tokenizers raises a bare Exception on parse errors
+            raise TokenizerError(f"{path}: cannot parse tokenizer: {e}") from None
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+
+class _ByteBackend:
+    """ids 0..255 are raw bytes; ``specials[i]`` is id 256 + i and is matched whole in text."""
+
+    def __init__(self, specials: Sequence[str]) -> None:
+        self.specials = list(specials)
+        self._special_ids = {s: 256 + i for i, s in enumerate(self.specials)}
+        self._split = (
+            re.compile("(" + "|".join(re.escape(s) for s in self.specials) + ")")
+            if specials
+            else None
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        return 256 + len(self.specials)
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        # Special tokens in the text are always recognised (as HF added tokens are); add_special_tokens
+        # only controls the BOS the Tokenizer prepends.
+        parts = self._split.split(text) if self._split else [text]
+        ids: list[int] = []
+        for part in parts:
+            special = self._special_ids.get(part)
+            if special is not None:
+                ids.append(special)
+            else:
+                ids.extend(part.encode("utf-8"))
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool) -> str:
+        out = bytearray()
+        for i in ids:
+            if 0 <= i < 256:
+                out.append(i)
+            elif 256 <= i < self.vocab_size:
+                if not skip_special_tokens:
+                    out.extend(self.specials[i - 256].encode("utf-8"))
+            else:
+                raise TokenizerError(
+                    f"token id {i} is outside the byte-level vocabulary (size {self.vocab_size})"
+                )
+        return out.decode("utf-8", errors="replace")
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._special_ids.get(token)
+
+
+class Tokenizer:
+    """Text <-> token ids, plus the model's chat template."""
+
+    def __init__(
+        self,
+        backend: _Backend,
+        *,
+        bos_token: str | None,
+        eos_tokens: Sequence[str],
+        extra_eos_token_ids: Iterable[int] = (),
+        add_bos_token: bool,
+        add_eos_token: bool = False,
+        chat_template: str | None = None,
+        special_tokens: Mapping[str, str] | None = None,
+        source: str = "<in code>",
+    ) -> None:
+        self._backend = backend
+        self.source = source
+        self.bos_token = bos_token
+        self.eos_token = eos_tokens[0] if eos_tokens else None
+        self.bos_token_id = self._special_id(bos_token)
+        eos_ids = {self._special_id(t) for t in eos_tokens} | set(extra_eos_token_ids)
+        self.eos_token_ids: set[int] = {i for i in eos_ids if i is not None}
+        self.add_bos_token = add_bos_token and self.bos_token_id is not None
+        self.add_eos_token = add_eos_token and self.eos_token is not None
+        self.chat_template = chat_template
+        self._special_tokens = dict(special_tokens or {})
+        self._compiled_template: jinja2.Template | None = None
+
+    def _special_id(self, token: str | None) -> int | None:
+        if token is None:
+            return None
+        token_id = self._backend.token_to_id(token)
+        if token_id is None:
+            raise TokenizerError(f"{self.source}: special token {token!r} is not in the vocabulary")
+        return token_id
+
+    @classmethod
+    def from_pretrained(
+        cls, directory: str | Path, extra_eos_token_ids: Iterable[int] = ()
+    ) -> Tokenizer:
+        """Load tokenizer.json, tokenizer_config.json and chat_template.jinja from ``directory``."""
+        return _load_hf_tokenizer(Path(directory), extra_eos_token_ids)
+
+    @classmethod
+    def byte_level(
+        cls,
+        specials: Sequence[str],
+        *,
+        bos_token: str,
+        eos_tokens: Sequence[str],
+        chat_template: str | None,
+    ) -> Tokenizer:
+        """A byte-level tokenizer: ids 0..255 are bytes, ``specials`` follow from 256."""
+        return cls(
+            _ByteBackend(specials),
+            bos_token=bos_token,
+            eos_tokens=eos_tokens,
+            add_bos_token=True,
+            chat_template=chat_template,
+            source="<byte-level tokenizer>",
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        return self._backend.vocab_size
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._backend.token_to_id(token)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self._backend.encode(text, add_special_tokens)
+        if add_special_tokens:
+            # HF tokenizer.json post-processors often add BOS themselves; never add it twice.
+            if self.add_bos_token and (not ids or ids[0] != self.bos_token_id):
+                ids = [self.bos_token_id, *ids]
+            if self.add_eos_token:
+                eos_id = self._special_id(self.eos_token)
+                if not ids or ids[-1] != eos_id:
+                    ids = [*ids, eos_id]
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._backend.decode(ids, skip_special_tokens)
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        **kwargs: Any,
+    ) -> str:
+        """Render ``messages`` ([{"role": ..., "content": ...}]) with the model's chat template.
+        The result usually starts with the BOS text already: encode it with
+        ``add_special_tokens=False`` (or use ``encode_chat``)."""
+        if self.chat_template is None:
+            raise TokenizerError(
+                f"{self.source}: this tokenizer has no chat template (looked for 'chat_template' in "
+                "tokenizer_config.json and a chat_template.jinja file); send a plain prompt instead"
+            )
+        if self._compiled_template is None:
+            self._compiled_template = _compile_template(self.chat_template, self.source)
+        context = {
+            **self._special_tokens,
+            "bos_token": self.bos_token or "",
+            "eos_token": self.eos_token or "",
+            "tools": None,
+            "documents": None,
+            **kwargs,
+        }
+        try:
+            return self._compiled_template.render(
+                messages=list(messages), add_generation_prompt=add_generation_prompt, **context
+            )
+        except _ChatTemplateRaised as e:
+            raise TokenizerError(f"chat template rejected the messages: {e}") from None
+        except jinja2.TemplateError as e:
+            raise TokenizerError(f"{self.source}: chat template failed to render: {e}") from None
+
+    def encode_chat(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        """Render the chat template and encode it without adding special tokens a second time."""
+        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        return self.encode(text, add_special_tokens=False)
+
+
+class IncrementalDetokenizer:
+    """Feed generated token ids one by one; get back the text each adds.
+
+    Decodes a short window of recent ids and emits only what lies past the already-emitted text, so
+    tokenizers that drop a leading space at the start of a decode (SentencePiece) and UTF-8
+    characters split over several byte tokens both come out right.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_ids: Sequence[int] = (),
+        skip_special_tokens: bool = True,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
+        self._ids: list[int] = list(prompt_ids[-6:])  # a little context for the first token
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        self.text = ""
+
+    def add(self, token_id: int) -> str:
+        """Append one token id; return the new text it completes ("" if it is held back)."""
+        self._ids.append(token_id)
+        decode = self._tokenizer.decode
+        prefix_text = decode(self._ids[self._prefix_offset : self._read_offset], self._skip)
+        new_text = decode(self._ids[self._prefix_offset :], self._skip)
+        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+            return ""  # an incomplete character (or a skipped special): wait for more tokens
+        delta = new_text[len(prefix_text) :]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        # Keep the window short: drop ids that no longer influence decoding.
+        if self._prefix_offset > 0:
+            del self._ids[: self._prefix_offset]
+            self._read_offset -= self._prefix_offset
+            self._prefix_offset = 0
+        self.text += delta
+        return delta
+
+    def finish(self) -> str:
+        """Flush text held back at the end of the stream (an unfinished character becomes U+FFFD)."""
+        decode = self._tokenizer.decode
+        prefix_text = decode(self._ids[self._prefix_offset : self._read_offset], self._skip)
+        new_text = decode(self._ids[self._prefix_offset :], self._skip)
+        delta = new_text[len(prefix_text) :] if len(new_text) > len(prefix_text) else ""
+        self._prefix_offset = self._read_offset = len(self._ids)
+        self.text += delta
+        return delta
+
+
+class _ChatTemplateRaised(Exception):
+    pass
+
+
+def _raise_exception(message: str) -> None:
+    raise _ChatTemplateRaised(message)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators=None,
+    sort_keys=False,
+) -> str:
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _compile_template(template: str, source: str) -> jinja2.Template:
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    try:
+        return env.from_string(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise TokenizerError(f"{source}: chat template has a syntax error: {e}") from None
+
+
+def _token_text(value: Any) -> str | None:
+    """tokenizer_config.json stores special tokens as a string or an AddedToken dict."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise TokenizerError(f"{path}: invalid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise TokenizerError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _load_hf_tokenizer(directory: Path, extra_eos_token_ids: Iterable[int]) -> Tokenizer:
+    tokenizer_json = directory / "tokenizer.json"
+    if not tokenizer_json.is_file():
+        hint = (
+            " (only a slow tokenizer.model is present; convert it to tokenizer.json with transformers)"
+            if (directory / "tokenizer.model").exists()
+            else ""
+        )
+        raise TokenizerError(
+            f"{tokenizer_json}: file not found; kvmesh needs a fast tokenizer.json{hint}"
+        )
+    backend = _HFBackend(tokenizer_json)
+    config_path = directory / "tokenizer_config.json"
+    config = _read_json(config_path) if config_path.is_file() else {}
+    source = str(config_path if config_path.is_file() else tokenizer_json)
+
+    template = config.get("chat_template")
+    if isinstance(
+        template, list
+    ):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default") or next(iter(named.values()), None)
+    for name in ("chat_template.jinja",):
+        if template is None and (directory / name).is_file():
+            template = (directory / name).read_text(encoding="utf-8")
+            source = str(directory / name)
+    if template is None and (directory / "chat_template.json").is_file():
+        template = _read_json(directory / "chat_template.json").get("chat_template")
+
+    eos = _token_text(config.get("eos_token"))
+    special_tokens = {
+        key: text
+        for key in ("unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+        if (text := _token_text(config.get(key))) is not None
+    }
+    return Tokenizer(
+        backend,
+        bos_token=_token_text(config.get("bos_token")),
+        eos_tokens=[eos] if eos is not None else [],
+        extra_eos_token_ids=extra_eos_token_ids,
+        add_bos_token=bool(config.get("add_bos_token", False)),
+        add_eos_token=bool(config.get("add_eos_token", False)),
+        chat_template=template,
+        special_tokens=special_tokens,
+        source=source,
+    )

@@ -1,0 +1,217 @@
+import json
+
+import pytest
+from hf_fixtures import (
+    LLAMA_CHAT_TEMPLATE,
+    LLAMA_SPECIALS,
+    QWEN2_CHAT_TEMPLATE,
+    QWEN2_SPECIALS,
+    write_tokenizer,
+)
+
+from shared.model.tiny import tiny_tokenizer
+from shared.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError
+
+MESSAGES = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "héllo 🦊"},
+    {"role": "assistant", "content": "hi"},
+    {"role": "user", "content": "again, 日本語"},
+]
+TEXT = "Grüße aus Zürich 🦊 日本語 — ok"
+
+
+@pytest.fixture
+def llama_dir(tmp_path):
+    path = tmp_path / "llama"
+    path.mkdir()
+    write_tokenizer(path, LLAMA_SPECIALS, bos="<s>", eos="</s>", chat_template=LLAMA_CHAT_TEMPLATE)
+    return path
+
+
+@pytest.fixture
+def qwen_dir(tmp_path):
+    path = tmp_path / "qwen2"
+    path.mkdir()
+    write_tokenizer(
+        path, QWEN2_SPECIALS, bos=None, eos="<|im_end|>", chat_template=QWEN2_CHAT_TEMPLATE
+    )
+    return path
+
+
+def stream(tokenizer, ids, prompt_ids=()):
+    detok = IncrementalDetokenizer(tokenizer, prompt_ids)
+    deltas = [detok.add(i) for i in ids]
+    deltas.append(detok.finish())
+    return deltas, detok.text
+
+
+def test_byte_level_round_trips_text_and_recognises_specials():
+    tok = tiny_tokenizer()
+    ids = tok.encode(TEXT)
+    assert ids[0] == tok.bos_token_id == 256
+    assert ids[1:] == list(TEXT.encode("utf-8"))
+    assert tok.decode(ids) == TEXT
+    assert tok.decode(ids, skip_special_tokens=False) == "<|bos|>" + TEXT
+    assert tok.encode("a<|user|>b", add_special_tokens=False) == [
+        97,
+        tok.token_to_id("<|user|>"),
+        98,
+    ]
+    assert tok.eos_token_ids == {257, 261}
+
+
+def test_byte_level_decode_rejects_ids_outside_vocabulary():
+    with pytest.raises(TokenizerError, match="token id 999 is outside"):
+        tiny_tokenizer().decode([65, 999])
+
+
+def test_tiny_chat_template_and_encode_chat_add_bos_once():
+    tok = tiny_tokenizer()
+    text = tok.apply_chat_template(MESSAGES)
+    assert text == (
+        "<|bos|><|system|>Be brief.<|end|><|user|>héllo 🦊<|end|><|assistant|>hi<|end|>"
+        "<|user|>again, 日本語<|end|><|assistant|>"
+    )
+    ids = tok.encode_chat(MESSAGES)
+    assert ids.count(tok.bos_token_id) == 1 and ids[0] == tok.bos_token_id
+    assert tok.encode(text) == ids  # encode() does not prepend a second BOS either
+    assert not tok.apply_chat_template(MESSAGES[:2], add_generation_prompt=False).endswith(
+        "<|assistant|>"
+    )
+
+
+def test_chat_template_raise_exception_becomes_tokenizer_error():
+    with pytest.raises(TokenizerError, match="chat roles are system, user and assistant, got tool"):
+        tiny_tokenizer().apply_chat_template([{"role": "tool", "content": "x"}])
+
+
+def test_incremental_detokenizer_holds_back_split_utf8_characters():
+    tok = tiny_tokenizer()
+    ids = tok.encode(TEXT, add_special_tokens=False)
+    deltas, text = stream(tok, ids)
+    assert text == TEXT == "".join(deltas)
+    fox = list("🦊".encode())
+    # the first three bytes of the 4-byte fox produce nothing, the fourth the whole character
+    fox_at = TEXT.encode().index(bytes(fox))
+    assert deltas[fox_at : fox_at + 4] == ["", "", "", "🦊"]
+    assert all("\ufffd" not in d for d in deltas)
+
+
+def test_incremental_detokenizer_flushes_an_unfinished_character_at_the_end():
+    tok = tiny_tokenizer()
+    deltas, text = stream(tok, [104, 105, 0xF0, 0x9F])
+    assert deltas == ["h", "i", "", "", "\ufffd"]
+    assert text == "hi\ufffd"
+
+
+def test_incremental_detokenizer_skips_special_tokens():
+    tok = tiny_tokenizer()
+    ids = [
+        *tok.encode("ok", add_special_tokens=False),
+        tok.token_to_id("<|end|>"),
+        *tok.encode(" go", add_special_tokens=False),
+    ]
+    assert stream(tok, ids)[1] == "ok go"
+
+
+def test_hf_tokenizer_matches_transformers(llama_dir, qwen_dir):
+    transformers = pytest.importorskip("transformers")
+    for directory in (llama_dir, qwen_dir):
+        ours = Tokenizer.from_pretrained(directory)
+        theirs = transformers.AutoTokenizer.from_pretrained(directory)
+        assert ours.encode(TEXT) == theirs(TEXT).input_ids
+        assert ours.vocab_size == len(theirs)
+        messages = MESSAGES[1:]  # the Llama fixture template has no system role
+        assert ours.apply_chat_template(messages) == theirs.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
+        expected = theirs.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)[
+            "input_ids"
+        ]
+        assert ours.encode_chat(messages) == expected
+
+
+def test_hf_tokenizer_special_tokens_from_tokenizer_config(llama_dir):
+    tok = Tokenizer.from_pretrained(llama_dir, extra_eos_token_ids=[7])
+    assert tok.bos_token_id == 256 and tok.bos_token == "<s>"
+    assert tok.eos_token_ids == {257, 7}
+    ids = tok.encode("hi")
+    assert ids == [
+        256,
+        *tok.encode("hi", add_special_tokens=False),
+    ]  # BOS once, from the post-processor
+    assert tok.decode(ids) == "hi" and tok.decode(ids, skip_special_tokens=False) == "<s>hi"
+
+
+def test_hf_incremental_detokenizer_streams_multibyte_text(qwen_dir):
+    tok = Tokenizer.from_pretrained(qwen_dir)
+    prompt = tok.encode_chat(MESSAGES)
+    ids = tok.encode(TEXT, add_special_tokens=False)
+    assert len(ids) > len(TEXT)  # byte-level: some characters span several tokens
+    deltas, text = stream(tok, ids, prompt_ids=prompt)
+    assert text == TEXT
+    assert "" in deltas and all("\ufffd" not in d for d in deltas)
+
+
+def test_chat_template_from_jinja_file_and_list_form(llama_dir):
+    config = json.loads((llama_dir / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (llama_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(
+        TokenizerError, match=r"tokenizer_config\.json: this tokenizer has no chat template"
+    ):
+        Tokenizer.from_pretrained(llama_dir).apply_chat_template(MESSAGES)
+    (llama_dir / "chat_template.jinja").write_text(
+        "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+    )
+    assert (
+        Tokenizer.from_pretrained(llama_dir).apply_chat_template(MESSAGES[:2])
+        == "[Be brief.][héllo 🦊]"
+    )
+    config["chat_template"] = [
+        {"name": "tool_use", "template": "T"},
+        {"name": "default", "template": "D"},
+    ]
+    (llama_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    assert Tokenizer.from_pretrained(llama_dir).apply_chat_template(MESSAGES) == "D"
+
+
+def test_missing_tokenizer_json_is_reported(tmp_path):
+    with pytest.raises(TokenizerError, match=rf"{tmp_path / 'tokenizer.json'}: file not found"):
+        Tokenizer.from_pretrained(tmp_path)
+
+
+def test_bad_tokenizer_config_json_is_reported(llama_dir):
+    (llama_dir / "tokenizer_config.json").write_text("{")
+    with pytest.raises(
+        TokenizerError, match=rf"{llama_dir / 'tokenizer_config.json'}: invalid JSON"
+    ):
+        Tokenizer.from_pretrained(llama_dir)
+
+
+def test_broken_chat_template_is_reported(llama_dir):
+    config = json.loads((llama_dir / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{% for m in messages %}"
+    (llama_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(
+        TokenizerError, match=r"tokenizer_config\.json: chat template has a syntax error"
+    ):
+        Tokenizer.from_pretrained(llama_dir).apply_chat_template(MESSAGES)
+
+
+def test_incremental_detokenizer_keeps_sentencepiece_word_spaces(tmp_path):
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "▁Hello": 1, "▁world": 2, "▁how": 3, "▁are": 4, "▁you": 5}
+    hf = HFTokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    hf.pre_tokenizer = pre_tokenizers.Metaspace()
+    hf.decoder = decoders.Metaspace()  # drops the space of the first word in a decode
+    hf.save(str(tmp_path / "tokenizer.json"))
+    tok = Tokenizer.from_pretrained(tmp_path)
+    ids = tok.encode("Hello world how are you")
+    assert ids == [1, 2, 3, 4, 5]
+    assert stream(tok, ids)[0] == ["Hello", " world", " how", " are", " you", ""]
+    # after a prompt, the first generated word keeps its leading space
+    assert stream(tok, ids, prompt_ids=[3, 4])[1] == " Hello world how are you"
