@@ -51,5 +51,7 @@ def test_single_prompt_fast_path_equals_paged_path():
             kc[0, 0] = 0.0  # an earlier token with zero key and value
         outs.append(paged_attention(q, k, v, kc, vc, meta, 0.5))
     torch.testing.assert_close(outs[0], _reference(q, k, v, 0.5))
-    ref_with_prefix = _reference(q, torch.cat([torch.zeros(1, 1, 8), k]), torch.cat([torch.zeros(1, 1, 8), v]), 0.5)
+    ref_with_prefix = _reference(
+        q, torch.cat([torch.zeros(1, 1, 8), k]), torch.cat([torch.zeros(1, 1, 8), v]), 0.5
+    )
     torch.testing.assert_close(outs[1], ref_with_prefix)

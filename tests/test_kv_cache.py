@@ -5,7 +5,9 @@ from shared.engine.kv_cache import KVCacheSpec, KVPool
 
 
 def test_bytes_per_token_follows_layout_math():
-    spec = KVCacheSpec(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, dtype=torch.bfloat16)
+    spec = KVCacheSpec(
+        num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, dtype=torch.bfloat16
+    )
     assert spec.bytes_per_token == 2 * 32 * 8 * 128 * 2
     assert spec.block_bytes == 16 * 128 * 1024  # 2 MiB
 
@@ -23,7 +25,9 @@ def test_block_is_one_contiguous_span_over_external_buffer():
     assert (floats == 7.0).sum() == 4 and (floats == 9.0).sum() == 4
     assert pool.block_addr(2) == pool.base_addr + 2 * spec.block_bytes
     # the pool really is the handed-in memory
-    assert torch.frombuffer(buf, dtype=torch.float32)[2 * spec.block_bytes // 4 :].eq(7.0).sum() == 4
+    assert (
+        torch.frombuffer(buf, dtype=torch.float32)[2 * spec.block_bytes // 4 :].eq(7.0).sum() == 4
+    )
 
 
 def test_too_small_buffer_is_refused():

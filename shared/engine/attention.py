@@ -9,7 +9,7 @@ over for decode-only batches.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +25,8 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # (B, max_blocks) int64, padded with 0
     block_size: int
     use_triton: bool = False
+    # Derived once per forward on first use and shared by every layer.
+    _plan: _TorchPlan | None = field(default=None, repr=False)
 
     @property
     def num_seqs(self) -> int:
@@ -33,6 +35,55 @@ class AttentionMetadata:
     @property
     def is_decode_only(self) -> bool:
         return all(q == 1 for q in self.query_lens)
+
+    def torch_plan(self) -> _TorchPlan:
+        if self._plan is None:
+            self._plan = _TorchPlan.build(self)
+        return self._plan
+
+
+@dataclass(slots=True)
+class _TorchPlan:
+    """Index and mask tensors for the torch path, computed once per forward pass."""
+
+    fresh_prompt: bool  # one sequence, no earlier context: attend over the new K/V directly
+    blocks: torch.Tensor  # (B, num_blocks) block ids actually read
+    num_keys: int  # keys gathered per sequence (trimmed to the context for one sequence)
+    max_q: int
+    valid_q: torch.Tensor | None  # (B, max_q) bool; None when every sequence has max_q queries
+    mask: torch.Tensor | None  # (B, 1, max_q, num_keys) bool; None when nothing is masked
+
+    @staticmethod
+    def build(meta: AttentionMetadata) -> _TorchPlan:
+        ctx = meta.context_lens.tolist()
+        q_lens = meta.query_lens
+        B, bs = len(q_lens), meta.block_size
+        dev = meta.block_tables.device
+        fresh = B == 1 and ctx[0] == q_lens[0]
+        num_blocks = -(-max(ctx) // bs)
+        blocks = meta.block_tables[:, :num_blocks]
+        max_q = max(q_lens)
+        num_keys = ctx[0] if B == 1 else num_blocks * bs
+        valid_q = None
+        if any(q != max_q for q in q_lens):
+            valid_q = torch.arange(max_q)[None, :] < torch.tensor(q_lens)[:, None]
+        mask = None
+        if max_q > 1 or (B > 1 and any(c != num_keys for c in ctx)):
+            ctx_t = torch.tensor(ctx, dtype=torch.int64)
+            q_pos = (ctx_t - torch.tensor(q_lens))[:, None] + torch.arange(max_q)[None, :]
+            k_pos = torch.arange(num_keys)
+            mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (
+                k_pos[None, None, :] < ctx_t[:, None, None]
+            )
+            mask = mask.unsqueeze(1).to(dev)
+        return _TorchPlan(
+            fresh_prompt=fresh,
+            blocks=blocks,
+            num_keys=num_keys,
+            max_q=max_q,
+            valid_q=None if valid_q is None else valid_q.to(dev),
+            mask=mask,
+        )
 
 
 def write_kv(
@@ -60,7 +111,8 @@ def paged_attention(
         from kernels.paged_attention import paged_decode_attention
 
         return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
-    if meta.num_seqs == 1 and int(meta.context_lens[0]) == meta.query_lens[0]:
+    plan = meta.torch_plan()
+    if plan.fresh_prompt:
         # A whole prompt in one go: no earlier context, attend over the fresh K/V directly.
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0),
@@ -71,41 +123,43 @@ def paged_attention(
             enable_gqa=True,
         )
         return out.squeeze(0).transpose(0, 1)
-    return _paged_attention_torch(q, k_cache, v_cache, meta, scale)
+    return _paged_attention_torch(q, k_cache, v_cache, plan, scale)
+
+
+def _gather(cache: torch.Tensor, plan: _TorchPlan, dtype: torch.dtype) -> torch.Tensor:
+    """(B, H_kv, num_keys, D) keys or values of every sequence, read through its block table."""
+    B, nb = plan.blocks.shape
+    # cache: (num_blocks, block_size, H_kv, D) view of head-major blocks; (num_blocks, H, bs, D) is
+    # the memory order, so gather in that order and fold blocks into one key axis.
+    heads_major = cache.transpose(1, 2)[plan.blocks]  # (B, nb, H_kv, bs, D)
+    H, bs, D = heads_major.shape[2:]
+    out = heads_major.transpose(1, 2).reshape(B, H, nb * bs, D)
+    return out[:, :, : plan.num_keys].to(dtype)
 
 
 def _paged_attention_torch(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    meta: AttentionMetadata,
+    plan: _TorchPlan,
     scale: float,
 ) -> torch.Tensor:
-    B = meta.num_seqs
+    B = plan.blocks.shape[0]
     T, H_q, D = q.shape
-    bs = meta.block_size
-    max_q = max(meta.query_lens)
-    max_blocks = meta.block_tables.shape[1]
-    S = max_blocks * bs
-    # (B, S, H_kv, D) gathered through the block tables
-    keys = k_cache[meta.block_tables].flatten(1, 2).to(q.dtype)
-    values = v_cache[meta.block_tables].flatten(1, 2).to(q.dtype)
-    q_lens = torch.tensor(meta.query_lens, dtype=torch.int64)
-    ctx = meta.context_lens.to(torch.int64).cpu()
-    # Scatter packed queries into (B, max_q, H_q, D); row i of seq b sits at position ctx-q_len+i.
-    q_idx = torch.arange(max_q)
-    valid_q = q_idx[None, :] < q_lens[:, None]  # (B, max_q)
-    q_pad = q.new_zeros(B, max_q, H_q, D)
-    q_pad[valid_q] = q
-    q_pos = (ctx - q_lens)[:, None] + q_idx[None, :]  # (B, max_q)
-    k_pos = torch.arange(S)
-    mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < ctx[:, None, None])
+    keys = _gather(k_cache, plan, q.dtype)
+    values = _gather(v_cache, plan, q.dtype)
+    if plan.valid_q is None:
+        q_pad = q.view(B, plan.max_q, H_q, D)
+    else:  # packed queries -> (B, max_q, H_q, D)
+        q_pad = q.new_zeros(B, plan.max_q, H_q, D)
+        q_pad[plan.valid_q] = q
     out = F.scaled_dot_product_attention(
         q_pad.transpose(1, 2),  # (B, H_q, max_q, D)
-        keys.transpose(1, 2),  # (B, H_kv, S, D)
-        values.transpose(1, 2),
-        attn_mask=mask.unsqueeze(1).to(q.device),
+        keys,
+        values,
+        attn_mask=plan.mask,
         scale=scale,
         enable_gqa=True,
     )  # (B, H_q, max_q, D)
-    return out.transpose(1, 2)[valid_q.to(q.device)]
+    out = out.transpose(1, 2)
+    return out.reshape(T, H_q, D) if plan.valid_q is None else out[plan.valid_q]

@@ -1,0 +1,119 @@
+"""``kvmesh generate``: run one prompt through a local LLMEngine and print the result.
+
+    kvmesh generate --prompt "Hello" --max-tokens 32 --temperature 0
+    kvmesh generate --model /path/to/hf_dir --prompt-ids 1,2,3 --json
+
+With ``--json`` one object is printed: ``{"token_ids": [...generated ids...], "text": ...,
+"finish_reason": ..., "num_prompt_tokens": ...}``; otherwise the text streams as it is generated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+
+def _token_ids(value: str) -> list[int]:
+    try:
+        ids = [int(part) for part in value.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--prompt-ids takes comma-separated integers like 1,2,3, got {value!r}"
+        ) from None
+    if not ids:
+        raise argparse.ArgumentTypeError("--prompt-ids needs at least one token id")
+    return ids
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "generate",
+        help="generate text for one prompt with a local engine",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--model", default="kvmesh-tiny", help="HF checkpoint dir or kvmesh-tiny (default)"
+    )
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="prompt text (tokenized with the model's tokenizer)")
+    source.add_argument("--prompt-ids", type=_token_ids, help="prompt token ids, e.g. 1,2,3")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--device", default="cpu")
+    p.add_argument(
+        "--dtype", default=None, help="float32 | bfloat16 | float16 (default: checkpoint's)"
+    )
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from shared.engine.config import EngineConfig
+    from shared.engine.llm_engine import LLMEngine
+    from shared.engine.sequence import RequestError, SamplingParams
+    from shared.model import ModelLoadError, load_model
+
+    try:
+        params = SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            seed=args.seed,
+            stop=tuple(args.stop),
+            ignore_eos=args.ignore_eos,
+        )
+        model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
+    except (ValueError, ModelLoadError) as exc:
+        print(f"kvmesh generate: {exc}", file=sys.stderr)
+        return 2
+    prompt_ids = args.prompt_ids if args.prompt_ids is not None else tokenizer.encode(args.prompt)
+    block_size = 16
+    max_len = model.config.max_position_embeddings
+    num_tokens = min(len(prompt_ids) + args.max_tokens, max_len) + block_size
+    config = EngineConfig(
+        block_size=block_size,
+        num_blocks=max(num_tokens // block_size + 1, 2),
+        max_num_seqs=1,
+        device=args.device,
+    )
+    with torch.inference_mode():
+        engine = LLMEngine(model, tokenizer, config)
+        try:
+            engine.add_request("cli", prompt_ids, params)
+        except RequestError as exc:
+            print(f"kvmesh generate: {exc}", file=sys.stderr)
+            return 2
+        token_ids: list[int] = []
+        text = ""
+        finish_reason = None
+        while engine.has_unfinished():
+            for out in engine.step():
+                token_ids += out.new_token_ids
+                delta = out.text_delta or ""
+                text += delta
+                finish_reason = out.finish_reason
+                if not args.json and delta:
+                    sys.stdout.write(delta)
+                    sys.stdout.flush()
+    if args.json:
+        result = {
+            "token_ids": token_ids,
+            "text": text,
+            "finish_reason": finish_reason,
+            "num_prompt_tokens": len(prompt_ids),
+        }
+        print(json.dumps(result, ensure_ascii=False))
+    else:
+        sys.stdout.write("\n")
+    return 0

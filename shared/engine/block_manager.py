@@ -1,0 +1,219 @@
+"""Block allocation for the paged KV cache: free list, reference counts, prefix reuse.
+
+A block whose ``block_size`` tokens all have their K/V computed gets a chained hash
+``h = H(parent_hash, token ids of the block)`` and enters the prefix cache. When its last user
+frees it, it goes to the back of the free list still carrying its hash, so a later prompt with
+the same prefix can take it back; allocating a fresh block evicts from the front (least recently
+freed, uncached blocks first). Blocks reserved with ``allocate_blocks`` for a remote writer are
+plain owned blocks; ``free_blocks`` returns them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+
+from shared.engine.sequence import Sequence
+
+
+class OutOfBlocksError(RuntimeError):
+    """More KV blocks were asked for than are free."""
+
+
+def block_hash(parent_hash: int | None, token_ids: list[int]) -> int:
+    """Chained hash of one full block; stable across processes (the registry can index it)."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update((parent_hash if parent_hash is not None else 0).to_bytes(8, "little", signed=False))
+    h.update(array("q", token_ids).tobytes())
+    return int.from_bytes(h.digest(), "little")
+
+
+class Block:
+    __slots__ = ("block_id", "hash", "ref_count", "token_ids")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash: int | None = None
+        self.token_ids: tuple[int, ...] = ()
+
+
+class BlockManager:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+    ) -> None:
+        assert num_blocks > 0 and block_size > 0
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.hash_to_block: dict[int, int] = {}
+
+    @property
+    def num_total_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ---- raw blocks -------------------------------------------------------------------------
+
+    def _take_free(self) -> int:
+        block_id, _ = self.free.popitem(last=False)
+        block = self.blocks[block_id]
+        assert block.ref_count == 0
+        if block.hash is not None:  # evict from the prefix cache
+            if self.hash_to_block.get(block.hash) == block_id:
+                del self.hash_to_block[block.hash]
+            block.hash, block.token_ids = None, ()
+        block.ref_count = 1
+        return block_id
+
+    def _release(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        assert block.ref_count > 0, f"block {block_id} freed twice"
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free[block_id] = None
+            if block.hash is None:  # nothing worth keeping: hand it out first
+                self.free.move_to_end(block_id, last=False)
+
+    def allocate_blocks(self, num_blocks: int) -> list[int]:
+        """Reserve ``num_blocks`` fresh blocks (e.g. for a remote writer); ref count 1 each."""
+        if num_blocks > len(self.free):
+            raise OutOfBlocksError(f"asked for {num_blocks} KV blocks, {len(self.free)} are free")
+        return [self._take_free() for _ in range(num_blocks)]
+
+    def free_blocks(self, block_ids: list[int]) -> None:
+        """Drop one reference to each block (reverse order keeps a chain's tail evicted first)."""
+        for block_id in reversed(block_ids):
+            self._release(block_id)
+
+    # ---- sequences ----------------------------------------------------------------------------
+
+    def _ensure_hashes(self, seq: Sequence, num_full_blocks: int) -> list[int]:
+        bs = self.block_size
+        hashes = seq.block_hashes
+        for i in range(len(hashes), num_full_blocks):
+            parent = hashes[i - 1] if i else None
+            hashes.append(block_hash(parent, seq.token_ids[i * bs : (i + 1) * bs]))
+        return hashes
+
+    def _cache_hits(self, seq: Sequence) -> list[int]:
+        """Leading blocks of ``seq`` found in the prefix cache. At least one token is always
+        left to compute, so the forward pass has a row to sample from."""
+        if not self.enable_prefix_caching:
+            return []
+        bs = self.block_size
+        num_full = (len(seq) - 1) // bs
+        hits = []
+        for i, h in enumerate(self._ensure_hashes(seq, num_full)):
+            block_id = self.hash_to_block.get(h)
+            if block_id is None:
+                break
+            if self.blocks[block_id].token_ids != tuple(seq.token_ids[i * bs : (i + 1) * bs]):
+                break  # hash collision
+            hits.append(block_id)
+        return hits
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        hits = self._cache_hits(seq)
+        num_in_use_hits = sum(1 for b in hits if self.blocks[b].ref_count > 0)
+        return self.num_blocks_for(len(seq)) - num_in_use_hits <= len(self.free)
+
+    def allocate(self, seq: Sequence) -> None:
+        """Give a waiting sequence blocks for all its tokens, reusing cached prefix blocks."""
+        assert not seq.block_table and seq.num_computed_tokens == 0
+        hits = self._cache_hits(seq)
+        for block_id in hits:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free[block_id]
+            block.ref_count += 1
+        num_new = self.num_blocks_for(len(seq)) - len(hits)
+        if num_new > len(self.free):
+            self.free_blocks(hits)
+            raise OutOfBlocksError(
+                f"sequence needs {num_new} more KV blocks, {len(self.free)} free"
+            )
+        seq.block_table = hits + [self._take_free() for _ in range(num_new)]
+        seq.num_computed_tokens = len(hits) * self.block_size
+        seq.num_hashed_blocks = len(hits)
+
+    def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Whether the blocks for ``num_new_tokens`` more computed tokens can be had."""
+        need = self.num_blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        return need <= len(self.free)
+
+    def append_slots(self, seq: Sequence, num_new_tokens: int) -> None:
+        need = self.num_blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        assert need <= len(self.free), "call can_append first"
+        for _ in range(need):
+            seq.block_table.append(self._take_free())
+
+    def commit(self, seq: Sequence) -> None:
+        """Enter the sequence's newly completed full blocks into the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        num_full = seq.num_computed_tokens // bs
+        if num_full <= seq.num_hashed_blocks:
+            return
+        hashes = self._ensure_hashes(seq, num_full)
+        for i in range(seq.num_hashed_blocks, num_full):
+            block = self.blocks[seq.block_table[i]]
+            if block.hash is None and hashes[i] not in self.hash_to_block:
+                block.hash = hashes[i]
+                block.token_ids = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+                self.hash_to_block[block.hash] = block.block_id
+        seq.num_hashed_blocks = num_full
+
+    def deallocate(self, seq: Sequence) -> None:
+        self.free_blocks(seq.block_table)
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+        seq.num_hashed_blocks = 0
+
+    def truncate(self, seq: Sequence, num_tokens: int, num_computed: int) -> list[tuple[int, int]]:
+        """Cut ``seq`` back to ``num_tokens`` tokens of which the first ``num_computed`` keep their
+        KV; blocks past those are freed. Returns ``(src, dst)`` block copies the caller must do on
+        the KV pool: a shared cached block that is now partial is copied to a private one before it
+        gets written again (a private one just leaves the prefix cache)."""
+        assert 0 < num_tokens <= len(seq) and 0 <= num_computed <= min(
+            num_tokens, seq.num_computed_tokens
+        )
+        bs = self.block_size
+        del seq.token_ids[num_tokens:]
+        del seq.block_hashes[num_tokens // bs :]
+        seq.num_computed_tokens = num_computed
+        keep = self.num_blocks_for(num_computed)
+        self.free_blocks(seq.block_table[keep:])
+        del seq.block_table[keep:]
+        copies = []
+        num_full = num_computed // bs
+        if num_full < keep and num_full < seq.num_hashed_blocks:  # a cached block is partial now
+            block = self.blocks[seq.block_table[num_full]]
+            if block.ref_count == 1:
+                if block.hash is not None and self.hash_to_block.get(block.hash) == block.block_id:
+                    del self.hash_to_block[block.hash]
+                block.hash, block.token_ids = None, ()
+            else:
+                new_id = self.allocate_blocks(1)[0]
+                self._release(block.block_id)
+                seq.block_table[num_full] = new_id
+                copies.append((block.block_id, new_id))
+        seq.num_hashed_blocks = min(seq.num_hashed_blocks, num_full)
+        return copies
+
+    def check_invariants(self) -> None:
+        """Full consistency check (tests and debugging; O(num_blocks))."""
+        for block in self.blocks:
+            assert block.ref_count >= 0
+            assert (block.ref_count == 0) == (block.block_id in self.free), block.block_id
+        for h, block_id in self.hash_to_block.items():
+            assert self.blocks[block_id].hash == h

@@ -1,0 +1,69 @@
+"""EngineConfig: the knobs of one LLMEngine, validated once at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DEFAULT_KV_CACHE_BYTES = 256 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """``num_blocks`` sizes the KV pool directly; otherwise ``kv_cache_bytes`` (default 256 MiB)
+    is divided by the block size in bytes. ``max_model_len`` defaults to the model's
+    ``max_position_embeddings``. ``dtype`` is the KV cache dtype (default: the model's)."""
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_bytes: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    device: str = "cpu"
+    dtype: torch.dtype | None = None
+    seed: int | None = None  # noise for unseeded sampling
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"EngineConfig.{name} must be a positive integer, got {value!r}")
+        for name in ("num_blocks", "kv_cache_bytes", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value <= 0):
+                raise ValueError(
+                    f"EngineConfig.{name} must be a positive integer or None, got {value!r}"
+                )
+        if self.max_num_batched_tokens < self.block_size:
+            raise ValueError(
+                f"EngineConfig.max_num_batched_tokens ({self.max_num_batched_tokens}) must be at "
+                f"least block_size ({self.block_size}): hand-off prefill chunks are whole blocks"
+            )
+        if self.num_blocks is not None and self.kv_cache_bytes is not None:
+            raise ValueError("EngineConfig: give num_blocks or kv_cache_bytes, not both")
+        if self.dtype is not None and not (
+            isinstance(self.dtype, torch.dtype) and self.dtype.is_floating_point
+        ):
+            raise ValueError(
+                f"EngineConfig.dtype must be a floating torch.dtype, got {self.dtype!r}"
+            )
+        try:
+            torch.device(self.device)
+        except (RuntimeError, TypeError) as exc:
+            raise ValueError(
+                f"EngineConfig.device {self.device!r} is not a torch device: {exc}"
+            ) from exc
+
+    def resolve_num_blocks(self, block_bytes: int) -> int:
+        if self.num_blocks is not None:
+            return self.num_blocks
+        num_bytes = self.kv_cache_bytes or DEFAULT_KV_CACHE_BYTES
+        num_blocks = num_bytes // block_bytes
+        if num_blocks == 0:
+            raise ValueError(
+                f"kv_cache_bytes={num_bytes} is smaller than one KV block ({block_bytes} bytes)"
+            )
+        return num_blocks

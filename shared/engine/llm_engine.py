@@ -1,0 +1,435 @@
+"""LLMEngine: requests in, tokens out; one ``step()`` = schedule -> run -> postprocess.
+
+Public API (the mesh services build on exactly this)::
+
+    engine = LLMEngine(model, tokenizer, EngineConfig(...), kv_buffer=None)
+    engine.add_request(request_id, prompt_ids, params, *, prefill_only=False, on_chunk=None)
+    engine.step() -> list[RequestOutput]      # new tokens (and text) per request this step
+    engine.abort(request_id) -> bool          # True if it was known; its blocks are freed and the
+                                              # next step() reports finish_reason "abort"
+    engine.has_unfinished() -> bool
+    engine.generate(prompts: list[list[int]], params) -> list[list[int]]
+    engine.kv_pool, engine.block_manager      # the KVPool (over kv_buffer if given), its allocator
+
+Speculative verification (decode side; call between steps)::
+
+    engine.score(request_id, draft_ids) -> logits (K+1, vocab)  # row i: after last token + drafts[:i]
+    engine.score_batch({request_id: draft_ids}) -> {request_id: logits}   # one forward pass
+    engine.accept(request_id, num_accepted, next_token) -> RequestOutput  # keep drafts[:n] + next
+    engine.rollback(request_id, num_tokens)    # drop the last tokens and their KV, back to decode
+
+After ``score`` the drafts sit in the sequence with their KV; ``accept`` (or ``rollback(K)``)
+must follow before the next ``step``.
+
+KV handoff::
+
+    # prefill side: on_chunk(ChunkReady) after every step that computed prompt tokens; chunks are
+    # whole blocks except the last; the last one carries the first token. The request then ends
+    # with finish_reason "prefill_done" and keeps its blocks until:
+    engine.release(request_id)                # (abort() does the same)
+    # decode side:
+    engine.reserve_blocks(num_tokens) -> list[int]   # raises OutOfBlocksError; free_reserved(ids)
+    engine.admit_prefilled(request_id, prompt_ids, block_ids, first_token, params)
+
+The first token of an admitted request counts as already delivered: later outputs carry the tokens
+after it (if the first token already ends it, the next step() reports it finished with no tokens).
+An admitted request waits, holding its blocks, for a seat in the running batch
+(``max_num_seqs``); a preempted one is recomputed locally like any other.
+
+Errors: ``RequestError`` (``PromptTooLongError``, ``UnknownRequestError``) for requests the engine
+cannot take as given, ``OutOfBlocksError`` when KV blocks run out for a reservation or a score;
+each message says what to change. A sequence never grows past ``max_model_len`` nor past what the
+whole KV pool holds (finish_reason "length").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from shared.engine.block_manager import BlockManager, OutOfBlocksError
+from shared.engine.config import EngineConfig
+from shared.engine.kv_cache import KVCacheSpec, KVPool
+from shared.engine.model_runner import ModelRunner
+from shared.engine.sampler import Sampler, apply_stop
+from shared.engine.scheduler import Scheduler
+from shared.engine.sequence import (
+    ChunkReady,
+    PromptTooLongError,
+    RequestError,
+    RequestOutput,
+    SamplingParams,
+    Sequence,
+    SequenceStatus,
+    UnknownRequestError,
+)
+
+__all__ = [
+    "ChunkReady",
+    "EngineConfig",
+    "LLMEngine",
+    "OutOfBlocksError",
+    "RequestOutput",
+    "SamplingParams",
+]
+
+
+class LLMEngine:
+    def __init__(
+        self, model: Any, tokenizer: Any | None, config: EngineConfig, kv_buffer: Any | None = None
+    ) -> None:
+        mc = model.config
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config
+        self.max_model_len = config.max_model_len or mc.max_position_embeddings
+        if self.max_model_len > mc.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
+                f"{mc.max_position_embeddings}"
+            )
+        dtype = config.dtype or getattr(mc, "dtype", None) or next(model.parameters()).dtype
+        spec = KVCacheSpec(
+            num_layers=mc.num_hidden_layers,
+            num_kv_heads=mc.num_key_value_heads,
+            head_dim=mc.head_dim,
+            block_size=config.block_size,
+            dtype=dtype,
+        )
+        num_blocks = config.resolve_num_blocks(spec.block_bytes)
+        self.kv_pool = KVPool(spec, num_blocks, device=config.device, buffer=kv_buffer)
+        self.block_manager = BlockManager(
+            num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
+        )
+        self.runner = ModelRunner(model, self.kv_pool, config.device)
+        self.sampler = Sampler(config.seed)
+        eos = set(getattr(mc, "eos_token_ids", ()) or ())
+        eos |= set(getattr(tokenizer, "eos_token_ids", ()) or ())
+        self.eos_token_ids = frozenset(eos)
+        self.vocab_size = mc.vocab_size
+        # A sequence stops ("length") before it could outgrow the whole pool and preempt itself
+        # forever.
+        self.max_seq_len = min(self.max_model_len, num_blocks * config.block_size)
+        self.seqs: dict[str, Sequence] = {}
+        self._pending: list[RequestOutput] = []
+        self._num_generated = 0
+
+    # ---- requests -----------------------------------------------------------------------------
+
+    def _check_prompt(self, request_id: str, prompt_ids: list[int]) -> None:
+        if request_id in self.seqs:
+            raise RequestError(f"request id {request_id!r} is already in use; pick a unique id")
+        n = len(prompt_ids)
+        if n == 0:
+            raise RequestError(
+                f"request {request_id!r}: the prompt is empty; send at least one token"
+            )
+        if any(not 0 <= t < self.vocab_size for t in prompt_ids):
+            bad = next(t for t in prompt_ids if not 0 <= t < self.vocab_size)
+            raise RequestError(
+                f"request {request_id!r}: token id {bad} is outside the vocabulary (size {self.vocab_size})"
+            )
+        if n > self.max_model_len:
+            raise PromptTooLongError(
+                f"request {request_id!r}: the prompt has {n} tokens but max_model_len is "
+                f"{self.max_model_len}; shorten the prompt by at least {n - self.max_model_len} tokens"
+            )
+        bm = self.block_manager
+        if bm.num_blocks_for(n) > bm.num_total_blocks:
+            raise PromptTooLongError(
+                f"request {request_id!r}: the prompt has {n} tokens but the KV pool holds only "
+                f"{bm.num_total_blocks * bm.block_size}; shorten it or give the engine more KV memory"
+            )
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        prefill_only: bool = False,
+        on_chunk: Callable[[ChunkReady], Any] | None = None,
+    ) -> None:
+        self._check_prompt(request_id, prompt_ids)
+        seq = Sequence(
+            request_id, list(prompt_ids), params, prefill_only=prefill_only, on_chunk=on_chunk
+        )
+        self.seqs[request_id] = seq
+        self.scheduler.add(seq)
+
+    def _get(self, request_id: str) -> Sequence:
+        seq = self.seqs.get(request_id)
+        if seq is None:
+            raise UnknownRequestError(f"no request {request_id!r} in this engine")
+        return seq
+
+    def abort(self, request_id: str) -> bool:
+        seq = self.seqs.get(request_id)
+        if seq is None:
+            return False
+        if seq.is_finished:  # prefill_done, still holding its blocks
+            self.release(request_id)
+            return True
+        self._finish(seq, "abort")
+        self._pending.append(self._output(seq, []))
+        return True
+
+    def release(self, request_id: str) -> None:
+        """Free the blocks of a finished ``prefill_only`` request (its KV has been handed off)."""
+        seq = self._get(request_id)
+        if seq.finish_reason != "prefill_done":
+            raise RequestError(f"request {request_id!r} is not a finished prefill_only request")
+        self.block_manager.deallocate(seq)
+        del self.seqs[request_id]
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._pending)
+
+    # ---- the step -----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        outputs, self._pending = self._pending, []
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return outputs
+        num_logits = [
+            int(s.num_computed_tokens + n == len(s))
+            for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True)
+        ]
+        logits = self.runner.execute(batch.seqs, batch.num_new_tokens, num_logits)
+        sample_seqs = [s for s, k in zip(batch.seqs, num_logits, strict=True) if k]
+        tokens = iter(self.sampler(logits, sample_seqs) if sample_seqs else ())
+        bm = self.block_manager
+        for seq, n, k in zip(batch.seqs, batch.num_new_tokens, num_logits, strict=True):
+            seq.num_computed_tokens += n
+            bm.commit(seq)
+            token = next(tokens) if k else None
+            if seq.prefill_only:
+                self._report_chunk(seq, token)
+            if token is None:
+                continue
+            seq.token_ids.append(token)
+            if seq.prefill_only:
+                self._finish(seq, "prefill_done")
+                outputs.append(self._output(seq, [token]))
+            else:
+                outputs.append(self._emit(seq))
+        return outputs
+
+    def _report_chunk(self, seq: Sequence, first_token: int | None) -> None:
+        end = seq.num_computed_tokens
+        is_last = first_token is not None
+        num_blocks = (
+            self.block_manager.num_blocks_for(end) if is_last else end // self.config.block_size
+        )
+        chunk = ChunkReady(
+            seq.request_id,
+            seq.num_chunks,
+            seq.num_reported_tokens,
+            end,
+            tuple(seq.block_table[seq.num_reported_blocks : num_blocks]),
+            is_last,
+            first_token,
+        )
+        seq.num_chunks += 1
+        seq.num_reported_tokens, seq.num_reported_blocks = end, num_blocks
+        if seq.on_chunk is not None:
+            seq.on_chunk(chunk)
+
+    def _emit(self, seq: Sequence) -> RequestOutput:
+        """Stop-check the output tokens not yet returned, in order; build their output."""
+        start = seq.num_prompt_tokens + seq.num_emitted_tokens
+        new = seq.token_ids[start:]
+        del seq.token_ids[start:]
+        text = None
+        reason = None
+        for token in new:
+            seq.token_ids.append(token)
+            reason, delta = apply_stop(seq, self.eos_token_ids, self.max_seq_len, self.tokenizer)
+            if delta is not None:
+                text = (text or "") + delta
+            if reason is not None:
+                break
+        emitted = seq.token_ids[start:]
+        if reason is not None:
+            self._finish(seq, reason)
+        return self._output(seq, emitted, text)
+
+    def _output(
+        self, seq: Sequence, new_token_ids: list[int], text: str | None = None
+    ) -> RequestOutput:
+        seq.num_emitted_tokens = seq.num_output_tokens
+        return RequestOutput(
+            seq.request_id,
+            new_token_ids,
+            seq.is_finished,
+            seq.finish_reason,
+            seq.num_prompt_tokens,
+            seq.num_output_tokens,
+            text,
+        )
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        if reason != "prefill_done":
+            self.block_manager.deallocate(seq)
+            del self.seqs[seq.request_id]
+
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+    ) -> list[list[int]]:
+        """Run the prompts to completion; returns the generated token ids of each, in order."""
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        ids = []
+        for prompt, p in zip(prompts, params_list, strict=True):
+            self._num_generated += 1
+            ids.append(f"generate-{self._num_generated}")
+            self.add_request(ids[-1], prompt, p)
+        results: dict[str, list[int]] = {rid: [] for rid in ids}
+        remaining = set(ids)
+        while remaining:
+            for out in self.step():
+                if out.request_id in results:
+                    results[out.request_id] += out.new_token_ids
+                    if out.finished:
+                        remaining.discard(out.request_id)
+        return [results[rid] for rid in ids]
+
+    # ---- speculative verification -------------------------------------------------------------
+
+    def score_batch(self, drafts: Mapping[str, list[int]]) -> dict[str, torch.Tensor]:
+        """Score each request's draft tokens in one forward pass (KV of the drafts is written)."""
+        seqs = [self._get(rid) for rid in drafts]
+        bm = self.block_manager
+        for seq in seqs:
+            k = len(drafts[seq.request_id])
+            if (
+                seq.status is not SequenceStatus.RUNNING
+                or seq.prefill_only
+                or seq.num_uncomputed_tokens != 1
+            ):
+                raise RequestError(
+                    f"request {seq.request_id!r} is not decoding; only decoding requests can be scored"
+                )
+            if len(seq) + k > self.max_seq_len:
+                raise RequestError(
+                    f"request {seq.request_id!r}: {k} drafts would pass the length limit {self.max_seq_len}"
+                )
+            if not bm.can_append(seq, k + 1):
+                raise OutOfBlocksError(
+                    f"no free KV blocks to score {k} drafts for {seq.request_id!r}"
+                )
+        num_new = []
+        for seq in seqs:
+            draft = drafts[seq.request_id]
+            bm.append_slots(seq, len(draft) + 1)
+            seq.token_ids += draft
+            num_new.append(len(draft) + 1)
+        logits = self.runner.execute(seqs, num_new, num_new)
+        for seq, n in zip(seqs, num_new, strict=True):
+            seq.num_computed_tokens += n
+        return dict(zip(drafts, logits.split(num_new), strict=True))
+
+    def score(self, request_id: str, draft_ids: list[int]) -> torch.Tensor:
+        return self.score_batch({request_id: draft_ids})[request_id]
+
+    def _truncate(self, seq: Sequence, num_tokens: int, num_computed: int) -> None:
+        for src, dst in self.block_manager.truncate(seq, num_tokens, num_computed):
+            self.kv_pool.block_bytes_view(dst).copy_(self.kv_pool.block_bytes_view(src))
+        seq.num_emitted_tokens = min(seq.num_emitted_tokens, seq.num_output_tokens)
+        if seq.read_offset > num_tokens:  # text of dropped tokens was produced: redo it
+            seq.read_offset, seq.prefix_offset = num_tokens, max(num_tokens - 5, 0)
+            if self.tokenizer is not None:
+                seq.output_text = self.tokenizer.decode(seq.output_ids)
+                seq.num_text_emitted = min(seq.num_text_emitted, len(seq.output_text))
+
+    def rollback(self, request_id: str, num_tokens: int) -> None:
+        """Drop the last ``num_tokens`` tokens and their KV; blocks no longer used are freed. The
+        sequence is left decoding from its new last token."""
+        seq = self._get(request_id)
+        if seq.status is not SequenceStatus.RUNNING:
+            raise RequestError(f"request {request_id!r} is not running; cannot roll it back")
+        if not 0 <= num_tokens <= seq.num_output_tokens or num_tokens >= len(seq):
+            raise RequestError(
+                f"request {request_id!r}: can roll back 0..{seq.num_output_tokens} output tokens, not {num_tokens}"
+            )
+        if num_tokens:
+            new_len = len(seq) - num_tokens
+            self._truncate(seq, new_len, min(seq.num_computed_tokens, new_len - 1))
+
+    def accept(self, request_id: str, num_accepted: int, next_token: int) -> RequestOutput:
+        """After ``score``: keep the first ``num_accepted`` drafts (their KV stays), append
+        ``next_token`` and return the output for the accepted drafts plus it."""
+        seq = self._get(request_id)
+        num_drafts = seq.num_computed_tokens - (seq.num_prompt_tokens + seq.num_emitted_tokens)
+        if seq.num_uncomputed_tokens != 0 or not 0 <= num_accepted <= num_drafts:
+            raise RequestError(
+                f"request {request_id!r}: accept follows score, with 0..{num_drafts} accepted drafts"
+            )
+        if not 0 <= next_token < self.vocab_size:
+            raise RequestError(
+                f"request {request_id!r}: token id {next_token} is outside the vocabulary"
+            )
+        keep = len(seq) - (num_drafts - num_accepted)
+        self._truncate(seq, keep, keep)
+        seq.token_ids.append(next_token)
+        return self._emit(seq)
+
+    # ---- KV handoff (decode side) ---------------------------------------------------------------
+
+    def reserve_blocks(self, num_tokens: int) -> list[int]:
+        """Blocks for a remote writer to fill with ``num_tokens`` tokens of KV."""
+        return self.block_manager.allocate_blocks(self.block_manager.num_blocks_for(num_tokens))
+
+    def free_reserved(self, block_ids: list[int]) -> None:
+        self.block_manager.free_blocks(block_ids)
+
+    def admit_prefilled(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        block_ids: list[int],
+        first_token: int,
+        params: SamplingParams,
+    ) -> None:
+        """Start decoding a request whose prompt KV is already in ``block_ids`` (from
+        ``reserve_blocks``; the engine takes them over and frees them when the request ends)."""
+        self._check_prompt(request_id, prompt_ids)
+        need = self.block_manager.num_blocks_for(len(prompt_ids))
+        if len(block_ids) != need:
+            raise RequestError(
+                f"request {request_id!r}: {len(prompt_ids)} prompt tokens need {need} blocks, got {len(block_ids)}"
+            )
+        if not 0 <= first_token < self.vocab_size:
+            raise RequestError(
+                f"request {request_id!r}: first token {first_token} is outside the vocabulary"
+            )
+        seq = Sequence(
+            request_id, [*prompt_ids, first_token], params, num_prompt_tokens=len(prompt_ids)
+        )
+        seq.block_table = list(block_ids)
+        seq.num_computed_tokens = len(prompt_ids)
+        self.block_manager.commit(seq)
+        self.seqs[request_id] = seq
+        self.scheduler.add_prefilled(seq)
+        seq.num_emitted_tokens = 0
+        out = self._emit(seq)  # stop checks on the first token, already delivered by prefill
+        if out.finished:
+            self._pending.append(
+                RequestOutput(
+                    request_id,
+                    [],
+                    True,
+                    out.finish_reason,
+                    out.num_prompt_tokens,
+                    out.num_output_tokens,
+                    "",
+                )
+            )

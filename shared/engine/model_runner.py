@@ -1,0 +1,84 @@
+"""Runs one forward pass for a scheduled batch.
+
+Packs the batch's new tokens (``num_new_tokens[i]`` per sequence, starting after each sequence's
+computed ones), builds the AttentionMetadata with a handful of small tensors, runs the model under
+``torch.inference_mode`` and computes logits only for the rows that are wanted: the last
+``num_logits[i]`` new tokens of sequence ``i`` (1 to sample, K+1 to verify K drafts, 0 mid-prefill).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from shared.engine.attention import AttentionMetadata
+from shared.engine.kv_cache import KVPool
+from shared.engine.sequence import Sequence
+
+
+class ModelRunner:
+    def __init__(self, model: Any, kv_pool: KVPool, device: str | torch.device = "cpu") -> None:
+        self.model = model
+        self.kv_pool = kv_pool
+        self.block_size = kv_pool.spec.block_size
+        self.device = torch.device(device)
+        self.use_triton = self.device.type == "cuda"
+
+    def prepare(
+        self, seqs: list[Sequence], num_new_tokens: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        bs = self.block_size
+        B = len(seqs)
+        input_ids: list[int] = []
+        positions: list[int] = []
+        context_lens: list[int] = []
+        for seq, n in zip(seqs, num_new_tokens, strict=True):
+            start = seq.num_computed_tokens
+            end = start + n
+            assert n > 0 and len(seq.block_table) * bs >= end, (seq.request_id, n, end)
+            input_ids += seq.token_ids[start:end]
+            positions += range(start, end)
+            context_lens.append(end)
+        max_blocks = -(-max(context_lens) // bs)
+        tables = [s.block_table[:max_blocks] for s in seqs]
+        for t in tables:
+            t += [0] * (max_blocks - len(t))
+        dev = self.device
+        block_tables = torch.tensor(tables, dtype=torch.int64)  # (B, max_blocks)
+        pos = torch.tensor(positions, dtype=torch.int64)  # (T,)
+        if len(positions) == B:  # decode-only: one token per sequence
+            rows = block_tables[torch.arange(B), pos // bs]
+        else:
+            seq_idx = torch.repeat_interleave(torch.arange(B), torch.tensor(num_new_tokens))
+            rows = block_tables[seq_idx, pos // bs]
+        slot_mapping = rows * bs + pos % bs
+        meta = AttentionMetadata(
+            slot_mapping=slot_mapping.to(dev),
+            query_lens=list(num_new_tokens),
+            context_lens=torch.tensor(context_lens, dtype=torch.int64, device=dev),
+            block_tables=block_tables.to(dev),
+            block_size=bs,
+            use_triton=self.use_triton,
+        )
+        return torch.tensor(input_ids, dtype=torch.int64, device=dev), pos.to(dev), meta
+
+    @torch.inference_mode()
+    def execute(
+        self, seqs: list[Sequence], num_new_tokens: list[int], num_logits: list[int]
+    ) -> torch.Tensor | None:
+        """Forward the batch; returns (sum(num_logits), vocab) float32 logits, or None if no row
+        is wanted (every sequence is mid-prefill)."""
+        input_ids, positions, meta = self.prepare(seqs, num_new_tokens)
+        hidden = self.model(input_ids, positions, self.kv_pool, meta)  # (T, hidden)
+        if not any(num_logits):
+            return None
+        if all(k == n for k, n in zip(num_logits, num_new_tokens, strict=True)):
+            return self.model.compute_logits(hidden)
+        rows: list[int] = []
+        end = 0
+        for n, k in zip(num_new_tokens, num_logits, strict=True):
+            end += n
+            rows += range(end - k, end)
+        index = torch.tensor(rows, dtype=torch.int64, device=hidden.device)
+        return self.model.compute_logits(hidden.index_select(0, index))

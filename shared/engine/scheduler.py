@@ -1,0 +1,142 @@
+"""Continuous batching with chunked prefill under a per-step token budget.
+
+Each step serves running sequences first (decodes take one token, unfinished prefills take a chunk
+of what is left of the budget), then admits waiting sequences while the budget, ``max_num_seqs``
+and free blocks allow. When a running sequence needs a block and none is free, the most recently
+admitted sequence is preempted: its blocks are freed and it goes back to the front of the queue to
+be recomputed later. ``prefill_only`` sequences never need a block after admission and are never
+chosen for preemption, so the chunks they already handed off stay valid.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from shared.engine.block_manager import BlockManager
+from shared.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    seqs: list[Sequence]
+    num_new_tokens: list[int]  # per sequence, tokens computed this step
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+
+class Scheduler:
+    def __init__(
+        self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int
+    ) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def add_prefilled(self, seq: Sequence) -> None:
+        """A sequence that already holds its blocks (KV written elsewhere) waits at the front of
+        the queue for a place in the running batch, then decodes."""
+        assert seq.block_table and seq.num_uncomputed_tokens == 1
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a sequence out of the queues (finished or aborted); frees nothing."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+
+    def _chunk_size(self, seq: Sequence, budget: int) -> int:
+        n = min(seq.num_uncomputed_tokens, budget)
+        if seq.prefill_only and n < seq.num_uncomputed_tokens:
+            # Hand-off chunks are whole blocks; only the last one may be partial.
+            n -= n % self.block_manager.block_size
+        return n
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.deallocate(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def _pick_victim(self, seq: Sequence, scheduled: set[int]) -> Sequence | None:
+        """The latest-admitted running sequence not yet scheduled this step that may be
+        preempted to make room for ``seq``."""
+        for victim in reversed(self.running):
+            if victim is not seq and not victim.prefill_only and id(victim) not in scheduled:
+                return victim
+        return None
+
+    def schedule(self) -> ScheduledBatch:
+        bm = self.block_manager
+        budget = self.max_num_batched_tokens
+        batch = ScheduledBatch([], [])
+        preempted = False
+        # Decodes first, so a long prefill never starves them; then prefill chunks.
+        decodes, prefills = [], []
+        for seq in self.running:
+            (decodes if len(seq.token_ids) - seq.num_computed_tokens == 1 else prefills).append(seq)
+        for seq in decodes + prefills if prefills else decodes:
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:  # preempted for an earlier one
+                continue
+            n = self._chunk_size(seq, budget)
+            if n == 0:
+                continue
+            need = bm.num_blocks_for(seq.num_computed_tokens + n) - len(seq.block_table)
+            if need > bm.num_free_blocks:
+                assert not seq.prefill_only, "prefill_only sequences hold all their blocks"
+                preempted = True
+                scheduled = {id(s) for s in batch.seqs}
+                while need > bm.num_free_blocks:
+                    victim = self._pick_victim(seq, scheduled)
+                    if victim is None:
+                        break
+                    self._preempt(victim)
+                if need > bm.num_free_blocks:
+                    self._preempt(seq)
+                    continue
+            if need > 0:
+                bm.append_slots(seq, n)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(n)
+            budget -= n
+        if preempted:
+            return batch
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if seq.block_table:  # admitted with its prompt KV written elsewhere
+                n = 1
+                if not bm.can_append(seq, n):
+                    break
+            else:
+                if not bm.can_allocate(seq):
+                    break
+                bm.allocate(seq)
+                n = self._chunk_size(seq, budget)
+                if n == 0:  # a hand-off chunk needs a whole block of budget
+                    bm.deallocate(seq)
+                    break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            bm.append_slots(seq, n)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(n)
+            budget -= n
+        return batch

@@ -1,0 +1,181 @@
+import pytest
+
+from shared.engine.block_manager import BlockManager, OutOfBlocksError, block_hash
+from shared.engine.sequence import SamplingParams, Sequence
+
+BS = 4
+
+
+def make_seq(tokens: list[int], rid: str = "r") -> Sequence:
+    return Sequence(rid, list(tokens), SamplingParams(temperature=0))
+
+
+def compute_all(bm: BlockManager, seq: Sequence) -> None:
+    """Pretend a forward pass computed every token of the sequence."""
+    seq.num_computed_tokens = len(seq)
+    bm.commit(seq)
+
+
+def test_allocate_takes_blocks_for_every_token_and_deallocate_returns_them():
+    bm = BlockManager(8, BS)
+    seq = make_seq(list(range(10)))
+    assert bm.can_allocate(seq)
+    bm.allocate(seq)
+    assert len(seq.block_table) == 3
+    assert bm.num_free_blocks == 5 and bm.num_total_blocks == 8
+    bm.deallocate(seq)
+    assert bm.num_free_blocks == 8 and seq.block_table == []
+    bm.check_invariants()
+
+
+def test_can_allocate_false_when_pool_too_small():
+    bm = BlockManager(2, BS)
+    seq = make_seq(list(range(9)))
+    assert not bm.can_allocate(seq)
+    with pytest.raises(OutOfBlocksError):
+        bm.allocate(seq)
+    bm.check_invariants()
+    assert bm.num_free_blocks == 2
+
+
+def test_prefix_hit_shares_full_computed_blocks_and_leaves_one_token_to_compute():
+    bm = BlockManager(16, BS)
+    a = make_seq(list(range(12)), "a")
+    bm.allocate(a)
+    assert a.num_computed_tokens == 0
+    compute_all(bm, a)
+    # Same 12 tokens: only the first 2 full blocks hit, the last token must be recomputed.
+    b = make_seq(list(range(12)), "b")
+    bm.allocate(b)
+    assert b.block_table[:2] == a.block_table[:2]
+    assert b.block_table[2] != a.block_table[2]
+    assert b.num_computed_tokens == 8
+    assert bm.blocks[a.block_table[0]].ref_count == 2
+    # Diverging in the second block: only the first block hits.
+    c = make_seq([0, 1, 2, 3, 4, 99, 6, 7, 8], "c")
+    bm.allocate(c)
+    assert c.block_table[0] == a.block_table[0] and c.block_table[1] != a.block_table[1]
+    assert c.num_computed_tokens == 4
+    bm.check_invariants()
+
+
+def test_uncomputed_blocks_are_not_reused():
+    bm = BlockManager(16, BS)
+    a = make_seq(list(range(12)), "a")
+    bm.allocate(a)  # allocated but never computed: nothing enters the cache
+    b = make_seq(list(range(12)), "b")
+    bm.allocate(b)
+    assert b.num_computed_tokens == 0
+    assert not set(a.block_table) & set(b.block_table)
+
+
+def test_freed_cached_blocks_are_reused_until_evicted():
+    bm = BlockManager(4, BS)
+    a = make_seq(list(range(9)), "a")
+    bm.allocate(a)
+    compute_all(bm, a)
+    first_two = a.block_table[:2]
+    bm.deallocate(a)
+    assert bm.num_free_blocks == 4
+    b = make_seq(list(range(9)), "b")
+    assert bm.can_allocate(b)
+    bm.allocate(b)
+    assert b.block_table[:2] == first_two and b.num_computed_tokens == 8
+    bm.deallocate(b)
+    # A different prompt needing all 4 blocks evicts the cached ones.
+    c = make_seq(list(range(100, 116)), "c")
+    bm.allocate(c)
+    bm.deallocate(c)
+    d = make_seq(list(range(9)), "d")
+    bm.allocate(d)
+    assert d.num_computed_tokens == 0
+    bm.check_invariants()
+
+
+def test_uncached_free_blocks_are_handed_out_before_cached_ones():
+    bm = BlockManager(6, BS)
+    a = make_seq(list(range(9)), "a")
+    bm.allocate(a)
+    compute_all(bm, a)
+    bm.deallocate(a)
+    fresh = bm.allocate_blocks(3)
+    assert not set(fresh) & set(a.block_table[:2])
+    assert len(bm.hash_to_block) == 2
+
+
+def test_can_allocate_counts_free_cached_hits_against_the_free_list():
+    bm = BlockManager(3, BS)
+    a = make_seq(list(range(9)), "a")
+    bm.allocate(a)
+    compute_all(bm, a)
+    bm.deallocate(a)
+    # 9 tokens -> 3 blocks; 2 are free cached hits, 1 fresh: exactly fits.
+    b = make_seq(list(range(9)), "b")
+    assert bm.can_allocate(b)
+    bm.allocate(b)
+    assert bm.num_free_blocks == 0
+    bm.check_invariants()
+
+
+def test_append_slots_grows_block_table_only_when_crossing_a_block_boundary():
+    bm = BlockManager(4, BS)
+    seq = make_seq(list(range(4)))
+    bm.allocate(seq)
+    seq.num_computed_tokens = 4
+    seq.token_ids.append(4)
+    assert bm.can_append(seq, 1)
+    bm.append_slots(seq, 1)
+    assert len(seq.block_table) == 2
+    seq.num_computed_tokens = 5
+    bm.append_slots(seq, 3)
+    assert len(seq.block_table) == 2
+    assert bm.can_append(seq, 11) and not bm.can_append(seq, 12)  # 4 blocks hold 16 tokens
+
+
+def test_allocate_blocks_and_free_blocks_reserve_for_remote_writer():
+    bm = BlockManager(5, BS)
+    ids = bm.allocate_blocks(3)
+    assert len(set(ids)) == 3 and bm.num_free_blocks == 2
+    with pytest.raises(OutOfBlocksError, match="3 KV blocks, 2 are free"):
+        bm.allocate_blocks(3)
+    bm.free_blocks(ids)
+    assert bm.num_free_blocks == 5
+    with pytest.raises(AssertionError):
+        bm.free_blocks(ids)  # double free
+
+
+def test_chained_hash_depends_on_parent():
+    assert block_hash(None, [1, 2]) == block_hash(None, [1, 2])
+    assert block_hash(1, [1, 2]) != block_hash(2, [1, 2])
+    assert block_hash(None, [1, 2]) != block_hash(None, [2, 1])
+
+
+def test_truncate_frees_blocks_past_the_end():
+    bm = BlockManager(8, BS)
+    seq = make_seq(list(range(14)))
+    bm.allocate(seq)
+    compute_all(bm, seq)
+    copies = bm.truncate(seq, 6, 5)
+    assert copies == []
+    assert seq.token_ids == list(range(6)) and seq.num_computed_tokens == 5
+    assert len(seq.block_table) == 2 and bm.num_free_blocks == 6
+    # Block 1 is partial now: it must have left the prefix cache. Freed block 2 stays cached.
+    assert bm.blocks[seq.block_table[1]].hash is None
+    assert len(bm.hash_to_block) == 2
+    bm.check_invariants()
+
+
+def test_truncate_copies_a_shared_block_before_it_is_rewritten():
+    bm = BlockManager(8, BS)
+    a = make_seq(list(range(9)), "a")
+    bm.allocate(a)
+    compute_all(bm, a)
+    b = make_seq(list(range(9)), "b")
+    bm.allocate(b)
+    compute_all(bm, b)
+    shared = b.block_table[1]
+    assert shared == a.block_table[1]
+    copies = bm.truncate(b, 6, 6)
+    assert copies == [(shared, b.block_table[1])] and b.block_table[1] != shared
+    assert bm.blocks[shared].ref_count == 1 and bm.blocks[shared].hash is not None
+    bm.check_invariants()

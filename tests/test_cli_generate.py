@@ -1,0 +1,52 @@
+import json
+
+import pytest
+
+from shared.cli import main
+from shared.engine.config import EngineConfig
+from shared.engine.llm_engine import LLMEngine
+from shared.engine.sequence import SamplingParams
+from shared.model import load_model
+
+
+def run_json(capsys, *argv: str) -> dict:
+    assert main(["generate", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_generate_json_prints_generated_ids_and_text(capsys):
+    out = run_json(capsys, "--prompt-ids", "1,2,3,4", "--max-tokens", "6", "--ignore-eos")
+    model, tok = load_model("kvmesh-tiny")
+    engine = LLMEngine(model, tok, EngineConfig(num_blocks=8))
+    expected = engine.generate(
+        [[1, 2, 3, 4]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    )[0]
+    assert out["token_ids"] == expected
+    assert out["text"] == tok.decode(expected).rstrip("\ufffd")
+    assert out["finish_reason"] == "length" and out["num_prompt_tokens"] == 4
+
+
+def test_generate_seeded_sampling_is_repeatable(capsys):
+    argv = (
+        "--prompt",
+        "Hello",
+        "--max-tokens",
+        "5",
+        "--temperature",
+        "0.9",
+        "--seed",
+        "11",
+        "--ignore-eos",
+    )
+    assert run_json(capsys, *argv)["token_ids"] == run_json(capsys, *argv)["token_ids"]
+
+
+def test_generate_rejects_bad_prompt_ids(capsys):
+    with pytest.raises(SystemExit):
+        main(["generate", "--prompt-ids", "1,x", "--json"])
+    assert "comma-separated integers" in capsys.readouterr().err
+
+
+def test_generate_reports_invalid_sampling_params(capsys):
+    assert main(["generate", "--prompt", "hi", "--temperature", "-1"]) == 2
+    assert "temperature must be >= 0" in capsys.readouterr().err

@@ -1,0 +1,134 @@
+import pytest
+import torch
+
+from shared.engine.sampler import Sampler, apply_stop, apply_top_k_top_p
+from shared.engine.sequence import SamplingParams, Sequence
+
+EOS = frozenset({3})
+
+
+class CharTokenizer:
+    """id -> chr(id), enough to exercise detokenization and stop strings."""
+
+    eos_token_ids = {3}
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return "".join(chr(i) for i in ids if i != 3)
+
+
+def seq_with(params: SamplingParams, prompt=(65, 66), rid="r") -> Sequence:
+    return Sequence(rid, list(prompt), params)
+
+
+def test_sampling_params_validation_names_the_field():
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0)
+    with pytest.raises(ValueError, match="top_k"):
+        SamplingParams(top_k=-1)
+    with pytest.raises(ValueError, match="stop"):
+        SamplingParams(stop=[""])
+    assert SamplingParams(stop="x").stop == ("x",)
+    assert SamplingParams(stop_token_ids=[3]).stop_token_ids == (3,)
+
+
+def test_greedy_takes_argmax():
+    logits = torch.tensor([[0.0, 3.0, 1.0], [5.0, 0.0, 1.0]])
+    seqs = [seq_with(SamplingParams(temperature=0)), seq_with(SamplingParams(temperature=0))]
+    assert Sampler(0)(logits, seqs) == [1, 0]
+
+
+def test_top_k_one_equals_greedy_under_sampling():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50)
+    seqs = [seq_with(SamplingParams(temperature=1.0, top_k=1)) for _ in range(4)]
+    assert Sampler(0)(logits, seqs) == logits.argmax(-1).tolist()
+
+
+def test_top_k_top_p_filter():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    out = apply_top_k_top_p(logits, torch.tensor([2]), torch.tensor([1.0]))
+    assert torch.isinf(out[0, 2:]).all() and torch.isfinite(out[0, :2]).all()
+    out = apply_top_k_top_p(logits, torch.tensor([0]), torch.tensor([0.7]))
+    assert torch.isfinite(out[0, :2]).all() and torch.isinf(out[0, 2:]).all()
+    out = apply_top_k_top_p(logits, torch.tensor([0]), torch.tensor([0.1]))
+    assert torch.isfinite(out[0, 0]) and torch.isinf(out[0, 1:]).all()
+
+
+def test_sampling_follows_the_distribution():
+    probs = torch.tensor([0.7, 0.2, 0.1])
+    logits = probs.log().expand(4000, 3).contiguous()
+    seqs = [seq_with(SamplingParams(temperature=1.0)) for _ in range(4000)]
+    counts = torch.bincount(torch.tensor(Sampler(1)(logits, seqs)), minlength=3).float() / 4000
+    assert torch.allclose(counts, probs, atol=0.03)
+
+
+def test_seeded_request_is_independent_of_batch_composition():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 100)
+    p = SamplingParams(temperature=1.0, seed=1234)
+    alone = [Sampler()(logits[1:2], [seq_with(p)])[0] for _ in range(1)]
+    a = seq_with(p)
+    mixed = Sampler()(
+        logits,
+        [seq_with(SamplingParams(temperature=0.8)), a, seq_with(SamplingParams(temperature=0))],
+    )
+    assert mixed[1] == alone[0]
+    # Same seed, fresh sequence: same stream of tokens.
+    s1, s2 = seq_with(p), seq_with(p)
+    sampler = Sampler()
+    assert [sampler(logits[:1], [s1])[0] for _ in range(5)] == [
+        sampler(logits[:1], [s2])[0] for _ in range(5)
+    ]
+
+
+def test_stop_token_and_eos_and_ignore_eos():
+    seq = seq_with(SamplingParams(stop_token_ids=(7,)))
+    seq.token_ids.append(7)
+    assert apply_stop(seq, EOS, 100, None) == ("stop", None)
+    seq = seq_with(SamplingParams())
+    seq.token_ids.append(3)
+    assert apply_stop(seq, EOS, 100, None)[0] == "stop"
+    seq = seq_with(SamplingParams(ignore_eos=True))
+    seq.token_ids.append(3)
+    assert apply_stop(seq, EOS, 100, None)[0] is None
+
+
+def test_max_tokens_and_max_model_len_finish_with_length():
+    seq = seq_with(SamplingParams(max_tokens=2))
+    seq.token_ids.append(70)
+    assert apply_stop(seq, EOS, 100, None)[0] is None
+    seq.token_ids.append(71)
+    assert apply_stop(seq, EOS, 100, None)[0] == "length"
+    seq = seq_with(SamplingParams(max_tokens=50))
+    seq.token_ids.append(70)
+    assert apply_stop(seq, EOS, 3, None)[0] == "length"
+
+
+def test_stop_string_truncates_text_and_is_never_streamed():
+    tok = CharTokenizer()
+    seq = seq_with(SamplingParams(stop=("XY",), max_tokens=50))
+    deltas = []
+    reason = None
+    for ch in "abXcXY tail":
+        seq.token_ids.append(ord(ch))
+        reason, delta = apply_stop(seq, EOS, 100, tok)
+        deltas.append(delta)
+        if reason:
+            break
+    assert reason == "stop"
+    assert "".join(deltas) == "abXc" and seq.output_text == "abXc"
+    assert all("XY" not in d for d in deltas)
+
+
+def test_text_without_stop_strings_streams_every_token():
+    tok = CharTokenizer()
+    seq = seq_with(SamplingParams(max_tokens=3))
+    deltas = []
+    for ch in "hey":
+        seq.token_ids.append(ord(ch))
+        deltas.append(apply_stop(seq, EOS, 100, tok))
+    assert deltas == [(None, "h"), (None, "e"), ("length", "y")]
