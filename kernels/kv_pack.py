@@ -1,12 +1,19 @@
 """KV data plane pack/scatter: move a head range of whole blocks between a pool and a staging buffer.
 
-A pool is ``(num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)``. When prefill and
-decode run at different tensor-parallel degrees, a prefill rank holds a different head slice than
-the decode rank that needs it, so a block cannot move as one span: the sender packs the head range
-of its blocks into a contiguous staging tensor ``(n, num_layers, 2, block_size, num_heads, head_dim)``
-and the receiver scatters it into its own blocks at its head offset. ``reshard_plan`` says which
-pieces go where. The kernels copy raw bits (elements viewed as same-width integers), so one kernel
-serves fp32, bf16, fp16 and fp8 alike.
+A pool is ``(num_blocks, num_kv_heads, num_layers, 2, block_size, head_dim)`` (head-major blocks,
+see docs/ARCHITECTURE.md), so a head range of one block is already one contiguous span and plain
+tensor-parallel resharding needs no copy (``shared/transport/kv_writes.py`` writes straight from
+the pool). The pack kernel is for the layouts that really differ: it gathers heads
+``[head_start, head_end)`` of the listed blocks into a contiguous staging tensor
+``(m, num_heads, num_layers, 2, staging_block_size, head_dim)``, optionally regrouping the tokens
+into blocks of another size (source block 16 -> destination block 32 or 8); ``scatter_blocks`` is
+its twin on the receiving side. ``reshard_plan`` says which head pieces go where. The kernels copy
+raw bits (elements viewed as same-width integers), so one kernel serves fp32, bf16, fp16 and fp8.
+
+Token regroup: the listed blocks are read as one run of ``n * block_size`` tokens; staging block
+``j`` holds tokens ``[j * B, (j + 1) * B)`` of that run. Pack zero-fills the tail of a last staging
+block the run does not fill (nothing uninitialised goes on the wire); scatter writes only the
+tokens the staging holds and leaves the rest of a partly covered last pool block as it was.
 """
 
 from __future__ import annotations
@@ -61,56 +68,74 @@ def reshard_plan(num_kv_heads: int, src_tp: int, dst_tp: int) -> list[list[Resha
 
 
 @triton.jit
-def _copy_blocks_kernel(
-    pool_ptr,
-    staging_ptr,
-    block_ids_ptr,
-    head_start,
-    stride_pb,
-    stride_pl,
-    stride_pkv,
-    stride_pt,
-    stride_ph,
+def _copy_tokens_kernel(
+    src_ptr,
+    dst_ptr,
+    src_ids_ptr,
+    dst_ids_ptr,
+    src_head0,
+    dst_head0,
+    num_tokens,
     stride_sb,
+    stride_sh,
     stride_sl,
     stride_skv,
     stride_st,
-    stride_sh,
-    NUM_HEADS: tl.constexpr,
+    stride_db,
+    stride_dh,
+    stride_dl,
+    stride_dkv,
+    stride_dt,
+    NUM_LAYERS: tl.constexpr,
+    NUM_ROWS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
+    SRC_BS: tl.constexpr,
+    DST_BS: tl.constexpr,
     ROWS: tl.constexpr,
-    DIM_PAD: tl.constexpr,
-    TO_POOL: tl.constexpr,
+    ELEMS: tl.constexpr,
+    ZERO_FILL: tl.constexpr,
 ):
-    # grid: (block i, layer * 2 + kv, tile of ROWS (token, head) rows)
-    i = tl.program_id(0).to(tl.int64)
-    layer = tl.program_id(1) // 2
-    kv = tl.program_id(1) % 2
-    block_id = tl.load(block_ids_ptr + i).to(tl.int64)
-    r = tl.program_id(2) * ROWS + tl.arange(0, ROWS)
-    d = tl.arange(0, DIM_PAD)
-    t = r // NUM_HEADS
-    h = r % NUM_HEADS
-    mask = (r < BLOCK_SIZE * NUM_HEADS)[:, None] & (d < HEAD_DIM)[None, :]
-    pool_row = (
-        block_id * stride_pb
-        + layer * stride_pl
-        + kv * stride_pkv
-        + t * stride_pt
-        + (head_start + h) * stride_ph
-    )
-    staging_row = (
-        i * stride_sb + layer * stride_sl + kv * stride_skv + t * stride_st + h * stride_sh
-    )
-    pool_offs = pool_row[:, None] + d[None, :]  # (ROWS, D)
-    staging_offs = staging_row[:, None] + d[None, :]
-    if TO_POOL:
-        x = tl.load(staging_ptr + staging_offs, mask=mask)
-        tl.store(pool_ptr + pool_offs, x, mask=mask)
+    # Copies token g of the run (src block src_ids[g // SRC_BS], slot g % SRC_BS) to destination
+    # block dst_ids[g // DST_BS], slot g % DST_BS, for every (head, layer, kv) row.
+    # grid: (destination block j, tile of ROWS (head, layer, kv) rows, tile of ELEMS (token, d))
+    j = tl.program_id(0).to(tl.int64)
+    q = tl.program_id(1) * ROWS + tl.arange(0, ROWS)  # (ROWS,)
+    e = tl.program_id(2) * ELEMS + tl.arange(0, ELEMS)  # (ELEMS,)
+    head = (q // (2 * NUM_LAYERS)).to(tl.int64)
+    layer = (q // 2) % NUM_LAYERS
+    kv = q % 2
+    t = e // HEAD_DIM
+    d = e % HEAD_DIM
+    g = j * DST_BS + t  # token index in the run, int64
+    in_block = e < DST_BS * HEAD_DIM
+    has_src = in_block & (g < num_tokens)
+    src_block = tl.load(src_ids_ptr + g // SRC_BS, mask=has_src, other=0).to(tl.int64)
+    dst_block = tl.load(dst_ids_ptr + j).to(tl.int64)
+    src_row = (src_head0 + head) * stride_sh + layer * stride_sl + kv * stride_skv
+    dst_row = (dst_head0 + head) * stride_dh + layer * stride_dl + kv * stride_dkv
+    src_col = src_block * stride_sb + (g % SRC_BS) * stride_st + d
+    dst_col = dst_block * stride_db + t * stride_dt + d
+    rows_ok = (q < NUM_ROWS)[:, None]
+    x = tl.load(
+        src_ptr + src_row[:, None] + src_col[None, :], mask=rows_ok & has_src[None, :], other=0
+    )  # (ROWS, ELEMS)
+    if ZERO_FILL:
+        store_mask = rows_ok & in_block[None, :]
     else:
-        x = tl.load(pool_ptr + pool_offs, mask=mask)
-        tl.store(staging_ptr + staging_offs, x, mask=mask)
+        store_mask = rows_ok & has_src[None, :]
+    tl.store(dst_ptr + dst_row[:, None] + dst_col[None, :], x, mask=store_mask)
+
+
+def staging_shape(
+    pool: torch.Tensor, num_blocks: int, num_heads: int, block_size: int | None = None
+) -> tuple[int, int, int, int, int, int]:
+    """Shape of the staging tensor ``pack_blocks`` makes from ``num_blocks`` blocks of ``pool``:
+    ``(m, num_heads, L, 2, block_size, D)``, ``m = ceil(num_blocks * pool_block_size / block_size)``."""
+    _, _, L, _, pool_bs, D = pool.shape
+    bs = pool_bs if block_size is None else block_size
+    if bs <= 0:
+        raise ValueError(f"staging block_size must be positive, got {bs}")
+    return (triton.cdiv(num_blocks * pool_bs, bs), num_heads, L, 2, bs, D)
 
 
 def pack_blocks(
@@ -119,20 +144,22 @@ def pack_blocks(
     head_start: int,
     head_end: int,
     out: torch.Tensor | None = None,
+    block_size: int | None = None,
 ) -> torch.Tensor:
-    """Gather heads ``[head_start, head_end)`` of the listed blocks.
+    """Gather heads ``[head_start, head_end)`` of the listed blocks, regrouped into staging blocks
+    of ``block_size`` tokens (default: the pool's).
 
-    pool: (num_blocks, L, 2, block_size, H, D). Returns (or fills ``out``, which must be
-    contiguous) the staging tensor (n, L, 2, block_size, head_end - head_start, D).
+    pool: (num_blocks, H, L, 2, pool_block_size, D). Returns (or fills ``out``, which must be
+    contiguous) the staging tensor of ``staging_shape(pool, n, head_end - head_start, block_size)``.
     """
     ids = _check_pool_and_ids(pool, block_ids, head_start, head_end)
-    _, L, _, block_size, _, D = pool.shape
-    shape = (ids.numel(), L, 2, block_size, head_end - head_start, D)
+    shape = staging_shape(pool, ids.numel(), head_end - head_start, block_size)
     if out is None:
         out = torch.empty(shape, dtype=pool.dtype, device=pool.device)
     else:
         _check_staging(out, shape, pool)
-    _launch(pool, out, ids, head_start, to_pool=False)
+    staging_ids = torch.arange(shape[0], dtype=torch.int64, device=pool.device)
+    _launch(pool, ids, head_start, out, staging_ids, 0, ids.numel() * pool.shape[4], True)
     return out
 
 
@@ -142,24 +169,47 @@ def scatter_blocks(
     block_ids: torch.Tensor | Sequence[int],
     head_start: int,
 ) -> None:
-    """Write a staging tensor (n, L, 2, block_size, h, D) into the listed blocks of ``pool`` at
-    heads ``[head_start, head_start + h)``; the twin of ``pack_blocks``. Block ids must be distinct."""
-    if staging.dim() != 6:
-        raise ValueError(f"staging must be (n, L, 2, block_size, h, D), got {tuple(staging.shape)}")
-    ids = _check_pool_and_ids(pool, block_ids, head_start, head_start + staging.shape[4])
+    """Write a staging tensor (m, h, L, 2, staging_block_size, D) into the listed blocks of
+    ``pool`` at heads ``[head_start, head_start + h)``; the twin of ``pack_blocks``. The staging
+    tokens fill ``ceil(m * staging_block_size / pool_block_size)`` blocks, which must be the
+    number of (distinct) block ids given."""
+    if staging.dim() != 6 or staging.shape[3] != 2:
+        raise ValueError(
+            f"staging must be (m, num_heads, num_layers, 2, block_size, head_dim), "
+            f"got {tuple(staging.shape)}"
+        )
+    ids = _check_pool_and_ids(pool, block_ids, head_start, head_start + staging.shape[1])
     if ids.numel() > 1 and torch.unique(ids).numel() != ids.numel():
         raise ValueError(f"scatter_blocks needs distinct block ids, got {ids.tolist()}")
-    _, L, _, block_size, _, D = pool.shape
-    _check_staging(staging, (ids.numel(), L, 2, block_size, staging.shape[4], D), pool)
-    _launch(pool, staging, ids, head_start, to_pool=True)
+    m, h, _, _, staging_bs, _ = staging.shape
+    pool_bs = pool.shape[4]
+    num_tokens = m * staging_bs
+    if staging_bs <= 0 or triton.cdiv(num_tokens, pool_bs) != ids.numel():
+        raise ValueError(
+            f"staging holds {m} blocks of {staging_bs} tokens, which fill "
+            f"{triton.cdiv(num_tokens, pool_bs) if staging_bs > 0 else 0} pool blocks of "
+            f"{pool_bs}, but {ids.numel()} block ids were given"
+        )
+    _check_staging(staging, (m, h, *pool.shape[2:4], staging_bs, pool.shape[5]), pool)
+    staging_ids = torch.arange(m, dtype=torch.int64, device=pool.device)
+    _launch(staging, staging_ids, 0, pool, ids, head_start, num_tokens, False)
 
 
 def pack_blocks_ref(
-    pool: torch.Tensor, block_ids: torch.Tensor | Sequence[int], head_start: int, head_end: int
+    pool: torch.Tensor,
+    block_ids: torch.Tensor | Sequence[int],
+    head_start: int,
+    head_end: int,
+    block_size: int | None = None,
 ) -> torch.Tensor:
     """Pure-torch reference for ``pack_blocks``."""
     ids = torch.as_tensor(block_ids, dtype=torch.int64, device=pool.device)
-    return pool[ids][:, :, :, :, head_start:head_end].contiguous()
+    m, h, L, _, bs, D = staging_shape(pool, ids.numel(), head_end - head_start, block_size)
+    run = pool[ids][:, head_start:head_end]  # (n, h, L, 2, pool_bs, D)
+    run = run.permute(1, 2, 3, 0, 4, 5).reshape(h, L, 2, -1, D)  # (h, L, 2, n * pool_bs, D)
+    out = torch.zeros((h, L, 2, m * bs, D), dtype=pool.dtype, device=pool.device)
+    out[:, :, :, : run.shape[3]] = run
+    return out.view(h, L, 2, m, bs, D).permute(3, 0, 1, 2, 4, 5).contiguous()
 
 
 def scatter_blocks_ref(
@@ -169,36 +219,62 @@ def scatter_blocks_ref(
     head_start: int,
 ) -> None:
     """Pure-torch reference for ``scatter_blocks``."""
+    m, h, L, _, staging_bs, D = staging.shape
+    pool_bs = pool.shape[4]
+    run = staging.permute(1, 2, 3, 0, 4, 5).reshape(h, L, 2, m * staging_bs, D)
     for i, block_id in enumerate(torch.as_tensor(block_ids).tolist()):
-        pool[block_id, :, :, :, head_start : head_start + staging.shape[4]] = staging[i]
+        tokens = run[:, :, :, i * pool_bs : (i + 1) * pool_bs]
+        pool[block_id, head_start : head_start + h, :, :, : tokens.shape[3]] = tokens
 
 
 def _launch(
-    pool: torch.Tensor, staging: torch.Tensor, ids: torch.Tensor, head_start: int, to_pool: bool
+    src: torch.Tensor,
+    src_ids: torch.Tensor,
+    src_head0: int,
+    dst: torch.Tensor,
+    dst_ids: torch.Tensor,
+    dst_head0: int,
+    num_tokens: int,
+    zero_fill: bool,
 ) -> None:
-    n = ids.numel()
-    _, L, _, block_size, _, D = pool.shape
-    num_heads = staging.shape[4]
-    if n == 0 or num_heads == 0:
+    """Copy ``num_tokens`` tokens of heads ``[src_head0, +h)`` of ``src`` (blocks ``src_ids``) to
+    heads ``[dst_head0, +h)`` of ``dst`` (blocks ``dst_ids``); both (blocks, H, L, 2, bs, D)."""
+    h = min(src.shape[1] - src_head0, dst.shape[1] - dst_head0)
+    _, _, L, _, src_bs, D = src.shape
+    dst_bs = dst.shape[4]
+    if dst_ids.numel() == 0 or num_tokens == 0:
         return
-    bits = _BITS_DTYPES[pool.element_size()]
-    pool_bits, staging_bits = pool.view(bits), staging.view(bits)
-    dim_pad = triton.next_power_of_2(D)
-    rows = min(triton.next_power_of_2(block_size * num_heads), max(_TILE_ELEMS // dim_pad, 1))
-    grid = (n, 2 * L, triton.cdiv(block_size * num_heads, rows))
-    _copy_blocks_kernel[grid](
-        pool_bits,
-        staging_bits,
-        ids,
-        head_start,
-        *pool.stride()[:5],
-        *staging.stride()[:5],
-        NUM_HEADS=num_heads,
+    bits = _BITS_DTYPES[src.element_size()]
+    num_rows = h * L * 2
+    elems = min(triton.next_power_of_2(dst_bs * D), _TILE_ELEMS)
+    rows = min(triton.next_power_of_2(num_rows), max(_TILE_ELEMS // elems, 1))
+    grid = (dst_ids.numel(), triton.cdiv(num_rows, rows), triton.cdiv(dst_bs * D, elems))
+    _copy_tokens_kernel[grid](
+        src.view(bits),
+        dst.view(bits),
+        src_ids,
+        dst_ids,
+        src_head0,
+        dst_head0,
+        num_tokens,
+        src.stride(0),
+        src.stride(1),
+        src.stride(2),
+        src.stride(3),
+        src.stride(4),
+        dst.stride(0),
+        dst.stride(1),
+        dst.stride(2),
+        dst.stride(3),
+        dst.stride(4),
+        NUM_LAYERS=L,
+        NUM_ROWS=num_rows,
         HEAD_DIM=D,
-        BLOCK_SIZE=block_size,
+        SRC_BS=src_bs,
+        DST_BS=dst_bs,
         ROWS=rows,
-        DIM_PAD=dim_pad,
-        TO_POOL=to_pool,
+        ELEMS=elems,
+        ZERO_FILL=zero_fill,
     )
 
 
@@ -206,16 +282,16 @@ def _check_pool_and_ids(
     pool: torch.Tensor, block_ids: torch.Tensor | Sequence[int], head_start: int, head_end: int
 ) -> torch.Tensor:
     """Validate the pool, head range and block ids; returns the ids as a contiguous int64 tensor."""
-    if pool.dim() != 6 or pool.shape[2] != 2:
+    if pool.dim() != 6 or pool.shape[3] != 2:
         raise ValueError(
-            f"pool must be (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim), "
+            f"pool must be (num_blocks, num_kv_heads, num_layers, 2, block_size, head_dim), "
             f"got {tuple(pool.shape)}"
         )
     if pool.element_size() not in _BITS_DTYPES or pool.dtype.is_complex or pool.dtype == torch.bool:
         raise TypeError(f"unsupported pool dtype {pool.dtype}")
     if pool.stride(-1) != 1:
         raise ValueError(f"pool must have unit stride in head_dim, got strides {pool.stride()}")
-    num_blocks, num_heads = pool.shape[0], pool.shape[4]
+    num_blocks, num_heads = pool.shape[0], pool.shape[1]
     if not 0 <= head_start < head_end <= num_heads:
         raise ValueError(
             f"head range [{head_start}, {head_end}) is not a non-empty range inside the pool's "
