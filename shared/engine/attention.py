@@ -52,6 +52,7 @@ class _TorchPlan:
     max_q: int
     valid_q: torch.Tensor | None  # (B, max_q) bool; None when every sequence has max_q queries
     mask: torch.Tensor | None  # (B, 1, max_q, num_keys) bool; None when nothing is masked
+    tile_index: torch.Tensor | None = None  # (B * H_kv * num_blocks,) set by the first gather
 
     @staticmethod
     def build(meta: AttentionMetadata) -> _TorchPlan:
@@ -60,6 +61,9 @@ class _TorchPlan:
         B, bs = len(q_lens), meta.block_size
         dev = meta.block_tables.device
         fresh = B == 1 and ctx[0] == q_lens[0]
+        if fresh:  # attends over the new K/V directly: nothing to gather or mask
+            empty = torch.empty(0, dtype=torch.int64, device=dev)
+            return _TorchPlan(True, empty.view(1, 0), 0, q_lens[0], None, None)
         num_blocks = -(-max(ctx) // bs)
         blocks = meta.block_tables[:, :num_blocks]
         max_q = max(q_lens)
@@ -77,7 +81,7 @@ class _TorchPlan:
             )
             mask = mask.unsqueeze(1).to(dev)
         return _TorchPlan(
-            fresh_prompt=fresh,
+            fresh_prompt=False,
             blocks=blocks,
             num_keys=num_keys,
             max_q=max_q,
@@ -87,7 +91,11 @@ class _TorchPlan:
 
 
 def write_kv(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    meta: AttentionMetadata,
 ) -> None:
     """Store new keys/values. k_cache: (num_blocks, block_size, H_kv, D); k: (T, H_kv, D)."""
     blocks = meta.slot_mapping // meta.block_size
@@ -110,7 +118,9 @@ def paged_attention(
     if meta.use_triton and meta.is_decode_only:
         from kernels.paged_attention import paged_decode_attention
 
-        return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
+        return paged_decode_attention(
+            q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale
+        )
     plan = meta.torch_plan()
     if plan.fresh_prompt:
         # A whole prompt in one go: no earlier context, attend over the fresh K/V directly.
@@ -128,12 +138,17 @@ def paged_attention(
 
 def _gather(cache: torch.Tensor, plan: _TorchPlan, dtype: torch.dtype) -> torch.Tensor:
     """(B, H_kv, num_keys, D) keys or values of every sequence, read through its block table."""
+    # cache: (num_blocks, block_size, H_kv, D) view of head-major blocks. In memory every
+    # (block, head) pair is one contiguous (block_size, D) tile, so index those tiles directly:
+    # one index_select lands them in SDPA's (B, H, keys, D) order with a single copy.
+    heads = cache.transpose(1, 2)  # (num_blocks, H_kv, block_size, D)
+    N, H, bs, D = heads.shape
+    tiles = heads.as_strided((N * H, bs, D), (heads.stride(1), heads.stride(2), heads.stride(3)))
     B, nb = plan.blocks.shape
-    # cache: (num_blocks, block_size, H_kv, D) view of head-major blocks; (num_blocks, H, bs, D) is
-    # the memory order, so gather in that order and fold blocks into one key axis.
-    heads_major = cache.transpose(1, 2)[plan.blocks]  # (B, nb, H_kv, bs, D)
-    H, bs, D = heads_major.shape[2:]
-    out = heads_major.transpose(1, 2).reshape(B, H, nb * bs, D)
+    if plan.tile_index is None:
+        heads_ids = torch.arange(H, device=plan.blocks.device)
+        plan.tile_index = (plan.blocks[:, None, :] * H + heads_ids[None, :, None]).reshape(-1)
+    out = tiles.index_select(0, plan.tile_index).view(B, H, nb * bs, D)
     return out[:, :, : plan.num_keys].to(dtype)
 
 

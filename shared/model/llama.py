@@ -38,8 +38,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in float32, scale in the model dtype (as the reference does).
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
         return self.weight * h.to(x.dtype)
 
 
