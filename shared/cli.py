@@ -8,7 +8,7 @@ import argparse
 import importlib
 import sys
 
-# (module, attribute): each adds one or more subcommands to the top-level parser.
+# Each module's register(subparsers) adds one or more subcommands to the top-level parser.
 COMMAND_MODULES: tuple[str, ...] = (
     "shared.commands.generate",
     "shared.commands.bench",
@@ -22,13 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvmesh", description="Disaggregated LLM serving")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMAND_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name == name:  # command not built yet
-                continue
-            raise
-        module.register(sub)
+        importlib.import_module(name).register(sub)
     return parser
 
 
