@@ -8,6 +8,7 @@ a message naming the type and the field when a peer sends something malformed.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import types
 import typing
 from dataclasses import dataclass, field
@@ -107,6 +108,29 @@ class PrefillJob:
     block_addrs: tuple[int, ...]
     block_bytes: int
     enqueued_at: float  # unix time the router published the job
+
+
+IMM_SLOT_BITS = 20  # must equal shared.transport.base.IMM_SLOT_BITS (checked by a test)
+
+
+def imm_slot(first_block_addr: int, block_bytes: int) -> int:
+    """The request slot a prefill puts in every KV write's immediate (with the chunk index).
+
+    Derived from the address of the request's first reserved decode block, so prefill (which sees
+    ``PrefillJob.block_addrs``) and decode (which reserved the blocks) agree without another field:
+    ``addr // block_bytes == base // block_bytes + block_id``, unique per live reservation."""
+    return (first_block_addr // block_bytes) % (1 << IMM_SLOT_BITS)
+
+
+def kv_spec_fingerprint(spec: Any, model_config: Any) -> str:
+    """``DecodeAdvert.kv_spec``: the KV layout (a KVCacheSpec) plus a digest of the model config.
+    Prefill and decode exchange blocks only when these strings are equal."""
+    digest = hashlib.blake2b(repr(model_config).encode(), digest_size=4).hexdigest()
+    dtype = str(spec.dtype).removeprefix("torch.")
+    return (
+        f"{spec.num_layers}x{spec.num_kv_heads}x{spec.head_dim}:bs{spec.block_size}:{dtype}"
+        f":model-{digest}"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,7 +276,9 @@ def _build(tp: Any, value: Any, where: str) -> Any:
             return tuple(_build(args[0], v, f"{where}[{i}]") for i, v in enumerate(value))
         if len(args) != len(value):
             raise ProtocolError(f"{where}: expected {len(args)} items, got {len(value)}")
-        return tuple(_build(a, v, f"{where}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
+        return tuple(
+            _build(a, v, f"{where}[{i}]") for i, (a, v) in enumerate(zip(args, value, strict=True))
+        )
     if origin is dict:
         if not isinstance(value, dict):
             raise ProtocolError(f"{where}: expected an object, got {type(value).__name__}")

@@ -1,0 +1,91 @@
+"""structlog on top of stdlib logging: one line per event, JSON (containers) or console (humans).
+
+Levels are stdlib levels on the root logger, so ``set_level`` (driven by the
+``kvmesh.control.log_level`` subject) changes every logger of the process at run time, kvmesh's
+and libraries' alike.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+from shared.service_config import option
+
+if TYPE_CHECKING:
+    import structlog
+
+LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+@dataclass(frozen=True, slots=True)
+class LogConfig:
+    """Read by every ``kvmesh serve`` process (flags --log-level/--log-format, KVMESH_LOG_*)."""
+
+    log_level: Literal["debug", "info", "warning", "error", "critical"] = option(
+        "info", help="log level"
+    )
+    log_format: Literal["console", "json"] = option(
+        "console", help="console for humans, json for collectors"
+    )
+
+
+def setup_logging(level: str = "info", fmt: str = "console") -> None:
+    """Configure structlog and the stdlib root logger (stderr). Call once, from ``main``."""
+    import structlog  # here, not at import: `kvmesh --help` stays fast
+
+    if fmt not in ("console", "json"):
+        raise ValueError(f"log format must be console or json, got {fmt!r}")
+    renderer = (
+        structlog.processors.JSONRenderer()
+        if fmt == "json"
+        else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+    )
+    formatter = structlog.stdlib.ProcessorFormatter(
+        processor=renderer,
+        foreign_pre_chain=[
+            structlog.stdlib.add_log_level,
+            structlog.stdlib.add_logger_name,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+        ],
+    )
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(formatter)
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    set_level(level)
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.stdlib.filter_by_level,
+            structlog.stdlib.add_log_level,
+            structlog.stdlib.add_logger_name,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.StackInfoRenderer(),
+            structlog.processors.format_exc_info,
+            structlog.stdlib.ProcessorFormatter.wrap_for_formatter,
+        ],
+        logger_factory=structlog.stdlib.LoggerFactory(),
+        wrapper_class=structlog.stdlib.BoundLogger,
+        cache_logger_on_first_use=True,
+    )
+
+
+def set_level(level: str) -> None:
+    """Change the level of every logger in the process; raises ValueError on an unknown name."""
+    name = level.strip().lower()
+    if name not in LEVELS:
+        raise ValueError(f"unknown log level {level!r}; use one of {', '.join(LEVELS)}")
+    logging.getLogger().setLevel(name.upper())
+
+
+def current_level() -> str:
+    return logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower()
+
+
+def get_logger(name: str) -> structlog.stdlib.BoundLogger:
+    import structlog
+
+    return structlog.get_logger(name)

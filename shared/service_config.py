@@ -1,0 +1,227 @@
+"""Build a service's config dataclass from CLI flags and ``KVMESH_*`` environment variables.
+
+One convention for every service: field ``nats_url`` <-> flag ``--nats-url`` <-> env
+``KVMESH_NATS_URL``. Precedence: flag > env > dataclass default. Supported field types: ``int``,
+``float``, ``bool`` (``--x/--no-x``; env ``1/true/yes/on`` or ``0/false/no/off``), ``str``,
+``Literal[...]`` of str (choices), ``X | None`` of those (env/flag value ``none`` or empty -> None)
+and ``tuple[X, ...]`` (comma-separated). Help text and choices may also come from field metadata:
+``field(default=..., metadata={"help": "...", "choices": (...)})`` (or the ``option`` helper).
+
+Validation stays in the dataclass's ``__post_init__``; its ValueError becomes a ConfigError that
+names the service config, so a user sees which flag or variable to fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import types
+import typing
+from collections.abc import Iterable, Mapping
+from typing import Any, Literal, TypeVar
+
+ENV_PREFIX = "KVMESH_"
+DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
+
+C = TypeVar("C")
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+class ConfigError(ValueError):
+    """A flag or KVMESH_* variable that does not make a valid service config."""
+
+
+def option(default: Any = dataclasses.MISSING, *, help: str = "", choices: Iterable[str] = ()):
+    """A dataclass field with help text and (optional) choices for its flag."""
+    metadata = {"help": help, "choices": tuple(choices)}
+    if isinstance(default, list | dict | set):
+        raise TypeError("use a tuple for sequence defaults (configs are frozen)")
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def flag_name(field_name: str) -> str:
+    return "--" + field_name.replace("_", "-")
+
+
+def env_key(field_name: str) -> str:
+    return ENV_PREFIX + field_name.upper()
+
+
+def known_env_keys(cls: type) -> set[str]:
+    """Every KVMESH_* variable ``config_from_args(cls, ...)`` reads."""
+    return {env_key(f.name) for f in _config_fields(cls)}
+
+
+def unknown_env_keys(
+    cls: type, env: Mapping[str, str], *, also_known: Iterable[str] = ()
+) -> list[str]:
+    """KVMESH_* variables in ``env`` that ``cls`` does not read (typos, another service's keys)."""
+    known = known_env_keys(cls) | set(also_known)
+    return sorted(k for k in env if k.startswith(ENV_PREFIX) and k not in known)
+
+
+def add_config_arguments(
+    parser: argparse.ArgumentParser, cls: type, *, exclude: Iterable[str] = ()
+) -> None:
+    """Add one flag per field of ``cls``. Defaults are SUPPRESSed so env and defaults apply later."""
+    excluded = set(exclude)
+    group = parser.add_argument_group(f"{cls.__name__} (env: {ENV_PREFIX}<FIELD>)")
+    hints = typing.get_type_hints(cls)
+    for f in _config_fields(cls):
+        if f.name in excluded:
+            continue
+        tp = hints[f.name]
+        base, _ = _unwrap_optional(tp)
+        choices = _choices(f, base)
+        default = _default_of(f)
+        help_text = f.metadata.get("help", "")
+        shown = f"default: {default!r}; env {env_key(f.name)}"
+        help_text = f"{help_text} ({shown})" if help_text else f"({shown})"
+        if base is bool:
+            group.add_argument(
+                flag_name(f.name),
+                dest=f.name,
+                action=argparse.BooleanOptionalAction,
+                default=argparse.SUPPRESS,
+                help=help_text,
+            )
+            continue
+        group.add_argument(
+            flag_name(f.name),
+            dest=f.name,
+            default=argparse.SUPPRESS,
+            metavar=_metavar(f.name, base, choices),
+            help=help_text,
+        )
+
+
+def config_from_args(
+    cls: type[C],
+    args: argparse.Namespace | None = None,
+    env: Mapping[str, str] | None = None,
+    **overrides: Any,
+) -> C:
+    """Build ``cls`` from parsed flags (strings, as added by add_config_arguments), env and defaults.
+
+    ``overrides`` win over everything (e.g. ``mode="colocated"`` for ``serve colocated``).
+    """
+    env = os.environ if env is None else env
+    given = vars(args) if args is not None else {}
+    hints = typing.get_type_hints(cls)
+    kwargs: dict[str, Any] = {}
+    for f in _config_fields(cls):
+        if f.name in overrides:
+            kwargs[f.name] = overrides[f.name]
+            continue
+        if f.name in given:
+            raw, source = given[f.name], flag_name(f.name)
+        elif env_key(f.name) in env:
+            raw, source = env[env_key(f.name)], env_key(f.name)
+        else:
+            continue
+        kwargs[f.name] = _convert(raw, hints[f.name], f, source)
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{cls.__name__}: {exc}") from None
+
+
+def config_to_argv(config: Any, *, only_changed: bool = True) -> list[str]:
+    """The flags that rebuild ``config`` (used by ``kvmesh up`` to start child processes)."""
+    argv: list[str] = []
+    hints = typing.get_type_hints(type(config))
+    for f in _config_fields(type(config)):
+        value = getattr(config, f.name)
+        if only_changed and f.default is not dataclasses.MISSING and value == f.default:
+            continue
+        base, _ = _unwrap_optional(hints[f.name])
+        if base is bool:
+            argv.append(flag_name(f.name) if value else "--no-" + f.name.replace("_", "-"))
+        elif value is None:
+            argv += [flag_name(f.name), "none"]
+        elif isinstance(value, tuple):
+            argv += [flag_name(f.name), ",".join(str(v) for v in value)]
+        else:
+            argv += [flag_name(f.name), str(value)]
+    return argv
+
+
+# --- internals --------------------------------------------------------------------------------
+
+
+def _config_fields(cls: type) -> tuple[dataclasses.Field, ...]:
+    if not dataclasses.is_dataclass(cls):
+        raise TypeError(f"{cls!r} is not a dataclass")
+    return tuple(f for f in dataclasses.fields(cls) if f.init)
+
+
+def _default_of(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return "required"
+
+
+def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
+    if typing.get_origin(tp) in (types.UnionType, typing.Union):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1 and len(typing.get_args(tp)) == 2:
+            return args[0], True
+        raise TypeError(f"unsupported config field type {tp}")
+    return tp, False
+
+
+def _choices(f: dataclasses.Field, base: Any) -> tuple[str, ...]:
+    if typing.get_origin(base) is Literal:
+        return tuple(str(a) for a in typing.get_args(base))
+    return tuple(f.metadata.get("choices", ()))
+
+
+def _metavar(name: str, base: Any, choices: tuple[str, ...]) -> str:
+    if choices:
+        return "{" + ",".join(choices) + "}"
+    if typing.get_origin(base) is tuple:
+        return name.upper() + "[,...]"
+    return name.upper()
+
+
+def _convert(raw: Any, tp: Any, f: dataclasses.Field, source: str) -> Any:
+    base, optional = _unwrap_optional(tp)
+    if not isinstance(raw, str):  # bool flags arrive as bools from BooleanOptionalAction
+        return raw
+    text = raw.strip()
+    if optional and text.lower() in ("", "none", "null"):
+        return None
+    if typing.get_origin(base) is tuple:
+        item_tp = typing.get_args(base)[0]
+        items = [s.strip() for s in text.split(",") if s.strip()]
+        return tuple(_scalar(s, item_tp, (), source) for s in items)
+    return _scalar(text, base, _choices(f, base), source)
+
+
+def _scalar(text: str, tp: Any, choices: tuple[str, ...], source: str) -> Any:
+    if choices and text not in choices:
+        raise ConfigError(f"{source}={text!r}: expected one of {', '.join(choices)}")
+    if typing.get_origin(tp) is Literal:
+        return text
+    if tp is bool:
+        low = text.lower()
+        if low in _TRUE:
+            return True
+        if low in _FALSE:
+            return False
+        raise ConfigError(
+            f"{source}={text!r}: expected a boolean (1/0, true/false, yes/no, on/off)"
+        )
+    if tp in (int, float):
+        try:
+            return tp(text)
+        except ValueError:
+            raise ConfigError(f"{source}={text!r}: expected {tp.__name__}") from None
+    if tp is str:
+        return text
+    raise TypeError(f"unsupported config field type {tp} ({source})")

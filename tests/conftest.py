@@ -1,0 +1,54 @@
+"""Shared pytest fixtures.
+
+Mesh fixtures (real nats-server on a free port) come first; other engineers append their own
+fixtures in the clearly marked section at the end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+import pytest_asyncio
+
+from shared.nats_server import NatsServer
+
+# --- mesh: NATS -----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def nats_server() -> Iterator[str]:
+    """A fresh nats-server (JetStream on) for one test; yields its URL, e.g. nats://127.0.0.1:41234."""
+    with NatsServer() as server:
+        yield server.url
+
+
+@pytest.fixture(scope="module")
+def nats_server_module() -> Iterator[str]:
+    """One nats-server shared by every test of a module (cheaper; tests must not rely on a clean
+    server, e.g. use unique subjects or worker ids)."""
+    with NatsServer() as server:
+        yield server.url
+
+
+@pytest.fixture
+def nats_server_process() -> Iterator[NatsServer]:
+    """The NatsServer object itself, for tests that stop and restart it (same port)."""
+    server = NatsServer()
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest_asyncio.fixture
+async def nats_client(nats_server: str) -> AsyncIterator[object]:
+    """A connected nats-py client on the per-test server."""
+    from shared.nats_service import connect_nats
+
+    async with connect_nats(nats_server, "pytest") as nc:
+        yield nc
+
+
+# --- fixtures from other engineers below this line (append only) ---------------------------

@@ -1,0 +1,166 @@
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Literal
+
+import pytest
+
+from shared.service_config import (
+    DEFAULT_NATS_URL,
+    ConfigError,
+    add_config_arguments,
+    config_from_args,
+    config_to_argv,
+    known_env_keys,
+    option,
+    unknown_env_keys,
+)
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    nats_url: str = DEFAULT_NATS_URL
+    num_blocks: int = 64
+    heartbeat_s: float = 1.0
+    is_verbose: bool = False
+    mode: Literal["disagg", "colocated"] = "disagg"
+    transport: str = option("auto", help="kv transport", choices=("auto", "shm", "tcp"))
+    max_tokens: int | None = None
+    ports: tuple[int, ...] = (1, 2)
+
+    def __post_init__(self) -> None:
+        if self.num_blocks <= 0:
+            raise ValueError(f"num_blocks must be > 0, got {self.num_blocks}")
+
+
+def parse(argv: list[str], env: dict[str, str] | None = None) -> DemoConfig:
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser, DemoConfig)
+    return config_from_args(DemoConfig, parser.parse_args(argv), env or {})
+
+
+def test_defaults_apply_without_flags_or_env() -> None:
+    assert parse([]) == DemoConfig()
+
+
+def test_flag_beats_env_beats_default() -> None:
+    env = {"KVMESH_NUM_BLOCKS": "10", "KVMESH_HEARTBEAT_S": "0.5"}
+    config = parse(["--num-blocks", "20"], env)
+    assert config.num_blocks == 20  # flag wins
+    assert config.heartbeat_s == 0.5  # env over default
+
+
+def test_types_are_converted_from_strings() -> None:
+    env = {
+        "KVMESH_IS_VERBOSE": "yes",
+        "KVMESH_MODE": "colocated",
+        "KVMESH_MAX_TOKENS": "7",
+        "KVMESH_PORTS": "5, 6,7",
+        "KVMESH_NATS_URL": "nats://nats:4222",
+    }
+    config = parse([], env)
+    assert config.is_verbose is True
+    assert config.mode == "colocated"
+    assert config.max_tokens == 7
+    assert config.ports == (5, 6, 7)
+    assert config.nats_url == "nats://nats:4222"
+
+
+def test_bool_flag_negation_overrides_env() -> None:
+    assert parse(["--no-is-verbose"], {"KVMESH_IS_VERBOSE": "1"}).is_verbose is False
+    assert parse(["--is-verbose"]).is_verbose is True
+
+
+def test_optional_accepts_none() -> None:
+    assert parse(["--max-tokens", "none"], {"KVMESH_MAX_TOKENS": "3"}).max_tokens is None
+
+
+@pytest.mark.parametrize(
+    ("env", "needle"),
+    [
+        ({"KVMESH_NUM_BLOCKS": "many"}, "KVMESH_NUM_BLOCKS='many': expected int"),
+        ({"KVMESH_IS_VERBOSE": "maybe"}, "expected a boolean"),
+        ({"KVMESH_MODE": "split"}, "expected one of disagg, colocated"),
+        ({"KVMESH_TRANSPORT": "carrier-pigeon"}, "expected one of auto, shm, tcp"),
+        ({"KVMESH_NUM_BLOCKS": "0"}, "DemoConfig: num_blocks must be > 0"),
+    ],
+)
+def test_bad_values_raise_config_error_naming_the_source(env: dict[str, str], needle: str) -> None:
+    with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+        parse([], env)
+
+
+def test_bad_flag_value_names_the_flag() -> None:
+    with pytest.raises(ConfigError, match="--heartbeat-s='fast'"):
+        parse(["--heartbeat-s", "fast"])
+
+
+def test_known_and_unknown_env_keys() -> None:
+    keys = known_env_keys(DemoConfig)
+    assert "KVMESH_NATS_URL" in keys and "KVMESH_PORTS" in keys and len(keys) == 8
+    env = {"KVMESH_NUM_BLOCKS": "1", "KVMESH_NUM_BLOKS": "2", "PATH": "/bin"}
+    assert unknown_env_keys(DemoConfig, env) == ["KVMESH_NUM_BLOKS"]
+
+
+def test_config_to_argv_round_trips() -> None:
+    config = DemoConfig(num_blocks=3, is_verbose=True, mode="colocated", max_tokens=9, ports=(8,))
+    assert parse(config_to_argv(config)) == config
+
+
+def test_overrides_win_over_flags() -> None:
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser, DemoConfig, exclude=("mode",))
+    args = parser.parse_args([])
+    assert config_from_args(DemoConfig, args, {"KVMESH_MODE": "disagg"}, mode="colocated").mode == (
+        "colocated"
+    )
+
+
+# --- `kvmesh serve`: the contract with services/<name> ----------------------------------------
+
+
+def test_serve_builds_a_service_config_from_flags_and_env() -> None:
+    from shared.commands.serve import build_service_config
+
+    env = {"KVMESH_HEARTBEAT_S": "0.5", "KVMESH_LOG_FORMAT": "json"}
+    spec, config, log_config = build_service_config(
+        "kv-registry", ["--nats-url", "nats://nats:4222", "--missed-heartbeats", "5"], env
+    )
+    assert spec.module.__name__ == "services.kv_registry"
+    assert (config.nats_url, config.heartbeat_s, config.missed_heartbeats) == (
+        "nats://nats:4222",
+        0.5,
+        5,
+    )
+    assert (log_config.log_level, log_config.log_format) == ("info", "json")
+
+
+def test_serve_colocated_is_decode_with_mode_forced() -> None:
+    from shared.commands.serve import build_service_config, service_env_keys
+
+    spec, config, _ = build_service_config("colocated", [], {"KVMESH_MODE": "disagg"})
+    assert spec.module.__name__ == "services.decode" and config.mode == "colocated"
+    assert "KVMESH_MODE" not in service_env_keys("colocated")
+    with pytest.raises(SystemExit):  # --mode is not a flag of `serve colocated`
+        build_service_config("colocated", ["--mode", "disagg"], {})
+
+
+def test_serve_reports_a_missing_service_module_clearly(monkeypatch: pytest.MonkeyPatch) -> None:
+    from shared.commands import serve
+
+    monkeypatch.setitem(serve.SERVICES, "draft", ("services.draft_not_built", {}))
+    with pytest.raises(serve.ServiceNotAvailableError, match="does not exist in this checkout"):
+        serve.load_service("draft")
+    with pytest.raises(serve.ServiceNotAvailableError, match="unknown service 'nope'"):
+        serve.load_service("nope")
+
+
+def test_every_service_config_follows_the_contract() -> None:
+    from shared.commands.serve import SERVICES, load_service
+
+    for name in SERVICES:
+        spec = load_service(name)
+        keys = known_env_keys(spec.config_cls)
+        assert {"KVMESH_NATS_URL", "KVMESH_WORKER_ID"} <= keys, name
+        assert spec.config_cls().nats_url == DEFAULT_NATS_URL  # every field has a default
