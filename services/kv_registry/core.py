@@ -1,0 +1,362 @@
+"""The registry's state and placement policy: pure, synchronous, clock passed in.
+
+The decode workers own their free lists and enforce their leases; the registry keeps a soft view
+(the latest DecodeAdvert of each worker, corrected for the reservations granted since), picks a
+worker for each PlaceRequest, and tracks leases for status and expiry. Everything here can be
+rebuilt from the workers' periodic adverts, which is what a restarted registry does.
+
+Placement policy (``choose``): skip dead, draining and mismatched workers (mode, KV layout, a
+prompt larger than the whole pool); among workers with enough estimated free blocks for the
+prompt take the lowest load (running + waiting + reservations in flight), then the most free
+blocks, then the id. Prefix overlap is not scored yet.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from shared.protocol import DecodeAdvert, PlaceReply, PlaceRequest, WorkerHeartbeat
+
+
+@dataclass(slots=True)
+class DecodeWorker:
+    """A decode (or colocated) worker as the registry sees it."""
+
+    advert: DecodeAdvert
+    last_seen: float  # registry clock
+    interval_s: float = 0.0  # the worker's observed publish interval (slowly decaying max gap)
+    reserved_since_advert: int = 0  # blocks granted after the advert was received
+    inflight_blocks: int = 0  # blocks asked for, reply not in yet
+    num_inflight: int = 0
+    is_draining: bool = False  # set by admin drain before the worker's next advert says so
+
+    @property
+    def worker_id(self) -> str:
+        return self.advert.worker_id
+
+    @property
+    def state(self) -> str:
+        return "draining" if self.is_draining else self.advert.state
+
+    @property
+    def free_blocks(self) -> int:
+        """Estimated free blocks: advertised, less what was handed out since (never < 0)."""
+        return max(0, self.advert.free_blocks - self.reserved_since_advert - self.inflight_blocks)
+
+    @property
+    def load(self) -> int:
+        return self.advert.num_running + self.advert.num_waiting + self.num_inflight
+
+
+@dataclass(slots=True)
+class PeerWorker:
+    """Any worker known only by its heartbeats (prefill, router, draft, ...)."""
+
+    heartbeat: WorkerHeartbeat
+    last_seen: float
+    interval_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    lease_id: str
+    request_id: str
+    worker_id: str
+    block_ids: tuple[int, ...]
+    granted_at: float
+    expires_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """The worker ``choose`` picked and how many blocks to reserve there."""
+
+    worker_id: str
+    num_blocks: int
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """No placement: ``retry_after_s > 0`` means overloaded (try later), 0 means do not retry."""
+
+    error: str
+    retry_after_s: float = 0.0
+
+
+@dataclass(slots=True)
+class LeaseCounters:
+    granted: int = 0
+    completed: int = 0
+    expired: int = 0
+    dropped: int = 0  # their worker died
+
+
+def _seen(entry: DecodeWorker | PeerWorker, now: float) -> None:
+    """Refresh last-seen and learn the worker's interval: a router heartbeating every 2 s must not
+    be declared dead by a registry that expects 1 s."""
+    entry.interval_s = max(now - entry.last_seen, 0.9 * entry.interval_s)
+    entry.last_seen = now
+
+
+@dataclass(slots=True)
+class Registry:
+    """``worker_timeout_s`` = missed heartbeats x the expected interval; a worker observed to
+    publish more slowly gets missed heartbeats x its own interval instead."""
+
+    worker_timeout_s: float
+    missed_heartbeats: int = 3
+    retry_after_s: float = 0.5
+    kv_spec: str = ""  # "" accepts any layout
+    decode: dict[str, DecodeWorker] = field(default_factory=dict)
+    peers: dict[str, PeerWorker] = field(default_factory=dict)
+    leases: dict[str, Lease] = field(default_factory=dict)
+    counters: LeaseCounters = field(default_factory=LeaseCounters)
+    # worker id -> last seen, for workers dropped recently: if one comes back, the gap teaches
+    # the registry its interval (else a worker slower than 1/missed of the timeout would flap)
+    dropped_at: dict[str, float] = field(default_factory=dict)
+
+    # --- what the workers tell us ---------------------------------------------------------------
+
+    def observe_advert(self, advert: DecodeAdvert, now: float) -> bool:
+        """Record a worker's advert; returns True for a worker not known before."""
+        worker = self.decode.get(advert.worker_id)
+        if worker is None:
+            self.peers.pop(advert.worker_id, None)  # its heartbeat may have come first
+            self.decode[advert.worker_id] = DecodeWorker(
+                advert=advert, last_seen=now, interval_s=self._returning(advert.worker_id, now)
+            )
+            return True
+        worker.advert = advert
+        _seen(worker, now)
+        worker.reserved_since_advert = 0  # the advert counts every reservation replied before it
+        if advert.state == "ready":
+            worker.is_draining = False  # the worker says it resumed (or never drained)
+        return False
+
+    def observe_heartbeat(self, heartbeat: WorkerHeartbeat, now: float) -> None:
+        worker = self.decode.get(heartbeat.worker_id)
+        if worker is not None:
+            _seen(worker, now)
+            return
+        peer = self.peers.get(heartbeat.worker_id)
+        if peer is None:
+            self.peers[heartbeat.worker_id] = PeerWorker(
+                heartbeat=heartbeat,
+                last_seen=now,
+                interval_s=self._returning(heartbeat.worker_id, now),
+            )
+        else:
+            peer.heartbeat = heartbeat
+            _seen(peer, now)
+
+    def mark_draining(self, worker_id: str, is_draining: bool) -> bool:
+        """Admin drain/resume: stop (or restart) placing on the worker now. False if unknown."""
+        worker = self.decode.get(worker_id)
+        if worker is None:
+            return False
+        worker.is_draining = is_draining
+        return True
+
+    def expire(self, now: float) -> tuple[list[str], list[Lease]]:
+        """Drop workers silent for longer than worker_timeout_s and leases past their TTL.
+
+        Returns (dropped worker ids, expired leases)."""
+        dead = [w for w, d in self.decode.items() if not self._is_alive(d, now)]
+        dead += [w for w, p in self.peers.items() if not self._is_alive(p, now)]
+        for worker_id in dead:
+            entry = self.decode.pop(worker_id, None) or self.peers.pop(worker_id)
+            self.dropped_at[worker_id] = entry.last_seen
+        for worker_id, last_seen in list(self.dropped_at.items()):
+            if now - last_seen > 10 * self.worker_timeout_s:
+                del self.dropped_at[worker_id]
+        dead_set = set(dead)
+        expired: list[Lease] = []
+        for lease in list(self.leases.values()):
+            if lease.worker_id in dead_set:
+                del self.leases[lease.lease_id]
+                self.counters.dropped += 1
+            elif lease.expires_at <= now:
+                del self.leases[lease.lease_id]
+                self.counters.expired += 1
+                expired.append(lease)
+        return dead, expired
+
+    def _returning(self, worker_id: str, now: float) -> float:
+        last_seen = self.dropped_at.pop(worker_id, None)
+        return 0.0 if last_seen is None else now - last_seen
+
+    def timeout_of(self, entry: DecodeWorker | PeerWorker) -> float:
+        return max(self.worker_timeout_s, self.missed_heartbeats * entry.interval_s)
+
+    def _is_alive(self, entry: DecodeWorker | PeerWorker, now: float) -> bool:
+        return now - entry.last_seen <= self.timeout_of(entry)
+
+    # --- placement ------------------------------------------------------------------------------
+
+    def blocks_needed(self, worker: DecodeWorker, num_prompt_tokens: int) -> int:
+        return max(1, math.ceil(num_prompt_tokens / worker.advert.block_size))
+
+    def choose(
+        self, request: PlaceRequest, now: float, exclude: frozenset[str] = frozenset()
+    ) -> Candidate | Refusal:
+        """Pick a decode worker for ``request`` and count the reservation as in flight there.
+
+        The caller must follow up with ``grant`` or ``release_inflight``."""
+        live = [
+            w for w in self.decode.values() if self._is_alive(w, now) and w.worker_id not in exclude
+        ]
+        if not live:
+            return Refusal("no live decode workers registered yet", self.retry_after_s)
+        eligible, reasons = [], set()
+        for w in live:
+            reason = self._mismatch(w, request)
+            if reason:
+                reasons.add(reason)
+            else:
+                eligible.append(w)
+        if not eligible:
+            retry = self.retry_after_s if reasons == {"draining"} else 0.0
+            return Refusal(
+                f"no decode worker can take this request: {', '.join(sorted(reasons))}", retry
+            )
+        with_room = [
+            w for w in eligible if w.free_blocks >= self.blocks_needed(w, len(request.prompt_ids))
+        ]
+        if not with_room:
+            return Refusal("every decode worker is full; retry later", self.retry_after_s)
+        best = min(with_room, key=lambda w: (w.load, -w.free_blocks, w.worker_id))
+        num_blocks = self.blocks_needed(best, len(request.prompt_ids))
+        best.inflight_blocks += num_blocks
+        best.num_inflight += 1
+        return Candidate(best.worker_id, num_blocks)
+
+    def _mismatch(self, worker: DecodeWorker, request: PlaceRequest) -> str:
+        if worker.state != "ready":
+            return "draining"
+        if not request.local_prefill and worker.advert.mode != "disagg":
+            return "colocated workers take local-prefill requests only"
+        if self.kv_spec and worker.advert.kv_spec != self.kv_spec:
+            return f"KV layout {worker.advert.kv_spec!r} != {self.kv_spec!r}"
+        if self.blocks_needed(worker, len(request.prompt_ids)) > worker.advert.total_blocks:
+            return (
+                f"prompt of {len(request.prompt_ids)} tokens exceeds a worker's whole KV pool "
+                f"({worker.advert.total_blocks} blocks of {worker.advert.block_size})"
+            )
+        return ""
+
+    def release_inflight(self, candidate: Candidate) -> None:
+        """The reservation failed (refused, timed out): forget it."""
+        worker = self.decode.get(candidate.worker_id)
+        if worker is not None:
+            worker.inflight_blocks = max(0, worker.inflight_blocks - candidate.num_blocks)
+            worker.num_inflight = max(0, worker.num_inflight - 1)
+
+    def grant(
+        self,
+        candidate: Candidate,
+        request: PlaceRequest,
+        lease_id: str,
+        block_ids: tuple[int, ...],
+        now: float,
+    ) -> PlaceReply:
+        """The worker reserved ``block_ids``: record the lease, build the reply with addresses."""
+        self.release_inflight(candidate)
+        worker = self.decode.get(candidate.worker_id)
+        if worker is None:  # dropped while we waited; its reply still stands
+            return PlaceReply(
+                ok=False,
+                request_id=request.request_id,
+                error=f"decode worker {candidate.worker_id} vanished during placement",
+                retry_after_s=self.retry_after_s,
+            )
+        advert = worker.advert
+        worker.reserved_since_advert += len(block_ids)
+        if not request.local_prefill:  # local prefill: no remote writes, no lease to watch
+            self.leases[lease_id] = Lease(
+                lease_id=lease_id,
+                request_id=request.request_id,
+                worker_id=worker.worker_id,
+                block_ids=block_ids,
+                granted_at=now,
+                expires_at=now + request.lease_ms / 1000.0,
+            )
+        self.counters.granted += 1
+        return PlaceReply(
+            ok=True,
+            request_id=request.request_id,
+            worker_id=worker.worker_id,
+            lease_id=lease_id,
+            descriptor=advert.descriptor,
+            rkey=advert.rkey,
+            block_ids=block_ids,
+            block_addrs=tuple(advert.base_addr + b * advert.block_bytes for b in block_ids),
+            block_bytes=advert.block_bytes,
+        )
+
+    def complete_lease(self, lease_id: str) -> Lease | None:
+        """The prefill finished (PrefillDone seen): the lease is over."""
+        lease = self.leases.pop(lease_id, None)
+        if lease is not None:
+            self.counters.completed += 1
+        return lease
+
+    # --- views (admin) --------------------------------------------------------------------------
+
+    def status(self, now: float) -> dict:
+        leases_by_worker: dict[str, int] = {}
+        for lease in self.leases.values():
+            leases_by_worker[lease.worker_id] = leases_by_worker.get(lease.worker_id, 0) + 1
+        decode = [
+            {
+                "worker_id": w.worker_id,
+                "role": "colocated" if w.advert.mode == "colocated" else "decode",
+                "state": w.state,
+                "total_blocks": w.advert.total_blocks,
+                "free_blocks": w.advert.free_blocks,
+                "free_blocks_estimate": w.free_blocks,
+                "running": w.advert.num_running,
+                "waiting": w.advert.num_waiting,
+                "leases": leases_by_worker.get(w.worker_id, 0),
+                "kv_spec": w.advert.kv_spec,
+                "last_seen_s": round(now - w.last_seen, 3),
+            }
+            for w in sorted(self.decode.values(), key=lambda w: w.worker_id)
+        ]
+        return {
+            "decode": decode,
+            "workers": self.workers(now),
+            "leases": {
+                "active": len(self.leases),
+                "granted": self.counters.granted,
+                "completed": self.counters.completed,
+                "expired": self.counters.expired,
+                "dropped": self.counters.dropped,
+            },
+        }
+
+    def workers(self, now: float) -> list[dict]:
+        """Every known worker, decode ones included, one row each."""
+        rows = [
+            {
+                "worker_id": w.worker_id,
+                "role": "colocated" if w.advert.mode == "colocated" else "decode",
+                "state": w.state,
+                "running": w.advert.num_running,
+                "waiting": w.advert.num_waiting,
+                "last_seen_s": round(now - w.last_seen, 3),
+            }
+            for w in self.decode.values()
+        ]
+        rows += [
+            {
+                "worker_id": p.heartbeat.worker_id,
+                "role": p.heartbeat.role,
+                "state": p.heartbeat.state,
+                "running": p.heartbeat.num_running,
+                "waiting": p.heartbeat.num_waiting,
+                "last_seen_s": round(now - p.last_seen, 3),
+            }
+            for p in self.peers.values()
+        ]
+        return sorted(rows, key=lambda r: (r["role"], r["worker_id"]))

@@ -1,0 +1,368 @@
+"""The kv-registry's NATS shell around ``core.Registry``.
+
+In: DecodeAdvert on REGISTRY_ADVERTISE, WorkerHeartbeat on HEARTBEAT_ALL, PrefillDone on
+``decode_prefill_done(*)`` (ends a lease), PlaceRequest on REGISTRY_PLACE and the admin subjects.
+Out: ReserveRequest to ``decode_reserve(worker)``, WorkerControl to ``worker_control(worker)``,
+LogLevel on CONTROL_LOG_LEVEL. Admin bodies are plain JSON; errors are ``{"error": "..."}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import nats.errors
+import orjson
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.micro.request import ERROR_HEADER, Request
+
+from services.kv_registry.config import RegistryConfig
+from services.kv_registry.core import Candidate, Refusal, Registry
+from shared import logs, protocol, subjects
+from shared.nats_service import (
+    connect_nats,
+    new_worker_id,
+    serve_until_signal,
+    worker_presence,
+)
+from shared.protocol import (
+    DecodeAdvert,
+    LogLevel,
+    PlaceReply,
+    PlaceRequest,
+    PrefillDone,
+    ProtocolError,
+    ReserveReply,
+    ReserveRequest,
+    WorkerControl,
+    WorkerHeartbeat,
+)
+
+log = logs.get_logger(__name__)
+
+ROLE = "kv-registry"
+
+
+class AdminError(ValueError):
+    """An admin request the registry cannot carry out; the message goes back as {"error": ...}."""
+
+
+class RegistryService:
+    def __init__(
+        self,
+        config: RegistryConfig,
+        nc: Client,
+        tg: asyncio.TaskGroup,
+        worker_id: str,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.nc = nc
+        self.tg = tg
+        self.worker_id = worker_id
+        self.clock = clock
+        self.started_at = time.time()
+        self.core = Registry(
+            worker_timeout_s=config.worker_timeout_s,
+            missed_heartbeats=config.missed_heartbeats,
+            retry_after_s=config.retry_after_s,
+            kv_spec=config.kv_spec,
+        )
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def heartbeat(self) -> WorkerHeartbeat:
+        return WorkerHeartbeat(
+            worker_id=self.worker_id,
+            role=ROLE,
+            state="ready",
+            num_running=len(self.core.leases),
+            started_at=self.started_at,
+            sent_at=time.time(),
+        )
+
+    # --- what the workers publish ---------------------------------------------------------------
+
+    async def on_advert(self, msg: Msg) -> None:
+        advert = _decode_or_log(msg, DecodeAdvert)
+        if advert is not None and self.core.observe_advert(advert, self.clock()):
+            log.info(
+                "decode worker joined",
+                worker_id=advert.worker_id,
+                mode=advert.mode,
+                total_blocks=advert.total_blocks,
+                free_blocks=advert.free_blocks,
+            )
+
+    async def on_heartbeat(self, msg: Msg) -> None:
+        heartbeat = _decode_or_log(msg, WorkerHeartbeat)
+        if heartbeat is not None:
+            self.core.observe_heartbeat(heartbeat, self.clock())
+
+    async def on_prefill_done(self, msg: Msg) -> None:
+        done = _decode_or_log(msg, PrefillDone)
+        if done is not None:
+            self.core.complete_lease(done.lease_id)
+
+    async def expiry_loop(self) -> None:
+        interval = min(0.5, self.config.heartbeat_s / 2)
+        while True:
+            dropped, expired = self.core.expire(self.clock())
+            for worker_id in dropped:
+                log.warning("worker dropped: no heartbeat or advert", worker_id=worker_id)
+            for lease in expired:
+                log.info(
+                    "lease expired (the decode worker frees its blocks)",
+                    lease_id=lease.lease_id,
+                    request_id=lease.request_id,
+                    worker_id=lease.worker_id,
+                )
+            await asyncio.sleep(interval)
+
+    # --- placement ------------------------------------------------------------------------------
+
+    async def on_place(self, req: Request) -> None:
+        # Reservations wait on decode workers: answer each in its own task so one slow worker
+        # does not hold up the subscription.
+        self._spawn(self._answer_place(req))
+
+    async def _answer_place(self, req: Request) -> None:
+        try:
+            request = protocol.decode(req.data, PlaceRequest)
+        except ProtocolError as exc:
+            reply = PlaceReply(ok=False, request_id=_request_id_of(req.data), error=str(exc))
+        else:
+            reply = await self.place(request)
+        await req.respond(protocol.encode(reply))
+
+    async def place(self, request: PlaceRequest) -> PlaceReply:
+        tried: set[str] = set()
+        errors: list[str] = []
+        for _ in range(self.config.max_reserve_attempts):
+            choice = self.core.choose(request, self.clock(), frozenset(tried))
+            if isinstance(choice, Refusal):
+                if not tried:
+                    return _refused(request, choice.error, choice.retry_after_s)
+                break
+            tried.add(choice.worker_id)
+            lease_id = uuid.uuid4().hex
+            reply = await self._reserve(choice, request, lease_id)
+            if reply.ok:
+                placed = self.core.grant(choice, request, lease_id, reply.block_ids, self.clock())
+                log.debug(
+                    "placed",
+                    request_id=request.request_id,
+                    worker_id=choice.worker_id,
+                    num_blocks=len(reply.block_ids),
+                )
+                return placed
+            self.core.release_inflight(choice)
+            errors.append(f"{choice.worker_id}: {reply.error}")
+        return _refused(
+            request,
+            f"no decode worker accepted the request ({'; '.join(errors)})",
+            self.config.retry_after_s,
+        )
+
+    async def _reserve(
+        self, choice: Candidate, request: PlaceRequest, lease_id: str
+    ) -> ReserveReply:
+        body = ReserveRequest(
+            request_id=request.request_id,
+            prompt_ids=request.prompt_ids,
+            sampling=request.sampling,
+            local_prefill=request.local_prefill,
+            lease_id=lease_id,
+            lease_ms=request.lease_ms,
+        )
+        refuse = lambda error: ReserveReply(ok=False, worker_id=choice.worker_id, error=error)
+        try:
+            msg = await self.nc.request(
+                subjects.decode_reserve(choice.worker_id),
+                protocol.encode(body),
+                timeout=self.config.reserve_timeout_s,
+            )
+        except nats.errors.NoRespondersError:
+            return refuse("not listening for reservations")
+        except nats.errors.TimeoutError:
+            return refuse(f"no reserve reply within {self.config.reserve_timeout_s:g}s")
+        if msg.headers and ERROR_HEADER in msg.headers:
+            return refuse(msg.headers[ERROR_HEADER])
+        try:
+            reply = protocol.decode(msg.data, ReserveReply)
+        except ProtocolError as exc:
+            return refuse(f"malformed reserve reply: {exc}")
+        if reply.ok and reply.worker_id != choice.worker_id:
+            return refuse(f"reply names worker {reply.worker_id!r}")
+        return reply
+
+    # --- admin ----------------------------------------------------------------------------------
+
+    def admin_endpoints(self) -> dict[str, Callable[[dict[str, Any]], Awaitable[Any]]]:
+        return {
+            subjects.ADMIN_STATUS: self.admin_status,
+            subjects.ADMIN_WORKERS: self.admin_workers,
+            subjects.ADMIN_DRAIN: lambda body: self.admin_control(body, "drain"),
+            subjects.ADMIN_RESUME: lambda body: self.admin_control(body, "resume"),
+            subjects.ADMIN_LOG_LEVEL: self.admin_log_level,
+        }
+
+    def json_handler(
+        self, handle: Callable[[dict[str, Any]], Awaitable[Any]]
+    ) -> Callable[[Request], Awaitable[None]]:
+        async def handler(req: Request) -> None:
+            self._spawn(self._answer_json(req, handle))
+
+        return handler
+
+    async def _answer_json(
+        self, req: Request, handle: Callable[[dict[str, Any]], Awaitable[Any]]
+    ) -> None:
+        try:
+            body = orjson.loads(req.data) if req.data.strip() else {}
+            if not isinstance(body, dict):
+                raise AdminError("the request body must be a JSON object, e.g. '{}'")
+            result = await handle(body)
+        except orjson.JSONDecodeError as exc:
+            result = {"error": f"the request body is not JSON: {exc}"}
+        except AdminError as exc:
+            result = {"error": str(exc)}
+        await req.respond(orjson.dumps(result))
+
+    async def admin_status(self, body: dict[str, Any]) -> dict[str, Any]:
+        status = self.core.status(self.clock())
+        status["registry"] = {
+            "worker_id": self.worker_id,
+            "uptime_s": round(time.time() - self.started_at, 3),
+            "worker_timeout_s": self.config.worker_timeout_s,
+        }
+        return status
+
+    async def admin_workers(self, body: dict[str, Any]) -> dict[str, Any]:
+        return {"workers": self.core.workers(self.clock())}
+
+    async def admin_control(self, body: dict[str, Any], action: str) -> dict[str, Any]:
+        worker_id = body.get("worker")
+        if not isinstance(worker_id, str) or not worker_id:
+            raise AdminError(
+                f'{action} needs {{"worker": "<worker id>"}}; see `kvmesh admin workers`'
+            )
+        subject = subjects.worker_control(worker_id)
+        try:
+            msg = await self.nc.request(
+                subject,
+                protocol.encode(WorkerControl(action=action)),
+                timeout=self.config.admin_timeout_s,
+            )
+        except nats.errors.NoRespondersError:
+            raise AdminError(
+                f"no worker {worker_id!r} answers on {subject}; `kvmesh admin workers` lists them"
+            ) from None
+        except nats.errors.TimeoutError:
+            raise AdminError(
+                f"worker {worker_id!r} did not answer {action} within "
+                f"{self.config.admin_timeout_s:g}s"
+            ) from None
+        if msg.headers and ERROR_HEADER in msg.headers:
+            raise AdminError(f"worker {worker_id!r} refused {action}: {msg.headers[ERROR_HEADER]}")
+        self.core.mark_draining(worker_id, action == "drain")
+        log.info("worker control forwarded", worker_id=worker_id, action=action)
+        result: dict[str, Any] = {"ok": True, "worker": worker_id, "action": action}
+        with contextlib.suppress(orjson.JSONDecodeError):
+            reply = orjson.loads(msg.data) if msg.data else None
+            if isinstance(reply, dict) and "state" in reply:
+                result["state"] = reply["state"]
+        return result
+
+    async def admin_log_level(self, body: dict[str, Any]) -> dict[str, Any]:
+        level = body.get("level")
+        if not isinstance(level, str) or level.strip().lower() not in logs.LEVELS:
+            raise AdminError(
+                f'log-level needs {{"level": one of {", ".join(logs.LEVELS)}}}, got {level!r}'
+            )
+        level = level.strip().lower()
+        await self.nc.publish(subjects.CONTROL_LOG_LEVEL, protocol.encode(LogLevel(level=level)))
+        return {"ok": True, "level": level}
+
+    def _spawn(self, coro: Awaitable[None]) -> None:
+        self.tg.create_task(_logged(coro))
+
+
+async def _logged(coro: Awaitable[None]) -> None:
+    """A request task must never take the registry down: log and swallow what escapes it."""
+    try:
+        await coro
+    except nats.errors.Error as exc:
+        log.warning("could not answer a request", error=str(exc))
+    except Exception:
+        log.exception("request handler failed")
+
+
+def _refused(request: PlaceRequest, error: str, retry_after_s: float) -> PlaceReply:
+    return PlaceReply(
+        ok=False, request_id=request.request_id, error=error, retry_after_s=retry_after_s
+    )
+
+
+def _decode_or_log(msg: Msg, cls: type) -> Any:
+    try:
+        return protocol.decode(msg.data, cls)
+    except ProtocolError as exc:
+        log.warning("dropped a malformed message", subject=msg.subject, error=str(exc))
+        return None
+
+
+def _request_id_of(data: bytes) -> str:
+    with contextlib.suppress(orjson.JSONDecodeError):
+        raw = orjson.loads(data)
+        if isinstance(raw, dict) and isinstance(raw.get("request_id"), str):
+            return raw["request_id"]
+    return ""
+
+
+@contextlib.asynccontextmanager
+async def registry_service(config: RegistryConfig) -> AsyncIterator[RegistryService]:
+    """Connected, subscribed and answering; stops everything on exit."""
+    worker_id = config.worker_id or new_worker_id(ROLE)
+    async with connect_nats(config.nats_url, worker_id) as nc, asyncio.TaskGroup() as tg:
+        service = RegistryService(config, nc, tg, worker_id)
+        subs = [
+            await nc.subscribe(subjects.REGISTRY_ADVERTISE, cb=service.on_advert),
+            await nc.subscribe(subjects.HEARTBEAT_ALL, cb=service.on_heartbeat),
+            await nc.subscribe(subjects.decode_prefill_done("*"), cb=service.on_prefill_done),
+        ]
+        expiry = tg.create_task(service.expiry_loop())
+        try:
+            async with worker_presence(
+                nc,
+                role=ROLE,
+                worker_id=worker_id,
+                heartbeat=service.heartbeat,
+                interval_s=config.heartbeat_s,
+            ) as svc:
+                await svc.add_endpoint(
+                    name="place", subject=subjects.REGISTRY_PLACE, handler=service.on_place
+                )
+                for subject, handle in service.admin_endpoints().items():
+                    await svc.add_endpoint(
+                        name=subject.rsplit(".", 1)[-1],
+                        subject=subject,
+                        handler=service.json_handler(handle),
+                    )
+                await nc.flush()
+                log.info("kv-registry ready", worker_id=worker_id, nats_url=config.nats_url)
+                yield service
+        finally:
+            expiry.cancel()
+            for sub in subs:
+                with contextlib.suppress(nats.errors.Error):
+                    await sub.unsubscribe()
+
+
+async def run_registry(config: RegistryConfig) -> None:
+    async with registry_service(config):
+        await serve_until_signal()

@@ -1,0 +1,54 @@
+"""Admin requests to the kv-registry (plain JSON on the kvmesh.admin.* subjects)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+from nats.aio.client import Client
+
+from shared import subjects
+from shared.nats_service import NatsUnavailableError, connect_nats, request_json
+
+
+class AdminError(RuntimeError):
+    """The registry answered with {"error": ...}, or nobody answered."""
+
+
+class AdminClient:
+    def __init__(self, nc: Client, timeout_s: float = 3.0) -> None:
+        self.nc = nc
+        self.timeout_s = timeout_s
+
+    async def status(self) -> dict[str, Any]:
+        return await self._request(subjects.ADMIN_STATUS, {})
+
+    async def workers(self) -> list[dict[str, Any]]:
+        return (await self._request(subjects.ADMIN_WORKERS, {}))["workers"]
+
+    async def drain(self, worker_id: str) -> dict[str, Any]:
+        return await self._request(subjects.ADMIN_DRAIN, {"worker": worker_id})
+
+    async def resume(self, worker_id: str) -> dict[str, Any]:
+        return await self._request(subjects.ADMIN_RESUME, {"worker": worker_id})
+
+    async def log_level(self, level: str) -> dict[str, Any]:
+        return await self._request(subjects.ADMIN_LOG_LEVEL, {"level": level})
+
+    async def _request(self, subject: str, body: dict[str, Any]) -> Any:
+        try:
+            reply = await request_json(self.nc, subject, body, self.timeout_s)
+        except NatsUnavailableError as exc:
+            raise AdminError(str(exc)) from None
+        if isinstance(reply, dict) and "error" in reply:
+            raise AdminError(str(reply["error"]))
+        return reply
+
+
+@contextlib.asynccontextmanager
+async def admin_client(
+    nats_url: str, timeout_s: float = 3.0, connect_wait_s: float = 3.0
+) -> AsyncIterator[AdminClient]:
+    async with connect_nats(nats_url, "kvmesh-admin", connect_wait_s=connect_wait_s) as nc:
+        yield AdminClient(nc, timeout_s)

@@ -1,0 +1,151 @@
+"""``kvmesh admin status|workers|drain WORKER|resume WORKER|log-level LEVEL [--json]``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from shared.logs import LEVELS
+from shared.service_config import (
+    DEFAULT_NATS_URL,
+    ConfigError,
+    add_config_arguments,
+    config_from_args,
+    option,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class AdminConfig:
+    nats_url: str = option(DEFAULT_NATS_URL, help="NATS server URL")
+    admin_timeout_s: float = option(3.0, help="seconds to wait for the registry's answer")
+
+    def __post_init__(self) -> None:
+        if self.admin_timeout_s <= 0:
+            raise ValueError(f"admin_timeout_s must be positive, got {self.admin_timeout_s}")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser("admin", help="inspect and steer a running mesh (via the kv-registry)")
+    actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
+    specs: tuple[tuple[str, str, str | None], ...] = (
+        ("status", "decode pools (blocks, running, state), other workers, leases", None),
+        ("workers", "every live worker: role, state, load", None),
+        ("drain", "stop placing new requests on WORKER; running ones finish", "worker"),
+        ("resume", "place requests on WORKER again", "worker"),
+        ("log-level", "set the log level of every service", "level"),
+    )
+    for name, help_text, arg in specs:
+        p = actions.add_parser(name, help=help_text, description=help_text, allow_abbrev=False)
+        if arg == "worker":
+            p.add_argument("worker", help="worker id (see `kvmesh admin workers`)")
+        elif arg == "level":
+            p.add_argument("level", choices=LEVELS)
+        p.add_argument("--json", action="store_true", help="print the raw JSON reply")
+        add_config_arguments(p, AdminConfig)
+        p.set_defaults(func=_admin)
+
+
+def _admin(args: argparse.Namespace) -> int:
+    from shared import logs
+    from shared.admin_client import AdminError
+    from shared.nats_service import NatsUnavailableError
+
+    logs.setup_logging("warning")
+
+    try:
+        config = config_from_args(AdminConfig, args)
+    except ConfigError as exc:
+        print(f"kvmesh admin: {exc}", file=sys.stderr)
+        return 2
+    try:
+        result = asyncio.run(
+            run_admin(
+                config, args.action, getattr(args, "worker", None) or getattr(args, "level", None)
+            )
+        )
+    except (AdminError, NatsUnavailableError) as exc:
+        print(f"kvmesh admin {args.action}: {exc}", file=sys.stderr)
+        return 1
+    print(
+        json.dumps(result, indent=2, sort_keys=True) if args.json else render(args.action, result)
+    )
+    return 0
+
+
+async def run_admin(config: AdminConfig, action: str, arg: str | None) -> Any:
+    from shared.admin_client import admin_client
+
+    async with admin_client(config.nats_url, config.admin_timeout_s) as admin:
+        if action == "status":
+            return await admin.status()
+        if action == "workers":
+            return {"workers": await admin.workers()}
+        assert arg is not None, action
+        if action == "drain":
+            return await admin.drain(arg)
+        if action == "resume":
+            return await admin.resume(arg)
+        if action == "log-level":
+            return await admin.log_level(arg)
+    raise AssertionError(f"unknown admin action {action!r}")
+
+
+# --- rendering --------------------------------------------------------------------------------
+
+
+def render(action: str, result: dict[str, Any]) -> str:
+    if action == "status":
+        return render_status(result)
+    if action == "workers":
+        return table(
+            result["workers"], ("worker_id", "role", "state", "running", "waiting", "last_seen_s")
+        )
+    if action == "log-level":
+        return f"log level set to {result['level']} on every service"
+    state = f" (now {result['state']})" if "state" in result else ""
+    return f"{result['action']} sent to {result['worker']}{state}"
+
+
+def render_status(status: dict[str, Any]) -> str:
+    registry = status.get("registry", {})
+    leases = status.get("leases", {})
+    others = [w for w in status.get("workers", []) if w["role"] not in ("decode", "colocated")]
+    parts = [
+        f"kv-registry {registry.get('worker_id', '?')} (up {registry.get('uptime_s', 0):.0f}s)",
+        "",
+        "decode workers:",
+        table(
+            status.get("decode", []),
+            (
+                "worker_id",
+                "role",
+                "state",
+                "total_blocks",
+                "free_blocks",
+                "running",
+                "waiting",
+                "leases",
+            ),
+        ),
+        "",
+        "other workers:",
+        table(others, ("worker_id", "role", "state", "running", "waiting", "last_seen_s")),
+        "",
+        "leases: " + ", ".join(f"{k} {v}" for k, v in leases.items()),
+    ]
+    return "\n".join(parts)
+
+
+def table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
+    if not rows:
+        return "  (none)"
+    cells = [[str(row.get(c, "")) for c in columns] for row in rows]
+    widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
+    line = lambda values: "  " + "  ".join(v.ljust(w) for v, w in zip(values, widths, strict=True))
+    return "\n".join(line(r).rstrip() for r in [list(columns), *cells])

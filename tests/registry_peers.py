@@ -1,0 +1,141 @@
+"""A small decode worker speaking the real protocol over NATS, for the registry and admin tests.
+
+It owns a free list, reserves blocks under leases it enforces (frees them when the lease runs out
+before a PrefillDone), answers drain/resume, and advertises its state every ``interval_s``: what
+the registry needs from ``services/decode`` without loading a model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from shared import protocol, subjects
+from shared.nats_service import background, connect_nats, publish_every
+from shared.protocol import (
+    DecodeAdvert,
+    PrefillDone,
+    ReserveReply,
+    ReserveRequest,
+    WorkerControl,
+    WorkerHeartbeat,
+)
+
+BLOCK_SIZE = 16
+BLOCK_BYTES = 4096
+
+
+@dataclass
+class PeerDecode:
+    nc: Client
+    worker_id: str
+    total_blocks: int = 32
+    base_addr: int = 1 << 30
+    mode: str = "disagg"
+    state: str = "ready"
+    refuse_with: str = ""  # non-empty: refuse every reservation with this error
+    free: list[int] = field(default_factory=list)
+    leases: dict[str, tuple[tuple[int, ...], float]] = field(default_factory=dict)
+    reserves: list[ReserveRequest] = field(default_factory=list)
+    controls: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.free = list(range(self.total_blocks))
+
+    def advert(self) -> DecodeAdvert:
+        return DecodeAdvert(
+            worker_id=self.worker_id,
+            mode=self.mode,
+            descriptor={"backend": "tcp", "peer_id": self.worker_id, "host": "127.0.0.1"},
+            rkey=42,
+            base_addr=self.base_addr,
+            block_bytes=BLOCK_BYTES,
+            block_size=BLOCK_SIZE,
+            kv_spec="test-spec",
+            total_blocks=self.total_blocks,
+            free_blocks=len(self.free),
+            free_block_ranges=tuple((b, b + 1) for b in sorted(self.free)),
+            num_running=len(self.leases),
+            num_waiting=0,
+            state=self.state,
+            sent_at=time.time(),
+        )
+
+    async def on_reserve(self, msg: Msg) -> None:
+        req = protocol.decode(msg.data, ReserveRequest)
+        self.reserves.append(req)
+        need = -(-len(req.prompt_ids) // BLOCK_SIZE)
+        if self.refuse_with or self.state != "ready" or need > len(self.free):
+            error = self.refuse_with or f"{self.worker_id} cannot take {need} blocks"
+            await msg.respond(protocol.encode(ReserveReply(False, self.worker_id, error=error)))
+            return
+        blocks = tuple(self.free[:need])
+        del self.free[:need]
+        self.leases[req.lease_id] = (blocks, time.monotonic() + req.lease_ms / 1000)
+        await msg.respond(protocol.encode(ReserveReply(True, self.worker_id, block_ids=blocks)))
+
+    async def on_prefill_done(self, msg: Msg) -> None:
+        done = protocol.decode(msg.data, PrefillDone)
+        blocks, _ = self.leases.pop(done.lease_id, ((), 0.0))
+        self.free.extend(blocks)
+
+    async def on_control(self, msg: Msg) -> None:
+        action = protocol.decode(msg.data, WorkerControl).action
+        self.controls.append(action)
+        self.state = "draining" if action == "drain" else "ready"
+        beat = WorkerHeartbeat(self.worker_id, "decode", self.state, sent_at=time.time())
+        await msg.respond(protocol.encode(beat))
+
+    async def lease_loop(self) -> None:
+        while True:
+            now = time.monotonic()
+            for lease_id, (blocks, deadline) in list(self.leases.items()):
+                if deadline <= now:
+                    del self.leases[lease_id]
+                    self.free.extend(blocks)
+            await asyncio.sleep(0.05)
+
+
+@contextlib.asynccontextmanager
+async def peer_decode(
+    url: str, worker_id: str, *, interval_s: float = 0.1, **kw: object
+) -> AsyncIterator[PeerDecode]:
+    """Run a PeerDecode on its own connection until the block exits (then it goes silent)."""
+    async with connect_nats(url, worker_id) as nc:
+        peer = PeerDecode(nc, worker_id, **kw)  # type: ignore[arg-type]
+        subs = [
+            await nc.subscribe(subjects.decode_reserve(worker_id), cb=peer.on_reserve),
+            await nc.subscribe(subjects.decode_prefill_done(worker_id), cb=peer.on_prefill_done),
+            await nc.subscribe(subjects.worker_control(worker_id), cb=peer.on_control),
+        ]
+        async with background(
+            publish_every(nc, subjects.REGISTRY_ADVERTISE, peer.advert, interval_s),
+            peer.lease_loop(),
+        ):
+            await nc.flush()
+            yield peer
+        for sub in subs:
+            await sub.unsubscribe()
+
+
+async def wait_for(
+    predicate: Callable[[], Any], timeout_s: float = 5.0, interval_s: float = 0.02
+) -> None:
+    """Poll an (async or sync) predicate until it is truthy; fail the test after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        result = predicate()
+        if asyncio.iscoroutine(result):
+            result = await result
+        if result:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout_s}s")
+        await asyncio.sleep(interval_s)

@@ -1,0 +1,214 @@
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from services.kv_registry.core import Candidate, Refusal, Registry
+from shared.protocol import DecodeAdvert, PlaceRequest, SamplingOptions, WorkerHeartbeat
+
+BLOCK_BYTES = 4096
+BLOCK_SIZE = 16
+
+
+def advert(worker_id: str, **kw: object) -> DecodeAdvert:
+    fields = dict(
+        worker_id=worker_id,
+        mode="disagg",
+        descriptor={"backend": "tcp", "host": "127.0.0.1", "port": 1234, "peer_id": worker_id},
+        rkey=7,
+        base_addr=1 << 20,
+        block_bytes=BLOCK_BYTES,
+        block_size=BLOCK_SIZE,
+        kv_spec="4x2x64:bs16:float32",
+        total_blocks=100,
+        free_blocks=100,
+        free_block_ranges=((0, 100),),
+        num_running=0,
+        num_waiting=0,
+        state="ready",
+        sent_at=0.0,
+    )
+    fields.update(kw)
+    return DecodeAdvert(**fields)  # type: ignore[arg-type]
+
+
+def place(num_tokens: int, *, local: bool = False, request_id: str = "r1") -> PlaceRequest:
+    return PlaceRequest(
+        request_id=request_id,
+        prompt_ids=tuple(range(num_tokens)),
+        sampling=SamplingOptions(),
+        local_prefill=local,
+        lease_ms=2_000,
+    )
+
+
+@pytest.fixture
+def registry() -> Registry:
+    return Registry(worker_timeout_s=3.0, retry_after_s=0.5)
+
+
+def test_choose_prefers_lowest_load_among_workers_with_room(registry: Registry) -> None:
+    registry.observe_advert(advert("busy", num_running=5), now=0.0)
+    registry.observe_advert(advert("idle", num_running=1), now=0.0)
+    registry.observe_advert(advert("full", free_blocks=1, num_running=0), now=0.0)
+    choice = registry.choose(place(40), now=1.0)  # 3 blocks: "full" has no room
+    assert choice == Candidate("idle", 3)
+
+
+def test_choose_breaks_load_ties_by_free_blocks(registry: Registry) -> None:
+    registry.observe_advert(advert("a", free_blocks=10), now=0.0)
+    registry.observe_advert(advert("b", free_blocks=50), now=0.0)
+    assert registry.choose(place(16), now=0.0) == Candidate("b", 1)
+
+
+def test_choose_skips_draining_dead_and_mismatched_workers() -> None:
+    registry = Registry(worker_timeout_s=3.0, kv_spec="4x2x64:bs16:float32")
+    registry.observe_advert(advert("draining", state="draining"), now=10.0)
+    registry.observe_advert(advert("dead"), now=0.0)
+    registry.observe_advert(advert("other-model", kv_spec="32x8x128:bs16:bfloat16"), now=10.0)
+    registry.observe_advert(advert("colocated", mode="colocated"), now=10.0)
+    registry.observe_advert(advert("good", num_running=50), now=10.0)
+    assert registry.choose(place(10), now=10.0) == Candidate("good", 1)
+    # a colocated worker takes a local-prefill request
+    assert registry.choose(place(10, local=True), now=10.0, exclude=frozenset({"good"})) == (
+        Candidate("colocated", 1)
+    )
+
+
+def test_refusal_when_every_worker_is_full_asks_to_retry(registry: Registry) -> None:
+    registry.observe_advert(advert("a", free_blocks=2), now=0.0)
+    refusal = registry.choose(place(48), now=0.0)
+    assert isinstance(refusal, Refusal)
+    assert refusal.retry_after_s == 0.5 and "full" in refusal.error
+
+
+def test_refusal_for_a_prompt_larger_than_any_pool_is_final(registry: Registry) -> None:
+    registry.observe_advert(advert("a", total_blocks=4, free_blocks=4), now=0.0)
+    refusal = registry.choose(place(100), now=0.0)
+    assert isinstance(refusal, Refusal)
+    assert refusal.retry_after_s == 0.0 and "exceeds" in refusal.error
+
+
+def test_refusal_without_workers_asks_to_retry(registry: Registry) -> None:
+    refusal = registry.choose(place(1), now=0.0)
+    assert isinstance(refusal, Refusal) and refusal.retry_after_s > 0
+    assert "no live decode workers" in refusal.error
+
+
+def test_inflight_and_granted_blocks_count_until_the_next_advert(registry: Registry) -> None:
+    registry.observe_advert(advert("a", free_blocks=5), now=0.0)
+    first = registry.choose(place(48, request_id="r1"), now=0.0)  # 3 blocks in flight
+    assert first == Candidate("a", 3)
+    assert isinstance(registry.choose(place(48, request_id="r2"), now=0.0), Refusal)
+    reply = registry.grant(first, place(48, request_id="r1"), "lease-1", (0, 1, 2), now=0.0)
+    assert registry.decode["a"].free_blocks == 2
+    # the next advert already counts those three blocks: the estimate follows it
+    registry.observe_advert(advert("a", free_blocks=2), now=0.5)
+    assert registry.decode["a"].free_blocks == 2
+    assert reply.ok and reply.lease_id == "lease-1"
+
+
+def test_release_inflight_returns_the_estimate(registry: Registry) -> None:
+    registry.observe_advert(advert("a", free_blocks=3), now=0.0)
+    choice = registry.choose(place(48), now=0.0)
+    assert isinstance(choice, Candidate)
+    registry.release_inflight(choice)
+    assert registry.decode["a"].free_blocks == 3 and registry.decode["a"].load == 0
+
+
+def test_grant_computes_block_addresses_from_base_and_block_bytes(registry: Registry) -> None:
+    registry.observe_advert(advert("a", base_addr=1000), now=0.0)
+    choice = registry.choose(place(20), now=0.0)
+    assert isinstance(choice, Candidate)
+    reply = registry.grant(choice, place(20), "L", (5, 9), now=0.0)
+    assert reply.block_addrs == (1000 + 5 * BLOCK_BYTES, 1000 + 9 * BLOCK_BYTES)
+    assert reply.block_bytes == BLOCK_BYTES and reply.rkey == 7
+    assert reply.descriptor["peer_id"] == "a" and reply.worker_id == "a"
+
+
+def test_lease_expires_after_ttl_and_completed_lease_does_not(registry: Registry) -> None:
+    registry.observe_advert(advert("a"), now=0.0)
+    for rid, lease in (("r1", "L1"), ("r2", "L2")):
+        choice = registry.choose(place(16, request_id=rid), now=0.0)
+        assert isinstance(choice, Candidate)
+        registry.grant(choice, place(16, request_id=rid), lease, (0,), now=0.0)
+    assert registry.complete_lease("L1") is not None
+    registry.observe_advert(advert("a"), now=1.9)
+    assert registry.expire(now=1.9) == ([], [])
+    dropped, expired = registry.expire(now=2.0)  # lease_ms=2000
+    assert dropped == [] and [lease.lease_id for lease in expired] == ["L2"]
+    assert registry.counters.completed == 1 and registry.counters.expired == 1
+    assert registry.leases == {}
+
+
+def test_local_prefill_grants_no_lease(registry: Registry) -> None:
+    registry.observe_advert(advert("a"), now=0.0)
+    choice = registry.choose(place(16, local=True), now=0.0)
+    assert isinstance(choice, Candidate)
+    reply = registry.grant(choice, place(16, local=True), "L", (), now=0.0)
+    assert reply.ok and registry.leases == {}
+
+
+def test_silent_worker_is_dropped_with_its_leases(registry: Registry) -> None:
+    registry.observe_advert(advert("a"), now=0.0)
+    registry.observe_heartbeat(
+        WorkerHeartbeat(worker_id="p1", role="prefill", state="ready"), now=0.0
+    )
+    choice = registry.choose(place(16), now=0.0)
+    assert isinstance(choice, Candidate)
+    registry.grant(choice, dataclasses.replace(place(16), lease_ms=60_000), "L", (0,), now=0.0)
+    registry.observe_heartbeat(WorkerHeartbeat(worker_id="a", role="decode", state="ready"), 2.5)
+    assert registry.expire(now=3.1) == (["p1"], [])  # the decode heartbeat kept "a" alive
+    assert registry.expire(now=5.6) == ([], [])  # "a" was seen after 2.5 s: 3 x 2.5 s grace
+    dropped, expired = registry.expire(now=10.1)
+    assert dropped == ["a"] and expired == []
+    assert registry.leases == {} and registry.counters.dropped == 1
+    assert isinstance(registry.choose(place(16), now=10.1), Refusal)
+
+
+def test_mark_draining_stops_placement_until_the_worker_says_ready(registry: Registry) -> None:
+    registry.observe_advert(advert("a"), now=0.0)
+    assert registry.mark_draining("a", True)
+    assert not registry.mark_draining("nobody", True)
+    refusal = registry.choose(place(16), now=0.0)
+    assert isinstance(refusal, Refusal) and "draining" in refusal.error
+    registry.observe_advert(advert("a", state="ready"), now=0.1)
+    assert registry.choose(place(16), now=0.1) == Candidate("a", 1)
+
+
+def test_status_lists_decode_pools_and_peers(registry: Registry) -> None:
+    registry.observe_advert(advert("d1", free_blocks=40, num_running=3), now=0.0)
+    registry.observe_heartbeat(WorkerHeartbeat("p1", "prefill", "ready", num_running=1), now=0.0)
+    status = registry.status(now=1.0)
+    (d1,) = status["decode"]
+    assert (d1["worker_id"], d1["total_blocks"], d1["free_blocks"], d1["running"]) == (
+        "d1",
+        100,
+        40,
+        3,
+    )
+    assert d1["state"] == "ready" and d1["last_seen_s"] == 1.0
+    roles = {(w["worker_id"], w["role"]) for w in status["workers"]}
+    assert roles == {("d1", "decode"), ("p1", "prefill")}
+    assert status["leases"]["active"] == 0
+
+
+def test_worker_heartbeating_slower_than_expected_is_not_dropped(registry: Registry) -> None:
+    beat = WorkerHeartbeat(worker_id="router-0", role="router", state="ready")
+    for now in (0.0, 5.0, 10.0):  # every 5 s against an expected 1 s (timeout 3 s)
+        registry.observe_heartbeat(beat, now=now)
+        assert registry.expire(now=now) == ([], [])
+    assert registry.expire(now=24.0) == ([], [])  # 3 missed intervals of ~5 s: still alive
+    assert registry.expire(now=26.0) == (["router-0"], [])
+
+
+def test_worker_slower_than_the_timeout_stops_flapping_once_it_returns() -> None:
+    registry = Registry(worker_timeout_s=0.6)  # e.g. heartbeat_s 0.2 x 3 missed
+    beat = WorkerHeartbeat(worker_id="router-0", role="router", state="ready")
+    registry.observe_heartbeat(beat, now=0.0)
+    assert registry.expire(now=1.0) == (["router-0"], [])  # its 2 s interval is not known yet
+    registry.observe_heartbeat(beat, now=2.0)  # back: the 2 s gap is learned
+    for now in (3.0, 4.0, 5.9):
+        assert registry.expire(now=now) == ([], [])
+    assert registry.expire(now=8.1) == (["router-0"], [])  # 3 x 2 s of silence
