@@ -1,0 +1,82 @@
+"""kvmesh router: the OpenAI-compatible HTTP API (SSE streaming) in front of the mesh.
+
+``kvmesh serve router`` builds ``CONFIG`` from flags and KVMESH_* env and calls ``run(config)``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from services.router.app import Router, build_app, serve_http
+from services.router.config import RouterConfig
+from services.router.model_info import load_model_info
+from shared import logs
+from shared.nats_service import connect_nats, new_worker_id, serve_until_signal, worker_presence
+from shared.protocol import WorkerHeartbeat
+
+CONFIG = RouterConfig
+
+log = logs.get_logger(__name__)
+
+__all__ = ["CONFIG", "RouterConfig", "RunningRouter", "run", "serve_router"]
+
+
+@dataclass(frozen=True, slots=True)
+class RunningRouter:
+    router: Router
+    port: int
+    worker_id: str
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+@asynccontextmanager
+async def serve_router(config: RouterConfig) -> AsyncIterator[RunningRouter]:
+    """The router, connected to NATS and serving HTTP, for the duration of the block."""
+    model = load_model_info(config.model, config.model_id, config.max_model_len)
+    worker_id = config.worker_id or new_worker_id("router")
+    started_at = time.time()
+    async with connect_nats(config.nats_url, worker_id) as nc:
+        router = Router(config=config, model=model, nc=nc)
+
+        def heartbeat() -> WorkerHeartbeat:
+            return WorkerHeartbeat(
+                worker_id=worker_id,
+                role="router",
+                state="ready",
+                num_running=router.num_in_flight,
+                started_at=started_at,
+                sent_at=time.time(),
+            )
+
+        async with (
+            worker_presence(
+                nc,
+                role="router",
+                worker_id=worker_id,
+                heartbeat=heartbeat,
+                interval_s=config.heartbeat_s,
+                metadata={"model": model.name},
+            ),
+            serve_http(build_app(router), config.host, config.port) as port,
+        ):
+            log.info(
+                "router serving",
+                worker_id=worker_id,
+                model=model.name,
+                port=port,
+                mode=config.mode,
+                max_model_len=model.max_model_len,
+            )
+            yield RunningRouter(router=router, port=port, worker_id=worker_id)
+
+
+async def run(config: RouterConfig) -> None:
+    """Serve until SIGTERM/SIGINT."""
+    async with serve_router(config):
+        await serve_until_signal()

@@ -1,0 +1,300 @@
+"""The router's aiohttp application: OpenAI routes over a ``Dispatcher``.
+
+Handlers stay thin: parse and validate (api), run on the mesh (dispatch), turn tokens into text
+(output) and bodies or SSE chunks (responses). Errors before the first byte are JSON error bodies
+with their status; errors after a stream has started are an SSE error event and ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing, asynccontextmanager
+from dataclasses import dataclass, field
+
+import orjson
+from aiohttp import web
+from nats.aio.client import Client as NATS
+
+from services.router.api import GenerateRequest, parse_chat, parse_completion, parse_json_body
+from services.router.config import RouterConfig
+from services.router.dispatch import Dispatcher, MeshRequest
+from services.router.errors import (
+    ApiError,
+    InternalError,
+    MethodNotAllowedError,
+    ModelNotFoundError,
+    RouteNotFoundError,
+    ServiceUnavailableError,
+)
+from services.router.metrics import RequestTimer, RouterMetrics
+from services.router.model_info import ModelInfo
+from services.router.openapi import openapi_document
+from services.router.output import OutputText
+from services.router.prompt import Prompt, tokenize
+from services.router.responses import (
+    SSE_DONE,
+    ResponseBuilder,
+    Usage,
+    error_event,
+    new_request_id,
+    sse_event,
+)
+from shared import logs
+
+log = logs.get_logger(__name__)
+
+CLIENT_CLOSED = 499  # nginx's status for "the client went away"; only used in metrics
+
+
+@dataclass(slots=True)
+class Router:
+    """State shared by the handlers of one router process."""
+
+    config: RouterConfig
+    model: ModelInfo
+    nc: NATS
+    metrics: RouterMetrics = field(default_factory=RouterMetrics)
+    started_at: int = field(default_factory=lambda: int(time.time()))
+    num_in_flight: int = 0
+    dispatcher: Dispatcher = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.dispatcher = Dispatcher(self.nc, self.config, self.metrics)
+
+    # --- generation ----------------------------------------------------------------------------
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, parse_completion)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, parse_chat)
+
+    async def _generate(
+        self,
+        http: web.Request,
+        parse: Callable[[dict, str], GenerateRequest],
+    ) -> web.StreamResponse:
+        arrived_at = time.monotonic()
+        status = 200
+        try:
+            body = parse_json_body(await http.read())
+            request = parse(body, self.model.name)
+            prompt = tokenize(request, self.model.tokenizer, self.model.max_model_len)
+            if self.num_in_flight >= self.config.max_concurrent_requests:
+                raise ServiceUnavailableError(
+                    f"the router is serving {self.num_in_flight} requests, its limit "
+                    "(--max-concurrent-requests); retry shortly"
+                )
+            self.num_in_flight += 1
+            self.metrics.in_flight.value = self.num_in_flight
+            try:
+                timer = RequestTimer(self.metrics, arrived_at)
+                if request.stream:
+                    response, status = await self._stream(http, request, prompt, timer)
+                    return response
+                return await self._complete(request, prompt, timer)
+            finally:
+                self.num_in_flight -= 1
+                self.metrics.in_flight.value = self.num_in_flight
+        except ApiError as exc:
+            status = exc.status
+            if status >= 500:
+                log.warning("request failed", path=http.path, status=status, error=exc.message)
+            return error_response(exc)
+        except (asyncio.CancelledError, ConnectionError):
+            status = CLIENT_CLOSED
+            raise
+        finally:
+            self.metrics.requests.inc(http.path, str(status))
+
+    async def _complete(
+        self, request: GenerateRequest, prompt: Prompt, timer: RequestTimer
+    ) -> web.Response:
+        response_id = new_request_id(request.kind)
+        builder = ResponseBuilder.for_request(request, response_id)
+        output = OutputText(self.model.tokenizer, prompt.prompt_ids, request.stop)
+        async with self.dispatcher.open(response_id, prompt, timer) as mesh:
+            finish_reason = await _relay(mesh, output, None)
+        output.finish()
+        timer.on_finish(finish_reason, len(prompt.prompt_ids), output.num_tokens)
+        usage = Usage(len(prompt.prompt_ids), output.num_tokens)
+        return _json_response(builder.full(output.text, finish_reason, usage))
+
+    async def _stream(
+        self, http: web.Request, request: GenerateRequest, prompt: Prompt, timer: RequestTimer
+    ) -> tuple[web.StreamResponse, int]:
+        """The SSE response and the status to count it under (an error after the first byte
+        keeps the 200 status line but is counted as what it was)."""
+        response_id = new_request_id(request.kind)
+        builder = ResponseBuilder.for_request(request, response_id)
+        output = OutputText(self.model.tokenizer, prompt.prompt_ids, request.stop)
+        response = web.StreamResponse(
+            headers={
+                "Content-Type": "text/event-stream; charset=utf-8",
+                "Cache-Control": "no-cache",
+                "X-Accel-Buffering": "no",
+            }
+        )
+
+        async def send_text(text: str) -> None:
+            if text:
+                await response.write(sse_event(builder.text_chunk(text)))
+
+        status = 200
+        try:
+            async with self.dispatcher.open(response_id, prompt, timer) as mesh:
+                # Placed: from here on errors go into the stream, not the status line.
+                await response.prepare(http)
+                role_chunk = builder.role_chunk()
+                if role_chunk is not None:
+                    await response.write(sse_event(role_chunk))
+                finish_reason = await _relay(mesh, output, send_text)
+            await send_text(output.finish())
+            await response.write(sse_event(builder.finish_chunk(finish_reason)))
+            if request.include_usage:
+                usage = Usage(len(prompt.prompt_ids), output.num_tokens)
+                await response.write(sse_event(builder.usage_chunk(usage)))
+            await response.write(SSE_DONE)
+            timer.on_finish(finish_reason, len(prompt.prompt_ids), output.num_tokens)
+        except ApiError as exc:
+            if not response.prepared:
+                raise
+            status = exc.status
+            log.warning("stream failed", request_id=response_id, status=status, error=exc.message)
+            await response.write(error_event(exc))
+            await response.write(SSE_DONE)
+        await response.write_eof()
+        return response, status
+
+    # --- the rest ------------------------------------------------------------------------------
+
+    async def models(self, request: web.Request) -> web.Response:
+        return _json_response({"object": "list", "data": [self._model_card()]})
+
+    async def model_detail(self, request: web.Request) -> web.Response:
+        name = request.match_info["model"]
+        if name != self.model.name:
+            raise ModelNotFoundError(
+                f"the model {name!r} does not exist here; this router serves {self.model.name!r}",
+                param="model",
+            )
+        return _json_response(self._model_card())
+
+    def _model_card(self) -> dict:
+        return {
+            "id": self.model.name,
+            "object": "model",
+            "created": self.started_at,
+            "owned_by": "kvmesh",
+            "max_model_len": self.model.max_model_len,
+        }
+
+    async def health(self, request: web.Request) -> web.Response:
+        if not self.nc.is_connected:
+            return _json_response(
+                {"status": "unavailable", "reason": "not connected to NATS"}, status=503
+            )
+        return _json_response({"status": "ok", "model": self.model.name})
+
+    async def metrics_text(self, request: web.Request) -> web.Response:
+        return web.Response(
+            body=self.metrics.render().encode(),
+            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
+        )
+
+    async def openapi(self, request: web.Request) -> web.Response:
+        return _json_response(openapi_document(self.model.name))
+
+
+async def _relay(
+    mesh: MeshRequest,
+    output: OutputText,
+    send_text: Callable[[str], Awaitable[None]] | None,
+) -> str:
+    """Feed the mesh's tokens into ``output`` (and out, when streaming) until the end; returns
+    the finish reason. A stop string ends the request here and aborts the rest of it."""
+    async with aclosing(mesh.events()) as events:
+        async for event in events:
+            text = output.add(event.token_ids)
+            if send_text is not None:
+                await send_text(text)
+            if output.is_stopped:
+                await mesh.abort("stop string")
+                return "stop"
+            if event.finish_reason is not None:
+                return event.finish_reason
+    raise AssertionError("events() ended without a finish_reason")
+
+
+def error_response(exc: ApiError) -> web.Response:
+    return _json_response(exc.body(), status=exc.status, headers=exc.headers())
+
+
+def _json_response(
+    payload: dict, status: int = 200, headers: dict[str, str] | None = None
+) -> web.Response:
+    return web.Response(
+        body=orjson.dumps(payload),
+        status=status,
+        headers={"Content-Type": "application/json", **(headers or {})},
+    )
+
+
+@web.middleware
+async def _error_middleware(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except ApiError as exc:
+        return error_response(exc)
+    except web.HTTPNotFound:
+        return error_response(
+            RouteNotFoundError(f"no route {request.method} {request.path}; see /openapi.json")
+        )
+    except web.HTTPMethodNotAllowed as exc:
+        allowed = ", ".join(sorted(exc.allowed_methods))
+        return error_response(
+            MethodNotAllowedError(
+                f"{request.method} is not allowed on {request.path}; use {allowed}"
+            )
+        )
+    except (asyncio.CancelledError, ConnectionError, web.HTTPException):
+        raise
+    except Exception:
+        log.exception("unhandled error", path=request.path)
+        return error_response(InternalError("internal error in the router; see its log"))
+
+
+def build_app(router: Router) -> web.Application:
+    app = web.Application(middlewares=[_error_middleware], client_max_size=64 * 1024 * 1024)
+    app.add_routes(
+        [
+            web.post("/v1/completions", router.completions),
+            web.post("/v1/chat/completions", router.chat_completions),
+            web.get("/v1/models", router.models),
+            web.get("/v1/models/{model}", router.model_detail),
+            web.get("/health", router.health),
+            web.get("/metrics", router.metrics_text),
+            web.get("/openapi.json", router.openapi),
+        ]
+    )
+    return app
+
+
+@asynccontextmanager
+async def serve_http(app: web.Application, host: str, port: int) -> AsyncIterator[int]:
+    """Serve ``app`` on host:port for the duration of the block; yields the bound port.
+
+    Handlers are cancelled when their client disconnects, so a waiting request aborts its work
+    on the mesh instead of running to the end for nobody."""
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        yield runner.addresses[0][1]
+    finally:
+        await runner.cleanup()

@@ -1,0 +1,76 @@
+"""RouterConfig: every knob of the router, from flags and KVMESH_* env (shared.service_config)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from shared.service_config import DEFAULT_NATS_URL, option
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    nats_url: str = option(DEFAULT_NATS_URL, help="NATS server URL")
+    host: str = option("0.0.0.0", help="HTTP listen address")
+    port: int = option(8000, help="HTTP port (0 picks a free one)")
+    model: str = option("kvmesh-tiny", help="model name or local HF checkpoint directory")
+    served_model_name: str | None = option(
+        None, help="model id clients send and /v1/models lists (default: --model)"
+    )
+    max_model_len: int | None = option(
+        None, help="context length (default: the model's max_position_embeddings)"
+    )
+    mode: Literal["disagg", "colocated"] = option(
+        "disagg", help="disagg: remote prefill for long prompts; colocated: decode prefills all"
+    )
+    local_prefill_threshold: int = option(
+        64, help="prompts shorter than this many tokens are prefilled by the decode worker"
+    )
+    lease_ms: int = option(30_000, help="lease on the reserved decode blocks (ms)")
+    place_timeout_s: float = option(5.0, help="how long to wait for the kv-registry to place")
+    first_token_timeout_s: float = option(
+        120.0, help="how long to wait for a request's first token (covers queueing and prefill)"
+    )
+    token_timeout_s: float = option(30.0, help="how long to wait for each next token")
+    max_concurrent_requests: int = option(
+        1024, help="requests served at once; more are refused with 503"
+    )
+    worker_id: str | None = option(
+        None, help="this router's id in heartbeats and $SRV (default: generated)"
+    )
+    heartbeat_s: float = option(2.0, help="seconds between heartbeats")
+
+    def __post_init__(self) -> None:
+        if not self.nats_url.startswith(("nats://", "tls://", "ws://", "wss://")):
+            raise ValueError(f"nats_url must be a nats:// (or tls://) URL, got {self.nats_url!r}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if not self.model:
+            raise ValueError("model must name a model or a checkpoint directory")
+        if self.worker_id is not None and (
+            not self.worker_id or any(c in self.worker_id for c in ". *>")
+        ):
+            raise ValueError(
+                f"worker_id {self.worker_id!r} must be a non-empty NATS subject token "
+                "(no '.', ' ', '*', '>')"
+            )
+        if self.served_model_name == "":
+            raise ValueError("served_model_name must not be empty (leave it unset for --model)")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.local_prefill_threshold < 0:
+            raise ValueError(
+                f"local_prefill_threshold must be >= 0 (0: always prefill remotely), "
+                f"got {self.local_prefill_threshold}"
+            )
+        for name in ("lease_ms", "max_concurrent_requests"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("place_timeout_s", "first_token_timeout_s", "token_timeout_s", "heartbeat_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+
+    @property
+    def model_id(self) -> str:
+        """The name clients use for the model."""
+        return self.served_model_name or self.model

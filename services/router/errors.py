@@ -1,0 +1,116 @@
+"""HTTP errors of the router, each rendered in OpenAI's error shape.
+
+``{"error": {"message": ..., "type": ..., "param": ..., "code": ...}}`` with the status the
+OpenAI API uses for the same failure, so clients (the official ``openai`` package included) map
+them onto their own exception types.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+
+class ApiError(Exception):
+    """A request the router answers with an error; subclasses fix status and type."""
+
+    status: int = 500
+    error_type: str = "server_error"
+    default_code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code if code is not None else self.default_code
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.error_type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def headers(self) -> dict[str, str]:
+        return {}
+
+
+class InvalidRequestError(ApiError):
+    """400: the body is not JSON, or a parameter is missing, mistyped or out of range."""
+
+    status = 400
+    error_type = "invalid_request_error"
+    default_code = "invalid_value"
+
+
+class ModelNotFoundError(ApiError):
+    status = 404
+    error_type = "invalid_request_error"
+    default_code = "model_not_found"
+
+
+class RouteNotFoundError(ApiError):
+    status = 404
+    error_type = "invalid_request_error"
+    default_code = "unknown_url"
+
+
+class MethodNotAllowedError(ApiError):
+    status = 405
+    error_type = "invalid_request_error"
+    default_code = "method_not_allowed"
+
+
+class OverloadedError(ApiError):
+    """429: the mesh has no room now; the client should retry after ``retry_after_s``."""
+
+    status = 429
+    error_type = "rate_limit_error"
+    default_code = "rate_limit_exceeded"
+
+    def __init__(self, message: str, *, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
+
+
+class ServiceUnavailableError(ApiError):
+    """503: a part of the mesh the request needs is missing (no registry, no decode worker)."""
+
+    status = 503
+    error_type = "server_error"
+    default_code = "service_unavailable"
+
+    def __init__(self, message: str, *, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
+
+
+class MeshError(ApiError):
+    """502: a mesh peer answered with garbage or failed the request."""
+
+    status = 502
+    error_type = "server_error"
+    default_code = "mesh_error"
+
+
+class GatewayTimeoutError(ApiError):
+    """504: a mesh peer did not answer within the configured timeout."""
+
+    status = 504
+    error_type = "server_error"
+    default_code = "timeout"
+
+
+class InternalError(ApiError):
+    status = 500
+    error_type = "server_error"
+    default_code = "internal_error"

@@ -1,0 +1,79 @@
+"""A validated request made concrete: prompt token ids and wire sampling options (pure).
+
+``tokenize`` applies the chat template or encodes the prompt, and checks the prompt and
+``max_tokens`` against the model context so the mesh never sees a request it cannot hold.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.router.api import GenerateRequest
+from services.router.errors import InvalidRequestError
+from shared.protocol import SamplingOptions
+from shared.tokenizer import Tokenizer, TokenizerError
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """A request made concrete: the token ids to prefill and how to sample after them."""
+
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingOptions
+
+
+def tokenize(request: GenerateRequest, tokenizer: Tokenizer, max_model_len: int) -> Prompt:
+    """Prompt ids and sampling options for ``request``; refuses prompts the context cannot hold."""
+    if request.messages is not None:
+        try:
+            ids = tuple(tokenizer.encode_chat(request.messages))
+        except TokenizerError as exc:
+            raise InvalidRequestError(str(exc), param="messages") from None
+        param = "messages"
+    elif request.prompt_ids is not None:
+        ids = request.prompt_ids
+        bad = next((i for i in ids if i >= tokenizer.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(
+                f"prompt token id {bad} is outside the vocabulary (size {tokenizer.vocab_size})",
+                param="prompt",
+            )
+        param = "prompt"
+    else:
+        assert request.prompt_text is not None
+        ids = tuple(tokenizer.encode(request.prompt_text))
+        param = "prompt"
+    if not ids:
+        raise InvalidRequestError("the prompt is empty; send at least one token", param=param)
+    if len(ids) >= max_model_len:
+        raise InvalidRequestError(
+            f"the prompt is {len(ids)} tokens but the model's context is {max_model_len} tokens "
+            f"(prompt plus output); shorten the prompt",
+            param=param,
+            code="context_length_exceeded",
+        )
+    room = max_model_len - len(ids)
+    max_tokens = request.max_tokens
+    if max_tokens is None:
+        max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if request.kind == "completion" else room
+        max_tokens = min(max_tokens, room)
+    elif max_tokens > room:
+        name = "max_tokens" if request.kind == "completion" else "max_completion_tokens"
+        raise InvalidRequestError(
+            f"the prompt is {len(ids)} tokens and {name} is {max_tokens}, more than the model's "
+            f"context of {max_model_len} tokens; set {name} to at most {room}",
+            param=name,
+            code="context_length_exceeded",
+        )
+    sampling = SamplingOptions(
+        max_tokens=max_tokens,
+        temperature=request.temperature,
+        top_p=request.top_p,
+        top_k=request.top_k,
+        seed=request.seed,
+        stop=request.stop,
+        ignore_eos=request.ignore_eos,
+    )
+    return Prompt(prompt_ids=ids, sampling=sampling)

@@ -1,0 +1,157 @@
+"""A small mesh peer for router tests: speaks the real protocol on a real NATS server.
+
+It answers ``REGISTRY_PLACE`` like the kv-registry, takes ``PREFILL_JOBS`` like a prefill worker
+(publishing a PrefillReport), and publishes ``TokenEvent``s like a decode worker: the bytes of
+``reply_text`` (kvmesh-tiny's tokenizer is byte-level), one token per event, until ``max_tokens``
+("length") or the end of the reply (EOS, "stop"). It records what it received, Aborts included,
+and stops generating a request when it is aborted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from shared import protocol, subjects
+from shared.model.tiny import tiny_config
+from shared.nats_service import connect_nats
+from shared.protocol import (
+    Abort,
+    PlaceReply,
+    PlaceRequest,
+    PrefillJob,
+    PrefillReport,
+    TokenEvent,
+)
+
+EOS_ID = tiny_config().eos_token_ids[0]
+REPLY_TEXT = "The quick brown fox jumps over the lazy dog. "
+
+
+@dataclass
+class FakeMesh:
+    nats_url: str
+    reply_text: str = REPLY_TEXT
+    eos_at_end: bool = True  # after reply_text: EOS ("stop"); else repeat it until max_tokens
+    token_delay_s: float = 0.0
+    retry_after_s: float = 0.0  # > 0: refuse placement as overloaded
+    refuse_error: str = ""  # non-empty: refuse placement without retry
+    hold_tokens: bool = False  # place, but never produce tokens
+    fail_with: str = ""  # end each request with finish_reason "error" after the first token
+    places: list[PlaceRequest] = field(default_factory=list)
+    jobs: list[PrefillJob] = field(default_factory=list)
+    aborts: list[Abort] = field(default_factory=list)
+    aborted: asyncio.Event = field(default_factory=asyncio.Event)
+    _tasks: dict[str, asyncio.Task] = field(default_factory=dict)
+
+    def output_ids(self, max_tokens: int) -> tuple[list[int], str]:
+        text = self.reply_text.encode()
+        if self.eos_at_end:
+            ids = [*text, EOS_ID]
+            return (ids, "stop") if len(ids) <= max_tokens else (ids[:max_tokens], "length")
+        ids = (list(text) * (max_tokens // len(text) + 1))[:max_tokens]
+        return ids, "length"
+
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[FakeMesh]:
+        async with connect_nats(self.nats_url, "fake-mesh") as nc:
+            self._nc = nc
+            subs = [
+                await nc.subscribe(subjects.REGISTRY_PLACE, cb=self._on_place),
+                await nc.subscribe(
+                    subjects.PREFILL_JOBS, queue=subjects.PREFILL_QUEUE, cb=self._on_job
+                ),
+                await nc.subscribe(subjects.ABORT, cb=self._on_abort),
+            ]
+            await nc.flush()
+            try:
+                yield self
+            finally:
+                for sub in subs:
+                    await sub.unsubscribe()
+                for task in self._tasks.values():
+                    task.cancel()
+                await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+
+    async def _on_place(self, msg) -> None:
+        place = protocol.decode(msg.data, PlaceRequest)
+        self.places.append(place)
+        if self.retry_after_s > 0 or self.refuse_error:
+            reply = PlaceReply(
+                ok=False,
+                request_id=place.request_id,
+                error=self.refuse_error or "no free blocks",
+                retry_after_s=self.retry_after_s,
+            )
+        else:
+            reply = PlaceReply(
+                ok=True,
+                request_id=place.request_id,
+                worker_id="decode-fake",
+                lease_id=f"lease-{place.request_id}",
+                descriptor={"backend": "tcp", "host": "127.0.0.1", "port": 1},
+                rkey=7,
+                block_ids=(0, 1),
+                block_addrs=(4096, 8192),
+                block_bytes=4096,
+            )
+        await msg.respond(protocol.encode(reply))
+        if reply.ok and place.local_prefill:
+            self._start(place.request_id, place.prompt_ids, place.sampling.max_tokens)
+
+    async def _on_job(self, msg) -> None:
+        job = protocol.decode(msg.data, PrefillJob)
+        self.jobs.append(job)
+        report = PrefillReport(
+            request_id=job.request_id,
+            worker_id="prefill-fake",
+            queue_s=0.002,
+            compute_s=0.03,
+            transfer_s=0.01,
+            exposed_transfer_s=0.001,
+            num_chunks=2,
+        )
+        await self._nc.publish(
+            subjects.request_prefill_report(job.request_id), protocol.encode(report)
+        )
+        self._start(job.request_id, job.prompt_ids, job.sampling.max_tokens)
+
+    async def _on_abort(self, msg) -> None:
+        abort = protocol.decode(msg.data, Abort)
+        self.aborts.append(abort)
+        self.aborted.set()
+        task = self._tasks.get(abort.request_id)
+        if task is not None:
+            task.cancel()
+
+    def _start(self, request_id: str, prompt_ids: tuple[int, ...], max_tokens: int) -> None:
+        if not self.hold_tokens:
+            self._tasks[request_id] = asyncio.create_task(
+                self._generate(request_id, len(prompt_ids), max_tokens)
+            )
+
+    async def _generate(self, request_id: str, num_prompt: int, max_tokens: int) -> None:
+        ids, reason = self.output_ids(max_tokens)
+        subject = subjects.request_tokens(request_id)
+        for i, token_id in enumerate(ids):
+            if self.token_delay_s:
+                await asyncio.sleep(self.token_delay_s)
+            last = i == len(ids) - 1
+            failing = bool(self.fail_with) and i == 1
+            event = TokenEvent(
+                request_id=request_id,
+                token_ids=(token_id,),
+                finish_reason="error" if failing else reason if last else None,
+                num_prompt_tokens=num_prompt,
+                num_output_tokens=i + 1,
+                error=self.fail_with if failing else "",
+            )
+            await self._nc.publish(subject, protocol.encode(event))
+            if failing:
+                return
+
+    async def wait_for_abort(self, timeout_s: float = 5.0) -> Abort:
+        await asyncio.wait_for(self.aborted.wait(), timeout_s)
+        return self.aborts[0]

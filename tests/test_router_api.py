@@ -1,0 +1,454 @@
+"""Pure tests of the router: request validation, error shapes, response and SSE chunk building,
+stop strings on streamed text, metrics exposition, the OpenAPI document and the config."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from services.router.api import (
+    GenerateRequest,
+    parse_chat,
+    parse_completion,
+    parse_json_body,
+)
+from services.router.config import RouterConfig
+from services.router.errors import (
+    ApiError,
+    InvalidRequestError,
+    ModelNotFoundError,
+    OverloadedError,
+)
+from services.router.metrics import Histogram, RequestTimer, RouterMetrics
+from services.router.openapi import openapi_document
+from services.router.output import OutputText
+from services.router.prompt import tokenize
+from services.router.responses import SSE_DONE, ResponseBuilder, Usage, sse_event
+from shared.model.tiny import tiny_tokenizer
+from shared.protocol import PrefillReport
+from shared.service_config import ConfigError, config_from_args
+
+MODEL = "kvmesh-tiny"
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return tiny_tokenizer()
+
+
+def completion(**body) -> GenerateRequest:
+    return parse_completion({"model": MODEL, "prompt": "hi", **body}, MODEL)
+
+
+def chat(**body) -> GenerateRequest:
+    return parse_chat(
+        {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **body}, MODEL
+    )
+
+
+def invalid(fn, *args, **kwargs) -> ApiError:
+    with pytest.raises(ApiError) as info:
+        fn(*args, **kwargs)
+    return info.value
+
+
+# --- request parsing ---------------------------------------------------------------------------
+
+
+def test_parse_json_body_refuses_invalid_json_with_invalid_json_code():
+    err = invalid(parse_json_body, b"{not json")
+    assert (err.status, err.code) == (400, "invalid_json")
+    assert "not valid JSON" in err.message
+
+
+def test_parse_json_body_refuses_a_json_array():
+    err = invalid(parse_json_body, b"[1, 2]")
+    assert err.status == 400 and "object" in err.message
+
+
+def test_completion_accepts_text_and_token_ids():
+    assert completion(prompt="hello").prompt_text == "hello"
+    assert completion(prompt=[1, 2, 3]).prompt_ids == (1, 2, 3)
+    assert completion(prompt=["one"]).prompt_text == "one"
+    assert completion(prompt=[[4, 5]]).prompt_ids == (4, 5)
+
+
+def test_completion_refuses_a_batch_of_prompts_naming_prompt():
+    err = invalid(completion, prompt=["a", "b"])
+    assert (err.status, err.param, err.code) == (400, "prompt", "unsupported_parameter")
+    assert "batched prompts" in err.message
+
+
+@pytest.mark.parametrize("prompt", [None, 5, [], [1, "a"], {"x": 1}])
+def test_completion_refuses_malformed_prompts(prompt):
+    err = invalid(parse_completion, {"model": MODEL, "prompt": prompt}, MODEL)
+    assert (err.status, err.param) == (400, "prompt")
+
+
+def test_missing_model_is_400_and_unknown_model_is_404():
+    err = invalid(parse_completion, {"prompt": "x"}, MODEL)
+    assert (err.status, err.param, err.code) == (400, "model", "missing_required_parameter")
+    err = invalid(parse_completion, {"model": "gpt-4", "prompt": "x"}, MODEL)
+    assert isinstance(err, ModelNotFoundError)
+    assert (err.status, err.code) == (404, "model_not_found")
+    assert MODEL in err.message
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("temperature", -0.1),
+        ("temperature", 2.5),
+        ("temperature", "hot"),
+        ("top_p", 0),
+        ("top_p", 1.5),
+        ("top_k", -2),
+        ("top_k", 1.5),
+        ("max_tokens", 0),
+        ("max_tokens", True),
+        ("seed", 2**64),
+        ("stream", "yes"),
+        ("stop", ""),
+        ("stop", ["ok", ""]),
+        ("stop", 3),
+        ("n", 2),
+        ("best_of", 3),
+        ("echo", True),
+        ("logprobs", 2),
+        ("presence_penalty", 0.5),
+        ("logit_bias", {"1": 5}),
+    ],
+)
+def test_invalid_parameter_is_400_naming_the_parameter(field, value):
+    err = invalid(completion, **{field: value})
+    assert err.status == 400
+    assert err.param == field
+    assert err.body()["error"]["type"] == "invalid_request_error"
+
+
+def test_sampling_parameters_are_carried():
+    req = completion(temperature=0, top_p=0.5, top_k=7, seed=3, stop="\n", max_tokens=9)
+    assert (req.temperature, req.top_p, req.top_k, req.seed) == (0.0, 0.5, 7, 3)
+    assert req.stop == ("\n",) and req.max_tokens == 9
+    assert completion(top_k=0).top_k == -1
+    assert completion(stop=["a", "b", "a"]).stop == ("a", "b")
+    assert completion(n=1, stream=False).stream is False
+
+
+def test_stream_options_need_stream_and_set_include_usage():
+    assert completion(stream=True, stream_options={"include_usage": True}).include_usage
+    assert not completion(stream=True, stream_options={}).include_usage
+    err = invalid(completion, stream_options={"include_usage": True})
+    assert err.param == "stream_options"
+
+
+def test_chat_normalises_messages():
+    req = parse_chat(
+        {
+            "model": MODEL,
+            "messages": [
+                {"role": "developer", "content": "be brief"},
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+                },
+                {"role": "assistant", "content": None},
+            ],
+        },
+        MODEL,
+    )
+    assert req.messages == (
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "ab"},
+        {"role": "assistant", "content": ""},
+    )
+
+
+@pytest.mark.parametrize(
+    ("messages", "param"),
+    [
+        (None, "messages"),
+        ([], "messages"),
+        (["hi"], "messages[0]"),
+        ([{"role": "wizard", "content": "x"}], "messages[0].role"),
+        ([{"role": "user", "content": 3}], "messages[0].content"),
+        ([{"role": "user", "content": [{"type": "image_url"}]}], "messages[0].content[0]"),
+    ],
+)
+def test_chat_refuses_malformed_messages_naming_the_message(messages, param):
+    err = invalid(parse_chat, {"model": MODEL, "messages": messages}, MODEL)
+    assert (err.status, err.param) == (400, param)
+
+
+def test_chat_prefers_max_completion_tokens_and_refuses_tools():
+    assert chat(max_completion_tokens=5, max_tokens=9).max_tokens == 5
+    assert chat(max_tokens=9).max_tokens == 9
+    assert invalid(chat, tools=[{"type": "function"}]).param == "tools"
+    assert invalid(chat, logprobs=True).param == "logprobs"
+
+
+# --- tokenize and context limits ---------------------------------------------------------------
+
+
+def test_tokenize_completion_text_uses_bos_and_default_max_tokens(tokenizer):
+    prompt = tokenize(completion(prompt="ab"), tokenizer, max_model_len=100)
+    assert prompt.prompt_ids == (tokenizer.bos_token_id, ord("a"), ord("b"))
+    assert prompt.sampling.max_tokens == 16
+
+
+def test_tokenize_chat_applies_the_template_and_fills_the_context(tokenizer):
+    prompt = tokenize(chat(), tokenizer, max_model_len=100)
+    assert prompt.prompt_ids == tuple(tokenizer.encode_chat([{"role": "user", "content": "hi"}]))
+    assert prompt.sampling.max_tokens == 100 - len(prompt.prompt_ids)
+
+
+def test_tokenize_carries_sampling_options(tokenizer):
+    req = completion(prompt=[1, 2], temperature=0.0, top_k=5, seed=11, stop=["x"], ignore_eos=True)
+    s = tokenize(req, tokenizer, 100).sampling
+    assert (s.temperature, s.top_k, s.seed, s.stop, s.ignore_eos) == (0.0, 5, 11, ("x",), True)
+
+
+def test_prompt_plus_max_tokens_beyond_context_is_400_with_the_room_left(tokenizer):
+    err = invalid(tokenize, completion(prompt=[1] * 10, max_tokens=95), tokenizer, 100)
+    assert (err.status, err.param, err.code) == (400, "max_tokens", "context_length_exceeded")
+    assert "at most 90" in err.message
+    err = invalid(tokenize, chat(max_completion_tokens=1000), tokenizer, 100)
+    assert err.param == "max_completion_tokens"
+
+
+def test_prompt_longer_than_context_is_400(tokenizer):
+    err = invalid(tokenize, completion(prompt=[1] * 100), tokenizer, 100)
+    assert (err.status, err.param) == (400, "prompt")
+    assert "100 tokens" in err.message
+
+
+def test_token_id_outside_vocabulary_is_400(tokenizer):
+    err = invalid(tokenize, completion(prompt=[1, 99999]), tokenizer, 100)
+    assert err.param == "prompt" and "99999" in err.message
+
+
+def test_chat_role_the_template_rejects_is_400(tokenizer):
+    req = parse_chat({"model": MODEL, "messages": [{"role": "tool", "content": "x"}]}, MODEL)
+    err = invalid(tokenize, req, tokenizer, 100)
+    assert (err.status, err.param) == (400, "messages")
+
+
+# --- errors ------------------------------------------------------------------------------------
+
+
+def test_error_body_has_openai_shape():
+    err = InvalidRequestError("bad", param="top_p")
+    assert err.body() == {
+        "error": {
+            "message": "bad",
+            "type": "invalid_request_error",
+            "param": "top_p",
+            "code": "invalid_value",
+        }
+    }
+
+
+def test_overloaded_error_rounds_retry_after_up():
+    err = OverloadedError("full", retry_after_s=0.2)
+    assert err.status == 429
+    assert err.headers() == {"Retry-After": "1"}
+    assert OverloadedError("full", retry_after_s=2.5).headers() == {"Retry-After": "3"}
+
+
+# --- responses and SSE -------------------------------------------------------------------------
+
+
+def test_sse_event_framing():
+    assert sse_event({"a": 1}) == b'data: {"a":1}\n\n'
+    assert SSE_DONE == b"data: [DONE]\n\n"
+
+
+def test_completion_response_shape():
+    b = ResponseBuilder("completion", "cmpl-1", MODEL, 7)
+    body = b.full("text", "length", Usage(3, 4))
+    assert body == {
+        "id": "cmpl-1",
+        "object": "text_completion",
+        "created": 7,
+        "model": MODEL,
+        "choices": [{"index": 0, "text": "text", "logprobs": None, "finish_reason": "length"}],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7},
+    }
+    assert b.role_chunk() is None
+    assert b.text_chunk("x")["choices"][0] == {
+        "index": 0,
+        "text": "x",
+        "logprobs": None,
+        "finish_reason": None,
+    }
+    assert "usage" not in b.text_chunk("x")
+
+
+def test_chat_chunks_open_with_role_and_end_with_finish_and_usage():
+    b = ResponseBuilder("chat", "chatcmpl-1", MODEL, 7, include_usage=True)
+    role = b.role_chunk()
+    assert role["object"] == "chat.completion.chunk"
+    assert role["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert role["usage"] is None
+    assert b.text_chunk("hi")["choices"][0]["delta"] == {"content": "hi"}
+    finish = b.finish_chunk("stop")["choices"][0]
+    assert finish["delta"] == {} and finish["finish_reason"] == "stop"
+    usage = b.usage_chunk(Usage(2, 3))
+    assert usage["choices"] == [] and usage["usage"]["total_tokens"] == 5
+    full = b.full("hello", "stop", Usage(2, 3))
+    assert full["object"] == "chat.completion"
+    assert full["choices"][0]["message"] == {"role": "assistant", "content": "hello"}
+
+
+# --- output text and stop strings --------------------------------------------------------------
+
+
+def ids(text: str) -> list[int]:
+    return list(text.encode())
+
+
+def test_output_text_without_stop_streams_every_character(tokenizer):
+    out = OutputText(tokenizer, [1], ())
+    deltas = [out.add([t]) for t in ids("hello")]
+    assert deltas == list("hello")
+    assert out.finish() == "" and out.text == "hello" and out.num_tokens == 5
+
+
+def test_output_text_holds_back_a_possible_stop_prefix_and_cuts_at_the_match(tokenizer):
+    out = OutputText(tokenizer, [1], ("END",))
+    deltas = [out.add([t]) for t in ids("abEN")]
+    assert "".join(deltas) == "ab"  # "EN" might start "END"
+    assert out.add(ids("D and more")) == ""
+    assert out.is_stopped and out.text == "ab"
+    assert out.add(ids("x")) == "" and out.finish() == ""
+
+
+def test_output_text_releases_held_text_that_turns_out_not_to_match(tokenizer):
+    out = OutputText(tokenizer, [1], ("END",))
+    assert out.add(ids("xE")) == "x"
+    assert out.add(ids("Nx")) == "ENx"
+    assert out.add(ids("EN")) == ""
+    assert out.finish() == "EN"  # the stream ended: no match is possible any more
+    assert out.text == "xENxEN" and not out.is_stopped
+
+
+def test_output_text_stop_inside_one_batch_of_tokens_picks_the_earliest_match(tokenizer):
+    out = OutputText(tokenizer, [1], ("c", "ab"))
+    assert out.add(ids("xxabc")) == "xx"
+    assert out.is_stopped
+
+
+def test_output_text_joins_a_utf8_character_split_over_tokens(tokenizer):
+    out = OutputText(tokenizer, [1], ())
+    first, second = "é".encode()
+    assert out.add([first]) == ""
+    assert out.add([second]) == "é"
+
+
+# --- metrics -----------------------------------------------------------------------------------
+
+
+def test_histogram_buckets_are_cumulative_with_inclusive_bounds():
+    h = Histogram("h", "help", buckets=(0.1, 1.0))
+    for v in (0.05, 0.1, 0.5, 7.0):
+        h.observe(v)
+    lines = h.render()
+    assert 'h_bucket{le="0.1"} 2' in lines
+    assert 'h_bucket{le="1"} 3' in lines
+    assert 'h_bucket{le="+Inf"} 4' in lines
+    assert "h_count 4" in lines and "h_sum 7.65" in lines
+    assert lines[:2] == ["# HELP h help", "# TYPE h histogram"]
+
+
+def test_request_timer_observes_ttft_itl_and_e2e():
+    m = RouterMetrics()
+    t = RequestTimer(m, arrived_at=100.0)
+    t.on_tokens(100.5, 1)
+    t.on_tokens(100.7, 2)  # two tokens after 0.2 s: 0.1 s each
+    t.on_finish("length", num_prompt_tokens=4, num_output_tokens=3)
+    assert (m.ttft.count, m.ttft.total) == (1, 0.5)
+    assert m.itl.count == 2 and m.itl.total == pytest.approx(0.2)
+    assert m.e2e.count == 1 and m.e2e.total == pytest.approx(0.7)
+    assert m.finish_reasons.get("length") == 1
+    assert m.generation_tokens.get() == 3 and m.prompt_tokens.get() == 4
+
+
+def test_prefill_report_feeds_the_transfer_histograms():
+    m = RouterMetrics()
+    m.record_prefill(
+        PrefillReport(
+            "r",
+            "p0",
+            queue_s=0.01,
+            compute_s=0.2,
+            transfer_s=0.05,
+            exposed_transfer_s=0.004,
+            num_chunks=3,
+        )
+    )
+    assert m.queue.total == 0.01 and m.prefill_compute.total == 0.2
+    assert m.kv_transfer.total == 0.05 and m.exposed_transfer.total == 0.004
+
+
+def test_metrics_render_is_prometheus_text():
+    m = RouterMetrics()
+    m.requests.inc("/v1/completions", "200")
+    m.requests.inc("/v1/completions", "200")
+    m.requests.inc("/v1/chat/completions", "429")
+    m.ttft.observe(0.3)
+    text = m.render()
+    assert text.endswith("\n")
+    assert 'kvmesh_router_requests_total{endpoint="/v1/completions",status="200"} 2' in text
+    assert 'kvmesh_router_requests_total{endpoint="/v1/chat/completions",status="429"} 1' in text
+    assert 'kvmesh_router_time_to_first_token_seconds_bucket{le="0.5"} 1' in text
+    for name in (
+        "time_to_first_token_seconds",
+        "inter_token_latency_seconds",
+        "e2e_request_latency_seconds",
+        "prefill_queue_seconds",
+        "prefill_compute_seconds",
+        "kv_transfer_seconds",
+        "kv_exposed_transfer_seconds",
+    ):
+        assert f"# TYPE kvmesh_router_{name} histogram" in text
+    # Every sample line is `name{labels} value` with a numeric value.
+    for line in text.splitlines():
+        if not line.startswith("#"):
+            float(line.rsplit(" ", 1)[1].replace("+Inf", "inf"))
+
+
+# --- OpenAPI and config ------------------------------------------------------------------------
+
+
+def test_openapi_document_covers_every_route_and_resolves_refs():
+    doc = openapi_document(MODEL)
+    assert doc["openapi"].startswith("3.")
+    assert set(doc["paths"]) == {
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/models",
+        "/v1/models/{model}",
+        "/health",
+        "/metrics",
+        "/openapi.json",
+    }
+    text = orjson.dumps(doc).decode()
+    schemas = doc["components"]["schemas"]
+    for ref in {part.split('"')[0] for part in text.split('"$ref":"#/components/schemas/')[1:]}:
+        assert ref in schemas, ref
+
+
+def test_router_config_from_env_and_validation():
+    config = config_from_args(
+        RouterConfig,
+        None,
+        {"KVMESH_PORT": "9000", "KVMESH_MODE": "colocated", "KVMESH_SERVED_MODEL_NAME": "m"},
+    )
+    assert (config.port, config.mode, config.model_id) == (9000, "colocated", "m")
+    assert RouterConfig().model_id == MODEL
+    with pytest.raises(ConfigError, match="token_timeout_s"):
+        config_from_args(RouterConfig, None, {"KVMESH_TOKEN_TIMEOUT_S": "0"})
+    with pytest.raises(ConfigError, match="worker_id"):
+        config_from_args(RouterConfig, None, {"KVMESH_WORKER_ID": "router.1"})
+    with pytest.raises(ConfigError, match="nats_url"):
+        config_from_args(RouterConfig, None, {"KVMESH_NATS_URL": "http://x"})

@@ -1,0 +1,316 @@
+"""The router over HTTP against a real nats-server and a fake mesh peer (tests/router_fake_mesh.py):
+wire framing of SSE, placement and prefill jobs, aborts on disconnect, overload and error shapes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import aiohttp
+import orjson
+import pytest
+from router_fake_mesh import REPLY_TEXT, FakeMesh
+
+from services.router import RouterConfig, serve_router
+from shared.model.tiny import tiny_tokenizer
+
+MODEL = "kvmesh-tiny"
+LONG_PROMPT = "x" * 80  # over the default local_prefill_threshold (64 tokens): remote prefill
+
+
+@contextlib.asynccontextmanager
+async def mesh_and_router(nats_url: str, mesh: FakeMesh | None = None, **config):
+    config = RouterConfig(nats_url=nats_url, host="127.0.0.1", port=0, **config)
+    mesh = mesh or FakeMesh(nats_url)
+    mesh.nats_url = nats_url
+    async with (
+        mesh.running(),
+        serve_router(config) as running,
+        aiohttp.ClientSession(running.url) as http,
+    ):
+        yield mesh, running, http
+
+
+def sse_payloads(raw: bytes) -> list[bytes]:
+    """Split an SSE body into event payloads, checking the exact OpenAI framing."""
+    assert raw.endswith(b"\n\n"), raw[-40:]
+    events = raw[:-2].split(b"\n\n")
+    for event in events:
+        assert event.startswith(b"data: "), event
+        assert b"\n" not in event, event
+    return [event[len(b"data: ") :] for event in events]
+
+
+async def test_completion_places_publishes_prefill_job_and_returns_text(nats_server):
+    async with mesh_and_router(nats_server) as (mesh, _, http):
+        resp = await http.post(
+            "/v1/completions", json={"model": MODEL, "prompt": LONG_PROMPT, "max_tokens": 10}
+        )
+        assert resp.status == 200, await resp.text()
+        body = await resp.json()
+        metrics = await (await http.get("/metrics")).text()
+    assert body["object"] == "text_completion"
+    assert body["id"].startswith("cmpl-")
+    assert body["choices"][0]["text"] == REPLY_TEXT[:10]
+    assert body["choices"][0]["finish_reason"] == "length"
+    prompt_len = 1 + len(LONG_PROMPT)  # BOS + bytes
+    assert body["usage"] == {
+        "prompt_tokens": prompt_len,
+        "completion_tokens": 10,
+        "total_tokens": prompt_len + 10,
+    }
+    (place,) = mesh.places
+    assert not place.local_prefill and place.request_id == body["id"]
+    assert len(place.prompt_ids) == prompt_len and place.sampling.max_tokens == 10
+    (job,) = mesh.jobs
+    assert (job.decode_worker_id, job.lease_id, job.rkey) == (
+        "decode-fake",
+        f"lease-{body['id']}",
+        7,
+    )
+    assert job.block_addrs == (4096, 8192) and job.enqueued_at > 0
+    assert mesh.aborts == []  # finished normally: nothing to abort
+    assert "kvmesh_router_prefill_compute_seconds_count 1" in metrics
+    assert "kvmesh_router_kv_exposed_transfer_seconds_count 1" in metrics
+    assert "kvmesh_router_time_to_first_token_seconds_count 1" in metrics
+    assert 'kvmesh_router_requests_total{endpoint="/v1/completions",status="200"} 1' in metrics
+
+
+async def test_short_prompt_is_prefilled_locally_without_a_prefill_job(nats_server):
+    async with mesh_and_router(nats_server) as (mesh, _, http):
+        resp = await http.post("/v1/completions", json={"model": MODEL, "prompt": [1, 2, 3]})
+        body = await resp.json()
+    assert resp.status == 200 and body["choices"][0]["text"] == REPLY_TEXT[:16]
+    assert mesh.places[0].local_prefill and mesh.jobs == []
+
+
+async def test_colocated_mode_prefills_every_prompt_locally(nats_server):
+    async with mesh_and_router(nats_server, mode="colocated") as (mesh, _, http):
+        resp = await http.post("/v1/completions", json={"model": MODEL, "prompt": LONG_PROMPT})
+        assert resp.status == 200
+    assert mesh.places[0].local_prefill and mesh.jobs == []
+
+
+async def test_eos_finishes_with_stop_and_counts_the_eos_token(nats_server):
+    async with mesh_and_router(nats_server) as (_, _, http):
+        resp = await http.post(
+            "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 100}
+        )
+        body = await resp.json()
+    assert body["choices"][0] == {
+        "index": 0,
+        "text": REPLY_TEXT,
+        "logprobs": None,
+        "finish_reason": "stop",
+    }
+    assert body["usage"]["completion_tokens"] == len(REPLY_TEXT) + 1
+
+
+async def test_chat_stream_is_framed_like_openai_on_the_wire(nats_server):
+    async with mesh_and_router(nats_server) as (_, _, http):
+        resp = await http.post(
+            "/v1/chat/completions",
+            json={
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "hello"}],
+                "max_tokens": 12,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            },
+        )
+        assert resp.status == 200
+        assert resp.headers["Content-Type"].startswith("text/event-stream")
+        raw = await resp.read()
+    payloads = sse_payloads(raw)
+    assert payloads[-1] == b"[DONE]"
+    chunks = [orjson.loads(p) for p in payloads[:-1]]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert len({c["id"] for c in chunks}) == 1
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    content = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks[1:-1])
+    assert content == REPLY_TEXT[:12]
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-2]["choices"][0]["delta"] == {}
+    usage_chunk = chunks[-1]
+    assert usage_chunk["choices"] == []
+    assert usage_chunk["usage"]["completion_tokens"] == 12
+    prompt_len = len(tiny_tokenizer().encode_chat([{"role": "user", "content": "hello"}]))
+    assert usage_chunk["usage"]["prompt_tokens"] == prompt_len
+    assert all(c["usage"] is None for c in chunks[:-1])
+
+
+async def test_completion_stream_ends_with_finish_chunk_and_done(nats_server):
+    async with mesh_and_router(nats_server) as (_, _, http):
+        resp = await http.post(
+            "/v1/completions",
+            json={"model": MODEL, "prompt": "hi", "max_tokens": 5, "stream": True},
+        )
+        payloads = sse_payloads(await resp.read())
+    chunks = [orjson.loads(p) for p in payloads[:-1]]
+    assert payloads[-1] == b"[DONE]"
+    assert all(c["object"] == "text_completion" and "usage" not in c for c in chunks)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == REPLY_TEXT[:5]
+    assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == "length"
+
+
+async def test_stop_string_truncates_and_aborts_the_rest(nats_server):
+    mesh = FakeMesh(nats_server, token_delay_s=0.005)
+    async with mesh_and_router(nats_server, mesh) as (_, _, http):
+        resp = await http.post(
+            "/v1/completions",
+            json={"model": MODEL, "prompt": "hi", "max_tokens": 40, "stop": ["fox", "zzz"]},
+        )
+        body = await resp.json()
+        abort = await mesh.wait_for_abort()
+    assert body["choices"][0]["text"] == "The quick brown "
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert abort.request_id == body["id"] and abort.reason == "stop string"
+
+
+async def test_client_disconnect_mid_stream_publishes_abort(nats_server):
+    mesh = FakeMesh(nats_server, token_delay_s=0.05, eos_at_end=False)
+    async with mesh_and_router(nats_server, mesh) as (_, _, http):
+        resp = await http.post(
+            "/v1/completions",
+            json={"model": MODEL, "prompt": "hi", "max_tokens": 500, "stream": True},
+        )
+        assert resp.status == 200
+        first = await resp.content.readuntil(b"\n\n")
+        assert first.startswith(b"data: ")
+        resp.close()  # drop the connection mid-stream
+        abort = await mesh.wait_for_abort()
+    assert abort.request_id == mesh.places[0].request_id
+    assert abort.reason == "client disconnected"
+
+
+async def test_cancelled_non_stream_request_publishes_abort(nats_server):
+    mesh = FakeMesh(nats_server, hold_tokens=True)
+    async with mesh_and_router(nats_server, mesh) as (_, running, http):
+        with pytest.raises(asyncio.TimeoutError):
+            await http.post(
+                "/v1/completions",
+                json={"model": MODEL, "prompt": "hi"},
+                timeout=aiohttp.ClientTimeout(total=0.5),
+            )
+        abort = await mesh.wait_for_abort()
+        await asyncio.sleep(0.05)
+        assert running.router.num_in_flight == 0
+    assert abort.reason == "client disconnected"
+
+
+async def test_overloaded_mesh_is_429_with_retry_after(nats_server):
+    mesh = FakeMesh(nats_server, retry_after_s=1.5)
+    async with mesh_and_router(nats_server, mesh) as (_, _, http):
+        resp = await http.post(
+            "/v1/chat/completions",
+            json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream": True},
+        )
+        body = await resp.json()
+    assert resp.status == 429
+    assert resp.headers["Retry-After"] == "2"
+    assert body["error"]["code"] == "rate_limit_exceeded"
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert mesh.aborts == []  # nothing was reserved
+
+
+async def test_refused_placement_is_503(nats_server):
+    mesh = FakeMesh(nats_server, refuse_error="no decode workers")
+    async with mesh_and_router(nats_server, mesh) as (_, _, http):
+        resp = await http.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
+        body = await resp.json()
+    assert resp.status == 503 and "no decode workers" in body["error"]["message"]
+
+
+async def test_no_registry_is_503_naming_the_subject(nats_server):
+    config = RouterConfig(nats_url=nats_server, host="127.0.0.1", port=0)
+    async with serve_router(config) as running, aiohttp.ClientSession(running.url) as http:
+        resp = await http.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
+        body = await resp.json()
+    assert resp.status == 503
+    assert "kvmesh.registry.place" in body["error"]["message"]
+
+
+async def test_first_token_timeout_is_504_and_aborts(nats_server):
+    mesh = FakeMesh(nats_server, hold_tokens=True)
+    async with mesh_and_router(nats_server, mesh, first_token_timeout_s=0.3) as (_, _, http):
+        resp = await http.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
+        body = await resp.json()
+        abort = await mesh.wait_for_abort()
+    assert resp.status == 504 and body["error"]["code"] == "timeout"
+    assert abort.reason == "timeout"
+
+
+async def test_mesh_error_is_502_before_streaming_and_an_error_event_after(nats_server):
+    mesh = FakeMesh(nats_server, fail_with="decode worker lost its KV")
+    async with mesh_and_router(nats_server, mesh) as (_, _, http):
+        resp = await http.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
+        body = await resp.json()
+        assert resp.status == 502 and "lost its KV" in body["error"]["message"]
+        resp = await http.post(
+            "/v1/completions", json={"model": MODEL, "prompt": "x", "stream": True}
+        )
+        payloads = sse_payloads(await resp.read())
+        metrics = await (await http.get("/metrics")).text()
+    assert resp.status == 200
+    assert 'kvmesh_router_requests_total{endpoint="/v1/completions",status="502"} 2' in metrics
+    assert payloads[-1] == b"[DONE]"
+    error = orjson.loads(payloads[-2])["error"]
+    assert error["code"] == "mesh_error" and "lost its KV" in error["message"]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param"),
+    [
+        ("/v1/completions", b"{oops", 400, None),
+        ("/v1/completions", b'{"model": "kvmesh-tiny", "prompt": "x", "n": 3}', 400, "n"),
+        ("/v1/completions", b'{"model": "gpt-4", "prompt": "x"}', 404, "model"),
+        ("/v1/chat/completions", b'{"model": "kvmesh-tiny", "messages": []}', 400, "messages"),
+        (
+            "/v1/completions",
+            b'{"model": "kvmesh-tiny", "prompt": "x", "max_tokens": 100000}',
+            400,
+            "max_tokens",
+        ),
+    ],
+)
+async def test_bad_input_gets_openai_error_shape(nats_server, path, body, status, param):
+    async with mesh_and_router(nats_server) as (mesh, _, http):
+        resp = await http.post(path, data=body, headers={"Content-Type": "application/json"})
+        payload = await resp.json()
+        metrics = await (await http.get("/metrics")).text()
+    assert resp.status == status
+    assert set(payload["error"]) == {"message", "type", "param", "code"}
+    assert payload["error"]["type"] == "invalid_request_error"
+    assert payload["error"]["param"] == param
+    assert mesh.places == []  # refused before touching the mesh
+    assert f'endpoint="{path}",status="{status}"' in metrics
+
+
+async def test_concurrent_requests_beyond_the_limit_are_503(nats_server):
+    mesh = FakeMesh(nats_server, token_delay_s=0.02)
+    async with mesh_and_router(nats_server, mesh, max_concurrent_requests=1) as (_, _, http):
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 10}
+        first = asyncio.create_task(http.post("/v1/completions", json=body))
+        await asyncio.sleep(0.1)
+        second = await http.post("/v1/completions", json=body)
+        assert second.status == 503 and "Retry-After" in second.headers
+        assert (await first).status == 200
+
+
+async def test_models_health_openapi_and_unknown_route(nats_server):
+    async with mesh_and_router(nats_server, served_model_name="tiny") as (_, _, http):
+        models = await (await http.get("/v1/models")).json()
+        health = await http.get("/health")
+        doc = await (await http.get("/openapi.json")).json()
+        missing = await http.get("/v1/nope")
+        missing_body = await missing.json()
+        wrong_method = await http.get("/v1/completions")
+        metrics = await http.get("/metrics")
+        one = await http.get("/v1/models/other")
+    assert [m["id"] for m in models["data"]] == ["tiny"] and models["object"] == "list"
+    assert health.status == 200 and (await health.json())["status"] == "ok"
+    assert doc["openapi"].startswith("3.") and "/v1/chat/completions" in doc["paths"]
+    assert missing.status == 404 and missing_body["error"]["code"] == "unknown_url"
+    assert wrong_method.status == 405
+    assert metrics.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+    assert one.status == 404
