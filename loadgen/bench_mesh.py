@@ -1,0 +1,222 @@
+"""``python -m loadgen.bench_mesh`` (``kvmesh bench mesh``): how much KV transfer the prefill hides.
+
+Starts a real local mesh (``kvmesh up``'s Launcher: nats-server, kv-registry, one prefill, one
+decode, the router), sends long prompts through the router's HTTP API one at a time, and reads
+each request's PrefillReport from NATS: compute (forward passes), transfer (sum of chunk write
+durations) and exposed transfer (time from the last forward pass to the last write landing, i.e.
+what compute did not hide). With chunk i's write overlapping chunk i+1's forward pass, only the
+last chunk's write is exposed, so exposed/transfer falls like 1/num_chunks.
+
+Also the harness the end-to-end tests share: ``local_mesh`` (a mesh in child processes, extra
+service settings through KVMESH_* env), ``MeshTap`` (what flows on the request subjects),
+``complete`` (one HTTP completion) and ``wait_blocks_returned`` (admin status until every decode
+worker's free_blocks is back to total_blocks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import random
+import statistics
+import sys
+from collections import defaultdict
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+MODEL = "kvmesh-tiny"
+
+
+# ---- harness ---------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def local_mesh(
+    mode: str = "disagg",
+    transport: str = "auto",
+    *,
+    env: Mapping[str, str] | None = None,
+    local_prefill_threshold: int = 0,
+    log_level: str = "warning",
+    startup_timeout_s: float = 180.0,
+) -> Iterator[Any]:
+    """A whole mesh on a fresh nats-server, in child processes; yields the Launcher (``.url``,
+    ``.config.nats_url``). ``env`` (KVMESH_* settings, e.g. KVMESH_CHUNK_TOKENS) reaches every
+    service. Synchronous: use it from sync fixtures or scripts, not inside an event loop."""
+    from shared.commands.up import Launcher, UpConfig, free_port
+
+    config = UpConfig(
+        model=MODEL,
+        mode=mode,
+        transport=transport,
+        port=0,
+        nats_url=f"nats://127.0.0.1:{free_port()}",
+        local_prefill_threshold=local_prefill_threshold,
+        log_level=log_level,
+        startup_timeout_s=startup_timeout_s,
+        stop_timeout_s=10.0,
+    )
+    launcher = Launcher(config)
+    saved = {k: os.environ.get(k) for k in env or {}}
+    os.environ.update(env or {})
+    try:
+        launcher.start()  # children inherit the environment
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    try:
+        asyncio.run(launcher.wait_ready())
+        yield launcher
+    finally:
+        launcher.stop()
+
+
+class MeshTap:
+    """Listens on every request's subjects: TokenEvents, PrefillReports, PrefillDones."""
+
+    def __init__(self, nats_url: str) -> None:
+        self.nats_url = nats_url
+        self.tokens: dict[str, list[int]] = defaultdict(list)
+        self.finished: dict[str, Any] = {}  # request id -> final TokenEvent
+        self.reports: dict[str, Any] = {}  # request id -> PrefillReport
+        self.prefill_done: dict[str, Any] = {}  # request id -> PrefillDone
+        self._events: dict[str, asyncio.Event] = defaultdict(asyncio.Event)
+
+    async def __aenter__(self) -> MeshTap:
+        from shared import protocol
+        from shared.nats_service import connect_nats
+
+        self._stack = contextlib.AsyncExitStack()
+        nc = await self._stack.enter_async_context(connect_nats(self.nats_url, "mesh-tap"))
+
+        async def on_tokens(msg: Any) -> None:
+            event = protocol.decode(msg.data, protocol.TokenEvent)
+            self.tokens[event.request_id] += event.token_ids
+            if event.finish_reason is not None:
+                self.finished[event.request_id] = event
+                self._events[event.request_id].set()
+
+        async def on_report(msg: Any) -> None:
+            report = protocol.decode(msg.data, protocol.PrefillReport)
+            self.reports[report.request_id] = report
+
+        async def on_done(msg: Any) -> None:
+            done = protocol.decode(msg.data, protocol.PrefillDone)
+            self.prefill_done[done.request_id] = done
+
+        await nc.subscribe("kvmesh.request.*.tokens", cb=on_tokens)
+        await nc.subscribe("kvmesh.request.*.prefill", cb=on_report)
+        await nc.subscribe("kvmesh.decode.*.prefill_done", cb=on_done)
+        await nc.flush()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._stack.aclose()
+
+    async def wait_finished(self, request_id: str, timeout_s: float = 30.0) -> Any:
+        await asyncio.wait_for(self._events[request_id].wait(), timeout_s)
+        return self.finished[request_id]
+
+
+async def complete(
+    session: Any, url: str, prompt_ids: list[int], max_tokens: int, **extra: Any
+) -> dict[str, Any]:
+    """One greedy /v1/completions request with a token-id prompt; returns the JSON body."""
+    body = {"model": MODEL, "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0.0}
+    async with session.post(f"{url}/v1/completions", json={**body, **extra}) as resp:
+        payload = await resp.json()
+        if resp.status != 200:
+            raise AssertionError(f"HTTP {resp.status}: {payload}")
+        return payload
+
+
+async def wait_blocks_returned(nats_url: str, timeout_s: float = 15.0) -> list[dict[str, Any]]:
+    """Admin status rows of the decode workers, once each has every block free again (or the
+    last rows seen when ``timeout_s`` runs out: the caller asserts)."""
+    from shared.admin_client import admin_client
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    async with admin_client(nats_url) as admin:
+        while True:
+            rows = (await admin.status())["decode"]
+            if rows and all(r["free_blocks"] == r["total_blocks"] for r in rows):
+                return rows
+            if loop.time() > deadline:
+                return rows
+            await asyncio.sleep(0.2)
+
+
+def random_prompts(num: int, min_len: int, max_len: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(256) for _ in range(rng.randint(min_len, max_len))] for _ in range(num)]
+
+
+# ---- the benchmark -----------------------------------------------------------------------------
+
+
+async def measure(url: str, nats_url: str, prompts: list[list[int]]) -> list[Any]:
+    import aiohttp
+
+    reports = []
+    async with MeshTap(nats_url) as tap, aiohttp.ClientSession() as session:
+        warm_up = random_prompts(1, 64, 64, seed=999_999)[0]  # connects prefill to decode
+        await complete(session, url, warm_up, 1)
+        for prompt in prompts:
+            reply = await complete(session, url, prompt, 1)
+            rid = reply["id"]
+            for _ in range(100):
+                if rid in tap.reports:
+                    break
+                await asyncio.sleep(0.02)
+            reports.append(tap.reports[rid])
+    return reports
+
+
+def run(args: argparse.Namespace) -> int:
+    env = {"KVMESH_CHUNK_TOKENS": str(args.chunk_tokens), "KVMESH_BLOCK_SIZE": "16"}
+    prompts = random_prompts(args.repeats, args.prompt_len, args.prompt_len, seed=1)
+    with local_mesh("disagg", args.transport, env=env) as mesh:
+        reports = asyncio.run(measure(mesh.url, mesh.config.nats_url, prompts))
+    ratios = [r.exposed_transfer_s / r.transfer_s for r in reports if r.transfer_s > 0]
+    print(
+        f"transport {args.transport}, prompt {args.prompt_len} tokens, chunk {args.chunk_tokens} "
+        f"tokens, {len(reports)} requests one at a time"
+    )
+    print(
+        f"{'chunks':>6} {'compute_ms':>11} {'transfer_ms':>12} {'exposed_ms':>11} {'exposed/transfer':>17}"
+    )
+    for r in reports:
+        print(
+            f"{r.num_chunks:6d} {r.compute_s * 1e3:11.2f} {r.transfer_s * 1e3:12.3f} "
+            f"{r.exposed_transfer_s * 1e3:11.3f} {r.exposed_transfer_s / r.transfer_s:17.1%}"
+        )
+    median = statistics.median(ratios)
+    print(f"median exposed/transfer {median:.1%} (target < 10% for >= 8 chunks)")
+    return 0 if median < args.max_exposed_ratio else 1
+
+
+def register_mesh(sub: Any) -> argparse.ArgumentParser:
+    p = sub.add_parser("mesh", help="exposed vs total KV transfer time of chunked remote prefill")
+    add_arguments(p)
+    p.set_defaults(func=run)
+    return p
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--transport", default="shm", choices=("auto", "shm", "tcp", "rdma"))
+    p.add_argument("--prompt-len", type=int, default=1024)
+    p.add_argument("--chunk-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--max-exposed-ratio", type=float, default=0.10)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="python -m loadgen.bench_mesh", description=__doc__)
+    add_arguments(parser)
+    sys.exit(run(parser.parse_args()))

@@ -1,0 +1,71 @@
+"""DecodeConfig: flags ``--x-y`` / env ``KVMESH_X_Y`` for every field (see shared.service_config)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from shared.protocol import IMM_SLOT_BITS
+from shared.service_config import DEFAULT_NATS_URL, option
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeConfig:
+    nats_url: str = option(DEFAULT_NATS_URL, help="NATS server URL")
+    worker_id: str | None = option(None, help="worker id (default: decode-<random>)")
+    mode: Literal["disagg", "colocated"] = option(
+        "disagg",
+        help="disagg: prompts are prefilled remotely unless asked otherwise; "
+        "colocated: every prompt is prefilled here (the baseline)",
+    )
+    model: str = option("kvmesh-tiny", help="model name or local HF checkpoint directory")
+    dtype: str | None = option(
+        None, help="model dtype (float32, bfloat16, float16); default: the checkpoint's"
+    )
+    device: str = option("cpu", help="torch device")
+    transport: Literal["auto", "shm", "tcp", "rdma"] = option("auto", help="KV data plane backend")
+    tcp_host: str = option("127.0.0.1", help="address the tcp transport listens on and advertises")
+    block_size: int = option(16, help="tokens per KV block (prefill workers must match)")
+    num_blocks: int | None = option(
+        None, help="KV blocks in the pool (default: from kv_cache_bytes)"
+    )
+    kv_cache_bytes: int | None = option(None, help="KV pool size in bytes (default 256 MiB)")
+    max_num_seqs: int = option(64, help="sequences decoded in one batch at most")
+    max_num_batched_tokens: int = option(2048, help="tokens per step (local prefill chunk budget)")
+    enable_prefix_caching: bool = option(True, help="reuse KV blocks of shared prompt prefixes")
+    heartbeat_s: float = option(1.0, help="seconds between heartbeats and adverts")
+    lease_check_s: float = option(0.1, help="seconds between lease-expiry checks")
+    drain_timeout_s: float = option(10.0, help="on SIGTERM, seconds to let running requests finish")
+
+    def __post_init__(self) -> None:
+        if self.worker_id is not None and (
+            not self.worker_id or any(c in self.worker_id for c in ". *>")
+        ):
+            raise ValueError(
+                f"worker_id {self.worker_id!r} must be a non-empty NATS subject token (no '.', ' ', '*', '>')"
+            )
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_blocks is not None and self.kv_cache_bytes is not None:
+            raise ValueError("give num_blocks or kv_cache_bytes, not both")
+        if self.num_blocks is not None and not 0 < self.num_blocks <= 1 << IMM_SLOT_BITS:
+            raise ValueError(
+                f"num_blocks must be in [1, {1 << IMM_SLOT_BITS}] (immediates name a request by "
+                f"its first block), got {self.num_blocks}"
+            )
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
+            raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
+        if self.mode == "disagg" and self.device != "cpu" and self.transport in ("shm", "tcp"):
+            raise ValueError(
+                f"the {self.transport} transport writes host memory, but a {self.device} decode "
+                "worker keeps its KV cache on the device: use --transport rdma (or auto where a "
+                "NIC exists), or --mode colocated"
+            )
+        for name in ("heartbeat_s", "lease_check_s", "drain_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+    @property
+    def role(self) -> str:
+        return "colocated" if self.mode == "colocated" else "decode"

@@ -1,0 +1,169 @@
+"""Requests whose KV a prefill worker is writing into this decode worker: the pending table.
+
+A reservation holds decode blocks under a lease. Every KV write of its prefill lands with an
+immediate ``(slot, chunk)``; the prefill then announces ``PrefillDone(num_writes, first_token)``.
+Writes and the announcement race (the immediate travels on the data plane, the announcement on
+NATS), so a reservation is *ready* once both are in: the announcement said ok and exactly
+``num_writes`` distinct chunks have been counted. It *fails* when the prefill reports failure, a
+chunk arrives twice or past ``num_writes``, and it *expires* when its lease deadline passes first.
+Pure and synchronous: the service feeds it events and acts on what it returns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from shared.protocol import PrefillDone
+
+
+class ReservationError(ValueError):
+    """A reservation that cannot be recorded as asked (duplicate request id, busy slot)."""
+
+
+@dataclass(slots=True, eq=False)
+class Reservation:
+    request_id: str
+    lease_id: str
+    slot: int
+    block_ids: tuple[int, ...]
+    deadline: float  # monotonic seconds
+    payload: Any = None  # what the service needs at admission (prompt, sampling params)
+    chunks: set[int] = field(default_factory=set)  # chunk indices whose write completed
+    done: PrefillDone | None = None
+    is_aborted: bool = False  # the client went away; blocks wait for the prefill to stop writing
+
+    @property
+    def num_writes(self) -> int:
+        return len(self.chunks)
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """A reservation leaves the table: ``ok`` -> admit it; otherwise free its blocks."""
+
+    reservation: Reservation
+    ok: bool
+    error: str = ""
+
+
+class PendingTable:
+    """request id -> Reservation, plus slot -> request id for the immediates."""
+
+    def __init__(self) -> None:
+        self._by_request: dict[str, Reservation] = {}
+        self._by_slot: dict[int, str] = {}
+        self.num_stray_immediates = 0  # immediates for no live reservation (late, or foreign)
+
+    def __len__(self) -> int:
+        return len(self._by_request)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._by_request
+
+    def get(self, request_id: str) -> Reservation | None:
+        return self._by_request.get(request_id)
+
+    def add(
+        self,
+        request_id: str,
+        lease_id: str,
+        slot: int,
+        block_ids: tuple[int, ...],
+        deadline: float,
+        payload: Any = None,
+    ) -> Reservation:
+        if request_id in self._by_request:
+            raise ReservationError(f"request {request_id!r} already holds a reservation here")
+        if slot in self._by_slot:
+            raise ReservationError(
+                f"imm slot {slot} is held by request {self._by_slot[slot]!r}; "
+                "the KV pool has more blocks than immediates can tell apart"
+            )
+        res = Reservation(request_id, lease_id, slot, tuple(block_ids), deadline, payload)
+        self._by_request[request_id] = res
+        self._by_slot[slot] = request_id
+        return res
+
+    def _pop(self, res: Reservation) -> None:
+        del self._by_request[res.request_id]
+        del self._by_slot[res.slot]
+
+    def _settle(self, res: Reservation) -> Verdict | None:
+        """The verdict on ``res`` if one can be given now; pops it from the table then."""
+        done = res.done
+        if done is None:
+            return None
+        if res.num_writes > done.num_writes:
+            verdict = Verdict(
+                res,
+                False,
+                f"prefill announced {done.num_writes} KV writes but {res.num_writes} arrived",
+            )
+        elif not done.ok:
+            verdict = Verdict(res, False, done.error or "prefill failed without a reason")
+        elif res.num_writes < done.num_writes:
+            return None  # writes still in flight on the data plane
+        elif res.is_aborted:
+            verdict = Verdict(res, False, "aborted")
+        elif done.first_token < 0:
+            verdict = Verdict(res, False, "prefill reported success without a first token")
+        else:
+            verdict = Verdict(res, True)
+        self._pop(res)
+        return verdict
+
+    def on_immediate(self, slot: int, chunk: int) -> Verdict | None:
+        """One KV write of chunk ``chunk`` landed for the reservation in ``slot``."""
+        request_id = self._by_slot.get(slot)
+        if request_id is None:
+            self.num_stray_immediates += 1
+            return None
+        res = self._by_request[request_id]
+        if chunk in res.chunks:
+            self._pop(res)
+            return Verdict(res, False, f"KV write for chunk {chunk} arrived twice")
+        res.chunks.add(chunk)
+        return self._settle(res)
+
+    def on_done(self, done: PrefillDone) -> Verdict | None:
+        """The prefill's announcement; ignored unless it names a live reservation and lease."""
+        res = self._by_request.get(done.request_id)
+        if res is None or res.lease_id != done.lease_id or res.done is not None:
+            return None
+        res.done = done
+        return self._settle(res)
+
+    def abort(self, request_id: str) -> Verdict | None:
+        """The client went away. The blocks stay reserved until the prefill has stopped writing
+        (its PrefillDone, which it sends on the same Abort) or the lease expires, so no late
+        write lands in a block that was handed to another request."""
+        res = self._by_request.get(request_id)
+        if res is None:
+            return None
+        res.is_aborted = True
+        return self._settle(res)
+
+    def expire(self, now: float) -> list[Verdict]:
+        """Reservations whose lease ran out before their prefill completed."""
+        expired = [r for r in self._by_request.values() if r.deadline <= now]
+        for res in expired:
+            self._pop(res)
+        return [
+            Verdict(
+                r,
+                False,
+                "aborted"
+                if r.is_aborted
+                else f"prefill did not complete before the lease ran out "
+                f"({r.num_writes} KV writes arrived, "
+                f"{'PrefillDone received' if r.done else 'no PrefillDone'})",
+            )
+            for r in expired
+        ]
+
+    def next_deadline(self) -> float | None:
+        return min((r.deadline for r in self._by_request.values()), default=None)
+
+    def num_reserved_blocks(self) -> int:
+        return sum(len(r.block_ids) for r in self._by_request.values())

@@ -1,0 +1,306 @@
+"""The decode service's NATS shell around DecodeWorker.
+
+Subjects (docs/mesh.md): ``decode_reserve(id)`` (ReserveRequest -> ReserveReply),
+``decode_prefill_done(id)`` (PrefillDone), ``ABORT`` (Abort), ``worker_control(id)``
+(WorkerControl -> WorkerHeartbeat with the new state); publishes ``DecodeAdvert`` on
+``REGISTRY_ADVERTISE`` every heartbeat and TokenEvents on ``request_tokens(rid)``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import nats.errors
+import torch
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.micro.request import Request
+
+from services.decode.config import DecodeConfig
+from services.decode.worker import DecodeWorker
+from shared import logs, subjects
+from shared.engine.config import EngineConfig
+from shared.engine.kv_cache import KVCacheSpec
+from shared.engine.llm_engine import LLMEngine
+from shared.model.config import parse_dtype
+from shared.model.loader import load_model
+from shared.nats_service import (
+    background,
+    connect_nats,
+    new_worker_id,
+    serve_until_signal,
+    worker_presence,
+)
+from shared.protocol import (
+    Abort,
+    DecodeAdvert,
+    PrefillDone,
+    ProtocolError,
+    ReserveRequest,
+    WorkerControl,
+    WorkerHeartbeat,
+    decode,
+    encode,
+    kv_spec_fingerprint,
+)
+from shared.transport import Access, Transport, TransportConfig, create_transport
+
+log = logs.get_logger(__name__)
+
+
+def engine_config(config: DecodeConfig, model: Any) -> tuple[EngineConfig, KVCacheSpec]:
+    mc = model.config
+    dtype = parse_dtype(config.dtype, "--dtype", next(model.parameters()).dtype)
+    spec = KVCacheSpec(
+        mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, config.block_size, dtype
+    )
+    sizing = EngineConfig(num_blocks=config.num_blocks, kv_cache_bytes=config.kv_cache_bytes)
+    return (
+        EngineConfig(
+            block_size=config.block_size,
+            num_blocks=sizing.resolve_num_blocks(spec.block_bytes),
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            enable_prefix_caching=config.enable_prefix_caching,
+            device=config.device,
+            dtype=dtype,
+        ),
+        spec,
+    )
+
+
+def _handler(cls: type, on: Callable[[Any], Awaitable[None]]) -> Callable[[Msg], Awaitable[None]]:
+    """A subscription callback that decodes ``cls`` and drops (logs) malformed messages."""
+
+    async def callback(msg: Msg) -> None:
+        try:
+            body = decode(msg.data, cls)
+        except ProtocolError as exc:
+            log.warning("ignored malformed message", subject=msg.subject, error=str(exc))
+            return
+        await on(body)
+
+    return callback
+
+
+@contextlib.asynccontextmanager
+async def subscriptions(nc: Client, *subs: tuple[str, Callable[[Msg], Awaitable[None]]]):
+    handles = [await nc.subscribe(subject, cb=cb) for subject, cb in subs]
+    try:
+        yield
+    finally:
+        if not nc.is_closed:
+            for h in handles:
+                with contextlib.suppress(nats.errors.Error):
+                    await h.unsubscribe()
+
+
+class DecodeService:
+    """Wires one DecodeWorker to NATS and the data plane."""
+
+    def __init__(
+        self,
+        config: DecodeConfig,
+        worker: DecodeWorker,
+        transport: Transport | None,
+        nc: Client,
+        **advert: Any,
+    ) -> None:
+        self.config = config
+        self.worker = worker
+        self.transport = transport
+        self.nc = nc
+        self.advert_fields = advert  # descriptor, rkey, base_addr, block_bytes, block_size, kv_spec
+        self.started_at = time.time()
+        self.tg: asyncio.TaskGroup  # set by decode_service
+        self.last_stats: dict[str, Any] = {}
+
+    async def stats(self) -> dict[str, Any]:
+        self.last_stats = await self.worker.stats()
+        return self.last_stats
+
+    def heartbeat(self) -> WorkerHeartbeat:
+        s = self.last_stats or {"state": "ready", "num_running": 0, "num_waiting": 0}
+        return WorkerHeartbeat(
+            self.worker.worker_id,
+            self.config.role,
+            s["state"],
+            s["num_running"],
+            s["num_waiting"],
+            self.started_at,
+            time.time(),
+        )
+
+    async def advertise(self) -> None:
+        s = await self.stats()
+        advert = DecodeAdvert(
+            worker_id=self.worker.worker_id,
+            mode=self.config.mode,
+            sent_at=time.time(),
+            **self.advert_fields,
+            **s,
+        )
+        await self.nc.publish(subjects.REGISTRY_ADVERTISE, encode(advert))
+
+    async def advert_loop(self) -> None:
+        while True:
+            try:
+                await self.advertise()
+            except nats.errors.Error as exc:
+                log.debug("advert failed", error=str(exc))
+            await asyncio.sleep(self.config.heartbeat_s)
+
+    async def completion_loop(self) -> None:
+        if self.transport is None:  # colocated: nothing is written to us
+            return
+        async for completion in self.transport.completions():
+            await self.worker.on_completion(completion.imm)
+
+    async def on_reserve(self, req: Request) -> None:
+        # Concurrently: each reserve waits for the step in flight, all of them for the same one.
+        self.tg.create_task(self._reserve(req))
+
+    async def _reserve(self, req: Request) -> None:
+        try:
+            body = decode(req.data, ReserveRequest)
+        except ProtocolError as exc:
+            await req.respond_error("400", str(exc))
+            return
+        reply = await self.worker.reserve(body)
+        if not reply.ok:
+            log.info("reserve refused", request_id=body.request_id, error=reply.error)
+        try:
+            await req.respond(encode(reply))
+        except nats.errors.Error as exc:  # the registry gave up waiting; the lease frees it
+            log.warning("reserve reply not sent", request_id=body.request_id, error=str(exc))
+
+    async def on_control(self, req: Request) -> None:
+        try:
+            action = decode(req.data, WorkerControl).action
+            if action not in ("drain", "resume"):
+                raise ProtocolError(f"WorkerControl.action: {action!r} is not drain or resume")
+        except ProtocolError as exc:
+            await req.respond_error("400", str(exc))
+            return
+        self.worker.is_draining = action == "drain"
+        log.info("worker control", action=action)
+        await self.advertise()
+        await req.respond(encode(self.heartbeat()))
+
+    async def on_abort(self, msg: Abort) -> None:
+        await self.worker.abort(msg.request_id)
+
+    async def on_prefill_done(self, msg: PrefillDone) -> None:
+        await self.worker.on_prefill_done(msg)
+
+    async def drain(self, timeout_s: float) -> None:
+        """Refuse new work; wait (bounded) for what runs to finish."""
+        self.worker.is_draining = True
+        await self.advertise()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            s = await self.stats()
+            if not s["num_running"] and not s["num_waiting"]:
+                return
+            await asyncio.sleep(0.05)
+
+
+@contextlib.asynccontextmanager
+async def decode_service(config: DecodeConfig) -> AsyncIterator[DecodeService]:
+    """Model, KV pool over transport memory, NATS, subscriptions and loops: ready to serve."""
+    worker_id = config.worker_id or new_worker_id(config.role)
+    model, tokenizer = await asyncio.to_thread(
+        load_model, config.model, parse_dtype(config.dtype, "--dtype") if config.dtype else None,
+        config.device,
+    )  # fmt: skip
+    econf, spec = engine_config(config, model)
+    tconf = TransportConfig(peer_id=worker_id, tcp_host=config.tcp_host)
+    disagg = config.mode == "disagg"  # colocated workers take no remote writes: no data plane
+    async with (
+        create_transport(config.transport, tconf)
+        if disagg
+        else contextlib.nullcontext() as transport,
+        connect_nats(config.nats_url, worker_id) as nc,
+    ):
+        # On the host the pool lives in transport memory (shm: a segment the prefill maps);
+        # device pools are the engine's own and need a backend that reaches them (rdma).
+        on_host = torch.device(config.device).type == "cpu"
+        buffer = (
+            transport.allocate(econf.num_blocks * spec.block_bytes) if disagg and on_host else None
+        )
+        engine = LLMEngine(model, tokenizer, econf, kv_buffer=buffer)
+        region = transport.register(engine.kv_pool.raw, Access.REMOTE_WRITE) if disagg else None
+        worker = DecodeWorker(
+            engine,
+            worker_id=worker_id,
+            base_addr=region.addr if region else engine.kv_pool.base_addr,
+            publish=nc.publish,
+            colocated=not disagg,
+        )
+        service = DecodeService(
+            config,
+            worker,
+            transport,
+            nc,
+            descriptor=transport.descriptor().to_dict() if transport else {},
+            rkey=region.rkey if region else 0,
+            base_addr=region.addr if region else 0,
+            block_bytes=spec.block_bytes,
+            block_size=spec.block_size,
+            kv_spec=kv_spec_fingerprint(spec, model.config),
+        )
+        await service.stats()
+        async with (
+            worker_presence(
+                nc,
+                role=config.role,
+                worker_id=worker_id,
+                heartbeat=service.heartbeat,
+                interval_s=config.heartbeat_s,
+                metadata={"mode": config.mode},
+            ) as svc,
+            subscriptions(
+                nc,
+                (
+                    subjects.decode_prefill_done(worker_id),
+                    _handler(PrefillDone, service.on_prefill_done),
+                ),
+                (subjects.ABORT, _handler(Abort, service.on_abort)),
+            ),
+            asyncio.TaskGroup() as service.tg,
+            background(
+                worker.run(),
+                worker.lease_loop(config.lease_check_s),
+                service.completion_loop(),
+                service.advert_loop(),
+            ),
+        ):
+            await svc.add_endpoint(
+                name="reserve",
+                subject=subjects.decode_reserve(worker_id),
+                handler=service.on_reserve,
+            )
+            await svc.add_endpoint(
+                name="control",
+                subject=subjects.worker_control(worker_id),
+                handler=service.on_control,
+            )
+            log.info(
+                "decode worker ready",
+                worker_id=worker_id,
+                mode=config.mode,
+                transport=transport.name if transport else None,
+                num_blocks=econf.num_blocks,
+                kv_spec=service.advert_fields["kv_spec"],
+            )
+            yield service
+
+
+async def run(config: DecodeConfig) -> None:
+    async with decode_service(config) as service:
+        await serve_until_signal()
+        await service.drain(config.drain_timeout_s)

@@ -1,0 +1,255 @@
+"""The decode worker: one LLMEngine, the pending table, and every path that moves their blocks.
+
+The engine is touched only under ``self._lock``; ``step()`` runs in a worker thread while the lock
+is held (torch releases the GIL), so the event loop keeps serving NATS and the data plane
+meanwhile. Requests enter three ways: local prefill (``add_request``), a reservation admitted
+after its remote prefill (``admit_prefilled``), or not at all (refused). Blocks leave on finish,
+abort, failed prefill and lease expiry; each of these paths ends in exactly one final TokenEvent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+from services.decode.pending import PendingTable, ReservationError, Verdict
+from shared import logs, subjects
+from shared.engine.block_manager import OutOfBlocksError
+from shared.engine.llm_engine import LLMEngine
+from shared.engine.sequence import RequestError, RequestOutput, SamplingParams
+from shared.protocol import (
+    Abort,
+    PrefillDone,
+    ReserveReply,
+    ReserveRequest,
+    SamplingOptions,
+    TokenEvent,
+    encode,
+    imm_slot,
+)
+from shared.transport.base import unpack_imm
+
+log = logs.get_logger(__name__)
+
+Publish = Callable[[str, bytes], Awaitable[None]]
+
+
+def sampling_params(o: SamplingOptions) -> SamplingParams:
+    """Wire options -> engine params (the wire's top_k -1 means disabled, the engine's 0)."""
+    return SamplingParams(o.max_tokens, o.temperature, max(o.top_k, 0), o.top_p, o.seed,
+                          o.stop_token_ids, o.stop, o.ignore_eos)  # fmt: skip
+
+
+def free_block_ranges(free_ids: Iterable[int]) -> tuple[tuple[int, int], ...]:
+    """Sorted ``[start, end)`` runs of the given block ids."""
+    runs: list[list[int]] = []
+    for b in sorted(free_ids):
+        if runs and runs[-1][1] == b:
+            runs[-1][1] = b + 1
+        else:
+            runs.append([b, b + 1])
+    return tuple((s, e) for s, e in runs)
+
+
+class DecodeWorker:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        *,
+        worker_id: str,
+        base_addr: int,
+        publish: Publish,
+        colocated: bool = False,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.engine = engine
+        self.worker_id = worker_id
+        self.base_addr = base_addr  # the receiving region's address: blocks at base + id * bytes
+        self.block_bytes = engine.kv_pool.spec.block_bytes
+        self.colocated = colocated
+        self.is_draining = False
+        self.pending = PendingTable()
+        self._publish = publish
+        self._clock = clock
+        self._lock = asyncio.Lock()
+        self._wake = asyncio.Event()
+        self._settled: list[Verdict] = []  # reservations leaving the table, applied by run()
+        self._aborts: list[str] = []  # running requests to abort, applied by run()
+
+    # ---- the engine loop ----------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Step the engine while it has work; publish each step's tokens (a task body)."""
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while True:
+                async with self._lock:
+                    # Admissions go in between steps, their first token out before the next step's.
+                    settled, self._settled = self._settled, []
+                    for verdict in settled:
+                        await self._send_tokens(self._apply(verdict))
+                    aborts, self._aborts = self._aborts, []
+                    for request_id in aborts:
+                        self.engine.abort(request_id)  # its "abort" output comes with the step
+                    if not self.engine.has_unfinished():
+                        break
+                    outputs = await asyncio.to_thread(self.engine.step)
+                for out in outputs:
+                    await self._publish_output(out)
+
+    async def _publish_output(self, out: RequestOutput) -> None:
+        if not out.new_token_ids and not out.finished:
+            return
+        await self._send_tokens(
+            TokenEvent(
+                out.request_id,
+                tuple(out.new_token_ids),
+                finish_reason=out.finish_reason if out.finished else None,
+                num_prompt_tokens=out.num_prompt_tokens,
+                num_output_tokens=out.num_output_tokens,
+            )
+        )
+
+    async def _send_tokens(self, event: TokenEvent) -> None:
+        await self._publish(subjects.request_tokens(event.request_id), encode(event))
+
+    # ---- requests in ------------------------------------------------------------------------
+
+    async def reserve(self, req: ReserveRequest) -> ReserveReply:
+        """Local prefill: queue the request. Remote prefill: reserve its blocks under a lease."""
+        refuse = lambda error: ReserveReply(False, self.worker_id, error=error)
+        if self.is_draining:
+            return refuse(f"decode worker {self.worker_id} is draining")
+        try:
+            params = sampling_params(req.sampling)
+        except ValueError as exc:
+            return refuse(f"bad sampling options: {exc}")
+        rid, prompt = req.request_id, list(req.prompt_ids)
+        async with self._lock:
+            if rid in self.engine.seqs or rid in self.pending:
+                return refuse(f"request {rid!r} is already on decode worker {self.worker_id}")
+            if req.local_prefill or self.colocated:
+                try:
+                    self.engine.add_request(rid, prompt, params)
+                except RequestError as exc:
+                    return refuse(str(exc))
+                self._wake.set()
+                return ReserveReply(True, self.worker_id)
+            if not prompt or len(prompt) > self.engine.max_model_len:
+                return refuse(
+                    f"prompt of {len(prompt)} tokens; this worker takes 1..{self.engine.max_model_len}"
+                )
+            try:
+                block_ids = self.engine.reserve_blocks(len(prompt))
+            except OutOfBlocksError as exc:
+                return refuse(f"decode worker {self.worker_id} is out of KV blocks: {exc}")
+            slot = imm_slot(self.base_addr + block_ids[0] * self.block_bytes, self.block_bytes)
+            deadline = self._clock() + req.lease_ms / 1000
+            try:
+                self.pending.add(
+                    rid, req.lease_id, slot, tuple(block_ids), deadline, (prompt, params)
+                )
+            except ReservationError as exc:
+                self.engine.free_reserved(block_ids)
+                return refuse(str(exc))
+        return ReserveReply(True, self.worker_id, block_ids=tuple(block_ids))
+
+    async def on_completion(self, imm: int) -> None:
+        """A KV write landed in our pool (its immediate, from the transport's completions)."""
+        try:
+            slot, chunk = unpack_imm(imm)
+        except ValueError:
+            log.warning("ignored write with a malformed immediate", imm=imm)
+            return
+        verdict = self.pending.on_immediate(slot, chunk)
+        if verdict is not None:
+            self._settle(verdict)
+
+    async def on_prefill_done(self, done: PrefillDone) -> None:
+        verdict = self.pending.on_done(done)
+        if verdict is not None:
+            self._settle(verdict)
+
+    async def abort(self, request_id: str) -> None:
+        if request_id in self.pending:
+            verdict = self.pending.abort(request_id)
+            if verdict is not None:
+                self._settle(verdict)
+            return
+        for verdict in self._settled:  # settled, not yet admitted: free it instead
+            if verdict.reservation.request_id == request_id:
+                verdict.reservation.is_aborted = True
+                return
+        self._aborts.append(request_id)
+        self._wake.set()
+
+    async def expire_leases(self) -> int:
+        """Free the blocks of reservations whose lease ran out; tell the prefill to stop."""
+        verdicts = self.pending.expire(self._clock())
+        for verdict in verdicts:
+            res = verdict.reservation
+            log.warning("lease expired", request_id=res.request_id, error=verdict.error)
+            await self._publish(
+                subjects.ABORT, encode(Abort(res.request_id, reason="lease expired"))
+            )
+            self._settle(verdict)
+        return len(verdicts)
+
+    async def lease_loop(self, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            await self.expire_leases()
+
+    def _settle(self, verdict: Verdict) -> None:
+        """Hand a reservation that left the table to the engine loop (admit or free)."""
+        self._settled.append(verdict)
+        self._wake.set()
+
+    def _apply(self, verdict: Verdict) -> TokenEvent:
+        """Admit a prefilled request (its first token) or free its blocks (its final event).
+        Called by run() with the lock held, between steps."""
+        res = verdict.reservation
+        prompt, params = res.payload
+        error = verdict.error
+        if verdict.ok and not res.is_aborted:
+            assert res.done is not None
+            try:
+                self.engine.admit_prefilled(
+                    res.request_id, prompt, list(res.block_ids), res.done.first_token, params
+                )
+            except RequestError as exc:
+                error = str(exc)
+            else:  # the prefill sampled the first token; the engine's outputs follow it
+                first = (res.done.first_token,)
+                return TokenEvent(
+                    res.request_id, first, num_prompt_tokens=len(prompt), num_output_tokens=1
+                )
+        self.engine.free_reserved(list(res.block_ids))
+        return TokenEvent(
+            res.request_id,
+            (),
+            finish_reason="abort" if res.is_aborted else "error",
+            num_prompt_tokens=len(prompt),
+            error="" if res.is_aborted else f"prefill failed: {error}",
+        )
+
+    # ---- state --------------------------------------------------------------------------------
+
+    async def stats(self) -> dict[str, Any]:
+        """What the advert and heartbeat report (under the lock: a step mutates the free list)."""
+        async with self._lock:
+            return self._stats()
+
+    def _stats(self) -> dict[str, Any]:
+        bm = self.engine.block_manager
+        return {
+            "total_blocks": bm.num_total_blocks,
+            "free_blocks": bm.num_free_blocks,
+            "free_block_ranges": free_block_ranges(bm.free),
+            "num_running": len(self.engine.scheduler.running),
+            "num_waiting": len(self.engine.scheduler.waiting) + len(self.pending),
+            "state": "draining" if self.is_draining else "ready",
+        }

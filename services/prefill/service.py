@@ -1,0 +1,231 @@
+"""The prefill service's NATS shell around PrefillWorker.
+
+Takes ``PrefillJob``s from ``PREFILL_JOBS`` in queue group ``PREFILL_QUEUE`` (one worker per job),
+at most ``max_concurrent_jobs`` at a time; follows ``ABORT``; learns each decode worker's KV spec
+from its ``DecodeAdvert``s; keeps one transport endpoint per decode descriptor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import nats.errors
+import orjson
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from services.prefill.config import PrefillConfig
+from services.prefill.worker import PrefillWorker
+from shared import logs, subjects
+from shared.engine.config import EngineConfig
+from shared.engine.llm_engine import LLMEngine
+from shared.model.config import parse_dtype
+from shared.model.loader import load_model
+from shared.nats_service import (
+    background,
+    connect_nats,
+    new_worker_id,
+    serve_until_signal,
+    worker_presence,
+)
+from shared.protocol import (
+    Abort,
+    DecodeAdvert,
+    PrefillJob,
+    ProtocolError,
+    WorkerHeartbeat,
+    decode,
+    kv_spec_fingerprint,
+)
+from shared.transport import Endpoint, PeerDescriptor, Transport, TransportConfig, create_transport
+
+log = logs.get_logger(__name__)
+
+
+class EndpointCache:
+    """One endpoint per decode descriptor, connected on first use, closed on exit."""
+
+    def __init__(self, transport: Transport) -> None:
+        self.transport = transport
+        self._endpoints: dict[bytes, Endpoint] = {}
+        self._connecting: dict[bytes, asyncio.Lock] = {}
+
+    @staticmethod
+    def _key(descriptor: dict[str, Any]) -> bytes:
+        return orjson.dumps(descriptor, option=orjson.OPT_SORT_KEYS)
+
+    async def get(self, descriptor: dict[str, Any]) -> Endpoint:
+        key = self._key(descriptor)
+        endpoint = self._endpoints.get(key)
+        if endpoint is not None:
+            return endpoint
+        async with self._connecting.setdefault(key, asyncio.Lock()):
+            if key not in self._endpoints:
+                peer = PeerDescriptor.from_dict(descriptor)
+                self._endpoints[key] = await self.transport.connect(peer)
+                log.info("connected to decode worker", peer=peer.peer_id)
+            return self._endpoints[key]
+
+    async def forget(self, descriptor: dict[str, Any]) -> None:
+        endpoint = self._endpoints.pop(self._key(descriptor), None)
+        if endpoint is not None:
+            with contextlib.suppress(Exception):
+                await endpoint.aclose()
+
+    async def __aenter__(self) -> EndpointCache:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        endpoints, self._endpoints = list(self._endpoints.values()), {}
+        for endpoint in endpoints:
+            with contextlib.suppress(Exception):
+                await endpoint.aclose()
+
+
+class PrefillService:
+    def __init__(self, config: PrefillConfig, worker: PrefillWorker, tg: asyncio.TaskGroup) -> None:
+        self.config = config
+        self.worker = worker
+        self.started_at = time.time()
+        self.is_draining = False
+        self._tg = tg
+        self._slots = asyncio.Semaphore(config.max_concurrent_jobs)
+        self._num_waiting = 0
+
+    def heartbeat(self) -> WorkerHeartbeat:
+        return WorkerHeartbeat(
+            self.worker.worker_id,
+            "prefill",
+            "draining" if self.is_draining else "ready",
+            num_running=self.worker.num_jobs,
+            num_waiting=self._num_waiting,
+            started_at=self.started_at,
+            sent_at=time.time(),
+        )
+
+    async def on_job(self, msg: Msg) -> None:
+        try:
+            job = decode(msg.data, PrefillJob)
+        except ProtocolError as exc:
+            log.warning("ignored malformed prefill job", error=str(exc))
+            return
+        self._num_waiting += 1
+        # Holding the subscription here keeps further jobs queued in NATS order.
+        await self._slots.acquire()
+        self._num_waiting -= 1
+        if self.is_draining:
+            self._slots.release()
+            await self.worker.abort(
+                job.request_id, f"prefill worker {self.worker.worker_id} is stopping"
+            )
+        self._tg.create_task(self._run_job(job))
+
+    async def _run_job(self, job: PrefillJob) -> None:
+        try:
+            await self.worker.prefill(job)
+        finally:
+            self._slots.release()
+
+    async def drain(self, timeout_s: float) -> None:
+        """Take no new job; let those in flight finish for ``timeout_s``, then abort them."""
+        self.is_draining = True
+        deadline = time.monotonic() + timeout_s
+        while self.worker.num_jobs and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for request_id in self.worker.job_ids():
+            await self.worker.abort(request_id, f"prefill worker {self.worker.worker_id} stopped")
+        while self.worker.num_jobs:
+            await asyncio.sleep(0.01)
+
+    async def on_abort(self, msg: Msg) -> None:
+        try:
+            abort = decode(msg.data, Abort)
+        except ProtocolError:
+            return
+        await self.worker.abort(abort.request_id, abort.reason)
+
+    async def on_advert(self, msg: Msg) -> None:
+        try:
+            advert = decode(msg.data, DecodeAdvert)
+        except ProtocolError:
+            return
+        self.worker.decode_specs[advert.worker_id] = advert.kv_spec
+
+
+@contextlib.asynccontextmanager
+async def prefill_service(config: PrefillConfig) -> AsyncIterator[PrefillService]:
+    worker_id = config.worker_id or new_worker_id("prefill")
+    dtype = parse_dtype(config.dtype, "--dtype") if config.dtype else None
+    model, tokenizer = await asyncio.to_thread(load_model, config.model, dtype, config.device)
+    econf = EngineConfig(
+        block_size=config.block_size,
+        num_blocks=config.num_blocks,
+        kv_cache_bytes=config.kv_cache_bytes,
+        max_num_seqs=config.max_concurrent_jobs,
+        max_num_batched_tokens=config.chunk_tokens,
+        enable_prefix_caching=config.enable_prefix_caching,
+        device=config.device,
+        dtype=dtype,
+    )
+    engine = LLMEngine(model, tokenizer, econf)
+    tconf = TransportConfig(peer_id=worker_id, tcp_host=config.tcp_host)
+    async with (
+        create_transport(config.transport, tconf) as transport,
+        EndpointCache(transport) as endpoints,
+        connect_nats(config.nats_url, worker_id) as nc,
+    ):
+        region = transport.register(engine.kv_pool.raw)
+        worker = PrefillWorker(
+            engine,
+            region,
+            worker_id=worker_id,
+            kv_spec=kv_spec_fingerprint(engine.kv_pool.spec, model.config),
+            publish=nc.publish,
+            connect=endpoints.get,
+            forget_endpoint=endpoints.forget,
+            abort_memory_s=config.abort_memory_s,
+        )
+        async with asyncio.TaskGroup() as tg:
+            service = PrefillService(config, worker, tg)
+            async with (
+                worker_presence(
+                    nc,
+                    role="prefill",
+                    worker_id=worker_id,
+                    heartbeat=service.heartbeat,
+                    interval_s=config.heartbeat_s,
+                ),
+                _subscribe(nc, subjects.ABORT, service.on_abort),
+                _subscribe(nc, subjects.REGISTRY_ADVERTISE, service.on_advert),
+                _subscribe(nc, subjects.PREFILL_JOBS, service.on_job, queue=subjects.PREFILL_QUEUE),
+                background(worker.run()),
+            ):
+                log.info(
+                    "prefill worker ready",
+                    worker_id=worker_id,
+                    transport=config.transport,
+                    chunk_tokens=config.chunk_tokens,
+                    kv_spec=worker.kv_spec,
+                )
+                yield service
+                await service.drain(timeout_s=10.0)
+
+
+@contextlib.asynccontextmanager
+async def _subscribe(nc: Client, subject: str, cb, queue: str = "") -> AsyncIterator[None]:
+    sub = await nc.subscribe(subject, queue=queue, cb=cb)
+    try:
+        yield
+    finally:
+        if not nc.is_closed:
+            with contextlib.suppress(nats.errors.Error):
+                await sub.unsubscribe()
+
+
+async def run(config: PrefillConfig) -> None:
+    async with prefill_service(config):
+        await serve_until_signal()

@@ -1,0 +1,265 @@
+"""The prefill worker: runs prompts through the engine in chunks and writes each chunk's KV blocks
+into the decode worker's reserved blocks while the next chunk computes.
+
+One engine loop steps the engine (in a worker thread, under ``self._lock``) for every job in
+flight; after each step the chunks it completed are handed to their jobs. Each job
+(``prefill()``) issues one batched write per chunk as soon as the chunk is ready, so the write of
+chunk i runs while the forward pass of chunk i+1 does. When the last write has landed the job
+announces ``PrefillDone(num_writes, first_token)`` to the decode worker and ``PrefillReport`` to
+the router, then frees its local blocks. An Abort stops the job between chunks; the decode
+worker still gets a PrefillDone (ok=False) once no write is in flight, so its blocks return.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from services.prefill.plan import (
+    ChunkPlanner,
+    ChunkWrite,
+    KVSpecMismatchError,
+    PlanError,
+    PrefillTimeline,
+)
+from shared import logs, subjects
+from shared.engine.llm_engine import LLMEngine
+from shared.engine.sequence import ChunkReady, RequestError, SamplingParams
+from shared.protocol import (
+    PrefillDone,
+    PrefillJob,
+    PrefillReport,
+    SamplingOptions,
+    encode,
+)
+from shared.transport import Endpoint, MemoryRegion, TransportError, WriteEntry
+
+log = logs.get_logger(__name__)
+
+Publish = Callable[[str, bytes], Awaitable[None]]
+Connect = Callable[[dict], Awaitable[Endpoint]]
+_STOP = None  # queue marker: the job was aborted or failed; no more chunks come
+
+
+def sampling_params(o: SamplingOptions) -> SamplingParams:
+    """Wire options -> engine params; the prefill only samples the first token."""
+    return SamplingParams(max_tokens=o.max_tokens, temperature=o.temperature,
+                          top_k=max(o.top_k, 0), top_p=o.top_p, seed=o.seed)  # fmt: skip
+
+
+@dataclass(eq=False)
+class _Job:
+    msg: PrefillJob
+    planner: ChunkPlanner
+    timeline: PrefillTimeline
+    endpoint: Endpoint
+    chunks: asyncio.Queue[ChunkReady | None] = field(default_factory=asyncio.Queue)
+    num_writes: int = 0
+    first_token: int = -1
+    error: str = ""
+    is_computed: bool = False  # the last chunk is in; the engine holds the blocks until release
+
+
+class PrefillWorker:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        region: MemoryRegion,
+        *,
+        worker_id: str,
+        kv_spec: str,
+        publish: Publish,
+        connect: Connect,
+        forget_endpoint: Callable[[dict], Awaitable[None]],
+        abort_memory_s: float = 60.0,
+    ) -> None:
+        self.engine = engine
+        self.region = region  # the engine's KV pool, registered as the source of writes
+        self.worker_id = worker_id
+        self.kv_spec = kv_spec
+        self.block_size = engine.kv_pool.spec.block_size
+        self.block_bytes = engine.kv_pool.spec.block_bytes
+        self.decode_specs: dict[str, str] = {}  # decode worker id -> kv_spec, from its adverts
+        self._publish = publish
+        self._connect = connect
+        self._forget_endpoint = forget_endpoint
+        self._abort_memory_s = abort_memory_s
+        self._jobs: dict[str, _Job] = {}
+        self._aborted: dict[str, float] = {}  # request id -> monotonic time of its Abort
+        self._chunks: list[ChunkReady] = []  # filled by on_chunk in the engine thread
+        self._lock = asyncio.Lock()
+        self._wake = asyncio.Event()
+
+    @property
+    def num_jobs(self) -> int:
+        return len(self._jobs)
+
+    def job_ids(self) -> list[str]:
+        return list(self._jobs)
+
+    # ---- the engine loop ----------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Step the engine while any job computes; hand each finished chunk to its job."""
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while True:
+                async with self._lock:
+                    if not self.engine.has_unfinished():
+                        break
+                    t0 = time.perf_counter()
+                    await asyncio.to_thread(self.engine.step)
+                    t1 = time.perf_counter()
+                    chunks, self._chunks = self._chunks, []
+                for chunk in chunks:
+                    job = self._jobs.get(chunk.request_id)
+                    if job is None:
+                        continue
+                    job.timeline.on_forward(t1 - t0)
+                    if chunk.is_last:
+                        job.is_computed = True
+                        job.timeline.on_compute_done(t1)
+                    job.chunks.put_nowait(chunk)
+
+    def _on_chunk(self, chunk: ChunkReady) -> None:
+        self._chunks.append(chunk)  # in the engine thread, during step(), under self._lock
+
+    # ---- jobs ---------------------------------------------------------------------------------
+
+    async def prefill(self, msg: PrefillJob) -> None:
+        """Run one job to its end: every write landed (or none in flight), decode told."""
+        rid = msg.request_id
+        started_at = time.time()
+        if rid in self._jobs:
+            log.warning("ignored a duplicate prefill job", request_id=rid)
+            return
+        if self._aborted.pop(rid, None) is not None:
+            await self._announce(msg, None, f"aborted before prefill started on {self.worker_id}")
+            return
+        try:
+            peer_spec = self.decode_specs.get(msg.decode_worker_id)
+            if peer_spec is not None and peer_spec != self.kv_spec:
+                raise KVSpecMismatchError(
+                    f"KV spec mismatch: prefill worker {self.worker_id} has {self.kv_spec}, decode "
+                    f"worker {msg.decode_worker_id} has {peer_spec}; run both with the same model, "
+                    "dtype and block size"
+                )
+            planner = ChunkPlanner(
+                len(msg.prompt_ids),
+                self.block_size,
+                self.block_bytes,
+                msg.block_addrs,
+                msg.block_bytes,
+            )
+            params = sampling_params(msg.sampling)
+            endpoint = await self._connect(msg.descriptor)
+        except (PlanError, TransportError, ValueError) as exc:
+            log.warning("prefill job refused", request_id=rid, error=str(exc))
+            await self._announce(msg, None, str(exc))
+            return
+        job = _Job(msg, planner, PrefillTimeline(msg.enqueued_at, started_at), endpoint)
+        self._jobs[rid] = job
+        try:
+            async with self._lock:
+                self.engine.add_request(
+                    rid,
+                    list(msg.prompt_ids),
+                    params,
+                    prefill_only=True,
+                    on_chunk=self._on_chunk,
+                )
+        except RequestError as exc:
+            del self._jobs[rid]
+            await self._announce(msg, None, str(exc))
+            return
+        self._wake.set()
+        try:
+            async with asyncio.TaskGroup() as tg:
+                while (chunk := await job.chunks.get()) is not _STOP:
+                    write = planner.plan(
+                        chunk.chunk_index, chunk.end_token, chunk.block_ids, chunk.is_last
+                    )
+                    tg.create_task(self._write(job, write))
+                    if chunk.is_last:
+                        job.first_token = chunk.first_token
+                        break
+            # every write has returned: no byte of ours is still on its way to the decode blocks
+        except PlanError as exc:  # an engine/plan disagreement: a bug, but never leak blocks
+            job.error = f"internal error planning KV writes: {exc}"
+            log.error("plan failed", request_id=rid, error=str(exc))
+        finally:
+            del self._jobs[rid]
+            async with self._lock:
+                self.engine.abort(rid)  # frees the local blocks, computed or not
+            self._wake.set()
+        await self._announce(msg, job, job.error)
+
+    async def _write(self, job: _Job, write: ChunkWrite) -> None:
+        msg = job.msg
+        entries = [
+            WriteEntry(self.region, s.local_offset, s.remote_addr, msg.rkey, s.length)
+            for s in write.spans
+        ]
+        t0 = time.perf_counter()
+        try:
+            await job.endpoint.write(entries, write.imm)
+        except TransportError as exc:
+            if not job.error:
+                job.error = (
+                    f"KV write of chunk {write.chunk_index} to {msg.decode_worker_id} failed: {exc}"
+                )
+                log.warning("kv write failed", request_id=msg.request_id, error=str(exc))
+                await self._forget_endpoint(msg.descriptor)
+                await self._stop(job)
+            return
+        job.timeline.on_write(t0, time.perf_counter())
+        job.num_writes += 1
+
+    async def _stop(self, job: _Job) -> None:
+        """No more chunks for this job: the engine drops it, its queue gets the stop marker."""
+        if not job.is_computed:
+            async with self._lock:
+                self.engine.abort(job.msg.request_id)
+        job.chunks.put_nowait(_STOP)
+
+    async def abort(self, request_id: str, reason: str) -> None:
+        job = self._jobs.get(request_id)
+        if job is None:
+            now = time.monotonic()
+            self._aborted = {
+                r: t for r, t in self._aborted.items() if now - t < self._abort_memory_s
+            }
+            self._aborted[request_id] = now
+            return
+        if not job.error:
+            job.error = f"aborted: {reason}"
+            await self._stop(job)
+
+    async def _announce(self, msg: PrefillJob, job: _Job | None, error: str) -> None:
+        ok = job is not None and not error
+        done = PrefillDone(
+            msg.request_id,
+            msg.lease_id,
+            ok,
+            first_token=job.first_token if ok else -1,
+            num_writes=job.num_writes if job is not None else 0,
+            error=error,
+        )
+        await self._publish(subjects.decode_prefill_done(msg.decode_worker_id), encode(done))
+        if job is None:
+            return
+        t = job.timeline.timing()
+        report = PrefillReport(
+            msg.request_id,
+            self.worker_id,
+            queue_s=t.queue_s,
+            compute_s=t.compute_s,
+            transfer_s=t.transfer_s,
+            exposed_transfer_s=t.exposed_transfer_s,
+            num_chunks=t.num_chunks,
+        )
+        await self._publish(subjects.request_prefill_report(msg.request_id), encode(report))
+        log.debug("prefill done", request_id=msg.request_id, ok=ok, error=error, timing=t)

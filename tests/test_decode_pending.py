@@ -1,0 +1,333 @@
+import asyncio
+import contextlib
+
+import pytest
+
+from services.decode.pending import PendingTable, ReservationError
+from shared import protocol, subjects
+from shared.protocol import PrefillDone, imm_slot
+
+
+def _done(rid="r1", lease="l1", ok=True, num_writes=3, first_token=7, error=""):
+    return PrefillDone(rid, lease, ok, first_token=first_token, num_writes=num_writes, error=error)
+
+
+def _table(deadline=10.0):
+    table = PendingTable()
+    table.add("r1", "l1", slot=5, block_ids=(4, 5, 6), deadline=deadline, payload="p")
+    return table
+
+
+def test_ready_once_all_immediates_counted_after_done():
+    table = _table()
+    assert table.on_done(_done(num_writes=3)) is None
+    assert table.on_immediate(5, 0) is None
+    assert table.on_immediate(5, 1) is None
+    verdict = table.on_immediate(5, 2)
+    assert verdict is not None and verdict.ok
+    assert verdict.reservation.payload == "p" and verdict.reservation.done.first_token == 7
+    assert len(table) == 0
+
+
+def test_ready_when_done_arrives_after_every_immediate():
+    table = _table()
+    for chunk in (2, 0, 1):  # order across chunks does not matter
+        assert table.on_immediate(5, chunk) is None
+    verdict = table.on_done(_done(num_writes=3))
+    assert verdict is not None and verdict.ok
+    assert "r1" not in table
+
+
+def test_not_ready_while_writes_missing():
+    table = _table()
+    table.on_immediate(5, 0)
+    assert table.on_done(_done(num_writes=2)) is None
+    assert "r1" in table
+
+
+def test_immediates_are_counted_per_request():
+    table = _table()
+    table.add("r2", "l2", slot=9, block_ids=(1,), deadline=10.0)
+    table.on_immediate(5, 0)
+    assert table.on_done(_done("r2", "l2", num_writes=1)) is None
+    verdict = table.on_immediate(9, 0)
+    assert verdict.ok and verdict.reservation.request_id == "r2"
+    assert table.get("r1").num_writes == 1
+
+
+def test_failed_prefill_returns_reservation_with_error():
+    table = _table()
+    table.on_immediate(5, 0)
+    verdict = table.on_done(_done(ok=False, num_writes=1, first_token=-1, error="boom"))
+    assert verdict is not None and not verdict.ok and verdict.error == "boom"
+    assert verdict.reservation.block_ids == (4, 5, 6)
+
+
+def test_failed_prefill_frees_without_waiting_for_lagging_immediates():
+    # the prefill sends PrefillDone after its writes returned, i.e. the bytes are placed
+    table = _table()
+    verdict = table.on_done(_done(ok=False, num_writes=2, first_token=-1, error="aborted"))
+    assert verdict is not None and not verdict.ok
+    assert table.on_immediate(5, 0) is None and table.num_stray_immediates == 1
+
+
+def test_more_writes_than_announced_fails():
+    table = _table()
+    table.on_immediate(5, 0)
+    table.on_immediate(5, 1)
+    verdict = table.on_done(_done(num_writes=1))
+    assert verdict is not None and not verdict.ok and "2 arrived" in verdict.error
+
+
+def test_duplicate_chunk_fails():
+    table = _table()
+    table.on_immediate(5, 1)
+    verdict = table.on_immediate(5, 1)
+    assert verdict is not None and not verdict.ok and "twice" in verdict.error
+    assert len(table) == 0
+
+
+def test_stray_immediate_is_counted_not_applied():
+    table = _table()
+    assert table.on_immediate(77, 0) is None
+    assert table.num_stray_immediates == 1
+    assert table.get("r1").num_writes == 0
+
+
+def test_done_with_wrong_lease_is_ignored():
+    table = _table()
+    assert table.on_done(_done(lease="other", num_writes=0)) is None
+    assert table.get("r1").done is None
+
+
+def test_success_without_first_token_fails():
+    table = _table()
+    verdict = table.on_done(_done(num_writes=0, first_token=-1))
+    assert verdict is not None and not verdict.ok and "first token" in verdict.error
+
+
+def test_lease_expiry_returns_only_overdue_reservations():
+    table = _table(deadline=5.0)
+    table.add("r2", "l2", slot=6, block_ids=(1, 2), deadline=20.0)
+    assert table.next_deadline() == 5.0
+    assert table.expire(4.9) == []
+    expired = table.expire(5.0)
+    assert [v.reservation.request_id for v in expired] == ["r1"]
+    assert not expired[0].ok and "no PrefillDone" in expired[0].error
+    assert table.num_reserved_blocks() == 2 and table.next_deadline() == 20.0
+
+
+def test_abort_keeps_blocks_until_prefill_stops():
+    table = _table()
+    table.on_immediate(5, 0)
+    assert table.abort("r1") is None  # a write may still be in flight
+    verdict = table.on_done(_done(ok=False, num_writes=1, first_token=-1, error="aborted"))
+    assert verdict is not None and not verdict.ok
+
+
+def test_abort_after_successful_prefill_does_not_admit():
+    table = _table()
+    table.abort("r1")
+    table.on_done(_done(num_writes=1))
+    verdict = table.on_immediate(5, 0)
+    assert verdict is not None and not verdict.ok and verdict.error == "aborted"
+
+
+def test_aborted_reservation_expires_as_aborted():
+    table = _table(deadline=1.0)
+    table.abort("r1")
+    [verdict] = table.expire(2.0)
+    assert verdict.error == "aborted"
+
+
+def test_duplicate_request_and_busy_slot_are_refused():
+    table = _table()
+    with pytest.raises(ReservationError, match="already holds"):
+        table.add("r1", "l2", slot=8, block_ids=(), deadline=1.0)
+    with pytest.raises(ReservationError, match="slot 5"):
+        table.add("r2", "l2", slot=5, block_ids=(), deadline=1.0)
+
+
+def test_slot_freed_with_its_reservation():
+    table = _table()
+    table.expire(100.0)
+    table.add("r2", "l2", slot=5, block_ids=(), deadline=1.0)  # no error
+
+
+def test_imm_slot_distinct_for_distinct_blocks_of_one_pool():
+    base, block_bytes = 0x7F00_0000_1234, 65536  # an unaligned base still gives distinct slots
+    slots = {imm_slot(base + b * block_bytes, block_bytes) for b in range(4096)}
+    assert len(slots) == 4096
+
+
+def test_imm_slot_bits_match_transport():
+    from shared.transport.base import IMM_SLOT_BITS
+
+    assert protocol.IMM_SLOT_BITS == IMM_SLOT_BITS
+
+
+# ---- DecodeWorker: the engine and the pending table together, no NATS ------------------------
+
+
+class _Recorder:
+    """Collects what the worker publishes, decoded."""
+
+    def __init__(self) -> None:
+        self.messages: list[tuple[str, bytes]] = []
+
+    async def __call__(self, subject: str, data: bytes) -> None:
+        self.messages.append((subject, data))
+
+    def tokens(self, request_id: str) -> list[protocol.TokenEvent]:
+        subject = subjects.request_tokens(request_id)
+        return [protocol.decode(d, protocol.TokenEvent) for s, d in self.messages if s == subject]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from shared.model.loader import load_model
+
+    return load_model("kvmesh-tiny")
+
+
+@pytest.fixture
+def decode_worker(tiny):
+    from services.decode.worker import DecodeWorker
+    from shared.engine.config import EngineConfig
+    from shared.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(*tiny, EngineConfig(num_blocks=64))
+    now = [100.0]
+    recorder = _Recorder()
+    worker = DecodeWorker(
+        engine,
+        worker_id="d0",
+        base_addr=engine.kv_pool.base_addr,
+        publish=recorder,
+        clock=lambda: now[0],
+    )
+    return worker, recorder, now
+
+
+async def _run_until_idle(worker) -> None:
+    loop = asyncio.create_task(worker.run())
+    try:
+        for _ in range(500):
+            await asyncio.sleep(0.01)
+            if not worker._settled and not worker.engine.has_unfinished():
+                break
+    finally:
+        loop.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await loop
+
+
+def _reserve(rid, n, local=False, lease_ms=1000):
+    opts = protocol.SamplingOptions(max_tokens=4, temperature=0.0)
+    return protocol.ReserveRequest(rid, tuple(range(1, n + 1)), opts, local, "L" + rid, lease_ms)
+
+
+async def test_worker_admits_after_writes_and_done_then_streams_and_frees(decode_worker):
+    from shared.transport.base import pack_imm
+
+    worker, rec, _ = decode_worker
+    reply = await worker.reserve(_reserve("a", 40))
+    assert reply.ok and len(reply.block_ids) == 3
+    assert worker.engine.block_manager.num_free_blocks == 61
+    slot = imm_slot(worker.base_addr + reply.block_ids[0] * worker.block_bytes, worker.block_bytes)
+    await worker.on_completion(pack_imm(slot, 0))
+    await worker.on_prefill_done(PrefillDone("a", "La", True, first_token=65, num_writes=2))
+    assert "a" in worker.pending  # one write still to land
+    await worker.on_completion(pack_imm(slot, 1))
+    await _run_until_idle(worker)
+    events = rec.tokens("a")
+    assert events[0].token_ids == (65,)  # the prefill's first token goes out first
+    assert sum(len(e.token_ids) for e in events) == 4 and events[-1].finish_reason == "length"
+    assert worker.engine.block_manager.num_free_blocks == 64
+
+
+async def test_worker_lease_expiry_frees_blocks_and_reports_error(decode_worker):
+    worker, rec, now = decode_worker
+    assert (await worker.reserve(_reserve("b", 20, lease_ms=500))).ok
+    now[0] += 0.4
+    assert await worker.expire_leases() == 0
+    now[0] += 0.2
+    assert await worker.expire_leases() == 1
+    await _run_until_idle(worker)
+    [event] = rec.tokens("b")
+    assert event.finish_reason == "error" and "lease ran out" in event.error
+    aborts = [protocol.decode(d, protocol.Abort) for s, d in rec.messages if s == subjects.ABORT]
+    assert [a.request_id for a in aborts] == ["b"]  # the prefill is told to stop
+    assert worker.engine.block_manager.num_free_blocks == 64
+
+
+async def test_worker_failed_prefill_returns_blocks(decode_worker):
+    worker, rec, _ = decode_worker
+    assert (await worker.reserve(_reserve("c", 33))).ok
+    await worker.on_prefill_done(PrefillDone("c", "Lc", False, error="KV spec mismatch: x"))
+    await _run_until_idle(worker)
+    [event] = rec.tokens("c")
+    assert event.finish_reason == "error" and "KV spec mismatch" in event.error
+    assert worker.engine.block_manager.num_free_blocks == 64
+
+
+async def test_worker_local_prefill_and_abort_while_running(decode_worker):
+    worker, rec, _ = decode_worker
+    opts = protocol.SamplingOptions(max_tokens=500, temperature=0.0, ignore_eos=True)
+    reply = await worker.reserve(protocol.ReserveRequest("d", (5, 6, 7), opts, True, "Ld", 1000))
+    assert reply.ok and reply.block_ids == ()  # local prefill: nothing reserved for a writer
+    loop = asyncio.create_task(worker.run())
+    for _ in range(500):
+        await asyncio.sleep(0.01)
+        if sum(len(e.token_ids) for e in rec.tokens("d")) >= 3:
+            break
+    await worker.abort("d")
+    for _ in range(500):
+        await asyncio.sleep(0.01)
+        if rec.tokens("d") and rec.tokens("d")[-1].finish_reason:
+            break
+    loop.cancel()
+    assert rec.tokens("d")[-1].finish_reason == "abort"
+    assert worker.engine.block_manager.num_free_blocks == 64
+
+
+async def test_worker_refuses_reservations_while_draining_and_when_full(decode_worker):
+    worker, _, _ = decode_worker
+    worker.is_draining = True
+    reply = await worker.reserve(_reserve("e", 10))
+    assert not reply.ok and "draining" in reply.error
+    worker.is_draining = False
+    reply = await worker.reserve(_reserve("f", 16 * 65))
+    assert not reply.ok and "out of KV blocks" in reply.error
+    assert worker.engine.block_manager.num_free_blocks == 64
+
+
+def test_free_block_ranges_are_sorted_runs():
+    from services.decode.worker import free_block_ranges
+
+    assert free_block_ranges([5, 0, 1, 2, 7, 6, 9]) == ((0, 3), (5, 8), (9, 10))
+    assert free_block_ranges([]) == ()
+
+
+def test_decode_config_from_flags_and_env():
+    import argparse
+
+    from services.decode.config import DecodeConfig
+    from shared.service_config import ConfigError, add_config_arguments, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser, DecodeConfig)
+    args = parser.parse_args(["--num-blocks", "128", "--mode", "colocated"])
+    config = config_from_args(
+        DecodeConfig, args, {"KVMESH_TRANSPORT": "tcp", "KVMESH_NUM_BLOCKS": "9"}
+    )
+    assert (config.num_blocks, config.mode, config.transport, config.role) == (
+        128,
+        "colocated",
+        "tcp",
+        "colocated",
+    )
+    with pytest.raises(ConfigError, match="--transport rdma"):
+        config_from_args(DecodeConfig, None, {"KVMESH_DEVICE": "cuda", "KVMESH_TRANSPORT": "tcp"})
+    with pytest.raises(ConfigError, match="num_blocks must be in"):
+        config_from_args(DecodeConfig, None, {"KVMESH_NUM_BLOCKS": str((1 << 20) + 1)})

@@ -1,0 +1,266 @@
+import asyncio
+import contextlib
+
+import pytest
+import torch
+
+from services.prefill.plan import (
+    ChunkPlanner,
+    KVSpecMismatchError,
+    PlanError,
+    PrefillTimeline,
+    Span,
+)
+from shared import protocol
+from shared.protocol import imm_slot
+from shared.transport.base import unpack_imm
+
+BS, BB = 16, 1024  # block size in tokens, block bytes
+BASE = 0x10_0000
+
+
+def _remote(block_ids):
+    return tuple(BASE + b * BB for b in block_ids)
+
+
+def test_chunks_map_prompt_blocks_in_order_and_merge_adjacent_runs():
+    # 70 tokens -> 5 blocks; decode reserved blocks 3,4,5,9,10
+    planner = ChunkPlanner(70, BS, BB, _remote([3, 4, 5, 9, 10]), BB)
+    w0 = planner.plan(0, 32, (7, 8), is_last=False)
+    assert w0.spans == (Span(7 * BB, BASE + 3 * BB, 2 * BB),)
+    w1 = planner.plan(1, 64, (2, 9), is_last=False)  # local not adjacent: two spans
+    assert w1.spans == (Span(2 * BB, BASE + 5 * BB, BB), Span(9 * BB, BASE + 9 * BB, BB))
+    w2 = planner.plan(2, 70, (10,), is_last=True)  # the partial last block goes whole
+    assert w2.spans == (Span(10 * BB, BASE + 10 * BB, BB),) and w2.is_last
+    assert [w.num_bytes for w in (w0, w1, w2)] == [2 * BB, 2 * BB, BB]
+
+
+def test_immediate_carries_slot_of_first_reserved_block_and_chunk():
+    planner = ChunkPlanner(40, BS, BB, _remote([6, 7, 8]), BB)
+    planner.plan(0, 32, (0, 1), is_last=False)
+    write = planner.plan(1, 40, (2,), is_last=True)
+    assert unpack_imm(write.imm) == (imm_slot(BASE + 6 * BB, BB), 1)
+
+
+def test_block_size_mismatch_is_a_kv_spec_error():
+    with pytest.raises(KVSpecMismatchError, match="same model, dtype and block size"):
+        ChunkPlanner(16, BS, BB, _remote([0]), 2 * BB)
+
+
+def test_wrong_number_of_reserved_blocks_is_refused():
+    with pytest.raises(PlanError, match=r"3 blocks of 16.*2 decode blocks"):
+        ChunkPlanner(33, BS, BB, _remote([0, 1]), BB)
+
+
+def test_out_of_order_or_inconsistent_chunks_are_refused():
+    planner = ChunkPlanner(64, BS, BB, _remote([0, 1, 2, 3]), BB)
+    with pytest.raises(PlanError, match="expected 0"):
+        planner.plan(1, 32, (0, 1), is_last=False)
+    with pytest.raises(PlanError, match="brings 1 blocks"):
+        planner.plan(0, 32, (0,), is_last=False)
+    planner.plan(0, 32, (0, 1), is_last=False)
+    with pytest.raises(PlanError, match="prompt has 64"):
+        planner.plan(1, 48, (2,), is_last=True)
+
+
+def test_prefix_hit_first_chunk_may_cover_more_blocks():
+    planner = ChunkPlanner(64, BS, BB, _remote([0, 1, 2, 3]), BB)
+    write = planner.plan(0, 48, (5, 6, 7), is_last=False)
+    assert write.num_bytes == 3 * BB
+    assert planner.plan(1, 64, (1,), is_last=True).num_bytes == BB
+
+
+def test_timeline_exposed_transfer_is_what_outlasts_compute():
+    tl = PrefillTimeline(enqueued_at=10.0, started_at=10.5)
+    tl.on_forward(1.0)  # chunk 0: 10.5 .. 11.5
+    tl.on_write(11.5, 11.8)  # hidden behind chunk 1
+    tl.on_forward(1.0)  # chunk 1: 11.5 .. 12.5
+    tl.on_compute_done(12.5)
+    tl.on_write(12.5, 12.75)
+    t = tl.timing()
+    assert t.queue_s == pytest.approx(0.5)
+    assert t.compute_s == pytest.approx(2.0)
+    assert t.transfer_s == pytest.approx(0.55)
+    assert t.exposed_transfer_s == pytest.approx(0.25)
+    assert t.num_chunks == 2
+
+
+def test_timeline_counts_slow_earlier_write_as_exposed():
+    tl = PrefillTimeline(enqueued_at=0.0, started_at=0.0)
+    tl.on_forward(1.0)
+    tl.on_write(1.0, 3.0)  # outlasts the next forward pass
+    tl.on_forward(1.0)
+    tl.on_compute_done(2.0)
+    tl.on_write(2.0, 2.1)
+    assert tl.timing().exposed_transfer_s == pytest.approx(1.0)
+
+
+def test_timeline_queue_time_is_never_negative():
+    # clocks of two hosts may disagree a little
+    assert PrefillTimeline(enqueued_at=5.0, started_at=4.9).timing().queue_s == 0.0
+
+
+# ---- PrefillWorker: engine + real tcp transport into a "decode" region, no NATS --------------
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from shared.model.loader import load_model
+
+    return load_model("kvmesh-tiny")
+
+
+@contextlib.asynccontextmanager
+async def _prefill_setup(tiny, num_remote_blocks=64):
+    from services.prefill.worker import PrefillWorker
+    from shared.engine.config import EngineConfig
+    from shared.engine.llm_engine import LLMEngine
+    from shared.transport import Access, TransportConfig, create_transport
+
+    engine = LLMEngine(*tiny, EngineConfig(num_blocks=64, max_num_batched_tokens=32))
+    spec = engine.kv_pool.spec
+    async with (
+        create_transport("tcp", TransportConfig(peer_id="decode")) as decode_side,
+        create_transport("tcp", TransportConfig(peer_id="prefill")) as prefill_side,
+    ):
+        remote = decode_side.allocate(num_remote_blocks * spec.block_bytes)
+        region = decode_side.register(remote, Access.REMOTE_WRITE)
+        endpoints = []  # connected on first use, as the service does
+        published: list[tuple[str, bytes]] = []
+
+        async def publish(subject: str, data: bytes) -> None:
+            published.append((subject, data))
+
+        async def connect(descriptor):
+            if not endpoints:
+                endpoints.append(await prefill_side.connect(decode_side.descriptor()))
+            return endpoints[0]
+
+        async def forget(descriptor):
+            pass
+
+        worker = PrefillWorker(
+            engine,
+            prefill_side.register(engine.kv_pool.raw),
+            worker_id="p0",
+            kv_spec="spec-a",
+            publish=publish,
+            connect=connect,
+            forget_endpoint=forget,
+        )
+        loop = asyncio.create_task(worker.run())
+        try:
+            yield worker, decode_side, region, remote, published
+        finally:
+            loop.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await loop
+            for endpoint in endpoints:
+                await endpoint.aclose()
+
+
+def _job(rid, prompt, region, block_ids, block_bytes):
+    return protocol.PrefillJob(
+        rid,
+        tuple(prompt),
+        protocol.SamplingOptions(temperature=0.0),
+        "d0",
+        "L" + rid,
+        {},
+        region.rkey,
+        tuple(region.addr + b * block_bytes for b in block_ids),
+        block_bytes,
+        enqueued_at=0.0,
+    )
+
+
+def _published(published, cls):
+    return [protocol.decode(d, cls) for _, d in published if _.endswith(_SUFFIX[cls])]
+
+
+_SUFFIX = {protocol.PrefillDone: ".prefill_done", protocol.PrefillReport: ".prefill"}
+
+
+async def test_prefill_worker_writes_each_chunk_into_the_reserved_blocks(tiny):
+    from shared.engine.config import EngineConfig
+    from shared.engine.llm_engine import LLMEngine
+    from shared.engine.sequence import SamplingParams
+
+    prompt = [(7 * i) % 250 + 1 for i in range(60)]  # 4 blocks, chunks of 32 + 28 tokens
+    targets = [9, 3, 4, 10]
+    async with _prefill_setup(tiny) as (worker, decode_side, region, remote, published):
+        bb = worker.block_bytes
+        await worker.prefill(_job("r", prompt, region, targets, bb))
+        [done] = _published(published, protocol.PrefillDone)
+        assert done.ok and done.num_writes == 2 and done.first_token >= 0
+        [report] = _published(published, protocol.PrefillReport)
+        assert report.num_chunks == 2 and report.transfer_s > 0 and report.compute_s > 0
+        completions = [await decode_side.completion_queue.get() for _ in range(2)]
+        slot = imm_slot(region.addr + targets[0] * bb, bb)
+        assert sorted(unpack_imm(c.imm) for c in completions) == [(slot, 0), (slot, 1)]
+        assert not worker.engine.seqs and worker.engine.block_manager.num_free_blocks == 64
+        remote = remote.clone()  # transport memory goes away with the transport
+
+    # the KV the decode worker got is the KV an engine computes for the prompt
+    ref = LLMEngine(*tiny, EngineConfig(num_blocks=8))
+    chunks = []
+    ref.add_request(
+        "x", prompt, SamplingParams(temperature=0.0), prefill_only=True, on_chunk=chunks.append
+    )
+    while ref.has_unfinished():
+        ref.step()
+    ref_blocks = [b for c in chunks for b in c.block_ids]
+    shape = ref.kv_pool.spec.block_shape()  # (L, 2, block_size, H_kv, D)
+    got = remote.view(ref.kv_pool.spec.dtype).view(-1, *shape)
+    for i, (target, source) in enumerate(zip(targets, ref_blocks, strict=True)):
+        valid = min(16, len(prompt) - 16 * i)
+        assert torch.allclose(
+            got[target][:, :, :valid], ref.kv_pool.tensor[source][:, :, :valid], atol=1e-4
+        )
+
+
+async def test_prefill_worker_refuses_decode_worker_with_other_kv_spec(tiny):
+    async with _prefill_setup(tiny) as (worker, _, region, _, published):
+        worker.decode_specs["d0"] = "spec-b"
+        await worker.prefill(_job("r", range(1, 20), region, [0, 1], worker.block_bytes))
+        [done] = _published(published, protocol.PrefillDone)
+        assert not done.ok and "KV spec mismatch" in done.error and done.num_writes == 0
+
+
+async def test_prefill_worker_stops_between_chunks_on_abort(tiny):
+    prompt = [(3 * i) % 250 + 1 for i in range(640)]  # 20 chunks
+    async with _prefill_setup(tiny) as (worker, decode_side, region, _, published):
+        job = asyncio.create_task(
+            worker.prefill(_job("r", prompt, region, range(40), worker.block_bytes))
+        )
+        await decode_side.completion_queue.get()  # the first chunk has landed
+        await worker.abort("r", "client disconnected")
+        await asyncio.wait_for(job, 30)
+        [done] = _published(published, protocol.PrefillDone)
+        assert not done.ok and "client disconnected" in done.error
+        assert 1 <= done.num_writes < 20
+        assert not worker.engine.seqs and worker.engine.block_manager.num_free_blocks == 64
+
+
+async def test_prefill_worker_answers_a_job_aborted_before_it_arrived(tiny):
+    async with _prefill_setup(tiny) as (worker, _, region, _, published):
+        await worker.abort("r", "client disconnected")
+        await worker.prefill(_job("r", range(1, 40), region, [0, 1, 2], worker.block_bytes))
+        [done] = _published(published, protocol.PrefillDone)
+        assert not done.ok and "aborted before prefill started" in done.error
+
+
+def test_prefill_config_from_env_and_its_checks():
+    from services.prefill.config import PrefillConfig
+    from shared.service_config import ConfigError, config_from_args
+
+    config = config_from_args(
+        PrefillConfig, None, {"KVMESH_CHUNK_TOKENS": "32", "KVMESH_TRANSPORT": "shm"}
+    )
+    assert (config.chunk_tokens, config.transport) == (32, "shm")
+    with pytest.raises(ConfigError, match="at least one block"):
+        config_from_args(PrefillConfig, None, {"KVMESH_CHUNK_TOKENS": "8"})
+    with pytest.raises(ConfigError, match="--transport rdma"):
+        config_from_args(
+            PrefillConfig, None, {"KVMESH_DEVICE": "cuda:0", "KVMESH_TRANSPORT": "shm"}
+        )
