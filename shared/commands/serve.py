@@ -1,0 +1,157 @@
+"""``kvmesh serve router|prefill|decode|kv-registry|colocated [flags]``: run one service.
+
+Contract (docs/mesh.md): ``services.<module>`` exposes ``CONFIG`` (its config dataclass, built here
+from flags and KVMESH_* env) and ``async def run(config) -> None`` (returns on SIGTERM/SIGINT
+after a graceful stop). ``colocated`` is the decode service with ``mode="colocated"``.
+Service flags are parsed lazily so that ``kvmesh --help`` never imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from types import ModuleType
+from typing import Any
+
+from shared.service_config import (
+    ConfigError,
+    add_config_arguments,
+    config_from_args,
+    known_env_keys,
+    unknown_env_keys,
+)
+
+# service name -> (module, config overrides)
+SERVICES: dict[str, tuple[str, dict[str, Any]]] = {
+    "router": ("services.router", {}),
+    "prefill": ("services.prefill", {}),
+    "decode": ("services.decode", {}),
+    "kv-registry": ("services.kv_registry", {}),
+    "colocated": ("services.decode", {"mode": "colocated"}),
+}
+
+
+class ServiceNotAvailableError(RuntimeError):
+    """The service's module does not exist (yet) or does not follow the serve contract."""
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceSpec:
+    name: str
+    module: ModuleType
+    config_cls: type
+    overrides: dict[str, Any]
+
+
+def load_service(name: str) -> ServiceSpec:
+    if name not in SERVICES:
+        raise ServiceNotAvailableError(
+            f"unknown service {name!r}; choose one of {', '.join(SERVICES)}"
+        )
+    module_name, overrides = SERVICES[name]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name and module_name.startswith(exc.name):
+            raise ServiceNotAvailableError(
+                f"service {name!r} is not available: module {module_name} does not exist in this "
+                "checkout"
+            ) from None
+        raise
+    config_cls = getattr(module, "CONFIG", None)
+    run = getattr(module, "run", None)
+    if config_cls is None or not callable(run):
+        raise ServiceNotAvailableError(
+            f"{module_name} must expose CONFIG (its config dataclass) and async run(config)"
+        )
+    names = {f.name for f in fields(config_cls)}
+    missing = set(overrides) - names
+    if missing:
+        raise ServiceNotAvailableError(
+            f"{module_name}.CONFIG has no field(s) {sorted(missing)} needed by `serve {name}`"
+        )
+    return ServiceSpec(name, module, config_cls, dict(overrides))
+
+
+def service_parser(spec: ServiceSpec) -> argparse.ArgumentParser:
+    from shared.logs import LogConfig
+
+    parser = argparse.ArgumentParser(
+        prog=f"kvmesh serve {spec.name}",
+        allow_abbrev=False,  # `--mode` must not silently mean `--model`
+        description=(spec.module.__doc__ or "").strip().splitlines()[0]
+        if spec.module.__doc__
+        else None,
+    )
+    add_config_arguments(parser, spec.config_cls, exclude=spec.overrides)
+    add_config_arguments(parser, LogConfig)
+    return parser
+
+
+def service_env_keys(name: str) -> set[str]:
+    """Every KVMESH_* variable ``kvmesh serve <name>`` reads (its config's and logging's)."""
+    from shared.logs import LogConfig
+
+    spec = load_service(name)
+    keys = known_env_keys(spec.config_cls) | known_env_keys(LogConfig)
+    return keys - {f"KVMESH_{k.upper()}" for k in spec.overrides}
+
+
+def build_service_config(
+    name: str, argv: Sequence[str], env: Mapping[str, str] | None = None
+) -> tuple[ServiceSpec, Any, Any]:
+    """Parse ``argv`` (the flags after ``serve <name>``) -> (spec, service config, LogConfig).
+
+    Exits (argparse) on unknown flags; raises ConfigError on bad values."""
+    from shared.logs import LogConfig
+
+    env = os.environ if env is None else env
+    spec = load_service(name)
+    args = service_parser(spec).parse_args(list(argv))
+    config = config_from_args(spec.config_cls, args, env, **spec.overrides)
+    log_config = config_from_args(LogConfig, args, env)
+    return spec, config, log_config
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser(
+        "serve",
+        help="run one service (router, prefill, decode, kv-registry, colocated)",
+        description="Run one kvmesh service. `kvmesh serve SERVICE --help` lists its flags.",
+    )
+    parser.add_argument("service", choices=tuple(SERVICES), help="the service to run")
+    parser.add_argument(
+        "service_args", nargs=argparse.REMAINDER, help="the service's flags (see SERVICE --help)"
+    )
+    parser.set_defaults(func=_serve)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from shared import logs
+    from shared.nats_service import NatsUnavailableError
+
+    try:
+        spec, config, log_config = build_service_config(args.service, args.service_args)
+    except (ConfigError, ServiceNotAvailableError) as exc:
+        print(f"kvmesh serve {args.service}: {exc}", file=sys.stderr)
+        return 2
+    logs.setup_logging(log_config.log_level, log_config.log_format)
+    log = logs.get_logger("kvmesh.serve")
+    ignored = unknown_env_keys(spec.config_cls, os.environ, also_known=service_env_keys(spec.name))
+    if ignored:
+        log.info("ignoring KVMESH_* variables this service does not read", keys=ignored)
+    log.info("starting", service=spec.name, config=repr(config))
+    try:
+        asyncio.run(spec.module.run(config))
+    except NatsUnavailableError as exc:
+        log.error("cannot reach NATS", error=str(exc))
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    log.info("stopped", service=spec.name)
+    return 0

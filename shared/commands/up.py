@@ -1,0 +1,292 @@
+"""``kvmesh up``: the whole mesh on this machine, one process per service.
+
+Starts nats-server when nothing answers at --nats-url, then the kv-registry, N prefill and M
+decode (or M colocated) workers and the router, each as ``python -m shared.cli serve ...`` in its
+own session (process group), so a terminal's Ctrl-C reaches only the launcher, which then stops
+them in order: router, prefill, decode, registry, NATS — SIGTERM, SIGKILL after --stop-timeout-s.
+Children also get SIGTERM from the kernel if the launcher itself dies (PR_SET_PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from typing import Literal
+
+from shared.service_config import (
+    DEFAULT_NATS_URL,
+    ConfigError,
+    add_config_arguments,
+    config_from_args,
+    option,
+)
+
+# stop order: earlier tiers first (router stops taking requests before its backends go)
+TIERS = ("router", "prefill", "decode", "kv-registry")
+
+
+@dataclass(frozen=True, slots=True)
+class UpConfig:
+    model: str = option("kvmesh-tiny", help="model name or local HF checkpoint directory")
+    mode: Literal["disagg", "colocated"] = option(
+        "disagg", help="disagg: prefill and decode pools; colocated: the unified baseline"
+    )
+    prefill: int = option(1, help="prefill workers (disagg mode)")
+    decode: int = option(1, help="decode workers (colocated workers in colocated mode)")
+    transport: Literal["auto", "shm", "tcp", "rdma"] = option("auto", help="KV data plane")
+    port: int = option(8000, help="router HTTP port (0: a free one)")
+    nats_url: str = option(DEFAULT_NATS_URL, help="NATS server; started here if none answers")
+    local_prefill_threshold: int | None = option(
+        None, help="prompts shorter than this are prefilled on the decode worker (router default)"
+    )
+    device: str = option("cpu", help="torch device of prefill and decode workers")
+    kv_cache_bytes: int | None = option(
+        None, help="KV pool bytes per prefill/decode worker (their default: 256 MiB)"
+    )
+    log_level: Literal["debug", "info", "warning", "error", "critical"] = option(
+        "info", help="log level of every service"
+    )
+    log_format: Literal["console", "json"] = option("console", help="log format of every service")
+    startup_timeout_s: float = option(600.0, help="seconds to wait for every service to be ready")
+    stop_timeout_s: float = option(15.0, help="seconds between SIGTERM and SIGKILL on shutdown")
+
+    def __post_init__(self) -> None:
+        if self.decode < 1:
+            raise ValueError(f"decode must be >= 1, got {self.decode}")
+        if self.prefill < 0 or (self.mode == "disagg" and self.prefill < 1):
+            raise ValueError(f"prefill must be >= 1 in disagg mode, got {self.prefill}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if not self.nats_url.startswith("nats://"):
+            raise ValueError(f"nats_url must look like nats://HOST:PORT, got {self.nats_url!r}")
+        for name in ("startup_timeout_s", "stop_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+
+class LaunchError(RuntimeError):
+    """A service exited or did not become ready; the message says which and how to look."""
+
+
+@dataclass(frozen=True, slots=True)
+class ChildSpec:
+    name: str  # worker id, e.g. "decode-0"
+    tier: str  # one of TIERS
+    argv: tuple[str, ...]  # after `kvmesh`
+
+
+def plan(config: UpConfig, nats_url: str, port: int) -> list[ChildSpec]:
+    """The ``kvmesh serve ...`` command of every service, in start order."""
+    common = ("--nats-url", nats_url, "--log-level", config.log_level)
+    common += ("--log-format", config.log_format)
+    engine = ("--model", config.model, "--device", config.device, "--transport", config.transport)
+    if config.kv_cache_bytes is not None:
+        engine += ("--kv-cache-bytes", str(config.kv_cache_bytes))
+    worker = lambda name: ("--worker-id", name, *common)
+    specs = [
+        ChildSpec(
+            "kv-registry-0", "kv-registry", ("serve", "kv-registry", *worker("kv-registry-0"))
+        )
+    ]
+    decode_service = "colocated" if config.mode == "colocated" else "decode"
+    for i in range(config.decode):
+        name = f"{decode_service}-{i}"
+        specs.append(ChildSpec(name, "decode", ("serve", decode_service, *worker(name), *engine)))
+    if config.mode == "disagg":
+        for i in range(config.prefill):
+            name = f"prefill-{i}"
+            specs.append(ChildSpec(name, "prefill", ("serve", "prefill", *worker(name), *engine)))
+    router = ("serve", "router", *worker("router-0"), "--model", config.model, "--port", str(port))
+    router += ("--mode", config.mode)
+    if config.local_prefill_threshold is not None:
+        router += ("--local-prefill-threshold", str(config.local_prefill_threshold))
+    specs.append(ChildSpec("router-0", "router", router))
+    return specs
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Launcher:
+    def __init__(self, config: UpConfig) -> None:
+        self.config = config
+        self.port = config.port or free_port()
+        self.children: dict[str, tuple[ChildSpec, subprocess.Popen[bytes]]] = {}
+        self.nats = None  # NatsServer we started, if any
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        from shared.nats_server import (
+            NatsServer,
+            die_with_parent,
+            nats_is_reachable,
+            parse_nats_url,
+        )
+
+        if not nats_is_reachable(self.config.nats_url):
+            host, nats_port = parse_nats_url(self.config.nats_url)
+            self.nats = NatsServer(nats_port, host=host)
+            self.nats.start()
+            print(f"kvmesh up: started nats-server at {self.nats.url}", file=sys.stderr)
+        for spec in plan(self.config, self.config.nats_url, self.port):
+            argv = [sys.executable, "-m", "shared.cli", *spec.argv]
+            proc = subprocess.Popen(argv, start_new_session=True, preexec_fn=die_with_parent)
+            self.children[spec.name] = (spec, proc)
+
+    def check_alive(self) -> None:
+        for name, (spec, proc) in self.children.items():
+            if proc.poll() is not None:
+                raise LaunchError(
+                    f"{name} exited with code {proc.returncode}; its log is above "
+                    f"(rerun it alone: kvmesh {' '.join(spec.argv)})"
+                )
+
+    async def wait_ready(self) -> None:
+        """Router /health OK and the registry sees every decode (and prefill) worker."""
+        from shared.admin_client import AdminError, admin_client
+
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        num_prefill = self.config.prefill if self.config.mode == "disagg" else 0
+        waiting_for = "NATS"
+        async with admin_client(self.config.nats_url, timeout_s=2.0) as admin:
+            while time.monotonic() < deadline:
+                self.check_alive()
+                try:
+                    status = await admin.status()
+                except AdminError:
+                    waiting_for = "the kv-registry"
+                else:
+                    num_decode = len(status["decode"])
+                    prefills = [w for w in status["workers"] if w["role"] == "prefill"]
+                    if num_decode < self.config.decode:
+                        waiting_for = f"decode workers ({num_decode}/{self.config.decode})"
+                    elif len(prefills) < num_prefill:
+                        waiting_for = f"prefill workers ({len(prefills)}/{num_prefill})"
+                    elif not await asyncio.to_thread(self._router_healthy):
+                        waiting_for = "the router"
+                    else:
+                        return
+                await asyncio.sleep(0.25)
+        raise LaunchError(
+            f"the mesh was not ready within {self.config.startup_timeout_s:g}s: waiting for "
+            f"{waiting_for} (raise --startup-timeout-s for big models)"
+        )
+
+    def _router_healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=2.0) as resp:
+                return resp.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def stop(self) -> None:
+        """Stop tier by tier: SIGTERM each process group, SIGKILL what outlives the timeout."""
+        for tier in TIERS:
+            procs = [p for spec, p in self.children.values() if spec.tier == tier]
+            for proc in procs:
+                _signal_group(proc, signal.SIGTERM)
+            deadline = time.monotonic() + self.config.stop_timeout_s
+            for proc in procs:
+                try:
+                    proc.wait(max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    _signal_group(proc, signal.SIGKILL)
+                    proc.wait()
+                _signal_group(proc, signal.SIGKILL)  # leftovers of the group (helpers)
+        self.children.clear()
+        if self.nats is not None:
+            self.nats.stop()
+            self.nats = None
+
+
+def _signal_group(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, sig)  # start_new_session: pgid == pid
+
+
+async def run_up(launcher: Launcher) -> int:
+    from shared.nats_service import serve_until_signal
+
+    stop = asyncio.Event()
+
+    async def watch() -> None:
+        while True:
+            launcher.check_alive()
+            await asyncio.sleep(0.5)
+
+    async def ready_then_watch() -> None:
+        await launcher.wait_ready()
+        print(
+            f"kvmesh is up: {launcher.url}/v1 (mode {launcher.config.mode}, "
+            f"{launcher.config.decode} decode, "
+            f"{launcher.config.prefill if launcher.config.mode == 'disagg' else 0} prefill, "
+            f"NATS {launcher.config.nats_url}); Ctrl-C stops it",
+            flush=True,
+        )
+        await watch()
+
+    task = asyncio.create_task(ready_then_watch())
+    task.add_done_callback(lambda _: stop.set())
+    if await serve_until_signal(stop) is not None:
+        task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task  # raises LaunchError when a service died or never got ready
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser(
+        "up",
+        allow_abbrev=False,
+        help="run the whole mesh locally (NATS, kv-registry, prefill, decode, router)",
+        description=(__doc__ or "").strip().splitlines()[0],
+    )
+    add_config_arguments(parser, UpConfig)
+    parser.set_defaults(func=_up)
+
+
+def _up(args: argparse.Namespace) -> int:
+    from shared.nats_server import NatsServerError
+
+    try:
+        config = config_from_args(UpConfig, args)
+    except ConfigError as exc:
+        print(f"kvmesh up: {exc}", file=sys.stderr)
+        return 2
+    launcher = Launcher(config)
+    signal.signal(signal.SIGTERM, _interrupt)  # while starting: SIGTERM acts like Ctrl-C
+    try:
+        launcher.start()
+        return asyncio.run(run_up(launcher))
+    except (LaunchError, NatsServerError) as exc:
+        print(f"kvmesh up: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        # the shutdown is bounded by --stop-timeout-s per tier; do not let a second signal cut it
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        print("kvmesh up: stopping", file=sys.stderr)
+        launcher.stop()
+        print("kvmesh up: stopped", file=sys.stderr)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt

@@ -1,0 +1,97 @@
+"""docker-compose.yml checked without a Docker engine: every command is a real ``kvmesh`` entry
+point and every KVMESH_* variable is a key the service's config reads."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from shared.cli import build_parser
+from shared.commands.serve import build_service_config, service_env_keys
+
+yaml = pytest.importorskip("yaml")  # PyYAML (dev dependency via transformers)
+
+REPO = Path(__file__).resolve().parents[1]
+COMPOSE = REPO / "docker-compose.yml"
+
+
+def compose() -> dict[str, Any]:
+    return yaml.safe_load(COMPOSE.read_text())
+
+
+def kvmesh_services() -> dict[str, dict[str, Any]]:
+    return {name: svc for name, svc in compose()["services"].items() if name != "nats"}
+
+
+def interpolate(value: str) -> str:
+    """Compose's ``${VAR:-default}`` with nothing set: the default."""
+    return re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", str(value))
+
+
+def test_compose_runs_every_mesh_service() -> None:
+    services = compose()["services"]
+    assert {"nats", "kv-registry", "router", "prefill", "decode"} <= set(services)
+    serves = sorted(svc["command"][2] for svc in kvmesh_services().values())
+    assert serves == ["decode", "kv-registry", "prefill", "router"]
+
+
+@pytest.mark.parametrize("name", ["kv-registry", "router", "prefill", "decode"])
+def test_command_is_a_kvmesh_entry_point_with_valid_env(name: str) -> None:
+    svc = kvmesh_services()[name]
+    command = svc["command"]
+    assert command[0] == "kvmesh", f"{name}: command must run the kvmesh entry point"
+    args = build_parser().parse_args(command[1:])
+    assert args.command == "serve" and args.service == name
+    env = {k: interpolate(v) for k, v in svc.get("environment", {}).items()}
+    unknown = sorted(k for k in env if k.startswith("KVMESH_") and k not in service_env_keys(name))
+    assert unknown == [], f"{name}: {unknown} are not config keys of `kvmesh serve {name}`"
+    _, config, log_config = build_service_config(name, args.service_args, env=env)
+    assert config.nats_url == "nats://nats:4222"  # the compose network's NATS, not localhost
+    assert log_config.log_format == "json"
+
+
+@pytest.mark.parametrize("name", ["prefill", "decode"])
+def test_worker_pools_scale(name: str) -> None:
+    svc = kvmesh_services()[name]
+    assert "container_name" not in svc and "ports" not in svc, f"{name} must scale with --scale"
+    assert "build" in svc or "image" in svc
+
+
+def test_data_plane_crosses_containers() -> None:
+    services = kvmesh_services()
+    for name in ("prefill", "decode"):
+        assert services[name]["environment"]["KVMESH_TRANSPORT"] == "tcp"  # no shared memory
+    assert services["decode"]["environment"]["KVMESH_TCP_HOST"] == "0.0.0.0"
+
+
+def test_nats_runs_the_official_image_with_jetstream() -> None:
+    nats = compose()["services"]["nats"]
+    assert nats["image"].split(":")[0] == "nats"
+    assert "-js" in nats["command"]
+
+
+def test_router_is_published_and_health_checked() -> None:
+    router = kvmesh_services()["router"]
+    assert "8000:8000" in router["ports"]
+    assert "/health" in " ".join(router["healthcheck"]["test"])
+
+
+def test_dockerfile_installs_cpu_torch_then_the_project() -> None:
+    text = (REPO / "Dockerfile").read_text()
+    assert text.startswith("#") and "FROM python:3.11-slim" in text
+    torch_at = text.index("download.pytorch.org/whl/cpu torch")
+    assert torch_at < text.index("pip install .")
+
+
+def test_mesh_doc_lists_every_subject() -> None:
+    from shared import subjects
+
+    doc = (REPO / "docs" / "mesh.md").read_text()
+    names = [
+        n for n in vars(subjects) if not n.startswith("_") and n not in ("PREFIX", "annotations")
+    ]
+    missing = [n for n in names if f"`{n}" not in doc]
+    assert missing == [], f"docs/mesh.md does not describe {missing}"

@@ -1,0 +1,120 @@
+"""End to end: real nats-server, kv-registry, router, prefill and decode processes (kvmesh-tiny).
+
+32 concurrent greedy requests through the router's HTTP API; the tokens each request got (read
+off its NATS token subject, keyed by the response id) must equal the offline engine's
+(LLMEngine.generate) token for token, disaggregated over shm and over tcp, and colocated. Prompts
+span several prefill chunks (chunk budget 32 tokens, blocks of 16). After the load every decode
+worker has all its blocks free again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import aiohttp
+import pytest
+
+from loadgen.bench_mesh import (
+    MeshTap,
+    complete,
+    local_mesh,
+    random_prompts,
+    wait_blocks_returned,
+)
+
+pytestmark = pytest.mark.slow
+
+CHUNK_TOKENS = 32
+ENV = {
+    "KVMESH_CHUNK_TOKENS": str(CHUNK_TOKENS),
+    "KVMESH_BLOCK_SIZE": "16",
+    "KVMESH_NUM_BLOCKS": "1024",
+}
+PROMPTS = random_prompts(32, 40, 150, seed=7)
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def offline_tokens() -> list[list[int]]:
+    from shared.engine.config import EngineConfig
+    from shared.engine.llm_engine import LLMEngine
+    from shared.engine.sequence import SamplingParams
+    from shared.model.loader import load_model
+
+    model, tokenizer = load_model("kvmesh-tiny")
+    engine = LLMEngine(model, tokenizer, EngineConfig(num_blocks=1024))
+    return engine.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
+
+
+@pytest.fixture(scope="module", params=["shm", "tcp"])
+def disagg_mesh(request):
+    with local_mesh("disagg", request.param, env=ENV, local_prefill_threshold=0) as mesh:
+        yield mesh
+
+
+@pytest.fixture(scope="module")
+def colocated_mesh():
+    with local_mesh("colocated", env=ENV) as mesh:
+        yield mesh
+
+
+async def _load(mesh) -> tuple[list[dict], MeshTap]:
+    async with MeshTap(mesh.config.nats_url) as tap, aiohttp.ClientSession() as session:
+        replies = await asyncio.gather(
+            *(complete(session, mesh.url, p, MAX_TOKENS) for p in PROMPTS)
+        )
+        for reply in replies:
+            await tap.wait_finished(reply["id"])
+        await asyncio.sleep(0.1)  # PrefillReports are published after the PrefillDone
+    return replies, tap
+
+
+def _check_replies(replies: list[dict], tap: MeshTap, offline: list[list[int]]) -> None:
+    got = [tap.tokens[r["id"]] for r in replies]
+    mismatched = [i for i, (g, o) in enumerate(zip(got, offline, strict=True)) if g != o]
+    assert not mismatched, f"requests {mismatched} differ from the offline engine"
+    for reply, tokens in zip(replies, got, strict=True):
+        assert reply["usage"]["completion_tokens"] == len(tokens)
+        assert reply["choices"][0]["finish_reason"] == tap.finished[reply["id"]].finish_reason
+
+
+async def _check_blocks_returned(mesh) -> None:
+    rows = await wait_blocks_returned(mesh.config.nats_url)
+    assert rows, "no decode worker in the admin status"
+    for row in rows:
+        assert row["free_blocks"] == row["total_blocks"], row
+
+
+async def test_disagg_greedy_output_equals_offline_engine(disagg_mesh, offline_tokens):
+    replies, tap = await _load(disagg_mesh)
+    _check_replies(replies, tap, offline_tokens)
+    for prompt, reply in zip(PROMPTS, replies, strict=True):
+        report = tap.reports[reply["id"]]  # every prompt was prefilled remotely
+        assert report.num_chunks >= math.ceil(len(prompt) / CHUNK_TOKENS) >= 2
+        assert report.transfer_s > 0 and report.compute_s > 0
+        done = tap.prefill_done[reply["id"]]
+        assert done.ok and done.num_writes == report.num_chunks
+    await _check_blocks_returned(disagg_mesh)
+
+
+async def test_colocated_greedy_output_equals_offline_engine(colocated_mesh, offline_tokens):
+    replies, tap = await _load(colocated_mesh)
+    _check_replies(replies, tap, offline_tokens)
+    assert not tap.reports and not tap.prefill_done  # nothing went through a prefill worker
+    await _check_blocks_returned(colocated_mesh)
+
+
+async def test_drained_decode_worker_takes_no_request_until_resumed(colocated_mesh):
+    from shared.admin_client import admin_client
+
+    prompt = PROMPTS[0]
+    async with admin_client(colocated_mesh.config.nats_url) as admin, aiohttp.ClientSession() as s:
+        [worker] = (await admin.status())["decode"]
+        reply = await admin.drain(worker["worker_id"])
+        assert reply["ok"] and reply["state"] == "draining"
+        with pytest.raises(AssertionError, match=r"HTTP (429|503)"):
+            await complete(s, colocated_mesh.url, prompt, 2)
+        reply = await admin.resume(worker["worker_id"])
+        assert reply["ok"] and reply["state"] == "ready"
+        assert (await complete(s, colocated_mesh.url, prompt, 2))["usage"]["completion_tokens"] == 2

@@ -1,0 +1,237 @@
+"""The official ``openai`` client against the router: completions and chat, streamed and not, the
+streamed deltas adding up to the non-streamed text, and errors mapped onto the client's types.
+
+First against the fake peer of tests/router_fake_mesh.py (real NATS, real protocol messages), then
+against the real mesh: kv-registry, decode, prefill and router started as `kvmesh serve` processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import orjson
+import pytest
+from router_fake_mesh import REPLY_TEXT, FakeMesh
+
+from services.router import RouterConfig, serve_router
+
+MODEL = "kvmesh-tiny"
+MESSAGES = [{"role": "system", "content": "be terse"}, {"role": "user", "content": "hello"}]
+
+
+@contextlib.asynccontextmanager
+async def client_for(nats_url: str, mesh: FakeMesh | None = None):
+    mesh = mesh or FakeMesh(nats_url)
+    config = RouterConfig(nats_url=nats_url, host="127.0.0.1", port=0)
+    async with mesh.running(), serve_router(config) as running:
+        client = openai.AsyncOpenAI(base_url=f"{running.url}/v1", api_key="unused", max_retries=0)
+        try:
+            yield client
+        finally:
+            await client.close()
+
+
+async def test_completion_stream_deltas_concatenate_to_the_full_text(nats_server):
+    async with client_for(nats_server) as client:
+        full = await client.completions.create(model=MODEL, prompt="x" * 80, max_tokens=20)
+        stream = await client.completions.create(
+            model=MODEL, prompt="x" * 80, max_tokens=20, stream=True
+        )
+        pieces = [chunk async for chunk in stream]
+    assert full.choices[0].text == REPLY_TEXT[:20]
+    assert full.choices[0].finish_reason == "length"
+    assert full.usage.completion_tokens == 20
+    assert "".join(c.choices[0].text for c in pieces) == full.choices[0].text
+    assert pieces[-1].choices[0].finish_reason == "length"
+
+
+async def test_chat_stream_deltas_concatenate_to_the_full_message(nats_server):
+    async with client_for(nats_server) as client:
+        full = await client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_completion_tokens=100, seed=1, temperature=0.7
+        )
+        stream = await client.chat.completions.create(
+            model=MODEL,
+            messages=MESSAGES,
+            max_completion_tokens=100,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = [chunk async for chunk in stream]
+    message = full.choices[0].message
+    assert (message.role, message.content) == ("assistant", REPLY_TEXT)
+    assert full.choices[0].finish_reason == "stop"
+    assert chunks[0].choices[0].delta.role == "assistant"
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == message.content
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == full.usage.total_tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+
+
+async def test_stop_strings_apply_to_streamed_and_full_text_alike(nats_server):
+    async with client_for(nats_server) as client:
+        kwargs = {"model": MODEL, "prompt": "hi", "max_tokens": 60, "stop": ["lazy"]}
+        full = await client.completions.create(**kwargs)
+        stream = await client.completions.create(**kwargs, stream=True)
+        streamed = "".join([c.choices[0].text async for c in stream])
+    assert full.choices[0].text == streamed == "The quick brown fox jumps over the "
+    assert full.choices[0].finish_reason == "stop"
+
+
+async def test_models_list_names_the_served_model(nats_server):
+    async with client_for(nats_server) as client:
+        models = await client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+async def test_client_error_types_match_status(nats_server):
+    async with client_for(nats_server) as client:
+        with pytest.raises(openai.NotFoundError) as not_found:
+            await client.completions.create(model="gpt-4o", prompt="x")
+        with pytest.raises(openai.BadRequestError) as bad:
+            await client.chat.completions.create(model=MODEL, messages=MESSAGES, n=2)
+        with pytest.raises(openai.BadRequestError) as too_long:
+            await client.completions.create(model=MODEL, prompt="x", max_tokens=10**6)
+    assert not_found.value.status_code == 404 and "kvmesh-tiny" in not_found.value.message
+    assert bad.value.body["param"] == "n"
+    assert too_long.value.body["code"] == "context_length_exceeded"
+
+
+async def test_overload_raises_rate_limit_error(nats_server):
+    async with client_for(nats_server, FakeMesh(nats_server, retry_after_s=3)) as client:
+        with pytest.raises(openai.RateLimitError) as info:
+            await client.chat.completions.create(model=MODEL, messages=MESSAGES)
+    assert info.value.response.headers["retry-after"] == "3"
+
+
+async def test_error_mid_stream_raises_api_error(nats_server):
+    async with client_for(nats_server, FakeMesh(nats_server, fail_with="worker died")) as client:
+        stream = await client.completions.create(model=MODEL, prompt="x", stream=True)
+        with pytest.raises(openai.APIError, match="worker died"):
+            async for _ in stream:
+                pass
+
+
+# --- the real mesh ---------------------------------------------------------------------------
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _serve(service: str, nats_url: str, log_dir: Path, *flags: str) -> subprocess.Popen:
+    log = open(log_dir / f"{service}.log", "wb")  # noqa: SIM115 (closed by the child's exit)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}
+    cmd = [sys.executable, "-m", "shared.cli", "serve", service, "--nats-url", nats_url, *flags]
+    try:
+        return subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
+    finally:
+        log.close()
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _post_ok(url: str, body: dict) -> bool:
+    request = urllib.request.Request(
+        url, data=orjson.dumps(body), headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=30) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, ConnectionError, TimeoutError):
+        return False
+
+
+@pytest.fixture(scope="module")
+def real_mesh(nats_server_module: str, tmp_path_factory) -> Iterator[str]:
+    """kv-registry, one decode and one prefill worker and the router as processes; yields the
+    router's base URL once a completion goes through end to end."""
+    logs = tmp_path_factory.mktemp("mesh-logs")
+    port = _free_port()
+    procs = [
+        _serve("kv-registry", nats_server_module, logs),
+        _serve("decode", nats_server_module, logs, "--num-blocks", "256"),
+        _serve("prefill", nats_server_module, logs),
+        _serve("router", nats_server_module, logs, "--host", "127.0.0.1", "--port", str(port)),
+    ]
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            dead = [p.args[4] for p in procs if p.poll() is not None]
+            assert not dead, f"{dead} exited on start; logs in {logs}"
+            if _post_ok(
+                f"{url}/v1/completions", {"model": MODEL, "prompt": "ping", "max_tokens": 1}
+            ):
+                break
+            assert time.monotonic() < deadline, f"the mesh did not come up; logs in {logs}"
+            time.sleep(0.5)
+        yield url
+    finally:
+        _stop(procs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("prompt_len", [8, 100], ids=["local-prefill", "remote-prefill"])
+async def test_real_mesh_completion_stream_matches_full_text(real_mesh, prompt_len):
+    client = openai.AsyncOpenAI(base_url=f"{real_mesh}/v1", api_key="unused", max_retries=0)
+    kwargs = {"model": MODEL, "prompt": "a" * prompt_len, "max_tokens": 12, "temperature": 0}
+    async with client:
+        full = await client.completions.create(**kwargs)
+        stream = await client.completions.create(**kwargs, stream=True)
+        streamed = "".join([c.choices[0].text async for c in stream])
+    assert full.usage.prompt_tokens == prompt_len + 1  # BOS
+    assert full.usage.completion_tokens <= 12
+    assert full.choices[0].finish_reason in ("stop", "length")
+    assert streamed == full.choices[0].text
+
+
+@pytest.mark.slow
+async def test_real_mesh_chat_stream_and_metrics(real_mesh):
+    client = openai.AsyncOpenAI(base_url=f"{real_mesh}/v1", api_key="unused", max_retries=0)
+    messages = [{"role": "user", "content": "tell me about disaggregated serving " * 3}]
+    kwargs = {"model": MODEL, "messages": messages, "max_completion_tokens": 10, "seed": 5}
+    async with client:
+        full = await client.chat.completions.create(**kwargs)
+        stream = await client.chat.completions.create(
+            **kwargs, stream=True, stream_options={"include_usage": True}
+        )
+        chunks = [c async for c in stream]
+        # Several requests at once share the decode batch.
+        many = await asyncio.gather(*(client.chat.completions.create(**kwargs) for _ in range(4)))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == full.choices[0].message.content  # same seed: same tokens
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert {m.choices[0].message.content for m in many} == {full.choices[0].message.content}
+    with urllib.request.urlopen(f"{real_mesh}/metrics", timeout=10) as resp:
+        metrics = resp.read().decode()
+    samples = dict(line.rsplit(" ", 1) for line in metrics.splitlines() if line[:1] != "#")
+    assert float(samples["kvmesh_router_prefill_compute_seconds_count"]) >= 1  # remote prefill
+    assert float(samples["kvmesh_router_kv_transfer_seconds_count"]) >= 1
+    assert float(samples["kvmesh_router_time_to_first_token_seconds_count"]) >= 7

@@ -1,0 +1,272 @@
+"""``kvmesh up``: the plan of child commands, and the launcher as real processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from nats.aio.msg import Msg
+from proc_tree import cmdline, descendants, wait_all_dead
+
+from shared.cli import build_parser
+from shared.commands.serve import build_service_config
+from shared.commands.up import UpConfig, free_port, plan
+from shared.service_config import ConfigError
+
+REPO = Path(__file__).resolve().parents[1]
+SMALL_POOL = str(8 << 20)  # bytes of KV per worker: plenty for a few short requests
+
+
+def test_plan_starts_registry_decode_prefill_router_with_valid_commands() -> None:
+    config = UpConfig(prefill=2, decode=3, transport="tcp", local_prefill_threshold=8)
+    specs = plan(config, "nats://127.0.0.1:4333", 8123)
+    assert [s.name for s in specs] == [
+        "kv-registry-0",
+        *(f"decode-{i}" for i in range(3)),
+        "prefill-0",
+        "prefill-1",
+        "router-0",
+    ]
+    parser = build_parser()
+    for spec in specs:
+        args = parser.parse_args(list(spec.argv))
+        assert args.command == "serve"
+        _, service_config, _ = build_service_config(args.service, args.service_args, env={})
+        assert service_config.nats_url == "nats://127.0.0.1:4333"
+        assert service_config.worker_id == spec.name
+        if args.service in ("decode", "prefill"):
+            assert service_config.transport == "tcp"
+    _, router, _ = build_service_config("router", specs[-1].argv[2:], env={})
+    assert (router.port, router.local_prefill_threshold, router.mode) == (8123, 8, "disagg")
+
+
+def test_plan_in_colocated_mode_has_no_prefill_workers() -> None:
+    specs = plan(UpConfig(mode="colocated", decode=2), "nats://127.0.0.1:4222", 8000)
+    assert [s.argv[1] for s in specs] == ["kv-registry", "colocated", "colocated", "router"]
+    _, decode, _ = build_service_config("colocated", specs[1].argv[2:], env={})
+    assert decode.mode == "colocated"
+    _, router, _ = build_service_config("router", specs[-1].argv[2:], env={})
+    assert router.mode == "colocated"
+
+
+@pytest.mark.parametrize(
+    ("kw", "needle"),
+    [({"decode": 0}, "decode must be >= 1"), ({"prefill": 0}, "prefill must be >= 1")],
+)
+def test_up_config_rejects_empty_pools(kw: dict[str, int], needle: str) -> None:
+    with pytest.raises(ValueError, match=needle):
+        UpConfig(**kw)
+
+
+def test_up_rejects_bad_flags_with_exit_code_2() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "shared.cli", "up", "--decode", "zero"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2 and "--decode='zero': expected int" in out.stderr
+    with pytest.raises(ConfigError):
+        from shared.service_config import config_from_args
+
+        config_from_args(UpConfig, None, {"KVMESH_MODE": "both"})
+
+
+# --- the launcher as processes ---------------------------------------------------------------
+
+
+def launch(tmp_path: Path, *flags: str) -> tuple[subprocess.Popen[bytes], Path, Path, int, str]:
+    port, nats_url = free_port(), f"nats://127.0.0.1:{free_port()}"
+    out, err = tmp_path / "up.out", tmp_path / "up.err"
+    argv = [sys.executable, "-m", "shared.cli", "up", "--port", str(port), "--nats-url", nats_url]
+    argv += ["--kv-cache-bytes", SMALL_POOL, "--log-level", "warning", *flags]
+    with open(out, "wb") as fout, open(err, "wb") as ferr:  # files: pipes would fill and block
+        proc = subprocess.Popen(argv, cwd=REPO, stdout=fout, stderr=ferr)
+    return proc, out, err, port, nats_url
+
+
+def wait_for_line(proc: subprocess.Popen[bytes], path: Path, needle: str, timeout_s: float) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        text = path.read_text(errors="replace")
+        if needle in text:
+            return text
+        if proc.poll() is not None:
+            break
+        time.sleep(0.2)
+    raise AssertionError(f"{needle!r} not printed (exit code {proc.poll()})")
+
+
+def chat(port: int, content: str, max_tokens: int) -> dict:
+    body = {
+        "model": "kvmesh-tiny",
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+    }
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        assert resp.status == 200
+        return json.loads(resp.read())
+
+
+def admin_status(nats_url: str) -> dict:
+    out = subprocess.run(
+        [sys.executable, "-m", "shared.cli", "admin", "status", "--json", "--nats-url", nats_url],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_up_serves_requests_and_ctrl_c_leaves_no_process_behind(tmp_path: Path) -> None:
+    proc, out, err, port, nats_url = launch(tmp_path, "--local-prefill-threshold", "16")
+    try:
+        wait_for_line(proc, out, "kvmesh is up", timeout_s=400)
+        tree = descendants(proc.pid)
+        commands = " | ".join(cmdline(p) for p in tree)
+        for service in ("nats-server", "serve kv-registry", "serve decode", "serve prefill"):
+            assert service in commands
+        assert "serve router" in commands
+
+        long_reply = chat(port, "tell me about disaggregated serving " * 8, max_tokens=4)
+        short_reply = chat(port, "hi", max_tokens=3)
+        assert long_reply["usage"]["prompt_tokens"] >= 16  # remote prefill, under a lease
+        assert 1 <= long_reply["usage"]["completion_tokens"] <= 4
+        assert 1 <= short_reply["usage"]["completion_tokens"] <= 3
+        status = admin_status(nats_url)
+        assert [d["worker_id"] for d in status["decode"]] == ["decode-0"]
+        assert status["leases"]["granted"] >= 2 and status["leases"]["completed"] >= 1
+
+        proc.send_signal(signal.SIGINT)  # what Ctrl-C in the terminal does to the launcher
+        assert proc.wait(120) == 0, err.read_text()[-2000:]
+        assert wait_all_dead(tree, timeout_s=10) == set()
+        assert "kvmesh up: stopped" in err.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_up_stops_everything_when_a_service_fails_to_start(tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-model"
+    proc, _, err, _, _ = launch(tmp_path, "--model", str(missing))
+    try:
+        assert proc.wait(240) == 1
+        text = err.read_text()
+        assert "exited with code" in text and "rerun it alone: kvmesh serve" in text
+        assert descendants(proc.pid) == set()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.timeout(300)
+def test_killed_launcher_takes_its_children_down(tmp_path: Path) -> None:
+    proc, _, _, _, _ = launch(tmp_path, "--decode", "2")
+    try:
+        deadline = time.monotonic() + 120
+        tree: set[int] = set()
+        while time.monotonic() < deadline:
+            tree = descendants(proc.pid)
+            if (
+                sum("shared.cli serve" in cmdline(p) for p in tree) == 5
+            ):  # registry 2xdecode prefill router
+                break
+            time.sleep(0.1)
+        assert sum("shared.cli serve" in cmdline(p) for p in tree) == 5
+        os.kill(proc.pid, signal.SIGKILL)  # no cleanup code runs in the launcher
+        proc.wait()
+        assert wait_all_dead(tree, timeout_s=30) == set()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_up_colocated_serves_and_stops_on_sigterm(tmp_path: Path) -> None:
+    proc, out, err, port, nats_url = launch(tmp_path, "--mode", "colocated", "--transport", "tcp")
+    try:
+        wait_for_line(proc, out, "kvmesh is up", timeout_s=400)
+        tree = descendants(proc.pid)
+        commands = " | ".join(cmdline(p) for p in tree)
+        assert "serve colocated" in commands and "serve prefill" not in commands
+        reply = chat(port, "tell me about colocated serving " * 8, max_tokens=3)
+        assert 1 <= reply["usage"]["completion_tokens"] <= 3
+        status = admin_status(nats_url)
+        assert [(d["worker_id"], d["role"]) for d in status["decode"]] == [
+            ("colocated-0", "colocated")
+        ]
+        assert status["leases"]["active"] == 0  # local prefill: nothing to lease remotely
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(120) == 0, err.read_text()[-2000:]
+        assert wait_all_dead(tree, timeout_s=10) == set()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_nats_is_reachable_only_where_a_nats_server_speaks(nats_server: str) -> None:
+    import socket
+
+    from shared.nats_server import nats_is_reachable
+
+    assert nats_is_reachable(nats_server)
+    with socket.socket() as silent:  # something listens but does not speak NATS
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        assert not nats_is_reachable(f"nats://127.0.0.1:{silent.getsockname()[1]}", timeout_s=0.3)
+    assert not nats_is_reachable(f"nats://127.0.0.1:{free_port()}")
+    assert not nats_is_reachable("http://127.0.0.1:4222")
+
+
+async def test_connection_survives_a_nats_server_restart_on_the_same_port() -> None:
+    import asyncio
+
+    from shared.nats_server import NatsServer
+    from shared.nats_service import connect_nats
+
+    server = NatsServer()
+    await asyncio.to_thread(server.start)
+    try:
+        async with connect_nats(server.url, "survivor", reconnect_time_wait_s=0.1) as nc:
+            got: list[bytes] = []
+
+            async def on_msg(msg: Msg) -> None:
+                got.append(msg.data)
+
+            await nc.subscribe("kvmesh.test.echo", cb=on_msg)
+            await asyncio.to_thread(server.stop)
+            await asyncio.to_thread(server.start)  # same port: the client reconnects by itself
+            deadline = time.monotonic() + 20
+            while not nc.is_connected and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            await nc.publish("kvmesh.test.echo", b"after restart")
+            await nc.flush()
+            while not got and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert got == [b"after restart"]  # the subscription was restored too
+    finally:
+        await asyncio.to_thread(server.stop)
