@@ -135,9 +135,16 @@ def test_accept_keeps_accepted_drafts_and_continues_identically(llama):
         eng.rollback("r", 100)
 
 
-def test_prefill_handoff_to_second_engine_gives_same_tokens(llama):
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_tokens=10, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=10, temperature=1.5, top_k=50, seed=1234, ignore_eos=True),
+    ],
+    ids=["greedy", "seeded"],
+)
+def test_prefill_handoff_to_second_engine_gives_same_tokens(llama, params):
     prompt = prompts(1, lengths=(75,))[0]
-    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     expected = engine(llama).generate([prompt], params)[0]
     prefill = engine(llama, max_num_batched_tokens=40)
     spec = prefill.kv_pool.spec

@@ -59,12 +59,23 @@ class Sampler:
         q = torch.empty_like(probs).exponential_(generator=self.generator)
         for i, seq in enumerate(seqs):
             if seq.generator is not None:
+                # Noise keyed by (seed, output index), not by how many draws came before: the
+                # token is the same whichever worker samples it (a prefill worker samples the
+                # first, a decode worker the rest) and after a preemption recompute.
+                seq.generator.manual_seed(token_seed(seq.params.seed, seq.num_output_tokens))
                 q[i].exponential_(generator=seq.generator)
         sampled = probs.div_(q.clamp_(min=1e-20)).argmax(-1)
         greedy = torch.tensor([p.temperature == 0.0 for p in params])
         if greedy.any():
             sampled = torch.where(greedy, logits.argmax(-1), sampled)
         return sampled.tolist()
+
+
+def token_seed(seed: int, output_index: int) -> int:
+    """A 63-bit seed for the noise of one output token of a seeded request (splitmix64 mix)."""
+    z = (seed * 0x9E3779B97F4A7C15 + (output_index + 1) * 0xBF58476D1CE4E5B9) % (1 << 64)
+    z = ((z ^ (z >> 31)) * 0x94D049BB133111EB) % (1 << 64)
+    return (z ^ (z >> 29)) >> 1
 
 
 def detokenize_step(tokenizer: Any, seq: Sequence) -> str:
