@@ -114,7 +114,28 @@ def test_lease_expiry_returns_only_overdue_reservations():
     expired = table.expire(5.0)
     assert [v.reservation.request_id for v in expired] == ["r1"]
     assert not expired[0].ok and "no PrefillDone" in expired[0].error
-    assert table.num_reserved_blocks() == 2 and table.next_deadline() == 20.0
+    assert expired[0].notify and not expired[0].release  # quarantined: a late write may land
+    assert table.num_reserved_blocks() == 3 + 2 and table.next_deadline() == 20.0
+
+
+def test_expired_blocks_return_once_the_prefill_says_it_stopped():
+    table = _table(deadline=1.0)  # r1 expects writes at slot 5
+    [told] = table.expire(1.0)
+    assert told.notify and not told.release
+    assert table.on_done(_done(num_writes=2)) is None  # stopped, one write still in flight
+    [verdict] = [table.on_immediate(5, 0), table.on_immediate(5, 1)][1:]
+    assert verdict is not None and verdict.release and not verdict.notify
+    assert "r1" not in table
+
+
+def test_expired_blocks_return_after_the_quarantine_without_word_from_the_prefill():
+    table = PendingTable(quarantine_s=10.0)
+    table.add("r1", "l1", slot=5, block_ids=(3, 4), deadline=1.0)
+    [told] = table.expire(1.0)
+    assert not told.release and table.next_deadline() == 11.0
+    assert table.expire(10.9) == []
+    [freed] = table.expire(11.0)
+    assert freed.release and not freed.notify and "r1" not in table
 
 
 def test_abort_keeps_blocks_until_prefill_stops():
@@ -150,7 +171,10 @@ def test_duplicate_request_and_busy_slot_are_refused():
 
 def test_slot_freed_with_its_reservation():
     table = _table()
-    table.expire(100.0)
+    table.expire(100.0)  # quarantined: late writes at slot 5 still belong to r1
+    with pytest.raises(ReservationError, match="slot 5"):
+        table.add("r2", "l2", slot=5, block_ids=(), deadline=1.0)
+    table.expire(100.0 + table.quarantine_s)
     table.add("r2", "l2", slot=5, block_ids=(), deadline=1.0)  # no error
 
 
@@ -258,6 +282,11 @@ async def test_worker_lease_expiry_frees_blocks_and_reports_error(decode_worker)
     assert event.finish_reason == "error" and "lease ran out" in event.error
     aborts = [protocol.decode(d, protocol.Abort) for s, d in rec.messages if s == subjects.ABORT]
     assert [a.request_id for a in aborts] == ["b"]  # the prefill is told to stop
+    # quarantined until the prefill confirms it stopped (it does, on the Abort)
+    assert worker.engine.block_manager.num_free_blocks == 64 - 2
+    await worker.on_prefill_done(PrefillDone("b", "Lb", False, error="aborted"))
+    await _run_until_idle(worker)
+    assert rec.tokens("b") == [event]  # nothing more reaches the client
     assert worker.engine.block_manager.num_free_blocks == 64
 
 

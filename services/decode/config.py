@@ -35,6 +35,11 @@ class DecodeConfig:
     enable_prefix_caching: bool = option(True, help="reuse KV blocks of shared prompt prefixes")
     heartbeat_s: float = option(1.0, help="seconds between heartbeats and adverts")
     lease_check_s: float = option(0.1, help="seconds between lease-expiry checks")
+    quarantine_s: float = option(
+        30.0,
+        help="after a lease expires, seconds its blocks stay out of the pool unless the prefill "
+        "confirms it stopped writing",
+    )
     drain_timeout_s: float = option(10.0, help="on SIGTERM, seconds to let running requests finish")
 
     def __post_init__(self) -> None:
@@ -44,6 +49,8 @@ class DecodeConfig:
             raise ValueError(
                 f"worker_id {self.worker_id!r} must be a non-empty NATS subject token (no '.', ' ', '*', '>')"
             )
+        if self.quarantine_s < 0:
+            raise ValueError(f"quarantine_s must be >= 0, got {self.quarantine_s}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

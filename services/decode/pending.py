@@ -6,6 +6,10 @@ Writes and the announcement race (the immediate travels on the data plane, the a
 NATS), so a reservation is *ready* once both are in: the announcement said ok and exactly
 ``num_writes`` distinct chunks have been counted. It *fails* when the prefill reports failure, a
 chunk arrives twice or past ``num_writes``, and it *expires* when its lease deadline passes first.
+An expired reservation is reported to the client at once but its blocks are *quarantined*: a
+prefill that is merely late may still be writing into them, so they go back to the pool only once
+that prefill has said it stopped (its PrefillDone, with every announced write landed) or after
+a further ``quarantine_s`` without word from it.
 Pure and synchronous: the service feeds it events and acts on what it returns.
 """
 
@@ -32,6 +36,9 @@ class Reservation:
     chunks: set[int] = field(default_factory=set)  # chunk indices whose write completed
     done: PrefillDone | None = None
     is_aborted: bool = False  # the client went away; blocks wait for the prefill to stop writing
+    is_expired: bool = (
+        False  # lease ran out: client told, blocks quarantined until the prefill stops
+    )
 
     @property
     def num_writes(self) -> int:
@@ -40,17 +47,21 @@ class Reservation:
 
 @dataclass(frozen=True, slots=True)
 class Verdict:
-    """A reservation leaves the table: ``ok`` -> admit it; otherwise free its blocks."""
+    """What to do with a reservation: ``ok`` -> admit it; otherwise fail it. ``release``: its
+    blocks go back now (False while quarantined); ``notify``: the client still has to be told."""
 
     reservation: Reservation
     ok: bool
     error: str = ""
+    release: bool = True
+    notify: bool = True
 
 
 class PendingTable:
     """request id -> Reservation, plus slot -> request id for the immediates."""
 
-    def __init__(self) -> None:
+    def __init__(self, quarantine_s: float = 30.0) -> None:
+        self.quarantine_s = quarantine_s
         self._by_request: dict[str, Reservation] = {}
         self._by_slot: dict[int, str] = {}
         self.num_stray_immediates = 0  # immediates for no live reservation (late, or foreign)
@@ -94,6 +105,11 @@ class PendingTable:
         done = res.done
         if done is None:
             return None
+        if res.is_expired:  # the client was told; free once every announced write has landed
+            if done.ok and res.num_writes < done.num_writes:
+                return None
+            self._pop(res)
+            return Verdict(res, False, "lease expired", notify=False)
         if res.num_writes > done.num_writes:
             verdict = Verdict(
                 res,
@@ -145,22 +161,30 @@ class PendingTable:
         return self._settle(res)
 
     def expire(self, now: float) -> list[Verdict]:
-        """Reservations whose lease ran out before their prefill completed."""
-        expired = [r for r in self._by_request.values() if r.deadline <= now]
-        for res in expired:
-            self._pop(res)
-        return [
-            Verdict(
-                r,
-                False,
-                "aborted"
-                if r.is_aborted
-                else f"prefill did not complete before the lease ran out "
-                f"({r.num_writes} KV writes arrived, "
-                f"{'PrefillDone received' if r.done else 'no PrefillDone'})",
-            )
-            for r in expired
-        ]
+        """Reservations whose lease (or quarantine) ran out before their prefill completed."""
+        verdicts = []
+        for res in [r for r in self._by_request.values() if r.deadline <= now]:
+            if res.is_expired or res.done is not None:
+                # Quarantine over (the prefill is gone), or the prefill already said it stopped.
+                self._pop(res)
+                verdicts.append(
+                    Verdict(res, False, self._expiry_error(res), notify=not res.is_expired)
+                )
+            else:
+                res.is_expired = True
+                res.deadline = now + self.quarantine_s
+                verdicts.append(Verdict(res, False, self._expiry_error(res), release=False))
+        return verdicts
+
+    @staticmethod
+    def _expiry_error(res: Reservation) -> str:
+        if res.is_aborted:
+            return "aborted"
+        return (
+            f"prefill did not complete before the lease ran out "
+            f"({res.num_writes} KV writes arrived, "
+            f"{'PrefillDone received' if res.done else 'no PrefillDone'})"
+        )
 
     def next_deadline(self) -> float | None:
         return min((r.deadline for r in self._by_request.values()), default=None)

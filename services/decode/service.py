@@ -240,6 +240,7 @@ async def decode_service(config: DecodeConfig) -> AsyncIterator[DecodeService]:
             base_addr=region.addr if region else engine.kv_pool.base_addr,
             publish=nc.publish,
             colocated=not disagg,
+            quarantine_s=config.quarantine_s,
         )
         service = DecodeService(
             config,

@@ -62,6 +62,7 @@ class DecodeWorker:
         base_addr: int,
         publish: Publish,
         colocated: bool = False,
+        quarantine_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.engine = engine
@@ -70,7 +71,7 @@ class DecodeWorker:
         self.block_bytes = engine.kv_pool.spec.block_bytes
         self.colocated = colocated
         self.is_draining = False
-        self.pending = PendingTable()
+        self.pending = PendingTable(quarantine_s)
         self._publish = publish
         self._clock = clock
         self._lock = asyncio.Lock()
@@ -90,7 +91,9 @@ class DecodeWorker:
                     # Admissions go in between steps, their first token out before the next step's.
                     settled, self._settled = self._settled, []
                     for verdict in settled:
-                        await self._send_tokens(self._apply(verdict))
+                        event = self._apply(verdict)
+                        if event is not None:
+                            await self._send_tokens(event)
                     aborts, self._aborts = self._aborts, []
                     for request_id in aborts:
                         self.engine.abort(request_id)  # its "abort" output comes with the step
@@ -187,16 +190,18 @@ class DecodeWorker:
         self._wake.set()
 
     async def expire_leases(self) -> int:
-        """Free the blocks of reservations whose lease ran out; tell the prefill to stop."""
+        """Fail reservations whose lease ran out and tell their prefill to stop; their blocks are
+        quarantined until it has (see PendingTable). Returns how many leases newly expired."""
         verdicts = self.pending.expire(self._clock())
         for verdict in verdicts:
             res = verdict.reservation
-            log.warning("lease expired", request_id=res.request_id, error=verdict.error)
-            await self._publish(
-                subjects.ABORT, encode(Abort(res.request_id, reason="lease expired"))
-            )
+            if verdict.notify:
+                log.warning("lease expired", request_id=res.request_id, error=verdict.error)
+                await self._publish(
+                    subjects.ABORT, encode(Abort(res.request_id, reason="lease expired"))
+                )
             self._settle(verdict)
-        return len(verdicts)
+        return sum(v.notify for v in verdicts)
 
     async def lease_loop(self, interval_s: float) -> None:
         while True:
@@ -208,8 +213,9 @@ class DecodeWorker:
         self._settled.append(verdict)
         self._wake.set()
 
-    def _apply(self, verdict: Verdict) -> TokenEvent:
-        """Admit a prefilled request (its first token) or free its blocks (its final event).
+    def _apply(self, verdict: Verdict) -> TokenEvent | None:
+        """Admit a prefilled request (its first token) or fail it: free its blocks (unless
+        quarantined) and return its final event (unless the client was already told).
         Called by run() with the lock held, between steps."""
         res = verdict.reservation
         prompt, params = res.payload
@@ -227,7 +233,10 @@ class DecodeWorker:
                 return TokenEvent(
                     res.request_id, first, num_prompt_tokens=len(prompt), num_output_tokens=1
                 )
-        self.engine.free_reserved(list(res.block_ids))
+        if verdict.release:
+            self.engine.free_reserved(list(res.block_ids))
+        if not verdict.notify:
+            return None
         return TokenEvent(
             res.request_id,
             (),
