@@ -123,14 +123,10 @@ def imm_slot(first_block_addr: int, block_bytes: int) -> int:
 
 
 def kv_spec_fingerprint(spec: Any, model_config: Any) -> str:
-    """``DecodeAdvert.kv_spec``: the KV layout (a KVCacheSpec) plus a digest of the model config.
-    Prefill and decode exchange blocks only when these strings are equal."""
+    """``DecodeAdvert.kv_spec``: the KV layout (``KVCacheSpec.fingerprint()``) plus a digest of
+    the model config. Prefill and decode exchange blocks only when these strings are equal."""
     digest = hashlib.blake2b(repr(model_config).encode(), digest_size=4).hexdigest()
-    dtype = str(spec.dtype).removeprefix("torch.")
-    return (
-        f"{spec.num_layers}x{spec.num_kv_heads}x{spec.head_dim}:bs{spec.block_size}:{dtype}"
-        f":model-{digest}"
-    )
+    return f"{spec.fingerprint()}:model-{digest}"
 
 
 @dataclass(frozen=True, slots=True)
