@@ -55,3 +55,50 @@ def test_single_prompt_fast_path_equals_paged_path():
         q, torch.cat([torch.zeros(1, 1, 8), k]), torch.cat([torch.zeros(1, 1, 8), v]), 0.5
     )
     torch.testing.assert_close(outs[1], ref_with_prefix)
+
+
+def test_decode_batch_with_unequal_contexts_matches_reference():
+    torch.manual_seed(2)
+    spec = KVCacheSpec(num_layers=1, num_kv_heads=2, head_dim=8, block_size=4)
+    pool = KVPool(spec, 16)
+    k_cache, v_cache = pool.layer(0)
+    scale = 8**-0.5
+    # Earlier tokens: seq 0 has 6 in blocks 7, 3; seq 1 has 1 in block 9; seq 2 has 9 in 2, 5, 11.
+    tables = torch.tensor([[7, 3, 0], [9, 0, 0], [2, 5, 11]])
+    past = [6, 1, 9]
+    hist_k = [torch.randn(n, 2, 8) for n in past]
+    hist_v = [torch.randn(n, 2, 8) for n in past]
+    for i, n in enumerate(past):
+        slots = torch.stack([tables[i, p // 4] * 4 + p % 4 for p in range(n)])
+        meta = AttentionMetadata(slots, [n], torch.tensor([n]), tables[i : i + 1], 4)
+        paged_attention(torch.randn(n, 4, 8), hist_k[i], hist_v[i], k_cache, v_cache, meta, scale)
+    # One new token each (GQA: 4 query heads over 2 KV heads).
+    q, k, v = torch.randn(3, 4, 8), torch.randn(3, 2, 8), torch.randn(3, 2, 8)
+    slots = torch.stack([tables[i, n // 4] * 4 + n % 4 for i, n in enumerate(past)])
+    ctx = torch.tensor(past) + 1
+    meta = AttentionMetadata(slots, [1, 1, 1], ctx, tables, 4)
+    assert meta.is_decode_only and meta.torch_plan().mask is not None
+    out = paged_attention(q, k, v, k_cache, v_cache, meta, scale)
+    for i in range(3):
+        keys, values = torch.cat([hist_k[i], k[i : i + 1]]), torch.cat([hist_v[i], v[i : i + 1]])
+        torch.testing.assert_close(out[i : i + 1], _reference(q[i : i + 1], keys, values, scale))
+
+
+def test_decode_batch_with_equal_contexts_needs_no_mask():
+    torch.manual_seed(3)
+    spec = KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=8, block_size=4)
+    pool = KVPool(spec, 8)
+    k_cache, v_cache = pool.layer(0)
+    tables = torch.tensor([[4, 1], [0, 6]])
+    hist_k, hist_v = torch.randn(2, 5, 1, 8), torch.randn(2, 5, 1, 8)
+    k_cache[tables[:, :1].flatten()] = hist_k[:, :4]
+    v_cache[tables[:, :1].flatten()] = hist_v[:, :4]
+    k_cache[tables[:, 1], 0] = hist_k[:, 4]
+    v_cache[tables[:, 1], 0] = hist_v[:, 4]
+    q, k, v = torch.randn(2, 3, 8), torch.randn(2, 1, 8), torch.randn(2, 1, 8)
+    meta = AttentionMetadata(tables[:, 1] * 4 + 1, [1, 1], torch.tensor([6, 6]), tables, 4)
+    out = paged_attention(q, k, v, k_cache, v_cache, meta, 0.5)
+    assert meta.torch_plan().mask is None
+    for i in range(2):
+        keys, values = torch.cat([hist_k[i], k[i : i + 1]]), torch.cat([hist_v[i], v[i : i + 1]])
+        torch.testing.assert_close(out[i : i + 1], _reference(q[i : i + 1], keys, values, 0.5))

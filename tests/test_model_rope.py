@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from shared.model.config import ModelConfig
-from shared.model.rope import apply_rope, rope_cos_sin
+from shared.model.rope import apply_rope, rope_cos_sin, rotation_tables
 
 transformers = pytest.importorskip("transformers")
 from transformers import LlamaConfig  # noqa: E402
@@ -83,7 +83,7 @@ def test_apply_rope_matches_transformers_rotation(dtype):
     positions = torch.randint(0, MAX_POS, (T,))
     q = torch.randn(T, 4, 32, dtype=dtype)
     k = torch.randn(T, 2, 32, dtype=dtype)
-    cos, sin = rope_cos_sin(config, MAX_POS)
+    cos, sin = rotation_tables(*rope_cos_sin(config, MAX_POS))
     hf_cos, hf_sin = LlamaRotaryEmbedding(hf_config)(q, positions[None])
     # transformers works on (B, H, T, D)
     hf_q, hf_k = apply_rotary_pos_emb(

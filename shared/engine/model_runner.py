@@ -45,23 +45,26 @@ class ModelRunner:
         for t in tables:
             t += [0] * (max_blocks - len(t))
         dev = self.device
-        block_tables = torch.tensor(tables, dtype=torch.int64)  # (B, max_blocks)
-        pos = torch.tensor(positions, dtype=torch.int64)  # (T,)
-        if len(positions) == B:  # decode-only: one token per sequence
-            rows = block_tables[torch.arange(B), pos // bs]
+        block_tables = torch.tensor(tables, dtype=torch.int64, device=dev)  # (B, max_blocks)
+        if len(positions) == B:  # decode-only: one slot per sequence, cheaper in Python
+            slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, positions, strict=True)]
+            slot_mapping = torch.tensor(slots, dtype=torch.int64, device=dev)
+            pos = torch.tensor(positions, dtype=torch.int64, device=dev)  # (T,)
         else:
-            seq_idx = torch.repeat_interleave(torch.arange(B), torch.tensor(num_new_tokens))
-            rows = block_tables[seq_idx, pos // bs]
-        slot_mapping = rows * bs + pos % bs
+            pos = torch.tensor(positions, dtype=torch.int64, device=dev)
+            seq_idx = torch.repeat_interleave(
+                torch.arange(B, device=dev), torch.tensor(num_new_tokens, device=dev)
+            )
+            slot_mapping = block_tables[seq_idx, pos // bs] * bs + pos % bs
         meta = AttentionMetadata(
-            slot_mapping=slot_mapping.to(dev),
+            slot_mapping=slot_mapping,
             query_lens=list(num_new_tokens),
             context_lens=torch.tensor(context_lens, dtype=torch.int64, device=dev),
-            block_tables=block_tables.to(dev),
+            block_tables=block_tables,
             block_size=bs,
             use_triton=self.use_triton,
         )
-        return torch.tensor(input_ids, dtype=torch.int64, device=dev), pos.to(dev), meta
+        return torch.tensor(input_ids, dtype=torch.int64, device=dev), pos, meta
 
     @torch.inference_mode()
     def execute(

@@ -14,7 +14,7 @@ from torch import nn
 from shared.engine.attention import AttentionMetadata, paged_attention
 from shared.engine.kv_cache import KVCacheSpec, KVPool
 from shared.model.config import ModelConfig
-from shared.model.rope import apply_rope, rope_cos_sin
+from shared.model.rope import apply_rope, rope_cos_sin, rotation_tables
 
 
 def kv_cache_spec(
@@ -37,9 +37,22 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32, scale in the model dtype (as the reference does).
-        h = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
-        return self.weight * h.to(x.dtype)
+        # Normalise in float32, scale in the model dtype (as the reference does). In-place where
+        # the tensor is our own: at prefill sizes each fresh allocation costs page faults.
+        h = x.float()
+        h = h * h.square().mean(-1, keepdim=True).add_(self.eps).rsqrt_()
+        return h.to(x.dtype).mul_(self.weight)
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` whose (out, in) weight is stored column-major, i.e. as a contiguous (in, out)
+    matrix seen through ``.t()``. ``F.linear`` then multiplies by that contiguous matrix, which
+    MKL runs faster on CPU (10-40% for one-token GEMV, ~10% at 32 rows). Shapes and state dicts
+    are those of ``nn.Linear``."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__(in_features, out_features, bias)
+        self.weight = nn.Parameter(self.weight.detach().t().contiguous().t())
 
 
 class Attention(nn.Module):
@@ -51,10 +64,10 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = config.q_size
         self.scale = config.head_dim**-0.5
-        self.wqkv = nn.Linear(
+        self.wqkv = Linear(
             config.hidden_size, self.q_size + 2 * config.kv_size, bias=config.attention_bias
         )
-        self.wo = nn.Linear(self.q_size, config.hidden_size, bias=config.attention_out_bias)
+        self.wo = Linear(self.q_size, config.hidden_size, bias=config.attention_out_bias)
 
     def forward(
         self,
@@ -78,14 +91,14 @@ class FeedForward(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
-        self.w_gate_up = nn.Linear(
+        self.w_gate_up = Linear(
             config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias
         )
-        self.w_down = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.w_down = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w_gate_up(x).split(self.intermediate_size, dim=-1)
-        return self.w_down(F.silu(gate) * up)
+        return self.w_down(F.silu(gate).mul_(up))
 
 
 class TransformerBlock(nn.Module):
@@ -104,8 +117,8 @@ class TransformerBlock(nn.Module):
         kv_pool: KVPool,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin, kv_pool, meta)
-        return h + self.feed_forward(self.ffn_norm(h))
+        h = self.attention(self.attention_norm(x), cos, sin, kv_pool, meta).add_(x)
+        return self.feed_forward(self.ffn_norm(h)).add_(h)
 
 
 class Transformer(nn.Module):
@@ -121,24 +134,24 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.output = None
         if not config.tie_word_embeddings:
-            self.output = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.output = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
         self.register_buffer("rope_sin", torch.empty(0), persistent=False)
         self.reset_rope_cache()
 
     def reset_rope_cache(self) -> None:
-        """(Re)build the cos/sin tables, (max_position_embeddings, head_dim // 2) float32, on the
-        model's device. Call after materialising a model built on the meta device."""
+        """(Re)build the rotation tables (``rotation_tables``), (max_position_embeddings, head_dim)
+        float32, on the model's device. Call after materialising a model built on the meta device."""
         device = self.tok_embeddings.weight.device
         num_positions = self.config.max_position_embeddings
         if device.type == "meta":  # shapes only; the loader calls this again once materialised
-            shape = (num_positions, self.config.head_dim // 2)
+            shape = (num_positions, self.config.head_dim)
             self.rope_cos, self.rope_sin = (
                 torch.empty(shape, device=device),
                 torch.empty(shape, device=device),
             )
             return
-        cos, sin = rope_cos_sin(self.config, num_positions)
+        cos, sin = rotation_tables(*rope_cos_sin(self.config, num_positions))
         self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
 
     @property
@@ -158,8 +171,8 @@ class Transformer(nn.Module):
             positions.shape,
         )
         x = self.tok_embeddings(input_ids)  # (T, hidden)
-        cos = self.rope_cos[positions].to(x.dtype).unsqueeze(1)  # (T, 1, D/2)
-        sin = self.rope_sin[positions].to(x.dtype).unsqueeze(1)
+        cos = self.rope_cos.index_select(0, positions).to(x.dtype).unsqueeze(1)  # (T, 1, D)
+        sin = self.rope_sin.index_select(0, positions).to(x.dtype).unsqueeze(1)
         for layer in self.layers:
             x = layer(x, cos, sin, kv_pool, meta)
         return self.norm(x)

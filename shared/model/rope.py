@@ -82,7 +82,15 @@ def rope_cos_sin(config: ModelConfig, num_positions: int) -> tuple[torch.Tensor,
     return freqs.cos(), freqs.sin()
 
 
+def rotation_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(P, D/2) cos/sin -> (P, D) ``cat(cos, cos)`` and ``cat(-sin, sin)``, the tables
+    ``apply_rope`` takes: with them the rotation is two multiplies and an add on the whole head."""
+    return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x: (T, H, D) by cos/sin: (T, 1, D/2) in x's dtype; split-half (GPT-NeoX / HF) layout."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    """Rotate x: (T, H, D) by (T, 1, D) rows of ``rotation_tables`` in x's dtype; split-half
+    (GPT-NeoX / HF) layout. Bit for bit transformers' ``x * cos + rotate_half(x) * sin``:
+    ``rotate_half(x) * sin`` is ``roll(x) * cat(-sin, sin)`` exactly."""
+    rotated = x.roll(x.shape[-1] // 2, dims=-1)  # (x2, x1), a fresh tensor
+    return rotated.mul_(sin).add_(x * cos)
