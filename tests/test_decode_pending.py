@@ -238,7 +238,7 @@ async def _run_until_idle(worker) -> None:
     try:
         for _ in range(500):
             await asyncio.sleep(0.01)
-            if not worker._settled and not worker.engine.has_unfinished():
+            if worker.is_idle and not worker._wake.is_set():
                 break
     finally:
         loop.cancel()

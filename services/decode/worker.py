@@ -78,13 +78,16 @@ class DecodeWorker:
         self._wake = asyncio.Event()
         self._settled: list[Verdict] = []  # reservations leaving the table, applied by run()
         self._aborts: list[str] = []  # running requests to abort, applied by run()
+        self.is_idle = False  # run() waits for work: nothing to apply, step or publish
 
     # ---- the engine loop ----------------------------------------------------------------------
 
     async def run(self) -> None:
         """Step the engine while it has work; publish each step's tokens (a task body)."""
         while True:
+            self.is_idle = True
             await self._wake.wait()
+            self.is_idle = False
             self._wake.clear()
             while True:
                 async with self._lock:
