@@ -186,18 +186,18 @@ async def test_prefill_worker_writes_each_chunk_into_the_reserved_blocks(tiny):
     from shared.engine.llm_engine import LLMEngine
     from shared.engine.sequence import SamplingParams
 
-    prompt = [(7 * i) % 250 + 1 for i in range(60)]  # 4 blocks, chunks of 32 + 28 tokens
+    prompt = [(7 * i) % 250 + 1 for i in range(60)]  # 4 blocks, chunks of 32 + 16 + 12 tokens
     targets = [9, 3, 4, 10]
     async with _prefill_setup(tiny) as (worker, decode_side, region, remote, published):
         bb = worker.block_bytes
         await worker.prefill(_job("r", prompt, region, targets, bb))
         [done] = _published(published, protocol.PrefillDone)
-        assert done.ok and done.num_writes == 2 and done.first_token >= 0
+        assert done.ok and done.num_writes == 3 and done.first_token >= 0
         [report] = _published(published, protocol.PrefillReport)
-        assert report.num_chunks == 2 and report.transfer_s > 0 and report.compute_s > 0
-        completions = [await decode_side.completion_queue.get() for _ in range(2)]
+        assert report.num_chunks == 3 and report.transfer_s > 0 and report.compute_s > 0
+        completions = [await decode_side.completion_queue.get() for _ in range(3)]
         slot = imm_slot(region.addr + targets[0] * bb, bb)
-        assert sorted(unpack_imm(c.imm) for c in completions) == [(slot, 0), (slot, 1)]
+        assert sorted(unpack_imm(c.imm) for c in completions) == [(slot, 0), (slot, 1), (slot, 2)]
         assert not worker.engine.seqs and worker.engine.block_manager.num_free_blocks == 64
         remote = remote.clone()  # transport memory goes away with the transport
 

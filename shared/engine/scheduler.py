@@ -61,10 +61,17 @@ class Scheduler:
 
     def _chunk_size(self, seq: Sequence, budget: int) -> int:
         n = min(seq.num_uncomputed_tokens, budget)
-        if seq.prefill_only and n < seq.num_uncomputed_tokens:
-            # Hand-off chunks are whole blocks; only the last one may be partial.
-            n -= n % self.block_manager.block_size
-        return n
+        if not seq.prefill_only:
+            return n
+        bs = self.block_manager.block_size
+        if n == seq.num_uncomputed_tokens:
+            if seq.num_computed_tokens > 0 and n > bs:
+                # The last hand-off chunk's write overlaps no compute: cut the final chunk to at
+                # most one block, so only one block's transfer is exposed, not a chunk's.
+                return n - (n % bs or bs)
+            return n
+        # Hand-off chunks are whole blocks; only the last one may be partial.
+        return n - n % bs
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
