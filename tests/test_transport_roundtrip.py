@@ -403,7 +403,8 @@ async def test_auto_uses_shm_on_the_same_host_and_falls_back_to_tcp() -> None:
                         [WriteEntry(local, block * BB, r.addr + block * BB, r.rkey, BB)], block
                     )
                 )
-        assert [c.imm for c in await collect(rx, 2)] == [0, 1]
+        # two endpoints: completions are ordered per endpoint only
+        assert sorted(c.imm for c in await collect(rx, 2)) == [0, 1]
         assert torch.equal(target.pool.raw[: 2 * BB], src)
         assert rx.stats().writes == 2
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import socket
 import struct
+import threading
+import time
 
 import pytest
 import torch
@@ -19,6 +21,7 @@ from shared.transport import (
 )
 from shared.transport.tcp import (
     ACK,
+    FLAG_NO_ACK,
     FRAME,
     HELLO,
     MAGIC_ACK,
@@ -58,11 +61,22 @@ def raw_lane(port: int, endpoint_id: int = 7, peer: bytes = b"raw-peer") -> sock
     return sock
 
 
-def frame(rkey: int, addr: int, length: int, seq: int = 1, imm: int = 0, span=None) -> bytes:
+def frame(
+    rkey: int,
+    addr: int,
+    length: int,
+    seq: int = 1,
+    imm: int = 0,
+    span=None,
+    idx=0,
+    count=1,
+    flags=0,
+) -> bytes:
     span_addr, span_len = span or (addr, length)
     return FRAME.pack(
-        MAGIC_FRAME, VERSION, OP_WRITE, 0, rkey, imm, addr, length, seq, 0, 1, span_addr, span_len
-    )
+        MAGIC_FRAME, VERSION, OP_WRITE, flags, rkey, imm, addr, length, seq, idx, count, span_addr,
+        span_len,
+    )  # fmt: skip
 
 
 def read_ack(sock: socket.socket) -> tuple[int, int, int]:
@@ -167,7 +181,9 @@ async def test_large_write_is_sliced_across_lanes_and_completes_once(receiver) -
             ]
             await timeout(ep.write(entries, 42))
             assert 1 <= ep.max_in_flight <= 2  # 16 frames, window 2 per lane
-            assert all(lane.peak > 0 for lane in ep._lanes)  # both lanes carried frames
+            assert all(
+                lane.window.peak_items > 0 for lane in ep._lanes
+            )  # both lanes carried frames
     c = await timeout(receiver.rx.completion_queue.get())
     assert (c.imm, c.num_bytes) == (42, NBYTES)
     assert receiver.rx.completion_queue.get_nowait() is None
@@ -234,3 +250,130 @@ async def test_write_to_a_peer_that_never_acks_times_out_with_peer_gone() -> Non
         for s in accepted:
             s.close()
         mute.close()
+
+
+async def test_frames_flagged_no_ack_are_acked_only_by_a_later_frame_or_a_refusal(receiver) -> None:
+    r = receiver.region
+    sock = await asyncio.to_thread(raw_lane, receiver.rx.port)
+    payload = b"\x05" * 1024
+    for idx in range(3):  # one write of three frames; only the last asks for an ACK
+        flags = 0 if idx == 2 else FLAG_NO_ACK
+        addr = r.addr + idx * 1024
+        sock.sendall(frame(r.rkey, addr, 1024, seq=1, imm=4, idx=idx, count=3, flags=flags))
+        sock.sendall(payload)
+    bad = frame(r.rkey ^ 0xFF, r.addr, 1024, seq=2, imm=5, flags=FLAG_NO_ACK)
+    sock.sendall(bad + payload)  # refused: NAKed even though it asks for no ACK
+    sock.settimeout(5)
+    data = b""
+    while len(data) < 2 * ACK.size:
+        chunk = await asyncio.to_thread(sock.recv, 2 * ACK.size - len(data))
+        assert chunk
+        data += chunk
+    acks = [ACK.unpack_from(data, i * ACK.size) for i in range(2)]
+    assert [(a[1], a[5], a[4]) for a in acks] == [(0, 1, 2), (RefusalReason.UNKNOWN_RKEY, 2, 0)]
+    c = await timeout(receiver.rx.completion_queue.get())
+    assert (c.imm, c.num_bytes) == (4, 3 * 1024)
+    assert bytes(receiver.body[: 3 * 1024].numpy()) == payload * 3
+    sock.close()
+
+
+class SlowAcker:
+    """A one-lane tcp peer that reads frames and ACKs only when the test says so."""
+
+    def __init__(self) -> None:
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.frames: list[tuple[int, int, int]] = []  # (seq, idx, flags) as received
+        self.conn: socket.socket | None = None
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def descriptor(self) -> PeerDescriptor:
+        port = self.server.getsockname()[1]
+        return PeerDescriptor("slow", "elsewhere", {"tcp": {"host": "127.0.0.1", "port": port}})
+
+    def _recv(self, n: int) -> bytes:
+        assert self.conn is not None
+        data = self.conn.recv(n, socket.MSG_WAITALL)
+        return data if len(data) == n else b""
+
+    def _serve(self) -> None:
+        self.conn, _ = self.server.accept()
+        hello = self._recv(HELLO.size)
+        self._recv(HELLO.unpack(hello)[-1])
+        while hdr := self._recv(FRAME.size):
+            fields = FRAME.unpack(hdr)
+            flags, length, seq, idx = fields[3], fields[7], fields[8], fields[9]
+            if not self._recv(length):
+                return
+            self.frames.append((seq, idx, flags))
+
+    def wait_frames(self, n: int) -> list[tuple[int, int, int]]:
+        deadline = time.monotonic() + 10
+        while len(self.frames) < n and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)  # anything beyond n would have arrived by now
+        return list(self.frames)
+
+    def ack(self, seq: int, idx: int) -> None:
+        assert self.conn is not None
+        self.conn.sendall(ACK.pack(MAGIC_ACK, 0, OP_WRITE, 0, idx, seq, 0))
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+        self.server.close()
+        self.thread.join(5)
+
+
+async def test_window_is_in_bytes_and_one_cumulative_ack_frees_it() -> None:
+    peer = SlowAcker()
+    cfg = TransportConfig(tcp_lanes=1, tcp_window=2, tcp_slice_bytes=8192)  # 16 KiB per lane
+    try:
+        async with TcpTransport(cfg) as tx:
+            local = tx.register(torch.zeros(32 << 10, dtype=torch.uint8))
+            async with await tx.connect(peer.descriptor()) as ep:
+                assert ep.window_bytes == 16 << 10
+                # 32 scattered 1 KiB entries: 32 frames, 16 of them fill the window
+                entries = [
+                    WriteEntry(local, i << 10, 0x10000 + i * 4096, 1, 1024) for i in range(32)
+                ]
+                write = asyncio.ensure_future(ep.write(entries, 1))
+                first = await asyncio.to_thread(peer.wait_frames, 16)
+                assert [idx for _, idx, _ in first] == list(range(16))  # not 2 (tcp_window) frames
+                # an ACK is asked for every window/4 bytes and by the last frame sent
+                asked = [idx for _, idx, flags in first if not flags & FLAG_NO_ACK]
+                assert asked == [3, 7, 11, 15]
+                peer.ack(1, 15)  # covers frames 0..15
+                rest = await asyncio.to_thread(peer.wait_frames, 32)
+                assert [idx for _, idx, _ in rest] == list(range(32))
+                assert not write.done()
+                peer.ack(1, 31)
+                await timeout(write)
+                assert (ep.max_in_flight, ep.max_in_flight_bytes) == (16, 16 << 10)
+    finally:
+        peer.close()
+
+
+async def test_entries_contiguous_on_both_sides_leave_as_one_piece(receiver) -> None:
+    r = receiver.region
+    async with TcpTransport(TransportConfig(tcp_lanes=1)) as tx:
+        src = torch.randint(0, 256, (NBYTES,), dtype=torch.uint8)
+        local = tx.register(src)
+        async with await tx.connect(receiver.rx.descriptor()) as ep:
+            merged = [
+                WriteEntry(local, off, r.addr + off, r.rkey, 4096) for off in range(0, 32768, 4096)
+            ]
+            frames = ep._frames(merged, OP_WRITE)
+            assert [(f.length, len(f.views)) for f in frames] == [(32768, 1)]
+            # remote-contiguous but local pieces in reverse: one frame, one piece per entry
+            flipped = [
+                WriteEntry(local, 28672 - off, r.addr + off, r.rkey, 4096)
+                for off in range(0, 32768, 4096)
+            ]
+            frames = ep._frames(flipped, OP_WRITE)
+            assert [(f.length, len(f.views)) for f in frames] == [(32768, 8)]
+            await timeout(ep.write(merged, 1))
+            await timeout(ep.write(flipped, 2))
+    assert [(await timeout(receiver.rx.completion_queue.get())).imm for _ in range(2)] == [1, 2]
+    expected = torch.cat([src[28672 - off : 32768 - off] for off in range(0, 32768, 4096)])
+    assert torch.equal(receiver.body[:32768], expected)

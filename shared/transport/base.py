@@ -441,7 +441,7 @@ class TransportConfig:
     tcp_advertise_host: str | None = None  # address peers dial; default tcp_host
     tcp_port: int = 0  # 0: any free port
     tcp_lanes: int = 2  # sockets per endpoint (more help on many-core hosts)
-    tcp_window: int = 8  # frames in flight per lane (backpressure; references, not copies)
+    tcp_window: int = 8  # in-flight bytes per lane = tcp_window * tcp_slice_bytes (backpressure)
     tcp_slice_bytes: int = 4 << 20  # large writes are cut into slices of at most this many bytes
     shm_dir: str | None = None  # where the notification socket lives; default a fresh temp dir
     rdma_device: str | None = None  # e.g. "mlx5_0" / "rxe0"; None: first active device

@@ -3,11 +3,12 @@
 Every frame carries a fixed header (magic, version, op, rkey, imm, remote address, length, write
 sequence number, frame index / count). The receiver checks the header against its registry
 *before* reading the payload, then ``recv_into``s the payload straight into the registered memory
-and ACKs; a refused frame is drained into a scratch buffer and NAKed with the reason; a corrupt,
-oversized or truncated frame closes the endpoint. A write is cut into frames of at most
-``tcp_slice_bytes`` (contiguous remote runs are coalesced, scattered local pieces go out with one
-``sendmsg``) spread over the lanes; its Completion is delivered when all its frames are placed, in
-per-endpoint write order. Each lane has at most ``tcp_window`` frames in flight.
+and ACKs it unless the writer flagged it ``FLAG_NO_ACK`` (ACKs are cumulative per lane); a refused
+frame is drained into a scratch buffer and NAKed with the reason; a corrupt, oversized or truncated
+frame closes the endpoint. A write is cut into frames of at most ``tcp_slice_bytes`` (contiguous
+remote runs are coalesced, scattered local pieces go out with one ``sendmsg``) spread over the
+lanes; its Completion is delivered when all its frames are placed, in per-endpoint write order.
+Each lane has at most ``tcp_window * tcp_slice_bytes`` bytes in flight.
 
 Blocking sockets in threads: ``sendmsg`` / ``recv_into`` release the GIL, so lanes run in parallel
 and the event loop only books ACKs.
@@ -51,6 +52,9 @@ if TYPE_CHECKING:
 MAGIC_HELLO, MAGIC_FRAME, MAGIC_ACK = b"KVMH", b"KVMF", b"KVMA"
 VERSION = 1
 OP_WRITE, OP_READ = 1, 2
+# Frame flag: the writer needs no ACK for this frame (a later frame's ACK covers it; ACKs are
+# cumulative per lane). Refused frames and reads are always answered.
+FLAG_NO_ACK = 1
 MAX_FRAME_BYTES = 1 << 30  # a longer frame is corrupt: close the connection
 # HELLO: magic, version, lane, num_lanes, endpoint id, peer id length (+ peer id bytes)
 HELLO = struct.Struct("<4sHHHQH")
@@ -307,7 +311,7 @@ class TcpTransport:
                 return
             if got != FRAME.size:
                 raise ProtocolError("truncated frame header")
-            magic, version, op, _, rkey, imm, addr, length, seq, idx, count, span, span_len = (
+            magic, version, op, flags, rkey, imm, addr, length, seq, idx, count, span, span_len = (
                 FRAME.unpack(hdr)
             )
             if magic != MAGIC_FRAME or version != VERSION or op not in (OP_WRITE, OP_READ):
@@ -341,7 +345,8 @@ class TcpTransport:
             elif recv_exact(conn, tensor_buffer(view)) != length:
                 raise ProtocolError("truncated payload")
             self._placed(peer, seq, idx, count, imm, 0 if error else length)
-            conn.sendall(ACK.pack(MAGIC_ACK, status, op, 0, idx, seq, length))
+            if error or not flags & FLAG_NO_ACK:
+                conn.sendall(ACK.pack(MAGIC_ACK, status, op, 0, idx, seq, length))
 
     def _target(
         self, rkey: int, addr: int, length: int, access: Access
