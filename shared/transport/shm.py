@@ -42,7 +42,7 @@ from shared.transport.base import (
     new_peer_id,
 )
 from shared.transport.registry import Registry
-from shared.transport.threads import ThreadSet
+from shared.transport.server import SocketServer
 
 if TYPE_CHECKING:
     from shared.transport.shm_endpoint import ShmEndpoint
@@ -146,9 +146,7 @@ class ShmTransport:
         self._table_seg: _Segment | None = None
         self._table: np.ndarray | None = None
         self._dir: str | None = None
-        self._listener: socket.socket | None = None
-        self._threads = ThreadSet()
-        self._conns: set[socket.socket] = set()
+        self._server: SocketServer | None = None
         self._endpoints: set[ShmEndpoint] = set()
         self._lock = threading.Lock()
         self._closed = False
@@ -176,7 +174,7 @@ class ShmTransport:
         await self.aclose()
 
     async def start(self) -> None:
-        if self._listener is not None:
+        if self._server is not None:
             return
         sweep_stale_segments()
         self._table_seg = _Segment(f"{self._token}-table", TABLE_SLOTS * TABLE_DTYPE.itemsize)
@@ -186,11 +184,12 @@ class ShmTransport:
             self._dir = tempfile.mkdtemp(prefix="kvmesh-", dir=self.config.shm_dir)
         else:
             self._dir = tempfile.mkdtemp(prefix="kvmesh-")
-        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._listener.bind(self.socket_path)
-        self._listener.listen(64)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(self.socket_path)
+        listener.listen(64)
         self._registry.add_listener(self)
-        self._threads.spawn(self._accept_loop, "shm-accept")
+        self._server = SocketServer(listener, self._serve, "shm-notify")
+        self._server.start()
 
     async def aclose(self) -> None:
         if self._closed:
@@ -198,16 +197,8 @@ class ShmTransport:
         self._closed = True
         for ep in list(self._endpoints):
             await ep.aclose()
-        if self._listener is not None:
-            with contextlib.suppress(OSError):
-                self._listener.shutdown(socket.SHUT_RDWR)
-            self._listener.close()
-        with self._lock:
-            conns = list(self._conns)
-        for conn in conns:
-            with contextlib.suppress(OSError):
-                conn.shutdown(socket.SHUT_RDWR)
-        await asyncio.to_thread(self._threads.join)
+        if self._server is not None:
+            await self._server.aclose()
         for seg in [*self._segments, *([self._table_seg] if self._table_seg else [])]:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(SHM_DIR, seg.name))
@@ -307,17 +298,6 @@ class ShmTransport:
 
     # -- receiver: notification channel ------------------------------------------------------------
 
-    def _accept_loop(self) -> None:
-        assert self._listener is not None
-        while not self._closed:
-            try:
-                conn, _ = self._listener.accept()
-            except OSError:
-                return
-            with self._lock:
-                self._conns.add(conn)
-            self._threads.spawn(self._serve, "shm-notify", conn)
-
     def _serve(self, conn: socket.socket) -> None:
         buf = bytearray(NOTE.size)
         try:
@@ -340,10 +320,6 @@ class ShmTransport:
                     return  # corrupt stream: drop this peer, keep serving others
         except OSError:
             return
-        finally:
-            with self._lock:
-                self._conns.discard(conn)
-            conn.close()
 
     # -- writer ------------------------------------------------------------------------------------
 

@@ -16,7 +16,6 @@ and the event loop only books ACKs.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import mmap
 import socket
@@ -44,7 +43,7 @@ from shared.transport.base import (
     new_peer_id,
 )
 from shared.transport.registry import Registry
-from shared.transport.threads import ThreadSet
+from shared.transport.server import SocketServer
 
 if TYPE_CHECKING:
     from shared.transport.tcp_endpoint import TcpEndpoint
@@ -137,12 +136,10 @@ class TcpTransport:
         self._peer_id = self.config.peer_id or new_peer_id()
         self._registry = registry if registry is not None else Registry()
         self._queue = completions if completions is not None else CompletionQueue()
-        self._listener: socket.socket | None = None
+        self._server: SocketServer | None = None
         self._port = 0
-        self._threads = ThreadSet()
         self._lock = threading.Lock()
         self._peers: dict[tuple[str, int], _PeerEndpoint] = {}
-        self._conns: set[socket.socket] = set()
         self._memory: list[mmap.mmap] = []
         self._endpoints: set[TcpEndpoint] = set()
         self._closed = False
@@ -167,15 +164,16 @@ class TcpTransport:
         await self.aclose()
 
     async def start(self) -> None:
-        if self._listener is not None:
+        if self._server is not None:
             return
         family = socket.AF_INET6 if ":" in self.config.tcp_host else socket.AF_INET
-        self._listener = socket.socket(family, socket.SOCK_STREAM)
-        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._listener.bind((self.config.tcp_host, self.config.tcp_port))
-        self._listener.listen(128)
-        self._port = self._listener.getsockname()[1]
-        self._threads.spawn(self._accept_loop, "tcp-accept")
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((self.config.tcp_host, self.config.tcp_port))
+        listener.listen(128)
+        self._port = listener.getsockname()[1]
+        self._server = SocketServer(listener, self._serve_lane, "tcp-lane", on_accept=tune)
+        self._server.start()
 
     async def aclose(self) -> None:
         if self._closed:
@@ -183,16 +181,8 @@ class TcpTransport:
         self._closed = True
         for ep in list(self._endpoints):
             await ep.aclose()
-        if self._listener is not None:
-            with contextlib.suppress(OSError):
-                self._listener.shutdown(socket.SHUT_RDWR)
-            self._listener.close()
-        with self._lock:
-            conns = list(self._conns)
-        for conn in conns:
-            with contextlib.suppress(OSError):
-                conn.shutdown(socket.SHUT_RDWR)
-        await asyncio.to_thread(self._threads.join)
+        if self._server is not None:
+            await self._server.aclose()
         for mm in self._memory:
             with contextlib.suppress(BufferError):  # still viewed (a KVPool): freed with its views
                 mm.close()
@@ -215,7 +205,7 @@ class TcpTransport:
         self._registry.deregister(region)
 
     def descriptor(self) -> PeerDescriptor:
-        if self._listener is None:
+        if self._server is None:
             raise TransportClosedError("enter the transport before asking for its descriptor")
         host = self.config.tcp_advertise_host or self.config.tcp_host
         if host in ("0.0.0.0", "::"):
@@ -244,18 +234,6 @@ class TcpTransport:
 
     # -- receiver ----------------------------------------------------------------------------------
 
-    def _accept_loop(self) -> None:
-        assert self._listener is not None
-        while not self._closed:
-            try:
-                conn, _ = self._listener.accept()
-            except OSError:
-                return
-            tune(conn)
-            with self._lock:
-                self._conns.add(conn)
-            self._threads.spawn(self._serve_lane, "tcp-lane", conn)
-
     def _serve_lane(self, conn: socket.socket) -> None:
         peer: _PeerEndpoint | None = None
         try:
@@ -265,12 +243,8 @@ class TcpTransport:
         except (OSError, ProtocolError):
             pass  # this endpoint is gone; other peers are served by their own threads
         finally:
-            with self._lock:
-                self._conns.discard(conn)
             if peer is not None:
                 self._drop(peer)
-            with contextlib.suppress(OSError):
-                conn.close()
 
     def _hello(self, conn: socket.socket) -> _PeerEndpoint | None:
         buf = bytearray(HELLO.size)
