@@ -147,7 +147,7 @@ def test_local_prefill_grants_no_lease(registry: Registry) -> None:
     choice = registry.choose(place(16, local=True), now=0.0)
     assert isinstance(choice, Candidate)
     reply = registry.grant(choice, place(16, local=True), "L", (), now=0.0)
-    assert reply.ok and registry.leases == {}
+    assert reply.ok and registry.leases == {} and registry.counters.granted == 0
 
 
 def test_silent_worker_is_dropped_with_its_leases(registry: Registry) -> None:

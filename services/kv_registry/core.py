@@ -281,7 +281,7 @@ class Registry:
                 granted_at=now,
                 expires_at=now + request.lease_ms / 1000.0,
             )
-        self.counters.granted += 1
+            self.counters.granted += 1
         return PlaceReply(
             ok=True,
             request_id=request.request_id,
