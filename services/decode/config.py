@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from shared.protocol import IMM_SLOT_BITS
-from shared.service_config import DEFAULT_NATS_URL, option
+from shared.service_config import DEFAULT_NATS_URL, check_worker_id, option
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,12 +43,7 @@ class DecodeConfig:
     drain_timeout_s: float = option(10.0, help="on SIGTERM, seconds to let running requests finish")
 
     def __post_init__(self) -> None:
-        if self.worker_id is not None and (
-            not self.worker_id or any(c in self.worker_id for c in ". *>")
-        ):
-            raise ValueError(
-                f"worker_id {self.worker_id!r} must be a non-empty NATS subject token (no '.', ' ', '*', '>')"
-            )
+        check_worker_id(self.worker_id)
         if self.quarantine_s < 0:
             raise ValueError(f"quarantine_s must be >= 0, got {self.quarantine_s}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.service_config import DEFAULT_NATS_URL, option
+from shared.service_config import DEFAULT_NATS_URL, check_worker_id, option
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,13 +32,7 @@ class RegistryConfig:
     admin_timeout_s: float = option(2.0, help="seconds to wait for a worker's drain/resume reply")
 
     def __post_init__(self) -> None:
-        if self.worker_id is not None and (
-            not self.worker_id or any(c in self.worker_id for c in ". *>")
-        ):
-            raise ValueError(
-                f"worker_id {self.worker_id!r} must be a non-empty NATS subject token "
-                "(no '.', ' ', '*', '>')"
-            )
+        check_worker_id(self.worker_id)
         if not self.nats_url.startswith(("nats://", "tls://")):
             raise ValueError(f"nats_url must look like nats://HOST:PORT, got {self.nats_url!r}")
         for name in ("heartbeat_s", "reserve_timeout_s", "retry_after_s", "admin_timeout_s"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from shared.service_config import DEFAULT_NATS_URL, option
+from shared.service_config import DEFAULT_NATS_URL, check_worker_id, option
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,12 +37,7 @@ class PrefillConfig:
     )
 
     def __post_init__(self) -> None:
-        if self.worker_id is not None and (
-            not self.worker_id or any(c in self.worker_id for c in ". *>")
-        ):
-            raise ValueError(
-                f"worker_id {self.worker_id!r} must be a non-empty NATS subject token (no '.', ' ', '*', '>')"
-            )
+        check_worker_id(self.worker_id)
         if self.block_size <= 0:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if self.chunk_tokens < self.block_size:

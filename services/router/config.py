@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from shared.service_config import DEFAULT_NATS_URL, option
+from shared.service_config import DEFAULT_NATS_URL, check_worker_id, option
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,13 +47,7 @@ class RouterConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if not self.model:
             raise ValueError("model must name a model or a checkpoint directory")
-        if self.worker_id is not None and (
-            not self.worker_id or any(c in self.worker_id for c in ". *>")
-        ):
-            raise ValueError(
-                f"worker_id {self.worker_id!r} must be a non-empty NATS subject token "
-                "(no '.', ' ', '*', '>')"
-            )
+        check_worker_id(self.worker_id)
         if self.served_model_name == "":
             raise ValueError("served_model_name must not be empty (leave it unset for --model)")
         if self.max_model_len is not None and self.max_model_len < 2:
