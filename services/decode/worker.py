@@ -24,7 +24,6 @@ from shared.protocol import (
     PrefillDone,
     ReserveReply,
     ReserveRequest,
-    SamplingOptions,
     TokenEvent,
     encode,
     imm_slot,
@@ -34,12 +33,6 @@ from shared.transport.base import unpack_imm
 log = logs.get_logger(__name__)
 
 Publish = Callable[[str, bytes], Awaitable[None]]
-
-
-def sampling_params(o: SamplingOptions) -> SamplingParams:
-    """Wire options -> engine params (the wire's top_k -1 means disabled, the engine's 0)."""
-    return SamplingParams(o.max_tokens, o.temperature, max(o.top_k, 0), o.top_p, o.seed,
-                          o.stop_token_ids, o.stop, o.ignore_eos)  # fmt: skip
 
 
 def free_block_ranges(free_ids: Iterable[int]) -> tuple[tuple[int, int], ...]:
@@ -130,7 +123,7 @@ class DecodeWorker:
         if self.is_draining:
             return refuse(f"decode worker {self.worker_id} is draining")
         try:
-            params = sampling_params(req.sampling)
+            params = SamplingParams.from_wire(req.sampling)
         except ValueError as exc:
             return refuse(f"bad sampling options: {exc}")
         rid, prompt = req.request_id, list(req.prompt_ids)

@@ -31,7 +31,6 @@ from shared.protocol import (
     PrefillDone,
     PrefillJob,
     PrefillReport,
-    SamplingOptions,
     encode,
 )
 from shared.transport import Endpoint, MemoryRegion, TransportError, WriteEntry
@@ -41,12 +40,6 @@ log = logs.get_logger(__name__)
 Publish = Callable[[str, bytes], Awaitable[None]]
 Connect = Callable[[dict], Awaitable[Endpoint]]
 _STOP = None  # queue marker: the job was aborted or failed; no more chunks come
-
-
-def sampling_params(o: SamplingOptions) -> SamplingParams:
-    """Wire options -> engine params; the prefill only samples the first token."""
-    return SamplingParams(max_tokens=o.max_tokens, temperature=o.temperature,
-                          top_k=max(o.top_k, 0), top_p=o.top_p, seed=o.seed)  # fmt: skip
 
 
 @dataclass(eq=False)
@@ -154,7 +147,7 @@ class PrefillWorker:
                 msg.block_addrs,
                 msg.block_bytes,
             )
-            params = sampling_params(msg.sampling)
+            params = SamplingParams.from_wire(msg.sampling)
             endpoint = await self._connect(msg.descriptor)
         except (PlanError, TransportError, ValueError) as exc:
             log.warning("prefill job refused", request_id=rid, error=str(exc))

@@ -11,9 +11,12 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from shared.protocol import SamplingOptions
 
 
 class RequestError(ValueError):
@@ -69,6 +72,20 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @classmethod
+    def from_wire(cls, o: SamplingOptions) -> SamplingParams:
+        """From the NATS form (``protocol.SamplingOptions``), whose top_k -1 means disabled."""
+        return cls(
+            max_tokens=o.max_tokens,
+            temperature=o.temperature,
+            top_k=max(o.top_k, 0),
+            top_p=o.top_p,
+            seed=o.seed,
+            stop_token_ids=o.stop_token_ids,
+            stop=o.stop,
+            ignore_eos=o.ignore_eos,
+        )
 
 
 class SequenceStatus(enum.Enum):
