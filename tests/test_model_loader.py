@@ -180,3 +180,15 @@ def test_unsupported_dtype_argument_is_refused(pristine):
         ModelLoadError, match=r"load_model\(dtype=\.\.\.\): dtype torch\.float64 is not supported"
     ):
         load_model(str(pristine["llama"]), dtype=torch.float64)
+
+
+def test_config_and_tokenizer_load_without_weights_with_every_eos_id(tmp_path):
+    from shared.model import load_config_and_tokenizer
+
+    path = make_qwen2_checkpoint(tmp_path)
+    _, full_tokenizer = load_model(str(path))
+    for weights in path.glob("*.safetensors"):
+        weights.unlink()
+    config, tokenizer = load_config_and_tokenizer(str(path))
+    assert set(config.eos_token_ids) == {256, 258}  # config.json + generation_config.json
+    assert tokenizer.eos_token_ids == full_tokenizer.eos_token_ids

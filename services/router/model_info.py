@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
-from shared.model.config import ModelConfig, ModelConfigError
-from shared.model.tiny import TINY_NAME, tiny_config, tiny_tokenizer
-from shared.tokenizer import Tokenizer, TokenizerError
+from shared.model.loader import ModelLoadError, load_config_and_tokenizer
+from shared.tokenizer import Tokenizer
 
 
 class ModelInfoError(ValueError):
@@ -23,20 +21,10 @@ class ModelInfo:
 
 def load_model_info(name_or_path: str, served_name: str, max_model_len: int | None) -> ModelInfo:
     """Tokenizer and config of ``kvmesh-tiny`` or a local HF checkpoint (weights are not read)."""
-    if name_or_path == TINY_NAME:
-        config, tokenizer = tiny_config(), tiny_tokenizer()
-    else:
-        directory = Path(name_or_path)
-        if not (directory / "config.json").is_file():
-            raise ModelInfoError(
-                f"{directory}: no config.json; --model must be {TINY_NAME!r} or a local Hugging "
-                "Face checkpoint directory"
-            )
-        try:
-            config = ModelConfig.from_file(directory / "config.json")
-            tokenizer = Tokenizer.from_pretrained(directory, config.eos_token_ids)
-        except (ModelConfigError, TokenizerError) as exc:
-            raise ModelInfoError(str(exc)) from None
+    try:
+        config, tokenizer = load_config_and_tokenizer(name_or_path)
+    except ModelLoadError as exc:
+        raise ModelInfoError(str(exc)) from None
     context = config.max_position_embeddings
     if max_model_len is not None:
         if max_model_len > context:

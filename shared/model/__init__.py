@@ -2,7 +2,7 @@
 
 from shared.model.config import ModelConfig, ModelConfigError
 from shared.model.llama import Transformer, kv_cache_spec
-from shared.model.loader import ModelLoadError, load_model
+from shared.model.loader import ModelLoadError, load_config_and_tokenizer, load_model
 from shared.model.tiny import TINY_NAME
 
 __all__ = [
@@ -12,5 +12,6 @@ __all__ = [
     "ModelLoadError",
     "Transformer",
     "kv_cache_spec",
+    "load_config_and_tokenizer",
     "load_model",
 ]

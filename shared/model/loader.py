@@ -50,10 +50,10 @@ def load_model(
         except ModelConfigError as e:
             raise ModelLoadError(str(e)) from None
     if name_or_path == TINY_NAME:
-        config = tiny_config(dtype or torch.float32)
+        config, tokenizer = load_config_and_tokenizer(TINY_NAME, dtype)
         weights = _tiny_weights()
         model = build_model(config, weights.__getitem__, weights.keys(), TINY_NAME, device)
-        return model, tiny_tokenizer()
+        return model, tokenizer
     return _load_hf_checkpoint(Path(name_or_path), dtype, device)
 
 
@@ -167,9 +167,14 @@ def _is_harmless_extra(name: str, config: ModelConfig) -> bool:
     )
 
 
-def _load_hf_checkpoint(
-    directory: Path, dtype: torch.dtype | None, device: str | torch.device
-) -> tuple[Transformer, Tokenizer]:
+def load_config_and_tokenizer(
+    name_or_path: str = TINY_NAME, dtype: torch.dtype | None = None
+) -> tuple[ModelConfig, Tokenizer]:
+    """The model's config and tokenizer without reading any weights (what the router needs).
+    EOS ids merge config.json, generation_config.json and the tokenizer's own."""
+    if name_or_path == TINY_NAME:
+        return tiny_config(dtype or torch.float32), tiny_tokenizer()
+    directory = Path(name_or_path)
     if not directory.is_dir():
         raise ModelLoadError(
             f"{directory}: no such checkpoint directory; kvmesh loads only local Hugging Face checkpoints "
@@ -202,6 +207,13 @@ def _load_hf_checkpoint(
         if config.bos_token_id is not None
         else tokenizer.bos_token_id,
     )
+    return config, tokenizer
+
+
+def _load_hf_checkpoint(
+    directory: Path, dtype: torch.dtype | None, device: str | torch.device
+) -> tuple[Transformer, Tokenizer]:
+    config, tokenizer = load_config_and_tokenizer(str(directory), dtype)
     shards = _weight_files(directory)
     with ExitStack() as stack:
         where: dict[str, object] = {}
