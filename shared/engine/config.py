@@ -13,7 +13,8 @@ DEFAULT_KV_CACHE_BYTES = 256 * 1024 * 1024
 class EngineConfig:
     """``num_blocks`` sizes the KV pool directly; otherwise ``kv_cache_bytes`` (default 256 MiB)
     is divided by the block size in bytes. ``max_model_len`` defaults to the model's
-    ``max_position_embeddings``. ``dtype`` is the KV cache dtype (default: the model's)."""
+    ``max_position_embeddings``. ``dtype`` is the KV cache dtype (default: the model's). ``cpu_kernels``: see
+    kernels/cpu_ops.py."""
 
     block_size: int = 16
     num_blocks: int | None = None
@@ -25,6 +26,9 @@ class EngineConfig:
     device: str = "cpu"
     dtype: torch.dtype | None = None
     seed: int | None = None  # noise for unseeded sampling
+    # float32 decode on the CPU through the C kernels of kernels/cpu_ops.c, when a C compiler
+    # can build them (otherwise, or with False, the pure-torch path)
+    cpu_kernels: bool = True
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):

@@ -106,7 +106,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
         )
-        self.runner = ModelRunner(model, self.kv_pool, config.device)
+        self.runner = ModelRunner(model, self.kv_pool, config.device, config.cpu_kernels)
         self.sampler = Sampler(config.seed)
         eos = set(getattr(mc, "eos_token_ids", ()) or ())
         eos |= set(getattr(tokenizer, "eos_token_ids", ()) or ())

@@ -15,15 +15,29 @@ import torch
 from shared.engine.attention import AttentionMetadata
 from shared.engine.kv_cache import KVPool
 from shared.engine.sequence import Sequence
+from shared.model.llama import attach_cpu_ops
 
 
 class ModelRunner:
-    def __init__(self, model: Any, kv_pool: KVPool, device: str | torch.device = "cpu") -> None:
+    def __init__(
+        self,
+        model: Any,
+        kv_pool: KVPool,
+        device: str | torch.device = "cpu",
+        cpu_kernels: bool = True,
+    ) -> None:
         self.model = model
         self.kv_pool = kv_pool
         self.block_size = kv_pool.spec.block_size
         self.device = torch.device(device)
         self.use_triton = self.device.type == "cuda"
+        ops = None
+        if cpu_kernels and self.device.type == "cpu":
+            from kernels.cpu_ops import load_cpu_ops
+
+            ops = load_cpu_ops()
+        attach_cpu_ops(model, ops)  # None also undoes an earlier engine's choice
+        self.cpu_ops = ops
 
     def prepare(
         self, seqs: list[Sequence], num_new_tokens: list[int]

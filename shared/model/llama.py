@@ -3,9 +3,15 @@
 Tokens arrive packed over the batch: ``input_ids`` and ``positions`` are (T,), and every layer
 writes its new K/V into ``kv_pool.layer(i)`` and attends through ``paged_attention``. q/k/v share one
 projection and gate/up share another (fused at load time); on CPU the fewer, larger matmuls matter.
+
+``attach_cpu_ops`` routes float32 decode-sized work on the CPU through the fused C kernels of
+``kernels/cpu_ops.c`` (RMSNorm, SiLU-and-multiply, and rotary + KV store + attention in one call);
+without them every module runs the pure-torch code below.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -15,6 +21,14 @@ from shared.engine.attention import AttentionMetadata, paged_attention
 from shared.engine.kv_cache import KVCacheSpec, KVPool
 from shared.model.config import ModelConfig
 from shared.model.rope import apply_rope, rope_cos_sin, rotation_tables
+
+if TYPE_CHECKING:
+    from kernels.cpu_ops import CpuOps
+
+# Row counts up to which the C kernels take RMSNorm and SiLU-and-multiply: they save torch's
+# per-op dispatch, which dominates at decode sizes; larger (prefill) tensors stay with torch,
+# which may spread them over several threads.
+CPU_OPS_MAX_ROWS = 256
 
 
 def kv_cache_spec(
@@ -35,8 +49,18 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.cpu_ops: CpuOps | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ops = self.cpu_ops
+        if (
+            ops is not None
+            and x.dtype == torch.float32
+            and x.dim() == 2
+            and x.shape[0] <= CPU_OPS_MAX_ROWS
+            and x.is_contiguous()
+        ):
+            return ops.rms_norm(x, self.weight, self.eps)
         # Normalise in float32, scale in the model dtype (as the reference does). In-place where
         # the tensor is our own: at prefill sizes each fresh allocation costs page faults.
         h = x.float()
@@ -68,6 +92,7 @@ class Attention(nn.Module):
             config.hidden_size, self.q_size + 2 * config.kv_size, bias=config.attention_bias
         )
         self.wo = Linear(self.q_size, config.hidden_size, bias=config.attention_out_bias)
+        self.cpu_ops: CpuOps | None = None
 
     def forward(
         self,
@@ -80,9 +105,28 @@ class Attention(nn.Module):
         T = x.shape[0]
         H_q, H_kv = self.num_heads, self.num_kv_heads
         qkv = self.wqkv(x).view(T, H_q + 2 * H_kv, self.head_dim)
+        k_cache, v_cache = kv_pool.layer(self.layer_idx)
+        ops = self.cpu_ops
+        if (
+            ops is not None
+            and qkv.dtype == k_cache.dtype == torch.float32
+            and meta.is_decode_only
+            and not meta.use_triton
+        ):
+            out = ops.decode_attention(
+                qkv,
+                cos,
+                sin,
+                k_cache,
+                v_cache,
+                meta.block_tables,
+                meta.context_lens,
+                H_q,
+                self.scale,
+            )
+            return self.wo(out.view(T, self.q_size))
         qk = apply_rope(qkv[:, : H_q + H_kv], cos, sin)  # q and k heads rotated in one go
         q, k, v = qk[:, :H_q], qk[:, H_q:], qkv[:, H_q + H_kv :]  # (T, H_q, D), (T, H_kv, D) x 2
-        k_cache, v_cache = kv_pool.layer(self.layer_idx)
         out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)  # (T, H_q, D)
         return self.wo(out.reshape(T, self.q_size))
 
@@ -95,9 +139,19 @@ class FeedForward(nn.Module):
             config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias
         )
         self.w_down = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.cpu_ops: CpuOps | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w_gate_up(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.w_gate_up(x)
+        ops = self.cpu_ops
+        if (
+            ops is not None
+            and gate_up.dtype == torch.float32
+            and gate_up.dim() == 2
+            and gate_up.shape[0] <= CPU_OPS_MAX_ROWS
+        ):
+            return self.w_down(ops.silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.w_down(F.silu(gate).mul_(up))
 
 
@@ -180,3 +234,11 @@ class Transformer(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, hidden_size) -> (N, vocab_size) float32."""
         return F.linear(hidden, self.lm_head_weight).float()
+
+
+def attach_cpu_ops(model: Transformer, ops: CpuOps | None) -> None:
+    """Route the float32 decode-sized work of every layer through ``ops``; None restores the
+    pure-torch path. Each module still checks dtype and shape on every call and falls back."""
+    for module in model.modules():
+        if isinstance(module, (RMSNorm, Attention, FeedForward)):
+            module.cpu_ops = ops

@@ -1,0 +1,256 @@
+/* CPU kernels for kvmesh's float32 decode path, loaded through ctypes (kernels/cpu_ops.py).
+ *
+ * Why C: a decode step of a small model on one core is dominated not by its matmuls but by the
+ * ~40 small torch ops per layer around them (each 3-10 us of dispatch) and by the paged-KV gather,
+ * which copies every key and value once more before attention reads them. These kernels fuse the
+ * elementwise work and read K/V straight from the pool's blocks.
+ *
+ * Built with -ffp-contract=off so that every multiply and add rounds as torch's elementwise ops
+ * do (the rotary embedding then matches transformers bit for bit). Vectors are GCC vector
+ * extensions: the same source compiles to AVX-512, AVX2 or SSE, whatever -march allows.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define LANES 16
+typedef float vf __attribute__((vector_size(LANES * sizeof(float))));
+typedef int32_t vi __attribute__((vector_size(LANES * sizeof(int32_t))));
+
+static inline vf load(const float *p) {
+    vf v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void store(float *p, vf v) { memcpy(p, &v, sizeof v); }
+
+static inline vf splat(float x) { return (vf){0} + x; }
+
+/* mask ? a : b, lane by lane; mask lanes are all ones or all zeros (a vector comparison). */
+static inline vf blend(vi mask, vf a, vf b) { return (vf)((mask & (vi)a) | (~mask & (vi)b)); }
+
+/* Sum of the lanes as a tree of halves (4 shuffle+add levels, not 15 dependent adds). */
+static inline float hsum(vf v) {
+    v += __builtin_shuffle(v, (vi){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+    v += __builtin_shuffle(v, (vi){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
+    v += __builtin_shuffle(v, (vi){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+    v += __builtin_shuffle(v, (vi){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+    return v[0];
+}
+
+/* exp(x) for x in [-87.3, 88.7] (clamped outside): Cephes' expf, range reduction by ln 2 split
+ * in two, a degree-5 polynomial, the exponent put in by integer arithmetic. Within 2 ulp. */
+static inline vf vexp(vf x) {
+    x = blend(x < splat(-87.33f), splat(-87.33f), x);
+    x = blend(x > splat(88.72f), splat(88.72f), x);
+    vf fx = x * splat(1.44269504088896341f) + splat(0.5f);
+    vi n = __builtin_convertvector(fx, vi);
+    vf fn = __builtin_convertvector(n, vf);
+    n += fn > fx; /* floor: the comparison is -1 where truncation rounded up */
+    fn = __builtin_convertvector(n, vf);
+    vf r = x - fn * splat(0.693359375f) + fn * splat(2.12194440e-4f);
+    vf p = splat(1.9875691500e-4f);
+    p = p * r + splat(1.3981999507e-3f);
+    p = p * r + splat(8.3334519073e-3f);
+    p = p * r + splat(4.1665795894e-2f);
+    p = p * r + splat(1.6666665459e-1f);
+    p = p * r + splat(5.0000001201e-1f);
+    p = p * (r * r) + r + splat(1.0f);
+    vi bits = (n + 127) << 23;
+    vf two_n;
+    memcpy(&two_n, &bits, sizeof two_n);
+    return p * two_n;
+}
+
+static inline float sexp(float x) {
+    vf v = vexp(splat(x));
+    return v[0];
+}
+
+/* out[t] = x[t] * rsqrt(mean(x[t]^2) + eps) * w, rows of n floats. */
+void kv_rms_norm(const float *x, const float *w, float *out, int64_t rows, int64_t n, float eps) {
+    for (int64_t t = 0; t < rows; t++) {
+        const float *xr = x + t * n;
+        float *o = out + t * n;
+        vf acc = {0};
+        int64_t i = 0;
+        for (; i + LANES <= n; i += LANES) {
+            vf v = load(xr + i);
+            acc += v * v;
+        }
+        float ss = hsum(acc);
+        for (; i < n; i++) ss += xr[i] * xr[i];
+        float inv = 1.0f / sqrtf(ss / (float)n + eps);
+        vf vinv = splat(inv);
+        for (i = 0; i + LANES <= n; i += LANES) store(o + i, load(xr + i) * vinv * load(w + i));
+        for (; i < n; i++) o[i] = xr[i] * inv * w[i];
+    }
+}
+
+/* gate_up: (rows, 2 * n) = [gate | up] -> out: (rows, n) = silu(gate) * up. */
+void kv_silu_mul(const float *gate_up, float *out, int64_t rows, int64_t n) {
+    for (int64_t t = 0; t < rows; t++) {
+        const float *g = gate_up + t * 2 * n;
+        const float *u = g + n;
+        float *o = out + t * n;
+        int64_t i = 0;
+        for (; i + LANES <= n; i += LANES) {
+            vf gv = load(g + i);
+            store(o + i, gv / (splat(1.0f) + vexp(-gv)) * load(u + i));
+        }
+        for (; i < n; i++) o[i] = g[i] / (1.0f + sexp(-g[i])) * u[i];
+    }
+}
+
+/* Rotate one head in place by rows of the rotation tables: x * cos + roll(x, d/2) * sin, where
+ * cos = cat(cos, cos) and sin = cat(-sin, sin) (shared/model/rope.py). */
+static void rope_head(float *x, const float *cos, const float *sin, int64_t d) {
+    float rolled[d];
+    int64_t half = d / 2;
+    memcpy(rolled, x + half, half * sizeof(float));
+    memcpy(rolled + half, x, half * sizeof(float));
+    for (int64_t i = 0; i < d; i++) {
+        float a = rolled[i] * sin[i];
+        float b = x[i] * cos[i];
+        x[i] = a + b;
+    }
+}
+
+/* Attention of one KV head's query group over one sequence's context: scores into scratch
+ * (group rows of ctx), softmax, then the weighted sum of values into out (group rows of d).
+ * Always inlined with d a constant where it is a common head size, so that the loops over d
+ * unroll and the accumulators live in registers. */
+static inline __attribute__((always_inline)) void attend(
+    const float *q, const float *k_cache, const float *v_cache, const int64_t *table,
+    int64_t block_stride, int64_t block_size, int64_t ctx, int64_t group, int64_t d, float scale,
+    float *scratch, float *out) {
+    for (int64_t j0 = 0; j0 < ctx; j0 += block_size) {
+        const float *tile = k_cache + table[j0 / block_size] * block_stride;
+        int64_t n = ctx - j0 < block_size ? ctx - j0 : block_size;
+        for (int64_t j = 0; j < n; j++) {
+            const float *kj = tile + j * d;
+            for (int64_t g = 0; g < group; g++) {
+                const float *qg = q + g * d;
+                vf acc = {0};
+                int64_t i = 0;
+                for (; i + LANES <= d; i += LANES) acc += load(qg + i) * load(kj + i);
+                float dot = hsum(acc);
+                for (; i < d; i++) dot += qg[i] * kj[i];
+                scratch[g * ctx + j0 + j] = dot * scale;
+            }
+        }
+    }
+    for (int64_t g = 0; g < group; g++) {
+        float *s = scratch + g * ctx;
+        float m = s[0];
+        for (int64_t j = 1; j < ctx; j++) m = s[j] > m ? s[j] : m;
+        vf vsum = {0};
+        int64_t j = 0;
+        for (; j + LANES <= ctx; j += LANES) {
+            vf e = vexp(load(s + j) - m);
+            store(s + j, e);
+            vsum += e;
+        }
+        float sum = hsum(vsum);
+        for (; j < ctx; j++) {
+            s[j] = sexp(s[j] - m);
+            sum += s[j];
+        }
+        float inv = 1.0f / sum;
+        for (j = 0; j < ctx; j++) s[j] *= inv;
+    }
+    /* out_g = sum_j p_gj v_j: the whole row of d in registers across the keys */
+    enum { MAX_CHUNKS = 8 }; /* d up to 128 in registers; wider heads take slices of it */
+    for (int64_t g = 0; g < group; g++) {
+        const float *p = scratch + g * ctx;
+        float *o = out + g * d;
+        for (int64_t i0 = 0; i0 < d; i0 += MAX_CHUNKS * LANES) {
+            int64_t width = d - i0 < MAX_CHUNKS * LANES ? d - i0 : MAX_CHUNKS * LANES;
+            int64_t chunks = width / LANES;
+            vf acc[MAX_CHUNKS] = {{0}};
+            float tail[LANES] = {0};
+            for (int64_t j0 = 0; j0 < ctx; j0 += block_size) {
+                const float *tile = v_cache + table[j0 / block_size] * block_stride + i0;
+                int64_t n = ctx - j0 < block_size ? ctx - j0 : block_size;
+                for (int64_t j = 0; j < n; j++) {
+                    float pj = p[j0 + j];
+                    const float *vj = tile + j * d;
+                    for (int64_t c = 0; c < chunks; c++) acc[c] += pj * load(vj + c * LANES);
+                    for (int64_t i = chunks * LANES; i < width; i++) tail[i - chunks * LANES] += pj * vj[i];
+                }
+            }
+            for (int64_t c = 0; c < chunks; c++) store(o + i0 + c * LANES, acc[c]);
+            for (int64_t i = chunks * LANES; i < width; i++) o[i0 + i] = tail[i - chunks * LANES];
+        }
+    }
+}
+
+/* Ask for one KV head's K and V tiles of a sequence ahead of use: they come from DRAM (a decode
+ * step reads every layer's KV once, more than the caches hold), and each tile is a fresh stream
+ * that the hardware prefetchers would pick up only after a few misses. */
+static void prefetch_context(const float *k_cache, const float *v_cache, const int64_t *table,
+                             int64_t block_stride, int64_t block_size, int64_t ctx, int64_t d) {
+    for (int64_t j0 = 0; j0 < ctx; j0 += block_size) {
+        int64_t tile = table[j0 / block_size] * block_stride;
+        int64_t n = (ctx - j0 < block_size ? ctx - j0 : block_size) * d;
+        for (int64_t i = 0; i < n; i += 64 / sizeof(float)) {
+            __builtin_prefetch(k_cache + tile + i, 0, 2);
+            __builtin_prefetch(v_cache + tile + i, 0, 2);
+        }
+    }
+}
+
+/* One decode step of attention for a batch of sequences, one new token each.
+ *
+ * qkv: (batch, num_q_heads + 2 * num_kv_heads, d) projections of the new tokens; q and k are
+ *      rotated in place by rope_cos, rope_sin: (batch, d), the rotation-table rows of each
+ *      token's position.
+ * k_cache, v_cache: this layer's first K and V tile; the tile of (block b, KV head h) starts
+ *      b * block_stride + h * head_stride floats further on and holds block_size rows of d.
+ * block_tables: (batch, table_width); context_lens: (batch,), counting the new token, which sits
+ *      at position context_len - 1 and is written into its slot before attention reads it.
+ * out: (batch, num_q_heads, d). Query head j attends with KV head j / (num_q_heads / num_kv_heads)
+ *      (transformers' repeat_kv order). scratch: at least max(context_lens) * group floats.
+ */
+void kv_decode_attention(float *qkv, int64_t batch, int64_t num_q_heads, int64_t num_kv_heads,
+                         int64_t d, const float *rope_cos, const float *rope_sin, float *k_cache,
+                         float *v_cache, int64_t block_stride, int64_t head_stride,
+                         int64_t block_size, const int64_t *block_tables, int64_t table_width,
+                         const int64_t *context_lens, float scale, float *out, float *scratch) {
+    int64_t group = num_q_heads / num_kv_heads;
+    int64_t row = (num_q_heads + 2 * num_kv_heads) * d;
+    for (int64_t b = 0; b < batch; b++) {
+        float *q = qkv + b * row;
+        float *k = q + num_q_heads * d;
+        float *v = k + num_kv_heads * d;
+        int64_t ctx = context_lens[b];
+        int64_t pos = ctx - 1;
+        const int64_t *table = block_tables + b * table_width;
+        for (int64_t h = 0; h < num_q_heads + num_kv_heads; h++)
+            rope_head(q + h * d, rope_cos + b * d, rope_sin + b * d, d);
+        int64_t slot = table[pos / block_size] * block_stride + (pos % block_size) * d;
+        for (int64_t h = 0; h < num_kv_heads; h++) {
+            memcpy(k_cache + slot + h * head_stride, k + h * d, d * sizeof(float));
+            memcpy(v_cache + slot + h * head_stride, v + h * d, d * sizeof(float));
+        }
+        for (int64_t h = 0; h < num_kv_heads; h++) {
+            /* the next (sequence, KV head) pair's tiles, while this one computes */
+            int64_t nb = h + 1 < num_kv_heads ? b : b + 1, nh = h + 1 < num_kv_heads ? h + 1 : 0;
+            if (nb < batch)
+                prefetch_context(k_cache + nh * head_stride, v_cache + nh * head_stride,
+                                 block_tables + nb * table_width, block_stride, block_size,
+                                 context_lens[nb], d);
+            const float *qh = q + h * group * d;
+            const float *kh = k_cache + h * head_stride, *vh = v_cache + h * head_stride;
+            float *oh = out + (b * num_q_heads + h * group) * d;
+            if (d == 64)
+                attend(qh, kh, vh, table, block_stride, block_size, ctx, group, 64, scale, scratch, oh);
+            else if (d == 128)
+                attend(qh, kh, vh, table, block_stride, block_size, ctx, group, 128, scale, scratch, oh);
+            else
+                attend(qh, kh, vh, table, block_stride, block_size, ctx, group, d, scale, scratch, oh);
+        }
+    }
+}

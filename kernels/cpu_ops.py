@@ -1,0 +1,209 @@
+"""The float32 CPU decode kernels of ``cpu_ops.c``, built with the system C compiler and called
+through ctypes.
+
+``load_cpu_ops()`` compiles the source once per machine (``-O3 -march=native``) into a cache
+folder (``$KVMESH_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvmesh``, else ``~/.cache/kvmesh``), keyed
+by a hash of the source, the flags and the CPU's feature flags, and returns a ``CpuOps``; with no
+compiler it returns None and says why in the log, and the engine keeps its pure-torch path.
+Each wrapper checks shapes, strides and dtypes; ``*_reference`` are the torch definitions the
+tests hold the kernels to.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import structlog
+import torch
+import torch.nn.functional as F
+
+SOURCE = Path(__file__).with_name("cpu_ops.c")
+CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-std=gnu11")
+
+_i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+_SIGNATURES = {
+    "kv_rms_norm": (_ptr, _ptr, _ptr, _i64, _i64, _f32),
+    "kv_silu_mul": (_ptr, _ptr, _i64, _i64),
+    # qkv, batch, heads, kv heads, d, cos, sin, k, v, strides, block size, tables, width,
+    # context lens, scale, out, scratch
+    "kv_decode_attention": (
+        *(_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr),
+        *(_i64, _i64, _i64, _ptr, _i64, _ptr, _f32, _ptr, _ptr),
+    ),
+}
+
+
+class CpuOpsBuildError(RuntimeError):
+    """The C compiler is missing or failed; the message has its output."""
+
+
+def cache_dir() -> Path:
+    if os.environ.get("KVMESH_CACHE_DIR"):
+        return Path(os.environ["KVMESH_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "kvmesh"
+
+
+def _cpu_fingerprint() -> str:
+    """The CPU feature flags -march=native compiles for (empty where /proc/cpuinfo is absent)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    return next((line for line in text.splitlines() if line.startswith("flags")), "")
+
+
+def build(directory: Path | None = None, compiler: str | None = None) -> Path:
+    """Compile ``cpu_ops.c`` unless the cache has it; returns the shared library's path."""
+    cc = compiler or os.environ.get("CC") or "cc"
+    if shutil.which(cc) is None:
+        raise CpuOpsBuildError(f"no C compiler {cc!r} on PATH (install gcc, or set CC)")
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(
+        source + " ".join(CFLAGS).encode() + cc.encode() + _cpu_fingerprint().encode()
+    ).hexdigest()[:16]
+    directory = directory or cache_dir()
+    target = directory / f"kvmesh_cpu_ops-{key}.so"
+    if target.exists():
+        return target
+    directory.mkdir(parents=True, exist_ok=True)
+    # Several processes may build at once: each compiles to its own name, then renames.
+    fd, tmp = tempfile.mkstemp(prefix=target.name, suffix=".tmp", dir=directory)
+    os.close(fd)
+    try:
+        result = subprocess.run(
+            [cc, *CFLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True
+        )
+        if result.returncode != 0:
+            raise CpuOpsBuildError(f"{cc} failed on {SOURCE}:\n{result.stderr.strip()}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+class CpuOps:
+    """Bound kernels of one loaded library."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        lib = ctypes.CDLL(str(path))
+        for name, argtypes in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, None
+        self._rms_norm = lib.kv_rms_norm
+        self._silu_mul = lib.kv_silu_mul
+        self._decode_attention = lib.kv_decode_attention
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """x: (rows, n) float32 contiguous; weight: (n,). A new (rows, n) tensor."""
+        _check_f32_contiguous(x=x, weight=weight)
+        assert x.dim() == 2 and weight.shape == (x.shape[1],), (x.shape, weight.shape)
+        out = torch.empty_like(x)
+        self._rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), *x.shape, eps)
+        return out
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up: (rows, 2n) = [gate | up] float32 contiguous. Returns silu(gate) * up, (rows, n)."""
+        _check_f32_contiguous(gate_up=gate_up)
+        assert gate_up.dim() == 2 and gate_up.shape[1] % 2 == 0, gate_up.shape
+        rows, n = gate_up.shape[0], gate_up.shape[1] // 2
+        out = gate_up.new_empty(rows, n)
+        self._silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, n)
+        return out
+
+    def decode_attention(
+        self,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        num_q_heads: int,
+        scale: float,
+    ) -> torch.Tensor:
+        """One new token per sequence: rotate q and k of ``qkv`` in place, store k and v in their
+        slots, attend over each sequence's context. Returns (batch, num_q_heads, head_dim).
+
+        qkv: (batch, num_q_heads + 2 * H_kv, D); cos, sin: (batch, 1, D) rotation-table rows of
+        each token's position; k_cache, v_cache: (num_blocks, block_size, H_kv, D) per-layer views
+        of the pool (``KVPool.layer``); block_tables: (batch, width) int64; context_lens: (batch,)
+        int64 including the new token.
+        """
+        _check_f32_contiguous(qkv=qkv, cos=cos, sin=sin)
+        batch, num_heads, d = qkv.shape
+        _, block_size, num_kv_heads, kd = k_cache.shape
+        assert num_heads == num_q_heads + 2 * num_kv_heads and kd == d, (qkv.shape, k_cache.shape)
+        assert num_q_heads % num_kv_heads == 0, (num_q_heads, num_kv_heads)
+        assert cos.shape == sin.shape == (batch, 1, d), (cos.shape, sin.shape)
+        for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+            assert cache.dtype == torch.float32 and cache.device.type == "cpu", (name, cache.dtype)
+            assert cache.shape == k_cache.shape, (name, cache.shape)
+            assert cache.stride(1) == d and cache.stride(3) == 1, (name, cache.stride())
+            assert cache.stride() == k_cache.stride(), (name, cache.stride(), k_cache.stride())
+        for name, t in (("block_tables", block_tables), ("context_lens", context_lens)):
+            assert t.dtype == torch.int64 and t.is_contiguous() and t.device.type == "cpu", name
+        assert block_tables.dim() == 2 and block_tables.shape[0] == batch, block_tables.shape
+        assert context_lens.shape == (batch,), context_lens.shape
+        width = block_tables.shape[1]
+        group = num_q_heads // num_kv_heads
+        out = qkv.new_empty(batch, num_q_heads, d)
+        scratch = qkv.new_empty(width * block_size * group)
+        self._decode_attention(
+            qkv.data_ptr(),
+            batch,
+            num_q_heads,
+            num_kv_heads,
+            d,
+            cos.data_ptr(),
+            sin.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            k_cache.stride(0),
+            k_cache.stride(2),
+            block_size,
+            block_tables.data_ptr(),
+            width,
+            context_lens.data_ptr(),
+            scale,
+            out.data_ptr(),
+            scratch.data_ptr(),
+        )
+        return out
+
+
+def _check_f32_contiguous(**tensors: torch.Tensor) -> None:
+    for name, t in tensors.items():
+        assert t.dtype == torch.float32, f"{name} must be float32, got {t.dtype}"
+        assert t.device.type == "cpu" and t.is_contiguous(), f"{name} must be contiguous on CPU"
+
+
+@functools.cache
+def load_cpu_ops() -> CpuOps | None:
+    """The process's CpuOps, built on first use; None (logged once) when it cannot be built."""
+    try:
+        return CpuOps(build())
+    except (CpuOpsBuildError, OSError) as exc:
+        structlog.get_logger("kvmesh.kernels").warning(
+            "cpu_ops_unavailable", reason=str(exc), fallback="torch decode path"
+        )
+        return None
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * x.square().mean(-1, keepdim=True).add(eps).rsqrt() * weight
+
+
+def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up

@@ -1,0 +1,142 @@
+"""kernels/cpu_ops.c against the torch definitions it replaces on the float32 CPU decode path."""
+
+import pytest
+import torch
+
+from kernels.cpu_ops import (
+    CpuOpsBuildError,
+    build,
+    load_cpu_ops,
+    rms_norm_reference,
+    silu_mul_reference,
+)
+from shared.engine.attention import AttentionMetadata, paged_attention
+from shared.engine.config import EngineConfig
+from shared.engine.kv_cache import KVCacheSpec, KVPool
+from shared.engine.llm_engine import LLMEngine
+from shared.engine.sequence import SamplingParams
+from shared.model import load_model
+from shared.model.rope import apply_rope
+
+
+@pytest.fixture(scope="module")
+def ops():
+    ops = load_cpu_ops()
+    assert ops is not None, "gcc is part of the test machine; the C kernels must build"
+    return ops
+
+
+@pytest.mark.parametrize("shape", [(1, 256), (7, 100), (33, 17)])
+def test_rms_norm_matches_reference(ops, shape):
+    torch.manual_seed(0)
+    x, w = torch.randn(shape) * 3, torch.randn(shape[1])
+    torch.testing.assert_close(ops.rms_norm(x, w, 1e-5), rms_norm_reference(x, w, 1e-5))
+
+
+@pytest.mark.parametrize("shape", [(1, 2 * 768), (5, 2 * 37)])
+def test_silu_mul_matches_reference_over_the_whole_range(ops, shape):
+    torch.manual_seed(0)
+    gate_up = torch.randn(shape) * 30  # exp far into both tails
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])
+    torch.testing.assert_close(ops.silu_mul(gate_up), silu_mul_reference(gate_up))
+
+
+def test_wrappers_refuse_wrong_dtype_and_layout(ops):
+    with pytest.raises(AssertionError, match="float32"):
+        ops.rms_norm(torch.randn(2, 8, dtype=torch.bfloat16), torch.randn(8), 1e-5)
+    with pytest.raises(AssertionError, match="contiguous"):
+        ops.silu_mul(torch.randn(16, 4).t())
+
+
+def _decode_case(num_q_heads, num_kv_heads, head_dim, context_lens, block_size=16, seed=0):
+    """A pool holding earlier tokens of each sequence, and a decode step's inputs."""
+    g = torch.Generator().manual_seed(seed)
+    spec = KVCacheSpec(
+        num_layers=3, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size
+    )
+    width = max(-(-c // block_size) for c in context_lens)
+    num_blocks = len(context_lens) * width + 3
+    pool = KVPool(spec, num_blocks)
+    pool.tensor.copy_(torch.randn(pool.tensor.shape, generator=g))
+    ids = torch.randperm(num_blocks, generator=g)[: len(context_lens) * width]
+    tables = ids.view(len(context_lens), width).contiguous()
+    B = len(context_lens)
+    qkv = torch.randn(B, num_q_heads + 2 * num_kv_heads, head_dim, generator=g)
+    angles = torch.rand(B, 1, head_dim // 2, generator=g) * 6
+    cos = torch.cat([angles.cos()] * 2, -1)
+    sin = torch.cat([-angles.sin(), angles.sin()], -1)
+    return pool, tables, torch.tensor(context_lens), qkv, cos, sin
+
+
+@pytest.mark.parametrize(
+    "num_q_heads,num_kv_heads,head_dim,context_lens",
+    [
+        (4, 2, 64, [1, 15, 16, 17, 100]),  # kvmesh-tiny's shape; block edges
+        (8, 1, 128, [40, 3]),  # a group of 8
+        (3, 3, 80, [33]),  # no grouping, a head size the kernel does not specialise
+        (2, 1, 40, [18, 64]),  # head size with a partial vector
+    ],
+)
+def test_decode_attention_matches_torch_path(
+    ops, num_q_heads, num_kv_heads, head_dim, context_lens
+):
+    pool, tables, ctx, qkv, cos, sin = _decode_case(
+        num_q_heads, num_kv_heads, head_dim, context_lens
+    )
+    layer = 1
+    ref_pool = KVPool(pool.spec, pool.num_blocks)
+    ref_pool.tensor.copy_(pool.tensor)
+    # torch path: rotate q and k, store k and v, attend
+    H = num_q_heads
+    qk = apply_rope(qkv[:, : H + num_kv_heads], cos, sin)
+    q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + num_kv_heads :]
+    pos = ctx - 1
+    slots = tables.gather(1, (pos // 16)[:, None]).squeeze(1) * 16 + pos % 16
+    meta = AttentionMetadata(slots, [1] * len(context_lens), ctx, tables, 16)
+    scale = head_dim**-0.5
+    expected = paged_attention(q, k, v, *ref_pool.layer(layer), meta, scale)
+
+    out = ops.decode_attention(qkv, cos, sin, *pool.layer(layer), tables, ctx, H, scale)
+    torch.testing.assert_close(out, expected, rtol=2e-5, atol=2e-5)
+    # the rotary embedding is bit for bit torch's, and so is every stored key and value
+    assert torch.equal(qkv[:, :H], q)
+    assert torch.equal(pool.tensor, ref_pool.tensor)
+
+
+def test_decode_attention_refuses_mismatched_cache(ops):
+    pool, tables, ctx, qkv, cos, sin = _decode_case(4, 2, 64, [5])
+    k_cache, v_cache = pool.layer(0)
+    with pytest.raises(AssertionError):
+        ops.decode_attention(qkv, cos, sin, k_cache, v_cache[:, :, :1], tables, ctx, 4, 0.1)
+    with pytest.raises(AssertionError):  # 3 query heads do not split over 2 KV heads
+        ops.decode_attention(qkv[:, 1:], cos, sin, k_cache, v_cache, tables, ctx, 3, 0.1)
+
+
+def test_build_without_a_compiler_says_what_is_missing(tmp_path):
+    with pytest.raises(CpuOpsBuildError, match="no C compiler 'no-such-cc'"):
+        build(tmp_path, compiler="no-such-cc")
+
+
+def test_load_without_a_compiler_falls_back_to_none(monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", "no-such-cc")
+    monkeypatch.setenv("KVMESH_CACHE_DIR", str(tmp_path))
+    assert load_cpu_ops.__wrapped__() is None
+
+
+def test_build_is_cached_by_source_and_machine(tmp_path):
+    first = build(tmp_path)
+    mtime = first.stat().st_mtime_ns
+    assert build(tmp_path) == first and first.stat().st_mtime_ns == mtime
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary left behind
+
+
+def test_engine_gives_the_same_tokens_with_and_without_cpu_kernels():
+    model, tok = load_model("kvmesh-tiny")
+    prompts = [list(range(3, 3 + n)) for n in (5, 40, 17, 90)]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, detokenize=False)
+    outputs = []
+    for cpu_kernels in (True, False):
+        engine = LLMEngine(model, tok, EngineConfig(num_blocks=64, cpu_kernels=cpu_kernels))
+        assert (engine.runner.cpu_ops is not None) == cpu_kernels
+        outputs.append(engine.generate(prompts, params))
+    assert outputs[0] == outputs[1]
