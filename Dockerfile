@@ -8,6 +8,11 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 WORKDIR /app
 
+# gcc builds kernels/cpu_ops.c (the float32 CPU decode kernels) on first use; without it the
+# engine runs its slower pure-torch path
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
+
 # torch first, from the CPU wheel index: its own layer, cached across source changes
 RUN pip install --index-url https://download.pytorch.org/whl/cpu torch
 

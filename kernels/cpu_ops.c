@@ -40,6 +40,30 @@ static inline float hsum(vf v) {
     return v[0];
 }
 
+/* Lane j of the result is the sum of the lanes of v[j], for 16 vectors at once: four levels that
+ * each add the two halves of pairs of vectors into one (15 two-source shuffle pairs and 15
+ * adds, instead of 16 separate horizontal sums). The levels leave the sums in bit-reversed
+ * lane order, so v must come in bit-reversed order (v[bitrev(j)] holds row j). */
+static inline vf hsum16(vf v[LANES]) {
+#define HALVES(x, y, lo, hi) (__builtin_shuffle(x, y, (vi)lo) + __builtin_shuffle(x, y, (vi)hi))
+#define LO8 {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}
+#define HI8 {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31}
+#define LO4 {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27}
+#define HI4 {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31}
+#define LO2 {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29}
+#define HI2 {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31}
+#define LO1 {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30}
+#define HI1 {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31}
+    vf a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++) a[i] = HALVES(v[2 * i], v[2 * i + 1], LO8, HI8);
+    for (int i = 0; i < 4; i++) b[i] = HALVES(a[2 * i], a[2 * i + 1], LO4, HI4);
+    for (int i = 0; i < 2; i++) c[i] = HALVES(b[2 * i], b[2 * i + 1], LO2, HI2);
+    return HALVES(c[0], c[1], LO1, HI1);
+#undef HALVES
+}
+
+static const int BITREV16[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+
 /* exp(x) for x in [-87.3, 88.7] (clamped outside): Cephes' expf, range reduction by ln 2 split
  * in two, a degree-5 polynomial, the exponent put in by integer arithmetic. Within 2 ulp. */
 static inline vf vexp(vf x) {
@@ -129,7 +153,23 @@ static inline __attribute__((always_inline)) void attend(
     for (int64_t j0 = 0; j0 < ctx; j0 += block_size) {
         const float *tile = k_cache + table[j0 / block_size] * block_stride;
         int64_t n = ctx - j0 < block_size ? ctx - j0 : block_size;
-        for (int64_t j = 0; j < n; j++) {
+        int64_t j = 0;
+        for (; j + LANES <= n; j += LANES) { /* 16 keys at a time, one vector of scores */
+            for (int64_t g = 0; g < group; g++) {
+                const float *qg = q + g * d;
+                vf acc[LANES];
+                for (int r = 0; r < LANES; r++) {
+                    const float *kj = tile + (j + r) * d;
+                    vf a = {0};
+                    int64_t i = 0;
+                    for (; i + LANES <= d; i += LANES) a += load(qg + i) * load(kj + i);
+                    for (; i < d; i++) a[0] += qg[i] * kj[i];
+                    acc[BITREV16[r]] = a;
+                }
+                store(scratch + g * ctx + j0 + j, hsum16(acc) * scale);
+            }
+        }
+        for (; j < n; j++) {
             const float *kj = tile + j * d;
             for (int64_t g = 0; g < group; g++) {
                 const float *qg = q + g * d;
@@ -202,6 +242,10 @@ static void prefetch_context(const float *k_cache, const float *v_cache, const i
     }
 }
 
+#ifndef PREFETCH_PAIRS
+#define PREFETCH_PAIRS 1
+#endif
+
 /* One decode step of attention for a batch of sequences, one new token each.
  *
  * qkv: (batch, num_q_heads + 2 * num_kv_heads, d) projections of the new tokens; q and k are
@@ -236,12 +280,17 @@ void kv_decode_attention(float *qkv, int64_t batch, int64_t num_q_heads, int64_t
             memcpy(v_cache + slot + h * head_stride, v + h * d, d * sizeof(float));
         }
         for (int64_t h = 0; h < num_kv_heads; h++) {
-            /* the next (sequence, KV head) pair's tiles, while this one computes */
-            int64_t nb = h + 1 < num_kv_heads ? b : b + 1, nh = h + 1 < num_kv_heads ? h + 1 : 0;
-            if (nb < batch)
+            /* the tiles of the (sequence, KV head) pair PREFETCH_PAIRS ahead, while this one
+             * computes (the first pairs' tiles before the first one) */
+            int64_t pair = b * num_kv_heads + h, num_pairs = batch * num_kv_heads;
+            for (int64_t ahead = pair == 0 ? 0 : PREFETCH_PAIRS; ahead <= PREFETCH_PAIRS; ahead++) {
+                int64_t next = pair + ahead;
+                if (next >= num_pairs) break;
+                int64_t nb = next / num_kv_heads, nh = next % num_kv_heads;
                 prefetch_context(k_cache + nh * head_stride, v_cache + nh * head_stride,
                                  block_tables + nb * table_width, block_stride, block_size,
                                  context_lens[nb], d);
+            }
             const float *qh = q + h * group * d;
             const float *kh = k_cache + h * head_stride, *vh = v_cache + h * head_stride;
             float *oh = out + (b * num_q_heads + h * group) * d;

@@ -14,6 +14,9 @@ a machine shared with other work, wall time mostly measures the neighbours. Runs
 between the two systems after a warm-up: prefill takes the best of ``--repeats``,
 decode the median over all steps of all repeats, so bursts of load from other processes hit both
 alike and move neither figure much.
+
+kvmesh decodes float32 on the CPU through the C kernels of ``kernels/cpu_ops.c`` when the machine
+can build them; ``--no-cpu-kernels`` measures its pure-torch path instead.
 """
 
 from __future__ import annotations
@@ -41,6 +44,12 @@ def register_engine(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--batch-sizes", default="1,8,32")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--no-cpu-kernels",
+        dest="cpu_kernels",
+        action="store_false",
+        help="run kvmesh on its pure-torch path, without the C decode kernels of kernels/cpu_ops.c",
+    )
     p.add_argument(
         "--clock",
         choices=sorted(CLOCKS),
@@ -97,7 +106,9 @@ def _best_pair(
 
 
 class KvmeshRunner:
-    def __init__(self, model_name: str, max_tokens_in_flight: int) -> None:
+    def __init__(
+        self, model_name: str, max_tokens_in_flight: int, cpu_kernels: bool = True
+    ) -> None:
         from shared.engine.config import EngineConfig
         from shared.engine.llm_engine import LLMEngine
         from shared.model import load_model
@@ -112,6 +123,7 @@ class KvmeshRunner:
                 max_num_seqs=256,
                 max_num_batched_tokens=4096,
                 enable_prefix_caching=False,
+                cpu_kernels=cpu_kernels,
             ),
         )
 
@@ -238,7 +250,7 @@ def run(args: argparse.Namespace) -> int:
         in_flight = max(
             prompt_len, max(batch_sizes) * (args.decode_prompt_len + args.decode_tokens)
         )
-        kv = KvmeshRunner(args.model, in_flight)
+        kv = KvmeshRunner(args.model, in_flight, args.cpu_kernels)
         check = decode_prompts[batch_sizes[0]]
         outputs_match = kv.generate(check, 16) == hf.generate(check, 16)
         runners = {"kvmesh": kv, "transformers": hf}
@@ -260,12 +272,14 @@ def run(args: argparse.Namespace) -> int:
         "decode_prompt_len": args.decode_prompt_len,
         "decode_tokens": args.decode_tokens,
         "greedy_outputs_match": outputs_match,
+        "cpu_kernels": kv.engine.runner.cpu_ops is not None,
     }
     if args.json:
         print(json.dumps(results))
         return 0
+    kernels = "C decode kernels" if results["config"]["cpu_kernels"] else "pure torch"
     print(
-        f"model {args.model}, 1 thread, {args.clock} clock, "
+        f"model {args.model}, 1 thread, {args.clock} clock, kvmesh on {kernels}, "
         f"greedy outputs match transformers: {outputs_match}"
     )
     print(f"{'':24}{'kvmesh':>12}{'transformers':>14}{'ratio':>8}")

@@ -69,19 +69,22 @@ def _decode_case(num_q_heads, num_kv_heads, head_dim, context_lens, block_size=1
 
 
 @pytest.mark.parametrize(
-    "num_q_heads,num_kv_heads,head_dim,context_lens",
+    "num_q_heads,num_kv_heads,head_dim,context_lens,block_size",
     [
-        (4, 2, 64, [1, 15, 16, 17, 100]),  # kvmesh-tiny's shape; block edges
-        (8, 1, 128, [40, 3]),  # a group of 8
-        (3, 3, 80, [33]),  # no grouping, a head size the kernel does not specialise
-        (2, 1, 40, [18, 64]),  # head size with a partial vector
+        (4, 2, 64, [1, 15, 16, 17, 100], 16),  # kvmesh-tiny's shape; block edges
+        (8, 1, 128, [40, 3], 16),  # a group of 8
+        (3, 3, 80, [33], 16),  # no grouping, a head size the kernel does not specialise
+        (2, 1, 40, [18, 64], 16),  # head size with a partial vector
+        (4, 2, 64, [7, 50], 8),  # blocks smaller than one vector of keys
+        (4, 1, 64, [70], 32),  # two vectors of keys per block
     ],
 )
 def test_decode_attention_matches_torch_path(
-    ops, num_q_heads, num_kv_heads, head_dim, context_lens
+    ops, num_q_heads, num_kv_heads, head_dim, context_lens, block_size
 ):
+    bs = block_size
     pool, tables, ctx, qkv, cos, sin = _decode_case(
-        num_q_heads, num_kv_heads, head_dim, context_lens
+        num_q_heads, num_kv_heads, head_dim, context_lens, bs
     )
     layer = 1
     ref_pool = KVPool(pool.spec, pool.num_blocks)
@@ -91,8 +94,8 @@ def test_decode_attention_matches_torch_path(
     qk = apply_rope(qkv[:, : H + num_kv_heads], cos, sin)
     q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + num_kv_heads :]
     pos = ctx - 1
-    slots = tables.gather(1, (pos // 16)[:, None]).squeeze(1) * 16 + pos % 16
-    meta = AttentionMetadata(slots, [1] * len(context_lens), ctx, tables, 16)
+    slots = tables.gather(1, (pos // bs)[:, None]).squeeze(1) * bs + pos % bs
+    meta = AttentionMetadata(slots, [1] * len(context_lens), ctx, tables, bs)
     scale = head_dim**-0.5
     expected = paged_attention(q, k, v, *ref_pool.layer(layer), meta, scale)
 

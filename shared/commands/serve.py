@@ -99,6 +99,7 @@ def service_env_keys(name: str) -> set[str]:
 
     spec = load_service(name)
     keys = known_env_keys(spec.config_cls) | known_env_keys(LogConfig)
+    keys.add("KVMESH_CACHE_DIR")  # where kernels/cpu_ops.py keeps the compiled C kernels
     return keys - {f"KVMESH_{k.upper()}" for k in spec.overrides}
 
 
