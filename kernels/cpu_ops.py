@@ -47,8 +47,15 @@ class CpuOpsBuildError(RuntimeError):
 def cache_dir() -> Path:
     if os.environ.get("KVMESH_CACHE_DIR"):
         return Path(os.environ["KVMESH_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    try:
+        base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    except RuntimeError:  # no home directory
+        return _temp_cache_dir()
     return Path(base) / "kvmesh"
+
+
+def _temp_cache_dir() -> Path:
+    return Path(tempfile.gettempdir()) / f"kvmesh-cache-{os.getuid()}"
 
 
 def _cpu_fingerprint() -> str:
@@ -69,10 +76,19 @@ def build(directory: Path | None = None, compiler: str | None = None) -> Path:
     key = hashlib.sha256(
         source + " ".join(CFLAGS).encode() + cc.encode() + _cpu_fingerprint().encode()
     ).hexdigest()[:16]
-    directory = directory or cache_dir()
-    target = directory / f"kvmesh_cpu_ops-{key}.so"
+    name = f"kvmesh_cpu_ops-{key}.so"
+    if directory is not None:
+        return _compile(cc, directory / name)
+    try:
+        return _compile(cc, cache_dir() / name)
+    except OSError:  # a read-only or broken cache folder: the temp folder will do
+        return _compile(cc, _temp_cache_dir() / name)
+
+
+def _compile(cc: str, target: Path) -> Path:
     if target.exists():
         return target
+    directory = target.parent
     directory.mkdir(parents=True, exist_ok=True)
     # Several processes may build at once: each compiles to its own name, then renames.
     fd, tmp = tempfile.mkstemp(prefix=target.name, suffix=".tmp", dir=directory)

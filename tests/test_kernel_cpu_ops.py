@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from kernels import cpu_ops
 from kernels.cpu_ops import (
     CpuOpsBuildError,
     build,
@@ -143,3 +144,11 @@ def test_engine_gives_the_same_tokens_with_and_without_cpu_kernels():
         assert (engine.runner.cpu_ops is not None) == cpu_kernels
         outputs.append(engine.generate(prompts, params))
     assert outputs[0] == outputs[1]
+
+
+def test_build_falls_back_to_the_temp_folder_when_the_cache_cannot_be_made(monkeypatch, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("KVMESH_CACHE_DIR", str(blocker / "kvmesh"))  # mkdir fails: not a dir
+    monkeypatch.setattr(cpu_ops, "_temp_cache_dir", lambda: tmp_path / "tmp-cache")
+    assert build().parent == tmp_path / "tmp-cache"
