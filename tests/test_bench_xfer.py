@@ -10,15 +10,8 @@ import sys
 import pytest
 import torch
 
-from loadgen.bench_xfer import (
-    SPEC,
-    Plan,
-    blocks_crc,
-    fill_source,
-    format_table,
-    parse_size,
-    register_xfer,
-)
+from loadgen.bench_xfer import BLOCK_BYTES, Plan, format_table, parse_size, register_xfer
+from loadgen.xfer_backends import SPEC, blocks_crc, fill_source
 from shared.engine.kv_cache import KVPool
 
 
@@ -77,7 +70,7 @@ def test_checksum_catches_a_block_that_did_not_arrive():
 
 
 def test_llama3_8b_block_is_two_mib():
-    assert SPEC.block_bytes == 2 << 20 and SPEC.dtype == torch.bfloat16
+    assert SPEC.block_bytes == BLOCK_BYTES == 2 << 20 and SPEC.dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize(
