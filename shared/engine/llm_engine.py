@@ -49,6 +49,7 @@ from typing import Any
 
 import torch
 
+from shared.engine import handoff
 from shared.engine.block_manager import BlockManager, OutOfBlocksError
 from shared.engine.config import EngineConfig
 from shared.engine.kv_cache import KVCacheSpec, KVPool
@@ -65,6 +66,7 @@ from shared.engine.sequence import (
     SequenceStatus,
     UnknownRequestError,
 )
+from shared.engine.speculative import DraftVerifier
 
 __all__ = [
     "ChunkReady",
@@ -115,6 +117,14 @@ class LLMEngine:
         # A sequence stops ("length") before it could outgrow the whole pool and preempt itself
         # forever.
         self.max_seq_len = min(self.max_model_len, num_blocks * config.block_size)
+        self.verifier = DraftVerifier(
+            self.block_manager,
+            self.kv_pool,
+            self.runner,
+            tokenizer,
+            self.max_seq_len,
+            self.vocab_size,
+        )
         self.seqs: dict[str, Sequence] = {}
         self._pending: list[RequestOutput] = []
         self._num_generated = 0
@@ -210,7 +220,7 @@ class LLMEngine:
             bm.commit(seq)
             token = next(tokens) if k else None
             if seq.prefill_only:
-                self._report_chunk(seq, token)
+                handoff.report_chunk(seq, token, bm)
             if token is None:
                 continue
             seq.token_ids.append(token)
@@ -220,26 +230,6 @@ class LLMEngine:
             else:
                 outputs.append(self._emit(seq))
         return outputs
-
-    def _report_chunk(self, seq: Sequence, first_token: int | None) -> None:
-        end = seq.num_computed_tokens
-        is_last = first_token is not None
-        num_blocks = (
-            self.block_manager.num_blocks_for(end) if is_last else end // self.config.block_size
-        )
-        chunk = ChunkReady(
-            seq.request_id,
-            seq.num_chunks,
-            seq.num_reported_tokens,
-            end,
-            tuple(seq.block_table[seq.num_reported_blocks : num_blocks]),
-            is_last,
-            first_token,
-        )
-        seq.num_chunks += 1
-        seq.num_reported_tokens, seq.num_reported_blocks = end, num_blocks
-        if seq.on_chunk is not None:
-            seq.on_chunk(chunk)
 
     def _emit(self, seq: Sequence) -> RequestOutput:
         """Stop-check the output tokens not yet returned, in order; build their output."""
@@ -306,80 +296,21 @@ class LLMEngine:
 
     def score_batch(self, drafts: Mapping[str, list[int]]) -> dict[str, torch.Tensor]:
         """Score each request's draft tokens in one forward pass (KV of the drafts is written)."""
-        seqs = [self._get(rid) for rid in drafts]
-        bm = self.block_manager
-        for seq in seqs:
-            k = len(drafts[seq.request_id])
-            if (
-                seq.status is not SequenceStatus.RUNNING
-                or seq.prefill_only
-                or seq.num_uncomputed_tokens != 1
-            ):
-                raise RequestError(
-                    f"request {seq.request_id!r} is not decoding; only decoding requests can be scored"
-                )
-            if len(seq) + k > self.max_seq_len:
-                raise RequestError(
-                    f"request {seq.request_id!r}: {k} drafts would pass the length limit {self.max_seq_len}"
-                )
-            if not bm.can_append(seq, k + 1):
-                raise OutOfBlocksError(
-                    f"no free KV blocks to score {k} drafts for {seq.request_id!r}"
-                )
-        num_new = []
-        for seq in seqs:
-            draft = drafts[seq.request_id]
-            bm.append_slots(seq, len(draft) + 1)
-            seq.token_ids += draft
-            num_new.append(len(draft) + 1)
-        logits = self.runner.execute(seqs, num_new, num_new)
-        for seq, n in zip(seqs, num_new, strict=True):
-            seq.num_computed_tokens += n
-        return dict(zip(drafts, logits.split(num_new), strict=True))
+        return self.verifier.score([self._get(rid) for rid in drafts], drafts)
 
     def score(self, request_id: str, draft_ids: list[int]) -> torch.Tensor:
         return self.score_batch({request_id: draft_ids})[request_id]
 
-    def _truncate(self, seq: Sequence, num_tokens: int, num_computed: int) -> None:
-        for src, dst in self.block_manager.truncate(seq, num_tokens, num_computed):
-            self.kv_pool.block_bytes_view(dst).copy_(self.kv_pool.block_bytes_view(src))
-        seq.num_emitted_tokens = min(seq.num_emitted_tokens, seq.num_output_tokens)
-        if seq.read_offset > num_tokens:  # text of dropped tokens was produced: redo it
-            seq.read_offset, seq.prefix_offset = num_tokens, max(num_tokens - 5, 0)
-            if self.tokenizer is not None:
-                seq.output_text = self.tokenizer.decode(seq.output_ids)
-                seq.num_text_emitted = min(seq.num_text_emitted, len(seq.output_text))
-
     def rollback(self, request_id: str, num_tokens: int) -> None:
         """Drop the last ``num_tokens`` tokens and their KV; blocks no longer used are freed. The
         sequence is left decoding from its new last token."""
-        seq = self._get(request_id)
-        if seq.status is not SequenceStatus.RUNNING:
-            raise RequestError(f"request {request_id!r} is not running; cannot roll it back")
-        if not 0 <= num_tokens <= seq.num_output_tokens or num_tokens >= len(seq):
-            raise RequestError(
-                f"request {request_id!r}: can roll back 0..{seq.num_output_tokens} output tokens, not {num_tokens}"
-            )
-        if num_tokens:
-            new_len = len(seq) - num_tokens
-            self._truncate(seq, new_len, min(seq.num_computed_tokens, new_len - 1))
+        self.verifier.rollback(self._get(request_id), num_tokens)
 
     def accept(self, request_id: str, num_accepted: int, next_token: int) -> RequestOutput:
         """After ``score``: keep the first ``num_accepted`` drafts (their KV stays), append
         ``next_token`` and return the output for the accepted drafts plus it."""
         seq = self._get(request_id)
-        num_drafts = seq.num_computed_tokens - (seq.num_prompt_tokens + seq.num_emitted_tokens)
-        if seq.num_uncomputed_tokens != 0 or not 0 <= num_accepted <= num_drafts:
-            raise RequestError(
-                f"request {request_id!r}: accept follows score, with 0..{num_drafts} accepted drafts"
-            )
-        if not 0 <= next_token < self.vocab_size:
-            raise RequestError(
-                f"request {request_id!r}: token id {next_token} is outside the vocabulary"
-            )
-        keep = len(seq) - (num_drafts - num_accepted)
-        self._truncate(seq, keep, keep)
-        seq.token_ids.append(next_token)
+        self.verifier.accept(seq, num_accepted, next_token)
         return self._emit(seq)
 
     # ---- KV handoff (decode side) ---------------------------------------------------------------
@@ -402,21 +333,10 @@ class LLMEngine:
         """Start decoding a request whose prompt KV is already in ``block_ids`` (from
         ``reserve_blocks``; the engine takes them over and frees them when the request ends)."""
         self._check_prompt(request_id, prompt_ids)
-        need = self.block_manager.num_blocks_for(len(prompt_ids))
-        if len(block_ids) != need:
-            raise RequestError(
-                f"request {request_id!r}: {len(prompt_ids)} prompt tokens need {need} blocks, got {len(block_ids)}"
-            )
-        if not 0 <= first_token < self.vocab_size:
-            raise RequestError(
-                f"request {request_id!r}: first token {first_token} is outside the vocabulary"
-            )
-        seq = Sequence(
-            request_id, [*prompt_ids, first_token], params, num_prompt_tokens=len(prompt_ids)
+        bm = self.block_manager
+        seq = handoff.prefilled_sequence(
+            request_id, prompt_ids, block_ids, first_token, params, bm, self.vocab_size
         )
-        seq.block_table = list(block_ids)
-        seq.num_computed_tokens = len(prompt_ids)
-        self.block_manager.commit(seq)
         self.seqs[request_id] = seq
         self.scheduler.add_prefilled(seq)
         seq.num_emitted_tokens = 0

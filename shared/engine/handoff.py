@@ -1,0 +1,61 @@
+"""KV hand-off between engines: prompt KV computed by one process, decoded by another.
+
+Prefill side: after every step that computed prompt tokens of a ``prefill_only`` sequence,
+``report_chunk`` hands its new blocks to ``on_chunk`` as a ``ChunkReady``; chunks are whole blocks
+except the last, which carries the first token. Decode side: ``prefilled_sequence`` builds a
+sequence over blocks a remote writer filled with its prompt KV, ready to decode its first token.
+"""
+
+from __future__ import annotations
+
+from shared.engine.block_manager import BlockManager
+from shared.engine.sequence import ChunkReady, RequestError, SamplingParams, Sequence
+
+
+def report_chunk(seq: Sequence, first_token: int | None, block_manager: BlockManager) -> None:
+    """Report the prompt tokens computed since the last report; ``first_token`` ends the prefill."""
+    end = seq.num_computed_tokens
+    is_last = first_token is not None
+    num_blocks = block_manager.num_blocks_for(end) if is_last else end // block_manager.block_size
+    chunk = ChunkReady(
+        seq.request_id,
+        seq.num_chunks,
+        seq.num_reported_tokens,
+        end,
+        tuple(seq.block_table[seq.num_reported_blocks : num_blocks]),
+        is_last,
+        first_token,
+    )
+    seq.num_chunks += 1
+    seq.num_reported_tokens, seq.num_reported_blocks = end, num_blocks
+    if seq.on_chunk is not None:
+        seq.on_chunk(chunk)
+
+
+def prefilled_sequence(
+    request_id: str,
+    prompt_ids: list[int],
+    block_ids: list[int],
+    first_token: int,
+    params: SamplingParams,
+    block_manager: BlockManager,
+    vocab_size: int,
+) -> Sequence:
+    """A decoding sequence whose prompt KV is already in ``block_ids``, its full blocks committed
+    to the prefix cache. The prompt itself is checked by the caller."""
+    need = block_manager.num_blocks_for(len(prompt_ids))
+    if len(block_ids) != need:
+        raise RequestError(
+            f"request {request_id!r}: {len(prompt_ids)} prompt tokens need {need} blocks, got {len(block_ids)}"
+        )
+    if not 0 <= first_token < vocab_size:
+        raise RequestError(
+            f"request {request_id!r}: first token {first_token} is outside the vocabulary"
+        )
+    seq = Sequence(
+        request_id, [*prompt_ids, first_token], params, num_prompt_tokens=len(prompt_ids)
+    )
+    seq.block_table = list(block_ids)
+    seq.num_computed_tokens = len(prompt_ids)
+    block_manager.commit(seq)
+    return seq

@@ -1,0 +1,114 @@
+"""Speculative verification: score K draft tokens per sequence in one pass, accept, roll back.
+
+``DraftVerifier.score`` appends each sequence's drafts and computes their KV and logits in one
+forward pass (row i of a sequence's logits: after its last token + drafts[:i]). The drafts then sit
+in the sequence with their KV until ``accept`` drops the rejected ones and appends the next token,
+or ``rollback`` drops the last tokens. Blocks no longer used are freed; a shared block about to be
+rewritten is copied first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from shared.engine.block_manager import BlockManager, OutOfBlocksError
+from shared.engine.kv_cache import KVPool
+from shared.engine.model_runner import ModelRunner
+from shared.engine.sequence import RequestError, Sequence, SequenceStatus
+
+
+class DraftVerifier:
+    """Scores, accepts and rolls back draft tokens of an engine's sequences, in its KV cache."""
+
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        kv_pool: KVPool,
+        runner: ModelRunner,
+        tokenizer: Any | None,
+        max_seq_len: int,
+        vocab_size: int,
+    ) -> None:
+        self.block_manager = block_manager
+        self.kv_pool = kv_pool
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.max_seq_len = max_seq_len
+        self.vocab_size = vocab_size
+
+    def score(
+        self, seqs: list[Sequence], drafts: Mapping[str, list[int]]
+    ) -> dict[str, torch.Tensor]:
+        """Score each sequence's drafts (``drafts[seq.request_id]``, ``seqs`` in the order of
+        ``drafts``) in one forward pass; returns logits ``(K+1, vocab)`` per request."""
+        bm = self.block_manager
+        for seq in seqs:
+            k = len(drafts[seq.request_id])
+            if (
+                seq.status is not SequenceStatus.RUNNING
+                or seq.prefill_only
+                or seq.num_uncomputed_tokens != 1
+            ):
+                raise RequestError(
+                    f"request {seq.request_id!r} is not decoding; only decoding requests can be scored"
+                )
+            if len(seq) + k > self.max_seq_len:
+                raise RequestError(
+                    f"request {seq.request_id!r}: {k} drafts would pass the length limit {self.max_seq_len}"
+                )
+            if not bm.can_append(seq, k + 1):
+                raise OutOfBlocksError(
+                    f"no free KV blocks to score {k} drafts for {seq.request_id!r}"
+                )
+        num_new = []
+        for seq in seqs:
+            draft = drafts[seq.request_id]
+            bm.append_slots(seq, len(draft) + 1)
+            seq.token_ids += draft
+            num_new.append(len(draft) + 1)
+        logits = self.runner.execute(seqs, num_new, num_new)
+        for seq, n in zip(seqs, num_new, strict=True):
+            seq.num_computed_tokens += n
+        return dict(zip(drafts, logits.split(num_new), strict=True))
+
+    def rollback(self, seq: Sequence, num_tokens: int) -> None:
+        """Drop the last ``num_tokens`` output tokens and their KV; the sequence is left decoding
+        from its new last token."""
+        if seq.status is not SequenceStatus.RUNNING:
+            raise RequestError(f"request {seq.request_id!r} is not running; cannot roll it back")
+        if not 0 <= num_tokens <= seq.num_output_tokens or num_tokens >= len(seq):
+            raise RequestError(
+                f"request {seq.request_id!r}: can roll back 0..{seq.num_output_tokens} output tokens, not {num_tokens}"
+            )
+        if num_tokens:
+            new_len = len(seq) - num_tokens
+            self._truncate(seq, new_len, min(seq.num_computed_tokens, new_len - 1))
+
+    def accept(self, seq: Sequence, num_accepted: int, next_token: int) -> None:
+        """After ``score``: keep the first ``num_accepted`` drafts (their KV stays), drop the rest
+        and append ``next_token`` (not yet stop-checked nor returned)."""
+        num_drafts = seq.num_computed_tokens - (seq.num_prompt_tokens + seq.num_emitted_tokens)
+        if seq.num_uncomputed_tokens != 0 or not 0 <= num_accepted <= num_drafts:
+            raise RequestError(
+                f"request {seq.request_id!r}: accept follows score, with 0..{num_drafts} accepted drafts"
+            )
+        if not 0 <= next_token < self.vocab_size:
+            raise RequestError(
+                f"request {seq.request_id!r}: token id {next_token} is outside the vocabulary"
+            )
+        keep = len(seq) - (num_drafts - num_accepted)
+        self._truncate(seq, keep, keep)
+        seq.token_ids.append(next_token)
+
+    def _truncate(self, seq: Sequence, num_tokens: int, num_computed: int) -> None:
+        for src, dst in self.block_manager.truncate(seq, num_tokens, num_computed):
+            self.kv_pool.block_bytes_view(dst).copy_(self.kv_pool.block_bytes_view(src))
+        seq.num_emitted_tokens = min(seq.num_emitted_tokens, seq.num_output_tokens)
+        if seq.read_offset > num_tokens:  # text of dropped tokens was produced: redo it
+            seq.read_offset, seq.prefix_offset = num_tokens, max(num_tokens - 5, 0)
+            if self.tokenizer is not None:
+                seq.output_text = self.tokenizer.decode(seq.output_ids)
+                seq.num_text_emitted = min(seq.num_text_emitted, len(seq.output_text))
