@@ -156,19 +156,21 @@ class CpuOps:
         of the pool (``KVPool.layer``); block_tables: (batch, width) int64; context_lens: (batch,)
         int64 including the new token.
         """
+        # Called once per layer per decode step: the checks are kept to plain attribute reads.
         _check_f32_contiguous(qkv=qkv, cos=cos, sin=sin)
         batch, num_heads, d = qkv.shape
         _, block_size, num_kv_heads, kd = k_cache.shape
+        strides = k_cache.stride()
         assert num_heads == num_q_heads + 2 * num_kv_heads and kd == d, (qkv.shape, k_cache.shape)
         assert num_q_heads % num_kv_heads == 0, (num_q_heads, num_kv_heads)
         assert cos.shape == sin.shape == (batch, 1, d), (cos.shape, sin.shape)
-        for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-            assert cache.dtype == torch.float32 and cache.device.type == "cpu", (name, cache.dtype)
-            assert cache.shape == k_cache.shape, (name, cache.shape)
-            assert cache.stride(1) == d and cache.stride(3) == 1, (name, cache.stride())
-            assert cache.stride() == k_cache.stride(), (name, cache.stride(), k_cache.stride())
-        for name, t in (("block_tables", block_tables), ("context_lens", context_lens)):
-            assert t.dtype == torch.int64 and t.is_contiguous() and t.device.type == "cpu", name
+        assert k_cache.dtype == v_cache.dtype == torch.float32, (k_cache.dtype, v_cache.dtype)
+        assert k_cache.is_cpu and v_cache.is_cpu, "the KV cache must be in CPU memory"
+        assert v_cache.shape == k_cache.shape, (v_cache.shape, k_cache.shape)
+        assert v_cache.stride() == strides and strides[1] == d and strides[3] == 1, strides
+        assert block_tables.dtype == context_lens.dtype == torch.int64, "int64 tables and lengths"
+        assert block_tables.is_cpu and block_tables.is_contiguous(), "block_tables: CPU, contiguous"
+        assert context_lens.is_cpu and context_lens.is_contiguous(), "context_lens: CPU, contiguous"
         assert block_tables.dim() == 2 and block_tables.shape[0] == batch, block_tables.shape
         assert context_lens.shape == (batch,), context_lens.shape
         width = block_tables.shape[1]
@@ -185,8 +187,8 @@ class CpuOps:
             sin.data_ptr(),
             k_cache.data_ptr(),
             v_cache.data_ptr(),
-            k_cache.stride(0),
-            k_cache.stride(2),
+            strides[0],
+            strides[2],
             block_size,
             block_tables.data_ptr(),
             width,
@@ -201,7 +203,7 @@ class CpuOps:
 def _check_f32_contiguous(**tensors: torch.Tensor) -> None:
     for name, t in tensors.items():
         assert t.dtype == torch.float32, f"{name} must be float32, got {t.dtype}"
-        assert t.device.type == "cpu" and t.is_contiguous(), f"{name} must be contiguous on CPU"
+        assert t.is_cpu and t.is_contiguous(), f"{name} must be contiguous on CPU"
 
 
 @functools.cache

@@ -28,6 +28,7 @@ class AttentionMetadata:
     # Derived once per forward on first use and shared by every layer.
     _plan: _TorchPlan | None = field(default=None, repr=False)
     _kv_index: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+    _decode_only: bool | None = field(default=None, repr=False)
 
     @property
     def num_seqs(self) -> int:
@@ -35,7 +36,9 @@ class AttentionMetadata:
 
     @property
     def is_decode_only(self) -> bool:
-        return all(q == 1 for q in self.query_lens)
+        if self._decode_only is None:
+            self._decode_only = all(q == 1 for q in self.query_lens)
+        return self._decode_only
 
     def torch_plan(self) -> _TorchPlan:
         if self._plan is None:

@@ -91,6 +91,8 @@ class KVPool:
         self.raw = raw[:nbytes]  # (num_blocks * block_bytes,) uint8
         # (num_blocks, H_kv, L, 2, block_size, D)
         self.tensor = self.raw.view(spec.dtype).view(num_blocks, *spec.block_shape())
+        # Per-layer K/V views, made once: a decode step asks for them in every layer.
+        self._layers = [self._layer_views(i) for i in range(spec.num_layers)]
 
     @property
     def device(self) -> torch.device:
@@ -106,6 +108,9 @@ class KVPool:
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Strided (num_blocks, block_size, H_kv, D) views of one layer's K and V."""
+        return self._layers[layer_idx]
+
+    def _layer_views(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         layer = self.tensor[:, :, layer_idx]  # (num_blocks, H_kv, 2, block_size, D)
         return layer[:, :, 0].transpose(1, 2), layer[:, :, 1].transpose(1, 2)
 
