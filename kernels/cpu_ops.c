@@ -15,6 +15,7 @@
 #include <string.h>
 
 #define LANES 16
+_Static_assert(LANES == 16, "hsum16 and BITREV16 are written for 16 lanes");
 typedef float vf __attribute__((vector_size(LANES * sizeof(float))));
 typedef int32_t vi __attribute__((vector_size(LANES * sizeof(int32_t))));
 
@@ -60,6 +61,14 @@ static inline vf hsum16(vf v[LANES]) {
     for (int i = 0; i < 2; i++) c[i] = HALVES(b[2 * i], b[2 * i + 1], LO2, HI2);
     return HALVES(c[0], c[1], LO1, HI1);
 #undef HALVES
+#undef LO8
+#undef HI8
+#undef LO4
+#undef HI4
+#undef LO2
+#undef HI2
+#undef LO1
+#undef HI1
 }
 
 static const int BITREV16[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
