@@ -13,8 +13,8 @@ DEFAULT_KV_CACHE_BYTES = 256 * 1024 * 1024
 class EngineConfig:
     """``num_blocks`` sizes the KV pool directly; otherwise ``kv_cache_bytes`` (default 256 MiB)
     is divided by the block size in bytes. ``max_model_len`` defaults to the model's
-    ``max_position_embeddings``. ``dtype`` is the KV cache dtype (default: the model's). ``cpu_kernels``: see
-    kernels/cpu_ops.py."""
+    ``max_position_embeddings``. ``dtype`` is the KV cache dtype (default: the model's).
+    ``cpu_kernels``: see kernels/cpu_ops.py."""
 
     block_size: int = 16
     num_blocks: int | None = None

@@ -31,6 +31,16 @@ if TYPE_CHECKING:
 CPU_OPS_MAX_ROWS = 256
 
 
+def _cpu_ops_sized(x: torch.Tensor) -> bool:
+    """Whether the elementwise C kernels take ``x``: float32, (rows, n) contiguous, decode-sized."""
+    return (
+        x.dtype == torch.float32
+        and x.dim() == 2
+        and x.shape[0] <= CPU_OPS_MAX_ROWS
+        and x.is_contiguous()
+    )
+
+
 def kv_cache_spec(
     config: ModelConfig, block_size: int = 16, dtype: torch.dtype | None = None
 ) -> KVCacheSpec:
@@ -52,15 +62,8 @@ class RMSNorm(nn.Module):
         self.cpu_ops: CpuOps | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ops = self.cpu_ops
-        if (
-            ops is not None
-            and x.dtype == torch.float32
-            and x.dim() == 2
-            and x.shape[0] <= CPU_OPS_MAX_ROWS
-            and x.is_contiguous()
-        ):
-            return ops.rms_norm(x, self.weight, self.eps)
+        if self.cpu_ops is not None and _cpu_ops_sized(x):
+            return self.cpu_ops.rms_norm(x, self.weight, self.eps)
         # Normalise in float32, scale in the model dtype (as the reference does). In-place where
         # the tensor is our own: at prefill sizes each fresh allocation costs page faults.
         h = x.float()
@@ -143,14 +146,8 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.w_gate_up(x)
-        ops = self.cpu_ops
-        if (
-            ops is not None
-            and gate_up.dtype == torch.float32
-            and gate_up.dim() == 2
-            and gate_up.shape[0] <= CPU_OPS_MAX_ROWS
-        ):
-            return self.w_down(ops.silu_mul(gate_up))
+        if self.cpu_ops is not None and _cpu_ops_sized(gate_up):
+            return self.w_down(self.cpu_ops.silu_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.w_down(F.silu(gate).mul_(up))
 
