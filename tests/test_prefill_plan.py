@@ -147,7 +147,9 @@ async def _prefill_setup(tiny, num_remote_blocks=64):
             publish=publish,
             connect=connect,
             forget_endpoint=forget,
+            advert_wait_s=0.2,
         )
+        worker.adverts.note(_advert(decode_side.descriptor().to_dict(), region, spec, "spec-a"))
         loop = asyncio.create_task(worker.run())
         try:
             yield worker, decode_side, region, remote, published
@@ -159,14 +161,35 @@ async def _prefill_setup(tiny, num_remote_blocks=64):
                 await endpoint.aclose()
 
 
-def _job(rid, prompt, region, block_ids, block_bytes):
+def _advert(descriptor, region, spec, kv_spec, worker_id="d0"):
+    return protocol.DecodeAdvert(
+        worker_id=worker_id,
+        mode="disagg",
+        descriptor=descriptor,
+        rkey=region.rkey,
+        base_addr=region.addr,
+        block_bytes=spec.block_bytes,
+        block_size=spec.block_size,
+        kv_spec=kv_spec,
+        total_blocks=region.length // spec.block_bytes,
+        free_blocks=region.length // spec.block_bytes,
+        free_block_ranges=(),
+        num_running=0,
+        num_waiting=0,
+        state="ready",
+        sent_at=0.0,
+    )
+
+
+def _job(rid, prompt, region, block_ids, block_bytes, worker, descriptor=None):
+    advert = worker.adverts.get("d0")
     return protocol.PrefillJob(
         rid,
         tuple(prompt),
         protocol.SamplingOptions(temperature=0.0),
         "d0",
         "L" + rid,
-        {},
+        advert.descriptor if descriptor is None else descriptor,
         region.rkey,
         tuple(region.addr + b * block_bytes for b in block_ids),
         block_bytes,
@@ -190,7 +213,7 @@ async def test_prefill_worker_writes_each_chunk_into_the_reserved_blocks(tiny):
     targets = [9, 3, 4, 10]
     async with _prefill_setup(tiny) as (worker, decode_side, region, remote, published):
         bb = worker.block_bytes
-        await worker.prefill(_job("r", prompt, region, targets, bb))
+        await worker.prefill(_job("r", prompt, region, targets, bb, worker))
         [done] = _published(published, protocol.PrefillDone)
         assert done.ok and done.num_writes == 3 and done.first_token >= 0
         [report] = _published(published, protocol.PrefillReport)
@@ -221,8 +244,10 @@ async def test_prefill_worker_writes_each_chunk_into_the_reserved_blocks(tiny):
 
 async def test_prefill_worker_refuses_decode_worker_with_other_kv_spec(tiny):
     async with _prefill_setup(tiny) as (worker, _, region, _, published):
-        worker.decode_specs["d0"] = "spec-b"
-        await worker.prefill(_job("r", range(1, 20), region, [0, 1], worker.block_bytes))
+        spec = worker.engine.kv_pool.spec
+        descriptor = worker.adverts.get("d0").descriptor
+        worker.adverts.note(_advert(descriptor, region, spec, "spec-b"))
+        await worker.prefill(_job("r", range(1, 20), region, [0, 1], worker.block_bytes, worker))
         [done] = _published(published, protocol.PrefillDone)
         assert not done.ok and "KV spec mismatch" in done.error and done.num_writes == 0
 
@@ -231,7 +256,7 @@ async def test_prefill_worker_stops_between_chunks_on_abort(tiny):
     prompt = [(3 * i) % 250 + 1 for i in range(640)]  # 20 chunks
     async with _prefill_setup(tiny) as (worker, decode_side, region, _, published):
         job = asyncio.create_task(
-            worker.prefill(_job("r", prompt, region, range(40), worker.block_bytes))
+            worker.prefill(_job("r", prompt, region, range(40), worker.block_bytes, worker))
         )
         await decode_side.completion_queue.get()  # the first chunk has landed
         await worker.abort("r", "client disconnected")
@@ -245,7 +270,7 @@ async def test_prefill_worker_stops_between_chunks_on_abort(tiny):
 async def test_prefill_worker_answers_a_job_aborted_before_it_arrived(tiny):
     async with _prefill_setup(tiny) as (worker, _, region, _, published):
         await worker.abort("r", "client disconnected")
-        await worker.prefill(_job("r", range(1, 40), region, [0, 1, 2], worker.block_bytes))
+        await worker.prefill(_job("r", range(1, 40), region, [0, 1, 2], worker.block_bytes, worker))
         [done] = _published(published, protocol.PrefillDone)
         assert not done.ok and "aborted before prefill started" in done.error
 

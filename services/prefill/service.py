@@ -153,7 +153,7 @@ class PrefillService:
             advert = decode(msg.data, DecodeAdvert)
         except ProtocolError:
             return
-        self.worker.decode_specs[advert.worker_id] = advert.kv_spec
+        self.worker.adverts.note(advert)
 
 
 @contextlib.asynccontextmanager

@@ -17,10 +17,10 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+from services.prefill.adverts import AdvertBook
 from services.prefill.plan import (
     ChunkPlanner,
     ChunkWrite,
-    KVSpecMismatchError,
     PlanError,
     PrefillTimeline,
 )
@@ -67,6 +67,7 @@ class PrefillWorker:
         connect: Connect,
         forget_endpoint: Callable[[dict], Awaitable[None]],
         abort_memory_s: float = 60.0,
+        advert_wait_s: float = 3.0,
     ) -> None:
         self.engine = engine
         self.region = region  # the engine's KV pool, registered as the source of writes
@@ -74,7 +75,8 @@ class PrefillWorker:
         self.kv_spec = kv_spec
         self.block_size = engine.kv_pool.spec.block_size
         self.block_bytes = engine.kv_pool.spec.block_bytes
-        self.decode_specs: dict[str, str] = {}  # decode worker id -> kv_spec, from its adverts
+        self.adverts = AdvertBook(kv_spec)  # the only targets this worker writes to
+        self._advert_wait_s = advert_wait_s
         self._publish = publish
         self._connect = connect
         self._forget_endpoint = forget_endpoint
@@ -133,13 +135,7 @@ class PrefillWorker:
             await self._announce(msg, None, f"aborted before prefill started on {self.worker_id}")
             return
         try:
-            peer_spec = self.decode_specs.get(msg.decode_worker_id)
-            if peer_spec is not None and peer_spec != self.kv_spec:
-                raise KVSpecMismatchError(
-                    f"KV spec mismatch: prefill worker {self.worker_id} has {self.kv_spec}, decode "
-                    f"worker {msg.decode_worker_id} has {peer_spec}; run both with the same model, "
-                    "dtype and block size"
-                )
+            await self.adverts.vouch(msg, self._advert_wait_s)
             planner = ChunkPlanner(
                 len(msg.prompt_ids),
                 self.block_size,

@@ -33,7 +33,7 @@ from shared.transport.base import (
     new_peer_id,
 )
 from shared.transport.registry import Registry
-from shared.transport.shm import SHM_DIR, ShmTransport
+from shared.transport.shm import SHM_DIR, ShmTransport, check_segment_name, check_socket_path
 from shared.transport.tcp import TcpTransport
 
 BACKENDS = ("rdma", "shm", "tcp")  # best first
@@ -63,8 +63,12 @@ def shm_reachable(remote: PeerDescriptor) -> bool:
     info = remote.backends.get("shm")
     if info is None or remote.host_id != local_host_id():
         return False
-    table = os.path.join(SHM_DIR, str(info.get("table", "")))
-    return os.path.exists(str(info.get("socket", ""))) and os.path.exists(table)
+    try:
+        table = os.path.join(SHM_DIR, check_segment_name(info.get("table")))
+        check_socket_path(info.get("socket"))
+    except PeerUnreachableError:
+        return False
+    return os.path.exists(table)
 
 
 def select_backend(local: PeerDescriptor, remote: PeerDescriptor) -> str:

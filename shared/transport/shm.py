@@ -15,9 +15,11 @@ import asyncio
 import contextlib
 import mmap
 import os
+import re
 import secrets
 import shutil
 import socket
+import stat
 import struct
 import tempfile
 import threading
@@ -70,13 +72,70 @@ NOTE = struct.Struct("<BBHIQQ")
 OP_HELLO, OP_WRITE_DONE, OP_READ_DONE, OP_REFUSED = 0, 1, 2, 3
 
 
+# Names a peer may ask us to map: "kvmesh-<pid>-<8 hex>-table" or "kvmesh-<pid>-<8 hex>-<n>".
+# A descriptor is data from the network: it names segments, never paths (no separators, no "..").
+SEGMENT_NAME = re.compile(r"kvmesh-[0-9]{1,10}-[0-9a-f]{8}-(?:table|[0-9]{1,6})")
+SOCKET_NAME = "notify.sock"
+
+
+class UntrustedDescriptorError(PeerUnreachableError):
+    """A descriptor names something kvmesh did not create: a path instead of a segment name, a
+    file of another user, a symlink. Nothing was opened for writing."""
+
+
+def segment_token(name: str) -> str:
+    """``kvmesh-<pid>-<hex>`` of a valid segment name (the transport that created it)."""
+    return name.rsplit("-", 1)[0]
+
+
+def check_segment_name(name: object) -> str:
+    """``name`` if it is a kvmesh segment name; UntrustedDescriptorError otherwise."""
+    if not isinstance(name, str) or SEGMENT_NAME.fullmatch(name) is None:
+        raise UntrustedDescriptorError(
+            f"shm segment name {name!r} is not a kvmesh segment (kvmesh-<pid>-<hex>-<n>); "
+            "descriptors name segments, never paths"
+        )
+    return name
+
+
+def _check_own_file(st: os.stat_result, what: str, kind: int) -> None:
+    if stat.S_IFMT(st.st_mode) != kind:
+        raise UntrustedDescriptorError(f"{what} is not a {stat.filemode(kind)[0]!r}-type file")
+    if st.st_uid != os.geteuid():
+        raise UntrustedDescriptorError(
+            f"{what} belongs to uid {st.st_uid}, not to this process (uid {os.geteuid()}); "
+            "kvmesh maps only segments its own user created"
+        )
+
+
+def check_socket_path(path: object) -> str:
+    """``path`` if it is a receiver's notification socket: ``<dir>/kvmesh-*/notify.sock``,
+    normalized, with no symlink in its last two parts, both owned by this user."""
+    if not isinstance(path, str) or not os.path.isabs(path) or os.path.normpath(path) != path:
+        raise UntrustedDescriptorError(f"shm socket {path!r} is not a normalized absolute path")
+    folder, name = os.path.split(path)
+    if name != SOCKET_NAME or not os.path.basename(folder).startswith("kvmesh-"):
+        raise UntrustedDescriptorError(
+            f"shm socket {path!r} is not a kvmesh notification socket (kvmesh-*/{SOCKET_NAME})"
+        )
+    try:
+        _check_own_file(os.lstat(folder), f"shm socket folder {folder!r}", stat.S_IFDIR)
+        _check_own_file(os.lstat(path), f"shm socket {path!r}", stat.S_IFSOCK)
+    except FileNotFoundError as exc:
+        raise PeerUnreachableError(f"shm socket {path!r} does not exist: {exc}") from exc
+    return path
+
+
 def _map_segment(name: str, create_bytes: int = 0) -> mmap.mmap:
-    path = os.path.join(SHM_DIR, name)
-    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create_bytes else 0)
+    path = os.path.join(SHM_DIR, check_segment_name(name))
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
+    flags |= os.O_CREAT | os.O_EXCL if create_bytes else 0
     fd = os.open(path, flags, 0o600)
     try:
         if create_bytes:
             os.ftruncate(fd, create_bytes)
+        else:
+            _check_own_file(os.fstat(fd), f"shm segment {name!r}", stat.S_IFREG)
         size = os.fstat(fd).st_size
         return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
     finally:
@@ -164,7 +223,7 @@ class ShmTransport:
     @property
     def socket_path(self) -> str:
         assert self._dir is not None, "enter the transport first"
-        return os.path.join(self._dir, "notify.sock")
+        return os.path.join(self._dir, SOCKET_NAME)
 
     async def __aenter__(self) -> ShmTransport:
         await self.start()
@@ -336,17 +395,27 @@ class ShmTransport:
                 f"peer {descriptor.peer_id} is on host {descriptor.host_id}, not this one "
                 f"({local_host_id()}); use tcp or rdma"
             )
+        table = check_segment_name(info.get("table"))
+        if not table.endswith("-table"):
+            raise UntrustedDescriptorError(f"shm table {table!r} is not a region table segment")
+        socket_path = check_socket_path(info.get("socket"))
         try:
-            table_mm = _map_segment(str(info["table"]))
+            table_mm = _map_segment(table)
+        except OSError as exc:
+            raise PeerUnreachableError(
+                f"cannot map shm peer {descriptor.peer_id}'s table {table}: {exc}"
+            ) from exc
+        try:
             reader, writer = await asyncio.wait_for(
-                asyncio.open_unix_connection(str(info["socket"])), self.config.connect_timeout_s
+                asyncio.open_unix_connection(socket_path), self.config.connect_timeout_s
             )
         except (OSError, TimeoutError) as exc:
+            _close_mapping(table_mm)
             raise PeerUnreachableError(
                 f"cannot reach shm peer {descriptor.peer_id} at {info.get('socket')}: {exc}"
             ) from exc
         hello = self._peer_id.encode()
         writer.write(NOTE.pack(OP_HELLO, 0, 0, 0, 0, len(hello)) + hello)
-        ep = ShmEndpoint(self, descriptor.peer_id, table_mm, reader, writer)
+        ep = ShmEndpoint(self, descriptor.peer_id, segment_token(table), table_mm, reader, writer)
         self._endpoints.add(ep)
         return ep

@@ -28,8 +28,11 @@ from shared.transport.shm import (
     OP_REFUSED,
     OP_WRITE_DONE,
     TABLE_DTYPE,
+    UntrustedDescriptorError,
     _close_mapping,
     _map_segment,
+    check_segment_name,
+    segment_token,
 )
 
 if TYPE_CHECKING:
@@ -45,12 +48,14 @@ class ShmEndpoint:
         self,
         transport: ShmTransport,
         peer_id: str,
+        token: str,
         table_mm: mmap.mmap,
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
     ) -> None:
         self._transport = transport
         self._peer_id = peer_id
+        self._token = token  # the table's creator: its rows may name only that creator's segments
         self._table_mm = table_mm
         self._table = np.frombuffer(table_mm, dtype=TABLE_DTYPE)
         self._reader = reader
@@ -103,9 +108,14 @@ class ShmEndpoint:
                 f"rkey={rkey} access [{addr:#x}, {addr + length:#x}) region "
                 f"[{base:#x}, {base + size:#x})",
             )
-        name = row["segment"].decode()
+        name = row["segment"].decode(errors="replace")
         mapping = self._mappings.get(name)
         if mapping is None:
+            if segment_token(check_segment_name(name)) != self._token:
+                raise UntrustedDescriptorError(
+                    f"peer {self._peer_id}'s region table names segment {name!r} of another "
+                    f"transport (expected {self._token}-<n>)"
+                )
             try:
                 mm = _map_segment(name)
             except OSError as exc:

@@ -1,0 +1,87 @@
+"""What the prefill worker believes about decode workers: their latest ``DecodeAdvert``s.
+
+A ``PrefillJob`` names a decode worker, a transport descriptor, an rkey and block addresses. Those
+are data from the network, never a place to dial: a job is served only when its target matches
+what that decode worker itself advertised (descriptor, rkey, block size, KV layout) and every
+address is a block of the advertised pool. So a forged job cannot make this worker connect to an
+arbitrary host:port or map an arbitrary shm name; at most it can name a real decode worker's real
+blocks, which that worker's lease check then refuses (see docs/security.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from services.prefill.plan import KVSpecMismatchError
+from shared.protocol import DecodeAdvert, PrefillJob
+
+
+class UnvouchedJobError(ValueError):
+    """A job whose target does not match its decode worker's advert (or none was heard)."""
+
+
+class AdvertBook:
+    """The latest advert of each decode worker; ``vouch`` checks a job against it."""
+
+    def __init__(self, kv_spec: str) -> None:
+        self.kv_spec = kv_spec
+        self._adverts: dict[str, DecodeAdvert] = {}
+        self._heard = asyncio.Event()  # set and replaced on every new advert
+
+    def note(self, advert: DecodeAdvert) -> None:
+        self._adverts[advert.worker_id] = advert
+        self._heard.set()
+        self._heard = asyncio.Event()
+
+    def get(self, worker_id: str) -> DecodeAdvert | None:
+        return self._adverts.get(worker_id)
+
+    async def wait_for(self, worker_id: str, timeout_s: float) -> DecodeAdvert | None:
+        """The worker's advert, waiting up to ``timeout_s`` for one (a worker just started)."""
+        deadline = time.monotonic() + timeout_s
+        while (advert := self._adverts.get(worker_id)) is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            try:
+                await asyncio.wait_for(self._heard.wait(), left)
+            except TimeoutError:
+                return None
+        return advert
+
+    async def vouch(self, job: PrefillJob, timeout_s: float) -> DecodeAdvert:
+        """The advert that vouches for ``job``'s target; UnvouchedJobError saying what differs."""
+        advert = await self.wait_for(job.decode_worker_id, timeout_s)
+        if advert is None:
+            raise UnvouchedJobError(
+                f"decode worker {job.decode_worker_id!r} has not advertised on "
+                f"kvmesh.registry.advertise within {timeout_s:g} s; is it running?"
+            )
+        check_job_against_advert(job, advert, self.kv_spec)
+        return advert
+
+
+def check_job_against_advert(job: PrefillJob, advert: DecodeAdvert, kv_spec: str) -> None:
+    """Raise UnvouchedJobError unless ``job`` targets blocks of ``advert``'s pool."""
+    who = f"decode worker {advert.worker_id!r}"
+    if advert.kv_spec != kv_spec:
+        raise KVSpecMismatchError(
+            f"KV spec mismatch: this prefill worker has {kv_spec}, {who} has {advert.kv_spec}; "
+            "run both with the same model, dtype and block size"
+        )
+    if job.descriptor != advert.descriptor:
+        raise UnvouchedJobError(f"the job's transport descriptor is not the one {who} advertises")
+    if job.rkey != advert.rkey or job.block_bytes != advert.block_bytes:
+        raise UnvouchedJobError(
+            f"the job's rkey/block_bytes ({job.rkey}, {job.block_bytes}) are not {who}'s "
+            f"({advert.rkey}, {advert.block_bytes})"
+        )
+    for addr in job.block_addrs:
+        offset = addr - advert.base_addr
+        if (
+            offset < 0
+            or offset % advert.block_bytes
+            or offset // advert.block_bytes >= (advert.total_blocks)
+        ):
+            raise UnvouchedJobError(f"block address {addr:#x} is not a block of {who}'s pool")
