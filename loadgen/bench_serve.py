@@ -1,0 +1,243 @@
+"""``kvmesh bench serve``: open-loop load against any OpenAI-compatible endpoint.
+
+Sends ``--num-prompts`` streamed requests at arrival times from a Poisson, gamma (``--burstiness``)
+or constant process at each ``--request-rate`` of a sweep (or from a ``--trace``), with prompts of
+exact token lengths made with the served model's tokenizer (or from a ShareGPT ``--dataset``), and
+reports TTFT, TPOT, ITL and E2E percentiles, throughputs, goodput under ``--slo`` and every failure
+by kind; ``--result-json`` keeps every request's timings, ``--plot-dir`` draws them.
+
+``--compare colocated,disagg`` starts a local kvmesh-tiny mesh of each mode in turn (on the same
+``--mesh-cpus``), runs the identical workload (same seed: same prompts, same arrivals) against each
+and prints them side by side with the ratio of each mode to the first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import importlib.util
+import math
+import os
+import random
+import statistics
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from loadgen.bench_serve_config import ServeBenchConfig, add_arguments, config_from_args
+from loadgen.serve_report import RunResult, format_comparison, format_summary, rate_text
+
+
+def register_serve(sub: Any) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "serve",
+        help="open-loop load on an OpenAI-compatible endpoint (TTFT/ITL/goodput; --compare modes)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_arguments(p)
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        print(f"kvmesh bench serve: {exc}", file=sys.stderr)
+        return 2
+    if config.plot_dir is not None and importlib.util.find_spec("matplotlib") is None:
+        from loadgen.plots import INSTALL_HINT
+
+        print(f"kvmesh bench serve: {INSTALL_HINT}", file=sys.stderr)
+        return 2
+    from loadgen.workload import WorkloadError
+
+    try:
+        prompts, trace_times = build_workload(config)
+    except (WorkloadError, ValueError) as exc:
+        print(f"kvmesh bench serve: {exc}", file=sys.stderr)
+        return 2
+    results: list[RunResult] = []
+    for label in config.compare or ("run",):
+        with _target(config, label) as base_url:
+            status = _sweep(config, label, base_url, prompts, trace_times, results)
+            if status:
+                return status
+    if len(results) > 1:
+        print("\n" + format_comparison(results))
+    _write_outputs(config, prompts, results)
+    return 1 if any(r.summary.num_completed == 0 for r in results) else 0
+
+
+def build_workload(config: ServeBenchConfig) -> tuple[list[Any], list[float] | None]:
+    """The prompts (same for every rate and target) and, for a trace, its arrival times."""
+    from loadgen import arrivals, workload
+    from shared.model.loader import load_config_and_tokenizer
+
+    _, tokenizer = load_config_and_tokenizer(config.tokenizer or config.model)
+    rng = random.Random(f"{config.seed}:prompts")
+    as_text = config.endpoint_path == "/v1/chat/completions" or config.prompt_format == "text"
+    if config.trace is not None:
+        records = arrivals.load_trace(config.trace)[: config.num_prompts]
+        lengths = [(r.input_len, r.output_len) for r in records]
+        prompts = workload.random_prompts(tokenizer, lengths, rng, as_text=as_text)
+        return prompts, arrivals.trace_arrival_times(records)
+    num = config.num_prompts or 100
+    if config.dataset is not None:
+        pairs = workload.load_sharegpt(config.dataset)
+        return workload.sharegpt_prompts(
+            tokenizer, pairs, num, rng, output_len=config.output_len
+        ), None
+    lengths = workload.sample_lengths(
+        num,
+        workload.LengthSpec.parse(config.input_len, config.input_len_range),
+        workload.LengthSpec.parse(config.output_len or 64, config.output_len_range),
+        rng,
+        long_input_len=config.long_input_len,
+        long_fraction=config.long_fraction,
+    )
+    return workload.random_prompts(tokenizer, lengths, rng, as_text=as_text), None
+
+
+@contextlib.contextmanager
+def _target(config: ServeBenchConfig, label: str) -> Iterator[str]:
+    """The base URL to load: ``--base-url``, or a fresh local mesh of mode ``label``."""
+    if not config.compare:
+        yield config.base_url
+        return
+    from loadgen.bench_mesh import local_mesh
+
+    print(f"kvmesh bench serve: starting a {label} mesh", file=sys.stderr)
+    with contextlib.ExitStack() as stack:
+        saved = os.sched_getaffinity(0)
+        if config.mesh_cpus:
+            os.sched_setaffinity(0, config.mesh_cpus)  # the mesh's processes inherit it
+        try:
+            mesh = stack.enter_context(
+                local_mesh(
+                    label,
+                    config.transport,
+                    env=dict(config.mesh_env),
+                    local_prefill_threshold=config.local_prefill_threshold,
+                )
+            )
+        finally:
+            os.sched_setaffinity(0, saved)  # the load generator keeps its own CPUs
+        yield mesh.url
+
+
+def _sweep(
+    config: ServeBenchConfig,
+    label: str,
+    base_url: str,
+    prompts: Sequence[Any],
+    trace_times: list[float] | None,
+    results: list[RunResult],
+) -> int:
+    import asyncio
+
+    from loadgen.arrivals import ArrivalProcess, arrival_times
+    from loadgen.progress import ProgressBar
+    from loadgen.serve_metrics import summarize
+    from loadgen.sse_client import run_requests, send_request
+
+    endpoint = config.endpoint(base_url)
+    if config.num_warmups:
+        warmup = dataclasses.replace(prompts[0], output_len=min(prompts[0].output_len, 8))
+        for _ in range(config.num_warmups):
+            record = asyncio.run(_one(send_request, endpoint, warmup, config.timeout_s))
+            if not record.is_ok:
+                print(
+                    f"kvmesh bench serve: the warm-up request to {endpoint.url} failed "
+                    f"({record.error}: {record.detail}); is the server up and serving "
+                    f"{config.model!r}?",
+                    file=sys.stderr,
+                )
+                return 1
+    rates: Sequence[float | None] = (None,) if trace_times is not None else config.request_rates
+    for rate in rates:
+        if rate is None:
+            times = trace_times or []
+        else:
+            process = ArrivalProcess(config.arrival, rate, config.burstiness)
+            times = arrival_times(process, len(prompts), random.Random(f"{config.seed}:arrivals"))
+        bar = ProgressBar(len(prompts), f"{label} @ {rate_text(rate)}")
+        records, duration_s = asyncio.run(
+            run_requests(
+                endpoint,
+                prompts,
+                times,
+                timeout_s=config.timeout_s,
+                max_concurrency=config.max_concurrency,
+                on_record=bar.update,
+            )
+        )
+        bar.close()
+        result = RunResult(label, rate, summarize(records, duration_s, config.slo), tuple(records))
+        print(format_summary(result))
+        results.append(result)
+    return 0
+
+
+async def _one(send: Any, endpoint: Any, prompt: Any, timeout_s: float) -> Any:
+    import time
+
+    import aiohttp
+
+    async with aiohttp.ClientSession() as session:
+        return await send(
+            session, endpoint, prompt, origin=time.perf_counter(), timeout_s=timeout_s
+        )
+
+
+def _write_outputs(
+    config: ServeBenchConfig, prompts: Sequence[Any], results: list[RunResult]
+) -> None:
+    if config.result_json is not None:
+        import orjson
+
+        from loadgen.serve_report import result_json
+
+        body = result_json(config.to_json(), results)
+        config.result_json.parent.mkdir(parents=True, exist_ok=True)
+        config.result_json.write_bytes(orjson.dumps(body, option=orjson.OPT_INDENT_2))
+        print(f"results: {config.result_json}", file=sys.stderr)
+    if config.plot_dir is not None:
+        for path in _plot(config, prompts, results):
+            print(f"plot: {path}", file=sys.stderr)
+
+
+def _plot(config: ServeBenchConfig, prompts: Sequence[Any], results: list[RunResult]) -> list[Path]:
+    from loadgen import plots
+
+    plot_dir = config.plot_dir
+    assert plot_dir is not None
+    plot_dir.mkdir(parents=True, exist_ok=True)
+    long_len = long_prompt_threshold([p.input_len for p in prompts], config.long_input_len)
+    rates = list(dict.fromkeys(r.rate for r in results))
+    written = []
+    for rate in rates:
+        runs = {r.label: r.records for r in results if r.rate == rate}
+        suffix = f"_rate-{rate_text(rate).removesuffix(' req/s')}" if len(rates) > 1 else ""
+        written.append(plots.latency_cdfs(runs, plot_dir / f"latency_cdf{suffix}.png"))
+        written.append(plots.token_gaps(runs, plot_dir / f"token_gaps{suffix}.png", long_len))
+    if len(rates) > 1:
+        sweeps: dict[str, list[Any]] = {}
+        for r in results:
+            sweeps.setdefault(r.label, []).append((r.rate, r.summary))
+        written.append(plots.goodput_vs_rate(sweeps, plot_dir / "goodput_vs_rate.png"))
+    return written
+
+
+def long_prompt_threshold(input_lens: Sequence[int], long_input_len: int | None) -> int | None:
+    """Prompts this long get an arrival line in the gap plot: ``--long-input-len`` when set, else
+    twice the median length when some prompt reaches it (a mix of short and long), else none."""
+    if long_input_len is not None:
+        return long_input_len
+    if not input_lens:
+        return None
+    threshold = math.ceil(2 * statistics.median(input_lens))
+    return threshold if max(input_lens) >= threshold else None

@@ -1,0 +1,265 @@
+"""``kvmesh bench serve``'s flags and the one validated config they make (no I/O, no heavy imports:
+``kvmesh --help`` builds this parser)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from loadgen.arrivals import ARRIVAL_KINDS, ArrivalProcess, parse_rates
+from loadgen.serve_metrics import Slo
+from loadgen.sse_client import CHAT, COMPLETIONS, Endpoint
+from loadgen.workload import LengthSpec
+
+TINY_MODEL = "kvmesh-tiny"
+MESH_MODES = ("colocated", "disagg")
+
+
+@dataclass(frozen=True, slots=True)
+class ServeBenchConfig:
+    base_url: str = "http://127.0.0.1:8000"
+    endpoint_path: str = COMPLETIONS
+    model: str = TINY_MODEL
+    tokenizer: str | None = None  # None: the model's
+    api_key: str | None = None
+    dataset: Path | None = None  # ShareGPT JSON
+    trace: Path | None = None  # JSONL of timestamp, input_len, output_len
+    num_prompts: int | None = None  # None: 100, or every record of a trace
+    input_len: int = 128
+    input_len_range: str | None = None
+    output_len: int | None = None  # None: 64, or a ShareGPT reply's length
+    output_len_range: str | None = None
+    long_input_len: int | None = None
+    long_fraction: float = 0.0
+    prompt_format: Literal["ids", "text"] = "ids"
+    request_rates: tuple[float, ...] = (math.inf,)
+    arrival: Literal["poisson", "gamma", "constant"] = "poisson"
+    burstiness: float = 1.0
+    max_concurrency: int | None = None
+    seed: int = 0
+    slo: Slo = field(default_factory=Slo)
+    timeout_s: float = 600.0
+    temperature: float = 0.0
+    ignore_eos: bool = True
+    extra_body: Mapping[str, Any] = field(default_factory=dict)
+    num_warmups: int = 1
+    result_json: Path | None = None
+    plot_dir: Path | None = None
+    compare: tuple[str, ...] = ()
+    transport: Literal["auto", "shm", "tcp", "rdma"] = "auto"
+    mesh_env: tuple[tuple[str, str], ...] = ()
+    mesh_cpus: frozenset[int] = frozenset()
+    local_prefill_threshold: int = 0
+
+    def __post_init__(self) -> None:
+        positive = ("input_len", "output_len", "num_prompts", "max_concurrency", "long_input_len")
+        for name in positive:
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"--timeout-s must be > 0, got {self.timeout_s}")
+        if self.num_warmups < 0:
+            raise ValueError(f"--warmups must be >= 0, got {self.num_warmups}")
+        if self.dataset is not None and self.trace is not None:
+            raise ValueError("--dataset and --trace are two workloads; give one")
+        LengthSpec.parse(self.input_len, self.input_len_range)
+        LengthSpec.parse(self.output_len or 1, self.output_len_range)
+        if not 0 <= self.long_fraction <= 1:
+            raise ValueError(f"--long-fraction must be in [0, 1], got {self.long_fraction}")
+        if self.long_fraction and self.long_input_len is None:
+            raise ValueError("--long-fraction needs --long-input-len")
+        for rate in self.request_rates:
+            ArrivalProcess(self.arrival, rate, self.burstiness)
+        self.endpoint(self.base_url)
+        unknown = [m for m in self.compare if m not in MESH_MODES]
+        if unknown or len(set(self.compare)) != len(self.compare):
+            raise ValueError(
+                f"--compare takes distinct modes of {', '.join(MESH_MODES)}, got {','.join(self.compare)}"
+            )
+        if self.compare and self.model != TINY_MODEL:
+            raise ValueError(
+                f"--compare starts local {TINY_MODEL} meshes; leave --model at {TINY_MODEL}"
+            )
+
+    def endpoint(self, base_url: str) -> Endpoint:
+        return Endpoint(
+            base_url=base_url,
+            model=self.model,
+            path=self.endpoint_path,
+            temperature=self.temperature,
+            ignore_eos=self.ignore_eos,
+            send_ids=self.prompt_format == "ids",
+            api_key=self.api_key,
+            extra_body=self.extra_body,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        out = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, Path):
+                value = str(value)
+            elif isinstance(value, Slo):
+                value = dataclasses.asdict(value)
+            elif f.name == "request_rates":
+                value = ["inf" if math.isinf(r) else r for r in value]
+            elif f.name == "mesh_cpus":
+                value = sorted(value)
+            elif f.name == "api_key" and value:
+                value = "<set>"
+            elif isinstance(value, Mapping):
+                value = dict(value)
+            out[f.name] = value
+        return out
+
+
+def parse_cpus(text: str) -> frozenset[int]:
+    """``"0-3,8"`` -> {0, 1, 2, 3, 8}."""
+    cpus: set[int] = set()
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        low, _, high = part.partition("-")
+        try:
+            first, last = int(low), int(high or low)
+        except ValueError:
+            raise ValueError(f"--mesh-cpus {text!r}: expected a list like 0-3,8") from None
+        if first < 0 or last < first:
+            raise ValueError(f"--mesh-cpus {text!r}: bad range {part!r}")
+        cpus.update(range(first, last + 1))
+    return frozenset(cpus)
+
+
+def config_from_args(args: argparse.Namespace) -> ServeBenchConfig:
+    import orjson
+
+    if args.trace is not None and args.request_rate is not None:
+        raise ValueError("--trace replays its own timestamps; leave out --request-rate")
+    try:
+        extra_body = orjson.loads(args.extra_body) if args.extra_body else {}
+    except orjson.JSONDecodeError as exc:
+        raise ValueError(f"--extra-body is not JSON: {exc}") from None
+    if not isinstance(extra_body, dict):
+        raise ValueError("--extra-body must be a JSON object")
+    mesh_env = []
+    for item in args.mesh_env:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--mesh-env {item!r}: expected KEY=VALUE")
+        mesh_env.append((key, value))
+    return ServeBenchConfig(
+        base_url=args.base_url,
+        endpoint_path=args.endpoint,
+        model=args.model,
+        tokenizer=args.tokenizer,
+        api_key=args.api_key,
+        dataset=args.dataset,
+        trace=args.trace,
+        num_prompts=args.num_prompts,
+        input_len=args.input_len,
+        input_len_range=args.input_len_range,
+        output_len=args.output_len,
+        output_len_range=args.output_len_range,
+        long_input_len=args.long_input_len,
+        long_fraction=args.long_fraction,
+        prompt_format=args.prompt_format,
+        request_rates=parse_rates(args.request_rate or "inf"),
+        arrival=args.arrival,
+        burstiness=args.burstiness,
+        max_concurrency=args.max_concurrency,
+        seed=args.seed,
+        slo=Slo.parse(args.slo or ""),
+        timeout_s=args.timeout_s,
+        temperature=args.temperature,
+        ignore_eos=not args.no_ignore_eos,
+        extra_body=extra_body,
+        num_warmups=args.warmups,
+        result_json=args.result_json,
+        plot_dir=args.plot_dir,
+        compare=tuple(m.strip() for m in args.compare.split(",")) if args.compare else (),
+        transport=args.transport,
+        mesh_env=tuple(mesh_env),
+        mesh_cpus=parse_cpus(args.mesh_cpus or ""),
+        local_prefill_threshold=args.local_prefill_threshold,
+    )
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    target = p.add_argument_group("target")
+    target.add_argument("--base-url", default="http://127.0.0.1:8000", help="server to load")
+    target.add_argument("--endpoint", default=COMPLETIONS, choices=(COMPLETIONS, CHAT))
+    target.add_argument("--model", default=TINY_MODEL, help="model name sent in every request")
+    target.add_argument(
+        "--tokenizer",
+        help="kvmesh-tiny or a local HF checkpoint directory whose tokenizer makes the prompts "
+        "(default: --model)",
+    )
+    target.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
+    target.add_argument("--temperature", type=float, default=0.0)
+    target.add_argument(
+        "--no-ignore-eos",
+        action="store_true",
+        help="leave ignore_eos out of the body (servers without it may stop before max_tokens)",
+    )
+    target.add_argument(
+        "--extra-body", help="JSON merged into every body, e.g. '{\"min_tokens\": 128}' for vLLM"
+    )
+    target.add_argument("--timeout-s", type=float, default=600.0, help="per request")
+    target.add_argument("--warmups", type=int, default=1, help="untimed requests first")
+
+    load = p.add_argument_group("workload")
+    load.add_argument("--num-prompts", type=int, help="default 100 (a trace: all its records)")
+    load.add_argument("--input-len", type=int, default=128, help="prompt tokens")
+    load.add_argument(
+        "--input-len-range", help="R: uniform in len*(1-R)..len*(1+R); MIN:MAX: uniform in MIN..MAX"
+    )
+    load.add_argument("--output-len", type=int, help="max_tokens (default 64; ShareGPT: reply's)")
+    load.add_argument("--output-len-range", help="as --input-len-range, for --output-len")
+    load.add_argument("--long-input-len", type=int, help="length of the long prompts mixed in")
+    load.add_argument("--long-fraction", type=float, default=0.0, help="share of long prompts")
+    load.add_argument(
+        "--prompt-format",
+        default="ids",
+        choices=("ids", "text"),
+        help="/v1/completions prompts as token-id lists or text (chat always sends text)",
+    )
+    load.add_argument("--dataset", type=Path, help="ShareGPT-format JSON file (local)")
+    load.add_argument(
+        "--trace", type=Path, help='JSONL of {"timestamp": s, "input_len": n, "output_len": n}'
+    )
+    load.add_argument("--seed", type=int, default=0, help="same seed: same prompts and arrivals")
+
+    arrivals = p.add_argument_group("arrivals")
+    arrivals.add_argument(
+        "--request-rate", help="req/s, or a comma list for a sweep; inf: all at once (default)"
+    )
+    arrivals.add_argument("--arrival", default="poisson", choices=ARRIVAL_KINDS)
+    arrivals.add_argument(
+        "--burstiness", type=float, default=1.0, help="gamma shape (< 1: burstier; 1: Poisson)"
+    )
+    arrivals.add_argument("--max-concurrency", type=int, help="cap on requests in flight")
+
+    out = p.add_argument_group("results")
+    out.add_argument(
+        "--slo", help="goodput objectives, e.g. ttft_ms=500,itl_ms=50,e2e_ms=10000 (itl: TPOT)"
+    )
+    out.add_argument("--result-json", type=Path, help="write every figure and request here")
+    out.add_argument("--plot-dir", type=Path, help="write PNG plots here (needs matplotlib)")
+
+    mesh = p.add_argument_group("compare (local meshes instead of --base-url)")
+    mesh.add_argument("--compare", help="mesh modes to run in turn, e.g. colocated,disagg")
+    mesh.add_argument("--transport", default="auto", choices=("auto", "shm", "tcp", "rdma"))
+    mesh.add_argument(
+        "--mesh-env", action="append", default=[], help="KEY=VALUE for every mesh service"
+    )
+    mesh.add_argument("--mesh-cpus", help="pin the meshes to these CPUs, e.g. 0-7")
+    mesh.add_argument(
+        "--local-prefill-threshold",
+        type=int,
+        default=0,
+        help="disagg: prompts shorter than this prefill on the decode worker",
+    )

@@ -1,0 +1,197 @@
+"""``kvmesh bench serve`` end to end against the fake OpenAI server of test_loadgen_sse_client.py:
+flags, JSON results, plots, seeds, traces, datasets; and the comparison table's arithmetic."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+
+import orjson
+import pytest
+from test_loadgen_sse_client import fake_openai_server
+
+from loadgen.bench_serve import long_prompt_threshold
+from loadgen.serve_metrics import RequestRecord, summarize
+from loadgen.serve_report import RunResult, format_comparison
+from shared.cli import main
+
+HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def bench(url: str, *flags: str) -> int:
+    argv = ["bench", "serve", "--base-url", url, "--tokenizer", "kvmesh-tiny", *flags]
+    return main(argv)
+
+
+@pytest.fixture
+def server():
+    with fake_openai_server(ttft_s=0.01, gap_s=0.005) as fake:
+        yield fake
+
+
+def test_bench_serve_sweep_writes_json_plots_and_counts_failures(server, tmp_path, capsys):
+    result = tmp_path / "out" / "result.json"
+    flags = ["--model", "flaky", "--num-prompts", "6", "--input-len", "16"]
+    flags += ["--input-len-range", "8:32", "--output-len", "4", "--request-rate", "200,inf"]
+    flags += ["--slo", "ttft_ms=5000,itl_ms=5000", "--result-json", str(result)]
+    if HAS_MATPLOTLIB:
+        flags += ["--plot-dir", str(tmp_path / "plots")]
+    assert bench(server.url, *flags) == 0
+    body = orjson.loads(result.read_bytes())
+    assert [run["request_rate"] for run in body["runs"]] == [200.0, "inf"]
+    for run in body["runs"]:
+        summary = run["summary"]
+        # "flaky" answers every third request (the warm-up is the first) with HTTP 429
+        assert summary["failures"] == {"http_429": 2}
+        assert (summary["num_requests"], summary["num_completed"]) == (6, 4)
+        assert summary["num_good"] == 4 and summary["goodput"] > 0
+        assert summary["total_output_tokens"] == 16
+        ok = [r for r in run["requests"] if r["error"] is None]
+        assert len(ok) == 4 and all(len(r["chunk_times"]) == 4 for r in ok)
+    assert body["config"]["request_rates"] == [200.0, "inf"]
+    sent = [b["prompt"] for b in server.bodies[1:]]  # after the warm-up
+    assert len(sent) == 12 and all(8 <= len(p) <= 32 for p in sent)
+    assert sent[:6] == sent[6:]  # every rate gets the same prompts
+    out = capsys.readouterr().out
+    assert "failures: http_429 2" in out and "inf req/s" in out
+    if HAS_MATPLOTLIB:
+        names = sorted(p.name for p in (tmp_path / "plots").iterdir())
+        assert names == [
+            "goodput_vs_rate.png",
+            "latency_cdf_rate-200.png",
+            "latency_cdf_rate-inf.png",
+            "token_gaps_rate-200.png",
+            "token_gaps_rate-inf.png",
+        ]
+        assert all((tmp_path / "plots" / n).read_bytes()[:8] == PNG_MAGIC for n in names)
+
+
+def prompts_and_arrivals(url: str, server, tmp_path, seed: int, *flags: str):
+    start = len(server.bodies)
+    result = tmp_path / f"seed{seed}.json"
+    flags = ("--model", "ok", "--num-prompts", "5", "--output-len", "2", *flags)
+    assert bench(url, *flags, "--request-rate", "50", "--seed", str(seed), "--warmups", "0",
+                 "--result-json", str(result)) == 0  # fmt: skip
+    bodies = sorted(server.bodies[start:], key=lambda b: str(b))
+    run = orjson.loads(result.read_bytes())["runs"][0]
+    return bodies, [r["arrival_s"] for r in run["requests"]]
+
+
+def test_same_seed_repeats_prompts_and_arrivals_exactly(server, tmp_path):
+    first = prompts_and_arrivals(server.url, server, tmp_path, 7)
+    again = prompts_and_arrivals(server.url, server, tmp_path, 7)
+    other = prompts_and_arrivals(server.url, server, tmp_path, 8)
+    assert first == again
+    assert first[0] != other[0] and first[1] != other[1]
+
+
+def test_chat_endpoint_sends_text_of_the_asked_length(server, tmp_path):
+    from shared.model.tiny import tiny_tokenizer
+
+    bodies, _ = prompts_and_arrivals(
+        server.url, server, tmp_path, 1, "--endpoint", "/v1/chat/completions", "--input-len", "40"
+    )
+    tokenizer = tiny_tokenizer()
+    for body in bodies:
+        text = body["messages"][0]["content"]
+        assert len(tokenizer.encode(text, add_special_tokens=False)) == 40
+
+
+def test_trace_replays_lengths_and_timestamps(server, tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    rows = [(5.0, 12, 3), (5.05, 30, 2), (5.1, 7, 4)]
+    trace.write_text(
+        "".join(
+            orjson.dumps({"timestamp": t, "input_len": n, "output_len": m}).decode() + "\n"
+            for t, n, m in rows
+        )
+    )
+    result = tmp_path / "trace.json"
+    flags = ["--model", "ok", "--trace", str(trace), "--warmups", "0"]
+    assert bench(server.url, *flags, "--result-json", str(result)) == 0
+    run = orjson.loads(result.read_bytes())["runs"][0]
+    assert run["request_rate"] is None
+    assert [r["arrival_s"] for r in run["requests"]] == pytest.approx([0.0, 0.05, 0.1])
+    assert [(len(b["prompt"]), b["max_tokens"]) for b in server.bodies] == [
+        (n, m) for _, n, m in rows
+    ]
+
+
+def test_sharegpt_dataset_sends_the_conversation_prompts(server, tmp_path):
+    data = [
+        {"conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": "an answer"}]}
+        for q in ("first question here", "second question here")
+    ]
+    path = tmp_path / "sharegpt.json"
+    path.write_bytes(orjson.dumps(data))
+    flags = ["--model", "ok", "--dataset", str(path), "--num-prompts", "2", "--warmups", "0"]
+    assert bench(server.url, *flags, "--prompt-format", "text") == 0
+    assert sorted(b["prompt"] for b in server.bodies) == [
+        "first question here",
+        "second question here",
+    ]
+    assert {b["max_tokens"] for b in server.bodies} == {len("an answer")}
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--trace", "t.jsonl", "--request-rate", "1"], "leave out --request-rate"),
+        (["--compare", "colocated,turbo"], "--compare takes distinct modes"),
+        (["--compare", "disagg", "--model", "other"], "leave --model at kvmesh-tiny"),
+        (["--slo", "ttft=1"], "SLO"),
+        (["--request-rate", "0"], "request rate"),
+        (["--burstiness", "2"], "burstiness applies to gamma"),
+        (["--input-len-range", "9:3"], "length range"),
+        (["--extra-body", "[1]"], "JSON object"),
+    ],
+)
+def test_bad_flags_exit_2_with_a_message(flags, message, capsys):
+    assert bench("http://127.0.0.1:9", *flags) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_failed_warmup_exits_1_and_says_why(server, capsys):
+    assert bench(server.url, "--model", "rate-limited", "--num-prompts", "2") == 1
+    err = capsys.readouterr().err
+    assert "warm-up request" in err and "http_429" in err
+
+
+def test_building_the_cli_parser_imports_no_client_or_plot_library():
+    code = (
+        "import sys; from shared.cli import build_parser; build_parser(); "
+        "print(sorted(m for m in ('aiohttp', 'matplotlib', 'torch') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def summary_of(ttft_s: float, gap_s: float, failed: int = 0):
+    chunks = (ttft_s, ttft_s + gap_s, ttft_s + 2 * gap_s)
+    ok = [RequestRecord(i, 0.0, 0.0, chunks[-1], 8, 3, 3, chunks) for i in range(2)]
+    bad = [RequestRecord(9, 0.0, 0.0, 0.1, 8, 3, 0, (), error="timeout")] * failed
+    return summarize(ok + bad, duration_s=1.0)
+
+
+def test_comparison_table_gives_each_mode_and_the_ratio_to_the_first():
+    results = [
+        RunResult("colocated", 4.0, summary_of(0.1, 0.05), ()),
+        RunResult("disagg", 4.0, summary_of(0.2, 0.01, failed=1), ()),
+    ]
+    table = format_comparison(results).splitlines()
+    assert table[0].split()[:6] == ["rate", "mode", "p50", "TTFT", "ms", "p99"]
+    colocated, disagg, ratio = (line.split() for line in table[1:])
+    assert colocated[:5] == ["4", "req/s", "colocated", "100.00", "100.00"]
+    assert disagg[2:5] == ["disagg", "200.00", "200.00"] and disagg[-1] == "1"
+    assert ratio[0] == "disagg/colocated"
+    assert ratio[1:6] == ["2.00x", "2.00x", "0.20x", "0.20x", "1.00x"]
+    assert ratio[7] == "-"  # failures: no ratio to zero
+
+
+def test_long_prompt_threshold_marks_only_a_mix_of_lengths():
+    assert long_prompt_threshold([16, 16, 16, 512], None) == 32
+    assert long_prompt_threshold([16, 16, 20], None) is None
+    assert long_prompt_threshold([16, 16], 100) == 100
+    assert long_prompt_threshold([], None) is None
