@@ -4,7 +4,9 @@ Sends ``--num-prompts`` streamed requests at arrival times from a Poisson, gamma
 or constant process at each ``--request-rate`` of a sweep (or from a ``--trace``), with prompts of
 exact token lengths made with the served model's tokenizer (or from a ShareGPT ``--dataset``), and
 reports TTFT, TPOT, ITL and E2E percentiles, throughputs, goodput under ``--slo`` and every failure
-by kind; ``--result-json`` keeps every request's timings, ``--plot-dir`` draws them.
+by kind; ``--result-json`` keeps every request's timings, ``--plot-dir`` draws them. Prompts come
+from ``--seed`` alone, arrivals from ``--seed`` and the rate: every rate of a sweep sends the same
+prompts, in the same (time-scaled) pattern of gaps.
 
 ``--compare colocated,disagg`` starts a local kvmesh-tiny mesh of each mode in turn (on the same
 ``--mesh-cpus``), runs the identical workload (same seed: same prompts, same arrivals) against each

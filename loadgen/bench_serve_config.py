@@ -212,7 +212,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     target.add_argument("--warmups", type=int, default=1, help="untimed requests first")
 
     load = p.add_argument_group("workload")
-    load.add_argument("--num-prompts", type=int, help="default 100 (a trace: all its records)")
+    load.add_argument(
+        "--num-prompts", type=int, help="default 100 (a trace: all its records, or the first N)"
+    )
     load.add_argument("--input-len", type=int, default=128, help="prompt tokens")
     load.add_argument(
         "--input-len-range", help="R: uniform in len*(1-R)..len*(1+R); MIN:MAX: uniform in MIN..MAX"

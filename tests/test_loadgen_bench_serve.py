@@ -4,6 +4,7 @@ flags, JSON results, plots, seeds, traces, datasets; and the comparison table's 
 from __future__ import annotations
 
 import importlib.util
+import io
 import subprocess
 import sys
 
@@ -12,6 +13,8 @@ import pytest
 from test_loadgen_sse_client import fake_openai_server
 
 from loadgen.bench_serve import long_prompt_threshold
+from loadgen.bench_serve_config import parse_cpus
+from loadgen.progress import ProgressBar
 from loadgen.serve_metrics import RequestRecord, summarize
 from loadgen.serve_report import RunResult, format_comparison
 from shared.cli import main
@@ -195,3 +198,22 @@ def test_long_prompt_threshold_marks_only_a_mix_of_lengths():
     assert long_prompt_threshold([16, 16, 20], None) is None
     assert long_prompt_threshold([16, 16], 100) == 100
     assert long_prompt_threshold([], None) is None
+
+
+def test_parse_cpus_reads_lists_and_ranges():
+    assert parse_cpus("0-3,8") == frozenset({0, 1, 2, 3, 8})
+    assert parse_cpus("") == frozenset()
+    for bad in ("a", "3-1", "-2"):
+        with pytest.raises(ValueError, match="--mesh-cpus"):
+            parse_cpus(bad)
+
+
+def test_progress_bar_prints_a_line_per_tenth_off_a_terminal():
+    stream = io.StringIO()
+    bar = ProgressBar(20, "run @ 1 req/s", stream=stream)
+    for i in range(20):
+        bar.update(RequestRecord(i, 0.0, 0.0, 0.1, 8, 3, 3, error="timeout" if i < 3 else None))
+    bar.close()
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 10
+    assert lines[-1].startswith("run @ 1 req/s [" + "=" * 30 + "] 20/20, 3 failed")
