@@ -29,7 +29,10 @@ from pathlib import Path
 from typing import Any
 
 from loadgen.bench_serve_config import ServeBenchConfig, add_arguments, config_from_args
+from loadgen.serve_metrics import RequestRecord, Summary
 from loadgen.serve_report import RunResult, format_comparison, format_summary, rate_text
+from loadgen.sse_client import Endpoint
+from loadgen.workload import Prompt
 
 
 def register_serve(sub: Any) -> argparse.ArgumentParser:
@@ -74,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
     return 1 if any(r.summary.num_completed == 0 for r in results) else 0
 
 
-def build_workload(config: ServeBenchConfig) -> tuple[list[Any], list[float] | None]:
+def build_workload(config: ServeBenchConfig) -> tuple[list[Prompt], list[float] | None]:
     """The prompts (same for every rate and target) and, for a trace, its arrival times."""
     from loadgen import arrivals, workload
     from shared.model.loader import load_config_and_tokenizer
@@ -135,7 +138,7 @@ def _sweep(
     config: ServeBenchConfig,
     label: str,
     base_url: str,
-    prompts: Sequence[Any],
+    prompts: Sequence[Prompt],
     trace_times: list[float] | None,
     results: list[RunResult],
 ) -> int:
@@ -144,13 +147,13 @@ def _sweep(
     from loadgen.arrivals import ArrivalProcess, arrival_times
     from loadgen.progress import ProgressBar
     from loadgen.serve_metrics import summarize
-    from loadgen.sse_client import run_requests, send_request
+    from loadgen.sse_client import run_requests
 
     endpoint = config.endpoint(base_url)
     if config.num_warmups:
         warmup = dataclasses.replace(prompts[0], output_len=min(prompts[0].output_len, 8))
         for _ in range(config.num_warmups):
-            record = asyncio.run(_one(send_request, endpoint, warmup, config.timeout_s))
+            record = asyncio.run(_warmup(endpoint, warmup, config.timeout_s))
             if not record.is_ok:
                 print(
                     f"kvmesh bench serve: the warm-up request to {endpoint.url} failed "
@@ -184,19 +187,21 @@ def _sweep(
     return 0
 
 
-async def _one(send: Any, endpoint: Any, prompt: Any, timeout_s: float) -> Any:
+async def _warmup(endpoint: Endpoint, prompt: Prompt, timeout_s: float) -> RequestRecord:
     import time
 
     import aiohttp
 
+    from loadgen.sse_client import send_request
+
     async with aiohttp.ClientSession() as session:
-        return await send(
+        return await send_request(
             session, endpoint, prompt, origin=time.perf_counter(), timeout_s=timeout_s
         )
 
 
 def _write_outputs(
-    config: ServeBenchConfig, prompts: Sequence[Any], results: list[RunResult]
+    config: ServeBenchConfig, prompts: Sequence[Prompt], results: list[RunResult]
 ) -> None:
     if config.result_json is not None:
         import orjson
@@ -212,7 +217,9 @@ def _write_outputs(
             print(f"plot: {path}", file=sys.stderr)
 
 
-def _plot(config: ServeBenchConfig, prompts: Sequence[Any], results: list[RunResult]) -> list[Path]:
+def _plot(
+    config: ServeBenchConfig, prompts: Sequence[Prompt], results: list[RunResult]
+) -> list[Path]:
     from loadgen import plots
 
     plot_dir = config.plot_dir
@@ -227,9 +234,10 @@ def _plot(config: ServeBenchConfig, prompts: Sequence[Any], results: list[RunRes
         written.append(plots.latency_cdfs(runs, plot_dir / f"latency_cdf{suffix}.png"))
         written.append(plots.token_gaps(runs, plot_dir / f"token_gaps{suffix}.png", long_len))
     if len(rates) > 1:
-        sweeps: dict[str, list[Any]] = {}
+        sweeps: dict[str, list[tuple[float, Summary]]] = {}
         for r in results:
-            sweeps.setdefault(r.label, []).append((r.rate, r.summary))
+            if r.rate is not None:  # a trace has no rate, and is never a sweep
+                sweeps.setdefault(r.label, []).append((r.rate, r.summary))
         written.append(plots.goodput_vs_rate(sweeps, plot_dir / "goodput_vs_rate.png"))
     return written
 

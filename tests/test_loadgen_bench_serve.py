@@ -217,3 +217,14 @@ def test_progress_bar_prints_a_line_per_tenth_off_a_terminal():
     lines = stream.getvalue().splitlines()
     assert len(lines) == 10
     assert lines[-1].startswith("run @ 1 req/s [" + "=" * 30 + "] 20/20, 3 failed")
+
+
+def test_plots_without_matplotlib_fail_up_front_with_the_install_command(monkeypatch, capsys):
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "matplotlib" else real_find_spec(name, *a),
+    )
+    assert bench("http://127.0.0.1:9", "--plot-dir", "plots") == 2
+    assert "pip install 'kvmesh[bench]'" in capsys.readouterr().err
