@@ -175,6 +175,16 @@ class Abort:
     reason: str = "client disconnected"
 
 
+@dataclass(frozen=True, slots=True)
+class LeaseRenew:
+    """Lease holder -> decode worker (and registry): still waiting for this prefill; keep the
+    blocks ``lease_ms`` more. A lease ends when its holder stops renewing, not when work is slow."""
+
+    request_id: str
+    lease_id: str
+    lease_ms: int
+
+
 # --- workers, registry, admin -----------------------------------------------------------------
 
 

@@ -39,6 +39,14 @@ def decode_prefill_done(worker_id: str) -> str:
     return f"{PREFIX}.decode.{worker_id}.prefill_done"
 
 
+def decode_lease_renew(worker_id: str) -> str:
+    """router (the lease holder) -> decode worker and kv-registry (publish): LeaseRenew."""
+    return f"{PREFIX}.decode.{worker_id}.lease_renew"
+
+
+DECODE_LEASE_RENEW_ALL = f"{PREFIX}.decode.*.lease_renew"
+
+
 def worker_control(worker_id: str) -> str:
     """kv-registry -> one worker (request/reply): WorkerControl (drain / resume)."""
     return f"{PREFIX}.worker.{worker_id}.control"

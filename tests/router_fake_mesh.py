@@ -19,6 +19,7 @@ from shared.model.tiny import tiny_config
 from shared.nats_service import connect_nats
 from shared.protocol import (
     Abort,
+    LeaseRenew,
     PlaceReply,
     PlaceRequest,
     PrefillJob,
@@ -37,12 +38,14 @@ class FakeMesh:
     eos_at_end: bool = True  # after reply_text: EOS ("stop"); else repeat it until max_tokens
     token_delay_s: float = 0.0
     retry_after_s: float = 0.0  # > 0: refuse placement as overloaded
+    overloaded_places: int = -1  # with retry_after_s: refuse this many, then place (-1: all)
     refuse_error: str = ""  # non-empty: refuse placement without retry
     hold_tokens: bool = False  # place, but never produce tokens
     fail_with: str = ""  # end each request with finish_reason "error" after the first token
     places: list[PlaceRequest] = field(default_factory=list)
     jobs: list[PrefillJob] = field(default_factory=list)
     aborts: list[Abort] = field(default_factory=list)
+    renewals: list[LeaseRenew] = field(default_factory=list)
     aborted: asyncio.Event = field(default_factory=asyncio.Event)
     _tasks: dict[str, asyncio.Task] = field(default_factory=dict)
 
@@ -64,6 +67,7 @@ class FakeMesh:
                     subjects.PREFILL_JOBS, queue=subjects.PREFILL_QUEUE, cb=self._on_job
                 ),
                 await nc.subscribe(subjects.ABORT, cb=self._on_abort),
+                await nc.subscribe(subjects.DECODE_LEASE_RENEW_ALL, cb=self._on_renew),
             ]
             await nc.flush()
             try:
@@ -75,10 +79,16 @@ class FakeMesh:
                     task.cancel()
                 await asyncio.gather(*self._tasks.values(), return_exceptions=True)
 
+    async def _on_renew(self, msg) -> None:
+        self.renewals.append(protocol.decode(msg.data, LeaseRenew))
+
     async def _on_place(self, msg) -> None:
         place = protocol.decode(msg.data, PlaceRequest)
         self.places.append(place)
-        if self.retry_after_s > 0 or self.refuse_error:
+        overloaded = self.retry_after_s > 0 and (
+            self.overloaded_places < 0 or len(self.places) <= self.overloaded_places
+        )
+        if overloaded or self.refuse_error:
             reply = PlaceReply(
                 ok=False,
                 request_id=place.request_id,

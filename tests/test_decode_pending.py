@@ -360,3 +360,49 @@ def test_decode_config_from_flags_and_env():
         config_from_args(DecodeConfig, None, {"KVMESH_DEVICE": "cuda", "KVMESH_TRANSPORT": "tcp"})
     with pytest.raises(ConfigError, match="num_blocks must be in"):
         config_from_args(DecodeConfig, None, {"KVMESH_NUM_BLOCKS": str((1 << 20) + 1)})
+
+
+def test_renewal_moves_the_deadline_and_only_for_the_lease_holder():
+    table = _table(deadline=10.0)
+    assert table.renew("r1", "l1", 25.0)
+    assert table.expire(20.0) == []  # renewed: alive past its first deadline
+    assert not table.renew("r1", "other-lease", 99.0)
+    assert not table.renew("nobody", "l1", 99.0)
+    assert table.renew("r1", "l1", 12.0)  # never earlier than it was
+    [verdict] = table.expire(25.0)
+    assert not verdict.ok and "lease ran out" in verdict.error
+    assert not table.renew("r1", "l1", 99.0)  # an expired lease stays expired
+
+
+async def test_worker_lease_renewal_keeps_a_slow_prefill_alive(decode_worker):
+    worker, _, now = decode_worker
+    assert (await worker.reserve(_reserve("a", 40, lease_ms=1000))).ok
+    for _ in range(5):  # 5 s of queueing, renewed every 0.5 s
+        now[0] += 0.5
+        assert worker.renew("a", "La", 1000)
+        assert await worker.expire_leases() == 0
+    now[0] += 1.5  # the holder stopped renewing
+    assert await worker.expire_leases() == 1
+
+
+async def test_local_prefill_reserve_answers_while_a_step_holds_the_engine(decode_worker):
+    worker, rec, _ = decode_worker
+    async with worker._lock:  # what a long colocated step does for its whole duration
+        reply = await asyncio.wait_for(worker.reserve(_reserve("c", 40, local=True)), 0.5)
+        assert reply.ok
+        assert (await asyncio.wait_for(worker.reserve(_reserve("c", 40, local=True)), 0.5)).error
+        bad = await asyncio.wait_for(worker.reserve(_reserve("d", 300, local=True)), 0.5)
+        assert not bad.ok and "outside the vocabulary" in bad.error
+    await _run_until_idle(worker)
+    assert rec.tokens("c")[-1].finish_reason == "length"
+    assert worker.engine.block_manager.num_free_blocks == 64
+
+
+async def test_abort_of_an_accepted_local_request_before_it_starts(decode_worker):
+    worker, rec, _ = decode_worker
+    async with worker._lock:
+        assert (await worker.reserve(_reserve("c", 40, local=True))).ok
+        await worker.abort("c")
+    assert rec.tokens("c")[-1].finish_reason == "abort"
+    await _run_until_idle(worker)
+    assert "c" not in worker.engine.seqs

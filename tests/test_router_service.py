@@ -198,19 +198,43 @@ async def test_cancelled_non_stream_request_publishes_abort(nats_server):
     assert abort.reason == "client disconnected"
 
 
-async def test_overloaded_mesh_is_429_with_retry_after(nats_server):
-    mesh = FakeMesh(nats_server, retry_after_s=1.5)
-    async with mesh_and_router(nats_server, mesh) as (_, _, http):
-        resp = await http.post(
-            "/v1/chat/completions",
-            json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream": True},
-        )
+async def test_overloaded_mesh_queues_the_request_until_there_is_room(nats_server):
+    mesh = FakeMesh(nats_server, retry_after_s=0.1, overloaded_places=3)
+    async with mesh_and_router(nats_server, mesh) as (_, running, http):
+        resp = await http.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
         body = await resp.json()
-    assert resp.status == 429
-    assert resp.headers["Retry-After"] == "2"
-    assert body["error"]["code"] == "rate_limit_exceeded"
-    assert set(body["error"]) == {"message", "type", "param", "code"}
-    assert mesh.aborts == []  # nothing was reserved
+        metrics = running.router.metrics
+    assert resp.status == 200, body
+    assert len(mesh.places) == 4  # three "at capacity" answers, then placed
+    assert body["choices"][0]["text"]
+    assert metrics.waiting.value == 0
+
+
+async def test_request_that_never_finds_room_is_504_after_its_timeout(nats_server):
+    mesh = FakeMesh(nats_server, retry_after_s=0.1)
+    async with mesh_and_router(nats_server, mesh, first_token_timeout_s=1.0) as (_, _, http):
+        resp = await http.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
+        body = await resp.json()
+    assert resp.status == 504 and "no room" in body["error"]["message"]
+    assert len(mesh.places) >= 2 and mesh.aborts == []  # nothing was reserved
+
+
+async def test_router_renews_the_lease_until_the_first_token(nats_server):
+    mesh = FakeMesh(nats_server, hold_tokens=True)
+    prompt = "y" * 200  # above the local-prefill threshold: remote prefill under a lease
+    async with mesh_and_router(nats_server, mesh, lease_ms=150) as (_, _, http):
+        with pytest.raises(asyncio.TimeoutError):
+            await http.post(
+                "/v1/completions",
+                json={"model": MODEL, "prompt": prompt},
+                timeout=aiohttp.ClientTimeout(total=0.6),
+            )
+        renewals = list(mesh.renewals)
+        await mesh.wait_for_abort()
+        await asyncio.sleep(0.2)
+    assert len(renewals) >= 3
+    assert {(r.lease_id, r.lease_ms) for r in renewals} == {(mesh.jobs[0].lease_id, 150)}
+    assert len(mesh.renewals) <= len(renewals) + 1  # stopped once the request was aborted
 
 
 async def test_refused_placement_is_503(nats_server):
@@ -286,14 +310,15 @@ async def test_bad_input_gets_openai_error_shape(nats_server, path, body, status
     assert f'endpoint="{path}",status="{status}"' in metrics
 
 
-async def test_concurrent_requests_beyond_the_limit_are_503(nats_server):
+async def test_requests_beyond_the_admission_limit_are_429_with_retry_after(nats_server):
     mesh = FakeMesh(nats_server, token_delay_s=0.02)
     async with mesh_and_router(nats_server, mesh, max_concurrent_requests=1) as (_, _, http):
         body = {"model": MODEL, "prompt": "x", "max_tokens": 10}
         first = asyncio.create_task(http.post("/v1/completions", json=body))
         await asyncio.sleep(0.1)
         second = await http.post("/v1/completions", json=body)
-        assert second.status == 503 and "Retry-After" in second.headers
+        assert second.status == 429 and second.headers["Retry-After"] == "1"
+        assert (await second.json())["error"]["code"] == "rate_limit_exceeded"
         assert (await first).status == 200
 
 

@@ -157,3 +157,46 @@ def test_single_chunk_prefill_only_prompt_is_not_split():
     a = make_seq(18, "a", prefill_only=True)
     sched.add(a)
     assert sched.schedule().num_new_tokens == [18]
+
+
+def _seq_with_max_tokens(n: int, rid: str, max_tokens: int, start: int = 0) -> Sequence:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    return Sequence(rid, list(range(start, start + n)), params)
+
+
+def test_output_room_keeps_a_second_sequence_waiting_instead_of_preempting_later():
+    # 6 blocks of 4: a (8 tokens, 8 out) needs 2 + 2 blocks; b the same: both cannot fit
+    bm = BlockManager(6, BS)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=100, reserve_output_tokens=64)
+    a = _seq_with_max_tokens(8, "a", max_tokens=8)
+    b = _seq_with_max_tokens(8, "b", max_tokens=8, start=50)
+    sched.add(a)
+    sched.add(b)
+    batch = sched.schedule()
+    assert batch.seqs == [a] and list(sched.waiting) == [b]
+    assert sched.num_promised_blocks() == 2
+    while not a.is_finished and a.num_output_tokens < 8:
+        run(sched, sched.schedule())
+    assert sched.num_preemptions == 0
+
+
+def test_output_room_is_capped_by_reserve_output_tokens():
+    bm = BlockManager(6, BS)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=100, reserve_output_tokens=4)
+    a = _seq_with_max_tokens(8, "a", max_tokens=1000)
+    b = _seq_with_max_tokens(4, "b", max_tokens=1000, start=50)
+    sched.add(a)
+    sched.add(b)
+    # a: 2 blocks + 1 of room; b: 1 block + 1 of room -> 5 of 6
+    assert sched.schedule().seqs == [a, b]
+    assert sched.num_promised_blocks() == 2
+
+
+def test_without_output_room_both_are_admitted_as_before():
+    bm = BlockManager(6, BS)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=100)
+    a = _seq_with_max_tokens(8, "a", max_tokens=8)
+    b = _seq_with_max_tokens(8, "b", max_tokens=8, start=50)
+    sched.add(a)
+    sched.add(b)
+    assert sched.schedule().seqs == [a, b] and sched.num_promised_blocks() == 0

@@ -31,7 +31,22 @@ class DecodeConfig:
     )
     kv_cache_bytes: int | None = option(None, help="KV pool size in bytes (default 256 MiB)")
     max_num_seqs: int = option(64, help="sequences decoded in one batch at most")
-    max_num_batched_tokens: int = option(2048, help="tokens per step (local prefill chunk budget)")
+    max_num_batched_tokens: int = option(
+        512,
+        help="tokens per step: decodes first, then local prefill chunks fill the rest (a larger "
+        "budget prefills faster but stalls every decoding stream for longer)",
+    )
+    reserve_output_tokens: int = option(
+        512,
+        help="admission keeps room for this many output tokens per request (at most its "
+        "max_tokens), so decodes do not preempt under load; 0: admit while the prompt fits",
+    )
+    threads: int | None = option(
+        None, help="torch CPU threads of this worker (default: torch's choice, all cores)"
+    )
+    max_lease_s: float = option(
+        120.0, help="longest lease a reservation or renewal may ask for (longer ones are capped)"
+    )
     enable_prefix_caching: bool = option(True, help="reuse KV blocks of shared prompt prefixes")
     heartbeat_s: float = option(1.0, help="seconds between heartbeats and adverts")
     lease_check_s: float = option(0.1, help="seconds between lease-expiry checks")
@@ -64,7 +79,13 @@ class DecodeConfig:
                 "worker keeps its KV cache on the device: use --transport rdma (or auto where a "
                 "NIC exists), or --mode colocated"
             )
-        for name in ("heartbeat_s", "lease_check_s", "drain_timeout_s"):
+        if self.reserve_output_tokens < 0:
+            raise ValueError(
+                f"reserve_output_tokens must be >= 0, got {self.reserve_output_tokens}"
+            )
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
+        for name in ("heartbeat_s", "lease_check_s", "drain_timeout_s", "max_lease_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 

@@ -75,6 +75,18 @@ class PendingTable:
     def get(self, request_id: str) -> Reservation | None:
         return self._by_request.get(request_id)
 
+    def reservations(self) -> list[Reservation]:
+        return list(self._by_request.values())
+
+    def renew(self, request_id: str, lease_id: str, deadline: float) -> bool:
+        """The holder of a live lease says it still wants the blocks: the deadline moves to
+        ``deadline`` (never earlier). False for an unknown, expired or foreign lease."""
+        res = self._by_request.get(request_id)
+        if res is None or res.lease_id != lease_id or res.is_expired or res.is_aborted:
+            return False
+        res.deadline = max(res.deadline, deadline)
+        return True
+
     def add(
         self,
         request_id: str,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -38,6 +39,7 @@ from shared.nats_service import (
 from shared.protocol import (
     Abort,
     DecodeAdvert,
+    LeaseRenew,
     PrefillDone,
     ProtocolError,
     ReserveRequest,
@@ -68,6 +70,7 @@ def engine_config(config: DecodeConfig, model: Any) -> tuple[EngineConfig, KVCac
             enable_prefix_caching=config.enable_prefix_caching,
             device=config.device,
             dtype=dtype,
+            reserve_output_tokens=config.reserve_output_tokens,
         ),
         spec,
     )
@@ -170,6 +173,9 @@ class DecodeService:
         except ProtocolError as exc:
             await req.respond_error("400", str(exc))
             return
+        max_lease_ms = int(self.config.max_lease_s * 1000)
+        if body.lease_ms > max_lease_ms:  # policy: nobody holds blocks longer than this unrenewed
+            body = dataclasses.replace(body, lease_ms=max_lease_ms)
         reply = await self.worker.reserve(body)
         if not reply.ok:
             log.info("reserve refused", request_id=body.request_id, error=reply.error)
@@ -194,6 +200,11 @@ class DecodeService:
     async def on_abort(self, msg: Abort) -> None:
         await self.worker.abort(msg.request_id)
 
+    async def on_lease_renew(self, msg: LeaseRenew) -> None:
+        lease_ms = min(msg.lease_ms, int(self.config.max_lease_s * 1000))  # policy caps it
+        if not self.worker.renew(msg.request_id, msg.lease_id, lease_ms):
+            log.debug("ignored renewal of no live lease", request_id=msg.request_id)
+
     async def on_prefill_done(self, msg: PrefillDone) -> None:
         await self.worker.on_prefill_done(msg)
 
@@ -213,6 +224,8 @@ class DecodeService:
 async def decode_service(config: DecodeConfig) -> AsyncIterator[DecodeService]:
     """Model, KV pool over transport memory, NATS, subscriptions and loops: ready to serve."""
     worker_id = config.worker_id or new_worker_id(config.role)
+    if config.threads is not None:
+        torch.set_num_threads(config.threads)
     model, tokenizer = await asyncio.to_thread(
         load_model, config.model, parse_dtype(config.dtype, "--dtype") if config.dtype else None,
         config.device,
@@ -271,6 +284,10 @@ async def decode_service(config: DecodeConfig) -> AsyncIterator[DecodeService]:
                     _handler(PrefillDone, service.on_prefill_done),
                 ),
                 (subjects.ABORT, _handler(Abort, service.on_abort)),
+                (
+                    subjects.decode_lease_renew(worker_id),
+                    _handler(LeaseRenew, service.on_lease_renew),
+                ),
             ),
             asyncio.TaskGroup() as service.tg,
             background(

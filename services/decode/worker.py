@@ -46,6 +46,12 @@ def free_block_ranges(free_ids: Iterable[int]) -> tuple[tuple[int, int], ...]:
     return tuple((s, e) for s, e in runs)
 
 
+def _failed(request_id: str, num_prompt_tokens: int, error: str) -> TokenEvent:
+    return TokenEvent(
+        request_id, (), finish_reason="error", num_prompt_tokens=num_prompt_tokens, error=error
+    )
+
+
 class DecodeWorker:
     def __init__(
         self,
@@ -71,6 +77,9 @@ class DecodeWorker:
         self._wake = asyncio.Event()
         self._settled: list[Verdict] = []  # reservations leaving the table, applied by run()
         self._aborts: list[str] = []  # running requests to abort, applied by run()
+        # Local-prefill requests accepted by reserve() without waiting for the step in flight,
+        # added to the engine by run() between steps.
+        self._incoming: list[tuple[str, list[int], SamplingParams]] = []
         self.is_idle = False  # run() waits for work: nothing to apply, step or publish
 
     # ---- the engine loop ----------------------------------------------------------------------
@@ -85,6 +94,12 @@ class DecodeWorker:
             while True:
                 async with self._lock:
                     # Admissions go in between steps, their first token out before the next step's.
+                    incoming, self._incoming = self._incoming, []
+                    for rid, prompt, params in incoming:
+                        try:
+                            self.engine.add_request(rid, prompt, params)
+                        except RequestError as exc:
+                            await self._send_tokens(_failed(rid, len(prompt), str(exc)))
                     settled, self._settled = self._settled, []
                     for verdict in settled:
                         event = self._apply(verdict)
@@ -93,7 +108,7 @@ class DecodeWorker:
                     aborts, self._aborts = self._aborts, []
                     for request_id in aborts:
                         self.engine.abort(request_id)  # its "abort" output comes with the step
-                    if not self.engine.has_unfinished():
+                    if not self.engine.has_unfinished() and not self._incoming:
                         break
                     outputs = await asyncio.to_thread(self.engine.step)
                 for out in outputs:
@@ -127,19 +142,29 @@ class DecodeWorker:
         except ValueError as exc:
             return refuse(f"bad sampling options: {exc}")
         rid, prompt = req.request_id, list(req.prompt_ids)
+        if rid in self.pending or any(rid == r for r, _, _ in self._incoming):
+            return refuse(f"request {rid!r} is already on decode worker {self.worker_id}")
+        if req.local_prefill or self.colocated:
+            # Accepted now, queued by the engine after the step in flight: the reply never waits
+            # for a step (a colocated step may prefill a long chunk).
+            try:
+                self.engine.check_request(rid, prompt)
+            except RequestError as exc:
+                return refuse(str(exc))
+            self._incoming.append((rid, prompt, params))
+            self._wake.set()
+            return ReserveReply(True, self.worker_id)
         async with self._lock:
-            if rid in self.engine.seqs or rid in self.pending:
+            if rid in self.engine.seqs:
                 return refuse(f"request {rid!r} is already on decode worker {self.worker_id}")
-            if req.local_prefill or self.colocated:
-                try:
-                    self.engine.add_request(rid, prompt, params)
-                except RequestError as exc:
-                    return refuse(str(exc))
-                self._wake.set()
-                return ReserveReply(True, self.worker_id)
             if not prompt or len(prompt) > self.engine.max_model_len:
                 return refuse(
                     f"prompt of {len(prompt)} tokens; this worker takes 1..{self.engine.max_model_len}"
+                )
+            if not self.engine.can_reserve(len(prompt), params.max_tokens, self._owed_to_pending()):
+                return refuse(
+                    f"decode worker {self.worker_id} is out of KV blocks: no room for "
+                    f"{len(prompt)} prompt tokens plus the output room of the requests it holds"
                 )
             try:
                 block_ids = self.engine.reserve_blocks(len(prompt))
@@ -155,6 +180,18 @@ class DecodeWorker:
                 self.engine.free_reserved(block_ids)
                 return refuse(str(exc))
         return ReserveReply(True, self.worker_id, block_ids=tuple(block_ids))
+
+    def _owed_to_pending(self) -> int:
+        """Output room the reservations in flight will need once admitted."""
+        room = self.engine.scheduler.output_room
+        return sum(
+            room(len(r.payload[0]), r.payload[1].max_tokens, len(r.block_ids))
+            for r in self.pending.reservations()
+        )
+
+    def renew(self, request_id: str, lease_id: str, lease_ms: int) -> bool:
+        """The lease holder is alive: push the lease deadline ``lease_ms`` from now."""
+        return self.pending.renew(request_id, lease_id, self._clock() + lease_ms / 1000)
 
     async def on_completion(self, imm: int) -> None:
         """A KV write landed in our pool (its immediate, from the transport's completions)."""
@@ -173,6 +210,13 @@ class DecodeWorker:
             self._settle(verdict)
 
     async def abort(self, request_id: str) -> None:
+        for i, (rid, prompt, _) in enumerate(self._incoming):  # accepted, not yet in the engine
+            if rid == request_id:
+                del self._incoming[i]
+                await self._send_tokens(
+                    TokenEvent(rid, (), finish_reason="abort", num_prompt_tokens=len(prompt))
+                )
+                return
         if request_id in self.pending:
             verdict = self.pending.abort(request_id)
             if verdict is not None:
@@ -255,6 +299,8 @@ class DecodeWorker:
             "free_blocks": bm.num_free_blocks,
             "free_block_ranges": free_block_ranges(bm.free),
             "num_running": len(self.engine.scheduler.running),
-            "num_waiting": len(self.engine.scheduler.waiting) + len(self.pending),
+            "num_waiting": len(self.engine.scheduler.waiting)
+            + len(self.pending)
+            + len(self._incoming),
             "state": "draining" if self.is_draining else "ready",
         }

@@ -13,6 +13,7 @@ blocks, then the id. Prefix overlap is not scored yet.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -293,6 +294,15 @@ class Registry:
             block_addrs=tuple(advert.base_addr + b * advert.block_bytes for b in block_ids),
             block_bytes=advert.block_bytes,
         )
+
+    def renew_lease(self, lease_id: str, request_id: str, expires_at: float) -> bool:
+        """Its holder renewed the lease: it now ends at ``expires_at`` (never earlier)."""
+        lease = self.leases.get(lease_id)
+        if lease is None or lease.request_id != request_id:
+            return False
+        if expires_at > lease.expires_at:
+            self.leases[lease_id] = dataclasses.replace(lease, expires_at=expires_at)
+        return True
 
     def complete_lease(self, lease_id: str) -> Lease | None:
         """The prefill finished (PrefillDone seen): the lease is over."""

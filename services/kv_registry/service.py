@@ -32,6 +32,7 @@ from shared.nats_service import (
 )
 from shared.protocol import (
     DecodeAdvert,
+    LeaseRenew,
     LogLevel,
     PlaceReply,
     PlaceRequest,
@@ -107,6 +108,12 @@ class RegistryService:
         done = _decode_or_log(msg, PrefillDone)
         if done is not None:
             self.core.complete_lease(done.lease_id)
+
+    async def on_lease_renew(self, msg: Msg) -> None:
+        renew = _decode_or_log(msg, LeaseRenew)
+        if renew is not None:
+            expires_at = self.clock() + renew.lease_ms / 1000.0
+            self.core.renew_lease(renew.lease_id, renew.request_id, expires_at)
 
     async def expiry_loop(self) -> None:
         interval = min(0.5, self.config.heartbeat_s / 2)
@@ -334,6 +341,7 @@ async def registry_service(config: RegistryConfig) -> AsyncIterator[RegistryServ
             await nc.subscribe(subjects.REGISTRY_ADVERTISE, cb=service.on_advert),
             await nc.subscribe(subjects.HEARTBEAT_ALL, cb=service.on_heartbeat),
             await nc.subscribe(subjects.decode_prefill_done("*"), cb=service.on_prefill_done),
+            await nc.subscribe(subjects.DECODE_LEASE_RENEW_ALL, cb=service.on_lease_renew),
         ]
         expiry = tg.create_task(service.expiry_loop())
         try:

@@ -25,8 +25,8 @@ from services.router.errors import (
     InternalError,
     MethodNotAllowedError,
     ModelNotFoundError,
+    OverloadedError,
     RouteNotFoundError,
-    ServiceUnavailableError,
 )
 from services.router.metrics import RequestTimer, RouterMetrics
 from services.router.model_info import ModelInfo
@@ -83,9 +83,10 @@ class Router:
             request = parse(body, self.model.name)
             prompt = tokenize(request, self.model.tokenizer, self.model.max_model_len)
             if self.num_in_flight >= self.config.max_concurrent_requests:
-                raise ServiceUnavailableError(
-                    f"the router is serving {self.num_in_flight} requests, its limit "
-                    "(--max-concurrent-requests); retry shortly"
+                raise OverloadedError(
+                    f"the router holds {self.num_in_flight} requests, its limit "
+                    "(--max-concurrent-requests); retry shortly",
+                    retry_after_s=1.0,
                 )
             self.num_in_flight += 1
             self.metrics.in_flight.value = self.num_in_flight

@@ -26,14 +26,20 @@ class RouterConfig:
     local_prefill_threshold: int = option(
         64, help="prompts shorter than this many tokens are prefilled by the decode worker"
     )
-    lease_ms: int = option(30_000, help="lease on the reserved decode blocks (ms)")
+    lease_ms: int = option(
+        30_000,
+        help="lease on the reserved decode blocks (ms); the router renews it every third of it "
+        "until the first token, so it runs out only when the router is gone",
+    )
     place_timeout_s: float = option(5.0, help="how long to wait for the kv-registry to place")
     first_token_timeout_s: float = option(
-        120.0, help="how long to wait for a request's first token (covers queueing and prefill)"
+        300.0, help="how long to wait for a request's first token (covers queueing and prefill)"
     )
     token_timeout_s: float = option(30.0, help="how long to wait for each next token")
     max_concurrent_requests: int = option(
-        1024, help="requests served at once; more are refused with 503"
+        1024,
+        help="requests accepted at once (served or waiting in the admission queue for room on "
+        "the mesh); more are refused with 429 and Retry-After",
     )
     worker_id: str | None = option(
         None, help="this router's id in heartbeats and $SRV (default: generated)"

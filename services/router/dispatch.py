@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -32,6 +33,7 @@ from services.router.prompt import Prompt
 from shared import protocol, subjects
 from shared.protocol import (
     Abort,
+    LeaseRenew,
     PlaceReply,
     PlaceRequest,
     PrefillJob,
@@ -70,18 +72,81 @@ class MeshRequest:
         self.is_finished = False  # a TokenEvent with finish_reason arrived
         self.is_aborted = False
         self._may_hold_blocks = False  # a placement was asked for and not refused
+        self._renewer: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        """Place the request and, for remote prefill, publish its prefill job."""
-        sampling = self.prompt.sampling
+        """Place the request (waiting in the admission queue while the mesh is full) and, for
+        remote prefill, publish its prefill job and keep its lease alive until the first token."""
+        started = time.monotonic()
+        deadline = started + self._config.first_token_timeout_s
+        self._metrics.waiting.value += 1
+        try:
+            while True:
+                try:
+                    reply = await self._place()
+                    break
+                except OverloadedError as exc:
+                    # Overload is queueing: an accepted request waits for room, it does not fail.
+                    left = deadline - time.monotonic()
+                    if left <= exc.retry_after_s:
+                        raise GatewayTimeoutError(
+                            f"the mesh had no room for request {self.request_id} within "
+                            f"{self._config.first_token_timeout_s:g}s (--first-token-timeout-s); "
+                            f"last answer: {exc.message}"
+                        ) from None
+                    await asyncio.sleep(min(exc.retry_after_s, 0.5) * (0.5 + random.random()))
+        finally:
+            self._metrics.waiting.value -= 1
+        self._metrics.place.observe(time.monotonic() - started)
+        self.placement = reply
+        if self.is_local_prefill:
+            return
+        job = PrefillJob(
+            request_id=self.request_id,
+            prompt_ids=self.prompt.prompt_ids,
+            sampling=self.prompt.sampling,
+            decode_worker_id=reply.worker_id,
+            lease_id=reply.lease_id,
+            descriptor=reply.descriptor,
+            rkey=reply.rkey,
+            block_addrs=reply.block_addrs,
+            block_bytes=reply.block_bytes,
+            enqueued_at=time.time(),
+        )
+        self._renewer = asyncio.create_task(self._renew_lease(reply))
+        try:
+            await self._nc.publish(subjects.PREFILL_JOBS, protocol.encode(job))
+        except nats.errors.Error as exc:
+            raise ServiceUnavailableError(f"could not publish the prefill job: {exc}") from None
+
+    async def _renew_lease(self, reply: PlaceReply) -> None:
+        """The router holds the lease while it waits: renew it every third of its length, so it
+        outlives any queue but not the router (stopped by the first token, abort or close)."""
+        renew = protocol.encode(
+            LeaseRenew(self.request_id, reply.lease_id, lease_ms=self._config.lease_ms)
+        )
+        subject = subjects.decode_lease_renew(reply.worker_id)
+        while True:
+            await asyncio.sleep(self._config.lease_ms / 3000)
+            try:
+                await self._nc.publish(subject, renew)
+            except nats.errors.Error as exc:
+                log.warning("could not renew the lease of %s: %s", self.request_id, exc)
+
+    def stop_renewing(self) -> None:
+        if self._renewer is not None:
+            self._renewer.cancel()
+            self._renewer = None
+
+    async def _place(self) -> PlaceReply:
+        """One placement attempt: OverloadedError when the mesh has no room now."""
         place = PlaceRequest(
             request_id=self.request_id,
             prompt_ids=self.prompt.prompt_ids,
-            sampling=sampling,
+            sampling=self.prompt.sampling,
             local_prefill=self.is_local_prefill,
             lease_ms=self._config.lease_ms,
         )
-        started = time.monotonic()
         self._may_hold_blocks = True
         try:
             msg = await self._nc.request(
@@ -101,7 +166,6 @@ class MeshRequest:
             ) from None
         except nats.errors.Error as exc:
             raise ServiceUnavailableError(f"NATS is unavailable to the router: {exc}") from None
-        self._metrics.place.observe(time.monotonic() - started)
         try:
             reply = protocol.decode(msg.data, PlaceReply)
         except ProtocolError as exc:
@@ -117,25 +181,7 @@ class MeshRequest:
             raise ServiceUnavailableError(
                 f"the kv-registry could not place the request: {reply.error or 'no reason given'}"
             )
-        self.placement = reply
-        if self.is_local_prefill:
-            return
-        job = PrefillJob(
-            request_id=self.request_id,
-            prompt_ids=self.prompt.prompt_ids,
-            sampling=sampling,
-            decode_worker_id=reply.worker_id,
-            lease_id=reply.lease_id,
-            descriptor=reply.descriptor,
-            rkey=reply.rkey,
-            block_addrs=reply.block_addrs,
-            block_bytes=reply.block_bytes,
-            enqueued_at=time.time(),
-        )
-        try:
-            await self._nc.publish(subjects.PREFILL_JOBS, protocol.encode(job))
-        except nats.errors.Error as exc:
-            raise ServiceUnavailableError(f"could not publish the prefill job: {exc}") from None
+        return reply
 
     async def events(self) -> AsyncIterator[TokenEvent]:
         """TokenEvents until (and including) the one with a finish_reason.
@@ -174,6 +220,7 @@ class MeshRequest:
             except ProtocolError as exc:
                 raise MeshError(f"a decode worker sent a malformed token event: {exc}") from None
             num_events += 1
+            self.stop_renewing()  # the decode worker admitted it: the lease is over
             self.timer.on_tokens(time.monotonic(), len(event.token_ids))
             if event.finish_reason is not None:
                 self.is_finished = True
@@ -235,6 +282,7 @@ class Dispatcher:
             await request.abort(_abort_reason(exc))
             raise
         finally:
+            request.stop_renewing()
             await sub.unsubscribe()
 
 

@@ -135,7 +135,10 @@ class RouterMetrics:
         self.ttft = hist("time_to_first_token_seconds", "Request arrival to first output token.")
         self.itl = hist("inter_token_latency_seconds", "Time between consecutive output tokens.")
         self.e2e = hist("e2e_request_latency_seconds", "Request arrival to last output token.")
-        self.place = hist("place_seconds", "Time the kv-registry took to place a request.")
+        self.place = hist(
+            "place_seconds",
+            "Arrival to placement: admission-queue wait while the mesh is full, plus placing.",
+        )
         self.queue = hist("prefill_queue_seconds", "Time a prefill job waited for a worker.")
         self.prefill_compute = hist("prefill_compute_seconds", "Prefill compute time.")
         self.kv_transfer = hist("kv_transfer_seconds", "Total KV transfer time of a prefill.")
@@ -160,6 +163,10 @@ class RouterMetrics:
             f"{prefix}_aborts_total", "Abort messages published, by reason.", ("reason",)
         )
         self.in_flight = Gauge(f"{prefix}_requests_in_flight", "Requests being served now.")
+        self.waiting = Gauge(
+            f"{prefix}_requests_waiting",
+            "Accepted requests waiting in the admission queue for the mesh to have room.",
+        )
 
     def record_prefill(self, report: PrefillReport) -> None:
         self.queue.observe(report.queue_s)
@@ -184,6 +191,7 @@ class RouterMetrics:
             self.generation_tokens,
             self.aborts,
             self.in_flight,
+            self.waiting,
         ):
             lines.extend(metric.render())
         return "\n".join(lines) + "\n"

@@ -29,12 +29,21 @@ class EngineConfig:
     # float32 decode on the CPU through the C kernels of kernels/cpu_ops.c, when a C compiler
     # can build them (otherwise, or with False, the pure-torch path)
     cpu_kernels: bool = True
+    # Admission keeps room for this many output tokens of every admitted sequence (capped by its
+    # max_tokens), so decodes rarely outgrow the pool and preempt (a preempted sequence recomputes
+    # its whole prompt: a stall for every stream). 0: admit while the prompt fits (nano-vllm).
+    reserve_output_tokens: int = 0
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"EngineConfig.{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.reserve_output_tokens, int) or self.reserve_output_tokens < 0:
+            raise ValueError(
+                "EngineConfig.reserve_output_tokens must be an integer >= 0, got "
+                f"{self.reserve_output_tokens!r}"
+            )
         for name in ("num_blocks", "kv_cache_bytes", "max_model_len"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value <= 0):

@@ -106,7 +106,10 @@ class LLMEngine:
             num_blocks, config.block_size, config.enable_prefix_caching
         )
         self.scheduler = Scheduler(
-            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
+            self.block_manager,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            config.reserve_output_tokens,
         )
         self.runner = ModelRunner(model, self.kv_pool, config.device, config.cpu_kernels)
         self.sampler = Sampler(config.seed)
@@ -314,6 +317,19 @@ class LLMEngine:
         return self._emit(seq)
 
     # ---- KV handoff (decode side) ---------------------------------------------------------------
+
+    def can_reserve(self, num_tokens: int, max_tokens: int, num_promised: int = 0) -> bool:
+        """Whether ``reserve_blocks(num_tokens)`` leaves the output room owed to every sequence
+        (and ``num_promised`` more blocks the caller owes, e.g. to reservations in flight)."""
+        sched, bm = self.scheduler, self.block_manager
+        blocks = bm.num_blocks_for(num_tokens)
+        room = sched.output_room(num_tokens, max_tokens, blocks)
+        return blocks + room + sched.num_promised_blocks() + num_promised <= bm.num_free_blocks
+
+    def check_request(self, request_id: str, prompt_ids: list[int]) -> None:
+        """RequestError if ``add_request`` would refuse this prompt (needs no lock: reads only
+        what a step does not change but the id set, whose race add_request settles)."""
+        self._check_prompt(request_id, prompt_ids)
 
     def reserve_blocks(self, num_tokens: int) -> list[int]:
         """Blocks for a remote writer to fill with ``num_tokens`` tokens of KV."""

@@ -6,6 +6,10 @@ and free blocks allow. When a running sequence needs a block and none is free, t
 admitted sequence is preempted: its blocks are freed and it goes back to the front of the queue to
 be recomputed later. ``prefill_only`` sequences never need a block after admission and are never
 chosen for preemption, so the chunks they already handed off stay valid.
+
+With ``reserve_output_tokens`` > 0 a sequence is admitted only while the free blocks also cover
+the output room (up to that many tokens, at most its ``max_tokens``) still owed to every sequence
+holding blocks, so under load requests wait in the queue instead of being admitted and preempted.
 """
 
 from __future__ import annotations
@@ -29,11 +33,16 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(
-        self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        reserve_output_tokens: int = 0,
     ) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.reserve_output_tokens = reserve_output_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -58,6 +67,37 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
+
+    def output_room(self, num_tokens: int, max_tokens: int, num_held_blocks: int) -> int:
+        """Blocks a sequence of ``num_tokens`` (prompt) holding ``num_held_blocks`` may still
+        take for its reserved output room."""
+        if not self.reserve_output_tokens:
+            return 0
+        final = num_tokens + min(max_tokens, self.reserve_output_tokens)
+        return max(0, self.block_manager.num_blocks_for(final) - num_held_blocks)
+
+    def num_promised_blocks(self) -> int:
+        """Output room owed to sequences that hold blocks (running, or prefilled and waiting)."""
+        if not self.reserve_output_tokens:
+            return 0
+        return sum(
+            self.output_room(s.num_prompt_tokens, s.params.max_tokens, len(s.block_table))
+            for s in (*self.running, *self.waiting)
+            if s.block_table and not s.prefill_only
+        )
+
+    def _has_room(self, seq: Sequence, num_new_blocks: int) -> bool:
+        """Whether admitting ``seq`` (taking ``num_new_blocks`` now) leaves everyone's room."""
+        if not self.reserve_output_tokens or seq.prefill_only:
+            return True
+        held = len(seq.block_table) + num_new_blocks
+        own = self.output_room(seq.num_prompt_tokens, seq.params.max_tokens, held)
+        others = self.num_promised_blocks() - (
+            self.output_room(seq.num_prompt_tokens, seq.params.max_tokens, len(seq.block_table))
+            if seq.block_table
+            else 0
+        )
+        return num_new_blocks + own + others <= self.block_manager.num_free_blocks
 
     def _chunk_size(self, seq: Sequence, budget: int) -> int:
         n = min(seq.num_uncomputed_tokens, budget)
@@ -129,10 +169,10 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.block_table:  # admitted with its prompt KV written elsewhere
                 n = 1
-                if not bm.can_append(seq, n):
+                if not bm.can_append(seq, n) or not self._has_room(seq, 0):
                     break
             else:
-                if not bm.can_allocate(seq):
+                if not bm.can_allocate(seq) or not self._has_room(seq, bm.num_blocks_for(len(seq))):
                     break
                 bm.allocate(seq)
                 n = self._chunk_size(seq, budget)
