@@ -30,6 +30,7 @@ from shared.nats_service import (
     serve_until_signal,
     worker_presence,
 )
+from shared.prefill_queue import queue_status
 from shared.protocol import (
     DecodeAdvert,
     LeaseRenew,
@@ -247,6 +248,7 @@ class RegistryService:
             "uptime_s": round(time.time() - self.started_at, 3),
             "worker_timeout_s": self.config.worker_timeout_s,
         }
+        status["prefill_queue"] = await queue_status(self.nc)
         return status
 
     async def admin_workers(self, body: dict[str, Any]) -> dict[str, Any]:

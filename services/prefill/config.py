@@ -29,7 +29,14 @@ class PrefillConfig:
         help="prefill tokens per forward pass (shared by the jobs in flight); each chunk's "
         "blocks are written to the decode worker while the next chunk computes",
     )
-    max_concurrent_jobs: int = option(8, help="prefill jobs this worker runs at once")
+    max_concurrent_jobs: int = option(
+        2,
+        help="prefill jobs this worker holds at once (pulled from the queue only when a slot is "
+        "free; few slots keep jobs first-come-first-served and leave the rest to idle peers)",
+    )
+    threads: int | None = option(
+        None, help="torch CPU threads of this worker (default: torch's choice, all cores)"
+    )
     enable_prefix_caching: bool = option(True, help="reuse KV blocks of shared prompt prefixes")
     heartbeat_s: float = option(1.0, help="seconds between heartbeats")
     abort_memory_s: float = option(
@@ -48,6 +55,8 @@ class PrefillConfig:
             raise ValueError(
                 f"max_concurrent_jobs must be positive, got {self.max_concurrent_jobs}"
             )
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
         if self.num_blocks is not None and self.kv_cache_bytes is not None:
             raise ValueError("give num_blocks or kv_cache_bytes, not both")
         for name in ("num_blocks", "kv_cache_bytes"):

@@ -1,8 +1,9 @@
 """The prefill service's NATS shell around PrefillWorker.
 
-Takes ``PrefillJob``s from ``PREFILL_JOBS`` in queue group ``PREFILL_QUEUE`` (one worker per job),
-at most ``max_concurrent_jobs`` at a time; follows ``ABORT``; learns each decode worker's KV spec
-from its ``DecodeAdvert``s; keeps one transport endpoint per decode descriptor.
+Pulls ``PrefillJob``s from the JetStream work queue (shared.prefill_queue) only while it has a
+free slot (``max_concurrent_jobs``), so an idle peer takes the next job rather than a busy worker
+hoarding it; follows ``ABORT``; checks every job against its decode worker's ``DecodeAdvert``;
+keeps one transport endpoint per decode descriptor.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 
 import nats.errors
 import orjson
+import torch
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
@@ -32,6 +34,7 @@ from shared.nats_service import (
     serve_until_signal,
     worker_presence,
 )
+from shared.prefill_queue import PrefillJobQueue
 from shared.protocol import (
     Abort,
     DecodeAdvert,
@@ -94,7 +97,6 @@ class PrefillService:
         self.is_draining = False
         self._tg = tg
         self._slots = asyncio.Semaphore(config.max_concurrent_jobs)
-        self._num_waiting = 0
 
     def heartbeat(self) -> WorkerHeartbeat:
         return WorkerHeartbeat(
@@ -102,27 +104,36 @@ class PrefillService:
             "prefill",
             "draining" if self.is_draining else "ready",
             num_running=self.worker.num_jobs,
-            num_waiting=self._num_waiting,
+            num_waiting=0,  # waiting jobs stay in the shared queue (admin status shows its depth)
             started_at=self.started_at,
             sent_at=time.time(),
         )
 
-    async def on_job(self, msg: Msg) -> None:
-        try:
-            job = decode(msg.data, PrefillJob)
-        except ProtocolError as exc:
-            log.warning("ignored malformed prefill job", error=str(exc))
-            return
-        self._num_waiting += 1
-        # Holding the subscription here keeps further jobs queued in NATS order.
-        await self._slots.acquire()
-        self._num_waiting -= 1
-        if self.is_draining:
-            self._slots.release()
-            await self.worker.abort(
-                job.request_id, f"prefill worker {self.worker.worker_id} is stopping"
-            )
-        self._tg.create_task(self._run_job(job))
+    async def pull_loop(self, queue: PrefillJobQueue) -> None:
+        """Take a job from the queue whenever a slot is free (and not draining)."""
+        while True:
+            await self._slots.acquire()
+            if self.is_draining:  # leave the queue to the other workers
+                self._slots.release()
+                await asyncio.sleep(0.1)
+                continue
+            try:
+                msg = await queue.next(timeout_s=1.0)
+            except nats.errors.Error as exc:  # reconnecting: try again shortly
+                self._slots.release()
+                log.debug("prefill queue fetch failed", error=str(exc))
+                await asyncio.sleep(0.2)
+                continue
+            if msg is None:
+                self._slots.release()
+                continue
+            try:
+                job = decode(msg.data, PrefillJob)
+            except ProtocolError as exc:
+                self._slots.release()
+                log.warning("ignored malformed prefill job", error=str(exc))
+                continue
+            self._tg.create_task(self._run_job(job))
 
     async def _run_job(self, job: PrefillJob) -> None:
         try:
@@ -159,6 +170,8 @@ class PrefillService:
 @contextlib.asynccontextmanager
 async def prefill_service(config: PrefillConfig) -> AsyncIterator[PrefillService]:
     worker_id = config.worker_id or new_worker_id("prefill")
+    if config.threads is not None:
+        torch.set_num_threads(config.threads)
     dtype = parse_dtype(config.dtype, "--dtype") if config.dtype else None
     model, tokenizer = await asyncio.to_thread(load_model, config.model, dtype, config.device)
     econf = EngineConfig(
@@ -201,8 +214,8 @@ async def prefill_service(config: PrefillConfig) -> AsyncIterator[PrefillService
                 ),
                 _subscribe(nc, subjects.ABORT, service.on_abort),
                 _subscribe(nc, subjects.REGISTRY_ADVERTISE, service.on_advert),
-                _subscribe(nc, subjects.PREFILL_JOBS, service.on_job, queue=subjects.PREFILL_QUEUE),
-                background(worker.run()),
+                PrefillJobQueue(nc) as queue,
+                background(worker.run(), service.pull_loop(queue)),
             ):
                 log.info(
                     "prefill worker ready",

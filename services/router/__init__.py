@@ -42,6 +42,10 @@ async def serve_router(config: RouterConfig) -> AsyncIterator[RunningRouter]:
     worker_id = config.worker_id or new_worker_id("router")
     started_at = time.time()
     async with connect_nats(config.nats_url, worker_id) as nc:
+        if config.mode == "disagg":
+            from shared.prefill_queue import ensure_stream
+
+            await ensure_stream(nc)  # jobs published before any prefill worker starts are kept
         router = Router(config=config, model=model, nc=nc)
 
         def heartbeat() -> WorkerHeartbeat:

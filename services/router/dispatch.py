@@ -31,6 +31,7 @@ from services.router.errors import (
 from services.router.metrics import RequestTimer, RouterMetrics
 from services.router.prompt import Prompt
 from shared import protocol, subjects
+from shared.prefill_queue import publish_job
 from shared.protocol import (
     Abort,
     LeaseRenew,
@@ -115,7 +116,7 @@ class MeshRequest:
         )
         self._renewer = asyncio.create_task(self._renew_lease(reply))
         try:
-            await self._nc.publish(subjects.PREFILL_JOBS, protocol.encode(job))
+            await publish_job(self._nc, protocol.encode(job))
         except nats.errors.Error as exc:
             raise ServiceUnavailableError(f"could not publish the prefill job: {exc}") from None
 

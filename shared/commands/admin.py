@@ -138,6 +138,8 @@ def render_status(status: dict[str, Any]) -> str:
         table(others, ("worker_id", "role", "state", "running", "waiting", "last_seen_s")),
         "",
         "leases: " + ", ".join(f"{k} {v}" for k, v in leases.items()),
+        "prefill queue: "
+        + ", ".join(f"{k} {v}" for k, v in status.get("prefill_queue", {}).items()),
     ]
     return "\n".join(parts)
 

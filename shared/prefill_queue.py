@@ -1,0 +1,118 @@
+"""The prefill work queue: a JetStream work-queue stream that prefill workers pull from.
+
+Why pull: with a core NATS queue group the server pushes each job to some member at once, so a
+busy worker's client buffer fills with jobs while a peer sits idle. Here the router publishes
+into the stream (``publish_job``) and each prefill worker fetches one job only when it has a free
+slot (``PrefillJobQueue.next``), so whoever has room takes the next job, in arrival order. The
+stream lives in memory: a job is worth nothing once its router has given up (its lease, renewed
+by that router, keeps the decode blocks only while the router waits).
+
+A job is acknowledged when a worker takes it (at most once): a worker that dies mid-prefill
+leaves its request to the router's timeout, not to a redelivery that would rewrite chunks the
+decode worker already counted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js import api
+
+from shared import subjects
+
+STREAM = "KVMESH_PREFILL"
+DURABLE = "prefill"
+MAX_AGE_S = 600.0  # a job nobody took in 10 minutes has been given up by its router
+
+
+def stream_config() -> api.StreamConfig:
+    return api.StreamConfig(
+        name=STREAM,
+        subjects=[subjects.PREFILL_JOBS],
+        retention=api.RetentionPolicy.WORK_QUEUE,
+        storage=api.StorageType.MEMORY,
+        max_age=MAX_AGE_S,
+    )
+
+
+class PrefillQueueError(RuntimeError):
+    """The NATS server cannot hold the prefill queue (JetStream off, or a conflicting stream)."""
+
+
+async def ensure_stream(nc: Client) -> None:
+    """Create the stream if it does not exist (idempotent; router and prefill both call it)."""
+    js = nc.jetstream()
+    try:
+        await js.stream_info(STREAM)
+        return
+    except nats.js.errors.NotFoundError:
+        pass
+    except (nats.errors.NoRespondersError, nats.js.errors.ServiceUnavailableError) as exc:
+        raise PrefillQueueError(
+            "the NATS server has JetStream disabled; kvmesh's prefill queue needs it "
+            "(start nats-server with -js, as `kvmesh up` and docker-compose do)"
+        ) from exc
+    try:
+        await js.add_stream(stream_config())
+    except nats.js.errors.BadRequestError as exc:  # created concurrently with another config
+        with contextlib.suppress(nats.js.errors.NotFoundError):
+            await js.stream_info(STREAM)
+            return
+        raise PrefillQueueError(f"cannot create JetStream stream {STREAM}: {exc}") from exc
+
+
+async def publish_job(nc: Client, data: bytes, timeout_s: float = 5.0) -> None:
+    """Append an encoded PrefillJob to the queue; raises nats errors when it is not stored."""
+    await nc.jetstream().publish(subjects.PREFILL_JOBS, data, timeout=timeout_s, stream=STREAM)
+
+
+async def queue_depth(nc: Client) -> int:
+    """Jobs waiting in the queue for a prefill worker."""
+    info = await nc.jetstream().stream_info(STREAM)
+    return int(info.state.messages)
+
+
+async def queue_status(nc: Client) -> dict[str, int | str]:
+    """What ``kvmesh admin status`` shows: waiting jobs and pulling workers (or why not)."""
+    try:
+        info = await nc.jetstream().stream_info(STREAM)
+    except nats.js.errors.NotFoundError:
+        return {"depth": 0, "workers": 0, "note": "no prefill queue yet (no router or prefill)"}
+    except (nats.errors.Error, nats.js.errors.Error) as exc:
+        return {"depth": -1, "workers": 0, "note": f"JetStream unavailable: {exc}"}
+    return {"depth": int(info.state.messages), "workers": int(info.state.consumer_count)}
+
+
+class PrefillJobQueue:
+    """A prefill worker's pull subscription; ``next()`` takes one job (acknowledged)."""
+
+    def __init__(self, nc: Client) -> None:
+        self._nc = nc
+        self._sub = None
+
+    async def __aenter__(self) -> PrefillJobQueue:
+        await ensure_stream(self._nc)
+        config = api.ConsumerConfig(ack_policy=api.AckPolicy.EXPLICIT, max_ack_pending=-1)
+        self._sub = await self._nc.jetstream().pull_subscribe(
+            subjects.PREFILL_JOBS, durable=DURABLE, stream=STREAM, config=config
+        )
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._sub is not None and not self._nc.is_closed:
+            with contextlib.suppress(nats.errors.Error):
+                await self._sub.unsubscribe()
+
+    async def next(self, timeout_s: float = 1.0) -> Msg | None:
+        """The next job, taken off the queue; None when none came within ``timeout_s``."""
+        assert self._sub is not None, "enter the queue first"
+        try:
+            [msg] = await self._sub.fetch(1, timeout=timeout_s)
+        except nats.errors.TimeoutError:
+            return None
+        await msg.ack_sync(timeout=5.0)  # confirmed: no other worker can get it now
+        return msg

@@ -1,0 +1,84 @@
+"""The prefill work queue on JetStream: jobs wait in the stream until a worker with room pulls."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from shared.nats_service import connect_nats
+from shared.prefill_queue import PrefillJobQueue, ensure_stream, publish_job, queue_depth
+
+
+async def test_jobs_wait_in_the_queue_until_a_worker_pulls_them(nats_server):
+    async with connect_nats(nats_server, "router") as router, connect_nats(nats_server, "p") as p:
+        await ensure_stream(router)
+        await ensure_stream(router)  # idempotent
+        for i in range(3):
+            await publish_job(router, f"job-{i}".encode())
+        assert await queue_depth(router) == 3
+        async with PrefillJobQueue(p) as queue:
+            first = await queue.next(timeout_s=2.0)
+            assert first is not None and first.data == b"job-0"
+            assert await queue_depth(router) == 2  # taken (acknowledged) jobs leave the stream
+            rest = [await queue.next(timeout_s=2.0) for _ in range(2)]
+            assert [m.data for m in rest] == [b"job-1", b"job-2"]
+            assert await queue.next(timeout_s=0.2) is None
+
+
+async def test_each_job_goes_to_exactly_one_of_several_workers(nats_server):
+    async with (
+        connect_nats(nats_server, "router") as router,
+        connect_nats(nats_server, "p0") as p0,
+        connect_nats(nats_server, "p1") as p1,
+        PrefillJobQueue(p0) as q0,
+        PrefillJobQueue(p1) as q1,
+    ):
+        for i in range(10):
+            await publish_job(router, str(i).encode())
+
+        async def drain(queue):
+            got = []
+            while (msg := await queue.next(timeout_s=0.3)) is not None:
+                got.append(int(msg.data))
+                await asyncio.sleep(0.01)
+            return got
+
+        a, b = await asyncio.gather(drain(q0), drain(q1))
+    assert sorted(a + b) == list(range(10))
+    assert a and b  # both pulled: a worker takes a job only when it asks for one
+
+
+async def test_a_worker_that_does_not_pull_leaves_jobs_to_its_peer(nats_server):
+    async with (
+        connect_nats(nats_server, "router") as router,
+        connect_nats(nats_server, "busy") as busy_nc,
+        connect_nats(nats_server, "idle") as idle_nc,
+        PrefillJobQueue(busy_nc),  # subscribed, but busy: never asks
+        PrefillJobQueue(idle_nc) as idle,
+    ):
+        for i in range(4):
+            await publish_job(router, str(i).encode())
+        got = [int((await idle.next(timeout_s=2.0)).data) for _ in range(4)]
+    assert got == [0, 1, 2, 3]
+
+
+async def test_publish_without_jetstream_says_how_to_fix_it():
+    from shared.nats_server import NatsServer
+    from shared.prefill_queue import PrefillQueueError
+
+    async with NatsServer(jetstream=False) as server, connect_nats(server.url, "r") as nc:
+        with pytest.raises(PrefillQueueError, match="-js"):
+            await ensure_stream(nc)
+
+
+async def test_queue_status_counts_waiting_jobs_and_pulling_workers(nats_server):
+    from shared.prefill_queue import queue_status
+
+    async with connect_nats(nats_server, "r") as nc, connect_nats(nats_server, "p") as p:
+        assert (await queue_status(nc))["depth"] == 0
+        await ensure_stream(nc)
+        await publish_job(nc, b"a")
+        await publish_job(nc, b"b")
+        async with PrefillJobQueue(p):
+            assert await queue_status(nc) == {"depth": 2, "workers": 1}
