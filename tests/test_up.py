@@ -271,3 +271,28 @@ async def test_connection_survives_a_nats_server_restart_on_the_same_port() -> N
             assert got == [b"after restart"]  # the subscription was restored too
     finally:
         await asyncio.to_thread(server.stop)
+
+
+@pytest.mark.parametrize(
+    ("kw", "expected"),
+    [
+        ({"cores": 2}, {"decode": 1, "prefill": 1}),
+        ({"cores": 12}, {"decode": 4, "prefill": 8}),
+        ({"cores": 12, "prefill": 2, "decode": 2}, {"decode": 2, "prefill": 4}),
+        ({"cores": 1}, {"decode": 1, "prefill": 1}),  # fewer cores than workers: they share
+        ({"cores": 2, "mode": "colocated"}, {"colocated": 2}),
+        ({"cores": 12, "mode": "colocated", "decode": 3}, {"colocated": 4}),
+    ],
+)
+def test_cores_are_split_between_roles(kw, expected) -> None:
+    from shared.commands.up import split_cores
+
+    assert split_cores(UpConfig(**kw)) == expected
+
+
+def test_plan_passes_each_worker_its_threads() -> None:
+    specs = plan(UpConfig(cores=12, prefill=2), "nats://127.0.0.1:4222", 8000)
+    for spec in specs:
+        if spec.tier in ("decode", "prefill"):
+            _, config, _ = build_service_config(spec.argv[1], spec.argv[2:], env={})
+            assert config.threads == {"decode": 4, "prefill": 4}[spec.tier]

@@ -50,6 +50,12 @@ class UpConfig:
         None, help="prompts shorter than this are prefilled on the decode worker (router default)"
     )
     device: str = option("cpu", help="torch device of prefill and decode workers")
+    cores: int | None = option(
+        None,
+        help="CPU cores the workers share (default: the cores this process may run on); split "
+        "as torch threads: disagg gives a third to decode and the rest to prefill, colocated "
+        "gives all to its workers",
+    )
     kv_cache_bytes: int | None = option(
         None, help="KV pool bytes per prefill/decode worker (their default: 256 MiB)"
     )
@@ -67,6 +73,8 @@ class UpConfig:
             raise ValueError(f"prefill must be >= 1 in disagg mode, got {self.prefill}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.cores is not None and self.cores < 1:
+            raise ValueError(f"cores must be >= 1, got {self.cores}")
         if not self.nats_url.startswith("nats://"):
             raise ValueError(f"nats_url must look like nats://HOST:PORT, got {self.nats_url!r}")
         for name in ("startup_timeout_s", "stop_timeout_s"):
@@ -85,8 +93,35 @@ class ChildSpec:
     argv: tuple[str, ...]  # after `kvmesh`
 
 
+def available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def split_cores(config: UpConfig) -> dict[str, int]:
+    """Torch threads per worker of each role: ``{"decode": n, "prefill": m}`` (or colocated).
+
+    Disaggregated: decode is memory-bound and needs few cores, prefill is compute-bound and
+    takes the rest: a third of the cores (at least one) go to the decode pool, the others to the
+    prefill pool, each pool divided among its workers (at least one thread each; on a machine
+    with fewer cores than workers they share). Colocated: every worker does both; the cores are
+    divided among them. The same total either way, so the two modes compare on equal cores."""
+    cores = config.cores or available_cores()
+    if config.mode == "colocated":
+        return {"colocated": max(1, cores // config.decode)}
+    decode_cores = max(1, cores // 3)
+    prefill_cores = max(1, cores - decode_cores)
+    return {
+        "decode": max(1, decode_cores // config.decode),
+        "prefill": max(1, prefill_cores // config.prefill),
+    }
+
+
 def plan(config: UpConfig, nats_url: str, port: int) -> list[ChildSpec]:
     """The ``kvmesh serve ...`` command of every service, in start order."""
+    threads = split_cores(config)
     common = ("--nats-url", nats_url, "--log-level", config.log_level)
     common += ("--log-format", config.log_format)
     engine = ("--model", config.model, "--device", config.device, "--transport", config.transport)
@@ -99,13 +134,17 @@ def plan(config: UpConfig, nats_url: str, port: int) -> list[ChildSpec]:
         )
     ]
     decode_service = "colocated" if config.mode == "colocated" else "decode"
+    decode_threads = ("--threads", str(threads[decode_service]))
     for i in range(config.decode):
         name = f"{decode_service}-{i}"
-        specs.append(ChildSpec(name, "decode", ("serve", decode_service, *worker(name), *engine)))
+        argv = ("serve", decode_service, *worker(name), *engine, *decode_threads)
+        specs.append(ChildSpec(name, "decode", argv))
     if config.mode == "disagg":
+        prefill_threads = ("--threads", str(threads["prefill"]))
         for i in range(config.prefill):
             name = f"prefill-{i}"
-            specs.append(ChildSpec(name, "prefill", ("serve", "prefill", *worker(name), *engine)))
+            argv = ("serve", "prefill", *worker(name), *engine, *prefill_threads)
+            specs.append(ChildSpec(name, "prefill", argv))
     router = ("serve", "router", *worker("router-0"), "--model", config.model, "--port", str(port))
     router += ("--mode", config.mode)
     if config.local_prefill_threshold is not None:
@@ -239,6 +278,8 @@ async def run_up(launcher: Launcher) -> int:
             f"NATS {launcher.config.nats_url}); Ctrl-C stops it",
             flush=True,
         )
+        threads = ", ".join(f"{role} {n}" for role, n in split_cores(launcher.config).items())
+        print(f"kvmesh up: torch threads per worker: {threads}", flush=True)
         await watch()
 
     task = asyncio.create_task(ready_then_watch())
