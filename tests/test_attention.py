@@ -102,3 +102,44 @@ def test_decode_batch_with_equal_contexts_needs_no_mask():
     for i in range(2):
         keys, values = torch.cat([hist_k[i], k[i : i + 1]]), torch.cat([hist_v[i], v[i : i + 1]])
         torch.testing.assert_close(out[i : i + 1], _reference(q[i : i + 1], keys, values, 0.5))
+
+
+def test_decodes_beside_a_prefill_chunk_are_split_not_padded_and_match_reference():
+    torch.manual_seed(3)
+    spec = KVCacheSpec(num_layers=1, num_kv_heads=2, head_dim=8, block_size=4)
+    pool = KVPool(spec, 32)
+    k_cache, v_cache = pool.layer(0)
+    scale = 8**-0.5
+    # decodes d0 (5 earlier tokens, blocks 1-2) and d1 (2 earlier, block 3), a fresh 6-token
+    # prompt p (blocks 4-5), another decode d2 (9 earlier, blocks 6-8): queries 1, 1, 6, 1
+    earlier = {0: (5, [1, 2]), 1: (2, [3]), 3: (9, [6, 7, 8])}
+    tables = torch.tensor([[1, 2, 0], [3, 0, 0], [4, 5, 0], [6, 7, 8]])
+    history = {}
+    for i, (n, _) in earlier.items():
+        kh, vh = torch.randn(n, 2, 8), torch.randn(n, 2, 8)
+        slots = torch.tensor([tables[i, t // 4].item() * 4 + t % 4 for t in range(n)])
+        meta = AttentionMetadata(slots, [n], torch.tensor([n]), tables[i : i + 1], 4)
+        paged_attention(torch.randn(n, 4, 8), kh, vh, k_cache, v_cache, meta, scale)
+        history[i] = (kh, vh)
+    q_lens = [1, 1, 6, 1]
+    ctx = [6, 3, 6, 10]
+    q, k, v = torch.randn(9, 4, 8), torch.randn(9, 2, 8), torch.randn(9, 2, 8)
+    slots = [
+        tables[0, 1] * 4 + 1,
+        tables[1, 0] * 4 + 2,
+        *(tables[2, t // 4] * 4 + t % 4 for t in range(6)),
+    ]
+    slots.append(tables[3, 2] * 4 + 1)
+    meta = AttentionMetadata(torch.tensor(slots), q_lens, torch.tensor(ctx), tables, 4)
+    assert meta.is_mixed
+    out = paged_attention(q, k, v, k_cache, v_cache, meta, scale)
+    [rows, decodes], *chunks = meta.parts()
+    assert rows.tolist() == [0, 1, 8] and decodes.query_lens == [1, 1, 1]
+    assert [c[1].query_lens for c in chunks] == [[6]]  # the chunk alone: no padded queries
+    starts = [0, 1, 2, 8]
+    for i, start in enumerate(starts):
+        n = q_lens[i]
+        kh, vh = history.get(i, (torch.zeros(0, 2, 8), torch.zeros(0, 2, 8)))
+        keys, values = torch.cat([kh, k[start : start + n]]), torch.cat([vh, v[start : start + n]])
+        expected = _reference(q[start : start + n], keys, values, scale)
+        torch.testing.assert_close(out[start : start + n], expected)

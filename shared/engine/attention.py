@@ -29,6 +29,9 @@ class AttentionMetadata:
     _plan: _TorchPlan | None = field(default=None, repr=False)
     _kv_index: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
     _decode_only: bool | None = field(default=None, repr=False)
+    _parts: list[tuple[torch.Tensor | slice, AttentionMetadata]] | None = field(
+        default=None, repr=False
+    )
 
     @property
     def num_seqs(self) -> int:
@@ -44,6 +47,42 @@ class AttentionMetadata:
         if self._plan is None:
             self._plan = _TorchPlan.build(self)
         return self._plan
+
+    def parts(self) -> list[tuple[torch.Tensor | slice, AttentionMetadata]]:
+        """A batch whose sequences bring different numbers of queries (decodes beside a prefill
+        chunk), split so that nothing is padded: (token rows, metadata) of all the one-query
+        sequences together, then of each longer sequence alone. Padding every sequence to the
+        longest chunk would cost (sequences x chunk x context) instead of (chunk x context)."""
+        if self._parts is None:
+            starts = [0]
+            for q in self.query_lens:
+                starts.append(starts[-1] + q)
+            parts: list[tuple[torch.Tensor | slice, AttentionMetadata]] = []
+            singles = [i for i, q in enumerate(self.query_lens) if q == 1]
+            if singles:
+                rows = torch.tensor([starts[i] for i in singles], device=self.slot_mapping.device)
+                parts.append((rows, self._subset(singles)))
+            for i, q in enumerate(self.query_lens):
+                if q > 1:
+                    parts.append((slice(starts[i], starts[i] + q), self._subset([i])))
+            self._parts = parts
+        return self._parts
+
+    def _subset(self, seqs: list[int]) -> AttentionMetadata:
+        index = torch.tensor(seqs, device=self.block_tables.device)
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:0],  # K/V are already stored
+            query_lens=[self.query_lens[i] for i in seqs],
+            context_lens=self.context_lens.index_select(0, index.to(self.context_lens.device)),
+            block_tables=self.block_tables.index_select(0, index),
+            block_size=self.block_size,
+            use_triton=self.use_triton,
+        )
+
+    @property
+    def is_mixed(self) -> bool:
+        """Sequences with different query lengths (only the torch path needs to split them)."""
+        return len(set(self.query_lens)) > 1
 
     def kv_index(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(block ids, offsets in the block) of the new tokens, (T,) each."""
@@ -128,6 +167,24 @@ def paged_attention(
 ) -> torch.Tensor:
     """q: (T, H_q, D); k, v: (T, H_kv, D) for the new tokens. Returns (T, H_q, D)."""
     write_kv(k_cache, v_cache, k, v, meta)
+    if meta.is_mixed:
+        out = torch.empty_like(q)
+        for rows, part in meta.parts():
+            out[rows] = _attend(q[rows], k[rows], v[rows], k_cache, v_cache, part, scale)
+        return out
+    return _attend(q, k, v, k_cache, v_cache, meta, scale)
+
+
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of already-stored K/V: q (T, H_q, D) -> (T, H_q, D)."""
     if meta.use_triton and meta.is_decode_only:
         from kernels.paged_attention import paged_decode_attention
 
