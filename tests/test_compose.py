@@ -95,3 +95,8 @@ def test_mesh_doc_lists_every_subject() -> None:
     ]
     missing = [n for n in names if f"`{n}" not in doc]
     assert missing == [], f"docs/mesh.md does not describe {missing}"
+
+
+def test_nats_is_published_on_the_host_loopback_only() -> None:
+    ports = compose()["services"]["nats"].get("ports", [])
+    assert ports and all(str(p).startswith("127.0.0.1:") for p in ports)
