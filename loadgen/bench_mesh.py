@@ -39,6 +39,7 @@ def local_mesh(
     *,
     env: Mapping[str, str] | None = None,
     local_prefill_threshold: int = 0,
+    decode_pacing_ms: float = 0.0,
     log_level: str = "warning",
     startup_timeout_s: float = 180.0,
 ) -> Iterator[Any]:
@@ -54,6 +55,7 @@ def local_mesh(
         port=0,
         nats_url=f"nats://127.0.0.1:{free_port()}",
         local_prefill_threshold=local_prefill_threshold,
+        decode_pacing_ms=decode_pacing_ms,
         log_level=log_level,
         startup_timeout_s=startup_timeout_s,
         stop_timeout_s=10.0,

@@ -127,6 +127,7 @@ def _target(config: ServeBenchConfig, label: str) -> Iterator[str]:
                     config.transport,
                     env=dict(config.mesh_env),
                     local_prefill_threshold=config.local_prefill_threshold,
+                    decode_pacing_ms=config.decode_pacing_ms,
                 )
             )
         finally:

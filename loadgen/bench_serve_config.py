@@ -55,6 +55,7 @@ class ServeBenchConfig:
     mesh_env: tuple[tuple[str, str], ...] = ()
     mesh_cpus: frozenset[int] = frozenset()
     local_prefill_threshold: int = 0
+    decode_pacing_ms: float = 0.0
 
     def __post_init__(self) -> None:
         positive = ("input_len", "output_len", "num_prompts", "max_concurrency", "long_input_len")
@@ -185,6 +186,7 @@ def config_from_args(args: argparse.Namespace) -> ServeBenchConfig:
         mesh_env=tuple(mesh_env),
         mesh_cpus=parse_cpus(args.mesh_cpus or ""),
         local_prefill_threshold=args.local_prefill_threshold,
+        decode_pacing_ms=args.decode_pacing_ms,
     )
 
 
@@ -264,4 +266,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=0,
         help="disagg: prompts shorter than this prefill on the decode worker",
+    )
+    mesh.add_argument(
+        "--decode-pacing-ms",
+        type=float,
+        default=0.0,
+        help="disagg: decode steps start at most this often (kvmesh up --decode-pacing-ms)",
     )

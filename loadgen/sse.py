@@ -48,9 +48,13 @@ class Usage:
 
 @dataclass(frozen=True, slots=True)
 class Chunk:
-    """One event: ``content`` is the output text it adds ("" for role, finish and usage chunks)."""
+    """One event: ``content`` is the output text it adds ("" for role, finish and usage chunks);
+    ``is_token``: it carries output, if only a token that completes no character yet (servers
+    such as vLLM and kvmesh stream one chunk per token, with "" while a multi-byte character or
+    a possible stop string is incomplete), so token gaps are measured per token."""
 
     content: str = ""
+    is_token: bool = False
     usage: Usage | None = None
     is_done: bool = False
     error: str | None = None
@@ -67,7 +71,26 @@ def read_chunk(data: str, is_chat: bool) -> Chunk:
         return Chunk(error=f"an event is not a JSON object: {data[:120]!r}")
     if payload.get("error") is not None:
         return Chunk(error=_error_message(payload["error"]))
-    return Chunk(content=_content(payload, is_chat), usage=_usage(payload.get("usage")))
+    content = _content(payload, is_chat)
+    return Chunk(
+        content=content,
+        is_token=bool(content) or _is_empty_token(payload, is_chat),
+        usage=_usage(payload.get("usage")),
+    )
+
+
+def _is_empty_token(payload: dict[str, Any], is_chat: bool) -> bool:
+    """A choice with an empty text that is neither the role chunk nor the finish chunk."""
+    choices = payload.get("choices")
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        return False
+    choice = choices[0]
+    if choice.get("finish_reason") is not None:
+        return False
+    if is_chat:
+        delta = choice.get("delta")
+        return isinstance(delta, dict) and "role" not in delta and delta.get("content") == ""
+    return choice.get("text") == ""
 
 
 def _content(payload: dict[str, Any], is_chat: bool) -> str:

@@ -139,7 +139,7 @@ async def send_request(
                     chunk = read_chunk(event, endpoint.is_chat)
                     if chunk.error is not None:
                         return record("stream_error", chunk.error)
-                    if chunk.content:
+                    if chunk.is_token:
                         seen.chunk_times.append(now)
                     seen.usage = chunk.usage or seen.usage
                     seen.is_done = chunk.is_done

@@ -10,9 +10,8 @@ REGISTRY_PLACE = f"{PREFIX}.registry.place"
 REGISTRY_ADVERTISE = f"{PREFIX}.registry.advertise"
 # every worker -> anyone (publish): WorkerHeartbeat; subscribe with HEARTBEAT_ALL
 HEARTBEAT_ALL = f"{PREFIX}.heartbeat.>"
-# prefill jobs, taken by one worker of the PREFILL_QUEUE group: PrefillJob
+# prefill jobs, stored in the JetStream work queue and pulled (shared/prefill_queue.py): PrefillJob
 PREFILL_JOBS = f"{PREFIX}.prefill.jobs"
-PREFILL_QUEUE = "prefill"
 # broadcast to every worker: Abort
 ABORT = f"{PREFIX}.abort"
 # admin requests (JSON bodies, `nats req` works): answered by the kv-registry

@@ -63,9 +63,7 @@ class FakeMesh:
             self._nc = nc
             subs = [
                 await nc.subscribe(subjects.REGISTRY_PLACE, cb=self._on_place),
-                await nc.subscribe(
-                    subjects.PREFILL_JOBS, queue=subjects.PREFILL_QUEUE, cb=self._on_job
-                ),
+                await nc.subscribe(subjects.PREFILL_JOBS, cb=self._on_job),  # sees the publish
                 await nc.subscribe(subjects.ABORT, cb=self._on_abort),
                 await nc.subscribe(subjects.DECODE_LEASE_RENEW_ALL, cb=self._on_renew),
             ]

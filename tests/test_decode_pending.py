@@ -406,3 +406,22 @@ async def test_abort_of_an_accepted_local_request_before_it_starts(decode_worker
     assert rec.tokens("c")[-1].finish_reason == "abort"
     await _run_until_idle(worker)
     assert "c" not in worker.engine.seqs
+
+
+async def test_paced_worker_starts_steps_no_closer_than_its_interval(tiny):
+    import time
+
+    from services.decode.worker import DecodeWorker
+    from shared.engine.config import EngineConfig
+    from shared.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(*tiny, EngineConfig(num_blocks=64))
+    rec = _Recorder()
+    worker = DecodeWorker(
+        engine, worker_id="d0", base_addr=0, publish=rec, min_step_interval_s=0.05
+    )
+    started = time.monotonic()
+    assert (await worker.reserve(_reserve("p", 20, local=True))).ok  # 4 tokens: 4 steps
+    await _run_until_idle(worker)
+    assert rec.tokens("p")[-1].finish_reason == "length"
+    assert time.monotonic() - started >= 3 * 0.05  # three gaps between four steps

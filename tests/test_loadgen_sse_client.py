@@ -292,3 +292,17 @@ def test_read_chunk_reads_content_usage_done_and_errors():
     assert read_chunk("[DONE]", False).is_done
     assert read_chunk('{"error": {"message": "boom"}}', False).error == "boom"
     assert "not JSON" in (read_chunk("{oops", False).error or "")
+
+
+def test_empty_text_chunks_are_tokens_but_role_and_finish_chunks_are_not():
+    def is_token(data: str, chat: bool) -> bool:
+        return read_chunk(data, is_chat=chat).is_token
+
+    assert is_token('{"choices": [{"text": "", "finish_reason": null}]}', False)
+    assert is_token('{"choices": [{"delta": {"content": ""}, "finish_reason": null}]}', True)
+    assert is_token('{"choices": [{"text": "x", "finish_reason": "stop"}]}', False)
+    assert not is_token('{"choices": [{"text": "", "finish_reason": "length"}]}', False)
+    assert not is_token('{"choices": [{"delta": {"role": "assistant", "content": ""}}]}', True)
+    assert not is_token(
+        '{"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 1}}', False
+    )

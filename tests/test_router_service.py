@@ -153,6 +153,20 @@ async def test_completion_stream_ends_with_finish_chunk_and_done(nats_server):
     assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == "length"
 
 
+async def test_stream_has_a_chunk_per_token_even_inside_a_multibyte_character(nats_server):
+    mesh = FakeMesh(nats_server, reply_text="é€!")  # byte tokens: 2 + 3 + 1, then EOS
+    async with mesh_and_router(nats_server, mesh) as (_, _, http):
+        resp = await http.post(
+            "/v1/completions",
+            json={"model": MODEL, "prompt": "hi", "max_tokens": 20, "stream": True},
+        )
+        payloads = sse_payloads(await resp.read())
+    texts = [orjson.loads(p)["choices"][0]["text"] for p in payloads[:-1]]
+    # one chunk per token as it is made (6 bytes + EOS), then the finish chunk
+    assert texts[:7] == ["", "é", "", "", "€", "!", ""]
+    assert "".join(texts) == "é€!"
+
+
 async def test_stop_string_truncates_and_aborts_the_rest(nats_server):
     mesh = FakeMesh(nats_server, token_delay_s=0.005)
     async with mesh_and_router(nats_server, mesh) as (_, _, http):

@@ -276,9 +276,9 @@ async def test_connection_survives_a_nats_server_restart_on_the_same_port() -> N
 @pytest.mark.parametrize(
     ("kw", "expected"),
     [
-        ({"cores": 2}, {"decode": 1, "prefill": 1}),
-        ({"cores": 12}, {"decode": 4, "prefill": 8}),
-        ({"cores": 12, "prefill": 2, "decode": 2}, {"decode": 2, "prefill": 4}),
+        ({"cores": 2}, {"decode": 1, "prefill": 2}),
+        ({"cores": 12}, {"decode": 4, "prefill": 12}),
+        ({"cores": 12, "prefill": 2, "decode": 2}, {"decode": 2, "prefill": 6}),
         ({"cores": 1}, {"decode": 1, "prefill": 1}),  # fewer cores than workers: they share
         ({"cores": 2, "mode": "colocated"}, {"colocated": 2}),
         ({"cores": 12, "mode": "colocated", "decode": 3}, {"colocated": 4}),
@@ -295,4 +295,12 @@ def test_plan_passes_each_worker_its_threads() -> None:
     for spec in specs:
         if spec.tier in ("decode", "prefill"):
             _, config, _ = build_service_config(spec.argv[1], spec.argv[2:], env={})
-            assert config.threads == {"decode": 4, "prefill": 4}[spec.tier]
+            assert config.threads == {"decode": 4, "prefill": 6}[spec.tier]
+
+
+def test_decode_pacing_reaches_disagg_decode_workers_only() -> None:
+    for mode, expected in (("disagg", 40.0), ("colocated", 0.0)):
+        config = UpConfig(mode=mode, decode_pacing_ms=40)
+        [decode] = [s for s in plan(config, "nats://127.0.0.1:4222", 8000) if s.tier == "decode"]
+        _, service, _ = build_service_config(decode.argv[1], decode.argv[2:], env={})
+        assert service.min_step_interval_ms == expected

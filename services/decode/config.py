@@ -44,6 +44,11 @@ class DecodeConfig:
     threads: int | None = option(
         None, help="torch CPU threads of this worker (default: torch's choice, all cores)"
     )
+    min_step_interval_ms: float = option(
+        0.0,
+        help="start engine steps at most this often (0: back to back); set it near the "
+        "inter-token latency target to leave the rest of a shared core to prefill",
+    )
     max_lease_s: float = option(
         120.0, help="longest lease a reservation or renewal may ask for (longer ones are capped)"
     )
@@ -83,6 +88,8 @@ class DecodeConfig:
             raise ValueError(
                 f"reserve_output_tokens must be >= 0, got {self.reserve_output_tokens}"
             )
+        if self.min_step_interval_ms < 0:
+            raise ValueError(f"min_step_interval_ms must be >= 0, got {self.min_step_interval_ms}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         for name in ("heartbeat_s", "lease_check_s", "drain_timeout_s", "max_lease_s"):

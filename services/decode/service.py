@@ -254,6 +254,7 @@ async def decode_service(config: DecodeConfig) -> AsyncIterator[DecodeService]:
             publish=nc.publish,
             colocated=not disagg,
             quarantine_s=config.quarantine_s,
+            min_step_interval_s=config.min_step_interval_ms / 1000,
         )
         service = DecodeService(
             config,

@@ -62,6 +62,7 @@ class DecodeWorker:
         publish: Publish,
         colocated: bool = False,
         quarantine_s: float = 30.0,
+        min_step_interval_s: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.engine = engine
@@ -71,6 +72,10 @@ class DecodeWorker:
         self.colocated = colocated
         self.is_draining = False
         self.pending = PendingTable(quarantine_s)
+        # Pacing: a decode-only step starts at most this often (0: back to back). A step that
+        # decodes a small batch costs a few ms, but back to back they keep a core busy; paced to
+        # the inter-token target they leave that core to prefill on a shared machine.
+        self.min_step_interval_s = min_step_interval_s
         self._publish = publish
         self._clock = clock
         self._lock = asyncio.Lock()
@@ -110,9 +115,15 @@ class DecodeWorker:
                         self.engine.abort(request_id)  # its "abort" output comes with the step
                     if not self.engine.has_unfinished() and not self._incoming:
                         break
+                    step_started = time.monotonic()
                     outputs = await asyncio.to_thread(self.engine.step)
                 for out in outputs:
                     await self._publish_output(out)
+                if self.min_step_interval_s > 0:
+                    # outside the lock: reservations and admissions go on meanwhile
+                    left = step_started + self.min_step_interval_s - time.monotonic()
+                    if left > 0:
+                        await asyncio.sleep(left)
 
     async def _publish_output(self, out: RequestOutput) -> None:
         if not out.new_token_ids and not out.finished:

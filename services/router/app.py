@@ -139,8 +139,11 @@ class Router:
             }
         )
 
-        async def send_text(text: str) -> None:
-            if text:
+        async def send_text(text: str, num_tokens: int = 0) -> None:
+            # One chunk per step's tokens, even when they complete no character yet (a byte of a
+            # multi-byte character, a possible stop-string prefix), as vLLM streams: clients
+            # see every token when it is made, and token gaps are measurable.
+            if text or num_tokens:
                 await response.write(sse_event(builder.text_chunk(text)))
 
         status = 200
@@ -212,15 +215,15 @@ class Router:
 async def _relay(
     mesh: MeshRequest,
     output: OutputText,
-    send_text: Callable[[str], Awaitable[None]] | None,
+    send_text: Callable[[str, int], Awaitable[None]] | None,
 ) -> str:
     """Feed the mesh's tokens into ``output`` (and out, when streaming) until the end; returns
     the finish reason. A stop string ends the request here and aborts the rest of it."""
     async with aclosing(mesh.events()) as events:
         async for event in events:
             text = output.add(event.token_ids)
-            if send_text is not None:
-                await send_text(text)
+            if send_text is not None:  # after a stop string: its last text only
+                await send_text(text, 0 if output.is_stopped else len(event.token_ids))
             if output.is_stopped:
                 await mesh.abort("stop string")
                 return "stop"

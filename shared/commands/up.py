@@ -52,9 +52,15 @@ class UpConfig:
     device: str = option("cpu", help="torch device of prefill and decode workers")
     cores: int | None = option(
         None,
-        help="CPU cores the workers share (default: the cores this process may run on); split "
-        "as torch threads: disagg gives a third to decode and the rest to prefill, colocated "
-        "gives all to its workers",
+        help="CPU cores the workers share (default: the cores this process may run on), as torch "
+        "threads: disagg gives decode a third and prefill all of them, colocated gives all to "
+        "its workers",
+    )
+    decode_pacing_ms: float = option(
+        0.0,
+        help="disagg: decode workers start a step at most this often (their "
+        "--min-step-interval-ms; 0: back to back). Near the inter-token target, it leaves "
+        "decode's idle share of shared cores to prefill",
     )
     kv_cache_bytes: int | None = option(
         None, help="KV pool bytes per prefill/decode worker (their default: 256 MiB)"
@@ -75,6 +81,8 @@ class UpConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.cores is not None and self.cores < 1:
             raise ValueError(f"cores must be >= 1, got {self.cores}")
+        if self.decode_pacing_ms < 0:
+            raise ValueError(f"decode_pacing_ms must be >= 0, got {self.decode_pacing_ms}")
         if not self.nats_url.startswith("nats://"):
             raise ValueError(f"nats_url must look like nats://HOST:PORT, got {self.nats_url!r}")
         for name in ("startup_timeout_s", "stop_timeout_s"):
@@ -103,19 +111,18 @@ def available_cores() -> int:
 def split_cores(config: UpConfig) -> dict[str, int]:
     """Torch threads per worker of each role: ``{"decode": n, "prefill": m}`` (or colocated).
 
-    Disaggregated: decode is memory-bound and needs few cores, prefill is compute-bound and
-    takes the rest: a third of the cores (at least one) go to the decode pool, the others to the
-    prefill pool, each pool divided among its workers (at least one thread each; on a machine
-    with fewer cores than workers they share). Colocated: every worker does both; the cores are
-    divided among them. The same total either way, so the two modes compare on equal cores."""
+    Disaggregated: decode is memory-bound and latency-critical; prefill is compute-bound
+    throughput work. The decode pool gets a third of the cores (at least one), divided among its
+    workers. The prefill pool gets every core, divided among its workers, so it also uses what
+    decode leaves idle. Colocated: every worker does both, and the cores are divided among them.
+    Both modes use the same cores, so they compare on equal hardware. Every worker gets at least
+    one thread."""
     cores = config.cores or available_cores()
     if config.mode == "colocated":
         return {"colocated": max(1, cores // config.decode)}
-    decode_cores = max(1, cores // 3)
-    prefill_cores = max(1, cores - decode_cores)
     return {
-        "decode": max(1, decode_cores // config.decode),
-        "prefill": max(1, prefill_cores // config.prefill),
+        "decode": max(1, max(1, cores // 3) // config.decode),
+        "prefill": max(1, cores // config.prefill),
     }
 
 
@@ -135,6 +142,8 @@ def plan(config: UpConfig, nats_url: str, port: int) -> list[ChildSpec]:
     ]
     decode_service = "colocated" if config.mode == "colocated" else "decode"
     decode_threads = ("--threads", str(threads[decode_service]))
+    if config.mode == "disagg" and config.decode_pacing_ms:
+        decode_threads += ("--min-step-interval-ms", str(config.decode_pacing_ms))
     for i in range(config.decode):
         name = f"{decode_service}-{i}"
         argv = ("serve", decode_service, *worker(name), *engine, *decode_threads)
