@@ -40,6 +40,8 @@ def local_mesh(
     env: Mapping[str, str] | None = None,
     local_prefill_threshold: int = 0,
     decode_pacing_ms: float = 0.0,
+    prefill: int = 1,
+    decode: int = 1,
     log_level: str = "warning",
     startup_timeout_s: float = 180.0,
 ) -> Iterator[Any]:
@@ -56,6 +58,8 @@ def local_mesh(
         nats_url=f"nats://127.0.0.1:{free_port()}",
         local_prefill_threshold=local_prefill_threshold,
         decode_pacing_ms=decode_pacing_ms,
+        prefill=prefill,
+        decode=decode,
         log_level=log_level,
         startup_timeout_s=startup_timeout_s,
         stop_timeout_s=10.0,

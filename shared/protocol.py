@@ -176,6 +176,26 @@ class Abort:
 
 
 @dataclass(frozen=True, slots=True)
+class PrefillStarted:
+    """Prefill -> router (request subject) and decode worker: this worker took the job. The router
+    retries the request elsewhere if this worker dies before the first token; the decode worker
+    knows whose writes to expect, so it can free the blocks at once when that writer is gone."""
+
+    request_id: str
+    lease_id: str
+    worker_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerGone:
+    """kv-registry -> everyone: a worker stopped heartbeating (dead, hung or cut off)."""
+
+    worker_id: str
+    role: str
+    last_seen_s: float  # seconds between its last message and the drop
+
+
+@dataclass(frozen=True, slots=True)
 class LeaseRenew:
     """Lease holder -> decode worker (and registry): still waiting for this prefill; keep the
     blocks ``lease_ms`` more. A lease ends when its holder stops renewing, not when work is slow."""

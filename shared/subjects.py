@@ -12,6 +12,8 @@ REGISTRY_ADVERTISE = f"{PREFIX}.registry.advertise"
 HEARTBEAT_ALL = f"{PREFIX}.heartbeat.>"
 # prefill jobs, stored in the JetStream work queue and pulled (shared/prefill_queue.py): PrefillJob
 PREFILL_JOBS = f"{PREFIX}.prefill.jobs"
+# kv-registry -> everyone (publish): WorkerGone, when a worker is dropped for silence
+REGISTRY_WORKER_GONE = f"{PREFIX}.registry.worker_gone"
 # broadcast to every worker: Abort
 ABORT = f"{PREFIX}.abort"
 # admin requests (JSON bodies, `nats req` works): answered by the kv-registry
@@ -36,6 +38,11 @@ def decode_reserve(worker_id: str) -> str:
 def decode_prefill_done(worker_id: str) -> str:
     """prefill -> decode worker (publish): PrefillDone."""
     return f"{PREFIX}.decode.{worker_id}.prefill_done"
+
+
+def decode_prefill_started(worker_id: str) -> str:
+    """prefill -> decode worker (publish): PrefillStarted."""
+    return f"{PREFIX}.decode.{worker_id}.prefill_started"
 
 
 def decode_lease_renew(worker_id: str) -> str:
@@ -64,6 +71,16 @@ def request_tokens(request_id: str) -> str:
 def request_prefill_report(request_id: str) -> str:
     """prefill -> router (publish): PrefillReport."""
     return f"{request_events(request_id)}.prefill"
+
+
+def request_prefill_started(request_id: str) -> str:
+    """prefill -> router (publish): PrefillStarted."""
+    return f"{request_events(request_id)}.prefill_started"
+
+
+def request_worker_gone(request_id: str) -> str:
+    """router -> itself (publish): WorkerGone, delivered into the request's own event stream."""
+    return f"{request_events(request_id)}.worker_gone"
 
 
 def request_events_all(request_id: str) -> str:

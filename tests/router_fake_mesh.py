@@ -41,6 +41,7 @@ class FakeMesh:
     overloaded_places: int = -1  # with retry_after_s: refuse this many, then place (-1: all)
     refuse_error: str = ""  # non-empty: refuse placement without retry
     hold_tokens: bool = False  # place, but never produce tokens
+    hold_first: bool = False  # never produce tokens for the first placement only
     fail_with: str = ""  # end each request with finish_reason "error" after the first token
     places: list[PlaceRequest] = field(default_factory=list)
     jobs: list[PrefillJob] = field(default_factory=list)
@@ -135,6 +136,8 @@ class FakeMesh:
             task.cancel()
 
     def _start(self, request_id: str, prompt_ids: tuple[int, ...], max_tokens: int) -> None:
+        if self.hold_first and len(self.places) == 1:
+            return
         if not self.hold_tokens:
             self._tasks[request_id] = asyncio.create_task(
                 self._generate(request_id, len(prompt_ids), max_tokens)

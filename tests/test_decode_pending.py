@@ -425,3 +425,33 @@ async def test_paced_worker_starts_steps_no_closer_than_its_interval(tiny):
     await _run_until_idle(worker)
     assert rec.tokens("p")[-1].finish_reason == "length"
     assert time.monotonic() - started >= 3 * 0.05  # three gaps between four steps
+
+
+def test_reservations_of_a_dead_prefill_worker_fail_and_free_at_once():
+    table = PendingTable(quarantine_s=30.0)
+    table.add("a", "la", slot=1, block_ids=(1, 2), deadline=10.0)
+    table.add("b", "lb", slot=2, block_ids=(3,), deadline=10.0)
+    table.add("c", "lc", slot=3, block_ids=(4,), deadline=10.0)
+    assert table.on_started("a", "la", "prefill-0")
+    assert not table.on_started("a", "la", "prefill-9")  # the first taker keeps it
+    assert not table.on_started("b", "wrong-lease", "prefill-0")
+    assert table.on_started("c", "lc", "prefill-1")
+    table.abort("a")  # aborted, waiting for the prefill to stop: it never will now
+    [verdict] = table.on_writer_gone("prefill-0")
+    assert verdict.reservation.request_id == "a" and verdict.release and not verdict.notify
+    assert table.on_writer_gone("prefill-0") == []
+    [verdict] = table.on_writer_gone("prefill-1")
+    assert verdict.notify and "prefill worker prefill-1 died" in verdict.error
+    assert "b" in table and len(table) == 1  # no known writer: the lease decides
+
+
+async def test_worker_frees_blocks_when_their_prefill_worker_dies(decode_worker):
+    worker, rec, _ = decode_worker
+    assert (await worker.reserve(_reserve("a", 40))).ok
+    assert worker.engine.block_manager.num_free_blocks == 61
+    worker.on_prefill_started(protocol.PrefillStarted("a", "La", "prefill-0"))
+    await worker.on_worker_gone(protocol.WorkerGone("prefill-0", "prefill", 3.0))
+    await _run_until_idle(worker)
+    [event] = rec.tokens("a")
+    assert event.finish_reason == "error" and "prefill-0 died" in event.error
+    assert worker.engine.block_manager.num_free_blocks == 64

@@ -12,6 +12,7 @@ import pytest
 from router_fake_mesh import REPLY_TEXT, FakeMesh
 
 from services.router import RouterConfig, serve_router
+from shared import protocol, subjects
 from shared.model.tiny import tiny_tokenizer
 
 MODEL = "kvmesh-tiny"
@@ -353,3 +354,57 @@ async def test_models_health_openapi_and_unknown_route(nats_server):
     assert wrong_method.status == 405
     assert metrics.headers["Content-Type"].startswith("text/plain; version=0.0.4")
     assert one.status == 404
+
+
+async def _announce_gone(nats_url: str, worker_id: str, role: str = "decode") -> None:
+    from shared.nats_service import connect_nats
+
+    async with connect_nats(nats_url, "registry-stand-in") as nc:
+        gone = protocol.WorkerGone(worker_id, role, last_seen_s=3.0)
+        await nc.publish(subjects.REGISTRY_WORKER_GONE, protocol.encode(gone))
+        await nc.flush()
+
+
+async def test_decode_death_before_the_first_token_runs_the_request_again(nats_server):
+    mesh = FakeMesh(nats_server, hold_first=True)
+    async with mesh_and_router(nats_server, mesh) as (_, running, http):
+        task = asyncio.create_task(
+            http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 8})
+        )
+        while not mesh.places:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)
+        await _announce_gone(nats_server, "decode-fake")
+        resp = await asyncio.wait_for(task, 10)
+        body = await resp.json()
+        retries = running.router.metrics.retries.render()
+    assert resp.status == 200 and body["choices"][0]["text"] == REPLY_TEXT[:8]
+    first, second = mesh.places
+    assert second.request_id == f"{first.request_id}-r1" and body["id"] == first.request_id
+    assert [a.request_id for a in mesh.aborts] == [first.request_id]  # the old attempt let go
+    assert any('role="decode"} 1' in line for line in retries)
+
+
+async def test_decode_death_mid_stream_ends_the_stream_with_an_error_at_once(nats_server):
+    mesh = FakeMesh(nats_server, token_delay_s=0.3)
+    async with mesh_and_router(nats_server, mesh) as (_, _, http):
+        resp = await http.post(
+            "/v1/completions",
+            json={"model": MODEL, "prompt": "x", "max_tokens": 40, "stream": True},
+        )
+        await resp.content.readuntil(b"\n\n")  # the first token is out
+        await _announce_gone(nats_server, "decode-fake")
+        rest = await asyncio.wait_for(resp.content.read(), 2.0)  # not the 30 s token timeout
+    assert b"decode worker decode-fake died" in rest and rest.endswith(b"data: [DONE]\n\n")
+
+
+async def test_death_of_an_unrelated_worker_changes_nothing(nats_server):
+    mesh = FakeMesh(nats_server, token_delay_s=0.02)
+    async with mesh_and_router(nats_server, mesh) as (_, _, http):
+        task = asyncio.create_task(
+            http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 8})
+        )
+        await asyncio.sleep(0.05)
+        await _announce_gone(nats_server, "decode-other")
+        resp = await asyncio.wait_for(task, 10)
+    assert resp.status == 200 and len(mesh.places) == 1

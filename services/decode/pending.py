@@ -39,6 +39,7 @@ class Reservation:
     is_expired: bool = (
         False  # lease ran out: client told, blocks quarantined until the prefill stops
     )
+    writer: str = ""  # the prefill worker that took the job (its PrefillStarted), if known
 
     @property
     def num_writes(self) -> int:
@@ -161,6 +162,27 @@ class PendingTable:
             return None
         res.done = done
         return self._settle(res)
+
+    def on_started(self, request_id: str, lease_id: str, writer: str) -> bool:
+        """A prefill worker took the job: it is the only one that may write these blocks."""
+        res = self._by_request.get(request_id)
+        if res is None or res.lease_id != lease_id or res.writer:
+            return False
+        res.writer = writer
+        return True
+
+    def on_writer_gone(self, writer: str) -> list[Verdict]:
+        """The registry dropped prefill worker ``writer``: no write of it can land any more, so
+        its reservations without a PrefillDone fail now and their blocks return at once (no
+        quarantine: a dead process writes nothing)."""
+        verdicts = []
+        for res in [r for r in self._by_request.values() if r.writer == writer]:
+            if res.done is not None:
+                continue  # it finished; the verdict waits only for writes already counted
+            self._pop(res)
+            notify = not (res.is_expired or res.is_aborted)
+            verdicts.append(Verdict(res, False, f"prefill worker {writer} died", notify=notify))
+        return verdicts
 
     def abort(self, request_id: str) -> Verdict | None:
         """The client went away. The blocks stay reserved until the prefill has stopped writing

@@ -41,9 +41,11 @@ from shared.protocol import (
     DecodeAdvert,
     LeaseRenew,
     PrefillDone,
+    PrefillStarted,
     ProtocolError,
     ReserveRequest,
     WorkerControl,
+    WorkerGone,
     WorkerHeartbeat,
     decode,
     encode,
@@ -205,6 +207,12 @@ class DecodeService:
         if not self.worker.renew(msg.request_id, msg.lease_id, lease_ms):
             log.debug("ignored renewal of no live lease", request_id=msg.request_id)
 
+    async def on_prefill_started(self, msg: PrefillStarted) -> None:
+        self.worker.on_prefill_started(msg)
+
+    async def on_worker_gone(self, msg: WorkerGone) -> None:
+        await self.worker.on_worker_gone(msg)
+
     async def on_prefill_done(self, msg: PrefillDone) -> None:
         await self.worker.on_prefill_done(msg)
 
@@ -285,6 +293,11 @@ async def decode_service(config: DecodeConfig) -> AsyncIterator[DecodeService]:
                     _handler(PrefillDone, service.on_prefill_done),
                 ),
                 (subjects.ABORT, _handler(Abort, service.on_abort)),
+                (
+                    subjects.decode_prefill_started(worker_id),
+                    _handler(PrefillStarted, service.on_prefill_started),
+                ),
+                (subjects.REGISTRY_WORKER_GONE, _handler(WorkerGone, service.on_worker_gone)),
                 (
                     subjects.decode_lease_renew(worker_id),
                     _handler(LeaseRenew, service.on_lease_renew),

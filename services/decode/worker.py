@@ -22,9 +22,11 @@ from shared.engine.sequence import RequestError, RequestOutput, SamplingParams
 from shared.protocol import (
     Abort,
     PrefillDone,
+    PrefillStarted,
     ReserveReply,
     ReserveRequest,
     TokenEvent,
+    WorkerGone,
     encode,
     imm_slot,
 )
@@ -213,6 +215,18 @@ class DecodeWorker:
             return
         verdict = self.pending.on_immediate(slot, chunk)
         if verdict is not None:
+            self._settle(verdict)
+
+    def on_prefill_started(self, started: PrefillStarted) -> None:
+        self.pending.on_started(started.request_id, started.lease_id, started.worker_id)
+
+    async def on_worker_gone(self, gone: WorkerGone) -> None:
+        for verdict in self.pending.on_writer_gone(gone.worker_id):
+            log.warning(
+                "prefill worker died; blocks released",
+                request_id=verdict.reservation.request_id,
+                worker_id=gone.worker_id,
+            )
             self._settle(verdict)
 
     async def on_prefill_done(self, done: PrefillDone) -> None:

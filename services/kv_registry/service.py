@@ -42,6 +42,7 @@ from shared.protocol import (
     ReserveReply,
     ReserveRequest,
     WorkerControl,
+    WorkerGone,
     WorkerHeartbeat,
 )
 
@@ -119,9 +120,17 @@ class RegistryService:
     async def expiry_loop(self) -> None:
         interval = min(0.5, self.config.heartbeat_s / 2)
         while True:
-            dropped, expired = self.core.expire(self.clock())
+            now = self.clock()
+            before = {row["worker_id"]: row for row in self.core.workers(now)}
+            dropped, expired = self.core.expire(now)
             for worker_id in dropped:
                 log.warning("worker dropped: no heartbeat or advert", worker_id=worker_id)
+                row = before.get(worker_id, {"role": "?", "last_seen_s": 0.0})
+                gone = WorkerGone(worker_id, row["role"], float(row["last_seen_s"]))
+                try:  # requests on it fail or move now, not at their timeouts
+                    await self.nc.publish(subjects.REGISTRY_WORKER_GONE, protocol.encode(gone))
+                except nats.errors.Error as exc:
+                    log.warning("could not announce a dropped worker", error=str(exc))
             for lease in expired:
                 log.info(
                     "lease expired (the decode worker frees its blocks)",

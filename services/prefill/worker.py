@@ -31,6 +31,7 @@ from shared.protocol import (
     PrefillDone,
     PrefillJob,
     PrefillReport,
+    PrefillStarted,
     encode,
 )
 from shared.transport import Endpoint, MemoryRegion, TransportError, WriteEntry
@@ -151,6 +152,9 @@ class PrefillWorker:
             return
         job = _Job(msg, planner, PrefillTimeline(msg.enqueued_at, started_at), endpoint)
         self._jobs[rid] = job
+        started = encode(PrefillStarted(rid, msg.lease_id, self.worker_id))
+        await self._publish(subjects.decode_prefill_started(msg.decode_worker_id), started)
+        await self._publish(subjects.request_prefill_started(rid), started)
         try:
             async with self._lock:
                 self.engine.add_request(

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from services.router.app import Router, build_app, serve_http
 from services.router.config import RouterConfig
 from services.router.model_info import load_model_info
-from shared import logs
+from shared import logs, subjects
 from shared.nats_service import connect_nats, new_worker_id, serve_until_signal, worker_presence
 from shared.protocol import WorkerHeartbeat
 
@@ -47,6 +47,8 @@ async def serve_router(config: RouterConfig) -> AsyncIterator[RunningRouter]:
 
             await ensure_stream(nc)  # jobs published before any prefill worker starts are kept
         router = Router(config=config, model=model, nc=nc)
+        # lives as long as the connection (drained on exit)
+        await nc.subscribe(subjects.REGISTRY_WORKER_GONE, cb=router.dispatcher.on_worker_gone)
 
         def heartbeat() -> WorkerHeartbeat:
             return WorkerHeartbeat(

@@ -41,6 +41,11 @@ class RouterConfig:
         help="requests accepted at once (served or waiting in the admission queue for room on "
         "the mesh); more are refused with 429 and Retry-After",
     )
+    max_retries: int = option(
+        2,
+        help="times a request is run again when a worker it depends on dies before its first "
+        "token (after the first token, such a death fails the stream at once)",
+    )
     worker_id: str | None = option(
         None, help="this router's id in heartbeats and $SRV (default: generated)"
     )
@@ -63,6 +68,8 @@ class RouterConfig:
                 f"local_prefill_threshold must be >= 0 (0: always prefill remotely), "
                 f"got {self.local_prefill_threshold}"
             )
+        if self.max_retries < 0:
+            raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
         for name in ("lease_ms", "max_concurrent_requests"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -11,6 +11,7 @@ go back. Every wait has a timeout.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import time
@@ -19,6 +20,7 @@ from contextlib import asynccontextmanager
 
 import nats.errors
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from services.router.config import RouterConfig
@@ -39,8 +41,10 @@ from shared.protocol import (
     PlaceRequest,
     PrefillJob,
     PrefillReport,
+    PrefillStarted,
     ProtocolError,
     TokenEvent,
+    WorkerGone,
 )
 
 log = logging.getLogger(__name__)
@@ -52,7 +56,6 @@ class MeshRequest:
     def __init__(
         self,
         nc: NATS,
-        sub: Subscription,
         config: RouterConfig,
         metrics: RouterMetrics,
         request_id: str,
@@ -60,10 +63,14 @@ class MeshRequest:
         timer: RequestTimer,
     ) -> None:
         self._nc = nc
-        self._sub = sub
+        self._sub: Subscription | None = None
         self._config = config
         self._metrics = metrics
-        self.request_id = request_id
+        self.response_id = request_id  # what the client sees; constant across attempts
+        self.request_id = request_id  # on the wire: one per attempt (retries get -r1, -r2, ...)
+        self.num_attempts = 1
+        self.num_events = 0
+        self.prefill_worker = ""  # from its PrefillStarted
         self.prompt = prompt
         self.timer = timer
         self.placement: PlaceReply | None = None
@@ -75,11 +82,56 @@ class MeshRequest:
         self._may_hold_blocks = False  # a placement was asked for and not refused
         self._renewer: asyncio.Task[None] | None = None
 
+    async def subscribe(self) -> None:
+        """Listen on this attempt's event subjects (before anything is sent: no token is missed)."""
+        self._sub = await self._nc.subscribe(subjects.request_events_all(self.request_id))
+
+    async def close(self) -> None:
+        self.stop_renewing()
+        if self._sub is not None:
+            with contextlib.suppress(nats.errors.Error):
+                await self._sub.unsubscribe()
+            self._sub = None
+
+    def depends_on(self, worker_id: str) -> bool:
+        """Whether losing ``worker_id`` loses this request (its decode worker, or the prefill
+        worker computing it before the first token)."""
+        if self.is_finished:
+            return False
+        if self.placement is not None and self.placement.worker_id == worker_id:
+            return True
+        return self.num_events == 0 and self.prefill_worker == worker_id
+
     async def start(self) -> None:
         """Place the request (waiting in the admission queue while the mesh is full) and, for
         remote prefill, publish its prefill job and keep its lease alive until the first token."""
         started = time.monotonic()
-        deadline = started + self._config.first_token_timeout_s
+        self._first_deadline = started + self._config.first_token_timeout_s
+        await self._place_and_dispatch(started)
+
+    async def _retry(self, gone: WorkerGone) -> None:
+        """The worker this request depended on died before its first token: drop this attempt
+        and run the request again under a new wire id (the old one may still hold blocks)."""
+        log.warning(
+            "worker %s (%s) died before the first token of %s; retrying",
+            gone.worker_id,
+            gone.role,
+            self.response_id,
+        )
+        await self.abort(f"{gone.role} worker {gone.worker_id} died")
+        await self.close()
+        self._metrics.retries.inc(gone.role)
+        self.request_id = f"{self.response_id}-r{self.num_attempts}"
+        self.num_attempts += 1
+        self.placement = None
+        self.prefill_worker = ""
+        self.is_aborted = False
+        self._may_hold_blocks = False
+        await self.subscribe()
+        await self._place_and_dispatch(time.monotonic())
+
+    async def _place_and_dispatch(self, started: float) -> None:
+        deadline = self._first_deadline
         self._metrics.waiting.value += 1
         try:
             while True:
@@ -190,13 +242,11 @@ class MeshRequest:
         Raises GatewayTimeoutError when the first token does not come within
         ``first_token_timeout_s`` or a next token within ``token_timeout_s``, MeshError when the
         mesh fails the request."""
-        tokens_subject = subjects.request_tokens(self.request_id)
-        report_subject = subjects.request_prefill_report(self.request_id)
-        first_deadline = time.monotonic() + self._config.first_token_timeout_s
-        num_events = 0
         while not self.is_finished:
-            if num_events == 0:
-                timeout = first_deadline - time.monotonic()
+            tokens_subject = subjects.request_tokens(self.request_id)
+            report_subject = subjects.request_prefill_report(self.request_id)
+            if self.num_events == 0:
+                timeout = self._first_deadline - time.monotonic()
                 what = f"the first token within {self._config.first_token_timeout_s:g}s"
             else:
                 timeout = self._config.token_timeout_s
@@ -204,6 +254,7 @@ class MeshRequest:
             try:
                 if timeout <= 0:
                     raise nats.errors.TimeoutError
+                assert self._sub is not None
                 msg = await self._sub.next_msg(timeout=timeout)
             except nats.errors.TimeoutError:
                 raise GatewayTimeoutError(
@@ -214,13 +265,29 @@ class MeshRequest:
             if msg.subject == report_subject:
                 self._record_report(msg.data)
                 continue
+            if msg.subject == subjects.request_prefill_started(self.request_id):
+                with contextlib.suppress(ProtocolError):
+                    self.prefill_worker = protocol.decode(msg.data, PrefillStarted).worker_id
+                continue
+            if msg.subject == subjects.request_worker_gone(self.request_id):
+                gone = protocol.decode(msg.data, WorkerGone)
+                if not self.depends_on(gone.worker_id):
+                    continue
+                if self.num_events == 0 and self.num_attempts <= self._config.max_retries:
+                    await self._retry(gone)
+                    continue
+                raise MeshError(
+                    f"{gone.role} worker {gone.worker_id} died while serving request "
+                    f"{self.response_id} ({self.num_events} token events in, attempt "
+                    f"{self.num_attempts})"
+                )
             if msg.subject != tokens_subject:
                 continue  # another kind of request event; not the router's business
             try:
                 event = protocol.decode(msg.data, TokenEvent)
             except ProtocolError as exc:
                 raise MeshError(f"a decode worker sent a malformed token event: {exc}") from None
-            num_events += 1
+            self.num_events += 1
             self.stop_renewing()  # the decode worker admitted it: the lease is over
             self.timer.on_tokens(time.monotonic(), len(event.token_ids))
             if event.finish_reason is not None:
@@ -261,15 +328,31 @@ class Dispatcher:
         self._nc = nc
         self._config = config
         self._metrics = metrics
+        self._live: dict[str, MeshRequest] = {}
+
+    async def on_worker_gone(self, msg: Msg) -> None:
+        """The registry dropped a worker: every request that depended on it hears it now, in its
+        own event stream (it retries before its first token, fails after)."""
+        try:
+            gone = protocol.decode(msg.data, WorkerGone)
+        except ProtocolError:
+            return
+        for request in list(self._live.values()):
+            if request.depends_on(gone.worker_id):
+                with contextlib.suppress(nats.errors.Error):
+                    await self._nc.publish(
+                        subjects.request_worker_gone(request.request_id), msg.data
+                    )
 
     @asynccontextmanager
     async def open(
         self, request_id: str, prompt: Prompt, timer: RequestTimer
     ) -> AsyncIterator[MeshRequest]:
         """Place ``prompt`` on the mesh; abort it if the block is left before it finishes."""
-        sub = await self._nc.subscribe(subjects.request_events_all(request_id))
-        request = MeshRequest(self._nc, sub, self._config, self._metrics, request_id, prompt, timer)
+        request = MeshRequest(self._nc, self._config, self._metrics, request_id, prompt, timer)
+        self._live[request_id] = request
         try:
+            await request.subscribe()
             await request.start()
             yield request
             await request.abort("router stopped reading")
@@ -283,8 +366,8 @@ class Dispatcher:
             await request.abort(_abort_reason(exc))
             raise
         finally:
-            request.stop_renewing()
-            await sub.unsubscribe()
+            del self._live[request_id]
+            await request.close()
 
 
 def _abort_reason(exc: BaseException) -> str:

@@ -162,6 +162,11 @@ class RouterMetrics:
         self.aborts = Counter(
             f"{prefix}_aborts_total", "Abort messages published, by reason.", ("reason",)
         )
+        self.retries = Counter(
+            f"{prefix}_retries_total",
+            "Requests run again because a worker died before their first token, by its role.",
+            ("role",),
+        )
         self.in_flight = Gauge(f"{prefix}_requests_in_flight", "Requests being served now.")
         self.waiting = Gauge(
             f"{prefix}_requests_waiting",
@@ -190,6 +195,7 @@ class RouterMetrics:
             self.prompt_tokens,
             self.generation_tokens,
             self.aborts,
+            self.retries,
             self.in_flight,
             self.waiting,
         ):

@@ -1,0 +1,102 @@
+"""Worker deaths under load, with real processes (kill -9): no request hangs or waits out a timeout.
+
+A mesh of two prefill and two decode workers (kvmesh-tiny, shm). Long prompts in small chunks keep
+the requests in prefill when a worker is killed. The kv-registry drops the dead worker after
+about three heartbeats and announces it (WorkerGone). The router then runs every request that had
+no token yet again, elsewhere, and the decode workers free the blocks a dead prefill was writing.
+Every request must end with the offline engine's greedy tokens, long before the router's
+timeouts, and every block must come back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import aiohttp
+import pytest
+
+from loadgen.bench_mesh import (
+    MeshTap,
+    complete,
+    local_mesh,
+    random_prompts,
+    wait_blocks_returned,
+)
+
+pytestmark = pytest.mark.slow
+
+ENV = {"KVMESH_CHUNK_TOKENS": "32", "KVMESH_BLOCK_SIZE": "16", "KVMESH_NUM_BLOCKS": "2048"}
+MAX_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    with local_mesh("disagg", "shm", env=ENV, prefill=2, decode=2) as launcher:
+        yield launcher
+
+
+def _offline(prompts: list[list[int]]) -> list[list[int]]:
+    from shared.engine.config import EngineConfig
+    from shared.engine.llm_engine import LLMEngine
+    from shared.engine.sequence import SamplingParams
+    from shared.model.loader import load_model
+
+    engine = LLMEngine(*load_model("kvmesh-tiny"), EngineConfig(num_blocks=2048))
+    return engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
+
+
+def _kill(launcher, name: str) -> None:
+    _, proc = launcher.children[name]
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+async def _load_then_kill(launcher, prompts, victim: str, delay_s: float):
+    async with MeshTap(launcher.config.nats_url) as tap, aiohttp.ClientSession() as session:
+        started = time.monotonic()
+        tasks = [
+            asyncio.create_task(complete(session, launcher.url, p, MAX_TOKENS)) for p in prompts
+        ]
+        await asyncio.sleep(delay_s)
+        _kill(launcher, victim)
+        bodies = await asyncio.wait_for(asyncio.gather(*tasks), 60)
+        elapsed = time.monotonic() - started
+        tokens = []
+        for body in bodies:  # the last attempt's wire id carries the tokens
+            ids = [k for k in tap.tokens if k == body["id"] or k.startswith(body["id"] + "-r")]
+            tokens.append(tap.tokens[max(ids, key=len)])
+    return bodies, tokens, elapsed
+
+
+def _retries(launcher, role: str) -> float:
+    import urllib.request
+
+    text = urllib.request.urlopen(f"{launcher.url}/metrics", timeout=5).read().decode()
+    prefix = f'kvmesh_router_retries_total{{role="{role}"}} '
+    return sum(float(line[len(prefix) :]) for line in text.splitlines() if line.startswith(prefix))
+
+
+def test_killed_decode_worker_requests_run_again_on_the_other(mesh):
+    prompts = random_prompts(6, 1200, 1500, seed=21)
+    bodies, tokens, elapsed = asyncio.run(_load_then_kill(mesh, prompts, "decode-0", 0.3))
+    assert tokens == _offline(prompts)
+    assert all(b["usage"]["completion_tokens"] == MAX_TOKENS for b in bodies)
+    assert elapsed < 30  # the router's first-token timeout is 300 s, its token timeout 30 s
+    assert _retries(mesh, "decode") >= 1  # some requests were on the killed worker
+    rows = asyncio.run(wait_blocks_returned(mesh.config.nats_url))
+    assert [r["worker_id"] for r in rows] == ["decode-1"]
+    assert all(r["free_blocks"] == r["total_blocks"] for r in rows)
+
+
+def test_killed_prefill_worker_jobs_run_again_on_the_other(mesh):
+    prompts = random_prompts(4, 1500, 1800, seed=22)
+    bodies, tokens, elapsed = asyncio.run(_load_then_kill(mesh, prompts, "prefill-0", 0.3))
+    assert tokens == _offline(prompts)
+    assert all(b["usage"]["completion_tokens"] == MAX_TOKENS for b in bodies)
+    assert elapsed < 30
+    assert _retries(mesh, "prefill") >= 1
+    rows = asyncio.run(wait_blocks_returned(mesh.config.nats_url))
+    assert all(r["free_blocks"] == r["total_blocks"] for r in rows)
