@@ -65,9 +65,22 @@ async def ensure_stream(nc: Client) -> None:
         raise PrefillQueueError(f"cannot create JetStream stream {STREAM}: {exc}") from exc
 
 
-async def publish_job(nc: Client, data: bytes, timeout_s: float = 5.0) -> None:
-    """Append an encoded PrefillJob to the queue; raises nats errors when it is not stored."""
-    await nc.jetstream().publish(subjects.PREFILL_JOBS, data, timeout=timeout_s, stream=STREAM)
+async def publish_job(nc: Client, data: bytes, timeout_s: float = 5.0) -> int:
+    """Append an encoded PrefillJob to the queue; its sequence number in the stream. Raises
+    nats errors when it is not stored."""
+    ack = await nc.jetstream().publish(
+        subjects.PREFILL_JOBS, data, timeout=timeout_s, stream=STREAM
+    )
+    return int(ack.seq)
+
+
+async def withdraw_job(nc: Client, seq: int) -> bool:
+    """Take a job off the queue if no worker has taken it yet. True: it is gone and no worker
+    will ever compute it; False: a worker took it first (or the queue is unreachable)."""
+    try:
+        return bool(await nc.jetstream().delete_msg(STREAM, seq))
+    except (nats.errors.Error, nats.js.errors.Error):
+        return False
 
 
 async def queue_depth(nc: Client) -> int:

@@ -173,6 +173,9 @@ class TokenEvent:
 class Abort:
     request_id: str
     reason: str = "client disconnected"
+    # The router took the prefill job off the queue before any worker took it: nothing will
+    # ever write the reserved blocks, so the decode worker may free them at once.
+    job_withdrawn: bool = False
 
 
 @dataclass(frozen=True, slots=True)

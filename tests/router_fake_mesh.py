@@ -25,6 +25,7 @@ from shared.protocol import (
     PrefillJob,
     PrefillReport,
     TokenEvent,
+    WorkerHeartbeat,
 )
 
 EOS_ID = tiny_config().eos_token_ids[0]
@@ -42,6 +43,7 @@ class FakeMesh:
     refuse_error: str = ""  # non-empty: refuse placement without retry
     hold_tokens: bool = False  # place, but never produce tokens
     hold_first: bool = False  # never produce tokens for the first placement only
+    prefill_alive: bool = True  # heartbeat as a ready prefill worker (the router watches)
     fail_with: str = ""  # end each request with finish_reason "error" after the first token
     places: list[PlaceRequest] = field(default_factory=list)
     jobs: list[PrefillJob] = field(default_factory=list)
@@ -69,14 +71,24 @@ class FakeMesh:
                 await nc.subscribe(subjects.DECODE_LEASE_RENEW_ALL, cb=self._on_renew),
             ]
             await nc.flush()
+            beating = asyncio.create_task(self._heartbeat()) if self.prefill_alive else None
             try:
                 yield self
             finally:
+                if beating is not None:
+                    beating.cancel()
                 for sub in subs:
                     await sub.unsubscribe()
                 for task in self._tasks.values():
                     task.cancel()
                 await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+
+    async def _heartbeat(self) -> None:
+        subject = subjects.heartbeat("prefill", "prefill-fake")
+        while self.prefill_alive:  # set it False to "kill" the prefill worker
+            beat = WorkerHeartbeat("prefill-fake", "prefill", "ready", 0, 0, 0.0, 0.0)
+            await self._nc.publish(subject, protocol.encode(beat))
+            await asyncio.sleep(0.2)
 
     async def _on_renew(self, msg) -> None:
         self.renewals.append(protocol.decode(msg.data, LeaseRenew))

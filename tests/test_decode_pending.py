@@ -455,3 +455,16 @@ async def test_worker_frees_blocks_when_their_prefill_worker_dies(decode_worker)
     [event] = rec.tokens("a")
     assert event.finish_reason == "error" and "prefill-0 died" in event.error
     assert worker.engine.block_manager.num_free_blocks == 64
+
+
+def test_aborted_reservation_whose_job_was_withdrawn_frees_at_once_unless_written():
+    table = PendingTable(quarantine_s=30.0)
+    table.add("a", "la", slot=1, block_ids=(1,), deadline=10.0)
+    table.add("b", "lb", slot=2, block_ids=(2,), deadline=10.0)
+    table.add("c", "lc", slot=3, block_ids=(3,), deadline=10.0)
+    verdict = table.abort("a", job_withdrawn=True)
+    assert verdict is not None and verdict.release and not verdict.notify and "a" not in table
+    table.on_immediate(2, 0)  # b's writer already wrote: it must stop first
+    assert table.abort("b", job_withdrawn=True) is None and "b" in table
+    table.on_started("c", "lc", "prefill-0")  # c's job was taken: withdrawal cannot be true
+    assert table.abort("c", job_withdrawn=True) is None and "c" in table

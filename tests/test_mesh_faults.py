@@ -4,6 +4,7 @@ A mesh of two prefill and two decode workers (kvmesh-tiny, shm). Long prompts in
 the requests in prefill when a worker is killed. The kv-registry drops the dead worker after
 about three heartbeats and announces it (WorkerGone). The router then runs every request that had
 no token yet again, elsewhere, and the decode workers free the blocks a dead prefill was writing.
+With no prefill worker left, long prompts are prefilled on the decode worker.
 Every request must end with the offline engine's greedy tokens, long before the router's
 timeouts, and every block must come back.
 """
@@ -98,5 +99,16 @@ def test_killed_prefill_worker_jobs_run_again_on_the_other(mesh):
     assert all(b["usage"]["completion_tokens"] == MAX_TOKENS for b in bodies)
     assert elapsed < 30
     assert _retries(mesh, "prefill") >= 1
+    rows = asyncio.run(wait_blocks_returned(mesh.config.nats_url))
+    assert all(r["free_blocks"] == r["total_blocks"] for r in rows)
+
+
+def test_with_every_prefill_worker_dead_long_prompts_are_prefilled_on_decode(mesh):
+    prompts = random_prompts(3, 1000, 1200, seed=23)
+    # prefill-0 died in the test before; prefill-1 goes now, while these are queued or computing
+    bodies, tokens, elapsed = asyncio.run(_load_then_kill(mesh, prompts, "prefill-1", 0.2))
+    assert tokens == _offline(prompts)
+    assert all(b["usage"]["completion_tokens"] == MAX_TOKENS for b in bodies)
+    assert elapsed < 30  # not the 300 s first-token timeout of a job nobody will take
     rows = asyncio.run(wait_blocks_returned(mesh.config.nats_url))
     assert all(r["free_blocks"] == r["total_blocks"] for r in rows)

@@ -32,9 +32,9 @@ MESSAGES = [{"role": "system", "content": "be terse"}, {"role": "user", "content
 
 
 @contextlib.asynccontextmanager
-async def client_for(nats_url: str, mesh: FakeMesh | None = None):
+async def client_for(nats_url: str, mesh: FakeMesh | None = None, **router):
     mesh = mesh or FakeMesh(nats_url)
-    config = RouterConfig(nats_url=nats_url, host="127.0.0.1", port=0)
+    config = RouterConfig(nats_url=nats_url, host="127.0.0.1", port=0, **router)
     async with mesh.running(), serve_router(config) as running:
         client = openai.AsyncOpenAI(base_url=f"{running.url}/v1", api_key="unused", max_retries=0)
         try:
@@ -109,11 +109,18 @@ async def test_client_error_types_match_status(nats_server):
     assert too_long.value.body["code"] == "context_length_exceeded"
 
 
-async def test_overload_raises_rate_limit_error(nats_server):
-    async with client_for(nats_server, FakeMesh(nats_server, retry_after_s=3)) as client:
+async def test_full_admission_queue_raises_rate_limit_error(nats_server):
+    mesh = FakeMesh(nats_server, hold_tokens=True)
+    async with client_for(nats_server, mesh, max_concurrent_requests=1) as client:
+        held = asyncio.create_task(client.completions.create(model=MODEL, prompt="x"))
+        while not mesh.places:
+            await asyncio.sleep(0.01)
         with pytest.raises(openai.RateLimitError) as info:
             await client.chat.completions.create(model=MODEL, messages=MESSAGES)
-    assert info.value.response.headers["retry-after"] == "3"
+        held.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await held
+    assert info.value.response.headers["retry-after"] == "1"
 
 
 async def test_error_mid_stream_raises_api_error(nats_server):

@@ -82,3 +82,18 @@ async def test_queue_status_counts_waiting_jobs_and_pulling_workers(nats_server)
         await publish_job(nc, b"b")
         async with PrefillJobQueue(p):
             assert await queue_status(nc) == {"depth": 2, "workers": 1}
+
+
+async def test_a_job_can_be_withdrawn_only_before_a_worker_takes_it(nats_server):
+    from shared.prefill_queue import withdraw_job
+
+    async with connect_nats(nats_server, "r") as nc, connect_nats(nats_server, "p") as p:
+        await ensure_stream(nc)
+        first = await publish_job(nc, b"a")
+        second = await publish_job(nc, b"b")
+        assert await withdraw_job(nc, second)
+        async with PrefillJobQueue(p) as queue:
+            assert (await queue.next(timeout_s=2.0)).data == b"a"
+            assert await queue.next(timeout_s=0.2) is None  # b is gone for good
+        assert not await withdraw_job(nc, first)  # taken: too late
+        assert await queue_depth(nc) == 0

@@ -408,3 +408,42 @@ async def test_death_of_an_unrelated_worker_changes_nothing(nats_server):
         await _announce_gone(nats_server, "decode-other")
         resp = await asyncio.wait_for(task, 10)
     assert resp.status == 200 and len(mesh.places) == 1
+
+
+async def test_with_no_prefill_worker_alive_long_prompts_are_prefilled_on_decode(nats_server):
+    mesh = FakeMesh(nats_server, prefill_alive=False)
+    async with mesh_and_router(nats_server, mesh, prefill_liveness_s=0.3) as (_, _, http):
+        await asyncio.sleep(0.4)  # listened one liveness window: nobody
+        resp = await http.post("/v1/completions", json={"model": MODEL, "prompt": LONG_PROMPT})
+    assert resp.status == 200
+    [place] = mesh.places
+    assert place.local_prefill and mesh.jobs == []
+
+
+async def test_long_prompts_go_to_the_prefill_pool_while_it_heartbeats(nats_server):
+    mesh = FakeMesh(nats_server)
+    async with mesh_and_router(nats_server, mesh, prefill_liveness_s=0.3) as (_, _, http):
+        await asyncio.sleep(0.4)
+        resp = await http.post("/v1/completions", json={"model": MODEL, "prompt": LONG_PROMPT})
+    assert resp.status == 200
+    [place] = mesh.places
+    assert not place.local_prefill and len(mesh.jobs) == 1
+
+
+async def test_queued_jobs_move_to_local_prefill_when_the_last_prefill_worker_dies(nats_server):
+    mesh = FakeMesh(nats_server, hold_first=True)
+    config = {"prefill_liveness_s": 0.3}
+    async with mesh_and_router(nats_server, mesh, **config) as (_, _, http):
+        await asyncio.sleep(0.4)
+        task = asyncio.create_task(
+            http.post("/v1/completions", json={"model": MODEL, "prompt": LONG_PROMPT})
+        )
+        while not mesh.jobs:
+            await asyncio.sleep(0.01)
+        mesh.prefill_alive = False  # it stops beating, then the registry drops it
+        await asyncio.sleep(0.4)
+        await _announce_gone(nats_server, "prefill-fake", role="prefill")
+        resp = await asyncio.wait_for(task, 10)
+    assert resp.status == 200
+    first, second = mesh.places
+    assert not first.local_prefill and second.local_prefill

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 
 import orjson
 import pytest
@@ -152,10 +153,15 @@ def _desc(host_id: str, **backends: dict) -> PeerDescriptor:
 
 
 def test_select_backend_prefers_rdma_then_reachable_shm_then_tcp(tmp_path) -> None:
+    import socket
+
     here = local_host_id()
-    sock = tmp_path / "notify.sock"
-    sock.touch()
-    table = tmp_path.name + "-table"  # not in /dev/shm: shm unreachable
+    folder = tmp_path / "kvmesh-notify"
+    folder.mkdir()
+    sock = folder / "notify.sock"
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(str(sock))
+    table = f"kvmesh-{os.getpid()}-5e1ec7ed-table"  # not in /dev/shm yet: shm unreachable
     tcp = {"host": "127.0.0.1", "port": 1, "lanes": 1}
     shm = {"socket": str(sock), "table": table}
     local = _desc(here, shm=shm, tcp=tcp, rdma={})
@@ -166,9 +172,9 @@ def test_select_backend_prefers_rdma_then_reachable_shm_then_tcp(tmp_path) -> No
         assert select_backend(local, _desc(here, shm=shm, tcp=tcp)) == "shm"
         assert select_backend(local, _desc("other-host", shm=shm, tcp=tcp)) == "tcp"
     finally:
-        import os
-
         os.unlink(f"/dev/shm/{table}")
+        listener.close()
+    assert select_backend(local, _desc(here, shm={**shm, "table": "../x"}, tcp=tcp)) == "tcp"
     with pytest.raises(PeerUnreachableError, match="no common backend"):
         select_backend(_desc(here, tcp=tcp), _desc("other-host", shm=shm))
 

@@ -184,14 +184,19 @@ class PendingTable:
             verdicts.append(Verdict(res, False, f"prefill worker {writer} died", notify=notify))
         return verdicts
 
-    def abort(self, request_id: str) -> Verdict | None:
+    def abort(self, request_id: str, job_withdrawn: bool = False) -> Verdict | None:
         """The client went away. The blocks stay reserved until the prefill has stopped writing
         (its PrefillDone, which it sends on the same Abort) or the lease expires, so no late
-        write lands in a block that was handed to another request."""
+        write lands in a block that was handed to another request. ``job_withdrawn``: the job
+        was taken off the queue before any worker took it; if no writer showed up either, no
+        write can ever come and the blocks are free now."""
         res = self._by_request.get(request_id)
         if res is None:
             return None
         res.is_aborted = True
+        if job_withdrawn and not res.writer and not res.chunks and res.done is None:
+            self._pop(res)
+            return Verdict(res, False, "aborted", notify=False)
         return self._settle(res)
 
     def expire(self, now: float) -> list[Verdict]:

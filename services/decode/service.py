@@ -200,7 +200,7 @@ class DecodeService:
         await req.respond(encode(self.heartbeat()))
 
     async def on_abort(self, msg: Abort) -> None:
-        await self.worker.abort(msg.request_id)
+        await self.worker.abort(msg.request_id, msg.job_withdrawn)
 
     async def on_lease_renew(self, msg: LeaseRenew) -> None:
         lease_ms = min(msg.lease_ms, int(self.config.max_lease_s * 1000))  # policy caps it

@@ -234,7 +234,7 @@ class DecodeWorker:
         if verdict is not None:
             self._settle(verdict)
 
-    async def abort(self, request_id: str) -> None:
+    async def abort(self, request_id: str, job_withdrawn: bool = False) -> None:
         for i, (rid, prompt, _) in enumerate(self._incoming):  # accepted, not yet in the engine
             if rid == request_id:
                 del self._incoming[i]
@@ -243,7 +243,7 @@ class DecodeWorker:
                 )
                 return
         if request_id in self.pending:
-            verdict = self.pending.abort(request_id)
+            verdict = self.pending.abort(request_id, job_withdrawn)
             if verdict is not None:
                 self._settle(verdict)
             return

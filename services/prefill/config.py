@@ -45,7 +45,9 @@ class PrefillConfig:
     enable_prefix_caching: bool = option(True, help="reuse KV blocks of shared prompt prefixes")
     heartbeat_s: float = option(1.0, help="seconds between heartbeats")
     abort_memory_s: float = option(
-        60.0, help="how long an Abort is remembered for jobs not yet seen"
+        660.0,
+        help="how long an Abort is remembered for jobs not yet taken (longer than a job may wait "
+        "in the queue, 600 s, so an aborted job is never computed)",
     )
 
     def __post_init__(self) -> None:

@@ -41,6 +41,11 @@ class RouterConfig:
         help="requests accepted at once (served or waiting in the admission queue for room on "
         "the mesh); more are refused with 429 and Retry-After",
     )
+    prefill_liveness_s: float = option(
+        3.0,
+        help="a prefill worker silent this long counts as gone; with none alive, long prompts "
+        "are prefilled on the decode worker instead of waiting in the queue",
+    )
     max_retries: int = option(
         2,
         help="times a request is run again when a worker it depends on dies before its first "
@@ -73,7 +78,13 @@ class RouterConfig:
         for name in ("lease_ms", "max_concurrent_requests"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("place_timeout_s", "first_token_timeout_s", "token_timeout_s", "heartbeat_s"):
+        for name in (
+            "place_timeout_s",
+            "first_token_timeout_s",
+            "token_timeout_s",
+            "heartbeat_s",
+            "prefill_liveness_s",
+        ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
 

@@ -31,9 +31,10 @@ from services.router.errors import (
     ServiceUnavailableError,
 )
 from services.router.metrics import RequestTimer, RouterMetrics
+from services.router.prefill_pool import PrefillPool
 from services.router.prompt import Prompt
 from shared import protocol, subjects
-from shared.prefill_queue import publish_job
+from shared.prefill_queue import publish_job, withdraw_job
 from shared.protocol import (
     Abort,
     LeaseRenew,
@@ -45,6 +46,7 @@ from shared.protocol import (
     ProtocolError,
     TokenEvent,
     WorkerGone,
+    WorkerHeartbeat,
 )
 
 log = logging.getLogger(__name__)
@@ -61,9 +63,13 @@ class MeshRequest:
         request_id: str,
         prompt: Prompt,
         timer: RequestTimer,
+        prefill_pool: PrefillPool | None = None,
     ) -> None:
         self._nc = nc
         self._sub: Subscription | None = None
+        self._prefill_pool = prefill_pool
+        self._lost: set[str] = set()  # workers whose loss also loses this request
+        self._job_seq = 0  # the prefill job's sequence in the queue (0: none published)
         self._config = config
         self._metrics = metrics
         self.response_id = request_id  # what the client sees; constant across attempts
@@ -74,13 +80,25 @@ class MeshRequest:
         self.prompt = prompt
         self.timer = timer
         self.placement: PlaceReply | None = None
-        self.is_local_prefill = (
-            config.mode == "colocated" or len(prompt.prompt_ids) < config.local_prefill_threshold
-        )
+        self.is_local_prefill = self._choose_local_prefill()
         self.is_finished = False  # a TokenEvent with finish_reason arrived
         self.is_aborted = False
         self._may_hold_blocks = False  # a placement was asked for and not refused
         self._renewer: asyncio.Task[None] | None = None
+
+    def _choose_local_prefill(self) -> bool:
+        if self._config.mode == "colocated":
+            return True
+        if len(self.prompt.prompt_ids) < self._config.local_prefill_threshold:
+            return True
+        # no prefill worker alive: the decode worker prefills rather than the job waiting
+        pool = self._prefill_pool
+        return pool is not None and not pool.has_workers(time.monotonic())
+
+    def mark_lost(self, worker_id: str) -> None:
+        """Losing ``worker_id`` loses this request too (e.g. the last prefill worker went while
+        its job waited in the queue)."""
+        self._lost.add(worker_id)
 
     async def subscribe(self) -> None:
         """Listen on this attempt's event subjects (before anything is sent: no token is missed)."""
@@ -98,6 +116,8 @@ class MeshRequest:
         worker computing it before the first token)."""
         if self.is_finished:
             return False
+        if worker_id in self._lost:
+            return True
         if self.placement is not None and self.placement.worker_id == worker_id:
             return True
         return self.num_events == 0 and self.prefill_worker == worker_id
@@ -125,6 +145,9 @@ class MeshRequest:
         self.num_attempts += 1
         self.placement = None
         self.prefill_worker = ""
+        self._job_seq = 0
+        self._lost.clear()
+        self.is_local_prefill = self._choose_local_prefill()
         self.is_aborted = False
         self._may_hold_blocks = False
         await self.subscribe()
@@ -168,7 +191,7 @@ class MeshRequest:
         )
         self._renewer = asyncio.create_task(self._renew_lease(reply))
         try:
-            await publish_job(self._nc, protocol.encode(job))
+            self._job_seq = await publish_job(self._nc, protocol.encode(job))
         except nats.errors.Error as exc:
             raise ServiceUnavailableError(f"could not publish the prefill job: {exc}") from None
 
@@ -305,10 +328,15 @@ class MeshRequest:
             return
         self.is_aborted = True
         self._metrics.aborts.inc(reason)
+        # A job no worker has taken yet can be withdrawn: then its blocks are free at once.
+        withdrawn = (
+            self._job_seq > 0
+            and not self.prefill_worker
+            and await withdraw_job(self._nc, self._job_seq)
+        )
         try:
-            await self._nc.publish(
-                subjects.ABORT, protocol.encode(Abort(self.request_id, reason=reason))
-            )
+            abort = Abort(self.request_id, reason=reason, job_withdrawn=withdrawn)
+            await self._nc.publish(subjects.ABORT, protocol.encode(abort))
         except nats.errors.Error as exc:  # the connection is gone: leases will expire instead
             log.warning("could not publish abort for %s: %s", self.request_id, exc)
 
@@ -329,6 +357,14 @@ class Dispatcher:
         self._config = config
         self._metrics = metrics
         self._live: dict[str, MeshRequest] = {}
+        self.prefill_pool = PrefillPool(config.prefill_liveness_s, time.monotonic())
+
+    async def on_prefill_heartbeat(self, msg: Msg) -> None:
+        try:
+            beat = protocol.decode(msg.data, WorkerHeartbeat)
+        except ProtocolError:
+            return
+        self.prefill_pool.on_heartbeat(beat.worker_id, beat.state, time.monotonic())
 
     async def on_worker_gone(self, msg: Msg) -> None:
         """The registry dropped a worker: every request that depended on it hears it now, in its
@@ -337,6 +373,13 @@ class Dispatcher:
             gone = protocol.decode(msg.data, WorkerGone)
         except ProtocolError:
             return
+        if gone.role == "prefill":
+            self.prefill_pool.on_gone(gone.worker_id)
+            if not self.prefill_pool.has_workers(time.monotonic()):
+                # the last one: queued jobs will never be taken; run them with local prefill
+                for request in self._live.values():
+                    if not request.is_local_prefill and request.num_events == 0:
+                        request.mark_lost(gone.worker_id)
         for request in list(self._live.values()):
             if request.depends_on(gone.worker_id):
                 with contextlib.suppress(nats.errors.Error):
@@ -349,7 +392,9 @@ class Dispatcher:
         self, request_id: str, prompt: Prompt, timer: RequestTimer
     ) -> AsyncIterator[MeshRequest]:
         """Place ``prompt`` on the mesh; abort it if the block is left before it finishes."""
-        request = MeshRequest(self._nc, self._config, self._metrics, request_id, prompt, timer)
+        request = MeshRequest(
+            self._nc, self._config, self._metrics, request_id, prompt, timer, self.prefill_pool
+        )
         self._live[request_id] = request
         try:
             await request.subscribe()
