@@ -441,7 +441,7 @@ def test_reservations_of_a_dead_prefill_worker_fail_and_free_at_once():
     assert verdict.reservation.request_id == "a" and verdict.release and not verdict.notify
     assert table.on_writer_gone("prefill-0") == []
     [verdict] = table.on_writer_gone("prefill-1")
-    assert verdict.notify and "prefill worker prefill-1 died" in verdict.error
+    assert not verdict.notify and "prefill worker prefill-1 died" in verdict.error
     assert "b" in table and len(table) == 1  # no known writer: the lease decides
 
 
@@ -452,8 +452,7 @@ async def test_worker_frees_blocks_when_their_prefill_worker_dies(decode_worker)
     worker.on_prefill_started(protocol.PrefillStarted("a", "La", "prefill-0"))
     await worker.on_worker_gone(protocol.WorkerGone("prefill-0", "prefill", 3.0))
     await _run_until_idle(worker)
-    [event] = rec.tokens("a")
-    assert event.finish_reason == "error" and "prefill-0 died" in event.error
+    assert rec.tokens("a") == []  # the router, told by the registry too, retries or fails it
     assert worker.engine.block_manager.num_free_blocks == 64
 
 

@@ -174,14 +174,15 @@ class PendingTable:
     def on_writer_gone(self, writer: str) -> list[Verdict]:
         """The registry dropped prefill worker ``writer``: no write of it can land any more, so
         its reservations without a PrefillDone fail now and their blocks return at once (no
-        quarantine: a dead process writes nothing)."""
+        quarantine: a dead process writes nothing). The client is not told from here: the
+        router hears the same WorkerGone and runs the request again (or fails it itself); a
+        final event from us would race with that and fail a request the router can save."""
         verdicts = []
         for res in [r for r in self._by_request.values() if r.writer == writer]:
             if res.done is not None:
                 continue  # it finished; the verdict waits only for writes already counted
             self._pop(res)
-            notify = not (res.is_expired or res.is_aborted)
-            verdicts.append(Verdict(res, False, f"prefill worker {writer} died", notify=notify))
+            verdicts.append(Verdict(res, False, f"prefill worker {writer} died", notify=False))
         return verdicts
 
     def abort(self, request_id: str, job_withdrawn: bool = False) -> Verdict | None:
