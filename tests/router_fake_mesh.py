@@ -44,6 +44,7 @@ class FakeMesh:
     hold_tokens: bool = False  # place, but never produce tokens
     hold_first: bool = False  # never produce tokens for the first placement only
     prefill_alive: bool = True  # heartbeat as a ready prefill worker (the router watches)
+    decode_alive: bool = True  # heartbeat as a ready decode worker (readiness, 503)
     fail_with: str = ""  # end each request with finish_reason "error" after the first token
     places: list[PlaceRequest] = field(default_factory=list)
     jobs: list[PrefillJob] = field(default_factory=list)
@@ -71,12 +72,11 @@ class FakeMesh:
                 await nc.subscribe(subjects.DECODE_LEASE_RENEW_ALL, cb=self._on_renew),
             ]
             await nc.flush()
-            beating = asyncio.create_task(self._heartbeat()) if self.prefill_alive else None
+            beating = asyncio.create_task(self._heartbeat())
             try:
                 yield self
             finally:
-                if beating is not None:
-                    beating.cancel()
+                beating.cancel()
                 for sub in subs:
                     await sub.unsubscribe()
                 for task in self._tasks.values():
@@ -84,10 +84,14 @@ class FakeMesh:
                 await asyncio.gather(*self._tasks.values(), return_exceptions=True)
 
     async def _heartbeat(self) -> None:
-        subject = subjects.heartbeat("prefill", "prefill-fake")
-        while self.prefill_alive:  # set it False to "kill" the prefill worker
-            beat = WorkerHeartbeat("prefill-fake", "prefill", "ready", 0, 0, 0.0, 0.0)
-            await self._nc.publish(subject, protocol.encode(beat))
+        """Heartbeats of a prefill and a decode worker; set prefill_alive / decode_alive to
+        False to "kill" one."""
+        while True:
+            for role, alive in (("prefill", self.prefill_alive), ("decode", self.decode_alive)):
+                if alive:
+                    beat = WorkerHeartbeat(f"{role}-fake", role, "ready", 0, 0, 0.0, 0.0)
+                    subject = subjects.heartbeat(role, f"{role}-fake")
+                    await self._nc.publish(subject, protocol.encode(beat))
             await asyncio.sleep(0.2)
 
     async def _on_renew(self, msg) -> None:

@@ -340,7 +340,11 @@ async def test_requests_beyond_the_admission_limit_are_429_with_retry_after(nats
 async def test_models_health_openapi_and_unknown_route(nats_server):
     async with mesh_and_router(nats_server, served_model_name="tiny") as (_, _, http):
         models = await (await http.get("/v1/models")).json()
-        health = await http.get("/health")
+        for _ in range(50):  # ready once the fake decode worker's first heartbeat is heard
+            health = await http.get("/health")
+            if health.status == 200:
+                break
+            await asyncio.sleep(0.05)
         doc = await (await http.get("/openapi.json")).json()
         missing = await http.get("/v1/nope")
         missing_body = await missing.json()
@@ -412,7 +416,7 @@ async def test_death_of_an_unrelated_worker_changes_nothing(nats_server):
 
 async def test_with_no_prefill_worker_alive_long_prompts_are_prefilled_on_decode(nats_server):
     mesh = FakeMesh(nats_server, prefill_alive=False)
-    async with mesh_and_router(nats_server, mesh, prefill_liveness_s=0.3) as (_, _, http):
+    async with mesh_and_router(nats_server, mesh, worker_liveness_s=0.3) as (_, _, http):
         await asyncio.sleep(0.4)  # listened one liveness window: nobody
         resp = await http.post("/v1/completions", json={"model": MODEL, "prompt": LONG_PROMPT})
     assert resp.status == 200
@@ -422,7 +426,7 @@ async def test_with_no_prefill_worker_alive_long_prompts_are_prefilled_on_decode
 
 async def test_long_prompts_go_to_the_prefill_pool_while_it_heartbeats(nats_server):
     mesh = FakeMesh(nats_server)
-    async with mesh_and_router(nats_server, mesh, prefill_liveness_s=0.3) as (_, _, http):
+    async with mesh_and_router(nats_server, mesh, worker_liveness_s=0.3) as (_, _, http):
         await asyncio.sleep(0.4)
         resp = await http.post("/v1/completions", json={"model": MODEL, "prompt": LONG_PROMPT})
     assert resp.status == 200
@@ -432,7 +436,7 @@ async def test_long_prompts_go_to_the_prefill_pool_while_it_heartbeats(nats_serv
 
 async def test_queued_jobs_move_to_local_prefill_when_the_last_prefill_worker_dies(nats_server):
     mesh = FakeMesh(nats_server, hold_first=True)
-    config = {"prefill_liveness_s": 0.3}
+    config = {"worker_liveness_s": 0.3}
     async with mesh_and_router(nats_server, mesh, **config) as (_, _, http):
         await asyncio.sleep(0.4)
         task = asyncio.create_task(
@@ -447,3 +451,29 @@ async def test_queued_jobs_move_to_local_prefill_when_the_last_prefill_worker_di
     assert resp.status == 200
     first, second = mesh.places
     assert not first.local_prefill and second.local_prefill
+
+
+async def test_health_is_ready_only_while_a_decode_worker_heartbeats(nats_server):
+    mesh = FakeMesh(nats_server, decode_alive=False)
+    async with mesh_and_router(nats_server, mesh, worker_liveness_s=0.3) as (_, _, http):
+        down = await http.get("/health")
+        down_body = await down.json()
+        mesh.decode_alive = True
+        await asyncio.sleep(0.3)
+        up = await http.get("/health")
+        up_body = await up.json()
+    assert down.status == 503 and down.headers["Retry-After"] == "1"
+    assert "no decode worker" in down_body["reason"] and down_body["decode_workers"] == 0
+    assert up.status == 200 and up_body["decode_workers"] == 1 and up_body["prefill_workers"] == 1
+
+
+async def test_no_decode_worker_at_all_is_503_not_a_wait_in_the_queue(nats_server):
+    mesh = FakeMesh(nats_server, decode_alive=False, retry_after_s=0.5)
+    async with mesh_and_router(nats_server, mesh, worker_liveness_s=0.3) as (_, _, http):
+        await asyncio.sleep(0.4)  # listened one window: no decode worker
+        resp = await asyncio.wait_for(
+            http.post("/v1/completions", json={"model": MODEL, "prompt": "x"}), 5
+        )
+        body = await resp.json()
+    assert resp.status == 503 and "no decode worker is alive" in body["error"]["message"]
+    assert "Retry-After" in resp.headers

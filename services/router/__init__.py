@@ -49,9 +49,8 @@ async def serve_router(config: RouterConfig) -> AsyncIterator[RunningRouter]:
         router = Router(config=config, model=model, nc=nc)
         # lives as long as the connection (drained on exit)
         await nc.subscribe(subjects.REGISTRY_WORKER_GONE, cb=router.dispatcher.on_worker_gone)
-        await nc.subscribe(
-            subjects.heartbeat("prefill", "*"), cb=router.dispatcher.on_prefill_heartbeat
-        )
+        for role in ("prefill", "decode", "colocated"):
+            await nc.subscribe(subjects.heartbeat(role, "*"), cb=router.dispatcher.on_heartbeat)
 
         def heartbeat() -> WorkerHeartbeat:
             return WorkerHeartbeat(

@@ -196,11 +196,30 @@ class Router:
         }
 
     async def health(self, request: web.Request) -> web.Response:
+        """Readiness: NATS connected and at least one decode (or colocated) worker ready."""
         if not self.nc.is_connected:
             return _json_response(
                 {"status": "unavailable", "reason": "not connected to NATS"}, status=503
             )
-        return _json_response({"status": "ok", "model": self.model.name})
+        now = time.monotonic()
+        decode, prefill = self.dispatcher.decode_pool, self.dispatcher.prefill_pool
+        counts = {
+            "decode_workers": decode.num_ready(now),
+            "prefill_workers": prefill.num_ready(now),
+        }
+        if counts["decode_workers"] == 0:
+            alive = decode.num_alive(now)
+            reason = (
+                f"{alive} decode workers alive, all draining"
+                if alive
+                else "no decode worker heartbeats yet (starting, or none running)"
+            )
+            return _json_response(
+                {"status": "unavailable", "reason": reason, **counts},
+                status=503,
+                headers={"Retry-After": "1"},
+            )
+        return _json_response({"status": "ok", "model": self.model.name, **counts})
 
     async def metrics_text(self, request: web.Request) -> web.Response:
         return web.Response(

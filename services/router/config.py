@@ -41,10 +41,10 @@ class RouterConfig:
         help="requests accepted at once (served or waiting in the admission queue for room on "
         "the mesh); more are refused with 429 and Retry-After",
     )
-    prefill_liveness_s: float = option(
+    worker_liveness_s: float = option(
         3.0,
-        help="a prefill worker silent this long counts as gone; with none alive, long prompts "
-        "are prefilled on the decode worker instead of waiting in the queue",
+        help="a worker silent this long counts as gone: with no prefill worker, long prompts are "
+        "prefilled on the decode worker; with no decode worker, /health and requests are 503",
     )
     max_retries: int = option(
         2,
@@ -83,7 +83,7 @@ class RouterConfig:
             "first_token_timeout_s",
             "token_timeout_s",
             "heartbeat_s",
-            "prefill_liveness_s",
+            "worker_liveness_s",
         ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")

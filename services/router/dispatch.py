@@ -31,8 +31,8 @@ from services.router.errors import (
     ServiceUnavailableError,
 )
 from services.router.metrics import RequestTimer, RouterMetrics
-from services.router.prefill_pool import PrefillPool
 from services.router.prompt import Prompt
+from services.router.worker_pool import WorkerPool
 from shared import protocol, subjects
 from shared.prefill_queue import publish_job, withdraw_job
 from shared.protocol import (
@@ -63,11 +63,13 @@ class MeshRequest:
         request_id: str,
         prompt: Prompt,
         timer: RequestTimer,
-        prefill_pool: PrefillPool | None = None,
+        prefill_pool: WorkerPool | None = None,
+        decode_pool: WorkerPool | None = None,
     ) -> None:
         self._nc = nc
         self._sub: Subscription | None = None
         self._prefill_pool = prefill_pool
+        self._decode_pool = decode_pool
         self._lost: set[str] = set()  # workers whose loss also loses this request
         self._job_seq = 0  # the prefill job's sequence in the queue (0: none published)
         self._config = config
@@ -91,9 +93,9 @@ class MeshRequest:
             return True
         if len(self.prompt.prompt_ids) < self._config.local_prefill_threshold:
             return True
-        # no prefill worker alive: the decode worker prefills rather than the job waiting
-        pool = self._prefill_pool
-        return pool is not None and not pool.has_workers(time.monotonic())
+        # no prefill worker ready: the decode worker prefills rather than the job waiting
+        pool, now = self._prefill_pool, time.monotonic()
+        return pool is not None and pool.is_known(now) and pool.num_ready(now) == 0
 
     def mark_lost(self, worker_id: str) -> None:
         """Losing ``worker_id`` loses this request too (e.g. the last prefill worker went while
@@ -162,6 +164,14 @@ class MeshRequest:
                     reply = await self._place()
                     break
                 except OverloadedError as exc:
+                    pool, now = self._decode_pool, time.monotonic()
+                    if pool is not None and pool.is_known(now) and pool.num_alive(now) == 0:
+                        # "no workers at all" is not "at capacity": say so instead of waiting
+                        raise ServiceUnavailableError(
+                            "no decode worker is alive (none heartbeats); start one (`kvmesh "
+                            "serve decode`) or check the mesh with `kvmesh admin workers`",
+                            retry_after_s=exc.retry_after_s or 1.0,
+                        ) from None
                     # Overload is queueing: an accepted request waits for room, it does not fail.
                     left = deadline - time.monotonic()
                     if left <= exc.retry_after_s:
@@ -357,14 +367,18 @@ class Dispatcher:
         self._config = config
         self._metrics = metrics
         self._live: dict[str, MeshRequest] = {}
-        self.prefill_pool = PrefillPool(config.prefill_liveness_s, time.monotonic())
+        now = time.monotonic()
+        self.prefill_pool = WorkerPool(config.worker_liveness_s, now)
+        self.decode_pool = WorkerPool(config.worker_liveness_s, now)  # decode or colocated
 
-    async def on_prefill_heartbeat(self, msg: Msg) -> None:
+    async def on_heartbeat(self, msg: Msg) -> None:
+        """Prefill, decode and colocated heartbeats: who is alive and ready."""
         try:
             beat = protocol.decode(msg.data, WorkerHeartbeat)
         except ProtocolError:
             return
-        self.prefill_pool.on_heartbeat(beat.worker_id, beat.state, time.monotonic())
+        pool = self.prefill_pool if beat.role == "prefill" else self.decode_pool
+        pool.on_heartbeat(beat.worker_id, beat.state, time.monotonic())
 
     async def on_worker_gone(self, msg: Msg) -> None:
         """The registry dropped a worker: every request that depended on it hears it now, in its
@@ -373,9 +387,10 @@ class Dispatcher:
             gone = protocol.decode(msg.data, WorkerGone)
         except ProtocolError:
             return
+        self.decode_pool.on_gone(gone.worker_id)
         if gone.role == "prefill":
             self.prefill_pool.on_gone(gone.worker_id)
-            if not self.prefill_pool.has_workers(time.monotonic()):
+            if self.prefill_pool.num_ready(time.monotonic()) == 0:
                 # the last one: queued jobs will never be taken; run them with local prefill
                 for request in self._live.values():
                     if not request.is_local_prefill and request.num_events == 0:
@@ -393,7 +408,14 @@ class Dispatcher:
     ) -> AsyncIterator[MeshRequest]:
         """Place ``prompt`` on the mesh; abort it if the block is left before it finishes."""
         request = MeshRequest(
-            self._nc, self._config, self._metrics, request_id, prompt, timer, self.prefill_pool
+            self._nc,
+            self._config,
+            self._metrics,
+            request_id,
+            prompt,
+            timer,
+            self.prefill_pool,
+            self.decode_pool,
         )
         self._live[request_id] = request
         try:

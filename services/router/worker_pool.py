@@ -1,0 +1,40 @@
+"""Which workers of one role are alive and ready, as the router hears them: pure, clock passed in.
+
+Fed by heartbeats (``kvmesh.heartbeat.<role>.<id>``) and the registry's WorkerGone. The router
+keeps two pools:
+- prefill: when no prefill worker is ready, a prompt above the local-prefill threshold would wait
+  in the queue until its timeout, so the router prefills it on the decode worker instead;
+- decode (and colocated): ``/health`` is ready only while one is ready, and with none alive at
+  all a request is a 503 ("no workers" is not "at capacity").
+Until the router has listened for one liveness window it does not know; callers say what to
+assume then.
+"""
+
+from __future__ import annotations
+
+
+class WorkerPool:
+    def __init__(self, liveness_s: float, started_at: float) -> None:
+        self.liveness_s = liveness_s
+        self._started_at = started_at
+        self._seen: dict[str, tuple[float, str]] = {}  # worker id -> (last heartbeat, state)
+
+    def on_heartbeat(self, worker_id: str, state: str, now: float) -> None:
+        self._seen[worker_id] = (now, state)
+
+    def on_gone(self, worker_id: str) -> None:
+        self._seen.pop(worker_id, None)
+
+    def is_known(self, now: float) -> bool:
+        """Whether the router has listened long enough to have heard every live worker."""
+        return now - self._started_at >= self.liveness_s
+
+    def num_alive(self, now: float) -> int:
+        return sum(now - seen <= self.liveness_s for seen, _ in self._seen.values())
+
+    def num_ready(self, now: float) -> int:
+        """Alive and taking new work (not draining)."""
+        return sum(
+            now - seen <= self.liveness_s and state == "ready"
+            for seen, state in self._seen.values()
+        )
