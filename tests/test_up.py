@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -304,3 +305,36 @@ def test_decode_pacing_reaches_disagg_decode_workers_only() -> None:
         [decode] = [s for s in plan(config, "nats://127.0.0.1:4222", 8000) if s.tier == "decode"]
         _, service, _ = build_service_config(decode.argv[1], decode.argv[2:], env={})
         assert service.min_step_interval_ms == expected
+
+
+async def _beating(nats_url: str, worker_id: str, stop: asyncio.Event) -> None:
+    from shared import protocol, subjects
+    from shared.nats_service import connect_nats
+
+    async with connect_nats(nats_url, worker_id) as nc:
+        beat = protocol.WorkerHeartbeat(worker_id, "decode", "ready")
+        while not stop.is_set():
+            await nc.publish(subjects.heartbeat("decode", worker_id), protocol.encode(beat))
+            await asyncio.sleep(0.2)
+
+
+async def test_up_refuses_to_join_a_nats_that_already_carries_a_mesh(nats_server) -> None:
+    from shared.commands.up import Launcher, LaunchError
+
+    stop = asyncio.Event()
+    other = asyncio.create_task(_beating(nats_server, "decode-0", stop))
+    try:
+        await asyncio.sleep(0.3)
+        launcher = Launcher(UpConfig(nats_url=nats_server, port=0))
+        with pytest.raises(LaunchError, match=r"already running .*decode-0.*own NATS"):
+            await asyncio.to_thread(launcher.start)
+        assert launcher.children == {}  # nothing was started
+    finally:
+        stop.set()
+        await other
+
+
+async def test_up_joins_an_empty_nats(nats_server) -> None:
+    from shared.commands.up import workers_on
+
+    assert await workers_on(nats_server, listen_s=0.3) == set()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import contextlib
 import os
 import signal
@@ -192,6 +193,17 @@ class Launcher:
             self.nats = NatsServer(nats_port, host=host)
             self.nats.start()
             print(f"kvmesh up: started nats-server at {self.nats.url}", file=sys.stderr)
+        else:
+            # Another mesh on this NATS would share our subjects and worker ids: requests would
+            # land on its workers (another model), and its workers would count as ours.
+            others = _run_sync(workers_on(self.config.nats_url))
+            if others:
+                raise LaunchError(
+                    f"a kvmesh mesh is already running on {self.config.nats_url} (workers: "
+                    f"{', '.join(sorted(others)[:6])}{', ...' if len(others) > 6 else ''}); start "
+                    "this one on its own NATS (e.g. --nats-url nats://127.0.0.1:4223; it is "
+                    "started here if nothing answers) or stop the other mesh first"
+                )
         for spec in plan(self.config, self.config.nats_url, self.port):
             argv = [sys.executable, "-m", "shared.cli", *spec.argv]
             proc = subprocess.Popen(argv, start_new_session=True, preexec_fn=die_with_parent)
@@ -261,6 +273,35 @@ class Launcher:
         if self.nats is not None:
             self.nats.stop()
             self.nats = None
+
+
+async def workers_on(nats_url: str, listen_s: float = 1.2) -> set[str]:
+    """Worker ids heard on ``nats_url``: the registry's list, or heartbeats for ``listen_s``."""
+    from shared import subjects
+    from shared.admin_client import AdminError, admin_client
+    from shared.protocol import ProtocolError, WorkerHeartbeat, decode
+
+    async with admin_client(nats_url, timeout_s=2.0) as admin:
+        try:
+            return {w["worker_id"] for w in await admin.workers()}
+        except AdminError:  # no registry: listen for heartbeats instead
+            pass
+        heard: set[str] = set()
+
+        async def on_beat(msg) -> None:
+            with contextlib.suppress(ProtocolError):
+                heard.add(decode(msg.data, WorkerHeartbeat).worker_id)
+
+        sub = await admin.nc.subscribe(subjects.HEARTBEAT_ALL, cb=on_beat)
+        await asyncio.sleep(listen_s)
+        await sub.unsubscribe()
+        return heard
+
+
+def _run_sync(coro):
+    """Run a coroutine to completion from sync code, also when called inside an event loop."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()
 
 
 def _signal_group(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
