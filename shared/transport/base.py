@@ -448,6 +448,10 @@ class TransportConfig:
     rdma_gid_index: int | None = None
     connect_timeout_s: float = 10.0
     op_timeout_s: float = 60.0  # a write/read not placed by then fails with PeerGoneError
+    # Receivers: at most this many connections at once (each holds a thread), and a peer that
+    # has not finished its hello within handshake_timeout_s is disconnected.
+    max_connections: int = 256
+    handshake_timeout_s: float = 5.0
     extra: Mapping[str, Any] = field(default_factory=dict)  # backend-specific knobs
 
     def __post_init__(self) -> None:
@@ -460,6 +464,8 @@ class TransportConfig:
             raise ValueError(
                 f"tcp_slice_bytes must be in [4 KiB, 1 GiB], got {self.tcp_slice_bytes}"
             )
-        for name in ("connect_timeout_s", "op_timeout_s"):
+        if self.max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
+        for name in ("connect_timeout_s", "op_timeout_s", "handshake_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

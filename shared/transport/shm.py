@@ -44,7 +44,7 @@ from shared.transport.base import (
     new_peer_id,
 )
 from shared.transport.registry import Registry
-from shared.transport.server import SocketServer
+from shared.transport.server import SocketServer, recv_exact
 
 if TYPE_CHECKING:
     from shared.transport.shm_endpoint import ShmEndpoint
@@ -247,7 +247,13 @@ class ShmTransport:
         listener.bind(self.socket_path)
         listener.listen(64)
         self._registry.add_listener(self)
-        self._server = SocketServer(listener, self._serve, "shm-notify")
+        self._server = SocketServer(
+            listener,
+            self._serve,
+            "shm-notify",
+            max_connections=self.config.max_connections,
+            handshake_timeout_s=self.config.handshake_timeout_s,
+        )
         self._server.start()
 
     async def aclose(self) -> None:
@@ -360,12 +366,16 @@ class ShmTransport:
     def _serve(self, conn: socket.socket) -> None:
         buf = bytearray(NOTE.size)
         try:
-            if conn.recv_into(buf, NOTE.size, socket.MSG_WAITALL) != NOTE.size:
+            if recv_exact(conn, memoryview(buf)) != NOTE.size:
                 return
             op, _, _, _, _, n = NOTE.unpack(buf)
             if op != OP_HELLO or not 0 < n <= 256:
                 return
-            peer_id = conn.recv(n, socket.MSG_WAITALL).decode(errors="replace")
+            raw = bytearray(n)
+            if recv_exact(conn, memoryview(raw)) != n:
+                return
+            peer_id = raw.decode(errors="replace")
+            conn.settimeout(None)  # hello complete
             while conn.recv_into(buf, NOTE.size, socket.MSG_WAITALL) == NOTE.size:
                 op, _, _, imm, _, n = NOTE.unpack(buf)
                 if op == OP_WRITE_DONE:

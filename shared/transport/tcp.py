@@ -43,7 +43,7 @@ from shared.transport.base import (
     new_peer_id,
 )
 from shared.transport.registry import Registry
-from shared.transport.server import SocketServer
+from shared.transport.server import SocketServer, recv_exact
 
 if TYPE_CHECKING:
     from shared.transport.tcp_endpoint import TcpEndpoint
@@ -65,17 +65,6 @@ ACK = struct.Struct("<4sBBHIQQ")
 DRAIN_BYTES = 1 << 20
 # Writes a peer may have partly placed at once; a writer's windows keep it far below this.
 MAX_PENDING_WRITES = 1 << 16
-
-
-def recv_exact(sock: socket.socket, view: memoryview) -> int:
-    """Fill ``view`` from ``sock``; returns the bytes received (short only on EOF)."""
-    got, n = 0, len(view)
-    while got < n:
-        r = sock.recv_into(view[got:], n - got, socket.MSG_WAITALL)
-        if r == 0:
-            break
-        got += r
-    return got
 
 
 def tensor_buffer(t: torch.Tensor) -> memoryview:
@@ -172,7 +161,14 @@ class TcpTransport:
         listener.bind((self.config.tcp_host, self.config.tcp_port))
         listener.listen(128)
         self._port = listener.getsockname()[1]
-        self._server = SocketServer(listener, self._serve_lane, "tcp-lane", on_accept=tune)
+        self._server = SocketServer(
+            listener,
+            self._serve_lane,
+            "tcp-lane",
+            on_accept=tune,
+            max_connections=self.config.max_connections,
+            handshake_timeout_s=self.config.handshake_timeout_s,
+        )
         self._server.start()
 
     async def aclose(self) -> None:
@@ -257,6 +253,7 @@ class TcpTransport:
         if recv_exact(conn, memoryview(raw)) != n:
             return None
         peer_id = raw.decode(errors="replace")
+        conn.settimeout(None)  # hello complete: lanes may idle between jobs for as long as they like
         with self._lock:
             peer = self._peers.setdefault((peer_id, endpoint_id), _PeerEndpoint(peer_id))
             peer.lanes.add(conn)
