@@ -253,7 +253,9 @@ class TcpTransport:
         if recv_exact(conn, memoryview(raw)) != n:
             return None
         peer_id = raw.decode(errors="replace")
-        conn.settimeout(None)  # hello complete: lanes may idle between jobs for as long as they like
+        conn.settimeout(
+            None
+        )  # hello complete: lanes may idle between jobs for as long as they like
         with self._lock:
             peer = self._peers.setdefault((peer_id, endpoint_id), _PeerEndpoint(peer_id))
             peer.lanes.add(conn)
