@@ -241,6 +241,8 @@ class DecodeAdvert:
     num_waiting: int
     state: str  # "ready" | "draining"
     sent_at: float
+    refused_accesses: int = 0  # one-sided writes/reads its transport refused (rkey, bounds, ...)
+    stray_immediates: int = 0  # immediates that named no live reservation (late or forged)
 
 
 @dataclass(frozen=True, slots=True)

@@ -114,3 +114,37 @@ async def test_accept_loop_outlives_running_out_of_file_descriptors():
     assert server.num_accept_errors == 2
     await server.aclose()
     b.close()
+
+
+@pytest.mark.parametrize("backend", ["tcp", "shm"])
+async def test_refused_writes_are_counted_and_logged_with_the_peer(backend, capsys):
+    from shared.transport import RemoteAccessError
+
+    async with (
+        create_transport(backend, TransportConfig()) as rx,
+        create_transport(backend, TransportConfig(peer_id="probe")) as tx,
+    ):
+        mem = rx.allocate(4096)
+        region = rx.register(mem, Access.REMOTE_WRITE)
+        src = tx.register(torch.ones(8192, dtype=torch.uint8))
+        async with await tx.connect(rx.descriptor()) as ep:
+            with pytest.raises(RemoteAccessError):  # 8 KiB into a 4 KiB region
+                await ep.write([WriteEntry(src, 0, region.addr, region.rkey, 8192)], 1)
+        await _wait_until(lambda: rx.stats().refused == 1)
+        assert int(mem.sum()) == 0  # (the memory goes away with the transport)
+    out = capsys.readouterr().out
+    assert "remote access refused" in out and "probe" in out
+
+
+def test_admin_status_shows_each_decode_workers_refused_accesses():
+    from services.kv_registry.core import Registry
+    from shared.protocol import DecodeAdvert
+
+    core = Registry(worker_timeout_s=3.0)
+    advert = DecodeAdvert(
+        "d0", "disagg", {}, 1, 0, 1024, 16, "spec", 8, 8, ((0, 8),), 0, 0, "ready", 0.0,
+        refused_accesses=3, stray_immediates=2,
+    )  # fmt: skip
+    core.observe_advert(advert, now=1.0)
+    [row] = core.status(now=1.0)["decode"]
+    assert (row["refused_accesses"], row["stray_immediates"]) == (3, 2)

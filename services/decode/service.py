@@ -146,6 +146,8 @@ class DecodeService:
             worker_id=self.worker.worker_id,
             mode=self.config.mode,
             sent_at=time.time(),
+            refused_accesses=self.transport.stats().refused if self.transport else 0,
+            stray_immediates=self.worker.pending.num_stray_immediates,
             **self.advert_fields,
             **s,
         )

@@ -328,6 +328,8 @@ class Registry:
                 "running": w.advert.num_running,
                 "waiting": w.advert.num_waiting,
                 "leases": leases_by_worker.get(w.worker_id, 0),
+                "refused_accesses": w.advert.refused_accesses,
+                "stray_immediates": w.advert.stray_immediates,
                 "kv_spec": w.advert.kv_spec,
                 "last_seen_s": round(now - w.last_seen, 3),
             }

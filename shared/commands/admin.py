@@ -131,6 +131,7 @@ def render_status(status: dict[str, Any]) -> str:
                 "running",
                 "waiting",
                 "leases",
+                "refused_accesses",
             ),
         ),
         "",

@@ -14,6 +14,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from shared import logs
 from shared.transport.base import (
     Access,
     Buffer,
@@ -51,6 +52,9 @@ def as_byte_tensor(memory: Buffer | np.ndarray) -> torch.Tensor:
         # read-only buffers (bytes) are fine as write sources; torch warns about them anyway
         warnings.simplefilter("ignore", UserWarning)
         return torch.frombuffer(view.cast("B"), dtype=torch.uint8)
+
+
+log = logs.get_logger(__name__)
 
 
 class _Entry:
@@ -213,9 +217,14 @@ class Registry:
             self._reads += ops
             self._read_bytes += num_bytes
 
-    def count_refused(self) -> None:
+    def count_refused(self, peer_id: str = "", reason: str = "") -> None:
+        """A peer's write or read was refused; counted, and logged (1st, 10th, 100th, then every
+        1,000th) so that probing shows in the logs without flooding them."""
         with self._lock:
             self._refused += 1
+            n = self._refused
+        if n in (1, 10, 100) or n % 1000 == 0:
+            log.warning("remote access refused", peer=peer_id, reason=reason, refused_total=n)
 
     def stats(self) -> TransportStats:
         with self._lock:

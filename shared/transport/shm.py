@@ -37,6 +37,7 @@ from shared.transport.base import (
     MemoryRegion,
     PeerDescriptor,
     PeerUnreachableError,
+    RefusalReason,
     TransportClosedError,
     TransportConfig,
     TransportStats,
@@ -140,6 +141,13 @@ def _map_segment(name: str, create_bytes: int = 0) -> mmap.mmap:
         return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
     finally:
         os.close(fd)
+
+
+def _reason_name(code: int) -> str:
+    try:
+        return RefusalReason(code).name
+    except ValueError:
+        return f"code {code}"
 
 
 def sweep_stale_segments() -> list[str]:
@@ -377,14 +385,14 @@ class ShmTransport:
             peer_id = raw.decode(errors="replace")
             conn.settimeout(None)  # hello complete
             while conn.recv_into(buf, NOTE.size, socket.MSG_WAITALL) == NOTE.size:
-                op, _, _, imm, _, n = NOTE.unpack(buf)
+                op, reason, _, imm, _, n = NOTE.unpack(buf)
                 if op == OP_WRITE_DONE:
                     self._registry.count_write(n)
                     self._queue.put(Completion(imm=imm, peer_id=peer_id, num_bytes=n))
                 elif op == OP_READ_DONE:
                     self._registry.count_read(n)
                 elif op == OP_REFUSED:
-                    self._registry.count_refused()
+                    self._registry.count_refused(peer_id, _reason_name(reason))
                 else:
                     return  # corrupt stream: drop this peer, keep serving others
         except OSError:

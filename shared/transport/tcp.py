@@ -300,7 +300,7 @@ class TcpTransport:
                 view = view[addr - span : addr - span + length]
             if op == OP_READ:
                 if view is None:
-                    self._registry.count_refused()  # per refused read frame
+                    self._registry.count_refused(peer.peer_id, error.reason.name if error else "")
                     conn.sendall(ACK.pack(MAGIC_ACK, status, op, 0, idx, seq, 0))
                     continue
                 ack = ACK.pack(MAGIC_ACK, 0, op, 0, idx, seq, length)
@@ -354,7 +354,7 @@ class TcpTransport:
                 done.append(head)
         for state in done:
             if state.refused:
-                self._registry.count_refused()
+                self._registry.count_refused(peer.peer_id, "write")
             else:
                 self._registry.count_write(state.num_bytes)
                 self._queue.put(Completion(state.imm, peer.peer_id, state.num_bytes))
