@@ -79,13 +79,17 @@ def read_chunk(data: str, is_chat: bool) -> Chunk:
     )
 
 
-def _is_empty_token(payload: dict[str, Any], is_chat: bool) -> bool:
-    """A choice with an empty text that is neither the role chunk nor the finish chunk."""
+def _first_choice(payload: dict[str, Any]) -> dict[str, Any] | None:
     choices = payload.get("choices")
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
-        return False
-    choice = choices[0]
-    if choice.get("finish_reason") is not None:
+        return None
+    return choices[0]
+
+
+def _is_empty_token(payload: dict[str, Any], is_chat: bool) -> bool:
+    """A choice with an empty text that is neither the role chunk nor the finish chunk."""
+    choice = _first_choice(payload)
+    if choice is None or choice.get("finish_reason") is not None:
         return False
     if is_chat:
         delta = choice.get("delta")
@@ -94,14 +98,14 @@ def _is_empty_token(payload: dict[str, Any], is_chat: bool) -> bool:
 
 
 def _content(payload: dict[str, Any], is_chat: bool) -> str:
-    choices = payload.get("choices")
-    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+    choice = _first_choice(payload)
+    if choice is None:
         return ""
     if is_chat:
-        delta = choices[0].get("delta")
+        delta = choice.get("delta")
         text = delta.get("content") if isinstance(delta, dict) else None
     else:
-        text = choices[0].get("text")
+        text = choice.get("text")
     return text if isinstance(text, str) else ""
 
 

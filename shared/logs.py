@@ -89,3 +89,9 @@ def get_logger(name: str) -> structlog.stdlib.BoundLogger:
     import structlog
 
     return structlog.get_logger(name)
+
+
+def is_sampled(count: int) -> bool:
+    """Whether the ``count``-th occurrence of a repeated event is logged: the 1st, 10th and
+    100th, then every 1,000th, so probing or a fault shows without flooding the logs."""
+    return count in (1, 10, 100) or count % 1000 == 0

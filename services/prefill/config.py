@@ -37,11 +37,6 @@ class PrefillConfig:
     threads: int | None = option(
         None, help="torch CPU threads of this worker (default: torch's choice, all cores)"
     )
-    nice: int = option(
-        0,
-        help="raise this worker's nice value by this much (0-19): prefill is throughput work, so "
-        "on cores it shares with decode workers it should yield to their latency-bound steps",
-    )
     enable_prefix_caching: bool = option(True, help="reuse KV blocks of shared prompt prefixes")
     heartbeat_s: float = option(1.0, help="seconds between heartbeats")
     abort_memory_s: float = option(
@@ -64,8 +59,6 @@ class PrefillConfig:
             )
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
-        if not 0 <= self.nice <= 19:
-            raise ValueError(f"nice must be in [0, 19], got {self.nice}")
         if self.num_blocks is not None and self.kv_cache_bytes is not None:
             raise ValueError("give num_blocks or kv_cache_bytes, not both")
         for name in ("num_blocks", "kv_cache_bytes"):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -173,8 +172,6 @@ async def prefill_service(config: PrefillConfig) -> AsyncIterator[PrefillService
     worker_id = config.worker_id or new_worker_id("prefill")
     if config.threads is not None:
         torch.set_num_threads(config.threads)
-    if config.nice:
-        os.nice(config.nice)
     dtype = parse_dtype(config.dtype, "--dtype") if config.dtype else None
     model, tokenizer = await asyncio.to_thread(load_model, config.model, dtype, config.device)
     econf = EngineConfig(

@@ -71,22 +71,28 @@ class MeshRequest:
         self._prefill_pool = prefill_pool
         self._decode_pool = decode_pool
         self._lost: set[str] = set()  # workers whose loss also loses this request
-        self._job_seq = 0  # the prefill job's sequence in the queue (0: none published)
         self._config = config
         self._metrics = metrics
         self.response_id = request_id  # what the client sees; constant across attempts
-        self.request_id = request_id  # on the wire: one per attempt (retries get -r1, -r2, ...)
         self.num_attempts = 1
         self.num_events = 0
-        self.prefill_worker = ""  # from its PrefillStarted
         self.prompt = prompt
         self.timer = timer
-        self.placement: PlaceReply | None = None
-        self.is_local_prefill = self._choose_local_prefill()
         self.is_finished = False  # a TokenEvent with finish_reason arrived
+        self._renewer: asyncio.Task[None] | None = None
+        self._first_deadline = 0.0  # set by start(); every attempt shares it
+        self._begin_attempt(request_id)
+
+    def _begin_attempt(self, wire_id: str) -> None:
+        """Fresh per-attempt state: the wire id (retries get -r1, -r2, ...) and nothing placed."""
+        self.request_id = wire_id
+        self.placement: PlaceReply | None = None
+        self.prefill_worker = ""  # from its PrefillStarted
+        self._job_seq = 0  # the prefill job's sequence in the queue (0: none published)
+        self._lost.clear()
+        self.is_local_prefill = self._choose_local_prefill()
         self.is_aborted = False
         self._may_hold_blocks = False  # a placement was asked for and not refused
-        self._renewer: asyncio.Task[None] | None = None
 
     def _choose_local_prefill(self) -> bool:
         if self._config.mode == "colocated":
@@ -143,15 +149,8 @@ class MeshRequest:
         await self.abort(f"{gone.role} worker {gone.worker_id} died")
         await self.close()
         self._metrics.retries.inc(gone.role)
-        self.request_id = f"{self.response_id}-r{self.num_attempts}"
+        self._begin_attempt(f"{self.response_id}-r{self.num_attempts}")
         self.num_attempts += 1
-        self.placement = None
-        self.prefill_worker = ""
-        self._job_seq = 0
-        self._lost.clear()
-        self.is_local_prefill = self._choose_local_prefill()
-        self.is_aborted = False
-        self._may_hold_blocks = False
         await self.subscribe()
         await self._place_and_dispatch(time.monotonic())
 

@@ -76,27 +76,26 @@ class Scheduler:
         final = num_tokens + min(max_tokens, self.reserve_output_tokens)
         return max(0, self.block_manager.num_blocks_for(final) - num_held_blocks)
 
+    def _owed(self, seq: Sequence) -> int:
+        """Output room owed to ``seq`` now: only a sequence that holds blocks is owed any."""
+        if not seq.block_table or seq.prefill_only:
+            return 0
+        return self.output_room(seq.num_prompt_tokens, seq.params.max_tokens, len(seq.block_table))
+
     def num_promised_blocks(self) -> int:
         """Output room owed to sequences that hold blocks (running, or prefilled and waiting)."""
         if not self.reserve_output_tokens:
             return 0
-        return sum(
-            self.output_room(s.num_prompt_tokens, s.params.max_tokens, len(s.block_table))
-            for s in (*self.running, *self.waiting)
-            if s.block_table and not s.prefill_only
-        )
+        return sum(self._owed(s) for s in (*self.running, *self.waiting))
 
-    def _has_room(self, seq: Sequence, num_new_blocks: int) -> bool:
-        """Whether admitting ``seq`` (taking ``num_new_blocks`` now) leaves everyone's room."""
+    def _has_room(self, seq: Sequence, num_new_blocks: int, promised: int) -> bool:
+        """Whether admitting ``seq`` (taking ``num_new_blocks`` now) leaves everyone's room;
+        ``promised``: ``num_promised_blocks()``, which counts ``seq`` too if it holds blocks."""
         if not self.reserve_output_tokens or seq.prefill_only:
             return True
         held = len(seq.block_table) + num_new_blocks
         own = self.output_room(seq.num_prompt_tokens, seq.params.max_tokens, held)
-        others = self.num_promised_blocks() - (
-            self.output_room(seq.num_prompt_tokens, seq.params.max_tokens, len(seq.block_table))
-            if seq.block_table
-            else 0
-        )
+        others = promised - self._owed(seq)
         return num_new_blocks + own + others <= self.block_manager.num_free_blocks
 
     def _chunk_size(self, seq: Sequence, budget: int) -> int:
@@ -165,14 +164,18 @@ class Scheduler:
             budget -= n
         if preempted:
             return batch
+        # Counted once per step, then kept current as each admission changes what is owed.
+        promised = self.num_promised_blocks()
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            owed_before = self._owed(seq)
             if seq.block_table:  # admitted with its prompt KV written elsewhere
                 n = 1
-                if not bm.can_append(seq, n) or not self._has_room(seq, 0):
+                if not bm.can_append(seq, n) or not self._has_room(seq, 0, promised):
                     break
             else:
-                if not bm.can_allocate(seq) or not self._has_room(seq, bm.num_blocks_for(len(seq))):
+                num_new = bm.num_blocks_for(len(seq))
+                if not bm.can_allocate(seq) or not self._has_room(seq, num_new, promised):
                     break
                 bm.allocate(seq)
                 n = self._chunk_size(seq, budget)
@@ -183,6 +186,8 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             bm.append_slots(seq, n)
+            if self.reserve_output_tokens:
+                promised += self._owed(seq) - owed_before
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
             budget -= n

@@ -223,7 +223,7 @@ class Registry:
         with self._lock:
             self._refused += 1
             n = self._refused
-        if n in (1, 10, 100) or n % 1000 == 0:
+        if logs.is_sampled(n):
             log.warning("remote access refused", peer=peer_id, reason=reason, refused_total=n)
 
     def stats(self) -> TransportStats:

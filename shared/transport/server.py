@@ -81,7 +81,7 @@ class SocketServer:
                 if self._closed or exc.errno not in _TRANSIENT:
                     return  # the listener was closed
                 self.num_accept_errors += 1
-                if self.num_accept_errors in (1, 10, 100) or self.num_accept_errors % 1000 == 0:
+                if logs.is_sampled(self.num_accept_errors):
                     log.warning("accept failed; retrying", server=self._name, error=str(exc))
                 time.sleep(0.05)  # let descriptors free up
                 continue
@@ -93,7 +93,7 @@ class SocketServer:
                     self.peak_connections = max(self.peak_connections, len(self._conns))
             if full:
                 self.num_refused += 1
-                if self.num_refused in (1, 10, 100) or self.num_refused % 1000 == 0:
+                if logs.is_sampled(self.num_refused):
                     log.warning(
                         "connection refused: limit reached",
                         server=self._name,
