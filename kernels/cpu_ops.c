@@ -151,10 +151,92 @@ static void rope_head(float *x, const float *cos, const float *sin, int64_t d) {
     }
 }
 
+
+/* The attention kernel works in vectors of the machine's own width (NL lanes: one register),
+ * not in LANES: its inner loops keep a dozen vectors live, and 16-lane vectors on an AVX2
+ * machine are register pairs that spill. */
+#if defined(__AVX512F__)
+#define NL 16
+#elif defined(__AVX__)
+#define NL 8
+#else
+#define NL 4
+#endif
+/* How many KV tiles ahead of use the attention loops ask for (a tile is a fresh stream from
+ * DRAM that the hardware prefetchers pick up only after a few misses). */
+#ifndef AHEAD
+#define AHEAD 2
+#endif
+typedef float vn __attribute__((vector_size(NL * sizeof(float))));
+typedef int32_t vni __attribute__((vector_size(NL * sizeof(int32_t))));
+static inline vn loadn(const float *p) {
+    vn v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+static inline void storen(float *p, vn v) { memcpy(p, &v, sizeof v); }
+static inline vn splatn(float x) { return (vn){0} + x; }
+
+/* Lane j of the result: the sum of the lanes of v[BITREVN[j]] (see hsum16). */
+#if NL == 16
+static inline vn hsumn(vn v[NL]) { return hsum16(v); }
+#define BITREVN BITREV16
+#elif NL == 8
+static const int BITREVN[8] = {0, 4, 2, 6, 1, 5, 3, 7};
+static inline vn hsumn(vn v[NL]) {
+#define HALVES(x, y, lo, hi) (__builtin_shuffle(x, y, (vni)lo) + __builtin_shuffle(x, y, (vni)hi))
+    vn a[4], b[2];
+    for (int i = 0; i < 4; i++)
+        a[i] = HALVES(v[2 * i], v[2 * i + 1], ((vni){0, 1, 2, 3, 8, 9, 10, 11}), ((vni){4, 5, 6, 7, 12, 13, 14, 15}));
+    for (int i = 0; i < 2; i++)
+        b[i] = HALVES(a[2 * i], a[2 * i + 1], ((vni){0, 1, 8, 9, 4, 5, 12, 13}), ((vni){2, 3, 10, 11, 6, 7, 14, 15}));
+    return HALVES(b[0], b[1], ((vni){0, 8, 2, 10, 4, 12, 6, 14}), ((vni){1, 9, 3, 11, 5, 13, 7, 15}));
+#undef HALVES
+}
+#else
+static const int BITREVN[4] = {0, 2, 1, 3};
+static inline vn hsumn(vn v[NL]) {
+#define HALVES(x, y, lo, hi) (__builtin_shuffle(x, y, (vni)lo) + __builtin_shuffle(x, y, (vni)hi))
+    vn a0 = HALVES(v[0], v[1], ((vni){0, 1, 4, 5}), ((vni){2, 3, 6, 7}));
+    vn a1 = HALVES(v[2], v[3], ((vni){0, 1, 4, 5}), ((vni){2, 3, 6, 7}));
+    return HALVES(a0, a1, ((vni){0, 4, 2, 6}), ((vni){1, 5, 3, 7}));
+#undef HALVES
+}
+#endif
+
+/* out rows g of gb query heads, floats i0..i0+2*NL of d: sum_j p_gj v_j[i0..], the accumulators
+ * in registers; gb is a constant after inlining. */
+static inline __attribute__((always_inline)) void weigh_values(
+    const float *p, const float *v_cache, const int64_t *table, int64_t block_stride,
+    int64_t block_size, int64_t ctx, int64_t d, int64_t i0, int gb, float *out) {
+    vn acc[4][2] = {{{0}}};
+    for (int64_t j0 = 0; j0 < ctx; j0 += block_size) {
+        const float *tile = v_cache + table[j0 / block_size] * block_stride + i0;
+        int64_t n = ctx - j0 < block_size ? ctx - j0 : block_size;
+        if (j0 + AHEAD * block_size < ctx) {
+            const float *next = v_cache + table[j0 / block_size + AHEAD] * block_stride + i0;
+            for (int64_t j = 0; j < block_size; j++) __builtin_prefetch(next + j * d, 0, 3);
+        }
+        for (int64_t j = 0; j < n; j++) {
+            const float *vj = tile + j * d;
+            vn v0 = loadn(vj), v1 = loadn(vj + NL);
+            for (int g = 0; g < gb; g++) {
+                vn pj = splatn(p[g * ctx + j0 + j]);
+                acc[g][0] += pj * v0;
+                acc[g][1] += pj * v1;
+            }
+        }
+    }
+    for (int g = 0; g < gb; g++) {
+        storen(out + g * d + i0, acc[g][0]);
+        storen(out + g * d + i0 + NL, acc[g][1]);
+    }
+}
+
 /* Attention of one KV head's query group over one sequence's context: scores into scratch
- * (group rows of ctx), softmax, then the weighted sum of values into out (group rows of d).
- * Always inlined with d a constant where it is a common head size, so that the loops over d
- * unroll and the accumulators live in registers. */
+ * (group rows of ctx), NL keys at a time for each query head while their K rows sit in L1;
+ * softmax; then the weighted sum of values into out (group rows of d). Always inlined with d a
+ * constant where it is a common head size, so that the loops over d unroll. */
 static inline __attribute__((always_inline)) void attend(
     const float *q, const float *k_cache, const float *v_cache, const int64_t *table,
     int64_t block_stride, int64_t block_size, int64_t ctx, int64_t group, int64_t d, float scale,
@@ -162,31 +244,32 @@ static inline __attribute__((always_inline)) void attend(
     for (int64_t j0 = 0; j0 < ctx; j0 += block_size) {
         const float *tile = k_cache + table[j0 / block_size] * block_stride;
         int64_t n = ctx - j0 < block_size ? ctx - j0 : block_size;
+        if (j0 + AHEAD * block_size < ctx) { /* the tile AHEAD tiles on, while this one computes */
+            const float *next = k_cache + table[j0 / block_size + AHEAD] * block_stride;
+            for (int64_t i = 0; i < block_size * d; i += 64 / sizeof(float)) __builtin_prefetch(next + i, 0, 3);
+        }
         int64_t j = 0;
-        for (; j + LANES <= n; j += LANES) { /* 16 keys at a time, one vector of scores */
+        for (; j + NL <= n; j += NL) {
             for (int64_t g = 0; g < group; g++) {
                 const float *qg = q + g * d;
-                vf acc[LANES];
-                for (int r = 0; r < LANES; r++) {
+                vn acc[NL];
+                for (int r = 0; r < NL; r++) {
                     const float *kj = tile + (j + r) * d;
-                    vf a = {0};
+                    vn a = {0};
                     int64_t i = 0;
-                    for (; i + LANES <= d; i += LANES) a += load(qg + i) * load(kj + i);
+                    for (; i + NL <= d; i += NL) a += loadn(qg + i) * loadn(kj + i);
                     for (; i < d; i++) a[0] += qg[i] * kj[i];
-                    acc[BITREV16[r]] = a;
+                    acc[BITREVN[r]] = a;
                 }
-                store(scratch + g * ctx + j0 + j, hsum16(acc) * scale);
+                storen(scratch + g * ctx + j0 + j, hsumn(acc) * scale);
             }
         }
         for (; j < n; j++) {
             const float *kj = tile + j * d;
             for (int64_t g = 0; g < group; g++) {
                 const float *qg = q + g * d;
-                vf acc = {0};
-                int64_t i = 0;
-                for (; i + LANES <= d; i += LANES) acc += load(qg + i) * load(kj + i);
-                float dot = hsum(acc);
-                for (; i < d; i++) dot += qg[i] * kj[i];
+                float dot = 0;
+                for (int64_t i = 0; i < d; i++) dot += qg[i] * kj[i];
                 scratch[g * ctx + j0 + j] = dot * scale;
             }
         }
@@ -210,38 +293,37 @@ static inline __attribute__((always_inline)) void attend(
         float inv = 1.0f / sum;
         for (j = 0; j < ctx; j++) s[j] *= inv;
     }
-    /* out_g = sum_j p_gj v_j: the whole row of d in registers across the keys */
-    enum { MAX_CHUNKS = 8 }; /* d up to 128 in registers; wider heads take slices of it */
-    for (int64_t g = 0; g < group; g++) {
-        const float *p = scratch + g * ctx;
-        float *o = out + g * d;
-        for (int64_t i0 = 0; i0 < d; i0 += MAX_CHUNKS * LANES) {
-            int64_t width = d - i0 < MAX_CHUNKS * LANES ? d - i0 : MAX_CHUNKS * LANES;
-            int64_t chunks = width / LANES;
-            vf acc[MAX_CHUNKS] = {{0}};
-            float tail[LANES] = {0};
-            for (int64_t j0 = 0; j0 < ctx; j0 += block_size) {
-                const float *tile = v_cache + table[j0 / block_size] * block_stride + i0;
-                int64_t n = ctx - j0 < block_size ? ctx - j0 : block_size;
-                for (int64_t j = 0; j < n; j++) {
-                    float pj = p[j0 + j];
-                    const float *vj = tile + j * d;
-                    for (int64_t c = 0; c < chunks; c++) acc[c] += pj * load(vj + c * LANES);
-                    for (int64_t i = chunks * LANES; i < width; i++) tail[i - chunks * LANES] += pj * vj[i];
-                }
+    /* out_g = sum_j p_gj v_j, in strips of 2 * NL floats of d for up to 4 query heads at a time:
+     * each strip of V is read once per 4 heads, and the accumulators stay in registers. */
+    for (int64_t g0 = 0; g0 < group; g0 += 4) {
+        int64_t gn = group - g0 < 4 ? group - g0 : 4;
+        const float *p = scratch + g0 * ctx;
+        float *o = out + g0 * d;
+        int64_t i0 = 0;
+        for (; i0 + 2 * NL <= d; i0 += 2 * NL) {
+            switch (gn) {
+            case 4: weigh_values(p, v_cache, table, block_stride, block_size, ctx, d, i0, 4, o); break;
+            case 3: weigh_values(p, v_cache, table, block_stride, block_size, ctx, d, i0, 3, o); break;
+            case 2: weigh_values(p, v_cache, table, block_stride, block_size, ctx, d, i0, 2, o); break;
+            default: weigh_values(p, v_cache, table, block_stride, block_size, ctx, d, i0, 1, o);
             }
-            for (int64_t c = 0; c < chunks; c++) store(o + i0 + c * LANES, acc[c]);
-            for (int64_t i = chunks * LANES; i < width; i++) o[i0 + i] = tail[i - chunks * LANES];
         }
+        for (int64_t g = 0; g < gn; g++) /* the rest of d, when it is no multiple of 2 * NL */
+            for (int64_t i = i0; i < d; i++) {
+                float sum = 0;
+                for (int64_t j = 0; j < ctx; j++)
+                    sum += p[g * ctx + j] * v_cache[table[j / block_size] * block_stride + (j % block_size) * d + i];
+                o[g * d + i] = sum;
+            }
     }
 }
 
-/* Ask for one KV head's K and V tiles of a sequence ahead of use: they come from DRAM (a decode
- * step reads every layer's KV once, more than the caches hold), and each tile is a fresh stream
- * that the hardware prefetchers would pick up only after a few misses. */
+/* Ask for the first AHEAD K and V tiles of one KV head of a sequence ahead of use (the loops in
+ * attend ask for the later ones as they go): they come from DRAM, since a decode step reads
+ * every layer's KV once, more than the caches hold. */
 static void prefetch_context(const float *k_cache, const float *v_cache, const int64_t *table,
                              int64_t block_stride, int64_t block_size, int64_t ctx, int64_t d) {
-    for (int64_t j0 = 0; j0 < ctx; j0 += block_size) {
+    for (int64_t j0 = 0; j0 < ctx && j0 < AHEAD * block_size; j0 += block_size) {
         int64_t tile = table[j0 / block_size] * block_stride;
         int64_t n = (ctx - j0 < block_size ? ctx - j0 : block_size) * d;
         for (int64_t i = 0; i < n; i += 64 / sizeof(float)) {

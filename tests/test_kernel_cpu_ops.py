@@ -78,6 +78,8 @@ def _decode_case(num_q_heads, num_kv_heads, head_dim, context_lens, block_size=1
         (2, 1, 40, [18, 64], 16),  # head size with a partial vector
         (4, 2, 64, [7, 50], 8),  # blocks smaller than one vector of keys
         (4, 1, 64, [70], 32),  # two vectors of keys per block
+        (6, 2, 48, [33, 300], 16),  # a group of 3: the value loop's three-head case
+        (10, 2, 64, [45, 1200], 16),  # a group of 5: four heads, then one; a long context
     ],
 )
 def test_decode_attention_matches_torch_path(
