@@ -37,6 +37,7 @@ def local_mesh(
     mode: str = "disagg",
     transport: str = "auto",
     *,
+    model: str = MODEL,
     env: Mapping[str, str] | None = None,
     local_prefill_threshold: int = 0,
     decode_pacing_ms: float = 0.0,
@@ -47,11 +48,11 @@ def local_mesh(
 ) -> Iterator[Any]:
     """A whole mesh on a fresh nats-server, in child processes; yields the Launcher (``.url``,
     ``.config.nats_url``). ``env`` (KVMESH_* settings, e.g. KVMESH_CHUNK_TOKENS) reaches every
-    service. Synchronous: use it from sync fixtures or scripts, not inside an event loop."""
+    service; ``model`` is kvmesh-tiny or a checkpoint directory. Synchronous: use it from sync fixtures or scripts, not inside an event loop."""
     from shared.commands.up import Launcher, UpConfig, free_port
 
     config = UpConfig(
-        model=MODEL,
+        model=model,
         mode=mode,
         transport=transport,
         port=0,

@@ -125,6 +125,7 @@ def _target(config: ServeBenchConfig, label: str) -> Iterator[str]:
                 local_mesh(
                     label,
                     config.transport,
+                    model=config.model,
                     env=dict(config.mesh_env),
                     local_prefill_threshold=config.local_prefill_threshold,
                     decode_pacing_ms=config.decode_pacing_ms,

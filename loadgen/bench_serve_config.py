@@ -83,9 +83,10 @@ class ServeBenchConfig:
             raise ValueError(
                 f"--compare takes distinct modes of {', '.join(MESH_MODES)}, got {','.join(self.compare)}"
             )
-        if self.compare and self.model != TINY_MODEL:
+        if self.compare and self.model != TINY_MODEL and not Path(self.model).is_dir():
             raise ValueError(
-                f"--compare starts local {TINY_MODEL} meshes; leave --model at {TINY_MODEL}"
+                f"--compare starts local meshes serving --model, which must be {TINY_MODEL} or a "
+                f"checkpoint directory (kvmesh model seeded DIR makes one); got {self.model!r}"
             )
 
     def endpoint(self, base_url: str) -> Endpoint:
@@ -194,7 +195,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     target = p.add_argument_group("target")
     target.add_argument("--base-url", default="http://127.0.0.1:8000", help="server to load")
     target.add_argument("--endpoint", default=COMPLETIONS, choices=(COMPLETIONS, CHAT))
-    target.add_argument("--model", default=TINY_MODEL, help="model name sent in every request")
+    target.add_argument(
+        "--model",
+        default=TINY_MODEL,
+        help="model name sent in every request; with --compare, the model the local meshes serve "
+        "(kvmesh-tiny or a checkpoint directory)",
+    )
     target.add_argument(
         "--tokenizer",
         help="kvmesh-tiny or a local HF checkpoint directory whose tokenizer makes the prompts "

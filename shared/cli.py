@@ -15,6 +15,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "shared.commands.serve",
     "shared.commands.up",
     "shared.commands.admin",
+    "shared.commands.model",
 )
 
 

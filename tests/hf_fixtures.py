@@ -15,7 +15,6 @@ text round-trips and multi-byte characters are split over several tokens.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +22,7 @@ import torch
 
 from shared.engine.attention import AttentionMetadata
 from shared.engine.kv_cache import KVPool
+from shared.model.seeded import write_tokenizer
 
 BLOCK_SIZE = 16
 LLAMA_SPECIALS = ["<s>", "</s>", "<|user|>", "<|assistant|>"]
@@ -38,35 +38,6 @@ QWEN2_CHAT_TEMPLATE = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
     "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-
-
-def build_byte_bpe_tokenizer(specials: list[str], bos: str | None):
-    """A ``tokenizers`` byte-level BPE over the 256 byte symbols; specials get ids 256, 257, ..."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
-
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    vocab = {symbol: i for i, symbol in enumerate(alphabet)}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
-    if bos is not None:
-        bos_id = tok.token_to_id(bos)
-        tok.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)]
-        )
-    return tok
-
-
-def write_tokenizer(
-    path: Path, specials: list[str], bos: str | None, eos: str, chat_template: str
-) -> None:
-    tok = build_byte_bpe_tokenizer(specials, bos)
-    tok.save(str(path / "tokenizer.json"))
-    config = {"eos_token": eos, "chat_template": chat_template, "add_bos_token": bos is not None}
-    if bos is not None:
-        config["bos_token"] = {"content": bos, "special": True, "__type": "AddedToken"}
-    (path / "tokenizer_config.json").write_text(json.dumps(config))
 
 
 def _save(model, path: Path, max_shard_size: str | None) -> None:

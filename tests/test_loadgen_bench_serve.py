@@ -143,7 +143,10 @@ def test_sharegpt_dataset_sends_the_conversation_prompts(server, tmp_path):
     [
         (["--trace", "t.jsonl", "--request-rate", "1"], "leave out --request-rate"),
         (["--compare", "colocated,turbo"], "--compare takes distinct modes"),
-        (["--compare", "disagg", "--model", "other"], "leave --model at kvmesh-tiny"),
+        (
+            ["--compare", "disagg", "--model", "no/such/dir"],
+            "must be kvmesh-tiny or a checkpoint directory",
+        ),
         (["--slo", "ttft=1"], "SLO"),
         (["--request-rate", "0"], "request rate"),
         (["--burstiness", "2"], "burstiness applies to gamma"),
