@@ -22,6 +22,7 @@ from shared.transport.base import (
     check_imm,
 )
 from shared.transport.shm import (
+    FREE,
     LIVE,
     NOTE,
     OP_READ_DONE,
@@ -92,7 +93,7 @@ class ShmEndpoint:
     def _remote_view(self, rkey: int, addr: int, length: int, access: Access) -> torch.Tensor:
         """Check one entry against the peer's table; the (length,) view of its mapped bytes."""
         table = self._table
-        slots = np.flatnonzero(table["rkey"] == rkey)
+        slots = np.flatnonzero((table["rkey"] == rkey) & (table["state"] != FREE))
         if slots.size == 0:
             raise RemoteAccessError(RefusalReason.UNKNOWN_RKEY, f"rkey={rkey}")
         live = slots[table["state"][slots] == LIVE]
@@ -111,10 +112,10 @@ class ShmEndpoint:
         name = row["segment"].decode(errors="replace")
         mapping = self._mappings.get(name)
         if mapping is None:
-            if segment_token(check_segment_name(name)) != self._token:
+            if segment_token(check_segment_name(name)) != self._token or name.endswith("-table"):
                 raise UntrustedDescriptorError(
-                    f"peer {self._peer_id}'s region table names segment {name!r} of another "
-                    f"transport (expected {self._token}-<n>)"
+                    f"peer {self._peer_id}'s region table names segment {name!r}: its table or "
+                    f"a segment of another transport (expected {self._token}-<n>)"
                 )
             try:
                 mm = _map_segment(name)
@@ -122,6 +123,11 @@ class ShmEndpoint:
                 raise PeerGoneError(f"peer {self._peer_id} segment {name} is gone: {exc}") from exc
             mapping = self._mappings[name] = (mm, torch.frombuffer(mm, dtype=torch.uint8))
         start = int(row["seg_offset"]) + addr - base
+        if start + length > mapping[1].numel():  # a slice would be cut short: a silent no-op
+            raise UntrustedDescriptorError(
+                f"peer {self._peer_id}'s region table row for rkey={rkey} points past the end "
+                f"of segment {name!r}"
+            )
         return mapping[1][start : start + length]
 
     def _plan(
