@@ -39,14 +39,17 @@ async def test_remote_registration_outside_a_segment_is_refused_with_a_hint() ->
         assert local.length == 4096
 
 
-async def test_descriptor_names_segment_and_socket_of_each_region() -> None:
+async def test_descriptor_names_socket_and_table_but_no_region_key_when_public() -> None:
     async with ShmTransport(TransportConfig()) as t:
         mem = t.allocate(8192)
         r = t.register(mem[4096:], Access.REMOTE_WRITE)
-        info = PeerDescriptor.from_dict(t.descriptor().to_dict()).backends["shm"]
+        descriptor = PeerDescriptor.from_dict(t.descriptor().to_dict())
+        info = descriptor.backends["shm"]
         assert info["socket"] == t.socket_path
-        assert os.path.exists(os.path.join(SHM_DIR, info["segments"][str(r.rkey)]))
         assert os.path.exists(os.path.join(SHM_DIR, info["table"]))
+        assert descriptor.region(r.rkey) == r
+        public = descriptor.public()
+        assert public.regions == () and str(r.rkey) not in repr(public.to_dict())
 
 
 async def test_writes_through_a_sub_region_land_at_the_right_offset() -> None:

@@ -11,7 +11,7 @@ import asyncio
 import dataclasses
 import importlib
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import torch
@@ -24,6 +24,7 @@ from shared.transport.base import (
     CompletionQueue,
     Endpoint,
     MemoryRegion,
+    MemoryWindow,
     PeerDescriptor,
     PeerUnreachableError,
     Transport,
@@ -173,6 +174,20 @@ class AutoTransport:
             self._backends["rdma"].deregister(region)
         else:
             self._registry.deregister(region)
+
+    def open_window(
+        self,
+        region: MemoryRegion,
+        spans: Sequence[tuple[int, int]],
+        access: Access = Access.REMOTE_WRITE,
+    ) -> MemoryWindow:
+        if "rdma" in self._backends:  # a peer may write over rdma, whose NIC knows region keys
+            return self._backends["rdma"].open_window(region, spans, access)
+        return self._registry.open_window(region, spans, access)
+
+    def close_window(self, window: MemoryWindow) -> None:
+        if window.enforced:
+            self._registry.close_window(window)
 
     def descriptor(self) -> PeerDescriptor:
         backends: dict[str, Any] = {}

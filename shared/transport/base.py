@@ -223,12 +223,62 @@ ReadEntry = WriteEntry  # same fields; the local region is the destination
 
 
 @dataclass(frozen=True, slots=True)
+class MemoryWindow:
+    """A narrower key to part of a registered region (verbs: a type-2 memory window).
+
+    Peers that hold ``rkey`` may access exactly ``spans`` (``(addr, length)`` pairs, sorted and
+    disjoint, inside region ``region_rkey``) with ``access``, until the window is closed; then
+    every access with it is refused. The region's own rkey need never leave the process: a decode
+    worker hands each reservation's writer a window over that reservation's blocks alone.
+    ``enforced`` is False where the backend cannot narrow a key (rdma without memory windows):
+    then ``rkey`` is the region's own and the receiver checks the region's bounds only.
+    """
+
+    rkey: int
+    region_rkey: int
+    spans: tuple[tuple[int, int], ...]
+    access: Access
+    enforced: bool = True
+
+    def covers(self, addr: int, length: int) -> bool:
+        """Whether ``[addr, addr + length)`` lies inside one span."""
+        return any(a <= addr and addr + length <= a + n for a, n in self.spans)
+
+
+def merge_spans(spans: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """Sorted ``(addr, length)`` spans with touching or overlapping ones joined; lengths > 0."""
+    merged: list[list[int]] = []
+    for addr, length in sorted(spans):
+        if length <= 0:
+            raise ValueError(f"a window span needs a positive length, got {length} at {addr:#x}")
+        if merged and addr <= merged[-1][0] + merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], addr + length - merged[-1][0])
+        else:
+            merged.append([addr, length])
+    return tuple((a, n) for a, n in merged)
+
+
+def unenforced_window(
+    region: MemoryRegion, spans: Sequence[tuple[int, int]], access: Access
+) -> MemoryWindow:
+    """The window of a backend that cannot narrow keys: the region's own key, spans unchecked."""
+    if region.access & access != access:
+        raise ValueError(f"region rkey={region.rkey} grants {region.access!r}, not {access!r}")
+    return MemoryWindow(region.rkey, region.rkey, merge_spans(spans), access, enforced=False)
+
+
+@dataclass(frozen=True, slots=True)
 class Completion:
-    """Delivered to the receiver once per successful write, after all its bytes are placed."""
+    """Delivered to the receiver once per successful write, after all its bytes are placed.
+
+    ``rkey`` is the key the write used (a window's or a region's), so that the receiver can tell
+    whose authority an immediate came with; None where the backend cannot tell (rdma: the
+    immediate arrives without it)."""
 
     imm: int
     peer_id: str
     num_bytes: int
+    rkey: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -282,6 +332,14 @@ class PeerDescriptor:
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ValueError(f"malformed PeerDescriptor {d!r}: {exc}") from exc
+
+    def public(self) -> PeerDescriptor:
+        """This descriptor for broadcast: without its regions' keys (peers get a window's key
+        per reservation instead). A descriptor offering rdma keeps them: the NIC checks writes
+        against the region's key, and kvmesh binds no memory windows on rdma yet."""
+        if "rdma" in self.backends:
+            return self
+        return PeerDescriptor(self.peer_id, self.host_id, self.backends, regions=())
 
     def region(self, rkey: int) -> MemoryRegion:
         for r in self.regions:
@@ -416,6 +474,19 @@ class Transport(Protocol):
     def register(self, memory: Buffer, access: Access = Access.LOCAL) -> MemoryRegion: ...
 
     def deregister(self, region: MemoryRegion) -> None: ...
+
+    def open_window(
+        self,
+        region: MemoryRegion,
+        spans: Sequence[tuple[int, int]],
+        access: Access = Access.REMOTE_WRITE,
+    ) -> MemoryWindow:
+        """A fresh secret key to ``spans`` of ``region`` alone (see MemoryWindow)."""
+        ...
+
+    def close_window(self, window: MemoryWindow) -> None:
+        """Every later access with the window's key is refused (a closed window is a no-op)."""
+        ...
 
     def descriptor(self) -> PeerDescriptor: ...
 

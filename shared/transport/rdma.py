@@ -26,7 +26,7 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +39,7 @@ from shared.transport.base import (
     Completion,
     CompletionQueue,
     MemoryRegion,
+    MemoryWindow,
     PeerDescriptor,
     PeerUnreachableError,
     ProtocolError,
@@ -48,6 +49,7 @@ from shared.transport.base import (
     TransportStats,
     local_host_id,
     new_peer_id,
+    unenforced_window,
 )
 from shared.transport.rdma_device import (
     RdmaPeerInfo,
@@ -250,6 +252,21 @@ class RdmaTransport:
     def deregister(self, region: MemoryRegion) -> None:
         self._check_open()
         self.memory.deregister(region)
+
+    def open_window(
+        self,
+        region: MemoryRegion,
+        spans: Sequence[tuple[int, int]],
+        access: Access = Access.REMOTE_WRITE,
+    ) -> MemoryWindow:
+        """Not narrowed on rdma yet: the window's key is the region's own (``enforced`` False),
+        so the NIC checks the region's bounds only. Binding a type-2 memory window per lease is
+        the verbs way; kvmesh does not do it yet (docs/security.md)."""
+        self._check_open()
+        return unenforced_window(region, spans, access)
+
+    def close_window(self, window: MemoryWindow) -> None:
+        """Nothing to invalidate: see open_window."""
 
     # -- descriptor and connections ----------------------------------------------------------------
 

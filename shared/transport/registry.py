@@ -9,6 +9,7 @@ import secrets
 import threading
 import warnings
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import Protocol
 
 import numpy as np
@@ -20,9 +21,11 @@ from shared.transport.base import (
     Buffer,
     LocalAccessError,
     MemoryRegion,
+    MemoryWindow,
     RefusalReason,
     RemoteAccessError,
     TransportStats,
+    merge_spans,
 )
 
 _MAX_RETIRED = 4096  # deregistered rkeys remembered, to tell "deregistered" from "unknown"
@@ -74,15 +77,24 @@ class RegistryListener(Protocol):
 
     def on_deregister(self, region: MemoryRegion) -> None: ...
 
+    def on_window_open(self, window: MemoryWindow) -> None:
+        """Called before the window goes live; raising refuses it."""
+        ...
+
+    def on_window_close(self, window: MemoryWindow) -> None: ...
+
 
 class Registry:
-    """rkey -> registered memory. ``refusal``/``remote_view`` is the one gate every incoming
-    access passes; one Registry may be shared by several backends of a composite transport."""
+    """rkey -> registered memory, and rkey -> window onto part of it. ``refusal``/``remote_view``
+    is the one gate every incoming access passes; one Registry may be shared by several backends
+    of a composite transport. Region keys count up from a random start; window keys are drawn at
+    random, so that holding one key tells nothing about another."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._listeners: list[RegistryListener] = []
         self._entries: dict[int, _Entry] = {}
+        self._windows: dict[int, MemoryWindow] = {}
         self._retired: OrderedDict[int, None] = OrderedDict()
         self._next_rkey = secrets.randbits(31) | 1
         self._writes = self._bytes = self._refused = self._reads = self._read_bytes = 0
@@ -121,20 +133,87 @@ class Registry:
         while True:
             rkey = self._next_rkey
             self._next_rkey = (self._next_rkey + 1) & 0xFFFFFFFF
-            if rkey and rkey not in self._entries and rkey not in self._retired:
+            if rkey and not self._taken(rkey):
                 return rkey
+
+    def _taken(self, rkey: int) -> bool:
+        return rkey in self._entries or rkey in self._windows or rkey in self._retired
+
+    # -- windows -----------------------------------------------------------------------------------
+
+    def open_window(
+        self,
+        region: MemoryRegion,
+        spans: Sequence[tuple[int, int]],
+        access: Access = Access.REMOTE_WRITE,
+    ) -> MemoryWindow:
+        """A window with a fresh random key onto ``spans`` of the registered ``region``."""
+        merged = merge_spans(spans)
+        if not merged:
+            raise ValueError("a window needs at least one span")
+        with self._lock:
+            entry = self._entries.get(region.rkey)
+            if entry is None or entry.region != region:
+                raise KeyError(f"region rkey={region.rkey} is not registered here")
+            if Access(access) & region.access != access or not access:
+                raise ValueError(
+                    f"region rkey={region.rkey} grants {region.access!r}, not {access!r}"
+                )
+            for addr, length in merged:
+                if addr < region.addr or addr + length > region.end:
+                    raise ValueError(
+                        f"window span [{addr:#x}, +{length}) is outside region "
+                        f"[{region.addr:#x}, {region.end:#x})"
+                    )
+            rkey = 0
+            while not rkey or self._taken(rkey):
+                rkey = secrets.randbits(32)
+            window = MemoryWindow(rkey, region.rkey, merged, Access(access))
+            for listener in self._listeners:
+                listener.on_window_open(window)
+            self._windows[rkey] = window
+        return window
+
+    def close_window(self, window: MemoryWindow) -> None:
+        with self._lock:
+            self._close_window(window)
+
+    def _close_window(self, window: MemoryWindow) -> None:
+        if self._windows.get(window.rkey) != window:
+            return  # closed already (or with its region)
+        del self._windows[window.rkey]
+        self._retire(window.rkey)
+        for listener in self._listeners:
+            listener.on_window_close(window)
+
+    def _retire(self, rkey: int) -> None:
+        self._retired[rkey] = None
+        while len(self._retired) > _MAX_RETIRED:
+            self._retired.popitem(last=False)
+
+    @property
+    def num_windows(self) -> int:
+        return len(self._windows)
+
+    def is_live_key(self, rkey: int, access: Access) -> bool:
+        """Whether ``rkey`` names a live region or window granting ``access``."""
+        with self._lock:
+            found = self._windows.get(rkey) or self._entries.get(rkey)
+        if isinstance(found, _Entry):
+            return found.region.access & access == access
+        return found is not None and found.access & access == access
 
     def deregister(self, region: MemoryRegion) -> None:
         with self._lock:
             entry = self._entries.get(region.rkey)
             if entry is None or entry.region != region:
                 raise KeyError(f"region rkey={region.rkey} is not registered here")
+            for window in [w for w in self._windows.values() if w.region_rkey == region.rkey]:
+                self._close_window(window)
             del self._entries[region.rkey]
-            self._retired[region.rkey] = None
+            self._retire(region.rkey)
             for listener in self._listeners:
                 listener.on_deregister(region)
-            while len(self._retired) > _MAX_RETIRED:
-                self._retired.popitem(last=False)
 
     def regions(self, access: Access = Access.LOCAL) -> list[MemoryRegion]:
         """Live regions granting at least ``access``."""
@@ -155,10 +234,27 @@ class Registry:
     def refusal(
         self, rkey: int, addr: int, length: int, access: Access
     ) -> RemoteAccessError | None:
-        """Why an access of ``[addr, addr+length)`` to region ``rkey`` must be refused, or None."""
+        """Why an access of ``[addr, addr+length)`` with key ``rkey`` (a region's or a window's)
+        must be refused, or None."""
         with self._lock:
-            entry = self._entries.get(rkey)
+            window = self._windows.get(rkey)
+            entry = self._entries.get(window.region_rkey if window else rkey)
             retired = rkey in self._retired
+        if window is not None and entry is not None:
+            if window.access & access != access:
+                return RemoteAccessError(
+                    RefusalReason.ACCESS_DENIED,
+                    f"window rkey={rkey} grants {window.access!r}, needs {Access(access)!r}",
+                )
+            if length <= 0:
+                return RemoteAccessError(RefusalReason.BAD_LENGTH, f"length={length}")
+            if not window.covers(addr, length):
+                return RemoteAccessError(
+                    RefusalReason.OUT_OF_BOUNDS,
+                    f"window rkey={rkey} access [{addr:#x}, {addr + length:#x}) is outside the "
+                    f"window's {len(window.spans)} span(s)",
+                )
+            return None
         if entry is None:
             reason = RefusalReason.DEREGISTERED if retired else RefusalReason.UNKNOWN_RKEY
             return RemoteAccessError(reason, f"rkey={rkey}")
@@ -184,7 +280,8 @@ class Registry:
         if error is not None:
             raise error
         with self._lock:
-            entry = self._entries.get(rkey)
+            window = self._windows.get(rkey)
+            entry = self._entries.get(window.region_rkey if window else rkey)
         if entry is None:  # deregistered between the check and now
             raise RemoteAccessError(RefusalReason.DEREGISTERED, f"rkey={rkey}")
         start = addr - entry.region.addr
@@ -239,3 +336,4 @@ class Registry:
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
+            self._windows.clear()

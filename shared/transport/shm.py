@@ -23,7 +23,7 @@ import stat
 import struct
 import tempfile
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -35,6 +35,7 @@ from shared.transport.base import (
     Completion,
     CompletionQueue,
     MemoryRegion,
+    MemoryWindow,
     PeerDescriptor,
     PeerUnreachableError,
     RefusalReason,
@@ -52,8 +53,8 @@ if TYPE_CHECKING:
 
 SHM_DIR = "/dev/shm"
 PAGE = mmap.PAGESIZE
-TABLE_SLOTS = 1024
-# One slot per remotely accessible region. state: 0 free, 1 live, 2 retired.
+TABLE_SLOTS = 8192
+# One slot per remotely accessible region, and one per span of each open window. state: 0 free, 1 live, 2 retired.
 TABLE_DTYPE = np.dtype(
     [
         ("rkey", "<u4"),
@@ -68,8 +69,9 @@ TABLE_DTYPE = np.dtype(
 )
 FREE, LIVE, RETIRED = 0, 1, 2
 
-# Notifications writer -> receiver: op, reason, imm, seq, num_bytes. HELLO's payload: peer id.
-NOTE = struct.Struct("<BBHIQQ")
+# Notifications writer -> receiver: op, reason, imm, rkey (the key a write used), seq, num_bytes.
+# HELLO's payload: peer id.
+NOTE = struct.Struct("<BBHIIQQ")
 OP_HELLO, OP_WRITE_DONE, OP_READ_DONE, OP_REFUSED = 0, 1, 2, 3
 
 
@@ -209,6 +211,7 @@ class ShmTransport:
         self._token = f"kvmesh-{os.getpid()}-{secrets.token_hex(4)}"
         self._segments: list[_Segment] = []
         self._slots: dict[int, int] = {}
+        self._window_slots: dict[int, list[int]] = {}
         self._unshared: set[int] = set()  # remote regions outside segments (strict=False only)
         self._table_seg: _Segment | None = None
         self._table: np.ndarray | None = None
@@ -303,6 +306,17 @@ class ShmTransport:
     def deregister(self, region: MemoryRegion) -> None:
         self._registry.deregister(region)
 
+    def open_window(
+        self,
+        region: MemoryRegion,
+        spans: Sequence[tuple[int, int]],
+        access: Access = Access.REMOTE_WRITE,
+    ) -> MemoryWindow:
+        return self._registry.open_window(region, spans, access)
+
+    def close_window(self, window: MemoryWindow) -> None:
+        self._registry.close_window(window)
+
     def on_register(self, region: MemoryRegion) -> None:
         if not region.access & Access.REMOTE:
             return
@@ -318,18 +332,8 @@ class ShmTransport:
                 )
             self._unshared.add(region.rkey)
             return
-        table = self._table
-        assert table is not None, "enter the transport before registering remote memory"
-        free = np.flatnonzero(table["state"] != LIVE)
-        if free.size == 0:
-            raise ValueError(f"shm region table full ({TABLE_SLOTS} live regions)")
-        slot = int(free[np.argmin(table["state"][free] == RETIRED)])  # prefer never-used slots
-        row = table[slot : slot + 1]
-        row["state"] = FREE
-        row["rkey"], row["addr"], row["length"] = region.rkey, region.addr, region.length
-        row["seg_offset"], row["access"] = region.addr - seg.addr, int(region.access)
-        row["segment"] = seg.name.encode()
-        row["state"] = LIVE  # last: writers read state first
+        (slot,) = self._free_slots(1)
+        self._publish_row(slot, region.rkey, region.addr, region.length, region.access, seg)
         self._slots[region.rkey] = slot
 
     def on_deregister(self, region: MemoryRegion) -> None:
@@ -337,6 +341,45 @@ class ShmTransport:
         slot = self._slots.pop(region.rkey, None)
         if slot is not None and self._table is not None:
             self._table["state"][slot] = RETIRED
+
+    def on_window_open(self, window: MemoryWindow) -> None:
+        """One table row per span, under the window's key: writers check against those rows."""
+        if window.region_rkey in self._unshared:
+            return  # memory outside shm: tcp serves it (and checks the window itself)
+        parent = self._slots[window.region_rkey]
+        seg = next(s for s in self._segments if s.name == self._table["segment"][parent].decode())
+        slots = self._free_slots(len(window.spans))
+        for slot, (addr, length) in zip(slots, window.spans, strict=True):
+            self._publish_row(slot, window.rkey, addr, length, window.access, seg)
+        self._window_slots[window.rkey] = slots
+
+    def on_window_close(self, window: MemoryWindow) -> None:
+        slots = self._window_slots.pop(window.rkey, ())
+        if self._table is not None:
+            for slot in slots:
+                self._table["state"][slot] = RETIRED
+
+    def _free_slots(self, n: int) -> list[int]:
+        table = self._table
+        assert table is not None, "enter the transport before registering remote memory"
+        free = np.flatnonzero(table["state"] != LIVE)
+        if free.size < n:
+            raise ValueError(
+                f"shm region table full ({TABLE_SLOTS} rows: live regions and window spans)"
+            )
+        never_used = free[table["state"][free] == FREE]
+        retired = free[table["state"][free] == RETIRED]
+        return [int(x) for x in np.concatenate([never_used, retired])[:n]]
+
+    def _publish_row(
+        self, slot: int, rkey: int, addr: int, length: int, access: Access, seg: _Segment
+    ) -> None:
+        row = self._table[slot : slot + 1]
+        row["state"] = FREE
+        row["rkey"], row["addr"], row["length"] = rkey, addr, length
+        row["seg_offset"], row["access"] = addr - seg.addr, int(access)
+        row["segment"] = seg.name.encode()
+        row["state"] = LIVE  # last: writers read state first
 
     @property
     def serves_all_regions(self) -> bool:
@@ -346,10 +389,6 @@ class ShmTransport:
     def descriptor(self) -> PeerDescriptor:
         if self._table_seg is None:
             raise TransportClosedError("enter the transport before asking for its descriptor")
-        segments = {
-            str(rkey): self._table["segment"][slot].decode()  # type: ignore[index]
-            for rkey, slot in self._slots.items()
-        }
         return PeerDescriptor(
             peer_id=self._peer_id,
             host_id=local_host_id(),
@@ -357,7 +396,6 @@ class ShmTransport:
                 "shm": {
                     "socket": self.socket_path,
                     "table": self._table_seg.name,
-                    "segments": segments,
                 }
             },
             regions=tuple(self._registry.regions(Access.REMOTE_WRITE)),
@@ -376,7 +414,7 @@ class ShmTransport:
         try:
             if recv_exact(conn, memoryview(buf)) != NOTE.size:
                 return
-            op, _, _, _, _, n = NOTE.unpack(buf)
+            op, _, _, _, _, _, n = NOTE.unpack(buf)
             if op != OP_HELLO or not 0 < n <= 256:
                 return
             raw = bytearray(n)
@@ -385,10 +423,15 @@ class ShmTransport:
             peer_id = raw.decode(errors="replace")
             conn.settimeout(None)  # hello complete
             while conn.recv_into(buf, NOTE.size, socket.MSG_WAITALL) == NOTE.size:
-                op, reason, _, imm, _, n = NOTE.unpack(buf)
+                op, reason, _, imm, rkey, _, n = NOTE.unpack(buf)
                 if op == OP_WRITE_DONE:
+                    # The bytes were copied by the writer; its immediate counts only if the key it
+                    # wrote with is live here (a forged or late immediate is refused).
+                    if not self._registry.is_live_key(rkey, Access.REMOTE_WRITE):
+                        self._registry.count_refused(peer_id, f"write done with dead key {rkey}")
+                        continue
                     self._registry.count_write(n)
-                    self._queue.put(Completion(imm=imm, peer_id=peer_id, num_bytes=n))
+                    self._queue.put(Completion(imm=imm, peer_id=peer_id, num_bytes=n, rkey=rkey))
                 elif op == OP_READ_DONE:
                     self._registry.count_read(n)
                 elif op == OP_REFUSED:
@@ -433,7 +476,7 @@ class ShmTransport:
                 f"cannot reach shm peer {descriptor.peer_id} at {info.get('socket')}: {exc}"
             ) from exc
         hello = self._peer_id.encode()
-        writer.write(NOTE.pack(OP_HELLO, 0, 0, 0, 0, len(hello)) + hello)
+        writer.write(NOTE.pack(OP_HELLO, 0, 0, 0, 0, 0, len(hello)) + hello)
         ep = ShmEndpoint(self, descriptor.peer_id, segment_token(table), table_mm, reader, writer)
         self._endpoints.add(ep)
         return ep

@@ -97,10 +97,14 @@ class ShmEndpoint:
         if slots.size == 0:
             raise RemoteAccessError(RefusalReason.UNKNOWN_RKEY, f"rkey={rkey}")
         live = slots[table["state"][slots] == LIVE]
-        row = table[int(live[0] if live.size else slots[-1])]
-        state, base, size = int(row["state"]), int(row["addr"]), int(row["length"])
-        if state != LIVE:
+        if live.size == 0:
             raise RemoteAccessError(RefusalReason.DEREGISTERED, f"rkey={rkey}")
+        # A window has one row per span: the one that holds the access, if any.
+        holds = [
+            int(i) for i in live if table["addr"][i] <= addr < table["addr"][i] + table["length"][i]
+        ]
+        row = table[holds[0] if holds else int(live[0])]
+        base, size = int(row["addr"]), int(row["length"])
         if int(row["access"]) & access != access:
             raise RemoteAccessError(RefusalReason.ACCESS_DENIED, f"rkey={rkey}")
         if addr < base or addr + length > base + size:
@@ -145,9 +149,11 @@ class ShmEndpoint:
             pairs.append((local, self._remote_view(e.rkey, e.remote_addr, e.length, access)))
         return pairs
 
-    async def _notify(self, op: int, imm: int, num_bytes: int, reason: int = 0) -> None:
+    async def _notify(
+        self, op: int, imm: int, num_bytes: int, reason: int = 0, rkey: int = 0
+    ) -> None:
         try:
-            self._writer.write(NOTE.pack(op, reason, 0, imm, self._seq, num_bytes))
+            self._writer.write(NOTE.pack(op, reason, 0, imm, rkey, self._seq, num_bytes))
             await asyncio.wait_for(self._writer.drain(), self._transport.config.op_timeout_s)
         except TimeoutError as exc:
             raise PeerGoneError(
@@ -169,7 +175,7 @@ class ShmEndpoint:
             await self._notify(OP_REFUSED, imm, 0, int(exc.reason))
             raise
         prev = self._tail
-        task = self._tail = asyncio.ensure_future(self._place(pairs, imm, prev))
+        task = self._tail = asyncio.ensure_future(self._place(pairs, imm, entries[0].rkey, prev))
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
         # shielded: a write the caller gave up on still completes, so the order stays whole
         await asyncio.shield(task)
@@ -178,13 +184,14 @@ class ShmEndpoint:
         self,
         pairs: list[tuple[torch.Tensor, torch.Tensor]],
         imm: int,
+        rkey: int,
         prev: asyncio.Task[None] | None,
     ) -> None:
         await asyncio.to_thread(_copy_all, [(dst, src) for src, dst in pairs])
         if prev is not None:
             await asyncio.wait({prev})  # notifications leave in write() order
         self._seq += 1
-        await self._notify(OP_WRITE_DONE, imm, sum(src.numel() for src, _ in pairs))
+        await self._notify(OP_WRITE_DONE, imm, sum(src.numel() for src, _ in pairs), rkey=rkey)
 
     async def read(self, entries: Sequence[WriteEntry]) -> None:
         pairs = self._plan(entries, Access.REMOTE_READ)

@@ -21,7 +21,7 @@ import mmap
 import socket
 import struct
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -33,6 +33,7 @@ from shared.transport.base import (
     Completion,
     CompletionQueue,
     MemoryRegion,
+    MemoryWindow,
     PeerDescriptor,
     ProtocolError,
     RemoteAccessError,
@@ -93,6 +94,7 @@ class _WriteState:
 
     imm: int
     num_frames: int
+    rkey: int  # the key its frames used (a write with frames of several keys: the first's)
     frames: int = 0
     num_bytes: int = 0
     refused: bool = False
@@ -199,6 +201,17 @@ class TcpTransport:
 
     def deregister(self, region: MemoryRegion) -> None:
         self._registry.deregister(region)
+
+    def open_window(
+        self,
+        region: MemoryRegion,
+        spans: Sequence[tuple[int, int]],
+        access: Access = Access.REMOTE_WRITE,
+    ) -> MemoryWindow:
+        return self._registry.open_window(region, spans, access)
+
+    def close_window(self, window: MemoryWindow) -> None:
+        self._registry.close_window(window)
 
     def descriptor(self) -> PeerDescriptor:
         if self._server is None:
@@ -317,7 +330,7 @@ class TcpTransport:
                     left -= n
             elif recv_exact(conn, tensor_buffer(view)) != length:
                 raise ProtocolError("truncated payload")
-            self._placed(peer, seq, idx, count, imm, 0 if error else length)
+            self._placed(peer, seq, idx, count, imm, rkey, 0 if error else length)
             if error or not flags & FLAG_NO_ACK:
                 conn.sendall(ACK.pack(MAGIC_ACK, status, op, 0, idx, seq, length))
 
@@ -331,7 +344,14 @@ class TcpTransport:
             return None, error
 
     def _placed(
-        self, peer: _PeerEndpoint, seq: int, idx: int, count: int, imm: int, num_bytes: int
+        self,
+        peer: _PeerEndpoint,
+        seq: int,
+        idx: int,
+        count: int,
+        imm: int,
+        rkey: int,
+        num_bytes: int,
     ) -> None:
         """Book one frame (num_bytes 0: refused); deliver completed writes in seq order."""
         done: list[_WriteState] = []
@@ -344,7 +364,7 @@ class TcpTransport:
                     raise ProtocolError(
                         f"write seq {seq} outside [{peer.next_seq}, +{MAX_PENDING_WRITES})"
                     )
-                state = peer.pending[seq] = _WriteState(imm=imm, num_frames=count)
+                state = peer.pending[seq] = _WriteState(imm=imm, num_frames=count, rkey=rkey)
             state.frames += 1
             state.num_bytes += num_bytes
             state.refused |= num_bytes == 0
@@ -357,4 +377,4 @@ class TcpTransport:
                 self._registry.count_refused(peer.peer_id, "write")
             else:
                 self._registry.count_write(state.num_bytes)
-                self._queue.put(Completion(state.imm, peer.peer_id, state.num_bytes))
+                self._queue.put(Completion(state.imm, peer.peer_id, state.num_bytes, state.rkey))

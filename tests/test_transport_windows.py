@@ -1,0 +1,181 @@
+"""Memory windows on shm and tcp: a key to a reservation's blocks alone, refused outside its spans
+and after it closes; immediates count only with a live key (security issue, lease-scoped writes)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import pytest
+
+from shared.transport import (
+    Access,
+    MemoryWindow,
+    PeerDescriptor,
+    RefusalReason,
+    RemoteAccessError,
+    TransportConfig,
+    WriteEntry,
+    create_transport,
+)
+from shared.transport.base import merge_spans
+from shared.transport.shm import NOTE, OP_HELLO, OP_WRITE_DONE
+
+BLOCK = 4096
+NUM_BLOCKS = 16
+BACKENDS = ["shm", "tcp"]
+
+
+class Pair:
+    """A receiver with a pool of NUM_BLOCKS blocks and a writer connected to it."""
+
+    def __init__(self, backend: str) -> None:
+        self.backend = backend
+
+    async def __aenter__(self) -> Pair:
+        self.rx = await create_transport(self.backend, TransportConfig()).__aenter__()
+        self.tx = await create_transport(self.backend, TransportConfig()).__aenter__()
+        self.mem = self.rx.allocate(NUM_BLOCKS * BLOCK)
+        self.mem.zero_()
+        self.region = self.rx.register(self.mem, Access.REMOTE_WRITE)
+        self.src = self.tx.allocate(BLOCK)
+        self.src.fill_(0x5A)
+        self.src_region = self.tx.register(self.src)
+        self.ep = await self.tx.connect(PeerDescriptor.from_dict(self.rx.descriptor().to_dict()))
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.ep.aclose()
+        await self.tx.aclose()
+        await self.rx.aclose()
+
+    def addr(self, block: int) -> int:
+        return self.region.addr + block * BLOCK
+
+    def window(self, *blocks: int) -> MemoryWindow:
+        return self.rx.open_window(self.region, [(self.addr(b), BLOCK) for b in blocks])
+
+    async def write(self, block: int, rkey: int, imm: int = 7) -> None:
+        entry = WriteEntry(self.src_region, 0, self.addr(block), rkey, BLOCK)
+        await asyncio.wait_for(self.ep.write([entry], imm), 10)
+
+    def written(self) -> list[int]:
+        blocks = self.mem.view(NUM_BLOCKS, BLOCK)
+        return [b for b in range(NUM_BLOCKS) if bool(blocks[b].any())]
+
+    async def completions(self, n: int) -> list:
+        return [await asyncio.wait_for(self.rx.completion_queue.get(), 5) for _ in range(n)]
+
+
+def test_merge_spans_joins_touching_spans_and_refuses_empty_ones() -> None:
+    assert merge_spans([(8, 4), (0, 4), (4, 4), (20, 1)]) == ((0, 12), (20, 1))
+    with pytest.raises(ValueError, match="positive length"):
+        merge_spans([(0, 0)])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_window_write_lands_with_its_key_in_the_completion(backend: str) -> None:
+    async with Pair(backend) as p:
+        window = p.window(3, 4, 9)
+        assert window.spans == ((p.addr(3), 2 * BLOCK), (p.addr(9), BLOCK))
+        assert window.rkey != p.region.rkey and window.enforced
+        await p.write(4, window.rkey, imm=41)
+        (done,) = await p.completions(1)
+        assert (done.imm, done.rkey, done.num_bytes) == (41, window.rkey, BLOCK)
+        assert p.written() == [4]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_window_write_outside_its_blocks_is_refused_and_writes_nothing(backend: str) -> None:
+    async with Pair(backend) as p:
+        mine, other = p.window(2), p.window(5)
+        for block in (1, 3, 5):  # unleased blocks, and another lease's block
+            with pytest.raises(RemoteAccessError) as info:
+                await p.write(block, mine.rkey)
+            assert info.value.reason == RefusalReason.OUT_OF_BOUNDS
+        await p.write(5, other.rkey)
+        await p.completions(1)
+        assert p.written() == [5]
+        assert p.rx.stats().refused == 3
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_window_closed_refuses_every_later_write(backend: str) -> None:
+    async with Pair(backend) as p:
+        window = p.window(6)
+        await p.write(6, window.rkey)
+        await p.completions(1)
+        p.mem.zero_()
+        p.rx.close_window(window)
+        p.rx.close_window(window)  # closing twice is harmless
+        with pytest.raises(RemoteAccessError) as info:
+            await p.write(6, window.rkey)
+        assert info.value.reason == RefusalReason.DEREGISTERED
+        assert p.written() == [] and p.rx.completion_queue.qsize() == 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_window_guessed_key_is_refused_without_a_completion(backend: str) -> None:
+    async with Pair(backend) as p:
+        window = p.window(0)
+        for guess in (window.rkey + 1, window.rkey ^ 0x8000_0000, 12345):
+            with pytest.raises(RemoteAccessError):
+                await p.write(0, guess)
+        assert p.written() == [] and p.rx.completion_queue.qsize() == 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_window_deregistering_the_region_closes_its_windows(backend: str) -> None:
+    async with Pair(backend) as p:
+        window = p.window(1)
+        p.rx.deregister(p.region)
+        with pytest.raises(RemoteAccessError):
+            await p.write(1, window.rkey)
+        assert p.written() == []
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_window_spans_outside_the_region_or_wider_access_are_refused(backend: str) -> None:
+    async with Pair(backend) as p:
+        with pytest.raises(ValueError, match="outside region"):
+            p.rx.open_window(p.region, [(p.addr(NUM_BLOCKS - 1), 2 * BLOCK)])
+        with pytest.raises(ValueError, match="grants"):
+            p.rx.open_window(p.region, [(p.addr(0), BLOCK)], Access.REMOTE)
+
+
+async def test_shm_forged_write_done_with_a_dead_key_is_refused_not_completed() -> None:
+    """shm copies on the writer's side, so the receiver checks the key its immediate names."""
+    async with Pair("shm") as p:
+        window = p.window(2)
+        refused = p.rx.stats().refused
+        peer = b"forger"
+        loop = asyncio.get_running_loop()
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.setblocking(False)
+            await loop.sock_connect(s, p.rx.socket_path)
+            hello = NOTE.pack(OP_HELLO, 0, 0, 0, 0, 0, len(peer)) + peer
+            forged = NOTE.pack(OP_WRITE_DONE, 0, 0, 7, window.rkey ^ 1, 1, BLOCK)
+            await loop.sock_sendall(s, hello + forged)
+            for _ in range(100):
+                if p.rx.stats().refused > refused:
+                    break
+                await asyncio.sleep(0.02)
+        assert p.rx.stats().refused == refused + 1
+        assert p.rx.completion_queue.qsize() == 0
+
+
+def test_public_descriptor_of_tcp_carries_no_region_key() -> None:
+    async def main() -> None:
+        async with create_transport("tcp", TransportConfig()) as t:
+            mem = t.allocate(BLOCK)
+            r = t.register(mem, Access.REMOTE_WRITE)
+            assert t.descriptor().region(r.rkey) == r
+            assert t.descriptor().public().regions == ()
+
+    asyncio.run(main())
+
+
+def test_window_covers_checks_whole_span() -> None:
+    w = MemoryWindow(1, 2, ((100, 10), (200, 10)), Access.REMOTE_WRITE)
+    assert w.covers(100, 10) and w.covers(205, 5)
+    assert not w.covers(105, 10) and not w.covers(150, 1)
