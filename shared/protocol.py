@@ -72,11 +72,15 @@ class ReserveReply:
     worker_id: str
     block_ids: tuple[int, ...] = ()
     error: str = ""
+    # The key of the window the decode worker opened over exactly these blocks, for this lease
+    # alone (closed when the lease ends); 0 for local prefill, which writes nothing remotely.
+    rkey: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class PlaceReply:
-    """Where the prefill must write: the decode worker's descriptor, rkey and block addresses."""
+    """Where the prefill must write: the decode worker's descriptor, the lease's window key and
+    the block addresses."""
 
     ok: bool
     request_id: str
@@ -139,6 +143,9 @@ class PrefillDone:
     first_token: int = -1
     num_writes: int = 0  # the decode worker admits once it has counted this many immediates
     error: str = ""
+    # The lease's window key from the job: only the holder of the job knows it, so the decode
+    # worker ignores an announcement without it.
+    rkey: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,8 +235,7 @@ class DecodeAdvert:
 
     worker_id: str
     mode: str  # "disagg" | "colocated"
-    descriptor: dict[str, Any]
-    rkey: int
+    descriptor: dict[str, Any]  # PeerDescriptor.public(): no region keys (rdma excepted)
     base_addr: int
     block_bytes: int
     block_size: int

@@ -54,7 +54,6 @@ class PeerDecode:
             worker_id=self.worker_id,
             mode=self.mode,
             descriptor={"backend": "tcp", "peer_id": self.worker_id, "host": "127.0.0.1"},
-            rkey=42,
             base_addr=self.base_addr,
             block_bytes=BLOCK_BYTES,
             block_size=BLOCK_SIZE,
@@ -79,7 +78,9 @@ class PeerDecode:
         blocks = tuple(self.free[:need])
         del self.free[:need]
         self.leases[req.lease_id] = (blocks, time.monotonic() + req.lease_ms / 1000)
-        await msg.respond(protocol.encode(ReserveReply(True, self.worker_id, block_ids=blocks)))
+        await msg.respond(
+            protocol.encode(ReserveReply(True, self.worker_id, block_ids=blocks, rkey=42))
+        )
 
     async def on_prefill_done(self, msg: Msg) -> None:
         done = protocol.decode(msg.data, PrefillDone)

@@ -102,8 +102,15 @@ def test_done_with_wrong_lease_is_ignored():
 
 def test_success_without_first_token_fails():
     table = _table()
-    verdict = table.on_done(_done(num_writes=0, first_token=-1))
+    assert table.on_immediate(5, 0) is None
+    verdict = table.on_done(_done(num_writes=1, first_token=-1))
     assert verdict is not None and not verdict.ok and "first token" in verdict.error
+
+
+def test_success_without_any_write_fails():
+    table = _table()
+    verdict = table.on_done(_done(num_writes=0, first_token=3))
+    assert verdict is not None and not verdict.ok and "without any KV write" in verdict.error
 
 
 def test_lease_expiry_returns_only_overdue_reservations():

@@ -166,7 +166,6 @@ def _advert(descriptor, region, spec, kv_spec, worker_id="d0"):
         worker_id=worker_id,
         mode="disagg",
         descriptor=descriptor,
-        rkey=region.rkey,
         base_addr=region.addr,
         block_bytes=spec.block_bytes,
         block_size=spec.block_size,

@@ -23,7 +23,6 @@ def test_round_trip_of_pairs_and_dicts():
         worker_id="d0",
         mode="disagg",
         descriptor={"backend": "tcp", "port": 1},
-        rkey=3,
         base_addr=4096,
         block_bytes=65536,
         block_size=16,

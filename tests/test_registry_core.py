@@ -16,7 +16,6 @@ def advert(worker_id: str, **kw: object) -> DecodeAdvert:
         worker_id=worker_id,
         mode="disagg",
         descriptor={"backend": "tcp", "host": "127.0.0.1", "port": 1234, "peer_id": worker_id},
-        rkey=7,
         base_addr=1 << 20,
         block_bytes=BLOCK_BYTES,
         block_size=BLOCK_SIZE,
@@ -121,9 +120,9 @@ def test_grant_computes_block_addresses_from_base_and_block_bytes(registry: Regi
     registry.observe_advert(advert("a", base_addr=1000), now=0.0)
     choice = registry.choose(place(20), now=0.0)
     assert isinstance(choice, Candidate)
-    reply = registry.grant(choice, place(20), "L", (5, 9), now=0.0)
+    reply = registry.grant(choice, place(20), "L", (5, 9), now=0.0, rkey=77)
     assert reply.block_addrs == (1000 + 5 * BLOCK_BYTES, 1000 + 9 * BLOCK_BYTES)
-    assert reply.block_bytes == BLOCK_BYTES and reply.rkey == 7
+    assert reply.block_bytes == BLOCK_BYTES and reply.rkey == 77  # the reservation's window
     assert reply.descriptor["peer_id"] == "a" and reply.worker_id == "a"
 
 

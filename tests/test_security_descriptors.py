@@ -127,7 +127,6 @@ def _advert(**changes):
         worker_id="d0",
         mode="disagg",
         descriptor={"peer_id": "d0", "backends": {"tcp": {"host": "127.0.0.1", "port": 1}}},
-        rkey=7,
         base_addr=0x10000,
         block_bytes=1024,
         block_size=16,
@@ -151,7 +150,7 @@ def _job(advert, **changes):
         decode_worker_id=advert.worker_id,
         lease_id="L",
         descriptor=advert.descriptor,
-        rkey=advert.rkey,
+        rkey=7,
         block_addrs=(advert.base_addr + 2 * advert.block_bytes,),
         block_bytes=advert.block_bytes,
         enqueued_at=0.0,
@@ -172,7 +171,7 @@ def test_job_matching_the_advert_is_vouched_for():
             {"descriptor": {"backends": {"shm": {"table": "../../etc/shadow", "socket": "/x"}}}},
             "descriptor",
         ),
-        ({"rkey": 8}, "rkey"),
+        ({"block_bytes": 2048}, "block_bytes"),
         ({"block_addrs": (0x10000 + 8 * 1024,)}, "not a block"),  # past the pool
         ({"block_addrs": (0x10000 + 100,)}, "not a block"),  # not aligned
         ({"block_addrs": (0x1000,)}, "not a block"),  # below the pool

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shared.protocol import PrefillDone
+from shared.transport.base import MemoryWindow
 
 
 class ReservationError(ValueError):
@@ -40,6 +41,12 @@ class Reservation:
         False  # lease ran out: client told, blocks quarantined until the prefill stops
     )
     writer: str = ""  # the prefill worker that took the job (its PrefillStarted), if known
+    # The window its writer holds the key of (None: no remote writer, or a table used bare).
+    window: MemoryWindow | None = None
+
+    @property
+    def rkey(self) -> int:
+        return self.window.rkey if self.window is not None else 0
 
     @property
     def num_writes(self) -> int:
@@ -66,6 +73,7 @@ class PendingTable:
         self._by_request: dict[str, Reservation] = {}
         self._by_slot: dict[int, str] = {}
         self.num_stray_immediates = 0  # immediates for no live reservation (late, or foreign)
+        self.num_forged_announcements = 0  # PrefillDones without the lease's window key
 
     def __len__(self) -> int:
         return len(self._by_request)
@@ -96,6 +104,7 @@ class PendingTable:
         block_ids: tuple[int, ...],
         deadline: float,
         payload: Any = None,
+        window: MemoryWindow | None = None,
     ) -> Reservation:
         if request_id in self._by_request:
             raise ReservationError(f"request {request_id!r} already holds a reservation here")
@@ -104,7 +113,9 @@ class PendingTable:
                 f"imm slot {slot} is held by request {self._by_slot[slot]!r}; "
                 "the KV pool has more blocks than immediates can tell apart"
             )
-        res = Reservation(request_id, lease_id, slot, tuple(block_ids), deadline, payload)
+        res = Reservation(
+            request_id, lease_id, slot, tuple(block_ids), deadline, payload, window=window
+        )
         self._by_request[request_id] = res
         self._by_slot[slot] = request_id
         return res
@@ -131,6 +142,8 @@ class PendingTable:
             )
         elif not done.ok:
             verdict = Verdict(res, False, done.error or "prefill failed without a reason")
+        elif done.num_writes < 1:
+            verdict = Verdict(res, False, "prefill announced success without any KV write")
         elif res.num_writes < done.num_writes:
             return None  # writes still in flight on the data plane
         elif res.is_aborted:
@@ -142,13 +155,15 @@ class PendingTable:
         self._pop(res)
         return verdict
 
-    def on_immediate(self, slot: int, chunk: int) -> Verdict | None:
-        """One KV write of chunk ``chunk`` landed for the reservation in ``slot``."""
+    def on_immediate(self, slot: int, chunk: int, rkey: int | None = None) -> Verdict | None:
+        """One KV write of chunk ``chunk`` landed for the reservation in ``slot``, written with
+        key ``rkey`` (None: the backend cannot tell). An immediate that came with another key
+        than the reservation's window is stray: it is not that lease's writer speaking."""
         request_id = self._by_slot.get(slot)
-        if request_id is None:
+        res = self._by_request[request_id] if request_id is not None else None
+        if res is None or (rkey is not None and res.window is not None and rkey != res.rkey):
             self.num_stray_immediates += 1
             return None
-        res = self._by_request[request_id]
         if chunk in res.chunks:
             self._pop(res)
             return Verdict(res, False, f"KV write for chunk {chunk} arrived twice")
@@ -156,9 +171,13 @@ class PendingTable:
         return self._settle(res)
 
     def on_done(self, done: PrefillDone) -> Verdict | None:
-        """The prefill's announcement; ignored unless it names a live reservation and lease."""
+        """The prefill's announcement; ignored unless it names a live reservation and lease, and
+        carries the lease's window key (which only the job's holder knows)."""
         res = self._by_request.get(done.request_id)
         if res is None or res.lease_id != done.lease_id or res.done is not None:
+            return None
+        if res.window is not None and done.rkey != res.rkey:
+            self.num_forged_announcements += 1
             return None
         res.done = done
         return self._settle(res)

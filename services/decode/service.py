@@ -22,6 +22,7 @@ from nats.aio.msg import Msg
 from nats.micro.request import Request
 
 from services.decode.config import DecodeConfig
+from services.decode.windows import LeaseWindows
 from services.decode.worker import DecodeWorker
 from shared import logs, subjects
 from shared.engine.config import EngineConfig
@@ -119,7 +120,7 @@ class DecodeService:
         self.worker = worker
         self.transport = transport
         self.nc = nc
-        self.advert_fields = advert  # descriptor, rkey, base_addr, block_bytes, block_size, kv_spec
+        self.advert_fields = advert  # descriptor, base_addr, block_bytes, block_size, kv_spec
         self.started_at = time.time()
         self.tg: asyncio.TaskGroup  # set by decode_service
         self.last_stats: dict[str, Any] = {}
@@ -165,7 +166,7 @@ class DecodeService:
         if self.transport is None:  # colocated: nothing is written to us
             return
         async for completion in self.transport.completions():
-            await self.worker.on_completion(completion.imm)
+            await self.worker.on_completion(completion.imm, completion.rkey)
 
     async def on_reserve(self, req: Request) -> None:
         # Concurrently: each reserve waits for the step in flight, all of them for the same one.
@@ -263,6 +264,7 @@ async def decode_service(config: DecodeConfig) -> AsyncIterator[DecodeService]:
             base_addr=region.addr if region else engine.kv_pool.base_addr,
             publish=nc.publish,
             colocated=not disagg,
+            windows=LeaseWindows(transport, region, spec.block_bytes) if region else None,
             quarantine_s=config.quarantine_s,
             min_step_interval_s=config.min_step_interval_ms / 1000,
         )
@@ -271,8 +273,7 @@ async def decode_service(config: DecodeConfig) -> AsyncIterator[DecodeService]:
             worker,
             transport,
             nc,
-            descriptor=transport.descriptor().to_dict() if transport else {},
-            rkey=region.rkey if region else 0,
+            descriptor=transport.descriptor().public().to_dict() if transport else {},
             base_addr=region.addr if region else 0,
             block_bytes=spec.block_bytes,
             block_size=spec.block_size,

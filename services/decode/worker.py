@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from services.decode.pending import PendingTable, ReservationError, Verdict
+from services.decode.windows import LeaseWindows
 from shared import logs, subjects
 from shared.engine.block_manager import OutOfBlocksError
 from shared.engine.llm_engine import LLMEngine
@@ -63,6 +64,7 @@ class DecodeWorker:
         base_addr: int,
         publish: Publish,
         colocated: bool = False,
+        windows: LeaseWindows | None = None,
         quarantine_s: float = 30.0,
         min_step_interval_s: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
@@ -72,6 +74,7 @@ class DecodeWorker:
         self.base_addr = base_addr  # the receiving region's address: blocks at base + id * bytes
         self.block_bytes = engine.kv_pool.spec.block_bytes
         self.colocated = colocated
+        self.windows = windows  # one per reservation; None: no remote writers (colocated)
         self.is_draining = False
         self.pending = PendingTable(quarantine_s)
         # Pacing: a decode-only step starts at most this often (0: back to back). A step that
@@ -186,13 +189,23 @@ class DecodeWorker:
             slot = imm_slot(self.base_addr + block_ids[0] * self.block_bytes, self.block_bytes)
             deadline = self._clock() + req.lease_ms / 1000
             try:
-                self.pending.add(
-                    rid, req.lease_id, slot, tuple(block_ids), deadline, (prompt, params)
+                window = self.windows.open(block_ids) if self.windows else None
+            except ValueError as exc:  # the transport's table of windows is full
+                self.engine.free_reserved(block_ids)
+                return refuse(f"decode worker {self.worker_id} cannot open a write window: {exc}")
+            try:
+                res = self.pending.add(
+                    rid, req.lease_id, slot, tuple(block_ids), deadline, (prompt, params), window
                 )
             except ReservationError as exc:
+                self._close_window(window)
                 self.engine.free_reserved(block_ids)
                 return refuse(str(exc))
-        return ReserveReply(True, self.worker_id, block_ids=tuple(block_ids))
+        return ReserveReply(True, self.worker_id, block_ids=tuple(block_ids), rkey=res.rkey)
+
+    def _close_window(self, window: Any) -> None:
+        if window is not None and self.windows is not None:
+            self.windows.close(window)
 
     def _owed_to_pending(self) -> int:
         """Output room the reservations in flight will need once admitted."""
@@ -206,14 +219,15 @@ class DecodeWorker:
         """The lease holder is alive: push the lease deadline ``lease_ms`` from now."""
         return self.pending.renew(request_id, lease_id, self._clock() + lease_ms / 1000)
 
-    async def on_completion(self, imm: int) -> None:
-        """A KV write landed in our pool (its immediate, from the transport's completions)."""
+    async def on_completion(self, imm: int, rkey: int | None = None) -> None:
+        """A KV write landed in our pool (its immediate and key, from the transport's
+        completions)."""
         try:
             slot, chunk = unpack_imm(imm)
         except ValueError:
             log.warning("ignored write with a malformed immediate", imm=imm)
             return
-        verdict = self.pending.on_immediate(slot, chunk)
+        verdict = self.pending.on_immediate(slot, chunk, rkey)
         if verdict is not None:
             self._settle(verdict)
 
@@ -274,7 +288,9 @@ class DecodeWorker:
             await self.expire_leases()
 
     def _settle(self, verdict: Verdict) -> None:
-        """Hand a reservation that left the table to the engine loop (admit or free)."""
+        """Hand a reservation that left the table (or whose lease expired) to the engine loop
+        (admit or free). Its window closes now: no write may land in its blocks any more."""
+        self._close_window(verdict.reservation.window)  # closing twice is harmless
         self._settled.append(verdict)
         self._wake.set()
 

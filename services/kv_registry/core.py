@@ -260,8 +260,10 @@ class Registry:
         lease_id: str,
         block_ids: tuple[int, ...],
         now: float,
+        rkey: int = 0,
     ) -> PlaceReply:
-        """The worker reserved ``block_ids``: record the lease, build the reply with addresses."""
+        """The worker reserved ``block_ids`` under a window with key ``rkey``: record the lease,
+        build the reply with addresses."""
         self.release_inflight(candidate)
         worker = self.decode.get(candidate.worker_id)
         if worker is None:  # dropped while we waited; its reply still stands
@@ -289,7 +291,7 @@ class Registry:
             worker_id=worker.worker_id,
             lease_id=lease_id,
             descriptor=advert.descriptor,
-            rkey=advert.rkey,
+            rkey=rkey,
             block_ids=block_ids,
             block_addrs=tuple(advert.base_addr + b * advert.block_bytes for b in block_ids),
             block_bytes=advert.block_bytes,

@@ -169,7 +169,9 @@ class RegistryService:
             lease_id = uuid.uuid4().hex
             reply = await self._reserve(choice, request, lease_id)
             if reply.ok:
-                placed = self.core.grant(choice, request, lease_id, reply.block_ids, self.clock())
+                placed = self.core.grant(
+                    choice, request, lease_id, reply.block_ids, self.clock(), reply.rkey
+                )
                 log.debug(
                     "placed",
                     request_id=request.request_id,

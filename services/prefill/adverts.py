@@ -1,11 +1,12 @@
 """What the prefill worker believes about decode workers: their latest ``DecodeAdvert``s.
 
-A ``PrefillJob`` names a decode worker, a transport descriptor, an rkey and block addresses. Those
-are data from the network, never a place to dial: a job is served only when its target matches
-what that decode worker itself advertised (descriptor, rkey, block size, KV layout) and every
+A ``PrefillJob`` names a decode worker, a transport descriptor, a window key and block addresses.
+Those are data from the network, never a place to dial: a job is served only when its target
+matches what that decode worker itself advertised (descriptor, block size, KV layout) and every
 address is a block of the advertised pool. So a forged job cannot make this worker connect to an
 arbitrary host:port or map an arbitrary shm name; at most it can name a real decode worker's real
-blocks, which that worker's lease check then refuses (see docs/security.md).
+blocks, and its writes then carry a key the decode worker never opened a window for, which its
+transport refuses (see docs/security.md).
 """
 
 from __future__ import annotations
@@ -72,10 +73,9 @@ def check_job_against_advert(job: PrefillJob, advert: DecodeAdvert, kv_spec: str
         )
     if job.descriptor != advert.descriptor:
         raise UnvouchedJobError(f"the job's transport descriptor is not the one {who} advertises")
-    if job.rkey != advert.rkey or job.block_bytes != advert.block_bytes:
+    if job.block_bytes != advert.block_bytes:
         raise UnvouchedJobError(
-            f"the job's rkey/block_bytes ({job.rkey}, {job.block_bytes}) are not {who}'s "
-            f"({advert.rkey}, {advert.block_bytes})"
+            f"the job's block_bytes {job.block_bytes} are not {who}'s {advert.block_bytes}"
         )
     for addr in job.block_addrs:
         offset = addr - advert.base_addr

@@ -240,6 +240,7 @@ class PrefillWorker:
             first_token=job.first_token if ok else -1,
             num_writes=job.num_writes if job is not None else 0,
             error=error,
+            rkey=msg.rkey,
         )
         await self._publish(subjects.decode_prefill_done(msg.decode_worker_id), encode(done))
         if job is None:

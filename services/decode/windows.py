@@ -1,0 +1,32 @@
+"""Lease-scoped write authority: one memory window per reservation, over exactly its blocks.
+
+The decode worker's pool is one registered region, but its key never leaves the process: each
+reservation's writer gets the key of a window onto that reservation's blocks alone, which closes
+when the reservation leaves the pending table (admitted, failed, aborted) or its lease expires. A
+write into a block under no lease, into another lease's blocks, or after the lease ended is then
+refused by the transport, counted and logged (docs/security.md). On rdma the window is the
+region itself until kvmesh binds verbs memory windows (``MemoryWindow.enforced`` is False).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from shared.transport.base import Access, MemoryRegion, MemoryWindow, Transport
+
+
+class LeaseWindows:
+    """Opens and closes the windows of one decode worker's pool (block ``b`` lies at
+    ``region.addr + b * block_bytes``)."""
+
+    def __init__(self, transport: Transport, region: MemoryRegion, block_bytes: int) -> None:
+        self.transport = transport
+        self.region = region
+        self.block_bytes = block_bytes
+
+    def open(self, block_ids: Sequence[int]) -> MemoryWindow:
+        spans = [(self.region.addr + b * self.block_bytes, self.block_bytes) for b in block_ids]
+        return self.transport.open_window(self.region, spans, Access.REMOTE_WRITE)
+
+    def close(self, window: MemoryWindow) -> None:
+        self.transport.close_window(window)
