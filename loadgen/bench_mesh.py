@@ -86,8 +86,9 @@ def local_mesh(
 class MeshTap:
     """Listens on every request's subjects: TokenEvents, PrefillReports, PrefillDones."""
 
-    def __init__(self, nats_url: str) -> None:
+    def __init__(self, nats_url: str, auth: Any = None) -> None:
         self.nats_url = nats_url
+        self.auth = auth  # a NatsAuth (the mesh's admin user), or None: the environment's
         self.tokens: dict[str, list[int]] = defaultdict(list)
         self.finished: dict[str, Any] = {}  # request id -> final TokenEvent
         self.reports: dict[str, Any] = {}  # request id -> PrefillReport
@@ -99,7 +100,9 @@ class MeshTap:
         from shared.nats_service import connect_nats
 
         self._stack = contextlib.AsyncExitStack()
-        nc = await self._stack.enter_async_context(connect_nats(self.nats_url, "mesh-tap"))
+        nc = await self._stack.enter_async_context(
+            connect_nats(self.nats_url, "mesh-tap", auth=self.auth)
+        )
 
         async def on_tokens(msg: Any) -> None:
             event = protocol.decode(msg.data, protocol.TokenEvent)
@@ -142,14 +145,16 @@ async def complete(
         return payload
 
 
-async def wait_blocks_returned(nats_url: str, timeout_s: float = 15.0) -> list[dict[str, Any]]:
+async def wait_blocks_returned(
+    nats_url: str, auth: Any = None, timeout_s: float = 15.0
+) -> list[dict[str, Any]]:
     """Admin status rows of the decode workers, once each has every block free again (or the
     last rows seen when ``timeout_s`` runs out: the caller asserts)."""
     from shared.admin_client import admin_client
 
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
-    async with admin_client(nats_url) as admin:
+    async with admin_client(nats_url, auth=auth) as admin:
         while True:
             rows = (await admin.status())["decode"]
             if rows and all(r["free_blocks"] == r["total_blocks"] for r in rows):
@@ -167,11 +172,11 @@ def random_prompts(num: int, min_len: int, max_len: int, seed: int = 0) -> list[
 # ---- the benchmark -----------------------------------------------------------------------------
 
 
-async def measure(url: str, nats_url: str, prompts: list[list[int]]) -> list[Any]:
+async def measure(url: str, nats_url: str, prompts: list[list[int]], auth: Any = None) -> list[Any]:
     import aiohttp
 
     reports = []
-    async with MeshTap(nats_url) as tap, aiohttp.ClientSession() as session:
+    async with MeshTap(nats_url, auth) as tap, aiohttp.ClientSession() as session:
         warm_up = random_prompts(1, 64, 64, seed=999_999)[0]  # connects prefill to decode
         await complete(session, url, warm_up, 1)
         for prompt in prompts:
@@ -189,7 +194,7 @@ def run(args: argparse.Namespace) -> int:
     env = {"KVMESH_CHUNK_TOKENS": str(args.chunk_tokens), "KVMESH_BLOCK_SIZE": "16"}
     prompts = random_prompts(args.repeats, args.prompt_len, args.prompt_len, seed=1)
     with local_mesh("disagg", args.transport, env=env) as mesh:
-        reports = asyncio.run(measure(mesh.url, mesh.config.nats_url, prompts))
+        reports = asyncio.run(measure(mesh.url, mesh.config.nats_url, prompts, mesh.nats_auth))
     ratios = [r.exposed_transfer_s / r.transfer_s for r in reports if r.transfer_s > 0]
     print(
         f"transport {args.transport}, prompt {args.prompt_len} tokens, chunk {args.chunk_tokens} "

@@ -9,6 +9,7 @@ from typing import Any
 from nats.aio.client import Client
 
 from shared import subjects
+from shared.nats_auth import NatsAuth
 from shared.nats_service import NatsUnavailableError, connect_nats, request_json
 
 
@@ -48,7 +49,13 @@ class AdminClient:
 
 @contextlib.asynccontextmanager
 async def admin_client(
-    nats_url: str, timeout_s: float = 3.0, connect_wait_s: float = 3.0
+    nats_url: str,
+    timeout_s: float = 3.0,
+    connect_wait_s: float = 3.0,
+    auth: NatsAuth | None = None,
 ) -> AsyncIterator[AdminClient]:
-    async with connect_nats(nats_url, "kvmesh-admin", connect_wait_s=connect_wait_s) as nc:
+    """``auth``: default the environment's credentials (KVMESH_NATS_USER=admin, ...)."""
+    async with connect_nats(
+        nats_url, "kvmesh-admin", connect_wait_s=connect_wait_s, auth=auth
+    ) as nc:
         yield AdminClient(nc, timeout_s)

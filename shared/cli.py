@@ -16,6 +16,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "shared.commands.up",
     "shared.commands.admin",
     "shared.commands.model",
+    "shared.commands.nats_config",
 )
 
 

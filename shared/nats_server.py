@@ -89,8 +89,12 @@ class NatsServer:
         jetstream: bool = True,
         start_timeout_s: float = 10.0,
         log_path: Path | None = None,
+        authorization: str | None = None,
     ) -> None:
+        """``authorization``: a nats-server ``authorization { ... }`` block (shared/nats_auth.py);
+        None runs an open server."""
         self.host = host
+        self.authorization = authorization
         self.port = port
         self.jetstream = jetstream
         self.start_timeout_s = start_timeout_s
@@ -102,6 +106,12 @@ class NatsServer:
     def url(self) -> str:
         assert self.port, "server not started"
         return f"nats://{self.host}:{self.port}"
+
+    @property
+    def state_dir(self) -> Path:
+        """The server's private folder (0700): its config, ports file, JetStream store."""
+        assert self._tmp is not None, "server not started"
+        return Path(self._tmp.name)
 
     @property
     def pid(self) -> int:
@@ -125,6 +135,12 @@ class NatsServer:
         ]
         if self.jetstream:
             cmd += ["-js", "-sd", str(tmp / "jetstream")]
+        if self.authorization is not None:
+            conf = tmp / "nats.conf"  # in a 0700 folder, itself 0600: it holds passwords
+            fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(self.authorization)
+            cmd += ["-c", str(conf)]
         log = open(self.log_path or tmp / "nats-server.log", "ab")  # noqa: SIM115
         try:
             # own session: a terminal's Ctrl-C reaches the owner, which stops the server last
@@ -169,6 +185,19 @@ class NatsServer:
         raise NatsServerError(
             f"nats-server did not accept connections within {self.start_timeout_s}s"
         )
+
+    def permission_violations(self) -> list[str]:
+        """Lines the server logged for a publish or subscription a user's permissions refused."""
+        path = self.log_path or self.state_dir / "nats-server.log"
+        try:
+            lines = path.read_text(errors="replace").splitlines()
+        except FileNotFoundError:
+            return []
+        return [
+            line
+            for line in lines
+            if "Publish Violation" in line or "Subscription Violation" in line
+        ]
 
     def _log_tail(self, tmp: Path) -> str:
         path = self.log_path or tmp / "nats-server.log"

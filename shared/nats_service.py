@@ -29,6 +29,7 @@ from nats.aio.msg import Msg
 from nats.micro.service import Service
 
 from shared import logs, protocol, subjects
+from shared.nats_auth import ADMIN, PASSWORD_FILE_ENV, USER_ENV, NatsAuth, auth_from_env
 
 log = logs.get_logger(__name__)
 
@@ -51,11 +52,21 @@ async def connect_nats(
     *,
     connect_wait_s: float = 10.0,
     reconnect_time_wait_s: float = 0.5,
+    auth: NatsAuth | None = None,
 ) -> AsyncIterator[Client]:
-    """Connect (retrying for ``connect_wait_s``), reconnect forever after, drain on exit."""
+    """Connect (retrying for ``connect_wait_s``), reconnect forever after, drain on exit.
+    ``auth``: the credentials; default those in the environment (shared/nats_auth.py), none
+    on an open server."""
+    auth = auth if auth is not None else auth_from_env()
+    refused: list[str] = []  # the server turned our credentials down
 
     async def on_error(exc: Exception) -> None:
-        log.debug("nats error", name=name, error=str(exc))
+        if "authorization violation" in str(exc).lower():
+            refused.append(str(exc))
+        if "permissions violation" in str(exc).lower():  # a role sent what it may not
+            log.warning("nats refused an operation", name=name, error=str(exc))
+        else:
+            log.debug("nats error", name=name, error=str(exc))
 
     closing = False
 
@@ -82,12 +93,20 @@ async def connect_nats(
                 error_cb=on_error,
                 disconnected_cb=on_disconnected,
                 reconnected_cb=on_reconnected,
+                **(auth.connect_options() if auth else {}),
             ),
             timeout=connect_wait_s,
         )
     except (TimeoutError, OSError, nats.errors.Error) as exc:
         closing = True
         await nc.close()
+        if refused:
+            who = f"user {auth.user!r}" if auth else "no credentials"
+            raise NatsUnavailableError(
+                f"the NATS server at {url} refused {who} (authorization violation); a mesh "
+                f"started by `kvmesh up` has one user per role: set {USER_ENV}={ADMIN} and "
+                f"{PASSWORD_FILE_ENV} to the file `kvmesh up` printed"
+            ) from None
         raise NatsUnavailableError(
             f"no NATS server answered at {url} within {connect_wait_s:g}s ({exc!r}); start one "
             "(`kvmesh up` does, or `nats-server -js`) or pass --nats-url / KVMESH_NATS_URL"

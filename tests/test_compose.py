@@ -11,6 +11,7 @@ import pytest
 
 from shared.cli import build_parser
 from shared.commands.serve import build_service_config, service_env_keys
+from shared.nats_auth import PASSWORD_ENV, USER_ENV, authorization_block, password_variable
 
 yaml = pytest.importorskip("yaml")  # PyYAML (dev dependency via transformers)
 
@@ -46,7 +47,8 @@ def test_command_is_a_kvmesh_entry_point_with_valid_env(name: str) -> None:
     args = build_parser().parse_args(command[1:])
     assert args.command == "serve" and args.service == name
     env = {k: interpolate(v) for k, v in svc.get("environment", {}).items()}
-    unknown = sorted(k for k in env if k.startswith("KVMESH_") and k not in service_env_keys(name))
+    known = service_env_keys(name) | {USER_ENV, PASSWORD_ENV}  # credentials: shared/nats_auth.py
+    unknown = sorted(k for k in env if k.startswith("KVMESH_") and k not in known)
     assert unknown == [], f"{name}: {unknown} are not config keys of `kvmesh serve {name}`"
     _, config, log_config = build_service_config(name, args.service_args, env=env)
     assert config.nats_url == "nats://nats:4222"  # the compose network's NATS, not localhost
@@ -100,3 +102,17 @@ def test_mesh_doc_lists_every_subject() -> None:
 def test_nats_is_published_on_the_host_loopback_only() -> None:
     ports = compose()["services"]["nats"].get("ports", [])
     assert ports and all(str(p).startswith("127.0.0.1:") for p in ports)
+
+
+def test_nats_requires_a_user_per_role_with_the_generated_permissions() -> None:
+    """deploy/nats-auth.conf is `kvmesh nats-config`'s output (no drift from the code), the NATS
+    container loads it, and each service logs in as its own role."""
+    assert (REPO / "deploy" / "nats-auth.conf").read_text() == authorization_block()
+    nats = compose()["services"]["nats"]
+    assert nats["command"][:2] == ["-c", "/etc/nats/nats-auth.conf"]
+    assert "./deploy/nats-auth.conf:/etc/nats/nats-auth.conf:ro" in nats["volumes"]
+    for name, svc in kvmesh_services().items():
+        env = svc["environment"]
+        assert env[USER_ENV] == name
+        assert env[PASSWORD_ENV].startswith("${" + password_variable(name) + ":?")
+        assert password_variable(name) in nats["environment"]

@@ -58,13 +58,18 @@ async def _stream_until(session, url: str, prompt: list[int], enough) -> str:
 
 
 async def _assert_all_blocks_free(mesh) -> None:
-    rows = await wait_blocks_returned(mesh.config.nats_url)
+    rows = await wait_blocks_returned(mesh.config.nats_url, mesh.nats_auth)
     assert rows and all(r["free_blocks"] == r["total_blocks"] for r in rows), rows
+    # The test's own job subscription (as admin) is allowed; no role overstepped.
+    assert mesh.nats_violations() == []
 
 
 async def test_cancel_mid_stream_aborts_decode_and_returns_blocks(mesh):
     [prompt] = random_prompts(1, 100, 100, seed=3)
-    async with MeshTap(mesh.config.nats_url) as tap, aiohttp.ClientSession() as session:
+    async with (
+        MeshTap(mesh.config.nats_url, mesh.nats_auth) as tap,
+        aiohttp.ClientSession() as session,
+    ):
         rid = await _stream_until(session, mesh.url, prompt, lambda r: len(tap.tokens[r]) >= 5)
         final = await tap.wait_finished(rid, timeout_s=20)
         assert final.finish_reason == "abort"
@@ -76,8 +81,8 @@ async def test_disconnect_mid_prefill_stops_prefill_and_returns_blocks(mesh):
     [prompt] = random_prompts(1, 4000, 4000, seed=4)  # 125 chunks of 32 tokens
     job_seen = asyncio.Event()
     async with (
-        MeshTap(mesh.config.nats_url) as tap,
-        connect_nats(mesh.config.nats_url, "test-jobs") as nc,
+        MeshTap(mesh.config.nats_url, mesh.nats_auth) as tap,
+        connect_nats(mesh.config.nats_url, "test-jobs", auth=mesh.nats_auth) as nc,
         aiohttp.ClientSession() as session,
     ):
         jobs: list[protocol.PrefillJob] = []

@@ -60,7 +60,10 @@ def colocated_mesh():
 
 
 async def _load(mesh) -> tuple[list[dict], MeshTap]:
-    async with MeshTap(mesh.config.nats_url) as tap, aiohttp.ClientSession() as session:
+    async with (
+        MeshTap(mesh.config.nats_url, mesh.nats_auth) as tap,
+        aiohttp.ClientSession() as session,
+    ):
         replies = await asyncio.gather(
             *(complete(session, mesh.url, p, MAX_TOKENS) for p in PROMPTS)
         )
@@ -80,10 +83,11 @@ def _check_replies(replies: list[dict], tap: MeshTap, offline: list[list[int]]) 
 
 
 async def _check_blocks_returned(mesh) -> None:
-    rows = await wait_blocks_returned(mesh.config.nats_url)
+    rows = await wait_blocks_returned(mesh.config.nats_url, mesh.nats_auth)
     assert rows, "no decode worker in the admin status"
     for row in rows:
         assert row["free_blocks"] == row["total_blocks"], row
+    assert mesh.nats_violations() == []  # every role kept to its NATS permissions
 
 
 async def test_disagg_greedy_output_equals_offline_engine(disagg_mesh, offline_tokens):
@@ -109,7 +113,10 @@ async def test_request_waits_while_the_only_worker_is_drained_and_runs_once_resu
     from shared.admin_client import admin_client
 
     prompt = PROMPTS[0]
-    async with admin_client(colocated_mesh.config.nats_url) as admin, aiohttp.ClientSession() as s:
+    async with (
+        admin_client(colocated_mesh.config.nats_url, auth=colocated_mesh.nats_auth) as admin,
+        aiohttp.ClientSession() as s,
+    ):
         [worker] = (await admin.status())["decode"]
         reply = await admin.drain(worker["worker_id"])
         assert reply["ok"] and reply["state"] == "draining"

@@ -56,7 +56,10 @@ def _kill(launcher, name: str) -> None:
 
 
 async def _load_then_kill(launcher, prompts, victim: str, delay_s: float):
-    async with MeshTap(launcher.config.nats_url) as tap, aiohttp.ClientSession() as session:
+    async with (
+        MeshTap(launcher.config.nats_url, launcher.nats_auth) as tap,
+        aiohttp.ClientSession() as session,
+    ):
         started = time.monotonic()
         tasks = [
             asyncio.create_task(complete(session, launcher.url, p, MAX_TOKENS)) for p in prompts
@@ -87,7 +90,7 @@ def test_killed_decode_worker_requests_run_again_on_the_other(mesh):
     assert all(b["usage"]["completion_tokens"] == MAX_TOKENS for b in bodies)
     assert elapsed < 30  # the router's first-token timeout is 300 s, its token timeout 30 s
     assert _retries(mesh, "decode") >= 1  # some requests were on the killed worker
-    rows = asyncio.run(wait_blocks_returned(mesh.config.nats_url))
+    rows = asyncio.run(wait_blocks_returned(mesh.config.nats_url, mesh.nats_auth))
     assert [r["worker_id"] for r in rows] == ["decode-1"]
     assert all(r["free_blocks"] == r["total_blocks"] for r in rows)
 
@@ -99,8 +102,9 @@ def test_killed_prefill_worker_jobs_run_again_on_the_other(mesh):
     assert all(b["usage"]["completion_tokens"] == MAX_TOKENS for b in bodies)
     assert elapsed < 30
     assert _retries(mesh, "prefill") >= 1
-    rows = asyncio.run(wait_blocks_returned(mesh.config.nats_url))
+    rows = asyncio.run(wait_blocks_returned(mesh.config.nats_url, mesh.nats_auth))
     assert all(r["free_blocks"] == r["total_blocks"] for r in rows)
+    assert mesh.nats_violations() == []
 
 
 def test_with_every_prefill_worker_dead_long_prompts_are_prefilled_on_decode(mesh):
@@ -110,5 +114,6 @@ def test_with_every_prefill_worker_dead_long_prompts_are_prefilled_on_decode(mes
     assert tokens == _offline(prompts)
     assert all(b["usage"]["completion_tokens"] == MAX_TOKENS for b in bodies)
     assert elapsed < 30  # not the 300 s first-token timeout of a job nobody will take
-    rows = asyncio.run(wait_blocks_returned(mesh.config.nats_url))
+    rows = asyncio.run(wait_blocks_returned(mesh.config.nats_url, mesh.nats_auth))
     assert all(r["free_blocks"] == r["total_blocks"] for r in rows)
+    assert mesh.nats_violations() == []

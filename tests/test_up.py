@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -122,14 +123,29 @@ def chat(port: int, content: str, max_tokens: int) -> dict:
         return json.loads(resp.read())
 
 
-def admin_status(nats_url: str) -> dict:
-    out = subprocess.run(
+def admin_env(err: Path) -> dict[str, str]:
+    """The credentials `kvmesh up` printed for `kvmesh admin` (its NATS has one user per role)."""
+    found = re.search(
+        r"export (KVMESH_NATS_USER=\S+) (KVMESH_NATS_PASSWORD_FILE=\S+)", err.read_text()
+    )
+    assert found, f"kvmesh up printed no admin credentials: {err.read_text()[-1000:]}"
+    return dict(pair.split("=", 1) for pair in found.groups())
+
+
+def admin_status(nats_url: str, env: dict[str, str] | None) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_NATS_")}
+    return subprocess.run(
         [sys.executable, "-m", "shared.cli", "admin", "status", "--json", "--nats-url", nats_url],
         cwd=REPO,
         capture_output=True,
         text=True,
         timeout=120,
+        env={**clean, **(env or {})},
     )
+
+
+def admin_status_json(nats_url: str, err: Path) -> dict:
+    out = admin_status(nats_url, admin_env(err))
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
 
@@ -151,7 +167,9 @@ def test_up_serves_requests_and_ctrl_c_leaves_no_process_behind(tmp_path: Path) 
         assert long_reply["usage"]["prompt_tokens"] >= 16  # remote prefill, under a lease
         assert 1 <= long_reply["usage"]["completion_tokens"] <= 4
         assert 1 <= short_reply["usage"]["completion_tokens"] <= 3
-        status = admin_status(nats_url)
+        refused = admin_status(nats_url, None)  # no credentials: a clear refusal
+        assert refused.returncode != 0 and "refused no credentials" in refused.stderr
+        status = admin_status_json(nats_url, err)
         assert [d["worker_id"] for d in status["decode"]] == ["decode-0"]
         # one remote prefill under a lease; the short prompt was prefilled locally (no lease)
         assert status["leases"]["granted"] == 1 and status["leases"]["completed"] >= 1
@@ -216,7 +234,7 @@ def test_up_colocated_serves_and_stops_on_sigterm(tmp_path: Path) -> None:
         assert "serve colocated" in commands and "serve prefill" not in commands
         reply = chat(port, "tell me about colocated serving " * 8, max_tokens=3)
         assert 1 <= reply["usage"]["completion_tokens"] <= 3
-        status = admin_status(nats_url)
+        status = admin_status_json(nats_url, err)
         assert [(d["worker_id"], d["role"]) for d in status["decode"]] == [
             ("colocated-0", "colocated")
         ]

@@ -22,8 +22,17 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
+from shared.nats_auth import (
+    ADMIN,
+    PASSWORD_FILE_ENV,
+    USER_ENV,
+    MeshCredentials,
+    NatsAuth,
+    auth_from_env,
+)
 from shared.service_config import (
     DEFAULT_NATS_URL,
     ConfigError,
@@ -175,6 +184,11 @@ class Launcher:
         self.port = config.port or free_port()
         self.children: dict[str, tuple[ChildSpec, subprocess.Popen[bytes]]] = {}
         self.nats = None  # NatsServer we started, if any
+        # One NATS user per role on a server we start (shared/nats_auth.py); on a server we
+        # found, whatever credentials the environment holds.
+        self.credentials: MeshCredentials | None = None
+        self.nats_auth: NatsAuth | None = auth_from_env()  # this process's own client (admin)
+        self.admin_password_file: Path | None = None
 
     @property
     def url(self) -> str:
@@ -190,13 +204,26 @@ class Launcher:
 
         if not nats_is_reachable(self.config.nats_url):
             host, nats_port = parse_nats_url(self.config.nats_url)
-            self.nats = NatsServer(nats_port, host=host)
+            self.credentials = MeshCredentials.generate()
+            self.nats = NatsServer(
+                nats_port, host=host, authorization=self.credentials.server_config()
+            )
             self.nats.start()
-            print(f"kvmesh up: started nats-server at {self.nats.url}", file=sys.stderr)
+            self.nats_auth = self.credentials.auth(ADMIN)
+            self.admin_password_file = self.nats.state_dir / "admin.password"
+            fd = os.open(self.admin_password_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(self.nats_auth.password)
+            print(
+                f"kvmesh up: started nats-server at {self.nats.url}, one user per role; "
+                f"for kvmesh admin: export {USER_ENV}={ADMIN} "
+                f"{PASSWORD_FILE_ENV}={self.admin_password_file}",
+                file=sys.stderr,
+            )
         else:
             # Another mesh on this NATS would share our subjects and worker ids: requests would
             # land on its workers (another model), and its workers would count as ours.
-            others = _run_sync(workers_on(self.config.nats_url))
+            others = _run_sync(workers_on(self.config.nats_url, auth=self.nats_auth))
             if others:
                 raise LaunchError(
                     f"a kvmesh mesh is already running on {self.config.nats_url} (workers: "
@@ -206,7 +233,12 @@ class Launcher:
                 )
         for spec in plan(self.config, self.config.nats_url, self.port):
             argv = [sys.executable, "-m", "shared.cli", *spec.argv]
-            proc = subprocess.Popen(argv, start_new_session=True, preexec_fn=die_with_parent)
+            env = None  # inherit ours (an external server's credentials, if any)
+            if self.credentials is not None:
+                env = {**os.environ, **self.credentials.auth(spec.argv[1]).env()}
+            proc = subprocess.Popen(
+                argv, start_new_session=True, preexec_fn=die_with_parent, env=env
+            )
             self.children[spec.name] = (spec, proc)
 
     def check_alive(self) -> None:
@@ -224,7 +256,7 @@ class Launcher:
         deadline = time.monotonic() + self.config.startup_timeout_s
         num_prefill = self.config.prefill if self.config.mode == "disagg" else 0
         waiting_for = "NATS"
-        async with admin_client(self.config.nats_url, timeout_s=2.0) as admin:
+        async with admin_client(self.config.nats_url, timeout_s=2.0, auth=self.nats_auth) as admin:
             while time.monotonic() < deadline:
                 self.check_alive()
                 try:
@@ -247,6 +279,11 @@ class Launcher:
             f"the mesh was not ready within {self.config.startup_timeout_s:g}s: waiting for "
             f"{waiting_for} (raise --startup-timeout-s for big models)"
         )
+
+    def nats_violations(self) -> list[str]:
+        """What the nats-server we started refused a role (empty: every role kept to its
+        permissions, or the server is not ours)."""
+        return self.nats.permission_violations() if self.nats is not None else []
 
     def _router_healthy(self) -> bool:
         try:
@@ -275,13 +312,15 @@ class Launcher:
             self.nats = None
 
 
-async def workers_on(nats_url: str, listen_s: float = 1.2) -> set[str]:
+async def workers_on(
+    nats_url: str, listen_s: float = 1.2, auth: NatsAuth | None = None
+) -> set[str]:
     """Worker ids heard on ``nats_url``: the registry's list, or heartbeats for ``listen_s``."""
     from shared import subjects
     from shared.admin_client import AdminError, admin_client
     from shared.protocol import ProtocolError, WorkerHeartbeat, decode
 
-    async with admin_client(nats_url, timeout_s=2.0) as admin:
+    async with admin_client(nats_url, timeout_s=2.0, auth=auth) as admin:
         try:
             return {w["worker_id"] for w in await admin.workers()}
         except AdminError:  # no registry: listen for heartbeats instead

@@ -1,0 +1,149 @@
+"""NATS users per role on a real nats-server: no credentials, no connection; each role may send
+only its own messages (forged aborts, reserves, PrefillDones, admin commands refused by the
+server) and read only its own replies; credentials come from the environment, never argv."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from shared import subjects
+from shared.nats_auth import (
+    ROLE_PERMISSIONS,
+    ROLES,
+    MeshCredentials,
+    NatsAuth,
+    auth_from_env,
+)
+from shared.nats_server import NatsServer
+from shared.nats_service import NatsUnavailableError, connect_nats
+
+
+@pytest.fixture(scope="module")
+def creds() -> MeshCredentials:
+    return MeshCredentials.generate()
+
+
+@pytest.fixture(scope="module")
+def server(creds: MeshCredentials):
+    with NatsServer(authorization=creds.server_config()) as s:
+        yield s
+
+
+async def _delivered(server, creds, sender: str, receiver: str, subject: str, listen: str) -> bool:
+    """Whether a message ``sender`` publishes on ``subject`` reaches ``receiver`` on ``listen``."""
+    got: list[bytes] = []
+
+    async def on_msg(msg) -> None:
+        got.append(msg.data)
+
+    async with (
+        connect_nats(server.url, "rx", auth=creds.auth(receiver)) as rx,
+        connect_nats(server.url, "tx", auth=creds.auth(sender)) as tx,
+    ):
+        await rx.subscribe(listen, cb=on_msg)
+        await rx.flush()
+        await tx.publish(subject, b"x")
+        await tx.flush()
+        await asyncio.sleep(0.2)
+    return bool(got)
+
+
+async def test_nats_without_credentials_or_with_a_wrong_password_is_refused(server, creds):
+    with pytest.raises(NatsUnavailableError, match="refused no credentials"):
+        async with connect_nats(server.url, "anon", connect_wait_s=2.0, auth=None):
+            pass
+    with pytest.raises(NatsUnavailableError, match="refused user 'router'"):
+        async with connect_nats(server.url, "x", connect_wait_s=2.0, auth=NatsAuth("router", "no")):
+            pass
+
+
+@pytest.mark.parametrize(
+    ("sender", "subject", "listener", "listen", "allowed"),
+    [
+        ("router", subjects.ABORT, "decode", subjects.ABORT, True),
+        ("prefill", subjects.ABORT, "decode", subjects.ABORT, False),  # forged abort
+        ("kv-registry", subjects.decode_reserve("d0"), "decode", "kvmesh.decode.d0.>", True),
+        ("router", subjects.decode_reserve("d0"), "decode", "kvmesh.decode.d0.>", False),
+        ("prefill", subjects.decode_prefill_done("d0"), "decode", "kvmesh.decode.d0.>", True),
+        ("router", subjects.decode_prefill_done("d0"), "decode", "kvmesh.decode.d0.>", False),
+        ("decode", subjects.decode_lease_renew("d0"), "decode", "kvmesh.decode.d0.>", False),
+        ("admin", subjects.ADMIN_DRAIN, "kv-registry", subjects.ADMIN_DRAIN, True),
+        ("router", subjects.ADMIN_DRAIN, "kv-registry", subjects.ADMIN_DRAIN, False),
+        ("prefill", subjects.heartbeat("decode", "d0"), "router", "kvmesh.heartbeat.>", False),
+        ("decode", subjects.request_tokens("r1"), "router", "kvmesh.request.>", True),
+        ("prefill", subjects.request_tokens("r1"), "router", "kvmesh.request.>", False),
+    ],
+)
+async def test_role_may_send_only_its_own_messages(
+    server, creds, sender, subject, listener, listen, allowed
+):
+    assert await _delivered(server, creds, sender, listener, subject, listen) is allowed
+
+
+@pytest.mark.parametrize("reader", ["decode", "prefill", "router", "colocated"])
+async def test_jobs_and_other_roles_replies_cannot_be_read(server, creds, reader):
+    """A job and a ReserveReply carry a lease's window key: no other role reads them."""
+    assert not await _delivered(
+        server, creds, "router", reader, subjects.PREFILL_JOBS, subjects.PREFILL_JOBS
+    )
+    snooped: list[bytes] = []
+
+    async def snoop(msg) -> None:
+        snooped.append(msg.data)
+
+    async def on_reserve(msg) -> None:
+        await msg.respond(b"window-key")
+
+    async with (
+        connect_nats(server.url, "d", auth=creds.auth("decode")) as decode,
+        connect_nats(server.url, "r", auth=creds.auth("kv-registry")) as registry,
+        connect_nats(server.url, "s", auth=creds.auth(reader)) as snooper,
+    ):
+        for listen in ("_INBOX.>", "_INBOX_kv-registry.>", ">"):
+            await snooper.subscribe(listen, cb=snoop)
+        await snooper.flush()
+        await decode.subscribe(subjects.decode_reserve("d1"), cb=on_reserve)
+        await decode.flush()
+        reply = await registry.request(subjects.decode_reserve("d1"), b"r1", timeout=2)
+        await asyncio.sleep(0.2)
+    assert reply.data == b"window-key" and snooped == []
+
+
+async def test_request_reply_works_within_permissions(server, creds):
+    """kv-registry reserves on a decode worker and reads the reply in its own inbox."""
+    async with (
+        connect_nats(server.url, "d", auth=creds.auth("decode")) as decode,
+        connect_nats(server.url, "r", auth=creds.auth("kv-registry")) as registry,
+    ):
+
+        async def on_reserve(msg) -> None:
+            await msg.respond(b"ok:" + msg.data)
+
+        await decode.subscribe(subjects.decode_reserve("d0"), cb=on_reserve)
+        await decode.flush()
+        reply = await registry.request(subjects.decode_reserve("d0"), b"r1", timeout=2)
+        assert reply.data == b"ok:r1"
+
+
+def test_credentials_come_from_the_environment_or_a_password_file(tmp_path):
+    assert auth_from_env({}) is None
+    env = NatsAuth("router", "pw").env()
+    assert auth_from_env(env) == NatsAuth("router", "pw")
+    secret = tmp_path / "admin.password"
+    secret.write_text("s3cret\n")
+    found = auth_from_env({"KVMESH_NATS_USER": "admin", "KVMESH_NATS_PASSWORD_FILE": str(secret)})
+    assert found == NatsAuth("admin", "s3cret") and found.inbox_prefix == "_INBOX_admin"
+    with pytest.raises(ValueError, match="KVMESH_NATS_PASSWORD"):
+        auth_from_env({"KVMESH_NATS_USER": "admin"})
+
+
+def test_every_role_has_a_distinct_password_and_its_own_inbox(creds):
+    assert set(creds.passwords) == set(ROLE_PERMISSIONS)
+    assert len(set(creds.passwords.values())) == len(ROLES)
+    for role in ROLES:
+        if role != "admin":
+            assert ROLE_PERMISSIONS[role].subscribe[0] == f"_INBOX_{role}.>"
+    config = creds.server_config()
+    assert config.startswith("authorization {") and '"allow_responses": true' in config
