@@ -146,4 +146,5 @@ def test_every_role_has_a_distinct_password_and_its_own_inbox(creds):
         if role != "admin":
             assert ROLE_PERMISSIONS[role].subscribe[0] == f"_INBOX_{role}.>"
     config = creds.server_config()
-    assert config.startswith("authorization {") and '"allow_responses": true' in config
+    assert config.startswith("authorization {") and "allow_responses: true" in config
+    assert all(f'password: "{pw}"' in config for pw in creds.passwords.values())

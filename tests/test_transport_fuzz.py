@@ -44,7 +44,7 @@ import selectors
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -765,9 +765,16 @@ async def test_tcp_receiver_survives_fuzzed_frames_with_guards_and_untouched_byt
 
 
 def note(
-    op: int, reason: int = 0, pad: int = 0, imm: int = 0, seq: int = 0, nbytes: int = 0
+    op: int,
+    reason: int = 0,
+    pad: int = 0,
+    imm: int = 0,
+    seq: int = 0,
+    nbytes: int = 0,
+    rkey: int = 0,
 ) -> bytes:
-    return NOTE.pack(op & M8, reason & M8, pad & M16, imm & M32, seq & M64, nbytes & M64)
+    fields = (op & M8, reason & M8, pad & M16, imm & M32, rkey & M32, seq & M64, nbytes & M64)
+    return NOTE.pack(*fields)
 
 
 @dataclass
@@ -783,20 +790,23 @@ class NoteEffects:
     notes: int = 0
 
 
-def note_effects(data: bytes) -> NoteEffects:
-    """The shm receiver's parse of one connection's bytes, as a reference."""
+def note_effects(data: bytes, live_key: Callable[[int], bool]) -> NoteEffects:
+    """The shm receiver's parse of one connection's bytes, as a reference. A WRITE_DONE counts
+    only with a key that is live for writing (``live_key``); otherwise it is refused."""
     fx = NoteEffects()
     if len(data) < NOTE.size:
         return fx
-    op, _, _, _, _, n = NOTE.unpack_from(data)
+    op, _, _, _, _, _, n = NOTE.unpack_from(data)
     if op != OP_HELLO or not 0 < n <= 256 or len(data) < NOTE.size + n:
         return fx
     peer = data[NOTE.size : NOTE.size + n].decode(errors="replace")
     pos = NOTE.size + n
     while pos + NOTE.size <= len(data):
-        op, _, _, imm, _, nbytes = NOTE.unpack_from(data, pos)
+        op, _, _, imm, rkey, _, nbytes = NOTE.unpack_from(data, pos)
         pos += NOTE.size
-        if op == OP_WRITE_DONE:
+        if op == OP_WRITE_DONE and not live_key(rkey):
+            fx.refused += 1  # a forged or late immediate
+        elif op == OP_WRITE_DONE:
             fx.writes, fx.bytes = fx.writes + 1, fx.bytes + nbytes
             fx.completions.append((imm, peer, nbytes))
         elif op == OP_READ_DONE:
@@ -809,14 +819,16 @@ def note_effects(data: bytes) -> NoteEffects:
     return fx
 
 
-def random_note(rng: random.Random) -> bytes:
+def random_note(rng: random.Random, keys: Sequence[int]) -> bytes:
     nbytes = rng.choice([0, 1, M64, rng.getrandbits(64), rng.getrandbits(20)])
     op = rng.choice([OP_WRITE_DONE, OP_WRITE_DONE, OP_READ_DONE, OP_REFUSED])
     reason = rng.choice([*(int(r) for r in RefusalReason), 0, M8, rng.getrandbits(8)])
-    return note(op, reason, rng.getrandbits(16), rng.getrandbits(32), rng.getrandbits(64), nbytes)
+    rkey = rng.choice([*keys, *keys, 0, rng.getrandbits(32)])  # live keys, and dead or forged
+    imm, seq = rng.getrandbits(32), rng.getrandbits(64)
+    return note(op, reason, rng.getrandbits(16), imm, seq, nbytes, rkey)
 
 
-def shm_connection(rng: random.Random) -> tuple[str, bytes, int]:
+def shm_connection(rng: random.Random, keys: Sequence[int]) -> tuple[str, bytes, int]:
     """(kind, bytes, notes sent): a session of notes with a broken tail, a broken hello, or
     garbage."""
     peer = rng.choice([rng.randbytes(rng.randint(1, 256)), b"fuzz-%d" % rng.getrandbits(20)])
@@ -825,7 +837,7 @@ def shm_connection(rng: random.Random) -> tuple[str, bytes, int]:
     roll = rng.random()
     if roll < 0.06:
         return "garbage", rng.randbytes(rng.randint(1, 2048)), 1
-    notes = [random_note(rng) for _ in range(rng.randint(1, 60))]
+    notes = [random_note(rng, keys) for _ in range(rng.randint(1, 60))]
     if roll < 0.14:  # a broken hello, then notes the receiver must ignore
         kind = rng.choice(["op", "n_zero", "n_big", "n_long", "cut", "bits"])
         if kind == "op":
@@ -846,8 +858,8 @@ def shm_connection(rng: random.Random) -> tuple[str, bytes, int]:
         "none": b"",
         "op": note(rng.choice([0, 4, M8, rng.randint(4, M8)])),
         "hello": note(OP_HELLO, nbytes=4) + b"late",
-        "cut": random_note(rng)[: rng.randrange(1, NOTE.size)],
-        "bits": flip_bits(rng, random_note(rng), NOTE.size),
+        "cut": random_note(rng, keys)[: rng.randrange(1, NOTE.size)],
+        "bits": flip_bits(rng, random_note(rng, keys), NOTE.size),
         "garbage": rng.randbytes(rng.randint(1, 512)),
     }[tail_kind]
     return f"tail-{tail_kind}", hello + b"".join(notes) + tail, len(notes) + bool(tail)
@@ -896,7 +908,8 @@ def source_bytes(src: torch.Tensor, entry: WriteEntry) -> bytes:
 async def shm_round(rx: ShmTransport, data: bytes, ctx: str) -> None:
     """Run one notification connection; the receiver must count and deliver exactly what the
     reference parse says, and answer nothing."""
-    expect, before = note_effects(data), counters(rx.stats())
+    live = lambda rkey: rx._registry.is_live_key(rkey, Access.REMOTE_WRITE)
+    expect, before = note_effects(data, live), counters(rx.stats())
     answers, _ = await round_trip(socket.AF_UNIX, rx.socket_path, data, ctx)
     delta = tuple(counters(rx.stats()) - before)
     assert answers == b"", fail(ctx, "the notification socket answered")
@@ -957,7 +970,8 @@ async def test_shm_receiver_survives_fuzzed_notes_and_writers_refuse_fuzzed_entr
         kinds: dict[str, int] = {}
         ep = await tx.connect(rx.descriptor())
         while notes < FRAMES_PER_TRANSPORT:
-            kind, data, sent = shm_connection(rng)
+            keys = [region.rkey for region in arena.regions.values()]
+            kind, data, sent = shm_connection(rng, keys)
             ctx = f"shm connection {connections} ({kind}), notes {notes}-{notes + sent - 1}"
             await shm_round(rx, data, ctx)
             notes += sent
