@@ -8,6 +8,7 @@ with their status; errors after a stream has started are an SSE error event and 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing, asynccontextmanager
@@ -22,10 +23,12 @@ from services.router.config import RouterConfig
 from services.router.dispatch import Dispatcher, MeshRequest
 from services.router.errors import (
     ApiError,
+    AuthenticationError,
     InternalError,
     MethodNotAllowedError,
     ModelNotFoundError,
     OverloadedError,
+    PayloadTooLargeError,
     RouteNotFoundError,
 )
 from services.router.metrics import RequestTimer, RouterMetrics
@@ -277,6 +280,13 @@ async def _error_middleware(
         return error_response(
             RouteNotFoundError(f"no route {request.method} {request.path}; see /openapi.json")
         )
+    except web.HTTPRequestEntityTooLarge as exc:
+        return error_response(
+            PayloadTooLargeError(
+                f"the request body is larger than this router accepts ({exc.text}); raise "
+                "--max-body-mb or send less"
+            )
+        )
     except web.HTTPMethodNotAllowed as exc:
         allowed = ", ".join(sorted(exc.allowed_methods))
         return error_response(
@@ -291,8 +301,32 @@ async def _error_middleware(
         return error_response(InternalError("internal error in the router; see its log"))
 
 
+def _api_key_middleware(api_key: str | None):
+    """With an API key, every /v1 route needs ``Authorization: Bearer <key>`` (health, metrics
+    and the OpenAPI document stay open, as in vLLM)."""
+    expected = f"Bearer {api_key}".encode() if api_key else None
+
+    @web.middleware
+    async def check_api_key(
+        request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        if expected is not None and request.path.startswith("/v1/"):
+            given = request.headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(given, expected):
+                raise AuthenticationError(
+                    "missing or wrong API key: send 'Authorization: Bearer <key>' with the key "
+                    "the router was started with (--api-key / KVMESH_API_KEY)"
+                )
+        return await handler(request)
+
+    return check_api_key
+
+
 def build_app(router: Router) -> web.Application:
-    app = web.Application(middlewares=[_error_middleware], client_max_size=64 * 1024 * 1024)
+    app = web.Application(
+        middlewares=[_error_middleware, _api_key_middleware(router.config.api_key)],
+        client_max_size=int(router.config.max_body_mb * 1024 * 1024),
+    )
     app.add_routes(
         [
             web.post("/v1/completions", router.completions),

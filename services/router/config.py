@@ -51,6 +51,14 @@ class RouterConfig:
         help="times a request is run again when a worker it depends on dies before its first "
         "token (after the first token, such a death fails the stream at once)",
     )
+    api_key: str | None = option(
+        None,
+        help="require 'Authorization: Bearer <key>' on the /v1 routes (as OpenAI and vLLM do); "
+        "prefer KVMESH_API_KEY to the flag, which other local users can read in ps",
+    )
+    max_body_mb: float = option(
+        64.0, help="largest request body accepted (MiB); a larger one is a JSON 413"
+    )
     worker_id: str | None = option(
         None, help="this router's id in heartbeats and $SRV (default: generated)"
     )
@@ -64,6 +72,8 @@ class RouterConfig:
         if not self.model:
             raise ValueError("model must name a model or a checkpoint directory")
         check_worker_id(self.worker_id)
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("api_key must not be empty (leave it unset for no key)")
         if self.served_model_name == "":
             raise ValueError("served_model_name must not be empty (leave it unset for --model)")
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -84,6 +94,7 @@ class RouterConfig:
             "token_timeout_s",
             "heartbeat_s",
             "worker_liveness_s",
+            "max_body_mb",
         ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")

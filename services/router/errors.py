@@ -46,6 +46,25 @@ class InvalidRequestError(ApiError):
     default_code = "invalid_value"
 
 
+class AuthenticationError(ApiError):
+    """401: the router has an API key and the request did not bring it."""
+
+    status = 401
+    error_type = "invalid_request_error"
+    default_code = "invalid_api_key"
+
+    def headers(self) -> dict[str, str]:
+        return {"WWW-Authenticate": "Bearer"}
+
+
+class PayloadTooLargeError(ApiError):
+    """413: the body is larger than the router accepts."""
+
+    status = 413
+    error_type = "invalid_request_error"
+    default_code = "request_too_large"
+
+
 class ModelNotFoundError(ApiError):
     status = 404
     error_type = "invalid_request_error"
