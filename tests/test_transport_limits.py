@@ -149,3 +149,65 @@ def test_admin_status_shows_each_decode_workers_refused_accesses():
     core.observe_advert(advert, now=1.0)
     [row] = core.status(now=1.0)["decode"]
     assert (row["refused_accesses"], row["stray_immediates"]) == (3, 2)
+
+
+async def test_tcp_half_finished_writes_are_capped_per_connection():
+    """A peer that starts writes and never finishes them holds at most MAX_PENDING_WRITES of
+    them (a few hundred KB), then is disconnected; real peers are unaffected."""
+    from shared.transport.tcp import (
+        FLAG_NO_ACK,
+        FRAME,
+        HELLO,
+        MAGIC_FRAME,
+        MAGIC_HELLO,
+        MAX_PENDING_WRITES,
+        OP_WRITE,
+        VERSION,
+    )
+
+    assert MAX_PENDING_WRITES <= 4096  # a few hundred KB per connection, not 17 MB
+    async with (
+        create_transport("tcp", TransportConfig()) as rx,
+        create_transport("tcp", TransportConfig()) as tx,
+    ):
+        mem = rx.allocate(4096)
+        region = rx.register(mem, Access.REMOTE_WRITE)
+        family, address = _address(rx)
+        sock = socket.socket(family)
+        sock.connect(address)
+        peer = b"half-writer"
+        sock.sendall(HELLO.pack(MAGIC_HELLO, VERSION, 0, 1, 7, len(peer)) + peer)
+        frames = bytearray()
+        for seq in range(1, MAX_PENDING_WRITES + 2):  # frame 0 of 2 of each write, never frame 1
+            frames += FRAME.pack(
+                MAGIC_FRAME, VERSION, OP_WRITE, FLAG_NO_ACK, region.rkey, 0, region.addr, 1,
+                seq, 0, 2, region.addr, 1,
+            ) + b"x"  # fmt: skip
+        await asyncio.to_thread(sock.sendall, bytes(frames))
+        sock.settimeout(5.0)
+        assert await asyncio.to_thread(sock.recv, 1) == b""  # one write too many: hung up
+        sock.close()
+        await _wait_until(lambda: not rx._peers)  # its half-finished writes are gone
+        assert rx.completion_queue.qsize() == 0
+        await _write_works(rx, tx)
+
+
+async def test_tcp_writer_with_many_small_writes_in_flight_stays_under_the_cap():
+    """An honest writer never trips the receiver's cap: it waits for room instead."""
+    from shared.transport.tcp import MAX_PENDING_WRITES
+
+    async with (
+        create_transport("tcp", TransportConfig()) as rx,
+        create_transport("tcp", TransportConfig()) as tx,
+    ):
+        mem = rx.allocate(4096)
+        region = rx.register(mem, Access.REMOTE_WRITE)
+        src = tx.register(torch.full((4096,), 3, dtype=torch.uint8))
+        n = 3 * MAX_PENDING_WRITES
+        async with await tx.connect(rx.descriptor()) as ep:
+            writes = [
+                ep.write([WriteEntry(src, i % 4096, region.addr + i % 4096, region.rkey, 1)], i)
+                for i in range(n)
+            ]
+            await asyncio.wait_for(asyncio.gather(*writes), 60)
+        await _wait_until(lambda: rx.completion_queue.qsize() == n, timeout_s=20)

@@ -64,8 +64,10 @@ FRAME = struct.Struct("<4sBBHIIQQQIIQQ")
 # ACK: magic, status (0 ok, else RefusalReason), op, pad, frame index, seq, length (+ read payload)
 ACK = struct.Struct("<4sBBHIQQ")
 DRAIN_BYTES = 1 << 20
-# Writes a peer may have partly placed at once; a writer's windows keep it far below this.
-MAX_PENDING_WRITES = 1 << 16
+# Writes a peer may have partly placed at once (each costs the receiver a small record): a peer
+# that starts more is disconnected. Writers hold at most this many writes in flight per
+# endpoint, so an honest one never trips it.
+MAX_PENDING_WRITES = 1024
 
 
 def tensor_buffer(t: torch.Tensor) -> memoryview:

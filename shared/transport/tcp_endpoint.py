@@ -27,7 +27,15 @@ from shared.transport.base import (
     WriteEntry,
     check_imm,
 )
-from shared.transport.tcp import HELLO, MAGIC_HELLO, OP_READ, OP_WRITE, VERSION, tune
+from shared.transport.tcp import (
+    HELLO,
+    MAGIC_HELLO,
+    MAX_PENDING_WRITES,
+    OP_READ,
+    OP_WRITE,
+    VERSION,
+    tune,
+)
 from shared.transport.tcp_frames import Frame, Op, cut_frames
 from shared.transport.tcp_lane import Lane, ack_loop, send_loop
 from shared.transport.threads import ThreadSet
@@ -63,6 +71,8 @@ class TcpEndpoint:
         self._lock = threading.Lock()  # op.remaining / op.error, settled from every ACK thread
         self._ops: set[Op] = set()
         self._write_seq = self._read_seq = 0
+        # writes in flight, below the receiver's cap on half-finished writes per connection
+        self._write_slots = asyncio.Semaphore(MAX_PENDING_WRITES)
         self._last_write: asyncio.Task[None] | None = None
         self._broken: TransportError | None = None
         self._closed = False
@@ -145,8 +155,10 @@ class TcpEndpoint:
     async def write(self, entries: Sequence[WriteEntry], imm: int) -> None:
         check_imm(imm)
         frames = self._frames(entries, OP_WRITE)
+        await self._write_slots.acquire()  # before the seq: seqs are posted in order
         self._write_seq += 1
         op = self._post(frames, self._write_seq, imm)
+        op.future.add_done_callback(lambda _: self._write_slots.release())
         prev = self._last_write
         task = self._last_write = _background(self._wait(op, prev))
         await asyncio.shield(task)
