@@ -79,7 +79,12 @@ ROLE_PERMISSIONS: Mapping[str, Permissions] = {
             f"{P}.prefill.jobs",
             *JETSTREAM,
         ),
-        subscribe=(f"{P}.request.>", f"{P}.registry.worker_gone", f"{P}.heartbeat.>"),
+        subscribe=(
+            f"{P}.request.>",
+            f"{P}.registry.worker_gone",
+            f"{P}.registry.advertise",
+            f"{P}.heartbeat.>",
+        ),
     ),
     "kv-registry": _service(
         "kv-registry",

@@ -249,6 +249,7 @@ class DecodeAdvert:
     sent_at: float
     refused_accesses: int = 0  # one-sided writes/reads its transport refused (rkey, bounds, ...)
     stray_immediates: int = 0  # immediates that named no live reservation (late or forged)
+    forged_announcements: int = 0  # PrefillDones without their lease's window key
 
 
 @dataclass(frozen=True, slots=True)

@@ -100,6 +100,11 @@ async def test_disagg_greedy_output_equals_offline_engine(disagg_mesh, offline_t
         done = tap.prefill_done[reply["id"]]
         assert done.ok and done.num_writes == report.num_chunks
     await _check_blocks_returned(disagg_mesh)
+    async with aiohttp.ClientSession() as s, s.get(f"{disagg_mesh.url}/metrics") as resp:
+        metrics = await resp.text()
+    # every write came with its lease's key: nothing refused, nothing stray
+    assert 'kvmesh_decode_refused_accesses_total{worker="decode-0"} 0' in metrics
+    assert 'kvmesh_decode_stray_immediates_total{worker="decode-0"} 0' in metrics
 
 
 async def test_colocated_greedy_output_equals_offline_engine(colocated_mesh, offline_tokens):

@@ -417,6 +417,24 @@ def test_metrics_render_is_prometheus_text():
             float(line.rsplit(" ", 1)[1].replace("+Inf", "inf"))
 
 
+def test_metrics_mirror_each_decode_workers_refusals_until_it_is_gone():
+    from shared.protocol import DecodeAdvert
+
+    m = RouterMetrics()
+    advert = DecodeAdvert(
+        "decode-0", "disagg", {}, 0, 1024, 16, "spec", 8, 8, ((0, 8),), 0, 0, "ready", 0.0,
+        refused_accesses=5, stray_immediates=2, forged_announcements=1,
+    )  # fmt: skip
+    m.record_advert(advert)
+    text = m.render()
+    assert "# TYPE kvmesh_decode_refused_accesses_total counter" in text
+    assert 'kvmesh_decode_refused_accesses_total{worker="decode-0"} 5' in text
+    assert 'kvmesh_decode_stray_immediates_total{worker="decode-0"} 2' in text
+    assert 'kvmesh_decode_forged_announcements_total{worker="decode-0"} 1' in text
+    m.forget_worker("decode-0")
+    assert 'worker="decode-0"' not in m.render()
+
+
 # --- OpenAPI and config ------------------------------------------------------------------------
 
 

@@ -149,6 +149,7 @@ class DecodeService:
             sent_at=time.time(),
             refused_accesses=self.transport.stats().refused if self.transport else 0,
             stray_immediates=self.worker.pending.num_stray_immediates,
+            forged_announcements=self.worker.pending.num_forged_announcements,
             **self.advert_fields,
             **s,
         )

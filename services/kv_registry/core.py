@@ -332,6 +332,7 @@ class Registry:
                 "leases": leases_by_worker.get(w.worker_id, 0),
                 "refused_accesses": w.advert.refused_accesses,
                 "stray_immediates": w.advert.stray_immediates,
+                "forged_announcements": w.advert.forged_announcements,
                 "kv_spec": w.advert.kv_spec,
                 "last_seen_s": round(now - w.last_seen, 3),
             }

@@ -37,6 +37,7 @@ from shared import protocol, subjects
 from shared.prefill_queue import publish_job, withdraw_job
 from shared.protocol import (
     Abort,
+    DecodeAdvert,
     LeaseRenew,
     PlaceReply,
     PlaceRequest,
@@ -379,6 +380,14 @@ class Dispatcher:
         pool = self.prefill_pool if beat.role == "prefill" else self.decode_pool
         pool.on_heartbeat(beat.worker_id, beat.state, time.monotonic())
 
+    async def on_advert(self, msg: Msg) -> None:
+        """Decode adverts: the refusal counters each decode worker reports, for /metrics."""
+        try:
+            advert = protocol.decode(msg.data, DecodeAdvert)
+        except ProtocolError:
+            return
+        self._metrics.record_advert(advert)
+
     async def on_worker_gone(self, msg: Msg) -> None:
         """The registry dropped a worker: every request that depended on it hears it now, in its
         own event stream (it retries before its first token, fails after)."""
@@ -386,6 +395,7 @@ class Dispatcher:
             gone = protocol.decode(msg.data, WorkerGone)
         except ProtocolError:
             return
+        self._metrics.forget_worker(gone.worker_id)
         self.decode_pool.on_gone(gone.worker_id)
         if gone.role == "prefill":
             self.prefill_pool.on_gone(gone.worker_id)

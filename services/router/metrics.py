@@ -12,7 +12,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from shared.protocol import PrefillReport
+from shared.protocol import DecodeAdvert, PrefillReport
 
 LATENCY_BUCKETS = (
     0.001,
@@ -125,6 +125,29 @@ class Gauge:
         ]
 
 
+@dataclass(slots=True)
+class MirroredCounter:
+    """A counter another process keeps, exported as its latest reported value per worker (a
+    worker that restarts starts again from 0, which Prometheus reads as a counter reset)."""
+
+    name: str
+    help: str
+    values: dict[str, float] = field(default_factory=dict)  # worker id -> value
+
+    def set(self, worker_id: str, value: float) -> None:
+        self.values[worker_id] = value
+
+    def forget(self, worker_id: str) -> None:
+        self.values.pop(worker_id, None)
+
+    def render(self) -> list[str]:
+        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} counter"]
+        for worker_id in sorted(self.values):
+            labels = _format_labels([("worker", worker_id)])
+            lines.append(f"{self.name}{labels} {_format_value(self.values[worker_id])}")
+        return lines
+
+
 class RouterMetrics:
     """Every metric the router exports; ``render()`` is the body of ``GET /metrics``."""
 
@@ -172,6 +195,29 @@ class RouterMetrics:
             f"{prefix}_requests_waiting",
             "Accepted requests waiting in the admission queue for the mesh to have room.",
         )
+        # What each decode worker refused (from its adverts): probing shows here.
+        self.refused_accesses = MirroredCounter(
+            "kvmesh_decode_refused_accesses_total",
+            "One-sided writes and reads a decode worker's transport refused (key, bounds, a "
+            "closed lease window, a dead key on a write notice).",
+        )
+        self.stray_immediates = MirroredCounter(
+            "kvmesh_decode_stray_immediates_total",
+            "Immediates that named no live reservation, or came with another lease's key.",
+        )
+        self.forged_announcements = MirroredCounter(
+            "kvmesh_decode_forged_announcements_total",
+            "PrefillDone messages without their lease's window key (ignored).",
+        )
+
+    def record_advert(self, advert: DecodeAdvert) -> None:
+        self.refused_accesses.set(advert.worker_id, advert.refused_accesses)
+        self.stray_immediates.set(advert.worker_id, advert.stray_immediates)
+        self.forged_announcements.set(advert.worker_id, advert.forged_announcements)
+
+    def forget_worker(self, worker_id: str) -> None:
+        for metric in (self.refused_accesses, self.stray_immediates, self.forged_announcements):
+            metric.forget(worker_id)
 
     def record_prefill(self, report: PrefillReport) -> None:
         self.queue.observe(report.queue_s)
@@ -198,6 +244,9 @@ class RouterMetrics:
             self.retries,
             self.in_flight,
             self.waiting,
+            self.refused_accesses,
+            self.stray_immediates,
+            self.forged_announcements,
         ):
             lines.extend(metric.render())
         return "\n".join(lines) + "\n"
