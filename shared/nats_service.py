@@ -186,7 +186,7 @@ async def log_level_control(nc: Client) -> AsyncIterator[None]:
         except ValueError as exc:  # ProtocolError is a ValueError too
             log.warning("ignored log-level message", error=str(exc))
             return
-        log.info("log level changed", level=level)
+        log.warning(f"log level changed to {level}", level=level)
 
     sub = await nc.subscribe(subjects.CONTROL_LOG_LEVEL, cb=on_message)
     try:

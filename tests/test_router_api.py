@@ -180,6 +180,31 @@ def test_chat_refuses_malformed_messages_naming_the_message(messages, param):
     assert (err.status, err.param) == (400, param)
 
 
+def test_completion_takes_max_completion_tokens_like_chat():
+    assert completion(max_completion_tokens=5, max_tokens=9).max_tokens == 5
+    assert completion(max_tokens=9).max_tokens == 9
+
+
+@pytest.mark.parametrize(
+    ("param", "value"),
+    [
+        ("min_tokens", 3),
+        ("repetition_penalty", 1.2),
+        ("min_p", 0.05),
+        ("stop_token_ids", [7]),
+        ("include_stop_str_in_output", True),
+    ],
+)
+def test_vllm_sampling_extras_are_refused_unless_neutral(param, value):
+    for parse in (completion, chat):
+        err = invalid(parse, **{param: value})
+        assert (err.status, err.param, err.code) == (400, param, "unsupported_parameter")
+        assert "not supported" in err.message
+    neutral = {"min_tokens": 0, "repetition_penalty": 1.0, "min_p": 0.0, "stop_token_ids": []}
+    if param in neutral:
+        completion(**{param: neutral[param]})  # the neutral value is accepted
+
+
 def test_chat_prefers_max_completion_tokens_and_refuses_tools():
     assert chat(max_completion_tokens=5, max_tokens=9).max_tokens == 5
     assert chat(max_tokens=9).max_tokens == 9

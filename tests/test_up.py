@@ -47,6 +47,26 @@ def test_plan_starts_registry_decode_prefill_router_with_valid_commands() -> Non
             assert service_config.transport == "tcp"
     _, router, _ = build_service_config("router", specs[-1].argv[2:], env={})
     assert (router.port, router.local_prefill_threshold, router.mode) == (8123, 8, "disagg")
+    assert router.host == "127.0.0.1"  # what the banner prints; --host 0.0.0.0 opens it up
+
+
+def test_cli_stops_quietly_when_its_reader_goes_away() -> None:
+    """`kvmesh admin status | head`: a closed pipe ends the command (141, as a shell reports a
+    tool killed by SIGPIPE) without a BrokenPipeError traceback."""
+    script = (
+        "import argparse, sys\n"
+        "from shared import cli\n"
+        "def write_to_closed_pipe(args):\n"
+        "    raise BrokenPipeError(32, 'Broken pipe')\n"
+        "parser = argparse.ArgumentParser()\n"
+        "parser.set_defaults(func=write_to_closed_pipe)\n"
+        "cli.build_parser = lambda: parser\n"
+        "sys.exit(cli.main([]))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 141 and "Traceback" not in proc.stderr, proc.stderr
 
 
 def test_plan_in_colocated_mode_has_no_prefill_workers() -> None:

@@ -67,7 +67,7 @@ def parse_completion(body: Mapping[str, Any], served_model: str) -> GenerateRequ
         kind="completion",
         prompt_text=prompt_text,
         prompt_ids=prompt_ids,
-        max_tokens=_opt_int(body, "max_tokens", minimum=1),
+        max_tokens=_max_tokens(body),
         **_common(body, served_model),
     )
 
@@ -75,15 +75,18 @@ def parse_completion(body: Mapping[str, Any], served_model: str) -> GenerateRequ
 def parse_chat(body: Mapping[str, Any], served_model: str) -> GenerateRequest:
     """Validate a ``POST /v1/chat/completions`` body."""
     _refuse_unsupported(body, _CHAT_UNSUPPORTED)
-    max_tokens = _opt_int(body, "max_completion_tokens", minimum=1)
-    if max_tokens is None:
-        max_tokens = _opt_int(body, "max_tokens", minimum=1)
     return GenerateRequest(
         kind="chat",
         messages=_parse_messages(body.get("messages")),
-        max_tokens=max_tokens,
+        max_tokens=_max_tokens(body),
         **_common(body, served_model),
     )
+
+
+def _max_tokens(body: Mapping[str, Any]) -> int | None:
+    """``max_completion_tokens`` (OpenAI's newer name) wins over ``max_tokens`` on both routes."""
+    max_tokens = _opt_int(body, "max_completion_tokens", minimum=1)
+    return max_tokens if max_tokens is not None else _opt_int(body, "max_tokens", minimum=1)
 
 
 # --- parameters shared by both endpoints -------------------------------------------------------
@@ -94,6 +97,15 @@ _COMMON_UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "presence_penalty": (lambda v: v in (None, 0, 0.0), "presence_penalty is not supported"),
     "frequency_penalty": (lambda v: v in (None, 0, 0.0), "frequency_penalty is not supported"),
     "logit_bias": (lambda v: not v, "logit_bias is not supported"),
+    # vLLM's extra sampling parameters: accepted at their neutral value, refused otherwise
+    "min_tokens": (lambda v: v in (None, 0), "min_tokens is not supported"),
+    "repetition_penalty": (lambda v: v in (None, 1, 1.0), "repetition_penalty is not supported"),
+    "min_p": (lambda v: v in (None, 0, 0.0), "min_p is not supported"),
+    "stop_token_ids": (lambda v: not v, "stop_token_ids is not supported; use stop strings"),
+    "include_stop_str_in_output": (
+        lambda v: v in (None, False),
+        "include_stop_str_in_output is not supported (stop strings are cut from the output)",
+    ),
 }
 _COMPLETION_UNSUPPORTED = {
     **_COMMON_UNSUPPORTED,
