@@ -85,6 +85,22 @@ async def test_short_prompt_is_prefilled_locally_without_a_prefill_job(nats_serv
     assert mesh.places[0].local_prefill and mesh.jobs == []
 
 
+async def test_large_bodies_are_prepared_off_the_event_loop_with_the_same_result(nats_server):
+    from services.router.app import INLINE_BODY_BYTES
+
+    padding = "x" * (INLINE_BODY_BYTES + 1)  # an ignored field makes the body large
+    too_long = "y" * (INLINE_BODY_BYTES + 1)  # more tokens than kvmesh-tiny's context
+    async with mesh_and_router(nats_server) as (mesh, _, http):
+        big = {"model": MODEL, "prompt": [1, 2, 3], "user": padding}
+        resp = await http.post("/v1/completions", json=big)
+        body = await resp.json()
+        refused = await http.post("/v1/completions", json={"model": MODEL, "prompt": too_long})
+        error = (await refused.json())["error"]
+    assert resp.status == 200 and body["choices"][0]["text"] == REPLY_TEXT[:16]
+    assert mesh.places[0].prompt_ids == (1, 2, 3)
+    assert refused.status == 400 and error["code"] == "context_length_exceeded"
+
+
 async def test_colocated_mode_prefills_every_prompt_locally(nats_server):
     async with mesh_and_router(nats_server, mode="colocated") as (mesh, _, http):
         resp = await http.post("/v1/completions", json={"model": MODEL, "prompt": LONG_PROMPT})

@@ -49,6 +49,10 @@ from shared import logs
 log = logs.get_logger(__name__)
 
 CLIENT_CLOSED = 499  # nginx's status for "the client went away"; only used in metrics
+# Bodies larger than this are parsed, templated and tokenized in a worker thread, so that one
+# huge prompt does not stall every other stream (and the heartbeats) on the event loop. Small
+# ones stay inline: the thread hop would cost more than the work.
+INLINE_BODY_BYTES = 64 * 1024
 
 
 @dataclass(slots=True)
@@ -74,6 +78,13 @@ class Router:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, parse_chat)
 
+    def _prepare(
+        self, raw: bytes, parse: Callable[[dict, str], GenerateRequest]
+    ) -> tuple[GenerateRequest, Prompt]:
+        """Body bytes to a validated request and its token ids (pure CPU work)."""
+        request = parse(parse_json_body(raw), self.model.name)
+        return request, tokenize(request, self.model.tokenizer, self.model.max_model_len)
+
     async def _generate(
         self,
         http: web.Request,
@@ -82,9 +93,11 @@ class Router:
         arrived_at = time.monotonic()
         status = 200
         try:
-            body = parse_json_body(await http.read())
-            request = parse(body, self.model.name)
-            prompt = tokenize(request, self.model.tokenizer, self.model.max_model_len)
+            raw = await http.read()
+            if len(raw) > INLINE_BODY_BYTES:
+                request, prompt = await asyncio.to_thread(self._prepare, raw, parse)
+            else:
+                request, prompt = self._prepare(raw, parse)
             if self.num_in_flight >= self.config.max_concurrent_requests:
                 raise OverloadedError(
                     f"the router holds {self.num_in_flight} requests, its limit "

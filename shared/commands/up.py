@@ -174,13 +174,6 @@ def plan(config: UpConfig, nats_url: str, port: int) -> list[ChildSpec]:
     return specs
 
 
-# Workers of one `kvmesh up` share the machine's cores. OpenMP threads that spin while they wait
-# (the default) take the core from a worker of another process that has work; passive threads
-# sleep. Measured with `kvmesh bench serve --compare` on 2 cores: disagg TTFT p50 fell from 1.5x
-# to 1.4x colocated's, colocated unchanged (docs/load.md). The environment's own value wins.
-CHILD_ENV_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
-
-
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -243,7 +236,7 @@ class Launcher:
                 )
         for spec in plan(self.config, self.config.nats_url, self.port):
             argv = [sys.executable, "-m", "shared.cli", *spec.argv]
-            env = {**CHILD_ENV_DEFAULTS, **os.environ}  # ours (an external server's credentials)
+            env = dict(os.environ)  # ours (an external server's credentials, if any)
             if self.credentials is not None:
                 env.update(self.credentials.auth(spec.argv[1]).env())
             proc = subprocess.Popen(
