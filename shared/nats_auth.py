@@ -115,7 +115,7 @@ ROLE_PERMISSIONS: Mapping[str, Permissions] = {
             f"{P}.request.*.prefill_started",
             *JETSTREAM,
         ),
-        subscribe=(f"{P}.abort", f"{P}.registry.advertise"),
+        subscribe=(f"{P}.abort", f"{P}.registry.advertise", f"{P}.worker.*.control"),
     ),
     # The operator: admin requests and discovery, and may watch everything (kvmesh bench taps).
     ADMIN: Permissions(publish=(f"{P}.admin.>", "$SRV.>"), subscribe=(">",)),

@@ -34,12 +34,19 @@ class ConfigError(ValueError):
     """A flag or KVMESH_* variable that does not make a valid service config."""
 
 
-def option(default: Any = dataclasses.MISSING, *, help: str = "", choices: Iterable[str] = ()):
-    """A dataclass field with help text and (optional) choices for its flag."""
+def option(
+    default: Any = dataclasses.MISSING,
+    *,
+    help: str = "",
+    choices: Iterable[str] = (),
+    secret: bool = False,
+):
+    """A dataclass field with help text and (optional) choices for its flag. A ``secret`` field
+    (a key, a password) is left out of the config's repr, so logs never show it."""
     metadata = {"help": help, "choices": tuple(choices)}
     if isinstance(default, list | dict | set):
         raise TypeError("use a tuple for sequence defaults (configs are frozen)")
-    return dataclasses.field(default=default, metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata, repr=not secret)
 
 
 def check_worker_id(worker_id: str | None) -> None:

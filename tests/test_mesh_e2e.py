@@ -133,3 +133,23 @@ async def test_request_waits_while_the_only_worker_is_drained_and_runs_once_resu
         assert reply["ok"] and reply["state"] == "ready"
         done = await asyncio.wait_for(waiting, 30)
         assert done["usage"]["completion_tokens"] == 2
+
+
+async def test_drained_prefill_worker_takes_no_job_and_long_prompts_still_run(disagg_mesh):
+    """`kvmesh admin drain prefill-0`: the prefill worker stops taking jobs; with no prefill
+    worker ready the router prefills long prompts on the decode worker; resume brings it back."""
+    from shared.admin_client import admin_client
+
+    async with (
+        admin_client(disagg_mesh.config.nats_url, auth=disagg_mesh.nats_auth) as admin,
+        MeshTap(disagg_mesh.config.nats_url, disagg_mesh.nats_auth) as tap,
+        aiohttp.ClientSession() as s,
+    ):
+        reply = await admin.drain("prefill-0")
+        assert reply["ok"] and reply["state"] == "draining"
+        await asyncio.sleep(4)  # the router sees its heartbeat say draining
+        body = await complete(s, disagg_mesh.url, PROMPTS[0], 2)
+        assert body["usage"]["completion_tokens"] == 2
+        assert body["id"] not in tap.reports  # no prefill worker computed it
+        assert (await admin.resume("prefill-0"))["state"] == "ready"
+    assert disagg_mesh.nats_violations() == []

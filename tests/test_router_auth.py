@@ -58,3 +58,8 @@ def test_api_key_and_body_limit_config_errors_say_what_to_fix() -> None:
         RouterConfig(api_key=" ")
     with pytest.raises(ValueError, match="max_body_mb must be > 0"):
         RouterConfig(max_body_mb=0)
+
+
+def test_api_key_never_shows_in_the_config_repr_that_services_log() -> None:
+    config = RouterConfig(api_key="s3cret-key")
+    assert "s3cret-key" not in repr(config) and "api_key" not in repr(config)

@@ -19,6 +19,7 @@ import orjson
 import torch
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.micro.request import Request
 
 from services.prefill.config import PrefillConfig
 from services.prefill.worker import PrefillWorker
@@ -40,8 +41,10 @@ from shared.protocol import (
     DecodeAdvert,
     PrefillJob,
     ProtocolError,
+    WorkerControl,
     WorkerHeartbeat,
     decode,
+    encode,
     kv_spec_fingerprint,
 )
 from shared.transport import Endpoint, PeerDescriptor, Transport, TransportConfig, create_transport
@@ -152,6 +155,20 @@ class PrefillService:
         while self.worker.num_jobs:
             await asyncio.sleep(0.01)
 
+    async def on_control(self, req: Request) -> None:
+        """``kvmesh admin drain|resume <prefill worker>``: drained, it takes no new job from the
+        queue (its peers take them) and finishes the ones in hand."""
+        try:
+            action = decode(req.data, WorkerControl).action
+            if action not in ("drain", "resume"):
+                raise ProtocolError(f"WorkerControl.action: {action!r} is not drain or resume")
+        except ProtocolError as exc:
+            await req.respond_error("400", str(exc))
+            return
+        self.is_draining = action == "drain"
+        log.warning(f"worker control: {action}", worker_id=self.worker.worker_id)
+        await req.respond(encode(self.heartbeat()))
+
     async def on_abort(self, msg: Msg) -> None:
         try:
             abort = decode(msg.data, Abort)
@@ -211,12 +228,17 @@ async def prefill_service(config: PrefillConfig) -> AsyncIterator[PrefillService
                     worker_id=worker_id,
                     heartbeat=service.heartbeat,
                     interval_s=config.heartbeat_s,
-                ),
+                ) as svc,
                 _subscribe(nc, subjects.ABORT, service.on_abort),
                 _subscribe(nc, subjects.REGISTRY_ADVERTISE, service.on_advert),
                 PrefillJobQueue(nc) as queue,
                 background(worker.run(), service.pull_loop(queue)),
             ):
+                await svc.add_endpoint(
+                    name="control",
+                    subject=subjects.worker_control(worker_id),
+                    handler=service.on_control,
+                )
                 log.info(
                     "prefill worker ready",
                     worker_id=worker_id,

@@ -55,6 +55,7 @@ class RouterConfig:
         None,
         help="require 'Authorization: Bearer <key>' on the /v1 routes (as OpenAI and vLLM do); "
         "prefer KVMESH_API_KEY to the flag, which other local users can read in ps",
+        secret=True,
     )
     max_body_mb: float = option(
         64.0, help="largest request body accepted (MiB); a larger one is a JSON 413"

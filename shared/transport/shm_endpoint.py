@@ -100,8 +100,10 @@ class ShmEndpoint:
         if live.size == 0:
             raise RemoteAccessError(RefusalReason.DEREGISTERED, f"rkey={rkey}")
         # A window has one row per span: the one that holds the access, if any.
-        holds = [
-            int(i) for i in live if table["addr"][i] <= addr < table["addr"][i] + table["length"][i]
+        holds = [  # in Python ints: a corrupt row's addr + length may overflow 64 bits
+            int(i)
+            for i in live
+            if int(table["addr"][i]) <= addr < int(table["addr"][i]) + int(table["length"][i])
         ]
         row = table[holds[0] if holds else int(live[0])]
         base, size = int(row["addr"]), int(row["length"])
