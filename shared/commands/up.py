@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from shared.commands.restarts import RestartPolicy
 from shared.nats_auth import (
     ADMIN,
     PASSWORD_FILE_ENV,
@@ -81,6 +82,11 @@ class UpConfig:
     )
     log_format: Literal["console", "json"] = option("console", help="log format of every service")
     startup_timeout_s: float = option(600.0, help="seconds to wait for every service to be ready")
+    max_restarts: int = option(
+        5,
+        help="once the mesh is up, a service that dies is restarted (after 1, 2, 4 ... 30 s); "
+        "more deaths than this within 5 minutes stop the mesh (0: stop at the first death)",
+    )
     stop_timeout_s: float = option(15.0, help="seconds between SIGTERM and SIGKILL on shutdown")
 
     def __post_init__(self) -> None:
@@ -92,6 +98,8 @@ class UpConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.cores is not None and self.cores < 1:
             raise ValueError(f"cores must be >= 1, got {self.cores}")
+        if self.max_restarts < 0:
+            raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
         if self.decode_pacing_ms < 0:
             raise ValueError(f"decode_pacing_ms must be >= 0, got {self.decode_pacing_ms}")
         if not self.nats_url.startswith("nats://"):
@@ -198,12 +206,7 @@ class Launcher:
         return f"http://{host}:{self.port}"
 
     def start(self) -> None:
-        from shared.nats_server import (
-            NatsServer,
-            die_with_parent,
-            nats_is_reachable,
-            parse_nats_url,
-        )
+        from shared.nats_server import NatsServer, nats_is_reachable, parse_nats_url
 
         if not nats_is_reachable(self.config.nats_url):
             host, nats_port = parse_nats_url(self.config.nats_url)
@@ -235,22 +238,62 @@ class Launcher:
                     "started here if nothing answers) or stop the other mesh first"
                 )
         for spec in plan(self.config, self.config.nats_url, self.port):
-            argv = [sys.executable, "-m", "shared.cli", *spec.argv]
-            env = dict(os.environ)  # ours (an external server's credentials, if any)
-            if self.credentials is not None:
-                env.update(self.credentials.auth(spec.argv[1]).env())
-            proc = subprocess.Popen(
-                argv, start_new_session=True, preexec_fn=die_with_parent, env=env
-            )
-            self.children[spec.name] = (spec, proc)
+            self._spawn(spec)
+
+    def _spawn(self, spec: ChildSpec) -> None:
+        from shared.nats_server import die_with_parent
+
+        argv = [sys.executable, "-m", "shared.cli", *spec.argv]
+        env = dict(os.environ)  # ours (an external server's credentials, if any)
+        if self.credentials is not None:
+            env.update(self.credentials.auth(spec.argv[1]).env())
+        proc = subprocess.Popen(argv, start_new_session=True, preexec_fn=die_with_parent, env=env)
+        self.children[spec.name] = (spec, proc)
+
+    def dead(self) -> list[tuple[ChildSpec, int]]:
+        """Children that exited, with their exit codes."""
+        return [
+            (spec, proc.returncode)
+            for spec, proc in self.children.values()
+            if proc.poll() is not None
+        ]
 
     def check_alive(self) -> None:
-        for name, (spec, proc) in self.children.items():
-            if proc.poll() is not None:
-                raise LaunchError(
-                    f"{name} exited with code {proc.returncode}; its log is above "
-                    f"(rerun it alone: kvmesh {' '.join(spec.argv)})"
+        for spec, code in self.dead():
+            raise LaunchError(
+                f"{spec.name} exited with code {code}; its log is above "
+                f"(rerun it alone: kvmesh {' '.join(spec.argv)})"
+            )
+
+    async def supervise(self, policy: RestartPolicy, poll_s: float = 0.5) -> None:
+        """Restart children that die, with backoff, until one dies too often (LaunchError)."""
+        pending: dict[str, float] = {}  # name -> monotonic time to restart it at
+        while True:
+            now = time.monotonic()
+            for spec, code in self.dead():
+                if spec.name in pending:
+                    continue
+                delay = policy.on_exit(spec.name, now)
+                if delay is None:
+                    raise LaunchError(
+                        f"{spec.name} exited with code {code}, {policy.restarts(spec.name)} "
+                        f"times within {policy.window_s:g} s; stopping the mesh (its log is "
+                        f"above; rerun it alone: kvmesh {' '.join(spec.argv)})"
+                    )
+                print(
+                    f"kvmesh up: {spec.name} exited with code {code}; restarting it in "
+                    f"{delay:g} s (death {policy.restarts(spec.name)} of at most "
+                    f"{policy.max_restarts} in {policy.window_s:g} s)",
+                    file=sys.stderr,
+                    flush=True,
                 )
+                pending[spec.name] = now + delay
+            for name, at in list(pending.items()):
+                if now >= at:
+                    del pending[name]
+                    self._spawn(self.children[name][0])
+                    print(f"kvmesh up: restarted {name}", file=sys.stderr, flush=True)
+            await asyncio.sleep(poll_s)
 
     async def wait_ready(self) -> None:
         """Router /health OK and the registry sees every decode (and prefill) worker."""
@@ -357,7 +400,9 @@ async def run_up(launcher: Launcher) -> int:
     stop = asyncio.Event()
 
     async def watch() -> None:
-        while True:
+        if launcher.config.max_restarts > 0:
+            await launcher.supervise(RestartPolicy(max_restarts=launcher.config.max_restarts))
+        while True:  # no restarts: the first death stops the mesh
             launcher.check_alive()
             await asyncio.sleep(0.5)
 
