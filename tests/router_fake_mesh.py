@@ -46,6 +46,9 @@ class FakeMesh:
     prefill_alive: bool = True  # heartbeat as a ready prefill worker (the router watches)
     decode_alive: bool = True  # heartbeat as a ready decode worker (readiness, 503)
     fail_with: str = ""  # end each request with finish_reason "error" after the first token
+    # a model that continues its reply: a prompt longer than the first placement's by n tokens
+    # (a migrated stream: prompt + output so far) gets the reply from its n-th token on
+    continue_reply: bool = False
     places: list[PlaceRequest] = field(default_factory=list)
     jobs: list[PrefillJob] = field(default_factory=list)
     aborts: list[Abort] = field(default_factory=list)
@@ -53,10 +56,10 @@ class FakeMesh:
     aborted: asyncio.Event = field(default_factory=asyncio.Event)
     _tasks: dict[str, asyncio.Task] = field(default_factory=dict)
 
-    def output_ids(self, max_tokens: int) -> tuple[list[int], str]:
+    def output_ids(self, max_tokens: int, offset: int = 0) -> tuple[list[int], str]:
         text = self.reply_text.encode()
         if self.eos_at_end:
-            ids = [*text, EOS_ID]
+            ids = [*text, EOS_ID][offset:]
             return (ids, "stop") if len(ids) <= max_tokens else (ids[:max_tokens], "length")
         ids = (list(text) * (max_tokens // len(text) + 1))[:max_tokens]
         return ids, "length"
@@ -155,12 +158,15 @@ class FakeMesh:
         if self.hold_first and len(self.places) == 1:
             return
         if not self.hold_tokens:
+            offset = len(prompt_ids) - len(self.places[0].prompt_ids) if self.continue_reply else 0
             self._tasks[request_id] = asyncio.create_task(
-                self._generate(request_id, len(prompt_ids), max_tokens)
+                self._generate(request_id, len(prompt_ids), max_tokens, offset)
             )
 
-    async def _generate(self, request_id: str, num_prompt: int, max_tokens: int) -> None:
-        ids, reason = self.output_ids(max_tokens)
+    async def _generate(
+        self, request_id: str, num_prompt: int, max_tokens: int, offset: int = 0
+    ) -> None:
+        ids, reason = self.output_ids(max_tokens, offset)
         subject = subjects.request_tokens(request_id)
         for i, token_id in enumerate(ids):
             if self.token_delay_s:

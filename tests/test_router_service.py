@@ -405,9 +405,36 @@ async def test_decode_death_before_the_first_token_runs_the_request_again(nats_s
     assert any('role="decode"} 1' in line for line in retries)
 
 
-async def test_decode_death_mid_stream_ends_the_stream_with_an_error_at_once(nats_server):
+async def test_decode_death_mid_stream_migrates_the_stream_without_a_gap(nats_server):
+    mesh = FakeMesh(nats_server, token_delay_s=0.1, continue_reply=True)
+    async with mesh_and_router(nats_server, mesh) as (_, running, http):
+        resp = await http.post(
+            "/v1/completions",
+            json={"model": MODEL, "prompt": "x", "max_tokens": 30, "stream": True},
+        )
+        first = await resp.content.readuntil(b"\n\n")  # the first token is out
+        await _announce_gone(nats_server, "decode-fake")
+        rest = await asyncio.wait_for(resp.content.read(), 10.0)
+        retries = running.router.metrics.retries.render()
+    chunks = [
+        orjson.loads(line[6:])
+        for line in (first + rest).split(b"\n\n")
+        if line.startswith(b"data: {")
+    ]
+    text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    assert text == REPLY_TEXT[:30] and rest.endswith(b"data: [DONE]\n\n")  # no gap, no repeat
+    original, migrated = mesh.places
+    assert migrated.request_id == f"{original.request_id}-m1"
+    sent = len(migrated.prompt_ids) - len(original.prompt_ids)
+    assert migrated.prompt_ids == original.prompt_ids + tuple(REPLY_TEXT[:sent].encode())
+    assert migrated.sampling.max_tokens == 30 - sent
+    assert [a.request_id for a in mesh.aborts] == [original.request_id]
+    assert any('role="decode-migrate"} 1' in line for line in retries)
+
+
+async def test_decode_death_mid_stream_with_no_retries_left_ends_the_stream_at_once(nats_server):
     mesh = FakeMesh(nats_server, token_delay_s=0.3)
-    async with mesh_and_router(nats_server, mesh) as (_, _, http):
+    async with mesh_and_router(nats_server, mesh, max_retries=0) as (_, _, http):
         resp = await http.post(
             "/v1/completions",
             json={"model": MODEL, "prompt": "x", "max_tokens": 40, "stream": True},

@@ -48,8 +48,9 @@ class RouterConfig:
     )
     max_retries: int = option(
         2,
-        help="times a request is run again when a worker it depends on dies before its first "
-        "token (after the first token, such a death fails the stream at once)",
+        help="times a request is run again when a worker it depends on dies: before its first "
+        "token it starts over; after it, the stream migrates to another decode worker, with the "
+        "prompt plus the output so far as the new prompt (0: fail at once)",
     )
     api_key: str | None = option(
         None,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import random
 import time
@@ -76,8 +77,10 @@ class MeshRequest:
         self._metrics = metrics
         self.response_id = request_id  # what the client sees; constant across attempts
         self.num_attempts = 1
-        self.num_events = 0
-        self.prompt = prompt
+        self.num_events = 0  # token events of the current attempt
+        self.prompt = prompt  # of the current attempt: a migrated one carries the output so far
+        self._generated: list[int] = []  # every token the client has been sent, all attempts
+        self._migrated_tokens = 0  # of those, how many the current attempt's prompt carries
         self.timer = timer
         self.is_finished = False  # a TokenEvent with finish_reason arrived
         self._renewer: asyncio.Task[None] | None = None
@@ -154,6 +157,37 @@ class MeshRequest:
         self.num_attempts += 1
         await self.subscribe()
         await self._place_and_dispatch(time.monotonic())
+
+    async def _migrate(self, gone: WorkerGone) -> TokenEvent | None:
+        """The decode worker died mid-stream: place the request again with its prompt plus the
+        tokens sent so far as the new prompt, for the tokens still owed, under a new wire id; the
+        client's stream goes on from there (greedy output is what an undisturbed run gives).
+        Returns the final event when nothing is owed any more (the finish event was lost)."""
+        generated = tuple(self._generated)
+        owed = self.prompt.sampling.max_tokens - (len(generated) - self._migrated_tokens)
+        log.warning(
+            "decode worker %s died after %d tokens of %s; migrating the stream",
+            gone.worker_id,
+            len(generated),
+            self.response_id,
+        )
+        await self.abort(f"{gone.role} worker {gone.worker_id} died")
+        await self.close()
+        self._metrics.retries.inc("decode-migrate")
+        if owed <= 0:
+            self.is_finished = True
+            return TokenEvent(self.request_id, (), finish_reason="length")
+        base = self.prompt.prompt_ids[: len(self.prompt.prompt_ids) - self._migrated_tokens]
+        sampling = dataclasses.replace(self.prompt.sampling, max_tokens=owed)
+        self.prompt = Prompt(base + generated, sampling)
+        self._migrated_tokens = len(generated)
+        self._begin_attempt(f"{self.response_id}-m{self.num_attempts}")
+        self.num_attempts += 1
+        self.num_events = 0
+        self._first_deadline = time.monotonic() + self._config.first_token_timeout_s
+        await self.subscribe()
+        await self._place_and_dispatch(time.monotonic())
+        return None
 
     async def _place_and_dispatch(self, started: float) -> None:
         deadline = self._first_deadline
@@ -306,9 +340,15 @@ class MeshRequest:
                 gone = protocol.decode(msg.data, WorkerGone)
                 if not self.depends_on(gone.worker_id):
                     continue
-                if self.num_events == 0 and self.num_attempts <= self._config.max_retries:
-                    await self._retry(gone)
-                    continue
+                if self.num_attempts <= self._config.max_retries:
+                    if self.num_events == 0:
+                        await self._retry(gone)
+                        continue
+                    if gone.worker_id == (self.placement and self.placement.worker_id):
+                        final = await self._migrate(gone)
+                        if final is not None:
+                            yield final
+                        continue
                 raise MeshError(
                     f"{gone.role} worker {gone.worker_id} died while serving request "
                     f"{self.response_id} ({self.num_events} token events in, attempt "
@@ -321,6 +361,7 @@ class MeshRequest:
             except ProtocolError as exc:
                 raise MeshError(f"a decode worker sent a malformed token event: {exc}") from None
             self.num_events += 1
+            self._generated.extend(event.token_ids)
             self.stop_renewing()  # the decode worker admitted it: the lease is over
             self.timer.on_tokens(time.monotonic(), len(event.token_ids))
             if event.finish_reason is not None:

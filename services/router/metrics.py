@@ -187,7 +187,8 @@ class RouterMetrics:
         )
         self.retries = Counter(
             f"{prefix}_retries_total",
-            "Requests run again because a worker died before their first token, by its role.",
+            "Requests run again because a worker died: by its role before the first token, "
+            "decode-migrate for streams moved to another decode worker after it.",
             ("role",),
         )
         self.in_flight = Gauge(f"{prefix}_requests_in_flight", "Requests being served now.")
