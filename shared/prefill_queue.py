@@ -7,9 +7,12 @@ slot (``PrefillJobQueue.next``), so whoever has room takes the next job, in arri
 stream lives in memory: a job is worth nothing once its router has given up (its lease, renewed
 by that router, keeps the decode blocks only while the router waits).
 
-A job is acknowledged when a worker takes it (at most once): a worker that dies mid-prefill
-leaves its request to the router's timeout, not to a redelivery that would rewrite chunks the
-decode worker already counted.
+A job is acknowledged once its worker has announced it (``PrefillStarted``, to the router and
+the decode worker), before any KV is written. A worker that dies between taking a job and that
+announcement leaves the job unacknowledged, and JetStream hands it to another worker after
+``ACK_WAIT_S``. One that dies after it leaves its request to the router, which hears the
+registry's ``WorkerGone`` and runs it again; the job is never redelivered (a redelivery would
+rewrite chunks the decode worker already counted).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from shared import subjects
 STREAM = "KVMESH_PREFILL"
 DURABLE = "prefill"
 MAX_AGE_S = 600.0  # a job nobody took in 10 minutes has been given up by its router
+ACK_WAIT_S = 5.0  # a job taken and not acknowledged within this goes to another worker
 
 
 def stream_config() -> api.StreamConfig:
@@ -101,7 +105,9 @@ async def queue_status(nc: Client) -> dict[str, int | str]:
 
 
 class PrefillJobQueue:
-    """A prefill worker's pull subscription; ``next()`` takes one job (acknowledged)."""
+    """A prefill worker's pull subscription: ``next()`` takes one job, ``ack()`` confirms it once
+    the job is announced (until then JetStream would give it to another worker after
+    ``ACK_WAIT_S``)."""
 
     def __init__(self, nc: Client) -> None:
         self._nc = nc
@@ -109,7 +115,9 @@ class PrefillJobQueue:
 
     async def __aenter__(self) -> PrefillJobQueue:
         await ensure_stream(self._nc)
-        config = api.ConsumerConfig(ack_policy=api.AckPolicy.EXPLICIT, max_ack_pending=-1)
+        config = api.ConsumerConfig(
+            ack_policy=api.AckPolicy.EXPLICIT, max_ack_pending=-1, ack_wait=ACK_WAIT_S
+        )
         self._sub = await self._nc.jetstream().pull_subscribe(
             subjects.PREFILL_JOBS, durable=DURABLE, stream=STREAM, config=config
         )
@@ -121,11 +129,15 @@ class PrefillJobQueue:
                 await self._sub.unsubscribe()
 
     async def next(self, timeout_s: float = 1.0) -> Msg | None:
-        """The next job, taken off the queue; None when none came within ``timeout_s``."""
+        """The next job, not yet acknowledged; None when none came within ``timeout_s``."""
         assert self._sub is not None, "enter the queue first"
         try:
             [msg] = await self._sub.fetch(1, timeout=timeout_s)
         except nats.errors.TimeoutError:
             return None
-        await msg.ack_sync(timeout=5.0)  # confirmed: no other worker can get it now
         return msg
+
+    @staticmethod
+    async def ack(msg: Msg) -> None:
+        """Confirm ``msg``'s job: no other worker can get it now."""
+        await msg.ack_sync(timeout=5.0)

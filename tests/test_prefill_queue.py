@@ -20,9 +20,13 @@ async def test_jobs_wait_in_the_queue_until_a_worker_pulls_them(nats_server):
         async with PrefillJobQueue(p) as queue:
             first = await queue.next(timeout_s=2.0)
             assert first is not None and first.data == b"job-0"
-            assert await queue_depth(router) == 2  # taken (acknowledged) jobs leave the stream
+            assert await queue_depth(router) == 3  # taken, not yet confirmed
+            await queue.ack(first)
+            assert await queue_depth(router) == 2  # acknowledged jobs leave the stream
             rest = [await queue.next(timeout_s=2.0) for _ in range(2)]
             assert [m.data for m in rest] == [b"job-1", b"job-2"]
+            for msg in rest:
+                await queue.ack(msg)
             assert await queue.next(timeout_s=0.2) is None
 
 
@@ -40,6 +44,7 @@ async def test_each_job_goes_to_exactly_one_of_several_workers(nats_server):
         async def drain(queue):
             got = []
             while (msg := await queue.next(timeout_s=0.3)) is not None:
+                await queue.ack(msg)
                 got.append(int(msg.data))
                 await asyncio.sleep(0.01)
             return got
@@ -61,6 +66,24 @@ async def test_a_worker_that_does_not_pull_leaves_jobs_to_its_peer(nats_server):
             await publish_job(router, str(i).encode())
         got = [int((await idle.next(timeout_s=2.0)).data) for _ in range(4)]
     assert got == [0, 1, 2, 3]
+
+
+async def test_a_job_taken_and_never_acknowledged_goes_to_another_worker(nats_server):
+    """A worker that dies between taking a job and announcing it: the job is not lost."""
+    from shared.prefill_queue import ACK_WAIT_S
+
+    async with connect_nats(nats_server, "router") as router, connect_nats(nats_server, "p1") as p1:
+        await ensure_stream(router)
+        await publish_job(router, b"job")
+        async with connect_nats(nats_server, "p0") as p0, PrefillJobQueue(p0) as q0:
+            taken = await q0.next(timeout_s=2.0)
+            assert taken is not None and taken.data == b"job"
+        # p0 is gone without acknowledging; after the ack wait the job is offered again
+        async with PrefillJobQueue(p1) as q1:
+            again = await q1.next(timeout_s=ACK_WAIT_S + 5)
+            assert again is not None and again.data == b"job"
+            await q1.ack(again)
+            assert await q1.next(timeout_s=ACK_WAIT_S + 1) is None  # confirmed: gone for good
 
 
 async def test_publish_without_jetstream_says_how_to_fix_it():
@@ -93,7 +116,9 @@ async def test_a_job_can_be_withdrawn_only_before_a_worker_takes_it(nats_server)
         second = await publish_job(nc, b"b")
         assert await withdraw_job(nc, second)
         async with PrefillJobQueue(p) as queue:
-            assert (await queue.next(timeout_s=2.0)).data == b"a"
+            taken = await queue.next(timeout_s=2.0)
+            assert taken.data == b"a"
+            await queue.ack(taken)
             assert await queue.next(timeout_s=0.2) is None  # b is gone for good
-        assert not await withdraw_job(nc, first)  # taken: too late
+        assert not await withdraw_job(nc, first)  # taken and confirmed: too late
         assert await queue_depth(nc) == 0

@@ -134,7 +134,19 @@ class PrefillService:
                 job = decode(msg.data, PrefillJob)
             except ProtocolError as exc:
                 self._slots.release()
+                await _ack_quietly(queue, msg)  # nobody can do anything with it
                 log.warning("ignored malformed prefill job", error=str(exc))
+                continue
+            # Announce, then acknowledge: if this worker dies before the announcement, the job
+            # goes to another worker; after it, the router hears our WorkerGone and runs it again.
+            try:
+                await self.worker.announce_started(job)
+                await queue.ack(msg)
+            except nats.errors.Error as exc:  # unannounced or unacknowledged: JetStream redelivers
+                self._slots.release()
+                log.warning(
+                    "could not take a prefill job", request_id=job.request_id, error=str(exc)
+                )
                 continue
             self._tg.create_task(self._run_job(job))
 
@@ -248,6 +260,11 @@ async def prefill_service(config: PrefillConfig) -> AsyncIterator[PrefillService
                 )
                 yield service
                 await service.drain(timeout_s=10.0)
+
+
+async def _ack_quietly(queue: PrefillJobQueue, msg: Msg) -> None:
+    with contextlib.suppress(nats.errors.Error):
+        await queue.ack(msg)
 
 
 @contextlib.asynccontextmanager

@@ -125,6 +125,13 @@ class PrefillWorker:
 
     # ---- jobs ---------------------------------------------------------------------------------
 
+    async def announce_started(self, msg: PrefillJob) -> None:
+        """Tell the router and the decode worker that this worker took ``msg``'s job: from now
+        on they count on it (and on hearing if it dies)."""
+        started = encode(PrefillStarted(msg.request_id, msg.lease_id, self.worker_id))
+        await self._publish(subjects.decode_prefill_started(msg.decode_worker_id), started)
+        await self._publish(subjects.request_prefill_started(msg.request_id), started)
+
     async def prefill(self, msg: PrefillJob) -> None:
         """Run one job to its end: every write landed (or none in flight), decode told."""
         rid = msg.request_id
@@ -152,9 +159,6 @@ class PrefillWorker:
             return
         job = _Job(msg, planner, PrefillTimeline(msg.enqueued_at, started_at), endpoint)
         self._jobs[rid] = job
-        started = encode(PrefillStarted(rid, msg.lease_id, self.worker_id))
-        await self._publish(subjects.decode_prefill_started(msg.decode_worker_id), started)
-        await self._publish(subjects.request_prefill_started(rid), started)
         try:
             async with self._lock:
                 self.engine.add_request(
