@@ -38,6 +38,7 @@ def local_mesh(
     transport: str = "auto",
     *,
     model: str = MODEL,
+    nats_url: str | None = None,
     env: Mapping[str, str] | None = None,
     local_prefill_threshold: int = 0,
     decode_pacing_ms: float = 0.0,
@@ -47,8 +48,9 @@ def local_mesh(
     startup_timeout_s: float = 180.0,
 ) -> Iterator[Any]:
     """A whole mesh on a fresh nats-server, in child processes; yields the Launcher (``.url``,
-    ``.config.nats_url``). ``env`` (KVMESH_* settings, e.g. KVMESH_CHUNK_TOKENS) reaches every
-    service; ``model`` is kvmesh-tiny or a checkpoint directory. Synchronous: use it from sync fixtures or scripts, not inside an event loop."""
+        ``.config.nats_url``). ``env`` (KVMESH_* settings, e.g. KVMESH_CHUNK_TOKENS) reaches every
+        service; ``model`` is kvmesh-tiny or a checkpoint directory; ``nats_url``: a NATS server to use
+    (default: a fresh one, started with one user per role). Synchronous: use it from sync fixtures or scripts, not inside an event loop."""
     from shared.commands.up import Launcher, UpConfig, free_port
 
     config = UpConfig(
@@ -56,7 +58,7 @@ def local_mesh(
         mode=mode,
         transport=transport,
         port=0,
-        nats_url=f"nats://127.0.0.1:{free_port()}",
+        nats_url=nats_url or f"nats://127.0.0.1:{free_port()}",
         local_prefill_threshold=local_prefill_threshold,
         decode_pacing_ms=decode_pacing_ms,
         prefill=prefill,

@@ -71,10 +71,14 @@ async def ensure_stream(nc: Client) -> None:
 
 async def publish_job(nc: Client, data: bytes, timeout_s: float = 5.0) -> int:
     """Append an encoded PrefillJob to the queue; its sequence number in the stream. Raises
-    nats errors when it is not stored."""
-    ack = await nc.jetstream().publish(
-        subjects.PREFILL_JOBS, data, timeout=timeout_s, stream=STREAM
-    )
+    nats errors when it is not stored. A missing stream (the NATS server restarted with an empty
+    store) is created again first."""
+    js = nc.jetstream()
+    try:
+        ack = await js.publish(subjects.PREFILL_JOBS, data, timeout=timeout_s, stream=STREAM)
+    except nats.js.errors.NoStreamResponseError:
+        await ensure_stream(nc)
+        ack = await js.publish(subjects.PREFILL_JOBS, data, timeout=timeout_s, stream=STREAM)
     return int(ack.seq)
 
 
@@ -114,6 +118,10 @@ class PrefillJobQueue:
         self._sub = None
 
     async def __aenter__(self) -> PrefillJobQueue:
+        await self._subscribe()
+        return self
+
+    async def _subscribe(self) -> None:
         await ensure_stream(self._nc)
         config = api.ConsumerConfig(
             ack_policy=api.AckPolicy.EXPLICIT, max_ack_pending=-1, ack_wait=ACK_WAIT_S
@@ -121,7 +129,6 @@ class PrefillJobQueue:
         self._sub = await self._nc.jetstream().pull_subscribe(
             subjects.PREFILL_JOBS, durable=DURABLE, stream=STREAM, config=config
         )
-        return self
 
     async def __aexit__(self, *exc: object) -> None:
         if self._sub is not None and not self._nc.is_closed:
@@ -134,6 +141,13 @@ class PrefillJobQueue:
         try:
             [msg] = await self._sub.fetch(1, timeout=timeout_s)
         except nats.errors.TimeoutError:
+            return None
+        except (nats.js.errors.ServiceUnavailableError, nats.js.errors.NotFoundError):
+            # the stream or our consumer is gone (the NATS server restarted with an empty
+            # store): make them again, and pull from the new ones from now on
+            with contextlib.suppress(nats.errors.Error):
+                await self._sub.unsubscribe()
+            await self._subscribe()
             return None
         return msg
 

@@ -122,3 +122,36 @@ async def test_a_job_can_be_withdrawn_only_before_a_worker_takes_it(nats_server)
             assert await queue.next(timeout_s=0.2) is None  # b is gone for good
         assert not await withdraw_job(nc, first)  # taken and confirmed: too late
         assert await queue_depth(nc) == 0
+
+
+async def test_queue_is_made_again_after_the_nats_server_restarts_empty():
+    """A restarted server has no stream and no consumer: publishing and pulling recreate them."""
+    from shared.nats_server import NatsServer
+
+    server = NatsServer()
+    await asyncio.to_thread(server.start)
+    port = server.port
+    try:
+        async with (
+            connect_nats(server.url, "r", reconnect_time_wait_s=0.1) as router,
+            connect_nats(server.url, "p", reconnect_time_wait_s=0.1) as p,
+            PrefillJobQueue(p) as queue,
+        ):
+            await publish_job(router, b"before")
+            await queue.ack(await queue.next(timeout_s=2.0))
+            await asyncio.to_thread(server.stop)
+            server = NatsServer(port)
+            await asyncio.to_thread(server.start)
+            for _ in range(100):  # both clients reconnect
+                if router.is_connected and p.is_connected:
+                    break
+                await asyncio.sleep(0.05)
+            await publish_job(router, b"after")  # the stream is made again
+            got = None
+            for _ in range(5):  # the first pull finds its consumer gone and makes it again
+                if (got := await queue.next(timeout_s=1.0)) is not None:
+                    break
+            assert got is not None and got.data == b"after"
+            await queue.ack(got)
+    finally:
+        server.stop()
