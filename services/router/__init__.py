@@ -50,7 +50,7 @@ async def serve_router(config: RouterConfig) -> AsyncIterator[RunningRouter]:
         # lives as long as the connection (drained on exit)
         await nc.subscribe(subjects.REGISTRY_WORKER_GONE, cb=router.dispatcher.on_worker_gone)
         await nc.subscribe(subjects.REGISTRY_ADVERTISE, cb=router.dispatcher.on_advert)
-        for role in ("prefill", "decode", "colocated"):
+        for role in ("prefill", "decode", "colocated", "kv-registry"):
             await nc.subscribe(subjects.heartbeat(role, "*"), cb=router.dispatcher.on_heartbeat)
 
         def heartbeat() -> WorkerHeartbeat:

@@ -54,6 +54,12 @@ from shared.protocol import (
 log = logging.getLogger(__name__)
 
 
+# A kv-registry heard this recently and not answering now is restarting (its supervisor brings it
+# back in seconds): placements wait for it, within the request's first-token deadline, instead
+# of failing. One never heard, or gone longer, is missing: a 503 at once.
+REGISTRY_RESTART_S = 20.0
+
+
 class MeshRequest:
     """One request in flight on the mesh; iterate ``events()`` for its tokens."""
 
@@ -67,11 +73,13 @@ class MeshRequest:
         timer: RequestTimer,
         prefill_pool: WorkerPool | None = None,
         decode_pool: WorkerPool | None = None,
+        registry_pool: WorkerPool | None = None,
     ) -> None:
         self._nc = nc
         self._sub: Subscription | None = None
         self._prefill_pool = prefill_pool
         self._decode_pool = decode_pool
+        self._registry_pool = registry_pool
         self._lost: set[str] = set()  # workers whose loss also loses this request
         self._config = config
         self._metrics = metrics
@@ -275,6 +283,12 @@ class MeshRequest:
                 timeout=self._config.place_timeout_s,
             )
         except nats.errors.NoRespondersError:
+            pool = self._registry_pool
+            if pool is not None and pool.seen_within(time.monotonic(), REGISTRY_RESTART_S):
+                # it was here a moment ago: it is restarting, so wait for it as for room
+                raise OverloadedError(
+                    "the kv-registry is not answering (restarting?)", retry_after_s=0.5
+                ) from None
             raise ServiceUnavailableError(
                 f"no kv-registry answers on {subjects.REGISTRY_PLACE}; start one "
                 "(`kvmesh serve kv-registry`) or check --nats-url"
@@ -411,6 +425,7 @@ class Dispatcher:
         now = time.monotonic()
         self.prefill_pool = WorkerPool(config.worker_liveness_s, now)
         self.decode_pool = WorkerPool(config.worker_liveness_s, now)  # decode or colocated
+        self.registry_pool = WorkerPool(config.worker_liveness_s, now)
 
     async def on_heartbeat(self, msg: Msg) -> None:
         """Prefill, decode and colocated heartbeats: who is alive and ready."""
@@ -418,7 +433,8 @@ class Dispatcher:
             beat = protocol.decode(msg.data, WorkerHeartbeat)
         except ProtocolError:
             return
-        pool = self.prefill_pool if beat.role == "prefill" else self.decode_pool
+        pools = {"prefill": self.prefill_pool, "kv-registry": self.registry_pool}
+        pool = pools.get(beat.role, self.decode_pool)
         pool.on_heartbeat(beat.worker_id, beat.state, time.monotonic())
 
     async def on_advert(self, msg: Msg) -> None:
@@ -466,6 +482,7 @@ class Dispatcher:
             timer,
             self.prefill_pool,
             self.decode_pool,
+            self.registry_pool,
         )
         self._live[request_id] = request
         try:

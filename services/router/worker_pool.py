@@ -29,6 +29,10 @@ class WorkerPool:
         """Whether the router has listened long enough to have heard every live worker."""
         return now - self._started_at >= self.liveness_s
 
+    def seen_within(self, now: float, window_s: float) -> bool:
+        """Whether any worker of the pool heartbeat in the last ``window_s`` seconds."""
+        return any(now - seen <= window_s for seen, _ in self._seen.values())
+
     def num_alive(self, now: float) -> int:
         return sum(now - seen <= self.liveness_s for seen, _ in self._seen.values())
 
