@@ -26,6 +26,7 @@ import nats.micro
 import orjson
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.micro.request import Request
 from nats.micro.service import Service
 
 from shared import logs, protocol, subjects
@@ -194,6 +195,19 @@ async def log_level_control(nc: Client) -> AsyncIterator[None]:
     finally:
         if not nc.is_closed:
             await sub.unsubscribe()
+
+
+async def read_worker_control(req: Request) -> str | None:
+    """The action of a ``WorkerControl`` request, "drain" or "resume"; a malformed one is
+    answered with a 400 here and gives None."""
+    try:
+        action = protocol.decode(req.data, protocol.WorkerControl).action
+        if action not in ("drain", "resume"):
+            raise protocol.ProtocolError(f"WorkerControl.action: {action!r} is not drain or resume")
+    except protocol.ProtocolError as exc:
+        await req.respond_error("400", str(exc))
+        return None
+    return action
 
 
 @contextlib.asynccontextmanager

@@ -34,6 +34,7 @@ from shared.nats_service import (
     background,
     connect_nats,
     new_worker_id,
+    read_worker_control,
     serve_until_signal,
     worker_presence,
 )
@@ -45,7 +46,6 @@ from shared.protocol import (
     PrefillStarted,
     ProtocolError,
     ReserveRequest,
-    WorkerControl,
     WorkerGone,
     WorkerHeartbeat,
     decode,
@@ -191,12 +191,8 @@ class DecodeService:
             log.warning("reserve reply not sent", request_id=body.request_id, error=str(exc))
 
     async def on_control(self, req: Request) -> None:
-        try:
-            action = decode(req.data, WorkerControl).action
-            if action not in ("drain", "resume"):
-                raise ProtocolError(f"WorkerControl.action: {action!r} is not drain or resume")
-        except ProtocolError as exc:
-            await req.respond_error("400", str(exc))
+        action = await read_worker_control(req)
+        if action is None:
             return
         self.worker.is_draining = action == "drain"
         log.info("worker control", action=action)

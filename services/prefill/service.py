@@ -32,6 +32,7 @@ from shared.nats_service import (
     background,
     connect_nats,
     new_worker_id,
+    read_worker_control,
     serve_until_signal,
     worker_presence,
 )
@@ -41,7 +42,6 @@ from shared.protocol import (
     DecodeAdvert,
     PrefillJob,
     ProtocolError,
-    WorkerControl,
     WorkerHeartbeat,
     decode,
     encode,
@@ -170,12 +170,8 @@ class PrefillService:
     async def on_control(self, req: Request) -> None:
         """``kvmesh admin drain|resume <prefill worker>``: drained, it takes no new job from the
         queue (its peers take them) and finishes the ones in hand."""
-        try:
-            action = decode(req.data, WorkerControl).action
-            if action not in ("drain", "resume"):
-                raise ProtocolError(f"WorkerControl.action: {action!r} is not drain or resume")
-        except ProtocolError as exc:
-            await req.respond_error("400", str(exc))
+        action = await read_worker_control(req)
+        if action is None:
             return
         self.is_draining = action == "drain"
         log.warning(f"worker control: {action}", worker_id=self.worker.worker_id)

@@ -199,6 +199,7 @@ class Launcher:
         self.credentials: MeshCredentials | None = None
         self.nats_auth: NatsAuth | None = auth_from_env()  # this process's own client (admin)
         self.admin_password_file: Path | None = None
+        self._envs: dict[str, dict[str, str]] = {}  # child name -> environment it started with
 
     @property
     def url(self) -> str:
@@ -241,12 +242,16 @@ class Launcher:
             self._spawn(spec)
 
     def _spawn(self, spec: ChildSpec) -> None:
+        """Start ``spec``'s process; a restart gets the environment of the first start."""
         from shared.nats_server import die_with_parent
 
         argv = [sys.executable, "-m", "shared.cli", *spec.argv]
-        env = dict(os.environ)  # ours (an external server's credentials, if any)
-        if self.credentials is not None:
-            env.update(self.credentials.auth(spec.argv[1]).env())
+        env = self._envs.get(spec.name)
+        if env is None:
+            env = dict(os.environ)  # ours (an external server's credentials, if any)
+            if self.credentials is not None:
+                env.update(self.credentials.auth(spec.argv[1]).env())
+            self._envs[spec.name] = env
         proc = subprocess.Popen(argv, start_new_session=True, preexec_fn=die_with_parent, env=env)
         self.children[spec.name] = (spec, proc)
 
