@@ -158,9 +158,12 @@ class TcpEndpoint:
         await self._write_slots.acquire()  # before the seq: seqs are posted in order
         self._write_seq += 1
         op = self._post(frames, self._write_seq, imm)
-        op.future.add_done_callback(lambda _: self._write_slots.release())
         prev = self._last_write
         task = self._last_write = _background(self._wait(op, prev))
+        # The slot frees when the write settles in order (after every earlier one), not when its
+        # own ACKs come: lanes ACK independently, and the receiver's window starts at the oldest
+        # write it has not completed.
+        task.add_done_callback(lambda _: self._write_slots.release())
         await asyncio.shield(task)
 
     async def read(self, entries: Sequence[WriteEntry]) -> None:
