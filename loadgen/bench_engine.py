@@ -63,29 +63,11 @@ def register_engine(sub: Any) -> argparse.ArgumentParser:
 
 def export_tiny_to_hf(directory: Path) -> Path:
     """Write kvmesh-tiny as a transformers Llama checkpoint (identical weights)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
+    from shared.model.seeded import write_hf_weights
     from shared.model.tiny import tiny_config, tiny_state_dict
 
-    c = tiny_config()
-    hf_config = LlamaConfig(
-        vocab_size=c.vocab_size,
-        hidden_size=c.hidden_size,
-        intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.num_hidden_layers,
-        num_attention_heads=c.num_attention_heads,
-        num_key_value_heads=c.num_key_value_heads,
-        head_dim=c.head_dim,
-        rms_norm_eps=c.rms_norm_eps,
-        max_position_embeddings=c.max_position_embeddings,
-        rope_theta=c.rope_theta,
-        tie_word_embeddings=c.tie_word_embeddings,
-        bos_token_id=c.bos_token_id,
-        eos_token_id=list(c.eos_token_ids),
-    )
-    model = LlamaForCausalLM(hf_config)
-    model.load_state_dict(tiny_state_dict(), strict=True)
-    model.save_pretrained(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    write_hf_weights(directory, tiny_config(), tiny_state_dict())
     return directory
 
 

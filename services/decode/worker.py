@@ -31,7 +31,7 @@ from shared.protocol import (
     encode,
     imm_slot,
 )
-from shared.transport.base import unpack_imm
+from shared.transport.base import MemoryWindow, unpack_imm
 
 log = logs.get_logger(__name__)
 
@@ -203,7 +203,7 @@ class DecodeWorker:
                 return refuse(str(exc))
         return ReserveReply(True, self.worker_id, block_ids=tuple(block_ids), rkey=res.rkey)
 
-    def _close_window(self, window: Any) -> None:
+    def _close_window(self, window: MemoryWindow | None) -> None:
         if window is not None and self.windows is not None:
             self.windows.close(window)
 

@@ -127,19 +127,23 @@ def write_tokenizer(
     (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
 
 
+def write_hf_weights(path: Path, config: ModelConfig, weights: dict[str, Any]) -> None:
+    """config.json and model.safetensors of a transformers Llama checkpoint (HF tensor names)."""
+    from safetensors.torch import save_file
+
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(hf_config_dict(config), indent=2))
+
+
 def write_seeded_checkpoint(path: Path, shape: SeededShape, seed: int) -> ModelConfig:
     """Write the checkpoint of ``shape`` drawn from ``seed`` into the directory ``path`` (created;
     it must not hold a checkpoint already). Returns the model's config."""
-    from safetensors.torch import save_file
-
     config = shape.config()
     path.mkdir(parents=True, exist_ok=True)
     existing = [name for name in ("config.json", "model.safetensors") if (path / name).exists()]
     if existing:
         raise FileExistsError(f"{path} already holds {', '.join(existing)}; choose an empty folder")
-    weights = tiny_state_dict(config, seed=seed)
-    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
-    (path / "config.json").write_text(json.dumps(hf_config_dict(config), indent=2))
+    write_hf_weights(path, config, tiny_state_dict(config, seed=seed))
     write_tokenizer(
         path, TINY_SPECIALS, bos="<|bos|>", eos="<|end|>", chat_template=TINY_CHAT_TEMPLATE
     )

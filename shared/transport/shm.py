@@ -320,10 +320,7 @@ class ShmTransport:
     def on_register(self, region: MemoryRegion) -> None:
         if not region.access & Access.REMOTE:
             return
-        seg = next(
-            (s for s in self._segments if s.addr <= region.addr and region.end <= s.addr + s.size),
-            None,
-        )
+        seg = self._segment_holding(region.addr, region.end)
         if seg is None:
             if self._strict:
                 raise ValueError(
@@ -346,8 +343,9 @@ class ShmTransport:
         """One table row per span, under the window's key: writers check against those rows."""
         if window.region_rkey in self._unshared:
             return  # memory outside shm: tcp serves it (and checks the window itself)
-        parent = self._slots[window.region_rkey]
-        seg = next(s for s in self._segments if s.name == self._table["segment"][parent].decode())
+        first, last = window.spans[0], window.spans[-1]
+        seg = self._segment_holding(first[0], last[0] + last[1])
+        assert seg is not None, "a window lies inside its region, and the region in a segment"
         slots = self._free_slots(len(window.spans))
         for slot, (addr, length) in zip(slots, window.spans, strict=True):
             self._publish_row(slot, window.rkey, addr, length, window.access, seg)
@@ -358,6 +356,10 @@ class ShmTransport:
         if self._table is not None:
             for slot in slots:
                 self._table["state"][slot] = RETIRED
+
+    def _segment_holding(self, addr: int, end: int) -> _Segment | None:
+        """The allocated segment that holds ``[addr, end)``, if any."""
+        return next((s for s in self._segments if s.addr <= addr and end <= s.addr + s.size), None)
 
     def _free_slots(self, n: int) -> list[int]:
         table = self._table
