@@ -31,6 +31,7 @@ from typing import Any
 from loadgen.bench_serve_config import ServeBenchConfig, add_arguments, config_from_args
 from loadgen.serve_metrics import RequestRecord, Summary
 from loadgen.serve_report import RunResult, format_comparison, format_summary, rate_text
+from loadgen.server_breakdown import ServerBreakdown, parse_prometheus
 from loadgen.sse_client import Endpoint
 from loadgen.workload import Prompt
 
@@ -172,6 +173,7 @@ def _sweep(
             process = ArrivalProcess(config.arrival, rate, config.burstiness)
             times = arrival_times(process, len(prompts), random.Random(f"{config.seed}:arrivals"))
         bar = ProgressBar(len(prompts), f"{label} @ {rate_text(rate)}")
+        before = scrape_metrics(base_url, config.api_key)
         records, duration_s = asyncio.run(
             run_requests(
                 endpoint,
@@ -183,10 +185,32 @@ def _sweep(
             )
         )
         bar.close()
-        result = RunResult(label, rate, summarize(records, duration_s, config.slo), tuple(records))
+        after = scrape_metrics(base_url, config.api_key)
+        server = None if before is None or after is None else ServerBreakdown.between(before, after)
+        summary = summarize(records, duration_s, config.slo)
+        result = RunResult(label, rate, summary, tuple(records), server)
         print(format_summary(result))
+        if server is not None:
+            print(server.line())
         results.append(result)
     return 0
+
+
+def scrape_metrics(
+    base_url: str, api_key: str | None = None, timeout_s: float = 5.0
+) -> dict[str, float] | None:
+    """The server's ``/metrics`` samples, or None when it has none (not every server does)."""
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(f"{base_url.rstrip('/')}/metrics")
+    if api_key:
+        request.add_header("Authorization", f"Bearer {api_key}")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as resp:
+            return parse_prometheus(resp.read().decode("utf-8", "replace"))
+    except (OSError, urllib.error.URLError, ValueError):
+        return None
 
 
 async def _warmup(endpoint: Endpoint, prompt: Prompt, timeout_s: float) -> RequestRecord:

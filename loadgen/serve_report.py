@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from loadgen.serve_metrics import RequestRecord, Stats, Summary
+from loadgen.server_breakdown import ServerBreakdown
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,6 +21,7 @@ class RunResult:
     rate: float | None
     summary: Summary
     records: tuple[RequestRecord, ...]
+    server: ServerBreakdown | None = None  # a kvmesh router's own account of the run
 
 
 def rate_text(rate: float | None) -> str:
@@ -136,6 +138,7 @@ def result_json(config: Mapping[str, Any], results: Sequence[RunResult]) -> dict
                 "label": r.label,
                 "request_rate": _rate_json(r.rate),
                 "summary": dataclasses.asdict(r.summary),
+                "server": None if r.server is None else dataclasses.asdict(r.server),
                 "requests": [_record_json(record) for record in r.records],
             }
             for r in results
