@@ -82,10 +82,15 @@ async def serve_router(config: RouterConfig) -> AsyncIterator[RunningRouter]:
                 mode=config.mode,
                 max_model_len=model.max_model_len,
             )
-            yield RunningRouter(router=router, port=port, worker_id=worker_id)
+            try:
+                yield RunningRouter(router=router, port=port, worker_id=worker_id)
+            finally:
+                # before the HTTP server closes: streams in flight end with an error event
+                await router.stop(config.shutdown_grace_s)
 
 
 async def run(config: RouterConfig) -> None:
-    """Serve until SIGTERM/SIGINT."""
+    """Serve until SIGTERM/SIGINT, then stop within ``config.shutdown_grace_s`` (and a moment
+    to end what is left; see services/router/shutdown.py)."""
     async with serve_router(config):
         await serve_until_signal()

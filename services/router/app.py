@@ -44,6 +44,7 @@ from services.router.responses import (
     new_request_id,
     sse_event,
 )
+from services.router.shutdown import Shutdown
 from shared import logs
 
 log = logs.get_logger(__name__)
@@ -66,9 +67,19 @@ class Router:
     started_at: int = field(default_factory=lambda: int(time.time()))
     num_in_flight: int = 0
     dispatcher: Dispatcher = field(init=False)
+    shutdown: Shutdown = field(default_factory=Shutdown)
 
     def __post_init__(self) -> None:
         self.dispatcher = Dispatcher(self.nc, self.config, self.metrics)
+
+    async def stop(self, grace_s: float) -> None:
+        """Stop taking requests (503) and let those in flight finish for ``grace_s``; then end
+        the rest (streams: an error event and [DONE]; others: a 503) and abort their mesh work."""
+        log.info("router stopping", in_flight=self.num_in_flight, grace_s=grace_s)
+        self.dispatcher.is_stopping = True  # aborts from here on say why
+        num_interrupted = await self.shutdown.stop(grace_s)
+        if num_interrupted:
+            log.warning("router stopped with requests in flight", interrupted=num_interrupted)
 
     # --- generation ----------------------------------------------------------------------------
 
@@ -93,6 +104,7 @@ class Router:
         arrived_at = time.monotonic()
         status = 200
         try:
+            self.shutdown.check_open()
             raw = await http.read()
             if len(raw) > INLINE_BODY_BYTES:
                 request, prompt = await asyncio.to_thread(self._prepare, raw, parse)
@@ -132,7 +144,10 @@ class Router:
         response_id = new_request_id(request.kind)
         builder = ResponseBuilder.for_request(request, response_id)
         output = OutputText(self.model.tokenizer, prompt.prompt_ids, request.stop)
-        async with self.dispatcher.open(response_id, prompt, timer) as mesh:
+        async with (
+            self.shutdown.guard(),
+            self.dispatcher.open(response_id, prompt, timer) as mesh,
+        ):
             finish_reason = await _relay(mesh, output, None)
         output.finish()
         timer.on_finish(finish_reason, len(prompt.prompt_ids), output.num_tokens)
@@ -164,7 +179,10 @@ class Router:
 
         status = 200
         try:
-            async with self.dispatcher.open(response_id, prompt, timer) as mesh:
+            async with (
+                self.shutdown.guard(),
+                self.dispatcher.open(response_id, prompt, timer) as mesh,
+            ):
                 # Placed: from here on errors go into the stream, not the status line.
                 await response.prepare(http)
                 role_chunk = builder.role_chunk()
@@ -213,6 +231,10 @@ class Router:
 
     async def health(self, request: web.Request) -> web.Response:
         """Readiness: NATS connected and at least one decode (or colocated) worker ready."""
+        if self.shutdown.is_stopping:
+            return _json_response(
+                {"status": "unavailable", "reason": "the router is shutting down"}, status=503
+            )
         if not self.nc.is_connected:
             return _json_response(
                 {"status": "unavailable", "reason": "not connected to NATS"}, status=503

@@ -61,6 +61,12 @@ class RouterConfig:
     max_body_mb: float = option(
         64.0, help="largest request body accepted (MiB); a larger one is a JSON 413"
     )
+    shutdown_grace_s: float = option(
+        5.0,
+        help="on SIGTERM/SIGINT: new requests get 503 at once, and those in flight may finish "
+        "for this long; then streams still running end with an SSE error event and [DONE], "
+        "other requests with a 503, their mesh work is aborted, and the router exits",
+    )
     worker_id: str | None = option(
         None, help="this router's id in heartbeats and $SRV (default: generated)"
     )
@@ -85,6 +91,8 @@ class RouterConfig:
                 f"local_prefill_threshold must be >= 0 (0: always prefill remotely), "
                 f"got {self.local_prefill_threshold}"
             )
+        if self.shutdown_grace_s < 0:
+            raise ValueError(f"shutdown_grace_s must be >= 0 seconds, got {self.shutdown_grace_s}")
         if self.max_retries < 0:
             raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
         for name in ("lease_ms", "max_concurrent_requests"):

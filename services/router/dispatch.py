@@ -422,6 +422,7 @@ class Dispatcher:
         self._config = config
         self._metrics = metrics
         self._live: dict[str, MeshRequest] = {}
+        self.is_stopping = False  # the router is shutting down: a cancellation is not the client
         now = time.monotonic()
         self.prefill_pool = WorkerPool(config.worker_liveness_s, now)
         self.decode_pool = WorkerPool(config.worker_liveness_s, now)  # decode or colocated
@@ -491,7 +492,7 @@ class Dispatcher:
             yield request
             await request.abort("router stopped reading")
         except asyncio.CancelledError:
-            await request.abort("client disconnected")
+            await request.abort("router stopping" if self.is_stopping else "client disconnected")
             raise
         except GatewayTimeoutError:
             await request.abort("timeout")
