@@ -130,6 +130,7 @@ def _target(config: ServeBenchConfig, label: str) -> Iterator[str]:
                     env=dict(config.mesh_env),
                     local_prefill_threshold=config.local_prefill_threshold,
                     decode_pacing_ms=config.decode_pacing_ms,
+                    prefill=config.prefill_workers if label == "disagg" else 1,
                 )
             )
         finally:

@@ -56,9 +56,17 @@ class ServeBenchConfig:
     mesh_cpus: frozenset[int] = frozenset()
     local_prefill_threshold: int = 0
     decode_pacing_ms: float = 0.0
+    prefill_workers: int = 1  # disagg meshes of --compare
 
     def __post_init__(self) -> None:
-        positive = ("input_len", "output_len", "num_prompts", "max_concurrency", "long_input_len")
+        positive = (
+            "input_len",
+            "output_len",
+            "num_prompts",
+            "max_concurrency",
+            "long_input_len",
+            "prefill_workers",
+        )
         for name in positive:
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -188,6 +196,7 @@ def config_from_args(args: argparse.Namespace) -> ServeBenchConfig:
         mesh_cpus=parse_cpus(args.mesh_cpus or ""),
         local_prefill_threshold=args.local_prefill_threshold,
         decode_pacing_ms=args.decode_pacing_ms,
+        prefill_workers=args.prefill_workers,
     )
 
 
@@ -278,4 +287,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=float,
         default=0.0,
         help="disagg: decode steps start at most this often (kvmesh up --decode-pacing-ms)",
+    )
+    mesh.add_argument(
+        "--prefill-workers",
+        type=int,
+        default=1,
+        help="disagg: prefill workers, sharing the cores (kvmesh up --prefill)",
     )
