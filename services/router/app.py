@@ -46,6 +46,7 @@ from services.router.responses import (
 )
 from services.router.shutdown import Shutdown
 from shared import logs
+from shared.service_errors import listen_error
 
 log = logs.get_logger(__name__)
 
@@ -386,7 +387,10 @@ async def serve_http(app: web.Application, host: str, port: int) -> AsyncIterato
     await runner.setup()
     try:
         site = web.TCPSite(runner, host, port)
-        await site.start()
+        try:
+            await site.start()
+        except OSError as exc:  # a busy port, a foreign address: one line says what to change
+            raise listen_error(host, port, exc) from None
         yield runner.addresses[0][1]
     finally:
         await runner.cleanup()

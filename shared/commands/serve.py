@@ -135,6 +135,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _serve(args: argparse.Namespace) -> int:
     from shared import logs
     from shared.nats_service import NatsUnavailableError
+    from shared.prefill_queue import PrefillQueueError
+    from shared.service_errors import ServiceStartError, find_error
 
     try:
         spec, config, log_config = build_service_config(args.service, args.service_args)
@@ -149,10 +151,15 @@ def _serve(args: argparse.Namespace) -> int:
     log.info("starting", service=spec.name, config=repr(config))
     try:
         asyncio.run(spec.module.run(config))
-    except NatsUnavailableError as exc:
-        log.error("cannot reach NATS", error=str(exc))
-        return 1
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:
+        # what the operator can fix (NATS unreachable or without JetStream, a port taken): one
+        # line that says what to do, no traceback
+        fatal = find_error(exc, (NatsUnavailableError, PrefillQueueError, ServiceStartError))
+        if fatal is None:
+            raise
+        print(f"kvmesh serve {spec.name}: {fatal}", file=sys.stderr)
+        return 1
     log.info("stopped", service=spec.name)
     return 0

@@ -446,12 +446,18 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _up(args: argparse.Namespace) -> int:
     from shared.nats_server import NatsServerError
+    from shared.service_errors import ServiceStartError, check_can_listen
 
     try:
         config = config_from_args(UpConfig, args)
     except ConfigError as exc:
         print(f"kvmesh up: {exc}", file=sys.stderr)
         return 2
+    try:
+        check_can_listen(config.host, config.port)  # before anything starts
+    except ServiceStartError as exc:
+        print(f"kvmesh up: {exc}", file=sys.stderr)
+        return 1
     launcher = Launcher(config)
     signal.signal(signal.SIGTERM, _interrupt)  # while starting: SIGTERM acts like Ctrl-C
     try:
