@@ -8,6 +8,7 @@ checks the destination's CRC32 against the source's.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import multiprocessing as mp
 import socket
 import time
@@ -112,13 +113,18 @@ async def _transport_receiver(conn: Any, backend: str, plans: list[Plan]) -> Non
                 SPEC, plan.pool_blocks, buffer=t.allocate(plan.pool_blocks * SPEC.block_bytes)
             )
             region = t.register(pool.raw, Access.REMOTE_WRITE)
-            conn.send(("ready", (t.descriptor().to_dict(), region.to_dict())))
+            # writers get a window's key, as from a decode worker (on rdma with memory windows
+            # the region's own key opens nothing); one span, so the check costs what it did
+            window = t.open_window(region, [(region.addr, region.length)])
+            target = dataclasses.replace(region, rkey=window.rkey)
+            conn.send(("ready", (t.descriptor().to_dict(), target.to_dict())))
             imms = []
             for _ in range(plan.runs):
                 done = await asyncio.wait_for(t.completion_queue.get(), _TIMEOUT_S)
                 imms.append(done.imm)
             conn.send(("done", blocks_crc(pool, plan.dst_blocks), imms))
             await asyncio.to_thread(conn.recv)  # the sender has closed its endpoint
+            t.close_window(window)
             t.deregister(region)
             del pool
 

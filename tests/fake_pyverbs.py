@@ -6,6 +6,16 @@ loopback fabric.
 hardware checks (QP state transition masks, PSNs, lkeys/rkeys/bounds/access of each SGE, receive WRs
 for immediates) and moves bytes with ``ctypes.memmove`` between process addresses, so two
 transports in one process can exchange real writes. Enum values are rdma-core's.
+
+Memory windows follow rdma_rxe and libibverbs: MR and MW keys share one index space (``index << 8
+| 8-bit tag``); type 1 is bound with ``QP.bind_mw`` (libibverbs refuses other types there) and
+is usable from every QP of its PD; type 2 is bound with an ``IBV_WR_BIND_MW`` work request, must
+be free, is usable only through the QP it was bound on, and libibverbs leaves its ``rkey`` as
+allocated (so a second bind of the same MW carries a stale key and fails, as on rxe);
+``IBV_WR_LOCAL_INV`` frees a type-2 MW; deallocation invalidates any MW. A remote access with a
+bad key, outside the MR/MW bounds or without the access fails with REM_ACCESS_ERR at the requester
+and moves the responder QP to the error state (IBTA class C: its receive WRs flush). A zero-length
+write is checked against no key (IBTA C9-88).
 """
 
 from __future__ import annotations
@@ -28,14 +38,21 @@ class e:  # mirrors pyverbs.enums
     IBV_QP_MAX_QP_RD_ATOMIC, IBV_QP_MIN_RNR_TIMER, IBV_QP_SQ_PSN = 8192, 32768, 65536
     IBV_QP_MAX_DEST_RD_ATOMIC, IBV_QP_DEST_QPN = 131072, 1048576
     IBV_WR_RDMA_WRITE, IBV_WR_RDMA_WRITE_WITH_IMM, IBV_WR_SEND, IBV_WR_RDMA_READ = 0, 1, 2, 4
+    IBV_WR_LOCAL_INV, IBV_WR_BIND_MW = 7, 8
     IBV_SEND_SIGNALED = 2
     IBV_WC_SUCCESS, IBV_WC_LOC_LEN_ERR, IBV_WC_LOC_PROT_ERR, IBV_WC_WR_FLUSH_ERR = 0, 1, 4, 5
+    IBV_WC_LOC_QP_OP_ERR, IBV_WC_MW_BIND_ERR = 2, 6
     IBV_WC_LOC_ACCESS_ERR, IBV_WC_REM_INV_REQ_ERR, IBV_WC_REM_ACCESS_ERR = 8, 9, 10
     IBV_WC_REM_OP_ERR, IBV_WC_RETRY_EXC_ERR, IBV_WC_RNR_RETRY_EXC_ERR = 11, 12, 13
     IBV_WC_REM_ABORT_ERR, IBV_WC_RESP_TIMEOUT_ERR, IBV_WC_GENERAL_ERR = 16, 20, 21
     IBV_WC_RDMA_WRITE, IBV_WC_RDMA_READ, IBV_WC_RECV, IBV_WC_RECV_RDMA_WITH_IMM = 1, 2, 128, 129
+    IBV_WC_BIND_MW, IBV_WC_LOCAL_INV = 5, 6
     IBV_ACCESS_LOCAL_WRITE, IBV_ACCESS_REMOTE_WRITE, IBV_ACCESS_REMOTE_READ = 1, 2, 4
+    IBV_ACCESS_MW_BIND = 16
     IBV_ACCESS_RELAXED_ORDERING = 1 << 20
+    IBV_MW_TYPE_1, IBV_MW_TYPE_2 = 1, 2
+    IBV_DEVICE_MEM_WINDOW = 1 << 17
+    IBV_DEVICE_MEM_WINDOW_TYPE_2A, IBV_DEVICE_MEM_WINDOW_TYPE_2B = 1 << 23, 1 << 24
     IBV_QPT_RC = 2
     IBV_MTU_256, IBV_MTU_512, IBV_MTU_1024, IBV_MTU_2048, IBV_MTU_4096 = 1, 2, 3, 4, 5
     IBV_PORT_DOWN, IBV_PORT_ACTIVE = 1, 4
@@ -169,15 +186,38 @@ class SendWR:
         send_flags=e.IBV_SEND_SIGNALED,
         next_wr=None,
     ):
-        if num_sge < 1 or sg is None:
-            raise PyverbsUserError("A WR needs at least one SGE")
+        if num_sge > len(sg or ()):
+            raise PyverbsUserError(f"num_sge={num_sge} but {len(sg or ())} SGEs given")
         self.wr_id, self.opcode, self.num_sge, self.imm_data = wr_id, opcode, num_sge, imm_data
-        self.sg = list(sg)[:num_sge]
+        self.sg = list(sg or ())[:num_sge]
         self.send_flags, self.next = send_flags, next_wr
         self.remote_addr = self.rkey = None
+        self.bind_mw = self.bind_info = self.bind_mw_rkey = None
 
     def set_wr_rdma(self, rkey: int, addr: int) -> None:
         self.rkey, self.remote_addr = rkey, addr
+
+    def set_bind_wr(self, mw: MW, bind_info: MWBindInfo) -> None:
+        """As pyverbs: the new rkey (``.rkey``) is ``ibv_inc_rkey(mw.rkey)``."""
+        self.bind_mw, self.bind_info = mw, bind_info
+        self.bind_mw_rkey = mw.rkey  # what the provider tells the NIC the MW's key is
+        self.rkey = inc_rkey(mw.rkey)
+
+
+class MWBindInfo:
+    def __init__(self, mr: MR, addr: int, length: int, mw_access_flags: int) -> None:
+        self.mr, self.addr, self.length = mr, addr, length
+        self.mw_access_flags = mw_access_flags
+
+
+class MWBind:
+    def __init__(self, info: MWBindInfo, send_flags: int, wr_id: int = 0) -> None:
+        self.info, self.send_flags, self.wr_id = info, send_flags, wr_id
+
+
+def inc_rkey(rkey: int) -> int:
+    """libibverbs' ibv_inc_rkey: the next 8-bit tag, same index."""
+    return (rkey & 0xFFFFFF00) | ((rkey + 1) & 0xFF)
 
 
 class RecvWR:
@@ -217,6 +257,15 @@ class FakeDevice:
     max_cqe: int = 65536
     max_msg_sz: int = 1 << 31
     accepts_relaxed_ordering: bool = True
+    mw_types: tuple[int, ...] = (e.IBV_MW_TYPE_1, e.IBV_MW_TYPE_2)  # rxe: type 1 and 2B
+    max_mw: int = 4096
+
+    @property
+    def device_cap_flags(self) -> int:
+        flags = e.IBV_DEVICE_MEM_WINDOW if e.IBV_MW_TYPE_1 in self.mw_types else 0
+        if e.IBV_MW_TYPE_2 in self.mw_types:
+            flags |= e.IBV_DEVICE_MEM_WINDOW_TYPE_2B
+        return flags
 
 
 @dataclass
@@ -225,8 +274,16 @@ class Fabric:
     log: list[tuple[Any, ...]] = field(default_factory=list)
     qps: dict[int, QP] = field(default_factory=dict)
     mrs: dict[int, MR] = field(default_factory=dict)  # lkey (== rkey here) -> MR
+    mws: dict[int, MW] = field(default_factory=dict)  # key index -> live MW
     dmabufs: dict[int, int] = field(default_factory=dict)  # fd -> process address behind it
-    keys: Any = field(default_factory=lambda: itertools.count(0x1000))
+    keys: Any = field(default_factory=lambda: itertools.count(0x1000))  # qp numbers
+    key_index: Any = field(default_factory=lambda: itertools.count(1))  # MR and MW keys
+
+    def new_key(self) -> int:
+        """``index << 8 | tag``, as rxe makes MR and MW keys (the tag varies per key)."""
+        index = next(self.key_index)
+        return (index << 8) | ((index * 97 + 13) & 0xFF)
+
     lock: threading.RLock = field(default_factory=threading.RLock)
 
     def events(self, kind: str) -> list[tuple[Any, ...]]:
@@ -254,6 +311,8 @@ class Context(_Obj):
             max_cqe=d.max_cqe,
             max_qp_rd_atom=16,
             max_qp_init_rd_atom=16,
+            device_cap_flags=d.device_cap_flags,
+            max_mw=d.max_mw,
         )
 
     def query_port(self, port: int) -> SimpleNamespace:
@@ -302,12 +361,15 @@ class MR(_Obj):
         fabric = pd.fabric
         if access & e.IBV_ACCESS_RELAXED_ORDERING and not pd.ctx.dev.accepts_relaxed_ordering:
             raise PyverbsRDMAError("Failed to register a MR", errno.EINVAL)
+        if access & e.IBV_ACCESS_MW_BIND and not pd.ctx.dev.mw_types:
+            raise PyverbsRDMAError("Failed to register a MR", errno.EOPNOTSUPP)
         if address is None:
             self._own = ctypes.create_string_buffer(length)
             address = ctypes.addressof(self._own)
         self.pd, self.length, self.access, self.buf = pd, length, access, address
         self.iova = address
-        self.lkey = self.rkey = next(fabric.keys)
+        self.lkey = self.rkey = fabric.new_key()
+        self.mws: set[MW] = set()  # MWs bound to this MR
         fabric.mrs[self.lkey] = self
         fabric.log.append(("reg_mr", {"addr": address, "length": length, "access": access}))
 
@@ -315,6 +377,8 @@ class MR(_Obj):
         return nic_addr
 
     def close(self) -> None:
+        if self.mws:  # rxe: -EINVAL while MWs are bound to it
+            raise PyverbsRDMAError(f"Failed to dereg MR: {len(self.mws)} MWs bound", errno.EBUSY)
         self.pd.fabric.mrs.pop(self.lkey, None)
         self.pd.fabric.log.append(("dereg_mr", self.lkey))
 
@@ -339,6 +403,42 @@ class DmaBufMR(MR):
 
     def host_addr(self, nic_addr: int) -> int:
         return self.buf + (nic_addr - self.iova)
+
+
+class MW(_Obj):
+    """A memory window. ``rkey`` is what libibverbs shows (updated by ``QP.bind_mw`` only);
+    ``hw_rkey`` is the NIC's current key."""
+
+    def __init__(self, pd: PD, mw_type: int) -> None:
+        fabric = pd.fabric
+        dev = pd.ctx.dev
+        if mw_type not in dev.mw_types:
+            raise PyverbsRDMAError(f"Failed to allocate MW of type {mw_type}", errno.EOPNOTSUPP)
+        if len(fabric.mws) >= dev.max_mw:
+            raise PyverbsRDMAError("Failed to allocate MW", errno.ENOMEM)
+        self.pd, self.fabric, self.type = pd, fabric, mw_type
+        self.rkey = self.hw_rkey = fabric.new_key()
+        self.mr: MR | None = None
+        self.addr = self.length = self.access = 0
+        self.qp: QP | None = None
+        self.free = True  # type 2: may be bound; type 1: always bindable
+        self.closed = False
+        fabric.mws[self.rkey >> 8] = self
+        fabric.log.append(("alloc_mw", mw_type, self.rkey))
+
+    def unbind(self) -> None:
+        if self.mr is not None:
+            self.mr.mws.discard(self)
+        self.mr, self.addr, self.length, self.access, self.qp = None, 0, 0, 0, None
+        self.free = True
+
+    def close(self) -> None:  # ibv_dealloc_mw: a bound window is invalidated with it
+        if self.closed:
+            return
+        self.unbind()
+        self.closed = True
+        self.fabric.mws.pop(self.rkey >> 8, None)
+        self.fabric.log.append(("dealloc_mw", self.hw_rkey))
 
 
 class QP(_Obj):
@@ -394,6 +494,7 @@ class QP(_Obj):
         self.state = new
 
     def _to_error(self) -> None:
+        self.fabric.log.append(("qp_error", self.qp_num))
         self.state = e.IBV_QPS_ERR
         while self.recvs:
             wr = self.recvs.popleft()
@@ -418,20 +519,117 @@ class QP(_Obj):
         self.fabric.log.append(("post_send", self.qp_num, [_wr_record(w) for w in chain]))
         if self.state != e.IBV_QPS_RTS:
             raise PyverbsRDMAError("Failed to post send (QP not in RTS)", errno.EINVAL)
+        self._run(chain)
+
+    def bind_mw(self, mw: MW, mw_bind: MWBind) -> None:
+        """ibv_bind_mw: type 1 only (libibverbs checks), posted as a bind WR; the provider
+        updates ``mw.rkey`` to the new key once posted."""
+        info = mw_bind.info
+        self.fabric.log.append(
+            (
+                "bind_mw",
+                self.qp_num,
+                {
+                    "rkey": mw.rkey,
+                    "addr": info.addr,
+                    "length": info.length,
+                    "access": info.mw_access_flags,
+                    "send_flags": mw_bind.send_flags,
+                },
+            )
+        )
+        if mw.type != e.IBV_MW_TYPE_1:
+            raise PyverbsRDMAError("Failed to Bind MW", errno.EINVAL)
+        if info.mr is not None and info.mr.pd is not mw.pd:
+            raise PyverbsRDMAError("Failed to Bind MW", errno.EPERM)
+        if self.state != e.IBV_QPS_RTS:
+            raise PyverbsRDMAError("Failed to Bind MW (QP not in RTS)", errno.EINVAL)
+        wr = SendWR(wr_id=mw_bind.wr_id, opcode=e.IBV_WR_BIND_MW, send_flags=mw_bind.send_flags)
+        wr.set_bind_wr(mw, info)
+        mw.rkey = wr.rkey
+        self._run([wr])
+
+    def _run(self, chain: list[SendWR]) -> None:
         with self.fabric.lock:
             for w in chain:
                 if len(w.sg) > self.cap.max_send_sge:
                     raise PyverbsRDMAError("Failed to post send (too many SGEs)", errno.EINVAL)
-                status = e.IBV_WC_WR_FLUSH_ERR if self.state == e.IBV_QPS_ERR else self._execute(w)
+                if self.state == e.IBV_QPS_ERR:
+                    status = e.IBV_WC_WR_FLUSH_ERR
+                elif w.opcode == e.IBV_WR_BIND_MW:
+                    status = self._bind(w)
+                elif w.opcode == e.IBV_WR_LOCAL_INV:
+                    status = self._invalidate(w.imm_data)  # pyverbs: imm_data is invalidate_rkey
+                else:
+                    status = self._execute(w)
                 if status != e.IBV_WC_SUCCESS:
                     self.state = e.IBV_QPS_ERR
                 if status != e.IBV_WC_SUCCESS or w.send_flags & e.IBV_SEND_SIGNALED:
-                    op = (
-                        e.IBV_WC_RDMA_READ
-                        if w.opcode == e.IBV_WR_RDMA_READ
-                        else e.IBV_WC_RDMA_WRITE
-                    )
+                    op = _WC_OPCODE.get(w.opcode, e.IBV_WC_RDMA_WRITE)
                     self.init.send_cq.push(WC(w.wr_id, status, op, self.qp_num))
+                self.fabric.log.append(("send_status", self.qp_num, w.wr_id, status))
+
+    def _bind(self, w: SendWR) -> int:
+        """rxe_bind_mw's checks; the new key's tag is the WR's, the index the MW's."""
+        mw, info = w.bind_mw, w.bind_info
+        if mw is None or mw.closed or w.bind_mw_rkey != mw.hw_rkey or mw.pd is not self.pd:
+            return e.IBV_WC_MW_BIND_ERR
+        mr = info.mr
+        if mw.type == e.IBV_MW_TYPE_2 and (not mw.free or mr is None or info.length == 0):
+            return e.IBV_WC_MW_BIND_ERR
+        if (
+            mr is not None
+            and info.length
+            and (
+                mr.pd is not self.pd
+                or not mr.access & e.IBV_ACCESS_MW_BIND
+                or (
+                    info.mw_access_flags & e.IBV_ACCESS_REMOTE_WRITE
+                    and not mr.access & e.IBV_ACCESS_LOCAL_WRITE
+                )
+                or info.addr < mr.iova
+                or info.addr + info.length > mr.iova + mr.length
+            )
+        ):
+            return e.IBV_WC_MW_BIND_ERR
+        mw.unbind()
+        if mr is not None and info.length:
+            mw.mr, mw.addr, mw.length = mr, info.addr, info.length
+            mw.access, mw.free = info.mw_access_flags, False
+            mw.qp = self if mw.type == e.IBV_MW_TYPE_2 else None
+            mr.mws.add(mw)
+        mw.hw_rkey = (mw.hw_rkey & 0xFFFFFF00) | (w.rkey & 0xFF)
+        return e.IBV_WC_SUCCESS
+
+    def _invalidate(self, rkey: int) -> int:
+        mw = self.fabric.mws.get(rkey >> 8)
+        if mw is None or mw.hw_rkey != rkey or mw.type != e.IBV_MW_TYPE_2 or mw.free:
+            return e.IBV_WC_LOC_QP_OP_ERR
+        mw.unbind()
+        return e.IBV_WC_SUCCESS
+
+    def _remote(self, peer: QP, rkey: int, addr: int, total: int, need: int) -> MR | None:
+        """The MR an incoming access lands in, or None when the responder must refuse it."""
+        if not peer.attrs.get("qp_access_flags", 0) & need:
+            return None
+        mr = self.fabric.mrs.get(rkey)
+        if mr is not None:
+            if mr.pd is not peer.pd or not mr.access & need:
+                return None
+            low, high = mr.iova, mr.iova + mr.length
+        else:
+            mw = self.fabric.mws.get(rkey >> 8)
+            if (
+                mw is None
+                or mw.hw_rkey != rkey
+                or mw.mr is None
+                or mw.pd is not peer.pd
+                or (mw.type == e.IBV_MW_TYPE_2 and mw.qp is not peer)
+                or not mw.access & need
+            ):
+                return None
+            mr, low, high = mw.mr, mw.addr, mw.addr + mw.length
+        return mr if low <= addr and addr + total <= high else None
 
     def _execute(self, w: SendWR) -> int:
         peer = self.fabric.qps.get(self.attrs.get("dest_qp_num", -1))
@@ -442,16 +640,12 @@ class QP(_Obj):
         total = sum(s.length for s in w.sg)
         read = w.opcode == e.IBV_WR_RDMA_READ
         need = e.IBV_ACCESS_REMOTE_READ if read else e.IBV_ACCESS_REMOTE_WRITE
-        remote = self.fabric.mrs.get(w.rkey)
-        if (
-            remote is None
-            or remote.pd is not peer.pd
-            or not remote.access & need
-            or not peer.attrs.get("qp_access_flags", 0) & need
-        ):
-            return e.IBV_WC_REM_ACCESS_ERR
-        if w.remote_addr < remote.iova or w.remote_addr + total > remote.iova + remote.length:
-            return e.IBV_WC_REM_ACCESS_ERR
+        remote = None
+        if total or read:  # C9-88: a zero-length write is checked against no key
+            remote = self._remote(peer, w.rkey, w.remote_addr, total, need)
+            if remote is None:
+                peer._to_error()  # class C: the responder's QP goes to the error state
+                return e.IBV_WC_REM_ACCESS_ERR
         for s in w.sg:
             local = self.fabric.mrs.get(s.lkey)
             if (
@@ -464,7 +658,7 @@ class QP(_Obj):
         if w.opcode == e.IBV_WR_RDMA_WRITE_WITH_IMM and not peer.recvs:
             return e.IBV_WC_RNR_RETRY_EXC_ERR  # the receiver never reposted its receive WRs
         offset = 0
-        for s in w.sg:
+        for s in w.sg if remote is not None else ():
             local = self.fabric.mrs[s.lkey]
             there = remote.host_addr(w.remote_addr + offset)
             here = local.host_addr(s.addr)
@@ -490,7 +684,23 @@ class QP(_Obj):
         self.fabric.log.append(("destroy_qp", self.qp_num))
 
 
+_WC_OPCODE = {
+    e.IBV_WR_RDMA_READ: e.IBV_WC_RDMA_READ,
+    e.IBV_WR_BIND_MW: e.IBV_WC_BIND_MW,
+    e.IBV_WR_LOCAL_INV: e.IBV_WC_LOCAL_INV,
+}
+
+
 def _wr_record(w: SendWR) -> dict[str, Any]:
+    if w.opcode == e.IBV_WR_BIND_MW:
+        info = w.bind_info
+        return {
+            "wr_id": w.wr_id,
+            "opcode": w.opcode,
+            "send_flags": w.send_flags,
+            "rkey": w.rkey,
+            "bind": {"addr": info.addr, "length": info.length, "access": info.mw_access_flags},
+        }
     return {
         "wr_id": w.wr_id,
         "opcode": w.opcode,
@@ -512,6 +722,7 @@ class FakeVerbs:
     GID, GlobalRoute, AHAttr = GID, GlobalRoute, AHAttr
     SGE, SendWR, RecvWR = SGE, SendWR, RecvWR
     PD, CQ, QP, MR, DmaBufMR = PD, CQ, QP, MR, DmaBufMR
+    MW, MWBind, MWBindInfo = MW, MWBind, MWBindInfo
 
     def __init__(self, *devices: FakeDevice, no_devices: bool = False) -> None:
         self.fabric = Fabric(devices=[] if no_devices else list(devices or [FakeDevice()]))

@@ -1,10 +1,15 @@
 """rdma backend: logic against tests/fake_pyverbs.py (a recording, byte-moving stand-in), plus a
-real loopback write-with-imm wherever an RDMA device exists (SoftRoCE counts)."""
+real loopback write-with-imm wherever an RDMA device exists (SoftRoCE counts).
+
+The fake device offers memory windows (types 1 and 2, like rxe) unless a test says otherwise, so
+writes go through window keys; ``NO_MW`` is a device without them (region keys, the fallback).
+Lease-window behaviour on rdma is in tests/test_transport_rdma_windows.py."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import mmap
 import os
 import socket
@@ -28,6 +33,7 @@ from shared.transport.rdma_qp import QPLimits, Span, build_segments, completion_
 from tests.fake_pyverbs import FakeDevice, FakeVerbs, e
 
 BLOCK = 4096
+NO_MW = FakeDevice(mw_types=())
 
 
 def _config(peer_id: str, **extra: int) -> TransportConfig:
@@ -44,11 +50,14 @@ async def _pair(verbs: FakeVerbs, **extra: int):
 
 
 def _pools(receiver: RdmaTransport, sender: RdmaTransport, num_blocks: int = 8):
+    """Returns ``dst_region`` as peers address it: with the key of a window over all of it
+    (where the receiver binds memory windows) or the region itself."""
     dst = receiver.allocate(num_blocks * BLOCK)
     dst_region = receiver.register(dst, Access.REMOTE_WRITE | Access.REMOTE_READ)
+    window = receiver.open_window(dst_region, [(dst_region.addr, dst_region.length)], Access.REMOTE)
     src = torch.randint(0, 256, (num_blocks * BLOCK,), dtype=torch.uint8)
     src_region = sender.register(src)
-    return dst, dst_region, src, src_region
+    return dst, dataclasses.replace(dst_region, rkey=window.rkey), src, src_region
 
 
 def _entries(src_region, dst_region, pairs):
@@ -56,6 +65,15 @@ def _entries(src_region, dst_region, pairs):
         WriteEntry(src_region, s * BLOCK, dst_region.addr + d * BLOCK, dst_region.rkey, BLOCK)
         for s, d in pairs
     ]
+
+
+def _sends(verbs: FakeVerbs, qpn: int) -> list[list[dict]]:
+    """The WR chains posted on QP ``qpn`` (the receiver posts its binds on its own QPs)."""
+    return [chain for _, q, chain in verbs.fabric.events("post_send") if q == qpn]
+
+
+def _mw_rkeys(verbs: FakeVerbs) -> set[int]:
+    return {mw.hw_rkey for mw in verbs.fabric.mws.values() if mw.mr is not None}
 
 
 async def _next_completion(transport: RdmaTransport):
@@ -192,8 +210,7 @@ async def test_batched_write_chains_wrs_with_imm_and_signal_only_on_the_last():
         _, dst_region, _, src_region = _pools(receiver, sender)
         ep = await sender.connect(receiver.descriptor())
         await ep.write(_entries(src_region, dst_region, [(0, 6), (1, 2), (2, 4)]), imm=7)
-        [(_, qpn, chain)] = verbs.fabric.events("post_send")
-        assert qpn == ep.qp_num
+        [chain] = _sends(verbs, ep.qp_num)
         assert [w["opcode"] for w in chain] == [
             e.IBV_WR_RDMA_WRITE,
             e.IBV_WR_RDMA_WRITE,
@@ -202,7 +219,8 @@ async def test_batched_write_chains_wrs_with_imm_and_signal_only_on_the_last():
         assert [w["send_flags"] for w in chain] == [0, 0, e.IBV_SEND_SIGNALED]
         assert [w["imm_data"] for w in chain] == [0, 0, socket.htonl(7)]
         assert [w["remote_addr"] for w in chain] == [dst_region.addr + d * BLOCK for d in (6, 2, 4)]
-        assert {w["rkey"] for w in chain} == {dst_region.rkey}
+        # the memory window bound over the region, not the window's key
+        assert {w["rkey"] for w in chain} == _mw_rkeys(verbs) != {dst_region.rkey}
         assert [w["sg"] for w in chain] == [
             [(src_region.addr + s * BLOCK, BLOCK, src_region.lkey)] for s in (0, 1, 2)
         ]
@@ -214,7 +232,7 @@ async def test_blocks_adjacent_at_the_receiver_travel_as_one_wr_with_several_sge
         dst, dst_region, src, src_region = _pools(receiver, sender)
         ep = await sender.connect(receiver.descriptor())
         await ep.write(_entries(src_region, dst_region, [(5, 2), (1, 3), (7, 4)]), imm=1)
-        [(_, _, chain)] = verbs.fabric.events("post_send")
+        [chain] = _sends(verbs, ep.qp_num)
         assert len(chain) == 1 and chain[0]["opcode"] == e.IBV_WR_RDMA_WRITE_WITH_IMM
         assert [a for a, _, _ in chain[0]["sg"]] == [src_region.addr + s * BLOCK for s in (5, 1, 7)]
         assert torch.equal(dst[2 * BLOCK : 3 * BLOCK], src[5 * BLOCK : 6 * BLOCK])
@@ -228,7 +246,7 @@ async def test_long_batch_is_posted_in_segments_that_fit_the_send_queue():
         ep = await sender.connect(receiver.descriptor())
         pairs = [(i, 15 - 2 * i) for i in range(8)]  # never adjacent: 8 WRs
         await ep.write(_entries(src_region, dst_region, pairs), imm=9)
-        chains = [chain for _, _, chain in verbs.fabric.events("post_send")]
+        chains = _sends(verbs, ep.qp_num)
         assert [len(c) for c in chains] == [2, 2, 2, 2]
         assert all(c[-1]["send_flags"] == e.IBV_SEND_SIGNALED for c in chains)
         opcodes = [w["opcode"] for c in chains for w in c]
@@ -264,7 +282,7 @@ async def test_read_pulls_remote_bytes_with_rdma_read():
         entry = WriteEntry(local_region, 0, dst_region.addr + 3 * BLOCK, dst_region.rkey, BLOCK)
         await ep.read([entry])
         assert bool((local == 42).all())
-        [(_, _, chain)] = verbs.fabric.events("post_send")
+        [chain] = _sends(verbs, ep.qp_num)
         assert [w["opcode"] for w in chain] == [e.IBV_WR_RDMA_READ]
         assert receiver.completion_queue.get_nowait() is None
 
@@ -273,7 +291,7 @@ async def test_read_pulls_remote_bytes_with_rdma_read():
 
 
 async def test_out_of_bounds_write_to_an_advertised_region_is_refused_before_posting():
-    verbs = FakeVerbs()
+    verbs = FakeVerbs(NO_MW)
     async with _pair(verbs) as (receiver, sender):
         _, dst_region, _, src_region = _pools(receiver, sender)
         ep = await sender.connect(receiver.descriptor())
@@ -286,7 +304,7 @@ async def test_out_of_bounds_write_to_an_advertised_region_is_refused_before_pos
 
 
 async def test_nic_refusal_of_an_unknown_rkey_is_a_remote_access_error_then_peer_gone():
-    async with _pair(FakeVerbs()) as (receiver, sender):
+    async with _pair(FakeVerbs(NO_MW)) as (receiver, sender):
         _, dst_region, _, src_region = _pools(receiver, sender)
         ep = await sender.connect(receiver.descriptor())
         bad = WriteEntry(src_region, 0, dst_region.addr, 0xDEAD, BLOCK)
@@ -321,7 +339,7 @@ def test_completion_status_maps_to_typed_errors():
 
 
 async def test_memory_is_registered_with_relaxed_ordering_when_the_device_accepts_it():
-    verbs = FakeVerbs()
+    verbs = FakeVerbs(NO_MW)
     async with RdmaTransport(_config("a"), verbs=verbs) as t:
         t.register(torch.zeros(BLOCK, dtype=torch.uint8), Access.REMOTE)
         access = verbs.fabric.events("reg_mr")[-1][1]["access"]
@@ -334,7 +352,7 @@ async def test_memory_is_registered_with_relaxed_ordering_when_the_device_accept
 
 
 async def test_registration_falls_back_without_relaxed_ordering_when_refused():
-    verbs = FakeVerbs(FakeDevice(accepts_relaxed_ordering=False))
+    verbs = FakeVerbs(FakeDevice(accepts_relaxed_ordering=False, mw_types=()))
     async with RdmaTransport(_config("a"), verbs=verbs) as t:
         t.register(torch.zeros(BLOCK, dtype=torch.uint8), Access.REMOTE_WRITE)
         access = verbs.fabric.events("reg_mr")[-1][1]["access"]
@@ -343,7 +361,7 @@ async def test_registration_falls_back_without_relaxed_ordering_when_refused():
 
 
 async def test_dmabuf_region_is_addressed_by_iova_on_the_wire():
-    verbs = FakeVerbs()
+    verbs = FakeVerbs(NO_MW)
     backing = mmap.mmap(-1, 4 * BLOCK)
     pool = torch.frombuffer(backing, dtype=torch.uint8)  # stands in for GPU memory
     base = pool.data_ptr()
@@ -369,7 +387,7 @@ async def test_dmabuf_region_is_addressed_by_iova_on_the_wire():
         src_region = sender.register(src)
         ep = await sender.connect(receiver.descriptor())
         await ep.write([WriteEntry(src_region, 0, region.addr + BLOCK, region.rkey, BLOCK)], 5)
-        [(_, _, chain)] = verbs.fabric.events("post_send")
+        [chain] = _sends(verbs, ep.qp_num)
         assert chain[0]["remote_addr"] == 2 * BLOCK  # iova, not the process address
         assert bool((pool[2 * BLOCK : 3 * BLOCK] == 7).all()) and not pool[BLOCK : 2 * BLOCK].any()
     with pytest.raises(OSError):

@@ -1,5 +1,7 @@
-"""Memory windows on shm and tcp: a key to a reservation's blocks alone, refused outside its spans
-and after it closes; immediates count only with a live key (security issue, lease-scoped writes)."""
+"""Memory windows on shm, tcp and rdma (on tests/fake_pyverbs.py): a key to a reservation's blocks
+alone, refused outside its spans and after it closes; immediates count only with a live key
+(security issue, lease-scoped writes). rdma-only behaviour (the NIC's refusals, binding per
+connection, the fallback without memory windows) is in tests/test_transport_rdma_windows.py."""
 
 from __future__ import annotations
 
@@ -19,11 +21,25 @@ from shared.transport import (
     create_transport,
 )
 from shared.transport.base import merge_spans
+from shared.transport.rdma import RdmaTransport
 from shared.transport.shm import NOTE, OP_HELLO, OP_WRITE_DONE
+from tests.fake_pyverbs import FakeVerbs
 
 BLOCK = 4096
 NUM_BLOCKS = 16
-BACKENDS = ["shm", "tcp"]
+BACKENDS = ["shm", "tcp", "rdma"]
+# The NIC says only "remote access error", whatever the cause.
+CLOSED_REASON = {
+    "shm": RefusalReason.DEREGISTERED,
+    "tcp": RefusalReason.DEREGISTERED,
+    "rdma": RefusalReason.ACCESS_DENIED,
+}
+
+
+def _transport(backend: str, verbs: FakeVerbs):
+    if backend == "rdma":
+        return RdmaTransport(TransportConfig(), verbs=verbs)
+    return create_transport(backend, TransportConfig())
 
 
 class Pair:
@@ -33,8 +49,9 @@ class Pair:
         self.backend = backend
 
     async def __aenter__(self) -> Pair:
-        self.rx = await create_transport(self.backend, TransportConfig()).__aenter__()
-        self.tx = await create_transport(self.backend, TransportConfig()).__aenter__()
+        verbs = FakeVerbs()  # one fabric for both ends (rdma only)
+        self.rx = await _transport(self.backend, verbs).__aenter__()
+        self.tx = await _transport(self.backend, verbs).__aenter__()
         self.mem = self.rx.allocate(NUM_BLOCKS * BLOCK)
         self.mem.zero_()
         self.region = self.rx.register(self.mem, Access.REMOTE_WRITE)
@@ -81,7 +98,9 @@ async def test_window_write_lands_with_its_key_in_the_completion(backend: str) -
         assert window.rkey != p.region.rkey and window.enforced
         await p.write(4, window.rkey, imm=41)
         (done,) = await p.completions(1)
-        assert (done.imm, done.rkey, done.num_bytes) == (41, window.rkey, BLOCK)
+        # an immediate arrives on rdma without the key it was written with
+        key = None if backend == "rdma" else window.rkey
+        assert (done.imm, done.rkey, done.num_bytes) == (41, key, BLOCK)
         assert p.written() == [4]
 
 
@@ -96,7 +115,9 @@ async def test_window_write_outside_its_blocks_is_refused_and_writes_nothing(bac
         await p.write(5, other.rkey)
         await p.completions(1)
         assert p.written() == [5]
-        assert p.rx.stats().refused == 3
+        # rdma's endpoint refuses these before the NIC, which would end the connection (RC);
+        # the NIC's refusals of forged posts are counted (tests/test_transport_rdma_windows.py)
+        assert p.rx.stats().refused == (0 if backend == "rdma" else 3)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -110,7 +131,7 @@ async def test_window_closed_refuses_every_later_write(backend: str) -> None:
         p.rx.close_window(window)  # closing twice is harmless
         with pytest.raises(RemoteAccessError) as info:
             await p.write(6, window.rkey)
-        assert info.value.reason == RefusalReason.DEREGISTERED
+        assert info.value.reason == CLOSED_REASON[backend]
         assert p.written() == [] and p.rx.completion_queue.qsize() == 0
 
 

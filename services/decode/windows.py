@@ -4,8 +4,9 @@ The decode worker's pool is one registered region, but its key never leaves the 
 reservation's writer gets the key of a window onto that reservation's blocks alone, which closes
 when the reservation leaves the pending table (admitted, failed, aborted) or its lease expires. A
 write into a block under no lease, into another lease's blocks, or after the lease ended is then
-refused by the transport, counted and logged (docs/security.md). On rdma the window is the
-region itself until kvmesh binds verbs memory windows (``MemoryWindow.enforced`` is False).
+refused by the transport, counted and logged (docs/security.md). On rdma the NIC enforces it
+with memory windows; on a NIC without them the window is the region itself
+(``MemoryWindow.enforced`` is False).
 """
 
 from __future__ import annotations

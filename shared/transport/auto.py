@@ -181,12 +181,15 @@ class AutoTransport:
         spans: Sequence[tuple[int, int]],
         access: Access = Access.REMOTE_WRITE,
     ) -> MemoryWindow:
-        if "rdma" in self._backends:  # a peer may write over rdma, whose NIC knows region keys
+        if "rdma" in self._backends:  # rdma binds memory windows for it, and mirrors the
+            # window into the registry for shm/tcp peers
             return self._backends["rdma"].open_window(region, spans, access)
         return self._registry.open_window(region, spans, access)
 
     def close_window(self, window: MemoryWindow) -> None:
-        if window.enforced:
+        if "rdma" in self._backends:  # its memory windows, and the registry's entry
+            self._backends["rdma"].close_window(window)
+        elif window.enforced:
             self._registry.close_window(window)
 
     def descriptor(self) -> PeerDescriptor:

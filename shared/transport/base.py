@@ -224,14 +224,15 @@ ReadEntry = WriteEntry  # same fields; the local region is the destination
 
 @dataclass(frozen=True, slots=True)
 class MemoryWindow:
-    """A narrower key to part of a registered region (verbs: a type-2 memory window).
+    """A narrower key to part of a registered region.
 
     Peers that hold ``rkey`` may access exactly ``spans`` (``(addr, length)`` pairs, sorted and
     disjoint, inside region ``region_rkey``) with ``access``, until the window is closed; then
     every access with it is refused. The region's own rkey need never leave the process: a decode
-    worker hands each reservation's writer a window over that reservation's blocks alone.
-    ``enforced`` is False where the backend cannot narrow a key (rdma without memory windows):
-    then ``rkey`` is the region's own and the receiver checks the region's bounds only.
+    worker hands each reservation's writer a window over that reservation's blocks alone. On rdma
+    the key is resolved into verbs memory windows, one per span (rdma_windows.py).
+    ``enforced`` is False where the backend cannot narrow a key (rdma on a NIC without memory
+    windows): then ``rkey`` is the region's own and the receiver checks the region's bounds only.
     """
 
     rkey: int
@@ -335,9 +336,11 @@ class PeerDescriptor:
 
     def public(self) -> PeerDescriptor:
         """This descriptor for broadcast: without its regions' keys (peers get a window's key
-        per reservation instead). A descriptor offering rdma keeps them: the NIC checks writes
-        against the region's key, and kvmesh binds no memory windows on rdma yet."""
-        if "rdma" in self.backends:
+        per reservation instead). A descriptor whose rdma part binds no memory windows
+        (``memory_windows`` 0: its NIC has none) keeps them, since there a window's key is the
+        region's own."""
+        rdma = self.backends.get("rdma")
+        if rdma is not None and not rdma.get("memory_windows"):
             return self
         return PeerDescriptor(self.peer_id, self.host_id, self.backends, regions=())
 

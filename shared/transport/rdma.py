@@ -14,6 +14,11 @@ receive WR, which the poller reposts, and becomes one Completion. Reads are RDMA
 The CQ is polled from a thread with a backoff sleep: pyverbs' ``CompChannel.get_cq_event`` blocks
 while holding the GIL and exposes no fd for ``loop.add_reader``, so waiting on a completion channel
 would stall the event loop.
+
+Lease-scoped writes (rdma_windows.py): where the NIC offers memory windows, ``open_window`` gives
+a random key that a writer resolves over the side channel into MWs bound, on its own connection,
+to exactly the window's spans; ``close_window`` deallocates them. A refusal by the NIC moves the
+receiving QP to the error state: the poller counts it as a refused access and hangs up.
 """
 
 from __future__ import annotations
@@ -75,7 +80,15 @@ from shared.transport.rdma_qp import (
     qp_to_rtr,
     qp_to_rts,
     read_frame,
+    status_name,
     write_frame,
+)
+from shared.transport.rdma_windows import (
+    NO_WINDOWS,
+    WindowTable,
+    choose_window_type,
+    log_window_support,
+    no_windows_reply,
 )
 from shared.transport.registry import Registry
 
@@ -95,6 +108,7 @@ class QPEntry:
     info: QPInfo
     peer_id: str
     closed: bool = False
+    conn: asyncio.StreamWriter | None = None  # an accepted QP's side channel
 
 
 @dataclass(slots=True)
@@ -109,7 +123,8 @@ class RdmaTransport:
 
     ``verbs``: the pyverbs namespace (``rdma_device.load_pyverbs()``); tests inject a stand-in.
     ``config.extra`` knobs: ``rdma_port`` (device port), ``rdma_send_depth``, ``rdma_recv_depth``
-    (work requests per QP), ``rdma_cq_depth``.
+    (work requests per QP), ``rdma_cq_depth``, ``rdma_memory_windows`` (False: never bind memory
+    windows, even where the NIC offers them; writes are then scoped to the region only).
     """
 
     name = "rdma"
@@ -148,8 +163,10 @@ class RdmaTransport:
         self._thread: threading.Thread | None = None
         self._server: asyncio.AbstractServer | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._ctx = self._pd = self._cq = self._recv_mr = None
+        self._ctx = self._pd = self._cq = self._ctrl_cq = self._recv_mr = None
         self.memory: RdmaMemory | None = None
+        self.windows: WindowTable | None = None
+        self.memory_windows = NO_WINDOWS  # the MW type bound per lease, once started
         self._closed = False
 
     # -- lifecycle ---------------------------------------------------------------------------------
@@ -190,12 +207,33 @@ class RdmaTransport:
             self._cq = v.CQ(self._ctx, min(self._cq_depth, dev_attr.max_cqe), None, None, 0)
             # receive WRs need an lkey even though write-with-imm puts no payload there
             self._recv_mr = v.MR(self._pd, 64, v.e.IBV_ACCESS_LOCAL_WRITE)
+            if self.config.extra.get("rdma_memory_windows", True):
+                self.memory_windows = choose_window_type(v, dev_attr)
+            if self.memory_windows != NO_WINDOWS:  # accepted QPs' send CQ: binds only
+                self._ctrl_cq = v.CQ(self._ctx, self.limits.send_depth + 16, None, None, 0)
         except (v.PyverbsError, BackendUnavailableError) as exc:
             self._close_verbs()
             raise BackendUnavailableError(
                 f"cannot set up RDMA device {self.device.name}: {exc}"
             ) from exc
-        self.memory = RdmaMemory(v, self._pd, self._registry, self._dmabuf_exporter)
+        self.memory = RdmaMemory(
+            v,
+            self._pd,
+            self._registry,
+            self._dmabuf_exporter,
+            mw_bind=self.memory_windows != NO_WINDOWS,
+        )
+        log_window_support(self.device.name, self.memory_windows)
+        if self.memory_windows != NO_WINDOWS:
+            self.windows = WindowTable(
+                v,
+                self._pd,
+                self.memory_windows,
+                self._ctrl_cq,
+                self._registry,
+                self.next_wr_id,
+                self.limits.send_depth // 2,
+            )
         self._server = await asyncio.start_server(self._serve, self.config.tcp_host, 0)
         self.handshake_port = self._server.sockets[0].getsockname()[1]
         self._thread = threading.Thread(target=self._poll_loop, name="rdma-cq", daemon=True)
@@ -213,6 +251,8 @@ class RdmaTransport:
             writer.close()
         if self._handlers:  # accepted connections retire their QPs as their sockets close
             await asyncio.gather(*self._handlers, return_exceptions=True)
+        if self.windows is not None:  # MWs go before the QPs they are bound on and their MRs
+            self.windows.close_all()
         for entry in list(self._qps.values()):
             self.retire_qp(entry)
             self.destroy_qp(entry)
@@ -225,11 +265,11 @@ class RdmaTransport:
         self._close_verbs()
 
     def _close_verbs(self) -> None:
-        for obj in (self._recv_mr, self._cq, self._pd, self._ctx):
+        for obj in (self._recv_mr, self._ctrl_cq, self._cq, self._pd, self._ctx):
             if obj is not None:
                 with contextlib.suppress(self.verbs.PyverbsError):
                     obj.close()
-        self._recv_mr = self._cq = self._pd = self._ctx = None
+        self._recv_mr = self._ctrl_cq = self._cq = self._pd = self._ctx = None
 
     def _check_open(self) -> None:
         if self._closed:
@@ -251,6 +291,8 @@ class RdmaTransport:
 
     def deregister(self, region: MemoryRegion) -> None:
         self._check_open()
+        if self.windows is not None:  # an MR with bound MWs cannot be deregistered
+            self.windows.close_region(region)
         self.memory.deregister(region)
 
     def open_window(
@@ -259,14 +301,19 @@ class RdmaTransport:
         spans: Sequence[tuple[int, int]],
         access: Access = Access.REMOTE_WRITE,
     ) -> MemoryWindow:
-        """Not narrowed on rdma yet: the window's key is the region's own (``enforced`` False),
-        so the NIC checks the region's bounds only. Binding a type-2 memory window per lease is
-        the verbs way; kvmesh does not do it yet (docs/security.md)."""
+        """A random key to ``spans`` of ``region`` alone: a writer resolves it into memory
+        windows bound on its connection (rdma_windows.py). Where the NIC binds no memory windows
+        the window is the region itself (``enforced`` False): the NIC checks its bounds only."""
         self._check_open()
-        return unenforced_window(region, spans, access)
+        if self.windows is None:
+            return unenforced_window(region, spans, access)
+        return self.windows.open(self.memory.registration(region), spans, access)
 
     def close_window(self, window: MemoryWindow) -> None:
-        """Nothing to invalidate: see open_window."""
+        """Invalidate the window's memory windows; later accesses with its key fail on the NIC.
+        Closing twice, or an unenforced window, is a no-op."""
+        if self.windows is not None and window.enforced:
+            self.windows.close(window)
 
     # -- descriptor and connections ----------------------------------------------------------------
 
@@ -282,6 +329,7 @@ class RdmaTransport:
             host=self.config.tcp_advertise_host or self.config.tcp_host,
             handshake_port=self.handshake_port,
             iova=self.memory.iova_map(),
+            memory_windows=self.memory_windows,
         )
 
     def descriptor(self) -> PeerDescriptor:
@@ -335,13 +383,21 @@ class RdmaTransport:
             self._abort(entry, writer)
             raise
         ep = RdmaEndpoint(
-            self, entry, descriptor.peer_id, descriptor.regions, dict(info.iova), writer
+            self,
+            entry,
+            descriptor.peer_id,
+            descriptor.regions,
+            dict(info.iova),
+            writer,
+            reader,
+            info.memory_windows,
         )
         self._endpoints.add(ep)
         return ep
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """Accept side of the handshake; holds the connection's QP until the socket closes."""
+        """Accept side of the handshake; then answers window resolutions on the socket and holds
+        the connection's QP until the socket closes."""
         self._conns.add(writer)
         task = asyncio.current_task()
         if task is not None:
@@ -352,23 +408,50 @@ class RdmaTransport:
             request = await asyncio.wait_for(read_frame(reader), self.config.connect_timeout_s)
             remote = QPInfo.from_dict(request.get("qp", {}))
             entry = self._new_qp(str(request.get("peer_id", "?")), accepting=True)
+            entry.conn = writer
             qp_to_rtr(self.verbs, entry.qp, entry.info, remote, self.limits)
             qp_to_rts(self.verbs, entry.qp, entry.info, self.limits)
             await write_frame(writer, {"peer_id": self._peer_id, "qp": entry.info.to_dict()})
-            await reader.read()  # until the peer closes its endpoint (or dies)
         except (TransportError, self.verbs.PyverbsError) as exc:
             log.warning("rdma handshake refused: %s", exc)
             with contextlib.suppress(OSError):
                 await write_frame(writer, {"error": str(exc)})
+            await self._end_connection(writer, entry)
+            return
         except (TimeoutError, OSError, asyncio.IncompleteReadError):
-            pass  # the peer went away mid-handshake
+            await self._end_connection(writer, entry)  # the peer went away mid-handshake
+            return
+        try:
+            while True:  # until the peer closes its endpoint (or dies)
+                request = await read_frame(reader)
+                reply, keep = self._answer(entry, request)
+                await write_frame(writer, reply)
+                if not keep:
+                    break
+        except ProtocolError as exc:
+            self._registry.count_refused(entry.peer_id, f"rdma side channel: {exc}")
+        except (OSError, asyncio.IncompleteReadError):
+            pass
         finally:
-            self._conns.discard(writer)
-            writer.close()
-            if entry is not None:
-                self.retire_qp(entry)
-                await asyncio.sleep(_FLUSH_GRACE_S)
-                self.destroy_qp(entry)
+            await self._end_connection(writer, entry)
+
+    async def _end_connection(self, writer: asyncio.StreamWriter, entry: QPEntry | None) -> None:
+        self._conns.discard(writer)
+        writer.close()
+        if entry is not None:
+            if self.windows is not None:
+                self.windows.drop_connection(entry.info.qpn)
+            self.retire_qp(entry)
+            await asyncio.sleep(_FLUSH_GRACE_S)
+            self.destroy_qp(entry)
+
+    def _answer(self, entry: QPEntry, request: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+        """The reply to a side-channel request, and whether the connection goes on."""
+        if self.windows is None:
+            return no_windows_reply(request)
+        if entry.closed:
+            return {"error": "the connection is in the error state", "reason": 0}, False
+        return self.windows.answer(request, entry.qp, entry.peer_id)
 
     def _new_qp(self, peer_id: str, *, accepting: bool) -> QPEntry:
         v = self.verbs
@@ -378,7 +461,8 @@ class RdmaTransport:
                 f"{len(self._qps)} rdma connections fill the completion queue; raise "
                 "TransportConfig.extra['rdma_cq_depth'] or lower rdma_send_depth/rdma_recv_depth"
             )
-        qp = create_rc_qp(v, self._pd, self._cq, self.limits)
+        send_cq = self._ctrl_cq if accepting else None
+        qp = create_rc_qp(v, self._pd, self._cq, self.limits, send_cq=send_cq)
         try:
             qp_to_init(v, qp, self.device.port)
             if accepting:  # receive WRs must be posted before RTR: imms may arrive right away
@@ -490,12 +574,10 @@ class RdmaTransport:
             self._call_soon(self.complete, wc.wr_id, error)
             return
         entry = self._qps.get(wc.qp_num)
-        if wc.status != e.IBV_WC_SUCCESS:
-            if wc.status != e.IBV_WC_WR_FLUSH_ERR:  # flushes are how retired QPs drain
-                error = completion_error(self.verbs, wc.status, wc.vendor_err, "receive")
-                log.warning("rdma receive on qp %d failed: %s", wc.qp_num, error)
-            return
         if entry is None:
+            return
+        if wc.status != e.IBV_WC_SUCCESS:
+            self._on_receive_error(entry, wc.status)
             return
         with self._qp_lock:
             if not entry.closed:
@@ -505,10 +587,36 @@ class RdmaTransport:
                 "peer %s sent opcode %s, not a write with imm; ignored", entry.peer_id, wc.opcode
             )
             return
+        if wc.byte_len == 0:  # the NIC checks no key for a zero-length write (IBTA C9-88)
+            self._registry.count_refused(
+                entry.peer_id, "an immediate without data (checked against no key); refused"
+            )
+            return
         # byte_len counts the bytes of the WR that carried the imm (the batch's last one)
         self._registry.count_write(wc.byte_len)
         imm = socket.ntohl(wc.imm_data)
         self._queue.put(Completion(imm=imm, peer_id=entry.peer_id, num_bytes=wc.byte_len))
+
+    def _on_receive_error(self, entry: QPEntry, status: int) -> None:
+        """A receive completed in error on a QP we did not retire: the NIC moved it to the error
+        state because the peer broke a rule (responder class C errors: an rkey that names no
+        live window or region, a span outside it, missing access; an invalid request). Counted
+        once as a refused access; the connection is closed."""
+        with self._qp_lock:
+            if entry.closed:
+                return  # retired by us: flushes are how it drains
+            entry.closed = True
+        reason = (
+            "the NIC refused an access and moved the connection to the error state (receive "
+            f"{status_name(self.verbs, status)}): a key that names no live window, a span "
+            "outside it, or a region's own key; the connection is closed"
+        )
+        self._registry.count_refused(entry.peer_id, reason)
+        self._call_soon(self._hang_up, entry)
+
+    def _hang_up(self, entry: QPEntry) -> None:
+        if entry.conn is not None:
+            entry.conn.close()
 
     def _call_soon(self, fn: Callable[..., None], *args: Any) -> None:
         with contextlib.suppress(RuntimeError):  # loop closed during shutdown

@@ -48,6 +48,9 @@ def load_pyverbs() -> SimpleNamespace:
         GID=mods["addr"].GID,
         MR=mods["mr"].MR,
         DmaBufMR=mods["mr"].DmaBufMR,
+        MW=mods["mr"].MW,
+        MWBind=mods["mr"].MWBind,
+        MWBindInfo=mods["mr"].MWBindInfo,
         SGE=mods["wr"].SGE,
         SendWR=mods["wr"].SendWR,
         RecvWR=mods["wr"].RecvWR,
@@ -167,6 +170,9 @@ class RdmaPeerInfo:
     # rkey -> (addr, iova) for regions whose NIC addresses differ from process addresses
     # (dma-buf registrations of GPU memory): remote_addr - addr + iova is what goes on the wire.
     iova: Mapping[int, tuple[int, int]] = field(default_factory=dict)
+    # The memory-window type the peer binds per lease (1 or 2), 0 where its NIC has none: then
+    # window keys are region keys and writes are scoped to the region only (docs/security.md).
+    memory_windows: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -179,12 +185,13 @@ class RdmaPeerInfo:
             "host": self.host,
             "handshake_port": self.handshake_port,
             "iova": {str(k): [a, i] for k, (a, i) in self.iova.items()},
+            "memory_windows": self.memory_windows,
         }
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> RdmaPeerInfo:
         try:
-            return cls(
+            info = cls(
                 device=str(d["device"]),
                 port=int(d["port"]),
                 lid=int(d["lid"]),
@@ -194,9 +201,13 @@ class RdmaPeerInfo:
                 host=str(d["host"]),
                 handshake_port=int(d["handshake_port"]),
                 iova={int(k): (int(v[0]), int(v[1])) for k, v in d.get("iova", {}).items()},
+                memory_windows=int(d.get("memory_windows", 0)),
             )
         except (KeyError, TypeError, ValueError, IndexError) as exc:
             raise ProtocolError(f"malformed rdma descriptor part {d!r}: {exc}") from exc
+        if info.memory_windows not in (0, 1, 2):
+            raise ProtocolError(f"rdma memory_windows must be 0, 1 or 2, got {info.memory_windows}")
+        return info
 
 
 # ---------------------------------------------------------------------------------------------------

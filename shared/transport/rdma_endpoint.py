@@ -1,10 +1,15 @@
 """One RC connection of the rdma backend: batched writes (WRITE_WITH_IMM last) and reads over its
-queue pair, with send-queue slot accounting and failure -> typed error."""
+queue pair, with send-queue slot accounting and failure -> typed error.
+
+Where the peer binds memory windows, a key in a WriteEntry is a window's token: the endpoint
+resolves it once over the connection's side channel into the window's spans and their MW rkeys
+(rdma_windows.py), then writes each entry with the rkey of the span that holds it."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -12,6 +17,7 @@ from shared.transport.base import (
     Access,
     MemoryRegion,
     PeerGoneError,
+    ProtocolError,
     RefusalReason,
     RemoteAccessError,
     TransportClosedError,
@@ -19,7 +25,16 @@ from shared.transport.base import (
     WriteEntry,
     check_imm,
 )
-from shared.transport.rdma_qp import Span, build_segments
+from shared.transport.rdma_qp import (
+    MAX_REPLY_FRAME,
+    Span,
+    build_segments,
+    read_frame,
+    write_frame,
+)
+from shared.transport.rdma_windows import NO_WINDOWS, BoundSpan
+
+_MAX_CACHED_WINDOWS = 4096  # resolved windows remembered per endpoint (one per lease)
 
 if TYPE_CHECKING:
     from shared.transport.rdma import QPEntry, RdmaTransport
@@ -38,6 +53,8 @@ class RdmaEndpoint:
         regions: Sequence[MemoryRegion],
         iova: dict[int, tuple[int, int]],
         side_channel: asyncio.StreamWriter | None,
+        reader: asyncio.StreamReader | None = None,
+        memory_windows: int = NO_WINDOWS,
     ) -> None:
         self._t = transport
         self._entry = entry
@@ -45,6 +62,10 @@ class RdmaEndpoint:
         self._regions = {r.rkey: r for r in regions}  # what the peer advertised at connect
         self._iova = iova
         self._side_channel = side_channel
+        self._reader = reader
+        self._memory_windows = memory_windows
+        self._resolved: OrderedDict[int, tuple[Access, tuple[BoundSpan, ...]]] = OrderedDict()
+        self._resolving = asyncio.Lock()  # one request at a time on the side channel
         self._free_wrs = transport.limits.send_depth
         self._slots = asyncio.Event()
         self._broken: TransportError | None = None
@@ -89,8 +110,68 @@ class RdmaEndpoint:
         """Pull each entry's remote span into its local span; no completion at the peer."""
         await asyncio.shield(self._run(entries, Access.REMOTE_READ, None))
 
+    async def _resolve(self, key: int) -> None:
+        """Learn window ``key``'s spans and MW rkeys from the peer (once per window)."""
+        if key in self._resolved:
+            self._resolved.move_to_end(key)
+            return
+        async with self._resolving:
+            if key in self._resolved:
+                return
+            if self._side_channel is None or self._reader is None:
+                raise PeerGoneError(f"no side channel to {self._peer_id} to resolve window keys")
+            try:
+                await write_frame(self._side_channel, {"resolve": key})
+                reply = await asyncio.wait_for(
+                    read_frame(self._reader, MAX_REPLY_FRAME), self._t.config.op_timeout_s
+                )
+            except (TimeoutError, OSError, asyncio.IncompleteReadError, ProtocolError) as exc:
+                error = PeerGoneError(f"resolving a window key with {self._peer_id}: {exc!r}")
+                self._broken = self._broken or error
+                raise error from exc
+        if "error" in reply:
+            try:  # reason 0: the connection failed on the peer's side (a bind failed)
+                reason = RefusalReason(int(reply.get("reason", 0)))
+            except (TypeError, ValueError):
+                error = PeerGoneError(f"peer {self._peer_id}: {reply['error']}; connect again")
+                self._broken = self._broken or error
+                raise error from None
+            raise RemoteAccessError(reason, f"peer {self._peer_id}: {reply['error']}")
+        try:
+            if reply.get("window") != key:
+                raise ProtocolError(f"asked for window {key}, got {reply.get('window')!r}")
+            access = Access(int(reply["access"]))
+            spans = tuple(BoundSpan.from_list(item) for item in reply["spans"])
+        except (KeyError, TypeError, ValueError, ProtocolError) as exc:
+            error = PeerGoneError(f"peer {self._peer_id} answered a window key badly: {exc}")
+            self._broken = self._broken or error
+            raise error from exc
+        self._resolved[key] = (access, spans)
+        while len(self._resolved) > _MAX_CACHED_WINDOWS:
+            self._resolved.popitem(last=False)
+
+    def _window_span(self, entry: WriteEntry, access: Access) -> tuple[int, int]:
+        """``(NIC address, MW rkey)`` of an entry through a resolved window."""
+        granted, spans = self._resolved[entry.rkey]
+        if granted & access != access:
+            raise RemoteAccessError(
+                RefusalReason.ACCESS_DENIED, f"window {entry.rkey} grants {granted!r}"
+            )
+        for span in spans:
+            wire = span.wire_addr(entry.remote_addr, entry.length)
+            if wire is not None:
+                return wire, span.rkey
+        raise RemoteAccessError(
+            RefusalReason.OUT_OF_BOUNDS,
+            f"window {entry.rkey} access [{entry.remote_addr:#x}, "
+            f"{entry.remote_addr + entry.length:#x}) is outside its {len(spans)} span(s)",
+        )
+
     def _span(self, entry: WriteEntry, access: Access) -> Span:
         local_addr, lkey = self._t.memory.local_span(entry.local, entry.local_offset, entry.length)
+        if self._memory_windows:
+            remote_addr, rkey = self._window_span(entry, access)
+            return Span(local_addr, lkey, remote_addr, rkey, entry.length)
         remote_addr = entry.remote_addr
         region = self._regions.get(entry.rkey)
         if region is not None:  # advertised: refuse here rather than break the QP
@@ -113,6 +194,10 @@ class RdmaEndpoint:
         self._check_usable()
         if not entries:
             raise ValueError("a write or read needs at least one entry")
+        if self._memory_windows:
+            for key in dict.fromkeys(e.rkey for e in entries):
+                await self._resolve(key)
+            self._check_usable()
         spans = [self._span(e, access) for e in entries]
         segments = build_segments(
             self._t.verbs,

@@ -1,8 +1,13 @@
 """Memory registrations of the rdma backend: host memory as MRs, CUDA tensors as dma-buf MRs.
 
-The MR's hardware rkey is the region's rkey. Host registrations are mirrored into the shared
-Registry (so ``auto``'s shm/tcp backends serve the same regions and stats count them); GPU ones
-live only here, since the other backends cannot reach device memory.
+Host registrations are mirrored into the shared Registry (so ``auto``'s shm/tcp backends serve
+the same regions and stats count them); GPU ones live only here, since the other backends cannot
+reach device memory.
+
+Where the NIC binds memory windows (``mw_bind``), a region peers may reach is registered with
+LOCAL_WRITE | MW_BIND and no remote access of its own: peers reach it only through windows
+(rdma_windows.py), and its key is the Registry's (random, as on shm/tcp), not the MR's. Without
+memory windows the MR carries the remote access and its hardware rkey is the region's rkey.
 """
 
 from __future__ import annotations
@@ -41,8 +46,11 @@ class RdmaMemory:
         pd: Any,
         registry: Registry,
         dmabuf_exporter: Callable[[int, int], tuple[int, int]],
+        *,
+        mw_bind: bool = False,
     ) -> None:
         self.verbs = verbs
+        self.mw_bind = mw_bind
         self.pd = pd
         self.registry = registry
         self.export_dmabuf = dmabuf_exporter
@@ -71,13 +79,28 @@ class RdmaMemory:
             lambda flags: self.verbs.MR(self.pd, n, flags, address=tensor.data_ptr()), access
         )
         try:
-            region = self.registry.register(tensor, access, rkey=mr.rkey)
+            region = self._mirror(tensor, access, mr)
         except BaseException:
             mr.close()
             raise
         region = dataclasses.replace(region, lkey=mr.lkey)
-        self._regs[mr.rkey] = Registration(mr, region, region.addr, tensor)
+        self._regs[region.rkey] = Registration(mr, region, region.addr, tensor)
         return region
+
+    def _mirror(self, tensor: torch.Tensor, access: Access, mr: Any) -> MemoryRegion:
+        if not (self.mw_bind and access & Access.REMOTE):
+            return self.registry.register(tensor, access, rkey=mr.rkey)
+        while True:  # a Registry key, unless it happens to equal a key registered here
+            region = self.registry.register(tensor, access)
+            if region.rkey not in self._regs:
+                return region
+            self.registry.deregister(region)
+
+    def registration(self, region: MemoryRegion) -> Registration:
+        reg = self._regs.get(region.rkey)
+        if reg is None or reg.region != region:
+            raise KeyError(f"region rkey={region.rkey} is not registered with this transport")
+        return reg
 
     def register_dmabuf(self, tensor: torch.Tensor, access: Access) -> MemoryRegion:
         """Register through a dma-buf export of the memory (CUDA tensors); the NIC addresses it
@@ -101,11 +124,16 @@ class RdmaMemory:
 
     def _reg_mr(self, make: Callable[[int], Any], access: Access) -> Any:
         e = self.verbs.e
-        flags = e.IBV_ACCESS_LOCAL_WRITE  # RDMA READ results land in local memory
-        if access & Access.REMOTE_WRITE:
-            flags |= e.IBV_ACCESS_REMOTE_WRITE
-        if access & Access.REMOTE_READ:
-            flags |= e.IBV_ACCESS_REMOTE_READ
+        # LOCAL_WRITE: RDMA READ results land in local memory, and an MW granting remote write
+        # needs it on its MR
+        flags = e.IBV_ACCESS_LOCAL_WRITE
+        if self.mw_bind and access & Access.REMOTE:
+            flags |= e.IBV_ACCESS_MW_BIND  # remote access only through memory windows
+        else:
+            if access & Access.REMOTE_WRITE:
+                flags |= e.IBV_ACCESS_REMOTE_WRITE
+            if access & Access.REMOTE_READ:
+                flags |= e.IBV_ACCESS_REMOTE_READ
         try:
             if self.relaxed_ordering:
                 try:
@@ -157,7 +185,11 @@ class RdmaMemory:
         return tuple(r.region for r in self._regs.values() if r.region.access & Access.REMOTE)
 
     def iova_map(self) -> dict[int, tuple[int, int]]:
-        """rkey -> (addr, iova) for regions the NIC addresses differently (dma-buf)."""
+        """rkey -> (addr, iova) for regions the NIC addresses differently (dma-buf). Empty with
+        memory windows: a window's resolution gives each span's NIC address, and region keys
+        are not for peers."""
+        if self.mw_bind:
+            return {}
         return {
             k: (r.region.addr, r.iova) for k, r in self._regs.items() if r.iova != r.region.addr
         }

@@ -35,7 +35,8 @@ MIN_RNR_TIMER = 12  # 0.64 ms
 RECV_WR_ID_BIT = 1 << 63
 
 _FRAME = struct.Struct("!I")
-_MAX_FRAME = 1 << 16
+MAX_REQUEST_FRAME = 1 << 16  # what a peer may send us unasked
+MAX_REPLY_FRAME = 1 << 22  # a window's resolution: ~40 bytes per span
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +108,9 @@ def clamp_limits(limits: QPLimits, device_attr: Any, port_attr: Any) -> QPLimits
 # QP lifecycle
 
 
-def create_rc_qp(verbs: Any, pd: Any, cq: Any, limits: QPLimits) -> Any:
+def create_rc_qp(verbs: Any, pd: Any, cq: Any, limits: QPLimits, send_cq: Any = None) -> Any:
+    """An RC QP; ``send_cq`` (default ``cq``) takes its send completions: an accepting QP posts
+    only memory-window binds, which the event loop waits for on a CQ of their own."""
     cap = verbs.QPCap(
         max_send_wr=limits.send_depth,
         max_recv_wr=limits.recv_depth,
@@ -115,7 +118,9 @@ def create_rc_qp(verbs: Any, pd: Any, cq: Any, limits: QPLimits) -> Any:
         max_recv_sge=1,
     )
     # sq_sig_all=0: only WRs posted with IBV_SEND_SIGNALED complete, one per segment.
-    init = verbs.QPInitAttr(qp_type=verbs.e.IBV_QPT_RC, scq=cq, rcq=cq, cap=cap, sq_sig_all=0)
+    init = verbs.QPInitAttr(
+        qp_type=verbs.e.IBV_QPT_RC, scq=send_cq or cq, rcq=cq, cap=cap, sq_sig_all=0
+    )
     return verbs.QP(pd, init)
 
 
@@ -346,13 +351,16 @@ def completion_error(verbs: Any, status: int, vendor_err: int, what: str) -> Tra
 
 
 # ---------------------------------------------------------------------------------------------------
-# Handshake framing: a 4-byte big-endian length, then a JSON object
+# Side-channel framing (handshake, window resolution): a 4-byte big-endian length, then a JSON
+# object
 
 
-async def read_frame(reader: asyncio.StreamReader) -> dict[str, Any]:
+async def read_frame(
+    reader: asyncio.StreamReader, max_bytes: int = MAX_REQUEST_FRAME
+) -> dict[str, Any]:
     (size,) = _FRAME.unpack(await reader.readexactly(_FRAME.size))
-    if size > _MAX_FRAME:
-        raise ProtocolError(f"rdma handshake frame of {size} bytes exceeds {_MAX_FRAME}")
+    if size > max_bytes:
+        raise ProtocolError(f"rdma side-channel frame of {size} bytes exceeds {max_bytes}")
     try:
         message = json.loads(await reader.readexactly(size))
     except ValueError as exc:
