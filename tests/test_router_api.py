@@ -212,6 +212,56 @@ def test_chat_prefers_max_completion_tokens_and_refuses_tools():
     assert invalid(chat, logprobs=True).param == "logprobs"
 
 
+# Found by tests/test_router_schema_fuzz.py: a value nested 1,000 lists deep (the JSON parser
+# allows 1,024) overflowed the stack in the router (500) when an error message quoted its repr,
+# or when the prompt parser unwrapped it recursively.
+DEEP = 1000
+
+
+def deeply_nested_body(name: str, **body) -> bytes:
+    nested = b"[" * DEEP + b"1" + b"]" * DEEP
+    return orjson.dumps(body)[:-1] + b',"' + name.encode() + b'":' + nested + b"}"
+
+
+@pytest.mark.parametrize(
+    "name", ["ignore_eos", "max_tokens", "temperature", "seed", "stop", "n", "logit_bias"]
+)
+def test_parameter_nested_1000_lists_deep_is_400_with_a_short_message(name):
+    raw = deeply_nested_body(name, model=MODEL, prompt="hi", stream=True)
+    err = invalid(parse_completion, parse_json_body(raw), MODEL)
+    assert (err.status, err.param) == (400, name)
+    assert "[[[[...]]]]" in err.message and len(err.message) < 300
+
+
+def test_prompt_nested_1000_lists_deep_is_400_invalid_type():
+    raw = deeply_nested_body("prompt", model=MODEL)
+    err = invalid(parse_completion, parse_json_body(raw), MODEL)
+    assert (err.status, err.param, err.code) == (400, "prompt", "invalid_type")
+    assert "nests lists too deep" in err.message
+
+
+def test_prompt_in_two_lists_is_refused_and_in_one_list_accepted():
+    assert invalid(completion, prompt=[[[1, 2]]]).code == "invalid_type"
+    assert invalid(completion, prompt=[["a"]]).code == "invalid_type"
+    assert completion(prompt=[[1, 2]]).prompt_ids == (1, 2)
+
+
+def test_chat_role_nested_1000_lists_deep_is_400_naming_the_role():
+    raw = b'{"model":"%s","messages":[{"content":"x","role":%s}]}' % (
+        MODEL.encode(),
+        b"[" * DEEP + b"1" + b"]" * DEEP,
+    )
+    err = invalid(parse_chat, parse_json_body(raw), MODEL)
+    assert (err.status, err.param) == (400, "messages[0].role")
+
+
+def test_error_message_quotes_a_huge_value_cut_short():
+    err = invalid(completion, logit_bias={"1": "x" * 100_000})
+    assert err.param == "logit_bias" and len(err.message) < 300
+    err = invalid(parse_completion, {"model": "m" * 100_000, "prompt": "hi"}, MODEL)
+    assert err.status == 404 and len(err.message) < 300
+
+
 # --- tokenize and context limits ---------------------------------------------------------------
 
 

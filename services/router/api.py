@@ -7,6 +7,7 @@ them. ``services.router.prompt.tokenize`` then makes the request concrete.
 
 from __future__ import annotations
 
+import reprlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -20,6 +21,10 @@ Kind = Literal["completion", "chat"]
 MAX_STOP_STRINGS = 16
 MAX_SEED = 2**63 - 1
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+_QUOTE = reprlib.Repr()  # keyword arguments need Python 3.12
+_QUOTE.maxlevel, _QUOTE.maxlist, _QUOTE.maxdict = 3, 8, 8
+_QUOTE.maxstring = _QUOTE.maxother = _QUOTE.maxlong = 80
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,7 +136,9 @@ def _refuse_unsupported(body: Mapping[str, Any], table: Mapping[str, tuple[Any, 
     for name, (is_harmless, message) in table.items():
         if name in body and not is_harmless(body[name]):
             raise InvalidRequestError(
-                f"{message} (got {name}={body[name]!r})", param=name, code="unsupported_parameter"
+                f"{message} (got {name}={_show(body[name])})",
+                param=name,
+                code="unsupported_parameter",
             )
 
 
@@ -145,7 +152,7 @@ def _common(body: Mapping[str, Any], served_model: str) -> dict[str, Any]:
         )
     if model != served_model:
         raise ModelNotFoundError(
-            f"the model {model!r} does not exist here; this router serves {served_model!r}",
+            f"the model {_show(model)} does not exist here; this router serves {served_model!r}",
             param="model",
         )
     top_k = _opt_int(body, "top_k", minimum=-1)
@@ -164,12 +171,9 @@ def _common(body: Mapping[str, Any], served_model: str) -> dict[str, Any]:
 
 
 def _parse_prompt(prompt: Any) -> tuple[str | None, tuple[int, ...] | None]:
-    if isinstance(prompt, str):
-        return prompt, None
-    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
-        if any(t < 0 for t in prompt):
-            raise InvalidRequestError("prompt token ids must be >= 0", param="prompt")
-        return None, tuple(prompt)
+    # OpenAI's shapes: a string, token ids, or a list of those (a batch; one is accepted).
+    # Unwrapped once, not recursively: deeper nesting is no prompt shape (and a recursion as
+    # deep as the JSON parser allows would overflow the stack).
     if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
         if len(prompt) > 1:
             raise InvalidRequestError(
@@ -178,7 +182,20 @@ def _parse_prompt(prompt: Any) -> tuple[str | None, tuple[int, ...] | None]:
                 param="prompt",
                 code="unsupported_parameter",
             )
-        return _parse_prompt(prompt[0])
+        (prompt,) = prompt
+        if isinstance(prompt, list) and prompt and not all(_is_int(t) for t in prompt):
+            raise InvalidRequestError(
+                "'prompt' nests lists too deep: send a string, a list of token ids, or a list "
+                "holding one of those",
+                param="prompt",
+                code="invalid_type",
+            )
+    if isinstance(prompt, str):
+        return prompt, None
+    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        if any(t < 0 for t in prompt):
+            raise InvalidRequestError("prompt token ids must be >= 0", param="prompt")
+        return None, tuple(prompt)
     if prompt is None:
         raise InvalidRequestError(
             "'prompt' is required: a string or a list of token ids",
@@ -215,7 +232,7 @@ def _parse_messages(messages: Any) -> tuple[dict[str, str], ...]:
         role = message.get("role")
         if role not in CHAT_ROLES:
             raise InvalidRequestError(
-                f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got {role!r}",
+                f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got {_show(role)}",
                 param=f"{where}.role",
             )
         content = _message_content(message.get("content"), f"{where}.content", role)
@@ -235,7 +252,7 @@ def _message_content(content: Any, where: str, role: str) -> str:
             if not isinstance(part, dict) or part.get("type") != "text":
                 kind = part.get("type") if isinstance(part, dict) else _describe(part)
                 raise InvalidRequestError(
-                    f"{where}[{j}]: only text content parts are supported, got {kind!r}",
+                    f"{where}[{j}]: only text content parts are supported, got {_show(kind)}",
                     param=f"{where}[{j}]",
                     code="unsupported_parameter",
                 )
@@ -256,7 +273,7 @@ def _parse_stop(stop: Any) -> tuple[str, ...]:
     items: Sequence[Any] = [stop] if isinstance(stop, str) else stop
     if not isinstance(items, list) or not all(isinstance(s, str) and s for s in items):
         raise InvalidRequestError(
-            f"'stop' must be a non-empty string or a list of non-empty strings, got {stop!r}",
+            f"'stop' must be a non-empty string or a list of non-empty strings, got {_show(stop)}",
             param="stop",
         )
     if len(items) > MAX_STOP_STRINGS:
@@ -282,7 +299,7 @@ def _parse_stream_options(options: Any, stream: bool) -> bool:
     include = options.get("include_usage", False)
     if not isinstance(include, bool):
         raise InvalidRequestError(
-            f"'stream_options.include_usage' must be a boolean, got {include!r}",
+            f"'stream_options.include_usage' must be a boolean, got {_show(include)}",
             param="stream_options.include_usage",
         )
     return include
@@ -296,7 +313,7 @@ def _opt_int(
         return None
     if not _is_int(value):
         raise InvalidRequestError(
-            f"'{name}' must be an integer, got {value!r}", param=name, code="invalid_type"
+            f"'{name}' must be an integer, got {_show(value)}", param=name, code="invalid_type"
         )
     if value < minimum or (maximum is not None and value > maximum):
         bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
@@ -318,7 +335,7 @@ def _opt_number(
         return default
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise InvalidRequestError(
-            f"'{name}' must be a number, got {value!r}", param=name, code="invalid_type"
+            f"'{name}' must be a number, got {_show(value)}", param=name, code="invalid_type"
         )
     too_low = value <= low if exclusive_min else value < low
     if too_low or value > high:
@@ -335,13 +352,19 @@ def _opt_bool(body: Mapping[str, Any], name: str) -> bool:
         return False
     if not isinstance(value, bool):
         raise InvalidRequestError(
-            f"'{name}' must be a boolean, got {value!r}", param=name, code="invalid_type"
+            f"'{name}' must be a boolean, got {_show(value)}", param=name, code="invalid_type"
         )
     return value
 
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _show(value: Any) -> str:
+    """A client's value quoted in an error message: its repr, cut short in length and depth
+    (a plain repr of a value nested as deep as the JSON parser allows overflows the stack)."""
+    return _QUOTE.repr(value)
 
 
 def _describe(value: Any) -> str:
