@@ -18,7 +18,11 @@ def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
 
 
 _SAMPLING: dict[str, Any] = {
-    "model": {"type": "string", "description": "Must be the served model (GET /v1/models)."},
+    "model": {
+        "type": "string",
+        "minLength": 1,
+        "description": "Must be the served model (GET /v1/models).",
+    },
     "temperature": {"type": "number", "minimum": 0, "maximum": 2, "default": 1},
     "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1, "default": 1},
     "top_k": {"type": "integer", "minimum": -1, "default": -1, "description": "-1 or 0: off"},
@@ -83,7 +87,7 @@ _SCHEMAS: dict[str, Any] = {
                 "anyOf": [
                     {"type": "string"},
                     {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
-                    {"type": "array", "items": {"type": "string"}, "maxItems": 1},
+                    {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 1},
                 ],
             },
             "max_tokens": _nullable({"type": "integer", "minimum": 1, "default": 16}),
