@@ -26,6 +26,8 @@ from collections import defaultdict
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from shared.subjects import DEFAULT_MESH
+
 MODEL = "kvmesh-tiny"
 
 
@@ -88,9 +90,10 @@ def local_mesh(
 class MeshTap:
     """Listens on every request's subjects: TokenEvents, PrefillReports, PrefillDones."""
 
-    def __init__(self, nats_url: str, auth: Any = None) -> None:
+    def __init__(self, nats_url: str, auth: Any = None, *, mesh: str = DEFAULT_MESH) -> None:
         self.nats_url = nats_url
         self.auth = auth  # a NatsAuth (the mesh's admin user), or None: the environment's
+        self.mesh = mesh
         self.tokens: dict[str, list[int]] = defaultdict(list)
         self.finished: dict[str, Any] = {}  # request id -> final TokenEvent
         self.reports: dict[str, Any] = {}  # request id -> PrefillReport
@@ -100,6 +103,7 @@ class MeshTap:
     async def __aenter__(self) -> MeshTap:
         from shared import protocol
         from shared.nats_service import connect_nats
+        from shared.subjects import Subjects
 
         self._stack = contextlib.AsyncExitStack()
         nc = await self._stack.enter_async_context(
@@ -121,9 +125,10 @@ class MeshTap:
             done = protocol.decode(msg.data, protocol.PrefillDone)
             self.prefill_done[done.request_id] = done
 
-        await nc.subscribe("kvmesh.request.*.tokens", cb=on_tokens)
-        await nc.subscribe("kvmesh.request.*.prefill", cb=on_report)
-        await nc.subscribe("kvmesh.decode.*.prefill_done", cb=on_done)
+        s = Subjects(self.mesh)
+        await nc.subscribe(s.request_tokens("*"), cb=on_tokens)
+        await nc.subscribe(s.request_prefill_report("*"), cb=on_report)
+        await nc.subscribe(s.decode_prefill_done("*"), cb=on_done)
         await nc.flush()
         return self
 
@@ -148,7 +153,7 @@ async def complete(
 
 
 async def wait_blocks_returned(
-    nats_url: str, auth: Any = None, timeout_s: float = 15.0
+    nats_url: str, auth: Any = None, timeout_s: float = 15.0, *, mesh: str = DEFAULT_MESH
 ) -> list[dict[str, Any]]:
     """Admin status rows of the decode workers, once each has every block free again (or the
     last rows seen when ``timeout_s`` runs out: the caller asserts)."""
@@ -156,7 +161,7 @@ async def wait_blocks_returned(
 
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
-    async with admin_client(nats_url, auth=auth) as admin:
+    async with admin_client(nats_url, auth=auth, mesh=mesh) as admin:
         while True:
             rows = (await admin.status())["decode"]
             if rows and all(r["free_blocks"] == r["total_blocks"] for r in rows):

@@ -1,4 +1,4 @@
-"""Admin requests to the kv-registry (plain JSON on the kvmesh.admin.* subjects)."""
+"""Admin requests to a mesh's kv-registry (plain JSON on its kvmesh.<mesh>.admin.* subjects)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ from typing import Any
 
 from nats.aio.client import Client
 
-from shared import subjects
 from shared.nats_auth import NatsAuth
+from shared.nats_options import NatsSecurity
 from shared.nats_service import NatsUnavailableError, connect_nats, request_json
+from shared.subjects import DEFAULT_MESH, Subjects
 
 
 class AdminError(RuntimeError):
@@ -18,30 +19,31 @@ class AdminError(RuntimeError):
 
 
 class AdminClient:
-    def __init__(self, nc: Client, timeout_s: float = 3.0) -> None:
+    def __init__(self, nc: Client, subjects: Subjects, timeout_s: float = 3.0) -> None:
         self.nc = nc
+        self.subjects = subjects
         self.timeout_s = timeout_s
 
     async def status(self) -> dict[str, Any]:
-        return await self._request(subjects.ADMIN_STATUS, {})
+        return await self._request(self.subjects.ADMIN_STATUS, {})
 
     async def workers(self) -> list[dict[str, Any]]:
-        return (await self._request(subjects.ADMIN_WORKERS, {}))["workers"]
+        return (await self._request(self.subjects.ADMIN_WORKERS, {}))["workers"]
 
     async def drain(self, worker_id: str) -> dict[str, Any]:
-        return await self._request(subjects.ADMIN_DRAIN, {"worker": worker_id})
+        return await self._request(self.subjects.ADMIN_DRAIN, {"worker": worker_id})
 
     async def resume(self, worker_id: str) -> dict[str, Any]:
-        return await self._request(subjects.ADMIN_RESUME, {"worker": worker_id})
+        return await self._request(self.subjects.ADMIN_RESUME, {"worker": worker_id})
 
     async def log_level(self, level: str) -> dict[str, Any]:
-        return await self._request(subjects.ADMIN_LOG_LEVEL, {"level": level})
+        return await self._request(self.subjects.ADMIN_LOG_LEVEL, {"level": level})
 
     async def _request(self, subject: str, body: dict[str, Any]) -> Any:
         try:
             reply = await request_json(self.nc, subject, body, self.timeout_s)
         except NatsUnavailableError as exc:
-            raise AdminError(str(exc)) from None
+            raise AdminError(f"{exc} (mesh {self.subjects.mesh})") from None
         if isinstance(reply, dict) and "error" in reply:
             raise AdminError(str(reply["error"]))
         return reply
@@ -53,9 +55,14 @@ async def admin_client(
     timeout_s: float = 3.0,
     connect_wait_s: float = 3.0,
     auth: NatsAuth | None = None,
+    *,
+    mesh: str = DEFAULT_MESH,
+    security: NatsSecurity | None = None,
 ) -> AsyncIterator[AdminClient]:
-    """``auth``: default the environment's credentials (KVMESH_NATS_USER=admin, ...)."""
+    """An admin client of mesh ``mesh``. ``auth``: default the environment's credentials
+    (KVMESH_NATS_USER=admin, ...); ``security``: a credentials file and TLS."""
+    subjects = Subjects(mesh)
     async with connect_nats(
-        nats_url, "kvmesh-admin", connect_wait_s=connect_wait_s, auth=auth
+        nats_url, "kvmesh-admin", connect_wait_s=connect_wait_s, auth=auth, security=security
     ) as nc:
-        yield AdminClient(nc, timeout_s)
+        yield AdminClient(nc, subjects, timeout_s)

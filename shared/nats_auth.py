@@ -3,7 +3,8 @@
 A mesh that ``kvmesh up`` starts on its own nats-server runs it with one user per role (router,
 kv-registry, decode, colocated, prefill) plus ``admin`` for the operator, each with a random
 password and the permissions below; a client with no credentials cannot connect at all. Each
-role may publish only the messages it sends and subscribe only to what it reads, so a prefill
+role may use only its mesh's subjects (``kvmesh.<mesh>.``) and JetStream stream; it may publish
+only the messages it sends and subscribe only to what it reads, so a prefill
 worker cannot abort requests, only the kv-registry can reserve decode blocks, only the router
 can renew leases and only ``admin`` can drain workers. Replies to requests go out under
 ``allow_responses``; each role has its own reply-inbox prefix, so no role reads another's
@@ -24,16 +25,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared.subjects import PREFIX
+from shared.subjects import Subjects
 
-P = PREFIX
 USER_ENV, PASSWORD_ENV, PASSWORD_FILE_ENV = (
     "KVMESH_NATS_USER",
     "KVMESH_NATS_PASSWORD",
     "KVMESH_NATS_PASSWORD_FILE",
 )
 ADMIN = "admin"
-JETSTREAM = ("$JS.API.>",)  # stream and consumer management, publish acks
+ROLES = ("router", "kv-registry", "decode", "colocated", "prefill", ADMIN)
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,80 +47,89 @@ def inbox_prefix(user: str) -> str:
     return f"_INBOX_{user}"
 
 
-def _service(role: str, publish: tuple[str, ...], subscribe: tuple[str, ...]) -> Permissions:
-    """Every service heartbeats as its role, follows log-level changes and answers discovery."""
-    return Permissions(
-        publish=(f"{P}.heartbeat.{role}.*", *publish),
-        subscribe=(
-            f"{inbox_prefix(role)}.>",
-            f"{P}.control.log_level",
-            "$SRV.>",
-            *subscribe,
-        ),
+def jetstream_api(s: Subjects) -> tuple[str, ...]:
+    """The JetStream API of the mesh's own prefill stream (its info, creation, message deletion,
+    its consumers and their pulls), and nothing of any other stream."""
+    stream = s.PREFILL_STREAM
+    return (
+        f"$JS.API.STREAM.*.{stream}",
+        f"$JS.API.STREAM.MSG.*.{stream}",
+        f"$JS.API.CONSUMER.*.{stream}",
+        f"$JS.API.CONSUMER.*.{stream}.>",
+        f"$JS.API.CONSUMER.*.*.{stream}.>",
     )
 
 
-_DECODE_PUB = (f"{P}.request.*.tokens", f"{P}.registry.advertise", f"{P}.abort")
-_DECODE_SUB = (
-    f"{P}.decode.*.>",
-    f"{P}.worker.*.control",
-    f"{P}.abort",
-    f"{P}.registry.worker_gone",
-)
+def role_permissions(s: Subjects) -> dict[str, Permissions]:
+    """Each role's permissions on mesh ``s.mesh``: only that mesh's subjects and stream."""
+    p = s.prefix
 
-ROLE_PERMISSIONS: Mapping[str, Permissions] = {
-    "router": _service(
-        "router",
-        publish=(
-            f"{P}.registry.place",
-            f"{P}.abort",
-            f"{P}.decode.*.lease_renew",
-            f"{P}.request.*.worker_gone",
-            f"{P}.prefill.jobs",
-            *JETSTREAM,
+    def service(role: str, publish: tuple[str, ...], subscribe: tuple[str, ...]) -> Permissions:
+        """Every service heartbeats as its role, follows log-level changes, answers discovery."""
+        return Permissions(
+            publish=(f"{p}.heartbeat.{role}.*", *publish),
+            subscribe=(f"{inbox_prefix(role)}.>", s.CONTROL_LOG_LEVEL, "$SRV.>", *subscribe),
+        )
+
+    decode_pub = (f"{p}.request.*.tokens", s.REGISTRY_ADVERTISE, s.ABORT)
+    decode_sub = (f"{p}.decode.*.>", f"{p}.worker.*.control", s.ABORT, s.REGISTRY_WORKER_GONE)
+    js = jetstream_api(s)
+    return {
+        "router": service(
+            "router",
+            publish=(
+                s.REGISTRY_PLACE,
+                s.ABORT,
+                s.DECODE_LEASE_RENEW_ALL,
+                f"{p}.request.*.worker_gone",
+                s.PREFILL_JOBS,
+                *js,
+            ),
+            subscribe=(
+                f"{p}.request.>",
+                s.REGISTRY_WORKER_GONE,
+                s.REGISTRY_ADVERTISE,
+                s.HEARTBEAT_ALL,
+            ),
         ),
-        subscribe=(
-            f"{P}.request.>",
-            f"{P}.registry.worker_gone",
-            f"{P}.registry.advertise",
-            f"{P}.heartbeat.>",
+        "kv-registry": service(
+            "kv-registry",
+            publish=(
+                f"{p}.decode.*.reserve",
+                f"{p}.worker.*.control",
+                s.CONTROL_LOG_LEVEL,
+                s.REGISTRY_WORKER_GONE,
+                *js,
+            ),
+            subscribe=(
+                s.REGISTRY_PLACE,
+                s.REGISTRY_ADVERTISE,
+                s.HEARTBEAT_ALL,
+                s.decode_prefill_done("*"),
+                s.DECODE_LEASE_RENEW_ALL,
+                f"{p}.admin.>",
+            ),
         ),
-    ),
-    "kv-registry": _service(
-        "kv-registry",
-        publish=(
-            f"{P}.decode.*.reserve",
-            f"{P}.worker.*.control",
-            f"{P}.control.log_level",
-            f"{P}.registry.worker_gone",
-            *JETSTREAM,
+        "decode": service("decode", decode_pub, decode_sub),
+        "colocated": service("colocated", decode_pub, decode_sub),
+        "prefill": service(
+            "prefill",
+            publish=(
+                s.decode_prefill_done("*"),
+                s.decode_prefill_started("*"),
+                f"{p}.request.*.prefill",
+                f"{p}.request.*.prefill_started",
+                *js,
+            ),
+            subscribe=(s.ABORT, s.REGISTRY_ADVERTISE, f"{p}.worker.*.control"),
         ),
-        subscribe=(
-            f"{P}.registry.place",
-            f"{P}.registry.advertise",
-            f"{P}.heartbeat.>",
-            f"{P}.decode.*.prefill_done",
-            f"{P}.decode.*.lease_renew",
-            f"{P}.admin.>",
+        # The operator: the mesh's admin requests and discovery; may watch everything of the
+        # mesh (kvmesh bench taps it) and its own replies.
+        ADMIN: Permissions(
+            publish=(f"{p}.admin.>", "$SRV.>"),
+            subscribe=(f"{p}.>", f"{inbox_prefix(ADMIN)}.>", "$SRV.>"),
         ),
-    ),
-    "decode": _service("decode", _DECODE_PUB, _DECODE_SUB),
-    "colocated": _service("colocated", _DECODE_PUB, _DECODE_SUB),
-    "prefill": _service(
-        "prefill",
-        publish=(
-            f"{P}.decode.*.prefill_done",
-            f"{P}.decode.*.prefill_started",
-            f"{P}.request.*.prefill",
-            f"{P}.request.*.prefill_started",
-            *JETSTREAM,
-        ),
-        subscribe=(f"{P}.abort", f"{P}.registry.advertise", f"{P}.worker.*.control"),
-    ),
-    # The operator: admin requests and discovery, and may watch everything (kvmesh bench taps).
-    ADMIN: Permissions(publish=(f"{P}.admin.>", "$SRV.>"), subscribe=(">",)),
-}
-ROLES = tuple(ROLE_PERMISSIONS)
+    }
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,7 +160,12 @@ def auth_from_env(environ: Mapping[str, str] | None = None) -> NatsAuth | None:
         return None
     password = env.get(PASSWORD_ENV)
     if password is None and env.get(PASSWORD_FILE_ENV):
-        password = Path(env[PASSWORD_FILE_ENV]).read_text().strip()
+        try:
+            password = Path(env[PASSWORD_FILE_ENV]).read_text().strip()
+        except OSError as exc:
+            raise ValueError(
+                f"{PASSWORD_FILE_ENV}={env[PASSWORD_FILE_ENV]}: cannot be read ({exc.strerror})"
+            ) from None
     if not password:
         raise ValueError(
             f"{USER_ENV}={user} is set but neither {PASSWORD_ENV} nor {PASSWORD_FILE_ENV} is"
@@ -174,9 +188,11 @@ class MeshCredentials:
             raise KeyError(f"no NATS user for role {role!r}; roles: {', '.join(ROLES)}")
         return NatsAuth(role, self.passwords[role])
 
-    def server_config(self) -> str:
-        """The nats-server ``authorization`` block with these passwords."""
-        return authorization_block({role: json.dumps(pw) for role, pw in self.passwords.items()})
+    def server_config(self, subjects: Subjects) -> str:
+        """The nats-server ``authorization`` block of mesh ``subjects.mesh`` with these
+        passwords."""
+        quoted = {role: json.dumps(pw) for role, pw in self.passwords.items()}
+        return authorization_block(subjects, quoted)
 
     def env_file(self) -> str:
         """``KVMESH_NATS_PASSWORD_<ROLE>=...`` lines: a compose ``.env`` for deploy/nats-auth.conf."""
@@ -188,12 +204,13 @@ def password_variable(role: str) -> str:
     return f"KVMESH_NATS_PASSWORD_{role.upper().replace('-', '_')}"
 
 
-def authorization_block(passwords: Mapping[str, str] | None = None) -> str:
-    """nats-server config: one user per role with its permissions. ``passwords`` maps a role to
-    its password as a config value (a quoted string); None references environment variables
-    (``$KVMESH_NATS_PASSWORD_ROUTER``, ...), which nats-server resolves when it starts."""
-    lines = ["authorization {", "  users = ["]
-    for role, perms in ROLE_PERMISSIONS.items():
+def authorization_block(subjects: Subjects, passwords: Mapping[str, str] | None = None) -> str:
+    """nats-server config: one user per role with its permissions on mesh ``subjects.mesh``.
+    ``passwords`` maps a role to its password as a config value (a quoted string); None
+    references environment variables (``$KVMESH_NATS_PASSWORD_ROUTER``, ...), which nats-server
+    resolves when it starts."""
+    lines = [f"# kvmesh mesh {subjects.mesh!r}", "authorization {", "  users = ["]
+    for role, perms in role_permissions(subjects).items():
         password = passwords[role] if passwords is not None else f"${password_variable(role)}"
         lines += [
             "    {",

@@ -90,11 +90,14 @@ class NatsServer:
         start_timeout_s: float = 10.0,
         log_path: Path | None = None,
         authorization: str | None = None,
+        tls: str | None = None,
     ) -> None:
-        """``authorization``: a nats-server ``authorization { ... }`` block (shared/nats_auth.py);
-        None runs an open server."""
+        """``authorization``: a nats-server ``authorization { ... }`` block (shared/nats_auth.py,
+        or a token / user and password one); None runs an open server. ``tls``: a ``tls { ... }``
+        block (certificate, key, CA, verify), for clients that connect with TLS."""
         self.host = host
         self.authorization = authorization
+        self.tls = tls
         self.port = port
         self.jetstream = jetstream
         self.start_timeout_s = start_timeout_s
@@ -135,11 +138,12 @@ class NatsServer:
         ]
         if self.jetstream:
             cmd += ["-js", "-sd", str(tmp / "jetstream")]
-        if self.authorization is not None:
+        blocks = [b for b in (self.authorization, self.tls) if b is not None]
+        if blocks:
             conf = tmp / "nats.conf"  # in a 0700 folder, itself 0600: it holds passwords
             fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "w") as f:
-                f.write(self.authorization)
+                f.write("\n".join(blocks))
             cmd += ["-c", str(conf)]
         log = open(self.log_path or tmp / "nats-server.log", "ab")  # noqa: SIM115
         try:

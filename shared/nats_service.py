@@ -3,8 +3,10 @@ signals. Each piece is an async context manager or a coroutine meant for a TaskG
 
 A worker's ``run(config)`` typically reads::
 
-    async with connect_nats(config.nats_url, f"decode-{worker_id}") as nc:
-        async with worker_presence(nc, role="decode", worker_id=worker_id,
+    subjects = config.subjects                           # the mesh's (shared/subjects.py)
+    async with connect_nats(config.nats_url, f"decode-{worker_id}",
+                            security=config.nats_security) as nc:
+        async with worker_presence(nc, subjects, role="decode", worker_id=worker_id,
                                    heartbeat=make_heartbeat, interval_s=config.heartbeat_s):
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(...)                # the service's own loops
@@ -17,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import ssl
 import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
@@ -29,8 +32,15 @@ from nats.aio.msg import Msg
 from nats.micro.request import Request
 from nats.micro.service import Service
 
-from shared import logs, protocol, subjects
+from shared import logs, protocol
 from shared.nats_auth import ADMIN, PASSWORD_FILE_ENV, USER_ENV, NatsAuth, auth_from_env
+from shared.nats_options import (
+    NatsSecurity,
+    redact_secrets,
+    redact_url,
+    url_has_credentials,
+)
+from shared.subjects import Subjects
 
 log = logs.get_logger(__name__)
 
@@ -54,14 +64,24 @@ async def connect_nats(
     connect_wait_s: float = 10.0,
     reconnect_time_wait_s: float = 0.5,
     auth: NatsAuth | None = None,
+    security: NatsSecurity | None = None,
 ) -> AsyncIterator[Client]:
     """Connect (retrying for ``connect_wait_s``), reconnect forever after, drain on exit.
-    ``auth``: the credentials; default those in the environment (shared/nats_auth.py), none
-    on an open server."""
-    auth = auth if auth is not None else auth_from_env()
+    ``auth``: user and password; default those in the environment (shared/nats_auth.py), none
+    on an open server. ``security``: a credentials file and TLS (shared/nats_options.py); a
+    token or user:password in ``url`` works too. Logs and errors show ``url`` redacted."""
+    shown = redact_url(url)
+    try:
+        auth = auth if auth is not None else auth_from_env()
+        extra = security.connect_options() if security is not None else {}
+    except ValueError as exc:  # NatsOptionsError, or unreadable credentials in the environment
+        raise NatsUnavailableError(str(exc)) from None
     refused: list[str] = []  # the server turned our credentials down
+    tls_failures: list[str] = []
 
     async def on_error(exc: Exception) -> None:
+        if isinstance(exc, ssl.SSLError):
+            tls_failures.append(str(exc))
         if "authorization violation" in str(exc).lower():
             refused.append(str(exc))
         if "permissions violation" in str(exc).lower():  # a role sent what it may not
@@ -74,12 +94,10 @@ async def connect_nats(
     async def on_disconnected() -> None:
         if closing or nc.is_closed:
             return
-        log.warning("nats disconnected, reconnecting", name=name, url=url)
+        log.warning("nats disconnected, reconnecting", name=name, url=shown)
 
     async def on_reconnected() -> None:
-        log.info(
-            "nats reconnected", name=name, url=nc.connected_url.netloc if nc.connected_url else url
-        )
+        log.info("nats reconnected", name=name, url=shown)
 
     nc = Client()
     try:
@@ -95,6 +113,7 @@ async def connect_nats(
                 disconnected_cb=on_disconnected,
                 reconnected_cb=on_reconnected,
                 **(auth.connect_options() if auth else {}),
+                **extra,
             ),
             timeout=connect_wait_s,
         )
@@ -102,15 +121,30 @@ async def connect_nats(
         closing = True
         await nc.close()
         if refused:
-            who = f"user {auth.user!r}" if auth else "no credentials"
+            if auth:
+                who = f"user {auth.user!r}"
+            elif url_has_credentials(url):
+                who = "the credentials in the URL"
+            elif security is not None and security.creds:
+                who = f"--nats-creds {security.creds}"
+            else:
+                who = "no credentials"
             raise NatsUnavailableError(
-                f"the NATS server at {url} refused {who} (authorization violation); a mesh "
+                f"the NATS server at {shown} refused {who} (authorization violation); a mesh "
                 f"started by `kvmesh up` has one user per role: set {USER_ENV}={ADMIN} and "
                 f"{PASSWORD_FILE_ENV} to the file `kvmesh up` printed"
             ) from None
+        if tls_failures or isinstance(exc, ssl.SSLError):
+            detail = tls_failures[-1] if tls_failures else str(exc)
+            raise NatsUnavailableError(
+                f"TLS with the NATS server at {shown} failed ({detail}); check --nats-tls-ca "
+                "(the CA that signed the server's certificate), --nats-tls-cert/--nats-tls-key, "
+                "and that the URL's host is a name in the certificate"
+            ) from None
         raise NatsUnavailableError(
-            f"no NATS server answered at {url} within {connect_wait_s:g}s ({exc!r}); start one "
-            "(`kvmesh up` does, or `nats-server -js`) or pass --nats-url / KVMESH_NATS_URL"
+            f"no NATS server answered at {shown} within {connect_wait_s:g}s "
+            f"({type(exc).__name__}: {redact_secrets(str(exc), url)}); start one (`kvmesh up` "
+            "does, or `nats-server -js`) or pass --nats-url / KVMESH_NATS_URL"
         ) from None
     try:
         yield nc
@@ -167,6 +201,7 @@ async def publish_every(
 
 async def heartbeat_loop(
     nc: Client,
+    subjects: Subjects,
     role: str,
     worker_id: str,
     make_heartbeat: Callable[[], protocol.WorkerHeartbeat],
@@ -177,7 +212,7 @@ async def heartbeat_loop(
 
 
 @contextlib.asynccontextmanager
-async def log_level_control(nc: Client) -> AsyncIterator[None]:
+async def log_level_control(nc: Client, subjects: Subjects) -> AsyncIterator[None]:
     """Follow ``subjects.CONTROL_LOG_LEVEL``: each LogLevel message sets this process's level."""
 
     async def on_message(msg: Msg) -> None:
@@ -213,6 +248,7 @@ async def read_worker_control(req: Request) -> str | None:
 @contextlib.asynccontextmanager
 async def worker_presence(
     nc: Client,
+    subjects: Subjects,
     *,
     role: str,
     worker_id: str,
@@ -223,9 +259,11 @@ async def worker_presence(
     """Everything that makes a worker visible and controllable: micro-service registration,
     a heartbeat task and the log-level subscription. Yields the micro Service."""
     async with (
-        micro_service(nc, role=role, worker_id=worker_id, metadata=metadata) as svc,
-        log_level_control(nc),
-        background(heartbeat_loop(nc, role, worker_id, heartbeat, interval_s)),
+        micro_service(
+            nc, role=role, worker_id=worker_id, metadata={"mesh": subjects.mesh, **(metadata or {})}
+        ) as svc,
+        log_level_control(nc, subjects),
+        background(heartbeat_loop(nc, subjects, role, worker_id, heartbeat, interval_s)),
     ):
         yield svc
 

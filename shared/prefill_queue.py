@@ -25,18 +25,18 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import api
 
-from shared import subjects
+from shared.subjects import Subjects
 
-STREAM = "KVMESH_PREFILL"
 DURABLE = "prefill"
 MAX_AGE_S = 600.0  # a job nobody took in 10 minutes has been given up by its router
 ACK_WAIT_S = 5.0  # a job taken and not acknowledged within this goes to another worker
 
 
-def stream_config() -> api.StreamConfig:
+def stream_config(s: Subjects) -> api.StreamConfig:
+    """The mesh's own stream (``KVMESH_PREFILL_<mesh>``) over its own jobs subject."""
     return api.StreamConfig(
-        name=STREAM,
-        subjects=[subjects.PREFILL_JOBS],
+        name=s.PREFILL_STREAM,
+        subjects=[s.PREFILL_JOBS],
         retention=api.RetentionPolicy.WORK_QUEUE,
         storage=api.StorageType.MEMORY,
         max_age=MAX_AGE_S,
@@ -47,11 +47,11 @@ class PrefillQueueError(RuntimeError):
     """The NATS server cannot hold the prefill queue (JetStream off, or a conflicting stream)."""
 
 
-async def ensure_stream(nc: Client) -> None:
+async def ensure_stream(nc: Client, s: Subjects) -> None:
     """Create the stream if it does not exist (idempotent; router and prefill both call it)."""
     js = nc.jetstream()
     try:
-        await js.stream_info(STREAM)
+        await js.stream_info(s.PREFILL_STREAM)
         return
     except nats.js.errors.NotFoundError:
         pass
@@ -61,46 +61,49 @@ async def ensure_stream(nc: Client) -> None:
             "(start nats-server with -js, as `kvmesh up` and docker-compose do)"
         ) from exc
     try:
-        await js.add_stream(stream_config())
+        await js.add_stream(stream_config(s))
     except nats.js.errors.BadRequestError as exc:  # created concurrently with another config
         with contextlib.suppress(nats.js.errors.NotFoundError):
-            await js.stream_info(STREAM)
+            await js.stream_info(s.PREFILL_STREAM)
             return
-        raise PrefillQueueError(f"cannot create JetStream stream {STREAM}: {exc}") from exc
+        raise PrefillQueueError(
+            f"cannot create JetStream stream {s.PREFILL_STREAM}: {exc}"
+        ) from exc
 
 
-async def publish_job(nc: Client, data: bytes, timeout_s: float = 5.0) -> int:
+async def publish_job(nc: Client, s: Subjects, data: bytes, timeout_s: float = 5.0) -> int:
     """Append an encoded PrefillJob to the queue; its sequence number in the stream. Raises
     nats errors when it is not stored. A missing stream (the NATS server restarted with an empty
     store) is created again first."""
     js = nc.jetstream()
+    stream = s.PREFILL_STREAM
     try:
-        ack = await js.publish(subjects.PREFILL_JOBS, data, timeout=timeout_s, stream=STREAM)
+        ack = await js.publish(s.PREFILL_JOBS, data, timeout=timeout_s, stream=stream)
     except nats.js.errors.NoStreamResponseError:
-        await ensure_stream(nc)
-        ack = await js.publish(subjects.PREFILL_JOBS, data, timeout=timeout_s, stream=STREAM)
+        await ensure_stream(nc, s)
+        ack = await js.publish(s.PREFILL_JOBS, data, timeout=timeout_s, stream=stream)
     return int(ack.seq)
 
 
-async def withdraw_job(nc: Client, seq: int) -> bool:
+async def withdraw_job(nc: Client, s: Subjects, seq: int) -> bool:
     """Take a job off the queue if no worker has taken it yet. True: it is gone and no worker
     will ever compute it; False: a worker took it first (or the queue is unreachable)."""
     try:
-        return bool(await nc.jetstream().delete_msg(STREAM, seq))
+        return bool(await nc.jetstream().delete_msg(s.PREFILL_STREAM, seq))
     except (nats.errors.Error, nats.js.errors.Error):
         return False
 
 
-async def queue_depth(nc: Client) -> int:
+async def queue_depth(nc: Client, s: Subjects) -> int:
     """Jobs waiting in the queue for a prefill worker."""
-    info = await nc.jetstream().stream_info(STREAM)
+    info = await nc.jetstream().stream_info(s.PREFILL_STREAM)
     return int(info.state.messages)
 
 
-async def queue_status(nc: Client) -> dict[str, int | str]:
+async def queue_status(nc: Client, s: Subjects) -> dict[str, int | str]:
     """What ``kvmesh admin status`` shows: waiting jobs and pulling workers (or why not)."""
     try:
-        info = await nc.jetstream().stream_info(STREAM)
+        info = await nc.jetstream().stream_info(s.PREFILL_STREAM)
     except nats.js.errors.NotFoundError:
         return {"depth": 0, "workers": 0, "note": "no prefill queue yet (no router or prefill)"}
     except (nats.errors.Error, nats.js.errors.Error) as exc:
@@ -113,8 +116,9 @@ class PrefillJobQueue:
     the job is announced (until then JetStream would give it to another worker after
     ``ACK_WAIT_S``)."""
 
-    def __init__(self, nc: Client) -> None:
+    def __init__(self, nc: Client, s: Subjects) -> None:
         self._nc = nc
+        self._subjects = s
         self._sub = None
 
     async def __aenter__(self) -> PrefillJobQueue:
@@ -122,12 +126,15 @@ class PrefillJobQueue:
         return self
 
     async def _subscribe(self) -> None:
-        await ensure_stream(self._nc)
+        await ensure_stream(self._nc, self._subjects)
         config = api.ConsumerConfig(
             ack_policy=api.AckPolicy.EXPLICIT, max_ack_pending=-1, ack_wait=ACK_WAIT_S
         )
         self._sub = await self._nc.jetstream().pull_subscribe(
-            subjects.PREFILL_JOBS, durable=DURABLE, stream=STREAM, config=config
+            self._subjects.PREFILL_JOBS,
+            durable=DURABLE,
+            stream=self._subjects.PREFILL_STREAM,
+            config=config,
         )
 
     async def __aexit__(self, *exc: object) -> None:

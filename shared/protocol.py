@@ -52,6 +52,9 @@ class PlaceRequest:
     sampling: SamplingOptions
     local_prefill: bool  # the decode worker prefills the prompt itself
     lease_ms: int = 30_000
+    # model_spec() of the router's model: only decode workers advertising the same one may take
+    # the request ("" places on any, as before this field)
+    model_spec: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +127,26 @@ def imm_slot(first_block_addr: int, block_bytes: int) -> int:
     ``PrefillJob.block_addrs``) and decode (which reserved the blocks) agree without another field:
     ``addr // block_bytes == base // block_bytes + block_id``, unique per live reservation."""
     return (first_block_addr // block_bytes) % (1 << IMM_SLOT_BITS)
+
+
+def model_spec(model_config: Any) -> str:
+    """What a router and a decode worker must agree on to serve one model: its KV layout per
+    token (layers, KV heads, head size) and a digest of its architecture, vocabulary and special
+    tokens. Independent of the weights' dtype, the block size and where the checkpoint lies, so
+    the router (which reads only config.json) computes the same string as the decode workers."""
+    fields = {
+        f.name: getattr(model_config, f.name)
+        for f in dataclasses.fields(model_config)
+        if f.name not in _NOT_MODEL_IDENTITY
+    }
+    digest = hashlib.blake2b(repr(sorted(fields.items())).encode(), digest_size=4).hexdigest()
+    mc = model_config
+    layout = f"L{mc.num_hidden_layers}-H{mc.num_key_value_heads}-D{mc.head_dim}"
+    return f"{layout}:model-{digest}"
+
+
+# ModelConfig fields that say how a model is stored or loaded, not which model it is
+_NOT_MODEL_IDENTITY = frozenset({"dtype", "source", "extra"})
 
 
 def kv_spec_fingerprint(spec: Any, model_config: Any) -> str:
@@ -250,6 +273,7 @@ class DecodeAdvert:
     refused_accesses: int = 0  # one-sided writes/reads its transport refused (rkey, bounds, ...)
     stray_immediates: int = 0  # immediates that named no live reservation (late or forged)
     forged_announcements: int = 0  # PrefillDones without their lease's window key
+    model_spec: str = ""  # model_spec() of the model it serves: routers of that model place here
 
 
 @dataclass(frozen=True, slots=True)

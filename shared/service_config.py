@@ -50,7 +50,7 @@ def option(
 
 
 def check_worker_id(worker_id: str | None) -> None:
-    """A worker id names NATS subjects (``kvmesh.decode.<id>.reserve``): one non-empty token."""
+    """A worker id names NATS subjects (``kvmesh.<mesh>.decode.<id>.reserve``): one non-empty token."""
     if worker_id is not None and (not worker_id or any(c in worker_id for c in ". *>")):
         raise ValueError(
             f"worker_id {worker_id!r} must be a non-empty NATS subject token (no '.', ' ', '*', '>')"

@@ -1,87 +1,162 @@
-"""Every NATS subject kvmesh uses, in one place (table in docs/mesh.md)."""
+"""Every NATS subject kvmesh uses, in one place (table in docs/mesh.md).
+
+A mesh has a name; all of its subjects live under ``kvmesh.<mesh>.`` and its prefill queue is its
+own JetStream stream, so two meshes on one NATS server never hear each other. ``Subjects(mesh)``
+is handed to each service by its shell (nothing here is a module global), so one process can
+talk to two meshes (the tests do). Worker ids need only be unique within a mesh.
+"""
 
 from __future__ import annotations
 
-PREFIX = "kvmesh"
+import re
+from dataclasses import dataclass
+from pathlib import PurePath
 
-# router -> kv-registry (request/reply): PlaceRequest -> PlaceReply
-REGISTRY_PLACE = f"{PREFIX}.registry.place"
-# decode -> kv-registry (publish, every heartbeat): DecodeAdvert
-REGISTRY_ADVERTISE = f"{PREFIX}.registry.advertise"
-# every worker -> anyone (publish): WorkerHeartbeat; subscribe with HEARTBEAT_ALL
-HEARTBEAT_ALL = f"{PREFIX}.heartbeat.>"
-# prefill jobs, stored in the JetStream work queue and pulled (shared/prefill_queue.py): PrefillJob
-PREFILL_JOBS = f"{PREFIX}.prefill.jobs"
-# kv-registry -> everyone (publish): WorkerGone, when a worker is dropped for silence
-REGISTRY_WORKER_GONE = f"{PREFIX}.registry.worker_gone"
-# broadcast to every worker: Abort
-ABORT = f"{PREFIX}.abort"
-# admin requests (JSON bodies, `nats req` works): answered by the kv-registry
-ADMIN_STATUS = f"{PREFIX}.admin.status"
-ADMIN_WORKERS = f"{PREFIX}.admin.workers"
-ADMIN_DRAIN = f"{PREFIX}.admin.drain"
-ADMIN_RESUME = f"{PREFIX}.admin.resume"
-ADMIN_LOG_LEVEL = f"{PREFIX}.admin.log_level"
-# registry -> every service (publish): LogLevel
-CONTROL_LOG_LEVEL = f"{PREFIX}.control.log_level"
+ROOT = "kvmesh"
+MAX_MESH_LEN = 64
+_MESH_RE = re.compile(r"[A-Za-z0-9_-]+")
+MESH_CHARS = "letters, digits, '-' and '_'"
+DEFAULT_MESH = "kvmesh-tiny"  # mesh_from_model of the built-in model, the default --model
 
 
-def heartbeat(role: str, worker_id: str) -> str:
-    return f"{PREFIX}.heartbeat.{role}.{worker_id}"
+def check_mesh(mesh: str) -> None:
+    """A mesh name is one NATS subject token, part of a JetStream stream name and of a file name:
+    ``[A-Za-z0-9_-]``, 1 to 64 characters. ValueError says what to fix."""
+    if not isinstance(mesh, str) or not _MESH_RE.fullmatch(mesh) or len(mesh) > MAX_MESH_LEN:
+        raise ValueError(
+            f"mesh name {mesh!r} is not valid: use 1 to {MAX_MESH_LEN} {MESH_CHARS} "
+            "(it names NATS subjects, a JetStream stream and a state file)"
+        )
 
 
-def decode_reserve(worker_id: str) -> str:
-    """kv-registry -> decode worker (request/reply): ReserveRequest -> ReserveReply."""
-    return f"{PREFIX}.decode.{worker_id}.reserve"
+def mesh_from_model(model: str) -> str:
+    """The default mesh name of a model: ``kvmesh-tiny`` for the built-in model, a checkpoint
+    directory's base name otherwise, with every character outside [A-Za-z0-9_-] made '-'."""
+    base = PurePath(model.rstrip("/\\") or model).name or model
+    name = re.sub(r"[^A-Za-z0-9_-]+", "-", base).strip("-")[:MAX_MESH_LEN]
+    return name or ROOT
 
 
-def decode_prefill_done(worker_id: str) -> str:
-    """prefill -> decode worker (publish): PrefillDone."""
-    return f"{PREFIX}.decode.{worker_id}.prefill_done"
+@dataclass(frozen=True, slots=True)
+class Subjects:
+    """The subjects of mesh ``mesh``. Attribute names match docs/mesh.md's table."""
 
+    mesh: str
 
-def decode_prefill_started(worker_id: str) -> str:
-    """prefill -> decode worker (publish): PrefillStarted."""
-    return f"{PREFIX}.decode.{worker_id}.prefill_started"
+    def __post_init__(self) -> None:
+        check_mesh(self.mesh)
 
+    @property
+    def prefix(self) -> str:
+        return f"{ROOT}.{self.mesh}"
 
-def decode_lease_renew(worker_id: str) -> str:
-    """router (the lease holder) -> decode worker and kv-registry (publish): LeaseRenew."""
-    return f"{PREFIX}.decode.{worker_id}.lease_renew"
+    # router -> kv-registry (request/reply): PlaceRequest -> PlaceReply
+    @property
+    def REGISTRY_PLACE(self) -> str:
+        return f"{self.prefix}.registry.place"
 
+    # decode -> kv-registry (publish, every heartbeat): DecodeAdvert
+    @property
+    def REGISTRY_ADVERTISE(self) -> str:
+        return f"{self.prefix}.registry.advertise"
 
-DECODE_LEASE_RENEW_ALL = f"{PREFIX}.decode.*.lease_renew"
+    # every worker -> anyone (publish): WorkerHeartbeat; subscribe with HEARTBEAT_ALL
+    @property
+    def HEARTBEAT_ALL(self) -> str:
+        return f"{self.prefix}.heartbeat.>"
 
+    # prefill jobs, stored in the JetStream work queue and pulled (shared/prefill_queue.py)
+    @property
+    def PREFILL_JOBS(self) -> str:
+        return f"{self.prefix}.prefill.jobs"
 
-def worker_control(worker_id: str) -> str:
-    """kv-registry -> one worker (request/reply): WorkerControl (drain / resume)."""
-    return f"{PREFIX}.worker.{worker_id}.control"
+    # the JetStream stream that holds PREFILL_JOBS (a stream name, not a subject)
+    @property
+    def PREFILL_STREAM(self) -> str:
+        return f"KVMESH_PREFILL_{self.mesh}"
 
+    # kv-registry -> everyone (publish): WorkerGone, when a worker is dropped for silence
+    @property
+    def REGISTRY_WORKER_GONE(self) -> str:
+        return f"{self.prefix}.registry.worker_gone"
 
-def request_events(request_id: str) -> str:
-    """Everything about one request flows here; the router subscribes to request_events_all."""
-    return f"{PREFIX}.request.{request_id}"
+    # broadcast to every worker: Abort
+    @property
+    def ABORT(self) -> str:
+        return f"{self.prefix}.abort"
 
+    # admin requests (JSON bodies, `nats req` works): answered by the kv-registry
+    @property
+    def ADMIN_STATUS(self) -> str:
+        return f"{self.prefix}.admin.status"
 
-def request_tokens(request_id: str) -> str:
-    """decode -> router (publish): TokenEvent."""
-    return f"{request_events(request_id)}.tokens"
+    @property
+    def ADMIN_WORKERS(self) -> str:
+        return f"{self.prefix}.admin.workers"
 
+    @property
+    def ADMIN_DRAIN(self) -> str:
+        return f"{self.prefix}.admin.drain"
 
-def request_prefill_report(request_id: str) -> str:
-    """prefill -> router (publish): PrefillReport."""
-    return f"{request_events(request_id)}.prefill"
+    @property
+    def ADMIN_RESUME(self) -> str:
+        return f"{self.prefix}.admin.resume"
 
+    @property
+    def ADMIN_LOG_LEVEL(self) -> str:
+        return f"{self.prefix}.admin.log_level"
 
-def request_prefill_started(request_id: str) -> str:
-    """prefill -> router (publish): PrefillStarted."""
-    return f"{request_events(request_id)}.prefill_started"
+    # registry -> every service (publish): LogLevel
+    @property
+    def CONTROL_LOG_LEVEL(self) -> str:
+        return f"{self.prefix}.control.log_level"
 
+    @property
+    def DECODE_LEASE_RENEW_ALL(self) -> str:
+        return f"{self.prefix}.decode.*.lease_renew"
 
-def request_worker_gone(request_id: str) -> str:
-    """router -> itself (publish): WorkerGone, delivered into the request's own event stream."""
-    return f"{request_events(request_id)}.worker_gone"
+    def heartbeat(self, role: str, worker_id: str) -> str:
+        return f"{self.prefix}.heartbeat.{role}.{worker_id}"
 
+    def decode_reserve(self, worker_id: str) -> str:
+        """kv-registry -> decode worker (request/reply): ReserveRequest -> ReserveReply."""
+        return f"{self.prefix}.decode.{worker_id}.reserve"
 
-def request_events_all(request_id: str) -> str:
-    return f"{request_events(request_id)}.>"
+    def decode_prefill_done(self, worker_id: str) -> str:
+        """prefill -> decode worker (publish): PrefillDone."""
+        return f"{self.prefix}.decode.{worker_id}.prefill_done"
+
+    def decode_prefill_started(self, worker_id: str) -> str:
+        """prefill -> decode worker (publish): PrefillStarted."""
+        return f"{self.prefix}.decode.{worker_id}.prefill_started"
+
+    def decode_lease_renew(self, worker_id: str) -> str:
+        """router (the lease holder) -> decode worker and kv-registry (publish): LeaseRenew."""
+        return f"{self.prefix}.decode.{worker_id}.lease_renew"
+
+    def worker_control(self, worker_id: str) -> str:
+        """kv-registry -> one worker (request/reply): WorkerControl (drain / resume)."""
+        return f"{self.prefix}.worker.{worker_id}.control"
+
+    def request_events(self, request_id: str) -> str:
+        """Everything about one request flows here; the router subscribes to request_events_all."""
+        return f"{self.prefix}.request.{request_id}"
+
+    def request_tokens(self, request_id: str) -> str:
+        """decode -> router (publish): TokenEvent."""
+        return f"{self.request_events(request_id)}.tokens"
+
+    def request_prefill_report(self, request_id: str) -> str:
+        """prefill -> router (publish): PrefillReport."""
+        return f"{self.request_events(request_id)}.prefill"
+
+    def request_prefill_started(self, request_id: str) -> str:
+        """prefill -> router (publish): PrefillStarted."""
+        return f"{self.request_events(request_id)}.prefill_started"
+
+    def request_worker_gone(self, request_id: str) -> str:
+        """router -> itself (publish): WorkerGone, delivered into the request's own event stream."""
+        return f"{self.request_events(request_id)}.worker_gone"
+
+    def request_events_all(self, request_id: str) -> str:
+        return f"{self.request_events(request_id)}.>"

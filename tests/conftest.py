@@ -52,3 +52,14 @@ async def nats_client(nats_server: str) -> AsyncIterator[object]:
 
 
 # --- fixtures from other engineers below this line (append only) ---------------------------
+
+
+@pytest.fixture(scope="session", autouse=True)
+def mesh_state_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
+    """The suite records and looks up running meshes (shared/mesh_state.py) in a folder of its
+    own, never the user's: a `kvmesh up` outside the suite neither disturbs nor is disturbed.
+    Session-wide, so module fixtures that start meshes use it too."""
+    folder = tmp_path_factory.mktemp("mesh-state")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("KVMESH_STATE_DIR", str(folder))
+        yield folder

@@ -17,7 +17,7 @@ from typing import Any
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from shared import protocol, subjects
+from shared import protocol
 from shared.nats_service import background, connect_nats, publish_every
 from shared.protocol import (
     DecodeAdvert,
@@ -27,6 +27,7 @@ from shared.protocol import (
     WorkerControl,
     WorkerHeartbeat,
 )
+from shared.subjects import DEFAULT_MESH, Subjects
 
 BLOCK_SIZE = 16
 BLOCK_BYTES = 4096
@@ -106,9 +107,11 @@ class PeerDecode:
 
 @contextlib.asynccontextmanager
 async def peer_decode(
-    url: str, worker_id: str, *, interval_s: float = 0.1, **kw: object
+    url: str, worker_id: str, *, interval_s: float = 0.1, mesh: str = DEFAULT_MESH, **kw: object
 ) -> AsyncIterator[PeerDecode]:
-    """Run a PeerDecode on its own connection until the block exits (then it goes silent)."""
+    """Run a PeerDecode of mesh ``mesh`` on its own connection until the block exits (then it
+    goes silent)."""
+    subjects = Subjects(mesh)
     async with connect_nats(url, worker_id) as nc:
         peer = PeerDecode(nc, worker_id, **kw)  # type: ignore[arg-type]
         subs = [

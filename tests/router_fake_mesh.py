@@ -14,7 +14,7 @@ import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from shared import protocol, subjects
+from shared import protocol
 from shared.model.tiny import tiny_config
 from shared.nats_service import connect_nats
 from shared.protocol import (
@@ -27,6 +27,7 @@ from shared.protocol import (
     TokenEvent,
     WorkerHeartbeat,
 )
+from shared.subjects import DEFAULT_MESH, Subjects
 
 EOS_ID = tiny_config().eos_token_ids[0]
 REPLY_TEXT = "The quick brown fox jumps over the lazy dog. "
@@ -35,6 +36,7 @@ REPLY_TEXT = "The quick brown fox jumps over the lazy dog. "
 @dataclass
 class FakeMesh:
     nats_url: str
+    mesh: str = DEFAULT_MESH  # the router's (kvmesh-tiny's unless it says otherwise)
     reply_text: str = REPLY_TEXT
     eos_at_end: bool = True  # after reply_text: EOS ("stop"); else repeat it until max_tokens
     token_delay_s: float = 0.0
@@ -56,6 +58,10 @@ class FakeMesh:
     aborted: asyncio.Event = field(default_factory=asyncio.Event)
     _tasks: dict[str, asyncio.Task] = field(default_factory=dict)
 
+    @property
+    def subjects(self) -> Subjects:
+        return Subjects(self.mesh)
+
     def output_ids(self, max_tokens: int, offset: int = 0) -> tuple[list[int], str]:
         text = self.reply_text.encode()
         if self.eos_at_end:
@@ -69,10 +75,10 @@ class FakeMesh:
         async with connect_nats(self.nats_url, "fake-mesh") as nc:
             self._nc = nc
             subs = [
-                await nc.subscribe(subjects.REGISTRY_PLACE, cb=self._on_place),
-                await nc.subscribe(subjects.PREFILL_JOBS, cb=self._on_job),  # sees the publish
-                await nc.subscribe(subjects.ABORT, cb=self._on_abort),
-                await nc.subscribe(subjects.DECODE_LEASE_RENEW_ALL, cb=self._on_renew),
+                await nc.subscribe(self.subjects.REGISTRY_PLACE, cb=self._on_place),
+                await nc.subscribe(self.subjects.PREFILL_JOBS, cb=self._on_job),  # sees the publish
+                await nc.subscribe(self.subjects.ABORT, cb=self._on_abort),
+                await nc.subscribe(self.subjects.DECODE_LEASE_RENEW_ALL, cb=self._on_renew),
             ]
             await nc.flush()
             beating = asyncio.create_task(self._heartbeat())
@@ -93,7 +99,7 @@ class FakeMesh:
             for role, alive in (("prefill", self.prefill_alive), ("decode", self.decode_alive)):
                 if alive:
                     beat = WorkerHeartbeat(f"{role}-fake", role, "ready", 0, 0, 0.0, 0.0)
-                    subject = subjects.heartbeat(role, f"{role}-fake")
+                    subject = self.subjects.heartbeat(role, f"{role}-fake")
                     await self._nc.publish(subject, protocol.encode(beat))
             await asyncio.sleep(0.2)
 
@@ -142,7 +148,7 @@ class FakeMesh:
             num_chunks=2,
         )
         await self._nc.publish(
-            subjects.request_prefill_report(job.request_id), protocol.encode(report)
+            self.subjects.request_prefill_report(job.request_id), protocol.encode(report)
         )
         self._start(job.request_id, job.prompt_ids, job.sampling.max_tokens)
 
@@ -167,7 +173,7 @@ class FakeMesh:
         self, request_id: str, num_prompt: int, max_tokens: int, offset: int = 0
     ) -> None:
         ids, reason = self.output_ids(max_tokens, offset)
-        subject = subjects.request_tokens(request_id)
+        subject = self.subjects.request_tokens(request_id)
         for i, token_id in enumerate(ids):
             if self.token_delay_s:
                 await asyncio.sleep(self.token_delay_s)

@@ -41,7 +41,8 @@ async def test_admin_commands_against_a_live_registry(nats_server: str) -> None:
     ):
 
         async def registered() -> bool:
-            return len((await request_json(nc, "kvmesh.admin.status", {}, 2.0))["decode"]) == 1
+            status = await request_json(nc, "kvmesh.kvmesh-tiny.admin.status", {}, 2.0)
+            return len(status["decode"]) == 1
 
         await wait_for(registered)
 

@@ -89,12 +89,10 @@ def test_dockerfile_installs_cpu_torch_then_the_project() -> None:
 
 
 def test_mesh_doc_lists_every_subject() -> None:
-    from shared import subjects
+    from shared.subjects import Subjects
 
     doc = (REPO / "docs" / "mesh.md").read_text()
-    names = [
-        n for n in vars(subjects) if not n.startswith("_") and n not in ("PREFIX", "annotations")
-    ]
+    names = [n for n in dir(Subjects) if not n.startswith("_") and n not in ("mesh", "prefix")]
     missing = [n for n in names if f"`{n}" not in doc]
     assert missing == [], f"docs/mesh.md does not describe {missing}"
 
@@ -107,7 +105,10 @@ def test_nats_is_published_on_the_host_loopback_only() -> None:
 def test_nats_requires_a_user_per_role_with_the_generated_permissions() -> None:
     """deploy/nats-auth.conf is `kvmesh nats-config`'s output (no drift from the code), the NATS
     container loads it, and each service logs in as its own role."""
-    assert (REPO / "deploy" / "nats-auth.conf").read_text() == authorization_block()
+    from shared.subjects import DEFAULT_MESH, Subjects
+
+    conf = (REPO / "deploy" / "nats-auth.conf").read_text()
+    assert conf == authorization_block(Subjects(DEFAULT_MESH))
     nats = compose()["services"]["nats"]
     assert nats["command"][:2] == ["-c", "/etc/nats/nats-auth.conf"]
     assert "./deploy/nats-auth.conf:/etc/nats/nats-auth.conf:ro" in nats["volumes"]

@@ -4,8 +4,9 @@ import contextlib
 import pytest
 
 from services.decode.pending import PendingTable, ReservationError
-from shared import protocol, subjects
+from shared import protocol
 from shared.protocol import PrefillDone, imm_slot
+from shared.subjects import Subjects
 
 
 def _done(rid="r1", lease="l1", ok=True, num_writes=3, first_token=7, error=""):
@@ -200,6 +201,9 @@ def test_imm_slot_bits_match_transport():
 # ---- DecodeWorker: the engine and the pending table together, no NATS ------------------------
 
 
+MESH = Subjects("test")
+
+
 class _Recorder:
     """Collects what the worker publishes, decoded."""
 
@@ -210,6 +214,7 @@ class _Recorder:
         self.messages.append((subject, data))
 
     def tokens(self, request_id: str) -> list[protocol.TokenEvent]:
+        subjects = MESH
         subject = subjects.request_tokens(request_id)
         return [protocol.decode(d, protocol.TokenEvent) for s, d in self.messages if s == subject]
 
@@ -233,6 +238,7 @@ def decode_worker(tiny):
     worker = DecodeWorker(
         engine,
         worker_id="d0",
+        subjects=MESH,
         base_addr=engine.kv_pool.base_addr,
         publish=recorder,
         clock=lambda: now[0],
@@ -287,7 +293,7 @@ async def test_worker_lease_expiry_frees_blocks_and_reports_error(decode_worker)
     await _run_until_idle(worker)
     [event] = rec.tokens("b")
     assert event.finish_reason == "error" and "lease ran out" in event.error
-    aborts = [protocol.decode(d, protocol.Abort) for s, d in rec.messages if s == subjects.ABORT]
+    aborts = [protocol.decode(d, protocol.Abort) for s, d in rec.messages if s == MESH.ABORT]
     assert [a.request_id for a in aborts] == ["b"]  # the prefill is told to stop
     # quarantined until the prefill confirms it stopped (it does, on the Abort)
     assert worker.engine.block_manager.num_free_blocks == 64 - 2
@@ -425,7 +431,7 @@ async def test_paced_worker_starts_steps_no_closer_than_its_interval(tiny):
     engine = LLMEngine(*tiny, EngineConfig(num_blocks=64))
     rec = _Recorder()
     worker = DecodeWorker(
-        engine, worker_id="d0", base_addr=0, publish=rec, min_step_interval_s=0.05
+        engine, worker_id="d0", subjects=MESH, base_addr=0, publish=rec, min_step_interval_s=0.05
     )
     started = time.monotonic()
     assert (await worker.reserve(_reserve("p", 20, local=True))).ok  # 4 tokens: 4 steps

@@ -16,6 +16,7 @@ from shared import protocol
 from shared.engine.config import EngineConfig
 from shared.engine.kv_cache import KVCacheSpec
 from shared.engine.llm_engine import LLMEngine
+from shared.subjects import Subjects
 from shared.transport import (
     Access,
     PeerDescriptor,
@@ -64,6 +65,7 @@ class Mesh:
         self.worker = DecodeWorker(
             self.engine,
             worker_id="d0",
+            subjects=Subjects("test"),
             base_addr=self.region.addr,
             publish=publish,
             windows=LeaseWindows(self.rx, self.region, bb),

@@ -23,8 +23,9 @@ from loadgen.bench_mesh import (
     random_prompts,
     wait_blocks_returned,
 )
-from shared import protocol, subjects
+from shared import protocol
 from shared.nats_service import connect_nats
+from shared.subjects import DEFAULT_MESH, Subjects
 
 pytestmark = pytest.mark.slow
 
@@ -91,7 +92,8 @@ async def test_disconnect_mid_prefill_stops_prefill_and_returns_blocks(mesh):
             jobs.append(protocol.decode(msg.data, protocol.PrefillJob))
             job_seen.set()
 
-        await nc.subscribe(subjects.PREFILL_JOBS, cb=on_job)  # a copy, outside the queue group
+        jobs_subject = Subjects(DEFAULT_MESH).PREFILL_JOBS
+        await nc.subscribe(jobs_subject, cb=on_job)  # a copy, outside the queue group
         await nc.flush()
         client = asyncio.create_task(complete(session, mesh.url, prompt, 4))
         await asyncio.wait_for(job_seen.wait(), 30)

@@ -8,16 +8,20 @@ import asyncio
 
 import pytest
 
-from shared import subjects
 from shared.nats_auth import (
-    ROLE_PERMISSIONS,
     ROLES,
     MeshCredentials,
     NatsAuth,
     auth_from_env,
+    role_permissions,
 )
 from shared.nats_server import NatsServer
 from shared.nats_service import NatsUnavailableError, connect_nats
+from shared.prefill_queue import ensure_stream, publish_job
+from shared.subjects import Subjects
+
+subjects = Subjects("m1")  # the mesh the server's users belong to
+other = Subjects("m2")  # another mesh: no role of m1 may use its subjects
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +31,7 @@ def creds() -> MeshCredentials:
 
 @pytest.fixture(scope="module")
 def server(creds: MeshCredentials):
-    with NatsServer(authorization=creds.server_config()) as s:
+    with NatsServer(authorization=creds.server_config(subjects)) as s:
         yield s
 
 
@@ -64,16 +68,20 @@ async def test_nats_without_credentials_or_with_a_wrong_password_is_refused(serv
     [
         ("router", subjects.ABORT, "decode", subjects.ABORT, True),
         ("prefill", subjects.ABORT, "decode", subjects.ABORT, False),  # forged abort
-        ("kv-registry", subjects.decode_reserve("d0"), "decode", "kvmesh.decode.d0.>", True),
-        ("router", subjects.decode_reserve("d0"), "decode", "kvmesh.decode.d0.>", False),
-        ("prefill", subjects.decode_prefill_done("d0"), "decode", "kvmesh.decode.d0.>", True),
-        ("router", subjects.decode_prefill_done("d0"), "decode", "kvmesh.decode.d0.>", False),
-        ("decode", subjects.decode_lease_renew("d0"), "decode", "kvmesh.decode.d0.>", False),
+        ("kv-registry", subjects.decode_reserve("d0"), "decode", "kvmesh.m1.decode.d0.>", True),
+        ("router", subjects.decode_reserve("d0"), "decode", "kvmesh.m1.decode.d0.>", False),
+        ("prefill", subjects.decode_prefill_done("d0"), "decode", "kvmesh.m1.decode.d0.>", True),
+        ("router", subjects.decode_prefill_done("d0"), "decode", "kvmesh.m1.decode.d0.>", False),
+        ("decode", subjects.decode_lease_renew("d0"), "decode", "kvmesh.m1.decode.d0.>", False),
         ("admin", subjects.ADMIN_DRAIN, "kv-registry", subjects.ADMIN_DRAIN, True),
         ("router", subjects.ADMIN_DRAIN, "kv-registry", subjects.ADMIN_DRAIN, False),
-        ("prefill", subjects.heartbeat("decode", "d0"), "router", "kvmesh.heartbeat.>", False),
-        ("decode", subjects.request_tokens("r1"), "router", "kvmesh.request.>", True),
-        ("prefill", subjects.request_tokens("r1"), "router", "kvmesh.request.>", False),
+        ("prefill", subjects.heartbeat("decode", "d0"), "router", "kvmesh.m1.heartbeat.>", False),
+        ("decode", subjects.request_tokens("r1"), "router", "kvmesh.m1.request.>", True),
+        ("prefill", subjects.request_tokens("r1"), "router", "kvmesh.m1.request.>", False),
+        # another mesh's subjects: neither sent nor heard
+        ("router", other.ABORT, "decode", other.ABORT, False),
+        ("decode", other.request_tokens("r1"), "router", other.request_events_all("r1"), False),
+        ("admin", other.ADMIN_DRAIN, "kv-registry", other.ADMIN_DRAIN, False),
     ],
 )
 async def test_role_may_send_only_its_own_messages(
@@ -139,12 +147,26 @@ def test_credentials_come_from_the_environment_or_a_password_file(tmp_path):
         auth_from_env({"KVMESH_NATS_USER": "admin"})
 
 
+async def test_prefill_queue_of_another_mesh_is_out_of_reach(server, creds):
+    """The router and prefill roles manage their own mesh's stream, not another's."""
+    async with connect_nats(server.url, "r", auth=creds.auth("router")) as router:
+        await ensure_stream(router, subjects)
+        assert await publish_job(router, subjects, b"job") >= 1
+        with pytest.raises(Exception):  # noqa: B017  (denied: the JetStream API times out)
+            await asyncio.wait_for(ensure_stream(router, other), 3.0)
+    assert any("KVMESH_PREFILL_m2" in line for line in server.permission_violations())
+
+
 def test_every_role_has_a_distinct_password_and_its_own_inbox(creds):
-    assert set(creds.passwords) == set(ROLE_PERMISSIONS)
+    permissions = role_permissions(subjects)
+    assert set(creds.passwords) == set(permissions) == set(ROLES)
     assert len(set(creds.passwords.values())) == len(ROLES)
     for role in ROLES:
         if role != "admin":
-            assert ROLE_PERMISSIONS[role].subscribe[0] == f"_INBOX_{role}.>"
-    config = creds.server_config()
-    assert config.startswith("authorization {") and "allow_responses: true" in config
+            assert permissions[role].subscribe[0] == f"_INBOX_{role}.>"
+        granted = permissions[role].publish + permissions[role].subscribe
+        assert not [g for g in granted if g.startswith("kvmesh.") and ".m1." not in g + "."]
+    config = creds.server_config(subjects)
+    assert config.startswith("# kvmesh mesh 'm1'\nauthorization {")
+    assert "allow_responses: true" in config
     assert all(f'password: "{pw}"' in config for pw in creds.passwords.values())

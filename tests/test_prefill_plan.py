@@ -13,6 +13,7 @@ from services.prefill.plan import (
 )
 from shared import protocol
 from shared.protocol import imm_slot
+from shared.subjects import Subjects
 from shared.transport.base import unpack_imm
 
 BS, BB = 16, 1024  # block size in tokens, block bytes
@@ -143,6 +144,7 @@ async def _prefill_setup(tiny, num_remote_blocks=64):
             engine,
             prefill_side.register(engine.kv_pool.raw),
             worker_id="p0",
+            subjects=Subjects("test"),
             kv_spec="spec-a",
             publish=publish,
             connect=connect,

@@ -8,21 +8,24 @@ import pytest
 
 from shared.nats_service import connect_nats
 from shared.prefill_queue import PrefillJobQueue, ensure_stream, publish_job, queue_depth
+from shared.subjects import Subjects
+
+S = Subjects("test")
 
 
 async def test_jobs_wait_in_the_queue_until_a_worker_pulls_them(nats_server):
     async with connect_nats(nats_server, "router") as router, connect_nats(nats_server, "p") as p:
-        await ensure_stream(router)
-        await ensure_stream(router)  # idempotent
+        await ensure_stream(router, S)
+        await ensure_stream(router, S)  # idempotent
         for i in range(3):
-            await publish_job(router, f"job-{i}".encode())
-        assert await queue_depth(router) == 3
-        async with PrefillJobQueue(p) as queue:
+            await publish_job(router, S, f"job-{i}".encode())
+        assert await queue_depth(router, S) == 3
+        async with PrefillJobQueue(p, S) as queue:
             first = await queue.next(timeout_s=2.0)
             assert first is not None and first.data == b"job-0"
-            assert await queue_depth(router) == 3  # taken, not yet confirmed
+            assert await queue_depth(router, S) == 3  # taken, not yet confirmed
             await queue.ack(first)
-            assert await queue_depth(router) == 2  # acknowledged jobs leave the stream
+            assert await queue_depth(router, S) == 2  # acknowledged jobs leave the stream
             rest = [await queue.next(timeout_s=2.0) for _ in range(2)]
             assert [m.data for m in rest] == [b"job-1", b"job-2"]
             for msg in rest:
@@ -35,11 +38,11 @@ async def test_each_job_goes_to_exactly_one_of_several_workers(nats_server):
         connect_nats(nats_server, "router") as router,
         connect_nats(nats_server, "p0") as p0,
         connect_nats(nats_server, "p1") as p1,
-        PrefillJobQueue(p0) as q0,
-        PrefillJobQueue(p1) as q1,
+        PrefillJobQueue(p0, S) as q0,
+        PrefillJobQueue(p1, S) as q1,
     ):
         for i in range(10):
-            await publish_job(router, str(i).encode())
+            await publish_job(router, S, str(i).encode())
 
         async def drain(queue):
             got = []
@@ -59,11 +62,11 @@ async def test_a_worker_that_does_not_pull_leaves_jobs_to_its_peer(nats_server):
         connect_nats(nats_server, "router") as router,
         connect_nats(nats_server, "busy") as busy_nc,
         connect_nats(nats_server, "idle") as idle_nc,
-        PrefillJobQueue(busy_nc),  # subscribed, but busy: never asks
-        PrefillJobQueue(idle_nc) as idle,
+        PrefillJobQueue(busy_nc, S),  # subscribed, but busy: never asks
+        PrefillJobQueue(idle_nc, S) as idle,
     ):
         for i in range(4):
-            await publish_job(router, str(i).encode())
+            await publish_job(router, S, str(i).encode())
         got = [int((await idle.next(timeout_s=2.0)).data) for _ in range(4)]
     assert got == [0, 1, 2, 3]
 
@@ -73,13 +76,13 @@ async def test_a_job_taken_and_never_acknowledged_goes_to_another_worker(nats_se
     from shared.prefill_queue import ACK_WAIT_S
 
     async with connect_nats(nats_server, "router") as router, connect_nats(nats_server, "p1") as p1:
-        await ensure_stream(router)
-        await publish_job(router, b"job")
-        async with connect_nats(nats_server, "p0") as p0, PrefillJobQueue(p0) as q0:
+        await ensure_stream(router, S)
+        await publish_job(router, S, b"job")
+        async with connect_nats(nats_server, "p0") as p0, PrefillJobQueue(p0, S) as q0:
             taken = await q0.next(timeout_s=2.0)
             assert taken is not None and taken.data == b"job"
         # p0 is gone without acknowledging; after the ack wait the job is offered again
-        async with PrefillJobQueue(p1) as q1:
+        async with PrefillJobQueue(p1, S) as q1:
             again = await q1.next(timeout_s=ACK_WAIT_S + 5)
             assert again is not None and again.data == b"job"
             await q1.ack(again)
@@ -92,36 +95,36 @@ async def test_publish_without_jetstream_says_how_to_fix_it():
 
     async with NatsServer(jetstream=False) as server, connect_nats(server.url, "r") as nc:
         with pytest.raises(PrefillQueueError, match="-js"):
-            await ensure_stream(nc)
+            await ensure_stream(nc, S)
 
 
 async def test_queue_status_counts_waiting_jobs_and_pulling_workers(nats_server):
     from shared.prefill_queue import queue_status
 
     async with connect_nats(nats_server, "r") as nc, connect_nats(nats_server, "p") as p:
-        assert (await queue_status(nc))["depth"] == 0
-        await ensure_stream(nc)
-        await publish_job(nc, b"a")
-        await publish_job(nc, b"b")
-        async with PrefillJobQueue(p):
-            assert await queue_status(nc) == {"depth": 2, "workers": 1}
+        assert (await queue_status(nc, S))["depth"] == 0
+        await ensure_stream(nc, S)
+        await publish_job(nc, S, b"a")
+        await publish_job(nc, S, b"b")
+        async with PrefillJobQueue(p, S):
+            assert await queue_status(nc, S) == {"depth": 2, "workers": 1}
 
 
 async def test_a_job_can_be_withdrawn_only_before_a_worker_takes_it(nats_server):
     from shared.prefill_queue import withdraw_job
 
     async with connect_nats(nats_server, "r") as nc, connect_nats(nats_server, "p") as p:
-        await ensure_stream(nc)
-        first = await publish_job(nc, b"a")
-        second = await publish_job(nc, b"b")
-        assert await withdraw_job(nc, second)
-        async with PrefillJobQueue(p) as queue:
+        await ensure_stream(nc, S)
+        first = await publish_job(nc, S, b"a")
+        second = await publish_job(nc, S, b"b")
+        assert await withdraw_job(nc, S, second)
+        async with PrefillJobQueue(p, S) as queue:
             taken = await queue.next(timeout_s=2.0)
             assert taken.data == b"a"
             await queue.ack(taken)
             assert await queue.next(timeout_s=0.2) is None  # b is gone for good
-        assert not await withdraw_job(nc, first)  # taken and confirmed: too late
-        assert await queue_depth(nc) == 0
+        assert not await withdraw_job(nc, S, first)  # taken and confirmed: too late
+        assert await queue_depth(nc, S) == 0
 
 
 async def test_queue_is_made_again_after_the_nats_server_restarts_empty():
@@ -135,9 +138,9 @@ async def test_queue_is_made_again_after_the_nats_server_restarts_empty():
         async with (
             connect_nats(server.url, "r", reconnect_time_wait_s=0.1) as router,
             connect_nats(server.url, "p", reconnect_time_wait_s=0.1) as p,
-            PrefillJobQueue(p) as queue,
+            PrefillJobQueue(p, S) as queue,
         ):
-            await publish_job(router, b"before")
+            await publish_job(router, S, b"before")
             await queue.ack(await queue.next(timeout_s=2.0))
             await asyncio.to_thread(server.stop)
             server = NatsServer(port)
@@ -146,7 +149,7 @@ async def test_queue_is_made_again_after_the_nats_server_restarts_empty():
                 if router.is_connected and p.is_connected:
                     break
                 await asyncio.sleep(0.05)
-            await publish_job(router, b"after")  # the stream is made again
+            await publish_job(router, S, b"after")  # the stream is made again
             got = None
             for _ in range(5):  # the first pull finds its consumer gone and makes it again
                 if (got := await queue.next(timeout_s=1.0)) is not None:
@@ -155,3 +158,20 @@ async def test_queue_is_made_again_after_the_nats_server_restarts_empty():
             await queue.ack(got)
     finally:
         server.stop()
+
+
+async def test_each_mesh_has_its_own_queue_on_a_shared_server(nats_server):
+    """Two meshes on one NATS: each stream holds its own mesh's jobs; a worker of one never
+    pulls the other's."""
+    a, b = Subjects("mesh-a"), Subjects("mesh-b")
+    async with connect_nats(nats_server, "r") as router, connect_nats(nats_server, "p") as p:
+        await publish_job(router, a, b"for-a")
+        await publish_job(router, b, b"for-b")
+        assert await queue_depth(router, a) == await queue_depth(router, b) == 1
+        async with PrefillJobQueue(p, b) as queue_b:
+            got = await queue_b.next(timeout_s=2.0)
+            assert got is not None and got.data == b"for-b"
+            await queue_b.ack(got)
+            assert await queue_b.next(timeout_s=0.3) is None
+        assert await queue_depth(router, a) == 1  # mesh a's job is still waiting for mesh a
+        assert a.PREFILL_STREAM != b.PREFILL_STREAM

@@ -57,3 +57,22 @@ def test_decode_rejects_unknown_field_and_bad_json():
         decode(b'{"request_id": "r", "bogus": 1}', Abort)
     with pytest.raises(ProtocolError, match="not JSON"):
         decode(b"{nope", Abort)
+
+
+def test_model_spec_is_what_router_and_decode_both_compute_and_tells_models_apart():
+    """The router reads only the config; a decode worker loads the weights, maybe in another
+    dtype: both get the same model_spec. Another shape gets another."""
+    import torch
+
+    from shared.model.loader import load_config_and_tokenizer
+    from shared.model.seeded import SeededShape
+    from shared.protocol import model_spec
+
+    router_config, _ = load_config_and_tokenizer("kvmesh-tiny")
+    decode_config, _ = load_config_and_tokenizer("kvmesh-tiny", torch.bfloat16)
+    assert model_spec(router_config) == model_spec(decode_config)
+    mc = router_config
+    assert model_spec(mc).startswith(
+        f"L{mc.num_hidden_layers}-H{mc.num_key_value_heads}-D{mc.head_dim}:model-"
+    )
+    assert model_spec(SeededShape().config()) != model_spec(router_config)

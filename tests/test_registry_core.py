@@ -75,6 +75,34 @@ def test_choose_skips_draining_dead_and_mismatched_workers() -> None:
     )
 
 
+MODEL_A = "L2-H2-D32:model-aaaa0001"
+MODEL_B = "L2-H2-D32:model-bbbb0002"
+
+
+def test_choose_places_only_on_workers_serving_the_routers_model(registry: Registry) -> None:
+    registry.observe_advert(advert("other", model_spec=MODEL_B), now=0.0)  # idle, but not ours
+    registry.observe_advert(advert("mine", model_spec=MODEL_A, num_running=9), now=0.0)
+    registry.observe_advert(advert("silent"), now=0.0)  # advertises no model: not ours either
+    request = dataclasses.replace(place(16), model_spec=MODEL_A)
+    assert registry.choose(request, now=0.0) == Candidate("mine", 1)
+
+
+def test_refusal_names_the_model_when_only_other_models_serve(registry: Registry) -> None:
+    registry.observe_advert(advert("other", model_spec=MODEL_B), now=0.0)
+    request = dataclasses.replace(place(16), model_spec=MODEL_A)
+    refusal = registry.choose(request, now=0.0)
+    assert isinstance(refusal, Refusal)
+    assert refusal.retry_after_s == 0.0  # waiting does not help: nobody serves this model
+    assert "other serves another model or KV layout" in refusal.error
+    assert MODEL_A in refusal.error and MODEL_B in refusal.error
+    assert registry.decode["other"].inflight_blocks == 0  # nothing was counted as reserved
+
+
+def test_request_without_model_spec_places_on_any_model(registry: Registry) -> None:
+    registry.observe_advert(advert("other", model_spec=MODEL_B), now=0.0)
+    assert registry.choose(place(16), now=0.0) == Candidate("other", 1)
+
+
 def test_refusal_when_every_worker_is_full_asks_to_retry(registry: Registry) -> None:
     registry.observe_advert(advert("a", free_blocks=2), now=0.0)
     refusal = registry.choose(place(48), now=0.0)

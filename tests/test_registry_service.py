@@ -23,7 +23,7 @@ from registry_peers import BLOCK_BYTES, peer_decode, wait_for
 
 from services.kv_registry.config import RegistryConfig
 from services.kv_registry.service import registry_service
-from shared import logs, protocol, subjects
+from shared import logs, protocol
 from shared.commands.up import free_port
 from shared.nats_service import (
     NatsUnavailableError,
@@ -39,8 +39,10 @@ from shared.protocol import (
     SamplingOptions,
     WorkerHeartbeat,
 )
+from shared.subjects import DEFAULT_MESH, Subjects
 
 REPO = Path(__file__).resolve().parents[1]
+subjects = Subjects(DEFAULT_MESH)  # RegistryConfig's default mesh
 
 
 def config(url: str, **kw: object) -> RegistryConfig:
@@ -159,7 +161,7 @@ async def test_admin_status_and_workers_include_heartbeating_peers(nats_server: 
         peer_decode(nats_server, "d1"),
         connect_nats(nats_server, "c") as nc,
     ):
-        task = asyncio.create_task(heartbeat_loop(nc, "prefill", "prefill-1", beat, 0.1))
+        task = asyncio.create_task(heartbeat_loop(nc, subjects, "prefill", "prefill-1", beat, 0.1))
         try:
 
             async def all_seen() -> bool:
@@ -235,7 +237,11 @@ async def test_registry_is_discoverable_as_a_nats_micro_service(nats_server: str
         connect_nats(nats_server, "c") as nc,
     ):
         ping = orjson.loads((await nc.request("$SRV.PING.kvmesh-kv-registry", b"", timeout=2)).data)
-        assert ping["metadata"] == {"worker_id": "reg-7", "role": "kv-registry"}
+        assert ping["metadata"] == {
+            "worker_id": "reg-7",
+            "role": "kv-registry",
+            "mesh": "kvmesh-tiny",
+        }
         info = orjson.loads((await nc.request("$SRV.INFO.kvmesh-kv-registry", b"", timeout=2)).data)
         assert subjects.REGISTRY_PLACE in {e["subject"] for e in info["endpoints"]}
         stats = orjson.loads((await nc.request("$SRV.STATS", b"", timeout=2)).data)

@@ -12,8 +12,9 @@ import pytest
 from router_fake_mesh import REPLY_TEXT, FakeMesh
 
 from services.router import RouterConfig, serve_router
-from shared import protocol, subjects
+from shared import protocol
 from shared.model.tiny import tiny_tokenizer
+from shared.subjects import DEFAULT_MESH, Subjects
 
 MODEL = "kvmesh-tiny"
 LONG_PROMPT = "x" * 80  # over the default local_prefill_threshold (64 tokens): remote prefill
@@ -282,7 +283,7 @@ async def test_no_registry_is_503_naming_the_subject(nats_server):
         resp = await http.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
         body = await resp.json()
     assert resp.status == 503
-    assert "kvmesh.registry.place" in body["error"]["message"]
+    assert "kvmesh.kvmesh-tiny.registry.place" in body["error"]["message"]
 
 
 async def test_first_token_timeout_is_504_and_aborts(nats_server):
@@ -381,7 +382,7 @@ async def _announce_gone(nats_url: str, worker_id: str, role: str = "decode") ->
 
     async with connect_nats(nats_url, "registry-stand-in") as nc:
         gone = protocol.WorkerGone(worker_id, role, last_seen_s=3.0)
-        await nc.publish(subjects.REGISTRY_WORKER_GONE, protocol.encode(gone))
+        await nc.publish(Subjects(DEFAULT_MESH).REGISTRY_WORKER_GONE, protocol.encode(gone))
         await nc.flush()
 
 

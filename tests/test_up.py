@@ -42,6 +42,7 @@ def test_plan_starts_registry_decode_prefill_router_with_valid_commands() -> Non
         assert args.command == "serve"
         _, service_config, _ = build_service_config(args.service, args.service_args, env={})
         assert service_config.nats_url == "nats://127.0.0.1:4333"
+        assert service_config.mesh == "kvmesh-tiny"  # every service in the launcher's mesh
         assert service_config.worker_id == spec.name
         if args.service in ("decode", "prefill"):
             assert service_config.transport == "tcp"
@@ -345,9 +346,14 @@ def test_decode_pacing_reaches_disagg_decode_workers_only() -> None:
         assert service.min_step_interval_ms == expected
 
 
-async def _beating(nats_url: str, worker_id: str, stop: asyncio.Event) -> None:
-    from shared import protocol, subjects
+async def _beating(
+    nats_url: str, worker_id: str, stop: asyncio.Event, mesh: str = "kvmesh-tiny"
+) -> None:
+    from shared import protocol
     from shared.nats_service import connect_nats
+    from shared.subjects import Subjects
+
+    subjects = Subjects(mesh)
 
     async with connect_nats(nats_url, worker_id) as nc:
         beat = protocol.WorkerHeartbeat(worker_id, "decode", "ready")
@@ -375,4 +381,62 @@ async def test_up_refuses_to_join_a_nats_that_already_carries_a_mesh(nats_server
 async def test_up_joins_an_empty_nats(nats_server) -> None:
     from shared.commands.up import workers_on
 
-    assert await workers_on(nats_server, listen_s=0.3) == set()
+    assert await workers_on(nats_server, listen_s=0.3, mesh="kvmesh-tiny") == set()
+
+
+async def test_up_joins_a_nats_that_carries_only_other_meshes(nats_server) -> None:
+    """Another mesh's workers on the same NATS are no concern: their subjects are their own."""
+    from shared.commands.up import Launcher, workers_on
+
+    stop = asyncio.Event()
+    other = asyncio.create_task(_beating(nats_server, "decode-0", stop, mesh="other-model"))
+    try:
+        await asyncio.sleep(0.3)
+        assert await workers_on(nats_server, listen_s=0.5, mesh="other-model") == {"decode-0"}
+        assert await workers_on(nats_server, listen_s=0.5, mesh="kvmesh-tiny") == set()
+        launcher = Launcher(UpConfig(nats_url=nats_server, port=0))
+        await asyncio.to_thread(launcher._check_mesh_absent, nats_server)  # no refusal
+    finally:
+        stop.set()
+        await other
+
+
+def test_plan_passes_mesh_tls_and_creds_but_never_url_credentials(tmp_path: Path) -> None:
+    ca = tmp_path / "ca.pem"
+    ca.write_text("not checked here")
+    config = UpConfig(model="/models/Llama-3.1-8B", nats_tls_ca=str(ca), mesh=None)
+    assert config.mesh == "Llama-3-1-8B"  # derived from the checkpoint directory
+    for spec in plan(config, "nats://router:s3cret@127.0.0.1:4333", 8000):
+        argv = " ".join(spec.argv)
+        assert "--mesh Llama-3-1-8B" in argv and f"--nats-tls-ca {ca}" in argv
+        assert "s3cret" not in argv and "--nats-url" not in argv  # given in KVMESH_NATS_URL
+
+
+def test_second_up_beside_another_meshs_nats_gets_its_own(capsys) -> None:
+    """Left at the default URL, kvmesh up does not join the nats-server another kvmesh up
+    started for its mesh: it takes a free port of its own and says so."""
+    from shared.commands.up import Launcher
+    from shared.mesh_state import MeshState, remove_state, write_state
+    from shared.service_config import DEFAULT_NATS_URL
+
+    other = MeshState("other-model", DEFAULT_NATS_URL, os.getpid(), "http://127.0.0.1:8000")
+    write_state(other)
+    try:
+        url = Launcher(UpConfig(port=0))._default_nats_url()
+        assert url.startswith("nats://127.0.0.1:") and url != DEFAULT_NATS_URL
+        assert "is the nats-server of mesh 'other-model'" in capsys.readouterr().err
+    finally:
+        remove_state(other)
+
+
+def test_same_mesh_twice_on_one_machine_is_refused_in_one_line() -> None:
+    from shared.commands.up import Launcher, LaunchError
+    from shared.mesh_state import MeshState, remove_state, write_state
+
+    first = MeshState("kvmesh-tiny", "nats://127.0.0.1:4999", os.getpid(), "http://x:8000")
+    write_state(first)
+    try:
+        with pytest.raises(LaunchError, match=r"mesh 'kvmesh-tiny' is already up .* --mesh"):
+            Launcher(UpConfig(port=0)).start()
+    finally:
+        remove_state(first)

@@ -5,13 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from shared.nats_options import NatsClientConfig
 from shared.protocol import IMM_SLOT_BITS
-from shared.service_config import DEFAULT_NATS_URL, check_worker_id, option
+from shared.service_config import check_worker_id, option
+from shared.subjects import mesh_from_model
 
 
 @dataclass(frozen=True, slots=True)
-class DecodeConfig:
-    nats_url: str = option(DEFAULT_NATS_URL, help="NATS server URL")
+class DecodeConfig(NatsClientConfig):
     worker_id: str | None = option(None, help="worker id (default: decode-<random>)")
     mode: Literal["disagg", "colocated"] = option(
         "disagg",
@@ -63,6 +64,7 @@ class DecodeConfig:
     drain_timeout_s: float = option(10.0, help="on SIGTERM, seconds to let running requests finish")
 
     def __post_init__(self) -> None:
+        self.check_nats_options(mesh_from_model(self.model))
         check_worker_id(self.worker_id)
         if self.quarantine_s < 0:
             raise ValueError(f"quarantine_s must be >= 0, got {self.quarantine_s}")

@@ -24,7 +24,7 @@ from nats.micro.request import Request
 from services.decode.config import DecodeConfig
 from services.decode.windows import LeaseWindows
 from services.decode.worker import DecodeWorker
-from shared import logs, subjects
+from shared import logs
 from shared.engine.config import EngineConfig
 from shared.engine.kv_cache import KVCacheSpec
 from shared.engine.llm_engine import LLMEngine
@@ -51,6 +51,7 @@ from shared.protocol import (
     decode,
     encode,
     kv_spec_fingerprint,
+    model_spec,
 )
 from shared.transport import Access, Transport, TransportConfig, create_transport
 
@@ -153,7 +154,7 @@ class DecodeService:
             **self.advert_fields,
             **s,
         )
-        await self.nc.publish(subjects.REGISTRY_ADVERTISE, encode(advert))
+        await self.nc.publish(self.worker.subjects.REGISTRY_ADVERTISE, encode(advert))
 
     async def advert_loop(self) -> None:
         while True:
@@ -241,11 +242,12 @@ async def decode_service(config: DecodeConfig) -> AsyncIterator[DecodeService]:
     econf, spec = engine_config(config, model)
     tconf = TransportConfig(peer_id=worker_id, tcp_host=config.tcp_host)
     disagg = config.mode == "disagg"  # colocated workers take no remote writes: no data plane
+    subjects = config.subjects
     async with (
         create_transport(config.transport, tconf)
         if disagg
         else contextlib.nullcontext() as transport,
-        connect_nats(config.nats_url, worker_id) as nc,
+        connect_nats(config.nats_url, worker_id, security=config.nats_security) as nc,
     ):
         # On the host the pool lives in transport memory (shm: a segment the prefill maps);
         # device pools are the engine's own and need a backend that reaches them (rdma).
@@ -258,6 +260,7 @@ async def decode_service(config: DecodeConfig) -> AsyncIterator[DecodeService]:
         worker = DecodeWorker(
             engine,
             worker_id=worker_id,
+            subjects=subjects,
             base_addr=region.addr if region else engine.kv_pool.base_addr,
             publish=nc.publish,
             colocated=not disagg,
@@ -275,11 +278,13 @@ async def decode_service(config: DecodeConfig) -> AsyncIterator[DecodeService]:
             block_bytes=spec.block_bytes,
             block_size=spec.block_size,
             kv_spec=kv_spec_fingerprint(spec, model.config),
+            model_spec=model_spec(model.config),
         )
         await service.stats()
         async with (
             worker_presence(
                 nc,
+                subjects,
                 role=config.role,
                 worker_id=worker_id,
                 heartbeat=service.heartbeat,
@@ -324,6 +329,7 @@ async def decode_service(config: DecodeConfig) -> AsyncIterator[DecodeService]:
             log.info(
                 "decode worker ready",
                 worker_id=worker_id,
+                mesh=subjects.mesh,
                 mode=config.mode,
                 transport=transport.name if transport else None,
                 num_blocks=econf.num_blocks,

@@ -16,7 +16,7 @@ from typing import Any
 
 from services.decode.pending import PendingTable, ReservationError, Verdict
 from services.decode.windows import LeaseWindows
-from shared import logs, subjects
+from shared import logs
 from shared.engine.block_manager import OutOfBlocksError
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.sequence import RequestError, RequestOutput, SamplingParams
@@ -31,6 +31,7 @@ from shared.protocol import (
     encode,
     imm_slot,
 )
+from shared.subjects import Subjects
 from shared.transport.base import MemoryWindow, unpack_imm
 
 log = logs.get_logger(__name__)
@@ -61,6 +62,7 @@ class DecodeWorker:
         engine: LLMEngine,
         *,
         worker_id: str,
+        subjects: Subjects,
         base_addr: int,
         publish: Publish,
         colocated: bool = False,
@@ -71,6 +73,7 @@ class DecodeWorker:
     ) -> None:
         self.engine = engine
         self.worker_id = worker_id
+        self.subjects = subjects  # the mesh's
         self.base_addr = base_addr  # the receiving region's address: blocks at base + id * bytes
         self.block_bytes = engine.kv_pool.spec.block_bytes
         self.colocated = colocated
@@ -144,7 +147,7 @@ class DecodeWorker:
         )
 
     async def _send_tokens(self, event: TokenEvent) -> None:
-        await self._publish(subjects.request_tokens(event.request_id), encode(event))
+        await self._publish(self.subjects.request_tokens(event.request_id), encode(event))
 
     # ---- requests in ------------------------------------------------------------------------
 
@@ -277,7 +280,7 @@ class DecodeWorker:
             if verdict.notify:
                 log.warning("lease expired", request_id=res.request_id, error=verdict.error)
                 await self._publish(
-                    subjects.ABORT, encode(Abort(res.request_id, reason="lease expired"))
+                    self.subjects.ABORT, encode(Abort(res.request_id, reason="lease expired"))
                 )
             self._settle(verdict)
         return sum(v.notify for v in verdicts)

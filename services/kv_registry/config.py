@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.service_config import DEFAULT_NATS_URL, check_worker_id, option
+from shared.nats_options import NatsClientConfig
+from shared.service_config import check_worker_id, option
+from shared.subjects import DEFAULT_MESH
 
 
 @dataclass(frozen=True, slots=True)
-class RegistryConfig:
-    nats_url: str = option(DEFAULT_NATS_URL, help="NATS server URL")
+class RegistryConfig(NatsClientConfig):
     worker_id: str | None = option(None, help="registry id (default: kv-registry-<random>)")
     heartbeat_s: float = option(
         1.0, help="seconds between the registry's heartbeats; also the expected advert interval"
@@ -32,9 +33,8 @@ class RegistryConfig:
     admin_timeout_s: float = option(2.0, help="seconds to wait for a worker's drain/resume reply")
 
     def __post_init__(self) -> None:
+        self.check_nats_options(DEFAULT_MESH)
         check_worker_id(self.worker_id)
-        if not self.nats_url.startswith(("nats://", "tls://")):
-            raise ValueError(f"nats_url must look like nats://HOST:PORT, got {self.nats_url!r}")
         for name in ("heartbeat_s", "reserve_timeout_s", "retry_after_s", "admin_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

@@ -5,8 +5,9 @@ The decode workers own their free lists and enforce their leases; the registry k
 worker for each PlaceRequest, and tracks leases for status and expiry. Everything here can be
 rebuilt from the workers' periodic adverts, which is what a restarted registry does.
 
-Placement policy (``choose``): skip dead, draining and mismatched workers (mode, KV layout, a
-prompt larger than the whole pool); among workers with enough estimated free blocks for the
+Placement policy (``choose``): skip dead, draining and mismatched workers (another model or KV
+layout than the router's ``PlaceRequest.model_spec``, mode, the registry's KV layout, a prompt
+larger than the whole pool); among workers with enough estimated free blocks for the
 prompt take the lowest load (running + waiting + reservations in flight), then the most free
 blocks, then the id. Prefix overlap is not scored yet.
 """
@@ -233,6 +234,12 @@ class Registry:
         return Candidate(best.worker_id, num_blocks)
 
     def _mismatch(self, worker: DecodeWorker, request: PlaceRequest) -> str:
+        if request.model_spec and worker.advert.model_spec != request.model_spec:
+            return (
+                f"{worker.worker_id} serves another model or KV layout "
+                f"({worker.advert.model_spec or 'none advertised'}; the router's is "
+                f"{request.model_spec})"
+            )
         if worker.state != "ready":
             return "draining"
         if not request.local_prefill and worker.advert.mode != "disagg":
@@ -334,6 +341,7 @@ class Registry:
                 "stray_immediates": w.advert.stray_immediates,
                 "forged_announcements": w.advert.forged_announcements,
                 "kv_spec": w.advert.kv_spec,
+                "model_spec": w.advert.model_spec,
                 "last_seen_s": round(now - w.last_seen, 3),
             }
             for w in sorted(self.decode.values(), key=lambda w: w.worker_id)

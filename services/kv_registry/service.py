@@ -1,7 +1,8 @@
 """The kv-registry's NATS shell around ``core.Registry``.
 
-In: DecodeAdvert on REGISTRY_ADVERTISE, WorkerHeartbeat on HEARTBEAT_ALL, PrefillDone on
-``decode_prefill_done(*)`` (ends a lease), PlaceRequest on REGISTRY_PLACE and the admin subjects.
+In (its mesh's ``Subjects``): DecodeAdvert on REGISTRY_ADVERTISE, WorkerHeartbeat on
+HEARTBEAT_ALL, PrefillDone on ``decode_prefill_done(*)`` (ends a lease), PlaceRequest on
+REGISTRY_PLACE and the admin subjects.
 Out: ReserveRequest to ``decode_reserve(worker)``, WorkerControl to ``worker_control(worker)``,
 LogLevel on CONTROL_LOG_LEVEL. Admin bodies are plain JSON; errors are ``{"error": "..."}``.
 """
@@ -23,7 +24,7 @@ from nats.micro.request import ERROR_HEADER, Request
 
 from services.kv_registry.config import RegistryConfig
 from services.kv_registry.core import Candidate, Refusal, Registry
-from shared import logs, protocol, subjects
+from shared import logs, protocol
 from shared.nats_service import (
     connect_nats,
     new_worker_id,
@@ -45,6 +46,7 @@ from shared.protocol import (
     WorkerGone,
     WorkerHeartbeat,
 )
+from shared.subjects import Subjects
 
 log = logs.get_logger(__name__)
 
@@ -62,10 +64,12 @@ class RegistryService:
         nc: Client,
         tg: asyncio.TaskGroup,
         worker_id: str,
+        subjects: Subjects,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
         self.nc = nc
+        self.subjects = subjects
         self.tg = tg
         self.worker_id = worker_id
         self.clock = clock
@@ -128,7 +132,7 @@ class RegistryService:
                 row = before.get(worker_id, {"role": "?", "last_seen_s": 0.0})
                 gone = WorkerGone(worker_id, row["role"], float(row["last_seen_s"]))
                 try:  # requests on it fail or move now, not at their timeouts
-                    await self.nc.publish(subjects.REGISTRY_WORKER_GONE, protocol.encode(gone))
+                    await self.nc.publish(self.subjects.REGISTRY_WORKER_GONE, protocol.encode(gone))
                 except nats.errors.Error as exc:
                     log.warning("could not announce a dropped worker", error=str(exc))
             for lease in expired:
@@ -201,7 +205,7 @@ class RegistryService:
         refuse = lambda error: ReserveReply(ok=False, worker_id=choice.worker_id, error=error)
         try:
             msg = await self.nc.request(
-                subjects.decode_reserve(choice.worker_id),
+                self.subjects.decode_reserve(choice.worker_id),
                 protocol.encode(body),
                 timeout=self.config.reserve_timeout_s,
             )
@@ -223,11 +227,11 @@ class RegistryService:
 
     def admin_endpoints(self) -> dict[str, Callable[[dict[str, Any]], Awaitable[Any]]]:
         return {
-            subjects.ADMIN_STATUS: self.admin_status,
-            subjects.ADMIN_WORKERS: self.admin_workers,
-            subjects.ADMIN_DRAIN: lambda body: self.admin_control(body, "drain"),
-            subjects.ADMIN_RESUME: lambda body: self.admin_control(body, "resume"),
-            subjects.ADMIN_LOG_LEVEL: self.admin_log_level,
+            self.subjects.ADMIN_STATUS: self.admin_status,
+            self.subjects.ADMIN_WORKERS: self.admin_workers,
+            self.subjects.ADMIN_DRAIN: lambda body: self.admin_control(body, "drain"),
+            self.subjects.ADMIN_RESUME: lambda body: self.admin_control(body, "resume"),
+            self.subjects.ADMIN_LOG_LEVEL: self.admin_log_level,
         }
 
     def json_handler(
@@ -256,10 +260,11 @@ class RegistryService:
         status = self.core.status(self.clock())
         status["registry"] = {
             "worker_id": self.worker_id,
+            "mesh": self.subjects.mesh,
             "uptime_s": round(time.time() - self.started_at, 3),
             "worker_timeout_s": self.config.worker_timeout_s,
         }
-        status["prefill_queue"] = await queue_status(self.nc)
+        status["prefill_queue"] = await queue_status(self.nc, self.subjects)
         return status
 
     async def admin_workers(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -271,7 +276,7 @@ class RegistryService:
             raise AdminError(
                 f'{action} needs {{"worker": "<worker id>"}}; see `kvmesh admin workers`'
             )
-        subject = subjects.worker_control(worker_id)
+        subject = self.subjects.worker_control(worker_id)
         try:
             msg = await self.nc.request(
                 subject,
@@ -305,7 +310,9 @@ class RegistryService:
                 f'log-level needs {{"level": one of {", ".join(logs.LEVELS)}}}, got {level!r}'
             )
         level = level.strip().lower()
-        await self.nc.publish(subjects.CONTROL_LOG_LEVEL, protocol.encode(LogLevel(level=level)))
+        await self.nc.publish(
+            self.subjects.CONTROL_LOG_LEVEL, protocol.encode(LogLevel(level=level))
+        )
         return {"ok": True, "level": level}
 
     def _spawn(self, coro: Awaitable[None]) -> None:
@@ -348,8 +355,12 @@ def _request_id_of(data: bytes) -> str:
 async def registry_service(config: RegistryConfig) -> AsyncIterator[RegistryService]:
     """Connected, subscribed and answering; stops everything on exit."""
     worker_id = config.worker_id or new_worker_id(ROLE)
-    async with connect_nats(config.nats_url, worker_id) as nc, asyncio.TaskGroup() as tg:
-        service = RegistryService(config, nc, tg, worker_id)
+    subjects = config.subjects
+    async with (
+        connect_nats(config.nats_url, worker_id, security=config.nats_security) as nc,
+        asyncio.TaskGroup() as tg,
+    ):
+        service = RegistryService(config, nc, tg, worker_id, subjects)
         subs = [
             await nc.subscribe(subjects.REGISTRY_ADVERTISE, cb=service.on_advert),
             await nc.subscribe(subjects.HEARTBEAT_ALL, cb=service.on_heartbeat),
@@ -360,6 +371,7 @@ async def registry_service(config: RegistryConfig) -> AsyncIterator[RegistryServ
         try:
             async with worker_presence(
                 nc,
+                subjects,
                 role=ROLE,
                 worker_id=worker_id,
                 heartbeat=service.heartbeat,
@@ -375,7 +387,12 @@ async def registry_service(config: RegistryConfig) -> AsyncIterator[RegistryServ
                         handler=service.json_handler(handle),
                     )
                 await nc.flush()
-                log.info("kv-registry ready", worker_id=worker_id, nats_url=config.nats_url)
+                log.info(
+                    "kv-registry ready",
+                    worker_id=worker_id,
+                    mesh=subjects.mesh,
+                    nats_url=config.safe_nats_url,
+                )
                 yield service
         finally:
             expiry.cancel()

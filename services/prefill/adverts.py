@@ -57,7 +57,8 @@ class AdvertBook:
         if advert is None:
             raise UnvouchedJobError(
                 f"decode worker {job.decode_worker_id!r} has not advertised on "
-                f"kvmesh.registry.advertise within {timeout_s:g} s; is it running?"
+                f"its mesh's registry.advertise subject within {timeout_s:g} s; is it running (in "
+                "this mesh)?"
             )
         check_job_against_advert(job, advert, self.kv_spec)
         return advert

@@ -5,12 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from shared.service_config import DEFAULT_NATS_URL, check_worker_id, option
+from shared.nats_options import NatsClientConfig
+from shared.service_config import check_worker_id, option
+from shared.subjects import mesh_from_model
 
 
 @dataclass(frozen=True, slots=True)
-class PrefillConfig:
-    nats_url: str = option(DEFAULT_NATS_URL, help="NATS server URL")
+class PrefillConfig(NatsClientConfig):
     worker_id: str | None = option(None, help="worker id (default: prefill-<random>)")
     model: str = option("kvmesh-tiny", help="model name or local HF checkpoint directory")
     dtype: str | None = option(
@@ -46,6 +47,7 @@ class PrefillConfig:
     )
 
     def __post_init__(self) -> None:
+        self.check_nats_options(mesh_from_model(self.model))
         check_worker_id(self.worker_id)
         if self.block_size <= 0:
             raise ValueError(f"block_size must be positive, got {self.block_size}")

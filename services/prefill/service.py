@@ -23,7 +23,7 @@ from nats.micro.request import Request
 
 from services.prefill.config import PrefillConfig
 from services.prefill.worker import PrefillWorker
-from shared import logs, subjects
+from shared import logs
 from shared.engine.config import EngineConfig
 from shared.engine.llm_engine import LLMEngine
 from shared.model.config import parse_dtype
@@ -214,13 +214,15 @@ async def prefill_service(config: PrefillConfig) -> AsyncIterator[PrefillService
     async with (
         create_transport(config.transport, tconf) as transport,
         EndpointCache(transport) as endpoints,
-        connect_nats(config.nats_url, worker_id) as nc,
+        connect_nats(config.nats_url, worker_id, security=config.nats_security) as nc,
     ):
+        subjects = config.subjects
         region = transport.register(engine.kv_pool.raw)
         worker = PrefillWorker(
             engine,
             region,
             worker_id=worker_id,
+            subjects=subjects,
             kv_spec=kv_spec_fingerprint(engine.kv_pool.spec, model.config),
             publish=nc.publish,
             connect=endpoints.get,
@@ -232,6 +234,7 @@ async def prefill_service(config: PrefillConfig) -> AsyncIterator[PrefillService
             async with (
                 worker_presence(
                     nc,
+                    subjects,
                     role="prefill",
                     worker_id=worker_id,
                     heartbeat=service.heartbeat,
@@ -239,7 +242,7 @@ async def prefill_service(config: PrefillConfig) -> AsyncIterator[PrefillService
                 ) as svc,
                 _subscribe(nc, subjects.ABORT, service.on_abort),
                 _subscribe(nc, subjects.REGISTRY_ADVERTISE, service.on_advert),
-                PrefillJobQueue(nc) as queue,
+                PrefillJobQueue(nc, subjects) as queue,
                 background(worker.run(), service.pull_loop(queue)),
             ):
                 await svc.add_endpoint(
@@ -250,6 +253,7 @@ async def prefill_service(config: PrefillConfig) -> AsyncIterator[PrefillService
                 log.info(
                     "prefill worker ready",
                     worker_id=worker_id,
+                    mesh=subjects.mesh,
                     transport=config.transport,
                     chunk_tokens=config.chunk_tokens,
                     kv_spec=worker.kv_spec,

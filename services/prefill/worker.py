@@ -24,7 +24,7 @@ from services.prefill.plan import (
     PlanError,
     PrefillTimeline,
 )
-from shared import logs, subjects
+from shared import logs
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.sequence import ChunkReady, RequestError, SamplingParams
 from shared.protocol import (
@@ -34,6 +34,7 @@ from shared.protocol import (
     PrefillStarted,
     encode,
 )
+from shared.subjects import Subjects
 from shared.transport import Endpoint, MemoryRegion, TransportError, WriteEntry
 
 log = logs.get_logger(__name__)
@@ -63,6 +64,7 @@ class PrefillWorker:
         region: MemoryRegion,
         *,
         worker_id: str,
+        subjects: Subjects,
         kv_spec: str,
         publish: Publish,
         connect: Connect,
@@ -73,6 +75,7 @@ class PrefillWorker:
         self.engine = engine
         self.region = region  # the engine's KV pool, registered as the source of writes
         self.worker_id = worker_id
+        self.subjects = subjects  # the mesh's
         self.kv_spec = kv_spec
         self.block_size = engine.kv_pool.spec.block_size
         self.block_bytes = engine.kv_pool.spec.block_bytes
@@ -129,8 +132,8 @@ class PrefillWorker:
         """Tell the router and the decode worker that this worker took ``msg``'s job: from now
         on they count on it (and on hearing if it dies)."""
         started = encode(PrefillStarted(msg.request_id, msg.lease_id, self.worker_id))
-        await self._publish(subjects.decode_prefill_started(msg.decode_worker_id), started)
-        await self._publish(subjects.request_prefill_started(msg.request_id), started)
+        await self._publish(self.subjects.decode_prefill_started(msg.decode_worker_id), started)
+        await self._publish(self.subjects.request_prefill_started(msg.request_id), started)
 
     async def prefill(self, msg: PrefillJob) -> None:
         """Run one job to its end: every write landed (or none in flight), decode told."""
@@ -246,7 +249,7 @@ class PrefillWorker:
             error=error,
             rkey=msg.rkey,
         )
-        await self._publish(subjects.decode_prefill_done(msg.decode_worker_id), encode(done))
+        await self._publish(self.subjects.decode_prefill_done(msg.decode_worker_id), encode(done))
         if job is None:
             return
         t = job.timeline.timing()
@@ -259,5 +262,5 @@ class PrefillWorker:
             exposed_transfer_s=t.exposed_transfer_s,
             num_chunks=t.num_chunks,
         )
-        await self._publish(subjects.request_prefill_report(msg.request_id), encode(report))
+        await self._publish(self.subjects.request_prefill_report(msg.request_id), encode(report))
         log.debug("prefill done", request_id=msg.request_id, ok=ok, error=error, timing=t)

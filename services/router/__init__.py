@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from services.router.app import Router, build_app, serve_http
 from services.router.config import RouterConfig
 from services.router.model_info import load_model_info
-from shared import logs, subjects
+from shared import logs
 from shared.nats_service import connect_nats, new_worker_id, serve_until_signal, worker_presence
 from shared.protocol import WorkerHeartbeat
 
@@ -41,12 +41,14 @@ async def serve_router(config: RouterConfig) -> AsyncIterator[RunningRouter]:
     model = load_model_info(config.model, config.model_id, config.max_model_len)
     worker_id = config.worker_id or new_worker_id("router")
     started_at = time.time()
-    async with connect_nats(config.nats_url, worker_id) as nc:
+    subjects = config.subjects
+    async with connect_nats(config.nats_url, worker_id, security=config.nats_security) as nc:
         if config.mode == "disagg":
             from shared.prefill_queue import ensure_stream
 
-            await ensure_stream(nc)  # jobs published before any prefill worker starts are kept
-        router = Router(config=config, model=model, nc=nc)
+            # jobs published before any prefill worker starts are kept
+            await ensure_stream(nc, subjects)
+        router = Router(config=config, model=model, nc=nc, subjects=subjects)
         # lives as long as the connection (drained on exit)
         await nc.subscribe(subjects.REGISTRY_WORKER_GONE, cb=router.dispatcher.on_worker_gone)
         await nc.subscribe(subjects.REGISTRY_ADVERTISE, cb=router.dispatcher.on_advert)
@@ -66,6 +68,7 @@ async def serve_router(config: RouterConfig) -> AsyncIterator[RunningRouter]:
         async with (
             worker_presence(
                 nc,
+                subjects,
                 role="router",
                 worker_id=worker_id,
                 heartbeat=heartbeat,
@@ -77,6 +80,7 @@ async def serve_router(config: RouterConfig) -> AsyncIterator[RunningRouter]:
             log.info(
                 "router serving",
                 worker_id=worker_id,
+                mesh=subjects.mesh,
                 model=model.name,
                 port=port,
                 mode=config.mode,

@@ -47,6 +47,7 @@ from services.router.responses import (
 from services.router.shutdown import Shutdown
 from shared import logs
 from shared.service_errors import listen_error
+from shared.subjects import Subjects
 
 log = logs.get_logger(__name__)
 
@@ -64,6 +65,7 @@ class Router:
     config: RouterConfig
     model: ModelInfo
     nc: NATS
+    subjects: Subjects  # the mesh's
     metrics: RouterMetrics = field(default_factory=RouterMetrics)
     started_at: int = field(default_factory=lambda: int(time.time()))
     num_in_flight: int = 0
@@ -71,7 +73,9 @@ class Router:
     shutdown: Shutdown = field(default_factory=Shutdown)
 
     def __post_init__(self) -> None:
-        self.dispatcher = Dispatcher(self.nc, self.config, self.metrics)
+        self.dispatcher = Dispatcher(
+            self.nc, self.subjects, self.config, self.metrics, model_spec=self.model.spec
+        )
 
     async def stop(self, grace_s: float) -> None:
         """Stop taking requests (503) and let those in flight finish for ``grace_s``; then end

@@ -5,12 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from shared.service_config import DEFAULT_NATS_URL, check_worker_id, option
+from shared.nats_options import NatsClientConfig
+from shared.service_config import check_worker_id, option
+from shared.subjects import mesh_from_model
 
 
 @dataclass(frozen=True, slots=True)
-class RouterConfig:
-    nats_url: str = option(DEFAULT_NATS_URL, help="NATS server URL")
+class RouterConfig(NatsClientConfig):
     host: str = option("0.0.0.0", help="HTTP listen address")
     port: int = option(8000, help="HTTP port (0 picks a free one)")
     model: str = option("kvmesh-tiny", help="model name or local HF checkpoint directory")
@@ -73,8 +74,7 @@ class RouterConfig:
     heartbeat_s: float = option(2.0, help="seconds between heartbeats")
 
     def __post_init__(self) -> None:
-        if not self.nats_url.startswith(("nats://", "tls://", "ws://", "wss://")):
-            raise ValueError(f"nats_url must be a nats:// (or tls://) URL, got {self.nats_url!r}")
+        self.check_nats_options(mesh_from_model(self.model))
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if not self.model:

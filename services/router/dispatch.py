@@ -34,7 +34,7 @@ from services.router.errors import (
 from services.router.metrics import RequestTimer, RouterMetrics
 from services.router.prompt import Prompt
 from services.router.worker_pool import WorkerPool
-from shared import protocol, subjects
+from shared import protocol
 from shared.prefill_queue import publish_job, withdraw_job
 from shared.protocol import (
     Abort,
@@ -50,6 +50,7 @@ from shared.protocol import (
     WorkerGone,
     WorkerHeartbeat,
 )
+from shared.subjects import Subjects
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,7 @@ class MeshRequest:
     def __init__(
         self,
         nc: NATS,
+        subjects: Subjects,
         config: RouterConfig,
         metrics: RouterMetrics,
         request_id: str,
@@ -74,8 +76,11 @@ class MeshRequest:
         prefill_pool: WorkerPool | None = None,
         decode_pool: WorkerPool | None = None,
         registry_pool: WorkerPool | None = None,
+        model_spec: str = "",
     ) -> None:
         self._nc = nc
+        self._subjects = subjects
+        self._model_spec = model_spec  # only decode workers serving this model take the request
         self._sub: Subscription | None = None
         self._prefill_pool = prefill_pool
         self._decode_pool = decode_pool
@@ -122,7 +127,7 @@ class MeshRequest:
 
     async def subscribe(self) -> None:
         """Listen on this attempt's event subjects (before anything is sent: no token is missed)."""
-        self._sub = await self._nc.subscribe(subjects.request_events_all(self.request_id))
+        self._sub = await self._nc.subscribe(self._subjects.request_events_all(self.request_id))
 
     async def close(self) -> None:
         self.stop_renewing()
@@ -243,7 +248,7 @@ class MeshRequest:
         )
         self._renewer = asyncio.create_task(self._renew_lease(reply))
         try:
-            self._job_seq = await publish_job(self._nc, protocol.encode(job))
+            self._job_seq = await publish_job(self._nc, self._subjects, protocol.encode(job))
         except nats.errors.Error as exc:
             raise ServiceUnavailableError(f"could not publish the prefill job: {exc}") from None
 
@@ -253,7 +258,7 @@ class MeshRequest:
         renew = protocol.encode(
             LeaseRenew(self.request_id, reply.lease_id, lease_ms=self._config.lease_ms)
         )
-        subject = subjects.decode_lease_renew(reply.worker_id)
+        subject = self._subjects.decode_lease_renew(reply.worker_id)
         while True:
             await asyncio.sleep(self._config.lease_ms / 3000)
             try:
@@ -274,11 +279,12 @@ class MeshRequest:
             sampling=self.prompt.sampling,
             local_prefill=self.is_local_prefill,
             lease_ms=self._config.lease_ms,
+            model_spec=self._model_spec,
         )
         self._may_hold_blocks = True
         try:
             msg = await self._nc.request(
-                subjects.REGISTRY_PLACE,
+                self._subjects.REGISTRY_PLACE,
                 protocol.encode(place),
                 timeout=self._config.place_timeout_s,
             )
@@ -290,8 +296,9 @@ class MeshRequest:
                     "the kv-registry is not answering (restarting?)", retry_after_s=0.5
                 ) from None
             raise ServiceUnavailableError(
-                f"no kv-registry answers on {subjects.REGISTRY_PLACE}; start one "
-                "(`kvmesh serve kv-registry`) or check --nats-url"
+                f"no kv-registry answers on {self._subjects.REGISTRY_PLACE}; start one for mesh "
+                f"{self._subjects.mesh} (`kvmesh serve kv-registry --mesh "
+                f"{self._subjects.mesh}`) or check --nats-url"
             ) from None
         except nats.errors.TimeoutError:
             raise GatewayTimeoutError(
@@ -324,8 +331,8 @@ class MeshRequest:
         ``first_token_timeout_s`` or a next token within ``token_timeout_s``, MeshError when the
         mesh fails the request."""
         while not self.is_finished:
-            tokens_subject = subjects.request_tokens(self.request_id)
-            report_subject = subjects.request_prefill_report(self.request_id)
+            tokens_subject = self._subjects.request_tokens(self.request_id)
+            report_subject = self._subjects.request_prefill_report(self.request_id)
             if self.num_events == 0:
                 timeout = self._first_deadline - time.monotonic()
                 what = f"the first token within {self._config.first_token_timeout_s:g}s"
@@ -346,11 +353,11 @@ class MeshRequest:
             if msg.subject == report_subject:
                 self._record_report(msg.data)
                 continue
-            if msg.subject == subjects.request_prefill_started(self.request_id):
+            if msg.subject == self._subjects.request_prefill_started(self.request_id):
                 with contextlib.suppress(ProtocolError):
                     self.prefill_worker = protocol.decode(msg.data, PrefillStarted).worker_id
                 continue
-            if msg.subject == subjects.request_worker_gone(self.request_id):
+            if msg.subject == self._subjects.request_worker_gone(self.request_id):
                 gone = protocol.decode(msg.data, WorkerGone)
                 if not self.depends_on(gone.worker_id):
                     continue
@@ -397,11 +404,11 @@ class MeshRequest:
         withdrawn = (
             self._job_seq > 0
             and not self.prefill_worker
-            and await withdraw_job(self._nc, self._job_seq)
+            and await withdraw_job(self._nc, self._subjects, self._job_seq)
         )
         try:
             abort = Abort(self.request_id, reason=reason, job_withdrawn=withdrawn)
-            await self._nc.publish(subjects.ABORT, protocol.encode(abort))
+            await self._nc.publish(self._subjects.ABORT, protocol.encode(abort))
         except nats.errors.Error as exc:  # the connection is gone: leases will expire instead
             log.warning("could not publish abort for %s: %s", self.request_id, exc)
 
@@ -417,8 +424,17 @@ class MeshRequest:
 class Dispatcher:
     """Runs requests on the mesh over one NATS connection."""
 
-    def __init__(self, nc: NATS, config: RouterConfig, metrics: RouterMetrics) -> None:
+    def __init__(
+        self,
+        nc: NATS,
+        subjects: Subjects,
+        config: RouterConfig,
+        metrics: RouterMetrics,
+        model_spec: str = "",
+    ) -> None:
         self._nc = nc
+        self._subjects = subjects
+        self._model_spec = model_spec
         self._config = config
         self._metrics = metrics
         self._live: dict[str, MeshRequest] = {}
@@ -466,7 +482,7 @@ class Dispatcher:
             if request.depends_on(gone.worker_id):
                 with contextlib.suppress(nats.errors.Error):
                     await self._nc.publish(
-                        subjects.request_worker_gone(request.request_id), msg.data
+                        self._subjects.request_worker_gone(request.request_id), msg.data
                     )
 
     @asynccontextmanager
@@ -476,6 +492,7 @@ class Dispatcher:
         """Place ``prompt`` on the mesh; abort it if the block is left before it finishes."""
         request = MeshRequest(
             self._nc,
+            self._subjects,
             self._config,
             self._metrics,
             request_id,
@@ -484,6 +501,7 @@ class Dispatcher:
             self.prefill_pool,
             self.decode_pool,
             self.registry_pool,
+            self._model_spec,
         )
         self._live[request_id] = request
         try:

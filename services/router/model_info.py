@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shared.model.loader import ModelLoadError, load_config_and_tokenizer
+from shared.protocol import model_spec
 from shared.tokenizer import Tokenizer
 
 
@@ -17,6 +18,7 @@ class ModelInfo:
     name: str  # the id clients send
     tokenizer: Tokenizer
     max_model_len: int
+    spec: str  # model_spec(): decode workers must advertise the same to be placed on
 
 
 def load_model_info(name_or_path: str, served_name: str, max_model_len: int | None) -> ModelInfo:
@@ -32,4 +34,6 @@ def load_model_info(name_or_path: str, served_name: str, max_model_len: int | No
                 f"max_model_len {max_model_len} exceeds the model's context of {context} tokens"
             )
         context = max_model_len
-    return ModelInfo(name=served_name, tokenizer=tokenizer, max_model_len=context)
+    return ModelInfo(
+        name=served_name, tokenizer=tokenizer, max_model_len=context, spec=model_spec(config)
+    )

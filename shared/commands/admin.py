@@ -8,9 +8,11 @@ import json
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from shared.logs import LEVELS
+from shared.nats_options import NatsClientConfig
 from shared.service_config import (
     DEFAULT_NATS_URL,
     ConfigError,
@@ -18,14 +20,22 @@ from shared.service_config import (
     config_from_args,
     option,
 )
+from shared.subjects import DEFAULT_MESH
+
+if TYPE_CHECKING:
+    from shared.nats_auth import NatsAuth
 
 
 @dataclass(frozen=True, slots=True)
-class AdminConfig:
-    nats_url: str = option(DEFAULT_NATS_URL, help="NATS server URL")
+class AdminConfig(NatsClientConfig):
+    """Without --mesh: the one mesh ``kvmesh up`` runs on this machine, else the default mesh.
+    Without --nats-url: that mesh's NATS as ``kvmesh up`` recorded it (shared/mesh_state.py),
+    with its admin password when the environment holds no credentials."""
+
     admin_timeout_s: float = option(3.0, help="seconds to wait for the registry's answer")
 
     def __post_init__(self) -> None:
+        self.check_nats_options(None)  # the mesh is looked up (resolve_target)
         if self.admin_timeout_s <= 0:
             raise ValueError(f"admin_timeout_s must be positive, got {self.admin_timeout_s}")
 
@@ -78,10 +88,67 @@ def _admin(args: argparse.Namespace) -> int:
     return 0
 
 
+@dataclass(frozen=True, slots=True)
+class AdminTarget:
+    """The mesh an admin command addresses and how to reach its NATS."""
+
+    mesh: str
+    nats_url: str
+    auth: NatsAuth | None  # None: the environment's credentials, if any
+
+
+def resolve_target(config: AdminConfig) -> AdminTarget:
+    """Which mesh and NATS: the flags and environment first, then what ``kvmesh up`` recorded
+    (of the meshes on --nats-url when it is given)."""
+    from shared.admin_client import AdminError
+    from shared.mesh_state import running_meshes
+    from shared.nats_auth import ADMIN, NatsAuth, auth_from_env
+    from shared.nats_options import strip_credentials
+
+    url = config.nats_url
+    url_given = url != DEFAULT_NATS_URL
+    known = [m for m in running_meshes() if not url_given or m.nats_url == strip_credentials(url)]
+    mesh = config.mesh
+    if mesh is None:
+        names = sorted({m.mesh for m in known})
+        if len(names) > 1:
+            raise AdminError(
+                f"{len(names)} meshes are up on this machine ({', '.join(names)}): say which "
+                "with --mesh NAME (or KVMESH_MESH)"
+            )
+        mesh = names[0] if names else DEFAULT_MESH
+    mine = [m for m in known if m.mesh == mesh]
+    if not url_given and mine:
+        if len({m.nats_url for m in mine}) > 1:
+            raise AdminError(
+                f"mesh {mesh!r} is up more than once on this machine (NATS "
+                f"{', '.join(m.nats_url for m in mine)}): say which with --nats-url"
+            )
+        url = mine[0].nats_url
+    auth = auth_from_env()
+    if auth is None:  # the admin password of the nats-server kvmesh up started there
+        for state in mine:
+            if state.nats_url == strip_credentials(url) and state.admin_password_file:
+                try:
+                    password = Path(state.admin_password_file).read_text().strip()
+                except OSError:
+                    continue
+                auth = NatsAuth(ADMIN, password)
+                break
+    return AdminTarget(mesh, url, auth)
+
+
 async def run_admin(config: AdminConfig, action: str, arg: str | None) -> Any:
     from shared.admin_client import admin_client
 
-    async with admin_client(config.nats_url, config.admin_timeout_s) as admin:
+    target = resolve_target(config)
+    async with admin_client(
+        target.nats_url,
+        config.admin_timeout_s,
+        auth=target.auth,
+        mesh=target.mesh,
+        security=config.nats_security,
+    ) as admin:
         if action == "status":
             return await admin.status()
         if action == "workers":

@@ -8,6 +8,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from shared.subjects import DEFAULT_MESH
+
 
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
@@ -19,14 +21,25 @@ def register(subparsers: Any) -> None:
         "for those variables into PATH (mode 0600), e.g. docker compose's .env.",
     )
     p.add_argument("--env-file", type=Path, help="write KVMESH_NATS_PASSWORD_<ROLE>=... here")
+    p.add_argument(
+        "--mesh",
+        default=os.environ.get("KVMESH_MESH", DEFAULT_MESH),
+        help="the mesh whose subjects the roles may use (default: $KVMESH_MESH, else "
+        f"{DEFAULT_MESH}, the built-in model's mesh and docker-compose's)",
+    )
     p.set_defaults(func=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
     from shared.nats_auth import MeshCredentials, authorization_block
+    from shared.subjects import Subjects
 
     if args.env_file is None:
-        print(authorization_block(), end="")
+        try:
+            subjects = Subjects(args.mesh)
+        except ValueError as exc:
+            raise SystemExit(f"kvmesh nats-config: --mesh: {exc}") from None
+        print(authorization_block(subjects), end="")
         return 0
     try:
         fd = os.open(args.env_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)

@@ -134,6 +134,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _serve(args: argparse.Namespace) -> int:
     from shared import logs
+    from shared.nats_options import redact_url
     from shared.nats_service import NatsUnavailableError
     from shared.prefill_queue import PrefillQueueError
     from shared.service_errors import ServiceStartError, find_error
@@ -148,7 +149,10 @@ def _serve(args: argparse.Namespace) -> int:
     ignored = unknown_env_keys(spec.config_cls, os.environ, also_known=service_env_keys(spec.name))
     if ignored:
         log.info("ignoring KVMESH_* variables this service does not read", keys=ignored)
-    log.info("starting", service=spec.name, config=repr(config))
+    shown = repr(config)
+    if getattr(config, "nats_url", None):  # a token or password in the URL never reaches a log
+        shown = shown.replace(config.nats_url, redact_url(config.nats_url))
+    log.info("starting", service=spec.name, config=shown)
     try:
         asyncio.run(spec.module.run(config))
     except KeyboardInterrupt:

@@ -5,6 +5,12 @@ decode (or M colocated) workers and the router, each as ``python -m shared.cli s
 own session (process group), so a terminal's Ctrl-C reaches only the launcher, which then stops
 them in order: router, prefill, decode, registry, NATS — SIGTERM, SIGKILL after --stop-timeout-s.
 Children also get SIGTERM from the kernel if the launcher itself dies (PR_SET_PDEATHSIG).
+
+Two meshes on one machine: each has a name (--mesh, default from the model) and its own
+subjects. Left at its default --nats-url, a second ``kvmesh up`` whose port 4222 holds another
+mesh's nats-server starts one of its own on a free port; ``kvmesh admin --mesh NAME`` finds it
+through the state file each launcher keeps (shared/mesh_state.py). The same mesh twice on one
+NATS, or a taken HTTP port, is refused in one line.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from pathlib import Path
 from typing import Literal
 
 from shared.commands.restarts import RestartPolicy
+from shared.mesh_state import MeshState, remove_state, running_meshes, write_state
 from shared.nats_auth import (
     ADMIN,
     PASSWORD_FILE_ENV,
@@ -34,6 +41,13 @@ from shared.nats_auth import (
     NatsAuth,
     auth_from_env,
 )
+from shared.nats_options import (
+    NatsClientConfig,
+    NatsSecurity,
+    redact_url,
+    strip_credentials,
+    url_has_credentials,
+)
 from shared.service_config import (
     DEFAULT_NATS_URL,
     ConfigError,
@@ -41,13 +55,18 @@ from shared.service_config import (
     config_from_args,
     option,
 )
+from shared.subjects import mesh_from_model
 
 # stop order: earlier tiers first (router stops taking requests before its backends go)
 TIERS = ("router", "prefill", "decode", "kv-registry")
 
 
 @dataclass(frozen=True, slots=True)
-class UpConfig:
+class UpConfig(NatsClientConfig):
+    """``nats_url`` (inherited): the NATS server; started here if none answers. Left at its
+    default, a server there that another ``kvmesh up``'s mesh owns is not joined: this mesh gets
+    a nats-server of its own on a free port."""
+
     model: str = option("kvmesh-tiny", help="model name or local HF checkpoint directory")
     mode: Literal["disagg", "colocated"] = option(
         "disagg", help="disagg: prefill and decode pools; colocated: the unified baseline"
@@ -57,7 +76,6 @@ class UpConfig:
     transport: Literal["auto", "shm", "tcp", "rdma"] = option("auto", help="KV data plane")
     port: int = option(8000, help="router HTTP port (0: a free one)")
     host: str = option("127.0.0.1", help="address the router listens on (0.0.0.0: every interface)")
-    nats_url: str = option(DEFAULT_NATS_URL, help="NATS server; started here if none answers")
     local_prefill_threshold: int | None = option(
         None, help="prompts shorter than this are prefilled on the decode worker (router default)"
     )
@@ -90,6 +108,7 @@ class UpConfig:
     stop_timeout_s: float = option(15.0, help="seconds between SIGTERM and SIGKILL on shutdown")
 
     def __post_init__(self) -> None:
+        self.check_nats_options(mesh_from_model(self.model))
         if self.decode < 1:
             raise ValueError(f"decode must be >= 1, got {self.decode}")
         if self.prefill < 0 or (self.mode == "disagg" and self.prefill < 1):
@@ -102,8 +121,6 @@ class UpConfig:
             raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
         if self.decode_pacing_ms < 0:
             raise ValueError(f"decode_pacing_ms must be >= 0, got {self.decode_pacing_ms}")
-        if not self.nats_url.startswith("nats://"):
-            raise ValueError(f"nats_url must look like nats://HOST:PORT, got {self.nats_url!r}")
         for name in ("startup_timeout_s", "stop_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -148,8 +165,19 @@ def split_cores(config: UpConfig) -> dict[str, int]:
 def plan(config: UpConfig, nats_url: str, port: int) -> list[ChildSpec]:
     """The ``kvmesh serve ...`` command of every service, in start order."""
     threads = split_cores(config)
-    common = ("--nats-url", nats_url, "--log-level", config.log_level)
-    common += ("--log-format", config.log_format)
+    assert config.mesh is not None
+    common: tuple[str, ...] = ("--mesh", config.mesh)
+    if not url_has_credentials(nats_url):  # else it reaches them in KVMESH_NATS_URL (ps shows argv)
+        common += ("--nats-url", nats_url)
+    for flag, path in (
+        ("--nats-creds", config.nats_creds),
+        ("--nats-tls-ca", config.nats_tls_ca),
+        ("--nats-tls-cert", config.nats_tls_cert),
+        ("--nats-tls-key", config.nats_tls_key),
+    ):
+        if path is not None:
+            common += (flag, str(Path(path).resolve()))
+    common += ("--log-level", config.log_level, "--log-format", config.log_format)
     engine = ("--model", config.model, "--device", config.device, "--transport", config.transport)
     if config.kv_cache_bytes is not None:
         engine += ("--kv-cache-bytes", str(config.kv_cache_bytes))
@@ -191,6 +219,7 @@ def free_port() -> int:
 class Launcher:
     def __init__(self, config: UpConfig) -> None:
         self.config = config
+        self.nats_url = config.nats_url  # where the mesh's NATS is (set by start)
         self.port = config.port or free_port()
         self.children: dict[str, tuple[ChildSpec, subprocess.Popen[bytes]]] = {}
         self.nats = None  # NatsServer we started, if any
@@ -200,6 +229,12 @@ class Launcher:
         self.nats_auth: NatsAuth | None = auth_from_env()  # this process's own client (admin)
         self.admin_password_file: Path | None = None
         self._envs: dict[str, dict[str, str]] = {}  # child name -> environment it started with
+        self.state: MeshState | None = None  # what this launcher recorded (shared/mesh_state.py)
+
+    @property
+    def mesh(self) -> str:
+        assert self.config.mesh is not None
+        return self.config.mesh
 
     @property
     def url(self) -> str:
@@ -207,39 +242,107 @@ class Launcher:
         return f"http://{host}:{self.port}"
 
     def start(self) -> None:
-        from shared.nats_server import NatsServer, nats_is_reachable, parse_nats_url
+        from shared.nats_server import nats_is_reachable
 
-        if not nats_is_reachable(self.config.nats_url):
-            host, nats_port = parse_nats_url(self.config.nats_url)
-            self.credentials = MeshCredentials.generate()
-            self.nats = NatsServer(
-                nats_port, host=host, authorization=self.credentials.server_config()
-            )
-            self.nats.start()
-            self.nats_auth = self.credentials.auth(ADMIN)
-            self.admin_password_file = self.nats.state_dir / "admin.password"
-            fd = os.open(self.admin_password_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(self.nats_auth.password)
-            print(
-                f"kvmesh up: started nats-server at {self.nats.url}, one user per role; "
-                f"for kvmesh admin: export {USER_ENV}={ADMIN} "
-                f"{PASSWORD_FILE_ENV}={self.admin_password_file}",
-                file=sys.stderr,
-            )
+        url = self.config.nats_url
+        if url == DEFAULT_NATS_URL:
+            url = self._default_nats_url()
+        if not nats_is_reachable(url):
+            self._start_nats(url)
         else:
-            # Another mesh on this NATS would share our subjects and worker ids: requests would
-            # land on its workers (another model), and its workers would count as ours.
-            others = _run_sync(workers_on(self.config.nats_url, auth=self.nats_auth))
-            if others:
-                raise LaunchError(
-                    f"a kvmesh mesh is already running on {self.config.nats_url} (workers: "
-                    f"{', '.join(sorted(others)[:6])}{', ...' if len(others) > 6 else ''}); start "
-                    "this one on its own NATS (e.g. --nats-url nats://127.0.0.1:4223; it is "
-                    "started here if nothing answers) or stop the other mesh first"
-                )
-        for spec in plan(self.config, self.config.nats_url, self.port):
+            self._check_mesh_absent(url)
+        self.state = MeshState(
+            mesh=self.mesh,
+            nats_url=strip_credentials(self.nats_url),
+            pid=os.getpid(),
+            router_url=self.url,
+            admin_password_file=str(self.admin_password_file or ""),
+        )
+        write_state(self.state)
+        for spec in plan(self.config, self.nats_url, self.port):
             self._spawn(spec)
+
+    def _default_nats_url(self) -> str:
+        """The NATS URL of a launcher left at the default: the default, unless the server there
+        belongs to another ``kvmesh up``'s mesh, then a free port of our own. The same mesh
+        already up on this machine is refused."""
+        meshes = running_meshes()
+        same = [m for m in meshes if m.mesh == self.mesh]
+        if same:
+            other = same[0]
+            raise LaunchError(
+                f"mesh {self.mesh!r} is already up on this machine (kvmesh up pid {other.pid}, "
+                f"{other.router_url}, NATS {other.nats_url}); give this one another --mesh, or "
+                "stop that one first"
+            )
+        owner = next((m for m in meshes if m.nats_url == DEFAULT_NATS_URL), None)
+        if owner is None:
+            return DEFAULT_NATS_URL
+        url = f"nats://127.0.0.1:{free_port()}"
+        print(
+            f"kvmesh up: {DEFAULT_NATS_URL} is the nats-server of mesh {owner.mesh!r} (kvmesh up "
+            f"pid {owner.pid}); mesh {self.mesh!r} gets its own at {url} (kvmesh admin "
+            f"--mesh {self.mesh} finds it)",
+            file=sys.stderr,
+        )
+        return url
+
+    def _start_nats(self, url: str) -> None:
+        from shared.nats_server import NatsServer, parse_nats_url
+
+        if not url.startswith("nats://") or url_has_credentials(url):
+            raise LaunchError(
+                f"nothing answers at {redact_url(url)}, and kvmesh up starts a nats-server only "
+                "for a plain nats://HOST:PORT URL (credentials and TLS are the operator's "
+                "server's); start that server first, or give a nats:// URL"
+            )
+        host, nats_port = parse_nats_url(url)
+        self.credentials = MeshCredentials.generate()
+        self.nats = NatsServer(
+            nats_port,
+            host=host,
+            authorization=self.credentials.server_config(self.config.subjects),
+        )
+        self.nats.start()
+        self.nats_url = self.nats.url
+        self.nats_auth = self.credentials.auth(ADMIN)
+        self.admin_password_file = self.nats.state_dir / "admin.password"
+        fd = os.open(self.admin_password_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(self.nats_auth.password)
+        print(
+            f"kvmesh up: started nats-server at {self.nats.url} for mesh {self.mesh!r}, one "
+            f"user per role; for kvmesh admin: export {USER_ENV}={ADMIN} "
+            f"{PASSWORD_FILE_ENV}={self.admin_password_file} (kvmesh admin --mesh {self.mesh} "
+            "finds both by itself)",
+            file=sys.stderr,
+        )
+
+    def _check_mesh_absent(self, url: str) -> None:
+        """Join the NATS at ``url`` unless this mesh already runs there: its workers would count
+        as ours, and ours would take its requests. Other meshes there are no concern."""
+        from shared.nats_service import NatsUnavailableError
+
+        self.nats_url = url
+        try:
+            others = _run_sync(
+                workers_on(
+                    url, auth=self.nats_auth, mesh=self.mesh, security=self.config.nats_security
+                )
+            )
+        except NatsUnavailableError as exc:  # e.g. a server of another mesh, with its own users
+            raise LaunchError(
+                f"cannot join the NATS server at {redact_url(url)}: {exc}; or give this mesh a "
+                "nats-server of its own: --nats-url nats://127.0.0.1:PORT with a free PORT"
+            ) from None
+        if others:
+            raise LaunchError(
+                f"mesh {self.mesh!r} is already running on {redact_url(url)} (workers: "
+                f"{', '.join(sorted(others)[:6])}{', ...' if len(others) > 6 else ''}); start "
+                f"this one as another mesh (--mesh NAME), or on its own NATS (e.g. --nats-url "
+                "nats://127.0.0.1:4223; it is started here if nothing answers), or stop the "
+                "other one first"
+            )
 
     def _spawn(self, spec: ChildSpec) -> None:
         """Start ``spec``'s process; a restart gets the environment of the first start."""
@@ -251,6 +354,8 @@ class Launcher:
             env = dict(os.environ)  # ours (an external server's credentials, if any)
             if self.credentials is not None:
                 env.update(self.credentials.auth(spec.argv[1]).env())
+            if url_has_credentials(self.nats_url):  # not in argv: ps would show them
+                env["KVMESH_NATS_URL"] = self.nats_url
             self._envs[spec.name] = env
         proc = subprocess.Popen(argv, start_new_session=True, preexec_fn=die_with_parent, env=env)
         self.children[spec.name] = (spec, proc)
@@ -307,7 +412,13 @@ class Launcher:
         deadline = time.monotonic() + self.config.startup_timeout_s
         num_prefill = self.config.prefill if self.config.mode == "disagg" else 0
         waiting_for = "NATS"
-        async with admin_client(self.config.nats_url, timeout_s=2.0, auth=self.nats_auth) as admin:
+        async with admin_client(
+            self.nats_url,
+            timeout_s=2.0,
+            auth=self.nats_auth,
+            mesh=self.mesh,
+            security=self.config.nats_security,
+        ) as admin:
             while time.monotonic() < deadline:
                 self.check_alive()
                 try:
@@ -361,17 +472,27 @@ class Launcher:
         if self.nats is not None:
             self.nats.stop()
             self.nats = None
+        if self.state is not None:
+            remove_state(self.state)
+            self.state = None
 
 
 async def workers_on(
-    nats_url: str, listen_s: float = 1.2, auth: NatsAuth | None = None
+    nats_url: str,
+    listen_s: float = 1.2,
+    auth: NatsAuth | None = None,
+    *,
+    mesh: str,
+    security: NatsSecurity | None = None,
 ) -> set[str]:
-    """Worker ids heard on ``nats_url``: the registry's list, or heartbeats for ``listen_s``."""
-    from shared import subjects
+    """Worker ids of mesh ``mesh`` heard on ``nats_url``: its registry's list, or heartbeats
+    for ``listen_s``."""
     from shared.admin_client import AdminError, admin_client
     from shared.protocol import ProtocolError, WorkerHeartbeat, decode
 
-    async with admin_client(nats_url, timeout_s=2.0, auth=auth) as admin:
+    async with admin_client(
+        nats_url, timeout_s=2.0, auth=auth, mesh=mesh, security=security
+    ) as admin:
         try:
             return {w["worker_id"] for w in await admin.workers()}
         except AdminError:  # no registry: listen for heartbeats instead
@@ -382,7 +503,7 @@ async def workers_on(
             with contextlib.suppress(ProtocolError):
                 heard.add(decode(msg.data, WorkerHeartbeat).worker_id)
 
-        sub = await admin.nc.subscribe(subjects.HEARTBEAT_ALL, cb=on_beat)
+        sub = await admin.nc.subscribe(admin.subjects.HEARTBEAT_ALL, cb=on_beat)
         await asyncio.sleep(listen_s)
         await sub.unsubscribe()
         return heard
@@ -414,10 +535,10 @@ async def run_up(launcher: Launcher) -> int:
     async def ready_then_watch() -> None:
         await launcher.wait_ready()
         print(
-            f"kvmesh is up: {launcher.url}/v1 (mode {launcher.config.mode}, "
-            f"{launcher.config.decode} decode, "
+            f"kvmesh is up: {launcher.url}/v1 (mesh {launcher.mesh}, mode "
+            f"{launcher.config.mode}, {launcher.config.decode} decode, "
             f"{launcher.config.prefill if launcher.config.mode == 'disagg' else 0} prefill, "
-            f"NATS {launcher.config.nats_url}); Ctrl-C stops it",
+            f"NATS {redact_url(launcher.nats_url)}); Ctrl-C stops it",
             flush=True,
         )
         threads = ", ".join(f"{role} {n}" for role, n in split_cores(launcher.config).items())

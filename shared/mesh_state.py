@@ -1,0 +1,86 @@
+"""Where the meshes that ``kvmesh up`` runs on this machine can be found.
+
+Each running ``kvmesh up`` keeps a small file, ``<mesh>.<pid>.json`` (mode 0600, in a 0700
+folder), saying its mesh's NATS URL, where the admin password of the nats-server it started lies,
+and the router's URL. ``kvmesh admin`` reads it when no ``--nats-url`` is given, so
+``kvmesh admin status --mesh NAME`` finds a mesh whose nats-server runs on a port of its own; a
+second ``kvmesh up`` reads it to tell another mesh's nats-server from an operator's.
+
+The folder: ``$KVMESH_STATE_DIR``, else ``$XDG_RUNTIME_DIR/kvmesh``, else ``~/.cache/kvmesh/run``.
+A file whose process is gone is stale: it is ignored and removed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+STATE_DIR_ENV = "KVMESH_STATE_DIR"
+
+
+@dataclass(frozen=True, slots=True)
+class MeshState:
+    mesh: str
+    nats_url: str  # without credentials (strip_credentials): those stay in the environment
+    pid: int  # the kvmesh up process
+    router_url: str = ""
+    admin_password_file: str = ""  # "" when kvmesh up did not start the nats-server
+
+    @property
+    def path_name(self) -> str:
+        return f"{self.mesh}.{self.pid}.json"
+
+
+def state_dir() -> Path:
+    if os.environ.get(STATE_DIR_ENV):
+        return Path(os.environ[STATE_DIR_ENV])
+    if os.environ.get("XDG_RUNTIME_DIR"):
+        return Path(os.environ["XDG_RUNTIME_DIR"]) / "kvmesh"
+    return Path.home() / ".cache" / "kvmesh" / "run"
+
+
+def write_state(state: MeshState) -> Path:
+    """Record ``state`` (replacing this process's earlier record of it); returns the file."""
+    folder = state_dir()
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path = folder / state.path_name
+    tmp = path.with_suffix(".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(asdict(state), f)
+    tmp.replace(path)
+    return path
+
+
+def remove_state(state: MeshState) -> None:
+    (state_dir() / state.path_name).unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
+
+
+def running_meshes() -> list[MeshState]:
+    """Every mesh a live ``kvmesh up`` on this machine recorded, by mesh name then pid."""
+    folder = state_dir()
+    if not folder.is_dir():
+        return []
+    found: list[MeshState] = []
+    for path in folder.glob("*.json"):
+        try:
+            state = MeshState(**json.loads(path.read_text()))
+        except (OSError, ValueError, TypeError):
+            continue  # being written, or not ours
+        if not _alive(state.pid):
+            path.unlink(missing_ok=True)
+            continue
+        found.append(state)
+    return sorted(found, key=lambda s: (s.mesh, s.pid))
