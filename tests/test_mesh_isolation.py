@@ -1,0 +1,148 @@
+"""Two meshes on one NATS server, each a whole disaggregated mesh in real processes: the built-in
+kvmesh-tiny (mesh ``kvmesh-tiny``) and a seeded checkpoint of another shape (mesh
+``other-model``), with the same worker ids (kv-registry-0, decode-0, prefill-0, router-0).
+
+Both serve at once; every greedy reply equals its own model's offline engine token for token,
+no token, prefill job, report or admin answer of one mesh appears on the other's subjects, each
+mesh's admin lists only its own workers, and a registry refuses a placement for another model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from loadgen.bench_mesh import MeshTap, complete, local_mesh, random_prompts, wait_blocks_returned
+from shared.nats_server import NatsServer
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+ENV = {"KVMESH_CHUNK_TOKENS": "32", "KVMESH_BLOCK_SIZE": "16", "KVMESH_NUM_BLOCKS": "256"}
+PROMPTS = random_prompts(6, 20, 90, seed=11)
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def other_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from shared.model.seeded import SeededShape, write_seeded_checkpoint
+
+    path = tmp_path_factory.mktemp("models") / "other-model"
+    shape = SeededShape(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=128,
+        max_position_embeddings=1024,
+    )
+    write_seeded_checkpoint(path, shape, seed=5)
+    return str(path)
+
+
+def _offline(model: str) -> list[list[int]]:
+    from shared.engine.config import EngineConfig
+    from shared.engine.llm_engine import LLMEngine
+    from shared.engine.sequence import SamplingParams
+    from shared.model.loader import load_model
+
+    engine = LLMEngine(*load_model(model), EngineConfig(num_blocks=256))
+    return engine.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
+
+
+@pytest.fixture(scope="module")
+def two_meshes(other_model: str):
+    server = NatsServer()  # open: both meshes' services connect to it
+    with (
+        server,
+        local_mesh("disagg", "tcp", nats_url=server.url, env=ENV) as tiny,
+        local_mesh("disagg", "tcp", model=other_model, nats_url=server.url, env=ENV) as other,
+    ):
+        yield server.url, tiny, other
+
+
+async def _serve(mesh, model: str, tap: MeshTap) -> list[dict]:
+    async with aiohttp.ClientSession() as session:
+        replies = await asyncio.gather(
+            *(complete(session, mesh.url, p, MAX_TOKENS, model=model) for p in PROMPTS)
+        )
+    for reply in replies:
+        await tap.wait_finished(reply["id"])
+    return replies
+
+
+async def test_two_meshes_on_one_nats_each_serve_their_own_model(two_meshes, other_model):
+    url, tiny, other = two_meshes
+    assert (tiny.mesh, other.mesh) == ("kvmesh-tiny", "other-model")
+    expected = {"kvmesh-tiny": _offline("kvmesh-tiny"), "other-model": _offline(other_model)}
+    assert expected["kvmesh-tiny"] != expected["other-model"]  # the models tell apart
+    async with (
+        MeshTap(url, mesh="kvmesh-tiny") as tiny_tap,
+        MeshTap(url, mesh="other-model") as other_tap,
+    ):
+        tiny_replies, other_replies = await asyncio.gather(
+            _serve(tiny, "kvmesh-tiny", tiny_tap), _serve(other, other_model, other_tap)
+        )
+        await asyncio.sleep(0.2)  # PrefillReports follow the last token
+    for replies, tap, mine, theirs in (
+        (tiny_replies, tiny_tap, "kvmesh-tiny", other_tap),
+        (other_replies, other_tap, "other-model", tiny_tap),
+    ):
+        ids = {r["id"] for r in replies}
+        assert [tap.tokens[r["id"]] for r in replies] == expected[mine]
+        assert set(tap.tokens) == set(tap.reports) == ids  # each prefilled by its mesh's worker
+        assert not ids & (set(theirs.tokens) | set(theirs.reports) | set(theirs.prefill_done))
+    for mesh in (tiny, other):
+        rows = await wait_blocks_returned(url, mesh=mesh.mesh)
+        assert [r["worker_id"] for r in rows] == ["decode-0"]
+        assert all(r["free_blocks"] == r["total_blocks"] for r in rows)
+
+
+async def test_admin_addresses_one_mesh_and_registry_refuses_another_model(two_meshes):
+    from shared import protocol
+    from shared.admin_client import admin_client
+    from shared.nats_service import connect_nats
+    from shared.subjects import Subjects
+
+    url = two_meshes[0]
+    out = subprocess.run(
+        [sys.executable, "-m", "shared.cli", "admin", "status", "--json", "--nats-url", url],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "KVMESH_MESH": "other-model"},
+    )
+    assert out.returncode == 0, out.stderr
+    status = json.loads(out.stdout)
+    assert status["registry"]["mesh"] == "other-model"
+    workers = {(w["worker_id"], w["role"]) for w in status["workers"]}
+    assert {("decode-0", "decode"), ("prefill-0", "prefill"), ("router-0", "router")} <= workers
+    assert len(status["workers"]) == 4  # its own four, not the other mesh's namesakes
+    async with admin_client(url, mesh="kvmesh-tiny") as admin:
+        [tiny_decode] = (await admin.status())["decode"]
+    [other_decode] = status["decode"]
+    assert tiny_decode["model_spec"] != other_decode["model_spec"]
+
+    # a router of the other model asking the kvmesh-tiny mesh's registry: refused, with why
+    place = protocol.PlaceRequest(
+        request_id="stray-1",
+        prompt_ids=(1, 2, 3),
+        sampling=protocol.SamplingOptions(max_tokens=2),
+        local_prefill=True,
+        model_spec=other_decode["model_spec"],
+    )
+    async with connect_nats(url, "stray-router") as nc:
+        msg = await nc.request(
+            Subjects("kvmesh-tiny").REGISTRY_PLACE, protocol.encode(place), timeout=5
+        )
+    reply = protocol.decode(msg.data, protocol.PlaceReply)
+    assert not reply.ok and reply.retry_after_s == 0
+    assert "decode-0 serves another model or KV layout" in reply.error
