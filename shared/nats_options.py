@@ -177,7 +177,8 @@ class NatsClientConfig:
     mesh: str | None = option(
         None,
         help="the mesh's name: its NATS subjects are kvmesh.<mesh>.*, so meshes sharing a NATS "
-        "server never meet (default: from the model, e.g. the checkpoint directory's name)",
+        "server never meet (default: from --model, e.g. the checkpoint directory's name; "
+        "kvmesh-tiny for commands without --model)",
     )
     nats_creds: str | None = option(
         None, help="NATS credentials: a .creds file (user JWT + nkey seed) or an nkey seed file"

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from small_models import write_small_seeded
 
 from loadgen.bench_mesh import MeshTap, complete, local_mesh, random_prompts, wait_blocks_returned
 from shared.nats_server import NatsServer
@@ -32,19 +33,7 @@ MAX_TOKENS = 8
 
 @pytest.fixture(scope="module")
 def other_model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from shared.model.seeded import SeededShape, write_seeded_checkpoint
-
-    path = tmp_path_factory.mktemp("models") / "other-model"
-    shape = SeededShape(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        intermediate_size=128,
-        max_position_embeddings=1024,
-    )
-    write_seeded_checkpoint(path, shape, seed=5)
-    return str(path)
+    return write_small_seeded(tmp_path_factory.mktemp("models") / "other-model")
 
 
 def _offline(model: str) -> list[list[int]]:

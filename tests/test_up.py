@@ -440,3 +440,101 @@ def test_same_mesh_twice_on_one_machine_is_refused_in_one_line() -> None:
             Launcher(UpConfig(port=0)).start()
     finally:
         remove_state(first)
+
+
+def _launch_default_nats(tmp_path: Path, name: str, *flags: str) -> tuple:
+    """`kvmesh up` as a user types it: no --nats-url."""
+    port = free_port()
+    out, err = tmp_path / f"{name}.out", tmp_path / f"{name}.err"
+    argv = [sys.executable, "-m", "shared.cli", "up", "--port", str(port)]
+    argv += ["--kv-cache-bytes", SMALL_POOL, "--log-level", "warning", *flags]
+    with open(out, "wb") as fout, open(err, "wb") as ferr:
+        proc = subprocess.Popen(argv, cwd=REPO, stdout=fout, stderr=ferr)
+    return proc, out, err, port
+
+
+async def _greedy_tokens(nats_url: str, err: Path, mesh: str, port: int, model: str, prompt):
+    """A greedy completion through the router; its token ids, read off the mesh's subjects."""
+    import aiohttp
+
+    from loadgen.bench_mesh import MeshTap, complete
+    from shared.nats_auth import auth_from_env
+
+    async with (
+        MeshTap(nats_url, auth_from_env(admin_env(err)), mesh=mesh) as tap,
+        aiohttp.ClientSession() as session,
+    ):
+        reply = await complete(session, f"http://127.0.0.1:{port}", prompt, 6, model=model)
+        await tap.wait_finished(reply["id"])
+        return tap.tokens[reply["id"]]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_two_ups_with_different_models_on_one_machine_both_serve(tmp_path: Path) -> None:
+    """Issue #9, defect 3: the second `kvmesh up` (another model, another port, default NATS
+    URL) joined the first one's NATS and placed requests on its workers. Now it starts a NATS of
+    its own, each mesh serves its own model, and kvmesh admin finds either by name."""
+    from small_models import write_small_seeded
+
+    from loadgen.bench_mesh import random_prompts
+    from shared.engine.config import EngineConfig
+    from shared.engine.llm_engine import LLMEngine
+    from shared.engine.sequence import SamplingParams
+    from shared.mesh_state import running_meshes
+    from shared.model.loader import load_model
+    from shared.nats_server import nats_is_reachable
+    from shared.service_config import DEFAULT_NATS_URL
+
+    if nats_is_reachable(DEFAULT_NATS_URL):
+        pytest.skip("a NATS server already runs on 127.0.0.1:4222 on this machine")
+    other_model = write_small_seeded(tmp_path / "other-model")
+    [prompt] = random_prompts(1, 80, 80, seed=3)  # longer than the threshold: remote prefill
+    first = _launch_default_nats(tmp_path, "first")
+    second = None
+    try:
+        wait_for_line(first[0], first[1], "kvmesh is up", timeout_s=300)
+        second = _launch_default_nats(tmp_path, "second", "--model", other_model)
+        wait_for_line(second[0], second[1], "kvmesh is up", timeout_s=300)
+        said = second[2].read_text()
+        assert "is the nats-server of mesh 'kvmesh-tiny'" in said, said
+        found = re.search(r"gets its own at (nats://127\.0\.0\.1:\d+)", said)
+        assert found, said
+        meshes = {m.mesh: m for m in running_meshes()}
+        assert meshes["kvmesh-tiny"].nats_url == DEFAULT_NATS_URL
+        assert meshes["other-model"].nats_url == found.group(1)
+
+        for (_, _, err, port), mesh, model, url in (
+            (first, "kvmesh-tiny", "kvmesh-tiny", DEFAULT_NATS_URL),
+            (second, "other-model", other_model, found.group(1)),
+        ):
+            engine = LLMEngine(*load_model(model), EngineConfig(num_blocks=64))
+            [expected] = engine.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0))
+            got = asyncio.run(_greedy_tokens(url, err, mesh, port, model, prompt))
+            assert got == expected, mesh
+
+        # kvmesh admin by mesh name: no --nats-url, no credentials in the environment
+        clean = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_NATS_")}
+        admin = [sys.executable, "-m", "shared.cli", "admin", "status", "--json"]
+        run = lambda *extra: subprocess.run(
+            [*admin, *extra], cwd=REPO, capture_output=True, text=True, timeout=120, env=clean
+        )
+        status = run("--mesh", "other-model")
+        assert status.returncode == 0, status.stderr
+        body = json.loads(status.stdout)
+        assert body["registry"]["mesh"] == "other-model"
+        assert [d["worker_id"] for d in body["decode"]] == ["decode-0"]
+        ambiguous = run()
+        assert ambiguous.returncode == 1
+        assert "2 meshes are up on this machine (kvmesh-tiny, other-model)" in ambiguous.stderr
+    finally:
+        for launched in (second, first):
+            if launched is not None and launched[0].poll() is None:
+                launched[0].send_signal(signal.SIGINT)
+        for launched in (second, first):
+            if launched is not None:
+                try:
+                    launched[0].wait(120)
+                except subprocess.TimeoutExpired:
+                    launched[0].kill()
+    assert running_meshes() == []  # each launcher removed its record

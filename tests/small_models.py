@@ -1,0 +1,22 @@
+"""A seeded Llama checkpoint small enough for end-to-end tests (another model than kvmesh-tiny:
+another shape, so another model_spec and other greedy outputs)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def write_small_seeded(path: Path, seed: int = 5) -> str:
+    """Write it into ``path`` (its base name becomes the default mesh name); returns the path."""
+    from shared.model.seeded import SeededShape, write_seeded_checkpoint
+
+    shape = SeededShape(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=128,
+        max_position_embeddings=1024,
+    )
+    write_seeded_checkpoint(path, shape, seed=seed)
+    return str(path)
