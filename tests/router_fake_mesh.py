@@ -51,6 +51,7 @@ class FakeMesh:
     # a model that continues its reply: a prompt longer than the first placement's by n tokens
     # (a migrated stream: prompt + output so far) gets the reply from its n-th token on
     continue_reply: bool = False
+    lose_token: int = 0  # > 0: the first placement's event of this token (1-based) is lost
     places: list[PlaceRequest] = field(default_factory=list)
     jobs: list[PrefillJob] = field(default_factory=list)
     aborts: list[Abort] = field(default_factory=list)
@@ -187,6 +188,8 @@ class FakeMesh:
                 num_output_tokens=i + 1,
                 error=self.fail_with if failing else "",
             )
+            if self.lose_token == i + 1 and request_id == self.places[0].request_id:
+                continue  # published into a NATS that lost it
             await self._nc.publish(subject, protocol.encode(event))
             if failing:
                 return

@@ -1,21 +1,50 @@
-"""The NATS server restarts under a running mesh (real processes): every service reconnects, the
-prefill queue is made again in the new server, and the mesh serves again within seconds."""
+"""The NATS server dies (kill -9) and restarts on the same port under a running mesh (real
+processes) while streams are in flight: each of them ends with the offline engine's greedy text
+or with a clear error (an SSE error event and [DONE], or an HTTP error status) within a bounded
+time, none hangs; every service reconnects, the prefill queue is made again in the new server,
+the mesh serves again within seconds, and every block comes back."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 
 import aiohttp
+import orjson
 import pytest
 
-from loadgen.bench_mesh import complete, local_mesh, random_prompts
+from loadgen.bench_mesh import complete, local_mesh, random_prompts, wait_blocks_returned
 from shared.commands.up import free_port
 from shared.nats_server import NatsServer
 
 pytestmark = pytest.mark.slow
 
 ENV = {"KVMESH_BLOCK_SIZE": "16", "KVMESH_NUM_BLOCKS": "512"}
+NUM_STREAMS, CONCURRENCY, MAX_TOKENS = 8, 4, 24
+# the longest a stream in flight may take to end once NATS is back (never a 30 s token timeout)
+END_WITHIN_S = 20.0
+
+
+def _offline_texts(prompts: list[list[int]]) -> list[str]:
+    from shared.engine.config import EngineConfig
+    from shared.engine.llm_engine import LLMEngine
+    from shared.engine.sequence import SamplingParams
+    from shared.model.loader import load_model
+    from shared.tokenizer import IncrementalDetokenizer
+
+    model, tokenizer = load_model("kvmesh-tiny")
+    engine = LLMEngine(model, tokenizer, EngineConfig(num_blocks=1024))
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    texts = []
+    for prompt, ids in zip(prompts, engine.generate(prompts, params), strict=True):
+        detokenizer = IncrementalDetokenizer(tokenizer, prompt)  # as the router turns ids to text
+        for token_id in ids:
+            detokenizer.add(token_id)
+        detokenizer.finish()
+        texts.append(detokenizer.text)
+    return texts
 
 
 async def _serve_until_ok(url: str, prompt: list[int], timeout_s: float) -> tuple[dict, float]:
@@ -30,23 +59,104 @@ async def _serve_until_ok(url: str, prompt: list[int], timeout_s: float) -> tupl
                 await asyncio.sleep(0.5)
 
 
-def test_mesh_serves_again_after_the_nats_server_restarts():
+async def _stream(session, url: str, prompt: list[int], first_token: asyncio.Event) -> dict:
+    """One streamed completion: its text, or the error it ended with (an HTTP status or an SSE
+    error event), and when it ended."""
+    body = {
+        "model": "kvmesh-tiny",
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    async with session.post(f"{url}/v1/completions", json=body) as resp:
+        if resp.status != 200:
+            error = (await resp.json())["error"]
+            return {"error": f"{resp.status}: {error['message']}", "ended": time.monotonic()}
+        text, error, done = "", None, False
+        async for line in resp.content:
+            if not line.strip():
+                continue
+            assert line.startswith(b"data: "), line
+            payload = line[len(b"data: ") :].strip()
+            assert not done, "an event after [DONE]"
+            if payload == b"[DONE]":
+                done = True
+                continue
+            event = orjson.loads(payload)
+            assert error is None, "an event after the error event"
+            if "error" in event:
+                error = f"stream: {event['error']['message']}"
+                continue
+            text += event["choices"][0]["text"]
+            first_token.set()
+        assert done, "the stream ended without [DONE]"
+    return {"text": text, "error": error, "ended": time.monotonic()}
+
+
+async def _load_through_a_restart(url: str, server: NatsServer, prompts: list[list[int]]):
+    """Streams at CONCURRENCY while nats-server is killed and started again on its port."""
+    queue = list(range(len(prompts)))
+    results: list[dict | None] = [None] * len(prompts)
+    under_way = asyncio.Event()
+
+    async def client(session) -> None:
+        while queue:
+            i = queue.pop(0)
+            results[i] = await _stream(session, url, prompts[i], under_way)
+
+    async def restart() -> float:
+        await under_way.wait()
+        # at the first token: one stream under way, the others queued or in prefill (one job
+        # at a time), their jobs in the JetStream store the restart empties
+        os.kill(server.pid, signal.SIGKILL)
+        await asyncio.to_thread(server.stop)  # reaps it, removes its store
+        await asyncio.sleep(1.0)
+        await asyncio.to_thread(server.start)
+        return time.monotonic()
+
+    timeout = aiohttp.ClientTimeout(total=120)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        clients = [asyncio.create_task(client(session)) for _ in range(CONCURRENCY)]
+        back_at = await restart()
+        await asyncio.wait_for(asyncio.gather(*clients), 120)  # none hangs
+    return results, back_at
+
+
+def test_streams_in_flight_survive_or_fail_clearly_and_the_mesh_serves_after_nats_restarts():
+    prompts = random_prompts(NUM_STREAMS, 40, 300, seed=43)  # remote prefill: the queue
+    expected = _offline_texts(prompts)
     port = free_port()
     server = NatsServer(port)
     server.start()
     try:
-        with local_mesh("disagg", "tcp", nats_url=server.url, env=ENV) as mesh:
-            [long_prompt] = random_prompts(1, 300, 300, seed=41)  # remote prefill: the queue
-            body, _ = asyncio.run(_serve_until_ok(mesh.url, long_prompt, 30))
+        # decode paced at 50 ms: a stream takes ~1.2 s, so the kill lands on streams in flight
+        with local_mesh("disagg", "tcp", nats_url=server.url, env=ENV, decode_pacing_ms=50) as mesh:
+            body, _ = asyncio.run(_serve_until_ok(mesh.url, prompts[0], 30))
             assert body["usage"]["completion_tokens"] == 4
-            server.stop()  # its JetStream store goes with it
-            server = NatsServer(port)
-            server.start()
-            body, waited = asyncio.run(_serve_until_ok(mesh.url, long_prompt, 60))
+            results, back_at = asyncio.run(_load_through_a_restart(mesh.url, server, prompts))
+
+            outcomes = []
+            for i, result in enumerate(results):
+                assert result is not None, i
+                if result["error"] is None:
+                    assert result["text"] == expected[i], i
+                    outcomes.append("ok")
+                else:
+                    assert result["error"].split(":")[0] in ("stream", "502", "503", "504")
+                    outcomes.append(result["error"])
+                assert result["ended"] - back_at < END_WITHIN_S, (i, result)
+            print(f"\nstreams through the NATS restart: {outcomes}")
+
+            body, waited = asyncio.run(_serve_until_ok(mesh.url, prompts[1], 60))
             assert body["usage"]["completion_tokens"] == 4
             assert waited < 30
             for prompt in random_prompts(3, 200, 400, seed=42):  # and keeps serving
                 body, _ = asyncio.run(_serve_until_ok(mesh.url, prompt, 5))
                 assert body["usage"]["completion_tokens"] == 4
+            # blocks of requests that failed come back once their leases (30 s) run out
+            rows = asyncio.run(wait_blocks_returned(mesh.config.nats_url, mesh.nats_auth, 90))
+            assert rows and all(r["free_blocks"] == r["total_blocks"] for r in rows), rows
     finally:
         server.stop()

@@ -60,6 +60,13 @@ log = logging.getLogger(__name__)
 # of failing. One never heard, or gone longer, is missing: a 503 at once.
 REGISTRY_RESTART_S = 20.0
 
+# What was published while the router's NATS connection was down is lost to it: its tokens, and
+# perhaps its prefill job (a restarted server may come back with an empty JetStream store). A
+# request that hears nothing for this long after a reconnect runs again: from the start before
+# its first token, else it migrates. A lost token among ones that do arrive shows as a gap in
+# the events' token counts, and the stream migrates at once.
+RECONNECT_SILENCE_S = 1.0
+
 
 class MeshRequest:
     """One request in flight on the mesh; iterate ``events()`` for its tokens."""
@@ -98,6 +105,7 @@ class MeshRequest:
         self.is_finished = False  # a TokenEvent with finish_reason arrived
         self._renewer: asyncio.Task[None] | None = None
         self._first_deadline = 0.0  # set by start(); every attempt shares it
+        self._last_event_at = 0.0  # of the last token event: the next-token timeout runs from it
         self._begin_attempt(request_id)
 
     def _begin_attempt(self, wire_id: str) -> None:
@@ -110,6 +118,7 @@ class MeshRequest:
         self.is_local_prefill = self._choose_local_prefill()
         self.is_aborted = False
         self._may_hold_blocks = False  # a placement was asked for and not refused
+        self._num_reconnects = self._nc.stats["reconnects"]  # NATS reconnects before this attempt
 
     def _choose_local_prefill(self) -> bool:
         if self._config.mode == "colocated":
@@ -154,37 +163,44 @@ class MeshRequest:
         self._first_deadline = started + self._config.first_token_timeout_s
         await self._place_and_dispatch(started)
 
-    async def _retry(self, gone: WorkerGone) -> None:
-        """The worker this request depended on died before its first token: drop this attempt
-        and run the request again under a new wire id (the old one may still hold blocks)."""
-        log.warning(
-            "worker %s (%s) died before the first token of %s; retrying",
-            gone.worker_id,
-            gone.role,
-            self.response_id,
-        )
-        await self.abort(f"{gone.role} worker {gone.worker_id} died")
+    async def _run_again(self, why: str, role: str) -> TokenEvent | None:
+        """Something this request depended on failed (``why``): run it again, from the start
+        before its first token, else by migrating the stream; a MeshError once --max-retries
+        runs are spent. Returns the final event when nothing is owed any more."""
+        if self.num_attempts > self._config.max_retries:
+            raise MeshError(
+                f"{why} while serving request {self.response_id} ({self.num_events} token "
+                f"events in, attempt {self.num_attempts}; --max-retries spent)"
+            )
+        if self.num_events == 0:
+            await self._retry(why, role)
+            return None
+        return await self._migrate(why)
+
+    async def _retry(self, why: str, role: str) -> None:
+        """Before the first token: drop this attempt and run the request again under a new wire
+        id (the old one may still hold blocks). ``role``: what failed, for the retry metric."""
+        log.warning("%s before the first token of %s; retrying", why, self.response_id)
+        await self.abort(why)
         await self.close()
-        self._metrics.retries.inc(gone.role)
+        self._metrics.retries.inc(role)
         self._begin_attempt(f"{self.response_id}-r{self.num_attempts}")
         self.num_attempts += 1
         await self.subscribe()
         await self._place_and_dispatch(time.monotonic())
 
-    async def _migrate(self, gone: WorkerGone) -> TokenEvent | None:
-        """The decode worker died mid-stream: place the request again with its prompt plus the
-        tokens sent so far as the new prompt, for the tokens still owed, under a new wire id; the
-        client's stream goes on from there (greedy output is what an undisturbed run gives).
-        Returns the final event when nothing is owed any more (the finish event was lost)."""
+    async def _migrate(self, why: str) -> TokenEvent | None:
+        """The stream broke (its decode worker died, or its tokens were lost): place the request
+        again with its prompt plus the tokens sent so far as the new prompt, for the tokens still
+        owed, under a new wire id; the client's stream goes on from there (greedy output is what
+        an undisturbed run gives). Returns the final event when nothing is owed any more (the
+        finish event was lost)."""
         generated = tuple(self._generated)
         owed = self.prompt.sampling.max_tokens - (len(generated) - self._migrated_tokens)
         log.warning(
-            "decode worker %s died after %d tokens of %s; migrating the stream",
-            gone.worker_id,
-            len(generated),
-            self.response_id,
+            "%s after %d tokens of %s; migrating the stream", why, len(generated), self.response_id
         )
-        await self.abort(f"{gone.role} worker {gone.worker_id} died")
+        await self.abort(why)
         await self.close()
         self._metrics.retries.inc("decode-migrate")
         if owed <= 0:
@@ -334,20 +350,25 @@ class MeshRequest:
             tokens_subject = self._subjects.request_tokens(self.request_id)
             report_subject = self._subjects.request_prefill_report(self.request_id)
             if self.num_events == 0:
-                timeout = self._first_deadline - time.monotonic()
+                deadline = self._first_deadline
                 what = f"the first token within {self._config.first_token_timeout_s:g}s"
             else:
-                timeout = self._config.token_timeout_s
+                deadline = self._last_event_at + self._config.token_timeout_s
                 what = f"a next token within {self._config.token_timeout_s:g}s"
-            try:
-                if timeout <= 0:
-                    raise nats.errors.TimeoutError
-                assert self._sub is not None
-                msg = await self._sub.next_msg(timeout=timeout)
-            except nats.errors.TimeoutError:
+            left = deadline - time.monotonic()
+            if left <= 0:
                 raise GatewayTimeoutError(
                     f"the mesh did not produce {what} for request {self.request_id}"
-                ) from None
+                )
+            try:
+                assert self._sub is not None
+                msg = await self._sub.next_msg(timeout=min(left, RECONNECT_SILENCE_S))
+            except nats.errors.TimeoutError:
+                if self._nc.stats["reconnects"] != self._num_reconnects:
+                    final = await self._run_again("NATS reconnected and nothing came since", "nats")
+                    if final is not None:
+                        yield final
+                continue
             except nats.errors.Error as exc:
                 raise MeshError(f"lost the token stream of {self.request_id}: {exc}") from None
             if msg.subject == report_subject:
@@ -361,27 +382,29 @@ class MeshRequest:
                 gone = protocol.decode(msg.data, WorkerGone)
                 if not self.depends_on(gone.worker_id):
                     continue
-                if self.num_attempts <= self._config.max_retries:
-                    if self.num_events == 0:
-                        await self._retry(gone)
-                        continue
-                    if gone.worker_id == (self.placement and self.placement.worker_id):
-                        final = await self._migrate(gone)
-                        if final is not None:
-                            yield final
-                        continue
-                raise MeshError(
-                    f"{gone.role} worker {gone.worker_id} died while serving request "
-                    f"{self.response_id} ({self.num_events} token events in, attempt "
-                    f"{self.num_attempts})"
+                final = await self._run_again(
+                    f"{gone.role} worker {gone.worker_id} died", gone.role
                 )
+                if final is not None:
+                    yield final
+                continue
             if msg.subject != tokens_subject:
                 continue  # another kind of request event; not the router's business
             try:
                 event = protocol.decode(msg.data, TokenEvent)
             except ProtocolError as exc:
                 raise MeshError(f"a decode worker sent a malformed token event: {exc}") from None
+            if _is_gap(event, len(self._generated) - self._migrated_tokens):
+                why = (
+                    f"token events were lost (the decode worker counts {event.num_output_tokens} "
+                    f"tokens, {len(self._generated) - self._migrated_tokens} arrived before)"
+                )
+                final = await self._run_again(why, "decode")
+                if final is not None:
+                    yield final
+                continue
             self.num_events += 1
+            self._last_event_at = time.monotonic()
             self._generated.extend(event.token_ids)
             self.stop_renewing()  # the decode worker admitted it: the lease is over
             self.timer.on_tokens(time.monotonic(), len(event.token_ids))
@@ -521,6 +544,14 @@ class Dispatcher:
         finally:
             del self._live[request_id]
             await request.close()
+
+
+def _is_gap(event: TokenEvent, num_received: int) -> bool:
+    """Whether ``event`` says its attempt made more (or fewer) tokens than the ``num_received``
+    that arrived before it plus its own: a token event was lost on the way (0: not counted)."""
+    if event.num_output_tokens == 0 or event.finish_reason in ("error", "abort"):
+        return False
+    return event.num_output_tokens != num_received + len(event.token_ids)
 
 
 def _abort_reason(exc: BaseException) -> str:

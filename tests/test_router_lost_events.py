@@ -1,0 +1,106 @@
+"""Events the router never gets (NATS lost them across a reconnect): a gap in a stream's token
+counts migrates the stream, silence after a reconnect runs the request again, and with no retry
+left the stream ends with a clear error. Real nats-server, the fake mesh peer."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import aiohttp
+import orjson
+from router_fake_mesh import REPLY_TEXT, FakeMesh
+
+from services.router import RouterConfig, serve_router
+from services.router.dispatch import _is_gap
+from shared.protocol import TokenEvent
+
+MODEL = "kvmesh-tiny"
+
+
+@contextlib.asynccontextmanager
+async def router_on(nats_url: str, mesh: FakeMesh, **config):
+    config = RouterConfig(nats_url=nats_url, host="127.0.0.1", port=0, **config)
+    async with (
+        mesh.running(),
+        serve_router(config) as running,
+        aiohttp.ClientSession(running.url) as http,
+    ):
+        yield http
+
+
+def _stream_text(raw: bytes) -> tuple[str, list[dict]]:
+    """The streamed text, and the error events, of a completion stream ending in [DONE]."""
+    events = [e.removeprefix(b"data: ") for e in raw.strip().split(b"\n\n")]
+    assert events[-1] == b"[DONE]", raw[-200:]
+    chunks = [orjson.loads(e) for e in events[:-1]]
+    errors = [c["error"] for c in chunks if "error" in c]
+    text = "".join(c["choices"][0]["text"] for c in chunks if "choices" in c)
+    return text, errors
+
+
+def test_a_gap_is_a_count_that_does_not_follow_from_the_tokens_received():
+    event = lambda n, ids=(7,), reason=None: TokenEvent("r", ids, reason, 1, n)
+    assert not _is_gap(event(3), 2)
+    assert _is_gap(event(4), 2)  # the third token's event went missing
+    assert not _is_gap(event(3, ids=(7, 8)), 1)  # two tokens in one event
+    assert not _is_gap(event(2, ids=(), reason="stop"), 2)  # a finish without tokens
+    assert not _is_gap(event(0), 5)  # not counted
+    assert not _is_gap(event(9, ids=(), reason="error"), 1)
+
+
+async def test_a_lost_token_event_migrates_the_stream_without_a_gap(nats_server):
+    mesh = FakeMesh(nats_server, continue_reply=True, lose_token=3, token_delay_s=0.01)
+    async with router_on(nats_server, mesh) as http:
+        resp = await http.post(
+            "/v1/completions",
+            json={"model": MODEL, "prompt": "hi", "max_tokens": 10, "stream": True},
+        )
+        text, errors = _stream_text(await resp.read())
+    assert errors == [] and text == REPLY_TEXT[:10]
+    first, again = mesh.places
+    assert again.request_id == f"{first.request_id}-m1"
+    assert again.prompt_ids == first.prompt_ids + tuple(REPLY_TEXT[:2].encode())
+    assert again.sampling.max_tokens == 8
+    assert [a.request_id for a in mesh.aborts] == [first.request_id]
+    assert "token events were lost" in mesh.aborts[0].reason
+
+
+async def test_a_lost_token_event_with_no_retry_left_ends_the_stream_with_an_error(nats_server):
+    mesh = FakeMesh(nats_server, lose_token=3, token_delay_s=0.01)
+    async with router_on(nats_server, mesh, max_retries=0) as http:
+        resp = await http.post(
+            "/v1/completions",
+            json={"model": MODEL, "prompt": "hi", "max_tokens": 10, "stream": True},
+        )
+        started = time.monotonic()
+        text, errors = _stream_text(await resp.read())
+    assert text == REPLY_TEXT[:2]
+    assert len(errors) == 1 and "token events were lost" in errors[0]["message"]
+    assert time.monotonic() - started < 5  # not the 30 s token timeout
+    assert [a.request_id for a in mesh.aborts] == [mesh.places[0].request_id]
+
+
+async def test_silence_after_a_nats_restart_runs_the_request_again(nats_server_process):
+    server = nats_server_process
+    # the first placement's tokens are "lost in the restart": they never come
+    mesh = FakeMesh(server.url, hold_first=True)
+    async with router_on(server.url, mesh) as http:
+        request = asyncio.create_task(
+            http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 5})
+        )
+        while not mesh.places:
+            await asyncio.sleep(0.05)
+        await asyncio.to_thread(server.stop)
+        await asyncio.to_thread(server.start)  # the same port, an empty server
+        restarted = time.monotonic()
+        resp = await asyncio.wait_for(request, 30)
+        body = await resp.json()
+        took = time.monotonic() - restarted
+    assert resp.status == 200 and body["choices"][0]["text"] == REPLY_TEXT[:5]
+    assert took < 10  # a reconnect and a second of silence, not the 300 s first-token timeout
+    first, again = mesh.places
+    assert again.request_id == f"{first.request_id}-r1"
+    assert [a.request_id for a in mesh.aborts] == [first.request_id]
+    assert "NATS reconnected" in mesh.aborts[0].reason
