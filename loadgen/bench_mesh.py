@@ -46,6 +46,7 @@ def local_mesh(
     decode_pacing_ms: float = 0.0,
     prefill: int = 1,
     decode: int = 1,
+    prefill_nice: int = 0,
     log_level: str = "warning",
     startup_timeout_s: float = 180.0,
 ) -> Iterator[Any]:
@@ -65,6 +66,7 @@ def local_mesh(
         decode_pacing_ms=decode_pacing_ms,
         prefill=prefill,
         decode=decode,
+        prefill_nice=prefill_nice,
         log_level=log_level,
         startup_timeout_s=startup_timeout_s,
         stop_timeout_s=10.0,

@@ -131,6 +131,7 @@ def _target(config: ServeBenchConfig, label: str) -> Iterator[str]:
                     local_prefill_threshold=config.local_prefill_threshold,
                     decode_pacing_ms=config.decode_pacing_ms,
                     prefill=config.prefill_workers if label == "disagg" else 1,
+                    prefill_nice=config.prefill_nice,
                 )
             )
         finally:

@@ -57,6 +57,7 @@ class ServeBenchConfig:
     local_prefill_threshold: int = 0
     decode_pacing_ms: float = 0.0
     prefill_workers: int = 1  # disagg meshes of --compare
+    prefill_nice: int = 0
 
     def __post_init__(self) -> None:
         positive = (
@@ -197,6 +198,7 @@ def config_from_args(args: argparse.Namespace) -> ServeBenchConfig:
         local_prefill_threshold=args.local_prefill_threshold,
         decode_pacing_ms=args.decode_pacing_ms,
         prefill_workers=args.prefill_workers,
+        prefill_nice=args.prefill_nice,
     )
 
 
@@ -293,4 +295,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=1,
         help="disagg: prefill workers, sharing the cores (kvmesh up --prefill)",
+    )
+    mesh.add_argument(
+        "--prefill-nice",
+        type=int,
+        default=0,
+        help="disagg: prefill workers' niceness (kvmesh up --prefill-nice)",
     )

@@ -346,6 +346,25 @@ def test_decode_pacing_reaches_disagg_decode_workers_only() -> None:
         assert service.min_step_interval_ms == expected
 
 
+def test_prefill_nice_reaches_prefill_workers_only() -> None:
+    specs = plan(UpConfig(prefill=2, prefill_nice=10), "nats://127.0.0.1:4222", 8000)
+    niceness = {}
+    for spec in specs:
+        if spec.tier in ("decode", "prefill"):
+            _, service, _ = build_service_config(spec.argv[1], spec.argv[2:], env={})
+            niceness[spec.name] = getattr(service, "nice", 0)
+    assert niceness == {"decode-0": 0, "prefill-0": 10, "prefill-1": 10}
+    with pytest.raises(ValueError, match="prefill_nice must be in"):
+        UpConfig(prefill_nice=20)
+
+
+def test_prefill_worker_refuses_a_higher_priority() -> None:
+    from services.prefill.config import PrefillConfig
+
+    with pytest.raises(ValueError, match="a lower priority only"):
+        PrefillConfig(nice=-1)
+
+
 async def _beating(
     nats_url: str, worker_id: str, stop: asyncio.Event, mesh: str = "kvmesh-tiny"
 ) -> None:

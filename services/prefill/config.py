@@ -38,6 +38,11 @@ class PrefillConfig(NatsClientConfig):
     threads: int | None = option(
         None, help="torch CPU threads of this worker (default: torch's choice, all cores)"
     )
+    nice: int = option(
+        0,
+        help="raise this worker's niceness by N (0-19) at start: on cores it shares with decode "
+        "workers, decode steps (latency) then run first and prefill (throughput) takes the rest",
+    )
     enable_prefix_caching: bool = option(True, help="reuse KV blocks of shared prompt prefixes")
     heartbeat_s: float = option(1.0, help="seconds between heartbeats")
     abort_memory_s: float = option(
@@ -61,6 +66,8 @@ class PrefillConfig(NatsClientConfig):
             )
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
+        if not 0 <= self.nice <= 19:
+            raise ValueError(f"nice must be in [0, 19] (a lower priority only), got {self.nice}")
         if self.num_blocks is not None and self.kv_cache_bytes is not None:
             raise ValueError("give num_blocks or kv_cache_bytes, not both")
         for name in ("num_blocks", "kv_cache_bytes"):

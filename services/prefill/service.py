@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -195,6 +196,8 @@ class PrefillService:
 @contextlib.asynccontextmanager
 async def prefill_service(config: PrefillConfig) -> AsyncIterator[PrefillService]:
     worker_id = config.worker_id or new_worker_id("prefill")
+    if config.nice:
+        os.nice(config.nice)  # first: the threads torch and asyncio start later inherit it
     if config.threads is not None:
         torch.set_num_threads(config.threads)
     dtype = parse_dtype(config.dtype, "--dtype") if config.dtype else None

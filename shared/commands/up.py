@@ -92,6 +92,11 @@ class UpConfig(NatsClientConfig):
         "--min-step-interval-ms; 0: back to back). Near the inter-token target, it leaves "
         "decode's idle share of shared cores to prefill",
     )
+    prefill_nice: int = option(
+        0,
+        help="disagg: prefill workers run this much nicer (0-19): where they share cores with "
+        "decode, a decode step (latency) runs first and prefill (throughput) takes the rest",
+    )
     kv_cache_bytes: int | None = option(
         None, help="KV pool bytes per prefill/decode worker (their default: 256 MiB)"
     )
@@ -117,6 +122,8 @@ class UpConfig(NatsClientConfig):
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.cores is not None and self.cores < 1:
             raise ValueError(f"cores must be >= 1, got {self.cores}")
+        if not 0 <= self.prefill_nice <= 19:
+            raise ValueError(f"prefill_nice must be in [0, 19], got {self.prefill_nice}")
         if self.max_restarts < 0:
             raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
         if self.decode_pacing_ms < 0:
@@ -197,6 +204,8 @@ def plan(config: UpConfig, nats_url: str, port: int) -> list[ChildSpec]:
         specs.append(ChildSpec(name, "decode", argv))
     if config.mode == "disagg":
         prefill_threads = ("--threads", str(threads["prefill"]))
+        if config.prefill_nice:
+            prefill_threads += ("--nice", str(config.prefill_nice))
         for i in range(config.prefill):
             name = f"prefill-{i}"
             argv = ("serve", "prefill", *worker(name), *engine, *prefill_threads)
