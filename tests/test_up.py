@@ -188,8 +188,12 @@ def test_up_serves_requests_and_ctrl_c_leaves_no_process_behind(tmp_path: Path) 
         assert long_reply["usage"]["prompt_tokens"] >= 16  # remote prefill, under a lease
         assert 1 <= long_reply["usage"]["completion_tokens"] <= 4
         assert 1 <= short_reply["usage"]["completion_tokens"] <= 3
-        refused = admin_status(nats_url, None)  # no credentials: a clear refusal
+        # no credentials and no record of the mesh (another user): a clear refusal
+        elsewhere = {"KVMESH_STATE_DIR": str(tmp_path / "no-records")}
+        refused = admin_status(nats_url, elsewhere)
         assert refused.returncode != 0 and "refused no credentials" in refused.stderr
+        # the user who ran kvmesh up: its record holds the admin password file
+        assert admin_status(nats_url, None).returncode == 0
         status = admin_status_json(nats_url, err)
         assert [d["worker_id"] for d in status["decode"]] == ["decode-0"]
         # one remote prefill under a lease; the short prompt was prefilled locally (no lease)
