@@ -348,12 +348,15 @@ static void prefetch_context(const float *k_cache, const float *v_cache, const i
  *      at position context_len - 1 and is written into its slot before attention reads it.
  * out: (batch, num_q_heads, d). Query head j attends with KV head j / (num_q_heads / num_kv_heads)
  *      (transformers' repeat_kv order). scratch: at least max(context_lens) * group floats.
+ * This runs one thread's part of the batch; kv_decode_attention below splits the batch.
  */
-void kv_decode_attention(float *qkv, int64_t batch, int64_t num_q_heads, int64_t num_kv_heads,
-                         int64_t d, const float *rope_cos, const float *rope_sin, float *k_cache,
-                         float *v_cache, int64_t block_stride, int64_t head_stride,
-                         int64_t block_size, const int64_t *block_tables, int64_t table_width,
-                         const int64_t *context_lens, float scale, float *out, float *scratch) {
+static void decode_attention_run(float *qkv, int64_t batch, int64_t num_q_heads,
+                                 int64_t num_kv_heads, int64_t d, const float *rope_cos,
+                                 const float *rope_sin, float *k_cache, float *v_cache,
+                                 int64_t block_stride, int64_t head_stride, int64_t block_size,
+                                 const int64_t *block_tables, int64_t table_width,
+                                 const int64_t *context_lens, float scale, float *out,
+                                 float *scratch) {
     int64_t group = num_q_heads / num_kv_heads;
     int64_t row = (num_q_heads + 2 * num_kv_heads) * d;
     for (int64_t b = 0; b < batch; b++) {
@@ -392,5 +395,29 @@ void kv_decode_attention(float *qkv, int64_t batch, int64_t num_q_heads, int64_t
             else
                 attend(qh, kh, vh, table, block_stride, block_size, ctx, group, d, scale, scratch, oh);
         }
+    }
+}
+
+/* kv_decode_attention: the batch in num_parts runs of consecutive sequences, run p being
+ * [bounds[p], bounds[p + 1]), one OpenMP thread each (the caller balances their context
+ * lengths). Every run has its own scratch_stride floats of scratch. Built with -fopenmp the
+ * threads are those of the OpenMP runtime already in the process (torch's libgomp, matched by its
+ * soname), so they do not compete with another pool's spinning threads; built without it, the
+ * runs go one after another. Arguments as decode_attention_run's above. */
+void kv_decode_attention(float *qkv, int64_t num_q_heads, int64_t num_kv_heads, int64_t d,
+                         const float *rope_cos, const float *rope_sin, float *k_cache,
+                         float *v_cache, int64_t block_stride, int64_t head_stride,
+                         int64_t block_size, const int64_t *block_tables, int64_t table_width,
+                         const int64_t *context_lens, float scale, float *out, float *scratch,
+                         int64_t scratch_stride, const int64_t *bounds, int64_t num_parts) {
+    int64_t row = (num_q_heads + 2 * num_kv_heads) * d;
+#pragma omp parallel for num_threads(num_parts) schedule(static, 1) if (num_parts > 1)
+    for (int64_t p = 0; p < num_parts; p++) {
+        int64_t b0 = bounds[p], n = bounds[p + 1] - bounds[p];
+        decode_attention_run(qkv + b0 * row, n, num_q_heads, num_kv_heads, d, rope_cos + b0 * d,
+                             rope_sin + b0 * d, k_cache, v_cache, block_stride, head_stride,
+                             block_size, block_tables + b0 * table_width, table_width,
+                             context_lens + b0, scale, out + b0 * num_q_heads * d,
+                             scratch + p * scratch_stride);
     }
 }

@@ -6,14 +6,18 @@ folder (``$KVMESH_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvmesh``, else ``~/.cache/
 by a hash of the source, the flags and the CPU's feature flags, and returns a ``CpuOps``; with no
 compiler it returns None and says why in the log, and the engine keeps its pure-torch path.
 Each wrapper checks shapes, strides and dtypes; ``*_reference`` are the torch definitions the
-tests hold the kernels to.
+tests hold the kernels to. Decode attention splits its batch into runs of sequences with about
+equal context (``split_by_work``), one per torch thread, run on the OpenMP threads torch itself
+uses (the library is built with ``-fopenmp`` and binds to the libgomp already loaded).
 """
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import functools
 import hashlib
+import itertools
 import os
 import shutil
 import subprocess
@@ -26,16 +30,19 @@ import torch.nn.functional as F
 
 SOURCE = Path(__file__).with_name("cpu_ops.c")
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-std=gnu11")
+# the decode attention's parts run on the process's OpenMP threads (torch's runtime); a compiler
+# without OpenMP builds the library without it, and the parts run one after another
+OPENMP = "-fopenmp"
 
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 _SIGNATURES = {
     "kv_rms_norm": (_ptr, _ptr, _ptr, _i64, _i64, _f32),
     "kv_silu_mul": (_ptr, _ptr, _i64, _i64),
-    # qkv, batch, heads, kv heads, d, cos, sin, k, v, strides, block size, tables, width,
-    # context lens, scale, out, scratch
+    # qkv, heads, kv heads, d, cos, sin, k, v, strides, block size, tables, width, context
+    # lens, scale, out, scratch, scratch stride, part bounds, parts
     "kv_decode_attention": (
-        *(_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr),
-        *(_i64, _i64, _i64, _ptr, _i64, _ptr, _f32, _ptr, _ptr),
+        *(_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr),
+        *(_i64, _i64, _i64, _ptr, _i64, _ptr, _f32, _ptr, _ptr, _i64, _ptr, _i64),
     ),
 }
 
@@ -74,7 +81,7 @@ def build(directory: Path | None = None, compiler: str | None = None) -> Path:
         raise CpuOpsBuildError(f"no C compiler {cc!r} on PATH (install gcc, or set CC)")
     source = SOURCE.read_bytes()
     key = hashlib.sha256(
-        source + " ".join(CFLAGS).encode() + cc.encode() + _cpu_fingerprint().encode()
+        source + " ".join((*CFLAGS, OPENMP)).encode() + cc.encode() + _cpu_fingerprint().encode()
     ).hexdigest()[:16]
     name = f"kvmesh_cpu_ops-{key}.so"
     if directory is not None:
@@ -94,10 +101,13 @@ def _compile(cc: str, target: Path) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=target.name, suffix=".tmp", dir=directory)
     os.close(fd)
     try:
-        result = subprocess.run(
-            [cc, *CFLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True
-        )
-        if result.returncode != 0:
+        for flags in ((*CFLAGS, OPENMP), CFLAGS):  # without OpenMP where the compiler has none
+            result = subprocess.run(
+                [cc, *flags, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True
+            )
+            if result.returncode == 0:
+                break
+        else:
             raise CpuOpsBuildError(f"{cc} failed on {SOURCE}:\n{result.stderr.strip()}")
         os.replace(tmp, target)
     finally:
@@ -176,10 +186,11 @@ class CpuOps:
         width = block_tables.shape[1]
         group = num_q_heads // num_kv_heads
         out = qkv.new_empty(batch, num_q_heads, d)
-        scratch = qkv.new_empty(width * block_size * group)
+        parts = split_by_work(context_lens.tolist(), min(torch.get_num_threads(), batch))
+        bounds = torch.tensor([start for start, _ in parts] + [batch], dtype=torch.int64)
+        scratch = qkv.new_empty(len(parts), width * block_size * group)
         self._decode_attention(
             qkv.data_ptr(),
-            batch,
             num_q_heads,
             num_kv_heads,
             d,
@@ -196,8 +207,30 @@ class CpuOps:
             scale,
             out.data_ptr(),
             scratch.data_ptr(),
+            scratch.shape[1],
+            bounds.data_ptr(),
+            len(parts),
         )
         return out
+
+
+def split_by_work(context_lens: list[int], parts: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` runs of consecutive sequences, at most ``parts`` of them, each with about
+    the same total context (the attention work); never an empty run."""
+    batch = len(context_lens)
+    parts = max(1, min(parts, batch))
+    prefix = list(itertools.accumulate(context_lens))  # prefix[j - 1]: work of sequences < j
+    runs, start = [], 0
+    for k in range(1, parts):
+        target = prefix[-1] * k / parts
+        lo, hi = start + 1, batch - (parts - k)  # leave a sequence for each later run
+        j = min(max(bisect.bisect_left(prefix, target) + 1, lo), hi)
+        if j > lo and abs(prefix[j - 2] - target) <= abs(prefix[j - 1] - target):
+            j -= 1  # ending one sequence earlier is nearer the target
+        runs.append((start, j))
+        start = j
+    runs.append((start, batch))
+    return runs
 
 
 def _check_f32_contiguous(**tensors: torch.Tensor) -> None:

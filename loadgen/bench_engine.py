@@ -1,8 +1,9 @@
 """``kvmesh bench engine``: kvmesh's LLMEngine vs transformers' ``generate`` on the same weights.
 
-Both run in this process with ``torch.set_num_threads(1)``, on the same random prompts, producing
-the same number of tokens (EOS ignored by both). For kvmesh-tiny the weights are exported to a
-Hugging Face directory in a temp folder so transformers loads the identical tensors.
+Both run in this process with ``torch.set_num_threads(--threads)`` (1 by default), on the same
+random prompts, producing the same number of tokens (EOS ignored by both). For kvmesh-tiny the
+weights are exported to a Hugging Face directory in a temp folder so transformers loads the
+identical tensors.
 
 - prefill tok/s: prompt of ``--prompt-len`` tokens (2048), time to the first token.
 - decode tok/s at batch B: B prompts of ``--decode-prompt-len`` tokens, N new tokens each; every
@@ -44,6 +45,13 @@ def register_engine(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--batch-sizes", default="1,8,32")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads of both engines (and of kvmesh's C decode attention); more than one "
+        "needs --clock wall",
+    )
     p.add_argument(
         "--no-cpu-kernels",
         dest="cpu_kernels",
@@ -213,7 +221,14 @@ def measure(
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    torch.set_num_threads(1)
+    if args.threads < 1:
+        raise SystemExit(f"kvmesh bench engine: --threads must be >= 1, got {args.threads}")
+    if args.threads > 1 and args.clock == "cpu":
+        raise SystemExit(
+            "kvmesh bench engine: --threads > 1 needs --clock wall (the cpu clock counts the "
+            "benchmarking thread only, not the threads working for it)"
+        )
+    torch.set_num_threads(args.threads)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     rng = random.Random(0)
     with tempfile.TemporaryDirectory() as tmp:
@@ -248,7 +263,7 @@ def run(args: argparse.Namespace) -> int:
     }
     results["config"] = {
         "model": args.model,
-        "threads": 1,
+        "threads": args.threads,
         "clock": args.clock,
         "prompt_len": prompt_len,
         "decode_prompt_len": args.decode_prompt_len,
@@ -261,7 +276,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     kernels = "C decode kernels" if results["config"]["cpu_kernels"] else "pure torch"
     print(
-        f"model {args.model}, 1 thread, {args.clock} clock, kvmesh on {kernels}, "
+        f"model {args.model}, {args.threads} thread{'s' if args.threads > 1 else ''}, "
+        f"{args.clock} clock, kvmesh on {kernels}, "
         f"greedy outputs match transformers: {outputs_match}"
     )
     print(f"{'':24}{'kvmesh':>12}{'transformers':>14}{'ratio':>8}")

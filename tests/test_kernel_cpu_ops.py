@@ -1,5 +1,7 @@
 """kernels/cpu_ops.c against the torch definitions it replaces on the float32 CPU decode path."""
 
+import itertools
+
 import pytest
 import torch
 
@@ -10,6 +12,7 @@ from kernels.cpu_ops import (
     load_cpu_ops,
     rms_norm_reference,
     silu_mul_reference,
+    split_by_work,
 )
 from shared.engine.attention import AttentionMetadata, paged_attention
 from shared.engine.config import EngineConfig
@@ -82,9 +85,19 @@ def _decode_case(num_q_heads, num_kv_heads, head_dim, context_lens, block_size=1
         (10, 2, 64, [45, 1200], 16),  # a group of 5: four heads, then one; a long context
     ],
 )
+@pytest.mark.parametrize("threads", [1, 3])  # 3: the batch in parts, one per OpenMP thread
 def test_decode_attention_matches_torch_path(
-    ops, num_q_heads, num_kv_heads, head_dim, context_lens, block_size
+    ops, num_q_heads, num_kv_heads, head_dim, context_lens, block_size, threads
 ):
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _check_decode_attention(ops, num_q_heads, num_kv_heads, head_dim, context_lens, block_size)
+    finally:
+        torch.set_num_threads(saved)
+
+
+def _check_decode_attention(ops, num_q_heads, num_kv_heads, head_dim, context_lens, block_size):
     bs = block_size
     pool, tables, ctx, qkv, cos, sin = _decode_case(
         num_q_heads, num_kv_heads, head_dim, context_lens, bs
@@ -107,6 +120,37 @@ def test_decode_attention_matches_torch_path(
     # the rotary embedding is bit for bit torch's, and so is every stored key and value
     assert torch.equal(qkv[:, :H], q)
     assert torch.equal(pool.tensor, ref_pool.tensor)
+
+
+@pytest.mark.parametrize(
+    "lens,parts,expected",
+    [
+        ([10, 10, 10, 10], 2, [(0, 2), (2, 4)]),
+        ([100, 1, 1, 1], 2, [(0, 1), (1, 4)]),  # one long context is a part of its own
+        ([1, 1, 1, 100], 2, [(0, 3), (3, 4)]),
+        ([1, 2, 3, 4, 5, 6, 7, 8], 3, [(0, 4), (4, 6), (6, 8)]),  # 10, 11, 15 of 36
+        ([3, 3, 3], 3, [(0, 1), (1, 2), (2, 3)]),
+        ([5], 4, [(0, 1)]),  # never more parts than sequences, never an empty one
+        ([1, 1], 5, [(0, 1), (1, 2)]),
+        ([9, 9], 1, [(0, 2)]),
+    ],
+)
+def test_split_by_work_balances_context_in_consecutive_runs(lens, parts, expected):
+    assert split_by_work(lens, parts) == expected
+
+
+def test_split_by_work_covers_the_batch_in_order_for_any_lengths():
+    rng = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        batch = int(torch.randint(1, 40, (1,), generator=rng))
+        lens = torch.randint(1, 5000, (batch,), generator=rng).tolist()
+        parts = int(torch.randint(1, 9, (1,), generator=rng))
+        runs = split_by_work(lens, parts)
+        assert len(runs) == min(parts, batch)
+        assert runs[0][0] == 0 and runs[-1][1] == batch
+        assert all(a < b for a, b in runs) and all(
+            x[1] == y[0] for x, y in itertools.pairwise(runs)
+        )
 
 
 def test_decode_attention_refuses_mismatched_cache(ops):
