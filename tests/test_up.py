@@ -325,6 +325,9 @@ async def test_connection_survives_a_nats_server_restart_on_the_same_port() -> N
         ({"cores": 12, "prefill": 2, "decode": 2}, {"decode": 2, "prefill": 6}),
         ({"cores": 1}, {"decode": 1, "prefill": 1}),  # fewer cores than workers: they share
         ({"cores": 2, "mode": "colocated"}, {"colocated": 2}),
+        # decode has priority over a nicer prefill pool: both get every core
+        ({"cores": 2, "prefill": 2, "prefill_nice": 10}, {"decode": 2, "prefill": 1}),
+        ({"cores": 12, "decode": 3, "prefill_nice": 5}, {"decode": 4, "prefill": 12}),
         ({"cores": 12, "mode": "colocated", "decode": 3}, {"colocated": 4}),
     ],
 )

@@ -83,8 +83,8 @@ class UpConfig(NatsClientConfig):
     cores: int | None = option(
         None,
         help="CPU cores the workers share (default: the cores this process may run on), as torch "
-        "threads: disagg gives decode a third and prefill all of them, colocated gives all to "
-        "its workers",
+        "threads: disagg gives prefill all of them and decode a third (all of them with "
+        "--prefill-nice), colocated gives all to its workers",
     )
     decode_pacing_ms: float = option(
         0.0,
@@ -155,16 +155,18 @@ def split_cores(config: UpConfig) -> dict[str, int]:
     """Torch threads per worker of each role: ``{"decode": n, "prefill": m}`` (or colocated).
 
     Disaggregated: decode is memory-bound and latency-critical; prefill is compute-bound
-    throughput work. The decode pool gets a third of the cores (at least one), divided among its
-    workers. The prefill pool gets every core, divided among its workers, so it also uses what
-    decode leaves idle. Colocated: every worker does both, and the cores are divided among them.
-    Both modes use the same cores, so they compare on equal hardware. Every worker gets at least
-    one thread."""
+    throughput work. The prefill pool gets every core, divided among its workers. With
+    ``prefill_nice`` the decode pool gets every core too: its steps are short and run first, and
+    prefill takes the rest. At equal priority the decode pool gets a third of the cores (at
+    least one), so that it competes with prefill for as few as it can. Colocated: every worker
+    does both, and the cores are divided among them. Both modes use the same cores, so they
+    compare on equal hardware. Every worker gets at least one thread."""
     cores = config.cores or available_cores()
     if config.mode == "colocated":
         return {"colocated": max(1, cores // config.decode)}
+    decode_cores = cores if config.prefill_nice else max(1, cores // 3)
     return {
-        "decode": max(1, max(1, cores // 3) // config.decode),
+        "decode": max(1, decode_cores // config.decode),
         "prefill": max(1, cores // config.prefill),
     }
 
