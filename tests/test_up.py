@@ -365,6 +365,15 @@ def test_prefill_nice_reaches_prefill_workers_only() -> None:
         UpConfig(prefill_nice=20)
 
 
+def test_decode_threads_sleep_when_they_share_cores_with_a_nicer_prefill_pool() -> None:
+    for nice, expected in ((10, (("OMP_WAIT_POLICY", "PASSIVE"),)), (0, ())):
+        specs = plan(UpConfig(prefill_nice=nice), "nats://127.0.0.1:4222", 8000)
+        assert {s.name: s.env for s in specs if s.tier in ("decode", "prefill")} == {
+            "decode-0": expected,
+            "prefill-0": (),
+        }
+
+
 def test_prefill_worker_refuses_a_higher_priority() -> None:
     from services.prefill.config import PrefillConfig
 

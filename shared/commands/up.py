@@ -142,6 +142,7 @@ class ChildSpec:
     name: str  # worker id, e.g. "decode-0"
     tier: str  # one of TIERS
     argv: tuple[str, ...]  # after `kvmesh`
+    env: tuple[tuple[str, str], ...] = ()  # set for this child unless our environment sets it
 
 
 def available_cores() -> int:
@@ -200,10 +201,13 @@ def plan(config: UpConfig, nats_url: str, port: int) -> list[ChildSpec]:
     decode_threads = ("--threads", str(threads[decode_service]))
     if config.mode == "disagg" and config.decode_pacing_ms:
         decode_threads += ("--min-step-interval-ms", str(config.decode_pacing_ms))
+    # Decode workers that share their cores with a nicer prefill pool: their OpenMP threads wait
+    # for work asleep, not spinning on cores prefill could use between a step's parallel parts.
+    decode_env = (("OMP_WAIT_POLICY", "PASSIVE"),) if config.prefill_nice else ()
     for i in range(config.decode):
         name = f"{decode_service}-{i}"
         argv = ("serve", decode_service, *worker(name), *engine, *decode_threads)
-        specs.append(ChildSpec(name, "decode", argv))
+        specs.append(ChildSpec(name, "decode", argv, decode_env))
     if config.mode == "disagg":
         prefill_threads = ("--threads", str(threads["prefill"]))
         if config.prefill_nice:
@@ -367,6 +371,8 @@ class Launcher:
                 env.update(self.credentials.auth(spec.argv[1]).env())
             if url_has_credentials(self.nats_url):  # not in argv: ps would show them
                 env["KVMESH_NATS_URL"] = self.nats_url
+            for key, value in spec.env:
+                env.setdefault(key, value)
             self._envs[spec.name] = env
         proc = subprocess.Popen(argv, start_new_session=True, preexec_fn=die_with_parent, env=env)
         self.children[spec.name] = (spec, proc)
