@@ -16,32 +16,13 @@ import pytest
 
 from loadgen.bench_mesh import local_mesh, random_prompts, wait_blocks_returned
 from shared.commands.restarts import RestartPolicy
+from tests.offline_text import offline_texts
 
 pytestmark = pytest.mark.slow
 
 ENV = {"KVMESH_CHUNK_TOKENS": "64", "KVMESH_BLOCK_SIZE": "16", "KVMESH_NUM_BLOCKS": "2048"}
 NUM_REQUESTS, CONCURRENCY, MAX_TOKENS = 200, 16, 12
 VICTIMS = ("decode-0", "prefill-0", "kv-registry-0")
-
-
-def _offline_texts(prompts: list[list[int]]) -> list[str]:
-    from shared.engine.config import EngineConfig
-    from shared.engine.llm_engine import LLMEngine
-    from shared.engine.sequence import SamplingParams
-    from shared.model.loader import load_model
-    from shared.tokenizer import IncrementalDetokenizer
-
-    model, tokenizer = load_model("kvmesh-tiny")
-    engine = LLMEngine(model, tokenizer, EngineConfig(num_blocks=4096))
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    texts = []
-    for prompt, ids in zip(prompts, engine.generate(prompts, params), strict=True):
-        detokenizer = IncrementalDetokenizer(tokenizer, prompt)  # as the router turns ids to text
-        for token_id in ids:
-            detokenizer.add(token_id)
-        detokenizer.finish()
-        texts.append(detokenizer.text)
-    return texts
 
 
 async def _one(session, url: str, prompt: list[int]) -> tuple[str, str | None, float]:
@@ -92,7 +73,7 @@ async def _chaos(mesh, prompts):
 def test_mesh_survives_kills_of_decode_prefill_and_registry_under_load():
     rng = random.Random(7)
     prompts = [random_prompts(1, 16, rng.choice([40, 300, 900]), seed=i)[0] for i in range(200)]
-    expected = _offline_texts(prompts)
+    expected = offline_texts(prompts, MAX_TOKENS)
     with local_mesh("disagg", "shm", env=ENV, prefill=2, decode=2) as mesh:
         results = asyncio.run(_chaos(mesh, prompts))
         # failed requests may keep blocks until their lease and quarantine run out (30 s + 30 s)

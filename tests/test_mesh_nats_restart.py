@@ -18,6 +18,7 @@ import pytest
 from loadgen.bench_mesh import complete, local_mesh, random_prompts, wait_blocks_returned
 from shared.commands.up import free_port
 from shared.nats_server import NatsServer
+from tests.offline_text import offline_texts
 
 pytestmark = pytest.mark.slow
 
@@ -25,26 +26,6 @@ ENV = {"KVMESH_BLOCK_SIZE": "16", "KVMESH_NUM_BLOCKS": "512"}
 NUM_STREAMS, CONCURRENCY, MAX_TOKENS = 8, 4, 24
 # the longest a stream in flight may take to end once NATS is back (never a 30 s token timeout)
 END_WITHIN_S = 20.0
-
-
-def _offline_texts(prompts: list[list[int]]) -> list[str]:
-    from shared.engine.config import EngineConfig
-    from shared.engine.llm_engine import LLMEngine
-    from shared.engine.sequence import SamplingParams
-    from shared.model.loader import load_model
-    from shared.tokenizer import IncrementalDetokenizer
-
-    model, tokenizer = load_model("kvmesh-tiny")
-    engine = LLMEngine(model, tokenizer, EngineConfig(num_blocks=1024))
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    texts = []
-    for prompt, ids in zip(prompts, engine.generate(prompts, params), strict=True):
-        detokenizer = IncrementalDetokenizer(tokenizer, prompt)  # as the router turns ids to text
-        for token_id in ids:
-            detokenizer.add(token_id)
-        detokenizer.finish()
-        texts.append(detokenizer.text)
-    return texts
 
 
 async def _serve_until_ok(url: str, prompt: list[int], timeout_s: float) -> tuple[dict, float]:
@@ -126,7 +107,7 @@ async def _load_through_a_restart(url: str, server: NatsServer, prompts: list[li
 
 def test_streams_in_flight_survive_or_fail_clearly_and_the_mesh_serves_after_nats_restarts():
     prompts = random_prompts(NUM_STREAMS, 40, 300, seed=43)  # remote prefill: the queue
-    expected = _offline_texts(prompts)
+    expected = offline_texts(prompts, MAX_TOKENS, num_blocks=1024)
     port = free_port()
     server = NatsServer(port)
     server.start()

@@ -1,0 +1,24 @@
+"""What the mesh must stream: greedy text of kvmesh-tiny computed offline, in this process."""
+
+from __future__ import annotations
+
+
+def offline_texts(prompts: list[list[int]], max_tokens: int, num_blocks: int = 4096) -> list[str]:
+    """Greedy completions of ``prompts`` (EOS ignored), turned into text as the router does."""
+    from shared.engine.config import EngineConfig
+    from shared.engine.llm_engine import LLMEngine
+    from shared.engine.sequence import SamplingParams
+    from shared.model.loader import load_model
+    from shared.tokenizer import IncrementalDetokenizer
+
+    model, tokenizer = load_model("kvmesh-tiny")
+    engine = LLMEngine(model, tokenizer, EngineConfig(num_blocks=num_blocks))
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    texts = []
+    for prompt, ids in zip(prompts, engine.generate(prompts, params), strict=True):
+        detokenizer = IncrementalDetokenizer(tokenizer, prompt)
+        for token_id in ids:
+            detokenizer.add(token_id)
+        detokenizer.finish()
+        texts.append(detokenizer.text)
+    return texts
