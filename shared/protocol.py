@@ -258,7 +258,7 @@ class DecodeAdvert:
 
     worker_id: str
     mode: str  # "disagg" | "colocated"
-    descriptor: dict[str, Any]  # PeerDescriptor.public(): no region keys (rdma excepted)
+    descriptor: dict[str, Any]  # PeerDescriptor.public(): no region keys (but on rdma NICs without memory windows)
     base_addr: int
     block_bytes: int
     block_size: int
