@@ -258,7 +258,8 @@ class DecodeAdvert:
 
     worker_id: str
     mode: str  # "disagg" | "colocated"
-    descriptor: dict[str, Any]  # PeerDescriptor.public(): no region keys (but on rdma NICs without memory windows)
+    # PeerDescriptor.public(): no region keys (kept only on rdma NICs without memory windows)
+    descriptor: dict[str, Any]
     base_addr: int
     block_bytes: int
     block_size: int
