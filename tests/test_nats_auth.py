@@ -36,25 +36,25 @@ def server(creds: MeshCredentials):
 
 
 async def _delivered(server, creds, sender: str, receiver: str, subject: str, listen: str) -> bool:
-    """Whether a message ``sender`` publishes on ``subject`` reaches ``receiver`` on ``listen``."""
-    got: list[bytes] = []
+    """Whether a message ``sender`` publishes on ``subject`` reaches ``receiver`` on ``listen``.
 
-    async def on_msg(msg) -> None:
-        got.append(msg.data)
-
+    No fixed sleep decides it: once the sender's flush returns the server has routed the message,
+    and the receiver's flush returns only after everything queued for it before its PONG, so a
+    delivered message is already in the subscription's queue; a refused one never arrives."""
     async with (
         connect_nats(server.url, "rx", auth=creds.auth(receiver)) as rx,
         connect_nats(server.url, "tx", auth=creds.auth(sender)) as tx,
     ):
-        await rx.subscribe(listen, cb=on_msg)
+        sub = await rx.subscribe(listen)
         await rx.flush()
         await tx.publish(subject, b"x")
         await tx.flush()
-        for _ in range(10):  # up to 1 s on a loaded machine; what is refused never comes
-            await asyncio.sleep(0.1)
-            if got:
-                break
-    return bool(got)
+        await rx.flush()
+        try:
+            await sub.next_msg(timeout=0.5)  # already queued if delivered
+        except TimeoutError:
+            return False
+        return True
 
 
 async def test_nats_without_credentials_or_with_a_wrong_password_is_refused(server, creds):
@@ -117,7 +117,7 @@ async def test_jobs_and_other_roles_replies_cannot_be_read(server, creds, reader
         await snooper.flush()
         await decode.subscribe(subjects.decode_reserve("d1"), cb=on_reserve)
         await decode.flush()
-        reply = await registry.request(subjects.decode_reserve("d1"), b"r1", timeout=2)
+        reply = await registry.request(subjects.decode_reserve("d1"), b"r1", timeout=10)
         await asyncio.sleep(0.2)
     assert reply.data == b"window-key" and snooped == []
 
@@ -134,7 +134,7 @@ async def test_request_reply_works_within_permissions(server, creds):
 
         await decode.subscribe(subjects.decode_reserve("d0"), cb=on_reserve)
         await decode.flush()
-        reply = await registry.request(subjects.decode_reserve("d0"), b"r1", timeout=2)
+        reply = await registry.request(subjects.decode_reserve("d0"), b"r1", timeout=10)
         assert reply.data == b"ok:r1"
 
 
