@@ -21,6 +21,7 @@ COPY shared ./shared
 COPY services ./services
 COPY kernels ./kernels
 COPY loadgen ./loadgen
+COPY kvmesh ./kvmesh
 RUN pip install . && useradd --create-home --uid 10001 kvmesh
 
 USER kvmesh

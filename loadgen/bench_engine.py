@@ -71,8 +71,8 @@ def register_engine(sub: Any) -> argparse.ArgumentParser:
 
 def export_tiny_to_hf(directory: Path) -> Path:
     """Write kvmesh-tiny as a transformers Llama checkpoint (identical weights)."""
-    from shared.model.seeded import write_hf_weights
-    from shared.model.tiny import tiny_config, tiny_state_dict
+    from kvmesh.shared.model.seeded import write_hf_weights
+    from kvmesh.shared.model.tiny import tiny_config, tiny_state_dict
 
     directory.mkdir(parents=True, exist_ok=True)
     write_hf_weights(directory, tiny_config(), tiny_state_dict())
@@ -99,9 +99,9 @@ class KvmeshRunner:
     def __init__(
         self, model_name: str, max_tokens_in_flight: int, cpu_kernels: bool = True
     ) -> None:
-        from shared.engine.config import EngineConfig
-        from shared.engine.llm_engine import LLMEngine
-        from shared.model import load_model
+        from kvmesh.shared.engine.config import EngineConfig
+        from kvmesh.shared.engine.llm_engine import LLMEngine
+        from kvmesh.shared.model import load_model
 
         model, tok = load_model(model_name)
         self.engine = LLMEngine(
@@ -118,7 +118,7 @@ class KvmeshRunner:
         )
 
     def generate(self, prompts: list[list[int]], num_tokens: int) -> list[list[int]]:
-        from shared.engine.sequence import SamplingParams
+        from kvmesh.shared.engine.sequence import SamplingParams
 
         params = SamplingParams(
             max_tokens=num_tokens, temperature=0, ignore_eos=True, detokenize=False
@@ -128,7 +128,7 @@ class KvmeshRunner:
     def decode_step_times(
         self, prompts: list[list[int]], num_tokens: int, clock: Callable[[], float]
     ) -> list[float]:
-        from shared.engine.sequence import SamplingParams
+        from kvmesh.shared.engine.sequence import SamplingParams
 
         params = SamplingParams(
             max_tokens=num_tokens, temperature=0, ignore_eos=True, detokenize=False

@@ -1,4 +1,4 @@
-"""``python -m loadgen.bench_mesh`` (``kvmesh bench mesh``): how much KV transfer the prefill hides.
+"""``python -m kvmesh.loadgen.bench_mesh`` (``kvmesh bench mesh``): how much KV transfer the prefill hides.
 
 Starts a real local mesh (``kvmesh up``'s Launcher: nats-server, kv-registry, one prefill, one
 decode, the router), sends long prompts through the router's HTTP API one at a time, and reads
@@ -26,7 +26,7 @@ from collections import defaultdict
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from shared.subjects import DEFAULT_MESH
+from kvmesh.shared.subjects import DEFAULT_MESH
 
 MODEL = "kvmesh-tiny"
 
@@ -54,7 +54,7 @@ def local_mesh(
         ``.config.nats_url``). ``env`` (KVMESH_* settings, e.g. KVMESH_CHUNK_TOKENS) reaches every
         service; ``model`` is kvmesh-tiny or a checkpoint directory; ``nats_url``: a NATS server to use
     (default: a fresh one, started with one user per role). Synchronous: use it from sync fixtures or scripts, not inside an event loop."""
-    from shared.commands.up import Launcher, UpConfig, free_port
+    from kvmesh.commands.up import Launcher, UpConfig, free_port
 
     config = UpConfig(
         model=model,
@@ -103,9 +103,9 @@ class MeshTap:
         self._events: dict[str, asyncio.Event] = defaultdict(asyncio.Event)
 
     async def __aenter__(self) -> MeshTap:
-        from shared import protocol
-        from shared.nats_service import connect_nats
-        from shared.subjects import Subjects
+        from kvmesh.shared import protocol
+        from kvmesh.shared.nats_service import connect_nats
+        from kvmesh.shared.subjects import Subjects
 
         self._stack = contextlib.AsyncExitStack()
         nc = await self._stack.enter_async_context(
@@ -159,7 +159,7 @@ async def wait_blocks_returned(
 ) -> list[dict[str, Any]]:
     """Admin status rows of the decode workers, once each has every block free again (or the
     last rows seen when ``timeout_s`` runs out: the caller asserts)."""
-    from shared.admin_client import admin_client
+    from kvmesh.shared.admin_client import admin_client
 
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
@@ -238,6 +238,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="python -m loadgen.bench_mesh", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m kvmesh.loadgen.bench_mesh", description=__doc__
+    )
     add_arguments(parser)
     sys.exit(run(parser.parse_args()))

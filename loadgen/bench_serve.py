@@ -28,12 +28,12 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from loadgen.bench_serve_config import ServeBenchConfig, add_arguments, config_from_args
-from loadgen.serve_metrics import RequestRecord, Summary
-from loadgen.serve_report import RunResult, format_comparison, format_summary, rate_text
-from loadgen.server_breakdown import ServerBreakdown, parse_prometheus
-from loadgen.sse_client import Endpoint
-from loadgen.workload import Prompt
+from kvmesh.loadgen.bench_serve_config import ServeBenchConfig, add_arguments, config_from_args
+from kvmesh.loadgen.serve_metrics import RequestRecord, Summary
+from kvmesh.loadgen.serve_report import RunResult, format_comparison, format_summary, rate_text
+from kvmesh.loadgen.server_breakdown import ServerBreakdown, parse_prometheus
+from kvmesh.loadgen.sse_client import Endpoint
+from kvmesh.loadgen.workload import Prompt
 
 
 def register_serve(sub: Any) -> argparse.ArgumentParser:
@@ -55,11 +55,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvmesh bench serve: {exc}", file=sys.stderr)
         return 2
     if config.plot_dir is not None and importlib.util.find_spec("matplotlib") is None:
-        from loadgen.plots import INSTALL_HINT
+        from kvmesh.loadgen.plots import INSTALL_HINT
 
         print(f"kvmesh bench serve: {INSTALL_HINT}", file=sys.stderr)
         return 2
-    from loadgen.workload import WorkloadError
+    from kvmesh.loadgen.workload import WorkloadError
 
     try:
         prompts, trace_times = build_workload(config)
@@ -80,8 +80,8 @@ def run(args: argparse.Namespace) -> int:
 
 def build_workload(config: ServeBenchConfig) -> tuple[list[Prompt], list[float] | None]:
     """The prompts (same for every rate and target) and, for a trace, its arrival times."""
-    from loadgen import arrivals, workload
-    from shared.model.loader import load_config_and_tokenizer
+    from kvmesh.loadgen import arrivals, workload
+    from kvmesh.shared.model.loader import load_config_and_tokenizer
 
     _, tokenizer = load_config_and_tokenizer(config.tokenizer or config.model)
     rng = random.Random(f"{config.seed}:prompts")
@@ -114,7 +114,7 @@ def _target(config: ServeBenchConfig, label: str) -> Iterator[str]:
     if not config.compare:
         yield config.base_url
         return
-    from loadgen.bench_mesh import local_mesh
+    from kvmesh.loadgen.bench_mesh import local_mesh
 
     print(f"kvmesh bench serve: starting a {label} mesh", file=sys.stderr)
     with contextlib.ExitStack() as stack:
@@ -149,10 +149,10 @@ def _sweep(
 ) -> int:
     import asyncio
 
-    from loadgen.arrivals import ArrivalProcess, arrival_times
-    from loadgen.progress import ProgressBar
-    from loadgen.serve_metrics import summarize
-    from loadgen.sse_client import run_requests
+    from kvmesh.loadgen.arrivals import ArrivalProcess, arrival_times
+    from kvmesh.loadgen.progress import ProgressBar
+    from kvmesh.loadgen.serve_metrics import summarize
+    from kvmesh.loadgen.sse_client import run_requests
 
     endpoint = config.endpoint(base_url)
     if config.num_warmups:
@@ -219,8 +219,7 @@ async def _warmup(endpoint: Endpoint, prompt: Prompt, timeout_s: float) -> Reque
     import time
 
     import aiohttp
-
-    from loadgen.sse_client import send_request
+    from kvmesh.loadgen.sse_client import send_request
 
     async with aiohttp.ClientSession() as session:
         return await send_request(
@@ -233,8 +232,7 @@ def _write_outputs(
 ) -> None:
     if config.result_json is not None:
         import orjson
-
-        from loadgen.serve_report import result_json
+        from kvmesh.loadgen.serve_report import result_json
 
         body = result_json(config.to_json(), results)
         config.result_json.parent.mkdir(parents=True, exist_ok=True)
@@ -248,7 +246,7 @@ def _write_outputs(
 def _plot(
     config: ServeBenchConfig, prompts: Sequence[Prompt], results: list[RunResult]
 ) -> list[Path]:
-    from loadgen import plots
+    from kvmesh.loadgen import plots
 
     plot_dir = config.plot_dir
     assert plot_dir is not None

@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from loadgen.arrivals import ARRIVAL_KINDS, ArrivalProcess, parse_rates
-from loadgen.serve_metrics import Slo
-from loadgen.sse_client import CHAT, COMPLETIONS, Endpoint
-from loadgen.workload import LengthSpec
+from kvmesh.loadgen.arrivals import ARRIVAL_KINDS, ArrivalProcess, parse_rates
+from kvmesh.loadgen.serve_metrics import Slo
+from kvmesh.loadgen.sse_client import CHAT, COMPLETIONS, Endpoint
+from kvmesh.loadgen.workload import LengthSpec
 
 TINY_MODEL = "kvmesh-tiny"
 MESH_MODES = ("colocated", "disagg")

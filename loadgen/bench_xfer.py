@@ -17,7 +17,7 @@ transfers under 256 MiB) after ``--warmup`` runs, over ``--rounds`` passes throu
 blocks' CRC32 is compared with the source's after each backend's run; transports must also deliver
 exactly one completion per write, in order.
 
-The torch side (the KV pools, the receiver processes and the senders) is ``loadgen.xfer_backends``,
+The torch side (the KV pools, the receiver processes and the senders) is ``kvmesh.loadgen.xfer_backends``,
 imported by ``run`` only, so that building the ``kvmesh`` parser does not import torch.
 """
 
@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-# One 16-token block of the Llama-3-8B KV cache in bf16 (loadgen.xfer_backends.SPEC asserts it).
+# One 16-token block of the Llama-3-8B KV cache in bf16 (kvmesh.loadgen.xfer_backends.SPEC asserts it).
 # A constant here, so that building the CLI parser does not import torch.
 BLOCK_BYTES = 2 << 20
 TRANSPORTS = ("shm", "tcp", "rdma")
@@ -103,7 +103,7 @@ def runs_for(num_bytes: int, repeats: int) -> int:
 
 
 def default_backends() -> list[str]:
-    from shared.transport.auto import available_backends
+    from kvmesh.shared.transport.auto import available_backends
 
     avail = available_backends()
     return [*BASELINES, *(b for b in ("shm", "tcp", "rdma") if avail[b][0])]
@@ -132,8 +132,7 @@ def _order(backend: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     import torch
-
-    from loadgen.xfer_backends import bench_backend
+    from kvmesh.loadgen.xfer_backends import bench_backend
 
     # One intra-op thread per process: on a shared machine OpenMP's spinning barriers around each
     # 2 MiB copy_ turn the memcpy baseline (and shm's copies) into noise.
@@ -149,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
             )
             return 2
         if "rdma" in backends:
-            from shared.transport.rdma_device import rdma_available
+            from kvmesh.shared.transport.rdma_device import rdma_available
 
             ok, why = rdma_available()
             if not ok:

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from loadgen.serve_metrics import RequestRecord, Summary
+from kvmesh.loadgen.serve_metrics import RequestRecord, Summary
 
 INSTALL_HINT = (
     "plots need matplotlib: pip install 'kvmesh[bench]' (or pip install 'matplotlib>=3.7'), "

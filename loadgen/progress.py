@@ -6,7 +6,7 @@ import sys
 import time
 from typing import TextIO
 
-from loadgen.serve_metrics import RequestRecord
+from kvmesh.loadgen.serve_metrics import RequestRecord
 
 
 class ProgressBar:

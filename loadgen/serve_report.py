@@ -8,8 +8,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from loadgen.serve_metrics import RequestRecord, Stats, Summary
-from loadgen.server_breakdown import ServerBreakdown
+from kvmesh.loadgen.serve_metrics import RequestRecord, Stats, Summary
+from kvmesh.loadgen.server_breakdown import ServerBreakdown
 
 
 @dataclass(frozen=True, slots=True)

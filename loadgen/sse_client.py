@@ -23,10 +23,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
-
-from loadgen.serve_metrics import RequestRecord
-from loadgen.sse import SseDecoder, Usage, read_chunk
-from loadgen.workload import Prompt
+from kvmesh.loadgen.serve_metrics import RequestRecord
+from kvmesh.loadgen.sse import SseDecoder, Usage, read_chunk
+from kvmesh.loadgen.workload import Prompt
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"

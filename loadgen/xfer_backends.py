@@ -17,9 +17,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-
-from loadgen.bench_xfer import BLOCK_BYTES, Plan, Result
-from shared.engine.kv_cache import KVCacheSpec, KVPool
+from kvmesh.loadgen.bench_xfer import BLOCK_BYTES, Plan, Result
+from kvmesh.shared.engine.kv_cache import KVCacheSpec, KVPool
 
 SPEC = KVCacheSpec(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, dtype=torch.bfloat16)
 assert SPEC.block_bytes == BLOCK_BYTES, (SPEC.block_bytes, BLOCK_BYTES)
@@ -105,7 +104,7 @@ def _gloo_receiver(conn: Any, plans: list[Plan]) -> None:
 
 
 async def _transport_receiver(conn: Any, backend: str, plans: list[Plan]) -> None:
-    from shared.transport import Access, TransportConfig, create_transport
+    from kvmesh.shared.transport import Access, TransportConfig, create_transport
 
     for plan in plans:
         async with create_transport(backend, TransportConfig(peer_id="bench-recv")) as t:
@@ -218,7 +217,7 @@ class _GlooSender:
 
 
 async def _transport_send(backend: str, conn: Any, plan: Plan, src: KVPool) -> list[float]:
-    from shared.transport import (
+    from kvmesh.shared.transport import (
         MemoryRegion,
         PeerDescriptor,
         TransportConfig,

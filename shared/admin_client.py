@@ -6,12 +6,11 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
+from kvmesh.shared.nats_auth import NatsAuth
+from kvmesh.shared.nats_options import NatsSecurity
+from kvmesh.shared.nats_service import NatsUnavailableError, connect_nats, request_json
+from kvmesh.shared.subjects import DEFAULT_MESH, Subjects
 from nats.aio.client import Client
-
-from shared.nats_auth import NatsAuth
-from shared.nats_options import NatsSecurity
-from shared.nats_service import NatsUnavailableError, connect_nats, request_json
-from shared.subjects import DEFAULT_MESH, Subjects
 
 
 class AdminError(RuntimeError):

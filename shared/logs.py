@@ -12,7 +12,7 @@ import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-from shared.service_config import option
+from kvmesh.shared.service_config import option
 
 if TYPE_CHECKING:
     import structlog

@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared.subjects import Subjects
+from kvmesh.shared.subjects import Subjects
 
 USER_ENV, PASSWORD_ENV, PASSWORD_FILE_ENV = (
     "KVMESH_NATS_USER",

@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from shared.service_config import DEFAULT_NATS_URL, option
-from shared.subjects import Subjects, check_mesh
+from kvmesh.shared.service_config import DEFAULT_NATS_URL, option
+from kvmesh.shared.subjects import Subjects, check_mesh
 
 NATS_SCHEMES = ("nats", "tls", "ws", "wss")
 JWT_MARKER = "-----BEGIN NATS USER JWT-----"

@@ -27,20 +27,19 @@ from typing import Any
 import nats
 import nats.micro
 import orjson
-from nats.aio.client import Client
-from nats.aio.msg import Msg
-from nats.micro.request import Request
-from nats.micro.service import Service
-
-from shared import logs, protocol
-from shared.nats_auth import ADMIN, PASSWORD_FILE_ENV, USER_ENV, NatsAuth, auth_from_env
-from shared.nats_options import (
+from kvmesh.shared import logs, protocol
+from kvmesh.shared.nats_auth import ADMIN, PASSWORD_FILE_ENV, USER_ENV, NatsAuth, auth_from_env
+from kvmesh.shared.nats_options import (
     NatsSecurity,
     redact_secrets,
     redact_url,
     url_has_credentials,
 )
-from shared.subjects import Subjects
+from kvmesh.shared.subjects import Subjects
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.micro.request import Request
+from nats.micro.service import Service
 
 log = logs.get_logger(__name__)
 

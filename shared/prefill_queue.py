@@ -21,11 +21,10 @@ import contextlib
 
 import nats.errors
 import nats.js.errors
+from kvmesh.shared.subjects import Subjects
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import api
-
-from shared.subjects import Subjects
 
 DURABLE = "prefill"
 MAX_AGE_S = 600.0  # a job nobody took in 10 minutes has been given up by its router

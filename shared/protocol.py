@@ -117,7 +117,7 @@ class PrefillJob:
     enqueued_at: float  # unix time the router published the job
 
 
-IMM_SLOT_BITS = 20  # must equal shared.transport.base.IMM_SLOT_BITS (checked by a test)
+IMM_SLOT_BITS = 20  # must equal kvmesh.shared.transport.base.IMM_SLOT_BITS (checked by a test)
 
 
 def imm_slot(first_block_addr: int, block_bytes: int) -> int:

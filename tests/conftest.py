@@ -10,8 +10,7 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 import pytest_asyncio
-
-from shared.nats_server import NatsServer
+from kvmesh.shared.nats_server import NatsServer
 
 # --- mesh: NATS -----------------------------------------------------------------------------
 
@@ -45,7 +44,7 @@ def nats_server_process() -> Iterator[NatsServer]:
 @pytest_asyncio.fixture
 async def nats_client(nats_server: str) -> AsyncIterator[object]:
     """A connected nats-py client on the per-test server."""
-    from shared.nats_service import connect_nats
+    from kvmesh.shared.nats_service import connect_nats
 
     async with connect_nats(nats_server, "pytest") as nc:
         yield nc

@@ -19,10 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from shared.engine.attention import AttentionMetadata
-from shared.engine.kv_cache import KVPool
-from shared.model.seeded import write_tokenizer
+from kvmesh.shared.engine.attention import AttentionMetadata
+from kvmesh.shared.engine.kv_cache import KVPool
+from kvmesh.shared.model.seeded import write_tokenizer
 
 BLOCK_SIZE = 16
 LLAMA_SPECIALS = ["<s>", "</s>", "<|user|>", "<|assistant|>"]

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 def offline_texts(prompts: list[list[int]], max_tokens: int, num_blocks: int = 4096) -> list[str]:
     """Greedy completions of ``prompts`` (EOS ignored), turned into text as the router does."""
-    from shared.engine.config import EngineConfig
-    from shared.engine.llm_engine import LLMEngine
-    from shared.engine.sequence import SamplingParams
-    from shared.model.loader import load_model
-    from shared.tokenizer import IncrementalDetokenizer
+    from kvmesh.shared.engine.config import EngineConfig
+    from kvmesh.shared.engine.llm_engine import LLMEngine
+    from kvmesh.shared.engine.sequence import SamplingParams
+    from kvmesh.shared.model.loader import load_model
+    from kvmesh.shared.tokenizer import IncrementalDetokenizer
 
     model, tokenizer = load_model("kvmesh-tiny")
     engine = LLMEngine(model, tokenizer, EngineConfig(num_blocks=num_blocks))

@@ -14,12 +14,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from nats.aio.client import Client
-from nats.aio.msg import Msg
-
-from shared import protocol
-from shared.nats_service import background, connect_nats, publish_every
-from shared.protocol import (
+from kvmesh.shared import protocol
+from kvmesh.shared.nats_service import background, connect_nats, publish_every
+from kvmesh.shared.protocol import (
     DecodeAdvert,
     PrefillDone,
     ReserveReply,
@@ -27,7 +24,9 @@ from shared.protocol import (
     WorkerControl,
     WorkerHeartbeat,
 )
-from shared.subjects import DEFAULT_MESH, Subjects
+from kvmesh.shared.subjects import DEFAULT_MESH, Subjects
+from nats.aio.client import Client
+from nats.aio.msg import Msg
 
 BLOCK_SIZE = 16
 BLOCK_BYTES = 4096

@@ -14,10 +14,10 @@ import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from shared import protocol
-from shared.model.tiny import tiny_config
-from shared.nats_service import connect_nats
-from shared.protocol import (
+from kvmesh.shared import protocol
+from kvmesh.shared.model.tiny import tiny_config
+from kvmesh.shared.nats_service import connect_nats
+from kvmesh.shared.protocol import (
     Abort,
     LeaseRenew,
     PlaceReply,
@@ -27,7 +27,7 @@ from shared.protocol import (
     TokenEvent,
     WorkerHeartbeat,
 )
-from shared.subjects import DEFAULT_MESH, Subjects
+from kvmesh.shared.subjects import DEFAULT_MESH, Subjects
 
 EOS_ID = tiny_config().eos_token_ids[0]
 REPLY_TEXT = "The quick brown fox jumps over the lazy dog. "

@@ -8,7 +8,7 @@ from pathlib import Path
 
 def write_small_seeded(path: Path, seed: int = 5) -> str:
     """Write it into ``path`` (its base name becomes the default mesh name); returns the path."""
-    from shared.model.seeded import SeededShape, write_seeded_checkpoint
+    from kvmesh.shared.model.seeded import SeededShape, write_seeded_checkpoint
 
     shape = SeededShape(
         hidden_size=64,

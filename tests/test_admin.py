@@ -8,20 +8,20 @@ import os
 import sys
 from pathlib import Path
 
+from kvmesh.services.kv_registry.config import RegistryConfig
+from kvmesh.services.kv_registry.service import registry_service
+from kvmesh.shared.nats_server import NatsServer
+from kvmesh.shared.nats_service import connect_nats, request_json
 from registry_peers import peer_decode, wait_for
 
-from services.kv_registry.config import RegistryConfig
-from services.kv_registry.service import registry_service
-from shared.commands.admin import table
-from shared.nats_server import NatsServer
-from shared.nats_service import connect_nats, request_json
+from kvmesh.commands.admin import table
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 async def kvmesh_admin(*argv: str, url: str) -> tuple[int, str, str]:
     proc = await asyncio.create_subprocess_exec(
-        *(sys.executable, "-m", "shared.cli", "admin", *argv, "--nats-url", url),
+        *(sys.executable, "-m", "kvmesh.cli", "admin", *argv, "--nats-url", url),
         cwd=REPO,
         env={**os.environ, "PYTHONPATH": str(REPO)},
         stdout=asyncio.subprocess.PIPE,

@@ -1,7 +1,6 @@
 import torch
-
-from shared.engine.attention import AttentionMetadata, paged_attention
-from shared.engine.kv_cache import KVCacheSpec, KVPool
+from kvmesh.shared.engine.attention import AttentionMetadata, paged_attention
+from kvmesh.shared.engine.kv_cache import KVCacheSpec, KVPool
 
 
 def _reference(q, k, v, scale):

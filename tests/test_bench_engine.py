@@ -14,7 +14,7 @@ def test_bench_engine_json_has_both_systems_and_every_batch_size(kernels):
     short = ["--prompt-len", "64", "--decode-prompt-len", "16", "--decode-tokens", "4"]
     short += ["--batch-sizes", "1,3", "--repeats", "1", *kernels]
     proc = subprocess.run(
-        [sys.executable, "-m", "shared.cli", "bench", "engine", "--json", *short],
+        [sys.executable, "-m", "kvmesh.cli", "bench", "engine", "--json", *short],
         capture_output=True,
         text=True,
         timeout=300,

@@ -9,10 +9,9 @@ import sys
 
 import pytest
 import torch
-
-from loadgen.bench_xfer import BLOCK_BYTES, Plan, format_table, parse_size, register_xfer
-from loadgen.xfer_backends import SPEC, blocks_crc, fill_source
-from shared.engine.kv_cache import KVPool
+from kvmesh.loadgen.bench_xfer import BLOCK_BYTES, Plan, format_table, parse_size, register_xfer
+from kvmesh.loadgen.xfer_backends import SPEC, blocks_crc, fill_source
+from kvmesh.shared.engine.kv_cache import KVPool
 
 
 def test_bench_xfer_json_reports_every_backend_after_verifying_bytes():
@@ -20,7 +19,7 @@ def test_bench_xfer_json_reports_every_backend_after_verifying_bytes():
         [
             sys.executable,
             "-m",
-            "loadgen.bench_xfer",
+            "kvmesh.loadgen.bench_xfer",
             "--json",
             "--sizes",
             "4M",
@@ -94,7 +93,7 @@ def test_register_xfer_adds_the_subcommand_with_its_handler():
 
 
 def test_table_shows_ratios_against_each_baseline():
-    from loadgen.bench_xfer import Result
+    from kvmesh.loadgen.bench_xfer import Result
 
     table = format_table(
         [
@@ -109,8 +108,8 @@ def test_table_shows_ratios_against_each_baseline():
 
 
 def test_asking_for_rdma_without_a_device_exits_2_with_the_reason(capsys):
-    from loadgen.bench_xfer import run
-    from shared.transport.rdma import rdma_available
+    from kvmesh.loadgen.bench_xfer import run
+    from kvmesh.shared.transport.rdma import rdma_available
 
     ok, why = rdma_available()
     if ok:

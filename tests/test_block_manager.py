@@ -1,7 +1,6 @@
 import pytest
-
-from shared.engine.block_manager import BlockManager, OutOfBlocksError, block_hash
-from shared.engine.sequence import SamplingParams, Sequence
+from kvmesh.shared.engine.block_manager import BlockManager, OutOfBlocksError, block_hash
+from kvmesh.shared.engine.sequence import SamplingParams, Sequence
 
 BS = 4
 

@@ -12,9 +12,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from kvmesh.shared.service_errors import (
+    ServiceStartError,
+    check_can_listen,
+    find_error,
+    listen_error,
+)
 
-from shared.commands.up import free_port
-from shared.service_errors import ServiceStartError, check_can_listen, find_error, listen_error
+from kvmesh.commands.up import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 ROLES = ("router", "kv-registry", "prefill", "decode", "colocated")
@@ -23,7 +28,7 @@ ROLES = ("router", "kv-registry", "prefill", "decode", "colocated")
 def kvmesh(*argv: str, timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}
     return subprocess.run(
-        [sys.executable, "-m", "shared.cli", *argv],
+        [sys.executable, "-m", "kvmesh.cli", *argv],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -107,7 +112,7 @@ def test_every_service_without_nats_says_so_in_one_line():
     url = closed_nats_url()
     procs = {  # at once: each waits out the connect timeout (10 s) for a server to come
         role: subprocess.Popen(
-            [sys.executable, "-m", "shared.cli", "serve", role, "--nats-url", url],
+            [sys.executable, "-m", "kvmesh.cli", "serve", role, "--nats-url", url],
             cwd=REPO,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,

@@ -1,12 +1,12 @@
 import json
 
 import pytest
+from kvmesh.shared.engine.config import EngineConfig
+from kvmesh.shared.engine.llm_engine import LLMEngine
+from kvmesh.shared.engine.sequence import SamplingParams
+from kvmesh.shared.model import load_model
 
-from shared.cli import main
-from shared.engine.config import EngineConfig
-from shared.engine.llm_engine import LLMEngine
-from shared.engine.sequence import SamplingParams
-from shared.model import load_model
+from kvmesh.cli import main
 
 
 def run_json(capsys, *argv: str) -> dict:

@@ -7,8 +7,8 @@ import sys
 
 _PROBE = """
 import sys
-import shared.cli
-parser = shared.cli.build_parser()
+import kvmesh.cli
+parser = kvmesh.cli.build_parser()
 for argv in (["--help"], ["bench", "--help"], ["bench", "xfer", "--help"]):
     try:
         parser.parse_args(argv)

@@ -8,10 +8,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from kvmesh.shared.nats_auth import PASSWORD_ENV, USER_ENV, authorization_block, password_variable
 
-from shared.cli import build_parser
-from shared.commands.serve import build_service_config, service_env_keys
-from shared.nats_auth import PASSWORD_ENV, USER_ENV, authorization_block, password_variable
+from kvmesh.cli import build_parser
+from kvmesh.commands.serve import build_service_config, service_env_keys
 
 yaml = pytest.importorskip("yaml")  # PyYAML (dev dependency via transformers)
 
@@ -89,7 +89,7 @@ def test_dockerfile_installs_cpu_torch_then_the_project() -> None:
 
 
 def test_mesh_doc_lists_every_subject() -> None:
-    from shared.subjects import Subjects
+    from kvmesh.shared.subjects import Subjects
 
     doc = (REPO / "docs" / "mesh.md").read_text()
     names = [n for n in dir(Subjects) if not n.startswith("_") and n not in ("mesh", "prefix")]
@@ -105,7 +105,7 @@ def test_nats_is_published_on_the_host_loopback_only() -> None:
 def test_nats_requires_a_user_per_role_with_the_generated_permissions() -> None:
     """deploy/nats-auth.conf is `kvmesh nats-config`'s output (no drift from the code), the NATS
     container loads it, and each service logs in as its own role."""
-    from shared.subjects import DEFAULT_MESH, Subjects
+    from kvmesh.shared.subjects import DEFAULT_MESH, Subjects
 
     conf = (REPO / "deploy" / "nats-auth.conf").read_text()
     assert conf == authorization_block(Subjects(DEFAULT_MESH))

@@ -2,11 +2,10 @@ import asyncio
 import contextlib
 
 import pytest
-
-from services.decode.pending import PendingTable, ReservationError
-from shared import protocol
-from shared.protocol import PrefillDone, imm_slot
-from shared.subjects import Subjects
+from kvmesh.services.decode.pending import PendingTable, ReservationError
+from kvmesh.shared import protocol
+from kvmesh.shared.protocol import PrefillDone, imm_slot
+from kvmesh.shared.subjects import Subjects
 
 
 def _done(rid="r1", lease="l1", ok=True, num_writes=3, first_token=7, error=""):
@@ -193,7 +192,7 @@ def test_imm_slot_distinct_for_distinct_blocks_of_one_pool():
 
 
 def test_imm_slot_bits_match_transport():
-    from shared.transport.base import IMM_SLOT_BITS
+    from kvmesh.shared.transport.base import IMM_SLOT_BITS
 
     assert protocol.IMM_SLOT_BITS == IMM_SLOT_BITS
 
@@ -221,16 +220,16 @@ class _Recorder:
 
 @pytest.fixture(scope="module")
 def tiny():
-    from shared.model.loader import load_model
+    from kvmesh.shared.model.loader import load_model
 
     return load_model("kvmesh-tiny")
 
 
 @pytest.fixture
 def decode_worker(tiny):
-    from services.decode.worker import DecodeWorker
-    from shared.engine.config import EngineConfig
-    from shared.engine.llm_engine import LLMEngine
+    from kvmesh.services.decode.worker import DecodeWorker
+    from kvmesh.shared.engine.config import EngineConfig
+    from kvmesh.shared.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(*tiny, EngineConfig(num_blocks=64))
     now = [100.0]
@@ -265,7 +264,7 @@ def _reserve(rid, n, local=False, lease_ms=1000):
 
 
 async def test_worker_admits_after_writes_and_done_then_streams_and_frees(decode_worker):
-    from shared.transport.base import pack_imm
+    from kvmesh.shared.transport.base import pack_imm
 
     worker, rec, _ = decode_worker
     reply = await worker.reserve(_reserve("a", 40))
@@ -345,7 +344,7 @@ async def test_worker_refuses_reservations_while_draining_and_when_full(decode_w
 
 
 def test_free_block_ranges_are_sorted_runs():
-    from services.decode.worker import free_block_ranges
+    from kvmesh.services.decode.worker import free_block_ranges
 
     assert free_block_ranges([5, 0, 1, 2, 7, 6, 9]) == ((0, 3), (5, 8), (9, 10))
     assert free_block_ranges([]) == ()
@@ -354,8 +353,8 @@ def test_free_block_ranges_are_sorted_runs():
 def test_decode_config_from_flags_and_env():
     import argparse
 
-    from services.decode.config import DecodeConfig
-    from shared.service_config import ConfigError, add_config_arguments, config_from_args
+    from kvmesh.services.decode.config import DecodeConfig
+    from kvmesh.shared.service_config import ConfigError, add_config_arguments, config_from_args
 
     parser = argparse.ArgumentParser()
     add_config_arguments(parser, DecodeConfig)
@@ -424,9 +423,9 @@ async def test_abort_of_an_accepted_local_request_before_it_starts(decode_worker
 async def test_paced_worker_starts_steps_no_closer_than_its_interval(tiny):
     import time
 
-    from services.decode.worker import DecodeWorker
-    from shared.engine.config import EngineConfig
-    from shared.engine.llm_engine import LLMEngine
+    from kvmesh.services.decode.worker import DecodeWorker
+    from kvmesh.shared.engine.config import EngineConfig
+    from kvmesh.shared.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(*tiny, EngineConfig(num_blocks=64))
     rec = _Recorder()

@@ -6,11 +6,10 @@ import random
 import pytest
 import torch
 from hf_fixtures import load_hf_reference, make_llama_checkpoint, make_qwen2_checkpoint
-
-from shared.engine.config import EngineConfig
-from shared.engine.llm_engine import LLMEngine
-from shared.engine.sequence import PromptTooLongError, RequestError, SamplingParams
-from shared.model import load_model
+from kvmesh.shared.engine.config import EngineConfig
+from kvmesh.shared.engine.llm_engine import LLMEngine
+from kvmesh.shared.engine.sequence import PromptTooLongError, RequestError, SamplingParams
+from kvmesh.shared.model import load_model
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 

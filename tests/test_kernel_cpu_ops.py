@@ -4,9 +4,8 @@ import itertools
 
 import pytest
 import torch
-
-from kernels import cpu_ops
-from kernels.cpu_ops import (
+from kvmesh.kernels import cpu_ops
+from kvmesh.kernels.cpu_ops import (
     CpuOpsBuildError,
     build,
     load_cpu_ops,
@@ -14,13 +13,13 @@ from kernels.cpu_ops import (
     silu_mul_reference,
     split_by_work,
 )
-from shared.engine.attention import AttentionMetadata, paged_attention
-from shared.engine.config import EngineConfig
-from shared.engine.kv_cache import KVCacheSpec, KVPool
-from shared.engine.llm_engine import LLMEngine
-from shared.engine.sequence import SamplingParams
-from shared.model import load_model
-from shared.model.rope import apply_rope
+from kvmesh.shared.engine.attention import AttentionMetadata, paged_attention
+from kvmesh.shared.engine.config import EngineConfig
+from kvmesh.shared.engine.kv_cache import KVCacheSpec, KVPool
+from kvmesh.shared.engine.llm_engine import LLMEngine
+from kvmesh.shared.engine.sequence import SamplingParams
+from kvmesh.shared.model import load_model
+from kvmesh.shared.model.rope import apply_rope
 
 
 @pytest.fixture(scope="module")

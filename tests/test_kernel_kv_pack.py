@@ -9,8 +9,7 @@ import os
 
 import pytest
 import torch
-
-from kernels.kv_pack import (
+from kvmesh.kernels.kv_pack import (
     ReshardPiece,
     pack_blocks,
     pack_blocks_ref,
@@ -19,7 +18,7 @@ from kernels.kv_pack import (
     scatter_blocks_ref,
     staging_shape,
 )
-from shared.engine.kv_cache import KVCacheSpec, KVPool
+from kvmesh.shared.engine.kv_cache import KVCacheSpec, KVPool
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"

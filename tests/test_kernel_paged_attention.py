@@ -10,10 +10,9 @@ import os
 
 import pytest
 import torch
-
-from kernels.paged_attention import paged_decode_attention, paged_decode_attention_ref
-from shared.engine.attention import AttentionMetadata, paged_attention
-from shared.engine.kv_cache import KVCacheSpec, KVPool
+from kvmesh.kernels.paged_attention import paged_decode_attention, paged_decode_attention_ref
+from kvmesh.shared.engine.attention import AttentionMetadata, paged_attention
+from kvmesh.shared.engine.kv_cache import KVCacheSpec, KVPool
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 pytestmark = pytest.mark.skipif(

@@ -16,10 +16,9 @@ from typing import Any
 
 import pytest
 import torch
-
-from kernels.kv_pack import reshard_plan
-from shared.engine.kv_cache import KVCacheSpec, KVPool
-from shared.transport import (
+from kvmesh.kernels.kv_pack import reshard_plan
+from kvmesh.shared.engine.kv_cache import KVCacheSpec, KVPool
+from kvmesh.shared.transport import (
     Access,
     LocalAccessError,
     MemoryRegion,
@@ -30,7 +29,7 @@ from shared.transport import (
     create_transport,
     pack_imm,
 )
-from shared.transport.kv_writes import (
+from kvmesh.shared.transport.kv_writes import (
     KVDestination,
     KVLayoutError,
     KVWritePlan,

@@ -9,15 +9,14 @@ import asyncio
 from typing import Any
 
 import pytest
-
-from services.decode.windows import LeaseWindows
-from services.decode.worker import DecodeWorker
-from shared import protocol
-from shared.engine.config import EngineConfig
-from shared.engine.kv_cache import KVCacheSpec
-from shared.engine.llm_engine import LLMEngine
-from shared.subjects import Subjects
-from shared.transport import (
+from kvmesh.services.decode.windows import LeaseWindows
+from kvmesh.services.decode.worker import DecodeWorker
+from kvmesh.shared import protocol
+from kvmesh.shared.engine.config import EngineConfig
+from kvmesh.shared.engine.kv_cache import KVCacheSpec
+from kvmesh.shared.engine.llm_engine import LLMEngine
+from kvmesh.shared.subjects import Subjects
+from kvmesh.shared.transport import (
     Access,
     PeerDescriptor,
     RefusalReason,
@@ -33,7 +32,7 @@ NUM_BLOCKS = 32
 
 @pytest.fixture(scope="module")
 def tiny():
-    from shared.model.loader import load_model
+    from kvmesh.shared.model.loader import load_model
 
     return load_model("kvmesh-tiny")
 

@@ -8,8 +8,7 @@ import random
 import statistics
 
 import pytest
-
-from loadgen.arrivals import (
+from kvmesh.loadgen.arrivals import (
     ArrivalProcess,
     TraceError,
     arrival_times,

@@ -10,14 +10,14 @@ import sys
 
 import orjson
 import pytest
+from kvmesh.loadgen.bench_serve import long_prompt_threshold
+from kvmesh.loadgen.bench_serve_config import parse_cpus
+from kvmesh.loadgen.progress import ProgressBar
+from kvmesh.loadgen.serve_metrics import RequestRecord, summarize
+from kvmesh.loadgen.serve_report import RunResult, format_comparison
 from test_loadgen_sse_client import fake_openai_server
 
-from loadgen.bench_serve import long_prompt_threshold
-from loadgen.bench_serve_config import parse_cpus
-from loadgen.progress import ProgressBar
-from loadgen.serve_metrics import RequestRecord, summarize
-from loadgen.serve_report import RunResult, format_comparison
-from shared.cli import main
+from kvmesh.cli import main
 
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -91,7 +91,7 @@ def test_same_seed_repeats_prompts_and_arrivals_exactly(server, tmp_path):
 
 
 def test_chat_endpoint_sends_text_of_the_asked_length(server, tmp_path):
-    from shared.model.tiny import tiny_tokenizer
+    from kvmesh.shared.model.tiny import tiny_tokenizer
 
     bodies, _ = prompts_and_arrivals(
         server.url, server, tmp_path, 1, "--endpoint", "/v1/chat/completions", "--input-len", "40"
@@ -167,7 +167,7 @@ def test_failed_warmup_exits_1_and_says_why(server, capsys):
 
 def test_building_the_cli_parser_imports_no_client_or_plot_library():
     code = (
-        "import sys; from shared.cli import build_parser; build_parser(); "
+        "import sys; from kvmesh.cli import build_parser; build_parser(); "
         "print(sorted(m for m in ('aiohttp', 'matplotlib', 'torch') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

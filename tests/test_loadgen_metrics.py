@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import pytest
-
-from loadgen.serve_metrics import RequestRecord, Slo, Stats, percentile, summarize
+from kvmesh.loadgen.serve_metrics import RequestRecord, Slo, Stats, percentile, summarize
 
 
 def record(

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import pytest
-
-from loadgen.server_breakdown import ServerBreakdown, parse_prometheus
-from services.router.metrics import RouterMetrics
-from shared.protocol import PrefillReport
+from kvmesh.loadgen.server_breakdown import ServerBreakdown, parse_prometheus
+from kvmesh.services.router.metrics import RouterMetrics
+from kvmesh.shared.protocol import PrefillReport
 
 BEFORE = """\
 # HELP kvmesh_router_time_to_first_token_seconds Request arrival to first output token.

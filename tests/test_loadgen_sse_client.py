@@ -21,11 +21,10 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
-
-from loadgen.serve_metrics import RequestRecord
-from loadgen.sse import SseDecoder, Usage, read_chunk
-from loadgen.sse_client import CHAT, Endpoint, request_body, run_requests, send_request
-from loadgen.workload import Prompt
+from kvmesh.loadgen.serve_metrics import RequestRecord
+from kvmesh.loadgen.sse import SseDecoder, Usage, read_chunk
+from kvmesh.loadgen.sse_client import CHAT, Endpoint, request_body, run_requests, send_request
+from kvmesh.loadgen.workload import Prompt
 
 PROMPT = Prompt(token_ids=(10, 11, 12), output_len=5, text="abc")
 
@@ -224,7 +223,7 @@ async def test_connection_closed_before_a_response_is_a_connection_error(server)
 
 
 async def test_refused_connection_is_a_connection_error():
-    from shared.commands.up import free_port
+    from kvmesh.commands.up import free_port
 
     r = await send(f"http://127.0.0.1:{free_port()}", "ok")
     assert r.error == "connection_error" and r.chunk_times == ()

@@ -7,8 +7,7 @@ from collections.abc import Sequence
 
 import orjson
 import pytest
-
-from loadgen.workload import (
+from kvmesh.loadgen.workload import (
     LengthSpec,
     WorkloadError,
     fit_text,
@@ -19,7 +18,7 @@ from loadgen.workload import (
     sharegpt_prompts,
     token_pool,
 )
-from shared.model.tiny import tiny_tokenizer
+from kvmesh.shared.model.tiny import tiny_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,7 @@ import contextlib
 import aiohttp
 import orjson
 import pytest
-
-from loadgen.bench_mesh import (
+from kvmesh.loadgen.bench_mesh import (
     MODEL,
     MeshTap,
     complete,
@@ -23,9 +22,9 @@ from loadgen.bench_mesh import (
     random_prompts,
     wait_blocks_returned,
 )
-from shared import protocol
-from shared.nats_service import connect_nats
-from shared.subjects import DEFAULT_MESH, Subjects
+from kvmesh.shared import protocol
+from kvmesh.shared.nats_service import connect_nats
+from kvmesh.shared.subjects import DEFAULT_MESH, Subjects
 
 pytestmark = pytest.mark.slow
 

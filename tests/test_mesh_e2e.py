@@ -14,8 +14,7 @@ import math
 
 import aiohttp
 import pytest
-
-from loadgen.bench_mesh import (
+from kvmesh.loadgen.bench_mesh import (
     MeshTap,
     complete,
     local_mesh,
@@ -37,10 +36,10 @@ MAX_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def offline_tokens() -> list[list[int]]:
-    from shared.engine.config import EngineConfig
-    from shared.engine.llm_engine import LLMEngine
-    from shared.engine.sequence import SamplingParams
-    from shared.model.loader import load_model
+    from kvmesh.shared.engine.config import EngineConfig
+    from kvmesh.shared.engine.llm_engine import LLMEngine
+    from kvmesh.shared.engine.sequence import SamplingParams
+    from kvmesh.shared.model.loader import load_model
 
     model, tokenizer = load_model("kvmesh-tiny")
     engine = LLMEngine(model, tokenizer, EngineConfig(num_blocks=1024))
@@ -115,7 +114,7 @@ async def test_colocated_greedy_output_equals_offline_engine(colocated_mesh, off
 
 
 async def test_request_waits_while_the_only_worker_is_drained_and_runs_once_resumed(colocated_mesh):
-    from shared.admin_client import admin_client
+    from kvmesh.shared.admin_client import admin_client
 
     prompt = PROMPTS[0]
     async with (
@@ -138,7 +137,7 @@ async def test_request_waits_while_the_only_worker_is_drained_and_runs_once_resu
 async def test_drained_prefill_worker_takes_no_job_and_long_prompts_still_run(disagg_mesh):
     """`kvmesh admin drain prefill-0`: the prefill worker stops taking jobs; with no prefill
     worker ready the router prefills long prompts on the decode worker; resume brings it back."""
-    from shared.admin_client import admin_client
+    from kvmesh.shared.admin_client import admin_client
 
     async with (
         admin_client(disagg_mesh.config.nats_url, auth=disagg_mesh.nats_auth) as admin,

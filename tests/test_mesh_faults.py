@@ -18,8 +18,7 @@ import time
 
 import aiohttp
 import pytest
-
-from loadgen.bench_mesh import (
+from kvmesh.loadgen.bench_mesh import (
     MeshTap,
     complete,
     local_mesh,
@@ -40,10 +39,10 @@ def mesh():
 
 
 def _offline(prompts: list[list[int]]) -> list[list[int]]:
-    from shared.engine.config import EngineConfig
-    from shared.engine.llm_engine import LLMEngine
-    from shared.engine.sequence import SamplingParams
-    from shared.model.loader import load_model
+    from kvmesh.shared.engine.config import EngineConfig
+    from kvmesh.shared.engine.llm_engine import LLMEngine
+    from kvmesh.shared.engine.sequence import SamplingParams
+    from kvmesh.shared.model.loader import load_model
 
     engine = LLMEngine(*load_model("kvmesh-tiny"), EngineConfig(num_blocks=2048))
     return engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))

@@ -18,10 +18,15 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from kvmesh.loadgen.bench_mesh import (
+    MeshTap,
+    complete,
+    local_mesh,
+    random_prompts,
+    wait_blocks_returned,
+)
+from kvmesh.shared.nats_server import NatsServer
 from small_models import write_small_seeded
-
-from loadgen.bench_mesh import MeshTap, complete, local_mesh, random_prompts, wait_blocks_returned
-from shared.nats_server import NatsServer
 
 pytestmark = pytest.mark.slow
 
@@ -37,10 +42,10 @@ def other_model(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def _offline(model: str) -> list[list[int]]:
-    from shared.engine.config import EngineConfig
-    from shared.engine.llm_engine import LLMEngine
-    from shared.engine.sequence import SamplingParams
-    from shared.model.loader import load_model
+    from kvmesh.shared.engine.config import EngineConfig
+    from kvmesh.shared.engine.llm_engine import LLMEngine
+    from kvmesh.shared.engine.sequence import SamplingParams
+    from kvmesh.shared.model.loader import load_model
 
     engine = LLMEngine(*load_model(model), EngineConfig(num_blocks=256))
     return engine.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
@@ -95,14 +100,14 @@ async def test_two_meshes_on_one_nats_each_serve_their_own_model(two_meshes, oth
 
 
 async def test_admin_addresses_one_mesh_and_registry_refuses_another_model(two_meshes):
-    from shared import protocol
-    from shared.admin_client import admin_client
-    from shared.nats_service import connect_nats
-    from shared.subjects import Subjects
+    from kvmesh.shared import protocol
+    from kvmesh.shared.admin_client import admin_client
+    from kvmesh.shared.nats_service import connect_nats
+    from kvmesh.shared.subjects import Subjects
 
     url = two_meshes[0]
     out = subprocess.run(
-        [sys.executable, "-m", "shared.cli", "admin", "status", "--json", "--nats-url", url],
+        [sys.executable, "-m", "kvmesh.cli", "admin", "status", "--json", "--nats-url", url],
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -12,8 +12,13 @@ import urllib.request
 
 import aiohttp
 import pytest
-
-from loadgen.bench_mesh import MeshTap, complete, local_mesh, random_prompts, wait_blocks_returned
+from kvmesh.loadgen.bench_mesh import (
+    MeshTap,
+    complete,
+    local_mesh,
+    random_prompts,
+    wait_blocks_returned,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -29,10 +34,10 @@ def mesh():
 
 
 def _offline(prompts: list[list[int]]) -> list[list[int]]:
-    from shared.engine.config import EngineConfig
-    from shared.engine.llm_engine import LLMEngine
-    from shared.engine.sequence import SamplingParams
-    from shared.model.loader import load_model
+    from kvmesh.shared.engine.config import EngineConfig
+    from kvmesh.shared.engine.llm_engine import LLMEngine
+    from kvmesh.shared.engine.sequence import SamplingParams
+    from kvmesh.shared.model.loader import load_model
 
     engine = LLMEngine(*load_model("kvmesh-tiny"), EngineConfig(num_blocks=1024))
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)

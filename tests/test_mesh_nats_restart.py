@@ -14,10 +14,10 @@ import time
 import aiohttp
 import orjson
 import pytest
+from kvmesh.loadgen.bench_mesh import complete, local_mesh, random_prompts, wait_blocks_returned
+from kvmesh.shared.nats_server import NatsServer
 
-from loadgen.bench_mesh import complete, local_mesh, random_prompts, wait_blocks_returned
-from shared.commands.up import free_port
-from shared.nats_server import NatsServer
+from kvmesh.commands.up import free_port
 from tests.offline_text import offline_texts
 
 pytestmark = pytest.mark.slow

@@ -2,8 +2,7 @@ import json
 
 import pytest
 import torch
-
-from shared.model.config import ModelConfig, ModelConfigError
+from kvmesh.shared.model.config import ModelConfig, ModelConfigError
 
 BASE = {
     "architectures": ["LlamaForCausalLM"],

@@ -10,8 +10,7 @@ from safetensors.torch import load_file, save_file
 pytest.importorskip("transformers")
 
 from hf_fixtures import make_llama_checkpoint, make_qwen2_checkpoint
-
-from shared.model import ModelLoadError, load_model
+from kvmesh.shared.model import ModelLoadError, load_model
 
 
 @pytest.fixture(scope="module")
@@ -183,7 +182,7 @@ def test_unsupported_dtype_argument_is_refused(pristine):
 
 
 def test_config_and_tokenizer_load_without_weights_with_every_eos_id(tmp_path):
-    from shared.model import load_config_and_tokenizer
+    from kvmesh.shared.model import load_config_and_tokenizer
 
     path = make_qwen2_checkpoint(tmp_path)
     _, full_tokenizer = load_model(str(path))

@@ -1,8 +1,7 @@
 import pytest
 import torch
-
-from shared.model.config import ModelConfig
-from shared.model.rope import apply_rope, rope_cos_sin, rotation_tables
+from kvmesh.shared.model.config import ModelConfig
+from kvmesh.shared.model.rope import apply_rope, rope_cos_sin, rotation_tables
 
 transformers = pytest.importorskip("transformers")
 from transformers import LlamaConfig  # noqa: E402

@@ -6,13 +6,13 @@ import hashlib
 import pytest
 import torch
 from hf_fixtures import load_hf_reference
+from kvmesh.shared.engine.config import EngineConfig
+from kvmesh.shared.engine.llm_engine import LLMEngine
+from kvmesh.shared.engine.sequence import SamplingParams
+from kvmesh.shared.model import load_model
+from kvmesh.shared.model.seeded import SeededShape, num_parameters, write_seeded_checkpoint
 
-from shared.cli import main
-from shared.engine.config import EngineConfig
-from shared.engine.llm_engine import LLMEngine
-from shared.engine.sequence import SamplingParams
-from shared.model import load_model
-from shared.model.seeded import SeededShape, num_parameters, write_seeded_checkpoint
+from kvmesh.cli import main
 
 SMALL = SeededShape(
     hidden_size=64,

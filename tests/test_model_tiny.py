@@ -2,10 +2,9 @@ import hashlib
 
 import pytest
 import torch
-
-from shared.engine.kv_cache import KVPool
-from shared.model import TINY_NAME, kv_cache_spec, load_model
-from shared.model.tiny import tiny_config, tiny_state_dict
+from kvmesh.shared.engine.kv_cache import KVPool
+from kvmesh.shared.model import TINY_NAME, kv_cache_spec, load_model
+from kvmesh.shared.model.tiny import tiny_config, tiny_state_dict
 
 # sha256 over (name, raw float32 bytes) of every tensor, in name order. If this changes, every
 # deployed prefill/decode pair built from different versions would disagree: treat it as a break.

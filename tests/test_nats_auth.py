@@ -7,18 +7,17 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-
-from shared.nats_auth import (
+from kvmesh.shared.nats_auth import (
     ROLES,
     MeshCredentials,
     NatsAuth,
     auth_from_env,
     role_permissions,
 )
-from shared.nats_server import NatsServer
-from shared.nats_service import NatsUnavailableError, connect_nats
-from shared.prefill_queue import ensure_stream, publish_job
-from shared.subjects import Subjects
+from kvmesh.shared.nats_server import NatsServer
+from kvmesh.shared.nats_service import NatsUnavailableError, connect_nats
+from kvmesh.shared.prefill_queue import ensure_stream, publish_job
+from kvmesh.shared.subjects import Subjects
 
 subjects = Subjects("m1")  # the mesh the server's users belong to
 other = Subjects("m2")  # another mesh: no role of m1 may use its subjects

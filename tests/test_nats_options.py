@@ -15,20 +15,19 @@ from pathlib import Path
 
 import nkeys
 import pytest
-from nats_keys import NKey, OperatorChain
-
-from services.kv_registry.config import RegistryConfig
-from services.kv_registry.service import registry_service
-from shared.admin_client import admin_client
-from shared.nats_options import (
+from kvmesh.services.kv_registry.config import RegistryConfig
+from kvmesh.services.kv_registry.service import registry_service
+from kvmesh.shared.admin_client import admin_client
+from kvmesh.shared.nats_options import (
     NatsOptionsError,
     NatsSecurity,
     redact_url,
     strip_credentials,
 )
-from shared.nats_server import NatsServer
-from shared.nats_service import NatsUnavailableError, connect_nats
-from shared.service_config import ConfigError, config_from_args
+from kvmesh.shared.nats_server import NatsServer
+from kvmesh.shared.nats_service import NatsUnavailableError, connect_nats
+from kvmesh.shared.service_config import ConfigError, config_from_args
+from nats_keys import NKey, OperatorChain
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -83,7 +82,7 @@ async def test_a_service_logs_its_url_without_the_password(tmp_path: Path) -> No
         url = f"nats://reg:hush-hush@127.0.0.1:{server.port}"
         log = tmp_path / "registry.log"
         env = {**os.environ, "KVMESH_NATS_URL": url, "KVMESH_LOG_LEVEL": "info"}
-        argv = [sys.executable, "-m", "shared.cli", "serve", "kv-registry", "--mesh", "m1"]
+        argv = [sys.executable, "-m", "kvmesh.cli", "serve", "kv-registry", "--mesh", "m1"]
         with open(log, "wb") as out:
             proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=out, stderr=out)
         try:
@@ -154,7 +153,7 @@ def test_missing_or_unreadable_files_are_one_clear_error(tmp_path: Path) -> None
 )
 def test_commands_refuse_a_missing_file_in_one_line(argv: tuple[str, ...]) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "shared.cli", *argv],
+        [sys.executable, "-m", "kvmesh.cli", *argv],
         cwd=REPO,
         capture_output=True,
         text=True,

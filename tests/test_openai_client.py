@@ -23,9 +23,8 @@ from pathlib import Path
 import openai
 import orjson
 import pytest
+from kvmesh.services.router import RouterConfig, serve_router
 from router_fake_mesh import REPLY_TEXT, FakeMesh
-
-from services.router import RouterConfig, serve_router
 
 MODEL = "kvmesh-tiny"
 MESSAGES = [{"role": "system", "content": "be terse"}, {"role": "user", "content": "hello"}]
@@ -145,7 +144,7 @@ def _free_port() -> int:
 def _serve(service: str, nats_url: str, log_dir: Path, *flags: str) -> subprocess.Popen:
     log = open(log_dir / f"{service}.log", "wb")  # noqa: SIM115 (closed by the child's exit)
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}
-    cmd = [sys.executable, "-m", "shared.cli", "serve", service, "--nats-url", nats_url, *flags]
+    cmd = [sys.executable, "-m", "kvmesh.cli", "serve", service, "--nats-url", nats_url, *flags]
     try:
         return subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
     finally:

@@ -3,18 +3,17 @@ import contextlib
 
 import pytest
 import torch
-
-from services.prefill.plan import (
+from kvmesh.services.prefill.plan import (
     ChunkPlanner,
     KVSpecMismatchError,
     PlanError,
     PrefillTimeline,
     Span,
 )
-from shared import protocol
-from shared.protocol import imm_slot
-from shared.subjects import Subjects
-from shared.transport.base import unpack_imm
+from kvmesh.shared import protocol
+from kvmesh.shared.protocol import imm_slot
+from kvmesh.shared.subjects import Subjects
+from kvmesh.shared.transport.base import unpack_imm
 
 BS, BB = 16, 1024  # block size in tokens, block bytes
 BASE = 0x10_0000
@@ -106,17 +105,17 @@ def test_timeline_queue_time_is_never_negative():
 
 @pytest.fixture(scope="module")
 def tiny():
-    from shared.model.loader import load_model
+    from kvmesh.shared.model.loader import load_model
 
     return load_model("kvmesh-tiny")
 
 
 @contextlib.asynccontextmanager
 async def _prefill_setup(tiny, num_remote_blocks=64):
-    from services.prefill.worker import PrefillWorker
-    from shared.engine.config import EngineConfig
-    from shared.engine.llm_engine import LLMEngine
-    from shared.transport import Access, TransportConfig, create_transport
+    from kvmesh.services.prefill.worker import PrefillWorker
+    from kvmesh.shared.engine.config import EngineConfig
+    from kvmesh.shared.engine.llm_engine import LLMEngine
+    from kvmesh.shared.transport import Access, TransportConfig, create_transport
 
     engine = LLMEngine(*tiny, EngineConfig(num_blocks=64, max_num_batched_tokens=32))
     spec = engine.kv_pool.spec
@@ -206,9 +205,9 @@ _SUFFIX = {protocol.PrefillDone: ".prefill_done", protocol.PrefillReport: ".pref
 
 
 async def test_prefill_worker_writes_each_chunk_into_the_reserved_blocks(tiny):
-    from shared.engine.config import EngineConfig
-    from shared.engine.llm_engine import LLMEngine
-    from shared.engine.sequence import SamplingParams
+    from kvmesh.shared.engine.config import EngineConfig
+    from kvmesh.shared.engine.llm_engine import LLMEngine
+    from kvmesh.shared.engine.sequence import SamplingParams
 
     prompt = [(7 * i) % 250 + 1 for i in range(60)]  # 4 blocks, chunks of 32 + 16 + 12 tokens
     targets = [9, 3, 4, 10]
@@ -277,8 +276,8 @@ async def test_prefill_worker_answers_a_job_aborted_before_it_arrived(tiny):
 
 
 def test_prefill_config_from_env_and_its_checks():
-    from services.prefill.config import PrefillConfig
-    from shared.service_config import ConfigError, config_from_args
+    from kvmesh.services.prefill.config import PrefillConfig
+    from kvmesh.shared.service_config import ConfigError, config_from_args
 
     config = config_from_args(
         PrefillConfig, None, {"KVMESH_CHUNK_TOKENS": "32", "KVMESH_TRANSPORT": "shm"}

@@ -5,10 +5,9 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-
-from shared.nats_service import connect_nats
-from shared.prefill_queue import PrefillJobQueue, ensure_stream, publish_job, queue_depth
-from shared.subjects import Subjects
+from kvmesh.shared.nats_service import connect_nats
+from kvmesh.shared.prefill_queue import PrefillJobQueue, ensure_stream, publish_job, queue_depth
+from kvmesh.shared.subjects import Subjects
 
 S = Subjects("test")
 
@@ -73,7 +72,7 @@ async def test_a_worker_that_does_not_pull_leaves_jobs_to_its_peer(nats_server):
 
 async def test_a_job_taken_and_never_acknowledged_goes_to_another_worker(nats_server):
     """A worker that dies between taking a job and announcing it: the job is not lost."""
-    from shared.prefill_queue import ACK_WAIT_S
+    from kvmesh.shared.prefill_queue import ACK_WAIT_S
 
     async with connect_nats(nats_server, "router") as router, connect_nats(nats_server, "p1") as p1:
         await ensure_stream(router, S)
@@ -90,8 +89,8 @@ async def test_a_job_taken_and_never_acknowledged_goes_to_another_worker(nats_se
 
 
 async def test_publish_without_jetstream_says_how_to_fix_it():
-    from shared.nats_server import NatsServer
-    from shared.prefill_queue import PrefillQueueError
+    from kvmesh.shared.nats_server import NatsServer
+    from kvmesh.shared.prefill_queue import PrefillQueueError
 
     async with NatsServer(jetstream=False) as server, connect_nats(server.url, "r") as nc:
         with pytest.raises(PrefillQueueError, match="-js"):
@@ -99,7 +98,7 @@ async def test_publish_without_jetstream_says_how_to_fix_it():
 
 
 async def test_queue_status_counts_waiting_jobs_and_pulling_workers(nats_server):
-    from shared.prefill_queue import queue_status
+    from kvmesh.shared.prefill_queue import queue_status
 
     async with connect_nats(nats_server, "r") as nc, connect_nats(nats_server, "p") as p:
         assert (await queue_status(nc, S))["depth"] == 0
@@ -111,7 +110,7 @@ async def test_queue_status_counts_waiting_jobs_and_pulling_workers(nats_server)
 
 
 async def test_a_job_can_be_withdrawn_only_before_a_worker_takes_it(nats_server):
-    from shared.prefill_queue import withdraw_job
+    from kvmesh.shared.prefill_queue import withdraw_job
 
     async with connect_nats(nats_server, "r") as nc, connect_nats(nats_server, "p") as p:
         await ensure_stream(nc, S)
@@ -129,7 +128,7 @@ async def test_a_job_can_be_withdrawn_only_before_a_worker_takes_it(nats_server)
 
 async def test_queue_is_made_again_after_the_nats_server_restarts_empty():
     """A restarted server has no stream and no consumer: publishing and pulling recreate them."""
-    from shared.nats_server import NatsServer
+    from kvmesh.shared.nats_server import NatsServer
 
     server = NatsServer()
     await asyncio.to_thread(server.start)

@@ -1,6 +1,5 @@
 import pytest
-
-from shared.protocol import (
+from kvmesh.shared.protocol import (
     Abort,
     DecodeAdvert,
     PlaceReply,
@@ -63,10 +62,9 @@ def test_model_spec_is_what_router_and_decode_both_compute_and_tells_models_apar
     """The router reads only the config; a decode worker loads the weights, maybe in another
     dtype: both get the same model_spec. Another shape gets another."""
     import torch
-
-    from shared.model.loader import load_config_and_tokenizer
-    from shared.model.seeded import SeededShape
-    from shared.protocol import model_spec
+    from kvmesh.shared.model.loader import load_config_and_tokenizer
+    from kvmesh.shared.model.seeded import SeededShape
+    from kvmesh.shared.protocol import model_spec
 
     router_config, _ = load_config_and_tokenizer("kvmesh-tiny")
     decode_config, _ = load_config_and_tokenizer("kvmesh-tiny", torch.bfloat16)

@@ -3,9 +3,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-
-from services.kv_registry.core import Candidate, Refusal, Registry
-from shared.protocol import DecodeAdvert, PlaceRequest, SamplingOptions, WorkerHeartbeat
+from kvmesh.services.kv_registry.core import Candidate, Refusal, Registry
+from kvmesh.shared.protocol import DecodeAdvert, PlaceRequest, SamplingOptions, WorkerHeartbeat
 
 BLOCK_BYTES = 4096
 BLOCK_SIZE = 16

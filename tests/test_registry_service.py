@@ -17,21 +17,16 @@ from pathlib import Path
 import nats.errors
 import orjson
 import pytest
-from nats.aio.client import Client
-from nats.aio.msg import Msg
-from registry_peers import BLOCK_BYTES, peer_decode, wait_for
-
-from services.kv_registry.config import RegistryConfig
-from services.kv_registry.service import registry_service
-from shared import logs, protocol
-from shared.commands.up import free_port
-from shared.nats_service import (
+from kvmesh.services.kv_registry.config import RegistryConfig
+from kvmesh.services.kv_registry.service import registry_service
+from kvmesh.shared import logs, protocol
+from kvmesh.shared.nats_service import (
     NatsUnavailableError,
     connect_nats,
     heartbeat_loop,
     request_json,
 )
-from shared.protocol import (
+from kvmesh.shared.protocol import (
     LogLevel,
     PlaceReply,
     PlaceRequest,
@@ -39,7 +34,12 @@ from shared.protocol import (
     SamplingOptions,
     WorkerHeartbeat,
 )
-from shared.subjects import DEFAULT_MESH, Subjects
+from kvmesh.shared.subjects import DEFAULT_MESH, Subjects
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from registry_peers import BLOCK_BYTES, peer_decode, wait_for
+
+from kvmesh.commands.up import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 subjects = Subjects(DEFAULT_MESH)  # RegistryConfig's default mesh
@@ -272,7 +272,7 @@ async def test_lease_expiry_is_tracked_and_the_worker_frees_its_blocks(nats_serv
 def start_registry(url: str, worker_id: str) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         [
-            *(sys.executable, "-m", "shared.cli", "serve", "kv-registry", "--nats-url", url),
+            *(sys.executable, "-m", "kvmesh.cli", "serve", "kv-registry", "--nats-url", url),
             *("--worker-id", worker_id, "--heartbeat-s", "0.2", "--log-level", "warning"),
         ],
         cwd=REPO,
@@ -351,7 +351,7 @@ def serve(tmp_path: Path, service: str, *flags: str) -> subprocess.Popen[bytes]:
     log = open(tmp_path / f"{service}-{len(list(tmp_path.iterdir()))}.log", "wb")  # noqa: SIM115
     with log:
         return subprocess.Popen(
-            [sys.executable, "-m", "shared.cli", "serve", service, *flags],
+            [sys.executable, "-m", "kvmesh.cli", "serve", service, *flags],
             cwd=REPO,
             env={**os.environ, "PYTHONPATH": str(REPO)},
             stdout=log,

@@ -5,28 +5,27 @@ from __future__ import annotations
 
 import orjson
 import pytest
-
-from services.router.api import (
+from kvmesh.services.router.api import (
     GenerateRequest,
     parse_chat,
     parse_completion,
     parse_json_body,
 )
-from services.router.config import RouterConfig
-from services.router.errors import (
+from kvmesh.services.router.config import RouterConfig
+from kvmesh.services.router.errors import (
     ApiError,
     InvalidRequestError,
     ModelNotFoundError,
     OverloadedError,
 )
-from services.router.metrics import Histogram, RequestTimer, RouterMetrics
-from services.router.openapi import openapi_document
-from services.router.output import OutputText
-from services.router.prompt import tokenize
-from services.router.responses import SSE_DONE, ResponseBuilder, Usage, sse_event
-from shared.model.tiny import tiny_tokenizer
-from shared.protocol import PrefillReport
-from shared.service_config import ConfigError, config_from_args
+from kvmesh.services.router.metrics import Histogram, RequestTimer, RouterMetrics
+from kvmesh.services.router.openapi import openapi_document
+from kvmesh.services.router.output import OutputText
+from kvmesh.services.router.prompt import tokenize
+from kvmesh.services.router.responses import SSE_DONE, ResponseBuilder, Usage, sse_event
+from kvmesh.shared.model.tiny import tiny_tokenizer
+from kvmesh.shared.protocol import PrefillReport
+from kvmesh.shared.service_config import ConfigError, config_from_args
 
 MODEL = "kvmesh-tiny"
 
@@ -493,7 +492,7 @@ def test_metrics_render_is_prometheus_text():
 
 
 def test_metrics_mirror_each_decode_workers_refusals_until_it_is_gone():
-    from shared.protocol import DecodeAdvert
+    from kvmesh.shared.protocol import DecodeAdvert
 
     m = RouterMetrics()
     advert = DecodeAdvert(

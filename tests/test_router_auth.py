@@ -6,9 +6,8 @@ from __future__ import annotations
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
-
-from services.router.app import _api_key_middleware, _error_middleware
-from services.router.config import RouterConfig
+from kvmesh.services.router.app import _api_key_middleware, _error_middleware
+from kvmesh.services.router.config import RouterConfig
 
 
 def _app(api_key: str | None, max_body_bytes: int = 1 << 20) -> web.Application:

@@ -10,11 +10,10 @@ import time
 
 import aiohttp
 import orjson
+from kvmesh.services.router import RouterConfig, serve_router
+from kvmesh.services.router.dispatch import _is_gap
+from kvmesh.shared.protocol import TokenEvent
 from router_fake_mesh import REPLY_TEXT, FakeMesh
-
-from services.router import RouterConfig, serve_router
-from services.router.dispatch import _is_gap
-from shared.protocol import TokenEvent
 
 MODEL = "kvmesh-tiny"
 

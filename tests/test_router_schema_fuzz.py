@@ -113,7 +113,7 @@ class LiveRouter:
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}
         # its log goes to this test's captured output: a 500's traceback shows with the failure
         self._process = subprocess.Popen(
-            [sys.executable, "-m", "shared.cli", "serve", "router", "--nats-url", self._nats_url,
+            [sys.executable, "-m", "kvmesh.cli", "serve", "router", "--nats-url", self._nats_url,
              "--host", "127.0.0.1", "--port", str(port)],
             cwd=REPO,
             env=env,

@@ -9,12 +9,11 @@ import contextlib
 import aiohttp
 import orjson
 import pytest
+from kvmesh.services.router import RouterConfig, serve_router
+from kvmesh.shared import protocol
+from kvmesh.shared.model.tiny import tiny_tokenizer
+from kvmesh.shared.subjects import DEFAULT_MESH, Subjects
 from router_fake_mesh import REPLY_TEXT, FakeMesh
-
-from services.router import RouterConfig, serve_router
-from shared import protocol
-from shared.model.tiny import tiny_tokenizer
-from shared.subjects import DEFAULT_MESH, Subjects
 
 MODEL = "kvmesh-tiny"
 LONG_PROMPT = "x" * 80  # over the default local_prefill_threshold (64 tokens): remote prefill
@@ -87,7 +86,7 @@ async def test_short_prompt_is_prefilled_locally_without_a_prefill_job(nats_serv
 
 
 async def test_large_bodies_are_prepared_off_the_event_loop_with_the_same_result(nats_server):
-    from services.router.app import INLINE_BODY_BYTES
+    from kvmesh.services.router.app import INLINE_BODY_BYTES
 
     padding = "x" * (INLINE_BODY_BYTES + 1)  # an ignored field makes the body large
     too_long = "y" * (INLINE_BODY_BYTES + 1)  # more tokens than kvmesh-tiny's context
@@ -378,7 +377,7 @@ async def test_models_health_openapi_and_unknown_route(nats_server):
 
 
 async def _announce_gone(nats_url: str, worker_id: str, role: str = "decode") -> None:
-    from shared.nats_service import connect_nats
+    from kvmesh.shared.nats_service import connect_nats
 
     async with connect_nats(nats_url, "registry-stand-in") as nc:
         gone = protocol.WorkerGone(worker_id, role, last_seen_s=3.0)

@@ -14,10 +14,10 @@ from pathlib import Path
 import aiohttp
 import orjson
 import pytest
+from kvmesh.services.router.shutdown import RouterStoppingError, Shutdown
 from router_fake_mesh import REPLY_TEXT, FakeMesh
 
-from services.router.shutdown import RouterStoppingError, Shutdown
-from shared.commands.up import free_port
+from kvmesh.commands.up import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "kvmesh-tiny"
@@ -72,7 +72,7 @@ async def test_a_cancellation_not_from_the_stop_stays_a_cancellation():
 @contextlib.asynccontextmanager
 async def router_process(nats_url: str, grace_s: float, tmp_path: Path):
     port = free_port()
-    argv = [sys.executable, "-m", "shared.cli", "serve", "router", "--nats-url", nats_url]
+    argv = [sys.executable, "-m", "kvmesh.cli", "serve", "router", "--nats-url", nats_url]
     argv += ["--host", "127.0.0.1", "--port", str(port), "--shutdown-grace-s", str(grace_s)]
     log = tmp_path / "router.log"
     with open(log, "wb") as out:

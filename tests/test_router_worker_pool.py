@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.router.worker_pool import WorkerPool
+from kvmesh.services.router.worker_pool import WorkerPool
 
 
 def test_pool_is_unknown_until_the_router_has_listened_one_window():

@@ -1,8 +1,7 @@
 import pytest
 import torch
-
-from shared.engine.sampler import Sampler, apply_stop, apply_top_k_top_p
-from shared.engine.sequence import SamplingParams, Sequence
+from kvmesh.shared.engine.sampler import Sampler, apply_stop, apply_top_k_top_p
+from kvmesh.shared.engine.sequence import SamplingParams, Sequence
 
 EOS = frozenset({3})
 

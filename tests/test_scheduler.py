@@ -1,6 +1,6 @@
-from shared.engine.block_manager import BlockManager
-from shared.engine.scheduler import Scheduler
-from shared.engine.sequence import SamplingParams, Sequence, SequenceStatus
+from kvmesh.shared.engine.block_manager import BlockManager
+from kvmesh.shared.engine.scheduler import Scheduler
+from kvmesh.shared.engine.sequence import SamplingParams, Sequence, SequenceStatus
 
 BS = 4
 

@@ -11,13 +11,12 @@ import os
 
 import pytest
 import torch
-
-from services.prefill.adverts import AdvertBook, UnvouchedJobError, check_job_against_advert
-from services.prefill.plan import KVSpecMismatchError
-from shared import protocol
-from shared.transport import Access, PeerUnreachableError, TransportConfig, WriteEntry
-from shared.transport.base import PeerDescriptor
-from shared.transport.shm import (
+from kvmesh.services.prefill.adverts import AdvertBook, UnvouchedJobError, check_job_against_advert
+from kvmesh.services.prefill.plan import KVSpecMismatchError
+from kvmesh.shared import protocol
+from kvmesh.shared.transport import Access, PeerUnreachableError, TransportConfig, WriteEntry
+from kvmesh.shared.transport.base import PeerDescriptor
+from kvmesh.shared.transport.shm import (
     SHM_DIR,
     TABLE_DTYPE,
     ShmTransport,

@@ -5,8 +5,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import pytest
-
-from shared.service_config import (
+from kvmesh.shared.service_config import (
     DEFAULT_NATS_URL,
     ConfigError,
     add_config_arguments,
@@ -121,13 +120,13 @@ def test_overrides_win_over_flags() -> None:
 
 
 def test_serve_builds_a_service_config_from_flags_and_env() -> None:
-    from shared.commands.serve import build_service_config
+    from kvmesh.commands.serve import build_service_config
 
     env = {"KVMESH_HEARTBEAT_S": "0.5", "KVMESH_LOG_FORMAT": "json"}
     spec, config, log_config = build_service_config(
         "kv-registry", ["--nats-url", "nats://nats:4222", "--missed-heartbeats", "5"], env
     )
-    assert spec.module.__name__ == "services.kv_registry"
+    assert spec.module.__name__ == "kvmesh.services.kv_registry"
     assert (config.nats_url, config.heartbeat_s, config.missed_heartbeats) == (
         "nats://nats:4222",
         0.5,
@@ -137,19 +136,19 @@ def test_serve_builds_a_service_config_from_flags_and_env() -> None:
 
 
 def test_serve_colocated_is_decode_with_mode_forced() -> None:
-    from shared.commands.serve import build_service_config, service_env_keys
+    from kvmesh.commands.serve import build_service_config, service_env_keys
 
     spec, config, _ = build_service_config("colocated", [], {"KVMESH_MODE": "disagg"})
-    assert spec.module.__name__ == "services.decode" and config.mode == "colocated"
+    assert spec.module.__name__ == "kvmesh.services.decode" and config.mode == "colocated"
     assert "KVMESH_MODE" not in service_env_keys("colocated")
     with pytest.raises(SystemExit):  # --mode is not a flag of `serve colocated`
         build_service_config("colocated", ["--mode", "disagg"], {})
 
 
 def test_serve_reports_a_missing_service_module_clearly(monkeypatch: pytest.MonkeyPatch) -> None:
-    from shared.commands import serve
+    from kvmesh.commands import serve
 
-    monkeypatch.setitem(serve.SERVICES, "draft", ("services.draft_not_built", {}))
+    monkeypatch.setitem(serve.SERVICES, "draft", ("kvmesh.services.draft_not_built", {}))
     with pytest.raises(serve.ServiceNotAvailableError, match="does not exist in this checkout"):
         serve.load_service("draft")
     with pytest.raises(serve.ServiceNotAvailableError, match="unknown service 'nope'"):
@@ -157,7 +156,7 @@ def test_serve_reports_a_missing_service_module_clearly(monkeypatch: pytest.Monk
 
 
 def test_every_service_config_follows_the_contract() -> None:
-    from shared.commands.serve import SERVICES, load_service
+    from kvmesh.commands.serve import SERVICES, load_service
 
     for name in SERVICES:
         spec = load_service(name)

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
-from shared.service_config import ConfigError, config_from_args
-from shared.subjects import DEFAULT_MESH, Subjects, check_mesh, mesh_from_model
+from kvmesh.shared.service_config import ConfigError, config_from_args
+from kvmesh.shared.subjects import DEFAULT_MESH, Subjects, check_mesh, mesh_from_model
 
 
 def test_every_subject_of_a_mesh_lives_under_its_prefix() -> None:
@@ -35,7 +34,7 @@ def test_default_mesh_is_derived_from_the_model(model: str, mesh: str) -> None:
 
 
 def test_builtin_models_mesh_is_the_default_mesh() -> None:
-    from shared.model.loader import TINY_NAME
+    from kvmesh.shared.model.loader import TINY_NAME
 
     assert mesh_from_model(TINY_NAME) == DEFAULT_MESH
 
@@ -47,11 +46,12 @@ def test_mesh_name_outside_subject_token_characters_is_refused(bad: str) -> None
 
 
 def test_every_service_takes_mesh_from_flag_env_or_model() -> None:
-    from services.decode.config import DecodeConfig
-    from services.kv_registry.config import RegistryConfig
-    from services.prefill.config import PrefillConfig
-    from services.router.config import RouterConfig
-    from shared.commands.up import UpConfig
+    from kvmesh.services.decode.config import DecodeConfig
+    from kvmesh.services.kv_registry.config import RegistryConfig
+    from kvmesh.services.prefill.config import PrefillConfig
+    from kvmesh.services.router.config import RouterConfig
+
+    from kvmesh.commands.up import UpConfig
 
     for cls in (RouterConfig, DecodeConfig, PrefillConfig, UpConfig):
         assert config_from_args(cls, None, {}).mesh == DEFAULT_MESH

@@ -8,9 +8,8 @@ from hf_fixtures import (
     QWEN2_SPECIALS,
     write_tokenizer,
 )
-
-from shared.model.tiny import tiny_tokenizer
-from shared.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError
+from kvmesh.shared.model.tiny import tiny_tokenizer
+from kvmesh.shared.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError
 
 MESSAGES = [
     {"role": "system", "content": "Be brief."},

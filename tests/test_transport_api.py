@@ -9,8 +9,7 @@ import os
 import orjson
 import pytest
 import torch
-
-from shared.transport import (
+from kvmesh.shared.transport import (
     Access,
     BackendUnavailableError,
     Completion,

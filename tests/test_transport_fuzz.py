@@ -50,8 +50,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 import torch
-
-from shared.transport import (
+from kvmesh.shared.transport import (
     Access,
     CompletionQueue,
     Endpoint,
@@ -63,8 +62,8 @@ from shared.transport import (
     TransportStats,
     WriteEntry,
 )
-from shared.transport.server import SocketServer
-from shared.transport.shm import (
+from kvmesh.shared.transport.server import SocketServer
+from kvmesh.shared.transport.shm import (
     FREE,
     LIVE,
     NOTE,
@@ -76,7 +75,7 @@ from shared.transport.shm import (
     ShmTransport,
     UntrustedDescriptorError,
 )
-from shared.transport.tcp import (
+from kvmesh.shared.transport.tcp import (
     ACK,
     FLAG_NO_ACK,
     FRAME,

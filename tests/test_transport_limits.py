@@ -10,9 +10,8 @@ import time
 
 import pytest
 import torch
-
-from shared.transport import Access, TransportConfig, WriteEntry, create_transport
-from shared.transport.server import SocketServer
+from kvmesh.shared.transport import Access, TransportConfig, WriteEntry, create_transport
+from kvmesh.shared.transport.server import SocketServer
 
 
 def _address(transport) -> tuple[int, object]:
@@ -118,7 +117,7 @@ async def test_accept_loop_outlives_running_out_of_file_descriptors():
 
 @pytest.mark.parametrize("backend", ["tcp", "shm"])
 async def test_refused_writes_are_counted_and_logged_with_the_peer(backend, capsys, caplog):
-    from shared.transport import RemoteAccessError
+    from kvmesh.shared.transport import RemoteAccessError
 
     async with (
         create_transport(backend, TransportConfig()) as rx,
@@ -138,8 +137,8 @@ async def test_refused_writes_are_counted_and_logged_with_the_peer(backend, caps
 
 
 def test_admin_status_shows_each_decode_workers_refused_accesses():
-    from services.kv_registry.core import Registry
-    from shared.protocol import DecodeAdvert
+    from kvmesh.services.kv_registry.core import Registry
+    from kvmesh.shared.protocol import DecodeAdvert
 
     core = Registry(worker_timeout_s=3.0)
     advert = DecodeAdvert(
@@ -154,7 +153,7 @@ def test_admin_status_shows_each_decode_workers_refused_accesses():
 async def test_tcp_half_finished_writes_are_capped_per_connection():
     """A peer that starts writes and never finishes them holds at most MAX_PENDING_WRITES of
     them (a few hundred KB), then is disconnected; real peers are unaffected."""
-    from shared.transport.tcp import (
+    from kvmesh.shared.transport.tcp import (
         FLAG_NO_ACK,
         FRAME,
         HELLO,
@@ -194,7 +193,7 @@ async def test_tcp_half_finished_writes_are_capped_per_connection():
 
 async def test_tcp_writer_with_many_small_writes_in_flight_stays_under_the_cap():
     """An honest writer never trips the receiver's cap: it waits for room instead."""
-    from shared.transport.tcp import MAX_PENDING_WRITES
+    from kvmesh.shared.transport.tcp import MAX_PENDING_WRITES
 
     async with (
         create_transport("tcp", TransportConfig()) as rx,

@@ -16,8 +16,7 @@ import socket
 
 import pytest
 import torch
-
-from shared.transport.base import (
+from kvmesh.shared.transport.base import (
     Access,
     BackendUnavailableError,
     LocalAccessError,
@@ -28,8 +27,9 @@ from shared.transport.base import (
     TransportConfig,
     WriteEntry,
 )
-from shared.transport.rdma import RdmaTransport, rdma_available
-from shared.transport.rdma_qp import QPLimits, Span, build_segments, completion_error
+from kvmesh.shared.transport.rdma import RdmaTransport, rdma_available
+from kvmesh.shared.transport.rdma_qp import QPLimits, Span, build_segments, completion_error
+
 from tests.fake_pyverbs import FakeDevice, FakeVerbs, e
 
 BLOCK = 4096
@@ -100,7 +100,7 @@ def test_rdma_available_false_when_every_port_is_down():
 
 
 def test_create_transport_rdma_raises_what_is_missing_without_a_device():
-    from shared.transport.auto import create_transport
+    from kvmesh.shared.transport.auto import create_transport
 
     ok, why = rdma_available()
     if ok:
@@ -111,7 +111,7 @@ def test_create_transport_rdma_raises_what_is_missing_without_a_device():
 
 
 def test_auto_never_offers_rdma_without_a_device():
-    from shared.transport.auto import AutoTransport, available_backends
+    from kvmesh.shared.transport.auto import AutoTransport, available_backends
 
     if rdma_available()[0]:
         pytest.skip("an RDMA device exists here")
@@ -400,8 +400,8 @@ async def test_dmabuf_region_is_addressed_by_iova_on_the_wire():
 
 def test_wr_chains_and_qp_attributes_build_with_real_pyverbs():
     pytest.importorskip("pyverbs.wr", reason="pyverbs not installed (scripts/install_pyverbs.sh)")
-    from shared.transport.rdma_device import load_pyverbs
-    from shared.transport.rdma_qp import QPInfo, qp_to_init, qp_to_rtr, qp_to_rts
+    from kvmesh.shared.transport.rdma_device import load_pyverbs
+    from kvmesh.shared.transport.rdma_qp import QPInfo, qp_to_init, qp_to_rtr, qp_to_rts
 
     verbs = load_pyverbs()
     spans = [Span(0x1000 * i, 64, 11, 0x9000 + 0x1000 * i, 22) for i in range(3)]

@@ -15,8 +15,7 @@ import socket
 
 import pytest
 import torch
-
-from shared.transport.base import (
+from kvmesh.shared.transport.base import (
     Access,
     PeerDescriptor,
     PeerGoneError,
@@ -25,8 +24,9 @@ from shared.transport.base import (
     TransportConfig,
     WriteEntry,
 )
-from shared.transport.rdma import RdmaTransport, rdma_available
-from shared.transport.rdma_windows import choose_window_type
+from kvmesh.shared.transport.rdma import RdmaTransport, rdma_available
+from kvmesh.shared.transport.rdma_windows import choose_window_type
+
 from tests.fake_pyverbs import FakeDevice, FakeVerbs, e
 
 BLOCK = 4096
@@ -369,7 +369,7 @@ async def test_window_over_dmabuf_memory_is_bound_and_written_at_its_iova():
 
 async def test_device_without_memory_windows_scopes_writes_to_the_region_and_says_so(caplog):
     verbs = FakeVerbs(FakeDevice(mw_types=()))
-    with caplog.at_level(logging.WARNING, logger="shared.transport.rdma_windows"):
+    with caplog.at_level(logging.WARNING, logger="kvmesh.shared.transport.rdma_windows"):
         async with Mesh(verbs) as m:
             window = m.window(2)
             assert not window.enforced and window.rkey == m.region.rkey
@@ -401,7 +401,7 @@ def test_fake_enums_match_real_pyverbs():
 
 def test_real_pyverbs_has_the_memory_window_api():
     pytest.importorskip("pyverbs.mr", reason="pyverbs not installed")
-    from shared.transport.rdma_device import load_pyverbs
+    from kvmesh.shared.transport.rdma_device import load_pyverbs
 
     v = load_pyverbs()
     wr = v.SendWR(wr_id=3, opcode=v.e.IBV_WR_BIND_MW, send_flags=v.e.IBV_SEND_SIGNALED)

@@ -13,9 +13,8 @@ from typing import Any
 
 import pytest
 import torch
-
-from shared.engine.kv_cache import KVCacheSpec, KVPool
-from shared.transport import (
+from kvmesh.shared.engine.kv_cache import KVCacheSpec, KVPool
+from kvmesh.shared.transport import (
     Access,
     Completion,
     PeerDescriptor,
@@ -38,7 +37,7 @@ BACKENDS = ["shm", "tcp"]
 CONFIG = {"tcp_lanes": 3, "tcp_slice_bytes": 12 << 10, "tcp_window": 4}
 # forkserver: one clean (thread-free) server imports torch once; each peer process forks from it
 CTX = mp.get_context("forkserver")
-CTX.set_forkserver_preload(["torch", "shared.transport", "shared.engine.kv_cache"])
+CTX.set_forkserver_preload(["torch", "kvmesh.shared.transport", "kvmesh.shared.engine.kv_cache"])
 
 
 def pattern(seed: int, nbytes: int) -> torch.Tensor:

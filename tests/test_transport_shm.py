@@ -8,10 +8,9 @@ import subprocess
 
 import pytest
 import torch
-
-from shared.transport import Access, PeerUnreachableError, TransportConfig, WriteEntry
-from shared.transport.base import PeerDescriptor
-from shared.transport.shm import SHM_DIR, ShmTransport
+from kvmesh.shared.transport import Access, PeerUnreachableError, TransportConfig, WriteEntry
+from kvmesh.shared.transport.base import PeerDescriptor
+from kvmesh.shared.transport.shm import SHM_DIR, ShmTransport
 
 
 def segments() -> set[str]:

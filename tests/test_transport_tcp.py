@@ -10,8 +10,7 @@ import time
 
 import pytest
 import torch
-
-from shared.transport import (
+from kvmesh.shared.transport import (
     Access,
     PeerDescriptor,
     PeerGoneError,
@@ -19,7 +18,7 @@ from shared.transport import (
     TransportConfig,
     WriteEntry,
 )
-from shared.transport.tcp import (
+from kvmesh.shared.transport.tcp import (
     ACK,
     FLAG_NO_ACK,
     FRAME,

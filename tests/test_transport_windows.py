@@ -9,8 +9,7 @@ import asyncio
 import socket
 
 import pytest
-
-from shared.transport import (
+from kvmesh.shared.transport import (
     Access,
     MemoryWindow,
     PeerDescriptor,
@@ -20,9 +19,10 @@ from shared.transport import (
     WriteEntry,
     create_transport,
 )
-from shared.transport.base import merge_spans
-from shared.transport.rdma import RdmaTransport
-from shared.transport.shm import NOTE, OP_HELLO, OP_WRITE_DONE
+from kvmesh.shared.transport.base import merge_spans
+from kvmesh.shared.transport.rdma import RdmaTransport
+from kvmesh.shared.transport.shm import NOTE, OP_HELLO, OP_WRITE_DONE
+
 from tests.fake_pyverbs import FakeVerbs
 
 BLOCK = 4096

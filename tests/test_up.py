@@ -14,13 +14,13 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from kvmesh.shared.service_config import ConfigError
 from nats.aio.msg import Msg
 from proc_tree import cmdline, descendants, wait_all_dead
 
-from shared.cli import build_parser
-from shared.commands.serve import build_service_config
-from shared.commands.up import UpConfig, free_port, plan
-from shared.service_config import ConfigError
+from kvmesh.cli import build_parser
+from kvmesh.commands.serve import build_service_config
+from kvmesh.commands.up import UpConfig, free_port, plan
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL_POOL = str(8 << 20)  # bytes of KV per worker: plenty for a few short requests
@@ -56,7 +56,7 @@ def test_cli_stops_quietly_when_its_reader_goes_away() -> None:
     tool killed by SIGPIPE) without a BrokenPipeError traceback."""
     script = (
         "import argparse, sys\n"
-        "from shared import cli\n"
+        "from kvmesh import cli\n"
         "def write_to_closed_pipe(args):\n"
         "    raise BrokenPipeError(32, 'Broken pipe')\n"
         "parser = argparse.ArgumentParser()\n"
@@ -90,7 +90,7 @@ def test_up_config_rejects_empty_pools(kw: dict[str, int], needle: str) -> None:
 
 def test_up_rejects_bad_flags_with_exit_code_2() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "shared.cli", "up", "--decode", "zero"],
+        [sys.executable, "-m", "kvmesh.cli", "up", "--decode", "zero"],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -98,7 +98,7 @@ def test_up_rejects_bad_flags_with_exit_code_2() -> None:
     )
     assert out.returncode == 2 and "--decode='zero': expected int" in out.stderr
     with pytest.raises(ConfigError):
-        from shared.service_config import config_from_args
+        from kvmesh.shared.service_config import config_from_args
 
         config_from_args(UpConfig, None, {"KVMESH_MODE": "both"})
 
@@ -109,7 +109,7 @@ def test_up_rejects_bad_flags_with_exit_code_2() -> None:
 def launch(tmp_path: Path, *flags: str) -> tuple[subprocess.Popen[bytes], Path, Path, int, str]:
     port, nats_url = free_port(), f"nats://127.0.0.1:{free_port()}"
     out, err = tmp_path / "up.out", tmp_path / "up.err"
-    argv = [sys.executable, "-m", "shared.cli", "up", "--port", str(port), "--nats-url", nats_url]
+    argv = [sys.executable, "-m", "kvmesh.cli", "up", "--port", str(port), "--nats-url", nats_url]
     argv += ["--kv-cache-bytes", SMALL_POOL, "--log-level", "warning", *flags]
     with open(out, "wb") as fout, open(err, "wb") as ferr:  # files: pipes would fill and block
         proc = subprocess.Popen(argv, cwd=REPO, stdout=fout, stderr=ferr)
@@ -156,7 +156,7 @@ def admin_env(err: Path) -> dict[str, str]:
 def admin_status(nats_url: str, env: dict[str, str] | None) -> subprocess.CompletedProcess[str]:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_NATS_")}
     return subprocess.run(
-        [sys.executable, "-m", "shared.cli", "admin", "status", "--json", "--nats-url", nats_url],
+        [sys.executable, "-m", "kvmesh.cli", "admin", "status", "--json", "--nats-url", nats_url],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -234,11 +234,11 @@ def test_killed_launcher_takes_its_children_down(tmp_path: Path) -> None:
         while time.monotonic() < deadline:
             tree = descendants(proc.pid)
             if (
-                sum("shared.cli serve" in cmdline(p) for p in tree) == 5
+                sum("kvmesh.cli serve" in cmdline(p) for p in tree) == 5
             ):  # registry 2xdecode prefill router
                 break
             time.sleep(0.1)
-        assert sum("shared.cli serve" in cmdline(p) for p in tree) == 5
+        assert sum("kvmesh.cli serve" in cmdline(p) for p in tree) == 5
         os.kill(proc.pid, signal.SIGKILL)  # no cleanup code runs in the launcher
         proc.wait()
         assert wait_all_dead(tree, timeout_s=30) == set()
@@ -276,7 +276,7 @@ def test_up_colocated_serves_and_stops_on_sigterm(tmp_path: Path) -> None:
 def test_nats_is_reachable_only_where_a_nats_server_speaks(nats_server: str) -> None:
     import socket
 
-    from shared.nats_server import nats_is_reachable
+    from kvmesh.shared.nats_server import nats_is_reachable
 
     assert nats_is_reachable(nats_server)
     with socket.socket() as silent:  # something listens but does not speak NATS
@@ -290,8 +290,8 @@ def test_nats_is_reachable_only_where_a_nats_server_speaks(nats_server: str) -> 
 async def test_connection_survives_a_nats_server_restart_on_the_same_port() -> None:
     import asyncio
 
-    from shared.nats_server import NatsServer
-    from shared.nats_service import connect_nats
+    from kvmesh.shared.nats_server import NatsServer
+    from kvmesh.shared.nats_service import connect_nats
 
     server = NatsServer()
     await asyncio.to_thread(server.start)
@@ -332,7 +332,7 @@ async def test_connection_survives_a_nats_server_restart_on_the_same_port() -> N
     ],
 )
 def test_cores_are_split_between_roles(kw, expected) -> None:
-    from shared.commands.up import split_cores
+    from kvmesh.commands.up import split_cores
 
     assert split_cores(UpConfig(**kw)) == expected
 
@@ -375,7 +375,7 @@ def test_decode_threads_sleep_when_they_share_cores_with_a_nicer_prefill_pool() 
 
 
 def test_prefill_worker_refuses_a_higher_priority() -> None:
-    from services.prefill.config import PrefillConfig
+    from kvmesh.services.prefill.config import PrefillConfig
 
     with pytest.raises(ValueError, match="a lower priority only"):
         PrefillConfig(nice=-1)
@@ -384,9 +384,9 @@ def test_prefill_worker_refuses_a_higher_priority() -> None:
 async def _beating(
     nats_url: str, worker_id: str, stop: asyncio.Event, mesh: str = "kvmesh-tiny"
 ) -> None:
-    from shared import protocol
-    from shared.nats_service import connect_nats
-    from shared.subjects import Subjects
+    from kvmesh.shared import protocol
+    from kvmesh.shared.nats_service import connect_nats
+    from kvmesh.shared.subjects import Subjects
 
     subjects = Subjects(mesh)
 
@@ -398,7 +398,7 @@ async def _beating(
 
 
 async def test_up_refuses_to_join_a_nats_that_already_carries_a_mesh(nats_server) -> None:
-    from shared.commands.up import Launcher, LaunchError
+    from kvmesh.commands.up import Launcher, LaunchError
 
     stop = asyncio.Event()
     other = asyncio.create_task(_beating(nats_server, "decode-0", stop))
@@ -414,14 +414,14 @@ async def test_up_refuses_to_join_a_nats_that_already_carries_a_mesh(nats_server
 
 
 async def test_up_joins_an_empty_nats(nats_server) -> None:
-    from shared.commands.up import workers_on
+    from kvmesh.commands.up import workers_on
 
     assert await workers_on(nats_server, listen_s=0.3, mesh="kvmesh-tiny") == set()
 
 
 async def test_up_joins_a_nats_that_carries_only_other_meshes(nats_server) -> None:
     """Another mesh's workers on the same NATS are no concern: their subjects are their own."""
-    from shared.commands.up import Launcher, workers_on
+    from kvmesh.commands.up import Launcher, workers_on
 
     stop = asyncio.Event()
     other = asyncio.create_task(_beating(nats_server, "decode-0", stop, mesh="other-model"))
@@ -450,9 +450,10 @@ def test_plan_passes_mesh_tls_and_creds_but_never_url_credentials(tmp_path: Path
 def test_second_up_beside_another_meshs_nats_gets_its_own(capsys) -> None:
     """Left at the default URL, kvmesh up does not join the nats-server another kvmesh up
     started for its mesh: it takes a free port of its own and says so."""
-    from shared.commands.up import Launcher
-    from shared.mesh_state import MeshState, remove_state, write_state
-    from shared.service_config import DEFAULT_NATS_URL
+    from kvmesh.shared.mesh_state import MeshState, remove_state, write_state
+    from kvmesh.shared.service_config import DEFAULT_NATS_URL
+
+    from kvmesh.commands.up import Launcher
 
     other = MeshState("other-model", DEFAULT_NATS_URL, os.getpid(), "http://127.0.0.1:8000")
     write_state(other)
@@ -465,8 +466,9 @@ def test_second_up_beside_another_meshs_nats_gets_its_own(capsys) -> None:
 
 
 def test_same_mesh_twice_on_one_machine_is_refused_in_one_line() -> None:
-    from shared.commands.up import Launcher, LaunchError
-    from shared.mesh_state import MeshState, remove_state, write_state
+    from kvmesh.shared.mesh_state import MeshState, remove_state, write_state
+
+    from kvmesh.commands.up import Launcher, LaunchError
 
     first = MeshState("kvmesh-tiny", "nats://127.0.0.1:4999", os.getpid(), "http://x:8000")
     write_state(first)
@@ -481,7 +483,7 @@ def _launch_default_nats(tmp_path: Path, name: str, *flags: str) -> tuple:
     """`kvmesh up` as a user types it: no --nats-url."""
     port = free_port()
     out, err = tmp_path / f"{name}.out", tmp_path / f"{name}.err"
-    argv = [sys.executable, "-m", "shared.cli", "up", "--port", str(port)]
+    argv = [sys.executable, "-m", "kvmesh.cli", "up", "--port", str(port)]
     argv += ["--kv-cache-bytes", SMALL_POOL, "--log-level", "warning", *flags]
     with open(out, "wb") as fout, open(err, "wb") as ferr:
         proc = subprocess.Popen(argv, cwd=REPO, stdout=fout, stderr=ferr)
@@ -491,9 +493,8 @@ def _launch_default_nats(tmp_path: Path, name: str, *flags: str) -> tuple:
 async def _greedy_tokens(nats_url: str, err: Path, mesh: str, port: int, model: str, prompt):
     """A greedy completion through the router; its token ids, read off the mesh's subjects."""
     import aiohttp
-
-    from loadgen.bench_mesh import MeshTap, complete
-    from shared.nats_auth import auth_from_env
+    from kvmesh.loadgen.bench_mesh import MeshTap, complete
+    from kvmesh.shared.nats_auth import auth_from_env
 
     async with (
         MeshTap(nats_url, auth_from_env(admin_env(err)), mesh=mesh) as tap,
@@ -510,16 +511,15 @@ def test_two_ups_with_different_models_on_one_machine_both_serve(tmp_path: Path)
     """Issue #9, defect 3: the second `kvmesh up` (another model, another port, default NATS
     URL) joined the first one's NATS and placed requests on its workers. Now it starts a NATS of
     its own, each mesh serves its own model, and kvmesh admin finds either by name."""
+    from kvmesh.loadgen.bench_mesh import random_prompts
+    from kvmesh.shared.engine.config import EngineConfig
+    from kvmesh.shared.engine.llm_engine import LLMEngine
+    from kvmesh.shared.engine.sequence import SamplingParams
+    from kvmesh.shared.mesh_state import running_meshes
+    from kvmesh.shared.model.loader import load_model
+    from kvmesh.shared.nats_server import nats_is_reachable
+    from kvmesh.shared.service_config import DEFAULT_NATS_URL
     from small_models import write_small_seeded
-
-    from loadgen.bench_mesh import random_prompts
-    from shared.engine.config import EngineConfig
-    from shared.engine.llm_engine import LLMEngine
-    from shared.engine.sequence import SamplingParams
-    from shared.mesh_state import running_meshes
-    from shared.model.loader import load_model
-    from shared.nats_server import nats_is_reachable
-    from shared.service_config import DEFAULT_NATS_URL
 
     if nats_is_reachable(DEFAULT_NATS_URL):
         pytest.skip("a NATS server already runs on 127.0.0.1:4222 on this machine")
@@ -550,7 +550,7 @@ def test_two_ups_with_different_models_on_one_machine_both_serve(tmp_path: Path)
 
         # kvmesh admin by mesh name: no --nats-url, no credentials in the environment
         clean = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_NATS_")}
-        admin = [sys.executable, "-m", "shared.cli", "admin", "status", "--json"]
+        admin = [sys.executable, "-m", "kvmesh.cli", "admin", "status", "--json"]
         run = lambda *extra: subprocess.run(
             [*admin, *extra], cwd=REPO, capture_output=True, text=True, timeout=120, env=clean
         )

@@ -14,7 +14,7 @@ import pytest
 from proc_tree import cmdline, descendants
 from test_up import admin_status_json, chat, launch, wait_for_line
 
-from shared.commands.restarts import RestartPolicy
+from kvmesh.commands.restarts import RestartPolicy
 
 
 def test_restart_delays_double_up_to_the_cap_and_the_budget_ends_them():

@@ -1,13 +1,13 @@
 """Decode service: reserves KV blocks for remote prefills, admits prefilled sequences into
 continuous batching, streams tokens; ``mode=colocated`` prefills locally (the baseline)."""
 
-from services.decode.config import DecodeConfig
+from kvmesh.services.decode.config import DecodeConfig
 
 CONFIG = DecodeConfig
 
 
 async def run(config: DecodeConfig) -> None:
-    from services.decode.service import run as run_service  # torch and the engine load here
+    from kvmesh.services.decode.service import run as run_service  # torch and the engine load here
 
     await run_service(config)
 

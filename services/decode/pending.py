@@ -18,8 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from shared.protocol import PrefillDone
-from shared.transport.base import MemoryWindow
+from kvmesh.shared.protocol import PrefillDone
+from kvmesh.shared.transport.base import MemoryWindow
 
 
 class ReservationError(ValueError):

@@ -17,20 +17,16 @@ from typing import Any
 
 import nats.errors
 import torch
-from nats.aio.client import Client
-from nats.aio.msg import Msg
-from nats.micro.request import Request
-
-from services.decode.config import DecodeConfig
-from services.decode.windows import LeaseWindows
-from services.decode.worker import DecodeWorker
-from shared import logs
-from shared.engine.config import EngineConfig
-from shared.engine.kv_cache import KVCacheSpec
-from shared.engine.llm_engine import LLMEngine
-from shared.model.config import parse_dtype
-from shared.model.loader import load_model
-from shared.nats_service import (
+from kvmesh.services.decode.config import DecodeConfig
+from kvmesh.services.decode.windows import LeaseWindows
+from kvmesh.services.decode.worker import DecodeWorker
+from kvmesh.shared import logs
+from kvmesh.shared.engine.config import EngineConfig
+from kvmesh.shared.engine.kv_cache import KVCacheSpec
+from kvmesh.shared.engine.llm_engine import LLMEngine
+from kvmesh.shared.model.config import parse_dtype
+from kvmesh.shared.model.loader import load_model
+from kvmesh.shared.nats_service import (
     background,
     connect_nats,
     new_worker_id,
@@ -38,7 +34,7 @@ from shared.nats_service import (
     serve_until_signal,
     worker_presence,
 )
-from shared.protocol import (
+from kvmesh.shared.protocol import (
     Abort,
     DecodeAdvert,
     LeaseRenew,
@@ -53,7 +49,10 @@ from shared.protocol import (
     kv_spec_fingerprint,
     model_spec,
 )
-from shared.transport import Access, Transport, TransportConfig, create_transport
+from kvmesh.shared.transport import Access, Transport, TransportConfig, create_transport
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.micro.request import Request
 
 log = logs.get_logger(__name__)
 

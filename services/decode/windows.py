@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from shared.transport.base import Access, MemoryRegion, MemoryWindow, Transport
+from kvmesh.shared.transport.base import Access, MemoryRegion, MemoryWindow, Transport
 
 
 class LeaseWindows:

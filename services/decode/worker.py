@@ -14,13 +14,13 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
-from services.decode.pending import PendingTable, ReservationError, Verdict
-from services.decode.windows import LeaseWindows
-from shared import logs
-from shared.engine.block_manager import OutOfBlocksError
-from shared.engine.llm_engine import LLMEngine
-from shared.engine.sequence import RequestError, RequestOutput, SamplingParams
-from shared.protocol import (
+from kvmesh.services.decode.pending import PendingTable, ReservationError, Verdict
+from kvmesh.services.decode.windows import LeaseWindows
+from kvmesh.shared import logs
+from kvmesh.shared.engine.block_manager import OutOfBlocksError
+from kvmesh.shared.engine.llm_engine import LLMEngine
+from kvmesh.shared.engine.sequence import RequestError, RequestOutput, SamplingParams
+from kvmesh.shared.protocol import (
     Abort,
     PrefillDone,
     PrefillStarted,
@@ -31,8 +31,8 @@ from shared.protocol import (
     encode,
     imm_slot,
 )
-from shared.subjects import Subjects
-from shared.transport.base import MemoryWindow, unpack_imm
+from kvmesh.shared.subjects import Subjects
+from kvmesh.shared.transport.base import MemoryWindow, unpack_imm
 
 log = logs.get_logger(__name__)
 

@@ -5,13 +5,13 @@ imported on ``run`` only, so parsing flags stays cheap."""
 
 from __future__ import annotations
 
-from services.kv_registry.config import RegistryConfig
+from kvmesh.services.kv_registry.config import RegistryConfig
 
 CONFIG = RegistryConfig
 
 
 async def run(config: RegistryConfig) -> None:
-    from services.kv_registry.service import run_registry
+    from kvmesh.services.kv_registry.service import run_registry
 
     await run_registry(config)
 

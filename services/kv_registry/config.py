@@ -1,12 +1,12 @@
-"""RegistryConfig: flags ``--x-y`` / env ``KVMESH_X_Y`` for every field (see shared.service_config)."""
+"""RegistryConfig: flags ``--x-y`` / env ``KVMESH_X_Y`` for every field (see kvmesh.shared.service_config)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.nats_options import NatsClientConfig
-from shared.service_config import check_worker_id, option
-from shared.subjects import DEFAULT_MESH
+from kvmesh.shared.nats_options import NatsClientConfig
+from kvmesh.shared.service_config import check_worker_id, option
+from kvmesh.shared.subjects import DEFAULT_MESH
 
 
 @dataclass(frozen=True, slots=True)

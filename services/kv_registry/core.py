@@ -18,7 +18,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from shared.protocol import DecodeAdvert, PlaceReply, PlaceRequest, WorkerHeartbeat
+from kvmesh.shared.protocol import DecodeAdvert, PlaceReply, PlaceRequest, WorkerHeartbeat
 
 
 @dataclass(slots=True)

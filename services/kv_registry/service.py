@@ -18,21 +18,17 @@ from typing import Any
 
 import nats.errors
 import orjson
-from nats.aio.client import Client
-from nats.aio.msg import Msg
-from nats.micro.request import ERROR_HEADER, Request
-
-from services.kv_registry.config import RegistryConfig
-from services.kv_registry.core import Candidate, Refusal, Registry
-from shared import logs, protocol
-from shared.nats_service import (
+from kvmesh.services.kv_registry.config import RegistryConfig
+from kvmesh.services.kv_registry.core import Candidate, Refusal, Registry
+from kvmesh.shared import logs, protocol
+from kvmesh.shared.nats_service import (
     connect_nats,
     new_worker_id,
     serve_until_signal,
     worker_presence,
 )
-from shared.prefill_queue import queue_status
-from shared.protocol import (
+from kvmesh.shared.prefill_queue import queue_status
+from kvmesh.shared.protocol import (
     DecodeAdvert,
     LeaseRenew,
     LogLevel,
@@ -46,7 +42,10 @@ from shared.protocol import (
     WorkerGone,
     WorkerHeartbeat,
 )
-from shared.subjects import Subjects
+from kvmesh.shared.subjects import Subjects
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.micro.request import ERROR_HEADER, Request
 
 log = logs.get_logger(__name__)
 

@@ -1,13 +1,13 @@
 """Prefill service: chunked prefill of prompts whose KV goes straight into a decode worker's
 reserved blocks, one batched one-sided write per chunk, overlapped with the next chunk."""
 
-from services.prefill.config import PrefillConfig
+from kvmesh.services.prefill.config import PrefillConfig
 
 CONFIG = PrefillConfig
 
 
 async def run(config: PrefillConfig) -> None:
-    from services.prefill.service import run as run_service  # torch and the engine load here
+    from kvmesh.services.prefill.service import run as run_service  # torch and the engine load here
 
     await run_service(config)
 

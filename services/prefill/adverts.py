@@ -14,8 +14,8 @@ from __future__ import annotations
 import asyncio
 import time
 
-from services.prefill.plan import KVSpecMismatchError
-from shared.protocol import DecodeAdvert, PrefillJob
+from kvmesh.services.prefill.plan import KVSpecMismatchError
+from kvmesh.shared.protocol import DecodeAdvert, PrefillJob
 
 
 class UnvouchedJobError(ValueError):

@@ -1,13 +1,13 @@
-"""PrefillConfig: flags ``--x-y`` / env ``KVMESH_X_Y`` for every field (see shared.service_config)."""
+"""PrefillConfig: flags ``--x-y`` / env ``KVMESH_X_Y`` for every field (see kvmesh.shared.service_config)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Literal
 
-from shared.nats_options import NatsClientConfig
-from shared.service_config import check_worker_id, option
-from shared.subjects import mesh_from_model
+from kvmesh.shared.nats_options import NatsClientConfig
+from kvmesh.shared.service_config import check_worker_id, option
+from kvmesh.shared.subjects import mesh_from_model
 
 
 @dataclass(frozen=True, slots=True)

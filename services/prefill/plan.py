@@ -12,8 +12,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from shared.protocol import imm_slot
-from shared.transport.base import pack_imm
+from kvmesh.shared.protocol import imm_slot
+from kvmesh.shared.transport.base import pack_imm
 
 
 class PlanError(ValueError):

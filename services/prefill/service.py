@@ -1,6 +1,6 @@
 """The prefill service's NATS shell around PrefillWorker.
 
-Pulls ``PrefillJob``s from the JetStream work queue (shared.prefill_queue) only while it has a
+Pulls ``PrefillJob``s from the JetStream work queue (kvmesh.shared.prefill_queue) only while it has a
 free slot (``max_concurrent_jobs``), so an idle peer takes the next job rather than a busy worker
 hoarding it; follows ``ABORT``; checks every job against its decode worker's ``DecodeAdvert``;
 keeps one transport endpoint per decode descriptor.
@@ -18,18 +18,14 @@ from typing import Any
 import nats.errors
 import orjson
 import torch
-from nats.aio.client import Client
-from nats.aio.msg import Msg
-from nats.micro.request import Request
-
-from services.prefill.config import PrefillConfig
-from services.prefill.worker import PrefillWorker
-from shared import logs
-from shared.engine.config import EngineConfig
-from shared.engine.llm_engine import LLMEngine
-from shared.model.config import parse_dtype
-from shared.model.loader import load_model
-from shared.nats_service import (
+from kvmesh.services.prefill.config import PrefillConfig
+from kvmesh.services.prefill.worker import PrefillWorker
+from kvmesh.shared import logs
+from kvmesh.shared.engine.config import EngineConfig
+from kvmesh.shared.engine.llm_engine import LLMEngine
+from kvmesh.shared.model.config import parse_dtype
+from kvmesh.shared.model.loader import load_model
+from kvmesh.shared.nats_service import (
     background,
     connect_nats,
     new_worker_id,
@@ -37,8 +33,8 @@ from shared.nats_service import (
     serve_until_signal,
     worker_presence,
 )
-from shared.prefill_queue import PrefillJobQueue
-from shared.protocol import (
+from kvmesh.shared.prefill_queue import PrefillJobQueue
+from kvmesh.shared.protocol import (
     Abort,
     DecodeAdvert,
     PrefillJob,
@@ -48,7 +44,16 @@ from shared.protocol import (
     encode,
     kv_spec_fingerprint,
 )
-from shared.transport import Endpoint, PeerDescriptor, Transport, TransportConfig, create_transport
+from kvmesh.shared.transport import (
+    Endpoint,
+    PeerDescriptor,
+    Transport,
+    TransportConfig,
+    create_transport,
+)
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.micro.request import Request
 
 log = logs.get_logger(__name__)
 

@@ -17,25 +17,25 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from services.prefill.adverts import AdvertBook
-from services.prefill.plan import (
+from kvmesh.services.prefill.adverts import AdvertBook
+from kvmesh.services.prefill.plan import (
     ChunkPlanner,
     ChunkWrite,
     PlanError,
     PrefillTimeline,
 )
-from shared import logs
-from shared.engine.llm_engine import LLMEngine
-from shared.engine.sequence import ChunkReady, RequestError, SamplingParams
-from shared.protocol import (
+from kvmesh.shared import logs
+from kvmesh.shared.engine.llm_engine import LLMEngine
+from kvmesh.shared.engine.sequence import ChunkReady, RequestError, SamplingParams
+from kvmesh.shared.protocol import (
     PrefillDone,
     PrefillJob,
     PrefillReport,
     PrefillStarted,
     encode,
 )
-from shared.subjects import Subjects
-from shared.transport import Endpoint, MemoryRegion, TransportError, WriteEntry
+from kvmesh.shared.subjects import Subjects
+from kvmesh.shared.transport import Endpoint, MemoryRegion, TransportError, WriteEntry
 
 log = logs.get_logger(__name__)
 

@@ -10,12 +10,17 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
-from services.router.app import Router, build_app, serve_http
-from services.router.config import RouterConfig
-from services.router.model_info import load_model_info
-from shared import logs
-from shared.nats_service import connect_nats, new_worker_id, serve_until_signal, worker_presence
-from shared.protocol import WorkerHeartbeat
+from kvmesh.services.router.app import Router, build_app, serve_http
+from kvmesh.services.router.config import RouterConfig
+from kvmesh.services.router.model_info import load_model_info
+from kvmesh.shared import logs
+from kvmesh.shared.nats_service import (
+    connect_nats,
+    new_worker_id,
+    serve_until_signal,
+    worker_presence,
+)
+from kvmesh.shared.protocol import WorkerHeartbeat
 
 CONFIG = RouterConfig
 
@@ -44,7 +49,7 @@ async def serve_router(config: RouterConfig) -> AsyncIterator[RunningRouter]:
     subjects = config.subjects
     async with connect_nats(config.nats_url, worker_id, security=config.nats_security) as nc:
         if config.mode == "disagg":
-            from shared.prefill_queue import ensure_stream
+            from kvmesh.shared.prefill_queue import ensure_stream
 
             # jobs published before any prefill worker starts are kept
             await ensure_stream(nc, subjects)

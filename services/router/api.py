@@ -2,7 +2,7 @@
 
 ``parse_completion`` and ``parse_chat`` check every parameter the router honours and refuse, by
 name, the ones it cannot honour (``n`` > 1, ``logprobs``, penalties, tools ...) rather than ignore
-them. ``services.router.prompt.tokenize`` then makes the request concrete.
+them. ``kvmesh.services.router.prompt.tokenize`` then makes the request concrete.
 """
 
 from __future__ import annotations
@@ -13,8 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import orjson
-
-from services.router.errors import InvalidRequestError, ModelNotFoundError
+from kvmesh.services.router.errors import InvalidRequestError, ModelNotFoundError
 
 Kind = Literal["completion", "chat"]
 

@@ -16,12 +16,15 @@ from dataclasses import dataclass, field
 
 import orjson
 from aiohttp import web
-from nats.aio.client import Client as NATS
-
-from services.router.api import GenerateRequest, parse_chat, parse_completion, parse_json_body
-from services.router.config import RouterConfig
-from services.router.dispatch import Dispatcher, MeshRequest
-from services.router.errors import (
+from kvmesh.services.router.api import (
+    GenerateRequest,
+    parse_chat,
+    parse_completion,
+    parse_json_body,
+)
+from kvmesh.services.router.config import RouterConfig
+from kvmesh.services.router.dispatch import Dispatcher, MeshRequest
+from kvmesh.services.router.errors import (
     ApiError,
     AuthenticationError,
     InternalError,
@@ -31,12 +34,12 @@ from services.router.errors import (
     PayloadTooLargeError,
     RouteNotFoundError,
 )
-from services.router.metrics import RequestTimer, RouterMetrics
-from services.router.model_info import ModelInfo
-from services.router.openapi import openapi_document
-from services.router.output import OutputText
-from services.router.prompt import Prompt, tokenize
-from services.router.responses import (
+from kvmesh.services.router.metrics import RequestTimer, RouterMetrics
+from kvmesh.services.router.model_info import ModelInfo
+from kvmesh.services.router.openapi import openapi_document
+from kvmesh.services.router.output import OutputText
+from kvmesh.services.router.prompt import Prompt, tokenize
+from kvmesh.services.router.responses import (
     SSE_DONE,
     ResponseBuilder,
     Usage,
@@ -44,10 +47,11 @@ from services.router.responses import (
     new_request_id,
     sse_event,
 )
-from services.router.shutdown import Shutdown
-from shared import logs
-from shared.service_errors import listen_error
-from shared.subjects import Subjects
+from kvmesh.services.router.shutdown import Shutdown
+from kvmesh.shared import logs
+from kvmesh.shared.service_errors import listen_error
+from kvmesh.shared.subjects import Subjects
+from nats.aio.client import Client as NATS
 
 log = logs.get_logger(__name__)
 

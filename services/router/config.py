@@ -1,13 +1,13 @@
-"""RouterConfig: every knob of the router, from flags and KVMESH_* env (shared.service_config)."""
+"""RouterConfig: every knob of the router, from flags and KVMESH_* env (kvmesh.shared.service_config)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Literal
 
-from shared.nats_options import NatsClientConfig
-from shared.service_config import check_worker_id, option
-from shared.subjects import mesh_from_model
+from kvmesh.shared.nats_options import NatsClientConfig
+from kvmesh.shared.service_config import check_worker_id, option
+from kvmesh.shared.subjects import mesh_from_model
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,23 +20,19 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import nats.errors
-from nats.aio.client import Client as NATS
-from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
-
-from services.router.config import RouterConfig
-from services.router.errors import (
+from kvmesh.services.router.config import RouterConfig
+from kvmesh.services.router.errors import (
     GatewayTimeoutError,
     MeshError,
     OverloadedError,
     ServiceUnavailableError,
 )
-from services.router.metrics import RequestTimer, RouterMetrics
-from services.router.prompt import Prompt
-from services.router.worker_pool import WorkerPool
-from shared import protocol
-from shared.prefill_queue import publish_job, withdraw_job
-from shared.protocol import (
+from kvmesh.services.router.metrics import RequestTimer, RouterMetrics
+from kvmesh.services.router.prompt import Prompt
+from kvmesh.services.router.worker_pool import WorkerPool
+from kvmesh.shared import protocol
+from kvmesh.shared.prefill_queue import publish_job, withdraw_job
+from kvmesh.shared.protocol import (
     Abort,
     DecodeAdvert,
     LeaseRenew,
@@ -50,7 +46,10 @@ from shared.protocol import (
     WorkerGone,
     WorkerHeartbeat,
 )
-from shared.subjects import Subjects
+from kvmesh.shared.subjects import Subjects
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 
 log = logging.getLogger(__name__)
 

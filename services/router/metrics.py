@@ -12,7 +12,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from shared.protocol import DecodeAdvert, PrefillReport
+from kvmesh.shared.protocol import DecodeAdvert, PrefillReport
 
 LATENCY_BUCKETS = (
     0.001,

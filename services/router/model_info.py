@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.model.loader import ModelLoadError, load_config_and_tokenizer
-from shared.protocol import model_spec
-from shared.tokenizer import Tokenizer
+from kvmesh.shared.model.loader import ModelLoadError, load_config_and_tokenizer
+from kvmesh.shared.protocol import model_spec
+from kvmesh.shared.tokenizer import Tokenizer
 
 
 class ModelInfoError(ValueError):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from services.router.api import CHAT_ROLES, MAX_SEED, MAX_STOP_STRINGS
+from kvmesh.services.router.api import CHAT_ROLES, MAX_SEED, MAX_STOP_STRINGS
 
 OPENAPI_VERSION = "3.1.0"
 

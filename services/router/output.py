@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from shared.tokenizer import IncrementalDetokenizer, Tokenizer
+from kvmesh.shared.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 class OutputText:

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.router.api import GenerateRequest
-from services.router.errors import InvalidRequestError
-from shared.protocol import SamplingOptions
-from shared.tokenizer import Tokenizer, TokenizerError
+from kvmesh.services.router.api import GenerateRequest
+from kvmesh.services.router.errors import InvalidRequestError
+from kvmesh.shared.protocol import SamplingOptions
+from kvmesh.shared.tokenizer import Tokenizer, TokenizerError
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 

@@ -14,9 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
-
-from services.router.api import GenerateRequest
-from services.router.errors import ApiError
+from kvmesh.services.router.api import GenerateRequest
+from kvmesh.services.router.errors import ApiError
 
 SSE_DONE = b"data: [DONE]\n\n"
 

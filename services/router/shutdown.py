@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
-from services.router.errors import ServiceUnavailableError
+from kvmesh.services.router.errors import ServiceUnavailableError
 
 
 class RouterStoppingError(ServiceUnavailableError):

@@ -3,7 +3,7 @@
 One entry point serves prefill, chunked prefill, decode and speculative scoring: every sequence in
 the batch brings ``query_len`` new tokens whose K/V are first written into their slots, then its
 queries attend causally over the sequence's whole context read through its block table.
-The torch path is the CPU default; on CUDA the Triton kernel in ``kernels.paged_attention`` takes
+The torch path is the CPU default; on CUDA the Triton kernel in ``kvmesh.kernels.paged_attention`` takes
 over for decode-only batches.
 """
 
@@ -186,7 +186,7 @@ def _attend(
 ) -> torch.Tensor:
     """Attention of already-stored K/V: q (T, H_q, D) -> (T, H_q, D)."""
     if meta.use_triton and meta.is_decode_only:
-        from kernels.paged_attention import paged_decode_attention
+        from kvmesh.kernels.paged_attention import paged_decode_attention
 
         return paged_decode_attention(
             q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale

@@ -14,7 +14,7 @@ import hashlib
 from array import array
 from collections import OrderedDict
 
-from shared.engine.sequence import Sequence
+from kvmesh.shared.engine.sequence import Sequence
 
 
 class OutOfBlocksError(RuntimeError):

@@ -8,8 +8,8 @@ sequence over blocks a remote writer filled with its prompt KV, ready to decode 
 
 from __future__ import annotations
 
-from shared.engine.block_manager import BlockManager
-from shared.engine.sequence import ChunkReady, RequestError, SamplingParams, Sequence
+from kvmesh.shared.engine.block_manager import BlockManager
+from kvmesh.shared.engine.sequence import ChunkReady, RequestError, SamplingParams, Sequence
 
 
 def report_chunk(seq: Sequence, first_token: int | None, block_manager: BlockManager) -> None:

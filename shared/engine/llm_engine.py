@@ -48,15 +48,14 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-
-from shared.engine import handoff
-from shared.engine.block_manager import BlockManager, OutOfBlocksError
-from shared.engine.config import EngineConfig
-from shared.engine.kv_cache import KVCacheSpec, KVPool
-from shared.engine.model_runner import ModelRunner
-from shared.engine.sampler import Sampler, apply_stop
-from shared.engine.scheduler import Scheduler
-from shared.engine.sequence import (
+from kvmesh.shared.engine import handoff
+from kvmesh.shared.engine.block_manager import BlockManager, OutOfBlocksError
+from kvmesh.shared.engine.config import EngineConfig
+from kvmesh.shared.engine.kv_cache import KVCacheSpec, KVPool
+from kvmesh.shared.engine.model_runner import ModelRunner
+from kvmesh.shared.engine.sampler import Sampler, apply_stop
+from kvmesh.shared.engine.scheduler import Scheduler
+from kvmesh.shared.engine.sequence import (
     ChunkReady,
     PromptTooLongError,
     RequestError,
@@ -66,7 +65,7 @@ from shared.engine.sequence import (
     SequenceStatus,
     UnknownRequestError,
 )
-from shared.engine.speculative import DraftVerifier
+from kvmesh.shared.engine.speculative import DraftVerifier
 
 __all__ = [
     "ChunkReady",

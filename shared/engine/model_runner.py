@@ -11,11 +11,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-
-from shared.engine.attention import AttentionMetadata
-from shared.engine.kv_cache import KVPool
-from shared.engine.sequence import Sequence
-from shared.model.llama import attach_cpu_ops
+from kvmesh.shared.engine.attention import AttentionMetadata
+from kvmesh.shared.engine.kv_cache import KVPool
+from kvmesh.shared.engine.sequence import Sequence
+from kvmesh.shared.model.llama import attach_cpu_ops
 
 
 class ModelRunner:
@@ -33,7 +32,7 @@ class ModelRunner:
         self.use_triton = self.device.type == "cuda"
         ops = None
         if cpu_kernels and self.device.type == "cpu":
-            from kernels.cpu_ops import load_cpu_ops
+            from kvmesh.kernels.cpu_ops import load_cpu_ops
 
             ops = load_cpu_ops()
         attach_cpu_ops(model, ops)  # None also undoes an earlier engine's choice

@@ -12,8 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-
-from shared.engine.sequence import Sequence
+from kvmesh.shared.engine.sequence import Sequence
 
 
 def apply_top_k_top_p(

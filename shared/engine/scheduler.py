@@ -17,8 +17,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from shared.engine.block_manager import BlockManager
-from shared.engine.sequence import Sequence, SequenceStatus
+from kvmesh.shared.engine.block_manager import BlockManager
+from kvmesh.shared.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass(slots=True)

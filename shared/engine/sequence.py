@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from shared.protocol import SamplingOptions
+    from kvmesh.shared.protocol import SamplingOptions
 
 
 class RequestError(ValueError):

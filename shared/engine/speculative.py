@@ -13,11 +13,10 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-
-from shared.engine.block_manager import BlockManager, OutOfBlocksError
-from shared.engine.kv_cache import KVPool
-from shared.engine.model_runner import ModelRunner
-from shared.engine.sequence import RequestError, Sequence, SequenceStatus
+from kvmesh.shared.engine.block_manager import BlockManager, OutOfBlocksError
+from kvmesh.shared.engine.kv_cache import KVPool
+from kvmesh.shared.engine.model_runner import ModelRunner
+from kvmesh.shared.engine.sequence import RequestError, Sequence, SequenceStatus
 
 
 class DraftVerifier:

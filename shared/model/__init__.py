@@ -1,9 +1,9 @@
 """Llama-family models: config, rotary embeddings, the decoder, checkpoint loading, kvmesh-tiny."""
 
-from shared.model.config import ModelConfig, ModelConfigError
-from shared.model.llama import Transformer, kv_cache_spec
-from shared.model.loader import ModelLoadError, load_config_and_tokenizer, load_model
-from shared.model.tiny import TINY_NAME
+from kvmesh.shared.model.config import ModelConfig, ModelConfigError
+from kvmesh.shared.model.llama import Transformer, kv_cache_spec
+from kvmesh.shared.model.loader import ModelLoadError, load_config_and_tokenizer, load_model
+from kvmesh.shared.model.tiny import TINY_NAME
 
 __all__ = [
     "TINY_NAME",

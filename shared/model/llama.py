@@ -15,15 +15,14 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+from kvmesh.shared.engine.attention import AttentionMetadata, paged_attention
+from kvmesh.shared.engine.kv_cache import KVCacheSpec, KVPool
+from kvmesh.shared.model.config import ModelConfig
+from kvmesh.shared.model.rope import apply_rope, rope_cos_sin, rotation_tables
 from torch import nn
 
-from shared.engine.attention import AttentionMetadata, paged_attention
-from shared.engine.kv_cache import KVCacheSpec, KVPool
-from shared.model.config import ModelConfig
-from shared.model.rope import apply_rope, rope_cos_sin, rotation_tables
-
 if TYPE_CHECKING:
-    from kernels.cpu_ops import CpuOps
+    from kvmesh.kernels.cpu_ops import CpuOps
 
 # Row counts up to which the C kernels take RMSNorm and SiLU-and-multiply: they save torch's
 # per-op dispatch, which dominates at decode sizes; larger (prefill) tensors stay with torch,

@@ -17,12 +17,11 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import torch
+from kvmesh.shared.model.config import ModelConfig, ModelConfigError, parse_dtype
+from kvmesh.shared.model.llama import Transformer
+from kvmesh.shared.model.tiny import TINY_NAME, tiny_config, tiny_state_dict, tiny_tokenizer
+from kvmesh.shared.tokenizer import Tokenizer, TokenizerError
 from safetensors import safe_open
-
-from shared.model.config import ModelConfig, ModelConfigError, parse_dtype
-from shared.model.llama import Transformer
-from shared.model.tiny import TINY_NAME, tiny_config, tiny_state_dict, tiny_tokenizer
-from shared.tokenizer import Tokenizer, TokenizerError
 
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

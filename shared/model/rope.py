@@ -17,8 +17,7 @@ from __future__ import annotations
 import math
 
 import torch
-
-from shared.model.config import ModelConfig
+from kvmesh.shared.model.config import ModelConfig
 
 
 def default_inv_freq(head_dim: int, theta: float) -> torch.Tensor:

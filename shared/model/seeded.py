@@ -4,7 +4,7 @@ a checkpoint directory (config.json, model.safetensors, tokenizer.json, tokenize
 No weights can be downloaded where kvmesh is built and benchmarked, yet load tests, engine
 benchmarks and llama.cpp comparisons need a model of realistic size served through the same
 ``--model PATH`` code path real users take. The weights come from kvmesh-tiny's integer-only draw
-(:func:`shared.model.tiny.tiny_state_dict`), so one seed and shape give the same bits on every
+(:func:`kvmesh.shared.model.tiny.tiny_state_dict`), so one seed and shape give the same bits on every
 machine; the tokenizer is byte-level (256 byte symbols, no merges) with kvmesh-tiny's specials and
 chat template, as a ``tokenizers`` tokenizer.json that transformers and llama.cpp's converter read.
 """
@@ -16,8 +16,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from shared.model.config import ModelConfig
-from shared.model.tiny import TINY_CHAT_TEMPLATE, TINY_SPECIALS, tiny_state_dict
+from kvmesh.shared.model.config import ModelConfig
+from kvmesh.shared.model.tiny import TINY_CHAT_TEMPLATE, TINY_SPECIALS, tiny_state_dict
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

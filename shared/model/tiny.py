@@ -9,9 +9,8 @@ deterministic noise, which is what tests and benchmarks of the serving system ne
 from __future__ import annotations
 
 import torch
-
-from shared.model.config import ModelConfig
-from shared.tokenizer import Tokenizer
+from kvmesh.shared.model.config import ModelConfig
+from kvmesh.shared.tokenizer import Tokenizer
 
 TINY_NAME = "kvmesh-tiny"
 TINY_SEED = 20240611

@@ -8,8 +8,8 @@ See docs/transport.md. Typical use::
         publish(transport.descriptor().to_dict())  # over NATS
 """
 
-from shared.transport.auto import available_backends, create_transport, select_backend
-from shared.transport.base import (
+from kvmesh.shared.transport.auto import available_backends, create_transport, select_backend
+from kvmesh.shared.transport.base import (
     IMM_CHUNK_BITS,
     IMM_SLOT_BITS,
     Access,
@@ -37,7 +37,7 @@ from shared.transport.base import (
     pack_imm,
     unpack_imm,
 )
-from shared.transport.registry import Registry, as_byte_tensor
+from kvmesh.shared.transport.registry import Registry, as_byte_tensor
 
 __all__ = [
     "IMM_CHUNK_BITS",

@@ -15,8 +15,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import torch
-
-from shared.transport.base import (
+from kvmesh.shared.transport.base import (
     Access,
     BackendUnavailableError,
     Buffer,
@@ -33,9 +32,9 @@ from shared.transport.base import (
     local_host_id,
     new_peer_id,
 )
-from shared.transport.registry import Registry
-from shared.transport.shm import SHM_DIR, ShmTransport, check_segment_name, check_socket_path
-from shared.transport.tcp import TcpTransport
+from kvmesh.shared.transport.registry import Registry
+from kvmesh.shared.transport.shm import SHM_DIR, ShmTransport, check_segment_name, check_socket_path
+from kvmesh.shared.transport.tcp import TcpTransport
 
 BACKENDS = ("rdma", "shm", "tcp")  # best first
 
@@ -43,9 +42,9 @@ BACKENDS = ("rdma", "shm", "tcp")  # best first
 def rdma_status() -> tuple[bool, str]:
     """Whether the rdma backend can run here, and if not, what is missing."""
     try:
-        rdma = importlib.import_module("shared.transport.rdma")
+        rdma = importlib.import_module("kvmesh.shared.transport.rdma")
     except ImportError as exc:
-        return False, f"shared.transport.rdma cannot be imported ({exc})"
+        return False, f"kvmesh.shared.transport.rdma cannot be imported ({exc})"
     return rdma.rdma_available()
 
 
@@ -101,7 +100,7 @@ def create_transport(name: str = "auto", config: TransportConfig | None = None) 
         ok, why = rdma_status()
         if not ok:
             raise BackendUnavailableError(f"rdma backend unavailable: {why}")
-        from shared.transport.rdma import RdmaTransport
+        from kvmesh.shared.transport.rdma import RdmaTransport
 
         return RdmaTransport(config)
     if name == "auto":
@@ -124,7 +123,7 @@ class AutoTransport:
         self._backends: dict[str, Any] = {}
         shared = {"registry": self._registry, "completions": self._queue}
         if rdma_status()[0]:
-            from shared.transport.rdma import RdmaTransport
+            from kvmesh.shared.transport.rdma import RdmaTransport
 
             self._backends["rdma"] = RdmaTransport(config, **shared)
         if shm_status()[0]:

@@ -2,7 +2,7 @@
 
 Pure: given the prefill rank's pool (and the ``MemoryRegion`` it is registered under), the blocks
 to send, and where the matching decode blocks are, return one ``WriteEntry`` list per destination
-(decode) rank. Tensor-parallel degrees may differ on the two sides (``kernels.kv_pack.reshard_plan``
+(decode) rank. Tensor-parallel degrees may differ on the two sides (``kvmesh.kernels.kv_pack.reshard_plan``
 says which heads go where).
 
 * Same layout (block size, dtype, head_dim, layers): every entry is a span of the registered prefill
@@ -23,10 +23,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-
-from kernels.kv_pack import pack_blocks, reshard_plan, staging_shape
-from shared.engine.kv_cache import KVCacheSpec, KVPool
-from shared.transport.base import LocalAccessError, MemoryRegion, WriteEntry
+from kvmesh.kernels.kv_pack import pack_blocks, reshard_plan, staging_shape
+from kvmesh.shared.engine.kv_cache import KVCacheSpec, KVPool
+from kvmesh.shared.transport.base import LocalAccessError, MemoryRegion, WriteEntry
 
 
 class KVLayoutError(ValueError):

@@ -36,8 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-
-from shared.transport.base import (
+from kvmesh.shared.transport.base import (
     Access,
     BackendUnavailableError,
     Buffer,
@@ -56,7 +55,7 @@ from shared.transport.base import (
     new_peer_id,
     unenforced_window,
 )
-from shared.transport.rdma_device import (
+from kvmesh.shared.transport.rdma_device import (
     RdmaPeerInfo,
     choose_device,
     choose_gid,
@@ -64,9 +63,9 @@ from shared.transport.rdma_device import (
     rdma_available,
     require_pyverbs,
 )
-from shared.transport.rdma_endpoint import RdmaEndpoint
-from shared.transport.rdma_memory import RdmaMemory
-from shared.transport.rdma_qp import (
+from kvmesh.shared.transport.rdma_endpoint import RdmaEndpoint
+from kvmesh.shared.transport.rdma_memory import RdmaMemory
+from kvmesh.shared.transport.rdma_qp import (
     RECV_WR_ID_BIT,
     QPInfo,
     QPLimits,
@@ -83,14 +82,14 @@ from shared.transport.rdma_qp import (
     status_name,
     write_frame,
 )
-from shared.transport.rdma_windows import (
+from kvmesh.shared.transport.rdma_windows import (
     NO_WINDOWS,
     WindowTable,
     choose_window_type,
     log_window_support,
     no_windows_reply,
 )
-from shared.transport.registry import Registry
+from kvmesh.shared.transport.registry import Registry
 
 __all__ = ["RdmaEndpoint", "RdmaPeerInfo", "RdmaTransport", "rdma_available"]
 

@@ -13,7 +13,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from shared.transport.base import (
+from kvmesh.shared.transport.base import (
     Access,
     MemoryRegion,
     PeerGoneError,
@@ -25,19 +25,19 @@ from shared.transport.base import (
     WriteEntry,
     check_imm,
 )
-from shared.transport.rdma_qp import (
+from kvmesh.shared.transport.rdma_qp import (
     MAX_REPLY_FRAME,
     Span,
     build_segments,
     read_frame,
     write_frame,
 )
-from shared.transport.rdma_windows import NO_WINDOWS, BoundSpan
+from kvmesh.shared.transport.rdma_windows import NO_WINDOWS, BoundSpan
 
 _MAX_CACHED_WINDOWS = 4096  # resolved windows remembered per endpoint (one per lease)
 
 if TYPE_CHECKING:
-    from shared.transport.rdma import QPEntry, RdmaTransport
+    from kvmesh.shared.transport.rdma import QPEntry, RdmaTransport
 
 
 class RdmaEndpoint:

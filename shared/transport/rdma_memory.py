@@ -22,9 +22,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-
-from shared.transport.base import Access, Buffer, LocalAccessError, MemoryRegion, TransportError
-from shared.transport.registry import Registry, as_byte_tensor
+from kvmesh.shared.transport.base import (
+    Access,
+    Buffer,
+    LocalAccessError,
+    MemoryRegion,
+    TransportError,
+)
+from kvmesh.shared.transport.registry import Registry, as_byte_tensor
 
 _MEMLOCK_HINT = "; raise the locked-memory limit (ulimit -l unlimited, docker --ulimit memlock=-1)"
 

@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from shared.transport.base import (
+from kvmesh.shared.transport.base import (
     Access,
     MemoryRegion,
     MemoryWindow,
@@ -41,11 +41,11 @@ from shared.transport.base import (
     TransportError,
     merge_spans,
 )
-from shared.transport.rdma_qp import status_name
+from kvmesh.shared.transport.rdma_qp import status_name
 
 if TYPE_CHECKING:
-    from shared.transport.rdma_memory import Registration
-    from shared.transport.registry import Registry
+    from kvmesh.shared.transport.rdma_memory import Registration
+    from kvmesh.shared.transport.registry import Registry
 
 log = logging.getLogger(__name__)
 

@@ -14,9 +14,8 @@ from typing import Protocol
 
 import numpy as np
 import torch
-
-from shared import logs
-from shared.transport.base import (
+from kvmesh.shared import logs
+from kvmesh.shared.transport.base import (
     Access,
     Buffer,
     LocalAccessError,

@@ -18,8 +18,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from shared import logs
-from shared.transport.threads import ThreadSet
+from kvmesh.shared import logs
+from kvmesh.shared.transport.threads import ThreadSet
 
 log = logs.get_logger(__name__)
 

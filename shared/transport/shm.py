@@ -28,8 +28,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-
-from shared.transport.base import (
+from kvmesh.shared.transport.base import (
     Access,
     Buffer,
     Completion,
@@ -45,11 +44,11 @@ from shared.transport.base import (
     local_host_id,
     new_peer_id,
 )
-from shared.transport.registry import Registry
-from shared.transport.server import SocketServer, recv_exact
+from kvmesh.shared.transport.registry import Registry
+from kvmesh.shared.transport.server import SocketServer, recv_exact
 
 if TYPE_CHECKING:
-    from shared.transport.shm_endpoint import ShmEndpoint
+    from kvmesh.shared.transport.shm_endpoint import ShmEndpoint
 
 SHM_DIR = "/dev/shm"
 PAGE = mmap.PAGESIZE
@@ -446,7 +445,7 @@ class ShmTransport:
     # -- writer ------------------------------------------------------------------------------------
 
     async def connect(self, descriptor: PeerDescriptor) -> ShmEndpoint:
-        from shared.transport.shm_endpoint import ShmEndpoint
+        from kvmesh.shared.transport.shm_endpoint import ShmEndpoint
 
         if self._closed:
             raise TransportClosedError("shm transport is closed")

@@ -11,8 +11,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-
-from shared.transport.base import (
+from kvmesh.shared.transport.base import (
     Access,
     PeerGoneError,
     RefusalReason,
@@ -21,7 +20,7 @@ from shared.transport.base import (
     WriteEntry,
     check_imm,
 )
-from shared.transport.shm import (
+from kvmesh.shared.transport.shm import (
     FREE,
     LIVE,
     NOTE,
@@ -37,7 +36,7 @@ from shared.transport.shm import (
 )
 
 if TYPE_CHECKING:
-    from shared.transport.shm import ShmTransport
+    from kvmesh.shared.transport.shm import ShmTransport
 
 
 class ShmEndpoint:

@@ -26,8 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
-
-from shared.transport.base import (
+from kvmesh.shared.transport.base import (
     Access,
     Buffer,
     Completion,
@@ -43,11 +42,11 @@ from shared.transport.base import (
     local_host_id,
     new_peer_id,
 )
-from shared.transport.registry import Registry
-from shared.transport.server import SocketServer, recv_exact
+from kvmesh.shared.transport.registry import Registry
+from kvmesh.shared.transport.server import SocketServer, recv_exact
 
 if TYPE_CHECKING:
-    from shared.transport.tcp_endpoint import TcpEndpoint
+    from kvmesh.shared.transport.tcp_endpoint import TcpEndpoint
 
 MAGIC_HELLO, MAGIC_FRAME, MAGIC_ACK = b"KVMH", b"KVMF", b"KVMA"
 VERSION = 1
@@ -229,7 +228,7 @@ class TcpTransport:
         )
 
     async def connect(self, descriptor: PeerDescriptor) -> TcpEndpoint:
-        from shared.transport.tcp_endpoint import TcpEndpoint
+        from kvmesh.shared.transport.tcp_endpoint import TcpEndpoint
 
         if self._closed:
             raise TransportClosedError("tcp transport is closed")

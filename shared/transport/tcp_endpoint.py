@@ -16,7 +16,7 @@ import threading
 from collections.abc import Coroutine, Sequence
 from typing import TYPE_CHECKING, Any
 
-from shared.transport.base import (
+from kvmesh.shared.transport.base import (
     PeerDescriptor,
     PeerGoneError,
     PeerUnreachableError,
@@ -27,7 +27,7 @@ from shared.transport.base import (
     WriteEntry,
     check_imm,
 )
-from shared.transport.tcp import (
+from kvmesh.shared.transport.tcp import (
     HELLO,
     MAGIC_HELLO,
     MAX_PENDING_WRITES,
@@ -36,12 +36,12 @@ from shared.transport.tcp import (
     VERSION,
     tune,
 )
-from shared.transport.tcp_frames import Frame, Op, cut_frames
-from shared.transport.tcp_lane import Lane, ack_loop, send_loop
-from shared.transport.threads import ThreadSet
+from kvmesh.shared.transport.tcp_frames import Frame, Op, cut_frames
+from kvmesh.shared.transport.tcp_lane import Lane, ack_loop, send_loop
+from kvmesh.shared.transport.threads import ThreadSet
 
 if TYPE_CHECKING:
-    from shared.transport.tcp import TcpTransport
+    from kvmesh.shared.transport.tcp import TcpTransport
 
 
 def _background(coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:

@@ -7,14 +7,14 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
-from shared.transport.base import (
+from kvmesh.shared.transport.base import (
     LocalAccessError,
     MemoryRegion,
     TransportError,
     WriteEntry,
 )
-from shared.transport.registry import Registry
-from shared.transport.tcp import FRAME, MAGIC_FRAME, VERSION, tensor_buffer
+from kvmesh.shared.transport.registry import Registry
+from kvmesh.shared.transport.tcp import FRAME, MAGIC_FRAME, VERSION, tensor_buffer
 
 MAX_IOV = 512  # payload pieces per frame
 

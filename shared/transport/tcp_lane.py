@@ -14,8 +14,8 @@ import threading
 from collections import deque
 from collections.abc import Callable
 
-from shared.transport.base import ProtocolError, RefusalReason
-from shared.transport.tcp import (
+from kvmesh.shared.transport.base import ProtocolError, RefusalReason
+from kvmesh.shared.transport.tcp import (
     ACK,
     FLAG_NO_ACK,
     MAGIC_ACK,
@@ -24,8 +24,8 @@ from shared.transport.tcp import (
     recv_exact,
     send_all,
 )
-from shared.transport.tcp_frames import Frame
-from shared.transport.threads import Window
+from kvmesh.shared.transport.tcp_frames import Frame
+from kvmesh.shared.transport.threads import Window
 
 MAX_BATCH_IOV = 1024  # iovecs per sendmsg (IOV_MAX on Linux)
 # a lane asks for an ACK at least every window/4 bytes, and ends each sendmsg batch with one

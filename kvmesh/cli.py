@@ -11,13 +11,13 @@ import sys
 
 # Each module's register(subparsers) adds one or more subcommands to the top-level parser.
 COMMAND_MODULES: tuple[str, ...] = (
-    "shared.commands.generate",
-    "shared.commands.bench",
-    "shared.commands.serve",
-    "shared.commands.up",
-    "shared.commands.admin",
-    "shared.commands.model",
-    "shared.commands.nats_config",
+    "kvmesh.commands.generate",
+    "kvmesh.commands.bench",
+    "kvmesh.commands.serve",
+    "kvmesh.commands.up",
+    "kvmesh.commands.admin",
+    "kvmesh.commands.model",
+    "kvmesh.commands.nats_config",
 )
 
 

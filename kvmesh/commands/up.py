@@ -1,7 +1,7 @@
 """``kvmesh up``: the whole mesh on this machine, one process per service.
 
 Starts nats-server when nothing answers at --nats-url, then the kv-registry, N prefill and M
-decode (or M colocated) workers and the router, each as ``python -m shared.cli serve ...`` in its
+decode (or M colocated) workers and the router, each as ``python -m kvmesh.cli serve ...`` in its
 own session (process group), so a terminal's Ctrl-C reaches only the launcher, which then stops
 them in order: router, prefill, decode, registry, NATS — SIGTERM, SIGKILL after --stop-timeout-s.
 Children also get SIGTERM from the kernel if the launcher itself dies (PR_SET_PDEATHSIG).
@@ -31,9 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from shared.commands.restarts import RestartPolicy
-from shared.mesh_state import MeshState, remove_state, running_meshes, write_state
-from shared.nats_auth import (
+from kvmesh.commands.restarts import RestartPolicy
+from kvmesh.shared.mesh_state import MeshState, remove_state, running_meshes, write_state
+from kvmesh.shared.nats_auth import (
     ADMIN,
     PASSWORD_FILE_ENV,
     USER_ENV,
@@ -41,21 +41,21 @@ from shared.nats_auth import (
     NatsAuth,
     auth_from_env,
 )
-from shared.nats_options import (
+from kvmesh.shared.nats_options import (
     NatsClientConfig,
     NatsSecurity,
     redact_url,
     strip_credentials,
     url_has_credentials,
 )
-from shared.service_config import (
+from kvmesh.shared.service_config import (
     DEFAULT_NATS_URL,
     ConfigError,
     add_config_arguments,
     config_from_args,
     option,
 )
-from shared.subjects import mesh_from_model
+from kvmesh.shared.subjects import mesh_from_model
 
 # stop order: earlier tiers first (router stops taking requests before its backends go)
 TIERS = ("router", "prefill", "decode", "kv-registry")
@@ -257,7 +257,7 @@ class Launcher:
         return f"http://{host}:{self.port}"
 
     def start(self) -> None:
-        from shared.nats_server import nats_is_reachable
+        from kvmesh.shared.nats_server import nats_is_reachable
 
         url = self.config.nats_url
         if url == DEFAULT_NATS_URL:
@@ -303,7 +303,7 @@ class Launcher:
         return url
 
     def _start_nats(self, url: str) -> None:
-        from shared.nats_server import NatsServer, parse_nats_url
+        from kvmesh.shared.nats_server import NatsServer, parse_nats_url
 
         if not url.startswith("nats://") or url_has_credentials(url):
             raise LaunchError(
@@ -336,7 +336,7 @@ class Launcher:
     def _check_mesh_absent(self, url: str) -> None:
         """Join the NATS at ``url`` unless this mesh already runs there: its workers would count
         as ours, and ours would take its requests. Other meshes there are no concern."""
-        from shared.nats_service import NatsUnavailableError
+        from kvmesh.shared.nats_service import NatsUnavailableError
 
         self.nats_url = url
         try:
@@ -361,9 +361,9 @@ class Launcher:
 
     def _spawn(self, spec: ChildSpec) -> None:
         """Start ``spec``'s process; a restart gets the environment of the first start."""
-        from shared.nats_server import die_with_parent
+        from kvmesh.shared.nats_server import die_with_parent
 
-        argv = [sys.executable, "-m", "shared.cli", *spec.argv]
+        argv = [sys.executable, "-m", "kvmesh.cli", *spec.argv]
         env = self._envs.get(spec.name)
         if env is None:
             env = dict(os.environ)  # ours (an external server's credentials, if any)
@@ -424,7 +424,7 @@ class Launcher:
 
     async def wait_ready(self) -> None:
         """Router /health OK and the registry sees every decode (and prefill) worker."""
-        from shared.admin_client import AdminError, admin_client
+        from kvmesh.shared.admin_client import AdminError, admin_client
 
         deadline = time.monotonic() + self.config.startup_timeout_s
         num_prefill = self.config.prefill if self.config.mode == "disagg" else 0
@@ -504,8 +504,8 @@ async def workers_on(
 ) -> set[str]:
     """Worker ids of mesh ``mesh`` heard on ``nats_url``: its registry's list, or heartbeats
     for ``listen_s``."""
-    from shared.admin_client import AdminError, admin_client
-    from shared.protocol import ProtocolError, WorkerHeartbeat, decode
+    from kvmesh.shared.admin_client import AdminError, admin_client
+    from kvmesh.shared.protocol import ProtocolError, WorkerHeartbeat, decode
 
     async with admin_client(
         nats_url, timeout_s=2.0, auth=auth, mesh=mesh, security=security
@@ -538,7 +538,7 @@ def _signal_group(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
 
 
 async def run_up(launcher: Launcher) -> int:
-    from shared.nats_service import serve_until_signal
+    from kvmesh.shared.nats_service import serve_until_signal
 
     stop = asyncio.Event()
 
@@ -583,8 +583,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _up(args: argparse.Namespace) -> int:
-    from shared.nats_server import NatsServerError
-    from shared.service_errors import ServiceStartError, check_can_listen
+    from kvmesh.shared.nats_server import NatsServerError
+    from kvmesh.shared.service_errors import ServiceStartError, check_can_listen
 
     try:
         config = config_from_args(UpConfig, args)

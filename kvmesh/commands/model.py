@@ -31,8 +31,8 @@ def register(subparsers: Any) -> None:
 
 
 def _run_seeded(args: argparse.Namespace) -> int:
-    from shared.model.config import ModelConfigError
-    from shared.model.seeded import SeededShape, num_parameters, write_seeded_checkpoint
+    from kvmesh.shared.model.config import ModelConfigError
+    from kvmesh.shared.model.seeded import SeededShape, num_parameters, write_seeded_checkpoint
 
     shape = SeededShape(
         hidden_size=args.hidden_size,

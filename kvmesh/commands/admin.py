@@ -11,19 +11,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from shared.logs import LEVELS
-from shared.nats_options import NatsClientConfig
-from shared.service_config import (
+from kvmesh.shared.logs import LEVELS
+from kvmesh.shared.nats_options import NatsClientConfig
+from kvmesh.shared.service_config import (
     DEFAULT_NATS_URL,
     ConfigError,
     add_config_arguments,
     config_from_args,
     option,
 )
-from shared.subjects import DEFAULT_MESH
+from kvmesh.shared.subjects import DEFAULT_MESH
 
 if TYPE_CHECKING:
-    from shared.nats_auth import NatsAuth
+    from kvmesh.shared.nats_auth import NatsAuth
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,9 +62,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _admin(args: argparse.Namespace) -> int:
-    from shared import logs
-    from shared.admin_client import AdminError
-    from shared.nats_service import NatsUnavailableError
+    from kvmesh.shared import logs
+    from kvmesh.shared.admin_client import AdminError
+    from kvmesh.shared.nats_service import NatsUnavailableError
 
     logs.setup_logging("warning")
 
@@ -100,10 +100,10 @@ class AdminTarget:
 def resolve_target(config: AdminConfig) -> AdminTarget:
     """Which mesh and NATS: the flags and environment first, then what ``kvmesh up`` recorded
     (of the meshes on --nats-url when it is given)."""
-    from shared.admin_client import AdminError
-    from shared.mesh_state import running_meshes
-    from shared.nats_auth import ADMIN, NatsAuth, auth_from_env
-    from shared.nats_options import strip_credentials
+    from kvmesh.shared.admin_client import AdminError
+    from kvmesh.shared.mesh_state import running_meshes
+    from kvmesh.shared.nats_auth import ADMIN, NatsAuth, auth_from_env
+    from kvmesh.shared.nats_options import strip_credentials
 
     url = config.nats_url
     url_given = url != DEFAULT_NATS_URL
@@ -139,7 +139,7 @@ def resolve_target(config: AdminConfig) -> AdminTarget:
 
 
 async def run_admin(config: AdminConfig, action: str, arg: str | None) -> Any:
-    from shared.admin_client import admin_client
+    from kvmesh.shared.admin_client import admin_client
 
     target = resolve_target(config)
     async with admin_client(

@@ -9,10 +9,10 @@ from typing import Any
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser("bench", help="benchmarks (engine, xfer, mesh, serve)")
     sub = p.add_subparsers(dest="bench", required=True, metavar="BENCH")
-    from loadgen.bench_engine import register_engine
-    from loadgen.bench_mesh import register_mesh
-    from loadgen.bench_serve import register_serve
-    from loadgen.bench_xfer import register_xfer
+    from kvmesh.loadgen.bench_engine import register_engine
+    from kvmesh.loadgen.bench_mesh import register_mesh
+    from kvmesh.loadgen.bench_serve import register_serve
+    from kvmesh.loadgen.bench_xfer import register_xfer
 
     register_engine(sub)
     register_xfer(sub)

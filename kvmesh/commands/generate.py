@@ -58,10 +58,10 @@ def register(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from shared.engine.config import EngineConfig
-    from shared.engine.llm_engine import LLMEngine
-    from shared.engine.sequence import RequestError, SamplingParams
-    from shared.model import ModelLoadError, load_model
+    from kvmesh.shared.engine.config import EngineConfig
+    from kvmesh.shared.engine.llm_engine import LLMEngine
+    from kvmesh.shared.engine.sequence import RequestError, SamplingParams
+    from kvmesh.shared.model import ModelLoadError, load_model
 
     try:
         params = SamplingParams(

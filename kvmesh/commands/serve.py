@@ -18,7 +18,7 @@ from dataclasses import dataclass, fields
 from types import ModuleType
 from typing import Any
 
-from shared.service_config import (
+from kvmesh.shared.service_config import (
     ConfigError,
     add_config_arguments,
     config_from_args,
@@ -28,11 +28,11 @@ from shared.service_config import (
 
 # service name -> (module, config overrides)
 SERVICES: dict[str, tuple[str, dict[str, Any]]] = {
-    "router": ("services.router", {}),
-    "prefill": ("services.prefill", {}),
-    "decode": ("services.decode", {}),
-    "kv-registry": ("services.kv_registry", {}),
-    "colocated": ("services.decode", {"mode": "colocated"}),
+    "router": ("kvmesh.services.router", {}),
+    "prefill": ("kvmesh.services.prefill", {}),
+    "decode": ("kvmesh.services.decode", {}),
+    "kv-registry": ("kvmesh.services.kv_registry", {}),
+    "colocated": ("kvmesh.services.decode", {"mode": "colocated"}),
 }
 
 
@@ -79,7 +79,7 @@ def load_service(name: str) -> ServiceSpec:
 
 
 def service_parser(spec: ServiceSpec) -> argparse.ArgumentParser:
-    from shared.logs import LogConfig
+    from kvmesh.shared.logs import LogConfig
 
     parser = argparse.ArgumentParser(
         prog=f"kvmesh serve {spec.name}",
@@ -95,7 +95,7 @@ def service_parser(spec: ServiceSpec) -> argparse.ArgumentParser:
 
 def service_env_keys(name: str) -> set[str]:
     """Every KVMESH_* variable ``kvmesh serve <name>`` reads (its config's and logging's)."""
-    from shared.logs import LogConfig
+    from kvmesh.shared.logs import LogConfig
 
     spec = load_service(name)
     keys = known_env_keys(spec.config_cls) | known_env_keys(LogConfig)
@@ -109,7 +109,7 @@ def build_service_config(
     """Parse ``argv`` (the flags after ``serve <name>``) -> (spec, service config, LogConfig).
 
     Exits (argparse) on unknown flags; raises ConfigError on bad values."""
-    from shared.logs import LogConfig
+    from kvmesh.shared.logs import LogConfig
 
     env = os.environ if env is None else env
     spec = load_service(name)
@@ -133,11 +133,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from shared import logs
-    from shared.nats_options import redact_url
-    from shared.nats_service import NatsUnavailableError
-    from shared.prefill_queue import PrefillQueueError
-    from shared.service_errors import ServiceStartError, find_error
+    from kvmesh.shared import logs
+    from kvmesh.shared.nats_options import redact_url
+    from kvmesh.shared.nats_service import NatsUnavailableError
+    from kvmesh.shared.prefill_queue import PrefillQueueError
+    from kvmesh.shared.service_errors import ServiceStartError, find_error
 
     try:
         spec, config, log_config = build_service_config(args.service, args.service_args)

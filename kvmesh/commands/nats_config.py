@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from shared.subjects import DEFAULT_MESH
+from kvmesh.shared.subjects import DEFAULT_MESH
 
 
 def register(subparsers: Any) -> None:
@@ -31,8 +31,8 @@ def register(subparsers: Any) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from shared.nats_auth import MeshCredentials, authorization_block
-    from shared.subjects import Subjects
+    from kvmesh.shared.nats_auth import MeshCredentials, authorization_block
+    from kvmesh.shared.subjects import Subjects
 
     if args.env_file is None:
         try:

@@ -1,0 +1,121 @@
+"""kvmesh installs under one import namespace: the repository's folders ``shared``, ``services``,
+``kernels`` and ``loadgen`` become ``kvmesh.shared`` ... and nothing of those names lands at the top
+of site-packages (``kernels`` is also Hugging Face's package). Checked on a wheel built here, not
+only on the editable install the suite runs from."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tomllib
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+
+
+def _folders_with_init() -> set[str]:
+    """Every package the repository's folders hold, under its installed name."""
+    found = set()
+    for name, folder in PYPROJECT["package-dir"].items():
+        for init in (ROOT / folder).rglob("__init__.py"):
+            rel = init.parent.relative_to(ROOT / folder)
+            found.add(".".join([name, *rel.parts]) if rel.parts else name)
+    return found
+
+
+def test_every_package_folder_is_listed_for_the_wheel():
+    assert set(PYPROJECT["packages"]) == _folders_with_init()
+
+
+def test_nothing_under_shared_imports_the_services_or_the_cli():
+    offenders = [
+        str(path.relative_to(ROOT))
+        for path in (ROOT / "shared").rglob("*.py")
+        if any(
+            f"{verb} kvmesh.{pkg}" in path.read_text()
+            for verb in ("from", "import")
+            for pkg in ("services", "cli", "commands", "loadgen")
+        )
+    ]
+    assert offenders == []
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("wheel")
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(out),
+            str(ROOT),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=240,
+    )
+    (built,) = out.glob("kvmesh-*.whl")
+    return built
+
+
+def test_wheel_holds_only_the_kvmesh_namespace_and_the_c_kernel(wheel):
+    names = zipfile.ZipFile(wheel).namelist()
+    tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+    assert tops == {"kvmesh"}
+    assert "kvmesh/kernels/cpu_ops.c" in names
+    assert "kvmesh/shared/protocol.py" in names and "kvmesh/cli.py" in names
+
+
+def test_wheel_imports_and_runs_its_command_outside_the_repository(wheel, tmp_path):
+    target = tmp_path / "site"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--target",
+            str(target),
+            str(wheel),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=240,
+    )
+    assert not any((target / top).exists() for top in ("shared", "services", "kernels", "loadgen"))
+    probe = (
+        "import kvmesh.shared.protocol, kvmesh.services.router, kvmesh.kernels.cpu_ops, kvmesh.cli;"
+        "print(kvmesh.shared.protocol.__file__);"
+        "kvmesh.cli.build_parser()"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", probe],
+        cwd=tmp_path,  # not the repository: its folders must not be what is imported
+        env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip().startswith(str(target))
+    help_run = subprocess.run(
+        [sys.executable, "-m", "kvmesh", "--help"],
+        cwd=tmp_path,
+        env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert help_run.returncode == 0 and "usage: kvmesh" in help_run.stdout, help_run.stderr
