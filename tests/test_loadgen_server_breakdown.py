@@ -74,3 +74,12 @@ def test_breakdown_reads_what_the_router_renders() -> None:
     metrics.record_prefill(PrefillReport("r", "prefill-0", 1.0, 3.0, 0.5, 0.25, 4))
     server = ServerBreakdown.between(before, parse_prometheus(metrics.render()))
     assert server == ServerBreakdown(1, 2.0, 0.25, 1, 1.0, 3.0, 0.25)
+
+
+def test_parse_prometheus_reads_quoted_braces_timestamps_and_skips_created() -> None:
+    text = (
+        'kvmesh_router_aborts_total{reason="bad {x}, y"} 2.0\n'
+        'kvmesh_router_aborts_total{reason="client disconnected"} 1.0 1700000000000\n'
+        'kvmesh_router_aborts_created{reason="client disconnected"} 1.7e9\n'
+    )
+    assert parse_prometheus(text) == {"kvmesh_router_aborts_total": 3.0}

@@ -1,0 +1,82 @@
+"""Every metric a decode (or colocated) worker exports on ``--metrics-port``, in one registry.
+
+The engine loop reports each step (``observe_step``); the load gauges follow the stats every
+advert carries (``observe_stats``), so they are at most one heartbeat old. The refusal counters
+of the transport are in the adverts too; the router exports those per worker
+(``kvmesh_decode_refused_accesses_total`` and friends, services/router/metrics.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+class DecodeMetrics:
+    """A decode worker's metrics, registered in ``self.registry`` (one per worker)."""
+
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.running = Gauge(
+            "kvmesh_decode_requests_running", "Sequences in the running batch.", registry=r
+        )
+        self.waiting = Gauge(
+            "kvmesh_decode_requests_waiting",
+            "Requests accepted but not yet running: queued for the batch, or reserved and "
+            "waiting for their remote prefill.",
+            registry=r,
+        )
+        self.kv_blocks_used = Gauge(
+            "kvmesh_decode_kv_blocks_used",
+            "KV blocks in use (running sequences, reservations, quarantine).",
+            registry=r,
+        )
+        self.kv_blocks_total = Gauge(
+            "kvmesh_decode_kv_blocks_total", "KV blocks in the worker's pool.", registry=r
+        )
+        self.step_seconds = Histogram(
+            "kvmesh_decode_step_seconds",
+            "Duration of one engine step (schedule, forward pass, sampling).",
+            buckets=STEP_BUCKETS,
+            registry=r,
+        )
+        self.batch_size = Histogram(
+            "kvmesh_decode_batch_size",
+            "Sequences that got a new token in one engine step.",
+            buckets=BATCH_BUCKETS,
+            registry=r,
+        )
+        self.preemptions = Counter(
+            "kvmesh_decode_preemptions_total",
+            "Running sequences preempted for lack of KV blocks (recomputed later).",
+            registry=r,
+        )
+        self.generated_tokens = Counter(
+            "kvmesh_decode_generated_tokens_total", "Output tokens sampled.", registry=r
+        )
+        self._num_preemptions = 0  # the engine's running total at the last step
+
+    def observe_step(
+        self, seconds: float, batch_size: int, num_tokens: int, num_preemptions: int
+    ) -> None:
+        """One engine step took ``seconds`` and gave ``num_tokens`` to ``batch_size`` sequences;
+        ``num_preemptions`` is the scheduler's running total."""
+        self.step_seconds.observe(seconds)
+        if batch_size:
+            self.batch_size.observe(batch_size)
+        self.generated_tokens.inc(num_tokens)
+        if num_preemptions > self._num_preemptions:
+            self.preemptions.inc(num_preemptions - self._num_preemptions)
+        self._num_preemptions = num_preemptions
+
+    def observe_stats(self, stats: Mapping[str, Any]) -> None:
+        """The worker's stats (``DecodeWorker.stats()``: what its advert reports)."""
+        self.running.set(stats["num_running"])
+        self.waiting.set(stats["num_waiting"])
+        self.kv_blocks_total.set(stats["total_blocks"])
+        self.kv_blocks_used.set(stats["total_blocks"] - stats["free_blocks"])

@@ -1,0 +1,105 @@
+"""Every metric the kv-registry exports on ``--metrics-port``, in one registry.
+
+Placements and refusals are counted as the service answers (``observe_place``); leases and
+workers are read from the registry's core when Prometheus scrapes (``CoreCollector``), so they
+are exact without a call at every place the core changes them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from kvmesh.services.kv_registry.core import Registry
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+PLACE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+ROLES = ("kv-registry", "router", "prefill", "decode", "colocated")
+
+# Refusal reasons (the ``reason`` label): core.Refusal's, then the service's own.
+REFUSAL_REASONS = (
+    "no_workers",  # no live decode worker registered
+    "draining",  # every fitting worker is draining
+    "mismatch",  # no worker serves the model/layout/mode, or the prompt exceeds every pool
+    "full",  # every fitting worker is out of free KV blocks right now
+    "reserve_failed",  # the chosen workers refused the reservation or did not answer
+    "worker_gone",  # the worker was dropped while its reservation was in flight
+    "malformed",  # the place request did not decode
+)
+
+
+class CoreCollector(Collector):
+    """Lease outcomes and live workers, read from ``core`` at scrape time."""
+
+    def __init__(self, core: Registry) -> None:
+        self.core = core
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        counters = self.core.counters
+        leases = CounterMetricFamily(
+            "kvmesh_registry_leases",
+            "Leases on decode blocks by outcome: granted (a remote prefill may write), "
+            "completed (its PrefillDone came), expired (no renewal in time), dropped (its decode "
+            "worker died).",
+            labels=("outcome",),
+        )
+        for outcome in ("granted", "completed", "expired", "dropped"):
+            leases.add_metric((outcome,), getattr(counters, outcome))
+        yield leases
+        yield GaugeMetricFamily(
+            "kvmesh_registry_leases_active",
+            "Leases granted and not yet over.",
+            len(self.core.leases),
+        )
+        workers = GaugeMetricFamily(
+            "kvmesh_registry_workers",
+            "Workers the registry knows (heard within their timeout), by role.",
+            labels=("role",),
+        )
+        by_role = dict.fromkeys(ROLES, 0)  # every role, 0 included: a pool that died shows
+        for w in self.core.decode.values():
+            role = "colocated" if w.advert.mode == "colocated" else "decode"
+            by_role[role] = by_role.get(role, 0) + 1
+        for p in self.core.peers.values():
+            by_role[p.heartbeat.role] = by_role.get(p.heartbeat.role, 0) + 1
+        for role, count in by_role.items():
+            workers.add_metric((role,), count)
+        yield workers
+
+
+class RegistryMetrics:
+    """The kv-registry's metrics, registered in ``self.registry`` (one per registry)."""
+
+    def __init__(self, core: Registry) -> None:
+        self.registry = r = CollectorRegistry()
+        self.placements = Counter(
+            "kvmesh_registry_placements_total",
+            "Requests placed on a decode worker, by where their prompt is prefilled.",
+            ("prefill",),
+            registry=r,
+        )
+        self.refusals = Counter(
+            "kvmesh_registry_refusals_total",
+            "Place requests refused, by reason: " + ", ".join(REFUSAL_REASONS) + ".",
+            ("reason",),
+            registry=r,
+        )
+        self.place_seconds = Histogram(
+            "kvmesh_registry_place_seconds",
+            "Time to answer a place request (choosing, reserving on decode workers).",
+            buckets=PLACE_BUCKETS,
+            registry=r,
+        )
+        self.core = CoreCollector(core)
+        r.register(self.core)
+
+    def observe_place(self, seconds: float, *, local_prefill: bool, refusal: str = "") -> None:
+        """A place request was answered: placed, or refused for reason ``refusal``."""
+        assert not refusal or refusal in REFUSAL_REASONS, refusal
+        self.place_seconds.observe(seconds)
+        if refusal:
+            self.refusals.labels(refusal).inc()
+        else:
+            self.placements.labels("local" if local_prefill else "remote").inc()
