@@ -21,8 +21,8 @@ import contextlib
 import signal
 import ssl
 import uuid
-from collections.abc import AsyncIterator, Callable, Coroutine
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
 
 import nats
 import nats.micro
@@ -44,6 +44,9 @@ from nats.micro.service import Service
 log = logs.get_logger(__name__)
 
 SERVICE_VERSION = "0.1.0"
+
+M = TypeVar("M")
+Handler = Callable[[Any], Awaitable[None]]
 
 
 class NatsUnavailableError(ConnectionError):
@@ -192,7 +195,7 @@ async def publish_every(
     assert interval_s > 0, interval_s
     while True:
         try:
-            await nc.publish(subject, protocol.encode(make_message()))
+            await nc.publish(subject, protocol.encode_message(make_message()))
         except nats.errors.Error as exc:
             log.debug("periodic publish failed", subject=subject, error=str(exc))
         await asyncio.sleep(interval_s)
@@ -210,35 +213,64 @@ async def heartbeat_loop(
     await publish_every(nc, subjects.heartbeat(role, worker_id), make_heartbeat, interval_s)
 
 
+def on_message(
+    cls: type[M], handle: Callable[[M], Awaitable[None]]
+) -> Callable[[Msg], Awaitable[None]]:
+    """A subscription callback: decodes each message as ``cls`` and awaits ``handle(message)``.
+    A malformed message (another version's, a stray publisher's) is logged and dropped: a message
+    is data, never a reason for a service to fail."""
+
+    async def callback(msg: Msg) -> None:
+        try:
+            body = protocol.decode_message(msg.data, cls)
+        except protocol.MessageError as exc:
+            log.warning("ignored malformed message", subject=msg.subject, error=str(exc))
+            return
+        await handle(body)
+
+    return callback
+
+
+@contextlib.asynccontextmanager
+async def subscriptions(nc: Client, *routes: tuple[str, type[Any], Handler]) -> AsyncIterator[None]:
+    """Subscribe ``(subject, message type, handler)`` routes for the duration of the block: each
+    message is decoded as its route's type and handed to its handler (``on_message``)."""
+    subs = []
+    try:
+        for subject, cls, handle in routes:
+            subs.append(await nc.subscribe(subject, cb=on_message(cls, handle)))
+        yield
+    finally:
+        if not nc.is_closed:
+            for sub in subs:
+                with contextlib.suppress(nats.errors.Error):
+                    await sub.unsubscribe()
+
+
 @contextlib.asynccontextmanager
 async def log_level_control(nc: Client, subjects: Subjects) -> AsyncIterator[None]:
     """Follow ``subjects.CONTROL_LOG_LEVEL``: each LogLevel message sets this process's level."""
 
-    async def on_message(msg: Msg) -> None:
+    async def set_level(message: protocol.LogLevel) -> None:
         try:
-            level = protocol.decode(msg.data, protocol.LogLevel).level
-            logs.set_level(level)
-        except ValueError as exc:  # ProtocolError is a ValueError too
+            logs.set_level(message.level)
+        except ValueError as exc:
             log.warning("ignored log-level message", error=str(exc))
             return
-        log.warning(f"log level changed to {level}", level=level)
+        log.warning(f"log level changed to {message.level}", level=message.level)
 
-    sub = await nc.subscribe(subjects.CONTROL_LOG_LEVEL, cb=on_message)
-    try:
+    async with subscriptions(nc, (subjects.CONTROL_LOG_LEVEL, protocol.LogLevel, set_level)):
         yield
-    finally:
-        if not nc.is_closed:
-            await sub.unsubscribe()
 
 
 async def read_worker_control(req: Request) -> str | None:
     """The action of a ``WorkerControl`` request, "drain" or "resume"; a malformed one is
     answered with a 400 here and gives None."""
     try:
-        action = protocol.decode(req.data, protocol.WorkerControl).action
+        action = protocol.decode_message(req.data, protocol.WorkerControl).action
         if action not in ("drain", "resume"):
-            raise protocol.ProtocolError(f"WorkerControl.action: {action!r} is not drain or resume")
-    except protocol.ProtocolError as exc:
+            raise protocol.MessageError(f"WorkerControl.action: {action!r} is not drain or resume")
+    except protocol.MessageError as exc:
         await req.respond_error("400", str(exc))
         return None
     return action

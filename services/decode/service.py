@@ -10,17 +10,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
 import nats.errors
 import torch
 from kvmesh.services.decode.config import DecodeConfig
 from kvmesh.services.decode.windows import LeaseWindows
 from kvmesh.services.decode.worker import DecodeWorker
 from kvmesh.shared import logs
+from kvmesh.shared.descriptor import TransportDescriptor
 from kvmesh.shared.engine.config import EngineConfig
 from kvmesh.shared.engine.kv_cache import KVCacheSpec
 from kvmesh.shared.engine.llm_engine import LLMEngine
@@ -32,26 +33,26 @@ from kvmesh.shared.nats_service import (
     new_worker_id,
     read_worker_control,
     serve_until_signal,
+    subscriptions,
     worker_presence,
 )
 from kvmesh.shared.protocol import (
     Abort,
     DecodeAdvert,
     LeaseRenew,
+    MessageError,
     PrefillDone,
     PrefillStarted,
-    ProtocolError,
     ReserveRequest,
     WorkerGone,
     WorkerHeartbeat,
-    decode,
-    encode,
+    decode_message,
+    encode_message,
     kv_spec_fingerprint,
     model_spec,
 )
 from kvmesh.shared.transport import Access, Transport, TransportConfig, create_transport
 from nats.aio.client import Client
-from nats.aio.msg import Msg
 from nats.micro.request import Request
 
 log = logs.get_logger(__name__)
@@ -77,32 +78,6 @@ def engine_config(config: DecodeConfig, model: Any) -> tuple[EngineConfig, KVCac
         ),
         spec,
     )
-
-
-def _handler(cls: type, on: Callable[[Any], Awaitable[None]]) -> Callable[[Msg], Awaitable[None]]:
-    """A subscription callback that decodes ``cls`` and drops (logs) malformed messages."""
-
-    async def callback(msg: Msg) -> None:
-        try:
-            body = decode(msg.data, cls)
-        except ProtocolError as exc:
-            log.warning("ignored malformed message", subject=msg.subject, error=str(exc))
-            return
-        await on(body)
-
-    return callback
-
-
-@contextlib.asynccontextmanager
-async def subscriptions(nc: Client, *subs: tuple[str, Callable[[Msg], Awaitable[None]]]):
-    handles = [await nc.subscribe(subject, cb=cb) for subject, cb in subs]
-    try:
-        yield
-    finally:
-        if not nc.is_closed:
-            for h in handles:
-                with contextlib.suppress(nats.errors.Error):
-                    await h.unsubscribe()
 
 
 class DecodeService:
@@ -153,7 +128,7 @@ class DecodeService:
             **self.advert_fields,
             **s,
         )
-        await self.nc.publish(self.worker.subjects.REGISTRY_ADVERTISE, encode(advert))
+        await self.nc.publish(self.worker.subjects.REGISTRY_ADVERTISE, encode_message(advert))
 
     async def advert_loop(self) -> None:
         while True:
@@ -175,18 +150,18 @@ class DecodeService:
 
     async def _reserve(self, req: Request) -> None:
         try:
-            body = decode(req.data, ReserveRequest)
-        except ProtocolError as exc:
+            body = decode_message(req.data, ReserveRequest)
+        except MessageError as exc:
             await req.respond_error("400", str(exc))
             return
         max_lease_ms = int(self.config.max_lease_s * 1000)
         if body.lease_ms > max_lease_ms:  # policy: nobody holds blocks longer than this unrenewed
-            body = dataclasses.replace(body, lease_ms=max_lease_ms)
+            body = msgspec.structs.replace(body, lease_ms=max_lease_ms)
         reply = await self.worker.reserve(body)
         if not reply.ok:
             log.info("reserve refused", request_id=body.request_id, error=reply.error)
         try:
-            await req.respond(encode(reply))
+            await req.respond(encode_message(reply))
         except nats.errors.Error as exc:  # the registry gave up waiting; the lease frees it
             log.warning("reserve reply not sent", request_id=body.request_id, error=str(exc))
 
@@ -197,7 +172,7 @@ class DecodeService:
         self.worker.is_draining = action == "drain"
         log.info("worker control", action=action)
         await self.advertise()
-        await req.respond(encode(self.heartbeat()))
+        await req.respond(encode_message(self.heartbeat()))
 
     async def on_abort(self, msg: Abort) -> None:
         await self.worker.abort(msg.request_id, msg.job_withdrawn)
@@ -272,7 +247,11 @@ async def decode_service(config: DecodeConfig) -> AsyncIterator[DecodeService]:
             worker,
             transport,
             nc,
-            descriptor=transport.descriptor().public().to_dict() if transport else {},
+            descriptor=(
+                TransportDescriptor.from_peer(transport.descriptor().public())
+                if transport
+                else None
+            ),
             base_addr=region.addr if region else 0,
             block_bytes=spec.block_bytes,
             block_size=spec.block_size,
@@ -292,20 +271,15 @@ async def decode_service(config: DecodeConfig) -> AsyncIterator[DecodeService]:
             ) as svc,
             subscriptions(
                 nc,
-                (
-                    subjects.decode_prefill_done(worker_id),
-                    _handler(PrefillDone, service.on_prefill_done),
-                ),
-                (subjects.ABORT, _handler(Abort, service.on_abort)),
+                (subjects.decode_prefill_done(worker_id), PrefillDone, service.on_prefill_done),
+                (subjects.ABORT, Abort, service.on_abort),
                 (
                     subjects.decode_prefill_started(worker_id),
-                    _handler(PrefillStarted, service.on_prefill_started),
+                    PrefillStarted,
+                    service.on_prefill_started,
                 ),
-                (subjects.REGISTRY_WORKER_GONE, _handler(WorkerGone, service.on_worker_gone)),
-                (
-                    subjects.decode_lease_renew(worker_id),
-                    _handler(LeaseRenew, service.on_lease_renew),
-                ),
+                (subjects.REGISTRY_WORKER_GONE, WorkerGone, service.on_worker_gone),
+                (subjects.decode_lease_renew(worker_id), LeaseRenew, service.on_lease_renew),
             ),
             asyncio.TaskGroup() as service.tg,
             background(

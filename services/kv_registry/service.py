@@ -25,6 +25,7 @@ from kvmesh.shared.nats_service import (
     connect_nats,
     new_worker_id,
     serve_until_signal,
+    subscriptions,
     worker_presence,
 )
 from kvmesh.shared.prefill_queue import queue_status
@@ -32,10 +33,10 @@ from kvmesh.shared.protocol import (
     DecodeAdvert,
     LeaseRenew,
     LogLevel,
+    MessageError,
     PlaceReply,
     PlaceRequest,
     PrefillDone,
-    ProtocolError,
     ReserveReply,
     ReserveRequest,
     WorkerControl,
@@ -44,7 +45,6 @@ from kvmesh.shared.protocol import (
 )
 from kvmesh.shared.subjects import Subjects
 from nats.aio.client import Client
-from nats.aio.msg import Msg
 from nats.micro.request import ERROR_HEADER, Request
 
 log = logs.get_logger(__name__)
@@ -93,9 +93,8 @@ class RegistryService:
 
     # --- what the workers publish ---------------------------------------------------------------
 
-    async def on_advert(self, msg: Msg) -> None:
-        advert = _decode_or_log(msg, DecodeAdvert)
-        if advert is not None and self.core.observe_advert(advert, self.clock()):
+    async def on_advert(self, advert: DecodeAdvert) -> None:
+        if self.core.observe_advert(advert, self.clock()):
             log.info(
                 "decode worker joined",
                 worker_id=advert.worker_id,
@@ -104,21 +103,15 @@ class RegistryService:
                 free_blocks=advert.free_blocks,
             )
 
-    async def on_heartbeat(self, msg: Msg) -> None:
-        heartbeat = _decode_or_log(msg, WorkerHeartbeat)
-        if heartbeat is not None:
-            self.core.observe_heartbeat(heartbeat, self.clock())
+    async def on_heartbeat(self, heartbeat: WorkerHeartbeat) -> None:
+        self.core.observe_heartbeat(heartbeat, self.clock())
 
-    async def on_prefill_done(self, msg: Msg) -> None:
-        done = _decode_or_log(msg, PrefillDone)
-        if done is not None:
-            self.core.complete_lease(done.lease_id)
+    async def on_prefill_done(self, done: PrefillDone) -> None:
+        self.core.complete_lease(done.lease_id)
 
-    async def on_lease_renew(self, msg: Msg) -> None:
-        renew = _decode_or_log(msg, LeaseRenew)
-        if renew is not None:
-            expires_at = self.clock() + renew.lease_ms / 1000.0
-            self.core.renew_lease(renew.lease_id, renew.request_id, expires_at)
+    async def on_lease_renew(self, renew: LeaseRenew) -> None:
+        expires_at = self.clock() + renew.lease_ms / 1000.0
+        self.core.renew_lease(renew.lease_id, renew.request_id, expires_at)
 
     async def expiry_loop(self) -> None:
         interval = min(0.5, self.config.heartbeat_s / 2)
@@ -131,7 +124,7 @@ class RegistryService:
                 row = before.get(worker_id, {"role": "?", "last_seen_s": 0.0})
                 gone = WorkerGone(worker_id, row["role"], float(row["last_seen_s"]))
                 try:  # requests on it fail or move now, not at their timeouts
-                    await self.nc.publish(self.subjects.REGISTRY_WORKER_GONE, protocol.encode(gone))
+                    await self.nc.publish(self.subjects.REGISTRY_WORKER_GONE, protocol.encode_message(gone))
                 except nats.errors.Error as exc:
                     log.warning("could not announce a dropped worker", error=str(exc))
             for lease in expired:
@@ -152,12 +145,12 @@ class RegistryService:
 
     async def _answer_place(self, req: Request) -> None:
         try:
-            request = protocol.decode(req.data, PlaceRequest)
-        except ProtocolError as exc:
+            request = protocol.decode_message(req.data, PlaceRequest)
+        except MessageError as exc:
             reply = PlaceReply(ok=False, request_id=_request_id_of(req.data), error=str(exc))
         else:
             reply = await self.place(request)
-        await req.respond(protocol.encode(reply))
+        await req.respond(protocol.encode_message(reply))
 
     async def place(self, request: PlaceRequest) -> PlaceReply:
         tried: set[str] = set()
@@ -205,7 +198,7 @@ class RegistryService:
         try:
             msg = await self.nc.request(
                 self.subjects.decode_reserve(choice.worker_id),
-                protocol.encode(body),
+                protocol.encode_message(body),
                 timeout=self.config.reserve_timeout_s,
             )
         except nats.errors.NoRespondersError:
@@ -215,8 +208,8 @@ class RegistryService:
         if msg.headers and ERROR_HEADER in msg.headers:
             return refuse(msg.headers[ERROR_HEADER])
         try:
-            reply = protocol.decode(msg.data, ReserveReply)
-        except ProtocolError as exc:
+            reply = protocol.decode_message(msg.data, ReserveReply)
+        except MessageError as exc:
             return refuse(f"malformed reserve reply: {exc}")
         if reply.ok and reply.worker_id != choice.worker_id:
             return refuse(f"reply names worker {reply.worker_id!r}")
@@ -279,7 +272,7 @@ class RegistryService:
         try:
             msg = await self.nc.request(
                 subject,
-                protocol.encode(WorkerControl(action=action)),
+                protocol.encode_message(WorkerControl(action=action)),
                 timeout=self.config.admin_timeout_s,
             )
         except nats.errors.NoRespondersError:
@@ -310,7 +303,7 @@ class RegistryService:
             )
         level = level.strip().lower()
         await self.nc.publish(
-            self.subjects.CONTROL_LOG_LEVEL, protocol.encode(LogLevel(level=level))
+            self.subjects.CONTROL_LOG_LEVEL, protocol.encode_message(LogLevel(level=level))
         )
         return {"ok": True, "level": level}
 
@@ -334,14 +327,6 @@ def _refused(request: PlaceRequest, error: str, retry_after_s: float) -> PlaceRe
     )
 
 
-def _decode_or_log(msg: Msg, cls: type) -> Any:
-    try:
-        return protocol.decode(msg.data, cls)
-    except ProtocolError as exc:
-        log.warning("dropped a malformed message", subject=msg.subject, error=str(exc))
-        return None
-
-
 def _request_id_of(data: bytes) -> str:
     with contextlib.suppress(orjson.JSONDecodeError):
         raw = orjson.loads(data)
@@ -360,22 +345,25 @@ async def registry_service(config: RegistryConfig) -> AsyncIterator[RegistryServ
         asyncio.TaskGroup() as tg,
     ):
         service = RegistryService(config, nc, tg, worker_id, subjects)
-        subs = [
-            await nc.subscribe(subjects.REGISTRY_ADVERTISE, cb=service.on_advert),
-            await nc.subscribe(subjects.HEARTBEAT_ALL, cb=service.on_heartbeat),
-            await nc.subscribe(subjects.decode_prefill_done("*"), cb=service.on_prefill_done),
-            await nc.subscribe(subjects.DECODE_LEASE_RENEW_ALL, cb=service.on_lease_renew),
-        ]
         expiry = tg.create_task(service.expiry_loop())
         try:
-            async with worker_presence(
-                nc,
-                subjects,
-                role=ROLE,
-                worker_id=worker_id,
-                heartbeat=service.heartbeat,
-                interval_s=config.heartbeat_s,
-            ) as svc:
+            async with (
+                subscriptions(
+                    nc,
+                    (subjects.REGISTRY_ADVERTISE, DecodeAdvert, service.on_advert),
+                    (subjects.HEARTBEAT_ALL, WorkerHeartbeat, service.on_heartbeat),
+                    (subjects.decode_prefill_done("*"), PrefillDone, service.on_prefill_done),
+                    (subjects.DECODE_LEASE_RENEW_ALL, LeaseRenew, service.on_lease_renew),
+                ),
+                worker_presence(
+                    nc,
+                    subjects,
+                    role=ROLE,
+                    worker_id=worker_id,
+                    heartbeat=service.heartbeat,
+                    interval_s=config.heartbeat_s,
+                ) as svc,
+            ):
                 await svc.add_endpoint(
                     name="place", subject=subjects.REGISTRY_PLACE, handler=service.on_place
                 )
@@ -395,9 +383,6 @@ async def registry_service(config: RegistryConfig) -> AsyncIterator[RegistryServ
                 yield service
         finally:
             expiry.cancel()
-            for sub in subs:
-                with contextlib.suppress(nats.errors.Error):
-                    await sub.unsubscribe()
 
 
 async def run_registry(config: RegistryConfig) -> None:

@@ -13,14 +13,14 @@ import contextlib
 import os
 import time
 from collections.abc import AsyncIterator
-from typing import Any
 
+import msgspec
 import nats.errors
-import orjson
 import torch
 from kvmesh.services.prefill.config import PrefillConfig
 from kvmesh.services.prefill.worker import PrefillWorker
 from kvmesh.shared import logs
+from kvmesh.shared.descriptor import TransportDescriptor
 from kvmesh.shared.engine.config import EngineConfig
 from kvmesh.shared.engine.llm_engine import LLMEngine
 from kvmesh.shared.model.config import parse_dtype
@@ -31,27 +31,26 @@ from kvmesh.shared.nats_service import (
     new_worker_id,
     read_worker_control,
     serve_until_signal,
+    subscriptions,
     worker_presence,
 )
 from kvmesh.shared.prefill_queue import PrefillJobQueue
 from kvmesh.shared.protocol import (
     Abort,
     DecodeAdvert,
+    MessageError,
     PrefillJob,
-    ProtocolError,
     WorkerHeartbeat,
-    decode,
-    encode,
+    decode_message,
+    encode_message,
     kv_spec_fingerprint,
 )
 from kvmesh.shared.transport import (
     Endpoint,
-    PeerDescriptor,
     Transport,
     TransportConfig,
     create_transport,
 )
-from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.micro.request import Request
 
@@ -67,22 +66,22 @@ class EndpointCache:
         self._connecting: dict[bytes, asyncio.Lock] = {}
 
     @staticmethod
-    def _key(descriptor: dict[str, Any]) -> bytes:
-        return orjson.dumps(descriptor, option=orjson.OPT_SORT_KEYS)
+    def _key(descriptor: TransportDescriptor) -> bytes:
+        return msgspec.json.encode(descriptor)
 
-    async def get(self, descriptor: dict[str, Any]) -> Endpoint:
+    async def get(self, descriptor: TransportDescriptor) -> Endpoint:
         key = self._key(descriptor)
         endpoint = self._endpoints.get(key)
         if endpoint is not None:
             return endpoint
         async with self._connecting.setdefault(key, asyncio.Lock()):
             if key not in self._endpoints:
-                peer = PeerDescriptor.from_dict(descriptor)
+                peer = descriptor.to_peer()
                 self._endpoints[key] = await self.transport.connect(peer)
                 log.info("connected to decode worker", peer=peer.peer_id)
             return self._endpoints[key]
 
-    async def forget(self, descriptor: dict[str, Any]) -> None:
+    async def forget(self, descriptor: TransportDescriptor) -> None:
         endpoint = self._endpoints.pop(self._key(descriptor), None)
         if endpoint is not None:
             with contextlib.suppress(Exception):
@@ -137,8 +136,8 @@ class PrefillService:
                 self._slots.release()
                 continue
             try:
-                job = decode(msg.data, PrefillJob)
-            except ProtocolError as exc:
+                job = decode_message(msg.data, PrefillJob)
+            except MessageError as exc:
                 self._slots.release()
                 await _ack_quietly(queue, msg)  # nobody can do anything with it
                 log.warning("ignored malformed prefill job", error=str(exc))
@@ -181,20 +180,12 @@ class PrefillService:
             return
         self.is_draining = action == "drain"
         log.warning(f"worker control: {action}", worker_id=self.worker.worker_id)
-        await req.respond(encode(self.heartbeat()))
+        await req.respond(encode_message(self.heartbeat()))
 
-    async def on_abort(self, msg: Msg) -> None:
-        try:
-            abort = decode(msg.data, Abort)
-        except ProtocolError:
-            return
+    async def on_abort(self, abort: Abort) -> None:
         await self.worker.abort(abort.request_id, abort.reason)
 
-    async def on_advert(self, msg: Msg) -> None:
-        try:
-            advert = decode(msg.data, DecodeAdvert)
-        except ProtocolError:
-            return
+    async def on_advert(self, advert: DecodeAdvert) -> None:
         self.worker.adverts.note(advert)
 
 
@@ -248,8 +239,11 @@ async def prefill_service(config: PrefillConfig) -> AsyncIterator[PrefillService
                     heartbeat=service.heartbeat,
                     interval_s=config.heartbeat_s,
                 ) as svc,
-                _subscribe(nc, subjects.ABORT, service.on_abort),
-                _subscribe(nc, subjects.REGISTRY_ADVERTISE, service.on_advert),
+                subscriptions(
+                    nc,
+                    (subjects.ABORT, Abort, service.on_abort),
+                    (subjects.REGISTRY_ADVERTISE, DecodeAdvert, service.on_advert),
+                ),
                 PrefillJobQueue(nc, subjects) as queue,
                 background(worker.run(), service.pull_loop(queue)),
             ):
@@ -273,17 +267,6 @@ async def prefill_service(config: PrefillConfig) -> AsyncIterator[PrefillService
 async def _ack_quietly(queue: PrefillJobQueue, msg: Msg) -> None:
     with contextlib.suppress(nats.errors.Error):
         await queue.ack(msg)
-
-
-@contextlib.asynccontextmanager
-async def _subscribe(nc: Client, subject: str, cb, queue: str = "") -> AsyncIterator[None]:
-    sub = await nc.subscribe(subject, queue=queue, cb=cb)
-    try:
-        yield
-    finally:
-        if not nc.is_closed:
-            with contextlib.suppress(nats.errors.Error):
-                await sub.unsubscribe()
 
 
 async def run(config: PrefillConfig) -> None:
