@@ -1,5 +1,9 @@
 """structlog on top of stdlib logging: one line per event, JSON (containers) or console (humans).
 
+Every line about a request carries its ``request_id``: a handler binds it once for the code
+it runs (``request_context``), so one ``grep <request id>`` over every service's log follows the
+request across the mesh.
+
 Levels are stdlib levels on the root logger, so ``set_level`` (driven by the
 ``kvmesh.control.log_level`` subject) changes every logger of the process at run time, kvmesh's
 and libraries' alike.
@@ -7,8 +11,10 @@ and libraries' alike.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -89,6 +95,16 @@ def get_logger(name: str) -> structlog.stdlib.BoundLogger:
     import structlog
 
     return structlog.get_logger(name)
+
+
+@contextlib.contextmanager
+def request_context(request_id: str) -> Iterator[None]:
+    """Inside the block, every log line of this task (and of the tasks and threads it starts)
+    carries ``request_id``; contextvars keep concurrent requests apart."""
+    import structlog
+
+    with structlog.contextvars.bound_contextvars(request_id=request_id):
+        yield
 
 
 def is_sampled(count: int) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import aiohttp
 import pytest
 from kvmesh.services.decode.metrics import DecodeMetrics
-from kvmesh.services.kv_registry.core import LeaseCounters, Registry
+from kvmesh.services.kv_registry.core import LeaseCounters, RegistryState
 from kvmesh.services.kv_registry.metrics import RegistryMetrics
 from kvmesh.services.prefill.metrics import PrefillMetrics
 from kvmesh.services.prefill.plan import PrefillTiming
@@ -81,7 +81,7 @@ def test_prefill_metrics_count_bytes_bandwidth_and_job_outcomes() -> None:
 
 
 def test_registry_metrics_read_leases_from_the_core_at_scrape_time() -> None:
-    core = Registry(worker_timeout_s=3.0)
+    core = RegistryState(worker_timeout_s=3.0)
     m = RegistryMetrics(core)
     core.counters = LeaseCounters(granted=4, completed=2, expired=1, dropped=1)
     m.observe_place(0.01, local_prefill=False)
@@ -94,3 +94,42 @@ def test_registry_metrics_read_leases_from_the_core_at_scrape_time() -> None:
     assert value("kvmesh_registry_placements_total", {"prefill": "remote"}) == 1
     assert value("kvmesh_registry_refusals_total", {"reason": "full"}) == 1
     assert value("kvmesh_registry_place_seconds_count") == 2
+
+
+async def test_request_context_puts_the_request_id_on_every_line_of_its_task(capsys) -> None:
+    import asyncio
+
+    from kvmesh.shared import logs
+
+    logs.setup_logging("info", "json")
+    log = logs.get_logger("kvmesh.test")
+
+    async def handle(request_id: str, started: asyncio.Event, go: asyncio.Event) -> None:
+        with logs.request_context(request_id):
+            started.set()
+            await go.wait()  # the other request logs meanwhile: contexts must not mix
+            log.info("handled")
+            await asyncio.to_thread(log.info, "in a thread")
+
+    go = asyncio.Event()
+    first, second = asyncio.Event(), asyncio.Event()
+    tasks = [
+        asyncio.create_task(handle("req-a", first, go)),
+        asyncio.create_task(handle("req-b", second, go)),
+    ]
+    await first.wait()
+    await second.wait()
+    go.set()
+    await asyncio.gather(*tasks)
+    log.info("outside")
+    import json
+
+    lines = [json.loads(line) for line in capsys.readouterr().err.splitlines()]
+    by_event = sorted((line["event"], line.get("request_id")) for line in lines)
+    assert by_event == [
+        ("handled", "req-a"),
+        ("handled", "req-b"),
+        ("in a thread", "req-a"),
+        ("in a thread", "req-b"),
+        ("outside", None),
+    ]

@@ -8,11 +8,14 @@ are exact without a call at every place the core changes them.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
-from kvmesh.services.kv_registry.core import Registry
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from kvmesh.services.kv_registry.core import RegistryState
 
 PLACE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
@@ -33,7 +36,7 @@ REFUSAL_REASONS = (
 class CoreCollector(Collector):
     """Lease outcomes and live workers, read from ``core`` at scrape time."""
 
-    def __init__(self, core: Registry) -> None:
+    def __init__(self, core: RegistryState) -> None:
         self.core = core
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
@@ -72,7 +75,7 @@ class CoreCollector(Collector):
 class RegistryMetrics:
     """The kv-registry's metrics, registered in ``self.registry`` (one per registry)."""
 
-    def __init__(self, core: Registry) -> None:
+    def __init__(self, core: RegistryState) -> None:
         self.registry = r = CollectorRegistry()
         self.placements = Counter(
             "kvmesh_registry_placements_total",
