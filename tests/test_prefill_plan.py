@@ -8,12 +8,12 @@ from kvmesh.services.prefill.plan import (
     KVSpecMismatchError,
     PlanError,
     PrefillTimeline,
-    Span,
+    WriteSpan,
 )
 from kvmesh.shared import protocol
-from kvmesh.shared.protocol import imm_slot
+from kvmesh.shared.descriptor import TransportDescriptor
+from kvmesh.shared.imm import imm_slot, unpack_imm
 from kvmesh.shared.subjects import Subjects
-from kvmesh.shared.transport.base import unpack_imm
 
 BS, BB = 16, 1024  # block size in tokens, block bytes
 BASE = 0x10_0000
@@ -27,11 +27,11 @@ def test_chunks_map_prompt_blocks_in_order_and_merge_adjacent_runs():
     # 70 tokens -> 5 blocks; decode reserved blocks 3,4,5,9,10
     planner = ChunkPlanner(70, BS, BB, _remote([3, 4, 5, 9, 10]), BB)
     w0 = planner.plan(0, 32, (7, 8), is_last=False)
-    assert w0.spans == (Span(7 * BB, BASE + 3 * BB, 2 * BB),)
+    assert w0.spans == (WriteSpan(7 * BB, BASE + 3 * BB, 2 * BB),)
     w1 = planner.plan(1, 64, (2, 9), is_last=False)  # local not adjacent: two spans
-    assert w1.spans == (Span(2 * BB, BASE + 5 * BB, BB), Span(9 * BB, BASE + 9 * BB, BB))
+    assert w1.spans == (WriteSpan(2 * BB, BASE + 5 * BB, BB), WriteSpan(9 * BB, BASE + 9 * BB, BB))
     w2 = planner.plan(2, 70, (10,), is_last=True)  # the partial last block goes whole
-    assert w2.spans == (Span(10 * BB, BASE + 10 * BB, BB),) and w2.is_last
+    assert w2.spans == (WriteSpan(10 * BB, BASE + 10 * BB, BB),) and w2.is_last
     assert [w.num_bytes for w in (w0, w1, w2)] == [2 * BB, 2 * BB, BB]
 
 
@@ -150,7 +150,8 @@ async def _prefill_setup(tiny, num_remote_blocks=64):
             forget_endpoint=forget,
             advert_wait_s=0.2,
         )
-        worker.adverts.note(_advert(decode_side.descriptor().to_dict(), region, spec, "spec-a"))
+        peer = TransportDescriptor.from_peer(decode_side.descriptor())
+        worker.adverts.note(_advert(peer, region, spec, "spec-a"))
         loop = asyncio.create_task(worker.run())
         try:
             yield worker, decode_side, region, remote, published
@@ -198,7 +199,7 @@ def _job(rid, prompt, region, block_ids, block_bytes, worker, descriptor=None):
 
 
 def _published(published, cls):
-    return [protocol.decode(d, cls) for _, d in published if _.endswith(_SUFFIX[cls])]
+    return [protocol.decode_message(d, cls) for _, d in published if _.endswith(_SUFFIX[cls])]
 
 
 _SUFFIX = {protocol.PrefillDone: ".prefill_done", protocol.PrefillReport: ".prefill"}

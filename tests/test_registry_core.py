@@ -1,9 +1,9 @@
 from __future__ import annotations
 
-import dataclasses
-
+import msgspec
 import pytest
-from kvmesh.services.kv_registry.core import Candidate, Refusal, Registry
+from kvmesh.services.kv_registry.core import Candidate, Refusal, RegistryState
+from kvmesh.shared.descriptor import TcpBackend, TransportDescriptor
 from kvmesh.shared.protocol import DecodeAdvert, PlaceRequest, SamplingOptions, WorkerHeartbeat
 
 BLOCK_BYTES = 4096
@@ -14,7 +14,7 @@ def advert(worker_id: str, **kw: object) -> DecodeAdvert:
     fields = dict(
         worker_id=worker_id,
         mode="disagg",
-        descriptor={"backend": "tcp", "host": "127.0.0.1", "port": 1234, "peer_id": worker_id},
+        descriptor=TransportDescriptor(worker_id, "h", (TcpBackend("127.0.0.1", 1234),)),
         base_addr=1 << 20,
         block_bytes=BLOCK_BYTES,
         block_size=BLOCK_SIZE,
@@ -42,11 +42,11 @@ def place(num_tokens: int, *, local: bool = False, request_id: str = "r1") -> Pl
 
 
 @pytest.fixture
-def registry() -> Registry:
-    return Registry(worker_timeout_s=3.0, retry_after_s=0.5)
+def registry() -> RegistryState:
+    return RegistryState(worker_timeout_s=3.0, retry_after_s=0.5)
 
 
-def test_choose_prefers_lowest_load_among_workers_with_room(registry: Registry) -> None:
+def test_choose_prefers_lowest_load_among_workers_with_room(registry: RegistryState) -> None:
     registry.observe_advert(advert("busy", num_running=5), now=0.0)
     registry.observe_advert(advert("idle", num_running=1), now=0.0)
     registry.observe_advert(advert("full", free_blocks=1, num_running=0), now=0.0)
@@ -54,14 +54,14 @@ def test_choose_prefers_lowest_load_among_workers_with_room(registry: Registry) 
     assert choice == Candidate("idle", 3)
 
 
-def test_choose_breaks_load_ties_by_free_blocks(registry: Registry) -> None:
+def test_choose_breaks_load_ties_by_free_blocks(registry: RegistryState) -> None:
     registry.observe_advert(advert("a", free_blocks=10), now=0.0)
     registry.observe_advert(advert("b", free_blocks=50), now=0.0)
     assert registry.choose(place(16), now=0.0) == Candidate("b", 1)
 
 
 def test_choose_skips_draining_dead_and_mismatched_workers() -> None:
-    registry = Registry(worker_timeout_s=3.0, kv_spec="4x2x64:bs16:float32")
+    registry = RegistryState(worker_timeout_s=3.0, kv_spec="4x2x64:bs16:float32")
     registry.observe_advert(advert("draining", state="draining"), now=10.0)
     registry.observe_advert(advert("dead"), now=0.0)
     registry.observe_advert(advert("other-model", kv_spec="32x8x128:bs16:bfloat16"), now=10.0)
@@ -78,17 +78,17 @@ MODEL_A = "L2-H2-D32:model-aaaa0001"
 MODEL_B = "L2-H2-D32:model-bbbb0002"
 
 
-def test_choose_places_only_on_workers_serving_the_routers_model(registry: Registry) -> None:
+def test_choose_places_only_on_workers_serving_the_routers_model(registry: RegistryState) -> None:
     registry.observe_advert(advert("other", model_spec=MODEL_B), now=0.0)  # idle, but not ours
     registry.observe_advert(advert("mine", model_spec=MODEL_A, num_running=9), now=0.0)
     registry.observe_advert(advert("silent"), now=0.0)  # advertises no model: not ours either
-    request = dataclasses.replace(place(16), model_spec=MODEL_A)
+    request = msgspec.structs.replace(place(16), model_spec=MODEL_A)
     assert registry.choose(request, now=0.0) == Candidate("mine", 1)
 
 
-def test_refusal_names_the_model_when_only_other_models_serve(registry: Registry) -> None:
+def test_refusal_names_the_model_when_only_other_models_serve(registry: RegistryState) -> None:
     registry.observe_advert(advert("other", model_spec=MODEL_B), now=0.0)
-    request = dataclasses.replace(place(16), model_spec=MODEL_A)
+    request = msgspec.structs.replace(place(16), model_spec=MODEL_A)
     refusal = registry.choose(request, now=0.0)
     assert isinstance(refusal, Refusal)
     assert refusal.retry_after_s == 0.0  # waiting does not help: nobody serves this model
@@ -97,32 +97,32 @@ def test_refusal_names_the_model_when_only_other_models_serve(registry: Registry
     assert registry.decode["other"].inflight_blocks == 0  # nothing was counted as reserved
 
 
-def test_request_without_model_spec_places_on_any_model(registry: Registry) -> None:
+def test_request_without_model_spec_places_on_any_model(registry: RegistryState) -> None:
     registry.observe_advert(advert("other", model_spec=MODEL_B), now=0.0)
     assert registry.choose(place(16), now=0.0) == Candidate("other", 1)
 
 
-def test_refusal_when_every_worker_is_full_asks_to_retry(registry: Registry) -> None:
+def test_refusal_when_every_worker_is_full_asks_to_retry(registry: RegistryState) -> None:
     registry.observe_advert(advert("a", free_blocks=2), now=0.0)
     refusal = registry.choose(place(48), now=0.0)
     assert isinstance(refusal, Refusal)
     assert refusal.retry_after_s == 0.5 and "full" in refusal.error
 
 
-def test_refusal_for_a_prompt_larger_than_any_pool_is_final(registry: Registry) -> None:
+def test_refusal_for_a_prompt_larger_than_any_pool_is_final(registry: RegistryState) -> None:
     registry.observe_advert(advert("a", total_blocks=4, free_blocks=4), now=0.0)
     refusal = registry.choose(place(100), now=0.0)
     assert isinstance(refusal, Refusal)
     assert refusal.retry_after_s == 0.0 and "exceeds" in refusal.error
 
 
-def test_refusal_without_workers_asks_to_retry(registry: Registry) -> None:
+def test_refusal_without_workers_asks_to_retry(registry: RegistryState) -> None:
     refusal = registry.choose(place(1), now=0.0)
     assert isinstance(refusal, Refusal) and refusal.retry_after_s > 0
     assert "no live decode workers" in refusal.error
 
 
-def test_inflight_and_granted_blocks_count_until_the_next_advert(registry: Registry) -> None:
+def test_inflight_and_granted_blocks_count_until_the_next_advert(registry: RegistryState) -> None:
     registry.observe_advert(advert("a", free_blocks=5), now=0.0)
     first = registry.choose(place(48, request_id="r1"), now=0.0)  # 3 blocks in flight
     assert first == Candidate("a", 3)
@@ -135,7 +135,7 @@ def test_inflight_and_granted_blocks_count_until_the_next_advert(registry: Regis
     assert reply.ok and reply.lease_id == "lease-1"
 
 
-def test_release_inflight_returns_the_estimate(registry: Registry) -> None:
+def test_release_inflight_returns_the_estimate(registry: RegistryState) -> None:
     registry.observe_advert(advert("a", free_blocks=3), now=0.0)
     choice = registry.choose(place(48), now=0.0)
     assert isinstance(choice, Candidate)
@@ -143,17 +143,17 @@ def test_release_inflight_returns_the_estimate(registry: Registry) -> None:
     assert registry.decode["a"].free_blocks == 3 and registry.decode["a"].load == 0
 
 
-def test_grant_computes_block_addresses_from_base_and_block_bytes(registry: Registry) -> None:
+def test_grant_computes_block_addresses_from_base_and_block_bytes(registry: RegistryState) -> None:
     registry.observe_advert(advert("a", base_addr=1000), now=0.0)
     choice = registry.choose(place(20), now=0.0)
     assert isinstance(choice, Candidate)
     reply = registry.grant(choice, place(20), "L", (5, 9), now=0.0, rkey=77)
     assert reply.block_addrs == (1000 + 5 * BLOCK_BYTES, 1000 + 9 * BLOCK_BYTES)
     assert reply.block_bytes == BLOCK_BYTES and reply.rkey == 77  # the reservation's window
-    assert reply.descriptor["peer_id"] == "a" and reply.worker_id == "a"
+    assert reply.descriptor.peer_id == "a" and reply.worker_id == "a"
 
 
-def test_lease_expires_after_ttl_and_completed_lease_does_not(registry: Registry) -> None:
+def test_lease_expires_after_ttl_and_completed_lease_does_not(registry: RegistryState) -> None:
     registry.observe_advert(advert("a"), now=0.0)
     for rid, lease in (("r1", "L1"), ("r2", "L2")):
         choice = registry.choose(place(16, request_id=rid), now=0.0)
@@ -168,7 +168,7 @@ def test_lease_expires_after_ttl_and_completed_lease_does_not(registry: Registry
     assert registry.leases == {}
 
 
-def test_local_prefill_grants_no_lease(registry: Registry) -> None:
+def test_local_prefill_grants_no_lease(registry: RegistryState) -> None:
     registry.observe_advert(advert("a"), now=0.0)
     choice = registry.choose(place(16, local=True), now=0.0)
     assert isinstance(choice, Candidate)
@@ -176,14 +176,14 @@ def test_local_prefill_grants_no_lease(registry: Registry) -> None:
     assert reply.ok and registry.leases == {} and registry.counters.granted == 0
 
 
-def test_silent_worker_is_dropped_with_its_leases(registry: Registry) -> None:
+def test_silent_worker_is_dropped_with_its_leases(registry: RegistryState) -> None:
     registry.observe_advert(advert("a"), now=0.0)
     registry.observe_heartbeat(
         WorkerHeartbeat(worker_id="p1", role="prefill", state="ready"), now=0.0
     )
     choice = registry.choose(place(16), now=0.0)
     assert isinstance(choice, Candidate)
-    registry.grant(choice, dataclasses.replace(place(16), lease_ms=60_000), "L", (0,), now=0.0)
+    registry.grant(choice, msgspec.structs.replace(place(16), lease_ms=60_000), "L", (0,), now=0.0)
     registry.observe_heartbeat(WorkerHeartbeat(worker_id="a", role="decode", state="ready"), 2.5)
     assert registry.expire(now=3.1) == (["p1"], [])  # the decode heartbeat kept "a" alive
     assert registry.expire(now=5.6) == ([], [])  # "a" was seen after 2.5 s: 3 x 2.5 s grace
@@ -193,7 +193,7 @@ def test_silent_worker_is_dropped_with_its_leases(registry: Registry) -> None:
     assert isinstance(registry.choose(place(16), now=10.1), Refusal)
 
 
-def test_mark_draining_stops_placement_until_the_worker_says_ready(registry: Registry) -> None:
+def test_mark_draining_stops_placement_until_the_worker_says_ready(registry: RegistryState) -> None:
     registry.observe_advert(advert("a"), now=0.0)
     assert registry.mark_draining("a", True)
     assert not registry.mark_draining("nobody", True)
@@ -203,7 +203,7 @@ def test_mark_draining_stops_placement_until_the_worker_says_ready(registry: Reg
     assert registry.choose(place(16), now=0.1) == Candidate("a", 1)
 
 
-def test_status_lists_decode_pools_and_peers(registry: Registry) -> None:
+def test_status_lists_decode_pools_and_peers(registry: RegistryState) -> None:
     registry.observe_advert(advert("d1", free_blocks=40, num_running=3), now=0.0)
     registry.observe_heartbeat(WorkerHeartbeat("p1", "prefill", "ready", num_running=1), now=0.0)
     status = registry.status(now=1.0)
@@ -220,7 +220,7 @@ def test_status_lists_decode_pools_and_peers(registry: Registry) -> None:
     assert status["leases"]["active"] == 0
 
 
-def test_worker_heartbeating_slower_than_expected_is_not_dropped(registry: Registry) -> None:
+def test_worker_heartbeating_slower_than_expected_is_not_dropped(registry: RegistryState) -> None:
     beat = WorkerHeartbeat(worker_id="router-0", role="router", state="ready")
     for now in (0.0, 5.0, 10.0):  # every 5 s against an expected 1 s (timeout 3 s)
         registry.observe_heartbeat(beat, now=now)
@@ -230,7 +230,7 @@ def test_worker_heartbeating_slower_than_expected_is_not_dropped(registry: Regis
 
 
 def test_worker_slower_than_the_timeout_stops_flapping_once_it_returns() -> None:
-    registry = Registry(worker_timeout_s=0.6)  # e.g. heartbeat_s 0.2 x 3 missed
+    registry = RegistryState(worker_timeout_s=0.6)  # e.g. heartbeat_s 0.2 x 3 missed
     beat = WorkerHeartbeat(worker_id="router-0", role="router", state="ready")
     registry.observe_heartbeat(beat, now=0.0)
     assert registry.expire(now=1.0) == (["router-0"], [])  # its 2 s interval is not known yet

@@ -137,12 +137,12 @@ async def test_refused_writes_are_counted_and_logged_with_the_peer(backend, caps
 
 
 def test_admin_status_shows_each_decode_workers_refused_accesses():
-    from kvmesh.services.kv_registry.core import Registry
+    from kvmesh.services.kv_registry.core import RegistryState
     from kvmesh.shared.protocol import DecodeAdvert
 
-    core = Registry(worker_timeout_s=3.0)
+    core = RegistryState(worker_timeout_s=3.0)
     advert = DecodeAdvert(
-        "d0", "disagg", {}, 0, 1024, 16, "spec", 8, 8, ((0, 8),), 0, 0, "ready", 0.0,
+        "d0", "disagg", None, 0, 1024, 16, "spec", 8, 8, ((0, 8),), 0, 0, "ready", 0.0,
         refused_accesses=3, stray_immediates=2,
     )  # fmt: skip
     core.observe_advert(advert, now=1.0)

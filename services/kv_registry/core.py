@@ -22,7 +22,7 @@ from kvmesh.shared.protocol import DecodeAdvert, PlaceReply, PlaceRequest, Worke
 
 
 @dataclass(slots=True)
-class DecodeWorker:
+class DecodeWorkerView:
     """A decode (or colocated) worker as the registry sees it."""
 
     advert: DecodeAdvert
@@ -94,7 +94,7 @@ class LeaseCounters:
     dropped: int = 0  # their worker died
 
 
-def _seen(entry: DecodeWorker | PeerWorker, now: float) -> None:
+def _seen(entry: DecodeWorkerView | PeerWorker, now: float) -> None:
     """Refresh last-seen and learn the worker's interval: a router heartbeating every 2 s must not
     be declared dead by a registry that expects 1 s."""
     entry.interval_s = max(now - entry.last_seen, 0.9 * entry.interval_s)
@@ -102,7 +102,7 @@ def _seen(entry: DecodeWorker | PeerWorker, now: float) -> None:
 
 
 @dataclass(slots=True)
-class Registry:
+class RegistryState:
     """``worker_timeout_s`` = missed heartbeats x the expected interval; a worker observed to
     publish more slowly gets missed heartbeats x its own interval instead."""
 
@@ -110,7 +110,7 @@ class Registry:
     missed_heartbeats: int = 3
     retry_after_s: float = 0.5
     kv_spec: str = ""  # "" accepts any layout
-    decode: dict[str, DecodeWorker] = field(default_factory=dict)
+    decode: dict[str, DecodeWorkerView] = field(default_factory=dict)
     peers: dict[str, PeerWorker] = field(default_factory=dict)
     leases: dict[str, Lease] = field(default_factory=dict)
     counters: LeaseCounters = field(default_factory=LeaseCounters)
@@ -125,7 +125,7 @@ class Registry:
         worker = self.decode.get(advert.worker_id)
         if worker is None:
             self.peers.pop(advert.worker_id, None)  # its heartbeat may have come first
-            self.decode[advert.worker_id] = DecodeWorker(
+            self.decode[advert.worker_id] = DecodeWorkerView(
                 advert=advert, last_seen=now, interval_s=self._returning(advert.worker_id, now)
             )
             return True
@@ -188,15 +188,15 @@ class Registry:
         last_seen = self.dropped_at.pop(worker_id, None)
         return 0.0 if last_seen is None else now - last_seen
 
-    def timeout_of(self, entry: DecodeWorker | PeerWorker) -> float:
+    def timeout_of(self, entry: DecodeWorkerView | PeerWorker) -> float:
         return max(self.worker_timeout_s, self.missed_heartbeats * entry.interval_s)
 
-    def _is_alive(self, entry: DecodeWorker | PeerWorker, now: float) -> bool:
+    def _is_alive(self, entry: DecodeWorkerView | PeerWorker, now: float) -> bool:
         return now - entry.last_seen <= self.timeout_of(entry)
 
     # --- placement ------------------------------------------------------------------------------
 
-    def blocks_needed(self, worker: DecodeWorker, num_prompt_tokens: int) -> int:
+    def blocks_needed(self, worker: DecodeWorkerView, num_prompt_tokens: int) -> int:
         return max(1, math.ceil(num_prompt_tokens / worker.advert.block_size))
 
     def choose(
@@ -233,7 +233,7 @@ class Registry:
         best.num_inflight += 1
         return Candidate(best.worker_id, num_blocks)
 
-    def _mismatch(self, worker: DecodeWorker, request: PlaceRequest) -> str:
+    def _mismatch(self, worker: DecodeWorkerView, request: PlaceRequest) -> str:
         if request.model_spec and worker.advert.model_spec != request.model_spec:
             return (
                 f"{worker.worker_id} serves another model or KV layout "

@@ -1,4 +1,4 @@
-"""The kv-registry's NATS shell around ``core.Registry``.
+"""The kv-registry's NATS shell around ``core.RegistryState``.
 
 In (its mesh's ``Subjects``): DecodeAdvert on REGISTRY_ADVERTISE, WorkerHeartbeat on
 HEARTBEAT_ALL, PrefillDone on ``decode_prefill_done(*)`` (ends a lease), PlaceRequest on
@@ -19,7 +19,7 @@ from typing import Any
 import nats.errors
 import orjson
 from kvmesh.services.kv_registry.config import RegistryConfig
-from kvmesh.services.kv_registry.core import Candidate, Refusal, Registry
+from kvmesh.services.kv_registry.core import Candidate, Refusal, RegistryState
 from kvmesh.shared import logs, protocol
 from kvmesh.shared.nats_service import (
     connect_nats,
@@ -73,7 +73,7 @@ class RegistryService:
         self.worker_id = worker_id
         self.clock = clock
         self.started_at = time.time()
-        self.core = Registry(
+        self.core = RegistryState(
             worker_timeout_s=config.worker_timeout_s,
             missed_heartbeats=config.missed_heartbeats,
             retry_after_s=config.retry_after_s,
@@ -124,7 +124,9 @@ class RegistryService:
                 row = before.get(worker_id, {"role": "?", "last_seen_s": 0.0})
                 gone = WorkerGone(worker_id, row["role"], float(row["last_seen_s"]))
                 try:  # requests on it fail or move now, not at their timeouts
-                    await self.nc.publish(self.subjects.REGISTRY_WORKER_GONE, protocol.encode_message(gone))
+                    await self.nc.publish(
+                        self.subjects.REGISTRY_WORKER_GONE, protocol.encode_message(gone)
+                    )
                 except nats.errors.Error as exc:
                     log.warning("could not announce a dropped worker", error=str(exc))
             for lease in expired:

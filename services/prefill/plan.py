@@ -12,8 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from kvmesh.shared.protocol import imm_slot
-from kvmesh.shared.transport.base import pack_imm
+from kvmesh.shared.imm import imm_slot, pack_imm
 
 
 class PlanError(ValueError):
@@ -25,7 +24,7 @@ class KVSpecMismatchError(PlanError):
 
 
 @dataclass(frozen=True, slots=True)
-class Span:
+class WriteSpan:
     """``length`` bytes from ``local_offset`` of the local KV pool to ``remote_addr``."""
 
     local_offset: int
@@ -37,7 +36,7 @@ class Span:
 class ChunkWrite:
     chunk_index: int
     imm: int
-    spans: tuple[Span, ...]
+    spans: tuple[WriteSpan, ...]
     is_last: bool
 
     @property
@@ -94,7 +93,7 @@ class ChunkPlanner:
             raise PlanError(
                 f"last chunk ends at token {end_token}, prompt has {self.num_prompt_tokens}"
             )
-        spans: list[Span] = []
+        spans: list[WriteSpan] = []
         for i, block_id in enumerate(local_block_ids):
             local = block_id * self.block_bytes
             remote = self.remote_block_addrs[first + i]
@@ -104,11 +103,11 @@ class ChunkPlanner:
                 and last.local_offset + last.length == local
                 and last.remote_addr + last.length == remote
             ):
-                spans[-1] = Span(
+                spans[-1] = WriteSpan(
                     last.local_offset, last.remote_addr, last.length + self.block_bytes
                 )
             else:
-                spans.append(Span(local, remote, self.block_bytes))
+                spans.append(WriteSpan(local, remote, self.block_bytes))
         self.num_blocks_planned = end_block
         self.num_chunks_planned += 1
         return ChunkWrite(chunk_index, pack_imm(self.slot, chunk_index), tuple(spans), is_last)
