@@ -2,10 +2,14 @@ import asyncio
 import contextlib
 
 import pytest
-from kvmesh.services.decode.pending import PendingTable, ReservationError
+from kvmesh.services.decode.pending import Admission, PendingTable, ReservationError
 from kvmesh.shared import protocol
-from kvmesh.shared.protocol import PrefillDone, imm_slot
+from kvmesh.shared.engine.sequence import SamplingParams
+from kvmesh.shared.imm import imm_slot, pack_imm
+from kvmesh.shared.protocol import PrefillDone
 from kvmesh.shared.subjects import Subjects
+
+ADMISSION = Admission((1, 2, 3), SamplingParams(max_tokens=4))
 
 
 def _done(rid="r1", lease="l1", ok=True, num_writes=3, first_token=7, error=""):
@@ -14,7 +18,7 @@ def _done(rid="r1", lease="l1", ok=True, num_writes=3, first_token=7, error=""):
 
 def _table(deadline=10.0):
     table = PendingTable()
-    table.add("r1", "l1", slot=5, block_ids=(4, 5, 6), deadline=deadline, payload="p")
+    table.add("r1", "l1", slot=5, block_ids=(4, 5, 6), deadline=deadline, admission=ADMISSION)
     return table
 
 
@@ -25,7 +29,7 @@ def test_ready_once_all_immediates_counted_after_done():
     assert table.on_immediate(5, 1) is None
     verdict = table.on_immediate(5, 2)
     assert verdict is not None and verdict.ok
-    assert verdict.reservation.payload == "p" and verdict.reservation.done.first_token == 7
+    assert verdict.reservation.admission is ADMISSION and verdict.reservation.done.first_token == 7
     assert len(table) == 0
 
 
@@ -185,18 +189,6 @@ def test_slot_freed_with_its_reservation():
     table.add("r2", "l2", slot=5, block_ids=(), deadline=1.0)  # no error
 
 
-def test_imm_slot_distinct_for_distinct_blocks_of_one_pool():
-    base, block_bytes = 0x7F00_0000_1234, 65536  # an unaligned base still gives distinct slots
-    slots = {imm_slot(base + b * block_bytes, block_bytes) for b in range(4096)}
-    assert len(slots) == 4096
-
-
-def test_imm_slot_bits_match_transport():
-    from kvmesh.shared.transport.base import IMM_SLOT_BITS
-
-    assert protocol.IMM_SLOT_BITS == IMM_SLOT_BITS
-
-
 # ---- DecodeWorker: the engine and the pending table together, no NATS ------------------------
 
 
@@ -215,7 +207,11 @@ class _Recorder:
     def tokens(self, request_id: str) -> list[protocol.TokenEvent]:
         subjects = MESH
         subject = subjects.request_tokens(request_id)
-        return [protocol.decode(d, protocol.TokenEvent) for s, d in self.messages if s == subject]
+        return [
+            protocol.decode_message(d, protocol.TokenEvent)
+            for s, d in self.messages
+            if s == subject
+        ]
 
 
 @pytest.fixture(scope="module")
@@ -264,8 +260,6 @@ def _reserve(rid, n, local=False, lease_ms=1000):
 
 
 async def test_worker_admits_after_writes_and_done_then_streams_and_frees(decode_worker):
-    from kvmesh.shared.transport.base import pack_imm
-
     worker, rec, _ = decode_worker
     reply = await worker.reserve(_reserve("a", 40))
     assert reply.ok and len(reply.block_ids) == 3
@@ -292,7 +286,9 @@ async def test_worker_lease_expiry_frees_blocks_and_reports_error(decode_worker)
     await _run_until_idle(worker)
     [event] = rec.tokens("b")
     assert event.finish_reason == "error" and "lease ran out" in event.error
-    aborts = [protocol.decode(d, protocol.Abort) for s, d in rec.messages if s == MESH.ABORT]
+    aborts = [
+        protocol.decode_message(d, protocol.Abort) for s, d in rec.messages if s == MESH.ABORT
+    ]
     assert [a.request_id for a in aborts] == ["b"]  # the prefill is told to stop
     # quarantined until the prefill confirms it stopped (it does, on the Abort)
     assert worker.engine.block_manager.num_free_blocks == 64 - 2

@@ -16,14 +16,26 @@ Pure and synchronous: the service feeds it events and acts on what it returns.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from kvmesh.shared.protocol import PrefillDone
 from kvmesh.shared.transport.base import MemoryWindow
 
+if TYPE_CHECKING:  # the table stays torch-free; it only carries the parameters
+    from kvmesh.shared.engine.sequence import SamplingParams
+
 
 class ReservationError(ValueError):
     """A reservation that cannot be recorded as asked (duplicate request id, busy slot)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """What the engine needs to admit a reservation once its prefill is in: the prompt the prefill
+    computed and the request's sampling parameters."""
+
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
 
 
 @dataclass(slots=True, eq=False)
@@ -33,7 +45,7 @@ class Reservation:
     slot: int
     block_ids: tuple[int, ...]
     deadline: float  # monotonic seconds
-    payload: Any = None  # what the service needs at admission (prompt, sampling params)
+    admission: Admission | None = None  # None only for a table used bare (tests)
     chunks: set[int] = field(default_factory=set)  # chunk indices whose write completed
     done: PrefillDone | None = None
     is_aborted: bool = False  # the client went away; blocks wait for the prefill to stop writing
@@ -103,7 +115,7 @@ class PendingTable:
         slot: int,
         block_ids: tuple[int, ...],
         deadline: float,
-        payload: Any = None,
+        admission: Admission | None = None,
         window: MemoryWindow | None = None,
     ) -> Reservation:
         if request_id in self._by_request:
@@ -114,7 +126,7 @@ class PendingTable:
                 "the KV pool has more blocks than immediates can tell apart"
             )
         res = Reservation(
-            request_id, lease_id, slot, tuple(block_ids), deadline, payload, window=window
+            request_id, lease_id, slot, tuple(block_ids), deadline, admission, window=window
         )
         self._by_request[request_id] = res
         self._by_slot[slot] = request_id

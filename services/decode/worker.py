@@ -14,12 +14,13 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
-from kvmesh.services.decode.pending import PendingTable, ReservationError, Verdict
+from kvmesh.services.decode.pending import Admission, PendingTable, ReservationError, Verdict
 from kvmesh.services.decode.windows import LeaseWindows
 from kvmesh.shared import logs
 from kvmesh.shared.engine.block_manager import OutOfBlocksError
 from kvmesh.shared.engine.llm_engine import LLMEngine
 from kvmesh.shared.engine.sequence import RequestError, RequestOutput, SamplingParams
+from kvmesh.shared.imm import imm_slot, unpack_imm
 from kvmesh.shared.protocol import (
     Abort,
     PrefillDone,
@@ -28,11 +29,10 @@ from kvmesh.shared.protocol import (
     ReserveRequest,
     TokenEvent,
     WorkerGone,
-    encode,
-    imm_slot,
+    encode_message,
 )
 from kvmesh.shared.subjects import Subjects
-from kvmesh.shared.transport.base import MemoryWindow, unpack_imm
+from kvmesh.shared.transport.base import MemoryWindow
 
 log = logs.get_logger(__name__)
 
@@ -147,7 +147,7 @@ class DecodeWorker:
         )
 
     async def _send_tokens(self, event: TokenEvent) -> None:
-        await self._publish(self.subjects.request_tokens(event.request_id), encode(event))
+        await self._publish(self.subjects.request_tokens(event.request_id), encode_message(event))
 
     # ---- requests in ------------------------------------------------------------------------
 
@@ -198,7 +198,13 @@ class DecodeWorker:
                 return refuse(f"decode worker {self.worker_id} cannot open a write window: {exc}")
             try:
                 res = self.pending.add(
-                    rid, req.lease_id, slot, tuple(block_ids), deadline, (prompt, params), window
+                    rid,
+                    req.lease_id,
+                    slot,
+                    tuple(block_ids),
+                    deadline,
+                    Admission(tuple(prompt), params),
+                    window,
                 )
             except ReservationError as exc:
                 self._close_window(window)
@@ -213,10 +219,13 @@ class DecodeWorker:
     def _owed_to_pending(self) -> int:
         """Output room the reservations in flight will need once admitted."""
         room = self.engine.scheduler.output_room
-        return sum(
-            room(len(r.payload[0]), r.payload[1].max_tokens, len(r.block_ids))
-            for r in self.pending.reservations()
-        )
+        owed = 0
+        for r in self.pending.reservations():
+            assert r.admission is not None
+            owed += room(
+                len(r.admission.prompt_ids), r.admission.params.max_tokens, len(r.block_ids)
+            )
+        return owed
 
     def renew(self, request_id: str, lease_id: str, lease_ms: int) -> bool:
         """The lease holder is alive: push the lease deadline ``lease_ms`` from now."""
@@ -280,7 +289,8 @@ class DecodeWorker:
             if verdict.notify:
                 log.warning("lease expired", request_id=res.request_id, error=verdict.error)
                 await self._publish(
-                    self.subjects.ABORT, encode(Abort(res.request_id, reason="lease expired"))
+                    self.subjects.ABORT,
+                    encode_message(Abort(res.request_id, reason="lease expired")),
                 )
             self._settle(verdict)
         return sum(v.notify for v in verdicts)
@@ -302,7 +312,8 @@ class DecodeWorker:
         quarantined) and return its final event (unless the client was already told).
         Called by run() with the lock held, between steps."""
         res = verdict.reservation
-        prompt, params = res.payload
+        assert res.admission is not None
+        prompt, params = list(res.admission.prompt_ids), res.admission.params
         error = verdict.error
         if verdict.ok and not res.is_aborted:
             assert res.done is not None
