@@ -117,18 +117,6 @@ class PrefillJob:
     enqueued_at: float  # unix time the router published the job
 
 
-IMM_SLOT_BITS = 20  # must equal kvmesh.shared.transport.base.IMM_SLOT_BITS (checked by a test)
-
-
-def imm_slot(first_block_addr: int, block_bytes: int) -> int:
-    """The request slot a prefill puts in every KV write's immediate (with the chunk index).
-
-    Derived from the address of the request's first reserved decode block, so prefill (which sees
-    ``PrefillJob.block_addrs``) and decode (which reserved the blocks) agree without another field:
-    ``addr // block_bytes == base // block_bytes + block_id``, unique per live reservation."""
-    return (first_block_addr // block_bytes) % (1 << IMM_SLOT_BITS)
-
-
 def model_spec(model_config: Any) -> str:
     """What a router and a decode worker must agree on to serve one model: its KV layout per
     token (layers, KV heads, head size) and a digest of its architecture, vocabulary and special

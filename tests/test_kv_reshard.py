@@ -18,6 +18,7 @@ import pytest
 import torch
 from kvmesh.kernels.kv_pack import reshard_plan
 from kvmesh.shared.engine.kv_cache import KVCacheSpec, KVPool
+from kvmesh.shared.imm import pack_imm
 from kvmesh.shared.transport import (
     Access,
     LocalAccessError,
@@ -27,7 +28,6 @@ from kvmesh.shared.transport import (
     TransportConfig,
     WriteEntry,
     create_transport,
-    pack_imm,
 )
 from kvmesh.shared.transport.kv_writes import (
     KVDestination,

@@ -15,6 +15,7 @@ from kvmesh.shared import protocol
 from kvmesh.shared.engine.config import EngineConfig
 from kvmesh.shared.engine.kv_cache import KVCacheSpec
 from kvmesh.shared.engine.llm_engine import LLMEngine
+from kvmesh.shared.imm import imm_slot, pack_imm
 from kvmesh.shared.subjects import Subjects
 from kvmesh.shared.transport import (
     Access,
@@ -24,7 +25,6 @@ from kvmesh.shared.transport import (
     TransportConfig,
     WriteEntry,
     create_transport,
-    pack_imm,
 )
 
 NUM_BLOCKS = 32
@@ -92,9 +92,7 @@ class Mesh:
         return reply
 
     def slot(self, reply: protocol.ReserveReply) -> int:
-        return protocol.imm_slot(
-            self.region.addr + reply.block_ids[0] * self.block_bytes, self.block_bytes
-        )
+        return imm_slot(self.region.addr + reply.block_ids[0] * self.block_bytes, self.block_bytes)
 
     async def write(self, block: int, rkey: int, imm: int) -> None:
         addr = self.region.addr + block * self.block_bytes

@@ -1,4 +1,4 @@
-"""The transport API without peers: immediates, descriptors, registry checks, backend choice."""
+"""The transport API without peers: descriptors, registry checks, backend choice."""
 
 from __future__ import annotations
 
@@ -26,23 +26,8 @@ from kvmesh.shared.transport import (
     auto,
     create_transport,
     local_host_id,
-    pack_imm,
     select_backend,
-    unpack_imm,
 )
-
-
-def test_pack_imm_roundtrips_slot_and_chunk() -> None:
-    for slot, chunk in [(0, 0), (1, 2), ((1 << 20) - 1, (1 << 12) - 1), (12345, 77)]:
-        imm = pack_imm(slot, chunk)
-        assert 0 <= imm < 1 << 32
-        assert unpack_imm(imm) == (slot, chunk)
-
-
-@pytest.mark.parametrize("slot,chunk", [(-1, 0), (1 << 20, 0), (0, 1 << 12), (0, -1)])
-def test_pack_imm_rejects_values_that_do_not_fit(slot: int, chunk: int) -> None:
-    with pytest.raises(ValueError, match="imm"):
-        pack_imm(slot, chunk)
 
 
 def test_descriptor_roundtrips_through_orjson() -> None:

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 from kvmesh.shared.engine.kv_cache import KVCacheSpec, KVPool
+from kvmesh.shared.imm import pack_imm
 from kvmesh.shared.transport import (
     Access,
     Completion,
@@ -25,7 +26,6 @@ from kvmesh.shared.transport import (
     TransportConfig,
     WriteEntry,
     create_transport,
-    pack_imm,
 )
 
 SPEC = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16)  # 32 KiB blocks

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from kvmesh.shared.imm import MAX_SLOTS
 from kvmesh.shared.nats_options import NatsClientConfig
-from kvmesh.shared.protocol import IMM_SLOT_BITS
 from kvmesh.shared.service_config import check_worker_id, option
 from kvmesh.shared.subjects import mesh_from_model
 
@@ -73,9 +73,9 @@ class DecodeConfig(NatsClientConfig):
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.num_blocks is not None and self.kv_cache_bytes is not None:
             raise ValueError("give num_blocks or kv_cache_bytes, not both")
-        if self.num_blocks is not None and not 0 < self.num_blocks <= 1 << IMM_SLOT_BITS:
+        if self.num_blocks is not None and not 0 < self.num_blocks <= MAX_SLOTS:
             raise ValueError(
-                f"num_blocks must be in [1, {1 << IMM_SLOT_BITS}] (immediates name a request by "
+                f"num_blocks must be in [1, {MAX_SLOTS}] (immediates name a request by "
                 f"its first block), got {self.num_blocks}"
             )
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:

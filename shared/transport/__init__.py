@@ -10,8 +10,6 @@ See docs/transport.md. Typical use::
 
 from kvmesh.shared.transport.auto import available_backends, create_transport, select_backend
 from kvmesh.shared.transport.base import (
-    IMM_CHUNK_BITS,
-    IMM_SLOT_BITS,
     Access,
     BackendUnavailableError,
     Completion,
@@ -34,14 +32,10 @@ from kvmesh.shared.transport.base import (
     TransportStats,
     WriteEntry,
     local_host_id,
-    pack_imm,
-    unpack_imm,
 )
 from kvmesh.shared.transport.registry import Registry, as_byte_tensor
 
 __all__ = [
-    "IMM_CHUNK_BITS",
-    "IMM_SLOT_BITS",
     "Access",
     "BackendUnavailableError",
     "Completion",
@@ -68,7 +62,5 @@ __all__ = [
     "available_backends",
     "create_transport",
     "local_host_id",
-    "pack_imm",
     "select_backend",
-    "unpack_imm",
 ]

@@ -32,35 +32,6 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 # ---------------------------------------------------------------------------------------------------
-# Immediate data: a 32-bit unsigned int carried with each write. kvmesh packs (request slot, chunk).
-
-IMM_SLOT_BITS = 20  # up to 1,048,576 in-flight request slots per receiver
-IMM_CHUNK_BITS = 12  # up to 4,096 chunks per request
-IMM_MAX = (1 << 32) - 1
-
-
-def pack_imm(slot: int, chunk: int) -> int:
-    """Pack a request slot and a chunk index into a 32-bit immediate: ``slot << 12 | chunk``."""
-    if not 0 <= slot < (1 << IMM_SLOT_BITS):
-        raise ValueError(f"imm slot must be in [0, {1 << IMM_SLOT_BITS}), got {slot}")
-    if not 0 <= chunk < (1 << IMM_CHUNK_BITS):
-        raise ValueError(f"imm chunk must be in [0, {1 << IMM_CHUNK_BITS}), got {chunk}")
-    return (slot << IMM_CHUNK_BITS) | chunk
-
-
-def unpack_imm(imm: int) -> tuple[int, int]:
-    """Inverse of ``pack_imm``: ``(slot, chunk)``."""
-    check_imm(imm)
-    return imm >> IMM_CHUNK_BITS, imm & ((1 << IMM_CHUNK_BITS) - 1)
-
-
-def check_imm(imm: int) -> int:
-    if not isinstance(imm, int) or not 0 <= imm <= IMM_MAX:
-        raise ValueError(f"imm must be a 32-bit unsigned int, got {imm!r}")
-    return imm
-
-
-# ---------------------------------------------------------------------------------------------------
 # Identity
 
 

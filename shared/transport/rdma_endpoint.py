@@ -13,6 +13,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from kvmesh.shared.imm import check_imm
 from kvmesh.shared.transport.base import (
     Access,
     MemoryRegion,
@@ -23,7 +24,6 @@ from kvmesh.shared.transport.base import (
     TransportClosedError,
     TransportError,
     WriteEntry,
-    check_imm,
 )
 from kvmesh.shared.transport.rdma_qp import (
     MAX_REPLY_FRAME,

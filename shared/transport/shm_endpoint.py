@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+from kvmesh.shared.imm import check_imm
 from kvmesh.shared.transport.base import (
     Access,
     PeerGoneError,
@@ -18,7 +19,6 @@ from kvmesh.shared.transport.base import (
     RemoteAccessError,
     TransportClosedError,
     WriteEntry,
-    check_imm,
 )
 from kvmesh.shared.transport.shm import (
     FREE,

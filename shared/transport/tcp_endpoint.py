@@ -16,6 +16,7 @@ import threading
 from collections.abc import Coroutine, Sequence
 from typing import TYPE_CHECKING, Any
 
+from kvmesh.shared.imm import check_imm
 from kvmesh.shared.transport.base import (
     PeerDescriptor,
     PeerGoneError,
@@ -25,7 +26,6 @@ from kvmesh.shared.transport.base import (
     TransportClosedError,
     TransportError,
     WriteEntry,
-    check_imm,
 )
 from kvmesh.shared.transport.tcp import (
     HELLO,
