@@ -4,13 +4,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvmesh.shared.nats_options import NatsClientConfig
-from kvmesh.shared.service_config import check_worker_id, option
-from kvmesh.shared.subjects import DEFAULT_MESH
+from kvmesh.shared.metrics_exporter import (
+    check_metrics_port,
+    metrics_host_option,
+    metrics_port_option,
+)
+from kvmesh.shared.service_config import option
+from kvmesh.shared.worker_config import ServiceConfig
 
 
 @dataclass(frozen=True, slots=True)
-class RegistryConfig(NatsClientConfig):
+class RegistryConfig(ServiceConfig):
     worker_id: str | None = option(None, help="registry id (default: kv-registry-<random>)")
     heartbeat_s: float = option(
         1.0, help="seconds between the registry's heartbeats; also the expected advert interval"
@@ -31,11 +35,13 @@ class RegistryConfig(NatsClientConfig):
         "", help="only place on decode workers advertising this KV layout fingerprint ('' = any)"
     )
     admin_timeout_s: float = option(2.0, help="seconds to wait for a worker's drain/resume reply")
+    metrics_host: str = metrics_host_option()
+    metrics_port: int | None = metrics_port_option()
 
     def __post_init__(self) -> None:
-        self.check_nats_options(DEFAULT_MESH)
-        check_worker_id(self.worker_id)
-        for name in ("heartbeat_s", "reserve_timeout_s", "retry_after_s", "admin_timeout_s"):
+        ServiceConfig.__post_init__(self)
+        check_metrics_port(self.metrics_port)
+        for name in ("reserve_timeout_s", "retry_after_s", "admin_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         for name in ("missed_heartbeats", "max_reserve_attempts"):

@@ -80,10 +80,12 @@ class Candidate:
 
 @dataclass(frozen=True, slots=True)
 class Refusal:
-    """No placement: ``retry_after_s > 0`` means overloaded (try later), 0 means do not retry."""
+    """No placement: ``retry_after_s > 0`` means overloaded (try later), 0 means do not retry.
+    ``reason`` is one word for metrics: no_workers, draining, mismatch or full."""
 
     error: str
     retry_after_s: float = 0.0
+    reason: str = "mismatch"
 
 
 @dataclass(slots=True)
@@ -209,7 +211,9 @@ class RegistryState:
             w for w in self.decode.values() if self._is_alive(w, now) and w.worker_id not in exclude
         ]
         if not live:
-            return Refusal("no live decode workers registered yet", self.retry_after_s)
+            return Refusal(
+                "no live decode workers registered yet", self.retry_after_s, reason="no_workers"
+            )
         eligible, reasons = [], set()
         for w in live:
             reason = self._mismatch(w, request)
@@ -218,15 +222,19 @@ class RegistryState:
             else:
                 eligible.append(w)
         if not eligible:
-            retry = self.retry_after_s if reasons == {"draining"} else 0.0
+            is_draining = reasons == {"draining"}
             return Refusal(
-                f"no decode worker can take this request: {', '.join(sorted(reasons))}", retry
+                f"no decode worker can take this request: {', '.join(sorted(reasons))}",
+                self.retry_after_s if is_draining else 0.0,
+                reason="draining" if is_draining else "mismatch",
             )
         with_room = [
             w for w in eligible if w.free_blocks >= self.blocks_needed(w, len(request.prompt_ids))
         ]
         if not with_room:
-            return Refusal("every decode worker is full; retry later", self.retry_after_s)
+            return Refusal(
+                "every decode worker is full; retry later", self.retry_after_s, reason="full"
+            )
         best = min(with_room, key=lambda w: (w.load, -w.free_blocks, w.worker_id))
         num_blocks = self.blocks_needed(best, len(request.prompt_ids))
         best.inflight_blocks += num_blocks

@@ -20,7 +20,9 @@ import nats.errors
 import orjson
 from kvmesh.services.kv_registry.config import RegistryConfig
 from kvmesh.services.kv_registry.core import Candidate, Refusal, RegistryState
+from kvmesh.services.kv_registry.metrics import RegistryMetrics
 from kvmesh.shared import logs, protocol
+from kvmesh.shared.metrics_exporter import serve_metrics
 from kvmesh.shared.nats_service import (
     connect_nats,
     new_worker_id,
@@ -79,6 +81,8 @@ class RegistryService:
             retry_after_s=config.retry_after_s,
             kv_spec=config.kv_spec,
         )
+        self.metrics = RegistryMetrics(self.core)
+        self.metrics_port: int | None = None  # bound by registry_service (None: no endpoint)
         self._tasks: set[asyncio.Task[None]] = set()
 
     def heartbeat(self) -> WorkerHeartbeat:
@@ -146,22 +150,31 @@ class RegistryService:
         self._spawn(self._answer_place(req))
 
     async def _answer_place(self, req: Request) -> None:
+        started = time.perf_counter()
         try:
             request = protocol.decode_message(req.data, PlaceRequest)
         except MessageError as exc:
             reply = PlaceReply(ok=False, request_id=_request_id_of(req.data), error=str(exc))
+            refusal, local_prefill = "malformed", False
         else:
-            reply = await self.place(request)
+            with logs.request_context(request.request_id):
+                reply, refusal = await self.place(request)
+            local_prefill = request.local_prefill
+        self.metrics.observe_place(
+            time.perf_counter() - started, local_prefill=local_prefill, refusal=refusal
+        )
         await req.respond(protocol.encode_message(reply))
 
-    async def place(self, request: PlaceRequest) -> PlaceReply:
+    async def place(self, request: PlaceRequest) -> tuple[PlaceReply, str]:
+        """The reply, and why it is a refusal ("" when placed; RegistryMetrics' reasons)."""
         tried: set[str] = set()
         errors: list[str] = []
         for _ in range(self.config.max_reserve_attempts):
             choice = self.core.choose(request, self.clock(), frozenset(tried))
             if isinstance(choice, Refusal):
                 if not tried:
-                    return _refused(request, choice.error, choice.retry_after_s)
+                    log.debug("refused", reason=choice.reason, error=choice.error)
+                    return _refused(request, choice.error, choice.retry_after_s), choice.reason
                 break
             tried.add(choice.worker_id)
             lease_id = uuid.uuid4().hex
@@ -172,18 +185,19 @@ class RegistryService:
                 )
                 log.debug(
                     "placed",
-                    request_id=request.request_id,
                     worker_id=choice.worker_id,
                     num_blocks=len(reply.block_ids),
+                    local_prefill=request.local_prefill,
                 )
-                return placed
+                return placed, "" if placed.ok else "worker_gone"
             self.core.release_inflight(choice)
             errors.append(f"{choice.worker_id}: {reply.error}")
+        log.debug("refused", reason="reserve_failed", errors=errors)
         return _refused(
             request,
             f"no decode worker accepted the request ({'; '.join(errors)})",
             self.config.retry_after_s,
-        )
+        ), "reserve_failed"
 
     async def _reserve(
         self, choice: Candidate, request: PlaceRequest, lease_id: str
@@ -365,6 +379,9 @@ async def registry_service(config: RegistryConfig) -> AsyncIterator[RegistryServ
                     heartbeat=service.heartbeat,
                     interval_s=config.heartbeat_s,
                 ) as svc,
+                serve_metrics(
+                    service.metrics.registry, config.metrics_host, config.metrics_port
+                ) as service.metrics_port,
             ):
                 await svc.add_endpoint(
                     name="place", subject=subjects.REGISTRY_PLACE, handler=service.on_place
@@ -381,6 +398,7 @@ async def registry_service(config: RegistryConfig) -> AsyncIterator[RegistryServ
                     worker_id=worker_id,
                     mesh=subjects.mesh,
                     nats_url=config.safe_nats_url,
+                    metrics_port=service.metrics_port,
                 )
                 yield service
         finally:
