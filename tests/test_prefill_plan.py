@@ -11,7 +11,6 @@ from kvmesh.services.prefill.plan import (
     WriteSpan,
 )
 from kvmesh.shared import protocol
-from kvmesh.shared.imm import imm_slot, unpack_imm
 from kvmesh.shared.descriptor import TransportDescriptor
 from kvmesh.shared.imm import imm_slot, unpack_imm
 from kvmesh.shared.subjects import Subjects

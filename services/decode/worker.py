@@ -21,7 +21,6 @@ from kvmesh.shared.engine.block_manager import OutOfBlocksError
 from kvmesh.shared.engine.llm_engine import LLMEngine
 from kvmesh.shared.engine.sequence import RequestError, RequestOutput, SamplingParams
 from kvmesh.shared.imm import imm_slot, unpack_imm
-from kvmesh.shared.imm import imm_slot, unpack_imm
 from kvmesh.shared.protocol import (
     Abort,
     PrefillDone,
