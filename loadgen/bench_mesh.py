@@ -113,18 +113,18 @@ class MeshTap:
         )
 
         async def on_tokens(msg: Any) -> None:
-            event = protocol.decode(msg.data, protocol.TokenEvent)
+            event = protocol.decode_message(msg.data, protocol.TokenEvent)
             self.tokens[event.request_id] += event.token_ids
             if event.finish_reason is not None:
                 self.finished[event.request_id] = event
                 self._events[event.request_id].set()
 
         async def on_report(msg: Any) -> None:
-            report = protocol.decode(msg.data, protocol.PrefillReport)
+            report = protocol.decode_message(msg.data, protocol.PrefillReport)
             self.reports[report.request_id] = report
 
         async def on_done(msg: Any) -> None:
-            done = protocol.decode(msg.data, protocol.PrefillDone)
+            done = protocol.decode_message(msg.data, protocol.PrefillDone)
             self.prefill_done[done.request_id] = done
 
         s = Subjects(self.mesh)

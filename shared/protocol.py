@@ -1,39 +1,46 @@
-"""Every message kvmesh sends over NATS: frozen dataclasses and one codec (orjson).
+"""Every message kvmesh sends over NATS, each defined once as a frozen msgspec Struct.
 
-Messages are small: token ids, block ids and addresses, never KV bytes. ``encode`` turns a
-message into bytes; ``decode(data, Type)`` validates and rebuilds it, raising ProtocolError with
-a message naming the type and the field when a peer sends something malformed.
+Messages are small: token ids, block ids and addresses, never KV bytes. The Struct is the schema:
+``encode_message`` writes it as JSON, ``decode_message(data, Type)`` validates JSON against it
+(types, required fields, no unknown fields, the bounds in its ``Meta``) and raises
+``MessageError`` naming the type and the field when a peer sends something malformed. Why msgspec
+and not pydantic: docs/schema.md.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
-import types
-import typing
-from dataclasses import dataclass, field
-from typing import Any, TypeVar
+import re
+from typing import Annotated, Any, TypeVar
 
-import orjson
-
-T = TypeVar("T")
+import msgspec
+from kvmesh.shared.descriptor import TransportDescriptor
 
 
-class ProtocolError(ValueError):
-    """A NATS message that does not decode into the expected type."""
+class Message(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Base of every NATS message: immutable, and refused on decode if it carries a field the
+    receiver does not know (a peer of another version, or a typo)."""
+
+
+M = TypeVar("M", bound=Message)
+
+
+class MessageError(ValueError):
+    """A NATS message that does not decode into the expected message type."""
 
 
 # --- sampling ---------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class SamplingOptions:
-    """Wire form of the engine's SamplingParams."""
+class SamplingOptions(Message):
+    """Wire form of the engine's SamplingParams (``top_k`` 0 and ``top_p`` 1 are off, as there)."""
 
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
+    max_tokens: Annotated[int, msgspec.Meta(ge=1)] = 16
+    temperature: Annotated[float, msgspec.Meta(ge=0)] = 1.0
+    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] = 1.0
+    top_k: Annotated[int, msgspec.Meta(ge=0)] = 0  # 0: off (every token is a candidate)
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
@@ -43,8 +50,7 @@ class SamplingOptions:
 # --- placement (router -> kv-registry -> decode) -----------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class PlaceRequest:
+class PlaceRequest(Message):
     """Ask the registry for a decode worker and reserved blocks for one request."""
 
     request_id: str
@@ -57,8 +63,7 @@ class PlaceRequest:
     model_spec: str = ""
 
 
-@dataclass(frozen=True, slots=True)
-class ReserveRequest:
+class ReserveRequest(Message):
     """Registry -> chosen decode worker: reserve blocks (or accept a local-prefill request)."""
 
     request_id: str
@@ -69,8 +74,9 @@ class ReserveRequest:
     lease_ms: int
 
 
-@dataclass(frozen=True, slots=True)
-class ReserveReply:
+class ReserveReply(Message):
+    """Decode worker -> registry: the blocks it reserved (or why it could not)."""
+
     ok: bool
     worker_id: str
     block_ids: tuple[int, ...] = ()
@@ -80,8 +86,7 @@ class ReserveReply:
     rkey: int = 0
 
 
-@dataclass(frozen=True, slots=True)
-class PlaceReply:
+class PlaceReply(Message):
     """Where the prefill must write: the decode worker's descriptor, the lease's window key and
     the block addresses."""
 
@@ -89,7 +94,7 @@ class PlaceReply:
     request_id: str
     worker_id: str = ""
     lease_id: str = ""
-    descriptor: dict[str, Any] = field(default_factory=dict)  # transport PeerDescriptor.to_dict()
+    descriptor: TransportDescriptor | None = None  # None unless ok
     rkey: int = 0
     block_ids: tuple[int, ...] = ()
     block_addrs: tuple[int, ...] = ()
@@ -101,8 +106,7 @@ class PlaceReply:
 # --- prefill ----------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class PrefillJob:
+class PrefillJob(Message):
     """Router -> prefill queue group: compute this prompt's KV into these remote blocks."""
 
     request_id: str
@@ -110,11 +114,191 @@ class PrefillJob:
     sampling: SamplingOptions
     decode_worker_id: str
     lease_id: str
-    descriptor: dict[str, Any]
+    descriptor: TransportDescriptor
     rkey: int
     block_addrs: tuple[int, ...]
     block_bytes: int
     enqueued_at: float  # unix time the router published the job
+
+
+class PrefillDone(Message):
+    """Prefill -> decode worker: every write of the request has been issued and completed."""
+
+    request_id: str
+    lease_id: str
+    ok: bool
+    first_token: int = -1
+    num_writes: int = 0  # the decode worker admits once it has counted this many immediates
+    error: str = ""
+    # The lease's window key from the job: only the holder of the job knows it, so the decode
+    # worker ignores an announcement without it.
+    rkey: int = 0
+
+
+class PrefillReport(Message):
+    """Prefill -> router: where the time went (seconds)."""
+
+    request_id: str
+    worker_id: str
+    queue_s: float
+    compute_s: float
+    transfer_s: float
+    exposed_transfer_s: float  # transfer time not hidden behind compute
+    num_chunks: int
+
+
+# --- tokens and cancellation ------------------------------------------------------------------
+
+
+class TokenEvent(Message):
+    """Decode -> router: new tokens of one request; the last one has finish_reason set."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    error: str = ""
+
+
+class Abort(Message):
+    """Router (or decode worker) -> everyone: stop working on this request."""
+
+    request_id: str
+    reason: str = "client disconnected"
+    # The router took the prefill job off the queue before any worker took it: nothing will
+    # ever write the reserved blocks, so the decode worker may free them at once.
+    job_withdrawn: bool = False
+
+
+class PrefillStarted(Message):
+    """Prefill -> router (request subject) and decode worker: this worker took the job. The router
+    retries the request elsewhere if this worker dies before the first token; the decode worker
+    knows whose writes to expect, so it can free the blocks at once when that writer is gone."""
+
+    request_id: str
+    lease_id: str
+    worker_id: str
+
+
+class WorkerGone(Message):
+    """kv-registry -> everyone: a worker stopped heartbeating (dead, hung or cut off)."""
+
+    worker_id: str
+    role: str
+    last_seen_s: float  # seconds between its last message and the drop
+
+
+class LeaseRenew(Message):
+    """Lease holder -> decode worker (and registry): still waiting for this prefill; keep the
+    blocks ``lease_ms`` more. A lease ends when its holder stops renewing, not when work is slow."""
+
+    request_id: str
+    lease_id: str
+    lease_ms: int
+
+
+# --- workers, registry, admin -----------------------------------------------------------------
+
+
+class WorkerHeartbeat(Message):
+    """Every worker -> registry and routers, periodically: alive, and how busy."""
+
+    worker_id: str
+    role: str  # "prefill" | "decode" | "colocated" | "router" | "kv-registry" | "draft"
+    state: str  # "ready" | "draining"
+    num_running: int = 0
+    num_waiting: int = 0
+    started_at: float = 0.0
+    sent_at: float = 0.0
+
+
+class DecodeAdvert(Message):
+    """Decode -> registry, on start and every heartbeat: how to reach it and what it has free."""
+
+    worker_id: str
+    mode: str  # "disagg" | "colocated"
+    # PeerDescriptor.public(): no region keys (kept only on rdma NICs without memory windows);
+    # None for a colocated worker, which takes no remote writes
+    descriptor: TransportDescriptor | None
+    base_addr: int
+    block_bytes: int
+    block_size: int
+    kv_spec: str  # KVCacheSpec fingerprint: prefill and decode must match
+    total_blocks: int
+    free_blocks: int
+    free_block_ranges: tuple[tuple[int, int], ...]  # [start, end) runs of free block ids
+    num_running: int
+    num_waiting: int
+    state: str  # "ready" | "draining"
+    sent_at: float
+    refused_accesses: int = 0  # one-sided writes/reads its transport refused (rkey, bounds, ...)
+    stray_immediates: int = 0  # immediates that named no live reservation (late or forged)
+    forged_announcements: int = 0  # PrefillDones without their lease's window key
+    model_spec: str = ""  # model_spec() of the model it serves: routers of that model place here
+
+
+class WorkerControl(Message):
+    """Admin -> one worker: stop taking work, or take it again."""
+
+    action: str  # "drain" | "resume"
+
+
+class LogLevel(Message):
+    """Admin -> every worker: the log level from now on."""
+
+    level: str
+
+
+# --- codec ------------------------------------------------------------------------------------
+
+_ENCODER = msgspec.json.Encoder()
+
+
+def encode_message(msg: Message) -> bytes:
+    """``msg`` as JSON bytes."""
+    assert isinstance(msg, Message), type(msg)
+    return _ENCODER.encode(msg)
+
+
+def decode_message(data: bytes, cls: type[M]) -> M:
+    """Validate ``data`` against ``cls`` and build it; MessageError says what is wrong, where."""
+    try:
+        return _decoder(cls).decode(data)
+    except msgspec.ValidationError as exc:
+        raise MessageError(_explain(cls.__name__, str(exc))) from None
+    except msgspec.DecodeError as exc:
+        raise MessageError(f"{cls.__name__}: body is not JSON ({exc})") from None
+
+
+@functools.cache
+def _decoder(cls: type[M]) -> msgspec.json.Decoder[M]:
+    return msgspec.json.Decoder(cls)
+
+
+_AT = re.compile(r"^(?P<what>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
+_MISSING = re.compile(r"^Object missing required field `(?P<name>.*)`$", re.S)
+_UNKNOWN = re.compile(r"^Object contains unknown field `(?P<name>.*)`$", re.S)
+
+
+def _explain(type_name: str, error: str) -> str:
+    """msgspec's ``Expected `int`, got `str` - at `$.token_ids[1]``` as
+    ``TokenEvent.token_ids[1]: expected int, got str``."""
+    parts = _AT.match(error)
+    assert parts is not None
+    what, path = parts["what"], parts["path"] or ""
+    if m := _MISSING.match(what):
+        what = f"missing field {m['name']!r}"
+    elif m := _UNKNOWN.match(what):
+        what = f"unknown field {m['name']!r}"
+    else:
+        what = (what[:1].lower() + what[1:]).replace("`", "")
+    return f"{type_name}{path}: {what}"
+
+
+# --- model identity -------------------------------------------------------------------------
+# What the router and the decode workers compare to know they serve the same model (the
+# ``model_spec`` and ``kv_spec`` fields of the messages above).
 
 
 def model_spec(model_config: Any) -> str:
@@ -142,206 +326,3 @@ def kv_spec_fingerprint(spec: Any, model_config: Any) -> str:
     the model config. Prefill and decode exchange blocks only when these strings are equal."""
     digest = hashlib.blake2b(repr(model_config).encode(), digest_size=4).hexdigest()
     return f"{spec.fingerprint()}:model-{digest}"
-
-
-@dataclass(frozen=True, slots=True)
-class PrefillDone:
-    """Prefill -> decode worker: every write of the request has been issued and completed."""
-
-    request_id: str
-    lease_id: str
-    ok: bool
-    first_token: int = -1
-    num_writes: int = 0  # the decode worker admits once it has counted this many immediates
-    error: str = ""
-    # The lease's window key from the job: only the holder of the job knows it, so the decode
-    # worker ignores an announcement without it.
-    rkey: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class PrefillReport:
-    """Prefill -> router: where the time went (seconds)."""
-
-    request_id: str
-    worker_id: str
-    queue_s: float
-    compute_s: float
-    transfer_s: float
-    exposed_transfer_s: float  # transfer time not hidden behind compute
-    num_chunks: int
-
-
-# --- tokens and cancellation ------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class TokenEvent:
-    """Decode -> router: new tokens of one request; the last one has finish_reason set."""
-
-    request_id: str
-    token_ids: tuple[int, ...]
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
-    error: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class Abort:
-    request_id: str
-    reason: str = "client disconnected"
-    # The router took the prefill job off the queue before any worker took it: nothing will
-    # ever write the reserved blocks, so the decode worker may free them at once.
-    job_withdrawn: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class PrefillStarted:
-    """Prefill -> router (request subject) and decode worker: this worker took the job. The router
-    retries the request elsewhere if this worker dies before the first token; the decode worker
-    knows whose writes to expect, so it can free the blocks at once when that writer is gone."""
-
-    request_id: str
-    lease_id: str
-    worker_id: str
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerGone:
-    """kv-registry -> everyone: a worker stopped heartbeating (dead, hung or cut off)."""
-
-    worker_id: str
-    role: str
-    last_seen_s: float  # seconds between its last message and the drop
-
-
-@dataclass(frozen=True, slots=True)
-class LeaseRenew:
-    """Lease holder -> decode worker (and registry): still waiting for this prefill; keep the
-    blocks ``lease_ms`` more. A lease ends when its holder stops renewing, not when work is slow."""
-
-    request_id: str
-    lease_id: str
-    lease_ms: int
-
-
-# --- workers, registry, admin -----------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerHeartbeat:
-    worker_id: str
-    role: str  # "prefill" | "decode" | "colocated" | "router" | "kv-registry" | "draft"
-    state: str  # "ready" | "draining"
-    num_running: int = 0
-    num_waiting: int = 0
-    started_at: float = 0.0
-    sent_at: float = 0.0
-
-
-@dataclass(frozen=True, slots=True)
-class DecodeAdvert:
-    """Decode -> registry, on start and every heartbeat: how to reach it and what it has free."""
-
-    worker_id: str
-    mode: str  # "disagg" | "colocated"
-    # PeerDescriptor.public(): no region keys (kept only on rdma NICs without memory windows)
-    descriptor: dict[str, Any]
-    base_addr: int
-    block_bytes: int
-    block_size: int
-    kv_spec: str  # KVCacheSpec fingerprint: prefill and decode must match
-    total_blocks: int
-    free_blocks: int
-    free_block_ranges: tuple[tuple[int, int], ...]  # [start, end) runs of free block ids
-    num_running: int
-    num_waiting: int
-    state: str  # "ready" | "draining"
-    sent_at: float
-    refused_accesses: int = 0  # one-sided writes/reads its transport refused (rkey, bounds, ...)
-    stray_immediates: int = 0  # immediates that named no live reservation (late or forged)
-    forged_announcements: int = 0  # PrefillDones without their lease's window key
-    model_spec: str = ""  # model_spec() of the model it serves: routers of that model place here
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerControl:
-    action: str  # "drain" | "resume"
-
-
-@dataclass(frozen=True, slots=True)
-class LogLevel:
-    level: str
-
-
-# --- codec ------------------------------------------------------------------------------------
-
-
-def encode(msg: Any) -> bytes:
-    assert dataclasses.is_dataclass(msg), type(msg)
-    return orjson.dumps(msg)
-
-
-def decode(data: bytes, cls: type[T]) -> T:
-    try:
-        raw = orjson.loads(data)
-    except orjson.JSONDecodeError as exc:
-        raise ProtocolError(f"{cls.__name__}: body is not JSON ({exc})") from None
-    return _build(cls, raw, cls.__name__)
-
-
-def _build(tp: Any, value: Any, where: str) -> Any:
-    origin = typing.get_origin(tp)
-    if dataclasses.is_dataclass(tp):
-        if not isinstance(value, dict):
-            raise ProtocolError(f"{where}: expected an object, got {type(value).__name__}")
-        hints = typing.get_type_hints(tp)
-        kwargs = {}
-        for f in dataclasses.fields(tp):
-            if f.name in value:
-                kwargs[f.name] = _build(hints[f.name], value[f.name], f"{where}.{f.name}")
-            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise ProtocolError(f"{where}: missing field {f.name!r}")
-        unknown = set(value) - {f.name for f in dataclasses.fields(tp)}
-        if unknown:
-            raise ProtocolError(f"{where}: unknown fields {sorted(unknown)}")
-        return tp(**kwargs)
-    if origin in (types.UnionType, typing.Union):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _build(arg, value, where)
-            except ProtocolError:
-                continue
-        raise ProtocolError(f"{where}: {value!r} matches none of {tp}")
-    if origin is tuple:
-        if not isinstance(value, list):
-            raise ProtocolError(f"{where}: expected a list, got {type(value).__name__}")
-        args = typing.get_args(tp)
-        if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_build(args[0], v, f"{where}[{i}]") for i, v in enumerate(value))
-        if len(args) != len(value):
-            raise ProtocolError(f"{where}: expected {len(args)} items, got {len(value)}")
-        return tuple(
-            _build(a, v, f"{where}[{i}]") for i, (a, v) in enumerate(zip(args, value, strict=True))
-        )
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ProtocolError(f"{where}: expected an object, got {type(value).__name__}")
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ProtocolError(f"{where}: expected a number, got {value!r}")
-        return float(value)
-    if tp in (int, str, bool):
-        if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
-            raise ProtocolError(f"{where}: expected {tp.__name__}, got {value!r}")
-        return value
-    if tp is Any:
-        return value
-    raise AssertionError(f"unsupported type {tp} at {where}")

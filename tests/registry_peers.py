@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvmesh.shared import protocol
+from kvmesh.shared.descriptor import TcpBackend, TransportDescriptor
 from kvmesh.shared.nats_service import background, connect_nats, publish_every
 from kvmesh.shared.protocol import (
     DecodeAdvert,
@@ -53,7 +54,7 @@ class PeerDecode:
         return DecodeAdvert(
             worker_id=self.worker_id,
             mode=self.mode,
-            descriptor={"backend": "tcp", "peer_id": self.worker_id, "host": "127.0.0.1"},
+            descriptor=TransportDescriptor(self.worker_id, "h", (TcpBackend("127.0.0.1", 1),)),
             base_addr=self.base_addr,
             block_bytes=BLOCK_BYTES,
             block_size=BLOCK_SIZE,
@@ -68,31 +69,33 @@ class PeerDecode:
         )
 
     async def on_reserve(self, msg: Msg) -> None:
-        req = protocol.decode(msg.data, ReserveRequest)
+        req = protocol.decode_message(msg.data, ReserveRequest)
         self.reserves.append(req)
         need = -(-len(req.prompt_ids) // BLOCK_SIZE)
         if self.refuse_with or self.state != "ready" or need > len(self.free):
             error = self.refuse_with or f"{self.worker_id} cannot take {need} blocks"
-            await msg.respond(protocol.encode(ReserveReply(False, self.worker_id, error=error)))
+            await msg.respond(
+                protocol.encode_message(ReserveReply(False, self.worker_id, error=error))
+            )
             return
         blocks = tuple(self.free[:need])
         del self.free[:need]
         self.leases[req.lease_id] = (blocks, time.monotonic() + req.lease_ms / 1000)
         await msg.respond(
-            protocol.encode(ReserveReply(True, self.worker_id, block_ids=blocks, rkey=42))
+            protocol.encode_message(ReserveReply(True, self.worker_id, block_ids=blocks, rkey=42))
         )
 
     async def on_prefill_done(self, msg: Msg) -> None:
-        done = protocol.decode(msg.data, PrefillDone)
+        done = protocol.decode_message(msg.data, PrefillDone)
         blocks, _ = self.leases.pop(done.lease_id, ((), 0.0))
         self.free.extend(blocks)
 
     async def on_control(self, msg: Msg) -> None:
-        action = protocol.decode(msg.data, WorkerControl).action
+        action = protocol.decode_message(msg.data, WorkerControl).action
         self.controls.append(action)
         self.state = "draining" if action == "drain" else "ready"
         beat = WorkerHeartbeat(self.worker_id, "decode", self.state, sent_at=time.time())
-        await msg.respond(protocol.encode(beat))
+        await msg.respond(protocol.encode_message(beat))
 
     async def lease_loop(self) -> None:
         while True:

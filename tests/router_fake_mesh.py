@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from kvmesh.shared import protocol
+from kvmesh.shared.descriptor import TcpBackend, TransportDescriptor
 from kvmesh.shared.model.tiny import tiny_config
 from kvmesh.shared.nats_service import connect_nats
 from kvmesh.shared.protocol import (
@@ -101,14 +102,14 @@ class FakeMesh:
                 if alive:
                     beat = WorkerHeartbeat(f"{role}-fake", role, "ready", 0, 0, 0.0, 0.0)
                     subject = self.subjects.heartbeat(role, f"{role}-fake")
-                    await self._nc.publish(subject, protocol.encode(beat))
+                    await self._nc.publish(subject, protocol.encode_message(beat))
             await asyncio.sleep(0.2)
 
     async def _on_renew(self, msg) -> None:
-        self.renewals.append(protocol.decode(msg.data, LeaseRenew))
+        self.renewals.append(protocol.decode_message(msg.data, LeaseRenew))
 
     async def _on_place(self, msg) -> None:
-        place = protocol.decode(msg.data, PlaceRequest)
+        place = protocol.decode_message(msg.data, PlaceRequest)
         self.places.append(place)
         overloaded = self.retry_after_s > 0 and (
             self.overloaded_places < 0 or len(self.places) <= self.overloaded_places
@@ -126,18 +127,18 @@ class FakeMesh:
                 request_id=place.request_id,
                 worker_id="decode-fake",
                 lease_id=f"lease-{place.request_id}",
-                descriptor={"backend": "tcp", "host": "127.0.0.1", "port": 1},
+                descriptor=TransportDescriptor("decode-fake", "h", (TcpBackend("127.0.0.1", 1),)),
                 rkey=7,
                 block_ids=(0, 1),
                 block_addrs=(4096, 8192),
                 block_bytes=4096,
             )
-        await msg.respond(protocol.encode(reply))
+        await msg.respond(protocol.encode_message(reply))
         if reply.ok and place.local_prefill:
             self._start(place.request_id, place.prompt_ids, place.sampling.max_tokens)
 
     async def _on_job(self, msg) -> None:
-        job = protocol.decode(msg.data, PrefillJob)
+        job = protocol.decode_message(msg.data, PrefillJob)
         self.jobs.append(job)
         report = PrefillReport(
             request_id=job.request_id,
@@ -149,12 +150,12 @@ class FakeMesh:
             num_chunks=2,
         )
         await self._nc.publish(
-            self.subjects.request_prefill_report(job.request_id), protocol.encode(report)
+            self.subjects.request_prefill_report(job.request_id), protocol.encode_message(report)
         )
         self._start(job.request_id, job.prompt_ids, job.sampling.max_tokens)
 
     async def _on_abort(self, msg) -> None:
-        abort = protocol.decode(msg.data, Abort)
+        abort = protocol.decode_message(msg.data, Abort)
         self.aborts.append(abort)
         self.aborted.set()
         task = self._tasks.get(abort.request_id)
@@ -190,7 +191,7 @@ class FakeMesh:
             )
             if self.lose_token == i + 1 and request_id == self.places[0].request_id:
                 continue  # published into a NATS that lost it
-            await self._nc.publish(subject, protocol.encode(event))
+            await self._nc.publish(subject, protocol.encode_message(event))
             if failing:
                 return
 

@@ -88,7 +88,7 @@ async def test_disconnect_mid_prefill_stops_prefill_and_returns_blocks(mesh):
         jobs: list[protocol.PrefillJob] = []
 
         async def on_job(msg) -> None:
-            jobs.append(protocol.decode(msg.data, protocol.PrefillJob))
+            jobs.append(protocol.decode_message(msg.data, protocol.PrefillJob))
             job_seen.set()
 
         jobs_subject = Subjects(DEFAULT_MESH).PREFILL_JOBS

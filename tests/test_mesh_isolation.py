@@ -135,8 +135,8 @@ async def test_admin_addresses_one_mesh_and_registry_refuses_another_model(two_m
     )
     async with connect_nats(url, "stray-router") as nc:
         msg = await nc.request(
-            Subjects("kvmesh-tiny").REGISTRY_PLACE, protocol.encode(place), timeout=5
+            Subjects("kvmesh-tiny").REGISTRY_PLACE, protocol.encode_message(place), timeout=5
         )
-    reply = protocol.decode(msg.data, protocol.PlaceReply)
+    reply = protocol.decode_message(msg.data, protocol.PlaceReply)
     assert not reply.ok and reply.retry_after_s == 0
     assert "decode-0 serves another model or KV layout" in reply.error

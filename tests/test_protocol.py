@@ -1,61 +1,305 @@
+"""Every NATS message round-trips through the codec, and malformed payloads are refused with an
+error that names the message type and the field."""
+
+from __future__ import annotations
+
+import msgspec
+import orjson
 import pytest
+from kvmesh.shared import protocol
+from kvmesh.shared.descriptor import (
+    RdmaBackend,
+    RegionInfo,
+    ShmBackend,
+    TcpBackend,
+    TransportDescriptor,
+)
 from kvmesh.shared.protocol import (
     Abort,
     DecodeAdvert,
+    LeaseRenew,
+    LogLevel,
+    Message,
+    MessageError,
     PlaceReply,
     PlaceRequest,
-    ProtocolError,
+    PrefillDone,
+    PrefillJob,
+    PrefillReport,
+    PrefillStarted,
+    ReserveReply,
+    ReserveRequest,
     SamplingOptions,
     TokenEvent,
-    decode,
-    encode,
+    WorkerControl,
+    WorkerGone,
+    WorkerHeartbeat,
+    decode_message,
+    encode_message,
 )
 
+SAMPLING = SamplingOptions(
+    max_tokens=7,
+    temperature=0.5,
+    top_p=0.9,
+    top_k=40,
+    seed=-3,
+    stop_token_ids=(2, 9),
+    stop=("\n", "END"),
+    ignore_eos=True,
+)
+DESCRIPTOR = TransportDescriptor(
+    peer_id="decode-0",
+    host_id="host-a",
+    backends=(
+        ShmBackend(socket="/tmp/kvmesh-1-deadbeef/notify.sock", table="kvmesh-1-deadbeef-table"),
+        TcpBackend(host="10.0.0.2", port=41234, lanes=4),
+        RdmaBackend(
+            device="mlx5_0",
+            port=1,
+            lid=3,
+            gid="fe80::1",
+            gid_index=1,
+            mtu=5,
+            host="10.0.0.2",
+            handshake_port=41235,
+            iova={17: (4096, 1 << 40)},
+            memory_windows=2,
+        ),
+    ),
+    regions=(RegionInfo(addr=1 << 32, length=1 << 20, rkey=17, access=1, lkey=5),),
+)
 
-def test_round_trip_preserves_nested_and_tuple_fields():
-    msg = PlaceRequest("r1", (1, 2, 3), SamplingOptions(seed=7, stop=("\n",)), local_prefill=False)
-    assert decode(encode(msg), PlaceRequest) == msg
+JOB = PrefillJob("r1", (1, 2), SAMPLING, "d0", "L1", DESCRIPTOR, 77, (4096,), 4096, 1.5)
+PLACE = PlaceRequest("r1", (1, 2, 3), SAMPLING, local_prefill=True, lease_ms=5, model_spec="L2:m")
+ADVERT = DecodeAdvert(
+    worker_id="d0",
+    mode="disagg",
+    descriptor=DESCRIPTOR,
+    base_addr=1 << 32,
+    block_bytes=4096,
+    block_size=16,
+    kv_spec="4x2x64:f32",
+    total_blocks=10,
+    free_blocks=7,
+    free_block_ranges=((0, 3), (6, 10)),
+    num_running=1,
+    num_waiting=2,
+    state="ready",
+    sent_at=1.5,
+    refused_accesses=1,
+    stray_immediates=2,
+    forged_announcements=3,
+    model_spec="L2:m",
+)
 
-
-def test_round_trip_of_pairs_and_dicts():
-    advert = DecodeAdvert(
+# One message of every type, every field set to something other than its default.
+EXAMPLES: list[Message] = [
+    SAMPLING,
+    PLACE,
+    ReserveRequest("r1", (1, 2), SAMPLING, local_prefill=True, lease_id="L1", lease_ms=9),
+    ReserveReply(ok=True, worker_id="d0", block_ids=(4, 5), error="e", rkey=77),
+    PlaceReply(
+        ok=True,
+        request_id="r1",
         worker_id="d0",
-        mode="disagg",
-        descriptor={"backend": "tcp", "port": 1},
-        base_addr=4096,
-        block_bytes=65536,
-        block_size=16,
-        kv_spec="4x2x64:f32",
-        total_blocks=10,
-        free_blocks=7,
-        free_block_ranges=((0, 3), (6, 10)),
-        num_running=1,
-        num_waiting=0,
-        state="ready",
-        sent_at=1.5,
-    )
-    assert decode(encode(advert), DecodeAdvert) == advert
+        lease_id="L1",
+        descriptor=DESCRIPTOR,
+        rkey=77,
+        block_ids=(4, 5),
+        block_addrs=(4096, 8192),
+        block_bytes=4096,
+        error="e",
+        retry_after_s=0.25,
+    ),
+    JOB,
+    PrefillDone("r1", "L1", ok=True, first_token=5, num_writes=3, error="e", rkey=77),
+    PrefillReport("r1", "p0", 0.1, 0.2, 0.3, 0.04, num_chunks=2),
+    TokenEvent("r1", (5, 6), "length", num_prompt_tokens=3, num_output_tokens=2, error="e"),
+    Abort("r1", reason="lease expired", job_withdrawn=True),
+    PrefillStarted("r1", "L1", "p0"),
+    WorkerGone("d0", "decode", last_seen_s=3.5),
+    LeaseRenew("r1", "L1", lease_ms=1000),
+    WorkerHeartbeat(
+        "d0", "decode", "draining", num_running=2, num_waiting=1, started_at=1.0, sent_at=2.0
+    ),
+    ADVERT,
+    WorkerControl("drain"),
+    LogLevel("debug"),
+]
+
+
+def _message_types() -> set[type]:
+    return {
+        obj
+        for obj in vars(protocol).values()
+        if isinstance(obj, type) and issubclass(obj, Message) and obj is not Message
+    }
+
+
+def _id(msg: Message) -> str:
+    return type(msg).__name__
+
+
+def _wire(msg: Message) -> dict:
+    return orjson.loads(encode_message(msg))
+
+
+def test_examples_cover_every_message_type():
+    assert {type(m) for m in EXAMPLES} == _message_types()
+
+
+@pytest.mark.parametrize("msg", EXAMPLES, ids=_id)
+def test_round_trip_preserves_every_field_when_none_is_default(msg):
+    for field in msgspec.structs.fields(msg):
+        if field.default is not msgspec.NODEFAULT:
+            assert getattr(msg, field.name) != field.default, field.name
+    assert decode_message(encode_message(msg), type(msg)) == msg
 
 
 def test_defaults_fill_missing_optional_fields():
-    assert decode(b'{"ok": false, "request_id": "x"}', PlaceReply) == PlaceReply(False, "x")
+    assert decode_message(b'{"ok": false, "request_id": "x"}', PlaceReply) == PlaceReply(False, "x")
 
 
-def test_decode_rejects_wrong_type_naming_the_field():
-    with pytest.raises(ProtocolError, match=r"TokenEvent.token_ids\[1\]: expected int"):
-        decode(b'{"request_id": "r", "token_ids": [1, "2"]}', TokenEvent)
+def test_round_trip_of_a_colocated_advert_without_descriptor():
+    advert = msgspec.structs.replace(ADVERT, descriptor=None, mode="colocated")
+    assert decode_message(encode_message(advert), DecodeAdvert) == advert
 
 
-def test_decode_rejects_missing_required_field():
-    with pytest.raises(ProtocolError, match="missing field 'request_id'"):
-        decode(b"{}", Abort)
+# --- refusals ----------------------------------------------------------------------------------
 
 
-def test_decode_rejects_unknown_field_and_bad_json():
-    with pytest.raises(ProtocolError, match="unknown fields"):
-        decode(b'{"request_id": "r", "bogus": 1}', Abort)
-    with pytest.raises(ProtocolError, match="not JSON"):
-        decode(b"{nope", Abort)
+def _first_field(msg: Message) -> str:
+    return msgspec.structs.fields(msg)[0].name
+
+
+@pytest.mark.parametrize("msg", EXAMPLES, ids=_id)
+def test_decode_refuses_a_field_of_the_wrong_type_naming_it(msg):
+    name = _first_field(msg)
+    wire = _wire(msg)
+    wire[name] = {"not": "this"}
+    with pytest.raises(MessageError, match=rf"^{_id(msg)}\.{name}: expected \w+, got object"):
+        decode_message(orjson.dumps(wire), type(msg))
+
+
+@pytest.mark.parametrize("msg", EXAMPLES, ids=_id)
+def test_decode_refuses_a_value_nested_in_extra_lists(msg):
+    name = _first_field(msg)
+    wire = _wire(msg)
+    wire[name] = [[wire[name]]]
+    with pytest.raises(MessageError, match=rf"^{_id(msg)}\.{name}(\[0\])*: expected"):
+        decode_message(orjson.dumps(wire), type(msg))
+
+
+@pytest.mark.parametrize(
+    "msg", [m for m in EXAMPLES if any(f.required for f in msgspec.structs.fields(m))], ids=_id
+)
+def test_decode_refuses_a_missing_required_field_naming_it(msg):
+    name = _first_field(msg)
+    wire = _wire(msg)
+    del wire[name]
+    with pytest.raises(MessageError, match=rf"^{_id(msg)}: missing field '{name}'$"):
+        decode_message(orjson.dumps(wire), type(msg))
+
+
+@pytest.mark.parametrize("msg", EXAMPLES, ids=_id)
+def test_decode_refuses_an_unknown_field(msg):
+    wire = {**_wire(msg), "bogus": 1}
+    with pytest.raises(MessageError, match=rf"^{_id(msg)}: unknown field 'bogus'$"):
+        decode_message(orjson.dumps(wire), type(msg))
+
+
+def test_decode_names_the_index_of_a_wrong_item():
+    with pytest.raises(MessageError, match=r"^TokenEvent\.token_ids\[1\]: expected int, got str$"):
+        decode_message(b'{"request_id": "r", "token_ids": [1, "2"]}', TokenEvent)
+
+
+def test_decode_refuses_bad_json_and_a_body_that_is_not_an_object():
+    with pytest.raises(MessageError, match=r"^Abort: body is not JSON"):
+        decode_message(b"{nope", Abort)
+    with pytest.raises(MessageError, match=r"^Abort: expected object, got array$"):
+        decode_message(b'["r"]', Abort)
+
+
+def test_decode_refuses_sampling_outside_its_bounds():
+    with pytest.raises(MessageError, match=r"^PlaceRequest\.sampling\.top_k: expected int >= 0$"):
+        raw = _wire(PLACE)
+        raw["sampling"]["top_k"] = -1
+        decode_message(orjson.dumps(raw), PlaceRequest)
+
+
+def test_encode_refuses_what_is_not_a_message():
+    with pytest.raises(AssertionError):
+        encode_message({"request_id": "r"})  # type: ignore[arg-type]
+
+
+# --- the transport descriptor ------------------------------------------------------------------
+
+
+def test_descriptor_backends_are_tagged_on_the_wire():
+    wire = _wire(JOB)["descriptor"]
+    assert [b["backend"] for b in wire["backends"]] == ["shm", "tcp", "rdma"]
+    assert DESCRIPTOR.backend("tcp") == TcpBackend(host="10.0.0.2", port=41234, lanes=4)
+    assert DESCRIPTOR.backend("nvlink") is None
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"backend": "ftp"}, r"descriptor\.backends\[1\]\.backend: invalid value 'ftp'"),
+        ({"port": 0}, r"descriptor\.backends\[1\]\.port: expected int >= 1"),
+        ({"port": "22"}, r"descriptor\.backends\[1\]\.port: expected int, got str"),
+        ({"path": "/etc/shadow"}, r"descriptor\.backends\[1\]: unknown field 'path'"),
+    ],
+)
+def test_descriptor_with_an_unknown_backend_or_bad_field_is_refused(change, match):
+    wire = _wire(JOB)
+    wire["descriptor"]["backends"][1].update(change)
+    with pytest.raises(MessageError, match=rf"^PrefillJob\.{match}"):
+        decode_message(orjson.dumps(wire), PrefillJob)
+
+
+def test_descriptor_converts_to_and_from_the_transports_peer_descriptor():
+    from kvmesh.shared.transport.rdma_device import RdmaPeerInfo
+
+    peer = DESCRIPTOR.to_peer()
+    assert set(peer.backends) == {"shm", "tcp", "rdma"}
+    assert peer.backends["tcp"] == {"host": "10.0.0.2", "port": 41234, "lanes": 4}
+    rdma = RdmaPeerInfo.from_dict(peer.backends["rdma"])
+    assert rdma.iova == {17: (4096, 1 << 40)} and rdma.memory_windows == 2
+    assert peer.regions[0].rkey == 17 and int(peer.regions[0].access) == 1
+    assert TransportDescriptor.from_peer(peer) == DESCRIPTOR
+
+
+def test_descriptor_knows_every_field_of_the_rdma_peer_info():
+    from kvmesh.shared.transport.rdma_device import RdmaPeerInfo
+
+    info = RdmaPeerInfo("mlx5_0", 1, 3, "fe80::1", 1, 5, "10.0.0.2", 41235, {17: (1, 2)}, 1)
+    assert {f.name for f in msgspec.structs.fields(RdmaBackend)} == set(info.to_dict())
+    backend = msgspec.convert({"backend": "rdma", **info.to_dict()}, RdmaBackend, strict=False)
+    assert RdmaPeerInfo.from_dict(msgspec.to_builtins(backend)) == info
+
+
+async def test_descriptor_of_real_tcp_and_shm_transports_round_trips():
+    from kvmesh.shared.transport import Access, TransportConfig
+    from kvmesh.shared.transport.shm import ShmTransport
+    from kvmesh.shared.transport.tcp import TcpTransport
+
+    for kind in (TcpTransport, ShmTransport):
+        async with kind(TransportConfig()) as transport:
+            transport.register(transport.allocate(4096), Access.REMOTE_WRITE)
+            peer = transport.descriptor()
+            wire = TransportDescriptor.from_peer(peer)
+            assert len(wire.regions) == 1
+            assert decode_message(encode_message(_with(wire)), PrefillJob).descriptor == wire
+            assert wire.to_peer() == peer
+
+
+def _with(descriptor: TransportDescriptor) -> PrefillJob:
+    return msgspec.structs.replace(JOB, descriptor=descriptor)
+
+
+# --- model identity ----------------------------------------------------------------------------
 
 
 def test_model_spec_is_what_router_and_decode_both_compute_and_tells_models_apart():

@@ -64,8 +64,10 @@ def place_request(request_id: str, num_tokens: int = 40, **kw: object) -> PlaceR
 
 
 async def place(nc: Client, request: PlaceRequest, timeout_s: float = 3.0) -> PlaceReply:
-    msg = await nc.request(subjects.REGISTRY_PLACE, protocol.encode(request), timeout=timeout_s)
-    return protocol.decode(msg.data, PlaceReply)
+    msg = await nc.request(
+        subjects.REGISTRY_PLACE, protocol.encode_message(request), timeout=timeout_s
+    )
+    return protocol.decode_message(msg.data, PlaceReply)
 
 
 async def num_decode(nc: Client) -> int:
@@ -86,7 +88,7 @@ async def test_place_reserves_blocks_on_the_decode_worker_and_returns_addresses(
         assert reply.worker_id == "d1" and reply.rkey == 42 and reply.block_bytes == BLOCK_BYTES
         assert reply.block_ids == (0, 1, 2)  # 40 tokens, 16 per block
         assert reply.block_addrs == tuple((1 << 30) + b * BLOCK_BYTES for b in (0, 1, 2))
-        assert reply.descriptor["peer_id"] == "d1"
+        assert reply.descriptor.peer_id == "d1"
         (sent,) = d1.reserves
         assert sent.lease_id == reply.lease_id and sent.lease_ms == 5_000
         assert d1.free == list(range(3, 32))
@@ -94,7 +96,7 @@ async def test_place_reserves_blocks_on_the_decode_worker_and_returns_addresses(
         assert status["leases"]["active"] == 1
         # the prefill completes: the registry sees PrefillDone and closes the lease
         done = PrefillDone(request_id="r1", lease_id=reply.lease_id, ok=True, first_token=5)
-        await nc.publish(subjects.decode_prefill_done("d1"), protocol.encode(done))
+        await nc.publish(subjects.decode_prefill_done("d1"), protocol.encode_message(done))
 
         async def lease_closed() -> bool:
             leases = (await request_json(nc, subjects.ADMIN_STATUS, {}, 2.0))["leases"]
@@ -141,7 +143,7 @@ async def test_place_without_decode_workers_is_a_clear_retryable_error(nats_serv
 async def test_malformed_place_request_gets_an_error_reply(nats_server: str) -> None:
     async with registry_service(config(nats_server)), connect_nats(nats_server, "c") as nc:
         msg = await nc.request(subjects.REGISTRY_PLACE, b'{"request_id": "x"}', timeout=2)
-        reply = protocol.decode(msg.data, PlaceReply)
+        reply = protocol.decode_message(msg.data, PlaceReply)
         assert not reply.ok and reply.request_id == "x" and "missing field" in reply.error
 
 
@@ -218,7 +220,7 @@ async def test_admin_log_level_is_broadcast_and_applied(nats_server: str) -> Non
     received: list[str] = []
 
     async def on_level(msg: Msg) -> None:
-        received.append(protocol.decode(msg.data, LogLevel).level)
+        received.append(protocol.decode_message(msg.data, LogLevel).level)
 
     async with registry_service(config(nats_server)), connect_nats(nats_server, "c") as nc:
         sub = await nc.subscribe(subjects.CONTROL_LOG_LEVEL, cb=on_level)

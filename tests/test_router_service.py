@@ -381,7 +381,7 @@ async def _announce_gone(nats_url: str, worker_id: str, role: str = "decode") ->
 
     async with connect_nats(nats_url, "registry-stand-in") as nc:
         gone = protocol.WorkerGone(worker_id, role, last_seen_s=3.0)
-        await nc.publish(Subjects(DEFAULT_MESH).REGISTRY_WORKER_GONE, protocol.encode(gone))
+        await nc.publish(Subjects(DEFAULT_MESH).REGISTRY_WORKER_GONE, protocol.encode_message(gone))
         await nc.flush()
 
 

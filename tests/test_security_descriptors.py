@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import os
 
+import msgspec
 import pytest
 import torch
 from kvmesh.services.prefill.adverts import AdvertBook, UnvouchedJobError, check_job_against_advert
 from kvmesh.services.prefill.plan import KVSpecMismatchError
 from kvmesh.shared import protocol
+from kvmesh.shared.descriptor import ShmBackend, TcpBackend, TransportDescriptor
 from kvmesh.shared.transport import Access, PeerUnreachableError, TransportConfig, WriteEntry
 from kvmesh.shared.transport.base import PeerDescriptor
 from kvmesh.shared.transport.shm import (
@@ -26,9 +28,15 @@ from kvmesh.shared.transport.shm import (
 )
 
 
-def _forged(descriptor: PeerDescriptor, **shm: object) -> PeerDescriptor:
-    info = {**descriptor.backends["shm"], **shm}
-    return PeerDescriptor(descriptor.peer_id, descriptor.host_id, {"shm": info}, ())
+def _forged(descriptor: PeerDescriptor, **shm: str) -> PeerDescriptor:
+    """``descriptor`` with its shm part changed, as a peer would receive it: through a NATS
+    message, where the schema takes the strings as data and the transport must refuse them."""
+    wire = TransportDescriptor.from_peer(descriptor)
+    forged = ShmBackend(**{**msgspec.structs.asdict(wire.backend("shm")), **shm})
+    heartbeat = protocol.encode_message(
+        _advert(descriptor=msgspec.structs.replace(wire, backends=(forged,), regions=()))
+    )
+    return protocol.decode_message(heartbeat, protocol.DecodeAdvert).descriptor.to_peer()
 
 
 @pytest.fixture
@@ -125,7 +133,7 @@ def _advert(**changes):
     fields = dict(
         worker_id="d0",
         mode="disagg",
-        descriptor={"peer_id": "d0", "backends": {"tcp": {"host": "127.0.0.1", "port": 1}}},
+        descriptor=TransportDescriptor("d0", "h", (TcpBackend("127.0.0.1", 1),)),
         base_addr=0x10000,
         block_bytes=1024,
         block_size=16,
@@ -165,9 +173,12 @@ def test_job_matching_the_advert_is_vouched_for():
 @pytest.mark.parametrize(
     ("changes", "match"),
     [
-        ({"descriptor": {"backends": {"tcp": {"host": "10.9.9.9", "port": 22}}}}, "descriptor"),
         (
-            {"descriptor": {"backends": {"shm": {"table": "../../etc/shadow", "socket": "/x"}}}},
+            {"descriptor": TransportDescriptor("d0", "h", (TcpBackend("10.9.9.9", 22),))},
+            "descriptor",
+        ),
+        (
+            {"descriptor": TransportDescriptor("d0", "h", (ShmBackend("/x", "../../etc/shadow"),))},
             "descriptor",
         ),
         ({"block_bytes": 2048}, "block_bytes"),

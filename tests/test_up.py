@@ -393,7 +393,7 @@ async def _beating(
     async with connect_nats(nats_url, worker_id) as nc:
         beat = protocol.WorkerHeartbeat(worker_id, "decode", "ready")
         while not stop.is_set():
-            await nc.publish(subjects.heartbeat("decode", worker_id), protocol.encode(beat))
+            await nc.publish(subjects.heartbeat("decode", worker_id), protocol.encode_message(beat))
             await asyncio.sleep(0.2)
 
 

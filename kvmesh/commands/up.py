@@ -505,7 +505,7 @@ async def workers_on(
     """Worker ids of mesh ``mesh`` heard on ``nats_url``: its registry's list, or heartbeats
     for ``listen_s``."""
     from kvmesh.shared.admin_client import AdminError, admin_client
-    from kvmesh.shared.protocol import ProtocolError, WorkerHeartbeat, decode
+    from kvmesh.shared.protocol import MessageError, WorkerHeartbeat, decode_message
 
     async with admin_client(
         nats_url, timeout_s=2.0, auth=auth, mesh=mesh, security=security
@@ -517,8 +517,8 @@ async def workers_on(
         heard: set[str] = set()
 
         async def on_beat(msg) -> None:
-            with contextlib.suppress(ProtocolError):
-                heard.add(decode(msg.data, WorkerHeartbeat).worker_id)
+            with contextlib.suppress(MessageError):
+                heard.add(decode_message(msg.data, WorkerHeartbeat).worker_id)
 
         sub = await admin.nc.subscribe(admin.subjects.HEARTBEAT_ALL, cb=on_beat)
         await asyncio.sleep(listen_s)

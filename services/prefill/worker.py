@@ -32,7 +32,7 @@ from kvmesh.shared.protocol import (
     PrefillJob,
     PrefillReport,
     PrefillStarted,
-    encode,
+    encode_message,
 )
 from kvmesh.shared.subjects import Subjects
 from kvmesh.shared.transport import Endpoint, MemoryRegion, TransportError, WriteEntry
@@ -131,7 +131,7 @@ class PrefillWorker:
     async def announce_started(self, msg: PrefillJob) -> None:
         """Tell the router and the decode worker that this worker took ``msg``'s job: from now
         on they count on it (and on hearing if it dies)."""
-        started = encode(PrefillStarted(msg.request_id, msg.lease_id, self.worker_id))
+        started = encode_message(PrefillStarted(msg.request_id, msg.lease_id, self.worker_id))
         await self._publish(self.subjects.decode_prefill_started(msg.decode_worker_id), started)
         await self._publish(self.subjects.request_prefill_started(msg.request_id), started)
 
@@ -249,7 +249,9 @@ class PrefillWorker:
             error=error,
             rkey=msg.rkey,
         )
-        await self._publish(self.subjects.decode_prefill_done(msg.decode_worker_id), encode(done))
+        await self._publish(
+            self.subjects.decode_prefill_done(msg.decode_worker_id), encode_message(done)
+        )
         if job is None:
             return
         t = job.timeline.timing()
@@ -262,5 +264,7 @@ class PrefillWorker:
             exposed_transfer_s=t.exposed_transfer_s,
             num_chunks=t.num_chunks,
         )
-        await self._publish(self.subjects.request_prefill_report(msg.request_id), encode(report))
+        await self._publish(
+            self.subjects.request_prefill_report(msg.request_id), encode_message(report)
+        )
         log.debug("prefill done", request_id=msg.request_id, ok=ok, error=error, timing=t)

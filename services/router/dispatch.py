@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import random
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import msgspec
 import nats.errors
 from kvmesh.services.router.config import RouterConfig
 from kvmesh.services.router.errors import (
@@ -36,12 +36,12 @@ from kvmesh.shared.protocol import (
     Abort,
     DecodeAdvert,
     LeaseRenew,
+    MessageError,
     PlaceReply,
     PlaceRequest,
     PrefillJob,
     PrefillReport,
     PrefillStarted,
-    ProtocolError,
     TokenEvent,
     WorkerGone,
     WorkerHeartbeat,
@@ -206,7 +206,7 @@ class MeshRequest:
             self.is_finished = True
             return TokenEvent(self.request_id, (), finish_reason="length")
         base = self.prompt.prompt_ids[: len(self.prompt.prompt_ids) - self._migrated_tokens]
-        sampling = dataclasses.replace(self.prompt.sampling, max_tokens=owed)
+        sampling = msgspec.structs.replace(self.prompt.sampling, max_tokens=owed)
         self.prompt = Prompt(base + generated, sampling)
         self._migrated_tokens = len(generated)
         self._begin_attempt(f"{self.response_id}-m{self.num_attempts}")
@@ -263,14 +263,16 @@ class MeshRequest:
         )
         self._renewer = asyncio.create_task(self._renew_lease(reply))
         try:
-            self._job_seq = await publish_job(self._nc, self._subjects, protocol.encode(job))
+            self._job_seq = await publish_job(
+                self._nc, self._subjects, protocol.encode_message(job)
+            )
         except nats.errors.Error as exc:
             raise ServiceUnavailableError(f"could not publish the prefill job: {exc}") from None
 
     async def _renew_lease(self, reply: PlaceReply) -> None:
         """The router holds the lease while it waits: renew it every third of its length, so it
         outlives any queue but not the router (stopped by the first token, abort or close)."""
-        renew = protocol.encode(
+        renew = protocol.encode_message(
             LeaseRenew(self.request_id, reply.lease_id, lease_ms=self._config.lease_ms)
         )
         subject = self._subjects.decode_lease_renew(reply.worker_id)
@@ -300,7 +302,7 @@ class MeshRequest:
         try:
             msg = await self._nc.request(
                 self._subjects.REGISTRY_PLACE,
-                protocol.encode(place),
+                protocol.encode_message(place),
                 timeout=self._config.place_timeout_s,
             )
         except nats.errors.NoRespondersError:
@@ -323,8 +325,8 @@ class MeshRequest:
         except nats.errors.Error as exc:
             raise ServiceUnavailableError(f"NATS is unavailable to the router: {exc}") from None
         try:
-            reply = protocol.decode(msg.data, PlaceReply)
-        except ProtocolError as exc:
+            reply = protocol.decode_message(msg.data, PlaceReply)
+        except MessageError as exc:
             raise MeshError(f"the kv-registry sent a malformed placement: {exc}") from None
         if not reply.ok:
             self._may_hold_blocks = False
@@ -374,11 +376,13 @@ class MeshRequest:
                 self._record_report(msg.data)
                 continue
             if msg.subject == self._subjects.request_prefill_started(self.request_id):
-                with contextlib.suppress(ProtocolError):
-                    self.prefill_worker = protocol.decode(msg.data, PrefillStarted).worker_id
+                with contextlib.suppress(MessageError):
+                    self.prefill_worker = protocol.decode_message(
+                        msg.data, PrefillStarted
+                    ).worker_id
                 continue
             if msg.subject == self._subjects.request_worker_gone(self.request_id):
-                gone = protocol.decode(msg.data, WorkerGone)
+                gone = protocol.decode_message(msg.data, WorkerGone)
                 if not self.depends_on(gone.worker_id):
                     continue
                 final = await self._run_again(
@@ -390,8 +394,8 @@ class MeshRequest:
             if msg.subject != tokens_subject:
                 continue  # another kind of request event; not the router's business
             try:
-                event = protocol.decode(msg.data, TokenEvent)
-            except ProtocolError as exc:
+                event = protocol.decode_message(msg.data, TokenEvent)
+            except MessageError as exc:
                 raise MeshError(f"a decode worker sent a malformed token event: {exc}") from None
             if _is_gap(event, len(self._generated) - self._migrated_tokens):
                 why = (
@@ -430,14 +434,14 @@ class MeshRequest:
         )
         try:
             abort = Abort(self.request_id, reason=reason, job_withdrawn=withdrawn)
-            await self._nc.publish(self._subjects.ABORT, protocol.encode(abort))
+            await self._nc.publish(self._subjects.ABORT, protocol.encode_message(abort))
         except nats.errors.Error as exc:  # the connection is gone: leases will expire instead
             log.warning("could not publish abort for %s: %s", self.request_id, exc)
 
     def _record_report(self, data: bytes) -> None:
         try:
-            report = protocol.decode(data, PrefillReport)
-        except ProtocolError as exc:
+            report = protocol.decode_message(data, PrefillReport)
+        except MessageError as exc:
             log.warning("ignoring malformed prefill report: %s", exc)
             return
         self._metrics.record_prefill(report)
@@ -469,8 +473,8 @@ class Dispatcher:
     async def on_heartbeat(self, msg: Msg) -> None:
         """Prefill, decode and colocated heartbeats: who is alive and ready."""
         try:
-            beat = protocol.decode(msg.data, WorkerHeartbeat)
-        except ProtocolError:
+            beat = protocol.decode_message(msg.data, WorkerHeartbeat)
+        except MessageError:
             return
         pools = {"prefill": self.prefill_pool, "kv-registry": self.registry_pool}
         pool = pools.get(beat.role, self.decode_pool)
@@ -479,8 +483,8 @@ class Dispatcher:
     async def on_advert(self, msg: Msg) -> None:
         """Decode adverts: the refusal counters each decode worker reports, for /metrics."""
         try:
-            advert = protocol.decode(msg.data, DecodeAdvert)
-        except ProtocolError:
+            advert = protocol.decode_message(msg.data, DecodeAdvert)
+        except MessageError:
             return
         self._metrics.record_advert(advert)
 
@@ -488,8 +492,8 @@ class Dispatcher:
         """The registry dropped a worker: every request that depended on it hears it now, in its
         own event stream (it retries before its first token, fails after)."""
         try:
-            gone = protocol.decode(msg.data, WorkerGone)
-        except ProtocolError:
+            gone = protocol.decode_message(msg.data, WorkerGone)
+        except MessageError:
             return
         self._metrics.forget_worker(gone.worker_id)
         self.decode_pool.on_gone(gone.worker_id)
