@@ -75,11 +75,11 @@ class SamplingParams:
 
     @classmethod
     def from_wire(cls, o: SamplingOptions) -> SamplingParams:
-        """From the NATS form (``protocol.SamplingOptions``), whose top_k -1 means disabled."""
+        """From the NATS form (``protocol.SamplingOptions``); top_k 0 is off in both."""
         return cls(
             max_tokens=o.max_tokens,
             temperature=o.temperature,
-            top_k=max(o.top_k, 0),
+            top_k=o.top_k,
             top_p=o.top_p,
             seed=o.seed,
             stop_token_ids=o.stop_token_ids,
