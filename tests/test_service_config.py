@@ -163,3 +163,57 @@ def test_every_service_config_follows_the_contract() -> None:
         keys = known_env_keys(spec.config_cls)
         assert {"KVMESH_NATS_URL", "KVMESH_WORKER_ID"} <= keys, name
         assert spec.config_cls().nats_url == DEFAULT_NATS_URL  # every field has a default
+
+
+@pytest.mark.parametrize(
+    ("env", "needle"),
+    [
+        ({"KVMESH_NATS_URL": "http://x:1"}, "nats_url must look like"),
+        ({"KVMESH_WORKER_ID": "a.b"}, "NATS subject token"),
+        ({"KVMESH_HEARTBEAT_S": "0"}, "heartbeat_s must be positive"),
+        ({"KVMESH_BLOCK_SIZE": "0"}, "block_size must be positive"),
+        ({"KVMESH_NUM_BLOCKS": "8", "KVMESH_KV_CACHE_BYTES": "9"}, "not both"),
+        ({"KVMESH_KV_CACHE_BYTES": "-1"}, "kv_cache_bytes must be positive"),
+        ({"KVMESH_THREADS": "0"}, "threads must be >= 1"),
+        ({"KVMESH_DRAIN_TIMEOUT_S": "0"}, "drain_timeout_s must be positive"),
+        ({"KVMESH_DEVICE": "cuda", "KVMESH_TRANSPORT": "shm"}, "--transport rdma"),
+    ],
+)
+def test_prefill_and_decode_refuse_a_shared_field_alike(env: dict[str, str], needle: str) -> None:
+    from kvmesh.services.decode.config import DecodeConfig
+    from kvmesh.services.prefill.config import PrefillConfig
+
+    for cls in (PrefillConfig, DecodeConfig):
+        with pytest.raises(ConfigError, match=needle):
+            config_from_args(cls, None, env)
+
+
+def test_every_service_refuses_a_bad_worker_id_heartbeat_and_nats_url() -> None:
+    from kvmesh.commands.serve import SERVICES, load_service
+
+    for name in SERVICES:
+        cls = load_service(name).config_cls
+        for env, needle in (
+            ({"KVMESH_NATS_URL": "http://x:1"}, "nats_url must look like"),
+            ({"KVMESH_WORKER_ID": "a b"}, "NATS subject token"),
+            ({"KVMESH_HEARTBEAT_S": "-1"}, "heartbeat_s must be positive"),
+        ):
+            with pytest.raises(ConfigError, match=needle):
+                config_from_args(cls, None, env)
+
+
+def test_prefill_drain_timeout_comes_from_its_flag() -> None:
+    from kvmesh.services.prefill.config import PrefillConfig
+
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser, PrefillConfig)
+    config = config_from_args(PrefillConfig, parser.parse_args(["--drain-timeout-s", "2.5"]), {})
+    assert config.drain_timeout_s == 2.5
+    assert PrefillConfig().drain_timeout_s == 10.0  # what prefill hard-coded before the flag
+
+
+def test_colocated_decode_takes_any_transport_on_a_device() -> None:
+    from kvmesh.services.decode.config import DecodeConfig
+
+    env = {"KVMESH_DEVICE": "cuda", "KVMESH_TRANSPORT": "tcp", "KVMESH_MODE": "colocated"}
+    assert config_from_args(DecodeConfig, None, env).role == "colocated"  # no data plane

@@ -261,7 +261,7 @@ async def prefill_service(config: PrefillConfig) -> AsyncIterator[PrefillService
                     kv_spec=worker.kv_spec,
                 )
                 yield service
-                await service.drain(timeout_s=10.0)
+                await service.drain(timeout_s=config.drain_timeout_s)
 
 
 async def _ack_quietly(queue: PrefillJobQueue, msg: Msg) -> None:

@@ -5,13 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from kvmesh.shared.nats_options import NatsClientConfig
-from kvmesh.shared.service_config import check_worker_id, option
+from kvmesh.shared.service_config import option
 from kvmesh.shared.subjects import mesh_from_model
+from kvmesh.shared.worker_config import ServiceConfig
 
 
 @dataclass(frozen=True, slots=True)
-class RouterConfig(NatsClientConfig):
+class RouterConfig(ServiceConfig):
     host: str = option("0.0.0.0", help="HTTP listen address")
     port: int = option(8000, help="HTTP port (0 picks a free one)")
     model: str = option("kvmesh-tiny", help="model name or local HF checkpoint directory")
@@ -74,12 +74,11 @@ class RouterConfig(NatsClientConfig):
     heartbeat_s: float = option(2.0, help="seconds between heartbeats")
 
     def __post_init__(self) -> None:
-        self.check_nats_options(mesh_from_model(self.model))
+        ServiceConfig.__post_init__(self)
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if not self.model:
             raise ValueError("model must name a model or a checkpoint directory")
-        check_worker_id(self.worker_id)
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key must not be empty (leave it unset for no key)")
         if self.served_model_name == "":
@@ -102,12 +101,14 @@ class RouterConfig(NatsClientConfig):
             "place_timeout_s",
             "first_token_timeout_s",
             "token_timeout_s",
-            "heartbeat_s",
             "worker_liveness_s",
             "max_body_mb",
         ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+
+    def default_mesh(self) -> str:
+        return mesh_from_model(self.model)
 
     @property
     def model_id(self) -> str:

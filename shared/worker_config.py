@@ -1,0 +1,94 @@
+"""The config fields the services share, each declared and checked once.
+
+``ServiceConfig``: what every service that joins the mesh has (the NATS options, a worker id,
+a heartbeat interval); the router and the kv-registry build on it. ``EngineWorkerConfig``: what a
+worker running the engine adds (model, KV pool, data plane, threads, drain); prefill and decode
+build on it. A subclass may redeclare a field to change its default or help text (the field
+keeps its place); its ``__post_init__`` calls its base's first (explicitly: zero-argument
+``super()`` does not work in slotted dataclasses).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from kvmesh.shared.nats_options import NatsClientConfig
+from kvmesh.shared.service_config import check_worker_id, option
+from kvmesh.shared.subjects import DEFAULT_MESH, mesh_from_model
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceConfig(NatsClientConfig):
+    """NATS options, worker id and heartbeat interval: every service has them."""
+
+    worker_id: str | None = option(None, help="worker id (default: <role>-<random>)")
+    heartbeat_s: float = option(1.0, help="seconds between heartbeats")
+
+    def __post_init__(self) -> None:
+        self.check_nats_options(self.default_mesh())
+        check_worker_id(self.worker_id)
+        if not self.heartbeat_s > 0:
+            raise ValueError(f"heartbeat_s must be positive, got {self.heartbeat_s}")
+
+    def default_mesh(self) -> str:
+        """The mesh when ``--mesh`` is not given (services with a model derive it from that)."""
+        return DEFAULT_MESH
+
+
+@dataclass(frozen=True, slots=True)
+class EngineWorkerConfig(ServiceConfig):
+    """A worker that runs the engine over a KV pool and moves KV on the data plane."""
+
+    model: str = option("kvmesh-tiny", help="model name or local HF checkpoint directory")
+    dtype: str | None = option(
+        None, help="model dtype (float32, bfloat16, float16); default: the checkpoint's"
+    )
+    device: str = option("cpu", help="torch device")
+    transport: Literal["auto", "shm", "tcp", "rdma"] = option("auto", help="KV data plane backend")
+    tcp_host: str = option(
+        "127.0.0.1", help="address the tcp transport listens on (and a decode worker advertises)"
+    )
+    block_size: int = option(16, help="tokens per KV block (prefill and decode workers must match)")
+    num_blocks: int | None = option(
+        None, help="KV blocks in this worker's pool (default: from kv_cache_bytes)"
+    )
+    kv_cache_bytes: int | None = option(None, help="KV pool size in bytes (default 256 MiB)")
+    threads: int | None = option(
+        None, help="torch CPU threads of this worker (default: torch's choice, all cores)"
+    )
+    enable_prefix_caching: bool = option(True, help="reuse KV blocks of shared prompt prefixes")
+    drain_timeout_s: float = option(
+        10.0, help="on SIGTERM, seconds to let the work in hand finish before it is aborted"
+    )
+
+    def __post_init__(self) -> None:
+        ServiceConfig.__post_init__(self)
+        if not self.model:
+            raise ValueError("model must name a model or a checkpoint directory")
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if self.num_blocks is not None and self.kv_cache_bytes is not None:
+            raise ValueError("give num_blocks or kv_cache_bytes, not both")
+        for name in ("num_blocks", "kv_cache_bytes"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be positive, got {value}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
+        if not self.drain_timeout_s > 0:
+            raise ValueError(f"drain_timeout_s must be positive, got {self.drain_timeout_s}")
+        if self.uses_data_plane and self.device != "cpu" and self.transport in ("shm", "tcp"):
+            raise ValueError(
+                f"the {self.transport} transport moves host memory, but a {self.device} worker "
+                "keeps its KV cache on the device: use --transport rdma (or auto where a NIC "
+                "exists)"
+            )
+
+    def default_mesh(self) -> str:
+        return mesh_from_model(self.model)
+
+    @property
+    def uses_data_plane(self) -> bool:
+        """Whether this worker moves KV over ``transport`` (a colocated decode worker does not)."""
+        return True
