@@ -120,9 +120,7 @@ class KvmeshRunner:
     def generate(self, prompts: list[list[int]], num_tokens: int) -> list[list[int]]:
         from kvmesh.shared.engine.sequence import SamplingParams
 
-        params = SamplingParams(
-            max_tokens=num_tokens, temperature=0, ignore_eos=True, detokenize=False
-        )
+        params = SamplingParams(max_tokens=num_tokens, temperature=0, ignore_eos=True)
         return self.engine.generate(prompts, params)
 
     def decode_step_times(
@@ -130,9 +128,7 @@ class KvmeshRunner:
     ) -> list[float]:
         from kvmesh.shared.engine.sequence import SamplingParams
 
-        params = SamplingParams(
-            max_tokens=num_tokens, temperature=0, ignore_eos=True, detokenize=False
-        )
+        params = SamplingParams(max_tokens=num_tokens, temperature=0, ignore_eos=True)
         engine = self.engine
         for i, prompt in enumerate(prompts):
             engine.add_request(f"bench-{i}", prompt, params)

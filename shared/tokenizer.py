@@ -6,8 +6,7 @@ Two backends: a Hugging Face ``tokenizers`` tokenizer read from ``tokenizer.json
 way transformers does (sandboxed, ``trim_blocks``/``lstrip_blocks``, ``raise_exception``,
 ``bos_token``, ``eos_token``, ``add_generation_prompt``).
 
-``IncrementalDetokenizer`` turns a stream of token ids into text deltas for SSE, holding back bytes
-of a UTF-8 character split across tokens until the character is complete.
+Turning generated ids back into text, one token at a time, is ``kvmesh.shared.text``'s job.
 """
 
 from __future__ import annotations
@@ -232,57 +231,6 @@ class Tokenizer:
         """Render the chat template and encode it without adding special tokens a second time."""
         text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
         return self.encode(text, add_special_tokens=False)
-
-
-class IncrementalDetokenizer:
-    """Feed generated token ids one by one; get back the text each adds.
-
-    Decodes a short window of recent ids and emits only what lies past the already-emitted text, so
-    tokenizers that drop a leading space at the start of a decode (SentencePiece) and UTF-8
-    characters split over several byte tokens both come out right.
-    """
-
-    def __init__(
-        self,
-        tokenizer: Tokenizer,
-        prompt_ids: Sequence[int] = (),
-        skip_special_tokens: bool = True,
-    ) -> None:
-        self._tokenizer = tokenizer
-        self._skip = skip_special_tokens
-        self._ids: list[int] = list(prompt_ids[-6:])  # a little context for the first token
-        self._prefix_offset = 0
-        self._read_offset = len(self._ids)
-        self.text = ""
-
-    def add(self, token_id: int) -> str:
-        """Append one token id; return the new text it completes ("" if it is held back)."""
-        self._ids.append(token_id)
-        decode = self._tokenizer.decode
-        prefix_text = decode(self._ids[self._prefix_offset : self._read_offset], self._skip)
-        new_text = decode(self._ids[self._prefix_offset :], self._skip)
-        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
-            return ""  # an incomplete character (or a skipped special): wait for more tokens
-        delta = new_text[len(prefix_text) :]
-        self._prefix_offset = self._read_offset
-        self._read_offset = len(self._ids)
-        # Keep the window short: drop ids that no longer influence decoding.
-        if self._prefix_offset > 0:
-            del self._ids[: self._prefix_offset]
-            self._read_offset -= self._prefix_offset
-            self._prefix_offset = 0
-        self.text += delta
-        return delta
-
-    def finish(self) -> str:
-        """Flush text held back at the end of the stream (an unfinished character becomes U+FFFD)."""
-        decode = self._tokenizer.decode
-        prefix_text = decode(self._ids[self._prefix_offset : self._read_offset], self._skip)
-        new_text = decode(self._ids[self._prefix_offset :], self._skip)
-        delta = new_text[len(prefix_text) :] if len(new_text) > len(prefix_text) else ""
-        self._prefix_offset = self._read_offset = len(self._ids)
-        self.text += delta
-        return delta
 
 
 class _ChatTemplateRaised(Exception):

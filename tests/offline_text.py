@@ -9,16 +9,15 @@ def offline_texts(prompts: list[list[int]], max_tokens: int, num_blocks: int = 4
     from kvmesh.shared.engine.llm_engine import LLMEngine
     from kvmesh.shared.engine.sequence import SamplingParams
     from kvmesh.shared.model.loader import load_model
-    from kvmesh.shared.tokenizer import IncrementalDetokenizer
+    from kvmesh.shared.text import TextStream
 
     model, tokenizer = load_model("kvmesh-tiny")
     engine = LLMEngine(model, tokenizer, EngineConfig(num_blocks=num_blocks))
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     texts = []
     for prompt, ids in zip(prompts, engine.generate(prompts, params), strict=True):
-        detokenizer = IncrementalDetokenizer(tokenizer, prompt)
-        for token_id in ids:
-            detokenizer.add(token_id)
-        detokenizer.finish()
-        texts.append(detokenizer.text)
+        text = TextStream(tokenizer, prompt)
+        text.add(ids)
+        text.finish()
+        texts.append(text.text)
     return texts

@@ -22,7 +22,7 @@ def test_generate_json_prints_generated_ids_and_text(capsys):
         [[1, 2, 3, 4]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     )[0]
     assert out["token_ids"] == expected
-    assert out["text"] == tok.decode(expected).rstrip("\ufffd")
+    assert out["text"] == tok.decode(expected)  # as the router sends it, unfinished bytes too
     assert out["finish_reason"] == "length" and out["num_prompt_tokens"] == 4
 
 

@@ -237,19 +237,6 @@ def test_seeded_sampling_is_reproducible_across_batches(llama):
     )
 
 
-def test_text_deltas_join_to_the_decoded_tokens(llama):
-    eng = engine(llama)
-    eng.add_request(
-        "t", list(b"Hello there"), SamplingParams(max_tokens=15, temperature=0, ignore_eos=True)
-    )
-    tokens, text = [], ""
-    while eng.has_unfinished():
-        for out in eng.step():
-            tokens += out.new_token_ids
-            text += out.text_delta or ""
-    assert text == llama[1].decode(tokens).rstrip("\ufffd")
-
-
 def test_sequence_filling_the_whole_pool_stops_with_length(llama):
     eng = engine(llama, num_blocks=3)  # 48 tokens in all
     out = eng.generate([[7] * 40], SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))

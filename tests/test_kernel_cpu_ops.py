@@ -182,7 +182,7 @@ def test_build_is_cached_by_source_and_machine(tmp_path):
 def test_engine_gives_the_same_tokens_with_and_without_cpu_kernels():
     model, tok = load_model("kvmesh-tiny")
     prompts = [list(range(3, 3 + n)) for n in (5, 40, 17, 90)]
-    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, detokenize=False)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     outputs = []
     for cpu_kernels in (True, False):
         engine = LLMEngine(model, tok, EngineConfig(num_blocks=64, cpu_kernels=cpu_kernels))

@@ -1,5 +1,5 @@
 """Pure tests of the router: request validation, error shapes, response and SSE chunk building,
-stop strings on streamed text, metrics exposition, the OpenAPI document and the config."""
+metrics exposition, the OpenAPI document and the config (stop strings: test_text_stop.py)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ from kvmesh.services.router.errors import (
 )
 from kvmesh.services.router.metrics import Histogram, RequestTimer, RouterMetrics
 from kvmesh.services.router.openapi import openapi_document
-from kvmesh.services.router.output import OutputText
 from kvmesh.services.router.prompt import tokenize
 from kvmesh.services.router.responses import SSE_DONE, ResponseBuilder, Usage, sse_event
 from kvmesh.shared.model.tiny import tiny_tokenizer
@@ -129,7 +128,7 @@ def test_sampling_parameters_are_carried():
     req = completion(temperature=0, top_p=0.5, top_k=7, seed=3, stop="\n", max_tokens=9)
     assert (req.temperature, req.top_p, req.top_k, req.seed) == (0.0, 0.5, 7, 3)
     assert req.stop == ("\n",) and req.max_tokens == 9
-    assert completion(top_k=0).top_k == -1
+    assert completion(top_k=0).top_k == 0 and completion(top_k=-1).top_k == 0  # both off
     assert completion(stop=["a", "b", "a"]).stop == ("a", "b")
     assert completion(n=1, stream=False).stream is False
 
@@ -374,51 +373,6 @@ def test_chat_chunks_open_with_role_and_end_with_finish_and_usage():
     assert full["choices"][0]["message"] == {"role": "assistant", "content": "hello"}
 
 
-# --- output text and stop strings --------------------------------------------------------------
-
-
-def ids(text: str) -> list[int]:
-    return list(text.encode())
-
-
-def test_output_text_without_stop_streams_every_character(tokenizer):
-    out = OutputText(tokenizer, [1], ())
-    deltas = [out.add([t]) for t in ids("hello")]
-    assert deltas == list("hello")
-    assert out.finish() == "" and out.text == "hello" and out.num_tokens == 5
-
-
-def test_output_text_holds_back_a_possible_stop_prefix_and_cuts_at_the_match(tokenizer):
-    out = OutputText(tokenizer, [1], ("END",))
-    deltas = [out.add([t]) for t in ids("abEN")]
-    assert "".join(deltas) == "ab"  # "EN" might start "END"
-    assert out.add(ids("D and more")) == ""
-    assert out.is_stopped and out.text == "ab"
-    assert out.add(ids("x")) == "" and out.finish() == ""
-
-
-def test_output_text_releases_held_text_that_turns_out_not_to_match(tokenizer):
-    out = OutputText(tokenizer, [1], ("END",))
-    assert out.add(ids("xE")) == "x"
-    assert out.add(ids("Nx")) == "ENx"
-    assert out.add(ids("EN")) == ""
-    assert out.finish() == "EN"  # the stream ended: no match is possible any more
-    assert out.text == "xENxEN" and not out.is_stopped
-
-
-def test_output_text_stop_inside_one_batch_of_tokens_picks_the_earliest_match(tokenizer):
-    out = OutputText(tokenizer, [1], ("c", "ab"))
-    assert out.add(ids("xxabc")) == "xx"
-    assert out.is_stopped
-
-
-def test_output_text_joins_a_utf8_character_split_over_tokens(tokenizer):
-    out = OutputText(tokenizer, [1], ())
-    first, second = "é".encode()
-    assert out.add([first]) == ""
-    assert out.add([second]) == "é"
-
-
 # --- metrics -----------------------------------------------------------------------------------
 
 
@@ -496,7 +450,7 @@ def test_metrics_mirror_each_decode_workers_refusals_until_it_is_gone():
 
     m = RouterMetrics()
     advert = DecodeAdvert(
-        "decode-0", "disagg", {}, 0, 1024, 16, "spec", 8, 8, ((0, 8),), 0, 0, "ready", 0.0,
+        "decode-0", "disagg", None, 0, 1024, 16, "spec", 8, 8, ((0, 8),), 0, 0, "ready", 0.0,
         refused_accesses=5, stray_immediates=2, forged_announcements=1,
     )  # fmt: skip
     m.record_advert(advert)

@@ -1,18 +1,7 @@
 import pytest
 import torch
-from kvmesh.shared.engine.sampler import Sampler, apply_stop, apply_top_k_top_p
+from kvmesh.shared.engine.sampler import Sampler, apply_top_k_top_p
 from kvmesh.shared.engine.sequence import SamplingParams, Sequence
-
-EOS = frozenset({3})
-
-
-class CharTokenizer:
-    """id -> chr(id), enough to exercise detokenization and stop strings."""
-
-    eos_token_ids = {3}
-
-    def decode(self, ids, skip_special_tokens: bool = True) -> str:
-        return "".join(chr(i) for i in ids if i != 3)
 
 
 def seq_with(params: SamplingParams, prompt=(65, 66), rid="r") -> Sequence:
@@ -82,52 +71,3 @@ def test_seeded_request_is_independent_of_batch_composition():
     assert [sampler(logits[:1], [s1])[0] for _ in range(5)] == [
         sampler(logits[:1], [s2])[0] for _ in range(5)
     ]
-
-
-def test_stop_token_and_eos_and_ignore_eos():
-    seq = seq_with(SamplingParams(stop_token_ids=(7,)))
-    seq.token_ids.append(7)
-    assert apply_stop(seq, EOS, 100, None) == ("stop", None)
-    seq = seq_with(SamplingParams())
-    seq.token_ids.append(3)
-    assert apply_stop(seq, EOS, 100, None)[0] == "stop"
-    seq = seq_with(SamplingParams(ignore_eos=True))
-    seq.token_ids.append(3)
-    assert apply_stop(seq, EOS, 100, None)[0] is None
-
-
-def test_max_tokens_and_max_model_len_finish_with_length():
-    seq = seq_with(SamplingParams(max_tokens=2))
-    seq.token_ids.append(70)
-    assert apply_stop(seq, EOS, 100, None)[0] is None
-    seq.token_ids.append(71)
-    assert apply_stop(seq, EOS, 100, None)[0] == "length"
-    seq = seq_with(SamplingParams(max_tokens=50))
-    seq.token_ids.append(70)
-    assert apply_stop(seq, EOS, 3, None)[0] == "length"
-
-
-def test_stop_string_truncates_text_and_is_never_streamed():
-    tok = CharTokenizer()
-    seq = seq_with(SamplingParams(stop=("XY",), max_tokens=50))
-    deltas = []
-    reason = None
-    for ch in "abXcXY tail":
-        seq.token_ids.append(ord(ch))
-        reason, delta = apply_stop(seq, EOS, 100, tok)
-        deltas.append(delta)
-        if reason:
-            break
-    assert reason == "stop"
-    assert "".join(deltas) == "abXc" and seq.output_text == "abXc"
-    assert all("XY" not in d for d in deltas)
-
-
-def test_text_without_stop_strings_streams_every_token():
-    tok = CharTokenizer()
-    seq = seq_with(SamplingParams(max_tokens=3))
-    deltas = []
-    for ch in "hey":
-        seq.token_ids.append(ord(ch))
-        deltas.append(apply_stop(seq, EOS, 100, tok))
-    assert deltas == [(None, "h"), (None, "e"), ("length", "y")]

@@ -9,7 +9,7 @@ from hf_fixtures import (
     write_tokenizer,
 )
 from kvmesh.shared.model.tiny import tiny_tokenizer
-from kvmesh.shared.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError
+from kvmesh.shared.tokenizer import Tokenizer, TokenizerError
 
 MESSAGES = [
     {"role": "system", "content": "Be brief."},
@@ -36,13 +36,6 @@ def qwen_dir(tmp_path):
         path, QWEN2_SPECIALS, bos=None, eos="<|im_end|>", chat_template=QWEN2_CHAT_TEMPLATE
     )
     return path
-
-
-def stream(tokenizer, ids, prompt_ids=()):
-    detok = IncrementalDetokenizer(tokenizer, prompt_ids)
-    deltas = [detok.add(i) for i in ids]
-    deltas.append(detok.finish())
-    return deltas, detok.text
 
 
 def test_byte_level_round_trips_text_and_recognises_specials():
@@ -85,35 +78,6 @@ def test_chat_template_raise_exception_becomes_tokenizer_error():
         tiny_tokenizer().apply_chat_template([{"role": "tool", "content": "x"}])
 
 
-def test_incremental_detokenizer_holds_back_split_utf8_characters():
-    tok = tiny_tokenizer()
-    ids = tok.encode(TEXT, add_special_tokens=False)
-    deltas, text = stream(tok, ids)
-    assert text == TEXT == "".join(deltas)
-    fox = list("🦊".encode())
-    # the first three bytes of the 4-byte fox produce nothing, the fourth the whole character
-    fox_at = TEXT.encode().index(bytes(fox))
-    assert deltas[fox_at : fox_at + 4] == ["", "", "", "🦊"]
-    assert all("\ufffd" not in d for d in deltas)
-
-
-def test_incremental_detokenizer_flushes_an_unfinished_character_at_the_end():
-    tok = tiny_tokenizer()
-    deltas, text = stream(tok, [104, 105, 0xF0, 0x9F])
-    assert deltas == ["h", "i", "", "", "\ufffd"]
-    assert text == "hi\ufffd"
-
-
-def test_incremental_detokenizer_skips_special_tokens():
-    tok = tiny_tokenizer()
-    ids = [
-        *tok.encode("ok", add_special_tokens=False),
-        tok.token_to_id("<|end|>"),
-        *tok.encode(" go", add_special_tokens=False),
-    ]
-    assert stream(tok, ids)[1] == "ok go"
-
-
 def test_hf_tokenizer_matches_transformers(llama_dir, qwen_dir):
     transformers = pytest.importorskip("transformers")
     for directory in (llama_dir, qwen_dir):
@@ -141,16 +105,6 @@ def test_hf_tokenizer_special_tokens_from_tokenizer_config(llama_dir):
         *tok.encode("hi", add_special_tokens=False),
     ]  # BOS once, from the post-processor
     assert tok.decode(ids) == "hi" and tok.decode(ids, skip_special_tokens=False) == "<s>hi"
-
-
-def test_hf_incremental_detokenizer_streams_multibyte_text(qwen_dir):
-    tok = Tokenizer.from_pretrained(qwen_dir)
-    prompt = tok.encode_chat(MESSAGES)
-    ids = tok.encode(TEXT, add_special_tokens=False)
-    assert len(ids) > len(TEXT)  # byte-level: some characters span several tokens
-    deltas, text = stream(tok, ids, prompt_ids=prompt)
-    assert text == TEXT
-    assert "" in deltas and all("\ufffd" not in d for d in deltas)
 
 
 def test_chat_template_from_jinja_file_and_list_form(llama_dir):
@@ -197,20 +151,3 @@ def test_broken_chat_template_is_reported(llama_dir):
         TokenizerError, match=r"tokenizer_config\.json: chat template has a syntax error"
     ):
         Tokenizer.from_pretrained(llama_dir).apply_chat_template(MESSAGES)
-
-
-def test_incremental_detokenizer_keeps_sentencepiece_word_spaces(tmp_path):
-    from tokenizers import Tokenizer as HFTokenizer
-    from tokenizers import decoders, models, pre_tokenizers
-
-    vocab = {"<unk>": 0, "▁Hello": 1, "▁world": 2, "▁how": 3, "▁are": 4, "▁you": 5}
-    hf = HFTokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    hf.pre_tokenizer = pre_tokenizers.Metaspace()
-    hf.decoder = decoders.Metaspace()  # drops the space of the first word in a decode
-    hf.save(str(tmp_path / "tokenizer.json"))
-    tok = Tokenizer.from_pretrained(tmp_path)
-    ids = tok.encode("Hello world how are you")
-    assert ids == [1, 2, 3, 4, 5]
-    assert stream(tok, ids)[0] == ["Hello", " world", " how", " are", " you", ""]
-    # after a prompt, the first generated word keeps its leading space
-    assert stream(tok, ids, prompt_ids=[3, 4])[1] == " Hello world how are you"

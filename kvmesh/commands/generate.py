@@ -62,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
     from kvmesh.shared.engine.llm_engine import LLMEngine
     from kvmesh.shared.engine.sequence import RequestError, SamplingParams
     from kvmesh.shared.model import ModelLoadError, load_model
+    from kvmesh.shared.text import TextStream
 
     try:
         params = SamplingParams(
@@ -94,22 +95,26 @@ def run(args: argparse.Namespace) -> int:
         except RequestError as exc:
             print(f"kvmesh generate: {exc}", file=sys.stderr)
             return 2
+        # The text as the router makes it: stop strings cut, a possible one held back until settled.
+        text = TextStream(tokenizer, prompt_ids, params.stop)
         token_ids: list[int] = []
-        text = ""
         finish_reason = None
+
+        def show(delta: str) -> None:
+            if not args.json and delta:
+                sys.stdout.write(delta)
+                sys.stdout.flush()
+
         while engine.has_unfinished():
             for out in engine.step():
                 token_ids += out.new_token_ids
-                delta = out.text_delta or ""
-                text += delta
+                show(text.add(out.new_token_ids))
                 finish_reason = out.finish_reason
-                if not args.json and delta:
-                    sys.stdout.write(delta)
-                    sys.stdout.flush()
+        show(text.finish())
     if args.json:
         result = {
             "token_ids": token_ids,
-            "text": text,
+            "text": text.text,
             "finish_reason": finish_reason,
             "num_prompt_tokens": len(prompt_ids),
         }

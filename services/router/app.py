@@ -37,7 +37,6 @@ from kvmesh.services.router.errors import (
 from kvmesh.services.router.metrics import RequestTimer, RouterMetrics
 from kvmesh.services.router.model_info import ModelInfo
 from kvmesh.services.router.openapi import openapi_document
-from kvmesh.services.router.output import OutputText
 from kvmesh.services.router.prompt import Prompt, tokenize
 from kvmesh.services.router.responses import (
     SSE_DONE,
@@ -51,6 +50,7 @@ from kvmesh.services.router.shutdown import Shutdown
 from kvmesh.shared import logs
 from kvmesh.shared.service_errors import listen_error
 from kvmesh.shared.subjects import Subjects
+from kvmesh.shared.text import TextStream
 from nats.aio.client import Client as NATS
 
 log = logs.get_logger(__name__)
@@ -152,7 +152,7 @@ class Router:
     ) -> web.Response:
         response_id = new_request_id(request.kind)
         builder = ResponseBuilder.for_request(request, response_id)
-        output = OutputText(self.model.tokenizer, prompt.prompt_ids, request.stop)
+        output = TextStream(self.model.tokenizer, prompt.prompt_ids, request.stop)
         async with (
             self.shutdown.guard(),
             self.dispatcher.open(response_id, prompt, timer) as mesh,
@@ -170,7 +170,7 @@ class Router:
         keeps the 200 status line but is counted as what it was)."""
         response_id = new_request_id(request.kind)
         builder = ResponseBuilder.for_request(request, response_id)
-        output = OutputText(self.model.tokenizer, prompt.prompt_ids, request.stop)
+        output = TextStream(self.model.tokenizer, prompt.prompt_ids, request.stop)
         response = web.StreamResponse(
             headers={
                 "Content-Type": "text/event-stream; charset=utf-8",
@@ -280,7 +280,7 @@ class Router:
 
 async def _relay(
     mesh: MeshRequest,
-    output: OutputText,
+    output: TextStream,
     send_text: Callable[[str, int], Awaitable[None]] | None,
 ) -> str:
     """Feed the mesh's tokens into ``output`` (and out, when streaming) until the end; returns

@@ -4,7 +4,7 @@ Public API (the mesh services build on exactly this)::
 
     engine = LLMEngine(model, tokenizer, EngineConfig(...), kv_buffer=None)
     engine.add_request(request_id, prompt_ids, params, *, prefill_only=False, on_chunk=None)
-    engine.step() -> list[RequestOutput]      # new tokens (and text) per request this step
+    engine.step() -> list[RequestOutput]      # new token ids per request this step
     engine.abort(request_id) -> bool          # True if it was known; its blocks are freed and the
                                               # next step() reports finish_reason "abort"
     engine.has_unfinished() -> bool
@@ -51,9 +51,10 @@ import torch
 from kvmesh.shared.engine import handoff
 from kvmesh.shared.engine.block_manager import BlockManager, OutOfBlocksError
 from kvmesh.shared.engine.config import EngineConfig
+from kvmesh.shared.engine.finish import finish_reason, stop_text_for
 from kvmesh.shared.engine.kv_cache import KVCacheSpec, KVPool
 from kvmesh.shared.engine.model_runner import ModelRunner
-from kvmesh.shared.engine.sampler import Sampler, apply_stop
+from kvmesh.shared.engine.sampler import Sampler
 from kvmesh.shared.engine.scheduler import Scheduler
 from kvmesh.shared.engine.sequence import (
     ChunkReady,
@@ -168,11 +169,22 @@ class LLMEngine:
         on_chunk: Callable[[ChunkReady], Any] | None = None,
     ) -> None:
         self._check_prompt(request_id, prompt_ids)
+        if not prefill_only:
+            self._check_stop(request_id, params)
         seq = Sequence(
             request_id, list(prompt_ids), params, prefill_only=prefill_only, on_chunk=on_chunk
         )
+        if not prefill_only:
+            seq.stop_text = stop_text_for(seq, self.tokenizer)
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
+
+    def _check_stop(self, request_id: str, params: SamplingParams) -> None:
+        if params.stop and self.tokenizer is None:
+            raise RequestError(
+                f"request {request_id!r}: stop strings need a tokenizer and this engine has none; "
+                "use stop_token_ids instead"
+            )
 
     def _get(self, request_id: str) -> Sequence:
         seq = self.seqs.get(request_id)
@@ -238,23 +250,18 @@ class LLMEngine:
         start = seq.num_prompt_tokens + seq.num_emitted_tokens
         new = seq.token_ids[start:]
         del seq.token_ids[start:]
-        text = None
         reason = None
         for token in new:
             seq.token_ids.append(token)
-            reason, delta = apply_stop(seq, self.eos_token_ids, self.max_seq_len, self.tokenizer)
-            if delta is not None:
-                text = (text or "") + delta
+            reason = finish_reason(seq, self.eos_token_ids, self.max_seq_len)
             if reason is not None:
                 break
         emitted = seq.token_ids[start:]
         if reason is not None:
             self._finish(seq, reason)
-        return self._output(seq, emitted, text)
+        return self._output(seq, emitted)
 
-    def _output(
-        self, seq: Sequence, new_token_ids: list[int], text: str | None = None
-    ) -> RequestOutput:
+    def _output(self, seq: Sequence, new_token_ids: list[int]) -> RequestOutput:
         seq.num_emitted_tokens = seq.num_output_tokens
         return RequestOutput(
             seq.request_id,
@@ -263,7 +270,6 @@ class LLMEngine:
             seq.finish_reason,
             seq.num_prompt_tokens,
             seq.num_output_tokens,
-            text,
         )
 
     def _finish(self, seq: Sequence, reason: str) -> None:
@@ -348,6 +354,7 @@ class LLMEngine:
         """Start decoding a request whose prompt KV is already in ``block_ids`` (from
         ``reserve_blocks``; the engine takes them over and frees them when the request ends)."""
         self._check_prompt(request_id, prompt_ids)
+        self._check_stop(request_id, params)
         bm = self.block_manager
         seq = handoff.prefilled_sequence(
             request_id, prompt_ids, block_ids, first_token, params, bm, self.vocab_size
@@ -355,6 +362,7 @@ class LLMEngine:
         self.seqs[request_id] = seq
         self.scheduler.add_prefilled(seq)
         seq.num_emitted_tokens = 0
+        seq.stop_text = stop_text_for(seq, self.tokenizer)
         out = self._emit(seq)  # stop checks on the first token, already delivered by prefill
         if out.finished:
             self._pending.append(
@@ -365,6 +373,5 @@ class LLMEngine:
                     out.finish_reason,
                     out.num_prompt_tokens,
                     out.num_output_tokens,
-                    "",
                 )
             )

@@ -1,15 +1,13 @@
-"""Token selection and stop criteria.
+"""Token selection.
 
 ``Sampler`` turns a batch of logits into one token per row: greedy rows take one argmax over the
 batch; the others are scaled by temperature, filtered by top-k / top-p, and drawn with the
 exponential-race trick (``argmax(p / q)``, ``q ~ Exp(1)``), which needs no cumulative sums. A seeded
 request draws its noise from its own ``torch.Generator``, so its tokens do not depend on what else
-is in the batch. ``apply_stop`` decides whether a newly appended token ends the request.
+is in the batch. Whether a token ends its request is ``finish.finish_reason``'s business.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 from kvmesh.shared.engine.sequence import Sequence
@@ -75,58 +73,3 @@ def token_seed(seed: int, output_index: int) -> int:
     z = (seed * 0x9E3779B97F4A7C15 + (output_index + 1) * 0xBF58476D1CE4E5B9) % (1 << 64)
     z = ((z ^ (z >> 31)) * 0x94D049BB133111EB) % (1 << 64)
     return (z ^ (z >> 29)) >> 1
-
-
-def detokenize_step(tokenizer: Any, seq: Sequence) -> str:
-    """Text added by the tokens past ``seq.read_offset`` (vLLM's incremental scheme: decode a short
-    window so that merges across token boundaries come out right; hold back half characters)."""
-    ids = seq.token_ids
-    prefix_text = tokenizer.decode(ids[seq.prefix_offset : seq.read_offset])
-    new_text = tokenizer.decode(ids[seq.prefix_offset :])
-    if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
-        return ""
-    seq.prefix_offset = seq.read_offset
-    seq.read_offset = len(ids)
-    return new_text[len(prefix_text) :]
-
-
-def apply_stop(
-    seq: Sequence,
-    eos_token_ids: frozenset[int],
-    max_model_len: int,
-    tokenizer: Any | None,
-) -> tuple[str | None, str | None]:
-    """Check the sequence's last token. Returns ``(finish_reason, text_delta)``.
-
-    A stop string truncates the text just before it, as OpenAI does; while stop strings are set,
-    the last ``len(longest stop) - 1`` characters are held back so no part of one is ever streamed.
-    Stop tokens add no text. ``text_delta`` is None when the request is not detokenized."""
-    p = seq.params
-    token = seq.token_ids[-1]
-    detok = tokenizer is not None and p.detokenize
-    finish = None
-    if token in p.stop_token_ids or (not p.ignore_eos and token in eos_token_ids):
-        finish = "stop"
-        seq.read_offset = len(seq.token_ids)
-    elif detok:
-        old_len = len(seq.output_text)
-        text = seq.output_text + detokenize_step(tokenizer, seq)
-        if p.stop and len(text) > old_len:
-            start = max(old_len - max(len(s) for s in p.stop) + 1, 0)
-            hits = [i for s in p.stop if (i := text.find(s, start)) >= 0]
-            if hits:
-                text = text[: min(hits)]
-                finish = "stop"
-        seq.output_text = text
-    if finish is None and (
-        seq.num_output_tokens >= p.max_tokens or len(seq.token_ids) >= max_model_len
-    ):
-        finish = "length"
-    if not detok:
-        return finish, None
-    end = len(seq.output_text)
-    if finish is None and p.stop:
-        end = max(end - max(len(s) for s in p.stop) + 1, seq.num_text_emitted)
-    delta = seq.output_text[seq.num_text_emitted : end]
-    seq.num_text_emitted = end
-    return finish, delta

@@ -17,6 +17,7 @@ import torch
 
 if TYPE_CHECKING:
     from kvmesh.shared.protocol import SamplingOptions
+    from kvmesh.shared.text import TextStream
 
 
 class RequestError(ValueError):
@@ -44,7 +45,6 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
-    detokenize: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -121,7 +121,6 @@ class RequestOutput:
     finish_reason: str | None  # "stop" | "length" | "abort" | "prefill_done"
     num_prompt_tokens: int
     num_output_tokens: int
-    text_delta: str | None = None
 
 
 @dataclass(slots=True, eq=False)
@@ -143,18 +142,12 @@ class Sequence:
     num_reported_blocks: int = 0
     num_emitted_tokens: int = 0  # output tokens already returned in a RequestOutput
     generator: torch.Generator | None = None
-    # Incremental detokenization (offsets into token_ids) and the text so far.
-    prefix_offset: int = 0
-    read_offset: int = 0
-    output_text: str = ""
-    num_text_emitted: int = 0  # characters of output_text already returned
+    stop_text: TextStream | None = None  # the emitted output's text, only with stop strings
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:
             self.num_prompt_tokens = len(self.token_ids)
         self.num_emitted_tokens = len(self.token_ids) - self.num_prompt_tokens
-        self.read_offset = self.num_prompt_tokens
-        self.prefix_offset = max(self.num_prompt_tokens - 5, 0)
         if self.params.seed is not None and not self.params.is_greedy:
             self.generator = torch.Generator().manual_seed(self.params.seed)
 

@@ -10,13 +10,14 @@ rewritten is copied first.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 import torch
 from kvmesh.shared.engine.block_manager import BlockManager, OutOfBlocksError
+from kvmesh.shared.engine.finish import stop_text_for
 from kvmesh.shared.engine.kv_cache import KVPool
 from kvmesh.shared.engine.model_runner import ModelRunner
 from kvmesh.shared.engine.sequence import RequestError, Sequence, SequenceStatus
+from kvmesh.shared.text import TokenDecoder
 
 
 class DraftVerifier:
@@ -27,7 +28,7 @@ class DraftVerifier:
         block_manager: BlockManager,
         kv_pool: KVPool,
         runner: ModelRunner,
-        tokenizer: Any | None,
+        tokenizer: TokenDecoder | None,
         max_seq_len: int,
         vocab_size: int,
     ) -> None:
@@ -106,8 +107,6 @@ class DraftVerifier:
         for src, dst in self.block_manager.truncate(seq, num_tokens, num_computed):
             self.kv_pool.block_bytes_view(dst).copy_(self.kv_pool.block_bytes_view(src))
         seq.num_emitted_tokens = min(seq.num_emitted_tokens, seq.num_output_tokens)
-        if seq.read_offset > num_tokens:  # text of dropped tokens was produced: redo it
-            seq.read_offset, seq.prefix_offset = num_tokens, max(num_tokens - 5, 0)
-            if self.tokenizer is not None:
-                seq.output_text = self.tokenizer.decode(seq.output_ids)
-                seq.num_text_emitted = min(seq.num_text_emitted, len(seq.output_text))
+        if seq.stop_text is not None and seq.stop_text.num_tokens > seq.num_emitted_tokens:
+            # Emitted tokens were dropped: the stop-string text starts over from what is kept.
+            seq.stop_text = stop_text_for(seq, self.tokenizer)
