@@ -3,7 +3,8 @@
 One pipeline for every side that needs text. The router streams ``TextStream`` deltas to clients;
 the decode engine feeds its stop-string requests' tokens through the same ``TextStream`` and ends
 a request at the token whose text completes a stop string (requests without stop strings are never
-detokenized there). Both sides therefore see the same text and stop at the same token.
+detokenized there). Both sides therefore see the same text and stop at the same token; the router
+still cuts the text itself, because that last token may carry text past the match.
 
 - ``IncrementalDetokenizer``: ids in, text out, one token at a time. It decodes a short window of
   recent ids and emits what lies past the text already emitted, so tokenizers that drop a leading
