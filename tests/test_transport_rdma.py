@@ -16,16 +16,15 @@ import socket
 
 import pytest
 import torch
-from kvmesh.shared.transport.base import (
-    Access,
+from kvmesh.shared.transport.base import Access, WriteEntry
+from kvmesh.shared.transport.config import TransportConfig
+from kvmesh.shared.transport.errors import (
     BackendUnavailableError,
     LocalAccessError,
     PeerGoneError,
     PeerUnreachableError,
     RefusalReason,
     RemoteAccessError,
-    TransportConfig,
-    WriteEntry,
 )
 from kvmesh.shared.transport.rdma import RdmaTransport, rdma_available
 from kvmesh.shared.transport.rdma_qp import QPLimits, Span, build_segments, completion_error

@@ -15,15 +15,9 @@ import socket
 
 import pytest
 import torch
-from kvmesh.shared.transport.base import (
-    Access,
-    PeerDescriptor,
-    PeerGoneError,
-    RefusalReason,
-    RemoteAccessError,
-    TransportConfig,
-    WriteEntry,
-)
+from kvmesh.shared.transport.base import Access, PeerDescriptor, WriteEntry
+from kvmesh.shared.transport.config import TransportConfig
+from kvmesh.shared.transport.errors import PeerGoneError, RefusalReason, RemoteAccessError
 from kvmesh.shared.transport.rdma import RdmaTransport, rdma_available
 from kvmesh.shared.transport.rdma_windows import choose_window_type
 

@@ -11,27 +11,28 @@ See docs/transport.md. Typical use::
 from kvmesh.shared.transport.auto import available_backends, create_transport, select_backend
 from kvmesh.shared.transport.base import (
     Access,
-    BackendUnavailableError,
-    Completion,
-    CompletionQueue,
     Endpoint,
-    LocalAccessError,
     MemoryRegion,
     MemoryWindow,
     PeerDescriptor,
-    PeerGoneError,
-    PeerUnreachableError,
-    ProtocolError,
     ReadEntry,
-    RefusalReason,
-    RemoteAccessError,
     Transport,
-    TransportClosedError,
-    TransportConfig,
-    TransportError,
     TransportStats,
     WriteEntry,
     local_host_id,
+)
+from kvmesh.shared.transport.completions import Completion, CompletionQueue
+from kvmesh.shared.transport.config import TransportConfig
+from kvmesh.shared.transport.errors import (
+    BackendUnavailableError,
+    LocalAccessError,
+    PeerGoneError,
+    PeerUnreachableError,
+    ProtocolError,
+    RefusalReason,
+    RemoteAccessError,
+    TransportClosedError,
+    TransportError,
 )
 from kvmesh.shared.transport.registry import Registry, as_byte_tensor
 

@@ -17,21 +17,19 @@ from typing import Any
 import torch
 from kvmesh.shared.transport.base import (
     Access,
-    BackendUnavailableError,
     Buffer,
-    Completion,
-    CompletionQueue,
     Endpoint,
     MemoryRegion,
     MemoryWindow,
     PeerDescriptor,
-    PeerUnreachableError,
     Transport,
-    TransportConfig,
     TransportStats,
     local_host_id,
     new_peer_id,
 )
+from kvmesh.shared.transport.completions import Completion, CompletionQueue
+from kvmesh.shared.transport.config import TransportConfig
+from kvmesh.shared.transport.errors import BackendUnavailableError, PeerUnreachableError
 from kvmesh.shared.transport.registry import Registry
 from kvmesh.shared.transport.shm import SHM_DIR, ShmTransport, check_segment_name, check_socket_path
 from kvmesh.shared.transport.tcp import TcpTransport

@@ -13,23 +13,25 @@ Every backend (``shm``, ``tcp``, ``rdma``) keeps RDMA semantics so that RDMA is 
 * A write that breaks the registration (unknown or deregistered rkey, bounds, access) is refused:
   ``RemoteAccessError`` on the writer, ``stats().refused`` on the receiver, no byte written outside
   the target region.
+
+This module holds the API's vocabulary (registrations, windows, descriptors) and its Protocols;
+errors are in errors.py, completions in completions.py, options in config.py, and what the 32 bits
+of an immediate mean in ``kvmesh.shared.imm``.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import enum
 import os
 import secrets
 import socket
-import threading
-from collections import deque
 from collections.abc import AsyncIterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+from kvmesh.shared.transport.completions import Completion, CompletionQueue
+from kvmesh.shared.transport.errors import LocalAccessError
 
 # ---------------------------------------------------------------------------------------------------
 # Identity
@@ -48,71 +50,6 @@ def local_host_id() -> str:
 def new_peer_id() -> str:
     """A peer id unique across processes and restarts: ``<hostname>-<pid>-<random>``."""
     return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
-
-
-# ---------------------------------------------------------------------------------------------------
-# Errors
-
-
-class TransportError(Exception):
-    """Base class of every data-plane error."""
-
-
-class RefusalReason(enum.IntEnum):
-    """Why a remote access was refused; travels on the wire (tcp NAK, shm notification)."""
-
-    UNKNOWN_RKEY = 1
-    DEREGISTERED = 2
-    OUT_OF_BOUNDS = 3
-    ACCESS_DENIED = 4
-    BAD_LENGTH = 5
-
-
-_REASON_HINTS = {
-    RefusalReason.UNKNOWN_RKEY: "rkey was never registered on the receiver; use the rkey from its "
-    "MemoryRegion/PeerDescriptor",
-    RefusalReason.DEREGISTERED: "the region was deregistered on the receiver; fetch a fresh "
-    "descriptor before writing again",
-    RefusalReason.OUT_OF_BOUNDS: "[remote_addr, remote_addr+length) is outside the registered "
-    "region [addr, addr+length)",
-    RefusalReason.ACCESS_DENIED: "the region was not registered with the access this operation "
-    "needs (REMOTE_WRITE for write, REMOTE_READ for read)",
-    RefusalReason.BAD_LENGTH: "length must be positive and at most the transport's max frame size",
-}
-
-
-class RemoteAccessError(TransportError):
-    """The target refused a write or read: bad rkey, out of bounds, deregistered, wrong access."""
-
-    def __init__(self, reason: RefusalReason, detail: str = "") -> None:
-        self.reason = RefusalReason(reason)
-        self.detail = detail
-        msg = f"remote access refused ({self.reason.name.lower()}): {_REASON_HINTS[self.reason]}"
-        super().__init__(f"{msg}; {detail}" if detail else msg)
-
-
-class LocalAccessError(TransportError):
-    """A WriteEntry's local side is outside its local MemoryRegion, or the region is unknown."""
-
-
-class PeerUnreachableError(TransportError):
-    """connect() could not reach the peer through any backend both sides support."""
-
-
-class PeerGoneError(TransportError):
-    """The peer vanished (process died, connection reset) while an operation was in flight."""
-
-
-class ProtocolError(TransportError):
-    """A peer sent a corrupt or truncated frame; the connection is closed."""
-
-
-class BackendUnavailableError(TransportError):
-    """The requested backend cannot run here; the message says what is missing."""
-
-
-class TransportClosedError(TransportError):
-    """The transport or endpoint was closed."""
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -240,20 +177,6 @@ def unenforced_window(
 
 
 @dataclass(frozen=True, slots=True)
-class Completion:
-    """Delivered to the receiver once per successful write, after all its bytes are placed.
-
-    ``rkey`` is the key the write used (a window's or a region's), so that the receiver can tell
-    whose authority an immediate came with; None where the backend cannot tell (rdma: the
-    immediate arrives without it)."""
-
-    imm: int
-    peer_id: str
-    num_bytes: int
-    rkey: int | None = None
-
-
-@dataclass(frozen=True, slots=True)
 class TransportStats:
     """Receiver-side counters (what peers did to this transport's regions)."""
 
@@ -320,78 +243,6 @@ class PeerDescriptor:
             if r.rkey == rkey:
                 return r
         raise KeyError(f"peer {self.peer_id} advertised no region with rkey {rkey}")
-
-
-# ---------------------------------------------------------------------------------------------------
-# Completion queue: filled by backend threads, drained by the receiver's event loop.
-
-
-class CompletionQueue:
-    """Thread-safe producer side (``put``), asyncio consumer side (``get`` / ``async for``)."""
-
-    def __init__(self) -> None:
-        self._items: deque[Completion] = deque()
-        self._lock = threading.Lock()
-        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
-        self._closed = False
-
-    def put(self, completion: Completion) -> None:
-        """Callable from any thread."""
-        with self._lock:
-            if self._closed:
-                return
-            self._items.append(completion)
-            waiters, self._waiters = self._waiters, []
-        for loop, fut in waiters:
-            _wake(loop, fut)
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            waiters, self._waiters = self._waiters, []
-        for loop, fut in waiters:
-            _wake(loop, fut)
-
-    def get_nowait(self) -> Completion | None:
-        with self._lock:
-            return self._items.popleft() if self._items else None
-
-    def qsize(self) -> int:
-        return len(self._items)
-
-    async def get(self) -> Completion:
-        """Next completion; raises TransportClosedError once closed and drained."""
-        loop = asyncio.get_running_loop()
-        while True:
-            with self._lock:
-                if self._items:
-                    return self._items.popleft()
-                if self._closed:
-                    raise TransportClosedError("completion queue closed")
-                fut: asyncio.Future[None] = loop.create_future()
-                self._waiters.append((loop, fut))
-            await fut
-
-    def __aiter__(self) -> AsyncIterator[Completion]:
-        return self._iterate()
-
-    async def _iterate(self) -> AsyncIterator[Completion]:
-        while True:
-            try:
-                yield await self.get()
-            except TransportClosedError:
-                return
-
-
-def _wake(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[None]) -> None:
-    def _set() -> None:
-        if not fut.done():
-            fut.set_result(None)
-
-    if loop.is_closed():
-        return
-    with contextlib.suppress(RuntimeError):  # loop closed in between
-        loop.call_soon_threadsafe(_set)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -475,42 +326,3 @@ class Transport(Protocol):
     async def __aenter__(self) -> Transport: ...
 
     async def __aexit__(self, *exc: object) -> None: ...
-
-
-@dataclass(frozen=True, slots=True)
-class TransportConfig:
-    """Options for every backend; build once from flags / ``KVMESH_*`` env and pass down."""
-
-    peer_id: str | None = None  # default: "<hostname>-<pid>-<random>"
-    tcp_host: str = "127.0.0.1"  # address to listen on
-    tcp_advertise_host: str | None = None  # address peers dial; default tcp_host
-    tcp_port: int = 0  # 0: any free port
-    tcp_lanes: int = 2  # sockets per endpoint (more help on many-core hosts)
-    tcp_window: int = 8  # in-flight bytes per lane = tcp_window * tcp_slice_bytes (backpressure)
-    tcp_slice_bytes: int = 4 << 20  # large writes are cut into slices of at most this many bytes
-    shm_dir: str | None = None  # where the notification socket lives; default a fresh temp dir
-    rdma_device: str | None = None  # e.g. "mlx5_0" / "rxe0"; None: first active device
-    rdma_gid_index: int | None = None
-    connect_timeout_s: float = 10.0
-    op_timeout_s: float = 60.0  # a write/read not placed by then fails with PeerGoneError
-    # Receivers: at most this many connections at once (each holds a thread), and a peer that
-    # has not finished its hello within handshake_timeout_s is disconnected.
-    max_connections: int = 256
-    handshake_timeout_s: float = 5.0
-    extra: Mapping[str, Any] = field(default_factory=dict)  # backend-specific knobs
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.tcp_port < 65536:
-            raise ValueError(f"tcp_port must be in [0, 65536), got {self.tcp_port}")
-        for name in ("tcp_lanes", "tcp_window"):
-            if not 1 <= getattr(self, name) <= 64:
-                raise ValueError(f"{name} must be in [1, 64], got {getattr(self, name)}")
-        if not 4096 <= self.tcp_slice_bytes <= 1 << 30:
-            raise ValueError(
-                f"tcp_slice_bytes must be in [4 KiB, 1 GiB], got {self.tcp_slice_bytes}"
-            )
-        if self.max_connections < 1:
-            raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
-        for name in ("connect_timeout_s", "op_timeout_s", "handshake_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 import torch
 from kvmesh.kernels.kv_pack import pack_blocks, reshard_plan, staging_shape
 from kvmesh.shared.engine.kv_cache import KVCacheSpec, KVPool
-from kvmesh.shared.transport.base import LocalAccessError, MemoryRegion, WriteEntry
+from kvmesh.shared.transport.base import MemoryRegion, WriteEntry
+from kvmesh.shared.transport.errors import LocalAccessError
 
 
 class KVLayoutError(ValueError):

@@ -38,22 +38,23 @@ from typing import Any
 import torch
 from kvmesh.shared.transport.base import (
     Access,
-    BackendUnavailableError,
     Buffer,
-    Completion,
-    CompletionQueue,
     MemoryRegion,
     MemoryWindow,
     PeerDescriptor,
-    PeerUnreachableError,
-    ProtocolError,
-    TransportClosedError,
-    TransportConfig,
-    TransportError,
     TransportStats,
     local_host_id,
     new_peer_id,
     unenforced_window,
+)
+from kvmesh.shared.transport.completions import Completion, CompletionQueue
+from kvmesh.shared.transport.config import TransportConfig
+from kvmesh.shared.transport.errors import (
+    BackendUnavailableError,
+    PeerUnreachableError,
+    ProtocolError,
+    TransportClosedError,
+    TransportError,
 )
 from kvmesh.shared.transport.rdma_device import (
     RdmaPeerInfo,

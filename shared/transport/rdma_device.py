@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
-from kvmesh.shared.transport.base import BackendUnavailableError, ProtocolError
+from kvmesh.shared.transport.errors import BackendUnavailableError, ProtocolError
 
 INSTALL_HINT = (
     "install rdma-core's Python bindings: scripts/install_pyverbs.sh (Debian/Ubuntu: apt-get "

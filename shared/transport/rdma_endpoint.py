@@ -14,16 +14,14 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kvmesh.shared.imm import check_imm
-from kvmesh.shared.transport.base import (
-    Access,
-    MemoryRegion,
+from kvmesh.shared.transport.base import Access, MemoryRegion, WriteEntry
+from kvmesh.shared.transport.errors import (
     PeerGoneError,
     ProtocolError,
     RefusalReason,
     RemoteAccessError,
     TransportClosedError,
     TransportError,
-    WriteEntry,
 )
 from kvmesh.shared.transport.rdma_qp import (
     MAX_REPLY_FRAME,

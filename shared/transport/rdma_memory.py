@@ -22,13 +22,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from kvmesh.shared.transport.base import (
-    Access,
-    Buffer,
-    LocalAccessError,
-    MemoryRegion,
-    TransportError,
-)
+from kvmesh.shared.transport.base import Access, Buffer, MemoryRegion
+from kvmesh.shared.transport.errors import LocalAccessError, TransportError
 from kvmesh.shared.transport.registry import Registry, as_byte_tensor
 
 _MEMLOCK_HINT = "; raise the locked-memory limit (ulimit -l unlimited, docker --ulimit memlock=-1)"

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvmesh.shared.transport.base import (
+from kvmesh.shared.transport.errors import (
     LocalAccessError,
     PeerGoneError,
     ProtocolError,

@@ -31,15 +31,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvmesh.shared.transport.base import (
-    Access,
-    MemoryRegion,
-    MemoryWindow,
+from kvmesh.shared.transport.base import Access, MemoryRegion, MemoryWindow, merge_spans
+from kvmesh.shared.transport.errors import (
     ProtocolError,
     RefusalReason,
     RemoteAccessError,
     TransportError,
-    merge_spans,
 )
 from kvmesh.shared.transport.rdma_qp import status_name
 

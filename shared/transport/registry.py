@@ -18,14 +18,12 @@ from kvmesh.shared import logs
 from kvmesh.shared.transport.base import (
     Access,
     Buffer,
-    LocalAccessError,
     MemoryRegion,
     MemoryWindow,
-    RefusalReason,
-    RemoteAccessError,
     TransportStats,
     merge_spans,
 )
+from kvmesh.shared.transport.errors import LocalAccessError, RefusalReason, RemoteAccessError
 
 _MAX_RETIRED = 4096  # deregistered rkeys remembered, to tell "deregistered" from "unknown"
 

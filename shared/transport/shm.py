@@ -31,19 +31,16 @@ import torch
 from kvmesh.shared.transport.base import (
     Access,
     Buffer,
-    Completion,
-    CompletionQueue,
     MemoryRegion,
     MemoryWindow,
     PeerDescriptor,
-    PeerUnreachableError,
-    RefusalReason,
-    TransportClosedError,
-    TransportConfig,
     TransportStats,
     local_host_id,
     new_peer_id,
 )
+from kvmesh.shared.transport.completions import Completion, CompletionQueue
+from kvmesh.shared.transport.config import TransportConfig
+from kvmesh.shared.transport.errors import PeerUnreachableError, RefusalReason, TransportClosedError
 from kvmesh.shared.transport.registry import Registry
 from kvmesh.shared.transport.server import SocketServer, recv_exact
 

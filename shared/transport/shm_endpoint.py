@@ -12,13 +12,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 from kvmesh.shared.imm import check_imm
-from kvmesh.shared.transport.base import (
-    Access,
+from kvmesh.shared.transport.base import Access, WriteEntry
+from kvmesh.shared.transport.errors import (
     PeerGoneError,
     RefusalReason,
     RemoteAccessError,
     TransportClosedError,
-    WriteEntry,
 )
 from kvmesh.shared.transport.shm import (
     FREE,

@@ -17,15 +17,14 @@ from collections.abc import Coroutine, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvmesh.shared.imm import check_imm
-from kvmesh.shared.transport.base import (
-    PeerDescriptor,
+from kvmesh.shared.transport.base import PeerDescriptor, WriteEntry
+from kvmesh.shared.transport.errors import (
     PeerGoneError,
     PeerUnreachableError,
     RefusalReason,
     RemoteAccessError,
     TransportClosedError,
     TransportError,
-    WriteEntry,
 )
 from kvmesh.shared.transport.tcp import (
     HELLO,

@@ -7,12 +7,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
-from kvmesh.shared.transport.base import (
-    LocalAccessError,
-    MemoryRegion,
-    TransportError,
-    WriteEntry,
-)
+from kvmesh.shared.transport.base import MemoryRegion, WriteEntry
+from kvmesh.shared.transport.errors import LocalAccessError, TransportError
 from kvmesh.shared.transport.registry import Registry
 from kvmesh.shared.transport.tcp import FRAME, MAGIC_FRAME, VERSION, tensor_buffer
 

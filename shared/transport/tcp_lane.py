@@ -14,7 +14,7 @@ import threading
 from collections import deque
 from collections.abc import Callable
 
-from kvmesh.shared.transport.base import ProtocolError, RefusalReason
+from kvmesh.shared.transport.errors import ProtocolError, RefusalReason
 from kvmesh.shared.transport.tcp import (
     ACK,
     FLAG_NO_ACK,
