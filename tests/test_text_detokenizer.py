@@ -2,6 +2,9 @@
 kvmesh serves (byte-level BPE, kvmesh-tiny's bytes, SentencePiece with leading spaces and byte
 fallback)."""
 
+import subprocess
+import sys
+
 import pytest
 from hf_fixtures import (
     LLAMA_CHAT_TEMPLATE,
@@ -141,3 +144,11 @@ def test_incremental_text_equals_full_decode_with_byte_fallback(sentencepiece):
     prompt = sentencepiece.encode("how", add_special_tokens=False)
     full = sentencepiece.decode(prompt + ids)
     assert stream(sentencepiece, ids, prompt)[1] == full[len("how") :] == " " + text
+
+
+def test_text_module_imports_without_torch_or_tokenizers():
+    code = (
+        "import sys, kvmesh.shared.text; print('torch' in sys.modules, 'tokenizers' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False"]
