@@ -13,7 +13,6 @@ from kvmesh.services.prefill.plan import (
 from kvmesh.shared import protocol
 from kvmesh.shared.descriptor import TransportDescriptor
 from kvmesh.shared.imm import imm_slot, unpack_imm
-from kvmesh.shared.subjects import Subjects
 
 BS, BB = 16, 1024  # block size in tokens, block bytes
 BASE = 0x10_0000
@@ -112,6 +111,7 @@ def tiny():
 
 @contextlib.asynccontextmanager
 async def _prefill_setup(tiny, num_remote_blocks=64):
+    from kvmesh.services.prefill.endpoints import EndpointCache
     from kvmesh.services.prefill.worker import PrefillWorker
     from kvmesh.shared.engine.config import EngineConfig
     from kvmesh.shared.engine.llm_engine import LLMEngine
@@ -122,45 +122,27 @@ async def _prefill_setup(tiny, num_remote_blocks=64):
     async with (
         create_transport("tcp", TransportConfig(peer_id="decode")) as decode_side,
         create_transport("tcp", TransportConfig(peer_id="prefill")) as prefill_side,
+        EndpointCache(prefill_side) as endpoints,  # connected on first use, as the service does
     ):
         remote = decode_side.allocate(num_remote_blocks * spec.block_bytes)
         region = decode_side.register(remote, Access.REMOTE_WRITE)
-        endpoints = []  # connected on first use, as the service does
-        published: list[tuple[str, bytes]] = []
-
-        async def publish(subject: str, data: bytes) -> None:
-            published.append((subject, data))
-
-        async def connect(descriptor):
-            if not endpoints:
-                endpoints.append(await prefill_side.connect(decode_side.descriptor()))
-            return endpoints[0]
-
-        async def forget(descriptor):
-            pass
-
         worker = PrefillWorker(
             engine,
             prefill_side.register(engine.kv_pool.raw),
+            endpoints,
             worker_id="p0",
-            subjects=Subjects("test"),
             kv_spec="spec-a",
-            publish=publish,
-            connect=connect,
-            forget_endpoint=forget,
             advert_wait_s=0.2,
         )
         peer = TransportDescriptor.from_peer(decode_side.descriptor())
         worker.adverts.note(_advert(peer, region, spec, "spec-a"))
         loop = asyncio.create_task(worker.run())
         try:
-            yield worker, decode_side, region, remote, published
+            yield worker, decode_side, region, remote
         finally:
             loop.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await loop
-            for endpoint in endpoints:
-                await endpoint.aclose()
 
 
 def _advert(descriptor, region, spec, kv_spec, worker_id="d0"):
@@ -198,13 +180,6 @@ def _job(rid, prompt, region, block_ids, block_bytes, worker, descriptor=None):
     )
 
 
-def _published(published, cls):
-    return [protocol.decode_message(d, cls) for _, d in published if _.endswith(_SUFFIX[cls])]
-
-
-_SUFFIX = {protocol.PrefillDone: ".prefill_done", protocol.PrefillReport: ".prefill"}
-
-
 async def test_prefill_worker_writes_each_chunk_into_the_reserved_blocks(tiny):
     from kvmesh.shared.engine.config import EngineConfig
     from kvmesh.shared.engine.llm_engine import LLMEngine
@@ -212,12 +187,12 @@ async def test_prefill_worker_writes_each_chunk_into_the_reserved_blocks(tiny):
 
     prompt = [(7 * i) % 250 + 1 for i in range(60)]  # 4 blocks, chunks of 32 + 16 + 12 tokens
     targets = [9, 3, 4, 10]
-    async with _prefill_setup(tiny) as (worker, decode_side, region, remote, published):
+    async with _prefill_setup(tiny) as (worker, decode_side, region, remote):
         bb = worker.block_bytes
-        await worker.prefill(_job("r", prompt, region, targets, bb, worker))
-        [done] = _published(published, protocol.PrefillDone)
+        result = await worker.prefill(_job("r", prompt, region, targets, bb, worker))
+        done, report = result.done, result.report
         assert done.ok and done.num_writes == 3 and done.first_token >= 0
-        [report] = _published(published, protocol.PrefillReport)
+        assert done.request_id == "r" and done.lease_id == "Lr" and done.rkey == region.rkey
         assert report.num_chunks == 3 and report.transfer_s > 0 and report.compute_s > 0
         completions = [await decode_side.completion_queue.get() for _ in range(3)]
         slot = imm_slot(region.addr + targets[0] * bb, bb)
@@ -244,35 +219,36 @@ async def test_prefill_worker_writes_each_chunk_into_the_reserved_blocks(tiny):
 
 
 async def test_prefill_worker_refuses_decode_worker_with_other_kv_spec(tiny):
-    async with _prefill_setup(tiny) as (worker, _, region, _, published):
+    async with _prefill_setup(tiny) as (worker, _, region, _):
         spec = worker.engine.kv_pool.spec
         descriptor = worker.adverts.get("d0").descriptor
         worker.adverts.note(_advert(descriptor, region, spec, "spec-b"))
-        await worker.prefill(_job("r", range(1, 20), region, [0, 1], worker.block_bytes, worker))
-        [done] = _published(published, protocol.PrefillDone)
+        job = _job("r", range(1, 20), region, [0, 1], worker.block_bytes, worker)
+        result = await worker.prefill(job)
+        done = result.done
         assert not done.ok and "KV spec mismatch" in done.error and done.num_writes == 0
+        assert result.report is None  # refused before it started: the router hears nothing
 
 
 async def test_prefill_worker_stops_between_chunks_on_abort(tiny):
     prompt = [(3 * i) % 250 + 1 for i in range(640)]  # 20 chunks
-    async with _prefill_setup(tiny) as (worker, decode_side, region, _, published):
+    async with _prefill_setup(tiny) as (worker, decode_side, region, _):
         job = asyncio.create_task(
             worker.prefill(_job("r", prompt, region, range(40), worker.block_bytes, worker))
         )
         await decode_side.completion_queue.get()  # the first chunk has landed
         await worker.abort("r", "client disconnected")
-        await asyncio.wait_for(job, 30)
-        [done] = _published(published, protocol.PrefillDone)
+        done = (await asyncio.wait_for(job, 30)).done
         assert not done.ok and "client disconnected" in done.error
         assert 1 <= done.num_writes < 20
         assert not worker.engine.seqs and worker.engine.block_manager.num_free_blocks == 64
 
 
 async def test_prefill_worker_answers_a_job_aborted_before_it_arrived(tiny):
-    async with _prefill_setup(tiny) as (worker, _, region, _, published):
+    async with _prefill_setup(tiny) as (worker, _, region, _):
         await worker.abort("r", "client disconnected")
-        await worker.prefill(_job("r", range(1, 40), region, [0, 1, 2], worker.block_bytes, worker))
-        [done] = _published(published, protocol.PrefillDone)
+        job = _job("r", range(1, 40), region, [0, 1, 2], worker.block_bytes, worker)
+        done = (await worker.prefill(job)).done
         assert not done.ok and "aborted before prefill started" in done.error
 
 
@@ -290,3 +266,18 @@ def test_prefill_config_from_env_and_its_checks():
         config_from_args(
             PrefillConfig, None, {"KVMESH_DEVICE": "cuda:0", "KVMESH_TRANSPORT": "shm"}
         )
+
+
+async def test_prefill_worker_returns_nothing_for_a_duplicate_of_a_job_in_hand(tiny):
+    prompt = [(5 * i) % 250 + 1 for i in range(640)]  # 20 chunks: still running when re-sent
+    async with _prefill_setup(tiny) as (worker, decode_side, region, _):
+        job = _job("r", prompt, region, range(40), worker.block_bytes, worker)
+        started = worker.started(job)
+        assert (started.request_id, started.lease_id, started.worker_id) == ("r", "Lr", "p0")
+        first = asyncio.create_task(worker.prefill(job))
+        await decode_side.completion_queue.get()  # the first chunk has landed: the job is in hand
+        assert await worker.prefill(job) is None  # a redelivery: nothing to announce
+        await worker.abort("r", "test over")
+        done = (await asyncio.wait_for(first, 30)).done
+        assert not done.ok and "test over" in done.error
+        assert worker.num_jobs == 0 and worker.engine.block_manager.num_free_blocks == 64

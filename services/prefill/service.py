@@ -1,9 +1,10 @@
-"""The prefill service's NATS shell around PrefillWorker.
+"""The prefill service's NATS shell around PrefillWorker (the core, which knows no NATS).
 
 Pulls ``PrefillJob``s from the JetStream work queue (kvmesh.shared.prefill_queue) only while it has a
 free slot (``max_concurrent_jobs``), so an idle peer takes the next job rather than a busy worker
 hoarding it; follows ``ABORT``; checks every job against its decode worker's ``DecodeAdvert``;
-keeps one transport endpoint per decode descriptor.
+publishes what the worker returns: ``PrefillStarted`` when it takes a job, ``PrefillDone`` and
+``PrefillReport`` when the job ends.
 """
 
 from __future__ import annotations
@@ -14,13 +15,12 @@ import os
 import time
 from collections.abc import AsyncIterator
 
-import msgspec
 import nats.errors
 import torch
 from kvmesh.services.prefill.config import PrefillConfig
-from kvmesh.services.prefill.worker import PrefillWorker
+from kvmesh.services.prefill.endpoints import EndpointCache
+from kvmesh.services.prefill.worker import PrefillResult, PrefillWorker
 from kvmesh.shared import logs
-from kvmesh.shared.descriptor import TransportDescriptor
 from kvmesh.shared.engine.config import EngineConfig
 from kvmesh.shared.engine.llm_engine import LLMEngine
 from kvmesh.shared.model.config import parse_dtype
@@ -45,62 +45,23 @@ from kvmesh.shared.protocol import (
     encode_message,
     kv_spec_fingerprint,
 )
-from kvmesh.shared.transport import (
-    Endpoint,
-    Transport,
-    TransportConfig,
-    create_transport,
-)
+from kvmesh.shared.subjects import Subjects
+from kvmesh.shared.transport import TransportConfig, create_transport
+from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.micro.request import Request
 
 log = logs.get_logger(__name__)
 
 
-class EndpointCache:
-    """One endpoint per decode descriptor, connected on first use, closed on exit."""
-
-    def __init__(self, transport: Transport) -> None:
-        self.transport = transport
-        self._endpoints: dict[bytes, Endpoint] = {}
-        self._connecting: dict[bytes, asyncio.Lock] = {}
-
-    @staticmethod
-    def _key(descriptor: TransportDescriptor) -> bytes:
-        return msgspec.json.encode(descriptor)
-
-    async def get(self, descriptor: TransportDescriptor) -> Endpoint:
-        key = self._key(descriptor)
-        endpoint = self._endpoints.get(key)
-        if endpoint is not None:
-            return endpoint
-        async with self._connecting.setdefault(key, asyncio.Lock()):
-            if key not in self._endpoints:
-                peer = descriptor.to_peer()
-                self._endpoints[key] = await self.transport.connect(peer)
-                log.info("connected to decode worker", peer=peer.peer_id)
-            return self._endpoints[key]
-
-    async def forget(self, descriptor: TransportDescriptor) -> None:
-        endpoint = self._endpoints.pop(self._key(descriptor), None)
-        if endpoint is not None:
-            with contextlib.suppress(Exception):
-                await endpoint.aclose()
-
-    async def __aenter__(self) -> EndpointCache:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        endpoints, self._endpoints = list(self._endpoints.values()), {}
-        for endpoint in endpoints:
-            with contextlib.suppress(Exception):
-                await endpoint.aclose()
-
-
 class PrefillService:
-    def __init__(self, config: PrefillConfig, worker: PrefillWorker, tg: asyncio.TaskGroup) -> None:
+    def __init__(
+        self, config: PrefillConfig, worker: PrefillWorker, nc: Client, tg: asyncio.TaskGroup
+    ) -> None:
         self.config = config
         self.worker = worker
+        self.nc = nc
+        self.subjects: Subjects = config.subjects
         self.started_at = time.time()
         self.is_draining = False
         self._tg = tg
@@ -145,7 +106,7 @@ class PrefillService:
             # Announce, then acknowledge: if this worker dies before the announcement, the job
             # goes to another worker; after it, the router hears our WorkerGone and runs it again.
             try:
-                await self.worker.announce_started(job)
+                await self._announce_started(job)
                 await queue.ack(msg)
             except nats.errors.Error as exc:  # unannounced or unacknowledged: JetStream redelivers
                 self._slots.release()
@@ -155,11 +116,35 @@ class PrefillService:
                 continue
             self._tg.create_task(self._run_job(job))
 
+    async def _announce_started(self, job: PrefillJob) -> None:
+        """Tell the decode worker and the router that this worker took the job."""
+        started = encode_message(self.worker.started(job))
+        await self.nc.publish(self.subjects.decode_prefill_started(job.decode_worker_id), started)
+        await self.nc.publish(self.subjects.request_prefill_started(job.request_id), started)
+
     async def _run_job(self, job: PrefillJob) -> None:
         try:
-            await self.worker.prefill(job)
+            result = await self.worker.prefill(job)
+            if result is not None:
+                await self._announce_result(job, result)
         finally:
             self._slots.release()
+
+    async def _announce_result(self, job: PrefillJob, result: PrefillResult) -> None:
+        """``PrefillDone`` to the decode worker (its blocks wait for it), the report to the
+        router. Unsent (NATS gone for good), the decode worker's lease frees the blocks."""
+        try:
+            await self.nc.publish(
+                self.subjects.decode_prefill_done(job.decode_worker_id),
+                encode_message(result.done),
+            )
+            if result.report is not None:
+                await self.nc.publish(
+                    self.subjects.request_prefill_report(job.request_id),
+                    encode_message(result.report),
+                )
+        except nats.errors.Error as exc:
+            log.warning("prefill outcome not sent", request_id=job.request_id, error=str(exc))
 
     async def drain(self, timeout_s: float) -> None:
         """Take no new job; let those in flight finish for ``timeout_s``, then abort them."""
@@ -220,16 +205,13 @@ async def prefill_service(config: PrefillConfig) -> AsyncIterator[PrefillService
         worker = PrefillWorker(
             engine,
             region,
+            endpoints,
             worker_id=worker_id,
-            subjects=subjects,
             kv_spec=kv_spec_fingerprint(engine.kv_pool.spec, model.config),
-            publish=nc.publish,
-            connect=endpoints.get,
-            forget_endpoint=endpoints.forget,
             abort_memory_s=config.abort_memory_s,
         )
         async with asyncio.TaskGroup() as tg:
-            service = PrefillService(config, worker, tg)
+            service = PrefillService(config, worker, nc, tg)
             async with (
                 worker_presence(
                     nc,

@@ -5,19 +5,23 @@ One engine loop steps the engine (in a worker thread, under ``self._lock``) for 
 flight; after each step the chunks it completed are handed to their jobs. Each job
 (``prefill()``) issues one batched write per chunk as soon as the chunk is ready, so the write of
 chunk i runs while the forward pass of chunk i+1 does. When the last write has landed the job
-announces ``PrefillDone(num_writes, first_token)`` to the decode worker and ``PrefillReport`` to
-the router, then frees its local blocks. An Abort stops the job between chunks; the decode
+ends with ``PrefillDone(num_writes, first_token)`` for the decode worker and ``PrefillReport`` for
+the router, and its local blocks are freed. An Abort stops the job between chunks; the decode
 worker still gets a PrefillDone (ok=False) once no write is in flight, so its blocks return.
+
+The worker knows no NATS: the service (the shell) calls it and publishes what it returns
+(``started()``, ``prefill()``'s ``PrefillResult``). It reaches decode workers' memory itself,
+through the transport endpoints of its ``EndpointCache`` (the data plane is below it).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from kvmesh.services.prefill.adverts import AdvertBook
+from kvmesh.services.prefill.endpoints import EndpointCache
 from kvmesh.services.prefill.plan import (
     ChunkPlanner,
     ChunkWrite,
@@ -32,15 +36,11 @@ from kvmesh.shared.protocol import (
     PrefillJob,
     PrefillReport,
     PrefillStarted,
-    encode_message,
 )
-from kvmesh.shared.subjects import Subjects
 from kvmesh.shared.transport import Endpoint, MemoryRegion, TransportError, WriteEntry
 
 log = logs.get_logger(__name__)
 
-Publish = Callable[[str, bytes], Awaitable[None]]
-Connect = Callable[[dict], Awaitable[Endpoint]]
 _STOP = None  # queue marker: the job was aborted or failed; no more chunks come
 
 
@@ -57,33 +57,36 @@ class _Job:
     is_computed: bool = False  # the last chunk is in; the engine holds the blocks until release
 
 
+@dataclass(frozen=True, slots=True)
+class PrefillResult:
+    """How a job ended: ``done`` goes to its decode worker (always), ``report`` to its router
+    (None for a job refused before it started)."""
+
+    done: PrefillDone
+    report: PrefillReport | None = None
+
+
 class PrefillWorker:
     def __init__(
         self,
         engine: LLMEngine,
         region: MemoryRegion,
+        endpoints: EndpointCache,
         *,
         worker_id: str,
-        subjects: Subjects,
         kv_spec: str,
-        publish: Publish,
-        connect: Connect,
-        forget_endpoint: Callable[[dict], Awaitable[None]],
         abort_memory_s: float = 60.0,
         advert_wait_s: float = 3.0,
     ) -> None:
         self.engine = engine
         self.region = region  # the engine's KV pool, registered as the source of writes
+        self.endpoints = endpoints  # decode workers' memory, reached over the transport
         self.worker_id = worker_id
-        self.subjects = subjects  # the mesh's
         self.kv_spec = kv_spec
         self.block_size = engine.kv_pool.spec.block_size
         self.block_bytes = engine.kv_pool.spec.block_bytes
         self.adverts = AdvertBook(kv_spec)  # the only targets this worker writes to
         self._advert_wait_s = advert_wait_s
-        self._publish = publish
-        self._connect = connect
-        self._forget_endpoint = forget_endpoint
         self._abort_memory_s = abort_memory_s
         self._jobs: dict[str, _Job] = {}
         self._aborted: dict[str, float] = {}  # request id -> monotonic time of its Abort
@@ -128,23 +131,21 @@ class PrefillWorker:
 
     # ---- jobs ---------------------------------------------------------------------------------
 
-    async def announce_started(self, msg: PrefillJob) -> None:
-        """Tell the router and the decode worker that this worker took ``msg``'s job: from now
-        on they count on it (and on hearing if it dies)."""
-        started = encode_message(PrefillStarted(msg.request_id, msg.lease_id, self.worker_id))
-        await self._publish(self.subjects.decode_prefill_started(msg.decode_worker_id), started)
-        await self._publish(self.subjects.request_prefill_started(msg.request_id), started)
+    def started(self, msg: PrefillJob) -> PrefillStarted:
+        """What tells the router and the decode worker that this worker took ``msg``'s job: from
+        then on they count on it (and on hearing if it dies)."""
+        return PrefillStarted(msg.request_id, msg.lease_id, self.worker_id)
 
-    async def prefill(self, msg: PrefillJob) -> None:
-        """Run one job to its end: every write landed (or none in flight), decode told."""
+    async def prefill(self, msg: PrefillJob) -> PrefillResult | None:
+        """Run one job to its end: every write landed (or none in flight). Returns what to tell
+        the decode worker and the router; None for a duplicate of a job in hand."""
         rid = msg.request_id
         started_at = time.time()
         if rid in self._jobs:
             log.warning("ignored a duplicate prefill job", request_id=rid)
-            return
+            return None
         if self._aborted.pop(rid, None) is not None:
-            await self._announce(msg, None, f"aborted before prefill started on {self.worker_id}")
-            return
+            return self._result(msg, None, f"aborted before prefill started on {self.worker_id}")
         try:
             await self.adverts.vouch(msg, self._advert_wait_s)
             planner = ChunkPlanner(
@@ -155,11 +156,10 @@ class PrefillWorker:
                 msg.block_bytes,
             )
             params = SamplingParams.from_wire(msg.sampling)
-            endpoint = await self._connect(msg.descriptor)
+            endpoint = await self.endpoints.get(msg.descriptor)
         except (PlanError, TransportError, ValueError) as exc:
             log.warning("prefill job refused", request_id=rid, error=str(exc))
-            await self._announce(msg, None, str(exc))
-            return
+            return self._result(msg, None, str(exc))
         job = _Job(msg, planner, PrefillTimeline(msg.enqueued_at, started_at), endpoint)
         self._jobs[rid] = job
         try:
@@ -173,8 +173,7 @@ class PrefillWorker:
                 )
         except RequestError as exc:
             del self._jobs[rid]
-            await self._announce(msg, None, str(exc))
-            return
+            return self._result(msg, None, str(exc))
         self._wake.set()
         try:
             async with asyncio.TaskGroup() as tg:
@@ -195,7 +194,7 @@ class PrefillWorker:
             async with self._lock:
                 self.engine.abort(rid)  # frees the local blocks, computed or not
             self._wake.set()
-        await self._announce(msg, job, job.error)
+        return self._result(msg, job, job.error)
 
     async def _write(self, job: _Job, write: ChunkWrite) -> None:
         msg = job.msg
@@ -212,7 +211,7 @@ class PrefillWorker:
                     f"KV write of chunk {write.chunk_index} to {msg.decode_worker_id} failed: {exc}"
                 )
                 log.warning("kv write failed", request_id=msg.request_id, error=str(exc))
-                await self._forget_endpoint(msg.descriptor)
+                await self.endpoints.forget(msg.descriptor)
                 await self._stop(job)
             return
         job.timeline.on_write(t0, time.perf_counter())
@@ -238,7 +237,7 @@ class PrefillWorker:
             job.error = f"aborted: {reason}"
             await self._stop(job)
 
-    async def _announce(self, msg: PrefillJob, job: _Job | None, error: str) -> None:
+    def _result(self, msg: PrefillJob, job: _Job | None, error: str) -> PrefillResult:
         ok = job is not None and not error
         done = PrefillDone(
             msg.request_id,
@@ -249,12 +248,10 @@ class PrefillWorker:
             error=error,
             rkey=msg.rkey,
         )
-        await self._publish(
-            self.subjects.decode_prefill_done(msg.decode_worker_id), encode_message(done)
-        )
         if job is None:
-            return
+            return PrefillResult(done)
         t = job.timeline.timing()
+        log.debug("prefill done", request_id=msg.request_id, ok=ok, error=error, timing=t)
         report = PrefillReport(
             msg.request_id,
             self.worker_id,
@@ -264,7 +261,4 @@ class PrefillWorker:
             exposed_transfer_s=t.exposed_transfer_s,
             num_chunks=t.num_chunks,
         )
-        await self._publish(
-            self.subjects.request_prefill_report(msg.request_id), encode_message(report)
-        )
-        log.debug("prefill done", request_id=msg.request_id, ok=ok, error=error, timing=t)
+        return PrefillResult(done, report)
