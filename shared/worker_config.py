@@ -2,8 +2,8 @@
 
 ``ServiceConfig``: what every service that joins the mesh has (the NATS options, a worker id,
 a heartbeat interval); the router and the kv-registry build on it. ``EngineWorkerConfig``: what a
-worker running the engine adds (model, KV pool, data plane, threads, drain); prefill and decode
-build on it. A subclass may redeclare a field to change its default or help text (the field
+worker running the engine adds (model, KV pool, data plane, threads, drain, metrics endpoint);
+prefill and decode build on it. A subclass may redeclare a field to change its default or help text (the field
 keeps its place); its ``__post_init__`` calls its base's first (explicitly: zero-argument
 ``super()`` does not work in slotted dataclasses).
 """
@@ -13,6 +13,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from kvmesh.shared.metrics_exporter import (
+    check_metrics_port,
+    metrics_host_option,
+    metrics_port_option,
+)
 from kvmesh.shared.nats_options import NatsClientConfig
 from kvmesh.shared.service_config import check_worker_id, option
 from kvmesh.shared.subjects import DEFAULT_MESH, mesh_from_model
@@ -61,6 +66,8 @@ class EngineWorkerConfig(ServiceConfig):
     drain_timeout_s: float = option(
         10.0, help="on SIGTERM, seconds to let the work in hand finish before it is aborted"
     )
+    metrics_host: str = metrics_host_option()
+    metrics_port: int | None = metrics_port_option()
 
     def __post_init__(self) -> None:
         ServiceConfig.__post_init__(self)
@@ -78,6 +85,7 @@ class EngineWorkerConfig(ServiceConfig):
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         if not self.drain_timeout_s > 0:
             raise ValueError(f"drain_timeout_s must be positive, got {self.drain_timeout_s}")
+        check_metrics_port(self.metrics_port)
         if self.uses_data_plane and self.device != "cpu" and self.transport in ("shm", "tcp"):
             raise ValueError(
                 f"the {self.transport} transport moves host memory, but a {self.device} worker "

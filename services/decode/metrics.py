@@ -37,7 +37,7 @@ class DecodeMetrics:
             registry=r,
         )
         self.kv_blocks_total = Gauge(
-            "kvmesh_decode_kv_blocks_total", "KV blocks in the worker's pool.", registry=r
+            "kvmesh_decode_kv_blocks_capacity", "KV blocks in the worker's pool.", registry=r
         )
         self.step_seconds = Histogram(
             "kvmesh_decode_step_seconds",

@@ -25,6 +25,7 @@ from kvmesh.shared.descriptor import TransportDescriptor
 from kvmesh.shared.engine.config import EngineConfig
 from kvmesh.shared.engine.kv_cache import KVCacheSpec
 from kvmesh.shared.engine.llm_engine import LLMEngine
+from kvmesh.shared.metrics_exporter import serve_metrics
 from kvmesh.shared.model.config import parse_dtype
 from kvmesh.shared.model.loader import load_model
 from kvmesh.shared.nats_service import (
@@ -99,9 +100,11 @@ class DecodeService:
         self.started_at = time.time()
         self.tg: asyncio.TaskGroup  # set by decode_service
         self.last_stats: dict[str, Any] = {}
+        self.metrics_port: int | None = None  # bound by decode_service (None: no endpoint)
 
     async def stats(self) -> dict[str, Any]:
         self.last_stats = await self.worker.stats()
+        self.worker.metrics.observe_stats(self.last_stats)  # the load gauges follow the adverts
         return self.last_stats
 
     def heartbeat(self) -> WorkerHeartbeat:
@@ -154,16 +157,19 @@ class DecodeService:
         except MessageError as exc:
             await req.respond_error("400", str(exc))
             return
-        max_lease_ms = int(self.config.max_lease_s * 1000)
-        if body.lease_ms > max_lease_ms:  # policy: nobody holds blocks longer than this unrenewed
-            body = msgspec.structs.replace(body, lease_ms=max_lease_ms)
-        reply = await self.worker.reserve(body)
-        if not reply.ok:
-            log.info("reserve refused", request_id=body.request_id, error=reply.error)
-        try:
-            await req.respond(encode_message(reply))
-        except nats.errors.Error as exc:  # the registry gave up waiting; the lease frees it
-            log.warning("reserve reply not sent", request_id=body.request_id, error=str(exc))
+        with logs.request_context(body.request_id):
+            max_lease_ms = int(self.config.max_lease_s * 1000)
+            if body.lease_ms > max_lease_ms:  # policy: nobody holds blocks this long unrenewed
+                body = msgspec.structs.replace(body, lease_ms=max_lease_ms)
+            reply = await self.worker.reserve(body)
+            if reply.ok:
+                log.debug("reserved", local_prefill=body.local_prefill, blocks=len(reply.block_ids))
+            else:
+                log.info("reserve refused", error=reply.error)
+            try:
+                await req.respond(encode_message(reply))
+            except nats.errors.Error as exc:  # the registry gave up waiting; the lease frees it
+                log.warning("reserve reply not sent", error=str(exc))
 
     async def on_control(self, req: Request) -> None:
         action = await read_worker_control(req)
@@ -175,7 +181,8 @@ class DecodeService:
         await req.respond(encode_message(self.heartbeat()))
 
     async def on_abort(self, msg: Abort) -> None:
-        await self.worker.abort(msg.request_id, msg.job_withdrawn)
+        with logs.request_context(msg.request_id):
+            await self.worker.abort(msg.request_id, msg.job_withdrawn)
 
     async def on_lease_renew(self, msg: LeaseRenew) -> None:
         lease_ms = min(msg.lease_ms, int(self.config.max_lease_s * 1000))  # policy caps it
@@ -183,13 +190,15 @@ class DecodeService:
             log.debug("ignored renewal of no live lease", request_id=msg.request_id)
 
     async def on_prefill_started(self, msg: PrefillStarted) -> None:
-        self.worker.on_prefill_started(msg)
+        with logs.request_context(msg.request_id):
+            self.worker.on_prefill_started(msg)
 
     async def on_worker_gone(self, msg: WorkerGone) -> None:
         await self.worker.on_worker_gone(msg)
 
     async def on_prefill_done(self, msg: PrefillDone) -> None:
-        await self.worker.on_prefill_done(msg)
+        with logs.request_context(msg.request_id):
+            await self.worker.on_prefill_done(msg)
 
     async def drain(self, timeout_s: float) -> None:
         """Refuse new work; wait (bounded) for what runs to finish."""
@@ -288,6 +297,9 @@ async def decode_service(config: DecodeConfig) -> AsyncIterator[DecodeService]:
                 service.completion_loop(),
                 service.advert_loop(),
             ),
+            serve_metrics(
+                worker.metrics.registry, config.metrics_host, config.metrics_port
+            ) as service.metrics_port,
         ):
             await svc.add_endpoint(
                 name="reserve",
@@ -307,6 +319,7 @@ async def decode_service(config: DecodeConfig) -> AsyncIterator[DecodeService]:
                 transport=transport.name if transport else None,
                 num_blocks=econf.num_blocks,
                 kv_spec=service.advert_fields["kv_spec"],
+                metrics_port=service.metrics_port,
             )
             yield service
 
