@@ -24,7 +24,12 @@ def compose() -> dict[str, Any]:
 
 
 def kvmesh_services() -> dict[str, dict[str, Any]]:
-    return {name: svc for name, svc in compose()["services"].items() if name != "nats"}
+    """The services that run this repository's image (not NATS, Prometheus or Grafana)."""
+    return {
+        name: svc
+        for name, svc in compose()["services"].items()
+        if svc.get("image") == "kvmesh:latest"
+    }
 
 
 def interpolate(value: str) -> str:
@@ -117,3 +122,58 @@ def test_nats_requires_a_user_per_role_with_the_generated_permissions() -> None:
         assert env[USER_ENV] == name
         assert env[PASSWORD_ENV].startswith("${" + password_variable(name) + ":?")
         assert password_variable(name) in nats["environment"]
+
+
+# --- metrics: Prometheus and Grafana ----------------------------------------------------------
+
+
+def metrics_port(name: str) -> int:
+    """Where a compose service serves /metrics: the router on its API port, the others on their
+    own metrics port (on every interface of their container, so Prometheus reaches it)."""
+    env = kvmesh_services()[name]["environment"]
+    if name == "router":
+        return int(env["KVMESH_PORT"])
+    assert env["KVMESH_METRICS_HOST"] == "0.0.0.0", f"{name}: metrics only on its loopback"
+    return int(env["KVMESH_METRICS_PORT"])
+
+
+def test_prometheus_scrapes_every_service_on_its_metrics_port() -> None:
+    """Each scrape job names a compose service by DNS (every replica of a scaled pool) and the
+    port that service's config serves metrics on."""
+    config = yaml.safe_load((REPO / "deploy" / "prometheus.yml").read_text())
+    targets: dict[str, int] = {}
+    for job in config["scrape_configs"]:
+        assert job.get("metrics_path", "/metrics") == "/metrics", job["job_name"]
+        for sd in job["dns_sd_configs"]:
+            assert sd["type"] == "A"
+            for name in sd["names"]:
+                targets[name] = sd["port"]
+    assert targets == {name: metrics_port(name) for name in kvmesh_services()}
+
+
+@pytest.mark.parametrize("name", ["kv-registry", "prefill", "decode"])
+def test_worker_metrics_ports_are_config_keys_and_stay_unpublished(name: str) -> None:
+    svc = kvmesh_services()[name]
+    env = {k: interpolate(v) for k, v in svc["environment"].items()}
+    args = build_parser().parse_args(svc["command"][1:])
+    _, config, _ = build_service_config(name, args.service_args, env=env)
+    assert (config.metrics_host, config.metrics_port) == ("0.0.0.0", metrics_port(name))
+    assert "ports" not in svc  # the compose network only: --scale keeps working
+
+
+def test_prometheus_and_grafana_load_the_repositorys_config_on_the_host_loopback() -> None:
+    services = compose()["services"]
+    prometheus, grafana = services["prometheus"], services["grafana"]
+    assert "./deploy/prometheus.yml:/etc/prometheus/prometheus.yml:ro" in prometheus["volumes"]
+    assert "./deploy/grafana/provisioning:/etc/grafana/provisioning:ro" in grafana["volumes"]
+    assert "./deploy/grafana/dashboards:/var/lib/grafana/dashboards:ro" in grafana["volumes"]
+    for svc in (prometheus, grafana):
+        assert all(str(p).startswith("127.0.0.1:") for p in svc["ports"])
+    datasources = yaml.safe_load(
+        (REPO / "deploy/grafana/provisioning/datasources/prometheus.yml").read_text()
+    )["datasources"]
+    assert [d["url"] for d in datasources] == ["http://prometheus:9090"]
+    providers = yaml.safe_load(
+        (REPO / "deploy/grafana/provisioning/dashboards/kvmesh.yml").read_text()
+    )["providers"]
+    assert [p["options"]["path"] for p in providers] == ["/var/lib/grafana/dashboards"]

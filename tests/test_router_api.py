@@ -18,7 +18,7 @@ from kvmesh.services.router.errors import (
     ModelNotFoundError,
     OverloadedError,
 )
-from kvmesh.services.router.metrics import Histogram, RequestTimer, RouterMetrics
+from kvmesh.services.router.metrics import RequestTimer, RouterMetrics
 from kvmesh.services.router.openapi import openapi_document
 from kvmesh.services.router.prompt import tokenize
 from kvmesh.services.router.responses import SSE_DONE, ResponseBuilder, Usage, sse_event
@@ -377,15 +377,14 @@ def test_chat_chunks_open_with_role_and_end_with_finish_and_usage():
 
 
 def test_histogram_buckets_are_cumulative_with_inclusive_bounds():
-    h = Histogram("h", "help", buckets=(0.1, 1.0))
+    m = RouterMetrics()
     for v in (0.05, 0.1, 0.5, 7.0):
-        h.observe(v)
-    lines = h.render()
-    assert 'h_bucket{le="0.1"} 2' in lines
-    assert 'h_bucket{le="1"} 3' in lines
-    assert 'h_bucket{le="+Inf"} 4' in lines
-    assert "h_count 4" in lines and "h_sum 7.65" in lines
-    assert lines[:2] == ["# HELP h help", "# TYPE h histogram"]
+        m.ttft.observe(v)
+    name = "kvmesh_router_time_to_first_token_seconds"
+    assert m.sample(f"{name}_bucket", le="0.1") == 2  # 0.1 itself counts in le="0.1"
+    assert m.sample(f"{name}_bucket", le="1.0") == 3
+    assert m.sample(f"{name}_bucket", le="+Inf") == 4
+    assert m.sample(f"{name}_count") == 4 and m.sample(f"{name}_sum") == pytest.approx(7.65)
 
 
 def test_request_timer_observes_ttft_itl_and_e2e():
@@ -394,11 +393,16 @@ def test_request_timer_observes_ttft_itl_and_e2e():
     t.on_tokens(100.5, 1)
     t.on_tokens(100.7, 2)  # two tokens after 0.2 s: 0.1 s each
     t.on_finish("length", num_prompt_tokens=4, num_output_tokens=3)
-    assert (m.ttft.count, m.ttft.total) == (1, 0.5)
-    assert m.itl.count == 2 and m.itl.total == pytest.approx(0.2)
-    assert m.e2e.count == 1 and m.e2e.total == pytest.approx(0.7)
-    assert m.finish_reasons.get("length") == 1
-    assert m.generation_tokens.get() == 3 and m.prompt_tokens.get() == 4
+    sample = m.sample
+    ttft = "kvmesh_router_time_to_first_token_seconds"
+    assert (sample(f"{ttft}_count"), sample(f"{ttft}_sum")) == (1, 0.5)
+    itl = "kvmesh_router_inter_token_latency_seconds"
+    assert sample(f"{itl}_count") == 2 and sample(f"{itl}_sum") == pytest.approx(0.2)
+    e2e = "kvmesh_router_e2e_request_latency_seconds"
+    assert sample(f"{e2e}_count") == 1 and sample(f"{e2e}_sum") == pytest.approx(0.7)
+    assert sample("kvmesh_router_finish_reason_total", reason="length") == 1
+    assert sample("kvmesh_router_generation_tokens_total") == 3
+    assert sample("kvmesh_router_prompt_tokens_total") == 4
 
 
 def test_prefill_report_feeds_the_transfer_histograms():
@@ -414,15 +418,17 @@ def test_prefill_report_feeds_the_transfer_histograms():
             num_chunks=3,
         )
     )
-    assert m.queue.total == 0.01 and m.prefill_compute.total == 0.2
-    assert m.kv_transfer.total == 0.05 and m.exposed_transfer.total == 0.004
+    assert m.sample("kvmesh_router_prefill_queue_seconds_sum") == 0.01
+    assert m.sample("kvmesh_router_prefill_compute_seconds_sum") == 0.2
+    assert m.sample("kvmesh_router_kv_transfer_seconds_sum") == 0.05
+    assert m.sample("kvmesh_router_kv_exposed_transfer_seconds_sum") == 0.004
 
 
 def test_metrics_render_is_prometheus_text():
     m = RouterMetrics()
-    m.requests.inc("/v1/completions", "200")
-    m.requests.inc("/v1/completions", "200")
-    m.requests.inc("/v1/chat/completions", "429")
+    m.requests.labels("/v1/completions", "200").inc()
+    m.requests.labels("/v1/completions", "200").inc()
+    m.requests.labels("/v1/chat/completions", "429").inc()
     m.ttft.observe(0.3)
     text = m.render()
     assert text.endswith("\n")

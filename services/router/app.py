@@ -48,6 +48,7 @@ from kvmesh.services.router.responses import (
 )
 from kvmesh.services.router.shutdown import Shutdown
 from kvmesh.shared import logs
+from kvmesh.shared.metrics_exporter import exposition
 from kvmesh.shared.service_errors import listen_error
 from kvmesh.shared.subjects import Subjects
 from kvmesh.shared.text import TextStream
@@ -112,6 +113,7 @@ class Router:
     ) -> web.StreamResponse:
         arrived_at = time.monotonic()
         status = 200
+        response_id = ""  # the request's id everywhere on the mesh, once it is accepted
         try:
             self.shutdown.check_open()
             raw = await http.read()
@@ -126,31 +128,42 @@ class Router:
                     retry_after_s=1.0,
                 )
             self.num_in_flight += 1
-            self.metrics.in_flight.value = self.num_in_flight
+            self.metrics.in_flight.set(self.num_in_flight)
+            response_id = new_request_id(request.kind)
             try:
-                timer = RequestTimer(self.metrics, arrived_at)
-                if request.stream:
-                    response, status = await self._stream(http, request, prompt, timer)
-                    return response
-                return await self._complete(request, prompt, timer)
+                with logs.request_context(response_id):
+                    timer = RequestTimer(self.metrics, arrived_at)
+                    if request.stream:
+                        response, status = await self._stream(
+                            http, request, prompt, timer, response_id
+                        )
+                        return response
+                    return await self._complete(request, prompt, timer, response_id)
             finally:
                 self.num_in_flight -= 1
-                self.metrics.in_flight.value = self.num_in_flight
+                self.metrics.in_flight.set(self.num_in_flight)
         except ApiError as exc:
             status = exc.status
             if status >= 500:
-                log.warning("request failed", path=http.path, status=status, error=exc.message)
+                log.warning(
+                    "request failed",
+                    request_id=response_id or None,
+                    path=http.path,
+                    status=status,
+                    error=exc.message,
+                )
             return error_response(exc)
         except (asyncio.CancelledError, ConnectionError):
             status = CLIENT_CLOSED
             raise
         finally:
-            self.metrics.requests.inc(http.path, str(status))
+            self.metrics.requests.labels(http.path, str(status)).inc()
+            if response_id:
+                log.debug("request finished", request_id=response_id, status=status)
 
     async def _complete(
-        self, request: GenerateRequest, prompt: Prompt, timer: RequestTimer
+        self, request: GenerateRequest, prompt: Prompt, timer: RequestTimer, response_id: str
     ) -> web.Response:
-        response_id = new_request_id(request.kind)
         builder = ResponseBuilder.for_request(request, response_id)
         output = TextStream(self.model.tokenizer, prompt.prompt_ids, request.stop)
         async with (
@@ -164,11 +177,15 @@ class Router:
         return _json_response(builder.full(output.text, finish_reason, usage))
 
     async def _stream(
-        self, http: web.Request, request: GenerateRequest, prompt: Prompt, timer: RequestTimer
+        self,
+        http: web.Request,
+        request: GenerateRequest,
+        prompt: Prompt,
+        timer: RequestTimer,
+        response_id: str,
     ) -> tuple[web.StreamResponse, int]:
         """The SSE response and the status to count it under (an error after the first byte
         keeps the 200 status line but is counted as what it was)."""
-        response_id = new_request_id(request.kind)
         builder = ResponseBuilder.for_request(request, response_id)
         output = TextStream(self.model.tokenizer, prompt.prompt_ids, request.stop)
         response = web.StreamResponse(
@@ -209,7 +226,7 @@ class Router:
             if not response.prepared:
                 raise
             status = exc.status
-            log.warning("stream failed", request_id=response_id, status=status, error=exc.message)
+            log.warning("stream failed", status=status, error=exc.message)
             await response.write(error_event(exc))
             await response.write(SSE_DONE)
         await response.write_eof()
@@ -269,10 +286,8 @@ class Router:
         return _json_response({"status": "ok", "model": self.model.name, **counts})
 
     async def metrics_text(self, request: web.Request) -> web.Response:
-        return web.Response(
-            body=self.metrics.render().encode(),
-            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
-        )
+        body, content_type = exposition(self.metrics.registry, request.headers.get("Accept"))
+        return web.Response(body=body, headers={"Content-Type": content_type})
 
     async def openapi(self, request: web.Request) -> web.Response:
         return _json_response(openapi_document(self.model.name))

@@ -182,7 +182,7 @@ class MeshRequest:
         log.warning("%s before the first token of %s; retrying", why, self.response_id)
         await self.abort(why)
         await self.close()
-        self._metrics.retries.inc(role)
+        self._metrics.retries.labels(role).inc()
         self._begin_attempt(f"{self.response_id}-r{self.num_attempts}")
         self.num_attempts += 1
         await self.subscribe()
@@ -201,7 +201,7 @@ class MeshRequest:
         )
         await self.abort(why)
         await self.close()
-        self._metrics.retries.inc("decode-migrate")
+        self._metrics.retries.labels("decode-migrate").inc()
         if owed <= 0:
             self.is_finished = True
             return TokenEvent(self.request_id, (), finish_reason="length")
@@ -219,7 +219,7 @@ class MeshRequest:
 
     async def _place_and_dispatch(self, started: float) -> None:
         deadline = self._first_deadline
-        self._metrics.waiting.value += 1
+        self._metrics.waiting.inc()
         try:
             while True:
                 try:
@@ -244,7 +244,7 @@ class MeshRequest:
                         ) from None
                     await asyncio.sleep(min(exc.retry_after_s, 0.5) * (0.5 + random.random()))
         finally:
-            self._metrics.waiting.value -= 1
+            self._metrics.waiting.dec()
         self._metrics.place.observe(time.monotonic() - started)
         self.placement = reply
         if self.is_local_prefill:
@@ -425,7 +425,7 @@ class MeshRequest:
         if self.is_finished or self.is_aborted or not self._may_hold_blocks:
             return
         self.is_aborted = True
-        self._metrics.aborts.inc(reason)
+        self._metrics.aborts.labels(reason).inc()
         # A job no worker has taken yet can be withdrawn: then its blocks are free at once.
         withdrawn = (
             self._job_seq > 0

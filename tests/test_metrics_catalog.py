@@ -1,0 +1,55 @@
+"""The Grafana dashboard and the README against the metrics the services register (read from
+their metrics modules: no running stack needed)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import yaml
+from metrics_catalog import catalog, markdown_table, series_names
+
+REPO = Path(__file__).resolve().parents[1]
+DASHBOARD = REPO / "deploy" / "grafana" / "dashboards" / "kvmesh.json"
+DATASOURCES = REPO / "deploy" / "grafana" / "provisioning" / "datasources" / "prometheus.yml"
+METRIC = re.compile(r"\bkvmesh_[a-z0-9_]+")
+
+
+def panels() -> list[dict]:
+    return [p for p in json.loads(DASHBOARD.read_text())["panels"] if p["type"] != "row"]
+
+
+def test_every_dashboard_panel_queries_metrics_the_services_register() -> None:
+    known = series_names()
+    uids = {d["uid"] for d in yaml.safe_load(DATASOURCES.read_text())["datasources"]}
+    unknown: dict[str, list[str]] = {}
+    for panel in panels():
+        assert panel["targets"], f"panel {panel['title']!r} has no query"
+        for target in panel["targets"]:
+            assert target["datasource"]["uid"] in uids, panel["title"]
+            names = METRIC.findall(target["expr"])
+            assert names, f"{panel['title']!r}: {target['expr']!r} names no kvmesh metric"
+            missing = [n for n in names if n not in known]
+            if missing:
+                unknown.setdefault(panel["title"], []).extend(missing)
+    assert unknown == {}, f"dashboard panels query metrics no service registers: {unknown}"
+
+
+def test_dashboard_shows_every_service() -> None:
+    queried = {n for p in panels() for t in p["targets"] for n in METRIC.findall(t["expr"])}
+    for service in ("router", "registry", "prefill", "decode"):
+        assert any(n.startswith(f"kvmesh_{service}_") for n in queried), service
+
+
+def test_metric_names_are_unique_across_services() -> None:
+    names = [doc.name for doc in catalog()]
+    assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
+
+
+def test_readme_lists_every_metric_as_the_modules_define_it() -> None:
+    readme = (REPO / "README.md").read_text()
+    assert markdown_table() in readme, (
+        "README's metrics table is out of date; replace it with the output of "
+        "`python tests/metrics_catalog.py`"
+    )
