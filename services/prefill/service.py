@@ -23,6 +23,7 @@ from kvmesh.services.prefill.worker import PrefillResult, PrefillWorker
 from kvmesh.shared import logs
 from kvmesh.shared.engine.config import EngineConfig
 from kvmesh.shared.engine.llm_engine import LLMEngine
+from kvmesh.shared.metrics_exporter import serve_metrics
 from kvmesh.shared.model.config import parse_dtype
 from kvmesh.shared.model.loader import load_model
 from kvmesh.shared.nats_service import (
@@ -66,6 +67,7 @@ class PrefillService:
         self.is_draining = False
         self._tg = tg
         self._slots = asyncio.Semaphore(config.max_concurrent_jobs)
+        self.metrics_port: int | None = None  # bound by prefill_service (None: no endpoint)
 
     def heartbeat(self) -> WorkerHeartbeat:
         return WorkerHeartbeat(
@@ -124,9 +126,10 @@ class PrefillService:
 
     async def _run_job(self, job: PrefillJob) -> None:
         try:
-            result = await self.worker.prefill(job)
-            if result is not None:
-                await self._announce_result(job, result)
+            with logs.request_context(job.request_id):
+                result = await self.worker.prefill(job)
+                if result is not None:
+                    await self._announce_result(job, result)
         finally:
             self._slots.release()
 
@@ -228,6 +231,9 @@ async def prefill_service(config: PrefillConfig) -> AsyncIterator[PrefillService
                 ),
                 PrefillJobQueue(nc, subjects) as queue,
                 background(worker.run(), service.pull_loop(queue)),
+                serve_metrics(
+                    worker.metrics.registry, config.metrics_host, config.metrics_port
+                ) as service.metrics_port,
             ):
                 await svc.add_endpoint(
                     name="control",
@@ -241,6 +247,7 @@ async def prefill_service(config: PrefillConfig) -> AsyncIterator[PrefillService
                     transport=config.transport,
                     chunk_tokens=config.chunk_tokens,
                     kv_spec=worker.kv_spec,
+                    metrics_port=service.metrics_port,
                 )
                 yield service
                 await service.drain(timeout_s=config.drain_timeout_s)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from kvmesh.services.prefill.adverts import AdvertBook
 from kvmesh.services.prefill.endpoints import EndpointCache
+from kvmesh.services.prefill.metrics import PrefillMetrics
 from kvmesh.services.prefill.plan import (
     ChunkPlanner,
     ChunkWrite,
@@ -77,8 +78,10 @@ class PrefillWorker:
         kv_spec: str,
         abort_memory_s: float = 60.0,
         advert_wait_s: float = 3.0,
+        metrics: PrefillMetrics | None = None,
     ) -> None:
         self.engine = engine
+        self.metrics = metrics or PrefillMetrics()
         self.region = region  # the engine's KV pool, registered as the source of writes
         self.endpoints = endpoints  # decode workers' memory, reached over the transport
         self.worker_id = worker_id
@@ -93,6 +96,7 @@ class PrefillWorker:
         self._chunks: list[ChunkReady] = []  # filled by on_chunk in the engine thread
         self._lock = asyncio.Lock()
         self._wake = asyncio.Event()
+        self.metrics.jobs_running.set_function(lambda: len(self._jobs))
 
     @property
     def num_jobs(self) -> int:
@@ -115,6 +119,7 @@ class PrefillWorker:
                     t0 = time.perf_counter()
                     await asyncio.to_thread(self.engine.step)
                     t1 = time.perf_counter()
+                    self.metrics.observe_chunk(t1 - t0)
                     chunks, self._chunks = self._chunks, []
                 for chunk in chunks:
                     job = self._jobs.get(chunk.request_id)
@@ -214,7 +219,9 @@ class PrefillWorker:
                 await self.endpoints.forget(msg.descriptor)
                 await self._stop(job)
             return
-        job.timeline.on_write(t0, time.perf_counter())
+        t1 = time.perf_counter()
+        job.timeline.on_write(t0, t1)
+        self.metrics.observe_write(sum(s.length for s in write.spans), t1 - t0)
         job.num_writes += 1
 
     async def _stop(self, job: _Job) -> None:
@@ -249,8 +256,10 @@ class PrefillWorker:
             rkey=msg.rkey,
         )
         if job is None:
+            self.metrics.observe_job(None, ok=False)
             return PrefillResult(done)
         t = job.timeline.timing()
+        self.metrics.observe_job(t, ok=ok)
         log.debug("prefill done", request_id=msg.request_id, ok=ok, error=error, timing=t)
         report = PrefillReport(
             msg.request_id,
