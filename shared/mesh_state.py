@@ -2,7 +2,7 @@
 
 Each running ``kvmesh up`` keeps a small file, ``<mesh>.<pid>.json`` (mode 0600, in a 0700
 folder), saying its mesh's NATS URL, where the admin password of the nats-server it started lies,
-and the router's URL. ``kvmesh admin`` reads it when no ``--nats-url`` is given, so
+the router's URL and every service's metrics URL. ``kvmesh admin`` reads it when no ``--nats-url`` is given, so
 ``kvmesh admin status --mesh NAME`` finds a mesh whose nats-server runs on a port of its own; a
 second ``kvmesh up`` reads it to tell another mesh's nats-server from an operator's.
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 STATE_DIR_ENV = "KVMESH_STATE_DIR"
@@ -27,6 +27,7 @@ class MeshState:
     pid: int  # the kvmesh up process
     router_url: str = ""
     admin_password_file: str = ""  # "" when kvmesh up did not start the nats-server
+    metrics_urls: dict[str, str] = field(default_factory=dict)  # service name -> its /metrics
 
     @property
     def path_name(self) -> str:

@@ -27,7 +27,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
@@ -225,6 +225,17 @@ def plan(config: UpConfig, nats_url: str, port: int) -> list[ChildSpec]:
     return specs
 
 
+def with_metrics_ports(specs: list[ChildSpec], ports: dict[str, int]) -> list[ChildSpec]:
+    """Each spec named in ``ports`` serving its metrics there (the router serves them on its API
+    port and is left as it is)."""
+    return [
+        replace(spec, argv=(*spec.argv, "--metrics-port", str(ports[spec.name])))
+        if spec.name in ports
+        else spec
+        for spec in specs
+    ]
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -245,6 +256,7 @@ class Launcher:
         self.admin_password_file: Path | None = None
         self._envs: dict[str, dict[str, str]] = {}  # child name -> environment it started with
         self.state: MeshState | None = None  # what this launcher recorded (shared/mesh_state.py)
+        self.metrics_urls: dict[str, str] = {}  # service name -> its /metrics (set by start)
 
     @property
     def mesh(self) -> str:
@@ -266,15 +278,24 @@ class Launcher:
             self._start_nats(url)
         else:
             self._check_mesh_absent(url)
+        specs = plan(self.config, self.nats_url, self.port)
+        ports = {s.name: free_port() for s in specs if s.tier != "router"}  # kept across restarts
+        self.metrics_urls = {
+            s.name: f"{self.url}/metrics"
+            if s.tier == "router"
+            else f"http://127.0.0.1:{ports[s.name]}/metrics"
+            for s in specs
+        }
         self.state = MeshState(
             mesh=self.mesh,
             nats_url=strip_credentials(self.nats_url),
             pid=os.getpid(),
             router_url=self.url,
             admin_password_file=str(self.admin_password_file or ""),
+            metrics_urls=self.metrics_urls,
         )
         write_state(self.state)
-        for spec in plan(self.config, self.nats_url, self.port):
+        for spec in with_metrics_ports(specs, ports):
             self._spawn(spec)
 
     def _default_nats_url(self) -> str:
@@ -560,6 +581,8 @@ async def run_up(launcher: Launcher) -> int:
         )
         threads = ", ".join(f"{role} {n}" for role, n in split_cores(launcher.config).items())
         print(f"kvmesh up: torch threads per worker: {threads}", flush=True)
+        metrics = ", ".join(f"{name} {url}" for name, url in launcher.metrics_urls.items())
+        print(f"kvmesh up: metrics: {metrics}", flush=True)
         await watch()
 
     task = asyncio.create_task(ready_then_watch())
