@@ -3,6 +3,7 @@ metrics exposition, the OpenAPI document and the config (stop strings: test_text
 
 from __future__ import annotations
 
+import msgspec
 import orjson
 import pytest
 from kvmesh.services.router.api import (
@@ -336,10 +337,15 @@ def test_sse_event_framing():
     assert SSE_DONE == b"data: [DONE]\n\n"
 
 
+def wire(body) -> dict:
+    """A body as the router sends it."""
+    return orjson.loads(msgspec.json.encode(body))
+
+
 def test_completion_response_shape():
     b = ResponseBuilder("completion", "cmpl-1", MODEL, 7)
     body = b.full("text", "length", Usage(3, 4))
-    assert body == {
+    assert wire(body) == {
         "id": "cmpl-1",
         "object": "text_completion",
         "created": 7,
@@ -348,29 +354,53 @@ def test_completion_response_shape():
         "usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7},
     }
     assert b.role_chunk() is None
-    assert b.text_chunk("x")["choices"][0] == {
+    assert wire(b.text_chunk("x"))["choices"][0] == {
         "index": 0,
         "text": "x",
         "logprobs": None,
         "finish_reason": None,
     }
-    assert "usage" not in b.text_chunk("x")
+    assert "usage" not in wire(b.text_chunk("x"))
 
 
 def test_chat_chunks_open_with_role_and_end_with_finish_and_usage():
     b = ResponseBuilder("chat", "chatcmpl-1", MODEL, 7, include_usage=True)
-    role = b.role_chunk()
+    role = wire(b.role_chunk())
     assert role["object"] == "chat.completion.chunk"
     assert role["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert role["usage"] is None
-    assert b.text_chunk("hi")["choices"][0]["delta"] == {"content": "hi"}
-    finish = b.finish_chunk("stop")["choices"][0]
+    assert wire(b.text_chunk("hi"))["choices"][0]["delta"] == {"content": "hi"}
+    finish = wire(b.finish_chunk("stop"))["choices"][0]
     assert finish["delta"] == {} and finish["finish_reason"] == "stop"
-    usage = b.usage_chunk(Usage(2, 3))
+    usage = wire(b.usage_chunk(Usage(2, 3)))
     assert usage["choices"] == [] and usage["usage"]["total_tokens"] == 5
-    full = b.full("hello", "stop", Usage(2, 3))
+    full = wire(b.full("hello", "stop", Usage(2, 3)))
     assert full["object"] == "chat.completion"
     assert full["choices"][0]["message"] == {"role": "assistant", "content": "hello"}
+
+
+def test_every_streamed_and_full_body_matches_its_published_schema():
+    """What the builder encodes validates against /openapi.json's schema of its route."""
+    from jsonschema import Draft202012Validator
+
+    doc = openapi_document(MODEL)
+
+    def validator(name: str) -> Draft202012Validator:
+        schema = {"$ref": f"#/components/schemas/{name}", "components": doc["components"]}
+        return Draft202012Validator(schema)
+
+    for kind, full, chunk in (
+        ("completion", "Completion", "Completion"),
+        ("chat", "ChatCompletion", "ChatCompletionChunk"),
+    ):
+        for include_usage in (False, True):
+            b = ResponseBuilder(kind, "id-1", MODEL, 7, include_usage=include_usage)
+            validator(full).validate(wire(b.full("text", "stop", Usage(1, 2))))
+            chunks = [b.role_chunk(), b.text_chunk("x"), b.finish_chunk("length")]
+            chunks.append(b.usage_chunk(Usage(1, 2)))
+            for body in filter(None, chunks):
+                validator(chunk).validate(wire(body))
+    validator("Error").validate(InvalidRequestError("bad", param="top_p").body())
 
 
 # --- metrics -----------------------------------------------------------------------------------

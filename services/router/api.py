@@ -1,25 +1,37 @@
 """OpenAI request bodies -> a typed, validated ``GenerateRequest`` (pure, no I/O).
 
-``parse_completion`` and ``parse_chat`` check every parameter the router honours and refuse, by
-name, the ones it cannot honour (``n`` > 1, ``logprobs``, penalties, tools ...) rather than ignore
-them. ``kvmesh.services.router.prompt.tokenize`` then makes the request concrete.
+Three steps, each with its own kind of error:
+
+1. refusals by name of what kvmesh cannot honour (``n`` > 1, ``logprobs``, penalties, tools,
+   batched prompts, non-text content parts) rather than ignoring them, and the served model;
+2. the request Structs of ``schema.py`` (the ones ``/openapi.json`` publishes) check every type
+   and bound; msgspec's error becomes a 400 naming the parameter and quoting the value;
+3. what a schema cannot say: ``stream_options`` needs ``stream``, ``max_completion_tokens`` wins
+   over ``max_tokens``, the "developer" role is the system prompt.
+
+``kvmesh.services.router.prompt.tokenize`` then makes the request concrete.
 """
 
 from __future__ import annotations
 
+import re
 import reprlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
+import msgspec
+import msgspec.inspect as mi
 import orjson
 from kvmesh.services.router.errors import InvalidRequestError, ModelNotFoundError
+from kvmesh.services.router.schema import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingFields,
+)
 
 Kind = Literal["completion", "chat"]
-
-MAX_STOP_STRINGS = 16
-MAX_SEED = 2**63 - 1
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+R = TypeVar("R", bound=SamplingFields)
 
 _QUOTE = reprlib.Repr()  # keyword arguments need Python 3.12
 _QUOTE.maxlevel, _QUOTE.maxlist, _QUOTE.maxdict = 3, 8, 8
@@ -39,7 +51,7 @@ class GenerateRequest:
     max_tokens: int | None = None  # None: the default for the kind
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = -1  # -1: disabled
+    top_k: int = 0  # 0: off
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
@@ -66,34 +78,64 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
 def parse_completion(body: Mapping[str, Any], served_model: str) -> GenerateRequest:
     """Validate a ``POST /v1/completions`` body."""
     _refuse_unsupported(body, _COMPLETION_UNSUPPORTED)
-    prompt_text, prompt_ids = _parse_prompt(body.get("prompt"))
+    body = {**body, "prompt": _unwrap_prompt(body.get("prompt"))}
+    req = _validate(body, CompletionRequest, served_model)
+    is_text = isinstance(req.prompt, str)
     return GenerateRequest(
         kind="completion",
-        prompt_text=prompt_text,
-        prompt_ids=prompt_ids,
-        max_tokens=_max_tokens(body),
-        **_common(body, served_model),
+        prompt_text=req.prompt if is_text else None,
+        prompt_ids=None if is_text else tuple(req.prompt),
+        **_common(req, req.max_completion_tokens or req.max_tokens),
     )
 
 
 def parse_chat(body: Mapping[str, Any], served_model: str) -> GenerateRequest:
     """Validate a ``POST /v1/chat/completions`` body."""
     _refuse_unsupported(body, _CHAT_UNSUPPORTED)
+    _refuse_non_text_parts(body.get("messages"))
+    req = _validate(body, ChatCompletionRequest, served_model)
+    messages = []
+    for i, message in enumerate(req.messages):
+        content = message.content
+        if content is None and message.role != "assistant":
+            raise InvalidRequestError(
+                f"messages[{i}].content is required for a {message.role} message",
+                param=f"messages[{i}].content",
+                code="invalid_type",
+            )
+        if not isinstance(content, str):
+            content = "".join(part.text for part in content or ())
+        # Chat templates predate the "developer" role; it is the system prompt by another name.
+        role = "system" if message.role == "developer" else message.role
+        messages.append({"role": role, "content": content})
     return GenerateRequest(
         kind="chat",
-        messages=_parse_messages(body.get("messages")),
-        max_tokens=_max_tokens(body),
-        **_common(body, served_model),
+        messages=tuple(messages),
+        **_common(req, req.max_completion_tokens or req.max_tokens),
     )
 
 
-def _max_tokens(body: Mapping[str, Any]) -> int | None:
-    """``max_completion_tokens`` (OpenAI's newer name) wins over ``max_tokens`` on both routes."""
-    max_tokens = _opt_int(body, "max_completion_tokens", minimum=1)
-    return max_tokens if max_tokens is not None else _opt_int(body, "max_tokens", minimum=1)
+def _common(req: SamplingFields, max_tokens: int | None) -> dict[str, Any]:
+    if req.stream_options is not None and not req.stream:
+        raise InvalidRequestError(
+            "'stream_options' is only allowed when 'stream' is true", param="stream_options"
+        )
+    stop = (req.stop,) if isinstance(req.stop, str) else tuple(dict.fromkeys(req.stop or ()))
+    return {
+        "model": req.model,
+        "max_tokens": max_tokens,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "top_k": max(req.top_k, 0),  # -1 (older vLLM clients) is off too
+        "seed": req.seed,
+        "stop": stop,
+        "ignore_eos": req.ignore_eos,
+        "stream": req.stream,
+        "include_usage": req.stream_options is not None and req.stream_options.include_usage,
+    }
 
 
-# --- parameters shared by both endpoints -------------------------------------------------------
+# --- 1. refusals by name -----------------------------------------------------------------------
 
 # name -> (is the value harmless?, what to tell the user)
 _COMMON_UNSUPPORTED: dict[str, tuple[Any, str]] = {
@@ -141,8 +183,58 @@ def _refuse_unsupported(body: Mapping[str, Any], table: Mapping[str, tuple[Any, 
             )
 
 
-def _common(body: Mapping[str, Any], served_model: str) -> dict[str, Any]:
-    model = body.get("model")
+def _unwrap_prompt(prompt: Any) -> Any:
+    """OpenAI's prompt may be a list of prompts (a batch): one is accepted and unwrapped, more are
+    refused. Unwrapped once, not recursively: deeper nesting is no prompt shape (and a recursion
+    as deep as the JSON parser allows would overflow the stack)."""
+    if not (isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt)):
+        return prompt
+    if len(prompt) > 1:
+        raise InvalidRequestError(
+            f"batched prompts are not supported (got {len(prompt)} prompts); send one prompt "
+            "per request",
+            param="prompt",
+            code="unsupported_parameter",
+        )
+    (inner,) = prompt
+    if isinstance(inner, list) and inner and not all(_is_int(t) for t in inner):
+        raise InvalidRequestError(
+            "'prompt' nests lists too deep: send a string, a list of token ids, or a list "
+            "holding one of those",
+            param="prompt",
+            code="invalid_type",
+        )
+    return inner
+
+
+def _refuse_non_text_parts(messages: Any) -> None:
+    for i, message in enumerate(messages if isinstance(messages, list) else ()):
+        content = message.get("content") if isinstance(message, dict) else None
+        for j, part in enumerate(content if isinstance(content, list) else ()):
+            if isinstance(part, dict) and part.get("type") != "text":
+                where = f"messages[{i}].content[{j}]"
+                raise InvalidRequestError(
+                    f"{where}: only text content parts are supported, got "
+                    f"{_show(part.get('type'))}",
+                    param=where,
+                    code="unsupported_parameter",
+                )
+
+
+# --- 2. the schema -----------------------------------------------------------------------------
+
+
+def _validate(body: Mapping[str, Any], cls: type[R], served_model: str) -> R:
+    """``body`` as ``cls``; a null counts as absent (OpenAI clients send nulls for defaults)."""
+    _check_model(body.get("model"), served_model)
+    present = {k: v for k, v in body.items() if v is not None}
+    try:
+        return msgspec.convert(present, cls, strict=True)
+    except msgspec.ValidationError as exc:
+        raise _schema_error(cls, present, str(exc)) from None
+
+
+def _check_model(model: Any, served_model: str) -> None:
     if not isinstance(model, str) or not model:
         raise InvalidRequestError(
             f"'model' is required and must be a string; this router serves {served_model!r}",
@@ -154,206 +246,106 @@ def _common(body: Mapping[str, Any], served_model: str) -> dict[str, Any]:
             f"the model {_show(model)} does not exist here; this router serves {served_model!r}",
             param="model",
         )
-    top_k = _opt_int(body, "top_k", minimum=-1)
-    stream = _opt_bool(body, "stream")
-    return {
-        "model": model,
-        "temperature": _opt_number(body, "temperature", 0.0, 2.0, default=1.0),
-        "top_p": _opt_number(body, "top_p", 0.0, 1.0, default=1.0, exclusive_min=True),
-        "top_k": -1 if top_k in (None, 0) else top_k,
-        "seed": _opt_int(body, "seed", minimum=-MAX_SEED, maximum=MAX_SEED),
-        "stop": _parse_stop(body.get("stop")),
-        "ignore_eos": _opt_bool(body, "ignore_eos"),
-        "stream": stream,
-        "include_usage": _parse_stream_options(body.get("stream_options"), stream),
-    }
 
 
-def _parse_prompt(prompt: Any) -> tuple[str | None, tuple[int, ...] | None]:
-    # OpenAI's shapes: a string, token ids, or a list of those (a batch; one is accepted).
-    # Unwrapped once, not recursively: deeper nesting is no prompt shape (and a recursion as
-    # deep as the JSON parser allows would overflow the stack).
-    if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
-        if len(prompt) > 1:
-            raise InvalidRequestError(
-                f"batched prompts are not supported (got {len(prompt)} prompts); send one "
-                "prompt per request",
-                param="prompt",
-                code="unsupported_parameter",
-            )
-        (prompt,) = prompt
-        if isinstance(prompt, list) and prompt and not all(_is_int(t) for t in prompt):
-            raise InvalidRequestError(
-                "'prompt' nests lists too deep: send a string, a list of token ids, or a list "
-                "holding one of those",
-                param="prompt",
-                code="invalid_type",
-            )
-    if isinstance(prompt, str):
-        return prompt, None
-    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
-        if any(t < 0 for t in prompt):
-            raise InvalidRequestError("prompt token ids must be >= 0", param="prompt")
-        return None, tuple(prompt)
-    if prompt is None:
-        raise InvalidRequestError(
-            "'prompt' is required: a string or a list of token ids",
-            param="prompt",
-            code="missing_required_parameter",
+_ERROR = re.compile(r"^(?P<what>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
+_MISSING = re.compile(r"^Object missing required field `(?P<name>.*)`$", re.S)
+_PATH_PART = re.compile(r"\.(\w+)|\[(\d+)\]")
+
+
+def _schema_error(cls: type, body: Mapping[str, Any], error: str) -> InvalidRequestError:
+    """msgspec's ``Expected `float` <= 2.0 - at `$.temperature``` as an OpenAI 400 naming the
+    parameter (``temperature``, ``messages[0].role``; an index into a list of plain values
+    names the list) and saying what it takes, in words derived from the schema."""
+    parts = _ERROR.match(error)
+    assert parts is not None
+    path: list[str | int] = [
+        name or int(index) for name, index in _PATH_PART.findall(parts["path"] or "")
+    ]
+    missing = _MISSING.match(parts["what"])
+    if missing:
+        path.append(missing["name"])
+    node, value, shown = mi.type_info(cls), body, []
+    for step in path:
+        child = _child(node, step)
+        if child is None:  # past the last object: the error names the enclosing parameter
+            break
+        node, value = child, value[step] if not missing or step != path[-1] else None
+        shown.append(f"[{step}]" if isinstance(step, int) else f".{step}")
+    param = "".join(shown).lstrip(".")
+    expects = _expects(node)
+    if missing:
+        return InvalidRequestError(
+            f"'{param}' is required: {expects}", param=param, code="missing_required_parameter"
         )
-    raise InvalidRequestError(
-        f"'prompt' must be a non-empty string or list of token ids, got {_describe(prompt)}",
-        param="prompt",
-        code="invalid_type",
+    what = parts["what"]
+    is_type = what.startswith("Expected `") and ", got `" in what
+    inner = "".join(f"[{s}]" if isinstance(s, int) else f".{s}" for s in path[len(shown) :])
+    detail = f" ({param}{inner}: {what[:1].lower()}{what[1:]})".replace("`", "") if inner else ""
+    return InvalidRequestError(
+        f"'{param}' must be {expects}, got {_show(value)}{detail}",
+        param=param,
+        code="invalid_type" if is_type else "invalid_value",
     )
 
 
-def _parse_messages(messages: Any) -> tuple[dict[str, str], ...]:
-    if messages is None:
-        raise InvalidRequestError(
-            "'messages' is required: a list of {role, content} objects",
-            param="messages",
-            code="missing_required_parameter",
-        )
-    if not isinstance(messages, list) or not messages:
-        raise InvalidRequestError(
-            f"'messages' must be a non-empty list, got {_describe(messages)}",
-            param="messages",
-            code="invalid_type",
-        )
-    out = []
-    for i, message in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(message, dict):
-            raise InvalidRequestError(
-                f"{where} must be an object, got {_describe(message)}", param=where
-            )
-        role = message.get("role")
-        if role not in CHAT_ROLES:
-            raise InvalidRequestError(
-                f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got {_show(role)}",
-                param=f"{where}.role",
-            )
-        content = _message_content(message.get("content"), f"{where}.content", role)
-        # Chat templates predate the "developer" role; it is the system prompt by another name.
-        out.append({"role": "system" if role == "developer" else role, "content": content})
-    return tuple(out)
+def _child(node: mi.Type, step: str | int) -> mi.Type | None:
+    """The type one step below ``node``: a field of an object, or an object in a list (None
+    for an item of a list of plain values, which is no parameter of its own)."""
+    node = _bare(node)
+    options = node.types if isinstance(node, mi.UnionType) else (node,)
+    for option in map(_bare, options):
+        if isinstance(step, str) and isinstance(option, mi.StructType):
+            return next((f.type for f in option.fields if f.encode_name == step), None)
+        if isinstance(step, int) and isinstance(option, mi.ListType):
+            item = _bare(option.item_type)
+            return option.item_type if isinstance(item, mi.StructType) else None
+    return None
 
 
-def _message_content(content: Any, where: str, role: str) -> str:
-    if isinstance(content, str):
-        return content
-    if content is None and role == "assistant":
-        return ""
-    if isinstance(content, list):
-        texts = []
-        for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text":
-                kind = part.get("type") if isinstance(part, dict) else _describe(part)
-                raise InvalidRequestError(
-                    f"{where}[{j}]: only text content parts are supported, got {_show(kind)}",
-                    param=f"{where}[{j}]",
-                    code="unsupported_parameter",
-                )
-            if not isinstance(part.get("text"), str):
-                raise InvalidRequestError(f"{where}[{j}].text must be a string", param=where)
-            texts.append(part["text"])
-        return "".join(texts)
-    raise InvalidRequestError(
-        f"{where} must be a string or a list of text parts, got {_describe(content)}",
-        param=where,
-        code="invalid_type",
-    )
+def _bare(node: mi.Type) -> mi.Type:
+    return node.type if isinstance(node, mi.Metadata) else node
 
 
-def _parse_stop(stop: Any) -> tuple[str, ...]:
-    if stop is None:
-        return ()
-    items: Sequence[Any] = [stop] if isinstance(stop, str) else stop
-    if not isinstance(items, list) or not all(isinstance(s, str) and s for s in items):
-        raise InvalidRequestError(
-            f"'stop' must be a non-empty string or a list of non-empty strings, got {_show(stop)}",
-            param="stop",
-        )
-    if len(items) > MAX_STOP_STRINGS:
-        raise InvalidRequestError(
-            f"'stop' holds {len(items)} strings; at most {MAX_STOP_STRINGS} are allowed",
-            param="stop",
-        )
-    return tuple(dict.fromkeys(items))
+def _expects(node: mi.Type) -> str:
+    """What a value of ``node`` must be, in words: "a number in [0, 2]"."""
+    if isinstance(node, mi.Metadata):
+        if node.extra and "expects" in node.extra:
+            return node.extra["expects"]
+        node = node.type
+    if isinstance(node, mi.UnionType):
+        return " or ".join(_expects(t) for t in node.types if not isinstance(t, mi.NoneType))
+    if isinstance(node, mi.BoolType):
+        return "a boolean"
+    if isinstance(node, mi.IntType | mi.FloatType):
+        noun = "an integer" if isinstance(node, mi.IntType) else "a number"
+        return f"{noun}{_bounds(node)}"
+    if isinstance(node, mi.StrType):
+        return "a non-empty string" if node.min_length else "a string"
+    if isinstance(node, mi.LiteralType):
+        return "one of " + ", ".join(map(str, node.values))
+    if isinstance(node, mi.ListType):
+        size = f" of at most {node.max_length}" if node.max_length is not None else ""
+        return f"{'a non-empty' if node.min_length else 'a'} list{size}"
+    if isinstance(node, mi.StructType):
+        return "an object"
+    return "something else"
 
 
-def _parse_stream_options(options: Any, stream: bool) -> bool:
-    if options is None:
-        return False
-    if not isinstance(options, dict):
-        raise InvalidRequestError(
-            f"'stream_options' must be an object, got {_describe(options)}",
-            param="stream_options",
-        )
-    if not stream:
-        raise InvalidRequestError(
-            "'stream_options' is only allowed when 'stream' is true", param="stream_options"
-        )
-    include = options.get("include_usage", False)
-    if not isinstance(include, bool):
-        raise InvalidRequestError(
-            f"'stream_options.include_usage' must be a boolean, got {_show(include)}",
-            param="stream_options.include_usage",
-        )
-    return include
+def _bounds(node: mi.IntType | mi.FloatType) -> str:
+    low, bracket = (node.gt, "(") if node.gt is not None else (node.ge, "[")
+    if node.le is None:
+        return "" if low is None else f" {'>' if bracket == '(' else '>='} {_num(low)}"
+    if low is None:
+        return f" <= {_num(node.le)}"
+    return f" in {bracket}{_num(low)}, {_num(node.le)}]"
 
 
-def _opt_int(
-    body: Mapping[str, Any], name: str, *, minimum: int, maximum: int | None = None
-) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if not _is_int(value):
-        raise InvalidRequestError(
-            f"'{name}' must be an integer, got {_show(value)}", param=name, code="invalid_type"
-        )
-    if value < minimum or (maximum is not None and value > maximum):
-        bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
-        raise InvalidRequestError(f"'{name}' must be {bound}, got {value}", param=name)
-    return value
+def _num(x: float) -> str:
+    return str(x) if isinstance(x, int) else f"{x:g}"
 
 
-def _opt_number(
-    body: Mapping[str, Any],
-    name: str,
-    low: float,
-    high: float,
-    *,
-    default: float,
-    exclusive_min: bool = False,
-) -> float:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise InvalidRequestError(
-            f"'{name}' must be a number, got {_show(value)}", param=name, code="invalid_type"
-        )
-    too_low = value <= low if exclusive_min else value < low
-    if too_low or value > high:
-        bracket = "(" if exclusive_min else "["
-        raise InvalidRequestError(
-            f"'{name}' must be in {bracket}{low:g}, {high:g}], got {value}", param=name
-        )
-    return float(value)
-
-
-def _opt_bool(body: Mapping[str, Any], name: str) -> bool:
-    value = body.get(name)
-    if value is None:
-        return False
-    if not isinstance(value, bool):
-        raise InvalidRequestError(
-            f"'{name}' must be a boolean, got {_show(value)}", param=name, code="invalid_type"
-        )
-    return value
+# --- quoting a client's value ------------------------------------------------------------------
 
 
 def _is_int(value: Any) -> bool:
@@ -364,9 +356,3 @@ def _show(value: Any) -> str:
     """A client's value quoted in an error message: its repr, cut short in length and depth
     (a plain repr of a value nested as deep as the JSON parser allows overflows the stack)."""
     return _QUOTE.repr(value)
-
-
-def _describe(value: Any) -> str:
-    if isinstance(value, list) and not value:
-        return "an empty list"
-    return type(value).__name__ if value is not None else "null"

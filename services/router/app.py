@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
 
-import orjson
+import msgspec
 from aiohttp import web
 from kvmesh.services.router.api import (
     GenerateRequest,
@@ -318,10 +318,10 @@ def error_response(exc: ApiError) -> web.Response:
 
 
 def _json_response(
-    payload: dict, status: int = 200, headers: dict[str, str] | None = None
+    payload: object, status: int = 200, headers: dict[str, str] | None = None
 ) -> web.Response:
     return web.Response(
-        body=orjson.dumps(payload),
+        body=msgspec.json.encode(payload),
         status=status,
         headers={"Content-Type": "application/json", **(headers or {})},
     )

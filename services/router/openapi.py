@@ -1,215 +1,28 @@
-"""The OpenAPI 3.1 document of the router's routes (served at ``/openapi.json``)."""
+"""The OpenAPI 3.1 document of the router's routes (served at ``/openapi.json``).
+
+Every body's schema is generated from its Struct in ``schema.py`` (the same Structs that validate
+requests and encode answers); only the routes are written here.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
-from kvmesh.services.router.api import CHAT_ROLES, MAX_SEED, MAX_STOP_STRINGS
+import msgspec
+from kvmesh.services.router.schema import REQUESTS, RESPONSES
 
 OPENAPI_VERSION = "3.1.0"
+_REF_TEMPLATE = "#/components/schemas/{name}"
 
 
 def _ref(name: str) -> dict[str, str]:
-    return {"$ref": f"#/components/schemas/{name}"}
+    return {"$ref": _REF_TEMPLATE.format(name=name)}
 
 
-def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
-    return {"anyOf": [schema, {"type": "null"}]}
-
-
-_SAMPLING: dict[str, Any] = {
-    "model": {
-        "type": "string",
-        "minLength": 1,
-        "description": "Must be the served model (GET /v1/models).",
-    },
-    "temperature": {"type": "number", "minimum": 0, "maximum": 2, "default": 1},
-    "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1, "default": 1},
-    "top_k": {"type": "integer", "minimum": -1, "default": -1, "description": "-1 or 0: off"},
-    "seed": _nullable({"type": "integer", "minimum": -MAX_SEED, "maximum": MAX_SEED}),
-    "stop": _nullable(
-        {
-            "anyOf": [
-                {"type": "string", "minLength": 1},
-                {
-                    "type": "array",
-                    "items": {"type": "string", "minLength": 1},
-                    "maxItems": MAX_STOP_STRINGS,
-                },
-            ]
-        }
-    ),
-    "n": {"type": "integer", "enum": [1], "default": 1},
-    "stream": {"type": "boolean", "default": False},
-    "stream_options": _nullable(
-        {"type": "object", "properties": {"include_usage": {"type": "boolean"}}}
-    ),
-    "ignore_eos": {"type": "boolean", "default": False, "description": "kvmesh extension"},
-}
-
-_USAGE = {
-    "type": "object",
-    "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
-    "properties": {
-        "prompt_tokens": {"type": "integer"},
-        "completion_tokens": {"type": "integer"},
-        "total_tokens": {"type": "integer"},
-    },
-}
-
-_FINISH_REASON = {"type": "string", "enum": ["stop", "length"]}
-
-
-def _response(kind: str, choice: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "type": "object",
-        "required": ["id", "object", "created", "model", "choices"],
-        "properties": {
-            "id": {"type": "string"},
-            "object": {"type": "string", "const": kind},
-            "created": {"type": "integer"},
-            "model": {"type": "string"},
-            "choices": {"type": "array", "items": choice},
-            "usage": _nullable(_ref("Usage")),
-        },
-    }
-
-
-_SCHEMAS: dict[str, Any] = {
-    "CompletionRequest": {
-        "type": "object",
-        "required": ["model", "prompt"],
-        "properties": {
-            **_SAMPLING,
-            "prompt": {
-                "description": "Text or token ids; a list of one of those is accepted, "
-                "more than one (a batch) is refused.",
-                "anyOf": [
-                    {"type": "string"},
-                    {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
-                    {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 1},
-                ],
-            },
-            "max_tokens": _nullable({"type": "integer", "minimum": 1, "default": 16}),
-        },
-    },
-    "ChatMessage": {
-        "type": "object",
-        "required": ["role", "content"],
-        "properties": {
-            "role": {"type": "string", "enum": list(CHAT_ROLES)},
-            "content": {
-                "anyOf": [
-                    {"type": "string"},
-                    {
-                        "type": "array",
-                        "items": {
-                            "type": "object",
-                            "required": ["type", "text"],
-                            "properties": {
-                                "type": {"const": "text"},
-                                "text": {"type": "string"},
-                            },
-                        },
-                    },
-                ]
-            },
-        },
-    },
-    "ChatCompletionRequest": {
-        "type": "object",
-        "required": ["model", "messages"],
-        "properties": {
-            **_SAMPLING,
-            "messages": {"type": "array", "items": _ref("ChatMessage"), "minItems": 1},
-            "max_completion_tokens": _nullable({"type": "integer", "minimum": 1}),
-            "max_tokens": _nullable({"type": "integer", "minimum": 1, "deprecated": True}),
-        },
-    },
-    "Usage": _USAGE,
-    "Completion": _response(
-        "text_completion",
-        {
-            "type": "object",
-            "properties": {
-                "index": {"type": "integer"},
-                "text": {"type": "string"},
-                "logprobs": {"type": "null"},
-                "finish_reason": _nullable(_FINISH_REASON),
-            },
-        },
-    ),
-    "ChatCompletion": _response(
-        "chat.completion",
-        {
-            "type": "object",
-            "properties": {
-                "index": {"type": "integer"},
-                "message": {
-                    "type": "object",
-                    "properties": {
-                        "role": {"const": "assistant"},
-                        "content": {"type": "string"},
-                    },
-                },
-                "logprobs": {"type": "null"},
-                "finish_reason": _FINISH_REASON,
-            },
-        },
-    ),
-    "ChatCompletionChunk": _response(
-        "chat.completion.chunk",
-        {
-            "type": "object",
-            "properties": {
-                "index": {"type": "integer"},
-                "delta": {
-                    "type": "object",
-                    "properties": {
-                        "role": {"const": "assistant"},
-                        "content": {"type": "string"},
-                    },
-                },
-                "logprobs": {"type": "null"},
-                "finish_reason": _nullable(_FINISH_REASON),
-            },
-        },
-    ),
-    "Model": {
-        "type": "object",
-        "required": ["id", "object", "created", "owned_by"],
-        "properties": {
-            "id": {"type": "string"},
-            "object": {"const": "model"},
-            "created": {"type": "integer"},
-            "owned_by": {"type": "string"},
-            "max_model_len": {"type": "integer"},
-        },
-    },
-    "ModelList": {
-        "type": "object",
-        "properties": {
-            "object": {"const": "list"},
-            "data": {"type": "array", "items": _ref("Model")},
-        },
-    },
-    "Error": {
-        "type": "object",
-        "required": ["error"],
-        "properties": {
-            "error": {
-                "type": "object",
-                "required": ["message", "type", "param", "code"],
-                "properties": {
-                    "message": {"type": "string"},
-                    "type": {"type": "string"},
-                    "param": _nullable({"type": "string"}),
-                    "code": _nullable({"type": "string"}),
-                },
-            }
-        },
-    },
-}
+def schemas() -> dict[str, Any]:
+    """``components.schemas``: the JSON Schema of every request and response body."""
+    _, components = msgspec.json.schema_components(REQUESTS + RESPONSES, ref_template=_REF_TEMPLATE)
+    return components
 
 
 def _errors(*statuses: int) -> dict[str, Any]:
@@ -327,5 +140,5 @@ def openapi_document(model_name: str) -> dict[str, Any]:
                 }
             },
         },
-        "components": {"schemas": _SCHEMAS},
+        "components": {"schemas": schemas()},
     }

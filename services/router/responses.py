@@ -1,4 +1,4 @@
-"""OpenAI response bodies and SSE chunks, built as plain dicts (pure, no I/O).
+"""OpenAI response bodies and SSE chunks, built as the Structs of ``schema.py`` (pure, no I/O).
 
 Streams are framed as OpenAI frames them: one ``data: {json}\\n\\n`` event per chunk and a final
 ``data: [DONE]\\n\\n``. Chat streams open with a chunk carrying the assistant role; with
@@ -13,32 +13,32 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
+import msgspec
 from kvmesh.services.router.api import GenerateRequest
 from kvmesh.services.router.errors import ApiError
+from kvmesh.services.router.schema import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatDelta,
+    Completion,
+    CompletionChoice,
+    Usage,
+)
 
 SSE_DONE = b"data: [DONE]\n\n"
 
+Body = Completion | ChatCompletion | ChatCompletionChunk
 
-def sse_event(payload: dict[str, Any]) -> bytes:
-    return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+def sse_event(payload: Body | dict[str, Any]) -> bytes:
+    return b"data: " + msgspec.json.encode(payload) + b"\n\n"
 
 
 def new_request_id(kind: str) -> str:
     return ("cmpl-" if kind == "completion" else "chatcmpl-") + secrets.token_hex(12)
-
-
-@dataclass(frozen=True, slots=True)
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-
-    def to_dict(self) -> dict[str, int]:
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": self.prompt_tokens + self.completion_tokens,
-        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,54 +65,59 @@ class ResponseBuilder:
     def _is_chat(self) -> bool:
         return self.kind == "chat"
 
-    def full(self, text: str, finish_reason: str, usage: Usage) -> dict[str, Any]:
+    def full(self, text: str, finish_reason: str, usage: Usage) -> Completion | ChatCompletion:
         """The non-streamed response."""
+        head = self._head()
         if self._is_chat:
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": None,
-                "finish_reason": finish_reason,
-            }
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        return {
-            **self._head("chat.completion" if self._is_chat else "text_completion"),
-            "choices": [choice],
-            "usage": usage.to_dict(),
-        }
+            message = AssistantMessage(role="assistant", content=text)
+            choice = ChatChoice(
+                index=0, message=message, logprobs=None, finish_reason=finish_reason
+            )
+            return ChatCompletion(object="chat.completion", choices=[choice], usage=usage, **head)
+        choice = CompletionChoice(index=0, text=text, logprobs=None, finish_reason=finish_reason)
+        return Completion(object="text_completion", choices=[choice], usage=usage, **head)
 
-    def role_chunk(self) -> dict[str, Any] | None:
+    def role_chunk(self) -> ChatCompletionChunk | None:
         """The chunk that opens a chat stream (None for completions)."""
         if not self._is_chat:
             return None
-        return self._chunk({"role": "assistant", "content": ""}, None)
+        return self._chat_chunk(ChatDelta(role="assistant", content=""), None)
 
-    def text_chunk(self, text: str) -> dict[str, Any]:
-        return self._chunk({"content": text} if self._is_chat else text, None)
-
-    def finish_chunk(self, finish_reason: str) -> dict[str, Any]:
-        return self._chunk({} if self._is_chat else "", finish_reason)
-
-    def usage_chunk(self, usage: Usage) -> dict[str, Any]:
-        return {**self._head(self._chunk_object), "choices": [], "usage": usage.to_dict()}
-
-    @property
-    def _chunk_object(self) -> str:
-        return "chat.completion.chunk" if self._is_chat else "text_completion"
-
-    def _chunk(self, delta: dict[str, Any] | str, finish_reason: str | None) -> dict[str, Any]:
+    def text_chunk(self, text: str) -> Completion | ChatCompletionChunk:
         if self._is_chat:
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-        else:
-            choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": finish_reason}
-        chunk = {**self._head(self._chunk_object), "choices": [choice]}
-        if self.include_usage:
-            chunk["usage"] = None
-        return chunk
+            return self._chat_chunk(ChatDelta(content=text), None)
+        return self._completion_chunk(text, None)
 
-    def _head(self, obj: str) -> dict[str, Any]:
-        return {"id": self.response_id, "object": obj, "created": self.created, "model": self.model}
+    def finish_chunk(self, finish_reason: str) -> Completion | ChatCompletionChunk:
+        if self._is_chat:
+            return self._chat_chunk(ChatDelta(), finish_reason)
+        return self._completion_chunk("", finish_reason)
+
+    def usage_chunk(self, usage: Usage) -> Completion | ChatCompletionChunk:
+        if self._is_chat:
+            return ChatCompletionChunk(
+                object="chat.completion.chunk", choices=[], usage=usage, **self._head()
+            )
+        return Completion(object="text_completion", choices=[], usage=usage, **self._head())
+
+    def _chat_chunk(self, delta: ChatDelta, finish_reason: str | None) -> ChatCompletionChunk:
+        choice = ChatChunkChoice(index=0, delta=delta, logprobs=None, finish_reason=finish_reason)
+        return ChatCompletionChunk(
+            object="chat.completion.chunk", choices=[choice], **self._head(), **self._no_usage()
+        )
+
+    def _completion_chunk(self, text: str, finish_reason: str | None) -> Completion:
+        choice = CompletionChoice(index=0, text=text, logprobs=None, finish_reason=finish_reason)
+        return Completion(
+            object="text_completion", choices=[choice], **self._head(), **self._no_usage()
+        )
+
+    def _no_usage(self) -> dict[str, None]:
+        # with include_usage, every chunk but the last says "usage": null; otherwise no key
+        return {"usage": None} if self.include_usage else {}
+
+    def _head(self) -> dict[str, Any]:
+        return {"id": self.response_id, "created": self.created, "model": self.model}
 
 
 def error_event(error: ApiError) -> bytes:

@@ -1,0 +1,219 @@
+"""The router's HTTP bodies, each defined once as a msgspec Struct.
+
+The request Structs validate the bodies (``api.py`` converts a parsed body into them and words
+msgspec's errors as OpenAI-style 400s), the response Structs are what the router encodes
+(``responses.py``), and ``openapi.py`` publishes the JSON Schema of all of them, so the document
+at ``/openapi.json`` cannot drift from the code.
+
+A field's ``Meta(extra={"expects": ...})`` is how an error message describes what it takes when
+its type alone would say it badly.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, get_args
+
+import msgspec
+from msgspec import UNSET, Meta, UnsetType
+
+MAX_STOP_STRINGS = 16
+MAX_SEED = 2**63 - 1
+
+NonEmptyStr = Annotated[str, Meta(min_length=1)]
+TokenId = Annotated[int, Meta(ge=0)]
+Role = Literal["system", "developer", "user", "assistant", "tool"]
+CHAT_ROLES = get_args(Role)
+FinishReason = Literal["stop", "length"]
+
+# --- requests ----------------------------------------------------------------------------------
+
+
+class StreamOptions(msgspec.Struct, frozen=True):
+    include_usage: bool = False
+
+
+class TextPart(msgspec.Struct, frozen=True):
+    """A part of a message's content; only text parts are supported."""
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(msgspec.Struct, frozen=True):
+    role: Role
+    content: Annotated[
+        str | list[TextPart] | None,
+        Meta(
+            description="Text, or text parts joined in order; null only for an assistant message",
+            extra={"expects": "a string or a list of text parts"},
+        ),
+    ] = None
+
+
+class SamplingFields(msgspec.Struct, frozen=True, kw_only=True):
+    """The parameters both generate routes take. Unknown fields are ignored, as OpenAI's API
+    does; the ones kvmesh cannot honour are refused by name before this schema applies
+    (``api.py``)."""
+
+    model: Annotated[NonEmptyStr, Meta(description="Must be the served model (GET /v1/models).")]
+    temperature: Annotated[float, Meta(ge=0, le=2)] = 1.0
+    top_p: Annotated[float, Meta(gt=0, le=1)] = 1.0
+    top_k: Annotated[int, Meta(ge=-1, description="0 (or -1, as older vLLM clients send): off")] = 0
+    seed: Annotated[int, Meta(ge=-MAX_SEED, le=MAX_SEED)] | None = None
+    stop: (
+        NonEmptyStr
+        | Annotated[
+            list[NonEmptyStr],
+            Meta(
+                max_length=MAX_STOP_STRINGS,
+                extra={"expects": f"a list of at most {MAX_STOP_STRINGS} non-empty strings"},
+            ),
+        ]
+        | None
+    ) = None
+    n: Literal[1] = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: Annotated[bool, Meta(description="kvmesh extension")] = False
+
+
+class CompletionRequest(SamplingFields, frozen=True, kw_only=True):
+    """``POST /v1/completions``."""
+
+    prompt: Annotated[
+        str | Annotated[list[TokenId], Meta(min_length=1)],
+        Meta(
+            description="Text or token ids. A list holding one of those is accepted too; more "
+            "than one (a batch) is refused.",
+            extra={"expects": "a string or a non-empty list of token ids"},
+        ),
+    ]
+    max_tokens: Annotated[int, Meta(ge=1, description="Default 16")] | None = None
+    # OpenAI's newer name, taken on both routes; it wins over max_tokens
+    max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
+
+
+class ChatCompletionRequest(SamplingFields, frozen=True, kw_only=True):
+    """``POST /v1/chat/completions``."""
+
+    messages: Annotated[
+        list[ChatMessage],
+        Meta(min_length=1, extra={"expects": "a non-empty list of {role, content} objects"}),
+    ]
+    max_completion_tokens: (
+        Annotated[int, Meta(ge=1, description="Default: what the context has left")] | None
+    ) = None
+    max_tokens: (
+        Annotated[int, Meta(ge=1, description="Deprecated: max_completion_tokens")] | None
+    ) = None
+
+
+# --- responses ---------------------------------------------------------------------------------
+
+
+class Usage(msgspec.Struct):
+    """Token counts of one request; ``total_tokens`` is their sum."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        self.total_tokens = self.prompt_tokens + self.completion_tokens
+
+
+class CompletionChoice(msgspec.Struct, kw_only=True):
+    index: int
+    text: str
+    logprobs: None
+    finish_reason: FinishReason | None  # null in every stream chunk but the last
+
+
+class Completion(msgspec.Struct, kw_only=True):
+    """The answer of ``/v1/completions``, and each event of its stream."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    # streams: absent, or null in every chunk but the last with stream_options.include_usage
+    usage: Usage | UnsetType | None = UNSET
+
+
+class AssistantMessage(msgspec.Struct, kw_only=True):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(msgspec.Struct, kw_only=True):
+    index: int
+    message: AssistantMessage
+    logprobs: None
+    finish_reason: FinishReason
+
+
+class ChatCompletion(msgspec.Struct, kw_only=True):
+    """The answer of ``/v1/chat/completions`` without ``stream``."""
+
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(msgspec.Struct, kw_only=True):
+    """What a chunk adds: the role (first chunk), text, or nothing (the finishing chunk)."""
+
+    role: Literal["assistant"] | UnsetType = UNSET
+    content: str | UnsetType = UNSET
+
+
+class ChatChunkChoice(msgspec.Struct, kw_only=True):
+    index: int
+    delta: ChatDelta
+    logprobs: None
+    finish_reason: FinishReason | None
+
+
+class ChatCompletionChunk(msgspec.Struct, kw_only=True):
+    """One event of a ``/v1/chat/completions`` stream."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]  # empty in the usage chunk
+    usage: Usage | UnsetType | None = UNSET
+
+
+class Model(msgspec.Struct, kw_only=True):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int | UnsetType = UNSET
+
+
+class ModelList(msgspec.Struct, kw_only=True):
+    object: Literal["list"]
+    data: list[Model]
+
+
+class ErrorDetail(msgspec.Struct):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class Error(msgspec.Struct):
+    """Every 4xx and 5xx answer (``errors.ApiError.body()``), and an error event in a stream."""
+
+    error: ErrorDetail
+
+
+REQUESTS = (CompletionRequest, ChatCompletionRequest)
+RESPONSES = (Completion, ChatCompletion, ChatCompletionChunk, ModelList, Model, Error)
