@@ -7,7 +7,6 @@ from kvmesh.shared import protocol
 from kvmesh.shared.engine.sequence import SamplingParams
 from kvmesh.shared.imm import imm_slot, pack_imm
 from kvmesh.shared.protocol import PrefillDone
-from kvmesh.shared.subjects import Subjects
 
 ADMISSION = Admission((1, 2, 3), SamplingParams(max_tokens=4))
 
@@ -192,26 +191,18 @@ def test_slot_freed_with_its_reservation():
 # ---- DecodeWorker: the engine and the pending table together, no NATS ------------------------
 
 
-MESH = Subjects("test")
-
-
-class _Recorder:
-    """Collects what the worker publishes, decoded."""
+class _Events:
+    """The TokenEvents the worker returned, as the service would have published them."""
 
     def __init__(self) -> None:
-        self.messages: list[tuple[str, bytes]] = []
+        self.events: list[protocol.TokenEvent] = []
 
-    async def __call__(self, subject: str, data: bytes) -> None:
-        self.messages.append((subject, data))
+    def add(self, event: protocol.TokenEvent | None) -> None:
+        if event is not None:
+            self.events.append(event)
 
     def tokens(self, request_id: str) -> list[protocol.TokenEvent]:
-        subjects = MESH
-        subject = subjects.request_tokens(request_id)
-        return [
-            protocol.decode_message(d, protocol.TokenEvent)
-            for s, d in self.messages
-            if s == subject
-        ]
+        return [e for e in self.events if e.request_id == request_id]
 
 
 @pytest.fixture(scope="module")
@@ -229,29 +220,20 @@ def decode_worker(tiny):
 
     engine = LLMEngine(*tiny, EngineConfig(num_blocks=64))
     now = [100.0]
-    recorder = _Recorder()
     worker = DecodeWorker(
-        engine,
-        worker_id="d0",
-        subjects=MESH,
-        base_addr=engine.kv_pool.base_addr,
-        publish=recorder,
-        clock=lambda: now[0],
+        engine, worker_id="d0", base_addr=engine.kv_pool.base_addr, clock=lambda: now[0]
     )
-    return worker, recorder, now
+    return worker, _Events(), now
 
 
-async def _run_until_idle(worker) -> None:
-    loop = asyncio.create_task(worker.run())
-    try:
-        for _ in range(500):
-            await asyncio.sleep(0.01)
-            if worker.is_idle and not worker._wake.is_set():
-                break
-    finally:
-        loop.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await loop
+async def _drive(worker, events: _Events, max_steps: int = 10_000) -> None:
+    """What the service's engine loop does, until the worker has nothing left to do."""
+    for _ in range(max_steps):
+        if worker.is_idle:
+            return
+        events.events += await worker.admit()
+        events.events += await worker.step()
+    raise AssertionError(f"the worker was still busy after {max_steps} steps")
 
 
 def _reserve(rid, n, local=False, lease_ms=1000):
@@ -265,11 +247,11 @@ async def test_worker_admits_after_writes_and_done_then_streams_and_frees(decode
     assert reply.ok and len(reply.block_ids) == 3
     assert worker.engine.block_manager.num_free_blocks == 61
     slot = imm_slot(worker.base_addr + reply.block_ids[0] * worker.block_bytes, worker.block_bytes)
-    await worker.on_completion(pack_imm(slot, 0))
-    await worker.on_prefill_done(PrefillDone("a", "La", True, first_token=65, num_writes=2))
+    worker.on_completion(pack_imm(slot, 0))
+    worker.on_prefill_done(PrefillDone("a", "La", True, first_token=65, num_writes=2))
     assert "a" in worker.pending  # one write still to land
-    await worker.on_completion(pack_imm(slot, 1))
-    await _run_until_idle(worker)
+    worker.on_completion(pack_imm(slot, 1))
+    await _drive(worker, rec)
     events = rec.tokens("a")
     assert events[0].token_ids == (65,)  # the prefill's first token goes out first
     assert sum(len(e.token_ids) for e in events) == 4 and events[-1].finish_reason == "length"
@@ -280,20 +262,17 @@ async def test_worker_lease_expiry_frees_blocks_and_reports_error(decode_worker)
     worker, rec, now = decode_worker
     assert (await worker.reserve(_reserve("b", 20, lease_ms=500))).ok
     now[0] += 0.4
-    assert await worker.expire_leases() == 0
+    assert worker.expire_leases() == []
     now[0] += 0.2
-    assert await worker.expire_leases() == 1
-    await _run_until_idle(worker)
+    aborts = worker.expire_leases()
+    assert [a.request_id for a in aborts] == ["b"]  # the prefill is told to stop
+    await _drive(worker, rec)
     [event] = rec.tokens("b")
     assert event.finish_reason == "error" and "lease ran out" in event.error
-    aborts = [
-        protocol.decode_message(d, protocol.Abort) for s, d in rec.messages if s == MESH.ABORT
-    ]
-    assert [a.request_id for a in aborts] == ["b"]  # the prefill is told to stop
     # quarantined until the prefill confirms it stopped (it does, on the Abort)
     assert worker.engine.block_manager.num_free_blocks == 64 - 2
-    await worker.on_prefill_done(PrefillDone("b", "Lb", False, error="aborted"))
-    await _run_until_idle(worker)
+    worker.on_prefill_done(PrefillDone("b", "Lb", False, error="aborted"))
+    await _drive(worker, rec)
     assert rec.tokens("b") == [event]  # nothing more reaches the client
     assert worker.engine.block_manager.num_free_blocks == 64
 
@@ -301,8 +280,8 @@ async def test_worker_lease_expiry_frees_blocks_and_reports_error(decode_worker)
 async def test_worker_failed_prefill_returns_blocks(decode_worker):
     worker, rec, _ = decode_worker
     assert (await worker.reserve(_reserve("c", 33))).ok
-    await worker.on_prefill_done(PrefillDone("c", "Lc", False, error="KV spec mismatch: x"))
-    await _run_until_idle(worker)
+    worker.on_prefill_done(PrefillDone("c", "Lc", False, error="KV spec mismatch: x"))
+    await _drive(worker, rec)
     [event] = rec.tokens("c")
     assert event.finish_reason == "error" and "KV spec mismatch" in event.error
     assert worker.engine.block_manager.num_free_blocks == 64
@@ -313,18 +292,13 @@ async def test_worker_local_prefill_and_abort_while_running(decode_worker):
     opts = protocol.SamplingOptions(max_tokens=500, temperature=0.0, ignore_eos=True)
     reply = await worker.reserve(protocol.ReserveRequest("d", (5, 6, 7), opts, True, "Ld", 1000))
     assert reply.ok and reply.block_ids == ()  # local prefill: nothing reserved for a writer
-    loop = asyncio.create_task(worker.run())
-    for _ in range(500):
-        await asyncio.sleep(0.01)
-        if sum(len(e.token_ids) for e in rec.tokens("d")) >= 3:
-            break
-    await worker.abort("d")
-    for _ in range(500):
-        await asyncio.sleep(0.01)
-        if rec.tokens("d") and rec.tokens("d")[-1].finish_reason:
-            break
-    loop.cancel()
+    rec.events += await worker.admit()
+    while sum(len(e.token_ids) for e in rec.tokens("d")) < 3:
+        rec.events += await worker.step()
+    assert worker.abort("d") is None  # running: its final event comes with the next step
+    await _drive(worker, rec)
     assert rec.tokens("d")[-1].finish_reason == "abort"
+    assert sum(len(e.token_ids) for e in rec.tokens("d")) < 500
     assert worker.engine.block_manager.num_free_blocks == 64
 
 
@@ -388,9 +362,9 @@ async def test_worker_lease_renewal_keeps_a_slow_prefill_alive(decode_worker):
     for _ in range(5):  # 5 s of queueing, renewed every 0.5 s
         now[0] += 0.5
         assert worker.renew("a", "La", 1000)
-        assert await worker.expire_leases() == 0
+        assert worker.expire_leases() == []
     now[0] += 1.5  # the holder stopped renewing
-    assert await worker.expire_leases() == 1
+    assert len(worker.expire_leases()) == 1
 
 
 async def test_local_prefill_reserve_answers_while_a_step_holds_the_engine(decode_worker):
@@ -401,7 +375,7 @@ async def test_local_prefill_reserve_answers_while_a_step_holds_the_engine(decod
         assert (await asyncio.wait_for(worker.reserve(_reserve("c", 40, local=True)), 0.5)).error
         bad = await asyncio.wait_for(worker.reserve(_reserve("d", 300, local=True)), 0.5)
         assert not bad.ok and "outside the vocabulary" in bad.error
-    await _run_until_idle(worker)
+    await _drive(worker, rec)
     assert rec.tokens("c")[-1].finish_reason == "length"
     assert worker.engine.block_manager.num_free_blocks == 64
 
@@ -410,29 +384,54 @@ async def test_abort_of_an_accepted_local_request_before_it_starts(decode_worker
     worker, rec, _ = decode_worker
     async with worker._lock:
         assert (await worker.reserve(_reserve("c", 40, local=True))).ok
-        await worker.abort("c")
+        rec.add(worker.abort("c"))
     assert rec.tokens("c")[-1].finish_reason == "abort"
-    await _run_until_idle(worker)
+    await _drive(worker, rec)
     assert "c" not in worker.engine.seqs
 
 
-async def test_paced_worker_starts_steps_no_closer_than_its_interval(tiny):
+class _FakeNats:
+    """Stands in for the NATS client of DecodeService: records what it publishes."""
+
+    def __init__(self) -> None:
+        self.published: list[tuple[str, bytes]] = []
+        self.finished = asyncio.Event()  # a final TokenEvent went out
+
+    async def publish(self, subject: str, data: bytes) -> None:
+        self.published.append((subject, data))
+        if protocol.decode_message(data, protocol.TokenEvent).finish_reason:
+            self.finished.set()
+
+
+async def test_paced_engine_loop_starts_steps_no_closer_than_its_interval(tiny):
     import time
 
+    from kvmesh.services.decode.config import DecodeConfig
+    from kvmesh.services.decode.service import DecodeService
     from kvmesh.services.decode.worker import DecodeWorker
     from kvmesh.shared.engine.config import EngineConfig
     from kvmesh.shared.engine.llm_engine import LLMEngine
 
-    engine = LLMEngine(*tiny, EngineConfig(num_blocks=64))
-    rec = _Recorder()
+    config = DecodeConfig(mode="colocated", min_step_interval_ms=50.0)
     worker = DecodeWorker(
-        engine, worker_id="d0", subjects=MESH, base_addr=0, publish=rec, min_step_interval_s=0.05
+        LLMEngine(*tiny, EngineConfig(num_blocks=64)), worker_id="d0", base_addr=0
     )
+    nc = _FakeNats()
+    service = DecodeService(config, worker, None, nc)  # no transport, no NATS connection
     started = time.monotonic()
     assert (await worker.reserve(_reserve("p", 20, local=True))).ok  # 4 tokens: 4 steps
-    await _run_until_idle(worker)
-    assert rec.tokens("p")[-1].finish_reason == "length"
+    loop = asyncio.create_task(service.engine_loop())
+    try:
+        await asyncio.wait_for(nc.finished.wait(), 60)
+    finally:
+        loop.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await loop
     assert time.monotonic() - started >= 3 * 0.05  # three gaps between four steps
+    subject = config.subjects.request_tokens("p")
+    events = [protocol.decode_message(d, protocol.TokenEvent) for s, d in nc.published]
+    assert all(s == subject for s, _ in nc.published)
+    assert sum(len(e.token_ids) for e in events) == 4 and events[-1].finish_reason == "length"
 
 
 def test_reservations_of_a_dead_prefill_worker_fail_and_free_at_once():
@@ -458,8 +457,8 @@ async def test_worker_frees_blocks_when_their_prefill_worker_dies(decode_worker)
     assert (await worker.reserve(_reserve("a", 40))).ok
     assert worker.engine.block_manager.num_free_blocks == 61
     worker.on_prefill_started(protocol.PrefillStarted("a", "La", "prefill-0"))
-    await worker.on_worker_gone(protocol.WorkerGone("prefill-0", "prefill", 3.0))
-    await _run_until_idle(worker)
+    worker.on_worker_gone(protocol.WorkerGone("prefill-0", "prefill", 3.0))
+    await _drive(worker, rec)
     assert rec.tokens("a") == []  # the router, told by the registry too, retries or fails it
     assert worker.engine.block_manager.num_free_blocks == 64
 

@@ -16,7 +16,6 @@ from kvmesh.shared.engine.config import EngineConfig
 from kvmesh.shared.engine.kv_cache import KVCacheSpec
 from kvmesh.shared.engine.llm_engine import LLMEngine
 from kvmesh.shared.imm import imm_slot, pack_imm
-from kvmesh.shared.subjects import Subjects
 from kvmesh.shared.transport import (
     Access,
     PeerDescriptor,
@@ -43,7 +42,6 @@ class Mesh:
     def __init__(self, tiny: Any) -> None:
         self.tiny = tiny
         self.now = [100.0]
-        self.published: list[tuple[str, bytes]] = []
 
     async def __aenter__(self) -> Mesh:
         self.rx = await create_transport("tcp", TransportConfig()).__aenter__()
@@ -58,15 +56,10 @@ class Mesh:
         self.region = self.rx.register(self.engine.kv_pool.raw, Access.REMOTE_WRITE)
         self.block_bytes = bb
 
-        async def publish(subject: str, data: bytes) -> None:
-            self.published.append((subject, data))
-
         self.worker = DecodeWorker(
             self.engine,
             worker_id="d0",
-            subjects=Subjects("test"),
             base_addr=self.region.addr,
-            publish=publish,
             windows=LeaseWindows(self.rx, self.region, bb),
             clock=lambda: self.now[0],
         )
@@ -102,7 +95,7 @@ class Mesh:
     async def deliver(self) -> None:
         """Hand every completion so far to the worker (the service's completion loop)."""
         while (c := self.rx.completion_queue.get_nowait()) is not None:
-            await self.worker.on_completion(c.imm, c.rkey)
+            self.worker.on_completion(c.imm, c.rkey)
 
     def block_bytes_of(self, block: int) -> bytes:
         raw = self.engine.kv_pool.raw
@@ -145,7 +138,7 @@ async def test_write_after_the_lease_expired_is_refused(tiny) -> None:
     async with Mesh(tiny) as m:
         a = await m.reserve("a")
         m.now[0] += 2.0  # past the 1 s lease
-        assert await m.worker.expire_leases() == 1
+        assert len(m.worker.expire_leases()) == 1
         with pytest.raises(RemoteAccessError) as info:
             await m.write(a.block_ids[0], a.rkey, pack_imm(m.slot(a), 0))
         assert info.value.reason == RefusalReason.DEREGISTERED
@@ -170,11 +163,11 @@ async def test_forged_prefill_done_without_the_lease_key_is_ignored(tiny) -> Non
         a = await m.reserve("a")
         await m.write(a.block_ids[0], a.rkey, pack_imm(m.slot(a), 0))
         await m.deliver()
-        await m.worker.on_prefill_done(_done(a, "a", num_writes=1, rkey=0))
-        await m.worker.on_prefill_done(_done(a, "a", num_writes=1, rkey=a.rkey ^ 1))
+        m.worker.on_prefill_done(_done(a, "a", num_writes=1, rkey=0))
+        m.worker.on_prefill_done(_done(a, "a", num_writes=1, rkey=a.rkey ^ 1))
         assert m.worker.pending.num_forged_announcements == 2
         assert m.worker.pending.get("a").done is None
-        await m.worker.on_prefill_done(_done(a, "a", num_writes=1, rkey=a.rkey))
+        m.worker.on_prefill_done(_done(a, "a", num_writes=1, rkey=a.rkey))
         assert "a" not in m.worker.pending  # admitted: its window is closed now
         with pytest.raises(RemoteAccessError):
             await m.write(a.block_ids[0], a.rkey, pack_imm(m.slot(a), 1))

@@ -1,9 +1,12 @@
-"""The decode service's NATS shell around DecodeWorker.
+"""The decode service's NATS shell around DecodeWorker (the core, which knows no NATS).
 
 Subjects (docs/mesh.md): ``decode_reserve(id)`` (ReserveRequest -> ReserveReply),
 ``decode_prefill_done(id)`` (PrefillDone), ``ABORT`` (Abort), ``worker_control(id)``
 (WorkerControl -> WorkerHeartbeat with the new state); publishes ``DecodeAdvert`` on
-``REGISTRY_ADVERTISE`` every heartbeat and TokenEvents on ``request_tokens(rid)``.
+``REGISTRY_ADVERTISE`` every heartbeat, the TokenEvents the worker returns on
+``request_tokens(rid)`` and the Aborts of expired leases on ``ABORT``. The service runs the engine
+loop: it decides when the worker steps (``min_step_interval_ms``) and publishes what each step
+returns.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from kvmesh.shared.protocol import (
     PrefillDone,
     PrefillStarted,
     ReserveRequest,
+    TokenEvent,
     WorkerGone,
     WorkerHeartbeat,
     decode_message,
@@ -131,7 +135,7 @@ class DecodeService:
             **self.advert_fields,
             **s,
         )
-        await self.nc.publish(self.worker.subjects.REGISTRY_ADVERTISE, encode_message(advert))
+        await self.nc.publish(self.config.subjects.REGISTRY_ADVERTISE, encode_message(advert))
 
     async def advert_loop(self) -> None:
         while True:
@@ -141,11 +145,49 @@ class DecodeService:
                 log.debug("advert failed", error=str(exc))
             await asyncio.sleep(self.config.heartbeat_s)
 
+    async def engine_loop(self) -> None:
+        """Drive the worker (a task body): admissions between steps, their first tokens out
+        before the next step's, steps while the engine has work, every event published.
+
+        Pacing: a step starts at most every ``min_step_interval_ms`` (0: back to back). A step
+        that decodes a small batch costs a few ms, but back to back they keep a core busy; paced
+        to the inter-token target they leave that core to prefill on a shared machine."""
+        interval_s = self.config.min_step_interval_ms / 1000
+        while True:
+            await self.worker.wait_for_work()
+            while True:
+                await self._publish_tokens(await self.worker.admit())
+                if not self.worker.has_unfinished:
+                    break
+                step_started = time.monotonic()
+                await self._publish_tokens(await self.worker.step())
+                if interval_s > 0:
+                    # outside the worker's lock: reservations and admissions go on meanwhile
+                    left = step_started + interval_s - time.monotonic()
+                    if left > 0:
+                        await asyncio.sleep(left)
+
+    async def _publish_tokens(self, events: list[TokenEvent]) -> None:
+        for event in events:
+            await self.nc.publish(
+                self.config.subjects.request_tokens(event.request_id), encode_message(event)
+            )
+
+    async def lease_loop(self) -> None:
+        """Expire leases every ``lease_check_s``; tell each expired lease's prefill to stop."""
+        while True:
+            await asyncio.sleep(self.config.lease_check_s)
+            for abort in self.worker.expire_leases():
+                try:
+                    await self.nc.publish(self.config.subjects.ABORT, encode_message(abort))
+                except nats.errors.Error as exc:  # its blocks stay quarantined until it stops
+                    log.warning("abort not sent", request_id=abort.request_id, error=str(exc))
+
     async def completion_loop(self) -> None:
         if self.transport is None:  # colocated: nothing is written to us
             return
         async for completion in self.transport.completions():
-            await self.worker.on_completion(completion.imm, completion.rkey)
+            self.worker.on_completion(completion.imm, completion.rkey)
 
     async def on_reserve(self, req: Request) -> None:
         # Concurrently: each reserve waits for the step in flight, all of them for the same one.
@@ -182,7 +224,9 @@ class DecodeService:
 
     async def on_abort(self, msg: Abort) -> None:
         with logs.request_context(msg.request_id):
-            await self.worker.abort(msg.request_id, msg.job_withdrawn)
+            event = self.worker.abort(msg.request_id, msg.job_withdrawn)
+            if event is not None:
+                await self._publish_tokens([event])
 
     async def on_lease_renew(self, msg: LeaseRenew) -> None:
         lease_ms = min(msg.lease_ms, int(self.config.max_lease_s * 1000))  # policy caps it
@@ -194,11 +238,11 @@ class DecodeService:
             self.worker.on_prefill_started(msg)
 
     async def on_worker_gone(self, msg: WorkerGone) -> None:
-        await self.worker.on_worker_gone(msg)
+        self.worker.on_worker_gone(msg)
 
     async def on_prefill_done(self, msg: PrefillDone) -> None:
         with logs.request_context(msg.request_id):
-            await self.worker.on_prefill_done(msg)
+            self.worker.on_prefill_done(msg)
 
     async def drain(self, timeout_s: float) -> None:
         """Refuse new work; wait (bounded) for what runs to finish."""
@@ -243,13 +287,10 @@ async def decode_service(config: DecodeConfig) -> AsyncIterator[DecodeService]:
         worker = DecodeWorker(
             engine,
             worker_id=worker_id,
-            subjects=subjects,
             base_addr=region.addr if region else engine.kv_pool.base_addr,
-            publish=nc.publish,
             colocated=not disagg,
             windows=LeaseWindows(transport, region, spec.block_bytes) if region else None,
             quarantine_s=config.quarantine_s,
-            min_step_interval_s=config.min_step_interval_ms / 1000,
         )
         service = DecodeService(
             config,
@@ -292,8 +333,8 @@ async def decode_service(config: DecodeConfig) -> AsyncIterator[DecodeService]:
             ),
             asyncio.TaskGroup() as service.tg,
             background(
-                worker.run(),
-                worker.lease_loop(config.lease_check_s),
+                service.engine_loop(),
+                service.lease_loop(),
                 service.completion_loop(),
                 service.advert_loop(),
             ),

@@ -5,15 +5,21 @@ is held (torch releases the GIL), so the event loop keeps serving NATS and the d
 meanwhile. Requests enter three ways: local prefill (``add_request``), a reservation admitted
 after its remote prefill (``admit_prefilled``), or not at all (refused). Blocks leave on finish,
 abort, failed prefill and lease expiry; each of these paths ends in exactly one final TokenEvent.
+
+The worker knows no NATS. The service (the shell) drives it: it hands in what arrives (reserve,
+writes landed, PrefillDone, Abort, renewals), runs the engine loop (``wait_for_work()``, then
+``admit()`` and ``step()`` while there is work) and publishes the TokenEvents these return, and the
+Aborts ``expire_leases()`` returns.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
+from kvmesh.services.decode.metrics import DecodeMetrics
 from kvmesh.services.decode.pending import Admission, PendingTable, ReservationError, Verdict
 from kvmesh.services.decode.windows import LeaseWindows
 from kvmesh.shared import logs
@@ -29,14 +35,10 @@ from kvmesh.shared.protocol import (
     ReserveRequest,
     TokenEvent,
     WorkerGone,
-    encode_message,
 )
-from kvmesh.shared.subjects import Subjects
 from kvmesh.shared.transport.base import MemoryWindow
 
 log = logs.get_logger(__name__)
-
-Publish = Callable[[str, bytes], Awaitable[None]]
 
 
 def free_block_ranges(free_ids: Iterable[int]) -> tuple[tuple[int, int], ...]:
@@ -48,6 +50,26 @@ def free_block_ranges(free_ids: Iterable[int]) -> tuple[tuple[int, int], ...]:
         else:
             runs.append([b, b + 1])
     return tuple((s, e) for s, e in runs)
+
+
+def _token_event(out: RequestOutput) -> TokenEvent | None:
+    """What the client hears of one step's output of a request (None: nothing new)."""
+    if not out.new_token_ids and not out.finished:
+        return None
+    if out.finished:
+        log.debug(
+            "finished",
+            request_id=out.request_id,
+            finish_reason=out.finish_reason,
+            num_output_tokens=out.num_output_tokens,
+        )
+    return TokenEvent(
+        out.request_id,
+        tuple(out.new_token_ids),
+        finish_reason=out.finish_reason if out.finished else None,
+        num_prompt_tokens=out.num_prompt_tokens,
+        num_output_tokens=out.num_output_tokens,
+    )
 
 
 def _failed(request_id: str, num_prompt_tokens: int, error: str) -> TokenEvent:
@@ -62,92 +84,85 @@ class DecodeWorker:
         engine: LLMEngine,
         *,
         worker_id: str,
-        subjects: Subjects,
         base_addr: int,
-        publish: Publish,
         colocated: bool = False,
         windows: LeaseWindows | None = None,
         quarantine_s: float = 30.0,
-        min_step_interval_s: float = 0.0,
+        metrics: DecodeMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.engine = engine
+        self.metrics = metrics or DecodeMetrics()
         self.worker_id = worker_id
-        self.subjects = subjects  # the mesh's
         self.base_addr = base_addr  # the receiving region's address: blocks at base + id * bytes
         self.block_bytes = engine.kv_pool.spec.block_bytes
         self.colocated = colocated
         self.windows = windows  # one per reservation; None: no remote writers (colocated)
         self.is_draining = False
         self.pending = PendingTable(quarantine_s)
-        # Pacing: a decode-only step starts at most this often (0: back to back). A step that
-        # decodes a small batch costs a few ms, but back to back they keep a core busy; paced to
-        # the inter-token target they leave that core to prefill on a shared machine.
-        self.min_step_interval_s = min_step_interval_s
-        self._publish = publish
         self._clock = clock
         self._lock = asyncio.Lock()
         self._wake = asyncio.Event()
-        self._settled: list[Verdict] = []  # reservations leaving the table, applied by run()
-        self._aborts: list[str] = []  # running requests to abort, applied by run()
+        self._settled: list[Verdict] = []  # reservations leaving the table, applied by admit()
+        self._aborts: list[str] = []  # running requests to abort, applied by admit()
         # Local-prefill requests accepted by reserve() without waiting for the step in flight,
-        # added to the engine by run() between steps.
+        # added to the engine by admit() between steps.
         self._incoming: list[tuple[str, list[int], SamplingParams]] = []
-        self.is_idle = False  # run() waits for work: nothing to apply, step or publish
 
-    # ---- the engine loop ----------------------------------------------------------------------
+    # ---- the engine loop (the service drives it) --------------------------------------------
 
-    async def run(self) -> None:
-        """Step the engine while it has work; publish each step's tokens (a task body)."""
-        while True:
-            self.is_idle = True
-            await self._wake.wait()
-            self.is_idle = False
-            self._wake.clear()
-            while True:
-                async with self._lock:
-                    # Admissions go in between steps, their first token out before the next step's.
-                    incoming, self._incoming = self._incoming, []
-                    for rid, prompt, params in incoming:
-                        try:
-                            self.engine.add_request(rid, prompt, params)
-                        except RequestError as exc:
-                            await self._send_tokens(_failed(rid, len(prompt), str(exc)))
-                    settled, self._settled = self._settled, []
-                    for verdict in settled:
-                        event = self._apply(verdict)
-                        if event is not None:
-                            await self._send_tokens(event)
-                    aborts, self._aborts = self._aborts, []
-                    for request_id in aborts:
-                        self.engine.abort(request_id)  # its "abort" output comes with the step
-                    if not self.engine.has_unfinished() and not self._incoming:
-                        break
-                    step_started = time.monotonic()
-                    outputs = await asyncio.to_thread(self.engine.step)
-                for out in outputs:
-                    await self._publish_output(out)
-                if self.min_step_interval_s > 0:
-                    # outside the lock: reservations and admissions go on meanwhile
-                    left = step_started + self.min_step_interval_s - time.monotonic()
-                    if left > 0:
-                        await asyncio.sleep(left)
+    async def wait_for_work(self) -> None:
+        """Return once there is something for ``admit()`` or ``step()`` to do."""
+        await self._wake.wait()
+        self._wake.clear()
 
-    async def _publish_output(self, out: RequestOutput) -> None:
-        if not out.new_token_ids and not out.finished:
-            return
-        await self._send_tokens(
-            TokenEvent(
-                out.request_id,
-                tuple(out.new_token_ids),
-                finish_reason=out.finish_reason if out.finished else None,
-                num_prompt_tokens=out.num_prompt_tokens,
-                num_output_tokens=out.num_output_tokens,
+    @property
+    def has_unfinished(self) -> bool:
+        """The engine holds requests that need more steps."""
+        return self.engine.has_unfinished()
+
+    @property
+    def is_idle(self) -> bool:
+        """Nothing to admit, abort or step: the engine loop would wait for work."""
+        return not (self._incoming or self._settled or self._aborts or self.has_unfinished)
+
+    async def admit(self) -> list[TokenEvent]:
+        """Between steps: add the accepted local-prefill requests to the engine, admit (or fail)
+        the reservations that left the pending table, abort the requests their clients left.
+        Returns the events to publish before the next step: admitted requests' first tokens,
+        failures."""
+        events: list[TokenEvent] = []
+        async with self._lock:
+            incoming, self._incoming = self._incoming, []
+            for rid, prompt, params in incoming:
+                try:
+                    self.engine.add_request(rid, prompt, params)
+                except RequestError as exc:
+                    events.append(_failed(rid, len(prompt), str(exc)))
+            settled, self._settled = self._settled, []
+            for verdict in settled:
+                event = self._apply(verdict)
+                if event is not None:
+                    events.append(event)
+            aborts, self._aborts = self._aborts, []
+            for request_id in aborts:
+                self.engine.abort(request_id)  # its "abort" output comes with the next step
+        return events
+
+    async def step(self) -> list[TokenEvent]:
+        """One engine step (in a worker thread, holding the lock); returns its token events."""
+        async with self._lock:
+            if not self.engine.has_unfinished():
+                return []
+            step_started = time.monotonic()
+            outputs = await asyncio.to_thread(self.engine.step)
+            self.metrics.observe_step(
+                time.monotonic() - step_started,
+                batch_size=sum(1 for out in outputs if out.new_token_ids),
+                num_tokens=sum(len(out.new_token_ids) for out in outputs),
+                num_preemptions=self.engine.scheduler.num_preemptions,
             )
-        )
-
-    async def _send_tokens(self, event: TokenEvent) -> None:
-        await self._publish(self.subjects.request_tokens(event.request_id), encode_message(event))
+        return [event for out in outputs if (event := _token_event(out)) is not None]
 
     # ---- requests in ------------------------------------------------------------------------
 
@@ -231,7 +246,7 @@ class DecodeWorker:
         """The lease holder is alive: push the lease deadline ``lease_ms`` from now."""
         return self.pending.renew(request_id, lease_id, self._clock() + lease_ms / 1000)
 
-    async def on_completion(self, imm: int, rkey: int | None = None) -> None:
+    def on_completion(self, imm: int, rkey: int | None = None) -> None:
         """A KV write landed in our pool (its immediate and key, from the transport's
         completions)."""
         try:
@@ -246,7 +261,7 @@ class DecodeWorker:
     def on_prefill_started(self, started: PrefillStarted) -> None:
         self.pending.on_started(started.request_id, started.lease_id, started.worker_id)
 
-    async def on_worker_gone(self, gone: WorkerGone) -> None:
+    def on_worker_gone(self, gone: WorkerGone) -> None:
         for verdict in self.pending.on_writer_gone(gone.worker_id):
             log.warning(
                 "prefill worker died; blocks released",
@@ -255,53 +270,47 @@ class DecodeWorker:
             )
             self._settle(verdict)
 
-    async def on_prefill_done(self, done: PrefillDone) -> None:
+    def on_prefill_done(self, done: PrefillDone) -> None:
         verdict = self.pending.on_done(done)
         if verdict is not None:
             self._settle(verdict)
 
-    async def abort(self, request_id: str, job_withdrawn: bool = False) -> None:
+    def abort(self, request_id: str, job_withdrawn: bool = False) -> TokenEvent | None:
+        """The client went away. Returns the request's final event when it can be told at once
+        (accepted, not yet in the engine); otherwise that event comes from ``admit()`` or
+        ``step()``."""
         for i, (rid, prompt, _) in enumerate(self._incoming):  # accepted, not yet in the engine
             if rid == request_id:
                 del self._incoming[i]
-                await self._send_tokens(
-                    TokenEvent(rid, (), finish_reason="abort", num_prompt_tokens=len(prompt))
-                )
-                return
+                return TokenEvent(rid, (), finish_reason="abort", num_prompt_tokens=len(prompt))
         if request_id in self.pending:
             verdict = self.pending.abort(request_id, job_withdrawn)
             if verdict is not None:
                 self._settle(verdict)
-            return
+            return None
         for verdict in self._settled:  # settled, not yet admitted: free it instead
             if verdict.reservation.request_id == request_id:
                 verdict.reservation.is_aborted = True
-                return
+                return None
         self._aborts.append(request_id)
         self._wake.set()
+        return None
 
-    async def expire_leases(self) -> int:
-        """Fail reservations whose lease ran out and tell their prefill to stop; their blocks are
-        quarantined until it has (see PendingTable). Returns how many leases newly expired."""
-        verdicts = self.pending.expire(self._clock())
-        for verdict in verdicts:
+    def expire_leases(self) -> list[Abort]:
+        """Fail reservations whose lease ran out; their blocks are quarantined until their
+        prefill has stopped writing (see PendingTable). Returns the Aborts that tell those
+        prefills to stop, one per lease that newly expired."""
+        aborts = []
+        for verdict in self.pending.expire(self._clock()):
             res = verdict.reservation
             if verdict.notify:
                 log.warning("lease expired", request_id=res.request_id, error=verdict.error)
-                await self._publish(
-                    self.subjects.ABORT,
-                    encode_message(Abort(res.request_id, reason="lease expired")),
-                )
+                aborts.append(Abort(res.request_id, reason="lease expired"))
             self._settle(verdict)
-        return sum(v.notify for v in verdicts)
-
-    async def lease_loop(self, interval_s: float) -> None:
-        while True:
-            await asyncio.sleep(interval_s)
-            await self.expire_leases()
+        return aborts
 
     def _settle(self, verdict: Verdict) -> None:
-        """Hand a reservation that left the table (or whose lease expired) to the engine loop
+        """Hand a reservation that left the table (or whose lease expired) to ``admit()``
         (admit or free). Its window closes now: no write may land in its blocks any more."""
         self._close_window(verdict.reservation.window)  # closing twice is harmless
         self._settled.append(verdict)
@@ -310,7 +319,7 @@ class DecodeWorker:
     def _apply(self, verdict: Verdict) -> TokenEvent | None:
         """Admit a prefilled request (its first token) or fail it: free its blocks (unless
         quarantined) and return its final event (unless the client was already told).
-        Called by run() with the lock held, between steps."""
+        Called by admit() with the lock held, between steps."""
         res = verdict.reservation
         assert res.admission is not None
         prompt, params = list(res.admission.prompt_ids), res.admission.params
