@@ -23,19 +23,15 @@ from kvmesh.shared.transport.errors import (
     TransportClosedError,
     TransportError,
 )
-from kvmesh.shared.transport.rdma_qp import (
-    MAX_REPLY_FRAME,
-    Span,
-    build_segments,
-    read_frame,
-    write_frame,
-)
+from kvmesh.shared.transport.rdma_qp import Span, build_segments
+from kvmesh.shared.transport.rdma_side_channel import MAX_REPLY_FRAME, read_frame, write_frame
 from kvmesh.shared.transport.rdma_windows import NO_WINDOWS, BoundSpan
 
 _MAX_CACHED_WINDOWS = 4096  # resolved windows remembered per endpoint (one per lease)
 
 if TYPE_CHECKING:
-    from kvmesh.shared.transport.rdma import QPEntry, RdmaTransport
+    from kvmesh.shared.transport.rdma import RdmaTransport
+    from kvmesh.shared.transport.rdma_connections import QPEntry
 
 
 class RdmaEndpoint:
@@ -90,12 +86,14 @@ class RdmaEndpoint:
         self._closed = True
         if self._side_channel is not None:
             self._side_channel.close()
-        self._t.retire_qp(self._entry)
+        self._t.qps.retire(self._entry)
         deadline = time.monotonic() + 1.0
-        while self._t.has_pending(self) and time.monotonic() < deadline:
+        while self._t.poller.has_pending(self) and time.monotonic() < deadline:
             await asyncio.sleep(0.005)  # flush completions fail the operations in flight
-        self._t.fail_pending(self, TransportClosedError(f"rdma endpoint to {self._peer_id} closed"))
-        self._t.destroy_qp(self._entry)
+        self._t.poller.fail_pending(
+            self, TransportClosedError(f"rdma endpoint to {self._peer_id} closed")
+        )
+        self._t.qps.destroy(self._entry)
         self._t.forget_endpoint(self)
 
     async def write(self, entries: Sequence[WriteEntry], imm: int) -> None:
@@ -203,19 +201,19 @@ class RdmaEndpoint:
             read=access == Access.REMOTE_READ,
             imm=imm,
             limits=self._t.limits,
-            next_wr_id=self._t.next_wr_id,
+            next_wr_id=self._t.poller.next_wr_id,
         )
         futures: list[asyncio.Future[None]] = []
         try:
             for seg in segments:
                 await self._acquire(seg.num_wrs)
                 self._check_usable()
-                futures.append(self._t.track(seg.wr_id, self, seg.num_wrs))
+                futures.append(self._t.poller.track(seg.wr_id, self, seg.num_wrs))
                 try:
                     self._entry.qp.post_send(seg.head)
                 except self._t.verbs.PyverbsError as exc:
                     error = PeerGoneError(f"posting to peer {self._peer_id} failed: {exc}")
-                    self._t.complete(seg.wr_id, error)
+                    self._t.poller.complete(seg.wr_id, error)
                     break
         finally:  # segments already posted run to completion either way
             results = await asyncio.gather(*futures, return_exceptions=True)

@@ -1,15 +1,11 @@
 """RC queue pairs for the rdma backend: the QP info peers exchange, the RESET->INIT->RTR->RTS
 sequence, work-request chains for batched writes and reads, and work-completion status -> typed
-errors, and the framing of the QP-info handshake. Functions over a ``verbs`` namespace (pyverbs
-or the test stand-in).
+errors. Functions over a ``verbs`` namespace (pyverbs or the test stand-in).
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
 import socket
-import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,10 +29,6 @@ MIN_RNR_TIMER = 12  # 0.64 ms
 # wr_id spaces: receive WRs carry RECV_WR_ID_BIT so the poller can route error completions,
 # whose opcode is undefined, by wr_id alone.
 RECV_WR_ID_BIT = 1 << 63
-
-_FRAME = struct.Struct("!I")
-MAX_REQUEST_FRAME = 1 << 16  # what a peer may send us unasked
-MAX_REPLY_FRAME = 1 << 22  # a window's resolution: ~40 bytes per span
 
 
 @dataclass(frozen=True, slots=True)
@@ -348,29 +340,3 @@ def completion_error(verbs: Any, status: int, vendor_err: int, what: str) -> Tra
             "down); connect again"
         )
     return TransportError(detail)
-
-
-# ---------------------------------------------------------------------------------------------------
-# Side-channel framing (handshake, window resolution): a 4-byte big-endian length, then a JSON
-# object
-
-
-async def read_frame(
-    reader: asyncio.StreamReader, max_bytes: int = MAX_REQUEST_FRAME
-) -> dict[str, Any]:
-    (size,) = _FRAME.unpack(await reader.readexactly(_FRAME.size))
-    if size > max_bytes:
-        raise ProtocolError(f"rdma side-channel frame of {size} bytes exceeds {max_bytes}")
-    try:
-        message = json.loads(await reader.readexactly(size))
-    except ValueError as exc:
-        raise ProtocolError(f"rdma handshake frame is not JSON: {exc}") from exc
-    if not isinstance(message, dict):
-        raise ProtocolError(f"rdma handshake frame must be an object, got {message!r}")
-    return message
-
-
-async def write_frame(writer: asyncio.StreamWriter, message: Mapping[str, Any]) -> None:
-    body = json.dumps(message).encode()
-    writer.write(_FRAME.pack(len(body)) + body)
-    await writer.drain()
