@@ -2,9 +2,8 @@
 
 Two backends: a Hugging Face ``tokenizers`` tokenizer read from ``tokenizer.json`` +
 ``tokenizer_config.json`` (+ ``chat_template.jinja``), and the byte-level tokenizer of
-``kvmesh-tiny`` (ids 0..255 are bytes, specials follow). Chat templates are rendered with jinja2 the
-way transformers does (sandboxed, ``trim_blocks``/``lstrip_blocks``, ``raise_exception``,
-``bos_token``, ``eos_token``, ``add_generation_prompt``).
+``kvmesh-tiny`` (ids 0..255 are bytes, specials follow). The model's chat template comes with the
+tokenizer files; rendering it is ``kvmesh.shared.chat_template``'s job.
 
 Turning generated ids back into text, one token at a time, is ``kvmesh.shared.text``'s job.
 """
@@ -14,13 +13,10 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol
 
-import jinja2
-import jinja2.ext
-import jinja2.sandbox
+from kvmesh.shared.chat_template import ChatTemplate, ChatTemplateError
 from tokenizers import Tokenizer as HFTokenizer
 
 
@@ -132,9 +128,9 @@ class Tokenizer:
         self.eos_token_ids: set[int] = {i for i in eos_ids if i is not None}
         self.add_bos_token = add_bos_token and self.bos_token_id is not None
         self.add_eos_token = add_eos_token and self.eos_token is not None
-        self.chat_template = chat_template
+        self.chat_template = chat_template  # the template's text (None: the model has none)
         self._special_tokens = dict(special_tokens or {})
-        self._compiled_template: jinja2.Template | None = None
+        self._template: ChatTemplate | None = None  # compiled on first use
 
     def _special_id(self, token: str | None) -> int | None:
         if token is None:
@@ -206,24 +202,18 @@ class Tokenizer:
                 f"{self.source}: this tokenizer has no chat template (looked for 'chat_template' in "
                 "tokenizer_config.json and a chat_template.jinja file); send a plain prompt instead"
             )
-        if self._compiled_template is None:
-            self._compiled_template = _compile_template(self.chat_template, self.source)
-        context = {
-            **self._special_tokens,
-            "bos_token": self.bos_token or "",
-            "eos_token": self.eos_token or "",
-            "tools": None,
-            "documents": None,
-            **kwargs,
-        }
         try:
-            return self._compiled_template.render(
-                messages=list(messages), add_generation_prompt=add_generation_prompt, **context
-            )
-        except _ChatTemplateRaised as e:
-            raise TokenizerError(f"chat template rejected the messages: {e}") from None
-        except jinja2.TemplateError as e:
-            raise TokenizerError(f"{self.source}: chat template failed to render: {e}") from None
+            if self._template is None:
+                self._template = ChatTemplate(self.chat_template, self.source)
+            context = {
+                **self._special_tokens,
+                "bos_token": self.bos_token or "",
+                "eos_token": self.eos_token or "",
+                **kwargs,
+            }
+            return self._template.render(messages, add_generation_prompt, **context)
+        except ChatTemplateError as e:
+            raise TokenizerError(str(e)) from None
 
     def encode_chat(
         self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
@@ -231,39 +221,6 @@ class Tokenizer:
         """Render the chat template and encode it without adding special tokens a second time."""
         text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
         return self.encode(text, add_special_tokens=False)
-
-
-class _ChatTemplateRaised(Exception):
-    pass
-
-
-def _raise_exception(message: str) -> None:
-    raise _ChatTemplateRaised(message)
-
-
-def _tojson(
-    value: Any,
-    ensure_ascii: bool = False,
-    indent: int | None = None,
-    separators=None,
-    sort_keys=False,
-) -> str:
-    return json.dumps(
-        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-
-
-def _compile_template(template: str, source: str) -> jinja2.Template:
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    try:
-        return env.from_string(template)
-    except jinja2.TemplateSyntaxError as e:
-        raise TokenizerError(f"{source}: chat template has a syntax error: {e}") from None
 
 
 def _token_text(value: Any) -> str | None:

@@ -151,3 +151,19 @@ def test_broken_chat_template_is_reported(llama_dir):
         TokenizerError, match=r"tokenizer_config\.json: chat template has a syntax error"
     ):
         Tokenizer.from_pretrained(llama_dir).apply_chat_template(MESSAGES)
+
+
+def test_chat_template_renders_as_transformers_without_a_tokenizer():
+    from kvmesh.shared.chat_template import ChatTemplate, ChatTemplateError
+
+    template = ChatTemplate(
+        "{{ bos_token }}{% for m in messages %}{{ m['content'] | tojson }}{% endfor %}"
+        "{% if add_generation_prompt %}>{% endif %}{{ tools }}"
+    )
+    text = template.render([{"role": "user", "content": "é"}], bos_token="<s>")
+    assert text == '<s>"é">None'  # tojson keeps non-ASCII; tools is None unless given
+    assert template.render([], add_generation_prompt=False, bos_token="", tools=[1]) == "[1]"
+    with pytest.raises(ChatTemplateError, match="rejected the messages: no"):
+        ChatTemplate("{{ raise_exception('no') }}").render([])
+    with pytest.raises(ChatTemplateError, match=r"t\.jinja: chat template has a syntax error"):
+        ChatTemplate("{% for %}", source="t.jinja")
