@@ -1,9 +1,10 @@
-"""The float32 CPU decode kernels of ``cpu_ops.c``, built with the system C compiler and called
-through ctypes.
+"""The float32 CPU kernels of ``cpu_ops.c`` (elementwise work and decode attention) and
+``cpu_linear.c`` (linear layers over prepacked weights), built with the system C compiler into one
+library and called through ctypes.
 
-``load_cpu_ops()`` compiles the source once per machine (``-O3 -march=native``) into a cache
+``load_cpu_ops()`` compiles the sources once per machine (``-O3 -march=native``) into a cache
 folder (``$KVMESH_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvmesh``, else ``~/.cache/kvmesh``), keyed
-by a hash of the source, the flags and the CPU's feature flags, and returns a ``CpuOps``; with no
+by a hash of the sources, the flags and the CPU's feature flags, and returns a ``CpuOps``; with no
 compiler it returns None and says why in the log, and the engine keeps its pure-torch path.
 Each wrapper checks shapes, strides and dtypes; ``*_reference`` are the torch definitions the
 tests hold the kernels to. Decode attention splits its batch into runs of sequences with about
@@ -22,13 +23,16 @@ import os
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
 import torch
 import torch.nn.functional as F
 
-SOURCE = Path(__file__).with_name("cpu_ops.c")
+SOURCES = (Path(__file__).with_name("cpu_ops.c"), Path(__file__).with_name("cpu_linear.c"))
+# Output columns per panel of a packed weight (NR in cpu_linear.c).
+PANEL_WIDTH = 16
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-std=gnu11")
 # the decode attention's parts run on the process's OpenMP threads (torch's runtime); a compiler
 # without OpenMP builds the library without it, and the parts run one after another
@@ -38,6 +42,8 @@ _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 _SIGNATURES = {
     "kv_rms_norm": (_ptr, _ptr, _ptr, _i64, _i64, _f32),
     "kv_silu_mul": (_ptr, _ptr, _i64, _i64),
+    # x, rows, in, packed weight, out features, bias or NULL, y, threads
+    "kv_linear": (_ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64),
     # qkv, heads, kv heads, d, cos, sin, k, v, strides, block size, tables, width, context
     # lens, scale, out, scratch, scratch stride, part bounds, parts
     "kv_decode_attention": (
@@ -45,6 +51,27 @@ _SIGNATURES = {
         *(_i64, _i64, _i64, _ptr, _i64, _ptr, _f32, _ptr, _ptr, _i64, _ptr, _i64),
     ),
 }
+
+
+@dataclass(frozen=True, slots=True)
+class PackedWeight:
+    """A linear layer's (out, in) weight as panels of ``PANEL_WIDTH`` output columns, each one
+    contiguous (in, PANEL_WIDTH) strip: ``panels`` is (num_panels, in, PANEL_WIDTH) float32, the
+    last panel zero-padded past ``out_features``."""
+
+    panels: torch.Tensor
+    out_features: int
+
+
+def pack_linear_weight(weight: torch.Tensor) -> PackedWeight:
+    """The panels of a float32 (out, in) weight (any strides), for ``CpuOps.linear``."""
+    assert weight.dtype == torch.float32 and weight.dim() == 2, (weight.dtype, weight.shape)
+    n, k = weight.shape
+    num_panels = -(-n // PANEL_WIDTH)
+    padded = weight.new_zeros(num_panels * PANEL_WIDTH, k)
+    padded[:n] = weight
+    panels = padded.view(num_panels, PANEL_WIDTH, k).transpose(1, 2).contiguous()
+    return PackedWeight(panels, n)
 
 
 class CpuOpsBuildError(RuntimeError):
@@ -79,7 +106,7 @@ def build(directory: Path | None = None, compiler: str | None = None) -> Path:
     cc = compiler or os.environ.get("CC") or "cc"
     if shutil.which(cc) is None:
         raise CpuOpsBuildError(f"no C compiler {cc!r} on PATH (install gcc, or set CC)")
-    source = SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in SOURCES)
     key = hashlib.sha256(
         source + " ".join((*CFLAGS, OPENMP)).encode() + cc.encode() + _cpu_fingerprint().encode()
     ).hexdigest()[:16]
@@ -103,12 +130,16 @@ def _compile(cc: str, target: Path) -> Path:
     try:
         for flags in ((*CFLAGS, OPENMP), CFLAGS):  # without OpenMP where the compiler has none
             result = subprocess.run(
-                [cc, *flags, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True
+                [cc, *flags, "-o", tmp, *map(str, SOURCES), "-lm"],
+                capture_output=True,
+                text=True,
             )
             if result.returncode == 0:
                 break
         else:
-            raise CpuOpsBuildError(f"{cc} failed on {SOURCE}:\n{result.stderr.strip()}")
+            raise CpuOpsBuildError(
+                f"{cc} failed on {' '.join(map(str, SOURCES))}:\n{result.stderr.strip()}"
+            )
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -128,6 +159,31 @@ class CpuOps:
         self._rms_norm = lib.kv_rms_norm
         self._silu_mul = lib.kv_silu_mul
         self._decode_attention = lib.kv_decode_attention
+        self._linear = lib.kv_linear
+
+    def linear(
+        self, x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x (rows, in) @ w.T (+ bias) for w packed by ``pack_linear_weight``: (rows, out).
+        Runs on ``torch.get_num_threads()`` threads, each over its own share of the weight."""
+        _check_f32_contiguous(x=x)
+        k, n = weight.panels.shape[1], weight.out_features
+        assert x.dim() == 2 and x.shape[1] == k, (x.shape, weight.panels.shape)
+        if bias is not None:
+            _check_f32_contiguous(bias=bias)
+            assert bias.shape == (n,), (bias.shape, n)
+        out = x.new_empty(x.shape[0], n)
+        self._linear(
+            x.data_ptr(),
+            x.shape[0],
+            k,
+            weight.panels.data_ptr(),
+            n,
+            None if bias is None else bias.data_ptr(),
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
+        return out
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x: (rows, n) float32 contiguous; weight: (n,). A new (rows, n) tensor."""
@@ -157,6 +213,7 @@ class CpuOps:
         context_lens: torch.Tensor,
         num_q_heads: int,
         scale: float,
+        plan: DecodePlan | None = None,
     ) -> torch.Tensor:
         """One new token per sequence: rotate q and k of ``qkv`` in place, store k and v in their
         slots, attend over each sequence's context. Returns (batch, num_q_heads, head_dim).
@@ -164,7 +221,8 @@ class CpuOps:
         qkv: (batch, num_q_heads + 2 * H_kv, D); cos, sin: (batch, 1, D) rotation-table rows of
         each token's position; k_cache, v_cache: (num_blocks, block_size, H_kv, D) per-layer views
         of the pool (``KVPool.layer``); block_tables: (batch, width) int64; context_lens: (batch,)
-        int64 including the new token.
+        int64 including the new token. ``plan``: the step's ``decode_plan``, shared by its
+        layers (built here when None).
         """
         # Called once per layer per decode step: the checks are kept to plain attribute reads.
         _check_f32_contiguous(qkv=qkv, cos=cos, sin=sin)
@@ -185,10 +243,15 @@ class CpuOps:
         assert context_lens.shape == (batch,), context_lens.shape
         width = block_tables.shape[1]
         group = num_q_heads // num_kv_heads
+        if plan is None:
+            plan = decode_plan(context_lens, width, block_size, group)
+        assert plan.batch == batch and plan.scratch.shape[1] >= width * block_size * group, (
+            "the plan was made for another step",
+            plan.batch,
+            plan.scratch.shape,
+        )
+        scratch, bounds = plan.scratch, plan.bounds
         out = qkv.new_empty(batch, num_q_heads, d)
-        parts = split_by_work(context_lens.tolist(), min(torch.get_num_threads(), batch))
-        bounds = torch.tensor([start for start, _ in parts] + [batch], dtype=torch.int64)
-        scratch = qkv.new_empty(len(parts), width * block_size * group)
         self._decode_attention(
             qkv.data_ptr(),
             num_q_heads,
@@ -209,9 +272,32 @@ class CpuOps:
             scratch.data_ptr(),
             scratch.shape[1],
             bounds.data_ptr(),
-            len(parts),
+            bounds.shape[0] - 1,
         )
         return out
+
+
+@dataclass(frozen=True, slots=True)
+class DecodePlan:
+    """How one decode step's attention splits its batch over threads, shared by every layer:
+    ``bounds`` (parts + 1,) int64 run starts then the batch size; ``scratch`` (parts, stride)
+    float32 score rows of each part's thread."""
+
+    batch: int
+    bounds: torch.Tensor
+    scratch: torch.Tensor
+
+
+def decode_plan(
+    context_lens: torch.Tensor, table_width: int, block_size: int, group: int
+) -> DecodePlan:
+    """The ``DecodePlan`` of a step: runs of sequences with about equal context, one per torch
+    thread (``split_by_work``), and scratch for the longest context a block table can hold."""
+    lens = context_lens.tolist()
+    parts = split_by_work(lens, min(torch.get_num_threads(), len(lens)))
+    bounds = torch.tensor([start for start, _ in parts] + [len(lens)], dtype=torch.int64)
+    scratch = torch.empty(len(parts), table_width * block_size * group)
+    return DecodePlan(len(lens), bounds, scratch)
 
 
 def split_by_work(context_lens: list[int], parts: int) -> list[tuple[int, int]]:
@@ -253,6 +339,12 @@ def load_cpu_ops() -> CpuOps | None:
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return x * x.square().mean(-1, keepdim=True).add(eps).rsqrt() * weight
+
+
+def linear_reference(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    return F.linear(x, weight, bias)
 
 
 def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:

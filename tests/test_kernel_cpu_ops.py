@@ -8,7 +8,9 @@ from kvmesh.kernels import cpu_ops
 from kvmesh.kernels.cpu_ops import (
     CpuOpsBuildError,
     build,
+    linear_reference,
     load_cpu_ops,
+    pack_linear_weight,
     rms_norm_reference,
     silu_mul_reference,
     split_by_work,
@@ -44,11 +46,40 @@ def test_silu_mul_matches_reference_over_the_whole_range(ops, shape):
     torch.testing.assert_close(ops.silu_mul(gate_up), silu_mul_reference(gate_up))
 
 
+@pytest.mark.parametrize(
+    ("rows", "in_features", "out_features", "threads"),
+    [(1, 512, 768, 1), (5, 64, 40, 1), (7, 100, 17, 2), (33, 48, 200, 2), (200, 32, 16, 3)],
+)
+@pytest.mark.parametrize("has_bias", [False, True])
+def test_packed_linear_matches_reference(ops, rows, in_features, out_features, threads, has_bias):
+    torch.manual_seed(0)
+    x = torch.randn(rows, in_features)
+    # the layout kvmesh's Linear stores (column-major): packing reads any strides
+    weight = torch.randn(in_features, out_features).t()
+    bias = torch.randn(out_features) if has_bias else None
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = ops.linear(x, pack_linear_weight(weight), bias)
+    finally:
+        torch.set_num_threads(before)
+    assert out.shape == (rows, out_features)
+    torch.testing.assert_close(out, linear_reference(x, weight, bias), rtol=1e-5, atol=1e-4)
+
+
+def test_packed_weight_pads_the_last_panel_with_zeros():
+    packed = pack_linear_weight(torch.ones(20, 3))
+    assert packed.panels.shape == (2, 3, 16) and packed.out_features == 20
+    assert packed.panels[1, :, :4].eq(1).all() and packed.panels[1, :, 4:].eq(0).all()
+
+
 def test_wrappers_refuse_wrong_dtype_and_layout(ops):
     with pytest.raises(AssertionError, match="float32"):
         ops.rms_norm(torch.randn(2, 8, dtype=torch.bfloat16), torch.randn(8), 1e-5)
     with pytest.raises(AssertionError, match="contiguous"):
         ops.silu_mul(torch.randn(16, 4).t())
+    with pytest.raises(AssertionError, match="contiguous"):
+        ops.linear(torch.randn(8, 2).t(), pack_linear_weight(torch.randn(4, 2)))
 
 
 def _decode_case(num_q_heads, num_kv_heads, head_dim, context_lens, block_size=16, seed=0):

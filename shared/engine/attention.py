@@ -10,9 +10,13 @@ over for decode-only batches.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from kvmesh.kernels.cpu_ops import DecodePlan
 
 
 @dataclass(slots=True)
@@ -25,6 +29,8 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # (B, max_blocks) int64, padded with 0
     block_size: int
     use_triton: bool = False
+    # The C decode attention's split of the batch over threads, set by the first layer.
+    cpu_plan: DecodePlan | None = None
     # Derived once per forward on first use and shared by every layer.
     _plan: _TorchPlan | None = field(default=None, repr=False)
     _kv_index: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+from kvmesh.kernels.cpu_ops import decode_plan, pack_linear_weight
 from kvmesh.shared.engine.attention import AttentionMetadata, paged_attention
 from kvmesh.shared.engine.kv_cache import KVCacheSpec, KVPool
 from kvmesh.shared.model.config import ModelConfig
@@ -22,12 +23,15 @@ from kvmesh.shared.model.rope import apply_rope, rope_cos_sin, rotation_tables
 from torch import nn
 
 if TYPE_CHECKING:
-    from kvmesh.kernels.cpu_ops import CpuOps
+    from kvmesh.kernels.cpu_ops import CpuOps, PackedWeight
 
 # Row counts up to which the C kernels take RMSNorm and SiLU-and-multiply: they save torch's
 # per-op dispatch, which dominates at decode sizes; larger (prefill) tensors stay with torch,
 # which may spread them over several threads.
 CPU_OPS_MAX_ROWS = 256
+# Row counts up to which a linear layer multiplies by its prepacked weight (``CpuOps.linear``):
+# decode batches, bound by reading the weights; above it MKL's blocked GEMM computes faster.
+PACKED_LINEAR_MAX_ROWS = 64
 
 
 def _cpu_ops_sized(x: torch.Tensor) -> bool:
@@ -79,6 +83,19 @@ class Linear(nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__(in_features, out_features, bias)
         self.weight = nn.Parameter(self.weight.detach().t().contiguous().t())
+        self.cpu_ops: CpuOps | None = None
+        self.packed: PackedWeight | None = None  # set with cpu_ops by attach_cpu_ops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (
+            self.packed is not None
+            and x.dim() == 2
+            and x.shape[0] <= PACKED_LINEAR_MAX_ROWS
+            and x.dtype == torch.float32
+            and x.is_contiguous()
+        ):
+            return self.cpu_ops.linear(x, self.packed, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
 
 class Attention(nn.Module):
@@ -115,6 +132,9 @@ class Attention(nn.Module):
             and meta.is_decode_only
             and not meta.use_triton
         ):
+            if meta.cpu_plan is None:  # once per step, for every layer
+                width, group = meta.block_tables.shape[1], H_q // H_kv
+                meta.cpu_plan = decode_plan(meta.context_lens, width, k_cache.shape[1], group)
             out = ops.decode_attention(
                 qkv,
                 cos,
@@ -125,6 +145,7 @@ class Attention(nn.Module):
                 meta.context_lens,
                 H_q,
                 self.scale,
+                meta.cpu_plan,
             )
             return self.wo(out.view(T, self.q_size))
         qk = apply_rope(qkv[:, : H_q + H_kv], cos, sin)  # q and k heads rotated in one go
@@ -234,7 +255,16 @@ class Transformer(nn.Module):
 
 def attach_cpu_ops(model: Transformer, ops: CpuOps | None) -> None:
     """Route the float32 decode-sized work of every layer through ``ops``; None restores the
-    pure-torch path. Each module still checks dtype and shape on every call and falls back."""
+    pure-torch path. Each module still checks dtype and shape on every call and falls back.
+
+    Float32 linear layers also get a packed copy of their weight (``pack_linear_weight``; as much
+    memory again as the layers' weights) for decode-sized batches: attach after the weights are
+    final, a later ``load_state_dict`` does not reach the copy."""
     for module in model.modules():
         if isinstance(module, (RMSNorm, Attention, FeedForward)):
             module.cpu_ops = ops
+        if isinstance(module, Linear):
+            is_packable = ops is not None and module.weight.dtype == torch.float32
+            is_packable = is_packable and module.weight.device.type == "cpu"
+            module.cpu_ops = ops if is_packable else None
+            module.packed = pack_linear_weight(module.weight.detach()) if is_packable else None

@@ -1,0 +1,126 @@
+/* Linear layers over prepacked weights, for kvmesh's float32 CPU path (kernels/cpu_ops.py).
+ *
+ * Why: a decode step of a small model reads every weight once per step and does little else, so
+ * batch-1 decode is a stream of matrix-vector products bound by memory bandwidth. MKL's GEMV
+ * reaches that bound for some shapes and layouts and not others (6-15 GB/s on one Zen 3 core);
+ * a weight stored as panels of NR output columns, each panel one contiguous (in, NR) strip, is
+ * read as a single forward stream, every load a full vector with no horizontal sums, and the
+ * same panel serves all rows of a small batch while it is in L1. Threads split the panels, so
+ * each reads its own share of the weights.
+ *
+ * Panel layout (kvmesh.kernels.cpu_ops.pack_linear_weight): packed[p][k][j] = w[p * NR + j][k]
+ * for w (n, k), the last panel zero-padded. Accumulation runs over k in order, one fused
+ * multiply-add per term (rounding differs from MKL's order in the last bits, not more).
+ */
+#include <stdint.h>
+#include <string.h>
+#if defined(__FMA__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#if defined(__AVX512F__)
+#define VL 16
+#define MR 8
+#elif defined(__AVX__)
+#define VL 8
+#define MR 6
+#else
+#define VL 4
+#define MR 4
+#endif
+#define NR 16 /* output columns per panel; kernels/cpu_ops.py packs with the same width */
+#define NV (NR / VL)
+/* rows of x per cache block: the block stays in L2 while every panel of a thread passes by */
+#define MB 96
+/* panel rows (of NR floats, one cache line at NR = 16) ahead of use that the loop asks for: the
+ * hardware prefetcher alone trails a fresh stream from DRAM */
+#ifndef PREFETCH_ROWS
+#define PREFETCH_ROWS 32
+#endif
+
+typedef float vl __attribute__((vector_size(VL * sizeof(float))));
+
+static inline vl loadv(const float *p) {
+    vl v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void storev(float *p, vl v) { memcpy(p, &v, sizeof v); }
+
+static inline vl fmadd(vl a, vl b, vl c) {
+#if defined(__AVX512F__)
+    return (vl)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__FMA__) && VL == 8
+    return (vl)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+    return a * b + c;
+#endif
+}
+
+/* y[r][c0 .. c0 + nc) for rows r < mr of x (row stride k): one panel times mr rows. mr is a
+ * constant after inlining, so the accumulators live in registers. */
+static inline __attribute__((always_inline)) void tile(const float *x, int64_t k,
+                                                       const float *panel, const float *bias,
+                                                       float *y, int64_t n, int64_t nc, int mr) {
+    vl acc[MR][NV];
+    for (int r = 0; r < mr; r++)
+        for (int v = 0; v < NV; v++) acc[r][v] = (vl){0};
+    for (int64_t kk = 0; kk < k; kk++) {
+        vl b[NV];
+        __builtin_prefetch(panel + (kk + PREFETCH_ROWS) * NR, 0, 0);
+        for (int v = 0; v < NV; v++) b[v] = loadv(panel + kk * NR + v * VL);
+        for (int r = 0; r < mr; r++) {
+            vl a = (vl){0} + x[r * k + kk];
+            for (int v = 0; v < NV; v++) acc[r][v] = fmadd(a, b[v], acc[r][v]);
+        }
+    }
+    for (int r = 0; r < mr; r++) {
+        float row[NR];
+        for (int v = 0; v < NV; v++) storev(row + v * VL, acc[r][v]);
+        if (bias)
+            for (int j = 0; j < nc; j++) row[j] += bias[j];
+        memcpy(y + r * n, row, nc * sizeof(float));
+    }
+}
+
+static void panel_rows(const float *x, int64_t m, int64_t k, const float *panel,
+                       const float *bias, float *y, int64_t n, int64_t nc) {
+    int64_t r = 0;
+    for (; r + MR <= m; r += MR) tile(x + r * k, k, panel, bias, y + r * n, n, nc, MR);
+    switch (m - r) {
+#if MR > 7
+    case 7: tile(x + r * k, k, panel, bias, y + r * n, n, nc, 7); break;
+    case 6: tile(x + r * k, k, panel, bias, y + r * n, n, nc, 6); break;
+#endif
+#if MR > 5
+    case 5: tile(x + r * k, k, panel, bias, y + r * n, n, nc, 5); break;
+    case 4: tile(x + r * k, k, panel, bias, y + r * n, n, nc, 4); break;
+#endif
+    case 3: tile(x + r * k, k, panel, bias, y + r * n, n, nc, 3); break;
+    case 2: tile(x + r * k, k, panel, bias, y + r * n, n, nc, 2); break;
+    case 1: tile(x + r * k, k, panel, bias, y + r * n, n, nc, 1); break;
+    default: break;
+    }
+}
+
+/* y (m, n) = x (m, k) @ w.T (+ bias), w packed as above; x and y row-major and contiguous, bias
+ * (n,) or NULL. num_threads OpenMP threads each take a contiguous run of panels. */
+void kv_linear(const float *x, int64_t m, int64_t k, const float *packed, int64_t n,
+               const float *bias, float *y, int64_t num_threads) {
+    int64_t num_panels = (n + NR - 1) / NR;
+    if (num_threads > num_panels) num_threads = num_panels;
+    if (num_threads < 1) num_threads = 1;
+#pragma omp parallel for num_threads(num_threads) schedule(static, 1) if (num_threads > 1)
+    for (int64_t t = 0; t < num_threads; t++) {
+        int64_t p0 = num_panels * t / num_threads, p1 = num_panels * (t + 1) / num_threads;
+        for (int64_t r0 = 0; r0 < m; r0 += MB) {
+            int64_t mb = m - r0 < MB ? m - r0 : MB;
+            for (int64_t p = p0; p < p1; p++) {
+                int64_t c0 = p * NR, nc = n - c0 < NR ? n - c0 : NR;
+                panel_rows(x + r0 * k, mb, k, packed + p * NR * k, bias ? bias + c0 : NULL,
+                           y + r0 * n + c0, n, nc);
+            }
+        }
+    }
+}
