@@ -7,6 +7,7 @@ from kvmesh.shared import protocol
 from kvmesh.shared.engine.sequence import SamplingParams
 from kvmesh.shared.imm import imm_slot, pack_imm
 from kvmesh.shared.protocol import PrefillDone
+from kvmesh.shared.transport.completions import Completion
 
 ADMISSION = Admission((1, 2, 3), SamplingParams(max_tokens=4))
 
@@ -247,10 +248,10 @@ async def test_worker_admits_after_writes_and_done_then_streams_and_frees(decode
     assert reply.ok and len(reply.block_ids) == 3
     assert worker.engine.block_manager.num_free_blocks == 61
     slot = imm_slot(worker.base_addr + reply.block_ids[0] * worker.block_bytes, worker.block_bytes)
-    worker.on_completion(pack_imm(slot, 0))
+    worker.on_completion(Completion(pack_imm(slot, 0), "p0", 1))
     worker.on_prefill_done(PrefillDone("a", "La", True, first_token=65, num_writes=2))
     assert "a" in worker.pending  # one write still to land
-    worker.on_completion(pack_imm(slot, 1))
+    worker.on_completion(Completion(pack_imm(slot, 1), "p0", 1))
     await _drive(worker, rec)
     events = rec.tokens("a")
     assert events[0].token_ids == (65,)  # the prefill's first token goes out first

@@ -1,14 +1,17 @@
-"""Lease-scoped write authority through a real decode worker on a real tcp transport: each
+"""Lease-scoped write authority through a real decode worker on real transports: each
 reservation's window admits its own writer's bytes and immediates and nothing else, and closes
 with the lease (the attacks of the security issue: writes into unleased blocks, into another
-lease, after expiry; forged immediates; forged PrefillDone)."""
+lease, after expiry; forged immediates, also from another lease's holder on shm, tcp and rdma;
+forged PrefillDone)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 import pytest
+from kvmesh.services.decode.pending import PendingTable
 from kvmesh.services.decode.windows import LeaseWindows
 from kvmesh.services.decode.worker import DecodeWorker
 from kvmesh.shared import protocol
@@ -18,6 +21,7 @@ from kvmesh.shared.engine.llm_engine import LLMEngine
 from kvmesh.shared.imm import imm_slot, pack_imm
 from kvmesh.shared.transport import (
     Access,
+    MemoryWindow,
     PeerDescriptor,
     RefusalReason,
     RemoteAccessError,
@@ -95,7 +99,7 @@ class Mesh:
     async def deliver(self) -> None:
         """Hand every completion so far to the worker (the service's completion loop)."""
         while (c := self.rx.completion_queue.get_nowait()) is not None:
-            self.worker.on_completion(c.imm, c.rkey)
+            self.worker.on_completion(c)
 
     def block_bytes_of(self, block: int) -> bytes:
         raw = self.engine.kv_pool.raw
@@ -171,3 +175,232 @@ async def test_forged_prefill_done_without_the_lease_key_is_ignored(tiny) -> Non
         assert "a" not in m.worker.pending  # admitted: its window is closed now
         with pytest.raises(RemoteAccessError):
             await m.write(a.block_ids[0], a.rkey, pack_imm(m.slot(a), 1))
+
+
+# ---- the pending table's check of an immediate's writer, without transports ------------------
+
+
+def _table_with_window(writer: str = "") -> PendingTable:
+    table = PendingTable()
+    window = MemoryWindow(0xABC, 1, ((4096, 4096),), Access.REMOTE_WRITE)
+    table.add("r", "Lr", 5, (1,), deadline=10.0, window=window)
+    if writer:
+        assert table.on_started("r", "Lr", writer)
+    return table
+
+
+def test_immediate_counts_when_its_keys_hold_the_leases_window() -> None:
+    table = _table_with_window()
+    assert table.on_immediate(5, 0, frozenset({7, 0xABC}), "anyone") is None
+    assert table.get("r").num_writes == 1 and table.num_stray_immediates == 0
+
+
+def test_immediate_without_the_leases_key_is_stray_and_leaves_the_lease_alone() -> None:
+    table = _table_with_window(writer="p0")
+    assert table.on_immediate(5, 0, frozenset({7}), "p0") is None  # its name does not help
+    assert table.on_immediate(5, 0, frozenset(), "p0") is None
+    assert table.get("r").num_writes == 0 and table.num_stray_immediates == 2
+
+
+def test_immediate_the_transport_cannot_vouch_for_must_come_from_the_announced_writer() -> None:
+    table = _table_with_window(writer="p0")
+    assert table.on_immediate(5, 0, None, "p1") is None
+    assert table.get("r").num_writes == 0 and table.num_stray_immediates == 1
+    assert table.on_immediate(5, 0, None, "p0") is None
+    assert table.get("r").num_writes == 1
+
+
+def test_immediate_the_transport_cannot_vouch_for_counts_before_the_writer_is_known() -> None:
+    table = _table_with_window()  # its PrefillStarted has not arrived yet
+    assert table.on_immediate(5, 0, None, "p1") is None
+    assert table.get("r").num_writes == 1
+
+
+def test_stray_immediates_are_logged_sampled_with_the_victims_request_id() -> None:
+    from structlog.testing import capture_logs
+
+    table = _table_with_window()
+    with capture_logs() as logged:
+        for _ in range(10):
+            table.on_immediate(5, 0, frozenset(), "forger")
+    refused = [e for e in logged if e["event"] == "immediate refused"]
+    assert [e["stray_immediates_total"] for e in refused] == [1, 10]
+    assert refused[0]["request_id"] == "r" and refused[0]["peer"] == "forger"
+
+
+# ---- immediates count only from the lease holder's connection, on every backend --------------
+# The victim's writer is a real prefill worker; the attacker holds a live lease of its own, on a
+# connection of its own, and names the victim's slot in immediates written into its own blocks.
+
+BACKENDS = ["shm", "tcp", "rdma", "rdma-without-windows"]
+PROMPT = tuple((7 * i) % 250 + 1 for i in range(40))  # 3 blocks, prefilled in chunks of 16
+
+
+def _transport(backend: str, verbs: Any, peer_id: str):
+    from kvmesh.shared.transport.rdma import RdmaTransport
+
+    if backend.startswith("rdma"):
+        extra = {"rdma_memory_windows": backend == "rdma"}
+        return RdmaTransport(TransportConfig(peer_id=peer_id, extra=extra), verbs=verbs)
+    return create_transport(backend, TransportConfig(peer_id=peer_id))
+
+
+def _reference_tokens(tiny: Any, max_tokens: int) -> list[int]:
+    """What one engine generates for PROMPT, greedy, with no hand-off."""
+    from kvmesh.shared.engine.sequence import SamplingParams
+
+    engine = LLMEngine(*tiny, EngineConfig(num_blocks=16))
+    engine.add_request("ref", list(PROMPT), SamplingParams(max_tokens=max_tokens, temperature=0))
+    tokens: list[int] = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens += out.new_token_ids
+    return tokens
+
+
+class ForgeryMesh:
+    """A decode worker on ``backend``; a prefill worker (the victim's writer) and an attacker,
+    each on a transport and connection of its own."""
+
+    def __init__(self, tiny: Any, backend: str) -> None:
+        self.tiny = tiny
+        self.backend = backend
+
+    async def __aenter__(self) -> ForgeryMesh:
+        from kvmesh.services.prefill.endpoints import EndpointCache
+        from kvmesh.services.prefill.worker import PrefillWorker
+        from kvmesh.shared.descriptor import TransportDescriptor
+
+        from tests.fake_pyverbs import FakeVerbs
+
+        self._stack = contextlib.AsyncExitStack()
+        await self._stack.__aenter__()
+        verbs = FakeVerbs()  # one fabric for every rdma transport
+        enter = self._stack.enter_async_context
+        self.rx = await enter(_transport(self.backend, verbs, "d0"))
+        tx = await enter(_transport(self.backend, verbs, "p-victim"))
+        self.ax = await enter(_transport(self.backend, verbs, "p-attacker"))
+        endpoints = await enter(EndpointCache(tx))
+        mc = self.tiny[0].config
+        spec = KVCacheSpec(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, 16)
+        self.block_bytes = bb = spec.block_bytes
+        engine = LLMEngine(
+            *self.tiny,
+            EngineConfig(num_blocks=NUM_BLOCKS),
+            kv_buffer=self.rx.allocate(NUM_BLOCKS * bb),
+        )
+        self.region = self.rx.register(engine.kv_pool.raw, Access.REMOTE_WRITE)
+        windows = LeaseWindows(self.rx, self.region, bb)
+        self.worker = DecodeWorker(
+            engine, worker_id="d0", base_addr=self.region.addr, windows=windows
+        )
+        public = self.rx.descriptor().public()
+        penv = LLMEngine(*self.tiny, EngineConfig(num_blocks=64, max_num_batched_tokens=16))
+        self.prefill = PrefillWorker(
+            penv, tx.register(penv.kv_pool.raw), endpoints, worker_id="p-victim", kv_spec="s"
+        )
+        self.descriptor = TransportDescriptor.from_peer(public)
+        self.prefill.adverts.note(
+            protocol.DecodeAdvert(
+                worker_id="d0",
+                mode="disagg",
+                descriptor=self.descriptor,
+                base_addr=self.region.addr,
+                block_bytes=bb,
+                block_size=16,
+                kv_spec="s",
+                total_blocks=NUM_BLOCKS,
+                free_blocks=NUM_BLOCKS,
+                free_block_ranges=(),
+                num_running=0,
+                num_waiting=0,
+                state="ready",
+                sent_at=0.0,
+            )
+        )
+        self._loop = asyncio.create_task(self.prefill.run())
+        self._stack.push_async_callback(self._stop_prefill)
+        self.src = self.ax.allocate(bb)
+        self.src.fill_(0x66)
+        self.src_region = self.ax.register(self.src)
+        self.attacker = await self.ax.connect(PeerDescriptor.from_dict(public.to_dict()))
+        self._stack.push_async_callback(self.attacker.aclose)
+        return self
+
+    async def _stop_prefill(self) -> None:
+        self._loop.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._loop
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._stack.__aexit__(*exc)
+
+    async def reserve(self, rid: str, prompt: tuple[int, ...]) -> protocol.ReserveReply:
+        opts = protocol.SamplingOptions(max_tokens=4, temperature=0.0)
+        req = protocol.ReserveRequest(rid, prompt, opts, False, "L" + rid, 60_000)
+        reply = await self.worker.reserve(req)
+        assert reply.ok, reply.error
+        return reply
+
+    def slot(self, reply: protocol.ReserveReply) -> int:
+        return imm_slot(self.region.addr + reply.block_ids[0] * self.block_bytes, self.block_bytes)
+
+    async def deliver(self, n: int) -> None:
+        """Hand the next ``n`` completions to the worker (the service's completion loop)."""
+        for _ in range(n):
+            self.worker.on_completion(await asyncio.wait_for(self.rx.completion_queue.get(), 10))
+
+    async def forge(self, own: protocol.ReserveReply, imm: int) -> None:
+        """The attacker writes its own leased block, with an immediate of its choosing."""
+        addr = self.region.addr + own.block_ids[0] * self.block_bytes
+        entry = WriteEntry(self.src_region, 0, addr, own.rkey, self.block_bytes)
+        await asyncio.wait_for(self.attacker.write([entry], imm), 10)
+
+    def job(self, rid: str, reply: protocol.ReserveReply) -> protocol.PrefillJob:
+        addrs = tuple(self.region.addr + b * self.block_bytes for b in reply.block_ids)
+        return protocol.PrefillJob(
+            rid,
+            PROMPT,
+            protocol.SamplingOptions(max_tokens=4, temperature=0.0),
+            "d0",
+            "L" + rid,
+            self.descriptor,
+            reply.rkey,
+            addrs,
+            self.block_bytes,
+            enqueued_at=0.0,
+        )
+
+    async def tokens_of(self, rid: str) -> list[int]:
+        """Run the decode engine until idle; the tokens it streamed for ``rid``."""
+        events = []
+        for _ in range(1000):
+            if self.worker.is_idle:
+                break
+            events += await self.worker.admit()
+            events += await self.worker.step()
+        assert all(e.finish_reason != "error" for e in events), events
+        return [t for e in events if e.request_id == rid for t in e.token_ids]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_forged_immediates_from_another_lease_holder_are_refused_and_the_victim_completes(
+    tiny, backend: str
+) -> None:
+    async with ForgeryMesh(tiny, backend) as m:
+        victim, attacker = await m.reserve("v", PROMPT), await m.reserve("x", (1, 2, 3))
+        m.worker.on_prefill_started(protocol.PrefillStarted("v", "Lv", "p-victim"))
+        for chunk in range(3):  # every chunk the victim's writer is about to write
+            await m.forge(attacker, pack_imm(m.slot(victim), chunk))
+        await m.deliver(3)
+        assert m.worker.pending.num_stray_immediates == 3
+        assert m.worker.pending.get("v").num_writes == 0
+        result = await m.prefill.prefill(m.job("v", victim))
+        assert result is not None and result.done.ok and result.done.num_writes == 3
+        await m.deliver(result.done.num_writes)
+        m.worker.on_prefill_done(result.done)
+        assert "v" not in m.worker.pending  # admitted, not failed by "arrived twice"
+        tokens = await m.tokens_of("v")  # the prefill's first token, then the decode steps'
+        assert tokens[0] == result.done.first_token
+        assert tokens == _reference_tokens(tiny, max_tokens=4)
+        assert m.worker.pending.num_stray_immediates == 3

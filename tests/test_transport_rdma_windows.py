@@ -291,6 +291,52 @@ async def test_zero_length_immediate_without_a_key_is_refused_not_completed():
         await _no_completion(m.rx)
 
 
+# -- whose immediate: the connection's windows -----------------------------------------------------
+
+
+async def _keys_of_next_completion(rx: RdmaTransport) -> frozenset[int] | None:
+    return (await asyncio.wait_for(rx.completion_queue.get(), 2)).keys
+
+
+async def test_immediate_carries_the_window_keys_of_its_own_connection_only():
+    """An immediate arrives without the key its write used; what the receiver can vouch for is
+    the connection it came on, and that connection's windows (which only it can use, type 2)."""
+    async with Mesh(FakeVerbs()) as m:
+        mine, theirs = m.window(1), m.window(2)
+        other = await m.connect()
+        await m.write(1, mine.rkey)
+        assert await _keys_of_next_completion(m.rx) == {mine.rkey}
+        await m.write(2, theirs.rkey, ep=other)
+        assert await _keys_of_next_completion(m.rx) == {theirs.rkey}
+        await m.write(1, mine.rkey)  # the other connection's window is not this one's
+        assert await _keys_of_next_completion(m.rx) == {mine.rkey}
+
+
+async def test_immediate_names_every_window_its_connection_resolved_until_one_closes():
+    async with Mesh(FakeVerbs()) as m:
+        first, second = m.window(3), m.window(4)
+        await m.write(3, first.rkey)
+        assert await _keys_of_next_completion(m.rx) == {first.rkey}
+        await m.write(4, second.rkey)
+        assert await _keys_of_next_completion(m.rx) == {first.rkey, second.rkey}
+        m.rx.close_window(first)
+        await m.write(4, second.rkey)
+        assert await _keys_of_next_completion(m.rx) == {second.rkey}
+
+
+async def test_immediate_on_a_type_1_device_names_its_connections_windows_too():
+    async with Mesh(FakeVerbs(FakeDevice(mw_types=(e.IBV_MW_TYPE_1,)))) as m:
+        window = m.window(5)
+        await m.write(5, window.rkey)
+        assert await _keys_of_next_completion(m.rx) == {window.rkey}
+
+
+async def test_immediate_without_memory_windows_cannot_say_whose_it_is():
+    async with Mesh(FakeVerbs(), rdma_memory_windows=False) as m:
+        await m.write(6, m.window(6).rkey)
+        assert await _keys_of_next_completion(m.rx) is None
+
+
 async def test_deregistering_the_region_closes_its_windows_first():
     verbs = FakeVerbs()
     async with Mesh(verbs) as m:

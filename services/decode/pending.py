@@ -1,15 +1,16 @@
 """Requests whose KV a prefill worker is writing into this decode worker: the pending table.
 
 A reservation holds decode blocks under a lease. Every KV write of its prefill lands with an
-immediate ``(slot, chunk)``; the prefill then announces ``PrefillDone(num_writes, first_token)``.
-Writes and the announcement race (the immediate travels on the data plane, the announcement on
-NATS), so a reservation is *ready* once both are in: the announcement said ok and exactly
-``num_writes`` distinct chunks have been counted. It *fails* when the prefill reports failure, a
-chunk arrives twice or past ``num_writes``, and it *expires* when its lease deadline passes first.
-An expired reservation is reported to the client at once but its blocks are *quarantined*: a
-prefill that is merely late may still be writing into them, so they go back to the pool only once
-that prefill has said it stopped (its PrefillDone, with every announced write landed) or after
-a further ``quarantine_s`` without word from it.
+immediate ``(slot, chunk)`` (kvmesh.shared.imm), which counts only if it came from the holder of
+the lease (the transport vouches for the keys a write came with); the prefill then announces
+``PrefillDone(num_writes, first_token)``. Writes and the announcement race (the immediate
+travels on the data plane, the announcement on NATS), so a reservation is *ready* once both are
+in: the announcement said ok and exactly ``num_writes`` distinct chunks have been counted. It
+*fails* when the prefill reports failure, a chunk arrives twice or past ``num_writes``, and it
+*expires* when its lease deadline passes first. An expired reservation is reported to the client
+at once but its blocks are *quarantined*: a prefill that is merely late may still be writing into
+them, so they go back to the pool only once that prefill has said it stopped (its PrefillDone,
+with every announced write landed) or after a further ``quarantine_s`` without word from it.
 Pure and synchronous: the service feeds it events and acts on what it returns.
 """
 
@@ -18,11 +19,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kvmesh.shared import logs
 from kvmesh.shared.protocol import PrefillDone
 from kvmesh.shared.transport.base import MemoryWindow
 
 if TYPE_CHECKING:  # the table stays torch-free; it only carries the parameters
     from kvmesh.shared.engine.sequence import SamplingParams
+
+
+log = logs.get_logger(__name__)
 
 
 class ReservationError(ValueError):
@@ -84,7 +89,7 @@ class PendingTable:
         self.quarantine_s = quarantine_s
         self._by_request: dict[str, Reservation] = {}
         self._by_slot: dict[int, str] = {}
-        self.num_stray_immediates = 0  # immediates for no live reservation (late, or foreign)
+        self.num_stray_immediates = 0  # late, or not from the lease holder's connection
         self.num_forged_announcements = 0  # PrefillDones without the lease's window key
 
     def __len__(self) -> int:
@@ -167,20 +172,46 @@ class PendingTable:
         self._pop(res)
         return verdict
 
-    def on_immediate(self, slot: int, chunk: int, rkey: int | None = None) -> Verdict | None:
-        """One KV write of chunk ``chunk`` landed for the reservation in ``slot``, written with
-        key ``rkey`` (None: the backend cannot tell). An immediate that came with another key
-        than the reservation's window is stray: it is not that lease's writer speaking."""
+    def on_immediate(
+        self, slot: int, chunk: int, keys: frozenset[int] | None = None, peer_id: str = ""
+    ) -> Verdict | None:
+        """One KV write of chunk ``chunk`` landed for the reservation in ``slot``. It counts only
+        if it came from the holder of that reservation's lease: ``keys`` are the keys the
+        transport vouches the write came with (``Completion.keys``), and must hold the
+        reservation's window key; where the transport cannot tell (None), ``peer_id``, the name
+        the writer declared, must be the job's writer (its PrefillStarted) once that is known.
+        Any other immediate is stray: counted and logged, and the reservation is untouched."""
         request_id = self._by_slot.get(slot)
         res = self._by_request[request_id] if request_id is not None else None
-        if res is None or (rkey is not None and res.window is not None and rkey != res.rkey):
-            self.num_stray_immediates += 1
+        if res is None:
+            self._count_stray(slot, chunk, peer_id, "it names no live reservation (late or forged)")
+            return None
+        if not _from_lease_holder(res, keys, peer_id):
+            self._count_stray(
+                slot, chunk, peer_id, "it did not come from the holder of the lease", res
+            )
             return None
         if chunk in res.chunks:
             self._pop(res)
             return Verdict(res, False, f"KV write for chunk {chunk} arrived twice")
         res.chunks.add(chunk)
         return self._settle(res)
+
+    def _count_stray(
+        self, slot: int, chunk: int, peer_id: str, why: str, res: Reservation | None = None
+    ) -> None:
+        self.num_stray_immediates += 1
+        n = self.num_stray_immediates
+        if logs.is_sampled(n):
+            log.warning(
+                "immediate refused",
+                request_id=res.request_id if res is not None else None,
+                slot=slot,
+                chunk=chunk,
+                peer=peer_id,
+                reason=why,
+                stray_immediates_total=n,
+            )
 
     def on_done(self, done: PrefillDone) -> Verdict | None:
         """The prefill's announcement; ignored unless it names a live reservation and lease, and
@@ -262,3 +293,13 @@ class PendingTable:
 
     def num_reserved_blocks(self) -> int:
         return sum(len(r.block_ids) for r in self._by_request.values())
+
+
+def _from_lease_holder(res: Reservation, keys: frozenset[int] | None, peer_id: str) -> bool:
+    """Whether an immediate for ``res`` came from the holder of its lease (see on_immediate)."""
+    if res.window is None:
+        return True  # no remote writer to tell apart (a table used without windows)
+    if keys is not None:
+        return res.window.rkey in keys
+    # The transport cannot tell (rdma without memory windows): only declared names are left.
+    return not res.writer or peer_id == res.writer

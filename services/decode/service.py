@@ -187,7 +187,7 @@ class DecodeService:
         if self.transport is None:  # colocated: nothing is written to us
             return
         async for completion in self.transport.completions():
-            self.worker.on_completion(completion.imm, completion.rkey)
+            self.worker.on_completion(completion)
 
     async def on_reserve(self, req: Request) -> None:
         # Concurrently: each reserve waits for the step in flight, all of them for the same one.

@@ -37,6 +37,7 @@ from kvmesh.shared.protocol import (
     WorkerGone,
 )
 from kvmesh.shared.transport.base import MemoryWindow
+from kvmesh.shared.transport.completions import Completion
 
 log = logs.get_logger(__name__)
 
@@ -246,15 +247,11 @@ class DecodeWorker:
         """The lease holder is alive: push the lease deadline ``lease_ms`` from now."""
         return self.pending.renew(request_id, lease_id, self._clock() + lease_ms / 1000)
 
-    def on_completion(self, imm: int, rkey: int | None = None) -> None:
-        """A KV write landed in our pool (its immediate and key, from the transport's
-        completions)."""
-        try:
-            slot, chunk = unpack_imm(imm)
-        except ValueError:
-            log.warning("ignored write with a malformed immediate", imm=imm)
-            return
-        verdict = self.pending.on_immediate(slot, chunk, rkey)
+    def on_completion(self, completion: Completion) -> None:
+        """A KV write landed in our pool (one of the transport's completions, whose immediate
+        is 32 bits by construction); it counts only if it came from its lease's holder."""
+        slot, chunk = unpack_imm(completion.imm)
+        verdict = self.pending.on_immediate(slot, chunk, completion.keys, completion.peer_id)
         if verdict is not None:
             self._settle(verdict)
 

@@ -18,14 +18,18 @@ from kvmesh.shared.transport.errors import TransportClosedError
 class Completion:
     """Delivered to the receiver once per successful write, after all its bytes are placed.
 
-    ``rkey`` is the key the write used (a window's or a region's), so that the receiver can tell
-    whose authority an immediate came with; None where the backend cannot tell (rdma: the
-    immediate arrives without it)."""
+    ``keys`` say whose authority the write came with, so that the receiver can accept an
+    immediate only from the holder of the lease it names: on tcp and shm, the one key the write
+    used (a window's or a region's; of a tcp write with frames of several keys, the first's); on
+    rdma with memory windows, every window key that the connection it arrived on has resolved
+    (the NIC let its bytes through memory windows bound for that connection); None where the
+    backend cannot tell (rdma without memory windows, where every writer uses the region's key).
+    ``peer_id`` is the id the writer declared in its hello: a name for logs, not a proof."""
 
     imm: int
     peer_id: str
     num_bytes: int
-    rkey: int | None = None
+    keys: frozenset[int] | None = None
 
 
 class CompletionQueue:

@@ -58,7 +58,7 @@ from kvmesh.shared.transport.rdma_device import (
 from kvmesh.shared.transport.rdma_endpoint import RdmaEndpoint
 from kvmesh.shared.transport.rdma_memory import RdmaMemory
 from kvmesh.shared.transport.rdma_poller import CompletionPoller
-from kvmesh.shared.transport.rdma_qp import QPLimits, clamp_limits
+from kvmesh.shared.transport.rdma_qp import RECV_WR_ID_BIT, QPLimits, clamp_limits
 from kvmesh.shared.transport.rdma_side_channel import SideChannelServer, dial
 from kvmesh.shared.transport.rdma_windows import (
     NO_WINDOWS,
@@ -106,6 +106,7 @@ class RdmaTransport:
         )
         self._cq_depth = int(extra.get("rdma_cq_depth", 16384))
         self._endpoints: set[RdmaEndpoint] = set()
+        self._wr_ids = iter(range(1, RECV_WR_ID_BIT))  # send WRs: segments and window binds
         self._ctx = self._pd = self._cq = self._ctrl_cq = self._recv_mr = None
         self.qps: QPTable | None = None
         self.poller: CompletionPoller | None = None
@@ -185,9 +186,6 @@ class RdmaTransport:
             self.gid_index,
             self.limits,
         )
-        self.poller = CompletionPoller(
-            v, self._cq, self.qps, self._registry, self._queue, asyncio.get_running_loop()
-        )
         log_window_support(self.device.name, self.memory_windows)
         if self.memory_windows != NO_WINDOWS:
             self.windows = WindowTable(
@@ -196,9 +194,18 @@ class RdmaTransport:
                 self.memory_windows,
                 self._ctrl_cq,
                 self._registry,
-                self.poller.next_wr_id,
+                self.next_wr_id,
                 self.limits.send_depth // 2,
             )
+        self.poller = CompletionPoller(
+            v,
+            self._cq,
+            self.qps,
+            self.windows,
+            self._registry,
+            self._queue,
+            asyncio.get_running_loop(),
+        )
         self._side_channel = SideChannelServer(
             self.qps, self.windows, self._registry, self.config, self._peer_id
         )
@@ -326,6 +333,9 @@ class RdmaTransport:
         )
         self._endpoints.add(ep)
         return ep
+
+    def next_wr_id(self) -> int:
+        return next(self._wr_ids)
 
     def forget_endpoint(self, endpoint: RdmaEndpoint) -> None:
         self._endpoints.discard(endpoint)

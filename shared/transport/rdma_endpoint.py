@@ -201,7 +201,7 @@ class RdmaEndpoint:
             read=access == Access.REMOTE_READ,
             imm=imm,
             limits=self._t.limits,
-            next_wr_id=self._t.poller.next_wr_id,
+            next_wr_id=self._t.next_wr_id,
         )
         futures: list[asyncio.Future[None]] = []
         try:

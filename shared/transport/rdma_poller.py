@@ -27,6 +27,7 @@ from kvmesh.shared.transport.completions import Completion, CompletionQueue
 from kvmesh.shared.transport.errors import TransportError
 from kvmesh.shared.transport.rdma_connections import QPEntry, QPTable
 from kvmesh.shared.transport.rdma_qp import RECV_WR_ID_BIT, completion_error, status_name
+from kvmesh.shared.transport.rdma_windows import WindowTable
 from kvmesh.shared.transport.registry import Registry
 
 if TYPE_CHECKING:
@@ -54,6 +55,7 @@ class CompletionPoller:
         verbs: Any,
         cq: Any,
         qps: QPTable,
+        windows: WindowTable | None,
         registry: Registry,
         queue: CompletionQueue,
         loop: asyncio.AbstractEventLoop,
@@ -61,11 +63,11 @@ class CompletionPoller:
         self.verbs = verbs
         self.cq = cq
         self.qps = qps
+        self.windows = windows  # None: the NIC binds no memory windows
         self.registry = registry
         self.queue = queue
         self.loop = loop
         self._pending: dict[int, _Pending] = {}
-        self._wr_ids = iter(range(1, RECV_WR_ID_BIT))
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -80,9 +82,6 @@ class CompletionPoller:
             await asyncio.to_thread(self._thread.join)
 
     # -- segments in flight (event loop) -----------------------------------------------------------
-
-    def next_wr_id(self) -> int:
-        return next(self._wr_ids)
 
     def track(self, wr_id: int, endpoint: RdmaEndpoint, num_wrs: int) -> asyncio.Future[None]:
         """A future resolved when segment ``wr_id`` (``num_wrs`` WRs) completes."""
@@ -165,7 +164,10 @@ class CompletionPoller:
         # byte_len counts the bytes of the WR that carried the imm (the batch's last one)
         self.registry.count_write(wc.byte_len)
         imm = socket.ntohl(wc.imm_data)
-        self.queue.put(Completion(imm=imm, peer_id=entry.peer_id, num_bytes=wc.byte_len))
+        # The immediate arrives without the key its write used: what vouches for its writer is
+        # the connection, that is the windows it resolved (the peer id is only declared).
+        keys = self.windows.keys_bound_on(wc.qp_num) if self.windows is not None else None
+        self.queue.put(Completion(imm, entry.peer_id, wc.byte_len, keys))
 
     def _on_receive_error(self, entry: QPEntry, status: int) -> None:
         """A receive completed in error on a QP we did not retire: the NIC moved it to the error

@@ -145,10 +145,18 @@ class WindowTable:
         self.max_batch = max(1, max_batch)  # binds posted at once: fits the QP's send queue
         self._open: dict[int, _Open] = {}
         self._retired: OrderedDict[int, None] = OrderedDict()
+        # qpn -> the keys of the open windows bound on that connection. Replaced, never mutated:
+        # the poller thread reads it to say whose authority an immediate came with.
+        self._keys_by_qpn: dict[int, frozenset[int]] = {}
         self.num_mws = 0  # allocated and not yet deallocated
 
     def __len__(self) -> int:
         return len(self._open)
+
+    def keys_bound_on(self, qpn: int) -> frozenset[int]:
+        """The keys of the open windows that the connection on QP ``qpn`` resolved: the only
+        leases whose writer it can be (any thread)."""
+        return self._keys_by_qpn.get(qpn, frozenset())
 
     # -- open / close ------------------------------------------------------------------------------
 
@@ -185,8 +193,9 @@ class WindowTable:
         self._retired[window.rkey] = None
         while len(self._retired) > _MAX_RETIRED:
             self._retired.popitem(last=False)
-        for binding in entry.bindings.values():
+        for qpn, binding in entry.bindings.items():
             self._dealloc(binding.mws)
+            self._forget_key(qpn, window.rkey)
         if entry.in_registry:
             self.registry.close_window(window)
 
@@ -202,6 +211,7 @@ class WindowTable:
 
     def drop_connection(self, qpn: int) -> None:
         """The connection on QP ``qpn`` ended: deallocate the MWs bound on it."""
+        self._keys_by_qpn.pop(qpn, None)
         for entry in self._open.values():
             binding = entry.bindings.pop(qpn, None)
             if binding is not None:
@@ -249,7 +259,15 @@ class WindowTable:
         if binding is None:
             binding = self._bind(entry, qp)
             entry.bindings[qp.qp_num] = binding
+            self._keys_by_qpn[qp.qp_num] = self.keys_bound_on(qp.qp_num) | {key}
         return entry.window.access, binding.spans
+
+    def _forget_key(self, qpn: int, key: int) -> None:
+        keys = self.keys_bound_on(qpn) - {key}
+        if keys:
+            self._keys_by_qpn[qpn] = keys
+        else:
+            self._keys_by_qpn.pop(qpn, None)
 
     def _bind(self, entry: _Open, qp: Any) -> _Binding:
         v = self.verbs

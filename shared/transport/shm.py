@@ -429,7 +429,8 @@ class ShmTransport:
                         self._registry.count_refused(peer_id, f"write done with dead key {rkey}")
                         continue
                     self._registry.count_write(n)
-                    self._queue.put(Completion(imm=imm, peer_id=peer_id, num_bytes=n, rkey=rkey))
+                    keys = frozenset((rkey,))
+                    self._queue.put(Completion(imm, peer_id, n, keys))
                 elif op == OP_READ_DONE:
                     self._registry.count_read(n)
                 elif op == OP_REFUSED:

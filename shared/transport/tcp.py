@@ -375,4 +375,5 @@ class TcpTransport:
                 self._registry.count_refused(peer.peer_id, "write")
             else:
                 self._registry.count_write(state.num_bytes)
-                self._queue.put(Completion(state.imm, peer.peer_id, state.num_bytes, state.rkey))
+                keys = frozenset((state.rkey,))
+                self._queue.put(Completion(state.imm, peer.peer_id, state.num_bytes, keys))
