@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import nats.errors
@@ -33,26 +34,17 @@ class AdminError(ValueError):
     """An admin request the registry cannot carry out; the message goes back as {"error": ...}."""
 
 
+@dataclass(eq=False)
 class RegistryAdmin:
-    """Answers the admin subjects of one registry."""
+    """Answers the admin subjects of one registry (``started_at``: wall clock)."""
 
-    def __init__(
-        self,
-        config: RegistryConfig,
-        nc: Client,
-        subjects: Subjects,
-        core: RegistryState,
-        worker_id: str,
-        started_at: float,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.config = config
-        self.nc = nc
-        self.subjects = subjects
-        self.core = core
-        self.worker_id = worker_id
-        self.started_at = started_at  # wall clock
-        self.clock = clock
+    config: RegistryConfig
+    nc: Client
+    subjects: Subjects
+    core: RegistryState
+    worker_id: str
+    started_at: float
+    clock: Callable[[], float] = time.monotonic
 
     def handlers(self) -> dict[str, AdminHandler]:
         """The handler of each admin subject."""

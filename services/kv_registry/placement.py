@@ -12,6 +12,7 @@ import contextlib
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import nats.errors
 import orjson
@@ -33,25 +34,17 @@ from nats.micro.request import ERROR_HEADER, Request
 log = logs.get_logger(__name__)
 
 
+@dataclass(eq=False)
 class Placement:
     """Places requests on decode workers (each ``answer`` runs in a task of its own: the
     reservations wait on decode workers, and one slow worker must not hold up the others)."""
 
-    def __init__(
-        self,
-        config: RegistryConfig,
-        nc: Client,
-        subjects: Subjects,
-        core: RegistryState,
-        metrics: RegistryMetrics,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.config = config
-        self.nc = nc
-        self.subjects = subjects
-        self.core = core
-        self.metrics = metrics
-        self.clock = clock
+    config: RegistryConfig
+    nc: Client
+    subjects: Subjects
+    core: RegistryState
+    metrics: RegistryMetrics
+    clock: Callable[[], float] = time.monotonic
 
     async def answer(self, req: Request) -> None:
         """Reply to one PlaceRequest (a malformed one gets a refusal naming the problem)."""
