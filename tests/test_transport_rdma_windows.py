@@ -331,6 +331,20 @@ async def test_immediate_on_a_type_1_device_names_its_connections_windows_too():
         assert await _keys_of_next_completion(m.rx) == {window.rkey}
 
 
+async def test_type_1_window_used_from_another_connection_vouches_for_none_of_its_immediates():
+    """A type-1 MW binds to no QP: a forger that knows its NIC key writes through it from a
+    connection of its own; the bytes land, but the immediate names no window of that connection."""
+    verbs = FakeVerbs(FakeDevice(mw_types=(e.IBV_MW_TYPE_1,)))
+    async with Mesh(verbs) as m:
+        window = m.window(5)
+        await m.write(5, window.rkey)
+        await _keys_of_next_completion(m.rx)
+        [mw] = verbs.fabric.mws.values()
+        forger = await m.connect()
+        assert await m.post_raw(forger, mw.hw_rkey, m.addr(5), BLOCK) == e.IBV_WC_SUCCESS
+        assert await _keys_of_next_completion(m.rx) == frozenset()
+
+
 async def test_immediate_without_memory_windows_cannot_say_whose_it_is():
     async with Mesh(FakeVerbs(), rdma_memory_windows=False) as m:
         await m.write(6, m.window(6).rkey)
