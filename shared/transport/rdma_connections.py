@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import secrets
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvmesh.shared.transport.errors import TransportError
@@ -42,6 +42,7 @@ class QPEntry:
     conn: asyncio.StreamWriter | None = None  # an accepted QP's side channel
 
 
+@dataclass(eq=False)
 class QPTable:
     """Creates, finds, retires and destroys the QPs of one transport (all on its one CQ).
 
@@ -49,29 +50,18 @@ class QPTable:
     the event loop waits for there); None where the NIC binds no memory windows.
     """
 
-    def __init__(
-        self,
-        verbs: Any,
-        pd: Any,
-        cq: Any,
-        ctrl_cq: Any,
-        recv_mr: Any,
-        device: DeviceChoice,
-        gid: str,
-        gid_index: int,
-        limits: QPLimits,
-    ) -> None:
-        self.verbs = verbs
-        self.pd = pd
-        self.cq = cq
-        self.ctrl_cq = ctrl_cq
-        self.recv_mr = recv_mr  # receive WRs need an lkey though write-with-imm puts no payload
-        self.device = device
-        self.gid = gid
-        self.gid_index = gid_index
-        self.limits = limits
-        self._entries: dict[int, QPEntry] = {}
-        self._lock = threading.Lock()  # teardown vs receive-WR reposts from the poller
+    verbs: Any
+    pd: Any
+    cq: Any
+    ctrl_cq: Any
+    recv_mr: Any  # receive WRs need an lkey though write-with-imm puts no payload there
+    device: DeviceChoice
+    gid: str
+    gid_index: int
+    limits: QPLimits
+    _entries: dict[int, QPEntry] = field(default_factory=dict, init=False)
+    # teardown vs receive-WR reposts from the poller
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
 
     def __len__(self) -> int:
         return len(self._entries)

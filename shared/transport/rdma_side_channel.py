@@ -18,6 +18,7 @@ import json
 import logging
 import struct
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvmesh.shared.transport.config import TransportConfig
@@ -104,28 +105,21 @@ def _abort(qps: QPTable, entry: QPEntry, writer: asyncio.StreamWriter | None) ->
     qps.destroy(entry)
 
 
+@dataclass(eq=False)
 class SideChannelServer:
     """The receiver's side: accepts hellos, brings a QP per connection to RTS, answers window
     resolutions on it, and retires the QP when the connection ends (an async context manager).
     ``windows`` is None where the NIC binds no memory windows."""
 
-    def __init__(
-        self,
-        qps: QPTable,
-        windows: WindowTable | None,
-        registry: Registry,
-        config: TransportConfig,
-        peer_id: str,
-    ) -> None:
-        self.qps = qps
-        self.windows = windows
-        self.registry = registry
-        self.config = config
-        self.peer_id = peer_id
-        self.port = 0
-        self._server: asyncio.AbstractServer | None = None
-        self._conns: set[asyncio.StreamWriter] = set()
-        self._handlers: set[asyncio.Task[Any]] = set()
+    qps: QPTable
+    windows: WindowTable | None
+    registry: Registry
+    config: TransportConfig
+    peer_id: str  # ours, sent in the reply to each hello
+    port: int = field(default=0, init=False)
+    _server: asyncio.AbstractServer | None = field(default=None, init=False)
+    _conns: set[asyncio.StreamWriter] = field(default_factory=set, init=False)
+    _handlers: set[asyncio.Task[Any]] = field(default_factory=set, init=False)
 
     async def __aenter__(self) -> SideChannelServer:
         self._server = await asyncio.start_server(self._serve, self.config.tcp_host, 0)
