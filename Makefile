@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test up lint format rdma clean
+.PHONY: install test up lint format rdma clean bench-deps
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -19,6 +19,23 @@ install: $(STAMP)
 
 test: $(STAMP)
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -p no:cacheprovider
+
+# Optional: llama.cpp for `kvmesh bench engine --against llama.cpp`, never part of `make test`.
+# llama-cpp-python has no wheel: it builds from its sdist (minutes); the GGUF converter, its
+# conversion/ package and the gguf-py it was written against come out of the same sdist.
+LLAMA_CPP_PYTHON := 0.3.36
+LLAMA_CPP_SDIST := llama_cpp_python-$(LLAMA_CPP_PYTHON)
+LLAMA_CPP_SHARE := $(VENV)/share/kvmesh/llama.cpp
+
+bench-deps: $(STAMP)
+	mkdir -p $(LLAMA_CPP_SHARE)
+	test -f $(LLAMA_CPP_SHARE)/$(LLAMA_CPP_SDIST).tar.gz || $(BIN)/pip download -q --no-deps \
+		--no-binary :all: -d $(LLAMA_CPP_SHARE) 'llama-cpp-python==$(LLAMA_CPP_PYTHON)'
+	CMAKE_ARGS="-DGGML_NATIVE=ON" $(BIN)/pip install $(LLAMA_CPP_SHARE)/$(LLAMA_CPP_SDIST).tar.gz \
+		'sentencepiece>=0.2'
+	tar xzf $(LLAMA_CPP_SHARE)/$(LLAMA_CPP_SDIST).tar.gz -C $(LLAMA_CPP_SHARE) --strip-components=3 \
+		$(LLAMA_CPP_SDIST)/vendor/llama.cpp/convert_hf_to_gguf.py \
+		$(LLAMA_CPP_SDIST)/vendor/llama.cpp/conversion $(LLAMA_CPP_SDIST)/vendor/llama.cpp/gguf-py
 
 rdma: $(STAMP)
 	scripts/install_pyverbs.sh $(VENV)

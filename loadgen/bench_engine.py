@@ -18,6 +18,11 @@ alike and move neither figure much.
 
 kvmesh decodes float32 on the CPU through the C kernels of ``kernels/cpu_ops.c`` when the machine
 can build them; ``--no-cpu-kernels`` measures its pure-torch path instead.
+
+``--against llama.cpp`` adds llama.cpp (``loadgen/llamacpp_runner.py``) on the same checkpoint
+converted to GGUF in the dtype kvmesh runs, with the same threads, prompts and lengths: prefill
+and batch-1 decode against it (llama.cpp's Python binding decodes one sequence), every batch
+size against transformers, and llama.cpp's greedy tokens compared with kvmesh's.
 """
 
 from __future__ import annotations
@@ -33,11 +38,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-CLOCKS: dict[str, Callable[[], float]] = {"cpu": time.thread_time, "wall": time.perf_counter}
+# cpu: the process's CPU time, which counts llama.cpp's compute wherever its library runs it
+CLOCKS: dict[str, Callable[[], float]] = {"cpu": time.process_time, "wall": time.perf_counter}
+AGAINST = ("transformers", "llama.cpp")
 
 
 def register_engine(sub: Any) -> argparse.ArgumentParser:
-    p = sub.add_parser("engine", help="prefill/decode tokens/s: kvmesh vs transformers generate")
+    p = sub.add_parser(
+        "engine", help="prefill/decode tokens/s: kvmesh vs transformers generate (and llama.cpp)"
+    )
     p.add_argument("--model", default="kvmesh-tiny", help="HF checkpoint dir or kvmesh-tiny")
     p.add_argument("--json", action="store_true")
     p.add_argument("--prompt-len", type=int, default=2048)
@@ -53,6 +62,19 @@ def register_engine(sub: Any) -> argparse.ArgumentParser:
         "needs --clock wall",
     )
     p.add_argument(
+        "--against",
+        choices=AGAINST,
+        default="transformers",
+        help="llama.cpp: also run llama.cpp (llama-cpp-python, `make bench-deps`) on the "
+        "checkpoint converted to GGUF; transformers always runs",
+    )
+    p.add_argument(
+        "--gguf-converter",
+        default=None,
+        help="llama.cpp's convert_hf_to_gguf.py with its conversion/ and gguf-py/ folders "
+        "(default: $KVMESH_LLAMA_CPP_CONVERTER, else where `make bench-deps` puts it)",
+    )
+    p.add_argument(
         "--no-cpu-kernels",
         dest="cpu_kernels",
         action="store_false",
@@ -62,8 +84,8 @@ def register_engine(sub: Any) -> argparse.ArgumentParser:
         "--clock",
         choices=sorted(CLOCKS),
         default="cpu",
-        help="cpu: CPU time of the benchmarking thread (default; immune to other processes "
-        "competing for the cores); wall: elapsed time",
+        help="cpu: CPU time of the process (default; immune to other processes competing "
+        "for the cores); wall: elapsed time",
     )
     p.set_defaults(func=run)
     return p
@@ -104,6 +126,7 @@ class KvmeshRunner:
         from kvmesh.shared.model import load_model
 
         model, tok = load_model(model_name)
+        self.dtype = model.config.dtype
         self.engine = LLMEngine(
             model,
             tok,
@@ -202,16 +225,30 @@ def measure(
         for k in runners
     }
     for b, ps in decode_prompts.items():
-        steps: dict[str, list[float]] = {k: [] for k in runners}
+        # llama.cpp's binding decodes one sequence: it runs the batch sizes it has
+        able = {k: r for k, r in runners.items() if getattr(r, "max_batch", b) >= b}
+        steps: dict[str, list[float]] = {k: [] for k in able}
         for rep in range(repeats + 1):
-            for k, r in runners.items():
+            for k, r in able.items():
                 times = r.decode_step_times(ps, n, clock)
                 assert len(times) == n - 1, (k, len(times))
                 if rep:  # the first round is the warm-up
                     steps[k] += times
-        for k in runners:
+        for k in able:
             results[k]["decode_tok_s"][str(b)] = round(b / statistics.median(steps[k]), 1)
     return results
+
+
+def _ratios(a: dict, b: dict) -> dict:
+    """a's tok/s over b's: prefill, and decode at the batch sizes both ran."""
+    return {
+        "prefill": round(a["prefill_tok_s"] / b["prefill_tok_s"], 2),
+        "decode": {
+            k: round(v / b["decode_tok_s"][k], 2)
+            for k, v in a["decode_tok_s"].items()
+            if k in b["decode_tok_s"]
+        },
+    }
 
 
 def run(args: argparse.Namespace) -> int:
@@ -221,9 +258,18 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"kvmesh bench engine: --threads must be >= 1, got {args.threads}")
     if args.threads > 1 and args.clock == "cpu":
         raise SystemExit(
-            "kvmesh bench engine: --threads > 1 needs --clock wall (the cpu clock counts the "
-            "benchmarking thread only, not the threads working for it)"
+            "kvmesh bench engine: --threads > 1 needs --clock wall (the cpu clock adds up the "
+            "CPU time of every thread, not the time a step takes)"
         )
+    with_llama_cpp = args.against == "llama.cpp"
+    if with_llama_cpp:
+        from kvmesh.loadgen import llamacpp_runner
+
+        converter = llamacpp_runner.converter_path(args.gguf_converter)
+        try:
+            llamacpp_runner.require(converter)
+        except llamacpp_runner.LlamaCppMissingError as exc:
+            raise SystemExit(f"kvmesh bench engine: {exc}") from None
     torch.set_num_threads(args.threads)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     rng = random.Random(0)
@@ -246,42 +292,74 @@ def run(args: argparse.Namespace) -> int:
         kv = KvmeshRunner(args.model, in_flight, args.cpu_kernels)
         check = decode_prompts[batch_sizes[0]]
         outputs_match = kv.generate(check, 16) == hf.generate(check, 16)
-        runners = {"kvmesh": kv, "transformers": hf}
+        runners: dict[str, Any] = {"kvmesh": kv, "transformers": hf}
+        llama_match = None
+        if with_llama_cpp:
+            gguf = llamacpp_runner.convert(hf_path, Path(tmp) / "model.gguf", kv.dtype, converter)
+            n_ctx = max(prompt_len, args.decode_prompt_len + args.decode_tokens) + 16
+            llama = llamacpp_runner.LlamaCppRunner(gguf, args.threads, n_ctx, kv.dtype)
+            runners["llama.cpp"] = llama
+            llama_match = kv.generate(check[:1], 16) == llama.generate(check[:1], 16)
         results = measure(
             runners, prompt, decode_prompts, args.decode_tokens, args.repeats, CLOCKS[args.clock]
         )
-    k, t = results["kvmesh"], results["transformers"]
-    results["ratios"] = {
-        "prefill": round(k["prefill_tok_s"] / t["prefill_tok_s"], 2),
-        "decode": {
-            b: round(k["decode_tok_s"][b] / t["decode_tok_s"][b], 2) for b in k["decode_tok_s"]
-        },
-    }
+    k = results["kvmesh"]
+    results["ratios"] = _ratios(k, results["transformers"])
+    if with_llama_cpp:
+        results["ratios_llama_cpp"] = _ratios(k, results["llama.cpp"])
     results["config"] = {
         "model": args.model,
         "threads": args.threads,
         "clock": args.clock,
+        "against": args.against,
         "prompt_len": prompt_len,
         "decode_prompt_len": args.decode_prompt_len,
         "decode_tokens": args.decode_tokens,
+        "dtype": str(kv.dtype).removeprefix("torch."),
         "greedy_outputs_match": outputs_match,
+        "greedy_outputs_match_llama_cpp": llama_match,
         "cpu_kernels": kv.engine.runner.cpu_ops is not None,
     }
     if args.json:
         print(json.dumps(results))
         return 0
-    kernels = "C decode kernels" if results["config"]["cpu_kernels"] else "pure torch"
-    print(
-        f"model {args.model}, {args.threads} thread{'s' if args.threads > 1 else ''}, "
-        f"{args.clock} clock, kvmesh on {kernels}, "
-        f"greedy outputs match transformers: {outputs_match}"
-    )
-    print(f"{'':24}{'kvmesh':>12}{'transformers':>14}{'ratio':>8}")
-    print(
-        f"{'prefill tok/s (' + str(prompt_len) + ')':24}{k['prefill_tok_s']:>12}{t['prefill_tok_s']:>14}{results['ratios']['prefill']:>8}"
-    )
-    for b in k["decode_tok_s"]:
-        print(
-            f"{'decode tok/s batch ' + b:24}{k['decode_tok_s'][b]:>12}{t['decode_tok_s'][b]:>14}{results['ratios']['decode'][b]:>8}"
-        )
+    print_table(results)
     return 0
+
+
+def print_table(results: dict) -> None:
+    """The human-readable form: tok/s of every system, then kvmesh's ratios against each."""
+    config = results["config"]
+    systems = [s for s in ("kvmesh", "transformers", "llama.cpp") if s in results]
+    threads = config["threads"]
+    kernels = "C kernels" if config["cpu_kernels"] else "pure torch"
+    match = f"greedy tokens match transformers: {config['greedy_outputs_match']}"
+    if config["greedy_outputs_match_llama_cpp"] is not None:
+        match += f", llama.cpp: {config['greedy_outputs_match_llama_cpp']}"
+    print(
+        f"model {config['model']} ({config['dtype']}), {threads} thread{'s' if threads > 1 else ''}"
+        f", {config['clock']} clock, kvmesh on {kernels}; {match}"
+    )
+    against = [("transformers", results["ratios"])]
+    if "ratios_llama_cpp" in results:
+        against.append(("llama.cpp", results["ratios_llama_cpp"]))
+    header = "".join(f"{s:>14}" for s in systems)
+    header += "".join(f"{'vs ' + name:>17}" for name, _ in against)
+    print(f"{'tok/s':26}{header}")
+
+    def row(label: str, values: list, ratios: list) -> None:
+        cells = "".join(f"{'-' if v is None else v:>14}" for v in values)
+        cells += "".join(f"{'-' if r is None else r:>17}" for r in ratios)
+        print(f"{label:26}{cells}")
+
+    row(
+        f"prefill ({config['prompt_len']} tokens)",
+        [results[s]["prefill_tok_s"] for s in systems],
+        [r["prefill"] for _, r in against],
+    )
+    for b in results["kvmesh"]["decode_tok_s"]:
+        row(
+            f"decode batch {b}",
+            [results[s]["decode_tok_s"].get(b) for s in systems],
+            [r["decode"].get(b) for _, r in against],
+        )

@@ -28,3 +28,39 @@ def test_bench_engine_json_has_both_systems_and_every_batch_size(kernels):
     assert result["config"]["greedy_outputs_match"] is True
     assert result["config"]["cpu_kernels"] is (not kernels)
     assert set(result["ratios"]["decode"]) == {"1", "3"}
+
+
+def _bench_engine(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "kvmesh.cli", "bench", "engine", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_bench_engine_against_llama_cpp_says_what_is_missing(tmp_path):
+    converter = tmp_path / "nowhere" / "convert_hf_to_gguf.py"
+    proc = _bench_engine("--against", "llama.cpp", "--gguf-converter", str(converter))
+    assert proc.returncode != 0
+    assert "make bench-deps" in proc.stderr
+    assert str(converter) in proc.stderr
+    assert proc.stdout == ""  # refused before any model is loaded or measured
+
+
+def test_bench_engine_against_llama_cpp_compares_ratios_and_tokens():
+    from kvmesh.loadgen.llamacpp_runner import converter_path, missing
+
+    lacks = missing(converter_path())
+    if lacks:
+        pytest.skip("llama.cpp comparison not installed (make bench-deps): " + "; ".join(lacks))
+    short = ["--prompt-len", "64", "--decode-prompt-len", "16", "--decode-tokens", "4"]
+    proc = _bench_engine(
+        "--json", "--against", "llama.cpp", *short, "--batch-sizes", "1,2", "--repeats", "1"
+    )
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert set(result["llama.cpp"]["decode_tok_s"]) == {"1"}  # its binding decodes batch 1
+    assert set(result["ratios_llama_cpp"]["decode"]) == {"1"}
+    assert set(result["ratios"]["decode"]) == {"1", "2"}
+    assert result["config"]["greedy_outputs_match_llama_cpp"] is True

@@ -1,0 +1,164 @@
+"""llama.cpp as the reference of ``kvmesh bench engine --against llama.cpp``.
+
+llama.cpp runs in-process through ``llama-cpp-python`` on a GGUF file converted from the same
+Hugging Face checkpoint by the converter that ships with llama.cpp (``convert_hf_to_gguf.py``
+and its ``conversion``/``gguf-py`` folders, from the llama-cpp-python sdist). None of this is a
+kvmesh dependency: ``make bench-deps`` builds and installs it, and ``missing()`` says what is
+absent and how to get it.
+
+The benchmark feeds token ids, so llama.cpp's tokenizer is never used; a byte-level tokenizer the
+converter does not recognise (kvmesh's seeded checkpoints) is written with the GPT-2
+pre-tokenizer its ``ByteLevel`` regex is (``python -m kvmesh.loadgen.llamacpp_runner`` runs the
+converter with that fallback, in its own process: the converter puts its own folders on
+``sys.path``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+CONVERTER_ENV = "KVMESH_LLAMA_CPP_CONVERTER"
+# Where ``make bench-deps`` puts the converter: beside the virtual environment's other data.
+DEFAULT_CONVERTER = Path(sys.prefix) / "share" / "kvmesh" / "llama.cpp" / "convert_hf_to_gguf.py"
+GGUF_TYPES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+
+
+class LlamaCppMissingError(RuntimeError):
+    """What the llama.cpp comparison lacks, and the command that installs it."""
+
+
+def converter_path(explicit: str | None = None) -> Path:
+    """``explicit``, else ``$KVMESH_LLAMA_CPP_CONVERTER``, else where ``make bench-deps`` puts it."""
+    return Path(explicit or os.environ.get(CONVERTER_ENV) or DEFAULT_CONVERTER)
+
+
+def missing(converter: Path) -> list[str]:
+    """What the comparison cannot run without (empty when everything is there)."""
+    lacks = []
+    if importlib.util.find_spec("llama_cpp") is None:
+        lacks.append("the llama_cpp module (llama-cpp-python, built from source)")
+    if not converter.is_file():
+        lacks.append(f"llama.cpp's GGUF converter at {converter} (set {CONVERTER_ENV} or pass it)")
+    elif (
+        not (converter.parent / "conversion").is_dir()
+        or not (converter.parent / "gguf-py").is_dir()
+    ):
+        lacks.append(f"the conversion/ and gguf-py/ folders beside {converter}")
+    if importlib.util.find_spec("sentencepiece") is None:
+        lacks.append("sentencepiece (the converter imports it for every Llama)")
+    return lacks
+
+
+def require(converter: Path) -> None:
+    """Raise ``LlamaCppMissingError`` naming every missing piece and ``make bench-deps``."""
+    lacks = missing(converter)
+    if lacks:
+        raise LlamaCppMissingError(
+            "--against llama.cpp needs " + "; ".join(lacks) + ". Install them with "
+            "`make bench-deps` (builds llama-cpp-python from source: minutes)."
+        )
+
+
+def convert(hf_dir: Path, out: Path, dtype: torch.dtype, converter: Path) -> Path:
+    """Write ``hf_dir`` as a GGUF file of ``dtype`` weights at ``out``; returns ``out``."""
+    if dtype not in GGUF_TYPES:
+        raise ValueError(f"no GGUF type for {dtype}; kvmesh runs {sorted(map(str, GGUF_TYPES))}")
+    cmd = [sys.executable, "-m", __name__, str(converter), str(hf_dir), str(out), GGUF_TYPES[dtype]]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0 or not out.is_file():
+        tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
+        raise RuntimeError(f"llama.cpp's converter failed on {hf_dir}:\n{tail}")
+    return out
+
+
+def _run_converter(converter: Path, hf_dir: str, out: str, outtype: str) -> None:
+    """The converter's ``main`` with the GPT-2 pre-tokenizer as the fallback for unknown ones."""
+    import runpy
+
+    sys.path[:0] = [str(converter.parent), str(converter.parent / "gguf-py")]
+    from conversion.base import TextModel  # the converter's package, found through sys.path
+
+    known = TextModel.get_vocab_base_pre
+
+    def pre_tokenizer(self: Any, tokenizer: Any) -> str:
+        try:
+            return known(self, tokenizer)
+        except NotImplementedError:  # token ids are fed directly; the tokenizer only loads
+            return "gpt2"
+
+    TextModel.get_vocab_base_pre = pre_tokenizer
+    sys.argv = [str(converter), hf_dir, "--outfile", out, "--outtype", outtype]
+    runpy.run_path(str(converter), run_name="__main__")
+
+
+class LlamaCppRunner:
+    """One llama.cpp context, batch 1, greedy. ``n_threads`` for prompt and generation alike; the
+    KV cache in the weights' type (llama.cpp's default is f16) so that both engines keep the
+    same precision."""
+
+    max_batch = 1
+
+    def __init__(self, gguf: Path, threads: int, n_ctx: int, kv_type: torch.dtype) -> None:
+        import llama_cpp
+
+        ggml_type = {
+            torch.float32: llama_cpp.GGML_TYPE_F32,
+            torch.float16: llama_cpp.GGML_TYPE_F16,
+            torch.bfloat16: llama_cpp.GGML_TYPE_BF16,
+        }[kv_type]
+        self.llm = llama_cpp.Llama(
+            model_path=str(gguf),
+            n_ctx=n_ctx,
+            n_threads=threads,
+            n_threads_batch=threads,
+            type_k=ggml_type,
+            type_v=ggml_type,
+            verbose=False,
+        )
+        self._llama_cpp = llama_cpp
+        self.n_vocab = self.llm.n_vocab()
+
+    def _next_token(self) -> int:
+        logits = self._llama_cpp.llama_get_logits_ith(self.llm.ctx, -1)
+        return int(np.ctypeslib.as_array(logits, shape=(self.n_vocab,)).argmax())
+
+    def _prefill(self, prompt: list[int]) -> int:
+        self.llm.reset()
+        self.llm.eval(prompt)
+        return self._next_token()
+
+    def generate(self, prompts: list[list[int]], num_tokens: int) -> list[list[int]]:
+        outputs = []
+        for prompt in prompts:
+            tokens = [self._prefill(prompt)]
+            while len(tokens) < num_tokens:
+                self.llm.eval(tokens[-1:])
+                tokens.append(self._next_token())
+            outputs.append(tokens)
+        return outputs
+
+    def decode_step_times(
+        self, prompts: list[list[int]], num_tokens: int, clock: Callable[[], float]
+    ) -> list[float]:
+        assert len(prompts) == 1, "the llama.cpp reference decodes at batch 1"
+        token = self._prefill(prompts[0])
+        times = []
+        for _ in range(num_tokens - 1):
+            t0 = clock()
+            self.llm.eval([token])
+            token = self._next_token()
+            times.append(clock() - t0)
+        return times
+
+
+if __name__ == "__main__":
+    _run_converter(Path(sys.argv[1]), *sys.argv[2:5])
