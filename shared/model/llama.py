@@ -25,23 +25,16 @@ from torch import nn
 if TYPE_CHECKING:
     from kvmesh.kernels.cpu_ops import CpuOps, PackedWeight
 
-# Row counts up to which the C kernels take RMSNorm and SiLU-and-multiply: they save torch's
-# per-op dispatch, which dominates at decode sizes; larger (prefill) tensors stay with torch,
-# which may spread them over several threads.
-CPU_OPS_MAX_ROWS = 256
 # Row counts up to which a linear layer multiplies by its prepacked weight (``CpuOps.linear``):
 # decode batches, bound by reading the weights; above it MKL's blocked GEMM computes faster.
 PACKED_LINEAR_MAX_ROWS = 64
 
 
 def _cpu_ops_sized(x: torch.Tensor) -> bool:
-    """Whether the elementwise C kernels take ``x``: float32, (rows, n) contiguous, decode-sized."""
-    return (
-        x.dtype == torch.float32
-        and x.dim() == 2
-        and x.shape[0] <= CPU_OPS_MAX_ROWS
-        and x.is_contiguous()
-    )
+    """Whether the elementwise C kernels take ``x``: float32, (rows, n) contiguous. At decode
+    sizes they save torch's per-op dispatch; at prefill sizes one pass over memory instead of
+    one per op (they split rows over torch's threads)."""
+    return x.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous()
 
 
 def kv_cache_spec(
