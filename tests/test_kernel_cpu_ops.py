@@ -48,7 +48,15 @@ def test_silu_mul_matches_reference_over_the_whole_range(ops, shape):
 
 @pytest.mark.parametrize(
     ("rows", "in_features", "out_features", "threads"),
-    [(1, 512, 768, 1), (5, 64, 40, 1), (7, 100, 17, 2), (33, 48, 200, 2), (200, 32, 16, 3)],
+    [
+        (1, 512, 768, 1),
+        (1, 64, 40, 2),
+        (1, 8, 80, 2),
+        (5, 64, 40, 1),
+        (7, 100, 17, 2),
+        (33, 48, 200, 2),
+        (200, 32, 16, 3),
+    ],
 )
 @pytest.mark.parametrize("has_bias", [False, True])
 def test_packed_linear_matches_reference(ops, rows, in_features, out_features, threads, has_bias):
