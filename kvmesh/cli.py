@@ -18,6 +18,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "kvmesh.commands.admin",
     "kvmesh.commands.model",
     "kvmesh.commands.nats_config",
+    "kvmesh.commands.sim",
 )
 
 

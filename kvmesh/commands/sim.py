@@ -1,0 +1,264 @@
+"""``kvmesh sim``: simulate a kvmesh cluster on a workload, plan its prefill:decode split,
+calibrate this machine as a device spec, or check the simulator against the real mesh.
+
+- default: run one topology (``--mode``, ``--prefill``, ``--decode``, ``--chunk-tokens``) and
+  print its row;
+- ``--plan``: colocated continuous batching, colocated with chunked prefill, and the planner's
+  disaggregated split on ``--gpus``, with the planner's reasons (``--plot-dir``: PNGs);
+- ``--calibrate``: measure this machine with the real engine and transport, write a device spec;
+- ``--validate``: the same workload simulated and served by a local mesh (colocated and disagg),
+  sim/real ratios of p50/p99 TTFT and ITL.
+
+Torch is imported by ``--calibrate`` and ``--validate`` only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from kvmesh.loadgen.arrivals import ARRIVAL_KINDS
+from kvmesh.loadgen.sim.specs import SPEC_DIR
+
+DEFAULT_CPU_SPEC = SPEC_DIR / "devices" / "cpu.json"
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "sim",
+        help="cluster simulator: TTFT/ITL/goodput of a topology, P:D planner, calibration",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    action = p.add_mutually_exclusive_group()
+    action.add_argument("--plan", action="store_true", help="search the P:D split (and chunk)")
+    action.add_argument("--calibrate", action="store_true", help="measure this machine")
+    action.add_argument("--validate", action="store_true", help="sim vs the real local mesh")
+
+    hw = p.add_argument_group("hardware and model")
+    hw.add_argument("--model", default="llama-3-8b", help="model spec name or JSON file")
+    hw.add_argument("--device", default="h100", help="device spec name or JSON file")
+    hw.add_argument("--gpus", type=int, default=8, help="GPU budget of --plan")
+    hw.add_argument("--tp", type=int, default=1, help="devices per worker (tensor parallel)")
+
+    topo = p.add_argument_group("topology (without --plan)")
+    topo.add_argument("--mode", choices=("colocated", "disagg"), default="disagg")
+    topo.add_argument("--prefill", type=int, default=4, help="prefill workers (disagg)")
+    topo.add_argument("--decode", type=int, default=4, help="decode (or colocated) workers")
+    topo.add_argument(
+        "--chunk-tokens",
+        type=int,
+        default=2048,
+        help="prefill chunk (disagg) or step token budget (colocated); 0: colocated without chunking",
+    )
+    topo.add_argument("--max-num-seqs", type=int, default=256)
+    topo.add_argument("--decode-pacing-ms", type=float, default=0.0)
+    topo.add_argument("--kv-capacity-tokens", type=int, help="KV pool per worker (default: memory)")
+
+    load = p.add_argument_group("workload")
+    load.add_argument("--num-requests", type=int, default=300)
+    load.add_argument("--request-rate", type=float, default=3.0, help="req/s")
+    load.add_argument("--arrival", choices=ARRIVAL_KINDS, default="gamma")
+    load.add_argument("--burstiness", type=float, default=0.5, help="gamma shape (< 1: bursty)")
+    load.add_argument("--input-len-range", default="8192:32768", help="MIN:MAX prompt tokens")
+    load.add_argument("--output-len-range", default="512:512", help="MIN:MAX output tokens")
+    load.add_argument("--trace", type=Path, help="JSONL trace instead of the synthetic workload")
+    load.add_argument("--seed", type=int, default=0)
+    load.add_argument("--sla", default="ttft_ms=1500,itl_ms=30", help="p99 TTFT and ITL limits")
+
+    out = p.add_argument_group("output")
+    out.add_argument("--plot-dir", type=Path, help="--plan: write sim_*.png here")
+    out.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help=f"--calibrate: spec file (default {DEFAULT_CPU_SPEC})",
+    )
+    out.add_argument(
+        "--real-model",
+        default="kvmesh-tiny",
+        help="--calibrate/--validate: the checkpoint the engine runs (kvmesh-tiny or a directory "
+        "from `kvmesh model seeded`); --model must be its spec",
+    )
+    out.add_argument("--threads", type=int, default=2, help="--calibrate: torch threads")
+    out.add_argument("--transport", default="shm", choices=("auto", "shm", "tcp"))
+    p.set_defaults(func=run)
+
+
+def _fail(message: str) -> int:
+    print(f"kvmesh sim: {message}", file=sys.stderr)
+    return 2
+
+
+def _sla(text: str) -> Any:
+    from kvmesh.loadgen.sim.sla import Sla
+
+    values = {}
+    for part in filter(None, (x.strip() for x in text.split(","))):
+        key, _, raw = part.partition("=")
+        if key not in ("ttft_ms", "itl_ms"):
+            raise ValueError(f"--sla {part!r}: expected ttft_ms=MS,itl_ms=MS")
+        values[key] = float(raw)
+    if set(values) != {"ttft_ms", "itl_ms"}:
+        raise ValueError("--sla needs both ttft_ms and itl_ms")
+    return Sla(**values)
+
+
+def _requests(args: argparse.Namespace) -> list[Any]:
+    from kvmesh.loadgen.arrivals import ArrivalProcess
+    from kvmesh.loadgen.sim import workload
+    from kvmesh.loadgen.workload import LengthSpec
+
+    if args.trace is not None:
+        return workload.from_trace(args.trace, args.num_requests)
+    return workload.synthetic(
+        ArrivalProcess(args.arrival, args.request_rate, args.burstiness),
+        args.num_requests,
+        LengthSpec.parse(0, args.input_len_range),
+        LengthSpec.parse(0, args.output_len_range),
+        args.seed,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvmesh.loadgen.arrivals import TraceError
+    from kvmesh.loadgen.sim.cost import CostModel
+    from kvmesh.loadgen.sim.specs import SpecError, load_device, load_model
+    from kvmesh.loadgen.workload import WorkloadError
+
+    try:
+        model = load_model(args.model)
+        if args.calibrate:
+            return _calibrate(args, model)
+        device = load_device(args.device)
+        cost = CostModel(model, device, args.tp)
+        sla = _sla(args.sla)
+        requests = _requests(args)
+        if args.validate:
+            return _validate(args, cost, requests)
+        if args.plan:
+            return _plan(args, cost, requests, sla)
+        return _one(args, cost, requests, sla)
+    except (SpecError, TraceError, WorkloadError, ValueError) as exc:
+        return _fail(str(exc))
+
+
+def _topology(args: argparse.Namespace, **overrides: Any) -> Any:
+    from kvmesh.loadgen.sim.topology import Topology
+
+    fields = dict(
+        mode=args.mode,
+        num_decode=args.decode,
+        num_prefill=args.prefill if args.mode == "disagg" else 0,
+        chunk_tokens=args.chunk_tokens or None,
+        max_num_seqs=args.max_num_seqs,
+        tp=args.tp,
+        decode_pacing_s=args.decode_pacing_ms / 1e3,
+        kv_capacity_tokens=args.kv_capacity_tokens,
+    )
+    fields.update(overrides)
+    return Topology(**fields)
+
+
+def _assumptions(cost: Any, requests: list[Any], sla: Any) -> str:
+    d, m = cost.device, cost.model
+    n_in = [r.input_len for r in requests]
+    return (
+        f"{m.name} ({m.weight_bytes / 1e9:.1f} GB weights, {m.kv_bytes_per_token / 1024:.0f} KiB KV "
+        f"per token) on {d.name} x tp {cost.tp}: {d.peak_flops / 1e12:.0f} TFLOP/s x "
+        f"{d.flops_efficiency:g}, {d.mem_bandwidth / 1e12:.2f} TB/s x {d.bandwidth_efficiency:g}, "
+        f"{d.step_overhead_s * 1e3:g} ms per step, link {d.link_bandwidth / 1e9:g} GB/s; "
+        f"{len(requests)} requests, prompts {min(n_in)}-{max(n_in)} tokens; "
+        f"SLA p99 TTFT <= {sla.ttft_ms:g} ms, p99 ITL <= {sla.itl_ms:g} ms"
+    )
+
+
+def _one(args: argparse.Namespace, cost: Any, requests: list[Any], sla: Any) -> int:
+    from kvmesh.loadgen.sim.cluster import simulate
+    from kvmesh.loadgen.sim.report import format_table, result_row
+
+    topology = _topology(args)
+    result = simulate(topology, cost, requests, sla.slo)
+    print(_assumptions(cost, requests, sla))
+    print(format_table([result_row(topology.label, result, sla)]))
+    return 0
+
+
+def _plan(args: argparse.Namespace, cost: Any, requests: list[Any], sla: Any) -> int:
+    from kvmesh.loadgen.sim import planner
+    from kvmesh.loadgen.sim.cluster import simulate
+    from kvmesh.loadgen.sim.report import format_table, result_row
+
+    workers = args.gpus // args.tp
+    chunk = args.chunk_tokens or 2048
+    colocated = [
+        _topology(args, mode="colocated", num_prefill=0, num_decode=workers, chunk_tokens=None),
+        _topology(args, mode="colocated", num_prefill=0, num_decode=workers, chunk_tokens=chunk),
+    ]
+    baselines = [(t, simulate(t, cost, requests, sla.slo)) for t in colocated]
+    base = _topology(args, mode="disagg", num_prefill=1, num_decode=1, chunk_tokens=chunk)
+    plan = planner.plan(cost, requests, sla, args.gpus, base=base)
+    rows = [result_row(t.label, r, sla) for t, r in baselines]
+    rows.append(result_row(f"planner: {plan.best.topology.label}", plan.best.result, sla))
+    print(_assumptions(cost, requests, sla))
+    print(format_table(rows))
+    print()
+    print("\n".join(planner.explain(plan)))
+    print()
+    print("every split at chunk", chunk)
+    print(format_table([result_row(c.topology.label, c.result, sla) for c in plan.splits]))
+    if args.plot_dir is not None:
+        from kvmesh.loadgen.sim import plots
+
+        args.plot_dir.mkdir(parents=True, exist_ok=True)
+        runs = {t.label: r.records for t, r in baselines}
+        runs[plan.best.topology.label] = plan.best.result.records
+        title = f"{cost.model.name} on {args.gpus} x {cost.device.name}: goodput by split"
+        for path in (
+            plots.itl_over_time(runs, args.plot_dir / "sim_itl_over_time.png"),
+            plots.goodput_vs_split(plan.splits, args.plot_dir / "sim_goodput_vs_split.png", title),
+        ):
+            print(f"plot: {path}", file=sys.stderr)
+    return 0
+
+
+def _calibrate(args: argparse.Namespace, model: Any) -> int:
+    from kvmesh.loadgen.sim.calibrate import calibrate
+    from kvmesh.loadgen.sim.specs import write_device
+
+    result = calibrate(args.real_model, model, threads=args.threads)
+    path = write_device(result.spec, args.out or DEFAULT_CPU_SPEC)
+    s = result.spec
+    print(
+        f"{s.description}\neffective {s.peak_flops / 1e9:.1f} GFLOP/s, "
+        f"{s.mem_bandwidth / 1e9:.2f} GB/s, {s.step_overhead_s * 1e3:.2f} ms per step, "
+        f"link {s.link_bandwidth / 1e9:.1f} GB/s\nwrote {path}"
+    )
+    return 0
+
+
+def _validate(args: argparse.Namespace, cost: Any, requests: list[Any]) -> int:
+    from kvmesh.loadgen.bench_serve_config import ServeBenchConfig
+    from kvmesh.loadgen.sim import validate
+
+    if args.trace is not None:
+        return _fail("--validate runs a synthetic workload; leave out --trace")
+    config = ServeBenchConfig(
+        model=args.real_model,
+        num_prompts=args.num_requests,
+        input_len=1,
+        input_len_range=args.input_len_range,
+        output_len=1,
+        output_len_range=args.output_len_range,
+        request_rates=(args.request_rate,),
+        arrival=args.arrival,
+        burstiness=args.burstiness,
+        seed=args.seed,
+        transport=args.transport,
+        compare=("colocated", "disagg"),
+    )
+    comparisons = validate.compare(config, cost, requests, ("colocated", "disagg"))
+    print(validate.format_comparisons(comparisons))
+    return 0

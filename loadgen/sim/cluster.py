@@ -1,0 +1,279 @@
+"""The discrete-event simulation of a kvmesh cluster: arrivals, placement, steps, KV transfers.
+
+Events are kept in one heap ordered by time (ties: the order they were made, so a run is
+deterministic). The request path follows the mesh's:
+
+1. on arrival the request is placed on the colocated or decode worker with the most free KV
+   tokens that can reserve its prompt and output (the kv-registry's placement); when none can,
+   it waits in a FIFO placement queue until a reservation is released (overload is queueing);
+2. colocated: it waits in that worker's queue for admission into the running batch;
+   disagg: it joins the one prefill queue, pulled by whichever prefill worker has a free slot;
+3. a prefill worker's chunk, once computed, is sent over that worker's link (one transfer at a
+   time, in order) while the next chunk computes; the first token reaches the client when the
+   last chunk's KV has landed, and the sequence then waits for the next decode step boundary;
+4. every step's tokens are delivered at the step's end; a finished request frees its KV.
+
+Steps of workers on one device (``Topology.shared_device``) share it equally while busy: a step's
+work (seconds at full speed) drains at 1/k speed while k workers compute.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvmesh.loadgen.serve_metrics import RequestRecord, Slo, Summary, summarize
+from kvmesh.loadgen.sim.cost import CostModel
+from kvmesh.loadgen.sim.topology import Topology
+from kvmesh.loadgen.sim.worker import SimSeq, Work, Worker
+from kvmesh.loadgen.sim.workload import SimRequest
+
+_ARRIVAL, _STEP_DONE, _KV_LANDED, _WAKE = range(4)
+
+
+@dataclass(frozen=True, slots=True)
+class SimResult:
+    topology: Topology
+    records: tuple[RequestRecord, ...]
+    summary: Summary
+    prefill_busy: float  # mean fraction of the run a prefill worker computed (0 for colocated)
+    decode_busy: float  # the same for decode (or colocated) workers
+    mean_decode_batch: float  # decode tokens per step of decode (or colocated) workers
+
+
+class _SharedDevice:
+    """Processor sharing: ``remaining`` work (seconds at full speed) of each busy worker."""
+
+    def __init__(self) -> None:
+        self.remaining: dict[int, float] = {}
+        self.updated = 0.0
+
+    def _advance(self, now: float) -> None:
+        if self.remaining:
+            done = (now - self.updated) / len(self.remaining)
+            for w in self.remaining:
+                self.remaining[w] = max(0.0, self.remaining[w] - done)
+        self.updated = now
+
+    def start(self, worker: int, work_s: float, now: float) -> dict[int, float]:
+        self._advance(now)
+        self.remaining[worker] = work_s
+        return self._finish_times(now)
+
+    def stop(self, worker: int, now: float) -> dict[int, float]:
+        self._advance(now)
+        del self.remaining[worker]
+        return self._finish_times(now)
+
+    def _finish_times(self, now: float) -> dict[int, float]:
+        k = len(self.remaining)
+        return {w: now + left * k for w, left in self.remaining.items()}
+
+
+class Cluster:
+    """One run: ``Cluster(topology, cost, requests).run(slo)``."""
+
+    def __init__(self, topology: Topology, cost: CostModel, requests: Sequence[SimRequest]) -> None:
+        assert cost.tp == topology.tp
+        self.topology = topology
+        self.cost = cost
+        self.requests = list(requests)
+        capacity = topology.kv_capacity_tokens or cost.kv_capacity_tokens()
+        t = topology
+        home_role = "colocated" if t.mode == "colocated" else "decode"
+        self.homes = [
+            Worker(
+                i,
+                home_role,
+                chunk_tokens=t.chunk_tokens,
+                max_num_seqs=t.max_num_seqs,
+                kv_capacity=capacity,
+            )
+            for i in range(t.num_decode)
+        ]
+        self.prefills = [
+            Worker(
+                t.num_decode + i,
+                "prefill",
+                chunk_tokens=t.chunk_tokens,
+                max_num_seqs=t.max_prefill_jobs,
+                max_jobs=t.max_prefill_jobs,
+            )
+            for i in range(t.num_prefill)
+        ]
+        self.workers = self.homes + self.prefills
+        self.prefill_queue: deque[SimSeq] = deque()
+        self.placement_queue: deque[SimSeq] = deque()
+        self.link_free = [0.0] * len(self.workers)
+        self.batches: dict[int, list[Work]] = {}
+        self.versions = [0] * len(self.workers)
+        self.step_start = [0.0] * len(self.workers)
+        self.devices = (
+            {w.index: _SharedDevice() for w in self.workers}
+            if not t.shared_device
+            else dict.fromkeys((w.index for w in self.workers), _SharedDevice())
+        )
+        self.seqs = [
+            SimSeq(i, r.arrival_s, r.input_len, r.output_len) for i, r in enumerate(self.requests)
+        ]
+        self.errors: dict[int, str] = {}
+        self._events: list[tuple[float, int, int, int, int]] = []
+        self._counter = itertools.count()
+
+    def _push(self, time: float, kind: int, who: int, version: int = 0) -> None:
+        heapq.heappush(self._events, (time, next(self._counter), kind, who, version))
+
+    def run(self, slo: Slo | None = None) -> SimResult:
+        for s in self.seqs:
+            self._push(s.arrival_s, _ARRIVAL, s.index)
+        now = 0.0
+        while self._events:
+            now, _, kind, who, version = heapq.heappop(self._events)
+            if kind == _ARRIVAL:
+                self._place(self.seqs[who], now)
+            elif kind == _STEP_DONE and version == self.versions[who]:
+                self._step_done(self.workers[who], now)
+            elif kind == _KV_LANDED:
+                self._kv_landed(self.seqs[who], now)
+            elif kind == _WAKE:
+                self._kick(self.workers[who], now)
+        assert not self.placement_queue and not self.prefill_queue
+        assert all(not w.running and not w.waiting for w in self.workers)
+        return self._result(slo)
+
+    # ---- placement ----
+
+    def _place(self, seq: SimSeq, now: float) -> None:
+        if seq.kv_tokens > self.homes[0].kv_capacity:
+            self.errors[seq.index] = "too_long"  # the router's 400: it can never fit
+            return
+        if self.placement_queue or not self._try_place(seq, now):
+            self.placement_queue.append(seq)
+
+    def _try_place(self, seq: SimSeq, now: float) -> bool:
+        home = max(self.homes, key=lambda w: (w.kv_free, -w.index))
+        if not home.can_reserve(seq):
+            return False
+        home.reserve(seq)
+        if self.topology.mode == "colocated":
+            home.waiting.append(seq)
+            self._kick(home, now)
+        else:
+            self.prefill_queue.append(seq)
+            for p in self.prefills:
+                if not p.is_busy:
+                    self._kick(p, now)
+        return True
+
+    def _drain_placements(self, now: float) -> None:
+        while self.placement_queue and self._try_place(self.placement_queue[0], now):
+            self.placement_queue.popleft()
+
+    # ---- steps ----
+
+    def _kick(self, worker: Worker, now: float) -> None:
+        if worker.is_busy:
+            return
+        pacing = self.topology.decode_pacing_s if worker.role == "decode" else 0.0
+        start = worker.last_step_start + pacing
+        if start > now + 1e-12:
+            if worker.waiting or worker.running:
+                self._push(start, _WAKE, worker.index)
+            return
+        batch = worker.plan(self.prefill_queue if worker.role == "prefill" else None)
+        if not batch:
+            return
+        work_s = self.cost.step_seconds(w.slice() for w in batch)
+        worker.is_busy = True
+        worker.last_step_start = now
+        worker.busy_s += work_s
+        self.batches[worker.index] = batch
+        self.step_start[worker.index] = now
+        self._reschedule(self.devices[worker.index].start(worker.index, work_s, now))
+
+    def _reschedule(self, finish_times: dict[int, float]) -> None:
+        for index, at in finish_times.items():
+            self.versions[index] += 1
+            self._push(at, _STEP_DONE, index, self.versions[index])
+
+    def _step_done(self, worker: Worker, now: float) -> None:
+        self._reschedule(self.devices[worker.index].stop(worker.index, now))
+        worker.is_busy = False
+        batch = self.batches.pop(worker.index)
+        outcome = worker.complete(batch, now)
+        if worker.role == "prefill":
+            self._send_chunks(worker, now, batch, {s.index for s in outcome.prefilled})
+        if outcome.finished:
+            self._drain_placements(now)
+        self._kick(worker, now)
+        if worker.role == "prefill":
+            for p in self.prefills:  # a free slot elsewhere may take what this one left queued
+                self._kick(p, now)
+
+    def _send_chunks(
+        self, worker: Worker, now: float, batch: list[Work], prefilled: set[int]
+    ) -> None:
+        # every chunk of this step goes out on the worker's link, one transfer after another,
+        # while the worker computes its next chunk
+        for w in batch:
+            start = max(now, self.link_free[worker.index])
+            self.link_free[worker.index] = start + self.cost.transfer_seconds(w.num_new)
+            if w.seq.index in prefilled:
+                self._push(self.link_free[worker.index], _KV_LANDED, w.seq.index)
+
+    def _kv_landed(self, seq: SimSeq, now: float) -> None:
+        seq.token_times.append(now)  # prefill's sampled token, announced once the KV is there
+        home = self.homes[seq.home]
+        if seq.is_finished:
+            home.release(seq)
+            self._drain_placements(now)
+            return
+        home.waiting.append(seq)
+        self._kick(home, now)
+
+    # ---- results ----
+
+    def _result(self, slo: Slo | None) -> SimResult:
+        records = []
+        for s in self.seqs:
+            error = self.errors.get(s.index)
+            times = tuple(s.token_times)
+            records.append(
+                RequestRecord(
+                    index=s.index,
+                    arrival_s=s.arrival_s,
+                    send_s=s.arrival_s,
+                    end_s=times[-1] if times else s.arrival_s,
+                    prompt_len=s.prompt_len,
+                    output_len=s.output_len,
+                    num_output_tokens=len(times),
+                    chunk_times=times,
+                    error=error,
+                )
+            )
+        start = min((s.arrival_s for s in self.seqs), default=0.0)
+        end = max((r.end_s for r in records), default=0.0)
+        summary = summarize(records, max(end - start, 1e-9), slo)
+        duration = max(end - start, 1e-9)
+
+        def busy(workers: list[Worker]) -> float:
+            return sum(w.busy_s for w in workers) / (len(workers) * duration) if workers else 0.0
+
+        steps = sum(w.num_steps for w in self.homes)
+        return SimResult(
+            topology=self.topology,
+            records=tuple(records),
+            summary=summary,
+            prefill_busy=busy(self.prefills),
+            decode_busy=busy(self.homes),
+            mean_decode_batch=sum(w.num_decodes for w in self.homes) / steps if steps else 0.0,
+        )
+
+
+def simulate(
+    topology: Topology, cost: CostModel, requests: Sequence[SimRequest], slo: Slo | None = None
+) -> SimResult:
+    return Cluster(topology, cost, requests).run(slo)

@@ -1,0 +1,101 @@
+"""Roofline cost of one engine step, from a model's shape and a device's peaks (pure arithmetic).
+
+A step runs a batch of *slices*: each is ``num_new`` tokens of one sequence whose first
+``context`` tokens are already in the KV cache (a decode is ``num_new = 1``; a prefill chunk is
+any ``num_new``). For a step:
+
+- FLOPs = 2 * layer params * new tokens (the matmuls)
+  + 4 * layers * heads * head_dim * (attended pairs): new token ``i`` of a slice attends to
+  ``context + i + 1`` positions, once for QK^T and once for PV (causal, so a slice has
+  ``num_new * context + num_new * (num_new + 1) / 2`` pairs)
+  + 2 * hidden * vocab per slice (the LM head, on each slice's last token only);
+- bytes = the weights once (every step streams them) + each slice's cached KV read once
+  (``context`` tokens) + its new tokens' KV written. Activations are left out: they are
+  small beside weights and KV at serving batch sizes;
+- time = step overhead + max(FLOPs / effective FLOP/s, bytes / effective bandwidth).
+
+A worker of ``tp`` devices (tensor parallel) has ``tp`` times the FLOP/s and bandwidth; the
+all-reduces between them are not modelled. KV transfers take ``bytes / link bandwidth +
+latency`` on the prefill worker's link.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from kvmesh.loadgen.sim.specs import DeviceSpec, ModelSpec
+
+
+@dataclass(frozen=True, slots=True)
+class Slice:
+    """``num_new`` tokens of one sequence computed in a step, after ``context`` cached ones."""
+
+    num_new: int
+    context: int
+
+    def __post_init__(self) -> None:
+        assert self.num_new >= 1 and self.context >= 0, self
+
+
+@dataclass(frozen=True, slots=True)
+class StepCost:
+    flops: float
+    bytes: float
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class CostModel:
+    model: ModelSpec
+    device: DeviceSpec
+    tp: int = 1
+
+    def __post_init__(self) -> None:
+        assert self.tp >= 1
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.model.kv_bytes_per_token
+
+    def kv_capacity_tokens(self, memory_utilization: float = 0.9) -> int:
+        """Tokens of KV a worker holds: its share of device memory less the weights."""
+        free = self.device.memory_bytes * self.tp * memory_utilization - self.model.weight_bytes
+        if free <= 0:
+            raise ValueError(
+                f"{self.model.name} ({self.model.weight_bytes / 1e9:.1f} GB of weights) does not "
+                f"fit {self.tp} x {self.device.name}; raise tp"
+            )
+        return int(free // self.kv_bytes_per_token)
+
+    def step_flops(self, slices: Iterable[Slice]) -> float:
+        m = self.model
+        new_tokens = pairs = heads_out = 0
+        for s in slices:
+            new_tokens += s.num_new
+            pairs += s.num_new * s.context + s.num_new * (s.num_new + 1) // 2
+            heads_out += 1
+        linear = 2 * m.num_layers * m.layer_params * new_tokens
+        attention = 4 * m.num_layers * m.num_heads * m.head_dim * pairs
+        lm_head = 2 * m.lm_head_params * heads_out
+        return float(linear + attention + lm_head)
+
+    def step_bytes(self, slices: Iterable[Slice]) -> float:
+        kv_tokens = sum(s.context + s.num_new for s in slices)
+        return float(self.model.weight_bytes + kv_tokens * self.kv_bytes_per_token)
+
+    def step(self, slices: Iterable[Slice]) -> StepCost:
+        slices = list(slices)
+        assert slices, "a step computes something"
+        flops, num_bytes = self.step_flops(slices), self.step_bytes(slices)
+        compute = flops / (self.device.effective_flops * self.tp)
+        memory = num_bytes / (self.device.effective_bandwidth * self.tp)
+        return StepCost(flops, num_bytes, self.device.step_overhead_s + max(compute, memory))
+
+    def step_seconds(self, slices: Iterable[Slice]) -> float:
+        return self.step(slices).seconds
+
+    def transfer_seconds(self, num_tokens: int) -> float:
+        """Time to move ``num_tokens`` tokens of KV over one worker's link."""
+        num_bytes = num_tokens * self.kv_bytes_per_token
+        return self.device.link_latency_s + num_bytes / (self.device.link_bandwidth * self.tp)

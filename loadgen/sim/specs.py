@@ -1,0 +1,182 @@
+"""Device and model specs: the numbers the cost model works from, kept as small JSON files.
+
+The built-in specs live in ``specs/devices/*.json`` and ``specs/models/*.json`` next to this
+module (shipped as package data); ``load_device`` and ``load_model`` take one of their names
+(case-insensitive, e.g. ``h100``, ``llama-3-8b``) or the path of a JSON file of the same form, such
+as the one ``kvmesh sim --calibrate`` writes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SPEC_DIR = Path(__file__).resolve().parent / "specs"
+
+
+class SpecError(ValueError):
+    """A spec that cannot be found or read; the message names the file and the field."""
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceSpec:
+    """One accelerator (or a CPU host) as the roofline sees it.
+
+    ``peak_flops`` and ``mem_bandwidth`` are the datasheet peaks; a step's compute runs at
+    ``peak_flops * flops_efficiency`` and its memory traffic at ``mem_bandwidth *
+    bandwidth_efficiency`` (a calibrated spec stores effective figures and efficiencies of 1).
+    ``step_overhead_s`` is paid once per engine step (scheduling, kernel launches, sampling).
+    ``link_bandwidth`` (bytes/s) and ``link_latency_s``: the KV transfer link of one worker."""
+
+    name: str
+    peak_flops: float
+    mem_bandwidth: float
+    memory_bytes: float
+    link_bandwidth: float
+    flops_efficiency: float = 1.0
+    bandwidth_efficiency: float = 1.0
+    step_overhead_s: float = 0.0
+    link_latency_s: float = 0.0
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        for name in ("peak_flops", "mem_bandwidth", "memory_bytes", "link_bandwidth"):
+            _require(getattr(self, name) > 0, self.name, name, "must be > 0")
+        for name in ("flops_efficiency", "bandwidth_efficiency"):
+            _require(0 < getattr(self, name) <= 1, self.name, name, "must be in (0, 1]")
+        for name in ("step_overhead_s", "link_latency_s"):
+            _require(getattr(self, name) >= 0, self.name, name, "must be >= 0")
+
+    @property
+    def effective_flops(self) -> float:
+        return self.peak_flops * self.flops_efficiency
+
+    @property
+    def effective_bandwidth(self) -> float:
+        return self.mem_bandwidth * self.bandwidth_efficiency
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """A Llama-family decoder's shape; ``dtype_bytes`` of its weights and KV cache (2: bf16)."""
+
+    name: str
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    dtype_bytes: int = 2
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            if f.type == "int":
+                _require(getattr(self, f.name) >= 1, self.name, f.name, "must be >= 1")
+        _require(
+            self.num_heads % self.num_kv_heads == 0,
+            self.name,
+            "num_kv_heads",
+            "must divide num_heads",
+        )
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def layer_params(self) -> int:
+        """Matmul weights of one layer: q, k, v, o projections and the gated MLP (norms left out)."""
+        h = self.hidden_size
+        return (
+            h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 3 * h * self.intermediate_size
+        )
+
+    @property
+    def lm_head_params(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the weights (layers, embedding and untied LM head)."""
+        params = self.num_layers * self.layer_params + 2 * self.lm_head_params
+        return params * self.dtype_bytes
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V of every layer for one token."""
+        return 2 * self.num_layers * self.kv_size * self.dtype_bytes
+
+
+def _require(ok: bool, spec: str, field: str, what: str) -> None:
+    if not ok:
+        raise SpecError(f"spec {spec!r}: {field} {what}")
+
+
+def builtin_names(kind: str) -> list[str]:
+    """The built-in specs of ``kind`` ("devices" or "models"), by file stem."""
+    return sorted(p.stem for p in (SPEC_DIR / kind).glob("*.json"))
+
+
+def _read(kind: str, name_or_path: str | Path) -> dict[str, Any]:
+    path = Path(name_or_path)
+    if path.suffix != ".json" or not path.exists():
+        path = SPEC_DIR / kind / f"{str(name_or_path).lower()}.json"
+    if not path.exists():
+        raise SpecError(
+            f"no {kind[:-1]} spec {str(name_or_path)!r}: give a JSON file or one of "
+            f"{', '.join(builtin_names(kind))}"
+        )
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise SpecError(f"{path}: cannot read the spec ({exc})") from None
+    if not isinstance(data, dict):
+        raise SpecError(f"{path}: expected a JSON object")
+    return data
+
+
+def _build(cls: type, data: dict[str, Any], source: str) -> Any:
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise SpecError(f"{source}: unknown field(s) {', '.join(unknown)}")
+    try:
+        return cls(**data)
+    except TypeError as exc:
+        raise SpecError(f"{source}: {exc}") from None
+
+
+def load_device(name_or_path: str | Path) -> DeviceSpec:
+    data = _read("devices", name_or_path)
+    for key, value in data.items():
+        if key not in ("name", "description") and not (
+            isinstance(value, int | float) and math.isfinite(value)
+        ):
+            raise SpecError(f"device spec {name_or_path}: {key} must be a number, got {value!r}")
+    return _build(DeviceSpec, data, str(name_or_path))
+
+
+def load_model(name_or_path: str | Path) -> ModelSpec:
+    data = _read("models", name_or_path)
+    for key, value in data.items():
+        if key not in ("name", "description") and not isinstance(value, int):
+            raise SpecError(f"model spec {name_or_path}: {key} must be an integer, got {value!r}")
+    return _build(ModelSpec, data, str(name_or_path))
+
+
+def write_device(spec: DeviceSpec, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(dataclasses.asdict(spec), indent=2) + "\n")
+    return path

@@ -1,0 +1,66 @@
+"""Topology: which workers a simulated cluster has and how each schedules its steps."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Mode = Literal["colocated", "disagg"]
+
+
+@dataclass(frozen=True, slots=True)
+class Topology:
+    """``colocated``: ``num_decode`` workers that each prefill and decode (continuous batching; a
+    step carries every running decode, then prompt chunks up to ``chunk_tokens`` tokens in all,
+    or whole prompts when ``chunk_tokens`` is None). ``disagg``: ``num_prefill`` prefill workers
+    pulling jobs from one queue and prefilling ``chunk_tokens`` per step (each chunk's KV sent
+    while the next computes), and ``num_decode`` decode workers that only decode.
+
+    Every worker is ``tp`` devices. ``shared_device``: all workers run on one device and split
+    it equally while busy (processor sharing), as a mesh on one CPU host does.
+    ``kv_capacity_tokens``: KV pool of a colocated or decode worker (None: from device memory)."""
+
+    mode: Mode
+    num_decode: int = 1
+    num_prefill: int = 0
+    chunk_tokens: int | None = 2048
+    max_num_seqs: int = 256
+    max_prefill_jobs: int = 1
+    tp: int = 1
+    decode_pacing_s: float = 0.0
+    kv_capacity_tokens: int | None = None
+    shared_device: bool = False
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("colocated", "disagg"):
+            raise ValueError(f"mode must be colocated or disagg, got {self.mode!r}")
+        if self.num_decode < 1:
+            raise ValueError(
+                f"a topology needs at least one decode/colocated worker, got {self.num_decode}"
+            )
+        if self.mode == "disagg" and self.num_prefill < 1:
+            raise ValueError("a disaggregated topology needs at least one prefill worker")
+        if self.mode == "colocated" and self.num_prefill:
+            raise ValueError("a colocated topology has no prefill workers")
+        if self.chunk_tokens is not None and self.chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be >= 1 (or None), got {self.chunk_tokens}")
+        if self.mode == "disagg" and self.chunk_tokens is None:
+            raise ValueError("a disaggregated topology prefills in chunks: give chunk_tokens")
+        for name in ("max_num_seqs", "max_prefill_jobs", "tp"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.decode_pacing_s < 0:
+            raise ValueError(f"decode_pacing_s must be >= 0, got {self.decode_pacing_s}")
+        if self.kv_capacity_tokens is not None and self.kv_capacity_tokens < 1:
+            raise ValueError(f"kv_capacity_tokens must be >= 1, got {self.kv_capacity_tokens}")
+
+    @property
+    def num_devices(self) -> int:
+        return (self.num_prefill + self.num_decode) * self.tp
+
+    @property
+    def label(self) -> str:
+        chunk = "no chunking" if self.chunk_tokens is None else f"chunk {self.chunk_tokens}"
+        if self.mode == "colocated":
+            return f"colocated x{self.num_decode} ({chunk})"
+        return f"disagg {self.num_prefill}P:{self.num_decode}D ({chunk})"

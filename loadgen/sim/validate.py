@@ -1,0 +1,109 @@
+"""The simulator against the real mesh: one workload, simulated and served, colocated and disagg.
+
+The real side is ``kvmesh bench serve --compare``'s machinery: ``bench_serve.build_workload``
+makes the prompts (exact token lengths, from the seed), ``arrivals.arrival_times`` the send
+times, ``bench_mesh.local_mesh`` a fresh mesh of each mode on this machine's cores (kvmesh up's
+defaults, one prefill worker) and ``sse_client.run_requests`` the streamed requests. The
+simulated side runs the same lengths and arrival times on a topology that mirrors that mesh:
+one worker of each role on one shared device (the calibrated CPU spec), the mesh's step budgets
+(512 tokens for colocated and prefill chunks), its 256 MiB KV pool per worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import random
+from dataclasses import dataclass
+
+from kvmesh.loadgen.bench_serve_config import ServeBenchConfig
+from kvmesh.loadgen.serve_metrics import RequestRecord, Summary, summarize
+from kvmesh.loadgen.sim.cluster import simulate
+from kvmesh.loadgen.sim.cost import CostModel
+from kvmesh.loadgen.sim.topology import Topology
+from kvmesh.loadgen.sim.workload import SimRequest
+
+MESH_CHUNK_TOKENS = 512  # decode/colocated --max-num-batched-tokens and prefill --chunk-tokens
+MESH_MAX_NUM_SEQS = 64
+MESH_KV_CACHE_BYTES = 256 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class Comparison:
+    mode: str
+    real: Summary
+    sim: Summary
+
+    def ratios(self) -> dict[str, float | None]:
+        """sim / real of p50 and p99 TTFT and ITL."""
+        out: dict[str, float | None] = {}
+        for metric in ("ttft", "itl"):
+            real, sim = getattr(self.real, metric), getattr(self.sim, metric)
+            for p in ("p50_ms", "p99_ms"):
+                key = f"{metric.upper()} {p[:3]}"
+                ok = real is not None and sim is not None and getattr(real, p) > 0
+                out[key] = getattr(sim, p) / getattr(real, p) if ok else None
+        return out
+
+
+def mesh_topology(mode: str, cost: CostModel) -> Topology:
+    capacity = MESH_KV_CACHE_BYTES // cost.kv_bytes_per_token
+    return Topology(
+        mode,  # type: ignore[arg-type]
+        num_decode=1,
+        num_prefill=1 if mode == "disagg" else 0,
+        chunk_tokens=MESH_CHUNK_TOKENS,
+        max_num_seqs=MESH_MAX_NUM_SEQS,
+        kv_capacity_tokens=capacity,
+        shared_device=True,
+    )
+
+
+def run_real(config: ServeBenchConfig, mode: str) -> tuple[list[RequestRecord], float]:
+    from kvmesh.loadgen.arrivals import ArrivalProcess, arrival_times
+    from kvmesh.loadgen.bench_mesh import local_mesh
+    from kvmesh.loadgen.bench_serve import build_workload
+    from kvmesh.loadgen.sse_client import run_requests
+
+    prompts, _ = build_workload(config)
+    process = ArrivalProcess(config.arrival, config.request_rates[0], config.burstiness)
+    times = arrival_times(process, len(prompts), random.Random(f"{config.seed}:arrivals"))
+    with local_mesh(mode, config.transport, model=config.model, local_prefill_threshold=0) as mesh:
+        endpoint = config.endpoint(mesh.url)
+        warm = dataclasses.replace(prompts[0], output_len=4)
+        asyncio.run(run_requests(endpoint, [warm], [0.0], timeout_s=config.timeout_s))
+        return asyncio.run(run_requests(endpoint, prompts, times, timeout_s=config.timeout_s))
+
+
+def compare(
+    config: ServeBenchConfig, cost: CostModel, requests: list[SimRequest], modes: tuple[str, ...]
+) -> list[Comparison]:
+    out = []
+    for mode in modes:
+        records, duration_s = run_real(config, mode)
+        real = summarize(records, duration_s)
+        sim = simulate(mesh_topology(mode, cost), cost, requests).summary
+        out.append(Comparison(mode, real, sim))
+    return out
+
+
+def format_comparisons(comparisons: list[Comparison]) -> str:
+    def ms(stats, attr: str) -> str:
+        return "-" if stats is None else f"{getattr(stats, attr):.0f}"
+
+    lines = [
+        "| mode | | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | failed |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for c in comparisons:
+        for name, s in (("real", c.real), ("sim", c.sim)):
+            cells = [
+                ms(s.ttft, "p50_ms"),
+                ms(s.ttft, "p99_ms"),
+                ms(s.itl, "p50_ms"),
+                ms(s.itl, "p99_ms"),
+            ]
+            lines.append(f"| {c.mode} | {name} | {' | '.join(cells)} | {s.num_failed} |")
+        ratios = [("-" if r is None else f"{r:.2f}x") for r in c.ratios().values()]
+        lines.append(f"| {c.mode} | sim/real | {' | '.join(ratios)} | |")
+    return "\n".join(lines)
