@@ -13,6 +13,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from kvmesh.shared.advertise import (
+    AdvertiseHostError,
+    check_advertise_host,
+    resolve_transport_hosts,
+)
 from kvmesh.shared.metrics_exporter import (
     check_metrics_port,
     metrics_host_option,
@@ -20,6 +25,7 @@ from kvmesh.shared.metrics_exporter import (
 )
 from kvmesh.shared.nats_options import NatsClientConfig
 from kvmesh.shared.service_config import check_worker_id, option
+from kvmesh.shared.service_errors import ServiceStartError
 from kvmesh.shared.subjects import DEFAULT_MESH, mesh_from_model
 
 
@@ -51,8 +57,15 @@ class EngineWorkerConfig(ServiceConfig):
     )
     device: str = option("cpu", help="torch device")
     transport: Literal["auto", "shm", "tcp", "rdma"] = option("auto", help="KV data plane backend")
-    tcp_host: str = option(
-        "127.0.0.1", help="address the tcp transport listens on (and a decode worker advertises)"
+    tcp_host: str | None = option(
+        None,
+        help="address the data plane listens on (tcp lanes, the rdma side channel); 0.0.0.0 "
+        "for every interface (default: --advertise-host)",
+    )
+    advertise_host: str | None = option(
+        None,
+        help="address peers on other hosts dial to reach this worker's data plane (default: "
+        "the address of the interface that routes to the NATS server; 127.0.0.1 on one host)",
     )
     block_size: int = option(16, help="tokens per KV block (prefill and decode workers must match)")
     num_blocks: int | None = option(
@@ -86,6 +99,8 @@ class EngineWorkerConfig(ServiceConfig):
         if not self.drain_timeout_s > 0:
             raise ValueError(f"drain_timeout_s must be positive, got {self.drain_timeout_s}")
         check_metrics_port(self.metrics_port)
+        if self.advertise_host is not None:
+            check_advertise_host(self.advertise_host)
         if self.uses_data_plane and self.device != "cpu" and self.transport in ("shm", "tcp"):
             raise ValueError(
                 f"the {self.transport} transport moves host memory, but a {self.device} worker "
@@ -95,6 +110,15 @@ class EngineWorkerConfig(ServiceConfig):
 
     def default_mesh(self) -> str:
         return mesh_from_model(self.model)
+
+    def transport_hosts(self) -> tuple[str, str]:
+        """``(bind, advertise)`` of the data plane (shared/advertise.py): the advertise host
+        defaults to the interface routing to NATS, the bind address to the advertise host.
+        Raises ServiceStartError (printed as one line) when peers could not dial the result."""
+        try:
+            return resolve_transport_hosts(self.tcp_host, self.advertise_host, self.nats_url)
+        except AdvertiseHostError as exc:
+            raise ServiceStartError(str(exc)) from None
 
     @property
     def uses_data_plane(self) -> bool:

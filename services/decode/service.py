@@ -267,8 +267,12 @@ async def decode_service(config: DecodeConfig) -> AsyncIterator[DecodeService]:
         config.device,
     )  # fmt: skip
     econf, spec = engine_config(config, model)
-    tconf = TransportConfig(peer_id=worker_id, tcp_host=config.tcp_host)
     disagg = config.mode == "disagg"  # colocated workers take no remote writes: no data plane
+    # what peers on other hosts dial (a colocated worker has no data plane to reach)
+    bind_host, advertise_host = config.transport_hosts() if disagg else ("127.0.0.1",) * 2
+    tconf = TransportConfig(
+        peer_id=worker_id, tcp_host=bind_host, tcp_advertise_host=advertise_host
+    )
     subjects = config.subjects
     async with (
         create_transport(config.transport, tconf)

@@ -197,7 +197,10 @@ async def prefill_service(config: PrefillConfig) -> AsyncIterator[PrefillService
         dtype=dtype,
     )
     engine = LLMEngine(model, tokenizer, econf)
-    tconf = TransportConfig(peer_id=worker_id, tcp_host=config.tcp_host)
+    bind_host, advertise_host = config.transport_hosts()  # what peers on other hosts dial
+    tconf = TransportConfig(
+        peer_id=worker_id, tcp_host=bind_host, tcp_advertise_host=advertise_host
+    )
     async with (
         create_transport(config.transport, tconf) as transport,
         EndpointCache(transport) as endpoints,

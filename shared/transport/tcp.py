@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
+from kvmesh.shared.advertise import default_route_address
 from kvmesh.shared.transport.base import (
     Access,
     Buffer,
@@ -215,8 +216,8 @@ class TcpTransport:
         if self._server is None:
             raise TransportClosedError("enter the transport before asking for its descriptor")
         host = self.config.tcp_advertise_host or self.config.tcp_host
-        if host in ("0.0.0.0", "::"):
-            host = socket.gethostname()
+        if host in ("0.0.0.0", "::"):  # every interface: advertise the default route's
+            host = default_route_address()
         return PeerDescriptor(
             peer_id=self._peer_id,
             host_id=local_host_id(),
