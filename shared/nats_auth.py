@@ -33,7 +33,7 @@ USER_ENV, PASSWORD_ENV, PASSWORD_FILE_ENV = (
     "KVMESH_NATS_PASSWORD_FILE",
 )
 ADMIN = "admin"
-ROLES = ("router", "kv-registry", "decode", "colocated", "prefill", ADMIN)
+ROLES = ("router", "kv-registry", "decode", "colocated", "prefill", "draft", ADMIN)
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +71,14 @@ def role_permissions(s: Subjects) -> dict[str, Permissions]:
             subscribe=(f"{inbox_prefix(role)}.>", s.CONTROL_LOG_LEVEL, "$SRV.>", *subscribe),
         )
 
-    decode_pub = (f"{p}.request.*.tokens", s.REGISTRY_ADVERTISE, s.ABORT)
+    decode_pub = (
+        f"{p}.request.*.tokens",
+        s.REGISTRY_ADVERTISE,
+        s.ABORT,
+        s.DRAFT_CONTEXT,
+        s.draft_context("*"),
+        s.draft_forget("*"),
+    )
     decode_sub = (f"{p}.decode.*.>", f"{p}.worker.*.control", s.ABORT, s.REGISTRY_WORKER_GONE)
     js = jetstream_api(s)
     return {
@@ -122,6 +129,19 @@ def role_permissions(s: Subjects) -> dict[str, Permissions]:
                 *js,
             ),
             subscribe=(s.ABORT, s.REGISTRY_ADVERTISE, f"{p}.worker.*.control"),
+        ),
+        # Draft workers: read contexts (the queue group's and their own) and aborts, answer
+        # their status endpoint; send proposals to decode workers, nothing else.
+        "draft": service(
+            "draft",
+            publish=(s.decode_draft("*"),),
+            subscribe=(
+                s.DRAFT_CONTEXT,
+                s.draft_context("*"),
+                s.draft_forget("*"),
+                s.draft_status("*"),
+                s.ABORT,
+            ),
         ),
         # The operator: the mesh's admin requests and discovery; may watch everything of the
         # mesh (kvmesh bench taps it) and its own replies.

@@ -198,6 +198,46 @@ class LeaseRenew(Message):
     lease_ms: int
 
 
+# --- speculative decoding (decode <-> draft) -------------------------------------------------
+
+
+class DraftContext(Message):
+    """Decode worker -> draft workers: the tokens of one decoding sequence from position
+    ``start`` on. ``start`` 0 carries the whole context (prompt + output); later messages carry
+    only what was appended since the last one. A draft worker that does not hold the tokens
+    before ``start`` answers with ``DraftProposal(need_context=True)``."""
+
+    request_id: str
+    decode_worker_id: str
+    start: Annotated[int, msgspec.Meta(ge=0)]
+    token_ids: tuple[int, ...]
+    num_prompt_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
+    # How the decode worker fared with this draft worker's proposals since the last message:
+    # draft tokens on the verified paths, and how many of them it accepted.
+    num_verified: Annotated[int, msgspec.Meta(ge=0)] = 0
+    num_accepted: Annotated[int, msgspec.Meta(ge=0)] = 0
+
+
+class DraftProposal(Message):
+    """Draft worker -> the sequence's decode worker: a tree of draft tokens that continues the
+    sequence when it has exactly ``position`` tokens (stale otherwise, and dropped).
+    ``parents[i]`` is the index of node i's parent, -1 for the sequence's last token; a chain
+    is ``parents == (-1, 0, 1, ...)``."""
+
+    request_id: str
+    draft_worker_id: str
+    position: Annotated[int, msgspec.Meta(ge=1)]
+    tokens: tuple[int, ...] = ()
+    parents: tuple[int, ...] = ()
+    need_context: bool = False  # the draft worker lost the sequence: send it from start 0
+
+
+class DraftForget(Message):
+    """Decode worker -> the draft worker that holds a sequence: it finished or was aborted."""
+
+    request_id: str
+
+
 # --- workers, registry, admin -----------------------------------------------------------------
 
 

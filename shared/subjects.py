@@ -16,7 +16,8 @@ ROOT = "kvmesh"
 MAX_MESH_LEN = 64
 _MESH_RE = re.compile(r"[A-Za-z0-9_-]+")
 MESH_CHARS = "letters, digits, '-' and '_'"
-DEFAULT_MESH = "kvmesh-tiny"  # mesh_from_model of the built-in model, the default --model
+DEFAULT_MESH = "kvmesh-tiny"
+DRAFT_QUEUE_GROUP = "draft"  # the queue group draft workers consume Subjects.DRAFT_CONTEXT in  # mesh_from_model of the built-in model, the default --model
 
 
 def check_mesh(mesh: str) -> None:
@@ -114,6 +115,27 @@ class Subjects:
     @property
     def DECODE_LEASE_RENEW_ALL(self) -> str:
         return f"{self.prefix}.decode.*.lease_renew"
+
+    # decode -> draft queue group (publish): DraftContext of a sequence no draft worker holds
+    @property
+    def DRAFT_CONTEXT(self) -> str:
+        return f"{self.prefix}.draft.context"
+
+    def draft_context(self, worker_id: str) -> str:
+        """decode -> the draft worker holding a sequence (publish): DraftContext deltas."""
+        return f"{self.prefix}.draft.{worker_id}.context"
+
+    def draft_forget(self, worker_id: str) -> str:
+        """decode -> the draft worker holding a sequence (publish): DraftForget."""
+        return f"{self.prefix}.draft.{worker_id}.forget"
+
+    def draft_status(self, worker_id: str) -> str:
+        """admin -> one draft worker (request/reply micro endpoint): its acceptance figures."""
+        return f"{self.prefix}.draft.{worker_id}.status"
+
+    def decode_draft(self, worker_id: str) -> str:
+        """draft -> decode worker (publish): DraftProposal."""
+        return f"{self.prefix}.decode.{worker_id}.draft"
 
     def heartbeat(self, role: str, worker_id: str) -> str:
         return f"{self.prefix}.heartbeat.{role}.{worker_id}"

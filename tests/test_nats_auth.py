@@ -80,6 +80,16 @@ async def test_nats_without_credentials_or_with_a_wrong_password_is_refused(serv
         ("prefill", subjects.heartbeat("decode", "d0"), "router", "kvmesh.m1.heartbeat.>", False),
         ("decode", subjects.request_tokens("r1"), "router", "kvmesh.m1.request.>", True),
         ("prefill", subjects.request_tokens("r1"), "router", "kvmesh.m1.request.>", False),
+        # speculative decoding: contexts from decode to draft, proposals back, nothing else
+        ("decode", subjects.DRAFT_CONTEXT, "draft", subjects.DRAFT_CONTEXT, True),
+        ("decode", subjects.draft_context("x0"), "draft", subjects.draft_context("*"), True),
+        ("colocated", subjects.draft_forget("x0"), "draft", subjects.draft_forget("*"), True),
+        ("draft", subjects.decode_draft("d0"), "decode", "kvmesh.m1.decode.d0.>", True),
+        ("router", subjects.decode_draft("d0"), "decode", "kvmesh.m1.decode.d0.>", False),
+        ("draft", subjects.ABORT, "decode", subjects.ABORT, False),
+        ("draft", subjects.request_tokens("r1"), "router", "kvmesh.m1.request.>", False),
+        ("draft", subjects.decode_reserve("d0"), "decode", "kvmesh.m1.decode.d0.>", False),
+        ("prefill", subjects.DRAFT_CONTEXT, "draft", subjects.DRAFT_CONTEXT, False),
         # another mesh's subjects: neither sent nor heard
         ("router", other.ABORT, "decode", other.ABORT, False),
         ("decode", other.request_tokens("r1"), "router", other.request_events_all("r1"), False),
