@@ -3,6 +3,9 @@
 One entry point serves prefill, chunked prefill, decode and speculative scoring: every sequence in
 the batch brings ``query_len`` new tokens whose K/V are first written into their slots, then its
 queries attend causally over the sequence's whole context read through its block table.
+A sequence verifying a draft tree (``AttentionMetadata.tree_masks``) instead has its new tokens
+attend to its earlier context and, among themselves, only to what the tree mask allows (a node to
+its ancestors and itself).
 The torch path is the CPU default; on CUDA the Triton kernel in ``kvmesh.kernels.paged_attention`` takes
 over for decode-only batches.
 """
@@ -29,6 +32,9 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # (B, max_blocks) int64, padded with 0
     block_size: int
     use_triton: bool = False
+    # Sequence index -> (query_len, query_len) bool: which of its new tokens each new token sees
+    # (draft-tree verification); sequences not named attend causally.
+    tree_masks: dict[int, torch.Tensor] = field(default_factory=dict)
     # The C decode attention's split of the batch over threads, set by the first layer.
     cpu_plan: DecodePlan | None = None
     # Derived once per forward on first use and shared by every layer.
@@ -76,6 +82,7 @@ class AttentionMetadata:
 
     def _subset(self, seqs: list[int]) -> AttentionMetadata:
         index = torch.tensor(seqs, device=self.block_tables.device)
+        trees = {j: self.tree_masks[i] for j, i in enumerate(seqs) if i in self.tree_masks}
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:0],  # K/V are already stored
             query_lens=[self.query_lens[i] for i in seqs],
@@ -83,6 +90,7 @@ class AttentionMetadata:
             block_tables=self.block_tables.index_select(0, index),
             block_size=self.block_size,
             use_triton=self.use_triton,
+            tree_masks=trees,
         )
 
     @property
@@ -119,7 +127,7 @@ class _TorchPlan:
         q_lens = meta.query_lens
         B, bs = len(q_lens), meta.block_size
         dev = meta.block_tables.device
-        fresh = B == 1 and ctx[0] == q_lens[0]
+        fresh = B == 1 and ctx[0] == q_lens[0] and not meta.tree_masks
         if fresh:  # attends over the new K/V directly: nothing to gather or mask
             empty = torch.empty(0, dtype=torch.int64, device=dev)
             return _TorchPlan(True, empty.view(1, 0), 0, q_lens[0], None, None)
@@ -138,6 +146,9 @@ class _TorchPlan:
             mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (
                 k_pos[None, None, :] < ctx_t[:, None, None]
             )
+            for i, tree in meta.tree_masks.items():  # new tokens see only their tree ancestors
+                q, c = q_lens[i], ctx[i]
+                mask[i, :q, c - q : c] = tree.to(mask.device)
             mask = mask.unsqueeze(1).to(dev)
         return _TorchPlan(
             fresh_prompt=False,

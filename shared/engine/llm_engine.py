@@ -5,13 +5,22 @@ Public API (the mesh services build on exactly this)::
     engine = LLMEngine(model, tokenizer, EngineConfig(...), kv_buffer=None)
     engine.add_request(request_id, prompt_ids, params, *, prefill_only=False, on_chunk=None)
     engine.step() -> list[RequestOutput]      # new token ids per request this step
+    engine.step(drafts={request_id: DraftTree}) # verify draft trees in the same batch step
     engine.abort(request_id) -> bool          # True if it was known; its blocks are freed and the
                                               # next step() reports finish_reason "abort"
     engine.has_unfinished() -> bool
     engine.generate(prompts: list[list[int]], params) -> list[list[int]]
     engine.kv_pool, engine.block_manager      # the KVPool (over kv_buffer if given), its allocator
 
-Speculative verification (decode side; call between steps)::
+Draft trees (decode side): ``step(drafts)`` verifies each decoding request's tree in the step's one
+forward pass (tree attention mask), keeps the longest accepted path (``acceptance``: greedy output
+and seeded sampling token for token as without drafts, the sampling distribution exact) plus the
+target's next token, and rolls the rest back; outputs may carry several tokens, cut by stop
+tokens, stop strings and max_tokens as single tokens are, with ``accepted_drafts`` set. Trees for
+requests not decoding (prefilling, finished, unknown) are ignored. ``engine.last_spec_step``
+(``SpecStepStats``) and ``engine.spec_totals`` count drafts proposed and accepted and verify time.
+
+Speculative verification, lower level (decode side; call between steps)::
 
     engine.score(request_id, draft_ids) -> logits (K+1, vocab)  # row i: after last token + drafts[:i]
     engine.score_batch({request_id: draft_ids}) -> {request_id: logits}   # one forward pass
@@ -44,13 +53,15 @@ whole KV pool holds (finish_reason "length").
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-from kvmesh.shared.engine import handoff
+from kvmesh.shared.engine import acceptance, handoff
 from kvmesh.shared.engine.block_manager import BlockManager, OutOfBlocksError
 from kvmesh.shared.engine.config import EngineConfig
+from kvmesh.shared.engine.draft_tree import DraftTree
 from kvmesh.shared.engine.finish import finish_reason, stop_text_for
 from kvmesh.shared.engine.kv_cache import KVCacheSpec, KVPool
 from kvmesh.shared.engine.model_runner import ModelRunner
@@ -66,7 +77,7 @@ from kvmesh.shared.engine.sequence import (
     SequenceStatus,
     UnknownRequestError,
 )
-from kvmesh.shared.engine.speculative import DraftVerifier
+from kvmesh.shared.engine.speculative import DraftVerifier, SpecStepStats, SpecTotals
 
 __all__ = [
     "ChunkReady",
@@ -129,6 +140,9 @@ class LLMEngine:
             self.vocab_size,
         )
         self.seqs: dict[str, Sequence] = {}
+        self._last_accepted: dict[str, int] = {}  # request id -> drafts accepted this step
+        self.last_spec_step: SpecStepStats | None = None  # set by each step given drafts
+        self.spec_totals = SpecTotals()
         self._pending: list[RequestOutput] = []
         self._num_generated = 0
 
@@ -216,20 +230,47 @@ class LLMEngine:
 
     # ---- the step -----------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, drafts: Mapping[str, DraftTree] | None = None) -> list[RequestOutput]:
+        """One batch step. ``drafts``: request id -> draft tree to verify in this step's forward
+        pass; such a request may get several tokens (its accepted path and the next one).
+        Trees for requests that are not decoding now, or that do not fit, are ignored."""
+        t0 = time.perf_counter()
         outputs, self._pending = self._pending, []
         batch = self.scheduler.schedule()
         if not batch.seqs:
+            if drafts:
+                self.last_spec_step = self._spec_stats({}, 0, len(drafts), t0)
             return outputs
+        trees = self._trees_for(batch.seqs, drafts) if drafts else {}
+        num_new = list(batch.num_new_tokens)
+        for i, tree in trees.items():
+            num_new[i] += len(tree)
         num_logits = [
-            int(s.num_computed_tokens + n == len(s))
-            for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True)
+            int(s.num_computed_tokens + n == len(s)) * (n if i in trees else 1)
+            for i, (s, n) in enumerate(zip(batch.seqs, num_new, strict=True))
         ]
-        logits = self.runner.execute(batch.seqs, batch.num_new_tokens, num_logits)
-        sample_seqs = [s for s, k in zip(batch.seqs, num_logits, strict=True) if k]
-        tokens = iter(self.sampler(logits, sample_seqs) if sample_seqs else ())
+        logits = self.runner.execute(batch.seqs, num_new, num_logits, trees)
+        if trees:  # verification rows go to acceptance, the others to the sampler
+            rows = logits.split(num_logits)
+            plain = [i for i, k in enumerate(num_logits) if k and i not in trees]
+            if plain:
+                plain_logits = torch.cat([rows[i] for i in plain])
+                sampled = self.sampler(plain_logits, [batch.seqs[i] for i in plain])
+            else:
+                sampled = []
+        else:
+            sample_seqs = [s for s, k in zip(batch.seqs, num_logits, strict=True) if k]
+            sampled = self.sampler(logits, sample_seqs) if sample_seqs else []
+        tokens = iter(sampled)
         bm = self.block_manager
-        for seq, n, k in zip(batch.seqs, batch.num_new_tokens, num_logits, strict=True):
+        num_accepted = 0
+        for i, (seq, n, k) in enumerate(zip(batch.seqs, num_new, num_logits, strict=True)):
+            tree = trees.get(i)
+            if tree is not None:
+                num_accepted += self._accept_tree(seq, tree, rows[i])
+                bm.commit(seq)
+                outputs.append(self._emit(seq))
+                continue
             seq.num_computed_tokens += n
             bm.commit(seq)
             token = next(tokens) if k else None
@@ -243,7 +284,51 @@ class LLMEngine:
                 outputs.append(self._output(seq, [token]))
             else:
                 outputs.append(self._emit(seq))
+        if drafts:
+            self.last_spec_step = self._spec_stats(
+                trees, num_accepted, len(drafts) - len(trees), t0
+            )
         return outputs
+
+    def _trees_for(
+        self, seqs: list[Sequence], drafts: Mapping[str, DraftTree]
+    ) -> dict[int, DraftTree]:
+        """Batch index -> tree for the scheduled sequences a draft fits; nodes appended."""
+        trees = {}
+        for i, seq in enumerate(seqs):
+            tree = drafts.get(seq.request_id)
+            if tree is not None and self.verifier.can_verify(seq, tree):
+                self.verifier.append_tree(seq, tree)
+                trees[i] = tree
+        return trees
+
+    def _accept_tree(self, seq: Sequence, tree: DraftTree, logits: torch.Tensor) -> int:
+        """Pick the accepted path from the verification logits (K+1, vocab), keep it and the next
+        token in the sequence; returns the path's length."""
+        first = seq.num_output_tokens - len(tree)  # output index of the token after the last one
+        indices = [first, *(first + d for d in tree.depths)]
+        picks = acceptance.target_tokens(logits, seq.params, indices, self.sampler.generator)
+        verdict = acceptance.accept(tree, picks)
+        self.verifier.keep_path(seq, tree, verdict.path, verdict.next_token)
+        self._last_accepted[seq.request_id] = len(verdict.path)
+        return len(verdict.path)
+
+    def _spec_stats(
+        self, trees: Mapping[int, DraftTree], num_accepted: int, num_ignored: int, t0: float
+    ) -> SpecStepStats:
+        stats = SpecStepStats(
+            num_verified_seqs=len(trees),
+            num_ignored_trees=num_ignored,
+            num_draft_tokens=sum(len(t) for t in trees.values()),
+            num_draft_positions=sum(t.depth for t in trees.values()),
+            num_accepted_tokens=num_accepted,
+            verify_time_s=time.perf_counter() - t0 if trees else 0.0,
+        )
+        if trees:
+            self.spec_totals.add(stats)
+        else:
+            self.spec_totals.num_ignored_trees += num_ignored
+        return stats
 
     def _emit(self, seq: Sequence) -> RequestOutput:
         """Stop-check the output tokens not yet returned, in order; build their output."""
@@ -270,6 +355,7 @@ class LLMEngine:
             seq.finish_reason,
             seq.num_prompt_tokens,
             seq.num_output_tokens,
+            self._last_accepted.pop(seq.request_id, 0),
         )
 
     def _finish(self, seq: Sequence, reason: str) -> None:

@@ -4,14 +4,20 @@ Packs the batch's new tokens (``num_new_tokens[i]`` per sequence, starting after
 computed ones), builds the AttentionMetadata with a handful of small tensors, runs the model under
 ``torch.inference_mode`` and computes logits only for the rows that are wanted: the last
 ``num_logits[i]`` new tokens of sequence ``i`` (1 to sample, K+1 to verify K drafts, 0 mid-prefill).
+
+A sequence verifying a draft tree (``trees[i]``) brings its last token and then the tree's nodes
+as its new tokens: they take consecutive KV slots in node order, but node ``j`` sits at RoPE
+position ``last + depth(j)`` and attends only to its ancestors among the new tokens.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from kvmesh.shared.engine.attention import AttentionMetadata
+from kvmesh.shared.engine.draft_tree import DraftTree
 from kvmesh.shared.engine.kv_cache import KVPool
 from kvmesh.shared.engine.sequence import Sequence
 from kvmesh.shared.model.llama import attach_cpu_ops
@@ -39,7 +45,10 @@ class ModelRunner:
         self.cpu_ops = ops
 
     def prepare(
-        self, seqs: list[Sequence], num_new_tokens: list[int]
+        self,
+        seqs: list[Sequence],
+        num_new_tokens: list[int],
+        trees: Mapping[int, DraftTree] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         bs = self.block_size
         B = len(seqs)
@@ -69,6 +78,10 @@ class ModelRunner:
                 torch.arange(B, device=dev), torch.tensor(num_new_tokens, device=dev)
             )
             slot_mapping = block_tables[seq_idx, pos // bs] * bs + pos % bs
+        tree_masks = {}
+        if trees:
+            pos, tree_masks = _tree_positions(seqs, num_new_tokens, trees, positions)
+            pos = pos.to(dev)
         meta = AttentionMetadata(
             slot_mapping=slot_mapping,
             query_lens=list(num_new_tokens),
@@ -76,16 +89,22 @@ class ModelRunner:
             block_tables=block_tables,
             block_size=bs,
             use_triton=self.use_triton,
+            tree_masks=tree_masks,
         )
         return torch.tensor(input_ids, dtype=torch.int64, device=dev), pos, meta
 
     @torch.inference_mode()
     def execute(
-        self, seqs: list[Sequence], num_new_tokens: list[int], num_logits: list[int]
+        self,
+        seqs: list[Sequence],
+        num_new_tokens: list[int],
+        num_logits: list[int],
+        trees: Mapping[int, DraftTree] | None = None,
     ) -> torch.Tensor | None:
         """Forward the batch; returns (sum(num_logits), vocab) float32 logits, or None if no row
-        is wanted (every sequence is mid-prefill)."""
-        input_ids, positions, meta = self.prepare(seqs, num_new_tokens)
+        is wanted (every sequence is mid-prefill). ``trees``: sequence index -> the draft tree
+        whose nodes follow its last token among its ``num_new_tokens``."""
+        input_ids, positions, meta = self.prepare(seqs, num_new_tokens, trees)
         hidden = self.model(input_ids, positions, self.kv_pool, meta)  # (T, hidden)
         if not any(num_logits):
             return None
@@ -98,3 +117,29 @@ class ModelRunner:
             rows += range(end - k, end)
         index = torch.tensor(rows, dtype=torch.int64, device=hidden.device)
         return self.model.compute_logits(hidden.index_select(0, index))
+
+
+def _tree_positions(
+    seqs: list[Sequence],
+    num_new_tokens: list[int],
+    trees: Mapping[int, DraftTree],
+    positions: list[int],
+) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """RoPE positions with each tree's nodes at ``last + depth``, and the tree masks: row 0 is
+    the last token (sees itself), row ``1 + j`` node ``j`` (sees the last token and its path)."""
+    pos = list(positions)
+    masks = {}
+    start = 0
+    for i, (seq, n) in enumerate(zip(seqs, num_new_tokens, strict=True)):
+        tree = trees.get(i)
+        if tree is not None:
+            assert n == len(tree) + 1 and seq.num_computed_tokens + n <= len(seq), (i, n)
+            last = seq.num_computed_tokens
+            pos[start + 1 : start + n] = [last + d for d in tree.depths]
+            mask = torch.zeros(n, n, dtype=torch.bool)
+            mask[:, 0] = True
+            for j, bits in enumerate(tree.ancestor_masks()):
+                mask[1 + j, 1:] = torch.tensor([(bits >> a) & 1 == 1 for a in range(n - 1)])
+            masks[i] = mask
+        start += n
+    return torch.tensor(pos, dtype=torch.int64), masks

@@ -121,6 +121,9 @@ class RequestOutput:
     finish_reason: str | None  # "stop" | "length" | "abort" | "prefill_done"
     num_prompt_tokens: int
     num_output_tokens: int
+    accepted_drafts: int = (
+        0  # draft tokens verified and kept this step (their ids lead new_token_ids)
+    )
 
 
 @dataclass(slots=True, eq=False)

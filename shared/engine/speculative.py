@@ -5,19 +5,60 @@ forward pass (row i of a sequence's logits: after its last token + drafts[:i]). 
 in the sequence with their KV until ``accept`` drops the rejected ones and appends the next token,
 or ``rollback`` drops the last tokens. Blocks no longer used are freed; a shared block about to be
 rewritten is copied first.
+
+Draft trees (``LLMEngine.step(drafts)``): ``can_verify`` says whether a tree fits a sequence this
+step, ``append_tree`` puts its nodes after the last token (KV slots in node order), and
+``keep_path`` keeps only the accepted path: its nodes' KV moves to consecutive slots after the last
+token, every other node is dropped with the blocks it alone used, and the +1 token is appended.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 from kvmesh.shared.engine.block_manager import BlockManager, OutOfBlocksError
+from kvmesh.shared.engine.draft_tree import DraftTree
 from kvmesh.shared.engine.finish import stop_text_for
 from kvmesh.shared.engine.kv_cache import KVPool
 from kvmesh.shared.engine.model_runner import ModelRunner
 from kvmesh.shared.engine.sequence import RequestError, Sequence, SequenceStatus
 from kvmesh.shared.text import TokenDecoder
+
+
+@dataclass(frozen=True, slots=True)
+class SpecStepStats:
+    """Draft verification in one engine step (``LLMEngine.last_spec_step``)."""
+
+    num_verified_seqs: int  # sequences whose tree was verified this step
+    num_ignored_trees: int  # trees for sequences not decoding, or that did not fit
+    num_draft_tokens: int  # tree nodes verified
+    num_draft_positions: int  # sum of tree depths: the most that could have been accepted
+    num_accepted_tokens: int  # nodes on the accepted paths
+    verify_time_s: float  # wall time of the whole step that verified them
+
+
+@dataclass(slots=True)
+class SpecTotals:
+    """Running sums of ``SpecStepStats`` over an engine's life (``LLMEngine.spec_totals``)."""
+
+    num_verify_steps: int = 0
+    num_verified_seqs: int = 0
+    num_ignored_trees: int = 0
+    num_draft_tokens: int = 0
+    num_draft_positions: int = 0
+    num_accepted_tokens: int = 0
+    verify_time_s: float = 0.0
+
+    def add(self, step: SpecStepStats) -> None:
+        self.num_verify_steps += 1
+        self.num_verified_seqs += step.num_verified_seqs
+        self.num_ignored_trees += step.num_ignored_trees
+        self.num_draft_tokens += step.num_draft_tokens
+        self.num_draft_positions += step.num_draft_positions
+        self.num_accepted_tokens += step.num_accepted_tokens
+        self.verify_time_s += step.verify_time_s
 
 
 class DraftVerifier:
@@ -73,6 +114,54 @@ class DraftVerifier:
         for seq, n in zip(seqs, num_new, strict=True):
             seq.num_computed_tokens += n
         return dict(zip(drafts, logits.split(num_new), strict=True))
+
+    def can_verify(self, seq: Sequence, tree: DraftTree) -> bool:
+        """Whether ``tree`` can be verified for ``seq`` in this step: the sequence is decoding
+        (scheduled for its one last token), the tree is non-empty, its tokens are in the
+        vocabulary, and its nodes fit the length limit and the free blocks."""
+        return (
+            len(tree) > 0
+            and seq.status is SequenceStatus.RUNNING
+            and not seq.prefill_only
+            and seq.num_uncomputed_tokens == 1
+            and len(seq) + len(tree) <= self.max_seq_len
+            and all(t < self.vocab_size for t in tree.tokens)
+            and self.block_manager.can_append(seq, len(tree) + 1)
+        )
+
+    def append_tree(self, seq: Sequence, tree: DraftTree) -> None:
+        """Slots and tokens for the tree's nodes after the last token (``can_verify`` first)."""
+        self.block_manager.append_slots(seq, len(tree) + 1)
+        seq.token_ids += tree.tokens
+
+    def keep_path(
+        self, seq: Sequence, tree: DraftTree, path: tuple[int, ...], next_token: int
+    ) -> None:
+        """After the forward pass over ``append_tree``'s tokens: keep the nodes of ``path`` (a
+        root-to-node path of ``tree``) with their KV, drop the other nodes, append ``next_token``."""
+        num_nodes = len(tree)
+        last = len(seq) - num_nodes - 1  # slot of the sequence's last token
+        assert seq.num_computed_tokens == last, (seq.num_computed_tokens, last)
+        assert tree.path(path[-1]) == list(path) if path else True, path
+        self._move_kv(seq, [(last + 1 + node, last + 1 + d) for d, node in enumerate(path)])
+        del seq.token_ids[last + 1 :]
+        seq.token_ids += [tree.tokens[node] for node in path]
+        seq.token_ids.append(next_token)
+        seq.num_computed_tokens = last + 1 + num_nodes
+        self._truncate(seq, len(seq), last + 1 + len(path))
+
+    def _move_kv(self, seq: Sequence, moves: list[tuple[int, int]]) -> None:
+        """Copy the KV of token slot ``src`` to slot ``dst`` (positions in the sequence, every
+        layer, K and V), in order; ``dst <= src`` and earlier moves never overwrite later sources."""
+        bs = self.block_manager.block_size
+        pool = self.kv_pool.tensor  # (num_blocks, H_kv, L, 2, block_size, D)
+        for src, dst in moves:
+            if src == dst:
+                continue
+            assert dst < src, (src, dst)
+            sb, so = seq.block_table[src // bs], src % bs
+            db, do = seq.block_table[dst // bs], dst % bs
+            pool[db, :, :, :, do] = pool[sb, :, :, :, so]
 
     def rollback(self, seq: Sequence, num_tokens: int) -> None:
         """Drop the last ``num_tokens`` output tokens and their KV; the sequence is left decoding
