@@ -1,0 +1,74 @@
+"""DraftConfig: flags ``--x-y`` / env ``KVMESH_X_Y`` for every field (see kvmesh.shared.service_config)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from kvmesh.services.draft.shape import TreeShape
+from kvmesh.shared.service_config import option
+from kvmesh.shared.worker_config import EngineWorkerConfig
+
+
+@dataclass(frozen=True, slots=True)
+class DraftConfig(EngineWorkerConfig):
+    """The engine worker's fields (model, device, KV pool, threads, metrics) and the drafter's.
+    ``--model`` is the target model: its tokenizer is the one every draft must share, and
+    ``early-exit`` drafts with its first ``--exit-layer`` layers."""
+
+    worker_id: str | None = option(None, help="worker id (default: draft-<random>)")
+    method: Literal["ngram", "early-exit", "model"] = option(
+        "ngram",
+        help="ngram: prompt lookup in the sequence's own tokens; early-exit: the target's first "
+        "--exit-layer layers + its final norm and LM head; model: a small checkpoint "
+        "(--draft-model) sharing the target's tokenizer",
+    )
+    num_speculative_tokens: int = option(4, help="draft tokens per proposal (tree depth)")
+    tree: tuple[int, ...] = option(
+        (),
+        help="branching per depth, e.g. 2,2,1 (as many as --num-speculative-tokens); "
+        "absent: a chain",
+    )
+    ngram_max: int = option(4, help="ngram: longest suffix matched against the context")
+    ngram_min: int = option(1, help="ngram: shortest suffix matched")
+    exit_layer: int = option(1, help="early-exit: layers of the target the draft runs")
+    draft_model: str | None = option(
+        None, help="model: the draft checkpoint directory (or kvmesh-tiny)"
+    )
+    max_sequences: int = option(
+        4096, help="sequences whose context a worker keeps (least recently used dropped first)"
+    )
+    max_batch: int = option(64, help="sequences drafted in one batch at most")
+
+    def __post_init__(self) -> None:
+        EngineWorkerConfig.__post_init__(self)
+        self.shape  # noqa: B018 (validates K and the tree; raises ValueError)
+        if not 1 <= self.ngram_min <= self.ngram_max <= 64:
+            raise ValueError(
+                f"ngram_min and ngram_max must satisfy 1 <= min <= max <= 64, got "
+                f"{self.ngram_min} and {self.ngram_max}"
+            )
+        if self.method == "early-exit" and self.exit_layer < 1:
+            raise ValueError(f"exit_layer must be >= 1, got {self.exit_layer}")
+        if self.method == "model" and not self.draft_model:
+            raise ValueError("--method model needs --draft-model PATH (a small checkpoint)")
+        if self.method != "ngram" and self.tree and any(w != 1 for w in self.tree):
+            raise ValueError(
+                f"--tree {','.join(map(str, self.tree))}: trees are drafted by --method ngram "
+                "only; the model drafters propose chains (leave --tree out)"
+            )
+        for name in ("max_sequences", "max_batch"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def shape(self) -> TreeShape:
+        return TreeShape.parse(self.num_speculative_tokens, self.tree)
+
+    @property
+    def uses_data_plane(self) -> bool:
+        return False  # drafts travel on NATS; the draft KV stays in this worker
+
+    @property
+    def role(self) -> str:
+        return "draft"

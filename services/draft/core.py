@@ -1,0 +1,138 @@
+"""DraftCore: what a draft worker knows of the sequences it drafts for (pure, no I/O).
+
+Each sequence's context (prompt + output) arrives once whole and then as deltas from a start
+position (``DraftContext``). A delta that does not continue what the core holds (a sequence it
+never saw, one it dropped, or a gap) is answered with ``need_context``: the decode worker then
+sends the whole context again. The core keeps at most ``max_sequences`` contexts and drops the
+least recently updated first. ``take_jobs`` hands out the sequences whose context changed since
+their last draft; ``proposal`` turns a drafted tree into the message, unless the context moved on
+meanwhile (the proposal would be stale on arrival; the sequence is drafted again instead).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+from kvmesh.shared.protocol import DraftContext, DraftProposal
+
+
+@dataclass(slots=True)
+class DraftSequence:
+    request_id: str
+    decode_worker_id: str
+    tokens: list[int]
+    num_prompt_tokens: int
+    is_dirty: bool = True  # the context changed since the last draft
+
+
+@dataclass(frozen=True, slots=True)
+class DraftJob:
+    """One sequence to draft for: its whole context now (``position`` tokens)."""
+
+    request_id: str
+    decode_worker_id: str
+    context: tuple[int, ...]
+    num_prompt_tokens: int
+
+    @property
+    def position(self) -> int:
+        return len(self.context)
+
+
+class DraftCore:
+    def __init__(self, worker_id: str, max_sequences: int) -> None:
+        assert max_sequences >= 1, max_sequences
+        self.worker_id = worker_id
+        self.max_sequences = max_sequences
+        self.seqs: OrderedDict[str, DraftSequence] = OrderedDict()
+        self.num_verified = 0  # draft tokens on paths decode workers verified
+        self.num_accepted = 0  # ... of which they accepted
+        self.num_proposals = 0
+        self.num_resyncs = 0  # need_context answers
+        self.num_evicted = 0
+
+    def on_context(self, msg: DraftContext) -> DraftProposal | None:
+        """Take a context (whole or delta). Returns a ``need_context`` answer when the delta
+        does not continue what is held."""
+        self.num_verified += msg.num_verified
+        self.num_accepted += msg.num_accepted
+        seq = self.seqs.get(msg.request_id)
+        if msg.start == 0:
+            seq = DraftSequence(
+                msg.request_id, msg.decode_worker_id, list(msg.token_ids), msg.num_prompt_tokens
+            )
+            self.seqs[msg.request_id] = seq
+        elif seq is None or msg.start > len(seq.tokens):
+            if seq is not None:
+                self.forget(msg.request_id)
+            self.num_resyncs += 1
+            return DraftProposal(
+                msg.request_id,
+                self.worker_id,
+                position=msg.start + len(msg.token_ids),
+                need_context=True,
+            )
+        else:  # continues (or rewrites the tail of) what is held
+            del seq.tokens[msg.start :]
+            seq.tokens += msg.token_ids
+            seq.decode_worker_id = msg.decode_worker_id
+        seq.is_dirty = bool(seq.tokens)
+        self.seqs.move_to_end(msg.request_id)
+        while len(self.seqs) > self.max_sequences:
+            self.seqs.popitem(last=False)
+            self.num_evicted += 1
+        return None
+
+    def forget(self, request_id: str) -> bool:
+        return self.seqs.pop(request_id, None) is not None
+
+    @property
+    def has_jobs(self) -> bool:
+        return any(seq.is_dirty for seq in self.seqs.values())
+
+    def take_jobs(self, max_batch: int) -> list[DraftJob]:
+        """Up to ``max_batch`` sequences whose context changed, least recently updated first;
+        they count as drafted from now on."""
+        jobs = []
+        for seq in self.seqs.values():
+            if len(jobs) == max_batch:
+                break
+            if seq.is_dirty:
+                seq.is_dirty = False
+                jobs.append(
+                    DraftJob(
+                        seq.request_id,
+                        seq.decode_worker_id,
+                        tuple(seq.tokens),
+                        seq.num_prompt_tokens,
+                    )
+                )
+        return jobs
+
+    def proposal(
+        self, job: DraftJob, tokens: tuple[int, ...], parents: tuple[int, ...]
+    ) -> DraftProposal | None:
+        """The message for a drafted tree; None when it is empty or the sequence moved on (or
+        was forgotten) while it was drafted."""
+        assert len(tokens) == len(parents), (tokens, parents)
+        seq = self.seqs.get(job.request_id)
+        if not tokens or seq is None or len(seq.tokens) != job.position:
+            return None
+        self.num_proposals += 1
+        return DraftProposal(job.request_id, self.worker_id, job.position, tokens, parents)
+
+    def stats(self) -> dict[str, Any]:
+        """Acceptance figures (as the decode workers reported them) and the load."""
+        return {
+            "sequences": len(self.seqs),
+            "proposals": self.num_proposals,
+            "verified_tokens": self.num_verified,
+            "accepted_tokens": self.num_accepted,
+            "acceptance": round(self.num_accepted / self.num_verified, 4)
+            if self.num_verified
+            else None,
+            "resyncs": self.num_resyncs,
+            "evicted": self.num_evicted,
+        }

@@ -1,0 +1,143 @@
+"""The drafters: given sequences' contexts, propose draft trees ``(tokens, parents)``.
+
+``NgramDrafter`` looks the context up in itself (ngram.py). ``EngineDrafter`` runs a small
+model greedily in its own LLMEngine (own KV pool; prefix caching keeps each sequence's context
+KV between drafts, so a draft computes only what was appended since plus K tokens): the
+target's first layers (early exit) or a separate checkpoint. ``build_drafter`` makes the one a
+DraftConfig asks for and checks it at start-up (one clear error when it cannot serve).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from kvmesh.services.draft.config import DraftConfig
+from kvmesh.services.draft.core import DraftJob
+from kvmesh.services.draft.ngram import propose_ngram
+from kvmesh.services.draft.shape import TreeShape
+from kvmesh.shared.service_errors import ServiceStartError
+
+Tree = tuple[tuple[int, ...], tuple[int, ...]]  # (tokens, parents)
+_VOCAB_PROBE = "The quick brown fox jumps over the lazy dog. 0123456789 <|>{}[]() äöü 你好"
+
+
+class Drafter(Protocol):
+    def propose(self, jobs: Sequence[DraftJob]) -> list[Tree]:
+        """One tree per job, in order (empty: nothing to propose)."""
+        ...
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class NgramDrafter:
+    shape: TreeShape
+    min_n: int
+    max_n: int
+
+    def propose(self, jobs: Sequence[DraftJob]) -> list[Tree]:
+        return [propose_ngram(j.context, self.shape, self.min_n, self.max_n) for j in jobs]
+
+
+class EngineDrafter:
+    """Greedy chains of ``depth`` tokens from a model in its own engine (all jobs batched)."""
+
+    def __init__(self, engine: Any, depth: int) -> None:
+        from kvmesh.shared.engine.sequence import SamplingParams
+
+        self.engine = engine
+        self.depth = depth
+        self.params = SamplingParams(max_tokens=depth, temperature=0.0, ignore_eos=True)
+        self._num_requests = 0
+
+    def propose(self, jobs: Sequence[DraftJob]) -> list[Tree]:
+        from kvmesh.shared.engine.block_manager import OutOfBlocksError
+        from kvmesh.shared.engine.sequence import RequestError
+
+        ids: dict[str, int] = {}
+        for i, job in enumerate(jobs):
+            if job.position + self.depth > self.engine.max_seq_len:
+                continue  # too long for the draft's pool: decode goes on without drafts
+            self._num_requests += 1
+            rid = f"draft-{self._num_requests}"
+            try:
+                self.engine.add_request(rid, list(job.context), self.params)
+            except (RequestError, OutOfBlocksError):
+                continue
+            ids[rid] = i
+        drafted: list[list[int]] = [[] for _ in jobs]
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                if out.request_id in ids:
+                    drafted[ids[out.request_id]] += out.new_token_ids
+        return [(tuple(t), tuple(range(-1, len(t) - 1))) for t in drafted]
+
+
+def vocabulary_difference(target: Any, draft: Any) -> str | None:
+    """Why two tokenizers do not share a vocabulary (None: they do, as far as ids go): sizes,
+    special tokens and the ids of a probe text in both."""
+    if target.vocab_size != draft.vocab_size:
+        return f"vocabulary sizes differ ({target.vocab_size} vs {draft.vocab_size})"
+    if target.bos_token_id != draft.bos_token_id:
+        return f"bos_token_id differs ({target.bos_token_id} vs {draft.bos_token_id})"
+    if target.encode(_VOCAB_PROBE, False) != draft.encode(_VOCAB_PROBE, False):
+        return "the same text encodes to different token ids"
+    return None
+
+
+def truncate_layers(model: Any, num_layers: int) -> Any:
+    """``model`` with only its first ``num_layers`` layers (+ its final norm and LM head): the
+    early-exit draft. The loader has no layer-count override, so the checkpoint loads whole and
+    the rest is dropped here (freed once the last reference goes)."""
+    mc = model.config
+    if not 1 <= num_layers < mc.num_hidden_layers:
+        raise ServiceStartError(
+            f"--exit-layer {num_layers}: the target has {mc.num_hidden_layers} layers; exit "
+            f"after 1 to {mc.num_hidden_layers - 1} of them"
+        )
+    model.layers = model.layers[:num_layers]
+    model.config = dataclasses.replace(mc, num_hidden_layers=num_layers)
+    return model
+
+
+def build_drafter(config: DraftConfig) -> Drafter:
+    """The drafter of ``config`` (loads models for early-exit and model; ServiceStartError on
+    a bad exit layer or a draft model with another vocabulary)."""
+    if config.method == "ngram":
+        return NgramDrafter(config.shape, config.ngram_min, config.ngram_max)
+    import torch
+    from kvmesh.shared.engine.config import EngineConfig
+    from kvmesh.shared.engine.llm_engine import LLMEngine
+    from kvmesh.shared.model.config import parse_dtype
+    from kvmesh.shared.model.loader import ModelLoadError, load_config_and_tokenizer, load_model
+
+    if config.threads is not None:
+        torch.set_num_threads(config.threads)
+    dtype = parse_dtype(config.dtype, "--dtype") if config.dtype else None
+    try:
+        if config.method == "early-exit":
+            model, tokenizer = load_model(config.model, dtype, config.device)
+            model = truncate_layers(model, config.exit_layer)
+        else:
+            assert config.draft_model is not None
+            _, target_tokenizer = load_config_and_tokenizer(config.model)
+            model, tokenizer = load_model(config.draft_model, dtype, config.device)
+            why = vocabulary_difference(target_tokenizer, tokenizer)
+            if why is not None:
+                raise ServiceStartError(
+                    f"--draft-model {config.draft_model} does not share the vocabulary of "
+                    f"--model {config.model}: {why}; use a draft checkpoint with the target's "
+                    "tokenizer"
+                )
+    except ModelLoadError as exc:
+        raise ServiceStartError(str(exc)) from None
+    econf = EngineConfig(
+        block_size=config.block_size,
+        num_blocks=config.num_blocks,
+        kv_cache_bytes=config.kv_cache_bytes,
+        max_num_seqs=config.max_batch,
+        enable_prefix_caching=True,
+        device=config.device,
+        reserve_output_tokens=0,
+    )
+    return EngineDrafter(LLMEngine(model, tokenizer, econf), config.num_speculative_tokens)

@@ -1,0 +1,186 @@
+"""The draft service's NATS shell around DraftCore (the core) and a Drafter.
+
+Subjects (docs/speculative.md): ``DRAFT_CONTEXT`` in queue group ``draft`` (a sequence's first
+context: any draft worker may take it) and ``draft_context(id)`` (the deltas of the sequences this
+worker holds) carry DraftContext; ``draft_forget(id)`` DraftForget; ``ABORT`` Abort. Proposals go
+to ``decode_draft(decode worker)``. Discoverable as micro service ``kvmesh-draft`` ($SRV); its
+``status`` endpoint and $SRV.STATS carry the acceptance figures. The drafting loop drafts what
+changed, in batches, in a worker thread, and never blocks the subscriptions: contexts that arrive
+meanwhile coalesce into the next batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+
+import nats.errors
+import orjson
+from kvmesh.services.draft.config import DraftConfig
+from kvmesh.services.draft.core import DraftCore
+from kvmesh.services.draft.drafters import Drafter, build_drafter
+from kvmesh.services.draft.metrics import DraftMetrics
+from kvmesh.shared import logs
+from kvmesh.shared.metrics_exporter import serve_metrics
+from kvmesh.shared.nats_service import (
+    background,
+    connect_nats,
+    new_worker_id,
+    on_message,
+    serve_until_signal,
+    subscriptions,
+    worker_presence,
+)
+from kvmesh.shared.protocol import (
+    Abort,
+    DraftContext,
+    DraftForget,
+    DraftProposal,
+    WorkerHeartbeat,
+    encode_message,
+)
+from kvmesh.shared.subjects import DRAFT_QUEUE_GROUP
+from nats.aio.client import Client
+from nats.micro.request import Request
+
+log = logs.get_logger(__name__)
+
+
+class DraftService:
+    """Wires one DraftCore and its Drafter to NATS."""
+
+    def __init__(self, config: DraftConfig, core: DraftCore, drafter: Drafter, nc: Client) -> None:
+        self.config = config
+        self.core = core
+        self.drafter = drafter
+        self.nc = nc
+        self.metrics = DraftMetrics()
+        self.started_at = time.time()
+        self._wake = asyncio.Event()
+        self.metrics_port: int | None = None
+
+    def heartbeat(self) -> WorkerHeartbeat:
+        return WorkerHeartbeat(
+            self.core.worker_id,
+            "draft",
+            "ready",
+            num_running=len(self.core.seqs),
+            started_at=self.started_at,
+            sent_at=time.time(),
+        )
+
+    def status(self) -> dict:
+        return {
+            "worker_id": self.core.worker_id,
+            "method": self.config.method,
+            "k": self.config.num_speculative_tokens,
+            "tree": ",".join(map(str, self.config.tree)),
+            **self.core.stats(),
+        }
+
+    async def on_context(self, msg: DraftContext) -> None:
+        self.metrics.verified_tokens.inc(msg.num_verified)
+        self.metrics.accepted_tokens.inc(msg.num_accepted)
+        answer = self.core.on_context(msg)
+        if answer is not None:
+            self.metrics.resyncs.inc()
+            await self._send(msg.decode_worker_id, answer)
+        self.metrics.sequences.set(len(self.core.seqs))
+        self._wake.set()
+
+    async def on_forget(self, msg: DraftForget) -> None:
+        self.core.forget(msg.request_id)
+        self.metrics.sequences.set(len(self.core.seqs))
+
+    async def on_abort(self, msg: Abort) -> None:
+        self.core.forget(msg.request_id)
+
+    async def on_status(self, req: Request) -> None:
+        await req.respond(orjson.dumps(self.status()))
+
+    async def draft_loop(self) -> None:
+        """Draft every sequence whose context changed, a batch at a time (a task body)."""
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while jobs := self.core.take_jobs(self.config.max_batch):
+                started = time.monotonic()
+                trees = await asyncio.to_thread(self.drafter.propose, jobs)
+                self.metrics.draft_seconds.observe(time.monotonic() - started)
+                for job, (tokens, parents) in zip(jobs, trees, strict=True):
+                    proposal = self.core.proposal(job, tokens, parents)
+                    if proposal is not None:
+                        self.metrics.proposals.inc()
+                        await self._send(job.decode_worker_id, proposal)
+
+    async def _send(self, decode_worker_id: str, proposal: DraftProposal) -> None:
+        try:
+            await self.nc.publish(
+                self.config.subjects.decode_draft(decode_worker_id), encode_message(proposal)
+            )
+        except nats.errors.Error as exc:  # the decode worker decodes without it
+            log.debug("proposal not sent", request_id=proposal.request_id, error=str(exc))
+
+
+@contextlib.asynccontextmanager
+async def draft_service(config: DraftConfig) -> AsyncIterator[DraftService]:
+    """Drafter (models loaded), NATS, subscriptions and the drafting loop: ready to serve."""
+    worker_id = config.worker_id or new_worker_id("draft")
+    drafter = await asyncio.to_thread(build_drafter, config)
+    subjects = config.subjects
+    async with connect_nats(config.nats_url, worker_id, security=config.nats_security) as nc:
+        service = DraftService(config, DraftCore(worker_id, config.max_sequences), drafter, nc)
+        queue_sub = await nc.subscribe(
+            subjects.DRAFT_CONTEXT,
+            queue=DRAFT_QUEUE_GROUP,
+            cb=on_message(DraftContext, service.on_context),
+        )
+        try:
+            async with (
+                worker_presence(
+                    nc,
+                    subjects,
+                    role="draft",
+                    worker_id=worker_id,
+                    heartbeat=service.heartbeat,
+                    interval_s=config.heartbeat_s,
+                    metadata={"method": config.method},
+                    stats=service.status,
+                ) as svc,
+                subscriptions(
+                    nc,
+                    (subjects.draft_context(worker_id), DraftContext, service.on_context),
+                    (subjects.draft_forget(worker_id), DraftForget, service.on_forget),
+                    (subjects.ABORT, Abort, service.on_abort),
+                ),
+                background(service.draft_loop()),
+                serve_metrics(
+                    service.metrics.registry, config.metrics_host, config.metrics_port
+                ) as service.metrics_port,
+            ):
+                await svc.add_endpoint(
+                    name="status",
+                    subject=subjects.draft_status(worker_id),
+                    handler=service.on_status,
+                )
+                log.info(
+                    "draft worker ready",
+                    worker_id=worker_id,
+                    mesh=subjects.mesh,
+                    method=config.method,
+                    k=config.num_speculative_tokens,
+                    tree=config.tree or None,
+                    metrics_port=service.metrics_port,
+                )
+                yield service
+        finally:
+            if not nc.is_closed:
+                with contextlib.suppress(nats.errors.Error):
+                    await queue_sub.unsubscribe()
+
+
+async def run(config: DraftConfig) -> None:
+    async with draft_service(config):
+        await serve_until_signal()
