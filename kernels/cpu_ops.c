@@ -102,14 +102,8 @@ static inline float sexp(float x) {
     return v[0];
 }
 
-/* Rows of elementwise work below which one thread does it all: a parallel region costs a few
- * microseconds, as much as a decode step's rows take. */
-#define PARALLEL_MIN_FLOATS (64 * 1024)
-
-/* out[t] = x[t] * rsqrt(mean(x[t]^2) + eps) * w, rows of n floats, on up to num_threads threads. */
-void kv_rms_norm(const float *x, const float *w, float *out, int64_t rows, int64_t n, float eps,
-                 int64_t num_threads) {
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1 && rows * n >= PARALLEL_MIN_FLOATS)
+/* out[t] = x[t] * rsqrt(mean(x[t]^2) + eps) * w, rows of n floats. */
+void kv_rms_norm(const float *x, const float *w, float *out, int64_t rows, int64_t n, float eps) {
     for (int64_t t = 0; t < rows; t++) {
         const float *xr = x + t * n;
         float *o = out + t * n;
@@ -129,8 +123,7 @@ void kv_rms_norm(const float *x, const float *w, float *out, int64_t rows, int64
 }
 
 /* gate_up: (rows, 2 * n) = [gate | up] -> out: (rows, n) = silu(gate) * up. */
-void kv_silu_mul(const float *gate_up, float *out, int64_t rows, int64_t n, int64_t num_threads) {
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1 && rows * n >= PARALLEL_MIN_FLOATS)
+void kv_silu_mul(const float *gate_up, float *out, int64_t rows, int64_t n) {
     for (int64_t t = 0; t < rows; t++) {
         const float *g = gate_up + t * 2 * n;
         const float *u = g + n;

@@ -40,8 +40,8 @@ OPENMP = "-fopenmp"
 
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 _SIGNATURES = {
-    "kv_rms_norm": (_ptr, _ptr, _ptr, _i64, _i64, _f32, _i64),
-    "kv_silu_mul": (_ptr, _ptr, _i64, _i64, _i64),
+    "kv_rms_norm": (_ptr, _ptr, _ptr, _i64, _i64, _f32),
+    "kv_silu_mul": (_ptr, _ptr, _i64, _i64),
     # x, rows, in, packed weight, out features, bias or NULL, y, threads
     "kv_linear": (_ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64),
     # qkv, heads, kv heads, d, cos, sin, k, v, strides, block size, tables, width, context
@@ -190,9 +190,7 @@ class CpuOps:
         _check_f32_contiguous(x=x, weight=weight)
         assert x.dim() == 2 and weight.shape == (x.shape[1],), (x.shape, weight.shape)
         out = torch.empty_like(x)
-        self._rms_norm(
-            x.data_ptr(), weight.data_ptr(), out.data_ptr(), *x.shape, eps, torch.get_num_threads()
-        )
+        self._rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), *x.shape, eps)
         return out
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -201,7 +199,7 @@ class CpuOps:
         assert gate_up.dim() == 2 and gate_up.shape[1] % 2 == 0, gate_up.shape
         rows, n = gate_up.shape[0], gate_up.shape[1] // 2
         out = gate_up.new_empty(rows, n)
-        self._silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, n, torch.get_num_threads())
+        self._silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, n)
         return out
 
     def decode_attention(

@@ -4,9 +4,9 @@ Tokens arrive packed over the batch: ``input_ids`` and ``positions`` are (T,), a
 writes its new K/V into ``kv_pool.layer(i)`` and attends through ``paged_attention``. q/k/v share one
 projection and gate/up share another (fused at load time); on CPU the fewer, larger matmuls matter.
 
-``attach_cpu_ops`` routes float32 decode-sized work on the CPU through the fused C kernels of
-``kernels/cpu_ops.c`` (RMSNorm, SiLU-and-multiply, and rotary + KV store + attention in one call);
-without them every module runs the pure-torch code below.
+``attach_cpu_ops`` routes float32 decode-sized work on the CPU through the C kernels of
+``kernels/``: RMSNorm, SiLU-and-multiply, linear layers over prepacked weights, and rotary + KV
+store + attention in one call; without them every module runs the pure-torch code below.
 """
 
 from __future__ import annotations
@@ -25,16 +25,24 @@ from torch import nn
 if TYPE_CHECKING:
     from kvmesh.kernels.cpu_ops import CpuOps, PackedWeight
 
+# Row counts up to which the C kernels take RMSNorm and SiLU-and-multiply: they save torch's
+# per-op dispatch, which dominates at decode sizes; at prefill sizes torch's own vectorised ops
+# are faster (SiLU-and-multiply of 2048 x 1408: 7 ms against 19 ms on one core) and may spread
+# over several threads.
+CPU_OPS_MAX_ROWS = 256
 # Row counts up to which a linear layer multiplies by its prepacked weight (``CpuOps.linear``):
 # decode batches, bound by reading the weights; above it MKL's blocked GEMM computes faster.
 PACKED_LINEAR_MAX_ROWS = 64
 
 
 def _cpu_ops_sized(x: torch.Tensor) -> bool:
-    """Whether the elementwise C kernels take ``x``: float32, (rows, n) contiguous. At decode
-    sizes they save torch's per-op dispatch; at prefill sizes one pass over memory instead of
-    one per op (they split rows over torch's threads)."""
-    return x.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous()
+    """Whether the elementwise C kernels take ``x``: float32, (rows, n) contiguous, decode-sized."""
+    return (
+        x.dtype == torch.float32
+        and x.dim() == 2
+        and x.shape[0] <= CPU_OPS_MAX_ROWS
+        and x.is_contiguous()
+    )
 
 
 def kv_cache_spec(
