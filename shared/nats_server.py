@@ -22,6 +22,7 @@ import sysconfig
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -127,12 +128,16 @@ class NatsServer:
         authorization: str | None = None,
         tls: str | None = None,
         cluster: ClusterSpec | None = None,
+        command_prefix: Sequence[str] = (),
     ) -> None:
         """``authorization``: a nats-server ``authorization { ... }`` block (shared/nats_auth.py,
         or a token / user and password one); None runs an open server. ``tls``: a ``tls { ... }``
         block (certificate, key, CA, verify), for clients that connect with TLS. ``cluster``:
-        join a NATS cluster (routes to its other members; JetStream clustered across them)."""
+        join a NATS cluster (routes to its other members; JetStream clustered across them).
+        ``command_prefix``: run the server through it, e.g. ``ip netns exec NS`` (it must exec the
+        server, keeping the pid)."""
         self.host = host
+        self.command_prefix = tuple(command_prefix)
         self.cluster = cluster
         self.authorization = authorization
         self.tls = tls
@@ -166,6 +171,7 @@ class NatsServer:
         self._tmp = tempfile.TemporaryDirectory(prefix="kvmesh-nats-")
         tmp = Path(self._tmp.name)
         cmd = [
+            *self.command_prefix,
             str(binary),
             "-a",
             self.host,

@@ -106,7 +106,10 @@ async def connect_nats(
     try:
         await asyncio.wait_for(
             nc.connect(
-                servers=split_nats_urls(url),  # a cluster's members: reconnect to any
+                # a cluster's members, in the order given: the host's own server first, the
+                # others to reconnect to when it goes
+                servers=split_nats_urls(url),
+                dont_randomize=True,
                 name=name,
                 connect_timeout=2,
                 allow_reconnect=True,
