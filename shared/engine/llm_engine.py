@@ -249,7 +249,10 @@ class LLMEngine:
             int(s.num_computed_tokens + n == len(s)) * (n if i in trees else 1)
             for i, (s, n) in enumerate(zip(batch.seqs, num_new, strict=True))
         ]
-        logits = self.runner.execute(batch.seqs, num_new, num_logits, trees)
+        if trees:
+            logits = self.runner.execute(batch.seqs, num_new, num_logits, trees)
+        else:
+            logits = self.runner.execute(batch.seqs, num_new, num_logits)
         if trees:  # verification rows go to acceptance, the others to the sampler
             rows = logits.split(num_logits)
             plain = [i for i, k in enumerate(num_logits) if k and i not in trees]
