@@ -46,7 +46,8 @@ def test_proposal_is_dropped_when_the_context_moved_on_while_drafting():
     [job] = core.take_jobs(4)
     proposal = core.proposal(job, (4, 5), (-1, 0))
     assert proposal is not None and proposal.position == 3 and proposal.tokens == (4, 5)
-    assert core.proposal(job, (), ()) is None  # nothing to propose: nothing sent
+    empty = core.proposal(job, (), ())  # nothing to propose: still says the worker is alive
+    assert empty is not None and empty.tokens == () and not empty.need_context
 
 
 def test_forgotten_sequence_gets_no_proposal():

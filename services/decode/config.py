@@ -47,6 +47,12 @@ class DecodeConfig(EngineWorkerConfig):
         "confirms it stopped writing",
     )
 
+    speculative: bool = option(
+        False,
+        help="speculative decoding: send each sequence's context to the draft service "
+        "(kvmesh serve draft) and verify its proposals in the next steps; never waits for them",
+    )
+
     def __post_init__(self) -> None:
         EngineWorkerConfig.__post_init__(self)
         if self.quarantine_s < 0:

@@ -59,7 +59,43 @@ class DecodeMetrics:
         self.generated_tokens = Counter(
             "kvmesh_decode_generated_tokens_total", "Output tokens sampled.", registry=r
         )
+        self.spec_draft_tokens = Counter(
+            "kvmesh_decode_spec_draft_tokens_total",
+            "Draft positions verified (the depth of each verified draft tree: the most that "
+            "could have been accepted).",
+            registry=r,
+        )
+        self.spec_accepted_tokens = Counter(
+            "kvmesh_decode_spec_accepted_tokens_total",
+            "Draft tokens accepted by verification.",
+            registry=r,
+        )
+        self.spec_acceptance_rate = Gauge(
+            "kvmesh_decode_spec_acceptance_rate",
+            "Accepted over verified draft positions since the worker started.",
+            registry=r,
+        )
+        self.spec_tokens_per_step = Histogram(
+            "kvmesh_decode_spec_tokens_per_step",
+            "Tokens a sequence got from one verify step (accepted drafts + the next token).",
+            buckets=(1, 2, 3, 4, 5, 6, 8, 10, 12, 17),
+            registry=r,
+        )
+        self.spec_verify_step_seconds = Histogram(
+            "kvmesh_decode_spec_verify_step_seconds",
+            "Duration of an engine step that verified draft trees.",
+            buckets=STEP_BUCKETS,
+            registry=r,
+        )
+        self.spec_draft_latency_seconds = Histogram(
+            "kvmesh_decode_spec_draft_latency_seconds",
+            "From sending a sequence's context to the draft service to its proposal arriving.",
+            buckets=STEP_BUCKETS,
+            registry=r,
+        )
         self._num_preemptions = 0  # the engine's running total at the last step
+        self._spec_positions = 0
+        self._spec_accepted = 0
 
     def observe_step(
         self, seconds: float, batch_size: int, num_tokens: int, num_preemptions: int
@@ -73,6 +109,21 @@ class DecodeMetrics:
         if num_preemptions > self._num_preemptions:
             self.preemptions.inc(num_preemptions - self._num_preemptions)
         self._num_preemptions = num_preemptions
+
+    def observe_verify(
+        self, seconds: float, num_positions: int, num_accepted: int, tokens_per_seq: list[int]
+    ) -> None:
+        """A step verified draft trees of ``num_positions`` total depth; ``num_accepted`` kept;
+        ``tokens_per_seq``: tokens each verified sequence got."""
+        self.spec_verify_step_seconds.observe(seconds)
+        self.spec_draft_tokens.inc(num_positions)
+        self.spec_accepted_tokens.inc(num_accepted)
+        for n in tokens_per_seq:
+            self.spec_tokens_per_step.observe(n)
+        self._spec_positions += num_positions
+        self._spec_accepted += num_accepted
+        if self._spec_positions:
+            self.spec_acceptance_rate.set(self._spec_accepted / self._spec_positions)
 
     def observe_stats(self, stats: Mapping[str, Any]) -> None:
         """The worker's stats (``DecodeWorker.stats()``: what its advert reports)."""

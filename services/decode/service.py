@@ -4,7 +4,9 @@ Subjects (docs/mesh.md): ``decode_reserve(id)`` (ReserveRequest -> ReserveReply)
 ``decode_prefill_done(id)`` (PrefillDone), ``ABORT`` (Abort), ``worker_control(id)``
 (WorkerControl -> WorkerHeartbeat with the new state); publishes ``DecodeAdvert`` on
 ``REGISTRY_ADVERTISE`` every heartbeat, the TokenEvents the worker returns on
-``request_tokens(rid)`` and the Aborts of expired leases on ``ABORT``. The service runs the engine
+``request_tokens(rid)`` and the Aborts of expired leases on ``ABORT``. With ``--speculative``:
+takes DraftProposals on ``decode_draft(id)`` and sends, after each step, the context deltas the
+worker queued (``DRAFT_CONTEXT`` or ``draft_context(draft worker)``) and DraftForgets. The service runs the engine
 loop: it decides when the worker steps (``min_step_interval_ms``) and publishes what each step
 returns.
 """
@@ -21,6 +23,7 @@ import msgspec
 import nats.errors
 import torch
 from kvmesh.services.decode.config import DecodeConfig
+from kvmesh.services.decode.drafts import DraftBook, Outgoing
 from kvmesh.services.decode.windows import LeaseWindows
 from kvmesh.services.decode.worker import DecodeWorker
 from kvmesh.shared import logs
@@ -43,6 +46,7 @@ from kvmesh.shared.nats_service import (
 from kvmesh.shared.protocol import (
     Abort,
     DecodeAdvert,
+    DraftProposal,
     LeaseRenew,
     MessageError,
     PrefillDone,
@@ -161,6 +165,7 @@ class DecodeService:
                     break
                 step_started = time.monotonic()
                 await self._publish_tokens(await self.worker.step())
+                await self._publish_drafts()
                 if interval_s > 0:
                     # outside the worker's lock: reservations and admissions go on meanwhile
                     left = step_started + interval_s - time.monotonic()
@@ -172,6 +177,30 @@ class DecodeService:
             await self.nc.publish(
                 self.config.subjects.request_tokens(event.request_id), encode_message(event)
             )
+
+    async def _publish_drafts(self) -> None:
+        """Send what the last step queued for the draft service (nothing waits for it)."""
+        subjects = self.config.subjects
+        for item in self.worker.take_draft_messages():
+            if isinstance(item, Outgoing):
+                subject = (
+                    subjects.DRAFT_CONTEXT
+                    if item.draft_worker_id is None
+                    else subjects.draft_context(item.draft_worker_id)
+                )
+                data = encode_message(item.message)
+            else:
+                holder, forget = item
+                subject, data = subjects.draft_forget(holder), encode_message(forget)
+            try:
+                await self.nc.publish(subject, data)
+            except nats.errors.Error as exc:  # drafts are an optimisation: decode goes on
+                log.debug("draft message not sent", subject=subject, error=str(exc))
+
+    async def on_proposal(self, msg: DraftProposal) -> None:
+        latency = self.worker.on_proposal(msg)
+        if latency is not None:
+            self.worker.metrics.spec_draft_latency_seconds.observe(latency)
 
     async def lease_loop(self) -> None:
         """Expire leases every ``lease_check_s``; tell each expired lease's prefill to stop."""
@@ -238,6 +267,10 @@ class DecodeService:
             self.worker.on_prefill_started(msg)
 
     async def on_worker_gone(self, msg: WorkerGone) -> None:
+        if msg.role == "draft":
+            if self.worker.drafts is not None:
+                self.worker.drafts.on_worker_gone(msg.worker_id)
+            return
         self.worker.on_worker_gone(msg)
 
     async def on_prefill_done(self, msg: PrefillDone) -> None:
@@ -295,6 +328,7 @@ async def decode_service(config: DecodeConfig) -> AsyncIterator[DecodeService]:
             colocated=not disagg,
             windows=LeaseWindows(transport, region, spec.block_bytes) if region else None,
             quarantine_s=config.quarantine_s,
+            drafts=DraftBook(worker_id) if config.speculative else None,
         )
         service = DecodeService(
             config,
@@ -334,6 +368,7 @@ async def decode_service(config: DecodeConfig) -> AsyncIterator[DecodeService]:
                 ),
                 (subjects.REGISTRY_WORKER_GONE, WorkerGone, service.on_worker_gone),
                 (subjects.decode_lease_renew(worker_id), LeaseRenew, service.on_lease_renew),
+                (subjects.decode_draft(worker_id), DraftProposal, service.on_proposal),
             ),
             asyncio.TaskGroup() as service.tg,
             background(
@@ -361,6 +396,7 @@ async def decode_service(config: DecodeConfig) -> AsyncIterator[DecodeService]:
                 worker_id=worker_id,
                 mesh=subjects.mesh,
                 mode=config.mode,
+                speculative=config.speculative,
                 transport=transport.name if transport else None,
                 num_blocks=econf.num_blocks,
                 kv_spec=service.advert_fields["kv_spec"],

@@ -10,6 +10,11 @@ The worker knows no NATS. The service (the shell) drives it: it hands in what ar
 writes landed, PrefillDone, Abort, renewals), runs the engine loop (``wait_for_work()``, then
 ``admit()`` and ``step()`` while there is work) and publishes the TokenEvents these return, and the
 Aborts ``expire_leases()`` returns.
+
+Speculative decoding (``drafts``, a DraftBook): each step verifies the draft trees whose position
+matches their sequence's length, then queues the context deltas (and the DraftForgets of finished
+sequences) that ``take_draft_messages()`` hands the service to send. A step never waits for a
+draft: a sequence without a valid one decodes plainly.
 """
 
 from __future__ import annotations
@@ -19,16 +24,20 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from kvmesh.services.decode.drafts import DraftBook, Outgoing
 from kvmesh.services.decode.metrics import DecodeMetrics
 from kvmesh.services.decode.pending import Admission, PendingTable, ReservationError, Verdict
 from kvmesh.services.decode.windows import LeaseWindows
 from kvmesh.shared import logs
 from kvmesh.shared.engine.block_manager import OutOfBlocksError
+from kvmesh.shared.engine.draft_tree import DraftTree, DraftTreeError
 from kvmesh.shared.engine.llm_engine import LLMEngine
 from kvmesh.shared.engine.sequence import RequestError, RequestOutput, SamplingParams
 from kvmesh.shared.imm import imm_slot, unpack_imm
 from kvmesh.shared.protocol import (
     Abort,
+    DraftForget,
+    DraftProposal,
     PrefillDone,
     PrefillStarted,
     ReserveReply,
@@ -91,6 +100,7 @@ class DecodeWorker:
         quarantine_s: float = 30.0,
         metrics: DecodeMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
+        drafts: DraftBook | None = None,
     ) -> None:
         self.engine = engine
         self.metrics = metrics or DecodeMetrics()
@@ -109,6 +119,8 @@ class DecodeWorker:
         # Local-prefill requests accepted by reserve() without waiting for the step in flight,
         # added to the engine by admit() between steps.
         self._incoming: list[tuple[str, list[int], SamplingParams]] = []
+        self.drafts = drafts  # None: no speculative decoding
+        self._draft_outbox: list[Outgoing | tuple[str, DraftForget]] = []
 
     # ---- the engine loop (the service drives it) --------------------------------------------
 
@@ -155,15 +167,81 @@ class DecodeWorker:
         async with self._lock:
             if not self.engine.has_unfinished():
                 return []
+            trees = self._draft_trees() if self.drafts is not None else {}
             step_started = time.monotonic()
-            outputs = await asyncio.to_thread(self.engine.step)
+            outputs = await asyncio.to_thread(self.engine.step, trees or None)
+            seconds = time.monotonic() - step_started
             self.metrics.observe_step(
-                time.monotonic() - step_started,
+                seconds,
                 batch_size=sum(1 for out in outputs if out.new_token_ids),
                 num_tokens=sum(len(out.new_token_ids) for out in outputs),
                 num_preemptions=self.engine.scheduler.num_preemptions,
             )
+            if self.drafts is not None:
+                self._after_verify(outputs, trees, seconds)
         return [event for out in outputs if (event := _token_event(out)) is not None]
+
+    # ---- speculative decoding -----------------------------------------------------------------
+
+    def _decoding(self) -> dict[str, Any]:
+        """The sequences decoding now (their KV computed up to the last token)."""
+        return {
+            seq.request_id: seq
+            for seq in self.engine.scheduler.running
+            if not seq.prefill_only
+            and seq.num_output_tokens >= 1
+            and seq.num_uncomputed_tokens == 1
+        }
+
+    def _draft_trees(self) -> dict[str, DraftTree]:
+        """The proposals that continue their sequence's current length, as trees."""
+        assert self.drafts is not None
+        lengths = {rid: len(seq) for rid, seq in self._decoding().items()}
+        trees = {}
+        for rid, (tokens, parents) in self.drafts.drafts(lengths).items():
+            try:
+                trees[rid] = DraftTree(tokens, parents)
+            except DraftTreeError as exc:  # a message is data: a malformed tree is dropped
+                log.debug("ignored malformed draft tree", request_id=rid, error=str(exc))
+        return trees
+
+    def _after_verify(
+        self, outputs: list[RequestOutput], trees: dict[str, DraftTree], seconds: float
+    ) -> None:
+        """Account the verification, forget finished sequences, queue the context deltas."""
+        assert self.drafts is not None
+        verified = [out for out in outputs if out.request_id in trees]
+        if verified:
+            positions = sum(trees[out.request_id].depth for out in verified)
+            accepted = sum(out.accepted_drafts for out in verified)
+            self.metrics.observe_verify(
+                seconds, positions, accepted, [len(out.new_token_ids) for out in verified]
+            )
+            for out in verified:
+                self.drafts.on_verified(
+                    out.request_id, trees[out.request_id].depth, out.accepted_drafts
+                )
+        for out in outputs:
+            if out.finished:
+                holder = self.drafts.forget(out.request_id)
+                if holder is not None:
+                    self._draft_outbox.append((holder, DraftForget(out.request_id)))
+        seqs = {
+            rid: (seq.token_ids, seq.num_prompt_tokens) for rid, seq in self._decoding().items()
+        }
+        self._draft_outbox += self.drafts.contexts(seqs, self._clock())
+
+    def on_proposal(self, proposal: DraftProposal) -> float | None:
+        """Keep a draft proposal for the next steps; returns its latency (see DraftBook)."""
+        if self.drafts is None:
+            return None
+        return self.drafts.on_proposal(proposal, self._clock())
+
+    def take_draft_messages(self) -> list[Outgoing | tuple[str, DraftForget]]:
+        """The draft messages the last steps queued: contexts (``Outgoing``) and
+        ``(draft worker id, DraftForget)``; the service sends them."""
+        out, self._draft_outbox = self._draft_outbox, []
+        return out
 
     # ---- requests in ------------------------------------------------------------------------
 

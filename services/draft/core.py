@@ -114,11 +114,12 @@ class DraftCore:
     def proposal(
         self, job: DraftJob, tokens: tuple[int, ...], parents: tuple[int, ...]
     ) -> DraftProposal | None:
-        """The message for a drafted tree; None when it is empty or the sequence moved on (or
-        was forgotten) while it was drafted."""
+        """The message for a drafted tree (an empty one too: it tells the decode worker this
+        worker is alive and holds the context); None when the sequence moved on (or was
+        forgotten) while it was drafted."""
         assert len(tokens) == len(parents), (tokens, parents)
         seq = self.seqs.get(job.request_id)
-        if not tokens or seq is None or len(seq.tokens) != job.position:
+        if seq is None or len(seq.tokens) != job.position:
             return None
         self.num_proposals += 1
         return DraftProposal(job.request_id, self.worker_id, job.position, tokens, parents)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from kvmesh.shared.engine.draft_tree import MAX_TREE_NODES  # what the engine verifies at most
+
 MAX_SPECULATIVE_TOKENS = 16  # depth: verifying more per step rarely pays and grows the KV rollback
-MAX_TREE_NODES = 64  # nodes scored per sequence per verify step
 
 
 @dataclass(frozen=True, slots=True)
