@@ -245,3 +245,218 @@ def _check_inputs(
         raise ValueError(
             f"block_tables name blocks outside [0, {num_blocks}): min {ids_lo}, max {ids_hi}"
         )
+
+
+# ---- draft-tree verification ----------------------------------------------------------------
+# Several new tokens per sequence (its last token, then a draft tree's nodes) attend to the
+# sequence's earlier context and, among the new tokens, to those their row's bitmask names (bit a:
+# new token a), so a node sees its ancestors and itself. Rows of plain decodes carry bit 0.
+
+MAX_TREE_QUERIES = 64
+
+
+@triton.jit
+def _paged_tree_kernel(
+    out_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    block_tables_ptr,
+    context_lens_ptr,
+    token_seq_ptr,
+    prefix_lens_ptr,
+    tree_bits_ptr,
+    scale,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_btb,
+    stride_btj,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+    TOKENS_PAD: tl.constexpr,
+):
+    row = tl.program_id(0)  # one new token
+    kv_head = tl.program_id(1)
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, DIM_PAD)
+    t = tl.arange(0, TOKENS_PAD)
+    g_mask = g < GROUP
+    d_mask = d < HEAD_DIM
+    q_heads = kv_head * GROUP + g
+    q_mask = g_mask[:, None] & d_mask[None, :]
+    q = tl.load(
+        q_ptr + row * stride_qt + q_heads[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0
+    )
+    q = q.to(tl.float32) * scale
+
+    seq = tl.load(token_seq_ptr + row).to(tl.int64)
+    context_len = tl.load(context_lens_ptr + seq).to(tl.int32)
+    prefix = tl.load(prefix_lens_ptr + seq).to(tl.int32)  # keys every new token sees
+    bits = tl.load(tree_bits_ptr + row)  # int64: which new tokens this one sees
+    num_blocks = tl.cdiv(context_len, BLOCK_SIZE)
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
+    for j in range(0, num_blocks):
+        block_id = tl.load(block_tables_ptr + seq * stride_btb + j * stride_btj).to(tl.int64)
+        key = j * BLOCK_SIZE + t
+        shift = tl.maximum(key - prefix, 0).to(tl.int64)
+        seen = (key < prefix) | (((bits >> shift) & 1) == 1)
+        t_mask = (t < BLOCK_SIZE) & (key < context_len) & seen
+        kv_mask = t_mask[:, None] & d_mask[None, :]
+        k = tl.load(
+            k_ptr
+            + block_id * stride_kb
+            + t[:, None] * stride_kt
+            + kv_head * stride_kh
+            + d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        ).to(tl.float32)  # (T, D)
+        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # (G, T)
+        s = tl.where(t_mask[None, :], s, float("-inf"))
+        # a block may hide every key (a node's block of siblings): keep the max finite
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])  # (G, T)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(
+            v_ptr
+            + block_id * stride_vb
+            + t[:, None] * stride_vt
+            + kv_head * stride_vh
+            + d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        ).to(tl.float32)  # (T, D)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        m_i = m_new
+
+    out = acc / l_i[:, None]
+    tl.store(
+        out_ptr + row * stride_ot + q_heads[:, None] * stride_oh + d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=q_mask,
+    )
+
+
+def paged_tree_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_lens: list[int],
+    tree_bits: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of several new tokens per sequence through block tables, masked by tree bits.
+
+    q: (T, H_q, D), T = sum(query_lens), each sequence's new tokens the last ``query_lens[b]``
+    (<= 64) of its ``context_lens[b]``; tree_bits: (T,) int64, bit a of a row set when it sees
+    its sequence's new token a (it always sees the earlier context). Caches and tables as
+    ``paged_decode_attention``. Returns (T, H_q, D) in q's dtype.
+    """
+    B = len(query_lens)
+    T = sum(query_lens)
+    if q.dim() != 3 or q.shape[0] != T:
+        raise ValueError(
+            f"q must be ({T}, H_q, D) for query_lens {query_lens}, got {tuple(q.shape)}"
+        )
+    if any(not 1 <= n <= MAX_TREE_QUERIES for n in query_lens):
+        raise ValueError(f"query_lens must lie in [1, {MAX_TREE_QUERIES}], got {query_lens}")
+    if tree_bits.shape != (T,) or tree_bits.dtype != torch.int64:
+        raise ValueError(
+            f"tree_bits must be ({T},) int64, got {tuple(tree_bits.shape)} {tree_bits.dtype}"
+        )
+    if tree_bits.device != q.device:
+        raise ValueError(f"tree_bits is on {tree_bits.device}, q on {q.device}")
+    _check_inputs(q[:B], k_cache, v_cache, block_tables, context_lens)
+    _, block_size, H_kv, _ = k_cache.shape
+    H_q, D = q.shape[1], q.shape[2]
+    group = H_q // H_kv
+    out = torch.empty((T, H_q, D), dtype=q.dtype, device=q.device)
+    if T == 0:
+        return out
+    lens = torch.tensor(query_lens, dtype=torch.int64, device=q.device)
+    token_seq = torch.repeat_interleave(torch.arange(B, device=q.device), lens)
+    prefix_lens = (context_lens.long() - lens).contiguous()
+    if bool((prefix_lens < 0).any()):
+        raise ValueError(
+            f"context_lens {context_lens.tolist()} shorter than query_lens {query_lens}"
+        )
+    _paged_tree_kernel[(T, H_kv)](
+        out,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens.contiguous(),
+        token_seq,
+        prefix_lens,
+        tree_bits.contiguous(),
+        float(scale),
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        block_tables.stride(0),
+        block_tables.stride(1),
+        GROUP=group,
+        HEAD_DIM=D,
+        BLOCK_SIZE=block_size,
+        GROUP_PAD=max(triton.next_power_of_2(group), 2),
+        DIM_PAD=max(triton.next_power_of_2(D), 2),
+        TOKENS_PAD=max(triton.next_power_of_2(block_size), 2),
+    )
+    return out
+
+
+def paged_tree_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_lens: list[int],
+    tree_bits: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Pure-torch reference of ``paged_tree_attention``: gather, mask, softmax in fp32."""
+    H_q = q.shape[1]
+    block_size, H_kv = k_cache.shape[1], k_cache.shape[2]
+    group = H_q // H_kv
+    out = torch.empty_like(q)
+    start = 0
+    for b, n_q in enumerate(query_lens):
+        n = int(context_lens[b])
+        blocks = block_tables[b, : -(-n // block_size)].long()
+        keys = k_cache[blocks].flatten(0, 1)[:n].float().repeat_interleave(group, dim=1)
+        values = v_cache[blocks].flatten(0, 1)[:n].float().repeat_interleave(group, dim=1)
+        for r in range(n_q):
+            bits = int(tree_bits[start + r])
+            seen = [j < n - n_q or (bits >> (j - n + n_q)) & 1 == 1 for j in range(n)]
+            visible = torch.tensor(seen, device=q.device)
+            scores = torch.einsum("hd,nhd->hn", q[start + r].float(), keys) * scale  # (H_q, n)
+            probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
+            out[start + r] = torch.einsum("hn,nhd->hd", probs, values).to(q.dtype)
+        start += n_q
+    return out

@@ -6,8 +6,8 @@ queries attend causally over the sequence's whole context read through its block
 A sequence verifying a draft tree (``AttentionMetadata.tree_masks``) instead has its new tokens
 attend to its earlier context and, among themselves, only to what the tree mask allows (a node to
 its ancestors and itself).
-The torch path is the CPU default; on CUDA the Triton kernel in ``kvmesh.kernels.paged_attention`` takes
-over for decode-only batches.
+The torch path is the CPU default; on CUDA the Triton kernels in ``kvmesh.kernels.paged_attention``
+take over for decode-only batches and for batches verifying draft trees (up to 64 new tokens each).
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ class AttentionMetadata:
     _plan: _TorchPlan | None = field(default=None, repr=False)
     _kv_index: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
     _decode_only: bool | None = field(default=None, repr=False)
+    _tree_bits: torch.Tensor | None = field(default=None, repr=False)
     _parts: list[tuple[torch.Tensor | slice, AttentionMetadata]] | None = field(
         default=None, repr=False
     )
@@ -92,6 +93,21 @@ class AttentionMetadata:
             use_triton=self.use_triton,
             tree_masks=trees,
         )
+
+    def tree_bits(self) -> torch.Tensor:
+        """(T,) int64: bit a of a new token's entry is set when it sees its sequence's new token
+        a (causal rows for sequences without a tree). Only for query lengths up to 64."""
+        if self._tree_bits is None:
+            bits: list[int] = []
+            for i, n in enumerate(self.query_lens):
+                assert n <= 64, n
+                tree = self.tree_masks.get(i)
+                for r in range(n):
+                    seen = range(r + 1) if tree is None else tree[r].nonzero().flatten().tolist()
+                    v = sum(1 << a for a in seen)
+                    bits.append(v - (1 << 64) if v >= 1 << 63 else v)  # as a signed int64
+            self._tree_bits = torch.tensor(bits, dtype=torch.int64, device=self.slot_mapping.device)
+        return self._tree_bits
 
     @property
     def is_mixed(self) -> bool:
@@ -184,6 +200,19 @@ def paged_attention(
 ) -> torch.Tensor:
     """q: (T, H_q, D); k, v: (T, H_kv, D) for the new tokens. Returns (T, H_q, D)."""
     write_kv(k_cache, v_cache, k, v, meta)
+    if meta.use_triton and meta.tree_masks and max(meta.query_lens) <= 64:
+        from kvmesh.kernels.paged_attention import paged_tree_attention
+
+        return paged_tree_attention(
+            q,
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.context_lens,
+            meta.query_lens,
+            meta.tree_bits(),
+            scale,
+        )
     if meta.is_mixed:
         out = torch.empty_like(q)
         for rows, part in meta.parts():
