@@ -110,6 +110,9 @@ async def connect_nats(
                 # others to reconnect to when it goes
                 servers=split_nats_urls(url),
                 dont_randomize=True,
+                # a silently cut link (no FIN, no RST) is noticed in ~10 s, not nats-py's 4 min
+                ping_interval=5,
+                max_outstanding_pings=2,
                 name=name,
                 connect_timeout=2,
                 allow_reconnect=True,
