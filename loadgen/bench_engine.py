@@ -92,12 +92,19 @@ def register_engine(sub: Any) -> argparse.ArgumentParser:
 
 
 def export_tiny_to_hf(directory: Path) -> Path:
-    """Write kvmesh-tiny as a transformers Llama checkpoint (identical weights)."""
-    from kvmesh.shared.model.seeded import write_hf_weights
-    from kvmesh.shared.model.tiny import tiny_config, tiny_state_dict
+    """Write kvmesh-tiny as a transformers Llama checkpoint (identical weights) with its byte-level
+    tokenizer (llama.cpp's converter needs one)."""
+    from kvmesh.shared.model.seeded import write_hf_weights, write_tokenizer
+    from kvmesh.shared.model.tiny import (
+        TINY_CHAT_TEMPLATE,
+        TINY_SPECIALS,
+        tiny_config,
+        tiny_state_dict,
+    )
 
     directory.mkdir(parents=True, exist_ok=True)
     write_hf_weights(directory, tiny_config(), tiny_state_dict())
+    write_tokenizer(directory, TINY_SPECIALS, "<|bos|>", "<|end|>", TINY_CHAT_TEMPLATE)
     return directory
 
 

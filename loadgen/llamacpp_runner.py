@@ -6,11 +6,12 @@ and its ``conversion``/``gguf-py`` folders, from the llama-cpp-python sdist). No
 kvmesh dependency: ``make bench-deps`` builds and installs it, and ``missing()`` says what is
 absent and how to get it.
 
-The benchmark feeds token ids, so llama.cpp's tokenizer is never used; a byte-level tokenizer the
-converter does not recognise (kvmesh's seeded checkpoints) is written with the GPT-2
-pre-tokenizer its ``ByteLevel`` regex is (``python -m kvmesh.loadgen.llamacpp_runner`` runs the
-converter with that fallback, in its own process: the converter puts its own folders on
-``sys.path``).
+The benchmark feeds token ids, so llama.cpp's tokenizer is never used, only loaded. A byte-level
+tokenizer the converter does not recognise (kvmesh's seeded and tiny checkpoints) is written with
+the GPT-2 pre-tokenizer its ``ByteLevel`` regex is, and, having no merges, with one inert merge of
+two special tokens, since llama.cpp loads no BPE vocab without merges. ``python -m
+kvmesh.loadgen.llamacpp_runner`` runs the converter with those fallbacks, in its own process (the
+converter puts its own folders on ``sys.path``).
 """
 
 from __future__ import annotations
@@ -93,9 +94,21 @@ def _run_converter(converter: Path, hf_dir: str, out: str, outtype: str) -> None
         try:
             return known(self, tokenizer)
         except NotImplementedError:  # token ids are fed directly; the tokenizer only loads
-            return "gpt2"
+            return "gpt-2"
 
     TextModel.get_vocab_base_pre = pre_tokenizer
+    import gguf  # the converter's own gguf-py, first on sys.path
+
+    add_to_gguf = gguf.SpecialVocab.add_to_gguf
+
+    def with_merges(self: Any, gw: Any, quiet: bool = False) -> None:
+        add_to_gguf(self, gw, quiet)
+        if self.load_merges and not self.merges:
+            # llama.cpp refuses a BPE vocab without merges; a byte-level tokenizer has none. One
+            # pair of special tokens (split off before BPE, never merged) loads and changes nothing.
+            gw.add_token_merges(["<|bos|> <|end|>"])
+
+    gguf.SpecialVocab.add_to_gguf = with_merges
     sys.argv = [str(converter), hf_dir, "--outfile", out, "--outtype", outtype]
     runpy.run_path(str(converter), run_name="__main__")
 
@@ -110,11 +123,10 @@ class LlamaCppRunner:
     def __init__(self, gguf: Path, threads: int, n_ctx: int, kv_type: torch.dtype) -> None:
         import llama_cpp
 
-        ggml_type = {
-            torch.float32: llama_cpp.GGML_TYPE_F32,
-            torch.float16: llama_cpp.GGML_TYPE_F16,
-            torch.bfloat16: llama_cpp.GGML_TYPE_BF16,
-        }[kv_type]
+        name = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}[kv_type]
+        ggml_type = getattr(llama_cpp, f"GGML_TYPE_{name}", None)
+        if ggml_type is None:
+            raise ValueError(f"this llama-cpp-python has no {name} KV cache type")
         self.llm = llama_cpp.Llama(
             model_path=str(gguf),
             n_ctx=n_ctx,
