@@ -38,6 +38,34 @@ class AdminClient:
     async def log_level(self, level: str) -> dict[str, Any]:
         return await self._request(self.subjects.ADMIN_LOG_LEVEL, {"level": level})
 
+    async def draft_workers(self, listen_s: float = 0.3) -> list[dict[str, Any]]:
+        """Every draft worker of the mesh with its acceptance figures: the ``status`` endpoint
+        data each one reports to ``$SRV.STATS.kvmesh-draft`` (all answer; replies are gathered
+        for ``listen_s``). Sorted by worker id; empty when there is none."""
+        import asyncio
+
+        import orjson
+
+        inbox = self.nc.new_inbox()
+        sub = await self.nc.subscribe(inbox)
+        rows = []
+        try:
+            await self.nc.publish("$SRV.STATS.kvmesh-draft", b"", reply=inbox)
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + listen_s
+            while (left := deadline - loop.time()) > 0:
+                try:
+                    msg = await sub.next_msg(timeout=left)
+                except TimeoutError:
+                    break
+                stats = orjson.loads(msg.data)
+                if stats.get("metadata", {}).get("mesh") != self.subjects.mesh:
+                    continue  # another mesh's draft worker on the same server
+                rows += [e["data"] for e in stats.get("endpoints", []) if e.get("data")]
+        finally:
+            await sub.unsubscribe()
+        return sorted(rows, key=lambda r: r.get("worker_id", ""))
+
     async def _request(self, subject: str, body: dict[str, Any]) -> Any:
         try:
             reply = await request_json(self.nc, subject, body, self.timeout_s)

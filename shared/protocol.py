@@ -222,7 +222,10 @@ class DraftProposal(Message):
     """Draft worker -> the sequence's decode worker: a tree of draft tokens that continues the
     sequence when it has exactly ``position`` tokens (stale otherwise, and dropped).
     ``parents[i]`` is the index of node i's parent, -1 for the sequence's last token; a chain
-    is ``parents == (-1, 0, 1, ...)``."""
+    is ``parents == (-1, 0, 1, ...)``. A tree may reach ``depth`` plus a few tokens deeper
+    (lookahead): by the time it arrives the sequence may have grown by tokens that lie on one
+    of its paths, and the subtree below them is then still a valid proposal (``depth`` deep at
+    most: the decode worker cuts the rest)."""
 
     request_id: str
     draft_worker_id: str
@@ -230,6 +233,7 @@ class DraftProposal(Message):
     tokens: tuple[int, ...] = ()
     parents: tuple[int, ...] = ()
     need_context: bool = False  # the draft worker lost the sequence: send it from start 0
+    depth: Annotated[int, msgspec.Meta(ge=0)] = 0  # verify at most this deep (0: no limit)
 
 
 class DraftForget(Message):

@@ -37,6 +37,7 @@ class MetricDoc:
 def service_metrics() -> dict[str, object]:
     """One fresh metrics object per service, as each service builds it."""
     from kvmesh.services.decode.metrics import DecodeMetrics
+    from kvmesh.services.draft.metrics import DraftMetrics
     from kvmesh.services.kv_registry.core import RegistryState
     from kvmesh.services.kv_registry.metrics import RegistryMetrics
     from kvmesh.services.prefill.metrics import PrefillMetrics
@@ -47,6 +48,7 @@ def service_metrics() -> dict[str, object]:
         "kv-registry": RegistryMetrics(RegistryState(worker_timeout_s=3.0)),
         "prefill": PrefillMetrics(),
         "decode": DecodeMetrics(),
+        "draft": DraftMetrics(),
     }
 
 

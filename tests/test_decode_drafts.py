@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from kvmesh.services.decode.drafts import DraftBook, Outgoing
+from kvmesh.services.decode.drafts import DraftBook, Outgoing, rebase_tree
 from kvmesh.shared import protocol
 from kvmesh.shared.protocol import DraftProposal
 
@@ -36,14 +36,33 @@ def test_unpinned_sequence_sends_its_whole_context_again_until_a_worker_answers(
     )
 
 
-def test_only_a_proposal_at_the_current_length_is_handed_out_and_only_once():
+def test_only_a_proposal_that_continues_the_sequence_is_handed_out_and_only_once():
     book = DraftBook("d0")
     book.contexts(_seqs(r=5), now=0.0)
     book.on_proposal(DraftProposal("r", "x1", 5, (7, 8), (-1, 0)), now=0.1)
-    assert book.drafts({"r": 6}) == {}  # stale: the sequence moved on
+    assert book.drafts({"r": [0, 1, 2, 3, 4, 9]}) == {}  # stale: the sequence went elsewhere
     book.on_proposal(DraftProposal("r", "x1", 6, (7, 8), (-1, 0)), now=0.1)
-    assert book.drafts({"r": 6}) == {"r": ((7, 8), (-1, 0))}
-    assert book.drafts({"r": 6}) == {}
+    assert book.drafts({"r": [0, 1, 2, 3, 4, 9]}) == {"r": ((7, 8), (-1, 0))}
+    assert book.drafts({"r": [0, 1, 2, 3, 4, 9]}) == {}
+
+
+def test_proposal_a_step_late_gives_the_subtree_below_the_token_that_step_added():
+    book = DraftBook("d0")
+    book.contexts(_seqs(r=5), now=0.0)
+    # 7 -> (8 -> 9 | 6), cut to depth 1 below the new root
+    book.on_proposal(DraftProposal("r", "x1", 5, (7, 8, 6, 9), (-1, 0, 0, 1), depth=1), now=0.1)
+    assert book.drafts({"r": [0, 1, 2, 3, 4, 7]}) == {"r": ((8, 6), (-1, -1))}
+
+
+def test_rebase_tree_follows_the_added_tokens_and_cuts_to_the_depth():
+    tokens, parents = (1, 2, 3, 4, 5), (-1, -1, 0, 2, 1)  # 1 -> 3 -> 4 ; 2 -> 5
+    assert rebase_tree(tokens, parents, ()) == (tokens, parents)
+    assert rebase_tree(tokens, parents, (), max_depth=1) == ((1, 2), (-1, -1))
+    assert rebase_tree(tokens, parents, (1,)) == ((3, 4), (-1, 0))
+    assert rebase_tree(tokens, parents, (1, 3, 4)) == ((), ())
+    assert rebase_tree(tokens, parents, (2, 5)) == ((), ())
+    assert rebase_tree(tokens, parents, (3,)) is None  # not a child of the root
+    assert rebase_tree(tokens, parents, (1, 3, 4, 6)) is None
 
 
 def test_need_context_from_the_pinned_worker_sends_the_whole_context_again():

@@ -150,7 +150,8 @@ async def run_admin(config: AdminConfig, action: str, arg: str | None) -> Any:
         security=config.nats_security,
     ) as admin:
         if action == "status":
-            return await admin.status()
+            status = await admin.status()
+            return {**status, "draft": await admin.draft_workers()}
         if action == "workers":
             return {"workers": await admin.workers()}
         assert arg is not None, action
@@ -182,7 +183,9 @@ def render(action: str, result: dict[str, Any]) -> str:
 def render_status(status: dict[str, Any]) -> str:
     registry = status.get("registry", {})
     leases = status.get("leases", {})
-    others = [w for w in status.get("workers", []) if w["role"] not in ("decode", "colocated")]
+    others = [
+        w for w in status.get("workers", []) if w["role"] not in ("decode", "colocated", "draft")
+    ]
     parts = [
         f"kv-registry {registry.get('worker_id', '?')} (up {registry.get('uptime_s', 0):.0f}s)",
         "",
@@ -199,6 +202,22 @@ def render_status(status: dict[str, Any]) -> str:
                 "waiting",
                 "leases",
                 "refused_accesses",
+            ),
+        ),
+        "",
+        "draft workers (acceptance: accepted / verified draft positions, as decode reported):",
+        table(
+            status.get("draft", []),
+            (
+                "worker_id",
+                "method",
+                "k",
+                "tree",
+                "sequences",
+                "proposals",
+                "verified_tokens",
+                "accepted_tokens",
+                "acceptance",
             ),
         ),
         "",

@@ -58,7 +58,7 @@ from kvmesh.shared.service_config import (
 from kvmesh.shared.subjects import mesh_from_model
 
 # stop order: earlier tiers first (router stops taking requests before its backends go)
-TIERS = ("router", "prefill", "decode", "kv-registry")
+TIERS = ("router", "prefill", "decode", "draft", "kv-registry")
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,9 +111,29 @@ class UpConfig(NatsClientConfig):
         "more deaths than this within 5 minutes stop the mesh (0: stop at the first death)",
     )
     stop_timeout_s: float = option(15.0, help="seconds between SIGTERM and SIGKILL on shutdown")
+    draft: Literal["ngram", "early-exit", "model"] | None = option(
+        None,
+        help="speculative decoding: start draft workers with this method (kvmesh serve draft "
+        "--method) and decode workers with --speculative; none: no drafts",
+    )
+    draft_workers: int = option(1, help="draft workers (with --draft)")
+    num_speculative_tokens: int = option(4, help="draft tokens per proposal (with --draft)")
+    draft_tree: tuple[int, ...] = option(
+        (), help="draft tree branching per depth, e.g. 2,2,1 (ngram; absent: a chain)"
+    )
+    draft_exit_layer: int = option(1, help="early-exit: layers of the target the draft runs")
+    draft_model: str | None = option(None, help="model: the draft checkpoint directory")
 
     def __post_init__(self) -> None:
         self.check_nats_options(mesh_from_model(self.model))
+        if self.draft is not None:
+            from kvmesh.services.draft.shape import TreeShape
+
+            TreeShape.parse(self.num_speculative_tokens, self.draft_tree)  # ValueError: one line
+            if self.draft_workers < 1:
+                raise ValueError(f"draft_workers must be >= 1, got {self.draft_workers}")
+            if self.draft == "model" and not self.draft_model:
+                raise ValueError("--draft model needs --draft-model PATH")
         if self.decode < 1:
             raise ValueError(f"decode must be >= 1, got {self.decode}")
         if self.prefill < 0 or (self.mode == "disagg" and self.prefill < 1):
@@ -163,12 +183,15 @@ def split_cores(config: UpConfig) -> dict[str, int]:
     does both, and the cores are divided among them. Both modes use the same cores, so they
     compare on equal hardware. Every worker gets at least one thread."""
     cores = config.cores or available_cores()
+    # Draft workers (when asked for) run a small model or none: a quarter of the cores.
+    draft = {"draft": max(1, cores // 4 // config.draft_workers)} if config.draft else {}
     if config.mode == "colocated":
-        return {"colocated": max(1, cores // config.decode)}
+        return {"colocated": max(1, cores // config.decode), **draft}
     decode_cores = cores if config.prefill_nice else max(1, cores // 3)
     return {
         "decode": max(1, decode_cores // config.decode),
         "prefill": max(1, cores // config.prefill),
+        **draft,
     }
 
 
@@ -201,6 +224,8 @@ def plan(config: UpConfig, nats_url: str, port: int) -> list[ChildSpec]:
     decode_threads = ("--threads", str(threads[decode_service]))
     if config.mode == "disagg" and config.decode_pacing_ms:
         decode_threads += ("--min-step-interval-ms", str(config.decode_pacing_ms))
+    if config.draft:
+        decode_threads += ("--speculative",)
     # Decode workers that share their cores with a nicer prefill pool: their OpenMP threads wait
     # for work asleep, not spinning on cores prefill could use between a step's parallel parts.
     decode_env = (("OMP_WAIT_POLICY", "PASSIVE"),) if config.prefill_nice else ()
@@ -216,6 +241,8 @@ def plan(config: UpConfig, nats_url: str, port: int) -> list[ChildSpec]:
             name = f"prefill-{i}"
             argv = ("serve", "prefill", *worker(name), *engine, *prefill_threads)
             specs.append(ChildSpec(name, "prefill", argv))
+    if config.draft:
+        specs += draft_specs(config, worker, threads["draft"])
     router = ("serve", "router", *worker("router-0"), "--model", config.model, "--port", str(port))
     router += ("--host", config.host)
     router += ("--mode", config.mode)
@@ -223,6 +250,23 @@ def plan(config: UpConfig, nats_url: str, port: int) -> list[ChildSpec]:
         router += ("--local-prefill-threshold", str(config.local_prefill_threshold))
     specs.append(ChildSpec("router-0", "router", router))
     return specs
+
+
+def draft_specs(config: UpConfig, worker, threads: int) -> list[ChildSpec]:
+    """The ``kvmesh serve draft`` workers of ``--draft``."""
+    assert config.draft is not None
+    argv = ("--model", config.model, "--device", config.device, "--method", config.draft)
+    argv += ("--num-speculative-tokens", str(config.num_speculative_tokens))
+    argv += ("--threads", str(threads))
+    if config.draft_tree:
+        argv += ("--tree", ",".join(map(str, config.draft_tree)))
+    if config.draft == "early-exit":
+        argv += ("--exit-layer", str(config.draft_exit_layer))
+    if config.draft == "model":
+        assert config.draft_model is not None
+        argv += ("--draft-model", config.draft_model)
+    names = [f"draft-{i}" for i in range(config.draft_workers)]
+    return [ChildSpec(n, "draft", ("serve", "draft", *worker(n), *argv)) for n in names]
 
 
 def with_metrics_ports(specs: list[ChildSpec], ports: dict[str, int]) -> list[ChildSpec]:
@@ -449,6 +493,7 @@ class Launcher:
 
         deadline = time.monotonic() + self.config.startup_timeout_s
         num_prefill = self.config.prefill if self.config.mode == "disagg" else 0
+        num_draft = self.config.draft_workers if self.config.draft else 0
         waiting_for = "NATS"
         async with admin_client(
             self.nats_url,
@@ -470,6 +515,10 @@ class Launcher:
                         waiting_for = f"decode workers ({num_decode}/{self.config.decode})"
                     elif len(prefills) < num_prefill:
                         waiting_for = f"prefill workers ({len(prefills)}/{num_prefill})"
+                    elif (
+                        n := sum(1 for w in status["workers"] if w["role"] == "draft")
+                    ) < num_draft:
+                        waiting_for = f"draft workers ({n}/{num_draft})"
                     elif not await asyncio.to_thread(self._router_healthy):
                         waiting_for = "the router"
                     else:
@@ -576,7 +625,12 @@ async def run_up(launcher: Launcher) -> int:
             f"kvmesh is up: {launcher.url}/v1 (mesh {launcher.mesh}, mode "
             f"{launcher.config.mode}, {launcher.config.decode} decode, "
             f"{launcher.config.prefill if launcher.config.mode == 'disagg' else 0} prefill, "
-            f"NATS {redact_url(launcher.nats_url)}); Ctrl-C stops it",
+            + (
+                f"{launcher.config.draft_workers} draft ({launcher.config.draft}), "
+                if launcher.config.draft
+                else ""
+            )
+            + f"NATS {redact_url(launcher.nats_url)}); Ctrl-C stops it",
             flush=True,
         )
         threads = ", ".join(f"{role} {n}" for role, n in split_cores(launcher.config).items())

@@ -5,7 +5,9 @@ worker's first proposal), how many of its tokens that worker has, the latest pro
 to report back about the last verification. After each step, ``contexts()`` says what to send:
 a whole context to the queue group while no worker is pinned (any may take it), the appended
 tokens to the pinned worker otherwise. Before each step, ``drafts()`` hands out the proposals
-whose position equals the sequence's current length (the others are stale). A pinned worker
+that continue the sequence as it is now: one drafted at its current length as it is, one drafted
+a few tokens earlier by the subtree below the tokens added since, when they lie on one of its
+paths (``rebase_tree``; otherwise it is stale), cut to the proposal's depth. A pinned worker
 that stays silent for ``unpin_after_s``, or that asks for the context again, is let go: the
 context goes to the queue group again. Nothing here ever waits for a draft.
 """
@@ -16,6 +18,39 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from kvmesh.shared.protocol import DraftContext, DraftProposal
+
+Tree = tuple[tuple[int, ...], tuple[int, ...]]  # (tokens, parents)
+
+
+def rebase_tree(
+    tokens: Sequence[int], parents: Sequence[int], appended: Sequence[int], max_depth: int = 0
+) -> Tree | None:
+    """The part of a draft tree that still applies after ``appended`` tokens were added to its
+    sequence: the subtree below the path that spells them, re-rooted, down to ``max_depth``
+    (0: all of it). None when they leave the tree (the proposal is stale). Nodes keep their
+    order, so parents still come before their children."""
+    if len(tokens) != len(parents):
+        return None
+    root = -1
+    for token in appended:
+        root = next((i for i, p in enumerate(parents) if p == root and tokens[i] == token), None)
+        if root is None:
+            return None
+    index: dict[int, int] = {root: -1}  # old node -> new index (the new root: -1)
+    depth: dict[int, int] = {root: 0}
+    new_tokens: list[int] = []
+    new_parents: list[int] = []
+    for i in range(root + 1, len(tokens)):
+        parent = parents[i]
+        if parent not in index or not -1 <= parent < i:
+            continue
+        d = depth[parent] + 1
+        if max_depth and d > max_depth:
+            continue
+        index[i], depth[i] = len(new_tokens), d
+        new_tokens.append(tokens[i])
+        new_parents.append(index[parent])
+    return tuple(new_tokens), tuple(new_parents)
 
 
 @dataclass(slots=True)
@@ -62,19 +97,20 @@ class DraftBook:
         position, sent = link.sent_at
         return now - sent if proposal.position == position else None
 
-    def drafts(
-        self, lengths: Mapping[str, int]
-    ) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
-        """``(tokens, parents)`` per sequence whose latest proposal continues its current length
-        (``lengths``: request id -> tokens now); each proposal is handed out once."""
+    def drafts(self, seqs: Mapping[str, Sequence[int]]) -> dict[str, Tree]:
+        """``(tokens, parents)`` per sequence whose latest proposal still continues it
+        (``seqs``: request id -> its tokens now); each proposal is handed out once."""
         out = {}
-        for rid, length in lengths.items():
+        for rid, tokens in seqs.items():
             link = self.links.get(rid)
             if link is None or link.proposal is None:
                 continue
-            proposal, link.proposal = link.proposal, None
-            if proposal.position == length and proposal.tokens:
-                out[rid] = (proposal.tokens, proposal.parents)
+            p, link.proposal = link.proposal, None
+            if p.position > len(tokens):
+                continue
+            tree = rebase_tree(p.tokens, p.parents, tokens[p.position :], p.depth)
+            if tree is not None and tree[0]:
+                out[rid] = tree
         return out
 
     def on_verified(self, request_id: str, num_positions: int, num_accepted: int) -> None:

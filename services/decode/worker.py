@@ -196,9 +196,9 @@ class DecodeWorker:
     def _draft_trees(self) -> dict[str, DraftTree]:
         """The proposals that continue their sequence's current length, as trees."""
         assert self.drafts is not None
-        lengths = {rid: len(seq) for rid, seq in self._decoding().items()}
+        contexts = {rid: seq.token_ids for rid, seq in self._decoding().items()}
         trees = {}
-        for rid, (tokens, parents) in self.drafts.drafts(lengths).items():
+        for rid, (tokens, parents) in self.drafts.drafts(contexts).items():
             try:
                 trees[rid] = DraftTree(tokens, parents)
             except DraftTreeError as exc:  # a message is data: a malformed tree is dropped

@@ -29,6 +29,11 @@ class DraftConfig(EngineWorkerConfig):
         help="branching per depth, e.g. 2,2,1 (as many as --num-speculative-tokens); "
         "absent: a chain",
     )
+    lookahead: int = option(
+        1,
+        help="draft this many tokens beyond K: a proposal that arrives a step late still "
+        "holds K drafts below the token that step added, if the draft foresaw it (0-4)",
+    )
     ngram_max: int = option(4, help="ngram: longest suffix matched against the context")
     ngram_min: int = option(1, help="ngram: shortest suffix matched")
     exit_layer: int = option(1, help="early-exit: layers of the target the draft runs")
@@ -43,6 +48,8 @@ class DraftConfig(EngineWorkerConfig):
     def __post_init__(self) -> None:
         EngineWorkerConfig.__post_init__(self)
         self.shape  # noqa: B018 (validates K and the tree; raises ValueError)
+        if not 0 <= self.lookahead <= 4:
+            raise ValueError(f"lookahead must be in [0, 4], got {self.lookahead}")
         if not 1 <= self.ngram_min <= self.ngram_max <= 64:
             raise ValueError(
                 f"ngram_min and ngram_max must satisfy 1 <= min <= max <= 64, got "
@@ -63,7 +70,13 @@ class DraftConfig(EngineWorkerConfig):
 
     @property
     def shape(self) -> TreeShape:
+        """The tree K and --tree describe (validated: K, depths, node limit)."""
         return TreeShape.parse(self.num_speculative_tokens, self.tree)
+
+    @property
+    def drafted_shape(self) -> TreeShape:
+        """What is drafted: ``lookahead`` single tokens, then ``shape``."""
+        return TreeShape((1,) * self.lookahead + self.shape.widths)
 
     @property
     def uses_data_plane(self) -> bool:

@@ -42,9 +42,10 @@ class DraftJob:
 
 
 class DraftCore:
-    def __init__(self, worker_id: str, max_sequences: int) -> None:
+    def __init__(self, worker_id: str, max_sequences: int, depth: int = 0) -> None:
         assert max_sequences >= 1, max_sequences
         self.worker_id = worker_id
+        self.depth = depth  # DraftProposal.depth: how deep the decode worker verifies
         self.max_sequences = max_sequences
         self.seqs: OrderedDict[str, DraftSequence] = OrderedDict()
         self.num_verified = 0  # draft tokens on paths decode workers verified
@@ -122,7 +123,9 @@ class DraftCore:
         if seq is None or len(seq.tokens) != job.position:
             return None
         self.num_proposals += 1
-        return DraftProposal(job.request_id, self.worker_id, job.position, tokens, parents)
+        return DraftProposal(
+            job.request_id, self.worker_id, job.position, tokens, parents, depth=self.depth
+        )
 
     def stats(self) -> dict[str, Any]:
         """Acceptance figures (as the decode workers reported them) and the load."""

@@ -104,7 +104,7 @@ def build_drafter(config: DraftConfig) -> Drafter:
     """The drafter of ``config`` (loads models for early-exit and model; ServiceStartError on
     a bad exit layer or a draft model with another vocabulary)."""
     if config.method == "ngram":
-        return NgramDrafter(config.shape, config.ngram_min, config.ngram_max)
+        return NgramDrafter(config.drafted_shape, config.ngram_min, config.ngram_max)
     import torch
     from kvmesh.shared.engine.config import EngineConfig
     from kvmesh.shared.engine.llm_engine import LLMEngine
@@ -140,4 +140,4 @@ def build_drafter(config: DraftConfig) -> Drafter:
         device=config.device,
         reserve_output_tokens=0,
     )
-    return EngineDrafter(LLMEngine(model, tokenizer, econf), config.num_speculative_tokens)
+    return EngineDrafter(LLMEngine(model, tokenizer, econf), config.drafted_shape.depth)

@@ -131,7 +131,12 @@ async def draft_service(config: DraftConfig) -> AsyncIterator[DraftService]:
     drafter = await asyncio.to_thread(build_drafter, config)
     subjects = config.subjects
     async with connect_nats(config.nats_url, worker_id, security=config.nats_security) as nc:
-        service = DraftService(config, DraftCore(worker_id, config.max_sequences), drafter, nc)
+        service = DraftService(
+            config,
+            DraftCore(worker_id, config.max_sequences, config.num_speculative_tokens),
+            drafter,
+            nc,
+        )
         queue_sub = await nc.subscribe(
             subjects.DRAFT_CONTEXT,
             queue=DRAFT_QUEUE_GROUP,

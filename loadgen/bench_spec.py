@@ -1,0 +1,229 @@
+"""``kvmesh bench spec``: output tokens/s of the mesh with speculative decoding against the same
+mesh without drafts, in one run.
+
+For each drafting configuration (method, K, tree) a local mesh (``kvmesh up``'s Launcher with
+``--draft``) serves ``batch`` concurrent greedy requests at each batch size, and a mesh without
+drafts serves the same requests first: the baseline. Acceptance and tokens per verify step come
+from the decode worker's own counters (``kvmesh_decode_spec_*``), read before and after each
+load. The workload quotes a long passage and asks for it again: prompt lookup (n-gram) can
+propose what the output repeats, as in summarization or code editing, where a trained model
+copies from its prompt (kvmesh-tiny's random weights copy only when their greedy output loops).
+
+Also the harness of tests/test_mesh_spec.py: ``spec_mesh`` (a local mesh with draft workers)
+and ``spec_counters`` (the decode worker's speculative counters).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+MODEL = "kvmesh-tiny"
+SPEC_COUNTERS = {
+    "positions": "kvmesh_decode_spec_draft_tokens",
+    "accepted": "kvmesh_decode_spec_accepted_tokens",
+    "verify_steps": "kvmesh_decode_spec_verify_step_seconds_count",
+    "tokens_per_step_sum": "kvmesh_decode_spec_tokens_per_step_sum",
+    "tokens_per_step_count": "kvmesh_decode_spec_tokens_per_step_count",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class DraftSetup:
+    """One drafting configuration of ``kvmesh up --draft``."""
+
+    method: str
+    k: int = 4
+    tree: tuple[int, ...] = ()
+    exit_layer: int = 1
+    draft_model: str | None = None
+
+
+@contextlib.contextmanager
+def spec_mesh(
+    draft: DraftSetup | None,
+    transport: str = "shm",
+    *,
+    model: str = MODEL,
+    env: Mapping[str, str] | None = None,
+    local_prefill_threshold: int = 0,
+    startup_timeout_s: float = 180.0,
+    log_level: str = "warning",
+    cores: int | None = None,
+) -> Iterator[Any]:
+    """A disaggregated local mesh (one prefill, one decode, the router; one draft worker with
+    ``draft``) on a fresh nats-server, in child processes; yields the Launcher. ``env``: KVMESH_*
+    settings every service inherits. Synchronous (use it from sync fixtures)."""
+    from kvmesh.commands.up import Launcher, UpConfig, free_port
+
+    config = UpConfig(
+        model=model,
+        mode="disagg",
+        transport=transport,
+        port=0,
+        nats_url=f"nats://127.0.0.1:{free_port()}",
+        local_prefill_threshold=local_prefill_threshold,
+        log_level=log_level,
+        startup_timeout_s=startup_timeout_s,
+        stop_timeout_s=10.0,
+        cores=cores,
+        draft=draft.method if draft else None,
+        num_speculative_tokens=draft.k if draft else 4,
+        draft_tree=draft.tree if draft else (),
+        draft_exit_layer=draft.exit_layer if draft else 1,
+        draft_model=draft.draft_model if draft else None,
+    )
+    launcher = Launcher(config)
+    saved = {k: os.environ.get(k) for k in env or {}}
+    os.environ.update(env or {})
+    try:
+        launcher.start()  # children inherit the environment
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    try:
+        asyncio.run(launcher.wait_ready())
+        yield launcher
+    finally:
+        launcher.stop()
+
+
+def spec_counters(launcher: Any, worker: str = "decode-0") -> dict[str, float]:
+    """The decode worker's speculative counters, read off its /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(launcher.metrics_urls[worker], timeout=5) as resp:
+        text = resp.read().decode()
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            values[sample.name] = sample.value
+    return {
+        key: values.get(name, values.get(name + "_total", 0.0))
+        for key, name in SPEC_COUNTERS.items()
+    }
+
+
+def quote_prompts(num: int, passage_len: int, seed: int = 0) -> list[list[int]]:
+    """Prompts that quote a passage and ask for it again (byte-level token ids of kvmesh-tiny's
+    tokenizer: printable ASCII words)."""
+    rng = random.Random(seed)
+    words = ["the", "mesh", "decode", "prefill", "block", "cache", "token", "draft", "verify"]
+    prompts = []
+    for _ in range(num):
+        text = " ".join(rng.choice(words) for _ in range(passage_len // 5))
+        full = f"Passage: {text}\nRepeat the passage.\nPassage: {text[: len(text) // 4]}"
+        prompts.append(list(full.encode()))
+    return prompts
+
+
+async def _load(url: str, prompts: list[list[int]], max_tokens: int) -> tuple[int, float]:
+    """All prompts at once (greedy, ``ignore_eos``); returns (output tokens, seconds)."""
+    import aiohttp
+    from kvmesh.loadgen.bench_mesh import complete
+
+    async with aiohttp.ClientSession() as session:
+        started = time.perf_counter()
+        replies = await asyncio.gather(
+            *(complete(session, url, p, max_tokens, ignore_eos=True) for p in prompts)
+        )
+        seconds = time.perf_counter() - started
+    return sum(r["usage"]["completion_tokens"] for r in replies), seconds
+
+
+def measure(
+    launcher: Any, batches: list[int], max_tokens: int, passage_len: int
+) -> dict[int, dict[str, float]]:
+    """Per batch size: tok/s and the speculative counters' change over its load."""
+    out = {}
+    asyncio.run(_load(launcher.url, quote_prompts(1, passage_len, seed=99), 4))  # warm-up
+    for batch in batches:
+        before = spec_counters(launcher)
+        tokens, seconds = asyncio.run(
+            _load(launcher.url, quote_prompts(batch, passage_len, seed=batch), max_tokens)
+        )
+        after = spec_counters(launcher)
+        delta = {k: after[k] - before[k] for k in after}
+        out[batch] = {"tok_s": tokens / seconds, **delta}
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    batches = [int(b) for b in args.batches.split(",")]
+    setups = []
+    for method in args.methods.split(","):
+        setups.append(DraftSetup(method, args.k, exit_layer=args.exit_layer))
+        if method == "ngram" and args.tree:
+            tree = tuple(int(w) for w in args.tree.split(","))
+            setups.append(DraftSetup(method, len(tree), tree))
+    env = {"KVMESH_NUM_BLOCKS": "2048"}
+    measure_args = (batches, args.max_tokens, args.passage_len)
+    with spec_mesh(None, args.transport, model=args.model, env=env) as mesh:
+        baseline = measure(mesh, *measure_args)
+    results = []
+    for setup in setups:
+        with spec_mesh(setup, args.transport, model=args.model, env=env) as mesh:
+            got = measure(mesh, *measure_args)
+        for batch in batches:
+            row = got[batch]
+            results.append(
+                {
+                    "method": setup.method,
+                    "k": setup.k,
+                    "tree": ",".join(map(str, setup.tree)),
+                    "batch": batch,
+                    "acceptance": round(row["accepted"] / row["positions"], 4)
+                    if row["positions"]
+                    else None,
+                    "tokens_per_step": round(
+                        row["tokens_per_step_sum"] / row["tokens_per_step_count"], 3
+                    )
+                    if row["tokens_per_step_count"]
+                    else None,
+                    "tok_s": round(row["tok_s"], 1),
+                    "baseline_tok_s": round(baseline[batch]["tok_s"], 1),
+                    "speedup": round(row["tok_s"] / baseline[batch]["tok_s"], 3),
+                }
+            )
+    report = {"model": args.model, "transport": args.transport, "results": results}
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        cols = ("method", "k", "tree", "batch", "acceptance", "tokens_per_step", "tok_s")
+        cols += ("baseline_tok_s", "speedup")
+        print("  ".join(cols))
+        for r in results:
+            print("  ".join(str(r[c]) for c in cols))
+    sys.stdout.flush()
+    return 0
+
+
+def register_spec(sub: Any) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "spec", help="speculative decoding: mesh tokens/s with each draft method vs without"
+    )
+    p.add_argument("--model", default=MODEL)
+    p.add_argument("--transport", default="shm", choices=("auto", "shm", "tcp"))
+    p.add_argument("--methods", default="ngram,early-exit", help="comma-separated draft methods")
+    p.add_argument("--k", type=int, default=4, help="draft tokens per proposal")
+    p.add_argument("--tree", default="2,2,1,1", help="ngram also as this tree ('' to skip)")
+    p.add_argument("--exit-layer", type=int, default=1)
+    p.add_argument("--batches", default="1,8")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--passage-len", type=int, default=600, help="characters of the passage")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=run)
+    return p

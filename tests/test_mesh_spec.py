@@ -1,0 +1,170 @@
+"""Speculative decoding end to end: real nats-server, kv-registry, router, prefill, decode and
+draft processes (kvmesh-tiny).
+
+16 concurrent greedy requests through the router; each request's tokens (read off its NATS token
+subject) must equal the offline engine's without drafts, token for token, for n-gram and early
+exit drafts, K 1 and 4 and a tree, over shm (and n-gram over tcp); the decode worker's counters
+show that drafts were verified. kill -9 of the draft worker mid-stream changes no stream. Bad
+draft settings stop `kvmesh serve draft` at start-up with one line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+
+import aiohttp
+import pytest
+from kvmesh.loadgen.bench_mesh import MeshTap, complete, random_prompts, wait_blocks_returned
+from kvmesh.loadgen.bench_spec import DraftSetup, spec_counters, spec_mesh
+
+pytestmark = pytest.mark.slow
+
+ENV = {"KVMESH_CHUNK_TOKENS": "32", "KVMESH_BLOCK_SIZE": "16", "KVMESH_NUM_BLOCKS": "1024"}
+# Half the prompts repeat a phrase, so prompt lookup finds something to propose.
+PROMPTS = [p * 3 if i % 2 else p for i, p in enumerate(random_prompts(16, 20, 60, seed=11))]
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def offline_tokens() -> list[list[int]]:
+    from kvmesh.shared.engine.config import EngineConfig
+    from kvmesh.shared.engine.llm_engine import LLMEngine
+    from kvmesh.shared.engine.sequence import SamplingParams
+    from kvmesh.shared.model.loader import load_model
+
+    model, tokenizer = load_model("kvmesh-tiny")
+    engine = LLMEngine(model, tokenizer, EngineConfig(num_blocks=1024))
+    return engine.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
+
+
+async def _load(mesh, max_tokens: int = MAX_TOKENS) -> tuple[list[dict], MeshTap]:
+    async with (
+        MeshTap(mesh.config.nats_url, mesh.nats_auth) as tap,
+        aiohttp.ClientSession() as session,
+    ):
+        replies = await asyncio.gather(
+            *(complete(session, mesh.url, p, max_tokens) for p in PROMPTS)
+        )
+        for reply in replies:
+            await tap.wait_finished(reply["id"])
+    return replies, tap
+
+
+def _check(replies: list[dict], tap: MeshTap, offline: list[list[int]]) -> None:
+    got = [tap.tokens[r["id"]] for r in replies]
+    mismatched = [i for i, (g, o) in enumerate(zip(got, offline, strict=True)) if g != o]
+    assert not mismatched, f"requests {mismatched} differ from the offline engine"
+    for reply, tokens in zip(replies, got, strict=True):
+        assert reply["usage"]["completion_tokens"] == len(tokens)
+
+
+async def _check_clean(mesh) -> None:
+    rows = await wait_blocks_returned(mesh.config.nats_url, mesh.nats_auth)
+    assert rows and all(r["free_blocks"] == r["total_blocks"] for r in rows), rows
+    assert mesh.nats_violations() == []  # the draft role kept to its permissions
+
+
+@pytest.mark.parametrize(
+    ("transport", "setup"),
+    [
+        ("shm", DraftSetup("ngram", k=1)),
+        ("shm", DraftSetup("ngram", k=4)),
+        ("shm", DraftSetup("ngram", k=4, tree=(2, 2, 1, 1))),
+        ("shm", DraftSetup("early-exit", k=1, exit_layer=2)),
+        ("shm", DraftSetup("early-exit", k=4, exit_layer=2)),
+        ("tcp", DraftSetup("ngram", k=4)),
+    ],
+    ids=lambda v: v if isinstance(v, str) else f"{v.method}-k{v.k}-{'x'.join(map(str, v.tree))}",
+)
+def test_greedy_output_with_drafts_equals_output_without(transport, setup, offline_tokens):
+    with spec_mesh(setup, transport, env=ENV) as mesh:
+
+        async def scenario() -> None:
+            replies, tap = await _load(mesh)
+            _check(replies, tap, offline_tokens)
+            await _check_clean(mesh)
+
+        asyncio.run(scenario())
+        counters = spec_counters(mesh)
+    assert counters["verify_steps"] > 0 and counters["positions"] > 0, counters
+    if setup.method == "early-exit":  # the first layers of the same model agree sometimes
+        assert counters["accepted"] > 0, counters
+
+
+def test_streams_complete_unchanged_when_the_draft_worker_is_killed_mid_stream(offline_tokens):
+    long_tokens = 96
+    from kvmesh.shared.engine.config import EngineConfig
+    from kvmesh.shared.engine.llm_engine import LLMEngine
+    from kvmesh.shared.engine.sequence import SamplingParams
+    from kvmesh.shared.model.loader import load_model
+
+    engine = LLMEngine(*load_model("kvmesh-tiny"), EngineConfig(num_blocks=1024))
+    offline = engine.generate(PROMPTS, SamplingParams(max_tokens=long_tokens, temperature=0.0))
+    with spec_mesh(DraftSetup("ngram", k=4), "shm", env=ENV) as mesh:
+        _, draft = mesh.children["draft-0"]
+
+        async def scenario() -> None:
+            async with (
+                MeshTap(mesh.config.nats_url, mesh.nats_auth) as tap,
+                aiohttp.ClientSession() as session,
+            ):
+                load = asyncio.gather(
+                    *(complete(session, mesh.url, p, long_tokens) for p in PROMPTS)
+                )
+                task = asyncio.ensure_future(load)
+                while sum(len(t) for t in tap.tokens.values()) < len(PROMPTS) * 4:
+                    assert not task.done()
+                    await asyncio.sleep(0.01)
+                os.kill(draft.pid, signal.SIGKILL)  # mid-stream
+                replies = await task
+                for reply in replies:
+                    await tap.wait_finished(reply["id"])
+            _check(replies, tap, offline)
+            await _check_clean(mesh)
+
+        asyncio.run(scenario())
+        assert draft.wait(10) == -signal.SIGKILL
+
+
+def _serve_draft(*flags: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "KVMESH_NATS_URL": "nats://127.0.0.1:1"}  # never reached
+    return subprocess.run(
+        [sys.executable, "-m", "kvmesh.cli", "serve", "draft", *flags],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (("--num-speculative-tokens", "0"), "num_speculative_tokens must be in [1, 16]"),
+        (("--num-speculative-tokens", "40"), "num_speculative_tokens must be in [1, 16]"),
+        (("--num-speculative-tokens", "3", "--tree", "8,8,8"), "the limit is 63"),
+        (("--num-speculative-tokens", "2", "--tree", "2,2,2"), "has 3 depths"),
+        (("--method", "model"), "needs --draft-model"),
+        (("--method", "early-exit", "--exit-layer", "4"), "exit after 1 to 3"),
+    ],
+)
+def test_bad_draft_settings_stop_the_service_with_one_line(flags, message):
+    proc = _serve_draft(*flags)
+    assert proc.returncode in (1, 2), proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if "kvmesh serve draft" in line]
+    assert len(lines) == 1 and message in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_draft_model_with_another_vocabulary_is_refused_at_start_up(tmp_path):
+    from small_models import write_small_seeded
+
+    other = write_small_seeded(tmp_path / "other-vocab")
+    proc = _serve_draft("--method", "model", "--draft-model", other)
+    assert proc.returncode == 1, proc.stderr
+    [line] = [line for line in proc.stderr.splitlines() if "kvmesh serve draft" in line]
+    assert "does not share the vocabulary" in line and "Traceback" not in proc.stderr
