@@ -155,10 +155,16 @@ async def complete(
 
 
 async def wait_blocks_returned(
-    nats_url: str, auth: Any = None, timeout_s: float = 15.0, *, mesh: str = DEFAULT_MESH
+    nats_url: str,
+    auth: Any = None,
+    timeout_s: float = 15.0,
+    *,
+    mesh: str = DEFAULT_MESH,
+    workers: int | None = None,
 ) -> list[dict[str, Any]]:
-    """Admin status rows of the decode workers, once each has every block free again (or the
-    last rows seen when ``timeout_s`` runs out: the caller asserts)."""
+    """Admin status rows of the decode workers, once each has every block free again and, with
+    ``workers``, that many are registered (a registry that was cut off relearns the workers from
+    their next heartbeat); or the last rows seen when ``timeout_s`` runs out: the caller asserts."""
     from kvmesh.shared.admin_client import admin_client
 
     loop = asyncio.get_running_loop()
@@ -166,7 +172,8 @@ async def wait_blocks_returned(
     async with admin_client(nats_url, auth=auth, mesh=mesh) as admin:
         while True:
             rows = (await admin.status())["decode"]
-            if rows and all(r["free_blocks"] == r["total_blocks"] for r in rows):
+            complete = workers is None or len(rows) == workers
+            if rows and complete and all(r["free_blocks"] == r["total_blocks"] for r in rows):
                 return rows
             if loop.time() > deadline:
                 return rows

@@ -101,8 +101,8 @@ async def _restart_nats(mesh, host: int, timeout_s: float = 30.0) -> None:
 async def _check_no_block_leaked(mesh, timeout_s: float = 15.0) -> None:
     deadline = asyncio.get_running_loop().time() + timeout_s
     while True:  # a registry cut off with the prefill host reconnects first (ping timeout)
-        try:
-            rows = await wait_blocks_returned(mesh.nats_url, timeout_s=timeout_s)
+        try:  # and relearns both decode workers from their next heartbeat
+            rows = await wait_blocks_returned(mesh.nats_url, timeout_s=timeout_s, workers=2)
             break
         except AdminError:
             assert asyncio.get_running_loop().time() < deadline, "the registry never answered"
