@@ -1,0 +1,59 @@
+"""The request sequence diagram in docs/mesh.md names real code: every ``Class.method`` in it is a
+method of a class defined in kvmesh's sources, and every subject template is one Subjects makes,
+so the diagram cannot drift from the code unnoticed."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+from kvmesh.shared.subjects import Subjects
+
+ROOT = Path(__file__).resolve().parent.parent
+SOURCES = ("shared", "services", "kvmesh", "kernels", "loadgen")
+
+
+def _diagram() -> str:
+    text = (ROOT / "docs" / "mesh.md").read_text()
+    match = re.search(r"```mermaid\n(sequenceDiagram.*?)```", text, re.S)
+    assert match, "docs/mesh.md has no sequence diagram"
+    return match.group(1)
+
+
+def _methods_by_class() -> dict[str, set[str]]:
+    found: dict[str, set[str]] = {}
+    for folder in SOURCES:
+        for path in (ROOT / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ClassDef):
+                    names = {
+                        n.name
+                        for n in node.body
+                        if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)
+                    }
+                    found.setdefault(node.name, set()).update(names)
+    return found
+
+
+def test_every_method_the_sequence_diagram_names_exists():
+    methods = _methods_by_class()
+    named = re.findall(r"\b([A-Z][A-Za-z]+)\.([a-z_]+)\b", _diagram())
+    assert named, "the diagram names no functions"
+    missing = [f"{cls}.{fn}" for cls, fn in named if fn not in methods.get(cls, set())]
+    assert missing == []
+
+
+def test_every_subject_the_sequence_diagram_names_is_one_subjects_makes():
+    s = Subjects("zz9")
+    made = {
+        subject.replace("zz9", "<mesh>").replace("qq7", "<id>")
+        for subject in (
+            s.REGISTRY_PLACE,
+            s.decode_reserve("qq7"),
+            s.request_tokens("qq7"),
+            s.PREFILL_STREAM,
+        )
+    }
+    named = set(re.findall(r"kvmesh\.<mesh>\.[\w.<>]+|KVMESH_PREFILL_<mesh>", _diagram()))
+    assert named and named <= made, named - made
