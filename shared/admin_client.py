@@ -58,7 +58,12 @@ class AdminClient:
                     msg = await sub.next_msg(timeout=left)
                 except TimeoutError:
                     break
-                stats = orjson.loads(msg.data)
+                if not msg.data:  # the server's "no responders" (status 503): no draft worker
+                    break
+                try:
+                    stats = orjson.loads(msg.data)
+                except orjson.JSONDecodeError:
+                    continue
                 if stats.get("metadata", {}).get("mesh") != self.subjects.mesh:
                     continue  # another mesh's draft worker on the same server
                 rows += [e["data"] for e in stats.get("endpoints", []) if e.get("data")]

@@ -37,15 +37,18 @@ def test_delta_with_a_gap_drops_the_sequence_and_asks_again():
     assert "r" not in core.seqs
 
 
-def test_proposal_is_dropped_when_the_context_moved_on_while_drafting():
-    core = DraftCore("draft-0", max_sequences=8)
+def test_proposal_is_dropped_only_when_the_context_grew_past_it_while_drafting():
+    core = DraftCore("draft-0", max_sequences=8, depth=1)
     core.on_context(ctx("r", 0, [1, 2]))
     [job] = core.take_jobs(4)
     core.on_context(ctx("r", 2, [3]))
-    assert core.proposal(job, (4,), (-1,)) is None
-    [job] = core.take_jobs(4)
+    late = core.proposal(job, (3, 4), (-1, 0))  # decode may still use 4, below the new 3
+    assert late is not None and late.position == 2 and late.depth == 1
+    core.on_context(ctx("r", 3, [4, 5]))
+    assert core.proposal(job, (3, 4), (-1, 0)) is None  # grew by 3 > the tree's 2 tokens
+    [job] = core.take_jobs(4)  # drafted again from the new context
     proposal = core.proposal(job, (4, 5), (-1, 0))
-    assert proposal is not None and proposal.position == 3 and proposal.tokens == (4, 5)
+    assert proposal is not None and proposal.position == 5 and proposal.tokens == (4, 5)
     empty = core.proposal(job, (), ())  # nothing to propose: still says the worker is alive
     assert empty is not None and empty.tokens == () and not empty.need_context
 

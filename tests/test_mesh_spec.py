@@ -20,6 +20,9 @@ import aiohttp
 import pytest
 from kvmesh.loadgen.bench_mesh import MeshTap, complete, random_prompts, wait_blocks_returned
 from kvmesh.loadgen.bench_spec import DraftSetup, spec_counters, spec_mesh
+from kvmesh.shared.admin_client import admin_client
+
+from kvmesh.commands.admin import render_status
 
 pytestmark = pytest.mark.slow
 
@@ -81,15 +84,27 @@ async def _check_clean(mesh) -> None:
     ids=lambda v: v if isinstance(v, str) else f"{v.method}-k{v.k}-{'x'.join(map(str, v.tree))}",
 )
 def test_greedy_output_with_drafts_equals_output_without(transport, setup, offline_tokens):
-    with spec_mesh(setup, transport, env=ENV) as mesh:
+    env = dict(ENV)
+    if setup.method == "early-exit":
+        # kvmesh-tiny's step takes a few ms, about what a model draft takes: paced like a big
+        # target's step, the drafts arrive in time (back to back they mostly arrive late, are
+        # stale unless their first token was right, and decode goes on without them)
+        env["KVMESH_MIN_STEP_INTERVAL_MS"] = "30"
+    with spec_mesh(setup, transport, env=env) as mesh:
 
-        async def scenario() -> None:
+        async def scenario() -> dict:
             replies, tap = await _load(mesh)
             _check(replies, tap, offline_tokens)
             await _check_clean(mesh)
+            async with admin_client(mesh.config.nats_url, auth=mesh.nats_auth) as admin:
+                return {**await admin.status(), "draft": await admin.draft_workers()}
 
-        asyncio.run(scenario())
+        status = asyncio.run(scenario())
         counters = spec_counters(mesh)
+    [row] = status["draft"]  # kvmesh admin status shows the draft worker and its acceptance
+    assert row["worker_id"] == "draft-0" and row["method"] == setup.method and row["k"] == setup.k
+    assert row["verified_tokens"] > 0 and 0 <= row["acceptance"] <= 1
+    assert "draft-0" in render_status(status)
     assert counters["verify_steps"] > 0 and counters["positions"] > 0, counters
     if setup.method == "early-exit":  # the first layers of the same model agree sometimes
         assert counters["accepted"] > 0, counters

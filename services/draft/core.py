@@ -5,8 +5,8 @@ position (``DraftContext``). A delta that does not continue what the core holds 
 never saw, one it dropped, or a gap) is answered with ``need_context``: the decode worker then
 sends the whole context again. The core keeps at most ``max_sequences`` contexts and drops the
 least recently updated first. ``take_jobs`` hands out the sequences whose context changed since
-their last draft; ``proposal`` turns a drafted tree into the message, unless the context moved on
-meanwhile (the proposal would be stale on arrival; the sequence is drafted again instead).
+their last draft; ``proposal`` turns a drafted tree into the message, unless the context grew
+past it meanwhile (it is drafted again from the new context anyway).
 """
 
 from __future__ import annotations
@@ -116,11 +116,13 @@ class DraftCore:
         self, job: DraftJob, tokens: tuple[int, ...], parents: tuple[int, ...]
     ) -> DraftProposal | None:
         """The message for a drafted tree (an empty one too: it tells the decode worker this
-        worker is alive and holds the context); None when the sequence moved on (or was
-        forgotten) while it was drafted."""
+        worker is alive and holds the context). A tree drafted from a context that has grown
+        since is still sent while the growth is no longer than the tree: the decode worker uses
+        the subtree below the new tokens if they lie on one of its paths. None when the sequence
+        was forgotten, or grew past the tree."""
         assert len(tokens) == len(parents), (tokens, parents)
         seq = self.seqs.get(job.request_id)
-        if seq is None or len(seq.tokens) != job.position:
+        if seq is None or len(seq.tokens) - job.position > len(tokens):
             return None
         self.num_proposals += 1
         return DraftProposal(
