@@ -74,6 +74,8 @@ def role_permissions(s: Subjects) -> dict[str, Permissions]:
     decode_pub = (
         f"{p}.request.*.tokens",
         s.REGISTRY_ADVERTISE,
+        s.REGISTRY_KV_EVENTS,
+        s.REGISTRY_KV_DIGEST,
         s.ABORT,
         s.DRAFT_CONTEXT,
         s.draft_context("*"),
@@ -111,6 +113,8 @@ def role_permissions(s: Subjects) -> dict[str, Permissions]:
             subscribe=(
                 s.REGISTRY_PLACE,
                 s.REGISTRY_ADVERTISE,
+                s.REGISTRY_KV_EVENTS,
+                s.REGISTRY_KV_DIGEST,
                 s.HEARTBEAT_ALL,
                 s.decode_prefill_done("*"),
                 s.DECODE_LEASE_RENEW_ALL,

@@ -101,6 +101,10 @@ class PlaceReply(Message):
     block_bytes: int = 0
     error: str = ""
     retry_after_s: float = 0.0  # > 0: overloaded, try again later (HTTP 429/503)
+    # The registry placed a remote-prefill request where its prefix is cached and had the decode
+    # worker prefill the short uncached suffix itself: no prefill job is to be published.
+    local_prefill: bool = False
+    cached_tokens: int = 0  # prompt tokens the registry expects the worker's prefix cache to hold
 
 
 # --- prefill ----------------------------------------------------------------------------------
@@ -280,6 +284,39 @@ class DecodeAdvert(Message):
     stray_immediates: int = 0  # immediates that named no live reservation (late or forged)
     forged_announcements: int = 0  # PrefillDones without their lease's window key
     model_spec: str = ""  # model_spec() of the model it serves: routers of that model place here
+
+
+# --- prefix cache events (decode -> kv-registry) --------------------------------------------
+# Block hashes are shared/prefix_hash.py's chain, rooted in the worker's KV layout: the registry
+# indexes which worker holds which prefix and places requests where their prefix is cached.
+
+MAX_CACHE_EVENT_HASHES = 16_384  # per message: a digest of a larger cache sends its newest ones
+
+
+class KvCacheEvents(Message):
+    """Decode -> registry, batched every ``--cache-events-interval-s``: block hashes that entered
+    (``stored``) or left (``removed``) the worker's prefix cache since its previous message.
+    ``seq`` counts this worker's event and digest messages from 1 (per process, see ``epoch``):
+    a registry that sees a gap knows it missed changes and waits for the next digest."""
+
+    worker_id: str
+    epoch: str  # the worker's process incarnation: a restarted worker starts a new sequence
+    seq: Annotated[int, msgspec.Meta(ge=1)]
+    stored: Annotated[tuple[int, ...], msgspec.Meta(max_length=MAX_CACHE_EVENT_HASHES)] = ()
+    removed: Annotated[tuple[int, ...], msgspec.Meta(max_length=MAX_CACHE_EVENT_HASHES)] = ()
+
+
+class KvCacheDigest(Message):
+    """Decode -> registry, every ``--cache-digest-interval-s`` and whenever an event batch
+    overflowed: the hashes the worker's prefix cache holds now (the newest
+    MAX_CACHE_EVENT_HASHES when it holds more). It replaces what the registry knew of the worker;
+    events with a higher ``seq`` follow it."""
+
+    worker_id: str
+    epoch: str
+    seq: Annotated[int, msgspec.Meta(ge=1)]
+    hashes: Annotated[tuple[int, ...], msgspec.Meta(max_length=MAX_CACHE_EVENT_HASHES)] = ()
+    num_cached_blocks: Annotated[int, msgspec.Meta(ge=0)] = 0  # all of them, sent or not
 
 
 class WorkerControl(Message):

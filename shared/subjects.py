@@ -61,6 +61,16 @@ class Subjects:
     def REGISTRY_ADVERTISE(self) -> str:
         return f"{self.prefix}.registry.advertise"
 
+    # decode -> kv-registry (publish, batched): KvCacheEvents, its prefix cache's changes
+    @property
+    def REGISTRY_KV_EVENTS(self) -> str:
+        return f"{self.prefix}.registry.kv_events"
+
+    # decode -> kv-registry (publish, periodic): KvCacheDigest, its whole prefix cache
+    @property
+    def REGISTRY_KV_DIGEST(self) -> str:
+        return f"{self.prefix}.registry.kv_digest"
+
     # every worker -> anyone (publish): WorkerHeartbeat; subscribe with HEARTBEAT_ALL
     @property
     def HEARTBEAT_ALL(self) -> str:

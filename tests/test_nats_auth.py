@@ -90,6 +90,17 @@ async def test_nats_without_credentials_or_with_a_wrong_password_is_refused(serv
         ("draft", subjects.request_tokens("r1"), "router", "kvmesh.m1.request.>", False),
         ("draft", subjects.decode_reserve("d0"), "decode", "kvmesh.m1.decode.d0.>", False),
         ("prefill", subjects.DRAFT_CONTEXT, "draft", subjects.DRAFT_CONTEXT, False),
+        # prefix cache events: decode workers tell the registry what they hold, nobody else may
+        ("decode", subjects.REGISTRY_KV_EVENTS, "kv-registry", subjects.REGISTRY_KV_EVENTS, True),
+        (
+            "colocated",
+            subjects.REGISTRY_KV_DIGEST,
+            "kv-registry",
+            subjects.REGISTRY_KV_DIGEST,
+            True,
+        ),
+        ("prefill", subjects.REGISTRY_KV_EVENTS, "kv-registry", subjects.REGISTRY_KV_EVENTS, False),
+        ("router", subjects.REGISTRY_KV_DIGEST, "kv-registry", subjects.REGISTRY_KV_DIGEST, False),
         # another mesh's subjects: neither sent nor heard
         ("router", other.ABORT, "decode", other.ABORT, False),
         ("decode", other.request_tokens("r1"), "router", other.request_events_all("r1"), False),

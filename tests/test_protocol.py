@@ -17,6 +17,8 @@ from kvmesh.shared.descriptor import (
 from kvmesh.shared.protocol import (
     Abort,
     DecodeAdvert,
+    KvCacheDigest,
+    KvCacheEvents,
     LeaseRenew,
     LogLevel,
     Message,
@@ -111,6 +113,8 @@ EXAMPLES: list[Message] = [
         block_bytes=4096,
         error="e",
         retry_after_s=0.25,
+        local_prefill=True,
+        cached_tokens=32,
     ),
     JOB,
     PrefillDone("r1", "L1", ok=True, first_token=5, num_writes=3, error="e", rkey=77),
@@ -126,6 +130,8 @@ EXAMPLES: list[Message] = [
     ADVERT,
     WorkerControl("drain"),
     LogLevel("debug"),
+    KvCacheEvents("d0", epoch="e1", seq=3, stored=(2**64 - 1, 7), removed=(9,)),
+    KvCacheDigest("d0", epoch="e1", seq=4, hashes=(7, 2**63), num_cached_blocks=5),
 ]
 
 

@@ -6,27 +6,25 @@ frees it, it goes to the back of the free list still carrying its hash, so a lat
 the same prefix can take it back; allocating a fresh block evicts from the front (least recently
 freed, uncached blocks first). Blocks reserved with ``allocate_blocks`` for a remote writer are
 plain owned blocks; ``free_blocks`` returns them.
+
+The hash chain is shared/prefix_hash.py's, started from ``root_hash`` (the KV layout's root), so
+the kv-registry computes the same names. ``events``, when its owner sets a CacheEventLog, hears
+every hash that enters or leaves the cache (the decode worker publishes them).
 """
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import OrderedDict
 
+from kvmesh.shared.engine.cache_events import CacheEventLog
 from kvmesh.shared.engine.sequence import Sequence
+from kvmesh.shared.prefix_hash import block_hash
+
+__all__ = ["Block", "BlockManager", "OutOfBlocksError", "block_hash"]
 
 
 class OutOfBlocksError(RuntimeError):
     """More KV blocks were asked for than are free."""
-
-
-def block_hash(parent_hash: int | None, token_ids: list[int]) -> int:
-    """Chained hash of one full block; stable across processes (the registry can index it)."""
-    h = hashlib.blake2b(digest_size=8)
-    h.update((parent_hash if parent_hash is not None else 0).to_bytes(8, "little", signed=False))
-    h.update(array("q", token_ids).tobytes())
-    return int.from_bytes(h.digest(), "little")
 
 
 class Block:
@@ -41,14 +39,21 @@ class Block:
 
 class BlockManager:
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        root_hash: int = 0,
     ) -> None:
         assert num_blocks > 0 and block_size > 0
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.root_hash = root_hash  # parent of every chain's first block (prefix_hash.layout_root)
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.hash_to_block: dict[int, int] = {}
+        self.events: CacheEventLog | None = None  # set by an owner that publishes cache changes
+        self.num_hit_tokens = 0  # prompt tokens taken from the prefix cache by allocate()
 
     @property
     def num_total_blocks(self) -> int:
@@ -70,6 +75,8 @@ class BlockManager:
         if block.hash is not None:  # evict from the prefix cache
             if self.hash_to_block.get(block.hash) == block_id:
                 del self.hash_to_block[block.hash]
+                if self.events is not None:
+                    self.events.on_removed(block.hash)
             block.hash, block.token_ids = None, ()
         block.ref_count = 1
         return block_id
@@ -100,7 +107,7 @@ class BlockManager:
         bs = self.block_size
         hashes = seq.block_hashes
         for i in range(len(hashes), num_full_blocks):
-            parent = hashes[i - 1] if i else None
+            parent = hashes[i - 1] if i else self.root_hash
             hashes.append(block_hash(parent, seq.token_ids[i * bs : (i + 1) * bs]))
         return hashes
 
@@ -144,6 +151,7 @@ class BlockManager:
         seq.block_table = hits + [self._take_free() for _ in range(num_new)]
         seq.num_computed_tokens = len(hits) * self.block_size
         seq.num_hashed_blocks = len(hits)
+        self.num_hit_tokens += seq.num_computed_tokens
 
     def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Whether the blocks for ``num_new_tokens`` more computed tokens can be had."""
@@ -171,6 +179,8 @@ class BlockManager:
                 block.hash = hashes[i]
                 block.token_ids = tuple(seq.token_ids[i * bs : (i + 1) * bs])
                 self.hash_to_block[block.hash] = block.block_id
+                if self.events is not None:
+                    self.events.on_stored(block.hash)
         seq.num_hashed_blocks = num_full
 
     def deallocate(self, seq: Sequence) -> None:
@@ -201,6 +211,8 @@ class BlockManager:
             if block.ref_count == 1:
                 if block.hash is not None and self.hash_to_block.get(block.hash) == block.block_id:
                     del self.hash_to_block[block.hash]
+                    if self.events is not None:
+                        self.events.on_removed(block.hash)
                 block.hash, block.token_ids = None, ()
             else:
                 new_id = self.allocate_blocks(1)[0]

@@ -78,6 +78,8 @@ from kvmesh.shared.engine.sequence import (
     UnknownRequestError,
 )
 from kvmesh.shared.engine.speculative import DraftVerifier, SpecStepStats, SpecTotals
+from kvmesh.shared.prefix_hash import layout_root
+from kvmesh.shared.protocol import kv_spec_fingerprint
 
 __all__ = [
     "ChunkReady",
@@ -113,8 +115,13 @@ class LLMEngine:
         )
         num_blocks = config.resolve_num_blocks(spec.block_bytes)
         self.kv_pool = KVPool(spec, num_blocks, device=config.device, buffer=kv_buffer)
+        # what DecodeAdvert.kv_spec says; it roots the prefix hash chain (shared/prefix_hash.py)
+        self.kv_spec = kv_spec_fingerprint(spec, mc)
         self.block_manager = BlockManager(
-            num_blocks, config.block_size, config.enable_prefix_caching
+            num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            root_hash=layout_root(self.kv_spec),
         )
         self.scheduler = Scheduler(
             self.block_manager,
