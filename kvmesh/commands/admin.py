@@ -201,6 +201,7 @@ def render_status(status: dict[str, Any]) -> str:
                 "running",
                 "waiting",
                 "leases",
+                "cached_blocks",
                 "refused_accesses",
             ),
         ),

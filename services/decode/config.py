@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from kvmesh.shared.imm import MAX_SLOTS
+from kvmesh.shared.protocol import MAX_CACHE_EVENT_HASHES
 from kvmesh.shared.service_config import option
 from kvmesh.shared.worker_config import EngineWorkerConfig
 
@@ -46,6 +47,20 @@ class DecodeConfig(EngineWorkerConfig):
         help="after a lease expires, seconds its blocks stay out of the pool unless the prefill "
         "confirms it stopped writing",
     )
+    cache_events_interval_s: float = option(
+        0.1,
+        help="seconds between reports of the prefix cache's changes to the kv-registry "
+        "(KvCacheEvents; none are sent while nothing changes)",
+    )
+    cache_digest_interval_s: float = option(
+        5.0,
+        help="seconds between full reports of the prefix cache (KvCacheDigest): a registry that "
+        "restarted or missed events is in sync again after at most this long",
+    )
+    max_cache_events: int = option(
+        4096,
+        help="prefix cache changes kept between two reports; past it a full report replaces them",
+    )
 
     speculative: bool = option(
         False,
@@ -71,7 +86,17 @@ class DecodeConfig(EngineWorkerConfig):
             )
         if self.min_step_interval_ms < 0:
             raise ValueError(f"min_step_interval_ms must be >= 0, got {self.min_step_interval_ms}")
-        for name in ("lease_check_s", "max_lease_s"):
+        if not 0 < self.max_cache_events <= MAX_CACHE_EVENT_HASHES:
+            raise ValueError(
+                f"max_cache_events must be in [1, {MAX_CACHE_EVENT_HASHES}], "
+                f"got {self.max_cache_events}"
+            )
+        for name in (
+            "lease_check_s",
+            "max_lease_s",
+            "cache_events_interval_s",
+            "cache_digest_interval_s",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 

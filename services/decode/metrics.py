@@ -93,6 +93,18 @@ class DecodeMetrics:
             buckets=STEP_BUCKETS,
             registry=r,
         )
+        self.prefix_hit_tokens = Counter(
+            "kvmesh_decode_prefix_cache_hit_tokens_total",
+            "Prompt tokens of locally prefilled (and recomputed) sequences taken from the "
+            "prefix cache instead of being computed.",
+            registry=r,
+        )
+        self.prefix_cached_blocks = Gauge(
+            "kvmesh_decode_prefix_cached_blocks",
+            "Blocks in the prefix cache (full, hashed, reusable; in use or free).",
+            registry=r,
+        )
+        self._num_hit_tokens = 0
         self._num_preemptions = 0  # the engine's running total at the last step
         self._spec_positions = 0
         self._spec_accepted = 0
@@ -124,6 +136,14 @@ class DecodeMetrics:
         self._spec_accepted += num_accepted
         if self._spec_positions:
             self.spec_acceptance_rate.set(self._spec_accepted / self._spec_positions)
+
+    def observe_prefix_cache(self, num_hit_tokens: int, num_cached_blocks: int) -> None:
+        """After a step: the block manager's running total of prompt tokens it reused, and the
+        blocks its prefix cache holds."""
+        self.prefix_cached_blocks.set(num_cached_blocks)
+        if num_hit_tokens > self._num_hit_tokens:
+            self.prefix_hit_tokens.inc(num_hit_tokens - self._num_hit_tokens)
+        self._num_hit_tokens = num_hit_tokens
 
     def observe_stats(self, stats: Mapping[str, Any]) -> None:
         """The worker's stats (``DecodeWorker.stats()``: what its advert reports)."""

@@ -3,7 +3,8 @@
 Subjects (docs/mesh.md): ``decode_reserve(id)`` (ReserveRequest -> ReserveReply),
 ``decode_prefill_done(id)`` (PrefillDone), ``ABORT`` (Abort), ``worker_control(id)``
 (WorkerControl -> WorkerHeartbeat with the new state); publishes ``DecodeAdvert`` on
-``REGISTRY_ADVERTISE`` every heartbeat, the TokenEvents the worker returns on
+``REGISTRY_ADVERTISE`` every heartbeat, its prefix cache's changes and digests on
+``REGISTRY_KV_EVENTS`` / ``REGISTRY_KV_DIGEST`` (cache_reports.py), the TokenEvents the worker returns on
 ``request_tokens(rid)`` and the Aborts of expired leases on ``ABORT``. With ``--speculative``:
 takes DraftProposals on ``decode_draft(id)`` and sends, after each step, the context deltas the
 worker queued (``DRAFT_CONTEXT`` or ``draft_context(draft worker)``) and DraftForgets. The service runs the engine
@@ -22,6 +23,7 @@ from typing import Any
 import msgspec
 import nats.errors
 import torch
+from kvmesh.services.decode.cache_reports import CacheReporter
 from kvmesh.services.decode.config import DecodeConfig
 from kvmesh.services.decode.drafts import DraftBook, Outgoing
 from kvmesh.services.decode.windows import LeaseWindows
@@ -47,6 +49,8 @@ from kvmesh.shared.protocol import (
     Abort,
     DecodeAdvert,
     DraftProposal,
+    KvCacheDigest,
+    KvCacheEvents,
     LeaseRenew,
     MessageError,
     PrefillDone,
@@ -57,7 +61,6 @@ from kvmesh.shared.protocol import (
     WorkerHeartbeat,
     decode_message,
     encode_message,
-    kv_spec_fingerprint,
     model_spec,
 )
 from kvmesh.shared.transport import Access, Transport, TransportConfig, create_transport
@@ -202,6 +205,31 @@ class DecodeService:
         if latency is not None:
             self.worker.metrics.spec_draft_latency_seconds.observe(latency)
 
+    async def cache_report_loop(self) -> None:
+        """Tell the kv-registry what the prefix cache holds: its changes every
+        ``cache_events_interval_s``, all of it every ``cache_digest_interval_s`` (and at once
+        after an overflow). One task sends both, so they go out in ``seq`` order."""
+        if self.worker.cache is None:
+            return
+        subjects = self.config.subjects
+        next_digest = 0.0
+        while True:
+            msg: KvCacheEvents | KvCacheDigest | None = self.worker.cache_events()
+            if msg is not None:
+                await self._publish_cache_report(subjects.REGISTRY_KV_EVENTS, msg)
+            if self.worker.cache.needs_digest or time.monotonic() >= next_digest:
+                msg = await self.worker.cache_digest()
+                assert msg is not None
+                await self._publish_cache_report(subjects.REGISTRY_KV_DIGEST, msg)
+                next_digest = time.monotonic() + self.config.cache_digest_interval_s
+            await asyncio.sleep(self.config.cache_events_interval_s)
+
+    async def _publish_cache_report(self, subject: str, msg: KvCacheEvents | KvCacheDigest) -> None:
+        try:
+            await self.nc.publish(subject, encode_message(msg))
+        except nats.errors.Error as exc:  # the registry notices the gap and waits for a digest
+            log.debug("cache report not sent", subject=subject, error=str(exc))
+
     async def lease_loop(self) -> None:
         """Expire leases every ``lease_check_s``; tell each expired lease's prefill to stop."""
         while True:
@@ -329,6 +357,11 @@ async def decode_service(config: DecodeConfig) -> AsyncIterator[DecodeService]:
             windows=LeaseWindows(transport, region, spec.block_bytes) if region else None,
             quarantine_s=config.quarantine_s,
             drafts=DraftBook(worker_id) if config.speculative else None,
+            cache=(
+                CacheReporter(worker_id, engine.block_manager, config.max_cache_events)
+                if econf.enable_prefix_caching
+                else None
+            ),
         )
         service = DecodeService(
             config,
@@ -343,7 +376,7 @@ async def decode_service(config: DecodeConfig) -> AsyncIterator[DecodeService]:
             base_addr=region.addr if region else 0,
             block_bytes=spec.block_bytes,
             block_size=spec.block_size,
-            kv_spec=kv_spec_fingerprint(spec, model.config),
+            kv_spec=engine.kv_spec,  # kv_spec_fingerprint(); it also roots the prefix hashes
             model_spec=model_spec(model.config),
         )
         await service.stats()
@@ -376,6 +409,7 @@ async def decode_service(config: DecodeConfig) -> AsyncIterator[DecodeService]:
                 service.lease_loop(),
                 service.completion_loop(),
                 service.advert_loop(),
+                service.cache_report_loop(),
             ),
             serve_metrics(
                 worker.metrics.registry, config.metrics_host, config.metrics_port

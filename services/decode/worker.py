@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from kvmesh.services.decode.cache_reports import CacheReporter
 from kvmesh.services.decode.drafts import DraftBook, Outgoing
 from kvmesh.services.decode.metrics import DecodeMetrics
 from kvmesh.services.decode.pending import Admission, PendingTable, ReservationError, Verdict
@@ -38,6 +39,8 @@ from kvmesh.shared.protocol import (
     Abort,
     DraftForget,
     DraftProposal,
+    KvCacheDigest,
+    KvCacheEvents,
     PrefillDone,
     PrefillStarted,
     ReserveReply,
@@ -101,6 +104,7 @@ class DecodeWorker:
         metrics: DecodeMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
         drafts: DraftBook | None = None,
+        cache: CacheReporter | None = None,
     ) -> None:
         self.engine = engine
         self.metrics = metrics or DecodeMetrics()
@@ -121,6 +125,7 @@ class DecodeWorker:
         self._incoming: list[tuple[str, list[int], SamplingParams]] = []
         self.drafts = drafts  # None: no speculative decoding
         self._draft_outbox: list[Outgoing | tuple[str, DraftForget]] = []
+        self.cache = cache  # None: the prefix cache is not reported to the registry
 
     # ---- the engine loop (the service drives it) --------------------------------------------
 
@@ -179,6 +184,8 @@ class DecodeWorker:
             )
             if self.drafts is not None:
                 self._after_verify(outputs, trees, seconds)
+            bm = self.engine.block_manager
+            self.metrics.observe_prefix_cache(bm.num_hit_tokens, len(bm.hash_to_block))
         return [event for out in outputs if (event := _token_event(out)) is not None]
 
     # ---- speculative decoding -----------------------------------------------------------------
@@ -242,6 +249,19 @@ class DecodeWorker:
         ``(draft worker id, DraftForget)``; the service sends them."""
         out, self._draft_outbox = self._draft_outbox, []
         return out
+
+    # ---- prefix cache reports (to the kv-registry's index) -----------------------------------
+
+    def cache_events(self) -> KvCacheEvents | None:
+        """The prefix cache's changes since the last report (no lock: the log has its own)."""
+        return self.cache.events() if self.cache is not None else None
+
+    async def cache_digest(self) -> KvCacheDigest | None:
+        """The whole prefix cache, taken between steps."""
+        if self.cache is None:
+            return None
+        async with self._lock:
+            return self.cache.digest()
 
     # ---- requests in ------------------------------------------------------------------------
 

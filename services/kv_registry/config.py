@@ -35,6 +35,22 @@ class RegistryConfig(ServiceConfig):
         "", help="only place on decode workers advertising this KV layout fingerprint ('' = any)"
     )
     admin_timeout_s: float = option(2.0, help="seconds to wait for a worker's drain/resume reply")
+    prefix_weight: float = option(
+        1.0,
+        help="placement score per prompt block cached on a worker "
+        "(score = prefix_weight * cached_blocks - load_weight * load; 0: prefix-aware placement off)",
+    )
+    load_weight: float = option(
+        4.0, help="placement score taken per request running, waiting or being placed on a worker"
+    )
+    local_max_suffix_tokens: int = option(
+        512,
+        help="a remote-prefill request placed where its prefix is cached is prefilled by that "
+        "decode worker when at most this many prompt tokens are left uncached (0: never)",
+    )
+    max_cached_blocks_per_worker: int = option(
+        65_536, help="prefix index entries kept per decode worker (least recently used dropped)"
+    )
     metrics_host: str = metrics_host_option()
     metrics_port: int | None = metrics_port_option()
 
@@ -44,7 +60,10 @@ class RegistryConfig(ServiceConfig):
         for name in ("reserve_timeout_s", "retry_after_s", "admin_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("missed_heartbeats", "max_reserve_attempts"):
+        for name in ("prefix_weight", "load_weight", "local_max_suffix_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("missed_heartbeats", "max_reserve_attempts", "max_cached_blocks_per_worker"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 

@@ -7,9 +7,18 @@ rebuilt from the workers' periodic adverts, which is what a restarted registry d
 
 Placement policy (``choose``): skip dead, draining and mismatched workers (another model or KV
 layout than the router's ``PlaceRequest.model_spec``, mode, the registry's KV layout, a prompt
-larger than the whole pool); among workers with enough estimated free blocks for the
-prompt take the lowest load (running + waiting + reservations in flight), then the most free
-blocks, then the id. Prefix overlap is not scored yet.
+larger than the whole pool); keep the workers with enough estimated free blocks for the whole
+prompt (feasibility first); among them take the highest
+
+    score = prefix_weight * cached_blocks - load_weight * load
+
+where ``cached_blocks`` is how many leading blocks of the prompt the worker's prefix cache holds
+(``prefix_index``, fed by its KV events; the prompt's hashes are computed as the engine computes
+them, shared/prefix_hash.py) and ``load`` is running + waiting + reservations in flight; ties go to
+the lowest load, then the most free blocks, then the id. A remote-prefill request placed where at
+least one block is cached, with an uncached suffix of at most ``local_max_suffix_tokens``, is
+turned into a local prefill: the decode worker computes only that suffix (its engine takes the
+cached blocks), and no prefill job is sent.
 """
 
 from __future__ import annotations
@@ -18,7 +27,16 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from kvmesh.shared.protocol import DecodeAdvert, PlaceReply, PlaceRequest, WorkerHeartbeat
+from kvmesh.services.kv_registry.prefix_index import PrefixIndex
+from kvmesh.shared.prefix_hash import layout_root, reusable_prefix_hashes
+from kvmesh.shared.protocol import (
+    DecodeAdvert,
+    KvCacheDigest,
+    KvCacheEvents,
+    PlaceReply,
+    PlaceRequest,
+    WorkerHeartbeat,
+)
 
 
 @dataclass(slots=True)
@@ -72,10 +90,18 @@ class Lease:
 
 @dataclass(frozen=True, slots=True)
 class Candidate:
-    """The worker ``choose`` picked and how many blocks to reserve there."""
+    """The worker ``choose`` picked and how many blocks to reserve there; how many leading
+    blocks of the prompt its prefix cache holds, and whether the registry turned a remote-prefill
+    request into a local one there (only a short suffix is left to compute)."""
 
     worker_id: str
     num_blocks: int
+    num_cached_blocks: int = 0
+    cached_tokens: int = 0
+    prefill_here: bool = False
+
+    def is_local_prefill(self, request: PlaceRequest) -> bool:
+        return request.local_prefill or self.prefill_here
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +145,11 @@ class RegistryState:
     # worker id -> last seen, for workers dropped recently: if one comes back, the gap teaches
     # the registry its interval (else a worker slower than 1/missed of the timeout would flap)
     dropped_at: dict[str, float] = field(default_factory=dict)
+    # prefix-aware placement (module docstring): prefix_weight 0 turns it off
+    prefix_weight: float = 1.0
+    load_weight: float = 4.0
+    local_max_suffix_tokens: int = 512
+    prefix_index: PrefixIndex = field(default_factory=PrefixIndex)
 
     # --- what the workers tell us ---------------------------------------------------------------
 
@@ -154,6 +185,21 @@ class RegistryState:
             peer.heartbeat = heartbeat
             _seen(peer, now)
 
+    def observe_cache_events(self, msg: KvCacheEvents) -> bool:
+        """A decode worker's prefix cache changes; False (ignored) for a worker not known by
+        its adverts (it resyncs with its next digest once it is)."""
+        if msg.worker_id not in self.decode:
+            return False
+        self.prefix_index.apply_events(msg)
+        return True
+
+    def observe_cache_digest(self, msg: KvCacheDigest) -> bool:
+        """A decode worker's whole prefix cache; False (ignored) for an unknown worker."""
+        if msg.worker_id not in self.decode:
+            return False
+        self.prefix_index.apply_digest(msg)
+        return True
+
     def mark_draining(self, worker_id: str, is_draining: bool) -> bool:
         """Admin drain/resume: stop (or restart) placing on the worker now. False if unknown."""
         worker = self.decode.get(worker_id)
@@ -171,6 +217,7 @@ class RegistryState:
         for worker_id in dead:
             entry = self.decode.pop(worker_id, None) or self.peers.pop(worker_id)
             self.dropped_at[worker_id] = entry.last_seen
+            self.prefix_index.drop_worker(worker_id)
         for worker_id, last_seen in list(self.dropped_at.items()):
             if now - last_seen > 10 * self.worker_timeout_s:
                 del self.dropped_at[worker_id]
@@ -235,11 +282,49 @@ class RegistryState:
             return Refusal(
                 "every decode worker is full; retry later", self.retry_after_s, reason="full"
             )
-        best = min(with_room, key=lambda w: (w.load, -w.free_blocks, w.worker_id))
+        cached = self._cached_blocks(with_room, request.prompt_ids)
+        best = min(
+            with_room,
+            key=lambda w: (
+                self.load_weight * w.load - self.prefix_weight * len(cached[w.worker_id]),
+                w.load,
+                -w.free_blocks,
+                w.worker_id,
+            ),
+        )
         num_blocks = self.blocks_needed(best, len(request.prompt_ids))
         best.inflight_blocks += num_blocks
         best.num_inflight += 1
-        return Candidate(best.worker_id, num_blocks)
+        hits = cached[best.worker_id]
+        self.prefix_index.touch(best.worker_id, hits)
+        cached_tokens = len(hits) * best.advert.block_size
+        suffix = len(request.prompt_ids) - cached_tokens
+        prefill_here = (
+            not request.local_prefill
+            and bool(hits)
+            and best.advert.mode == "disagg"
+            and suffix <= self.local_max_suffix_tokens
+        )
+        return Candidate(best.worker_id, num_blocks, len(hits), cached_tokens, prefill_here)
+
+    def _cached_blocks(
+        self, workers: list[DecodeWorkerView], prompt_ids: tuple[int, ...]
+    ) -> dict[str, list[int]]:
+        """Each worker's cached leading blocks of the prompt, as hashes (none when prefix-aware
+        placement is off). The chain depends on the worker's block size and KV layout."""
+        if self.prefix_weight <= 0:
+            return {w.worker_id: [] for w in workers}
+        chains: dict[tuple[int, str], list[int]] = {}
+        cached = {}
+        for w in workers:
+            key = (w.advert.block_size, w.advert.kv_spec)
+            if key not in chains:
+                chains[key] = reusable_prefix_hashes(
+                    prompt_ids, w.advert.block_size, layout_root(w.advert.kv_spec)
+                )
+            chain = chains[key]
+            cached[w.worker_id] = chain[: self.prefix_index.matched_blocks(w.worker_id, chain)]
+        return cached
 
     def _mismatch(self, worker: DecodeWorkerView, request: PlaceRequest) -> str:
         if request.model_spec and worker.advert.model_spec != request.model_spec:
@@ -290,7 +375,7 @@ class RegistryState:
             )
         advert = worker.advert
         worker.reserved_since_advert += len(block_ids)
-        if not request.local_prefill:  # local prefill: no remote writes, no lease to watch
+        if not candidate.is_local_prefill(request):  # local: no remote writes, no lease to watch
             self.leases[lease_id] = Lease(
                 lease_id=lease_id,
                 request_id=request.request_id,
@@ -310,6 +395,8 @@ class RegistryState:
             block_ids=block_ids,
             block_addrs=tuple(advert.base_addr + b * advert.block_bytes for b in block_ids),
             block_bytes=advert.block_bytes,
+            local_prefill=candidate.prefill_here,
+            cached_tokens=candidate.cached_tokens,
         )
 
     def renew_lease(self, lease_id: str, request_id: str, expires_at: float) -> bool:
@@ -345,6 +432,8 @@ class RegistryState:
                 "running": w.advert.num_running,
                 "waiting": w.advert.num_waiting,
                 "leases": leases_by_worker.get(w.worker_id, 0),
+                "cached_blocks": self.prefix_index.num_blocks(w.worker_id),
+                "cache_synced": self.prefix_index.is_synced(w.worker_id),
                 "refused_accesses": w.advert.refused_accesses,
                 "stray_immediates": w.advert.stray_immediates,
                 "forged_announcements": w.advert.forged_announcements,

@@ -70,6 +70,17 @@ class CoreCollector(Collector):
         for role, count in by_role.items():
             workers.add_metric((role,), count)
         yield workers
+        yield GaugeMetricFamily(
+            "kvmesh_registry_prefix_index_blocks",
+            "Prefix block hashes in the registry's index (distinct, over every decode worker).",
+            len(self.core.prefix_index),
+        )
+        yield CounterMetricFamily(
+            "kvmesh_registry_kv_event_gaps",
+            "Decode workers' KV event streams found to have missed messages (each waits for "
+            "the worker's next digest to be in sync again).",
+            self.core.prefix_index.num_gaps,
+        )
 
 
 class RegistryMetrics:
@@ -95,14 +106,31 @@ class RegistryMetrics:
             buckets=PLACE_BUCKETS,
             registry=r,
         )
+        self.prefix_hits = Counter(
+            "kvmesh_registry_prefix_hit_placements_total",
+            "Requests placed on a decode worker whose prefix cache held at least one leading "
+            "block of their prompt (cache-hit placements).",
+            registry=r,
+        )
+        self.prefix_matched_tokens = Counter(
+            "kvmesh_registry_prefix_matched_tokens_total",
+            "Prompt tokens of placed requests found cached on the worker they were placed on.",
+            registry=r,
+        )
         self.core = CoreCollector(core)
         r.register(self.core)
 
-    def observe_place(self, seconds: float, *, local_prefill: bool, refusal: str = "") -> None:
-        """A place request was answered: placed, or refused for reason ``refusal``."""
+    def observe_place(
+        self, seconds: float, *, local_prefill: bool, refusal: str = "", cached_tokens: int = 0
+    ) -> None:
+        """A place request was answered: placed (``cached_tokens`` of its prompt cached where it
+        went), or refused for reason ``refusal``."""
         assert not refusal or refusal in REFUSAL_REASONS, refusal
         self.place_seconds.observe(seconds)
         if refusal:
             self.refusals.labels(refusal).inc()
         else:
             self.placements.labels("local" if local_prefill else "remote").inc()
+            if cached_tokens > 0:
+                self.prefix_hits.inc()
+                self.prefix_matched_tokens.inc(cached_tokens)

@@ -1,6 +1,6 @@
 """The kv-registry's placement: answers PlaceRequest on REGISTRY_PLACE.
 
-``RegistryState.choose`` (the pure policy) picks a decode worker; this asks that worker to reserve
+``RegistryState.choose`` (the pure policy, prefix-aware) picks a decode worker; this asks that worker to reserve
 the blocks (ReserveRequest on ``decode_reserve(worker)``) and, once it has, records the lease
 (``RegistryState.grant``) and replies with the block addresses. A refused or silent worker is
 skipped for the next candidate, up to ``max_reserve_attempts``.
@@ -57,9 +57,12 @@ class Placement:
         else:
             with logs.request_context(request.request_id):
                 reply, refusal = await self.place(request)
-            local_prefill = request.local_prefill
+            local_prefill = request.local_prefill or reply.local_prefill
         self.metrics.observe_place(
-            time.perf_counter() - started, local_prefill=local_prefill, refusal=refusal
+            time.perf_counter() - started,
+            local_prefill=local_prefill,
+            refusal=refusal,
+            cached_tokens=reply.cached_tokens,
         )
         await req.respond(protocol.encode_message(reply))
 
@@ -85,7 +88,8 @@ class Placement:
                     "placed",
                     worker_id=choice.worker_id,
                     num_blocks=len(reply.block_ids),
-                    local_prefill=request.local_prefill,
+                    local_prefill=choice.is_local_prefill(request),
+                    cached_tokens=choice.cached_tokens,
                 )
                 return placed, "" if placed.ok else "worker_gone"
             self.core.release_inflight(choice)
@@ -104,7 +108,7 @@ class Placement:
             request_id=request.request_id,
             prompt_ids=request.prompt_ids,
             sampling=request.sampling,
-            local_prefill=request.local_prefill,
+            local_prefill=choice.is_local_prefill(request),
             lease_id=lease_id,
             lease_ms=request.lease_ms,
         )

@@ -2,7 +2,8 @@
 expiry of silent workers and leases, and the wiring of placement (placement.py) and the admin
 subjects (admin.py).
 
-In (its mesh's ``Subjects``): DecodeAdvert on REGISTRY_ADVERTISE, WorkerHeartbeat on
+In (its mesh's ``Subjects``): DecodeAdvert on REGISTRY_ADVERTISE, KvCacheEvents and
+KvCacheDigest on REGISTRY_KV_EVENTS / REGISTRY_KV_DIGEST (the prefix index), WorkerHeartbeat on
 HEARTBEAT_ALL, PrefillDone on ``decode_prefill_done(*)`` (ends a lease), PlaceRequest on
 REGISTRY_PLACE and the admin subjects.
 Out: ReserveRequest to ``decode_reserve(worker)``, WorkerControl to ``worker_control(worker)``,
@@ -22,6 +23,7 @@ from kvmesh.services.kv_registry.config import RegistryConfig
 from kvmesh.services.kv_registry.core import RegistryState
 from kvmesh.services.kv_registry.metrics import RegistryMetrics
 from kvmesh.services.kv_registry.placement import Placement
+from kvmesh.services.kv_registry.prefix_index import PrefixIndex
 from kvmesh.shared import logs, protocol
 from kvmesh.shared.metrics_exporter import serve_metrics
 from kvmesh.shared.nats_service import (
@@ -33,6 +35,8 @@ from kvmesh.shared.nats_service import (
 )
 from kvmesh.shared.protocol import (
     DecodeAdvert,
+    KvCacheDigest,
+    KvCacheEvents,
     LeaseRenew,
     PrefillDone,
     WorkerGone,
@@ -69,6 +73,10 @@ class RegistryService:
             missed_heartbeats=config.missed_heartbeats,
             retry_after_s=config.retry_after_s,
             kv_spec=config.kv_spec,
+            prefix_weight=config.prefix_weight,
+            load_weight=config.load_weight,
+            local_max_suffix_tokens=config.local_max_suffix_tokens,
+            prefix_index=PrefixIndex(config.max_cached_blocks_per_worker),
         )
         self.metrics = RegistryMetrics(self.core)
         self.metrics_port: int | None = None  # bound by registry_service (None: no endpoint)
@@ -98,6 +106,12 @@ class RegistryService:
                 total_blocks=advert.total_blocks,
                 free_blocks=advert.free_blocks,
             )
+
+    async def on_cache_events(self, msg: KvCacheEvents) -> None:
+        self.core.observe_cache_events(msg)
+
+    async def on_cache_digest(self, msg: KvCacheDigest) -> None:
+        self.core.observe_cache_digest(msg)
 
     async def on_heartbeat(self, heartbeat: WorkerHeartbeat) -> None:
         self.core.observe_heartbeat(heartbeat, self.clock())
@@ -182,6 +196,8 @@ async def registry_service(config: RegistryConfig) -> AsyncIterator[RegistryServ
                     (subjects.HEARTBEAT_ALL, WorkerHeartbeat, service.on_heartbeat),
                     (subjects.decode_prefill_done("*"), PrefillDone, service.on_prefill_done),
                     (subjects.DECODE_LEASE_RENEW_ALL, LeaseRenew, service.on_lease_renew),
+                    (subjects.REGISTRY_KV_EVENTS, KvCacheEvents, service.on_cache_events),
+                    (subjects.REGISTRY_KV_DIGEST, KvCacheDigest, service.on_cache_digest),
                 ),
                 worker_presence(
                     nc,

@@ -247,6 +247,8 @@ class MeshRequest:
             self._metrics.waiting.dec()
         self._metrics.place.observe(time.monotonic() - started)
         self.placement = reply
+        if reply.local_prefill:  # its prefix is cached there: the decode worker prefills the rest
+            self.is_local_prefill = True
         if self.is_local_prefill:
             return
         job = PrefillJob(
