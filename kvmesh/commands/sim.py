@@ -83,6 +83,13 @@ def register(subparsers: Any) -> None:
         "from `kvmesh model seeded`); --model must be its spec",
     )
     out.add_argument("--threads", type=int, default=2, help="--calibrate: torch threads")
+    out.add_argument(
+        "--prefill-nice",
+        type=int,
+        default=0,
+        help="--validate: the disagg mesh's prefill niceness (kvmesh up --prefill-nice), "
+        "mirrored in the simulated host",
+    )
     out.add_argument("--transport", default="shm", choices=("auto", "shm", "tcp"))
     p.set_defaults(func=run)
 
@@ -169,7 +176,7 @@ def _assumptions(cost: Any, requests: list[Any], sla: Any) -> str:
         f"{m.name} ({m.weight_bytes / 1e9:.1f} GB weights, {m.kv_bytes_per_token / 1024:.0f} KiB KV "
         f"per token) on {d.name} x tp {cost.tp}: {d.peak_flops / 1e12:.0f} TFLOP/s x "
         f"{d.flops_efficiency:g}, {d.mem_bandwidth / 1e12:.2f} TB/s x {d.bandwidth_efficiency:g}, "
-        f"{d.step_overhead_s * 1e3:g} ms per step, link {d.link_bandwidth / 1e9:g} GB/s; "
+        f"{d.step_overhead_s * 1e3:g} ms per step, {d.cache_bytes / 1e6:g} MB cache, link {d.link_bandwidth / 1e9:g} GB/s; "
         f"{len(requests)} requests, prompts {min(n_in)}-{max(n_in)} tokens; "
         f"SLA p99 TTFT <= {sla.ttft_ms:g} ms, p99 ITL <= {sla.itl_ms:g} ms"
     )
@@ -226,16 +233,37 @@ def _plan(args: argparse.Namespace, cost: Any, requests: list[Any], sla: Any) ->
 
 def _calibrate(args: argparse.Namespace, model: Any) -> int:
     from kvmesh.loadgen.sim.calibrate import calibrate
+    from kvmesh.loadgen.sim.fit import FitError
     from kvmesh.loadgen.sim.specs import write_device
 
-    result = calibrate(args.real_model, model, threads=args.threads)
-    path = write_device(result.spec, args.out or DEFAULT_CPU_SPEC)
-    s = result.spec
+    try:
+        result = calibrate(args.real_model, model, threads=args.threads)
+    except FitError as exc:
+        return _fail(f"calibration refused: {exc}")
+    s, fit = result.spec, result.fit
+    print(f"measured in {result.seconds:.0f} s on {s.cores} cores, {s.calibration_threads} threads")
+    print("| point | measured ms | fitted ms | residual |\n|---|---|---|---|")
+    for r in fit.residuals:
+        print(
+            f"| {r.label} | {r.measured_s * 1e3:.2f} | {r.predicted_s * 1e3:.2f} | "
+            f"{r.relative:+.1%} |"
+        )
+    for note in fit.notes:
+        print(f"note: {note}")
+    if fit.max_relative_error > 0.25:
+        print(
+            f"warning: a point is off by {fit.max_relative_error:.0%}: the cost model does not "
+            "describe this machine well at that shape (or the machine was busy)"
+        )
+    cache = "in" if s.cache_bytes >= model.weight_bytes else "out of"
     print(
-        f"{s.description}\neffective {s.peak_flops / 1e9:.1f} GFLOP/s, "
-        f"{s.mem_bandwidth / 1e9:.2f} GB/s, {s.step_overhead_s * 1e3:.2f} ms per step, "
-        f"link {s.link_bandwidth / 1e9:.1f} GB/s\nwrote {path}"
+        f"effective {s.peak_flops / 1e9:.1f} GFLOP/s, {s.mem_bandwidth / 1e9:.2f} GB/s; overhead "
+        f"{s.step_overhead_s * 1e3:.2f} ms per step + {s.seq_overhead_s * 1e3:.3f} ms per "
+        f"sequence + {s.chunk_overhead_s * 1e3:.2f} ms per prefill chunk; "
+        f"{s.cache_bytes / 2**20:.0f} MiB LLC ({model.name}'s weights {cache} it); "
+        f"link {s.link_bandwidth / 1e9:.1f} GB/s"
     )
+    print(f"wrote {write_device(s, args.out or DEFAULT_CPU_SPEC)}")
     return 0
 
 
@@ -258,6 +286,7 @@ def _validate(args: argparse.Namespace, cost: Any, requests: list[Any]) -> int:
         seed=args.seed,
         transport=args.transport,
         compare=("colocated", "disagg"),
+        prefill_nice=args.prefill_nice,
     )
     comparisons = validate.compare(config, cost, requests, ("colocated", "disagg"))
     print(validate.format_comparisons(comparisons))

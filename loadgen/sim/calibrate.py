@@ -1,44 +1,94 @@
-"""Measure this machine as a ``DeviceSpec``: effective FLOP/s, bandwidth, step overhead, link.
+"""Measure this machine as a ``DeviceSpec``: step costs fitted to several measured points, link.
 
 Uses the real engine through ``kvmesh bench engine``'s ``KvmeshRunner`` and the real transport
 through ``kvmesh bench xfer``'s ``bench_backend`` (torch is imported here, lazily):
 
-- effective FLOP/s: one prompt of ``prompt_len`` tokens prefilled in one step, its FLOPs (the
-  cost model's count) over its time (best of ``repeats``);
-- bandwidth and step overhead: median decode step at batch 1 over a short context and at
-  ``batch`` over ``decode_context`` tokens each; the cost model's bytes of the two steps give the
-  slope (bytes/s) and the intercept (the per-step overhead);
-- link: the ``shm`` transport's GB/s moving 64 MiB of scattered KV blocks (best of runs).
+- prefill: one whole prompt of each of ``prefill_lens`` tokens in one step (best of
+  ``repeats``);
+- decode: the median step of ``decode_tokens`` steps at each batch of ``batches`` over each of
+  ``contexts`` tokens (the contexts grow during the run: the middle step's is used);
+- ``fit.fit_costs`` turns those into effective FLOP/s, bandwidth and the per-step, per-sequence
+  and per-chunk overheads, with each point's residual, or refuses an implausible fit;
+- link: the ``shm`` transport's GB/s moving 64 MiB of scattered KV blocks (best of runs);
+- the last-level cache from sysfs (``lscpu`` where sysfs lacks it), the cores this process may
+  run on, and the torch threads the measurement used.
 
 Efficiencies are 1: the figures are already what the engine achieves. Times are wall-clock (the
 simulator predicts wall-clock latency), so a busy machine calibrates slow: run it on a quiet one.
+About 15 s on a quiet 2-core machine for kvmesh-tiny.
 """
 
 from __future__ import annotations
 
 import os
 import random
+import re
 import statistics
+import subprocess
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
-from kvmesh.loadgen.sim.cost import CostModel, Slice
+from kvmesh.loadgen.sim.fit import DecodePoint, Fit, PrefillPoint, fit_costs
 from kvmesh.loadgen.sim.specs import DeviceSpec, ModelSpec
 
-_PROBE = DeviceSpec("probe", 1.0, 1.0, 1.0, 1.0)  # only the cost model's counts are used
+_SIZE = re.compile(r"^\s*([\d.]+)\s*([KMG]?)(i?B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 
 @dataclass(frozen=True, slots=True)
 class Calibration:
     spec: DeviceSpec
-    prefill_s: float
-    decode_small_s: float
-    decode_large_s: float
+    fit: Fit
+    decode: tuple[DecodePoint, ...]
+    prefill: tuple[PrefillPoint, ...]
     link_gbps: float
+    seconds: float  # how long the measurement took
 
 
 def _host_memory() -> float:
     return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def parse_size(text: str) -> int | None:
+    """``32768K``, ``32 MiB``, ``512K`` (sysfs, lscpu) in bytes; None if it is not a size."""
+    m = _SIZE.match(text.split("(")[0])
+    if not m:
+        return None
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+def last_level_cache_bytes(cpu_dir: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int:
+    """The largest data or unified cache of cpu0, from sysfs, else from ``lscpu``; 0 if neither
+    says (then every step is charged its weights)."""
+    best = 0
+    for index in sorted(cpu_dir.glob("index*")):
+        try:
+            kind = (index / "type").read_text().strip()
+            size = parse_size((index / "size").read_text())
+        except OSError:
+            continue
+        if kind in ("Data", "Unified") and size:
+            best = max(best, size)
+    if best:
+        return best
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    for line in out.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("L3 cache", "L2 cache") and (size := parse_size(value)):
+            best = max(best, size)
+    return best
+
+
+def available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
 def measure_link_gbps(num_bytes: int = 64 << 20, backend: str = "shm") -> float:
@@ -55,63 +105,68 @@ def calibrate(
     *,
     name: str = "cpu",
     threads: int = 2,
-    prompt_len: int = 1024,
-    batch: int = 8,
-    decode_context: int = 1024,
+    prefill_lens: Sequence[int] = (128, 512, 1024),
+    batches: Sequence[int] = (1, 4, 16),
+    contexts: Sequence[int] = (64, 512),
     decode_tokens: int = 16,
-    repeats: int = 3,
+    repeats: int = 2,
 ) -> Calibration:
+    """Measure, fit and return the spec; raises ``fit.FitError`` on an implausible fit."""
     import torch
     from kvmesh.loadgen.bench_engine import KvmeshRunner
 
+    started = time.perf_counter()
     torch.set_num_threads(threads)
-    counts = CostModel(model, _PROBE)
     rng = random.Random(0)
-    prompt = [rng.randrange(256) for _ in range(prompt_len)]
-    runner = KvmeshRunner(
-        model_name, max(prompt_len, batch * (decode_context + decode_tokens)) + 64
-    )
-    runner.generate([prompt], 1)  # warm-up
-    prefill_s = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        runner.generate([prompt], 1)
-        prefill_s = min(prefill_s, time.perf_counter() - t0)
-    flops = counts.step_flops([Slice(prompt_len, 0)]) / prefill_s
+    tokens = lambda n: [rng.randrange(256) for _ in range(n)]
+    in_flight = max(max(prefill_lens), max(batches) * (max(contexts) + decode_tokens)) + 64
+    runner = KvmeshRunner(model_name, in_flight)
+    runner.generate([tokens(max(prefill_lens))], 2)  # warm-up: first prefill and decode steps
 
-    def median_step(num: int, context: int) -> float:
-        prompts = [[rng.randrange(256) for _ in range(context)] for _ in range(num)]
-        runner.decode_step_times(prompts, decode_tokens, time.perf_counter)  # warm-up
-        steps: list[float] = []
-        for _ in range(repeats):
-            steps += runner.decode_step_times(prompts, decode_tokens, time.perf_counter)
-        return statistics.median(steps)
+    prefill = []
+    for n in prefill_lens:
+        prompt, best = tokens(n), float("inf")
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            runner.generate([prompt], 1)
+            best = min(best, time.perf_counter() - t0)
+        prefill.append(PrefillPoint(n, best))
 
-    small_ctx = 64
-    small_s = median_step(1, small_ctx)
-    large_s = median_step(batch, decode_context)
+    decode = []
     mid = decode_tokens // 2  # contexts grow during the run; take the middle step's
-    small_bytes = counts.step_bytes([Slice(1, small_ctx + mid)])
-    large_bytes = counts.step_bytes([Slice(1, decode_context + mid)] * batch)
-    if large_s > small_s:
-        bandwidth = (large_bytes - small_bytes) / (large_s - small_s)
-        overhead = max(0.0, small_s - small_bytes / bandwidth)
-    else:  # noise swamped the slope: charge everything to bandwidth
-        bandwidth, overhead = large_bytes / large_s, 0.0
+    for context in contexts:
+        for batch in batches:
+            prompts = [tokens(context) for _ in range(batch)]
+            steps: list[float] = []
+            for _ in range(repeats):
+                steps += runner.decode_step_times(prompts, decode_tokens, time.perf_counter)
+            decode.append(DecodePoint(batch, context + mid, statistics.median(steps)))
+
+    cache = last_level_cache_bytes()
+    fit = fit_costs(model, cache, decode, prefill)
     link_gbps = measure_link_gbps()
+    cores = available_cores()
+    elapsed = time.perf_counter() - started
     spec = DeviceSpec(
         name=name,
-        peak_flops=flops,
-        mem_bandwidth=bandwidth,
+        peak_flops=fit.flops,
+        mem_bandwidth=fit.bandwidth,
         memory_bytes=_host_memory(),
         link_bandwidth=link_gbps * 1e9,
-        step_overhead_s=overhead,
+        step_overhead_s=fit.step_overhead_s,
+        seq_overhead_s=fit.seq_overhead_s,
+        chunk_overhead_s=fit.chunk_overhead_s,
+        cache_bytes=float(cache),
+        cores=cores,
+        calibration_threads=threads,
         description=(
-            f"calibrated by kvmesh sim --calibrate on {os.cpu_count()} CPUs, {threads} torch "
-            f"threads, model {model.name}, {time.strftime('%Y-%m-%d')}: prefill "
-            f"{prompt_len} tokens {prefill_s * 1e3:.0f} ms; decode step batch 1 x {small_ctx} "
-            f"{small_s * 1e3:.1f} ms, batch {batch} x {decode_context} {large_s * 1e3:.1f} ms; "
-            f"shm link {link_gbps:.1f} GB/s"
+            f"calibrated by kvmesh sim --calibrate on {cores} CPUs ({cache >> 20} MiB LLC), "
+            f"{threads} torch threads, model {model.name}, {time.strftime('%Y-%m-%d')}: "
+            + "; ".join(
+                f"{r.label} {r.measured_s * 1e3:.1f} ms (fit {r.relative:+.0%})"
+                for r in fit.residuals
+            )
+            + f"; shm link {link_gbps:.1f} GB/s"
         ),
     )
-    return Calibration(spec, prefill_s, small_s, large_s, link_gbps)
+    return Calibration(spec, fit, tuple(decode), tuple(prefill), link_gbps, elapsed)

@@ -13,8 +13,8 @@ deterministic). The request path follows the mesh's:
    last chunk's KV has landed, and the sequence then waits for the next decode step boundary;
 4. every step's tokens are delivered at the step's end; a finished request frees its KV.
 
-Steps of workers on one device (``Topology.shared_device``) share it equally while busy: a step's
-work (seconds at full speed) drains at 1/k speed while k workers compute.
+Steps of workers on one device (``Topology.shared_device``) share it while busy: its cores by
+thread count and niceness, each worker at the pace of its slowest thread (``sharing.py``).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from kvmesh.loadgen.serve_metrics import RequestRecord, Slo, Summary, summarize
 from kvmesh.loadgen.sim.cost import CostModel
+from kvmesh.loadgen.sim.sharing import Share, SharedHost
 from kvmesh.loadgen.sim.topology import Topology
 from kvmesh.loadgen.sim.worker import SimSeq, Work, Worker
 from kvmesh.loadgen.sim.workload import SimRequest
@@ -42,35 +43,6 @@ class SimResult:
     prefill_busy: float  # mean fraction of the run a prefill worker computed (0 for colocated)
     decode_busy: float  # the same for decode (or colocated) workers
     mean_decode_batch: float  # decode tokens per step of decode (or colocated) workers
-
-
-class _SharedDevice:
-    """Processor sharing: ``remaining`` work (seconds at full speed) of each busy worker."""
-
-    def __init__(self) -> None:
-        self.remaining: dict[int, float] = {}
-        self.updated = 0.0
-
-    def _advance(self, now: float) -> None:
-        if self.remaining:
-            done = (now - self.updated) / len(self.remaining)
-            for w in self.remaining:
-                self.remaining[w] = max(0.0, self.remaining[w] - done)
-        self.updated = now
-
-    def start(self, worker: int, work_s: float, now: float) -> dict[int, float]:
-        self._advance(now)
-        self.remaining[worker] = work_s
-        return self._finish_times(now)
-
-    def stop(self, worker: int, now: float) -> dict[int, float]:
-        self._advance(now)
-        del self.remaining[worker]
-        return self._finish_times(now)
-
-    def _finish_times(self, now: float) -> dict[int, float]:
-        k = len(self.remaining)
-        return {w: now + left * k for w, left in self.remaining.items()}
 
 
 class Cluster:
@@ -111,17 +83,27 @@ class Cluster:
         self.batches: dict[int, list[Work]] = {}
         self.versions = [0] * len(self.workers)
         self.step_start = [0.0] * len(self.workers)
-        self.devices = (
-            {w.index: _SharedDevice() for w in self.workers}
-            if not t.shared_device
-            else dict.fromkeys((w.index for w in self.workers), _SharedDevice())
-        )
+        d = cost.device
+        if t.shared_device:
+            host = SharedHost(d.cores, d.calibration_threads)
+            self.devices = dict.fromkeys((w.index for w in self.workers), host)
+        else:
+            self.devices = {w.index: SharedHost() for w in self.workers}
+        self.shares = {w.index: self._share(w.role) for w in self.workers}
         self.seqs = [
             SimSeq(i, r.arrival_s, r.input_len, r.output_len) for i, r in enumerate(self.requests)
         ]
         self.errors: dict[int, str] = {}
         self._events: list[tuple[float, int, int, int, int]] = []
         self._counter = itertools.count()
+
+    def _share(self, role: str) -> Share:
+        t, cores = self.topology, self.cost.device.cores
+        if not t.shared_device:
+            return Share(1)
+        if role == "prefill":
+            return Share(t.prefill_threads or cores, t.prefill_nice)
+        return Share(t.decode_threads or cores)
 
     def _push(self, time: float, kind: int, who: int, version: int = 0) -> None:
         heapq.heappush(self._events, (time, next(self._counter), kind, who, version))
@@ -186,13 +168,20 @@ class Cluster:
         batch = worker.plan(self.prefill_queue if worker.role == "prefill" else None)
         if not batch:
             return
-        work_s = self.cost.step_seconds(w.slice() for w in batch)
+        step = self.cost.step(w.slice() for w in batch)
         worker.is_busy = True
         worker.last_step_start = now
-        worker.busy_s += work_s
+        worker.busy_s += step.seconds
         self.batches[worker.index] = batch
         self.step_start[worker.index] = now
-        self._reschedule(self.devices[worker.index].start(worker.index, work_s, now))
+        # a dedicated device runs the step as one piece (rate 1): its end is now + seconds
+        parts = (
+            (step.overhead_s, step.roofline_s)
+            if self.topology.shared_device
+            else (0.0, step.seconds)
+        )
+        share = self.shares[worker.index]
+        self._reschedule(self.devices[worker.index].start(worker.index, share, *parts, now))
 
     def _reschedule(self, finish_times: dict[int, float]) -> None:
         for index, at in finish_times.items():
@@ -200,7 +189,10 @@ class Cluster:
             self._push(at, _STEP_DONE, index, self.versions[index])
 
     def _step_done(self, worker: Worker, now: float) -> None:
-        self._reschedule(self.devices[worker.index].stop(worker.index, now))
+        done, finish_times = self.devices[worker.index].phase_done(worker.index, now)
+        self._reschedule(finish_times)
+        if not done:  # its overhead is over; its roofline part now runs on its threads
+            return
         worker.is_busy = False
         batch = self.batches.pop(worker.index)
         outcome = worker.complete(batch, now)

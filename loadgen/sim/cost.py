@@ -9,10 +9,17 @@ any ``num_new``). For a step:
   ``context + i + 1`` positions, once for QK^T and once for PV (causal, so a slice has
   ``num_new * context + num_new * (num_new + 1) / 2`` pairs)
   + 2 * hidden * vocab per slice (the LM head, on each slice's last token only);
-- bytes = the weights once (every step streams them) + each slice's cached KV read once
-  (``context`` tokens) + its new tokens' KV written. Activations are left out: they are
-  small beside weights and KV at serving batch sizes;
-- time = step overhead + max(FLOPs / effective FLOP/s, bytes / effective bandwidth).
+- bytes = the weights once, when they do not fit in the device's last-level cache
+  (``cache_bytes``; a 14 MB model stays in a CPU's 32 MB LLC, an 8B model streams from HBM every
+  step) + each slice's cached KV read once (``context`` tokens) + its new tokens' KV written.
+  Activations are left out: they are small beside weights and KV at serving batch sizes;
+- time = overhead + max(FLOPs / effective FLOP/s, bytes / effective bandwidth), where the
+  overhead is the fixed part a calibration measures: ``step_overhead_s`` per step +
+  ``seq_overhead_s`` per slice + ``chunk_overhead_s`` per prefill chunk (``num_new > 1``).
+
+The two parts are kept apart (``StepCost.overhead_s``, ``StepCost.roofline_s``): on a CPU host
+shared by several workers the overhead is serial (one core's Python and dispatch) while the
+roofline part runs on all of a worker's threads (``sharing.py``).
 
 A worker of ``tp`` devices (tensor parallel) has ``tp`` times the FLOP/s and bandwidth; the
 all-reduces between them are not modelled. KV transfers take ``bytes / link bandwidth +
@@ -42,7 +49,12 @@ class Slice:
 class StepCost:
     flops: float
     bytes: float
-    seconds: float
+    overhead_s: float  # fixed costs: per step, per sequence, per prefill chunk
+    roofline_s: float  # max(compute, memory)
+
+    @property
+    def seconds(self) -> float:
+        return self.overhead_s + self.roofline_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,9 +92,24 @@ class CostModel:
         lm_head = 2 * m.lm_head_params * heads_out
         return float(linear + attention + lm_head)
 
+    @property
+    def weights_resident(self) -> bool:
+        """Whether each device's share of the weights fits in its last-level cache."""
+        return self.model.weight_bytes / self.tp <= self.device.cache_bytes
+
     def step_bytes(self, slices: Iterable[Slice]) -> float:
+        """Bytes a step moves to or from memory: weights (unless cached) and KV."""
         kv_tokens = sum(s.context + s.num_new for s in slices)
-        return float(self.model.weight_bytes + kv_tokens * self.kv_bytes_per_token)
+        weights = 0 if self.weights_resident else self.model.weight_bytes
+        return float(weights + kv_tokens * self.kv_bytes_per_token)
+
+    def step_overhead_s(self, slices: Iterable[Slice]) -> float:
+        d = self.device
+        num_slices = num_chunks = 0
+        for s in slices:
+            num_slices += 1
+            num_chunks += s.num_new > 1
+        return d.step_overhead_s + d.seq_overhead_s * num_slices + d.chunk_overhead_s * num_chunks
 
     def step(self, slices: Iterable[Slice]) -> StepCost:
         slices = list(slices)
@@ -90,7 +117,7 @@ class CostModel:
         flops, num_bytes = self.step_flops(slices), self.step_bytes(slices)
         compute = flops / (self.device.effective_flops * self.tp)
         memory = num_bytes / (self.device.effective_bandwidth * self.tp)
-        return StepCost(flops, num_bytes, self.device.step_overhead_s + max(compute, memory))
+        return StepCost(flops, num_bytes, self.step_overhead_s(slices), max(compute, memory))
 
     def step_seconds(self, slices: Iterable[Slice]) -> float:
         return self.step(slices).seconds

@@ -29,8 +29,18 @@ class DeviceSpec:
     ``peak_flops`` and ``mem_bandwidth`` are the datasheet peaks; a step's compute runs at
     ``peak_flops * flops_efficiency`` and its memory traffic at ``mem_bandwidth *
     bandwidth_efficiency`` (a calibrated spec stores effective figures and efficiencies of 1).
-    ``step_overhead_s`` is paid once per engine step (scheduling, kernel launches, sampling).
-    ``link_bandwidth`` (bytes/s) and ``link_latency_s``: the KV transfer link of one worker."""
+    ``cache_bytes``: the last-level cache (GPU L2, CPU LLC); weights that fit in it are not
+    streamed from memory every step (a small model on a CPU), larger ones are.
+
+    Fixed costs of a step, paid on top of the roofline (scheduling, kernel launches, sampling,
+    Python): ``step_overhead_s`` once per step, ``seq_overhead_s`` per sequence in the step and
+    ``chunk_overhead_s`` per prefill chunk (a slice of more than one new token).
+
+    ``cores``: what workers sharing this device divide among their threads (a CPU host's cores;
+    1 for an accelerator, shared equally); ``calibration_threads``: the threads the roofline
+    figures were measured with (a calibrated CPU spec), so a worker with fewer cores computes
+    proportionally slower. ``link_bandwidth`` (bytes/s) and ``link_latency_s``: the KV transfer
+    link of one worker."""
 
     name: str
     peak_flops: float
@@ -40,6 +50,11 @@ class DeviceSpec:
     flops_efficiency: float = 1.0
     bandwidth_efficiency: float = 1.0
     step_overhead_s: float = 0.0
+    seq_overhead_s: float = 0.0
+    chunk_overhead_s: float = 0.0
+    cache_bytes: float = 0.0
+    cores: int = 1
+    calibration_threads: int = 1
     link_latency_s: float = 0.0
     description: str = ""
 
@@ -48,8 +63,17 @@ class DeviceSpec:
             _require(getattr(self, name) > 0, self.name, name, "must be > 0")
         for name in ("flops_efficiency", "bandwidth_efficiency"):
             _require(0 < getattr(self, name) <= 1, self.name, name, "must be in (0, 1]")
-        for name in ("step_overhead_s", "link_latency_s"):
+        for name in (
+            "step_overhead_s",
+            "seq_overhead_s",
+            "chunk_overhead_s",
+            "cache_bytes",
+            "link_latency_s",
+        ):
             _require(getattr(self, name) >= 0, self.name, name, "must be >= 0")
+        for name in ("cores", "calibration_threads"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and value >= 1, self.name, name, "must be an int >= 1")
 
     @property
     def effective_flops(self) -> float:

@@ -16,8 +16,10 @@ class Topology:
     pulling jobs from one queue and prefilling ``chunk_tokens`` per step (each chunk's KV sent
     while the next computes), and ``num_decode`` decode workers that only decode.
 
-    Every worker is ``tp`` devices. ``shared_device``: all workers run on one device and split
-    it equally while busy (processor sharing), as a mesh on one CPU host does.
+    Every worker is ``tp`` devices. ``shared_device``: all workers run on one device (a mesh on
+    one CPU host) and divide its cores while busy (``sharing.py``): decode and colocated workers
+    with ``decode_threads`` threads, prefill workers with ``prefill_threads`` at niceness
+    ``prefill_nice`` (None: all the device's cores), as ``kvmesh up`` starts them.
     ``kv_capacity_tokens``: KV pool of a colocated or decode worker (None: from device memory)."""
 
     mode: Mode
@@ -30,6 +32,9 @@ class Topology:
     decode_pacing_s: float = 0.0
     kv_capacity_tokens: int | None = None
     shared_device: bool = False
+    decode_threads: int | None = None
+    prefill_threads: int | None = None
+    prefill_nice: int = 0
 
     def __post_init__(self) -> None:
         if self.mode not in ("colocated", "disagg"):
@@ -51,6 +56,12 @@ class Topology:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.decode_pacing_s < 0:
             raise ValueError(f"decode_pacing_s must be >= 0, got {self.decode_pacing_s}")
+        for name in ("decode_threads", "prefill_threads"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1 (or None), got {value}")
+        if not 0 <= self.prefill_nice <= 19:
+            raise ValueError(f"prefill_nice must be in [0, 19], got {self.prefill_nice}")
         if self.kv_capacity_tokens is not None and self.kv_capacity_tokens < 1:
             raise ValueError(f"kv_capacity_tokens must be >= 1, got {self.kv_capacity_tokens}")
 

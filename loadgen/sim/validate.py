@@ -6,7 +6,10 @@ times, ``bench_mesh.local_mesh`` a fresh mesh of each mode on this machine's cor
 defaults, one prefill worker) and ``sse_client.run_requests`` the streamed requests. The
 simulated side runs the same lengths and arrival times on a topology that mirrors that mesh:
 one worker of each role on one shared device (the calibrated CPU spec), the mesh's step budgets
-(512 tokens for colocated and prefill chunks), its 256 MiB KV pool per worker.
+(512 tokens for colocated and prefill chunks), its 256 MiB KV pool per worker, and the threads
+and niceness ``kvmesh up`` gives each role (``up.split_cores``): on 2 cores colocated runs 2
+threads; disagg runs decode on 1 thread and prefill on 2 at equal priority, or, with
+``--prefill-nice N``, decode on 2 threads and prefill on 2 at nice N.
 """
 
 from __future__ import annotations
@@ -46,7 +49,11 @@ class Comparison:
         return out
 
 
-def mesh_topology(mode: str, cost: CostModel) -> Topology:
+def mesh_topology(mode: str, cost: CostModel, prefill_nice: int = 0) -> Topology:
+    """The simulated twin of ``local_mesh(mode, prefill_nice=...)`` on the spec's cores."""
+    from kvmesh.commands.up import UpConfig, split_cores
+
+    threads = split_cores(UpConfig(mode=mode, prefill_nice=prefill_nice, cores=cost.device.cores))
     capacity = MESH_KV_CACHE_BYTES // cost.kv_bytes_per_token
     return Topology(
         mode,  # type: ignore[arg-type]
@@ -56,6 +63,9 @@ def mesh_topology(mode: str, cost: CostModel) -> Topology:
         max_num_seqs=MESH_MAX_NUM_SEQS,
         kv_capacity_tokens=capacity,
         shared_device=True,
+        decode_threads=threads.get("decode", threads.get("colocated")),
+        prefill_threads=threads.get("prefill"),
+        prefill_nice=prefill_nice if mode == "disagg" else 0,
     )
 
 
@@ -68,7 +78,13 @@ def run_real(config: ServeBenchConfig, mode: str) -> tuple[list[RequestRecord], 
     prompts, _ = build_workload(config)
     process = ArrivalProcess(config.arrival, config.request_rates[0], config.burstiness)
     times = arrival_times(process, len(prompts), random.Random(f"{config.seed}:arrivals"))
-    with local_mesh(mode, config.transport, model=config.model, local_prefill_threshold=0) as mesh:
+    with local_mesh(
+        mode,
+        config.transport,
+        model=config.model,
+        local_prefill_threshold=0,
+        prefill_nice=config.prefill_nice,
+    ) as mesh:
         endpoint = config.endpoint(mesh.url)
         warm = dataclasses.replace(prompts[0], output_len=4)
         asyncio.run(run_requests(endpoint, [warm], [0.0], timeout_s=config.timeout_s))
@@ -82,7 +98,8 @@ def compare(
     for mode in modes:
         records, duration_s = run_real(config, mode)
         real = summarize(records, duration_s)
-        sim = simulate(mesh_topology(mode, cost), cost, requests).summary
+        topology = mesh_topology(mode, cost, config.prefill_nice)
+        sim = simulate(topology, cost, requests).summary
         out.append(Comparison(mode, real, sim))
     return out
 
