@@ -1,0 +1,57 @@
+"""Draft settings: DraftConfig's checks, and what `kvmesh up --draft` starts."""
+
+from __future__ import annotations
+
+import pytest
+from kvmesh.services.draft.config import DraftConfig
+
+from kvmesh.commands.up import UpConfig, plan
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [
+        ({"num_speculative_tokens": 17}, "num_speculative_tokens must be in"),
+        ({"num_speculative_tokens": 2, "tree": (4, 4, 4)}, "has 3 depths"),
+        ({"num_speculative_tokens": 3, "tree": (4, 4, 4)}, "limit is 63"),
+        ({"method": "early-exit", "num_speculative_tokens": 2, "tree": (2, 1)}, "ngram only"),
+        ({"method": "model"}, "needs --draft-model"),
+        ({"ngram_min": 3, "ngram_max": 2}, "ngram_min and ngram_max"),
+        ({"lookahead": 5}, "lookahead must be in"),
+        ({"max_sequences": 0}, "max_sequences must be >= 1"),
+    ],
+)
+def test_draft_config_refuses_bad_settings(kwargs, error):
+    with pytest.raises(ValueError, match=error):
+        DraftConfig(**kwargs)
+
+
+def test_drafted_shape_puts_the_lookahead_before_the_tree():
+    config = DraftConfig(num_speculative_tokens=3, tree=(2, 2, 1), lookahead=1)
+    assert config.drafted_shape.widths == (1, 2, 2, 1)
+    assert not config.uses_data_plane and config.role == "draft"
+
+
+def test_up_with_draft_starts_draft_workers_and_speculative_decode():
+    config = UpConfig(
+        draft="ngram", draft_workers=2, num_speculative_tokens=3, draft_tree=(2, 1, 1), cores=8
+    )
+    specs = {s.name: s for s in plan(config, "nats://127.0.0.1:4222", 8000)}
+    assert "--speculative" in specs["decode-0"].argv
+    for name in ("draft-0", "draft-1"):
+        argv = specs[name].argv
+        assert argv[:2] == ("serve", "draft") and specs[name].tier == "draft"
+        assert argv[argv.index("--method") + 1] == "ngram"
+        assert argv[argv.index("--tree") + 1] == "2,1,1"
+        assert argv[argv.index("--num-speculative-tokens") + 1] == "3"
+
+
+def test_up_without_draft_starts_no_draft_worker():
+    specs = plan(UpConfig(), "nats://127.0.0.1:4222", 8000)
+    assert not any(s.tier == "draft" for s in specs)
+    assert all("--speculative" not in s.argv for s in specs)
+
+
+def test_up_refuses_a_bad_draft_tree_in_one_line():
+    with pytest.raises(ValueError, match="has 2 depths"):
+        UpConfig(draft="ngram", num_speculative_tokens=3, draft_tree=(2, 2))
