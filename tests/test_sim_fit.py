@@ -100,3 +100,13 @@ def test_lscpu_sizes_parse_with_their_units():
     assert parse_size(" 32 MiB (1 instance)") == 32 << 20
     assert parse_size("512K") == 512 << 10
     assert parse_size("n/a") is None
+
+
+def test_fit_refuses_points_it_misses_by_more_than_half():
+    # the loaded box's run: batch-1 steps 100x slower than batch 4 (neighbours, not the engine)
+    decode, prefill = _points(_cpu(32 << 20))
+    decode = [
+        DecodePoint(p.batch, p.context, p.seconds * (100 if p.batch == 1 else 1)) for p in decode
+    ]
+    with pytest.raises(FitError, match=r"misses decode batch 1 .* not writing"):
+        fit_costs(TINY, 32 << 20, decode, prefill)

@@ -14,7 +14,8 @@ counts as much as a 100 ms one. ``q`` is kept only where the data show it (``q >
 
 A fit that contradicts the data is refused with ``FitError`` rather than written: a rate that
 does not grow with work, or a zero or negative overhead where the steps plainly take time that
-the roofline does not explain. Small negative intercepts within noise are set to 0, with a note.
+the roofline does not explain, or a point the best fit misses by more than 50 %. Small negative
+intercepts within noise are set to 0, with a note.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from kvmesh.loadgen.sim.cost import CostModel, Slice
 from kvmesh.loadgen.sim.specs import DeviceSpec, ModelSpec
 
 _BANDWIDTH_GRID = (1e7, 1e14)  # bytes/s searched for the decode fit
+MAX_RELATIVE_ERROR = 0.5  # a point the fit misses by more is refused, not written
 
 
 class FitError(ValueError):
@@ -178,6 +180,15 @@ def fit_costs(
     residuals += [
         Residual(p.label, p.seconds, fitted.step_seconds([Slice(p.tokens, 0)])) for p in prefill
     ]
+    worst = max(residuals, key=lambda r: abs(r.relative))
+    if abs(worst.relative) > MAX_RELATIVE_ERROR:
+        raise FitError(
+            f"the best fit misses {worst.label} by {worst.relative:+.0%} (measured "
+            f"{worst.measured_s * 1e3:.2f} ms, fitted {worst.predicted_s * 1e3:.2f} ms; "
+            + ", ".join(f"{r.label} {r.measured_s * 1e3:.1f} ms" for r in residuals)
+            + "): the points are not one machine's steady costs (a busy machine?); "
+            "not writing this spec"
+        )
     return Fit(flops, bandwidth, s, q, chunk, tuple(residuals), tuple(notes))
 
 
