@@ -17,7 +17,7 @@ from kvmesh.commands.up import UpConfig, plan
         ({"method": "early-exit", "num_speculative_tokens": 2, "tree": (2, 1)}, "ngram only"),
         ({"method": "model"}, "needs --draft-model"),
         ({"ngram_min": 3, "ngram_max": 2}, "ngram_min and ngram_max"),
-        ({"lookahead": 5}, "lookahead must be in"),
+        ({"lookahead": 18}, "lookahead must be in"),
         ({"max_sequences": 0}, "max_sequences must be >= 1"),
     ],
 )
@@ -26,10 +26,16 @@ def test_draft_config_refuses_bad_settings(kwargs, error):
         DraftConfig(**kwargs)
 
 
-def test_drafted_shape_puts_the_lookahead_before_the_tree():
-    config = DraftConfig(num_speculative_tokens=3, tree=(2, 2, 1), lookahead=1)
-    assert config.drafted_shape.widths == (1, 2, 2, 1)
+def test_drafted_shape_continues_the_tree_with_the_lookahead():
+    config = DraftConfig(num_speculative_tokens=3, tree=(2, 2, 1), lookahead=2)
+    assert config.drafted_shape.widths == (2, 2, 1, 1, 1)
     assert not config.uses_data_plane and config.role == "draft"
+
+
+def test_default_lookahead_covers_one_verify_step_for_ngram_and_one_token_for_models():
+    assert DraftConfig(num_speculative_tokens=4).drafted_shape.depth == 4 + 5
+    early = DraftConfig(method="early-exit", num_speculative_tokens=4)
+    assert early.drafted_shape.depth == 4 + 1
 
 
 def test_up_with_draft_starts_draft_workers_and_speculative_decode():

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from kvmesh.services.draft.shape import TreeShape
+from kvmesh.services.draft.shape import MAX_SPECULATIVE_TOKENS, TreeShape
 from kvmesh.shared.service_config import option
 from kvmesh.shared.worker_config import EngineWorkerConfig
 
@@ -29,10 +29,11 @@ class DraftConfig(EngineWorkerConfig):
         help="branching per depth, e.g. 2,2,1 (as many as --num-speculative-tokens); "
         "absent: a chain",
     )
-    lookahead: int = option(
-        1,
-        help="draft this many tokens beyond K: a proposal that arrives a step late still "
-        "holds K drafts below the token that step added, if the draft foresaw it (0-4)",
+    lookahead: int | None = option(
+        None,
+        help="draft this many tokens beyond K: a proposal that arrives after the decode worker "
+        "stepped on still holds K drafts below the tokens it added, where the draft foresaw "
+        "them (0-17; default: K + 1 for ngram, whose tokens are free, 1 for the models)",
     )
     ngram_max: int = option(4, help="ngram: longest suffix matched against the context")
     ngram_min: int = option(1, help="ngram: shortest suffix matched")
@@ -48,8 +49,10 @@ class DraftConfig(EngineWorkerConfig):
     def __post_init__(self) -> None:
         EngineWorkerConfig.__post_init__(self)
         self.shape  # noqa: B018 (validates K and the tree; raises ValueError)
-        if not 0 <= self.lookahead <= 4:
-            raise ValueError(f"lookahead must be in [0, 4], got {self.lookahead}")
+        if self.lookahead is not None and not 0 <= self.lookahead <= MAX_SPECULATIVE_TOKENS + 1:
+            raise ValueError(
+                f"lookahead must be in [0, {MAX_SPECULATIVE_TOKENS + 1}], got {self.lookahead}"
+            )
         if not 1 <= self.ngram_min <= self.ngram_max <= 64:
             raise ValueError(
                 f"ngram_min and ngram_max must satisfy 1 <= min <= max <= 64, got "
@@ -74,9 +77,17 @@ class DraftConfig(EngineWorkerConfig):
         return TreeShape.parse(self.num_speculative_tokens, self.tree)
 
     @property
+    def num_lookahead_tokens(self) -> int:
+        if self.lookahead is not None:
+            return self.lookahead
+        return self.num_speculative_tokens + 1 if self.method == "ngram" else 1
+
+    @property
     def drafted_shape(self) -> TreeShape:
-        """What is drafted: ``lookahead`` single tokens, then ``shape``."""
-        return TreeShape((1,) * self.lookahead + self.shape.widths)
+        """What is drafted: ``shape``, then ``lookahead`` more levels of one child each. A
+        verify step adds at most K + 1 tokens, so K + 1 of lookahead keeps a proposal that
+        arrives one step late useful."""
+        return TreeShape(self.shape.widths + (1,) * self.num_lookahead_tokens)
 
     @property
     def uses_data_plane(self) -> bool:
