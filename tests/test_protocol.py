@@ -17,6 +17,9 @@ from kvmesh.shared.descriptor import (
 from kvmesh.shared.protocol import (
     Abort,
     DecodeAdvert,
+    DraftContext,
+    DraftForget,
+    DraftProposal,
     KvCacheDigest,
     KvCacheEvents,
     LeaseRenew,
@@ -132,6 +135,13 @@ EXAMPLES: list[Message] = [
     LogLevel("debug"),
     KvCacheEvents("d0", epoch="e1", seq=3, stored=(2**64 - 1, 7), removed=(9,)),
     KvCacheDigest("d0", epoch="e1", seq=4, hashes=(7, 2**63), num_cached_blocks=5),
+    DraftContext(
+        "r1", "d0", start=12, token_ids=(5, 6), num_prompt_tokens=10, num_verified=4, num_accepted=3
+    ),
+    DraftProposal(
+        "r1", "dr0", position=14, tokens=(7, 8, 9), parents=(-1, 0, 0), need_context=True, depth=2
+    ),
+    DraftForget("r1"),
 ]
 
 
