@@ -7,9 +7,10 @@ import asyncio
 import contextlib
 
 import aiohttp
+import msgspec
 import orjson
 import pytest
-from kvmesh.services.router import RouterConfig, serve_router
+from kvmesh.services.router import RouterConfig, schema, serve_router
 from kvmesh.shared import protocol
 from kvmesh.shared.model.tiny import tiny_tokenizer
 from kvmesh.shared.subjects import DEFAULT_MESH, Subjects
@@ -355,7 +356,8 @@ async def test_requests_beyond_the_admission_limit_are_429_with_retry_after(nats
 
 async def test_models_health_openapi_and_unknown_route(nats_server):
     async with mesh_and_router(nats_server, served_model_name="tiny") as (_, _, http):
-        models = await (await http.get("/v1/models")).json()
+        models_raw = await (await http.get("/v1/models")).read()
+        card_raw = await (await http.get("/v1/models/tiny")).read()
         for _ in range(50):  # ready once the fake decode worker's first heartbeat is heard
             health = await http.get("/health")
             if health.status == 200:
@@ -367,7 +369,10 @@ async def test_models_health_openapi_and_unknown_route(nats_server):
         wrong_method = await http.get("/v1/completions")
         metrics = await http.get("/metrics")
         one = await http.get("/v1/models/other")
-    assert [m["id"] for m in models["data"]] == ["tiny"] and models["object"] == "list"
+    # the answers are what the published schema says (every field there, of its type)
+    models = msgspec.json.decode(models_raw, type=schema.ModelList, strict=True)
+    assert [m.id for m in models.data] == ["tiny"] and models.data[0].max_model_len > 0
+    assert msgspec.json.decode(card_raw, type=schema.Model) == models.data[0]
     assert health.status == 200 and (await health.json())["status"] == "ok"
     assert doc["openapi"].startswith("3.") and "/v1/chat/completions" in doc["paths"]
     assert missing.status == 404 and missing_body["error"]["code"] == "unknown_url"

@@ -46,6 +46,7 @@ from kvmesh.services.router.responses import (
     new_request_id,
     sse_event,
 )
+from kvmesh.services.router.schema import Model, ModelList
 from kvmesh.services.router.shutdown import Shutdown
 from kvmesh.shared import logs
 from kvmesh.shared.metrics_exporter import exposition
@@ -235,7 +236,7 @@ class Router:
     # --- the rest ------------------------------------------------------------------------------
 
     async def models(self, request: web.Request) -> web.Response:
-        return _json_response({"object": "list", "data": [self._model_card()]})
+        return _json_response(ModelList(object="list", data=[self._model_card()]))
 
     async def model_detail(self, request: web.Request) -> web.Response:
         name = request.match_info["model"]
@@ -246,14 +247,14 @@ class Router:
             )
         return _json_response(self._model_card())
 
-    def _model_card(self) -> dict:
-        return {
-            "id": self.model.name,
-            "object": "model",
-            "created": self.started_at,
-            "owned_by": "kvmesh",
-            "max_model_len": self.model.max_model_len,
-        }
+    def _model_card(self) -> Model:
+        return Model(
+            id=self.model.name,
+            object="model",
+            created=self.started_at,
+            owned_by="kvmesh",
+            max_model_len=self.model.max_model_len,
+        )
 
     async def health(self, request: web.Request) -> web.Response:
         """Readiness: NATS connected and at least one decode (or colocated) worker ready."""
