@@ -18,17 +18,20 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 @triton.jit
-def _paged_decode_kernel(
+def _paged_attention_kernel(
     out_ptr,
     q_ptr,
     k_ptr,
     v_ptr,
     block_tables_ptr,
     context_lens_ptr,
+    token_seq_ptr,
+    prefix_lens_ptr,
+    tree_bits_ptr,
     scale,
-    stride_qb,
+    stride_qr,
     stride_qh,
-    stride_ob,
+    stride_or,
     stride_oh,
     stride_kb,
     stride_kt,
@@ -38,6 +41,7 @@ def _paged_decode_kernel(
     stride_vh,
     stride_btb,
     stride_btj,
+    IS_TREE: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -45,7 +49,9 @@ def _paged_decode_kernel(
     DIM_PAD: tl.constexpr,
     TOKENS_PAD: tl.constexpr,
 ):
-    seq = tl.program_id(0)
+    # A row is one query token: a sequence's only one when decoding (row == sequence), one of its
+    # new tokens when verifying a tree (IS_TREE; the tree pointers are unused otherwise).
+    row = tl.program_id(0)
     kv_head = tl.program_id(1)
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, DIM_PAD)
@@ -57,10 +63,16 @@ def _paged_decode_kernel(
 
     # (G, D) queries of this KV head's group, pre-scaled
     q = tl.load(
-        q_ptr + seq * stride_qb + q_heads[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0
+        q_ptr + row * stride_qr + q_heads[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0
     )
     q = q.to(tl.float32) * scale
 
+    if IS_TREE:
+        seq = tl.load(token_seq_ptr + row).to(tl.int64)
+        prefix = tl.load(prefix_lens_ptr + seq).to(tl.int32)  # keys every new token sees
+        bits = tl.load(tree_bits_ptr + row)  # int64: which new tokens this one sees
+    else:
+        seq = row
     context_len = tl.load(context_lens_ptr + seq).to(tl.int32)
     num_blocks = tl.cdiv(context_len, BLOCK_SIZE)
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
@@ -68,7 +80,11 @@ def _paged_decode_kernel(
     acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
     for j in range(0, num_blocks):
         block_id = tl.load(block_tables_ptr + seq * stride_btb + j * stride_btj).to(tl.int64)
-        t_mask = (t < BLOCK_SIZE) & (j * BLOCK_SIZE + t < context_len)
+        key = j * BLOCK_SIZE + t
+        t_mask = (t < BLOCK_SIZE) & (key < context_len)
+        if IS_TREE:
+            shift = tl.maximum(key - prefix, 0).to(tl.int64)
+            t_mask = t_mask & ((key < prefix) | (((bits >> shift) & 1) == 1))
         kv_mask = t_mask[:, None] & d_mask[None, :]
         k = tl.load(
             k_ptr
@@ -81,10 +97,15 @@ def _paged_decode_kernel(
         ).to(tl.float32)  # (T, D)
         s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # (G, T)
         s = tl.where(t_mask[None, :], s, float("-inf"))
-        # every visited block holds >= 1 valid token, so m_new is finite
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])  # (G, T)
+        if IS_TREE:
+            # a block may hide every key (a node's block of siblings): keep the max finite
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            # every visited block holds >= 1 valid token, so m_new is finite
+            m_safe = m_new
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])  # (G, T)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(
             v_ptr
@@ -100,9 +121,59 @@ def _paged_decode_kernel(
 
     out = acc / l_i[:, None]
     tl.store(
-        out_ptr + seq * stride_ob + q_heads[:, None] * stride_oh + d[None, :],
+        out_ptr + row * stride_or + q_heads[:, None] * stride_oh + d[None, :],
         out.to(out_ptr.dtype.element_ty),
         mask=q_mask,
+    )
+
+
+def _launch(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    tree: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> None:
+    """Run the kernel over q's rows and every KV head; ``tree`` is (token_seq, prefix_lens,
+    tree_bits) when the rows are draft-tree tokens, None when each row is one decoding sequence."""
+    _, block_size, H_kv, _ = k_cache.shape
+    R, H_q, D = q.shape
+    group = H_q // H_kv
+    context_lens = context_lens.contiguous()
+    token_seq, prefix_lens, tree_bits = tree if tree is not None else (context_lens,) * 3
+    _paged_attention_kernel[(R, H_kv)](
+        out,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        token_seq,
+        prefix_lens,
+        tree_bits,
+        float(scale),
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        block_tables.stride(0),
+        block_tables.stride(1),
+        IS_TREE=tree is not None,
+        GROUP=group,
+        HEAD_DIM=D,
+        BLOCK_SIZE=block_size,
+        GROUP_PAD=max(triton.next_power_of_2(group), 2),
+        DIM_PAD=max(triton.next_power_of_2(D), 2),
+        TOKENS_PAD=max(triton.next_power_of_2(block_size), 2),
     )
 
 
@@ -122,39 +193,10 @@ def paged_decode_attention(
     """
     _check_inputs(q, k_cache, v_cache, block_tables, context_lens)
     B, H_q, D = q.shape
-    _, block_size, H_kv, _ = k_cache.shape
-    group = H_q // H_kv
     out = torch.empty((B, H_q, D), dtype=q.dtype, device=q.device)
     if B == 0:
         return out
-    context_lens = context_lens.contiguous()
-    _paged_decode_kernel[(B, H_kv)](
-        out,
-        q,
-        k_cache,
-        v_cache,
-        block_tables,
-        context_lens,
-        float(scale),
-        q.stride(0),
-        q.stride(1),
-        out.stride(0),
-        out.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
-        block_tables.stride(0),
-        block_tables.stride(1),
-        GROUP=group,
-        HEAD_DIM=D,
-        BLOCK_SIZE=block_size,
-        GROUP_PAD=max(triton.next_power_of_2(group), 2),
-        DIM_PAD=max(triton.next_power_of_2(D), 2),
-        TOKENS_PAD=max(triton.next_power_of_2(block_size), 2),
-    )
+    _launch(out, q, k_cache, v_cache, block_tables, context_lens, scale)
     return out
 
 
@@ -255,103 +297,6 @@ def _check_inputs(
 MAX_TREE_QUERIES = 64
 
 
-@triton.jit
-def _paged_tree_kernel(
-    out_ptr,
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    block_tables_ptr,
-    context_lens_ptr,
-    token_seq_ptr,
-    prefix_lens_ptr,
-    tree_bits_ptr,
-    scale,
-    stride_qt,
-    stride_qh,
-    stride_ot,
-    stride_oh,
-    stride_kb,
-    stride_kt,
-    stride_kh,
-    stride_vb,
-    stride_vt,
-    stride_vh,
-    stride_btb,
-    stride_btj,
-    GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    GROUP_PAD: tl.constexpr,
-    DIM_PAD: tl.constexpr,
-    TOKENS_PAD: tl.constexpr,
-):
-    row = tl.program_id(0)  # one new token
-    kv_head = tl.program_id(1)
-    g = tl.arange(0, GROUP_PAD)
-    d = tl.arange(0, DIM_PAD)
-    t = tl.arange(0, TOKENS_PAD)
-    g_mask = g < GROUP
-    d_mask = d < HEAD_DIM
-    q_heads = kv_head * GROUP + g
-    q_mask = g_mask[:, None] & d_mask[None, :]
-    q = tl.load(
-        q_ptr + row * stride_qt + q_heads[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0
-    )
-    q = q.to(tl.float32) * scale
-
-    seq = tl.load(token_seq_ptr + row).to(tl.int64)
-    context_len = tl.load(context_lens_ptr + seq).to(tl.int32)
-    prefix = tl.load(prefix_lens_ptr + seq).to(tl.int32)  # keys every new token sees
-    bits = tl.load(tree_bits_ptr + row)  # int64: which new tokens this one sees
-    num_blocks = tl.cdiv(context_len, BLOCK_SIZE)
-    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
-    for j in range(0, num_blocks):
-        block_id = tl.load(block_tables_ptr + seq * stride_btb + j * stride_btj).to(tl.int64)
-        key = j * BLOCK_SIZE + t
-        shift = tl.maximum(key - prefix, 0).to(tl.int64)
-        seen = (key < prefix) | (((bits >> shift) & 1) == 1)
-        t_mask = (t < BLOCK_SIZE) & (key < context_len) & seen
-        kv_mask = t_mask[:, None] & d_mask[None, :]
-        k = tl.load(
-            k_ptr
-            + block_id * stride_kb
-            + t[:, None] * stride_kt
-            + kv_head * stride_kh
-            + d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        ).to(tl.float32)  # (T, D)
-        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # (G, T)
-        s = tl.where(t_mask[None, :], s, float("-inf"))
-        # a block may hide every key (a node's block of siblings): keep the max finite
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(s - m_safe[:, None])  # (G, T)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(
-            v_ptr
-            + block_id * stride_vb
-            + t[:, None] * stride_vt
-            + kv_head * stride_vh
-            + d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        ).to(tl.float32)  # (T, D)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
-        m_i = m_new
-
-    out = acc / l_i[:, None]
-    tl.store(
-        out_ptr + row * stride_ot + q_heads[:, None] * stride_oh + d[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=q_mask,
-    )
-
-
 def paged_tree_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -384,9 +329,7 @@ def paged_tree_attention(
     if tree_bits.device != q.device:
         raise ValueError(f"tree_bits is on {tree_bits.device}, q on {q.device}")
     _check_inputs(q[:B], k_cache, v_cache, block_tables, context_lens)
-    _, block_size, H_kv, _ = k_cache.shape
     H_q, D = q.shape[1], q.shape[2]
-    group = H_q // H_kv
     out = torch.empty((T, H_q, D), dtype=q.dtype, device=q.device)
     if T == 0:
         return out
@@ -397,35 +340,15 @@ def paged_tree_attention(
         raise ValueError(
             f"context_lens {context_lens.tolist()} shorter than query_lens {query_lens}"
         )
-    _paged_tree_kernel[(T, H_kv)](
+    _launch(
         out,
         q,
         k_cache,
         v_cache,
         block_tables,
-        context_lens.contiguous(),
-        token_seq,
-        prefix_lens,
-        tree_bits.contiguous(),
-        float(scale),
-        q.stride(0),
-        q.stride(1),
-        out.stride(0),
-        out.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
-        block_tables.stride(0),
-        block_tables.stride(1),
-        GROUP=group,
-        HEAD_DIM=D,
-        BLOCK_SIZE=block_size,
-        GROUP_PAD=max(triton.next_power_of_2(group), 2),
-        DIM_PAD=max(triton.next_power_of_2(D), 2),
-        TOKENS_PAD=max(triton.next_power_of_2(block_size), 2),
+        context_lens,
+        scale,
+        tree=(token_seq, prefix_lens, tree_bits.contiguous()),
     )
     return out
 
