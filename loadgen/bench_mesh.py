@@ -54,7 +54,7 @@ def local_mesh(
         ``.config.nats_url``). ``env`` (KVMESH_* settings, e.g. KVMESH_CHUNK_TOKENS) reaches every
         service; ``model`` is kvmesh-tiny or a checkpoint directory; ``nats_url``: a NATS server to use
     (default: a fresh one, started with one user per role). Synchronous: use it from sync fixtures or scripts, not inside an event loop."""
-    from kvmesh.commands.up import Launcher, UpConfig, free_port
+    from kvmesh.commands.up import UpConfig, free_port
 
     config = UpConfig(
         model=model,
@@ -71,6 +71,16 @@ def local_mesh(
         startup_timeout_s=startup_timeout_s,
         stop_timeout_s=10.0,
     )
+    with launched(config, env) as launcher:
+        yield launcher
+
+
+@contextlib.contextmanager
+def launched(config: Any, env: Mapping[str, str] | None = None) -> Iterator[Any]:
+    """Start ``kvmesh up``'s Launcher for ``config`` (an UpConfig) with ``env`` set only while its
+    children start (they inherit it), wait until the mesh is ready, yield it, stop it on exit."""
+    from kvmesh.commands.up import Launcher
+
     launcher = Launcher(config)
     saved = {k: os.environ.get(k) for k in env or {}}
     os.environ.update(env or {})

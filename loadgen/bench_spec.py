@@ -19,7 +19,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import random
 import sys
 import time
@@ -27,6 +26,8 @@ import urllib.request
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from kvmesh.loadgen.bench_mesh import launched
 
 MODEL = "kvmesh-tiny"
 SPEC_COUNTERS = {
@@ -64,7 +65,7 @@ def spec_mesh(
     """A disaggregated local mesh (one prefill, one decode, the router; one draft worker with
     ``draft``) on a fresh nats-server, in child processes; yields the Launcher. ``env``: KVMESH_*
     settings every service inherits. Synchronous (use it from sync fixtures)."""
-    from kvmesh.commands.up import Launcher, UpConfig, free_port
+    from kvmesh.commands.up import UpConfig, free_port
 
     config = UpConfig(
         model=model,
@@ -83,22 +84,8 @@ def spec_mesh(
         draft_exit_layer=draft.exit_layer if draft else 1,
         draft_model=draft.draft_model if draft else None,
     )
-    launcher = Launcher(config)
-    saved = {k: os.environ.get(k) for k in env or {}}
-    os.environ.update(env or {})
-    try:
-        launcher.start()  # children inherit the environment
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-    try:
-        asyncio.run(launcher.wait_ready())
+    with launched(config, env) as launcher:
         yield launcher
-    finally:
-        launcher.stop()
 
 
 def spec_counters(launcher: Any, worker: str = "decode-0") -> dict[str, float]:
