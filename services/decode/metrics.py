@@ -11,98 +11,75 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from kvmesh.shared.metric_set import MetricSet, seconds_buckets
 
-STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+STEP_BUCKETS = seconds_buckets(0.001, 10.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
-class DecodeMetrics:
+class DecodeMetrics(MetricSet):
     """A decode worker's metrics, registered in ``self.registry`` (one per worker)."""
 
     def __init__(self) -> None:
-        self.registry = r = CollectorRegistry()
-        self.running = Gauge(
-            "kvmesh_decode_requests_running", "Sequences in the running batch.", registry=r
-        )
-        self.waiting = Gauge(
-            "kvmesh_decode_requests_waiting",
+        super().__init__("kvmesh_decode")
+        self.running = self.gauge("requests_running", "Sequences in the running batch.")
+        self.waiting = self.gauge(
+            "requests_waiting",
             "Requests accepted but not yet running: queued for the batch, or reserved and "
             "waiting for their remote prefill.",
-            registry=r,
         )
-        self.kv_blocks_used = Gauge(
-            "kvmesh_decode_kv_blocks_used",
-            "KV blocks in use (running sequences, reservations, quarantine).",
-            registry=r,
+        self.kv_blocks_used = self.gauge(
+            "kv_blocks_used", "KV blocks in use (running sequences, reservations, quarantine)."
         )
-        self.kv_blocks_total = Gauge(
-            "kvmesh_decode_kv_blocks_capacity", "KV blocks in the worker's pool.", registry=r
-        )
-        self.step_seconds = Histogram(
-            "kvmesh_decode_step_seconds",
+        self.kv_blocks_total = self.gauge("kv_blocks_capacity", "KV blocks in the worker's pool.")
+        self.step_seconds = self.histogram(
+            "step_seconds",
             "Duration of one engine step (schedule, forward pass, sampling).",
-            buckets=STEP_BUCKETS,
-            registry=r,
+            STEP_BUCKETS,
         )
-        self.batch_size = Histogram(
-            "kvmesh_decode_batch_size",
-            "Sequences that got a new token in one engine step.",
-            buckets=BATCH_BUCKETS,
-            registry=r,
+        self.batch_size = self.histogram(
+            "batch_size", "Sequences that got a new token in one engine step.", BATCH_BUCKETS
         )
-        self.preemptions = Counter(
-            "kvmesh_decode_preemptions_total",
+        self.preemptions = self.counter(
+            "preemptions_total",
             "Running sequences preempted for lack of KV blocks (recomputed later).",
-            registry=r,
         )
-        self.generated_tokens = Counter(
-            "kvmesh_decode_generated_tokens_total", "Output tokens sampled.", registry=r
-        )
-        self.spec_draft_tokens = Counter(
-            "kvmesh_decode_spec_draft_tokens_total",
+        self.generated_tokens = self.counter("generated_tokens_total", "Output tokens sampled.")
+        self.spec_draft_tokens = self.counter(
+            "spec_draft_tokens_total",
             "Draft positions verified (the depth of each verified draft tree: the most that "
             "could have been accepted).",
-            registry=r,
         )
-        self.spec_accepted_tokens = Counter(
-            "kvmesh_decode_spec_accepted_tokens_total",
-            "Draft tokens accepted by verification.",
-            registry=r,
+        self.spec_accepted_tokens = self.counter(
+            "spec_accepted_tokens_total", "Draft tokens accepted by verification."
         )
-        self.spec_acceptance_rate = Gauge(
-            "kvmesh_decode_spec_acceptance_rate",
+        self.spec_acceptance_rate = self.gauge(
+            "spec_acceptance_rate",
             "Accepted over verified draft positions since the worker started.",
-            registry=r,
         )
-        self.spec_tokens_per_step = Histogram(
-            "kvmesh_decode_spec_tokens_per_step",
+        self.spec_tokens_per_step = self.histogram(
+            "spec_tokens_per_step",
             "Tokens a sequence got from one verify step (accepted drafts + the next token).",
-            buckets=(1, 2, 3, 4, 5, 6, 8, 10, 12, 17),
-            registry=r,
+            (1, 2, 3, 4, 5, 6, 8, 10, 12, 17),
         )
-        self.spec_verify_step_seconds = Histogram(
-            "kvmesh_decode_spec_verify_step_seconds",
+        self.spec_verify_step_seconds = self.histogram(
+            "spec_verify_step_seconds",
             "Duration of an engine step that verified draft trees.",
-            buckets=STEP_BUCKETS,
-            registry=r,
+            STEP_BUCKETS,
         )
-        self.spec_draft_latency_seconds = Histogram(
-            "kvmesh_decode_spec_draft_latency_seconds",
+        self.spec_draft_latency_seconds = self.histogram(
+            "spec_draft_latency_seconds",
             "From sending a sequence's context to the draft service to its proposal arriving.",
-            buckets=STEP_BUCKETS,
-            registry=r,
+            STEP_BUCKETS,
         )
-        self.prefix_hit_tokens = Counter(
-            "kvmesh_decode_prefix_cache_hit_tokens_total",
+        self.prefix_hit_tokens = self.counter(
+            "prefix_cache_hit_tokens_total",
             "Prompt tokens of locally prefilled (and recomputed) sequences taken from the "
             "prefix cache instead of being computed.",
-            registry=r,
         )
-        self.prefix_cached_blocks = Gauge(
-            "kvmesh_decode_prefix_cached_blocks",
+        self.prefix_cached_blocks = self.gauge(
+            "prefix_cached_blocks",
             "Blocks in the prefix cache (full, hashed, reusable; in use or free).",
-            registry=r,
         )
         self._num_hit_tokens = 0
         self._num_preemptions = 0  # the engine's running total at the last step

@@ -10,14 +10,14 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from kvmesh.shared.metric_set import MetricSet, seconds_buckets
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from kvmesh.services.kv_registry.core import RegistryState
 
-PLACE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+PLACE_BUCKETS = seconds_buckets(0.0005, 5.0)
 
 ROLES = ("kv-registry", "router", "prefill", "decode", "colocated")
 
@@ -83,42 +83,37 @@ class CoreCollector(Collector):
         )
 
 
-class RegistryMetrics:
+class RegistryMetrics(MetricSet):
     """The kv-registry's metrics, registered in ``self.registry`` (one per registry)."""
 
     def __init__(self, core: RegistryState) -> None:
-        self.registry = r = CollectorRegistry()
-        self.placements = Counter(
-            "kvmesh_registry_placements_total",
+        super().__init__("kvmesh_registry")
+        self.placements = self.counter(
+            "placements_total",
             "Requests placed on a decode worker, by where their prompt is prefilled.",
             ("prefill",),
-            registry=r,
         )
-        self.refusals = Counter(
-            "kvmesh_registry_refusals_total",
+        self.refusals = self.counter(
+            "refusals_total",
             "Place requests refused, by reason: " + ", ".join(REFUSAL_REASONS) + ".",
             ("reason",),
-            registry=r,
         )
-        self.place_seconds = Histogram(
-            "kvmesh_registry_place_seconds",
+        self.place_seconds = self.histogram(
+            "place_seconds",
             "Time to answer a place request (choosing, reserving on decode workers).",
-            buckets=PLACE_BUCKETS,
-            registry=r,
+            PLACE_BUCKETS,
         )
-        self.prefix_hits = Counter(
-            "kvmesh_registry_prefix_hit_placements_total",
+        self.prefix_hits = self.counter(
+            "prefix_hit_placements_total",
             "Requests placed on a decode worker whose prefix cache held at least one leading "
             "block of their prompt (cache-hit placements).",
-            registry=r,
         )
-        self.prefix_matched_tokens = Counter(
-            "kvmesh_registry_prefix_matched_tokens_total",
+        self.prefix_matched_tokens = self.counter(
+            "prefix_matched_tokens_total",
             "Prompt tokens of placed requests found cached on the worker they were placed on.",
-            registry=r,
         )
         self.core = CoreCollector(core)
-        r.register(self.core)
+        self.registry.register(self.core)
 
     def observe_place(
         self, seconds: float, *, local_prefill: bool, refusal: str = "", cached_tokens: int = 0

@@ -9,80 +9,54 @@ timings mesh-wide; these say which prefill worker they came from.
 from __future__ import annotations
 
 from kvmesh.services.prefill.plan import PrefillTiming
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from kvmesh.shared.metric_set import MetricSet, seconds_buckets
 
-SECONDS_BUCKETS = (
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    30.0,
-    60.0,
-)
+SECONDS_BUCKETS = seconds_buckets(0.001, 60.0)
 # bytes per second: 10 MB/s (a loaded tcp link) to 100 GB/s (a fast RDMA NIC or shm)
 BANDWIDTH_BUCKETS = (1e7, 3e7, 1e8, 3e8, 1e9, 3e9, 1e10, 3e10, 1e11)
 
 
-class PrefillMetrics:
+class PrefillMetrics(MetricSet):
     """A prefill worker's metrics, registered in ``self.registry`` (one per worker)."""
 
     def __init__(self) -> None:
-        self.registry = r = CollectorRegistry()
-        self.queue_wait = Histogram(
-            "kvmesh_prefill_queue_wait_seconds",
+        super().__init__("kvmesh_prefill")
+        self.queue_wait = self.histogram(
+            "queue_wait_seconds",
             "Time a job waited in the prefill queue before this worker took it.",
-            buckets=SECONDS_BUCKETS,
-            registry=r,
+            SECONDS_BUCKETS,
         )
-        self.chunk_compute = Histogram(
-            "kvmesh_prefill_chunk_compute_seconds",
+        self.chunk_compute = self.histogram(
+            "chunk_compute_seconds",
             "Forward pass of one prefill chunk (one engine step, shared by the jobs in flight).",
-            buckets=SECONDS_BUCKETS,
-            registry=r,
+            SECONDS_BUCKETS,
         )
-        self.kv_bytes_written = Counter(
-            "kvmesh_prefill_kv_bytes_written_total",
-            "KV cache bytes written into decode workers' blocks.",
-            registry=r,
+        self.kv_bytes_written = self.counter(
+            "kv_bytes_written_total", "KV cache bytes written into decode workers' blocks."
         )
-        self.kv_write = Histogram(
-            "kvmesh_prefill_kv_write_seconds",
+        self.kv_write = self.histogram(
+            "kv_write_seconds",
             "Duration of one chunk's KV write (issue to completion).",
-            buckets=SECONDS_BUCKETS,
-            registry=r,
+            SECONDS_BUCKETS,
         )
-        self.kv_write_bandwidth = Histogram(
-            "kvmesh_prefill_kv_write_bandwidth_bytes_per_second",
+        self.kv_write_bandwidth = self.histogram(
+            "kv_write_bandwidth_bytes_per_second",
             "Bandwidth of one chunk's KV write: its bytes over its duration.",
-            buckets=BANDWIDTH_BUCKETS,
-            registry=r,
+            BANDWIDTH_BUCKETS,
         )
-        self.exposed_transfer = Histogram(
-            "kvmesh_prefill_kv_exposed_transfer_seconds",
+        self.exposed_transfer = self.histogram(
+            "kv_exposed_transfer_seconds",
             "Per job: KV transfer time not hidden behind compute (end of the last forward pass "
             "to the last write landing).",
-            buckets=SECONDS_BUCKETS,
-            registry=r,
+            SECONDS_BUCKETS,
         )
-        self.jobs = Counter(
-            "kvmesh_prefill_jobs_total",
+        self.jobs = self.counter(
+            "jobs_total",
             "Prefill jobs that ended, by outcome (ok: every chunk written and announced; "
             "failed: refused, aborted or a write failed).",
             ("outcome",),
-            registry=r,
         )
-        self.jobs_running = Gauge(
-            "kvmesh_prefill_jobs_running", "Jobs this worker holds now.", registry=r
-        )
+        self.jobs_running = self.gauge("jobs_running", "Jobs this worker holds now.")
 
     def observe_chunk(self, seconds: float) -> None:
         self.chunk_compute.observe(seconds)

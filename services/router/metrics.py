@@ -12,30 +12,14 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from kvmesh.shared.metric_set import MetricSet, seconds_buckets
 from kvmesh.shared.metrics_exporter import exposition
 from kvmesh.shared.protocol import DecodeAdvert, PrefillReport
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import Histogram
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
-LATENCY_BUCKETS = (
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    30.0,
-    60.0,
-    120.0,
-)
+LATENCY_BUCKETS = seconds_buckets(0.001, 120.0)
 
 # DecodeAdvert field -> (metric name, help)
 ADVERTISED_COUNTERS = {
@@ -81,22 +65,14 @@ class WorkerCounters(Collector):
             yield family
 
 
-class RouterMetrics:
+class RouterMetrics(MetricSet):
     """The router's metrics, registered in ``self.registry`` (one per router)."""
 
     def __init__(self, prefix: str = "kvmesh_router") -> None:
-        self.registry = CollectorRegistry()
+        super().__init__(prefix)
 
         def hist(name: str, help: str) -> Histogram:
-            return Histogram(
-                f"{prefix}_{name}", help, buckets=LATENCY_BUCKETS, registry=self.registry
-            )
-
-        def counter(name: str, help: str, labels: tuple[str, ...] = ()) -> Counter:
-            return Counter(f"{prefix}_{name}", help, labels, registry=self.registry)
-
-        def gauge(name: str, help: str) -> Gauge:
-            return Gauge(f"{prefix}_{name}", help, registry=self.registry)
+            return self.histogram(name, help, LATENCY_BUCKETS)
 
         self.ttft = hist("time_to_first_token_seconds", "Request arrival to first output token.")
         self.itl = hist("inter_token_latency_seconds", "Time between consecutive output tokens.")
@@ -111,26 +87,28 @@ class RouterMetrics:
         self.exposed_transfer = hist(
             "kv_exposed_transfer_seconds", "KV transfer time not hidden behind prefill compute."
         )
-        self.requests = counter(
+        self.requests = self.counter(
             "requests_total",
             "Finished HTTP generation requests by endpoint and status code (499: the client "
             "went away); errors are the non-2xx statuses.",
             ("endpoint", "status"),
         )
-        self.finish_reasons = counter(
+        self.finish_reasons = self.counter(
             "finish_reason_total", "Finished generations by finish reason.", ("reason",)
         )
-        self.prompt_tokens = counter("prompt_tokens_total", "Prompt tokens processed.")
-        self.generation_tokens = counter("generation_tokens_total", "Output tokens generated.")
-        self.aborts = counter("aborts_total", "Abort messages published, by reason.", ("reason",))
-        self.retries = counter(
+        self.prompt_tokens = self.counter("prompt_tokens_total", "Prompt tokens processed.")
+        self.generation_tokens = self.counter("generation_tokens_total", "Output tokens generated.")
+        self.aborts = self.counter(
+            "aborts_total", "Abort messages published, by reason.", ("reason",)
+        )
+        self.retries = self.counter(
             "retries_total",
             "Requests run again because a worker died: by its role before the first token, "
             "decode-migrate for streams moved to another decode worker after it.",
             ("role",),
         )
-        self.in_flight = gauge("requests_in_flight", "Requests being served now.")
-        self.waiting = gauge(
+        self.in_flight = self.gauge("requests_in_flight", "Requests being served now.")
+        self.waiting = self.gauge(
             "requests_waiting",
             "Accepted requests waiting in the admission queue for the mesh to have room.",
         )
