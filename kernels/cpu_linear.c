@@ -57,7 +57,8 @@ static inline vl fmadd(vl a, vl b, vl c) {
  * constant after inlining, so the accumulators live in registers. */
 static inline __attribute__((always_inline)) void tile(const float *x, int64_t k,
                                                        const float *panel, const float *bias,
-                                                       float *y, int64_t n, int64_t nc, int mr) {
+                                                       float *y, int64_t n, int64_t nc, int mr,
+                                                       int accumulate) {
     vl acc[MR][NV];
     for (int r = 0; r < mr; r++)
         for (int v = 0; v < NV; v++) acc[r][v] = (vl){0};
@@ -74,14 +75,17 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t k
         for (int v = 0; v < NV; v++) storev(row + v * VL, acc[r][v]);
         if (bias)
             for (int j = 0; j < nc; j++) row[j] += bias[j];
-        memcpy(y + r * n, row, nc * sizeof(float));
+        if (accumulate) /* y + (x w + b): the rounding of torch's out.add_(residual) */
+            for (int j = 0; j < nc; j++) y[r * n + j] += row[j];
+        else
+            memcpy(y + r * n, row, nc * sizeof(float));
     }
 }
 
 /* One row of x against two whole panels at once (batch-1 decode): two streams from memory in
  * flight instead of one, which reads the weights faster (12 -> 15 GB/s on one Zen 3 core). */
 static void pair_row(const float *x, int64_t k, const float *pa, const float *pb,
-                     const float *bias, float *y) {
+                     const float *bias, float *y, int accumulate) {
     vl acc[2][NV];
     for (int v = 0; v < NV; v++) acc[0][v] = acc[1][v] = (vl){0};
     for (int64_t kk = 0; kk < k; kk++) {
@@ -91,31 +95,65 @@ static void pair_row(const float *x, int64_t k, const float *pa, const float *pb
             acc[1][v] = fmadd(a, loadv(pb + kk * NR + v * VL), acc[1][v]);
         }
     }
+    float row[2 * NR];
     for (int v = 0; v < NV; v++) {
-        storev(y + v * VL, acc[0][v]);
-        storev(y + NR + v * VL, acc[1][v]);
+        storev(row + v * VL, acc[0][v]);
+        storev(row + NR + v * VL, acc[1][v]);
     }
     if (bias)
-        for (int j = 0; j < 2 * NR; j++) y[j] += bias[j];
+        for (int j = 0; j < 2 * NR; j++) row[j] += bias[j];
+    if (accumulate)
+        for (int j = 0; j < 2 * NR; j++) y[j] += row[j];
+    else
+        memcpy(y, row, sizeof row);
 }
 
 static void panel_rows(const float *x, int64_t m, int64_t k, const float *panel,
-                       const float *bias, float *y, int64_t n, int64_t nc) {
+                       const float *bias, float *y, int64_t n, int64_t nc, int acc) {
     int64_t r = 0;
-    for (; r + MR <= m; r += MR) tile(x + r * k, k, panel, bias, y + r * n, n, nc, MR);
+    for (; r + MR <= m; r += MR) tile(x + r * k, k, panel, bias, y + r * n, n, nc, MR, acc);
     switch (m - r) {
 #if MR > 7
-    case 7: tile(x + r * k, k, panel, bias, y + r * n, n, nc, 7); break;
-    case 6: tile(x + r * k, k, panel, bias, y + r * n, n, nc, 6); break;
+    case 7: tile(x + r * k, k, panel, bias, y + r * n, n, nc, 7, acc); break;
+    case 6: tile(x + r * k, k, panel, bias, y + r * n, n, nc, 6, acc); break;
 #endif
 #if MR > 5
-    case 5: tile(x + r * k, k, panel, bias, y + r * n, n, nc, 5); break;
-    case 4: tile(x + r * k, k, panel, bias, y + r * n, n, nc, 4); break;
+    case 5: tile(x + r * k, k, panel, bias, y + r * n, n, nc, 5, acc); break;
+    case 4: tile(x + r * k, k, panel, bias, y + r * n, n, nc, 4, acc); break;
 #endif
-    case 3: tile(x + r * k, k, panel, bias, y + r * n, n, nc, 3); break;
-    case 2: tile(x + r * k, k, panel, bias, y + r * n, n, nc, 2); break;
-    case 1: tile(x + r * k, k, panel, bias, y + r * n, n, nc, 1); break;
+    case 3: tile(x + r * k, k, panel, bias, y + r * n, n, nc, 3, acc); break;
+    case 2: tile(x + r * k, k, panel, bias, y + r * n, n, nc, 2, acc); break;
+    case 1: tile(x + r * k, k, panel, bias, y + r * n, n, nc, 1, acc); break;
     default: break;
+    }
+}
+
+/* Thread t of num_threads's share of y (m, n) = x (m, k) @ w.T (+ bias), w packed as above:
+ * a contiguous run of panels. accumulate: y += x @ w.T (+ bias) instead (a residual add fused
+ * into the layer, kernels/cpu_layer.c). x and y row-major and contiguous, bias (n,) or NULL. */
+void kv_linear_share(const float *x, int64_t m, int64_t k, const float *packed, int64_t n,
+                     const float *bias, float *y, int64_t t, int64_t num_threads, int accumulate) {
+    int64_t num_panels = (n + NR - 1) / NR;
+    int64_t p0 = num_panels * t / num_threads, p1 = num_panels * (t + 1) / num_threads;
+    if (m == 1) { /* whole pairs of panels, then a last odd or partial one */
+        int64_t p = p0;
+        for (; p + 1 < p1 && (p + 2) * NR <= n; p += 2)
+            pair_row(x, k, packed + p * NR * k, packed + (p + 1) * NR * k,
+                     bias ? bias + p * NR : NULL, y + p * NR, accumulate);
+        for (; p < p1; p++) {
+            int64_t c0 = p * NR, nc = n - c0 < NR ? n - c0 : NR;
+            panel_rows(x, 1, k, packed + p * NR * k, bias ? bias + c0 : NULL, y + c0, n, nc,
+                       accumulate);
+        }
+        return;
+    }
+    for (int64_t r0 = 0; r0 < m; r0 += MB) {
+        int64_t mb = m - r0 < MB ? m - r0 : MB;
+        for (int64_t p = p0; p < p1; p++) {
+            int64_t c0 = p * NR, nc = n - c0 < NR ? n - c0 : NR;
+            panel_rows(x + r0 * k, mb, k, packed + p * NR * k, bias ? bias + c0 : NULL,
+                       y + r0 * n + c0, n, nc, accumulate);
+        }
     }
 }
 
@@ -127,26 +165,6 @@ void kv_linear(const float *x, int64_t m, int64_t k, const float *packed, int64_
     if (num_threads > num_panels) num_threads = num_panels;
     if (num_threads < 1) num_threads = 1;
 #pragma omp parallel for num_threads(num_threads) schedule(static, 1) if (num_threads > 1)
-    for (int64_t t = 0; t < num_threads; t++) {
-        int64_t p0 = num_panels * t / num_threads, p1 = num_panels * (t + 1) / num_threads;
-        if (m == 1) { /* whole pairs of panels, then a last odd or partial one */
-            int64_t p = p0;
-            for (; p + 1 < p1 && (p + 2) * NR <= n; p += 2)
-                pair_row(x, k, packed + p * NR * k, packed + (p + 1) * NR * k,
-                         bias ? bias + p * NR : NULL, y + p * NR);
-            for (; p < p1; p++) {
-                int64_t c0 = p * NR, nc = n - c0 < NR ? n - c0 : NR;
-                panel_rows(x, 1, k, packed + p * NR * k, bias ? bias + c0 : NULL, y + c0, n, nc);
-            }
-            continue;
-        }
-        for (int64_t r0 = 0; r0 < m; r0 += MB) {
-            int64_t mb = m - r0 < MB ? m - r0 : MB;
-            for (int64_t p = p0; p < p1; p++) {
-                int64_t c0 = p * NR, nc = n - c0 < NR ? n - c0 : NR;
-                panel_rows(x + r0 * k, mb, k, packed + p * NR * k, bias ? bias + c0 : NULL,
-                           y + r0 * n + c0, n, nc);
-            }
-        }
-    }
+    for (int64_t t = 0; t < num_threads; t++)
+        kv_linear_share(x, m, k, packed, n, bias, y, t, num_threads, 0);
 }

@@ -337,65 +337,75 @@ static void prefetch_context(const float *k_cache, const float *v_cache, const i
 #define PREFETCH_PAIRS 1
 #endif
 
-/* One decode step of attention for a batch of sequences, one new token each.
+/* One decode step of attention for a batch of sequences, one new token each, for the units
+ * [u0, u1) of it: unit u is (sequence u / num_kv_heads, KV head u % num_kv_heads), i.e. that
+ * KV head's query group. Units are independent, so threads may take any runs of them.
  *
- * qkv: (batch, num_q_heads + 2 * num_kv_heads, d) projections of the new tokens; q and k are
- *      rotated in place by rope_cos, rope_sin: (batch, d), the rotation-table rows of each
- *      token's position.
+ * qkv: (batch, num_q_heads + 2 * num_kv_heads, d) projections of the new tokens; a unit rotates
+ *      its q heads and its k head in place by rope_cos, rope_sin: (batch, d), the rotation-table
+ *      rows of each token's position.
  * k_cache, v_cache: this layer's first K and V tile; the tile of (block b, KV head h) starts
  *      b * block_stride + h * head_stride floats further on and holds block_size rows of d.
  * block_tables: (batch, table_width); context_lens: (batch,), counting the new token, which sits
  *      at position context_len - 1 and is written into its slot before attention reads it.
  * out: (batch, num_q_heads, d). Query head j attends with KV head j / (num_q_heads / num_kv_heads)
  *      (transformers' repeat_kv order). scratch: at least max(context_lens) * group floats.
- * This runs one thread's part of the batch; kv_decode_attention below splits the batch.
  */
-static void decode_attention_run(float *qkv, int64_t batch, int64_t num_q_heads,
-                                 int64_t num_kv_heads, int64_t d, const float *rope_cos,
-                                 const float *rope_sin, float *k_cache, float *v_cache,
-                                 int64_t block_stride, int64_t head_stride, int64_t block_size,
-                                 const int64_t *block_tables, int64_t table_width,
-                                 const int64_t *context_lens, float scale, float *out,
-                                 float *scratch) {
+void kv_decode_attention_units(float *qkv, int64_t num_q_heads, int64_t num_kv_heads, int64_t d,
+                               const float *rope_cos, const float *rope_sin, float *k_cache,
+                               float *v_cache, int64_t block_stride, int64_t head_stride,
+                               int64_t block_size, const int64_t *block_tables,
+                               int64_t table_width, const int64_t *context_lens, float scale,
+                               float *out, float *scratch, int64_t u0, int64_t u1) {
     int64_t group = num_q_heads / num_kv_heads;
     int64_t row = (num_q_heads + 2 * num_kv_heads) * d;
-    for (int64_t b = 0; b < batch; b++) {
-        float *q = qkv + b * row;
-        float *k = q + num_q_heads * d;
+    for (int64_t u = u0; u < u1; u++) {
+        int64_t b = u / num_kv_heads, h = u % num_kv_heads;
+        float *q = qkv + b * row + h * group * d;
+        float *k = qkv + b * row + (num_q_heads + h) * d;
         float *v = k + num_kv_heads * d;
         int64_t ctx = context_lens[b];
         int64_t pos = ctx - 1;
         const int64_t *table = block_tables + b * table_width;
-        for (int64_t h = 0; h < num_q_heads + num_kv_heads; h++)
-            rope_head(q + h * d, rope_cos + b * d, rope_sin + b * d, d);
+        for (int64_t g = 0; g < group; g++) rope_head(q + g * d, rope_cos + b * d, rope_sin + b * d, d);
+        rope_head(k, rope_cos + b * d, rope_sin + b * d, d);
         int64_t slot = table[pos / block_size] * block_stride + (pos % block_size) * d;
-        for (int64_t h = 0; h < num_kv_heads; h++) {
-            memcpy(k_cache + slot + h * head_stride, k + h * d, d * sizeof(float));
-            memcpy(v_cache + slot + h * head_stride, v + h * d, d * sizeof(float));
+        memcpy(k_cache + slot + h * head_stride, k, d * sizeof(float));
+        memcpy(v_cache + slot + h * head_stride, v, d * sizeof(float));
+        /* the tiles of the unit PREFETCH_PAIRS ahead, while this one computes (the first
+         * units' tiles before the first one) */
+        for (int64_t ahead = u == u0 ? 0 : PREFETCH_PAIRS; ahead <= PREFETCH_PAIRS; ahead++) {
+            int64_t next = u + ahead;
+            if (next >= u1) break;
+            int64_t nb = next / num_kv_heads, nh = next % num_kv_heads;
+            prefetch_context(k_cache + nh * head_stride, v_cache + nh * head_stride,
+                             block_tables + nb * table_width, block_stride, block_size,
+                             context_lens[nb], d);
         }
-        for (int64_t h = 0; h < num_kv_heads; h++) {
-            /* the tiles of the (sequence, KV head) pair PREFETCH_PAIRS ahead, while this one
-             * computes (the first pairs' tiles before the first one) */
-            int64_t pair = b * num_kv_heads + h, num_pairs = batch * num_kv_heads;
-            for (int64_t ahead = pair == 0 ? 0 : PREFETCH_PAIRS; ahead <= PREFETCH_PAIRS; ahead++) {
-                int64_t next = pair + ahead;
-                if (next >= num_pairs) break;
-                int64_t nb = next / num_kv_heads, nh = next % num_kv_heads;
-                prefetch_context(k_cache + nh * head_stride, v_cache + nh * head_stride,
-                                 block_tables + nb * table_width, block_stride, block_size,
-                                 context_lens[nb], d);
-            }
-            const float *qh = q + h * group * d;
-            const float *kh = k_cache + h * head_stride, *vh = v_cache + h * head_stride;
-            float *oh = out + (b * num_q_heads + h * group) * d;
-            if (d == 64)
-                attend(qh, kh, vh, table, block_stride, block_size, ctx, group, 64, scale, scratch, oh);
-            else if (d == 128)
-                attend(qh, kh, vh, table, block_stride, block_size, ctx, group, 128, scale, scratch, oh);
-            else
-                attend(qh, kh, vh, table, block_stride, block_size, ctx, group, d, scale, scratch, oh);
-        }
+        const float *kh = k_cache + h * head_stride, *vh = v_cache + h * head_stride;
+        float *oh = out + (b * num_q_heads + h * group) * d;
+        if (d == 64)
+            attend(q, kh, vh, table, block_stride, block_size, ctx, group, 64, scale, scratch, oh);
+        else if (d == 128)
+            attend(q, kh, vh, table, block_stride, block_size, ctx, group, 128, scale, scratch, oh);
+        else
+            attend(q, kh, vh, table, block_stride, block_size, ctx, group, d, scale, scratch, oh);
     }
+}
+
+/* The first unit of thread t of num_threads: runs of consecutive units with about equal work
+ * (a unit's work is its sequence's context length). */
+int64_t kv_attention_unit_bound(const int64_t *context_lens, int64_t batch, int64_t num_kv_heads,
+                                int64_t t, int64_t num_threads) {
+    if (t <= 0) return 0;
+    if (t >= num_threads) return batch * num_kv_heads;
+    int64_t total = 0;
+    for (int64_t b = 0; b < batch; b++) total += context_lens[b];
+    total *= num_kv_heads;
+    /* the first unit whose work before it reaches the target */
+    int64_t target = (total * t + num_threads - 1) / num_threads, sum = 0, u = 0;
+    for (; u < batch * num_kv_heads && sum < target; u++) sum += context_lens[u / num_kv_heads];
+    return u;
 }
 
 /* kv_decode_attention: the batch in num_parts runs of consecutive sequences, run p being
@@ -403,21 +413,18 @@ static void decode_attention_run(float *qkv, int64_t batch, int64_t num_q_heads,
  * lengths). Every run has its own scratch_stride floats of scratch. Built with -fopenmp the
  * threads are those of the OpenMP runtime already in the process (torch's libgomp, matched by its
  * soname), so they do not compete with another pool's spinning threads; built without it, the
- * runs go one after another. Arguments as decode_attention_run's above. */
+ * runs go one after another. Arguments as kv_decode_attention_units's above. */
 void kv_decode_attention(float *qkv, int64_t num_q_heads, int64_t num_kv_heads, int64_t d,
                          const float *rope_cos, const float *rope_sin, float *k_cache,
                          float *v_cache, int64_t block_stride, int64_t head_stride,
                          int64_t block_size, const int64_t *block_tables, int64_t table_width,
                          const int64_t *context_lens, float scale, float *out, float *scratch,
                          int64_t scratch_stride, const int64_t *bounds, int64_t num_parts) {
-    int64_t row = (num_q_heads + 2 * num_kv_heads) * d;
 #pragma omp parallel for num_threads(num_parts) schedule(static, 1) if (num_parts > 1)
-    for (int64_t p = 0; p < num_parts; p++) {
-        int64_t b0 = bounds[p], n = bounds[p + 1] - bounds[p];
-        decode_attention_run(qkv + b0 * row, n, num_q_heads, num_kv_heads, d, rope_cos + b0 * d,
-                             rope_sin + b0 * d, k_cache, v_cache, block_stride, head_stride,
-                             block_size, block_tables + b0 * table_width, table_width,
-                             context_lens + b0, scale, out + b0 * num_q_heads * d,
-                             scratch + p * scratch_stride);
-    }
+    for (int64_t p = 0; p < num_parts; p++)
+        kv_decode_attention_units(qkv, num_q_heads, num_kv_heads, d, rope_cos, rope_sin, k_cache,
+                                  v_cache, block_stride, head_stride, block_size, block_tables,
+                                  table_width, context_lens, scale, out,
+                                  scratch + p * scratch_stride, bounds[p] * num_kv_heads,
+                                  bounds[p + 1] * num_kv_heads);
 }

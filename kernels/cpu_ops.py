@@ -1,5 +1,6 @@
-"""The float32 CPU kernels of ``cpu_ops.c`` (elementwise work and decode attention) and
-``cpu_linear.c`` (linear layers over prepacked weights), built with the system C compiler into one
+"""The float32 CPU kernels of ``cpu_ops.c`` (elementwise work and decode attention),
+``cpu_linear.c`` (linear layers over prepacked weights) and ``cpu_layer.c`` (a whole decoder
+layer's decode step in one call and one OpenMP region), built with the system C compiler into one
 library and called through ctypes.
 
 ``load_cpu_ops()`` compiles the sources once per machine (``-O3 -march=native``) into a cache
@@ -30,7 +31,7 @@ import structlog
 import torch
 import torch.nn.functional as F
 
-SOURCES = (Path(__file__).with_name("cpu_ops.c"), Path(__file__).with_name("cpu_linear.c"))
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_ops.c", "cpu_linear.c", "cpu_layer.c"))
 # Output columns per panel of a packed weight (NR in cpu_linear.c).
 PANEL_WIDTH = 16
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-std=gnu11")
@@ -49,6 +50,15 @@ _SIGNATURES = {
     "kv_decode_attention": (
         *(_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr),
         *(_i64, _i64, _i64, _ptr, _i64, _ptr, _f32, _ptr, _ptr, _i64, _ptr, _i64),
+    ),
+    # x, batch, hidden, attn norm, ffn norm, eps, wqkv, bqkv, wo, bo, wgu, bgu, wdown, bdown,
+    # inter, xn, qkv, attn, gu, act, then the attention's: heads, kv heads, d, cos, sin, k, v,
+    # strides, block size, tables, width, context lens, scale, scratch, scratch stride; threads
+    "kv_decode_layer": (
+        *(_ptr, _i64, _i64, _ptr, _ptr, _f32, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr),
+        *(_i64, _ptr, _ptr, _ptr, _ptr, _ptr),
+        *(_i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _f32),
+        *(_ptr, _i64, _i64),
     ),
 }
 
@@ -160,6 +170,7 @@ class CpuOps:
         self._silu_mul = lib.kv_silu_mul
         self._decode_attention = lib.kv_decode_attention
         self._linear = lib.kv_linear
+        self._decode_layer = lib.kv_decode_layer
 
     def linear(
         self, x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None
@@ -276,12 +287,147 @@ class CpuOps:
         )
         return out
 
+    def decode_layer(
+        self, x: torch.Tensor, w: DecodeLayerWeights, kv: DecodeLayerKV
+    ) -> torch.Tensor:
+        """One decoder layer's decode step (``kv_decode_layer`` in ``cpu_layer.c``): the
+        residual stream x (batch, hidden) after attention and MLP, a new tensor. Rotates, stores
+        and attends as ``decode_attention`` does, with ``kv``'s cache, tables and plan; runs on
+        ``torch.get_num_threads()`` threads in one parallel region."""
+        _check_f32_contiguous(x=x, cos=kv.cos, sin=kv.sin)
+        batch, hidden = x.shape
+        k_cache, v_cache, plan = kv.k_cache, kv.v_cache, kv.plan
+        _, block_size, num_kv_heads, d = k_cache.shape
+        strides = k_cache.stride()
+        num_threads = torch.get_num_threads()
+        assert hidden == w.hidden and num_kv_heads == w.num_kv_heads and d == w.head_dim, (
+            x.shape,
+            k_cache.shape,
+        )
+        assert kv.cos.shape == kv.sin.shape == (batch, 1, d), (kv.cos.shape, kv.sin.shape)
+        assert k_cache.dtype == v_cache.dtype == torch.float32 and k_cache.is_cpu
+        assert v_cache.shape == k_cache.shape and v_cache.stride() == strides
+        assert strides[1] == d and strides[3] == 1, strides
+        assert kv.block_tables.dtype == kv.context_lens.dtype == torch.int64
+        assert kv.block_tables.is_contiguous() and kv.context_lens.is_contiguous()
+        assert kv.block_tables.shape[0] == kv.context_lens.shape[0] == batch
+        width = kv.block_tables.shape[1]
+        stride = plan.scratch.shape[1]
+        assert plan.batch == batch and plan.scratch.shape[0] >= num_threads, (
+            "the plan was made for another step or thread count"
+        )
+        assert stride >= width * block_size * (w.num_q_heads // num_kv_heads), plan.scratch.shape
+        n_qkv, n_attn, inter = w.wqkv.out_features, w.wo.panels.shape[1], w.inter
+        out = x.clone()
+        # one allocation, cut into contiguous (batch, n) buffers
+        sizes = (hidden, n_qkv, n_attn, 2 * inter, inter)
+        work = x.new_empty(batch * sum(sizes)).split([batch * n for n in sizes])
+        self._decode_layer(
+            out.data_ptr(),
+            batch,
+            hidden,
+            w.attn_norm.data_ptr(),
+            w.ffn_norm.data_ptr(),
+            w.eps,
+            *_weight_bias(w.wqkv, w.bqkv),
+            *_weight_bias(w.wo, w.bo),
+            *_weight_bias(w.w_gate_up, w.b_gate_up),
+            *_weight_bias(w.w_down, w.b_down),
+            inter,
+            *(t.data_ptr() for t in work),  # xn, qkv, attn, gu, act
+            w.num_q_heads,
+            num_kv_heads,
+            d,
+            kv.cos.data_ptr(),
+            kv.sin.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            strides[0],
+            strides[2],
+            block_size,
+            kv.block_tables.data_ptr(),
+            width,
+            kv.context_lens.data_ptr(),
+            w.scale,
+            plan.scratch.data_ptr(),
+            stride,
+            num_threads,
+        )
+        return out
+
+
+def _weight_bias(weight: PackedWeight, bias: torch.Tensor | None) -> tuple[int, int | None]:
+    return weight.panels.data_ptr(), None if bias is None else bias.data_ptr()
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeLayerWeights:
+    """What ``CpuOps.decode_layer`` needs of one decoder layer: float32 norms, packed weights
+    (gate and up as one (2 * inter, hidden) weight, gate first) and contiguous biases or None."""
+
+    hidden: int
+    inter: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    eps: float
+    scale: float
+    attn_norm: torch.Tensor
+    ffn_norm: torch.Tensor
+    wqkv: PackedWeight
+    bqkv: torch.Tensor | None
+    wo: PackedWeight
+    bo: torch.Tensor | None
+    w_gate_up: PackedWeight
+    b_gate_up: torch.Tensor | None
+    w_down: PackedWeight
+    b_down: torch.Tensor | None
+
+    def __post_init__(self) -> None:
+        h, n_q, n_kv, d, i = (
+            self.hidden,
+            self.num_q_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.inter,
+        )
+        assert n_q % n_kv == 0, (n_q, n_kv)
+        _check_f32_contiguous(attn_norm=self.attn_norm, ffn_norm=self.ffn_norm)
+        assert self.attn_norm.shape == self.ffn_norm.shape == (h,)
+        for name, weight, bias, n, k in (
+            ("wqkv", self.wqkv, self.bqkv, (n_q + 2 * n_kv) * d, h),
+            ("wo", self.wo, self.bo, h, n_q * d),
+            ("w_gate_up", self.w_gate_up, self.b_gate_up, 2 * i, h),
+            ("w_down", self.w_down, self.b_down, h, i),
+        ):
+            assert weight.out_features == n and weight.panels.shape[1] == k, (name, n, k)
+            _check_f32_contiguous(**{name: weight.panels})
+            if bias is not None:
+                _check_f32_contiguous(**{f"{name} bias": bias})
+                assert bias.shape == (n,), (name, bias.shape)
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeLayerKV:
+    """One layer's view of a decode step for ``CpuOps.decode_layer``: its K and V cache
+    (num_blocks, block_size, H_kv, D), the rotation rows cos, sin (batch, 1, D) of each token's
+    position, block tables (batch, width) and context lengths (batch,) int64, and the step's
+    ``DecodePlan``."""
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
+    plan: DecodePlan
+
 
 @dataclass(frozen=True, slots=True)
 class DecodePlan:
     """How one decode step's attention splits its batch over threads, shared by every layer:
-    ``bounds`` (parts + 1,) int64 run starts then the batch size; ``scratch`` (parts, stride)
-    float32 score rows of each part's thread."""
+    ``bounds`` (parts + 1,) int64 run starts then the batch size; ``scratch`` (threads, stride)
+    float32 score rows of each thread."""
 
     batch: int
     bounds: torch.Tensor
@@ -292,11 +438,13 @@ def decode_plan(
     context_lens: torch.Tensor, table_width: int, block_size: int, group: int
 ) -> DecodePlan:
     """The ``DecodePlan`` of a step: runs of sequences with about equal context, one per torch
-    thread (``split_by_work``), and scratch for the longest context a block table can hold."""
+    thread (``split_by_work``), and scratch for the longest context a block table can hold, a
+    row for each torch thread (``decode_layer`` splits the work finer than by sequence)."""
     lens = context_lens.tolist()
-    parts = split_by_work(lens, min(torch.get_num_threads(), len(lens)))
+    num_threads = torch.get_num_threads()
+    parts = split_by_work(lens, min(num_threads, len(lens)))
     bounds = torch.tensor([start for start, _ in parts] + [len(lens)], dtype=torch.int64)
-    scratch = torch.empty(len(parts), table_width * block_size * group)
+    scratch = torch.empty(max(num_threads, len(parts)), table_width * block_size * group)
     return DecodePlan(len(lens), bounds, scratch)
 
 

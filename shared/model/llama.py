@@ -15,7 +15,12 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-from kvmesh.kernels.cpu_ops import decode_plan, pack_linear_weight
+from kvmesh.kernels.cpu_ops import (
+    DecodeLayerKV,
+    DecodeLayerWeights,
+    decode_plan,
+    pack_linear_weight,
+)
 from kvmesh.shared.engine.attention import AttentionMetadata, paged_attention
 from kvmesh.shared.engine.kv_cache import KVCacheSpec, KVPool
 from kvmesh.shared.model.config import ModelConfig
@@ -180,6 +185,9 @@ class TransformerBlock(nn.Module):
         self.attention = Attention(config, layer_idx)
         self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.feed_forward = FeedForward(config)
+        # set by attach_cpu_ops where every part of the layer can run in CpuOps.decode_layer
+        self.cpu_ops: CpuOps | None = None
+        self.decode_weights: DecodeLayerWeights | None = None
 
     def forward(
         self,
@@ -189,8 +197,46 @@ class TransformerBlock(nn.Module):
         kv_pool: KVPool,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
+        if self.decode_weights is not None and _is_fusable_decode(x, meta):
+            k_cache, v_cache = kv_pool.layer(self.attention.layer_idx)
+            if k_cache.dtype == torch.float32 and k_cache.is_cpu:
+                return self._fused_decode(x, cos, sin, k_cache, v_cache, meta)
         h = self.attention(self.attention_norm(x), cos, sin, kv_pool, meta).add_(x)
         return self.feed_forward(self.ffn_norm(h)).add_(h)
+
+    def _fused_decode(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """The whole layer in one C call (``CpuOps.decode_layer``), the same arithmetic as the
+        per-module C kernels."""
+        w = self.decode_weights
+        if meta.cpu_plan is None:  # once per step, for every layer
+            width, group = meta.block_tables.shape[1], w.num_q_heads // w.num_kv_heads
+            meta.cpu_plan = decode_plan(meta.context_lens, width, k_cache.shape[1], group)
+        kv = DecodeLayerKV(
+            k_cache, v_cache, cos, sin, meta.block_tables, meta.context_lens, meta.cpu_plan
+        )
+        return self.cpu_ops.decode_layer(x, w, kv)
+
+
+def _is_fusable_decode(x: torch.Tensor, meta: AttentionMetadata) -> bool:
+    """Whether a layer's input can take the fused C decode layer: a float32 (rows, hidden)
+    contiguous CPU batch of one new token per sequence, decode-sized, not on the Triton path."""
+    return (
+        x.dtype == torch.float32
+        and x.dim() == 2
+        and x.shape[0] <= PACKED_LINEAR_MAX_ROWS
+        and x.is_contiguous()
+        and x.is_cpu
+        and meta.is_decode_only
+        and not meta.use_triton
+    )
 
 
 class Transformer(nn.Module):
@@ -269,3 +315,44 @@ def attach_cpu_ops(model: Transformer, ops: CpuOps | None) -> None:
             is_packable = is_packable and module.weight.device.type == "cpu"
             module.cpu_ops = ops if is_packable else None
             module.packed = pack_linear_weight(module.weight.detach()) if is_packable else None
+    for module in model.modules():
+        if isinstance(module, TransformerBlock):
+            module.cpu_ops = ops
+            module.decode_weights = None if ops is None else _decode_layer_weights(module)
+
+
+def _decode_layer_weights(block: TransformerBlock) -> DecodeLayerWeights | None:
+    """The fused decode layer's view of a block whose linear layers are packed and whose norms
+    are float32 on the CPU; None where any part is not (the block then runs module by module)."""
+    attn, ffn = block.attention, block.feed_forward
+    linears = (attn.wqkv, attn.wo, ffn.w_gate_up, ffn.w_down)
+    norms = (block.attention_norm, block.ffn_norm)
+    if any(linear.packed is None for linear in linears) or block.attention_norm.eps != (
+        block.ffn_norm.eps
+    ):
+        return None
+    if any(n.weight.dtype != torch.float32 or n.weight.device.type != "cpu" for n in norms):
+        return None
+
+    def bias(linear: Linear) -> torch.Tensor | None:
+        return None if linear.bias is None else linear.bias.detach().contiguous()
+
+    return DecodeLayerWeights(
+        hidden=block.attention_norm.weight.shape[0],
+        inter=ffn.intermediate_size,
+        num_q_heads=attn.num_heads,
+        num_kv_heads=attn.num_kv_heads,
+        head_dim=attn.head_dim,
+        eps=block.attention_norm.eps,
+        scale=attn.scale,
+        attn_norm=block.attention_norm.weight.detach().contiguous(),
+        ffn_norm=block.ffn_norm.weight.detach().contiguous(),
+        wqkv=attn.wqkv.packed,
+        bqkv=bias(attn.wqkv),
+        wo=attn.wo.packed,
+        bo=bias(attn.wo),
+        w_gate_up=ffn.w_gate_up.packed,
+        b_gate_up=bias(ffn.w_gate_up),
+        w_down=ffn.w_down.packed,
+        b_down=bias(ffn.w_down),
+    )

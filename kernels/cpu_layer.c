@@ -1,0 +1,82 @@
+/* One Llama decoder layer's decode step in one call and one OpenMP region (kernels/cpu_ops.py,
+ * CpuOps.decode_layer).
+ *
+ * Why: a decode step of a small model calls ~6 kernels per layer from Python, each its own
+ * OpenMP region: the threads wake and part once per kernel, Python runs between them while they
+ * spin, and the attention splits only by sequence (one thread at batch 1). Here the threads wake
+ * once per layer, split every phase (linear layers by weight panels, attention by
+ * (sequence, KV head) units) and meet at a barrier between phases:
+ *
+ *   xn = rms_norm(x) -> qkv = xn Wqkv -> rotary, KV store, attention -> x += attn Wo
+ *   -> xn = rms_norm(x) -> gu = xn Wgate_up -> act = silu(gate) * up -> x += act Wdown
+ *
+ * Every phase runs the same code as the separate kernels (kv_rms_norm, kv_linear_share,
+ * kv_decode_attention_units, kv_silu_mul), so the result is bit for bit that of the unfused
+ * C path. Arguments: x (batch, hidden), updated in place; weights packed by
+ * pack_linear_weight, biases (n,) or NULL; work buffers xn (batch, hidden), qkv (batch, n_qkv),
+ * attn (batch, num_q_heads * d), gu (batch, 2 * inter), act (batch, inter); attention arguments
+ * as kv_decode_attention_units's, scratch: num_threads rows of scratch_stride floats.
+ */
+#include <stdint.h>
+
+void kv_rms_norm(const float *x, const float *w, float *out, int64_t rows, int64_t n, float eps);
+void kv_silu_mul(const float *gate_up, float *out, int64_t rows, int64_t n);
+void kv_linear_share(const float *x, int64_t m, int64_t k, const float *packed, int64_t n,
+                     const float *bias, float *y, int64_t t, int64_t num_threads, int accumulate);
+void kv_decode_attention_units(float *qkv, int64_t num_q_heads, int64_t num_kv_heads, int64_t d,
+                               const float *rope_cos, const float *rope_sin, float *k_cache,
+                               float *v_cache, int64_t block_stride, int64_t head_stride,
+                               int64_t block_size, const int64_t *block_tables,
+                               int64_t table_width, const int64_t *context_lens, float scale,
+                               float *out, float *scratch, int64_t u0, int64_t u1);
+int64_t kv_attention_unit_bound(const int64_t *context_lens, int64_t batch, int64_t num_kv_heads,
+                                int64_t t, int64_t num_threads);
+
+#ifdef _OPENMP
+#include <omp.h>
+#define BARRIER _Pragma("omp barrier")
+#else
+#define BARRIER
+static inline int omp_get_thread_num(void) { return 0; }
+static inline int omp_get_num_threads(void) { return 1; }
+#endif
+
+void kv_decode_layer(float *x, int64_t batch, int64_t hidden, const float *attn_norm,
+                     const float *ffn_norm, float eps, const float *wqkv, const float *bqkv,
+                     const float *wo, const float *bo, const float *wgu, const float *bgu,
+                     const float *wdown, const float *bdown, int64_t inter, float *xn, float *qkv,
+                     float *attn, float *gu, float *act, int64_t num_q_heads,
+                     int64_t num_kv_heads, int64_t d, const float *rope_cos,
+                     const float *rope_sin, float *k_cache, float *v_cache, int64_t block_stride,
+                     int64_t head_stride, int64_t block_size, const int64_t *block_tables,
+                     int64_t table_width, const int64_t *context_lens, float scale,
+                     float *scratch, int64_t scratch_stride, int64_t num_threads) {
+    int64_t n_qkv = (num_q_heads + 2 * num_kv_heads) * d, n_attn = num_q_heads * d;
+    if (num_threads < 1) num_threads = 1;
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
+    {
+        int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+        /* rows [r0, r1) of the row-wise phases */
+        int64_t r0 = batch * t / nt, r1 = batch * (t + 1) / nt;
+        kv_rms_norm(x + r0 * hidden, attn_norm, xn + r0 * hidden, r1 - r0, hidden, eps);
+        BARRIER
+        kv_linear_share(xn, batch, hidden, wqkv, n_qkv, bqkv, qkv, t, nt, 0);
+        BARRIER
+        kv_decode_attention_units(
+            qkv, num_q_heads, num_kv_heads, d, rope_cos, rope_sin, k_cache, v_cache,
+            block_stride, head_stride, block_size, block_tables, table_width, context_lens, scale,
+            attn, scratch + t * scratch_stride,
+            kv_attention_unit_bound(context_lens, batch, num_kv_heads, t, nt),
+            kv_attention_unit_bound(context_lens, batch, num_kv_heads, t + 1, nt));
+        BARRIER
+        kv_linear_share(attn, batch, n_attn, wo, hidden, bo, x, t, nt, 1);
+        BARRIER
+        kv_rms_norm(x + r0 * hidden, ffn_norm, xn + r0 * hidden, r1 - r0, hidden, eps);
+        BARRIER
+        kv_linear_share(xn, batch, hidden, wgu, 2 * inter, bgu, gu, t, nt, 0);
+        BARRIER
+        kv_silu_mul(gu + r0 * 2 * inter, act + r0 * inter, r1 - r0, inter);
+        BARRIER
+        kv_linear_share(act, batch, inter, wdown, hidden, bdown, x, t, nt, 1);
+    }
+}
