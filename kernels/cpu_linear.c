@@ -14,7 +14,7 @@
  */
 #include <stdint.h>
 #include <string.h>
-#if defined(__FMA__) || defined(__AVX512F__)
+#if defined(__AVX__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -43,6 +43,18 @@ static inline vl loadv(const float *p) {
 
 static inline void storev(float *p, vl v) { memcpy(p, &v, sizeof v); }
 
+/* x in every lane: one broadcast from memory. ((vl){0} + x would add zero first: an extra
+ * dependent add per broadcast, since the compiler must keep x = -0.0 as +0.0.) */
+static inline vl bcast(const float *x) {
+#if defined(__AVX512F__)
+    return (vl)_mm512_set1_ps(*x);
+#elif defined(__AVX__) && VL == 8
+    return (vl)_mm256_set1_ps(*x);
+#else
+    return (vl){0} + *x;
+#endif
+}
+
 static inline vl fmadd(vl a, vl b, vl c) {
 #if defined(__AVX512F__)
     return (vl)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
@@ -66,7 +78,7 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t k
         vl b[NV];
         for (int v = 0; v < NV; v++) b[v] = loadv(panel + kk * NR + v * VL);
         for (int r = 0; r < mr; r++) {
-            vl a = (vl){0} + x[r * k + kk];
+            vl a = bcast(x + r * k + kk);
             for (int v = 0; v < NV; v++) acc[r][v] = fmadd(a, b[v], acc[r][v]);
         }
     }
@@ -89,7 +101,7 @@ static void pair_row(const float *x, int64_t k, const float *pa, const float *pb
     vl acc[2][NV];
     for (int v = 0; v < NV; v++) acc[0][v] = acc[1][v] = (vl){0};
     for (int64_t kk = 0; kk < k; kk++) {
-        vl a = (vl){0} + x[kk];
+        vl a = bcast(x + kk);
         for (int v = 0; v < NV; v++) {
             acc[0][v] = fmadd(a, loadv(pa + kk * NR + v * VL), acc[0][v]);
             acc[1][v] = fmadd(a, loadv(pb + kk * NR + v * VL), acc[1][v]);

@@ -175,7 +175,12 @@ static inline vn loadn(const float *p) {
     return v;
 }
 static inline void storen(float *p, vn v) { memcpy(p, &v, sizeof v); }
-static inline vn splatn(float x) { return (vn){0} + x; }
+/* x in every lane, one broadcast ((vn){0} + x would add zero first, a dependent add) */
+static inline vn splatn(float x) {
+    vn v;
+    for (int i = 0; i < NL; i++) v[i] = x;
+    return v;
+}
 
 /* Lane j of the result: the sum of the lanes of v[BITREVN[j]] (see hsum16). */
 #if NL == 16
