@@ -7,10 +7,11 @@ A worker's ``run(config)`` typically reads::
     async with connect_nats(config.nats_url, f"decode-{worker_id}",
                             security=config.nats_security) as nc:
         async with worker_presence(nc, subjects, role="decode", worker_id=worker_id,
-                                   heartbeat=make_heartbeat, interval_s=config.heartbeat_s):
+                                   heartbeat=make_heartbeat, interval_s=config.heartbeat_s) as svc:
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(...)                # the service's own loops
-                await serve_until_signal()         # SIGTERM / SIGINT
+                async with open_for_requests(nc, svc, *endpoints, metrics=..., ...):
+                    await serve_until_signal()     # SIGTERM / SIGINT
                 ...                                # drain, then cancel the loops
 """
 
@@ -28,6 +29,7 @@ import nats
 import nats.micro
 import orjson
 from kvmesh.shared import logs, protocol
+from kvmesh.shared.metrics_exporter import serve_metrics
 from kvmesh.shared.nats_auth import ADMIN, PASSWORD_FILE_ENV, USER_ENV, NatsAuth, auth_from_env
 from kvmesh.shared.nats_options import (
     NatsSecurity,
@@ -41,6 +43,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.micro.request import Request
 from nats.micro.service import Service
+from prometheus_client import CollectorRegistry
 
 log = logs.get_logger(__name__)
 
@@ -48,6 +51,7 @@ SERVICE_VERSION = "0.1.0"
 
 M = TypeVar("M")
 Handler = Callable[[Any], Awaitable[None]]
+RequestHandler = Callable[[Request], Awaitable[None]]
 
 
 class NatsUnavailableError(ConnectionError):
@@ -312,6 +316,31 @@ async def worker_presence(
         background(heartbeat_loop(nc, subjects, role, worker_id, heartbeat, interval_s)),
     ):
         yield svc
+
+
+@contextlib.asynccontextmanager
+async def open_for_requests(
+    nc: Client,
+    svc: Service,
+    *endpoints: tuple[str, str, RequestHandler],
+    metrics: CollectorRegistry,
+    metrics_host: str,
+    metrics_port: int | None,
+    logger: Any,
+    ready: str,
+    **log_fields: Any,
+) -> AsyncIterator[int | None]:
+    """A worker's last start-up step, once its subscriptions and loops run: serve ``metrics`` at
+    ``http://metrics_host:metrics_port/metrics`` (``serve_metrics``), add the ``(name, subject,
+    handler)`` request/reply endpoints to ``svc``, flush (the server holds every subscription),
+    then log ``ready`` with ``log_fields`` and the bound metrics port on the service's ``logger``.
+    Yields that port (None: no metrics endpoint)."""
+    async with serve_metrics(metrics, metrics_host, metrics_port) as bound_port:
+        for name, subject, handler in endpoints:
+            await svc.add_endpoint(name=name, subject=subject, handler=handler)
+        await nc.flush()
+        logger.info(ready, **log_fields, metrics_port=bound_port)
+        yield bound_port
 
 
 @contextlib.asynccontextmanager

@@ -33,13 +33,13 @@ from kvmesh.shared.descriptor import TransportDescriptor
 from kvmesh.shared.engine.config import EngineConfig
 from kvmesh.shared.engine.kv_cache import KVCacheSpec
 from kvmesh.shared.engine.llm_engine import LLMEngine
-from kvmesh.shared.metrics_exporter import serve_metrics
 from kvmesh.shared.model.config import parse_dtype
 from kvmesh.shared.model.loader import load_model
 from kvmesh.shared.nats_service import (
     background,
     connect_nats,
     new_worker_id,
+    open_for_requests,
     read_worker_control,
     serve_until_signal,
     subscriptions,
@@ -411,22 +411,16 @@ async def decode_service(config: DecodeConfig) -> AsyncIterator[DecodeService]:
                 service.advert_loop(),
                 service.cache_report_loop(),
             ),
-            serve_metrics(
-                worker.metrics.registry, config.metrics_host, config.metrics_port
-            ) as service.metrics_port,
-        ):
-            await svc.add_endpoint(
-                name="reserve",
-                subject=subjects.decode_reserve(worker_id),
-                handler=service.on_reserve,
-            )
-            await svc.add_endpoint(
-                name="control",
-                subject=subjects.worker_control(worker_id),
-                handler=service.on_control,
-            )
-            log.info(
-                "decode worker ready",
+            open_for_requests(
+                nc,
+                svc,
+                ("reserve", subjects.decode_reserve(worker_id), service.on_reserve),
+                ("control", subjects.worker_control(worker_id), service.on_control),
+                metrics=worker.metrics.registry,
+                metrics_host=config.metrics_host,
+                metrics_port=config.metrics_port,
+                logger=log,
+                ready="decode worker ready",
                 worker_id=worker_id,
                 mesh=subjects.mesh,
                 mode=config.mode,
@@ -434,8 +428,8 @@ async def decode_service(config: DecodeConfig) -> AsyncIterator[DecodeService]:
                 transport=transport.name if transport else None,
                 num_blocks=econf.num_blocks,
                 kv_spec=service.advert_fields["kv_spec"],
-                metrics_port=service.metrics_port,
-            )
+            ) as service.metrics_port,
+        ):
             yield service
 
 

@@ -23,12 +23,12 @@ from kvmesh.services.draft.core import DraftCore
 from kvmesh.services.draft.drafters import Drafter, build_drafter
 from kvmesh.services.draft.metrics import DraftMetrics
 from kvmesh.shared import logs
-from kvmesh.shared.metrics_exporter import serve_metrics
 from kvmesh.shared.nats_service import (
     background,
     connect_nats,
     new_worker_id,
     on_message,
+    open_for_requests,
     serve_until_signal,
     subscriptions,
     worker_presence,
@@ -161,24 +161,22 @@ async def draft_service(config: DraftConfig) -> AsyncIterator[DraftService]:
                     (subjects.ABORT, Abort, service.on_abort),
                 ),
                 background(service.draft_loop()),
-                serve_metrics(
-                    service.metrics.registry, config.metrics_host, config.metrics_port
-                ) as service.metrics_port,
-            ):
-                await svc.add_endpoint(
-                    name="status",
-                    subject=subjects.draft_status(worker_id),
-                    handler=service.on_status,
-                )
-                log.info(
-                    "draft worker ready",
+                open_for_requests(
+                    nc,
+                    svc,
+                    ("status", subjects.draft_status(worker_id), service.on_status),
+                    metrics=service.metrics.registry,
+                    metrics_host=config.metrics_host,
+                    metrics_port=config.metrics_port,
+                    logger=log,
+                    ready="draft worker ready",
                     worker_id=worker_id,
                     mesh=subjects.mesh,
                     method=config.method,
                     k=config.num_speculative_tokens,
                     tree=config.tree or None,
-                    metrics_port=service.metrics_port,
-                )
+                ) as service.metrics_port,
+            ):
                 yield service
         finally:
             if not nc.is_closed:

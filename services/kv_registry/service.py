@@ -25,10 +25,10 @@ from kvmesh.services.kv_registry.metrics import RegistryMetrics
 from kvmesh.services.kv_registry.placement import Placement
 from kvmesh.services.kv_registry.prefix_index import PrefixIndex
 from kvmesh.shared import logs, protocol
-from kvmesh.shared.metrics_exporter import serve_metrics
 from kvmesh.shared.nats_service import (
     connect_nats,
     new_worker_id,
+    open_for_requests,
     serve_until_signal,
     subscriptions,
     worker_presence,
@@ -207,29 +207,24 @@ async def registry_service(config: RegistryConfig) -> AsyncIterator[RegistryServ
                     heartbeat=service.heartbeat,
                     interval_s=config.heartbeat_s,
                 ) as svc,
-                serve_metrics(
-                    service.metrics.registry, config.metrics_host, config.metrics_port
-                ) as service.metrics_port,
-            ):
-                await svc.add_endpoint(
-                    name="place",
-                    subject=subjects.REGISTRY_PLACE,
-                    handler=service.on_place,
-                )
-                for subject, handle in service.admin.handlers().items():
-                    await svc.add_endpoint(
-                        name=subject.rsplit(".", 1)[-1],
-                        subject=subject,
-                        handler=service.admin_endpoint(handle),
-                    )
-                await nc.flush()
-                log.info(
-                    "kv-registry ready",
+                open_for_requests(
+                    nc,
+                    svc,
+                    ("place", subjects.REGISTRY_PLACE, service.on_place),
+                    *(
+                        (subject.rsplit(".", 1)[-1], subject, service.admin_endpoint(handle))
+                        for subject, handle in service.admin.handlers().items()
+                    ),
+                    metrics=service.metrics.registry,
+                    metrics_host=config.metrics_host,
+                    metrics_port=config.metrics_port,
+                    logger=log,
+                    ready="kv-registry ready",
                     worker_id=worker_id,
                     mesh=subjects.mesh,
                     nats_url=config.safe_nats_url,
-                    metrics_port=service.metrics_port,
-                )
+                ) as service.metrics_port,
+            ):
                 yield service
         finally:
             expiry.cancel()

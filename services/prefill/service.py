@@ -23,13 +23,13 @@ from kvmesh.services.prefill.worker import PrefillResult, PrefillWorker
 from kvmesh.shared import logs
 from kvmesh.shared.engine.config import EngineConfig
 from kvmesh.shared.engine.llm_engine import LLMEngine
-from kvmesh.shared.metrics_exporter import serve_metrics
 from kvmesh.shared.model.config import parse_dtype
 from kvmesh.shared.model.loader import load_model
 from kvmesh.shared.nats_service import (
     background,
     connect_nats,
     new_worker_id,
+    open_for_requests,
     read_worker_control,
     serve_until_signal,
     subscriptions,
@@ -234,24 +234,22 @@ async def prefill_service(config: PrefillConfig) -> AsyncIterator[PrefillService
                 ),
                 PrefillJobQueue(nc, subjects) as queue,
                 background(worker.run(), service.pull_loop(queue)),
-                serve_metrics(
-                    worker.metrics.registry, config.metrics_host, config.metrics_port
-                ) as service.metrics_port,
-            ):
-                await svc.add_endpoint(
-                    name="control",
-                    subject=subjects.worker_control(worker_id),
-                    handler=service.on_control,
-                )
-                log.info(
-                    "prefill worker ready",
+                open_for_requests(
+                    nc,
+                    svc,
+                    ("control", subjects.worker_control(worker_id), service.on_control),
+                    metrics=worker.metrics.registry,
+                    metrics_host=config.metrics_host,
+                    metrics_port=config.metrics_port,
+                    logger=log,
+                    ready="prefill worker ready",
                     worker_id=worker_id,
                     mesh=subjects.mesh,
                     transport=config.transport,
                     chunk_tokens=config.chunk_tokens,
                     kv_spec=worker.kv_spec,
-                    metrics_port=service.metrics_port,
-                )
+                ) as service.metrics_port,
+            ):
                 yield service
                 await service.drain(timeout_s=config.drain_timeout_s)
 
