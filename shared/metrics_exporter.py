@@ -12,30 +12,9 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator
 
-from kvmesh.shared.service_config import option
 from kvmesh.shared.service_errors import ServiceStartError
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
-
-
-def metrics_host_option():
-    """The ``metrics_host`` field of a worker service's config."""
-    return option(
-        "127.0.0.1", help="address the metrics endpoint listens on (0.0.0.0: every interface)"
-    )
-
-
-def metrics_port_option():
-    """The ``metrics_port`` field of a worker service's config."""
-    return option(
-        None,
-        help="serve Prometheus metrics at http://HOST:PORT/metrics (0: a free port; none: off)",
-    )
-
-
-def check_metrics_port(port: int | None) -> None:
-    if port is not None and not 0 <= port <= 65535:
-        raise ValueError(f"metrics_port must be in [0, 65535] (or none: off), got {port}")
 
 
 def exposition(registry: CollectorRegistry, accept: str | None = None) -> tuple[bytes, str]:

@@ -1,9 +1,10 @@
 """The config fields the services share, each declared and checked once.
 
 ``ServiceConfig``: what every service that joins the mesh has (the NATS options, a worker id,
-a heartbeat interval); the router and the kv-registry build on it. ``EngineWorkerConfig``: what a
-worker running the engine adds (model, KV pool, data plane, threads, drain, metrics endpoint);
-prefill and decode build on it. A subclass may redeclare a field to change its default or help text (the field
+a heartbeat interval); the router builds on it. ``MetricsServiceConfig``: a service with a
+metrics endpoint of its own (every one but the router, which serves them on its API port); the
+kv-registry builds on it. ``EngineWorkerConfig``: what a worker running the engine adds (model,
+KV pool, data plane, threads, drain); prefill, decode and draft build on it. A subclass may redeclare a field to change its default or help text (the field
 keeps its place); its ``__post_init__`` calls its base's first (explicitly: zero-argument
 ``super()`` does not work in slotted dataclasses).
 """
@@ -17,11 +18,6 @@ from kvmesh.shared.advertise import (
     AdvertiseHostError,
     check_advertise_host,
     resolve_transport_hosts,
-)
-from kvmesh.shared.metrics_exporter import (
-    check_metrics_port,
-    metrics_host_option,
-    metrics_port_option,
 )
 from kvmesh.shared.nats_options import NatsClientConfig
 from kvmesh.shared.service_config import check_worker_id, option
@@ -48,7 +44,27 @@ class ServiceConfig(NatsClientConfig):
 
 
 @dataclass(frozen=True, slots=True)
-class EngineWorkerConfig(ServiceConfig):
+class MetricsServiceConfig(ServiceConfig):
+    """A service that serves its Prometheus metrics on a port of its own (``--metrics-port``)."""
+
+    metrics_host: str = option(
+        "127.0.0.1", help="address the metrics endpoint listens on (0.0.0.0: every interface)"
+    )
+    metrics_port: int | None = option(
+        None,
+        help="serve Prometheus metrics at http://HOST:PORT/metrics (0: a free port; none: off)",
+    )
+
+    def __post_init__(self) -> None:
+        ServiceConfig.__post_init__(self)
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(
+                f"metrics_port must be in [0, 65535] (or none: off), got {self.metrics_port}"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class EngineWorkerConfig(MetricsServiceConfig):
     """A worker that runs the engine over a KV pool and moves KV on the data plane."""
 
     model: str = option("kvmesh-tiny", help="model name or local HF checkpoint directory")
@@ -79,11 +95,9 @@ class EngineWorkerConfig(ServiceConfig):
     drain_timeout_s: float = option(
         10.0, help="on SIGTERM, seconds to let the work in hand finish before it is aborted"
     )
-    metrics_host: str = metrics_host_option()
-    metrics_port: int | None = metrics_port_option()
 
     def __post_init__(self) -> None:
-        ServiceConfig.__post_init__(self)
+        MetricsServiceConfig.__post_init__(self)
         if not self.model:
             raise ValueError("model must name a model or a checkpoint directory")
         if self.block_size <= 0:
@@ -98,7 +112,6 @@ class EngineWorkerConfig(ServiceConfig):
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         if not self.drain_timeout_s > 0:
             raise ValueError(f"drain_timeout_s must be positive, got {self.drain_timeout_s}")
-        check_metrics_port(self.metrics_port)
         if self.advertise_host is not None:
             check_advertise_host(self.advertise_host)
         if self.uses_data_plane and self.device != "cpu" and self.transport in ("shm", "tcp"):

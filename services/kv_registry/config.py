@@ -4,17 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvmesh.shared.metrics_exporter import (
-    check_metrics_port,
-    metrics_host_option,
-    metrics_port_option,
-)
 from kvmesh.shared.service_config import option
-from kvmesh.shared.worker_config import ServiceConfig
+from kvmesh.shared.worker_config import MetricsServiceConfig
 
 
 @dataclass(frozen=True, slots=True)
-class RegistryConfig(ServiceConfig):
+class RegistryConfig(MetricsServiceConfig):
     worker_id: str | None = option(None, help="registry id (default: kv-registry-<random>)")
     heartbeat_s: float = option(
         1.0, help="seconds between the registry's heartbeats; also the expected advert interval"
@@ -51,12 +46,9 @@ class RegistryConfig(ServiceConfig):
     max_cached_blocks_per_worker: int = option(
         65_536, help="prefix index entries kept per decode worker (least recently used dropped)"
     )
-    metrics_host: str = metrics_host_option()
-    metrics_port: int | None = metrics_port_option()
 
     def __post_init__(self) -> None:
-        ServiceConfig.__post_init__(self)
-        check_metrics_port(self.metrics_port)
+        MetricsServiceConfig.__post_init__(self)
         for name in ("reserve_timeout_s", "retry_after_s", "admin_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
