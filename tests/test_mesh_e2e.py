@@ -14,13 +14,8 @@ import math
 
 import aiohttp
 import pytest
-from kvmesh.loadgen.bench_mesh import (
-    MeshTap,
-    complete,
-    local_mesh,
-    random_prompts,
-    wait_blocks_returned,
-)
+from kvmesh.loadgen.bench_mesh import MeshTap, complete, local_mesh, random_prompts
+from mesh_checks import check_blocks_returned, check_equals_offline, load, offline_greedy
 
 pytestmark = pytest.mark.slow
 
@@ -36,14 +31,7 @@ MAX_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def offline_tokens() -> list[list[int]]:
-    from kvmesh.shared.engine.config import EngineConfig
-    from kvmesh.shared.engine.llm_engine import LLMEngine
-    from kvmesh.shared.engine.sequence import SamplingParams
-    from kvmesh.shared.model.loader import load_model
-
-    model, tokenizer = load_model("kvmesh-tiny")
-    engine = LLMEngine(model, tokenizer, EngineConfig(num_blocks=1024))
-    return engine.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
+    return offline_greedy(PROMPTS, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module", params=["shm", "tcp"])
@@ -59,46 +47,20 @@ def colocated_mesh():
 
 
 async def _load(mesh) -> tuple[list[dict], MeshTap]:
-    async with (
-        MeshTap(mesh.config.nats_url, mesh.nats_auth) as tap,
-        aiohttp.ClientSession() as session,
-    ):
-        replies = await asyncio.gather(
-            *(complete(session, mesh.url, p, MAX_TOKENS) for p in PROMPTS)
-        )
-        for reply in replies:
-            await tap.wait_finished(reply["id"])
-        await asyncio.sleep(0.1)  # PrefillReports are published after the PrefillDone
-    return replies, tap
-
-
-def _check_replies(replies: list[dict], tap: MeshTap, offline: list[list[int]]) -> None:
-    got = [tap.tokens[r["id"]] for r in replies]
-    mismatched = [i for i, (g, o) in enumerate(zip(got, offline, strict=True)) if g != o]
-    assert not mismatched, f"requests {mismatched} differ from the offline engine"
-    for reply, tokens in zip(replies, got, strict=True):
-        assert reply["usage"]["completion_tokens"] == len(tokens)
-        assert reply["choices"][0]["finish_reason"] == tap.finished[reply["id"]].finish_reason
-
-
-async def _check_blocks_returned(mesh) -> None:
-    rows = await wait_blocks_returned(mesh.config.nats_url, mesh.nats_auth)
-    assert rows, "no decode worker in the admin status"
-    for row in rows:
-        assert row["free_blocks"] == row["total_blocks"], row
-    assert mesh.nats_violations() == []  # every role kept to its NATS permissions
+    # PrefillReports are published after the PrefillDone
+    return await load(mesh, PROMPTS, MAX_TOKENS, linger_s=0.1)
 
 
 async def test_disagg_greedy_output_equals_offline_engine(disagg_mesh, offline_tokens):
     replies, tap = await _load(disagg_mesh)
-    _check_replies(replies, tap, offline_tokens)
+    check_equals_offline(replies, tap, offline_tokens)
     for prompt, reply in zip(PROMPTS, replies, strict=True):
         report = tap.reports[reply["id"]]  # every prompt was prefilled remotely
         assert report.num_chunks >= math.ceil(len(prompt) / CHUNK_TOKENS) >= 2
         assert report.transfer_s > 0 and report.compute_s > 0
         done = tap.prefill_done[reply["id"]]
         assert done.ok and done.num_writes == report.num_chunks
-    await _check_blocks_returned(disagg_mesh)
+    await check_blocks_returned(disagg_mesh)
     async with aiohttp.ClientSession() as s, s.get(f"{disagg_mesh.url}/metrics") as resp:
         metrics = await resp.text()
     # every write came with its lease's key: nothing refused, nothing stray
@@ -108,9 +70,9 @@ async def test_disagg_greedy_output_equals_offline_engine(disagg_mesh, offline_t
 
 async def test_colocated_greedy_output_equals_offline_engine(colocated_mesh, offline_tokens):
     replies, tap = await _load(colocated_mesh)
-    _check_replies(replies, tap, offline_tokens)
+    check_equals_offline(replies, tap, offline_tokens)
     assert not tap.reports and not tap.prefill_done  # nothing went through a prefill worker
-    await _check_blocks_returned(colocated_mesh)
+    await check_blocks_returned(colocated_mesh)
 
 
 async def test_request_waits_while_the_only_worker_is_drained_and_runs_once_resumed(colocated_mesh):

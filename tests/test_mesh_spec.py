@@ -18,9 +18,10 @@ import sys
 
 import aiohttp
 import pytest
-from kvmesh.loadgen.bench_mesh import MeshTap, complete, random_prompts, wait_blocks_returned
+from kvmesh.loadgen.bench_mesh import MeshTap, complete, random_prompts
 from kvmesh.loadgen.bench_spec import DraftSetup, spec_counters, spec_mesh
 from kvmesh.shared.admin_client import admin_client
+from mesh_checks import check_blocks_returned, check_equals_offline, load, offline_greedy
 
 from kvmesh.commands.admin import render_status
 
@@ -34,41 +35,7 @@ MAX_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def offline_tokens() -> list[list[int]]:
-    from kvmesh.shared.engine.config import EngineConfig
-    from kvmesh.shared.engine.llm_engine import LLMEngine
-    from kvmesh.shared.engine.sequence import SamplingParams
-    from kvmesh.shared.model.loader import load_model
-
-    model, tokenizer = load_model("kvmesh-tiny")
-    engine = LLMEngine(model, tokenizer, EngineConfig(num_blocks=1024))
-    return engine.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
-
-
-async def _load(mesh, max_tokens: int = MAX_TOKENS) -> tuple[list[dict], MeshTap]:
-    async with (
-        MeshTap(mesh.config.nats_url, mesh.nats_auth) as tap,
-        aiohttp.ClientSession() as session,
-    ):
-        replies = await asyncio.gather(
-            *(complete(session, mesh.url, p, max_tokens) for p in PROMPTS)
-        )
-        for reply in replies:
-            await tap.wait_finished(reply["id"])
-    return replies, tap
-
-
-def _check(replies: list[dict], tap: MeshTap, offline: list[list[int]]) -> None:
-    got = [tap.tokens[r["id"]] for r in replies]
-    mismatched = [i for i, (g, o) in enumerate(zip(got, offline, strict=True)) if g != o]
-    assert not mismatched, f"requests {mismatched} differ from the offline engine"
-    for reply, tokens in zip(replies, got, strict=True):
-        assert reply["usage"]["completion_tokens"] == len(tokens)
-
-
-async def _check_clean(mesh) -> None:
-    rows = await wait_blocks_returned(mesh.config.nats_url, mesh.nats_auth)
-    assert rows and all(r["free_blocks"] == r["total_blocks"] for r in rows), rows
-    assert mesh.nats_violations() == []  # the draft role kept to its permissions
+    return offline_greedy(PROMPTS, MAX_TOKENS)
 
 
 @pytest.mark.parametrize(
@@ -93,9 +60,9 @@ def test_greedy_output_with_drafts_equals_output_without(transport, setup, offli
     with spec_mesh(setup, transport, env=env) as mesh:
 
         async def scenario() -> dict:
-            replies, tap = await _load(mesh)
-            _check(replies, tap, offline_tokens)
-            await _check_clean(mesh)
+            replies, tap = await load(mesh, PROMPTS, MAX_TOKENS)
+            check_equals_offline(replies, tap, offline_tokens)
+            await check_blocks_returned(mesh)
             async with admin_client(mesh.config.nats_url, auth=mesh.nats_auth) as admin:
                 return {**await admin.status(), "draft": await admin.draft_workers()}
 
@@ -112,13 +79,7 @@ def test_greedy_output_with_drafts_equals_output_without(transport, setup, offli
 
 def test_streams_complete_unchanged_when_the_draft_worker_is_killed_mid_stream(offline_tokens):
     long_tokens = 96
-    from kvmesh.shared.engine.config import EngineConfig
-    from kvmesh.shared.engine.llm_engine import LLMEngine
-    from kvmesh.shared.engine.sequence import SamplingParams
-    from kvmesh.shared.model.loader import load_model
-
-    engine = LLMEngine(*load_model("kvmesh-tiny"), EngineConfig(num_blocks=1024))
-    offline = engine.generate(PROMPTS, SamplingParams(max_tokens=long_tokens, temperature=0.0))
+    offline = offline_greedy(PROMPTS, long_tokens)
     with spec_mesh(DraftSetup("ngram", k=4), "shm", env=ENV) as mesh:
         _, draft = mesh.children["draft-0"]
 
@@ -138,8 +99,8 @@ def test_streams_complete_unchanged_when_the_draft_worker_is_killed_mid_stream(o
                 replies = await task
                 for reply in replies:
                     await tap.wait_finished(reply["id"])
-            _check(replies, tap, offline)
-            await _check_clean(mesh)
+            check_equals_offline(replies, tap, offline)
+            await check_blocks_returned(mesh)
 
         asyncio.run(scenario())
         assert draft.wait(10) == -signal.SIGKILL

@@ -1,0 +1,64 @@
+"""What the end-to-end mesh tests check, written once: the offline engine's greedy tokens to
+compare with, a batch of completions sent through the router and read off the token subjects,
+outputs equal to the offline engine's token for token, and every decode block returned."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+from kvmesh.loadgen.bench_mesh import MeshTap, complete, wait_blocks_returned
+
+
+def offline_greedy(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """kvmesh-tiny's greedy output for each prompt from the offline engine (LLMEngine)."""
+    from kvmesh.shared.engine.config import EngineConfig
+    from kvmesh.shared.engine.llm_engine import LLMEngine
+    from kvmesh.shared.engine.sequence import SamplingParams
+    from kvmesh.shared.model.loader import load_model
+
+    model, tokenizer = load_model("kvmesh-tiny")
+    engine = LLMEngine(model, tokenizer, EngineConfig(num_blocks=1024))
+    return engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+
+
+async def load(
+    mesh: Any, prompts: list[list[int]], max_tokens: int, *, linger_s: float = 0.0
+) -> tuple[list[dict], MeshTap]:
+    """Send every prompt at once through ``mesh``'s router; returns the replies and the tap that
+    heard each request finish. ``linger_s``: listen that much longer (for messages published
+    after a request's last token, e.g. PrefillReports)."""
+    async with (
+        MeshTap(mesh.config.nats_url, mesh.nats_auth) as tap,
+        aiohttp.ClientSession() as session,
+    ):
+        replies = await asyncio.gather(
+            *(complete(session, mesh.url, p, max_tokens) for p in prompts)
+        )
+        for reply in replies:
+            await tap.wait_finished(reply["id"])
+        if linger_s:
+            await asyncio.sleep(linger_s)
+    return replies, tap
+
+
+def check_equals_offline(replies: list[dict], tap: MeshTap, offline: list[list[int]]) -> None:
+    """Each request's tokens (as its token subject carried them) are the offline engine's, and
+    its reply's usage and finish reason agree with them."""
+    got = [tap.tokens[r["id"]] for r in replies]
+    mismatched = [i for i, (g, o) in enumerate(zip(got, offline, strict=True)) if g != o]
+    assert not mismatched, f"requests {mismatched} differ from the offline engine"
+    for reply, tokens in zip(replies, got, strict=True):
+        assert reply["usage"]["completion_tokens"] == len(tokens)
+        assert reply["choices"][0]["finish_reason"] == tap.finished[reply["id"]].finish_reason
+
+
+async def check_blocks_returned(mesh: Any) -> None:
+    """Every decode worker has all its blocks free again, and every role kept to its NATS
+    permissions."""
+    rows = await wait_blocks_returned(mesh.config.nats_url, mesh.nats_auth)
+    assert rows, "no decode worker in the admin status"
+    for row in rows:
+        assert row["free_blocks"] == row["total_blocks"], row
+    assert mesh.nats_violations() == []
