@@ -44,26 +44,20 @@ def test_nothing_under_shared_imports_the_services_or_the_cli():
     assert offenders == []
 
 
-@pytest.fixture(scope="module")
-def wheel(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("wheel")
+def _pip(command: str, *args: str) -> None:
+    """``python -m pip COMMAND -q ARGS`` with this interpreter; raises when pip fails."""
     subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "wheel",
-            "--no-deps",
-            "--no-build-isolation",
-            "-q",
-            "-w",
-            str(out),
-            str(ROOT),
-        ],
+        [sys.executable, "-m", "pip", command, "-q", *args],
         check=True,
         capture_output=True,
         timeout=240,
     )
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("wheel")
+    _pip("wheel", "--no-deps", "--no-build-isolation", "-w", str(out), str(ROOT))
     (built,) = out.glob("kvmesh-*.whl")
     return built
 
@@ -78,22 +72,7 @@ def test_wheel_holds_only_the_kvmesh_namespace_and_the_c_kernel(wheel):
 
 def test_wheel_imports_and_runs_its_command_outside_the_repository(wheel, tmp_path):
     target = tmp_path / "site"
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "install",
-            "-q",
-            "--no-deps",
-            "--target",
-            str(target),
-            str(wheel),
-        ],
-        check=True,
-        capture_output=True,
-        timeout=240,
-    )
+    _pip("install", "--no-deps", "--target", str(target), str(wheel))
     assert not any((target / top).exists() for top in ("shared", "services", "kernels", "loadgen"))
     probe = (
         "import kvmesh.shared.protocol, kvmesh.services.router, kvmesh.kernels.cpu_ops, kvmesh.cli;"
