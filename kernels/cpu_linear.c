@@ -70,12 +70,15 @@ static inline vl fmadd(vl a, vl b, vl c) {
 static inline __attribute__((always_inline)) void tile(const float *x, int64_t k,
                                                        const float *panel, const float *bias,
                                                        float *y, int64_t n, int64_t nc, int mr,
-                                                       int accumulate) {
+                                                       int accumulate, const float *next) {
     vl acc[MR][NV];
     for (int r = 0; r < mr; r++)
         for (int v = 0; v < NV; v++) acc[r][v] = (vl){0};
     for (int64_t kk = 0; kk < k; kk++) {
         vl b[NV];
+        /* a panel row is one cache line: the next panel arrives a line per step, from DRAM
+         * (a decode step reads every weight once) while this one computes */
+        if (next) __builtin_prefetch(next + kk * NR, 0, 3);
         for (int v = 0; v < NV; v++) b[v] = loadv(panel + kk * NR + v * VL);
         for (int r = 0; r < mr; r++) {
             vl a = bcast(x + r * k + kk);
@@ -120,22 +123,28 @@ static void pair_row(const float *x, int64_t k, const float *pa, const float *pb
         memcpy(y, row, sizeof row);
 }
 
+/* mr rows against one panel; next: the panel after it, fetched during the first tile, or NULL */
 static void panel_rows(const float *x, int64_t m, int64_t k, const float *panel,
-                       const float *bias, float *y, int64_t n, int64_t nc, int acc) {
+                       const float *bias, float *y, int64_t n, int64_t nc, int acc,
+                       const float *next) {
     int64_t r = 0;
-    for (; r + MR <= m; r += MR) tile(x + r * k, k, panel, bias, y + r * n, n, nc, MR, acc);
+    if (m >= MR) {
+        tile(x, k, panel, bias, y, n, nc, MR, acc, next);
+        r = MR;
+    }
+    for (; r + MR <= m; r += MR) tile(x + r * k, k, panel, bias, y + r * n, n, nc, MR, acc, NULL);
     switch (m - r) {
 #if MR > 7
-    case 7: tile(x + r * k, k, panel, bias, y + r * n, n, nc, 7, acc); break;
-    case 6: tile(x + r * k, k, panel, bias, y + r * n, n, nc, 6, acc); break;
+    case 7: tile(x + r * k, k, panel, bias, y + r * n, n, nc, 7, acc, r == 0 ? next : NULL); break;
+    case 6: tile(x + r * k, k, panel, bias, y + r * n, n, nc, 6, acc, r == 0 ? next : NULL); break;
 #endif
 #if MR > 5
-    case 5: tile(x + r * k, k, panel, bias, y + r * n, n, nc, 5, acc); break;
-    case 4: tile(x + r * k, k, panel, bias, y + r * n, n, nc, 4, acc); break;
+    case 5: tile(x + r * k, k, panel, bias, y + r * n, n, nc, 5, acc, r == 0 ? next : NULL); break;
+    case 4: tile(x + r * k, k, panel, bias, y + r * n, n, nc, 4, acc, r == 0 ? next : NULL); break;
 #endif
-    case 3: tile(x + r * k, k, panel, bias, y + r * n, n, nc, 3, acc); break;
-    case 2: tile(x + r * k, k, panel, bias, y + r * n, n, nc, 2, acc); break;
-    case 1: tile(x + r * k, k, panel, bias, y + r * n, n, nc, 1, acc); break;
+    case 3: tile(x + r * k, k, panel, bias, y + r * n, n, nc, 3, acc, r == 0 ? next : NULL); break;
+    case 2: tile(x + r * k, k, panel, bias, y + r * n, n, nc, 2, acc, r == 0 ? next : NULL); break;
+    case 1: tile(x + r * k, k, panel, bias, y + r * n, n, nc, 1, acc, r == 0 ? next : NULL); break;
     default: break;
     }
 }
@@ -155,7 +164,7 @@ void kv_linear_share(const float *x, int64_t m, int64_t k, const float *packed, 
         for (; p < p1; p++) {
             int64_t c0 = p * NR, nc = n - c0 < NR ? n - c0 : NR;
             panel_rows(x, 1, k, packed + p * NR * k, bias ? bias + c0 : NULL, y + c0, n, nc,
-                       accumulate);
+                       accumulate, NULL);
         }
         return;
     }
@@ -163,8 +172,9 @@ void kv_linear_share(const float *x, int64_t m, int64_t k, const float *packed, 
         int64_t mb = m - r0 < MB ? m - r0 : MB;
         for (int64_t p = p0; p < p1; p++) {
             int64_t c0 = p * NR, nc = n - c0 < NR ? n - c0 : NR;
+            const float *next = r0 == 0 && p + 1 < p1 ? packed + (p + 1) * NR * k : NULL;
             panel_rows(x + r0 * k, mb, k, packed + p * NR * k, bias ? bias + c0 : NULL,
-                       y + r0 * n + c0, n, nc, accumulate);
+                       y + r0 * n + c0, n, nc, accumulate, next);
         }
     }
 }
