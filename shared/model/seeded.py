@@ -6,7 +6,10 @@ benchmarks and llama.cpp comparisons need a model of realistic size served throu
 ``--model PATH`` code path real users take. The weights come from kvmesh-tiny's integer-only draw
 (:func:`kvmesh.shared.model.tiny.tiny_state_dict`), so one seed and shape give the same bits on every
 machine; the tokenizer is byte-level (256 byte symbols, no merges) with kvmesh-tiny's specials and
-chat template, as a ``tokenizers`` tokenizer.json that transformers and llama.cpp's converter read.
+chat template, as a ``tokenizers`` tokenizer.json that transformers reads as it is. llama.cpp's
+converter does not take it as written: it knows no pre-tokenizer by this tokenizer's hash, and
+llama.cpp loads no BPE vocabulary without merges; ``kvmesh.loadgen.llamacpp_runner`` works around
+both when it converts (the GPT-2 pre-tokenizer, and one inert merge of two special tokens).
 """
 
 from __future__ import annotations
