@@ -23,7 +23,7 @@ import signal
 import ssl
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import nats
 import nats.micro
@@ -44,6 +44,9 @@ from nats.aio.msg import Msg
 from nats.micro.request import Request
 from nats.micro.service import Service
 from prometheus_client import CollectorRegistry
+
+if TYPE_CHECKING:
+    from kvmesh.shared.worker_config import MetricsServiceConfig
 
 log = logs.get_logger(__name__)
 
@@ -324,22 +327,28 @@ async def open_for_requests(
     svc: Service,
     *endpoints: tuple[str, str, RequestHandler],
     metrics: CollectorRegistry,
-    metrics_host: str,
-    metrics_port: int | None,
+    config: MetricsServiceConfig,
+    worker_id: str,
     logger: Any,
     ready: str,
     **log_fields: Any,
 ) -> AsyncIterator[int | None]:
-    """A worker's last start-up step, once its subscriptions and loops run: serve ``metrics`` at
-    ``http://metrics_host:metrics_port/metrics`` (``serve_metrics``), add the ``(name, subject,
-    handler)`` request/reply endpoints to ``svc``, flush (the server holds every subscription),
-    then log ``ready`` with ``log_fields`` and the bound metrics port on the service's ``logger``.
-    Yields that port (None: no metrics endpoint)."""
-    async with serve_metrics(metrics, metrics_host, metrics_port) as bound_port:
+    """A worker's last start-up step, once its subscriptions and loops run: serve ``metrics`` on
+    ``config``'s metrics host and port (``serve_metrics``), add the ``(name, subject, handler)``
+    request/reply endpoints to ``svc``, flush (the server holds every subscription), then log
+    ``ready`` on the service's ``logger`` with the worker id, the mesh, ``log_fields`` and the
+    bound metrics port. Yields that port (None: no metrics endpoint)."""
+    async with serve_metrics(metrics, config.metrics_host, config.metrics_port) as bound_port:
         for name, subject, handler in endpoints:
             await svc.add_endpoint(name=name, subject=subject, handler=handler)
         await nc.flush()
-        logger.info(ready, **log_fields, metrics_port=bound_port)
+        logger.info(
+            ready,
+            worker_id=worker_id,
+            mesh=config.subjects.mesh,
+            **log_fields,
+            metrics_port=bound_port,
+        )
         yield bound_port
 
 

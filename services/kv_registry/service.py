@@ -216,12 +216,10 @@ async def registry_service(config: RegistryConfig) -> AsyncIterator[RegistryServ
                         for subject, handle in service.admin.handlers().items()
                     ),
                     metrics=service.metrics.registry,
-                    metrics_host=config.metrics_host,
-                    metrics_port=config.metrics_port,
+                    config=config,
                     logger=log,
                     ready="kv-registry ready",
                     worker_id=worker_id,
-                    mesh=subjects.mesh,
                     nats_url=config.safe_nats_url,
                 ) as service.metrics_port,
             ):
