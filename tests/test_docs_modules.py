@@ -4,22 +4,17 @@ a line there (or a map that still names a removed one's folder) is caught."""
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-FOLDERS = ("shared", "services", "kvmesh", "kernels", "loadgen")
+from doc_blocks import ROOT, SOURCE_FOLDERS, fenced_block
 
 
 def _module_map() -> str:
-    text = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
-    match = re.search(r"## Module map\n.*?```\n(.*?)```", text, re.S)
-    assert match, "docs/ARCHITECTURE.md has no module map"
-    return match.group(1)
+    return fenced_block("ARCHITECTURE.md", r"## Module map\n.*?```\n")
 
 
 def _modules() -> set[str]:
     names = set()
-    for folder in FOLDERS:
+    for folder in SOURCE_FOLDERS:
         for path in (ROOT / folder).rglob("*"):
             if path.suffix in (".py", ".c") and path.stem not in ("__init__", "__main__"):
                 names.add(path.stem)

@@ -6,24 +6,18 @@ from __future__ import annotations
 
 import ast
 import re
-from pathlib import Path
 
+from doc_blocks import ROOT, SOURCE_FOLDERS, fenced_block
 from kvmesh.shared.subjects import Subjects
-
-ROOT = Path(__file__).resolve().parent.parent
-SOURCES = ("shared", "services", "kvmesh", "kernels", "loadgen")
 
 
 def _diagram() -> str:
-    text = (ROOT / "docs" / "mesh.md").read_text()
-    match = re.search(r"```mermaid\n(sequenceDiagram.*?)```", text, re.S)
-    assert match, "docs/mesh.md has no sequence diagram"
-    return match.group(1)
+    return fenced_block("mesh.md", r"```mermaid\n(?=sequenceDiagram)")
 
 
 def _methods_by_class() -> dict[str, set[str]]:
     found: dict[str, set[str]] = {}
-    for folder in SOURCES:
+    for folder in SOURCE_FOLDERS:
         for path in (ROOT / folder).rglob("*.py"):
             for node in ast.walk(ast.parse(path.read_text())):
                 if isinstance(node, ast.ClassDef):
