@@ -16,8 +16,9 @@ between the two systems after a warm-up: prefill takes the best of ``--repeats``
 decode the median over all steps of all repeats, so bursts of load from other processes hit both
 alike and move neither figure much.
 
-kvmesh decodes float32 on the CPU through the C kernels of ``kernels/cpu_ops.c`` when the machine
-can build them; ``--no-cpu-kernels`` measures its pure-torch path instead.
+kvmesh decodes float32 on the CPU through the C kernels of ``kernels/`` (each decoder layer of a
+decode step one call, ``cpu_layer.c``) when the machine can build them; ``--no-cpu-kernels``
+measures its pure-torch path instead.
 
 ``--against llama.cpp`` adds llama.cpp (``loadgen/llamacpp_runner.py``) on the same checkpoint
 converted to GGUF in the dtype kvmesh runs, with the same threads, prompts and lengths: prefill
