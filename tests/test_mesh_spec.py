@@ -41,11 +41,10 @@ def offline_tokens() -> list[list[int]]:
 @pytest.mark.parametrize(
     ("transport", "setup"),
     [
+        # each mesh costs ~20 s of the suite: early exit at K=4 is the kill test's setup below
         ("shm", DraftSetup("ngram", k=1)),
-        ("shm", DraftSetup("ngram", k=4)),
         ("shm", DraftSetup("ngram", k=4, tree=(2, 2, 1, 1))),
         ("shm", DraftSetup("early-exit", k=1, exit_layer=2)),
-        ("shm", DraftSetup("early-exit", k=4, exit_layer=2)),
         ("tcp", DraftSetup("ngram", k=4)),
     ],
     ids=lambda v: v if isinstance(v, str) else f"{v.method}-k{v.k}-{'x'.join(map(str, v.tree))}",
@@ -80,7 +79,9 @@ def test_greedy_output_with_drafts_equals_output_without(transport, setup, offli
 def test_streams_complete_unchanged_when_the_draft_worker_is_killed_mid_stream(offline_tokens):
     long_tokens = 96
     offline = offline_greedy(PROMPTS, long_tokens)
-    with spec_mesh(DraftSetup("ngram", k=4), "shm", env=ENV) as mesh:
+    # early exit at K=4: its drafts verified until the kill, greedy output equal throughout
+    env = {**ENV, "KVMESH_MIN_STEP_INTERVAL_MS": "30"}  # paced: see the test above
+    with spec_mesh(DraftSetup("early-exit", k=4, exit_layer=2), "shm", env=env) as mesh:
         _, draft = mesh.children["draft-0"]
 
         async def scenario() -> None:
