@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
+import nats.errors
 import pytest
 from kvmesh.shared.nats_auth import (
     ROLES,
@@ -54,6 +55,21 @@ async def _delivered(server, creds, sender: str, receiver: str, subject: str, li
         except TimeoutError:
             return False
         return True
+
+
+async def _reserve(registry, decode, subject: str):
+    """The registry's reserve request to the decode worker subscribed on ``subject``. A "no
+    responders" answer is retried twice after flushing the decode side again: CI saw one on a
+    loaded box although decode had subscribed and flushed (not what these tests are about)."""
+    for attempt in range(3):
+        try:
+            return await registry.request(subject, b"r1", timeout=10)
+        except nats.errors.NoRespondersError:
+            if attempt == 2:
+                raise
+            await decode.flush()
+            await asyncio.sleep(0.2)
+    raise AssertionError("unreachable")
 
 
 async def test_nats_without_credentials_or_with_a_wrong_password_is_refused(server, creds):
@@ -137,7 +153,7 @@ async def test_jobs_and_other_roles_replies_cannot_be_read(server, creds, reader
         await snooper.flush()
         await decode.subscribe(subjects.decode_reserve("d1"), cb=on_reserve)
         await decode.flush()
-        reply = await registry.request(subjects.decode_reserve("d1"), b"r1", timeout=10)
+        reply = await _reserve(registry, decode, subjects.decode_reserve("d1"))
         await asyncio.sleep(0.2)
     assert reply.data == b"window-key" and snooped == []
 
@@ -154,7 +170,7 @@ async def test_request_reply_works_within_permissions(server, creds):
 
         await decode.subscribe(subjects.decode_reserve("d0"), cb=on_reserve)
         await decode.flush()
-        reply = await registry.request(subjects.decode_reserve("d0"), b"r1", timeout=10)
+        reply = await _reserve(registry, decode, subjects.decode_reserve("d0"))
         assert reply.data == b"ok:r1"
 
 
