@@ -49,7 +49,7 @@ def test_bad_advertise_host_is_refused(bad):
 
 
 def test_bad_advertise_host_is_refused_by_the_worker_config():
-    with pytest.raises(ValueError, match="--advertise-host '0.0.0.0'|unspecified"):
+    with pytest.raises(ValueError, match=r"--advertise-host '0.0.0.0'|unspecified"):
         EngineWorkerConfig(advertise_host="0.0.0.0")
 
 
@@ -61,7 +61,7 @@ def test_loopback_bind_with_routable_advertise_host_is_refused():
 
 async def test_tcp_descriptor_carries_the_advertise_host():
     config = EngineWorkerConfig(advertise_host="127.0.0.1", nats_url="nats://127.0.0.1:4222")
-    bind, advertise = config.transport_hosts()
+    bind, _ = config.transport_hosts()
     tconf = TransportConfig(tcp_host=bind, tcp_advertise_host="localhost")
     async with create_transport("tcp", tconf) as transport:
         assert transport.descriptor().backends["tcp"]["host"] == "localhost"

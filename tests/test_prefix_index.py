@@ -207,4 +207,3 @@ def test_dropping_a_worker_forgets_its_hashes_only() -> None:
     index.drop_worker("d0")
     assert index.holders(2) == {"d1"} and index.holders(1) == frozenset()
     assert index.num_blocks("d0") == 0 and len(index) == 2
-
