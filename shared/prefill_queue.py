@@ -127,12 +127,15 @@ async def queue_status(nc: Client, s: Subjects) -> dict[str, int | str]:
 
 class PrefillJobQueue:
     """A prefill worker's pull subscription: ``next()`` takes one job, ``ack()`` confirms it once
-    the job is announced (until then JetStream would give it to another worker after
-    ``ACK_WAIT_S``)."""
+    the job is announced (until then JetStream gives it to another worker after ``ack_wait_s``,
+    ``ACK_WAIT_S`` by default; every worker of a mesh pulls through one consumer, so they must
+    agree on it)."""
 
-    def __init__(self, nc: Client, s: Subjects) -> None:
+    def __init__(self, nc: Client, s: Subjects, *, ack_wait_s: float = ACK_WAIT_S) -> None:
+        assert ack_wait_s > 0, ack_wait_s
         self._nc = nc
         self._subjects = s
+        self._ack_wait_s = ack_wait_s
         self._sub = None
 
     async def __aenter__(self) -> PrefillJobQueue:
@@ -142,7 +145,7 @@ class PrefillJobQueue:
     async def _subscribe(self) -> None:
         await ensure_stream(self._nc, self._subjects)
         config = api.ConsumerConfig(
-            ack_policy=api.AckPolicy.EXPLICIT, max_ack_pending=-1, ack_wait=ACK_WAIT_S
+            ack_policy=api.AckPolicy.EXPLICIT, max_ack_pending=-1, ack_wait=self._ack_wait_s
         )
         self._sub = await self._nc.jetstream().pull_subscribe(
             self._subjects.PREFILL_JOBS,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 from kvmesh.shared.nats_service import connect_nats
@@ -72,20 +73,25 @@ async def test_a_worker_that_does_not_pull_leaves_jobs_to_its_peer(nats_server):
 
 async def test_a_job_taken_and_never_acknowledged_goes_to_another_worker(nats_server):
     """A worker that dies between taking a job and announcing it: the job is not lost."""
-    from kvmesh.shared.prefill_queue import ACK_WAIT_S
+    ack_wait_s = 1.0  # the mechanism is JetStream's whatever the wait; shorter than ACK_WAIT_S
 
     async with connect_nats(nats_server, "router") as router, connect_nats(nats_server, "p1") as p1:
         await ensure_stream(router, S)
         await publish_job(router, S, b"job")
-        async with connect_nats(nats_server, "p0") as p0, PrefillJobQueue(p0, S) as q0:
+        async with (
+            connect_nats(nats_server, "p0") as p0,
+            PrefillJobQueue(p0, S, ack_wait_s=ack_wait_s) as q0,
+        ):
             taken = await q0.next(timeout_s=2.0)
             assert taken is not None and taken.data == b"job"
+            taken_at = time.monotonic()
         # p0 is gone without acknowledging; after the ack wait the job is offered again
-        async with PrefillJobQueue(p1, S) as q1:
-            again = await q1.next(timeout_s=ACK_WAIT_S + 5)
+        async with PrefillJobQueue(p1, S, ack_wait_s=ack_wait_s) as q1:
+            again = await q1.next(timeout_s=ack_wait_s + 5)
             assert again is not None and again.data == b"job"
+            assert time.monotonic() - taken_at >= ack_wait_s * 0.9  # not before the ack wait
             await q1.ack(again)
-            assert await q1.next(timeout_s=ACK_WAIT_S + 1) is None  # confirmed: gone for good
+            assert await q1.next(timeout_s=ack_wait_s + 1) is None  # confirmed: gone for good
 
 
 async def test_publish_without_jetstream_says_how_to_fix_it():
