@@ -194,7 +194,14 @@ class ShmEndpoint:
         await self._notify(OP_WRITE_DONE, imm, sum(src.numel() for src, _ in pairs), rkey=rkey)
 
     async def read(self, entries: Sequence[WriteEntry]) -> None:
-        pairs = self._plan(entries, Access.REMOTE_READ)
+        """Copy each entry's remote span (checked against the peer's table: a live key granting
+        REMOTE_READ, inside its window's spans) into the local span. A refusal is reported to
+        the owner, which counts it, as for writes."""
+        try:
+            pairs = self._plan(entries, Access.REMOTE_READ)
+        except RemoteAccessError as exc:
+            await self._notify(OP_REFUSED, 0, 0, int(exc.reason))
+            raise
         await asyncio.to_thread(_copy_all, pairs)
         await self._notify(OP_READ_DONE, 0, sum(e.length for e in entries))
 
