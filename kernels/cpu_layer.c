@@ -7,15 +7,16 @@
  * once per layer, split every phase (linear layers by weight panels, attention by
  * (sequence, KV head) units) and meet at a barrier between phases:
  *
- *   xn = rms_norm(x) -> qkv = xn Wqkv -> rotary, KV store, attention -> x += attn Wo
+ *   xn = rms_norm(x) -> qkv = xn Wqkv -> rotary, KV store -> attention -> x += attn Wo
  *   -> xn = rms_norm(x) -> gu = xn Wgate_up -> act = silu(gate) * up -> x += act Wdown
  *
  * Every phase runs the same code as the separate kernels (kv_rms_norm, kv_linear_share,
- * kv_decode_attention_units, kv_silu_mul), so the result is bit for bit that of the unfused
- * C path. Arguments: x (batch, hidden), updated in place; weights packed by
+ * kv_decode_store_units, kv_decode_attention_units, kv_silu_mul), so the result is bit for bit
+ * that of the unfused C path. Arguments: x (batch, hidden), updated in place; weights packed by
  * pack_linear_weight, biases (n,) or NULL; work buffers xn (batch, hidden), qkv (batch, n_qkv),
  * attn (batch, num_q_heads * d), gu (batch, 2 * inter), act (batch, inter); attention arguments
- * as kv_decode_attention_units's, scratch: num_threads rows of scratch_stride floats.
+ * as kv_decode_store_units's and kv_decode_attention_units's, scratch: num_threads rows of
+ * scratch_stride floats.
  */
 #include <stdint.h>
 
@@ -23,12 +24,17 @@ void kv_rms_norm(const float *x, const float *w, float *out, int64_t rows, int64
 void kv_silu_mul(const float *gate_up, float *out, int64_t rows, int64_t n);
 void kv_linear_share(const float *x, int64_t m, int64_t k, const float *packed, int64_t n,
                      const float *bias, float *y, int64_t t, int64_t num_threads, int accumulate);
-void kv_decode_attention_units(float *qkv, int64_t num_q_heads, int64_t num_kv_heads, int64_t d,
-                               const float *rope_cos, const float *rope_sin, float *k_cache,
-                               float *v_cache, int64_t block_stride, int64_t head_stride,
-                               int64_t block_size, const int64_t *block_tables,
-                               int64_t table_width, const int64_t *context_lens, float scale,
-                               float *out, float *scratch, int64_t u0, int64_t u1);
+void kv_decode_store_units(float *qkv, int64_t num_q_heads, int64_t num_kv_heads, int64_t d,
+                           const float *rope_cos, const float *rope_sin, float *k_cache,
+                           float *v_cache, int64_t block_stride, int64_t head_stride,
+                           int64_t block_size, const int64_t *block_tables, int64_t table_width,
+                           const int64_t *context_lens, int64_t u0, int64_t u1);
+void kv_decode_attention_units(const float *qkv, int64_t num_q_heads, int64_t num_kv_heads,
+                               int64_t d, const float *k_cache, const float *v_cache,
+                               int64_t block_stride, int64_t head_stride, int64_t block_size,
+                               const int64_t *block_tables, int64_t table_width,
+                               const int64_t *context_lens, float scale, float *out,
+                               float *scratch, int64_t u0, int64_t u1);
 int64_t kv_attention_unit_bound(const int64_t *context_lens, int64_t batch, int64_t num_kv_heads,
                                 int64_t t, int64_t num_threads);
 
@@ -62,12 +68,16 @@ void kv_decode_layer(float *x, int64_t batch, int64_t hidden, const float *attn_
         BARRIER
         kv_linear_share(xn, batch, hidden, wqkv, n_qkv, bqkv, qkv, t, nt, 0);
         BARRIER
-        kv_decode_attention_units(
-            qkv, num_q_heads, num_kv_heads, d, rope_cos, rope_sin, k_cache, v_cache,
-            block_stride, head_stride, block_size, block_tables, table_width, context_lens, scale,
-            attn, scratch + t * scratch_stride,
-            kv_attention_unit_bound(context_lens, batch, num_kv_heads, t, nt),
-            kv_attention_unit_bound(context_lens, batch, num_kv_heads, t + 1, nt));
+        int64_t u0 = kv_attention_unit_bound(context_lens, batch, num_kv_heads, t, nt);
+        int64_t u1 = kv_attention_unit_bound(context_lens, batch, num_kv_heads, t + 1, nt);
+        kv_decode_store_units(qkv, num_q_heads, num_kv_heads, d, rope_cos, rope_sin, k_cache,
+                              v_cache, block_stride, head_stride, block_size, block_tables,
+                              table_width, context_lens, u0, u1);
+        BARRIER /* every row's new K/V stored: the rows of a draft chain read each other's */
+        kv_decode_attention_units(qkv, num_q_heads, num_kv_heads, d, k_cache, v_cache,
+                                  block_stride, head_stride, block_size, block_tables,
+                                  table_width, context_lens, scale, attn,
+                                  scratch + t * scratch_stride, u0, u1);
         BARRIER
         kv_linear_share(attn, batch, n_attn, wo, hidden, bo, x, t, nt, 1);
         BARRIER

@@ -342,13 +342,16 @@ static void prefetch_context(const float *k_cache, const float *v_cache, const i
 #define PREFETCH_PAIRS 1
 #endif
 
-/* One decode step of attention for a batch of sequences, one new token each, for the units
- * [u0, u1) of it: unit u is (sequence u / num_kv_heads, KV head u % num_kv_heads), i.e. that
- * KV head's query group. Units are independent, so threads may take any runs of them.
+/* One decode step of attention for a batch of one-token rows, for the units [u0, u1) of it:
+ * unit u is (row u / num_kv_heads, KV head u % num_kv_heads), i.e. that KV head's query group.
+ * Two phases, each over any runs of units (threads may split them), with a barrier between:
+ * kv_decode_store_units rotates and stores every unit's new K/V, kv_decode_attention_units
+ * attends. Stored first, a row may read the new K/V of another row of its own sequence: the rows
+ * of a draft chain (one per draft, each with the context up to itself) verify as they decode.
  *
- * qkv: (batch, num_q_heads + 2 * num_kv_heads, d) projections of the new tokens; a unit rotates
- *      its q heads and its k head in place by rope_cos, rope_sin: (batch, d), the rotation-table
- *      rows of each token's position.
+ * qkv: (batch, num_q_heads + 2 * num_kv_heads, d) projections of the new tokens; the store phase
+ *      rotates each unit's q heads and k head in place by rope_cos, rope_sin: (batch, d), the
+ *      rotation-table rows of each token's position.
  * k_cache, v_cache: this layer's first K and V tile; the tile of (block b, KV head h) starts
  *      b * block_stride + h * head_stride floats further on and holds block_size rows of d.
  * block_tables: (batch, table_width); context_lens: (batch,), counting the new token, which sits
@@ -356,12 +359,11 @@ static void prefetch_context(const float *k_cache, const float *v_cache, const i
  * out: (batch, num_q_heads, d). Query head j attends with KV head j / (num_q_heads / num_kv_heads)
  *      (transformers' repeat_kv order). scratch: at least max(context_lens) * group floats.
  */
-void kv_decode_attention_units(float *qkv, int64_t num_q_heads, int64_t num_kv_heads, int64_t d,
-                               const float *rope_cos, const float *rope_sin, float *k_cache,
-                               float *v_cache, int64_t block_stride, int64_t head_stride,
-                               int64_t block_size, const int64_t *block_tables,
-                               int64_t table_width, const int64_t *context_lens, float scale,
-                               float *out, float *scratch, int64_t u0, int64_t u1) {
+void kv_decode_store_units(float *qkv, int64_t num_q_heads, int64_t num_kv_heads, int64_t d,
+                           const float *rope_cos, const float *rope_sin, float *k_cache,
+                           float *v_cache, int64_t block_stride, int64_t head_stride,
+                           int64_t block_size, const int64_t *block_tables, int64_t table_width,
+                           const int64_t *context_lens, int64_t u0, int64_t u1) {
     int64_t group = num_q_heads / num_kv_heads;
     int64_t row = (num_q_heads + 2 * num_kv_heads) * d;
     for (int64_t u = u0; u < u1; u++) {
@@ -369,14 +371,29 @@ void kv_decode_attention_units(float *qkv, int64_t num_q_heads, int64_t num_kv_h
         float *q = qkv + b * row + h * group * d;
         float *k = qkv + b * row + (num_q_heads + h) * d;
         float *v = k + num_kv_heads * d;
-        int64_t ctx = context_lens[b];
-        int64_t pos = ctx - 1;
+        int64_t pos = context_lens[b] - 1;
         const int64_t *table = block_tables + b * table_width;
         for (int64_t g = 0; g < group; g++) rope_head(q + g * d, rope_cos + b * d, rope_sin + b * d, d);
         rope_head(k, rope_cos + b * d, rope_sin + b * d, d);
         int64_t slot = table[pos / block_size] * block_stride + (pos % block_size) * d;
         memcpy(k_cache + slot + h * head_stride, k, d * sizeof(float));
         memcpy(v_cache + slot + h * head_stride, v, d * sizeof(float));
+    }
+}
+
+void kv_decode_attention_units(const float *qkv, int64_t num_q_heads, int64_t num_kv_heads,
+                               int64_t d, const float *k_cache, const float *v_cache,
+                               int64_t block_stride, int64_t head_stride, int64_t block_size,
+                               const int64_t *block_tables, int64_t table_width,
+                               const int64_t *context_lens, float scale, float *out,
+                               float *scratch, int64_t u0, int64_t u1) {
+    int64_t group = num_q_heads / num_kv_heads;
+    int64_t row = (num_q_heads + 2 * num_kv_heads) * d;
+    for (int64_t u = u0; u < u1; u++) {
+        int64_t b = u / num_kv_heads, h = u % num_kv_heads;
+        const float *q = qkv + b * row + h * group * d;
+        int64_t ctx = context_lens[b];
+        const int64_t *table = block_tables + b * table_width;
         /* the tiles of the unit PREFETCH_PAIRS ahead, while this one computes (the first
          * units' tiles before the first one) */
         for (int64_t ahead = u == u0 ? 0 : PREFETCH_PAIRS; ahead <= PREFETCH_PAIRS; ahead++) {
@@ -425,11 +442,21 @@ void kv_decode_attention(float *qkv, int64_t num_q_heads, int64_t num_kv_heads, 
                          int64_t block_size, const int64_t *block_tables, int64_t table_width,
                          const int64_t *context_lens, float scale, float *out, float *scratch,
                          int64_t scratch_stride, const int64_t *bounds, int64_t num_parts) {
-#pragma omp parallel for num_threads(num_parts) schedule(static, 1) if (num_parts > 1)
-    for (int64_t p = 0; p < num_parts; p++)
-        kv_decode_attention_units(qkv, num_q_heads, num_kv_heads, d, rope_cos, rope_sin, k_cache,
+#pragma omp parallel num_threads(num_parts) if (num_parts > 1)
+    {
+#pragma omp for schedule(static, 1)
+        for (int64_t p = 0; p < num_parts; p++)
+            kv_decode_store_units(qkv, num_q_heads, num_kv_heads, d, rope_cos, rope_sin, k_cache,
                                   v_cache, block_stride, head_stride, block_size, block_tables,
-                                  table_width, context_lens, scale, out,
-                                  scratch + p * scratch_stride, bounds[p] * num_kv_heads,
+                                  table_width, context_lens, bounds[p] * num_kv_heads,
                                   bounds[p + 1] * num_kv_heads);
+        /* the loop's implicit barrier: every new K/V is stored before any row attends */
+#pragma omp for schedule(static, 1)
+        for (int64_t p = 0; p < num_parts; p++)
+            kv_decode_attention_units(qkv, num_q_heads, num_kv_heads, d, k_cache, v_cache,
+                                      block_stride, head_stride, block_size, block_tables,
+                                      table_width, context_lens, scale, out,
+                                      scratch + p * scratch_stride, bounds[p] * num_kv_heads,
+                                      bounds[p + 1] * num_kv_heads);
+    }
 }

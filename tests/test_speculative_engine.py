@@ -175,6 +175,39 @@ def test_kv_after_accepting_drafts_equals_kv_of_a_plain_run(tiny, greedy_referen
     assert spec.step()[0].new_token_ids == plain.step()[0].new_token_ids
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+def test_chain_verification_equals_plain_decode_bit_for_bit(tiny, greedy_reference, threads):
+    # A chain verifies as a decode batch of one row per draft (the fused C layer, its rows
+    # reading each other's new K/V): tokens and every KV byte as plain decode steps give them,
+    # also when the rows of one chain fall to different threads.
+    prompts, expected = greedy_reference
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        spec, plain = make_engine(tiny), make_engine(tiny)
+        params = SamplingParams(max_tokens=len(expected[2]), temperature=0.0, ignore_eos=True)
+        for eng in (spec, plain):
+            eng.add_request("r", prompts[2], params)
+        got = spec.step()[0].new_token_ids
+        while len(got) < len(expected[2]) - 5:
+            (out,) = spec.step({"r": DraftTree.chain(expected[2][len(got) : len(got) + 4])})
+            assert out.accepted_drafts == 4
+            got += out.new_token_ids
+        for _ in got:
+            plain.step()
+    finally:
+        torch.set_num_threads(saved)
+    seq_s, seq_p = spec.seqs["r"], plain.seqs["r"]
+    assert seq_s.token_ids == seq_p.token_ids and got == expected[2][: len(got)]
+    n = seq_s.num_computed_tokens
+    assert n == seq_p.num_computed_tokens
+    for layer in range(tiny[0].config.num_hidden_layers):
+        caches = zip(spec.kv_pool.layer(layer), plain.kv_pool.layer(layer), strict=True)
+        for cache_s, cache_p in caches:
+            kv_s = cache_s[seq_s.block_table].flatten(0, 1)[:n]
+            assert torch.equal(kv_s, cache_p[seq_p.block_table].flatten(0, 1)[:n])
+
+
 def test_seeded_sampling_with_drafts_equals_seeded_sampling_without(tiny):
     prompts = make_prompts()
     params = [

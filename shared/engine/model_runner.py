@@ -7,7 +7,9 @@ computed ones), builds the AttentionMetadata with a handful of small tensors, ru
 
 A sequence verifying a draft tree (``trees[i]``) brings its last token and then the tree's nodes
 as its new tokens: they take consecutive KV slots in node order, but node ``j`` sits at RoPE
-position ``last + depth(j)`` and attends only to its ancestors among the new tokens.
+position ``last + depth(j)`` and attends only to its ancestors among the new tokens. A chain
+needs no mask: each of its tokens becomes a one-query row of its own (``_chain_rows``), so a
+step verifying only chains is a decode batch and runs the decode kernels.
 """
 
 from __future__ import annotations
@@ -79,12 +81,21 @@ class ModelRunner:
             )
             slot_mapping = block_tables[seq_idx, pos // bs] * bs + pos % bs
         tree_masks = {}
+        query_lens = list(num_new_tokens)
         if trees:
-            pos, tree_masks = _tree_positions(seqs, num_new_tokens, trees, positions)
-            pos = pos.to(dev)
+            chains = [i for i, tree in trees.items() if tree.is_chain]
+            trees = {i: tree for i, tree in trees.items() if not tree.is_chain}
+            if trees:
+                pos, tree_masks = _tree_positions(seqs, num_new_tokens, trees, positions)
+                pos = pos.to(dev)
+            if chains:  # a chain's tokens sit at causal positions: one row each, see below
+                query_lens, context_lens, tables, tree_masks = _chain_rows(
+                    chains, num_new_tokens, context_lens, tables, tree_masks
+                )
+                block_tables = torch.tensor(tables, dtype=torch.int64, device=dev)
         meta = AttentionMetadata(
             slot_mapping=slot_mapping,
-            query_lens=list(num_new_tokens),
+            query_lens=query_lens,
             context_lens=torch.tensor(context_lens, dtype=torch.int64, device=dev),
             block_tables=block_tables,
             block_size=bs,
@@ -117,6 +128,39 @@ class ModelRunner:
             rows += range(end - k, end)
         index = torch.tensor(rows, dtype=torch.int64, device=hidden.device)
         return self.model.compute_logits(hidden.index_select(0, index))
+
+
+def _chain_rows(
+    chains: list[int],
+    num_new_tokens: list[int],
+    context_lens: list[int],
+    tables: list[list[int]],
+    tree_masks: dict[int, torch.Tensor],
+) -> tuple[list[int], list[int], list[list[int]], dict[int, torch.Tensor]]:
+    """The attention's rows when the sequences ``chains`` verify draft chains: each of their new
+    tokens becomes a row of its own, one query over the sequence's block table with the context
+    up to and including itself. Causal attention over a chain is exactly that, and a batch of
+    one-query rows is a decode batch: the decode kernels (the fused C layer, Triton's decode
+    kernel) verify chains as they decode, and the result of every row is the one a plain decode
+    step at its position gives. Returns query lengths, context lengths, tables and the other
+    sequences' tree masks under their row indices."""
+    is_chain = set(chains)
+    query_lens: list[int] = []
+    ctx: list[int] = []
+    rows: list[list[int]] = []
+    masks = {}
+    for i, (n, c, table) in enumerate(zip(num_new_tokens, context_lens, tables, strict=True)):
+        if i in is_chain:
+            query_lens += [1] * n
+            ctx += range(c - n + 1, c + 1)
+            rows += [table] * n
+            continue
+        if i in tree_masks:
+            masks[len(query_lens)] = tree_masks[i]
+        query_lens.append(n)
+        ctx.append(c)
+        rows.append(table)
+    return query_lens, ctx, rows, masks
 
 
 def _tree_positions(
