@@ -36,14 +36,42 @@ def test_unpinned_sequence_sends_its_whole_context_again_until_a_worker_answers(
     )
 
 
-def test_only_a_proposal_that_continues_the_sequence_is_handed_out_and_only_once():
+ROOM = 100  # tokens a sequence may still emit, less one: no cut
+
+
+def test_only_a_proposal_that_continues_the_sequence_is_handed_out():
     book = DraftBook("d0")
     book.contexts(_seqs(r=5), now=0.0)
     book.on_proposal(DraftProposal("r", "x1", 5, (7, 8), (-1, 0)), now=0.1)
-    assert book.drafts({"r": [0, 1, 2, 3, 4, 9]}) == {}  # stale: the sequence went elsewhere
+    seq = [0, 1, 2, 3, 4, 9]
+    assert book.drafts({"r": (seq, ROOM)}) == {}  # stale: the sequence went elsewhere
     book.on_proposal(DraftProposal("r", "x1", 6, (7, 8), (-1, 0)), now=0.1)
-    assert book.drafts({"r": [0, 1, 2, 3, 4, 9]}) == {"r": ((7, 8), (-1, 0))}
-    assert book.drafts({"r": [0, 1, 2, 3, 4, 9]}) == {}
+    assert book.drafts({"r": (seq, ROOM)}) == {"r": ((7, 8), (-1, 0))}
+    assert book.drafts({"r": ([*seq, 5], ROOM)}) == {}  # rejected: dropped for good
+    assert book.drafts({"r": (seq, ROOM)}) == {}
+
+
+def test_proposal_stays_for_the_next_steps_while_the_sequence_follows_it():
+    book = DraftBook("d0")
+    book.contexts(_seqs(r=2), now=0.0)
+    chain = tuple(range(10, 20))
+    book.on_proposal(DraftProposal("r", "x1", 2, chain, tuple(range(-1, 9)), depth=3), now=0.1)
+    seq = [0, 1]
+    assert book.drafts({"r": (seq, ROOM)}) == {"r": ((10, 11, 12), (-1, 0, 1))}
+    seq += [10, 11, 12, 13]  # every draft accepted, and the next token as the drafter guessed
+    assert book.drafts({"r": (seq, ROOM)}) == {"r": ((14, 15, 16), (-1, 0, 1))}
+    seq += [14, 15, 16, 17, 18, 19]  # past its deepest node: used up
+    assert book.drafts({"r": (seq, ROOM)}) == {}
+    assert book.links["r"].proposal is None
+
+
+def test_drafts_are_cut_to_the_tokens_the_sequence_may_still_emit():
+    book = DraftBook("d0")
+    book.contexts(_seqs(r=2), now=0.0)
+    book.on_proposal(DraftProposal("r", "x1", 2, (5, 6, 7), (-1, 0, 0)), now=0.1)
+    assert book.drafts({"r": ([0, 1], 1)}) == {"r": ((5,), (-1,))}
+    assert book.drafts({"r": ([0, 1], 0)}) == {}  # one token left: nothing worth verifying
+    assert book.drafts({"r": ([0, 1], 2)}) == {"r": ((5, 6, 7), (-1, 0, 0))}  # kept meanwhile
 
 
 def test_proposal_a_step_late_gives_the_subtree_below_the_token_that_step_added():
@@ -51,7 +79,7 @@ def test_proposal_a_step_late_gives_the_subtree_below_the_token_that_step_added(
     book.contexts(_seqs(r=5), now=0.0)
     # 7 -> (8 -> 9 | 6), cut to depth 1 below the new root
     book.on_proposal(DraftProposal("r", "x1", 5, (7, 8, 6, 9), (-1, 0, 0, 1), depth=1), now=0.1)
-    assert book.drafts({"r": [0, 1, 2, 3, 4, 7]}) == {"r": ((8, 6), (-1, -1))}
+    assert book.drafts({"r": ([0, 1, 2, 3, 4, 7], ROOM)}) == {"r": ((8, 6), (-1, -1))}
 
 
 def test_rebase_tree_follows_the_added_tokens_and_cuts_to_the_depth():

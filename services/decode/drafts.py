@@ -7,9 +7,16 @@ a whole context to the queue group while no worker is pinned (any may take it), 
 tokens to the pinned worker otherwise. Before each step, ``drafts()`` hands out the proposals
 that continue the sequence as it is now: one drafted at its current length as it is, one drafted
 a few tokens earlier by the subtree below the tokens added since, when they lie on one of its
-paths (``rebase_tree``; otherwise it is stale), cut to the proposal's depth. A pinned worker
-that stays silent for ``unpin_after_s``, or that asks for the context again, is let go: the
-context goes to the queue group again. Nothing here ever waits for a draft.
+paths (``rebase_tree``; otherwise it is stale), cut to the proposal's depth and to the tokens
+the sequence may still emit.
+
+Pipelining: a proposal is kept after it is handed out, until the sequence leaves it (a draft
+rejected, or a token past its deepest node). Draft workers draft beyond K (lookahead: for the
+most likely outcome of the verify step, every draft accepted and the drafter's own guess of the
+next token), so when every draft was accepted the same proposal still holds the drafts of the
+next step, and the step after it never waits for the answer to the context just sent. A pinned
+worker that stays silent for ``unpin_after_s``, or that asks for the context again, is let go:
+the context goes to the queue group again. Nothing here ever waits for a draft.
 """
 
 from __future__ import annotations
@@ -97,20 +104,28 @@ class DraftBook:
         position, sent = link.sent_at
         return now - sent if proposal.position == position else None
 
-    def drafts(self, seqs: Mapping[str, Sequence[int]]) -> dict[str, Tree]:
+    def drafts(self, seqs: Mapping[str, tuple[Sequence[int], int]]) -> dict[str, Tree]:
         """``(tokens, parents)`` per sequence whose latest proposal still continues it
-        (``seqs``: request id -> its tokens now); each proposal is handed out once."""
+        (``seqs``: request id -> (its tokens now, the most drafts worth verifying: the tokens
+        it may still emit less one)). A proposal stays for the next steps until the sequence
+        leaves it (stale) or passes its deepest node (used up); then it is dropped."""
         out = {}
-        for rid, tokens in seqs.items():
+        for rid, (tokens, room) in seqs.items():
             link = self.links.get(rid)
             if link is None or link.proposal is None:
                 continue
-            p, link.proposal = link.proposal, None
+            p = link.proposal
             if p.position > len(tokens):
+                link.proposal = None
                 continue
             tree = rebase_tree(p.tokens, p.parents, tokens[p.position :], p.depth)
-            if tree is not None and tree[0]:
-                out[rid] = tree
+            if tree is None or not tree[0]:
+                link.proposal = None
+                continue
+            if room >= 1:
+                cut = rebase_tree(*tree, (), room)  # the root's children stay: never empty
+                assert cut is not None and cut[0], (tree, room)
+                out[rid] = cut
         return out
 
     def on_verified(self, request_id: str, num_positions: int, num_accepted: int) -> None:

@@ -203,7 +203,14 @@ class DecodeWorker:
     def _draft_trees(self) -> dict[str, DraftTree]:
         """The proposals that continue their sequence's current length, as trees."""
         assert self.drafts is not None
-        contexts = {rid: seq.token_ids for rid, seq in self._decoding().items()}
+        limit = self.engine.max_seq_len
+        contexts = {  # a draft past max_tokens or the length limit would be verified for nothing
+            rid: (
+                seq.token_ids,
+                min(seq.params.max_tokens - seq.num_output_tokens, limit - len(seq)) - 1,
+            )
+            for rid, seq in self._decoding().items()
+        }
         trees = {}
         for rid, (tokens, parents) in self.drafts.drafts(contexts).items():
             try:
