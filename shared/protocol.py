@@ -163,6 +163,8 @@ class TokenEvent(Message):
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     error: str = ""
+    # of token_ids, how many were draft tokens the decode worker verified and accepted
+    num_accepted_drafts: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 
 class Abort(Message):

@@ -82,6 +82,7 @@ def _token_event(out: RequestOutput) -> TokenEvent | None:
         finish_reason=out.finish_reason if out.finished else None,
         num_prompt_tokens=out.num_prompt_tokens,
         num_output_tokens=out.num_output_tokens,
+        num_accepted_drafts=min(out.accepted_drafts, len(out.new_token_ids)),
     )
 
 

@@ -174,7 +174,7 @@ class Router:
             finish_reason = await _relay(mesh, output, None)
         output.finish()
         timer.on_finish(finish_reason, len(prompt.prompt_ids), output.num_tokens)
-        usage = Usage(len(prompt.prompt_ids), output.num_tokens)
+        usage = _usage(prompt, output, mesh)
         return _json_response(builder.full(output.text, finish_reason, usage))
 
     async def _stream(
@@ -219,7 +219,7 @@ class Router:
             await send_text(output.finish())
             await response.write(sse_event(builder.finish_chunk(finish_reason)))
             if request.include_usage:
-                usage = Usage(len(prompt.prompt_ids), output.num_tokens)
+                usage = _usage(prompt, output, mesh)
                 await response.write(sse_event(builder.usage_chunk(usage)))
             await response.write(SSE_DONE)
             timer.on_finish(finish_reason, len(prompt.prompt_ids), output.num_tokens)
@@ -292,6 +292,12 @@ class Router:
 
     async def openapi(self, request: web.Request) -> web.Response:
         return _json_response(openapi_document(self.model.name))
+
+
+def _usage(prompt: Prompt, output: TextStream, mesh: MeshRequest) -> Usage:
+    """The request's token counts, with the accepted drafts among the tokens the client got."""
+    accepted = min(mesh.num_accepted_drafts, output.num_tokens)
+    return Usage.of(len(prompt.prompt_ids), output.num_tokens, accepted)
 
 
 async def _relay(

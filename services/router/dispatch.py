@@ -97,6 +97,7 @@ class MeshRequest:
         self.response_id = request_id  # what the client sees; constant across attempts
         self.num_attempts = 1
         self.num_events = 0  # token events of the current attempt
+        self.num_accepted_drafts = 0  # of the tokens relayed, accepted drafts (all attempts)
         self.prompt = prompt  # of the current attempt: a migrated one carries the output so far
         self._generated: list[int] = []  # every token the client has been sent, all attempts
         self._migrated_tokens = 0  # of those, how many the current attempt's prompt carries
@@ -411,6 +412,7 @@ class MeshRequest:
             self.num_events += 1
             self._last_event_at = time.monotonic()
             self._generated.extend(event.token_ids)
+            self.num_accepted_drafts += event.num_accepted_drafts
             self.stop_renewing()  # the decode worker admitted it: the lease is over
             self.timer.on_tokens(time.monotonic(), len(event.token_ids))
             if event.finish_reason is not None:

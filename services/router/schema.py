@@ -111,15 +111,31 @@ class ChatCompletionRequest(SamplingFields, frozen=True, kw_only=True):
 # --- responses ---------------------------------------------------------------------------------
 
 
+class CompletionTokensDetails(msgspec.Struct, kw_only=True):
+    """OpenAI's breakdown of the completion tokens; kvmesh fills in the accepted predictions."""
+
+    accepted_prediction_tokens: int = 0
+
+
 class Usage(msgspec.Struct):
-    """Token counts of one request; ``total_tokens`` is their sum."""
+    """Token counts of one request; ``total_tokens`` is their sum. With speculative decoding,
+    ``completion_tokens_details.accepted_prediction_tokens`` counts the completion tokens that
+    were draft tokens the target model verified and accepted (absent when none were)."""
 
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int = 0
+    completion_tokens_details: CompletionTokensDetails | UnsetType = UNSET
 
     def __post_init__(self) -> None:
         self.total_tokens = self.prompt_tokens + self.completion_tokens
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int, accepted_drafts: int = 0) -> Usage:
+        if not accepted_drafts:
+            return cls(prompt_tokens, completion_tokens)
+        details = CompletionTokensDetails(accepted_prediction_tokens=accepted_drafts)
+        return cls(prompt_tokens, completion_tokens, completion_tokens_details=details)
 
 
 class CompletionChoice(msgspec.Struct, kw_only=True):
