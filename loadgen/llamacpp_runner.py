@@ -115,8 +115,8 @@ def _run_converter(converter: Path, hf_dir: str, out: str, outtype: str) -> None
 
 class LlamaCppRunner:
     """One llama.cpp context, batch 1, greedy. ``n_threads`` for prompt and generation alike; the
-    KV cache in the weights' type (llama.cpp's default is f16) so that both engines keep the
-    same precision."""
+    KV cache in ``kv_type``: the weights' type keeps both engines at the same precision, f16 is
+    llama.cpp's own default."""
 
     max_batch = 1
 

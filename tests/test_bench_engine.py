@@ -48,7 +48,8 @@ def test_bench_engine_against_llama_cpp_says_what_is_missing(tmp_path):
     assert proc.stdout == ""  # refused before any model is loaded or measured
 
 
-def test_bench_engine_against_llama_cpp_compares_ratios_and_tokens():
+@pytest.mark.parametrize("kv_cache", ["same", "f16"])
+def test_bench_engine_against_llama_cpp_compares_ratios_and_tokens(kv_cache):
     from kvmesh.loadgen.llamacpp_runner import converter_path, missing
 
     lacks = missing(converter_path())
@@ -56,7 +57,11 @@ def test_bench_engine_against_llama_cpp_compares_ratios_and_tokens():
         pytest.skip("llama.cpp comparison not installed (make bench-deps): " + "; ".join(lacks))
     short = ["--prompt-len", "64", "--decode-prompt-len", "16", "--decode-tokens", "4"]
     proc = _bench_engine(
-        "--json", "--against", "llama.cpp", *short, "--batch-sizes", "1,2", "--repeats", "1"
+        "--json",
+        "--against",
+        "llama.cpp",
+        *short,
+        *("--batch-sizes", "1,2", "--repeats", "1", "--llama-kv-cache", kv_cache),
     )
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
@@ -64,3 +69,4 @@ def test_bench_engine_against_llama_cpp_compares_ratios_and_tokens():
     assert set(result["ratios_llama_cpp"]["decode"]) == {"1"}
     assert set(result["ratios"]["decode"]) == {"1", "2"}
     assert result["config"]["greedy_outputs_match_llama_cpp"] is True
+    assert result["config"]["llama_kv_cache"] == kv_cache
