@@ -86,6 +86,34 @@ async def test_short_prompt_is_prefilled_locally_without_a_prefill_job(nats_serv
     assert mesh.places[0].local_prefill and mesh.jobs == []
 
 
+async def test_large_bodies_are_tokenized_in_a_worker_thread_and_small_ones_inline(
+    nats_server, monkeypatch
+):
+    """The defect: a 60 MB body froze every stream for seconds while it was tokenized on the
+    event loop. A large body's parse and tokenization now run in a worker thread."""
+    import threading
+
+    from kvmesh.services.router import app
+    from kvmesh.services.router.app import INLINE_BODY_BYTES
+
+    threads: list[str] = []
+
+    def recording_tokenize(*args):
+        threads.append(threading.current_thread().name)
+        return tokenize(*args)
+
+    tokenize = app.tokenize
+    monkeypatch.setattr(app, "tokenize", recording_tokenize)
+    padding = "x" * (INLINE_BODY_BYTES + 1)
+    async with mesh_and_router(nats_server) as (_, _, http):
+        small = await http.post("/v1/completions", json={"model": MODEL, "prompt": [1, 2]})
+        big = {"model": MODEL, "prompt": [1, 2, 3], "user": padding}
+        large = await http.post("/v1/completions", json=big)
+    main = threading.main_thread().name
+    assert small.status == 200 and large.status == 200
+    assert threads[0] == main and threads[1] != main, threads
+
+
 async def test_large_bodies_are_prepared_off_the_event_loop_with_the_same_result(nats_server):
     from kvmesh.services.router.app import INLINE_BODY_BYTES
 
