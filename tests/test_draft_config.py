@@ -32,10 +32,11 @@ def test_drafted_shape_continues_the_tree_with_the_lookahead():
     assert not config.uses_data_plane and config.role == "draft"
 
 
-def test_default_lookahead_covers_one_verify_step_for_ngram_and_one_token_for_models():
-    assert DraftConfig(num_speculative_tokens=4).drafted_shape.depth == 4 + 5
+def test_default_lookahead_covers_three_verify_steps_for_ngram_and_one_for_models():
+    assert DraftConfig(num_speculative_tokens=4).drafted_shape.depth == 4 + 15
+    assert DraftConfig(num_speculative_tokens=8).drafted_shape.depth == 8 + 17  # at most 17
     early = DraftConfig(method="early-exit", num_speculative_tokens=4)
-    assert early.drafted_shape.depth == 4 + 1
+    assert early.drafted_shape.depth == 4 + 5
 
 
 def test_up_with_draft_starts_draft_workers_and_speculative_decode():

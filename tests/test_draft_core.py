@@ -1,4 +1,5 @@
-"""DraftCore: contexts whole and in deltas, resyncs, stale drafts, the LRU bound, acceptance."""
+"""DraftCore: contexts whole and in deltas, resyncs, stale drafts, the LRU bound, acceptance,
+pipelined chains (and the engine drafter topping one up)."""
 
 from __future__ import annotations
 
@@ -86,3 +87,51 @@ def test_acceptance_figures_sum_what_decode_workers_report():
     stats = core.stats()
     assert stats["verified_tokens"] == 8 and stats["accepted_tokens"] == 4
     assert stats["acceptance"] == 0.5
+
+
+def _chain(n: int) -> tuple[int, ...]:
+    return tuple(range(-1, n - 1))
+
+
+def test_pipelined_chain_is_topped_up_while_the_sequence_follows_it():
+    core = DraftCore("draft-0", max_sequences=8, depth=2, pipeline_depth=5)
+    core.on_context(ctx("r", 0, [1, 2, 3]))
+    [job] = core.take_jobs(4)
+    assert job.ahead == ()
+    first = core.proposal(job, (10, 11, 12, 13, 14), _chain(5))
+    assert first is not None and first.position == 3 and first.depth == 2
+    core.on_context(ctx("r", 3, [10, 11, 12]))  # 2 drafts accepted, the next token as guessed
+    [job] = core.take_jobs(4)
+    assert job.context == (1, 2, 3, 10, 11, 12) and job.ahead == (13, 14)
+    topped = core.proposal(job, (15, 16, 17), _chain(3))  # only 3 new tokens were drafted
+    assert topped is not None and topped.position == 6
+    assert topped.tokens == (13, 14, 15, 16, 17) and topped.parents == _chain(5)
+    core.on_context(ctx("r", 6, [13, 99]))  # a miss: the chain is discarded
+    [job] = core.take_jobs(4)
+    assert job.ahead == () and job.position == 8
+
+
+def test_unpipelined_core_drafts_every_change_anew():
+    core = DraftCore("draft-0", max_sequences=8, depth=2)
+    core.on_context(ctx("r", 0, [1, 2, 3]))
+    [job] = core.take_jobs(4)
+    core.proposal(job, (10, 11, 12, 13), _chain(4))
+    core.on_context(ctx("r", 3, [10, 11]))
+    [job] = core.take_jobs(4)
+    assert job.ahead == () and job.context == (1, 2, 3, 10, 11)
+
+
+def test_engine_drafter_tops_up_a_chain_with_the_tokens_it_would_have_drafted():
+    from kvmesh.services.draft.core import DraftJob
+    from kvmesh.services.draft.drafters import EngineDrafter
+    from kvmesh.shared.engine.config import EngineConfig
+    from kvmesh.shared.engine.llm_engine import LLMEngine
+    from kvmesh.shared.model import load_model
+
+    config = EngineConfig(num_blocks=64, block_size=8, enable_prefix_caching=True)
+    drafter = EngineDrafter(LLMEngine(*load_model("kvmesh-tiny"), config), depth=6)
+    context = tuple((5 * i + 3) % 250 for i in range(21))
+    [(whole, parents)] = drafter.propose([DraftJob("r", "d", context, 21)])
+    assert len(whole) == 6 and parents == _chain(6)
+    [(rest, _)] = drafter.propose([DraftJob("r", "d", context, 21, ahead=whole[:4])])
+    assert rest == whole[4:]  # only the 2 tokens the chain lacked

@@ -31,9 +31,11 @@ class DraftConfig(EngineWorkerConfig):
     )
     lookahead: int | None = option(
         None,
-        help="draft this many tokens beyond K: a proposal that arrives after the decode worker "
-        "stepped on still holds K drafts below the tokens it added, where the draft foresaw "
-        "them (0-17; default: K + 1 for ngram, whose tokens are free, 1 for the models)",
+        help="draft this many tokens beyond K, for the most likely outcome of the verify step "
+        "(every draft accepted, then the drafter's own next tokens): the decode worker keeps a "
+        "proposal while its sequence follows it, so one proposal serves the steps until the "
+        "next arrives (0-17; default: 3 (K + 1), at most 17, for ngram, whose tokens are free; "
+        "K + 1 for the models: one verify step ahead)",
     )
     ngram_max: int = option(4, help="ngram: longest suffix matched against the context")
     ngram_min: int = option(1, help="ngram: shortest suffix matched")
@@ -80,13 +82,17 @@ class DraftConfig(EngineWorkerConfig):
     def num_lookahead_tokens(self) -> int:
         if self.lookahead is not None:
             return self.lookahead
-        return self.num_speculative_tokens + 1 if self.method == "ngram" else 1
+        k = self.num_speculative_tokens
+        if self.method == "ngram":
+            return min(3 * (k + 1), MAX_SPECULATIVE_TOKENS + 1)
+        return k + 1
 
     @property
     def drafted_shape(self) -> TreeShape:
         """What is drafted: ``shape``, then ``lookahead`` more levels of one child each. A
-        verify step adds at most K + 1 tokens, so K + 1 of lookahead keeps a proposal that
-        arrives one step late useful."""
+        verify step adds at most K + 1 tokens, so each K + 1 of lookahead keeps a proposal
+        useful one step longer (the decode worker's next step verifies the subtree below the
+        tokens this one added)."""
         return TreeShape(self.shape.widths + (1,) * self.num_lookahead_tokens)
 
     @property

@@ -7,12 +7,20 @@ sends the whole context again. The core keeps at most ``max_sequences`` contexts
 least recently updated first. ``take_jobs`` hands out the sequences whose context changed since
 their last draft; ``proposal`` turns a drafted tree into the message, unless the context grew
 past it meanwhile (it is drafted again from the new context anyway).
+
+Pipelined chains (``pipeline_depth`` > 0, the model drafters, whose tokens cost a forward pass
+each): a proposal drafts ``pipeline_depth`` tokens, past the K the decode worker verifies next,
+for the most likely outcome of that step (every draft accepted, then the drafter's own next
+tokens). The core keeps the part of the chain past the sequence's tokens (``ahead``) while the
+deltas that arrive follow it: the next draft starts from context + ahead and only tops the chain
+up to ``pipeline_depth`` (K + 1 new tokens after a step that accepted everything). A delta that
+leaves the chain discards it (a miss).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvmesh.shared.protocol import DraftContext, DraftProposal
@@ -25,16 +33,19 @@ class DraftSequence:
     tokens: list[int]
     num_prompt_tokens: int
     is_dirty: bool = True  # the context changed since the last draft
+    ahead: list[int] = field(default_factory=list)  # drafted chain past tokens, still followed
 
 
 @dataclass(frozen=True, slots=True)
 class DraftJob:
-    """One sequence to draft for: its whole context now (``position`` tokens)."""
+    """One sequence to draft for: its whole context now (``position`` tokens), and the drafts
+    past it that are kept (``ahead``): the drafter continues context + ahead."""
 
     request_id: str
     decode_worker_id: str
     context: tuple[int, ...]
     num_prompt_tokens: int
+    ahead: tuple[int, ...] = ()
 
     @property
     def position(self) -> int:
@@ -42,10 +53,14 @@ class DraftJob:
 
 
 class DraftCore:
-    def __init__(self, worker_id: str, max_sequences: int, depth: int = 0) -> None:
+    def __init__(
+        self, worker_id: str, max_sequences: int, depth: int = 0, pipeline_depth: int = 0
+    ) -> None:
         assert max_sequences >= 1, max_sequences
+        assert pipeline_depth == 0 or pipeline_depth >= depth, (pipeline_depth, depth)
         self.worker_id = worker_id
         self.depth = depth  # DraftProposal.depth: how deep the decode worker verifies
+        self.pipeline_depth = pipeline_depth  # 0: every change drafted anew (trees, ngram)
         self.max_sequences = max_sequences
         self.seqs: OrderedDict[str, DraftSequence] = OrderedDict()
         self.num_verified = 0  # draft tokens on paths decode workers verified
@@ -76,10 +91,15 @@ class DraftCore:
                 need_context=True,
             )
         else:  # continues (or rewrites the tail of) what is held
+            follows = msg.start == len(seq.tokens)
+            follows = follows and seq.ahead[: len(msg.token_ids)] == list(msg.token_ids)
+            seq.ahead = seq.ahead[len(msg.token_ids) :] if follows else []
             del seq.tokens[msg.start :]
             seq.tokens += msg.token_ids
             seq.decode_worker_id = msg.decode_worker_id
-        seq.is_dirty = bool(seq.tokens)
+        seq.is_dirty = bool(seq.tokens) and (
+            not self.pipeline_depth or len(seq.ahead) < self.pipeline_depth
+        )
         self.seqs.move_to_end(msg.request_id)
         while len(self.seqs) > self.max_sequences:
             self.seqs.popitem(last=False)
@@ -108,6 +128,7 @@ class DraftCore:
                         seq.decode_worker_id,
                         tuple(seq.tokens),
                         seq.num_prompt_tokens,
+                        tuple(seq.ahead),
                     )
                 )
         return jobs
@@ -115,15 +136,23 @@ class DraftCore:
     def proposal(
         self, job: DraftJob, tokens: tuple[int, ...], parents: tuple[int, ...]
     ) -> DraftProposal | None:
-        """The message for a drafted tree (an empty one too: it tells the decode worker this
-        worker is alive and holds the context). A tree drafted from a context that has grown
-        since is still sent while the growth is no longer than the tree: the decode worker uses
-        the subtree below the new tokens if they lie on one of its paths. None when the sequence
-        was forgotten, or grew past the tree."""
+        """The message for a drafted tree that continues the job's context + ahead (an empty
+        one too: it tells the decode worker this worker is alive and holds the context). A tree
+        drafted from a context that has grown since is still sent while the growth is no longer
+        than the tree: the decode worker uses the subtree below the new tokens if they lie on
+        one of its paths. None when the sequence was forgotten, or grew past the tree."""
         assert len(tokens) == len(parents), (tokens, parents)
+        if job.ahead:  # a chain topped up: the kept drafts, then the new ones
+            assert all(p == i - 1 for i, p in enumerate(parents)), parents
+            tokens = job.ahead + tokens
+            parents = tuple(range(-1, len(tokens) - 1))
         seq = self.seqs.get(job.request_id)
         if seq is None or len(seq.tokens) - job.position > len(tokens):
             return None
+        if self.pipeline_depth:  # keep what lies past the tokens the sequence has now
+            grown = seq.tokens[job.position :]
+            follows = list(tokens[: len(grown)]) == grown
+            seq.ahead = list(tokens[len(grown) :]) if follows else []
         self.num_proposals += 1
         return DraftProposal(
             job.request_id, self.worker_id, job.position, tokens, parents, depth=self.depth

@@ -25,7 +25,8 @@ _VOCAB_PROBE = "The quick brown fox jumps over the lazy dog. 0123456789 <|>{}[](
 
 class Drafter(Protocol):
     def propose(self, jobs: Sequence[DraftJob]) -> list[Tree]:
-        """One tree per job, in order (empty: nothing to propose)."""
+        """One tree per job, in order, continuing its context + ahead (empty: nothing to
+        propose)."""
         ...
 
 
@@ -36,32 +37,34 @@ class NgramDrafter:
     max_n: int
 
     def propose(self, jobs: Sequence[DraftJob]) -> list[Tree]:
-        return [propose_ngram(j.context, self.shape, self.min_n, self.max_n) for j in jobs]
+        return [
+            propose_ngram(j.context + j.ahead, self.shape, self.min_n, self.max_n) for j in jobs
+        ]
 
 
 class EngineDrafter:
-    """Greedy chains of ``depth`` tokens from a model in its own engine (all jobs batched)."""
+    """Greedy chains from a model in its own engine (all jobs batched): ``depth`` tokens past
+    each job's context, the job's ``ahead`` drafts included (only the rest is computed)."""
 
     def __init__(self, engine: Any, depth: int) -> None:
-        from kvmesh.shared.engine.sequence import SamplingParams
-
         self.engine = engine
         self.depth = depth
-        self.params = SamplingParams(max_tokens=depth, temperature=0.0, ignore_eos=True)
         self._num_requests = 0
 
     def propose(self, jobs: Sequence[DraftJob]) -> list[Tree]:
         from kvmesh.shared.engine.block_manager import OutOfBlocksError
-        from kvmesh.shared.engine.sequence import RequestError
+        from kvmesh.shared.engine.sequence import RequestError, SamplingParams
 
         ids: dict[str, int] = {}
         for i, job in enumerate(jobs):
-            if job.position + self.depth > self.engine.max_seq_len:
-                continue  # too long for the draft's pool: decode goes on without drafts
+            num_tokens = self.depth - len(job.ahead)
+            if num_tokens < 1 or job.position + self.depth > self.engine.max_seq_len:
+                continue  # deep enough, or too long for the draft's pool
             self._num_requests += 1
             rid = f"draft-{self._num_requests}"
+            params = SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True)
             try:
-                self.engine.add_request(rid, list(job.context), self.params)
+                self.engine.add_request(rid, list(job.context + job.ahead), params)
             except (RequestError, OutOfBlocksError):
                 continue
             ids[rid] = i

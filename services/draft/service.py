@@ -133,7 +133,13 @@ async def draft_service(config: DraftConfig) -> AsyncIterator[DraftService]:
     async with connect_nats(config.nats_url, worker_id, security=config.nats_security) as nc:
         service = DraftService(
             config,
-            DraftCore(worker_id, config.max_sequences, config.num_speculative_tokens),
+            DraftCore(
+                worker_id,
+                config.max_sequences,
+                config.num_speculative_tokens,
+                # the model drafters top their chains up; ngram's tokens are free: drafted anew
+                0 if config.method == "ngram" else config.drafted_shape.depth,
+            ),
             drafter,
             nc,
         )
