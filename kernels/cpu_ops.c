@@ -323,6 +323,118 @@ static inline __attribute__((always_inline)) void attend(
     }
 }
 
+/* FP8 (e4m3fn) KV (shared/engine/kv_quant.py): a tile of (block, KV head) in a layer holds fp8
+ * bytes meaning byte * scale, one float32 scale per tile. Reading decodes through a 256-entry
+ * table (torch's own values, passed in: exact, and cheaper than bit arithmetic); storing follows
+ * kv_quant.store bit for bit: power-of-two scales, grown (and the tile requantized) when a new
+ * token's largest magnitude does not fit, reset when a token starts the block. */
+typedef struct kv_fp8 {
+    const float *lut;            /* (256,) the value of each e4m3fn byte */
+    float *k_scales, *v_scales;  /* tile (b, h) at b * scale_block_stride + h * scale_head_stride */
+    int64_t scale_block_stride, scale_head_stride;
+    int64_t scratch_offset;      /* floats into a scratch row: dequantized K, V, a tile table */
+} kv_fp8;
+
+#define FP8_MAX 448.0f
+
+/* float -> e4m3fn, saturating, round to nearest even (torch's cast after clamping to +-448). */
+static inline uint8_t e4m3_from_float(float x) {
+    x = x > FP8_MAX ? FP8_MAX : x < -FP8_MAX ? -FP8_MAX : x;
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    uint8_t sign = (u >> 24) & 0x80;
+    u &= 0x7fffffffu;
+    if (u < 0x3c800000u) { /* below 2^-6: subnormals, steps of 2^-9 (8 steps reach 2^-6) */
+        float a;
+        memcpy(&a, &u, sizeof a);
+        a *= 512.0f; /* exact */
+        uint32_t m = (uint32_t)a;
+        float frac = a - (float)m;
+        if (frac > 0.5f || (frac == 0.5f && (m & 1))) m++;
+        return sign | (uint8_t)m;
+    }
+    u += 0x7ffffu + ((u >> 20) & 1); /* round the 23-bit mantissa to 3 bits, ties to even */
+    return sign | (uint8_t)((((u >> 23) - 120) << 3) | ((u >> 20) & 7));
+}
+
+/* The smallest power of two s >= 2^-30 with amax / s <= 448 (kv_quant.pow2_scale). */
+static inline float fp8_pow2_scale(float amax) {
+    float s = amax / FP8_MAX;
+    if (!(s >= 0x1p-30f)) s = 0x1p-30f;
+    uint32_t u;
+    memcpy(&u, &s, sizeof u);
+    if (u & 0x7fffffu) u = (u & 0x7f800000u) + 0x800000u; /* up to the next power of two */
+    memcpy(&s, &u, sizeof s);
+    return amax > s * FP8_MAX ? s * 2.0f : s;
+}
+
+/* Store one token x (d floats) at slot off of a tile (block_size rows of d bytes) whose scale
+ * is *scale: kv_quant.store for one (block, head). */
+static void fp8_store(const float *x, uint8_t *tile, float *scale, int64_t off, int64_t block_size,
+                      int64_t d, const float *lut) {
+    float amax = 0;
+    for (int64_t i = 0; i < d; i++) {
+        float a = fabsf(x[i]);
+        amax = a > amax ? a : amax;
+    }
+    float old = off == 0 ? 0.0f : *scale, s = fp8_pow2_scale(amax);
+    if (s < old) s = old;
+    if (old > 0 && s > old) { /* grown: the stored tokens to the new scale (a power of two) */
+        float ratio = old / s;
+        for (int64_t i = 0; i < block_size * d; i++) tile[i] = e4m3_from_float(lut[tile[i]] * ratio);
+    }
+    *scale = s;
+    for (int64_t i = 0; i < d; i++) tile[off * d + i] = e4m3_from_float(x[i] / s);
+}
+
+/* The store phase for an fp8 cache, KV heads [h0, h1): rotate each row's q heads of the group
+ * and its k head, then quantize its k and v into their slots, rows in order for each head (the
+ * rows of a draft chain share tiles, and a tile's scale may grow: one thread per head keeps
+ * that in order). Arguments as kv_decode_store_units's. */
+void kv_decode_store_fp8(float *qkv, int64_t batch, int64_t num_q_heads, int64_t num_kv_heads,
+                         int64_t d, const float *rope_cos, const float *rope_sin, uint8_t *k_cache,
+                         uint8_t *v_cache, int64_t block_stride, int64_t head_stride,
+                         int64_t block_size, const int64_t *block_tables, int64_t table_width,
+                         const int64_t *context_lens, const kv_fp8 *fp8, int64_t h0, int64_t h1) {
+    int64_t group = num_q_heads / num_kv_heads;
+    int64_t row = (num_q_heads + 2 * num_kv_heads) * d;
+    for (int64_t h = h0; h < h1; h++)
+        for (int64_t b = 0; b < batch; b++) {
+            float *q = qkv + b * row + h * group * d;
+            float *k = qkv + b * row + (num_q_heads + h) * d;
+            float *v = k + num_kv_heads * d;
+            int64_t pos = context_lens[b] - 1;
+            int64_t block = block_tables[b * table_width + pos / block_size];
+            int64_t tile = block * block_stride + h * head_stride;
+            int64_t sc = block * fp8->scale_block_stride + h * fp8->scale_head_stride;
+            for (int64_t g = 0; g < group; g++) rope_head(q + g * d, rope_cos + b * d, rope_sin + b * d, d);
+            rope_head(k, rope_cos + b * d, rope_sin + b * d, d);
+            fp8_store(k, k_cache + tile, fp8->k_scales + sc, pos % block_size, block_size, d, fp8->lut);
+            fp8_store(v, v_cache + tile, fp8->v_scales + sc, pos % block_size, block_size, d, fp8->lut);
+        }
+}
+
+/* The context of one (sequence, KV head) of an fp8 cache as float tiles: K into kd, V into vd
+ * (ctx rows of d each, in order), and ident the identity table, so that attend reads them as a
+ * float cache of consecutive blocks (block stride block_size * d). */
+static void fp8_dequant_context(const uint8_t *k_cache, const uint8_t *v_cache, int64_t h,
+                                int64_t block_stride, int64_t head_stride, int64_t block_size,
+                                const int64_t *table, int64_t ctx, int64_t d, const kv_fp8 *fp8,
+                                float *kd, float *vd, int64_t *ident) {
+    for (int64_t j = 0; j * block_size < ctx; j++) {
+        int64_t block = table[j], n = ctx - j * block_size;
+        n = (n < block_size ? n : block_size) * d;
+        const uint8_t *kt = k_cache + block * block_stride + h * head_stride;
+        const uint8_t *vt = v_cache + block * block_stride + h * head_stride;
+        int64_t sc = block * fp8->scale_block_stride + h * fp8->scale_head_stride;
+        float ks = fp8->k_scales[sc], vs = fp8->v_scales[sc];
+        float *ko = kd + j * block_size * d, *vo = vd + j * block_size * d;
+        for (int64_t i = 0; i < n; i++) ko[i] = fp8->lut[kt[i]] * ks;
+        for (int64_t i = 0; i < n; i++) vo[i] = fp8->lut[vt[i]] * vs;
+        ident[j] = j;
+    }
+}
+
 /* Ask for the first AHEAD K and V tiles of one KV head of a sequence ahead of use (the loops in
  * attend ask for the later ones as they go): they come from DRAM, since a decode step reads
  * every layer's KV once, more than the caches hold. */
@@ -382,11 +494,12 @@ void kv_decode_store_units(float *qkv, int64_t num_q_heads, int64_t num_kv_heads
 }
 
 void kv_decode_attention_units(const float *qkv, int64_t num_q_heads, int64_t num_kv_heads,
-                               int64_t d, const float *k_cache, const float *v_cache,
+                               int64_t d, const void *k_pool, const void *v_pool,
                                int64_t block_stride, int64_t head_stride, int64_t block_size,
                                const int64_t *block_tables, int64_t table_width,
                                const int64_t *context_lens, float scale, float *out,
-                               float *scratch, int64_t u0, int64_t u1) {
+                               float *scratch, int64_t u0, int64_t u1, const kv_fp8 *fp8) {
+    const float *k_cache = k_pool, *v_cache = v_pool;
     int64_t group = num_q_heads / num_kv_heads;
     int64_t row = (num_q_heads + 2 * num_kv_heads) * d;
     for (int64_t u = u0; u < u1; u++) {
@@ -394,6 +507,21 @@ void kv_decode_attention_units(const float *qkv, int64_t num_q_heads, int64_t nu
         const float *q = qkv + b * row + h * group * d;
         int64_t ctx = context_lens[b];
         const int64_t *table = block_tables + b * table_width;
+        float *oh = out + (b * num_q_heads + h * group) * d;
+        if (fp8) { /* an fp8 cache: this unit's context read back as floats, then as below */
+            float *kd = scratch + fp8->scratch_offset, *vd = kd + table_width * block_size * d;
+            int64_t *ident = (int64_t *)(vd + table_width * block_size * d);
+            fp8_dequant_context(k_pool, v_pool, h, block_stride, head_stride, block_size, table,
+                                ctx, d, fp8, kd, vd, ident);
+            int64_t bsd = block_size * d;
+            if (d == 64)
+                attend(q, kd, vd, ident, bsd, block_size, ctx, group, 64, scale, scratch, oh);
+            else if (d == 128)
+                attend(q, kd, vd, ident, bsd, block_size, ctx, group, 128, scale, scratch, oh);
+            else
+                attend(q, kd, vd, ident, bsd, block_size, ctx, group, d, scale, scratch, oh);
+            continue;
+        }
         /* the tiles of the unit PREFETCH_PAIRS ahead, while this one computes (the first
          * units' tiles before the first one) */
         for (int64_t ahead = u == u0 ? 0 : PREFETCH_PAIRS; ahead <= PREFETCH_PAIRS; ahead++) {
@@ -405,7 +533,6 @@ void kv_decode_attention_units(const float *qkv, int64_t num_q_heads, int64_t nu
                              context_lens[nb], d);
         }
         const float *kh = k_cache + h * head_stride, *vh = v_cache + h * head_stride;
-        float *oh = out + (b * num_q_heads + h * group) * d;
         if (d == 64)
             attend(q, kh, vh, table, block_stride, block_size, ctx, group, 64, scale, scratch, oh);
         else if (d == 128)
@@ -435,21 +562,32 @@ int64_t kv_attention_unit_bound(const int64_t *context_lens, int64_t batch, int6
  * lengths). Every run has its own scratch_stride floats of scratch. Built with -fopenmp the
  * threads are those of the OpenMP runtime already in the process (torch's libgomp, matched by its
  * soname), so they do not compete with another pool's spinning threads; built without it, the
- * runs go one after another. Arguments as kv_decode_attention_units's above. */
+ * runs go one after another. Arguments as kv_decode_attention_units's above; fp8: NULL for a
+ * float32 cache, else the cache is fp8 bytes (stored by KV head, kv_decode_store_fp8). */
 void kv_decode_attention(float *qkv, int64_t num_q_heads, int64_t num_kv_heads, int64_t d,
-                         const float *rope_cos, const float *rope_sin, float *k_cache,
-                         float *v_cache, int64_t block_stride, int64_t head_stride,
+                         const float *rope_cos, const float *rope_sin, void *k_cache,
+                         void *v_cache, int64_t block_stride, int64_t head_stride,
                          int64_t block_size, const int64_t *block_tables, int64_t table_width,
                          const int64_t *context_lens, float scale, float *out, float *scratch,
-                         int64_t scratch_stride, const int64_t *bounds, int64_t num_parts) {
+                         int64_t scratch_stride, const int64_t *bounds, int64_t num_parts,
+                         const kv_fp8 *fp8) {
 #pragma omp parallel num_threads(num_parts) if (num_parts > 1)
     {
+        if (fp8) {
+#pragma omp for schedule(static, 1)
+            for (int64_t h = 0; h < num_kv_heads; h++)
+                kv_decode_store_fp8(qkv, bounds[num_parts], num_q_heads, num_kv_heads, d, rope_cos,
+                                    rope_sin, k_cache, v_cache, block_stride, head_stride,
+                                    block_size, block_tables, table_width, context_lens, fp8, h,
+                                    h + 1);
+        } else {
 #pragma omp for schedule(static, 1)
         for (int64_t p = 0; p < num_parts; p++)
             kv_decode_store_units(qkv, num_q_heads, num_kv_heads, d, rope_cos, rope_sin, k_cache,
                                   v_cache, block_stride, head_stride, block_size, block_tables,
                                   table_width, context_lens, bounds[p] * num_kv_heads,
                                   bounds[p + 1] * num_kv_heads);
+        }
         /* the loop's implicit barrier: every new K/V is stored before any row attends */
 #pragma omp for schedule(static, 1)
         for (int64_t p = 0; p < num_parts; p++)
@@ -457,6 +595,6 @@ void kv_decode_attention(float *qkv, int64_t num_q_heads, int64_t num_kv_heads, 
                                       block_stride, head_stride, block_size, block_tables,
                                       table_width, context_lens, scale, out,
                                       scratch + p * scratch_stride, bounds[p] * num_kv_heads,
-                                      bounds[p + 1] * num_kv_heads);
+                                      bounds[p + 1] * num_kv_heads, fp8);
     }
 }

@@ -30,6 +30,7 @@ from pathlib import Path
 import structlog
 import torch
 import torch.nn.functional as F
+from kvmesh.shared.engine.kv_quant import e4m3_lut
 
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_ops.c", "cpu_linear.c", "cpu_layer.c"))
 # Output columns per panel of a packed weight (NR in cpu_linear.c).
@@ -46,19 +47,20 @@ _SIGNATURES = {
     # x, rows, in, packed weight, out features, bias or NULL, y, threads
     "kv_linear": (_ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64),
     # qkv, heads, kv heads, d, cos, sin, k, v, strides, block size, tables, width, context
-    # lens, scale, out, scratch, scratch stride, part bounds, parts
+    # lens, scale, out, scratch, scratch stride, part bounds, parts, fp8 (KVFp8* or NULL)
     "kv_decode_attention": (
         *(_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr),
-        *(_i64, _i64, _i64, _ptr, _i64, _ptr, _f32, _ptr, _ptr, _i64, _ptr, _i64),
+        *(_i64, _i64, _i64, _ptr, _i64, _ptr, _f32, _ptr, _ptr, _i64, _ptr, _i64, _ptr),
     ),
     # x, batch, hidden, attn norm, ffn norm, eps, wqkv, bqkv, wo, bo, wgu, bgu, wdown, bdown,
     # inter, xn, qkv, attn, gu, act, then the attention's: heads, kv heads, d, cos, sin, k, v,
-    # strides, block size, tables, width, context lens, scale, scratch, scratch stride; threads
+    # strides, block size, tables, width, context lens, scale, scratch, scratch stride; threads;
+    # fp8 (KVFp8* or NULL)
     "kv_decode_layer": (
         *(_ptr, _i64, _i64, _ptr, _ptr, _f32, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr),
         *(_i64, _ptr, _ptr, _ptr, _ptr, _ptr),
         *(_i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _f32),
-        *(_ptr, _i64, _i64),
+        *(_ptr, _i64, _i64, _ptr),
     ),
 }
 
@@ -225,9 +227,12 @@ class CpuOps:
         num_q_heads: int,
         scale: float,
         plan: DecodePlan | None = None,
+        kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """One new token per sequence: rotate q and k of ``qkv`` in place, store k and v in their
         slots, attend over each sequence's context. Returns (batch, num_q_heads, head_dim).
+        ``kv_scales``: the (num_blocks, H_kv) K and V scales of an fp8 cache (the plan then
+        needs ``fp8_head_dim``), stored and read as ``shared/engine/kv_quant.py`` does.
 
         qkv: (batch, num_q_heads + 2 * H_kv, D); cos, sin: (batch, 1, D) rotation-table rows of
         each token's position; k_cache, v_cache: (num_blocks, block_size, H_kv, D) per-layer views
@@ -243,7 +248,10 @@ class CpuOps:
         assert num_heads == num_q_heads + 2 * num_kv_heads and kd == d, (qkv.shape, k_cache.shape)
         assert num_q_heads % num_kv_heads == 0, (num_q_heads, num_kv_heads)
         assert cos.shape == sin.shape == (batch, 1, d), (cos.shape, sin.shape)
-        assert k_cache.dtype == v_cache.dtype == torch.float32, (k_cache.dtype, v_cache.dtype)
+        assert k_cache.dtype == v_cache.dtype == _cache_dtype(kv_scales), (
+            k_cache.dtype,
+            v_cache.dtype,
+        )
         assert k_cache.is_cpu and v_cache.is_cpu, "the KV cache must be in CPU memory"
         assert v_cache.shape == k_cache.shape, (v_cache.shape, k_cache.shape)
         assert v_cache.stride() == strides and strides[1] == d and strides[3] == 1, strides
@@ -255,12 +263,14 @@ class CpuOps:
         width = block_tables.shape[1]
         group = num_q_heads // num_kv_heads
         if plan is None:
-            plan = decode_plan(context_lens, width, block_size, group)
+            fp8_d = 0 if kv_scales is None else d
+            plan = decode_plan(context_lens, width, block_size, group, fp8_head_dim=fp8_d)
         assert plan.batch == batch and plan.scratch.shape[1] >= width * block_size * group, (
             "the plan was made for another step",
             plan.batch,
             plan.scratch.shape,
         )
+        fp8 = _fp8_args(kv_scales, plan, k_cache)
         scratch, bounds = plan.scratch, plan.bounds
         out = qkv.new_empty(batch, num_q_heads, d)
         self._decode_attention(
@@ -284,6 +294,7 @@ class CpuOps:
             scratch.shape[1],
             bounds.data_ptr(),
             bounds.shape[0] - 1,
+            None if fp8 is None else ctypes.addressof(fp8),
         )
         return out
 
@@ -305,7 +316,7 @@ class CpuOps:
             k_cache.shape,
         )
         assert kv.cos.shape == kv.sin.shape == (batch, 1, d), (kv.cos.shape, kv.sin.shape)
-        assert k_cache.dtype == v_cache.dtype == torch.float32 and k_cache.is_cpu
+        assert k_cache.dtype == v_cache.dtype == _cache_dtype(kv.scales) and k_cache.is_cpu
         assert v_cache.shape == k_cache.shape and v_cache.stride() == strides
         assert strides[1] == d and strides[3] == 1, strides
         assert kv.block_tables.dtype == kv.context_lens.dtype == torch.int64
@@ -317,6 +328,7 @@ class CpuOps:
             "the plan was made for another step or thread count"
         )
         assert stride >= width * block_size * (w.num_q_heads // num_kv_heads), plan.scratch.shape
+        fp8 = _fp8_args(kv.scales, plan, k_cache)
         n_qkv, n_attn, inter = w.wqkv.out_features, w.wo.panels.shape[1], w.inter
         out = x.clone()
         # one allocation, cut into contiguous (batch, n) buffers
@@ -352,8 +364,47 @@ class CpuOps:
             plan.scratch.data_ptr(),
             stride,
             num_threads,
+            None if fp8 is None else ctypes.addressof(fp8),
         )
         return out
+
+
+class KVFp8(ctypes.Structure):
+    """``kv_fp8`` of cpu_ops.c: what the kernels need to store and read an fp8 cache."""
+
+    _fields_ = [
+        ("lut", ctypes.c_void_p),
+        ("k_scales", ctypes.c_void_p),
+        ("v_scales", ctypes.c_void_p),
+        ("scale_block_stride", ctypes.c_int64),
+        ("scale_head_stride", ctypes.c_int64),
+        ("scratch_offset", ctypes.c_int64),
+    ]
+
+
+def _cache_dtype(kv_scales: tuple[torch.Tensor, torch.Tensor] | None) -> torch.dtype:
+    return torch.float32 if kv_scales is None else torch.float8_e4m3fn
+
+
+def _fp8_args(
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None, plan: DecodePlan, k_cache: torch.Tensor
+) -> KVFp8 | None:
+    """The kernels' fp8 argument for a cache with ``kv_scales`` (None for a float32 cache)."""
+    if kv_scales is None:
+        return None
+    k_scales, v_scales = kv_scales
+    num_blocks, num_kv_heads = k_cache.shape[0], k_cache.shape[2]
+    assert plan.fp8_offset is not None, "the plan was made for a float32 cache"
+    assert k_scales.shape == v_scales.shape == (num_blocks, num_kv_heads), k_scales.shape
+    assert k_scales.dtype == v_scales.dtype == torch.float32 and k_scales.is_cpu
+    assert k_scales.stride() == v_scales.stride(), (k_scales.stride(), v_scales.stride())
+    return KVFp8(
+        e4m3_lut().data_ptr(),
+        k_scales.data_ptr(),
+        v_scales.data_ptr(),
+        *k_scales.stride(),
+        plan.fp8_offset,
+    )
 
 
 def _weight_bias(weight: PackedWeight, bias: torch.Tensor | None) -> tuple[int, int | None]:
@@ -421,6 +472,7 @@ class DecodeLayerKV:
     block_tables: torch.Tensor
     context_lens: torch.Tensor
     plan: DecodePlan
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None  # an fp8 cache's K and V scales
 
 
 @dataclass(frozen=True, slots=True)
@@ -432,20 +484,33 @@ class DecodePlan:
     batch: int
     bounds: torch.Tensor
     scratch: torch.Tensor
+    fp8_offset: int | None = None  # where a row's room to dequantize fp8 KV starts (floats)
 
 
 def decode_plan(
-    context_lens: torch.Tensor, table_width: int, block_size: int, group: int
+    context_lens: torch.Tensor,
+    table_width: int,
+    block_size: int,
+    group: int,
+    fp8_head_dim: int = 0,
 ) -> DecodePlan:
     """The ``DecodePlan`` of a step: runs of sequences with about equal context, one per torch
     thread (``split_by_work``), and scratch for the longest context a block table can hold, a
-    row for each torch thread (``decode_layer`` splits the work finer than by sequence)."""
+    row for each torch thread (``decode_layer`` splits the work finer than by sequence).
+    ``fp8_head_dim``: for an fp8 cache of that head size, each row also has room for one
+    (sequence, KV head)'s context dequantized (K and V) and its tile table."""
     lens = context_lens.tolist()
     num_threads = torch.get_num_threads()
     parts = split_by_work(lens, min(num_threads, len(lens)))
     bounds = torch.tensor([start for start, _ in parts] + [len(lens)], dtype=torch.int64)
-    scratch = torch.empty(max(num_threads, len(parts)), table_width * block_size * group)
-    return DecodePlan(len(lens), bounds, scratch)
+    scores = table_width * block_size * group
+    fp8_offset = None
+    stride = scores
+    if fp8_head_dim:
+        fp8_offset = scores + scores % 2  # the tile table after K and V is int64: even offset
+        stride = fp8_offset + 2 * table_width * block_size * fp8_head_dim + 2 * table_width
+    scratch = torch.empty(max(num_threads, len(parts)), stride + stride % 2)
+    return DecodePlan(len(lens), bounds, scratch, fp8_offset)
 
 
 def split_by_work(context_lens: list[int], parts: int) -> list[tuple[int, int]]:

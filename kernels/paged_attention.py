@@ -5,6 +5,11 @@ The caches are the strided per-layer views of a KV pool (``KVPool.layer(i)``):
 takes all strides as given and never copies the cache. One program handles one sequence and one KV
 head together with its whole GQA group of query heads, so each K/V block is loaded once per group.
 Softmax is computed online over blocks with fp32 statistics and accumulator.
+
+An fp8 cache (``kv_scales`` given: the layer's (num_blocks, H_kv) float32 K and V scales, see
+``shared/engine/kv_quant.py``) is read as bytes and decoded through a 256-entry table of e4m3fn
+values (torch's own; a gather from a small table is exact, and runs the same under the
+interpreter, which has no fp8 type), times the scale of the (block, KV head).
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from kvmesh.shared.engine.kv_quant import e4m3_lut
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -28,6 +34,9 @@ def _paged_attention_kernel(
     token_seq_ptr,
     prefix_lens_ptr,
     tree_bits_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    lut_ptr,
     scale,
     stride_qr,
     stride_qh,
@@ -41,7 +50,10 @@ def _paged_attention_kernel(
     stride_vh,
     stride_btb,
     stride_btj,
+    stride_sb,
+    stride_sh,
     IS_TREE: tl.constexpr,
+    IS_FP8: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -93,8 +105,12 @@ def _paged_attention_kernel(
             + kv_head * stride_kh
             + d[None, :],
             mask=kv_mask,
-            other=0.0,
-        ).to(tl.float32)  # (T, D)
+            other=0,
+        )
+        if IS_FP8:  # bytes -> value * the tile's scale
+            k_scale = tl.load(k_scale_ptr + block_id * stride_sb + kv_head * stride_sh)
+            k = tl.load(lut_ptr + k.to(tl.int32)) * k_scale
+        k = k.to(tl.float32)  # (T, D)
         s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # (G, T)
         s = tl.where(t_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -114,8 +130,12 @@ def _paged_attention_kernel(
             + kv_head * stride_vh
             + d[None, :],
             mask=kv_mask,
-            other=0.0,
-        ).to(tl.float32)  # (T, D)
+            other=0,
+        )
+        if IS_FP8:
+            v_scale = tl.load(v_scale_ptr + block_id * stride_sb + kv_head * stride_sh)
+            v = tl.load(lut_ptr + v.to(tl.int32)) * v_scale
+        v = v.to(tl.float32)  # (T, D)
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
         m_i = m_new
 
@@ -136,14 +156,24 @@ def _launch(
     context_lens: torch.Tensor,
     scale: float,
     tree: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Run the kernel over q's rows and every KV head; ``tree`` is (token_seq, prefix_lens,
-    tree_bits) when the rows are draft-tree tokens, None when each row is one decoding sequence."""
+    tree_bits) when the rows are draft-tree tokens, None when each row is one decoding sequence;
+    ``kv_scales`` the K and V scales of an fp8 cache."""
     _, block_size, H_kv, _ = k_cache.shape
     R, H_q, D = q.shape
     group = H_q // H_kv
     context_lens = context_lens.contiguous()
     token_seq, prefix_lens, tree_bits = tree if tree is not None else (context_lens,) * 3
+    if kv_scales is None:
+        k_scales = v_scales = lut = context_lens  # unused
+        scale_strides = (0, 0)
+    else:
+        k_scales, v_scales = kv_scales
+        lut = e4m3_lut(q.device)
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+        scale_strides = k_scales.stride()
     _paged_attention_kernel[(R, H_kv)](
         out,
         q,
@@ -154,6 +184,9 @@ def _launch(
         token_seq,
         prefix_lens,
         tree_bits,
+        k_scales,
+        v_scales,
+        lut,
         float(scale),
         q.stride(0),
         q.stride(1),
@@ -167,7 +200,9 @@ def _launch(
         v_cache.stride(2),
         block_tables.stride(0),
         block_tables.stride(1),
+        *scale_strides,
         IS_TREE=tree is not None,
+        IS_FP8=kv_scales is not None,
         GROUP=group,
         HEAD_DIM=D,
         BLOCK_SIZE=block_size,
@@ -184,19 +219,21 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Decode attention through block tables.
 
     q: (B, H_q, D); k_cache, v_cache: (num_blocks, block_size, H_kv, D), any strides with the last
     one 1; block_tables: (B, max_blocks) int32/int64; context_lens: (B,) int32/int64, each in
-    [1, max_blocks * block_size]. Returns (B, H_q, D) in q's dtype.
+    [1, max_blocks * block_size]; kv_scales: (num_blocks, H_kv) float32 K and V scales of an fp8
+    cache (``KVPool.layer_scales``), None otherwise. Returns (B, H_q, D) in q's dtype.
     """
-    _check_inputs(q, k_cache, v_cache, block_tables, context_lens)
+    _check_inputs(q, k_cache, v_cache, block_tables, context_lens, kv_scales)
     B, H_q, D = q.shape
     out = torch.empty((B, H_q, D), dtype=q.dtype, device=q.device)
     if B == 0:
         return out
-    _launch(out, q, k_cache, v_cache, block_tables, context_lens, scale)
+    _launch(out, q, k_cache, v_cache, block_tables, context_lens, scale, kv_scales=kv_scales)
     return out
 
 
@@ -207,6 +244,7 @@ def paged_decode_attention_ref(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Pure-torch reference: gather each sequence's tokens, then plain softmax attention in fp32."""
     B, H_q, _ = q.shape
@@ -216,8 +254,8 @@ def paged_decode_attention_ref(
     for b in range(B):
         n = int(context_lens[b])
         blocks = block_tables[b, : -(-n // block_size)].long()
-        keys = k_cache[blocks].flatten(0, 1)[:n].float()  # (n, H_kv, D)
-        values = v_cache[blocks].flatten(0, 1)[:n].float()
+        keys = _read(k_cache, blocks, kv_scales, 0)[:n]  # (n, H_kv, D)
+        values = _read(v_cache, blocks, kv_scales, 1)[:n]
         keys = keys.repeat_interleave(group, dim=1)  # (n, H_q, D)
         values = values.repeat_interleave(group, dim=1)
         scores = torch.einsum("hd,nhd->hn", q[b].float(), keys) * scale  # (H_q, n)
@@ -226,12 +264,26 @@ def paged_decode_attention_ref(
     return out
 
 
+def _read(
+    cache: torch.Tensor,
+    blocks: torch.Tensor,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None,
+    which: int,
+) -> torch.Tensor:
+    """(len(blocks) * block_size, H_kv, D) float32 tokens of the listed blocks (fp8 dequantized)."""
+    tokens = cache[blocks].float()  # (n, block_size, H_kv, D)
+    if kv_scales is not None:
+        tokens = tokens * kv_scales[which][blocks][:, None, :, None]
+    return tokens.flatten(0, 1)
+
+
 def _check_inputs(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     if q.dim() != 3:
         raise ValueError(f"q must be (B, H_q, D), got shape {tuple(q.shape)}")
@@ -246,10 +298,25 @@ def _check_inputs(
         raise ValueError(f"head_dim of q ({D}) and of the cache ({D_kv}) differ")
     if H_q % H_kv != 0:
         raise ValueError(f"query heads ({H_q}) must be a multiple of KV heads ({H_kv})")
-    if q.dtype not in SUPPORTED_DTYPES or k_cache.dtype not in SUPPORTED_DTYPES:
+    cache_dtypes = SUPPORTED_DTYPES if kv_scales is None else (torch.float8_e4m3fn,)
+    if q.dtype not in SUPPORTED_DTYPES or k_cache.dtype not in cache_dtypes:
         raise TypeError(
-            f"q and the cache must be one of {SUPPORTED_DTYPES}, got {q.dtype} and {k_cache.dtype}"
+            f"q must be one of {SUPPORTED_DTYPES} and the cache one of {cache_dtypes} (fp8 with "
+            f"kv_scales), got {q.dtype} and {k_cache.dtype}"
         )
+    if kv_scales is not None:
+        k_scales, v_scales = kv_scales
+        if k_scales.shape != (num_blocks, H_kv) or v_scales.shape != (num_blocks, H_kv):
+            raise ValueError(
+                f"kv_scales must be ({num_blocks}, {H_kv}) each, got {tuple(k_scales.shape)} "
+                f"and {tuple(v_scales.shape)}"
+            )
+        if k_scales.dtype != torch.float32 or v_scales.dtype != torch.float32:
+            raise TypeError(f"kv_scales must be float32, got {k_scales.dtype}, {v_scales.dtype}")
+        if k_scales.stride() != v_scales.stride():
+            raise ValueError(
+                f"K and V scales must share strides, got {k_scales.stride()} and {v_scales.stride()}"
+            )
     if v_cache.dtype != k_cache.dtype:
         raise TypeError(f"k_cache is {k_cache.dtype} but v_cache is {v_cache.dtype}")
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
@@ -265,6 +332,7 @@ def _check_inputs(
             f"and {context_lens.dtype}"
         )
     devices = {t.device for t in (q, k_cache, v_cache, block_tables, context_lens)}
+    devices |= {t.device for t in kv_scales or ()}
     if len(devices) != 1:
         raise ValueError(f"all inputs must be on one device, got {sorted(map(str, devices))}")
     if B == 0:
@@ -306,6 +374,7 @@ def paged_tree_attention(
     query_lens: list[int],
     tree_bits: torch.Tensor,
     scale: float,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Attention of several new tokens per sequence through block tables, masked by tree bits.
 
@@ -328,7 +397,7 @@ def paged_tree_attention(
         )
     if tree_bits.device != q.device:
         raise ValueError(f"tree_bits is on {tree_bits.device}, q on {q.device}")
-    _check_inputs(q[:B], k_cache, v_cache, block_tables, context_lens)
+    _check_inputs(q[:B], k_cache, v_cache, block_tables, context_lens, kv_scales)
     H_q, D = q.shape[1], q.shape[2]
     out = torch.empty((T, H_q, D), dtype=q.dtype, device=q.device)
     if T == 0:
@@ -349,6 +418,7 @@ def paged_tree_attention(
         context_lens,
         scale,
         tree=(token_seq, prefix_lens, tree_bits.contiguous()),
+        kv_scales=kv_scales,
     )
     return out
 
@@ -362,6 +432,7 @@ def paged_tree_attention_ref(
     query_lens: list[int],
     tree_bits: torch.Tensor,
     scale: float,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Pure-torch reference of ``paged_tree_attention``: gather, mask, softmax in fp32."""
     H_q = q.shape[1]
@@ -372,8 +443,8 @@ def paged_tree_attention_ref(
     for b, n_q in enumerate(query_lens):
         n = int(context_lens[b])
         blocks = block_tables[b, : -(-n // block_size)].long()
-        keys = k_cache[blocks].flatten(0, 1)[:n].float().repeat_interleave(group, dim=1)
-        values = v_cache[blocks].flatten(0, 1)[:n].float().repeat_interleave(group, dim=1)
+        keys = _read(k_cache, blocks, kv_scales, 0)[:n].repeat_interleave(group, dim=1)
+        values = _read(v_cache, blocks, kv_scales, 1)[:n].repeat_interleave(group, dim=1)
         for r in range(n_q):
             bits = int(tree_bits[start + r])
             seen = [j < n - n_q or (bits >> (j - n + n_q)) & 1 == 1 for j in range(n)]

@@ -8,6 +8,10 @@ attend to its earlier context and, among themselves, only to what the tree mask 
 its ancestors and itself).
 The torch path is the CPU default; on CUDA the Triton kernels in ``kvmesh.kernels.paged_attention``
 take over for decode-only batches and for batches verifying draft trees (up to 64 new tokens each).
+
+An fp8 pool (``kv_scales`` given: the layer's (num_blocks, H_kv) K and V scales) stores through
+``kv_quant.store`` and every path reads back ``fp8 * scale``; a whole fresh prompt then attends over
+its stored (quantized) K/V too, so that no output depends on how a prompt was cut into chunks.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+from kvmesh.shared.engine import kv_quant
 
 if TYPE_CHECKING:
     from kvmesh.kernels.cpu_ops import DecodePlan
@@ -56,9 +61,11 @@ class AttentionMetadata:
             self._decode_only = all(q == 1 for q in self.query_lens)
         return self._decode_only
 
-    def torch_plan(self) -> _TorchPlan:
-        if self._plan is None:
-            self._plan = _TorchPlan.build(self)
+    def torch_plan(self, fresh_ok: bool = True) -> _TorchPlan:
+        """The torch path's plan; ``fresh_ok=False``: never the fresh-prompt shortcut (an fp8
+        cache reads even a fresh prompt's K/V back from its blocks)."""
+        if self._plan is None or (self._plan.fresh_prompt and not fresh_ok):
+            self._plan = _TorchPlan.build(self, fresh_ok)
         return self._plan
 
     def parts(self) -> list[tuple[torch.Tensor | slice, AttentionMetadata]]:
@@ -138,12 +145,12 @@ class _TorchPlan:
     bias: torch.Tensor | None = None  # (B * H_kv, 1, num_keys) additive mask of decode batches
 
     @staticmethod
-    def build(meta: AttentionMetadata) -> _TorchPlan:
+    def build(meta: AttentionMetadata, fresh_ok: bool = True) -> _TorchPlan:
         ctx = meta.context_lens.tolist()
         q_lens = meta.query_lens
         B, bs = len(q_lens), meta.block_size
         dev = meta.block_tables.device
-        fresh = B == 1 and ctx[0] == q_lens[0] and not meta.tree_masks
+        fresh = fresh_ok and B == 1 and ctx[0] == q_lens[0] and not meta.tree_masks
         if fresh:  # attends over the new K/V directly: nothing to gather or mask
             empty = torch.empty(0, dtype=torch.int64, device=dev)
             return _TorchPlan(True, empty.view(1, 0), 0, q_lens[0], None, None)
@@ -182,9 +189,15 @@ def write_kv(
     k: torch.Tensor,
     v: torch.Tensor,
     meta: AttentionMetadata,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
-    """Store new keys/values. k_cache: (num_blocks, block_size, H_kv, D); k: (T, H_kv, D)."""
+    """Store new keys/values. k_cache: (num_blocks, block_size, H_kv, D); k: (T, H_kv, D);
+    kv_scales: the fp8 pool's (num_blocks, H_kv) K and V scales."""
     index = meta.kv_index()
+    if kv_scales is not None:
+        kv_quant.store(k_cache, kv_scales[0], k, *index)
+        kv_quant.store(v_cache, kv_scales[1], v, *index)
+        return
     k_cache.index_put_(index, k.to(k_cache.dtype))
     v_cache.index_put_(index, v.to(v_cache.dtype))
 
@@ -197,9 +210,11 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """q: (T, H_q, D); k, v: (T, H_kv, D) for the new tokens. Returns (T, H_q, D)."""
-    write_kv(k_cache, v_cache, k, v, meta)
+    """q: (T, H_q, D); k, v: (T, H_kv, D) for the new tokens. Returns (T, H_q, D).
+    ``kv_scales``: the K and V scales of an fp8 cache (``KVPool.layer_scales``)."""
+    write_kv(k_cache, v_cache, k, v, meta, kv_scales)
     if meta.use_triton and meta.tree_masks and max(meta.query_lens) <= 64:
         from kvmesh.kernels.paged_attention import paged_tree_attention
 
@@ -212,13 +227,14 @@ def paged_attention(
             meta.query_lens,
             meta.tree_bits(),
             scale,
+            kv_scales=kv_scales,
         )
     if meta.is_mixed:
         out = torch.empty_like(q)
         for rows, part in meta.parts():
-            out[rows] = _attend(q[rows], k[rows], v[rows], k_cache, v_cache, part, scale)
+            out[rows] = _attend(q[rows], k[rows], v[rows], k_cache, v_cache, part, scale, kv_scales)
         return out
-    return _attend(q, k, v, k_cache, v_cache, meta, scale)
+    return _attend(q, k, v, k_cache, v_cache, meta, scale, kv_scales)
 
 
 def _attend(
@@ -229,15 +245,16 @@ def _attend(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Attention of already-stored K/V: q (T, H_q, D) -> (T, H_q, D)."""
     if meta.use_triton and meta.is_decode_only:
         from kvmesh.kernels.paged_attention import paged_decode_attention
 
         return paged_decode_attention(
-            q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale
+            q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, kv_scales=kv_scales
         )
-    plan = meta.torch_plan()
+    plan = meta.torch_plan(fresh_ok=kv_scales is None)
     if plan.fresh_prompt:
         # A whole prompt in one go: no earlier context, attend over the fresh K/V directly.
         out = F.scaled_dot_product_attention(
@@ -249,12 +266,20 @@ def _attend(
             enable_gqa=True,
         )
         return out.squeeze(0).transpose(0, 1)
+    k_scales, v_scales = (None, None) if kv_scales is None else kv_scales
+    keys = _gather(k_cache, plan, q.dtype, k_scales)  # (B, H_kv, num_keys, D)
+    values = _gather(v_cache, plan, q.dtype, v_scales)
     if plan.max_q == 1:
-        return _decode_attention_torch(q, k_cache, v_cache, plan, scale)
-    return _paged_attention_torch(q, k_cache, v_cache, plan, scale)
+        return _decode_attention_torch(q, keys, values, plan, scale)
+    return _paged_attention_torch(q, keys, values, plan, scale)
 
 
-def _gather(cache: torch.Tensor, plan: _TorchPlan, dtype: torch.dtype) -> torch.Tensor:
+def _gather(
+    cache: torch.Tensor,
+    plan: _TorchPlan,
+    dtype: torch.dtype,
+    scales: torch.Tensor | None = None,
+) -> torch.Tensor:
     """(B, H_kv, num_keys, D) keys or values of every sequence, read through its block table."""
     # cache: (num_blocks, block_size, H_kv, D) view of head-major blocks. In memory every
     # (block, head) pair is one contiguous (block_size, D) tile, so index those tiles directly:
@@ -266,23 +291,25 @@ def _gather(cache: torch.Tensor, plan: _TorchPlan, dtype: torch.dtype) -> torch.
     if plan.tile_index is None:
         heads_ids = torch.arange(H, device=plan.blocks.device)
         plan.tile_index = (plan.blocks[:, None, :] * H + heads_ids[None, :, None]).reshape(-1)
-    out = tiles.index_select(0, plan.tile_index).view(B, H, nb * bs, D)
-    out = out[:, :, : plan.num_keys]
+    out = tiles.index_select(0, plan.tile_index)  # (B * H * nb, bs, D)
+    if scales is not None:  # (num_blocks, H_kv) fp8 scales, one per tile likewise
+        tile_scales = scales.as_strided((N * H,), (scales.stride(1),))
+        out = kv_quant.dequantize(out, tile_scales.index_select(0, plan.tile_index)[:, None])
+    out = out.view(B, H, nb * bs, D)[:, :, : plan.num_keys]
     return out if out.dtype == dtype else out.to(dtype)
 
 
 def _decode_attention_torch(
     q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
     plan: _TorchPlan,
     scale: float,
 ) -> torch.Tensor:
     """One query per sequence: grouped-query attention as two batched matmuls over (sequence,
-    KV head) pairs; a little faster than SDPA's flash kernel, built for long query blocks."""
+    KV head) pairs; a little faster than SDPA's flash kernel, built for long query blocks.
+    keys, values: (B, H_kv, num_keys, D) as ``_gather`` reads them."""
     B, H_q, D = q.shape
-    keys = _gather(k_cache, plan, q.dtype)  # (B, H_kv, num_keys, D)
-    values = _gather(v_cache, plan, q.dtype)
     H_kv, n = keys.shape[1], keys.shape[2]
     # Query heads of one KV head are adjacent (transformers' repeat_kv order).
     q = q.reshape(B * H_kv, H_q // H_kv, D)
@@ -302,15 +329,13 @@ def _decode_attention_torch(
 
 def _paged_attention_torch(
     q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
     plan: _TorchPlan,
     scale: float,
 ) -> torch.Tensor:
     B = plan.blocks.shape[0]
     T, H_q, D = q.shape
-    keys = _gather(k_cache, plan, q.dtype)
-    values = _gather(v_cache, plan, q.dtype)
     if plan.valid_q is None:
         q_pad = q.view(B, plan.max_q, H_q, D)
     else:  # packed queries -> (B, max_q, H_q, D)

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import torch
 
 DEFAULT_KV_CACHE_BYTES = 256 * 1024 * 1024
+# "auto": the KV pool has the model's dtype (or EngineConfig.dtype); "fp8_e4m3": float8 e4m3
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 
 
 @dataclass(frozen=True, slots=True)
@@ -14,7 +16,9 @@ class EngineConfig:
     """``num_blocks`` sizes the KV pool directly; otherwise ``kv_cache_bytes`` (default 256 MiB)
     is divided by the block size in bytes. ``max_model_len`` defaults to the model's
     ``max_position_embeddings``. ``dtype`` is the KV cache dtype (default: the model's).
-    ``cpu_kernels``: see kernels/cpu_ops.py."""
+    ``cpu_kernels``: see kernels/cpu_ops.py. ``kv_cache_dtype``: "auto" keeps the KV pool in
+    ``dtype``; "fp8_e4m3" stores it as float8 e4m3 with per-(block, KV head) scales
+    (docs/kv_cache.md), a quarter of float32's bytes, half of bf16's."""
 
     block_size: int = 16
     num_blocks: int | None = None
@@ -33,6 +37,7 @@ class EngineConfig:
     # max_tokens), so decodes rarely outgrow the pool and preempt (a preempted sequence recomputes
     # its whole prompt: a stall for every stream). 0: admit while the prompt fits (nano-vllm).
     reserve_output_tokens: int = 0
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -63,12 +68,23 @@ class EngineConfig:
             raise ValueError(
                 f"EngineConfig.dtype must be a floating torch.dtype, got {self.dtype!r}"
             )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"EngineConfig.kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "
+                f"{self.kv_cache_dtype!r}"
+            )
         try:
             torch.device(self.device)
         except (RuntimeError, TypeError) as exc:
             raise ValueError(
                 f"EngineConfig.device {self.device!r} is not a torch device: {exc}"
             ) from exc
+
+    def kv_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The KV pool's element dtype for a model computing in ``model_dtype``."""
+        if self.kv_cache_dtype == "fp8_e4m3":
+            return torch.float8_e4m3fn
+        return self.dtype or model_dtype
 
     def resolve_num_blocks(self, block_bytes: int) -> int:
         if self.num_blocks is not None:

@@ -5,6 +5,11 @@ Every block holds all layers' K and V for ``block_size`` tokens in one contiguou
 block to another process is one scatter-gather entry of ``block_bytes`` bytes; and within a block
 each KV head is itself one contiguous span, so a tensor-parallel rank's head slice moves as one
 entry too (resharding without a staging copy).
+
+An fp8 pool (``dtype=torch.float8_e4m3fn``, ``--kv-cache-dtype fp8_e4m3``) keeps a float32 scale
+per (block, KV head, layer, K/V) at the end of each head span: ``[L, 2, block_size, D]`` fp8 bytes
+then ``[L, 2]`` float32 scales. The scales thus travel inside the span with their block, whole or
+as a head slice (docs/kv_cache.md; the scale rule is in ``kv_quant.py``).
 """
 
 from __future__ import annotations
@@ -28,6 +33,16 @@ class KVCacheSpec:
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"KVCacheSpec.{name} must be positive, got {getattr(self, name)}")
+        if self.is_fp8 and (self.block_size * self.head_dim) % 4:
+            raise ValueError(
+                f"an fp8 KV cache needs block_size * head_dim to be a multiple of 4 (its scales "
+                f"are float32), got {self.block_size} * {self.head_dim}"
+            )
+
+    @property
+    def is_fp8(self) -> bool:
+        """Whether the pool stores fp8 e4m3 with per-(block, head, layer, K/V) scales."""
+        return self.dtype == torch.float8_e4m3fn
 
     @property
     def dtype_size(self) -> int:
@@ -35,17 +50,24 @@ class KVCacheSpec:
 
     @property
     def bytes_per_token(self) -> int:
-        # 2 (K and V) * layers * kv_heads * head_dim * dtype size
+        """KV bytes of one token: 2 (K and V) * layers * kv_heads * head_dim * dtype size (an fp8
+        block adds ``scale_bytes`` per head on top, see ``block_bytes``)."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_size
 
     @property
+    def scale_bytes(self) -> int:
+        """Bytes of scales at the end of one head span: float32 per (layer, K/V); 0 unless fp8."""
+        return 2 * self.num_layers * 4 if self.is_fp8 else 0
+
+    @property
     def block_bytes(self) -> int:
-        return self.block_size * self.bytes_per_token
+        return self.num_kv_heads * self.head_bytes
 
     @property
     def head_bytes(self) -> int:
-        """Bytes of one KV head within one block (all layers, K and V)."""
-        return self.block_bytes // self.num_kv_heads
+        """Bytes of one KV head within one block (all layers, K and V, and their scales)."""
+        data = 2 * self.num_layers * self.block_size * self.head_dim * self.dtype_size
+        return data + self.scale_bytes
 
     def block_shape(self) -> tuple[int, ...]:
         return (self.num_kv_heads, self.num_layers, 2, self.block_size, self.head_dim)
@@ -89,10 +111,21 @@ class KVPool:
                 f"bytes need {nbytes}"
             )
         self.raw = raw[:nbytes]  # (num_blocks * block_bytes,) uint8
-        # (num_blocks, H_kv, L, 2, block_size, D)
-        self.tensor = self.raw.view(spec.dtype).view(num_blocks, *spec.block_shape())
+        # (num_blocks, H_kv, L, 2, block_size, D); strided over the scales of an fp8 pool
+        self.tensor = _strided(self.raw, spec.dtype, (num_blocks, *spec.block_shape()), spec)
+        # (num_blocks, H_kv, L, 2) float32 scales of an fp8 pool, else None
+        self.scales: torch.Tensor | None = None
+        if spec.is_fp8:
+            L, H = spec.num_layers, spec.num_kv_heads
+            self.scales = _strided(
+                self.raw, torch.float32, (num_blocks, H, L, 2), spec, offset=spec.head_bytes - 8 * L
+            )
         # Per-layer K/V views, made once: a decode step asks for them in every layer.
         self._layers = [self._layer_views(i) for i in range(spec.num_layers)]
+        self._layer_scales = [
+            None if self.scales is None else (self.scales[:, :, i, 0], self.scales[:, :, i, 1])
+            for i in range(spec.num_layers)
+        ]
 
     @property
     def device(self) -> torch.device:
@@ -109,6 +142,10 @@ class KVPool:
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Strided (num_blocks, block_size, H_kv, D) views of one layer's K and V."""
         return self._layers[layer_idx]
+
+    def layer_scales(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(num_blocks, H_kv) float32 views of one layer's K and V scales; None unless fp8."""
+        return self._layer_scales[layer_idx]
 
     def _layer_views(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         layer = self.tensor[:, :, layer_idx]  # (num_blocks, H_kv, 2, block_size, D)
@@ -133,3 +170,20 @@ class KVPool:
         """The raw bytes of one block, (block_bytes,) uint8."""
         off = self.block_offset(block_id)
         return self.raw[off : off + self.spec.block_bytes]
+
+
+def _strided(
+    raw: torch.Tensor,
+    dtype: torch.dtype,
+    shape: tuple[int, ...],
+    spec: KVCacheSpec,
+    offset: int = 0,
+) -> torch.Tensor:
+    """A ``dtype`` view of ``shape`` over the pool bytes: dimension 0 steps by blocks, 1 by head
+    spans, the rest contiguous, starting ``offset`` bytes into each head span."""
+    size = torch.empty((), dtype=dtype).element_size()
+    assert spec.block_bytes % size == 0 and spec.head_bytes % size == 0 and offset % size == 0
+    flat = raw.view(dtype)
+    inner = torch.empty(shape[2:], device="meta").stride()
+    strides = (spec.block_bytes // size, spec.head_bytes // size, *inner)
+    return flat.as_strided(shape, strides, flat.storage_offset() + offset // size)

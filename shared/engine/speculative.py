@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
+from kvmesh.shared.engine import kv_quant
 from kvmesh.shared.engine.block_manager import BlockManager, OutOfBlocksError
 from kvmesh.shared.engine.draft_tree import DraftTree
 from kvmesh.shared.engine.finish import stop_text_for
@@ -161,7 +162,10 @@ class DraftVerifier:
             assert dst < src, (src, dst)
             sb, so = seq.block_table[src // bs], src % bs
             db, do = seq.block_table[dst // bs], dst % bs
-            pool[db, :, :, :, do] = pool[sb, :, :, :, so]
+            if self.kv_pool.scales is None:
+                pool[db, :, :, :, do] = pool[sb, :, :, :, so]
+            else:  # fp8: the two blocks may have different scales
+                kv_quant.move_token(pool, self.kv_pool.scales, (sb, so), (db, do))
 
     def rollback(self, seq: Sequence, num_tokens: int) -> None:
         """Drop the last ``num_tokens`` output tokens and their KV; the sequence is left decoding

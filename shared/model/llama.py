@@ -28,7 +28,7 @@ from kvmesh.shared.model.rope import apply_rope, rope_cos_sin, rotation_tables
 from torch import nn
 
 if TYPE_CHECKING:
-    from kvmesh.kernels.cpu_ops import CpuOps, PackedWeight
+    from kvmesh.kernels.cpu_ops import CpuOps, DecodePlan, PackedWeight
 
 # Row counts up to which the C kernels take RMSNorm and SiLU-and-multiply: they save torch's
 # per-op dispatch, which dominates at decode sizes; at prefill sizes torch's own vectorised ops
@@ -38,6 +38,8 @@ CPU_OPS_MAX_ROWS = 256
 # Row counts up to which a linear layer multiplies by its prepacked weight (``CpuOps.linear``):
 # decode batches, bound by reading the weights; above it MKL's blocked GEMM computes faster.
 PACKED_LINEAR_MAX_ROWS = 64
+# KV caches the C decode attention reads: float32, and fp8 e4m3 with scales (kv_quant.py)
+CPU_KV_DTYPES = (torch.float32, torch.float8_e4m3fn)
 
 
 def _cpu_ops_sized(x: torch.Tensor) -> bool:
@@ -131,16 +133,17 @@ class Attention(nn.Module):
         H_q, H_kv = self.num_heads, self.num_kv_heads
         qkv = self.wqkv(x).view(T, H_q + 2 * H_kv, self.head_dim)
         k_cache, v_cache = kv_pool.layer(self.layer_idx)
+        kv_scales = kv_pool.layer_scales(self.layer_idx)  # None unless the pool is fp8
         ops = self.cpu_ops
         if (
             ops is not None
-            and qkv.dtype == k_cache.dtype == torch.float32
+            and qkv.dtype == torch.float32
+            and k_cache.dtype in CPU_KV_DTYPES
             and meta.is_decode_only
             and not meta.use_triton
         ):
             if meta.cpu_plan is None:  # once per step, for every layer
-                width, group = meta.block_tables.shape[1], H_q // H_kv
-                meta.cpu_plan = decode_plan(meta.context_lens, width, k_cache.shape[1], group)
+                meta.cpu_plan = _decode_plan(meta, k_cache, H_q // H_kv, kv_scales is not None)
             out = ops.decode_attention(
                 qkv,
                 cos,
@@ -152,11 +155,12 @@ class Attention(nn.Module):
                 H_q,
                 self.scale,
                 meta.cpu_plan,
+                kv_scales,
             )
             return self.wo(out.view(T, self.q_size))
         qk = apply_rope(qkv[:, : H_q + H_kv], cos, sin)  # q and k heads rotated in one go
         q, k, v = qk[:, :H_q], qk[:, H_q:], qkv[:, H_q + H_kv :]  # (T, H_q, D), (T, H_kv, D) x 2
-        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)  # (T, H_q, D)
+        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, kv_scales)  # (T, H_q, D)
         return self.wo(out.reshape(T, self.q_size))
 
 
@@ -199,8 +203,9 @@ class TransformerBlock(nn.Module):
     ) -> torch.Tensor:
         if self.decode_weights is not None and _is_fusable_decode(x, meta):
             k_cache, v_cache = kv_pool.layer(self.attention.layer_idx)
-            if k_cache.dtype == torch.float32 and k_cache.is_cpu:
-                return self._fused_decode(x, cos, sin, k_cache, v_cache, meta)
+            if k_cache.dtype in CPU_KV_DTYPES and k_cache.is_cpu:
+                scales = kv_pool.layer_scales(self.attention.layer_idx)
+                return self._fused_decode(x, cos, sin, k_cache, v_cache, meta, scales)
         h = self.attention(self.attention_norm(x), cos, sin, kv_pool, meta).add_(x)
         return self.feed_forward(self.ffn_norm(h)).add_(h)
 
@@ -212,17 +217,28 @@ class TransformerBlock(nn.Module):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
+        scales: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> torch.Tensor:
         """The whole layer in one C call (``CpuOps.decode_layer``), the same arithmetic as the
         per-module C kernels."""
         w = self.decode_weights
         if meta.cpu_plan is None:  # once per step, for every layer
-            width, group = meta.block_tables.shape[1], w.num_q_heads // w.num_kv_heads
-            meta.cpu_plan = decode_plan(meta.context_lens, width, k_cache.shape[1], group)
+            group = w.num_q_heads // w.num_kv_heads
+            meta.cpu_plan = _decode_plan(meta, k_cache, group, scales is not None)
         kv = DecodeLayerKV(
-            k_cache, v_cache, cos, sin, meta.block_tables, meta.context_lens, meta.cpu_plan
+            k_cache, v_cache, cos, sin, meta.block_tables, meta.context_lens, meta.cpu_plan, scales
         )
         return self.cpu_ops.decode_layer(x, w, kv)
+
+
+def _decode_plan(
+    meta: AttentionMetadata, k_cache: torch.Tensor, group: int, is_fp8: bool
+) -> DecodePlan:
+    """The step's ``DecodePlan`` (made by the first layer, shared by all)."""
+    block_size, head_dim = k_cache.shape[1], k_cache.shape[3]
+    width = meta.block_tables.shape[1]
+    fp8_head_dim = head_dim if is_fp8 else 0
+    return decode_plan(meta.context_lens, width, block_size, group, fp8_head_dim=fp8_head_dim)
 
 
 def _is_fusable_decode(x: torch.Tensor, meta: AttentionMetadata) -> bool:
