@@ -10,6 +10,12 @@ into blocks of another size (source block 16 -> destination block 32 or 8); ``sc
 its twin on the receiving side. ``reshard_plan`` says which head pieces go where. The kernels copy
 raw bits (elements viewed as same-width integers), so one kernel serves fp32, bf16, fp16 and fp8.
 
+Dtype conversion (``pack_converted``, torch): when the two sides keep KV in different dtypes
+(float32, bf16, fp16, fp8 e4m3 with scales; ``--kv-cache-dtype``), the source blocks are read as
+float32 (fp8 times its scales) and written into staging in the destination's head-span layout:
+its dtype, and for fp8 a power-of-two scale per (block, head, layer, K/V) after the data, the
+scale rule of ``shared/engine/kv_quant.py`` over the tokens the block holds.
+
 Token regroup: the listed blocks are read as one run of ``n * block_size`` tokens; staging block
 ``j`` holds tokens ``[j * B, (j + 1) * B)`` of that run. Pack zero-fills the tail of a last staging
 block the run does not fill (nothing uninitialised goes on the wire); scatter writes only the
@@ -26,6 +32,7 @@ import triton
 import triton.language as tl
 
 _BITS_DTYPES = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_FP8 = torch.float8_e4m3fn
 _TILE_ELEMS = 4096  # elements one program copies at most
 
 
@@ -225,6 +232,68 @@ def scatter_blocks_ref(
     for i, block_id in enumerate(torch.as_tensor(block_ids).tolist()):
         tokens = run[:, :, :, i * pool_bs : (i + 1) * pool_bs]
         pool[block_id, head_start : head_start + h, :, :, : tokens.shape[3]] = tokens
+
+
+def converted_head_bytes(
+    num_layers: int, block_size: int, head_dim: int, dtype: torch.dtype
+) -> int:
+    """Bytes of one head span of a block in ``dtype`` (fp8: data, then a float32 scale per
+    (layer, K/V)); ``KVCacheSpec.head_bytes`` for that layout."""
+    size = torch.empty((), dtype=dtype).element_size()
+    data = 2 * num_layers * block_size * head_dim * size
+    return data + (2 * num_layers * 4 if dtype == _FP8 else 0)
+
+
+def pack_converted(
+    pool: torch.Tensor,
+    scales: torch.Tensor | None,
+    block_ids: torch.Tensor | Sequence[int],
+    head_start: int,
+    head_end: int,
+    dst_dtype: torch.dtype,
+    out: torch.Tensor | None = None,
+    num_tokens: int | None = None,
+) -> torch.Tensor:
+    """Heads ``[head_start, head_end)`` of the listed blocks converted to ``dst_dtype``, as the
+    head spans of destination blocks of the same block size: (n, h * head_bytes) uint8 (or into
+    ``out``, contiguous, of that shape).
+
+    pool: (num_blocks, H, L, 2, bs, D), any strides with the last one 1; scales: the pool's
+    (num_blocks, H, L, 2) float32 scales when it is fp8, else None. ``num_tokens``: how many
+    tokens of the run the blocks hold (the rest of a last block is written as zeros and does not
+    count towards its scale); default all.
+    """
+    ids = _check_pool_and_ids(pool, block_ids, head_start, head_end)
+    if (scales is not None) != (pool.dtype == _FP8):
+        raise TypeError(f"a {pool.dtype} pool needs scales exactly when it is fp8")
+    n, h = ids.numel(), head_end - head_start
+    _, _, L, _, bs, D = pool.shape
+    head_bytes = converted_head_bytes(L, bs, D, dst_dtype)
+    if out is None:
+        out = torch.empty((n, h * head_bytes), dtype=torch.uint8, device=pool.device)
+    elif out.shape != (n, h * head_bytes) or out.dtype != torch.uint8 or not out.is_contiguous():
+        raise ValueError(
+            f"out must be a contiguous ({n}, {h * head_bytes}) uint8 tensor, got "
+            f"{out.dtype} {tuple(out.shape)}"
+        )
+    values = pool[ids][:, head_start:head_end].float()  # (n, h, L, 2, bs, D)
+    if scales is not None:
+        values *= scales[ids][:, head_start:head_end, :, :, None, None]
+    if num_tokens is not None and num_tokens < n * bs:
+        token = torch.arange(n * bs, device=pool.device).view(n, 1, 1, 1, bs, 1)
+        values.masked_fill_(token >= num_tokens, 0.0)
+    spans = out.view(n, h, head_bytes)
+    if dst_dtype == _FP8:
+        from kvmesh.shared.engine.kv_quant import pow2_scale, quantize
+
+        tile_scales = pow2_scale(values.abs().amax((-2, -1)))  # (n, h, L, 2)
+        data = quantize(values / tile_scales[..., None, None])
+        num_data = head_bytes - 2 * L * 4
+        spans[:, :, :num_data] = data.view(torch.uint8).reshape(n, h, num_data)
+        spans[:, :, num_data:] = tile_scales.contiguous().view(torch.uint8).reshape(n, h, -1)
+    else:
+        spans.copy_(values.to(dst_dtype).contiguous().view(torch.uint8).reshape(n, h, head_bytes))
+    return out
 
 
 def _launch(

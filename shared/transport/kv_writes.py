@@ -14,7 +14,13 @@ says which heads go where).
   Write whole decode blocks only: a short last block goes with a zero tail, so a caller that splits
   one decode block over two calls (chunk boundaries not on decode block boundaries) overwrites the
   first call's tokens. Cut chunks at multiples of the larger block size.
-* Different dtype, head_dim, layer count or total head count: refused (``KVLayoutError``).
+* Different KV dtype (``--kv-cache-dtype``: float32/bf16/fp16 against fp8 e4m3 with scales),
+  same block size: the prefill rank converts each head piece into staging in the decode's
+  layout (``run_packs``, ``kvmesh.kernels.kv_pack.pack_converted``), and the entries read from
+  there; an fp8 destination then takes a quarter of float32's bytes (half of bf16's).
+* Different dtype and block size together, an fp8 side with a different block size (a block's
+  scales cover its own tokens), different head_dim, layer count or total head count: refused
+  (``KVLayoutError``).
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from kvmesh.kernels.kv_pack import pack_blocks, reshard_plan, staging_shape
+from kvmesh.kernels.kv_pack import pack_blocks, pack_converted, reshard_plan, staging_shape
 from kvmesh.shared.engine.kv_cache import KVCacheSpec, KVPool
 from kvmesh.shared.transport.base import MemoryRegion, WriteEntry
 from kvmesh.shared.transport.errors import LocalAccessError
@@ -47,13 +53,15 @@ class KVDestination:
 @dataclass(frozen=True, slots=True)
 class PackStep:
     """Pack heads ``[heads[0], heads[1])`` of the source blocks ``block_ids`` into staging blocks of
-    ``block_size`` tokens at ``staging_offset`` (bytes) of the staging region."""
+    ``block_size`` tokens at ``staging_offset`` (bytes) of the staging region; converted to
+    ``dtype`` (the destination's head-span layout) when it is not None."""
 
     block_ids: tuple[int, ...]
     heads: tuple[int, int]
     block_size: int
     staging_offset: int
     num_bytes: int
+    dtype: torch.dtype | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +93,7 @@ def staging_bytes(
     """Bytes of staging ``plan_kv_writes`` needs for ``num_blocks`` source blocks; 0 when the
     writes go straight from the pool."""
     dst_spec = _check_layouts(spec, destinations, src_rank, src_tp)
-    if dst_spec.block_size == spec.block_size:
+    if dst_spec.block_size == spec.block_size and dst_spec.dtype == spec.dtype:
         return 0
     m = _num_dst_blocks(spec, dst_spec, num_blocks)
     pieces = reshard_plan(spec.num_kv_heads * src_tp, src_tp, len(destinations))[src_rank]
@@ -139,7 +147,7 @@ def plan_kv_writes(
     if not ids:
         return KVWritePlan(tuple(tuple(w) for w in writes))
 
-    if dst_spec.block_size == spec.block_size:
+    if dst_spec.block_size == spec.block_size and dst_spec.dtype == spec.dtype:
         for piece in pieces:
             h0, h1 = piece.src_heads
             dst_offset = piece.dst_head_offset * dst_spec.head_bytes
@@ -153,15 +161,22 @@ def plan_kv_writes(
         return KVWritePlan(tuple(tuple(w) for w in writes))
 
     need = staging_bytes(spec, len(ids), destinations, src_rank=src_rank, src_tp=src_tp)
+    convert = dst_spec.dtype if dst_spec.dtype != spec.dtype else None
     if staging is None:
-        raise KVLayoutError(
-            f"prefill blocks hold {spec.block_size} tokens, decode blocks {dst_spec.block_size}: "
-            f"the KV must be regrouped through a registered staging region of {need} bytes; "
-            f"pass staging= (or run prefill and decode with the same block size)"
+        why = (
+            f"prefill KV is {spec.dtype}, decode KV {dst_spec.dtype}: the KV must be converted"
+            if convert is not None
+            else f"prefill blocks hold {spec.block_size} tokens, decode blocks "
+            f"{dst_spec.block_size}: the KV must be regrouped"
         )
-    if staging_offset < 0 or staging_offset % spec.dtype_size:
+        raise KVLayoutError(
+            f"{why} through a registered staging region of {need} bytes; pass staging= (or run "
+            f"prefill and decode with the same KV dtype and block size)"
+        )
+    align = max(spec.dtype_size, dst_spec.dtype_size)
+    if staging_offset < 0 or staging_offset % align:
         raise ValueError(
-            f"staging_offset must be a non-negative multiple of {spec.dtype_size} "
+            f"staging_offset must be a non-negative multiple of {align} "
             f"(the KV dtype size), got {staging_offset}"
         )
     if staging_offset + need > staging.length:
@@ -175,7 +190,7 @@ def plan_kv_writes(
         h0, h1 = piece.src_heads
         span = (h1 - h0) * dst_spec.head_bytes  # one staging block of this piece
         dst_offset = piece.dst_head_offset * dst_spec.head_bytes
-        packs.append(PackStep(ids, (h0, h1), dst_spec.block_size, offset, n_dst * span))
+        packs.append(PackStep(ids, (h0, h1), dst_spec.block_size, offset, n_dst * span, convert))
         addrs = destinations[piece.dst_rank].block_addrs
         spans = [(offset + j * span, addr + dst_offset, span) for j, addr in enumerate(addrs)]
         writes[piece.dst_rank] = _entries(staging, destinations[piece.dst_rank].rkey, spans)
@@ -203,10 +218,16 @@ def run_packs(plan: KVWritePlan, pool: KVPool, staging: torch.Tensor) -> None:
             f"the plan's staging region [{plan.staging.addr:#x}, +{plan.staging.length})"
         )
     for step in plan.packs:
+        out = staging[step.staging_offset : step.staging_offset + step.num_bytes]
+        if step.dtype is not None:  # another KV dtype: same block size, converted
+            ids = list(step.block_ids)
+            pack_converted(
+                pool.tensor, pool.scales, ids, *step.heads, step.dtype, out.view(len(ids), -1)
+            )
+            continue
         shape = staging_shape(
             pool.tensor, len(step.block_ids), step.heads[1] - step.heads[0], step.block_size
         )
-        out = staging[step.staging_offset : step.staging_offset + step.num_bytes]
         pack_blocks(
             pool.tensor,
             list(step.block_ids),
@@ -236,10 +257,17 @@ def _check_layouts(
             f"prefill KV is {spec.fingerprint()}, decode KV {dst_spec.fingerprint()}: layer count "
             f"or head_dim differ, so prefill and decode do not serve the same model"
         )
-    if spec.dtype != dst_spec.dtype:
+    if spec.dtype != dst_spec.dtype and spec.block_size != dst_spec.block_size:
         raise KVLayoutError(
-            f"prefill KV is {spec.dtype}, decode KV {dst_spec.dtype}: KV dtype conversion on "
-            f"transfer is not supported; run prefill and decode with the same KV dtype"
+            f"prefill KV is {spec.fingerprint()}, decode KV {dst_spec.fingerprint()}: a write "
+            f"converts the KV dtype or regroups block sizes, not both; run prefill and decode "
+            f"with the same block size"
+        )
+    if (spec.is_fp8 or dst_spec.is_fp8) and spec.block_size != dst_spec.block_size:
+        raise KVLayoutError(
+            f"prefill KV is {spec.fingerprint()}, decode KV {dst_spec.fingerprint()}: fp8 blocks "
+            f"carry scales of their own tokens and are not regrouped; run prefill and decode "
+            f"with the same block size"
         )
     total_src, total_dst = spec.num_kv_heads * src_tp, dst_spec.num_kv_heads * len(destinations)
     if total_src != total_dst:
