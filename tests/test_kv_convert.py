@@ -132,3 +132,21 @@ def test_conversion_without_staging_is_refused_with_the_bytes_it_needs():
     dest = KVDestination(_spec(HEADS, FP8), 1, (0, 1))
     with pytest.raises(KVLayoutError, match=r"converted through a registered staging region"):
         plan_kv_writes(pool, region, [0, 1], [dest])
+
+
+def test_prefill_converts_for_a_decode_spec_that_differs_in_the_kv_dtype_alone():
+    from kvmesh.services.prefill.convert import decode_kv_dtype
+    from kvmesh.services.prefill.plan import KVSpecMismatchError
+
+    fp32 = "L2-H1-D32-B16-float32:model-ab12"
+    fp8 = "L2-H1-D32-B16-float8_e4m3fn:model-ab12"
+    assert decode_kv_dtype(fp32, fp32) is None
+    assert decode_kv_dtype(fp32, fp8) == FP8 and decode_kv_dtype(fp8, fp32) == torch.float32
+    for other in (
+        "L2-H1-D32-B8-float8_e4m3fn:model-ab12",
+        "L2-H1-D32-B16-float8_e4m3fn:model-cd34",
+    ):
+        with pytest.raises(KVSpecMismatchError, match="same model and block size"):
+            decode_kv_dtype(fp32, other)
+    with pytest.raises(KVSpecMismatchError, match="no conversion"):
+        decode_kv_dtype(fp32, "L2-H1-D32-B16-int8:model-ab12")

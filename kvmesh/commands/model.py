@@ -1,4 +1,5 @@
-"""``kvmesh model seeded DIR``: write a seeded Llama checkpoint of any shape (no download)."""
+"""``kvmesh model seeded DIR``: write a seeded Llama checkpoint of any shape (no download).
+``kvmesh model kv-accuracy MODEL``: what fp8 KV costs that model (``loadgen/kv_accuracy.py``)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ SEEDED_DEFAULT_SEED = 23
 
 
 def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser("model", help="make model checkpoints")
+    parser = subparsers.add_parser(
+        "model", help="make model checkpoints, measure a model's fp8 KV accuracy"
+    )
     sub = parser.add_subparsers(dest="model_command", required=True, metavar="ACTION")
     p = sub.add_parser(
         "seeded",
@@ -28,6 +31,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--intermediate-size", type=int, default=1408)
     p.add_argument("--max-position-embeddings", type=int, default=8192)
     p.set_defaults(func=_run_seeded)
+    from kvmesh.loadgen.kv_accuracy import register_kv_accuracy
+
+    register_kv_accuracy(sub)
 
 
 def _run_seeded(args: argparse.Namespace) -> int:

@@ -2,8 +2,8 @@
 
 A ``PrefillJob`` names a decode worker, a transport descriptor, a window key and block addresses.
 Those are data from the network, never a place to dial: a job is served only when its target
-matches what that decode worker itself advertised (descriptor, block size, KV layout) and every
-address is a block of the advertised pool. So a forged job cannot make this worker connect to an
+matches what that decode worker itself advertised (descriptor, block size, KV layout, which may
+differ in its dtype alone: see convert.py) and every address is a block of the advertised pool. So a forged job cannot make this worker connect to an
 arbitrary host:port or map an arbitrary shm name; at most it can name a real decode worker's real
 blocks, and its writes then carry a key the decode worker never opened a window for, which its
 transport refuses (see docs/security.md).
@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from kvmesh.services.prefill.plan import KVSpecMismatchError
+from kvmesh.services.prefill.convert import decode_kv_dtype
 from kvmesh.shared.protocol import DecodeAdvert, PrefillJob
 
 
@@ -67,11 +67,8 @@ class AdvertBook:
 def check_job_against_advert(job: PrefillJob, advert: DecodeAdvert, kv_spec: str) -> None:
     """Raise UnvouchedJobError unless ``job`` targets blocks of ``advert``'s pool."""
     who = f"decode worker {advert.worker_id!r}"
-    if advert.kv_spec != kv_spec:
-        raise KVSpecMismatchError(
-            f"KV spec mismatch: this prefill worker has {kv_spec}, {who} has {advert.kv_spec}; "
-            "run both with the same model, dtype and block size"
-        )
+    # equal specs, or specs that differ in the KV dtype alone (the writes convert it)
+    decode_kv_dtype(kv_spec, advert.kv_spec)
     if job.descriptor != advert.descriptor:
         raise UnvouchedJobError(f"the job's transport descriptor is not the one {who} advertises")
     if job.block_bytes != advert.block_bytes:

@@ -195,6 +195,7 @@ async def prefill_service(config: PrefillConfig) -> AsyncIterator[PrefillService
         enable_prefix_caching=config.enable_prefix_caching,
         device=config.device,
         dtype=dtype,
+        kv_cache_dtype=config.kv_cache_dtype,
     )
     engine = LLMEngine(model, tokenizer, econf)
     bind_host, advertise_host = config.transport_hosts()  # what peers on other hosts dial

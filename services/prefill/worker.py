@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvmesh.services.prefill.adverts import AdvertBook
+from kvmesh.services.prefill.convert import KVMirror, KVMirrors, decode_kv_dtype
 from kvmesh.services.prefill.endpoints import EndpointCache
 from kvmesh.services.prefill.metrics import PrefillMetrics
 from kvmesh.services.prefill.plan import (
@@ -51,6 +52,7 @@ class _Job:
     planner: ChunkPlanner
     timeline: PrefillTimeline
     endpoint: Endpoint
+    mirror: KVMirror | None = None  # the decode's KV dtype differs: written from this mirror
     chunks: asyncio.Queue[ChunkReady | None] = field(default_factory=asyncio.Queue)
     num_writes: int = 0
     first_token: int = -1
@@ -89,6 +91,7 @@ class PrefillWorker:
         self.block_size = engine.kv_pool.spec.block_size
         self.block_bytes = engine.kv_pool.spec.block_bytes
         self.adverts = AdvertBook(kv_spec)  # the only targets this worker writes to
+        self.mirrors = KVMirrors(engine.kv_pool, endpoints)  # for decode workers of other KV dtypes
         self._advert_wait_s = advert_wait_s
         self._abort_memory_s = abort_memory_s
         self._jobs: dict[str, _Job] = {}
@@ -152,11 +155,13 @@ class PrefillWorker:
         if self._aborted.pop(rid, None) is not None:
             return self._result(msg, None, f"aborted before prefill started on {self.worker_id}")
         try:
-            await self.adverts.vouch(msg, self._advert_wait_s)
+            advert = await self.adverts.vouch(msg, self._advert_wait_s)
+            dtype = decode_kv_dtype(self.kv_spec, advert.kv_spec)  # None: the same KV dtype
+            mirror = None if dtype is None else self.mirrors.get(dtype)
             planner = ChunkPlanner(
                 len(msg.prompt_ids),
                 self.block_size,
-                self.block_bytes,
+                self.block_bytes if mirror is None else mirror.spec.block_bytes,
                 msg.block_addrs,
                 msg.block_bytes,
             )
@@ -165,7 +170,7 @@ class PrefillWorker:
         except (PlanError, TransportError, ValueError) as exc:
             log.warning("prefill job refused", request_id=rid, error=str(exc))
             return self._result(msg, None, str(exc))
-        job = _Job(msg, planner, PrefillTimeline(msg.enqueued_at, started_at), endpoint)
+        job = _Job(msg, planner, PrefillTimeline(msg.enqueued_at, started_at), endpoint, mirror)
         self._jobs[rid] = job
         try:
             async with self._lock:
@@ -186,7 +191,7 @@ class PrefillWorker:
                     write = planner.plan(
                         chunk.chunk_index, chunk.end_token, chunk.block_ids, chunk.is_last
                     )
-                    tg.create_task(self._write(job, write))
+                    tg.create_task(self._write(job, write, chunk))
                     if chunk.is_last:
                         job.first_token = chunk.first_token
                         break
@@ -201,10 +206,17 @@ class PrefillWorker:
             self._wake.set()
         return self._result(msg, job, job.error)
 
-    async def _write(self, job: _Job, write: ChunkWrite) -> None:
+    async def _write(self, job: _Job, write: ChunkWrite, chunk: ChunkReady) -> None:
         msg = job.msg
+        region = self.region
+        if job.mirror is not None:  # another KV dtype on the decode side: convert, then write
+            region = job.mirror.region
+            bs = self.block_size
+            num_tokens = chunk.end_token - (-(-chunk.end_token // bs) - len(chunk.block_ids)) * bs
+            pool = self.engine.kv_pool
+            await asyncio.to_thread(job.mirror.convert, pool, chunk.block_ids, num_tokens)
         entries = [
-            WriteEntry(self.region, s.local_offset, s.remote_addr, msg.rkey, s.length)
+            WriteEntry(region, s.local_offset, s.remote_addr, msg.rkey, s.length)
             for s in write.spans
         ]
         t0 = time.perf_counter()
