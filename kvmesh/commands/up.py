@@ -105,6 +105,11 @@ class UpConfig(NatsClientConfig):
         help="KV cache dtype of every prefill and decode worker: auto (the model's) or fp8_e4m3 "
         "(float8 with per-(block, KV head) scales)",
     )
+    decode_kv_cache_dtype: Literal["auto", "fp8_e4m3"] | None = option(
+        None,
+        help="decode workers' KV cache dtype where it differs from --kv-cache-dtype (e.g. "
+        "fp8_e4m3 decode pools behind model-dtype prefill: the prefill writes convert)",
+    )
     log_level: Literal["debug", "info", "warning", "error", "critical"] = option(
         "info", help="log level of every service"
     )
@@ -219,8 +224,8 @@ def plan(config: UpConfig, nats_url: str, port: int) -> list[ChildSpec]:
     engine = ("--model", config.model, "--device", config.device, "--transport", config.transport)
     if config.kv_cache_bytes is not None:
         engine += ("--kv-cache-bytes", str(config.kv_cache_bytes))
-    if config.kv_cache_dtype != "auto":
-        engine += ("--kv-cache-dtype", config.kv_cache_dtype)
+    prefill_kv = ("--kv-cache-dtype", config.kv_cache_dtype)
+    decode_kv = ("--kv-cache-dtype", config.decode_kv_cache_dtype or config.kv_cache_dtype)
     worker = lambda name: ("--worker-id", name, *common)
     specs = [
         ChildSpec(
@@ -238,7 +243,7 @@ def plan(config: UpConfig, nats_url: str, port: int) -> list[ChildSpec]:
     decode_env = (("OMP_WAIT_POLICY", "PASSIVE"),) if config.prefill_nice else ()
     for i in range(config.decode):
         name = f"{decode_service}-{i}"
-        argv = ("serve", decode_service, *worker(name), *engine, *decode_threads)
+        argv = ("serve", decode_service, *worker(name), *engine, *decode_kv, *decode_threads)
         specs.append(ChildSpec(name, "decode", argv, decode_env))
     if config.mode == "disagg":
         prefill_threads = ("--threads", str(threads["prefill"]))
@@ -246,7 +251,7 @@ def plan(config: UpConfig, nats_url: str, port: int) -> list[ChildSpec]:
             prefill_threads += ("--nice", str(config.prefill_nice))
         for i in range(config.prefill):
             name = f"prefill-{i}"
-            argv = ("serve", "prefill", *worker(name), *engine, *prefill_threads)
+            argv = ("serve", "prefill", *worker(name), *engine, *prefill_kv, *prefill_threads)
             specs.append(ChildSpec(name, "prefill", argv))
     if config.draft:
         specs += draft_specs(config, worker, threads["draft"])
