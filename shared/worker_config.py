@@ -87,8 +87,8 @@ class EngineWorkerConfig(MetricsServiceConfig):
     kv_cache_dtype: Literal["auto", "fp8_e4m3"] = option(
         "auto",
         help="KV cache dtype: auto (the model's) or fp8_e4m3 (float8 with per-(block, KV head) "
-        "scales, a quarter of float32's bytes); a prefill worker refuses decode workers whose KV "
-        "dtype differs from its own",
+        "scales, a quarter of float32's bytes); prefill and decode workers may differ in it: the "
+        "prefill's writes convert (docs/kv_cache.md)",
     )
     num_blocks: int | None = option(
         None, help="KV blocks in this worker's pool (default: from kv_cache_bytes)"

@@ -138,6 +138,7 @@ def build_drafter(config: DraftConfig) -> Drafter:
         block_size=config.block_size,
         num_blocks=config.num_blocks,
         kv_cache_bytes=config.kv_cache_bytes,
+        kv_cache_dtype=config.kv_cache_dtype,
         max_num_seqs=config.max_batch,
         enable_prefix_caching=True,
         device=config.device,

@@ -87,7 +87,7 @@ class KVMirror:
             self.spec.dtype,
             num_tokens=num_tokens,
         )
-        self.blocks[torch.tensor(ids)] = converted
+        self.blocks[torch.tensor(ids)] = converted.to(self.blocks.device)  # host memory
 
 
 class KVMirrors:

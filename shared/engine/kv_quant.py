@@ -108,12 +108,12 @@ def move_token(pool_tensor: torch.Tensor, scales: torch.Tensor, src: tuple, dst:
     )
 
 
-@functools.cache
-def _lut_cpu() -> torch.Tensor:
-    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8_DTYPE).float()
-
-
 def e4m3_lut(device: torch.device | str = "cpu") -> torch.Tensor:
-    """(256,) float32: the value of each e4m3fn byte (0x7f and 0xff are NaN)."""
-    lut = _lut_cpu()
-    return lut if torch.device(device).type == "cpu" else lut.to(device)
+    """(256,) float32: the value of each e4m3fn byte (0x7f and 0xff are NaN); one per device."""
+    return _lut(str(torch.device(device)))
+
+
+@functools.cache
+def _lut(device: str) -> torch.Tensor:
+    lut = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8_DTYPE).float()
+    return lut.to(device)
