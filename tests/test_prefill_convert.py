@@ -1,0 +1,128 @@
+"""A prefill worker writing to a decode worker of another KV dtype (real tcp transport, no NATS):
+each chunk is converted into the decode's layout and written from the mirror; the bytes that
+land are exactly the conversion of the KV an engine computes, and the byte counter counts the
+decode's bytes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+
+import pytest
+import torch
+from kvmesh.kernels.kv_pack import pack_converted
+from kvmesh.shared import protocol
+from kvmesh.shared.descriptor import TransportDescriptor
+from kvmesh.shared.engine.sequence import SamplingParams
+from kvmesh.shared.protocol import kv_spec_fingerprint
+
+FP8 = torch.float8_e4m3fn
+PROMPT = [(7 * i) % 250 + 1 for i in range(60)]  # 4 blocks: chunks of 32 + 16 + 12 tokens
+TARGETS = [9, 3, 4, 10]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from kvmesh.shared.model.loader import load_model
+
+    return load_model("kvmesh-tiny")
+
+
+def _engine(tiny, kv_cache_dtype: str, **kw):
+    from kvmesh.shared.engine.config import EngineConfig
+    from kvmesh.shared.engine.llm_engine import LLMEngine
+
+    return LLMEngine(*tiny, EngineConfig(num_blocks=64, kv_cache_dtype=kv_cache_dtype, **kw))
+
+
+@contextlib.asynccontextmanager
+async def _converting_prefill(tiny, prefill_dtype: str, decode_spec):
+    from kvmesh.services.prefill.endpoints import EndpointCache
+    from kvmesh.services.prefill.worker import PrefillWorker
+    from kvmesh.shared.transport import Access, TransportConfig, create_transport
+
+    engine = _engine(tiny, prefill_dtype, max_num_batched_tokens=32)
+    async with (
+        create_transport("tcp", TransportConfig(peer_id="decode")) as decode_side,
+        create_transport("tcp", TransportConfig(peer_id="prefill")) as prefill_side,
+        EndpointCache(prefill_side) as endpoints,
+    ):
+        remote = decode_side.allocate(16 * decode_spec.block_bytes)
+        region = decode_side.register(remote, Access.REMOTE_WRITE)
+        worker = PrefillWorker(
+            engine,
+            prefill_side.register(engine.kv_pool.raw),
+            endpoints,
+            worker_id="p0",
+            kv_spec=kv_spec_fingerprint(engine.kv_pool.spec, tiny[0].config),
+            advert_wait_s=0.2,
+        )
+        worker.adverts.note(
+            protocol.DecodeAdvert(
+                worker_id="d0",
+                mode="disagg",
+                descriptor=TransportDescriptor.from_peer(decode_side.descriptor()),
+                base_addr=region.addr,
+                block_bytes=decode_spec.block_bytes,
+                block_size=decode_spec.block_size,
+                kv_spec=kv_spec_fingerprint(decode_spec, tiny[0].config),
+                total_blocks=16,
+                free_blocks=16,
+                free_block_ranges=(),
+                num_running=0,
+                num_waiting=0,
+                state="ready",
+                sent_at=0.0,
+            )
+        )
+        loop = asyncio.create_task(worker.run())
+        try:
+            yield worker, region, remote
+        finally:
+            loop.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await loop
+
+
+def _job(region, block_bytes: int, descriptor) -> protocol.PrefillJob:
+    return protocol.PrefillJob(
+        "r",
+        tuple(PROMPT),
+        protocol.SamplingOptions(temperature=0.0),
+        "d0",
+        "Lr",
+        descriptor,
+        region.rkey,
+        tuple(region.addr + b * block_bytes for b in TARGETS),
+        block_bytes,
+        enqueued_at=0.0,
+    )
+
+
+@pytest.mark.parametrize(("prefill_dtype", "decode_dtype"), [("auto", FP8), ("fp8_e4m3", None)])
+async def test_prefill_converts_each_chunk_for_a_decode_worker_of_another_kv_dtype(
+    tiny, prefill_dtype, decode_dtype
+):
+    reference = _engine(tiny, prefill_dtype, max_num_batched_tokens=32)  # the worker's chunks
+    decode_spec = dataclasses.replace(reference.kv_pool.spec, dtype=decode_dtype or torch.float32)
+    async with _converting_prefill(tiny, prefill_dtype, decode_spec) as (worker, region, remote):
+        bb = decode_spec.block_bytes
+        result = await worker.prefill(_job(region, bb, worker.adverts.get("d0").descriptor))
+        assert result.done.ok and result.done.num_writes == 3, result.done.error
+        assert worker.metrics.kv_bytes_written._value.get() == len(TARGETS) * bb
+        got = remote.clone().view(-1, bb)
+
+    chunks = []
+    greedy = SamplingParams(temperature=0.0)
+    reference.add_request("x", PROMPT, greedy, prefill_only=True, on_chunk=chunks.append)
+    while reference.has_unfinished():
+        reference.step()
+    blocks = [b for c in chunks for b in c.block_ids]
+    pool = reference.kv_pool
+    heads = pool.spec.num_kv_heads
+    expected = pack_converted(
+        pool.tensor, pool.scales, blocks, 0, heads, decode_spec.dtype, num_tokens=len(PROMPT)
+    )
+    for target, want in zip(TARGETS, expected, strict=True):
+        assert torch.equal(got[target], want)
