@@ -52,6 +52,12 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--dtype", default=None, help="float32 | bfloat16 | float16 (default: checkpoint's)"
     )
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "fp8_e4m3"],
+        help="KV cache dtype: auto (the model's) or fp8_e4m3 (docs/kv_cache.md)",
+    )
     p.set_defaults(func=run)
 
 
@@ -87,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
         num_blocks=max(num_tokens // block_size + 1, 2),
         max_num_seqs=1,
         device=args.device,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     with torch.inference_mode():
         engine = LLMEngine(model, tokenizer, config)
