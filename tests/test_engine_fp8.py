@@ -96,3 +96,15 @@ def test_up_gives_prefill_and_decode_their_kv_cache_dtypes():
                 _, service, _ = build_service_config(spec.argv[1], spec.argv[2:], env={})
                 want = "fp8_e4m3" if spec.argv[1] == "decode" else expected
                 assert service.kv_cache_dtype == want, spec.argv
+
+
+def test_kv_accuracy_command_reports_every_fixture_prompt(capsys):
+    import json
+
+    from kvmesh import cli
+
+    assert cli.main(["model", "kv-accuracy", "kvmesh-tiny", "--max-tokens", "3", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["kv_cache_dtype"] == "fp8_e4m3" and report["max_tokens"] == 3
+    assert len(report["prompts"]) == len(FIXTURE_PROMPTS)
+    assert 0 <= report["min_agreed_tokens"] <= 3 and report["max_logit_error"] >= 0
