@@ -18,9 +18,10 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # `kvmesh model` registers this command: building the CLI must not import torch
+    import torch
 
 # Varied English text: lengths from under one block to several blocks of 16 tokens (byte-level
 # tokenizers make a character a token or so).
@@ -190,6 +191,7 @@ def register_kv_accuracy(subparsers: Any) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    import torch
     from kvmesh.shared.model.loader import load_model
 
     if args.max_tokens <= 0:
