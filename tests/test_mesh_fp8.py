@@ -1,0 +1,144 @@
+"""FP8 KV through a real disaggregated mesh (kvmesh-tiny, nats-server, registry, router, prefill and
+decode processes, shm data plane).
+
+* fp8 on both sides: the blocks (scales inside) move as they are; greedy output equals the
+  offline engine with fp8 KV token for token, and the prefill's byte counter shows a quarter of
+  float32's block bytes (plus the scales) per block.
+* fp8 on the decode side only: the prefill worker converts each chunk into the decode's layout
+  before writing (services/prefill/convert.py); greedy output equals the same hand-off done
+  offline (float32 prefill, blocks converted, fp8 decode), and the bytes are again fp8's.
+"""
+
+from __future__ import annotations
+
+import math
+import urllib.request
+
+import pytest
+import torch
+from kvmesh.kernels.kv_pack import pack_converted
+from kvmesh.loadgen.bench_mesh import launched, random_prompts
+from kvmesh.loadgen.server_breakdown import parse_prometheus
+from kvmesh.shared.engine.config import EngineConfig
+from kvmesh.shared.engine.kv_cache import KVCacheSpec
+from kvmesh.shared.engine.llm_engine import LLMEngine
+from kvmesh.shared.engine.sequence import SamplingParams
+from kvmesh.shared.model.loader import load_model
+from mesh_checks import check_blocks_returned, check_equals_offline, load
+
+pytestmark = pytest.mark.slow
+
+CHUNK_TOKENS = 32
+BLOCK_SIZE = 16
+ENV = {
+    "KVMESH_CHUNK_TOKENS": str(CHUNK_TOKENS),
+    "KVMESH_BLOCK_SIZE": str(BLOCK_SIZE),
+    "KVMESH_NUM_BLOCKS": "1024",
+}
+PROMPTS = random_prompts(12, 40, 150, seed=11)
+MAX_TOKENS = 12
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model("kvmesh-tiny")
+
+
+def fp8_offline(tiny) -> list[list[int]]:
+    model, tokenizer = tiny
+    engine = LLMEngine(model, tokenizer, EngineConfig(num_blocks=1024, kv_cache_dtype="fp8_e4m3"))
+    return engine.generate(PROMPTS, GREEDY)
+
+
+def converted_handoff_offline(tiny) -> list[list[int]]:
+    """What the mesh does with a float32 prefill and an fp8 decode, in this process: prefill in
+    chunks of CHUNK_TOKENS, each chunk's blocks converted (as KVMirror.convert does) into
+    reserved fp8 blocks, then decoded together."""
+    model, tokenizer = tiny
+    prefill = LLMEngine(
+        model, tokenizer, EngineConfig(num_blocks=1024, max_num_batched_tokens=CHUNK_TOKENS)
+    )
+    decode = LLMEngine(model, tokenizer, EngineConfig(num_blocks=1024, kv_cache_dtype="fp8_e4m3"))
+    heads = prefill.kv_pool.spec.num_kv_heads
+    tokens: dict[str, list[int]] = {}
+    for i, prompt in enumerate(PROMPTS):
+        rid = f"r{i}"
+        reserved = decode.reserve_blocks(len(prompt))
+        chunks = []
+        prefill.add_request(rid, prompt, GREEDY, prefill_only=True, on_chunk=chunks.append)
+        while prefill.has_unfinished():
+            prefill.step()
+        done = 0
+        for chunk in chunks:
+            ids = list(chunk.block_ids)
+            first = math.ceil(chunk.end_token / BLOCK_SIZE) - len(ids)
+            converted = pack_converted(
+                prefill.kv_pool.tensor,
+                None,
+                ids,
+                0,
+                heads,
+                torch.float8_e4m3fn,
+                num_tokens=chunk.end_token - first * BLOCK_SIZE,
+            )
+            for j, block in enumerate(reserved[done : done + len(ids)]):
+                decode.kv_pool.block_bytes_view(block).copy_(converted[j])
+            done += len(ids)
+        prefill.release(rid)
+        decode.admit_prefilled(rid, prompt, reserved, chunks[-1].first_token, GREEDY)
+        tokens[rid] = [chunks[-1].first_token]
+    while decode.has_unfinished():
+        for out in decode.step():
+            tokens[out.request_id] += out.new_token_ids
+    return [tokens[f"r{i}"] for i in range(len(PROMPTS))]
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["fp8-both", "fp8-decode-only"])
+def fp8_mesh(request):
+    """(mesh, decode_only): fp8 KV on both sides, or on the decode side only."""
+    from kvmesh.commands.up import UpConfig, free_port
+
+    decode_only = request.param
+    config = UpConfig(
+        model="kvmesh-tiny",
+        mode="disagg",
+        transport="shm",
+        port=0,
+        nats_url=f"nats://127.0.0.1:{free_port()}",
+        local_prefill_threshold=0,
+        log_level="warning",
+        startup_timeout_s=180.0,
+        stop_timeout_s=10.0,
+        kv_cache_dtype="auto" if decode_only else "fp8_e4m3",
+        decode_kv_cache_dtype="fp8_e4m3",
+    )
+    with launched(config, ENV) as mesh:
+        yield mesh, decode_only
+
+
+def kv_bytes_written(mesh) -> float:
+    with urllib.request.urlopen(mesh.metrics_urls["prefill-0"], timeout=10) as resp:
+        return parse_prometheus(resp.read().decode())["kvmesh_prefill_kv_bytes_written_total"]
+
+
+def fp8_block_bytes(tiny) -> tuple[int, int]:
+    """(fp8, float32) bytes of one kvmesh-tiny block."""
+    mc = tiny[0].config
+    shape = (mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, BLOCK_SIZE)
+    fp8 = KVCacheSpec(*shape, torch.float8_e4m3fn).block_bytes
+    return fp8, KVCacheSpec(*shape, torch.float32).block_bytes
+
+
+async def test_disagg_mesh_with_fp8_kv_serves_as_offline(tiny, fp8_mesh):
+    mesh, decode_only = fp8_mesh
+    expected = converted_handoff_offline(tiny) if decode_only else fp8_offline(tiny)
+    replies, tap = await load(mesh, PROMPTS, MAX_TOKENS, linger_s=0.1)
+    check_equals_offline(replies, tap, expected)
+    for reply in replies:
+        assert tap.reports[reply["id"]].num_chunks >= 2  # prefilled remotely, in chunks
+    await check_blocks_returned(mesh)
+    fp8, fp32 = fp8_block_bytes(tiny)
+    num_blocks = sum(math.ceil(len(p) / BLOCK_SIZE) for p in PROMPTS)
+    assert kv_bytes_written(mesh) == num_blocks * fp8  # every block once, in fp8
+    assert fp8 * 4 < fp32 * 1.01  # a quarter of float32's, plus the scales
