@@ -1,4 +1,4 @@
-"""``kvmesh bench engine|xfer|mesh|serve|spec``: benchmarks. Each lives in ``loadgen/`` and exposes
+"""``kvmesh bench engine|xfer|kv|mesh|serve|spec``: benchmarks. Each lives in ``loadgen/`` and exposes
 ``register_<name>(subparsers)``, which adds its parser with ``func`` set."""
 
 from __future__ import annotations
@@ -7,9 +7,10 @@ from typing import Any
 
 
 def register(subparsers: Any) -> None:
-    p = subparsers.add_parser("bench", help="benchmarks (engine, xfer, mesh, serve, spec)")
+    p = subparsers.add_parser("bench", help="benchmarks (engine, xfer, kv, mesh, serve, spec)")
     sub = p.add_subparsers(dest="bench", required=True, metavar="BENCH")
     from kvmesh.loadgen.bench_engine import register_engine
+    from kvmesh.loadgen.bench_kv import register_kv
     from kvmesh.loadgen.bench_mesh import register_mesh
     from kvmesh.loadgen.bench_serve import register_serve
     from kvmesh.loadgen.bench_spec import register_spec
@@ -17,6 +18,7 @@ def register(subparsers: Any) -> None:
 
     register_engine(sub)
     register_xfer(sub)
+    register_kv(sub)
     register_mesh(sub)
     register_serve(sub)
     register_spec(sub)
