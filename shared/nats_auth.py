@@ -33,7 +33,7 @@ USER_ENV, PASSWORD_ENV, PASSWORD_FILE_ENV = (
     "KVMESH_NATS_PASSWORD_FILE",
 )
 ADMIN = "admin"
-ROLES = ("router", "kv-registry", "decode", "colocated", "prefill", "draft", ADMIN)
+ROLES = ("router", "kv-registry", "decode", "colocated", "prefill", "draft", "kv-store", ADMIN)
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +71,15 @@ def role_permissions(s: Subjects) -> dict[str, Permissions]:
             subscribe=(f"{inbox_prefix(role)}.>", s.CONTROL_LOG_LEVEL, "$SRV.>", *subscribe),
         )
 
+    # a kv-store's clients: put, commit, get and release are requests (replies to their inbox)
+    store_client = (
+        s.store_put("*"),
+        s.store_commit("*"),
+        s.store_get("*"),
+        s.store_release("*"),
+    )
     decode_pub = (
+        *store_client,
         f"{p}.request.*.tokens",
         s.REGISTRY_ADVERTISE,
         s.REGISTRY_KV_EVENTS,
@@ -81,7 +89,13 @@ def role_permissions(s: Subjects) -> dict[str, Permissions]:
         s.draft_context("*"),
         s.draft_forget("*"),
     )
-    decode_sub = (f"{p}.decode.*.>", f"{p}.worker.*.control", s.ABORT, s.REGISTRY_WORKER_GONE)
+    decode_sub = (
+        f"{p}.decode.*.>",
+        f"{p}.worker.*.control",
+        s.ABORT,
+        s.REGISTRY_WORKER_GONE,
+        s.REGISTRY_STORE_ADVERTISE,
+    )
     js = jetstream_api(s)
     return {
         "router": service(
@@ -115,6 +129,7 @@ def role_permissions(s: Subjects) -> dict[str, Permissions]:
                 s.REGISTRY_ADVERTISE,
                 s.REGISTRY_KV_EVENTS,
                 s.REGISTRY_KV_DIGEST,
+                s.REGISTRY_STORE_ADVERTISE,
                 s.HEARTBEAT_ALL,
                 s.decode_prefill_done("*"),
                 s.DECODE_LEASE_RENEW_ALL,
@@ -130,9 +145,15 @@ def role_permissions(s: Subjects) -> dict[str, Permissions]:
                 s.decode_prefill_started("*"),
                 f"{p}.request.*.prefill",
                 f"{p}.request.*.prefill_started",
+                *store_client,
                 *js,
             ),
-            subscribe=(s.ABORT, s.REGISTRY_ADVERTISE, f"{p}.worker.*.control"),
+            subscribe=(
+                s.ABORT,
+                s.REGISTRY_ADVERTISE,
+                s.REGISTRY_STORE_ADVERTISE,
+                f"{p}.worker.*.control",
+            ),
         ),
         # Draft workers: read contexts (the queue group's and their own) and aborts, answer
         # their status endpoint; send proposals to decode workers, nothing else.
@@ -146,6 +167,13 @@ def role_permissions(s: Subjects) -> dict[str, Permissions]:
                 s.draft_status("*"),
                 s.ABORT,
             ),
+        ),
+        # KV stores: answer their own endpoints (put, commit, get, release), advertise
+        # themselves; they send nothing else and read no other role's messages.
+        "kv-store": service(
+            "kv-store",
+            publish=(s.REGISTRY_STORE_ADVERTISE,),
+            subscribe=(f"{p}.store.*.>",),
         ),
         # The operator: the mesh's admin requests and discovery; may watch everything of the
         # mesh (kvmesh bench taps it) and its own replies.

@@ -71,6 +71,11 @@ class Subjects:
     def REGISTRY_KV_DIGEST(self) -> str:
         return f"{self.prefix}.registry.kv_digest"
 
+    # kv-store -> kv-registry and store clients (publish, every heartbeat): StoreAdvert
+    @property
+    def REGISTRY_STORE_ADVERTISE(self) -> str:
+        return f"{self.prefix}.registry.store_advertise"
+
     # every worker -> anyone (publish): WorkerHeartbeat; subscribe with HEARTBEAT_ALL
     @property
     def HEARTBEAT_ALL(self) -> str:
@@ -165,6 +170,22 @@ class Subjects:
     def decode_lease_renew(self, worker_id: str) -> str:
         """router (the lease holder) -> decode worker and kv-registry (publish): LeaseRenew."""
         return f"{self.prefix}.decode.{worker_id}.lease_renew"
+
+    def store_put(self, store_id: str) -> str:
+        """writer -> kv-store (request/reply): StorePut -> StorePutReply."""
+        return f"{self.prefix}.store.{store_id}.put"
+
+    def store_commit(self, store_id: str) -> str:
+        """writer -> kv-store (request/reply): StoreCommit -> StoreCommitReply."""
+        return f"{self.prefix}.store.{store_id}.commit"
+
+    def store_get(self, store_id: str) -> str:
+        """reader -> kv-store (request/reply): StoreGet -> StoreGetReply."""
+        return f"{self.prefix}.store.{store_id}.get"
+
+    def store_release(self, store_id: str) -> str:
+        """reader -> kv-store (request/reply): StoreRelease -> StoreAck."""
+        return f"{self.prefix}.store.{store_id}.release"
 
     def worker_control(self, worker_id: str) -> str:
         """kv-registry -> one worker (request/reply): WorkerControl (drain / resume)."""

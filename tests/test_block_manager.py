@@ -178,3 +178,50 @@ def test_truncate_copies_a_shared_block_before_it_is_rewritten():
     assert copies == [(shared, b.block_table[1])] and b.block_table[1] != shared
     assert bm.blocks[shared].ref_count == 1 and bm.blocks[shared].hash is not None
     bm.check_invariants()
+
+
+# --- blocks from and to a KV store ----------------------------------------------------------
+
+
+def test_adopted_blocks_are_prefix_hits_for_the_next_sequence_after_they_are_freed():
+    bm = BlockManager(8, BS, root_hash=5)
+    tokens = list(range(13))  # 3 full blocks, the last one holds the last token's block too
+    seq = make_seq(tokens)
+    hashes = bm._ensure_hashes(seq, 3)
+    ids = bm.allocate_blocks(2)  # as a store read fills them
+    chunks = [tuple(tokens[i * BS : (i + 1) * BS]) for i in range(2)]
+    assert bm.adopt(ids, hashes[:2], chunks) == 2
+    assert bm.num_cached(hashes) == 2
+    bm.free_blocks(ids)
+    fresh = make_seq(tokens, "r2")
+    bm.allocate(fresh)
+    assert fresh.block_table[:2] == ids and fresh.num_computed_tokens == 2 * BS
+    bm.check_invariants()
+
+
+def test_adopt_leaves_a_hash_cached_already_as_it_is():
+    bm = BlockManager(8, BS)
+    seq = make_seq(list(range(9)))
+    bm.allocate(seq)
+    compute_all(bm, seq)
+    [h0, _] = seq.block_hashes
+    [other] = bm.allocate_blocks(1)
+    assert bm.adopt([other], [h0], [tuple(range(BS))]) == 0
+    assert bm.hash_to_block[h0] == seq.block_table[0]
+    bm.free_blocks([other])
+    bm.check_invariants()
+
+
+def test_pinned_cached_blocks_are_not_handed_out_until_freed():
+    bm = BlockManager(3, BS)
+    seq = make_seq(list(range(9)))
+    bm.allocate(seq)
+    compute_all(bm, seq)
+    hashes = list(seq.block_hashes)
+    bm.deallocate(seq)  # cached, free
+    pinned = bm.pin_cached([*hashes, 12345])  # stops at the first hash not cached
+    assert len(pinned) == 2 and bm.num_free_blocks == 1
+    assert bm.allocate_blocks(1)[0] not in pinned
+    bm.free_blocks(pinned)
+    assert bm.num_cached(hashes) == 2
+    bm.check_invariants()

@@ -39,9 +39,11 @@ def interpolate(value: str) -> str:
 
 def test_compose_runs_every_mesh_service() -> None:
     services = compose()["services"]
-    assert {"nats", "kv-registry", "router", "prefill", "decode", "draft"} <= set(services)
+    assert {"nats", "kv-registry", "router", "prefill", "decode", "draft", "kv-store"} <= set(
+        services
+    )
     serves = sorted(svc["command"][2] for svc in kvmesh_services().values())
-    assert serves == ["decode", "draft", "kv-registry", "prefill", "router"]
+    assert serves == ["decode", "draft", "kv-registry", "kv-store", "prefill", "router"]
 
 
 def test_decode_sends_contexts_to_the_compose_draft_service() -> None:
@@ -50,7 +52,9 @@ def test_decode_sends_contexts_to_the_compose_draft_service() -> None:
     assert interpolate(services["draft"]["environment"]["KVMESH_METHOD"]) == "ngram"
 
 
-@pytest.mark.parametrize("name", ["kv-registry", "router", "prefill", "decode", "draft"])
+@pytest.mark.parametrize(
+    "name", ["kv-registry", "router", "prefill", "decode", "draft", "kv-store"]
+)
 def test_command_is_a_kvmesh_entry_point_with_valid_env(name: str) -> None:
     svc = kvmesh_services()[name]
     command = svc["command"]
@@ -157,7 +161,7 @@ def test_prometheus_scrapes_every_service_on_its_metrics_port() -> None:
     assert targets == {name: metrics_port(name) for name in kvmesh_services()}
 
 
-@pytest.mark.parametrize("name", ["kv-registry", "prefill", "decode", "draft"])
+@pytest.mark.parametrize("name", ["kv-registry", "prefill", "decode", "draft", "kv-store"])
 def test_worker_metrics_ports_are_config_keys_and_stay_unpublished(name: str) -> None:
     svc = kvmesh_services()[name]
     env = {k: interpolate(v) for k, v in svc["environment"].items()}

@@ -117,6 +117,33 @@ async def test_nats_without_credentials_or_with_a_wrong_password_is_refused(serv
         ),
         ("prefill", subjects.REGISTRY_KV_EVENTS, "kv-registry", subjects.REGISTRY_KV_EVENTS, False),
         ("router", subjects.REGISTRY_KV_DIGEST, "kv-registry", subjects.REGISTRY_KV_DIGEST, False),
+        # KV stores: adverts to the registry and prefill workers, put/get from their clients
+        (
+            "kv-store",
+            subjects.REGISTRY_STORE_ADVERTISE,
+            "kv-registry",
+            subjects.REGISTRY_STORE_ADVERTISE,
+            True,
+        ),
+        (
+            "kv-store",
+            subjects.REGISTRY_STORE_ADVERTISE,
+            "prefill",
+            subjects.REGISTRY_STORE_ADVERTISE,
+            True,
+        ),
+        (
+            "decode",
+            subjects.REGISTRY_STORE_ADVERTISE,
+            "prefill",
+            subjects.REGISTRY_STORE_ADVERTISE,
+            False,
+        ),
+        ("prefill", subjects.store_put("s0"), "kv-store", "kvmesh.m1.store.s0.>", True),
+        ("decode", subjects.store_get("s0"), "kv-store", "kvmesh.m1.store.s0.>", True),
+        ("router", subjects.store_put("s0"), "kv-store", "kvmesh.m1.store.s0.>", False),
+        ("kv-store", subjects.ABORT, "decode", subjects.ABORT, False),
+        ("kv-store", subjects.decode_reserve("d0"), "decode", "kvmesh.m1.decode.d0.>", False),
         # another mesh's subjects: neither sent nor heard
         ("router", other.ABORT, "decode", other.ABORT, False),
         ("decode", other.request_tokens("r1"), "router", other.request_events_all("r1"), False),

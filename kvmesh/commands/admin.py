@@ -44,7 +44,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("admin", help="inspect and steer a running mesh (via the kv-registry)")
     actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
     specs: tuple[tuple[str, str, str | None], ...] = (
-        ("status", "decode pools (blocks, running, state), other workers, leases", None),
+        ("status", "decode pools (blocks, running, state), kv stores, other workers, leases", None),
         ("workers", "every live worker: role, state, load", None),
         ("drain", "stop placing new requests on WORKER; running ones finish", "worker"),
         ("resume", "place requests on WORKER again", "worker"),
@@ -184,7 +184,9 @@ def render_status(status: dict[str, Any]) -> str:
     registry = status.get("registry", {})
     leases = status.get("leases", {})
     others = [
-        w for w in status.get("workers", []) if w["role"] not in ("decode", "colocated", "draft")
+        w
+        for w in status.get("workers", [])
+        if w["role"] not in ("decode", "colocated", "draft", "kv-store")
     ]
     parts = [
         f"kv-registry {registry.get('worker_id', '?')} (up {registry.get('uptime_s', 0):.0f}s)",
@@ -219,6 +221,21 @@ def render_status(status: dict[str, Any]) -> str:
                 "verified_tokens",
                 "accepted_tokens",
                 "acceptance",
+            ),
+        ),
+        "",
+        "kv stores (blocks; hit rate: blocks served / blocks asked for):",
+        table(
+            status.get("stores", []),
+            (
+                "store_id",
+                "state",
+                "total_blocks",
+                "used_blocks",
+                "pinned_blocks",
+                "hit_rate",
+                "evictions",
+                "refused_accesses",
             ),
         ),
         "",

@@ -18,6 +18,7 @@ import nats.errors
 import orjson
 from kvmesh.services.kv_registry.config import RegistryConfig
 from kvmesh.services.kv_registry.core import RegistryState
+from kvmesh.services.kv_registry.stores import StoreTable
 from kvmesh.shared import logs, protocol
 from kvmesh.shared.prefill_queue import queue_status
 from kvmesh.shared.protocol import LogLevel, WorkerControl
@@ -45,6 +46,7 @@ class RegistryAdmin:
     worker_id: str
     started_at: float
     clock: Callable[[], float] = time.monotonic
+    stores: StoreTable | None = None  # the KV stores' adverts (docs/kv_store.md)
 
     def handlers(self) -> dict[str, AdminHandler]:
         """The handler of each admin subject."""
@@ -71,6 +73,7 @@ class RegistryAdmin:
 
     async def admin_status(self, body: dict[str, Any]) -> dict[str, Any]:
         status = self.core.status(self.clock())
+        status["stores"] = self.stores.status(self.clock()) if self.stores is not None else []
         status["registry"] = {
             "worker_id": self.worker_id,
             "mesh": self.subjects.mesh,

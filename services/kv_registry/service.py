@@ -24,6 +24,7 @@ from kvmesh.services.kv_registry.core import RegistryState
 from kvmesh.services.kv_registry.metrics import RegistryMetrics
 from kvmesh.services.kv_registry.placement import Placement
 from kvmesh.services.kv_registry.prefix_index import PrefixIndex
+from kvmesh.services.kv_registry.stores import StoreTable
 from kvmesh.shared import logs, protocol
 from kvmesh.shared.nats_service import (
     connect_nats,
@@ -39,6 +40,7 @@ from kvmesh.shared.protocol import (
     KvCacheEvents,
     LeaseRenew,
     PrefillDone,
+    StoreAdvert,
     WorkerGone,
     WorkerHeartbeat,
 )
@@ -78,11 +80,12 @@ class RegistryService:
             local_max_suffix_tokens=config.local_max_suffix_tokens,
             prefix_index=PrefixIndex(config.max_cached_blocks_per_worker),
         )
+        self.stores = StoreTable(config.worker_timeout_s)
         self.metrics = RegistryMetrics(self.core)
         self.metrics_port: int | None = None  # bound by registry_service (None: no endpoint)
         self.placement = Placement(config, nc, subjects, self.core, self.metrics, clock)
         self.admin = RegistryAdmin(
-            config, nc, subjects, self.core, worker_id, self.started_at, clock
+            config, nc, subjects, self.core, worker_id, self.started_at, clock, self.stores
         )
 
     def heartbeat(self) -> WorkerHeartbeat:
@@ -107,6 +110,15 @@ class RegistryService:
                 free_blocks=advert.free_blocks,
             )
 
+    async def on_store_advert(self, advert: StoreAdvert) -> None:
+        if self.stores.observe(advert, self.clock()):
+            log.info(
+                "kv-store joined",
+                store_id=advert.store_id,
+                total_blocks=advert.total_blocks,
+                used_blocks=advert.used_blocks,
+            )
+
     async def on_cache_events(self, msg: KvCacheEvents) -> None:
         self.core.observe_cache_events(msg)
 
@@ -129,6 +141,8 @@ class RegistryService:
             now = self.clock()
             before = {row["worker_id"]: row for row in self.core.workers(now)}
             dropped, expired = self.core.expire(now)
+            for store_id in self.stores.expire(now):
+                log.warning("kv-store dropped: no advert", store_id=store_id)
             for worker_id in dropped:
                 log.warning("worker dropped: no heartbeat or advert", worker_id=worker_id)
                 row = before.get(worker_id, {"role": "?", "last_seen_s": 0.0})
@@ -198,6 +212,7 @@ async def registry_service(config: RegistryConfig) -> AsyncIterator[RegistryServ
                     (subjects.DECODE_LEASE_RENEW_ALL, LeaseRenew, service.on_lease_renew),
                     (subjects.REGISTRY_KV_EVENTS, KvCacheEvents, service.on_cache_events),
                     (subjects.REGISTRY_KV_DIGEST, KvCacheDigest, service.on_cache_digest),
+                    (subjects.REGISTRY_STORE_ADVERTISE, StoreAdvert, service.on_store_advert),
                 ),
                 worker_presence(
                     nc,

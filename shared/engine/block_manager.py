@@ -101,6 +101,52 @@ class BlockManager:
         for block_id in reversed(block_ids):
             self._release(block_id)
 
+    # ---- blocks from and to a KV store (docs/kv_store.md) -------------------------------------
+
+    def num_cached(self, hashes: list[int]) -> int:
+        """How many leading ``hashes`` the prefix cache holds (tokens are checked on use)."""
+        n = 0
+        while n < len(hashes) and hashes[n] in self.hash_to_block:
+            n += 1
+        return n
+
+    def adopt(self, block_ids: list[int], hashes: list[int], tokens: list[tuple[int, ...]]) -> int:
+        """Enter blocks whose KV was placed from outside (read from a KV store into blocks from
+        ``allocate_blocks``) into the prefix cache under their chain hashes; the caller still
+        frees them, after which they stay cached until evicted, as computed blocks do. A hash
+        cached already is left as it is. Returns how many blocks were entered."""
+        if not self.enable_prefix_caching:
+            return 0
+        entered = 0
+        for block_id, h, toks in zip(block_ids, hashes, tokens, strict=True):
+            block = self.blocks[block_id]
+            assert block.ref_count > 0 and block.hash is None, block_id
+            assert len(toks) == self.block_size, len(toks)
+            if h in self.hash_to_block:
+                continue
+            block.hash, block.token_ids = h, tuple(toks)
+            self.hash_to_block[h] = block_id
+            if self.events is not None:
+                self.events.on_stored(h)
+            entered += 1
+        return entered
+
+    def pin_cached(self, hashes: list[int]) -> list[int]:
+        """The blocks of the leading run of ``hashes`` in the prefix cache, each with one more
+        reference (neither evicted nor handed out) until ``free_blocks``: what a KV store put
+        reads while the engine goes on."""
+        pinned = []
+        for h in hashes:
+            block_id = self.hash_to_block.get(h)
+            if block_id is None:
+                break
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free[block_id]
+            block.ref_count += 1
+            pinned.append(block_id)
+        return pinned
+
     # ---- sequences ----------------------------------------------------------------------------
 
     def _ensure_hashes(self, seq: Sequence, num_full_blocks: int) -> list[int]:

@@ -1,0 +1,98 @@
+"""StoreConfig: flags ``--x-y`` / env ``KVMESH_X_Y`` for every field (see kvmesh.shared.service_config)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from kvmesh.shared.advertise import (
+    AdvertiseHostError,
+    check_advertise_host,
+    resolve_transport_hosts,
+)
+from kvmesh.shared.service_config import option
+from kvmesh.shared.service_errors import ServiceStartError
+from kvmesh.shared.subjects import mesh_from_model
+from kvmesh.shared.worker_config import MetricsServiceConfig
+
+DEFAULT_CAPACITY_GB = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class StoreConfig(MetricsServiceConfig):
+    worker_id: str | None = option(None, help="store id (default: kv-store-<random>)")
+    heartbeat_s: float = option(1.0, help="seconds between heartbeats and store adverts")
+    model: str = option(
+        "kvmesh-tiny", help="model whose KV blocks it stores (config.json only; no weights)"
+    )
+    dtype: str | None = option(
+        None, help="the decode workers' --dtype (float32, bfloat16, float16); default: the model's"
+    )
+    block_size: int = option(16, help="tokens per KV block (as the decode workers')")
+    kv_cache_dtype: Literal["auto", "fp8_e4m3"] = option(
+        "auto", help="the workers' --kv-cache-dtype: auto (the model's dtype) or fp8_e4m3"
+    )
+    num_blocks: int | None = option(
+        None, help="blocks in the store's pool (default: --capacity-gb)"
+    )
+    capacity_gb: float | None = option(
+        None, help=f"pool size in GiB of host memory (default {DEFAULT_CAPACITY_GB:g})"
+    )
+    transport: Literal["auto", "shm", "tcp", "rdma"] = option("auto", help="KV data plane backend")
+    tcp_host: str | None = option(
+        None,
+        help="address the data plane listens on (tcp lanes, the rdma side channel); 0.0.0.0 "
+        "for every interface (default: --advertise-host)",
+    )
+    advertise_host: str | None = option(
+        None,
+        help="address peers on other hosts dial to reach the store's data plane (default: the "
+        "address of the interface that routes to the NATS server; 127.0.0.1 on one host)",
+    )
+    max_lease_s: float = option(
+        120.0, help="longest a put or get may hold its slots (longer leases are capped)"
+    )
+    lease_check_s: float = option(0.1, help="seconds between lease-expiry checks")
+    retry_after_s: float = option(
+        0.5, help="retry_after_s of a put refused because every slot is pinned"
+    )
+
+    def __post_init__(self) -> None:
+        MetricsServiceConfig.__post_init__(self)
+        if not self.model:
+            raise ValueError("model must name a model or a checkpoint directory")
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if self.num_blocks is not None and self.capacity_gb is not None:
+            raise ValueError("give num_blocks or capacity_gb, not both")
+        if self.num_blocks is not None and self.num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
+        if self.capacity_gb is not None and not self.capacity_gb > 0:
+            raise ValueError(f"capacity_gb must be positive, got {self.capacity_gb}")
+        for name in ("max_lease_s", "lease_check_s", "retry_after_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.advertise_host is not None:
+            check_advertise_host(self.advertise_host)
+
+    def default_mesh(self) -> str:
+        return mesh_from_model(self.model)
+
+    def resolve_num_blocks(self, block_bytes: int) -> int:
+        """Blocks the pool holds: --num-blocks, else --capacity-gb of block_bytes each."""
+        if self.num_blocks is not None:
+            return self.num_blocks
+        capacity = int((self.capacity_gb or DEFAULT_CAPACITY_GB) * (1 << 30))
+        num = capacity // block_bytes
+        if num < 1:
+            raise ValueError(
+                f"capacity_gb {self.capacity_gb} holds no block of {block_bytes} bytes"
+            )
+        return num
+
+    def transport_hosts(self) -> tuple[str, str]:
+        """``(bind, advertise)`` of the data plane, as for engine workers."""
+        try:
+            return resolve_transport_hosts(self.tcp_host, self.advertise_host, self.nats_url)
+        except AdvertiseHostError as exc:
+            raise ServiceStartError(str(exc)) from None

@@ -1,0 +1,388 @@
+"""The kv-store's shell: its pool on the data plane, the put/commit/get/release endpoints, the
+lease and advert loops around ``core.BlockStore`` (docs/kv_store.md).
+
+In (``Subjects(mesh)``): StorePut / StoreCommit / StoreGet / StoreRelease on ``store_*(id)``
+(micro endpoints). Out: StoreAdvert on REGISTRY_STORE_ADVERTISE and a WorkerHeartbeat every
+``heartbeat_s``. KV bytes never pass through here: writers and readers move them one-sided
+through the windows this shell opens; it looks at the bytes only to check a commit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import nats.errors
+from kvmesh.services.kv_store.config import StoreConfig
+from kvmesh.services.kv_store.core import BlockStore, StoreFull
+from kvmesh.services.kv_store.layout import store_layout
+from kvmesh.services.kv_store.metrics import StoreMetrics
+from kvmesh.shared import logs
+from kvmesh.shared.descriptor import TransportDescriptor
+from kvmesh.shared.kv_block_header import HEADER_BYTES, BlockHeader, BlockVerifyError, check_stored
+from kvmesh.shared.nats_service import (
+    background,
+    connect_nats,
+    new_worker_id,
+    open_for_requests,
+    publish_every,
+    serve_until_signal,
+    worker_presence,
+)
+from kvmesh.shared.prefix_hash import layout_root
+from kvmesh.shared.protocol import (
+    Message,
+    MessageError,
+    StoreAck,
+    StoreAdvert,
+    StoreCommit,
+    StoreCommitReply,
+    StoreGet,
+    StoreGetReply,
+    StorePut,
+    StorePutReply,
+    StoreRelease,
+    WorkerHeartbeat,
+    decode_message,
+    encode_message,
+)
+from kvmesh.shared.transport import (
+    Access,
+    MemoryWindow,
+    Transport,
+    TransportConfig,
+    create_transport,
+)
+from nats.aio.client import Client
+from nats.micro.request import Request
+
+log = logs.get_logger(__name__)
+
+ROLE = "kv-store"
+
+
+class StoreService:
+    """One store: ``num_blocks`` blocks at ``data_addr``, their headers at ``header_addr``, in one
+    registered region of ``transport``."""
+
+    def __init__(
+        self,
+        config: StoreConfig,
+        nc: Client,
+        transport: Transport,
+        memory: Any,
+        store_id: str,
+        num_blocks: int,
+        block_bytes: int,
+        kv_spec: str,
+    ) -> None:
+        self.config = config
+        self.nc = nc
+        self.transport = transport
+        self.store_id = store_id
+        self.epoch = secrets.token_hex(8)
+        self.block_bytes = block_bytes
+        self.kv_spec = kv_spec
+        self.layout = layout_root(kv_spec)
+        self.core = BlockStore(num_blocks)
+        self.memory = memory  # (num_blocks * (block_bytes + HEADER_BYTES),) uint8
+        self.region = transport.register(memory, Access.REMOTE)
+        self.data_addr = self.region.addr
+        self.header_addr = self.region.addr + num_blocks * block_bytes
+        self.windows: dict[str, MemoryWindow] = {}  # put or get id -> its window
+        self.started_at = time.time()
+        self.is_draining = False
+        self.metrics = StoreMetrics(self.core, transport.stats, block_bytes)
+        self.metrics_port: int | None = None
+
+    # --- addresses ------------------------------------------------------------------------------
+
+    def block_addr(self, slot: int) -> int:
+        return self.data_addr + slot * self.block_bytes
+
+    def slot_header_addr(self, slot: int) -> int:
+        return self.header_addr + slot * HEADER_BYTES
+
+    def _open(self, slots: tuple[int, ...], access: Access) -> MemoryWindow:
+        spans = [(self.block_addr(s), self.block_bytes) for s in slots]
+        spans += [(self.slot_header_addr(s), HEADER_BYTES) for s in slots]
+        return self.transport.open_window(self.region, spans, access)
+
+    def _close(self, op_id: str) -> None:
+        window = self.windows.pop(op_id, None)
+        if window is not None:
+            self.transport.close_window(window)
+
+    def _expiry(self, lease_ms: int) -> float:
+        return time.monotonic() + min(lease_ms / 1000.0, self.config.max_lease_s)
+
+    def _layout_error(self, kv_spec: str) -> str:
+        if kv_spec == self.kv_spec:
+            return ""
+        return (
+            f"stale or foreign KV layout: store {self.store_id} holds {self.kv_spec!r}, the "
+            f"request names {kv_spec!r}"
+        )
+
+    # --- puts ------------------------------------------------------------------------------------
+
+    def put(self, body: StorePut) -> StorePutReply:
+        error = self._layout_error(body.kv_spec)
+        if error:
+            return StorePutReply(ok=False, store_id=self.store_id, error=error)
+        put_id = f"put-{secrets.token_hex(8)}"
+        verdict = self.core.reserve(
+            put_id, self.layout, body.block_hashes, self._expiry(body.lease_ms)
+        )
+        if isinstance(verdict, StoreFull):
+            log.info("put refused: full of pinned blocks", client=body.client_id)
+            return StorePutReply(
+                ok=False,
+                store_id=self.store_id,
+                error=verdict.error,
+                retry_after_s=self.config.retry_after_s,
+            )
+        rkey = 0
+        if verdict.slots:
+            try:
+                window = self.windows[put_id] = self._open(verdict.slots, Access.REMOTE_WRITE)
+            except ValueError as exc:  # the transport's table of windows is full
+                self.core.cancel_put(put_id)
+                return StorePutReply(
+                    ok=False,
+                    store_id=self.store_id,
+                    error=f"cannot open a write window: {exc}",
+                    retry_after_s=self.config.retry_after_s,
+                )
+            rkey = window.rkey
+        return StorePutReply(
+            ok=True,
+            store_id=self.store_id,
+            put_id=put_id if verdict.slots else "",
+            rkey=rkey,
+            present=verdict.present,
+            write_hashes=verdict.write_hashes,
+            block_addrs=tuple(self.block_addr(s) for s in verdict.slots),
+            header_addrs=tuple(self.slot_header_addr(s) for s in verdict.slots),
+            block_bytes=self.block_bytes,
+        )
+
+    async def commit(self, body: StoreCommit) -> StoreCommitReply:
+        window = self.windows.get(body.put_id)
+        put = self.core.put_slots(body.put_id)
+        if window is None or put is None or window.rkey != body.rkey:
+            return StoreCommitReply(
+                ok=False, error=f"no put {body.put_id!r} in flight with this key (expired?)"
+            )
+        self._close(body.put_id)  # from here on a late write is refused
+        hashes, slots, layout = put
+        good = await asyncio.to_thread(self._check_slots, hashes, slots, layout)
+        committed, rejected = self.core.commit(body.put_id, good)
+        if rejected:
+            log.warning("commit rejected blocks", put_id=body.put_id, rejected=len(rejected))
+        return StoreCommitReply(ok=True, committed=tuple(committed), rejected=tuple(rejected))
+
+    def _check_slots(
+        self, hashes: tuple[int, ...], slots: tuple[int, ...], layout: int
+    ) -> list[bool]:
+        """Whether each slot's header names its reserved hash and layout and its bytes match
+        the CRC32 (in a thread: it reads every byte of the put)."""
+        good = []
+        base = self.header_addr - self.data_addr
+        for h, slot in zip(hashes, slots, strict=True):
+            start = slot * self.block_bytes
+            block = self.memory[start : start + self.block_bytes].numpy()
+            raw = self.memory[base + slot * HEADER_BYTES : base + (slot + 1) * HEADER_BYTES]
+            try:
+                check_stored(BlockHeader.unpack(raw.numpy().tobytes()), h, layout, block)
+                good.append(True)
+            except BlockVerifyError as exc:
+                log.warning("block refused at commit", block_hash=f"{h:#x}", error=str(exc))
+                good.append(False)
+        return good
+
+    # --- gets ------------------------------------------------------------------------------------
+
+    def get(self, body: StoreGet) -> StoreGetReply:
+        error = self._layout_error(body.kv_spec)
+        if error:
+            return StoreGetReply(ok=False, store_id=self.store_id, error=error)
+        get_id = f"get-{secrets.token_hex(8)}"
+        grant = self.core.lookup(
+            get_id, self.layout, body.block_hashes, self._expiry(body.lease_ms)
+        )
+        if not grant.slots:
+            return StoreGetReply(ok=True, store_id=self.store_id, block_bytes=self.block_bytes)
+        try:
+            window = self.windows[get_id] = self._open(grant.slots, Access.REMOTE_READ)
+        except ValueError as exc:  # the transport's table of windows is full: a miss
+            self.core.release(get_id)
+            log.warning("get served as a miss: no read window", error=str(exc))
+            return StoreGetReply(ok=True, store_id=self.store_id, block_bytes=self.block_bytes)
+        return StoreGetReply(
+            ok=True,
+            store_id=self.store_id,
+            get_id=get_id,
+            rkey=window.rkey,
+            block_hashes=grant.block_hashes,
+            block_addrs=tuple(self.block_addr(s) for s in grant.slots),
+            header_addrs=tuple(self.slot_header_addr(s) for s in grant.slots),
+            block_bytes=self.block_bytes,
+        )
+
+    def release(self, body: StoreRelease) -> StoreAck:
+        window = self.windows.get(body.get_id)
+        if window is None or window.rkey != body.rkey:
+            return StoreAck(ok=False, error=f"no get {body.get_id!r} held with this key (expired?)")
+        self._close(body.get_id)
+        self.core.release(body.get_id)
+        return StoreAck(ok=True)
+
+    # --- loops -----------------------------------------------------------------------------------
+
+    async def lease_loop(self) -> None:
+        while True:
+            puts, gets = self.core.expire(time.monotonic())
+            for op_id in (*puts, *gets):
+                self._close(op_id)
+            if puts or gets:
+                log.info("leases expired", puts=len(puts), gets=len(gets))
+            await asyncio.sleep(self.config.lease_check_s)
+
+    async def completion_loop(self) -> None:
+        """Writes carry an immediate (the data plane's semantics); the commit, not the
+        immediate, says a put is done, so completions are only drained."""
+        async for _ in self.transport.completions():
+            pass
+
+    def advert(self) -> StoreAdvert:
+        stats = self.transport.stats()
+        c = self.core.counters
+        return StoreAdvert(
+            store_id=self.store_id,
+            epoch=self.epoch,
+            descriptor=TransportDescriptor.from_peer(self.transport.descriptor().public()),
+            kv_spec=self.kv_spec,
+            block_bytes=self.block_bytes,
+            block_size=self.config.block_size,
+            total_blocks=self.core.num_blocks,
+            used_blocks=self.core.num_used,
+            pinned_blocks=self.core.num_pinned,
+            hits=c.hits,
+            misses=c.misses,
+            evictions=c.evictions,
+            bytes_written=stats.bytes,
+            bytes_read=stats.read_bytes,
+            refused_accesses=stats.refused,
+            state="draining" if self.is_draining else "ready",
+            sent_at=time.time(),
+        )
+
+    def heartbeat(self) -> WorkerHeartbeat:
+        return WorkerHeartbeat(
+            worker_id=self.store_id,
+            role=ROLE,
+            state="draining" if self.is_draining else "ready",
+            num_running=len(self.core.puts) + len(self.core.gets),
+            started_at=self.started_at,
+            sent_at=time.time(),
+        )
+
+    # --- endpoints -------------------------------------------------------------------------------
+
+    def endpoint(
+        self, cls: type[Any], handle: Callable[[Any], Message | Awaitable[Message]]
+    ) -> Callable[[Request], Awaitable[None]]:
+        """A micro endpoint: decode ``cls`` (400 when malformed), answer ``handle``'s reply."""
+
+        async def on_request(req: Request) -> None:
+            try:
+                body = decode_message(req.data, cls)
+            except MessageError as exc:
+                await req.respond_error("400", str(exc))
+                return
+            reply = handle(body)
+            if asyncio.iscoroutine(reply):
+                reply = await reply
+            try:
+                await req.respond(encode_message(reply))
+            except nats.errors.Error as exc:  # the client gave up; the lease frees its slots
+                log.warning("store reply not sent", error=str(exc))
+
+        return on_request
+
+
+@contextlib.asynccontextmanager
+async def store_service(config: StoreConfig) -> AsyncIterator[StoreService]:
+    """Pool allocated and registered, connected, answering; everything stops on exit."""
+    store_id = config.worker_id or new_worker_id(ROLE)
+    spec, kv_spec = store_layout(
+        config.model, config.dtype, config.block_size, config.kv_cache_dtype
+    )
+    num_blocks = config.resolve_num_blocks(spec.block_bytes)
+    bind_host, advertise_host = config.transport_hosts()
+    tconf = TransportConfig(peer_id=store_id, tcp_host=bind_host, tcp_advertise_host=advertise_host)
+    subjects = config.subjects
+    async with (
+        create_transport(config.transport, tconf) as transport,
+        connect_nats(config.nats_url, store_id, security=config.nats_security) as nc,
+    ):
+        memory = transport.allocate(num_blocks * (spec.block_bytes + HEADER_BYTES))
+        service = StoreService(
+            config, nc, transport, memory, store_id, num_blocks, spec.block_bytes, kv_spec
+        )
+        async with (
+            worker_presence(
+                nc,
+                subjects,
+                role=ROLE,
+                worker_id=store_id,
+                heartbeat=service.heartbeat,
+                interval_s=config.heartbeat_s,
+            ) as svc,
+            background(
+                service.lease_loop(),
+                service.completion_loop(),
+                publish_every(
+                    nc, subjects.REGISTRY_STORE_ADVERTISE, service.advert, config.heartbeat_s
+                ),
+            ),
+            open_for_requests(
+                nc,
+                svc,
+                ("put", subjects.store_put(store_id), service.endpoint(StorePut, service.put)),
+                (
+                    "commit",
+                    subjects.store_commit(store_id),
+                    service.endpoint(StoreCommit, service.commit),
+                ),
+                ("get", subjects.store_get(store_id), service.endpoint(StoreGet, service.get)),
+                (
+                    "release",
+                    subjects.store_release(store_id),
+                    service.endpoint(StoreRelease, service.release),
+                ),
+                metrics=service.metrics.registry,
+                config=config,
+                logger=log,
+                ready="kv-store ready",
+                worker_id=store_id,
+                transport=transport.name,
+                num_blocks=num_blocks,
+                block_bytes=spec.block_bytes,
+                kv_spec=kv_spec,
+            ) as service.metrics_port,
+        ):
+            yield service
+
+
+async def run_store(config: StoreConfig) -> None:
+    async with store_service(config):
+        await serve_until_signal()
+
+
+__all__ = ["ROLE", "StoreService", "run_store", "store_service"]

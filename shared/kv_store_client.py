@@ -1,0 +1,385 @@
+"""Putting KV blocks into a kv-store and getting them back, one-sided (asyncio; docs/kv_store.md).
+
+The client owns nothing but a small registered header buffer and one endpoint per store: blocks
+move between the caller's registered pool and the store's pool by one batched ``write`` (put)
+or ``read`` (get) each, the control messages go over NATS. A get verifies every block it read
+(``verify_block``: header, layout, token digest, CRC32) and reports how many leading blocks are
+good; the caller uses those and computes the rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+from kvmesh.shared import logs
+from kvmesh.shared.engine.block_manager import BlockManager
+from kvmesh.shared.engine.kv_cache import KVPool
+from kvmesh.shared.kv_block_header import (
+    HEADER_BYTES,
+    BlockVerifyError,
+    make_header,
+    token_digests,
+    verify_block,
+)
+from kvmesh.shared.prefix_hash import layout_root, prefix_block_hashes
+from kvmesh.shared.protocol import (
+    MAX_STORE_BLOCKS,
+    Message,
+    MessageError,
+    StoreAck,
+    StoreAdvert,
+    StoreCommit,
+    StoreCommitReply,
+    StoreGet,
+    StoreGetReply,
+    StorePut,
+    StorePutReply,
+    StoreRelease,
+    decode_message,
+    encode_message,
+)
+from kvmesh.shared.subjects import Subjects
+from kvmesh.shared.transport import (
+    Access,
+    Endpoint,
+    MemoryRegion,
+    PeerDescriptor,
+    Transport,
+    TransportError,
+    WriteEntry,
+)
+from nats.aio.client import Client
+
+log = logs.get_logger(__name__)
+
+R = TypeVar("R", bound=Message)
+
+
+class StoreRequestError(RuntimeError):
+    """The store did not answer, or answered something that is not its reply."""
+
+
+@dataclass(frozen=True, slots=True)
+class StoreTarget:
+    """Where a store is: its id (its subjects) and its data-plane descriptor."""
+
+    store_id: str
+    descriptor: PeerDescriptor
+
+
+@dataclass(frozen=True, slots=True)
+class LocalBlock:
+    """One block of the caller's pool: its name and where its bytes lie in ``region``."""
+
+    block_hash: int
+    token_digest: bytes  # kv_block_header.token_digests()
+    offset: int  # byte offset in the pool region
+
+
+@dataclass(frozen=True, slots=True)
+class PutResult:
+    ok: bool
+    present: tuple[int, ...] = ()
+    committed: tuple[int, ...] = ()
+    rejected: tuple[int, ...] = ()
+    error: str = ""
+    retry_after_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class GetResult:
+    num_blocks: int  # leading blocks that landed in the pool and verified
+    num_offered: int  # blocks the store had (its leading run)
+    error: str = ""  # why fewer than offered were used, or why the get failed
+
+
+class KvStoreClient:
+    """Puts and gets for one pool ``pool`` (flat uint8) registered as ``region`` on
+    ``transport``. Operations take turns on the header buffer (one at a time per client)."""
+
+    def __init__(
+        self,
+        nc: Client,
+        subjects: Subjects,
+        transport: Transport,
+        pool: torch.Tensor,
+        region: MemoryRegion,
+        block_bytes: int,
+        client_id: str,
+        request_timeout_s: float = 5.0,
+        lease_ms: int = 30_000,
+    ) -> None:
+        self.nc = nc
+        self.subjects = subjects
+        self.transport = transport
+        self.pool = pool
+        self.region = region
+        self.block_bytes = block_bytes
+        self.client_id = client_id
+        self.request_timeout_s = request_timeout_s
+        self.lease_ms = lease_ms
+        self._headers = transport.allocate(MAX_STORE_BLOCKS * HEADER_BYTES)
+        self._header_region = transport.register(self._headers, Access.LOCAL)
+        self._endpoints: dict[str, Endpoint] = {}
+        self._turn = asyncio.Lock()
+
+    async def aclose(self) -> None:
+        for ep in self._endpoints.values():
+            await ep.aclose()
+        self._endpoints.clear()
+        self.transport.deregister(self._header_region)
+
+    async def __aenter__(self) -> KvStoreClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    # --- put -------------------------------------------------------------------------------------
+
+    async def put(
+        self, store: StoreTarget, kv_spec: str, blocks: Sequence[LocalBlock]
+    ) -> PutResult:
+        """Offer ``blocks``; write those the store lacks (with their headers), then commit."""
+        layout = layout_root(kv_spec)
+        by_hash = {b.block_hash: b for b in blocks}
+        reply = await self._request(
+            self.subjects.store_put(store.store_id),
+            StorePut(self.client_id, kv_spec, tuple(by_hash), self.lease_ms),
+            StorePutReply,
+        )
+        if not reply.ok:
+            return PutResult(False, error=reply.error, retry_after_s=reply.retry_after_s)
+        if not reply.write_hashes:
+            return PutResult(True, present=reply.present)
+        self._check_block_bytes(reply.block_bytes)
+        async with self._turn:
+            writes = [by_hash[h] for h in reply.write_hashes]
+            await asyncio.to_thread(self._fill_headers, layout, writes)  # CRC32s: every byte
+            entries = []
+            for i, block in enumerate(writes):
+                entries.append(
+                    WriteEntry(
+                        self.region,
+                        block.offset,
+                        reply.block_addrs[i],
+                        reply.rkey,
+                        self.block_bytes,
+                    )
+                )
+                entries.append(
+                    WriteEntry(
+                        self._header_region,
+                        i * HEADER_BYTES,
+                        reply.header_addrs[i],
+                        reply.rkey,
+                        HEADER_BYTES,
+                    )
+                )
+            ep = await self._endpoint(store)
+            try:
+                await ep.write(entries, 0)
+            except TransportError:
+                await self._drop(store)  # the put's lease frees its slots
+                raise
+        done = await self._request(
+            self.subjects.store_commit(store.store_id),
+            StoreCommit(reply.put_id, reply.rkey),
+            StoreCommitReply,
+        )
+        if not done.ok:
+            return PutResult(False, present=reply.present, error=done.error)
+        return PutResult(True, reply.present, done.committed, done.rejected)
+
+    # --- get -------------------------------------------------------------------------------------
+
+    async def get(
+        self, store: StoreTarget, kv_spec: str, blocks: Sequence[LocalBlock]
+    ) -> GetResult:
+        """Read the leading run of ``blocks`` the store holds into their offsets of the pool;
+        the result says how many leading blocks verified (the others must be computed)."""
+        reply = await self._request(
+            self.subjects.store_get(store.store_id),
+            StoreGet(self.client_id, kv_spec, tuple(b.block_hash for b in blocks), self.lease_ms),
+            StoreGetReply,
+        )
+        if not reply.ok:
+            return GetResult(0, 0, reply.error)
+        offered = len(reply.block_hashes)
+        if not offered:
+            return GetResult(0, 0)
+        try:
+            self._check_block_bytes(reply.block_bytes)
+            if reply.block_hashes != tuple(b.block_hash for b in blocks[:offered]):
+                raise StoreRequestError(
+                    "the store offered other blocks than the leading ones asked"
+                )
+            async with self._turn:
+                entries = []
+                for i, block in enumerate(blocks[:offered]):
+                    entries.append(
+                        WriteEntry(
+                            self.region,
+                            block.offset,
+                            reply.block_addrs[i],
+                            reply.rkey,
+                            self.block_bytes,
+                        )
+                    )
+                    entries.append(
+                        WriteEntry(
+                            self._header_region,
+                            i * HEADER_BYTES,
+                            reply.header_addrs[i],
+                            reply.rkey,
+                            HEADER_BYTES,
+                        )
+                    )
+                ep = await self._endpoint(store)
+                await ep.read(entries)
+                good, error = await asyncio.to_thread(self._verify, kv_spec, blocks[:offered])
+        except TransportError as exc:
+            await self._drop(store)
+            good, error = 0, str(exc)
+        except StoreRequestError as exc:
+            good, error = 0, str(exc)
+        finally:
+            await self._release(store, reply)
+        return GetResult(good, offered, error)
+
+    def _fill_headers(self, layout: int, blocks: Sequence[LocalBlock]) -> None:
+        """Header ``i`` of the buffer for ``blocks[i]`` (in a thread: it reads every byte)."""
+        for i, block in enumerate(blocks):
+            data = self.pool[block.offset : block.offset + self.block_bytes].numpy()
+            header = make_header(block.block_hash, layout, block.token_digest, data).pack()
+            self._headers[i * HEADER_BYTES : (i + 1) * HEADER_BYTES] = torch.frombuffer(
+                bytearray(header), dtype=torch.uint8
+            )
+
+    def _verify(self, kv_spec: str, blocks: Sequence[LocalBlock]) -> tuple[int, str]:
+        layout = layout_root(kv_spec)
+        for i, block in enumerate(blocks):
+            raw = self._headers[i * HEADER_BYTES : (i + 1) * HEADER_BYTES].numpy().tobytes()
+            data = self.pool[block.offset : block.offset + self.block_bytes].numpy()
+            try:
+                verify_block(raw, data, block.block_hash, layout, block.token_digest)
+            except BlockVerifyError as exc:
+                log.warning("store block refused by the reader", index=i, error=str(exc))
+                return i, str(exc)
+        return len(blocks), ""
+
+    async def _release(self, store: StoreTarget, reply: StoreGetReply) -> None:
+        try:
+            await self._request(
+                self.subjects.store_release(store.store_id),
+                StoreRelease(reply.get_id, reply.rkey),
+                StoreAck,
+            )
+        except StoreRequestError as exc:  # its lease frees the pins
+            log.warning("store release not answered", error=str(exc))
+
+    # --- plumbing --------------------------------------------------------------------------------
+
+    def _check_block_bytes(self, block_bytes: int) -> None:
+        if block_bytes != self.block_bytes:
+            raise StoreRequestError(
+                f"the store's blocks are {block_bytes} bytes, this pool's {self.block_bytes}"
+            )
+
+    async def _endpoint(self, store: StoreTarget) -> Endpoint:
+        ep = self._endpoints.get(store.store_id)
+        if ep is None:
+            ep = self._endpoints[store.store_id] = await self.transport.connect(store.descriptor)
+        return ep
+
+    async def _drop(self, store: StoreTarget) -> None:
+        """Forget a store's endpoint after a failed operation (the next one connects again)."""
+        ep = self._endpoints.pop(store.store_id, None)
+        if ep is not None:
+            await ep.aclose()
+
+    async def _request(self, subject: str, body: Message, cls: type[R]) -> R:
+        try:
+            msg = await self.nc.request(
+                subject, encode_message(body), timeout=self.request_timeout_s
+            )
+        except Exception as exc:  # no responders, timeout, connection: the store is unreachable
+            raise StoreRequestError(f"store request on {subject} failed: {exc!r}") from exc
+        if msg.headers and msg.headers.get("Nats-Service-Error"):
+            raise StoreRequestError(
+                f"store refused the request: {msg.headers['Nats-Service-Error']}"
+            )
+        try:
+            return decode_message(msg.data, cls)
+        except MessageError as exc:
+            raise StoreRequestError(str(exc)) from exc
+
+
+# --- what engine workers share: which store, and putting cached blocks -----------------------
+
+STORE_ADVERT_TTL_S = 5.0  # a store not heard of for this long is not asked
+
+
+class StoreBook:
+    """The stores a worker may use: the latest ``StoreAdvert`` of each store of its KV layout
+    and block size (others could hold none of its blocks)."""
+
+    def __init__(self, kv_spec: str, block_bytes: int, clock=time.monotonic) -> None:
+        self.kv_spec = kv_spec
+        self.block_bytes = block_bytes
+        self.clock = clock
+        self._stores: dict[str, tuple[StoreAdvert, float]] = {}
+
+    def note(self, advert: StoreAdvert) -> None:
+        if advert.kv_spec == self.kv_spec and advert.block_bytes == self.block_bytes:
+            self._stores[advert.store_id] = (advert, self.clock())
+
+    def target(self) -> StoreTarget | None:
+        """The ready store with the lowest id among those heard of lately (each store holds what
+        was put to it, so all workers of a mesh pick the same one)."""
+        now = self.clock()
+        live = sorted(
+            (
+                a
+                for a, seen in self._stores.values()
+                if now - seen <= STORE_ADVERT_TTL_S and a.state == "ready"
+            ),
+            key=lambda a: a.store_id,
+        )
+        if not live:
+            return None
+        return StoreTarget(live[0].store_id, live[0].descriptor.to_peer())
+
+
+async def put_cached_prefix(
+    client: KvStoreClient,
+    store: StoreTarget,
+    kv_spec: str,
+    block_manager: BlockManager,
+    pool: KVPool,
+    token_ids: Sequence[int],
+    lock: asyncio.Lock,
+) -> PutResult | None:
+    """Put the full blocks of ``token_ids`` that the engine's prefix cache holds (the leading
+    run), pinned in the pool (under ``lock``, the engine's) while the put reads them, unpinned
+    after. None when none is cached. Raises what the put raises."""
+    hashes = prefix_block_hashes(token_ids, pool.spec.block_size, block_manager.root_hash)
+    async with lock:
+        pinned = block_manager.pin_cached(hashes)
+    if not pinned:
+        return None
+    try:
+        digests = token_digests(token_ids, pool.spec.block_size, kv_spec, len(pinned))
+        blocks = [
+            LocalBlock(h, d, pool.block_offset(b))
+            for h, d, b in zip(hashes, digests, pinned, strict=False)
+        ]
+        return await client.put(store, kv_spec, blocks)
+    finally:
+        async with lock:
+            block_manager.free_blocks(pinned)

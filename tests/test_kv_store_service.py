@@ -1,0 +1,282 @@
+"""`kvmesh serve kv-store` as a real process on a real nats-server: blocks written one-sided come
+back byte for byte through one-sided reads; a restart loses the cache (a miss, not an error); a
+store full of pinned blocks refuses a put at once and says why; a request naming another KV
+layout is refused; a hash collision is caught by the reader; a read after release is refused and
+counted; `kvmesh admin status` lists the store (docs/kv_store.md)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import AsyncIterator
+
+import pytest
+import torch
+from kvmesh.loadgen.server_breakdown import parse_prometheus
+from kvmesh.shared.kv_block_header import token_digests
+from kvmesh.shared.kv_store_client import KvStoreClient, LocalBlock, StoreTarget
+from kvmesh.shared.nats_service import connect_nats
+from kvmesh.shared.prefix_hash import layout_root, prefix_block_hashes
+from kvmesh.shared.protocol import (
+    StoreAck,
+    StoreAdvert,
+    StoreGet,
+    StoreGetReply,
+    StoreRelease,
+    decode_message,
+    encode_message,
+)
+from kvmesh.shared.subjects import Subjects
+from kvmesh.shared.transport import (
+    Access,
+    RemoteAccessError,
+    TransportConfig,
+    WriteEntry,
+    create_transport,
+)
+
+pytestmark = pytest.mark.slow  # a kv-store process per test
+
+MESH = "kvs"
+SUBJECTS = Subjects(MESH)
+BLOCK_SIZE = 16
+NUM_LOCAL = 8  # blocks in the test's own pool
+
+
+@contextlib.asynccontextmanager
+async def store_process(
+    nats_url: str, store_id: str, *flags: str, after_epoch: str = ""
+) -> AsyncIterator[StoreAdvert]:
+    """``kvmesh serve kv-store`` in its own process; yields its first advert (of an epoch other
+    than ``after_epoch``), stops it with SIGTERM on exit."""
+    argv = [sys.executable, "-m", "kvmesh.cli", "serve", "kv-store", "--nats-url", nats_url]
+    argv += ["--mesh", MESH, "--worker-id", store_id, "--heartbeat-s", "0.2", *flags]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}
+    # a file, not a pipe: a chatty child must never block on it
+    with tempfile.TemporaryFile() as log:
+        proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            async with connect_nats(nats_url, "test-advert") as nc:
+                adverts: asyncio.Queue[StoreAdvert] = asyncio.Queue()
+
+                async def on_advert(msg) -> None:
+                    advert = decode_message(msg.data, StoreAdvert)
+                    if advert.store_id == store_id and advert.epoch != after_epoch:
+                        adverts.put_nowait(advert)
+
+                await nc.subscribe(SUBJECTS.REGISTRY_STORE_ADVERTISE, cb=on_advert)
+                get = asyncio.ensure_future(adverts.get())
+                exited = asyncio.ensure_future(asyncio.to_thread(proc.wait))
+                await asyncio.wait({get, exited}, timeout=120, return_when=asyncio.FIRST_COMPLETED)
+                if not get.done():
+                    get.cancel()
+                    proc.kill()
+                    log.seek(0)
+                    raise AssertionError(f"kv-store did not come up: {log.read().decode()[-4000:]}")
+            yield get.result()
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+
+
+class Client:
+    """The test's side: a transport, a pool of NUM_LOCAL blocks and a KvStoreClient over it."""
+
+    def __init__(self, nats_url: str, backend: str, advert: StoreAdvert) -> None:
+        self.nats_url, self.backend, self.advert = nats_url, backend, advert
+
+    async def __aenter__(self) -> Client:
+        self._stack = contextlib.AsyncExitStack()
+        self.nc = await self._stack.enter_async_context(connect_nats(self.nats_url, "test-client"))
+        self.t = await self._stack.enter_async_context(
+            create_transport(self.backend, TransportConfig(peer_id="test-client"))
+        )
+        bb = self.advert.block_bytes
+        self.pool = self.t.allocate(NUM_LOCAL * bb)
+        self.region = self.t.register(self.pool, Access.LOCAL)
+        self.client = KvStoreClient(self.nc, SUBJECTS, self.t, self.pool, self.region, bb, "test")
+        self._stack.push_async_callback(self.client.aclose)
+        self.target = StoreTarget(self.advert.store_id, self.advert.descriptor.to_peer())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._stack.aclose()
+
+    def blocks(self, tokens: list[int], slots: list[int], kv_spec: str = "") -> list[LocalBlock]:
+        """The first len(slots) blocks of ``tokens``, named as the engine names them, lying in
+        local blocks ``slots``."""
+        kv_spec = kv_spec or self.advert.kv_spec
+        n = len(slots)
+        hashes = prefix_block_hashes(tokens, BLOCK_SIZE, layout_root(kv_spec), n)
+        digests = token_digests(tokens, BLOCK_SIZE, kv_spec, n)
+        bb = self.advert.block_bytes
+        return [LocalBlock(h, d, s * bb) for h, d, s in zip(hashes, digests, slots, strict=True)]
+
+    def block(self, slot: int) -> torch.Tensor:
+        bb = self.advert.block_bytes
+        return self.pool[slot * bb : (slot + 1) * bb]
+
+
+TOKENS = list(range(1000, 1000 + 6 * BLOCK_SIZE))
+
+
+def scrape(port: int) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        return parse_prometheus(resp.read().decode())
+
+
+@pytest.mark.parametrize("backend", ["shm", "tcp"])
+async def test_store_put_then_get_reads_back_the_same_bytes_one_sided(
+    nats_server: str, backend: str, unused_tcp_port: int
+) -> None:
+    flags = ("--num-blocks", "16", "--transport", backend, "--metrics-port", str(unused_tcp_port))
+    async with (
+        store_process(nats_server, "store-0", *flags) as advert,
+        Client(nats_server, backend, advert) as c,
+    ):
+        torch.manual_seed(0)
+        c.pool.copy_(torch.randint(0, 256, c.pool.shape, dtype=torch.uint8))
+        sent = [c.block(s).clone() for s in range(4)]
+        put = await c.client.put(c.target, advert.kv_spec, c.blocks(TOKENS, [0, 1, 2, 3]))
+        assert put.ok and len(put.committed) == 4 and put.rejected == ()
+        again = await c.client.put(c.target, advert.kv_spec, c.blocks(TOKENS, [0, 1, 2, 3]))
+        assert again.ok and again.present == put.committed and again.committed == ()
+        c.pool.zero_()
+        got = await c.client.get(c.target, advert.kv_spec, c.blocks(TOKENS, [7, 5, 4, 6, 1]))
+        assert (got.num_blocks, got.num_offered, got.error) == (4, 4, "")  # block 5 never put
+        for i, slot in enumerate([7, 5, 4, 6]):
+            assert torch.equal(c.block(slot), sent[i]), f"block {i} differs"
+        assert not c.block(1).any()  # nothing beyond the store's run was touched
+        m = scrape(unused_tcp_port)
+        assert m["kvmesh_store_hits_total"] == 4 and m["kvmesh_store_misses_total"] == 1
+        assert m["kvmesh_store_commits_total"] == 4 and m["kvmesh_store_used_blocks"] == 4
+        assert m["kvmesh_store_bytes_written_total"] == 4 * (advert.block_bytes + 64)
+        assert m["kvmesh_store_bytes_read_total"] == 4 * (advert.block_bytes + 64)
+
+
+async def test_store_restart_loses_its_cache_and_a_get_is_a_miss(nats_server: str) -> None:
+    flags = ("--num-blocks", "8", "--transport", "tcp")
+    async with (
+        store_process(nats_server, "store-r", *flags) as first,
+        Client(nats_server, "tcp", first) as c,
+    ):
+        put = await c.client.put(c.target, first.kv_spec, c.blocks(TOKENS, [0, 1]))
+        assert len(put.committed) == 2
+    async with store_process(nats_server, "store-r", *flags, after_epoch=first.epoch) as second:
+        assert second.used_blocks == 0
+        async with Client(nats_server, "tcp", second) as c:
+            got = await c.client.get(c.target, second.kv_spec, c.blocks(TOKENS, [0, 1]))
+            assert (got.num_blocks, got.num_offered, got.error) == (0, 0, "")
+
+
+async def test_store_full_of_pinned_blocks_refuses_a_put_at_once(nats_server: str) -> None:
+    async with (
+        store_process(nats_server, "store-f", "--num-blocks", "2") as advert,
+        Client(nats_server, "tcp", advert) as c,
+    ):
+        blocks = c.blocks(TOKENS, [0, 1, 2])
+        assert len((await c.client.put(c.target, advert.kv_spec, blocks[:2])).committed) == 2
+        hold = StoreGet("holder", advert.kv_spec, tuple(b.block_hash for b in blocks[:2]))
+        msg = await c.nc.request(SUBJECTS.store_get("store-f"), encode_message(hold), timeout=5)
+        assert len(decode_message(msg.data, StoreGetReply).block_hashes) == 2  # both pinned
+        t0 = time.monotonic()
+        refused = await c.client.put(c.target, advert.kv_spec, blocks)
+        assert time.monotonic() - t0 < 2.0  # refused, not queued
+        assert not refused.ok and "full of pinned blocks" in refused.error
+        assert refused.retry_after_s > 0
+
+
+async def test_store_refuses_a_request_naming_another_kv_layout(nats_server: str) -> None:
+    async with (
+        store_process(nats_server, "store-s", "--num-blocks", "4") as advert,
+        Client(nats_server, "tcp", advert) as c,
+    ):
+        stale = advert.kv_spec.replace("B16", "B32")
+        assert stale != advert.kv_spec
+        put = await c.client.put(c.target, stale, c.blocks(TOKENS, [0], kv_spec=stale))
+        assert not put.ok and "stale or foreign KV layout" in put.error
+        got = await c.client.get(c.target, stale, c.blocks(TOKENS, [0], kv_spec=stale))
+        assert got.num_blocks == 0 and "stale or foreign KV layout" in got.error
+
+
+async def test_store_block_under_a_colliding_hash_is_refused_by_the_reader(
+    nats_server: str,
+) -> None:
+    async with (
+        store_process(nats_server, "store-c", "--num-blocks", "4") as advert,
+        Client(nats_server, "tcp", advert) as c,
+    ):
+        mine = c.blocks(TOKENS, [0, 1])
+        assert len((await c.client.put(c.target, advert.kv_spec, mine)).committed) == 2
+        other_tokens = [7, *TOKENS[1:]]  # other tokens that (we pretend) hash the same
+        digests = token_digests(other_tokens, BLOCK_SIZE, advert.kv_spec, 2)
+        colliding = [
+            LocalBlock(b.block_hash, d, b.offset) for b, d in zip(mine, digests, strict=True)
+        ]
+        got = await c.client.get(c.target, advert.kv_spec, colliding)
+        assert (got.num_blocks, got.num_offered) == (0, 2) and "token digest" in got.error
+
+
+async def test_store_read_after_release_is_refused_and_counted(
+    nats_server: str, unused_tcp_port: int
+) -> None:
+    flags = ("--num-blocks", "4", "--metrics-port", str(unused_tcp_port), "--transport", "tcp")
+    async with (
+        store_process(nats_server, "store-w", *flags) as advert,
+        Client(nats_server, "tcp", advert) as c,
+    ):
+        blocks = c.blocks(TOKENS, [0])
+        assert len((await c.client.put(c.target, advert.kv_spec, blocks)).committed) == 1
+        ask = StoreGet("reader", advert.kv_spec, (blocks[0].block_hash,))
+        msg = await c.nc.request(SUBJECTS.store_get("store-w"), encode_message(ask), timeout=5)
+        grant = decode_message(msg.data, StoreGetReply)
+        entry = WriteEntry(c.region, 0, grant.block_addrs[0], grant.rkey, advert.block_bytes)
+        async with await c.t.connect(c.target.descriptor) as ep:
+            await ep.read([entry])  # inside the window: served
+            beside = WriteEntry(
+                c.region, 0, grant.block_addrs[0] + 64, grant.rkey, advert.block_bytes
+            )
+            with pytest.raises(RemoteAccessError):  # not the slot's span: refused
+                await ep.read([beside])
+            done = StoreRelease(grant.get_id, grant.rkey)
+            msg = await c.nc.request(SUBJECTS.store_release("store-w"), encode_message(done), 5)
+            assert decode_message(msg.data, StoreAck).ok
+            with pytest.raises(RemoteAccessError):  # the window closed with the release
+                await ep.read([entry])
+        assert scrape(unused_tcp_port)["kvmesh_store_refused_accesses_total"] == 2
+
+
+async def test_admin_status_lists_the_store_with_its_use_and_hit_rate(nats_server: str) -> None:
+    from kvmesh.services.kv_registry.config import RegistryConfig
+    from kvmesh.services.kv_registry.service import registry_service
+    from kvmesh.shared.admin_client import admin_client
+
+    config = RegistryConfig(nats_url=nats_server, mesh=MESH, worker_id="reg-0", heartbeat_s=0.2)
+    async with (
+        registry_service(config),
+        store_process(nats_server, "store-a", "--num-blocks", "4") as advert,
+        Client(nats_server, "tcp", advert) as c,
+        admin_client(nats_server, mesh=MESH) as admin,
+    ):
+        await c.client.put(c.target, advert.kv_spec, c.blocks(TOKENS, [0, 1]))
+        await c.client.get(c.target, advert.kv_spec, c.blocks(TOKENS, [2, 3, 4]))  # 2 of 3
+        for _ in range(100):  # the next advert carries the counts
+            rows = (await admin.status())["stores"]
+            if rows and rows[0]["hits"] == 2:
+                break
+            await asyncio.sleep(0.1)
+        [row] = rows
+        assert (row["store_id"], row["total_blocks"], row["used_blocks"]) == ("store-a", 4, 2)
+        assert (row["hits"], row["misses"], row["hit_rate"]) == (2, 1, round(2 / 3, 4))
