@@ -339,6 +339,11 @@ class StoreBook:
         if advert.kv_spec == self.kv_spec and advert.block_bytes == self.block_bytes:
             self._stores[advert.store_id] = (advert, self.clock())
 
+    def forget(self, store_id: str) -> None:
+        """A request to the store failed: leave it out until its next advert (a live store
+        advertises every heartbeat), so that one dead store delays one request, not every one."""
+        self._stores.pop(store_id, None)
+
     def target(self) -> StoreTarget | None:
         """The ready store with the lowest id among those heard of lately (each store holds what
         was put to it, so all workers of a mesh pick the same one)."""

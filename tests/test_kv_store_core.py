@@ -241,6 +241,10 @@ def test_store_book_picks_the_lowest_ready_store_of_its_layout_heard_of_lately()
     now[0] = 3.0
     book.note(advert("s1"))
     assert book.target().store_id == "s1"
+    book.forget("s1")  # a request to it failed: the next live one, until s1 advertises again
+    assert book.target().store_id == "s2"
+    book.note(advert("s1"))
+    assert book.target().store_id == "s1"
     now[0] = 9.0  # both silent for longer than the TTL
     assert book.target() is None
 

@@ -20,7 +20,7 @@ from proc_tree import cmdline, descendants, wait_all_dead
 
 from kvmesh.cli import build_parser
 from kvmesh.commands.serve import build_service_config
-from kvmesh.commands.up import UpConfig, free_port, plan
+from kvmesh.commands.up import TIERS, UpConfig, free_port, plan
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL_POOL = str(8 << 20)  # bytes of KV per worker: plenty for a few short requests
@@ -573,3 +573,16 @@ def test_two_ups_with_different_models_on_one_machine_both_serve(tmp_path: Path)
                 except subprocess.TimeoutExpired:
                     launched[0].kill()
     assert running_meshes() == []  # each launcher removed its record
+
+
+def test_plan_with_kv_stores_starts_them_in_the_mesh_with_their_capacity() -> None:
+    config = UpConfig(kv_store=2, kv_store_capacity_gb=0.5, transport="tcp")
+    specs = [s for s in plan(config, "nats://127.0.0.1:4222", 8000) if s.tier == "kv-store"]
+    assert [s.name for s in specs] == ["kv-store-0", "kv-store-1"]
+    for spec in specs:
+        _, store, _ = build_service_config("kv-store", spec.argv[2:], env={})
+        assert (store.worker_id, store.capacity_gb, store.transport) == (spec.name, 0.5, "tcp")
+        assert store.mesh == "kvmesh-tiny"
+    assert TIERS.index("kv-store") > TIERS.index("prefill")  # stopped after its clients
+    with pytest.raises(ValueError, match="kv_store must be >= 0"):
+        UpConfig(kv_store=-1)

@@ -58,7 +58,7 @@ from kvmesh.shared.service_config import (
 from kvmesh.shared.subjects import mesh_from_model
 
 # stop order: earlier tiers first (router stops taking requests before its backends go)
-TIERS = ("router", "prefill", "decode", "draft", "kv-registry")
+TIERS = ("router", "prefill", "decode", "draft", "kv-store", "kv-registry")
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +133,12 @@ class UpConfig(NatsClientConfig):
     )
     draft_exit_layer: int = option(1, help="early-exit: layers of the target the draft runs")
     draft_model: str | None = option(None, help="model: the draft checkpoint directory")
+    kv_store: int = option(
+        0,
+        help="kv-store memory nodes to start (kvmesh serve kv-store; prefill workers read prompt "
+        "prefixes from them and write computed ones to them; docs/kv_store.md)",
+    )
+    kv_store_capacity_gb: float = option(1.0, help="host memory of each kv-store (GiB)")
 
     def __post_init__(self) -> None:
         self.check_nats_options(mesh_from_model(self.model))
@@ -146,6 +152,12 @@ class UpConfig(NatsClientConfig):
                 raise ValueError("--draft model needs --draft-model PATH")
         if self.decode < 1:
             raise ValueError(f"decode must be >= 1, got {self.decode}")
+        if self.kv_store < 0:
+            raise ValueError(f"kv_store must be >= 0, got {self.kv_store}")
+        if not self.kv_store_capacity_gb > 0:
+            raise ValueError(
+                f"kv_store_capacity_gb must be positive, got {self.kv_store_capacity_gb}"
+            )
         if self.prefill < 0 or (self.mode == "disagg" and self.prefill < 1):
             raise ValueError(f"prefill must be >= 1 in disagg mode, got {self.prefill}")
         if not 0 <= self.port <= 65535:
@@ -255,6 +267,14 @@ def plan(config: UpConfig, nats_url: str, port: int) -> list[ChildSpec]:
             specs.append(ChildSpec(name, "prefill", argv))
     if config.draft:
         specs += draft_specs(config, worker, threads["draft"])
+    for i in range(config.kv_store):
+        name = f"kv-store-{i}"
+        argv = ("serve", "kv-store", *worker(name), "--model", config.model)
+        argv += ("--transport", config.transport)
+        argv += ("--capacity-gb", f"{config.kv_store_capacity_gb:g}")
+        if config.kv_cache_dtype != "auto":  # the store's blocks are the workers' blocks
+            argv += ("--kv-cache-dtype", config.kv_cache_dtype)
+        specs.append(ChildSpec(name, "kv-store", argv))
     router = ("serve", "router", *worker("router-0"), "--model", config.model, "--port", str(port))
     router += ("--host", config.host)
     router += ("--mode", config.mode)
@@ -531,6 +551,8 @@ class Launcher:
                         n := sum(1 for w in status["workers"] if w["role"] == "draft")
                     ) < num_draft:
                         waiting_for = f"draft workers ({n}/{num_draft})"
+                    elif (n := len(status.get("stores", []))) < self.config.kv_store:
+                        waiting_for = f"kv-stores ({n}/{self.config.kv_store})"
                     elif not await asyncio.to_thread(self._router_healthy):
                         waiting_for = "the router"
                     else:

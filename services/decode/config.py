@@ -67,6 +67,11 @@ class DecodeConfig(EngineWorkerConfig):
         help="speculative decoding: send each sequence's context to the draft service "
         "(kvmesh serve draft) and verify its proposals in the next steps; never waits for them",
     )
+    use_kv_store: bool = option(
+        True,
+        help="put the KV blocks of finished requests (prompt and output) into a kv-store "
+        "advertising on the mesh, in the background, for later turns (docs/kv_store.md)",
+    )
 
     def __post_init__(self) -> None:
         EngineWorkerConfig.__post_init__(self)

@@ -26,6 +26,7 @@ import torch
 from kvmesh.services.decode.cache_reports import CacheReporter
 from kvmesh.services.decode.config import DecodeConfig
 from kvmesh.services.decode.drafts import DraftBook, Outgoing
+from kvmesh.services.decode.store_puts import FinishedPuts
 from kvmesh.services.decode.windows import LeaseWindows
 from kvmesh.services.decode.worker import DecodeWorker
 from kvmesh.shared import logs
@@ -33,6 +34,7 @@ from kvmesh.shared.descriptor import TransportDescriptor
 from kvmesh.shared.engine.config import EngineConfig
 from kvmesh.shared.engine.kv_cache import KVCacheSpec
 from kvmesh.shared.engine.llm_engine import LLMEngine
+from kvmesh.shared.kv_store_client import KvStoreClient
 from kvmesh.shared.model.config import parse_dtype
 from kvmesh.shared.model.loader import load_model
 from kvmesh.shared.nats_service import (
@@ -56,6 +58,7 @@ from kvmesh.shared.protocol import (
     PrefillDone,
     PrefillStarted,
     ReserveRequest,
+    StoreAdvert,
     TokenEvent,
     WorkerGone,
     WorkerHeartbeat,
@@ -314,6 +317,10 @@ class DecodeService:
         with logs.request_context(msg.request_id):
             self.worker.on_prefill_done(msg)
 
+    async def on_store_advert(self, advert: StoreAdvert) -> None:
+        if self.worker.store is not None:
+            self.worker.store.on_advert(advert)
+
     async def drain(self, timeout_s: float) -> None:
         """Refuse new work; wait (bounded) for what runs to finish."""
         self.worker.is_draining = True
@@ -358,6 +365,18 @@ async def decode_service(config: DecodeConfig) -> AsyncIterator[DecodeService]:
         )
         engine = LLMEngine(model, tokenizer, econf, kv_buffer=buffer)
         region = transport.register(engine.kv_pool.raw, Access.REMOTE_WRITE) if disagg else None
+        store = None
+        if region is not None and config.use_kv_store and econf.enable_prefix_caching:
+            client = KvStoreClient(
+                nc,
+                config.subjects,
+                transport,
+                engine.kv_pool.raw,
+                region,
+                spec.block_bytes,
+                worker_id,
+            )
+            store = FinishedPuts(engine, client, engine.kv_spec)
         worker = DecodeWorker(
             engine,
             worker_id=worker_id,
@@ -371,6 +390,7 @@ async def decode_service(config: DecodeConfig) -> AsyncIterator[DecodeService]:
                 if econf.enable_prefix_caching
                 else None
             ),
+            store=store,
         )
         service = DecodeService(
             config,
@@ -411,6 +431,7 @@ async def decode_service(config: DecodeConfig) -> AsyncIterator[DecodeService]:
                 (subjects.REGISTRY_WORKER_GONE, WorkerGone, service.on_worker_gone),
                 (subjects.decode_lease_renew(worker_id), LeaseRenew, service.on_lease_renew),
                 (subjects.decode_draft(worker_id), DraftProposal, service.on_proposal),
+                (subjects.REGISTRY_STORE_ADVERTISE, StoreAdvert, service.on_store_advert),
             ),
             asyncio.TaskGroup() as service.tg,
             background(
@@ -438,6 +459,8 @@ async def decode_service(config: DecodeConfig) -> AsyncIterator[DecodeService]:
             ) as service.metrics_port,
         ):
             yield service
+        if store is not None:
+            await store.aclose()
 
 
 async def run(config: DecodeConfig) -> None:

@@ -28,6 +28,7 @@ from kvmesh.services.decode.cache_reports import CacheReporter
 from kvmesh.services.decode.drafts import DraftBook, Outgoing
 from kvmesh.services.decode.metrics import DecodeMetrics
 from kvmesh.services.decode.pending import Admission, PendingTable, ReservationError, Verdict
+from kvmesh.services.decode.store_puts import FinishedPuts
 from kvmesh.services.decode.windows import LeaseWindows
 from kvmesh.shared import logs
 from kvmesh.shared.engine.block_manager import OutOfBlocksError
@@ -106,6 +107,7 @@ class DecodeWorker:
         clock: Callable[[], float] = time.monotonic,
         drafts: DraftBook | None = None,
         cache: CacheReporter | None = None,
+        store: FinishedPuts | None = None,
     ) -> None:
         self.engine = engine
         self.metrics = metrics or DecodeMetrics()
@@ -127,6 +129,7 @@ class DecodeWorker:
         self.drafts = drafts  # None: no speculative decoding
         self._draft_outbox: list[Outgoing | tuple[str, DraftForget]] = []
         self.cache = cache  # None: the prefix cache is not reported to the registry
+        self.store = store  # None: finished requests' blocks are not put into a kv-store
 
     # ---- the engine loop (the service drives it) --------------------------------------------
 
@@ -174,6 +177,7 @@ class DecodeWorker:
             if not self.engine.has_unfinished():
                 return []
             trees = self._draft_trees() if self.drafts is not None else {}
+            live = dict(self.engine.seqs) if self.store is not None else {}  # finished: gone after
             step_started = time.monotonic()
             outputs = await asyncio.to_thread(self.engine.step, trees or None)
             seconds = time.monotonic() - step_started
@@ -187,6 +191,10 @@ class DecodeWorker:
                 self._after_verify(outputs, trees, seconds)
             bm = self.engine.block_manager
             self.metrics.observe_prefix_cache(bm.num_hit_tokens, len(bm.hash_to_block))
+            if self.store is not None:
+                for out in outputs:
+                    if out.finished and out.finish_reason in ("stop", "length"):
+                        self.store.put_later(list(live[out.request_id].token_ids), self._lock)
         return [event for out in outputs if (event := _token_event(out)) is not None]
 
     # ---- speculative decoding -----------------------------------------------------------------

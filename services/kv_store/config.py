@@ -53,6 +53,11 @@ class StoreConfig(MetricsServiceConfig):
         120.0, help="longest a put or get may hold its slots (longer leases are capped)"
     )
     lease_check_s: float = option(0.1, help="seconds between lease-expiry checks")
+    commit_wait_s: float = option(
+        1.0,
+        help="at a commit, how long to wait for the put's write to complete here (its immediate) "
+        "before its window closes",
+    )
     retry_after_s: float = option(
         0.5, help="retry_after_s of a put refused because every slot is pinned"
     )
@@ -69,7 +74,7 @@ class StoreConfig(MetricsServiceConfig):
             raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
         if self.capacity_gb is not None and not self.capacity_gb > 0:
             raise ValueError(f"capacity_gb must be positive, got {self.capacity_gb}")
-        for name in ("max_lease_s", "lease_check_s", "retry_after_s"):
+        for name in ("max_lease_s", "lease_check_s", "retry_after_s", "commit_wait_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.advertise_host is not None:

@@ -94,6 +94,8 @@ class StoreService:
         self.data_addr = self.region.addr
         self.header_addr = self.region.addr + num_blocks * block_bytes
         self.windows: dict[str, MemoryWindow] = {}  # put or get id -> its window
+        # put window key -> set when a write with that key completed here (its immediate)
+        self._landed: dict[int, asyncio.Event] = {}
         self.started_at = time.time()
         self.is_draining = False
         self.metrics = StoreMetrics(self.core, transport.stats, block_bytes)
@@ -116,6 +118,7 @@ class StoreService:
         window = self.windows.pop(op_id, None)
         if window is not None:
             self.transport.close_window(window)
+            self._landed.pop(window.rkey, None)
 
     def _expiry(self, lease_ms: int) -> float:
         return time.monotonic() + min(lease_ms / 1000.0, self.config.max_lease_s)
@@ -159,6 +162,7 @@ class StoreService:
                     retry_after_s=self.config.retry_after_s,
                 )
             rkey = window.rkey
+            self._landed[rkey] = asyncio.Event()
         return StorePutReply(
             ok=True,
             store_id=self.store_id,
@@ -178,6 +182,11 @@ class StoreService:
             return StoreCommitReply(
                 ok=False, error=f"no put {body.put_id!r} in flight with this key (expired?)"
             )
+        # The writer's write() returned (placed), but its completion may reach this process
+        # after the commit (shm: the notification socket; rdma: the receive queue): wait for it
+        # (bounded) before the window closes, so it is not taken for a late write.
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._landed[window.rkey].wait(), self.config.commit_wait_s)
         self._close(body.put_id)  # from here on a late write is refused
         hashes, slots, layout = put
         good = await asyncio.to_thread(self._check_slots, hashes, slots, layout)
@@ -254,10 +263,14 @@ class StoreService:
             await asyncio.sleep(self.config.lease_check_s)
 
     async def completion_loop(self) -> None:
-        """Writes carry an immediate (the data plane's semantics); the commit, not the
-        immediate, says a put is done, so completions are only drained."""
-        async for _ in self.transport.completions():
-            pass
+        """A put's write completes here with the key of its window (tcp, shm: the key it used;
+        rdma: the windows its connection resolved; None: cannot tell, so every put waiting)."""
+        async for completion in self.transport.completions():
+            keys = completion.keys if completion.keys is not None else list(self._landed)
+            for key in keys:
+                landed = self._landed.get(key)
+                if landed is not None:
+                    landed.set()
 
     def advert(self) -> StoreAdvert:
         stats = self.transport.stats()

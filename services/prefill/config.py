@@ -34,6 +34,12 @@ class PrefillConfig(EngineWorkerConfig):
         "in the queue, 600 s, so an aborted job is never computed)",
     )
 
+    use_kv_store: bool = option(
+        True,
+        help="read prompt prefixes from a kv-store advertising on the mesh into the prefix cache "
+        "before computing, and put computed prompt blocks into it after (docs/kv_store.md)",
+    )
+
     def __post_init__(self) -> None:
         EngineWorkerConfig.__post_init__(self)
         if self.chunk_tokens < self.block_size:

@@ -57,6 +57,18 @@ class PrefillMetrics(MetricSet):
             ("outcome",),
         )
         self.jobs_running = self.gauge("jobs_running", "Jobs this worker holds now.")
+        self.prompt_tokens = self.counter(
+            "prompt_tokens_total", "Prompt tokens of the jobs this worker took."
+        )
+        self.prefix_hit_tokens = self.counter(
+            "prefix_hit_tokens_total",
+            "Prompt tokens the engine took from its prefix cache instead of computing them "
+            "(counted as it allocates; includes blocks read from a kv-store).",
+        )
+        self.store_hit_tokens = self.counter(
+            "store_hit_tokens_total",
+            "Prompt tokens read one-sided from a kv-store into the prefix cache before a job.",
+        )
 
     def observe_chunk(self, seconds: float) -> None:
         self.chunk_compute.observe(seconds)

@@ -19,10 +19,12 @@ import nats.errors
 import torch
 from kvmesh.services.prefill.config import PrefillConfig
 from kvmesh.services.prefill.endpoints import EndpointCache
+from kvmesh.services.prefill.store_prefix import StorePrefix
 from kvmesh.services.prefill.worker import PrefillResult, PrefillWorker
 from kvmesh.shared import logs
 from kvmesh.shared.engine.config import EngineConfig
 from kvmesh.shared.engine.llm_engine import LLMEngine
+from kvmesh.shared.kv_store_client import KvStoreClient
 from kvmesh.shared.model.config import parse_dtype
 from kvmesh.shared.model.loader import load_model
 from kvmesh.shared.nats_service import (
@@ -41,6 +43,7 @@ from kvmesh.shared.protocol import (
     DecodeAdvert,
     MessageError,
     PrefillJob,
+    StoreAdvert,
     WorkerHeartbeat,
     decode_message,
     encode_message,
@@ -97,6 +100,11 @@ class PrefillService:
                 continue
             if msg is None:
                 self._slots.release()
+                continue
+            if self.is_draining:  # drained while this pull waited: hand the job to a peer
+                self._slots.release()
+                with contextlib.suppress(nats.errors.Error):
+                    await msg.nak()  # JetStream redelivers it at once
                 continue
             try:
                 job = decode_message(msg.data, PrefillJob)
@@ -176,6 +184,10 @@ class PrefillService:
     async def on_advert(self, advert: DecodeAdvert) -> None:
         self.worker.adverts.note(advert)
 
+    async def on_store_advert(self, advert: StoreAdvert) -> None:
+        if self.worker.store is not None:
+            self.worker.store.on_advert(advert)
+
 
 @contextlib.asynccontextmanager
 async def prefill_service(config: PrefillConfig) -> AsyncIterator[PrefillService]:
@@ -209,13 +221,27 @@ async def prefill_service(config: PrefillConfig) -> AsyncIterator[PrefillService
     ):
         subjects = config.subjects
         region = transport.register(engine.kv_pool.raw)
+        kv_spec = kv_spec_fingerprint(engine.kv_pool.spec, model.config)
+        store = None
+        if config.use_kv_store and config.enable_prefix_caching:
+            client = KvStoreClient(
+                nc,
+                config.subjects,
+                transport,
+                engine.kv_pool.raw,
+                region,
+                engine.kv_pool.spec.block_bytes,
+                worker_id,
+            )
+            store = StorePrefix(engine, client, kv_spec)
         worker = PrefillWorker(
             engine,
             region,
             endpoints,
             worker_id=worker_id,
-            kv_spec=kv_spec_fingerprint(engine.kv_pool.spec, model.config),
+            kv_spec=kv_spec,
             abort_memory_s=config.abort_memory_s,
+            store=store,
         )
         async with asyncio.TaskGroup() as tg:
             service = PrefillService(config, worker, nc, tg)
@@ -232,6 +258,7 @@ async def prefill_service(config: PrefillConfig) -> AsyncIterator[PrefillService
                     nc,
                     (subjects.ABORT, Abort, service.on_abort),
                     (subjects.REGISTRY_ADVERTISE, DecodeAdvert, service.on_advert),
+                    (subjects.REGISTRY_STORE_ADVERTISE, StoreAdvert, service.on_store_advert),
                 ),
                 PrefillJobQueue(nc, subjects) as queue,
                 background(worker.run(), service.pull_loop(queue)),
@@ -251,6 +278,8 @@ async def prefill_service(config: PrefillConfig) -> AsyncIterator[PrefillService
             ):
                 yield service
                 await service.drain(timeout_s=config.drain_timeout_s)
+                if store is not None:
+                    await store.aclose()
 
 
 async def _ack_quietly(queue: PrefillJobQueue, msg: Msg) -> None:

@@ -30,6 +30,7 @@ from kvmesh.services.prefill.plan import (
     PlanError,
     PrefillTimeline,
 )
+from kvmesh.services.prefill.store_prefix import StorePrefix
 from kvmesh.shared import logs
 from kvmesh.shared.engine.llm_engine import LLMEngine
 from kvmesh.shared.engine.sequence import ChunkReady, RequestError, SamplingParams
@@ -81,8 +82,10 @@ class PrefillWorker:
         abort_memory_s: float = 60.0,
         advert_wait_s: float = 3.0,
         metrics: PrefillMetrics | None = None,
+        store: StorePrefix | None = None,
     ) -> None:
         self.engine = engine
+        self.store = store  # a kv-store's prefixes (read before, written after a job), if any
         self.metrics = metrics or PrefillMetrics()
         self.region = region  # the engine's KV pool, registered as the source of writes
         self.endpoints = endpoints  # decode workers' memory, reached over the transport
@@ -120,9 +123,13 @@ class PrefillWorker:
                     if not self.engine.has_unfinished():
                         break
                     t0 = time.perf_counter()
+                    hits = self.engine.block_manager.num_hit_tokens
                     await asyncio.to_thread(self.engine.step)
                     t1 = time.perf_counter()
                     self.metrics.observe_chunk(t1 - t0)
+                    self.metrics.prefix_hit_tokens.inc(
+                        self.engine.block_manager.num_hit_tokens - hits
+                    )
                     chunks, self._chunks = self._chunks, []
                 for chunk in chunks:
                     job = self._jobs.get(chunk.request_id)
@@ -172,8 +179,13 @@ class PrefillWorker:
             return self._result(msg, None, str(exc))
         job = _Job(msg, planner, PrefillTimeline(msg.enqueued_at, started_at), endpoint, mirror)
         self._jobs[rid] = job
+        prompt = list(msg.prompt_ids)
+        fetched = await self.store.fetch(prompt, self._lock) if self.store is not None else None
         try:
             async with self._lock:
+                if fetched is not None:  # adopted and added at once: nothing evicts it between
+                    self.metrics.store_hit_tokens.inc(self.store.adopt(fetched))
+                self.metrics.prompt_tokens.inc(len(prompt))
                 self.engine.add_request(
                     rid,
                     list(msg.prompt_ids),
@@ -204,6 +216,8 @@ class PrefillWorker:
             async with self._lock:
                 self.engine.abort(rid)  # frees the local blocks, computed or not
             self._wake.set()
+        if self.store is not None and job.is_computed and not job.error:
+            self.store.put_later(prompt, self._lock)  # its full blocks stay cached meanwhile
         return self._result(msg, job, job.error)
 
     async def _write(self, job: _Job, write: ChunkWrite, chunk: ChunkReady) -> None:

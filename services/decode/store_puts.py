@@ -1,0 +1,70 @@
+"""A decode worker's puts into a kv-store (docs/kv_store.md): when a request finishes, the full
+blocks of its prompt and output whose KV the engine computed (all but the last sampled token's)
+are put into the store in the background, pinned in the pool while the write is in flight. A
+later turn of the conversation, which resends them, is then read by the prefill worker instead
+of computed. Best effort: a store that is absent, full or failing costs a prefill, and a step
+never waits for a put (the engine lock is held only to pin and unpin).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from kvmesh.shared import logs
+from kvmesh.shared.engine.llm_engine import LLMEngine
+from kvmesh.shared.kv_store_client import (
+    KvStoreClient,
+    StoreBook,
+    StoreTarget,
+    put_cached_prefix,
+)
+from kvmesh.shared.protocol import StoreAdvert
+
+log = logs.get_logger(__name__)
+
+
+class FinishedPuts:
+    def __init__(self, engine: LLMEngine, client: KvStoreClient, kv_spec: str) -> None:
+        self.engine = engine
+        self.client = client
+        self.kv_spec = kv_spec
+        self.stores = StoreBook(kv_spec, client.block_bytes)
+        self._puts: set[asyncio.Task[None]] = set()
+        self.num_puts = 0  # puts that ended, and the blocks they committed
+        self.num_blocks_committed = 0
+
+    def on_advert(self, advert: StoreAdvert) -> None:
+        self.stores.note(advert)
+
+    def put_later(self, token_ids: list[int], lock: asyncio.Lock) -> None:
+        """Put the computed full blocks of a finished sequence (``token_ids``: prompt and output;
+        the last token's KV was never computed)."""
+        store = self.stores.target()
+        if store is None or len(token_ids) < 2:
+            return
+        task = asyncio.ensure_future(self._put(store, token_ids[:-1], lock))
+        self._puts.add(task)
+        task.add_done_callback(self._puts.discard)
+
+    async def _put(self, store: StoreTarget, token_ids: list[int], lock: asyncio.Lock) -> None:
+        pool, bm = self.engine.kv_pool, self.engine.block_manager
+        try:
+            result = await put_cached_prefix(
+                self.client, store, self.kv_spec, bm, pool, token_ids, lock
+            )
+        except Exception as exc:  # best effort: the store misses these blocks
+            log.warning("kv-store put failed", error=str(exc))
+            self.stores.forget(store.store_id)
+            return
+        if result is None:
+            return
+        self.num_puts += 1
+        self.num_blocks_committed += len(result.committed)
+        if not result.ok:
+            log.info("kv-store put refused", error=result.error)
+
+    async def aclose(self) -> None:
+        """Wait for the puts in flight (they pin pool blocks), then close the client."""
+        if self._puts:
+            await asyncio.gather(*self._puts, return_exceptions=True)
+        await self.client.aclose()

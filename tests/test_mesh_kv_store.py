@@ -1,0 +1,140 @@
+"""A kv-store in the mesh (`kvmesh up --kv-store 1`): real nats-server, kv-registry, router, one
+decode and two prefill workers and a store (kvmesh-tiny, shm).
+
+prefill-1 drained, the first request is prefilled by prefill-0, which then puts the prompt's 8
+full blocks into the store. prefill-0 drained and prefill-1 resumed, a second request sharing the
+first one's 128-token prefix is prefilled by prefill-1, which has never seen it: it reads the 8
+blocks one-sided from the store into its prefix cache and computes only the 12 other tokens.
+The decode worker puts every finished request's blocks, prompt and output, into the store, so
+the second turn of that conversation (its prompt, its 40 output tokens and 12 new ones) has 11
+of its 12 blocks read or cached: prefill-1 reads the 3 blocks of the first answer from the store
+and computes only 16 tokens (the answer's last token, whose KV decode never computed, and the
+new ones). Tokens are counted by prefill-1's engine as it allocates
+(`kvmesh_prefill_prefix_hit_tokens_total`) and by its store reads; every output equals the
+offline engine's, token for token, also that of a request asked for once the store is killed.
+The registry never hands a request to the decode worker's own cache
+(`--local-max-suffix-tokens 0`), so every suffix really is a remote prefill.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import urllib.request
+
+import aiohttp
+import pytest
+from kvmesh.loadgen.bench_mesh import MeshTap, complete, launched, random_prompts
+from kvmesh.loadgen.server_breakdown import parse_prometheus
+from kvmesh.shared.admin_client import admin_client
+
+pytestmark = pytest.mark.slow
+
+BLOCK_BYTES = 64 << 10  # kvmesh-tiny, 16-token blocks, float32
+ENV = {
+    "KVMESH_BLOCK_SIZE": "16",
+    "KVMESH_KV_CACHE_BYTES": str(256 * BLOCK_BYTES),
+    "KVMESH_CHUNK_TOKENS": "64",
+    "KVMESH_LOCAL_MAX_SUFFIX_TOKENS": "0",
+}
+PREFIX = random_prompts(1, 128, 128, seed=23)[0]  # 8 blocks
+FIRST = [*PREFIX, 3, 1, 4, 1, 5, 9, 2, 6]  # 136 tokens: 8 full blocks put after its prefill
+SECOND = [*PREFIX, 2, 7, 1, 8, 2, 8, 1, 8, 2, 8, 4, 5]  # 140: 8 blocks from the store, 12 computed
+NEW = [9, 9, 8, 2, 4, 4, 3, 5, 3, 6, 6, 1]  # the second turn's new tokens
+LAST = random_prompts(1, 100, 100, seed=29)[0]  # asked for while the store is dead
+MAX_TOKENS = 40  # SECOND + its answer: 180 tokens, 179 with KV: 11 full blocks
+
+
+@pytest.fixture(scope="module")
+def offline_tokens() -> list[list[int]]:
+    from kvmesh.shared.engine.config import EngineConfig
+    from kvmesh.shared.engine.llm_engine import LLMEngine
+    from kvmesh.shared.engine.sequence import SamplingParams
+    from kvmesh.shared.model.loader import load_model
+
+    model, tokenizer = load_model("kvmesh-tiny")
+    engine = LLMEngine(model, tokenizer, EngineConfig(num_blocks=256, enable_prefix_caching=False))
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    first, second = (engine.generate([p], params)[0] for p in (FIRST, SECOND))
+    third = engine.generate([[*SECOND, *second, *NEW]], params)[0]
+    return [first, second, third, engine.generate([LAST], params)[0]]
+
+
+def scrape(url: str) -> dict[str, float]:
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        return parse_prometheus(resp.read().decode())
+
+
+async def wait_store(admin, ready, what: str, timeout_s: float = 30.0) -> dict:
+    """The store's admin status row once ``ready(row)`` holds (a barrier, polled)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        rows = (await admin.status())["stores"]
+        if rows and ready(rows[0]):
+            return rows[0]
+        assert loop.time() < deadline, f"timed out waiting for {what}: {rows}"
+        await asyncio.sleep(0.1)
+
+
+async def run(mesh, offline: list[list[int]]) -> None:
+    async with (
+        admin_client(mesh.config.nats_url, auth=mesh.nats_auth) as admin,
+        MeshTap(mesh.config.nats_url, mesh.nats_auth) as tap,
+        aiohttp.ClientSession() as session,
+    ):
+
+        async def ask(prompt: list[int]) -> list[int]:
+            body = await complete(session, mesh.url, prompt, MAX_TOKENS, ignore_eos=True)
+            await tap.wait_finished(body["id"])
+            assert body["id"] in tap.prefill_done  # prefilled remotely
+            return tap.tokens[body["id"]]
+
+        await admin.drain("prefill-1")
+        first = await ask(FIRST)
+        await wait_store(admin, lambda r: r["used_blocks"] >= 8, "the first prompt's blocks")
+        await admin.resume("prefill-1")
+        await admin.drain("prefill-0")
+        second = await ask(SECOND)
+        # 8 (prefix) + 2 (the end of the first answer) + 3 (the end of the second)
+        await wait_store(admin, lambda r: r["used_blocks"] >= 13, "the answers' blocks")
+        third = await ask([*SECOND, *second, *NEW])
+        assert [first, second, third] == offline[:3]
+        row = await wait_store(admin, lambda r: r["hits"] >= 11, "the second turn's store read")
+        assert (row["hits"], row["refused_accesses"]) == (11, 0)
+        assert row["used_blocks"] >= 13  # and the second turn's own, put after it
+        store = scrape(mesh.metrics_urls["kv-store-0"])
+        mesh.children["kv-store-0"][1].kill()  # a dead store costs prefills, not requests
+        assert await ask(LAST) == offline[3]
+    p0, p1 = scrape(mesh.metrics_urls["prefill-0"]), scrape(mesh.metrics_urls["prefill-1"])
+    assert p0["kvmesh_prefill_prompt_tokens_total"] == len(FIRST)
+    assert p0["kvmesh_prefill_prefix_hit_tokens_total"] == 0  # computed all of it
+    assert p1["kvmesh_prefill_prompt_tokens_total"] == len(SECOND) + 192 + len(LAST)
+    # SECOND: 128 tokens from the store; the second turn: 128 from its own cache, 48 from the store
+    assert p1["kvmesh_prefill_store_hit_tokens_total"] == 128 + 48
+    assert p1["kvmesh_prefill_prefix_hit_tokens_total"] == 128 + 176  # computed 12, then 16
+    assert store["kvmesh_store_hits_total"] == 11
+    assert store["kvmesh_store_rejected_blocks_total"] == 0
+
+
+@pytest.mark.timeout(300)
+def test_prefill_reads_prefixes_and_earlier_answers_from_the_store_and_computes_only_new_tokens(
+    offline_tokens: list[list[int]],
+) -> None:
+    from kvmesh.commands.up import UpConfig, free_port
+
+    config = UpConfig(
+        mode="disagg",
+        transport="shm",
+        port=0,
+        nats_url=f"nats://127.0.0.1:{free_port()}",
+        local_prefill_threshold=0,
+        prefill=2,
+        decode=1,
+        kv_store=1,
+        kv_store_capacity_gb=0.0625,
+        log_level="warning",
+        startup_timeout_s=180.0,
+        stop_timeout_s=10.0,
+    )
+    with launched(config, ENV) as mesh:
+        asyncio.run(run(mesh, offline_tokens))
