@@ -27,9 +27,27 @@ def test_no_proposal_when_no_suffix_of_min_n_tokens_occurs_earlier():
     assert propose_ngram([4, 5, 6, 4], TreeShape.parse(2), min_n=2, max_n=3) == ((), ())
 
 
-def test_continuation_is_cut_at_the_end_of_the_context():
+def test_chain_that_reaches_the_end_of_the_context_goes_on_over_its_own_drafts():
     tokens, parents = propose_ngram([5, 6, 5], TreeShape.parse(4), min_n=1, max_n=1)
-    assert tokens == (6, 5) and parents == (-1, 0)
+    assert tokens == (6, 5, 6, 5) and parents == (-1, 0, 1, 2)
+    # a period of 3 after a prefix: the lookahead repeats it as deep as asked
+    context = [9, 8, 1, 2, 3, 1, 2, 3, 1]
+    tokens, _ = propose_ngram(context, TreeShape.parse(2, ()), min_n=1, max_n=2)
+    assert tokens == (2, 3)
+    tokens, _ = propose_ngram(context, TreeShape((1,) * 8), min_n=1, max_n=2)
+    assert tokens == (2, 3, 1, 2, 3, 1, 2, 3)
+
+
+def test_tree_leaves_go_on_only_below_the_branching_levels():
+    # after "1": 2 then 0, and 3 then 0; the shape branches at depth 1, then one child per level
+    context = [1, 3, 0, 1, 2, 0, 1]
+    tokens, parents = propose_ngram(context, TreeShape((2, 1, 1, 1)), min_n=1, max_n=1)
+    assert tokens[:4] == (2, 3, 0, 0) and parents[:4] == (-1, -1, 0, 1)
+    # each leaf continues the lookup over context + its own path, to depth 4
+    depth = {-1: 0}
+    for i, p in enumerate(parents):
+        depth[i] = depth[p] + 1
+    assert max(depth.values()) == 4 and len(tokens) == 8
 
 
 def test_tree_keeps_the_distinct_continuations_most_frequent_first():

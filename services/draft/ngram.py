@@ -4,7 +4,10 @@ The last n tokens of the context (n from ``max_n`` down to ``min_n``; the longes
 earlier wins) are looked up in the context itself (prompt + output); what followed each earlier
 occurrence is a candidate continuation. Candidates are merged into a trie; each depth keeps the
 ``widths[d]`` most frequent branches (ties: the most recent occurrence first). A chain keeps one.
-Pure: no I/O, no state.
+Where the tree narrows to one child per level (a chain, and the lookahead below a tree), a path
+that reaches the end of the context goes on as the lookup goes on over context + path: in a text
+that repeats with a short period, the most recent occurrence's continuation stops at the end of
+the context after one period, and the drafts past it repeat the lookup. Pure: no I/O, no state.
 """
 
 from __future__ import annotations
@@ -77,8 +80,53 @@ def build_tree(
     return tuple(tokens), tuple(parents)
 
 
+def extend_chains(
+    context: Sequence[int],
+    tokens: tuple[int, ...],
+    parents: tuple[int, ...],
+    shape: TreeShape,
+    min_n: int,
+    max_n: int,
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The tree with each leaf that stops short of ``shape.depth``, where the shape has one
+    child per level from its depth on, continued by the lookup over context + its path (new
+    nodes after the old ones: parents still come first)."""
+    if not tokens:
+        return tokens, parents
+    depths: list[int] = []
+    for p in parents:
+        depths.append(1 if p < 0 else depths[p] + 1)
+    has_child = set(parents)
+    out_tokens, out_parents = list(tokens), list(parents)
+    for leaf in range(-1, len(tokens)):
+        depth = depths[leaf] if leaf >= 0 else 0
+        if leaf in has_child or depth >= shape.depth or any(w != 1 for w in shape.widths[depth:]):
+            continue
+        path = []
+        node = leaf
+        while node >= 0:
+            path.append(tokens[node])
+            node = parents[node]
+        drafted = list(context) + path[::-1]
+        parent = leaf
+        while depth < shape.depth:
+            left = shape.depth - depth
+            conts = find_continuations(drafted, left, min_n, max_n)
+            more = build_tree(conts, TreeShape((1,) * left))[0]  # as a chain keeps it
+            if not more:
+                break
+            for token in more:
+                out_tokens.append(token)
+                out_parents.append(parent)
+                parent = len(out_tokens) - 1
+            drafted += more
+            depth += len(more)
+    return tuple(out_tokens), tuple(out_parents)
+
+
 def propose_ngram(
     context: Sequence[int], shape: TreeShape, min_n: int = 1, max_n: int = 4
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The draft tree ``(tokens, parents)`` for ``context``; empty when nothing matches."""
-    return build_tree(find_continuations(context, shape.depth, min_n, max_n), shape)
+    tokens, parents = build_tree(find_continuations(context, shape.depth, min_n, max_n), shape)
+    return extend_chains(context, tokens, parents, shape, min_n, max_n)
