@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test up lint format rdma clean bench-deps
+.PHONY: install test up lint format rdma clean bench-deps gpu-check gpu-check-dry
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -19,6 +19,15 @@ install: $(STAMP)
 
 test: $(STAMP)
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -p no:cacheprovider
+
+# The GPU path on a CUDA machine: gpu-marked tests + GPU benchmarks + a SoftRoCE attempt, one JSON
+# (docs/gpu.md). Without CUDA it says so and exits 0. Never with TRITON_INTERPRET: compiled kernels.
+gpu-check: $(STAMP)
+	env -u TRITON_INTERPRET $(BIN)/python scripts/gpu_check.py
+
+# The same script on the CPU at tiny sizes (Triton interpreted): a code-path check, not GPU figures.
+gpu-check-dry: $(STAMP)
+	$(BIN)/python scripts/gpu_check.py --device cpu
 
 # Optional: llama.cpp for `kvmesh bench engine --against llama.cpp`, never part of `make test`.
 # llama-cpp-python has no wheel: it builds from its sdist (minutes); the GGUF converter, its

@@ -62,3 +62,24 @@ def mesh_state_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("KVMESH_STATE_DIR", str(folder))
         yield folder
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """``gpu``-marked tests (`make gpu-check`, docs/gpu.md) run the compiled Triton kernels and
+    the engine on CUDA: skipped, with the reason, where there is no CUDA device or where
+    TRITON_INTERPRET=1 would interpret the kernels instead."""
+    gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if not gpu_items:
+        return
+    import os
+
+    import torch
+
+    if not torch.cuda.is_available():
+        reason = "no CUDA device"
+    elif os.environ.get("TRITON_INTERPRET") == "1":
+        reason = "TRITON_INTERPRET=1: gpu tests run the compiled kernels (make gpu-check)"
+    else:
+        return
+    for item in gpu_items:
+        item.add_marker(pytest.mark.skip(reason=reason))

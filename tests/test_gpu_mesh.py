@@ -1,0 +1,64 @@
+"""The mesh end to end with its KV pool in GPU memory: a colocated mesh (real nats-server,
+registry, router and one worker process, kvmesh-tiny) whose worker runs on CUDA serves greedy
+output equal to the offline engine on CUDA, token for token, and returns every block.
+
+Only colocated: a disaggregated worker on CUDA needs the rdma transport (GPU memory registered
+as a dma-buf MR, which a real RDMA NIC can reach and SoftRoCE cannot); shm and tcp move host
+memory, have no staging through pinned host memory, and a CUDA worker with either is refused at
+startup (shared/worker_config.py; docs/gpu.md).
+
+``gpu``-marked: skipped without CUDA; `make gpu-check` runs it. Never yet run on real hardware.
+"""
+
+from __future__ import annotations
+
+import pytest
+from kvmesh.loadgen.bench_mesh import launched, random_prompts
+from mesh_checks import check_blocks_returned, check_equals_offline, load
+
+pytestmark = [pytest.mark.gpu, pytest.mark.slow]
+
+ENV = {
+    "KVMESH_BLOCK_SIZE": "16",
+    "KVMESH_NUM_BLOCKS": "1024",
+}
+PROMPTS = random_prompts(16, 40, 150, seed=9)
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def offline_cuda_tokens() -> list[list[int]]:
+    from kvmesh.shared.engine.config import EngineConfig
+    from kvmesh.shared.engine.llm_engine import LLMEngine
+    from kvmesh.shared.engine.sequence import SamplingParams
+    from kvmesh.shared.model.loader import load_model
+
+    model, tokenizer = load_model("kvmesh-tiny", device="cuda")
+    engine = LLMEngine(model, tokenizer, EngineConfig(num_blocks=1024, device="cuda"))
+    return engine.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
+
+
+@pytest.fixture(scope="module")
+def cuda_mesh():
+    from kvmesh.commands.up import UpConfig, free_port
+
+    config = UpConfig(
+        model="kvmesh-tiny",
+        mode="colocated",
+        device="cuda",  # `kvmesh up` passes --device to every worker
+        port=0,
+        nats_url=f"nats://127.0.0.1:{free_port()}",
+        log_level="warning",
+        startup_timeout_s=180.0,
+        stop_timeout_s=10.0,
+    )
+    with launched(config, ENV) as mesh:
+        yield mesh
+
+
+async def test_colocated_mesh_on_cuda_serves_as_offline_engine_on_cuda(
+    cuda_mesh, offline_cuda_tokens
+):
+    replies, tap = await load(cuda_mesh, PROMPTS, MAX_TOKENS)
+    check_equals_offline(replies, tap, offline_cuda_tokens)
+    await check_blocks_returned(cuda_mesh)
