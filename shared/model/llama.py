@@ -255,13 +255,23 @@ def _is_fusable_decode(x: torch.Tensor, meta: AttentionMetadata) -> bool:
     )
 
 
+class Embedding(nn.Embedding):
+    """``nn.Embedding`` that leaves a weight on the meta device uninitialised: the loader builds
+    the model there and fills every weight from the checkpoint, and torch's meta ``normal_``
+    imports torch._dynamo (with triton and sympy), seconds of every worker's start-up."""
+
+    def reset_parameters(self) -> None:
+        if not self.weight.is_meta:
+            super().reset_parameters()
+
+
 class Transformer(nn.Module):
     """The decoder. ``model(input_ids, positions, kv_pool, meta) -> (T, hidden_size)``."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.tok_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.tok_embeddings = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             TransformerBlock(config, i) for i in range(config.num_hidden_layers)
         )

@@ -128,7 +128,9 @@ def build_model(
 
     with torch.device("meta"):
         model = Transformer(config).to(dtype=config.dtype)
-    model.to_empty(device=device)
+    # model.to_empty(device=device), keeping each tensor's strides (Linear's are column-major),
+    # without torch's meta empty_like: a Python reference that imports sympy (seconds of start-up)
+    model._apply(lambda t: torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=device))
     params = dict(model.named_parameters())
     assert set(params) == set(plan), sorted(set(params) ^ set(plan))
     with torch.no_grad():
