@@ -1,7 +1,5 @@
 """``python -m kvmesh``: the same as the ``kvmesh`` command."""
 
-import sys
+from kvmesh.cli import run
 
-from kvmesh.cli import main
-
-sys.exit(main())
+run()
