@@ -3,9 +3,11 @@ draft processes (kvmesh-tiny).
 
 16 concurrent greedy requests through the router; each request's tokens (read off its NATS token
 subject) must equal the offline engine's without drafts, token for token, for n-gram and early
-exit drafts, K 1 and 4 and a tree, over shm (and n-gram over tcp); the decode worker's counters
-show that drafts were verified. kill -9 of the draft worker mid-stream changes no stream. Bad
-draft settings stop `kvmesh serve draft` at start-up with one line.
+exit drafts, K 1 and 4 and a tree, over shm (and n-gram over tcp); the decode worker's
+counters show that drafts were verified, and the replies' usage counts the accepted ones. A
+draft model equal to the target has every draft accepted and K + 1 tokens per full verify step
+(from the decode worker's /metrics); kill -9 of that draft worker mid-stream changes no stream.
+Bad draft settings stop `kvmesh serve draft` at start-up with one line.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import os
 import signal
 import subprocess
 import sys
+import urllib.request
 
 import aiohttp
 import pytest
@@ -58,14 +61,15 @@ def test_greedy_output_with_drafts_equals_output_without(transport, setup, offli
         env["KVMESH_MIN_STEP_INTERVAL_MS"] = "30"
     with spec_mesh(setup, transport, env=env) as mesh:
 
-        async def scenario() -> dict:
+        async def scenario() -> tuple[dict, int]:
             replies, tap = await load(mesh, PROMPTS, MAX_TOKENS)
             check_equals_offline(replies, tap, offline_tokens)
             await check_blocks_returned(mesh)
             async with admin_client(mesh.config.nats_url, auth=mesh.nats_auth) as admin:
-                return {**await admin.status(), "draft": await admin.draft_workers()}
+                status = {**await admin.status(), "draft": await admin.draft_workers()}
+            return status, sum(_accepted_in_usage(r) for r in replies)
 
-        status = asyncio.run(scenario())
+        status, accepted_in_usage = asyncio.run(scenario())
         counters = spec_counters(mesh)
     [row] = status["draft"]  # kvmesh admin status shows the draft worker and its acceptance
     assert row["worker_id"] == "draft-0" and row["method"] == setup.method and row["k"] == setup.k
@@ -74,14 +78,44 @@ def test_greedy_output_with_drafts_equals_output_without(transport, setup, offli
     assert counters["verify_steps"] > 0 and counters["positions"] > 0, counters
     if setup.method == "early-exit":  # the first layers of the same model agree sometimes
         assert counters["accepted"] > 0, counters
+    # usage counts the accepted drafts the clients got (a stop token may cut a verified path)
+    assert accepted_in_usage <= counters["accepted"], (accepted_in_usage, counters)
+    assert (accepted_in_usage > 0) == (counters["accepted"] > 0), (accepted_in_usage, counters)
 
 
-def test_streams_complete_unchanged_when_the_draft_worker_is_killed_mid_stream(offline_tokens):
+def _accepted_in_usage(reply: dict) -> int:
+    details = reply["usage"].get("completion_tokens_details") or {}
+    return details.get("accepted_prediction_tokens", 0)
+
+
+def _tokens_per_step_buckets(mesh) -> dict[float, float]:
+    """The decode worker's histogram of tokens per verify step: upper bound -> count."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(mesh.metrics_urls["decode-0"], timeout=5) as resp:
+        text = resp.read().decode()
+    return {
+        float(sample.labels["le"]): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "kvmesh_decode_spec_tokens_per_step_bucket"
+    }
+
+
+def test_draft_model_equal_to_the_target_has_every_draft_accepted_until_killed_mid_stream():
+    # --method model with the target's own checkpoint at K=4: every draft verified before the
+    # kill is accepted and each verify step gives its drafts + 1 tokens, K + 1 for a full
+    # proposal (read off the decode worker's /metrics); after kill -9 of the draft worker half
+    # way through, every stream completes unchanged. ignore_eos: every request runs to
+    # max_tokens, so no stop token cuts a verified path short.
     long_tokens = 96
-    offline = offline_greedy(PROMPTS, long_tokens)
-    # early exit at K=4: its drafts verified until the kill, greedy output equal throughout
-    env = {**ENV, "KVMESH_MIN_STEP_INTERVAL_MS": "30"}  # paced: see the test above
-    with spec_mesh(DraftSetup("early-exit", k=4, exit_layer=2), "shm", env=env) as mesh:
+    k = 4
+    offline = _offline_greedy_ignoring_eos(PROMPTS, long_tokens)
+    # paced: the draft model is the target itself, so topping a chain up takes K + 1 of its
+    # steps; a step of 100 ms gives its proposals time to arrive on a loaded box
+    env = {**ENV, "KVMESH_MIN_STEP_INTERVAL_MS": "100"}
+    setup = DraftSetup("model", k=k, draft_model="kvmesh-tiny")
+    with spec_mesh(setup, "shm", env=env) as mesh:
         _, draft = mesh.children["draft-0"]
 
         async def scenario() -> None:
@@ -90,10 +124,10 @@ def test_streams_complete_unchanged_when_the_draft_worker_is_killed_mid_stream(o
                 aiohttp.ClientSession() as session,
             ):
                 load = asyncio.gather(
-                    *(complete(session, mesh.url, p, long_tokens) for p in PROMPTS)
+                    *(complete(session, mesh.url, p, long_tokens, ignore_eos=True) for p in PROMPTS)
                 )
                 task = asyncio.ensure_future(load)
-                while sum(len(t) for t in tap.tokens.values()) < len(PROMPTS) * 4:
+                while sum(len(t) for t in tap.tokens.values()) < len(PROMPTS) * long_tokens // 2:
                     assert not task.done()
                     await asyncio.sleep(0.01)
                 os.kill(draft.pid, signal.SIGKILL)  # mid-stream
@@ -105,6 +139,24 @@ def test_streams_complete_unchanged_when_the_draft_worker_is_killed_mid_stream(o
 
         asyncio.run(scenario())
         assert draft.wait(10) == -signal.SIGKILL
+        counters = spec_counters(mesh)
+        buckets = _tokens_per_step_buckets(mesh)
+    assert counters["accepted"] == counters["positions"] > 0, counters
+    steps = counters["tokens_per_step_count"]
+    assert counters["tokens_per_step_sum"] == counters["accepted"] + steps, counters
+    # proposals that arrive late are verified below the tokens added since: fewer than K
+    assert buckets[k + 1.0] == steps and buckets[float(k)] < steps, buckets
+
+
+def _offline_greedy_ignoring_eos(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    from kvmesh.shared.engine.config import EngineConfig
+    from kvmesh.shared.engine.llm_engine import LLMEngine
+    from kvmesh.shared.engine.sequence import SamplingParams
+    from kvmesh.shared.model.loader import load_model
+
+    engine = LLMEngine(*load_model("kvmesh-tiny"), EngineConfig(num_blocks=1024))
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return engine.generate(prompts, params)
 
 
 def _serve_draft(*flags: str) -> subprocess.CompletedProcess[str]:
