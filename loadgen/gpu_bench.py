@@ -17,9 +17,14 @@ those figures check the code paths only and say nothing about a GPU.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import json
+import os
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -120,26 +125,48 @@ def realistic_config(
     return dataclasses.replace(shape.config(), vocab_size=vocab_size, dtype=dtype)
 
 
+SEEDED_CACHE_ENV = "KVMESH_GPU_SEEDED_DIR"  # gpu_check shares one checkpoint with the tests
+
+
+def seeded_checkpoint(config: Any, seed: int, root: Path) -> Path:
+    """A transformers Llama checkpoint (float32 safetensors, byte-level tokenizer) of ``config``'s
+    shape with ``tiny_state_dict`` weights from ``seed``, under ``root``; reused when written
+    before (drawing 1.1 B parameters on the CPU takes about a minute, so gpu_check writes it once
+    for its tests and its benchmark)."""
+    from kvmesh.shared.model.seeded import hf_config_dict, write_hf_weights, write_tokenizer
+    from kvmesh.shared.model.tiny import TINY_CHAT_TEMPLATE, TINY_SPECIALS, tiny_state_dict
+
+    c = config
+    name = f"seed{seed}-h{c.hidden_size}-l{c.num_hidden_layers}-a{c.num_attention_heads}"
+    path = root / f"{name}-kv{c.num_key_value_heads}-v{c.vocab_size}"
+    done = path / "done.json"
+    if done.exists() and json.loads(done.read_text()) == hf_config_dict(config):
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    write_hf_weights(path, config, tiny_state_dict(config, seed=seed))
+    write_tokenizer(path, TINY_SPECIALS, "<|bos|>", "<|end|>", TINY_CHAT_TEMPLATE)
+    done.write_text(json.dumps(hf_config_dict(config)))
+    return path
+
+
 def seeded_models(
-    config: Any, seed: int, device: str | torch.device, with_hf: bool = True
+    config: Any, seed: int, device: str | torch.device, root: Path | None = None
 ) -> tuple[Any, Any]:
-    """(kvmesh model, transformers model or None) of the same seeded weights
-    (``tiny_state_dict``: drawn on the CPU in float32), both in ``config.dtype`` on ``device``,
-    built in memory (no checkpoint on disk). transformers uses its default (SDPA) attention."""
-    from kvmesh.shared.model.loader import build_model
-    from kvmesh.shared.model.seeded import hf_config_dict
-    from kvmesh.shared.model.tiny import tiny_state_dict
+    """(kvmesh model, transformers model) of the same seeded weights, both in ``config.dtype`` on
+    ``device``, loaded from ``seeded_checkpoint`` under ``root`` (default: $KVMESH_GPU_SEEDED_DIR,
+    else a temporary folder). transformers uses its default (SDPA) attention."""
+    from kvmesh.shared.model.loader import load_model
+    from transformers import AutoModelForCausalLM
 
-    weights = tiny_state_dict(config, seed=seed)
-    model = build_model(config, weights.__getitem__, weights.keys(), "seeded", device)
-    if not with_hf:
-        return model, None
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    hf_config = LlamaConfig(**hf_config_dict(config))
-    with torch.device(device):
-        hf = LlamaForCausalLM(hf_config).to(config.dtype)
-    hf.load_state_dict(weights, strict=True)
+    with contextlib.ExitStack() as stack:
+        if root is None:
+            cached = os.environ.get(SEEDED_CACHE_ENV)
+            root = (
+                Path(cached) if cached else Path(stack.enter_context(tempfile.TemporaryDirectory()))
+            )
+        path = seeded_checkpoint(config, seed, root)
+        model, _ = load_model(str(path), config.dtype, device)
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=config.dtype).to(device)
     return model, hf.eval()
 
 
@@ -183,9 +210,9 @@ def bench_kv_pack(sizes: BenchSizes, device: torch.device) -> dict[str, Any]:
         dtype=sizes.dtype,
     )
     pool = KVPool(spec, sizes.pool_blocks, device=device)
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    pool.raw.copy_(torch.randint(0, 256, (pool.raw.numel(),), generator=gen, dtype=torch.uint8))
-    ids = torch.randperm(sizes.pool_blocks, generator=gen)[: sizes.pack_blocks].to(device)
+    gen = torch.Generator(device=device).manual_seed(0)  # drawn where it lives: GiBs on a GPU
+    pool.raw.random_(0, 256, generator=gen)
+    ids = torch.randperm(sizes.pool_blocks, generator=gen, device=device)[: sizes.pack_blocks]
     half = sizes.kv_heads // 2
     staging = pack_blocks(pool.tensor, ids, 0, half)
     nbytes = staging.numel() * staging.element_size()
@@ -236,18 +263,18 @@ def bench_paged_decode(sizes: BenchSizes, device: torch.device) -> dict[str, Any
     per_seq = -(-n // bs)
     scale = D**-0.5
     rows = {}
-    gen = torch.Generator(device="cpu").manual_seed(1)
+    gen = torch.Generator(device=device).manual_seed(1)
     for B in sizes.attention_batches:
         spec = KVCacheSpec(
             num_layers=1, num_kv_heads=H_kv, head_dim=D, block_size=bs, dtype=sizes.dtype
         )
         pool = KVPool(spec, B * per_seq, device=device)
         k_cache, v_cache = pool.layer(0)
-        k_cache.copy_(torch.randn(k_cache.shape, generator=gen).to(sizes.dtype))
-        v_cache.copy_(torch.randn(v_cache.shape, generator=gen).to(sizes.dtype))
-        tables = torch.randperm(B * per_seq, generator=gen).view(B, per_seq).to(device)
+        k_cache.normal_(generator=gen)
+        v_cache.normal_(generator=gen)
+        tables = torch.randperm(B * per_seq, generator=gen, device=device).view(B, per_seq)
         lens = torch.full((B,), n, dtype=torch.int64, device=device)
-        q = torch.randn(B, H_q, D, generator=gen).to(sizes.dtype).to(device)
+        q = torch.randn(B, H_q, D, generator=gen, device=device, dtype=sizes.dtype)
         # the same data unpaged: (B, H_kv, n, D)
         keys = k_cache[tables].flatten(1, 2)[:, :n].transpose(1, 2).contiguous()
         values = v_cache[tables].flatten(1, 2)[:, :n].transpose(1, 2).contiguous()
