@@ -432,11 +432,19 @@ BENCHMARKS: dict[str, Callable[[BenchSizes, torch.device], dict[str, Any]]] = {
 }
 
 
-def run_all(sizes: BenchSizes, device: torch.device, dry_run: bool = False) -> dict[str, Any]:
-    """Every benchmark; one that raises is recorded with its error and the others still run.
-    ``dry_run``: each result says so and claims no goal (its figures are not a GPU's)."""
+def run_all(
+    sizes: BenchSizes,
+    device: torch.device,
+    dry_run: bool = False,
+    only: list[str] | None = None,
+) -> dict[str, Any]:
+    """Every benchmark (or those named in ``only``); one that raises is recorded with its error
+    and the others still run. ``dry_run``: each result says so and claims no goal (its figures
+    are not a GPU's)."""
     results: dict[str, Any] = {}
     for name, bench in BENCHMARKS.items():
+        if only and name not in only:
+            continue
         t0 = time.perf_counter()
         try:
             result = bench(sizes, device)

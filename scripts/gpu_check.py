@@ -202,6 +202,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-tests", action="store_true", help="skip the pytest runs")
     parser.add_argument("--no-softroce", action="store_true", help="skip the SoftRoCE attempt")
     parser.add_argument("--json-out", type=Path, help="also write the summary to this file")
+    parser.add_argument(
+        "-k", dest="pytest_k", help="only the gpu tests matching this pytest -k expression (reruns)"
+    )
+    parser.add_argument(
+        "--bench",
+        action="append",
+        choices=("kv_pack", "paged_decode_attention", "engine_decode"),
+        help="only this benchmark (repeatable; default all)",
+    )
     args = parser.parse_args(argv)
     dry = args.device == "cpu"
     if dry:  # before triton is imported: @triton.jit reads it when the kernels are defined
@@ -236,10 +245,13 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ)
     if not args.no_tests:
         _log(f"pytest -m gpu {' '.join(gpu_test_files())}")
-        summary["gpu_tests"] = run_pytest(["-m", "gpu", *gpu_test_files()], env, TESTS_TIMEOUT_S)
+        selection = ["-k", args.pytest_k] if args.pytest_k else []
+        summary["gpu_tests"] = run_pytest(
+            ["-m", "gpu", *selection, *gpu_test_files()], env, TESTS_TIMEOUT_S
+        )
     _log("benchmarks")
     sizes = gpu_bench.DRY_SIZES if dry else gpu_bench.GPU_SIZES
-    summary["benchmarks"] = gpu_bench.run_all(sizes, device, dry_run=dry)
+    summary["benchmarks"] = gpu_bench.run_all(sizes, device, dry_run=dry, only=args.bench)
     if dry or args.no_softroce:
         summary["softroce"] = "not attempted (dry run or --no-softroce)"
     else:
