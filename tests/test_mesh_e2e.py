@@ -5,16 +5,26 @@ off its NATS token subject, keyed by the response id) must equal the offline eng
 (LLMEngine.generate) token for token, disaggregated over shm and over tcp, and colocated. Prompts
 span several prefill chunks (chunk budget 32 tokens, blocks of 16). After the load every decode
 worker has all its blocks free again.
+
+A client that goes away gets every KV block back, mid-stream and mid-prefill (on the shm mesh):
+disconnecting makes the router publish Abort; the decode worker aborts a running sequence; a
+prefill stops between chunks and sends PrefillDone(ok=False) once no write is in flight, and only
+then does the decode worker free the reserved blocks.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 
 import aiohttp
+import orjson
 import pytest
-from kvmesh.loadgen.bench_mesh import MeshTap, complete, local_mesh, random_prompts
+from kvmesh.loadgen.bench_mesh import MODEL, MeshTap, complete, local_mesh, random_prompts
+from kvmesh.shared import protocol
+from kvmesh.shared.nats_service import connect_nats
+from kvmesh.shared.subjects import DEFAULT_MESH, Subjects
 from mesh_checks import check_blocks_returned, check_equals_offline, load, offline_greedy
 
 pytestmark = pytest.mark.slow
@@ -108,9 +118,106 @@ async def test_drained_prefill_worker_takes_no_job_and_long_prompts_still_run(di
     ):
         reply = await admin.drain("prefill-0")
         assert reply["ok"] and reply["state"] == "draining"
-        await asyncio.sleep(4)  # the router sees its heartbeat say draining
+        await _wait_ready_prefill_workers(s, disagg_mesh.url, 0)  # its heartbeat said draining
         body = await complete(s, disagg_mesh.url, PROMPTS[0], 2)
         assert body["usage"]["completion_tokens"] == 2
         assert body["id"] not in tap.reports  # no prefill worker computed it
         assert (await admin.resume("prefill-0"))["state"] == "ready"
+        await _wait_ready_prefill_workers(s, disagg_mesh.url, 1)  # as the module found it
     assert disagg_mesh.nats_violations() == []
+
+
+async def _wait_ready_prefill_workers(
+    session: aiohttp.ClientSession, url: str, num: int, timeout_s: float = 20.0
+) -> None:
+    """Until the router's /health counts ``num`` ready prefill workers (it learns their state
+    from their heartbeats)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        async with session.get(f"{url}/health") as resp:
+            health = await resp.json()
+        if health.get("prefill_workers") == num:
+            return
+        assert asyncio.get_running_loop().time() < deadline, health
+        await asyncio.sleep(0.1)
+
+
+# --- a client that goes away (on the shm mesh of the tests above) ------------------------------
+
+
+async def _stream_until(session, url: str, prompt: list[int], enough) -> str:
+    """Stream a long generation; close the connection once ``enough(request_id)`` holds."""
+    body = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": 2000,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    async with session.post(f"{url}/v1/completions", json=body) as resp:
+        assert resp.status == 200, await resp.text()
+        async for line in resp.content:
+            if line.startswith(b"data: {"):
+                request_id = orjson.loads(line[6:])["id"]
+                if enough(request_id):
+                    return request_id  # leaving the block closes the connection
+    raise AssertionError("the stream ended before the client disconnected")
+
+
+@pytest.mark.parametrize("disagg_mesh", ["shm"], indirect=True)
+async def test_cancel_mid_stream_aborts_decode_and_returns_blocks(disagg_mesh):
+    mesh = disagg_mesh
+    [prompt] = random_prompts(1, 100, 100, seed=3)
+    async with (
+        MeshTap(mesh.config.nats_url, mesh.nats_auth) as tap,
+        aiohttp.ClientSession() as session,
+    ):
+        rid = await _stream_until(session, mesh.url, prompt, lambda r: len(tap.tokens[r]) >= 5)
+        final = await tap.wait_finished(rid, timeout_s=20)
+        assert final.finish_reason == "abort"
+        assert 5 <= len(tap.tokens[rid]) < 2000
+    await check_blocks_returned(mesh)  # and no role overstepped its NATS permissions
+
+
+@pytest.mark.parametrize("disagg_mesh", ["shm"], indirect=True)
+async def test_disconnect_mid_prefill_stops_prefill_and_returns_blocks(disagg_mesh):
+    mesh = disagg_mesh
+    [prompt] = random_prompts(1, 4000, 4000, seed=4)  # 125 chunks of 32 tokens
+    job_seen = asyncio.Event()
+    async with (
+        MeshTap(mesh.config.nats_url, mesh.nats_auth) as tap,
+        connect_nats(mesh.config.nats_url, "test-jobs", auth=mesh.nats_auth) as nc,
+        aiohttp.ClientSession() as session,
+    ):
+        jobs: list[protocol.PrefillJob] = []
+
+        async def on_job(msg) -> None:
+            jobs.append(protocol.decode_message(msg.data, protocol.PrefillJob))
+            job_seen.set()
+
+        jobs_subject = Subjects(DEFAULT_MESH).PREFILL_JOBS
+        await nc.subscribe(jobs_subject, cb=on_job)  # a copy, outside the queue group
+        await nc.flush()
+        client = asyncio.create_task(complete(session, mesh.url, prompt, 4))
+        await asyncio.wait_for(job_seen.wait(), 30)
+        rid = jobs[0].request_id
+        await asyncio.sleep(0.3)  # a few chunks computed and written, most still to come
+        assert rid not in tap.prefill_done, "the prefill finished before the client left"
+        client.cancel()  # the client disconnects
+        with contextlib.suppress(asyncio.CancelledError):
+            await client
+        for _ in range(300):
+            if rid in tap.prefill_done:
+                break
+            await asyncio.sleep(0.05)
+        done = tap.prefill_done[rid]
+        assert not done.ok and "abort" in done.error, done
+        num_chunks = -(-len(prompt) // CHUNK_TOKENS)
+        assert 1 <= done.num_writes < num_chunks  # it stopped between chunks
+        assert rid not in tap.reports or tap.reports[rid].num_chunks < num_chunks
+    await check_blocks_returned(mesh)  # the test's own job subscription (as admin) is allowed
+    # the prefill and decode workers are fine afterwards
+    async with aiohttp.ClientSession() as session:
+        reply = await complete(session, mesh.url, random_prompts(1, 80, 80, seed=5)[0], 4)
+        assert reply["usage"]["completion_tokens"] == 4
