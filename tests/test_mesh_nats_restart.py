@@ -22,7 +22,16 @@ from tests.offline_text import offline_texts
 
 pytestmark = pytest.mark.slow
 
-ENV = {"KVMESH_BLOCK_SIZE": "16", "KVMESH_NUM_BLOCKS": "512"}
+# Blocks of a request the restart failed come back once its lease (router --lease-ms) and the
+# decode worker's quarantine (--quarantine-s) have run out: 10 + 5 s here instead of 30 + 30 s
+# by default. The lease still outlives the outage by far (the router renews it every third).
+LEASE_S, QUARANTINE_S = 10, 5
+ENV = {
+    "KVMESH_BLOCK_SIZE": "16",
+    "KVMESH_NUM_BLOCKS": "512",
+    "KVMESH_LEASE_MS": str(LEASE_S * 1000),
+    "KVMESH_QUARANTINE_S": str(QUARANTINE_S),
+}
 NUM_STREAMS, CONCURRENCY, MAX_TOKENS = 8, 4, 24
 # the longest a stream in flight may take to end once NATS is back (never a 30 s token timeout)
 END_WITHIN_S = 20.0
@@ -136,8 +145,9 @@ def test_streams_in_flight_survive_or_fail_clearly_and_the_mesh_serves_after_nat
             for prompt in random_prompts(3, 200, 400, seed=42):  # and keeps serving
                 body, _ = asyncio.run(_serve_until_ok(mesh.url, prompt, 5))
                 assert body["usage"]["completion_tokens"] == 4
-            # blocks of requests that failed come back once their leases (30 s) run out
-            rows = asyncio.run(wait_blocks_returned(mesh.config.nats_url, mesh.nats_auth, 90))
+            # blocks of requests that failed come back once their leases and quarantines run out
+            wait_s = LEASE_S + QUARANTINE_S + 30
+            rows = asyncio.run(wait_blocks_returned(mesh.config.nats_url, mesh.nats_auth, wait_s))
             assert rows and all(r["free_blocks"] == r["total_blocks"] for r in rows), rows
     finally:
         server.stop()
