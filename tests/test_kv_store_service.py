@@ -42,7 +42,7 @@ from kvmesh.shared.transport import (
     create_transport,
 )
 
-pytestmark = pytest.mark.slow  # a kv-store process per test
+pytestmark = pytest.mark.slow  # kv-store processes
 
 MESH = "kvs"
 SUBJECTS = Subjects(MESH)
@@ -50,45 +50,77 @@ BLOCK_SIZE = 16
 NUM_LOCAL = 8  # blocks in the test's own pool
 
 
+def spawn_store(nats_url: str, store_id: str, log, *flags: str) -> subprocess.Popen:
+    """``kvmesh serve kv-store`` in its own process, its output in ``log`` (a file, not a pipe:
+    a chatty child must never block on it)."""
+    argv = [sys.executable, "-m", "kvmesh.cli", "serve", "kv-store", "--nats-url", nats_url]
+    argv += ["--mesh", MESH, "--worker-id", store_id, "--heartbeat-s", "0.2", *flags]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}
+    return subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def stop_store(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+async def next_advert(
+    nats_url: str, store_id: str, proc: subprocess.Popen, log, after_epoch: str = ""
+) -> StoreAdvert:
+    """The store's next advert (of an epoch other than ``after_epoch``): it is up and answering."""
+    async with connect_nats(nats_url, "test-advert") as nc:
+        adverts: asyncio.Queue[StoreAdvert] = asyncio.Queue()
+
+        async def on_advert(msg) -> None:
+            advert = decode_message(msg.data, StoreAdvert)
+            if advert.store_id == store_id and advert.epoch != after_epoch:
+                adverts.put_nowait(advert)
+
+        await nc.subscribe(SUBJECTS.REGISTRY_STORE_ADVERTISE, cb=on_advert)
+        for _ in range(240):  # up to 120 s: its start imports torch
+            try:
+                return await asyncio.wait_for(adverts.get(), 0.5)
+            except TimeoutError:
+                if proc.poll() is not None:
+                    break
+        proc.kill()
+        log.seek(0)
+        raise AssertionError(f"kv-store did not come up: {log.read().decode()[-4000:]}")
+
+
 @contextlib.asynccontextmanager
 async def store_process(
     nats_url: str, store_id: str, *flags: str, after_epoch: str = ""
 ) -> AsyncIterator[StoreAdvert]:
-    """``kvmesh serve kv-store`` in its own process; yields its first advert (of an epoch other
-    than ``after_epoch``), stops it with SIGTERM on exit."""
-    argv = [sys.executable, "-m", "kvmesh.cli", "serve", "kv-store", "--nats-url", nats_url]
-    argv += ["--mesh", MESH, "--worker-id", store_id, "--heartbeat-s", "0.2", *flags]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}
-    # a file, not a pipe: a chatty child must never block on it
+    """A store of this test alone; yields its first advert, stops it with SIGTERM on exit."""
     with tempfile.TemporaryFile() as log:
-        proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+        proc = spawn_store(nats_url, store_id, log, *flags)
         try:
-            async with connect_nats(nats_url, "test-advert") as nc:
-                adverts: asyncio.Queue[StoreAdvert] = asyncio.Queue()
-
-                async def on_advert(msg) -> None:
-                    advert = decode_message(msg.data, StoreAdvert)
-                    if advert.store_id == store_id and advert.epoch != after_epoch:
-                        adverts.put_nowait(advert)
-
-                await nc.subscribe(SUBJECTS.REGISTRY_STORE_ADVERTISE, cb=on_advert)
-                get = asyncio.ensure_future(adverts.get())
-                exited = asyncio.ensure_future(asyncio.to_thread(proc.wait))
-                await asyncio.wait({get, exited}, timeout=120, return_when=asyncio.FIRST_COMPLETED)
-                if not get.done():
-                    get.cancel()
-                    proc.kill()
-                    log.seek(0)
-                    raise AssertionError(f"kv-store did not come up: {log.read().decode()[-4000:]}")
-            yield get.result()
+            yield await next_advert(nats_url, store_id, proc, log, after_epoch)
         finally:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+            stop_store(proc)
+
+
+SHARED = "store-m"  # the module's store: tests that need no fresh one share it
+
+
+@pytest.fixture(scope="module")
+def shared_store(nats_server_module: str, unused_tcp_port_factory):
+    """One kv-store process for the module (tcp, 8 blocks, metrics on a port of its own): each
+    test that uses it names blocks of its own tokens, so none sees another's."""
+    port = unused_tcp_port_factory()
+    with tempfile.TemporaryFile() as log:
+        flags = ("--num-blocks", "8", "--transport", "tcp", "--metrics-port", str(port))
+        proc = spawn_store(nats_server_module, SHARED, log, *flags)
+        try:
+            yield nats_server_module, proc, log, port
+        finally:
+            stop_store(proc)
 
 
 class Client:
@@ -130,6 +162,7 @@ class Client:
 
 
 TOKENS = list(range(1000, 1000 + 6 * BLOCK_SIZE))
+OTHER_TOKENS = list(range(2000, 2000 + 6 * BLOCK_SIZE))
 
 
 def scrape(port: int) -> dict[str, float]:
@@ -198,11 +231,10 @@ async def test_store_full_of_pinned_blocks_refuses_a_put_at_once(nats_server: st
         assert refused.retry_after_s > 0
 
 
-async def test_store_refuses_a_request_naming_another_kv_layout(nats_server: str) -> None:
-    async with (
-        store_process(nats_server, "store-s", "--num-blocks", "4") as advert,
-        Client(nats_server, "tcp", advert) as c,
-    ):
+async def test_store_refuses_a_request_naming_another_kv_layout(shared_store) -> None:
+    url, proc, log, _ = shared_store
+    advert = await next_advert(url, SHARED, proc, log)
+    async with Client(url, "tcp", advert) as c:
         stale = advert.kv_spec.replace("B16", "B32")
         assert stale != advert.kv_spec
         put = await c.client.put(c.target, stale, c.blocks(TOKENS, [0], kv_spec=stale))
@@ -211,13 +243,10 @@ async def test_store_refuses_a_request_naming_another_kv_layout(nats_server: str
         assert got.num_blocks == 0 and "stale or foreign KV layout" in got.error
 
 
-async def test_store_block_under_a_colliding_hash_is_refused_by_the_reader(
-    nats_server: str,
-) -> None:
-    async with (
-        store_process(nats_server, "store-c", "--num-blocks", "4") as advert,
-        Client(nats_server, "tcp", advert) as c,
-    ):
+async def test_store_block_under_a_colliding_hash_is_refused_by_the_reader(shared_store) -> None:
+    url, proc, log, _ = shared_store
+    advert = await next_advert(url, SHARED, proc, log)
+    async with Client(url, "tcp", advert) as c:
         mine = c.blocks(TOKENS, [0, 1])
         assert len((await c.client.put(c.target, advert.kv_spec, mine)).committed) == 2
         other_tokens = [7, *TOKENS[1:]]  # other tokens that (we pretend) hash the same
@@ -229,18 +258,15 @@ async def test_store_block_under_a_colliding_hash_is_refused_by_the_reader(
         assert (got.num_blocks, got.num_offered) == (0, 2) and "token digest" in got.error
 
 
-async def test_store_read_after_release_is_refused_and_counted(
-    nats_server: str, unused_tcp_port: int
-) -> None:
-    flags = ("--num-blocks", "4", "--metrics-port", str(unused_tcp_port), "--transport", "tcp")
-    async with (
-        store_process(nats_server, "store-w", *flags) as advert,
-        Client(nats_server, "tcp", advert) as c,
-    ):
-        blocks = c.blocks(TOKENS, [0])
+async def test_store_read_after_release_is_refused_and_counted(shared_store) -> None:
+    url, proc, log, port = shared_store
+    advert = await next_advert(url, SHARED, proc, log)
+    refused = scrape(port)["kvmesh_store_refused_accesses_total"]
+    async with Client(url, "tcp", advert) as c:
+        blocks = c.blocks(OTHER_TOKENS, [0])  # blocks no other test puts
         assert len((await c.client.put(c.target, advert.kv_spec, blocks)).committed) == 1
         ask = StoreGet("reader", advert.kv_spec, (blocks[0].block_hash,))
-        msg = await c.nc.request(SUBJECTS.store_get("store-w"), encode_message(ask), timeout=5)
+        msg = await c.nc.request(SUBJECTS.store_get(SHARED), encode_message(ask), timeout=5)
         grant = decode_message(msg.data, StoreGetReply)
         entry = WriteEntry(c.region, 0, grant.block_addrs[0], grant.rkey, advert.block_bytes)
         async with await c.t.connect(c.target.descriptor) as ep:
@@ -251,11 +277,11 @@ async def test_store_read_after_release_is_refused_and_counted(
             with pytest.raises(RemoteAccessError):  # not the slot's span: refused
                 await ep.read([beside])
             done = StoreRelease(grant.get_id, grant.rkey)
-            msg = await c.nc.request(SUBJECTS.store_release("store-w"), encode_message(done), 5)
+            msg = await c.nc.request(SUBJECTS.store_release(SHARED), encode_message(done), 5)
             assert decode_message(msg.data, StoreAck).ok
             with pytest.raises(RemoteAccessError):  # the window closed with the release
                 await ep.read([entry])
-        assert scrape(unused_tcp_port)["kvmesh_store_refused_accesses_total"] == 2
+        assert scrape(port)["kvmesh_store_refused_accesses_total"] == refused + 2
 
 
 async def test_admin_status_lists_the_store_with_its_use_and_hit_rate(nats_server: str) -> None:
