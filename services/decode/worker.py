@@ -193,8 +193,9 @@ class DecodeWorker:
             self.metrics.observe_prefix_cache(bm.num_hit_tokens, len(bm.hash_to_block))
             if self.store is not None:
                 for out in outputs:
-                    if out.finished and out.finish_reason in ("stop", "length"):
-                        self.store.put_later(list(live[out.request_id].token_ids), self._lock)
+                    seq = live.get(out.request_id)  # absent: it ended before this step began
+                    if seq is not None and out.finished and out.finish_reason in ("stop", "length"):
+                        self.store.put_later(list(seq.token_ids), self._lock)
         return [event for out in outputs if (event := _token_event(out)) is not None]
 
     # ---- speculative decoding -----------------------------------------------------------------
