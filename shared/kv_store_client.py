@@ -161,26 +161,7 @@ class KvStoreClient:
         async with self._turn:
             writes = [by_hash[h] for h in reply.write_hashes]
             await asyncio.to_thread(self._fill_headers, layout, writes)  # CRC32s: every byte
-            entries = []
-            for i, block in enumerate(writes):
-                entries.append(
-                    WriteEntry(
-                        self.region,
-                        block.offset,
-                        reply.block_addrs[i],
-                        reply.rkey,
-                        self.block_bytes,
-                    )
-                )
-                entries.append(
-                    WriteEntry(
-                        self._header_region,
-                        i * HEADER_BYTES,
-                        reply.header_addrs[i],
-                        reply.rkey,
-                        HEADER_BYTES,
-                    )
-                )
+            entries = self._block_entries(writes, reply.block_addrs, reply.header_addrs, reply.rkey)
             ep = await self._endpoint(store)
             try:
                 await ep.write(entries, 0)
@@ -195,6 +176,28 @@ class KvStoreClient:
         if not done.ok:
             return PutResult(False, present=reply.present, error=done.error)
         return PutResult(True, reply.present, done.committed, done.rejected)
+
+    def _block_entries(
+        self,
+        blocks: Sequence[LocalBlock],
+        block_addrs: Sequence[int],
+        header_addrs: Sequence[int],
+        rkey: int,
+    ) -> list[WriteEntry]:
+        """One entry per block and one per its header (header ``i`` at ``i * HEADER_BYTES`` of
+        the header staging), against the store's addresses: the same list serves a put's writes
+        and a get's reads."""
+        entries = []
+        for i, block in enumerate(blocks):
+            entries.append(
+                WriteEntry(self.region, block.offset, block_addrs[i], rkey, self.block_bytes)
+            )
+            entries.append(
+                WriteEntry(
+                    self._header_region, i * HEADER_BYTES, header_addrs[i], rkey, HEADER_BYTES
+                )
+            )
+        return entries
 
     # --- get -------------------------------------------------------------------------------------
 
@@ -220,26 +223,9 @@ class KvStoreClient:
                     "the store offered other blocks than the leading ones asked"
                 )
             async with self._turn:
-                entries = []
-                for i, block in enumerate(blocks[:offered]):
-                    entries.append(
-                        WriteEntry(
-                            self.region,
-                            block.offset,
-                            reply.block_addrs[i],
-                            reply.rkey,
-                            self.block_bytes,
-                        )
-                    )
-                    entries.append(
-                        WriteEntry(
-                            self._header_region,
-                            i * HEADER_BYTES,
-                            reply.header_addrs[i],
-                            reply.rkey,
-                            HEADER_BYTES,
-                        )
-                    )
+                entries = self._block_entries(
+                    blocks[:offered], reply.block_addrs, reply.header_addrs, reply.rkey
+                )
                 ep = await self._endpoint(store)
                 await ep.read(entries)
                 good, error = await asyncio.to_thread(self._verify, kv_spec, blocks[:offered])
