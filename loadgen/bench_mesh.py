@@ -174,14 +174,21 @@ async def wait_blocks_returned(
 ) -> list[dict[str, Any]]:
     """Admin status rows of the decode workers, once each has every block free again and, with
     ``workers``, that many are registered (a registry that was cut off relearns the workers from
-    their next heartbeat); or the last rows seen when ``timeout_s`` runs out: the caller asserts."""
-    from kvmesh.shared.admin_client import admin_client
+    their next heartbeat); or the last rows seen when ``timeout_s`` runs out: the caller asserts.
+    A registry that does not answer (being restarted) is asked again until then."""
+    from kvmesh.shared.admin_client import AdminError, admin_client
 
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     async with admin_client(nats_url, auth=auth, mesh=mesh) as admin:
         while True:
-            rows = (await admin.status())["decode"]
+            try:
+                rows = (await admin.status())["decode"]
+            except AdminError:  # the kv-registry is being restarted: ask again until the deadline
+                if loop.time() > deadline:
+                    raise
+                await asyncio.sleep(0.2)
+                continue
             complete = workers is None or len(rows) == workers
             if rows and complete and all(r["free_blocks"] == r["total_blocks"] for r in rows):
                 return rows

@@ -45,7 +45,9 @@ async def _one(session, url: str, prompt: list[int]) -> tuple[str, str | None, f
 
 
 async def _chaos(mesh, prompts):
-    """The results of every request, and the monotonic times of the kills."""
+    """The results of every request, the monotonic times of the kills, and the decode workers'
+    admin rows once their blocks came back. The supervisor runs until then: a victim killed near
+    the end is still being restarted when the last request ends."""
     supervisor = asyncio.create_task(mesh.supervise(RestartPolicy(max_restarts=3)))
     results: list[tuple[str, str | None, float, float] | None] = [None] * len(prompts)
     kills: list[float] = []
@@ -69,9 +71,11 @@ async def _chaos(mesh, prompts):
     try:
         async with aiohttp.ClientSession(timeout=timeout) as session:
             await asyncio.gather(killer(), *(client(session) for _ in range(CONCURRENCY)))
+        # failed requests may keep blocks until their lease and quarantine run out (30 s + 30 s)
+        rows = await wait_blocks_returned(mesh.config.nats_url, mesh.nats_auth, 90, workers=2)
     finally:
         supervisor.cancel()
-    return results, kills
+    return results, kills, rows
 
 
 def _since_last_fault(ended: float, kills: list[float]) -> float:
@@ -85,9 +89,7 @@ def test_mesh_survives_kills_of_decode_prefill_and_registry_under_load():
     prompts = [random_prompts(1, 16, rng.choice([40, 300, 900]), seed=i)[0] for i in range(200)]
     expected = offline_texts(prompts, MAX_TOKENS)
     with local_mesh("disagg", "shm", env=ENV, prefill=2, decode=2) as mesh:
-        results, kills = asyncio.run(_chaos(mesh, prompts))
-        # failed requests may keep blocks until their lease and quarantine run out (30 s + 30 s)
-        rows = asyncio.run(wait_blocks_returned(mesh.config.nats_url, mesh.nats_auth, 90))
+        results, kills, rows = asyncio.run(_chaos(mesh, prompts))
         violations = mesh.nats_violations()
     done = [r for r in results if r is not None]
     assert len(done) == NUM_REQUESTS  # none hung past the client's 90 s
