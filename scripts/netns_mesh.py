@@ -10,8 +10,10 @@ listing its own host's NATS server first. The bridge holds 10.77.K.254 so that t
 the root namespace) reaches the router and NATS; nothing is routed beyond the bridge. Ctrl-C tears
 everything down; so does any failure on the way up. tests/netns_harness.py wraps it for pytest.
 
-Needs root or CAP_NET_ADMIN and iproute2; ``tc netem`` (delay, loss) where the kernel has
-sch_netem (``netem_available()``).
+Needs root or CAP_NET_ADMIN and iproute2. Delay and loss on the links (``--delay-ms``,
+``--loss-pct``) come from ``tc netem`` where the kernel has sch_netem (``netem_available()``);
+where it has not, each host's link is a pair of TAP devices joined by scripts/tap_link.py, a
+user-space link with the same delay and loss (``Network.link_kind`` says which).
 """
 
 from __future__ import annotations
@@ -75,6 +77,11 @@ def netem_available() -> bool:
         _run("ip", "netns", "del", probe, check=False)
 
 
+def link_emulation_available() -> bool:
+    """Whether links can have delay and loss here: sch_netem, or TAP devices for tap_link.py."""
+    return netem_available() or os.path.exists("/dev/net/tun")
+
+
 def _free_subnet() -> int:
     """K such that 10.77.K.0/24 appears on no interface of this machine."""
     used = _run("ip", "-4", "-o", "addr").stdout
@@ -87,11 +94,19 @@ def _free_subnet() -> int:
 
 @dataclass
 class Network:
-    """The bridge, the namespaces and their veth links; ``close()`` removes all of them."""
+    """The bridge, the namespaces and their links; ``close()`` removes all of them.
 
+    A link is a veth pair, with netem on both ends when there is delay or loss and the kernel
+    has sch_netem (``link_kind`` "netem"), else a TAP pair forwarded by tap_link.py ("tap");
+    "plain" without delay or loss."""
+
+    delay_ms: float = 0.0
+    loss_pct: float = 0.0
     run_id: str = field(default_factory=lambda: secrets.token_hex(3))
     subnet: int = field(default_factory=_free_subnet)
     created: list[tuple[str, str]] = field(default_factory=list)  # (kind, name), in order
+    link_kind: str = "plain"
+    links: list[subprocess.Popen[str]] = field(default_factory=list)  # tap_link.py processes
 
     @property
     def bridge(self) -> str:
@@ -107,6 +122,8 @@ class Network:
         return f"10.77.{self.subnet}.{host}"
 
     def build(self) -> None:
+        if self.delay_ms or self.loss_pct:
+            self.link_kind = "netem" if netem_available() else "tap"
         _run("ip", "link", "add", self.bridge, "type", "bridge")
         self.created.append(("link", self.bridge))
         _run("ip", "addr", "add", f"10.77.{self.subnet}.254/24", "dev", self.bridge)
@@ -115,12 +132,34 @@ class Network:
             ns, veth = self.ns(host), self.veth(host)
             _run("ip", "netns", "add", ns)
             self.created.append(("netns", ns))
-            _run("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
+            if self.link_kind == "tap":
+                self._start_tap_link(host)
+            else:
+                _run("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0",
+                     "netns", ns)  # fmt: skip
             self.created.append(("link", veth))
             _run("ip", "link", "set", veth, "master", self.bridge, "up")
             self.exec(host, "ip", "addr", "add", f"{self.ip(host)}/24", "dev", "eth0")
             self.exec(host, "ip", "link", "set", "eth0", "up")
             self.exec(host, "ip", "link", "set", "lo", "up")
+            if self.link_kind == "netem":
+                self.netem(host, self.delay_ms, self.loss_pct)
+
+    def _start_tap_link(self, host: int) -> None:
+        """host's link as tap_link.py: the TAP ``veth(host)`` here, ``eth0`` in its namespace."""
+        proc = subprocess.Popen(
+            [sys.executable, str(Path(__file__).with_name("tap_link.py")), "--ns", self.ns(host),
+             "--outer", self.veth(host), "--delay-ms", str(self.delay_ms),
+             "--loss-pct", str(self.loss_pct), "--seed", str(host)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            preexec_fn=die_with_parent,
+        )  # fmt: skip
+        self.links.append(proc)
+        assert proc.stdout is not None
+        if proc.stdout.readline().strip() != "ready":
+            proc.kill()
+            _, err = proc.communicate(timeout=5)
+            raise RuntimeError(f"tap_link.py for host {host} did not start: {err.strip()}")
 
     def exec(self, host: int, *cmd: str) -> None:
         _run("ip", "netns", "exec", self.ns(host), *cmd)
@@ -136,6 +175,15 @@ class Network:
         _run("ip", "link", "set", self.veth(host), "up" if up else "down")
 
     def close(self) -> None:
+        for proc in self.links:  # their TAP devices go with them
+            proc.terminate()
+        for proc in self.links:
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.links.clear()
         for kind, name in reversed(self.created):
             if kind == "netns":
                 _run("ip", "netns", "del", name, check=False)
@@ -250,16 +298,13 @@ def netns_mesh(
     reason = why_unavailable()
     if reason is not None:
         raise NetnsUnavailableError(reason)
-    net = Network()
+    net = Network(delay_ms, loss_pct)
     log_dir = log_dir or Path(f"/tmp/kvmesh-netns-{net.run_id}")
     log_dir.mkdir(parents=True, exist_ok=True)
     mesh = NetnsMesh(net, {}, {}, log_dir)
     saved = dict(os.environ)
     try:
         net.build()
-        if delay_ms or loss_pct:
-            for host in range(1, NUM_HOSTS + 1):
-                net.netem(host, delay_ms, loss_pct)
         for host in range(1, NUM_HOSTS + 1):
             mesh.servers[host] = nats_server(net, host)
             mesh.servers[host].start()
@@ -318,17 +363,15 @@ def _wait_healthy(mesh: NetnsMesh, timeout_s: float) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--decode", type=int, default=2, help="decode workers in host 3")
-    p.add_argument("--delay-ms", type=float, default=0.0, help="netem delay on every link")
-    p.add_argument("--loss-pct", type=float, default=0.0, help="netem loss on every link")
+    p.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay on every link")
+    p.add_argument("--loss-pct", type=float, default=0.0, help="loss on every link")
     args = p.parse_args()
-    if (args.delay_ms or args.loss_pct) and not netem_available():
-        print("this kernel has no sch_netem: --delay-ms/--loss-pct cannot apply", file=sys.stderr)
-        return 2
     try:
         with netns_mesh(
             num_decode=args.decode, delay_ms=args.delay_ms, loss_pct=args.loss_pct
         ) as m:
             print(f"router:  {m.router_url}\nnats:    {m.nats_url}\nlogs:    {m.log_dir}")
+            print(f"links:   {m.network.link_kind}")
             for host in range(1, NUM_HOSTS + 1):
                 print(
                     f"host {host}: ip netns exec {m.network.ns(host)} ...  ({m.network.ip(host)})"

@@ -28,17 +28,19 @@ def load_netns_mesh() -> Any:
 
 @contextlib.contextmanager
 def netns_mesh_or_skip(**kwargs: Any) -> Iterator[Any]:
-    """``netns_mesh(**kwargs)``; delay/loss are dropped (with a warning) where the kernel has no
-    sch_netem."""
+    """``netns_mesh(**kwargs)``; delay/loss come from netem, or from tap_link.py where the kernel
+    has no sch_netem, and are dropped (with a warning) only where neither works."""
     harness = load_netns_mesh()
     reason = harness.why_unavailable()
     if reason is not None:
         pytest.skip(f"multi-host tests need network namespaces: {reason}")
-    if (kwargs.get("delay_ms") or kwargs.get("loss_pct")) and not harness.netem_available():
+    if (
+        kwargs.get("delay_ms") or kwargs.get("loss_pct")
+    ) and not harness.link_emulation_available():
         import warnings
 
         warnings.warn(
-            "this kernel has no sch_netem: the multi-host mesh runs without link delay/loss",
+            "no sch_netem and no /dev/net/tun: the multi-host mesh runs without link delay/loss",
             stacklevel=2,
         )
         kwargs = {**kwargs, "delay_ms": 0.0, "loss_pct": 0.0}

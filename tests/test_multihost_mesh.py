@@ -38,7 +38,7 @@ ENV = {
 
 
 @pytest.fixture(scope="module")
-def mesh():
+def mesh():  # 1 ms each way on every link: 2 ms one way between two hosts
     with netns_mesh_or_skip(num_decode=2, delay_ms=1.0, env=ENV) as mesh:
         yield mesh
 
@@ -109,6 +109,21 @@ async def _check_no_block_leaked(mesh, timeout_s: float = 15.0) -> None:
     assert len(rows) == 2, rows
     for row in rows:
         assert row["free_blocks"] == row["total_blocks"], row
+
+
+def test_links_delay_every_packet_by_the_asked_time(mesh):
+    """1 ms each way on every link (netem, or tap_link.py where the kernel has no sch_netem):
+    a TCP connect from this namespace to a host crosses its link twice, so it takes >= 2 ms."""
+    import socket
+    import time
+
+    assert mesh.network.link_kind in ("netem", "tap"), mesh.network.link_kind
+    took = []
+    for _ in range(5):
+        started = time.perf_counter()
+        socket.create_connection((mesh.network.ip(3), 4222), timeout=5).close()
+        took.append(time.perf_counter() - started)
+    assert min(took) >= 2e-3, took
 
 
 async def test_greedy_output_across_hosts_equals_single_host_engine(mesh, single_host_tokens):
