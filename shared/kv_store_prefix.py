@@ -1,0 +1,90 @@
+"""Reading a sequence's prefix blocks from a kv-store into an engine's prefix cache (asyncio;
+docs/kv_store.md). What every engine worker that reads a store shares: a prefill worker before
+it computes a prompt, a decode worker before it readmits a sequence it swapped out.
+
+Two halves, so that the engine lock is never held across I/O: ``fetch_prefix`` allocates free
+pool blocks for the hashes the prefix cache lacks (under the lock) and reads the store's copies
+into them one-sided (without it); ``adopt_fetched``, called under the lock right before the
+engine allocates the sequence, enters the verified blocks into the prefix cache and frees every
+fetched block, so the engine takes them as prefix hits and computes only the rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvmesh.shared import logs
+from kvmesh.shared.engine.block_manager import BlockManager
+from kvmesh.shared.engine.kv_cache import KVPool
+from kvmesh.shared.kv_block_header import token_digests
+from kvmesh.shared.kv_store_client import KvStoreClient, LocalBlock, StoreTarget
+from kvmesh.shared.prefix_hash import reusable_prefix_hashes
+
+log = logs.get_logger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Fetched:
+    """Pool blocks holding a prefix read from a store: ``block_ids[:num_good]`` verified as
+    ``hashes[:num_good]``; all of ``block_ids`` are the caller's to adopt and free.
+    ``num_cached``: the leading blocks the prefix cache held already (not read).
+    ``failed``: the store did not answer or the transfer failed (the caller may forget it)."""
+
+    block_ids: list[int]
+    hashes: list[int]
+    tokens: list[tuple[int, ...]]
+    num_good: int
+    num_cached: int = 0
+    failed: bool = False
+
+
+async def fetch_prefix(
+    client: KvStoreClient,
+    store: StoreTarget,
+    kv_spec: str,
+    block_manager: BlockManager,
+    pool: KVPool,
+    token_ids: Sequence[int],
+    lock: asyncio.Lock,
+    max_blocks: int | None = None,
+) -> Fetched | None:
+    """Read the reusable prefix blocks of ``token_ids`` (all full blocks but the one holding
+    the last token; at most ``max_blocks`` of them) that the prefix cache lacks from ``store``
+    into fresh pool blocks, allocated under ``lock`` and read without it. None when there is
+    nothing to read or no room for it. Never raises for the store's sake: a failed get reads
+    nothing (``failed``)."""
+    bs = pool.spec.block_size
+    hashes = reusable_prefix_hashes(token_ids, bs, block_manager.root_hash)
+    if max_blocks is not None:
+        hashes = hashes[:max_blocks]
+    async with lock:
+        first = block_manager.num_cached(hashes)
+        want = len(hashes) - first
+        if want <= 0 or want > block_manager.num_free_blocks:
+            return None
+        block_ids = block_manager.allocate_blocks(want)
+    digests = token_digests(token_ids, bs, kv_spec, len(hashes))[first:]
+    blocks = [
+        LocalBlock(h, d, pool.block_offset(b))
+        for h, d, b in zip(hashes[first:], digests, block_ids, strict=True)
+    ]
+    tokens = [tuple(token_ids[i * bs : (i + 1) * bs]) for i in range(first, len(hashes))]
+    try:
+        result = await client.get(store, kv_spec, blocks)
+    except Exception as exc:  # best effort: a failed read means computing the prefix
+        log.warning("kv-store get failed", error=str(exc))
+        return Fetched(block_ids, hashes[first:], tokens, 0, first, failed=True)
+    if result.error:
+        log.info("kv-store get used fewer blocks", error=result.error)
+    return Fetched(block_ids, hashes[first:], tokens, result.num_blocks, first)
+
+
+def adopt_fetched(block_manager: BlockManager, fetched: Fetched) -> int:
+    """Under the engine lock, right before the sequence is allocated: the verified blocks enter
+    the prefix cache, every fetched block is freed. Returns the tokens adopted."""
+    n = fetched.num_good
+    block_manager.adopt(fetched.block_ids[:n], fetched.hashes[:n], fetched.tokens[:n])
+    block_manager.free_blocks(fetched.block_ids)
+    return n * block_manager.block_size
