@@ -433,6 +433,12 @@ class StoreAdvert(Message):
     refused_accesses: int
     state: str  # "ready" | "draining"
     sent_at: float
+    # the disk tier (--disk-path; all 0 without one): slots, blocks held, gets' blocks found
+    # there (of ``hits``), blocks dropped from it to make room
+    disk_total_blocks: int = 0
+    disk_used_blocks: int = 0
+    disk_hits: int = 0
+    disk_evictions: int = 0
 
 
 class WorkerControl(Message):

@@ -40,8 +40,11 @@ def service_metrics() -> dict[str, object]:
     from kvmesh.services.draft.metrics import DraftMetrics
     from kvmesh.services.kv_registry.core import RegistryState
     from kvmesh.services.kv_registry.metrics import RegistryMetrics
+    from kvmesh.services.kv_store.core import BlockStore
+    from kvmesh.services.kv_store.metrics import StoreMetrics
     from kvmesh.services.prefill.metrics import PrefillMetrics
     from kvmesh.services.router.metrics import RouterMetrics
+    from kvmesh.shared.transport.base import TransportStats
 
     return {
         "router": RouterMetrics(),
@@ -49,6 +52,7 @@ def service_metrics() -> dict[str, object]:
         "prefill": PrefillMetrics(),
         "decode": DecodeMetrics(),
         "draft": DraftMetrics(),
+        "kv-store": StoreMetrics(BlockStore(1), TransportStats, 1),
     }
 
 

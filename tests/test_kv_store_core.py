@@ -255,3 +255,101 @@ def test_cancelled_put_gives_its_slots_back_unwritten() -> None:
     assert store.num_free == 0
     store.cancel_put("p")
     assert store.num_free == 2 and store.num_pinned == 0 and store.commit("p", []) == ([], [])
+
+
+# --- the disk tier (services/kv_store/disk_tier.py) ----------------------------------------------
+
+
+def tiered(num_host: int, num_disk: int) -> BlockStore:
+    from kvmesh.services.kv_store.disk_tier import DiskSlots
+
+    return BlockStore(num_host, disk=DiskSlots(num_disk))
+
+
+def spill_all(store: BlockStore, spills) -> None:
+    for spill in spills:
+        store.spilled(spill, True)
+
+
+def test_put_spills_the_evicted_host_block_to_disk_instead_of_dropping_it() -> None:
+    store = tiered(2, 4)
+    stored(store, 1, 2)
+    grant = put(store, "p", [3])
+    [spill] = grant.spills
+    assert spill.key == (1, L) and spill.host_slot == grant.slots[0]  # the LRU host block
+    again = put(store, "q", [1])  # in transit: present, not written twice
+    assert again.present == (1,) and again.slots == ()
+    assert store.lookup("g", L, [1], 10.0).block_hashes == ()  # in transit: not served yet
+    store.spilled(spill, True)
+    store.commit("p", [True])
+    assert (store.num_used, store.disk.num_used) == (2, 1)
+    assert (store.counters.evictions, store.counters.spills) == (1, 1)
+
+
+def test_get_promotes_disk_blocks_into_host_slots_spilling_host_ones() -> None:
+    store = tiered(2, 4)
+    stored(store, 1, 2)
+    grant = put(store, "p", [3, 4])  # 1 and 2 go to disk
+    spill_all(store, grant.spills)
+    store.commit("p", [True, True])
+    got = store.lookup("g", L, [1, 2], 10.0)
+    assert got.block_hashes == (1, 2)
+    assert [p.key for p in got.promotions] == [(1, L), (2, L)]
+    assert {s.key for s in got.spills} == {(3, L), (4, L)}
+    assert [p.host_slot for p in got.promotions] == list(got.slots)
+    # a spill never lands in a disk slot that a promotion has yet to read
+    assert not {s.disk_slot for s in got.spills} & {p.disk_slot for p in got.promotions}
+    spill_all(store, got.spills)
+    assert all(store.promoted("g", p, True) for p in got.promotions)
+    assert (store.counters.disk_hits, store.counters.promotions) == (2, 2)
+    assert store.release("g")
+    assert sorted(store.index) == [(1, L), (2, L)] and sorted(store.disk.index) == [(3, L), (4, L)]
+
+
+def test_get_run_ends_where_no_host_slot_is_left_and_gives_the_rest_back() -> None:
+    store = tiered(1, 4)
+    stored(store, 1)
+    grant = put(store, "p", [2])  # 1 to disk
+    spill_all(store, grant.spills)
+    store.commit("p", [True])
+    hold = store.lookup("h", L, [2], 10.0)  # pins the only host slot
+    got = store.lookup("g", L, [1], 10.0)
+    assert got.block_hashes == () and got.promotions == ()
+    assert store.disk.index == {(1, L): grant.spills[0].disk_slot}  # still on disk, servable
+    assert store.release(hold.get_id)
+    assert store.lookup("g2", L, [1], 10.0).block_hashes == (1,)
+
+
+def test_promotion_after_the_get_expired_is_not_indexed_and_frees_its_slot() -> None:
+    store = tiered(2, 2)
+    stored(store, 1)
+    stored(store, 2)
+    grant = put(store, "p", [3])  # 1 to disk
+    spill_all(store, grant.spills)
+    store.commit("p", [True])
+    got = store.lookup("g", L, [1], 1.0)
+    spill_all(store, got.spills)
+    store.expire(2.0)  # the lease ends while the copy is in flight
+    assert not store.promoted("g", got.promotions[0], True)
+    assert (1, L) not in store.index and store.num_free == 1  # the slot it had is free
+    assert len(store.disk.free) == 1 and list(store.disk.index) == [(2, L)]
+
+
+def test_failed_copies_drop_the_block_and_free_the_disk_slot() -> None:
+    store = tiered(1, 1)
+    stored(store, 1)
+    grant = put(store, "p", [2])
+    store.spilled(grant.spills[0], False)
+    assert store.disk.num_used == 0 and store.disk.free == [0]
+    assert store.counters.failed_copies == 1
+    assert store.lookup("g", L, [1], 10.0).block_hashes == ()
+
+
+def test_full_disk_tier_drops_its_least_recently_used_block() -> None:
+    store = tiered(1, 1)
+    for h in (1, 2, 3):  # each put evicts the previous host block to the one disk slot
+        grant = put(store, f"p{h}", [h])
+        spill_all(store, grant.spills)
+        store.commit(grant.put_id, [True])
+    assert list(store.disk.index) == [(2, L)] and store.disk.num_evictions == 1
+    assert list(store.index) == [(3, L)]

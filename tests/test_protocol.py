@@ -207,6 +207,10 @@ EXAMPLES: list[Message] = [
         refused_accesses=3,
         state="draining",
         sent_at=2.0,
+        disk_total_blocks=40,
+        disk_used_blocks=6,
+        disk_hits=2,
+        disk_evictions=1,
     ),
 ]
 

@@ -224,7 +224,7 @@ def render_status(status: dict[str, Any]) -> str:
             ),
         ),
         "",
-        "kv stores (blocks; hit rate: blocks served / blocks asked for):",
+        "kv stores (blocks; disk_*: the disk tier; hit rate: blocks served / blocks asked for):",
         table(
             status.get("stores", []),
             (
@@ -233,7 +233,10 @@ def render_status(status: dict[str, Any]) -> str:
                 "total_blocks",
                 "used_blocks",
                 "pinned_blocks",
+                "disk_total_blocks",
+                "disk_used_blocks",
                 "hit_rate",
+                "disk_hits",
                 "evictions",
                 "refused_accesses",
             ),

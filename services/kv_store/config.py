@@ -38,6 +38,14 @@ class StoreConfig(MetricsServiceConfig):
     capacity_gb: float | None = option(
         None, help=f"pool size in GiB of host memory (default {DEFAULT_CAPACITY_GB:g})"
     )
+    disk_path: str | None = option(
+        None,
+        help="directory for a disk tier: blocks the host pool evicts are spilled to a file "
+        "created there (O_EXCL, mode 0600, unlinked at once; never reused by a restart)",
+    )
+    disk_capacity_gb: float | None = option(
+        None, help="size in GiB of the disk tier's file (needs --disk-path)"
+    )
     transport: Literal["auto", "shm", "tcp", "rdma"] = option("auto", help="KV data plane backend")
     tcp_host: str | None = option(
         None,
@@ -74,6 +82,12 @@ class StoreConfig(MetricsServiceConfig):
             raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
         if self.capacity_gb is not None and not self.capacity_gb > 0:
             raise ValueError(f"capacity_gb must be positive, got {self.capacity_gb}")
+        if (self.disk_path is None) != (self.disk_capacity_gb is None):
+            raise ValueError("a disk tier needs both disk_path and disk_capacity_gb")
+        if self.disk_path is not None and not self.disk_path:
+            raise ValueError("disk_path must name a directory")
+        if self.disk_capacity_gb is not None and not self.disk_capacity_gb > 0:
+            raise ValueError(f"disk_capacity_gb must be positive, got {self.disk_capacity_gb}")
         for name in ("max_lease_s", "lease_check_s", "retry_after_s", "commit_wait_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -92,6 +106,17 @@ class StoreConfig(MetricsServiceConfig):
         if num < 1:
             raise ValueError(
                 f"capacity_gb {self.capacity_gb} holds no block of {block_bytes} bytes"
+            )
+        return num
+
+    def resolve_disk_slots(self, slot_bytes: int) -> int:
+        """Slots of ``slot_bytes`` (a block and its header) in --disk-capacity-gb; 0: no tier."""
+        if self.disk_capacity_gb is None:
+            return 0
+        num = int(self.disk_capacity_gb * (1 << 30)) // slot_bytes
+        if num < 1:
+            raise ValueError(
+                f"disk_capacity_gb {self.disk_capacity_gb} holds no block of {slot_bytes} bytes"
             )
         return num
 

@@ -4,6 +4,12 @@ A slot is free, reserved by one put (pinned until its commit or lease end), or c
 index under ``(block hash, layout)``. A committed slot is pinned while gets hold it and sits in
 the LRU otherwise; a put takes free slots first, then evicts the least recently used. Every
 verdict is explicit: the service (service.py) opens and closes the windows these slots need.
+
+With a disk tier (``disk``, disk_tier.py) an evicted host block is *spilled* instead of dropped:
+the verdict names the copies (``Spill``) the service must make before it hands the host slot
+out, and a get that hits disk blocks takes host slots for them (``Promotion``: read back before
+the reply). While a copy is in flight its key is *in transit*: in neither index, not served,
+not written again. A key is in at most one of the host index, the disk index and transit.
 """
 
 from __future__ import annotations
@@ -12,16 +18,39 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kvmesh.services.kv_store.disk_tier import DiskSlots, Key
+
+
+@dataclass(frozen=True, slots=True)
+class Spill:
+    """Copy host slot ``host_slot`` (block and header) to disk slot ``disk_slot``, then report
+    ``spilled``; the host slot's new holder may write it only after the copy."""
+
+    key: Key
+    host_slot: int
+    disk_slot: int
+
+
+@dataclass(frozen=True, slots=True)
+class Promotion:
+    """Copy disk slot ``disk_slot`` to host slot ``host_slot`` (after the op's spills), then
+    report ``promoted``; the reader may read the host slot only after the copy."""
+
+    key: Key
+    disk_slot: int
+    host_slot: int
+
 
 @dataclass(frozen=True, slots=True)
 class PutGrant:
     """``present``: hashes already stored; ``slots[i]`` is where ``write_hashes[i]`` goes.
-    Hashes in neither found no room."""
+    Hashes in neither found no room. ``spills``: copies to make before the reply."""
 
     put_id: str
     present: tuple[int, ...]
     write_hashes: tuple[int, ...]
     slots: tuple[int, ...]
+    spills: tuple[Spill, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,11 +70,14 @@ class StoreFull:
 
 @dataclass(frozen=True, slots=True)
 class GetGrant:
-    """The leading run of the asked hashes that the store holds, pinned, and their slots."""
+    """The leading run of the asked hashes that the store holds, pinned, and their host slots;
+    ``spills`` then ``promotions``: copies to make before the reply (disk hits)."""
 
     get_id: str
     block_hashes: tuple[int, ...]
     slots: tuple[int, ...]
+    spills: tuple[Spill, ...] = ()
+    promotions: tuple[Promotion, ...] = ()
 
 
 @dataclass(slots=True)
@@ -64,11 +96,15 @@ class _Get:
 
 @dataclass(slots=True)
 class StoreCounters:
-    hits: int = 0  # blocks served by gets
+    hits: int = 0  # blocks served by gets (either tier)
     misses: int = 0  # blocks asked for and not served
     commits: int = 0  # blocks indexed
     rejected: int = 0  # blocks a commit refused (bad header or bytes)
-    evictions: int = 0
+    evictions: int = 0  # blocks evicted from the host tier (spilled or dropped)
+    disk_hits: int = 0  # of ``hits``, blocks found on disk (promoted)
+    spills: int = 0  # host blocks copied to disk
+    promotions: int = 0  # disk blocks copied back to host
+    failed_copies: int = 0  # spills and promotions whose I/O failed (the block is dropped)
     refused_puts: int = 0  # puts refused because every slot was pinned
     expired_puts: int = 0
     expired_gets: int = 0
@@ -85,6 +121,8 @@ class BlockStore:
     puts: dict[str, _Put] = field(default_factory=dict)
     gets: dict[str, _Get] = field(default_factory=dict)
     counters: StoreCounters = field(default_factory=StoreCounters)
+    disk: DiskSlots | None = None  # the disk tier, if any
+    transit: set[Key] = field(default_factory=set)  # keys being spilled or promoted
 
     def __post_init__(self) -> None:
         assert self.num_blocks > 0, self.num_blocks
@@ -99,10 +137,11 @@ class BlockStore:
         assert put_id not in self.puts, put_id
         present, wanted = [], []
         for h in dict.fromkeys(hashes):  # a hash offered twice is written once
-            (present if (h, layout) in self.index else wanted).append(h)
+            (present if self._known((h, layout)) else wanted).append(h)
         slots: list[int] = []
+        spills: list[Spill] = []
         for _ in wanted:
-            slot = self._take_slot()
+            slot = self._take_slot(spills)
             if slot is None:
                 break
             slots.append(slot)
@@ -111,10 +150,10 @@ class BlockStore:
             return StoreFull(self.num_pinned, self.num_blocks)
         write = tuple(wanted[: len(slots)])
         for h in present:
-            self._touch(self.index[(h, layout)])
+            self._touch((h, layout))
         if slots:
             self.puts[put_id] = _Put(layout, write, tuple(slots), expires_at)
-        return PutGrant(put_id, tuple(present), write, tuple(slots))
+        return PutGrant(put_id, tuple(present), write, tuple(slots), tuple(spills))
 
     def commit(self, put_id: str, good: Sequence[bool]) -> tuple[list[int], list[int]]:
         """Index the put's slots whose check passed (``good[i]`` for ``slots[i]``), free the
@@ -130,7 +169,7 @@ class BlockStore:
                 rejected.append(h)
                 self.free.append(slot)
                 self.counters.rejected += 1
-            elif key in self.index:  # another put committed it first: keep that copy
+            elif self._known(key):  # another put committed it first: keep that copy
                 self.free.append(slot)
                 committed.append(h)
             else:
@@ -158,24 +197,92 @@ class BlockStore:
         self, get_id: str, layout: int, hashes: Sequence[int], expires_at: float
     ) -> GetGrant:
         """Pin the leading run of ``hashes`` that is stored (a block is of use only with every
-        block before it)."""
+        block before it). Disk blocks of the run get host slots (``promotions``), as long as
+        host slots can be had; the run ends at the first that gets none."""
         assert get_id not in self.gets, get_id
-        run: list[int] = []
-        slots: list[int] = []
+        run: list[tuple[int, int | None]] = []  # (hash, host slot; None: on disk)
         for h in hashes:
-            slot = self.index.get((h, layout))
-            if slot is None:
+            key = (h, layout)
+            slot = self.index.get(key)
+            if slot is not None:
+                run.append((h, slot))
+            elif self.disk is not None and key in self.disk.index:
+                run.append((h, None))
+            else:
                 break
-            run.append(h)
+        # pin the host hits and take the disk hits out of their LRU before any slot is taken,
+        # so that making room for one block of the run never evicts another
+        detached: dict[int, int] = {}  # hash -> disk slot
+        for h, slot in run:
+            if slot is not None:
+                self._pin(slot)
+            else:
+                assert self.disk is not None
+                detached[h] = self.disk.detach((h, layout))
+                self.transit.add((h, layout))
+        slots: list[int] = []
+        spills: list[Spill] = []
+        promotions: list[Promotion] = []
+        for i, (h, slot) in enumerate(run):
+            if slot is None:
+                slot = self._take_slot(spills)
+                if slot is None:  # no host room: the run ends here
+                    self._undo_lookup(run[i:], detached, layout)
+                    run = run[:i]
+                    break
+                self.pins[slot] = 1
+                promotions.append(Promotion((h, layout), detached[h], slot))
             slots.append(slot)
         self.counters.hits += len(run)
+        self.counters.disk_hits += len(promotions)
         self.counters.misses += len(hashes) - len(run)
-        for slot in slots:
-            self.pins[slot] = self.pins.get(slot, 0) + 1
-            self.lru.pop(slot, None)
         if slots:
             self.gets[get_id] = _Get(tuple(slots), expires_at)
-        return GetGrant(get_id, tuple(run), tuple(slots))
+        return GetGrant(
+            get_id, tuple(h for h, _ in run), tuple(slots), tuple(spills), tuple(promotions)
+        )
+
+    def _undo_lookup(
+        self, rest: list[tuple[int, int | None]], detached: dict[int, int], layout: int
+    ) -> None:
+        """The part of a run that found no host room: host hits unpinned, disk hits back."""
+        for h, slot in rest:
+            if slot is not None:
+                self._unpin(slot)
+            else:
+                assert self.disk is not None
+                self.transit.discard((h, layout))
+                self.disk.fill(detached[h], (h, layout))
+
+    # --- copies between tiers (the service reports each when its I/O is done) --------------------
+
+    def spilled(self, spill: Spill, ok: bool) -> None:
+        """The copy of a spilled host block to its disk slot finished (``ok``) or failed."""
+        assert self.disk is not None
+        self.transit.discard(spill.key)
+        if ok:
+            self.disk.fill(spill.disk_slot, spill.key)
+            self.counters.spills += 1
+        else:
+            self.disk.give_back(spill.disk_slot)
+            self.counters.failed_copies += 1
+
+    def promoted(self, get_id: str, promotion: Promotion, ok: bool) -> bool:
+        """The copy of a disk block back to its host slot finished (``ok``) or failed: the disk
+        slot is free; the block is indexed in the host slot if the get still holds it. Returns
+        whether it is (False: the caller must not serve it)."""
+        assert self.disk is not None
+        self.transit.discard(promotion.key)
+        self.disk.give_back(promotion.disk_slot)
+        if not ok:
+            self.counters.failed_copies += 1
+            return False
+        self.counters.promotions += 1
+        if get_id not in self.gets:  # its lease ended meanwhile: its slot went back free
+            return False
+        self.index[promotion.key] = promotion.host_slot
+        self.keys[promotion.host_slot] = promotion.key
+        return True
 
     def release(self, get_id: str) -> bool:
         """The reader is done: unpin (most recently used first to go back). False if unknown."""
@@ -183,10 +290,7 @@ class BlockStore:
         if get is None:
             return False
         for slot in get.slots:
-            self.pins[slot] -= 1
-            if not self.pins[slot]:
-                del self.pins[slot]
-                self.lru[slot] = None
+            self._unpin(slot)
         return True
 
     # --- time ------------------------------------------------------------------------------------
@@ -218,16 +322,46 @@ class BlockStore:
     def num_free(self) -> int:
         return len(self.free)
 
-    def _take_slot(self) -> int | None:
+    def _known(self, key: Key) -> bool:
+        """Stored in a tier, or on its way between them."""
+        in_disk = self.disk is not None and key in self.disk.index
+        return key in self.index or in_disk or key in self.transit
+
+    def _take_slot(self, spills: list[Spill]) -> int | None:
+        """A host slot: a free one, else the least recently used block's, which is spilled to
+        disk (appended to ``spills``) when there is a disk slot for it, else dropped."""
         if self.free:
             return self.free.pop()
         if not self.lru:
             return None
         slot, _ = self.lru.popitem(last=False)
-        del self.index[self.keys.pop(slot)]
+        key = self.keys.pop(slot)
+        del self.index[key]
         self.counters.evictions += 1
+        disk_slot = self.disk.take() if self.disk is not None else None
+        if disk_slot is not None:
+            self.transit.add(key)
+            spills.append(Spill(key, slot, disk_slot))
         return slot
 
-    def _touch(self, slot: int) -> None:
-        if slot in self.lru:
+    def _pin(self, slot: int) -> None:
+        self.pins[slot] = self.pins.get(slot, 0) + 1
+        self.lru.pop(slot, None)
+
+    def _unpin(self, slot: int) -> None:
+        """One holder less; an unheld slot goes back to the LRU (most recently used), or to
+        the free list if it was never indexed (a promotion that did not finish)."""
+        self.pins[slot] -= 1
+        if not self.pins[slot]:
+            del self.pins[slot]
+            if slot in self.keys:
+                self.lru[slot] = None
+            else:
+                self.free.append(slot)
+
+    def _touch(self, key: Key) -> None:
+        slot = self.index.get(key)
+        if slot is not None and slot in self.lru:
             self.lru.move_to_end(slot)
+        elif self.disk is not None and key in self.disk.index:
+            self.disk.touch(key)

@@ -13,14 +13,27 @@ from prometheus_client.registry import Collector
 
 # counter name -> (BlockStore.counters field, help)
 COUNTERS = {
-    "hits": ("hits", "Blocks served by gets (each a prefill block a reader need not compute)."),
+    "hits": (
+        "hits",
+        "Blocks served by gets, either tier (each a prefill block a reader need not compute).",
+    ),
     "misses": ("misses", "Blocks asked for by gets and not served (not stored, or after a gap)."),
-    "evictions": ("evictions", "Unpinned blocks evicted (least recently used) to make room."),
+    "evictions": (
+        "evictions",
+        "Unpinned blocks evicted from host memory (least recently used) to make room: spilled "
+        "to the disk tier if there is one, else dropped.",
+    ),
     "commits": ("commits", "Blocks indexed after a commit checked their header and bytes."),
     "rejected_blocks": ("rejected", "Blocks a commit refused: header or CRC32 did not match."),
     "refused_puts": ("refused_puts", "Puts refused because every slot was pinned."),
     "expired_puts": ("expired_puts", "Puts whose lease ended before their commit."),
     "expired_gets": ("expired_gets", "Gets whose lease ended before their release."),
+    "spills": ("spills", "Blocks evicted from host memory and copied to the disk tier."),
+    "promotions": ("promotions", "Disk-tier blocks a get hit, copied back to host memory."),
+    "failed_copies": (
+        "failed_copies",
+        "Spills and promotions whose file I/O failed (the block is dropped, the store goes on).",
+    ),
 }
 
 
@@ -29,6 +42,13 @@ class StoreCollector(Collector):
         self.store = store
         self.stats = stats
         self.block_bytes = block_bytes
+
+    def declared_labels(self) -> dict[str, tuple[str, ...]]:
+        """For the metrics catalog (tests/metrics_catalog.py)."""
+        return {
+            f"kvmesh_store_tier_{n}": ("tier",)
+            for n in ("hits", "evictions", "capacity_bytes", "used_bytes")
+        }
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         counters = self.store.counters
@@ -58,9 +78,41 @@ class StoreCollector(Collector):
             ("block_bytes", self.block_bytes, "Bytes per block (the mesh's KV block)."),
         ):
             yield GaugeMetricFamily(f"kvmesh_store_{name}", help_text, value)
+        yield from self._tiers()
+
+    def _tiers(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        """Per tier (``host``, and ``disk`` when the store has one)."""
+        c, disk, bb = self.store.counters, self.store.disk, self.block_bytes
+        hits = CounterMetricFamily(
+            "kvmesh_store_tier_hits",
+            "Blocks served by gets, by the tier they were found in (disk: promoted first).",
+            labels=["tier"],
+        )
+        evictions = CounterMetricFamily(
+            "kvmesh_store_tier_evictions",
+            "Blocks evicted from a tier to make room (host: spilled or dropped; disk: dropped).",
+            labels=["tier"],
+        )
+        capacity = GaugeMetricFamily(
+            "kvmesh_store_tier_capacity_bytes", "Bytes of blocks a tier holds.", labels=["tier"]
+        )
+        used = GaugeMetricFamily(
+            "kvmesh_store_tier_used_bytes", "Bytes of blocks stored in a tier.", labels=["tier"]
+        )
+        hits.add_metric(["host"], c.hits - c.disk_hits)
+        evictions.add_metric(["host"], c.evictions)
+        capacity.add_metric(["host"], self.store.num_blocks * bb)
+        used.add_metric(["host"], self.store.num_used * bb)
+        if disk is not None:
+            hits.add_metric(["disk"], c.disk_hits)
+            evictions.add_metric(["disk"], disk.num_evictions)
+            capacity.add_metric(["disk"], disk.num_slots * bb)
+            used.add_metric(["disk"], disk.num_used * bb)
+        yield from (hits, evictions, capacity, used)
 
 
 class StoreMetrics(MetricSet):
     def __init__(self, store: BlockStore, stats: Callable[[], TransportStats], block_bytes: int):
         super().__init__("kvmesh_store")
-        self.registry.register(StoreCollector(store, stats, block_bytes))
+        self.collector = StoreCollector(store, stats, block_bytes)
+        self.registry.register(self.collector)

@@ -4,7 +4,9 @@ lease and advert loops around ``core.BlockStore`` (docs/kv_store.md).
 In (``Subjects(mesh)``): StorePut / StoreCommit / StoreGet / StoreRelease on ``store_*(id)``
 (micro endpoints). Out: StoreAdvert on REGISTRY_STORE_ADVERTISE and a WorkerHeartbeat every
 ``heartbeat_s``. KV bytes never pass through here: writers and readers move them one-sided
-through the windows this shell opens; it looks at the bytes only to check a commit.
+through the windows this shell opens; it looks at the bytes only to check a commit, and, with
+a disk tier (``--disk-path``), to copy evicted blocks to the disk file and hit ones back, in a
+worker thread, before the reply that hands their host slots out.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from typing import Any
 
 import nats.errors
 from kvmesh.services.kv_store.config import StoreConfig
-from kvmesh.services.kv_store.core import BlockStore, StoreFull
+from kvmesh.services.kv_store.core import BlockStore, Promotion, Spill, StoreFull
+from kvmesh.services.kv_store.disk_file import DiskFile, check_disk_dir
+from kvmesh.services.kv_store.disk_tier import DiskSlots
 from kvmesh.services.kv_store.layout import store_layout
 from kvmesh.services.kv_store.metrics import StoreMetrics
 from kvmesh.shared import logs
@@ -79,6 +83,7 @@ class StoreService:
         num_blocks: int,
         block_bytes: int,
         kv_spec: str,
+        disk: DiskFile | None = None,
     ) -> None:
         self.config = config
         self.nc = nc
@@ -88,7 +93,8 @@ class StoreService:
         self.block_bytes = block_bytes
         self.kv_spec = kv_spec
         self.layout = layout_root(kv_spec)
-        self.core = BlockStore(num_blocks)
+        self.disk = disk  # the disk tier's file, if any
+        self.core = BlockStore(num_blocks, disk=DiskSlots(disk.num_slots) if disk else None)
         self.memory = memory  # (num_blocks * (block_bytes + HEADER_BYTES),) uint8
         self.region = transport.register(memory, Access.REMOTE)
         self.data_addr = self.region.addr
@@ -108,6 +114,49 @@ class StoreService:
 
     def slot_header_addr(self, slot: int) -> int:
         return self.header_addr + slot * HEADER_BYTES
+
+    def _views(self, slot: int) -> tuple[memoryview, memoryview]:
+        """Host slot ``slot``'s block and header, as buffers for the disk file's I/O."""
+        block = self.memory[slot * self.block_bytes : (slot + 1) * self.block_bytes]
+        base = self.header_addr - self.data_addr + slot * HEADER_BYTES
+        return memoryview(block.numpy()), memoryview(
+            self.memory[base : base + HEADER_BYTES].numpy()
+        )
+
+    async def _copy(
+        self, op_id: str, spills: tuple[Spill, ...], promotions: tuple[Promotion, ...]
+    ) -> bool:
+        """Make an op's copies between tiers (spills first: a promotion may land in a slot a
+        spill empties), in a worker thread; report each to the core. False if a promotion did
+        not end indexed (the get must not serve it)."""
+        if not spills and not promotions:
+            return True
+        ok_spills, ok_promotions = await asyncio.to_thread(self._copy_blocking, spills, promotions)
+        for spill, ok in zip(spills, ok_spills, strict=True):
+            self.core.spilled(spill, ok)
+        served = [
+            self.core.promoted(op_id, p, ok)
+            for p, ok in zip(promotions, ok_promotions, strict=True)
+        ]
+        return all(served)
+
+    def _copy_blocking(
+        self, spills: tuple[Spill, ...], promotions: tuple[Promotion, ...]
+    ) -> tuple[list[bool], list[bool]]:
+        assert self.disk is not None
+        done: tuple[list[bool], list[bool]] = ([], [])
+        for copies, out in ((spills, done[0]), (promotions, done[1])):
+            for c in copies:
+                try:
+                    if isinstance(c, Spill):
+                        self.disk.write_slot(c.disk_slot, *self._views(c.host_slot))
+                    else:
+                        self.disk.read_slot(c.disk_slot, *self._views(c.host_slot))
+                    out.append(True)
+                except OSError as exc:  # the block is dropped; the store goes on
+                    log.warning("disk tier copy failed", kind=type(c).__name__, error=str(exc))
+                    out.append(False)
+        return done
 
     def _open(self, slots: tuple[int, ...], access: Access) -> MemoryWindow:
         spans = [(self.block_addr(s), self.block_bytes) for s in slots]
@@ -133,7 +182,7 @@ class StoreService:
 
     # --- puts ------------------------------------------------------------------------------------
 
-    def put(self, body: StorePut) -> StorePutReply:
+    async def put(self, body: StorePut) -> StorePutReply:
         error = self._layout_error(body.kv_spec)
         if error:
             return StorePutReply(ok=False, store_id=self.store_id, error=error)
@@ -149,6 +198,7 @@ class StoreService:
                 error=verdict.error,
                 retry_after_s=self.config.retry_after_s,
             )
+        await self._copy(put_id, verdict.spills, ())  # before the writer may write those slots
         rkey = 0
         if verdict.slots:
             try:
@@ -216,7 +266,7 @@ class StoreService:
 
     # --- gets ------------------------------------------------------------------------------------
 
-    def get(self, body: StoreGet) -> StoreGetReply:
+    async def get(self, body: StoreGet) -> StoreGetReply:
         error = self._layout_error(body.kv_spec)
         if error:
             return StoreGetReply(ok=False, store_id=self.store_id, error=error)
@@ -225,6 +275,9 @@ class StoreService:
             get_id, self.layout, body.block_hashes, self._expiry(body.lease_ms)
         )
         if not grant.slots:
+            return StoreGetReply(ok=True, store_id=self.store_id, block_bytes=self.block_bytes)
+        if not await self._copy(get_id, grant.spills, grant.promotions):
+            self.core.release(get_id)  # a disk block could not be read back: a miss
             return StoreGetReply(ok=True, store_id=self.store_id, block_bytes=self.block_bytes)
         try:
             window = self.windows[get_id] = self._open(grant.slots, Access.REMOTE_READ)
@@ -274,7 +327,7 @@ class StoreService:
 
     def advert(self) -> StoreAdvert:
         stats = self.transport.stats()
-        c = self.core.counters
+        c, disk = self.core.counters, self.core.disk
         return StoreAdvert(
             store_id=self.store_id,
             epoch=self.epoch,
@@ -293,6 +346,10 @@ class StoreService:
             refused_accesses=stats.refused,
             state="draining" if self.is_draining else "ready",
             sent_at=time.time(),
+            disk_total_blocks=disk.num_slots if disk else 0,
+            disk_used_blocks=disk.num_used if disk else 0,
+            disk_hits=c.disk_hits,
+            disk_evictions=disk.num_evictions if disk else 0,
         )
 
     def heartbeat(self) -> WorkerHeartbeat:
@@ -337,16 +394,26 @@ async def store_service(config: StoreConfig) -> AsyncIterator[StoreService]:
         config.model, config.dtype, config.block_size, config.kv_cache_dtype
     )
     num_blocks = config.resolve_num_blocks(spec.block_bytes)
+    num_disk_slots = config.resolve_disk_slots(spec.block_bytes + HEADER_BYTES)
+    disk_dir = check_disk_dir(config.disk_path) if config.disk_path is not None else None
     bind_host, advertise_host = config.transport_hosts()
     tconf = TransportConfig(peer_id=store_id, tcp_host=bind_host, tcp_advertise_host=advertise_host)
     subjects = config.subjects
-    async with (
-        create_transport(config.transport, tconf) as transport,
-        connect_nats(config.nats_url, store_id, security=config.nats_security) as nc,
-    ):
+    async with contextlib.AsyncExitStack() as stack:
+        disk = None
+        if disk_dir is not None:
+            disk = await asyncio.to_thread(
+                DiskFile.create, disk_dir, num_disk_slots, spec.block_bytes
+            )
+            stack.callback(disk.close)
+            log.info("disk tier", file=disk.name, slots=num_disk_slots, unlinked=True)
+        transport = await stack.enter_async_context(create_transport(config.transport, tconf))
+        nc = await stack.enter_async_context(
+            connect_nats(config.nats_url, store_id, security=config.nats_security)
+        )
         memory = transport.allocate(num_blocks * (spec.block_bytes + HEADER_BYTES))
         service = StoreService(
-            config, nc, transport, memory, store_id, num_blocks, spec.block_bytes, kv_spec
+            config, nc, transport, memory, store_id, num_blocks, spec.block_bytes, kv_spec, disk
         )
         async with (
             worker_presence(
@@ -386,6 +453,7 @@ async def store_service(config: StoreConfig) -> AsyncIterator[StoreService]:
                 worker_id=store_id,
                 transport=transport.name,
                 num_blocks=num_blocks,
+                disk_blocks=num_disk_slots,
                 block_bytes=spec.block_bytes,
                 kv_spec=kv_spec,
             ) as service.metrics_port,

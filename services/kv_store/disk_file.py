@@ -1,0 +1,120 @@
+"""The kv-store's disk file: a preallocated file of slots, each a block then its 64-byte header,
+read and written with ``os.preadv``/``os.pwritev`` (blocking: the service calls them in a worker
+thread, never on the event loop).
+
+The directory is the operator's (``--disk-path``, from config, never from a message); it must
+exist, be a directory and be writable, or the store refuses to start and says which. The file
+is the store's own: created there with ``O_CREAT | O_EXCL | O_NOFOLLOW`` and mode 0600 under a
+fresh name (``kvmesh-kv-store-<pid>-<hex>.blocks``), so it can be neither a planted file nor a
+symlink, preallocated (a full disk fails the start, not a spill), then unlinked at once: its
+space belongs to the open descriptor and goes back to the filesystem when the store process
+ends, however it ends. A restarted store never reuses a file; it starts with an empty index and
+a new file (docs/kv_store.md).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+from pathlib import Path
+
+from kvmesh.shared.kv_block_header import HEADER_BYTES
+from kvmesh.shared.service_errors import ServiceStartError
+
+
+def check_disk_dir(path: str) -> Path:
+    """``path`` as an absolute directory this process may create files in; else a
+    ServiceStartError that says what is wrong."""
+    p = Path(path).expanduser().absolute()
+    if not p.exists():
+        raise ServiceStartError(f"--disk-path {path}: no such directory")
+    if not p.is_dir():
+        raise ServiceStartError(f"--disk-path {path}: not a directory")
+    if not os.access(p, os.W_OK | os.X_OK):
+        raise ServiceStartError(f"--disk-path {path}: not writable by this user")
+    return p
+
+
+class DiskFile:
+    """``num_slots`` slots of ``block_bytes + HEADER_BYTES`` bytes in one unlinked file."""
+
+    def __init__(self, fd: int, name: str, num_slots: int, block_bytes: int) -> None:
+        self.fd = fd
+        self.name = name  # the path it had before it was unlinked (for logs)
+        self.num_slots = num_slots
+        self.block_bytes = block_bytes
+        self.stride = block_bytes + HEADER_BYTES
+
+    @classmethod
+    def create(cls, directory: Path, num_slots: int, block_bytes: int) -> DiskFile:
+        """A fresh file of ``num_slots`` slots under ``directory`` (see the module doc)."""
+        name = f"kvmesh-kv-store-{os.getpid()}-{secrets.token_hex(4)}.blocks"
+        size = num_slots * (block_bytes + HEADER_BYTES)
+        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+            try:
+                fd = os.open(name, flags, 0o600, dir_fd=dir_fd)
+            except OSError as exc:
+                raise ServiceStartError(
+                    f"--disk-path {directory}: cannot create {name}: {exc.strerror}"
+                ) from None
+            try:
+                _preallocate(fd, size)
+            except OSError as exc:
+                os.close(fd)
+                raise ServiceStartError(
+                    f"--disk-path {directory}: cannot allocate {size} bytes for the disk tier: "
+                    f"{exc.strerror}"
+                ) from None
+            finally:
+                os.unlink(name, dir_fd=dir_fd)
+        finally:
+            os.close(dir_fd)
+        return cls(fd, str(directory / name), num_slots, block_bytes)
+
+    def write_slot(self, slot: int, block: memoryview, header: memoryview) -> None:
+        """Block and header of one host slot into disk slot ``slot`` (blocking)."""
+        self._io(os.pwritev, slot, block, header)
+
+    def read_slot(self, slot: int, block: memoryview, header: memoryview) -> None:
+        """Disk slot ``slot`` into one host slot's block and header (blocking)."""
+        self._io(os.preadv, slot, block, header)
+
+    def _io(self, op, slot: int, block: memoryview, header: memoryview) -> None:
+        assert 0 <= slot < self.num_slots, slot
+        assert len(block) == self.block_bytes and len(header) == HEADER_BYTES
+        offset, views = slot * self.stride, [block, header]
+        want = self.stride
+        while want:  # short transfers are legal; finish them
+            n = op(self.fd, views, offset)
+            if n <= 0:
+                raise OSError(errno.EIO, f"disk tier: slot {slot}: {op.__name__} moved 0 bytes")
+            offset, want = offset + n, want - n
+            views = _advance(views, n)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def _advance(views: list[memoryview], n: int) -> list[memoryview]:
+    out = []
+    for v in views:
+        if n >= len(v):
+            n -= len(v)
+            continue
+        out.append(v[n:])
+        n = 0
+    return out
+
+
+def _preallocate(fd: int, size: int) -> None:
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+        os.ftruncate(fd, size)  # a filesystem without fallocate: a sparse file
