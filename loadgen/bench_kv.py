@@ -8,8 +8,9 @@ pool behind one window granting read and write, and this process writes every bl
 then reads them all back into a second pool, each timed on its own. Every read-back is
 CRC-checked against the source. The figure of merit is ``read / write`` (issue #14: >= 0.8).
 
-Not measured here (yet): the multi-turn TTFT comparison with and without the store and prefix
-routing (docs/kv_store.md, "Not done").
+``--multi-turn`` measures the other figure of issue #14 instead: time to first token of a
+multi-turn chat workload on a mesh with the kv-store and prefix routing against one without
+(``loadgen/bench_kv_turns.py``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvmesh.loadgen.bench_kv_turns import add_arguments as add_multi_turn_arguments
 from kvmesh.loadgen.bench_xfer import TRANSPORTS, Plan, parse_size, runs_for
 
 
@@ -46,8 +48,12 @@ class KvResult:
 
 
 def register_kv(sub: Any) -> argparse.ArgumentParser:
-    p = sub.add_parser("kv", help="one-sided read GB/s against write GB/s, per transport")
-    p.add_argument("--json", action="store_true", help='print {"results": [...]} only')
+    p = sub.add_parser(
+        "kv",
+        help="one-sided read GB/s against write GB/s, per transport; --multi-turn: chat TTFT "
+        "with the kv-store and prefix routing against without",
+    )
+    p.add_argument("--json", action="store_true", help="print the results as one JSON object only")
     p.add_argument("--sizes", default="16M,64M,256M", help="transfer sizes (K/M/G suffixes)")
     p.add_argument(
         "--backends", default=None, help="comma list of shm,tcp,rdma; default all available"
@@ -58,6 +64,7 @@ def register_kv(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--rounds", type=int, default=2, help="passes over all backends; best kept")
     p.add_argument("--seed", type=int, default=0)
+    add_multi_turn_arguments(p)
     p.set_defaults(func=run)
     return p
 
@@ -74,6 +81,10 @@ def format_table(results: list[KvResult]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.multi_turn:
+        from kvmesh.loadgen.bench_kv_turns import run as run_multi_turn
+
+        return run_multi_turn(args)
     import torch
     from kvmesh.loadgen.kv_bandwidth import bench_read_write
     from kvmesh.shared.transport.auto import available_backends

@@ -79,24 +79,31 @@ def local_mesh(
 def launched(config: Any, env: Mapping[str, str] | None = None) -> Iterator[Any]:
     """Start ``kvmesh up``'s Launcher for ``config`` (an UpConfig) with ``env`` set only while its
     children start (they inherit it), wait until the mesh is ready, yield it, stop it on exit."""
+    launcher = start_launcher(config, env)
+    try:
+        asyncio.run(launcher.wait_ready())
+        yield launcher
+    finally:
+        launcher.stop()
+
+
+def start_launcher(config: Any, env: Mapping[str, str] | None = None) -> Any:
+    """``kvmesh up``'s Launcher for ``config``, its children started with ``env`` added to this
+    process's environment (set only while they start: they inherit it); not waited for."""
     from kvmesh.commands.up import Launcher
 
     launcher = Launcher(config)
     saved = {k: os.environ.get(k) for k in env or {}}
     os.environ.update(env or {})
     try:
-        launcher.start()  # children inherit the environment
+        launcher.start()
     finally:
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-    try:
-        asyncio.run(launcher.wait_ready())
-        yield launcher
-    finally:
-        launcher.stop()
+    return launcher
 
 
 class MeshTap:

@@ -41,6 +41,7 @@ class RequestRecord:
     chunk_times: tuple[float, ...] = ()
     error: str | None = None  # failure kind; None: completed
     detail: str = ""  # what went wrong, for a person
+    response_id: str = ""  # the server's id of the request (its chunks' ``id``), when it said
 
     @property
     def is_ok(self) -> bool:

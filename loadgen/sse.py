@@ -58,6 +58,7 @@ class Chunk:
     usage: Usage | None = None
     is_done: bool = False
     error: str | None = None
+    response_id: str = ""  # the chunk's ``id`` (the server's id of the request), when it has one
 
 
 def read_chunk(data: str, is_chat: bool) -> Chunk:
@@ -76,6 +77,7 @@ def read_chunk(data: str, is_chat: bool) -> Chunk:
         content=content,
         is_token=bool(content) or _is_empty_token(payload, is_chat),
         usage=_usage(payload.get("usage")),
+        response_id=payload["id"] if isinstance(payload.get("id"), str) else "",
     )
 
 

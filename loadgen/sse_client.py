@@ -82,6 +82,7 @@ class _Progress:
 
     chunk_times: list[float] = field(default_factory=list)
     usage: Usage | None = None
+    response_id: str = ""
     has_response: bool = False
     is_done: bool = False
 
@@ -117,6 +118,7 @@ async def send_request(
             chunk_times=tuple(seen.chunk_times),
             error=error,
             detail=detail,
+            response_id=seen.response_id,
         )
 
     headers = {"Content-Type": "application/json"}
@@ -141,6 +143,7 @@ async def send_request(
                     if chunk.is_token:
                         seen.chunk_times.append(now)
                     seen.usage = chunk.usage or seen.usage
+                    seen.response_id = seen.response_id or chunk.response_id
                     seen.is_done = chunk.is_done
                     if seen.is_done:
                         break

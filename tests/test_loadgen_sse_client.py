@@ -65,7 +65,8 @@ class FakeOpenAI:
 
         def chunk(text: str, finish: str | None = None) -> dict[str, Any]:
             choice = {"delta": {"content": text}} if is_chat else {"text": text}
-            return {"choices": [{"index": 0, **choice, "finish_reason": finish}], "usage": None}
+            choices = [{"index": 0, **choice, "finish_reason": finish}]
+            return {"id": f"cmpl-{count}", "choices": choices, "usage": None}
 
         if is_chat:
             await response.write(sse({"choices": [{"delta": {"role": "assistant"}}]}))
@@ -169,6 +170,13 @@ async def test_chat_stream_does_not_count_the_role_chunk(server):
     body = server.bodies[-1]
     assert body["messages"] == [{"role": "user", "content": "abc"}]
     assert body["max_completion_tokens"] == 5 and "prompt" not in body
+
+
+async def test_record_keeps_the_id_the_stream_gave_the_request(server):
+    r = await send(server.url, "ok")
+    assert r.is_ok, r.detail
+    assert r.response_id == f"cmpl-{len(server.bodies) - 1}"
+    assert (await send(server.url, "rate-limited")).response_id == ""  # no stream, no id
 
 
 async def test_usage_token_count_wins_over_the_number_of_chunks(server):
@@ -289,6 +297,8 @@ def test_read_chunk_reads_content_usage_done_and_errors():
     )
     assert usage.usage == Usage(3, 7) and usage.content == ""
     assert read_chunk("[DONE]", False).is_done
+    assert read_chunk('{"id": "cmpl-7", "choices": []}', False).response_id == "cmpl-7"
+    assert read_chunk('{"id": 7, "choices": []}', False).response_id == ""
     assert read_chunk('{"error": {"message": "boom"}}', False).error == "boom"
     assert "not JSON" in (read_chunk("{oops", False).error or "")
 
