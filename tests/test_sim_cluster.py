@@ -54,7 +54,10 @@ def test_chunk_transfers_overlap_the_next_chunks_compute():
         link_bandwidth=1000 * model.kv_bytes_per_token / 0.5,
         step_overhead_s=1.0,
     )
-    topology = Topology("disagg", 1, 1, chunk_tokens=1000, kv_capacity_tokens=10_000)
+    # plain 1000-token chunks (not cut on blocks: test_sim_overheads covers hand-off chunks)
+    topology = Topology(
+        "disagg", 1, 1, chunk_tokens=1000, kv_capacity_tokens=10_000, block_tokens=None
+    )
     result = simulate(topology, CostModel(model, device), [SimRequest(0.0, 4000, 2)])
     # four chunks computed back to back; only the last chunk's transfer is exposed
     assert result.records[0].ttft_s == pytest.approx(4 * 1.0 + 0.5)

@@ -5,7 +5,9 @@ calibrate this machine as a device spec, or check the simulator against the real
   print its row;
 - ``--plan``: colocated continuous batching, colocated with chunked prefill, and the planner's
   disaggregated split on ``--gpus``, with the planner's reasons (``--plot-dir``: PNGs);
-- ``--calibrate``: measure this machine with the real engine and transport, write a device spec;
+- ``--calibrate``: measure this machine with the real engine and transport, then what a real
+  local mesh adds to the engine (a small probe workload, not the validation's), write a device
+  spec;
 - ``--validate``: the same workload simulated and served by a local mesh (colocated and disagg),
   sim/real ratios of p50/p99 TTFT and ITL.
 
@@ -83,6 +85,12 @@ def register(subparsers: Any) -> None:
         "from `kvmesh model seeded`); --model must be its spec",
     )
     out.add_argument("--threads", type=int, default=2, help="--calibrate: torch threads")
+    out.add_argument(
+        "--no-mesh-probe",
+        dest="mesh_probe",
+        action="store_false",
+        help="--calibrate: the engine and link only; leave the mesh's overheads at 0",
+    )
     out.add_argument(
         "--prefill-nice",
         type=int,
@@ -234,12 +242,21 @@ def _plan(args: argparse.Namespace, cost: Any, requests: list[Any], sla: Any) ->
 def _calibrate(args: argparse.Namespace, model: Any) -> int:
     from kvmesh.loadgen.sim.calibrate import calibrate
     from kvmesh.loadgen.sim.fit import FitError
+    from kvmesh.loadgen.sim.overheads import OverheadFitError
     from kvmesh.loadgen.sim.specs import write_device
 
     try:
-        result = calibrate(args.real_model, model, threads=args.threads)
+        result = calibrate(
+            args.real_model,
+            model,
+            threads=args.threads,
+            mesh=args.mesh_probe,
+            transport="shm" if args.transport == "auto" else args.transport,
+        )
     except FitError as exc:
         return _fail(f"calibration refused: {exc}")
+    except OverheadFitError as exc:
+        return _fail(f"mesh probe refused: {exc}")
     s, fit = result.spec, result.fit
     print(f"measured in {result.seconds:.0f} s on {s.cores} cores, {s.calibration_threads} threads")
     print("| point | measured ms | fitted ms | residual |\n|---|---|---|---|")
@@ -263,8 +280,33 @@ def _calibrate(args: argparse.Namespace, model: Any) -> int:
         f"{s.cache_bytes / 2**20:.0f} MiB LLC ({model.name}'s weights {cache} it); "
         f"link {s.link_bandwidth / 1e9:.1f} GB/s"
     )
+    if result.mesh is not None:
+        _print_mesh_fit(result.mesh)
     print(f"wrote {write_device(s, args.out or DEFAULT_CPU_SPEC)}")
     return 0
+
+
+def _print_mesh_fit(mesh: Any) -> None:
+    o = mesh.overheads
+    print("\nmesh probe (simulated with the overheads below):")
+    print("| figure | measured ms | simulated ms | residual |\n|---|---|---|---|")
+    for r in mesh.residuals:
+        print(
+            f"| {r.label} | {r.measured_s * 1e3:.2f} | {r.simulated_s * 1e3:.2f} | "
+            f"{r.relative:+.1%} |"
+        )
+    for note in mesh.notes:
+        print(f"note: {note}")
+    if mesh.max_relative_error > 0.25:
+        print(
+            f"warning: a probe figure is off by {mesh.max_relative_error:.0%}: the overheads do "
+            "not describe this mesh well (or the machine was busy)"
+        )
+    print(
+        f"mesh overheads: loop {o.loop_s * 1e3:.2f} ms per step + {o.token_s * 1e3:.3f} ms per "
+        f"streamed token; request {o.request_s * 1e3:.1f} ms; disagg hand-off "
+        f"{o.handoff_s * 1e3:.1f} ms"
+    )
 
 
 def _validate(args: argparse.Namespace, cost: Any, requests: list[Any]) -> int:

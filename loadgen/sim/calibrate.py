@@ -11,15 +11,21 @@ through ``kvmesh bench xfer``'s ``bench_backend`` (torch is imported here, lazil
   and per-chunk overheads, with each point's residual, or refuses an implausible fit;
 - link: the ``shm`` transport's GB/s moving 64 MiB of scattered KV blocks (best of runs);
 - the last-level cache from sysfs (``lscpu`` where sysfs lacks it), the cores this process may
-  run on, and the torch threads the measurement used.
+  run on, and the torch threads the measurement used;
+- then what the mesh adds (``mesh=True``): a real local mesh of each mode serves the small probe
+  workload (``probe.py``, not the validation workload), and ``overheads.fit_overheads`` finds the
+  loop, per-token, per-request and hand-off overheads with which the simulator, on the engine
+  figures just fitted, reproduces it.
 
 Efficiencies are 1: the figures are already what the engine achieves. Times are wall-clock (the
 simulator predicts wall-clock latency), so a busy machine calibrates slow: run it on a quiet one.
-Kept under a minute: 48 s for kvmesh-tiny on the loaded 2-core development box.
+The engine part is kept under a minute (48 s for kvmesh-tiny on the loaded 2-core development
+box); the mesh probe adds about 40 s (two meshes started, 15 requests each).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import re
@@ -31,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvmesh.loadgen.sim.fit import DecodePoint, Fit, PrefillPoint, fit_costs
+from kvmesh.loadgen.sim.overheads import OverheadFit
 from kvmesh.loadgen.sim.specs import DeviceSpec, ModelSpec
 
 _SIZE = re.compile(r"^\s*([\d.]+)\s*([KMG]?)(i?B)?\s*$", re.IGNORECASE)
@@ -45,6 +52,7 @@ class Calibration:
     prefill: tuple[PrefillPoint, ...]
     link_gbps: float
     seconds: float  # how long the measurement took
+    mesh: OverheadFit | None = None  # None: the mesh was not probed (engine figures only)
 
 
 def _host_memory() -> float:
@@ -110,8 +118,11 @@ def calibrate(
     contexts: Sequence[int] = (64, 512),
     decode_tokens: int = 16,
     repeats: int = 2,
+    mesh: bool = True,
+    transport: str = "shm",
 ) -> Calibration:
-    """Measure, fit and return the spec; raises ``fit.FitError`` on an implausible fit."""
+    """Measure, fit and return the spec; raises ``fit.FitError`` on an implausible fit and
+    ``overheads.OverheadFitError`` on a probe that failed."""
     import torch
     from kvmesh.loadgen.bench_engine import KvmeshRunner
 
@@ -144,9 +155,9 @@ def calibrate(
 
     cache = last_level_cache_bytes()
     fit = fit_costs(model, cache, decode, prefill)
+    del runner  # its KV pool and threads; the meshes below are child processes
     link_gbps = measure_link_gbps()
     cores = available_cores()
-    elapsed = time.perf_counter() - started
     spec = DeviceSpec(
         name=name,
         peak_flops=fit.flops,
@@ -169,4 +180,30 @@ def calibrate(
             + f"; shm link {link_gbps:.1f} GB/s"
         ),
     )
-    return Calibration(spec, fit, tuple(decode), tuple(prefill), link_gbps, elapsed)
+    overheads = probe_mesh(model_name, spec, model, transport) if mesh else None
+    if overheads is not None:
+        o = overheads.overheads
+        spec = dataclasses.replace(
+            overheads.overheads.apply(spec),
+            description=spec.description
+            + f"; mesh probe: loop {o.loop_s * 1e3:.2f} ms + {o.token_s * 1e3:.2f} ms per token, "
+            f"request {o.request_s * 1e3:.1f} ms, hand-off {o.handoff_s * 1e3:.1f} ms",
+        )
+    elapsed = time.perf_counter() - started
+    return Calibration(spec, fit, tuple(decode), tuple(prefill), link_gbps, elapsed, overheads)
+
+
+def probe_mesh(
+    model_name: str, engine: DeviceSpec, model: ModelSpec, transport: str = "shm"
+) -> OverheadFit:
+    """Serve the probe on a real colocated and disagg mesh, and fit the overheads to it."""
+    from kvmesh.loadgen.sim.cost import CostModel
+    from kvmesh.loadgen.sim.overheads import ProbeFigures, fit_overheads
+    from kvmesh.loadgen.sim.probe import run_probe
+    from kvmesh.loadgen.sim.validate import mesh_topology
+
+    measured = {}
+    for mode in ("colocated", "disagg"):
+        records = run_probe(mode, model_name, transport)
+        measured[mode] = ProbeFigures.of(records.isolated, records.batch)
+    return fit_overheads(CostModel(model, engine), measured, lambda m, c: mesh_topology(m, c))

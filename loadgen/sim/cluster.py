@@ -3,15 +3,21 @@
 Events are kept in one heap ordered by time (ties: the order they were made, so a run is
 deterministic). The request path follows the mesh's:
 
-1. on arrival the request is placed on the colocated or decode worker with the most free KV
-   tokens that can reserve its prompt and output (the kv-registry's placement); when none can,
+1. a request reaches placement ``request_overhead_s`` after it was sent (the device spec's
+   measured fixed latency of the path outside the engine: HTTP, tokenization, the registry, the
+   reservation, the first token's way back), then is placed on the colocated or decode worker
+   with the most free KV tokens that can reserve its prompt and output (the kv-registry's placement); when none can,
    it waits in a FIFO placement queue until a reservation is released (overload is queueing);
 2. colocated: it waits in that worker's queue for admission into the running batch;
    disagg: it joins the one prefill queue, pulled by whichever prefill worker has a free slot;
 3. a prefill worker's chunk, once computed, is sent over that worker's link (one transfer at a
-   time, in order) while the next chunk computes; the first token reaches the client when the
-   last chunk's KV has landed, and the sequence then waits for the next decode step boundary;
-4. every step's tokens are delivered at the step's end; a finished request frees its KV.
+   time, in order) while the next chunk computes; ``handoff_overhead_s`` after the last chunk's
+   KV has landed (PrefillDone and what it takes), the decode worker admits the sequence between
+   its steps (at once if it is idle, else when its step in flight ends): that is when the first
+   token is announced, and the sequence decodes from the next step on;
+4. every step's tokens are delivered at the step's end; a finished request frees its KV. A decode
+   or colocated step also pays its loop's overheads (``CostModel.loop_step``) and starts at most
+   every ``decode_pacing_s``.
 
 Steps of workers on one device (``Topology.shared_device``) share it while busy: its cores by
 thread count and niceness, each worker at the pace of its slowest thread (``sharing.py``).
@@ -73,6 +79,7 @@ class Cluster:
                 chunk_tokens=t.chunk_tokens,
                 max_num_seqs=t.max_prefill_jobs,
                 max_jobs=t.max_prefill_jobs,
+                block_tokens=t.block_tokens,
             )
             for i in range(t.num_prefill)
         ]
@@ -109,8 +116,9 @@ class Cluster:
         heapq.heappush(self._events, (time, next(self._counter), kind, who, version))
 
     def run(self, slo: Slo | None = None) -> SimResult:
+        delay = self.cost.device.request_overhead_s
         for s in self.seqs:
-            self._push(s.arrival_s, _ARRIVAL, s.index)
+            self._push(s.arrival_s + delay, _ARRIVAL, s.index)
         now = 0.0
         while self._events:
             now, _, kind, who, version = heapq.heappop(self._events)
@@ -159,16 +167,22 @@ class Cluster:
     def _kick(self, worker: Worker, now: float) -> None:
         if worker.is_busy:
             return
-        pacing = self.topology.decode_pacing_s if worker.role == "decode" else 0.0
+        pacing = self.topology.decode_pacing_s if worker.role != "prefill" else 0.0
         start = worker.last_step_start + pacing
         if start > now + 1e-12:
             if worker.waiting or worker.running:
                 self._push(start, _WAKE, worker.index)
             return
+        if worker.role == "decode":
+            self._admit_prefilled(worker, now)
         batch = worker.plan(self.prefill_queue if worker.role == "prefill" else None)
         if not batch:
             return
-        step = self.cost.step(w.slice() for w in batch)
+        slices = [w.slice() for w in batch]
+        if worker.role == "prefill":
+            step = self.cost.step(slices)
+        else:
+            step = self.cost.loop_step(slices, sum(w.emits_token for w in batch))
         worker.is_busy = True
         worker.last_step_start = now
         worker.busy_s += step.seconds
@@ -214,17 +228,23 @@ class Cluster:
             start = max(now, self.link_free[worker.index])
             self.link_free[worker.index] = start + self.cost.transfer_seconds(w.num_new)
             if w.seq.index in prefilled:
-                self._push(self.link_free[worker.index], _KV_LANDED, w.seq.index)
+                done = self.link_free[worker.index] + self.cost.device.handoff_overhead_s
+                self._push(done, _KV_LANDED, w.seq.index)
 
     def _kv_landed(self, seq: SimSeq, now: float) -> None:
-        seq.token_times.append(now)  # prefill's sampled token, announced once the KV is there
         home = self.homes[seq.home]
-        if seq.is_finished:
-            home.release(seq)
-            self._drain_placements(now)
-            return
         home.waiting.append(seq)
         self._kick(home, now)
+
+    def _admit_prefilled(self, worker: Worker, now: float) -> None:
+        """Between steps, the decode worker admits the sequences whose KV has landed: each one's
+        first token (the prefill's sample) is announced now."""
+        for seq in [s for s in worker.waiting if not s.token_times]:
+            seq.token_times.append(now)
+            if seq.is_finished:
+                worker.waiting.remove(seq)
+                worker.release(seq)
+                self._drain_placements(now)
 
     # ---- results ----
 

@@ -21,6 +21,10 @@ The two parts are kept apart (``StepCost.overhead_s``, ``StepCost.roofline_s``):
 shared by several workers the overhead is serial (one core's Python and dispatch) while the
 roofline part runs on all of a worker's threads (``sharing.py``).
 
+A decode or colocated worker's step, as the mesh runs it (``loop_step``), also pays its loop's
+fixed cost and each streamed token's (``loop_overhead_s``, ``token_overhead_s``: measured by
+calibration on a real mesh, ``overheads.py``), on the serial part.
+
 A worker of ``tp`` devices (tensor parallel) has ``tp`` times the FLOP/s and bandwidth; the
 all-reduces between them are not modelled. KV transfers take ``bytes / link bandwidth +
 latency`` on the prefill worker's link.
@@ -28,6 +32,7 @@ latency`` on the prefill worker's link.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -118,6 +123,15 @@ class CostModel:
         compute = flops / (self.device.effective_flops * self.tp)
         memory = num_bytes / (self.device.effective_bandwidth * self.tp)
         return StepCost(flops, num_bytes, self.step_overhead_s(slices), max(compute, memory))
+
+    def loop_step(self, slices: Iterable[Slice], num_tokens: int) -> StepCost:
+        """A decode or colocated worker's step in the mesh: the engine's step, plus the loop's
+        fixed cost and ``num_tokens`` streamed tokens' cost, serial (one thread)."""
+        assert num_tokens >= 0
+        step = self.step(slices)
+        d = self.device
+        loop = d.loop_overhead_s + d.token_overhead_s * num_tokens
+        return dataclasses.replace(step, overhead_s=step.overhead_s + loop)
 
     def step_seconds(self, slices: Iterable[Slice]) -> float:
         return self.step(slices).seconds

@@ -40,7 +40,16 @@ class DeviceSpec:
     1 for an accelerator, shared equally); ``calibration_threads``: the threads the roofline
     figures were measured with (a calibrated CPU spec), so a worker with fewer cores computes
     proportionally slower. ``link_bandwidth`` (bytes/s) and ``link_latency_s``: the KV transfer
-    link of one worker."""
+    link of one worker.
+
+    What the mesh adds to the engine on this host (``overheads.py``; 0 in the GPU specs, where
+    nothing measured them): ``loop_overhead_s`` per step of a decode or colocated worker's loop
+    (admission, the step's hand-off to its thread, metrics) and ``token_overhead_s`` per token
+    that step streams (its event's encoding, NATS, the router, SSE), both paid on the step's
+    serial part; ``request_overhead_s``, a request's fixed latency outside the engine (HTTP,
+    tokenization, placement, the reservation, the first token's way back); and
+    ``handoff_overhead_s``, what a disaggregated request pays on top (the prefill job's dispatch,
+    the last write's completion, PrefillDone, the decode worker's admission)."""
 
     name: str
     peak_flops: float
@@ -56,6 +65,10 @@ class DeviceSpec:
     cores: int = 1
     calibration_threads: int = 1
     link_latency_s: float = 0.0
+    loop_overhead_s: float = 0.0
+    token_overhead_s: float = 0.0
+    request_overhead_s: float = 0.0
+    handoff_overhead_s: float = 0.0
     description: str = ""
 
     def __post_init__(self) -> None:
@@ -69,6 +82,10 @@ class DeviceSpec:
             "chunk_overhead_s",
             "cache_bytes",
             "link_latency_s",
+            "loop_overhead_s",
+            "token_overhead_s",
+            "request_overhead_s",
+            "handoff_overhead_s",
         ):
             _require(getattr(self, name) >= 0, self.name, name, "must be >= 0")
         for name in ("cores", "calibration_threads"):

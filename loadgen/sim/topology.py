@@ -20,7 +20,11 @@ class Topology:
     one CPU host) and divide its cores while busy (``sharing.py``): decode and colocated workers
     with ``decode_threads`` threads, prefill workers with ``prefill_threads`` at niceness
     ``prefill_nice`` (None: all the device's cores), as ``kvmesh up`` starts them.
-    ``kv_capacity_tokens``: KV pool of a colocated or decode worker (None: from device memory)."""
+    ``kv_capacity_tokens``: KV pool of a colocated or decode worker (None: from device memory).
+    ``block_tokens``: the engine's KV block; prefill workers cut hand-off chunks on it (whole
+    blocks, the last one after a first at most one block), as the engine does (None: plain
+    ``chunk_tokens`` chunks). ``decode_pacing_s``: a decode or colocated worker starts a step at
+    most this often (``--min-step-interval-ms``)."""
 
     mode: Mode
     num_decode: int = 1
@@ -35,6 +39,7 @@ class Topology:
     decode_threads: int | None = None
     prefill_threads: int | None = None
     prefill_nice: int = 0
+    block_tokens: int | None = 16
 
     def __post_init__(self) -> None:
         if self.mode not in ("colocated", "disagg"):
@@ -62,6 +67,18 @@ class Topology:
                 raise ValueError(f"{name} must be >= 1 (or None), got {value}")
         if not 0 <= self.prefill_nice <= 19:
             raise ValueError(f"prefill_nice must be in [0, 19], got {self.prefill_nice}")
+        if self.block_tokens is not None and self.block_tokens < 1:
+            raise ValueError(f"block_tokens must be >= 1 (or None), got {self.block_tokens}")
+        if (
+            self.mode == "disagg"
+            and self.block_tokens is not None
+            and self.chunk_tokens is not None
+            and self.chunk_tokens < self.block_tokens
+        ):
+            raise ValueError(
+                f"chunk_tokens ({self.chunk_tokens}) must hold at least one block "
+                f"({self.block_tokens} tokens): hand-off chunks are whole blocks"
+            )
         if self.kv_capacity_tokens is not None and self.kv_capacity_tokens < 1:
             raise ValueError(f"kv_capacity_tokens must be >= 1, got {self.kv_capacity_tokens}")
 

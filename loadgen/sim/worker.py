@@ -9,7 +9,10 @@ sequences whose prompt just finished and those that finished for good. Roles:
   waiting sequences are admitted while the budget and ``max_num_seqs`` allow (``chunk_tokens``
   None: no budget, whole prompts in one step beside the decodes);
 - ``prefill``: up to ``max_jobs`` jobs share a chunk budget of ``chunk_tokens`` per step; a job
-  leaves the worker when its last chunk is computed (its KV may still be on the wire);
+  leaves the worker when its last chunk is computed (its KV may still be on the wire). With
+  ``block_tokens``, chunks are hand-off chunks as the engine cuts them: whole blocks, and the
+  last one, after a first, at most one block (so that only one block's write is exposed: a
+  1,000-token prompt in 512-token chunks is 512 + 480 + 8);
 - ``decode``: every running sequence decodes one token per step; sequences whose KV has arrived
   are admitted at step boundaries while ``max_num_seqs`` allows.
 """
@@ -63,6 +66,12 @@ class Work:
     num_new: int
     is_prefill: bool
 
+    @property
+    def emits_token(self) -> bool:
+        """Whether this work streams a token at the step's end (a decode, or a colocated
+        prompt's last chunk). Read before the step is applied."""
+        return not self.is_prefill or self.seq.num_computed + self.num_new >= self.seq.prompt_len
+
     def slice(self) -> Slice:
         if self.is_prefill:
             return Slice(self.num_new, self.seq.num_computed)
@@ -85,14 +94,17 @@ class Worker:
         max_num_seqs: int,
         max_jobs: int = 1,
         kv_capacity: int = 0,
+        block_tokens: int | None = None,
     ) -> None:
         assert role == "prefill" or kv_capacity > 0
+        assert block_tokens is None or (role == "prefill" and block_tokens >= 1)
         self.index = index
         self.role = role
         self.chunk_tokens = chunk_tokens
         self.max_num_seqs = max_num_seqs
         self.max_jobs = max_jobs
         self.kv_capacity = kv_capacity
+        self.block_tokens = block_tokens
         self.kv_free = kv_capacity
         self.waiting: deque[SimSeq] = deque()
         self.running: list[SimSeq] = []
@@ -137,16 +149,31 @@ class Worker:
             queue, limit = prefill_queue, self.max_jobs
         for s in self.running:
             if not s.is_prefilled and budget > 0:
-                n = int(min(s.prompt_len - s.num_computed, budget))
-                batch.append(Work(s, n, True))
-                budget -= n
+                n = self._chunk(s, budget)
+                if n:
+                    batch.append(Work(s, n, True))
+                    budget -= n
         while queue and len(self.running) < limit and budget > 0:
+            n = self._chunk(queue[0], budget)
+            if not n:  # a hand-off chunk needs a whole block of budget
+                break
             s = queue.popleft()
             self.running.append(s)
-            n = int(min(s.prompt_len, budget))
             batch.append(Work(s, n, True))
             budget -= n
         return batch
+
+    def _chunk(self, s: SimSeq, budget: float) -> int:
+        """Prompt tokens of ``s`` to compute in a step with ``budget`` tokens left (the
+        engine scheduler's ``_chunk_size``)."""
+        left = s.prompt_len - s.num_computed
+        n = int(min(left, budget))
+        bs = self.block_tokens
+        if bs is None:
+            return n
+        if n == left:
+            return n - (n % bs or bs) if s.num_computed > 0 and n > bs else n
+        return n - n % bs
 
     def complete(self, batch: list[Work], now: float) -> StepOutcome:
         """Apply a step that ended at ``now``: prompt progress, tokens, finished sequences."""

@@ -1,0 +1,193 @@
+"""Fit what the mesh adds to the engine (a device spec's loop, token, request and hand-off
+overheads) to a real mesh's probe (pure; ``probe.py`` serves it, ``calibrate.py`` calls both).
+
+Three figures are taken of each mode's probe, the same way from the real records and the
+simulated ones (``ProbeFigures``):
+
+- ``ttft_s``: the median TTFT of the isolated requests;
+- ``gap_1_s``: the median over the isolated requests of their steady gap, the mean gap over the
+  second half of their tokens (the decode loop's period at batch 1);
+- ``gap_batch_s``: the same over the batch's requests (the period at batch ``probe.BATCH``).
+
+Mean gaps, not single ones: a client on a busy machine reads several SSE events at once, which
+shows as gaps of 0 beside a long one, but leaves their mean alone.
+
+The simulator replays the probe on the mesh's twin topology (``validate.mesh_topology``) with
+the engine's calibrated costs and the overheads so far, and the overheads move by what it
+misses, until it reproduces the probe (a few rounds: the terms add up nearly, but not exactly,
+once workers share the host's cores):
+
+- ``request_overhead_s``: by the colocated TTFT's miss;
+- ``handoff_overhead_s``: by the disaggregated TTFT's miss less the colocated one's;
+- ``loop_overhead_s`` and ``token_overhead_s``: by the least-squares line ``miss = loop + token *
+  batch`` through both modes' two gaps (at batch 1 and ``BATCH``): one decode loop, one router.
+
+A term that comes out negative is set to 0, with a note. The fit reports every figure measured
+and simulated with the overheads it found.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from kvmesh.loadgen.serve_metrics import RequestRecord
+from kvmesh.loadgen.sim.cluster import simulate
+from kvmesh.loadgen.sim.cost import CostModel
+from kvmesh.loadgen.sim.probe import BATCH, probe_requests
+from kvmesh.loadgen.sim.specs import DeviceSpec
+from kvmesh.loadgen.sim.topology import Topology
+
+ROUNDS = 8
+WARN_RELATIVE_ERROR = 0.25  # a figure the fitted simulator misses by more is reported
+
+
+class OverheadFitError(ValueError):
+    """Probe records the fit cannot use (no colocated probe, failed or too short requests)."""
+
+
+def steady_gap_s(record: RequestRecord) -> float:
+    """Mean gap between the tokens of the second half of a request's stream."""
+    times = record.chunk_times
+    if len(times) < 4:
+        raise OverheadFitError(
+            f"probe request {record.index} streamed {len(times)} tokens; the fit needs at least 4"
+        )
+    k = len(times) // 2
+    return (times[-1] - times[k]) / (len(times) - 1 - k)
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeFigures:
+    """One mode's probe in three numbers (seconds)."""
+
+    ttft_s: float
+    gap_1_s: float
+    gap_batch_s: float
+
+    @classmethod
+    def of(cls, isolated: Sequence[RequestRecord], batch: Sequence[RequestRecord]) -> ProbeFigures:
+        bad = [r for r in (*isolated, *batch) if r.error is not None or r.ttft_s is None]
+        if bad:
+            raise OverheadFitError(f"probe request {bad[0].index} failed: {bad[0].error}")
+        if not isolated or not batch:
+            raise OverheadFitError("the probe needs isolated requests and a batch")
+        return cls(
+            statistics.median(r.ttft_s for r in isolated),  # type: ignore[misc]
+            statistics.median(steady_gap_s(r) for r in isolated),
+            statistics.median(steady_gap_s(r) for r in batch),
+        )
+
+    def items(self) -> tuple[tuple[str, float], ...]:
+        return (
+            ("TTFT", self.ttft_s),
+            ("gap at batch 1", self.gap_1_s),
+            (f"gap at batch {BATCH}", self.gap_batch_s),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class MeshOverheads:
+    loop_s: float = 0.0
+    token_s: float = 0.0
+    request_s: float = 0.0
+    handoff_s: float = 0.0
+
+    def apply(self, device: DeviceSpec) -> DeviceSpec:
+        return dataclasses.replace(
+            device,
+            loop_overhead_s=self.loop_s,
+            token_overhead_s=self.token_s,
+            request_overhead_s=self.request_s,
+            handoff_overhead_s=self.handoff_s,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class FigureResidual:
+    label: str  # "<mode> <figure>"
+    measured_s: float
+    simulated_s: float
+
+    @property
+    def relative(self) -> float:
+        return self.simulated_s / self.measured_s - 1 if self.measured_s > 0 else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class OverheadFit:
+    overheads: MeshOverheads
+    residuals: tuple[FigureResidual, ...]
+    notes: tuple[str, ...]
+
+    @property
+    def max_relative_error(self) -> float:
+        return max((abs(r.relative) for r in self.residuals), default=0.0)
+
+
+TopologyFor = Callable[[str, CostModel], Topology]
+
+
+def simulate_probe(cost: CostModel, mode: str, topology_for: TopologyFor) -> ProbeFigures:
+    """The probe's figures as the simulator predicts them on ``mode``'s mesh twin."""
+    isolated, batch = probe_requests()
+    topology = topology_for(mode, cost)
+    return ProbeFigures.of(
+        simulate(topology, cost, isolated).records, simulate(topology, cost, batch).records
+    )
+
+
+def _line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """Least-squares intercept and slope of ``y = a + b x`` through ``(x, y)`` points."""
+    n = len(points)
+    mx = sum(x for x, _ in points) / n
+    my = sum(y for _, y in points) / n
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    b = sum((x - mx) * (y - my) for x, y in points) / sxx
+    return my - b * mx, b
+
+
+def fit_overheads(
+    cost: CostModel,
+    measured: Mapping[str, ProbeFigures],
+    topology_for: TopologyFor,
+    rounds: int = ROUNDS,
+) -> OverheadFit:
+    """The overheads with which the simulator reproduces ``measured`` (``colocated`` needed,
+    ``disagg`` optional: without it the hand-off term stays 0). ``cost`` is the engine's."""
+    if "colocated" not in measured:
+        raise OverheadFitError("the fit needs the colocated mesh's probe")
+    modes = [m for m in ("colocated", "disagg") if m in measured]
+    o = MeshOverheads()
+    for _ in range(rounds):
+        trial = CostModel(cost.model, o.apply(cost.device), cost.tp)
+        sim = {m: simulate_probe(trial, m, topology_for) for m in modes}
+        miss = {m: _minus(measured[m], sim[m]) for m in modes}
+        points = [(1.0, miss[m].gap_1_s) for m in modes]
+        points += [(float(BATCH), miss[m].gap_batch_s) for m in modes]
+        d_loop, d_token = _line(points)
+        d_handoff = miss["disagg"].ttft_s - miss["colocated"].ttft_s if "disagg" in miss else 0.0
+        o = MeshOverheads(
+            loop_s=max(0.0, o.loop_s + d_loop),
+            token_s=max(0.0, o.token_s + d_token),
+            request_s=max(0.0, o.request_s + miss["colocated"].ttft_s),
+            handoff_s=max(0.0, o.handoff_s + d_handoff),
+        )
+    trial = CostModel(cost.model, o.apply(cost.device), cost.tp)
+    residuals = []
+    for m in modes:
+        sim = simulate_probe(trial, m, topology_for)
+        for (label, real), (_, predicted) in zip(measured[m].items(), sim.items(), strict=True):
+            residuals.append(FigureResidual(f"{m} {label}", real, predicted))
+    notes = tuple(
+        f"{name} came out negative and is 0: the engine's costs alone exceed what the mesh showed"
+        for name, value in dataclasses.asdict(o).items()
+        if value == 0.0 and (name != "handoff_s" or "disagg" in measured)
+    )
+    return OverheadFit(o, tuple(residuals), notes)
+
+
+def _minus(a: ProbeFigures, b: ProbeFigures) -> ProbeFigures:
+    return ProbeFigures(a.ttft_s - b.ttft_s, a.gap_1_s - b.gap_1_s, a.gap_batch_s - b.gap_batch_s)

@@ -1,0 +1,84 @@
+"""The mesh probe: a small calibration workload that a real local mesh serves, so that calibration
+can measure what the mesh adds to the engine (``overheads.py`` fits it).
+
+It is not the validation workload: short prompts, few requests, two phases per mesh mode:
+
+- *isolated*: ``ISOLATED`` requests of ``PROBE_INPUT`` prompt tokens and ``ISOLATED_OUTPUT``
+  output tokens, each sent once the previous one has finished. A request alone on an idle mesh:
+  its TTFT is the request path's fixed latency plus one short prefill; its gaps are the decode
+  loop's period at batch 1;
+- *batch*: ``BATCH`` requests of the same prompts and ``BATCH_OUTPUT`` output tokens sent at once:
+  their gaps are the loop's period at batch ``BATCH`` (most of them; the first steps also
+  prefill).
+
+The same requests, as ``SimRequest``s (``probe_requests``), are what the simulator replays when
+it fits the overheads. The real side uses ``kvmesh bench serve``'s client (``sse_client``) and
+``bench_mesh.local_mesh`` as ``--validate`` does (torch and the services, imported lazily).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from dataclasses import dataclass
+
+from kvmesh.loadgen.serve_metrics import RequestRecord
+from kvmesh.loadgen.sim.workload import SimRequest
+
+PROBE_INPUT = 64
+ISOLATED = 6
+ISOLATED_OUTPUT = 32
+BATCH = 8
+BATCH_OUTPUT = 64
+ISOLATION_GAP_S = 60.0  # simulated isolated requests are this far apart: nothing overlaps
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeRecords:
+    """One mesh mode's probe: the isolated requests' records and the batch's."""
+
+    mode: str
+    isolated: tuple[RequestRecord, ...]
+    batch: tuple[RequestRecord, ...]
+
+
+def probe_requests() -> tuple[list[SimRequest], list[SimRequest]]:
+    """The probe's isolated requests (far apart) and its batch (all at 0), as the simulator runs
+    them."""
+    isolated = [
+        SimRequest(i * ISOLATION_GAP_S, PROBE_INPUT, ISOLATED_OUTPUT) for i in range(ISOLATED)
+    ]
+    batch = [SimRequest(0.0, PROBE_INPUT, BATCH_OUTPUT) for _ in range(BATCH)]
+    return isolated, batch
+
+
+def run_probe(
+    mode: str, model: str, transport: str = "shm", timeout_s: float = 120.0
+) -> ProbeRecords:
+    """Serve the probe on a fresh local mesh of ``mode`` (the ``--validate`` mesh's settings)."""
+    from kvmesh.loadgen.bench_mesh import local_mesh
+    from kvmesh.loadgen.sse_client import Endpoint, run_requests
+    from kvmesh.loadgen.workload import Prompt
+
+    rng = random.Random("probe")
+    prompts = [
+        tuple(rng.randrange(1, 250) for _ in range(PROBE_INPUT)) for _ in range(ISOLATED + BATCH)
+    ]
+    with local_mesh(mode, transport, model=model, local_prefill_threshold=0) as mesh:
+        endpoint = Endpoint(mesh.url, model)
+
+        def serve(batch: list[Prompt]) -> list[RequestRecord]:
+            records, _ = asyncio.run(
+                run_requests(endpoint, batch, [0.0] * len(batch), timeout_s=timeout_s)
+            )
+            failed = [r for r in records if r.error is not None]
+            if failed:
+                raise RuntimeError(
+                    f"the {mode} mesh failed a probe request: {failed[0].error} {failed[0].detail}"
+                )
+            return records
+
+        serve([Prompt(prompts[0], 4)])  # warm-up: first steps, connections
+        isolated = [serve([Prompt(p, ISOLATED_OUTPUT)])[0] for p in prompts[:ISOLATED]]
+        batch = serve([Prompt(p, BATCH_OUTPUT) for p in prompts[ISOLATED:]])
+    return ProbeRecords(mode, tuple(isolated), tuple(batch))

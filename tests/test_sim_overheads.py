@@ -1,0 +1,165 @@
+"""The mesh's overheads in the simulator (loop, per token, per request, disagg hand-off), the
+engine's hand-off chunks and admission between steps, and their fit to a probe."""
+
+from __future__ import annotations
+
+from collections import deque
+
+import pytest
+from kvmesh.loadgen.serve_metrics import RequestRecord
+from kvmesh.loadgen.sim.cluster import simulate
+from kvmesh.loadgen.sim.cost import CostModel, Slice
+from kvmesh.loadgen.sim.overheads import (
+    MeshOverheads,
+    OverheadFitError,
+    ProbeFigures,
+    fit_overheads,
+    simulate_probe,
+    steady_gap_s,
+)
+from kvmesh.loadgen.sim.specs import DeviceSpec, load_model
+from kvmesh.loadgen.sim.topology import Topology
+from kvmesh.loadgen.sim.validate import mesh_topology
+from kvmesh.loadgen.sim.worker import SimSeq, Worker
+from kvmesh.loadgen.sim.workload import SimRequest
+
+TINY = load_model("kvmesh-tiny")
+
+
+def _fixed(**overheads: float) -> CostModel:
+    """Steps that cost their fixed overheads only (no compute, no memory, an instant link)."""
+    return CostModel(
+        TINY, DeviceSpec("fixed", 1e30, 1e30, 1e30, 1e30, step_overhead_s=0.01, **overheads)
+    )
+
+
+def _gaps(record: RequestRecord) -> list[float]:
+    return record.itl_s
+
+
+def test_loop_step_adds_loop_and_per_token_overheads():
+    cost = _fixed(loop_overhead_s=0.002, token_overhead_s=0.0005)
+    slices = [Slice(1, 100)] * 4
+    engine = cost.step(slices)
+    loop = cost.loop_step(slices, num_tokens=4)
+    assert loop.overhead_s == pytest.approx(engine.overhead_s + 0.002 + 4 * 0.0005)
+    assert loop.roofline_s == engine.roofline_s
+
+
+def test_request_overhead_delays_the_first_token_not_the_gaps():
+    requests = [SimRequest(0.0, 100, 5)]
+    topology = Topology("colocated", 1, kv_capacity_tokens=10_000)
+    plain = simulate(topology, _fixed(), requests).records[0]
+    slow = simulate(topology, _fixed(request_overhead_s=0.3), requests).records[0]
+    assert slow.ttft_s == pytest.approx(plain.ttft_s + 0.3)
+    assert _gaps(slow) == pytest.approx(_gaps(plain))
+
+
+def test_handoff_overhead_delays_disagg_first_token_only():
+    requests = [SimRequest(0.0, 100, 5)]
+    topology = Topology("disagg", 1, 1, chunk_tokens=512, kv_capacity_tokens=10_000)
+    plain = simulate(topology, _fixed(), requests).records[0]
+    slow = simulate(topology, _fixed(handoff_overhead_s=0.2), requests).records[0]
+    assert slow.ttft_s == pytest.approx(plain.ttft_s + 0.2)
+    # colocated has no hand-off
+    colocated = Topology("colocated", 1, kv_capacity_tokens=10_000)
+    assert simulate(colocated, _fixed(handoff_overhead_s=0.2), requests).records[
+        0
+    ].ttft_s == pytest.approx(simulate(colocated, _fixed(), requests).records[0].ttft_s)
+
+
+def test_colocated_gap_is_step_plus_loop_plus_token_cost_per_sequence():
+    requests = [SimRequest(0.0, 16, 20) for _ in range(4)]
+    topology = Topology("colocated", 1, kv_capacity_tokens=10_000)
+    cost = _fixed(loop_overhead_s=0.004, token_overhead_s=0.001)
+    result = simulate(topology, cost, requests)
+    # the first request's step starts alone, the other three join the next; then four decode
+    for record in result.records:
+        assert _gaps(record)[2:15] == pytest.approx([0.01 + 0.004 + 4 * 0.001] * 13)
+
+
+def test_disagg_first_token_waits_for_the_decode_step_in_flight():
+    # decode steps of 1 s; a stream decodes from t=1 while a second prompt lands at 3.5
+    cost = CostModel(TINY, DeviceSpec("slow", 1e30, 1e30, 1e30, 1e30, step_overhead_s=1.0))
+    topology = Topology("disagg", 1, 1, chunk_tokens=512, kv_capacity_tokens=10_000)
+    result = simulate(topology, cost, [SimRequest(0.0, 16, 10), SimRequest(2.5, 16, 3)])
+    stream, late = result.records
+    assert stream.ttft_s == pytest.approx(1.0)  # the decode worker was idle: admitted at once
+    # its prefill ended at 3.5, during the decode step [3, 4]: admitted (first token) at 4
+    assert late.chunk_times[0] == pytest.approx(4.0)
+
+
+def test_prefill_hand_off_chunks_are_whole_blocks_then_at_most_one_block():
+    worker = Worker(0, "prefill", chunk_tokens=512, max_num_seqs=1, block_tokens=16)
+    queue = deque([SimSeq(0, 0.0, 1000, 1)])
+    chunks = []
+    while batch := worker.plan(queue):
+        chunks += [w.num_new for w in batch]
+        worker.complete(batch, 0.0)
+    assert chunks == [512, 480, 8]  # as shared/engine/scheduler.py's _chunk_size cuts them
+
+
+def test_pacing_spaces_colocated_steps():
+    requests = [SimRequest(0.0, 16, 10)]
+    topology = Topology("colocated", 1, kv_capacity_tokens=10_000, decode_pacing_s=0.05)
+    record = simulate(topology, _fixed(), requests).records[0]
+    assert _gaps(record) == pytest.approx([0.05] * 9)
+
+
+def test_steady_gap_is_the_mean_of_the_second_half_whatever_the_coalescing():
+    # tokens every 10 ms, but read in pairs by a busy client: gaps of 0 and 20 ms
+    times = tuple(0.1 + 0.02 * (i // 2) for i in range(10))
+    record = RequestRecord(0, 0.0, 0.0, times[-1], 16, 10, 10, times)
+    assert steady_gap_s(record) == pytest.approx((times[-1] - times[5]) / 4)
+    with pytest.raises(OverheadFitError):
+        steady_gap_s(RequestRecord(0, 0.0, 0.0, 0.1, 16, 2, 2, (0.05, 0.1)))
+
+
+def _cpu(**overheads: float) -> CostModel:
+    device = DeviceSpec(
+        "cpu-like",
+        peak_flops=100e9,
+        mem_bandwidth=8e9,
+        memory_bytes=16e9,
+        link_bandwidth=2.5e9,
+        step_overhead_s=0.0007,
+        cache_bytes=32 << 20,
+        cores=2,
+        calibration_threads=2,
+        **overheads,
+    )
+    return CostModel(TINY, device)
+
+
+def _topology(mode: str, cost: CostModel) -> Topology:
+    return mesh_topology(mode, cost)
+
+
+def test_fit_overheads_recovers_the_overheads_a_probe_was_simulated_with():
+    truth = MeshOverheads(loop_s=0.0012, token_s=0.0003, request_s=0.025, handoff_s=0.04)
+    probed = CostModel(TINY, truth.apply(_cpu().device))
+    measured = {m: simulate_probe(probed, m, _topology) for m in ("colocated", "disagg")}
+    fit = fit_overheads(_cpu(), measured, _topology)
+    got = fit.overheads
+    assert got.request_s == pytest.approx(truth.request_s, rel=0.05)
+    assert got.handoff_s == pytest.approx(truth.handoff_s, rel=0.05)
+    assert got.loop_s == pytest.approx(truth.loop_s, rel=0.1)
+    assert got.token_s == pytest.approx(truth.token_s, rel=0.1)
+    assert fit.max_relative_error < 0.02
+    assert len(fit.residuals) == 6
+
+
+def test_fit_overheads_clamps_a_negative_term_to_zero_with_a_note():
+    # the mesh answered faster than the engine alone predicts: no negative request cost
+    engine = _cpu()
+    measured = simulate_probe(engine, "colocated", _topology)
+    faster = ProbeFigures(measured.ttft_s / 2, measured.gap_1_s, measured.gap_batch_s)
+    fit = fit_overheads(engine, {"colocated": faster}, _topology)
+    assert fit.overheads.request_s == 0.0
+    assert any("request_s" in note for note in fit.notes)
+
+
+def test_fit_overheads_needs_the_colocated_probe():
+    engine = _cpu()
+    with pytest.raises(OverheadFitError, match="colocated"):
+        fit_overheads(engine, {"disagg": simulate_probe(engine, "disagg", _topology)}, _topology)
