@@ -347,6 +347,52 @@ class StoreBook:
         return StoreTarget(live[0].store_id, live[0].descriptor.to_peer())
 
 
+@dataclass(frozen=True, slots=True)
+class PinnedPrefix:
+    """The leading full blocks of ``token_ids`` that the prefix cache held, each pinned (one
+    more reference) until the put that reads them ends: ``block_ids[i]`` holds ``hashes[i]``."""
+
+    token_ids: tuple[int, ...]
+    hashes: list[int]
+    block_ids: list[int]
+
+
+def pin_cached_prefix(
+    block_manager: BlockManager, block_size: int, token_ids: Sequence[int]
+) -> PinnedPrefix | None:
+    """Pin the full blocks of ``token_ids`` that the prefix cache holds (the leading run);
+    the caller holds the engine lock. None when none is cached."""
+    hashes = prefix_block_hashes(token_ids, block_size, block_manager.root_hash)
+    pinned = block_manager.pin_cached(hashes)
+    if not pinned:
+        return None
+    return PinnedPrefix(tuple(token_ids), hashes[: len(pinned)], pinned)
+
+
+async def put_pinned(
+    client: KvStoreClient,
+    store: StoreTarget,
+    kv_spec: str,
+    block_manager: BlockManager,
+    pool: KVPool,
+    pinned: PinnedPrefix,
+    lock: asyncio.Lock,
+) -> PutResult:
+    """Put pinned blocks into ``store``, then unpin them (under ``lock``, the engine's), whatever
+    the put's outcome. Raises what the put raises."""
+    try:
+        bs = pool.spec.block_size
+        digests = token_digests(pinned.token_ids, bs, kv_spec, len(pinned.block_ids))
+        blocks = [
+            LocalBlock(h, d, pool.block_offset(b))
+            for h, d, b in zip(pinned.hashes, digests, pinned.block_ids, strict=True)
+        ]
+        return await client.put(store, kv_spec, blocks)
+    finally:
+        async with lock:
+            block_manager.free_blocks(pinned.block_ids)
+
+
 async def put_cached_prefix(
     client: KvStoreClient,
     store: StoreTarget,
@@ -359,18 +405,8 @@ async def put_cached_prefix(
     """Put the full blocks of ``token_ids`` that the engine's prefix cache holds (the leading
     run), pinned in the pool (under ``lock``, the engine's) while the put reads them, unpinned
     after. None when none is cached. Raises what the put raises."""
-    hashes = prefix_block_hashes(token_ids, pool.spec.block_size, block_manager.root_hash)
     async with lock:
-        pinned = block_manager.pin_cached(hashes)
-    if not pinned:
+        pinned = pin_cached_prefix(block_manager, pool.spec.block_size, token_ids)
+    if pinned is None:
         return None
-    try:
-        digests = token_digests(token_ids, pool.spec.block_size, kv_spec, len(pinned))
-        blocks = [
-            LocalBlock(h, d, pool.block_offset(b))
-            for h, d, b in zip(hashes, digests, pinned, strict=False)
-        ]
-        return await client.put(store, kv_spec, blocks)
-    finally:
-        async with lock:
-            block_manager.free_blocks(pinned)
+    return await put_pinned(client, store, kv_spec, block_manager, pool, pinned, lock)

@@ -200,3 +200,66 @@ def test_without_output_room_both_are_admitted_as_before():
     sched.add(a)
     sched.add(b)
     assert sched.schedule().seqs == [a, b] and sched.num_promised_blocks() == 0
+
+
+def test_preempted_lists_the_sequences_the_last_schedule_preempted():
+    bm = BlockManager(4, BS)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=100)
+    a, b = make_seq(8, "a"), make_seq(8, "b", start=50)
+    sched.add(a)
+    sched.add(b)
+    run(sched, sched.schedule())
+    assert sched.preempted == []
+    run(sched, sched.schedule())  # a needs a third block: b is preempted
+    assert sched.preempted == [b]
+    sched.schedule()
+    assert sched.preempted == []  # only the last schedule's
+
+
+def test_held_sequence_and_those_behind_it_wait_until_unheld():
+    bm = BlockManager(16, BS)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=100)
+    a, b = make_seq(5, "a"), make_seq(5, "b", start=50)
+    sched.add(a)
+    sched.add(b)
+    sched.hold(a)
+    assert sched.schedule().seqs == [] and list(sched.waiting) == [a, b]
+    sched.unhold("a")
+    assert sched.schedule().seqs == [a, b]
+
+
+def test_removing_a_held_sequence_forgets_its_hold():
+    sched = Scheduler(BlockManager(16, BS), max_num_seqs=8, max_num_batched_tokens=100)
+    a = make_seq(5, "a")
+    sched.add(a)
+    sched.hold(a)
+    sched.remove(a)
+    assert not sched.is_held("a")
+
+
+def test_fits_agrees_with_admission_of_the_head():
+    bm = BlockManager(4, BS)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=100)
+    a, b = make_seq(8, "a"), make_seq(9, "b", start=50)
+    sched.add(a)
+    sched.add(b)
+    assert sched.fits(a)
+    run(sched, sched.schedule())  # a takes 3 blocks (9 tokens now); b needs 3, 1 is free
+    assert not sched.fits(b) and list(sched.waiting) == [b]
+    sched.remove(a)
+    bm.deallocate(a)
+    assert sched.fits(b)
+    assert sched.schedule().seqs == [b]
+
+
+def test_fits_keeps_the_output_room_owed_to_running_sequences():
+    bm = BlockManager(6, BS)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=100, reserve_output_tokens=8)
+    a, b = make_seq(4, "a"), make_seq(4, "b", start=50)
+    sched.add(a)
+    run(sched, sched.schedule())  # a: 1 block + 2 owed for its output room; 5 free
+    sched.add(b)
+    assert sched.fits(b)  # 1 + 2 for b, 2 owed to a: 5
+    bm.allocate_blocks(1)
+    assert not sched.fits(b)
+    assert sched.schedule().seqs == [a]  # a decodes; b is not admitted

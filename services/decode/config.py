@@ -70,7 +70,8 @@ class DecodeConfig(EngineWorkerConfig):
     use_kv_store: bool = option(
         True,
         help="put the KV blocks of finished requests (prompt and output) into a kv-store "
-        "advertising on the mesh, in the background, for later turns (docs/kv_store.md)",
+        "advertising on the mesh, in the background, for later turns, and swap preempted "
+        "sequences out to it and back instead of recomputing them (docs/kv_store.md)",
     )
 
     def __post_init__(self) -> None:

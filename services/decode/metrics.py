@@ -42,7 +42,8 @@ class DecodeMetrics(MetricSet):
         )
         self.preemptions = self.counter(
             "preemptions_total",
-            "Running sequences preempted for lack of KV blocks (recomputed later).",
+            "Running sequences preempted for lack of KV blocks (swapped out to a kv-store, or "
+            "recomputed later).",
         )
         self.generated_tokens = self.counter("generated_tokens_total", "Output tokens sampled.")
         self.spec_draft_tokens = self.counter(
@@ -80,6 +81,25 @@ class DecodeMetrics(MetricSet):
         self.prefix_cached_blocks = self.gauge(
             "prefix_cached_blocks",
             "Blocks in the prefix cache (full, hashed, reusable; in use or free).",
+        )
+        self.swap_outs = self.counter(
+            "swap_outs_total",
+            "Preempted sequences whose full blocks were put into a kv-store (at least the first "
+            "one stored) instead of only being freed.",
+        )
+        self.swap_out_failures = self.counter(
+            "swap_out_failures_total",
+            "Preempted sequences whose put into a kv-store failed, was refused or stored nothing "
+            "(their blocks are recomputed when the pool lost them).",
+        )
+        self.swap_ins = self.counter(
+            "swap_ins_total", "Swapped-out sequences readmitted (their swap-in decided)."
+        )
+        self.swap_in_tokens = self.counter(
+            "swap_in_tokens_total",
+            "Tokens of swapped-out blocks on readmission, by where their KV came from: cached "
+            "(still in the pool), read (from the kv-store), recomputed.",
+            ("source",),
         )
         self._num_hit_tokens = 0
         self._num_preemptions = 0  # the engine's running total at the last step
@@ -121,6 +141,13 @@ class DecodeMetrics(MetricSet):
         if num_hit_tokens > self._num_hit_tokens:
             self.prefix_hit_tokens.inc(num_hit_tokens - self._num_hit_tokens)
         self._num_hit_tokens = num_hit_tokens
+
+    def observe_swap_in(self, num_cached: int, num_read: int, num_recomputed: int) -> None:
+        """A swapped-out sequence was readmitted: where its swapped blocks' tokens came from."""
+        self.swap_ins.inc()
+        self.swap_in_tokens.labels("cached").inc(num_cached)
+        self.swap_in_tokens.labels("read").inc(num_read)
+        self.swap_in_tokens.labels("recomputed").inc(num_recomputed)
 
     def observe_stats(self, stats: Mapping[str, Any]) -> None:
         """The worker's stats (``DecodeWorker.stats()``: what its advert reports)."""

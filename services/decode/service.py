@@ -26,7 +26,9 @@ import torch
 from kvmesh.services.decode.cache_reports import CacheReporter
 from kvmesh.services.decode.config import DecodeConfig
 from kvmesh.services.decode.drafts import DraftBook, Outgoing
+from kvmesh.services.decode.metrics import DecodeMetrics
 from kvmesh.services.decode.store_puts import FinishedPuts
+from kvmesh.services.decode.swaps import Swaps
 from kvmesh.services.decode.windows import LeaseWindows
 from kvmesh.services.decode.worker import DecodeWorker
 from kvmesh.shared import logs
@@ -365,7 +367,7 @@ async def decode_service(config: DecodeConfig) -> AsyncIterator[DecodeService]:
         )
         engine = LLMEngine(model, tokenizer, econf, kv_buffer=buffer)
         region = transport.register(engine.kv_pool.raw, Access.REMOTE_WRITE) if disagg else None
-        store = None
+        store, swaps, metrics = None, None, DecodeMetrics()
         if region is not None and config.use_kv_store and econf.enable_prefix_caching:
             client = KvStoreClient(
                 nc,
@@ -377,6 +379,7 @@ async def decode_service(config: DecodeConfig) -> AsyncIterator[DecodeService]:
                 worker_id,
             )
             store = FinishedPuts(engine, client, engine.kv_spec)
+            swaps = Swaps(engine, client, store.stores, engine.kv_spec, metrics)
         worker = DecodeWorker(
             engine,
             worker_id=worker_id,
@@ -384,6 +387,7 @@ async def decode_service(config: DecodeConfig) -> AsyncIterator[DecodeService]:
             colocated=not disagg,
             windows=LeaseWindows(transport, region, spec.block_bytes) if region else None,
             quarantine_s=config.quarantine_s,
+            metrics=metrics,
             drafts=DraftBook(worker_id) if config.speculative else None,
             cache=(
                 CacheReporter(worker_id, engine.block_manager, config.max_cache_events)
@@ -391,6 +395,7 @@ async def decode_service(config: DecodeConfig) -> AsyncIterator[DecodeService]:
                 else None
             ),
             store=store,
+            swaps=swaps,
         )
         service = DecodeService(
             config,
@@ -459,6 +464,8 @@ async def decode_service(config: DecodeConfig) -> AsyncIterator[DecodeService]:
             ) as service.metrics_port,
         ):
             yield service
+        if swaps is not None:
+            await swaps.aclose()  # before the client closes
         if store is not None:
             await store.aclose()
 

@@ -29,6 +29,7 @@ from kvmesh.services.decode.drafts import DraftBook, Outgoing
 from kvmesh.services.decode.metrics import DecodeMetrics
 from kvmesh.services.decode.pending import Admission, PendingTable, ReservationError, Verdict
 from kvmesh.services.decode.store_puts import FinishedPuts
+from kvmesh.services.decode.swaps import Swaps
 from kvmesh.services.decode.windows import LeaseWindows
 from kvmesh.shared import logs
 from kvmesh.shared.engine.block_manager import OutOfBlocksError
@@ -108,6 +109,7 @@ class DecodeWorker:
         drafts: DraftBook | None = None,
         cache: CacheReporter | None = None,
         store: FinishedPuts | None = None,
+        swaps: Swaps | None = None,
     ) -> None:
         self.engine = engine
         self.metrics = metrics or DecodeMetrics()
@@ -130,6 +132,7 @@ class DecodeWorker:
         self._draft_outbox: list[Outgoing | tuple[str, DraftForget]] = []
         self.cache = cache  # None: the prefix cache is not reported to the registry
         self.store = store  # None: finished requests' blocks are not put into a kv-store
+        self.swaps = swaps  # None: preempted sequences are recomputed, never swapped out
 
     # ---- the engine loop (the service drives it) --------------------------------------------
 
@@ -169,6 +172,9 @@ class DecodeWorker:
             aborts, self._aborts = self._aborts, []
             for request_id in aborts:
                 self.engine.abort(request_id)  # its "abort" output comes with the next step
+            swap_in = self.swaps.plan_swap_in() if self.swaps is not None else None
+        if swap_in is not None:  # read back before the step that readmits it (lock released)
+            await self.swaps.swap_in(*swap_in, self._lock)
         return events
 
     async def step(self) -> list[TokenEvent]:
@@ -196,6 +202,8 @@ class DecodeWorker:
                     seq = live.get(out.request_id)  # absent: it ended before this step began
                     if seq is not None and out.finished and out.finish_reason in ("stop", "length"):
                         self.store.put_later(list(seq.token_ids), self._lock)
+            if self.swaps is not None and self.engine.scheduler.preempted:
+                self.swaps.after_step(self._lock)
         return [event for out in outputs if (event := _token_event(out)) is not None]
 
     # ---- speculative decoding -----------------------------------------------------------------

@@ -10,6 +10,10 @@ chosen for preemption, so the chunks they already handed off stay valid.
 With ``reserve_output_tokens`` > 0 a sequence is admitted only while the free blocks also cover
 the output room (up to that many tokens, at most its ``max_tokens``) still owed to every sequence
 holding blocks, so under load requests wait in the queue instead of being admitted and preempted.
+
+An owner that swaps preempted sequences out (a decode worker with a kv-store) reads ``preempted``
+after each step and may ``hold`` a waiting sequence while its KV is read back: admission, which
+goes in queue order, stops at a held sequence until ``unhold``.
 """
 
 from __future__ import annotations
@@ -46,6 +50,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.preempted: list[Sequence] = []  # preempted by the last schedule(), in order
+        self._held: set[str] = set()  # request ids kept from admission (hold)
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -61,8 +67,32 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def hold(self, seq: Sequence) -> None:
+        """Keep a waiting sequence (and those queued behind it) from admission until ``unhold``."""
+        assert seq.status is SequenceStatus.WAITING and not seq.block_table
+        self._held.add(seq.request_id)
+
+    def unhold(self, request_id: str) -> None:
+        self._held.discard(request_id)
+
+    def is_held(self, request_id: str) -> bool:
+        return request_id in self._held
+
+    def fits(self, seq: Sequence) -> bool:
+        """Whether a waiting sequence without blocks, at the head of the queue, would be admitted
+        by the next ``schedule()`` as things stand (a seat, its blocks, everyone's output room;
+        holds aside): what a holder waits for before reading its KV back."""
+        bm = self.block_manager
+        num_new = bm.num_blocks_for(len(seq))
+        return (
+            len(self.running) < self.max_num_seqs
+            and bm.can_allocate(seq)
+            and self._has_room(seq, num_new, self.num_promised_blocks())
+        )
+
     def remove(self, seq: Sequence) -> None:
         """Take a sequence out of the queues (finished or aborted); frees nothing."""
+        self._held.discard(seq.request_id)
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
@@ -118,6 +148,7 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+        self.preempted.append(seq)
 
     def _pick_victim(self, seq: Sequence, scheduled: set[int]) -> Sequence | None:
         """The latest-admitted running sequence not yet scheduled this step that may be
@@ -132,6 +163,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         batch = ScheduledBatch([], [])
         preempted = False
+        self.preempted = []
         # Decodes first, so a long prefill never starves them; then prefill chunks.
         decodes, prefills = [], []
         for seq in self.running:
@@ -168,6 +200,8 @@ class Scheduler:
         promised = self.num_promised_blocks()
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if seq.request_id in self._held:
+                break
             owed_before = self._owed(seq)
             if seq.block_table:  # admitted with its prompt KV written elsewhere
                 n = 1
