@@ -209,16 +209,27 @@ static inline vn hsumn(vn v[NL]) {
 }
 #endif
 
+/* The tile (block_size rows of d) holding context position j0 (a multiple of block_size): read
+ * through the block table, or, from tail_from on, from the tail: the rows of a draft-tree node's
+ * context past its block-aligned start, gathered in order (kv_tree below). */
+static inline const float *tile_at(const float *cache, const int64_t *table, int64_t block_stride,
+                                   int64_t block_size, int64_t d, int64_t j0, int64_t tail_from,
+                                   const float *tail) {
+    if (j0 >= tail_from) return tail + (j0 - tail_from) * d;
+    return cache + table[j0 / block_size] * block_stride;
+}
+
 /* out rows g of gb query heads, floats i0..i0+2*NL of d: sum_j p_gj v_j[i0..], the accumulators
  * in registers; gb is a constant after inlining. */
 static inline __attribute__((always_inline)) void weigh_values(
     const float *p, const float *v_cache, const int64_t *table, int64_t block_stride,
-    int64_t block_size, int64_t ctx, int64_t d, int64_t i0, int gb, float *out) {
+    int64_t block_size, int64_t ctx, int64_t d, int64_t i0, int gb, float *out,
+    int64_t tail_from, const float *v_tail) {
     vn acc[4][2] = {{{0}}};
     for (int64_t j0 = 0; j0 < ctx; j0 += block_size) {
-        const float *tile = v_cache + table[j0 / block_size] * block_stride + i0;
+        const float *tile = tile_at(v_cache, table, block_stride, block_size, d, j0, tail_from, v_tail) + i0;
         int64_t n = ctx - j0 < block_size ? ctx - j0 : block_size;
-        if (j0 + AHEAD * block_size < ctx) {
+        if (j0 + AHEAD * block_size < ctx && j0 + AHEAD * block_size < tail_from) {
             const float *next = v_cache + table[j0 / block_size + AHEAD] * block_stride + i0;
             for (int64_t j = 0; j < block_size; j++) __builtin_prefetch(next + j * d, 0, 3);
         }
@@ -245,11 +256,11 @@ static inline __attribute__((always_inline)) void weigh_values(
 static inline __attribute__((always_inline)) void attend(
     const float *q, const float *k_cache, const float *v_cache, const int64_t *table,
     int64_t block_stride, int64_t block_size, int64_t ctx, int64_t group, int64_t d, float scale,
-    float *scratch, float *out) {
+    float *scratch, float *out, int64_t tail_from, const float *k_tail, const float *v_tail) {
     for (int64_t j0 = 0; j0 < ctx; j0 += block_size) {
-        const float *tile = k_cache + table[j0 / block_size] * block_stride;
+        const float *tile = tile_at(k_cache, table, block_stride, block_size, d, j0, tail_from, k_tail);
         int64_t n = ctx - j0 < block_size ? ctx - j0 : block_size;
-        if (j0 + AHEAD * block_size < ctx) { /* the tile AHEAD tiles on, while this one computes */
+        if (j0 + AHEAD * block_size < ctx && j0 + AHEAD * block_size < tail_from) { /* the tile AHEAD tiles on, while this one computes */
             const float *next = k_cache + table[j0 / block_size + AHEAD] * block_stride;
             for (int64_t i = 0; i < block_size * d; i += 64 / sizeof(float)) __builtin_prefetch(next + i, 0, 3);
         }
@@ -307,20 +318,44 @@ static inline __attribute__((always_inline)) void attend(
         int64_t i0 = 0;
         for (; i0 + 2 * NL <= d; i0 += 2 * NL) {
             switch (gn) {
-            case 4: weigh_values(p, v_cache, table, block_stride, block_size, ctx, d, i0, 4, o); break;
-            case 3: weigh_values(p, v_cache, table, block_stride, block_size, ctx, d, i0, 3, o); break;
-            case 2: weigh_values(p, v_cache, table, block_stride, block_size, ctx, d, i0, 2, o); break;
-            default: weigh_values(p, v_cache, table, block_stride, block_size, ctx, d, i0, 1, o);
+            case 4: weigh_values(p, v_cache, table, block_stride, block_size, ctx, d, i0, 4, o, tail_from, v_tail); break;
+            case 3: weigh_values(p, v_cache, table, block_stride, block_size, ctx, d, i0, 3, o, tail_from, v_tail); break;
+            case 2: weigh_values(p, v_cache, table, block_stride, block_size, ctx, d, i0, 2, o, tail_from, v_tail); break;
+            default: weigh_values(p, v_cache, table, block_stride, block_size, ctx, d, i0, 1, o, tail_from, v_tail);
             }
         }
         for (int64_t g = 0; g < gn; g++) /* the rest of d, when it is no multiple of 2 * NL */
             for (int64_t i = i0; i < d; i++) {
                 float sum = 0;
-                for (int64_t j = 0; j < ctx; j++)
-                    sum += p[g * ctx + j] * v_cache[table[j / block_size] * block_stride + (j % block_size) * d + i];
+                for (int64_t j = 0; j < ctx; j++) {
+                    int64_t j0 = j - j % block_size;
+                    const float *tile = tile_at(v_cache, table, block_stride, block_size, d, j0, tail_from, v_tail);
+                    sum += p[g * ctx + j] * tile[(j % block_size) * d + i];
+                }
                 o[g * d + i] = sum;
             }
     }
+}
+
+/* Draft-tree rows (kernels/cpu_ops.py, TreeRows): a decode batch may hold one row per node of a
+ * draft tree, each a query over its sequence's context up to the sequence's last token and then
+ * the node's ancestors and itself. Those sit in the slots after the last token in node order,
+ * not at consecutive positions: row b's context positions from starts[b] on are read from the
+ * slots of positions positions[offsets[b] + p - starts[b]] (starts[b] = its context length: a
+ * plain row). The row's own new K/V goes to the slot of its last context position. Attention
+ * gathers the rows of the context from its last whole block on into scratch (a tail of at most
+ * block_size - 1 + 64 rows for K and for V, at scratch_offset floats into a thread's scratch
+ * row) and reads them there: every score and sum is computed as a plain decode step at the
+ * node's position computes it, bit for bit. */
+typedef struct kv_tree {
+    const int64_t *starts, *offsets, *positions;
+    int64_t scratch_offset;
+} kv_tree;
+
+/* The slot position holding row b's context position p. */
+static inline int64_t tree_position(const kv_tree *tree, int64_t b, int64_t p) {
+    if (tree == NULL || p < tree->starts[b]) return p;
+    return tree->positions[tree->offsets[b] + p - tree->starts[b]];
 }
 
 /* FP8 (e4m3fn) KV (shared/engine/kv_quant.py): a tile of (block, KV head) in a layer holds fp8
@@ -395,7 +430,8 @@ void kv_decode_store_fp8(float *qkv, int64_t batch, int64_t num_q_heads, int64_t
                          int64_t d, const float *rope_cos, const float *rope_sin, uint8_t *k_cache,
                          uint8_t *v_cache, int64_t block_stride, int64_t head_stride,
                          int64_t block_size, const int64_t *block_tables, int64_t table_width,
-                         const int64_t *context_lens, const kv_fp8 *fp8, int64_t h0, int64_t h1) {
+                         const int64_t *context_lens, const kv_fp8 *fp8, int64_t h0, int64_t h1,
+                         const kv_tree *tree) {
     int64_t group = num_q_heads / num_kv_heads;
     int64_t row = (num_q_heads + 2 * num_kv_heads) * d;
     for (int64_t h = h0; h < h1; h++)
@@ -403,7 +439,7 @@ void kv_decode_store_fp8(float *qkv, int64_t batch, int64_t num_q_heads, int64_t
             float *q = qkv + b * row + h * group * d;
             float *k = qkv + b * row + (num_q_heads + h) * d;
             float *v = k + num_kv_heads * d;
-            int64_t pos = context_lens[b] - 1;
+            int64_t pos = tree_position(tree, b, context_lens[b] - 1);
             int64_t block = block_tables[b * table_width + pos / block_size];
             int64_t tile = block * block_stride + h * head_stride;
             int64_t sc = block * fp8->scale_block_stride + h * fp8->scale_head_stride;
@@ -420,7 +456,19 @@ void kv_decode_store_fp8(float *qkv, int64_t batch, int64_t num_q_heads, int64_t
 static void fp8_dequant_context(const uint8_t *k_cache, const uint8_t *v_cache, int64_t h,
                                 int64_t block_stride, int64_t head_stride, int64_t block_size,
                                 const int64_t *table, int64_t ctx, int64_t d, const kv_fp8 *fp8,
-                                float *kd, float *vd, int64_t *ident) {
+                                float *kd, float *vd, int64_t *ident, const kv_tree *tree,
+                                int64_t b) {
+    int64_t plain = tree == NULL ? ctx : tree->starts[b]; /* positions read from their own slot */
+    for (int64_t p = plain; p < ctx; p++) { /* a tree row's ancestors, one row each */
+        int64_t at = tree_position(tree, b, p), block = table[at / block_size];
+        int64_t off = block * block_stride + h * head_stride + (at % block_size) * d;
+        int64_t sc = block * fp8->scale_block_stride + h * fp8->scale_head_stride;
+        float ks = fp8->k_scales[sc], vs = fp8->v_scales[sc];
+        for (int64_t i = 0; i < d; i++) kd[p * d + i] = fp8->lut[k_cache[off + i]] * ks;
+        for (int64_t i = 0; i < d; i++) vd[p * d + i] = fp8->lut[v_cache[off + i]] * vs;
+    }
+    for (int64_t j = 0; j * block_size < ctx; j++) ident[j] = j;
+    ctx = plain;
     for (int64_t j = 0; j * block_size < ctx; j++) {
         int64_t block = table[j], n = ctx - j * block_size;
         n = (n < block_size ? n : block_size) * d;
@@ -470,12 +518,15 @@ static void prefetch_context(const float *k_cache, const float *v_cache, const i
  *      at position context_len - 1 and is written into its slot before attention reads it.
  * out: (batch, num_q_heads, d). Query head j attends with KV head j / (num_q_heads / num_kv_heads)
  *      (transformers' repeat_kv order). scratch: at least max(context_lens) * group floats.
+ * tree: NULL, or the rows of draft-tree nodes (kv_tree): their context's later positions, and
+ *      the new token's own slot, are read through it.
  */
 void kv_decode_store_units(float *qkv, int64_t num_q_heads, int64_t num_kv_heads, int64_t d,
                            const float *rope_cos, const float *rope_sin, float *k_cache,
                            float *v_cache, int64_t block_stride, int64_t head_stride,
                            int64_t block_size, const int64_t *block_tables, int64_t table_width,
-                           const int64_t *context_lens, int64_t u0, int64_t u1) {
+                           const int64_t *context_lens, int64_t u0, int64_t u1,
+                           const kv_tree *tree) {
     int64_t group = num_q_heads / num_kv_heads;
     int64_t row = (num_q_heads + 2 * num_kv_heads) * d;
     for (int64_t u = u0; u < u1; u++) {
@@ -483,7 +534,7 @@ void kv_decode_store_units(float *qkv, int64_t num_q_heads, int64_t num_kv_heads
         float *q = qkv + b * row + h * group * d;
         float *k = qkv + b * row + (num_q_heads + h) * d;
         float *v = k + num_kv_heads * d;
-        int64_t pos = context_lens[b] - 1;
+        int64_t pos = tree_position(tree, b, context_lens[b] - 1);
         const int64_t *table = block_tables + b * table_width;
         for (int64_t g = 0; g < group; g++) rope_head(q + g * d, rope_cos + b * d, rope_sin + b * d, d);
         rope_head(k, rope_cos + b * d, rope_sin + b * d, d);
@@ -498,7 +549,8 @@ void kv_decode_attention_units(const float *qkv, int64_t num_q_heads, int64_t nu
                                int64_t block_stride, int64_t head_stride, int64_t block_size,
                                const int64_t *block_tables, int64_t table_width,
                                const int64_t *context_lens, float scale, float *out,
-                               float *scratch, int64_t u0, int64_t u1, const kv_fp8 *fp8) {
+                               float *scratch, int64_t u0, int64_t u1, const kv_fp8 *fp8,
+                               const kv_tree *tree) {
     const float *k_cache = k_pool, *v_cache = v_pool;
     int64_t group = num_q_heads / num_kv_heads;
     int64_t row = (num_q_heads + 2 * num_kv_heads) * d;
@@ -512,15 +564,30 @@ void kv_decode_attention_units(const float *qkv, int64_t num_q_heads, int64_t nu
             float *kd = scratch + fp8->scratch_offset, *vd = kd + table_width * block_size * d;
             int64_t *ident = (int64_t *)(vd + table_width * block_size * d);
             fp8_dequant_context(k_pool, v_pool, h, block_stride, head_stride, block_size, table,
-                                ctx, d, fp8, kd, vd, ident);
+                                ctx, d, fp8, kd, vd, ident, tree, b);
             int64_t bsd = block_size * d;
             if (d == 64)
-                attend(q, kd, vd, ident, bsd, block_size, ctx, group, 64, scale, scratch, oh);
+                attend(q, kd, vd, ident, bsd, block_size, ctx, group, 64, scale, scratch, oh, INT64_MAX, NULL, NULL);
             else if (d == 128)
-                attend(q, kd, vd, ident, bsd, block_size, ctx, group, 128, scale, scratch, oh);
+                attend(q, kd, vd, ident, bsd, block_size, ctx, group, 128, scale, scratch, oh, INT64_MAX, NULL, NULL);
             else
-                attend(q, kd, vd, ident, bsd, block_size, ctx, group, d, scale, scratch, oh);
+                attend(q, kd, vd, ident, bsd, block_size, ctx, group, d, scale, scratch, oh, INT64_MAX, NULL, NULL);
             continue;
+        }
+        const float *kh = k_cache + h * head_stride, *vh = v_cache + h * head_stride;
+        /* a tree row: its context from its last whole block on, gathered into scratch */
+        int64_t tail_from = INT64_MAX;
+        float *k_tail = NULL, *v_tail = NULL;
+        if (tree != NULL && tree->starts[b] < ctx) {
+            tail_from = tree->starts[b] - tree->starts[b] % block_size;
+            k_tail = scratch + tree->scratch_offset;
+            v_tail = k_tail + (ctx - tail_from) * d;
+            for (int64_t p = tail_from; p < ctx; p++) {
+                int64_t at = tree_position(tree, b, p);
+                int64_t slot = table[at / block_size] * block_stride + (at % block_size) * d;
+                memcpy(k_tail + (p - tail_from) * d, kh + slot, d * sizeof(float));
+                memcpy(v_tail + (p - tail_from) * d, vh + slot, d * sizeof(float));
+            }
         }
         /* the tiles of the unit PREFETCH_PAIRS ahead, while this one computes (the first
          * units' tiles before the first one) */
@@ -532,13 +599,15 @@ void kv_decode_attention_units(const float *qkv, int64_t num_q_heads, int64_t nu
                              block_tables + nb * table_width, block_stride, block_size,
                              context_lens[nb], d);
         }
-        const float *kh = k_cache + h * head_stride, *vh = v_cache + h * head_stride;
         if (d == 64)
-            attend(q, kh, vh, table, block_stride, block_size, ctx, group, 64, scale, scratch, oh);
+            attend(q, kh, vh, table, block_stride, block_size, ctx, group, 64, scale, scratch, oh,
+                   tail_from, k_tail, v_tail);
         else if (d == 128)
-            attend(q, kh, vh, table, block_stride, block_size, ctx, group, 128, scale, scratch, oh);
+            attend(q, kh, vh, table, block_stride, block_size, ctx, group, 128, scale, scratch, oh,
+                   tail_from, k_tail, v_tail);
         else
-            attend(q, kh, vh, table, block_stride, block_size, ctx, group, d, scale, scratch, oh);
+            attend(q, kh, vh, table, block_stride, block_size, ctx, group, d, scale, scratch, oh,
+                   tail_from, k_tail, v_tail);
     }
 }
 
@@ -563,14 +632,15 @@ int64_t kv_attention_unit_bound(const int64_t *context_lens, int64_t batch, int6
  * threads are those of the OpenMP runtime already in the process (torch's libgomp, matched by its
  * soname), so they do not compete with another pool's spinning threads; built without it, the
  * runs go one after another. Arguments as kv_decode_attention_units's above; fp8: NULL for a
- * float32 cache, else the cache is fp8 bytes (stored by KV head, kv_decode_store_fp8). */
+ * float32 cache, else the cache is fp8 bytes (stored by KV head, kv_decode_store_fp8); tree:
+ * NULL, or the batch's draft-tree rows. */
 void kv_decode_attention(float *qkv, int64_t num_q_heads, int64_t num_kv_heads, int64_t d,
                          const float *rope_cos, const float *rope_sin, void *k_cache,
                          void *v_cache, int64_t block_stride, int64_t head_stride,
                          int64_t block_size, const int64_t *block_tables, int64_t table_width,
                          const int64_t *context_lens, float scale, float *out, float *scratch,
                          int64_t scratch_stride, const int64_t *bounds, int64_t num_parts,
-                         const kv_fp8 *fp8) {
+                         const kv_fp8 *fp8, const kv_tree *tree) {
 #pragma omp parallel num_threads(num_parts) if (num_parts > 1)
     {
         if (fp8) {
@@ -579,14 +649,14 @@ void kv_decode_attention(float *qkv, int64_t num_q_heads, int64_t num_kv_heads, 
                 kv_decode_store_fp8(qkv, bounds[num_parts], num_q_heads, num_kv_heads, d, rope_cos,
                                     rope_sin, k_cache, v_cache, block_stride, head_stride,
                                     block_size, block_tables, table_width, context_lens, fp8, h,
-                                    h + 1);
+                                    h + 1, tree);
         } else {
 #pragma omp for schedule(static, 1)
         for (int64_t p = 0; p < num_parts; p++)
             kv_decode_store_units(qkv, num_q_heads, num_kv_heads, d, rope_cos, rope_sin, k_cache,
                                   v_cache, block_stride, head_stride, block_size, block_tables,
                                   table_width, context_lens, bounds[p] * num_kv_heads,
-                                  bounds[p + 1] * num_kv_heads);
+                                  bounds[p + 1] * num_kv_heads, tree);
         }
         /* the loop's implicit barrier: every new K/V is stored before any row attends */
 #pragma omp for schedule(static, 1)
@@ -595,6 +665,6 @@ void kv_decode_attention(float *qkv, int64_t num_q_heads, int64_t num_kv_heads, 
                                       block_stride, head_stride, block_size, block_tables,
                                       table_width, context_lens, scale, out,
                                       scratch + p * scratch_stride, bounds[p] * num_kv_heads,
-                                      bounds[p + 1] * num_kv_heads, fp8);
+                                      bounds[p + 1] * num_kv_heads, fp8, tree);
     }
 }

@@ -26,13 +26,20 @@ import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import structlog
 import torch
 import torch.nn.functional as F
 from kvmesh.shared.engine.kv_quant import e4m3_lut
 
+if TYPE_CHECKING:
+    from kvmesh.shared.engine.attention import TreeRows
+
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_ops.c", "cpu_linear.c", "cpu_layer.c"))
+# The most context positions of a draft-tree row read past its sequence's last token: a node's
+# ancestors and itself (the engine's trees have at most 63 nodes).
+MAX_TREE_TAIL = 64
 # Output columns per panel of a packed weight (NR in cpu_linear.c).
 PANEL_WIDTH = 16
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-std=gnu11")
@@ -47,20 +54,21 @@ _SIGNATURES = {
     # x, rows, in, packed weight, out features, bias or NULL, y, threads
     "kv_linear": (_ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64),
     # qkv, heads, kv heads, d, cos, sin, k, v, strides, block size, tables, width, context
-    # lens, scale, out, scratch, scratch stride, part bounds, parts, fp8 (KVFp8* or NULL)
+    # lens, scale, out, scratch, scratch stride, part bounds, parts, fp8 (KVFp8* or NULL),
+    # tree rows (KVTree* or NULL)
     "kv_decode_attention": (
         *(_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr),
-        *(_i64, _i64, _i64, _ptr, _i64, _ptr, _f32, _ptr, _ptr, _i64, _ptr, _i64, _ptr),
+        *(_i64, _i64, _i64, _ptr, _i64, _ptr, _f32, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _ptr),
     ),
     # x, batch, hidden, attn norm, ffn norm, eps, wqkv, bqkv, wo, bo, wgu, bgu, wdown, bdown,
     # inter, xn, qkv, attn, gu, act, then the attention's: heads, kv heads, d, cos, sin, k, v,
     # strides, block size, tables, width, context lens, scale, scratch, scratch stride; threads;
-    # fp8 (KVFp8* or NULL)
+    # fp8 (KVFp8* or NULL); tree rows (KVTree* or NULL)
     "kv_decode_layer": (
         *(_ptr, _i64, _i64, _ptr, _ptr, _f32, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr),
         *(_i64, _ptr, _ptr, _ptr, _ptr, _ptr),
         *(_i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _f32),
-        *(_ptr, _i64, _i64, _ptr),
+        *(_ptr, _i64, _i64, _ptr, _ptr),
     ),
 }
 
@@ -295,6 +303,7 @@ class CpuOps:
             bounds.data_ptr(),
             bounds.shape[0] - 1,
             None if fp8 is None else ctypes.addressof(fp8),
+            _tree_arg(plan),
         )
         return out
 
@@ -365,6 +374,7 @@ class CpuOps:
             stride,
             num_threads,
             None if fp8 is None else ctypes.addressof(fp8),
+            _tree_arg(plan),
         )
         return out
 
@@ -380,6 +390,21 @@ class KVFp8(ctypes.Structure):
         ("scale_head_stride", ctypes.c_int64),
         ("scratch_offset", ctypes.c_int64),
     ]
+
+
+class KVTree(ctypes.Structure):
+    """``kv_tree`` of cpu_ops.c: a decode batch's draft-tree rows (``TreeRows``)."""
+
+    _fields_ = [
+        ("starts", ctypes.c_void_p),
+        ("offsets", ctypes.c_void_p),
+        ("positions", ctypes.c_void_p),
+        ("scratch_offset", ctypes.c_int64),
+    ]
+
+
+def _tree_arg(plan: DecodePlan) -> int | None:
+    return None if plan.tree is None else ctypes.addressof(plan.tree)
 
 
 def _cache_dtype(kv_scales: tuple[torch.Tensor, torch.Tensor] | None) -> torch.dtype:
@@ -485,6 +510,8 @@ class DecodePlan:
     bounds: torch.Tensor
     scratch: torch.Tensor
     fp8_offset: int | None = None  # where a row's room to dequantize fp8 KV starts (floats)
+    tree: KVTree | None = None  # the step's draft-tree rows (``tree_rows``); None: plain rows
+    tree_rows: TreeRows | None = None  # keeps the tensors ``tree`` points into alive
 
 
 def decode_plan(
@@ -493,12 +520,16 @@ def decode_plan(
     block_size: int,
     group: int,
     fp8_head_dim: int = 0,
+    tree_rows: TreeRows | None = None,
+    head_dim: int = 0,
 ) -> DecodePlan:
     """The ``DecodePlan`` of a step: runs of sequences with about equal context, one per torch
     thread (``split_by_work``), and scratch for the longest context a block table can hold, a
     row for each torch thread (``decode_layer`` splits the work finer than by sequence).
     ``fp8_head_dim``: for an fp8 cache of that head size, each row also has room for one
-    (sequence, KV head)'s context dequantized (K and V) and its tile table."""
+    (sequence, KV head)'s context dequantized (K and V) and its tile table. ``tree_rows``: the
+    batch's draft-tree rows (``TreeRows``), with room in each row for a tree row's gathered
+    context tail (K and V, ``head_dim`` each)."""
     lens = context_lens.tolist()
     num_threads = torch.get_num_threads()
     parts = split_by_work(lens, min(num_threads, len(lens)))
@@ -509,8 +540,19 @@ def decode_plan(
     if fp8_head_dim:
         fp8_offset = scores + scores % 2  # the tile table after K and V is int64: even offset
         stride = fp8_offset + 2 * table_width * block_size * fp8_head_dim + 2 * table_width
+    tree = None
+    if tree_rows is not None:
+        assert head_dim > 0 and tree_rows.starts.shape == (len(lens),), tree_rows.starts.shape
+        assert int(tree_rows.max_tail()) <= MAX_TREE_TAIL, "a tree row past the tail's room"
+        tree = KVTree(
+            tree_rows.starts.data_ptr(),
+            tree_rows.offsets.data_ptr(),
+            tree_rows.positions.data_ptr(),
+            stride + stride % 2,
+        )
+        stride += stride % 2 + 2 * (block_size + MAX_TREE_TAIL) * head_dim
     scratch = torch.empty(max(num_threads, len(parts)), stride + stride % 2)
-    return DecodePlan(len(lens), bounds, scratch, fp8_offset)
+    return DecodePlan(len(lens), bounds, scratch, fp8_offset, tree, tree_rows)
 
 
 def split_by_work(context_lens: list[int], parts: int) -> list[tuple[int, int]]:

@@ -208,6 +208,56 @@ def test_chain_verification_equals_plain_decode_bit_for_bit(tiny, greedy_referen
             assert torch.equal(kv_s, cache_p[seq_p.block_table].flatten(0, 1)[:n])
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+def test_tree_verification_equals_plain_decode_bit_for_bit(tiny, greedy_reference, threads):
+    # On the C decode kernels a tree verifies as one row per node, each reading its
+    # ancestors' slots (TreeRows): the kept path's tokens and every KV byte are what plain
+    # decode steps give, the right path hidden under wrong siblings at every depth.
+    prompts, expected = greedy_reference
+    ref = expected[2]
+    rng = random.Random(5)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    spec, plain = make_engine(tiny), make_engine(tiny)
+    prepare = spec.runner.prepare
+    rows_seen = []
+
+    def spy(*args, **kwargs):
+        out = prepare(*args, **kwargs)
+        rows_seen.append(out[2].tree_rows is not None)
+        return out
+
+    spec.runner.prepare = spy
+    try:
+        params = SamplingParams(max_tokens=len(ref), temperature=0.0, ignore_eos=True)
+        for eng in (spec, plain):
+            eng.add_request("r", prompts[2], params)
+        got = spec.step()[0].new_token_ids
+        while len(got) < len(ref) - 4:
+            a, b, c = ref[len(got) : len(got) + 3]
+            w = [(t + 1 + rng.randrange(255)) % 256 for t in (a, b, c, c)]
+            # depth 1: a wrong sibling first; depth 2: the right node second; depth 3: two
+            # wrong leaves under the wrong branch, the right one last
+            tree = DraftTree((w[0], a, w[1], b, w[2], w[3], c), (-1, -1, 1, 1, 0, 3, 3))
+            (out,) = spec.step({"r": tree})
+            assert out.accepted_drafts == 3, (out, tree)
+            got += out.new_token_ids
+        for _ in got:
+            plain.step()
+    finally:
+        torch.set_num_threads(saved)
+    assert any(rows_seen)
+    seq_s, seq_p = spec.seqs["r"], plain.seqs["r"]
+    assert seq_s.token_ids == seq_p.token_ids and got == ref[: len(got)]
+    n = seq_s.num_computed_tokens
+    assert n == seq_p.num_computed_tokens
+    for layer in range(tiny[0].config.num_hidden_layers):
+        caches = zip(spec.kv_pool.layer(layer), plain.kv_pool.layer(layer), strict=True)
+        for cache_s, cache_p in caches:
+            kv_s = cache_s[seq_s.block_table].flatten(0, 1)[:n]
+            assert torch.equal(kv_s, cache_p[seq_p.block_table].flatten(0, 1)[:n])
+
+
 def test_seeded_sampling_with_drafts_equals_seeded_sampling_without(tiny):
     prompts = make_prompts()
     params = [

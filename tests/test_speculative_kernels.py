@@ -1,7 +1,9 @@
 """Tree-masked paged attention: the Triton kernel (CUDA or TRITON_INTERPRET=1) against the
-torch reference and against the engine's torch path."""
+torch reference and against the engine's torch path; the C decode kernels verifying random
+trees as one-query rows (TreeRows) against the torch path's tree mask."""
 
 import os
+import random
 
 import pytest
 import torch
@@ -92,3 +94,132 @@ def test_tree_bits_are_causal_without_a_tree_and_ancestors_with_one():
     assert bits[:6] == [0b1, 0b11, 0b101, 0b1011, 0b10011, 0b100101]
     assert bits[6] == 0b1
     assert bits[7:] == [0b1, 0b11, 0b111, 0b1111]
+
+
+def random_tree(rng: random.Random, num_nodes: int) -> DraftTree:
+    parents = tuple(rng.randrange(-1, i) for i in range(num_nodes))
+    return DraftTree(tuple(rng.randrange(256) for _ in parents), parents)
+
+
+@pytest.mark.parametrize(
+    ("head_dim", "block_size", "fp8"),
+    [(64, 16, False), (48, 8, False), (64, 16, True)],  # 48: a head size not specialised
+)
+@pytest.mark.parametrize("threads", [1, 3])
+def test_c_decode_kernels_verify_random_trees_as_the_tree_mask_does(
+    head_dim, block_size, fp8, threads
+):
+    from kvmesh.kernels.cpu_ops import decode_plan, load_cpu_ops
+    from kvmesh.shared.engine.kv_cache import KVCacheSpec, KVPool
+    from kvmesh.shared.engine.model_runner import _one_query_rows
+    from kvmesh.shared.model.rope import apply_rope
+
+    ops = load_cpu_ops()
+    assert ops is not None, "gcc is part of the test machine; the C kernels must build"
+    rng = random.Random(head_dim + block_size + fp8)
+    g = torch.Generator().manual_seed(rng.randrange(1000))
+    h_q, h_kv, bs = 4, 2, block_size
+    # a sequence per case: random trees (one of 63 nodes), a plain decode, a chain; the last
+    # tokens at and around block edges
+    trees = {
+        0: random_tree(rng, 9),
+        2: DraftTree.chain([1, 2, 3]),
+        3: random_tree(rng, 63),
+        4: random_tree(rng, 5),
+    }
+    lasts = [bs - 1, 2 * bs, 37, 3 * bs - 2, 5]
+    num_new = [len(trees[i]) + 1 if i in trees else 1 for i in range(len(lasts))]
+    ctx = [last + n for last, n in zip(lasts, num_new, strict=True)]
+    width = max(-(-c // bs) for c in ctx)
+    spec = KVCacheSpec(
+        num_layers=2,
+        num_kv_heads=h_kv,
+        head_dim=head_dim,
+        block_size=bs,
+        dtype=torch.float8_e4m3fn if fp8 else torch.float32,
+    )
+    pool = KVPool(spec, len(lasts) * width + 2)
+    layer = 1
+    k_cache, v_cache = pool.layer(layer)
+    scales = pool.layer_scales(layer)
+    ids = torch.randperm(pool.num_blocks, generator=g)[: len(lasts) * width]
+    tables = ids.view(len(lasts), width).tolist()
+    # the earlier context of each sequence, stored as the engine stores it
+    earlier = [(i, p) for i, last in enumerate(lasts) for p in range(last)]
+    earlier_slots = torch.tensor([tables[i][p // bs] * bs + p % bs for i, p in earlier])
+    old = AttentionMetadata(earlier_slots, [len(earlier)], torch.tensor([1]), ids[None], bs)
+    from kvmesh.shared.engine.attention import write_kv
+
+    kv = torch.randn(2, len(earlier), h_kv, head_dim, generator=g)
+    write_kv(k_cache, v_cache, kv[0], kv[1], old, scales)
+    ref_pool = KVPool(spec, pool.num_blocks)
+    ref_pool.tensor.copy_(pool.tensor)
+    if fp8:
+        ref_pool.scales.copy_(pool.scales)
+    # the step's new tokens: each sequence's last token, then its tree's nodes in order
+    T = sum(num_new)
+    qkv = torch.randn(T, h_q + 2 * h_kv, head_dim, generator=g)
+    angles = torch.rand(T, 1, head_dim // 2, generator=g) * 6
+    cos = torch.cat([angles.cos()] * 2, -1)
+    sin = torch.cat([-angles.sin(), angles.sin()], -1)
+    scale = head_dim**-0.5
+
+    # reference: the torch path with each tree's mask (nodes in the slots after the last token)
+    qk = apply_rope(qkv[:, : h_q + h_kv], cos, sin)
+    slots = [
+        tables[i][p // bs] * bs + p % bs for i, c in enumerate(ctx) for p in range(lasts[i], c)
+    ]
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots),
+        query_lens=num_new,
+        context_lens=torch.tensor(ctx),
+        block_tables=torch.tensor(tables),
+        block_size=bs,
+        tree_masks={i: tree_mask(t) for i, t in trees.items()},
+    )
+    ref_scales = ref_pool.layer_scales(layer)
+    expected = paged_attention(
+        qk[:, :h_q],
+        qk[:, h_q:],
+        qkv[:, h_q + h_kv :],
+        *ref_pool.layer(layer),
+        meta,
+        scale,
+        ref_scales,
+    )
+
+    # the C kernels: one query row per new token, trees read through TreeRows
+    query_lens, row_ctx, row_tables, _, tree_rows = _one_query_rows(trees, num_new, ctx, tables, {})
+    assert query_lens == [1] * T and tree_rows is not None
+    row_ctx_t = torch.tensor(row_ctx)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        plan = decode_plan(
+            row_ctx_t,
+            width,
+            bs,
+            h_q // h_kv,
+            fp8_head_dim=head_dim if fp8 else 0,
+            tree_rows=tree_rows,
+            head_dim=head_dim,
+        )
+        out = ops.decode_attention(
+            qkv,
+            cos,
+            sin,
+            k_cache,
+            v_cache,
+            torch.tensor(row_tables),
+            row_ctx_t,
+            h_q,
+            scale,
+            plan,
+            scales,
+        )
+    finally:
+        torch.set_num_threads(saved)
+    tol = 2e-2 if fp8 else 2e-5
+    torch.testing.assert_close(out, expected, rtol=tol, atol=tol)
+    if not fp8:  # every new key and value in its node's slot, as the torch path stores it
+        assert torch.equal(pool.tensor, ref_pool.tensor)

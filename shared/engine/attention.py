@@ -27,6 +27,26 @@ if TYPE_CHECKING:
     from kvmesh.kernels.cpu_ops import DecodePlan
 
 
+@dataclass(frozen=True, slots=True)
+class TreeRows:
+    """Draft-tree nodes as one-query rows of a decode batch (the C decode kernels' form of a
+    tree, ``model_runner``): row ``b`` attends over its sequence up to the last token and then
+    over the node's ancestors and itself, whose K/V sit in the slots after the last token in
+    node order. So its context positions from ``starts[b]`` on are read from the slots of
+    positions ``positions[offsets[b] + p - starts[b]]``, and its own new K/V goes to the slot of
+    its last context position; ``starts[b]`` is the row's context length for a plain row. All
+    (rows,) or (n,) int64 on the CPU."""
+
+    starts: torch.Tensor
+    offsets: torch.Tensor
+    positions: torch.Tensor
+
+    def max_tail(self) -> int:
+        """The most context positions any row reads through ``positions``."""
+        ends = torch.cat([self.offsets[1:], self.offsets.new_tensor([len(self.positions)])])
+        return int((ends - self.offsets).max()) if len(self.offsets) else 0
+
+
 @dataclass(slots=True)
 class AttentionMetadata:
     """Where a forward pass's new tokens go and what each sequence attends to."""
@@ -40,6 +60,8 @@ class AttentionMetadata:
     # Sequence index -> (query_len, query_len) bool: which of its new tokens each new token sees
     # (draft-tree verification); sequences not named attend causally.
     tree_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+    # Draft-tree nodes as one-query rows (only the C decode kernels read them; see TreeRows).
+    tree_rows: TreeRows | None = None
     # The C decode attention's split of the batch over threads, set by the first layer.
     cpu_plan: DecodePlan | None = None
     # Derived once per forward on first use and shared by every layer.
@@ -214,6 +236,8 @@ def paged_attention(
 ) -> torch.Tensor:
     """q: (T, H_q, D); k, v: (T, H_kv, D) for the new tokens. Returns (T, H_q, D).
     ``kv_scales``: the K and V scales of an fp8 cache (``KVPool.layer_scales``)."""
+    if meta.tree_rows is not None:
+        raise ValueError("draft-tree rows (TreeRows) run on the C decode kernels only")
     write_kv(k_cache, v_cache, k, v, meta, kv_scales)
     if meta.use_triton and meta.tree_masks and max(meta.query_lens) <= 64:
         from kvmesh.kernels.paged_attention import paged_tree_attention

@@ -8,8 +8,12 @@ computed ones), builds the AttentionMetadata with a handful of small tensors, ru
 A sequence verifying a draft tree (``trees[i]``) brings its last token and then the tree's nodes
 as its new tokens: they take consecutive KV slots in node order, but node ``j`` sits at RoPE
 position ``last + depth(j)`` and attends only to its ancestors among the new tokens. A chain
-needs no mask: each of its tokens becomes a one-query row of its own (``_chain_rows``), so a
-step verifying only chains is a decode batch and runs the decode kernels.
+needs no mask: each of its tokens becomes a one-query row of its own (``_one_query_rows``), so a
+step verifying only chains is a decode batch and runs the decode kernels. Where the C decode
+kernels run the step (CPU, float32 model, float32 or fp8 cache) and every other sequence
+decodes one token, trees become one-query rows too: node ``j``'s row reads its ancestors' slots
+through ``TreeRows``, and computes what a plain decode step at its position would, bit for bit.
+Elsewhere a tree is verified by its mask (the torch path; Triton's tree kernel on CUDA).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from kvmesh.shared.engine.attention import AttentionMetadata
+from kvmesh.shared.engine.attention import AttentionMetadata, TreeRows
 from kvmesh.shared.engine.draft_tree import DraftTree
 from kvmesh.shared.engine.kv_cache import KVPool
 from kvmesh.shared.engine.sequence import Sequence
@@ -45,6 +49,12 @@ class ModelRunner:
             ops = load_cpu_ops()
         attach_cpu_ops(model, ops)  # None also undoes an earlier engine's choice
         self.cpu_ops = ops
+        # trees as one-query rows (TreeRows): only the C decode kernels read them
+        self.tree_rows = (
+            ops is not None
+            and model.config.dtype == torch.float32
+            and kv_pool.spec.dtype in (torch.float32, torch.float8_e4m3fn)
+        )
 
     def prepare(
         self,
@@ -81,16 +91,26 @@ class ModelRunner:
             )
             slot_mapping = block_tables[seq_idx, pos // bs] * bs + pos % bs
         tree_masks = {}
+        tree_rows = None
         query_lens = list(num_new_tokens)
         if trees:
-            chains = [i for i, tree in trees.items() if tree.is_chain]
-            trees = {i: tree for i, tree in trees.items() if not tree.is_chain}
-            if trees:
-                pos, tree_masks = _tree_positions(seqs, num_new_tokens, trees, positions)
+            chains = {i: tree for i, tree in trees.items() if tree.is_chain}
+            masked = {i: tree for i, tree in trees.items() if not tree.is_chain}
+            rows = dict(chains)  # a chain's tokens sit at causal positions: one row each
+            if (
+                masked
+                and self.tree_rows
+                and all(n == 1 or i in trees for i, n in enumerate(num_new_tokens))
+            ):
+                rows, masked = dict(trees), {}  # a decode batch: trees as rows too
+            others = {i: tree for i, tree in trees.items() if i not in chains}
+            if others:
+                pos, masks = _tree_positions(seqs, num_new_tokens, others, positions)
                 pos = pos.to(dev)
-            if chains:  # a chain's tokens sit at causal positions: one row each, see below
-                query_lens, context_lens, tables, tree_masks = _chain_rows(
-                    chains, num_new_tokens, context_lens, tables, tree_masks
+                tree_masks = {i: mask for i, mask in masks.items() if i in masked}
+            if rows:
+                query_lens, context_lens, tables, tree_masks, tree_rows = _one_query_rows(
+                    rows, num_new_tokens, context_lens, tables, tree_masks
                 )
                 block_tables = torch.tensor(tables, dtype=torch.int64, device=dev)
         meta = AttentionMetadata(
@@ -101,6 +121,7 @@ class ModelRunner:
             block_size=bs,
             use_triton=self.use_triton,
             tree_masks=tree_masks,
+            tree_rows=tree_rows,
         )
         return torch.tensor(input_ids, dtype=torch.int64, device=dev), pos, meta
 
@@ -130,37 +151,60 @@ class ModelRunner:
         return self.model.compute_logits(hidden.index_select(0, index))
 
 
-def _chain_rows(
-    chains: list[int],
+def _one_query_rows(
+    trees: Mapping[int, DraftTree],
     num_new_tokens: list[int],
     context_lens: list[int],
     tables: list[list[int]],
     tree_masks: dict[int, torch.Tensor],
-) -> tuple[list[int], list[int], list[list[int]], dict[int, torch.Tensor]]:
-    """The attention's rows when the sequences ``chains`` verify draft chains: each of their new
-    tokens becomes a row of its own, one query over the sequence's block table with the context
-    up to and including itself. Causal attention over a chain is exactly that, and a batch of
-    one-query rows is a decode batch: the decode kernels (the fused C layer, Triton's decode
-    kernel) verify chains as they decode, and the result of every row is the one a plain decode
-    step at its position gives. Returns query lengths, context lengths, tables and the other
-    sequences' tree masks under their row indices."""
-    is_chain = set(chains)
+) -> tuple[list[int], list[int], list[list[int]], dict[int, torch.Tensor], TreeRows | None]:
+    """The attention's rows when the sequences of ``trees`` verify them as one-query rows:
+    each of their new tokens becomes a row of its own over the sequence's block table. A chain
+    node's context is the sequence up to and including itself (causal attention over a chain
+    is exactly that); a tree node's is the sequence up to its last token, then the node's
+    ancestors and itself, read through ``TreeRows`` (only when some tree is not a chain). A
+    batch of one-query rows is a decode batch: the decode kernels (the fused C layer, Triton's
+    decode kernel) verify drafts as they decode, and the result of every row is the one a plain
+    decode step at its position gives. Returns query lengths, context lengths, tables, the
+    other sequences' tree masks under their row indices, and the tree rows."""
     query_lens: list[int] = []
     ctx: list[int] = []
     rows: list[list[int]] = []
     masks = {}
+    starts: list[int] = []
+    offsets: list[int] = []
+    positions: list[int] = []
     for i, (n, c, table) in enumerate(zip(num_new_tokens, context_lens, tables, strict=True)):
-        if i in is_chain:
-            query_lens += [1] * n
-            ctx += range(c - n + 1, c + 1)
-            rows += [table] * n
+        tree = trees.get(i)
+        if tree is None:
+            if i in tree_masks:
+                masks[len(query_lens)] = tree_masks[i]
+            query_lens.append(n)
+            ctx.append(c)
+            rows.append(table)
+            starts.append(c)
+            offsets.append(len(positions))
             continue
-        if i in tree_masks:
-            masks[len(query_lens)] = tree_masks[i]
-        query_lens.append(n)
-        ctx.append(c)
-        rows.append(table)
-    return query_lens, ctx, rows, masks
+        last = c - n  # the sequence's last token; its nodes follow in node order
+        query_lens += [1] * n
+        rows += [table] * n
+        ctx.append(last + 1)
+        starts.append(last + 1)
+        offsets.append(len(positions))
+        for j in range(len(tree)):
+            path = tree.path(j)
+            ctx.append(last + 1 + len(path))
+            starts.append(last + 1)
+            offsets.append(len(positions))
+            positions += [last + 1 + a for a in path]
+    tree_rows = None
+    if not all(tree.is_chain for tree in trees.values()):
+        tree_rows = TreeRows(
+            torch.tensor(starts, dtype=torch.int64),
+            torch.tensor(offsets, dtype=torch.int64),
+            torch.tensor(positions or [0], dtype=torch.int64),
+        )
+    return query_lens, ctx, rows, masks, tree_rows
 
 
 def _tree_positions(

@@ -238,7 +238,15 @@ def _decode_plan(
     block_size, head_dim = k_cache.shape[1], k_cache.shape[3]
     width = meta.block_tables.shape[1]
     fp8_head_dim = head_dim if is_fp8 else 0
-    return decode_plan(meta.context_lens, width, block_size, group, fp8_head_dim=fp8_head_dim)
+    return decode_plan(
+        meta.context_lens,
+        width,
+        block_size,
+        group,
+        fp8_head_dim=fp8_head_dim,
+        tree_rows=meta.tree_rows,
+        head_dim=head_dim,
+    )
 
 
 def _is_fusable_decode(x: torch.Tensor, meta: AttentionMetadata) -> bool:
