@@ -130,6 +130,8 @@ def role_permissions(s: Subjects) -> dict[str, Permissions]:
                 s.REGISTRY_KV_EVENTS,
                 s.REGISTRY_KV_DIGEST,
                 s.REGISTRY_STORE_ADVERTISE,
+                s.REGISTRY_STORE_KV_EVENTS,
+                s.REGISTRY_STORE_KV_DIGEST,
                 s.HEARTBEAT_ALL,
                 s.decode_prefill_done("*"),
                 s.DECODE_LEASE_RENEW_ALL,
@@ -169,10 +171,15 @@ def role_permissions(s: Subjects) -> dict[str, Permissions]:
             ),
         ),
         # KV stores: answer their own endpoints (put, commit, get, release), advertise
-        # themselves; they send nothing else and read no other role's messages.
+        # themselves and what they hold; they send nothing else and read no other role's
+        # messages.
         "kv-store": service(
             "kv-store",
-            publish=(s.REGISTRY_STORE_ADVERTISE,),
+            publish=(
+                s.REGISTRY_STORE_ADVERTISE,
+                s.REGISTRY_STORE_KV_EVENTS,
+                s.REGISTRY_STORE_KV_DIGEST,
+            ),
             subscribe=(f"{p}.store.*.>",),
         ),
         # The operator: the mesh's admin requests and discovery; may watch everything of the

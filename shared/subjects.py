@@ -76,6 +76,18 @@ class Subjects:
     def REGISTRY_STORE_ADVERTISE(self) -> str:
         return f"{self.prefix}.registry.store_advertise"
 
+    # kv-store -> kv-registry (publish, batched): KvCacheEvents, the changes to the
+    # block hashes it holds (worker_id = the store's id); a subject of its own, so that a store
+    # cannot speak for a decode worker's cache
+    @property
+    def REGISTRY_STORE_KV_EVENTS(self) -> str:
+        return f"{self.prefix}.registry.store_kv_events"
+
+    # kv-store -> kv-registry (publish, periodic): KvCacheDigest, every hash it holds
+    @property
+    def REGISTRY_STORE_KV_DIGEST(self) -> str:
+        return f"{self.prefix}.registry.store_kv_digest"
+
     # every worker -> anyone (publish): WorkerHeartbeat; subscribe with HEARTBEAT_ALL
     @property
     def HEARTBEAT_ALL(self) -> str:

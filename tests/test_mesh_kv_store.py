@@ -12,6 +12,8 @@ and computes only 16 tokens (the answer's last token, whose KV decode never comp
 new ones). Tokens are counted by prefill-1's engine as it allocates
 (`kvmesh_prefill_prefix_hit_tokens_total`) and by its store reads; every output equals the
 offline engine's, token for token, also that of a request asked for once the store is killed.
+The store reports the blocks it holds to the kv-registry (KV events), whose placement counts
+how many leading blocks of each prompt it holds: 8 of the second request's, 11 of the turn's.
 The registry never hands a request to the decode worker's own cache
 (`--local-max-suffix-tokens 0`), so every suffix really is a remote prefill.
 """
@@ -91,12 +93,13 @@ async def run(mesh, offline: list[list[int]]) -> None:
 
         await admin.drain("prefill-1")
         first = await ask(FIRST)
-        await wait_store(admin, lambda r: r["used_blocks"] >= 8, "the first prompt's blocks")
+        # the registry's index learns them from the store's KV events (placement counts them)
+        await wait_store(admin, lambda r: r["indexed_blocks"] >= 8, "the first prompt's blocks")
         await admin.resume("prefill-1")
         await admin.drain("prefill-0")
         second = await ask(SECOND)
         # 8 (prefix) + 2 (the end of the first answer) + 3 (the end of the second)
-        await wait_store(admin, lambda r: r["used_blocks"] >= 13, "the answers' blocks")
+        await wait_store(admin, lambda r: r["indexed_blocks"] >= 13, "the answers' blocks")
         third = await ask([*SECOND, *second, *NEW])
         assert [first, second, third] == offline[:3]
         row = await wait_store(admin, lambda r: r["hits"] >= 11, "the second turn's store read")
@@ -105,6 +108,9 @@ async def run(mesh, offline: list[list[int]]) -> None:
         store = scrape(mesh.metrics_urls["kv-store-0"])
         mesh.children["kv-store-0"][1].kill()  # a dead store costs prefills, not requests
         assert await ask(LAST) == offline[3]
+    registry = scrape(mesh.metrics_urls["kv-registry-0"])
+    # placed knowing the store held SECOND's 8 prefix blocks and the second turn's 11
+    assert registry["kvmesh_registry_store_matched_tokens_total"] == 128 + 176
     p0, p1 = scrape(mesh.metrics_urls["prefill-0"]), scrape(mesh.metrics_urls["prefill-1"])
     assert p0["kvmesh_prefill_prompt_tokens_total"] == len(FIRST)
     assert p0["kvmesh_prefill_prefix_hit_tokens_total"] == 0  # computed all of it

@@ -28,6 +28,7 @@ import math
 from dataclasses import dataclass, field
 
 from kvmesh.services.kv_registry.prefix_index import PrefixIndex
+from kvmesh.services.kv_registry.stores import StoreTable
 from kvmesh.shared.prefix_hash import layout_root, reusable_prefix_hashes
 from kvmesh.shared.protocol import (
     DecodeAdvert,
@@ -99,6 +100,7 @@ class Candidate:
     num_cached_blocks: int = 0
     cached_tokens: int = 0
     prefill_here: bool = False
+    store_cached_tokens: int = 0  # of the prompt's leading tokens, held by a kv-store
 
     def is_local_prefill(self, request: PlaceRequest) -> bool:
         return request.local_prefill or self.prefill_here
@@ -150,6 +152,7 @@ class RegistryState:
     load_weight: float = 4.0
     local_max_suffix_tokens: int = 512
     prefix_index: PrefixIndex = field(default_factory=PrefixIndex)
+    stores: StoreTable | None = None  # the kv-stores and what they hold (stores.py)
 
     # --- what the workers tell us ---------------------------------------------------------------
 
@@ -305,7 +308,19 @@ class RegistryState:
             and best.advert.mode == "disagg"
             and suffix <= self.local_max_suffix_tokens
         )
-        return Candidate(best.worker_id, num_blocks, len(hits), cached_tokens, prefill_here)
+        store_tokens = self._store_blocks(best, request.prompt_ids) * best.advert.block_size
+        return Candidate(
+            best.worker_id, num_blocks, len(hits), cached_tokens, prefill_here, store_tokens
+        )
+
+    def _store_blocks(self, worker: DecodeWorkerView, prompt_ids: tuple[int, ...]) -> int:
+        """How many leading blocks of the prompt (in ``worker``'s layout) a kv-store holds."""
+        if self.stores is None or not self.stores.prefixes.workers:
+            return 0
+        chain = reusable_prefix_hashes(
+            prompt_ids, worker.advert.block_size, layout_root(worker.advert.kv_spec)
+        )
+        return self.stores.matched_blocks(worker.advert.kv_spec, chain)
 
     def _cached_blocks(
         self, workers: list[DecodeWorkerView], prompt_ids: tuple[int, ...]

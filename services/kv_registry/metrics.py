@@ -112,6 +112,11 @@ class RegistryMetrics(MetricSet):
             "prefix_matched_tokens_total",
             "Prompt tokens of placed requests found cached on the worker they were placed on.",
         )
+        self.store_matched_tokens = self.counter(
+            "store_matched_tokens_total",
+            "Prompt tokens of placed requests whose blocks a kv-store held (the leading run, as "
+            "the stores' KV events said) when they were placed.",
+        )
         self.core = CoreCollector(core)
         self.registry.register(self.core)
 

@@ -81,6 +81,7 @@ class Placement:
             lease_id = uuid.uuid4().hex
             reply = await self._reserve(choice, request, lease_id)
             if reply.ok:
+                self.metrics.store_matched_tokens.inc(choice.store_cached_tokens)
                 placed = self.core.grant(
                     choice, request, lease_id, reply.block_ids, self.clock(), reply.rkey
                 )
@@ -90,6 +91,7 @@ class Placement:
                     num_blocks=len(reply.block_ids),
                     local_prefill=choice.is_local_prefill(request),
                     cached_tokens=choice.cached_tokens,
+                    store_cached_tokens=choice.store_cached_tokens,
                 )
                 return placed, "" if placed.ok else "worker_gone"
             self.core.release_inflight(choice)

@@ -80,7 +80,10 @@ class RegistryService:
             local_max_suffix_tokens=config.local_max_suffix_tokens,
             prefix_index=PrefixIndex(config.max_cached_blocks_per_worker),
         )
-        self.stores = StoreTable(config.worker_timeout_s)
+        self.stores = StoreTable(
+            config.worker_timeout_s, prefixes=PrefixIndex(config.max_cached_blocks_per_worker)
+        )
+        self.core.stores = self.stores  # placement counts the prefix blocks stores hold
         self.metrics = RegistryMetrics(self.core)
         self.metrics_port: int | None = None  # bound by registry_service (None: no endpoint)
         self.placement = Placement(config, nc, subjects, self.core, self.metrics, clock)
@@ -124,6 +127,12 @@ class RegistryService:
 
     async def on_cache_digest(self, msg: KvCacheDigest) -> None:
         self.core.observe_cache_digest(msg)
+
+    async def on_store_events(self, msg: KvCacheEvents) -> None:
+        self.stores.observe_events(msg)
+
+    async def on_store_digest(self, msg: KvCacheDigest) -> None:
+        self.stores.observe_digest(msg)
 
     async def on_heartbeat(self, heartbeat: WorkerHeartbeat) -> None:
         self.core.observe_heartbeat(heartbeat, self.clock())
@@ -213,6 +222,8 @@ async def registry_service(config: RegistryConfig) -> AsyncIterator[RegistryServ
                     (subjects.REGISTRY_KV_EVENTS, KvCacheEvents, service.on_cache_events),
                     (subjects.REGISTRY_KV_DIGEST, KvCacheDigest, service.on_cache_digest),
                     (subjects.REGISTRY_STORE_ADVERTISE, StoreAdvert, service.on_store_advert),
+                    (subjects.REGISTRY_STORE_KV_EVENTS, KvCacheEvents, service.on_store_events),
+                    (subjects.REGISTRY_STORE_KV_DIGEST, KvCacheDigest, service.on_store_digest),
                 ),
                 worker_presence(
                     nc,

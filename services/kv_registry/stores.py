@@ -3,14 +3,20 @@
 A store is soft state as a decode worker is: its adverts carry everything (capacity, use, hit
 counts), so a restarted registry knows every store again within one advert interval, and a
 store silent for the worker timeout is dropped. ``kvmesh admin status`` lists them (``stores``).
-Placement does not use them yet (docs/kv_store.md, "Not done").
+
+What each store holds is indexed as decode workers' caches are (a ``PrefixIndex`` of its own,
+fed by the store's KvCacheEvents and KvCacheDigests, held_reports.py): ``matched_blocks`` says
+how many leading blocks of a prompt's chain some store of a layout holds, which placement counts
+(core.py). A store's entries go when it is dropped or restarts (a new epoch).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvmesh.shared.protocol import StoreAdvert
+from kvmesh.services.kv_registry.prefix_index import PrefixIndex
+from kvmesh.shared.protocol import KvCacheDigest, KvCacheEvents, StoreAdvert
 
 
 @dataclass(slots=True)
@@ -23,18 +29,51 @@ class StoreView:
 class StoreTable:
     timeout_s: float
     stores: dict[str, StoreView] = field(default_factory=dict)
+    # what each store holds (keyed by store id; as big as a decode worker's by default)
+    prefixes: PrefixIndex = field(default_factory=PrefixIndex)
 
     def observe(self, advert: StoreAdvert, now: float) -> bool:
         """Record a store's advert; True for a store not known before (or restarted: new epoch)."""
         known = self.stores.get(advert.store_id)
         self.stores[advert.store_id] = StoreView(advert, now)
+        indexed = self.prefixes.workers.get(advert.store_id)
+        if indexed is not None and indexed.epoch != advert.epoch:
+            self.prefixes.drop_worker(advert.store_id)  # what the old process held is gone
         return known is None or known.advert.epoch != advert.epoch
+
+    def observe_events(self, msg: KvCacheEvents) -> bool:
+        """A store's changes; False (ignored) for a store not known by its adverts (it resyncs
+        with its next digest once it is)."""
+        if msg.worker_id not in self.stores:
+            return False
+        self.prefixes.apply_events(msg)
+        return True
+
+    def observe_digest(self, msg: KvCacheDigest) -> bool:
+        """Everything a store holds; False (ignored) for an unknown store."""
+        if msg.worker_id not in self.stores:
+            return False
+        self.prefixes.apply_digest(msg)
+        return True
+
+    def matched_blocks(self, kv_spec: str, chain: Sequence[int]) -> int:
+        """The most leading blocks of ``chain`` (a prompt's hashes in layout ``kv_spec``) that
+        one ready store of that layout holds."""
+        return max(
+            (
+                self.prefixes.matched_blocks(sid, chain)
+                for sid, v in self.stores.items()
+                if v.advert.kv_spec == kv_spec and v.advert.state == "ready"
+            ),
+            default=0,
+        )
 
     def expire(self, now: float) -> list[str]:
         """Drop stores silent for longer than ``timeout_s``; returns their ids."""
         dead = [sid for sid, v in self.stores.items() if now - v.last_seen > self.timeout_s]
         for sid in dead:
             del self.stores[sid]
+            self.prefixes.drop_worker(sid)
         return dead
 
     def status(self, now: float) -> list[dict]:
@@ -64,6 +103,8 @@ class StoreTable:
                     "bytes_written": a.bytes_written,
                     "bytes_read": a.bytes_read,
                     "refused_accesses": a.refused_accesses,
+                    "indexed_blocks": self.prefixes.num_blocks(a.store_id),
+                    "index_synced": self.prefixes.is_synced(a.store_id),
                     "kv_spec": a.kv_spec,
                     "epoch": a.epoch,
                     "last_seen_s": round(now - v.last_seen, 3),

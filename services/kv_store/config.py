@@ -69,6 +69,16 @@ class StoreConfig(MetricsServiceConfig):
     retry_after_s: float = option(
         0.5, help="retry_after_s of a put refused because every slot is pinned"
     )
+    cache_events_interval_s: float = option(
+        0.25,
+        help="seconds between reports of the changes to the block hashes held to the "
+        "kv-registry's prefix index (KvCacheEvents; none while nothing changes)",
+    )
+    cache_digest_interval_s: float = option(
+        5.0,
+        help="seconds between full reports of the block hashes held (KvCacheDigest): a registry "
+        "that restarted or missed a report is in sync again after at most this long",
+    )
 
     def __post_init__(self) -> None:
         MetricsServiceConfig.__post_init__(self)
@@ -88,7 +98,14 @@ class StoreConfig(MetricsServiceConfig):
             raise ValueError("disk_path must name a directory")
         if self.disk_capacity_gb is not None and not self.disk_capacity_gb > 0:
             raise ValueError(f"disk_capacity_gb must be positive, got {self.disk_capacity_gb}")
-        for name in ("max_lease_s", "lease_check_s", "retry_after_s", "commit_wait_s"):
+        for name in (
+            "max_lease_s",
+            "lease_check_s",
+            "retry_after_s",
+            "commit_wait_s",
+            "cache_events_interval_s",
+            "cache_digest_interval_s",
+        ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.advertise_host is not None:

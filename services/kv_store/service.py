@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -23,6 +24,7 @@ from kvmesh.services.kv_store.config import StoreConfig
 from kvmesh.services.kv_store.core import BlockStore, Promotion, Spill, StoreFull
 from kvmesh.services.kv_store.disk_file import DiskFile, check_disk_dir
 from kvmesh.services.kv_store.disk_tier import DiskSlots
+from kvmesh.services.kv_store.held_reports import HeldReporter, change_mark, held_hashes
 from kvmesh.services.kv_store.layout import store_layout
 from kvmesh.services.kv_store.metrics import StoreMetrics
 from kvmesh.shared import logs
@@ -39,6 +41,8 @@ from kvmesh.shared.nats_service import (
 )
 from kvmesh.shared.prefix_hash import layout_root
 from kvmesh.shared.protocol import (
+    KvCacheDigest,
+    KvCacheEvents,
     Message,
     MessageError,
     StoreAck,
@@ -95,6 +99,7 @@ class StoreService:
         self.layout = layout_root(kv_spec)
         self.disk = disk  # the disk tier's file, if any
         self.core = BlockStore(num_blocks, disk=DiskSlots(disk.num_slots) if disk else None)
+        self.held = HeldReporter(store_id, self.epoch)  # what it holds, for the registry
         self.memory = memory  # (num_blocks * (block_bytes + HEADER_BYTES),) uint8
         self.region = transport.register(memory, Access.REMOTE)
         self.data_addr = self.region.addr
@@ -325,6 +330,36 @@ class StoreService:
                 if landed is not None:
                     landed.set()
 
+    async def held_loop(self) -> None:
+        """Tell the kv-registry which hashes this store holds (held_reports.py): the changes
+        every ``cache_events_interval_s`` when something moved, everything every
+        ``cache_digest_interval_s``."""
+        subjects = self.config.subjects
+        last_digest = -math.inf
+        last_mark: tuple[int, ...] | None = None
+        while True:
+            now = time.monotonic()
+            mark = change_mark(self.core)
+            msg: KvCacheEvents | KvCacheDigest | None = None
+            if now - last_digest >= self.config.cache_digest_interval_s:
+                msg = self.held.digest(held_hashes(self.core))
+            elif mark != last_mark:
+                msg = self.held.events(held_hashes(self.core))
+            last_mark = mark
+            if isinstance(msg, KvCacheDigest):
+                last_digest = now
+            if msg is not None:
+                subject = (
+                    subjects.REGISTRY_STORE_KV_DIGEST
+                    if isinstance(msg, KvCacheDigest)
+                    else subjects.REGISTRY_STORE_KV_EVENTS
+                )
+                try:
+                    await self.nc.publish(subject, encode_message(msg))
+                except nats.errors.Error as exc:  # the registry sees the gap in seq
+                    log.debug("held report not sent", error=str(exc))
+            await asyncio.sleep(self.config.cache_events_interval_s)
+
     def advert(self) -> StoreAdvert:
         stats = self.transport.stats()
         c, disk = self.core.counters, self.core.disk
@@ -427,6 +462,7 @@ async def store_service(config: StoreConfig) -> AsyncIterator[StoreService]:
             background(
                 service.lease_loop(),
                 service.completion_loop(),
+                service.held_loop(),
                 publish_every(
                     nc, subjects.REGISTRY_STORE_ADVERTISE, service.advert, config.heartbeat_s
                 ),

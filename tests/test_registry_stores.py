@@ -1,0 +1,112 @@
+"""kv-stores in the registry's prefix index: a store reports what it holds (held_reports.py:
+a digest first, then the changes, a digest again when a change does not fit), the registry
+indexes it per store (only stores it knows by their adverts, forgotten when they restart or go
+silent), counts how many leading blocks of a placed prompt a store of its layout holds, and
+``admin status`` shows each store's indexed blocks."""
+
+from __future__ import annotations
+
+from kvmesh.services.kv_registry.core import Candidate, RegistryState
+from kvmesh.services.kv_registry.stores import StoreTable
+from kvmesh.services.kv_store.core import BlockStore
+from kvmesh.services.kv_store.disk_tier import DiskSlots
+from kvmesh.services.kv_store.held_reports import HeldReporter, change_mark, held_hashes
+from kvmesh.shared.descriptor import TcpBackend, TransportDescriptor
+from kvmesh.shared.prefix_hash import layout_root, prefix_block_hashes
+from kvmesh.shared.protocol import KvCacheDigest, KvCacheEvents, StoreAdvert
+from test_registry_core import BLOCK_SIZE, advert
+from test_registry_prefix import KV_SPEC, PREFIX, place, prompt
+
+LAYOUT = 7
+
+
+def store_advert(
+    store_id: str = "s0", epoch: str = "e1", *, kv_spec: str = KV_SPEC, state: str = "ready"
+) -> StoreAdvert:
+    desc = TransportDescriptor(store_id, "h", (TcpBackend("127.0.0.1", 1),))
+    return StoreAdvert(
+        store_id, epoch, desc, kv_spec, 64, BLOCK_SIZE, 100, 0, 0, 0, 0, 0, 0, 0, 0, state, 0.0
+    )
+
+
+def committed(store: BlockStore, hashes: list[int], put_id: str) -> None:
+    grant = store.reserve(put_id, LAYOUT, hashes, expires_at=10.0)
+    store.commit(put_id, [True] * len(grant.slots))
+
+
+# --- the store's side -----------------------------------------------------------------------------
+
+
+def test_a_store_reports_everything_first_then_only_what_changed() -> None:
+    store = BlockStore(4)
+    reporter = HeldReporter("s0", "e1")
+    committed(store, [11, 12], "p1")
+    first = reporter.events(held_hashes(store))
+    assert isinstance(first, KvCacheDigest)  # the registry knows nothing yet
+    assert (first.worker_id, first.epoch, first.seq, first.hashes) == ("s0", "e1", 1, (11, 12))
+    assert reporter.events(held_hashes(store)) is None  # nothing moved
+    committed(store, [13, 14, 15], "p2")  # 4 slots: 11, the least recently used, is evicted
+    change = reporter.events(held_hashes(store))
+    assert change == KvCacheEvents("s0", "e1", 2, stored=(13, 14, 15), removed=(11,))
+
+
+def test_a_change_too_large_for_one_message_is_sent_as_a_digest() -> None:
+    store = BlockStore(8)
+    reporter = HeldReporter("s0", max_hashes=2)
+    reporter.digest(held_hashes(store))
+    committed(store, [1, 2, 3], "p1")
+    msg = reporter.events(held_hashes(store))
+    assert isinstance(msg, KvCacheDigest)
+    assert (msg.hashes, msg.num_cached_blocks) == ((2, 3), 3)  # the newest that fit
+
+
+def test_blocks_spilled_to_disk_are_still_held_and_change_the_mark() -> None:
+    store = BlockStore(2, disk=DiskSlots(4))
+    committed(store, [1, 2], "p1")
+    mark = change_mark(store)
+    grant = store.reserve("p2", LAYOUT, [3], expires_at=10.0)
+    assert change_mark(store) != mark
+    [spill] = grant.spills  # 1 goes to disk: in transit until the copy is done
+    assert sorted(held_hashes(store)) == [1, 2]  # 3 is not committed yet
+    store.spilled(spill, ok=True)
+    store.commit("p2", [True])
+    assert sorted(held_hashes(store)) == [1, 2, 3]
+
+
+# --- the registry's side ------------------------------------------------------------------------
+
+
+def chain(tokens: list[int]) -> tuple[int, ...]:
+    return tuple(prefix_block_hashes(tokens, BLOCK_SIZE, layout_root(KV_SPEC)))
+
+
+def test_registry_indexes_only_known_stores_and_forgets_a_restarted_or_silent_one() -> None:
+    table = StoreTable(timeout_s=3.0)
+    digest = KvCacheDigest("s0", "e1", 1, chain(PREFIX))
+    assert not table.observe_digest(digest)  # no advert yet: not a store it knows
+    table.observe(store_advert(), 0.0)
+    assert table.observe_digest(digest)
+    [row] = table.status(0.0)
+    assert (row["indexed_blocks"], row["index_synced"]) == (6, True)
+    assert table.matched_blocks(KV_SPEC, chain(list(prompt(40)))) == 6
+    assert table.matched_blocks("another layout", chain(PREFIX)) == 0
+    assert table.observe_events(KvCacheEvents("s0", "e1", 2, removed=chain(PREFIX)[3:4]))
+    assert table.matched_blocks(KV_SPEC, chain(PREFIX)) == 3  # a leading run: 4th gone
+    table.observe(store_advert(epoch="e2"), 1.0)  # restarted: it holds nothing of before
+    assert table.matched_blocks(KV_SPEC, chain(PREFIX)) == 0
+    table.observe_digest(KvCacheDigest("s0", "e2", 1, chain(PREFIX)))
+    table.observe(store_advert(epoch="e2", state="draining"), 1.5)
+    assert table.matched_blocks(KV_SPEC, chain(PREFIX)) == 0  # a draining store serves none
+    assert table.expire(5.0) == ["s0"] and not table.prefixes.workers
+
+
+def test_placement_counts_the_prompt_blocks_a_store_holds() -> None:
+    table = StoreTable(timeout_s=3.0)
+    registry = RegistryState(worker_timeout_s=3.0, stores=table)
+    registry.observe_advert(advert("a"), now=0.0)
+    assert registry.choose(place(prompt(20)), now=0.0) == Candidate("a", 8)
+    registry.release_inflight(Candidate("a", 8))
+    table.observe(store_advert(), 0.0)
+    table.observe_digest(KvCacheDigest("s0", "e1", 1, chain(PREFIX[: 4 * BLOCK_SIZE])))
+    choice = registry.choose(place(prompt(20)), now=0.0)
+    assert choice == Candidate("a", 8, store_cached_tokens=4 * BLOCK_SIZE)
