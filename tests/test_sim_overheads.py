@@ -99,6 +99,12 @@ def test_prefill_hand_off_chunks_are_whole_blocks_then_at_most_one_block():
     assert chunks == [512, 480, 8]  # as shared/engine/scheduler.py's _chunk_size cuts them
 
 
+def test_disagg_topology_refuses_a_chunk_smaller_than_a_block():
+    with pytest.raises(ValueError, match="at least one block"):
+        Topology("disagg", 1, 1, chunk_tokens=8, block_tokens=16)
+    Topology("disagg", 1, 1, chunk_tokens=8, block_tokens=None)  # plain chunks: no blocks
+
+
 def test_pacing_spaces_colocated_steps():
     requests = [SimRequest(0.0, 16, 10)]
     topology = Topology("colocated", 1, kv_capacity_tokens=10_000, decode_pacing_s=0.05)

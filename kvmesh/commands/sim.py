@@ -330,6 +330,14 @@ def _validate(args: argparse.Namespace, cost: Any, requests: list[Any]) -> int:
         compare=("colocated", "disagg"),
         prefill_nice=args.prefill_nice,
     )
+    d = cost.device
+    print(
+        f"simulated on {d.name}: {d.peak_flops / 1e9:.1f} GFLOP/s, {d.mem_bandwidth / 1e9:.2f} GB/s, "
+        f"{d.step_overhead_s * 1e3:.2f} ms per step; mesh overheads: loop "
+        f"{d.loop_overhead_s * 1e3:.2f} ms + {d.token_overhead_s * 1e3:.3f} ms per token, request "
+        f"{d.request_overhead_s * 1e3:.1f} ms, hand-off {d.handoff_overhead_s * 1e3:.1f} ms"
+        + ("" if d.request_overhead_s else " (none measured: run --calibrate first)")
+    )
     comparisons = validate.compare(config, cost, requests, ("colocated", "disagg"))
     print(validate.format_comparisons(comparisons))
     return 0
