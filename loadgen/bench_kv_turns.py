@@ -28,8 +28,10 @@ tokens computed, from the workers' ``/metrics`` read before and after each wave:
 workers' ``kvmesh_prefill_prompt_tokens_total`` minus ``kvmesh_prefill_prefix_hit_tokens_total``
 (cache and store hits; ``kvmesh_prefill_store_hit_tokens_total`` says how many came from the
 store), plus, for the requests no prefill worker announced (local prefills: the mesh tap sees no
-PrefillDone), their prompt tokens minus the decode workers'
-``kvmesh_decode_prefix_cache_hit_tokens_total``. The figure of merit is plain / store TTFT p50
+PrefillDone), their prompt tokens (the decode workers' ``kvmesh_decode_local_prompt_tokens_total``
+where they count it, else as sent) minus the decode workers'
+``kvmesh_decode_prefix_cache_hit_tokens_total`` (``kvmesh_decode_store_hit_tokens_total`` of them
+read from the store). The figure of merit is plain / store TTFT p50
 over turns >= 3 (issue #14: >= 3). Answers are compared between the two runs (greedy, so equal
 unless a numeric difference between paths flipped a token).
 """

@@ -29,7 +29,11 @@ from kvmesh.loadgen.workload import Prompt, TokenizerLike, random_prompts, token
 PREFILL_PROMPT = "kvmesh_prefill_prompt_tokens_total"
 PREFILL_PREFIX_HIT = "kvmesh_prefill_prefix_hit_tokens_total"  # own cache + store reads
 PREFILL_STORE_HIT = "kvmesh_prefill_store_hit_tokens_total"
-DECODE_PREFIX_HIT = "kvmesh_decode_prefix_cache_hit_tokens_total"
+DECODE_PREFIX_HIT = "kvmesh_decode_prefix_cache_hit_tokens_total"  # own cache + store reads
+# Decode workers that count their local prefills' prompt tokens and store reads themselves (where
+# they do not, the client's count of the prompts it sent as local prefills stands in)
+DECODE_LOCAL_PROMPT = "kvmesh_decode_local_prompt_tokens_total"
+DECODE_STORE_HIT = "kvmesh_decode_store_hit_tokens_total"
 DECODE_PREEMPTIONS = "kvmesh_decode_preemptions_total"
 
 
@@ -104,9 +108,9 @@ def build_conversations(spec: MultiTurnSpec, tokenizer: TokenizerLike) -> list[C
 class TurnCounters:
     """What the workers counted during one wave (differences of cumulative counters, summed over
     the prefill workers and over the decode workers), and what the client knows of where each
-    request was prefilled: ``local_prompt_tokens`` are the prompt tokens of the requests no
-    prefill worker announced (the registry gave them to the decode worker holding their prefix).
-    """
+    request was prefilled: ``local_requests`` are the requests no prefill worker announced (the
+    registry gave them to the decode worker holding their prefix). ``local_prompt_tokens``: their
+    prompt tokens, as the decode workers counted them where they do, else as sent."""
 
     prefill_prompt_tokens: int = 0
     prefill_prefix_hit_tokens: int = 0  # taken from the prefill engine's cache (store reads incl.)
@@ -115,6 +119,7 @@ class TurnCounters:
     local_prompt_tokens: int = 0
     decode_prefix_hit_tokens: int = 0
     decode_preemptions: int = 0
+    decode_store_hit_tokens: int = 0  # of decode_prefix_hit_tokens, read from a kv-store
 
     @classmethod
     def between(
@@ -135,6 +140,13 @@ class TurnCounters:
                     total += samples.get(metric, 0.0) - before.get(name, {}).get(metric, 0.0)
             return round(total)
 
+        decode_counts_local = any(
+            DECODE_LOCAL_PROMPT in samples
+            for name, samples in after.items()
+            if name.startswith("decode-")
+        )
+        if decode_counts_local:
+            local_prompt_tokens = delta("decode-", DECODE_LOCAL_PROMPT)
         return cls(
             prefill_prompt_tokens=delta("prefill-", PREFILL_PROMPT),
             prefill_prefix_hit_tokens=delta("prefill-", PREFILL_PREFIX_HIT),
@@ -143,6 +155,7 @@ class TurnCounters:
             local_prompt_tokens=local_prompt_tokens,
             decode_prefix_hit_tokens=delta("decode-", DECODE_PREFIX_HIT),
             decode_preemptions=delta("decode-", DECODE_PREEMPTIONS),
+            decode_store_hit_tokens=delta("decode-", DECODE_STORE_HIT),
         )
 
     def __add__(self, other: TurnCounters) -> TurnCounters:
@@ -186,6 +199,7 @@ def turn_figures(records: Sequence[RequestRecord], counters: TurnCounters) -> di
             "requests": counters.local_requests,
             "prompt_tokens": counters.local_prompt_tokens,
             "prefix_hit_tokens": counters.decode_prefix_hit_tokens,
+            "store_hit_tokens": counters.decode_store_hit_tokens,
             "computed_tokens": counters.local_computed_tokens,
         },
         "decode_preemptions": counters.decode_preemptions,

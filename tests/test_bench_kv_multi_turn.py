@@ -15,7 +15,9 @@ import json
 import pytest
 from kvmesh.loadgen.bench_kv import main as bench_kv_main
 from kvmesh.loadgen.multi_turn import (
+    DECODE_LOCAL_PROMPT,
     DECODE_PREFIX_HIT,
+    DECODE_STORE_HIT,
     PREFILL_PREFIX_HIT,
     PREFILL_PROMPT,
     PREFILL_STORE_HIT,
@@ -92,6 +94,16 @@ def test_turn_counters_sum_the_deltas_of_prefill_and_decode_workers_and_say_what
     assert c.local_computed_tokens == 176 - 160
     assert c.computed_tokens == 184
     assert (c + c).computed_tokens == 368
+
+
+def test_decode_workers_that_count_their_local_prompt_tokens_are_believed_over_the_client():
+    before = {"decode-0": {DECODE_LOCAL_PROMPT: 10.0, DECODE_PREFIX_HIT: 0.0}}
+    after = {
+        "decode-0": {DECODE_LOCAL_PROMPT: 186.0, DECODE_PREFIX_HIT: 160.0, DECODE_STORE_HIT: 32.0}
+    }
+    c = TurnCounters.between(before, after, local_requests=1, local_prompt_tokens=999)
+    assert (c.local_prompt_tokens, c.local_computed_tokens) == (176, 16)
+    assert c.decode_store_hit_tokens == 32
 
 
 def test_turn_figures_take_ttft_percentiles_over_completed_requests_only():
