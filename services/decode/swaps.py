@@ -83,7 +83,7 @@ class SwapIn:
     def of(cls, num_blocks: int, num_cached: int, num_read: int, block_size: int) -> SwapIn:
         """``num_blocks`` swapped out, the leading ``num_cached`` found locally and the next
         ``num_read`` read from the store."""
-        num_cached = min(num_cached, num_blocks)
+        num_cached = max(0, min(num_cached, num_blocks))
         num_read = min(num_read, num_blocks - num_cached)
         return cls(
             num_cached * block_size,

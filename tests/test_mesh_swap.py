@@ -1,0 +1,95 @@
+"""Preempted sequences swapped out to a kv-store and back, in a real mesh (`kvmesh up --kv-store
+1`: nats-server, kv-registry, router, one prefill and one decode worker and a store; kvmesh-tiny,
+shm).
+
+The decode worker prefills every prompt itself (the router's local-prefill threshold is above
+every prompt) in a pool of 14 blocks of 16 tokens, without output room kept back
+(`--reserve-output-tokens 0`), and five concurrent requests each grow to 6-7 blocks: it runs out
+of blocks and preempts. Each preempted sequence's cached blocks are put into the store, and
+when it is readmitted the blocks its pool lost meanwhile are read back from the store
+one-sided; the decode worker's /metrics count it (`kvmesh_decode_swap_outs_total`,
+`kvmesh_decode_swap_in_tokens_total{source="read"}`), as does the store's (its hits). Every
+output equals the offline engine's greedy text, and every block comes back to the pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import aiohttp
+import pytest
+from kvmesh.loadgen.bench_mesh import complete, launched, random_prompts
+from mesh_checks import check_blocks_returned
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.offline_text import offline_texts
+
+pytestmark = pytest.mark.slow
+
+BLOCK_BYTES = 64 << 10  # kvmesh-tiny, 16-token blocks, float32
+NUM_BLOCKS = 14
+ENV = {
+    "KVMESH_BLOCK_SIZE": "16",
+    # a pool size in bytes (the kv-store takes --num-blocks too, and its --capacity-gb here)
+    "KVMESH_KV_CACHE_BYTES": str(NUM_BLOCKS * BLOCK_BYTES),
+    "KVMESH_RESERVE_OUTPUT_TOKENS": "0",
+}
+PROMPTS = random_prompts(5, 40, 56, seed=41)  # 3-4 blocks each, 6-7 with their outputs
+MAX_TOKENS = 48
+
+
+def scrape(url: str) -> dict[str, float]:
+    """Samples by name, a labelled one as ``name{value,...}``."""
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        text = resp.read().decode()
+    return {
+        s.name + (f"{{{','.join(s.labels.values())}}}" if s.labels else ""): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+async def run(mesh) -> list[str]:
+    async with aiohttp.ClientSession() as session:
+        bodies = await asyncio.gather(
+            *(complete(session, mesh.url, p, MAX_TOKENS, ignore_eos=True) for p in PROMPTS)
+        )
+    await check_blocks_returned(mesh)  # every pin of a swap-out dropped
+    return [b["choices"][0]["text"] for b in bodies]
+
+
+@pytest.mark.timeout(240)
+def test_preempted_sequences_swap_to_the_store_and_back_with_offline_outputs() -> None:
+    from kvmesh.commands.up import UpConfig, free_port
+
+    config = UpConfig(
+        mode="disagg",
+        transport="shm",
+        port=0,
+        nats_url=f"nats://127.0.0.1:{free_port()}",
+        local_prefill_threshold=4096,
+        prefill=1,
+        decode=1,
+        kv_store=1,
+        kv_store_capacity_gb=0.0625,
+        log_level="warning",
+        startup_timeout_s=180.0,
+        stop_timeout_s=10.0,
+    )
+    with ThreadPoolExecutor(1) as offline:  # computed while the mesh starts
+        expected = offline.submit(offline_texts, PROMPTS, MAX_TOKENS, 64)
+        with launched(config, ENV) as mesh:
+            got = asyncio.run(run(mesh))
+            decode = scrape(mesh.metrics_urls["decode-0"])
+            store = scrape(mesh.metrics_urls["kv-store-0"])
+        assert got == expected.result()
+    preemptions = decode["kvmesh_decode_preemptions_total"]
+    read = decode["kvmesh_decode_swap_in_tokens_total{read}"]
+    assert preemptions >= 1
+    assert decode["kvmesh_decode_swap_outs_total"] >= 1
+    assert decode["kvmesh_decode_swap_ins_total"] >= 1
+    assert read > 0 and read % 16 == 0
+    assert store["kvmesh_store_hits_total"] >= read // 16
+    assert store["kvmesh_store_rejected_blocks_total"] == 0
