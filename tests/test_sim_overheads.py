@@ -13,6 +13,7 @@ from kvmesh.loadgen.sim.overheads import (
     MeshOverheads,
     OverheadFitError,
     ProbeFigures,
+    Stalls,
     fit_overheads,
     simulate_probe,
     steady_gap_s,
@@ -121,6 +122,34 @@ def test_steady_gap_is_the_mean_of_the_second_half_whatever_the_coalescing():
         steady_gap_s(RequestRecord(0, 0.0, 0.0, 0.1, 16, 2, 2, (0.05, 0.1)))
 
 
+def test_stalls_are_gaps_over_twice_the_mean_gap():
+    # steady gaps of 10 ms, one in ten 60 ms: the mean is 15 ms, the stalls 45 ms over it
+    gaps = [0.06 if i % 10 == 9 else 0.01 for i in range(40)]
+    times = tuple(0.1 + sum(gaps[:i]) for i in range(41))
+    # the first half of the stream is left out: make it noisy to show it
+    times = (0.0, 0.09, *times[2:])
+    record = RequestRecord(0, 0.0, 0.0, times[-1], 16, 41, 41, times)
+    stalls = Stalls.of([record])
+    assert stalls.fraction == pytest.approx(2 / 20)
+    assert stalls.excess_s == pytest.approx(0.06 - 0.015)
+    assert Stalls.of([]) == Stalls()
+
+
+def test_that_fraction_of_loop_steps_stall_for_stall_s():
+    cost = _fixed(stall_fraction=0.1, stall_s=0.05)
+    record = simulate(
+        Topology("colocated", 1, kv_capacity_tokens=10_000), cost, [SimRequest(0.0, 16, 1000)]
+    ).records[0]
+    gaps = _gaps(record)
+    assert set(round(g, 9) for g in gaps) == {0.01, 0.06}
+    assert sum(g > 0.03 for g in gaps) / len(gaps) == pytest.approx(0.1, abs=0.03)
+    # the same draws every run
+    again = simulate(
+        Topology("colocated", 1, kv_capacity_tokens=10_000), cost, [SimRequest(0.0, 16, 1000)]
+    ).records[0]
+    assert _gaps(again) == gaps
+
+
 def _cpu(**overheads: float) -> CostModel:
     device = DeviceSpec(
         "cpu-like",
@@ -142,10 +171,13 @@ def _topology(mode: str, cost: CostModel) -> Topology:
 
 
 def test_fit_overheads_recovers_the_overheads_a_probe_was_simulated_with():
-    truth = MeshOverheads(loop_s=0.0012, token_s=0.0003, request_s=0.025, handoff_s=0.04)
+    stalls = Stalls(0.05, 0.01)
+    truth = MeshOverheads(
+        loop_s=0.0012, token_s=0.0003, request_s=0.025, handoff_s=0.04, stalls=stalls
+    )
     probed = CostModel(TINY, truth.apply(_cpu().device))
     measured = {m: simulate_probe(probed, m, _topology) for m in ("colocated", "disagg")}
-    fit = fit_overheads(_cpu(), measured, _topology)
+    fit = fit_overheads(_cpu(), measured, _topology, stalls)
     got = fit.overheads
     assert got.request_s == pytest.approx(truth.request_s, rel=0.05)
     assert got.handoff_s == pytest.approx(truth.handoff_s, rel=0.05)

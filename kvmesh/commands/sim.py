@@ -305,7 +305,8 @@ def _print_mesh_fit(mesh: Any) -> None:
     print(
         f"mesh overheads: loop {o.loop_s * 1e3:.2f} ms per step + {o.token_s * 1e3:.3f} ms per "
         f"streamed token; request {o.request_s * 1e3:.1f} ms; disagg hand-off "
-        f"{o.handoff_s * 1e3:.1f} ms"
+        f"{o.handoff_s * 1e3:.1f} ms; {o.stalls.fraction:.1%} of loop steps stall "
+        f"{o.stalls.excess_s * 1e3:.1f} ms"
     )
 
 
@@ -335,7 +336,8 @@ def _validate(args: argparse.Namespace, cost: Any, requests: list[Any]) -> int:
         f"simulated on {d.name}: {d.peak_flops / 1e9:.1f} GFLOP/s, {d.mem_bandwidth / 1e9:.2f} GB/s, "
         f"{d.step_overhead_s * 1e3:.2f} ms per step; mesh overheads: loop "
         f"{d.loop_overhead_s * 1e3:.2f} ms + {d.token_overhead_s * 1e3:.3f} ms per token, request "
-        f"{d.request_overhead_s * 1e3:.1f} ms, hand-off {d.handoff_overhead_s * 1e3:.1f} ms"
+        f"{d.request_overhead_s * 1e3:.1f} ms, hand-off {d.handoff_overhead_s * 1e3:.1f} ms, "
+        f"{d.stall_fraction:.1%} of loop steps stall {d.stall_s * 1e3:.1f} ms"
         + ("" if d.request_overhead_s else " (none measured: run --calibrate first)")
     )
     comparisons = validate.compare(config, cost, requests, ("colocated", "disagg"))

@@ -187,7 +187,8 @@ def calibrate(
             overheads.overheads.apply(spec),
             description=spec.description
             + f"; mesh probe: loop {o.loop_s * 1e3:.2f} ms + {o.token_s * 1e3:.2f} ms per token, "
-            f"request {o.request_s * 1e3:.1f} ms, hand-off {o.handoff_s * 1e3:.1f} ms",
+            f"request {o.request_s * 1e3:.1f} ms, hand-off {o.handoff_s * 1e3:.1f} ms, "
+            f"{o.stalls.fraction:.1%} of steps stall {o.stalls.excess_s * 1e3:.1f} ms",
         )
     elapsed = time.perf_counter() - started
     return Calibration(spec, fit, tuple(decode), tuple(prefill), link_gbps, elapsed, overheads)
@@ -198,12 +199,18 @@ def probe_mesh(
 ) -> OverheadFit:
     """Serve the probe on a real colocated and disagg mesh, and fit the overheads to it."""
     from kvmesh.loadgen.sim.cost import CostModel
-    from kvmesh.loadgen.sim.overheads import ProbeFigures, fit_overheads
+    from kvmesh.loadgen.sim.overheads import ProbeFigures, Stalls, fit_overheads
     from kvmesh.loadgen.sim.probe import run_probe
     from kvmesh.loadgen.sim.validate import mesh_topology
 
-    measured = {}
+    measured, isolated = {}, []
     for mode in ("colocated", "disagg"):
         records = run_probe(mode, model_name, transport)
         measured[mode] = ProbeFigures.of(records.isolated, records.batch)
-    return fit_overheads(CostModel(model, engine), measured, lambda m, c: mesh_topology(m, c))
+        isolated += records.isolated
+    return fit_overheads(
+        CostModel(model, engine),
+        measured,
+        lambda m, c: mesh_topology(m, c),
+        Stalls.of(isolated),
+    )

@@ -16,8 +16,8 @@ deterministic). The request path follows the mesh's:
    its steps (at once if it is idle, else when its step in flight ends): that is when the first
    token is announced, and the sequence decodes from the next step on;
 4. every step's tokens are delivered at the step's end; a finished request frees its KV. A decode
-   or colocated step also pays its loop's overheads (``CostModel.loop_step``) and starts at most
-   every ``decode_pacing_s``.
+   or colocated step also pays its loop's overheads (``CostModel.loop_step``; a seeded draw picks
+   the ``stall_fraction`` of them that stall) and starts at most every ``decode_pacing_s``.
 
 Steps of workers on one device (``Topology.shared_device``) share it while busy: its cores by
 thread count and niceness, each worker at the pace of its slowest thread (``sharing.py``).
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import random
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -101,6 +102,7 @@ class Cluster:
             SimSeq(i, r.arrival_s, r.input_len, r.output_len) for i, r in enumerate(self.requests)
         ]
         self.errors: dict[int, str] = {}
+        self._stalls = random.Random(0)  # which loop steps stall: the same draws every run
         self._events: list[tuple[float, int, int, int, int]] = []
         self._counter = itertools.count()
 
@@ -178,11 +180,12 @@ class Cluster:
         batch = worker.plan(self.prefill_queue if worker.role == "prefill" else None)
         if not batch:
             return
-        slices = [w.slice() for w in batch]
+        slices, d = [w.slice() for w in batch], self.cost.device
         if worker.role == "prefill":
             step = self.cost.step(slices)
         else:
-            step = self.cost.loop_step(slices, sum(w.emits_token for w in batch))
+            stall = d.stall_fraction > 0 and self._stalls.random() < d.stall_fraction
+            step = self.cost.loop_step(slices, sum(w.emits_token for w in batch), stall)
         worker.is_busy = True
         worker.last_step_start = now
         worker.busy_s += step.seconds

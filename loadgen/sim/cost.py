@@ -23,7 +23,8 @@ roofline part runs on all of a worker's threads (``sharing.py``).
 
 A decode or colocated worker's step, as the mesh runs it (``loop_step``), also pays its loop's
 fixed cost and each streamed token's (``loop_overhead_s``, ``token_overhead_s``: measured by
-calibration on a real mesh, ``overheads.py``), on the serial part.
+calibration on a real mesh, ``overheads.py``), on the serial part; and a fraction of them stall
+(``stall_fraction``, ``stall_s``).
 
 A worker of ``tp`` devices (tensor parallel) has ``tp`` times the FLOP/s and bandwidth; the
 all-reduces between them are not modelled. KV transfers take ``bytes / link bandwidth +
@@ -124,13 +125,17 @@ class CostModel:
         memory = num_bytes / (self.device.effective_bandwidth * self.tp)
         return StepCost(flops, num_bytes, self.step_overhead_s(slices), max(compute, memory))
 
-    def loop_step(self, slices: Iterable[Slice], num_tokens: int) -> StepCost:
+    def loop_step(
+        self, slices: Iterable[Slice], num_tokens: int, is_stalled: bool = False
+    ) -> StepCost:
         """A decode or colocated worker's step in the mesh: the engine's step, plus the loop's
-        fixed cost and ``num_tokens`` streamed tokens' cost, serial (one thread)."""
+        fixed cost and ``num_tokens`` streamed tokens' cost, serial (one thread); a stalled
+        step (drawn by the caller with ``stall_fraction``) also ``stall_s``."""
         assert num_tokens >= 0
         step = self.step(slices)
         d = self.device
         loop = d.loop_overhead_s + d.token_overhead_s * num_tokens
+        loop += d.stall_s if is_stalled else 0.0
         return dataclasses.replace(step, overhead_s=step.overhead_s + loop)
 
     def step_seconds(self, slices: Iterable[Slice]) -> float:

@@ -24,6 +24,13 @@ once workers share the host's cores):
 
 A term that comes out negative is set to 0, with a note. The fit reports every figure measured
 and simulated with the overheads it found.
+
+Stalls (``Stalls.of``) are measured before the fit, from the isolated requests' gaps (both modes,
+the second half of each stream): a gap of more than ``STALL_FACTOR`` times their mean is a
+stall; ``stall_fraction`` is their share and ``stall_s`` their mean excess over the mean gap. The
+simulator stalls that fraction of loop steps (a seeded draw), which gives its gaps the tail a
+real mesh's have; the loop and token terms are then fitted with the stalls in, so the mean gap
+still matches.
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ from kvmesh.loadgen.sim.specs import DeviceSpec
 from kvmesh.loadgen.sim.topology import Topology
 
 ROUNDS = 8
+STALL_FACTOR = 2.0  # a gap this many times the mean gap is a stall
 WARN_RELATIVE_ERROR = 0.25  # a figure the fitted simulator misses by more is reported
 
 
@@ -89,11 +97,32 @@ class ProbeFigures:
 
 
 @dataclass(frozen=True, slots=True)
+class Stalls:
+    """The share of loop steps that stall and how much longer they take."""
+
+    fraction: float = 0.0
+    excess_s: float = 0.0
+
+    @classmethod
+    def of(cls, records: Sequence[RequestRecord]) -> Stalls:
+        """Stalls among the gaps of the second half of each (batch-1) stream."""
+        gaps = [g for r in records for g in r.itl_s[len(r.itl_s) // 2 :]]
+        if not gaps:
+            return cls()
+        mean = statistics.fmean(gaps)
+        long = [g for g in gaps if g > STALL_FACTOR * mean]
+        if not long or mean <= 0:
+            return cls()
+        return cls(len(long) / len(gaps), statistics.fmean(long) - mean)
+
+
+@dataclass(frozen=True, slots=True)
 class MeshOverheads:
     loop_s: float = 0.0
     token_s: float = 0.0
     request_s: float = 0.0
     handoff_s: float = 0.0
+    stalls: Stalls = Stalls()
 
     def apply(self, device: DeviceSpec) -> DeviceSpec:
         return dataclasses.replace(
@@ -102,6 +131,8 @@ class MeshOverheads:
             token_overhead_s=self.token_s,
             request_overhead_s=self.request_s,
             handoff_overhead_s=self.handoff_s,
+            stall_fraction=self.stalls.fraction,
+            stall_s=self.stalls.excess_s,
         )
 
 
@@ -153,14 +184,16 @@ def fit_overheads(
     cost: CostModel,
     measured: Mapping[str, ProbeFigures],
     topology_for: TopologyFor,
+    stalls: Stalls = Stalls(),
     rounds: int = ROUNDS,
 ) -> OverheadFit:
-    """The overheads with which the simulator reproduces ``measured`` (``colocated`` needed,
-    ``disagg`` optional: without it the hand-off term stays 0). ``cost`` is the engine's."""
+    """The overheads with which the simulator, stalling as ``stalls`` says, reproduces
+    ``measured`` (``colocated`` needed, ``disagg`` optional: without it the hand-off term stays
+    0). ``cost`` is the engine's."""
     if "colocated" not in measured:
         raise OverheadFitError("the fit needs the colocated mesh's probe")
     modes = [m for m in ("colocated", "disagg") if m in measured]
-    o = MeshOverheads()
+    o = MeshOverheads(stalls=stalls)
     for _ in range(rounds):
         trial = CostModel(cost.model, o.apply(cost.device), cost.tp)
         sim = {m: simulate_probe(trial, m, topology_for) for m in modes}
@@ -174,6 +207,7 @@ def fit_overheads(
             token_s=max(0.0, o.token_s + d_token),
             request_s=max(0.0, o.request_s + miss["colocated"].ttft_s),
             handoff_s=max(0.0, o.handoff_s + d_handoff),
+            stalls=stalls,
         )
     trial = CostModel(cost.model, o.apply(cost.device), cost.tp)
     residuals = []
@@ -181,10 +215,13 @@ def fit_overheads(
         sim = simulate_probe(trial, m, topology_for)
         for (label, real), (_, predicted) in zip(measured[m].items(), sim.items(), strict=True):
             residuals.append(FigureResidual(f"{m} {label}", real, predicted))
+    terms = {"loop_s": o.loop_s, "token_s": o.token_s, "request_s": o.request_s}
+    if "disagg" in measured:
+        terms["handoff_s"] = o.handoff_s
     notes = tuple(
         f"{name} came out negative and is 0: the engine's costs alone exceed what the mesh showed"
-        for name, value in dataclasses.asdict(o).items()
-        if value == 0.0 and (name != "handoff_s" or "disagg" in measured)
+        for name, value in terms.items()
+        if value == 0.0
     )
     return OverheadFit(o, tuple(residuals), notes)
 
