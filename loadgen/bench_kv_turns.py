@@ -75,15 +75,22 @@ class Variant:
     description: str
 
 
-def variants(baseline: str) -> tuple[Variant, Variant]:
-    """(plain, store): plain runs first."""
+def variants(baseline: str, local_max_suffix_tokens: int | None = None) -> tuple[Variant, Variant]:
+    """(plain, store): plain runs first. ``local_max_suffix_tokens``: the store mesh's registry
+    setting (None: its default, 512; 0: every request is prefilled by a prefill worker, which
+    reads what its cache lacks from the store)."""
+    suffix = "local_max_suffix_tokens (512)"
+    store_env = {}
+    if local_max_suffix_tokens is not None:
+        store_env["KVMESH_LOCAL_MAX_SUFFIX_TOKENS"] = str(local_max_suffix_tokens)
+        suffix = f"local_max_suffix_tokens ({local_max_suffix_tokens}; 0: never)"
     store = Variant(
         "store",
         1,
-        {},
+        store_env,
         "kv-store 1 (prefill workers read and put prefixes, decode workers put finished "
         "requests); kv-registry prefix-aware placement on, local prefill of a cached prefix on "
-        "the decode worker holding it when <= local_max_suffix_tokens are left",
+        f"the decode worker holding it when <= {suffix} are left",
     )
     if baseline == "no-reuse":
         env = {
@@ -320,8 +327,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="multi-turn chat TTFT and computed prefill tokens, store + prefix routing vs without",
     )
     g.add_argument("--model", default="kvmesh-tiny", help="kvmesh-tiny or a checkpoint directory")
-    g.add_argument("--conversations", type=int, default=16)
-    g.add_argument("--turns", type=int, default=8)
+    g.add_argument("--conversations", type=int, default=16, help="chats sharing the system prompt")
+    g.add_argument("--turns", type=int, default=8, help="turns of each conversation")
     g.add_argument("--system-len", type=int, default=2048, help="shared system prompt tokens")
     g.add_argument("--user-len", type=int, default=64, help="tokens of each new user message")
     g.add_argument("--answer-len", type=int, default=128, help="tokens of each answer")
@@ -339,6 +346,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="no-store",
         help="what the plain mesh turns off (module docstring)",
     )
+    g.add_argument(
+        "--local-max-suffix-tokens",
+        type=int,
+        default=None,
+        help="the store mesh's kv-registry: hand a request to the decode worker holding its "
+        "prefix when at most this many tokens are left (default: the registry's, 512; 0: never, "
+        "prefill workers compute the rest after reading the store)",
+    )
     g.add_argument("--transport", choices=("auto", "shm", "tcp", "rdma"), default="auto")
     g.add_argument("--prefill-workers", type=int, default=1)
     g.add_argument("--decode-workers", type=int, default=1)
@@ -346,7 +361,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--decode-pacing-ms", type=float, default=0.0)
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument(
-        "--kv-cache-bytes", type=int, default=None, help="KV pool bytes per worker (256 MiB)"
+        "--kv-cache-bytes",
+        type=int,
+        default=None,
+        help="KV pool bytes of each prefill and decode worker (their default: 256 MiB)",
     )
     g.add_argument("--kv-store-capacity-gb", type=float, default=1.0)
     g.add_argument("--timeout-s", type=float, default=600.0, help="per request")
@@ -377,7 +395,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     offsets = arrival_times(process, spec.conversations, random.Random(f"{args.seed}:arrivals"))
     runs = []
-    both = variants(args.baseline)
+    both = variants(args.baseline, args.local_max_suffix_tokens)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         loading = pool.submit(load_tokenizer, args.model)  # while the meshes start
         with started_meshes(both, args) as meshes:
@@ -426,6 +444,7 @@ def report(spec: MultiTurnSpec, args: argparse.Namespace, runs: list[VariantRun]
             "prefill_workers": args.prefill_workers,
             "decode_workers": args.decode_workers,
             "baseline": args.baseline,
+            "local_max_suffix_tokens": args.local_max_suffix_tokens,
         },
         "runs": by_name,
         f"ttft_p50_plain_over_store_{late}": ratio(p.get("ttft_p50_s"), s.get("ttft_p50_s")),
@@ -451,10 +470,11 @@ def format_report(result: Mapping[str, Any]) -> str:
 
     def row(label: str, name: str, fig: Mapping[str, Any]) -> str:
         s = lambda v: "-" if v is None else f"{v:.3f}"
+        store_hits = fig["prefill"]["store_hit_tokens"] + fig["local_prefill"]["store_hit_tokens"]
         return (
             f"{label:>5} {name:<6} {s(fig['ttft_p50_s']):>9} {s(fig['ttft_p99_s']):>9} "
             f"{fig['prompt_tokens']:>11} {fig['computed_tokens']:>9} "
-            f"{fig['prefill']['store_hit_tokens']:>9} {fig['local_prefill']['requests']:>6} "
+            f"{store_hits:>9} {fig['local_prefill']['requests']:>6} "
             f"{fig['failed']:>6}"
         )
 
