@@ -117,9 +117,13 @@ def test_steady_gap_is_the_mean_of_the_second_half_whatever_the_coalescing():
     # tokens every 10 ms, but read in pairs by a busy client: gaps of 0 and 20 ms
     times = tuple(0.1 + 0.02 * (i // 2) for i in range(10))
     record = RequestRecord(0, 0.0, 0.0, times[-1], 16, 10, 10, times)
-    assert steady_gap_s(record) == pytest.approx((times[-1] - times[5]) / 4)
+    assert steady_gap_s([record]) == pytest.approx((times[-1] - times[5]) / 4)
+    # pooled: a second stream of 4 gaps of 50 ms weighs as its gaps do
+    other = RequestRecord(1, 0.0, 0.0, 1.0, 16, 9, 9, tuple(0.6 + 0.05 * i for i in range(9)))
+    pooled = (times[-1] - times[5] + 0.2) / 8
+    assert steady_gap_s([record, other]) == pytest.approx(pooled)
     with pytest.raises(OverheadFitError):
-        steady_gap_s(RequestRecord(0, 0.0, 0.0, 0.1, 16, 2, 2, (0.05, 0.1)))
+        steady_gap_s([RequestRecord(0, 0.0, 0.0, 0.1, 16, 2, 2, (0.05, 0.1))])
 
 
 def test_stalls_are_gaps_over_twice_the_mean_gap():

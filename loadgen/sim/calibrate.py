@@ -20,7 +20,7 @@ through ``kvmesh bench xfer``'s ``bench_backend`` (torch is imported here, lazil
 Efficiencies are 1: the figures are already what the engine achieves. Times are wall-clock (the
 simulator predicts wall-clock latency), so a busy machine calibrates slow: run it on a quiet one.
 The engine part is kept under a minute (48 s for kvmesh-tiny on the loaded 2-core development
-box); the mesh probe adds about 40 s (two meshes started, 15 requests each).
+box); the mesh probe adds about 40 s (two meshes started, 17 requests each).
 """
 
 from __future__ import annotations

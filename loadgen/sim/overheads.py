@@ -5,12 +5,13 @@ Three figures are taken of each mode's probe, the same way from the real records
 simulated ones (``ProbeFigures``):
 
 - ``ttft_s``: the median TTFT of the isolated requests;
-- ``gap_1_s``: the median over the isolated requests of their steady gap, the mean gap over the
-  second half of their tokens (the decode loop's period at batch 1);
+- ``gap_1_s``: the isolated requests' steady gap, the mean gap over the second half of each
+  one's tokens, pooled over the requests (the decode loop's period at batch 1);
 - ``gap_batch_s``: the same over the batch's requests (the period at batch ``probe.BATCH``).
 
 Mean gaps, not single ones: a client on a busy machine reads several SSE events at once, which
-shows as gaps of 0 beside a long one, but leaves their mean alone.
+shows as gaps of 0 beside a long one, but leaves their mean alone. Pooled, so that the stalls
+below, counted over the same gaps, are part of the same mean.
 
 The simulator replays the probe on the mesh's twin topology (``validate.mesh_topology``) with
 the engine's calibrated costs and the overheads so far, and the overheads move by what it
@@ -56,15 +57,21 @@ class OverheadFitError(ValueError):
     """Probe records the fit cannot use (no colocated probe, failed or too short requests)."""
 
 
-def steady_gap_s(record: RequestRecord) -> float:
-    """Mean gap between the tokens of the second half of a request's stream."""
+def _steady(record: RequestRecord) -> tuple[float, int]:
+    """Time and number of gaps of the second half of a request's stream."""
     times = record.chunk_times
     if len(times) < 4:
         raise OverheadFitError(
             f"probe request {record.index} streamed {len(times)} tokens; the fit needs at least 4"
         )
     k = len(times) // 2
-    return (times[-1] - times[k]) / (len(times) - 1 - k)
+    return times[-1] - times[k], len(times) - 1 - k
+
+
+def steady_gap_s(records: Sequence[RequestRecord]) -> float:
+    """Mean gap between the tokens of the second half of each stream, pooled over ``records``."""
+    spans = [_steady(r) for r in records]
+    return sum(t for t, _ in spans) / sum(n for _, n in spans)
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,8 +91,8 @@ class ProbeFigures:
             raise OverheadFitError("the probe needs isolated requests and a batch")
         return cls(
             statistics.median(r.ttft_s for r in isolated),  # type: ignore[misc]
-            statistics.median(steady_gap_s(r) for r in isolated),
-            statistics.median(steady_gap_s(r) for r in batch),
+            steady_gap_s(isolated),
+            steady_gap_s(batch),
         )
 
     def items(self) -> tuple[tuple[str, float], ...]:

@@ -26,8 +26,8 @@ from kvmesh.loadgen.serve_metrics import RequestRecord
 from kvmesh.loadgen.sim.workload import SimRequest
 
 PROBE_INPUT = 64
-ISOLATED = 6
-ISOLATED_OUTPUT = 32
+ISOLATED = 8
+ISOLATED_OUTPUT = 64
 BATCH = 8
 BATCH_OUTPUT = 64
 ISOLATION_GAP_S = 60.0  # simulated isolated requests are this far apart: nothing overlaps
