@@ -100,6 +100,26 @@ def test_prefill_hand_off_chunks_are_whole_blocks_then_at_most_one_block():
     assert chunks == [512, 480, 8]  # as shared/engine/scheduler.py's _chunk_size cuts them
 
 
+def test_prefill_job_holds_its_slot_until_its_last_write_lands():
+    # 1 s a step; a 1000-token chunk's KV takes 0.5 s on the link; one job at a time
+    device = DeviceSpec(
+        "slot",
+        1e30,
+        1e30,
+        1e30,
+        link_bandwidth=1000 * TINY.kv_bytes_per_token / 0.5,
+        step_overhead_s=1.0,
+    )
+    topology = Topology(
+        "disagg", 1, 1, chunk_tokens=1000, kv_capacity_tokens=10_000, block_tokens=None
+    )
+    requests = [SimRequest(0.0, 1000, 1), SimRequest(0.0, 1000, 1)]
+    first, second = simulate(topology, CostModel(TINY, device), requests).records
+    assert first.ttft_s == pytest.approx(1.5)
+    # the second job starts when the first one's write has landed (1.5), not when it computed
+    assert second.ttft_s == pytest.approx(1.5 + 1.0 + 0.5)
+
+
 def test_disagg_topology_refuses_a_chunk_smaller_than_a_block():
     with pytest.raises(ValueError, match="at least one block"):
         Topology("disagg", 1, 1, chunk_tokens=8, block_tokens=16)

@@ -11,7 +11,8 @@ deterministic). The request path follows the mesh's:
 2. colocated: it waits in that worker's queue for admission into the running batch;
    disagg: it joins the one prefill queue, pulled by whichever prefill worker has a free slot;
 3. a prefill worker's chunk, once computed, is sent over that worker's link (one transfer at a
-   time, in order) while the next chunk computes; ``handoff_overhead_s`` after the last chunk's
+   time, in order) while the next chunk computes (the job holds its prefill slot until its last
+   write has landed); ``handoff_overhead_s`` after the last chunk's
    KV has landed (PrefillDone and what it takes), the decode worker admits the sequence between
    its steps (at once if it is idle, else when its step in flight ends): that is when the first
    token is announced, and the sequence decodes from the next step on;
@@ -39,7 +40,7 @@ from kvmesh.loadgen.sim.topology import Topology
 from kvmesh.loadgen.sim.worker import SimSeq, Work, Worker
 from kvmesh.loadgen.sim.workload import SimRequest
 
-_ARRIVAL, _STEP_DONE, _KV_LANDED, _WAKE = range(4)
+_ARRIVAL, _STEP_DONE, _KV_LANDED, _WAKE, _JOB_SENT = range(5)
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +132,9 @@ class Cluster:
             elif kind == _KV_LANDED:
                 self._kv_landed(self.seqs[who], now)
             elif kind == _WAKE:
+                self._kick(self.workers[who], now)
+            elif kind == _JOB_SENT:
+                self.workers[who].job_sent()
                 self._kick(self.workers[who], now)
         assert not self.placement_queue and not self.prefill_queue
         assert all(not w.running and not w.waiting for w in self.workers)
@@ -231,8 +235,9 @@ class Cluster:
             start = max(now, self.link_free[worker.index])
             self.link_free[worker.index] = start + self.cost.transfer_seconds(w.num_new)
             if w.seq.index in prefilled:
-                done = self.link_free[worker.index] + self.cost.device.handoff_overhead_s
-                self._push(done, _KV_LANDED, w.seq.index)
+                landed = self.link_free[worker.index]
+                self._push(landed, _JOB_SENT, worker.index)
+                self._push(landed + self.cost.device.handoff_overhead_s, _KV_LANDED, w.seq.index)
 
     def _kv_landed(self, seq: SimSeq, now: float) -> None:
         home = self.homes[seq.home]

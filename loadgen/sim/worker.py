@@ -9,7 +9,8 @@ sequences whose prompt just finished and those that finished for good. Roles:
   waiting sequences are admitted while the budget and ``max_num_seqs`` allow (``chunk_tokens``
   None: no budget, whole prompts in one step beside the decodes);
 - ``prefill``: up to ``max_jobs`` jobs share a chunk budget of ``chunk_tokens`` per step; a job
-  leaves the worker when its last chunk is computed (its KV may still be on the wire). With
+  stops computing when its last chunk is computed, but holds its slot until its last write has
+  landed (``sending``; the service releases the slot when ``prefill()`` returns). With
   ``block_tokens``, chunks are hand-off chunks as the engine cuts them: whole blocks, and the
   last one, after a first, at most one block (so that only one block's write is exposed: a
   1,000-token prompt in 512-token chunks is 512 + 480 + 8);
@@ -108,6 +109,7 @@ class Worker:
         self.kv_free = kv_capacity
         self.waiting: deque[SimSeq] = deque()
         self.running: list[SimSeq] = []
+        self.sending = 0  # prefill jobs computed whose last write is still on the wire
         self.is_busy = False
         self.last_step_start = float("-inf")
         self.busy_s = 0.0
@@ -153,7 +155,7 @@ class Worker:
                 if n:
                     batch.append(Work(s, n, True))
                     budget -= n
-        while queue and len(self.running) < limit and budget > 0:
+        while queue and len(self.running) + self.sending < limit and budget > 0:
             n = self._chunk(queue[0], budget)
             if not n:  # a hand-off chunk needs a whole block of budget
                 break
@@ -162,6 +164,11 @@ class Worker:
             batch.append(Work(s, n, True))
             budget -= n
         return batch
+
+    def job_sent(self) -> None:
+        """A prefill job's last write landed: its slot is free."""
+        assert self.role == "prefill" and self.sending > 0
+        self.sending -= 1
 
     def _chunk(self, s: SimSeq, budget: float) -> int:
         """Prompt tokens of ``s`` to compute in a step with ``budget`` tokens left (the
@@ -188,6 +195,7 @@ class Worker:
                 prefilled.append(s)
                 if self.role == "prefill":
                     self.running.remove(s)  # its first token comes once its KV has landed
+                    self.sending += 1  # its slot, until then
                     continue
             else:
                 self.num_decodes += 1
