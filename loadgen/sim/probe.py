@@ -61,8 +61,10 @@ def run_probe(
     from kvmesh.loadgen.workload import Prompt
 
     rng = random.Random("probe")
+    # one prompt per request and one for the warm-up: none is in the prefix cache when sent
     prompts = [
-        tuple(rng.randrange(1, 250) for _ in range(PROBE_INPUT)) for _ in range(ISOLATED + BATCH)
+        tuple(rng.randrange(1, 250) for _ in range(PROBE_INPUT))
+        for _ in range(ISOLATED + BATCH + 1)
     ]
     with local_mesh(mode, transport, model=model, local_prefill_threshold=0) as mesh:
         endpoint = Endpoint(mesh.url, model)
@@ -78,7 +80,7 @@ def run_probe(
                 )
             return records
 
-        serve([Prompt(prompts[0], 4)])  # warm-up: first steps, connections
+        serve([Prompt(prompts[-1], 4)])  # warm-up: first steps, connections
         isolated = [serve([Prompt(p, ISOLATED_OUTPUT)])[0] for p in prompts[:ISOLATED]]
-        batch = serve([Prompt(p, BATCH_OUTPUT) for p in prompts[ISOLATED:]])
+        batch = serve([Prompt(p, BATCH_OUTPUT) for p in prompts[ISOLATED:-1]])
     return ProbeRecords(mode, tuple(isolated), tuple(batch))

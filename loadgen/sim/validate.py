@@ -86,7 +86,11 @@ def run_real(config: ServeBenchConfig, mode: str) -> tuple[list[RequestRecord], 
         prefill_nice=config.prefill_nice,
     ) as mesh:
         endpoint = config.endpoint(mesh.url)
-        warm = dataclasses.replace(prompts[0], output_len=4)
+        # a prompt of its own (prompts[0] reversed): the warm-up must not leave the first
+        # request's prompt in the prefix cache, which the simulator does not model
+        warm = dataclasses.replace(
+            prompts[0], token_ids=prompts[0].token_ids[::-1], text=None, output_len=4
+        )
         asyncio.run(run_requests(endpoint, [warm], [0.0], timeout_s=config.timeout_s))
         return asyncio.run(run_requests(endpoint, prompts, times, timeout_s=config.timeout_s))
 
