@@ -47,6 +47,17 @@ def test_fit_recovers_known_figures_from_exact_points(cache_bytes):
     assert not fit.notes
 
 
+def test_fit_counts_a_later_chunks_attention_over_its_cached_context():
+    true = _cpu(32 << 20)
+    cost = CostModel(TINY, true)
+    decode, prefill = _points(true)
+    chunks = [PrefillPoint(512, cost.step_seconds([Slice(512, c)]), context=c) for c in (512, 1024)]
+    fit = fit_costs(TINY, 32 << 20, decode, prefill + chunks)
+    assert fit.flops == pytest.approx(20e9, rel=1e-6)  # exact only if the context's pairs count
+    assert fit.max_relative_error < 1e-3  # the bandwidth grid's resolution
+    assert "prefill 512 after 1024" in [r.label for r in fit.residuals]
+
+
 def test_fit_recovers_figures_within_the_noise_of_noisy_points():
     decode, prefill = _points(_cpu(32 << 20))
     wobble = [1.04, 0.97, 1.02, 0.96, 1.03, 0.98]  # a few percent, as a quiet machine gives

@@ -10,15 +10,15 @@ from kvmesh.loadgen.serve_metrics import RequestRecord
 from kvmesh.loadgen.sim.cluster import simulate
 from kvmesh.loadgen.sim.cost import CostModel, Slice
 from kvmesh.loadgen.sim.overheads import (
+    Jitter,
     MeshOverheads,
     OverheadFitError,
     ProbeFigures,
-    Stalls,
     fit_overheads,
     simulate_probe,
     steady_gap_s,
 )
-from kvmesh.loadgen.sim.specs import DeviceSpec, load_model
+from kvmesh.loadgen.sim.specs import DeviceSpec, SpecError, load_model
 from kvmesh.loadgen.sim.topology import Topology
 from kvmesh.loadgen.sim.validate import mesh_topology
 from kvmesh.loadgen.sim.worker import SimSeq, Worker
@@ -146,32 +146,41 @@ def test_steady_gap_is_the_mean_of_the_second_half_whatever_the_coalescing():
         steady_gap_s([RequestRecord(0, 0.0, 0.0, 0.1, 16, 2, 2, (0.05, 0.1))])
 
 
-def test_stalls_are_gaps_over_twice_the_mean_gap():
-    # steady gaps of 10 ms, one in ten 60 ms: the mean is 15 ms, the stalls 45 ms over it
-    gaps = [0.06 if i % 10 == 9 else 0.01 for i in range(40)]
-    times = tuple(0.1 + sum(gaps[:i]) for i in range(41))
-    # the first half of the stream is left out: make it noisy to show it
-    times = (0.0, 0.09, *times[2:])
-    record = RequestRecord(0, 0.0, 0.0, times[-1], 16, 41, 41, times)
-    stalls = Stalls.of([record])
-    assert stalls.fraction == pytest.approx(2 / 20)
-    assert stalls.excess_s == pytest.approx(0.06 - 0.015)
-    assert Stalls.of([]) == Stalls()
+def test_jitter_is_how_far_the_gaps_exceed_their_median():
+    # steady gaps of 10 ms, the 99 in a hundred that follow are 10 + k/10 ms, the last 60 ms
+    gaps = [0.01] * 100 + [0.01 + k * 1e-4 for k in range(1, 100)] + [0.06]
+    times = (0.0, *(0.1 + sum(gaps[:i]) for i in range(len(gaps) + 1)))  # a first gap of 0.1 s
+    record = RequestRecord(0, 0.0, 0.0, times[-1], 16, len(times), len(times), times)
+    jitter = Jitter.of([record])
+    steady = sorted(record.itl_s[len(record.itl_s) // 2 :])  # the second half only
+    median = steady[len(steady) // 2]
+    assert jitter.max_s == pytest.approx(0.06 - median)
+    assert 0 < jitter.p90_s < jitter.p99_s < jitter.max_s
+    assert Jitter.of([]) == Jitter()
 
 
-def test_that_fraction_of_loop_steps_stall_for_stall_s():
-    cost = _fixed(stall_fraction=0.1, stall_s=0.05)
-    record = simulate(
-        Topology("colocated", 1, kv_capacity_tokens=10_000), cost, [SimRequest(0.0, 16, 1000)]
-    ).records[0]
-    gaps = _gaps(record)
-    assert set(round(g, 9) for g in gaps) == {0.01, 0.06}
-    assert sum(g > 0.03 for g in gaps) / len(gaps) == pytest.approx(0.1, abs=0.03)
-    # the same draws every run
-    again = simulate(
-        Topology("colocated", 1, kv_capacity_tokens=10_000), cost, [SimRequest(0.0, 16, 1000)]
-    ).records[0]
-    assert _gaps(again) == gaps
+def test_jitter_draws_follow_the_measured_quantiles():
+    cost = _fixed(jitter_p90_s=0.002, jitter_p99_s=0.01, jitter_max_s=0.05)
+    assert cost.jitter_s(0.3) == 0.0  # up to the median
+    assert cost.jitter_s(0.7) == pytest.approx(0.001)
+    assert cost.jitter_s(0.9) == pytest.approx(0.002)
+    assert cost.jitter_s(0.99) == pytest.approx(0.01)
+    assert cost.jitter_s(0.995) == pytest.approx(0.03)
+    with pytest.raises(SpecError, match="must not decrease"):
+        _fixed(jitter_p90_s=0.01, jitter_p99_s=0.002, jitter_max_s=0.05)
+
+
+def test_loop_steps_jitter_by_seeded_draws():
+    cost = _fixed(jitter_p90_s=0.002, jitter_p99_s=0.01, jitter_max_s=0.05)
+    topology = Topology("colocated", 1, kv_capacity_tokens=10_000)
+    gaps = _gaps(simulate(topology, cost, [SimRequest(0.0, 16, 2000)]).records[0])
+    assert min(gaps) == pytest.approx(0.01)  # no jitter below the median
+    excess = sorted(g - 0.01 for g in gaps)
+    assert excess[len(excess) // 2] == pytest.approx(0.0, abs=1e-4)
+    assert excess[int(0.9 * len(excess))] == pytest.approx(0.002, rel=0.2)
+    assert max(excess) <= 0.05 + 1e-9
+    again = _gaps(simulate(topology, cost, [SimRequest(0.0, 16, 2000)]).records[0])
+    assert again == gaps  # the same draws every run
 
 
 def _cpu(**overheads: float) -> CostModel:
@@ -195,13 +204,13 @@ def _topology(mode: str, cost: CostModel) -> Topology:
 
 
 def test_fit_overheads_recovers_the_overheads_a_probe_was_simulated_with():
-    stalls = Stalls(0.05, 0.01)
+    jitter = Jitter(0.0005, 0.003, 0.01)
     truth = MeshOverheads(
-        loop_s=0.0012, token_s=0.0003, request_s=0.025, handoff_s=0.04, stalls=stalls
+        loop_s=0.0012, token_s=0.0003, request_s=0.025, handoff_s=0.04, jitter=jitter
     )
     probed = CostModel(TINY, truth.apply(_cpu().device))
     measured = {m: simulate_probe(probed, m, _topology) for m in ("colocated", "disagg")}
-    fit = fit_overheads(_cpu(), measured, _topology, stalls)
+    fit = fit_overheads(_cpu(), measured, _topology, jitter)
     got = fit.overheads
     assert got.request_s == pytest.approx(truth.request_s, rel=0.05)
     assert got.handoff_s == pytest.approx(truth.handoff_s, rel=0.05)

@@ -305,8 +305,9 @@ def _print_mesh_fit(mesh: Any) -> None:
     print(
         f"mesh overheads: loop {o.loop_s * 1e3:.2f} ms per step + {o.token_s * 1e3:.3f} ms per "
         f"streamed token; request {o.request_s * 1e3:.1f} ms; disagg hand-off "
-        f"{o.handoff_s * 1e3:.1f} ms; {o.stalls.fraction:.1%} of loop steps stall "
-        f"{o.stalls.excess_s * 1e3:.1f} ms"
+        f"{o.handoff_s * 1e3:.1f} ms; loop step jitter over the median: p90 "
+        f"{o.jitter.p90_s * 1e3:.2f} ms, p99 {o.jitter.p99_s * 1e3:.2f} ms, max "
+        f"{o.jitter.max_s * 1e3:.1f} ms"
     )
 
 
@@ -337,7 +338,8 @@ def _validate(args: argparse.Namespace, cost: Any, requests: list[Any]) -> int:
         f"{d.step_overhead_s * 1e3:.2f} ms per step; mesh overheads: loop "
         f"{d.loop_overhead_s * 1e3:.2f} ms + {d.token_overhead_s * 1e3:.3f} ms per token, request "
         f"{d.request_overhead_s * 1e3:.1f} ms, hand-off {d.handoff_overhead_s * 1e3:.1f} ms, "
-        f"{d.stall_fraction:.1%} of loop steps stall {d.stall_s * 1e3:.1f} ms"
+        f"jitter p90 {d.jitter_p90_s * 1e3:.2f} ms, p99 {d.jitter_p99_s * 1e3:.2f} ms, max "
+        f"{d.jitter_max_s * 1e3:.1f} ms"
         + ("" if d.request_overhead_s else " (none measured: run --calibrate first)")
     )
     comparisons = validate.compare(config, cost, requests, ("colocated", "disagg"))

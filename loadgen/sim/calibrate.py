@@ -3,8 +3,9 @@
 Uses the real engine through ``kvmesh bench engine``'s ``KvmeshRunner`` and the real transport
 through ``kvmesh bench xfer``'s ``bench_backend`` (torch is imported here, lazily):
 
-- prefill: one whole prompt of each of ``prefill_lens`` tokens in one step (best of
-  ``repeats``);
+- prefill: one whole prompt of each of ``prefill_lens`` tokens in one step, and the later
+  chunks of a prompt prefilled ``chunk_tokens`` at a time as the mesh does (``chunk_tokens``
+  new tokens after ``chunk_tokens``, then after twice that), each the best of ``repeats`` + 1;
 - decode: the median step of ``decode_tokens`` steps at each batch of ``batches`` over each of
   ``contexts`` tokens (the contexts grow during the run: the middle step's is used);
 - ``fit.fit_costs`` turns those into effective FLOP/s, bandwidth and the per-step, per-sequence
@@ -35,6 +36,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kvmesh.loadgen.sim.fit import DecodePoint, Fit, PrefillPoint, fit_costs
 from kvmesh.loadgen.sim.overheads import OverheadFit
@@ -107,6 +109,31 @@ def measure_link_gbps(num_bytes: int = 64 << 20, backend: str = "shm") -> float:
     return max(r.gbps for r in results)
 
 
+def chunk_points(runner: Any, prompt: list[int], chunk: int, runs: int) -> list[PrefillPoint]:
+    """The best time of each later chunk of ``prompt`` prefilled ``chunk`` tokens a step (the
+    engine's step budget lowered to ``chunk`` meanwhile): ``chunk`` tokens after ``chunk``,
+    after ``2 * chunk``, ..."""
+    from kvmesh.shared.engine.sequence import SamplingParams
+
+    engine = runner.engine
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    saved = engine.scheduler.max_num_batched_tokens
+    engine.scheduler.max_num_batched_tokens = chunk
+    best: list[float] = []
+    try:
+        for run in range(runs):
+            engine.add_request(f"chunks-{run}", prompt, params)
+            times = []
+            while engine.has_unfinished():
+                t0 = time.perf_counter()
+                engine.step()
+                times.append(time.perf_counter() - t0)
+            best = [min(a, b) for a, b in zip(best, times, strict=True)] if best else times
+    finally:
+        engine.scheduler.max_num_batched_tokens = saved
+    return [PrefillPoint(chunk, t, context=i * chunk) for i, t in enumerate(best) if i > 0]
+
+
 def calibrate(
     model_name: str,
     model: ModelSpec,
@@ -118,6 +145,7 @@ def calibrate(
     contexts: Sequence[int] = (64, 512),
     decode_tokens: int = 16,
     repeats: int = 2,
+    chunk_tokens: int = 512,
     mesh: bool = True,
     transport: str = "shm",
 ) -> Calibration:
@@ -142,6 +170,7 @@ def calibrate(
             runner.generate([prompt], 1)
             best = min(best, time.perf_counter() - t0)
         prefill.append(PrefillPoint(n, best))
+    prefill += chunk_points(runner, tokens(3 * chunk_tokens), chunk_tokens, repeats + 1)
 
     decode = []
     mid = decode_tokens // 2  # contexts grow during the run; take the middle step's
@@ -188,7 +217,8 @@ def calibrate(
             description=spec.description
             + f"; mesh probe: loop {o.loop_s * 1e3:.2f} ms + {o.token_s * 1e3:.2f} ms per token, "
             f"request {o.request_s * 1e3:.1f} ms, hand-off {o.handoff_s * 1e3:.1f} ms, "
-            f"{o.stalls.fraction:.1%} of steps stall {o.stalls.excess_s * 1e3:.1f} ms",
+            f"jitter p90 {o.jitter.p90_s * 1e3:.1f} ms, p99 {o.jitter.p99_s * 1e3:.1f} ms, "
+            f"max {o.jitter.max_s * 1e3:.1f} ms",
         )
     elapsed = time.perf_counter() - started
     return Calibration(spec, fit, tuple(decode), tuple(prefill), link_gbps, elapsed, overheads)
@@ -199,7 +229,7 @@ def probe_mesh(
 ) -> OverheadFit:
     """Serve the probe on a real colocated and disagg mesh, and fit the overheads to it."""
     from kvmesh.loadgen.sim.cost import CostModel
-    from kvmesh.loadgen.sim.overheads import ProbeFigures, Stalls, fit_overheads
+    from kvmesh.loadgen.sim.overheads import Jitter, ProbeFigures, fit_overheads
     from kvmesh.loadgen.sim.probe import run_probe
     from kvmesh.loadgen.sim.validate import mesh_topology
 
@@ -212,5 +242,5 @@ def probe_mesh(
         CostModel(model, engine),
         measured,
         lambda m, c: mesh_topology(m, c),
-        Stalls.of(isolated),
+        Jitter.of(isolated),
     )

@@ -17,8 +17,8 @@ deterministic). The request path follows the mesh's:
    its steps (at once if it is idle, else when its step in flight ends): that is when the first
    token is announced, and the sequence decodes from the next step on;
 4. every step's tokens are delivered at the step's end; a finished request frees its KV. A decode
-   or colocated step also pays its loop's overheads (``CostModel.loop_step``; a seeded draw picks
-   the ``stall_fraction`` of them that stall) and starts at most every ``decode_pacing_s``.
+   or colocated step also pays its loop's overheads (``CostModel.loop_step``, with a jitter
+   drawn by a seeded generator) and starts at most every ``decode_pacing_s``.
 
 Steps of workers on one device (``Topology.shared_device``) share it while busy: its cores by
 thread count and niceness, each worker at the pace of its slowest thread (``sharing.py``).
@@ -103,7 +103,7 @@ class Cluster:
             SimSeq(i, r.arrival_s, r.input_len, r.output_len) for i, r in enumerate(self.requests)
         ]
         self.errors: dict[int, str] = {}
-        self._stalls = random.Random(0)  # which loop steps stall: the same draws every run
+        self._jitter = random.Random(0)  # loop steps' jitter: the same draws every run
         self._events: list[tuple[float, int, int, int, int]] = []
         self._counter = itertools.count()
 
@@ -188,8 +188,8 @@ class Cluster:
         if worker.role == "prefill":
             step = self.cost.step(slices)
         else:
-            stall = d.stall_fraction > 0 and self._stalls.random() < d.stall_fraction
-            step = self.cost.loop_step(slices, sum(w.emits_token for w in batch), stall)
+            jitter = self.cost.jitter_s(self._jitter.random()) if d.jitter_max_s > 0 else 0.0
+            step = self.cost.loop_step(slices, sum(w.emits_token for w in batch), jitter)
         worker.is_busy = True
         worker.last_step_start = now
         worker.busy_s += step.seconds

@@ -23,8 +23,8 @@ roofline part runs on all of a worker's threads (``sharing.py``).
 
 A decode or colocated worker's step, as the mesh runs it (``loop_step``), also pays its loop's
 fixed cost and each streamed token's (``loop_overhead_s``, ``token_overhead_s``: measured by
-calibration on a real mesh, ``overheads.py``), on the serial part; and a fraction of them stall
-(``stall_fraction``, ``stall_s``).
+calibration on a real mesh, ``overheads.py``), on the serial part, and a jitter drawn from the
+measured distribution (``jitter_s``).
 
 A worker of ``tp`` devices (tensor parallel) has ``tp`` times the FLOP/s and bandwidth; the
 all-reduces between them are not modelled. KV transfers take ``bytes / link bandwidth +
@@ -34,6 +34,7 @@ latency`` on the prefill worker's link.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -126,17 +127,28 @@ class CostModel:
         return StepCost(flops, num_bytes, self.step_overhead_s(slices), max(compute, memory))
 
     def loop_step(
-        self, slices: Iterable[Slice], num_tokens: int, is_stalled: bool = False
+        self, slices: Iterable[Slice], num_tokens: int, jitter_s: float = 0.0
     ) -> StepCost:
         """A decode or colocated worker's step in the mesh: the engine's step, plus the loop's
-        fixed cost and ``num_tokens`` streamed tokens' cost, serial (one thread); a stalled
-        step (drawn by the caller with ``stall_fraction``) also ``stall_s``."""
-        assert num_tokens >= 0
+        fixed cost, ``num_tokens`` streamed tokens' cost and ``jitter_s`` (a ``jitter_s(u)``
+        draw), serial (one thread)."""
+        assert num_tokens >= 0 and jitter_s >= 0
         step = self.step(slices)
         d = self.device
-        loop = d.loop_overhead_s + d.token_overhead_s * num_tokens
-        loop += d.stall_s if is_stalled else 0.0
+        loop = d.loop_overhead_s + d.token_overhead_s * num_tokens + jitter_s
         return dataclasses.replace(step, overhead_s=step.overhead_s + loop)
+
+    def jitter_s(self, u: float) -> float:
+        """The loop step jitter at quantile ``u`` in [0, 1): 0 up to the median, then linear
+        through ``jitter_p90_s`` at 0.9 and ``jitter_p99_s`` at 0.99 to ``jitter_max_s``."""
+        d = self.device
+        knots = ((0.5, 0.0), (0.9, d.jitter_p90_s), (0.99, d.jitter_p99_s), (1.0, d.jitter_max_s))
+        if u <= 0.5:
+            return 0.0
+        for (u0, x0), (u1, x1) in itertools.pairwise(knots):
+            if u <= u1:
+                return x0 + (x1 - x0) * (u - u0) / (u1 - u0)
+        return d.jitter_max_s
 
     def step_seconds(self, slices: Iterable[Slice]) -> float:
         return self.step(slices).seconds

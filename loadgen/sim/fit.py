@@ -50,14 +50,17 @@ class DecodePoint:
 
 @dataclass(frozen=True, slots=True)
 class PrefillPoint:
-    """Time of one whole-prompt prefill step of ``tokens`` tokens."""
+    """Time of one prefill step of ``tokens`` new tokens after ``context`` cached ones (0: a
+    whole prompt in one step; more: a later chunk of a chunked prefill, as the mesh runs them)."""
 
     tokens: int
     seconds: float
+    context: int = 0
 
     @property
     def label(self) -> str:
-        return f"prefill {self.tokens}"
+        after = f" after {self.context}" if self.context else ""
+        return f"prefill {self.tokens}{after}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,7 +105,7 @@ def fit_costs(
     notes: list[str] = []
 
     # prefill: t = a + FLOPs / F
-    x = [counts.step_flops([Slice(p.tokens, 0)]) for p in prefill]
+    x = [counts.step_flops([Slice(p.tokens, p.context)]) for p in prefill]
     t = [p.seconds for p in prefill]
     a, inv_f = _weighted_lstsq([[1.0, xi] for xi in x], t)
     if inv_f <= 0:
@@ -156,7 +159,7 @@ def fit_costs(
             )
         notes.append(f"per-step overhead {s * 1e3:.2f} ms within noise of 0: set to 0")
         s = 0.0
-    shortest = min(prefill, key=lambda p: p.tokens)
+    shortest = min(prefill, key=lambda p: (p.tokens, p.context))
     if a < -0.05 * shortest.seconds:
         raise FitError(
             f"the prefill intercept is {a * 1e3:.2f} ms (negative beyond noise): prefill time is "
@@ -178,7 +181,8 @@ def fit_costs(
         for p, sl in zip(decode, slices, strict=True)
     ]
     residuals += [
-        Residual(p.label, p.seconds, fitted.step_seconds([Slice(p.tokens, 0)])) for p in prefill
+        Residual(p.label, p.seconds, fitted.step_seconds([Slice(p.tokens, p.context)]))
+        for p in prefill
     ]
     worst = max(residuals, key=lambda r: abs(r.relative))
     if abs(worst.relative) > MAX_RELATIVE_ERROR:

@@ -26,12 +26,11 @@ once workers share the host's cores):
 A term that comes out negative is set to 0, with a note. The fit reports every figure measured
 and simulated with the overheads it found.
 
-Stalls (``Stalls.of``) are measured before the fit, from the isolated requests' gaps (both modes,
-the second half of each stream): a gap of more than ``STALL_FACTOR`` times their mean is a
-stall; ``stall_fraction`` is their share and ``stall_s`` their mean excess over the mean gap. The
-simulator stalls that fraction of loop steps (a seeded draw), which gives its gaps the tail a
-real mesh's have; the loop and token terms are then fitted with the stalls in, so the mean gap
-still matches.
+The jitter (``Jitter.of``) is measured before the fit, from the isolated requests' gaps (both
+modes, the second half of each stream): how far their 90th and 99th percentiles and their
+largest exceed their median. The simulator draws every loop step's jitter from that
+distribution (a seeded draw), which gives its gaps the tail a real mesh's have; the loop and
+token terms are then fitted with the jitter in, so the mean gap still matches.
 """
 
 from __future__ import annotations
@@ -49,7 +48,6 @@ from kvmesh.loadgen.sim.specs import DeviceSpec
 from kvmesh.loadgen.sim.topology import Topology
 
 ROUNDS = 8
-STALL_FACTOR = 2.0  # a gap this many times the mean gap is a stall
 WARN_RELATIVE_ERROR = 0.25  # a figure the fitted simulator misses by more is reported
 
 
@@ -104,23 +102,25 @@ class ProbeFigures:
 
 
 @dataclass(frozen=True, slots=True)
-class Stalls:
-    """The share of loop steps that stall and how much longer they take."""
+class Jitter:
+    """How far a loop step's gap exceeds the median gap: at the 90th and 99th percentiles and
+    at most (seconds)."""
 
-    fraction: float = 0.0
-    excess_s: float = 0.0
+    p90_s: float = 0.0
+    p99_s: float = 0.0
+    max_s: float = 0.0
 
     @classmethod
-    def of(cls, records: Sequence[RequestRecord]) -> Stalls:
-        """Stalls among the gaps of the second half of each (batch-1) stream."""
+    def of(cls, records: Sequence[RequestRecord]) -> Jitter:
+        """The jitter of the gaps of the second half of each (batch-1) stream."""
         gaps = [g for r in records for g in r.itl_s[len(r.itl_s) // 2 :]]
-        if not gaps:
+        if len(gaps) < 2:
             return cls()
-        mean = statistics.fmean(gaps)
-        long = [g for g in gaps if g > STALL_FACTOR * mean]
-        if not long or mean <= 0:
-            return cls()
-        return cls(len(long) / len(gaps), statistics.fmean(long) - mean)
+        cuts = statistics.quantiles(gaps, n=100, method="inclusive")
+        median = statistics.median(gaps)
+        return cls(
+            max(0.0, cuts[89] - median), max(0.0, cuts[98] - median), max(0.0, max(gaps) - median)
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,7 +129,7 @@ class MeshOverheads:
     token_s: float = 0.0
     request_s: float = 0.0
     handoff_s: float = 0.0
-    stalls: Stalls = Stalls()
+    jitter: Jitter = Jitter()
 
     def apply(self, device: DeviceSpec) -> DeviceSpec:
         return dataclasses.replace(
@@ -138,8 +138,9 @@ class MeshOverheads:
             token_overhead_s=self.token_s,
             request_overhead_s=self.request_s,
             handoff_overhead_s=self.handoff_s,
-            stall_fraction=self.stalls.fraction,
-            stall_s=self.stalls.excess_s,
+            jitter_p90_s=self.jitter.p90_s,
+            jitter_p99_s=self.jitter.p99_s,
+            jitter_max_s=self.jitter.max_s,
         )
 
 
@@ -191,16 +192,17 @@ def fit_overheads(
     cost: CostModel,
     measured: Mapping[str, ProbeFigures],
     topology_for: TopologyFor,
-    stalls: Stalls = Stalls(),
+    jitter: Jitter = Jitter(),
     rounds: int = ROUNDS,
 ) -> OverheadFit:
-    """The overheads with which the simulator, stalling as ``stalls`` says, reproduces
+    """The overheads with which the simulator, its loop steps jittering as ``jitter`` says,
+    reproduces
     ``measured`` (``colocated`` needed, ``disagg`` optional: without it the hand-off term stays
     0). ``cost`` is the engine's."""
     if "colocated" not in measured:
         raise OverheadFitError("the fit needs the colocated mesh's probe")
     modes = [m for m in ("colocated", "disagg") if m in measured]
-    o = MeshOverheads(stalls=stalls)
+    o = MeshOverheads(jitter=jitter)
     for _ in range(rounds):
         trial = CostModel(cost.model, o.apply(cost.device), cost.tp)
         sim = {m: simulate_probe(trial, m, topology_for) for m in modes}
@@ -214,7 +216,7 @@ def fit_overheads(
             token_s=max(0.0, o.token_s + d_token),
             request_s=max(0.0, o.request_s + miss["colocated"].ttft_s),
             handoff_s=max(0.0, o.handoff_s + d_handoff),
-            stalls=stalls,
+            jitter=jitter,
         )
     trial = CostModel(cost.model, o.apply(cost.device), cost.tp)
     residuals = []

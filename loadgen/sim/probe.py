@@ -27,7 +27,7 @@ from kvmesh.loadgen.sim.workload import SimRequest
 
 PROBE_INPUT = 64
 ISOLATED = 8
-ISOLATED_OUTPUT = 64
+ISOLATED_OUTPUT = 128
 BATCH = 8
 BATCH_OUTPUT = 64
 ISOLATION_GAP_S = 60.0  # simulated isolated requests are this far apart: nothing overlaps

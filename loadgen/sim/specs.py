@@ -49,10 +49,11 @@ class DeviceSpec:
     serial part; ``request_overhead_s``, a request's fixed latency outside the engine (HTTP,
     tokenization, placement, the reservation, the first token's way back); and
     ``handoff_overhead_s``, what a disaggregated request pays on top (the prefill job's dispatch,
-    the last write's completion, PrefillDone, the decode worker's admission). ``stall_fraction``
-    of those steps take ``stall_s`` longer: the rare long gaps a real mesh shows (the garbage
-    collector, heartbeats, a process the OS runs first, a late read), measured as gaps of more
-    than twice the median at batch 1."""
+    the last write's completion, PrefillDone, the decode worker's admission). Loop steps also
+    jitter: the gaps a real mesh shows at batch 1 exceed their median by up to ``jitter_p90_s``
+    in 90 % of steps, ``jitter_p99_s`` in 99 %, ``jitter_max_s`` at most (the garbage collector,
+    heartbeats, a process the OS runs first, a late read); ``CostModel.jitter_s`` draws from
+    that distribution."""
 
     name: str
     peak_flops: float
@@ -72,8 +73,9 @@ class DeviceSpec:
     token_overhead_s: float = 0.0
     request_overhead_s: float = 0.0
     handoff_overhead_s: float = 0.0
-    stall_fraction: float = 0.0
-    stall_s: float = 0.0
+    jitter_p90_s: float = 0.0
+    jitter_p99_s: float = 0.0
+    jitter_max_s: float = 0.0
     description: str = ""
 
     def __post_init__(self) -> None:
@@ -91,10 +93,17 @@ class DeviceSpec:
             "token_overhead_s",
             "request_overhead_s",
             "handoff_overhead_s",
-            "stall_s",
+            "jitter_p90_s",
+            "jitter_p99_s",
+            "jitter_max_s",
         ):
             _require(getattr(self, name) >= 0, self.name, name, "must be >= 0")
-        _require(0 <= self.stall_fraction < 1, self.name, "stall_fraction", "must be in [0, 1)")
+        _require(
+            self.jitter_p90_s <= self.jitter_p99_s <= self.jitter_max_s,
+            self.name,
+            "jitter_p90_s, jitter_p99_s, jitter_max_s",
+            "must not decrease",
+        )
         for name in ("cores", "calibration_threads"):
             value = getattr(self, name)
             _require(isinstance(value, int) and value >= 1, self.name, name, "must be an int >= 1")
