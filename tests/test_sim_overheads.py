@@ -39,12 +39,19 @@ def _gaps(record: RequestRecord) -> list[float]:
 
 
 def test_loop_step_adds_loop_and_per_token_overheads():
-    cost = _fixed(loop_overhead_s=0.002, token_overhead_s=0.0005)
+    cost = _fixed(
+        loop_overhead_s=0.002,
+        token_overhead_s=0.0005,
+        colocated_loop_overhead_s=0.003,
+        colocated_token_overhead_s=0.001,
+    )
     slices = [Slice(1, 100)] * 4
     engine = cost.step(slices)
     loop = cost.loop_step(slices, num_tokens=4)
     assert loop.overhead_s == pytest.approx(engine.overhead_s + 0.002 + 4 * 0.0005)
     assert loop.roofline_s == engine.roofline_s
+    colocated = cost.loop_step(slices, num_tokens=4, is_colocated=True)
+    assert colocated.overhead_s == pytest.approx(engine.overhead_s + 0.003 + 4 * 0.001)
 
 
 def test_request_overhead_delays_the_first_token_not_the_gaps():
@@ -72,7 +79,10 @@ def test_handoff_overhead_delays_disagg_first_token_only():
 def test_colocated_gap_is_step_plus_loop_plus_token_cost_per_sequence():
     requests = [SimRequest(0.0, 16, 20) for _ in range(4)]
     topology = Topology("colocated", 1, kv_capacity_tokens=10_000)
-    cost = _fixed(loop_overhead_s=0.004, token_overhead_s=0.001)
+    # the decode worker's terms are not the colocated worker's
+    cost = _fixed(
+        colocated_loop_overhead_s=0.004, colocated_token_overhead_s=0.001, loop_overhead_s=1.0
+    )
     result = simulate(topology, cost, requests)
     # the first request's step starts alone, the other three join the next; then four decode
     for record in result.records:
@@ -206,7 +216,13 @@ def _topology(mode: str, cost: CostModel) -> Topology:
 def test_fit_overheads_recovers_the_overheads_a_probe_was_simulated_with():
     jitter = Jitter(0.0005, 0.003, 0.01)
     truth = MeshOverheads(
-        loop_s=0.0012, token_s=0.0003, request_s=0.025, handoff_s=0.04, jitter=jitter
+        loop_s=0.0012,
+        token_s=0.0003,
+        colocated_loop_s=0.0015,
+        colocated_token_s=0.0005,
+        request_s=0.025,
+        handoff_s=0.04,
+        jitter=jitter,
     )
     probed = CostModel(TINY, truth.apply(_cpu().device))
     measured = {m: simulate_probe(probed, m, _topology) for m in ("colocated", "disagg")}
@@ -216,6 +232,8 @@ def test_fit_overheads_recovers_the_overheads_a_probe_was_simulated_with():
     assert got.handoff_s == pytest.approx(truth.handoff_s, rel=0.05)
     assert got.loop_s == pytest.approx(truth.loop_s, rel=0.1)
     assert got.token_s == pytest.approx(truth.token_s, rel=0.1)
+    assert got.colocated_loop_s == pytest.approx(truth.colocated_loop_s, rel=0.1)
+    assert got.colocated_token_s == pytest.approx(truth.colocated_token_s, rel=0.1)
     assert fit.max_relative_error < 0.02
     assert len(fit.residuals) == 6
 
@@ -228,6 +246,9 @@ def test_fit_overheads_clamps_a_negative_term_to_zero_with_a_note():
     fit = fit_overheads(engine, {"colocated": faster}, _topology)
     assert fit.overheads.request_s == 0.0
     assert any("request_s" in note for note in fit.notes)
+    # no disagg probe: the decode worker's loop terms are the colocated worker's
+    assert fit.overheads.loop_s == fit.overheads.colocated_loop_s
+    assert fit.overheads.token_s == fit.overheads.colocated_token_s
 
 
 def test_fit_overheads_needs_the_colocated_probe():

@@ -303,7 +303,9 @@ def _print_mesh_fit(mesh: Any) -> None:
             "not describe this mesh well (or the machine was busy)"
         )
     print(
-        f"mesh overheads: loop {o.loop_s * 1e3:.2f} ms per step + {o.token_s * 1e3:.3f} ms per "
+        f"mesh overheads: colocated loop {o.colocated_loop_s * 1e3:.2f} ms per step + "
+        f"{o.colocated_token_s * 1e3:.3f} ms per streamed token; "
+        f"decode loop {o.loop_s * 1e3:.2f} ms per step + {o.token_s * 1e3:.3f} ms per "
         f"streamed token; request {o.request_s * 1e3:.1f} ms; disagg hand-off "
         f"{o.handoff_s * 1e3:.1f} ms; loop step jitter over the median: p90 "
         f"{o.jitter.p90_s * 1e3:.2f} ms, p99 {o.jitter.p99_s * 1e3:.2f} ms, max "
@@ -335,8 +337,10 @@ def _validate(args: argparse.Namespace, cost: Any, requests: list[Any]) -> int:
     d = cost.device
     print(
         f"simulated on {d.name}: {d.peak_flops / 1e9:.1f} GFLOP/s, {d.mem_bandwidth / 1e9:.2f} GB/s, "
-        f"{d.step_overhead_s * 1e3:.2f} ms per step; mesh overheads: loop "
-        f"{d.loop_overhead_s * 1e3:.2f} ms + {d.token_overhead_s * 1e3:.3f} ms per token, request "
+        f"{d.step_overhead_s * 1e3:.2f} ms per step; mesh overheads: colocated loop "
+        f"{d.colocated_loop_overhead_s * 1e3:.2f} ms + {d.colocated_token_overhead_s * 1e3:.3f} ms "
+        f"per token, decode loop {d.loop_overhead_s * 1e3:.2f} ms + "
+        f"{d.token_overhead_s * 1e3:.3f} ms per token, request "
         f"{d.request_overhead_s * 1e3:.1f} ms, hand-off {d.handoff_overhead_s * 1e3:.1f} ms, "
         f"jitter p90 {d.jitter_p90_s * 1e3:.2f} ms, p99 {d.jitter_p99_s * 1e3:.2f} ms, max "
         f"{d.jitter_max_s * 1e3:.1f} ms"

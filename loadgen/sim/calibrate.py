@@ -215,7 +215,9 @@ def calibrate(
         spec = dataclasses.replace(
             overheads.overheads.apply(spec),
             description=spec.description
-            + f"; mesh probe: loop {o.loop_s * 1e3:.2f} ms + {o.token_s * 1e3:.2f} ms per token, "
+            + f"; mesh probe: colocated loop {o.colocated_loop_s * 1e3:.2f} ms + "
+            f"{o.colocated_token_s * 1e3:.2f} ms per token, decode loop {o.loop_s * 1e3:.2f} ms "
+            f"+ {o.token_s * 1e3:.2f} ms per token, "
             f"request {o.request_s * 1e3:.1f} ms, hand-off {o.handoff_s * 1e3:.1f} ms, "
             f"jitter p90 {o.jitter.p90_s * 1e3:.1f} ms, p99 {o.jitter.p99_s * 1e3:.1f} ms, "
             f"max {o.jitter.max_s * 1e3:.1f} ms",

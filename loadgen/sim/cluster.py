@@ -189,7 +189,12 @@ class Cluster:
             step = self.cost.step(slices)
         else:
             jitter = self.cost.jitter_s(self._jitter.random()) if d.jitter_max_s > 0 else 0.0
-            step = self.cost.loop_step(slices, sum(w.emits_token for w in batch), jitter)
+            step = self.cost.loop_step(
+                slices,
+                sum(w.emits_token for w in batch),
+                jitter,
+                is_colocated=worker.role == "colocated",
+            )
         worker.is_busy = True
         worker.last_step_start = now
         worker.busy_s += step.seconds

@@ -127,15 +127,24 @@ class CostModel:
         return StepCost(flops, num_bytes, self.step_overhead_s(slices), max(compute, memory))
 
     def loop_step(
-        self, slices: Iterable[Slice], num_tokens: int, jitter_s: float = 0.0
+        self,
+        slices: Iterable[Slice],
+        num_tokens: int,
+        jitter_s: float = 0.0,
+        *,
+        is_colocated: bool = False,
     ) -> StepCost:
-        """A decode or colocated worker's step in the mesh: the engine's step, plus the loop's
-        fixed cost, ``num_tokens`` streamed tokens' cost and ``jitter_s`` (a ``jitter_s(u)``
-        draw), serial (one thread)."""
+        """A decode (or, ``is_colocated``, colocated) worker's step in the mesh: the engine's
+        step, plus the loop's fixed cost, ``num_tokens`` streamed tokens' cost and ``jitter_s``
+        (a ``jitter_s(u)`` draw), serial (one thread)."""
         assert num_tokens >= 0 and jitter_s >= 0
         step = self.step(slices)
         d = self.device
-        loop = d.loop_overhead_s + d.token_overhead_s * num_tokens + jitter_s
+        if is_colocated:
+            loop = d.colocated_loop_overhead_s + d.colocated_token_overhead_s * num_tokens
+        else:
+            loop = d.loop_overhead_s + d.token_overhead_s * num_tokens
+        loop += jitter_s
         return dataclasses.replace(step, overhead_s=step.overhead_s + loop)
 
     def jitter_s(self, u: float) -> float:

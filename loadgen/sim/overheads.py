@@ -20,8 +20,11 @@ once workers share the host's cores):
 
 - ``request_overhead_s``: by the colocated TTFT's miss;
 - ``handoff_overhead_s``: by the disaggregated TTFT's miss less the colocated one's;
-- ``loop_overhead_s`` and ``token_overhead_s``: by the least-squares line ``miss = loop + token *
-  batch`` through both modes' two gaps (at batch 1 and ``BATCH``): one decode loop, one router.
+- ``loop_overhead_s`` and ``token_overhead_s`` (disagg's decode worker) and their
+  ``colocated_`` twins: by the line ``miss = loop + token * batch`` through that mode's two gaps
+  (at batch 1 and ``BATCH``). Apart, because the same loop and router cost a colocated worker
+  more: its threads take every core (one shared pair of terms left colocated gaps 10-18 % short
+  and disagg's 11-25 % long on the probe). Without a disagg probe both get colocated's.
 
 A term that comes out negative is set to 0, with a note. The fit reports every figure measured
 and simulated with the overheads it found.
@@ -127,6 +130,8 @@ class Jitter:
 class MeshOverheads:
     loop_s: float = 0.0
     token_s: float = 0.0
+    colocated_loop_s: float = 0.0
+    colocated_token_s: float = 0.0
     request_s: float = 0.0
     handoff_s: float = 0.0
     jitter: Jitter = Jitter()
@@ -136,6 +141,8 @@ class MeshOverheads:
             device,
             loop_overhead_s=self.loop_s,
             token_overhead_s=self.token_s,
+            colocated_loop_overhead_s=self.colocated_loop_s,
+            colocated_token_overhead_s=self.colocated_token_s,
             request_overhead_s=self.request_s,
             handoff_overhead_s=self.handoff_s,
             jitter_p90_s=self.jitter.p90_s,
@@ -207,13 +214,17 @@ def fit_overheads(
         trial = CostModel(cost.model, o.apply(cost.device), cost.tp)
         sim = {m: simulate_probe(trial, m, topology_for) for m in modes}
         miss = {m: _minus(measured[m], sim[m]) for m in modes}
-        points = [(1.0, miss[m].gap_1_s) for m in modes]
-        points += [(float(BATCH), miss[m].gap_batch_s) for m in modes]
-        d_loop, d_token = _line(points)
+        lines = {m: _line([(1.0, miss[m].gap_1_s), (BATCH, miss[m].gap_batch_s)]) for m in modes}
+        c_loop, c_token = lines["colocated"]
+        d_loop, d_token = lines.get("disagg", (c_loop, c_token))
         d_handoff = miss["disagg"].ttft_s - miss["colocated"].ttft_s if "disagg" in miss else 0.0
+        colocated_loop = max(0.0, o.colocated_loop_s + c_loop)
+        colocated_token = max(0.0, o.colocated_token_s + c_token)
         o = MeshOverheads(
-            loop_s=max(0.0, o.loop_s + d_loop),
-            token_s=max(0.0, o.token_s + d_token),
+            loop_s=max(0.0, o.loop_s + d_loop) if "disagg" in miss else colocated_loop,
+            token_s=max(0.0, o.token_s + d_token) if "disagg" in miss else colocated_token,
+            colocated_loop_s=colocated_loop,
+            colocated_token_s=colocated_token,
             request_s=max(0.0, o.request_s + miss["colocated"].ttft_s),
             handoff_s=max(0.0, o.handoff_s + d_handoff),
             jitter=jitter,
@@ -224,7 +235,13 @@ def fit_overheads(
         sim = simulate_probe(trial, m, topology_for)
         for (label, real), (_, predicted) in zip(measured[m].items(), sim.items(), strict=True):
             residuals.append(FigureResidual(f"{m} {label}", real, predicted))
-    terms = {"loop_s": o.loop_s, "token_s": o.token_s, "request_s": o.request_s}
+    terms = {
+        "colocated_loop_s": o.colocated_loop_s,
+        "colocated_token_s": o.colocated_token_s,
+        "request_s": o.request_s,
+    }
+    if "disagg" in measured:
+        terms.update(loop_s=o.loop_s, token_s=o.token_s)
     if "disagg" in measured:
         terms["handoff_s"] = o.handoff_s
     notes = tuple(

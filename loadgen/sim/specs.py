@@ -46,7 +46,9 @@ class DeviceSpec:
     nothing measured them): ``loop_overhead_s`` per step of a decode or colocated worker's loop
     (admission, the step's hand-off to its thread, metrics) and ``token_overhead_s`` per token
     that step streams (its event's encoding, NATS, the router, SSE), both paid on the step's
-    serial part; ``request_overhead_s``, a request's fixed latency outside the engine (HTTP,
+    serial part; ``colocated_loop_overhead_s`` and ``colocated_token_overhead_s`` the same for a
+    colocated worker, measured apart (its threads take every core, so the router's and NATS's
+    work for each token slows it more than a disagg decode worker on some of them); ``request_overhead_s``, a request's fixed latency outside the engine (HTTP,
     tokenization, placement, the reservation, the first token's way back); and
     ``handoff_overhead_s``, what a disaggregated request pays on top (the prefill job's dispatch,
     the last write's completion, PrefillDone, the decode worker's admission). Loop steps also
@@ -71,6 +73,8 @@ class DeviceSpec:
     link_latency_s: float = 0.0
     loop_overhead_s: float = 0.0
     token_overhead_s: float = 0.0
+    colocated_loop_overhead_s: float = 0.0
+    colocated_token_overhead_s: float = 0.0
     request_overhead_s: float = 0.0
     handoff_overhead_s: float = 0.0
     jitter_p90_s: float = 0.0
@@ -91,6 +95,8 @@ class DeviceSpec:
             "link_latency_s",
             "loop_overhead_s",
             "token_overhead_s",
+            "colocated_loop_overhead_s",
+            "colocated_token_overhead_s",
             "request_overhead_s",
             "handoff_overhead_s",
             "jitter_p90_s",
