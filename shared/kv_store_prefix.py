@@ -19,7 +19,7 @@ from kvmesh.shared import logs
 from kvmesh.shared.engine.block_manager import BlockManager
 from kvmesh.shared.engine.kv_cache import KVPool
 from kvmesh.shared.kv_block_header import token_digests
-from kvmesh.shared.kv_store_client import KvStoreClient, LocalBlock, StoreTarget
+from kvmesh.shared.kv_store_client import KvStoreClient, LocalBlock, StoreBook, StoreTarget
 from kvmesh.shared.prefix_hash import reusable_prefix_hashes
 
 log = logs.get_logger(__name__)
@@ -88,3 +88,40 @@ def adopt_fetched(block_manager: BlockManager, fetched: Fetched) -> int:
     block_manager.adopt(fetched.block_ids[:n], fetched.hashes[:n], fetched.tokens[:n])
     block_manager.free_blocks(fetched.block_ids)
     return n * block_manager.block_size
+
+
+class PrefixReader:
+    """One engine's reads of prompt prefixes from the store ``stores`` picks (prefill workers
+    before a job, decode workers before a local prefill): ``fetch`` without the engine lock held
+    across I/O, then ``adopt`` under it right before the request is added. A store whose get
+    failed is forgotten until its next advert."""
+
+    def __init__(
+        self,
+        client: KvStoreClient,
+        stores: StoreBook,
+        kv_spec: str,
+        block_manager: BlockManager,
+        pool: KVPool,
+    ) -> None:
+        self.client = client
+        self.stores = stores
+        self.kv_spec = kv_spec
+        self.block_manager = block_manager
+        self.pool = pool
+
+    async def fetch(self, token_ids: Sequence[int], lock: asyncio.Lock) -> Fetched | None:
+        """``fetch_prefix`` from the chosen store; None: no store, nothing to read, no room."""
+        store = self.stores.target()
+        if store is None:
+            return None
+        fetched = await fetch_prefix(
+            self.client, store, self.kv_spec, self.block_manager, self.pool, token_ids, lock
+        )
+        if fetched is not None and fetched.failed:
+            self.stores.forget(store.store_id)
+        return fetched
+
+    def adopt(self, fetched: Fetched) -> int:
+        """``adopt_fetched`` (under the engine lock); returns the tokens adopted."""
+        return adopt_fetched(self.block_manager, fetched)

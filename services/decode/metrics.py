@@ -82,6 +82,16 @@ class DecodeMetrics(MetricSet):
             "prefix_cached_blocks",
             "Blocks in the prefix cache (full, hashed, reusable; in use or free).",
         )
+        self.local_prompt_tokens = self.counter(
+            "local_prompt_tokens_total",
+            "Prompt tokens of requests this worker prefilled itself (local prefills, colocated); "
+            "less prefix_cache_hit_tokens: the tokens it computed.",
+        )
+        self.store_hit_tokens = self.counter(
+            "store_hit_tokens_total",
+            "Prompt tokens of local prefills read one-sided from a kv-store into the prefix cache "
+            "instead of being computed (also counted in prefix_cache_hit_tokens).",
+        )
         self.swap_outs = self.counter(
             "swap_outs_total",
             "Preempted sequences whose full blocks were put into a kv-store (at least the first "

@@ -37,6 +37,7 @@ from kvmesh.shared.engine.config import EngineConfig
 from kvmesh.shared.engine.kv_cache import KVCacheSpec
 from kvmesh.shared.engine.llm_engine import LLMEngine
 from kvmesh.shared.kv_store_client import KvStoreClient
+from kvmesh.shared.kv_store_prefix import PrefixReader
 from kvmesh.shared.model.config import parse_dtype
 from kvmesh.shared.model.loader import load_model
 from kvmesh.shared.nats_service import (
@@ -367,7 +368,7 @@ async def decode_service(config: DecodeConfig) -> AsyncIterator[DecodeService]:
         )
         engine = LLMEngine(model, tokenizer, econf, kv_buffer=buffer)
         region = transport.register(engine.kv_pool.raw, Access.REMOTE_WRITE) if disagg else None
-        store, swaps, metrics = None, None, DecodeMetrics()
+        store, swaps, reader, metrics = None, None, None, DecodeMetrics()
         if region is not None and config.use_kv_store and econf.enable_prefix_caching:
             client = KvStoreClient(
                 nc,
@@ -380,6 +381,9 @@ async def decode_service(config: DecodeConfig) -> AsyncIterator[DecodeService]:
             )
             store = FinishedPuts(engine, client, engine.kv_spec)
             swaps = Swaps(engine, client, store.stores, engine.kv_spec, metrics)
+            reader = PrefixReader(
+                client, store.stores, engine.kv_spec, engine.block_manager, engine.kv_pool
+            )
         worker = DecodeWorker(
             engine,
             worker_id=worker_id,
@@ -396,6 +400,7 @@ async def decode_service(config: DecodeConfig) -> AsyncIterator[DecodeService]:
             ),
             store=store,
             swaps=swaps,
+            reader=reader,
         )
         service = DecodeService(
             config,

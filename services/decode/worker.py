@@ -37,6 +37,7 @@ from kvmesh.shared.engine.draft_tree import DraftTree, DraftTreeError
 from kvmesh.shared.engine.llm_engine import LLMEngine
 from kvmesh.shared.engine.sequence import RequestError, RequestOutput, SamplingParams
 from kvmesh.shared.imm import imm_slot, unpack_imm
+from kvmesh.shared.kv_store_prefix import Fetched, PrefixReader
 from kvmesh.shared.protocol import (
     Abort,
     DraftForget,
@@ -110,6 +111,7 @@ class DecodeWorker:
         cache: CacheReporter | None = None,
         store: FinishedPuts | None = None,
         swaps: Swaps | None = None,
+        reader: PrefixReader | None = None,
     ) -> None:
         self.engine = engine
         self.metrics = metrics or DecodeMetrics()
@@ -133,6 +135,15 @@ class DecodeWorker:
         self.cache = cache  # None: the prefix cache is not reported to the registry
         self.store = store  # None: finished requests' blocks are not put into a kv-store
         self.swaps = swaps  # None: preempted sequences are recomputed, never swapped out
+        # None: local prefills use this worker's own prefix cache only, never a kv-store's
+        self.reader = reader
+        # Local prefills whose prefix is being read from a kv-store (queued in _incoming when
+        # the read ends), those aborted meanwhile, the blocks each read (adopted by admit()),
+        # and the reads of aborted requests (adopted and freed by admit()).
+        self._reading: dict[str, tuple[list[int], asyncio.Task[None]]] = {}
+        self._read_aborted: set[str] = set()
+        self._read: dict[str, Fetched] = {}
+        self._read_unused: list[Fetched] = []
 
     # ---- the engine loop (the service drives it) --------------------------------------------
 
@@ -149,7 +160,14 @@ class DecodeWorker:
     @property
     def is_idle(self) -> bool:
         """Nothing to admit, abort or step: the engine loop would wait for work."""
-        return not (self._incoming or self._settled or self._aborts or self.has_unfinished)
+        return not (
+            self._incoming
+            or self._reading
+            or self._read_unused
+            or self._settled
+            or self._aborts
+            or self.has_unfinished
+        )
 
     async def admit(self) -> list[TokenEvent]:
         """Between steps: add the accepted local-prefill requests to the engine, admit (or fail)
@@ -159,7 +177,14 @@ class DecodeWorker:
         events: list[TokenEvent] = []
         async with self._lock:
             incoming, self._incoming = self._incoming, []
+            unused, self._read_unused = self._read_unused, []
+            for fetched in unused:  # aborted requests' reads: cached (they verified), freed
+                self.reader.adopt(fetched)
             for rid, prompt, params in incoming:
+                fetched = self._read.pop(rid, None)
+                if fetched is not None and self.reader is not None:  # adopted and added at once
+                    self.metrics.store_hit_tokens.inc(self.reader.adopt(fetched))
+                self.metrics.local_prompt_tokens.inc(len(prompt))
                 try:
                     self.engine.add_request(rid, prompt, params)
                 except RequestError as exc:
@@ -300,7 +325,11 @@ class DecodeWorker:
         except ValueError as exc:
             return refuse(f"bad sampling options: {exc}")
         rid, prompt = req.request_id, list(req.prompt_ids)
-        if rid in self.pending or any(rid == r for r, _, _ in self._incoming):
+        if (
+            rid in self.pending
+            or rid in self._reading
+            or any(rid == r for r, _, _ in self._incoming)
+        ):
             return refuse(f"request {rid!r} is already on decode worker {self.worker_id}")
         if req.local_prefill or self.colocated:
             # Accepted now, queued by the engine after the step in flight: the reply never waits
@@ -309,8 +338,13 @@ class DecodeWorker:
                 self.engine.check_request(rid, prompt)
             except RequestError as exc:
                 return refuse(str(exc))
-            self._incoming.append((rid, prompt, params))
-            self._wake.set()
+            if self.reader is not None and self.reader.stores.target() is not None:
+                # its prefix from a store first (the request is queued when the read ends)
+                task = asyncio.ensure_future(self._read_prefix(rid, prompt, params))
+                self._reading[rid] = (prompt, task)
+            else:
+                self._incoming.append((rid, prompt, params))
+                self._wake.set()
             return ReserveReply(True, self.worker_id)
         async with self._lock:
             if rid in self.engine.seqs:
@@ -350,6 +384,26 @@ class DecodeWorker:
                 self.engine.free_reserved(block_ids)
                 return refuse(str(exc))
         return ReserveReply(True, self.worker_id, block_ids=tuple(block_ids), rkey=res.rkey)
+
+    async def _read_prefix(self, rid: str, prompt: list[int], params: SamplingParams) -> None:
+        """A local prefill's prefix blocks from a kv-store (best effort), then the request is
+        queued for ``admit()``; one aborted meanwhile only has its blocks adopted and freed."""
+        fetched = None
+        try:
+            fetched = await self.reader.fetch(prompt, self._lock)
+        except Exception as exc:  # fetch_prefix never raises for the store; a bug must not
+            log.error("kv-store read for a local prefill failed", request_id=rid, error=repr(exc))
+        finally:
+            del self._reading[rid]
+        if rid in self._read_aborted:
+            self._read_aborted.discard(rid)
+            if fetched is not None:
+                self._read_unused.append(fetched)
+        else:
+            if fetched is not None:
+                self._read[rid] = fetched
+            self._incoming.append((rid, prompt, params))
+        self._wake.set()
 
     def _close_window(self, window: MemoryWindow | None) -> None:
         if window is not None and self.windows is not None:
@@ -402,7 +456,15 @@ class DecodeWorker:
         for i, (rid, prompt, _) in enumerate(self._incoming):  # accepted, not yet in the engine
             if rid == request_id:
                 del self._incoming[i]
+                read = self._read.pop(rid, None)
+                if read is not None:  # its blocks are adopted (and freed) by the next admit()
+                    self._read_unused.append(read)
+                    self._wake.set()
                 return TokenEvent(rid, (), finish_reason="abort", num_prompt_tokens=len(prompt))
+        if request_id in self._reading:  # its prefix is being read: the read frees its blocks
+            self._read_aborted.add(request_id)
+            prompt = self._reading[request_id][0]
+            return TokenEvent(request_id, (), finish_reason="abort", num_prompt_tokens=len(prompt))
         if request_id in self.pending:
             verdict = self.pending.abort(request_id, job_withdrawn)
             if verdict is not None:
@@ -485,6 +547,7 @@ class DecodeWorker:
             "num_running": len(self.engine.scheduler.running),
             "num_waiting": len(self.engine.scheduler.waiting)
             + len(self.pending)
-            + len(self._incoming),
+            + len(self._incoming)
+            + len(self._reading),
             "state": "draining" if self.is_draining else "ready",
         }

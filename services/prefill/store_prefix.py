@@ -20,7 +20,7 @@ from kvmesh.shared.kv_store_client import (
     StoreTarget,
     put_cached_prefix,
 )
-from kvmesh.shared.kv_store_prefix import Fetched, adopt_fetched, fetch_prefix
+from kvmesh.shared.kv_store_prefix import Fetched, PrefixReader
 from kvmesh.shared.protocol import StoreAdvert
 
 log = logs.get_logger(__name__)
@@ -32,6 +32,9 @@ class StorePrefix:
         self.client = client
         self.kv_spec = kv_spec
         self.stores = StoreBook(kv_spec, client.block_bytes)
+        self.reader = PrefixReader(
+            client, self.stores, kv_spec, engine.block_manager, engine.kv_pool
+        )
         self._puts: set[asyncio.Task[None]] = set()
 
     def on_advert(self, advert: StoreAdvert) -> None:
@@ -40,21 +43,12 @@ class StorePrefix:
     async def fetch(self, prompt_ids: list[int], lock: asyncio.Lock) -> Fetched | None:
         """Read the prompt's prefix blocks the prefix cache lacks from the store into fresh pool
         blocks (allocated under ``lock``, read without it). None when there is nothing to read."""
-        store = self.stores.target()
-        if store is None:
-            return None
-        engine = self.engine
-        fetched = await fetch_prefix(
-            self.client, store, self.kv_spec, engine.block_manager, engine.kv_pool, prompt_ids, lock
-        )
-        if fetched is not None and fetched.failed:
-            self.stores.forget(store.store_id)
-        return fetched
+        return await self.reader.fetch(prompt_ids, lock)
 
     def adopt(self, fetched: Fetched) -> int:
         """Under the engine lock, right before the request is added: the verified blocks enter
         the prefix cache, every fetched block is freed. Returns the tokens adopted."""
-        return adopt_fetched(self.engine.block_manager, fetched)
+        return self.reader.adopt(fetched)
 
     def put_later(self, prompt_ids: list[int], lock: asyncio.Lock) -> None:
         """Put the prompt's computed full blocks into the store in the background."""
