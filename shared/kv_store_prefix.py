@@ -29,7 +29,8 @@ log = logs.get_logger(__name__)
 class Fetched:
     """Pool blocks holding a prefix read from a store: ``block_ids[:num_good]`` verified as
     ``hashes[:num_good]``; all of ``block_ids`` are the caller's to adopt and free.
-    ``num_cached``: the leading blocks the prefix cache held already (not read).
+    ``num_cached``: the leading blocks the prefix cache held already (not read), ``pinned``
+    meanwhile (so that allocating the others could not evict them; freed by the adopt).
     ``failed``: the store did not answer or the transfer failed (the caller may forget it)."""
 
     block_ids: list[int]
@@ -38,6 +39,7 @@ class Fetched:
     num_good: int
     num_cached: int = 0
     failed: bool = False
+    pinned: tuple[int, ...] = ()
 
 
 async def fetch_prefix(
@@ -60,9 +62,13 @@ async def fetch_prefix(
     if max_blocks is not None:
         hashes = hashes[:max_blocks]
     async with lock:
-        first = block_manager.num_cached(hashes)
+        # the cached leading blocks are pinned: the fresh ones are taken from the free list,
+        # where they may sit too, and evicting them would break the prefix the read continues
+        pinned = tuple(block_manager.pin_cached(hashes))
+        first = len(pinned)
         want = len(hashes) - first
         if want <= 0 or want > block_manager.num_free_blocks:
+            block_manager.free_blocks(list(pinned))
             return None
         block_ids = block_manager.allocate_blocks(want)
     digests = token_digests(token_ids, bs, kv_spec, len(hashes))[first:]
@@ -75,18 +81,19 @@ async def fetch_prefix(
         result = await client.get(store, kv_spec, blocks)
     except Exception as exc:  # best effort: a failed read means computing the prefix
         log.warning("kv-store get failed", error=str(exc))
-        return Fetched(block_ids, hashes[first:], tokens, 0, first, failed=True)
+        return Fetched(block_ids, hashes[first:], tokens, 0, first, True, pinned)
     if result.error:
         log.info("kv-store get used fewer blocks", error=result.error)
-    return Fetched(block_ids, hashes[first:], tokens, result.num_blocks, first)
+    return Fetched(block_ids, hashes[first:], tokens, result.num_blocks, first, False, pinned)
 
 
 def adopt_fetched(block_manager: BlockManager, fetched: Fetched) -> int:
     """Under the engine lock, right before the sequence is allocated: the verified blocks enter
-    the prefix cache, every fetched block is freed. Returns the tokens adopted."""
+    the prefix cache, every fetched block is freed and the cached ones unpinned (the chain's
+    tail first, so its head stays longest). Returns the tokens adopted."""
     n = fetched.num_good
     block_manager.adopt(fetched.block_ids[:n], fetched.hashes[:n], fetched.tokens[:n])
-    block_manager.free_blocks(fetched.block_ids)
+    block_manager.free_blocks([*fetched.pinned, *fetched.block_ids])
     return n * block_manager.block_size
 
 

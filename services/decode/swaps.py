@@ -176,15 +176,18 @@ class Swaps:
         for rid in [r for r in self.swapped if r not in engine.seqs]:
             del self.swapped[rid]  # aborted while swapped out
         sched = engine.scheduler
-        while sched.waiting:
-            seq = sched.waiting[0]
-            swap = self.swapped.get(seq.request_id)
-            if swap is None or not sched.is_held(seq.request_id) or not sched.fits(seq):
-                return None
-            num_cached = engine.block_manager.num_cached(swap.hashes)
-            if swap.num_stored is not None and num_cached < swap.num_stored:
-                return seq, swap
-            self._readmit(seq, swap, num_cached, 0)  # the next head may be swapped too
+        if not sched.waiting:
+            return None
+        # only the head: admission goes in queue order, and fits() speaks for the head alone (a
+        # held sequence behind it is decided once it is the head, an admit() later)
+        seq = sched.waiting[0]
+        swap = self.swapped.get(seq.request_id)
+        if swap is None or not sched.is_held(seq.request_id) or not sched.fits(seq):
+            return None
+        num_cached = engine.block_manager.num_cached(swap.hashes)
+        if swap.num_stored is not None and num_cached < swap.num_stored:
+            return seq, swap
+        self._readmit(seq, swap, num_cached, 0)  # nothing to read: cached, pinned or lost
         return None
 
     async def swap_in(self, seq: Sequence, swap: SwapOut, lock: asyncio.Lock) -> None:
