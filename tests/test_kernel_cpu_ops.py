@@ -75,6 +75,18 @@ def test_packed_linear_matches_reference(ops, rows, in_features, out_features, t
     torch.testing.assert_close(out, linear_reference(x, weight, bias), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("out_features", [768, 40])  # whole pairs of panels; a partial one
+def test_packed_linear_rows_do_not_depend_on_the_rows_beside_them(ops, out_features):
+    # draft rows verify as plain decode rows bit for bit: each row's sums are the same whether
+    # it comes alone (pair_row), with a few others (pair_rows) or with many (tiles)
+    g = torch.Generator().manual_seed(3)
+    w = pack_linear_weight(torch.randn(out_features, 256, generator=g))
+    x = torch.randn(12, 256, generator=g)
+    alone = torch.cat([ops.linear(x[r : r + 1], w) for r in range(12)])
+    for m in (2, 3, 5, 6, 9, 12):
+        assert torch.equal(ops.linear(x[:m], w), alone[:m]), m
+
+
 def test_packed_weight_pads_the_last_panel_with_zeros():
     packed = pack_linear_weight(torch.ones(20, 3))
     assert packed.panels.shape == (2, 3, 16) and packed.out_features == 20
