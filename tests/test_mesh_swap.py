@@ -9,7 +9,9 @@ of blocks and preempts. Each preempted sequence's cached blocks are put into the
 when it is readmitted the blocks its pool lost meanwhile are read back from the store
 one-sided; the decode worker's /metrics count it (`kvmesh_decode_swap_outs_total`,
 `kvmesh_decode_swap_in_tokens_total{source="read"}`), as does the store's (its hits). Every
-output equals the offline engine's greedy text, and every block comes back to the pool.
+output equals the offline engine's greedy text, and every block comes back to the pool. The requests go once the
+registry has heard a store advert sent after the mesh was ready (the decode worker heard it too:
+a worker that knows no store recomputes, and the counts would say so).
 """
 
 from __future__ import annotations
@@ -51,7 +53,24 @@ def scrape(url: str) -> dict[str, float]:
     }
 
 
+async def store_advertised_since_ready(mesh) -> None:
+    """A barrier: the registry heard a store advert sent after the mesh was ready, so the decode
+    worker (subscribed before it was ready) has heard it too and knows where to swap to."""
+    from kvmesh.shared.admin_client import admin_client
+
+    loop = asyncio.get_running_loop()
+    ready = loop.time()
+    async with admin_client(mesh.config.nats_url, auth=mesh.nats_auth) as admin:
+        while True:
+            rows = (await admin.status())["stores"]
+            if rows and rows[0]["last_seen_s"] < loop.time() - ready - 0.05:
+                return
+            assert loop.time() < ready + 30, f"no store advert since the mesh was ready: {rows}"
+            await asyncio.sleep(0.1)
+
+
 async def run(mesh) -> list[str]:
+    await store_advertised_since_ready(mesh)
     async with aiohttp.ClientSession() as session:
         bodies = await asyncio.gather(
             *(complete(session, mesh.url, p, MAX_TOKENS, ignore_eos=True) for p in PROMPTS)
