@@ -62,3 +62,19 @@ async def check_blocks_returned(mesh: Any) -> None:
     for row in rows:
         assert row["free_blocks"] == row["total_blocks"], row
     assert mesh.nats_violations() == []
+
+
+async def store_advertised_since_ready(mesh) -> None:
+    """A barrier: the registry heard a store advert sent after the mesh was ready, so the decode
+    worker (subscribed before it was ready) has heard it too and knows where to swap to."""
+    from kvmesh.shared.admin_client import admin_client
+
+    loop = asyncio.get_running_loop()
+    ready = loop.time()
+    async with admin_client(mesh.config.nats_url, auth=mesh.nats_auth) as admin:
+        while True:
+            rows = (await admin.status())["stores"]
+            if rows and rows[0]["last_seen_s"] < loop.time() - ready - 0.05:
+                return
+            assert loop.time() < ready + 30, f"no store advert since the mesh was ready: {rows}"
+            await asyncio.sleep(0.1)

@@ -21,6 +21,7 @@ import pytest
 from kvmesh.loadgen.bench_mesh import MeshTap, complete, launched, random_prompts
 from kvmesh.loadgen.server_breakdown import parse_prometheus
 from kvmesh.shared.admin_client import admin_client
+from mesh_checks import store_advertised_since_ready
 
 pytestmark = pytest.mark.slow
 
@@ -55,6 +56,7 @@ def scrape(url: str) -> dict[str, float]:
 
 
 async def run(mesh, offline: list[list[int]]) -> None:
+    await store_advertised_since_ready(mesh)  # both decode workers know where to put and read
     async with (
         admin_client(mesh.config.nats_url, auth=mesh.nats_auth) as admin,
         MeshTap(mesh.config.nats_url, mesh.nats_auth) as tap,

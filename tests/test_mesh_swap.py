@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 import aiohttp
 import pytest
 from kvmesh.loadgen.bench_mesh import complete, launched, random_prompts
-from mesh_checks import check_blocks_returned
+from mesh_checks import check_blocks_returned, store_advertised_since_ready
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.offline_text import offline_texts
@@ -51,22 +51,6 @@ def scrape(url: str) -> dict[str, float]:
         for family in text_string_to_metric_families(text)
         for s in family.samples
     }
-
-
-async def store_advertised_since_ready(mesh) -> None:
-    """A barrier: the registry heard a store advert sent after the mesh was ready, so the decode
-    worker (subscribed before it was ready) has heard it too and knows where to swap to."""
-    from kvmesh.shared.admin_client import admin_client
-
-    loop = asyncio.get_running_loop()
-    ready = loop.time()
-    async with admin_client(mesh.config.nats_url, auth=mesh.nats_auth) as admin:
-        while True:
-            rows = (await admin.status())["stores"]
-            if rows and rows[0]["last_seen_s"] < loop.time() - ready - 0.05:
-                return
-            assert loop.time() < ready + 30, f"no store advert since the mesh was ready: {rows}"
-            await asyncio.sleep(0.1)
 
 
 async def run(mesh) -> list[str]:
