@@ -12,18 +12,23 @@ from typing import Any
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "netns_mesh.py"
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+
+
+def load_script(name: str) -> Any:
+    """scripts/<name>.py as a module named ``name`` (scripts/ is no package), loaded once."""
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
 
 
 def load_netns_mesh() -> Any:
-    """scripts/netns_mesh.py as a module (scripts/ is no package)."""
-    if "netns_mesh" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("netns_mesh", SCRIPT)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["netns_mesh"] = module
-        spec.loader.exec_module(module)
-    return sys.modules["netns_mesh"]
+    """scripts/netns_mesh.py as a module."""
+    return load_script("netns_mesh")
 
 
 @contextlib.contextmanager

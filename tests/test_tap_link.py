@@ -2,24 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import random
-import sys
-from pathlib import Path
 
 import pytest
-
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "tap_link.py"
+from netns_harness import load_script
 
 
 def _tap_link():
-    if "tap_link" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("tap_link", SCRIPT)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["tap_link"] = module
-        spec.loader.exec_module(module)
-    return sys.modules["tap_link"]
+    return load_script("tap_link")
 
 
 def test_frame_leaves_after_the_delay_when_nothing_is_lost():
