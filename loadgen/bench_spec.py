@@ -177,15 +177,44 @@ def measure(
     return out
 
 
+def draft_setups(
+    methods: str,
+    k: int,
+    tree: str,
+    tree_methods: str,
+    exit_layer: int,
+    draft_model: str | None = None,
+) -> list[DraftSetup]:
+    """The drafting configurations of ``--methods`` (chains of K), each method of
+    ``--tree-methods`` also as ``--tree`` (K: its depth). ``draft_model``: the checkpoint of
+    ``model`` (the target itself when None: every draft is then the target's own greedy token,
+    so a verify step must give K + 1 tokens, a check of the accounting)."""
+    widths = tuple(int(w) for w in tree.split(",")) if tree else ()
+    setups = []
+    for method in methods.split(","):
+        extra = {
+            "exit_layer": exit_layer,
+            "draft_model": draft_model if method == "model" else None,
+        }
+        setups.append(DraftSetup(method, k, **extra))
+        if widths and method in tree_methods.split(","):
+            setups.append(DraftSetup(method, len(widths), widths, **extra))
+    return setups
+
+
 def run(args: argparse.Namespace) -> int:
     batches = [int(b) for b in args.batches.split(",")]
-    setups = []
-    for method in args.methods.split(","):
-        setups.append(DraftSetup(method, args.k, exit_layer=args.exit_layer))
-        if method == "ngram" and args.tree:
-            tree = tuple(int(w) for w in args.tree.split(","))
-            setups.append(DraftSetup(method, len(tree), tree))
+    setups = draft_setups(
+        args.methods,
+        args.k,
+        args.tree,
+        args.tree_methods,
+        args.exit_layer,
+        draft_model=args.draft_model or args.model,
+    )
     env = {"KVMESH_NUM_BLOCKS": "2048"}
+    if args.min_step_interval_ms:  # every mesh, the baselines too
+        env["KVMESH_MIN_STEP_INTERVAL_MS"] = str(args.min_step_interval_ms)
     measure_args = (batches, args.max_tokens, args.passage_len)
     with spec_mesh(None, args.transport, model=args.model, env=env) as mesh:
         first = measure(mesh, *measure_args)
@@ -251,8 +280,28 @@ def register_spec(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--transport", default="shm", choices=("auto", "shm", "tcp"))
     p.add_argument("--methods", default="ngram,early-exit", help="comma-separated draft methods")
     p.add_argument("--k", type=int, default=4, help="draft tokens per proposal")
-    p.add_argument("--tree", default="2,2,1,1", help="ngram also as this tree ('' to skip)")
+    p.add_argument(
+        "--tree", default="2,2,1,1", help="--tree-methods also as this tree ('' to skip)"
+    )
+    p.add_argument(
+        "--tree-methods",
+        default="ngram",
+        help="comma-separated methods of --methods also run with --tree (e.g. ngram,early-exit)",
+    )
     p.add_argument("--exit-layer", type=int, default=1)
+    p.add_argument(
+        "--draft-model",
+        default=None,
+        help="--methods model: the draft checkpoint (default: the target itself, whose drafts "
+        "are all accepted: K + 1 tokens per verify step)",
+    )
+    p.add_argument(
+        "--min-step-interval-ms",
+        type=float,
+        default=0.0,
+        help="pace every decode worker's steps (baselines too), as a bigger target's would "
+        "take: a draft model as costly as the target itself keeps up only then",
+    )
     p.add_argument("--batches", default="1,8")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--passage-len", type=int, default=600, help="characters of the passage")
