@@ -8,7 +8,7 @@ import torch
 from kvmesh.shared.engine.config import EngineConfig
 from kvmesh.shared.engine.draft_tree import DraftTree
 from kvmesh.shared.engine.llm_engine import LLMEngine
-from kvmesh.shared.engine.sequence import RequestOutput, SamplingParams
+from kvmesh.shared.engine.sequence import RequestError, RequestOutput, SamplingParams
 from kvmesh.shared.model import load_model
 
 NUM_BLOCKS = 64
@@ -333,3 +333,34 @@ def test_spec_step_stats_count_proposed_accepted_and_time(tiny, greedy_reference
     assert stats.num_accepted_tokens == out.accepted_drafts == 2
     assert stats.verify_time_s > 0
     assert out.new_token_ids == ref[1:4]
+
+
+def test_scored_tree_rolled_back_or_kept_leaves_greedy_output_as_it_was(tiny, greedy_reference):
+    # score_trees (a drafter's tree expansion): the rows are the logits after the last token
+    # and after each node's path; rolled back, or its right path kept, the output is unchanged
+    prompts, expected = greedy_reference
+    eng = make_engine(tiny)
+    eng.add_request("r0", prompts[0], GREEDY)
+    got = eng.step()[0].new_token_ids  # the prompt's token: decoding from here
+    nxt = expected[0][1:4]
+    tree = DraftTree((nxt[0] ^ 1, nxt[0], nxt[1], nxt[1] ^ 1), (-1, -1, 1, 1))
+    rows = eng.score_trees({"r0": tree})["r0"]
+    assert rows.shape[0] == len(tree) + 1
+    assert rows[[0, 2, 3]].argmax(-1).tolist() == nxt  # after the last token, nxt[0], nxt[1]
+    eng.rollback("r0", len(tree))
+    got += eng.step()[0].new_token_ids  # plain, as if nothing had been scored
+    nxt = expected[0][2:5]
+    tree = DraftTree((nxt[0], nxt[1], nxt[0] ^ 1), (-1, 0, -1))
+    rows = eng.score_trees({"r0": tree})["r0"]
+    with pytest.raises(RequestError, match="not a path from the root"):
+        eng.keep_path("r0", tree, (2, 1), int(rows[2].argmax()))
+    with pytest.raises(RequestError, match="follows score_trees of the same tree"):
+        eng.keep_path("r0", DraftTree.chain(nxt[:2]), (0, 1), int(rows[2].argmax()))
+    out = eng.keep_path("r0", tree, (0, 1), int(rows[2].argmax()))
+    assert out.new_token_ids == nxt  # the path and the token after it
+    got += out.new_token_ids
+    while eng.has_unfinished():
+        got += [t for o in eng.step() for t in o.new_token_ids]
+    assert got == expected[0]
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_total_blocks
+    eng.block_manager.check_invariants()

@@ -26,9 +26,12 @@ Speculative verification, lower level (decode side; call between steps)::
     engine.score_batch({request_id: draft_ids}) -> {request_id: logits}   # one forward pass
     engine.accept(request_id, num_accepted, next_token) -> RequestOutput  # keep drafts[:n] + next
     engine.rollback(request_id, num_tokens)    # drop the last tokens and their KV, back to decode
+    engine.score_trees({request_id: DraftTree}) -> {request_id: logits (len+1, vocab)}  # one pass
+    engine.keep_path(request_id, tree, path, next_token) -> RequestOutput  # or rollback(len(tree))
 
 After ``score`` the drafts sit in the sequence with their KV; ``accept`` (or ``rollback(K)``)
-must follow before the next ``step``.
+must follow before the next ``step``; after ``score_trees`` (a drafter scoring its own tree, row 0
+after the last token, row 1 + j after node j), ``keep_path`` or ``rollback(len(tree))``.
 
 KV handoff::
 
@@ -404,6 +407,24 @@ class LLMEngine:
 
     def score(self, request_id: str, draft_ids: list[int]) -> torch.Tensor:
         return self.score_batch({request_id: draft_ids})[request_id]
+
+    def score_trees(self, trees: Mapping[str, DraftTree]) -> dict[str, torch.Tensor]:
+        """Score decoding requests' trees in one forward pass as ``step(drafts)`` does, without
+        acceptance: logits ``(len(tree) + 1, vocab)`` each; trees that do not fit left out."""
+        ids = list(trees)
+        logits = self.verifier.score_trees([self._get(rid) for rid in ids], list(trees.values()))
+        return {rid: rows for rid, rows in zip(ids, logits, strict=True) if rows is not None}
+
+    def keep_path(
+        self, request_id: str, tree: DraftTree, path: tuple[int, ...], next_token: int
+    ) -> RequestOutput:
+        """After ``score_trees``: keep ``path``'s nodes with their KV, drop the others, append
+        ``next_token``; returns the output for the path's tokens plus it."""
+        seq = self._get(request_id)
+        self.verifier.check_scored(seq, tree, path, next_token)
+        self.verifier.keep_path(seq, tree, path, next_token)
+        self.block_manager.commit(seq)
+        return self._emit(seq)
 
     def rollback(self, request_id: str, num_tokens: int) -> None:
         """Drop the last ``num_tokens`` tokens and their KV; blocks no longer used are freed. The

@@ -10,6 +10,8 @@ Draft trees (``LLMEngine.step(drafts)``): ``can_verify`` says whether a tree fit
 step, ``append_tree`` puts its nodes after the last token (KV slots in node order), and
 ``keep_path`` keeps only the accepted path: its nodes' KV moves to consecutive slots after the last
 token, every other node is dropped with the blocks it alone used, and the +1 token is appended.
+``score_trees`` is the same forward pass without acceptance (a drafter's tree expansion): it
+returns every node's logits, then ``keep_path`` keeps a path or ``rollback`` drops every node.
 """
 
 from __future__ import annotations
@@ -134,6 +136,49 @@ class DraftVerifier:
         """Slots and tokens for the tree's nodes after the last token (``can_verify`` first)."""
         self.block_manager.append_slots(seq, len(tree) + 1)
         seq.token_ids += tree.tokens
+
+    def score_trees(
+        self, seqs: list[Sequence], trees: list[DraftTree]
+    ) -> list[torch.Tensor | None]:
+        """Score each sequence's tree in one forward pass, as a verify step does (tree mask or
+        tree rows): logits ``(len(tree) + 1, vocab)`` per sequence, row 0 after its last token,
+        row ``1 + j`` after node ``j``; None for a tree that ``can_verify`` refuses (checked in
+        order, so the blocks the trees take add up). A scored tree's nodes then sit after the
+        last token with their KV and the last token counts as uncomputed, as in a verify step
+        before acceptance: ``keep_path`` or ``rollback(seq, len(tree))`` must follow."""
+        index: list[int] = []  # scored trees' positions in ``seqs``
+        for i, (seq, tree) in enumerate(zip(seqs, trees, strict=True)):
+            if self.can_verify(seq, tree):
+                self.append_tree(seq, tree)
+                index.append(i)
+        out: list[torch.Tensor | None] = [None] * len(seqs)
+        if not index:
+            return out
+        num_new = [len(trees[i]) + 1 for i in index]
+        batch = [seqs[i] for i in index]
+        logits = self.runner.execute(
+            batch, num_new, num_new, dict(enumerate(trees[i] for i in index))
+        )
+        assert logits is not None
+        for i, rows in zip(index, logits.split(num_new), strict=True):
+            out[i] = rows
+        return out
+
+    def check_scored(
+        self, seq: Sequence, tree: DraftTree, path: tuple[int, ...], next_token: int
+    ) -> None:
+        """RequestError unless ``keep_path(seq, tree, path, next_token)`` may follow: the tree
+        was just scored for ``seq``, ``path`` runs down from its root, the token is valid."""
+        rid = seq.request_id
+        num_nodes = len(tree)
+        if seq.num_computed_tokens != len(seq) - num_nodes - 1 or seq.token_ids[
+            len(seq) - num_nodes :
+        ] != list(tree.tokens):
+            raise RequestError(f"request {rid!r}: keep_path follows score_trees of the same tree")
+        if path and (not 0 <= path[-1] < num_nodes or tree.path(path[-1]) != list(path)):
+            raise RequestError(f"request {rid!r}: {list(path)} is not a path from the root")
+        if not 0 <= next_token < self.vocab_size:
+            raise RequestError(f"request {rid!r}: token id {next_token} is outside the vocabulary")
 
     def keep_path(
         self, seq: Sequence, tree: DraftTree, path: tuple[int, ...], next_token: int
