@@ -14,7 +14,7 @@ from kvmesh.commands.up import UpConfig, plan
         ({"num_speculative_tokens": 17}, "num_speculative_tokens must be in"),
         ({"num_speculative_tokens": 2, "tree": (4, 4, 4)}, "has 3 depths"),
         ({"num_speculative_tokens": 3, "tree": (4, 4, 4)}, "limit is 63"),
-        ({"method": "early-exit", "num_speculative_tokens": 2, "tree": (2, 1)}, "ngram only"),
+        ({"method": "early-exit", "num_speculative_tokens": 3, "tree": (4, 4, 4)}, "limit is 63"),
         ({"method": "model"}, "needs --draft-model"),
         ({"ngram_min": 3, "ngram_max": 2}, "ngram_min and ngram_max"),
         ({"lookahead": 18}, "lookahead must be in"),

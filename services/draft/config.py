@@ -26,8 +26,9 @@ class DraftConfig(EngineWorkerConfig):
     num_speculative_tokens: int = option(4, help="draft tokens per proposal (tree depth)")
     tree: tuple[int, ...] = option(
         (),
-        help="branching per depth, e.g. 2,2,1 (as many as --num-speculative-tokens); "
-        "absent: a chain",
+        help="branching per depth, e.g. 2,2,1 (as many as --num-speculative-tokens): each node "
+        "at depth d - 1 gets the W_d likeliest continuations (ngram: the most frequent; "
+        "early-exit and model: the draft model's top W_d); absent: a chain",
     )
     lookahead: int | None = option(
         None,
@@ -64,11 +65,6 @@ class DraftConfig(EngineWorkerConfig):
             raise ValueError(f"exit_layer must be >= 1, got {self.exit_layer}")
         if self.method == "model" and not self.draft_model:
             raise ValueError("--method model needs --draft-model PATH (a small checkpoint)")
-        if self.method != "ngram" and self.tree and any(w != 1 for w in self.tree):
-            raise ValueError(
-                f"--tree {','.join(map(str, self.tree))}: trees are drafted by --method ngram "
-                "only; the model drafters propose chains (leave --tree out)"
-            )
         for name in ("max_sequences", "max_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -86,6 +82,15 @@ class DraftConfig(EngineWorkerConfig):
         if self.method == "ngram":
             return min(3 * (k + 1), MAX_SPECULATIVE_TOKENS + 1)
         return k + 1
+
+    @property
+    def pipeline_depth(self) -> int:
+        """DraftCore's: the model drafters' chains are topped up while the sequence follows
+        them (each of their tokens costs a forward pass); ngram's tokens are free and a tree
+        branches at the sequence's end, so those are drafted anew (0)."""
+        if self.method == "ngram" or not self.shape.is_chain:
+            return 0
+        return self.drafted_shape.depth
 
     @property
     def drafted_shape(self) -> TreeShape:

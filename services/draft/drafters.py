@@ -3,8 +3,9 @@
 ``NgramDrafter`` looks the context up in itself (ngram.py). ``EngineDrafter`` runs a small
 model greedily in its own LLMEngine (own KV pool; prefix caching keeps each sequence's context
 KV between drafts, so a draft computes only what was appended since plus K tokens): the
-target's first layers (early exit) or a separate checkpoint. ``build_drafter`` makes the one a
-DraftConfig asks for and checks it at start-up (one clear error when it cannot serve).
+target's first layers (early exit) or a separate checkpoint; for a tree, ``EngineTreeDrafter``
+(tree_drafter.py) grows one level by level from the model's top tokens. ``build_drafter`` makes
+the one a DraftConfig asks for and checks it at start-up (one clear error when it cannot serve).
 """
 
 from __future__ import annotations
@@ -144,4 +145,9 @@ def build_drafter(config: DraftConfig) -> Drafter:
         device=config.device,
         reserve_output_tokens=0,
     )
-    return EngineDrafter(LLMEngine(model, tokenizer, econf), config.drafted_shape.depth)
+    engine = LLMEngine(model, tokenizer, econf)
+    if not config.shape.is_chain:
+        from kvmesh.services.draft.tree_drafter import EngineTreeDrafter
+
+        return EngineTreeDrafter(engine, config.shape, config.num_lookahead_tokens)
+    return EngineDrafter(engine, config.drafted_shape.depth)

@@ -137,8 +137,7 @@ async def draft_service(config: DraftConfig) -> AsyncIterator[DraftService]:
                 worker_id,
                 config.max_sequences,
                 config.num_speculative_tokens,
-                # the model drafters top their chains up; ngram's tokens are free: drafted anew
-                0 if config.method == "ngram" else config.drafted_shape.depth,
+                config.pipeline_depth,
             ),
             drafter,
             nc,
