@@ -36,6 +36,7 @@ from kvmesh.loadgen.bench_mesh import launched
 MODEL = "kvmesh-tiny"
 SPEC_COUNTERS = {
     "positions": "kvmesh_decode_spec_draft_tokens",
+    "nodes": "kvmesh_decode_spec_draft_nodes",
     "accepted": "kvmesh_decode_spec_accepted_tokens",
     "verify_steps": "kvmesh_decode_spec_verify_step_seconds_count",
     "tokens_per_step_sum": "kvmesh_decode_spec_tokens_per_step_sum",

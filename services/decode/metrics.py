@@ -51,6 +51,11 @@ class DecodeMetrics(MetricSet):
             "Draft positions verified (the depth of each verified draft tree: the most that "
             "could have been accepted).",
         )
+        self.spec_draft_nodes = self.counter(
+            "spec_draft_nodes_total",
+            "Draft tree nodes verified (more than the positions when trees branch: the "
+            "siblings are verified too).",
+        )
         self.spec_accepted_tokens = self.counter(
             "spec_accepted_tokens_total", "Draft tokens accepted by verification."
         )
@@ -130,12 +135,18 @@ class DecodeMetrics(MetricSet):
         self._num_preemptions = num_preemptions
 
     def observe_verify(
-        self, seconds: float, num_positions: int, num_accepted: int, tokens_per_seq: list[int]
+        self,
+        seconds: float,
+        num_positions: int,
+        num_accepted: int,
+        tokens_per_seq: list[int],
+        num_nodes: int = 0,
     ) -> None:
-        """A step verified draft trees of ``num_positions`` total depth; ``num_accepted`` kept;
-        ``tokens_per_seq``: tokens each verified sequence got."""
+        """A step verified draft trees of ``num_positions`` total depth and ``num_nodes``
+        nodes; ``num_accepted`` kept; ``tokens_per_seq``: tokens each verified sequence got."""
         self.spec_verify_step_seconds.observe(seconds)
         self.spec_draft_tokens.inc(num_positions)
+        self.spec_draft_nodes.inc(num_nodes)
         self.spec_accepted_tokens.inc(num_accepted)
         for n in tokens_per_seq:
             self.spec_tokens_per_step.observe(n)

@@ -272,7 +272,11 @@ class DecodeWorker:
             positions = sum(trees[out.request_id].depth for out in verified)
             accepted = sum(out.accepted_drafts for out in verified)
             self.metrics.observe_verify(
-                seconds, positions, accepted, [len(out.new_token_ids) for out in verified]
+                seconds,
+                positions,
+                accepted,
+                [len(out.new_token_ids) for out in verified],
+                num_nodes=sum(len(trees[out.request_id]) for out in verified),
             )
             for out in verified:
                 self.drafts.on_verified(
