@@ -101,8 +101,9 @@ class PlaceReply(Message):
     block_bytes: int = 0
     error: str = ""
     retry_after_s: float = 0.0  # > 0: overloaded, try again later (HTTP 429/503)
-    # The registry placed a remote-prefill request where its prefix is cached and had the decode
-    # worker prefill the short uncached suffix itself: no prefill job is to be published.
+    # The registry placed a remote-prefill request where its prefix is cached (or readable from a
+    # kv-store) and had the decode worker prefill the short suffix past it itself: no prefill job
+    # is to be published.
     local_prefill: bool = False
     cached_tokens: int = 0  # prompt tokens the registry expects the worker's prefix cache to hold
 
@@ -288,6 +289,9 @@ class DecodeAdvert(Message):
     stray_immediates: int = 0  # immediates that named no live reservation (late or forged)
     forged_announcements: int = 0  # PrefillDones without their lease's window key
     model_spec: str = ""  # model_spec() of the model it serves: routers of that model place here
+    # it reads a local prefill's missing prefix blocks from a kv-store first (--use-kv-store with
+    # a transport and prefix caching): placement counts what the store holds as within its reach
+    reads_kv_store: bool = False
 
 
 # --- prefix cache events (decode -> kv-registry) --------------------------------------------

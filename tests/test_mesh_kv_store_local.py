@@ -1,14 +1,24 @@
-"""Local prefills read the kv-store (`kvmesh up --kv-store 1`, two decode workers, kvmesh-tiny,
-shm): the router hands every request to a decode worker to prefill itself
-(`--local-prefill-threshold` above every prompt).
+"""Placement by what is cached anywhere, and local prefills that read the kv-store
+(`kvmesh up --kv-store 1`, one prefill and two decode workers, kvmesh-tiny, shm). The router
+asks for remote prefills (`--local-prefill-threshold 0`); the registry decides.
 
-decode-0 prefills the first request (136 tokens) itself, computing all of it (the store is
-empty), and puts the finished sequence's 10 full blocks into the store. With decode-0 drained,
-a second request sharing the first one's 128-token prefix goes to decode-1, which has never
-seen it: it reads the prefix's 8 blocks one-sided from the store into its prefix cache and
-computes only the 12 other tokens, as counted by its own metrics
-(`kvmesh_decode_local_prompt_tokens_total`, `kvmesh_decode_store_hit_tokens_total`,
-`kvmesh_decode_prefix_cache_hit_tokens_total`). Both outputs equal the offline engine's.
+With decode-1 drained, the first request (136 tokens) is prefilled by prefill-0, which computes
+all of it (the store is empty) and puts its 8 prompt blocks into the store; decode-0 puts the
+finished sequence's 10 full blocks. Once the registry's index shows them (decode-0's cache and
+the store's), with both decode workers ready and idle:
+
+- a request sharing the first one's 128-token prefix goes to the holder, decode-0 (its own 8
+  blocks score above decode-1's 8 blocks to read from the store), which prefills it itself and
+  computes only its 12 other tokens: no prefill job, nothing read from the store;
+- with decode-0 drained (the holder cannot take it), a second such request goes to decode-1,
+  which has never seen the prefix: the registry has it prefill locally because it can read the
+  8 blocks from the store; it reads them one-sided into its prefix cache and computes only the
+  12 other tokens.
+
+Nobody computes the prefix twice: counted by prefill-0's and the decode workers' own metrics
+(`kvmesh_prefill_prompt_tokens_total`, `kvmesh_decode_local_prompt_tokens_total`,
+`kvmesh_decode_store_hit_tokens_total`, `kvmesh_decode_prefix_cache_hit_tokens_total`) and the
+store's hits. Every output equals the offline engine's.
 """
 
 from __future__ import annotations
@@ -32,7 +42,8 @@ ENV = {
     "KVMESH_CHUNK_TOKENS": "64",
 }
 PREFIX = random_prompts(1, 128, 128, seed=31)[0]  # 8 blocks
-FIRST = [*PREFIX, 3, 1, 4, 1, 5, 9, 2, 6]  # 136 tokens, computed by decode-0
+FIRST = [*PREFIX, 3, 1, 4, 1, 5, 9, 2, 6]  # 136 tokens, computed by prefill-0
+HELD = [*PREFIX, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4]  # 140: 128 cached on decode-0, 12 computed
 SECOND = [*PREFIX, 2, 7, 1, 8, 2, 8, 1, 8, 2, 8, 4, 5]  # 140: 128 read from the store, 12 computed
 MAX_TOKENS = 40  # FIRST + its answer: 175 tokens with KV, 10 full blocks put
 
@@ -47,12 +58,25 @@ def offline_tokens() -> list[list[int]]:
     model, tokenizer = load_model("kvmesh-tiny")
     engine = LLMEngine(model, tokenizer, EngineConfig(num_blocks=256, enable_prefix_caching=False))
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    return [engine.generate([p], params)[0] for p in (FIRST, SECOND)]
+    return [engine.generate([p], params)[0] for p in (FIRST, HELD, SECOND)]
 
 
 def scrape(url: str) -> dict[str, float]:
     with urllib.request.urlopen(url, timeout=10) as resp:
         return parse_prometheus(resp.read().decode())
+
+
+async def wait_status(admin, ready, what: str, timeout_s: float = 30.0) -> None:
+    """A barrier on the registry's view: ``ready(decode rows by id, store rows)``, polled."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        status = await admin.status()
+        decode = {r["worker_id"]: r for r in status["decode"]}
+        if ready(decode, status["stores"]):
+            return
+        assert loop.time() < deadline, f"timed out waiting for {what}: {status}"
+        await asyncio.sleep(0.1)
 
 
 async def run(mesh, offline: list[list[int]]) -> None:
@@ -63,42 +87,47 @@ async def run(mesh, offline: list[list[int]]) -> None:
         aiohttp.ClientSession() as session,
     ):
 
-        async def ask(prompt: list[int]) -> list[int]:
+        async def ask(prompt: list[int], *, remote: bool) -> list[int]:
             body = await complete(session, mesh.url, prompt, MAX_TOKENS, ignore_eos=True)
             await tap.wait_finished(body["id"])
-            assert body["id"] not in tap.prefill_done  # prefilled by the decode worker
+            assert (body["id"] in tap.prefill_done) == remote  # no PrefillDone: a local prefill
             return tap.tokens[body["id"]]
 
-        async def stored_blocks(at_least: int) -> None:
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + 30.0
-            while True:  # a barrier on the store's adverts (the puts run in the background)
-                rows = (await admin.status())["stores"]
-                if rows and rows[0]["used_blocks"] >= at_least:
-                    return
-                assert loop.time() < deadline, f"the store holds fewer blocks: {rows}"
-                await asyncio.sleep(0.1)
-
         await admin.drain("decode-1")
-        first = await ask(FIRST)
-        await stored_blocks(10)
+        first = await ask(FIRST, remote=True)
         await admin.resume("decode-1")
+        await wait_status(
+            admin,
+            lambda decode, stores: (
+                stores
+                and stores[0]["indexed_blocks"] >= 10  # the prefill's 8 and decode-0's 10
+                and decode["decode-0"]["cached_blocks"] >= 10
+                and all(r["running"] == 0 and r["state"] == "ready" for r in decode.values())
+            ),
+            "the registry's view of the cached and stored prefix, both workers idle",
+        )
+        held = await ask(HELD, remote=False)  # on decode-0, the holder
         await admin.drain("decode-0")
-        second = await ask(SECOND)
-        assert [first, second] == offline
+        second = await ask(SECOND, remote=False)  # on decode-1, read from the store
+        assert [first, held, second] == offline
     d0, d1 = scrape(mesh.metrics_urls["decode-0"]), scrape(mesh.metrics_urls["decode-1"])
+    prefill = scrape(mesh.metrics_urls["prefill-0"])
     store = scrape(mesh.metrics_urls["kv-store-0"])
-    assert d0["kvmesh_decode_local_prompt_tokens_total"] == len(FIRST)
-    assert d0["kvmesh_decode_prefix_cache_hit_tokens_total"] == 0  # computed all of it
+    registry = scrape(mesh.metrics_urls["kv-registry-0"])
+    assert prefill["kvmesh_prefill_prompt_tokens_total"] == len(FIRST)  # the prefix, once
+    assert d0["kvmesh_decode_local_prompt_tokens_total"] == len(HELD)
+    assert d0["kvmesh_decode_prefix_cache_hit_tokens_total"] == 128  # computed only 12
+    assert d0.get("kvmesh_decode_store_hit_tokens_total", 0) == 0  # it had them all
     assert d1["kvmesh_decode_local_prompt_tokens_total"] == len(SECOND)
     assert d1["kvmesh_decode_store_hit_tokens_total"] == 128
     assert d1["kvmesh_decode_prefix_cache_hit_tokens_total"] == 128  # computed only 12
     assert store["kvmesh_store_hits_total"] == 8
     assert store["kvmesh_store_rejected_blocks_total"] == 0
+    assert registry["kvmesh_registry_store_read_placements_total"] == 1  # SECOND's
 
 
 @pytest.mark.timeout(300)
-def test_local_prefill_on_a_decode_worker_reads_the_stored_prefix_and_computes_only_the_rest(
+def test_shared_prefix_goes_to_its_holder_or_is_read_from_the_store_and_never_recomputed(
     offline_tokens: list[list[int]],
 ) -> None:
     from kvmesh.commands.up import UpConfig, free_port
@@ -108,7 +137,7 @@ def test_local_prefill_on_a_decode_worker_reads_the_stored_prefix_and_computes_o
         transport="shm",
         port=0,
         nats_url=f"nats://127.0.0.1:{free_port()}",
-        local_prefill_threshold=1 << 20,
+        local_prefill_threshold=0,
         prefill=1,
         decode=2,
         kv_store=1,

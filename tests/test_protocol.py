@@ -105,6 +105,7 @@ ADVERT = DecodeAdvert(
     stray_immediates=2,
     forged_announcements=3,
     model_spec="L2:m",
+    reads_kv_store=True,
 )
 
 # One message of every type, every field set to something other than its default.

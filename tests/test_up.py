@@ -586,3 +586,46 @@ def test_plan_with_kv_stores_starts_them_in_the_mesh_with_their_capacity() -> No
     assert TIERS.index("kv-store") > TIERS.index("prefill")  # stopped after its clients
     with pytest.raises(ValueError, match="kv_store must be >= 0"):
         UpConfig(kv_store=-1)
+
+
+def test_plan_gives_every_kv_store_the_disk_tier_and_each_makes_its_own_file(
+    tmp_path: Path,
+) -> None:
+    from kvmesh.services.kv_store.disk_file import DiskFile
+    from kvmesh.shared.service_config import config_from_args
+
+    flags = ["--kv-store", "2", "--kv-store-disk-path", str(tmp_path)]
+    args = build_parser().parse_args(["up", *flags, "--kv-store-disk-capacity-gb", "0.25"])
+    config = config_from_args(UpConfig, args, env={})
+    specs = [s for s in plan(config, "nats://127.0.0.1:4222", 8000) if s.tier == "kv-store"]
+    assert len(specs) == 2
+    for spec in specs:
+        _, store, _ = build_service_config("kv-store", spec.argv[2:], env={})
+        assert (store.disk_path, store.disk_capacity_gb) == (str(tmp_path.resolve()), 0.25)
+    # one directory serves several stores: each creates a fresh, unlinked file of its own
+    files = [DiskFile.create(tmp_path, 2, 4096) for _ in specs]
+    try:
+        assert len({f.name for f in files}) == 2 and list(tmp_path.iterdir()) == []
+    finally:
+        for f in files:
+            f.close()
+    without = plan(UpConfig(kv_store=1), "nats://127.0.0.1:4222", 8000)
+    [store_argv] = [s.argv for s in without if s.tier == "kv-store"]
+    assert "--disk-path" not in store_argv  # no disk tier unless asked for
+
+
+@pytest.mark.parametrize(
+    ("kw", "needle"),
+    [
+        ({"kv_store": 1, "kv_store_disk_path": "/tmp"}, "needs both"),
+        ({"kv_store": 1, "kv_store_disk_capacity_gb": 1.0}, "needs both"),
+        ({"kv_store_disk_path": "/tmp", "kv_store_disk_capacity_gb": 1.0}, "needs kv-stores"),
+        (
+            {"kv_store": 1, "kv_store_disk_path": "/tmp", "kv_store_disk_capacity_gb": 0.0},
+            "must be positive",
+        ),
+    ],
+)
+def test_up_config_refuses_an_incomplete_kv_store_disk_tier(kw: dict, needle: str) -> None:
+    with pytest.raises(ValueError, match=needle):
+        UpConfig(**kw)

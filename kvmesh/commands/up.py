@@ -139,6 +139,15 @@ class UpConfig(NatsClientConfig):
         "prefixes from them and write computed ones to them; docs/kv_store.md)",
     )
     kv_store_capacity_gb: float = option(1.0, help="host memory of each kv-store (GiB)")
+    kv_store_disk_path: str | None = option(
+        None,
+        help="directory for every kv-store's disk tier (their --disk-path): each store creates "
+        "its own file there (a fresh name per process, unlinked at once), so one directory "
+        "serves several",
+    )
+    kv_store_disk_capacity_gb: float | None = option(
+        None, help="size of each kv-store's disk tier in GiB (--disk-capacity-gb)"
+    )
 
     def __post_init__(self) -> None:
         self.check_nats_options(mesh_from_model(self.model))
@@ -157,6 +166,16 @@ class UpConfig(NatsClientConfig):
         if not self.kv_store_capacity_gb > 0:
             raise ValueError(
                 f"kv_store_capacity_gb must be positive, got {self.kv_store_capacity_gb}"
+            )
+        if (self.kv_store_disk_path is None) != (self.kv_store_disk_capacity_gb is None):
+            raise ValueError(
+                "a kv-store disk tier needs both kv_store_disk_path and kv_store_disk_capacity_gb"
+            )
+        if self.kv_store_disk_path is not None and not self.kv_store:
+            raise ValueError("kv_store_disk_path needs kv-stores (kv_store >= 1)")
+        if self.kv_store_disk_capacity_gb is not None and not self.kv_store_disk_capacity_gb > 0:
+            raise ValueError(
+                f"kv_store_disk_capacity_gb must be positive, got {self.kv_store_disk_capacity_gb}"
             )
         if self.prefill < 0 or (self.mode == "disagg" and self.prefill < 1):
             raise ValueError(f"prefill must be >= 1 in disagg mode, got {self.prefill}")
@@ -272,6 +291,9 @@ def plan(config: UpConfig, nats_url: str, port: int) -> list[ChildSpec]:
         argv = ("serve", "kv-store", *worker(name), "--model", config.model)
         argv += ("--transport", config.transport)
         argv += ("--capacity-gb", f"{config.kv_store_capacity_gb:g}")
+        if config.kv_store_disk_path is not None:  # absolute, as the TLS paths are
+            argv += ("--disk-path", str(Path(config.kv_store_disk_path).expanduser().resolve()))
+            argv += ("--disk-capacity-gb", f"{config.kv_store_disk_capacity_gb:g}")
         if config.kv_cache_dtype != "auto":  # the store's blocks are the workers' blocks
             argv += ("--kv-cache-dtype", config.kv_cache_dtype)
         specs.append(ChildSpec(name, "kv-store", argv))

@@ -417,6 +417,7 @@ async def decode_service(config: DecodeConfig) -> AsyncIterator[DecodeService]:
             block_size=spec.block_size,
             kv_spec=engine.kv_spec,  # kv_spec_fingerprint(); it also roots the prefix hashes
             model_spec=model_spec(model.config),
+            reads_kv_store=reader is not None,  # the registry may have it read a prefix
         )
         await service.stats()
         async with (

@@ -33,7 +33,14 @@ class RegistryConfig(MetricsServiceConfig):
     prefix_weight: float = option(
         1.0,
         help="placement score per prompt block cached on a worker "
-        "(score = prefix_weight * cached_blocks - load_weight * load; 0: prefix-aware placement off)",
+        "(score = prefix_weight * (cached_blocks + store_block_weight * read_blocks) - "
+        "load_weight * load; 0: prefix-aware placement off, stores included)",
+    )
+    store_block_weight: float = option(
+        0.5,
+        help="a prompt block a decode worker would read from the kv-store it reads, past the "
+        "ones it caches, scores this fraction of a cached block (0..1; 0: stores are not counted "
+        "and never make a local prefill)",
     )
     load_weight: float = option(
         4.0, help="placement score taken per request running, waiting or being placed on a worker"
@@ -55,6 +62,8 @@ class RegistryConfig(MetricsServiceConfig):
         for name in ("prefix_weight", "load_weight", "local_max_suffix_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not 0 <= self.store_block_weight <= 1:
+            raise ValueError(f"store_block_weight must be in [0, 1], got {self.store_block_weight}")
         for name in ("missed_heartbeats", "max_reserve_attempts", "max_cached_blocks_per_worker"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -10,15 +10,18 @@ layout than the router's ``PlaceRequest.model_spec``, mode, the registry's KV la
 larger than the whole pool); keep the workers with enough estimated free blocks for the whole
 prompt (feasibility first); among them take the highest
 
-    score = prefix_weight * cached_blocks - load_weight * load
+    score = prefix_weight * (cached_blocks + store_block_weight * read_blocks)
+            - load_weight * load
 
 where ``cached_blocks`` is how many leading blocks of the prompt the worker's prefix cache holds
 (``prefix_index``, fed by its KV events; the prompt's hashes are computed as the engine computes
-them, shared/prefix_hash.py) and ``load`` is running + waiting + reservations in flight; ties go to
-the lowest load, then the most free blocks, then the id. A remote-prefill request placed where at
-least one block is cached, with an uncached suffix of at most ``local_max_suffix_tokens``, is
-turned into a local prefill: the decode worker computes only that suffix (its engine takes the
-cached blocks), and no prefill job is sent.
+them, shared/prefix_hash.py), ``read_blocks`` how many more leading blocks the kv-store the
+worker reads holds (prefix_reach.py says why they weigh less), and ``load`` is running +
+waiting + reservations in flight; ties go to the lowest load, then the most free blocks, then
+the id. A remote-prefill request placed where at least one block is cached or readable, with at
+most ``local_max_suffix_tokens`` left past them, is turned into a local prefill: the decode
+worker reads the blocks its cache lacks from the store, computes only that suffix (its engine
+takes the cached and read blocks), and no prefill job is sent.
 """
 
 from __future__ import annotations
@@ -28,8 +31,8 @@ import math
 from dataclasses import dataclass, field
 
 from kvmesh.services.kv_registry.prefix_index import PrefixIndex
+from kvmesh.services.kv_registry.prefix_reach import PrefixReach, prefix_reach, prefix_score
 from kvmesh.services.kv_registry.stores import StoreTable
-from kvmesh.shared.prefix_hash import layout_root, reusable_prefix_hashes
 from kvmesh.shared.protocol import (
     DecodeAdvert,
     KvCacheDigest,
@@ -92,15 +95,17 @@ class Lease:
 @dataclass(frozen=True, slots=True)
 class Candidate:
     """The worker ``choose`` picked and how many blocks to reserve there; how many leading
-    blocks of the prompt its prefix cache holds, and whether the registry turned a remote-prefill
-    request into a local one there (only a short suffix is left to compute)."""
+    blocks of the prompt its prefix cache holds (and the store it reads), and whether the
+    registry turned a remote-prefill request into a local one there (only a short suffix is left
+    to compute past the cached and readable blocks)."""
 
     worker_id: str
     num_blocks: int
     num_cached_blocks: int = 0
     cached_tokens: int = 0
     prefill_here: bool = False
-    store_cached_tokens: int = 0  # of the prompt's leading tokens, held by a kv-store
+    store_cached_tokens: int = 0  # of the prompt's leading tokens, held by the store it reads
+    read_tokens: int = 0  # of them, past its cached ones, that it is expected to read
 
     def is_local_prefill(self, request: PlaceRequest) -> bool:
         return request.local_prefill or self.prefill_here
@@ -149,6 +154,7 @@ class RegistryState:
     dropped_at: dict[str, float] = field(default_factory=dict)
     # prefix-aware placement (module docstring): prefix_weight 0 turns it off
     prefix_weight: float = 1.0
+    store_block_weight: float = 0.5  # a block to read from a store, per cached block (0: off)
     load_weight: float = 4.0
     local_max_suffix_tokens: int = 512
     prefix_index: PrefixIndex = field(default_factory=PrefixIndex)
@@ -285,11 +291,18 @@ class RegistryState:
             return Refusal(
                 "every decode worker is full; retry later", self.retry_after_s, reason="full"
             )
-        cached = self._cached_blocks(with_room, request.prompt_ids)
+        reach = prefix_reach(
+            [w.advert for w in with_room],
+            request.prompt_ids,
+            self.prefix_index,
+            self.stores,
+            use_cache=self.prefix_weight > 0,
+            use_stores=self.store_block_weight > 0,
+        )
         best = min(
             with_room,
             key=lambda w: (
-                self.load_weight * w.load - self.prefix_weight * len(cached[w.worker_id]),
+                self.load_weight * w.load - self._prefix_score(reach[w.worker_id]),
                 w.load,
                 -w.free_blocks,
                 w.worker_id,
@@ -298,48 +311,28 @@ class RegistryState:
         num_blocks = self.blocks_needed(best, len(request.prompt_ids))
         best.inflight_blocks += num_blocks
         best.num_inflight += 1
-        hits = cached[best.worker_id]
-        self.prefix_index.touch(best.worker_id, hits)
-        cached_tokens = len(hits) * best.advert.block_size
-        suffix = len(request.prompt_ids) - cached_tokens
+        got = reach[best.worker_id]
+        self.prefix_index.touch(best.worker_id, got.own)
+        bs = best.advert.block_size
+        suffix = len(request.prompt_ids) - got.num_blocks * bs
         prefill_here = (
             not request.local_prefill
-            and bool(hits)
+            and got.num_blocks > 0
             and best.advert.mode == "disagg"
             and suffix <= self.local_max_suffix_tokens
         )
-        store_tokens = self._store_blocks(best, request.prompt_ids) * best.advert.block_size
         return Candidate(
-            best.worker_id, num_blocks, len(hits), cached_tokens, prefill_here, store_tokens
+            best.worker_id,
+            num_blocks,
+            len(got.own),
+            len(got.own) * bs,
+            prefill_here,
+            got.store_blocks * bs,
+            got.read_blocks * bs,
         )
 
-    def _store_blocks(self, worker: DecodeWorkerView, prompt_ids: tuple[int, ...]) -> int:
-        """How many leading blocks of the prompt (in ``worker``'s layout) a kv-store holds."""
-        if self.stores is None or not self.stores.prefixes.workers:
-            return 0
-        chain = reusable_prefix_hashes(
-            prompt_ids, worker.advert.block_size, layout_root(worker.advert.kv_spec)
-        )
-        return self.stores.matched_blocks(worker.advert.kv_spec, chain)
-
-    def _cached_blocks(
-        self, workers: list[DecodeWorkerView], prompt_ids: tuple[int, ...]
-    ) -> dict[str, list[int]]:
-        """Each worker's cached leading blocks of the prompt, as hashes (none when prefix-aware
-        placement is off). The chain depends on the worker's block size and KV layout."""
-        if self.prefix_weight <= 0:
-            return {w.worker_id: [] for w in workers}
-        chains: dict[tuple[int, str], list[int]] = {}
-        cached = {}
-        for w in workers:
-            key = (w.advert.block_size, w.advert.kv_spec)
-            if key not in chains:
-                chains[key] = reusable_prefix_hashes(
-                    prompt_ids, w.advert.block_size, layout_root(w.advert.kv_spec)
-                )
-            chain = chains[key]
-            cached[w.worker_id] = chain[: self.prefix_index.matched_blocks(w.worker_id, chain)]
-        return cached
+    def _prefix_score(self, reach: PrefixReach) -> float:
+        return prefix_score(reach, self.prefix_weight, self.store_block_weight)
 
     def _mismatch(self, worker: DecodeWorkerView, request: PlaceRequest) -> str:
         if request.model_spec and worker.advert.model_spec != request.model_spec:
@@ -449,6 +442,7 @@ class RegistryState:
                 "leases": leases_by_worker.get(w.worker_id, 0),
                 "cached_blocks": self.prefix_index.num_blocks(w.worker_id),
                 "cache_synced": self.prefix_index.is_synced(w.worker_id),
+                "reads_kv_store": w.advert.reads_kv_store,
                 "refused_accesses": w.advert.refused_accesses,
                 "stray_immediates": w.advert.stray_immediates,
                 "forged_announcements": w.advert.forged_announcements,

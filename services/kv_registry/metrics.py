@@ -114,8 +114,13 @@ class RegistryMetrics(MetricSet):
         )
         self.store_matched_tokens = self.counter(
             "store_matched_tokens_total",
-            "Prompt tokens of placed requests whose blocks a kv-store held (the leading run, as "
-            "the stores' KV events said) when they were placed.",
+            "Prompt tokens of placed requests whose blocks the kv-store their decode worker reads "
+            "held (the leading run, as the stores' KV events said) when they were placed.",
+        )
+        self.store_read_placements = self.counter(
+            "store_read_placements_total",
+            "Requests placed on a decode worker expected to read leading blocks of their prompt "
+            "from the kv-store it reads, past those it caches (it then prefills the rest itself).",
         )
         self.core = CoreCollector(core)
         self.registry.register(self.core)

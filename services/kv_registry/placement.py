@@ -1,6 +1,6 @@
 """The kv-registry's placement: answers PlaceRequest on REGISTRY_PLACE.
 
-``RegistryState.choose`` (the pure policy, prefix-aware) picks a decode worker; this asks that worker to reserve
+``RegistryState.choose`` (the pure policy, prefix- and store-aware) picks a decode worker; this asks that worker to reserve
 the blocks (ReserveRequest on ``decode_reserve(worker)``) and, once it has, records the lease
 (``RegistryState.grant``) and replies with the block addresses. A refused or silent worker is
 skipped for the next candidate, up to ``max_reserve_attempts``.
@@ -82,6 +82,8 @@ class Placement:
             reply = await self._reserve(choice, request, lease_id)
             if reply.ok:
                 self.metrics.store_matched_tokens.inc(choice.store_cached_tokens)
+                if choice.read_tokens:
+                    self.metrics.store_read_placements.inc()
                 placed = self.core.grant(
                     choice, request, lease_id, reply.block_ids, self.clock(), reply.rkey
                 )
@@ -92,6 +94,7 @@ class Placement:
                     local_prefill=choice.is_local_prefill(request),
                     cached_tokens=choice.cached_tokens,
                     store_cached_tokens=choice.store_cached_tokens,
+                    read_tokens=choice.read_tokens,
                 )
                 return placed, "" if placed.ok else "worker_gone"
             self.core.release_inflight(choice)

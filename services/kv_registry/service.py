@@ -76,6 +76,7 @@ class RegistryService:
             retry_after_s=config.retry_after_s,
             kv_spec=config.kv_spec,
             prefix_weight=config.prefix_weight,
+            store_block_weight=config.store_block_weight,
             load_weight=config.load_weight,
             local_max_suffix_tokens=config.local_max_suffix_tokens,
             prefix_index=PrefixIndex(config.max_cached_blocks_per_worker),

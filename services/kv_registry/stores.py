@@ -6,8 +6,9 @@ store silent for the worker timeout is dropped. ``kvmesh admin status`` lists th
 
 What each store holds is indexed as decode workers' caches are (a ``PrefixIndex`` of its own,
 fed by the store's KvCacheEvents and KvCacheDigests, held_reports.py): ``matched_blocks`` says
-how many leading blocks of a prompt's chain some store of a layout holds, which placement counts
-(core.py). A store's entries go when it is dropped or restarts (a new epoch).
+how many leading blocks of a prompt's chain the store that workers of a layout read holds, by
+which placement decides (prefix_reach.py). A store's entries go when it is dropped or restarts
+(a new epoch).
 """
 
 from __future__ import annotations
@@ -57,16 +58,21 @@ class StoreTable:
         return True
 
     def matched_blocks(self, kv_spec: str, chain: Sequence[int]) -> int:
-        """The most leading blocks of ``chain`` (a prompt's hashes in layout ``kv_spec``) that
-        one ready store of that layout holds."""
-        return max(
-            (
-                self.prefixes.matched_blocks(sid, chain)
-                for sid, v in self.stores.items()
-                if v.advert.kv_spec == kv_spec and v.advert.state == "ready"
-            ),
-            default=0,
-        )
+        """How many leading blocks of ``chain`` (a prompt's hashes in layout ``kv_spec``) the
+        store a worker of that layout reads holds (``reader_store``)."""
+        store_id = self.reader_store(kv_spec)
+        return 0 if store_id is None else self.prefixes.matched_blocks(store_id, chain)
+
+    def reader_store(self, kv_spec: str) -> str | None:
+        """The store a worker of layout ``kv_spec`` reads: the ready one with the lowest id, as
+        the workers' ``StoreBook.target`` picks it (shared/kv_store_client.py), so that placement
+        counts the blocks of the store the worker will ask, not those of another."""
+        ready = [
+            sid
+            for sid, v in self.stores.items()
+            if v.advert.kv_spec == kv_spec and v.advert.state == "ready"
+        ]
+        return min(ready, default=None)
 
     def expire(self, now: float) -> list[str]:
         """Drop stores silent for longer than ``timeout_s``; returns their ids."""
