@@ -98,6 +98,17 @@ def register(subparsers: Any) -> None:
         help="--validate: the disagg mesh's prefill niceness (kvmesh up --prefill-nice), "
         "mirrored in the simulated host",
     )
+    out.add_argument(
+        "--per-request",
+        action="store_true",
+        help="--validate: also each request's TTFT and mean gap, real and simulated, and the "
+        "engines' mean step, chunk and queue wait from the mesh's /metrics and the simulation",
+    )
+    out.add_argument(
+        "--records-out",
+        type=Path,
+        help="--validate: write every request's real and simulated token times here (JSON)",
+    )
     out.add_argument("--transport", default="shm", choices=("auto", "shm", "tcp"))
     p.set_defaults(func=run)
 
@@ -295,8 +306,19 @@ def _print_mesh_fit(mesh: Any) -> None:
             f"| {r.label} | {r.measured_s * 1e3:.2f} | {r.simulated_s * 1e3:.2f} | "
             f"{r.relative:+.1%} |"
         )
+    for r in mesh.checks:
+        print(
+            f"| check: {r.label} | {r.measured_s * 1e3:.2f} | {r.simulated_s * 1e3:.2f} | "
+            f"{r.relative:+.1%} |"
+        )
     for note in mesh.notes:
         print(f"note: {note}")
+    if mesh.max_check_error > 0.25:
+        print(
+            f"warning: a long prompt's TTFT is off by {mesh.max_check_error:.0%} though nothing "
+            "was fitted to it: the engine's calibrated prefill, or the request path, is not what "
+            "the mesh shows at that length (or the machine was busy)"
+        )
     if mesh.max_relative_error > 0.25:
         print(
             f"warning: a probe figure is off by {mesh.max_relative_error:.0%}: the overheads do "
@@ -348,4 +370,15 @@ def _validate(args: argparse.Namespace, cost: Any, requests: list[Any]) -> int:
     )
     comparisons = validate.compare(config, cost, requests, ("colocated", "disagg"))
     print(validate.format_comparisons(comparisons))
+    if args.per_request:
+        from kvmesh.loadgen.sim.engine_timings import format_timings
+        from kvmesh.loadgen.sim.per_request import format_pairs, pair
+
+        for c in comparisons:
+            print()
+            print(format_pairs(c.mode, pair(c.real_records, c.sim_records)))
+            print(format_timings(c.mode, c.real_timings, c.sim_timings))
+    if args.records_out is not None:
+        args.records_out.write_text(validate.records_json(comparisons))
+        print(f"wrote {args.records_out}", file=sys.stderr)
     return 0

@@ -231,18 +231,23 @@ def probe_mesh(
 ) -> OverheadFit:
     """Serve the probe on a real colocated and disagg mesh, and fit the overheads to it."""
     from kvmesh.loadgen.sim.cost import CostModel
-    from kvmesh.loadgen.sim.overheads import Jitter, ProbeFigures, fit_overheads
+    from kvmesh.loadgen.sim.overheads import Jitter, ProbeFigures, check_long, fit_overheads
     from kvmesh.loadgen.sim.probe import run_probe
     from kvmesh.loadgen.sim.validate import mesh_topology
 
-    measured, isolated = {}, []
+    measured, isolated, long = {}, [], {}
     for mode in ("colocated", "disagg"):
         records = run_probe(mode, model_name, transport)
         measured[mode] = ProbeFigures.of(records.isolated, records.batch)
         isolated += records.isolated
-    return fit_overheads(
+        long[mode] = records.long
+    fit = fit_overheads(
         CostModel(model, engine),
         measured,
         lambda m, c: mesh_topology(m, c),
         Jitter.of(isolated),
+    )
+    fitted = CostModel(model, fit.overheads.apply(engine))
+    return dataclasses.replace(
+        fit, checks=check_long(fitted, long, lambda m, c: mesh_topology(m, c))
     )

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 from kvmesh.loadgen.serve_metrics import RequestRecord, Slo, Summary, summarize
 from kvmesh.loadgen.sim.cost import CostModel
+from kvmesh.loadgen.sim.engine_timings import EngineTimings
 from kvmesh.loadgen.sim.sharing import Share, SharedHost
 from kvmesh.loadgen.sim.topology import Topology
 from kvmesh.loadgen.sim.worker import SimSeq, Work, Worker
@@ -51,6 +52,7 @@ class SimResult:
     prefill_busy: float  # mean fraction of the run a prefill worker computed (0 for colocated)
     decode_busy: float  # the same for decode (or colocated) workers
     mean_decode_batch: float  # decode tokens per step of decode (or colocated) workers
+    timings: EngineTimings | None = None  # the engines' means, as the mesh's /metrics count them
 
 
 class Cluster:
@@ -92,6 +94,10 @@ class Cluster:
         self.batches: dict[int, list[Work]] = {}
         self.versions = [0] * len(self.workers)
         self.step_start = [0.0] * len(self.workers)
+        self.engine_share = [1.0] * len(self.workers)  # of the step in flight: engine / loop step
+        self.step_walls = {"home": [0, 0.0], "prefill": [0, 0.0]}  # steps, engine wall seconds
+        self.queued_at: dict[int, float] = {}  # a disagg sequence's entry into the prefill queue
+        self.queue_waits: list[float] = []
         d = cost.device
         if t.shared_device:
             host = SharedHost(d.cores, d.calibration_threads)
@@ -159,6 +165,7 @@ class Cluster:
             self._kick(home, now)
         else:
             self.prefill_queue.append(seq)
+            self.queued_at[seq.index] = now
             for p in self.prefills:
                 if not p.is_busy:
                     self._kick(p, now)
@@ -187,6 +194,9 @@ class Cluster:
         slices, d = [w.slice() for w in batch], self.cost.device
         if worker.role == "prefill":
             step = self.cost.step(slices)
+            self.queue_waits += [
+                now - self.queued_at[w.seq.index] for w in batch if w.seq.num_computed == 0
+            ]
         else:
             jitter = self.cost.jitter_s(self._jitter.random()) if d.jitter_max_s > 0 else 0.0
             step = self.cost.loop_step(
@@ -195,6 +205,8 @@ class Cluster:
                 jitter,
                 is_colocated=worker.role == "colocated",
             )
+        engine = self.cost.step(slices).seconds
+        self.engine_share[worker.index] = engine / step.seconds if step.seconds > 0 else 1.0
         worker.is_busy = True
         worker.last_step_start = now
         worker.busy_s += step.seconds
@@ -221,6 +233,9 @@ class Cluster:
             return
         worker.is_busy = False
         batch = self.batches.pop(worker.index)
+        walls = self.step_walls["prefill" if worker.role == "prefill" else "home"]
+        walls[0] += 1
+        walls[1] += (now - self.step_start[worker.index]) * self.engine_share[worker.index]
         outcome = worker.complete(batch, now)
         if worker.role == "prefill":
             self._send_chunks(worker, now, batch, {s.index for s in outcome.prefilled})
@@ -288,6 +303,17 @@ class Cluster:
             return sum(w.busy_s for w in workers) / (len(workers) * duration) if workers else 0.0
 
         steps = sum(w.num_steps for w in self.homes)
+        home_steps, home_s = self.step_walls["home"]
+        chunks, chunk_s = self.step_walls["prefill"]
+        waits = self.queue_waits
+        timings = EngineTimings(
+            home_steps,
+            home_s / home_steps if home_steps else None,
+            chunks,
+            chunk_s / chunks if chunks else None,
+            len(waits),
+            sum(waits) / len(waits) if waits else None,
+        )
         return SimResult(
             topology=self.topology,
             records=tuple(records),
@@ -295,6 +321,7 @@ class Cluster:
             prefill_busy=busy(self.prefills),
             decode_busy=busy(self.homes),
             mean_decode_batch=sum(w.num_decodes for w in self.homes) / steps if steps else 0.0,
+            timings=timings,
         )
 
 

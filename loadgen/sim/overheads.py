@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from kvmesh.loadgen.serve_metrics import RequestRecord
 from kvmesh.loadgen.sim.cluster import simulate
 from kvmesh.loadgen.sim.cost import CostModel
-from kvmesh.loadgen.sim.probe import BATCH, probe_requests
+from kvmesh.loadgen.sim.probe import BATCH, LONG_INPUT, long_requests, probe_requests
 from kvmesh.loadgen.sim.specs import DeviceSpec
 from kvmesh.loadgen.sim.topology import Topology
 
@@ -167,10 +167,15 @@ class OverheadFit:
     overheads: MeshOverheads
     residuals: tuple[FigureResidual, ...]
     notes: tuple[str, ...]
+    checks: tuple[FigureResidual, ...] = ()  # figures nothing was fitted to (``check_long``)
 
     @property
     def max_relative_error(self) -> float:
         return max((abs(r.relative) for r in self.residuals), default=0.0)
+
+    @property
+    def max_check_error(self) -> float:
+        return max((abs(r.relative) for r in self.checks), default=0.0)
 
 
 TopologyFor = Callable[[str, CostModel], Topology]
@@ -183,6 +188,30 @@ def simulate_probe(cost: CostModel, mode: str, topology_for: TopologyFor) -> Pro
     return ProbeFigures.of(
         simulate(topology, cost, isolated).records, simulate(topology, cost, batch).records
     )
+
+
+def check_long(
+    cost: CostModel, measured: Mapping[str, Sequence[RequestRecord]], topology_for: TopologyFor
+) -> tuple[FigureResidual, ...]:
+    """Each mode's median TTFT of the probe's long prompts, measured (``measured``: that mode's
+    long-prompt records) and simulated with ``cost`` (the fitted overheads in): a check, since
+    nothing was fitted to them."""
+    out = []
+    for mode, records in measured.items():
+        if not records:
+            continue
+        bad = [r for r in records if r.error is not None or r.ttft_s is None]
+        if bad:
+            raise OverheadFitError(f"probe request {bad[0].index} failed: {bad[0].error}")
+        simulated = simulate(topology_for(mode, cost), cost, long_requests()).records
+        out.append(
+            FigureResidual(
+                f"{mode} TTFT of a {LONG_INPUT}-token prompt",
+                statistics.median(r.ttft_s for r in records),  # type: ignore[misc]
+                statistics.median(r.ttft_s for r in simulated),  # type: ignore[misc]
+            )
+        )
+    return tuple(out)
 
 
 def _line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:

@@ -9,7 +9,11 @@ It is not the validation workload: short prompts, few requests, two phases per m
   loop's period at batch 1;
 - *batch*: ``BATCH`` requests of the same prompts and ``BATCH_OUTPUT`` output tokens sent at once:
   their gaps are the loop's period at batch ``BATCH`` (most of them; the first steps also
-  prefill).
+  prefill);
+- *long*: ``LONG`` requests of ``LONG_INPUT`` prompt tokens (``LONG_OUTPUT`` output tokens), one
+  at a time, after the isolated ones. Nothing is fitted to them: their median TTFT is a check of
+  the fitted simulator on prompts as long as a serving workload's (the short probe prompts
+  cannot show a cost that grows with the prompt outside the engine's calibrated prefill).
 
 The same requests, as ``SimRequest``s (``probe_requests``), are what the simulator replays when
 it fits the overheads. The real side uses ``kvmesh bench serve``'s client (``sse_client``) and
@@ -30,6 +34,9 @@ ISOLATED = 8
 ISOLATED_OUTPUT = 128
 BATCH = 8
 BATCH_OUTPUT = 64
+LONG_INPUT = 1024  # two 512-token chunks and a few blocks, as the mesh cuts them
+LONG = 3
+LONG_OUTPUT = 8
 ISOLATION_GAP_S = 60.0  # simulated isolated requests are this far apart: nothing overlaps
 
 
@@ -40,6 +47,7 @@ class ProbeRecords:
     mode: str
     isolated: tuple[RequestRecord, ...]
     batch: tuple[RequestRecord, ...]
+    long: tuple[RequestRecord, ...] = ()
 
 
 def probe_requests() -> tuple[list[SimRequest], list[SimRequest]]:
@@ -50,6 +58,11 @@ def probe_requests() -> tuple[list[SimRequest], list[SimRequest]]:
     ]
     batch = [SimRequest(0.0, PROBE_INPUT, BATCH_OUTPUT) for _ in range(BATCH)]
     return isolated, batch
+
+
+def long_requests() -> list[SimRequest]:
+    """The probe's long-prompt requests (far apart), as the simulator runs them."""
+    return [SimRequest(i * ISOLATION_GAP_S, LONG_INPUT, LONG_OUTPUT) for i in range(LONG)]
 
 
 def run_probe(
@@ -66,6 +79,7 @@ def run_probe(
         tuple(rng.randrange(1, 250) for _ in range(PROBE_INPUT))
         for _ in range(ISOLATED + BATCH + 1)
     ]
+    long_prompts = [tuple(rng.randrange(1, 250) for _ in range(LONG_INPUT)) for _ in range(LONG)]
     with local_mesh(mode, transport, model=model, local_prefill_threshold=0) as mesh:
         endpoint = Endpoint(mesh.url, model)
 
@@ -82,5 +96,6 @@ def run_probe(
 
         serve([Prompt(prompts[-1], 4)])  # warm-up: first steps, connections
         isolated = [serve([Prompt(p, ISOLATED_OUTPUT)])[0] for p in prompts[:ISOLATED]]
+        long = [serve([Prompt(p, LONG_OUTPUT)])[0] for p in long_prompts]
         batch = serve([Prompt(p, BATCH_OUTPUT) for p in prompts[ISOLATED:-1]])
-    return ProbeRecords(mode, tuple(isolated), tuple(batch))
+    return ProbeRecords(mode, tuple(isolated), tuple(batch), tuple(long))

@@ -23,6 +23,7 @@ from kvmesh.loadgen.bench_serve_config import ServeBenchConfig
 from kvmesh.loadgen.serve_metrics import RequestRecord, Summary, summarize
 from kvmesh.loadgen.sim.cluster import simulate
 from kvmesh.loadgen.sim.cost import CostModel
+from kvmesh.loadgen.sim.engine_timings import EngineTimings, merge_scrapes
 from kvmesh.loadgen.sim.topology import Topology
 from kvmesh.loadgen.sim.workload import SimRequest
 
@@ -36,6 +37,10 @@ class Comparison:
     mode: str
     real: Summary
     sim: Summary
+    real_records: tuple[RequestRecord, ...] = ()
+    sim_records: tuple[RequestRecord, ...] = ()
+    real_timings: EngineTimings | None = None  # None: the mesh's /metrics could not be read
+    sim_timings: EngineTimings | None = None
 
     def ratios(self) -> dict[str, float | None]:
         """sim / real of p50 and p99 TTFT and ITL."""
@@ -69,7 +74,30 @@ def mesh_topology(mode: str, cost: CostModel, prefill_nice: int = 0) -> Topology
     )
 
 
-def run_real(config: ServeBenchConfig, mode: str) -> tuple[list[RequestRecord], float]:
+def scrape(urls: list[str]) -> dict[str, float] | None:
+    """Every service's ``/metrics`` summed by name; None if one cannot be read."""
+    import urllib.request
+
+    from kvmesh.loadgen.server_breakdown import parse_prometheus
+
+    scrapes = []
+    for url in urls:
+        try:
+            with urllib.request.urlopen(url, timeout=5.0) as resp:
+                scrapes.append(parse_prometheus(resp.read().decode()))
+        except OSError:
+            return None
+    return merge_scrapes(scrapes)
+
+
+@dataclass(frozen=True, slots=True)
+class RealRun:
+    records: list[RequestRecord]
+    duration_s: float
+    timings: EngineTimings | None
+
+
+def run_real(config: ServeBenchConfig, mode: str) -> RealRun:
     from kvmesh.loadgen.arrivals import ArrivalProcess, arrival_times
     from kvmesh.loadgen.bench_mesh import local_mesh
     from kvmesh.loadgen.bench_serve import build_workload
@@ -92,7 +120,14 @@ def run_real(config: ServeBenchConfig, mode: str) -> tuple[list[RequestRecord], 
             prompts[0], token_ids=prompts[0].token_ids[::-1], text=None, output_len=4
         )
         asyncio.run(run_requests(endpoint, [warm], [0.0], timeout_s=config.timeout_s))
-        return asyncio.run(run_requests(endpoint, prompts, times, timeout_s=config.timeout_s))
+        urls = list(mesh.metrics_urls.values())
+        before = scrape(urls)
+        records, duration_s = asyncio.run(
+            run_requests(endpoint, prompts, times, timeout_s=config.timeout_s)
+        )
+        after = scrape(urls)
+    timings = None if before is None or after is None else EngineTimings.between(before, after)
+    return RealRun(records, duration_s, timings)
 
 
 def compare(
@@ -100,12 +135,52 @@ def compare(
 ) -> list[Comparison]:
     out = []
     for mode in modes:
-        records, duration_s = run_real(config, mode)
-        real = summarize(records, duration_s)
+        run = run_real(config, mode)
+        real = summarize(run.records, run.duration_s)
         topology = mesh_topology(mode, cost, config.prefill_nice)
-        sim = simulate(topology, cost, requests).summary
-        out.append(Comparison(mode, real, sim))
+        sim = simulate(topology, cost, requests)
+        out.append(
+            Comparison(
+                mode,
+                real,
+                sim.summary,
+                tuple(run.records),
+                sim.records,
+                run.timings,
+                sim.timings,
+            )
+        )
     return out
+
+
+def records_json(comparisons: list[Comparison]) -> str:
+    """Every request's real and simulated record (token times included), by mode."""
+    import json
+
+    def record(r: RequestRecord) -> dict[str, object]:
+        return {
+            "index": r.index,
+            "arrival_s": r.arrival_s,
+            "send_s": r.send_s,
+            "end_s": r.end_s,
+            "prompt_len": r.prompt_len,
+            "output_len": r.output_len,
+            "chunk_times": list(r.chunk_times),
+            "error": r.error,
+        }
+
+    return json.dumps(
+        {
+            c.mode: {
+                "real": [record(r) for r in c.real_records],
+                "sim": [record(r) for r in c.sim_records],
+                "real_timings": c.real_timings and dataclasses.asdict(c.real_timings),
+                "sim_timings": c.sim_timings and dataclasses.asdict(c.sim_timings),
+            }
+            for c in comparisons
+        },
+        indent=1,
+    )
 
 
 def format_comparisons(comparisons: list[Comparison]) -> str:
