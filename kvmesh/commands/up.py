@@ -129,7 +129,7 @@ class UpConfig(NatsClientConfig):
     draft_workers: int = option(1, help="draft workers (with --draft)")
     num_speculative_tokens: int = option(4, help="draft tokens per proposal (with --draft)")
     draft_tree: tuple[int, ...] = option(
-        (), help="draft tree branching per depth, e.g. 2,2,1 (ngram; absent: a chain)"
+        (), help="draft tree branching per depth, e.g. 2,2,1 (any --draft; absent: a chain)"
     )
     draft_exit_layer: int = option(1, help="early-exit: layers of the target the draft runs")
     draft_model: str | None = option(None, help="model: the draft checkpoint directory")
