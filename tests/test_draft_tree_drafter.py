@@ -127,13 +127,14 @@ def _assert_top(logits: torch.Tensor, kids: list[int], where: str) -> None:
     assert (chosen[1:] <= chosen[:-1] + tol).all(), (where, chosen)
 
 
-def test_engine_tree_children_are_the_draft_models_top_tokens_at_each_node(draft_model):
+@pytest.mark.parametrize("lookahead", [LOOKAHEAD, 0])
+def test_engine_tree_children_are_the_draft_models_top_tokens_at_each_node(draft_model, lookahead):
     engine = _engine(draft_model)
-    drafter = EngineTreeDrafter(engine, TreeShape(WIDTHS), LOOKAHEAD)
+    drafter = EngineTreeDrafter(engine, TreeShape(WIDTHS), lookahead)
     jobs = [DraftJob(f"r{i}", "d", c, len(c)) for i, c in enumerate(CONTEXTS)]
     trees = drafter.propose(jobs)
     for context, tree in zip(CONTEXTS, trees, strict=True):
-        assert len(tree[0]) == 2 + 4 + 4 + 4 + LOOKAHEAD
+        assert len(tree[0]) == 2 + 4 + 4 + 4 + lookahead
         DraftTree(*tree)
         children = _children(tree)
         for path, kids in children.items():
@@ -142,7 +143,7 @@ def test_engine_tree_children_are_the_draft_models_top_tokens_at_each_node(draft
             assert len(kids) == width, (path, kids)
             _assert_top(_logits_after(engine, context + path), kids, f"node {path}")
         # every node of the K levels branches as the shape says; only the likeliest path goes on
-        assert sum(1 for p in children if len(p) >= len(WIDTHS)) == LOOKAHEAD
+        assert sum(1 for p in children if len(p) >= len(WIDTHS)) == lookahead
     assert all(b.ref_count == 0 for b in engine.block_manager.blocks)  # every request ended
     engine.block_manager.check_invariants()
 
@@ -171,6 +172,7 @@ def test_tree_drafting_leaves_the_draft_cache_that_chain_drafting_leaves(draft_m
     jobs = [DraftJob(f"r{i}", "d", c, len(c)) for i, c in enumerate(CONTEXTS)]
     trees = tree_drafter.propose(jobs)
     chains = chain_drafter.propose(jobs)
+    assert tree_drafter.num_computed_tokens == sum(len(c) for c in CONTEXTS)  # nothing cached
     # the likeliest path with its lookahead is the chain the chain drafter drafts
     assert [_first_path(t) for t in trees] == [list(c[0]) for c in chains]
     tree_cache, chain_cache = _cache(tree_engine), _cache(chain_engine)
@@ -185,6 +187,11 @@ def test_tree_drafting_leaves_the_draft_cache_that_chain_drafting_leaves(draft_m
         for i, (c, t) in enumerate(zip(CONTEXTS, chains, strict=True))
     ]
     assert EngineDrafter(tree_engine, depth).propose(later) == chain_drafter.propose(later)
+    again = [DraftJob(j.request_id, "d", j.context, len(j.context)) for j in later]
+    tree_drafter.propose(again)  # every full block of these contexts is cached by now
+    bs = tree_engine.block_manager.block_size
+    tails = [len(j.context) - (len(j.context) - 1) // bs * bs for j in again]  # 1 .. bs each
+    assert tree_drafter.num_computed_tokens == sum(len(c) for c in CONTEXTS) + sum(tails)
     for engine in (tree_engine, chain_engine):
         assert all(b.ref_count == 0 for b in engine.block_manager.blocks)
         engine.block_manager.check_invariants()

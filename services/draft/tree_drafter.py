@@ -39,6 +39,8 @@ class EngineTreeDrafter(EngineDrafter):
         super().__init__(engine, shape.depth + lookahead)
         self.shape = shape
         self.lookahead = lookahead
+        # context tokens this drafter computed itself (the rest were prefix-cache hits)
+        self.num_computed_tokens = 0
 
     def propose(self, jobs: Sequence[DraftJob]) -> list[Tree]:
         from kvmesh.shared.engine.block_manager import OutOfBlocksError
@@ -49,6 +51,7 @@ class EngineTreeDrafter(EngineDrafter):
         # aborted once it has them
         params = SamplingParams(max_tokens=self.depth + 1, temperature=0.0, ignore_eos=True)
         ids: dict[str, int] = {}
+        num_hits, num_context = engine.block_manager.num_hit_tokens, 0
         for i, job in enumerate(jobs):
             assert not job.ahead, "trees are drafted anew (DraftCore pipeline_depth 0)"
             if job.position + self.depth + 1 > engine.max_seq_len:
@@ -60,6 +63,7 @@ class EngineTreeDrafter(EngineDrafter):
             except (RequestError, OutOfBlocksError):
                 continue
             ids[rid] = i
+            num_context += job.position
         trees: dict[str, TreeExpansion] = {}
         try:
             for rid, first in self._prefill(ids).items():
@@ -70,6 +74,8 @@ class EngineTreeDrafter(EngineDrafter):
                 engine.abort(rid)  # False for those already ended
             while engine.has_unfinished():  # the aborted requests' last outputs
                 engine.step()
+            num_hits = engine.block_manager.num_hit_tokens - num_hits
+            self.num_computed_tokens += num_context - num_hits
         out: list[Tree] = [((), ()) for _ in jobs]
         for rid, expansion in trees.items():
             out[ids[rid]] = expansion.tree()
