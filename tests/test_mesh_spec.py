@@ -4,7 +4,9 @@ draft processes (kvmesh-tiny).
 16 concurrent greedy requests through the router; each request's tokens (read off its NATS token
 subject) must equal the offline engine's without drafts, token for token, for n-gram and early
 exit drafts, K 1 and 4 and a tree, over shm (and n-gram over tcp); the decode worker's
-counters show that drafts were verified, and the replies' usage counts the accepted ones. A
+counters show that drafts were verified, and the replies' usage counts the accepted ones. The
+early-exit mesh then hands over to a second draft worker drafting trees (K 4, 2,2,2,1): four
+of the prompts again, the same output, and trees verified with their siblings. A
 draft model equal to the target has every draft accepted and K + 1 tokens per full verify step
 (from the decode worker's /metrics); kill -9 of that draft worker mid-stream changes no stream.
 Bad draft settings stop `kvmesh serve draft` at start-up with one line.
@@ -41,46 +43,108 @@ def offline_tokens() -> list[list[int]]:
     return offline_greedy(PROMPTS, MAX_TOKENS)
 
 
+# early exit as a tree takes over the early-exit chain's mesh as a second draft worker
+EARLY_EXIT_TREE = DraftSetup("early-exit", k=4, tree=(2, 2, 2, 1), exit_layer=2)
+
+
 @pytest.mark.parametrize(
     ("transport", "setup"),
     [
         # each mesh costs ~20 s of the suite: early exit at K=4 is the kill test's setup below
         ("shm", DraftSetup("ngram", k=1)),
         ("shm", DraftSetup("ngram", k=4, tree=(2, 2, 1, 1))),
-        ("shm", DraftSetup("early-exit", k=1, exit_layer=2)),
+        ("shm", DraftSetup("early-exit", k=1, exit_layer=2)),  # then + EARLY_EXIT_TREE
         ("tcp", DraftSetup("ngram", k=4)),
     ],
     ids=lambda v: v if isinstance(v, str) else f"{v.method}-k{v.k}-{'x'.join(map(str, v.tree))}",
 )
 def test_greedy_output_with_drafts_equals_output_without(transport, setup, offline_tokens):
     env = dict(ENV)
+    second = EARLY_EXIT_TREE if setup.method == "early-exit" else None
     if setup.method == "early-exit":
-        # kvmesh-tiny's step takes a few ms, about what a model draft takes: paced like a big
-        # target's step, the drafts arrive in time (back to back they mostly arrive late, are
-        # stale unless their first token was right, and decode goes on without them)
-        env["KVMESH_MIN_STEP_INTERVAL_MS"] = "30"
+        # kvmesh-tiny's step takes a few ms, less than a model draft takes: paced like a big
+        # target's step (100 ms: a tree for a few sequences on a loaded box), the drafts arrive
+        # in time (back to back they mostly arrive late, are stale unless their first tokens
+        # were right, and decode goes on without them)
+        env["KVMESH_MIN_STEP_INTERVAL_MS"] = "100"
     with spec_mesh(setup, transport, env=env) as mesh:
 
         async def scenario() -> tuple[dict, int]:
             replies, tap = await load(mesh, PROMPTS, MAX_TOKENS)
             check_equals_offline(replies, tap, offline_tokens)
-            await check_blocks_returned(mesh)
             async with admin_client(mesh.config.nats_url, auth=mesh.nats_auth) as admin:
                 status = {**await admin.status(), "draft": await admin.draft_workers()}
+            if second is not None:
+                status["draft"] += await _check_trees_from_a_second_draft_worker(
+                    mesh, second, env, offline_tokens
+                )
+            await check_blocks_returned(mesh)
             return status, sum(_accepted_in_usage(r) for r in replies)
 
         status, accepted_in_usage = asyncio.run(scenario())
         counters = spec_counters(mesh)
-    [row] = status["draft"]  # kvmesh admin status shows the draft worker and its acceptance
-    assert row["worker_id"] == "draft-0" and row["method"] == setup.method and row["k"] == setup.k
-    assert row["verified_tokens"] > 0 and 0 <= row["acceptance"] <= 1
-    assert "draft-0" in render_status(status)
+    # kvmesh admin status shows the draft workers and their acceptance
+    setups = [setup] if second is None else [setup, second]
+    rows = {r["worker_id"]: r for r in status["draft"]}
+    assert sorted(rows) == [f"draft-{i}" for i in range(len(setups))], rows
+    for row, s in zip((rows[w] for w in sorted(rows)), setups, strict=True):
+        assert row["method"] == s.method and row["k"] == s.k, row
+        assert row["tree"] == ",".join(map(str, s.tree)), row
+        assert row["verified_tokens"] > 0 and 0 <= row["acceptance"] <= 1, row
+        assert row["worker_id"] in render_status(status)
     assert counters["verify_steps"] > 0 and counters["positions"] > 0, counters
+    if not setup.tree and second is None:  # a chain's nodes are its positions
+        assert counters["nodes"] == counters["positions"], counters
     if setup.method == "early-exit":  # the first layers of the same model agree sometimes
         assert counters["accepted"] > 0, counters
     # usage counts the accepted drafts the clients got (a stop token may cut a verified path)
     assert accepted_in_usage <= counters["accepted"], (accepted_in_usage, counters)
     assert (accepted_in_usage > 0) == (counters["accepted"] > 0), (accepted_in_usage, counters)
+
+
+async def _check_trees_from_a_second_draft_worker(
+    mesh, setup: DraftSetup, env: dict[str, str], offline
+) -> list[dict]:
+    """draft-1, drafting ``setup`` (early exit as a tree), takes over from draft-0 (kvmesh up
+    starts draft workers of one setting; the mesh stops this one too): draft-0 stops once
+    draft-1 serves, so every sequence of the next load is drafted by draft-1, and the output
+    is the same. Returns draft-1's row of kvmesh admin status."""
+    from kvmesh.commands.up import ChildSpec, free_port
+
+    spec, first = mesh.children["draft-0"]
+    argv = list(spec.argv)
+    for flag, value in (
+        ("--worker-id", "draft-1"),
+        ("--num-speculative-tokens", str(setup.k)),
+        ("--exit-layer", str(setup.exit_layer)),
+        ("--metrics-port", str(free_port())),
+    ):
+        argv[argv.index(flag) + 1] = value
+    # no lookahead: a verify step then waits for a fresh tree (else, the drafts accepted, it
+    # verifies the chain below the old tree's likeliest path, and the siblings are passed by)
+    argv += ["--tree", ",".join(map(str, setup.tree)), "--lookahead", "0"]
+    with pytest.MonkeyPatch.context() as patch:  # the settings the mesh's children started with
+        for key, value in env.items():
+            patch.setenv(key, value)
+        mesh._spawn(ChildSpec("draft-1", "draft", tuple(argv)))
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 60
+    async with admin_client(mesh.config.nats_url, auth=mesh.nats_auth) as admin:
+        while "draft-1" not in {r["worker_id"] for r in await admin.draft_workers()}:
+            assert loop.time() < deadline, "draft-1 did not start within 60 s"
+            await asyncio.sleep(0.2)
+        first.terminate()
+        await asyncio.to_thread(first.wait, 30)
+        # four of the prompts: drafting their trees takes the draft worker about a decode step
+        # on a loaded box, so proposals arrive while their branches still apply (for 16
+        # sequences it takes several steps: only the chains below the tokens added meanwhile)
+        before = spec_counters(mesh)
+        replies, tap = await load(mesh, PROMPTS[0::4], MAX_TOKENS)
+        check_equals_offline(replies, tap, offline[0::4])
+        after = spec_counters(mesh)
+        nodes, positions = (after[k] - before[k] for k in ("nodes", "positions"))
+        assert nodes > positions > 0, (before, after)  # trees verified with their siblings
+        return [r for r in await admin.draft_workers() if r["worker_id"] == "draft-1"]
 
 
 def _accepted_in_usage(reply: dict) -> int:
