@@ -1,5 +1,6 @@
 import pytest
 from kvmesh.shared.engine.block_manager import BlockManager, OutOfBlocksError, block_hash
+from kvmesh.shared.engine.handoff import prefilled_sequence
 from kvmesh.shared.engine.sequence import SamplingParams, Sequence
 
 BS = 4
@@ -225,3 +226,37 @@ def test_pinned_cached_blocks_are_not_handed_out_until_freed():
     bm.free_blocks(pinned)
     assert bm.num_cached(hashes) == 2
     bm.check_invariants()
+
+
+def test_prefilled_sequence_keeps_its_cached_prompt_chain_when_the_pool_is_pressed():
+    """A remote prefill writes the whole prompt into blocks of its own; the cache's older copies
+    of the prompt's blocks (an earlier turn of the chat) must be the ones the sequence holds, or
+    allocations while it runs evict them and the chain a kv-store put walks breaks there."""
+    bm = BlockManager(6, BS)
+    params = SamplingParams(temperature=0)
+    turn1 = prefilled_sequence("t1", list(range(8)), bm.allocate_blocks(2), 50, params, bm, 100)
+    bm.deallocate(turn1)  # finished: its 2 blocks stay cached in the free list
+    prompt = [*range(8), 50, 51, 52, 53]  # the history again and 4 new tokens: 3 full blocks
+    turn2 = prefilled_sequence("t2", prompt, bm.allocate_blocks(3), 60, params, bm, 100)
+    hashes = list(turn2.block_hashes)
+    others = bm.allocate_blocks(bm.num_free_blocks)  # other requests take every free block
+    assert bm.num_cached(hashes) == 3  # the leading run a put of turn 2 would pin
+    bm.free_blocks(others)
+    bm.deallocate(turn2)
+    assert len(bm.pin_cached(hashes)) == 3
+    bm.check_invariants()
+
+
+def test_share_cached_keeps_own_block_on_a_hash_collision():
+    bm = BlockManager(6, BS)
+    first = make_seq(list(range(5)))
+    bm.allocate(first)
+    compute_all(bm, first)
+    h0 = first.block_hashes[0]
+    bm.blocks[first.block_table[0]].token_ids = (9, 9, 9, 9)  # another block's tokens, same hash
+    seq = make_seq(list(range(5)), "r2")
+    seq.block_table = bm.allocate_blocks(2)
+    seq.num_computed_tokens = 4
+    own = list(seq.block_table)
+    assert bm.share_cached(seq) == 0 and seq.block_table == own
+    assert bm.hash_to_block[h0] == first.block_table[0]

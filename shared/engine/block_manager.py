@@ -147,6 +147,33 @@ class BlockManager:
             pinned.append(block_id)
         return pinned
 
+    def share_cached(self, seq: Sequence) -> int:
+        """For a sequence whose computed KV was written into blocks of its own (``allocate_blocks``
+        for a remote prefill): swap each computed full block whose chain hash the prefix cache
+        holds already, with the same tokens, for the cached block (one more reference) and free
+        the sequence's own copy. Without this the copy that carries the name would sit in the free
+        list while the sequence runs on an unnamed duplicate, and could be evicted meanwhile: the
+        chain a later prefix hit or kv-store put walks (``pin_cached``) would break there, though
+        the pool still held the KV. Returns how many blocks were swapped."""
+        if not self.enable_prefix_caching:
+            return 0
+        bs = self.block_size
+        own_copies = []
+        for i, h in enumerate(self._ensure_hashes(seq, seq.num_computed_tokens // bs)):
+            cached, own = self.hash_to_block.get(h), seq.block_table[i]
+            if cached is None or cached == own:
+                continue
+            block = self.blocks[cached]
+            if block.token_ids != tuple(seq.token_ids[i * bs : (i + 1) * bs]):
+                continue  # hash collision: keep the sequence's own KV
+            if block.ref_count == 0:
+                del self.free[cached]
+            block.ref_count += 1
+            seq.block_table[i] = cached
+            own_copies.append(own)
+        self.free_blocks(own_copies)
+        return len(own_copies)
+
     # ---- sequences ----------------------------------------------------------------------------
 
     def _ensure_hashes(self, seq: Sequence, num_full_blocks: int) -> list[int]:

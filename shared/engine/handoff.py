@@ -57,5 +57,6 @@ def prefilled_sequence(
     )
     seq.block_table = list(block_ids)
     seq.num_computed_tokens = len(prompt_ids)
+    block_manager.share_cached(seq)  # the cache's copies of the prompt stay held while it runs
     block_manager.commit(seq)
     return seq
