@@ -145,6 +145,8 @@ def role_permissions(s: Subjects) -> dict[str, Permissions]:
             publish=(
                 s.decode_prefill_done("*"),
                 s.decode_prefill_started("*"),
+                s.DRAFT_KV_RESERVE,
+                s.draft_kv_done("*"),
                 f"{p}.request.*.prefill",
                 f"{p}.request.*.prefill_started",
                 *store_client,
@@ -157,8 +159,9 @@ def role_permissions(s: Subjects) -> dict[str, Permissions]:
                 f"{p}.worker.*.control",
             ),
         ),
-        # Draft workers: read contexts (the queue group's and their own) and aborts, answer
-        # their status endpoint; send proposals to decode workers, nothing else.
+        # Draft workers: read contexts (the queue group's and their own), prompt-KV reservations
+        # and their dones, and aborts, answer their status endpoint; send proposals to decode
+        # workers, nothing else (reservation replies go to the prefill's inbox).
         "draft": service(
             "draft",
             publish=(s.decode_draft("*"),),
@@ -167,6 +170,8 @@ def role_permissions(s: Subjects) -> dict[str, Permissions]:
                 s.draft_context("*"),
                 s.draft_forget("*"),
                 s.draft_status("*"),
+                s.DRAFT_KV_RESERVE,
+                s.draft_kv_done("*"),
                 s.ABORT,
             ),
         ),

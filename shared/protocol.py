@@ -138,6 +138,9 @@ class PrefillDone(Message):
     # The lease's window key from the job: only the holder of the job knows it, so the decode
     # worker ignores an announcement without it.
     rkey: int = 0
+    # To the decode worker: the draft worker that received the prompt's draft KV through the
+    # data plane ("" if none did); the decode worker sends that worker the first DraftContext.
+    draft_worker_id: str = ""
 
 
 class PrefillReport(Message):
@@ -247,6 +250,31 @@ class DraftForget(Message):
     """Decode worker -> the draft worker that holds a sequence: it finished or was aborted."""
 
     request_id: str
+
+
+class DraftKvReserve(Message):
+    """Prefill -> any early-exit draft worker (request, queue group ``draft``): reserve blocks
+    for the prompt's full blocks of draft KV, to be written by this prefill worker."""
+
+    request_id: str
+    lease_id: str
+    prompt_ids: tuple[int, ...]
+    kv_spec: str  # the prefill worker's KV layout (kv_spec_fingerprint): the draft's target's
+    lease_ms: Annotated[int, msgspec.Meta(ge=1)]
+
+
+class DraftKvReserveReply(Message):
+    """Draft worker -> prefill: where to write the first ``num_layers`` layers of each full
+    prompt block (a window over exactly these blocks, key ``rkey``), or why not."""
+
+    ok: bool
+    worker_id: str
+    descriptor: TransportDescriptor | None = None  # None unless ok
+    rkey: int = 0
+    block_addrs: tuple[int, ...] = ()
+    block_bytes: int = 0
+    num_layers: int = 0
+    error: str = ""
 
 
 # --- workers, registry, admin -----------------------------------------------------------------

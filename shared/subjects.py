@@ -156,6 +156,15 @@ class Subjects:
         """decode -> the draft worker holding a sequence (publish): DraftForget."""
         return f"{self.prefix}.draft.{worker_id}.forget"
 
+    # prefill -> early-exit draft queue group (request/reply): DraftKvReserve -> DraftKvReserveReply
+    @property
+    def DRAFT_KV_RESERVE(self) -> str:
+        return f"{self.prefix}.draft.kv_reserve"
+
+    def draft_kv_done(self, worker_id: str) -> str:
+        """prefill -> the draft worker that reserved a prompt's draft KV (publish): PrefillDone."""
+        return f"{self.prefix}.draft.{worker_id}.kv_done"
+
     def draft_status(self, worker_id: str) -> str:
         """admin -> one draft worker (request/reply micro endpoint): its acceptance figures."""
         return f"{self.prefix}.draft.{worker_id}.status"

@@ -27,6 +27,20 @@ def test_first_context_goes_whole_to_the_queue_group_then_deltas_to_the_pinned_w
     assert out.message.token_ids == (5, 6)
 
 
+def test_sequence_pinned_at_admission_sends_its_first_context_whole_to_that_worker():
+    book = DraftBook("d0", unpin_after_s=2.0)
+    book.pin("r", "x1", now=0.0)  # the prefill wrote the prompt's draft KV into x1
+    [out] = book.contexts(_seqs(r=5), now=0.1)
+    assert out.draft_worker_id == "x1" and out.message.start == 0
+    assert out.message.token_ids == (0, 1, 2, 3, 4)
+    book.on_proposal(DraftProposal("r", "x1", 5, (7,), (-1,)), now=0.2)
+    [out] = book.contexts(_seqs(r=6), now=0.3)
+    assert out.draft_worker_id == "x1" and out.message.start == 5
+    book.pin("q", "x2", now=0.0)  # x2 never answers: let go, the queue group gets it whole
+    [out] = book.contexts(_seqs(q=5), now=2.5)
+    assert out.draft_worker_id is None and out.message.start == 0
+
+
 def test_unpinned_sequence_sends_its_whole_context_again_until_a_worker_answers():
     book = DraftBook("d0")
     book.contexts(_seqs(r=5), now=0.0)

@@ -53,6 +53,18 @@ def test_up_with_draft_starts_draft_workers_and_speculative_decode():
         assert argv[argv.index("--num-speculative-tokens") + 1] == "3"
 
 
+def test_up_with_early_exit_has_prefill_write_the_draft_kv_over_the_mesh_transport():
+    config = UpConfig(draft="early-exit", draft_exit_layer=2, transport="tcp", cores=8)
+    specs = {s.name: s for s in plan(config, "nats://127.0.0.1:4222", 8000)}
+    assert "--draft-kv" in specs["prefill-0"].argv
+    argv = specs["draft-0"].argv
+    assert argv[argv.index("--transport") + 1] == "tcp"
+    assert argv[argv.index("--exit-layer") + 1] == "2"
+    assert DraftConfig(method="early-exit").uses_data_plane
+    ngram = {s.name: s for s in plan(UpConfig(draft="ngram"), "nats://127.0.0.1:4222", 8000)}
+    assert "--draft-kv" not in ngram["prefill-0"].argv
+
+
 def test_up_without_draft_starts_no_draft_worker():
     specs = plan(UpConfig(), "nats://127.0.0.1:4222", 8000)
     assert not any(s.tier == "draft" for s in specs)

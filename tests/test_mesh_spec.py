@@ -6,7 +6,10 @@ subject) must equal the offline engine's without drafts, token for token, for n-
 exit drafts, K 1 and 4 and a tree, over shm (and n-gram over tcp); the decode worker's
 counters show that drafts were verified, and the replies' usage counts the accepted ones. The
 early-exit mesh then hands over to a second draft worker drafting trees (K 4, 2,2,2,1): four
-of the prompts again, the same output, and trees verified with their siblings. A
+of the prompts again, the same output, and trees verified with their siblings. On the
+early-exit mesh, long prompts' draft KV reaches the draft worker from the prefill worker through
+the data plane (its metrics: every full prompt block received, less computed than the prompts),
+with the output unchanged. A
 draft model equal to the target has every draft accepted and K + 1 tokens per full verify step
 (from the decode worker's /metrics); kill -9 of that draft worker mid-stream changes no stream.
 Bad draft settings stop `kvmesh serve draft` at start-up with one line.
@@ -36,6 +39,9 @@ ENV = {"KVMESH_CHUNK_TOKENS": "32", "KVMESH_BLOCK_SIZE": "16", "KVMESH_NUM_BLOCK
 # Half the prompts repeat a phrase, so prompt lookup finds something to propose.
 PROMPTS = [p * 3 if i % 2 else p for i, p in enumerate(random_prompts(16, 20, 60, seed=11))]
 MAX_TOKENS = 24
+# Long prompts for early exit: their draft KV comes from the prefill worker (data plane).
+LONG_PROMPTS = random_prompts(4, 520, 600, seed=12)
+LONG_MAX_TOKENS = 16
 
 
 @pytest.fixture(scope="module")
@@ -67,11 +73,16 @@ def test_greedy_output_with_drafts_equals_output_without(transport, setup, offli
         # in time (back to back they mostly arrive late, are stale unless their first tokens
         # were right, and decode goes on without them)
         env["KVMESH_MIN_STEP_INTERVAL_MS"] = "100"
+    long_offline = (
+        offline_greedy(LONG_PROMPTS, LONG_MAX_TOKENS) if setup.method == "early-exit" else []
+    )
     with spec_mesh(setup, transport, env=env) as mesh:
 
         async def scenario() -> tuple[dict, int]:
             replies, tap = await load(mesh, PROMPTS, MAX_TOKENS)
             check_equals_offline(replies, tap, offline_tokens)
+            if long_offline:
+                await _check_long_prompts_draft_kv_from_the_data_plane(mesh, long_offline)
             async with admin_client(mesh.config.nats_url, auth=mesh.nats_auth) as admin:
                 status = {**await admin.status(), "draft": await admin.draft_workers()}
             if second is not None:
@@ -100,6 +111,36 @@ def test_greedy_output_with_drafts_equals_output_without(transport, setup, offli
     # usage counts the accepted drafts the clients got (a stop token may cut a verified path)
     assert accepted_in_usage <= counters["accepted"], (accepted_in_usage, counters)
     assert (accepted_in_usage > 0) == (counters["accepted"] > 0), (accepted_in_usage, counters)
+
+
+async def _check_long_prompts_draft_kv_from_the_data_plane(mesh, offline) -> None:
+    """The long prompts' full blocks reach the early-exit draft worker from the prefill worker
+    and are never computed there: its drafter computes less than the prompts (without the data
+    plane each first draft alone computes its whole prompt), and the output is unchanged."""
+    before = _draft_metrics(mesh)
+    replies, tap = await load(mesh, LONG_PROMPTS, LONG_MAX_TOKENS)
+    check_equals_offline(replies, tap, offline)
+    after = _draft_metrics(mesh)
+    received = after["prompt_tokens_received"] - before["prompt_tokens_received"]
+    computed = after["context_tokens_computed"] - before["context_tokens_computed"]
+    assert received == sum(len(p) // 16 * 16 for p in LONG_PROMPTS), (before, after)
+    assert 0 < computed < sum(len(p) for p in LONG_PROMPTS), (before, after)
+    # (short prompts may end before their reservation's reply is in: released, counted)
+    assert after["prompt_kv_refused"] == before["prompt_kv_refused"], (before, after)
+
+
+def _draft_metrics(mesh) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(mesh.metrics_urls["draft-0"], timeout=5) as resp:
+        text = resp.read().decode()
+    values = {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+    names = ("prompt_tokens_received", "context_tokens_computed", "prompt_kv_refused")
+    return {name: values.get(f"kvmesh_draft_{name}_total", 0.0) for name in names}
 
 
 async def _check_trees_from_a_second_draft_worker(

@@ -19,6 +19,8 @@ from kvmesh.shared.protocol import (
     DecodeAdvert,
     DraftContext,
     DraftForget,
+    DraftKvReserve,
+    DraftKvReserveReply,
     DraftProposal,
     KvCacheDigest,
     KvCacheEvents,
@@ -130,7 +132,9 @@ EXAMPLES: list[Message] = [
         cached_tokens=32,
     ),
     JOB,
-    PrefillDone("r1", "L1", ok=True, first_token=5, num_writes=3, error="e", rkey=77),
+    PrefillDone(
+        "r1", "L1", ok=True, first_token=5, num_writes=3, error="e", rkey=77, draft_worker_id="dr0"
+    ),
     PrefillReport("r1", "p0", 0.1, 0.2, 0.3, 0.04, num_chunks=2),
     TokenEvent(
         "r1",
@@ -160,6 +164,17 @@ EXAMPLES: list[Message] = [
         "r1", "dr0", position=14, tokens=(7, 8, 9), parents=(-1, 0, 0), need_context=True, depth=2
     ),
     DraftForget("r1"),
+    DraftKvReserve("r1", "L1", prompt_ids=(1, 2), kv_spec="L2:m", lease_ms=9),
+    DraftKvReserveReply(
+        ok=True,
+        worker_id="dr0",
+        descriptor=DESCRIPTOR,
+        rkey=77,
+        block_addrs=(4096,),
+        block_bytes=4096,
+        num_layers=1,
+        error="e",
+    ),
     StorePut("p0", "L2:m", (7, 2**63), lease_ms=9),
     StorePutReply(
         ok=True,

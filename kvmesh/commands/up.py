@@ -283,6 +283,8 @@ def plan(config: UpConfig, nats_url: str, port: int) -> list[ChildSpec]:
         for i in range(config.prefill):
             name = f"prefill-{i}"
             argv = ("serve", "prefill", *worker(name), *engine, *prefill_kv, *prefill_threads)
+            if config.draft == "early-exit":  # the draft workers take the prompts' draft KV
+                argv += ("--draft-kv",)
             specs.append(ChildSpec(name, "prefill", argv))
     if config.draft:
         specs += draft_specs(config, worker, threads["draft"])
@@ -314,8 +316,8 @@ def draft_specs(config: UpConfig, worker, threads: int) -> list[ChildSpec]:
     argv += ("--threads", str(threads))
     if config.draft_tree:
         argv += ("--tree", ",".join(map(str, config.draft_tree)))
-    if config.draft == "early-exit":
-        argv += ("--exit-layer", str(config.draft_exit_layer))
+    if config.draft == "early-exit":  # prompt KV from prefill workers on the data plane
+        argv += ("--exit-layer", str(config.draft_exit_layer), "--transport", config.transport)
     if config.draft == "model":
         assert config.draft_model is not None
         argv += ("--draft-model", config.draft_model)

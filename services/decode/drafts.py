@@ -4,11 +4,13 @@ For each decoding sequence it knows which draft worker holds its context (pinned
 worker's first proposal), how many of its tokens that worker has, the latest proposal, and what
 to report back about the last verification. After each step, ``contexts()`` says what to send:
 a whole context to the queue group while no worker is pinned (any may take it), the appended
-tokens to the pinned worker otherwise. Before each step, ``drafts()`` hands out the proposals
-that continue the sequence as it is now: one drafted at its current length as it is, one drafted
-a few tokens earlier by the subtree below the tokens added since, when they lie on one of its
-paths (``rebase_tree``; otherwise it is stale), cut to the proposal's depth and to the tokens
-the sequence may still emit.
+tokens to the pinned worker otherwise; a sequence whose prompt's draft KV a prefill wrote into
+a draft worker is pinned to it from the start (``pin``), so its whole first context goes there.
+Before each step, ``drafts()`` hands out the proposals that continue the sequence as it is
+now: one drafted at its current length as it is, one drafted a few tokens earlier by the
+subtree below the tokens added since, when they lie on one of its paths (``rebase_tree``;
+otherwise it is stale), cut to the proposal's depth and to the tokens the sequence may still
+emit.
 
 Pipelining: a proposal is kept after it is handed out, until the sequence leaves it (a draft
 rejected, or a token past its deepest node). Draft workers draft beyond K (lookahead: for the
@@ -162,6 +164,12 @@ class DraftBook:
                 link.heard_at = now  # the unpin clock starts when a worker gets pinned
             out.append(Outgoing(link.draft_worker_id, message))
         return out
+
+    def pin(self, request_id: str, draft_worker_id: str, now: float) -> None:
+        """A new sequence whose prompt KV ``draft_worker_id`` already holds (the prefill wrote
+        it there): its first context goes to that worker, not the queue group. A pinned
+        worker's silence lets it go as ever."""
+        self.links[request_id] = _Link(draft_worker_id, heard_at=now)
 
     def forget(self, request_id: str) -> str | None:
         """The sequence finished or was aborted: returns the draft worker to tell, if any."""

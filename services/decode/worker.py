@@ -519,6 +519,8 @@ class DecodeWorker:
             except RequestError as exc:
                 error = str(exc)
             else:  # the prefill sampled the first token; the engine's outputs follow it
+                if self.drafts is not None and res.done.draft_worker_id:
+                    self.drafts.pin(res.request_id, res.done.draft_worker_id, self._clock())
                 first = (res.done.first_token,)
                 return TokenEvent(
                     res.request_id, first, num_prompt_tokens=len(prompt), num_output_tokens=1

@@ -102,7 +102,9 @@ class DraftConfig(EngineWorkerConfig):
 
     @property
     def uses_data_plane(self) -> bool:
-        return False  # drafts travel on NATS; the draft KV stays in this worker
+        """Early exit receives prompts' draft KV from prefill workers over ``transport`` (the
+        first layers of the target's KV); the other methods move nothing on the data plane."""
+        return self.method == "early-exit"
 
     @property
     def role(self) -> str:

@@ -11,7 +11,7 @@ the one a DraftConfig asks for and checks it at start-up (one clear error when i
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from kvmesh.services.draft.config import DraftConfig
@@ -51,12 +51,16 @@ class EngineDrafter:
         self.engine = engine
         self.depth = depth
         self._num_requests = 0
+        # context tokens this drafter computed itself (the rest were prefix-cache hits: KV it
+        # kept from earlier drafts or received through the data plane)
+        self.num_computed_tokens = 0
 
     def propose(self, jobs: Sequence[DraftJob]) -> list[Tree]:
         from kvmesh.shared.engine.block_manager import OutOfBlocksError
         from kvmesh.shared.engine.sequence import RequestError, SamplingParams
 
         ids: dict[str, int] = {}
+        num_hits, num_context = self.engine.block_manager.num_hit_tokens, 0
         for i, job in enumerate(jobs):
             num_tokens = self.depth - len(job.ahead)
             if num_tokens < 1 or job.position + self.depth > self.engine.max_seq_len:
@@ -69,11 +73,15 @@ class EngineDrafter:
             except (RequestError, OutOfBlocksError):
                 continue
             ids[rid] = i
+            num_context += job.position + len(job.ahead)
         drafted: list[list[int]] = [[] for _ in jobs]
         while self.engine.has_unfinished():
             for out in self.engine.step():
                 if out.request_id in ids:
                     drafted[ids[out.request_id]] += out.new_token_ids
+        self.num_computed_tokens += num_context - (
+            self.engine.block_manager.num_hit_tokens - num_hits
+        )
         return [(tuple(t), tuple(range(-1, len(t) - 1))) for t in drafted]
 
 
@@ -104,9 +112,10 @@ def truncate_layers(model: Any, num_layers: int) -> Any:
     return model
 
 
-def build_drafter(config: DraftConfig) -> Drafter:
+def build_drafter(config: DraftConfig, allocate: Callable[[int], Any] | None = None) -> Drafter:
     """The drafter of ``config`` (loads models for early-exit and model; ServiceStartError on
-    a bad exit layer or a draft model with another vocabulary)."""
+    a bad exit layer or a draft model with another vocabulary). ``allocate(nbytes)``: where the
+    draft engine's KV pool lives (transport memory, for a pool that receives prompt KV)."""
     if config.method == "ngram":
         return NgramDrafter(config.drafted_shape, config.ngram_min, config.ngram_max)
     import torch
@@ -145,7 +154,12 @@ def build_drafter(config: DraftConfig) -> Drafter:
         device=config.device,
         reserve_output_tokens=0,
     )
-    engine = LLMEngine(model, tokenizer, econf)
+    buffer = None
+    if allocate is not None:
+        from kvmesh.services.draft.prompt_kv_receiver import pool_bytes
+
+        buffer = allocate(pool_bytes(model, econf))
+    engine = LLMEngine(model, tokenizer, econf, kv_buffer=buffer)
     if not config.shape.is_chain:
         from kvmesh.services.draft.tree_drafter import EngineTreeDrafter
 

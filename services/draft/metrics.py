@@ -31,6 +31,20 @@ class DraftMetrics(MetricSet):
         self.accepted_tokens = self.counter(
             "accepted_tokens_total", "Draft tokens decode workers accepted (as they reported)."
         )
+        self.prompt_tokens_received = self.counter(
+            "prompt_tokens_received_total",
+            "Prompt tokens whose draft KV a prefill worker wrote into this worker's pool (early "
+            "exit), adopted into its prefix cache: never computed here.",
+        )
+        self.context_tokens_computed = self.counter(
+            "context_tokens_computed_total",
+            "Context tokens (prompt + output) the drafter computed itself: the tokens of its "
+            "drafts' contexts that were not prefix-cache hits (model drafters).",
+        )
+        self.prompt_kv_refused = self.counter(
+            "prompt_kv_refused_total",
+            "Prompt-KV reservations refused, failed or expired (the drafter computes those).",
+        )
         self.resyncs = self.counter(
             "context_resyncs_total",
             "Contexts asked for again (a delta for a sequence this worker did not hold).",

@@ -3,7 +3,10 @@
 Subjects (docs/speculative.md): ``DRAFT_CONTEXT`` in queue group ``draft`` (a sequence's first
 context: any draft worker may take it) and ``draft_context(id)`` (the deltas of the sequences this
 worker holds) carry DraftContext; ``draft_forget(id)`` DraftForget; ``ABORT`` Abort. Proposals go
-to ``decode_draft(decode worker)``. Discoverable as micro service ``kvmesh-draft`` ($SRV); its
+to ``decode_draft(decode worker)``. An early-exit worker also takes prompt-KV reservations
+(``DRAFT_KV_RESERVE``, request/reply in queue group ``draft``) and their prefills'
+announcements (``draft_kv_done(id)``, PrefillDone) and receives the KV itself on the data plane
+(prompt_kv_receiver.py). Discoverable as micro service ``kvmesh-draft`` ($SRV); its
 ``status`` endpoint and $SRV.STATS carry the acceptance figures. The drafting loop drafts what
 changed, in batches, in a worker thread, and never blocks the subscriptions: contexts that arrive
 meanwhile coalesce into the next batch.
@@ -22,6 +25,7 @@ from kvmesh.services.draft.config import DraftConfig
 from kvmesh.services.draft.core import DraftCore
 from kvmesh.services.draft.drafters import Drafter, build_drafter
 from kvmesh.services.draft.metrics import DraftMetrics
+from kvmesh.services.draft.prompt_kv_receiver import PromptKvReceiver, target_kv_spec
 from kvmesh.shared import logs
 from kvmesh.shared.nats_service import (
     background,
@@ -37,12 +41,18 @@ from kvmesh.shared.protocol import (
     Abort,
     DraftContext,
     DraftForget,
+    DraftKvReserve,
     DraftProposal,
+    MessageError,
+    PrefillDone,
     WorkerHeartbeat,
+    decode_message,
     encode_message,
 )
 from kvmesh.shared.subjects import DRAFT_QUEUE_GROUP
+from kvmesh.shared.transport import Access, TransportConfig, create_transport
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 from nats.micro.request import Request
 
 log = logs.get_logger(__name__)
@@ -60,6 +70,11 @@ class DraftService:
         self.started_at = time.time()
         self._wake = asyncio.Event()
         self.metrics_port: int | None = None
+        # held while the drafter runs its engine; prompt-KV reservations and adoptions (the
+        # receiver) touch the same engine's blocks between drafts
+        self.lock = asyncio.Lock()
+        self.receiver: PromptKvReceiver | None = None  # early-exit: prompt KV on the data plane
+        self._num_computed = 0
 
     def heartbeat(self) -> WorkerHeartbeat:
         return WorkerHeartbeat(
@@ -107,13 +122,36 @@ class DraftService:
             self._wake.clear()
             while jobs := self.core.take_jobs(self.config.max_batch):
                 started = time.monotonic()
-                trees = await asyncio.to_thread(self.drafter.propose, jobs)
+                async with self.lock:
+                    trees = await asyncio.to_thread(self.drafter.propose, jobs)
                 self.metrics.draft_seconds.observe(time.monotonic() - started)
+                computed = getattr(self.drafter, "num_computed_tokens", None)  # engine drafters
+                if computed is not None:
+                    self.metrics.context_tokens_computed.inc(computed - self._num_computed)
+                    self._num_computed = computed
                 for job, (tokens, parents) in zip(jobs, trees, strict=True):
                     proposal = self.core.proposal(job, tokens, parents)
                     if proposal is not None:
                         self.metrics.proposals.inc()
                         await self._send(job.decode_worker_id, proposal)
+
+    async def on_kv_reserve(self, msg: Msg) -> None:
+        """A prefill worker's request (queue group ``draft``): DraftKvReserve -> its reply."""
+        assert self.receiver is not None
+        try:
+            body = decode_message(msg.data, DraftKvReserve)
+        except MessageError as exc:  # nobody can act on it: the prefill times out, goes on
+            log.warning("ignored malformed prompt kv reservation", error=str(exc))
+            return
+        reply = await self.receiver.reserve(body)
+        try:
+            await msg.respond(encode_message(reply))
+        except nats.errors.Error as exc:  # the prefill gave up waiting; the lease frees it
+            log.debug("prompt kv reply not sent", request_id=body.request_id, error=str(exc))
+
+    async def on_kv_done(self, msg: PrefillDone) -> None:
+        assert self.receiver is not None
+        await self.receiver.on_done(msg)
 
     async def _send(self, decode_worker_id: str, proposal: DraftProposal) -> None:
         try:
@@ -128,9 +166,25 @@ class DraftService:
 async def draft_service(config: DraftConfig) -> AsyncIterator[DraftService]:
     """Drafter (models loaded), NATS, subscriptions and the drafting loop: ready to serve."""
     worker_id = config.worker_id or new_worker_id("draft")
-    drafter = await asyncio.to_thread(build_drafter, config)
     subjects = config.subjects
-    async with connect_nats(config.nats_url, worker_id, security=config.nats_security) as nc:
+    async with contextlib.AsyncExitStack() as stack:
+        transport = None
+        allocate = None
+        if config.uses_data_plane:  # early exit: prompt KV arrives from prefill workers
+            import torch
+
+            bind_host, advertise_host = config.transport_hosts()
+            tconf = TransportConfig(
+                peer_id=worker_id, tcp_host=bind_host, tcp_advertise_host=advertise_host
+            )
+            transport = await stack.enter_async_context(create_transport(config.transport, tconf))
+            # on the host the draft pool lives in transport memory (shm: a segment prefills map)
+            if torch.device(config.device).type == "cpu":
+                allocate = transport.allocate
+        drafter = await asyncio.to_thread(build_drafter, config, allocate)  # start-up errors first
+        nc = await stack.enter_async_context(
+            connect_nats(config.nats_url, worker_id, security=config.nats_security)
+        )
         service = DraftService(
             config,
             DraftCore(
@@ -142,11 +196,38 @@ async def draft_service(config: DraftConfig) -> AsyncIterator[DraftService]:
             drafter,
             nc,
         )
-        queue_sub = await nc.subscribe(
-            subjects.DRAFT_CONTEXT,
-            queue=DRAFT_QUEUE_GROUP,
-            cb=on_message(DraftContext, service.on_context),
-        )
+        loops = [service.draft_loop()]
+        routes = []
+        engine = getattr(drafter, "engine", None)  # the engine drafters' (chains and trees)
+        if transport is not None and engine is not None:
+            region = transport.register(engine.kv_pool.raw, Access.REMOTE_WRITE)
+            from kvmesh.shared.model.loader import load_config_and_tokenizer
+
+            target_layers = load_config_and_tokenizer(config.model)[0].num_hidden_layers
+            service.receiver = PromptKvReceiver(
+                engine,
+                transport,
+                region,
+                service.lock,
+                worker_id=worker_id,
+                target_kv_spec=target_kv_spec(engine, target_layers),
+                metrics=service.metrics,
+            )
+            loops += [service.receiver.completion_loop(), service.receiver.expiry_loop()]
+            routes.append((subjects.draft_kv_done(worker_id), PrefillDone, service.on_kv_done))
+        queue_subs = [
+            await nc.subscribe(
+                subjects.DRAFT_CONTEXT,
+                queue=DRAFT_QUEUE_GROUP,
+                cb=on_message(DraftContext, service.on_context),
+            )
+        ]
+        if service.receiver is not None:  # any early-exit worker may take a reservation
+            queue_subs.append(
+                await nc.subscribe(
+                    subjects.DRAFT_KV_RESERVE, queue=DRAFT_QUEUE_GROUP, cb=service.on_kv_reserve
+                )
+            )
         try:
             async with (
                 worker_presence(
@@ -164,8 +245,9 @@ async def draft_service(config: DraftConfig) -> AsyncIterator[DraftService]:
                     (subjects.draft_context(worker_id), DraftContext, service.on_context),
                     (subjects.draft_forget(worker_id), DraftForget, service.on_forget),
                     (subjects.ABORT, Abort, service.on_abort),
+                    *routes,
                 ),
-                background(service.draft_loop()),
+                background(*loops),
                 open_for_requests(
                     nc,
                     svc,
@@ -178,13 +260,15 @@ async def draft_service(config: DraftConfig) -> AsyncIterator[DraftService]:
                     method=config.method,
                     k=config.num_speculative_tokens,
                     tree=config.tree or None,
+                    transport=transport.name if transport is not None else None,
                 ) as service.metrics_port,
             ):
                 yield service
         finally:
             if not nc.is_closed:
-                with contextlib.suppress(nats.errors.Error):
-                    await queue_sub.unsubscribe()
+                for sub in queue_subs:
+                    with contextlib.suppress(nats.errors.Error):
+                        await sub.unsubscribe()
 
 
 async def run(config: DraftConfig) -> None:

@@ -34,6 +34,13 @@ class PrefillConfig(EngineWorkerConfig):
         "in the queue, 600 s, so an aborted job is never computed)",
     )
 
+    draft_kv: bool = option(
+        False,
+        help="speculative meshes with early-exit draft workers: ask one to reserve blocks for "
+        "each prompt's draft KV and write it the first layers of every full prompt block "
+        "beside the decode worker's writes, so the draft worker never computes the prompt "
+        "(docs/speculative.md); without an answer the job goes on without",
+    )
     use_kv_store: bool = option(
         True,
         help="read prompt prefixes from a kv-store advertising on the mesh into the prefix cache "

@@ -34,6 +34,11 @@ class PrefillMetrics(MetricSet):
         self.kv_bytes_written = self.counter(
             "kv_bytes_written_total", "KV cache bytes written into decode workers' blocks."
         )
+        self.draft_kv_bytes = self.counter(
+            "draft_kv_bytes_written_total",
+            "Draft KV bytes (the first layers of each prompt block) written into early-exit draft "
+            "workers' blocks.",
+        )
         self.kv_write = self.histogram(
             "kv_write_seconds",
             "Duration of one chunk's KV write (issue to completion).",

@@ -4,7 +4,9 @@ Pulls ``PrefillJob``s from the JetStream work queue (kvmesh.shared.prefill_queue
 free slot (``max_concurrent_jobs``), so an idle peer takes the next job rather than a busy worker
 hoarding it; follows ``ABORT``; checks every job against its decode worker's ``DecodeAdvert``;
 publishes what the worker returns: ``PrefillStarted`` when it takes a job, ``PrefillDone`` and
-``PrefillReport`` when the job ends.
+``PrefillReport`` when the job ends. With ``--draft-kv`` it asks an early-exit draft worker to
+reserve blocks for each prompt's draft KV (``DRAFT_KV_RESERVE``) and announces those writes on
+``draft_kv_done(draft worker)`` before the decode worker's PrefillDone (docs/speculative.md).
 """
 
 from __future__ import annotations
@@ -41,7 +43,10 @@ from kvmesh.shared.prefill_queue import PrefillJobQueue
 from kvmesh.shared.protocol import (
     Abort,
     DecodeAdvert,
+    DraftKvReserve,
+    DraftKvReserveReply,
     MessageError,
+    PrefillDone,
     PrefillJob,
     StoreAdvert,
     WorkerHeartbeat,
@@ -56,6 +61,9 @@ from nats.aio.msg import Msg
 from nats.micro.request import Request
 
 log = logs.get_logger(__name__)
+
+DRAFT_KV_TIMEOUT_S = 0.25  # a draft worker's answer to a prompt-KV reservation, at most
+DRAFT_KV_LEASE_S = 30.0  # its blocks wait this long for the prefill's announcement
 
 
 class PrefillService:
@@ -133,18 +141,66 @@ class PrefillService:
         await self.nc.publish(self.subjects.request_prefill_started(job.request_id), started)
 
     async def _run_job(self, job: PrefillJob) -> None:
+        draft = None
         try:
             with logs.request_context(job.request_id):
-                result = await self.worker.prefill(job)
+                if self.config.draft_kv and len(job.prompt_ids) >= self.config.block_size:
+                    draft = asyncio.ensure_future(self._reserve_draft_kv(job))
+                result = await self.worker.prefill(job, draft)
                 if result is not None:
                     await self._announce_result(job, result)
+                if draft is not None and (result is None or result.draft_done is None):
+                    self._tg.create_task(self._release_draft_kv(job, draft))  # never waited for
         finally:
             self._slots.release()
+
+    async def _reserve_draft_kv(self, job: PrefillJob) -> DraftKvReserveReply | None:
+        """An early-exit draft worker's blocks for the prompt's draft KV; None when none
+        answers in ``DRAFT_KV_TIMEOUT_S`` (the job goes on without draft writes)."""
+        req = DraftKvReserve(
+            job.request_id,
+            job.lease_id,
+            job.prompt_ids,
+            self.worker.kv_spec,
+            lease_ms=int(DRAFT_KV_LEASE_S * 1000),
+        )
+        try:
+            msg = await self.nc.request(
+                self.subjects.DRAFT_KV_RESERVE, encode_message(req), timeout=DRAFT_KV_TIMEOUT_S
+            )
+            reply = decode_message(msg.data, DraftKvReserveReply)
+        except (nats.errors.Error, MessageError) as exc:  # no draft worker (or a slow one)
+            log.debug("no draft kv reservation", error=str(exc) or type(exc).__name__)
+            return None
+        if not reply.ok:
+            log.debug("draft kv reservation refused", error=reply.error)
+        return reply
+
+    async def _release_draft_kv(
+        self, job: PrefillJob, draft: asyncio.Future[DraftKvReserveReply | None]
+    ) -> None:
+        """A reservation the job never wrote into (refused or aborted before its first chunk):
+        its blocks go back now rather than when the lease runs out."""
+        reply = await draft
+        if reply is None or not reply.ok:
+            return
+        done = PrefillDone(
+            job.request_id, job.lease_id, False, error="not written", rkey=reply.rkey
+        )
+        with contextlib.suppress(nats.errors.Error):
+            await self.nc.publish(
+                self.subjects.draft_kv_done(reply.worker_id), encode_message(done)
+            )
 
     async def _announce_result(self, job: PrefillJob, result: PrefillResult) -> None:
         """``PrefillDone`` to the decode worker (its blocks wait for it), the report to the
         router. Unsent (NATS gone for good), the decode worker's lease frees the blocks."""
         try:
+            if result.draft_done is not None:  # first: the decode's first context comes after
+                draft_worker_id, draft_done = result.draft_done
+                await self.nc.publish(
+                    self.subjects.draft_kv_done(draft_worker_id), encode_message(draft_done)
+                )
             await self.nc.publish(
                 self.subjects.decode_prefill_done(job.decode_worker_id),
                 encode_message(result.done),

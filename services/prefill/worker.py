@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from kvmesh.services.prefill.adverts import AdvertBook
 from kvmesh.services.prefill.convert import KVMirror, KVMirrors, decode_kv_dtype
+from kvmesh.services.prefill.draft_kv import DraftKvPlanner
 from kvmesh.services.prefill.endpoints import EndpointCache
 from kvmesh.services.prefill.metrics import PrefillMetrics
 from kvmesh.services.prefill.plan import (
@@ -35,6 +36,7 @@ from kvmesh.shared import logs
 from kvmesh.shared.engine.llm_engine import LLMEngine
 from kvmesh.shared.engine.sequence import ChunkReady, RequestError, SamplingParams
 from kvmesh.shared.protocol import (
+    DraftKvReserveReply,
     PrefillDone,
     PrefillJob,
     PrefillReport,
@@ -59,6 +61,28 @@ class _Job:
     first_token: int = -1
     error: str = ""
     is_computed: bool = False  # the last chunk is in; the engine holds the blocks until release
+    draft: _DraftWrites | None = None  # the prompt's draft KV to an early-exit draft worker
+
+
+@dataclass(eq=False)
+class _DraftWrites:
+    """A job's writes of draft KV (docs/speculative.md): best effort, never the job's failure."""
+
+    reply: DraftKvReserveReply
+    planner: DraftKvPlanner | None = None  # None: the reply did not fit (``error`` says why)
+    endpoint: Endpoint | None = None
+    num_writes: int = 0
+    error: str = ""
+
+    @property
+    def is_complete(self) -> bool:
+        """Every planned write landed: the draft worker holds the prompt's full blocks."""
+        return (
+            self.planner is not None
+            and self.planner.is_complete
+            and not self.error
+            and self.num_writes == self.planner.num_writes_planned
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +92,10 @@ class PrefillResult:
 
     done: PrefillDone
     report: PrefillReport | None = None
+    # (draft worker id, its announcement) when a draft worker reserved blocks for the prompt's
+    # draft KV: sent before ``done``, so the draft worker has the KV when the decode's first
+    # context arrives
+    draft_done: tuple[str, PrefillDone] | None = None
 
 
 class PrefillWorker:
@@ -151,9 +179,14 @@ class PrefillWorker:
         then on they count on it (and on hearing if it dies)."""
         return PrefillStarted(msg.request_id, msg.lease_id, self.worker_id)
 
-    async def prefill(self, msg: PrefillJob) -> PrefillResult | None:
+    async def prefill(
+        self, msg: PrefillJob, draft: asyncio.Future[DraftKvReserveReply | None] | None = None
+    ) -> PrefillResult | None:
         """Run one job to its end: every write landed (or none in flight). Returns what to tell
-        the decode worker and the router; None for a duplicate of a job in hand."""
+        the decode worker and the router; None for a duplicate of a job in hand. ``draft``: an
+        early-exit draft worker's reservation for the prompt's draft KV, never waited for: taken
+        with the first chunk after it came (the chunks before it are written then too); not
+        come by the last chunk, or None, or a refusal: no draft writes."""
         rid = msg.request_id
         started_at = time.time()
         if rid in self._jobs:
@@ -199,11 +232,21 @@ class PrefillWorker:
         self._wake.set()
         try:
             async with asyncio.TaskGroup() as tg:
+                blocks: list[int] = []  # the job's local blocks so far (the engine holds them)
                 while (chunk := await job.chunks.get()) is not _STOP:
                     write = planner.plan(
                         chunk.chunk_index, chunk.end_token, chunk.block_ids, chunk.is_last
                     )
                     tg.create_task(self._write(job, write, chunk))
+                    blocks += chunk.block_ids
+                    new_blocks = chunk.block_ids
+                    if draft is not None and draft.done():  # the chunks so far, then each
+                        job.draft = await self._draft_writes(msg, draft.result())
+                        draft, new_blocks = None, tuple(blocks)
+                    if job.draft is not None and job.draft.planner is not None:
+                        draft_write = job.draft.planner.plan(new_blocks)
+                        if draft_write is not None and not job.draft.error:
+                            tg.create_task(self._write_draft(job.draft, draft_write))
                     if chunk.is_last:
                         job.first_token = chunk.first_token
                         break
@@ -250,6 +293,45 @@ class PrefillWorker:
         self.metrics.observe_write(sum(s.length for s in write.spans), t1 - t0)
         job.num_writes += 1
 
+    async def _draft_writes(
+        self, msg: PrefillJob, reply: DraftKvReserveReply | None
+    ) -> _DraftWrites | None:
+        """The draft writes of a job, if its reservation came and fits this worker."""
+        if reply is None or not reply.ok or reply.descriptor is None:
+            return None
+        spec = self.engine.kv_pool.spec
+        try:
+            planner = DraftKvPlanner(
+                reply,
+                len(msg.prompt_ids),
+                self.block_size,
+                spec.num_layers,
+                spec.num_kv_heads,
+                self.block_bytes,
+            )
+            endpoint = await self.endpoints.get(reply.descriptor)
+        except (PlanError, TransportError, ValueError) as exc:
+            log.info("draft kv not written", request_id=msg.request_id, error=str(exc))
+            return _DraftWrites(reply, error=str(exc))
+        return _DraftWrites(reply, planner, endpoint)
+
+    async def _write_draft(self, draft: _DraftWrites, write: ChunkWrite) -> None:
+        assert draft.endpoint is not None and draft.reply.descriptor is not None
+        entries = [
+            WriteEntry(self.region, s.local_offset, s.remote_addr, draft.reply.rkey, s.length)
+            for s in write.spans
+        ]
+        try:
+            await draft.endpoint.write(entries, write.imm)
+        except TransportError as exc:
+            if not draft.error:
+                draft.error = f"draft KV write {write.chunk_index} failed: {exc}"
+                log.info("draft kv write failed", error=str(exc))
+                await self.endpoints.forget(draft.reply.descriptor)
+            return
+        self.metrics.draft_kv_bytes.inc(write.num_bytes)
+        draft.num_writes += 1
+
     async def _stop(self, job: _Job) -> None:
         """No more chunks for this job: the engine drops it, its queue gets the stop marker."""
         if not job.is_computed:
@@ -272,6 +354,22 @@ class PrefillWorker:
 
     def _result(self, msg: PrefillJob, job: _Job | None, error: str) -> PrefillResult:
         ok = job is not None and not error
+        draft = job.draft if job is not None else None
+        draft_done = None
+        if draft is not None:  # the draft worker's blocks wait for this (its lease id: the job's)
+            draft_ok = ok and draft.is_complete
+            draft_error = "" if draft_ok else (draft.error or error or "draft KV not complete")
+            draft_done = (
+                draft.reply.worker_id,
+                PrefillDone(
+                    msg.request_id,
+                    msg.lease_id,
+                    draft_ok,
+                    num_writes=draft.num_writes,
+                    error=draft_error,
+                    rkey=draft.reply.rkey,
+                ),
+            )
         done = PrefillDone(
             msg.request_id,
             msg.lease_id,
@@ -280,6 +378,7 @@ class PrefillWorker:
             num_writes=job.num_writes if job is not None else 0,
             error=error,
             rkey=msg.rkey,
+            draft_worker_id=draft_done[0] if draft_done and draft_done[1].ok else "",
         )
         if job is None:
             self.metrics.observe_job(None, ok=False)
@@ -296,4 +395,4 @@ class PrefillWorker:
             exposed_transfer_s=t.exposed_transfer_s,
             num_chunks=t.num_chunks,
         )
-        return PrefillResult(done, report)
+        return PrefillResult(done, report, draft_done)

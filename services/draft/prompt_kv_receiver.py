@@ -1,0 +1,189 @@
+"""An early-exit draft worker's receiving side of prompt KV (docs/speculative.md, Prompt KV
+through the data plane): reserves draft-pool blocks for a prefill worker, opens a write window
+over exactly them, counts the writes that land and adopts the blocks into the draft engine's
+prefix cache once the prefill says it is done. The leases themselves are PromptKvTable's (pure);
+this shell owns the engine's block manager only under ``lock``, the lock the drafting loop
+holds while the drafter runs the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kvmesh.services.draft.metrics import DraftMetrics
+from kvmesh.services.draft.prompt_kv import PromptKvError, PromptKvTable, PromptKvVerdict
+from kvmesh.shared import logs
+from kvmesh.shared.descriptor import TransportDescriptor
+from kvmesh.shared.imm import imm_slot, unpack_imm
+from kvmesh.shared.prefix_hash import prefix_block_hashes
+from kvmesh.shared.protocol import (
+    DraftKvReserve,
+    DraftKvReserveReply,
+    PrefillDone,
+    kv_spec_fingerprint,
+)
+from kvmesh.shared.transport import Access, Completion, MemoryRegion, Transport
+
+log = logs.get_logger(__name__)
+
+MAX_LEASE_S = 60.0  # nobody holds draft blocks longer than this unannounced
+
+
+def pool_bytes(model: Any, econf: Any) -> int:
+    """Bytes of the KV pool LLMEngine makes for ``model`` under EngineConfig ``econf`` (to
+    allocate it in transport memory first)."""
+    from kvmesh.shared.engine.kv_cache import KVCacheSpec
+
+    mc = model.config
+    dtype = econf.kv_dtype(getattr(mc, "dtype", None) or next(model.parameters()).dtype)
+    spec = KVCacheSpec(
+        mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, econf.block_size, dtype
+    )
+    return econf.resolve_num_blocks(spec.block_bytes) * spec.block_bytes
+
+
+def target_kv_spec(engine: Any, target_num_layers: int) -> str:
+    """The KV layout fingerprint of the early-exit draft's target: the draft's own pool and
+    model config with the target's layer count (truncate_layers changed only that)."""
+    spec = dataclasses.replace(engine.kv_pool.spec, num_layers=target_num_layers)
+    mc = dataclasses.replace(engine.model.config, num_hidden_layers=target_num_layers)
+    return kv_spec_fingerprint(spec, mc)
+
+
+class PromptKvReceiver:
+    def __init__(
+        self,
+        engine: Any,
+        transport: Transport,
+        region: MemoryRegion,
+        lock: asyncio.Lock,
+        *,
+        worker_id: str,
+        target_kv_spec: str,
+        metrics: DraftMetrics,
+        quarantine_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.engine = engine
+        self.transport = transport
+        self.region = region
+        self.lock = lock
+        self.worker_id = worker_id
+        self.target_kv_spec = target_kv_spec
+        self.metrics = metrics
+        self.table = PromptKvTable(quarantine_s)
+        self.block_bytes = engine.kv_pool.spec.block_bytes
+        self.block_size = engine.kv_pool.spec.block_size
+        self.descriptor = TransportDescriptor.from_peer(transport.descriptor().public())
+        self._clock = clock
+
+    def _refuse(self, error: str) -> DraftKvReserveReply:
+        self.metrics.prompt_kv_refused.inc()
+        return DraftKvReserveReply(False, self.worker_id, error=error)
+
+    async def reserve(self, req: DraftKvReserve) -> DraftKvReserveReply:
+        """Blocks for the prompt's full blocks, under a window and a lease (or why not)."""
+        if req.kv_spec != self.target_kv_spec:
+            return self._refuse(
+                f"the prefill's KV layout {req.kv_spec} is not this draft's target's "
+                f"{self.target_kv_spec}: run both on the same model, dtype and block size"
+            )
+        if self.engine.kv_pool.spec.is_fp8:
+            return self._refuse("fp8 KV caches do not split by layer: no prompt KV transfer")
+        bs = self.block_size
+        num_full = len(req.prompt_ids) // bs
+        if num_full < 1:
+            return self._refuse(f"a prompt of {len(req.prompt_ids)} tokens has no full block")
+        bm = self.engine.block_manager
+        async with self.lock:
+            if req.request_id in self.table:
+                return self._refuse(f"request {req.request_id!r} already holds draft blocks")
+            # a quarter of the pool stays for drafting (reserved blocks cannot be evicted)
+            if bm.num_free_blocks - num_full < bm.num_total_blocks // 4:
+                return self._refuse(f"draft worker {self.worker_id} is short of KV blocks")
+            block_ids = bm.allocate_blocks(num_full)
+            base = self.region.addr
+            spans = [(base + b * self.block_bytes, self.block_bytes) for b in block_ids]
+            try:
+                window = self.transport.open_window(self.region, spans, Access.REMOTE_WRITE)
+            except ValueError as exc:  # the transport's table of windows is full
+                bm.free_blocks(block_ids)
+                return self._refuse(f"cannot open a write window: {exc}")
+            slot = imm_slot(spans[0][0], self.block_bytes)
+            lease_s = min(req.lease_ms / 1000, MAX_LEASE_S)
+            try:
+                self.table.add(
+                    req.request_id,
+                    req.lease_id,
+                    slot,
+                    tuple(block_ids),
+                    tuple(req.prompt_ids[: num_full * bs]),
+                    self._clock() + lease_s,
+                    window,
+                )
+            except PromptKvError as exc:
+                self.transport.close_window(window)
+                bm.free_blocks(block_ids)
+                return self._refuse(str(exc))
+        return DraftKvReserveReply(
+            True,
+            self.worker_id,
+            descriptor=self.descriptor,
+            rkey=window.rkey,
+            block_addrs=tuple(a for a, _ in spans),
+            block_bytes=self.block_bytes,
+            num_layers=self.engine.kv_pool.spec.num_layers,
+        )
+
+    async def on_completion(self, completion: Completion) -> None:
+        slot, write = unpack_imm(completion.imm)
+        verdict = self.table.on_immediate(slot, write, completion.keys)
+        if verdict is not None:
+            await self._apply(verdict)
+
+    async def on_done(self, done: PrefillDone) -> None:
+        verdict = self.table.on_done(done)
+        if verdict is not None:
+            await self._apply(verdict)
+
+    async def expire(self) -> None:
+        for verdict in self.table.expire(self._clock()):
+            await self._apply(verdict)
+
+    async def _apply(self, verdict: PromptKvVerdict) -> None:
+        """Close the lease's window; adopt its blocks (ready) and free them (cached), or free
+        them (failed; unless quarantined)."""
+        lease = verdict.lease
+        if lease.window is not None:
+            self.transport.close_window(lease.window)  # closing twice is harmless
+        if not verdict.ok:
+            if not (lease.is_expired and verdict.release):  # a quarantine's end: counted before
+                self.metrics.prompt_kv_refused.inc()
+            log.info("prompt kv not taken", request_id=lease.request_id, error=verdict.error)
+            if not verdict.release:
+                return
+        bm = self.engine.block_manager
+        async with self.lock:
+            if verdict.ok:
+                bs = self.block_size
+                tokens = lease.token_ids
+                hashes = prefix_block_hashes(tokens, bs, bm.root_hash)
+                blocks = [tokens[i * bs : (i + 1) * bs] for i in range(len(lease.block_ids))]
+                bm.adopt(list(lease.block_ids), hashes, blocks)
+                self.metrics.prompt_tokens_received.inc(len(tokens))
+            bm.free_blocks(list(lease.block_ids))
+
+    async def expiry_loop(self, interval_s: float = 0.5) -> None:
+        """Expire leases every ``interval_s`` (a task body)."""
+        while True:
+            await asyncio.sleep(interval_s)
+            await self.expire()
+
+    async def completion_loop(self) -> None:
+        """Count the writes that land (a task body)."""
+        async for completion in self.transport.completions():
+            await self.on_completion(completion)
