@@ -291,10 +291,27 @@ def _calibrate(args: argparse.Namespace, model: Any) -> int:
         f"{s.cache_bytes / 2**20:.0f} MiB LLC ({model.name}'s weights {cache} it); "
         f"link {s.link_bandwidth / 1e9:.1f} GB/s"
     )
+    if result.engine_scale is not None:
+        _print_engine_scale(result.engine_scale)
+    elif result.mesh is not None:
+        print("\nmesh engine scale: not measured (the mesh's /metrics could not be read); 1")
     if result.mesh is not None:
         _print_mesh_fit(result.mesh)
     print(f"wrote {write_device(s, args.out or DEFAULT_CPU_SPEC)}")
     return 0
+
+
+def _print_engine_scale(scaled: Any) -> None:
+    print("\nengine in the mesh's workers during the probe (their /metrics) against the model:")
+    print(
+        "| role | mesh mean ms | count | in-process model ms | scale | scaled model ms |\n"
+        "|---|---|---|---|---|---|"
+    )
+    for f in scaled.figures:
+        print(
+            f"| {f.role} | {f.measured_s * 1e3:.2f} | {f.count} | {f.unscaled_s * 1e3:.2f} | "
+            f"x{getattr(scaled.scale, f.role):.2f} | {f.scaled_s * 1e3:.2f} ({f.relative:+.1%}) |"
+        )
 
 
 def _print_mesh_fit(mesh: Any) -> None:
@@ -367,6 +384,8 @@ def _validate(args: argparse.Namespace, cost: Any, requests: list[Any]) -> int:
         f"jitter p90 {d.jitter_p90_s * 1e3:.2f} ms, p99 {d.jitter_p99_s * 1e3:.2f} ms, max "
         f"{d.jitter_max_s * 1e3:.1f} ms"
         + ("" if d.request_overhead_s else " (none measured: run --calibrate first)")
+        + f"; engine in the mesh x{d.colocated_engine_scale:.2f} colocated, "
+        f"x{d.decode_engine_scale:.2f} decode, x{d.prefill_engine_scale:.2f} prefill"
     )
     comparisons = validate.compare(config, cost, requests, ("colocated", "disagg"))
     print(validate.format_comparisons(comparisons))

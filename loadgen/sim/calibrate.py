@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvmesh.loadgen.sim.engine_scale import EngineScaleFit
 from kvmesh.loadgen.sim.fit import DecodePoint, Fit, PrefillPoint, fit_costs
 from kvmesh.loadgen.sim.overheads import OverheadFit
 from kvmesh.loadgen.sim.specs import DeviceSpec, ModelSpec
@@ -55,6 +56,8 @@ class Calibration:
     link_gbps: float
     seconds: float  # how long the measurement took
     mesh: OverheadFit | None = None  # None: the mesh was not probed (engine figures only)
+    # the engine's slowdown in the mesh's workers; None: not probed, or /metrics unread
+    engine_scale: EngineScaleFit | None = None
 
 
 def _host_memory() -> float:
@@ -209,7 +212,11 @@ def calibrate(
             + f"; shm link {link_gbps:.1f} GB/s"
         ),
     )
-    overheads = probe_mesh(model_name, spec, model, transport) if mesh else None
+    overheads, scaled = probe_mesh(model_name, spec, model, transport) if mesh else (None, None)
+    if scaled is not None:
+        spec = dataclasses.replace(
+            scaled.scale.apply(spec), description=spec.description + "; " + scaled.describe()
+        )
     if overheads is not None:
         o = overheads.overheads
         spec = dataclasses.replace(
@@ -223,24 +230,39 @@ def calibrate(
             f"max {o.jitter.max_s * 1e3:.1f} ms",
         )
     elapsed = time.perf_counter() - started
-    return Calibration(spec, fit, tuple(decode), tuple(prefill), link_gbps, elapsed, overheads)
+    return Calibration(
+        spec, fit, tuple(decode), tuple(prefill), link_gbps, elapsed, overheads, scaled
+    )
 
 
 def probe_mesh(
     model_name: str, engine: DeviceSpec, model: ModelSpec, transport: str = "shm"
-) -> OverheadFit:
-    """Serve the probe on a real colocated and disagg mesh, and fit the overheads to it."""
+) -> tuple[OverheadFit, EngineScaleFit | None]:
+    """Serve the probe on a real colocated and disagg mesh; fit the engine's slowdown in the
+    mesh to its workers' /metrics (None where they could not be read), then the overheads to
+    its requests with the scaled engine."""
     from kvmesh.loadgen.sim.cost import CostModel
+    from kvmesh.loadgen.sim.engine_scale import fit_engine_scale, simulate_probe_timings
     from kvmesh.loadgen.sim.overheads import Jitter, ProbeFigures, check_long, fit_overheads
     from kvmesh.loadgen.sim.probe import run_probe
     from kvmesh.loadgen.sim.validate import mesh_topology
 
-    measured, isolated, long = {}, [], {}
+    measured, isolated, long, timings = {}, [], {}, {}
     for mode in ("colocated", "disagg"):
         records = run_probe(mode, model_name, transport)
         measured[mode] = ProbeFigures.of(records.isolated, records.batch)
         isolated += records.isolated
         long[mode] = records.long
+        if records.timings is not None:
+            timings[mode] = records.timings
+    scaled = None
+    if timings:
+        scaled = fit_engine_scale(
+            CostModel(model, engine),
+            timings,
+            lambda m, c: simulate_probe_timings(m, c, lambda m2, c2: mesh_topology(m2, c2)),
+        )
+        engine = scaled.scale.apply(engine)
     fit = fit_overheads(
         CostModel(model, engine),
         measured,
@@ -248,6 +270,5 @@ def probe_mesh(
         Jitter.of(isolated),
     )
     fitted = CostModel(model, fit.overheads.apply(engine))
-    return dataclasses.replace(
-        fit, checks=check_long(fitted, long, lambda m, c: mesh_topology(m, c))
-    )
+    checks = check_long(fitted, long, lambda m, c: mesh_topology(m, c))
+    return dataclasses.replace(fit, checks=checks), scaled

@@ -193,7 +193,7 @@ class Cluster:
             return
         slices, d = [w.slice() for w in batch], self.cost.device
         if worker.role == "prefill":
-            step = self.cost.step(slices)
+            step = self.cost.step(slices, "prefill")
             self.queue_waits += [
                 now - self.queued_at[w.seq.index] for w in batch if w.seq.num_computed == 0
             ]
@@ -205,7 +205,7 @@ class Cluster:
                 jitter,
                 is_colocated=worker.role == "colocated",
             )
-        engine = self.cost.step(slices).seconds
+        engine = self.cost.step(slices, worker.role).seconds
         self.engine_share[worker.index] = engine / step.seconds if step.seconds > 0 else 1.0
         worker.is_busy = True
         worker.last_step_start = now

@@ -15,7 +15,10 @@ any ``num_new``). For a step:
   Activations are left out: they are small beside weights and KV at serving batch sizes;
 - time = overhead + max(FLOPs / effective FLOP/s, bytes / effective bandwidth), where the
   overhead is the fixed part a calibration measures: ``step_overhead_s`` per step +
-  ``seq_overhead_s`` per slice + ``chunk_overhead_s`` per prefill chunk (``num_new > 1``).
+  ``seq_overhead_s`` per slice + ``chunk_overhead_s`` per prefill chunk (``num_new > 1``);
+- a step of a mesh worker (``step(slices, role)``) is that times the device's
+  ``engine_scale(role)``: the engine inside a mesh worker process, measured by calibration's
+  probe, is slower than the in-process calibration the figures come from (``engine_scale.py``).
 
 The two parts are kept apart (``StepCost.overhead_s``, ``StepCost.roofline_s``): on a CPU host
 shared by several workers the overhead is serial (one core's Python and dispatch) while the
@@ -118,13 +121,17 @@ class CostModel:
             num_chunks += s.num_new > 1
         return d.step_overhead_s + d.seq_overhead_s * num_slices + d.chunk_overhead_s * num_chunks
 
-    def step(self, slices: Iterable[Slice]) -> StepCost:
+    def step(self, slices: Iterable[Slice], role: str | None = None) -> StepCost:
+        """The engine's step; with ``role``, as a worker of that role runs it in the mesh (its
+        overhead and roofline times the device's ``engine_scale(role)``)."""
         slices = list(slices)
         assert slices, "a step computes something"
         flops, num_bytes = self.step_flops(slices), self.step_bytes(slices)
         compute = flops / (self.device.effective_flops * self.tp)
         memory = num_bytes / (self.device.effective_bandwidth * self.tp)
-        return StepCost(flops, num_bytes, self.step_overhead_s(slices), max(compute, memory))
+        scale = 1.0 if role is None else self.device.engine_scale(role)
+        overhead = self.step_overhead_s(slices)
+        return StepCost(flops, num_bytes, overhead * scale, max(compute, memory) * scale)
 
     def loop_step(
         self,
@@ -136,9 +143,10 @@ class CostModel:
     ) -> StepCost:
         """A decode (or, ``is_colocated``, colocated) worker's step in the mesh: the engine's
         step, plus the loop's fixed cost, ``num_tokens`` streamed tokens' cost and ``jitter_s``
-        (a ``jitter_s(u)`` draw), serial (one thread)."""
+        (a ``jitter_s(u)`` draw), serial (one thread). The engine's part is scaled by the role's
+        ``engine_scale``; the loop's is not."""
         assert num_tokens >= 0 and jitter_s >= 0
-        step = self.step(slices)
+        step = self.step(slices, "colocated" if is_colocated else "decode")
         d = self.device
         if is_colocated:
             loop = d.colocated_loop_overhead_s + d.colocated_token_overhead_s * num_tokens

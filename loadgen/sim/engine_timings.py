@@ -44,6 +44,20 @@ class EngineTimings:
         return cls(steps, step, chunks, chunk, jobs, queue)
 
 
+def pooled(parts: list[EngineTimings]) -> EngineTimings:
+    """Several runs' timings as one: counts added, means weighted by them."""
+
+    def mean(count: str, value: str) -> tuple[int, float | None]:
+        n = sum(getattr(p, count) for p in parts)
+        total = sum(getattr(p, count) * (getattr(p, value) or 0.0) for p in parts)
+        return n, (total / n if n else None)
+
+    steps, step = mean("home_steps", "home_step_s")
+    chunks, chunk = mean("prefill_chunks", "prefill_chunk_s")
+    jobs, queue = mean("prefill_jobs", "prefill_queue_s")
+    return EngineTimings(steps, step, chunks, chunk, jobs, queue)
+
+
 def merge_scrapes(scrapes: list[Mapping[str, float]]) -> dict[str, float]:
     """Several services' samples as one: values of the same name summed (two decode workers)."""
     out: dict[str, float] = {}

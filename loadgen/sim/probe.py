@@ -15,6 +15,10 @@ It is not the validation workload: short prompts, few requests, two phases per m
   the fitted simulator on prompts as long as a serving workload's (the short probe prompts
   cannot show a cost that grows with the prompt outside the engine's calibrated prefill).
 
+The mesh's own ``/metrics`` are read after the warm-up and after the batch: the engine means
+over the probe (``ProbeRecords.timings``) are what ``engine_scale.py`` fits the engine's slowdown
+in the mesh to.
+
 The same requests, as ``SimRequest``s (``probe_requests``), are what the simulator replays when
 it fits the overheads. The real side uses ``kvmesh bench serve``'s client (``sse_client``) and
 ``bench_mesh.local_mesh`` as ``--validate`` does (torch and the services, imported lazily).
@@ -27,6 +31,7 @@ import random
 from dataclasses import dataclass
 
 from kvmesh.loadgen.serve_metrics import RequestRecord
+from kvmesh.loadgen.sim.engine_timings import EngineTimings
 from kvmesh.loadgen.sim.workload import SimRequest
 
 PROBE_INPUT = 64
@@ -48,6 +53,7 @@ class ProbeRecords:
     isolated: tuple[RequestRecord, ...]
     batch: tuple[RequestRecord, ...]
     long: tuple[RequestRecord, ...] = ()
+    timings: EngineTimings | None = None  # the mesh's engine means over the probe; None: unread
 
 
 def probe_requests() -> tuple[list[SimRequest], list[SimRequest]]:
@@ -70,6 +76,7 @@ def run_probe(
 ) -> ProbeRecords:
     """Serve the probe on a fresh local mesh of ``mode`` (the ``--validate`` mesh's settings)."""
     from kvmesh.loadgen.bench_mesh import local_mesh
+    from kvmesh.loadgen.sim.validate import scrape
     from kvmesh.loadgen.sse_client import Endpoint, run_requests
     from kvmesh.loadgen.workload import Prompt
 
@@ -95,7 +102,11 @@ def run_probe(
             return records
 
         serve([Prompt(prompts[-1], 4)])  # warm-up: first steps, connections
+        urls = list(mesh.metrics_urls.values())
+        before = scrape(urls)
         isolated = [serve([Prompt(p, ISOLATED_OUTPUT)])[0] for p in prompts[:ISOLATED]]
         long = [serve([Prompt(p, LONG_OUTPUT)])[0] for p in long_prompts]
         batch = serve([Prompt(p, BATCH_OUTPUT) for p in prompts[ISOLATED:-1]])
-    return ProbeRecords(mode, tuple(isolated), tuple(batch), tuple(long))
+        after = scrape(urls)
+    timings = None if before is None or after is None else EngineTimings.between(before, after)
+    return ProbeRecords(mode, tuple(isolated), tuple(batch), tuple(long), timings)

@@ -55,7 +55,13 @@ class DeviceSpec:
     jitter: the gaps a real mesh shows at batch 1 exceed their median by up to ``jitter_p90_s``
     in 90 % of steps, ``jitter_p99_s`` in 99 %, ``jitter_max_s`` at most (the garbage collector,
     heartbeats, a process the OS runs first, a late read); ``CostModel.jitter_s`` draws from
-    that distribution."""
+    that distribution.
+
+    ``colocated_engine_scale``, ``decode_engine_scale`` and ``prefill_engine_scale``: how much
+    slower (> 1) a worker of that role runs the engine inside the mesh than the in-process
+    calibration the roofline and step figures come from (``engine_scale.py``: measured from the
+    mesh's own step and chunk histograms during the calibration probe); a step of that role
+    costs its engine figures times the scale. 1 in the GPU specs (nothing measured them)."""
 
     name: str
     peak_flops: float
@@ -80,6 +86,9 @@ class DeviceSpec:
     jitter_p90_s: float = 0.0
     jitter_p99_s: float = 0.0
     jitter_max_s: float = 0.0
+    colocated_engine_scale: float = 1.0
+    decode_engine_scale: float = 1.0
+    prefill_engine_scale: float = 1.0
     description: str = ""
 
     def __post_init__(self) -> None:
@@ -110,9 +119,16 @@ class DeviceSpec:
             "jitter_p90_s, jitter_p99_s, jitter_max_s",
             "must not decrease",
         )
+        for name in ("colocated_engine_scale", "decode_engine_scale", "prefill_engine_scale"):
+            _require(getattr(self, name) > 0, self.name, name, "must be > 0")
         for name in ("cores", "calibration_threads"):
             value = getattr(self, name)
             _require(isinstance(value, int) and value >= 1, self.name, name, "must be an int >= 1")
+
+    def engine_scale(self, role: str) -> float:
+        """The engine's slowdown in the mesh for a worker of ``role`` (colocated, decode,
+        prefill)."""
+        return getattr(self, f"{role}_engine_scale")
 
     @property
     def effective_flops(self) -> float:

@@ -1,0 +1,147 @@
+"""How much slower the engine runs inside a mesh worker than in calibration's process (pure;
+``calibrate.py`` measures and calls it).
+
+Calibration times the engine in its own process. On the idle 2-core box, the same engine inside
+the mesh's worker processes took 1.5-2x as long per step and per prefill chunk (docs/sim.md),
+which left the simulator's TTFT 0.65-0.75x of the real mesh's. So during the calibration probe
+(``probe.py``: its workload, never the validation's) the mesh's own ``/metrics`` are read before
+and after, and their engine means (``engine_timings.EngineTimings``: a decode or colocated
+worker's step, a prefill worker's chunk) are set against the simulator's for the same probe:
+
+- ``colocated``: the colocated mesh's mean step, real / simulated;
+- ``decode``: the disagg mesh's decode worker's mean step;
+- ``prefill``: the disagg mesh's prefill worker's mean chunk.
+
+Each role's engine costs (``DeviceSpec.<role>_engine_scale``; ``CostModel.step(slices, role)``)
+are multiplied by its scale. The simulated means move with the scale not quite in proportion
+(workers share cores), so the scale is iterated: ``scale <- scale * real / simulated`` for
+``ROUNDS`` rounds. A role the probe did not measure keeps 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from kvmesh.loadgen.sim.cluster import simulate
+from kvmesh.loadgen.sim.cost import CostModel
+from kvmesh.loadgen.sim.engine_timings import EngineTimings, pooled
+from kvmesh.loadgen.sim.probe import long_requests, probe_requests
+from kvmesh.loadgen.sim.specs import DeviceSpec
+from kvmesh.loadgen.sim.topology import Topology
+
+ROUNDS = 4
+ROLES = ("colocated", "decode", "prefill")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineScale:
+    colocated: float = 1.0
+    decode: float = 1.0
+    prefill: float = 1.0
+
+    def apply(self, device: DeviceSpec) -> DeviceSpec:
+        return dataclasses.replace(
+            device,
+            colocated_engine_scale=self.colocated,
+            decode_engine_scale=self.decode,
+            prefill_engine_scale=self.prefill,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ScaleFigure:
+    """One role's engine mean during the probe: the mesh's, and the simulator's without the
+    scale (``unscaled_s``) and with it (``scaled_s``), over ``count`` real steps or chunks."""
+
+    role: str
+    measured_s: float
+    unscaled_s: float
+    scaled_s: float
+    count: int
+
+    @property
+    def relative(self) -> float:
+        return self.scaled_s / self.measured_s - 1
+
+
+@dataclass(frozen=True, slots=True)
+class EngineScaleFit:
+    scale: EngineScale
+    figures: tuple[ScaleFigure, ...]
+
+    def describe(self) -> str:
+        """The provenance line calibration stores in the spec's description."""
+        return "mesh engine scale (probe's /metrics): " + ", ".join(
+            f"{f.role} x{getattr(self.scale, f.role):.2f} ({f.measured_s * 1e3:.2f} ms mean over "
+            f"{f.count}, in-process model {f.unscaled_s * 1e3:.2f} ms)"
+            for f in self.figures
+        )
+
+
+def simulate_probe_timings(
+    mode: str, cost: CostModel, topology_for: Callable[[str, CostModel], Topology]
+) -> EngineTimings:
+    """The engine means of the whole probe (isolated, long and batch requests, as the mesh
+    serves them one phase after the other) on ``mode``'s simulated twin."""
+    isolated, batch = probe_requests()
+    topology = topology_for(mode, cost)
+    parts = [
+        simulate(topology, cost, phase).timings for phase in (isolated, long_requests(), batch)
+    ]
+    return pooled([t for t in parts if t is not None])
+
+
+def _role_means(mode: str, timings: EngineTimings) -> dict[str, tuple[float, int]]:
+    """The roles' engine means (seconds, count) a mode's timings hold."""
+    out = {}
+    if timings.home_step_s is not None and timings.home_steps > 0:
+        out["colocated" if mode == "colocated" else "decode"] = (
+            timings.home_step_s,
+            timings.home_steps,
+        )
+    if mode == "disagg" and timings.prefill_chunk_s is not None and timings.prefill_chunks > 0:
+        out["prefill"] = (timings.prefill_chunk_s, timings.prefill_chunks)
+    return out
+
+
+def fit_engine_scale(
+    cost: CostModel,
+    measured: Mapping[str, EngineTimings],
+    simulate_timings: Callable[[str, CostModel], EngineTimings],
+    rounds: int = ROUNDS,
+) -> EngineScaleFit:
+    """The per-role scales with which the simulated probe's engine means (``simulate_timings(mode,
+    cost)``) match ``measured`` (the mesh's, by mode: ``colocated``, ``disagg``). ``cost`` is
+    the in-process engine's (its scales are ignored: the fit starts from 1)."""
+    real = {
+        role: value for mode, t in measured.items() for role, value in _role_means(mode, t).items()
+    }
+    modes = [m for m in measured if _role_means(m, measured[m])]
+
+    def simulated(scale: EngineScale) -> dict[str, float]:
+        trial = CostModel(cost.model, scale.apply(cost.device), cost.tp)
+        out = {}
+        for mode in modes:
+            for role, (mean, _) in _role_means(mode, simulate_timings(mode, trial)).items():
+                out[role] = mean
+        return out
+
+    scale = EngineScale()
+    unscaled = simulated(scale)
+    sim = unscaled
+    for _ in range(rounds):
+        factors = {
+            role: getattr(scale, role) * real[role][0] / sim[role]
+            for role in ROLES
+            if role in real and sim.get(role)
+        }
+        scale = dataclasses.replace(scale, **factors)
+        sim = simulated(scale)
+    figures = tuple(
+        ScaleFigure(role, real[role][0], unscaled[role], sim[role], real[role][1])
+        for role in ROLES
+        if role in real and role in unscaled
+    )
+    return EngineScaleFit(scale, figures)
