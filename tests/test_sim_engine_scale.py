@@ -10,6 +10,7 @@ from kvmesh.loadgen.sim.cluster import simulate
 from kvmesh.loadgen.sim.cost import CostModel, Slice
 from kvmesh.loadgen.sim.engine_scale import (
     EngineScale,
+    PhaseTimings,
     fit_engine_scale,
     simulate_probe_timings,
 )
@@ -44,9 +45,14 @@ def _timings(step_s: float | None, chunk_s: float | None = None) -> EngineTiming
     return EngineTimings(100, step_s, 10 if chunk_s else 0, chunk_s, 0, None)
 
 
+def _phases(short: EngineTimings, long: EngineTimings | None = None) -> PhaseTimings:
+    return PhaseTimings(short, long or EngineTimings(0, None, 0, None, 0, None))
+
+
 def test_step_with_role_costs_engine_times_that_roles_scale():
     cost = _fixed(
         colocated_engine_scale=1.5,
+        colocated_chunk_engine_scale=1.2,
         decode_engine_scale=2.0,
         prefill_engine_scale=3.0,
         loop_overhead_s=0.002,
@@ -54,6 +60,8 @@ def test_step_with_role_costs_engine_times_that_roles_scale():
     slices = [Slice(1, 100)]
     assert cost.step(slices).seconds == pytest.approx(0.010)
     assert cost.step(slices, "colocated").seconds == pytest.approx(0.015)
+    # a colocated step that computes a prefill chunk takes the chunk scale, decodes beside it too
+    assert cost.step([Slice(1, 100), Slice(64, 0)], "colocated").seconds == pytest.approx(0.012)
     assert cost.step(slices, "decode").seconds == pytest.approx(0.020)
     assert cost.step([Slice(512, 0)], "prefill").seconds == pytest.approx(0.030)
     # the loop's own cost is not the engine's: it is not scaled
@@ -61,7 +69,12 @@ def test_step_with_role_costs_engine_times_that_roles_scale():
 
 
 def test_simulated_engine_means_scale_by_role_on_dedicated_devices():
-    cost = _fixed(decode_engine_scale=2.0, prefill_engine_scale=3.0, colocated_engine_scale=1.5)
+    cost = _fixed(
+        decode_engine_scale=2.0,
+        prefill_engine_scale=3.0,
+        colocated_engine_scale=1.5,
+        colocated_chunk_engine_scale=1.5,
+    )
     requests = [SimRequest(0.0, 100, 5)]
     disagg = simulate(_dedicated("disagg", cost), cost, requests).timings
     assert disagg.prefill_chunk_s == pytest.approx(0.030)
@@ -71,28 +84,41 @@ def test_simulated_engine_means_scale_by_role_on_dedicated_devices():
 
 
 def test_fit_engine_scale_is_mesh_mean_over_model_mean_per_role():
-    # every simulated step costs 10 ms unscaled: the scales are the measured means / 10 ms
-    measured = {"colocated": _timings(0.025), "disagg": _timings(0.020, chunk_s=0.040)}
+    # every simulated step costs 10 ms unscaled: the scales are the mesh's means / 10 ms, with
+    # each phase's colocated steps mixed as the simulated probe mixes them: the isolated and
+    # batch phases 1,079 decode steps and 10 with prefills, the long prompts' 21 and 6
+    short_colocated = EngineTimings(1089, (1079 * 0.025 + 10 * 0.018) / 1089, 0, None, 0, None)
+    long_colocated = EngineTimings(27, (6 * 0.018 + 21 * 0.025) / 27, 0, None, 0, None)
+    measured = {
+        "colocated": _phases(short_colocated, long_colocated),
+        "disagg": _phases(_timings(0.020, chunk_s=0.040), _timings(0.020, chunk_s=0.040)),
+    }
     fit = fit_engine_scale(
         _fixed(), measured, lambda m, c: simulate_probe_timings(m, c, _dedicated)
     )
-    assert fit.scale.colocated == pytest.approx(2.5)
+    assert fit.scale.colocated == pytest.approx(2.5, rel=1e-3)
+    assert fit.scale.colocated_chunk == pytest.approx(1.8, rel=1e-3)
     assert fit.scale.decode == pytest.approx(2.0)
     assert fit.scale.prefill == pytest.approx(4.0)
     by_role = {f.role: f for f in fit.figures}
     assert by_role["prefill"].unscaled_s == pytest.approx(0.010)
     assert by_role["prefill"].scaled_s == pytest.approx(0.040)
-    assert by_role["colocated"].count == 100
-    assert "colocated x2.50" in fit.describe()
+    assert by_role["colocated"].count == 1089
+    assert "decode x2.00" in fit.describe()
 
 
 def test_fit_engine_scale_keeps_roles_the_probe_did_not_measure_at_one():
     fit = fit_engine_scale(
         _fixed(),
-        {"colocated": _timings(0.030)},
+        {"colocated": _phases(_timings(0.030))},
         lambda m, c: simulate_probe_timings(m, c, _dedicated),
     )
-    assert fit.scale == EngineScale(colocated=pytest.approx(3.0), decode=1.0, prefill=1.0)
+    # 30 ms a step over 1,079 decode steps and 10 prefill steps that keep 10 ms (no long phase
+    # measured: their scale stays 1)
+    expected = (0.030 * 1089 - 10 * 0.010) / (1079 * 0.010)
+    assert fit.scale == EngineScale(
+        colocated=pytest.approx(expected), decode=1.0, prefill=1.0, colocated_chunk=1.0
+    )
     assert [f.role for f in fit.figures] == ["colocated"]
 
 
@@ -105,17 +131,27 @@ def test_fit_engine_scale_matches_means_on_shared_cores():
     cost = CostModel(TINY, device)
     sim = lambda m, c: simulate_probe_timings(m, c, mesh_topology)
     unscaled = {m: sim(m, cost) for m in ("colocated", "disagg")}
+    co, dis = unscaled["colocated"], unscaled["disagg"]
     measured = {
-        "colocated": _timings(unscaled["colocated"].home_step_s * 2.0),
-        "disagg": _timings(
-            unscaled["disagg"].home_step_s * 2.0, chunk_s=unscaled["disagg"].prefill_chunk_s * 1.5
+        "colocated": _phases(
+            dataclasses.replace(co.short, home_step_s=co.short.home_step_s * 2.0),
+            dataclasses.replace(co.long, home_step_s=co.long.home_step_s * 1.4),
+        ),
+        "disagg": _phases(
+            dataclasses.replace(
+                dis.short,
+                home_step_s=dis.short.home_step_s * 2.0,
+                prefill_chunk_s=dis.short.prefill_chunk_s * 1.5,
+            ),
+            dataclasses.replace(dis.long, prefill_chunk_s=dis.long.prefill_chunk_s * 1.5),
         ),
     }
     fit = fit_engine_scale(cost, measured, sim)
-    assert {f.role for f in fit.figures} == {"colocated", "decode", "prefill"}
+    assert {f.role for f in fit.figures} == {"colocated", "colocated_chunk", "decode", "prefill"}
     for f in fit.figures:
         assert abs(f.relative) < 0.02, f
     assert fit.scale.colocated > 1.5 and fit.scale.decode > 1.5 and fit.scale.prefill > 1.2
+    assert 1.1 < fit.scale.colocated_chunk < 1.7
 
 
 def test_pooled_timings_weight_means_by_count():
@@ -128,8 +164,9 @@ def test_pooled_timings_weight_means_by_count():
 
 
 def test_engine_scale_round_trips_through_spec_file(tmp_path):
-    spec = EngineScale(1.8, 2.1, 1.4).apply(_fixed().device)
+    spec = EngineScale(1.8, 2.1, 1.4, 1.3).apply(_fixed().device)
     loaded = load_device(write_device(spec, tmp_path / "cpu.json"))
+    assert loaded.engine_scale("colocated_chunk") == 1.3
     assert loaded.engine_scale("colocated") == 1.8
     assert loaded.engine_scale("decode") == 2.1
     assert loaded.engine_scale("prefill") == 1.4

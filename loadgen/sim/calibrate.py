@@ -242,7 +242,11 @@ def probe_mesh(
     mesh to its workers' /metrics (None where they could not be read), then the overheads to
     its requests with the scaled engine."""
     from kvmesh.loadgen.sim.cost import CostModel
-    from kvmesh.loadgen.sim.engine_scale import fit_engine_scale, simulate_probe_timings
+    from kvmesh.loadgen.sim.engine_scale import (
+        PhaseTimings,
+        fit_engine_scale,
+        simulate_probe_timings,
+    )
     from kvmesh.loadgen.sim.overheads import Jitter, ProbeFigures, check_long, fit_overheads
     from kvmesh.loadgen.sim.probe import run_probe
     from kvmesh.loadgen.sim.validate import mesh_topology
@@ -253,8 +257,8 @@ def probe_mesh(
         measured[mode] = ProbeFigures.of(records.isolated, records.batch)
         isolated += records.isolated
         long[mode] = records.long
-        if records.timings is not None:
-            timings[mode] = records.timings
+        if records.short_timings is not None and records.long_timings is not None:
+            timings[mode] = PhaseTimings(records.short_timings, records.long_timings)
     scaled = None
     if timings:
         scaled = fit_engine_scale(

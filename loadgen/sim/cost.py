@@ -17,8 +17,9 @@ any ``num_new``). For a step:
   overhead is the fixed part a calibration measures: ``step_overhead_s`` per step +
   ``seq_overhead_s`` per slice + ``chunk_overhead_s`` per prefill chunk (``num_new > 1``);
 - a step of a mesh worker (``step(slices, role)``) is that times the device's
-  ``engine_scale(role)``: the engine inside a mesh worker process, measured by calibration's
-  probe, is slower than the in-process calibration the figures come from (``engine_scale.py``).
+  ``engine_scale(role)`` (a colocated step with a prefill chunk: ``colocated_chunk``): the engine
+  inside a mesh worker process, measured by calibration's probe, is slower than the in-process
+  calibration the figures come from (``engine_scale.py``).
 
 The two parts are kept apart (``StepCost.overhead_s``, ``StepCost.roofline_s``): on a CPU host
 shared by several workers the overhead is serial (one core's Python and dispatch) while the
@@ -129,6 +130,8 @@ class CostModel:
         flops, num_bytes = self.step_flops(slices), self.step_bytes(slices)
         compute = flops / (self.device.effective_flops * self.tp)
         memory = num_bytes / (self.device.effective_bandwidth * self.tp)
+        if role == "colocated" and any(s.num_new > 1 for s in slices):
+            role = "colocated_chunk"
         scale = 1.0 if role is None else self.device.engine_scale(role)
         overhead = self.step_overhead_s(slices)
         return StepCost(flops, num_bytes, overhead * scale, max(compute, memory) * scale)

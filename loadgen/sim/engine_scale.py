@@ -8,14 +8,20 @@ which left the simulator's TTFT 0.65-0.75x of the real mesh's. So during the cal
 and after, and their engine means (``engine_timings.EngineTimings``: a decode or colocated
 worker's step, a prefill worker's chunk) are set against the simulator's for the same probe:
 
-- ``colocated``: the colocated mesh's mean step, real / simulated;
-- ``decode``: the disagg mesh's decode worker's mean step;
-- ``prefill``: the disagg mesh's prefill worker's mean chunk.
+- ``colocated``: the colocated mesh's mean step over the isolated and batch phases (decode
+  steps, but for eight 64-token prefills), real / simulated;
+- ``colocated_chunk``: its mean step over the long prompts' phase (1,024-token prompts in
+  512-token chunks: the chunks' time, mostly). One scale for both kinds of colocated step
+  overshot: a decode step is mostly serial Python, which the router's and NATS's work for each
+  token slows 2-3x; a chunk is mostly compute (1.5-1.8x);
+- ``decode``: the disagg mesh's decode worker's mean step over the isolated and batch phases;
+- ``prefill``: the disagg mesh's prefill worker's mean chunk over the whole probe.
 
 Each role's engine costs (``DeviceSpec.<role>_engine_scale``; ``CostModel.step(slices, role)``)
 are multiplied by its scale. The simulated means move with the scale not quite in proportion
-(workers share cores), so the scale is iterated: ``scale <- scale * real / simulated`` for
-``ROUNDS`` rounds. A role the probe did not measure keeps 1.
+(workers share cores), so the scale is iterated: first ``scale <- scale * real / simulated``,
+then secant steps, for ``ROUNDS`` rounds (the phases mix the roles: a colocated long-prompt
+phase is 6 chunk steps and 21 decode steps). A role the probe did not measure keeps 1.
 """
 
 from __future__ import annotations
@@ -31,8 +37,8 @@ from kvmesh.loadgen.sim.probe import long_requests, probe_requests
 from kvmesh.loadgen.sim.specs import DeviceSpec
 from kvmesh.loadgen.sim.topology import Topology
 
-ROUNDS = 4
-ROLES = ("colocated", "decode", "prefill")
+ROUNDS = 10
+ROLES = ("colocated", "colocated_chunk", "decode", "prefill")
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +46,7 @@ class EngineScale:
     colocated: float = 1.0
     decode: float = 1.0
     prefill: float = 1.0
+    colocated_chunk: float = 1.0
 
     def apply(self, device: DeviceSpec) -> DeviceSpec:
         return dataclasses.replace(
@@ -47,7 +54,17 @@ class EngineScale:
             colocated_engine_scale=self.colocated,
             decode_engine_scale=self.decode,
             prefill_engine_scale=self.prefill,
+            colocated_chunk_engine_scale=self.colocated_chunk,
         )
+
+
+@dataclass(frozen=True, slots=True)
+class PhaseTimings:
+    """A mode's engine means over the probe's isolated and batch phases (``short``) and over
+    its long prompts (``long``)."""
+
+    short: EngineTimings
+    long: EngineTimings
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,34 +99,42 @@ class EngineScaleFit:
 
 def simulate_probe_timings(
     mode: str, cost: CostModel, topology_for: Callable[[str, CostModel], Topology]
-) -> EngineTimings:
-    """The engine means of the whole probe (isolated, long and batch requests, as the mesh
-    serves them one phase after the other) on ``mode``'s simulated twin."""
+) -> PhaseTimings:
+    """The engine means of the probe's phases (isolated and batch; long) on ``mode``'s
+    simulated twin."""
     isolated, batch = probe_requests()
     topology = topology_for(mode, cost)
-    parts = [
-        simulate(topology, cost, phase).timings for phase in (isolated, long_requests(), batch)
-    ]
-    return pooled([t for t in parts if t is not None])
+
+    def run(requests: list) -> EngineTimings:
+        timings = simulate(topology, cost, requests).timings
+        assert timings is not None
+        return timings
+
+    return PhaseTimings(pooled([run(isolated), run(batch)]), run(long_requests()))
 
 
-def _role_means(mode: str, timings: EngineTimings) -> dict[str, tuple[float, int]]:
-    """The roles' engine means (seconds, count) a mode's timings hold."""
+def _role_means(mode: str, t: PhaseTimings) -> dict[str, tuple[float, int]]:
+    """The roles' engine means (seconds, count) a mode's phase timings hold."""
     out = {}
-    if timings.home_step_s is not None and timings.home_steps > 0:
-        out["colocated" if mode == "colocated" else "decode"] = (
-            timings.home_step_s,
-            timings.home_steps,
-        )
-    if mode == "disagg" and timings.prefill_chunk_s is not None and timings.prefill_chunks > 0:
-        out["prefill"] = (timings.prefill_chunk_s, timings.prefill_chunks)
+
+    def put(role: str, mean: float | None, count: int) -> None:
+        if mean is not None and count > 0:
+            out[role] = (mean, count)
+
+    if mode == "colocated":
+        put("colocated", t.short.home_step_s, t.short.home_steps)
+        put("colocated_chunk", t.long.home_step_s, t.long.home_steps)
+    elif mode == "disagg":
+        put("decode", t.short.home_step_s, t.short.home_steps)
+        chunks = pooled([t.short, t.long])
+        put("prefill", chunks.prefill_chunk_s, chunks.prefill_chunks)
     return out
 
 
 def fit_engine_scale(
     cost: CostModel,
-    measured: Mapping[str, EngineTimings],
-    simulate_timings: Callable[[str, CostModel], EngineTimings],
+    measured: Mapping[str, PhaseTimings],
+    simulate_timings: Callable[[str, CostModel], PhaseTimings],
     rounds: int = ROUNDS,
 ) -> EngineScaleFit:
     """The per-role scales with which the simulated probe's engine means (``simulate_timings(mode,
@@ -130,13 +155,21 @@ def fit_engine_scale(
 
     scale = EngineScale()
     unscaled = simulated(scale)
-    sim = unscaled
+    sim, previous = unscaled, {}
     for _ in range(rounds):
-        factors = {
-            role: getattr(scale, role) * real[role][0] / sim[role]
-            for role in ROLES
-            if role in real and sim.get(role)
-        }
+        factors = {}
+        for role in ROLES:
+            if role not in real or not sim.get(role):
+                continue
+            s, target = getattr(scale, role), real[role][0]
+            s_prev, sim_prev = previous.get(role, (None, None))
+            if s_prev is not None and abs(sim[role] - sim_prev) > 1e-12 * target:
+                # secant: a role's mean is about affine in its scale (the phase mixes roles)
+                step = (target - sim[role]) * (s - s_prev) / (sim[role] - sim_prev)
+                factors[role] = max(s + step, s / 4)
+            else:
+                factors[role] = s * target / sim[role]
+            previous[role] = (s, sim[role])
         scale = dataclasses.replace(scale, **factors)
         sim = simulated(scale)
     figures = tuple(

@@ -15,9 +15,10 @@ It is not the validation workload: short prompts, few requests, two phases per m
   the fitted simulator on prompts as long as a serving workload's (the short probe prompts
   cannot show a cost that grows with the prompt outside the engine's calibrated prefill).
 
-The mesh's own ``/metrics`` are read after the warm-up and after the batch: the engine means
-over the probe (``ProbeRecords.timings``) are what ``engine_scale.py`` fits the engine's slowdown
-in the mesh to.
+The mesh's own ``/metrics`` are read after the warm-up, after the long prompts and after the
+batch: the engine means of the long prompts' phase (``ProbeRecords.long_timings``: prefill chunks
+mostly) and of the rest (``ProbeRecords.short_timings``: the isolated requests and the batch,
+decode steps mostly) are what ``engine_scale.py`` fits the engine's slowdown in the mesh to.
 
 The same requests, as ``SimRequest``s (``probe_requests``), are what the simulator replays when
 it fits the overheads. The real side uses ``kvmesh bench serve``'s client (``sse_client``) and
@@ -31,7 +32,7 @@ import random
 from dataclasses import dataclass
 
 from kvmesh.loadgen.serve_metrics import RequestRecord
-from kvmesh.loadgen.sim.engine_timings import EngineTimings
+from kvmesh.loadgen.sim.engine_timings import EngineTimings, pooled
 from kvmesh.loadgen.sim.workload import SimRequest
 
 PROBE_INPUT = 64
@@ -53,7 +54,10 @@ class ProbeRecords:
     isolated: tuple[RequestRecord, ...]
     batch: tuple[RequestRecord, ...]
     long: tuple[RequestRecord, ...] = ()
-    timings: EngineTimings | None = None  # the mesh's engine means over the probe; None: unread
+    # the mesh's engine means over the isolated and batch phases, and over the long phase;
+    # None: its /metrics could not be read
+    short_timings: EngineTimings | None = None
+    long_timings: EngineTimings | None = None
 
 
 def probe_requests() -> tuple[list[SimRequest], list[SimRequest]]:
@@ -103,10 +107,16 @@ def run_probe(
 
         serve([Prompt(prompts[-1], 4)])  # warm-up: first steps, connections
         urls = list(mesh.metrics_urls.values())
-        before = scrape(urls)
+        scrapes = [scrape(urls)]
         isolated = [serve([Prompt(p, ISOLATED_OUTPUT)])[0] for p in prompts[:ISOLATED]]
+        scrapes.append(scrape(urls))
         long = [serve([Prompt(p, LONG_OUTPUT)])[0] for p in long_prompts]
+        scrapes.append(scrape(urls))
         batch = serve([Prompt(p, BATCH_OUTPUT) for p in prompts[ISOLATED:-1]])
-        after = scrape(urls)
-    timings = None if before is None or after is None else EngineTimings.between(before, after)
-    return ProbeRecords(mode, tuple(isolated), tuple(batch), tuple(long), timings)
+        scrapes.append(scrape(urls))
+    short = long_timings = None
+    if all(s is not None for s in scrapes):
+        a, b, c, d = scrapes
+        short = pooled([EngineTimings.between(a, b), EngineTimings.between(c, d)])  # type: ignore[arg-type]
+        long_timings = EngineTimings.between(b, c)  # type: ignore[arg-type]
+    return ProbeRecords(mode, tuple(isolated), tuple(batch), tuple(long), short, long_timings)

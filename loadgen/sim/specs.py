@@ -61,7 +61,10 @@ class DeviceSpec:
     slower (> 1) a worker of that role runs the engine inside the mesh than the in-process
     calibration the roofline and step figures come from (``engine_scale.py``: measured from the
     mesh's own step and chunk histograms during the calibration probe); a step of that role
-    costs its engine figures times the scale. 1 in the GPU specs (nothing measured them)."""
+    costs its engine figures times the scale; a colocated step that computes a prefill chunk
+    takes ``colocated_chunk_engine_scale`` instead (the probe shows the two apart: a decode step
+    is mostly serial Python that the router's and NATS's work per token slows, a chunk mostly
+    compute). 1 in the GPU specs (nothing measured them)."""
 
     name: str
     peak_flops: float
@@ -89,6 +92,7 @@ class DeviceSpec:
     colocated_engine_scale: float = 1.0
     decode_engine_scale: float = 1.0
     prefill_engine_scale: float = 1.0
+    colocated_chunk_engine_scale: float = 1.0
     description: str = ""
 
     def __post_init__(self) -> None:
@@ -119,7 +123,12 @@ class DeviceSpec:
             "jitter_p90_s, jitter_p99_s, jitter_max_s",
             "must not decrease",
         )
-        for name in ("colocated_engine_scale", "decode_engine_scale", "prefill_engine_scale"):
+        for name in (
+            "colocated_engine_scale",
+            "decode_engine_scale",
+            "prefill_engine_scale",
+            "colocated_chunk_engine_scale",
+        ):
             _require(getattr(self, name) > 0, self.name, name, "must be > 0")
         for name in ("cores", "calibration_threads"):
             value = getattr(self, name)
@@ -127,7 +136,7 @@ class DeviceSpec:
 
     def engine_scale(self, role: str) -> float:
         """The engine's slowdown in the mesh for a worker of ``role`` (colocated, decode,
-        prefill)."""
+        prefill, or colocated_chunk: a colocated step with a prefill chunk)."""
         return getattr(self, f"{role}_engine_scale")
 
     @property
