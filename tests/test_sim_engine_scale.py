@@ -175,3 +175,25 @@ def test_engine_scale_round_trips_through_spec_file(tmp_path):
 def test_engine_scale_of_zero_is_refused():
     with pytest.raises(SpecError):
         dataclasses.replace(_fixed().device, decode_engine_scale=0.0)
+
+
+def test_fit_engine_scale_takes_jitter_mean_off_loop_steps_not_chunks():
+    # a mesh step of 25 ms holds 5 ms of jitter on average, which the simulator adds apart: the
+    # engine's share is 20 ms, scale 2; a prefill chunk is no loop step and keeps its 40 ms
+    measured = {"disagg": _phases(_timings(0.025, chunk_s=0.040))}
+    fit = fit_engine_scale(
+        _fixed(),
+        measured,
+        lambda m, c: simulate_probe_timings(m, c, _dedicated),
+        jitter_mean_s=0.005,
+    )
+    assert fit.scale.decode == pytest.approx(2.0)
+    assert fit.scale.prefill == pytest.approx(4.0)
+
+
+def test_jitter_mean_integrates_its_quantile_function():
+    from kvmesh.loadgen.sim.overheads import Jitter
+
+    # 0 to the median; 0->2 ms over 0.5-0.9; 2->6 ms over 0.9-0.99; 6->10 ms over 0.99-1
+    j = Jitter(0.002, 0.006, 0.010)
+    assert j.mean_s == pytest.approx(0.4 * 0.001 + 0.09 * 0.004 + 0.01 * 0.008)

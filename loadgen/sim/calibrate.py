@@ -259,19 +259,20 @@ def probe_mesh(
         long[mode] = records.long
         if records.short_timings is not None and records.long_timings is not None:
             timings[mode] = PhaseTimings(records.short_timings, records.long_timings)
-    scaled = None
+    scaled, jitter = None, Jitter.of(isolated)
     if timings:
         scaled = fit_engine_scale(
             CostModel(model, engine),
             timings,
             lambda m, c: simulate_probe_timings(m, c, lambda m2, c2: mesh_topology(m2, c2)),
+            jitter_mean_s=jitter.mean_s,
         )
         engine = scaled.scale.apply(engine)
     fit = fit_overheads(
         CostModel(model, engine),
         measured,
         lambda m, c: mesh_topology(m, c),
-        Jitter.of(isolated),
+        jitter,
     )
     fitted = CostModel(model, fit.overheads.apply(engine))
     checks = check_long(fitted, long, lambda m, c: mesh_topology(m, c))

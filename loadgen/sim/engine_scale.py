@@ -136,12 +136,19 @@ def fit_engine_scale(
     measured: Mapping[str, PhaseTimings],
     simulate_timings: Callable[[str, CostModel], PhaseTimings],
     rounds: int = ROUNDS,
+    jitter_mean_s: float = 0.0,
 ) -> EngineScaleFit:
     """The per-role scales with which the simulated probe's engine means (``simulate_timings(mode,
     cost)``) match ``measured`` (the mesh's, by mode: ``colocated``, ``disagg``). ``cost`` is
-    the in-process engine's (its scales are ignored: the fit starts from 1)."""
+    the in-process engine's (its scales are ignored: the fit starts from 1). A real loop step's
+    time holds its jitter, which the simulator adds to a loop step apart: ``jitter_mean_s`` is
+    taken off the colocated and decode means before they are matched."""
     real = {
         role: value for mode, t in measured.items() for role, value in _role_means(mode, t).items()
+    }
+    real = {
+        role: (max(mean - jitter_mean_s, mean / 4) if role != "prefill" else mean, count)
+        for role, (mean, count) in real.items()
     }
     modes = [m for m in measured if _role_means(m, measured[m])]
 

@@ -113,6 +113,16 @@ class Jitter:
     p99_s: float = 0.0
     max_s: float = 0.0
 
+    @property
+    def mean_s(self) -> float:
+        """The mean of ``CostModel.jitter_s``'s distribution (0 to the median, then linear
+        through the 90th and 99th percentiles to the largest)."""
+        return (
+            0.4 * self.p90_s / 2
+            + 0.09 * (self.p90_s + self.p99_s) / 2
+            + 0.01 * (self.p99_s + self.max_s) / 2
+        )
+
     @classmethod
     def of(cls, records: Sequence[RequestRecord]) -> Jitter:
         """The jitter of the gaps of the second half of each (batch-1) stream."""
