@@ -29,7 +29,7 @@ def test_ready_once_all_immediates_counted_after_done():
     assert table.on_immediate(5, 1) is None
     verdict = table.on_immediate(5, 2)
     assert verdict is not None and verdict.ok
-    assert verdict.reservation.admission is ADMISSION and verdict.reservation.done.first_token == 7
+    assert verdict.lease.admission is ADMISSION and verdict.lease.done.first_token == 7
     assert len(table) == 0
 
 
@@ -55,7 +55,7 @@ def test_immediates_are_counted_per_request():
     table.on_immediate(5, 0)
     assert table.on_done(_done("r2", "l2", num_writes=1)) is None
     verdict = table.on_immediate(9, 0)
-    assert verdict.ok and verdict.reservation.request_id == "r2"
+    assert verdict.ok and verdict.lease.request_id == "r2"
     assert table.get("r1").num_writes == 1
 
 
@@ -64,7 +64,7 @@ def test_failed_prefill_returns_reservation_with_error():
     table.on_immediate(5, 0)
     verdict = table.on_done(_done(ok=False, num_writes=1, first_token=-1, error="boom"))
     assert verdict is not None and not verdict.ok and verdict.error == "boom"
-    assert verdict.reservation.block_ids == (4, 5, 6)
+    assert verdict.lease.block_ids == (4, 5, 6)
 
 
 def test_failed_prefill_frees_without_waiting_for_lagging_immediates():
@@ -123,7 +123,7 @@ def test_lease_expiry_returns_only_overdue_reservations():
     assert table.next_deadline() == 5.0
     assert table.expire(4.9) == []
     expired = table.expire(5.0)
-    assert [v.reservation.request_id for v in expired] == ["r1"]
+    assert [v.lease.request_id for v in expired] == ["r1"]
     assert not expired[0].ok and "no PrefillDone" in expired[0].error
     assert expired[0].notify and not expired[0].release  # quarantined: a late write may land
     assert table.num_reserved_blocks() == 3 + 2 and table.next_deadline() == 20.0
@@ -446,7 +446,7 @@ def test_reservations_of_a_dead_prefill_worker_fail_and_free_at_once():
     assert table.on_started("c", "lc", "prefill-1")
     table.abort("a")  # aborted, waiting for the prefill to stop: it never will now
     [verdict] = table.on_writer_gone("prefill-0")
-    assert verdict.reservation.request_id == "a" and verdict.release and not verdict.notify
+    assert verdict.lease.request_id == "a" and verdict.release and not verdict.notify
     assert table.on_writer_gone("prefill-0") == []
     [verdict] = table.on_writer_gone("prefill-1")
     assert not verdict.notify and "prefill worker prefill-1 died" in verdict.error

@@ -443,7 +443,7 @@ class DecodeWorker:
         for verdict in self.pending.on_writer_gone(gone.worker_id):
             log.warning(
                 "prefill worker died; blocks released",
-                request_id=verdict.reservation.request_id,
+                request_id=verdict.lease.request_id,
                 worker_id=gone.worker_id,
             )
             self._settle(verdict)
@@ -475,8 +475,8 @@ class DecodeWorker:
                 self._settle(verdict)
             return None
         for verdict in self._settled:  # settled, not yet admitted: free it instead
-            if verdict.reservation.request_id == request_id:
-                verdict.reservation.is_aborted = True
+            if verdict.lease.request_id == request_id:
+                verdict.lease.is_aborted = True
                 return None
         self._aborts.append(request_id)
         self._wake.set()
@@ -488,7 +488,7 @@ class DecodeWorker:
         prefills to stop, one per lease that newly expired."""
         aborts = []
         for verdict in self.pending.expire(self._clock()):
-            res = verdict.reservation
+            res = verdict.lease
             if verdict.notify:
                 log.warning("lease expired", request_id=res.request_id, error=verdict.error)
                 aborts.append(Abort(res.request_id, reason="lease expired"))
@@ -498,7 +498,7 @@ class DecodeWorker:
     def _settle(self, verdict: Verdict) -> None:
         """Hand a reservation that left the table (or whose lease expired) to ``admit()``
         (admit or free). Its window closes now: no write may land in its blocks any more."""
-        self._close_window(verdict.reservation.window)  # closing twice is harmless
+        self._close_window(verdict.lease.window)  # closing twice is harmless
         self._settled.append(verdict)
         self._wake.set()
 
@@ -506,7 +506,7 @@ class DecodeWorker:
         """Admit a prefilled request (its first token) or fail it: free its blocks (unless
         quarantined) and return its final event (unless the client was already told).
         Called by admit() with the lock held, between steps."""
-        res = verdict.reservation
+        res = verdict.lease
         assert res.admission is not None
         prompt, params = list(res.admission.prompt_ids), res.admission.params
         error = verdict.error
