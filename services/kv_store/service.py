@@ -459,14 +459,7 @@ async def store_service(config: StoreConfig) -> AsyncIterator[StoreService]:
                 heartbeat=service.heartbeat,
                 interval_s=config.heartbeat_s,
             ) as svc,
-            background(
-                service.lease_loop(),
-                service.completion_loop(),
-                service.held_loop(),
-                publish_every(
-                    nc, subjects.REGISTRY_STORE_ADVERTISE, service.advert, config.heartbeat_s
-                ),
-            ),
+            background(service.lease_loop(), service.completion_loop(), service.held_loop()),
             open_for_requests(
                 nc,
                 svc,
@@ -493,6 +486,12 @@ async def store_service(config: StoreConfig) -> AsyncIterator[StoreService]:
                 block_bytes=spec.block_bytes,
                 kv_spec=kv_spec,
             ) as service.metrics_port,
+            # Advertised only once its endpoints answer: a reader that saw the advert finds them.
+            background(
+                publish_every(
+                    nc, subjects.REGISTRY_STORE_ADVERTISE, service.advert, config.heartbeat_s
+                )
+            ),
         ):
             yield service
 
