@@ -449,7 +449,6 @@ async def decode_service(config: DecodeConfig) -> AsyncIterator[DecodeService]:
                 service.engine_loop(),
                 service.lease_loop(),
                 service.completion_loop(),
-                service.advert_loop(),
                 service.cache_report_loop(),
             ),
             open_for_requests(
@@ -468,6 +467,8 @@ async def decode_service(config: DecodeConfig) -> AsyncIterator[DecodeService]:
                 num_blocks=econf.num_blocks,
                 kv_spec=service.advert_fields["kv_spec"],
             ) as service.metrics_port,
+            # Advertised only once ``reserve`` answers: a router that saw the advert finds it.
+            background(service.advert_loop()),
         ):
             yield service
         if swaps is not None:
