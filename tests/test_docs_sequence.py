@@ -16,7 +16,9 @@ def _diagram() -> str:
 
 
 def _methods_by_class() -> dict[str, set[str]]:
-    found: dict[str, set[str]] = {}
+    """Each class's methods, its own and those it inherits from kvmesh classes (by base name)."""
+    own: dict[str, set[str]] = {}
+    bases: dict[str, set[str]] = {}
     for folder in SOURCE_FOLDERS:
         for path in (ROOT / folder).rglob("*.py"):
             for node in ast.walk(ast.parse(path.read_text())):
@@ -26,8 +28,21 @@ def _methods_by_class() -> dict[str, set[str]]:
                         for n in node.body
                         if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)
                     }
-                    found.setdefault(node.name, set()).update(names)
-    return found
+                    own.setdefault(node.name, set()).update(names)
+                    bases.setdefault(node.name, set()).update(
+                        b.id if isinstance(b, ast.Name) else b.value.id
+                        for b in node.bases
+                        if isinstance(b, ast.Name)
+                        or (isinstance(b, ast.Subscript) and isinstance(b.value, ast.Name))
+                    )
+
+    def inherited(cls: str, seen: frozenset[str] = frozenset()) -> set[str]:
+        found = set(own.get(cls, set()))
+        for base in bases.get(cls, set()) - seen - {cls}:
+            found |= inherited(base, seen | {cls})
+        return found
+
+    return {cls: inherited(cls) for cls in own}
 
 
 def test_every_method_the_sequence_diagram_names_exists():
