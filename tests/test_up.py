@@ -490,6 +490,16 @@ def _launch_default_nats(tmp_path: Path, name: str, *flags: str) -> tuple:
     return proc, out, err, port
 
 
+def _wait_recorded(proc: subprocess.Popen[bytes], mesh: str, timeout_s: float) -> None:
+    """Until the `kvmesh up` of ``proc`` has recorded ``mesh`` (shared/mesh_state.py)."""
+    from kvmesh.shared.mesh_state import running_meshes
+
+    deadline = time.monotonic() + timeout_s
+    while not any(m.mesh == mesh and m.pid == proc.pid for m in running_meshes()):
+        assert proc.poll() is None and time.monotonic() < deadline, f"{mesh} was never recorded"
+        time.sleep(0.1)
+
+
 async def _greedy_tokens(nats_url: str, err: Path, mesh: str, port: int, model: str, prompt):
     """A greedy completion through the router; its token ids, read off the mesh's subjects."""
     import aiohttp
@@ -528,8 +538,11 @@ def test_two_ups_with_different_models_on_one_machine_both_serve(tmp_path: Path)
     first = _launch_default_nats(tmp_path, "first")
     second = None
     try:
-        wait_for_line(first[0], first[1], "kvmesh is up", timeout_s=300)
+        # The second starts once the first has recorded its mesh (its nats-server already up at
+        # the default URL), not once it serves: the two start-ups overlap.
+        _wait_recorded(first[0], "kvmesh-tiny", timeout_s=300)
         second = _launch_default_nats(tmp_path, "second", "--model", other_model)
+        wait_for_line(first[0], first[1], "kvmesh is up", timeout_s=300)
         wait_for_line(second[0], second[1], "kvmesh is up", timeout_s=300)
         said = second[2].read_text()
         assert "is the nats-server of mesh 'kvmesh-tiny'" in said, said
