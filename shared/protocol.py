@@ -253,19 +253,24 @@ class DraftForget(Message):
 
 
 class DraftKvReserve(Message):
-    """Prefill -> any early-exit draft worker (request, queue group ``draft``): reserve blocks
-    for the prompt's full blocks of draft KV, to be written by this prefill worker."""
+    """Prefill -> any early-exit or model draft worker (request, queue group ``draft``):
+    reserve blocks for the prompt's full blocks of draft KV, to be written by this prefill
+    worker."""
 
     request_id: str
     lease_id: str
     prompt_ids: tuple[int, ...]
     kv_spec: str  # the prefill worker's KV layout (kv_spec_fingerprint): the draft's target's
     lease_ms: Annotated[int, msgspec.Meta(ge=1)]
+    # the KV layout of the draft model the prefill worker runs beside its target (--draft-model;
+    # kv_spec_fingerprint): a model draft worker reserves only for its own; "" runs none
+    draft_kv_spec: str = ""
 
 
 class DraftKvReserveReply(Message):
     """Draft worker -> prefill: where to write the first ``num_layers`` layers of each full
-    prompt block (a window over exactly these blocks, key ``rkey``), or why not."""
+    prompt block (early exit) or, with ``whole_blocks``, the prefill's draft model's whole
+    blocks (model), into a window over exactly these blocks (key ``rkey``); or why not."""
 
     ok: bool
     worker_id: str
@@ -275,6 +280,7 @@ class DraftKvReserveReply(Message):
     block_bytes: int = 0
     num_layers: int = 0
     error: str = ""
+    whole_blocks: bool = False  # a model draft worker's: blocks of the draft model's layout
 
 
 # --- workers, registry, admin -----------------------------------------------------------------

@@ -65,6 +65,18 @@ def test_up_with_early_exit_has_prefill_write_the_draft_kv_over_the_mesh_transpo
     assert "--draft-kv" not in ngram["prefill-0"].argv
 
 
+def test_up_with_a_draft_model_has_prefill_run_it_for_the_draft_kv():
+    config = UpConfig(draft="model", draft_model="/ckpt/draft", transport="tcp", cores=8)
+    specs = {s.name: s for s in plan(config, "nats://127.0.0.1:4222", 8000)}
+    argv = specs["prefill-0"].argv
+    assert "--draft-kv" in argv and argv[argv.index("--draft-model") + 1] == "/ckpt/draft"
+    argv = specs["draft-0"].argv
+    assert argv[argv.index("--transport") + 1] == "tcp"
+    assert argv[argv.index("--draft-model") + 1] == "/ckpt/draft"
+    assert DraftConfig(method="model", draft_model="/ckpt/draft").uses_data_plane
+    assert not DraftConfig(method="ngram").uses_data_plane
+
+
 def test_up_without_draft_starts_no_draft_worker():
     specs = plan(UpConfig(), "nats://127.0.0.1:4222", 8000)
     assert not any(s.tier == "draft" for s in specs)

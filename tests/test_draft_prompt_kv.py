@@ -1,17 +1,19 @@
-"""Prompt KV through the data plane for early-exit drafts: the draft worker's lease table
-(pure), the prefill's draft write plan (pure), and both ends in one process over a real tcp
-transport (no NATS): a prefill worker writes a prompt's first layers into a draft worker's
-reserved blocks, the draft worker adopts them, and its next draft computes only the tail."""
+"""Prompt KV through the data plane for early-exit and model drafts: the draft worker's lease
+table (pure), the prefill's draft write plans (pure), and both ends in one process over a real
+tcp transport (no NATS): a prefill worker writes a prompt's first layers (early exit) or its
+own draft model's blocks (model) into a draft worker's reserved blocks, the draft worker adopts
+them, and its next draft computes only the tail."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 
 import pytest
 import torch
 from kvmesh.services.draft.prompt_kv import PromptKvError, PromptKvTable
-from kvmesh.services.prefill.draft_kv import DraftKvPlanner
+from kvmesh.services.prefill.draft_kv import DraftBlockPlanner, DraftKvPlanner
 from kvmesh.services.prefill.plan import PlanError
 from kvmesh.shared import protocol
 from kvmesh.shared.imm import imm_slot, unpack_imm
@@ -143,6 +145,56 @@ def test_draft_plan_refuses_a_reply_that_does_not_fit_this_worker():
         DraftKvPlanner(_reply(2, block_bytes=100), 2 * BS, BS, L, H, BLOCK)
     with pytest.raises(PlanError, match="full"):
         DraftKvPlanner(DraftKvReserveReply(False, "dr0", error="full"), 2 * BS, BS, L, H, BLOCK)
+    with pytest.raises(PlanError, match="whole blocks"):
+        DraftKvPlanner(_reply(2, whole_blocks=True), 2 * BS, BS, L, H, BLOCK)
+
+
+# ---- DraftBlockPlanner (model drafters: the prefill's draft engine's whole blocks) -------------
+
+DRAFT_BLOCK = 2 * DRAFT_HEAD  # the draft model's block: 2 heads of 2 layers
+
+
+def test_model_draft_write_is_each_full_block_whole_and_skips_the_partial_one():
+    reply = _reply(3, block_bytes=DRAFT_BLOCK, whole_blocks=True)
+    planner = DraftBlockPlanner(reply, 3 * BS + 5, BS, DRAFT_BLOCK)
+    write = planner.plan((10, 4))
+    assert write is not None
+    assert unpack_imm(write.imm) == (imm_slot(reply.block_addrs[0], DRAFT_BLOCK), 0)
+    assert [(s.local_offset, s.remote_addr, s.length) for s in write.spans] == [
+        (10 * DRAFT_BLOCK, reply.block_addrs[0], DRAFT_BLOCK),
+        (4 * DRAFT_BLOCK, reply.block_addrs[1], DRAFT_BLOCK),
+    ]
+    assert not planner.is_complete
+    write = planner.plan((6, 2))  # the last chunk: a full block, then the partial one (skipped)
+    assert write is not None and unpack_imm(write.imm)[1] == 1
+    assert [(s.local_offset, s.remote_addr) for s in write.spans] == [
+        (6 * DRAFT_BLOCK, reply.block_addrs[2])
+    ]
+    assert planner.is_complete and planner.num_writes_planned == 2
+    assert planner.plan(()) is None and planner.num_writes_planned == 2
+
+
+def test_model_draft_plan_of_chunks_so_far_then_each_covers_every_block_once():
+    """A reply taken with a later chunk plans the blocks so far in one write, then each chunk's."""
+    reply = _reply(4, block_bytes=DRAFT_BLOCK, whole_blocks=True)
+    planner = DraftBlockPlanner(reply, 4 * BS, BS, DRAFT_BLOCK)
+    first = planner.plan((3, 9, 5))
+    second = planner.plan((1,))
+    remote = [s.remote_addr for w in (first, second) for s in w.spans]
+    assert remote == list(reply.block_addrs) and planner.is_complete
+
+
+def test_model_draft_plan_refuses_a_reply_that_does_not_fit_this_workers_draft_model():
+    with pytest.raises(PlanError, match="early exit"):
+        DraftBlockPlanner(_reply(2, block_bytes=DRAFT_BLOCK), 2 * BS, BS, DRAFT_BLOCK)
+    with pytest.raises(PlanError, match="2 draft blocks reserved for a prompt of 3"):
+        DraftBlockPlanner(
+            _reply(2, block_bytes=DRAFT_BLOCK, whole_blocks=True), 3 * BS, BS, DRAFT_BLOCK
+        )
+    with pytest.raises(PlanError, match="draft model's are 100"):
+        DraftBlockPlanner(_reply(2, block_bytes=DRAFT_BLOCK, whole_blocks=True), 2 * BS, BS, 100)
+    with pytest.raises(PlanError, match="full"):
+        DraftBlockPlanner(DraftKvReserveReply(False, "dr0", error="full"), 2 * BS, BS, 100)
 
 
 # ---- prefill worker -> draft worker, in one process -----------------------------------------
@@ -155,6 +207,34 @@ def tiny():
     return load_model("kvmesh-tiny")
 
 
+@pytest.fixture(scope="module")
+def small_draft():
+    """Makes a draft model that is not the target but shares its tokenizer: kvmesh-tiny's
+    shape with 2 layers and weights of another seed (a fresh copy per call)."""
+    from kvmesh.shared.model.loader import build_model
+    from kvmesh.shared.model.tiny import tiny_config, tiny_state_dict, tiny_tokenizer
+
+    config = dataclasses.replace(tiny_config(), num_hidden_layers=2, source="tiny-draft")
+    weights = tiny_state_dict(config, seed=7)
+    return lambda: (
+        build_model(config, weights.__getitem__, weights.keys(), "tiny-draft"),
+        tiny_tokenizer(),
+    )
+
+
+def _model_drafter(small_draft, allocate=None):
+    """A model drafter (chains of 5) as build_drafter makes one, over a fresh draft model."""
+    from kvmesh.services.draft.drafters import EngineDrafter
+    from kvmesh.services.draft.prompt_kv_receiver import pool_bytes
+    from kvmesh.shared.engine.config import EngineConfig
+    from kvmesh.shared.engine.llm_engine import LLMEngine
+
+    model, tokenizer = small_draft()
+    econf = EngineConfig(num_blocks=64, enable_prefix_caching=True, reserve_output_tokens=0)
+    buffer = allocate(pool_bytes(model, econf)) if allocate is not None else None
+    return EngineDrafter(LLMEngine(model, tokenizer, econf, kv_buffer=buffer), 5)
+
+
 def _draft_config(**kw):
     from kvmesh.services.draft.config import DraftConfig
 
@@ -162,12 +242,17 @@ def _draft_config(**kw):
 
 
 @contextlib.asynccontextmanager
-async def _mesh_in_process(tiny):
+async def _mesh_in_process(tiny, small_draft=None):
     """A prefill worker, a decode-side region it writes the job into, and an early-exit draft
-    worker's receiver, over tcp transports."""
+    worker's receiver, over tcp transports. With ``small_draft``: the prefill worker runs that
+    draft model beside the target and the draft worker is a model drafter of it."""
     from kvmesh.services.draft.drafters import build_drafter
     from kvmesh.services.draft.metrics import DraftMetrics
-    from kvmesh.services.draft.prompt_kv_receiver import PromptKvReceiver, target_kv_spec
+    from kvmesh.services.draft.prompt_kv_receiver import (
+        PromptKvReceiver,
+        own_kv_spec,
+        target_kv_spec,
+    )
     from kvmesh.services.prefill.endpoints import EndpointCache
     from kvmesh.services.prefill.worker import PrefillWorker
     from kvmesh.shared.descriptor import TransportDescriptor
@@ -188,6 +273,12 @@ async def _mesh_in_process(tiny):
     ):
         remote = decode_side.allocate(64 * spec.block_bytes)
         region = decode_side.register(remote, Access.REMOTE_WRITE)
+        draft_engine = draft_region = None
+        if small_draft is not None:  # the prefill's own draft engine: the same chunk budget
+            draft_engine = LLMEngine(
+                *small_draft(), EngineConfig(num_blocks=64, max_num_batched_tokens=32)
+            )
+            draft_region = prefill_side.register(draft_engine.kv_pool.raw)
         worker = PrefillWorker(
             engine,
             prefill_side.register(engine.kv_pool.raw),
@@ -195,6 +286,8 @@ async def _mesh_in_process(tiny):
             worker_id="p0",
             kv_spec=kv_spec,
             advert_wait_s=0.2,
+            draft_engine=draft_engine,
+            draft_region=draft_region,
         )
         peer = TransportDescriptor.from_peer(decode_side.descriptor())
         worker.adverts.note(
@@ -215,18 +308,24 @@ async def _mesh_in_process(tiny):
                 sent_at=0.0,
             )
         )
-        drafter = build_drafter(_draft_config(), draft_side.allocate)
-        draft_region = draft_side.register(drafter.engine.kv_pool.raw, Access.REMOTE_WRITE)
+        if small_draft is None:
+            drafter = build_drafter(_draft_config(), draft_side.allocate)
+            pool_kv_spec = target_kv_spec(drafter.engine, model.config.num_hidden_layers)
+            assert pool_kv_spec == kv_spec  # the draft's target is this very model
+        else:
+            drafter = _model_drafter(small_draft, draft_side.allocate)
+            pool_kv_spec = own_kv_spec(drafter.engine)
+            assert pool_kv_spec == worker.draft_kv_spec != kv_spec  # the same draft model
         receiver = PromptKvReceiver(
             drafter.engine,
             draft_side,
-            draft_region,
+            draft_side.register(drafter.engine.kv_pool.raw, Access.REMOTE_WRITE),
             asyncio.Lock(),
             worker_id="dr0",
-            target_kv_spec=target_kv_spec(drafter.engine, model.config.num_hidden_layers),
+            kv_spec=pool_kv_spec,
             metrics=DraftMetrics(),
+            whole_blocks=small_draft is not None,
         )
-        assert receiver.target_kv_spec == kv_spec  # the draft's target is this very model
         loop = asyncio.create_task(worker.run())
         try:
             yield worker, region, receiver, drafter, draft_side
@@ -270,7 +369,7 @@ async def test_prefill_writes_the_draft_kv_and_the_next_draft_computes_only_the_
     prompt = [(7 * i) % 250 + 1 for i in range(100)]  # 6 full blocks + 4 tokens, 4 chunks
     async with _mesh_in_process(tiny) as (worker, region, receiver, drafter, draft_side):
         bm = drafter.engine.block_manager
-        req = protocol.DraftKvReserve("r", "Lr", tuple(prompt), receiver.target_kv_spec, 10_000)
+        req = protocol.DraftKvReserve("r", "Lr", tuple(prompt), receiver.kv_spec, 10_000)
         reply = await receiver.reserve(req)
         assert reply.ok and len(reply.block_addrs) == 6 and reply.num_layers == 2
         assert bm.num_free_blocks == 64 - 6
@@ -316,13 +415,100 @@ async def test_expired_reservation_returns_the_draft_blocks(tiny):
     async with _mesh_in_process(tiny) as (_, _, receiver, drafter, _):
         bm = drafter.engine.block_manager
         reply = await receiver.reserve(
-            protocol.DraftKvReserve("r", "Lr", tuple(prompt), receiver.target_kv_spec, 1)
+            protocol.DraftKvReserve("r", "Lr", tuple(prompt), receiver.kv_spec, 1)
         )
         assert reply.ok and bm.num_free_blocks == 62
         await asyncio.sleep(0.01)
         await receiver.expire()  # tcp windows are enforced: the blocks come back at once
         assert bm.num_free_blocks == 64 and not bm.hash_to_block
         assert _sample(receiver, "prompt_kv_refused_total") == 1
+
+
+async def test_prefill_runs_the_draft_model_and_the_model_drafters_next_draft_computes_the_tail(
+    tiny, small_draft
+):
+    from kvmesh.services.draft.core import DraftJob
+
+    prompt = [(7 * i) % 250 + 1 for i in range(100)]  # 6 full blocks + 4 tokens, 4 chunks
+    async with _mesh_in_process(tiny, small_draft) as (
+        worker,
+        region,
+        receiver,
+        drafter,
+        draft_side,
+    ):
+        bm = drafter.engine.block_manager
+        req = protocol.DraftKvReserve(
+            "r", "Lr", tuple(prompt), worker.kv_spec, 10_000, draft_kv_spec=worker.draft_kv_spec
+        )
+        reply = await receiver.reserve(req)
+        assert reply.ok and reply.whole_blocks and len(reply.block_addrs) == 6
+        assert reply.block_bytes == worker.draft_engine.kv_pool.spec.block_bytes
+        result = await worker.prefill(
+            _job("r", prompt, region, worker.block_bytes, worker), _done_future(reply)
+        )
+        assert result.done.ok and result.done.draft_worker_id == "dr0"
+        draft_worker_id, done = result.draft_done
+        assert draft_worker_id == "dr0" and done.ok and done.rkey == reply.rkey
+        assert done.num_writes == 3  # the draft engine's chunks of 32 tokens, as the target's
+        for _ in range(done.num_writes):
+            await receiver.on_completion(await draft_side.completion_queue.get())
+        await receiver.on_done(done)
+        assert _sample(receiver, "prompt_tokens_received_total") == 96
+        assert bm.num_free_blocks == 64 and len(bm.hash_to_block) == 6  # cached, evictable
+        prefill_draft = worker.draft_engine
+        assert not prefill_draft.seqs and prefill_draft.block_manager.num_free_blocks == 64
+        steps = worker.metrics.registry.get_sample_value(
+            "kvmesh_prefill_draft_compute_seconds_count"
+        )
+        assert steps is not None and steps >= 4  # the draft engine's steps, timed
+        context = (*prompt, result.done.first_token)
+        [tree] = drafter.propose([DraftJob("r", "d0", context, len(prompt))])
+        assert drafter.num_computed_tokens == len(context) - 96  # the tail only
+
+    reference = _model_drafter(small_draft)  # computes the whole prompt itself
+    assert reference.propose([DraftJob("r", "d0", context, len(prompt))]) == [tree]
+    assert reference.num_computed_tokens == len(context) and len(tree[0]) == 5
+
+
+async def test_model_drafter_refuses_a_prefill_without_its_draft_model_and_the_job_goes_on(
+    tiny, small_draft
+):
+    prompt = [(5 * i) % 250 + 1 for i in range(70)]
+    async with _mesh_in_process(tiny, small_draft) as (worker, region, receiver, _, _):
+        for draft_kv_spec, error in (("", "runs no draft model"), ("other", "is not this draft")):
+            req = protocol.DraftKvReserve(
+                "r", "Lr", tuple(prompt), worker.kv_spec, 10_000, draft_kv_spec=draft_kv_spec
+            )
+            reply = await receiver.reserve(req)
+            assert not reply.ok and error in reply.error
+        assert _sample(receiver, "prompt_kv_refused_total") == 2
+        # a refusal ends the prefill's draft compute; the target's job is as without it
+        result = await worker.prefill(
+            _job("r", prompt, region, worker.block_bytes, worker), _done_future(reply)
+        )
+        assert result.done.ok and result.done.draft_worker_id == "" and result.draft_done is None
+        assert not worker.draft_engine.seqs
+        # no answer at all by the draft's last chunk: the same
+        late = asyncio.get_running_loop().create_future()
+        result = await worker.prefill(_job("q", prompt, region, worker.block_bytes, worker), late)
+        assert result.done.ok and result.draft_done is None and not worker.draft_engine.seqs
+        late.cancel()
+
+
+def test_prefill_draft_model_with_another_vocabulary_stops_the_worker_at_start_up(tmp_path):
+    from kvmesh.services.prefill.config import PrefillConfig
+    from kvmesh.services.prefill.draft_engine import load_draft_engine
+    from kvmesh.shared.model.loader import load_config_and_tokenizer
+    from kvmesh.shared.service_errors import ServiceStartError
+    from small_models import write_small_seeded
+
+    other = write_small_seeded(tmp_path / "other-vocab")
+    config = PrefillConfig(draft_kv=True, draft_model=other)
+    with pytest.raises(ServiceStartError, match="does not share the vocabulary"):
+        load_draft_engine(config, load_config_and_tokenizer("kvmesh-tiny")[1])
+    with pytest.raises(ValueError, match="needs --draft-kv"):
+        PrefillConfig(draft_model=other)
 
 
 def test_draft_block_bytes_hold_the_targets_first_layers(tiny):

@@ -11,7 +11,8 @@ early-exit mesh, long prompts' draft KV reaches the draft worker from the prefil
 the data plane (its metrics: every full prompt block received, less computed than the prompts),
 with the output unchanged. A
 draft model equal to the target has every draft accepted and K + 1 tokens per full verify step
-(from the decode worker's /metrics); kill -9 of that draft worker mid-stream changes no stream.
+(from the decode worker's /metrics), and long prompts' draft KV comes from the prefill worker's
+own run of the draft model; kill -9 of that draft worker mid-stream changes no stream.
 Bad draft settings stop `kvmesh serve draft` at start-up with one line.
 """
 
@@ -113,18 +114,21 @@ def test_greedy_output_with_drafts_equals_output_without(transport, setup, offli
     assert (accepted_in_usage > 0) == (counters["accepted"] > 0), (accepted_in_usage, counters)
 
 
-async def _check_long_prompts_draft_kv_from_the_data_plane(mesh, offline) -> None:
-    """The long prompts' full blocks reach the early-exit draft worker from the prefill worker
-    and are never computed there: its drafter computes less than the prompts (without the data
-    plane each first draft alone computes its whole prompt), and the output is unchanged."""
+async def _check_long_prompts_draft_kv_from_the_data_plane(
+    mesh, offline, prompts=LONG_PROMPTS
+) -> None:
+    """The long prompts' full blocks reach the draft worker (early exit or model) from the
+    prefill worker and are never computed there: its drafter computes less than the prompts
+    (without the data plane each first draft alone computes its whole prompt), and the output
+    is unchanged."""
     before = _draft_metrics(mesh)
-    replies, tap = await load(mesh, LONG_PROMPTS, LONG_MAX_TOKENS)
+    replies, tap = await load(mesh, prompts, LONG_MAX_TOKENS)
     check_equals_offline(replies, tap, offline)
     after = _draft_metrics(mesh)
     received = after["prompt_tokens_received"] - before["prompt_tokens_received"]
     computed = after["context_tokens_computed"] - before["context_tokens_computed"]
-    assert received == sum(len(p) // 16 * 16 for p in LONG_PROMPTS), (before, after)
-    assert 0 < computed < sum(len(p) for p in LONG_PROMPTS), (before, after)
+    assert received == sum(len(p) // 16 * 16 for p in prompts), (before, after)
+    assert 0 < computed < sum(len(p) for p in prompts), (before, after)
     # (short prompts may end before their reservation's reply is in: released, counted)
     assert after["prompt_kv_refused"] == before["prompt_kv_refused"], (before, after)
 
@@ -212,10 +216,14 @@ def test_draft_model_equal_to_the_target_has_every_draft_accepted_until_killed_m
     # kill is accepted and each verify step gives its drafts + 1 tokens, K + 1 for a full
     # proposal (read off the decode worker's /metrics); after kill -9 of the draft worker half
     # way through, every stream completes unchanged. ignore_eos: every request runs to
-    # max_tokens, so no stop token cuts a verified path short.
+    # max_tokens, so no stop token cuts a verified path short. Before that, two long prompts:
+    # the prefill worker runs the draft model too (kvmesh up --draft model) and writes its
+    # blocks to the draft worker, which computes only their tails.
     long_tokens = 96
     k = 4
     offline = _offline_greedy_ignoring_eos(PROMPTS, long_tokens)
+    long_prompts = LONG_PROMPTS[:2]
+    long_offline = offline_greedy(long_prompts, LONG_MAX_TOKENS)
     # paced: the draft model is the target itself, so topping a chain up takes K + 1 of its
     # steps; a step of 100 ms gives its proposals time to arrive on a loaded box
     env = {**ENV, "KVMESH_MIN_STEP_INTERVAL_MS": "100"}
@@ -224,6 +232,7 @@ def test_draft_model_equal_to_the_target_has_every_draft_accepted_until_killed_m
         _, draft = mesh.children["draft-0"]
 
         async def scenario() -> None:
+            await _check_long_prompts_draft_kv_from_the_data_plane(mesh, long_offline, long_prompts)
             async with (
                 MeshTap(mesh.config.nats_url, mesh.nats_auth) as tap,
                 aiohttp.ClientSession() as session,

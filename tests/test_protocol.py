@@ -164,7 +164,7 @@ EXAMPLES: list[Message] = [
         "r1", "dr0", position=14, tokens=(7, 8, 9), parents=(-1, 0, 0), need_context=True, depth=2
     ),
     DraftForget("r1"),
-    DraftKvReserve("r1", "L1", prompt_ids=(1, 2), kv_spec="L2:m", lease_ms=9),
+    DraftKvReserve("r1", "L1", prompt_ids=(1, 2), kv_spec="L2:m", lease_ms=9, draft_kv_spec="L1:d"),
     DraftKvReserveReply(
         ok=True,
         worker_id="dr0",
@@ -174,6 +174,7 @@ EXAMPLES: list[Message] = [
         block_bytes=4096,
         num_layers=1,
         error="e",
+        whole_blocks=True,
     ),
     StorePut("p0", "L2:m", (7, 2**63), lease_ms=9),
     StorePutReply(

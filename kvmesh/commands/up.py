@@ -132,7 +132,11 @@ class UpConfig(NatsClientConfig):
         (), help="draft tree branching per depth, e.g. 2,2,1 (any --draft; absent: a chain)"
     )
     draft_exit_layer: int = option(1, help="early-exit: layers of the target the draft runs")
-    draft_model: str | None = option(None, help="model: the draft checkpoint directory")
+    draft_model: str | None = option(
+        None,
+        help="model: the draft checkpoint directory (draft workers draft with it; prefill "
+        "workers run it too, for the prompts' draft KV: --draft-kv --draft-model)",
+    )
     kv_store: int = option(
         0,
         help="kv-store memory nodes to start (kvmesh serve kv-store; prefill workers read prompt "
@@ -285,6 +289,9 @@ def plan(config: UpConfig, nats_url: str, port: int) -> list[ChildSpec]:
             argv = ("serve", "prefill", *worker(name), *engine, *prefill_kv, *prefill_threads)
             if config.draft == "early-exit":  # the draft workers take the prompts' draft KV
                 argv += ("--draft-kv",)
+            if config.draft == "model":  # ... computed here by the draft workers' checkpoint
+                assert config.draft_model is not None
+                argv += ("--draft-kv", "--draft-model", config.draft_model)
             specs.append(ChildSpec(name, "prefill", argv))
     if config.draft:
         specs += draft_specs(config, worker, threads["draft"])
@@ -316,8 +323,10 @@ def draft_specs(config: UpConfig, worker, threads: int) -> list[ChildSpec]:
     argv += ("--threads", str(threads))
     if config.draft_tree:
         argv += ("--tree", ",".join(map(str, config.draft_tree)))
-    if config.draft == "early-exit":  # prompt KV from prefill workers on the data plane
-        argv += ("--exit-layer", str(config.draft_exit_layer), "--transport", config.transport)
+    if config.draft in ("early-exit", "model"):  # prompt KV from prefill workers
+        argv += ("--transport", config.transport)
+    if config.draft == "early-exit":
+        argv += ("--exit-layer", str(config.draft_exit_layer))
     if config.draft == "model":
         assert config.draft_model is not None
         argv += ("--draft-model", config.draft_model)

@@ -102,9 +102,11 @@ class DraftConfig(EngineWorkerConfig):
 
     @property
     def uses_data_plane(self) -> bool:
-        """Early exit receives prompts' draft KV from prefill workers over ``transport`` (the
-        first layers of the target's KV); the other methods move nothing on the data plane."""
-        return self.method == "early-exit"
+        """Early exit and model receive prompts' draft KV from prefill workers over
+        ``transport`` (early exit: the first layers of the target's KV; model: the blocks of
+        the same draft model run on the prefill worker); ngram moves nothing on the data
+        plane."""
+        return self.method in ("early-exit", "model")
 
     @property
     def role(self) -> str:

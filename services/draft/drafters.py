@@ -18,10 +18,10 @@ from kvmesh.services.draft.config import DraftConfig
 from kvmesh.services.draft.core import DraftJob
 from kvmesh.services.draft.ngram import propose_ngram
 from kvmesh.services.draft.shape import TreeShape
+from kvmesh.shared.model.vocabulary import vocabulary_difference
 from kvmesh.shared.service_errors import ServiceStartError
 
 Tree = tuple[tuple[int, ...], tuple[int, ...]]  # (tokens, parents)
-_VOCAB_PROBE = "The quick brown fox jumps over the lazy dog. 0123456789 <|>{}[]() äöü 你好"
 
 
 class Drafter(Protocol):
@@ -83,18 +83,6 @@ class EngineDrafter:
             self.engine.block_manager.num_hit_tokens - num_hits
         )
         return [(tuple(t), tuple(range(-1, len(t) - 1))) for t in drafted]
-
-
-def vocabulary_difference(target: Any, draft: Any) -> str | None:
-    """Why two tokenizers do not share a vocabulary (None: they do, as far as ids go): sizes,
-    special tokens and the ids of a probe text in both."""
-    if target.vocab_size != draft.vocab_size:
-        return f"vocabulary sizes differ ({target.vocab_size} vs {draft.vocab_size})"
-    if target.bos_token_id != draft.bos_token_id:
-        return f"bos_token_id differs ({target.bos_token_id} vs {draft.bos_token_id})"
-    if target.encode(_VOCAB_PROBE, False) != draft.encode(_VOCAB_PROBE, False):
-        return "the same text encodes to different token ids"
-    return None
 
 
 def truncate_layers(model: Any, num_layers: int) -> Any:

@@ -34,7 +34,7 @@ class DraftMetrics(MetricSet):
         self.prompt_tokens_received = self.counter(
             "prompt_tokens_received_total",
             "Prompt tokens whose draft KV a prefill worker wrote into this worker's pool (early "
-            "exit), adopted into its prefix cache: never computed here.",
+            "exit and model), adopted into its prefix cache: never computed here.",
         )
         self.context_tokens_computed = self.counter(
             "context_tokens_computed_total",

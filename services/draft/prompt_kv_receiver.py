@@ -1,7 +1,10 @@
-"""An early-exit draft worker's receiving side of prompt KV (docs/speculative.md, Prompt KV
-through the data plane): reserves draft-pool blocks for a prefill worker, opens a write window
-over exactly them, counts the writes that land and adopts the blocks into the draft engine's
-prefix cache once the prefill says it is done. The leases themselves are PromptKvTable's (pure);
+"""A draft worker's receiving side of prompt KV (docs/speculative.md, Prompt KV through the data
+plane), early exit or model: reserves draft-pool blocks for a prefill worker, opens a write
+window over exactly them, counts the writes that land and adopts the blocks into the draft
+engine's prefix cache once the prefill says it is done. An early exit takes the first layers of
+the prefill's target blocks (``kv_spec``: its target's layout); a model drafter takes whole
+blocks of the draft model the prefill runs beside its target (``kv_spec``: its own layout,
+``whole_blocks``). The leases themselves are PromptKvTable's (pure);
 this shell owns the engine's block manager only under ``lock``, the lock the drafting loop
 holds while the drafter runs the engine.
 """
@@ -46,6 +49,12 @@ def pool_bytes(model: Any, econf: Any) -> int:
     return econf.resolve_num_blocks(spec.block_bytes) * spec.block_bytes
 
 
+def own_kv_spec(engine: Any) -> str:
+    """The KV layout fingerprint of a draft engine itself (a model drafter's: what a prefill
+    running the same checkpoint offers, ``DraftKvReserve.draft_kv_spec``)."""
+    return kv_spec_fingerprint(engine.kv_pool.spec, engine.model.config)
+
+
 def target_kv_spec(engine: Any, target_num_layers: int) -> str:
     """The KV layout fingerprint of the early-exit draft's target: the draft's own pool and
     model config with the target's layer count (truncate_layers changed only that)."""
@@ -63,8 +72,9 @@ class PromptKvReceiver:
         lock: asyncio.Lock,
         *,
         worker_id: str,
-        target_kv_spec: str,
+        kv_spec: str,
         metrics: DraftMetrics,
+        whole_blocks: bool = False,
         quarantine_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -73,7 +83,10 @@ class PromptKvReceiver:
         self.region = region
         self.lock = lock
         self.worker_id = worker_id
-        self.target_kv_spec = target_kv_spec
+        # the layout a reservation must offer: the target's (early exit, DraftKvReserve.kv_spec)
+        # or, with whole_blocks, this draft model's own (DraftKvReserve.draft_kv_spec)
+        self.kv_spec = kv_spec
+        self.whole_blocks = whole_blocks
         self.metrics = metrics
         self.table = PromptKvTable(quarantine_s)
         self.block_bytes = engine.kv_pool.spec.block_bytes
@@ -87,13 +100,9 @@ class PromptKvReceiver:
 
     async def reserve(self, req: DraftKvReserve) -> DraftKvReserveReply:
         """Blocks for the prompt's full blocks, under a window and a lease (or why not)."""
-        if req.kv_spec != self.target_kv_spec:
-            return self._refuse(
-                f"the prefill's KV layout {req.kv_spec} is not this draft's target's "
-                f"{self.target_kv_spec}: run both on the same model, dtype and block size"
-            )
-        if self.engine.kv_pool.spec.is_fp8:
-            return self._refuse("fp8 KV caches do not split by layer: no prompt KV transfer")
+        error = self._layout_error(req)
+        if error:
+            return self._refuse(error)
         bs = self.block_size
         num_full = len(req.prompt_ids) // bs
         if num_full < 1:
@@ -137,7 +146,32 @@ class PromptKvReceiver:
             block_addrs=tuple(a for a, _ in spans),
             block_bytes=self.block_bytes,
             num_layers=self.engine.kv_pool.spec.num_layers,
+            whole_blocks=self.whole_blocks,
         )
+
+    def _layout_error(self, req: DraftKvReserve) -> str:
+        """Why the KV the prefill offers is not what this worker's pool holds ("": it is)."""
+        if self.whole_blocks:
+            if not req.draft_kv_spec:
+                return (
+                    "the prefill worker runs no draft model: start it with --draft-kv "
+                    "--draft-model (this worker's checkpoint)"
+                )
+            if req.draft_kv_spec != self.kv_spec:
+                return (
+                    f"the prefill's draft KV layout {req.draft_kv_spec} is not this draft "
+                    f"model's {self.kv_spec}: run both on the same --draft-model, dtype and "
+                    "block size"
+                )
+            return ""
+        if req.kv_spec != self.kv_spec:
+            return (
+                f"the prefill's KV layout {req.kv_spec} is not this draft's target's "
+                f"{self.kv_spec}: run both on the same model, dtype and block size"
+            )
+        if self.engine.kv_pool.spec.is_fp8:
+            return "fp8 KV caches do not split by layer: no prompt KV transfer"
+        return ""
 
     async def on_completion(self, completion: Completion) -> None:
         slot, write = unpack_imm(completion.imm)

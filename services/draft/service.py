@@ -3,8 +3,8 @@
 Subjects (docs/speculative.md): ``DRAFT_CONTEXT`` in queue group ``draft`` (a sequence's first
 context: any draft worker may take it) and ``draft_context(id)`` (the deltas of the sequences this
 worker holds) carry DraftContext; ``draft_forget(id)`` DraftForget; ``ABORT`` Abort. Proposals go
-to ``decode_draft(decode worker)``. An early-exit worker also takes prompt-KV reservations
-(``DRAFT_KV_RESERVE``, request/reply in queue group ``draft``) and their prefills'
+to ``decode_draft(decode worker)``. An early-exit or model worker also takes prompt-KV
+reservations (``DRAFT_KV_RESERVE``, request/reply in queue group ``draft``) and their prefills'
 announcements (``draft_kv_done(id)``, PrefillDone) and receives the KV itself on the data plane
 (prompt_kv_receiver.py). Discoverable as micro service ``kvmesh-draft`` ($SRV); its
 ``status`` endpoint and $SRV.STATS carry the acceptance figures. The drafting loop drafts what
@@ -25,7 +25,11 @@ from kvmesh.services.draft.config import DraftConfig
 from kvmesh.services.draft.core import DraftCore
 from kvmesh.services.draft.drafters import Drafter, build_drafter
 from kvmesh.services.draft.metrics import DraftMetrics
-from kvmesh.services.draft.prompt_kv_receiver import PromptKvReceiver, target_kv_spec
+from kvmesh.services.draft.prompt_kv_receiver import (
+    PromptKvReceiver,
+    own_kv_spec,
+    target_kv_spec,
+)
 from kvmesh.shared import logs
 from kvmesh.shared.nats_service import (
     background,
@@ -73,7 +77,8 @@ class DraftService:
         # held while the drafter runs its engine; prompt-KV reservations and adoptions (the
         # receiver) touch the same engine's blocks between drafts
         self.lock = asyncio.Lock()
-        self.receiver: PromptKvReceiver | None = None  # early-exit: prompt KV on the data plane
+        # early exit and model: prompt KV on the data plane
+        self.receiver: PromptKvReceiver | None = None
         self._num_computed = 0
 
     def heartbeat(self) -> WorkerHeartbeat:
@@ -170,7 +175,7 @@ async def draft_service(config: DraftConfig) -> AsyncIterator[DraftService]:
     async with contextlib.AsyncExitStack() as stack:
         transport = None
         allocate = None
-        if config.uses_data_plane:  # early exit: prompt KV arrives from prefill workers
+        if config.uses_data_plane:  # early exit, model: prompt KV arrives from prefill workers
             import torch
 
             bind_host, advertise_host = config.transport_hosts()
@@ -201,17 +206,23 @@ async def draft_service(config: DraftConfig) -> AsyncIterator[DraftService]:
         engine = getattr(drafter, "engine", None)  # the engine drafters' (chains and trees)
         if transport is not None and engine is not None:
             region = transport.register(engine.kv_pool.raw, Access.REMOTE_WRITE)
-            from kvmesh.shared.model.loader import load_config_and_tokenizer
+            whole_blocks = config.method == "model"  # the prefill runs this very checkpoint
+            if whole_blocks:
+                kv_spec = own_kv_spec(engine)
+            else:  # early exit: the first layers of the target's blocks
+                from kvmesh.shared.model.loader import load_config_and_tokenizer
 
-            target_layers = load_config_and_tokenizer(config.model)[0].num_hidden_layers
+                target_layers = load_config_and_tokenizer(config.model)[0].num_hidden_layers
+                kv_spec = target_kv_spec(engine, target_layers)
             service.receiver = PromptKvReceiver(
                 engine,
                 transport,
                 region,
                 service.lock,
                 worker_id=worker_id,
-                target_kv_spec=target_kv_spec(engine, target_layers),
+                kv_spec=kv_spec,
                 metrics=service.metrics,
+                whole_blocks=whole_blocks,
             )
             loops += [service.receiver.completion_loop(), service.receiver.expiry_loop()]
             routes.append((subjects.draft_kv_done(worker_id), PrefillDone, service.on_kv_done))
@@ -222,7 +233,7 @@ async def draft_service(config: DraftConfig) -> AsyncIterator[DraftService]:
                 cb=on_message(DraftContext, service.on_context),
             )
         ]
-        if service.receiver is not None:  # any early-exit worker may take a reservation
+        if service.receiver is not None:  # any early-exit or model worker may take one
             queue_subs.append(
                 await nc.subscribe(
                     subjects.DRAFT_KV_RESERVE, queue=DRAFT_QUEUE_GROUP, cb=service.on_kv_reserve

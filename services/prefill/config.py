@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from kvmesh.shared.service_config import option
 from kvmesh.shared.worker_config import EngineWorkerConfig
+
+if TYPE_CHECKING:
+    from kvmesh.shared.engine.config import EngineConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,10 +40,22 @@ class PrefillConfig(EngineWorkerConfig):
 
     draft_kv: bool = option(
         False,
-        help="speculative meshes with early-exit draft workers: ask one to reserve blocks for "
-        "each prompt's draft KV and write it the first layers of every full prompt block "
-        "beside the decode worker's writes, so the draft worker never computes the prompt "
+        help="speculative meshes with early-exit (or, with --draft-model, model) draft workers: "
+        "ask one to reserve blocks for each prompt's draft KV and write it every full prompt "
+        "block's draft KV beside the decode worker's writes (early exit: the first layers of "
+        "this worker's blocks), so the draft worker never computes the prompt "
         "(docs/speculative.md); without an answer the job goes on without",
+    )
+    draft_model: str | None = option(
+        None,
+        help="with --draft-kv: the draft checkpoint of the mesh's model draft workers (the same "
+        "as their --draft-model); this worker runs it over every prompt beside the target, in "
+        "an engine and KV pool of its own, and writes its whole blocks to them",
+    )
+    draft_kv_cache_bytes: int = option(
+        64 << 20,
+        help="with --draft-model: the draft engine's KV pool in bytes (holds the prompts of "
+        "the jobs in flight; a prompt that finds no room gets no draft KV)",
     )
     use_kv_store: bool = option(
         True,
@@ -59,5 +75,30 @@ class PrefillConfig(EngineWorkerConfig):
             )
         if not 0 <= self.nice <= 19:
             raise ValueError(f"nice must be in [0, 19] (a lower priority only), got {self.nice}")
+        if self.draft_model and not self.draft_kv:
+            raise ValueError("--draft-model needs --draft-kv (it only serves the draft KV)")
+        if self.draft_kv_cache_bytes <= 0:
+            raise ValueError(
+                f"draft_kv_cache_bytes must be positive, got {self.draft_kv_cache_bytes}"
+            )
         if self.abort_memory_s <= 0:
             raise ValueError(f"abort_memory_s must be positive, got {self.abort_memory_s}")
+
+    def engine_config(
+        self, dtype: Any, kv_cache_bytes: int | None, num_blocks: int | None = None
+    ) -> EngineConfig:
+        """An engine for this worker's jobs: its chunk budget and job slots (the target's, and
+        the draft model's, so a prompt's draft chunks follow its target chunks step by step)."""
+        from kvmesh.shared.engine.config import EngineConfig
+
+        return EngineConfig(
+            block_size=self.block_size,
+            num_blocks=num_blocks,
+            kv_cache_bytes=kv_cache_bytes,
+            max_num_seqs=self.max_concurrent_jobs,
+            max_num_batched_tokens=self.chunk_tokens,
+            enable_prefix_caching=self.enable_prefix_caching,
+            device=self.device,
+            dtype=dtype,
+            kv_cache_dtype=self.kv_cache_dtype,
+        )

@@ -36,8 +36,14 @@ class PrefillMetrics(MetricSet):
         )
         self.draft_kv_bytes = self.counter(
             "draft_kv_bytes_written_total",
-            "Draft KV bytes (the first layers of each prompt block) written into early-exit draft "
-            "workers' blocks.",
+            "Draft KV bytes written into draft workers' blocks (early exit: the first layers of "
+            "each prompt block; model: the draft model's whole blocks).",
+        )
+        self.draft_compute = self.histogram(
+            "draft_compute_seconds",
+            "With --draft-model: one step of the draft model's engine over the prompts' chunks "
+            "(after each target step; what a job pays for its draft KV).",
+            SECONDS_BUCKETS,
         )
         self.kv_write = self.histogram(
             "kv_write_seconds",

@@ -4,8 +4,9 @@ Pulls ``PrefillJob``s from the JetStream work queue (kvmesh.shared.prefill_queue
 free slot (``max_concurrent_jobs``), so an idle peer takes the next job rather than a busy worker
 hoarding it; follows ``ABORT``; checks every job against its decode worker's ``DecodeAdvert``;
 publishes what the worker returns: ``PrefillStarted`` when it takes a job, ``PrefillDone`` and
-``PrefillReport`` when the job ends. With ``--draft-kv`` it asks an early-exit draft worker to
-reserve blocks for each prompt's draft KV (``DRAFT_KV_RESERVE``) and announces those writes on
+``PrefillReport`` when the job ends. With ``--draft-kv`` it asks a draft worker (early exit; or
+model, with ``--draft-model``, whose checkpoint this worker then runs too) to reserve blocks for
+each prompt's draft KV (``DRAFT_KV_RESERVE``) and announces those writes on
 ``draft_kv_done(draft worker)`` before the decode worker's PrefillDone (docs/speculative.md).
 """
 
@@ -20,11 +21,11 @@ from collections.abc import AsyncIterator
 import nats.errors
 import torch
 from kvmesh.services.prefill.config import PrefillConfig
+from kvmesh.services.prefill.draft_engine import load_draft_engine
 from kvmesh.services.prefill.endpoints import EndpointCache
 from kvmesh.services.prefill.store_prefix import StorePrefix
 from kvmesh.services.prefill.worker import PrefillResult, PrefillWorker
 from kvmesh.shared import logs
-from kvmesh.shared.engine.config import EngineConfig
 from kvmesh.shared.engine.llm_engine import LLMEngine
 from kvmesh.shared.kv_store_client import KvStoreClient
 from kvmesh.shared.model.config import parse_dtype
@@ -155,14 +156,15 @@ class PrefillService:
             self._slots.release()
 
     async def _reserve_draft_kv(self, job: PrefillJob) -> DraftKvReserveReply | None:
-        """An early-exit draft worker's blocks for the prompt's draft KV; None when none
-        answers in ``DRAFT_KV_TIMEOUT_S`` (the job goes on without draft writes)."""
+        """A draft worker's blocks for the prompt's draft KV; None when none answers in
+        ``DRAFT_KV_TIMEOUT_S`` (the job goes on without draft writes)."""
         req = DraftKvReserve(
             job.request_id,
             job.lease_id,
             job.prompt_ids,
             self.worker.kv_spec,
             lease_ms=int(DRAFT_KV_LEASE_S * 1000),
+            draft_kv_spec=self.worker.draft_kv_spec,
         )
         try:
             msg = await self.nc.request(
@@ -254,18 +256,11 @@ async def prefill_service(config: PrefillConfig) -> AsyncIterator[PrefillService
         torch.set_num_threads(config.threads)
     dtype = parse_dtype(config.dtype, "--dtype") if config.dtype else None
     model, tokenizer = await asyncio.to_thread(load_model, config.model, dtype, config.device)
-    econf = EngineConfig(
-        block_size=config.block_size,
-        num_blocks=config.num_blocks,
-        kv_cache_bytes=config.kv_cache_bytes,
-        max_num_seqs=config.max_concurrent_jobs,
-        max_num_batched_tokens=config.chunk_tokens,
-        enable_prefix_caching=config.enable_prefix_caching,
-        device=config.device,
-        dtype=dtype,
-        kv_cache_dtype=config.kv_cache_dtype,
-    )
+    econf = config.engine_config(dtype, config.kv_cache_bytes, config.num_blocks)
     engine = LLMEngine(model, tokenizer, econf)
+    draft_engine = None
+    if config.draft_model:  # start-up errors (vocabulary) before anything connects
+        draft_engine = await asyncio.to_thread(load_draft_engine, config, tokenizer)
     bind_host, advertise_host = config.transport_hosts()  # what peers on other hosts dial
     tconf = TransportConfig(
         peer_id=worker_id, tcp_host=bind_host, tcp_advertise_host=advertise_host
@@ -277,6 +272,9 @@ async def prefill_service(config: PrefillConfig) -> AsyncIterator[PrefillService
     ):
         subjects = config.subjects
         region = transport.register(engine.kv_pool.raw)
+        draft_region = None
+        if draft_engine is not None:  # the draft KV's source, a second region
+            draft_region = transport.register(draft_engine.kv_pool.raw)
         kv_spec = kv_spec_fingerprint(engine.kv_pool.spec, model.config)
         store = None
         if config.use_kv_store and config.enable_prefix_caching:
@@ -298,6 +296,8 @@ async def prefill_service(config: PrefillConfig) -> AsyncIterator[PrefillService
             kv_spec=kv_spec,
             abort_memory_s=config.abort_memory_s,
             store=store,
+            draft_engine=draft_engine,
+            draft_region=draft_region,
         )
         async with asyncio.TaskGroup() as tg:
             service = PrefillService(config, worker, nc, tg)

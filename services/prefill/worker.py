@@ -9,6 +9,11 @@ ends with ``PrefillDone(num_writes, first_token)`` for the decode worker and ``P
 the router, and its local blocks are freed. An Abort stops the job between chunks; the decode
 worker still gets a PrefillDone (ok=False) once no write is in flight, so its blocks return.
 
+With a draft model (``draft_engine``, --draft-model) the loop steps a second engine after the
+target's, over the prompts of jobs a model draft worker may take the draft KV of: the target's
+chunk writes are issued first and run meanwhile, so a job pays the draft compute and nothing
+else; the draft chunks' whole blocks go to the draft worker (docs/speculative.md).
+
 The worker knows no NATS: the service (the shell) calls it and publishes what it returns
 (``started()``, ``prefill()``'s ``PrefillResult``). It reaches decode workers' memory itself,
 through the transport endpoints of its ``EndpointCache`` (the data plane is below it).
@@ -22,7 +27,7 @@ from dataclasses import dataclass, field
 
 from kvmesh.services.prefill.adverts import AdvertBook
 from kvmesh.services.prefill.convert import KVMirror, KVMirrors, decode_kv_dtype
-from kvmesh.services.prefill.draft_kv import DraftKvPlanner
+from kvmesh.services.prefill.draft_kv import DraftBlockPlanner, DraftKvPlanner
 from kvmesh.services.prefill.endpoints import EndpointCache
 from kvmesh.services.prefill.metrics import PrefillMetrics
 from kvmesh.services.prefill.plan import (
@@ -41,6 +46,7 @@ from kvmesh.shared.protocol import (
     PrefillJob,
     PrefillReport,
     PrefillStarted,
+    kv_spec_fingerprint,
 )
 from kvmesh.shared.transport import Endpoint, MemoryRegion, TransportError, WriteEntry
 
@@ -61,7 +67,9 @@ class _Job:
     first_token: int = -1
     error: str = ""
     is_computed: bool = False  # the last chunk is in; the engine holds the blocks until release
-    draft: _DraftWrites | None = None  # the prompt's draft KV to an early-exit draft worker
+    draft: _DraftWrites | None = None  # the prompt's draft KV to a draft worker
+    # the draft engine's chunks of the prompt (with a draft model; None: not run for this job)
+    draft_chunks: asyncio.Queue[ChunkReady | None] | None = None
 
 
 @dataclass(eq=False)
@@ -69,7 +77,9 @@ class _DraftWrites:
     """A job's writes of draft KV (docs/speculative.md): best effort, never the job's failure."""
 
     reply: DraftKvReserveReply
-    planner: DraftKvPlanner | None = None  # None: the reply did not fit (``error`` says why)
+    # None: the reply did not fit (``error`` says why)
+    planner: DraftKvPlanner | DraftBlockPlanner | None = None
+    region: MemoryRegion | None = None  # written from: the target's pool or the draft engine's
     endpoint: Endpoint | None = None
     num_writes: int = 0
     error: str = ""
@@ -111,8 +121,21 @@ class PrefillWorker:
         advert_wait_s: float = 3.0,
         metrics: PrefillMetrics | None = None,
         store: StorePrefix | None = None,
+        draft_engine: LLMEngine | None = None,
+        draft_region: MemoryRegion | None = None,
     ) -> None:
+        """``draft_engine``: the draft model run beside the target (--draft-model), its pool
+        registered as ``draft_region``."""
+        assert (draft_engine is None) == (draft_region is None)
         self.engine = engine
+        self.draft_engine = draft_engine
+        self.draft_region = draft_region
+        # what a model draft worker checks a reservation against ("": no draft model here)
+        self.draft_kv_spec = (
+            kv_spec_fingerprint(draft_engine.kv_pool.spec, draft_engine.model.config)
+            if draft_engine is not None
+            else ""
+        )
         self.store = store  # a kv-store's prefixes (read before, written after a job), if any
         self.metrics = metrics or PrefillMetrics()
         self.region = region  # the engine's KV pool, registered as the source of writes
@@ -128,6 +151,7 @@ class PrefillWorker:
         self._jobs: dict[str, _Job] = {}
         self._aborted: dict[str, float] = {}  # request id -> monotonic time of its Abort
         self._chunks: list[ChunkReady] = []  # filled by on_chunk in the engine thread
+        self._draft_chunks: list[ChunkReady] = []  # the draft engine's, likewise
         self._lock = asyncio.Lock()
         self._wake = asyncio.Event()
         self.metrics.jobs_running.set_function(lambda: len(self._jobs))
@@ -142,35 +166,66 @@ class PrefillWorker:
     # ---- the engine loop ----------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Step the engine while any job computes; hand each finished chunk to its job."""
+        """Step the engine while any job computes; hand each finished chunk to its job. With a
+        draft model, step its engine after each target step (the target chunks' writes run
+        meanwhile) and hand its chunks over likewise."""
         while True:
             await self._wake.wait()
             self._wake.clear()
             while True:
                 async with self._lock:
-                    if not self.engine.has_unfinished():
+                    is_busy = self.engine.has_unfinished()
+                    draft = self.draft_engine
+                    if not is_busy and (draft is None or not draft.has_unfinished()):
                         break
-                    t0 = time.perf_counter()
-                    hits = self.engine.block_manager.num_hit_tokens
-                    await asyncio.to_thread(self.engine.step)
-                    t1 = time.perf_counter()
-                    self.metrics.observe_chunk(t1 - t0)
-                    self.metrics.prefix_hit_tokens.inc(
-                        self.engine.block_manager.num_hit_tokens - hits
-                    )
-                    chunks, self._chunks = self._chunks, []
-                for chunk in chunks:
-                    job = self._jobs.get(chunk.request_id)
-                    if job is None:
-                        continue
-                    job.timeline.on_forward(t1 - t0)
-                    if chunk.is_last:
-                        job.is_computed = True
-                        job.timeline.on_compute_done(t1)
-                    job.chunks.put_nowait(chunk)
+                    chunks = await self._step_target() if is_busy else []
+                self._hand_out(chunks)
+                if draft is not None:
+                    async with self._lock:
+                        chunks = await self._step_draft(draft) if draft.has_unfinished() else []
+                    self._hand_out_draft(chunks)
+
+    async def _step_target(self) -> list[ChunkReady]:
+        t0 = time.perf_counter()
+        hits = self.engine.block_manager.num_hit_tokens
+        await asyncio.to_thread(self.engine.step)
+        t1 = time.perf_counter()
+        self.metrics.observe_chunk(t1 - t0)
+        self.metrics.prefix_hit_tokens.inc(self.engine.block_manager.num_hit_tokens - hits)
+        chunks, self._chunks = self._chunks, []
+        for chunk in chunks:
+            job = self._jobs.get(chunk.request_id)
+            if job is not None:
+                job.timeline.on_forward(t1 - t0)
+                if chunk.is_last:
+                    job.is_computed = True
+                    job.timeline.on_compute_done(t1)
+        return chunks
+
+    async def _step_draft(self, draft: LLMEngine) -> list[ChunkReady]:
+        t0 = time.perf_counter()
+        await asyncio.to_thread(draft.step)
+        self.metrics.draft_compute.observe(time.perf_counter() - t0)
+        chunks, self._draft_chunks = self._draft_chunks, []
+        return chunks
+
+    def _hand_out(self, chunks: list[ChunkReady]) -> None:
+        for chunk in chunks:
+            job = self._jobs.get(chunk.request_id)
+            if job is not None:
+                job.chunks.put_nowait(chunk)
+
+    def _hand_out_draft(self, chunks: list[ChunkReady]) -> None:
+        for chunk in chunks:
+            job = self._jobs.get(chunk.request_id)
+            if job is not None and job.draft_chunks is not None:
+                job.draft_chunks.put_nowait(chunk)
 
     def _on_chunk(self, chunk: ChunkReady) -> None:
         self._chunks.append(chunk)  # in the engine thread, during step(), under self._lock
+
+    def _on_draft_chunk(self, chunk: ChunkReady) -> None:
+        self._draft_chunks.append(chunk)  # likewise, during the draft engine's step()
 
     # ---- jobs ---------------------------------------------------------------------------------
 
@@ -183,10 +238,12 @@ class PrefillWorker:
         self, msg: PrefillJob, draft: asyncio.Future[DraftKvReserveReply | None] | None = None
     ) -> PrefillResult | None:
         """Run one job to its end: every write landed (or none in flight). Returns what to tell
-        the decode worker and the router; None for a duplicate of a job in hand. ``draft``: an
-        early-exit draft worker's reservation for the prompt's draft KV, never waited for: taken
-        with the first chunk after it came (the chunks before it are written then too); not
-        come by the last chunk, or None, or a refusal: no draft writes."""
+        the decode worker and the router; None for a duplicate of a job in hand. ``draft``: a
+        draft worker's reservation for the prompt's draft KV, never waited for: taken with the
+        first chunk after it came (the chunks before it are written then too); not come by the
+        last chunk, or None, or a refusal: no draft writes. With a draft model the draft
+        engine computes the prompt too, for a model draft worker's reservation (whole blocks,
+        from the draft engine's chunks); any other answer ends that compute."""
         rid = msg.request_id
         started_at = time.time()
         if rid in self._jobs:
@@ -226,12 +283,17 @@ class PrefillWorker:
                     prefill_only=True,
                     on_chunk=self._on_chunk,
                 )
+                if draft is not None:
+                    job.draft_chunks = self._add_draft(rid, prompt)
         except RequestError as exc:
             del self._jobs[rid]
             return self._result(msg, None, str(exc))
         self._wake.set()
         try:
             async with asyncio.TaskGroup() as tg:
+                if job.draft_chunks is not None:
+                    assert draft is not None
+                    tg.create_task(self._draft_model_writes(job, draft, tg))
                 blocks: list[int] = []  # the job's local blocks so far (the engine holds them)
                 while (chunk := await job.chunks.get()) is not _STOP:
                     write = planner.plan(
@@ -240,15 +302,18 @@ class PrefillWorker:
                     tg.create_task(self._write(job, write, chunk))
                     blocks += chunk.block_ids
                     new_blocks = chunk.block_ids
-                    if draft is not None and draft.done():  # the chunks so far, then each
-                        job.draft = await self._draft_writes(msg, draft.result())
+                    # an early exit's reservation: the chunks so far, then each (a model
+                    # worker's is _draft_model_writes')
+                    if draft is not None and draft.done() and not _is_whole_blocks(draft):
+                        job.draft = await self._draft_writes(msg, _reply(draft))
                         draft, new_blocks = None, tuple(blocks)
-                    if job.draft is not None and job.draft.planner is not None:
+                    if job.draft is not None and isinstance(job.draft.planner, DraftKvPlanner):
                         draft_write = job.draft.planner.plan(new_blocks)
                         if draft_write is not None and not job.draft.error:
                             tg.create_task(self._write_draft(job.draft, draft_write))
                     if chunk.is_last:
                         job.first_token = chunk.first_token
+                        await self._drop_draft_if_waiting(job)
                         break
             # every write has returned: no byte of ours is still on its way to the decode blocks
         except PlanError as exc:  # an engine/plan disagreement: a bug, but never leak blocks
@@ -258,6 +323,8 @@ class PrefillWorker:
             del self._jobs[rid]
             async with self._lock:
                 self.engine.abort(rid)  # frees the local blocks, computed or not
+                if job.draft_chunks is not None and self.draft_engine is not None:
+                    self.draft_engine.abort(rid)
             self._wake.set()
         if self.store is not None and job.is_computed and not job.error:
             self.store.put_later(prompt, self._lock)  # its full blocks stay cached meanwhile
@@ -293,6 +360,67 @@ class PrefillWorker:
         self.metrics.observe_write(sum(s.length for s in write.spans), t1 - t0)
         job.num_writes += 1
 
+    def _add_draft(
+        self, request_id: str, prompt: list[int]
+    ) -> asyncio.Queue[ChunkReady | None] | None:
+        """The prompt into the draft engine (under ``self._lock``); its chunks' queue, or None
+        without a draft model or when the draft engine cannot take the prompt."""
+        if self.draft_engine is None:
+            return None
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+        try:
+            self.draft_engine.add_request(
+                request_id, prompt, params, prefill_only=True, on_chunk=self._on_draft_chunk
+            )
+        except RequestError as exc:
+            log.info("draft model not run", request_id=request_id, error=str(exc))
+            return None
+        return asyncio.Queue()
+
+    async def _draft_model_writes(
+        self,
+        job: _Job,
+        reply: asyncio.Future[DraftKvReserveReply | None],
+        tg: asyncio.TaskGroup,
+    ) -> None:
+        """The draft engine's chunks of ``job``'s prompt, written whole into a model draft
+        worker's reserved blocks once its reservation came (taken with the first draft chunk
+        after it; the chunks before it are written then). Any other answer (none, a refusal,
+        an early exit's) ends the job's draft compute."""
+        assert job.draft_chunks is not None and self.draft_engine is not None
+        pending: asyncio.Future[DraftKvReserveReply | None] | None = reply
+        blocks: list[int] = []  # the draft engine's blocks of the prompt so far
+        while (chunk := await job.draft_chunks.get()) is not _STOP:
+            blocks += chunk.block_ids
+            new_blocks = chunk.block_ids
+            if pending is not None and pending.done():
+                if not _is_whole_blocks(pending):
+                    break
+                job.draft = await self._draft_writes(job.msg, _reply(pending))
+                pending, new_blocks = None, tuple(blocks)
+            draft = job.draft
+            if draft is not None and isinstance(draft.planner, DraftBlockPlanner):
+                write = draft.planner.plan(new_blocks)
+                if write is not None and not draft.error:
+                    tg.create_task(self._write_draft(draft, write))
+            if chunk.is_last:
+                return
+        async with self._lock:  # stopped early: no draft write was issued
+            self.draft_engine.abort(job.msg.request_id)
+
+    async def _drop_draft_if_waiting(self, job: _Job) -> None:
+        """The target's last chunk is in: a draft prompt the draft engine has not admitted
+        yet (its pool is full) is dropped rather than waited for."""
+        if job.draft_chunks is None or self.draft_engine is None:
+            return
+        async with self._lock:
+            seq = self.draft_engine.seqs.get(job.msg.request_id)
+            if seq is None or seq.block_table:
+                return
+            self.draft_engine.abort(job.msg.request_id)
+        log.info("draft model found no room", request_id=job.msg.request_id)
+        job.draft_chunks.put_nowait(_STOP)
+
     async def _draft_writes(
         self, msg: PrefillJob, reply: DraftKvReserveReply | None
     ) -> _DraftWrites | None:
@@ -301,24 +429,37 @@ class PrefillWorker:
             return None
         spec = self.engine.kv_pool.spec
         try:
-            planner = DraftKvPlanner(
-                reply,
-                len(msg.prompt_ids),
-                self.block_size,
-                spec.num_layers,
-                spec.num_kv_heads,
-                self.block_bytes,
-            )
+            if reply.whole_blocks:  # a model draft worker's: from the draft engine's pool
+                if self.draft_engine is None or self.draft_region is None:
+                    raise PlanError("this prefill worker runs no draft model")
+                planner: DraftKvPlanner | DraftBlockPlanner = DraftBlockPlanner(
+                    reply,
+                    len(msg.prompt_ids),
+                    self.block_size,
+                    self.draft_engine.kv_pool.spec.block_bytes,
+                )
+                region = self.draft_region
+            else:  # an early exit's: the first layers of the target's blocks
+                planner = DraftKvPlanner(
+                    reply,
+                    len(msg.prompt_ids),
+                    self.block_size,
+                    spec.num_layers,
+                    spec.num_kv_heads,
+                    self.block_bytes,
+                )
+                region = self.region
             endpoint = await self.endpoints.get(reply.descriptor)
         except (PlanError, TransportError, ValueError) as exc:
             log.info("draft kv not written", request_id=msg.request_id, error=str(exc))
             return _DraftWrites(reply, error=str(exc))
-        return _DraftWrites(reply, planner, endpoint)
+        return _DraftWrites(reply, planner, region, endpoint)
 
     async def _write_draft(self, draft: _DraftWrites, write: ChunkWrite) -> None:
         assert draft.endpoint is not None and draft.reply.descriptor is not None
+        assert draft.region is not None
         entries = [
-            WriteEntry(self.region, s.local_offset, s.remote_addr, draft.reply.rkey, s.length)
+            WriteEntry(draft.region, s.local_offset, s.remote_addr, draft.reply.rkey, s.length)
             for s in write.spans
         ]
         try:
@@ -333,11 +474,15 @@ class PrefillWorker:
         draft.num_writes += 1
 
     async def _stop(self, job: _Job) -> None:
-        """No more chunks for this job: the engine drops it, its queue gets the stop marker."""
+        """No more chunks for this job: the engines drop it, its queues get the stop marker."""
         if not job.is_computed:
             async with self._lock:
                 self.engine.abort(job.msg.request_id)
         job.chunks.put_nowait(_STOP)
+        if job.draft_chunks is not None and self.draft_engine is not None:
+            async with self._lock:
+                self.draft_engine.abort(job.msg.request_id)
+            job.draft_chunks.put_nowait(_STOP)
 
     async def abort(self, request_id: str, reason: str) -> None:
         job = self._jobs.get(request_id)
@@ -396,3 +541,14 @@ class PrefillWorker:
             num_chunks=t.num_chunks,
         )
         return PrefillResult(done, report, draft_done)
+
+
+def _reply(future: asyncio.Future[DraftKvReserveReply | None]) -> DraftKvReserveReply | None:
+    """A done reservation's reply (None: none came, or it was given up)."""
+    return None if future.cancelled() else future.result()
+
+
+def _is_whole_blocks(future: asyncio.Future[DraftKvReserveReply | None]) -> bool:
+    """Whether a done reservation is a model draft worker's (blocks of the draft model)."""
+    reply = _reply(future)
+    return reply is not None and reply.ok and reply.whole_blocks
