@@ -66,7 +66,12 @@ class AdminClient:
                     continue
                 if stats.get("metadata", {}).get("mesh") != self.subjects.mesh:
                     continue  # another mesh's draft worker on the same server
-                rows += [e["data"] for e in stats.get("endpoints", []) if e.get("data")]
+                # every endpoint carries the worker's stats: its ``status`` endpoint's, once
+                rows += [
+                    e["data"]
+                    for e in stats.get("endpoints", [])
+                    if e.get("name") == "status" and e.get("data")
+                ]
         finally:
             await sub.unsubscribe()
         return sorted(rows, key=lambda r: r.get("worker_id", ""))

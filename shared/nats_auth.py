@@ -160,7 +160,7 @@ def role_permissions(s: Subjects) -> dict[str, Permissions]:
             ),
         ),
         # Draft workers: read contexts (the queue group's and their own), prompt-KV reservations
-        # and their dones, and aborts, answer their status endpoint; send proposals to decode
+        # and their dones, and aborts, answer their status and control (drain) endpoints; send proposals to decode
         # workers, nothing else (reservation replies go to the prefill's inbox).
         "draft": service(
             "draft",
@@ -173,6 +173,7 @@ def role_permissions(s: Subjects) -> dict[str, Permissions]:
                 s.DRAFT_KV_RESERVE,
                 s.draft_kv_done("*"),
                 s.ABORT,
+                f"{p}.worker.*.control",
             ),
         ),
         # KV stores: answer their own endpoints (put, commit, get, release), advertise

@@ -13,7 +13,9 @@ with the output unchanged. A
 draft model equal to the target has every draft accepted and K + 1 tokens per full verify step
 (from the decode worker's /metrics), and long prompts' draft KV comes from the prefill worker's
 own run of the draft model; kill -9 of that draft worker mid-stream changes no stream.
-Bad draft settings stop `kvmesh serve draft` at start-up with one line.
+`kvmesh admin drain` of the draft worker stops its drafting of new sequences (output unchanged),
+`resume` starts it again. Bad draft settings stop `kvmesh serve draft` at start-up with one
+line.
 """
 
 from __future__ import annotations
@@ -84,6 +86,8 @@ def test_greedy_output_with_drafts_equals_output_without(transport, setup, offli
             check_equals_offline(replies, tap, offline_tokens)
             if long_offline:
                 await _check_long_prompts_draft_kv_from_the_data_plane(mesh, long_offline)
+            if transport == "tcp":
+                await _check_drain_and_resume(mesh, offline_tokens)
             async with admin_client(mesh.config.nats_url, auth=mesh.nats_auth) as admin:
                 status = {**await admin.status(), "draft": await admin.draft_workers()}
             if second is not None:
@@ -190,6 +194,24 @@ async def _check_trees_from_a_second_draft_worker(
         nodes, positions = (after[k] - before[k] for k in ("nodes", "positions"))
         assert nodes > positions > 0, (before, after)  # trees verified with their siblings
         return [r for r in await admin.draft_workers() if r["worker_id"] == "draft-1"]
+
+
+async def _check_drain_and_resume(mesh, offline) -> None:
+    """`kvmesh admin drain draft-0`: the only draft worker takes no new sequence, so the next
+    load is decoded plainly (no verify step) with the same output; `resume`: drafted again."""
+    async with admin_client(mesh.config.nats_url, auth=mesh.nats_auth) as admin:
+        drained = await admin.drain("draft-0")
+        assert drained["state"] == "draining", drained
+        assert [r["state"] for r in await admin.draft_workers()] == ["draining"]
+        before = spec_counters(mesh)
+        replies, tap = await load(mesh, PROMPTS[1::4], MAX_TOKENS)
+        check_equals_offline(replies, tap, offline[1::4])
+        assert spec_counters(mesh)["verify_steps"] == before["verify_steps"]
+        resumed = await admin.resume("draft-0")
+        assert resumed["state"] == "ready", resumed
+        replies, tap = await load(mesh, PROMPTS[1::4], MAX_TOKENS)
+        check_equals_offline(replies, tap, offline[1::4])
+        assert spec_counters(mesh)["verify_steps"] > before["verify_steps"]
 
 
 def _accepted_in_usage(reply: dict) -> int:

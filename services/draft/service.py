@@ -7,7 +7,9 @@ to ``decode_draft(decode worker)``. An early-exit or model worker also takes pro
 reservations (``DRAFT_KV_RESERVE``, request/reply in queue group ``draft``) and their prefills'
 announcements (``draft_kv_done(id)``, PrefillDone) and receives the KV itself on the data plane
 (prompt_kv_receiver.py). Discoverable as micro service ``kvmesh-draft`` ($SRV); its
-``status`` endpoint and $SRV.STATS carry the acceptance figures. The drafting loop drafts what
+``status`` endpoint and $SRV.STATS carry the acceptance figures. ``worker_control(id)``
+(``kvmesh admin drain|resume``): drained, it leaves the queue group (no new sequence, no new
+reservation) and drafts the sequences it holds until they end. The drafting loop drafts what
 changed, in batches, in a worker thread, and never blocks the subscriptions: contexts that arrive
 meanwhile coalesce into the next batch.
 """
@@ -17,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import nats.errors
 import orjson
@@ -37,6 +39,7 @@ from kvmesh.shared.nats_service import (
     new_worker_id,
     on_message,
     open_for_requests,
+    read_worker_control,
     serve_until_signal,
     subscriptions,
     worker_presence,
@@ -57,6 +60,7 @@ from kvmesh.shared.subjects import DRAFT_QUEUE_GROUP
 from kvmesh.shared.transport import Access, TransportConfig, create_transport
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.micro.request import Request
 
 log = logs.get_logger(__name__)
@@ -80,12 +84,17 @@ class DraftService:
         # early exit and model: prompt KV on the data plane
         self.receiver: PromptKvReceiver | None = None
         self._num_computed = 0
+        # the queue group's subjects (a sequence's first context, prompt-KV reservations) and
+        # their subscriptions while this worker takes new work (none while drained)
+        self.queue_routes: list[tuple[str, Callable[[Msg], Awaitable[None]]]] = []
+        self._queue_subs: list[Subscription] = []
+        self.is_draining = False
 
     def heartbeat(self) -> WorkerHeartbeat:
         return WorkerHeartbeat(
             self.core.worker_id,
             "draft",
-            "ready",
+            "draining" if self.is_draining else "ready",
             num_running=len(self.core.seqs),
             started_at=self.started_at,
             sent_at=time.time(),
@@ -97,6 +106,7 @@ class DraftService:
             "method": self.config.method,
             "k": self.config.num_speculative_tokens,
             "tree": ",".join(map(str, self.config.tree)),
+            "state": "draining" if self.is_draining else "ready",
             **self.core.stats(),
         }
 
@@ -119,6 +129,34 @@ class DraftService:
 
     async def on_status(self, req: Request) -> None:
         await req.respond(orjson.dumps(self.status()))
+
+    async def join_queue(self) -> None:
+        """Take new work: subscribe to the queue group's subjects (once)."""
+        if not self._queue_subs:
+            for subject, cb in self.queue_routes:
+                sub = await self.nc.subscribe(subject, queue=DRAFT_QUEUE_GROUP, cb=cb)
+                self._queue_subs.append(sub)
+            await self.nc.flush()  # the server holds them before the answer says so
+
+    async def leave_queue(self) -> None:
+        """Take no new work: the queue group's messages go to the other draft workers (none:
+        decode workers decode plainly, prefill workers write no draft KV)."""
+        subs, self._queue_subs = self._queue_subs, []
+        for sub in subs:
+            with contextlib.suppress(nats.errors.Error):
+                await sub.unsubscribe()
+
+    async def on_control(self, req: Request) -> None:
+        """``kvmesh admin drain|resume <draft worker>``: drained, it takes no new sequence and
+        no prompt-KV reservation and drafts the sequences it holds until their decode workers
+        forget them; resumed, it takes new ones again."""
+        action = await read_worker_control(req)
+        if action is None:
+            return
+        self.is_draining = action == "drain"
+        await (self.leave_queue() if self.is_draining else self.join_queue())
+        log.warning(f"worker control: {action}", worker_id=self.core.worker_id)
+        await req.respond(encode_message(self.heartbeat()))
 
     async def draft_loop(self) -> None:
         """Draft every sequence whose context changed, a batch at a time (a task body)."""
@@ -226,19 +264,12 @@ async def draft_service(config: DraftConfig) -> AsyncIterator[DraftService]:
             )
             loops += [service.receiver.completion_loop(), service.receiver.expiry_loop()]
             routes.append((subjects.draft_kv_done(worker_id), PrefillDone, service.on_kv_done))
-        queue_subs = [
-            await nc.subscribe(
-                subjects.DRAFT_CONTEXT,
-                queue=DRAFT_QUEUE_GROUP,
-                cb=on_message(DraftContext, service.on_context),
-            )
-        ]
+        service.queue_routes.append(
+            (subjects.DRAFT_CONTEXT, on_message(DraftContext, service.on_context))
+        )
         if service.receiver is not None:  # any early-exit or model worker may take one
-            queue_subs.append(
-                await nc.subscribe(
-                    subjects.DRAFT_KV_RESERVE, queue=DRAFT_QUEUE_GROUP, cb=service.on_kv_reserve
-                )
-            )
+            service.queue_routes.append((subjects.DRAFT_KV_RESERVE, service.on_kv_reserve))
+        await service.join_queue()
         try:
             async with (
                 worker_presence(
@@ -263,6 +294,7 @@ async def draft_service(config: DraftConfig) -> AsyncIterator[DraftService]:
                     nc,
                     svc,
                     ("status", subjects.draft_status(worker_id), service.on_status),
+                    ("control", subjects.worker_control(worker_id), service.on_control),
                     metrics=service.metrics.registry,
                     config=config,
                     logger=log,
@@ -277,9 +309,7 @@ async def draft_service(config: DraftConfig) -> AsyncIterator[DraftService]:
                 yield service
         finally:
             if not nc.is_closed:
-                for sub in queue_subs:
-                    with contextlib.suppress(nats.errors.Error):
-                        await sub.unsubscribe()
+                await service.leave_queue()
 
 
 async def run(config: DraftConfig) -> None:
