@@ -45,3 +45,13 @@ def test_sim_refuses_an_unknown_device(capsys):
 def test_sim_refuses_an_sla_without_itl(capsys):
     assert main(["sim", "--sla", "ttft_ms=100", *SMALL]) == 2
     assert "--sla needs both" in capsys.readouterr().err
+
+
+def test_sim_validate_refuses_no_repeats(capsys):
+    assert main(["sim", "--validate", "--repeats", "0", *SMALL]) == 2
+    assert "--repeats must be at least 1" in capsys.readouterr().err
+
+
+def test_sim_calibrate_refuses_no_probe_runs(capsys):
+    assert main(["sim", "--calibrate", "--model", "kvmesh-tiny", "--probe-runs", "0"]) == 2
+    assert "--probe-runs must be at least 1" in capsys.readouterr().err

@@ -197,3 +197,39 @@ def test_jitter_mean_integrates_its_quantile_function():
     # 0 to the median; 0->2 ms over 0.5-0.9; 2->6 ms over 0.9-0.99; 6->10 ms over 0.99-1
     j = Jitter(0.002, 0.006, 0.010)
     assert j.mean_s == pytest.approx(0.4 * 0.001 + 0.09 * 0.004 + 0.01 * 0.008)
+
+
+def test_median_timings_take_each_mean_median_over_runs_and_add_counts():
+    from kvmesh.loadgen.sim.engine_scale import median_timings
+
+    runs = [
+        EngineTimings(100, 0.010, 4, 0.050, 2, 0.001),
+        EngineTimings(120, 0.012, 4, 0.060, 2, 0.002),
+        EngineTimings(90, 0.040, 5, 0.200, 2, 0.009),  # a disturbed run: it moves no median
+    ]
+    m = median_timings(runs)
+    assert (m.home_steps, m.prefill_chunks, m.prefill_jobs) == (310, 13, 6)
+    assert m.home_step_s == pytest.approx(0.012)
+    assert m.prefill_chunk_s == pytest.approx(0.060)
+    assert m.prefill_queue_s == pytest.approx(0.002)
+    # a pooled (count-weighted) mean would be pulled up by the disturbed run
+    assert pooled(runs).home_step_s > 0.017
+    # a run that did not measure a mean (count 0) neither votes nor counts
+    none = EngineTimings(0, None, 0, None, 0, None)
+    two = median_timings([runs[0], none, runs[1]])
+    assert two.home_steps == 220 and two.home_step_s == pytest.approx(0.011)
+    assert median_timings([none]).home_step_s is None
+
+
+def test_median_phases_is_one_runs_timings_for_one_run():
+    from kvmesh.loadgen.sim.engine_scale import median_phases
+
+    one = _phases(_timings(0.020, chunk_s=0.040), _timings(0.030, chunk_s=0.050))
+    assert median_phases([one]) == one
+    slow = _phases(_timings(0.060, chunk_s=0.090), _timings(0.090, chunk_s=0.150))
+    med = median_phases([one, one, slow])
+    assert med.short.home_step_s == pytest.approx(0.020)
+    assert med.long.prefill_chunk_s == pytest.approx(0.050)
+    assert med.short.home_steps == 300
+    with pytest.raises(ValueError):
+        median_phases([])

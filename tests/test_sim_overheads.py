@@ -18,6 +18,7 @@ from kvmesh.loadgen.sim.overheads import (
     simulate_probe,
     steady_gap_s,
 )
+from kvmesh.loadgen.sim.probe import ProbeRecords
 from kvmesh.loadgen.sim.specs import DeviceSpec, SpecError, load_model
 from kvmesh.loadgen.sim.topology import Topology
 from kvmesh.loadgen.sim.validate import mesh_topology
@@ -255,3 +256,106 @@ def test_fit_overheads_needs_the_colocated_probe():
     engine = _cpu()
     with pytest.raises(OverheadFitError, match="colocated"):
         fit_overheads(engine, {"disagg": simulate_probe(engine, "disagg", _topology)}, _topology)
+
+
+def test_probe_figures_median_takes_each_figure_median_over_runs():
+    runs = [
+        ProbeFigures(0.020, 0.0030, 0.0060),
+        ProbeFigures(0.022, 0.0034, 0.0055),
+        ProbeFigures(0.090, 0.0031, 0.0200),  # a disturbed run
+    ]
+    assert ProbeFigures.median(runs) == ProbeFigures(0.022, 0.0031, 0.0060)
+    assert ProbeFigures.median(runs[:2]) == ProbeFigures(
+        pytest.approx(0.021), pytest.approx(0.0032), pytest.approx(0.00575)
+    )
+    assert ProbeFigures.median(runs[:1]) == runs[0]
+    with pytest.raises(OverheadFitError):
+        ProbeFigures.median([])
+
+
+def test_jitter_median_takes_each_percentile_median_over_runs():
+    runs = [Jitter(0.001, 0.003, 0.010), Jitter(0.002, 0.004, 0.050), Jitter(0.0015, 0.009, 0.02)]
+    assert Jitter.median(runs) == Jitter(0.0015, 0.004, 0.02)
+    assert Jitter.median([]) == Jitter()
+
+
+def _constant_gaps(index: int, gap: float, n: int = 40) -> RequestRecord:
+    times = tuple(0.02 + gap * i for i in range(n))
+    return RequestRecord(index, 0.0, 0.0, times[-1], 64, n, n, times)
+
+
+def _probe_records(mode: str, cost: CostModel) -> ProbeRecords:
+    """A probe of ``mode`` as the simulator serves it on ``cost``: records and phase timings."""
+    from kvmesh.loadgen.sim.engine_scale import simulate_probe_timings
+    from kvmesh.loadgen.sim.probe import long_requests, probe_requests
+
+    isolated, batch = probe_requests()
+    topology = _topology(mode, cost)
+    timings = simulate_probe_timings(mode, cost, _topology)
+    return ProbeRecords(
+        mode,
+        simulate(topology, cost, isolated).records,
+        simulate(topology, cost, batch).records,
+        simulate(topology, cost, long_requests()).records,
+        timings.short,
+        timings.long,
+    )
+
+
+def test_pooled_jitter_is_each_runs_own_so_a_slower_run_is_no_jitter():
+    from kvmesh.loadgen.sim.calibrate import pool_probe_runs
+
+    def run(gap: float) -> dict[str, ProbeRecords]:
+        isolated = tuple(_constant_gaps(i, gap) for i in range(4))
+        return {"colocated": ProbeRecords("colocated", isolated, isolated)}
+
+    # every gap of run 1 is 3 ms and of run 2 is 4 ms: neither run jitters; pooling the gaps
+    # would give a p90 excess of 1 ms
+    pooled = pool_probe_runs([run(0.003), run(0.004)])
+    assert pooled.jitter == Jitter()
+    assert (
+        Jitter.of([*run(0.003)["colocated"].isolated, *run(0.004)["colocated"].isolated]).p90_s > 0
+    )
+    assert pooled.figures["colocated"].gap_1_s == pytest.approx(0.0035)
+
+
+def test_pool_probe_runs_of_one_run_is_that_runs_figures():
+    from kvmesh.loadgen.sim.calibrate import pool_probe_runs
+
+    cost = _cpu(request_overhead_s=0.01, jitter_p90_s=0.001, jitter_p99_s=0.002, jitter_max_s=0.004)
+    run = {m: _probe_records(m, cost) for m in ("colocated", "disagg")}
+    pooled = pool_probe_runs([run])
+    for m in ("colocated", "disagg"):
+        assert pooled.figures[m] == ProbeFigures.of(run[m].isolated, run[m].batch)
+        assert pooled.timings[m].short == run[m].short_timings
+        assert pooled.long[m] == run[m].long
+    assert pooled.jitter == Jitter.of([*run["colocated"].isolated, *run["disagg"].isolated])
+
+
+def test_fit_to_the_runs_medians_ignores_one_disturbed_run():
+    from kvmesh.loadgen.sim.calibrate import fit_probe, pool_probe_runs
+
+    quiet = _cpu(request_overhead_s=0.02, handoff_overhead_s=0.01, loop_overhead_s=0.001)
+    busy = _cpu(request_overhead_s=0.2, handoff_overhead_s=0.05, loop_overhead_s=0.004)
+    a = {m: _probe_records(m, quiet) for m in ("colocated", "disagg")}
+    b = {m: _probe_records(m, busy) for m in ("colocated", "disagg")}
+    pooled = pool_probe_runs([a, b, a])
+    assert pooled.figures == pool_probe_runs([a]).figures
+    # the long prompts' check is over every run's records
+    assert len(pooled.long["colocated"]) == 3 * len(a["colocated"].long)
+    engine = _cpu().device
+    fit, scaled = fit_probe(engine, TINY, pooled)
+    alone, alone_scaled = fit_probe(engine, TINY, pool_probe_runs([a]))
+    # the same figures (the median phase means' counts are three runs', hence approx)
+    for name in ("loop_s", "token_s", "colocated_loop_s", "colocated_token_s", "request_s"):
+        assert getattr(fit.overheads, name) == pytest.approx(getattr(alone.overheads, name)), name
+    assert fit.overheads.handoff_s == pytest.approx(alone.overheads.handoff_s)
+    assert fit.overheads.jitter == alone.overheads.jitter
+    assert scaled is not None and alone_scaled is not None
+    for role in ("colocated", "colocated_chunk", "decode", "prefill"):
+        assert getattr(scaled.scale, role) == pytest.approx(getattr(alone_scaled.scale, role))
+    assert fit.overheads.request_s == pytest.approx(0.02, rel=0.1)
+    # a mean of the three would not: the busy run alone fits a request ten times as long
+    busy_fit, _ = fit_probe(engine, TINY, pool_probe_runs([b]), checks=False)
+    assert busy_fit.overheads.request_s > 0.1
+    assert busy_fit.checks == ()

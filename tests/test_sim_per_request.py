@@ -1,4 +1,5 @@
-"""kvmesh sim --validate --per-request: real and simulated requests side by side, and the
+"""kvmesh sim --validate: real runs pooled against the simulation (--repeats), and
+--per-request: real and simulated requests side by side, and the
 engines' means from the mesh's /metrics and from the simulation."""
 
 from __future__ import annotations
@@ -127,3 +128,105 @@ def test_long_prompt_check_compares_median_ttft_with_the_simulated_one():
     assert check.measured_s == pytest.approx(0.05)
     assert check.simulated_s == pytest.approx(0.005 + 2 * 0.01)
     assert check.relative == pytest.approx(-0.5)
+
+
+def _ttfts_run(ttfts: tuple[float, ...], gap: float = 0.01) -> list[RequestRecord]:
+    return [_record(i, 0.0, (t, t + gap, t + 2 * gap)) for i, t in enumerate(ttfts)]
+
+
+def test_pooled_summary_takes_percentiles_over_every_runs_records():
+    from kvmesh.loadgen.sim.validate import pooled_summary
+
+    one = _ttfts_run((0.010, 0.020, 0.030))
+    two = _ttfts_run((0.100, 0.110, 0.120, 0.130, 0.140))
+    s = pooled_summary([(one, 1.0), (two, 3.0)])
+    assert s.num_completed == 8 and s.duration_s == 4.0
+    # the median of all eight TTFTs, not the mean of the runs' medians (70 ms)
+    assert s.ttft.p50_ms == pytest.approx(105.0)
+    assert s.itl.count == 16
+    with pytest.raises(ValueError):
+        pooled_summary([])
+
+
+def test_within_counts_ratios_inside_the_tolerance():
+    from kvmesh.loadgen.sim.validate import within
+
+    values = {"a": 0.75, "b": 1.25, "c": 0.74, "d": 1.26, "e": None, "f": 1.0}
+    assert within(values) == 3
+    assert within(values, tolerance=0.5) == 5
+
+
+def _comparison(runs: list[list[RequestRecord]], timings: list[EngineTimings | None]):
+    from kvmesh.loadgen.sim.validate import RealRun, comparison
+
+    cost = CostModel(
+        load_model("kvmesh-tiny"), DeviceSpec("fixed", 1e30, 1e30, 1e30, 1e30, step_overhead_s=0.01)
+    )
+    sim = simulate(
+        Topology("colocated", 1, kv_capacity_tokens=10_000),
+        cost,
+        [SimRequest(0.0, 100, 3), SimRequest(5.0, 100, 3), SimRequest(10.0, 100, 3)],
+    )
+    real = [RealRun(r, 12.0, t) for r, t in zip(runs, timings, strict=True)]
+    return comparison("colocated", real, sim), sim
+
+
+def test_comparison_pools_the_real_runs_and_keeps_each_runs_ratios():
+    fast = _ttfts_run((0.010, 0.010, 0.010))
+    slow = _ttfts_run((0.020, 0.020, 0.040))
+    t1 = EngineTimings(10, 0.010, 0, None, 0, None)
+    t2 = EngineTimings(30, 0.020, 0, None, 0, None)
+    c, sim = _comparison([fast, slow], [t1, t2])
+    # the simulation steps are 10 ms: TTFT 10 ms, gaps 10 ms
+    assert c.sim_once.ttft.p50_ms == pytest.approx(10.0)
+    # counted once per real run, so both sides' percentiles are over six requests
+    assert c.sim.num_completed == 6 and c.real.num_completed == 6
+    assert c.sim.ttft.p50_ms == pytest.approx(10.0)
+    assert c.real.ttft.p50_ms == pytest.approx(15.0)
+    assert c.ratios()["TTFT p50"] == pytest.approx(10 / 15)
+    per_run = c.run_ratios()
+    assert [r["TTFT p50"] for r in per_run] == pytest.approx([1.0, 0.5])
+    assert [r["ITL p50"] for r in per_run] == pytest.approx([1.0, 1.0])
+    assert c.real_records == (*fast, *slow)
+    assert c.sim_records == sim.records
+    assert c.real_timings.home_steps == 40
+    assert c.real_timings.home_step_s == pytest.approx((10 * 0.010 + 30 * 0.020) / 40)
+    # a run whose /metrics were unread leaves the pooled timings unknown
+    c2, _ = _comparison([fast, slow], [t1, None])
+    assert c2.real_timings is None
+
+
+def test_comparison_of_one_run_is_the_plain_comparison():
+    from kvmesh.loadgen.serve_metrics import summarize
+    from kvmesh.loadgen.sim.validate import ratios
+
+    run = _ttfts_run((0.010, 0.030, 0.020))
+    c, sim = _comparison([run], [None])
+    assert c.real == summarize(run, 12.0)
+    assert c.sim == sim.summary == c.sim_once
+    assert c.ratios() == ratios(summarize(run, 12.0), sim.summary) == c.run_ratios()[0]
+
+
+def test_validation_tables_show_each_run_the_range_and_the_pooled_count():
+    import json
+
+    from kvmesh.loadgen.sim.validate import format_comparisons, format_runs, records_json
+
+    c, _ = _comparison([_ttfts_run((0.010,) * 3), _ttfts_run((0.020, 0.020, 0.040))], [None, None])
+    runs = format_runs([c])
+    assert "| colocated | 1 | 1.00x |" in runs
+    assert "| colocated | 2 | 0.50x |" in runs
+    assert "| colocated | range | 0.50-1.00x |" in runs
+    table = format_comparisons([c])
+    assert "| colocated | sim/real | 0.67x |" in table
+    assert "within 25 % (the real side pooled over 2 runs): colocated" in table
+    by_mode = json.loads(records_json([c]))["colocated"]
+    assert [r["run"] for r in by_mode["real"]] == [0, 0, 0, 1, 1, 1]
+    assert len(by_mode["sim"]) == 3
+
+
+def test_compare_refuses_no_repeats():
+    from kvmesh.loadgen.sim.validate import compare
+
+    with pytest.raises(ValueError, match="at least 1"):
+        compare(None, None, [], ("colocated",), repeats=0)  # type: ignore[arg-type]

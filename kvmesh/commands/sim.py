@@ -92,6 +92,22 @@ def register(subparsers: Any) -> None:
         help="--calibrate: the engine and link only; leave the mesh's overheads at 0",
     )
     out.add_argument(
+        "--probe-runs",
+        type=int,
+        default=3,
+        help="--calibrate: serve the mesh probe this many times per mode (fresh meshes, the "
+        "modes in turn) and fit the engine scales and overheads to each figure's median over "
+        "the runs; each run's figures are printed",
+    )
+    out.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="--validate: serve the workload through this many fresh meshes per mode and "
+        "compare the simulation with their records pooled (percentiles over repeats x "
+        "requests); each run's own ratios are printed too",
+    )
+    out.add_argument(
         "--prefill-nice",
         type=int,
         default=0,
@@ -256,6 +272,8 @@ def _calibrate(args: argparse.Namespace, model: Any) -> int:
     from kvmesh.loadgen.sim.overheads import OverheadFitError
     from kvmesh.loadgen.sim.specs import write_device
 
+    if args.probe_runs < 1:
+        return _fail(f"--probe-runs must be at least 1, got {args.probe_runs}")
     try:
         result = calibrate(
             args.real_model,
@@ -263,6 +281,7 @@ def _calibrate(args: argparse.Namespace, model: Any) -> int:
             threads=args.threads,
             mesh=args.mesh_probe,
             transport="shm" if args.transport == "auto" else args.transport,
+            probe_runs=args.probe_runs,
         )
     except FitError as exc:
         return _fail(f"calibration refused: {exc}")
@@ -291,6 +310,8 @@ def _calibrate(args: argparse.Namespace, model: Any) -> int:
         f"{s.cache_bytes / 2**20:.0f} MiB LLC ({model.name}'s weights {cache} it); "
         f"link {s.link_bandwidth / 1e9:.1f} GB/s"
     )
+    if result.probe_runs:
+        _print_probe_runs(result.probe_runs)
     if result.engine_scale is not None:
         _print_engine_scale(result.engine_scale)
     elif result.mesh is not None:
@@ -299,6 +320,61 @@ def _calibrate(args: argparse.Namespace, model: Any) -> int:
         _print_mesh_fit(result.mesh)
     print(f"wrote {write_device(s, args.out or DEFAULT_CPU_SPEC)}")
     return 0
+
+
+def _print_probe_runs(runs: Any) -> None:
+    """Each probe run's figures and the scale and overheads fitted to it alone: the spread that
+    the fit to the medians (below) smooths."""
+    from kvmesh.loadgen.sim.engine_scale import ROLES, role_means
+
+    n = len(runs)
+    print(f"\nmesh probe, {n} runs (the fit below is to each figure's median over them):")
+    print(
+        "| run | mode | TTFT ms | gap batch 1 ms | gap batch 8 ms | long-prompt TTFT ms | "
+        "engine mean ms (count) |\n|---|---|---|---|---|---|---|"
+    )
+    for k, r in enumerate(runs, 1):
+        for mode, f in r.figures.items():
+            means = role_means(mode, r.timings[mode]) if mode in r.timings else {}
+            engine = ", ".join(f"{role} {m * 1e3:.2f} ({c})" for role, (m, c) in means.items())
+            long = r.long_ttft_s.get(mode)
+            print(
+                f"| {k} | {mode} | {f.ttft_s * 1e3:.1f} | {f.gap_1_s * 1e3:.2f} | "
+                f"{f.gap_batch_s * 1e3:.2f} | {'-' if long is None else f'{long * 1e3:.0f}'} | "
+                f"{engine or '-'} |"
+            )
+    header = [
+        "run",
+        *(f"{role} scale" for role in ROLES),
+        "colocated loop + token ms",
+        "decode loop + token ms",
+        "request ms",
+        "hand-off ms",
+        "jitter p90 / p99 ms",
+    ]
+    print("\neach run fitted alone (not used; the spec gets the fit to the medians):")
+    print("| " + " | ".join(header) + " |\n" + "|---" * len(header) + "|")
+    for k, r in enumerate(runs, 1):
+        scales = (
+            ["-"] * len(ROLES)
+            if r.scale is None
+            else [f"x{getattr(r.scale, role):.2f}" for role in ROLES]
+        )
+        o = r.overheads
+        print(
+            f"| {k} | {' | '.join(scales)} | "
+            f"{o.colocated_loop_s * 1e3:.2f} + {o.colocated_token_s * 1e3:.3f} | "
+            f"{o.loop_s * 1e3:.2f} + {o.token_s * 1e3:.3f} | {o.request_s * 1e3:.1f} | "
+            f"{o.handoff_s * 1e3:.1f} | {r.jitter.p90_s * 1e3:.2f} / {r.jitter.p99_s * 1e3:.2f} |"
+        )
+    fitted = [r.scale for r in runs if r.scale is not None]
+    if len(fitted) > 1:
+        spread = ", ".join(
+            f"{role} x{min(getattr(s, role) for s in fitted):.2f}-"
+            f"x{max(getattr(s, role) for s in fitted):.2f}"
+            for role in ROLES
+        )
+        print(f"the scales fitted run by run: {spread}")
 
 
 def _print_engine_scale(scaled: Any) -> None:
@@ -358,6 +434,8 @@ def _validate(args: argparse.Namespace, cost: Any, requests: list[Any]) -> int:
 
     if args.trace is not None:
         return _fail("--validate runs a synthetic workload; leave out --trace")
+    if args.repeats < 1:
+        return _fail(f"--repeats must be at least 1, got {args.repeats}")
     config = ServeBenchConfig(
         model=args.real_model,
         num_prompts=args.num_requests,
@@ -387,15 +465,22 @@ def _validate(args: argparse.Namespace, cost: Any, requests: list[Any]) -> int:
         + f"; engine in the mesh x{d.colocated_engine_scale:.2f} colocated, "
         f"x{d.decode_engine_scale:.2f} decode, x{d.prefill_engine_scale:.2f} prefill"
     )
-    comparisons = validate.compare(config, cost, requests, ("colocated", "disagg"))
+    comparisons = validate.compare(
+        config, cost, requests, ("colocated", "disagg"), repeats=args.repeats
+    )
+    if args.repeats > 1:
+        print(validate.format_runs(comparisons))
+        print(f"\npooled: the real side is every run's records ({args.repeats} x {len(requests)})")
     print(validate.format_comparisons(comparisons))
     if args.per_request:
         from kvmesh.loadgen.sim.engine_timings import format_timings
         from kvmesh.loadgen.sim.per_request import format_pairs, pair
 
         for c in comparisons:
-            print()
-            print(format_pairs(c.mode, pair(c.real_records, c.sim_records)))
+            for k, run in enumerate(c.real_runs):
+                label = c.mode if len(c.real_runs) == 1 else f"{c.mode}, run {k + 1}"
+                print()
+                print(format_pairs(label, pair(run, c.sim_records)))
             print(format_timings(c.mode, c.real_timings, c.sim_timings))
     if args.records_out is not None:
         args.records_out.write_text(validate.records_json(comparisons))

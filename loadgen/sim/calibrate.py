@@ -16,12 +16,15 @@ through ``kvmesh bench xfer``'s ``bench_backend`` (torch is imported here, lazil
 - then what the mesh adds (``mesh=True``): a real local mesh of each mode serves the small probe
   workload (``probe.py``, not the validation workload), and ``overheads.fit_overheads`` finds the
   loop, per-token, per-request and hand-off overheads with which the simulator, on the engine
-  figures just fitted, reproduces it.
+  figures just fitted, reproduces it. With ``probe_runs`` N > 1 the probe is served N times per
+  mode (fresh meshes, the modes in turn) and the engine scale and overheads are fitted once, to
+  each figure's median over the runs (``pool_probe_runs``); each run's figures, and the scale
+  and overheads fitted to that run alone, are kept (``ProbeRun``) to show the spread.
 
 Efficiencies are 1: the figures are already what the engine achieves. Times are wall-clock (the
 simulator predicts wall-clock latency), so a busy machine calibrates slow: run it on a quiet one.
 The engine part is kept under a minute (48 s for kvmesh-tiny on the loaded 2-core development
-box); the mesh probe adds about 40 s (two meshes started, 17 requests each).
+box); the mesh probe adds about 15-40 s a run (two meshes started, 20 requests each).
 """
 
 from __future__ import annotations
@@ -33,14 +36,16 @@ import re
 import statistics
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvmesh.loadgen.sim.engine_scale import EngineScaleFit
+from kvmesh.loadgen.serve_metrics import RequestRecord
+from kvmesh.loadgen.sim.engine_scale import EngineScale, EngineScaleFit, PhaseTimings, median_phases
 from kvmesh.loadgen.sim.fit import DecodePoint, Fit, PrefillPoint, fit_costs
-from kvmesh.loadgen.sim.overheads import OverheadFit
+from kvmesh.loadgen.sim.overheads import Jitter, MeshOverheads, OverheadFit, ProbeFigures
+from kvmesh.loadgen.sim.probe import ProbeRecords
 from kvmesh.loadgen.sim.specs import DeviceSpec, ModelSpec
 
 _SIZE = re.compile(r"^\s*([\d.]+)\s*([KMG]?)(i?B)?\s*$", re.IGNORECASE)
@@ -58,6 +63,68 @@ class Calibration:
     mesh: OverheadFit | None = None  # None: the mesh was not probed (engine figures only)
     # the engine's slowdown in the mesh's workers; None: not probed, or /metrics unread
     engine_scale: EngineScaleFit | None = None
+    probe_runs: tuple[ProbeRun, ...] = ()  # each probe run apart (several runs only)
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeRun:
+    """One run of the mesh probe (one mesh of each mode): its figures, and the engine scale and
+    overheads fitted to it alone (printed to show the spread between runs; the spec gets the
+    fit to the runs' medians)."""
+
+    figures: dict[str, ProbeFigures]  # by mode
+    jitter: Jitter
+    long_ttft_s: dict[str, float]  # by mode: the median TTFT of its long prompts
+    timings: dict[str, PhaseTimings]  # by mode; a mode whose /metrics were unread is absent
+    scale: EngineScale | None = None
+    overheads: MeshOverheads | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PooledProbe:
+    """Several probe runs as the fit takes them: each figure, jitter percentile and engine mean
+    the median over the runs; the long prompts' records of every run (the check's median TTFT
+    is over all of them)."""
+
+    figures: dict[str, ProbeFigures]
+    jitter: Jitter
+    long: dict[str, tuple[RequestRecord, ...]]
+    timings: dict[str, PhaseTimings]
+
+
+def probe_run(records: Mapping[str, ProbeRecords]) -> ProbeRun:
+    """One probe run's figures (``records``: that run's probe of each mode)."""
+    figures = {mode: ProbeFigures.of(r.isolated, r.batch) for mode, r in records.items()}
+    jitter = Jitter.of([x for r in records.values() for x in r.isolated])
+    long = {
+        mode: statistics.median(x.ttft_s for x in r.long if x.ttft_s is not None)
+        for mode, r in records.items()
+        if any(x.ttft_s is not None for x in r.long)
+    }
+    timings = {
+        mode: PhaseTimings(r.short_timings, r.long_timings)
+        for mode, r in records.items()
+        if r.short_timings is not None and r.long_timings is not None
+    }
+    return ProbeRun(figures, jitter, long, timings)
+
+
+def pool_probe_runs(runs: Sequence[Mapping[str, ProbeRecords]]) -> PooledProbe:
+    """The runs' figures as one (one run: its own figures, as before)."""
+    if not runs:
+        raise ValueError("no probe runs")
+    each = [probe_run(r) for r in runs]
+    modes = [m for m in ("colocated", "disagg") if any(m in r for r in runs)]
+    return PooledProbe(
+        {m: ProbeFigures.median([r.figures[m] for r in each if m in r.figures]) for m in modes},
+        Jitter.median([r.jitter for r in each]),
+        {m: tuple(x for r in runs if m in r for x in r[m].long) for m in modes},
+        {
+            m: median_phases([r.timings[m] for r in each if m in r.timings])
+            for m in modes
+            if any(m in r.timings for r in each)
+        },
+    )
 
 
 def _host_memory() -> float:
@@ -151,6 +218,7 @@ def calibrate(
     chunk_tokens: int = 512,
     mesh: bool = True,
     transport: str = "shm",
+    probe_runs: int = 1,
 ) -> Calibration:
     """Measure, fit and return the spec; raises ``fit.FitError`` on an implausible fit and
     ``overheads.OverheadFitError`` on a probe that failed."""
@@ -212,7 +280,9 @@ def calibrate(
             + f"; shm link {link_gbps:.1f} GB/s"
         ),
     )
-    overheads, scaled = probe_mesh(model_name, spec, model, transport) if mesh else (None, None)
+    overheads, scaled, runs = (
+        probe_mesh(model_name, spec, model, transport, probe_runs) if mesh else (None, None, ())
+    )
     if scaled is not None:
         spec = dataclasses.replace(
             scaled.scale.apply(spec), description=spec.description + "; " + scaled.describe()
@@ -221,8 +291,9 @@ def calibrate(
         o = overheads.overheads
         spec = dataclasses.replace(
             overheads.overheads.apply(spec),
-            description=spec.description
-            + f"; mesh probe: colocated loop {o.colocated_loop_s * 1e3:.2f} ms + "
+            description=spec.description + f"; mesh probe ({'median of ' if len(runs) > 1 else ''}"
+            f"{max(len(runs), 1)} run{'s' if len(runs) > 1 else ''}): "
+            f"colocated loop {o.colocated_loop_s * 1e3:.2f} ms + "
             f"{o.colocated_token_s * 1e3:.2f} ms per token, decode loop {o.loop_s * 1e3:.2f} ms "
             f"+ {o.token_s * 1e3:.2f} ms per token, "
             f"request {o.request_s * 1e3:.1f} ms, hand-off {o.handoff_s * 1e3:.1f} ms, "
@@ -231,49 +302,72 @@ def calibrate(
         )
     elapsed = time.perf_counter() - started
     return Calibration(
-        spec, fit, tuple(decode), tuple(prefill), link_gbps, elapsed, overheads, scaled
+        spec, fit, tuple(decode), tuple(prefill), link_gbps, elapsed, overheads, scaled, runs
     )
 
 
 def probe_mesh(
-    model_name: str, engine: DeviceSpec, model: ModelSpec, transport: str = "shm"
-) -> tuple[OverheadFit, EngineScaleFit | None]:
-    """Serve the probe on a real colocated and disagg mesh; fit the engine's slowdown in the
-    mesh to its workers' /metrics (None where they could not be read), then the overheads to
-    its requests with the scaled engine."""
-    from kvmesh.loadgen.sim.cost import CostModel
-    from kvmesh.loadgen.sim.engine_scale import (
-        PhaseTimings,
-        fit_engine_scale,
-        simulate_probe_timings,
-    )
-    from kvmesh.loadgen.sim.overheads import Jitter, ProbeFigures, check_long, fit_overheads
+    model_name: str, engine: DeviceSpec, model: ModelSpec, transport: str = "shm", runs: int = 1
+) -> tuple[OverheadFit, EngineScaleFit | None, tuple[ProbeRun, ...]]:
+    """Serve the probe ``runs`` times on a real colocated and disagg mesh (the modes in turn);
+    fit the engine's slowdown in the mesh to its workers' /metrics (None where they could not
+    be read), then the overheads to its requests with the scaled engine, to the runs' medians.
+    With several runs, each run's figures and its own fits come back too (else ``()``)."""
     from kvmesh.loadgen.sim.probe import run_probe
+
+    if runs < 1:
+        raise ValueError(f"--probe-runs must be at least 1, got {runs}")
+    served = [
+        {mode: run_probe(mode, model_name, transport) for mode in ("colocated", "disagg")}
+        for _ in range(runs)
+    ]
+    pooled = pool_probe_runs(served)
+    overheads, scaled = fit_probe(engine, model, pooled)
+    each: tuple[ProbeRun, ...] = ()
+    if runs > 1:
+        each = tuple(_fitted_run(engine, model, r) for r in served)
+    return overheads, scaled, each
+
+
+def _fitted_run(engine: DeviceSpec, model: ModelSpec, run: Mapping[str, ProbeRecords]) -> ProbeRun:
+    """One run's figures, with the scale and overheads fitted to that run alone."""
+    one = probe_run(run)
+    overheads, scaled = fit_probe(engine, model, pool_probe_runs([run]), checks=False)
+    return dataclasses.replace(
+        one,
+        scale=None if scaled is None else scaled.scale,
+        overheads=overheads.overheads,
+    )
+
+
+def fit_probe(
+    engine: DeviceSpec, model: ModelSpec, probe: PooledProbe, checks: bool = True
+) -> tuple[OverheadFit, EngineScaleFit | None]:
+    """The engine scale (where the probe has /metrics), then the overheads with it, fitted to
+    ``probe``'s figures; with ``checks``, the long prompts' TTFT checked on the result."""
+    from kvmesh.loadgen.sim.cost import CostModel
+    from kvmesh.loadgen.sim.engine_scale import fit_engine_scale, simulate_probe_timings
+    from kvmesh.loadgen.sim.overheads import check_long, fit_overheads
     from kvmesh.loadgen.sim.validate import mesh_topology
 
-    measured, isolated, long, timings = {}, [], {}, {}
-    for mode in ("colocated", "disagg"):
-        records = run_probe(mode, model_name, transport)
-        measured[mode] = ProbeFigures.of(records.isolated, records.batch)
-        isolated += records.isolated
-        long[mode] = records.long
-        if records.short_timings is not None and records.long_timings is not None:
-            timings[mode] = PhaseTimings(records.short_timings, records.long_timings)
-    scaled, jitter = None, Jitter.of(isolated)
-    if timings:
+    scaled = None
+    if probe.timings:
         scaled = fit_engine_scale(
             CostModel(model, engine),
-            timings,
+            probe.timings,
             lambda m, c: simulate_probe_timings(m, c, lambda m2, c2: mesh_topology(m2, c2)),
-            jitter_mean_s=jitter.mean_s,
+            jitter_mean_s=probe.jitter.mean_s,
         )
         engine = scaled.scale.apply(engine)
     fit = fit_overheads(
         CostModel(model, engine),
-        measured,
+        probe.figures,
         lambda m, c: mesh_topology(m, c),
-        jitter,
+        probe.jitter,
     )
+    if not checks:
+        return fit, scaled
     fitted = CostModel(model, fit.overheads.apply(engine))
-    checks = check_long(fitted, long, lambda m, c: mesh_topology(m, c))
-    return dataclasses.replace(fit, checks=checks), scaled
+    return dataclasses.replace(
+        fit, checks=check_long(fitted, probe.long, lambda m, c: mesh_topology(m, c))
+    ), scaled

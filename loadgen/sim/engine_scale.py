@@ -22,12 +22,17 @@ are multiplied by its scale. The simulated means move with the scale not quite i
 (workers share cores), so the scale is iterated: first ``scale <- scale * real / simulated``,
 then secant steps, for ``ROUNDS`` rounds (the phases mix the roles: a colocated long-prompt
 phase is 6 chunk steps and 21 decode steps). A role the probe did not measure keeps 1.
+
+With several probe runs (``kvmesh sim --calibrate --probe-runs N``) the fit is made once, to
+each phase mean's median over the runs (``median_phases``): one run disturbed by something else
+on the machine moves the median less than it moves a pooled mean.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+import statistics
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvmesh.loadgen.sim.cluster import simulate
@@ -97,6 +102,30 @@ class EngineScaleFit:
         )
 
 
+def median_timings(parts: Sequence[EngineTimings]) -> EngineTimings:
+    """Several probe runs' engine means over one phase as one: each mean the median over the runs
+    that measured it (a run with a count of 0 has none), the counts added."""
+
+    def median(count: str, value: str) -> tuple[int, float | None]:
+        got = [p for p in parts if getattr(p, count) > 0 and getattr(p, value) is not None]
+        n = sum(getattr(p, count) for p in got)
+        return n, (statistics.median(getattr(p, value) for p in got) if got else None)
+
+    steps, step = median("home_steps", "home_step_s")
+    chunks, chunk = median("prefill_chunks", "prefill_chunk_s")
+    jobs, queue = median("prefill_jobs", "prefill_queue_s")
+    return EngineTimings(steps, step, chunks, chunk, jobs, queue)
+
+
+def median_phases(runs: Sequence[PhaseTimings]) -> PhaseTimings:
+    """Several probe runs' phase timings of one mode as one (``median_timings`` per phase)."""
+    if not runs:
+        raise ValueError("no probe runs")
+    return PhaseTimings(
+        median_timings([r.short for r in runs]), median_timings([r.long for r in runs])
+    )
+
+
 def simulate_probe_timings(
     mode: str, cost: CostModel, topology_for: Callable[[str, CostModel], Topology]
 ) -> PhaseTimings:
@@ -113,7 +142,7 @@ def simulate_probe_timings(
     return PhaseTimings(pooled([run(isolated), run(batch)]), run(long_requests()))
 
 
-def _role_means(mode: str, t: PhaseTimings) -> dict[str, tuple[float, int]]:
+def role_means(mode: str, t: PhaseTimings) -> dict[str, tuple[float, int]]:
     """The roles' engine means (seconds, count) a mode's phase timings hold."""
     out = {}
 
@@ -144,19 +173,19 @@ def fit_engine_scale(
     time holds its jitter, which the simulator adds to a loop step apart: ``jitter_mean_s`` is
     taken off the colocated and decode means before they are matched."""
     real = {
-        role: value for mode, t in measured.items() for role, value in _role_means(mode, t).items()
+        role: value for mode, t in measured.items() for role, value in role_means(mode, t).items()
     }
     real = {
         role: (max(mean - jitter_mean_s, mean / 4) if role != "prefill" else mean, count)
         for role, (mean, count) in real.items()
     }
-    modes = [m for m in measured if _role_means(m, measured[m])]
+    modes = [m for m in measured if role_means(m, measured[m])]
 
     def simulated(scale: EngineScale) -> dict[str, float]:
         trial = CostModel(cost.model, scale.apply(cost.device), cost.tp)
         out = {}
         for mode in modes:
-            for role, (mean, _) in _role_means(mode, simulate_timings(mode, trial)).items():
+            for role, (mean, _) in role_means(mode, simulate_timings(mode, trial)).items():
                 out[role] = mean
         return out
 

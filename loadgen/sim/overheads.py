@@ -34,6 +34,10 @@ modes, the second half of each stream): how far their 90th and 99th percentiles 
 largest exceed their median. The simulator draws every loop step's jitter from that
 distribution (a seeded draw), which gives its gaps the tail a real mesh's have; the loop and
 token terms are then fitted with the jitter in, so the mean gap still matches.
+
+With several probe runs (``--probe-runs N``) each figure is the median of the runs' own
+(``ProbeFigures.median``), and so is each of the jitter's (``Jitter.median``, each run's
+measured from that run's gaps alone: a run slower throughout than the others is not a jitter).
 """
 
 from __future__ import annotations
@@ -96,6 +100,17 @@ class ProbeFigures:
             steady_gap_s(batch),
         )
 
+    @classmethod
+    def median(cls, runs: Sequence[ProbeFigures]) -> ProbeFigures:
+        """Several probe runs' figures of one mode as one: each figure the median over the runs."""
+        if not runs:
+            raise OverheadFitError("no probe runs")
+        return cls(
+            statistics.median(f.ttft_s for f in runs),
+            statistics.median(f.gap_1_s for f in runs),
+            statistics.median(f.gap_batch_s for f in runs),
+        )
+
     def items(self) -> tuple[tuple[str, float], ...]:
         return (
             ("TTFT", self.ttft_s),
@@ -121,6 +136,18 @@ class Jitter:
             0.4 * self.p90_s / 2
             + 0.09 * (self.p90_s + self.p99_s) / 2
             + 0.01 * (self.p99_s + self.max_s) / 2
+        )
+
+    @classmethod
+    def median(cls, runs: Sequence[Jitter]) -> Jitter:
+        """Several probe runs' jitters as one: each percentile's excess the median over the
+        runs; an empty list is no jitter."""
+        if not runs:
+            return cls()
+        return cls(
+            statistics.median(j.p90_s for j in runs),
+            statistics.median(j.p99_s for j in runs),
+            statistics.median(j.max_s for j in runs),
         )
 
     @classmethod

@@ -10,6 +10,14 @@ one worker of each role on one shared device (the calibrated CPU spec), the mesh
 and niceness ``kvmesh up`` gives each role (``up.split_cores``): on 2 cores colocated runs 2
 threads; disagg runs decode on 1 thread and prefill on 2 at equal priority, or, with
 ``--prefill-nice N``, decode on 2 threads and prefill on 2 at nice N.
+
+With ``repeats`` > 1 the same workload is served by ``repeats`` fresh meshes of each mode (the
+modes taking turns, so that a slow drift of the machine reaches both) and the simulation is
+compared with all their records pooled: the percentiles over ``repeats`` x requests, so that a
+real p99 is not one request of one run. Each run's own sim/real ratios are kept too
+(``Comparison.run_ratios``), to show how far the real side moves from run to run. The simulator
+is deterministic (its jitter is a seeded draw), so its records are counted ``repeats`` times
+(``pooled_summary``): the two sides' percentiles are then taken over as many requests.
 """
 
 from __future__ import annotations
@@ -17,41 +25,78 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvmesh.loadgen.bench_serve_config import ServeBenchConfig
 from kvmesh.loadgen.serve_metrics import RequestRecord, Summary, summarize
-from kvmesh.loadgen.sim.cluster import simulate
+from kvmesh.loadgen.sim.cluster import SimResult, simulate
 from kvmesh.loadgen.sim.cost import CostModel
-from kvmesh.loadgen.sim.engine_timings import EngineTimings, merge_scrapes
+from kvmesh.loadgen.sim.engine_timings import EngineTimings, merge_scrapes, pooled
 from kvmesh.loadgen.sim.topology import Topology
 from kvmesh.loadgen.sim.workload import SimRequest
 
 MESH_CHUNK_TOKENS = 512  # decode/colocated --max-num-batched-tokens and prefill --chunk-tokens
 MESH_MAX_NUM_SEQS = 64
 MESH_KV_CACHE_BYTES = 256 << 20
+TOLERANCE = 0.25  # issue #12: the simulator's p50 and p99 TTFT and ITL within 25 % of the mesh's
+
+
+def ratios(real: Summary, sim: Summary) -> dict[str, float | None]:
+    """sim / real of p50 and p99 TTFT and ITL (None where either side has none)."""
+    out: dict[str, float | None] = {}
+    for metric in ("ttft", "itl"):
+        r, s = getattr(real, metric), getattr(sim, metric)
+        for p in ("p50_ms", "p99_ms"):
+            key = f"{metric.upper()} {p[:3]}"
+            ok = r is not None and s is not None and getattr(r, p) > 0
+            out[key] = getattr(s, p) / getattr(r, p) if ok else None
+    return out
+
+
+def within(values: dict[str, float | None], tolerance: float = TOLERANCE) -> int:
+    """How many of the ratios are within ``tolerance`` of 1 (a missing one is not)."""
+    return sum(1 for v in values.values() if v is not None and abs(v - 1) <= tolerance + 1e-12)
+
+
+def pooled_summary(runs: Sequence[tuple[Sequence[RequestRecord], float]]) -> Summary:
+    """Several runs of one workload as one: every run's records (TTFT, ITL percentiles over all
+    of them), over the runs' summed duration."""
+    if not runs:
+        raise ValueError("no runs to pool")
+    records = [r for run, _ in runs for r in run]
+    return summarize(records, sum(duration for _, duration in runs))
 
 
 @dataclass(frozen=True, slots=True)
 class Comparison:
+    """One mode: the real runs pooled (``real``) against the simulation counted as many times
+    (``sim``); ``real_runs`` and ``run_summaries`` keep each real run apart, ``sim_once`` is
+    the simulation counted once (a run's own counterpart)."""
+
     mode: str
     real: Summary
     sim: Summary
-    real_records: tuple[RequestRecord, ...] = ()
+    real_runs: tuple[tuple[RequestRecord, ...], ...] = ()
     sim_records: tuple[RequestRecord, ...] = ()
-    real_timings: EngineTimings | None = None  # None: the mesh's /metrics could not be read
+    real_timings: EngineTimings | None = None  # pooled; None: a mesh's /metrics were unread
     sim_timings: EngineTimings | None = None
+    run_summaries: tuple[Summary, ...] = ()
+    sim_once: Summary | None = None
+
+    @property
+    def real_records(self) -> tuple[RequestRecord, ...]:
+        """Every real run's records, run after run."""
+        return tuple(r for run in self.real_runs for r in run)
 
     def ratios(self) -> dict[str, float | None]:
-        """sim / real of p50 and p99 TTFT and ITL."""
-        out: dict[str, float | None] = {}
-        for metric in ("ttft", "itl"):
-            real, sim = getattr(self.real, metric), getattr(self.sim, metric)
-            for p in ("p50_ms", "p99_ms"):
-                key = f"{metric.upper()} {p[:3]}"
-                ok = real is not None and sim is not None and getattr(real, p) > 0
-                out[key] = getattr(sim, p) / getattr(real, p) if ok else None
-        return out
+        """sim / real of p50 and p99 TTFT and ITL, the real runs pooled."""
+        return ratios(self.real, self.sim)
+
+    def run_ratios(self) -> list[dict[str, float | None]]:
+        """Each real run's own sim / real ratios (against the simulation counted once)."""
+        once = self.sim_once or self.sim
+        return [ratios(real, once) for real in self.run_summaries]
 
 
 def mesh_topology(mode: str, cost: CostModel, prefill_nice: int = 0) -> Topology:
@@ -131,30 +176,49 @@ def run_real(config: ServeBenchConfig, mode: str) -> RealRun:
 
 
 def compare(
-    config: ServeBenchConfig, cost: CostModel, requests: list[SimRequest], modes: tuple[str, ...]
+    config: ServeBenchConfig,
+    cost: CostModel,
+    requests: list[SimRequest],
+    modes: tuple[str, ...],
+    repeats: int = 1,
 ) -> list[Comparison]:
-    out = []
-    for mode in modes:
-        run = run_real(config, mode)
-        real = summarize(run.records, run.duration_s)
-        topology = mesh_topology(mode, cost, config.prefill_nice)
-        sim = simulate(topology, cost, requests)
-        out.append(
-            Comparison(
-                mode,
-                real,
-                sim.summary,
-                tuple(run.records),
-                sim.records,
-                run.timings,
-                sim.timings,
-            )
+    """Each mode simulated once and served by ``repeats`` fresh meshes (the modes in turn)."""
+    if repeats < 1:
+        raise ValueError(f"--repeats must be at least 1, got {repeats}")
+    runs: dict[str, list[RealRun]] = {mode: [] for mode in modes}
+    for _ in range(repeats):
+        for mode in modes:
+            runs[mode].append(run_real(config, mode))
+    return [
+        comparison(
+            mode,
+            runs[mode],
+            simulate(mesh_topology(mode, cost, config.prefill_nice), cost, requests),
         )
-    return out
+        for mode in modes
+    ]
+
+
+def comparison(mode: str, runs: Sequence[RealRun], sim: SimResult) -> Comparison:
+    """The real runs of a mode pooled against its simulation counted as many times."""
+    timings = [run.timings for run in runs]
+    sim_once = sim.summary
+    return Comparison(
+        mode,
+        pooled_summary([(run.records, run.duration_s) for run in runs]),
+        pooled_summary([(sim.records, sim_once.duration_s)] * len(runs)),
+        tuple(tuple(run.records) for run in runs),
+        sim.records,
+        None if any(t is None for t in timings) else pooled(timings),  # type: ignore[arg-type]
+        sim.timings,
+        tuple(summarize(run.records, run.duration_s) for run in runs),
+        sim_once,
+    )
 
 
 def records_json(comparisons: list[Comparison]) -> str:
-    """Every request's real and simulated record (token times included), by mode."""
+    """Every request's real and simulated record (token times included), by mode; each real
+    record says which run (0, 1, ...) it came from."""
     import json
 
     def record(r: RequestRecord) -> dict[str, object]:
@@ -172,7 +236,7 @@ def records_json(comparisons: list[Comparison]) -> str:
     return json.dumps(
         {
             c.mode: {
-                "real": [record(r) for r in c.real_records],
+                "real": [{**record(r), "run": k} for k, run in enumerate(c.real_runs) for r in run],
                 "sim": [record(r) for r in c.sim_records],
                 "real_timings": c.real_timings and dataclasses.asdict(c.real_timings),
                 "sim_timings": c.sim_timings and dataclasses.asdict(c.sim_timings),
@@ -183,7 +247,14 @@ def records_json(comparisons: list[Comparison]) -> str:
     )
 
 
+def _ratio_cells(values: dict[str, float | None]) -> list[str]:
+    return ["-" if r is None else f"{r:.2f}x" for r in values.values()]
+
+
 def format_comparisons(comparisons: list[Comparison]) -> str:
+    """The pooled table: real (every run's records) and simulated percentiles, sim / real, and
+    how many ratios are within ``TOLERANCE``."""
+
     def ms(stats, attr: str) -> str:
         return "-" if stats is None else f"{getattr(stats, attr):.0f}"
 
@@ -200,6 +271,37 @@ def format_comparisons(comparisons: list[Comparison]) -> str:
                 ms(s.itl, "p99_ms"),
             ]
             lines.append(f"| {c.mode} | {name} | {' | '.join(cells)} | {s.num_failed} |")
-        ratios = [("-" if r is None else f"{r:.2f}x") for r in c.ratios().values()]
-        lines.append(f"| {c.mode} | sim/real | {' | '.join(ratios)} | |")
+        lines.append(f"| {c.mode} | sim/real | {' | '.join(_ratio_cells(c.ratios()))} | |")
+    runs = max((len(c.run_summaries) for c in comparisons), default=1)
+    counts = [(c.mode, within(c.ratios()), len(c.ratios())) for c in comparisons]
+    pooled_note = f" (the real side pooled over {runs} runs)" if runs > 1 else ""
+    lines.append(
+        f"within {TOLERANCE * 100:.0f} %{pooled_note}: "
+        + ", ".join(f"{mode} {k}/{n}" for mode, k, n in counts)
+        + f": {sum(k for _, k, _ in counts)} of {sum(n for _, _, n in counts)} figures"
+    )
+    return "\n".join(lines)
+
+
+def format_runs(comparisons: list[Comparison]) -> str:
+    """Each real run's own sim / real ratios, and their range per figure: how far the real side
+    moves between runs of the same requests."""
+    lines = [
+        "each real run against the simulation (sim / real):",
+        f"| mode | run | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | within {TOLERANCE * 100:.0f} % | failed |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for c in comparisons:
+        per_run = c.run_ratios()
+        for k, (values, real) in enumerate(zip(per_run, c.run_summaries, strict=True)):
+            lines.append(
+                f"| {c.mode} | {k + 1} | {' | '.join(_ratio_cells(values))} | "
+                f"{within(values)}/{len(values)} | {real.num_failed} |"
+            )
+        if len(per_run) > 1:
+            cells = []
+            for key in per_run[0]:
+                got = [v[key] for v in per_run if v[key] is not None]
+                cells.append(f"{min(got):.2f}-{max(got):.2f}x" if got else "-")
+            lines.append(f"| {c.mode} | range | {' | '.join(cells)} | | |")
     return "\n".join(lines)
