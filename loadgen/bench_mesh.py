@@ -121,7 +121,7 @@ class MeshTap:
 
     async def __aenter__(self) -> MeshTap:
         from kvmesh.shared import protocol
-        from kvmesh.shared.nats_service import connect_nats
+        from kvmesh.shared.nats_service import connect_nats, flush_to_server
         from kvmesh.shared.subjects import Subjects
 
         self._stack = contextlib.AsyncExitStack()
@@ -148,7 +148,7 @@ class MeshTap:
         await nc.subscribe(s.request_tokens("*"), cb=on_tokens)
         await nc.subscribe(s.request_prefill_report("*"), cb=on_report)
         await nc.subscribe(s.decode_prefill_done("*"), cb=on_done)
-        await nc.flush()
+        await flush_to_server(nc)
         return self
 
     async def __aexit__(self, *exc: object) -> None:

@@ -321,6 +321,17 @@ async def worker_presence(
         yield svc
 
 
+async def flush_to_server(nc: Client) -> None:
+    """Return once the server has processed everything ``nc`` sent so far (subscriptions made,
+    messages published). nats-py's ``flush()`` writes its PING straight to the socket, ahead of
+    the commands still queued for its flusher task (a SUB or PUB just made), so its PONG alone
+    does not prove they arrived: the server may see the SUB after the PING. The first round
+    trip lets the flusher write the queue (it runs while this task waits for the PONG); the
+    second PING follows it on the socket, so its PONG comes after they were processed."""
+    await nc.flush()
+    await nc.flush()
+
+
 @contextlib.asynccontextmanager
 async def open_for_requests(
     nc: Client,
@@ -341,7 +352,7 @@ async def open_for_requests(
     async with serve_metrics(metrics, config.metrics_host, config.metrics_port) as bound_port:
         for name, subject, handler in endpoints:
             await svc.add_endpoint(name=name, subject=subject, handler=handler)
-        await nc.flush()
+        await flush_to_server(nc)
         logger.info(
             ready,
             worker_id=worker_id,

@@ -16,7 +16,7 @@ from typing import Any
 
 from kvmesh.shared import protocol
 from kvmesh.shared.descriptor import TcpBackend, TransportDescriptor
-from kvmesh.shared.nats_service import background, connect_nats, publish_every
+from kvmesh.shared.nats_service import background, connect_nats, flush_to_server, publish_every
 from kvmesh.shared.protocol import (
     DecodeAdvert,
     PrefillDone,
@@ -125,7 +125,7 @@ async def peer_decode(
             publish_every(nc, subjects.REGISTRY_ADVERTISE, peer.advert, interval_s),
             peer.lease_loop(),
         ):
-            await nc.flush()
+            await flush_to_server(nc)
             yield peer
         for sub in subs:
             await sub.unsubscribe()

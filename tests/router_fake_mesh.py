@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from kvmesh.shared import protocol
 from kvmesh.shared.descriptor import TcpBackend, TransportDescriptor
 from kvmesh.shared.model.tiny import tiny_config
-from kvmesh.shared.nats_service import connect_nats
+from kvmesh.shared.nats_service import connect_nats, flush_to_server
 from kvmesh.shared.protocol import (
     Abort,
     LeaseRenew,
@@ -82,7 +82,7 @@ class FakeMesh:
                 await nc.subscribe(self.subjects.ABORT, cb=self._on_abort),
                 await nc.subscribe(self.subjects.DECODE_LEASE_RENEW_ALL, cb=self._on_renew),
             ]
-            await nc.flush()
+            await flush_to_server(nc)
             beating = asyncio.create_task(self._heartbeat())
             try:
                 yield self

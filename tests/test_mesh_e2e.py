@@ -23,7 +23,7 @@ import orjson
 import pytest
 from kvmesh.loadgen.bench_mesh import MODEL, MeshTap, complete, local_mesh, random_prompts
 from kvmesh.shared import protocol
-from kvmesh.shared.nats_service import connect_nats
+from kvmesh.shared.nats_service import connect_nats, flush_to_server
 from kvmesh.shared.subjects import DEFAULT_MESH, Subjects
 from mesh_checks import check_blocks_returned, check_equals_offline, load, offline_greedy
 
@@ -198,7 +198,7 @@ async def test_disconnect_mid_prefill_stops_prefill_and_returns_blocks(disagg_me
 
         jobs_subject = Subjects(DEFAULT_MESH).PREFILL_JOBS
         await nc.subscribe(jobs_subject, cb=on_job)  # a copy, outside the queue group
-        await nc.flush()
+        await flush_to_server(nc)
         client = asyncio.create_task(complete(session, mesh.url, prompt, 4))
         await asyncio.wait_for(job_seen.wait(), 30)
         rid = jobs[0].request_id

@@ -32,7 +32,7 @@ from kvmesh.loadgen.bench_mesh import MeshTap, complete
 from kvmesh.loadgen.bench_spec import spec_counters, spec_mesh
 from kvmesh.shared import protocol
 from kvmesh.shared.engine.sampler import apply_top_k_top_p
-from kvmesh.shared.nats_service import connect_nats
+from kvmesh.shared.nats_service import connect_nats, flush_to_server
 from kvmesh.shared.subjects import DRAFT_QUEUE_GROUP, Subjects
 from test_speculative_acceptance import chi2_sf
 
@@ -107,7 +107,7 @@ class ScriptedDrafter:
 
             await nc.subscribe(subjects.DRAFT_CONTEXT, queue=DRAFT_QUEUE_GROUP, cb=on_context)
             await nc.subscribe(subjects.draft_context(DRAFTER_ID), cb=on_context)
-            await nc.flush()
+            await flush_to_server(nc)
             yield self
 
 

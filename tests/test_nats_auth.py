@@ -16,7 +16,7 @@ from kvmesh.shared.nats_auth import (
     role_permissions,
 )
 from kvmesh.shared.nats_server import NatsServer
-from kvmesh.shared.nats_service import NatsUnavailableError, connect_nats
+from kvmesh.shared.nats_service import NatsUnavailableError, connect_nats, flush_to_server
 from kvmesh.shared.prefill_queue import ensure_stream, publish_job
 from kvmesh.shared.subjects import Subjects
 
@@ -40,18 +40,20 @@ async def _delivered(
 ) -> bool:
     """Whether a message ``sender`` publishes on ``subject`` reaches ``receiver`` on ``listen``.
 
-    No fixed sleep decides it: once the sender's flush returns the server has routed the message,
-    and the receiver's flush returns only after everything queued for it before its PONG, so a
-    delivered message is already in the subscription's queue; a refused one never arrives."""
+    No fixed sleep decides it: once the sender's ``flush_to_server`` returns the server has
+    routed the message (the receiver's did the same for its SUB first), and the receiver's
+    returns only after everything queued for it before its PONG, so a delivered message is
+    already in the subscription's queue; a refused one never arrives. (A plain nats-py flush()
+    is not enough: its PING can overtake the SUB or PUB just queued, which made this flaky.)"""
     async with (
         connect_nats(server.url, "rx", auth=creds.auth(receiver)) as rx,
         connect_nats(server.url, "tx", auth=creds.auth(sender)) as tx,
     ):
         sub = await rx.subscribe(listen)
-        await rx.flush()
+        await flush_to_server(rx)
         await tx.publish(subject, b"x")
-        await tx.flush()
-        await rx.flush()
+        await flush_to_server(tx)
+        await flush_to_server(rx)
         try:
             await sub.next_msg(timeout=wait_s)  # already queued if delivered
         except TimeoutError:
@@ -69,7 +71,7 @@ async def _reserve(registry, decode, subject: str):
         except nats.errors.NoRespondersError:
             if attempt == 2:
                 raise
-            await decode.flush()
+            await flush_to_server(decode)
             await asyncio.sleep(0.2)
     raise AssertionError("unreachable")
 
@@ -184,7 +186,7 @@ async def test_nats_without_credentials_or_with_a_wrong_password_is_refused(serv
 async def test_role_may_send_only_its_own_messages(
     server, creds, sender, subject, listener, listen, allowed
 ):
-    # an allowed message gets longer (CI once missed one in 0.5 s on a loaded box)
+    # an allowed message gets longer: a miss is then never a slow box
     wait_s = 5.0 if allowed else 0.5
     assert await _delivered(server, creds, sender, listener, subject, listen, wait_s) is allowed
 
@@ -210,9 +212,9 @@ async def test_jobs_and_other_roles_replies_cannot_be_read(server, creds, reader
     ):
         for listen in ("_INBOX.>", "_INBOX_kv-registry.>", ">"):
             await snooper.subscribe(listen, cb=snoop)
-        await snooper.flush()
+        await flush_to_server(snooper)
         await decode.subscribe(subjects.decode_reserve("d1"), cb=on_reserve)
-        await decode.flush()
+        await flush_to_server(decode)
         reply = await _reserve(registry, decode, subjects.decode_reserve("d1"))
         await asyncio.sleep(0.2)
     assert reply.data == b"window-key" and snooped == []
@@ -229,7 +231,7 @@ async def test_request_reply_works_within_permissions(server, creds):
             await msg.respond(b"ok:" + msg.data)
 
         await decode.subscribe(subjects.decode_reserve("d0"), cb=on_reserve)
-        await decode.flush()
+        await flush_to_server(decode)
         reply = await _reserve(registry, decode, subjects.decode_reserve("d0"))
         assert reply.data == b"ok:r1"
 

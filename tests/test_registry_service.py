@@ -23,6 +23,7 @@ from kvmesh.shared import logs, protocol
 from kvmesh.shared.nats_service import (
     NatsUnavailableError,
     connect_nats,
+    flush_to_server,
     heartbeat_loop,
     request_json,
 )
@@ -224,7 +225,7 @@ async def test_admin_log_level_is_broadcast_and_applied(nats_server: str) -> Non
 
     async with registry_service(config(nats_server)), connect_nats(nats_server, "c") as nc:
         sub = await nc.subscribe(subjects.CONTROL_LOG_LEVEL, cb=on_level)
-        await nc.flush()
+        await flush_to_server(nc)
         reply = await request_json(nc, subjects.ADMIN_LOG_LEVEL, {"level": "DEBUG"}, 2.0)
         assert reply == {"ok": True, "level": "debug"}
         await wait_for(lambda: received == ["debug"])

@@ -13,6 +13,7 @@ import pytest
 from kvmesh.services.router import RouterConfig, schema, serve_router
 from kvmesh.shared import protocol
 from kvmesh.shared.model.tiny import tiny_tokenizer
+from kvmesh.shared.nats_service import flush_to_server
 from kvmesh.shared.subjects import DEFAULT_MESH, Subjects
 from router_fake_mesh import REPLY_TEXT, FakeMesh
 
@@ -415,7 +416,7 @@ async def _announce_gone(nats_url: str, worker_id: str, role: str = "decode") ->
     async with connect_nats(nats_url, "registry-stand-in") as nc:
         gone = protocol.WorkerGone(worker_id, role, last_seen_s=3.0)
         await nc.publish(Subjects(DEFAULT_MESH).REGISTRY_WORKER_GONE, protocol.encode_message(gone))
-        await nc.flush()
+        await flush_to_server(nc)
 
 
 async def test_decode_death_before_the_first_token_runs_the_request_again(nats_server):

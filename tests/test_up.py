@@ -14,6 +14,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from kvmesh.shared.nats_service import flush_to_server
 from kvmesh.shared.service_config import ConfigError
 from nats.aio.msg import Msg
 from proc_tree import cmdline, descendants, wait_all_dead
@@ -309,7 +310,7 @@ async def test_connection_survives_a_nats_server_restart_on_the_same_port() -> N
             while not nc.is_connected and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
             await nc.publish("kvmesh.test.echo", b"after restart")
-            await nc.flush()
+            await flush_to_server(nc)
             while not got and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
             assert got == [b"after restart"]  # the subscription was restored too

@@ -36,6 +36,7 @@ from kvmesh.shared import logs
 from kvmesh.shared.nats_service import (
     background,
     connect_nats,
+    flush_to_server,
     new_worker_id,
     on_message,
     open_for_requests,
@@ -136,7 +137,7 @@ class DraftService:
             for subject, cb in self.queue_routes:
                 sub = await self.nc.subscribe(subject, queue=DRAFT_QUEUE_GROUP, cb=cb)
                 self._queue_subs.append(sub)
-            await self.nc.flush()  # the server holds them before the answer says so
+            await flush_to_server(self.nc)  # the server holds them before the answer says so
 
     async def leave_queue(self) -> None:
         """Take no new work: the queue group's messages go to the other draft workers (none:
