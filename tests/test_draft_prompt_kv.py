@@ -248,11 +248,7 @@ async def _mesh_in_process(tiny, small_draft=None):
     draft model beside the target and the draft worker is a model drafter of it."""
     from kvmesh.services.draft.drafters import build_drafter
     from kvmesh.services.draft.metrics import DraftMetrics
-    from kvmesh.services.draft.prompt_kv_receiver import (
-        PromptKvReceiver,
-        own_kv_spec,
-        target_kv_spec,
-    )
+    from kvmesh.services.draft.prompt_kv_receiver import PromptKvReceiver, target_kv_spec
     from kvmesh.services.prefill.endpoints import EndpointCache
     from kvmesh.services.prefill.worker import PrefillWorker
     from kvmesh.shared.descriptor import TransportDescriptor
@@ -314,7 +310,7 @@ async def _mesh_in_process(tiny, small_draft=None):
             assert pool_kv_spec == kv_spec  # the draft's target is this very model
         else:
             drafter = _model_drafter(small_draft, draft_side.allocate)
-            pool_kv_spec = own_kv_spec(drafter.engine)
+            pool_kv_spec = drafter.engine.kv_spec
             assert pool_kv_spec == worker.draft_kv_spec != kv_spec  # the same draft model
         receiver = PromptKvReceiver(
             drafter.engine,

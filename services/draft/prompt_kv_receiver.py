@@ -49,12 +49,6 @@ def pool_bytes(model: Any, econf: Any) -> int:
     return econf.resolve_num_blocks(spec.block_bytes) * spec.block_bytes
 
 
-def own_kv_spec(engine: Any) -> str:
-    """The KV layout fingerprint of a draft engine itself (a model drafter's: what a prefill
-    running the same checkpoint offers, ``DraftKvReserve.draft_kv_spec``)."""
-    return kv_spec_fingerprint(engine.kv_pool.spec, engine.model.config)
-
-
 def target_kv_spec(engine: Any, target_num_layers: int) -> str:
     """The KV layout fingerprint of the early-exit draft's target: the draft's own pool and
     model config with the target's layer count (truncate_layers changed only that)."""

@@ -27,11 +27,7 @@ from kvmesh.services.draft.config import DraftConfig
 from kvmesh.services.draft.core import DraftCore
 from kvmesh.services.draft.drafters import Drafter, build_drafter
 from kvmesh.services.draft.metrics import DraftMetrics
-from kvmesh.services.draft.prompt_kv_receiver import (
-    PromptKvReceiver,
-    own_kv_spec,
-    target_kv_spec,
-)
+from kvmesh.services.draft.prompt_kv_receiver import PromptKvReceiver, target_kv_spec
 from kvmesh.shared import logs
 from kvmesh.shared.nats_service import (
     background,
@@ -247,7 +243,7 @@ async def draft_service(config: DraftConfig) -> AsyncIterator[DraftService]:
             region = transport.register(engine.kv_pool.raw, Access.REMOTE_WRITE)
             whole_blocks = config.method == "model"  # the prefill runs this very checkpoint
             if whole_blocks:
-                kv_spec = own_kv_spec(engine)
+                kv_spec = engine.kv_spec  # what a prefill running it offers (draft_kv_spec)
             else:  # early exit: the first layers of the target's blocks
                 from kvmesh.shared.model.loader import load_config_and_tokenizer
 

@@ -53,7 +53,6 @@ from kvmesh.shared.protocol import (
     WorkerHeartbeat,
     decode_message,
     encode_message,
-    kv_spec_fingerprint,
 )
 from kvmesh.shared.subjects import Subjects
 from kvmesh.shared.transport import TransportConfig, create_transport
@@ -275,7 +274,7 @@ async def prefill_service(config: PrefillConfig) -> AsyncIterator[PrefillService
         draft_region = None
         if draft_engine is not None:  # the draft KV's source, a second region
             draft_region = transport.register(draft_engine.kv_pool.raw)
-        kv_spec = kv_spec_fingerprint(engine.kv_pool.spec, model.config)
+        kv_spec = engine.kv_spec
         store = None
         if config.use_kv_store and config.enable_prefix_caching:
             client = KvStoreClient(

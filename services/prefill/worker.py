@@ -46,7 +46,6 @@ from kvmesh.shared.protocol import (
     PrefillJob,
     PrefillReport,
     PrefillStarted,
-    kv_spec_fingerprint,
 )
 from kvmesh.shared.transport import Endpoint, MemoryRegion, TransportError, WriteEntry
 
@@ -131,11 +130,7 @@ class PrefillWorker:
         self.draft_engine = draft_engine
         self.draft_region = draft_region
         # what a model draft worker checks a reservation against ("": no draft model here)
-        self.draft_kv_spec = (
-            kv_spec_fingerprint(draft_engine.kv_pool.spec, draft_engine.model.config)
-            if draft_engine is not None
-            else ""
-        )
+        self.draft_kv_spec = draft_engine.kv_spec if draft_engine is not None else ""
         self.store = store  # a kv-store's prefixes (read before, written after a job), if any
         self.metrics = metrics or PrefillMetrics()
         self.region = region  # the engine's KV pool, registered as the source of writes
@@ -307,10 +302,7 @@ class PrefillWorker:
                     if draft is not None and draft.done() and not _is_whole_blocks(draft):
                         job.draft = await self._draft_writes(msg, _reply(draft))
                         draft, new_blocks = None, tuple(blocks)
-                    if job.draft is not None and isinstance(job.draft.planner, DraftKvPlanner):
-                        draft_write = job.draft.planner.plan(new_blocks)
-                        if draft_write is not None and not job.draft.error:
-                            tg.create_task(self._write_draft(job.draft, draft_write))
+                    self._plan_draft_write(job, DraftKvPlanner, new_blocks, tg)
                     if chunk.is_last:
                         job.first_token = chunk.first_token
                         await self._drop_draft_if_waiting(job)
@@ -398,11 +390,7 @@ class PrefillWorker:
                     break
                 job.draft = await self._draft_writes(job.msg, _reply(pending))
                 pending, new_blocks = None, tuple(blocks)
-            draft = job.draft
-            if draft is not None and isinstance(draft.planner, DraftBlockPlanner):
-                write = draft.planner.plan(new_blocks)
-                if write is not None and not draft.error:
-                    tg.create_task(self._write_draft(draft, write))
+            self._plan_draft_write(job, DraftBlockPlanner, new_blocks, tg)
             if chunk.is_last:
                 return
         async with self._lock:  # stopped early: no draft write was issued
@@ -454,6 +442,23 @@ class PrefillWorker:
             log.info("draft kv not written", request_id=msg.request_id, error=str(exc))
             return _DraftWrites(reply, error=str(exc))
         return _DraftWrites(reply, planner, region, endpoint)
+
+    def _plan_draft_write(
+        self,
+        job: _Job,
+        kind: type[DraftKvPlanner | DraftBlockPlanner],
+        block_ids: tuple[int, ...],
+        tg: asyncio.TaskGroup,
+    ) -> None:
+        """Plan the draft write of ``block_ids`` (the target's blocks for an early exit's
+        reservation, the draft engine's for a model worker's: ``kind``) and issue it, unless
+        the job's draft writes already failed."""
+        draft = job.draft
+        if draft is None or not isinstance(draft.planner, kind):
+            return
+        write = draft.planner.plan(block_ids)
+        if write is not None and not draft.error:
+            tg.create_task(self._write_draft(draft, write))
 
     async def _write_draft(self, draft: _DraftWrites, write: ChunkWrite) -> None:
         assert draft.endpoint is not None and draft.reply.descriptor is not None
