@@ -9,7 +9,8 @@ calibrate this machine as a device spec, or check the simulator against the real
   local mesh adds to the engine (a small probe workload, not the validation's), write a device
   spec;
 - ``--validate``: the same workload simulated and served by a local mesh (colocated and disagg),
-  sim/real ratios of p50/p99 TTFT and ITL.
+  sim/real ratios of p50/p99 TTFT and ITL (``--probe-each-run``: each mesh serves the probe
+  first, and each repeat is simulated with the scale and overheads fitted to it).
 
 Torch is imported by ``--calibrate`` and ``--validate`` only.
 """
@@ -17,6 +18,7 @@ Torch is imported by ``--calibrate`` and ``--validate`` only.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Any
@@ -106,6 +108,13 @@ def register(subparsers: Any) -> None:
         help="--validate: serve the workload through this many fresh meshes per mode and "
         "compare the simulation with their records pooled (percentiles over repeats x "
         "requests); each run's own ratios are printed too",
+    )
+    out.add_argument(
+        "--probe-each-run",
+        action="store_true",
+        help="--validate: fit the engine scale and mesh overheads to a probe served on each "
+        "validation mesh just before its workload, on the --device spec's engine figures (the "
+        "spec's own scale and overheads are not used); each repeat is simulated with its own fit",
     )
     out.add_argument(
         "--prefill-nice",
@@ -325,7 +334,7 @@ def _calibrate(args: argparse.Namespace, model: Any) -> int:
 def _print_probe_runs(runs: Any) -> None:
     """Each probe run's figures and the scale and overheads fitted to it alone: the spread that
     the fit to the medians (below) smooths."""
-    from kvmesh.loadgen.sim.engine_scale import ROLES, role_means
+    from kvmesh.loadgen.sim.engine_scale import role_means
 
     n = len(runs)
     print(f"\nmesh probe, {n} runs (the fit below is to each figure's median over them):")
@@ -343,38 +352,82 @@ def _print_probe_runs(runs: Any) -> None:
                 f"{f.gap_batch_s * 1e3:.2f} | {'-' if long is None else f'{long * 1e3:.0f}'} | "
                 f"{engine or '-'} |"
             )
-    header = [
-        "run",
-        *(f"{role} scale" for role in ROLES),
-        "colocated loop + token ms",
-        "decode loop + token ms",
-        "request ms",
-        "hand-off ms",
-        "jitter p90 / p99 ms",
-    ]
     print("\neach run fitted alone (not used; the spec gets the fit to the medians):")
-    print("| " + " | ".join(header) + " |\n" + "|---" * len(header) + "|")
+    print(_fit_header())
     for k, r in enumerate(runs, 1):
-        scales = (
-            ["-"] * len(ROLES)
-            if r.scale is None
-            else [f"x{getattr(r.scale, role):.2f}" for role in ROLES]
-        )
-        o = r.overheads
-        print(
-            f"| {k} | {' | '.join(scales)} | "
-            f"{o.colocated_loop_s * 1e3:.2f} + {o.colocated_token_s * 1e3:.3f} | "
-            f"{o.loop_s * 1e3:.2f} + {o.token_s * 1e3:.3f} | {o.request_s * 1e3:.1f} | "
-            f"{o.handoff_s * 1e3:.1f} | {r.jitter.p90_s * 1e3:.2f} / {r.jitter.p99_s * 1e3:.2f} |"
-        )
-    fitted = [r.scale for r in runs if r.scale is not None]
+        print(f"| {k} | {' | '.join(_fit_cells(r.scale, r.overheads))} |")
+    _print_scale_spread([r.scale for r in runs])
+
+
+_FIT_COLUMNS = (
+    "engine scale",
+    "colocated loop + token ms",
+    "decode loop + token ms",
+    "request ms",
+    "hand-off ms",
+    "jitter p90 / p99 ms",
+)
+
+
+def _fit_header(extra: tuple[str, ...] = ()) -> str:
+    """The header of a table with one fitted scale and overheads a row (``_fit_cells``)."""
+    header = ["run", *_FIT_COLUMNS, *extra]
+    return "| " + " | ".join(header) + " |\n" + "|---" * len(header) + "|"
+
+
+def _scale_terms(scale: Any) -> list[tuple[str, float, str]]:
+    """A fitted engine scale's terms as (name, value, text): a factor per role (``x1.57``), a
+    fixed term (a field in seconds, ``_s``) in ms."""
+    out = []
+    for field in dataclasses.fields(scale):
+        value = getattr(scale, field.name)
+        if field.name.endswith("_s"):
+            out.append((field.name.removesuffix("_s"), value * 1e3, f"{value * 1e3:.2f} ms"))
+        else:
+            out.append((field.name, value, f"x{value:.2f}"))
+    return out
+
+
+def _fit_cells(scale: Any, o: Any) -> list[str]:
+    """One fit's engine scale ("-": none fitted) and overheads, as table cells."""
+    scales = "-" if scale is None else ", ".join(f"{n} {t}" for n, _, t in _scale_terms(scale))
+    return [
+        scales,
+        f"{o.colocated_loop_s * 1e3:.2f} + {o.colocated_token_s * 1e3:.3f}",
+        f"{o.loop_s * 1e3:.2f} + {o.token_s * 1e3:.3f}",
+        f"{o.request_s * 1e3:.1f}",
+        f"{o.handoff_s * 1e3:.1f}",
+        f"{o.jitter.p90_s * 1e3:.2f} / {o.jitter.p99_s * 1e3:.2f}",
+    ]
+
+
+def _print_scale_spread(scales: list[Any]) -> None:
+    """Each engine scale term's range over the runs that fitted one (two or more)."""
+    fitted = [_scale_terms(s) for s in scales if s is not None]
     if len(fitted) > 1:
         spread = ", ".join(
-            f"{role} x{min(getattr(s, role) for s in fitted):.2f}-"
-            f"x{max(getattr(s, role) for s in fitted):.2f}"
-            for role in ROLES
+            f"{name} {min(t[k][1] for t in fitted):.2f}-{max(t[k][1] for t in fitted):.2f}"
+            + (" ms" if unit.endswith("ms") else "x")
+            for k, (name, _, unit) in enumerate(fitted[0])
         )
         print(f"the scales fitted run by run: {spread}")
+
+
+def _print_run_fits(fits: Any) -> None:
+    """``--probe-each-run``: each repeat's scale and overheads, fitted to the probe its meshes
+    served just before the workload, with the fit's worst probe residual and its worst
+    long-prompt check (nothing fitted to those)."""
+    print("\neach repeat's fit to the probe on its own meshes (its simulation uses it):")
+    print(_fit_header(("worst probe residual", "worst long-prompt check")))
+    for k, f in enumerate(fits, 1):
+        mesh = f.mesh
+        check = f"{mesh.max_check_error:.0%}" if mesh.checks else "-"
+        cells = _fit_cells(f.engine_scale and f.engine_scale.scale, mesh.overheads)
+        cells += [f"{mesh.max_relative_error:.0%}", check]
+        print(f"| {k} | {' | '.join(cells)} |")
+        for note in mesh.notes:
+            print(f"note (repeat {k}): {note}")
+    _print_scale_spread([f.engine_scale and f.engine_scale.scale for f in fits])
 
 
 def _print_engine_scale(scaled: Any) -> None:
@@ -431,6 +484,7 @@ def _print_mesh_fit(mesh: Any) -> None:
 def _validate(args: argparse.Namespace, cost: Any, requests: list[Any]) -> int:
     from kvmesh.loadgen.bench_serve_config import ServeBenchConfig
     from kvmesh.loadgen.sim import validate
+    from kvmesh.loadgen.sim.overheads import OverheadFitError
 
     if args.trace is not None:
         return _fail("--validate runs a synthetic workload; leave out --trace")
@@ -452,6 +506,51 @@ def _validate(args: argparse.Namespace, cost: Any, requests: list[Any]) -> int:
         prefill_nice=args.prefill_nice,
     )
     d = cost.device
+    if args.probe_each_run:
+        print(
+            f"simulated on {d.name}'s engine figures: {d.peak_flops / 1e9:.1f} GFLOP/s, "
+            f"{d.mem_bandwidth / 1e9:.2f} GB/s, {d.step_overhead_s * 1e3:.2f} ms per step; the "
+            "engine scale and mesh overheads fitted to a probe on each validation mesh"
+        )
+    else:
+        _print_spec_terms(d)
+    try:
+        comparisons = validate.compare(
+            config,
+            cost,
+            requests,
+            ("colocated", "disagg"),
+            repeats=args.repeats,
+            probe_each_run=args.probe_each_run,
+        )
+    except OverheadFitError as exc:
+        return _fail(f"mesh probe refused: {exc}")
+    if args.probe_each_run:
+        _print_run_fits(comparisons[0].fits)
+        print()
+    if args.repeats > 1:
+        print(validate.format_runs(comparisons))
+        side = "each side is every run's" if args.probe_each_run else "the real side is every run's"
+        print(f"\npooled: {side} records ({args.repeats} x {len(requests)})")
+    print(validate.format_comparisons(comparisons))
+    if args.per_request:
+        from kvmesh.loadgen.sim.engine_timings import format_timings
+        from kvmesh.loadgen.sim.per_request import format_pairs, pair
+
+        for c in comparisons:
+            for k, run in enumerate(c.real_runs):
+                label = c.mode if len(c.real_runs) == 1 else f"{c.mode}, run {k + 1}"
+                print()
+                print(format_pairs(label, pair(run, c.sim_of(k))))
+            print(format_timings(c.mode, c.real_timings, c.sim_timings))
+    if args.records_out is not None:
+        args.records_out.write_text(validate.records_json(comparisons))
+        print(f"wrote {args.records_out}", file=sys.stderr)
+    return 0
+
+
+def _print_spec_terms(d: Any) -> None:
+    """The spec's engine figures, mesh overheads and engine scales the simulation uses."""
     print(
         f"simulated on {d.name}: {d.peak_flops / 1e9:.1f} GFLOP/s, {d.mem_bandwidth / 1e9:.2f} GB/s, "
         f"{d.step_overhead_s * 1e3:.2f} ms per step; mesh overheads: colocated loop "
@@ -465,24 +564,3 @@ def _validate(args: argparse.Namespace, cost: Any, requests: list[Any]) -> int:
         + f"; engine in the mesh x{d.colocated_engine_scale:.2f} colocated, "
         f"x{d.decode_engine_scale:.2f} decode, x{d.prefill_engine_scale:.2f} prefill"
     )
-    comparisons = validate.compare(
-        config, cost, requests, ("colocated", "disagg"), repeats=args.repeats
-    )
-    if args.repeats > 1:
-        print(validate.format_runs(comparisons))
-        print(f"\npooled: the real side is every run's records ({args.repeats} x {len(requests)})")
-    print(validate.format_comparisons(comparisons))
-    if args.per_request:
-        from kvmesh.loadgen.sim.engine_timings import format_timings
-        from kvmesh.loadgen.sim.per_request import format_pairs, pair
-
-        for c in comparisons:
-            for k, run in enumerate(c.real_runs):
-                label = c.mode if len(c.real_runs) == 1 else f"{c.mode}, run {k + 1}"
-                print()
-                print(format_pairs(label, pair(run, c.sim_records)))
-            print(format_timings(c.mode, c.real_timings, c.sim_timings))
-    if args.records_out is not None:
-        args.records_out.write_text(validate.records_json(comparisons))
-        print(f"wrote {args.records_out}", file=sys.stderr)
-    return 0

@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import random
 from dataclasses import dataclass
+from typing import Any
 
 from kvmesh.loadgen.serve_metrics import RequestRecord
 from kvmesh.loadgen.sim.engine_timings import EngineTimings, pooled
@@ -80,6 +81,17 @@ def run_probe(
 ) -> ProbeRecords:
     """Serve the probe on a fresh local mesh of ``mode`` (the ``--validate`` mesh's settings)."""
     from kvmesh.loadgen.bench_mesh import local_mesh
+
+    with local_mesh(mode, transport, model=model, local_prefill_threshold=0) as mesh:
+        return serve_probe(mesh, mode, model, timeout_s)
+
+
+def serve_probe(mesh: Any, mode: str, model: str, timeout_s: float = 120.0) -> ProbeRecords:
+    """Serve the probe on ``mesh``, an open local mesh of ``mode`` (``local_mesh``'s Launcher:
+    ``.url``, ``.metrics_urls``) running ``model``: a warm-up, then the isolated requests, the
+    long prompts and the batch, the mesh's /metrics read between the phases. Apart from
+    ``run_probe`` so that ``--validate --probe-each-run`` can probe the very mesh it then
+    validates on."""
     from kvmesh.loadgen.sim.validate import scrape
     from kvmesh.loadgen.sse_client import Endpoint, run_requests
     from kvmesh.loadgen.workload import Prompt
@@ -91,29 +103,28 @@ def run_probe(
         for _ in range(ISOLATED + BATCH + 1)
     ]
     long_prompts = [tuple(rng.randrange(1, 250) for _ in range(LONG_INPUT)) for _ in range(LONG)]
-    with local_mesh(mode, transport, model=model, local_prefill_threshold=0) as mesh:
-        endpoint = Endpoint(mesh.url, model)
+    endpoint = Endpoint(mesh.url, model)
 
-        def serve(batch: list[Prompt]) -> list[RequestRecord]:
-            records, _ = asyncio.run(
-                run_requests(endpoint, batch, [0.0] * len(batch), timeout_s=timeout_s)
+    def serve(batch: list[Prompt]) -> list[RequestRecord]:
+        records, _ = asyncio.run(
+            run_requests(endpoint, batch, [0.0] * len(batch), timeout_s=timeout_s)
+        )
+        failed = [r for r in records if r.error is not None]
+        if failed:
+            raise RuntimeError(
+                f"the {mode} mesh failed a probe request: {failed[0].error} {failed[0].detail}"
             )
-            failed = [r for r in records if r.error is not None]
-            if failed:
-                raise RuntimeError(
-                    f"the {mode} mesh failed a probe request: {failed[0].error} {failed[0].detail}"
-                )
-            return records
+        return records
 
-        serve([Prompt(prompts[-1], 4)])  # warm-up: first steps, connections
-        urls = list(mesh.metrics_urls.values())
-        scrapes = [scrape(urls)]
-        isolated = [serve([Prompt(p, ISOLATED_OUTPUT)])[0] for p in prompts[:ISOLATED]]
-        scrapes.append(scrape(urls))
-        long = [serve([Prompt(p, LONG_OUTPUT)])[0] for p in long_prompts]
-        scrapes.append(scrape(urls))
-        batch = serve([Prompt(p, BATCH_OUTPUT) for p in prompts[ISOLATED:-1]])
-        scrapes.append(scrape(urls))
+    serve([Prompt(prompts[-1], 4)])  # warm-up: first steps, connections
+    urls = list(mesh.metrics_urls.values())
+    scrapes = [scrape(urls)]
+    isolated = [serve([Prompt(p, ISOLATED_OUTPUT)])[0] for p in prompts[:ISOLATED]]
+    scrapes.append(scrape(urls))
+    long = [serve([Prompt(p, LONG_OUTPUT)])[0] for p in long_prompts]
+    scrapes.append(scrape(urls))
+    batch = serve([Prompt(p, BATCH_OUTPUT) for p in prompts[ISOLATED:-1]])
+    scrapes.append(scrape(urls))
     short = long_timings = None
     if all(s is not None for s in scrapes):
         a, b, c, d = scrapes

@@ -18,6 +18,13 @@ real p99 is not one request of one run. Each run's own sim/real ratios are kept 
 (``Comparison.run_ratios``), to show how far the real side moves from run to run. The simulator
 is deterministic (its jitter is a seeded draw), so its records are counted ``repeats`` times
 (``pooled_summary``): the two sides' percentiles are then taken over as many requests.
+
+With ``probe_each_run`` every mesh serves the calibration probe (``probe.serve_probe``) just
+before the validation's warm-up and workload, and each repeat (one mesh of each mode) is
+simulated with the engine scale and mesh overheads fitted to its own probe (``fit_run``), on the
+spec's engine figures: the machine's speed drifts over minutes, so a calibration made minutes
+before is stale by the time the validation runs. Each real run is then compared with its own
+simulation, and the pooled real records with the repeats' simulations pooled.
 """
 
 from __future__ import annotations
@@ -25,14 +32,18 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from kvmesh.loadgen.bench_serve_config import ServeBenchConfig
 from kvmesh.loadgen.serve_metrics import RequestRecord, Summary, summarize
 from kvmesh.loadgen.sim.cluster import SimResult, simulate
 from kvmesh.loadgen.sim.cost import CostModel
+from kvmesh.loadgen.sim.engine_scale import EngineScale, EngineScaleFit
 from kvmesh.loadgen.sim.engine_timings import EngineTimings, merge_scrapes, pooled
+from kvmesh.loadgen.sim.overheads import MeshOverheads, OverheadFit
+from kvmesh.loadgen.sim.probe import ProbeRecords
+from kvmesh.loadgen.sim.specs import DeviceSpec
 from kvmesh.loadgen.sim.topology import Topology
 from kvmesh.loadgen.sim.workload import SimRequest
 
@@ -69,10 +80,25 @@ def pooled_summary(runs: Sequence[tuple[Sequence[RequestRecord], float]]) -> Sum
 
 
 @dataclass(frozen=True, slots=True)
+class RunFit:
+    """One validation repeat's own calibration (``--probe-each-run``): the engine scale (None:
+    its meshes' /metrics were unread) and the mesh overheads fitted to the probe its meshes served
+    just before the workload, and the cost model that repeat is simulated with."""
+
+    mesh: OverheadFit
+    engine_scale: EngineScaleFit | None
+    cost: CostModel
+
+
+@dataclass(frozen=True, slots=True)
 class Comparison:
     """One mode: the real runs pooled (``real``) against the simulation counted as many times
     (``sim``); ``real_runs`` and ``run_summaries`` keep each real run apart, ``sim_once`` is
-    the simulation counted once (a run's own counterpart)."""
+    the simulation counted once (a run's own counterpart).
+
+    With a calibration per repeat (``sim_runs`` not empty) run ``k`` has a simulation of its
+    own, ``sim_runs[k]``, with ``fits[k].cost``: ``sim`` pools them, ``sim_records`` is theirs run
+    after run, ``sim_timings`` their pooled means, and ``sim_once`` is None."""
 
     mode: str
     real: Summary
@@ -83,18 +109,31 @@ class Comparison:
     sim_timings: EngineTimings | None = None
     run_summaries: tuple[Summary, ...] = ()
     sim_once: Summary | None = None
+    sim_runs: tuple[SimResult, ...] = ()
+    fits: tuple[RunFit, ...] = ()
 
     @property
     def real_records(self) -> tuple[RequestRecord, ...]:
         """Every real run's records, run after run."""
         return tuple(r for run in self.real_runs for r in run)
 
+    def sim_of(self, run: int) -> tuple[RequestRecord, ...]:
+        """The simulated records real run ``run`` is compared with: its own simulation's, else
+        the one simulation's."""
+        return self.sim_runs[run].records if self.sim_runs else self.sim_records
+
     def ratios(self) -> dict[str, float | None]:
         """sim / real of p50 and p99 TTFT and ITL, the real runs pooled."""
         return ratios(self.real, self.sim)
 
     def run_ratios(self) -> list[dict[str, float | None]]:
-        """Each real run's own sim / real ratios (against the simulation counted once)."""
+        """Each real run's own sim / real ratios (against its own simulation, else the
+        simulation counted once)."""
+        if self.sim_runs:
+            return [
+                ratios(real, sim.summary)
+                for real, sim in zip(self.run_summaries, self.sim_runs, strict=True)
+            ]
         once = self.sim_once or self.sim
         return [ratios(real, once) for real in self.run_summaries]
 
@@ -137,15 +176,22 @@ def scrape(urls: list[str]) -> dict[str, float] | None:
 
 @dataclass(frozen=True, slots=True)
 class RealRun:
+    """One mesh's validation run: its records, how long it took, the engines' means over it
+    (None: its /metrics were unread), and the probe it served first (None: not probed)."""
+
     records: list[RequestRecord]
     duration_s: float
     timings: EngineTimings | None
+    probe: ProbeRecords | None = None
 
 
-def run_real(config: ServeBenchConfig, mode: str) -> RealRun:
+def run_real(config: ServeBenchConfig, mode: str, probe: bool = False) -> RealRun:
+    """Serve the workload on a fresh local mesh of ``mode``; with ``probe``, serve the
+    calibration probe on that mesh first (then the warm-up and the workload, as without)."""
     from kvmesh.loadgen.arrivals import ArrivalProcess, arrival_times
     from kvmesh.loadgen.bench_mesh import local_mesh
     from kvmesh.loadgen.bench_serve import build_workload
+    from kvmesh.loadgen.sim.probe import serve_probe
     from kvmesh.loadgen.sse_client import run_requests
 
     prompts, _ = build_workload(config)
@@ -158,6 +204,7 @@ def run_real(config: ServeBenchConfig, mode: str) -> RealRun:
         local_prefill_threshold=0,
         prefill_nice=config.prefill_nice,
     ) as mesh:
+        probed = serve_probe(mesh, mode, config.model, config.timeout_s) if probe else None
         endpoint = config.endpoint(mesh.url)
         # a prompt of its own (prompts[0] reversed): the warm-up must not leave the first
         # request's prompt in the prefix cache, which the simulator does not model
@@ -172,7 +219,25 @@ def run_real(config: ServeBenchConfig, mode: str) -> RealRun:
         )
         after = scrape(urls)
     timings = None if before is None or after is None else EngineTimings.between(before, after)
-    return RealRun(records, duration_s, timings)
+    return RealRun(records, duration_s, timings, probed)
+
+
+def engine_only(device: DeviceSpec) -> DeviceSpec:
+    """``device`` with its engine scales at 1 and no mesh overheads: its engine figures alone,
+    as calibration has them when it fits the probe."""
+    return MeshOverheads().apply(EngineScale().apply(device))
+
+
+def fit_run(cost: CostModel, probes: Mapping[str, ProbeRecords]) -> RunFit:
+    """The engine scale and mesh overheads fitted to one repeat's probes (by mode) on
+    ``cost``'s engine figures (its own scales and overheads are not used), applied as
+    ``calibrate.calibrate`` applies them: the scale, then the overheads."""
+    from kvmesh.loadgen.sim.calibrate import fit_probe, pool_probe_runs
+
+    engine = engine_only(cost.device)
+    mesh, scaled = fit_probe(engine, cost.model, pool_probe_runs([probes]))
+    spec = engine if scaled is None else scaled.scale.apply(engine)
+    return RunFit(mesh, scaled, CostModel(cost.model, mesh.overheads.apply(spec), cost.tp))
 
 
 def compare(
@@ -181,14 +246,35 @@ def compare(
     requests: list[SimRequest],
     modes: tuple[str, ...],
     repeats: int = 1,
+    probe_each_run: bool = False,
 ) -> list[Comparison]:
-    """Each mode simulated once and served by ``repeats`` fresh meshes (the modes in turn)."""
+    """Each mode simulated once and served by ``repeats`` fresh meshes (the modes in turn).
+
+    With ``probe_each_run`` each mesh serves the probe first, and after each repeat the scale
+    and overheads are fitted to that repeat's probes (``fit_run``; ``modes`` must hold
+    ``colocated``) and each mode is simulated with that repeat's cost model."""
     if repeats < 1:
         raise ValueError(f"--repeats must be at least 1, got {repeats}")
     runs: dict[str, list[RealRun]] = {mode: [] for mode in modes}
+    fits: list[RunFit] = []
     for _ in range(repeats):
         for mode in modes:
-            runs[mode].append(run_real(config, mode))
+            runs[mode].append(run_real(config, mode, probe=probe_each_run))
+        if probe_each_run:
+            fits.append(fit_run(cost, {mode: _probe_of(runs[mode][-1]) for mode in modes}))
+    if probe_each_run:
+        return [
+            comparison_each(
+                mode,
+                runs[mode],
+                [
+                    simulate(mesh_topology(mode, f.cost, config.prefill_nice), f.cost, requests)
+                    for f in fits
+                ],
+                fits,
+            )
+            for mode in modes
+        ]
     return [
         comparison(
             mode,
@@ -199,9 +285,21 @@ def compare(
     ]
 
 
+def _probe_of(run: RealRun) -> ProbeRecords:
+    if run.probe is None:
+        raise ValueError("a validation run without its probe")
+    return run.probe
+
+
+def _pooled_timings(timings: Sequence[EngineTimings | None]) -> EngineTimings | None:
+    """The runs' engine means pooled; None if one run has none."""
+    if any(t is None for t in timings):
+        return None
+    return pooled(timings)  # type: ignore[arg-type]
+
+
 def comparison(mode: str, runs: Sequence[RealRun], sim: SimResult) -> Comparison:
     """The real runs of a mode pooled against its simulation counted as many times."""
-    timings = [run.timings for run in runs]
     sim_once = sim.summary
     return Comparison(
         mode,
@@ -209,16 +307,40 @@ def comparison(mode: str, runs: Sequence[RealRun], sim: SimResult) -> Comparison
         pooled_summary([(sim.records, sim_once.duration_s)] * len(runs)),
         tuple(tuple(run.records) for run in runs),
         sim.records,
-        None if any(t is None for t in timings) else pooled(timings),  # type: ignore[arg-type]
+        _pooled_timings([run.timings for run in runs]),
         sim.timings,
         tuple(summarize(run.records, run.duration_s) for run in runs),
         sim_once,
     )
 
 
+def comparison_each(
+    mode: str, runs: Sequence[RealRun], sims: Sequence[SimResult], fits: Sequence[RunFit] = ()
+) -> Comparison:
+    """The real runs of a mode pooled against their own simulations pooled (run ``k``'s
+    simulated with ``fits[k].cost``, the calibration on its own mesh); each run's ratios are
+    against its own simulation."""
+    if len(sims) != len(runs) or (fits and len(fits) != len(runs)):
+        raise ValueError(f"{len(runs)} real runs, {len(sims)} simulations, {len(fits)} fits")
+    return Comparison(
+        mode,
+        pooled_summary([(run.records, run.duration_s) for run in runs]),
+        pooled_summary([(sim.records, sim.summary.duration_s) for sim in sims]),
+        tuple(tuple(run.records) for run in runs),
+        tuple(r for sim in sims for r in sim.records),
+        _pooled_timings([run.timings for run in runs]),
+        _pooled_timings([sim.timings for sim in sims]),
+        tuple(summarize(run.records, run.duration_s) for run in runs),
+        None,
+        tuple(sims),
+        tuple(fits),
+    )
+
+
 def records_json(comparisons: list[Comparison]) -> str:
     """Every request's real and simulated record (token times included), by mode; each real
-    record says which run (0, 1, ...) it came from."""
+    record says which run (0, 1, ...) it came from, and so does each simulated one where every
+    run has its own simulation."""
     import json
 
     def record(r: RequestRecord) -> dict[str, object]:
@@ -237,7 +359,15 @@ def records_json(comparisons: list[Comparison]) -> str:
         {
             c.mode: {
                 "real": [{**record(r), "run": k} for k, run in enumerate(c.real_runs) for r in run],
-                "sim": [record(r) for r in c.sim_records],
+                "sim": (
+                    [
+                        {**record(r), "run": k}
+                        for k, sim in enumerate(c.sim_runs)
+                        for r in sim.records
+                    ]
+                    if c.sim_runs
+                    else [record(r) for r in c.sim_records]
+                ),
                 "real_timings": c.real_timings and dataclasses.asdict(c.real_timings),
                 "sim_timings": c.sim_timings and dataclasses.asdict(c.sim_timings),
             }
@@ -275,6 +405,8 @@ def format_comparisons(comparisons: list[Comparison]) -> str:
     runs = max((len(c.run_summaries) for c in comparisons), default=1)
     counts = [(c.mode, within(c.ratios()), len(c.ratios())) for c in comparisons]
     pooled_note = f" (the real side pooled over {runs} runs)" if runs > 1 else ""
+    if runs > 1 and any(c.sim_runs for c in comparisons):
+        pooled_note = f" (both sides pooled over {runs} runs, each simulated with its own fit)"
     lines.append(
         f"within {TOLERANCE * 100:.0f} %{pooled_note}: "
         + ", ".join(f"{mode} {k}/{n}" for mode, k, n in counts)
@@ -286,8 +418,9 @@ def format_comparisons(comparisons: list[Comparison]) -> str:
 def format_runs(comparisons: list[Comparison]) -> str:
     """Each real run's own sim / real ratios, and their range per figure: how far the real side
     moves between runs of the same requests."""
+    own = any(c.sim_runs for c in comparisons)
     lines = [
-        "each real run against the simulation (sim / real):",
+        f"each real run against {'its own' if own else 'the'} simulation (sim / real):",
         f"| mode | run | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | within {TOLERANCE * 100:.0f} % | failed |",
         "|---|---|---|---|---|---|---|---|",
     ]

@@ -1,0 +1,202 @@
+"""kvmesh sim --validate --probe-each-run: each repeat simulated with the scale and overheads
+fitted to the probe its own meshes served, each real run compared with its own simulation and
+the pooled real records with the repeats' simulations pooled. No real mesh: ``run_real`` is
+replaced by canned runs whose records and probes the simulator made with known overheads."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+from kvmesh.loadgen.bench_serve_config import ServeBenchConfig
+from kvmesh.loadgen.serve_metrics import RequestRecord
+from kvmesh.loadgen.sim import validate
+from kvmesh.loadgen.sim.cluster import simulate
+from kvmesh.loadgen.sim.cost import CostModel
+from kvmesh.loadgen.sim.engine_scale import simulate_probe_timings
+from kvmesh.loadgen.sim.probe import ProbeRecords, long_requests, probe_requests
+from kvmesh.loadgen.sim.specs import DeviceSpec, load_model
+from kvmesh.loadgen.sim.validate import (
+    RealRun,
+    comparison_each,
+    engine_only,
+    format_comparisons,
+    format_runs,
+    mesh_topology,
+    pooled_summary,
+    records_json,
+)
+from kvmesh.loadgen.sim.workload import SimRequest
+
+TINY = load_model("kvmesh-tiny")
+MODES = ("colocated", "disagg")
+REQUESTS = [SimRequest(i * 2.0, 100 + 50 * i, 8) for i in range(4)]
+
+
+def _engine() -> DeviceSpec:
+    """A CPU-like engine (the figures ``--calibrate`` measures), no mesh terms."""
+    return DeviceSpec(
+        "cpu-like",
+        peak_flops=100e9,
+        mem_bandwidth=8e9,
+        memory_bytes=16e9,
+        link_bandwidth=2.5e9,
+        step_overhead_s=0.0007,
+        cache_bytes=32 << 20,
+        cores=2,
+        calibration_threads=2,
+    )
+
+
+def _mesh(request_s: float) -> CostModel:
+    """The 'real' mesh of one repeat: the engine plus a request overhead of ``request_s``."""
+    return CostModel(TINY, dataclasses.replace(_engine(), request_overhead_s=request_s))
+
+
+def _probe(mode: str, cost: CostModel) -> ProbeRecords:
+    """The probe of ``mode`` as the simulator serves it on ``cost``: records and timings."""
+    isolated, batch = probe_requests()
+    topology = mesh_topology(mode, cost)
+    timings = simulate_probe_timings(mode, cost, lambda m, c: mesh_topology(m, c))
+    return ProbeRecords(
+        mode,
+        simulate(topology, cost, isolated).records,
+        simulate(topology, cost, batch).records,
+        simulate(topology, cost, long_requests()).records,
+        timings.short,
+        timings.long,
+    )
+
+
+def _real_run(mode: str, cost: CostModel) -> RealRun:
+    """A real run of ``REQUESTS`` on a mesh that behaves as ``cost``, its probe first."""
+    sim = simulate(mesh_topology(mode, cost), cost, REQUESTS)
+    return RealRun(list(sim.records), sim.summary.duration_s, sim.timings, _probe(mode, cost))
+
+
+def _config() -> ServeBenchConfig:
+    return ServeBenchConfig(model="kvmesh-tiny", num_prompts=len(REQUESTS), compare=MODES)
+
+
+def test_engine_only_drops_the_specs_scales_and_overheads():
+    spec = dataclasses.replace(
+        _engine(),
+        colocated_engine_scale=3.0,
+        prefill_engine_scale=2.0,
+        request_overhead_s=1.0,
+        loop_overhead_s=0.01,
+        jitter_p99_s=0.02,
+        jitter_max_s=0.03,
+    )
+    assert engine_only(spec) == _engine()
+
+
+def test_each_repeat_is_simulated_with_the_fit_to_its_own_probe(monkeypatch):
+    # the machine drifts: the first repeat's mesh takes 10 ms a request, the second's 80 ms
+    meshes = [_mesh(0.010), _mesh(0.080)]
+    served: list[tuple[str, bool]] = []
+
+    def run_real(config: ServeBenchConfig, mode: str, probe: bool = False) -> RealRun:
+        served.append((mode, probe))
+        return _real_run(mode, meshes[(len(served) - 1) // len(MODES)])
+
+    monkeypatch.setattr(validate, "run_real", run_real)
+    # the spec's own scale and overheads (a stale calibration) must not be used
+    stale = dataclasses.replace(_engine(), request_overhead_s=0.5, colocated_engine_scale=3.0)
+    comparisons = validate.compare(
+        _config(), CostModel(TINY, stale), REQUESTS, MODES, repeats=2, probe_each_run=True
+    )
+    assert served == [("colocated", True), ("disagg", True)] * 2  # the modes in turn, probed
+    for c in comparisons:
+        assert len(c.fits) == 2 and len(c.sim_runs) == 2 and c.sim_once is None
+        fitted = [f.cost.device.request_overhead_s for f in c.fits]
+        assert fitted == [pytest.approx(0.010, rel=0.2), pytest.approx(0.080, rel=0.1)]
+        for f in c.fits:
+            assert f.engine_scale is not None
+            assert f.cost.device.colocated_engine_scale == pytest.approx(1.0, rel=0.1)
+            assert f.mesh.checks  # the long prompts' TTFT checked on each repeat's fit
+        # each run against its own simulation: the fitted mesh reproduces it
+        for values in c.run_ratios():
+            assert values["TTFT p50"] == pytest.approx(1.0, rel=0.1)
+            assert values["ITL p50"] == pytest.approx(1.0, rel=0.1)
+        # the two simulations differ as their meshes did, and the pooled sim is both of them
+        first, second = (sim.summary.ttft.p50_ms for sim in c.sim_runs)
+        assert second - first == pytest.approx(70.0, rel=0.2)
+        assert c.sim == pooled_summary([(s.records, s.summary.duration_s) for s in c.sim_runs])
+        assert c.sim_records == (*c.sim_runs[0].records, *c.sim_runs[1].records)
+        assert c.ratios()["TTFT p50"] == pytest.approx(1.0, rel=0.15)
+        assert c.sim_of(1) == c.sim_runs[1].records
+
+
+def test_compare_without_probes_simulates_once(monkeypatch):
+    monkeypatch.setattr(
+        validate, "run_real", lambda config, mode, probe=False: _real_run(mode, _mesh(0.01))
+    )
+    (c,) = validate.compare(_config(), _mesh(0.01), REQUESTS, ("colocated",), repeats=2)
+    assert c.sim_runs == () and c.fits == () and c.sim_once is not None
+    assert c.sim_of(1) == c.sim_records
+
+
+def _records(ttft: float, n: int = 3) -> list[RequestRecord]:
+    return [
+        RequestRecord(i, 0.0, 0.0, ttft + 0.02, 100, 3, 3, (ttft, ttft + 0.01, ttft + 0.02))
+        for i in range(n)
+    ]
+
+
+def test_comparison_each_pairs_every_run_with_its_own_simulation():
+    fast, slow = _mesh(0.010), _mesh(0.050)
+    sims = [simulate(mesh_topology("colocated", c), c, REQUESTS) for c in (fast, slow)]
+    runs = [RealRun(list(s.records), s.summary.duration_s, None) for s in sims]
+    c = comparison_each("colocated", runs, sims)
+    assert [v["TTFT p50"] for v in c.run_ratios()] == [1.0, 1.0]
+    assert c.ratios()["TTFT p50"] == pytest.approx(1.0)
+    # the one-simulation comparison of the same runs: the fast sim against the slow run too
+    once = validate.comparison("colocated", runs, sims[0])
+    assert once.run_ratios()[1]["TTFT p50"] < 0.8
+    assert c.sim_timings is not None and c.real_timings is None
+    by_mode = json.loads(records_json([c]))["colocated"]
+    assert [r["run"] for r in by_mode["sim"]] == [0] * len(REQUESTS) + [1] * len(REQUESTS)
+    assert "against its own simulation" in format_runs([c])
+    assert "both sides pooled over 2 runs" in format_comparisons([c])
+    with pytest.raises(ValueError, match="2 real runs, 1 simulations"):
+        comparison_each("colocated", runs, sims[:1])
+
+
+def test_a_run_without_its_probe_is_refused(monkeypatch):
+    monkeypatch.setattr(
+        validate, "run_real", lambda config, mode, probe=False: RealRun(_records(0.1), 1.0, None)
+    )
+    with pytest.raises(ValueError, match="without its probe"):
+        validate.compare(_config(), _mesh(0.01), REQUESTS, MODES, probe_each_run=True)
+
+
+def test_cli_prints_each_repeats_fit(monkeypatch, capsys, tmp_path):
+    from kvmesh.loadgen.sim.specs import write_device
+
+    from kvmesh.cli import main
+
+    monkeypatch.setattr(
+        validate,
+        "run_real",
+        lambda config, mode, probe=False: _real_run(mode, _mesh(0.02)),
+    )
+    spec = write_device(_engine(), tmp_path / "cpu-like.json")
+    args = ["sim", "--validate", "--probe-each-run", "--repeats", "2", "--model", "kvmesh-tiny"]
+    args += ["--device", str(spec), "--num-requests", "4", "--input-len-range", "100:250"]
+    args += ["--output-len-range", "8:8", "--request-rate", "0.5"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "each repeat's fit to the probe on its own meshes" in out
+    assert "| run | engine scale |" in out
+    assert out.count("\n| 1 | colocated x") == 1 and out.count("\n| 2 | colocated x") == 1
+    assert "each real run against its own simulation" in out
+    assert "pooled: each side is every run's records (2 x 4)" in out
+
+
+def test_cli_refuses_no_repeats_with_probe_each_run(capsys):
+    from kvmesh.cli import main
+
+    assert main(["sim", "--validate", "--probe-each-run", "--repeats", "0"]) == 2
+    assert "--repeats must be at least 1" in capsys.readouterr().err
