@@ -52,16 +52,17 @@ def _phases(short: EngineTimings, long: EngineTimings | None = None) -> PhaseTim
 def test_step_with_role_costs_engine_times_that_roles_scale():
     cost = _fixed(
         colocated_engine_scale=1.5,
-        colocated_chunk_engine_scale=1.2,
+        colocated_engine_extra_s=0.003,
         decode_engine_scale=2.0,
         prefill_engine_scale=3.0,
         loop_overhead_s=0.002,
     )
     slices = [Slice(1, 100)]
     assert cost.step(slices).seconds == pytest.approx(0.010)
-    assert cost.step(slices, "colocated").seconds == pytest.approx(0.015)
-    # a colocated step that computes a prefill chunk takes the chunk scale, decodes beside it too
-    assert cost.step([Slice(1, 100), Slice(64, 0)], "colocated").seconds == pytest.approx(0.012)
+    # a colocated step: its engine times the scale, and the stall on top, whatever it computes
+    assert cost.step(slices, "colocated").seconds == pytest.approx(0.018)
+    assert cost.step([Slice(1, 100), Slice(64, 0)], "colocated").seconds == pytest.approx(0.018)
+    assert cost.step(slices, "colocated").overhead_s == pytest.approx(0.018)
     assert cost.step(slices, "decode").seconds == pytest.approx(0.020)
     assert cost.step([Slice(512, 0)], "prefill").seconds == pytest.approx(0.030)
     # the loop's own cost is not the engine's: it is not scaled
@@ -73,38 +74,59 @@ def test_simulated_engine_means_scale_by_role_on_dedicated_devices():
         decode_engine_scale=2.0,
         prefill_engine_scale=3.0,
         colocated_engine_scale=1.5,
-        colocated_chunk_engine_scale=1.5,
+        colocated_engine_extra_s=0.001,
     )
     requests = [SimRequest(0.0, 100, 5)]
     disagg = simulate(_dedicated("disagg", cost), cost, requests).timings
     assert disagg.prefill_chunk_s == pytest.approx(0.030)
     assert disagg.home_step_s == pytest.approx(0.020)
     colocated = simulate(_dedicated("colocated", cost), cost, requests).timings
-    assert colocated.home_step_s == pytest.approx(0.015)
+    assert colocated.home_step_s == pytest.approx(0.016)
 
 
-def test_fit_engine_scale_is_mesh_mean_over_model_mean_per_role():
-    # every simulated step costs 10 ms unscaled: the scales are the mesh's means / 10 ms, with
-    # each phase's colocated steps mixed as the simulated probe mixes them: the isolated and
-    # batch phases 1,079 decode steps and 10 with prefills, the long prompts' 21 and 6
-    short_colocated = EngineTimings(1089, (1079 * 0.025 + 10 * 0.018) / 1089, 0, None, 0, None)
-    long_colocated = EngineTimings(27, (6 * 0.018 + 21 * 0.025) / 27, 0, None, 0, None)
-    measured = {
-        "colocated": _phases(short_colocated, long_colocated),
-        "disagg": _phases(_timings(0.020, chunk_s=0.040), _timings(0.020, chunk_s=0.040)),
-    }
+def _chunky(**fields: float) -> CostModel:
+    """A decode step costs 10 ms, a step with a prefill chunk 60 ms (fixed overheads only)."""
+    return _fixed(chunk_overhead_s=0.05, **fields)
+
+
+def _probe_means(cost: CostModel, modes=("colocated", "disagg")) -> dict[str, PhaseTimings]:
+    return {m: simulate_probe_timings(m, cost, _dedicated) for m in modes}
+
+
+def test_fit_engine_scale_recovers_the_scales_and_colocated_stall_a_probe_had():
+    truth = EngineScale(colocated=1.5, decode=2.0, prefill=4.0, colocated_extra_s=0.008)
+    measured = _probe_means(CostModel(TINY, truth.apply(_chunky().device)))
     fit = fit_engine_scale(
-        _fixed(), measured, lambda m, c: simulate_probe_timings(m, c, _dedicated)
+        _chunky(), measured, lambda m, c: simulate_probe_timings(m, c, _dedicated)
     )
-    assert fit.scale.colocated == pytest.approx(2.5, rel=1e-3)
-    assert fit.scale.colocated_chunk == pytest.approx(1.8, rel=1e-3)
+    assert fit.scale.colocated == pytest.approx(1.5, rel=1e-3)
+    assert fit.scale.colocated_extra_s == pytest.approx(0.008, rel=1e-2)
     assert fit.scale.decode == pytest.approx(2.0)
     assert fit.scale.prefill == pytest.approx(4.0)
     by_role = {f.role: f for f in fit.figures}
-    assert by_role["prefill"].unscaled_s == pytest.approx(0.010)
-    assert by_role["prefill"].scaled_s == pytest.approx(0.040)
-    assert by_role["colocated"].count == 1089
+    assert set(by_role) == {"colocated", "colocated_chunk", "decode", "prefill"}
+    for f in fit.figures:
+        assert abs(f.relative) < 1e-3, f
+    assert by_role["decode"].unscaled_s == pytest.approx(0.010)
     assert "decode x2.00" in fit.describe()
+    assert "colocated x1.50 + 8.00 ms" in fit.describe()
+
+
+def test_fit_engine_scale_wants_no_negative_stall():
+    # chunks slowed 3x, decode steps 1.2x: a factor and a stall through both would need a
+    # negative stall; the stall is 0 and the factor lies between
+    base = _probe_means(_chunky(), ("colocated",))["colocated"]
+    measured = {
+        "colocated": _phases(
+            dataclasses.replace(base.short, home_step_s=base.short.home_step_s * 1.2),
+            dataclasses.replace(base.long, home_step_s=base.long.home_step_s * 3.0),
+        )
+    }
+    fit = fit_engine_scale(
+        _chunky(), measured, lambda m, c: simulate_probe_timings(m, c, _dedicated)
+    )
+    assert fit.scale.colocated_extra_s == 0.0
+    assert 1.2 < fit.scale.colocated < 3.0
 
 
 def test_fit_engine_scale_keeps_roles_the_probe_did_not_measure_at_one():
@@ -113,11 +135,9 @@ def test_fit_engine_scale_keeps_roles_the_probe_did_not_measure_at_one():
         {"colocated": _phases(_timings(0.030))},
         lambda m, c: simulate_probe_timings(m, c, _dedicated),
     )
-    # 30 ms a step over 1,079 decode steps and 10 prefill steps that keep 10 ms (no long phase
-    # measured: their scale stays 1)
-    expected = (0.030 * 1089 - 10 * 0.010) / (1079 * 0.010)
+    # 30 ms a step where every step costs 10 ms; no long phase: a factor alone, no stall
     assert fit.scale == EngineScale(
-        colocated=pytest.approx(expected), decode=1.0, prefill=1.0, colocated_chunk=1.0
+        colocated=pytest.approx(3.0), decode=1.0, prefill=1.0, colocated_extra_s=0.0
     )
     assert [f.role for f in fit.figures] == ["colocated"]
 
@@ -150,8 +170,9 @@ def test_fit_engine_scale_matches_means_on_shared_cores():
     assert {f.role for f in fit.figures} == {"colocated", "colocated_chunk", "decode", "prefill"}
     for f in fit.figures:
         assert abs(f.relative) < 0.02, f
-    assert fit.scale.colocated > 1.5 and fit.scale.decode > 1.5 and fit.scale.prefill > 1.2
-    assert 1.1 < fit.scale.colocated_chunk < 1.7
+    assert fit.scale.decode > 1.5 and fit.scale.prefill > 1.2
+    # decode steps slowed more than chunks: a stall per step beside a factor
+    assert fit.scale.colocated_extra_s > 0 and 1.0 < fit.scale.colocated < 2.0
 
 
 def test_pooled_timings_weight_means_by_count():
@@ -164,9 +185,10 @@ def test_pooled_timings_weight_means_by_count():
 
 
 def test_engine_scale_round_trips_through_spec_file(tmp_path):
-    spec = EngineScale(1.8, 2.1, 1.4, 1.3).apply(_fixed().device)
+    spec = EngineScale(1.8, 2.1, 1.4, 0.003).apply(_fixed().device)
     loaded = load_device(write_device(spec, tmp_path / "cpu.json"))
-    assert loaded.engine_scale("colocated_chunk") == 1.3
+    assert loaded.engine_extra_s("colocated") == 0.003
+    assert loaded.engine_extra_s("decode") == loaded.engine_extra_s("prefill") == 0.0
     assert loaded.engine_scale("colocated") == 1.8
     assert loaded.engine_scale("decode") == 2.1
     assert loaded.engine_scale("prefill") == 1.4
@@ -175,6 +197,8 @@ def test_engine_scale_round_trips_through_spec_file(tmp_path):
 def test_engine_scale_of_zero_is_refused():
     with pytest.raises(SpecError):
         dataclasses.replace(_fixed().device, decode_engine_scale=0.0)
+    with pytest.raises(SpecError):
+        dataclasses.replace(_fixed().device, colocated_engine_extra_s=-0.001)
 
 
 def test_fit_engine_scale_takes_jitter_mean_off_loop_steps_not_chunks():
@@ -185,7 +209,7 @@ def test_fit_engine_scale_takes_jitter_mean_off_loop_steps_not_chunks():
         _fixed(),
         measured,
         lambda m, c: simulate_probe_timings(m, c, _dedicated),
-        jitter_mean_s=0.005,
+        jitter_mean_s={"decode": 0.005, "colocated": 0.5},
     )
     assert fit.scale.decode == pytest.approx(2.0)
     assert fit.scale.prefill == pytest.approx(4.0)

@@ -181,8 +181,27 @@ def test_jitter_draws_follow_the_measured_quantiles():
         _fixed(jitter_p90_s=0.01, jitter_p99_s=0.002, jitter_max_s=0.05)
 
 
+def test_each_role_draws_its_own_jitter():
+    cost = _fixed(
+        jitter_p90_s=0.002,
+        jitter_p99_s=0.01,
+        jitter_max_s=0.05,
+        colocated_jitter_p90_s=0.004,
+        colocated_jitter_p99_s=0.02,
+        colocated_jitter_max_s=0.1,
+    )
+    assert cost.jitter_s(0.9) == pytest.approx(0.002)
+    assert cost.jitter_s(0.9, "decode") == pytest.approx(0.002)
+    assert cost.jitter_s(0.9, "colocated") == pytest.approx(0.004)
+    assert cost.jitter_s(0.995, "colocated") == pytest.approx(0.06)
+    with pytest.raises(SpecError, match="colocated_jitter_p90_s"):
+        _fixed(colocated_jitter_p90_s=0.01, colocated_jitter_p99_s=0.002)
+
+
 def test_loop_steps_jitter_by_seeded_draws():
-    cost = _fixed(jitter_p90_s=0.002, jitter_p99_s=0.01, jitter_max_s=0.05)
+    cost = _fixed(
+        colocated_jitter_p90_s=0.002, colocated_jitter_p99_s=0.01, colocated_jitter_max_s=0.05
+    )
     topology = Topology("colocated", 1, kv_capacity_tokens=10_000)
     gaps = _gaps(simulate(topology, cost, [SimRequest(0.0, 16, 2000)]).records[0])
     assert min(gaps) == pytest.approx(0.01)  # no jitter below the median
@@ -192,6 +211,10 @@ def test_loop_steps_jitter_by_seeded_draws():
     assert max(excess) <= 0.05 + 1e-9
     again = _gaps(simulate(topology, cost, [SimRequest(0.0, 16, 2000)]).records[0])
     assert again == gaps  # the same draws every run
+    # the decode worker's jitter is not the colocated worker's
+    steady = _fixed(jitter_p90_s=0.002, jitter_p99_s=0.01, jitter_max_s=0.05)
+    flat = _gaps(simulate(topology, steady, [SimRequest(0.0, 16, 200)]).records[0])
+    assert max(flat) == pytest.approx(0.01)
 
 
 def _cpu(**overheads: float) -> CostModel:
@@ -216,6 +239,7 @@ def _topology(mode: str, cost: CostModel) -> Topology:
 
 def test_fit_overheads_recovers_the_overheads_a_probe_was_simulated_with():
     jitter = Jitter(0.0005, 0.003, 0.01)
+    colocated_jitter = Jitter(0.001, 0.006, 0.02)
     truth = MeshOverheads(
         loop_s=0.0012,
         token_s=0.0003,
@@ -224,11 +248,14 @@ def test_fit_overheads_recovers_the_overheads_a_probe_was_simulated_with():
         request_s=0.025,
         handoff_s=0.04,
         jitter=jitter,
+        colocated_jitter=colocated_jitter,
     )
     probed = CostModel(TINY, truth.apply(_cpu().device))
     measured = {m: simulate_probe(probed, m, _topology) for m in ("colocated", "disagg")}
-    fit = fit_overheads(_cpu(), measured, _topology, jitter)
+    jitters = {"colocated": colocated_jitter, "disagg": jitter}
+    fit = fit_overheads(_cpu(), measured, _topology, jitters)
     got = fit.overheads
+    assert got.jitter == jitter and got.colocated_jitter == colocated_jitter
     assert got.request_s == pytest.approx(truth.request_s, rel=0.05)
     assert got.handoff_s == pytest.approx(truth.handoff_s, rel=0.05)
     assert got.loop_s == pytest.approx(truth.loop_s, rel=0.1)
@@ -250,6 +277,16 @@ def test_fit_overheads_clamps_a_negative_term_to_zero_with_a_note():
     # no disagg probe: the decode worker's loop terms are the colocated worker's
     assert fit.overheads.loop_s == fit.overheads.colocated_loop_s
     assert fit.overheads.token_s == fit.overheads.colocated_token_s
+
+
+def test_mode_jitters_fall_back_to_the_other_mode():
+    from kvmesh.loadgen.sim.overheads import mode_jitters
+
+    a, b = Jitter(0.001, 0.002, 0.003), Jitter(0.004, 0.005, 0.006)
+    assert mode_jitters({"colocated": a, "disagg": b}) == (a, b)
+    assert mode_jitters({"colocated": a}) == (a, a)
+    assert mode_jitters({"disagg": b}) == (b, b)
+    assert mode_jitters({}) == (Jitter(), Jitter())
 
 
 def test_fit_overheads_needs_the_colocated_probe():
@@ -312,7 +349,7 @@ def test_pooled_jitter_is_each_runs_own_so_a_slower_run_is_no_jitter():
     # every gap of run 1 is 3 ms and of run 2 is 4 ms: neither run jitters; pooling the gaps
     # would give a p90 excess of 1 ms
     pooled = pool_probe_runs([run(0.003), run(0.004)])
-    assert pooled.jitter == Jitter()
+    assert pooled.jitter == {"colocated": Jitter()}
     assert (
         Jitter.of([*run(0.003)["colocated"].isolated, *run(0.004)["colocated"].isolated]).p90_s > 0
     )
@@ -322,14 +359,24 @@ def test_pooled_jitter_is_each_runs_own_so_a_slower_run_is_no_jitter():
 def test_pool_probe_runs_of_one_run_is_that_runs_figures():
     from kvmesh.loadgen.sim.calibrate import pool_probe_runs
 
-    cost = _cpu(request_overhead_s=0.01, jitter_p90_s=0.001, jitter_p99_s=0.002, jitter_max_s=0.004)
+    cost = _cpu(
+        request_overhead_s=0.01,
+        jitter_p90_s=0.001,
+        jitter_p99_s=0.002,
+        jitter_max_s=0.004,
+        colocated_jitter_p90_s=0.002,
+        colocated_jitter_p99_s=0.004,
+        colocated_jitter_max_s=0.008,
+    )
     run = {m: _probe_records(m, cost) for m in ("colocated", "disagg")}
     pooled = pool_probe_runs([run])
     for m in ("colocated", "disagg"):
         assert pooled.figures[m] == ProbeFigures.of(run[m].isolated, run[m].batch)
         assert pooled.timings[m].short == run[m].short_timings
         assert pooled.long[m] == run[m].long
-    assert pooled.jitter == Jitter.of([*run["colocated"].isolated, *run["disagg"].isolated])
+    # each mode's jitter from its own gaps
+    assert pooled.jitter == {m: Jitter.of(run[m].isolated) for m in ("colocated", "disagg")}
+    assert pooled.jitter["colocated"] != pooled.jitter["disagg"]
 
 
 def test_fit_to_the_runs_medians_ignores_one_disturbed_run():
@@ -351,9 +398,12 @@ def test_fit_to_the_runs_medians_ignores_one_disturbed_run():
         assert getattr(fit.overheads, name) == pytest.approx(getattr(alone.overheads, name)), name
     assert fit.overheads.handoff_s == pytest.approx(alone.overheads.handoff_s)
     assert fit.overheads.jitter == alone.overheads.jitter
+    assert fit.overheads.colocated_jitter == alone.overheads.colocated_jitter
     assert scaled is not None and alone_scaled is not None
-    for role in ("colocated", "colocated_chunk", "decode", "prefill"):
-        assert getattr(scaled.scale, role) == pytest.approx(getattr(alone_scaled.scale, role))
+    for term in ("colocated", "colocated_extra_s", "decode", "prefill"):
+        assert getattr(scaled.scale, term) == pytest.approx(
+            getattr(alone_scaled.scale, term), abs=1e-9
+        )
     assert fit.overheads.request_s == pytest.approx(0.02, rel=0.1)
     # a mean of the three would not: the busy run alone fits a request ten times as long
     busy_fit, _ = fit_probe(engine, TINY, pool_probe_runs([b]), checks=False)

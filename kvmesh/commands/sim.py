@@ -365,7 +365,7 @@ _FIT_COLUMNS = (
     "decode loop + token ms",
     "request ms",
     "hand-off ms",
-    "jitter p90 / p99 ms",
+    "jitter p90 / p99 ms (colocated; decode)",
 )
 
 
@@ -397,7 +397,9 @@ def _fit_cells(scale: Any, o: Any) -> list[str]:
         f"{o.loop_s * 1e3:.2f} + {o.token_s * 1e3:.3f}",
         f"{o.request_s * 1e3:.1f}",
         f"{o.handoff_s * 1e3:.1f}",
-        f"{o.jitter.p90_s * 1e3:.2f} / {o.jitter.p99_s * 1e3:.2f}",
+        "; ".join(
+            f"{j.p90_s * 1e3:.2f} / {j.p99_s * 1e3:.2f}" for j in (o.colocated_jitter, o.jitter)
+        ),
     ]
 
 
@@ -433,14 +435,15 @@ def _print_run_fits(fits: Any) -> None:
 def _print_engine_scale(scaled: Any) -> None:
     print("\nengine in the mesh's workers during the probe (their /metrics) against the model:")
     print(
-        "| role | mesh mean ms | count | in-process model ms | scale | scaled model ms |\n"
-        "|---|---|---|---|---|---|"
+        "| figure | mesh mean ms | count | in-process model ms | scaled model ms |\n"
+        "|---|---|---|---|---|"
     )
     for f in scaled.figures:
         print(
             f"| {f.role} | {f.measured_s * 1e3:.2f} | {f.count} | {f.unscaled_s * 1e3:.2f} | "
-            f"x{getattr(scaled.scale, f.role):.2f} | {f.scaled_s * 1e3:.2f} ({f.relative:+.1%}) |"
+            f"{f.scaled_s * 1e3:.2f} ({f.relative:+.1%}) |"
         )
+    print("engine in the mesh: " + ", ".join(f"{n} {v}" for n, v in scaled.scale.terms()))
 
 
 def _print_mesh_fit(mesh: Any) -> None:
@@ -475,9 +478,11 @@ def _print_mesh_fit(mesh: Any) -> None:
         f"{o.colocated_token_s * 1e3:.3f} ms per streamed token; "
         f"decode loop {o.loop_s * 1e3:.2f} ms per step + {o.token_s * 1e3:.3f} ms per "
         f"streamed token; request {o.request_s * 1e3:.1f} ms; disagg hand-off "
-        f"{o.handoff_s * 1e3:.1f} ms; loop step jitter over the median: p90 "
-        f"{o.jitter.p90_s * 1e3:.2f} ms, p99 {o.jitter.p99_s * 1e3:.2f} ms, max "
-        f"{o.jitter.max_s * 1e3:.1f} ms"
+        f"{o.handoff_s * 1e3:.1f} ms; loop step jitter over the median (p90, p99, max): "
+        + "; ".join(
+            f"{who} {j.p90_s * 1e3:.2f}, {j.p99_s * 1e3:.2f}, {j.max_s * 1e3:.1f} ms"
+            for who, j in (("colocated", o.colocated_jitter), ("decode", o.jitter))
+        )
     )
 
 
@@ -558,9 +563,15 @@ def _print_spec_terms(d: Any) -> None:
         f"per token, decode loop {d.loop_overhead_s * 1e3:.2f} ms + "
         f"{d.token_overhead_s * 1e3:.3f} ms per token, request "
         f"{d.request_overhead_s * 1e3:.1f} ms, hand-off {d.handoff_overhead_s * 1e3:.1f} ms, "
-        f"jitter p90 {d.jitter_p90_s * 1e3:.2f} ms, p99 {d.jitter_p99_s * 1e3:.2f} ms, max "
-        f"{d.jitter_max_s * 1e3:.1f} ms"
+        + ", ".join(
+            f"{who} jitter p90 {p90 * 1e3:.2f} ms, p99 {p99 * 1e3:.2f} ms, max {top * 1e3:.1f} ms"
+            for who, (p90, p99, top) in (
+                ("colocated", d.jitter_knots("colocated")),
+                ("decode", d.jitter_knots("decode")),
+            )
+        )
         + ("" if d.request_overhead_s else " (none measured: run --calibrate first)")
-        + f"; engine in the mesh x{d.colocated_engine_scale:.2f} colocated, "
+        + f"; engine in the mesh x{d.colocated_engine_scale:.2f} + "
+        f"{d.colocated_engine_extra_s * 1e3:.2f} ms colocated, "
         f"x{d.decode_engine_scale:.2f} decode, x{d.prefill_engine_scale:.2f} prefill"
     )

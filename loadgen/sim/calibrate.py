@@ -44,7 +44,13 @@ from typing import Any
 from kvmesh.loadgen.serve_metrics import RequestRecord
 from kvmesh.loadgen.sim.engine_scale import EngineScale, EngineScaleFit, PhaseTimings, median_phases
 from kvmesh.loadgen.sim.fit import DecodePoint, Fit, PrefillPoint, fit_costs
-from kvmesh.loadgen.sim.overheads import Jitter, MeshOverheads, OverheadFit, ProbeFigures
+from kvmesh.loadgen.sim.overheads import (
+    Jitter,
+    MeshOverheads,
+    OverheadFit,
+    ProbeFigures,
+    mode_jitters,
+)
 from kvmesh.loadgen.sim.probe import ProbeRecords
 from kvmesh.loadgen.sim.specs import DeviceSpec, ModelSpec
 
@@ -73,7 +79,7 @@ class ProbeRun:
     fit to the runs' medians)."""
 
     figures: dict[str, ProbeFigures]  # by mode
-    jitter: Jitter
+    jitter: dict[str, Jitter]  # by mode
     long_ttft_s: dict[str, float]  # by mode: the median TTFT of its long prompts
     timings: dict[str, PhaseTimings]  # by mode; a mode whose /metrics were unread is absent
     scale: EngineScale | None = None
@@ -87,7 +93,7 @@ class PooledProbe:
     is over all of them)."""
 
     figures: dict[str, ProbeFigures]
-    jitter: Jitter
+    jitter: dict[str, Jitter]  # by mode
     long: dict[str, tuple[RequestRecord, ...]]
     timings: dict[str, PhaseTimings]
 
@@ -95,7 +101,7 @@ class PooledProbe:
 def probe_run(records: Mapping[str, ProbeRecords]) -> ProbeRun:
     """One probe run's figures (``records``: that run's probe of each mode)."""
     figures = {mode: ProbeFigures.of(r.isolated, r.batch) for mode, r in records.items()}
-    jitter = Jitter.of([x for r in records.values() for x in r.isolated])
+    jitter = {mode: Jitter.of(r.isolated) for mode, r in records.items()}
     long = {
         mode: statistics.median(x.ttft_s for x in r.long if x.ttft_s is not None)
         for mode, r in records.items()
@@ -117,7 +123,7 @@ def pool_probe_runs(runs: Sequence[Mapping[str, ProbeRecords]]) -> PooledProbe:
     modes = [m for m in ("colocated", "disagg") if any(m in r for r in runs)]
     return PooledProbe(
         {m: ProbeFigures.median([r.figures[m] for r in each if m in r.figures]) for m in modes},
-        Jitter.median([r.jitter for r in each]),
+        {m: Jitter.median([r.jitter[m] for r in each if m in r.jitter]) for m in modes},
         {m: tuple(x for r in runs if m in r for x in r[m].long) for m in modes},
         {
             m: median_phases([r.timings[m] for r in each if m in r.timings])
@@ -297,8 +303,11 @@ def calibrate(
             f"{o.colocated_token_s * 1e3:.2f} ms per token, decode loop {o.loop_s * 1e3:.2f} ms "
             f"+ {o.token_s * 1e3:.2f} ms per token, "
             f"request {o.request_s * 1e3:.1f} ms, hand-off {o.handoff_s * 1e3:.1f} ms, "
-            f"jitter p90 {o.jitter.p90_s * 1e3:.1f} ms, p99 {o.jitter.p99_s * 1e3:.1f} ms, "
-            f"max {o.jitter.max_s * 1e3:.1f} ms",
+            + "; ".join(
+                f"{who} jitter p90 {j.p90_s * 1e3:.1f} ms, p99 {j.p99_s * 1e3:.1f} ms, "
+                f"max {j.max_s * 1e3:.1f} ms"
+                for who, j in (("colocated", o.colocated_jitter), ("decode", o.jitter))
+            ),
         )
     elapsed = time.perf_counter() - started
     return Calibration(
@@ -351,12 +360,13 @@ def fit_probe(
     from kvmesh.loadgen.sim.validate import mesh_topology
 
     scaled = None
+    colocated_jitter, jitter = mode_jitters(probe.jitter)
     if probe.timings:
         scaled = fit_engine_scale(
             CostModel(model, engine),
             probe.timings,
             lambda m, c: simulate_probe_timings(m, c, lambda m2, c2: mesh_topology(m2, c2)),
-            jitter_mean_s=probe.jitter.mean_s,
+            jitter_mean_s={"colocated": colocated_jitter.mean_s, "decode": jitter.mean_s},
         )
         engine = scaled.scale.apply(engine)
     fit = fit_overheads(

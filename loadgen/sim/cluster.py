@@ -198,7 +198,11 @@ class Cluster:
                 now - self.queued_at[w.seq.index] for w in batch if w.seq.num_computed == 0
             ]
         else:
-            jitter = self.cost.jitter_s(self._jitter.random()) if d.jitter_max_s > 0 else 0.0
+            jitter = (
+                self.cost.jitter_s(self._jitter.random(), worker.role)
+                if d.jitter_knots(worker.role)[2] > 0
+                else 0.0
+            )
             step = self.cost.loop_step(
                 slices,
                 sum(w.emits_token for w in batch),

@@ -17,9 +17,9 @@ any ``num_new``). For a step:
   overhead is the fixed part a calibration measures: ``step_overhead_s`` per step +
   ``seq_overhead_s`` per slice + ``chunk_overhead_s`` per prefill chunk (``num_new > 1``);
 - a step of a mesh worker (``step(slices, role)``) is that times the device's
-  ``engine_scale(role)`` (a colocated step with a prefill chunk: ``colocated_chunk``): the engine
-  inside a mesh worker process, measured by calibration's probe, is slower than the in-process
-  calibration the figures come from (``engine_scale.py``).
+  ``engine_scale(role)``, plus its ``engine_extra_s(role)`` on the overhead (a colocated
+  worker's stall per step): the engine inside a mesh worker process, measured by calibration's
+  probe, is slower than the in-process calibration the figures come from (``engine_scale.py``).
 
 The two parts are kept apart (``StepCost.overhead_s``, ``StepCost.roofline_s``): on a CPU host
 shared by several workers the overhead is serial (one core's Python and dispatch) while the
@@ -28,7 +28,7 @@ roofline part runs on all of a worker's threads (``sharing.py``).
 A decode or colocated worker's step, as the mesh runs it (``loop_step``), also pays its loop's
 fixed cost and each streamed token's (``loop_overhead_s``, ``token_overhead_s``: measured by
 calibration on a real mesh, ``overheads.py``), on the serial part, and a jitter drawn from the
-measured distribution (``jitter_s``).
+measured distribution of that role (``jitter_s``).
 
 A worker of ``tp`` devices (tensor parallel) has ``tp`` times the FLOP/s and bandwidth; the
 all-reduces between them are not modelled. KV transfers take ``bytes / link bandwidth +
@@ -124,17 +124,17 @@ class CostModel:
 
     def step(self, slices: Iterable[Slice], role: str | None = None) -> StepCost:
         """The engine's step; with ``role``, as a worker of that role runs it in the mesh (its
-        overhead and roofline times the device's ``engine_scale(role)``)."""
+        overhead and roofline times the device's ``engine_scale(role)``, and its
+        ``engine_extra_s(role)`` added to the overhead)."""
         slices = list(slices)
         assert slices, "a step computes something"
         flops, num_bytes = self.step_flops(slices), self.step_bytes(slices)
         compute = flops / (self.device.effective_flops * self.tp)
         memory = num_bytes / (self.device.effective_bandwidth * self.tp)
-        if role == "colocated" and any(s.num_new > 1 for s in slices):
-            role = "colocated_chunk"
         scale = 1.0 if role is None else self.device.engine_scale(role)
-        overhead = self.step_overhead_s(slices)
-        return StepCost(flops, num_bytes, overhead * scale, max(compute, memory) * scale)
+        extra = 0.0 if role is None else self.device.engine_extra_s(role)
+        overhead = self.step_overhead_s(slices) * scale + extra
+        return StepCost(flops, num_bytes, overhead, max(compute, memory) * scale)
 
     def loop_step(
         self,
@@ -158,17 +158,18 @@ class CostModel:
         loop += jitter_s
         return dataclasses.replace(step, overhead_s=step.overhead_s + loop)
 
-    def jitter_s(self, u: float) -> float:
-        """The loop step jitter at quantile ``u`` in [0, 1): 0 up to the median, then linear
-        through ``jitter_p90_s`` at 0.9 and ``jitter_p99_s`` at 0.99 to ``jitter_max_s``."""
-        d = self.device
-        knots = ((0.5, 0.0), (0.9, d.jitter_p90_s), (0.99, d.jitter_p99_s), (1.0, d.jitter_max_s))
+    def jitter_s(self, u: float, role: str = "decode") -> float:
+        """A ``role`` (decode or colocated) worker's loop step jitter at quantile ``u`` in
+        [0, 1): 0 up to the median, then linear through the p90 excess at 0.9 and the p99 excess
+        at 0.99 to the largest (``DeviceSpec.jitter_knots``)."""
+        p90, p99, largest = self.device.jitter_knots(role)
+        knots = ((0.5, 0.0), (0.9, p90), (0.99, p99), (1.0, largest))
         if u <= 0.5:
             return 0.0
         for (u0, x0), (u1, x1) in itertools.pairwise(knots):
             if u <= u1:
                 return x0 + (x1 - x0) * (u - u0) / (u1 - u0)
-        return d.jitter_max_s
+        return largest
 
     def step_seconds(self, slices: Iterable[Slice]) -> float:
         return self.step(slices).seconds

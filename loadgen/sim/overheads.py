@@ -29,11 +29,16 @@ once workers share the host's cores):
 A term that comes out negative is set to 0, with a note. The fit reports every figure measured
 and simulated with the overheads it found.
 
-The jitter (``Jitter.of``) is measured before the fit, from the isolated requests' gaps (both
-modes, the second half of each stream): how far their 90th and 99th percentiles and their
-largest exceed their median. The simulator draws every loop step's jitter from that
+The jitter (``Jitter.of``) is measured before the fit, from each mode's isolated requests'
+gaps (the second half of each stream): how far their 90th and 99th percentiles and their
+largest exceed their median. The simulator draws every loop step's jitter from its mode's
 distribution (a seeded draw), which gives its gaps the tail a real mesh's have; the loop and
-token terms are then fitted with the jitter in, so the mean gap still matches.
+token terms are then fitted with the jitter in, so the mean gap still matches. Each mode's
+own: measured on both modes' gaps together, the jitter had a p99 excess of 12.4-12.7 ms in two
+calibrations, where the disagg mesh's real ITL p99 was 7-9 ms; with that in, the disagg loop
+terms came out 0-0.1 ms and the validation's disagg ITL 0.56-0.75x at p50 and 1.34-2.17x at
+p99 (docs/sim.md). A colocated worker's threads take every core beside the router and NATS, so
+its gaps can stall longer than a disagg decode worker's.
 
 With several probe runs (``--probe-runs N``) each figure is the median of the runs' own
 (``ProbeFigures.median``), and so is each of the jitter's (``Jitter.median``, each run's
@@ -163,6 +168,13 @@ class Jitter:
         )
 
 
+def mode_jitters(jitters: Mapping[str, Jitter]) -> tuple[Jitter, Jitter]:
+    """The (colocated, disagg decode) jitters of a probe's per-mode ``jitters``: a mode the probe
+    did not serve takes the other's; neither, none."""
+    colocated = jitters.get("colocated", jitters.get("disagg", Jitter()))
+    return colocated, jitters.get("disagg", colocated)
+
+
 @dataclass(frozen=True, slots=True)
 class MeshOverheads:
     loop_s: float = 0.0
@@ -171,7 +183,8 @@ class MeshOverheads:
     colocated_token_s: float = 0.0
     request_s: float = 0.0
     handoff_s: float = 0.0
-    jitter: Jitter = Jitter()
+    jitter: Jitter = Jitter()  # the disagg decode worker's
+    colocated_jitter: Jitter = Jitter()
 
     def apply(self, device: DeviceSpec) -> DeviceSpec:
         return dataclasses.replace(
@@ -185,6 +198,9 @@ class MeshOverheads:
             jitter_p90_s=self.jitter.p90_s,
             jitter_p99_s=self.jitter.p99_s,
             jitter_max_s=self.jitter.max_s,
+            colocated_jitter_p90_s=self.colocated_jitter.p90_s,
+            colocated_jitter_p99_s=self.colocated_jitter.p99_s,
+            colocated_jitter_max_s=self.colocated_jitter.max_s,
         )
 
 
@@ -265,17 +281,17 @@ def fit_overheads(
     cost: CostModel,
     measured: Mapping[str, ProbeFigures],
     topology_for: TopologyFor,
-    jitter: Jitter = Jitter(),
+    jitters: Mapping[str, Jitter] | None = None,
     rounds: int = ROUNDS,
 ) -> OverheadFit:
-    """The overheads with which the simulator, its loop steps jittering as ``jitter`` says,
-    reproduces
-    ``measured`` (``colocated`` needed, ``disagg`` optional: without it the hand-off term stays
-    0). ``cost`` is the engine's."""
+    """The overheads with which the simulator, its loop steps jittering as each mode's
+    ``jitters`` say (``mode_jitters``), reproduces ``measured`` (``colocated`` needed, ``disagg``
+    optional: without it the hand-off term stays 0). ``cost`` is the engine's."""
     if "colocated" not in measured:
         raise OverheadFitError("the fit needs the colocated mesh's probe")
     modes = [m for m in ("colocated", "disagg") if m in measured]
-    o = MeshOverheads(jitter=jitter)
+    colocated_jitter, jitter = mode_jitters(jitters or {})
+    o = MeshOverheads(jitter=jitter, colocated_jitter=colocated_jitter)
     for _ in range(rounds):
         trial = CostModel(cost.model, o.apply(cost.device), cost.tp)
         sim = {m: simulate_probe(trial, m, topology_for) for m in modes}
@@ -294,6 +310,7 @@ def fit_overheads(
             request_s=max(0.0, o.request_s + miss["colocated"].ttft_s),
             handoff_s=max(0.0, o.handoff_s + d_handoff),
             jitter=jitter,
+            colocated_jitter=colocated_jitter,
         )
     trial = CostModel(cost.model, o.apply(cost.device), cost.tp)
     residuals = []

@@ -52,19 +52,24 @@ class DeviceSpec:
     tokenization, placement, the reservation, the first token's way back); and
     ``handoff_overhead_s``, what a disaggregated request pays on top (the prefill job's dispatch,
     the last write's completion, PrefillDone, the decode worker's admission). Loop steps also
-    jitter: the gaps a real mesh shows at batch 1 exceed their median by up to ``jitter_p90_s``
-    in 90 % of steps, ``jitter_p99_s`` in 99 %, ``jitter_max_s`` at most (the garbage collector,
-    heartbeats, a process the OS runs first, a late read); ``CostModel.jitter_s`` draws from
-    that distribution.
+    jitter: the gaps a disagg decode worker shows at batch 1 exceed their median by up to
+    ``jitter_p90_s`` in 90 % of steps, ``jitter_p99_s`` in 99 %, ``jitter_max_s`` at most (the
+    garbage collector, heartbeats, a process the OS runs first, a late read), and a colocated
+    worker's by ``colocated_jitter_p90_s``, ``colocated_jitter_p99_s`` and
+    ``colocated_jitter_max_s`` (measured apart: its two OpenMP threads share every core with the
+    router and NATS, so a preempted thread stalls the whole step); ``CostModel.jitter_s`` draws
+    from those distributions.
 
     ``colocated_engine_scale``, ``decode_engine_scale`` and ``prefill_engine_scale``: how much
     slower (> 1) a worker of that role runs the engine inside the mesh than the in-process
     calibration the roofline and step figures come from (``engine_scale.py``: measured from the
     mesh's own step and chunk histograms during the calibration probe); a step of that role
-    costs its engine figures times the scale; a colocated step that computes a prefill chunk
-    takes ``colocated_chunk_engine_scale`` instead (the probe shows the two apart: a decode step
-    is mostly serial Python that the router's and NATS's work per token slows, a chunk mostly
-    compute). 1 in the GPU specs (nothing measured them)."""
+    costs its engine figures times the scale. A colocated step also pays
+    ``colocated_engine_extra_s`` on top, whatever it computes: the probe shows a colocated
+    worker's decode steps 4-5x the in-process engine's and its prefill chunks 1.5x, which one
+    factor cannot both be; a fixed stall per step (its OpenMP threads waiting on one that the
+    router or NATS preempted) and a factor on the rest are. 1 and 0 in the GPU specs (nothing
+    measured them)."""
 
     name: str
     peak_flops: float
@@ -89,10 +94,13 @@ class DeviceSpec:
     jitter_p90_s: float = 0.0
     jitter_p99_s: float = 0.0
     jitter_max_s: float = 0.0
+    colocated_jitter_p90_s: float = 0.0
+    colocated_jitter_p99_s: float = 0.0
+    colocated_jitter_max_s: float = 0.0
     colocated_engine_scale: float = 1.0
     decode_engine_scale: float = 1.0
     prefill_engine_scale: float = 1.0
-    colocated_chunk_engine_scale: float = 1.0
+    colocated_engine_extra_s: float = 0.0
     description: str = ""
 
     def __post_init__(self) -> None:
@@ -115,29 +123,46 @@ class DeviceSpec:
             "jitter_p90_s",
             "jitter_p99_s",
             "jitter_max_s",
+            "colocated_jitter_p90_s",
+            "colocated_jitter_p99_s",
+            "colocated_jitter_max_s",
+            "colocated_engine_extra_s",
         ):
             _require(getattr(self, name) >= 0, self.name, name, "must be >= 0")
-        _require(
-            self.jitter_p90_s <= self.jitter_p99_s <= self.jitter_max_s,
-            self.name,
-            "jitter_p90_s, jitter_p99_s, jitter_max_s",
-            "must not decrease",
-        )
-        for name in (
-            "colocated_engine_scale",
-            "decode_engine_scale",
-            "prefill_engine_scale",
-            "colocated_chunk_engine_scale",
-        ):
+        for prefix in ("", "colocated_"):
+            _require(
+                getattr(self, f"{prefix}jitter_p90_s")
+                <= getattr(self, f"{prefix}jitter_p99_s")
+                <= getattr(self, f"{prefix}jitter_max_s"),
+                self.name,
+                f"{prefix}jitter_p90_s, {prefix}jitter_p99_s, {prefix}jitter_max_s",
+                "must not decrease",
+            )
+        for name in ("colocated_engine_scale", "decode_engine_scale", "prefill_engine_scale"):
             _require(getattr(self, name) > 0, self.name, name, "must be > 0")
         for name in ("cores", "calibration_threads"):
             value = getattr(self, name)
             _require(isinstance(value, int) and value >= 1, self.name, name, "must be an int >= 1")
 
     def engine_scale(self, role: str) -> float:
-        """The engine's slowdown in the mesh for a worker of ``role`` (colocated, decode,
-        prefill, or colocated_chunk: a colocated step with a prefill chunk)."""
+        """The engine's slowdown in the mesh for a worker of ``role`` (colocated, decode or
+        prefill)."""
         return getattr(self, f"{role}_engine_scale")
+
+    def engine_extra_s(self, role: str) -> float:
+        """What a mesh step of ``role`` pays on top of its scaled engine figures (a colocated
+        worker's stall per step; 0 for the others)."""
+        return self.colocated_engine_extra_s if role == "colocated" else 0.0
+
+    def jitter_knots(self, role: str) -> tuple[float, float, float]:
+        """The jitter's excess over the median gap at p90, p99 and at most, of a ``role``
+        (colocated, or decode) worker's loop steps."""
+        prefix = "colocated_" if role == "colocated" else ""
+        return (
+            getattr(self, f"{prefix}jitter_p90_s"),
+            getattr(self, f"{prefix}jitter_p99_s"),
+            getattr(self, f"{prefix}jitter_max_s"),
+        )
 
     @property
     def effective_flops(self) -> float:
