@@ -1,7 +1,8 @@
-"""kvmesh sim --validate --probe-each-run: each repeat simulated with the scale and overheads
-fitted to the probe its own meshes served, each real run compared with its own simulation and
-the pooled real records with the repeats' simulations pooled. No real mesh: ``run_real`` is
-replaced by canned runs whose records and probes the simulator made with known overheads."""
+"""kvmesh sim --validate --probe-each-run: every validation mesh probed before and after its
+workload; the simulation fitted to the median of all those probe runs (``pooled``), or each
+repeat to its own and each real run compared with its own simulation (``each``). No real mesh:
+``run_real`` is replaced by canned runs whose records and probes the simulator made with known
+overheads."""
 
 from __future__ import annotations
 
@@ -70,9 +71,10 @@ def _probe(mode: str, cost: CostModel) -> ProbeRecords:
 
 
 def _real_run(mode: str, cost: CostModel) -> RealRun:
-    """A real run of ``REQUESTS`` on a mesh that behaves as ``cost``, its probe first."""
+    """A real run of ``REQUESTS`` on a mesh that behaves as ``cost``, probed before and after."""
     sim = simulate(mesh_topology(mode, cost), cost, REQUESTS)
-    return RealRun(list(sim.records), sim.summary.duration_s, sim.timings, _probe(mode, cost))
+    probe = _probe(mode, cost)
+    return RealRun(list(sim.records), sim.summary.duration_s, sim.timings, (probe, probe))
 
 
 def _config() -> ServeBenchConfig:
@@ -105,7 +107,7 @@ def test_each_repeat_is_simulated_with_the_fit_to_its_own_probe(monkeypatch):
     # the spec's own scale and overheads (a stale calibration) must not be used
     stale = dataclasses.replace(_engine(), request_overhead_s=0.5, colocated_engine_scale=3.0)
     comparisons = validate.compare(
-        _config(), CostModel(TINY, stale), REQUESTS, MODES, repeats=2, probe_each_run=True
+        _config(), CostModel(TINY, stale), REQUESTS, MODES, repeats=2, fit="each"
     )
     assert served == [("colocated", True), ("disagg", True)] * 2  # the modes in turn, probed
     for c in comparisons:
@@ -127,6 +129,37 @@ def test_each_repeat_is_simulated_with_the_fit_to_its_own_probe(monkeypatch):
         assert c.sim_records == (*c.sim_runs[0].records, *c.sim_runs[1].records)
         assert c.ratios()["TTFT p50"] == pytest.approx(1.0, rel=0.15)
         assert c.sim_of(1) == c.sim_runs[1].records
+
+
+def test_the_pooled_fit_is_to_the_median_of_every_probe_run(monkeypatch):
+    # three repeats, the last one's meshes disturbed: 10, 10 and 80 ms a request
+    meshes = [_mesh(0.010), _mesh(0.010), _mesh(0.080)]
+    served: list[tuple[str, bool]] = []
+
+    def run_real(config: ServeBenchConfig, mode: str, probe: bool = False) -> RealRun:
+        served.append((mode, probe))
+        return _real_run(mode, meshes[(len(served) - 1) // len(MODES)])
+
+    monkeypatch.setattr(validate, "run_real", run_real)
+    runs = validate.serve(_config(), MODES, repeats=3, probe=True)
+    assert served == [("colocated", True), ("disagg", True)] * 3
+    assert len(validate.probe_runs(runs)) == 6  # two a mesh
+    assert len(validate.probe_runs(runs, 2)) == 2
+    stale = dataclasses.replace(_engine(), request_overhead_s=0.5)
+    comparisons = validate.compare_served(runs, CostModel(TINY, stale), REQUESTS, fit="pooled")
+    for c in comparisons:
+        (fit,) = c.fits
+        # the median of six probe runs, four of them undisturbed: not the mean (~33 ms)
+        assert fit.cost.device.request_overhead_s == pytest.approx(0.010, rel=0.2)
+        assert c.sim_runs == () and c.sim_once is not None
+        assert (
+            c.sim_records == simulate(mesh_topology(c.mode, fit.cost), fit.cost, REQUESTS).records
+        )
+    assert "the simulation fitted to the median of every probe run" in format_comparisons(
+        comparisons
+    )
+    with pytest.raises(ValueError, match="fit must be one of"):
+        validate.compare_served(runs, _mesh(0.01), REQUESTS, fit="median")
 
 
 def test_compare_without_probes_simulates_once(monkeypatch):
@@ -168,8 +201,9 @@ def test_a_run_without_its_probe_is_refused(monkeypatch):
     monkeypatch.setattr(
         validate, "run_real", lambda config, mode, probe=False: RealRun(_records(0.1), 1.0, None)
     )
-    with pytest.raises(ValueError, match="without its probe"):
-        validate.compare(_config(), _mesh(0.01), REQUESTS, MODES, probe_each_run=True)
+    for fit in ("pooled", "each"):
+        with pytest.raises(ValueError, match="without its probe"):
+            validate.compare(_config(), _mesh(0.01), REQUESTS, MODES, fit=fit)
 
 
 def test_cli_prints_each_repeats_fit(monkeypatch, capsys, tmp_path):
@@ -188,11 +222,15 @@ def test_cli_prints_each_repeats_fit(monkeypatch, capsys, tmp_path):
     args += ["--output-len-range", "8:8", "--request-rate", "0.5"]
     assert main(args) == 0
     out = capsys.readouterr().out
-    assert "each repeat's fit to the probe on its own meshes" in out
+    assert "each repeat's fit to the probes on its own meshes" in out
     assert "| run | engine scale |" in out
     assert out.count("\n| 1 | colocated x") == 1 and out.count("\n| 2 | colocated x") == 1
     assert "each real run against its own simulation" in out
-    assert "pooled: each side is every run's records (2 x 4)" in out
+    assert "both sides pooled over 2 runs, each simulated with its own fit" in out
+    assert "the fit to the median of all 4 probe runs" in out
+    assert out.count("\n| all | colocated x") == 1
+    assert "pooled: the real side is every run's records (2 x 4)" in out
+    assert "the simulation fitted to the median of every probe run of the validation" in out
 
 
 def test_cli_refuses_no_repeats_with_probe_each_run(capsys):

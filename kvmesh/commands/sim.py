@@ -10,7 +10,8 @@ calibrate this machine as a device spec, or check the simulator against the real
   spec;
 - ``--validate``: the same workload simulated and served by a local mesh (colocated and disagg),
   sim/real ratios of p50/p99 TTFT and ITL (``--probe-each-run``: each mesh serves the probe
-  first, and each repeat is simulated with the scale and overheads fitted to it).
+  before and after its workload; the simulation is fitted to the median of all those probe
+  runs, and, printed apart, each repeat to its own).
 
 Torch is imported by ``--calibrate`` and ``--validate`` only.
 """
@@ -112,9 +113,10 @@ def register(subparsers: Any) -> None:
     out.add_argument(
         "--probe-each-run",
         action="store_true",
-        help="--validate: fit the engine scale and mesh overheads to a probe served on each "
-        "validation mesh just before its workload, on the --device spec's engine figures (the "
-        "spec's own scale and overheads are not used); each repeat is simulated with its own fit",
+        help="--validate: fit the engine scale and mesh overheads to the probe served on each "
+        "validation mesh before and after its workload, on the --device spec's engine figures "
+        "(the spec's own scale and overheads are not used): to the median of all those probe "
+        "runs, and, printed apart, each repeat to its own two",
     )
     out.add_argument(
         "--prefill-nice",
@@ -415,11 +417,24 @@ def _print_scale_spread(scales: list[Any]) -> None:
         print(f"the scales fitted run by run: {spread}")
 
 
+def _print_pooled_fit(fit: Any, runs: int) -> None:
+    """``--probe-each-run``: the fit to the median of every probe run of the validation, which
+    the pooled comparison below uses."""
+    print(f"\nthe fit to the median of all {runs} probe runs (the comparison below uses it):")
+    print(_fit_header(("worst probe residual", "worst long-prompt check")))
+    mesh = fit.mesh
+    check = f"{mesh.max_check_error:.0%}" if mesh.checks else "-"
+    cells = _fit_cells(fit.engine_scale and fit.engine_scale.scale, mesh.overheads)
+    print(f"| all | {' | '.join([*cells, f'{mesh.max_relative_error:.0%}', check])} |")
+    for note in mesh.notes:
+        print(f"note: {note}")
+
+
 def _print_run_fits(fits: Any) -> None:
-    """``--probe-each-run``: each repeat's scale and overheads, fitted to the probe its meshes
-    served just before the workload, with the fit's worst probe residual and its worst
-    long-prompt check (nothing fitted to those)."""
-    print("\neach repeat's fit to the probe on its own meshes (its simulation uses it):")
+    """``--probe-each-run``: each repeat's scale and overheads, fitted to the two probe runs its
+    meshes served (before and after the workload), with the fit's worst probe residual and its
+    worst long-prompt check (nothing fitted to those)."""
+    print("\neach repeat's fit to the probes on its own meshes (its own simulation uses it):")
     print(_fit_header(("worst probe residual", "worst long-prompt check")))
     for k, f in enumerate(fits, 1):
         mesh = f.mesh
@@ -515,28 +530,31 @@ def _validate(args: argparse.Namespace, cost: Any, requests: list[Any]) -> int:
         print(
             f"simulated on {d.name}'s engine figures: {d.peak_flops / 1e9:.1f} GFLOP/s, "
             f"{d.mem_bandwidth / 1e9:.2f} GB/s, {d.step_overhead_s * 1e3:.2f} ms per step; the "
-            "engine scale and mesh overheads fitted to a probe on each validation mesh"
+            "engine scale and mesh overheads fitted to the probes served on the validation's "
+            "own meshes, before and after each workload"
         )
     else:
         _print_spec_terms(d)
+    modes = ("colocated", "disagg")
     try:
-        comparisons = validate.compare(
-            config,
-            cost,
-            requests,
-            ("colocated", "disagg"),
-            repeats=args.repeats,
-            probe_each_run=args.probe_each_run,
-        )
+        runs = validate.serve(config, modes, args.repeats, probe=args.probe_each_run)
+        if args.probe_each_run:
+            each = validate.compare_served(runs, cost, requests, args.prefill_nice, "each")
+            comparisons = validate.compare_served(runs, cost, requests, args.prefill_nice, "pooled")
+        else:
+            comparisons = validate.compare_served(runs, cost, requests, args.prefill_nice)
     except OverheadFitError as exc:
         return _fail(f"mesh probe refused: {exc}")
     if args.probe_each_run:
-        _print_run_fits(comparisons[0].fits)
+        _print_run_fits(each[0].fits)
+        print()
+        print(validate.format_runs(each))
+        print(validate.format_comparisons(each))
+        _print_pooled_fit(comparisons[0].fits[0], 2 * args.repeats)
         print()
     if args.repeats > 1:
         print(validate.format_runs(comparisons))
-        side = "each side is every run's" if args.probe_each_run else "the real side is every run's"
-        print(f"\npooled: {side} records ({args.repeats} x {len(requests)})")
+        print(f"\npooled: the real side is every run's records ({args.repeats} x {len(requests)})")
     print(validate.format_comparisons(comparisons))
     if args.per_request:
         from kvmesh.loadgen.sim.engine_timings import format_timings

@@ -86,17 +86,20 @@ def run_probe(
         return serve_probe(mesh, mode, model, timeout_s)
 
 
-def serve_probe(mesh: Any, mode: str, model: str, timeout_s: float = 120.0) -> ProbeRecords:
+def serve_probe(
+    mesh: Any, mode: str, model: str, timeout_s: float = 120.0, seed: str = "probe"
+) -> ProbeRecords:
     """Serve the probe on ``mesh``, an open local mesh of ``mode`` (``local_mesh``'s Launcher:
     ``.url``, ``.metrics_urls``) running ``model``: a warm-up, then the isolated requests, the
     long prompts and the batch, the mesh's /metrics read between the phases. Apart from
     ``run_probe`` so that ``--validate --probe-each-run`` can probe the very mesh it then
-    validates on."""
+    validates on. ``seed`` draws the prompts: a second probe on the same mesh takes another, so
+    that none of its prompts is in the prefix cache."""
     from kvmesh.loadgen.sim.validate import scrape
     from kvmesh.loadgen.sse_client import Endpoint, run_requests
     from kvmesh.loadgen.workload import Prompt
 
-    rng = random.Random("probe")
+    rng = random.Random(seed)
     # one prompt per request and one for the warm-up: none is in the prefix cache when sent
     prompts = [
         tuple(rng.randrange(1, 250) for _ in range(PROBE_INPUT))

@@ -19,12 +19,16 @@ real p99 is not one request of one run. Each run's own sim/real ratios are kept 
 is deterministic (its jitter is a seeded draw), so its records are counted ``repeats`` times
 (``pooled_summary``): the two sides' percentiles are then taken over as many requests.
 
-With ``probe_each_run`` every mesh serves the calibration probe (``probe.serve_probe``) just
-before the validation's warm-up and workload, and each repeat (one mesh of each mode) is
-simulated with the engine scale and mesh overheads fitted to its own probe (``fit_run``), on the
-spec's engine figures: the machine's speed drifts over minutes, so a calibration made minutes
-before is stale by the time the validation runs. Each real run is then compared with its own
-simulation, and the pooled real records with the repeats' simulations pooled.
+With ``probe`` (``serve``) every mesh serves the calibration probe (``probe.serve_probe``) just
+before the validation's warm-up and workload and again just after it: the machine's speed
+drifts over minutes, so a calibration made minutes before is stale by the time the validation
+runs. ``compare_served`` then fits the engine scale and mesh overheads (``fit_run``, on the
+spec's engine figures alone) either to the median of every probe run of the validation
+(``pooled``: two per mesh, as ``--calibrate --probe-runs`` takes the median of its runs) and
+simulates once, or to each repeat's own two probe runs (``each``) and simulates each repeat with
+its own fit, each real run then compared with its own simulation. One probe run is noisy: its
+p99 gap rests on a few gaps, and one disturbed run gave a repeat a jitter three times the
+others' (its simulated disagg ITL p99 2.2x the real one).
 """
 
 from __future__ import annotations
@@ -98,7 +102,8 @@ class Comparison:
 
     With a calibration per repeat (``sim_runs`` not empty) run ``k`` has a simulation of its
     own, ``sim_runs[k]``, with ``fits[k].cost``: ``sim`` pools them, ``sim_records`` is theirs run
-    after run, ``sim_timings`` their pooled means, and ``sim_once`` is None."""
+    after run, ``sim_timings`` their pooled means, and ``sim_once`` is None. With one calibration
+    fitted to every probe of the validation, ``fits`` holds it alone and ``sim_runs`` is empty."""
 
     mode: str
     real: Summary
@@ -177,17 +182,19 @@ def scrape(urls: list[str]) -> dict[str, float] | None:
 @dataclass(frozen=True, slots=True)
 class RealRun:
     """One mesh's validation run: its records, how long it took, the engines' means over it
-    (None: its /metrics were unread), and the probe it served first (None: not probed)."""
+    (None: its /metrics were unread), and the probes it served before and after the workload
+    (none: not probed)."""
 
     records: list[RequestRecord]
     duration_s: float
     timings: EngineTimings | None
-    probe: ProbeRecords | None = None
+    probes: tuple[ProbeRecords, ...] = ()  # the probe before the workload and after it
 
 
 def run_real(config: ServeBenchConfig, mode: str, probe: bool = False) -> RealRun:
     """Serve the workload on a fresh local mesh of ``mode``; with ``probe``, serve the
-    calibration probe on that mesh first (then the warm-up and the workload, as without)."""
+    calibration probe on that mesh before the warm-up and the workload, and again (other
+    prompts) after them."""
     from kvmesh.loadgen.arrivals import ArrivalProcess, arrival_times
     from kvmesh.loadgen.bench_mesh import local_mesh
     from kvmesh.loadgen.bench_serve import build_workload
@@ -204,7 +211,7 @@ def run_real(config: ServeBenchConfig, mode: str, probe: bool = False) -> RealRu
         local_prefill_threshold=0,
         prefill_nice=config.prefill_nice,
     ) as mesh:
-        probed = serve_probe(mesh, mode, config.model, config.timeout_s) if probe else None
+        probes = [serve_probe(mesh, mode, config.model, config.timeout_s)] if probe else []
         endpoint = config.endpoint(mesh.url)
         # a prompt of its own (prompts[0] reversed): the warm-up must not leave the first
         # request's prompt in the prefix cache, which the simulator does not model
@@ -218,8 +225,12 @@ def run_real(config: ServeBenchConfig, mode: str, probe: bool = False) -> RealRu
             run_requests(endpoint, prompts, times, timeout_s=config.timeout_s)
         )
         after = scrape(urls)
+        if probe:
+            probes.append(
+                serve_probe(mesh, mode, config.model, config.timeout_s, seed="probe-after")
+            )
     timings = None if before is None or after is None else EngineTimings.between(before, after)
-    return RealRun(records, duration_s, timings, probed)
+    return RealRun(records, duration_s, timings, tuple(probes))
 
 
 def engine_only(device: DeviceSpec) -> DeviceSpec:
@@ -228,16 +239,83 @@ def engine_only(device: DeviceSpec) -> DeviceSpec:
     return MeshOverheads().apply(EngineScale().apply(device))
 
 
-def fit_run(cost: CostModel, probes: Mapping[str, ProbeRecords]) -> RunFit:
-    """The engine scale and mesh overheads fitted to one repeat's probes (by mode) on
-    ``cost``'s engine figures (its own scales and overheads are not used), applied as
-    ``calibrate.calibrate`` applies them: the scale, then the overheads."""
+def fit_run(cost: CostModel, probe_runs: Sequence[Mapping[str, ProbeRecords]]) -> RunFit:
+    """The engine scale and mesh overheads fitted to the median of ``probe_runs`` (each a probe
+    by mode) on ``cost``'s engine figures (its own scales and overheads are not used), applied
+    as ``calibrate.calibrate`` applies them: the scale, then the overheads."""
     from kvmesh.loadgen.sim.calibrate import fit_probe, pool_probe_runs
 
     engine = engine_only(cost.device)
-    mesh, scaled = fit_probe(engine, cost.model, pool_probe_runs([probes]))
+    mesh, scaled = fit_probe(engine, cost.model, pool_probe_runs(list(probe_runs)))
     spec = engine if scaled is None else scaled.scale.apply(engine)
     return RunFit(mesh, scaled, CostModel(cost.model, mesh.overheads.apply(spec), cost.tp))
+
+
+def serve(
+    config: ServeBenchConfig, modes: tuple[str, ...], repeats: int = 1, probe: bool = False
+) -> dict[str, list[RealRun]]:
+    """The workload served by ``repeats`` fresh meshes of each mode (the modes in turn, so that
+    a slow drift of the machine reaches both), each probed before and after it with ``probe``."""
+    if repeats < 1:
+        raise ValueError(f"--repeats must be at least 1, got {repeats}")
+    runs: dict[str, list[RealRun]] = {mode: [] for mode in modes}
+    for _ in range(repeats):
+        for mode in modes:
+            runs[mode].append(run_real(config, mode, probe=probe))
+    return runs
+
+
+def probe_runs(
+    runs: Mapping[str, Sequence[RealRun]], repeat: int | None = None
+) -> list[dict[str, ProbeRecords]]:
+    """The probe runs (a probe of each mode) that repeat ``repeat``'s meshes served, or every
+    repeat's (None): its meshes' first probes, then their second."""
+    repeats = range(min(len(r) for r in runs.values())) if repeat is None else [repeat]
+    out = []
+    for k in repeats:
+        served = {mode: rs[k] for mode, rs in runs.items()}
+        if any(not run.probes for run in served.values()):
+            raise ValueError("a validation run without its probe")
+        count = min(len(run.probes) for run in served.values())
+        out += [{mode: run.probes[i] for mode, run in served.items()} for i in range(count)]
+    return out
+
+
+FITS = ("spec", "pooled", "each")
+
+
+def compare_served(
+    runs: Mapping[str, Sequence[RealRun]],
+    cost: CostModel,
+    requests: list[SimRequest],
+    prefill_nice: int = 0,
+    fit: str = "spec",
+) -> list[Comparison]:
+    """The served ``runs`` (by mode) against the simulation of ``requests``: with ``cost`` as it
+    is (``spec``); fitted to the median of every probe run of the validation (``pooled``, one
+    simulation); or each repeat fitted to its own probe runs (``each``, a simulation a repeat)."""
+    if fit not in FITS:
+        raise ValueError(f"fit must be one of {', '.join(FITS)}, got {fit!r}")
+
+    def simulated(mode: str, c: CostModel) -> SimResult:
+        return simulate(mesh_topology(mode, c, prefill_nice), c, requests)
+
+    if fit == "spec":
+        return [comparison(mode, rs, simulated(mode, cost)) for mode, rs in runs.items()]
+    if fit == "pooled":
+        pooled_fit = fit_run(cost, probe_runs(runs))
+        return [
+            dataclasses.replace(
+                comparison(mode, rs, simulated(mode, pooled_fit.cost)), fits=(pooled_fit,)
+            )
+            for mode, rs in runs.items()
+        ]
+    repeats = min(len(rs) for rs in runs.values())
+    fits = [fit_run(cost, probe_runs(runs, k)) for k in range(repeats)]
+    return [
+        comparison_each(mode, rs, [simulated(mode, f.cost) for f in fits], fits)
+        for mode, rs in runs.items()
+    ]
 
 
 def compare(
@@ -246,49 +324,14 @@ def compare(
     requests: list[SimRequest],
     modes: tuple[str, ...],
     repeats: int = 1,
-    probe_each_run: bool = False,
+    fit: str = "spec",
 ) -> list[Comparison]:
-    """Each mode simulated once and served by ``repeats`` fresh meshes (the modes in turn).
-
-    With ``probe_each_run`` each mesh serves the probe first, and after each repeat the scale
-    and overheads are fitted to that repeat's probes (``fit_run``; ``modes`` must hold
-    ``colocated``) and each mode is simulated with that repeat's cost model."""
-    if repeats < 1:
-        raise ValueError(f"--repeats must be at least 1, got {repeats}")
-    runs: dict[str, list[RealRun]] = {mode: [] for mode in modes}
-    fits: list[RunFit] = []
-    for _ in range(repeats):
-        for mode in modes:
-            runs[mode].append(run_real(config, mode, probe=probe_each_run))
-        if probe_each_run:
-            fits.append(fit_run(cost, {mode: _probe_of(runs[mode][-1]) for mode in modes}))
-    if probe_each_run:
-        return [
-            comparison_each(
-                mode,
-                runs[mode],
-                [
-                    simulate(mesh_topology(mode, f.cost, config.prefill_nice), f.cost, requests)
-                    for f in fits
-                ],
-                fits,
-            )
-            for mode in modes
-        ]
-    return [
-        comparison(
-            mode,
-            runs[mode],
-            simulate(mesh_topology(mode, cost, config.prefill_nice), cost, requests),
-        )
-        for mode in modes
-    ]
-
-
-def _probe_of(run: RealRun) -> ProbeRecords:
-    if run.probe is None:
-        raise ValueError("a validation run without its probe")
-    return run.probe
+    """``requests`` served by ``repeats`` fresh meshes of each mode (probed where ``fit`` is
+    not ``spec``) and simulated as ``compare_served`` says."""
+    if fit not in FITS:
+        raise ValueError(f"fit must be one of {', '.join(FITS)}, got {fit!r}")
+    runs = serve(config, modes, repeats, probe=fit != "spec")
+    return compare_served(runs, cost, requests, config.prefill_nice, fit)
 
 
 def _pooled_timings(timings: Sequence[EngineTimings | None]) -> EngineTimings | None:
@@ -407,6 +450,12 @@ def format_comparisons(comparisons: list[Comparison]) -> str:
     pooled_note = f" (the real side pooled over {runs} runs)" if runs > 1 else ""
     if runs > 1 and any(c.sim_runs for c in comparisons):
         pooled_note = f" (both sides pooled over {runs} runs, each simulated with its own fit)"
+    elif any(c.fits for c in comparisons):
+        real_side = f"the real side pooled over {runs} runs; " if runs > 1 else ""
+        pooled_note = (
+            f" ({real_side}the simulation fitted to the median of every probe run of the "
+            "validation)"
+        )
     lines.append(
         f"within {TOLERANCE * 100:.0f} %{pooled_note}: "
         + ", ".join(f"{mode} {k}/{n}" for mode, k, n in counts)
