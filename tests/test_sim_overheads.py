@@ -3,6 +3,7 @@ engine's hand-off chunks and admission between steps, and their fit to a probe."
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 
 import pytest
@@ -331,9 +332,9 @@ def _probe_records(mode: str, cost: CostModel) -> ProbeRecords:
     timings = simulate_probe_timings(mode, cost, _topology)
     return ProbeRecords(
         mode,
-        simulate(topology, cost, isolated).records,
-        simulate(topology, cost, batch).records,
-        simulate(topology, cost, long_requests()).records,
+        simulate(topology, cost, isolated, wake=False).records,
+        simulate(topology, cost, batch, wake=False).records,
+        simulate(topology, cost, long_requests(), wake=False).records,
         timings.short,
         timings.long,
     )
@@ -409,3 +410,74 @@ def test_fit_to_the_runs_medians_ignores_one_disturbed_run():
     busy_fit, _ = fit_probe(engine, TINY, pool_probe_runs([b]), checks=False)
     assert busy_fit.overheads.request_s > 0.1
     assert busy_fit.checks == ()
+
+
+def test_a_worker_that_idled_pays_its_wake_term_on_its_next_step():
+    from kvmesh.loadgen.sim.cost import WAKE_AFTER_S
+
+    cost = _fixed(colocated_wake_s=0.05)
+    topology = Topology("colocated", 1, kv_capacity_tokens=10_000)
+    # three requests of 3 steps (30 ms each): the second sent as the first ends, the third after
+    # the worker has idled longer than WAKE_AFTER_S
+    requests = [
+        SimRequest(0.0, 16, 3),
+        SimRequest(0.08 + 1e-9, 16, 3),
+        SimRequest(0.2 + WAKE_AFTER_S, 16, 3),
+    ]
+    woken = simulate(topology, cost, requests).records
+    assert [r.ttft_s for r in woken] == pytest.approx([0.06, 0.01, 0.06])
+    assert woken[0].itl_s == pytest.approx([0.01, 0.01])  # only the first step after idling
+    asleep = simulate(topology, cost, requests, wake=False).records
+    assert [r.ttft_s for r in asleep] == pytest.approx([0.01, 0.01, 0.01])
+    # a decode worker has no wake term; a prefill worker has its own
+    disagg = _fixed(colocated_wake_s=0.05, prefill_wake_s=0.02)
+    one = [SimRequest(0.0, 16, 3)]
+    plain = simulate(Topology("disagg", 1, 1, kv_capacity_tokens=10_000), _fixed(), one)
+    with_wake = simulate(Topology("disagg", 1, 1, kv_capacity_tokens=10_000), disagg, one)
+    assert with_wake.records[0].ttft_s == pytest.approx(plain.records[0].ttft_s + 0.02)
+    assert with_wake.records[0].itl_s == pytest.approx(plain.records[0].itl_s)
+    with pytest.raises(SpecError, match="prefill_wake_s"):
+        _fixed(prefill_wake_s=-0.01)
+
+
+def test_fit_wake_recovers_the_wake_terms_the_woken_probe_had():
+    from kvmesh.loadgen.sim.overheads import fit_wake
+    from kvmesh.loadgen.sim.probe import long_requests
+
+    truth = _cpu(request_overhead_s=0.01, colocated_wake_s=0.03, prefill_wake_s=0.012)
+    woken = {
+        m: simulate(_topology(m, truth), truth, long_requests()).records
+        for m in ("colocated", "disagg")
+    }
+    fitted, residuals = fit_wake(_cpu(request_overhead_s=0.01), woken, _topology)
+    assert fitted.colocated_wake_s == pytest.approx(0.03, rel=0.05)
+    assert fitted.prefill_wake_s == pytest.approx(0.012, rel=0.1)
+    assert [r.label for r in residuals] == [
+        "colocated TTFT of a 1024-token prompt after idling",
+        "disagg TTFT of a 1024-token prompt after idling",
+    ]
+    assert all(abs(r.relative) < 0.02 for r in residuals)
+    # a mesh no slower after idling: no wake (never negative); no woken records: 0
+    plain = _cpu(request_overhead_s=0.01)
+    same = {"colocated": simulate(_topology("colocated", plain), plain, long_requests()).records}
+    assert fit_wake(plain, same, _topology)[0].colocated_wake_s == pytest.approx(0.0, abs=1e-6)
+    assert fit_wake(plain, {}, _topology)[0] == MeshOverheads()
+
+
+def test_fit_probe_fits_the_wake_to_the_woken_long_prompts():
+    from kvmesh.loadgen.sim.calibrate import fit_probe, pool_probe_runs
+    from kvmesh.loadgen.sim.probe import long_requests
+
+    truth = _cpu(request_overhead_s=0.02, colocated_wake_s=0.04, prefill_wake_s=0.01)
+    run = {}
+    for m in ("colocated", "disagg"):
+        woken = simulate(_topology(m, truth), truth, long_requests()).records
+        run[m] = dataclasses.replace(_probe_records(m, truth), woken=woken)
+    pooled = pool_probe_runs([run, run])
+    assert len(pooled.woken["colocated"]) == 2 * len(long_requests())
+    fit, _ = fit_probe(_cpu().device, TINY, pooled)
+    assert fit.overheads.colocated_wake_s == pytest.approx(0.04, rel=0.15)
+    assert fit.overheads.prefill_wake_s == pytest.approx(0.01, rel=0.3)
+    assert any("after idling" in r.label for r in fit.residuals)
+    # the back-to-back phases are simulated without it: their figures and check still match
+    assert fit.max_check_error < 0.1

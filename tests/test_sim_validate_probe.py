@@ -62,9 +62,9 @@ def _probe(mode: str, cost: CostModel) -> ProbeRecords:
     timings = simulate_probe_timings(mode, cost, lambda m, c: mesh_topology(m, c))
     return ProbeRecords(
         mode,
-        simulate(topology, cost, isolated).records,
-        simulate(topology, cost, batch).records,
-        simulate(topology, cost, long_requests()).records,
+        simulate(topology, cost, isolated, wake=False).records,
+        simulate(topology, cost, batch, wake=False).records,
+        simulate(topology, cost, long_requests(), wake=False).records,
         timings.short,
         timings.long,
     )

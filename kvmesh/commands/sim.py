@@ -367,6 +367,7 @@ _FIT_COLUMNS = (
     "decode loop + token ms",
     "request ms",
     "hand-off ms",
+    "wake ms (colocated; prefill)",
     "jitter p90 / p99 ms (colocated; decode)",
 )
 
@@ -399,6 +400,7 @@ def _fit_cells(scale: Any, o: Any) -> list[str]:
         f"{o.loop_s * 1e3:.2f} + {o.token_s * 1e3:.3f}",
         f"{o.request_s * 1e3:.1f}",
         f"{o.handoff_s * 1e3:.1f}",
+        f"{o.colocated_wake_s * 1e3:.1f}; {o.prefill_wake_s * 1e3:.1f}",
         "; ".join(
             f"{j.p90_s * 1e3:.2f} / {j.p99_s * 1e3:.2f}" for j in (o.colocated_jitter, o.jitter)
         ),
@@ -493,7 +495,9 @@ def _print_mesh_fit(mesh: Any) -> None:
         f"{o.colocated_token_s * 1e3:.3f} ms per streamed token; "
         f"decode loop {o.loop_s * 1e3:.2f} ms per step + {o.token_s * 1e3:.3f} ms per "
         f"streamed token; request {o.request_s * 1e3:.1f} ms; disagg hand-off "
-        f"{o.handoff_s * 1e3:.1f} ms; loop step jitter over the median (p90, p99, max): "
+        f"{o.handoff_s * 1e3:.1f} ms; the first step after idling: colocated "
+        f"+{o.colocated_wake_s * 1e3:.1f} ms, prefill +{o.prefill_wake_s * 1e3:.1f} ms; "
+        "loop step jitter over the median (p90, p99, max): "
         + "; ".join(
             f"{who} {j.p90_s * 1e3:.2f}, {j.p99_s * 1e3:.2f}, {j.max_s * 1e3:.1f} ms"
             for who, j in (("colocated", o.colocated_jitter), ("decode", o.jitter))
@@ -581,6 +585,8 @@ def _print_spec_terms(d: Any) -> None:
         f"per token, decode loop {d.loop_overhead_s * 1e3:.2f} ms + "
         f"{d.token_overhead_s * 1e3:.3f} ms per token, request "
         f"{d.request_overhead_s * 1e3:.1f} ms, hand-off {d.handoff_overhead_s * 1e3:.1f} ms, "
+        f"wake colocated {d.colocated_wake_s * 1e3:.1f} ms, prefill "
+        f"{d.prefill_wake_s * 1e3:.1f} ms, "
         + ", ".join(
             f"{who} jitter p90 {p90 * 1e3:.2f} ms, p99 {p99 * 1e3:.2f} ms, max {top * 1e3:.1f} ms"
             for who, (p90, p99, top) in (

@@ -96,6 +96,7 @@ class PooledProbe:
     jitter: dict[str, Jitter]  # by mode
     long: dict[str, tuple[RequestRecord, ...]]
     timings: dict[str, PhaseTimings]
+    woken: dict[str, tuple[RequestRecord, ...]] = dataclasses.field(default_factory=dict)
 
 
 def probe_run(records: Mapping[str, ProbeRecords]) -> ProbeRun:
@@ -130,6 +131,7 @@ def pool_probe_runs(runs: Sequence[Mapping[str, ProbeRecords]]) -> PooledProbe:
             for m in modes
             if any(m in r.timings for r in each)
         },
+        {m: tuple(x for r in runs if m in r for x in r[m].woken) for m in modes},
     )
 
 
@@ -303,6 +305,8 @@ def calibrate(
             f"{o.colocated_token_s * 1e3:.2f} ms per token, decode loop {o.loop_s * 1e3:.2f} ms "
             f"+ {o.token_s * 1e3:.2f} ms per token, "
             f"request {o.request_s * 1e3:.1f} ms, hand-off {o.handoff_s * 1e3:.1f} ms, "
+            f"wake colocated {o.colocated_wake_s * 1e3:.1f} ms, prefill "
+            f"{o.prefill_wake_s * 1e3:.1f} ms, "
             + "; ".join(
                 f"{who} jitter p90 {j.p90_s * 1e3:.1f} ms, p99 {j.p99_s * 1e3:.1f} ms, "
                 f"max {j.max_s * 1e3:.1f} ms"
@@ -356,7 +360,7 @@ def fit_probe(
     ``probe``'s figures; with ``checks``, the long prompts' TTFT checked on the result."""
     from kvmesh.loadgen.sim.cost import CostModel
     from kvmesh.loadgen.sim.engine_scale import fit_engine_scale, simulate_probe_timings
-    from kvmesh.loadgen.sim.overheads import check_long, fit_overheads
+    from kvmesh.loadgen.sim.overheads import check_long, fit_overheads, fit_wake
     from kvmesh.loadgen.sim.validate import mesh_topology
 
     scaled = None
@@ -374,6 +378,20 @@ def fit_probe(
         probe.figures,
         lambda m, c: mesh_topology(m, c),
         probe.jitter,
+    )
+    wake, woken = fit_wake(
+        CostModel(model, fit.overheads.apply(engine)),
+        probe.woken,
+        lambda m, c: mesh_topology(m, c),
+    )
+    fit = dataclasses.replace(
+        fit,
+        overheads=dataclasses.replace(
+            fit.overheads,
+            colocated_wake_s=wake.colocated_wake_s,
+            prefill_wake_s=wake.prefill_wake_s,
+        ),
+        residuals=fit.residuals + woken,
     )
     if not checks:
         return fit, scaled

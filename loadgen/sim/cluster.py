@@ -18,7 +18,11 @@ deterministic). The request path follows the mesh's:
    token is announced, and the sequence decodes from the next step on;
 4. every step's tokens are delivered at the step's end; a finished request frees its KV. A decode
    or colocated step also pays its loop's overheads (``CostModel.loop_step``, with a jitter
-   drawn by a seeded generator) and starts at most every ``decode_pacing_s``.
+   drawn by a seeded generator) and starts at most every ``decode_pacing_s``. A colocated or
+   prefill worker's first step after it has idled ``cost.WAKE_AFTER_S`` or longer pays its wake
+   term (``DeviceSpec.wake_s``) on top; ``simulate(..., wake=False)`` leaves it out, for a
+   workload sent back to back (each request once the previous one has ended), as the
+   calibration probe's phases are.
 
 Steps of workers on one device (``Topology.shared_device``) share it while busy: its cores by
 thread count and niceness, each worker at the pace of its slowest thread (``sharing.py``).
@@ -26,15 +30,17 @@ thread count and niceness, each worker at the pace of its slowest thread (``shar
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
+import math
 import random
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvmesh.loadgen.serve_metrics import RequestRecord, Slo, Summary, summarize
-from kvmesh.loadgen.sim.cost import CostModel
+from kvmesh.loadgen.sim.cost import WAKE_AFTER_S, CostModel
 from kvmesh.loadgen.sim.engine_timings import EngineTimings
 from kvmesh.loadgen.sim.sharing import Share, SharedHost
 from kvmesh.loadgen.sim.topology import Topology
@@ -58,8 +64,15 @@ class SimResult:
 class Cluster:
     """One run: ``Cluster(topology, cost, requests).run(slo)``."""
 
-    def __init__(self, topology: Topology, cost: CostModel, requests: Sequence[SimRequest]) -> None:
+    def __init__(
+        self,
+        topology: Topology,
+        cost: CostModel,
+        requests: Sequence[SimRequest],
+        wake: bool = True,
+    ) -> None:
         assert cost.tp == topology.tp
+        self.wake = wake
         self.topology = topology
         self.cost = cost
         self.requests = list(requests)
@@ -94,6 +107,7 @@ class Cluster:
         self.batches: dict[int, list[Work]] = {}
         self.versions = [0] * len(self.workers)
         self.step_start = [0.0] * len(self.workers)
+        self.idle_since = [-math.inf] * len(self.workers)  # when each one's last step ended
         self.engine_share = [1.0] * len(self.workers)  # of the step in flight: engine / loop step
         self.step_walls = {"home": [0, 0.0], "prefill": [0, 0.0]}  # steps, engine wall seconds
         self.queued_at: dict[int, float] = {}  # a disagg sequence's entry into the prefill queue
@@ -210,6 +224,10 @@ class Cluster:
                 is_colocated=worker.role == "colocated",
             )
         engine = self.cost.step(slices, worker.role).seconds
+        wake = d.wake_s(worker.role)
+        if self.wake and wake > 0 and now - self.idle_since[worker.index] >= WAKE_AFTER_S:
+            step = dataclasses.replace(step, overhead_s=step.overhead_s + wake)
+            engine += wake
         self.engine_share[worker.index] = engine / step.seconds if step.seconds > 0 else 1.0
         worker.is_busy = True
         worker.last_step_start = now
@@ -236,6 +254,7 @@ class Cluster:
         if not done:  # its overhead is over; its roofline part now runs on its threads
             return
         worker.is_busy = False
+        self.idle_since[worker.index] = now
         batch = self.batches.pop(worker.index)
         walls = self.step_walls["prefill" if worker.role == "prefill" else "home"]
         walls[0] += 1
@@ -330,6 +349,12 @@ class Cluster:
 
 
 def simulate(
-    topology: Topology, cost: CostModel, requests: Sequence[SimRequest], slo: Slo | None = None
+    topology: Topology,
+    cost: CostModel,
+    requests: Sequence[SimRequest],
+    slo: Slo | None = None,
+    wake: bool = True,
 ) -> SimResult:
-    return Cluster(topology, cost, requests).run(slo)
+    """Run ``requests`` on ``topology``; ``wake=False``: no worker pays its wake term (the
+    requests were sent back to back, the mesh never idle between them)."""
+    return Cluster(topology, cost, requests, wake).run(slo)

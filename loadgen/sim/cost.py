@@ -44,6 +44,8 @@ from dataclasses import dataclass
 
 from kvmesh.loadgen.sim.specs import DeviceSpec, ModelSpec
 
+WAKE_AFTER_S = 0.2  # a worker idle this long pays its wake term on its next step
+
 
 @dataclass(frozen=True, slots=True)
 class Slice:

@@ -155,7 +155,7 @@ def simulate_probe_timings(
     topology = topology_for(mode, cost)
 
     def run(requests: list) -> EngineTimings:
-        timings = simulate(topology, cost, requests).timings
+        timings = simulate(topology, cost, requests, wake=False).timings
         assert timings is not None
         return timings
 

@@ -185,6 +185,8 @@ class MeshOverheads:
     handoff_s: float = 0.0
     jitter: Jitter = Jitter()  # the disagg decode worker's
     colocated_jitter: Jitter = Jitter()
+    colocated_wake_s: float = 0.0
+    prefill_wake_s: float = 0.0
 
     def apply(self, device: DeviceSpec) -> DeviceSpec:
         return dataclasses.replace(
@@ -201,6 +203,8 @@ class MeshOverheads:
             colocated_jitter_p90_s=self.colocated_jitter.p90_s,
             colocated_jitter_p99_s=self.colocated_jitter.p99_s,
             colocated_jitter_max_s=self.colocated_jitter.max_s,
+            colocated_wake_s=self.colocated_wake_s,
+            prefill_wake_s=self.prefill_wake_s,
         )
 
 
@@ -239,7 +243,8 @@ def simulate_probe(cost: CostModel, mode: str, topology_for: TopologyFor) -> Pro
     isolated, batch = probe_requests()
     topology = topology_for(mode, cost)
     return ProbeFigures.of(
-        simulate(topology, cost, isolated).records, simulate(topology, cost, batch).records
+        simulate(topology, cost, isolated, wake=False).records,
+        simulate(topology, cost, batch, wake=False).records,
     )
 
 
@@ -256,7 +261,7 @@ def check_long(
         bad = [r for r in records if r.error is not None or r.ttft_s is None]
         if bad:
             raise OverheadFitError(f"probe request {bad[0].index} failed: {bad[0].error}")
-        simulated = simulate(topology_for(mode, cost), cost, long_requests()).records
+        simulated = simulate(topology_for(mode, cost), cost, long_requests(), wake=False).records
         out.append(
             FigureResidual(
                 f"{mode} TTFT of a {LONG_INPUT}-token prompt",
@@ -265,6 +270,52 @@ def check_long(
             )
         )
     return tuple(out)
+
+
+WAKE_ROLE = {"colocated": "colocated_wake_s", "disagg": "prefill_wake_s"}
+
+
+def fit_wake(
+    cost: CostModel,
+    woken: Mapping[str, Sequence[RequestRecord]],
+    topology_for: TopologyFor,
+    rounds: int = 3,
+) -> tuple[MeshOverheads, tuple[FigureResidual, ...]]:
+    """The wake terms (a colocated worker's, a prefill worker's) with which the simulator, on
+    ``cost`` (the fitted overheads in), reproduces each mode's median TTFT of the probe's long
+    prompts sent to an idled mesh (``woken``: that mode's records): their miss moves the term, a
+    few rounds (the first chunk's extra shares the host's cores). A mode without such records
+    keeps 0. Returns the terms (in a ``MeshOverheads`` of which only they count) and each mode's
+    figure, measured and simulated with them."""
+    terms = {name: 0.0 for name in WAKE_ROLE.values()}
+    measured = {}
+    for mode, records in woken.items():
+        if not records or mode not in WAKE_ROLE:
+            continue
+        bad = [r for r in records if r.error is not None or r.ttft_s is None]
+        if bad:
+            raise OverheadFitError(f"probe request {bad[0].index} failed: {bad[0].error}")
+        measured[mode] = statistics.median(r.ttft_s for r in records)  # type: ignore[misc]
+
+    def simulated(mode: str) -> float:
+        trial = CostModel(cost.model, dataclasses.replace(cost.device, **terms), cost.tp)
+        records = simulate(topology_for(mode, trial), trial, long_requests()).records
+        return statistics.median(r.ttft_s for r in records)  # type: ignore[misc]
+
+    for _ in range(rounds):
+        for mode, real in measured.items():
+            name = WAKE_ROLE[mode]
+            terms[name] = max(0.0, terms[name] + real - simulated(mode))
+    residuals = tuple(
+        FigureResidual(
+            f"{mode} TTFT of a {LONG_INPUT}-token prompt after idling", real, simulated(mode)
+        )
+        for mode, real in measured.items()
+    )
+    fitted = MeshOverheads(
+        colocated_wake_s=terms["colocated_wake_s"], prefill_wake_s=terms["prefill_wake_s"]
+    )
+    return fitted, residuals
 
 
 def _line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:

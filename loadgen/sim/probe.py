@@ -13,7 +13,13 @@ It is not the validation workload: short prompts, few requests, two phases per m
 - *long*: ``LONG`` requests of ``LONG_INPUT`` prompt tokens (``LONG_OUTPUT`` output tokens), one
   at a time, after the isolated ones. Nothing is fitted to them: their median TTFT is a check of
   the fitted simulator on prompts as long as a serving workload's (the short probe prompts
-  cannot show a cost that grows with the prompt outside the engine's calibrated prefill).
+  cannot show a cost that grows with the prompt outside the engine's calibrated prefill);
+- *woken*: ``LONG`` more such requests, each sent after the mesh has idled ``WAKE_PAUSE_S``,
+  last (after the batch). Every other phase sends each request as soon as the previous one
+  has ended; a serving workload's requests mostly reach a mesh that has idled, and on this
+  2-core VM a 1,024-token prompt then took 25-30 % longer (colocated; 13-15 % disagg). Their
+  median TTFT against the long prompts' is what the wake terms are fitted to
+  (``overheads.fit_wake``).
 
 The mesh's own ``/metrics`` are read after the warm-up, after the long prompts and after the
 batch: the engine means of the long prompts' phase (``ProbeRecords.long_timings``: prefill chunks
@@ -29,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +51,7 @@ BATCH_OUTPUT = 64
 LONG_INPUT = 1024  # two 512-token chunks and a few blocks, as the mesh cuts them
 LONG = 3
 LONG_OUTPUT = 8
+WAKE_PAUSE_S = 0.5  # the idle time before each woken request (cost.WAKE_AFTER_S or more)
 ISOLATION_GAP_S = 60.0  # simulated isolated requests are this far apart: nothing overlaps
 
 
@@ -59,6 +67,7 @@ class ProbeRecords:
     # None: its /metrics could not be read
     short_timings: EngineTimings | None = None
     long_timings: EngineTimings | None = None
+    woken: tuple[RequestRecord, ...] = ()  # long prompts each sent to a mesh idle for a while
 
 
 def probe_requests() -> tuple[list[SimRequest], list[SimRequest]]:
@@ -106,6 +115,7 @@ def serve_probe(
         for _ in range(ISOLATED + BATCH + 1)
     ]
     long_prompts = [tuple(rng.randrange(1, 250) for _ in range(LONG_INPUT)) for _ in range(LONG)]
+    woken_prompts = [tuple(rng.randrange(1, 250) for _ in range(LONG_INPUT)) for _ in range(LONG)]
     endpoint = Endpoint(mesh.url, model)
 
     def serve(batch: list[Prompt]) -> list[RequestRecord]:
@@ -128,9 +138,15 @@ def serve_probe(
     scrapes.append(scrape(urls))
     batch = serve([Prompt(p, BATCH_OUTPUT) for p in prompts[ISOLATED:-1]])
     scrapes.append(scrape(urls))
+    woken = []
+    for p in woken_prompts:
+        time.sleep(WAKE_PAUSE_S)
+        woken += serve([Prompt(p, LONG_OUTPUT)])
     short = long_timings = None
     if all(s is not None for s in scrapes):
         a, b, c, d = scrapes
         short = pooled([EngineTimings.between(a, b), EngineTimings.between(c, d)])  # type: ignore[arg-type]
         long_timings = EngineTimings.between(b, c)  # type: ignore[arg-type]
-    return ProbeRecords(mode, tuple(isolated), tuple(batch), tuple(long), short, long_timings)
+    return ProbeRecords(
+        mode, tuple(isolated), tuple(batch), tuple(long), short, long_timings, tuple(woken)
+    )

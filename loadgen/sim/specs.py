@@ -69,7 +69,13 @@ class DeviceSpec:
     worker's decode steps 4-5x the in-process engine's and its prefill chunks 1.5x, which one
     factor cannot both be; a fixed stall per step (its OpenMP threads waiting on one that the
     router or NATS preempted) and a factor on the rest are. 1 and 0 in the GPU specs (nothing
-    measured them)."""
+    measured them).
+
+    ``colocated_wake_s`` and ``prefill_wake_s``: what the first step of a colocated or prefill
+    worker that has been idle for ``cost.WAKE_AFTER_S`` or longer costs on top (its threads
+    asleep, its caches cold: on this 2-core VM a 1,024-token prompt sent to a mesh idle for
+    0.3-1 s took 25-30 % longer than one sent right after the previous request ended). 0 in the
+    GPU specs."""
 
     name: str
     peak_flops: float
@@ -101,6 +107,8 @@ class DeviceSpec:
     decode_engine_scale: float = 1.0
     prefill_engine_scale: float = 1.0
     colocated_engine_extra_s: float = 0.0
+    colocated_wake_s: float = 0.0
+    prefill_wake_s: float = 0.0
     description: str = ""
 
     def __post_init__(self) -> None:
@@ -127,6 +135,8 @@ class DeviceSpec:
             "colocated_jitter_p99_s",
             "colocated_jitter_max_s",
             "colocated_engine_extra_s",
+            "colocated_wake_s",
+            "prefill_wake_s",
         ):
             _require(getattr(self, name) >= 0, self.name, name, "must be >= 0")
         for prefix in ("", "colocated_"):
@@ -153,6 +163,11 @@ class DeviceSpec:
         """What a mesh step of ``role`` pays on top of its scaled engine figures (a colocated
         worker's stall per step; 0 for the others)."""
         return self.colocated_engine_extra_s if role == "colocated" else 0.0
+
+    def wake_s(self, role: str) -> float:
+        """What the first step of a ``role`` worker that has idled ``cost.WAKE_AFTER_S`` or
+        longer pays on top (a colocated or prefill worker; 0 for the others)."""
+        return {"colocated": self.colocated_wake_s, "prefill": self.prefill_wake_s}.get(role, 0.0)
 
     def jitter_knots(self, role: str) -> tuple[float, float, float]:
         """The jitter's excess over the median gap at p90, p99 and at most, of a ``role``
