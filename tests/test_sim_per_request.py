@@ -226,7 +226,7 @@ def test_validation_tables_show_each_run_the_range_and_the_pooled_count():
 
 
 def test_compare_refuses_no_repeats():
-    from kvmesh.loadgen.sim.validate import compare
+    from kvmesh.loadgen.sim.validate import serve
 
     with pytest.raises(ValueError, match="at least 1"):
-        compare(None, None, [], ("colocated",), repeats=0)  # type: ignore[arg-type]
+        serve(None, ("colocated",), repeats=0)  # type: ignore[arg-type]

@@ -106,9 +106,8 @@ def test_each_repeat_is_simulated_with_the_fit_to_its_own_probe(monkeypatch):
     monkeypatch.setattr(validate, "run_real", run_real)
     # the spec's own scale and overheads (a stale calibration) must not be used
     stale = dataclasses.replace(_engine(), request_overhead_s=0.5, colocated_engine_scale=3.0)
-    comparisons = validate.compare(
-        _config(), CostModel(TINY, stale), REQUESTS, MODES, repeats=2, fit="each"
-    )
+    runs = validate.serve(_config(), MODES, repeats=2, probe=True)
+    comparisons = validate.compare_served(runs, CostModel(TINY, stale), REQUESTS, fit="each")
     assert served == [("colocated", True), ("disagg", True)] * 2  # the modes in turn, probed
     for c in comparisons:
         assert len(c.fits) == 2 and len(c.sim_runs) == 2 and c.sim_once is None
@@ -166,7 +165,8 @@ def test_compare_without_probes_simulates_once(monkeypatch):
     monkeypatch.setattr(
         validate, "run_real", lambda config, mode, probe=False: _real_run(mode, _mesh(0.01))
     )
-    (c,) = validate.compare(_config(), _mesh(0.01), REQUESTS, ("colocated",), repeats=2)
+    runs = validate.serve(_config(), ("colocated",), repeats=2)
+    (c,) = validate.compare_served(runs, _mesh(0.01), REQUESTS)
     assert c.sim_runs == () and c.fits == () and c.sim_once is not None
     assert c.sim_of(1) == c.sim_records
 
@@ -203,7 +203,9 @@ def test_a_run_without_its_probe_is_refused(monkeypatch):
     )
     for fit in ("pooled", "each"):
         with pytest.raises(ValueError, match="without its probe"):
-            validate.compare(_config(), _mesh(0.01), REQUESTS, MODES, fit=fit)
+            validate.compare_served(
+                validate.serve(_config(), MODES, probe=True), _mesh(0.01), REQUESTS, fit=fit
+            )
 
 
 def test_cli_prints_each_repeats_fit(monkeypatch, capsys, tmp_path):

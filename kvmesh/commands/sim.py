@@ -597,5 +597,6 @@ def _print_spec_terms(d: Any) -> None:
         + ("" if d.request_overhead_s else " (none measured: run --calibrate first)")
         + f"; engine in the mesh x{d.colocated_engine_scale:.2f} + "
         f"{d.colocated_engine_extra_s * 1e3:.2f} ms colocated, "
-        f"x{d.decode_engine_scale:.2f} decode, x{d.prefill_engine_scale:.2f} prefill"
+        f"x{d.decode_engine_scale:.2f} + {d.decode_engine_extra_s * 1e3:.2f} ms decode, "
+        f"x{d.prefill_engine_scale:.2f} prefill"
     )

@@ -12,11 +12,16 @@ worker's step, a prefill worker's chunk) are set against the simulator's for the
   steps, but for eight 64-token prefills), real / simulated;
 - ``colocated_chunk``: its mean step over the long prompts' phase (1,024-token prompts in
   512-token chunks: the chunks' time, mostly);
-- ``decode``: the disagg mesh's decode worker's mean step over the isolated and batch phases;
+- ``decode``: the disagg mesh's decode worker's mean step over the isolated and batch phases
+  (64-192 tokens of context);
+- ``decode_long``: its mean step over the long prompts' phase (1,024 tokens of context);
 - ``prefill``: the disagg mesh's prefill worker's mean chunk over the whole probe.
 
-The decode and prefill roles' engine costs (``DeviceSpec.<role>_engine_scale``;
-``CostModel.step(slices, role)``) are multiplied by a scale each. A colocated step is
+The prefill role's engine costs (``DeviceSpec.prefill_engine_scale``; ``CostModel.step(slices,
+role)``) are multiplied by a scale. A disagg decode step is ``decode_engine_scale`` times its
+engine costs plus ``decode_engine_extra_s``, fitted to its two figures as the colocated pair
+below (one factor fitted to the short contexts' steps charged the validation's 1,000-token
+contexts' KV reads x1.4-2.7: disagg ITL p50 1.37x in one run). A colocated step is
 ``colocated_engine_scale`` times its engine costs plus ``colocated_engine_extra_s``: its decode
 steps came out 4-5x the in-process engine's and its chunks 1.5x (2.80 against 0.62 ms, 22.8
 against 13.4 ms in one calibration), so one factor fitted to the decode steps overcharged the
@@ -52,8 +57,13 @@ from kvmesh.loadgen.sim.specs import DeviceSpec
 from kvmesh.loadgen.sim.topology import Topology
 
 ROUNDS = 10
-ROLES = ("colocated", "colocated_chunk", "decode", "prefill")  # the probe's figures
-SCALED = ("decode", "prefill")  # the roles fitted by one factor each
+ROLES = ("colocated", "colocated_chunk", "decode", "decode_long", "prefill")  # the figures
+SCALED = ("prefill",)  # the roles fitted by one factor each
+# the roles fitted by a factor and a stall: (the mode, the short phases' figure, the long one's)
+STALLED = {
+    "colocated": ("colocated", "colocated", "colocated_chunk"),
+    "decode": ("disagg", "decode", "decode_long"),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +72,7 @@ class EngineScale:
     decode: float = 1.0
     prefill: float = 1.0
     colocated_extra_s: float = 0.0
+    decode_extra_s: float = 0.0
 
     def apply(self, device: DeviceSpec) -> DeviceSpec:
         return dataclasses.replace(
@@ -70,13 +81,14 @@ class EngineScale:
             decode_engine_scale=self.decode,
             prefill_engine_scale=self.prefill,
             colocated_engine_extra_s=self.colocated_extra_s,
+            decode_engine_extra_s=self.decode_extra_s,
         )
 
     def terms(self) -> tuple[tuple[str, str], ...]:
         """The fitted terms as (name, value) for the tables calibration prints."""
         return (
             ("colocated", f"x{self.colocated:.2f} + {self.colocated_extra_s * 1e3:.2f} ms"),
-            ("decode", f"x{self.decode:.2f}"),
+            ("decode", f"x{self.decode:.2f} + {self.decode_extra_s * 1e3:.2f} ms"),
             ("prefill", f"x{self.prefill:.2f}"),
         )
 
@@ -175,6 +187,7 @@ def role_means(mode: str, t: PhaseTimings) -> dict[str, tuple[float, int]]:
         put("colocated_chunk", t.long.home_step_s, t.long.home_steps)
     elif mode == "disagg":
         put("decode", t.short.home_step_s, t.short.home_steps)
+        put("decode_long", t.long.home_step_s, t.long.home_steps)
         chunks = pooled([t.short, t.long])
         put("prefill", chunks.prefill_chunk_s, chunks.prefill_chunks)
     return out
@@ -228,9 +241,12 @@ def fit_engine_scale(
             else:
                 factors[role] = s * target / sim[role]
             previous[role] = (s, sim[role])
-        if "colocated" in real and sim.get("colocated"):
-            colocated, extra = _colocated_step(scale, sim, real, simulated)
-            factors.update(colocated=colocated, colocated_extra_s=extra)
+        for role, (mode, short, long) in STALLED.items():
+            if short in real and sim.get(short):
+                factor, extra = _stalled_step(
+                    scale, role, mode, (short, long), sim, real, simulated
+                )
+                factors.update({role: factor, f"{role}_extra_s": extra})
         scale = dataclasses.replace(scale, **factors)
         sim = simulated(scale)
     figures = tuple(
@@ -243,41 +259,47 @@ def fit_engine_scale(
 
 def _loop_role(role: str) -> str:
     """Whose jitter a figure's mean holds: the colocated worker's (both its figures) or the
-    decode worker's (the prefill worker runs no loop steps)."""
-    return "colocated" if role.startswith("colocated") else role
+    decode worker's (both its figures; the prefill worker runs no loop steps)."""
+    return role.split("_")[0]
 
 
 def _less_jitter(mean: float, jitter_mean_s: float, role: str) -> float:
     return mean if role == "prefill" else max(mean - jitter_mean_s, mean / 4)
 
 
-def _colocated_step(
+def _stalled_step(
     scale: EngineScale,
+    role: str,
+    mode: str,
+    keys: tuple[str, str],
     sim: Mapping[str, float],
     real: Mapping[str, tuple[float, int]],
     simulated: Callable[[EngineScale, Sequence[str]], dict[str, float]],
 ) -> tuple[float, float]:
-    """One step of the colocated (factor, stall) fit: a Newton step on a numeric Jacobian when
-    the probe has both colocated figures (the short phases' steps and the long prompts'), else
-    a factor alone (a ratio step)."""
-    s, a = scale.colocated, scale.colocated_extra_s
-    if "colocated_chunk" not in real or not sim.get("colocated_chunk"):
-        return s * real["colocated"][0] / sim["colocated"], 0.0
-    keys = ("colocated", "colocated_chunk")
+    """One step of a role's (factor, stall) fit: a Newton step on a numeric Jacobian when the
+    probe has both its figures (``keys``: the short phases' mean step and the long prompts'),
+    else a factor alone (a ratio step). A solution with a negative stall, or a factor below a
+    quarter of the last, is refused for the factor that best fits both figures relatively with
+    no stall."""
+    stall = f"{role}_extra_s"
+    s, a = getattr(scale, role), getattr(scale, stall)
+    short, long = keys
+    if long not in real or not sim.get(long):
+        return s * real[short][0] / sim[short], 0.0
     targets = [real[k][0] for k in keys]
     here = [sim[k] for k in keys]
     ds, da = 0.05 * s, max(1e-4, 0.05 * a)
-    by_s = simulated(dataclasses.replace(scale, colocated=s + ds), ["colocated"])
-    by_a = simulated(dataclasses.replace(scale, colocated_extra_s=a + da), ["colocated"])
+    by_s = simulated(dataclasses.replace(scale, **{role: s + ds}), [mode])
+    by_a = simulated(dataclasses.replace(scale, **{stall: a + da}), [mode])
     j = [[(by_s[k] - h) / ds, (by_a[k] - h) / da] for k, h in zip(keys, here, strict=True)]
     det = j[0][0] * j[1][1] - j[0][1] * j[1][0]
     miss = [t - h for t, h in zip(targets, here, strict=True)]
     if abs(det) > 1e-15:
-        step_s = (miss[0] * j[1][1] - miss[1] * j[0][1]) / det
-        step_a = (j[0][0] * miss[1] - j[1][0] * miss[0]) / det
-        if a + step_a >= 0:
-            return max(s + step_s, s / 4), a + step_a
+        new_s = s + (miss[0] * j[1][1] - miss[1] * j[0][1]) / det
+        new_a = a + (j[0][0] * miss[1] - j[1][0] * miss[0]) / det
+        if new_a >= 0 and new_s >= s / 4:
+            return new_s, new_a
     # no stall: the factor that best fits both figures relatively, from their means at no stall
-    base = simulated(dataclasses.replace(scale, colocated_extra_s=0.0), ["colocated"])
+    base = simulated(dataclasses.replace(scale, **{stall: 0.0}), [mode])
     r = [base[k] / t for k, t in zip(keys, targets, strict=True)]
     return max(s * sum(r) / sum(x * x for x in r), s / 4), 0.0

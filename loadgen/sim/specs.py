@@ -68,8 +68,10 @@ class DeviceSpec:
     ``colocated_engine_extra_s`` on top, whatever it computes: the probe shows a colocated
     worker's decode steps 4-5x the in-process engine's and its prefill chunks 1.5x, which one
     factor cannot both be; a fixed stall per step (its OpenMP threads waiting on one that the
-    router or NATS preempted) and a factor on the rest are. 1 and 0 in the GPU specs (nothing
-    measured them).
+    router or NATS preempted) and a factor on the rest are. A disagg decode step likewise pays
+    ``decode_engine_extra_s`` (fitted to the probe's short- and long-context decode steps: one
+    factor fitted at 64-192 tokens of context charged its KV reads at 1,000 tokens x1.4-2.7).
+    1 and 0 in the GPU specs (nothing measured them).
 
     ``colocated_wake_s`` and ``prefill_wake_s``: what the first step of a colocated or prefill
     worker that has been idle for ``cost.WAKE_AFTER_S`` or longer costs on top (its threads
@@ -107,6 +109,7 @@ class DeviceSpec:
     decode_engine_scale: float = 1.0
     prefill_engine_scale: float = 1.0
     colocated_engine_extra_s: float = 0.0
+    decode_engine_extra_s: float = 0.0
     colocated_wake_s: float = 0.0
     prefill_wake_s: float = 0.0
     description: str = ""
@@ -135,6 +138,7 @@ class DeviceSpec:
             "colocated_jitter_p99_s",
             "colocated_jitter_max_s",
             "colocated_engine_extra_s",
+            "decode_engine_extra_s",
             "colocated_wake_s",
             "prefill_wake_s",
         ):
@@ -161,8 +165,11 @@ class DeviceSpec:
 
     def engine_extra_s(self, role: str) -> float:
         """What a mesh step of ``role`` pays on top of its scaled engine figures (a colocated
-        worker's stall per step; 0 for the others)."""
-        return self.colocated_engine_extra_s if role == "colocated" else 0.0
+        or decode worker's stall per step; 0 for a prefill worker)."""
+        return {
+            "colocated": self.colocated_engine_extra_s,
+            "decode": self.decode_engine_extra_s,
+        }.get(role, 0.0)
 
     def wake_s(self, role: str) -> float:
         """What the first step of a ``role`` worker that has idled ``cost.WAKE_AFTER_S`` or

@@ -318,22 +318,6 @@ def compare_served(
     ]
 
 
-def compare(
-    config: ServeBenchConfig,
-    cost: CostModel,
-    requests: list[SimRequest],
-    modes: tuple[str, ...],
-    repeats: int = 1,
-    fit: str = "spec",
-) -> list[Comparison]:
-    """``requests`` served by ``repeats`` fresh meshes of each mode (probed where ``fit`` is
-    not ``spec``) and simulated as ``compare_served`` says."""
-    if fit not in FITS:
-        raise ValueError(f"fit must be one of {', '.join(FITS)}, got {fit!r}")
-    runs = serve(config, modes, repeats, probe=fit != "spec")
-    return compare_served(runs, cost, requests, config.prefill_nice, fit)
-
-
 def _pooled_timings(timings: Sequence[EngineTimings | None]) -> EngineTimings | None:
     """The runs' engine means pooled; None if one run has none."""
     if any(t is None for t in timings):
