@@ -85,9 +85,9 @@ def pooled_summary(runs: Sequence[tuple[Sequence[RequestRecord], float]]) -> Sum
 
 @dataclass(frozen=True, slots=True)
 class RunFit:
-    """One validation repeat's own calibration (``--probe-each-run``): the engine scale (None:
-    its meshes' /metrics were unread) and the mesh overheads fitted to the probe its meshes served
-    just before the workload, and the cost model that repeat is simulated with."""
+    """A calibration made on validation meshes (``--probe-each-run``): the engine scale (None:
+    their /metrics were unread) and the mesh overheads fitted to the probe runs they served
+    (one repeat's, or every repeat's), and the cost model simulated with them."""
 
     mesh: OverheadFit
     engine_scale: EngineScaleFit | None
