@@ -78,6 +78,16 @@ async def wait_store(admin, ready, what: str, timeout_s: float = 30.0) -> dict:
         await asyncio.sleep(0.1)
 
 
+def prefill_counts(mesh) -> dict[str, dict[str, float]]:
+    """Each prefill worker's prompt, prefix-hit and store-hit token counters."""
+    names = ("prompt_tokens", "prefix_hit_tokens", "store_hit_tokens")
+    out = {}
+    for worker in ("prefill-0", "prefill-1"):
+        metrics = scrape(mesh.metrics_urls[worker])
+        out[worker] = {n: metrics.get(f"kvmesh_prefill_{n}_total", 0.0) for n in names}
+    return out
+
+
 async def run(mesh, offline: list[list[int]]) -> None:
     async with (
         admin_client(mesh.config.nats_url, auth=mesh.nats_auth) as admin,
@@ -102,7 +112,10 @@ async def run(mesh, offline: list[list[int]]) -> None:
         await wait_store(admin, lambda r: r["indexed_blocks"] >= 13, "the answers' blocks")
         third = await ask([*SECOND, *second, *NEW])
         assert [first, second, third] == offline[:3]
-        row = await wait_store(admin, lambda r: r["hits"] >= 11, "the second turn's store read")
+        try:
+            row = await wait_store(admin, lambda r: r["hits"] >= 11, "the second turn's store read")
+        except AssertionError as exc:  # say which worker prefilled what (a fresh clone saw 3 hits)
+            raise AssertionError(f"{exc}; prefill workers: {prefill_counts(mesh)}") from None
         assert (row["hits"], row["refused_accesses"]) == (11, 0)
         assert row["used_blocks"] >= 13  # and the second turn's own, put after it
         store = scrape(mesh.metrics_urls["kv-store-0"])
