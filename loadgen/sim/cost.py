@@ -17,8 +17,8 @@ any ``num_new``). For a step:
   overhead is the fixed part a calibration measures: ``step_overhead_s`` per step +
   ``seq_overhead_s`` per slice + ``chunk_overhead_s`` per prefill chunk (``num_new > 1``);
 - a step of a mesh worker (``step(slices, role)``) is that times the device's
-  ``engine_scale(role)``, plus its ``engine_extra_s(role)`` on the overhead (a colocated
-  worker's stall per step): the engine inside a mesh worker process, measured by calibration's
+  ``engine_scale(role)``, plus its ``engine_extra_s(role)`` on the overhead (a colocated or
+  decode worker's stall per step): the engine inside a mesh worker process, measured by calibration's
   probe, is slower than the in-process calibration the figures come from (``engine_scale.py``).
 
 The two parts are kept apart (``StepCost.overhead_s``, ``StepCost.roofline_s``): on a CPU host

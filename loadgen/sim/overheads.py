@@ -67,6 +67,19 @@ class OverheadFitError(ValueError):
     """Probe records the fit cannot use (no colocated probe, failed or too short requests)."""
 
 
+def _require_served(records: Sequence[RequestRecord]) -> None:
+    """Refuse probe records with a failed request (or one without a first token)."""
+    bad = [r for r in records if r.error is not None or r.ttft_s is None]
+    if bad:
+        raise OverheadFitError(f"probe request {bad[0].index} failed: {bad[0].error}")
+
+
+def median_ttft_s(records: Sequence[RequestRecord]) -> float:
+    """The median TTFT of served probe records (``_require_served``)."""
+    _require_served(records)
+    return statistics.median(r.ttft_s for r in records)  # type: ignore[misc]
+
+
 def _steady(record: RequestRecord) -> tuple[float, int]:
     """Time and number of gaps of the second half of a request's stream."""
     times = record.chunk_times
@@ -94,9 +107,7 @@ class ProbeFigures:
 
     @classmethod
     def of(cls, isolated: Sequence[RequestRecord], batch: Sequence[RequestRecord]) -> ProbeFigures:
-        bad = [r for r in (*isolated, *batch) if r.error is not None or r.ttft_s is None]
-        if bad:
-            raise OverheadFitError(f"probe request {bad[0].index} failed: {bad[0].error}")
+        _require_served([*isolated, *batch])
         if not isolated or not batch:
             raise OverheadFitError("the probe needs isolated requests and a batch")
         return cls(
@@ -258,15 +269,11 @@ def check_long(
     for mode, records in measured.items():
         if not records:
             continue
-        bad = [r for r in records if r.error is not None or r.ttft_s is None]
-        if bad:
-            raise OverheadFitError(f"probe request {bad[0].index} failed: {bad[0].error}")
+        real = median_ttft_s(records)
         simulated = simulate(topology_for(mode, cost), cost, long_requests(), wake=False).records
         out.append(
             FigureResidual(
-                f"{mode} TTFT of a {LONG_INPUT}-token prompt",
-                statistics.median(r.ttft_s for r in records),  # type: ignore[misc]
-                statistics.median(r.ttft_s for r in simulated),  # type: ignore[misc]
+                f"{mode} TTFT of a {LONG_INPUT}-token prompt", real, median_ttft_s(simulated)
             )
         )
     return tuple(out)
@@ -290,17 +297,12 @@ def fit_wake(
     terms = {name: 0.0 for name in WAKE_ROLE.values()}
     measured = {}
     for mode, records in woken.items():
-        if not records or mode not in WAKE_ROLE:
-            continue
-        bad = [r for r in records if r.error is not None or r.ttft_s is None]
-        if bad:
-            raise OverheadFitError(f"probe request {bad[0].index} failed: {bad[0].error}")
-        measured[mode] = statistics.median(r.ttft_s for r in records)  # type: ignore[misc]
+        if records and mode in WAKE_ROLE:
+            measured[mode] = median_ttft_s(records)
 
     def simulated(mode: str) -> float:
         trial = CostModel(cost.model, dataclasses.replace(cost.device, **terms), cost.tp)
-        records = simulate(topology_for(mode, trial), trial, long_requests()).records
-        return statistics.median(r.ttft_s for r in records)  # type: ignore[misc]
+        return median_ttft_s(simulate(topology_for(mode, trial), trial, long_requests()).records)
 
     for _ in range(rounds):
         for mode, real in measured.items():
