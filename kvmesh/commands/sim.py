@@ -419,17 +419,26 @@ def _print_scale_spread(scales: list[Any]) -> None:
         print(f"the scales fitted run by run: {spread}")
 
 
+_PROBE_FIT_COLUMNS = ("worst probe residual", "worst long-prompt check")
+
+
+def _print_probe_fit_row(label: str, fit: Any, note_prefix: str = "note") -> None:
+    """One fit made on validation meshes (``validate.RunFit``) as a row of a ``_fit_header``
+    table with ``_PROBE_FIT_COLUMNS``, then its notes."""
+    mesh = fit.mesh
+    check = f"{mesh.max_check_error:.0%}" if mesh.checks else "-"
+    cells = _fit_cells(fit.engine_scale and fit.engine_scale.scale, mesh.overheads)
+    print(f"| {label} | {' | '.join([*cells, f'{mesh.max_relative_error:.0%}', check])} |")
+    for note in mesh.notes:
+        print(f"{note_prefix}: {note}")
+
+
 def _print_pooled_fit(fit: Any, runs: int) -> None:
     """``--probe-each-run``: the fit to the median of every probe run of the validation, which
     the pooled comparison below uses."""
     print(f"\nthe fit to the median of all {runs} probe runs (the comparison below uses it):")
-    print(_fit_header(("worst probe residual", "worst long-prompt check")))
-    mesh = fit.mesh
-    check = f"{mesh.max_check_error:.0%}" if mesh.checks else "-"
-    cells = _fit_cells(fit.engine_scale and fit.engine_scale.scale, mesh.overheads)
-    print(f"| all | {' | '.join([*cells, f'{mesh.max_relative_error:.0%}', check])} |")
-    for note in mesh.notes:
-        print(f"note: {note}")
+    print(_fit_header(_PROBE_FIT_COLUMNS))
+    _print_probe_fit_row("all", fit)
 
 
 def _print_run_fits(fits: Any) -> None:
@@ -437,15 +446,9 @@ def _print_run_fits(fits: Any) -> None:
     meshes served (before and after the workload), with the fit's worst probe residual and its
     worst long-prompt check (nothing fitted to those)."""
     print("\neach repeat's fit to the probes on its own meshes (its own simulation uses it):")
-    print(_fit_header(("worst probe residual", "worst long-prompt check")))
+    print(_fit_header(_PROBE_FIT_COLUMNS))
     for k, f in enumerate(fits, 1):
-        mesh = f.mesh
-        check = f"{mesh.max_check_error:.0%}" if mesh.checks else "-"
-        cells = _fit_cells(f.engine_scale and f.engine_scale.scale, mesh.overheads)
-        cells += [f"{mesh.max_relative_error:.0%}", check]
-        print(f"| {k} | {' | '.join(cells)} |")
-        for note in mesh.notes:
-            print(f"note (repeat {k}): {note}")
+        _print_probe_fit_row(str(k), f, f"note (repeat {k})")
     _print_scale_spread([f.engine_scale and f.engine_scale.scale for f in fits])
 
 
