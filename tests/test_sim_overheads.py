@@ -25,6 +25,7 @@ from kvmesh.loadgen.sim.topology import Topology
 from kvmesh.loadgen.sim.validate import mesh_topology
 from kvmesh.loadgen.sim.worker import SimSeq, Worker
 from kvmesh.loadgen.sim.workload import SimRequest
+from sim_probe_fakes import cpu_like, simulated_probe
 
 TINY = load_model("kvmesh-tiny")
 
@@ -219,19 +220,7 @@ def test_loop_steps_jitter_by_seeded_draws():
 
 
 def _cpu(**overheads: float) -> CostModel:
-    device = DeviceSpec(
-        "cpu-like",
-        peak_flops=100e9,
-        mem_bandwidth=8e9,
-        memory_bytes=16e9,
-        link_bandwidth=2.5e9,
-        step_overhead_s=0.0007,
-        cache_bytes=32 << 20,
-        cores=2,
-        calibration_threads=2,
-        **overheads,
-    )
-    return CostModel(TINY, device)
+    return CostModel(TINY, cpu_like(**overheads))
 
 
 def _topology(mode: str, cost: CostModel) -> Topology:
@@ -322,24 +311,6 @@ def _constant_gaps(index: int, gap: float, n: int = 40) -> RequestRecord:
     return RequestRecord(index, 0.0, 0.0, times[-1], 64, n, n, times)
 
 
-def _probe_records(mode: str, cost: CostModel) -> ProbeRecords:
-    """A probe of ``mode`` as the simulator serves it on ``cost``: records and phase timings."""
-    from kvmesh.loadgen.sim.engine_scale import simulate_probe_timings
-    from kvmesh.loadgen.sim.probe import long_requests, probe_requests
-
-    isolated, batch = probe_requests()
-    topology = _topology(mode, cost)
-    timings = simulate_probe_timings(mode, cost, _topology)
-    return ProbeRecords(
-        mode,
-        simulate(topology, cost, isolated, wake=False).records,
-        simulate(topology, cost, batch, wake=False).records,
-        simulate(topology, cost, long_requests(), wake=False).records,
-        timings.short,
-        timings.long,
-    )
-
-
 def test_pooled_jitter_is_each_runs_own_so_a_slower_run_is_no_jitter():
     from kvmesh.loadgen.sim.calibrate import pool_probe_runs
 
@@ -369,7 +340,7 @@ def test_pool_probe_runs_of_one_run_is_that_runs_figures():
         colocated_jitter_p99_s=0.004,
         colocated_jitter_max_s=0.008,
     )
-    run = {m: _probe_records(m, cost) for m in ("colocated", "disagg")}
+    run = {m: simulated_probe(m, cost) for m in ("colocated", "disagg")}
     pooled = pool_probe_runs([run])
     for m in ("colocated", "disagg"):
         assert pooled.figures[m] == ProbeFigures.of(run[m].isolated, run[m].batch)
@@ -385,8 +356,8 @@ def test_fit_to_the_runs_medians_ignores_one_disturbed_run():
 
     quiet = _cpu(request_overhead_s=0.02, handoff_overhead_s=0.01, loop_overhead_s=0.001)
     busy = _cpu(request_overhead_s=0.2, handoff_overhead_s=0.05, loop_overhead_s=0.004)
-    a = {m: _probe_records(m, quiet) for m in ("colocated", "disagg")}
-    b = {m: _probe_records(m, busy) for m in ("colocated", "disagg")}
+    a = {m: simulated_probe(m, quiet) for m in ("colocated", "disagg")}
+    b = {m: simulated_probe(m, busy) for m in ("colocated", "disagg")}
     pooled = pool_probe_runs([a, b, a])
     assert pooled.figures == pool_probe_runs([a]).figures
     # the long prompts' check is over every run's records
@@ -472,7 +443,7 @@ def test_fit_probe_fits_the_wake_to_the_woken_long_prompts():
     run = {}
     for m in ("colocated", "disagg"):
         woken = simulate(_topology(m, truth), truth, long_requests()).records
-        run[m] = dataclasses.replace(_probe_records(m, truth), woken=woken)
+        run[m] = dataclasses.replace(simulated_probe(m, truth), woken=woken)
     pooled = pool_probe_runs([run, run])
     assert len(pooled.woken["colocated"]) == 2 * len(long_requests())
     fit, _ = fit_probe(_cpu().device, TINY, pooled)

@@ -15,8 +15,6 @@ from kvmesh.loadgen.serve_metrics import RequestRecord
 from kvmesh.loadgen.sim import validate
 from kvmesh.loadgen.sim.cluster import simulate
 from kvmesh.loadgen.sim.cost import CostModel
-from kvmesh.loadgen.sim.engine_scale import simulate_probe_timings
-from kvmesh.loadgen.sim.probe import ProbeRecords, long_requests, probe_requests
 from kvmesh.loadgen.sim.specs import DeviceSpec, load_model
 from kvmesh.loadgen.sim.validate import (
     RealRun,
@@ -29,6 +27,7 @@ from kvmesh.loadgen.sim.validate import (
     records_json,
 )
 from kvmesh.loadgen.sim.workload import SimRequest
+from sim_probe_fakes import cpu_like, simulated_probe
 
 TINY = load_model("kvmesh-tiny")
 MODES = ("colocated", "disagg")
@@ -37,17 +36,7 @@ REQUESTS = [SimRequest(i * 2.0, 100 + 50 * i, 8) for i in range(4)]
 
 def _engine() -> DeviceSpec:
     """A CPU-like engine (the figures ``--calibrate`` measures), no mesh terms."""
-    return DeviceSpec(
-        "cpu-like",
-        peak_flops=100e9,
-        mem_bandwidth=8e9,
-        memory_bytes=16e9,
-        link_bandwidth=2.5e9,
-        step_overhead_s=0.0007,
-        cache_bytes=32 << 20,
-        cores=2,
-        calibration_threads=2,
-    )
+    return cpu_like()
 
 
 def _mesh(request_s: float) -> CostModel:
@@ -55,25 +44,10 @@ def _mesh(request_s: float) -> CostModel:
     return CostModel(TINY, dataclasses.replace(_engine(), request_overhead_s=request_s))
 
 
-def _probe(mode: str, cost: CostModel) -> ProbeRecords:
-    """The probe of ``mode`` as the simulator serves it on ``cost``: records and timings."""
-    isolated, batch = probe_requests()
-    topology = mesh_topology(mode, cost)
-    timings = simulate_probe_timings(mode, cost, lambda m, c: mesh_topology(m, c))
-    return ProbeRecords(
-        mode,
-        simulate(topology, cost, isolated, wake=False).records,
-        simulate(topology, cost, batch, wake=False).records,
-        simulate(topology, cost, long_requests(), wake=False).records,
-        timings.short,
-        timings.long,
-    )
-
-
 def _real_run(mode: str, cost: CostModel) -> RealRun:
     """A real run of ``REQUESTS`` on a mesh that behaves as ``cost``, probed before and after."""
     sim = simulate(mesh_topology(mode, cost), cost, REQUESTS)
-    probe = _probe(mode, cost)
+    probe = simulated_probe(mode, cost)
     return RealRun(list(sim.records), sim.summary.duration_s, sim.timings, (probe, probe))
 
 

@@ -1,0 +1,44 @@
+"""Test helpers for the simulator's calibration on a mesh: a CPU-like engine spec and the probe a
+mesh behaving as a cost model would serve (the simulator stands in for the real mesh)."""
+
+from __future__ import annotations
+
+from kvmesh.loadgen.sim.cluster import simulate
+from kvmesh.loadgen.sim.cost import CostModel
+from kvmesh.loadgen.sim.engine_scale import simulate_probe_timings
+from kvmesh.loadgen.sim.probe import ProbeRecords, long_requests, probe_requests
+from kvmesh.loadgen.sim.specs import DeviceSpec
+from kvmesh.loadgen.sim.validate import mesh_topology
+
+
+def cpu_like(**fields: float) -> DeviceSpec:
+    """A 2-core CPU-like engine (the figures ``--calibrate`` measures), with ``fields`` (mesh
+    terms, scales) on top."""
+    return DeviceSpec(
+        "cpu-like",
+        peak_flops=100e9,
+        mem_bandwidth=8e9,
+        memory_bytes=16e9,
+        link_bandwidth=2.5e9,
+        step_overhead_s=0.0007,
+        cache_bytes=32 << 20,
+        cores=2,
+        calibration_threads=2,
+        **fields,
+    )
+
+
+def simulated_probe(mode: str, cost: CostModel) -> ProbeRecords:
+    """The probe of ``mode`` as a mesh behaving as ``cost`` serves it on ``mesh_topology``:
+    records (its phases back to back: no wake) and phase timings."""
+    isolated, batch = probe_requests()
+    topology = mesh_topology(mode, cost)
+    timings = simulate_probe_timings(mode, cost, lambda m, c: mesh_topology(m, c))
+    return ProbeRecords(
+        mode,
+        simulate(topology, cost, isolated, wake=False).records,
+        simulate(topology, cost, batch, wake=False).records,
+        simulate(topology, cost, long_requests(), wake=False).records,
+        timings.short,
+        timings.long,
+    )
