@@ -1,5 +1,6 @@
-"""Test helpers for the simulator's calibration on a mesh: a CPU-like engine spec and the probe a
-mesh behaving as a cost model would serve (the simulator stands in for the real mesh)."""
+"""Test helpers for the simulator's calibration on a mesh: a device of fixed-cost steps, a
+CPU-like engine spec, and the probe a mesh behaving as a cost model would serve (the simulator
+stands in for the real mesh)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,15 @@ from kvmesh.loadgen.sim.cluster import simulate
 from kvmesh.loadgen.sim.cost import CostModel
 from kvmesh.loadgen.sim.engine_scale import simulate_probe_timings
 from kvmesh.loadgen.sim.probe import ProbeRecords, long_requests, probe_requests
-from kvmesh.loadgen.sim.specs import DeviceSpec
+from kvmesh.loadgen.sim.specs import DeviceSpec, load_model
 from kvmesh.loadgen.sim.validate import mesh_topology
+
+
+def fixed_steps(**fields: float) -> CostModel:
+    """kvmesh-tiny on a device whose steps cost 10 ms of fixed overhead only (no compute, no
+    memory, an instant link), with ``fields`` on top."""
+    device = DeviceSpec("fixed", 1e30, 1e30, 1e30, 1e30, step_overhead_s=0.01, **fields)
+    return CostModel(load_model("kvmesh-tiny"), device)
 
 
 def cpu_like(**fields: float) -> DeviceSpec:

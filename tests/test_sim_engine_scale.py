@@ -19,15 +19,9 @@ from kvmesh.loadgen.sim.specs import DeviceSpec, SpecError, load_device, load_mo
 from kvmesh.loadgen.sim.topology import Topology
 from kvmesh.loadgen.sim.validate import mesh_topology
 from kvmesh.loadgen.sim.workload import SimRequest
+from sim_probe_fakes import fixed_steps
 
 TINY = load_model("kvmesh-tiny")
-
-
-def _fixed(**fields: float) -> CostModel:
-    """Steps that cost 10 ms of fixed overhead only (no compute, no memory, an instant link)."""
-    return CostModel(
-        TINY, DeviceSpec("fixed", 1e30, 1e30, 1e30, 1e30, step_overhead_s=0.01, **fields)
-    )
 
 
 def _dedicated(mode: str, cost: CostModel) -> Topology:
@@ -50,7 +44,7 @@ def _phases(short: EngineTimings, long: EngineTimings | None = None) -> PhaseTim
 
 
 def test_step_with_role_costs_engine_times_that_roles_scale():
-    cost = _fixed(
+    cost = fixed_steps(
         colocated_engine_scale=1.5,
         colocated_engine_extra_s=0.003,
         decode_engine_scale=2.0,
@@ -70,7 +64,7 @@ def test_step_with_role_costs_engine_times_that_roles_scale():
 
 
 def test_simulated_engine_means_scale_by_role_on_dedicated_devices():
-    cost = _fixed(
+    cost = fixed_steps(
         decode_engine_scale=2.0,
         prefill_engine_scale=3.0,
         colocated_engine_scale=1.5,
@@ -86,7 +80,7 @@ def test_simulated_engine_means_scale_by_role_on_dedicated_devices():
 
 def _chunky(**fields: float) -> CostModel:
     """A decode step costs 10 ms, a step with a prefill chunk 60 ms (fixed overheads only)."""
-    return _fixed(chunk_overhead_s=0.05, **fields)
+    return fixed_steps(chunk_overhead_s=0.05, **fields)
 
 
 def _probe_means(cost: CostModel, modes=("colocated", "disagg")) -> dict[str, PhaseTimings]:
@@ -132,7 +126,7 @@ def test_fit_engine_scale_wants_no_negative_stall():
 
 def test_fit_engine_scale_keeps_roles_the_probe_did_not_measure_at_one():
     fit = fit_engine_scale(
-        _fixed(),
+        fixed_steps(),
         {"colocated": _phases(_timings(0.030))},
         lambda m, c: simulate_probe_timings(m, c, _dedicated),
     )
@@ -198,7 +192,7 @@ def test_pooled_timings_weight_means_by_count():
 
 
 def test_engine_scale_round_trips_through_spec_file(tmp_path):
-    spec = EngineScale(1.8, 2.1, 1.4, 0.003).apply(_fixed().device)
+    spec = EngineScale(1.8, 2.1, 1.4, 0.003).apply(fixed_steps().device)
     loaded = load_device(write_device(spec, tmp_path / "cpu.json"))
     assert loaded.engine_extra_s("colocated") == 0.003
     assert loaded.engine_extra_s("decode") == loaded.engine_extra_s("prefill") == 0.0
@@ -209,9 +203,9 @@ def test_engine_scale_round_trips_through_spec_file(tmp_path):
 
 def test_engine_scale_of_zero_is_refused():
     with pytest.raises(SpecError):
-        dataclasses.replace(_fixed().device, decode_engine_scale=0.0)
+        dataclasses.replace(fixed_steps().device, decode_engine_scale=0.0)
     with pytest.raises(SpecError):
-        dataclasses.replace(_fixed().device, colocated_engine_extra_s=-0.001)
+        dataclasses.replace(fixed_steps().device, colocated_engine_extra_s=-0.001)
 
 
 def test_fit_engine_scale_takes_jitter_mean_off_loop_steps_not_chunks():
@@ -219,7 +213,7 @@ def test_fit_engine_scale_takes_jitter_mean_off_loop_steps_not_chunks():
     # engine's share is 20 ms, scale 2; a prefill chunk is no loop step and keeps its 40 ms
     measured = {"disagg": _phases(_timings(0.025, chunk_s=0.040))}
     fit = fit_engine_scale(
-        _fixed(),
+        fixed_steps(),
         measured,
         lambda m, c: simulate_probe_timings(m, c, _dedicated),
         jitter_mean_s={"decode": 0.005, "colocated": 0.5},

@@ -25,16 +25,9 @@ from kvmesh.loadgen.sim.topology import Topology
 from kvmesh.loadgen.sim.validate import mesh_topology
 from kvmesh.loadgen.sim.worker import SimSeq, Worker
 from kvmesh.loadgen.sim.workload import SimRequest
-from sim_probe_fakes import cpu_like, simulated_probe
+from sim_probe_fakes import cpu_like, fixed_steps, simulated_probe
 
 TINY = load_model("kvmesh-tiny")
-
-
-def _fixed(**overheads: float) -> CostModel:
-    """Steps that cost their fixed overheads only (no compute, no memory, an instant link)."""
-    return CostModel(
-        TINY, DeviceSpec("fixed", 1e30, 1e30, 1e30, 1e30, step_overhead_s=0.01, **overheads)
-    )
 
 
 def _gaps(record: RequestRecord) -> list[float]:
@@ -42,7 +35,7 @@ def _gaps(record: RequestRecord) -> list[float]:
 
 
 def test_loop_step_adds_loop_and_per_token_overheads():
-    cost = _fixed(
+    cost = fixed_steps(
         loop_overhead_s=0.002,
         token_overhead_s=0.0005,
         colocated_loop_overhead_s=0.003,
@@ -60,8 +53,8 @@ def test_loop_step_adds_loop_and_per_token_overheads():
 def test_request_overhead_delays_the_first_token_not_the_gaps():
     requests = [SimRequest(0.0, 100, 5)]
     topology = Topology("colocated", 1, kv_capacity_tokens=10_000)
-    plain = simulate(topology, _fixed(), requests).records[0]
-    slow = simulate(topology, _fixed(request_overhead_s=0.3), requests).records[0]
+    plain = simulate(topology, fixed_steps(), requests).records[0]
+    slow = simulate(topology, fixed_steps(request_overhead_s=0.3), requests).records[0]
     assert slow.ttft_s == pytest.approx(plain.ttft_s + 0.3)
     assert _gaps(slow) == pytest.approx(_gaps(plain))
 
@@ -69,21 +62,21 @@ def test_request_overhead_delays_the_first_token_not_the_gaps():
 def test_handoff_overhead_delays_disagg_first_token_only():
     requests = [SimRequest(0.0, 100, 5)]
     topology = Topology("disagg", 1, 1, chunk_tokens=512, kv_capacity_tokens=10_000)
-    plain = simulate(topology, _fixed(), requests).records[0]
-    slow = simulate(topology, _fixed(handoff_overhead_s=0.2), requests).records[0]
+    plain = simulate(topology, fixed_steps(), requests).records[0]
+    slow = simulate(topology, fixed_steps(handoff_overhead_s=0.2), requests).records[0]
     assert slow.ttft_s == pytest.approx(plain.ttft_s + 0.2)
     # colocated has no hand-off
     colocated = Topology("colocated", 1, kv_capacity_tokens=10_000)
-    assert simulate(colocated, _fixed(handoff_overhead_s=0.2), requests).records[
+    assert simulate(colocated, fixed_steps(handoff_overhead_s=0.2), requests).records[
         0
-    ].ttft_s == pytest.approx(simulate(colocated, _fixed(), requests).records[0].ttft_s)
+    ].ttft_s == pytest.approx(simulate(colocated, fixed_steps(), requests).records[0].ttft_s)
 
 
 def test_colocated_gap_is_step_plus_loop_plus_token_cost_per_sequence():
     requests = [SimRequest(0.0, 16, 20) for _ in range(4)]
     topology = Topology("colocated", 1, kv_capacity_tokens=10_000)
     # the decode worker's terms are not the colocated worker's
-    cost = _fixed(
+    cost = fixed_steps(
         colocated_loop_overhead_s=0.004, colocated_token_overhead_s=0.001, loop_overhead_s=1.0
     )
     result = simulate(topology, cost, requests)
@@ -142,7 +135,7 @@ def test_disagg_topology_refuses_a_chunk_smaller_than_a_block():
 def test_pacing_spaces_colocated_steps():
     requests = [SimRequest(0.0, 16, 10)]
     topology = Topology("colocated", 1, kv_capacity_tokens=10_000, decode_pacing_s=0.05)
-    record = simulate(topology, _fixed(), requests).records[0]
+    record = simulate(topology, fixed_steps(), requests).records[0]
     assert _gaps(record) == pytest.approx([0.05] * 9)
 
 
@@ -173,18 +166,18 @@ def test_jitter_is_how_far_the_gaps_exceed_their_median():
 
 
 def test_jitter_draws_follow_the_measured_quantiles():
-    cost = _fixed(jitter_p90_s=0.002, jitter_p99_s=0.01, jitter_max_s=0.05)
+    cost = fixed_steps(jitter_p90_s=0.002, jitter_p99_s=0.01, jitter_max_s=0.05)
     assert cost.jitter_s(0.3) == 0.0  # up to the median
     assert cost.jitter_s(0.7) == pytest.approx(0.001)
     assert cost.jitter_s(0.9) == pytest.approx(0.002)
     assert cost.jitter_s(0.99) == pytest.approx(0.01)
     assert cost.jitter_s(0.995) == pytest.approx(0.03)
     with pytest.raises(SpecError, match="must not decrease"):
-        _fixed(jitter_p90_s=0.01, jitter_p99_s=0.002, jitter_max_s=0.05)
+        fixed_steps(jitter_p90_s=0.01, jitter_p99_s=0.002, jitter_max_s=0.05)
 
 
 def test_each_role_draws_its_own_jitter():
-    cost = _fixed(
+    cost = fixed_steps(
         jitter_p90_s=0.002,
         jitter_p99_s=0.01,
         jitter_max_s=0.05,
@@ -197,11 +190,11 @@ def test_each_role_draws_its_own_jitter():
     assert cost.jitter_s(0.9, "colocated") == pytest.approx(0.004)
     assert cost.jitter_s(0.995, "colocated") == pytest.approx(0.06)
     with pytest.raises(SpecError, match="colocated_jitter_p90_s"):
-        _fixed(colocated_jitter_p90_s=0.01, colocated_jitter_p99_s=0.002)
+        fixed_steps(colocated_jitter_p90_s=0.01, colocated_jitter_p99_s=0.002)
 
 
 def test_loop_steps_jitter_by_seeded_draws():
-    cost = _fixed(
+    cost = fixed_steps(
         colocated_jitter_p90_s=0.002, colocated_jitter_p99_s=0.01, colocated_jitter_max_s=0.05
     )
     topology = Topology("colocated", 1, kv_capacity_tokens=10_000)
@@ -214,7 +207,7 @@ def test_loop_steps_jitter_by_seeded_draws():
     again = _gaps(simulate(topology, cost, [SimRequest(0.0, 16, 2000)]).records[0])
     assert again == gaps  # the same draws every run
     # the decode worker's jitter is not the colocated worker's
-    steady = _fixed(jitter_p90_s=0.002, jitter_p99_s=0.01, jitter_max_s=0.05)
+    steady = fixed_steps(jitter_p90_s=0.002, jitter_p99_s=0.01, jitter_max_s=0.05)
     flat = _gaps(simulate(topology, steady, [SimRequest(0.0, 16, 200)]).records[0])
     assert max(flat) == pytest.approx(0.01)
 
@@ -386,7 +379,7 @@ def test_fit_to_the_runs_medians_ignores_one_disturbed_run():
 def test_a_worker_that_idled_pays_its_wake_term_on_its_next_step():
     from kvmesh.loadgen.sim.cost import WAKE_AFTER_S
 
-    cost = _fixed(colocated_wake_s=0.05)
+    cost = fixed_steps(colocated_wake_s=0.05)
     topology = Topology("colocated", 1, kv_capacity_tokens=10_000)
     # three requests of 3 steps (30 ms each): the second sent as the first ends, the third after
     # the worker has idled longer than WAKE_AFTER_S
@@ -401,14 +394,14 @@ def test_a_worker_that_idled_pays_its_wake_term_on_its_next_step():
     asleep = simulate(topology, cost, requests, wake=False).records
     assert [r.ttft_s for r in asleep] == pytest.approx([0.01, 0.01, 0.01])
     # a decode worker has no wake term; a prefill worker has its own
-    disagg = _fixed(colocated_wake_s=0.05, prefill_wake_s=0.02)
+    disagg = fixed_steps(colocated_wake_s=0.05, prefill_wake_s=0.02)
     one = [SimRequest(0.0, 16, 3)]
-    plain = simulate(Topology("disagg", 1, 1, kv_capacity_tokens=10_000), _fixed(), one)
+    plain = simulate(Topology("disagg", 1, 1, kv_capacity_tokens=10_000), fixed_steps(), one)
     with_wake = simulate(Topology("disagg", 1, 1, kv_capacity_tokens=10_000), disagg, one)
     assert with_wake.records[0].ttft_s == pytest.approx(plain.records[0].ttft_s + 0.02)
     assert with_wake.records[0].itl_s == pytest.approx(plain.records[0].itl_s)
     with pytest.raises(SpecError, match="prefill_wake_s"):
-        _fixed(prefill_wake_s=-0.01)
+        fixed_steps(prefill_wake_s=-0.01)
 
 
 def test_fit_wake_recovers_the_wake_terms_the_woken_probe_had():
