@@ -166,25 +166,27 @@ class DeviceSpec:
     def engine_extra_s(self, role: str) -> float:
         """What a mesh step of ``role`` pays on top of its scaled engine figures (a colocated
         or decode worker's stall per step; 0 for a prefill worker)."""
-        return {
-            "colocated": self.colocated_engine_extra_s,
-            "decode": self.decode_engine_extra_s,
-        }.get(role, 0.0)
+        if role == "colocated":
+            return self.colocated_engine_extra_s
+        return self.decode_engine_extra_s if role == "decode" else 0.0
 
     def wake_s(self, role: str) -> float:
         """What the first step of a ``role`` worker that has idled ``cost.WAKE_AFTER_S`` or
         longer pays on top (a colocated or prefill worker; 0 for the others)."""
-        return {"colocated": self.colocated_wake_s, "prefill": self.prefill_wake_s}.get(role, 0.0)
+        if role == "colocated":
+            return self.colocated_wake_s
+        return self.prefill_wake_s if role == "prefill" else 0.0
 
     def jitter_knots(self, role: str) -> tuple[float, float, float]:
         """The jitter's excess over the median gap at p90, p99 and at most, of a ``role``
         (colocated, or decode) worker's loop steps."""
-        prefix = "colocated_" if role == "colocated" else ""
-        return (
-            getattr(self, f"{prefix}jitter_p90_s"),
-            getattr(self, f"{prefix}jitter_p99_s"),
-            getattr(self, f"{prefix}jitter_max_s"),
-        )
+        if role == "colocated":
+            return (
+                self.colocated_jitter_p90_s,
+                self.colocated_jitter_p99_s,
+                self.colocated_jitter_max_s,
+            )
+        return self.jitter_p90_s, self.jitter_p99_s, self.jitter_max_s
 
     @property
     def effective_flops(self) -> float:
