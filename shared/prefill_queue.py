@@ -18,6 +18,7 @@ rewrite chunks the decode worker already counted).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 
 import nats.errors
@@ -85,18 +86,59 @@ async def ensure_stream(nc: Client, s: Subjects) -> None:
     raise PrefillQueueError(f"cannot create JetStream stream {s.PREFILL_STREAM}: {error}")
 
 
-async def publish_job(nc: Client, s: Subjects, data: bytes, timeout_s: float = 5.0) -> int:
+async def publish_job(
+    nc: Client,
+    s: Subjects,
+    data: bytes,
+    *,
+    msg_id: str | None = None,
+    timeout_s: float = 5.0,
+    retry_for_s: float = 10.0,
+) -> int:
     """Append an encoded PrefillJob to the queue; its sequence number in the stream. Raises
-    nats errors when it is not stored. A missing stream (the NATS server restarted with an empty
-    store) is created again first."""
+    nats errors, or PrefillQueueError when the server cannot hold the queue at all, when it is
+    not stored within ``retry_for_s``.
+
+    "No response from stream" means nothing answered for it: the stream is missing (the NATS
+    server restarted with an empty store: it is created again) or, on a cluster, it has no
+    leader for the moment (a partition healing, a member restarting: the replicas elect one
+    within seconds). A leader that lost its quorum does not answer at all (a timeout). All
+    three are retried with backoff until ``retry_for_s``, each try waiting at most
+    ``timeout_s``. ``msg_id`` (one per
+    attempt of a request) goes out as ``Nats-Msg-Id``, so a job that was stored although its
+    answer was lost is not stored twice by the retry: the stream answers with the first copy's
+    sequence number."""
     js = nc.jetstream()
-    stream = s.PREFILL_STREAM
-    try:
-        ack = await js.publish(s.PREFILL_JOBS, data, timeout=timeout_s, stream=stream)
-    except nats.js.errors.NoStreamResponseError:
-        await ensure_stream(nc, s)
-        ack = await js.publish(s.PREFILL_JOBS, data, timeout=timeout_s, stream=stream)
-    return int(ack.seq)
+    headers = {"Nats-Msg-Id": msg_id} if msg_id else None
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + retry_for_s
+    pause = 0.05
+    queue_error: PrefillQueueError | None = None
+    while True:
+        wait_s = min(timeout_s, max(1.0, deadline - loop.time()))
+        try:
+            ack = await js.publish(
+                s.PREFILL_JOBS, data, timeout=wait_s, stream=s.PREFILL_STREAM, headers=headers
+            )
+            return int(ack.seq)
+        except (
+            nats.js.errors.NoStreamResponseError,
+            nats.js.errors.ServiceUnavailableError,
+            nats.errors.TimeoutError,
+        ):
+            if loop.time() + pause > deadline:
+                if queue_error is not None:  # says why, e.g. JetStream is off: raise that
+                    raise queue_error from None
+                raise
+        try:
+            await ensure_stream(nc, s)
+            queue_error = None
+        except PrefillQueueError as exc:
+            queue_error = exc
+        except (nats.errors.Error, nats.js.errors.Error):
+            pass
+        await asyncio.sleep(min(pause, max(0.0, deadline - loop.time())))
+        pause = min(2 * pause, 1.0)
 
 
 async def withdraw_job(nc: Client, s: Subjects, seq: int) -> bool:

@@ -93,3 +93,22 @@ async def _stream_ready(nc, subjects) -> bool:
 
 async def _depth_is(nc, subjects, depth: int) -> bool:
     return await prefill_queue.queue_depth(nc, subjects) == depth
+
+
+async def test_a_job_published_while_the_queue_elects_a_leader_is_stored_once():
+    """The queue's leader dies: until the two others elect one, nothing answers for the stream
+    (what a router saw while a healed partition re-elected). publish_job retries until there is
+    a leader, and a retry of the same attempt stores its job once."""
+    subjects = Subjects("cluster-test")
+    with cluster() as servers:
+        async with connect_nats(servers[0].url, "probe") as nc:
+            await _until(lambda: _stream_ready(nc, subjects))
+            leader = (await nc.jetstream().stream_info(subjects.PREFILL_STREAM)).cluster.leader
+        [dying] = [s for s in servers if s.cluster.server_name == leader]
+        [other, *_] = [s for s in servers if s is not dying]
+        async with connect_nats(other.url, "router") as nc:
+            dying.stop()
+            seq = await prefill_queue.publish_job(nc, subjects, b"job", msg_id="req-1")
+            again = await prefill_queue.publish_job(nc, subjects, b"job", msg_id="req-1")
+            assert again == seq
+            await _until(lambda: _depth_is(nc, subjects, 1))

@@ -180,3 +180,24 @@ async def test_each_mesh_has_its_own_queue_on_a_shared_server(nats_server):
             assert await queue_b.next(timeout_s=0.3) is None
         assert await queue_depth(router, a) == 1  # mesh a's job is still waiting for mesh a
         assert a.PREFILL_STREAM != b.PREFILL_STREAM
+
+
+async def test_a_retried_publish_of_one_attempt_stores_its_job_once(nats_server):
+    """The router publishes each attempt's job with its id as Nats-Msg-Id: a retry after a lost
+    answer gets the first copy's sequence number and no second job."""
+    async with connect_nats(nats_server, "router") as router:
+        await ensure_stream(router, S)
+        first = await publish_job(router, S, b"job", msg_id="req-1-a0")
+        again = await publish_job(router, S, b"job", msg_id="req-1-a0")
+        other = await publish_job(router, S, b"job", msg_id="req-1-r1")  # the next attempt
+        assert again == first and other == first + 1
+        assert await queue_depth(router, S) == 2
+
+
+async def test_publish_to_a_server_without_jetstream_gives_up_saying_how_to_fix_it():
+    from kvmesh.shared.nats_server import NatsServer
+    from kvmesh.shared.prefill_queue import PrefillQueueError
+
+    async with NatsServer(jetstream=False) as server, connect_nats(server.url, "r") as nc:
+        with pytest.raises(PrefillQueueError, match="-js"):
+            await publish_job(nc, S, b"job", retry_for_s=0.3)

@@ -31,7 +31,7 @@ from kvmesh.services.router.metrics import RequestTimer, RouterMetrics
 from kvmesh.services.router.prompt import Prompt
 from kvmesh.services.router.worker_pool import WorkerPool
 from kvmesh.shared import protocol
-from kvmesh.shared.prefill_queue import publish_job, withdraw_job
+from kvmesh.shared.prefill_queue import PrefillQueueError, publish_job, withdraw_job
 from kvmesh.shared.protocol import (
     Abort,
     DecodeAdvert,
@@ -267,9 +267,13 @@ class MeshRequest:
         self._renewer = asyncio.create_task(self._renew_lease(reply))
         try:
             self._job_seq = await publish_job(
-                self._nc, self._subjects, protocol.encode_message(job)
+                self._nc,
+                self._subjects,
+                protocol.encode_message(job),
+                msg_id=self.request_id,
+                retry_for_s=max(0.0, deadline - time.monotonic()),
             )
-        except nats.errors.Error as exc:
+        except (nats.errors.Error, PrefillQueueError) as exc:
             raise ServiceUnavailableError(f"could not publish the prefill job: {exc}") from None
 
     async def _renew_lease(self, reply: PlaceReply) -> None:
