@@ -19,13 +19,14 @@ import socket
 import subprocess
 import sys
 import sysconfig
-import tempfile
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
+
+from kvmesh.shared.stale_dirs import make_owned_dir
 
 BINARY_ENV = "KVMESH_NATS_SERVER"
 
@@ -146,7 +147,7 @@ class NatsServer:
         self.start_timeout_s = start_timeout_s
         self.log_path = log_path
         self._proc: subprocess.Popen[bytes] | None = None
-        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        self._tmp: str | None = None
 
     @property
     def url(self) -> str:
@@ -157,7 +158,7 @@ class NatsServer:
     def state_dir(self) -> Path:
         """The server's private folder (0700): its config, ports file, JetStream store."""
         assert self._tmp is not None, "server not started"
-        return Path(self._tmp.name)
+        return Path(self._tmp)
 
     @property
     def pid(self) -> int:
@@ -168,8 +169,9 @@ class NatsServer:
         """Start the server and block until it accepts connections; returns its URL."""
         assert self._proc is None, "already started"
         binary = nats_server_binary()
-        self._tmp = tempfile.TemporaryDirectory(prefix="kvmesh-nats-")
-        tmp = Path(self._tmp.name)
+        # an owner killed before stopping its server left this folder: those of dead pids go
+        self._tmp = make_owned_dir("kvmesh-nats-")
+        tmp = Path(self._tmp)
         cmd = [
             *self.command_prefix,
             str(binary),
@@ -267,7 +269,7 @@ class NatsServer:
                 proc.kill()
                 proc.wait()
         if self._tmp is not None:
-            self._tmp.cleanup()
+            shutil.rmtree(self._tmp, ignore_errors=True)
             self._tmp = None
 
     def __enter__(self) -> NatsServer:

@@ -39,16 +39,18 @@ ENV = {
 
 
 @pytest.fixture(scope="module")
-def delayed_mesh():  # 1 ms each way on every link: 2 ms one way between two hosts
-    with netns_mesh_or_skip(num_decode=2, delay_ms=1.0, env=ENV) as mesh:
+def delayed_mesh(tmp_path_factory):  # 1 ms each way on every link: 2 ms one way between hosts
+    logs = tmp_path_factory.mktemp("netns-delayed")  # pytest keeps its last three runs' logs
+    with netns_mesh_or_skip(num_decode=2, delay_ms=1.0, env=ENV, log_dir=logs) as mesh:
         yield mesh
 
 
 @pytest.fixture(scope="module")
-def mesh():
+def mesh(tmp_path_factory):
     """The fault tests' mesh: links without delay (a restarted NATS member's JetStream catch-up
     once outlasted its 30 s over the user-space delayed links)."""
-    with netns_mesh_or_skip(num_decode=2, env=ENV) as mesh:
+    logs = tmp_path_factory.mktemp("netns-faults")
+    with netns_mesh_or_skip(num_decode=2, env=ENV, log_dir=logs) as mesh:
         yield mesh
 
 

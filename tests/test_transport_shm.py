@@ -87,3 +87,27 @@ async def test_start_sweeps_segments_left_by_dead_processes() -> None:
         for path in (stale, live):
             if os.path.exists(path):
                 os.unlink(path)
+
+
+async def test_start_sweeps_socket_folders_left_by_dead_receivers(tmp_path) -> None:
+    """A receiver killed before closing leaves ``kvmesh-<pid>-*/notify.sock``; the next start
+    in that folder removes it, and nothing else: a live pid's, or one holding other files."""
+    import socket
+
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    stale, live, busy = (
+        tmp_path / n
+        for n in (f"kvmesh-{proc.pid}-a", f"kvmesh-{os.getpid()}-b", f"kvmesh-{proc.pid}-c")
+    )
+    for folder in (stale, live, busy):
+        folder.mkdir()
+        with socket.socket(socket.AF_UNIX) as sock:
+            sock.bind(str(folder / "notify.sock"))
+    (busy / "notes.txt").write_text("not a socket folder alone")
+    async with ShmTransport(TransportConfig(shm_dir=str(tmp_path))) as transport:
+        assert not stale.exists()
+        assert live.exists() and busy.exists()
+        own = os.path.dirname(transport.socket_path)
+        assert os.path.basename(own).startswith(f"kvmesh-{os.getpid()}-")
+    assert not os.path.exists(own)

@@ -21,13 +21,13 @@ import shutil
 import socket
 import stat
 import struct
-import tempfile
 import threading
 from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+from kvmesh.shared.stale_dirs import make_owned_dir, owner_is_dead
 from kvmesh.shared.transport.base import (
     Access,
     Buffer,
@@ -156,12 +156,7 @@ def sweep_stale_segments() -> list[str]:
         parts = name.split("-")
         if len(parts) < 3 or parts[0] != "kvmesh" or not parts[1].isdigit():
             continue
-        try:
-            os.kill(int(parts[1]), 0)
-            continue  # alive (or not ours to signal: EPERM)
-        except ProcessLookupError:
-            pass
-        except PermissionError:
+        if not owner_is_dead(parts[1]):
             continue
         with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join(SHM_DIR, name))
@@ -245,11 +240,8 @@ class ShmTransport:
         sweep_stale_segments()
         self._table_seg = _Segment(f"{self._token}-table", TABLE_SLOTS * TABLE_DTYPE.itemsize)
         self._table = np.frombuffer(self._table_seg.mm, dtype=TABLE_DTYPE)
-        if self.config.shm_dir:
-            os.makedirs(self.config.shm_dir, exist_ok=True)
-            self._dir = tempfile.mkdtemp(prefix="kvmesh-", dir=self.config.shm_dir)
-        else:
-            self._dir = tempfile.mkdtemp(prefix="kvmesh-")
+        # a receiver killed before closing left its socket folder: those of dead pids go first
+        self._dir = make_owned_dir("kvmesh-", self.config.shm_dir, only=frozenset({SOCKET_NAME}))
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         listener.bind(self.socket_path)
         listener.listen(64)
