@@ -88,9 +88,11 @@ class ProbeRun:
 
 @dataclass(frozen=True, slots=True)
 class PooledProbe:
-    """Several probe runs as the fit takes them: each figure, jitter percentile and engine mean
-    the median over the runs; the long prompts' records of every run (the check's median TTFT
-    is over all of them)."""
+    """Several probe runs as the fit takes them: each figure and engine mean the median over
+    the runs; the jitter of every run's batch-1 gaps together (``Jitter.of`` their union: a
+    validation pools its runs' gaps, so how far the runs differ is part of the tail it
+    measures); the long prompts' records of every run (the check's median TTFT is over all of
+    them)."""
 
     figures: dict[str, ProbeFigures]
     jitter: dict[str, Jitter]  # by mode
@@ -124,7 +126,7 @@ def pool_probe_runs(runs: Sequence[Mapping[str, ProbeRecords]]) -> PooledProbe:
     modes = [m for m in ("colocated", "disagg") if any(m in r for r in runs)]
     return PooledProbe(
         {m: ProbeFigures.median([r.figures[m] for r in each if m in r.figures]) for m in modes},
-        {m: Jitter.median([r.jitter[m] for r in each if m in r.jitter]) for m in modes},
+        {m: Jitter.of([x for r in runs if m in r for x in r[m].isolated]) for m in modes},
         {m: tuple(x for r in runs if m in r for x in r[m].long) for m in modes},
         {
             m: median_phases([r.timings[m] for r in each if m in r.timings])
