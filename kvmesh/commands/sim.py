@@ -434,9 +434,12 @@ def _print_probe_fit_row(label: str, fit: Any, note_prefix: str = "note") -> Non
 
 
 def _print_pooled_fit(fit: Any, runs: int) -> None:
-    """``--probe-each-run``: the fit to the median of every probe run of the validation, which
-    the pooled comparison below uses."""
-    print(f"\nthe fit to the median of all {runs} probe runs (the comparison below uses it):")
+    """``--probe-each-run``: the fit to every probe run of the validation (each figure their
+    median, the jitter their gaps together), which the pooled comparison below uses."""
+    print(
+        f"\nthe fit to all {runs} probe runs (each figure their median, the jitter their gaps "
+        "together; the comparison below uses it):"
+    )
     print(_fit_header(_PROBE_FIT_COLUMNS))
     _print_probe_fit_row("all", fit)
 

@@ -23,9 +23,9 @@ With ``probe`` (``serve``) every mesh serves the calibration probe (``probe.serv
 before the validation's warm-up and workload and again just after it: the machine's speed
 drifts over minutes, so a calibration made minutes before is stale by the time the validation
 runs. ``compare_served`` then fits the engine scale and mesh overheads (``fit_run``, on the
-spec's engine figures alone) either to the median of every probe run of the validation
-(``pooled``: two per mesh, as ``--calibrate --probe-runs`` takes the median of its runs) and
-simulates once, or to each repeat's own two probe runs (``each``) and simulates each repeat with
+spec's engine figures alone) either to every probe run of the validation (``pooled``: two per
+mesh, pooled as ``--calibrate --probe-runs`` pools its runs: each figure their median, the
+jitter their gaps together) and simulates once, or to each repeat's own two probe runs (``each``) and simulates each repeat with
 its own fit, each real run then compared with its own simulation. One probe run is noisy: its
 p99 gap rests on a few gaps, and one disturbed run gave a repeat a jitter three times the
 others' (its simulated disagg ITL p99 2.2x the real one).
@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import random
+import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -66,6 +67,20 @@ def ratios(real: Summary, sim: Summary) -> dict[str, float | None]:
             key = f"{metric.upper()} {p[:3]}"
             ok = r is not None and s is not None and getattr(r, p) > 0
             out[key] = getattr(s, p) / getattr(r, p) if ok else None
+    return out
+
+
+def median_summary_ratios(runs: Sequence[Summary], sim: Summary) -> dict[str, float | None]:
+    """sim / real of p50 and p99 TTFT and ITL, each real figure the median over ``runs``: a
+    typical run's, which one disturbed run of three does not move (None where a side has none)."""
+    out: dict[str, float | None] = {}
+    for metric in ("ttft", "itl"):
+        s = getattr(sim, metric)
+        for p in ("p50_ms", "p99_ms"):
+            key = f"{metric.upper()} {p[:3]}"
+            real = [getattr(getattr(r, metric), p) for r in runs if getattr(r, metric)]
+            typical = statistics.median(real) if len(real) == len(runs) and real else 0.0
+            out[key] = getattr(s, p) / typical if s is not None and typical > 0 else None
     return out
 
 
@@ -130,6 +145,11 @@ class Comparison:
     def ratios(self) -> dict[str, float | None]:
         """sim / real of p50 and p99 TTFT and ITL, the real runs pooled."""
         return ratios(self.real, self.sim)
+
+    def typical_ratios(self) -> dict[str, float | None]:
+        """sim / real with each real figure the median over the runs (one simulation only)."""
+        assert not self.sim_runs, "one simulation for every run"
+        return median_summary_ratios(self.run_summaries, self.sim_once or self.sim)
 
     def run_ratios(self) -> list[dict[str, float | None]]:
         """Each real run's own sim / real ratios (against its own simulation, else the
@@ -292,7 +312,7 @@ def compare_served(
     fit: str = "spec",
 ) -> list[Comparison]:
     """The served ``runs`` (by mode) against the simulation of ``requests``: with ``cost`` as it
-    is (``spec``); fitted to the median of every probe run of the validation (``pooled``, one
+    is (``spec``); fitted to every probe run of the validation (``pooled``, one
     simulation); or each repeat fitted to its own probe runs (``each``, a simulation a repeat)."""
     if fit not in FITS:
         raise ValueError(f"fit must be one of {', '.join(FITS)}, got {fit!r}")
@@ -436,15 +456,20 @@ def format_comparisons(comparisons: list[Comparison]) -> str:
         pooled_note = f" (both sides pooled over {runs} runs, each simulated with its own fit)"
     elif any(c.fits for c in comparisons):
         real_side = f"the real side pooled over {runs} runs; " if runs > 1 else ""
-        pooled_note = (
-            f" ({real_side}the simulation fitted to the median of every probe run of the "
-            "validation)"
-        )
+        pooled_note = f" ({real_side}the simulation fitted to every probe run of the validation)"
     lines.append(
         f"within {TOLERANCE * 100:.0f} %{pooled_note}: "
         + ", ".join(f"{mode} {k}/{n}" for mode, k, n in counts)
         + f": {sum(k for _, k, _ in counts)} of {sum(n for _, _, n in counts)} figures"
     )
+    if runs > 1 and not any(c.sim_runs for c in comparisons):
+        typical = [(c.mode, c.typical_ratios()) for c in comparisons]
+        lines.append(
+            "a typical run (each real figure the median over the runs) against the simulation: "
+            + "; ".join(f"{mode} {' / '.join(_ratio_cells(r))}" for mode, r in typical)
+            + f": {sum(within(r) for _, r in typical)} of {sum(len(r) for _, r in typical)} "
+            "figures within"
+        )
     return "\n".join(lines)
 
 
