@@ -239,3 +239,27 @@ def test_a_typical_run_is_each_figures_median_over_the_runs():
     pooled = summarize([r for x in runs for r in x], 1.0)
     assert sim.itl.p99_ms / pooled.itl.p99_ms < 0.5  # the pooled tail is the disturbed run's
     assert median_summary_ratios([summarize([], 1.0)], sim)["ITL p50"] is None
+
+
+def test_each_runs_cpu_steal_is_printed_beside_its_ratios():
+    """A repeat the hypervisor slowed during its workload but not during its probes shows it."""
+    from kvmesh.loadgen.sim.validate import Steal, comparison, format_runs
+
+    sim = simulate(mesh_topology("colocated", _mesh(0.01)), _mesh(0.01), REQUESTS)
+    runs = [
+        RealRun(list(sim.records), sim.summary.duration_s, None, steal=Steal(0.01, 0.02)),
+        RealRun(list(sim.records), sim.summary.duration_s, None, steal=Steal(0.02, 0.31)),
+        RealRun(list(sim.records), sim.summary.duration_s, None),  # not measured
+    ]
+    c = comparison("colocated", runs, sim)
+    assert c.steals == tuple(r.steal for r in runs)
+    out = format_runs([c])
+    assert "| CPU steal |" in out
+    assert "| 0/0 | 1% / 2% |" not in out  # the ratio cells come first
+    rows = [line for line in out.splitlines() if line.startswith("| colocated | ")]
+    assert rows[0].endswith("| 1% / 2% |") and rows[1].endswith("| 2% / 31% |")
+    assert rows[2].endswith("| - / - |")
+    assert json.loads(validate.records_json([c]))["colocated"]["real_steal"][1] == {
+        "probes": 0.02,
+        "workload": 0.31,
+    }

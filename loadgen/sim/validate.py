@@ -131,6 +131,7 @@ class Comparison:
     sim_once: Summary | None = None
     sim_runs: tuple[SimResult, ...] = ()
     fits: tuple[RunFit, ...] = ()
+    steals: tuple[Steal, ...] = ()  # each real run's
 
     @property
     def real_records(self) -> tuple[RequestRecord, ...]:
@@ -200,6 +201,21 @@ def scrape(urls: list[str]) -> dict[str, float] | None:
 
 
 @dataclass(frozen=True, slots=True)
+class Steal:
+    """The CPU time a VM's hypervisor took (``cpu_steal``) during a real run's probes and
+    during its workload (None: not measured, or no /proc/stat)."""
+
+    probes: float | None = None
+    workload: float | None = None
+
+    def cell(self) -> str:
+        def pct(x: float | None) -> str:
+            return "-" if x is None else f"{x:.0%}"
+
+        return f"{pct(self.probes)} / {pct(self.workload)}"
+
+
+@dataclass(frozen=True, slots=True)
 class RealRun:
     """One mesh's validation run: its records, how long it took, the engines' means over it
     (None: its /metrics were unread), and the probes it served before and after the workload
@@ -209,6 +225,7 @@ class RealRun:
     duration_s: float
     timings: EngineTimings | None
     probes: tuple[ProbeRecords, ...] = ()  # the probe before the workload and after it
+    steal: Steal = Steal()  # the hypervisor's share of the CPU meanwhile
 
 
 def run_real(config: ServeBenchConfig, mode: str, probe: bool = False) -> RealRun:
@@ -218,6 +235,7 @@ def run_real(config: ServeBenchConfig, mode: str, probe: bool = False) -> RealRu
     from kvmesh.loadgen.arrivals import ArrivalProcess, arrival_times
     from kvmesh.loadgen.bench_mesh import local_mesh
     from kvmesh.loadgen.bench_serve import build_workload
+    from kvmesh.loadgen.cpu_steal import read_cpu_times, steal_share, steal_share_over
     from kvmesh.loadgen.sim.probe import serve_probe
     from kvmesh.loadgen.sse_client import run_requests
 
@@ -231,7 +249,9 @@ def run_real(config: ServeBenchConfig, mode: str, probe: bool = False) -> RealRu
         local_prefill_threshold=0,
         prefill_nice=config.prefill_nice,
     ) as mesh:
+        probe_times = [read_cpu_times()]
         probes = [serve_probe(mesh, mode, config.model, config.timeout_s)] if probe else []
+        probe_times.append(read_cpu_times())
         endpoint = config.endpoint(mesh.url)
         # a prompt of its own (prompts[0] reversed): the warm-up must not leave the first
         # request's prompt in the prefix cache, which the simulator does not model
@@ -241,16 +261,26 @@ def run_real(config: ServeBenchConfig, mode: str, probe: bool = False) -> RealRu
         asyncio.run(run_requests(endpoint, [warm], [0.0], timeout_s=config.timeout_s))
         urls = list(mesh.metrics_urls.values())
         before = scrape(urls)
+        started = read_cpu_times()
         records, duration_s = asyncio.run(
             run_requests(endpoint, prompts, times, timeout_s=config.timeout_s)
         )
+        ended = read_cpu_times()
         after = scrape(urls)
         if probe:
+            probe_times.append(read_cpu_times())
             probes.append(
                 serve_probe(mesh, mode, config.model, config.timeout_s, seed="probe-after")
             )
+            probe_times.append(read_cpu_times())
     timings = None if before is None or after is None else EngineTimings.between(before, after)
-    return RealRun(records, duration_s, timings, tuple(probes))
+    steal = Steal(
+        steal_share_over(list(zip(probe_times[::2], probe_times[1::2], strict=True)))
+        if probe
+        else None,
+        steal_share(started, ended),
+    )
+    return RealRun(records, duration_s, timings, tuple(probes), steal)
 
 
 def engine_only(device: DeviceSpec) -> DeviceSpec:
@@ -358,6 +388,7 @@ def comparison(mode: str, runs: Sequence[RealRun], sim: SimResult) -> Comparison
         sim.timings,
         tuple(summarize(run.records, run.duration_s) for run in runs),
         sim_once,
+        steals=tuple(run.steal for run in runs),
     )
 
 
@@ -381,6 +412,7 @@ def comparison_each(
         None,
         tuple(sims),
         tuple(fits),
+        tuple(run.steal for run in runs),
     )
 
 
@@ -415,6 +447,7 @@ def records_json(comparisons: list[Comparison]) -> str:
                     if c.sim_runs
                     else [record(r) for r in c.sim_records]
                 ),
+                "real_steal": [dataclasses.asdict(steal) for steal in c.steals],
                 "real_timings": c.real_timings and dataclasses.asdict(c.real_timings),
                 "sim_timings": c.sim_timings and dataclasses.asdict(c.sim_timings),
             }
@@ -478,21 +511,27 @@ def format_runs(comparisons: list[Comparison]) -> str:
     moves between runs of the same requests."""
     own = any(c.sim_runs for c in comparisons)
     lines = [
-        f"each real run against {'its own' if own else 'the'} simulation (sim / real):",
-        f"| mode | run | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | within {TOLERANCE * 100:.0f} % | failed |",
-        "|---|---|---|---|---|---|---|---|",
+        f"each real run against {'its own' if own else 'the'} simulation (sim / real; CPU "
+        "steal: the share of the CPU the VM's hypervisor took during the run's probes and its "
+        "workload):",
+        f"| mode | run | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | within {TOLERANCE * 100:.0f} % | failed "
+        "| CPU steal |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for c in comparisons:
         per_run = c.run_ratios()
-        for k, (values, real) in enumerate(zip(per_run, c.run_summaries, strict=True)):
+        steals = c.steals or (Steal(),) * len(per_run)
+        for k, (values, real, steal) in enumerate(
+            zip(per_run, c.run_summaries, steals, strict=True)
+        ):
             lines.append(
                 f"| {c.mode} | {k + 1} | {' | '.join(_ratio_cells(values))} | "
-                f"{within(values)}/{len(values)} | {real.num_failed} |"
+                f"{within(values)}/{len(values)} | {real.num_failed} | {steal.cell()} |"
             )
         if len(per_run) > 1:
             cells = []
             for key in per_run[0]:
                 got = [v[key] for v in per_run if v[key] is not None]
                 cells.append(f"{min(got):.2f}-{max(got):.2f}x" if got else "-")
-            lines.append(f"| {c.mode} | range | {' | '.join(cells)} | | |")
+            lines.append(f"| {c.mode} | range | {' | '.join(cells)} | | | |")
     return "\n".join(lines)
