@@ -48,10 +48,7 @@ def read_cpu_times(path: Path = PROC_STAT) -> CpuTimes | None:
 def steal_share(before: CpuTimes | None, after: CpuTimes | None) -> float | None:
     """The stolen share of all CPU time between two readings; None without both, or when no
     time passed."""
-    if before is None or after is None:
-        return None
-    total = after.total - before.total
-    return (after.steal - before.steal) / total if total > 0 else None
+    return steal_share_over([(before, after)])
 
 
 def steal_share_over(spans: list[tuple[CpuTimes | None, CpuTimes | None]]) -> float | None:

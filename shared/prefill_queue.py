@@ -104,10 +104,9 @@ async def publish_job(
     leader for the moment (a partition healing, a member restarting: the replicas elect one
     within seconds). A leader that lost its quorum does not answer at all (a timeout). All
     three are retried with backoff until ``retry_for_s``, each try waiting at most
-    ``timeout_s``. ``msg_id`` (one per
-    attempt of a request) goes out as ``Nats-Msg-Id``, so a job that was stored although its
-    answer was lost is not stored twice by the retry: the stream answers with the first copy's
-    sequence number."""
+    ``timeout_s``. ``msg_id`` (one per attempt of a request) goes out as ``Nats-Msg-Id``, so a
+    job that was stored although its answer was lost is not stored twice by the retry: the
+    stream answers with the first copy's sequence number."""
     js = nc.jetstream()
     headers = {"Nats-Msg-Id": msg_id} if msg_id else None
     loop = asyncio.get_running_loop()

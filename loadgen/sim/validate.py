@@ -25,8 +25,9 @@ drifts over minutes, so a calibration made minutes before is stale by the time t
 runs. ``compare_served`` then fits the engine scale and mesh overheads (``fit_run``, on the
 spec's engine figures alone) either to every probe run of the validation (``pooled``: two per
 mesh, pooled as ``--calibrate --probe-runs`` pools its runs: each figure their median, the
-jitter their gaps together) and simulates once, or to each repeat's own two probe runs (``each``) and simulates each repeat with
-its own fit, each real run then compared with its own simulation. One probe run is noisy: its
+jitter their gaps together) and simulates once, or to each repeat's own two probe runs
+(``each``) and simulates each repeat with its own fit, each real run then compared with its
+own simulation. One probe run is noisy: its
 p99 gap rests on a few gaps, and one disturbed run gave a repeat a jitter three times the
 others' (its simulated disagg ITL p99 2.2x the real one).
 """
@@ -58,29 +59,36 @@ MESH_KV_CACHE_BYTES = 256 << 20
 TOLERANCE = 0.25  # issue #12: the simulator's p50 and p99 TTFT and ITL within 25 % of the mesh's
 
 
-def ratios(real: Summary, sim: Summary) -> dict[str, float | None]:
-    """sim / real of p50 and p99 TTFT and ITL (None where either side has none)."""
+def figures(summary: Summary) -> dict[str, float | None]:
+    """p50 and p99 TTFT and ITL in ms, the figures the validation compares (None where the
+    summary has none)."""
     out: dict[str, float | None] = {}
     for metric in ("ttft", "itl"):
-        r, s = getattr(real, metric), getattr(sim, metric)
+        stats = getattr(summary, metric)
         for p in ("p50_ms", "p99_ms"):
-            key = f"{metric.upper()} {p[:3]}"
-            ok = r is not None and s is not None and getattr(r, p) > 0
-            out[key] = getattr(s, p) / getattr(r, p) if ok else None
+            out[f"{metric.upper()} {p[:3]}"] = None if stats is None else getattr(stats, p)
     return out
+
+
+def _ratio(sim: float | None, real: float | None) -> float | None:
+    return sim / real if sim is not None and real is not None and real > 0 else None
+
+
+def ratios(real: Summary, sim: Summary) -> dict[str, float | None]:
+    """sim / real of p50 and p99 TTFT and ITL (None where either side has none)."""
+    r = figures(real)
+    return {key: _ratio(s, r[key]) for key, s in figures(sim).items()}
 
 
 def median_summary_ratios(runs: Sequence[Summary], sim: Summary) -> dict[str, float | None]:
     """sim / real of p50 and p99 TTFT and ITL, each real figure the median over ``runs``: a
     typical run's, which one disturbed run of three does not move (None where a side has none)."""
+    per_run = [figures(r) for r in runs]
     out: dict[str, float | None] = {}
-    for metric in ("ttft", "itl"):
-        s = getattr(sim, metric)
-        for p in ("p50_ms", "p99_ms"):
-            key = f"{metric.upper()} {p[:3]}"
-            real = [getattr(getattr(r, metric), p) for r in runs if getattr(r, metric)]
-            typical = statistics.median(real) if len(real) == len(runs) and real else 0.0
-            out[key] = getattr(s, p) / typical if s is not None and typical > 0 else None
+    for key, s in figures(sim).items():
+        real = [f[key] for f in per_run]
+        typical = statistics.median(real) if real and None not in real else None  # type: ignore[type-var]
+        out[key] = _ratio(s, typical)
     return out
 
 
@@ -235,7 +243,7 @@ def run_real(config: ServeBenchConfig, mode: str, probe: bool = False) -> RealRu
     from kvmesh.loadgen.arrivals import ArrivalProcess, arrival_times
     from kvmesh.loadgen.bench_mesh import local_mesh
     from kvmesh.loadgen.bench_serve import build_workload
-    from kvmesh.loadgen.cpu_steal import read_cpu_times, steal_share, steal_share_over
+    from kvmesh.loadgen.cpu_steal import CpuTimes, read_cpu_times, steal_share, steal_share_over
     from kvmesh.loadgen.sim.probe import serve_probe
     from kvmesh.loadgen.sse_client import run_requests
 
@@ -249,9 +257,15 @@ def run_real(config: ServeBenchConfig, mode: str, probe: bool = False) -> RealRu
         local_prefill_threshold=0,
         prefill_nice=config.prefill_nice,
     ) as mesh:
-        probe_times = [read_cpu_times()]
-        probes = [serve_probe(mesh, mode, config.model, config.timeout_s)] if probe else []
-        probe_times.append(read_cpu_times())
+        probe_spans: list[tuple[CpuTimes | None, CpuTimes | None]] = []
+
+        def probed(seed: str) -> ProbeRecords:
+            before = read_cpu_times()
+            records = serve_probe(mesh, mode, config.model, config.timeout_s, seed=seed)
+            probe_spans.append((before, read_cpu_times()))
+            return records
+
+        probes = [probed("probe")] if probe else []
         endpoint = config.endpoint(mesh.url)
         # a prompt of its own (prompts[0] reversed): the warm-up must not leave the first
         # request's prompt in the prefix cache, which the simulator does not model
@@ -268,18 +282,9 @@ def run_real(config: ServeBenchConfig, mode: str, probe: bool = False) -> RealRu
         ended = read_cpu_times()
         after = scrape(urls)
         if probe:
-            probe_times.append(read_cpu_times())
-            probes.append(
-                serve_probe(mesh, mode, config.model, config.timeout_s, seed="probe-after")
-            )
-            probe_times.append(read_cpu_times())
+            probes.append(probed("probe-after"))
     timings = None if before is None or after is None else EngineTimings.between(before, after)
-    steal = Steal(
-        steal_share_over(list(zip(probe_times[::2], probe_times[1::2], strict=True)))
-        if probe
-        else None,
-        steal_share(started, ended),
-    )
+    steal = Steal(steal_share_over(probe_spans), steal_share(started, ended))
     return RealRun(records, duration_s, timings, tuple(probes), steal)
 
 
