@@ -18,6 +18,8 @@ from kvmesh.loadgen.sim.cost import CostModel
 from kvmesh.loadgen.sim.specs import DeviceSpec, load_model
 from kvmesh.loadgen.sim.validate import (
     RealRun,
+    SetAside,
+    Steal,
     comparison_each,
     engine_only,
     format_comparisons,
@@ -80,7 +82,7 @@ def test_each_repeat_is_simulated_with_the_fit_to_its_own_probe(monkeypatch):
     monkeypatch.setattr(validate, "run_real", run_real)
     # the spec's own scale and overheads (a stale calibration) must not be used
     stale = dataclasses.replace(_engine(), request_overhead_s=0.5, colocated_engine_scale=3.0)
-    runs = validate.serve(_config(), MODES, repeats=2, probe=True)
+    runs = validate.serve(_config(), MODES, repeats=2, probe=True).runs
     comparisons = validate.compare_served(runs, CostModel(TINY, stale), REQUESTS, fit="each")
     assert served == [("colocated", True), ("disagg", True)] * 2  # the modes in turn, probed
     for c in comparisons:
@@ -114,7 +116,7 @@ def test_the_pooled_fit_is_to_the_median_of_every_probe_run(monkeypatch):
         return _real_run(mode, meshes[(len(served) - 1) // len(MODES)])
 
     monkeypatch.setattr(validate, "run_real", run_real)
-    runs = validate.serve(_config(), MODES, repeats=3, probe=True)
+    runs = validate.serve(_config(), MODES, repeats=3, probe=True).runs
     assert served == [("colocated", True), ("disagg", True)] * 3
     assert len(validate.probe_runs(runs)) == 6  # two a mesh
     assert len(validate.probe_runs(runs, 2)) == 2
@@ -137,7 +139,7 @@ def test_compare_without_probes_simulates_once(monkeypatch):
     monkeypatch.setattr(
         validate, "run_real", lambda config, mode, probe=False: _real_run(mode, _mesh(0.01))
     )
-    runs = validate.serve(_config(), ("colocated",), repeats=2)
+    runs = validate.serve(_config(), ("colocated",), repeats=2).runs
     (c,) = validate.compare_served(runs, _mesh(0.01), REQUESTS)
     assert c.sim_runs == () and c.fits == () and c.sim_once is not None
     assert c.sim_of(1) == c.sim_records
@@ -176,7 +178,7 @@ def test_a_run_without_its_probe_is_refused(monkeypatch):
     for fit in ("pooled", "each"):
         with pytest.raises(ValueError, match="without its probe"):
             validate.compare_served(
-                validate.serve(_config(), MODES, probe=True), _mesh(0.01), REQUESTS, fit=fit
+                validate.serve(_config(), MODES, probe=True).runs, _mesh(0.01), REQUESTS, fit=fit
             )
 
 
@@ -243,7 +245,7 @@ def test_a_typical_run_is_each_figures_median_over_the_runs():
 
 def test_each_runs_cpu_steal_is_printed_beside_its_ratios():
     """A repeat the hypervisor slowed during its workload but not during its probes shows it."""
-    from kvmesh.loadgen.sim.validate import Steal, comparison, format_runs
+    from kvmesh.loadgen.sim.validate import comparison
 
     sim = simulate(mesh_topology("colocated", _mesh(0.01)), _mesh(0.01), REQUESTS)
     runs = [
@@ -263,3 +265,73 @@ def test_each_runs_cpu_steal_is_printed_beside_its_ratios():
         "probes": 0.02,
         "workload": 0.31,
     }
+
+
+def _steal_run(steal: Steal) -> RealRun:
+    return RealRun(_records(0.1), 1.0, None, steal=steal)
+
+
+def test_a_repeat_the_hypervisor_disturbed_is_served_again():
+    """Repeat 2's disagg mesh lost 12 % of the CPU during its probes: both its runs are set
+    aside and the repeat is served again; the comparison gets the undisturbed ones."""
+    steals = iter(
+        [
+            *(Steal(0.01, 0.0), Steal(0.0, 0.02)),  # repeat 1
+            *(Steal(0.0, 0.01), Steal(0.12, 0.01)),  # repeat 2, disagg disturbed
+            *(Steal(0.0, 0.0), Steal(0.01, 0.03)),  # repeat 2 again
+        ]
+    )
+    served: list[str] = []
+
+    def run(config: ServeBenchConfig, mode: str, probe: bool) -> RealRun:
+        served.append(mode)
+        return _steal_run(next(steals))
+
+    out = validate.serve(_config(), MODES, repeats=2, max_steal=0.05, redo=2, run=run)
+    assert served == list(MODES) * 3
+    assert [r.steal for r in out.runs["colocated"]] == [Steal(0.01, 0.0), Steal(0.0, 0.0)]
+    assert [r.steal for r in out.runs["disagg"]] == [Steal(0.0, 0.02), Steal(0.01, 0.03)]
+    assert out.set_aside == (SetAside(1, "disagg", Steal(0.12, 0.01)),)
+    assert out.kept_disturbed() == []
+
+
+def test_a_disturbed_repeat_is_kept_and_flagged_when_no_redo_is_left():
+    def run(config: ServeBenchConfig, mode: str, probe: bool) -> RealRun:
+        return _steal_run(Steal(0.0, 0.2) if mode == "disagg" else Steal(None, None))
+
+    out = validate.serve(_config(), MODES, repeats=2, max_steal=0.05, redo=1, run=run)
+    assert len(out.set_aside) == 1 and len(out.runs["disagg"]) == 2
+    assert out.kept_disturbed() == [(0, "disagg", Steal(0.0, 0.2)), (1, "disagg", Steal(0.0, 0.2))]
+    # without a threshold nothing is redone or flagged; unmeasured steal never counts
+    plain = validate.serve(_config(), MODES, repeats=2, run=run)
+    assert plain.set_aside == () and plain.kept_disturbed() == []
+    assert not validate.disturbed(_steal_run(Steal(None, None)), 0.0)
+    with pytest.raises(ValueError, match="--redo must be 0 or more"):
+        validate.serve(_config(), MODES, redo=-1, run=run)
+    with pytest.raises(ValueError, match="--max-steal must be a share"):
+        validate.serve(_config(), MODES, max_steal=5.0, run=run)
+
+
+def test_cli_prints_the_repeats_served_again(monkeypatch, capsys, tmp_path):
+    from kvmesh.loadgen.sim.specs import write_device
+
+    from kvmesh.cli import main
+
+    steals = iter([Steal(0.0, 0.3), Steal(0.0, 0.0)] + [Steal(0.0, 0.0)] * 2)
+    monkeypatch.setattr(
+        validate,
+        "run_real",
+        lambda config, mode, probe=False: dataclasses.replace(
+            _real_run(mode, _mesh(0.02)), steal=next(steals)
+        ),
+    )
+    spec = write_device(_engine(), tmp_path / "cpu-like.json")
+    args = ["sim", "--validate", "--model", "kvmesh-tiny", "--device", str(spec)]
+    args += ["--num-requests", "4", "--input-len-range", "100:250", "--output-len-range", "8:8"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert (
+        "repeat 1 served again: the hypervisor took 0% / 30% of the CPU during the colocated" in out
+    )
+    assert main([*args, "--redo", "-1"]) == 2
+    assert "--redo must be 0 or more" in capsys.readouterr().err

@@ -119,6 +119,21 @@ def register(subparsers: Any) -> None:
         "runs, and, printed apart, each repeat to its own two",
     )
     out.add_argument(
+        "--max-steal",
+        type=float,
+        default=5.0,
+        metavar="PCT",
+        help="--validate: a repeat whose probes or workload lost more than PCT %% of the CPU to "
+        "the VM's hypervisor (steal in /proc/stat) is served again (both modes), at most --redo "
+        "times; its runs are set aside and printed. A negative value turns this off",
+    )
+    out.add_argument(
+        "--redo",
+        type=int,
+        default=2,
+        help="--validate: how many disturbed repeats may be served again (--max-steal)",
+    )
+    out.add_argument(
         "--prefill-nice",
         type=int,
         default=0,
@@ -520,6 +535,11 @@ def _validate(args: argparse.Namespace, cost: Any, requests: list[Any]) -> int:
         return _fail("--validate runs a synthetic workload; leave out --trace")
     if args.repeats < 1:
         return _fail(f"--repeats must be at least 1, got {args.repeats}")
+    if args.redo < 0:
+        return _fail(f"--redo must be 0 or more, got {args.redo}")
+    if args.max_steal >= 100:
+        return _fail(f"--max-steal is a percentage below 100, got {args.max_steal}")
+    max_steal = None if args.max_steal < 0 else args.max_steal / 100
     config = ServeBenchConfig(
         model=args.real_model,
         num_prompts=args.num_requests,
@@ -547,7 +567,10 @@ def _validate(args: argparse.Namespace, cost: Any, requests: list[Any]) -> int:
         _print_spec_terms(d)
     modes = ("colocated", "disagg")
     try:
-        runs = validate.serve(config, modes, args.repeats, probe=args.probe_each_run)
+        served = validate.serve(
+            config, modes, args.repeats, args.probe_each_run, max_steal, args.redo
+        )
+        runs = served.runs
         if args.probe_each_run:
             each = validate.compare_served(runs, cost, requests, args.prefill_nice, "each")
             comparisons = validate.compare_served(runs, cost, requests, args.prefill_nice, "pooled")
@@ -555,6 +578,7 @@ def _validate(args: argparse.Namespace, cost: Any, requests: list[Any]) -> int:
             comparisons = validate.compare_served(runs, cost, requests, args.prefill_nice)
     except OverheadFitError as exc:
         return _fail(f"mesh probe refused: {exc}")
+    _print_disturbed(served)
     if args.probe_each_run:
         _print_run_fits(each[0].fits)
         print()
@@ -580,6 +604,21 @@ def _validate(args: argparse.Namespace, cost: Any, requests: list[Any]) -> int:
         args.records_out.write_text(validate.records_json(comparisons))
         print(f"wrote {args.records_out}", file=sys.stderr)
     return 0
+
+
+def _print_disturbed(served: Any) -> None:
+    """The repeats served again because the hypervisor disturbed them, and those kept so."""
+    for s in served.set_aside:
+        print(
+            f"repeat {s.repeat + 1} served again: the hypervisor took {s.steal.cell()} of the CPU "
+            f"during the {s.mode} mesh's probes / workload (--max-steal {served.max_steal:.0%})"
+        )
+    for k, mode, steal in served.kept_disturbed():
+        print(
+            f"warning: repeat {k + 1}'s {mode} run lost {steal.cell()} of the CPU to the "
+            "hypervisor and is compared all the same (no --redo left): its machine was not "
+            "the one its probes measured"
+        )
 
 
 def _print_spec_terms(d: Any) -> None:

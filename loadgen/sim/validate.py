@@ -38,7 +38,7 @@ import asyncio
 import dataclasses
 import random
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvmesh.loadgen.bench_serve_config import ServeBenchConfig
@@ -306,18 +306,80 @@ def fit_run(cost: CostModel, probe_runs: Sequence[Mapping[str, ProbeRecords]]) -
     return RunFit(mesh, scaled, CostModel(cost.model, mesh.overheads.apply(spec), cost.tp))
 
 
+def disturbed(run: RealRun, max_steal: float) -> bool:
+    """Whether the hypervisor took more than ``max_steal`` of the CPU during ``run``'s probes
+    or its workload (a share not measured is not counted)."""
+    return any(
+        share is not None and share > max_steal for share in (run.steal.probes, run.steal.workload)
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class SetAside:
+    """A repeat's run served again because the hypervisor disturbed it (``disturbed``)."""
+
+    repeat: int  # 0-based
+    mode: str
+    steal: Steal
+
+
+@dataclass(frozen=True, slots=True)
+class Served:
+    """The runs kept, by mode (run ``k`` of each mode is repeat ``k``), and those set aside."""
+
+    runs: dict[str, list[RealRun]]
+    set_aside: tuple[SetAside, ...] = ()
+    max_steal: float | None = None
+
+    def kept_disturbed(self) -> list[tuple[int, str, Steal]]:
+        """The kept runs that are disturbed all the same (no redo was left)."""
+        if self.max_steal is None:
+            return []
+        return [
+            (k, mode, run.steal)
+            for mode, rs in self.runs.items()
+            for k, run in enumerate(rs)
+            if disturbed(run, self.max_steal)
+        ]
+
+
 def serve(
-    config: ServeBenchConfig, modes: tuple[str, ...], repeats: int = 1, probe: bool = False
-) -> dict[str, list[RealRun]]:
+    config: ServeBenchConfig,
+    modes: tuple[str, ...],
+    repeats: int = 1,
+    probe: bool = False,
+    max_steal: float | None = None,
+    redo: int = 0,
+    run: Callable[[ServeBenchConfig, str, bool], RealRun] | None = None,
+) -> Served:
     """The workload served by ``repeats`` fresh meshes of each mode (the modes in turn, so that
-    a slow drift of the machine reaches both), each probed before and after it with ``probe``."""
+    a slow drift of the machine reaches both), each probed before and after it with ``probe``.
+
+    With ``max_steal``, a repeat one of whose runs the hypervisor took more than that share of
+    the CPU from (during its probes or its workload) is served again, both modes, at most
+    ``redo`` times over the whole validation: its runs are set aside, not compared. A repeat
+    still disturbed when no redo is left is kept, and ``Served.kept_disturbed`` says so."""
     if repeats < 1:
         raise ValueError(f"--repeats must be at least 1, got {repeats}")
+    if redo < 0:
+        raise ValueError(f"--redo must be 0 or more, got {redo}")
+    if max_steal is not None and not 0 <= max_steal < 1:
+        raise ValueError(f"--max-steal must be a share in [0, 1), got {max_steal}")
+    serve_one = run or run_real
     runs: dict[str, list[RealRun]] = {mode: [] for mode in modes}
-    for _ in range(repeats):
-        for mode in modes:
-            runs[mode].append(run_real(config, mode, probe=probe))
-    return runs
+    set_aside: list[SetAside] = []
+    k = 0
+    while k < repeats:
+        served = {mode: serve_one(config, mode, probe) for mode in modes}
+        bad = [] if max_steal is None else [m for m, r in served.items() if disturbed(r, max_steal)]
+        if bad and redo > 0:
+            redo -= 1
+            set_aside += [SetAside(k, mode, served[mode].steal) for mode in bad]
+            continue
+        for mode, real in served.items():
+            runs[mode].append(real)
+        k += 1
+    return Served(runs, tuple(set_aside), max_steal)
 
 
 def probe_runs(
