@@ -184,6 +184,8 @@ class PrefillJobQueue:
         return self
 
     async def _subscribe(self) -> None:
+        """Make the stream and the consumer if they are missing and pull through the consumer;
+        ``self._sub`` is set only once that worked (a NATS error leaves it None)."""
         await ensure_stream(self._nc, self._subjects)
         config = api.ConsumerConfig(
             ack_policy=api.AckPolicy.EXPLICIT, max_ack_pending=-1, ack_wait=self._ack_wait_s
@@ -195,23 +197,33 @@ class PrefillJobQueue:
             config=config,
         )
 
-    async def __aexit__(self, *exc: object) -> None:
-        if self._sub is not None and not self._nc.is_closed:
+    async def _unsubscribe(self) -> None:
+        sub, self._sub = self._sub, None
+        if sub is not None and not self._nc.is_closed:
             with contextlib.suppress(nats.errors.Error):
-                await self._sub.unsubscribe()
+                await sub.unsubscribe()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._unsubscribe()
 
     async def next(self, timeout_s: float = 1.0) -> Msg | None:
-        """The next job, not yet acknowledged; None when none came within ``timeout_s``."""
-        assert self._sub is not None, "enter the queue first"
+        """The next job, not yet acknowledged; None when none came within ``timeout_s``.
+
+        A NATS error (JetStream unavailable, a server cut off from its cluster) is raised for
+        the caller to try again; a subscription lost on the way is made again first."""
+        if self._sub is None:  # lost below and not yet made again
+            await self._subscribe()
+            assert self._sub is not None
         try:
             [msg] = await self._sub.fetch(1, timeout=timeout_s)
         except nats.errors.TimeoutError:
             return None
         except (nats.js.errors.ServiceUnavailableError, nats.js.errors.NotFoundError):
             # the stream or our consumer is gone (the NATS server restarted with an empty
-            # store): make them again, and pull from the new ones from now on
-            with contextlib.suppress(nats.errors.Error):
-                await self._sub.unsubscribe()
+            # store), or JetStream is unavailable on our server: make them again, and pull from
+            # the new ones from now on. Until that works the next call tries again: an
+            # unsubscribed pull subscription would time out on every fetch, silently, forever.
+            await self._unsubscribe()
             await self._subscribe()
             return None
         return msg

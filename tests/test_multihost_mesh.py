@@ -72,12 +72,36 @@ async def _post(session: aiohttp.ClientSession, url: str, prompt: list[int]) -> 
         return resp.status, await resp.json()
 
 
+async def _diagnose(mesh) -> str:
+    """What the mesh looks like now (for a failure's message): the workers, the prefill
+    queue's stream and consumer, and every service's log tail."""
+    subjects = Subjects("kvmesh-tiny")
+    out = []
+    try:
+        async with admin_client(mesh.nats_url) as admin:
+            out.append(f"status: {await admin.status()}")
+    except (AdminError, nats.errors.Error) as exc:
+        out.append(f"status: {exc!r}")
+    try:
+        async with connect_nats(mesh.nats_url, "test-diagnose") as nc:
+            js = nc.jetstream()
+            out.append(f"stream: {await js.stream_info(subjects.PREFILL_STREAM)}")
+            out.append(f"consumer: {await js.consumer_info(subjects.PREFILL_STREAM, 'prefill')}")
+    except (nats.errors.Error, nats.js.errors.Error) as exc:
+        out.append(f"jetstream: {exc!r}")
+    out += [f"--- {name}\n{mesh.log_tail(name, 4000)}" for name in mesh.services]
+    return "\n".join(out)
+
+
 async def _serve_all(mesh, prompts: list[list[int]], timeout_s: float = 60.0) -> list[dict]:
     """Every prompt served (HTTP 200 with all its tokens) within ``timeout_s``."""
     async with aiohttp.ClientSession() as session:
-        replies = await asyncio.wait_for(
-            asyncio.gather(*(_post(session, mesh.router_url, p) for p in prompts)), timeout_s
-        )
+        try:
+            replies = await asyncio.wait_for(
+                asyncio.gather(*(_post(session, mesh.router_url, p) for p in prompts)), timeout_s
+            )
+        except TimeoutError:
+            pytest.fail(f"not served within {timeout_s:g}s; the mesh:\n{await _diagnose(mesh)}")
     for status, body in replies:
         assert status == 200, body
         assert body["usage"]["completion_tokens"] == MAX_TOKENS, body

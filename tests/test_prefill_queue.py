@@ -201,3 +201,47 @@ async def test_publish_to_a_server_without_jetstream_gives_up_saying_how_to_fix_
     async with NatsServer(jetstream=False) as server, connect_nats(server.url, "r") as nc:
         with pytest.raises(PrefillQueueError, match="-js"):
             await publish_job(nc, S, b"job", retry_for_s=0.3)
+
+
+async def test_a_failed_resubscribe_is_tried_again_not_left_dead(nats_server, monkeypatch):
+    """JetStream unavailable on the worker's server (e.g. one cut off from its cluster): the
+    fetch fails, and so does making the subscription again. The next pulls must make it again;
+    pulling through the old, unsubscribed one times out silently forever."""
+    import nats.js.errors
+    from kvmesh.shared import prefill_queue
+
+    async with (
+        connect_nats(nats_server, "router") as router,
+        connect_nats(nats_server, "p") as p,
+        PrefillJobQueue(p, S) as queue,
+    ):
+        unavailable = nats.js.errors.ServiceUnavailableError(code=503, description="test")
+        real_fetch = queue._sub.fetch
+        failures = iter([unavailable])
+
+        async def fetch(*args, **kwargs):
+            if (exc := next(failures, None)) is not None:
+                raise exc
+            return await real_fetch(*args, **kwargs)
+
+        monkeypatch.setattr(queue._sub, "fetch", fetch)
+        real_ensure = prefill_queue.ensure_stream
+        ensure_failures = iter([unavailable, unavailable])
+
+        async def ensure(nc, s):
+            if (exc := next(ensure_failures, None)) is not None:
+                raise exc
+            await real_ensure(nc, s)
+
+        monkeypatch.setattr(prefill_queue, "ensure_stream", ensure)
+        with pytest.raises(nats.js.errors.ServiceUnavailableError):
+            await queue.next(timeout_s=0.5)  # the fetch, then making it again, fail
+        with pytest.raises(nats.js.errors.ServiceUnavailableError):
+            await queue.next(timeout_s=0.5)  # JetStream still unavailable
+        await publish_job(router, S, b"after")
+        got = None
+        for _ in range(3):
+            if (got := await queue.next(timeout_s=1.0)) is not None:
+                break
+        assert got is not None and got.data == b"after"
+        await queue.ack(got)

@@ -93,6 +93,7 @@ class PrefillService:
 
     async def pull_loop(self, queue: PrefillJobQueue) -> None:
         """Take a job from the queue whenever a slot is free (and not draining)."""
+        failing = False  # the last pull failed: say so once, and once when pulls work again
         while True:
             await self._slots.acquire()
             if self.is_draining:  # leave the queue to the other workers
@@ -101,11 +102,16 @@ class PrefillService:
                 continue
             try:
                 msg = await queue.next(timeout_s=1.0)
-            except nats.errors.Error as exc:  # reconnecting: try again shortly
+            except nats.errors.Error as exc:  # reconnecting, or JetStream unavailable: retry
                 self._slots.release()
-                log.debug("prefill queue fetch failed", error=str(exc))
+                if not failing:
+                    log.warning("cannot pull from the prefill queue; retrying", error=str(exc))
+                failing = True
                 await asyncio.sleep(0.2)
                 continue
+            if failing:
+                log.info("pulling from the prefill queue again")
+                failing = False
             if msg is None:
                 self._slots.release()
                 continue
