@@ -444,3 +444,57 @@ def test_fit_probe_fits_the_wake_to_the_woken_long_prompts():
     assert any("after idling" in r.label for r in fit.residuals)
     # the back-to-back phases are simulated without it: their figures and check still match
     assert fit.max_check_error < 0.1
+
+
+def test_a_sequences_first_decode_steps_pay_the_warm_up_tapering():
+    from kvmesh.loadgen.sim.cost import WARMUP_STEPS
+
+    assert WARMUP_STEPS == 4
+    one = [SimRequest(0.0, 16, 10)]
+    for mode, field in (("colocated", "colocated_warmup_s"), ("disagg", "decode_warmup_s")):
+        topology = Topology(mode, 1, 1 if mode == "disagg" else 0, kv_capacity_tokens=10_000)
+        plain = simulate(topology, fixed_steps(), one).records[0]
+        warm = simulate(topology, fixed_steps(**{field: 0.004}), one).records[0]
+        extra = [w - p for w, p in zip(warm.itl_s, plain.itl_s, strict=True)]
+        assert extra == pytest.approx([0.004, 0.003, 0.002, 0.001, 0, 0, 0, 0, 0], abs=1e-9)
+        assert warm.ttft_s == pytest.approx(plain.ttft_s)  # the first token does not pay it
+    # a batch's step pays it for each sequence in its first steps; a prefill worker never
+    cost = fixed_steps(decode_warmup_s=0.004, colocated_warmup_s=0.002)
+    assert cost.warmup_s("decode", 0) == pytest.approx(0.004)
+    assert cost.warmup_s("colocated", 2) == pytest.approx(0.001)
+    assert cost.warmup_s("decode", 4) == cost.warmup_s("prefill", 0) == 0.0
+    with pytest.raises(SpecError, match="decode_warmup_s"):
+        fixed_steps(decode_warmup_s=-0.001)
+
+
+def _record(gaps: list[float]) -> RequestRecord:
+    times = [0.1]
+    for g in gaps:
+        times.append(times[-1] + g)
+    return RequestRecord(0, 0.0, 0.0, times[-1], 1024, len(times), len(times), tuple(times))
+
+
+def test_warmup_is_the_first_gaps_excess_over_the_steady_gap_fitted_to_the_taper():
+    from kvmesh.loadgen.sim.overheads import fit_warmup, warmup_of
+
+    steady = [0.002] * 11
+    tapered = [0.002 + 0.0008 * w for w in (1.0, 0.75, 0.5, 0.25)]
+    records = [_record(tapered + steady), _record(tapered + steady), _record([0.002] * 15)]
+    assert warmup_of(records) == pytest.approx(0.0008)  # the median request's excess
+    assert warmup_of(records[2:]) == pytest.approx(0.0)
+    # faster first gaps are no negative term; streams too short to tell give 0
+    assert warmup_of([_record([0.001] * 4 + steady)]) == 0.0
+    assert warmup_of([_record(tapered + [0.002] * 3)]) == 0.0
+    fitted = fit_warmup({"colocated": records[:1], "disagg": records[2:]})
+    assert fitted == MeshOverheads(colocated_warmup_s=pytest.approx(0.0008))
+
+
+def test_fit_probe_measures_the_warm_up_on_the_long_prompts():
+    from kvmesh.loadgen.sim.calibrate import fit_probe, pool_probe_runs
+
+    truth = _cpu(request_overhead_s=0.02, decode_warmup_s=0.0006, colocated_warmup_s=0.001)
+    run = {m: simulated_probe(m, truth) for m in ("colocated", "disagg")}
+    fit, _ = fit_probe(_cpu().device, TINY, pool_probe_runs([run]))
+    assert fit.overheads.decode_warmup_s == pytest.approx(0.0006, rel=0.15)
+    assert fit.overheads.colocated_warmup_s == pytest.approx(0.001, rel=0.15)
+    assert fit.overheads.apply(_cpu().device).decode_warmup_s == fit.overheads.decode_warmup_s

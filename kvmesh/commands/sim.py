@@ -383,6 +383,7 @@ _FIT_COLUMNS = (
     "request ms",
     "hand-off ms",
     "wake ms (colocated; prefill)",
+    "warm-up ms (colocated; decode)",
     "jitter p90 / p99 ms (colocated; decode)",
 )
 
@@ -416,6 +417,7 @@ def _fit_cells(scale: Any, o: Any) -> list[str]:
         f"{o.request_s * 1e3:.1f}",
         f"{o.handoff_s * 1e3:.1f}",
         f"{o.colocated_wake_s * 1e3:.1f}; {o.prefill_wake_s * 1e3:.1f}",
+        f"{o.colocated_warmup_s * 1e3:.2f}; {o.decode_warmup_s * 1e3:.2f}",
         "; ".join(
             f"{j.p90_s * 1e3:.2f} / {j.p99_s * 1e3:.2f}" for j in (o.colocated_jitter, o.jitter)
         ),
@@ -485,6 +487,8 @@ def _print_engine_scale(scaled: Any) -> None:
 
 
 def _print_mesh_fit(mesh: Any) -> None:
+    from kvmesh.loadgen.sim.cost import WARMUP_STEPS
+
     o = mesh.overheads
     print("\nmesh probe (simulated with the overheads below):")
     print("| figure | measured ms | simulated ms | residual |\n|---|---|---|---|")
@@ -518,6 +522,8 @@ def _print_mesh_fit(mesh: Any) -> None:
         f"streamed token; request {o.request_s * 1e3:.1f} ms; disagg hand-off "
         f"{o.handoff_s * 1e3:.1f} ms; the first step after idling: colocated "
         f"+{o.colocated_wake_s * 1e3:.1f} ms, prefill +{o.prefill_wake_s * 1e3:.1f} ms; "
+        f"a sequence's first decode step: colocated +{o.colocated_warmup_s * 1e3:.2f} ms, "
+        f"decode +{o.decode_warmup_s * 1e3:.2f} ms (tapering over {WARMUP_STEPS} steps); "
         "loop step jitter over the median (p90, p99, max): "
         + "; ".join(
             f"{who} {j.p90_s * 1e3:.2f}, {j.p99_s * 1e3:.2f}, {j.max_s * 1e3:.1f} ms"
@@ -631,7 +637,8 @@ def _print_spec_terms(d: Any) -> None:
         f"{d.token_overhead_s * 1e3:.3f} ms per token, request "
         f"{d.request_overhead_s * 1e3:.1f} ms, hand-off {d.handoff_overhead_s * 1e3:.1f} ms, "
         f"wake colocated {d.colocated_wake_s * 1e3:.1f} ms, prefill "
-        f"{d.prefill_wake_s * 1e3:.1f} ms, "
+        f"{d.prefill_wake_s * 1e3:.1f} ms, warm-up colocated "
+        f"{d.colocated_warmup_s * 1e3:.2f} ms, decode {d.decode_warmup_s * 1e3:.2f} ms, "
         + ", ".join(
             f"{who} jitter p90 {p90 * 1e3:.2f} ms, p99 {p99 * 1e3:.2f} ms, max {top * 1e3:.1f} ms"
             for who, (p90, p99, top) in (

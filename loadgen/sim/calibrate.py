@@ -308,7 +308,8 @@ def calibrate(
             f"+ {o.token_s * 1e3:.2f} ms per token, "
             f"request {o.request_s * 1e3:.1f} ms, hand-off {o.handoff_s * 1e3:.1f} ms, "
             f"wake colocated {o.colocated_wake_s * 1e3:.1f} ms, prefill "
-            f"{o.prefill_wake_s * 1e3:.1f} ms, "
+            f"{o.prefill_wake_s * 1e3:.1f} ms, warm-up colocated "
+            f"{o.colocated_warmup_s * 1e3:.2f} ms, decode {o.decode_warmup_s * 1e3:.2f} ms, "
             + "; ".join(
                 f"{who} jitter p90 {j.p90_s * 1e3:.1f} ms, p99 {j.p99_s * 1e3:.1f} ms, "
                 f"max {j.max_s * 1e3:.1f} ms"
@@ -362,7 +363,7 @@ def fit_probe(
     ``probe``'s figures; with ``checks``, the long prompts' TTFT checked on the result."""
     from kvmesh.loadgen.sim.cost import CostModel
     from kvmesh.loadgen.sim.engine_scale import fit_engine_scale, simulate_probe_timings
-    from kvmesh.loadgen.sim.overheads import check_long, fit_overheads, fit_wake
+    from kvmesh.loadgen.sim.overheads import check_long, fit_overheads, fit_wake, fit_warmup
     from kvmesh.loadgen.sim.validate import mesh_topology
 
     scaled = None
@@ -386,12 +387,17 @@ def fit_probe(
         probe.woken,
         lambda m, c: mesh_topology(m, c),
     )
+    warmup = fit_warmup(
+        {mode: (*probe.long.get(mode, ()), *probe.woken.get(mode, ())) for mode in probe.figures}
+    )
     fit = dataclasses.replace(
         fit,
         overheads=dataclasses.replace(
             fit.overheads,
             colocated_wake_s=wake.colocated_wake_s,
             prefill_wake_s=wake.prefill_wake_s,
+            colocated_warmup_s=warmup.colocated_warmup_s,
+            decode_warmup_s=warmup.decode_warmup_s,
         ),
         residuals=fit.residuals + woken,
     )

@@ -223,6 +223,13 @@ class Cluster:
                 jitter,
                 is_colocated=worker.role == "colocated",
             )
+            if d.warmup_s(worker.role) > 0:  # sequences in their first decode steps
+                warmup = sum(
+                    self.cost.warmup_s(worker.role, len(w.seq.token_times) - 1)
+                    for w in batch
+                    if not w.is_prefill
+                )
+                step = dataclasses.replace(step, overhead_s=step.overhead_s + warmup)
         engine = self.cost.step(slices, worker.role).seconds
         wake = d.wake_s(worker.role)
         if self.wake and wake > 0 and now - self.idle_since[worker.index] >= WAKE_AFTER_S:

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from kvmesh.loadgen.sim.specs import DeviceSpec, ModelSpec
 
 WAKE_AFTER_S = 0.2  # a worker idle this long pays its wake term on its next step
+WARMUP_STEPS = 4  # a sequence's first decode steps pay its role's warm-up term, tapering
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +160,13 @@ class CostModel:
             loop = d.loop_overhead_s + d.token_overhead_s * num_tokens
         loop += jitter_s
         return dataclasses.replace(step, overhead_s=step.overhead_s + loop)
+
+    def warmup_s(self, role: str, decode_step: int) -> float:
+        """What a sequence's ``decode_step``-th decode step (0: the first after its first
+        token) adds to a ``role`` worker's step: the role's warm-up term, tapering linearly to
+        0 over ``WARMUP_STEPS`` steps."""
+        assert decode_step >= 0, decode_step
+        return self.device.warmup_s(role) * max(0.0, 1.0 - decode_step / WARMUP_STEPS)
 
     def jitter_s(self, u: float, role: str = "decode") -> float:
         """A ``role`` (decode or colocated) worker's loop step jitter at quantile ``u`` in

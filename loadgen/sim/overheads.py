@@ -57,7 +57,7 @@ from dataclasses import dataclass
 
 from kvmesh.loadgen.serve_metrics import RequestRecord
 from kvmesh.loadgen.sim.cluster import simulate
-from kvmesh.loadgen.sim.cost import CostModel
+from kvmesh.loadgen.sim.cost import WARMUP_STEPS, CostModel
 from kvmesh.loadgen.sim.probe import BATCH, LONG_INPUT, long_requests, probe_requests
 from kvmesh.loadgen.sim.specs import DeviceSpec
 from kvmesh.loadgen.sim.topology import Topology
@@ -189,6 +189,8 @@ class MeshOverheads:
     colocated_jitter: Jitter = Jitter()
     colocated_wake_s: float = 0.0
     prefill_wake_s: float = 0.0
+    colocated_warmup_s: float = 0.0
+    decode_warmup_s: float = 0.0
 
     def apply(self, device: DeviceSpec) -> DeviceSpec:
         return dataclasses.replace(
@@ -207,6 +209,8 @@ class MeshOverheads:
             colocated_jitter_max_s=self.colocated_jitter.max_s,
             colocated_wake_s=self.colocated_wake_s,
             prefill_wake_s=self.prefill_wake_s,
+            colocated_warmup_s=self.colocated_warmup_s,
+            decode_warmup_s=self.decode_warmup_s,
         )
 
 
@@ -309,6 +313,44 @@ def fit_wake(
         colocated_wake_s=terms["colocated_wake_s"], prefill_wake_s=terms["prefill_wake_s"]
     )
     return fitted, residuals
+
+
+WARMUP_ROLE = {"colocated": "colocated_warmup_s", "disagg": "decode_warmup_s"}
+
+
+def warmup_of(records: Sequence[RequestRecord]) -> float:
+    """The warm-up term (``DeviceSpec.decode_warmup_s``) of a mode's long-prompt probe
+    requests: how much longer a sequence's first ``WARMUP_STEPS`` gaps after its first token
+    are than its steady gap (the mean of the second half of its stream), each the median over
+    the requests, fitted by least squares to the taper the simulator charges (the term at the
+    first gap, falling linearly to 0 over ``WARMUP_STEPS``). Measured, not replayed: the steady
+    figures the other terms are fitted to are the second half of each stream. 0 when the
+    requests are too short to tell (fewer than ``2 * WARMUP_STEPS`` gaps) or none is slower."""
+    excess: list[list[float]] = [[] for _ in range(WARMUP_STEPS)]
+    for r in records:
+        gaps = r.itl_s
+        if r.error is not None or len(gaps) < 2 * WARMUP_STEPS:
+            continue
+        steady = gaps[len(gaps) // 2 :]
+        base = sum(steady) / len(steady)
+        for i in range(WARMUP_STEPS):
+            excess[i].append(gaps[i] - base)
+    if not excess[0]:
+        return 0.0
+    weights = [1.0 - i / WARMUP_STEPS for i in range(WARMUP_STEPS)]
+    medians = [statistics.median(e) for e in excess]
+    fitted = sum(w * e for w, e in zip(weights, medians, strict=True)) / sum(w * w for w in weights)
+    return max(0.0, fitted)
+
+
+def fit_warmup(long: Mapping[str, Sequence[RequestRecord]]) -> MeshOverheads:
+    """Each mode's warm-up term from its long-prompt probe records (``long``: the back-to-back
+    and the woken ones), in a ``MeshOverheads`` of which only they count."""
+    terms = {name: 0.0 for name in WARMUP_ROLE.values()}
+    for mode, records in long.items():
+        if mode in WARMUP_ROLE:
+            terms[WARMUP_ROLE[mode]] = warmup_of(records)
+    return MeshOverheads(**terms)
 
 
 def _line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:

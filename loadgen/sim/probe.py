@@ -50,7 +50,7 @@ BATCH = 8
 BATCH_OUTPUT = 64
 LONG_INPUT = 1024  # two 512-token chunks and a few blocks, as the mesh cuts them
 LONG = 3
-LONG_OUTPUT = 8
+LONG_OUTPUT = 16  # 15 gaps: the first ones against the second half give the warm-up term
 WAKE_PAUSE_S = 0.5  # the idle time before each woken request (cost.WAKE_AFTER_S or more)
 ISOLATION_GAP_S = 60.0  # simulated isolated requests are this far apart: nothing overlaps
 

@@ -77,7 +77,12 @@ class DeviceSpec:
     worker that has been idle for ``cost.WAKE_AFTER_S`` or longer costs on top (its threads
     asleep, its caches cold: on this 2-core VM a 1,024-token prompt sent to a mesh idle for
     0.3-1 s took 25-30 % longer than one sent right after the previous request ended). 0 in the
-    GPU specs."""
+    GPU specs.
+
+    ``colocated_warmup_s`` and ``decode_warmup_s``: what a sequence's first decode step after
+    its first token adds to a colocated or decode worker's step, tapering linearly to 0 over
+    ``cost.WARMUP_STEPS`` steps (on this VM the first gaps of a 500-1,500-token request were
+    15-37 % longer than its later ones, the next three 5-22 %). 0 in the GPU specs."""
 
     name: str
     peak_flops: float
@@ -112,6 +117,8 @@ class DeviceSpec:
     decode_engine_extra_s: float = 0.0
     colocated_wake_s: float = 0.0
     prefill_wake_s: float = 0.0
+    colocated_warmup_s: float = 0.0
+    decode_warmup_s: float = 0.0
     description: str = ""
 
     def __post_init__(self) -> None:
@@ -141,6 +148,8 @@ class DeviceSpec:
             "decode_engine_extra_s",
             "colocated_wake_s",
             "prefill_wake_s",
+            "colocated_warmup_s",
+            "decode_warmup_s",
         ):
             _require(getattr(self, name) >= 0, self.name, name, "must be >= 0")
         for prefix in ("", "colocated_"):
@@ -176,6 +185,14 @@ class DeviceSpec:
         if role == "colocated":
             return self.colocated_wake_s
         return self.prefill_wake_s if role == "prefill" else 0.0
+
+    def warmup_s(self, role: str) -> float:
+        """What a sequence's first decode step after its first token costs a ``role`` worker's
+        step on top (``cost.WARMUP_STEPS`` steps, tapering; a colocated or decode worker, 0
+        for a prefill worker)."""
+        if role == "colocated":
+            return self.colocated_warmup_s
+        return self.decode_warmup_s if role == "decode" else 0.0
 
     def jitter_knots(self, role: str) -> tuple[float, float, float]:
         """The jitter's excess over the median gap at p90, p99 and at most, of a ``role``
