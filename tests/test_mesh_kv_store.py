@@ -28,6 +28,7 @@ import pytest
 from kvmesh.loadgen.bench_mesh import MeshTap, complete, launched, random_prompts
 from kvmesh.loadgen.server_breakdown import parse_prometheus
 from kvmesh.shared.admin_client import admin_client
+from mesh_checks import store_advertised_since_ready
 
 pytestmark = pytest.mark.slow
 
@@ -101,6 +102,10 @@ async def run(mesh, offline: list[list[int]]) -> None:
             assert body["id"] in tap.prefill_done  # prefilled remotely
             return tap.tokens[body["id"]]
 
+        # both prefill workers know the store: one that became ready between two of its
+        # adverts has none to read from or put to until the next (a fresh clone's prefill-1
+        # read none of SECOND's prefix from it)
+        await store_advertised_since_ready(mesh)
         await admin.drain("prefill-1")
         first = await ask(FIRST)
         # the registry's index learns them from the store's KV events (placement counts them)
