@@ -643,3 +643,52 @@ def test_plan_gives_every_kv_store_the_disk_tier_and_each_makes_its_own_file(
 def test_up_config_refuses_an_incomplete_kv_store_disk_tier(kw: dict, needle: str) -> None:
     with pytest.raises(ValueError, match=needle):
         UpConfig(**kw)
+
+
+def test_free_port_is_bindable_and_below_the_ephemeral_range(tmp_path):
+    """Outgoing connections take ephemeral ports: a port picked there may be gone by the time
+    the child binds it. free_port picks below that range, and a port-0 bind where it cannot."""
+    import random
+    import socket
+
+    from kvmesh.commands.up import LOWEST_FREE_PORT, ephemeral_port_range
+
+    ranges = tmp_path / "ip_local_port_range"
+    ranges.write_text("32768\t60999\n")
+    assert ephemeral_port_range(ranges) == (32768, 60999)
+    assert ephemeral_port_range(tmp_path / "missing") == (32768, 60999)
+    rng = random.Random(7)
+    ports = {free_port(rng, ranges) for _ in range(5)}
+    assert all(LOWEST_FREE_PORT <= p < 32768 for p in ports), ports
+    for port in ports:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))  # free, as promised
+    # a taken port is skipped: the next pick is tried
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        held = taken.getsockname()[1]
+        other = next(p for p in range(20_000, 32_000) if p != held and _bindable(p))
+
+        class Picks:
+            def __init__(self) -> None:
+                self.picks = iter([held, other])
+
+            def randrange(self, low: int, high: int) -> int:
+                return next(self.picks)
+
+        ranges.write_text("32768 60999\n")
+        assert free_port(Picks(), ranges) == other  # type: ignore[arg-type]
+    # no room below the range: a port-0 bind's port
+    ranges.write_text("10100 60999\n")
+    assert free_port(random.Random(3), ranges) >= 1024
+
+
+def _bindable(port: int) -> bool:
+    import socket
+
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
