@@ -48,6 +48,13 @@ WAKE_AFTER_S = 0.2  # a worker idle this long pays its wake term on its next ste
 WARMUP_STEPS = 4  # a sequence's first decode steps pay its role's warm-up term, tapering
 
 
+def warmup_taper(decode_step: int) -> float:
+    """The share of its role's warm-up term a sequence's ``decode_step``-th decode step (0: the
+    first after its first token) pays: 1, falling linearly to 0 over ``WARMUP_STEPS`` steps."""
+    assert decode_step >= 0, decode_step
+    return max(0.0, 1.0 - decode_step / WARMUP_STEPS)
+
+
 @dataclass(frozen=True, slots=True)
 class Slice:
     """``num_new`` tokens of one sequence computed in a step, after ``context`` cached ones."""
@@ -165,8 +172,7 @@ class CostModel:
         """What a sequence's ``decode_step``-th decode step (0: the first after its first
         token) adds to a ``role`` worker's step: the role's warm-up term, tapering linearly to
         0 over ``WARMUP_STEPS`` steps."""
-        assert decode_step >= 0, decode_step
-        return self.device.warmup_s(role) * max(0.0, 1.0 - decode_step / WARMUP_STEPS)
+        return self.device.warmup_s(role) * warmup_taper(decode_step)
 
     def jitter_s(self, u: float, role: str = "decode") -> float:
         """A ``role`` (decode or colocated) worker's loop step jitter at quantile ``u`` in

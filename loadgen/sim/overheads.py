@@ -57,7 +57,7 @@ from dataclasses import dataclass
 
 from kvmesh.loadgen.serve_metrics import RequestRecord
 from kvmesh.loadgen.sim.cluster import simulate
-from kvmesh.loadgen.sim.cost import WARMUP_STEPS, CostModel
+from kvmesh.loadgen.sim.cost import WARMUP_STEPS, CostModel, warmup_taper
 from kvmesh.loadgen.sim.probe import BATCH, LONG_INPUT, long_requests, probe_requests
 from kvmesh.loadgen.sim.specs import DeviceSpec
 from kvmesh.loadgen.sim.topology import Topology
@@ -331,13 +331,13 @@ def warmup_of(records: Sequence[RequestRecord]) -> float:
         gaps = r.itl_s
         if r.error is not None or len(gaps) < 2 * WARMUP_STEPS:
             continue
-        steady = gaps[len(gaps) // 2 :]
-        base = sum(steady) / len(steady)
+        span, count = _steady(r)
+        base = span / count
         for i in range(WARMUP_STEPS):
             excess[i].append(gaps[i] - base)
     if not excess[0]:
         return 0.0
-    weights = [1.0 - i / WARMUP_STEPS for i in range(WARMUP_STEPS)]
+    weights = [warmup_taper(i) for i in range(WARMUP_STEPS)]  # as the simulator charges it
     medians = [statistics.median(e) for e in excess]
     fitted = sum(w * e for w, e in zip(weights, medians, strict=True)) / sum(w * w for w in weights)
     return max(0.0, fitted)
