@@ -193,9 +193,9 @@ class _GlooSender:
     def __init__(self, conn: Any) -> None:
         import torch.distributed as dist
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        from kvmesh.commands.up import free_port
+
+        port = free_port()  # gloo binds it later: not one an outgoing connection may take
         conn.send(port)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=2)
         self.dist = dist

@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,8 @@ import orjson
 import pytest
 from kvmesh.services.router import RouterConfig, serve_router
 from router_fake_mesh import REPLY_TEXT, FakeMesh
+
+from kvmesh.commands.up import free_port
 
 MODEL = "kvmesh-tiny"
 MESSAGES = [{"role": "system", "content": "be terse"}, {"role": "user", "content": "hello"}]
@@ -135,12 +136,6 @@ async def test_error_mid_stream_raises_api_error(nats_server):
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _serve(service: str, nats_url: str, log_dir: Path, *flags: str) -> subprocess.Popen:
     log = open(log_dir / f"{service}.log", "wb")  # noqa: SIM115 (closed by the child's exit)
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}
@@ -179,7 +174,7 @@ def real_mesh(nats_server_module: str, tmp_path_factory) -> Iterator[str]:
     """kv-registry, one decode and one prefill worker and the router as processes; yields the
     router's base URL once a completion goes through end to end."""
     logs = tmp_path_factory.mktemp("mesh-logs")
-    port = _free_port()
+    port = free_port()
     procs = [
         _serve("kv-registry", nats_server_module, logs),
         _serve("decode", nats_server_module, logs, "--num-blocks", "256"),
