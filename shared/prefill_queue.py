@@ -93,7 +93,7 @@ async def publish_job(
     *,
     msg_id: str | None = None,
     timeout_s: float = 5.0,
-    retry_for_s: float = 10.0,
+    retry_for_s: float = 30.0,
 ) -> int:
     """Append an encoded PrefillJob to the queue; its sequence number in the stream. Raises
     nats errors, or PrefillQueueError when the server cannot hold the queue at all, when it is
@@ -101,8 +101,9 @@ async def publish_job(
 
     "No response from stream" means nothing answered for it: the stream is missing (the NATS
     server restarted with an empty store: it is created again) or, on a cluster, it has no
-    leader for the moment (a partition healing, a member restarting: the replicas elect one
-    within seconds). A leader that lost its quorum does not answer at all (a timeout). All
+    leader for the moment (a partition healing, a member restarting: the replicas elect one,
+    which takes nats-server 4-9 s of silence before a vote, 5 s here on a quiet box and more
+    than 10 s on a loaded one, longer again on a split vote). A leader that lost its quorum does not answer at all (a timeout). All
     three are retried with backoff until ``retry_for_s``, each try waiting at most
     ``timeout_s``. ``msg_id`` (one per attempt of a request) goes out as ``Nats-Msg-Id``, so a
     job that was stored although its answer was lost is not stored twice by the retry: the

@@ -108,7 +108,11 @@ async def test_a_job_published_while_the_queue_elects_a_leader_is_stored_once():
         [other, *_] = [s for s in servers if s is not dying]
         async with connect_nats(other.url, "router") as nc:
             dying.stop()
-            seq = await prefill_queue.publish_job(nc, subjects, b"job", msg_id="req-1")
+            # an election takes 5 s on a quiet box, more than 10 s on a loaded one: a router
+            # retries for until its first-token deadline (300 s by default)
+            seq = await prefill_queue.publish_job(
+                nc, subjects, b"job", msg_id="req-1", retry_for_s=60.0
+            )
             again = await prefill_queue.publish_job(nc, subjects, b"job", msg_id="req-1")
             assert again == seq
             await _until(lambda: _depth_is(nc, subjects, 1))
