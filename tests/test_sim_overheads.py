@@ -4,6 +4,7 @@ engine's hand-off chunks and admission between steps, and their fit to a probe."
 from __future__ import annotations
 
 import dataclasses
+import statistics
 from collections import deque
 
 import pytest
@@ -212,6 +213,80 @@ def test_loop_steps_jitter_by_seeded_draws():
     assert max(flat) == pytest.approx(0.01)
 
 
+def test_jitter_is_against_each_requests_own_median_and_pace_holds_the_rest():
+    """Two requests, one twice as slow throughout, each with one late step: the step jitter is
+    the late step over its own request's median (the slow request's every step would be
+    jitter against the common median), and their pace is 2/3 and 4/3 of the mean."""
+
+    def record(index: int, gap: float) -> RequestRecord:
+        gaps = [gap] * 39 + [gap + 0.005]
+        times = (0.0, *(0.05 + sum(gaps[:i]) for i in range(len(gaps) + 1)))
+        return RequestRecord(index, 0.0, 0.0, times[-1], 16, len(times), len(times), times)
+
+    records = [record(0, 0.002), record(1, 0.004)]
+    jitter = Jitter.of(records)
+    assert jitter.max_s == pytest.approx(0.005)
+    assert jitter.p90_s == pytest.approx(0.0, abs=1e-12)
+    # steady gaps (the second half's means) about 2.2 and 4.2 ms: the knots interpolate
+    # between them, a distribution whose mean is their mean
+    steady = [statistics.mean(r.itl_s[len(r.itl_s) // 2 :]) for r in records]
+    mean = sum(steady) / 2
+    assert jitter.pace[0] == pytest.approx(steady[0] / mean)
+    assert jitter.pace[2] == pytest.approx(1.0)
+    assert jitter.pace[4] == pytest.approx(steady[1] / mean)
+    assert Jitter.of([record(0, 0.002)]).pace == (1.0,) * 5  # one request: no spread
+
+
+def test_pace_knots_have_mean_one_and_draws_follow_them():
+    from kvmesh.loadgen.sim.overheads import pace_knots
+
+    knots = pace_knots([1.0, 1.2, 1.5, 2.0, 3.0, 1.1, 1.3, 1.4, 1.6, 2.5])
+    assert list(knots) == sorted(knots)
+    mean = 0.1 * (knots[0] + knots[1]) / 2 + 0.4 * (knots[1] + knots[2]) / 2
+    mean += 0.4 * (knots[2] + knots[3]) / 2 + 0.1 * (knots[3] + knots[4]) / 2
+    assert mean == pytest.approx(1.0)
+    assert knots[4] / knots[0] == pytest.approx(3.0)
+    cost = fixed_steps(**dict(zip(PACE_FIELDS, knots, strict=True)))
+    assert cost.pace(0.0) == pytest.approx(knots[0])
+    assert cost.pace(0.3) == pytest.approx((knots[1] + knots[2]) / 2)
+    assert cost.pace(1.0) == pytest.approx(knots[4])
+    assert cost.pace(0.5, "colocated") == 1.0  # the colocated worker's own: none given
+    with pytest.raises(SpecError, match="must not decrease"):
+        fixed_steps(pace_p10=2.0)
+    with pytest.raises(SpecError, match="pace_min"):
+        fixed_steps(colocated_pace_min=0.0)
+
+
+PACE_FIELDS = ("pace_min", "pace_p10", "pace_p50", "pace_p90", "pace_max")
+
+
+def test_each_sequence_decodes_at_its_own_pace():
+    """The steady gaps of requests served one at a time spread as the pace knots say (each a
+    golden-ratio quantile, so eight requests cover the distribution), with mean 1 times the
+    step's cost; a batch of decodes takes its sequences' mean pace."""
+    from kvmesh.loadgen.sim.cluster import pace_quantile
+
+    knots = (0.5, 0.6, 1.0, 1.4, 1.5)
+    cost = fixed_steps(**dict(zip(PACE_FIELDS, knots, strict=True)))
+    topology = Topology("disagg", 1, 1, kv_capacity_tokens=100_000)
+    apart = [SimRequest(10.0 * i, 16, 40) for i in range(8)]
+    records = simulate(topology, cost, apart, wake=False).records
+    steady = [statistics.median(_gaps(r)[5:]) for r in records]
+    for i, gap in enumerate(steady):
+        assert gap == pytest.approx(0.01 * cost.pace(pace_quantile(i)))
+    assert min(steady) < 0.0075 and max(steady) > 0.0125
+    assert statistics.mean(steady) == pytest.approx(0.01, rel=0.1)
+    # all at once: one batch, every step at the mean of the eight paces
+    together = simulate(topology, cost, [SimRequest(0.0, 16, 40) for _ in range(8)]).records
+    batch_gap = statistics.median(_gaps(together[0])[5:])
+    assert batch_gap == pytest.approx(
+        0.01 * statistics.mean(cost.pace(pace_quantile(i)) for i in range(8))
+    )
+    # a spec without a spread: every sequence at pace 1
+    flat = simulate(topology, fixed_steps(), apart, wake=False).records
+    assert {round(statistics.median(_gaps(r)[5:]), 9) for r in flat} == {0.01}
+
+
 def _cpu(**overheads: float) -> CostModel:
     return CostModel(TINY, cpu_like(**overheads))
 
@@ -300,20 +375,26 @@ def _constant_gaps(index: int, gap: float, n: int = 40) -> RequestRecord:
 
 def test_pooled_jitter_is_of_every_runs_gaps_together():
     """A validation pools its repeats' gaps: a run slower throughout than another widens the
-    tail it measures, and so does it the pooled probe's jitter."""
+    spread it measures, and so does it the pooled probe's request-to-request pace (not its
+    step-to-step jitter: each request's gaps are constant)."""
     from kvmesh.loadgen.sim.calibrate import pool_probe_runs
 
     def run(gap: float) -> dict[str, ProbeRecords]:
         isolated = tuple(_constant_gaps(i, gap) for i in range(4))
         return {"colocated": ProbeRecords("colocated", isolated, isolated)}
 
-    # every gap of run 1 is 3 ms and of run 2 is 4 ms: neither jitters alone; together half
-    # the gaps are 0.5 ms over the common median
+    # every gap of run 1 is 3 ms and of run 2 is 4 ms: neither varies alone; together half
+    # the requests are slower than the other half, none varies step to step
     pooled = pool_probe_runs([run(0.003), run(0.004)])
-    assert pool_probe_runs([run(0.003)]).jitter == {"colocated": Jitter()}
+    alone = pool_probe_runs([run(0.003)]).jitter["colocated"]
+    assert alone.max_s == pytest.approx(0.0, abs=1e-12)
+    assert alone.pace == pytest.approx((1.0,) * 5)
     union = [*run(0.003)["colocated"].isolated, *run(0.004)["colocated"].isolated]
     assert pooled.jitter == {"colocated": Jitter.of(union)}
-    assert pooled.jitter["colocated"].p90_s == pytest.approx(0.0005)
+    jitter = pooled.jitter["colocated"]
+    assert jitter.max_s == pytest.approx(0.0, abs=1e-12)
+    # knots 3, 3, 3.5, 4, 4 ms; their piecewise-linear mean 3.5 ms
+    assert jitter.pace == pytest.approx((3 / 3.5, 3 / 3.5, 1.0, 4 / 3.5, 4 / 3.5))
     assert pooled.figures["colocated"].gap_1_s == pytest.approx(0.0035)
 
 
@@ -362,7 +443,10 @@ def test_fit_to_the_runs_medians_ignores_one_disturbed_run():
     assert fit.overheads.handoff_s == pytest.approx(alone.overheads.handoff_s)
     for which in ("jitter", "colocated_jitter"):  # the same gaps: equal to rounding
         got, want = getattr(fit.overheads, which), getattr(alone.overheads, which)
-        assert dataclasses.astuple(got) == pytest.approx(dataclasses.astuple(want), abs=1e-9)
+        assert (got.p90_s, got.p99_s, got.max_s) == pytest.approx(
+            (want.p90_s, want.p99_s, want.max_s), abs=1e-9
+        )
+        assert got.pace == pytest.approx(want.pace, abs=1e-9)
     assert scaled is not None and alone_scaled is not None
     for term in ("colocated", "colocated_extra_s", "decode", "prefill"):
         assert getattr(scaled.scale, term) == pytest.approx(

@@ -121,7 +121,7 @@ def register(subparsers: Any) -> None:
     out.add_argument(
         "--max-steal",
         type=float,
-        default=5.0,
+        default=2.0,
         metavar="PCT",
         help="--validate: a repeat whose probes or workload lost more than PCT %% of the CPU to "
         "the VM's hypervisor (steal in /proc/stat) is served again (both modes), at most --redo "
@@ -385,6 +385,7 @@ _FIT_COLUMNS = (
     "wake ms (colocated; prefill)",
     "warm-up ms (colocated; decode)",
     "jitter p90 / p99 ms (colocated; decode)",
+    "pace p10-p90 (colocated; decode)",
 )
 
 
@@ -421,6 +422,7 @@ def _fit_cells(scale: Any, o: Any) -> list[str]:
         "; ".join(
             f"{j.p90_s * 1e3:.2f} / {j.p99_s * 1e3:.2f}" for j in (o.colocated_jitter, o.jitter)
         ),
+        "; ".join(f"{j.pace[1]:.2f}-{j.pace[3]:.2f}" for j in (o.colocated_jitter, o.jitter)),
     ]
 
 
@@ -524,9 +526,14 @@ def _print_mesh_fit(mesh: Any) -> None:
         f"+{o.colocated_wake_s * 1e3:.1f} ms, prefill +{o.prefill_wake_s * 1e3:.1f} ms; "
         f"a sequence's first decode step: colocated +{o.colocated_warmup_s * 1e3:.2f} ms, "
         f"decode +{o.decode_warmup_s * 1e3:.2f} ms (tapering over {WARMUP_STEPS} steps); "
-        "loop step jitter over the median (p90, p99, max): "
+        "loop step jitter over its request's median (p90, p99, max): "
         + "; ".join(
             f"{who} {j.p90_s * 1e3:.2f}, {j.p99_s * 1e3:.2f}, {j.max_s * 1e3:.1f} ms"
+            for who, j in (("colocated", o.colocated_jitter), ("decode", o.jitter))
+        )
+        + "; each sequence's pace against the mean (min, p10, p50, p90, max): "
+        + "; ".join(
+            f"{who} " + ", ".join(f"{x:.2f}" for x in j.pace)
             for who, j in (("colocated", o.colocated_jitter), ("decode", o.jitter))
         )
     )
@@ -645,6 +652,11 @@ def _print_spec_terms(d: Any) -> None:
                 ("colocated", d.jitter_knots("colocated")),
                 ("decode", d.jitter_knots("decode")),
             )
+        )
+        + ", "
+        + ", ".join(
+            f"{who} pace p10-p90 {d.pace_knots(who)[1]:.2f}-{d.pace_knots(who)[3]:.2f}"
+            for who in ("colocated", "decode")
         )
         + ("" if d.request_overhead_s else " (none measured: run --calibrate first)")
         + f"; engine in the mesh x{d.colocated_engine_scale:.2f} + "

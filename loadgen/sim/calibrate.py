@@ -312,7 +312,7 @@ def calibrate(
             f"{o.colocated_warmup_s * 1e3:.2f} ms, decode {o.decode_warmup_s * 1e3:.2f} ms, "
             + "; ".join(
                 f"{who} jitter p90 {j.p90_s * 1e3:.1f} ms, p99 {j.p99_s * 1e3:.1f} ms, "
-                f"max {j.max_s * 1e3:.1f} ms"
+                f"max {j.max_s * 1e3:.1f} ms, pace p10-p90 {j.pace[1]:.2f}-{j.pace[3]:.2f}"
                 for who, j in (("colocated", o.colocated_jitter), ("decode", o.jitter))
             ),
         )

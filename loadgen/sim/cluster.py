@@ -18,7 +18,10 @@ deterministic). The request path follows the mesh's:
    token is announced, and the sequence decodes from the next step on;
 4. every step's tokens are delivered at the step's end; a finished request frees its KV. A decode
    or colocated step also pays its loop's overheads (``CostModel.loop_step``, with a jitter
-   drawn by a seeded generator) and starts at most every ``decode_pacing_s``. A colocated or
+   drawn by a seeded generator) and starts at most every ``decode_pacing_s``; a step of decodes
+   only costs the mean of its sequences' paces times that, jitter and warm-up apart (each
+   sequence's pace is ``CostModel.pace`` at a quantile of a golden-ratio sequence over the
+   requests: even coverage of the distribution however few they are, the same every run). A colocated or
    prefill worker's first step after it has idled ``cost.WAKE_AFTER_S`` or longer pays its wake
    term (``DeviceSpec.wake_s``) on top; ``simulate(..., wake=False)`` leaves it out, for a
    workload sent back to back (each request once the previous one has ended), as the
@@ -48,6 +51,13 @@ from kvmesh.loadgen.sim.worker import SimSeq, Work, Worker
 from kvmesh.loadgen.sim.workload import SimRequest
 
 _ARRIVAL, _STEP_DONE, _KV_LANDED, _WAKE, _JOB_SENT = range(5)
+GOLDEN = (math.sqrt(5) - 1) / 2
+
+
+def pace_quantile(index: int) -> float:
+    """The quantile of request ``index``'s pace: 0.5, then the golden-ratio sequence's next
+    points, so that any run of consecutive requests covers [0, 1) evenly."""
+    return (0.5 + index * GOLDEN) % 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,7 +130,14 @@ class Cluster:
             self.devices = {w.index: SharedHost() for w in self.workers}
         self.shares = {w.index: self._share(w.role) for w in self.workers}
         self.seqs = [
-            SimSeq(i, r.arrival_s, r.input_len, r.output_len) for i, r in enumerate(self.requests)
+            SimSeq(
+                i,
+                r.arrival_s,
+                r.input_len,
+                r.output_len,
+                pace=cost.pace(pace_quantile(i), home_role),
+            )
+            for i, r in enumerate(self.requests)
         ]
         self.errors: dict[int, str] = {}
         self._jitter = random.Random(0)  # loop steps' jitter: the same draws every run
@@ -218,10 +235,11 @@ class Cluster:
                 else 0.0
             )
             step = self.cost.loop_step(
-                slices,
-                sum(w.emits_token for w in batch),
-                jitter,
-                is_colocated=worker.role == "colocated",
+                slices, sum(w.emits_token for w in batch), is_colocated=worker.role == "colocated"
+            )
+            pace = _pace(batch)
+            step = dataclasses.replace(
+                step, overhead_s=step.overhead_s * pace + jitter, roofline_s=step.roofline_s * pace
             )
             if d.warmup_s(worker.role) > 0:  # sequences in their first decode steps
                 warmup = sum(
@@ -231,6 +249,8 @@ class Cluster:
                 )
                 step = dataclasses.replace(step, overhead_s=step.overhead_s + warmup)
         engine = self.cost.step(slices, worker.role).seconds
+        if worker.role != "prefill":
+            engine *= _pace(batch)
         wake = d.wake_s(worker.role)
         if self.wake and wake > 0 and now - self.idle_since[worker.index] >= WAKE_AFTER_S:
             step = dataclasses.replace(step, overhead_s=step.overhead_s + wake)
@@ -365,3 +385,11 @@ def simulate(
     """Run ``requests`` on ``topology``; ``wake=False``: no worker pays its wake term (the
     requests were sent back to back, the mesh never idle between them)."""
     return Cluster(topology, cost, requests, wake).run(slo)
+
+
+def _pace(batch: Sequence[Work]) -> float:
+    """A step's pace: the mean of its sequences' (a step of decodes only); 1 for a step that
+    also prefills (its chunk's cost is the prompt's, not a sequence's pace)."""
+    if any(w.is_prefill for w in batch):
+        return 1.0
+    return sum(w.seq.pace for w in batch) / len(batch)

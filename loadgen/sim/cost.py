@@ -28,7 +28,9 @@ roofline part runs on all of a worker's threads (``sharing.py``).
 A decode or colocated worker's step, as the mesh runs it (``loop_step``), also pays its loop's
 fixed cost and each streamed token's (``loop_overhead_s``, ``token_overhead_s``: measured by
 calibration on a real mesh, ``overheads.py``), on the serial part, and a jitter drawn from the
-measured distribution of that role (``jitter_s``).
+measured distribution of that role (``jitter_s``). Each sequence decodes at its own pace
+(``pace``, drawn once per sequence from the role's measured distribution, of mean 1): a step of
+decodes takes the mean of its sequences' paces times the rest of its cost.
 
 A worker of ``tp`` devices (tensor parallel) has ``tp`` times the FLOP/s and bandwidth; the
 all-reduces between them are not modelled. KV transfers take ``bytes / link bandwidth +
@@ -42,7 +44,7 @@ import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from kvmesh.loadgen.sim.specs import DeviceSpec, ModelSpec
+from kvmesh.loadgen.sim.specs import PACE_QUANTILES, DeviceSpec, ModelSpec
 
 WAKE_AFTER_S = 0.2  # a worker idle this long pays its wake term on its next step
 WARMUP_STEPS = 4  # a sequence's first decode steps pay its role's warm-up term, tapering
@@ -179,13 +181,13 @@ class CostModel:
         [0, 1): 0 up to the median, then linear through the p90 excess at 0.9 and the p99 excess
         at 0.99 to the largest (``DeviceSpec.jitter_knots``)."""
         p90, p99, largest = self.device.jitter_knots(role)
-        knots = ((0.5, 0.0), (0.9, p90), (0.99, p99), (1.0, largest))
-        if u <= 0.5:
-            return 0.0
-        for (u0, x0), (u1, x1) in itertools.pairwise(knots):
-            if u <= u1:
-                return x0 + (x1 - x0) * (u - u0) / (u1 - u0)
-        return largest
+        return _piecewise(((0.5, 0.0), (0.9, p90), (0.99, p99), (1.0, largest)), u)
+
+    def pace(self, u: float, role: str = "decode") -> float:
+        """A ``role`` (decode or colocated) worker's sequence's pace at quantile ``u`` in
+        [0, 1]: linear between the knots of ``DeviceSpec.pace_knots`` (1 without a measured
+        spread)."""
+        return _piecewise(tuple(zip(PACE_QUANTILES, self.device.pace_knots(role), strict=True)), u)
 
     def step_seconds(self, slices: Iterable[Slice]) -> float:
         return self.step(slices).seconds
@@ -194,3 +196,14 @@ class CostModel:
         """Time to move ``num_tokens`` tokens of KV over one worker's link."""
         num_bytes = num_tokens * self.kv_bytes_per_token
         return self.device.link_latency_s + num_bytes / (self.device.link_bandwidth * self.tp)
+
+
+def _piecewise(knots: tuple[tuple[float, float], ...], u: float) -> float:
+    """The value at ``u`` of the line through ``knots`` ((quantile, value), quantiles rising):
+    the first knot's value below it, the last one's above."""
+    if u <= knots[0][0]:
+        return knots[0][1]
+    for (u0, x0), (u1, x1) in itertools.pairwise(knots):
+        if u <= u1:
+            return x0 + (x1 - x0) * (u - u0) / (u1 - u0)
+    return knots[-1][1]

@@ -31,9 +31,11 @@ and simulated with the overheads it found.
 
 The jitter (``Jitter.of``) is measured before the fit, from each mode's isolated requests'
 gaps (the second half of each stream): how far their 90th and 99th percentiles and their
-largest exceed their median. The simulator draws every loop step's jitter from its mode's
-distribution (a seeded draw), which gives its gaps the tail a real mesh's have; the loop and
-token terms are then fitted with the jitter in, so the mean gap still matches. Each mode's
+largest exceed their own request's median, and how each request's steady gap spreads around
+their mean (the pace). The simulator draws every loop step's jitter from its mode's
+distribution (a seeded draw) and gives each sequence a pace, which gives its gaps the spread
+and tail a real mesh's have; the loop and token terms are then fitted with both in, so the
+mean gap still matches. Each mode's
 own: measured on both modes' gaps together, the jitter had a p99 excess of 12.4-12.7 ms in two
 calibrations, where the disagg mesh's real ITL p99 was 7-9 ms; with that in, the disagg loop
 terms came out 0-0.1 ms and the validation's disagg ITL 0.56-0.75x at p50 and 1.34-2.17x at
@@ -42,8 +44,8 @@ its gaps can stall longer than a disagg decode worker's.
 
 With several probe runs (``--probe-runs N``) each figure is the median of the runs' own
 (``ProbeFigures.median``: one disturbed run moves none of them). The jitter is measured on every
-run's gaps together, against their common median: a validation pools its repeats' gaps the same
-way, so a run slower throughout than the others widens the tail it measures. (The median of
+run's gaps together: a validation pools its repeats' gaps the same way, so a run slower
+throughout than the others widens the spread of paces it measures. (The median of
 each run's own percentiles, used before, was short of the pooled tail: on three validations'
 real gaps by 0.02-1.0 ms at p99, 0.2-0.4 ms in most.)
 """
@@ -51,6 +53,7 @@ real gaps by 0.02-1.0 ms at p99, 0.2-0.4 ms in most.)
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -59,7 +62,7 @@ from kvmesh.loadgen.serve_metrics import RequestRecord
 from kvmesh.loadgen.sim.cluster import simulate
 from kvmesh.loadgen.sim.cost import WARMUP_STEPS, CostModel, warmup_taper
 from kvmesh.loadgen.sim.probe import BATCH, LONG_INPUT, long_requests, probe_requests
-from kvmesh.loadgen.sim.specs import DeviceSpec
+from kvmesh.loadgen.sim.specs import PACE_QUANTILES, DeviceSpec
 from kvmesh.loadgen.sim.topology import Topology
 
 ROUNDS = 8
@@ -140,12 +143,20 @@ class ProbeFigures:
 
 @dataclass(frozen=True, slots=True)
 class Jitter:
-    """How far a loop step's gap exceeds the median gap: at the 90th and 99th percentiles and
-    at most (seconds)."""
+    """How a loop step's gap varies at batch 1, from request to request and from step to step.
+
+    Step to step: how far a step's gap exceeds its own request's median gap, at the 90th and
+    99th percentiles and at most (seconds). Request to request: each request's steady gap (the
+    mean of the second half of its stream) against the mean over requests, as the paces at
+    ``specs.PACE_QUANTILES`` (0, 0.1, 0.5, 0.9, 1) scaled so that the piecewise-linear
+    distribution through them has mean 1 (``DeviceSpec.pace_knots``). Measured against each
+    request's own median, the step jitter leaves out what the pace holds: against the common
+    median (before), a slow request's every step was jitter."""
 
     p90_s: float = 0.0
     p99_s: float = 0.0
     max_s: float = 0.0
+    pace: tuple[float, ...] = (1.0,) * len(PACE_QUANTILES)
 
     @property
     def mean_s(self) -> float:
@@ -159,15 +170,34 @@ class Jitter:
 
     @classmethod
     def of(cls, records: Sequence[RequestRecord]) -> Jitter:
-        """The jitter of the gaps of the second half of each (batch-1) stream."""
-        gaps = [g for r in records for g in r.itl_s[len(r.itl_s) // 2 :]]
-        if len(gaps) < 2:
+        """The jitter of the gaps of the second half of each (batch-1) stream (a stream with
+        fewer than 2 such gaps is left out)."""
+        halves = [h for r in records if len(h := r.itl_s[len(r.itl_s) // 2 :]) >= 2]
+        if not halves:
             return cls()
-        cuts = statistics.quantiles(gaps, n=100, method="inclusive")
-        median = statistics.median(gaps)
+        excess = [g - statistics.median(h) for h in halves for g in h]
+        cuts = statistics.quantiles(excess, n=100, method="inclusive")
         return cls(
-            max(0.0, cuts[89] - median), max(0.0, cuts[98] - median), max(0.0, max(gaps) - median)
+            max(0.0, cuts[89]),
+            max(0.0, cuts[98]),
+            max(0.0, max(excess)),
+            pace_knots([sum(h) / len(h) for h in halves]),
         )
+
+
+def pace_knots(steady_gaps: Sequence[float]) -> tuple[float, ...]:
+    """The paces at ``PACE_QUANTILES`` of requests whose steady gaps are ``steady_gaps``: their
+    quantiles, over the mean of the piecewise-linear distribution through them (mean 1); all 1
+    for fewer than two requests."""
+    if len(steady_gaps) < 2 or min(steady_gaps) <= 0:
+        return (1.0,) * len(PACE_QUANTILES)
+    deciles = statistics.quantiles(steady_gaps, n=10, method="inclusive")
+    knots = (min(steady_gaps), deciles[0], deciles[4], deciles[8], max(steady_gaps))
+    mean = sum(
+        (u1 - u0) * (x0 + x1) / 2
+        for (u0, x0), (u1, x1) in itertools.pairwise(zip(PACE_QUANTILES, knots, strict=True))
+    )
+    return tuple(x / mean for x in knots)
 
 
 def mode_jitters(jitters: Mapping[str, Jitter]) -> tuple[Jitter, Jitter]:
@@ -207,11 +237,18 @@ class MeshOverheads:
             colocated_jitter_p90_s=self.colocated_jitter.p90_s,
             colocated_jitter_p99_s=self.colocated_jitter.p99_s,
             colocated_jitter_max_s=self.colocated_jitter.max_s,
+            **_pace_fields("", self.jitter.pace),
+            **_pace_fields("colocated_", self.colocated_jitter.pace),
             colocated_wake_s=self.colocated_wake_s,
             prefill_wake_s=self.prefill_wake_s,
             colocated_warmup_s=self.colocated_warmup_s,
             decode_warmup_s=self.decode_warmup_s,
         )
+
+
+def _pace_fields(prefix: str, pace: Sequence[float]) -> dict[str, float]:
+    names = ("min", "p10", "p50", "p90", "max")
+    return {f"{prefix}pace_{k}": x for k, x in zip(names, pace, strict=True)}
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 SPEC_DIR = Path(__file__).resolve().parent / "specs"
+PACE_QUANTILES = (0.0, 0.1, 0.5, 0.9, 1.0)  # where DeviceSpec.pace_knots sit
 
 
 class SpecError(ValueError):
@@ -82,7 +83,16 @@ class DeviceSpec:
     ``colocated_warmup_s`` and ``decode_warmup_s``: what a sequence's first decode step after
     its first token adds to a colocated or decode worker's step, tapering linearly to 0 over
     ``cost.WARMUP_STEPS`` steps (on this VM the first gaps of a 500-1,500-token request were
-    15-37 % longer than its later ones, the next three 5-22 %). 0 in the GPU specs."""
+    15-37 % longer than its later ones, the next three 5-22 %). 0 in the GPU specs.
+
+    ``pace_min``, ``pace_p10``, ``pace_p50``, ``pace_p90`` and ``pace_max`` (a disagg decode
+    worker's) and their ``colocated_`` twins: how fast each sequence decodes, against the
+    mean. On this VM each request decodes at its own steady speed (steady gaps of 1.1-2.9 ms
+    at batch 1 in one run, not explained by its prompt, by overlap or by idling), which the
+    per-step jitter cannot give: it is redrawn every step. A sequence draws its pace from this
+    distribution (piecewise linear through the knots at 0, 0.1, 0.5, 0.9 and 1, of mean 1:
+    ``CostModel.pace``) and the steps of a batch of decodes take the mean of their sequences'
+    paces times what they would otherwise (jitter and warm-up apart). 1 in the GPU specs."""
 
     name: str
     peak_flops: float
@@ -119,6 +129,16 @@ class DeviceSpec:
     prefill_wake_s: float = 0.0
     colocated_warmup_s: float = 0.0
     decode_warmup_s: float = 0.0
+    pace_min: float = 1.0
+    pace_p10: float = 1.0
+    pace_p50: float = 1.0
+    pace_p90: float = 1.0
+    pace_max: float = 1.0
+    colocated_pace_min: float = 1.0
+    colocated_pace_p10: float = 1.0
+    colocated_pace_p50: float = 1.0
+    colocated_pace_p90: float = 1.0
+    colocated_pace_max: float = 1.0
     description: str = ""
 
     def __post_init__(self) -> None:
@@ -163,6 +183,12 @@ class DeviceSpec:
             )
         for name in ("colocated_engine_scale", "decode_engine_scale", "prefill_engine_scale"):
             _require(getattr(self, name) > 0, self.name, name, "must be > 0")
+        for role in ("decode", "colocated"):
+            knots = self.pace_knots(role)
+            prefix = "colocated_" if role == "colocated" else ""
+            names = ", ".join(f"{prefix}pace_{k}" for k in ("min", "p10", "p50", "p90", "max"))
+            _require(knots[0] > 0, self.name, f"{prefix}pace_min", "must be > 0")
+            _require(list(knots) == sorted(knots), self.name, names, "must not decrease")
         for name in ("cores", "calibration_threads"):
             value = getattr(self, name)
             _require(isinstance(value, int) and value >= 1, self.name, name, "must be an int >= 1")
@@ -204,6 +230,14 @@ class DeviceSpec:
                 self.colocated_jitter_max_s,
             )
         return self.jitter_p90_s, self.jitter_p99_s, self.jitter_max_s
+
+    def pace_knots(self, role: str) -> tuple[float, float, float, float, float]:
+        """A ``role`` (colocated, or decode) worker's sequences' paces at the quantiles
+        ``PACE_QUANTILES`` (0, 0.1, 0.5, 0.9, 1)."""
+        prefix = "colocated_" if role == "colocated" else ""
+        return tuple(  # type: ignore[return-value]
+            getattr(self, f"{prefix}pace_{k}") for k in ("min", "p10", "p50", "p90", "max")
+        )
 
     @property
     def effective_flops(self) -> float:

@@ -40,6 +40,7 @@ class SimSeq:
     num_computed: int = 0
     token_times: list[float] = field(default_factory=list)
     home: int = -1  # index of the colocated or decode worker holding its KV reservation
+    pace: float = 1.0  # its decode steps' cost against the mean (CostModel.pace)
 
     @property
     def is_prefilled(self) -> bool:
