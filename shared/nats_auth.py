@@ -84,6 +84,7 @@ def role_permissions(s: Subjects) -> dict[str, Permissions]:
         s.REGISTRY_ADVERTISE,
         s.REGISTRY_KV_EVENTS,
         s.REGISTRY_KV_DIGEST,
+        s.REGISTRY_STORE_SOLICIT,
         s.ABORT,
         s.DRAFT_CONTEXT,
         s.draft_context("*"),
@@ -122,6 +123,7 @@ def role_permissions(s: Subjects) -> dict[str, Permissions]:
                 f"{p}.worker.*.control",
                 s.CONTROL_LOG_LEVEL,
                 s.REGISTRY_WORKER_GONE,
+                s.REGISTRY_STORE_SOLICIT,
                 *js,
             ),
             subscribe=(
@@ -149,6 +151,7 @@ def role_permissions(s: Subjects) -> dict[str, Permissions]:
                 s.draft_kv_done("*"),
                 f"{p}.request.*.prefill",
                 f"{p}.request.*.prefill_started",
+                s.REGISTRY_STORE_SOLICIT,
                 *store_client,
                 *js,
             ),
@@ -177,8 +180,8 @@ def role_permissions(s: Subjects) -> dict[str, Permissions]:
             ),
         ),
         # KV stores: answer their own endpoints (put, commit, get, release), advertise
-        # themselves and what they hold; they send nothing else and read no other role's
-        # messages.
+        # themselves (every heartbeat, and at once when a starting reader solicits it) and what
+        # they hold; they send nothing else and read no other role's messages.
         "kv-store": service(
             "kv-store",
             publish=(
@@ -186,7 +189,7 @@ def role_permissions(s: Subjects) -> dict[str, Permissions]:
                 s.REGISTRY_STORE_KV_EVENTS,
                 s.REGISTRY_STORE_KV_DIGEST,
             ),
-            subscribe=(f"{p}.store.*.>",),
+            subscribe=(f"{p}.store.*.>", s.REGISTRY_STORE_SOLICIT),
         ),
         # The operator: the mesh's admin requests and discovery; may watch everything of the
         # mesh (kvmesh bench taps it) and its own replies.

@@ -479,6 +479,13 @@ class StoreAdvert(Message):
     disk_evictions: int = 0
 
 
+class StoreSolicit(Message):
+    """A store reader that starts (a prefill or decode worker reading or writing stores, the
+    kv-registry) -> every kv-store: advertise yourself now, not at your next heartbeat."""
+
+    sender: str  # the worker id that asks (for the logs)
+
+
 class WorkerControl(Message):
     """Admin -> one worker: stop taking work, or take it again."""
 

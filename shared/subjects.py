@@ -76,6 +76,12 @@ class Subjects:
     def REGISTRY_STORE_ADVERTISE(self) -> str:
         return f"{self.prefix}.registry.store_advertise"
 
+    # store readers -> every kv-store (publish, once as each starts): StoreSolicit; each store
+    # answers with its StoreAdvert on REGISTRY_STORE_ADVERTISE at once
+    @property
+    def REGISTRY_STORE_SOLICIT(self) -> str:
+        return f"{self.prefix}.registry.store_solicit"
+
     # kv-store -> kv-registry (publish, batched): KvCacheEvents, the changes to the
     # block hashes it holds (worker_id = the store's id); a subject of its own, so that a store
     # cannot speak for a decode worker's cache

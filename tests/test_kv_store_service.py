@@ -30,9 +30,11 @@ from kvmesh.shared.protocol import (
     StoreGet,
     StoreGetReply,
     StoreRelease,
+    StoreSolicit,
     decode_message,
     encode_message,
 )
+from kvmesh.shared.store_solicit import store_adverts_solicited
 from kvmesh.shared.subjects import Subjects
 from kvmesh.shared.transport import (
     Access,
@@ -219,6 +221,32 @@ async def test_store_restart_loses_its_cache_and_a_get_is_a_miss(nats_server: st
         async with Client(nats_server, "tcp", second) as c:
             got = await c.client.get(c.target, second.kv_spec, c.blocks(TOKENS, [0, 1]))
             assert (got.num_blocks, got.num_offered, got.error) == (0, 0, "")
+
+
+async def test_a_starting_reader_gets_every_stores_advert_at_once_not_at_its_heartbeat(
+    nats_server: str,
+) -> None:
+    """A store heartbeating every 60 s answers a StoreSolicit with its advert at once: a worker
+    that starts between two heartbeats knows the store in milliseconds."""
+    async with (
+        store_process(nats_server, "store-s", "--heartbeat-s", "60") as first,
+        connect_nats(nats_server, "test-reader") as nc,
+    ):
+        adverts: asyncio.Queue[StoreAdvert] = asyncio.Queue()
+
+        async def on_advert(msg) -> None:
+            adverts.put_nowait(decode_message(msg.data, StoreAdvert))
+
+        await nc.subscribe(SUBJECTS.REGISTRY_STORE_ADVERTISE, cb=on_advert)
+        async with store_adverts_solicited(nc, SUBJECTS, "test-reader"):
+            advert = await asyncio.wait_for(adverts.get(), 10.0)
+        assert (advert.store_id, advert.epoch) == ("store-s", first.epoch)
+        # a second solicit at once is within the store's interval: no second advert
+        await nc.publish(
+            SUBJECTS.REGISTRY_STORE_SOLICIT, encode_message(StoreSolicit("test-reader"))
+        )
+        await asyncio.sleep(0.05)
+        assert adverts.empty()
 
 
 async def test_store_full_of_pinned_blocks_refuses_a_put_at_once(nats_server: str) -> None:

@@ -143,6 +143,42 @@ async def test_nats_without_credentials_or_with_a_wrong_password_is_refused(serv
             subjects.REGISTRY_STORE_ADVERTISE,
             False,
         ),
+        # a starting store reader asks every store to advertise at once; only readers may ask
+        (
+            "prefill",
+            subjects.REGISTRY_STORE_SOLICIT,
+            "kv-store",
+            subjects.REGISTRY_STORE_SOLICIT,
+            True,
+        ),
+        (
+            "decode",
+            subjects.REGISTRY_STORE_SOLICIT,
+            "kv-store",
+            subjects.REGISTRY_STORE_SOLICIT,
+            True,
+        ),
+        (
+            "kv-registry",
+            subjects.REGISTRY_STORE_SOLICIT,
+            "kv-store",
+            subjects.REGISTRY_STORE_SOLICIT,
+            True,
+        ),
+        (
+            "router",
+            subjects.REGISTRY_STORE_SOLICIT,
+            "kv-store",
+            subjects.REGISTRY_STORE_SOLICIT,
+            False,
+        ),
+        (
+            "draft",
+            subjects.REGISTRY_STORE_SOLICIT,
+            "kv-store",
+            subjects.REGISTRY_STORE_SOLICIT,
+            False,
+        ),
         # what a store holds: only stores tell the registry, on subjects of their own
         (
             "kv-store",

@@ -69,6 +69,7 @@ from kvmesh.shared.protocol import (
     encode_message,
     model_spec,
 )
+from kvmesh.shared.store_solicit import store_adverts_solicited
 from kvmesh.shared.transport import Access, Transport, TransportConfig, create_transport
 from nats.aio.client import Client
 from nats.micro.request import Request
@@ -443,6 +444,11 @@ async def decode_service(config: DecodeConfig) -> AsyncIterator[DecodeService]:
                 (subjects.decode_lease_renew(worker_id), LeaseRenew, service.on_lease_renew),
                 (subjects.decode_draft(worker_id), DraftProposal, service.on_proposal),
                 (subjects.REGISTRY_STORE_ADVERTISE, StoreAdvert, service.on_store_advert),
+            ),
+            (
+                store_adverts_solicited(nc, subjects, worker_id)
+                if worker.store is not None
+                else contextlib.nullcontext()
             ),
             asyncio.TaskGroup() as service.tg,
             background(

@@ -44,6 +44,7 @@ from kvmesh.shared.protocol import (
     WorkerGone,
     WorkerHeartbeat,
 )
+from kvmesh.shared.store_solicit import store_adverts_solicited
 from kvmesh.shared.subjects import Subjects
 from nats.aio.client import Client
 from nats.micro.request import Request
@@ -226,6 +227,7 @@ async def registry_service(config: RegistryConfig) -> AsyncIterator[RegistryServ
                     (subjects.REGISTRY_STORE_KV_EVENTS, KvCacheEvents, service.on_store_events),
                     (subjects.REGISTRY_STORE_KV_DIGEST, KvCacheDigest, service.on_store_digest),
                 ),
+                store_adverts_solicited(nc, subjects, worker_id),
                 worker_presence(
                     nc,
                     subjects,

@@ -37,6 +37,7 @@ from kvmesh.shared.nats_service import (
     open_for_requests,
     publish_every,
     serve_until_signal,
+    subscriptions,
     worker_presence,
 )
 from kvmesh.shared.prefix_hash import layout_root
@@ -54,10 +55,12 @@ from kvmesh.shared.protocol import (
     StorePut,
     StorePutReply,
     StoreRelease,
+    StoreSolicit,
     WorkerHeartbeat,
     decode_message,
     encode_message,
 )
+from kvmesh.shared.store_solicit import SolicitLimiter
 from kvmesh.shared.transport import (
     Access,
     MemoryWindow,
@@ -111,6 +114,7 @@ class StoreService:
         self.is_draining = False
         self.metrics = StoreMetrics(self.core, transport.stats, block_bytes)
         self.metrics_port: int | None = None
+        self.solicits = SolicitLimiter()
 
     # --- addresses ------------------------------------------------------------------------------
 
@@ -360,6 +364,19 @@ class StoreService:
                     log.debug("held report not sent", error=str(exc))
             await asyncio.sleep(self.config.cache_events_interval_s)
 
+    async def on_solicit(self, solicit: StoreSolicit) -> None:
+        """A store reader started: advertise now (at most once per ``SolicitLimiter``
+        interval), not at the next heartbeat."""
+        if not self.solicits.answer():
+            log.debug("store solicit not answered again so soon", sender=solicit.sender)
+            return
+        try:
+            await self.nc.publish(
+                self.config.subjects.REGISTRY_STORE_ADVERTISE, encode_message(self.advert())
+            )
+        except nats.errors.Error as exc:  # its heartbeat's advert comes anyway
+            log.debug("solicited advert not sent", error=str(exc))
+
     def advert(self) -> StoreAdvert:
         stats = self.transport.stats()
         c, disk = self.core.counters, self.core.disk
@@ -492,6 +509,7 @@ async def store_service(config: StoreConfig) -> AsyncIterator[StoreService]:
                     nc, subjects.REGISTRY_STORE_ADVERTISE, service.advert, config.heartbeat_s
                 )
             ),
+            subscriptions(nc, (subjects.REGISTRY_STORE_SOLICIT, StoreSolicit, service.on_solicit)),
         ):
             yield service
 

@@ -54,6 +54,7 @@ from kvmesh.shared.protocol import (
     decode_message,
     encode_message,
 )
+from kvmesh.shared.store_solicit import store_adverts_solicited
 from kvmesh.shared.subjects import Subjects
 from kvmesh.shared.transport import TransportConfig, create_transport
 from nats.aio.client import Client
@@ -320,6 +321,11 @@ async def prefill_service(config: PrefillConfig) -> AsyncIterator[PrefillService
                     (subjects.ABORT, Abort, service.on_abort),
                     (subjects.REGISTRY_ADVERTISE, DecodeAdvert, service.on_advert),
                     (subjects.REGISTRY_STORE_ADVERTISE, StoreAdvert, service.on_store_advert),
+                ),
+                (
+                    store_adverts_solicited(nc, subjects, worker_id)
+                    if store is not None
+                    else contextlib.nullcontext()
                 ),
                 PrefillJobQueue(nc, subjects) as queue,
                 background(worker.run(), service.pull_loop(queue)),
