@@ -55,15 +55,35 @@ def _kill(launcher, name: str) -> None:
 
 
 async def _load_then_kill(launcher, prompts, victim: str, delay_s: float):
+    """Send ``prompts`` and kill ``victim`` ``delay_s`` later; a prefill worker once it has also
+    taken a job (its PrefillStarted): at a fixed delay alone, a loaded box may not have handed it
+    one yet, and then nothing of it is left to run again."""
+    from kvmesh.shared.nats_service import connect_nats
+    from kvmesh.shared.protocol import PrefillStarted, decode_message
+    from kvmesh.shared.subjects import Subjects
+
+    took_job = asyncio.Event()
+
+    async def on_started(msg) -> None:
+        if decode_message(msg.data, PrefillStarted).worker_id == victim:
+            took_job.set()
+
     async with (
         MeshTap(launcher.config.nats_url, launcher.nats_auth) as tap,
+        connect_nats(launcher.config.nats_url, "fault-test", auth=launcher.nats_auth) as nc,
         aiohttp.ClientSession() as session,
     ):
+        await nc.subscribe(
+            Subjects(launcher.config.mesh).request_prefill_started("*"), cb=on_started
+        )
+        await nc.flush()
         started = time.monotonic()
         tasks = [
             asyncio.create_task(complete(session, launcher.url, p, MAX_TOKENS)) for p in prompts
         ]
         await asyncio.sleep(delay_s)
+        if victim.startswith("prefill"):
+            await asyncio.wait_for(took_job.wait(), 30)
         _kill(launcher, victim)
         bodies = await asyncio.wait_for(asyncio.gather(*tasks), 60)
         elapsed = time.monotonic() - started

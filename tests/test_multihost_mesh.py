@@ -167,6 +167,7 @@ async def test_greedy_output_across_hosts_equals_single_host_engine(
 ):
     mesh = delayed_mesh
     async with MeshTap(mesh.nats_url) as tap:
+        await tap.wait_heard(["decode-0", "decode-1", "prefill-0"])
         replies = await _serve_all(mesh, PROMPTS)
         for reply in replies:
             await tap.wait_finished(reply["id"])

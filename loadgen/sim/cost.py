@@ -149,25 +149,19 @@ class CostModel:
         return StepCost(flops, num_bytes, overhead, max(compute, memory) * scale)
 
     def loop_step(
-        self,
-        slices: Iterable[Slice],
-        num_tokens: int,
-        jitter_s: float = 0.0,
-        *,
-        is_colocated: bool = False,
+        self, slices: Iterable[Slice], num_tokens: int, *, is_colocated: bool = False
     ) -> StepCost:
         """A decode (or, ``is_colocated``, colocated) worker's step in the mesh: the engine's
-        step, plus the loop's fixed cost, ``num_tokens`` streamed tokens' cost and ``jitter_s``
-        (a ``jitter_s(u)`` draw), serial (one thread). The engine's part is scaled by the role's
-        ``engine_scale``; the loop's is not."""
-        assert num_tokens >= 0 and jitter_s >= 0
+        step, plus the loop's fixed cost and ``num_tokens`` streamed tokens' cost, serial (one
+        thread). The engine's part is scaled by the role's ``engine_scale``; the loop's is not.
+        The simulator scales the whole by the step's pace and adds a ``jitter_s(u)`` draw."""
+        assert num_tokens >= 0
         step = self.step(slices, "colocated" if is_colocated else "decode")
         d = self.device
         if is_colocated:
             loop = d.colocated_loop_overhead_s + d.colocated_token_overhead_s * num_tokens
         else:
             loop = d.loop_overhead_s + d.token_overhead_s * num_tokens
-        loop += jitter_s
         return dataclasses.replace(step, overhead_s=step.overhead_s + loop)
 
     def warmup_s(self, role: str, decode_step: int) -> float:
