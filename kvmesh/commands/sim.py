@@ -655,8 +655,11 @@ def _print_spec_terms(d: Any) -> None:
         )
         + ", "
         + ", ".join(
-            f"{who} pace p10-p90 {d.pace_knots(who)[1]:.2f}-{d.pace_knots(who)[3]:.2f}"
-            for who in ("colocated", "decode")
+            f"{who} pace p10-p90 {knots[1]:.2f}-{knots[3]:.2f}"
+            for who, knots in (
+                ("colocated", d.pace_knots("colocated")),
+                ("decode", d.pace_knots("decode")),
+            )
         )
         + ("" if d.request_overhead_s else " (none measured: run --calibrate first)")
         + f"; engine in the mesh x{d.colocated_engine_scale:.2f} + "

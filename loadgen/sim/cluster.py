@@ -223,6 +223,7 @@ class Cluster:
         if not batch:
             return
         slices, d = [w.slice() for w in batch], self.cost.device
+        pace = 1.0 if worker.role == "prefill" else _pace(batch)
         if worker.role == "prefill":
             step = self.cost.step(slices, "prefill")
             self.queue_waits += [
@@ -237,7 +238,6 @@ class Cluster:
             step = self.cost.loop_step(
                 slices, sum(w.emits_token for w in batch), is_colocated=worker.role == "colocated"
             )
-            pace = _pace(batch)
             step = dataclasses.replace(
                 step, overhead_s=step.overhead_s * pace + jitter, roofline_s=step.roofline_s * pace
             )
@@ -248,9 +248,7 @@ class Cluster:
                     if not w.is_prefill
                 )
                 step = dataclasses.replace(step, overhead_s=step.overhead_s + warmup)
-        engine = self.cost.step(slices, worker.role).seconds
-        if worker.role != "prefill":
-            engine *= _pace(batch)
+        engine = self.cost.step(slices, worker.role).seconds * pace
         wake = d.wake_s(worker.role)
         if self.wake and wake > 0 and now - self.idle_since[worker.index] >= WAKE_AFTER_S:
             step = dataclasses.replace(step, overhead_s=step.overhead_s + wake)

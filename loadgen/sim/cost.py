@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from kvmesh.loadgen.sim.specs import PACE_QUANTILES, DeviceSpec, ModelSpec
@@ -174,14 +174,13 @@ class CostModel:
         """A ``role`` (decode or colocated) worker's loop step jitter at quantile ``u`` in
         [0, 1): 0 up to the median, then linear through the p90 excess at 0.9 and the p99 excess
         at 0.99 to the largest (``DeviceSpec.jitter_knots``)."""
-        p90, p99, largest = self.device.jitter_knots(role)
-        return _piecewise(((0.5, 0.0), (0.9, p90), (0.99, p99), (1.0, largest)), u)
+        return _piecewise(jitter_quantiles(*self.device.jitter_knots(role)), u)
 
     def pace(self, u: float, role: str = "decode") -> float:
         """A ``role`` (decode or colocated) worker's sequence's pace at quantile ``u`` in
         [0, 1]: linear between the knots of ``DeviceSpec.pace_knots`` (1 without a measured
         spread)."""
-        return _piecewise(tuple(zip(PACE_QUANTILES, self.device.pace_knots(role), strict=True)), u)
+        return _piecewise(pace_quantiles(self.device.pace_knots(role)), u)
 
     def step_seconds(self, slices: Iterable[Slice]) -> float:
         return self.step(slices).seconds
@@ -192,7 +191,27 @@ class CostModel:
         return self.device.link_latency_s + num_bytes / (self.device.link_bandwidth * self.tp)
 
 
-def _piecewise(knots: tuple[tuple[float, float], ...], u: float) -> float:
+Knots = tuple[tuple[float, float], ...]  # (quantile, value), quantiles rising from 0 to 1
+
+
+def jitter_quantiles(p90_s: float, p99_s: float, max_s: float) -> Knots:
+    """The step jitter's quantile function: 0 up to the median, then linear through the p90
+    excess at 0.9 and the p99 excess at 0.99 to the largest."""
+    return ((0.0, 0.0), (0.5, 0.0), (0.9, p90_s), (0.99, p99_s), (1.0, max_s))
+
+
+def pace_quantiles(knots: Sequence[float]) -> Knots:
+    """The pace's quantile function: linear through ``knots`` at ``PACE_QUANTILES``."""
+    return tuple(zip(PACE_QUANTILES, knots, strict=True))
+
+
+def quantile_mean(knots: Knots) -> float:
+    """The mean of the distribution whose quantile function is the line through ``knots``
+    (from quantile 0 to 1): the integral of that line."""
+    return sum((u1 - u0) * (x0 + x1) / 2 for (u0, x0), (u1, x1) in itertools.pairwise(knots))
+
+
+def _piecewise(knots: Knots, u: float) -> float:
     """The value at ``u`` of the line through ``knots`` ((quantile, value), quantiles rising):
     the first knot's value below it, the last one's above."""
     if u <= knots[0][0]:

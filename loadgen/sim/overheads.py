@@ -53,16 +53,22 @@ real gaps by 0.02-1.0 ms at p99, 0.2-0.4 ms in most.)
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvmesh.loadgen.serve_metrics import RequestRecord
 from kvmesh.loadgen.sim.cluster import simulate
-from kvmesh.loadgen.sim.cost import WARMUP_STEPS, CostModel, warmup_taper
+from kvmesh.loadgen.sim.cost import (
+    WARMUP_STEPS,
+    CostModel,
+    jitter_quantiles,
+    pace_quantiles,
+    quantile_mean,
+    warmup_taper,
+)
 from kvmesh.loadgen.sim.probe import BATCH, LONG_INPUT, long_requests, probe_requests
-from kvmesh.loadgen.sim.specs import PACE_QUANTILES, DeviceSpec
+from kvmesh.loadgen.sim.specs import PACE_KNOT_NAMES, PACE_QUANTILES, DeviceSpec
 from kvmesh.loadgen.sim.topology import Topology
 
 ROUNDS = 8
@@ -162,11 +168,7 @@ class Jitter:
     def mean_s(self) -> float:
         """The mean of ``CostModel.jitter_s``'s distribution (0 to the median, then linear
         through the 90th and 99th percentiles to the largest)."""
-        return (
-            0.4 * self.p90_s / 2
-            + 0.09 * (self.p90_s + self.p99_s) / 2
-            + 0.01 * (self.p99_s + self.max_s) / 2
-        )
+        return quantile_mean(jitter_quantiles(self.p90_s, self.p99_s, self.max_s))
 
     @classmethod
     def of(cls, records: Sequence[RequestRecord]) -> Jitter:
@@ -193,10 +195,7 @@ def pace_knots(steady_gaps: Sequence[float]) -> tuple[float, ...]:
         return (1.0,) * len(PACE_QUANTILES)
     deciles = statistics.quantiles(steady_gaps, n=10, method="inclusive")
     knots = (min(steady_gaps), deciles[0], deciles[4], deciles[8], max(steady_gaps))
-    mean = sum(
-        (u1 - u0) * (x0 + x1) / 2
-        for (u0, x0), (u1, x1) in itertools.pairwise(zip(PACE_QUANTILES, knots, strict=True))
-    )
+    mean = quantile_mean(pace_quantiles(knots))
     return tuple(x / mean for x in knots)
 
 
@@ -247,8 +246,7 @@ class MeshOverheads:
 
 
 def _pace_fields(prefix: str, pace: Sequence[float]) -> dict[str, float]:
-    names = ("min", "p10", "p50", "p90", "max")
-    return {f"{prefix}pace_{k}": x for k, x in zip(names, pace, strict=True)}
+    return {f"{prefix}pace_{k}": x for k, x in zip(PACE_KNOT_NAMES, pace, strict=True)}
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,6 +17,7 @@ from typing import Any
 
 SPEC_DIR = Path(__file__).resolve().parent / "specs"
 PACE_QUANTILES = (0.0, 0.1, 0.5, 0.9, 1.0)  # where DeviceSpec.pace_knots sit
+PACE_KNOT_NAMES = ("min", "p10", "p50", "p90", "max")  # their fields: pace_<name>
 
 
 class SpecError(ValueError):
@@ -186,7 +187,7 @@ class DeviceSpec:
         for role in ("decode", "colocated"):
             knots = self.pace_knots(role)
             prefix = "colocated_" if role == "colocated" else ""
-            names = ", ".join(f"{prefix}pace_{k}" for k in ("min", "p10", "p50", "p90", "max"))
+            names = ", ".join(f"{prefix}pace_{k}" for k in PACE_KNOT_NAMES)
             _require(knots[0] > 0, self.name, f"{prefix}pace_min", "must be > 0")
             _require(list(knots) == sorted(knots), self.name, names, "must not decrease")
         for name in ("cores", "calibration_threads"):
@@ -235,9 +236,8 @@ class DeviceSpec:
         """A ``role`` (colocated, or decode) worker's sequences' paces at the quantiles
         ``PACE_QUANTILES`` (0, 0.1, 0.5, 0.9, 1)."""
         prefix = "colocated_" if role == "colocated" else ""
-        return tuple(  # type: ignore[return-value]
-            getattr(self, f"{prefix}pace_{k}") for k in ("min", "p10", "p50", "p90", "max")
-        )
+        knots = tuple(getattr(self, f"{prefix}pace_{k}") for k in PACE_KNOT_NAMES)
+        return knots  # type: ignore[return-value]
 
     @property
     def effective_flops(self) -> float:
