@@ -118,8 +118,6 @@ class MeshTap:
         self.reports: dict[str, Any] = {}  # request id -> PrefillReport
         self.prefill_done: dict[str, Any] = {}  # request id -> PrefillDone
         self._events: dict[str, asyncio.Event] = defaultdict(asyncio.Event)
-        self.heard: set[str] = set()  # worker ids whose heartbeat came after the subscriptions
-        self._heard_changed = asyncio.Event()
 
     async def __aenter__(self) -> MeshTap:
         from kvmesh.shared import protocol
@@ -150,26 +148,8 @@ class MeshTap:
         await nc.subscribe(s.request_tokens("*"), cb=on_tokens)
         await nc.subscribe(s.request_prefill_report("*"), cb=on_report)
         await nc.subscribe(s.decode_prefill_done("*"), cb=on_done)
-
-        async def on_heartbeat(msg: Any) -> None:
-            self.heard.add(msg.subject.rsplit(".", 1)[-1])
-            self._heard_changed.set()
-
-        # last: a heartbeat that reaches this subscription from another cluster member proves
-        # that member has the interests above too (a route carries them in order)
-        await nc.subscribe(s.HEARTBEAT_ALL, cb=on_heartbeat)
         await flush_to_server(nc)
         return self
-
-    async def wait_heard(self, worker_ids: Any, timeout_s: float = 30.0) -> None:
-        """Until a heartbeat of each of ``worker_ids`` has come in: on a NATS cluster, the tap's
-        interest has then reached the servers those workers publish to, and it misses none of
-        their events (a subscription reaches the other members of a cluster some time after
-        its own server has it)."""
-        async with asyncio.timeout(timeout_s):
-            while not set(worker_ids) <= self.heard:
-                self._heard_changed.clear()
-                await self._heard_changed.wait()
 
     async def __aexit__(self, *exc: object) -> None:
         await self._stack.aclose()
