@@ -18,8 +18,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 test: $(STAMP)
-	# -P: the checkout's root is no import root (its kernels/ would shadow transformers' `kernels`)
-	TRITON_INTERPRET=1 $(BIN)/python -P -m pytest -q -p no:cacheprovider
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -p no:cacheprovider
 
 # The GPU path on a CUDA machine: gpu-marked tests + GPU benchmarks + a SoftRoCE attempt, one JSON
 # (docs/gpu.md). Without CUDA it says so and exits 0. Never with TRITON_INTERPRET: compiled kernels.

@@ -6,20 +6,11 @@ fixtures in the clearly marked section at the end.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
 
-# The checkout's root is no import root (its packages are installed as kvmesh.*): there its
-# `kernels/` shadows Hugging Face's `kernels` package, which transformers >= 5.25 imports
-# (`from kernels import CUDAProperties`: an ImportError). `python -m pytest` puts the working
-# directory first on sys.path; `make test` runs `python -P`, and this covers other invocations.
-_ROOT = Path(__file__).resolve().parents[1]
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _ROOT]
-
-import pytest  # noqa: E402
-import pytest_asyncio  # noqa: E402
-from kvmesh.shared.nats_server import NatsServer  # noqa: E402
+import pytest
+import pytest_asyncio
+from kvmesh.shared.nats_server import NatsServer
 
 # --- mesh: NATS -----------------------------------------------------------------------------
 

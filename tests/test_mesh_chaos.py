@@ -14,9 +14,9 @@ import time
 import aiohttp
 import pytest
 from kvmesh.loadgen.bench_mesh import local_mesh, random_prompts, wait_blocks_returned
+from offline_text import offline_texts
 
 from kvmesh.commands.restarts import RestartPolicy
-from tests.offline_text import offline_texts
 
 pytestmark = pytest.mark.slow
 

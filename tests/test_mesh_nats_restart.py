@@ -16,9 +16,9 @@ import orjson
 import pytest
 from kvmesh.loadgen.bench_mesh import complete, local_mesh, random_prompts, wait_blocks_returned
 from kvmesh.shared.nats_server import NatsServer
+from offline_text import offline_texts
 
 from kvmesh.commands.up import free_port
-from tests.offline_text import offline_texts
 
 pytestmark = pytest.mark.slow
 

@@ -24,9 +24,8 @@ import aiohttp
 import pytest
 from kvmesh.loadgen.bench_mesh import complete, launched, random_prompts
 from mesh_checks import check_blocks_returned, store_advertised_since_ready
+from offline_text import offline_texts
 from prometheus_client.parser import text_string_to_metric_families
-
-from tests.offline_text import offline_texts
 
 pytestmark = pytest.mark.slow
 

@@ -16,6 +16,7 @@ import socket
 
 import pytest
 import torch
+from fake_pyverbs import FakeDevice, FakeVerbs, e
 from kvmesh.shared.transport.base import Access, WriteEntry
 from kvmesh.shared.transport.config import TransportConfig
 from kvmesh.shared.transport.errors import (
@@ -28,8 +29,6 @@ from kvmesh.shared.transport.errors import (
 )
 from kvmesh.shared.transport.rdma import RdmaTransport, rdma_available
 from kvmesh.shared.transport.rdma_qp import QPLimits, Span, build_segments, completion_error
-
-from tests.fake_pyverbs import FakeDevice, FakeVerbs, e
 
 BLOCK = 4096
 NO_MW = FakeDevice(mw_types=())

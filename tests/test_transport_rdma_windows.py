@@ -15,13 +15,12 @@ import socket
 
 import pytest
 import torch
+from fake_pyverbs import FakeDevice, FakeVerbs, e
 from kvmesh.shared.transport.base import Access, PeerDescriptor, WriteEntry
 from kvmesh.shared.transport.config import TransportConfig
 from kvmesh.shared.transport.errors import PeerGoneError, RefusalReason, RemoteAccessError
 from kvmesh.shared.transport.rdma import RdmaTransport, rdma_available
 from kvmesh.shared.transport.rdma_windows import choose_window_type
-
-from tests.fake_pyverbs import FakeDevice, FakeVerbs, e
 
 BLOCK = 4096
 NUM_BLOCKS = 16

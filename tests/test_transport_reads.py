@@ -10,6 +10,7 @@ import asyncio
 
 import pytest
 import torch
+from fake_pyverbs import FakeVerbs, e
 from kvmesh.shared.transport import (
     Access,
     MemoryWindow,
@@ -21,8 +22,6 @@ from kvmesh.shared.transport import (
     create_transport,
 )
 from kvmesh.shared.transport.rdma import RdmaTransport
-
-from tests.fake_pyverbs import FakeVerbs, e
 
 BLOCK = 4096
 NUM_BLOCKS = 8

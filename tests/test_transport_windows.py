@@ -9,6 +9,7 @@ import asyncio
 import socket
 
 import pytest
+from fake_pyverbs import FakeVerbs
 from kvmesh.shared.transport import (
     Access,
     MemoryWindow,
@@ -22,8 +23,6 @@ from kvmesh.shared.transport import (
 from kvmesh.shared.transport.base import merge_spans
 from kvmesh.shared.transport.rdma import RdmaTransport
 from kvmesh.shared.transport.shm import NOTE, OP_HELLO, OP_WRITE_DONE
-
-from tests.fake_pyverbs import FakeVerbs
 
 BLOCK = 4096
 NUM_BLOCKS = 16
