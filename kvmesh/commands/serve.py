@@ -139,12 +139,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 @contextlib.contextmanager
 def frozen_heap() -> Iterator[None]:
     """Serve with the start-up heap frozen (``gc.freeze``), as vLLM and SGLang do: what the
-    imports made (torch and the service's modules, ~190,000 objects) leaves the collector's
-    reach, so a full collection while serving walks only what serving made. Unfrozen, one took
-    136 ms on the 2-core box, a stall of every stream's next token; frozen, well under 1 ms
-    (``loadgen/bench_gc.py``). Unfrozen again on the way out, so that interpreter exit sees the
-    heap as it would have (``kvmesh.cli.run`` decides what exit collects)."""
-    gc.collect()
+    imports made (torch and the service's modules, ~200,000 objects) leaves the collector's
+    reach, so a full collection while serving, or while the service loads its model, walks
+    only what was made since. Unfrozen, one took 150-177 ms on the 2-core box, a stall of every
+    stream's next token; frozen, about 2 ms (``kvmesh bench gc``). No collection first: it
+    would cost every service start that much, to free the little garbage imports leave.
+    Unfrozen again on the way out, so that ``kvmesh.cli.run`` decides what exit collects."""
     gc.freeze()
     try:
         yield
