@@ -6,7 +6,8 @@ into the stream (``publish_job``) and each prefill worker fetches one job only w
 slot (``PrefillJobQueue.next``), so whoever has room takes the next job, in arrival order. The
 stream lives in memory: a job is worth nothing once its router has given up (its lease, renewed
 by that router, keeps the decode blocks only while the router waits). On a NATS cluster the
-stream has three replicas (``stream_replicas``), so the queue outlives the loss of one server.
+stream has three replicas (``stream_replicas``), so the queue outlives the loss of one server;
+one made while the cluster was forming has one, and is scaled up once it can have three.
 
 A job is acknowledged once its worker has announced it (``PrefillStarted``, to the router and
 the decode worker), before any KV is written. A worker that dies between taking a job and that
@@ -31,6 +32,7 @@ from nats.js import api
 DURABLE = "prefill"
 MAX_AGE_S = 600.0  # a job nobody took in 10 minutes has been given up by its router
 ACK_WAIT_S = 5.0  # a job taken and not acknowledged within this goes to another worker
+REPLICA_CHECK_S = 10.0  # how often a worker tries to scale an under-replicated queue up
 
 
 CLUSTER_REPLICAS = 3  # on a NATS cluster: the queue survives the loss of any one server
@@ -59,12 +61,19 @@ class PrefillQueueError(RuntimeError):
     """The NATS server cannot hold the prefill queue (JetStream off, or a conflicting stream)."""
 
 
-async def ensure_stream(nc: Client, s: Subjects) -> None:
-    """Create the stream if it does not exist (idempotent; router and prefill both call it)."""
+async def ensure_stream(nc: Client, s: Subjects) -> bool:
+    """Create the stream if it does not exist (idempotent; router and prefill both call it).
+    True when the stream has the replicas it should have here; False when it has fewer.
+
+    A cluster still forming (a member not yet joined, JetStream not yet placed on all three)
+    cannot place three replicas, and the stream is made with one so that jobs flow at once.
+    Each later call scales such a stream up to ``CLUSTER_REPLICAS`` once the cluster can hold
+    them (its jobs are kept); ``PrefillJobQueue`` calls it every ``REPLICA_CHECK_S`` until then.
+    """
     js = nc.jetstream()
+    wanted = stream_replicas(nc)
     try:
-        await js.stream_info(s.PREFILL_STREAM)
-        return
+        info = await js.stream_info(s.PREFILL_STREAM)
     except nats.js.errors.NotFoundError:
         pass
     except (nats.errors.NoRespondersError, nats.js.errors.ServiceUnavailableError) as exc:
@@ -72,18 +81,36 @@ async def ensure_stream(nc: Client, s: Subjects) -> None:
             "the NATS server has JetStream disabled; kvmesh's prefill queue needs it "
             "(start nats-server with -js, as `kvmesh up` and docker-compose do)"
         ) from exc
-    for replicas in stream_replicas(nc):
+    else:
+        return await _scale_up(nc, s, int(info.config.num_replicas or 1), wanted[0])
+    for replicas in wanted:
         try:
             await js.add_stream(stream_config(s, replicas))
-            return
+            return replicas == wanted[0]
         except nats.js.errors.BadRequestError as exc:  # created concurrently, or too few peers
             with contextlib.suppress(nats.js.errors.NotFoundError):
-                await js.stream_info(s.PREFILL_STREAM)
-                return
+                info = await js.stream_info(s.PREFILL_STREAM)
+                return int(info.config.num_replicas or 1) >= wanted[0]
             error = exc
         except nats.js.errors.ServiceUnavailableError as exc:  # JetStream (cluster) not ready
             error = exc
     raise PrefillQueueError(f"cannot create JetStream stream {s.PREFILL_STREAM}: {error}")
+
+
+async def _scale_up(nc: Client, s: Subjects, replicas: int, wanted: int) -> bool:
+    """Raise an existing stream's replicas to ``wanted``; False while the cluster cannot place
+    them ("no suitable peers for placement", no JetStream leader yet: tried again later)."""
+    if replicas >= wanted:
+        return True
+    try:
+        await nc.jetstream().update_stream(stream_config(s, wanted))
+    except (
+        nats.js.errors.BadRequestError,
+        nats.js.errors.ServiceUnavailableError,
+        nats.errors.TimeoutError,
+    ):
+        return False
+    return True
 
 
 async def publish_job(
@@ -173,11 +200,22 @@ class PrefillJobQueue:
     ``ACK_WAIT_S`` by default; every worker of a mesh pulls through one consumer, so they must
     agree on it)."""
 
-    def __init__(self, nc: Client, s: Subjects, *, ack_wait_s: float = ACK_WAIT_S) -> None:
+    def __init__(
+        self,
+        nc: Client,
+        s: Subjects,
+        *,
+        ack_wait_s: float = ACK_WAIT_S,
+        replica_check_s: float = REPLICA_CHECK_S,
+    ) -> None:
         assert ack_wait_s > 0, ack_wait_s
+        assert replica_check_s > 0, replica_check_s
         self._nc = nc
         self._subjects = s
         self._ack_wait_s = ack_wait_s
+        self._replica_check_s = replica_check_s
+        self._replicated = False  # the stream has all its replicas (ensure_stream said so)
+        self._next_replica_check = 0.0
         self._sub = None
 
     async def __aenter__(self) -> PrefillJobQueue:
@@ -187,7 +225,7 @@ class PrefillJobQueue:
     async def _subscribe(self) -> None:
         """Make the stream and the consumer if they are missing and pull through the consumer;
         ``self._sub`` is set only once that worked (a NATS error leaves it None)."""
-        await ensure_stream(self._nc, self._subjects)
+        await self._ensure_stream()
         config = api.ConsumerConfig(
             ack_policy=api.AckPolicy.EXPLICIT, max_ack_pending=-1, ack_wait=self._ack_wait_s
         )
@@ -197,6 +235,10 @@ class PrefillJobQueue:
             stream=self._subjects.PREFILL_STREAM,
             config=config,
         )
+
+    async def _ensure_stream(self) -> None:
+        self._replicated = await ensure_stream(self._nc, self._subjects)
+        self._next_replica_check = asyncio.get_running_loop().time() + self._replica_check_s
 
     async def _unsubscribe(self) -> None:
         sub, self._sub = self._sub, None
@@ -215,6 +257,8 @@ class PrefillJobQueue:
         if self._sub is None:  # lost below and not yet made again
             await self._subscribe()
             assert self._sub is not None
+        elif not self._replicated and asyncio.get_running_loop().time() >= self._next_replica_check:
+            await self._ensure_stream()  # made while the cluster was forming: scale it up
         try:
             [msg] = await self._sub.fetch(1, timeout=timeout_s)
         except nats.errors.TimeoutError:

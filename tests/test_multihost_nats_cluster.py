@@ -32,7 +32,9 @@ def test_several_urls_split_and_redact_each():
 
 
 @contextlib.contextmanager
-def cluster(size: int = 3) -> Iterator[list[NatsServer]]:
+def cluster(size: int = 3, started: int | None = None) -> Iterator[list[NatsServer]]:
+    """``size`` members routed to each other; the first ``started`` (all by default) running,
+    the others for the test to start."""
     route_ports = [free_port() for _ in range(size)]
     servers = []
     try:
@@ -42,7 +44,8 @@ def cluster(size: int = 3) -> Iterator[list[NatsServer]]:
             )
             spec = ClusterSpec("kvmesh-test", f"n{i}", route_ports[i], routes)
             servers.append(NatsServer(free_port(), cluster=spec))
-            servers[-1].start()
+            if started is None or i < started:
+                servers[-1].start()
         yield servers
     finally:
         for server in servers:
@@ -68,7 +71,9 @@ async def test_client_reconnects_to_another_member_and_the_queue_keeps_its_jobs(
     with cluster() as servers:
         urls = ",".join(s.url for s in servers)
         async with connect_nats(urls, "test-client") as nc:
-            await _until(lambda: _stream_ready(nc, subjects))
+            # all three replicas, once the cluster can place them (a stream made while it was
+            # still forming has one, and is scaled up: see the test below)
+            await _until(lambda: prefill_queue.ensure_stream(nc, subjects))
             info = await nc.jetstream().stream_info(subjects.PREFILL_STREAM)
             assert info.config.num_replicas == prefill_queue.CLUSTER_REPLICAS
             await prefill_queue.publish_job(nc, subjects, b"job-1")
@@ -80,6 +85,36 @@ async def test_client_reconnects_to_another_member_and_the_queue_keeps_its_jobs(
             await _until(lambda: _depth_is(nc, subjects, 1))
             await prefill_queue.publish_job(nc, subjects, b"job-2")
             await _until(lambda: _depth_is(nc, subjects, 2))
+
+
+async def test_a_queue_made_while_the_cluster_forms_is_scaled_up_and_keeps_its_jobs():
+    """Two of three members up: the queue cannot have three replicas and is made with one, so
+    jobs flow at once. When the third joins, a prefill worker's queue scales it to three on its
+    next check, and the job published before is still there."""
+    subjects = Subjects("cluster-test")
+    with cluster(started=2) as servers:
+        async with connect_nats(servers[0].url, "prefill") as nc:
+            await _until(lambda: _stream_ready(nc, subjects), timeout_s=60.0)
+            assert await prefill_queue.ensure_stream(nc, subjects) is False
+            await prefill_queue.publish_job(nc, subjects, b"job-1")
+            async with prefill_queue.PrefillJobQueue(nc, subjects, replica_check_s=0.2) as queue:
+                assert await _replicas(nc, subjects) == 1
+                servers[2].start()
+
+                async def scaled_up() -> bool:
+                    msg = await queue.next(timeout_s=0.2)
+                    if msg is not None:  # taken, not acknowledged: it stays in the stream
+                        assert msg.data == b"job-1"
+                    return await _replicas(nc, subjects) == prefill_queue.CLUSTER_REPLICAS
+
+                await _until(scaled_up, timeout_s=60.0)
+            await _until(lambda: _depth_is(nc, subjects, 1))
+            assert await prefill_queue.ensure_stream(nc, subjects) is True
+
+
+async def _replicas(nc, subjects) -> int:
+    info = await nc.jetstream().stream_info(subjects.PREFILL_STREAM)
+    return int(info.config.num_replicas)
 
 
 async def _reconnected_elsewhere(nc, port: int) -> bool:
