@@ -57,13 +57,14 @@ def run(args: argparse.Namespace) -> int:
         frozen_ms = _collect_ms(args.repeats)
     unfrozen_ms = _collect_ms(args.repeats)  # the same heap, live objects included
     del live
+    unfrozen, frozen = statistics.median(unfrozen_ms), statistics.median(frozen_ms)
     result = {
         "model": args.model,
         "start_up_objects": start_up,
         "live_objects": args.live_objects,
-        "unfrozen_ms": round(statistics.median(unfrozen_ms), 3),
-        "frozen_ms": round(statistics.median(frozen_ms), 3),
-        "ratio": round(statistics.median(unfrozen_ms) / max(statistics.median(frozen_ms), 1e-6), 1),
+        "unfrozen_ms": round(unfrozen, 3),
+        "frozen_ms": round(frozen, 3),
+        "ratio": round(unfrozen / max(frozen, 1e-6), 1),
     }
     if args.json:
         print(orjson.dumps(result).decode())
