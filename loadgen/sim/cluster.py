@@ -33,7 +33,6 @@ thread count and niceness, each worker at the pace of its slowest thread (``shar
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import itertools
 import math
@@ -43,7 +42,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvmesh.loadgen.serve_metrics import RequestRecord, Slo, Summary, summarize
-from kvmesh.loadgen.sim.cost import WAKE_AFTER_S, CostModel
+from kvmesh.loadgen.sim.cost import WAKE_AFTER_S, CostModel, StepCost
 from kvmesh.loadgen.sim.engine_timings import EngineTimings
 from kvmesh.loadgen.sim.sharing import Share, SharedHost
 from kvmesh.loadgen.sim.topology import Topology
@@ -224,8 +223,9 @@ class Cluster:
             return
         slices, d = [w.slice() for w in batch], self.cost.device
         pace = 1.0 if worker.role == "prefill" else _pace(batch)
+        engine_step = self.cost.step(slices, worker.role)
         if worker.role == "prefill":
-            step = self.cost.step(slices, "prefill")
+            step = engine_step
             self.queue_waits += [
                 now - self.queued_at[w.seq.index] for w in batch if w.seq.num_computed == 0
             ]
@@ -236,22 +236,23 @@ class Cluster:
                 else 0.0
             )
             step = self.cost.loop_step(
-                slices, sum(w.emits_token for w in batch), is_colocated=worker.role == "colocated"
+                slices,
+                sum(w.emits_token for w in batch),
+                is_colocated=worker.role == "colocated",
+                engine=engine_step,
             )
-            step = dataclasses.replace(
-                step, overhead_s=step.overhead_s * pace + jitter, roofline_s=step.roofline_s * pace
-            )
+            overhead = step.overhead_s * pace + jitter
             if d.warmup_s(worker.role) > 0:  # sequences in their first decode steps
-                warmup = sum(
+                overhead += sum(
                     self.cost.warmup_s(worker.role, len(w.seq.token_times) - 1)
                     for w in batch
                     if not w.is_prefill
                 )
-                step = dataclasses.replace(step, overhead_s=step.overhead_s + warmup)
-        engine = self.cost.step(slices, worker.role).seconds * pace
+            step = StepCost(step.flops, step.bytes, overhead, step.roofline_s * pace)
+        engine = engine_step.seconds * pace
         wake = d.wake_s(worker.role)
         if self.wake and wake > 0 and now - self.idle_since[worker.index] >= WAKE_AFTER_S:
-            step = dataclasses.replace(step, overhead_s=step.overhead_s + wake)
+            step = StepCost(step.flops, step.bytes, step.overhead_s + wake, step.roofline_s)
             engine += wake
         self.engine_share[worker.index] = engine / step.seconds if step.seconds > 0 else 1.0
         worker.is_busy = True

@@ -39,7 +39,6 @@ latency`` on the prefill worker's link.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -149,20 +148,27 @@ class CostModel:
         return StepCost(flops, num_bytes, overhead, max(compute, memory) * scale)
 
     def loop_step(
-        self, slices: Iterable[Slice], num_tokens: int, *, is_colocated: bool = False
+        self,
+        slices: Iterable[Slice],
+        num_tokens: int,
+        *,
+        is_colocated: bool = False,
+        engine: StepCost | None = None,
     ) -> StepCost:
         """A decode (or, ``is_colocated``, colocated) worker's step in the mesh: the engine's
         step, plus the loop's fixed cost and ``num_tokens`` streamed tokens' cost, serial (one
         thread). The engine's part is scaled by the role's ``engine_scale``; the loop's is not.
-        The simulator scales the whole by the step's pace and adds a ``jitter_s(u)`` draw."""
+        The simulator scales the whole by the step's pace and adds a ``jitter_s(u)`` draw.
+        ``engine``: the engine's step of these slices for that role, when the caller has it."""
         assert num_tokens >= 0
-        step = self.step(slices, "colocated" if is_colocated else "decode")
+        role = "colocated" if is_colocated else "decode"
+        step = engine if engine is not None else self.step(slices, role)
         d = self.device
         if is_colocated:
             loop = d.colocated_loop_overhead_s + d.colocated_token_overhead_s * num_tokens
         else:
             loop = d.loop_overhead_s + d.token_overhead_s * num_tokens
-        return dataclasses.replace(step, overhead_s=step.overhead_s + loop)
+        return StepCost(step.flops, step.bytes, step.overhead_s + loop, step.roofline_s)
 
     def warmup_s(self, role: str, decode_step: int) -> float:
         """What a sequence's ``decode_step``-th decode step (0: the first after its first

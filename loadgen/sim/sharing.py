@@ -50,6 +50,9 @@ class _Busy:
         return 0 if self.phases[0] > 0 else 1
 
 
+_MAX_CACHED_STATES = 4096
+
+
 class SharedHost:
     """Busy workers' remaining work and when each one's current phase ends."""
 
@@ -59,9 +62,22 @@ class SharedHost:
         self.calibration_threads = calibration_threads
         self.busy: dict[int, _Busy] = {}
         self.updated = 0.0
+        # rates depend only on who is busy, with which share, in which phase: a run revisits
+        # a handful of such states hundreds of thousands of times
+        self._rates: dict[tuple[tuple[int, Share, int], ...], dict[int, float]] = {}
 
     def rates(self) -> dict[int, float]:
-        """Speed of each busy worker's current phase (1 = as fast as calibrated)."""
+        """Speed of each busy worker's current phase (1 = as fast as calibrated). Read-only:
+        the same dict is handed out again for the same state."""
+        key = tuple((w, b.share, b.phase) for w, b in self.busy.items())
+        cached = self._rates.get(key)
+        if cached is None:
+            if len(self._rates) >= _MAX_CACHED_STATES:
+                self._rates.clear()
+            cached = self._rates[key] = self._placed_rates()
+        return cached
+
+    def _placed_rates(self) -> dict[int, float]:
         threads: list[tuple[float, int]] = []  # (weight, worker) for every runnable thread
         for w, b in self.busy.items():
             n = 1 if b.phase == 0 else min(b.share.threads, self.cores)
