@@ -73,9 +73,7 @@ async def test_client_reconnects_to_another_member_and_the_queue_keeps_its_jobs(
         async with connect_nats(urls, "test-client") as nc:
             # all three replicas, once the cluster can place them (a stream made while it was
             # still forming has one, and is scaled up: see the test below)
-            await _until(lambda: prefill_queue.ensure_stream(nc, subjects))
-            info = await nc.jetstream().stream_info(subjects.PREFILL_STREAM)
-            assert info.config.num_replicas == prefill_queue.CLUSTER_REPLICAS
+            await _until(lambda: _replicated(nc, subjects))
             await prefill_queue.publish_job(nc, subjects, b"job-1")
             connected = nc.connected_url.port
             [own] = [s for s in servers if s.port == connected]
@@ -121,6 +119,21 @@ async def _reconnected_elsewhere(nc, port: int) -> bool:
     return nc.is_connected and nc.connected_url.port != port
 
 
+async def _replicated(nc, subjects) -> bool:
+    """The queue exists with all its replicas, a leader and both followers current."""
+    if not await prefill_queue.ensure_stream(nc, subjects):
+        return False
+    info = await nc.jetstream().stream_info(subjects.PREFILL_STREAM)
+    followers = info.cluster.replicas or [] if info.cluster else []
+    assert info.config.num_replicas == prefill_queue.CLUSTER_REPLICAS
+    return bool(
+        info.cluster
+        and info.cluster.leader
+        and len(followers) == prefill_queue.CLUSTER_REPLICAS - 1
+        and all(r.current and not r.offline for r in followers)
+    )
+
+
 async def _stream_ready(nc, subjects) -> bool:
     await prefill_queue.ensure_stream(nc, subjects)
     return True
@@ -137,7 +150,7 @@ async def test_a_job_published_while_the_queue_elects_a_leader_is_stored_once():
     subjects = Subjects("cluster-test")
     with cluster() as servers:
         async with connect_nats(servers[0].url, "probe") as nc:
-            await _until(lambda: _stream_ready(nc, subjects))
+            await _until(lambda: _replicated(nc, subjects))
             leader = (await nc.jetstream().stream_info(subjects.PREFILL_STREAM)).cluster.leader
         [dying] = [s for s in servers if s.cluster.server_name == leader]
         [other, *_] = [s for s in servers if s is not dying]
