@@ -141,7 +141,7 @@ class KvmeshRunner:
         from kvmesh.shared.model import load_model
 
         model, tok = load_model(model_name)
-        self.dtype = model.config.dtype
+        self.dtype = model.config.torch_dtype
         self.engine = LLMEngine(
             model,
             tok,

@@ -372,7 +372,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def load_tokenizer(model: str) -> Any:
-    from kvmesh.shared.model.loader import load_config_and_tokenizer  # imports torch: seconds
+    from kvmesh.shared.model.checkpoint_info import load_config_and_tokenizer
 
     return load_config_and_tokenizer(model)[1]
 

@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
 def build_workload(config: ServeBenchConfig) -> tuple[list[Prompt], list[float] | None]:
     """The prompts (same for every rate and target) and, for a trace, its arrival times."""
     from kvmesh.loadgen import arrivals, workload
-    from kvmesh.shared.model.loader import load_config_and_tokenizer
+    from kvmesh.shared.model.checkpoint_info import load_config_and_tokenizer
 
     _, tokenizer = load_config_and_tokenizer(config.tokenizer or config.model)
     rng = random.Random(f"{config.seed}:prompts")

@@ -165,8 +165,8 @@ def seeded_models(
                 Path(cached) if cached else Path(stack.enter_context(tempfile.TemporaryDirectory()))
             )
         path = seeded_checkpoint(config, seed, root)
-        model, _ = load_model(str(path), config.dtype, device)
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=config.dtype).to(device)
+        model, _ = load_model(str(path), config.torch_dtype, device)
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=config.torch_dtype).to(device)
     return model, hf.eval()
 
 

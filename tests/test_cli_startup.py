@@ -1,5 +1,6 @@
-"""Start-up stays fast: building the CLI parser imports no torch, and loading a model (what
-every prefill, decode and draft worker does first) imports none of torch's compiler stack."""
+"""Start-up stays fast: building the CLI parser imports no torch, the router (which reads a
+model's config and tokenizer and never computes) imports none, and loading a model (what every
+prefill, decode and draft worker does first) imports none of torch's compiler stack."""
 
 from __future__ import annotations
 
@@ -26,6 +27,40 @@ def test_cli_help_does_not_import_torch():
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().splitlines()[-1] == "[]"
+
+
+_ROUTER_PROBE = """
+import sys
+from kvmesh.services.router import serve_router
+from kvmesh.services.router.model_info import load_model_info
+for name in sys.argv[1:]:
+    info = load_model_info(name, "served", None)
+    print(name, info.max_model_len, info.spec, info.tokenizer.vocab_size)
+print(sorted(m for m in sys.modules if m == "torch" or m.startswith("torch.")))
+"""
+
+
+def test_the_router_imports_no_torch(tmp_path):
+    # torch costs a router 2-3 s of CPU at start and ~200 MB of memory, for nothing it uses
+    from hf_fixtures import make_llama_checkpoint
+    from kvmesh.shared.model.loader import load_model
+    from kvmesh.shared.protocol import model_spec
+
+    checkpoint = str(make_llama_checkpoint(tmp_path, dtype="bfloat16"))
+    proc = subprocess.run(
+        [sys.executable, "-c", _ROUTER_PROBE, "kvmesh-tiny", checkpoint],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    *infos, modules = proc.stdout.strip().splitlines()
+    assert modules == "[]"
+    # the spec a decode worker advertises for the model it loaded: the router places on it
+    for line, name in zip(infos, ("kvmesh-tiny", checkpoint), strict=True):
+        model, tokenizer = load_model(name)
+        context = model.config.max_position_embeddings
+        assert line == f"{name} {context} {model_spec(model.config)} {tokenizer.vocab_size}"
 
 
 _LOAD_PROBE = """

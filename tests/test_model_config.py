@@ -75,8 +75,10 @@ def test_eos_token_id_may_be_a_list():
 
 
 def test_dtype_is_read_from_either_key():
-    assert parse(dtype="bfloat16").dtype == torch.bfloat16
-    assert parse(torch_dtype="float16").dtype == torch.float16
+    assert parse(dtype="bfloat16").dtype == "bfloat16"
+    assert parse(dtype="bfloat16").torch_dtype == torch.bfloat16
+    assert parse(torch_dtype="float16").torch_dtype == torch.float16
+    assert parse(torch_dtype="bf16").dtype == "bfloat16"  # the spellings seen in the wild
     with pytest.raises(ModelConfigError, match="float8"):
         parse(dtype="float8_e4m3fn")
 

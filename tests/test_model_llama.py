@@ -145,7 +145,7 @@ def test_greedy_decode_reproduces_transformers_generate(checkpoints, name):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_load_stays_close_to_float32(checkpoints, dtype):
     model, tok = load_model(str(checkpoints["llama"]), dtype=dtype)
-    assert model.config.dtype == dtype
+    assert model.config.torch_dtype == dtype
     assert all(p.dtype == dtype for p in model.parameters())
     assert model.rope_cos.dtype == torch.float32
     ids = tok.encode(PROMPT)
@@ -170,7 +170,7 @@ def test_half_precision_checkpoint_loads_in_its_own_dtype(tmp_path):
     ref = load_hf_reference(path, dtype=torch.bfloat16)
     ref.save_pretrained(path)  # weights on disk in bf16, config.json says so
     model, _ = load_model(str(path))
-    assert model.config.dtype == torch.bfloat16
+    assert model.config.torch_dtype == torch.bfloat16 and model.config.dtype == "bfloat16"
     assert model.tok_embeddings.weight.dtype == torch.bfloat16
     assert torch.equal(model.tok_embeddings.weight, ref.model.embed_tokens.weight)
 

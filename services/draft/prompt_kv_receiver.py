@@ -42,7 +42,7 @@ def pool_bytes(model: Any, econf: Any) -> int:
     from kvmesh.shared.engine.kv_cache import KVCacheSpec
 
     mc = model.config
-    dtype = econf.kv_dtype(getattr(mc, "dtype", None) or next(model.parameters()).dtype)
+    dtype = econf.kv_dtype(getattr(mc, "torch_dtype", None) or next(model.parameters()).dtype)
     spec = KVCacheSpec(
         mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, econf.block_size, dtype
     )

@@ -31,6 +31,6 @@ def store_layout(
         config.num_key_value_heads,
         config.head_dim,
         block_size,
-        EngineConfig(kv_cache_dtype=kv_cache_dtype).kv_dtype(config.dtype),
+        EngineConfig(kv_cache_dtype=kv_cache_dtype).kv_dtype(config.torch_dtype),
     )
     return spec, kv_spec_fingerprint(spec, config)

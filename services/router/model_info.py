@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvmesh.shared.model.loader import ModelLoadError, load_config_and_tokenizer
+from kvmesh.shared.model.checkpoint_info import ModelLoadError, load_config_and_tokenizer
 from kvmesh.shared.protocol import model_spec
 from kvmesh.shared.tokenizer import Tokenizer
 

@@ -108,7 +108,7 @@ class LLMEngine:
                 f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
                 f"{mc.max_position_embeddings}"
             )
-        dtype = config.kv_dtype(getattr(mc, "dtype", None) or next(model.parameters()).dtype)
+        dtype = config.kv_dtype(getattr(mc, "torch_dtype", None) or next(model.parameters()).dtype)
         spec = KVCacheSpec(
             num_layers=mc.num_hidden_layers,
             num_kv_heads=mc.num_key_value_heads,

@@ -52,7 +52,7 @@ class ModelRunner:
         # trees as one-query rows (TreeRows): only the C decode kernels read them
         self.tree_rows = (
             ops is not None
-            and model.config.dtype == torch.float32
+            and model.config.dtype == "float32"
             and kv_pool.spec.dtype in (torch.float32, torch.float8_e4m3fn)
         )
 

@@ -1,5 +1,8 @@
 """ModelConfig: the parts of a Hugging Face ``config.json`` a Llama-family decoder needs.
 
+Torch-free (the router reads configs and never computes): the weights' dtype is kept by name
+(``ModelConfig.dtype``, e.g. "bfloat16"); ``torch_dtype`` and ``parse_dtype`` import torch.
+
 Accepts both the classic ``rope_theta`` / ``rope_scaling`` keys and transformers v5's
 ``rope_parameters`` dict. Anything the model would silently compute differently from the
 reference (an active sliding window, an unknown activation or RoPE type) is refused.
@@ -11,17 +14,14 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
-SUPPORTED_DTYPES = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
+SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")  # torch's names
 # Checkpoints name dtypes loosely; these are the spellings seen in the wild.
 _DTYPE_ALIASES = {
     "fp32": "float32",
@@ -61,13 +61,14 @@ class ModelConfig:
     mlp_bias: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    dtype: torch.dtype = torch.float32
+    dtype: str = "float32"  # the weights' dtype, by name; given a torch.dtype, its name is kept
     source: str = "<in code>"  # where the config came from, for error messages
     # The whole parsed config.json, for fields kvmesh does not model.
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
         where = self.source
+        object.__setattr__(self, "dtype", dtype_name(self.dtype, where))
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise ModelConfigError(
                 f"{where}: architecture {self.architecture!r} is not supported; "
@@ -101,16 +102,19 @@ class ModelConfig:
             )
         if not self.rope_theta > 0:
             raise ModelConfigError(f"{where}: rope_theta must be positive, got {self.rope_theta!r}")
-        if self.dtype not in SUPPORTED_DTYPES.values():
-            raise ModelConfigError(
-                f"{where}: dtype {self.dtype} is not supported; use one of {', '.join(SUPPORTED_DTYPES)}"
-            )
         for token_id in (self.bos_token_id, *self.eos_token_ids):
             if token_id is not None and not 0 <= token_id < self.vocab_size:
                 raise ModelConfigError(
                     f"{where}: special token id {token_id} is outside the vocabulary (size {self.vocab_size})"
                 )
         _validate_rope_scaling(self.rope_scaling, where)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The weights' dtype as a torch dtype (imports torch)."""
+        import torch
+
+        return getattr(torch, self.dtype)
 
     @property
     def rope_type(self) -> str:
@@ -148,22 +152,30 @@ class ModelConfig:
         return _from_hf_dict(raw, str(path))
 
 
-def parse_dtype(
-    value: str | torch.dtype | None, source: str, default: torch.dtype = torch.float32
-) -> torch.dtype:
-    """Map a checkpoint's dtype spelling ("bfloat16", "torch.float16", "bf16", ...) to a torch dtype."""
+def dtype_name(value: object, source: str, default: str = "float32") -> str:
+    """A checkpoint's or a caller's dtype spelling ("bfloat16", "torch.float16", "bf16", a
+    torch.dtype, ...) as torch's name of it; ``default`` for None. Torch-free."""
     if value is None:
         return default
-    if isinstance(value, torch.dtype):
-        name = str(value).removeprefix("torch.")
-    else:
-        name = str(value).removeprefix("torch.")
+    name = str(value).removeprefix("torch.")
     name = _DTYPE_ALIASES.get(name, name)
     if name not in SUPPORTED_DTYPES:
         raise ModelConfigError(
             f"{source}: dtype {value!r} is not supported; use one of {', '.join(SUPPORTED_DTYPES)}"
         )
-    return SUPPORTED_DTYPES[name]
+    return name
+
+
+def parse_dtype(
+    value: str | torch.dtype | None, source: str, default: torch.dtype | None = None
+) -> torch.dtype:
+    """Map a dtype spelling (as ``dtype_name`` takes it) to a torch dtype; ``default`` (float32
+    unless given) for None."""
+    import torch
+
+    if value is None:
+        return torch.float32 if default is None else default
+    return getattr(torch, dtype_name(value, source))
 
 
 def _validate_rope_scaling(scaling: Mapping[str, Any] | None, where: str) -> None:
@@ -255,7 +267,7 @@ def _from_hf_dict(raw: Mapping[str, Any], source: str) -> ModelConfig:
         mlp_bias=bool(raw.get("mlp_bias", False)),
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=eos_ids,
-        dtype=parse_dtype(raw.get("dtype", raw.get("torch_dtype")), source),
+        dtype=dtype_name(raw.get("dtype", raw.get("torch_dtype")), source),
         source=source,
         extra=dict(raw),
     )

@@ -61,7 +61,7 @@ def kv_cache_spec(
         num_kv_heads=config.num_key_value_heads,
         head_dim=config.head_dim,
         block_size=block_size,
-        dtype=config.dtype if dtype is None else dtype,
+        dtype=config.torch_dtype if dtype is None else dtype,
     )
 
 

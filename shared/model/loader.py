@@ -8,7 +8,6 @@ projections here, so the model file stays free of checkpoint naming.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import re
@@ -17,20 +16,17 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import torch
+from kvmesh.shared.model.checkpoint_info import ModelLoadError, load_config_and_tokenizer
 from kvmesh.shared.model.config import ModelConfig, ModelConfigError, parse_dtype
 from kvmesh.shared.model.llama import Transformer
-from kvmesh.shared.model.tiny import TINY_NAME, tiny_config, tiny_state_dict, tiny_tokenizer
-from kvmesh.shared.tokenizer import Tokenizer, TokenizerError
+from kvmesh.shared.model.tiny import TINY_NAME, tiny_state_dict
+from kvmesh.shared.tokenizer import Tokenizer
 from safetensors import safe_open
 
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 # Tensors some exporters leave in checkpoints that carry nothing kvmesh needs.
 _HARMLESS_EXTRA = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
-
-
-class ModelLoadError(ValueError):
-    """A checkpoint that cannot be loaded; the message names the file and what is wrong."""
 
 
 def load_model(
@@ -127,7 +123,7 @@ def build_model(
         )
 
     with torch.device("meta"):
-        model = Transformer(config).to(dtype=config.dtype)
+        model = Transformer(config).to(dtype=config.torch_dtype)
     # model.to_empty(device=device), keeping each tensor's strides (Linear's are column-major),
     # without torch's meta empty_like: a Python reference that imports sympy (seconds of start-up)
     model._apply(lambda t: torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=device))
@@ -166,49 +162,6 @@ def _is_harmless_extra(name: str, config: ModelConfig) -> bool:
     return bool(_HARMLESS_EXTRA.search(name)) or (
         config.tie_word_embeddings and name == "lm_head.weight"
     )
-
-
-def load_config_and_tokenizer(
-    name_or_path: str = TINY_NAME, dtype: torch.dtype | None = None
-) -> tuple[ModelConfig, Tokenizer]:
-    """The model's config and tokenizer without reading any weights (what the router needs).
-    EOS ids merge config.json, generation_config.json and the tokenizer's own."""
-    if name_or_path == TINY_NAME:
-        return tiny_config(dtype or torch.float32), tiny_tokenizer()
-    directory = Path(name_or_path)
-    if not directory.is_dir():
-        raise ModelLoadError(
-            f"{directory}: no such checkpoint directory; kvmesh loads only local Hugging Face checkpoints "
-            f"(a directory with config.json and *.safetensors) or {TINY_NAME!r}, and downloads nothing"
-        )
-    config_path = directory / "config.json"
-    if not config_path.is_file():
-        raise ModelLoadError(
-            f"{config_path}: file not found; a checkpoint directory needs config.json"
-        )
-    try:
-        config = ModelConfig.from_file(config_path)
-    except ModelConfigError as e:
-        raise ModelLoadError(str(e)) from None
-    eos_ids = set(config.eos_token_ids) | _generation_eos_ids(directory / "generation_config.json")
-    try:
-        tokenizer = Tokenizer.from_pretrained(directory, extra_eos_token_ids=eos_ids)
-    except TokenizerError as e:
-        raise ModelLoadError(str(e)) from None
-    if tokenizer.vocab_size > config.vocab_size:
-        raise ModelLoadError(
-            f"{directory / 'tokenizer.json'}: the tokenizer has {tokenizer.vocab_size} tokens but "
-            f"config.json's vocab_size is {config.vocab_size}; the tokenizer belongs to another model"
-        )
-    config = dataclasses.replace(
-        config,
-        dtype=dtype or config.dtype,
-        eos_token_ids=tuple(sorted(eos_ids | tokenizer.eos_token_ids)),
-        bos_token_id=config.bos_token_id
-        if config.bos_token_id is not None
-        else tokenizer.bos_token_id,
-    )
-    return config, tokenizer
 
 
 def _load_hf_checkpoint(
@@ -267,15 +220,3 @@ def _open_safetensors(path: Path):
         return safe_open(str(path), framework="pt", device="cpu")
     except Exception as e:  # safetensors raises SafetensorError / OSError with terse messages
         raise ModelLoadError(f"{path}: cannot read safetensors file: {e}") from None
-
-
-def _generation_eos_ids(path: Path) -> set[int]:
-    if not path.is_file():
-        return set()
-    try:
-        eos = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
-    except (json.JSONDecodeError, AttributeError) as e:
-        raise ModelLoadError(f"{path}: invalid JSON: {e}") from None
-    if eos is None:
-        return set()
-    return set(eos) if isinstance(eos, list) else {int(eos)}

@@ -8,9 +8,13 @@ deterministic noise, which is what tests and benchmarks of the serving system ne
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
 from kvmesh.shared.model.config import ModelConfig
 from kvmesh.shared.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    import torch
 
 TINY_NAME = "kvmesh-tiny"
 TINY_SEED = 20240611
@@ -27,7 +31,7 @@ TINY_CHAT_TEMPLATE = (
 )
 
 
-def tiny_config(dtype: torch.dtype = torch.float32) -> ModelConfig:
+def tiny_config(dtype: torch.dtype | str = "float32") -> ModelConfig:
     """hidden 256, 4 layers, 4 heads / 2 KV heads of 64, vocab 256 bytes + 6 specials."""
     return ModelConfig(
         architecture="LlamaForCausalLM",
@@ -63,6 +67,8 @@ def tiny_state_dict(
     config: ModelConfig | None = None, seed: int = TINY_SEED
 ) -> dict[str, torch.Tensor]:
     """float32 weights under Hugging Face Llama tensor names, identical on every call and machine."""
+    import torch
+
     config = config or tiny_config()
     gen = torch.Generator(device="cpu").manual_seed(seed)
     h, inter = config.hidden_size, config.intermediate_size
