@@ -82,25 +82,24 @@ async def ensure_stream(nc: Client, s: Subjects) -> bool:
             "(start nats-server with -js, as `kvmesh up` and docker-compose do)"
         ) from exc
     else:
-        return await _scale_up(nc, s, int(info.config.num_replicas or 1), wanted[0])
+        return await _scale_up(nc, s, info, wanted[0])
     for replicas in wanted:
         try:
             await js.add_stream(stream_config(s, replicas))
             return replicas == wanted[0]
         except nats.js.errors.BadRequestError as exc:  # created concurrently, or too few peers
             with contextlib.suppress(nats.js.errors.NotFoundError):
-                info = await js.stream_info(s.PREFILL_STREAM)
-                return int(info.config.num_replicas or 1) >= wanted[0]
+                return await _scale_up(nc, s, await js.stream_info(s.PREFILL_STREAM), wanted[0])
             error = exc
         except nats.js.errors.ServiceUnavailableError as exc:  # JetStream (cluster) not ready
             error = exc
     raise PrefillQueueError(f"cannot create JetStream stream {s.PREFILL_STREAM}: {error}")
 
 
-async def _scale_up(nc: Client, s: Subjects, replicas: int, wanted: int) -> bool:
+async def _scale_up(nc: Client, s: Subjects, info: api.StreamInfo, wanted: int) -> bool:
     """Raise an existing stream's replicas to ``wanted``; False while the cluster cannot place
     them ("no suitable peers for placement", no JetStream leader yet: tried again later)."""
-    if replicas >= wanted:
+    if int(info.config.num_replicas or 1) >= wanted:
         return True
     try:
         await nc.jetstream().update_stream(stream_config(s, wanted))

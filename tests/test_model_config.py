@@ -1,3 +1,4 @@
+import dataclasses
 import json
 
 import pytest
@@ -81,6 +82,8 @@ def test_dtype_is_read_from_either_key():
     assert parse(torch_dtype="bf16").dtype == "bfloat16"  # the spellings seen in the wild
     with pytest.raises(ModelConfigError, match="float8"):
         parse(dtype="float8_e4m3fn")
+    with pytest.raises(ModelConfigError, match="dtype None is not supported"):
+        dataclasses.replace(parse(), dtype=None)  # only a checkpoint naming none means float32
 
 
 def test_active_mistral_sliding_window_is_refused():

@@ -152,11 +152,9 @@ class ModelConfig:
         return _from_hf_dict(raw, str(path))
 
 
-def dtype_name(value: object, source: str, default: str = "float32") -> str:
+def dtype_name(value: object, source: str) -> str:
     """A checkpoint's or a caller's dtype spelling ("bfloat16", "torch.float16", "bf16", a
-    torch.dtype, ...) as torch's name of it; ``default`` for None. Torch-free."""
-    if value is None:
-        return default
+    torch.dtype, ...) as torch's name of it. Torch-free."""
     name = str(value).removeprefix("torch.")
     name = _DTYPE_ALIASES.get(name, name)
     if name not in SUPPORTED_DTYPES:
@@ -267,10 +265,16 @@ def _from_hf_dict(raw: Mapping[str, Any], source: str) -> ModelConfig:
         mlp_bias=bool(raw.get("mlp_bias", False)),
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=eos_ids,
-        dtype=dtype_name(raw.get("dtype", raw.get("torch_dtype")), source),
+        dtype=_checkpoint_dtype(raw, source),
         source=source,
         extra=dict(raw),
     )
+
+
+def _checkpoint_dtype(raw: Mapping[str, Any], source: str) -> str:
+    """config.json's ``dtype`` (transformers v5) or ``torch_dtype`` (v4); float32 without."""
+    value = raw.get("dtype", raw.get("torch_dtype"))
+    return "float32" if value is None else dtype_name(value, source)
 
 
 def _parse_rope(
