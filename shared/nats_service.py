@@ -293,6 +293,23 @@ async def read_worker_control(req: Request) -> str | None:
     return action
 
 
+async def answer_worker_control(
+    nc: Client, subjects: Subjects, req: Request, heartbeat: protocol.WorkerHeartbeat
+) -> None:
+    """Announce a worker's new state at once, then answer the ``WorkerControl`` request with it.
+
+    The heartbeat is published first: the router and registry see a drain or resume now, not at
+    the next tick of the heartbeat loop (a router that heard one prefill worker's drain but not
+    yet the other's resume would count none ready and prefill on the decode worker). Whoever
+    hears both on one connection hears the heartbeat before the answer."""
+    data = protocol.encode_message(heartbeat)
+    try:
+        await nc.publish(subjects.heartbeat(heartbeat.role, heartbeat.worker_id), data)
+    except nats.errors.Error as exc:  # reconnecting: the heartbeat loop says it next tick
+        log.debug("control heartbeat not sent", error=str(exc))
+    await req.respond(data)
+
+
 @contextlib.asynccontextmanager
 async def worker_presence(
     nc: Client,

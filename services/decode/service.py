@@ -41,6 +41,7 @@ from kvmesh.shared.kv_store_prefix import PrefixReader
 from kvmesh.shared.model.config import parse_dtype
 from kvmesh.shared.model.loader import load_model
 from kvmesh.shared.nats_service import (
+    answer_worker_control,
     background,
     connect_nats,
     new_worker_id,
@@ -293,7 +294,7 @@ class DecodeService:
         self.worker.is_draining = action == "drain"
         log.info("worker control", action=action)
         await self.advertise()
-        await req.respond(encode_message(self.heartbeat()))
+        await answer_worker_control(self.nc, self.config.subjects, req, self.heartbeat())
 
     async def on_abort(self, msg: Abort) -> None:
         with logs.request_context(msg.request_id):

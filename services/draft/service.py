@@ -30,6 +30,7 @@ from kvmesh.services.draft.metrics import DraftMetrics
 from kvmesh.services.draft.prompt_kv_receiver import PromptKvReceiver, target_kv_spec
 from kvmesh.shared import logs
 from kvmesh.shared.nats_service import (
+    answer_worker_control,
     background,
     connect_nats,
     flush_to_server,
@@ -153,7 +154,7 @@ class DraftService:
         self.is_draining = action == "drain"
         await (self.leave_queue() if self.is_draining else self.join_queue())
         log.warning(f"worker control: {action}", worker_id=self.core.worker_id)
-        await req.respond(encode_message(self.heartbeat()))
+        await answer_worker_control(self.nc, self.config.subjects, req, self.heartbeat())
 
     async def draft_loop(self) -> None:
         """Draft every sequence whose context changed, a batch at a time (a task body)."""

@@ -31,6 +31,7 @@ from kvmesh.shared.kv_store_client import KvStoreClient
 from kvmesh.shared.model.config import parse_dtype
 from kvmesh.shared.model.loader import load_model
 from kvmesh.shared.nats_service import (
+    answer_worker_control,
     background,
     connect_nats,
     new_worker_id,
@@ -240,7 +241,7 @@ class PrefillService:
             return
         self.is_draining = action == "drain"
         log.warning(f"worker control: {action}", worker_id=self.worker.worker_id)
-        await req.respond(encode_message(self.heartbeat()))
+        await answer_worker_control(self.nc, self.config.subjects, req, self.heartbeat())
 
     async def on_abort(self, abort: Abort) -> None:
         await self.worker.abort(abort.request_id, abort.reason)

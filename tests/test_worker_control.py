@@ -1,0 +1,60 @@
+"""A worker answers ``kvmesh admin drain|resume`` after announcing its new state on its heartbeat
+subject (``answer_worker_control``), against a real nats-server: the router's worker pool must not
+wait for the next heartbeat tick to learn it (a router that heard one prefill worker's drain but
+not yet another's resume counted none ready and prefilled on the decode worker)."""
+
+from __future__ import annotations
+
+import time
+
+import nats.micro
+from kvmesh.shared import protocol
+from kvmesh.shared.nats_service import (
+    answer_worker_control,
+    connect_nats,
+    read_worker_control,
+)
+from kvmesh.shared.subjects import Subjects
+
+SUBJECTS = Subjects("kvmesh-tiny")
+
+
+async def test_the_new_state_is_heard_on_the_heartbeat_subject_before_the_answer(
+    nats_server: str,
+) -> None:
+    state = {"state": "ready"}
+
+    def heartbeat() -> protocol.WorkerHeartbeat:
+        return protocol.WorkerHeartbeat("prefill-1", "prefill", state["state"], sent_at=time.time())
+
+    async def on_control(req) -> None:
+        action = await read_worker_control(req)
+        if action is None:
+            return
+        state["state"] = "draining" if action == "drain" else "ready"
+        await answer_worker_control(nc_worker, SUBJECTS, req, heartbeat())
+
+    async with (
+        connect_nats(nats_server, "worker") as nc_worker,
+        connect_nats(nats_server, "router") as nc,
+    ):
+        svc = await nats.micro.add_service(nc_worker, name="kvmesh-prefill", version="0.0.0")
+        await svc.add_endpoint(
+            name="control", subject=SUBJECTS.worker_control("prefill-1"), handler=on_control
+        )
+        await nc_worker.flush()
+        # no heartbeat loop runs: only the control answer can have published one
+        beats = await nc.subscribe(SUBJECTS.heartbeat("prefill", "prefill-1"))
+        for action, expected in (("drain", "draining"), ("resume", "ready")):
+            control = protocol.encode_message(protocol.WorkerControl(action))
+            msg = await nc.request(SUBJECTS.worker_control("prefill-1"), control, timeout=5)
+            answer = protocol.decode_message(msg.data, protocol.WorkerHeartbeat)
+            assert answer.state == expected
+            # one connection hears messages in the order the server sent them: already queued
+            beat = await beats.next_msg(timeout=0.05)
+            assert protocol.decode_message(beat.data, protocol.WorkerHeartbeat).state == expected
+        bad = protocol.encode_message(protocol.WorkerControl("pause"))
+        msg = await nc.request(SUBJECTS.worker_control("prefill-1"), bad, timeout=5)
+        assert msg.headers and msg.headers.get("Nats-Service-Error-Code") == "400"
+        assert beats.pending_msgs == 0  # a refused control changes nothing, so announces nothing
+        await svc.stop()
