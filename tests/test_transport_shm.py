@@ -76,15 +76,22 @@ async def test_start_sweeps_segments_left_by_dead_processes() -> None:
     proc.wait()
     stale = os.path.join(SHM_DIR, f"kvmesh-{proc.pid}-deadbeef-0")
     live = os.path.join(SHM_DIR, f"kvmesh-{os.getpid()}-deadbeef-0")
-    for path in (stale, live):
+    # another user's: not ours to judge (its pid may be in another pid namespace) or remove
+    theirs = os.path.join(SHM_DIR, f"kvmesh-{proc.pid}-deadbeef-1")
+    for path in (stale, live, theirs):
         with open(path, "wb") as f:
             f.write(b"x")
+    if os.geteuid() == 0:
+        os.chown(theirs, 65534, 65534)
+    else:
+        os.unlink(theirs)
     try:
         async with ShmTransport(TransportConfig()):
             assert not os.path.exists(stale)
             assert os.path.exists(live)
+            assert os.path.exists(theirs) == (os.geteuid() == 0)
     finally:
-        for path in (stale, live):
+        for path in (stale, live, theirs):
             if os.path.exists(path):
                 os.unlink(path)
 

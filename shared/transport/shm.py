@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from kvmesh.shared.stale_dirs import make_owned_dir, owner_is_dead
+from kvmesh.shared.stale_dirs import make_owned_dir, sweep_dead_owner_files
 from kvmesh.shared.transport.base import (
     Access,
     Buffer,
@@ -149,19 +149,9 @@ def _reason_name(code: int) -> str:
 
 
 def sweep_stale_segments() -> list[str]:
-    """Unlink segments of kvmesh processes that died without closing (SIGKILL, OOM): their pools
-    would otherwise pin host memory until reboot. Names carry the creator's pid."""
-    removed = []
-    for name in os.listdir(SHM_DIR):
-        parts = name.split("-")
-        if len(parts) < 3 or parts[0] != "kvmesh" or not parts[1].isdigit():
-            continue
-        if not owner_is_dead(parts[1]):
-            continue
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(os.path.join(SHM_DIR, name))
-            removed.append(name)
-    return removed
+    """Unlink this user's segments of kvmesh processes that died without closing (SIGKILL, OOM):
+    their pools would otherwise pin host memory until reboot. Names carry the creator's pid."""
+    return sweep_dead_owner_files(SHM_DIR, "kvmesh-")
 
 
 def _close_mapping(mm: mmap.mmap) -> None:
