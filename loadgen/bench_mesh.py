@@ -118,6 +118,7 @@ class MeshTap:
         self.reports: dict[str, Any] = {}  # request id -> PrefillReport
         self.prefill_done: dict[str, Any] = {}  # request id -> PrefillDone
         self._events: dict[str, asyncio.Event] = defaultdict(asyncio.Event)
+        self._answered: dict[str, asyncio.Event] = defaultdict(asyncio.Event)  # by reply id
 
     async def __aenter__(self) -> MeshTap:
         from kvmesh.shared import protocol
@@ -135,6 +136,7 @@ class MeshTap:
             if event.finish_reason is not None:
                 self.finished[event.request_id] = event
                 self._events[event.request_id].set()
+                self._answered[attempt_of(event.request_id)[0]].set()
 
         async def on_report(msg: Any) -> None:
             report = protocol.decode_message(msg.data, protocol.PrefillReport)
@@ -155,8 +157,54 @@ class MeshTap:
         await self._stack.aclose()
 
     async def wait_finished(self, request_id: str, timeout_s: float = 30.0) -> Any:
+        """The final TokenEvent of the wire id ``request_id`` (one attempt), once it comes."""
         await asyncio.wait_for(self._events[request_id].wait(), timeout_s)
         return self.finished[request_id]
+
+    def attempts(self, reply_id: str) -> list[str]:
+        """The wire ids heard of the request the router answered as ``reply_id``, in attempt
+        order: the reply id, then its retries (``-rN``, before a first token) and migrations
+        (``-mN``, the rest of the stream on another decode worker)."""
+        ids = {*self.tokens, *self.finished}
+        mine = [w for w in ids if attempt_of(w)[0] == reply_id]
+        return sorted(mine, key=lambda w: attempt_of(w)[1])
+
+    async def wait_answered(self, reply_id: str, timeout_s: float = 30.0) -> tuple[Any, list[int]]:
+        """The final TokenEvent of the request answered as ``reply_id`` and all its tokens, once
+        its last attempt finished (``answer``): the router retries and migrates under new wire
+        ids, so a reply's stream may end on one of those rather than on its own id. For a
+        request the router answered with its tokens (a 200)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while (answer := self.answer(reply_id)) is None:
+            answered = self._answered[reply_id]
+            answered.clear()
+            left = deadline - loop.time()
+            if left <= 0:
+                raise TimeoutError(f"no finish heard for {reply_id}: {self.attempts(reply_id)}")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(answered.wait(), min(left, 0.5))
+        return answer
+
+    def answer(self, reply_id: str) -> tuple[Any, list[int]] | None:
+        """``wait_answered``'s result if the last attempt heard of ``reply_id`` has finished as
+        an answered request does ("stop" or "length"): an attempt the router gave up ends in
+        "abort" or "error", and the next attempt's first event may come after that."""
+        attempts = self.attempts(reply_id)
+        if not attempts or attempts[-1] not in self.finished:
+            return None
+        if self.finished[attempts[-1]].finish_reason not in ("stop", "length"):
+            return None
+        return self.finished[attempts[-1]], [t for w in attempts for t in self.tokens[w]]
+
+
+def attempt_of(wire_id: str) -> tuple[str, int]:
+    """``(reply id, attempt number)`` of a router wire id: ``X`` is attempt 0 of ``X``,
+    ``X-r2`` and ``X-m2`` attempt 2 (services/router/dispatch.py numbers them in one sequence)."""
+    base, sep, suffix = wire_id.rpartition("-")
+    if sep and suffix[:1] in ("r", "m") and suffix[1:].isdigit():
+        return base, int(suffix[1:])
+    return wire_id, 0
 
 
 async def complete(

@@ -87,10 +87,8 @@ async def _load_then_kill(launcher, prompts, victim: str, delay_s: float):
         _kill(launcher, victim)
         bodies = await asyncio.wait_for(asyncio.gather(*tasks), 60)
         elapsed = time.monotonic() - started
-        tokens = []
-        for body in bodies:  # the last attempt's wire id carries the tokens
-            ids = [k for k in tap.tokens if k == body["id"] or k.startswith(body["id"] + "-r")]
-            tokens.append(tap.tokens[max(ids, key=len)])
+        # across the wire ids of each request's attempts (retries, migrations)
+        tokens = [(await tap.wait_answered(body["id"]))[1] for body in bodies]
     return bodies, tokens, elapsed
 
 

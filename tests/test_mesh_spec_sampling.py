@@ -212,9 +212,8 @@ async def sample(mesh: Any, seeds: Sequence[int]) -> dict[int, list[int]]:
         aiohttp.ClientSession() as session,
     ):
         replies = await asyncio.gather(*(one(session, s) for s in seeds))
-        for reply in replies:
-            await tap.wait_finished(reply["id"])
-    return {s: tap.tokens[r["id"]] for s, r in zip(seeds, replies, strict=True)}
+        answers = [await tap.wait_answered(reply["id"]) for reply in replies]
+    return {s: tokens for s, (_, tokens) in zip(seeds, answers, strict=True)}
 
 
 def chi_square_p(table: TargetTable, outputs: Sequence[list[int]], position: int) -> float:

@@ -512,8 +512,8 @@ async def _greedy_tokens(nats_url: str, err: Path, mesh: str, port: int, model: 
         aiohttp.ClientSession() as session,
     ):
         reply = await complete(session, f"http://127.0.0.1:{port}", prompt, 6, model=model)
-        await tap.wait_finished(reply["id"])
-        return tap.tokens[reply["id"]]
+        _, tokens = await tap.wait_answered(reply["id"])
+        return tokens
 
 
 @pytest.mark.slow
