@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import signal
 import ssl
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -29,6 +30,7 @@ import nats
 import nats.micro
 import orjson
 from kvmesh.shared import logs, protocol
+from kvmesh.shared.hearing import Hearing
 from kvmesh.shared.metrics_exporter import serve_metrics
 from kvmesh.shared.nats_auth import ADMIN, PASSWORD_FILE_ENV, USER_ENV, NatsAuth, auth_from_env
 from kvmesh.shared.nats_options import (
@@ -75,8 +77,11 @@ async def connect_nats(
     reconnect_time_wait_s: float = 0.5,
     auth: NatsAuth | None = None,
     security: NatsSecurity | None = None,
+    hearing: Hearing | None = None,
 ) -> AsyncIterator[Client]:
     """Connect (retrying for ``connect_wait_s``), reconnect forever after, drain on exit.
+    ``hearing``: told of every disconnect and reconnect (shared/hearing.py), so that the
+    service's liveness checks do not count an outage as its peers' silence.
     ``auth``: user and password; default those in the environment (shared/nats_auth.py), none
     on an open server. ``security``: a credentials file and TLS (shared/nats_options.py); a
     token or user:password in ``url`` works too. Logs and errors show ``url`` redacted."""
@@ -104,9 +109,13 @@ async def connect_nats(
     async def on_disconnected() -> None:
         if closing or nc.is_closed:
             return
+        if hearing is not None:
+            hearing.on_disconnected()
         log.warning("nats disconnected, reconnecting", name=name, url=shown)
 
     async def on_reconnected() -> None:
+        if hearing is not None:
+            hearing.on_reconnected(time.monotonic())
         log.info("nats reconnected", name=name, url=shown)
 
     nc = Client()

@@ -53,6 +53,7 @@ class FakeMesh:
     # (a migrated stream: prompt + output so far) gets the reply from its n-th token on
     continue_reply: bool = False
     lose_token: int = 0  # > 0: the first placement's event of this token (1-based) is lost
+    unanswered_places: int = 0  # the first this many placements get no reply (a registry died)
     places: list[PlaceRequest] = field(default_factory=list)
     jobs: list[PrefillJob] = field(default_factory=list)
     aborts: list[Abort] = field(default_factory=list)
@@ -111,6 +112,8 @@ class FakeMesh:
     async def _on_place(self, msg) -> None:
         place = protocol.decode_message(msg.data, PlaceRequest)
         self.places.append(place)
+        if len(self.places) <= self.unanswered_places:
+            return
         overloaded = self.retry_after_s > 0 and (
             self.overloaded_places < 0 or len(self.places) <= self.overloaded_places
         )

@@ -238,3 +238,24 @@ def test_worker_slower_than_the_timeout_stops_flapping_once_it_returns() -> None
     for now in (3.0, 4.0, 5.9):
         assert registry.expire(now=now) == ([], [])
     assert registry.expire(now=8.1) == (["router-0"], [])  # 3 x 2 s of silence
+
+
+def test_a_nats_outage_drops_nobody_and_teaches_no_interval() -> None:
+    from kvmesh.services.kv_registry.stores import StoreTable
+    from kvmesh.shared.hearing import Hearing
+
+    hearing = Hearing(connected_since=0.0)
+    registry = RegistryState(worker_timeout_s=3.0, hearing=hearing)
+    stores = StoreTable(3.0, hearing=hearing)
+    registry.observe_advert(advert("a"), now=1.0)
+    registry.observe_advert(advert("b"), now=1.0)
+    hearing.on_disconnected()  # the nats-server restarts: 10 s without a message
+    assert registry.expire(now=11.0) == ([], [])
+    assert stores.expire(now=11.0) == []
+    hearing.on_reconnected(11.0)
+    assert registry.expire(now=13.9) == ([], [])  # 2.9 s heard since the reconnect
+    registry.observe_advert(advert("a"), now=12.0)  # "a" is back; "b" died in the outage
+    assert registry.expire(now=14.1) == (["b"], [])  # a whole timeout of silence since then
+    # the outage is no interval of "a"'s: it is dropped 3 s after it falls silent, not 30 s
+    assert registry.expire(now=14.9) == ([], [])
+    assert registry.expire(now=15.1) == (["a"], [])

@@ -103,3 +103,45 @@ async def test_silence_after_a_nats_restart_runs_the_request_again(nats_server_p
     assert again.request_id == f"{first.request_id}-r1"
     assert [a.request_id for a in mesh.aborts] == [first.request_id]
     assert "NATS reconnected" in mesh.aborts[0].reason
+
+
+async def test_a_placement_the_registry_never_answers_is_asked_again_under_a_new_id(nats_server):
+    # the registry died holding the first placement: no reply ever comes
+    mesh = FakeMesh(nats_server, unanswered_places=1)
+    async with router_on(nats_server, mesh, place_timeout_s=0.5) as http:
+        started = time.monotonic()
+        resp = await http.post(
+            "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 5}
+        )
+        body = await resp.json()
+        took = time.monotonic() - started
+        await mesh.wait_for_abort()
+    assert resp.status == 200 and body["choices"][0]["text"] == REPLY_TEXT[:5]
+    assert took < 5  # one place timeout, then the next registry
+    first, again = mesh.places
+    assert again.request_id == f"{first.request_id}-r1"
+    # the lost placement may have reserved blocks: its wire id is aborted
+    assert [(a.request_id, a.reason) for a in mesh.aborts] == [
+        (first.request_id, "placement lost")
+    ]
+
+
+async def test_a_request_sent_while_nats_is_down_waits_and_is_served_once_it_is_back(
+    nats_server_process,
+):
+    server = nats_server_process
+    mesh = FakeMesh(server.url)
+    async with router_on(server.url, mesh, place_timeout_s=1.0) as http:
+        await asyncio.to_thread(server.stop)
+        request = asyncio.create_task(
+            http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 5})
+        )
+        await asyncio.sleep(3.5)  # longer than the worker liveness (3 s) and the place timeout
+        assert not request.done()
+        await asyncio.to_thread(server.start)  # the same port
+        resp = await asyncio.wait_for(request, 30)
+        body = await resp.json()
+    assert resp.status == 200, body
+    assert body["choices"][0]["text"] == REPLY_TEXT[:5]
+    # nothing was sent into the outage: the one placement came after the reconnect
+    assert len(mesh.places) == 1 and mesh.aborts == []

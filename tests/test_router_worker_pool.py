@@ -27,3 +27,17 @@ def test_draining_workers_are_alive_but_not_ready_and_gone_ones_are_neither():
     pool.on_heartbeat("p0", "draining", 10.5)
     pool.on_gone("p1")
     assert pool.num_alive(11.0) == 1 and pool.num_ready(11.0) == 0
+
+
+def test_an_outage_kills_nobody_and_silence_counts_again_from_the_reconnect():
+    from kvmesh.shared.hearing import Hearing
+
+    hearing = Hearing(connected_since=0.0)
+    pool = WorkerPool(liveness_s=3.0, started_at=0.0, hearing=hearing)
+    pool.on_heartbeat("d0", "ready", 10.0)
+    hearing.on_disconnected()  # NATS goes at 10.5 s, for 10 s
+    assert pool.num_ready(20.0) == 1
+    hearing.on_reconnected(20.5)
+    assert pool.num_ready(23.0) == 1  # 2.5 s heard since the reconnect: not gone yet
+    assert not pool.is_known(21.0) and pool.is_known(23.6)
+    assert pool.num_alive(23.6) == 0  # a whole window of silence heard: gone

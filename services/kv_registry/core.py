@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from kvmesh.services.kv_registry.prefix_index import PrefixIndex
 from kvmesh.services.kv_registry.prefix_reach import PrefixReach, prefix_reach, prefix_score
 from kvmesh.services.kv_registry.stores import StoreTable
+from kvmesh.shared.hearing import Hearing
 from kvmesh.shared.protocol import (
     DecodeAdvert,
     KvCacheDigest,
@@ -129,17 +130,19 @@ class LeaseCounters:
     dropped: int = 0  # their worker died
 
 
-def _seen(entry: DecodeWorkerView | PeerWorker, now: float) -> None:
+def _seen(entry: DecodeWorkerView | PeerWorker, now: float, hearing: Hearing) -> None:
     """Refresh last-seen and learn the worker's interval: a router heartbeating every 2 s must not
-    be declared dead by a registry that expects 1 s."""
-    entry.interval_s = max(now - entry.last_seen, 0.9 * entry.interval_s)
+    be declared dead by a registry that expects 1 s. A gap the registry could not hear (a NATS
+    outage) teaches nothing: only the part since the reconnect counts."""
+    entry.interval_s = max(hearing.silence(entry.last_seen, now), 0.9 * entry.interval_s)
     entry.last_seen = now
 
 
 @dataclass(slots=True)
 class RegistryState:
     """``worker_timeout_s`` = missed heartbeats x the expected interval; a worker observed to
-    publish more slowly gets missed heartbeats x its own interval instead."""
+    publish more slowly gets missed heartbeats x its own interval instead. Silence counts only
+    while the registry is connected (``hearing``): a NATS outage kills nobody."""
 
     worker_timeout_s: float
     missed_heartbeats: int = 3
@@ -159,6 +162,7 @@ class RegistryState:
     local_max_suffix_tokens: int = 512
     prefix_index: PrefixIndex = field(default_factory=PrefixIndex)
     stores: StoreTable | None = None  # the kv-stores and what they hold (stores.py)
+    hearing: Hearing = field(default_factory=Hearing)  # the registry's link to NATS
 
     # --- what the workers tell us ---------------------------------------------------------------
 
@@ -172,7 +176,7 @@ class RegistryState:
             )
             return True
         worker.advert = advert
-        _seen(worker, now)
+        _seen(worker, now, self.hearing)
         worker.reserved_since_advert = 0  # the advert counts every reservation replied before it
         if advert.state == "ready":
             worker.is_draining = False  # the worker says it resumed (or never drained)
@@ -181,7 +185,7 @@ class RegistryState:
     def observe_heartbeat(self, heartbeat: WorkerHeartbeat, now: float) -> None:
         worker = self.decode.get(heartbeat.worker_id)
         if worker is not None:
-            _seen(worker, now)
+            _seen(worker, now, self.hearing)
             return
         peer = self.peers.get(heartbeat.worker_id)
         if peer is None:
@@ -192,7 +196,7 @@ class RegistryState:
             )
         else:
             peer.heartbeat = heartbeat
-            _seen(peer, now)
+            _seen(peer, now, self.hearing)
 
     def observe_cache_events(self, msg: KvCacheEvents) -> bool:
         """A decode worker's prefix cache changes; False (ignored) for a worker not known by
@@ -250,7 +254,7 @@ class RegistryState:
         return max(self.worker_timeout_s, self.missed_heartbeats * entry.interval_s)
 
     def _is_alive(self, entry: DecodeWorkerView | PeerWorker, now: float) -> bool:
-        return now - entry.last_seen <= self.timeout_of(entry)
+        return self.hearing.silence(entry.last_seen, now) <= self.timeout_of(entry)
 
     # --- placement ------------------------------------------------------------------------------
 

@@ -26,6 +26,7 @@ from kvmesh.services.kv_registry.placement import Placement
 from kvmesh.services.kv_registry.prefix_index import PrefixIndex
 from kvmesh.services.kv_registry.stores import StoreTable
 from kvmesh.shared import logs, protocol
+from kvmesh.shared.hearing import Hearing
 from kvmesh.shared.nats_service import (
     connect_nats,
     new_worker_id,
@@ -63,7 +64,10 @@ class RegistryService:
         worker_id: str,
         subjects: Subjects,
         clock: Callable[[], float] = time.monotonic,
+        hearing: Hearing | None = None,
     ) -> None:
+        """``hearing``: the connection's outages (connect_nats tells it), so that none of them
+        counts as the workers' silence."""
         self.config = config
         self.nc = nc
         self.subjects = subjects
@@ -81,9 +85,12 @@ class RegistryService:
             load_weight=config.load_weight,
             local_max_suffix_tokens=config.local_max_suffix_tokens,
             prefix_index=PrefixIndex(config.max_cached_blocks_per_worker),
+            hearing=hearing or Hearing(),
         )
         self.stores = StoreTable(
-            config.worker_timeout_s, prefixes=PrefixIndex(config.max_cached_blocks_per_worker)
+            config.worker_timeout_s,
+            prefixes=PrefixIndex(config.max_cached_blocks_per_worker),
+            hearing=self.core.hearing,
         )
         self.core.stores = self.stores  # placement counts the prefix blocks stores hold
         self.metrics = RegistryMetrics(self.core)
@@ -207,11 +214,14 @@ async def registry_service(config: RegistryConfig) -> AsyncIterator[RegistryServ
     """Connected, subscribed and answering; stops everything on exit."""
     worker_id = config.worker_id or new_worker_id(ROLE)
     subjects = config.subjects
+    hearing = Hearing(connected_since=time.monotonic())
     async with (
-        connect_nats(config.nats_url, worker_id, security=config.nats_security) as nc,
+        connect_nats(
+            config.nats_url, worker_id, security=config.nats_security, hearing=hearing
+        ) as nc,
         asyncio.TaskGroup() as tg,
     ):
-        service = RegistryService(config, nc, tg, worker_id, subjects)
+        service = RegistryService(config, nc, tg, worker_id, subjects, hearing=hearing)
         expiry = tg.create_task(service.expiry_loop())
         try:
             async with (

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvmesh.services.kv_registry.prefix_index import PrefixIndex
+from kvmesh.shared.hearing import Hearing
 from kvmesh.shared.protocol import KvCacheDigest, KvCacheEvents, StoreAdvert
 
 
@@ -32,6 +33,7 @@ class StoreTable:
     stores: dict[str, StoreView] = field(default_factory=dict)
     # what each store holds (keyed by store id; as big as a decode worker's by default)
     prefixes: PrefixIndex = field(default_factory=PrefixIndex)
+    hearing: Hearing = field(default_factory=Hearing)  # silence counts only while connected
 
     def observe(self, advert: StoreAdvert, now: float) -> bool:
         """Record a store's advert; True for a store not known before (or restarted: new epoch)."""
@@ -76,7 +78,11 @@ class StoreTable:
 
     def expire(self, now: float) -> list[str]:
         """Drop stores silent for longer than ``timeout_s``; returns their ids."""
-        dead = [sid for sid, v in self.stores.items() if now - v.last_seen > self.timeout_s]
+        dead = [
+            sid
+            for sid, v in self.stores.items()
+            if self.hearing.silence(v.last_seen, now) > self.timeout_s
+        ]
         for sid in dead:
             del self.stores[sid]
             self.prefixes.drop_worker(sid)

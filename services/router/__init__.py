@@ -14,6 +14,7 @@ from kvmesh.services.router.app import Router, build_app, serve_http
 from kvmesh.services.router.config import RouterConfig
 from kvmesh.services.router.model_info import load_model_info
 from kvmesh.shared import logs
+from kvmesh.shared.hearing import Hearing
 from kvmesh.shared.nats_service import (
     connect_nats,
     new_worker_id,
@@ -47,13 +48,16 @@ async def serve_router(config: RouterConfig) -> AsyncIterator[RunningRouter]:
     worker_id = config.worker_id or new_worker_id("router")
     started_at = time.time()
     subjects = config.subjects
-    async with connect_nats(config.nats_url, worker_id, security=config.nats_security) as nc:
+    hearing = Hearing(connected_since=time.monotonic())
+    async with connect_nats(
+        config.nats_url, worker_id, security=config.nats_security, hearing=hearing
+    ) as nc:
         if config.mode == "disagg":
             from kvmesh.shared.prefill_queue import ensure_stream
 
             # jobs published before any prefill worker starts are kept
             await ensure_stream(nc, subjects)
-        router = Router(config=config, model=model, nc=nc, subjects=subjects)
+        router = Router(config=config, model=model, nc=nc, subjects=subjects, hearing=hearing)
         # lives as long as the connection (drained on exit)
         await nc.subscribe(subjects.REGISTRY_WORKER_GONE, cb=router.dispatcher.on_worker_gone)
         await nc.subscribe(subjects.REGISTRY_ADVERTISE, cb=router.dispatcher.on_advert)

@@ -49,6 +49,7 @@ from kvmesh.services.router.responses import (
 from kvmesh.services.router.schema import Model, ModelList
 from kvmesh.services.router.shutdown import Shutdown
 from kvmesh.shared import logs
+from kvmesh.shared.hearing import Hearing
 from kvmesh.shared.metrics_exporter import exposition
 from kvmesh.shared.service_errors import listen_error
 from kvmesh.shared.subjects import Subjects
@@ -77,10 +78,16 @@ class Router:
     num_in_flight: int = 0
     dispatcher: Dispatcher = field(init=False)
     shutdown: Shutdown = field(default_factory=Shutdown)
+    hearing: Hearing | None = None  # the NATS link's outages (shared/hearing.py)
 
     def __post_init__(self) -> None:
         self.dispatcher = Dispatcher(
-            self.nc, self.subjects, self.config, self.metrics, model_spec=self.model.spec
+            self.nc,
+            self.subjects,
+            self.config,
+            self.metrics,
+            model_spec=self.model.spec,
+            hearing=self.hearing,
         )
 
     async def stop(self, grace_s: float) -> None:

@@ -31,6 +31,7 @@ from kvmesh.services.router.metrics import RequestTimer, RouterMetrics
 from kvmesh.services.router.prompt import Prompt
 from kvmesh.services.router.worker_pool import WorkerPool
 from kvmesh.shared import protocol
+from kvmesh.shared.hearing import Hearing
 from kvmesh.shared.prefill_queue import PrefillQueueError, publish_job, withdraw_job
 from kvmesh.shared.protocol import (
     Abort,
@@ -95,7 +96,8 @@ class MeshRequest:
         self._config = config
         self._metrics = metrics
         self.response_id = request_id  # what the client sees; constant across attempts
-        self.num_attempts = 1
+        self.num_attempts = 1  # wire ids used: <id>, then <id>-r1 / -m2 ... in one sequence
+        self.num_runs_again = 0  # of them, runs again after a failure (--max-retries counts)
         self.num_events = 0  # token events of the current attempt
         self.num_accepted_drafts = 0  # of the tokens relayed, accepted drafts (all attempts)
         self.prompt = prompt  # of the current attempt: a migrated one carries the output so far
@@ -167,11 +169,12 @@ class MeshRequest:
         """Something this request depended on failed (``why``): run it again, from the start
         before its first token, else by migrating the stream; a MeshError once --max-retries
         runs are spent. Returns the final event when nothing is owed any more."""
-        if self.num_attempts > self._config.max_retries:
+        if self.num_runs_again >= self._config.max_retries:
             raise MeshError(
                 f"{why} while serving request {self.response_id} ({self.num_events} token "
                 f"events in, attempt {self.num_attempts}; --max-retries spent)"
             )
+        self.num_runs_again += 1
         if self.num_events == 0:
             await self._retry(why, role)
             return None
@@ -181,13 +184,18 @@ class MeshRequest:
         """Before the first token: drop this attempt and run the request again under a new wire
         id (the old one may still hold blocks). ``role``: what failed, for the retry metric."""
         log.warning("%s before the first token of %s; retrying", why, self.response_id)
+        await self._next_attempt(why, role)
+        await self._place_and_dispatch(time.monotonic())
+
+    async def _next_attempt(self, why: str, role: str) -> None:
+        """Abort this attempt (it may hold blocks) and start the next under a new wire id,
+        subscribed and not placed yet."""
         await self.abort(why)
         await self.close()
         self._metrics.retries.labels(role).inc()
         self._begin_attempt(f"{self.response_id}-r{self.num_attempts}")
         self.num_attempts += 1
         await self.subscribe()
-        await self._place_and_dispatch(time.monotonic())
 
     async def _migrate(self, why: str) -> TokenEvent | None:
         """The stream broke (its decode worker died, or its tokens were lost): place the request
@@ -226,6 +234,14 @@ class MeshRequest:
                 try:
                     reply = await self._place()
                     break
+                except PlacementLostError as exc:
+                    # The registry died (or was cut off) holding the placement: ask again, of
+                    # the next registry, under a new wire id (the old one may have reserved
+                    # blocks: its abort frees them), while the deadline allows.
+                    if time.monotonic() >= deadline:
+                        raise GatewayTimeoutError(exc.message) from None
+                    log.warning("%s; asking again for %s", exc.message, self.response_id)
+                    await self._next_attempt("placement lost", "kv-registry")
                 except OverloadedError as exc:
                     pool, now = self._decode_pool, time.monotonic()
                     if pool is not None and pool.is_known(now) and pool.num_alive(now) == 0:
@@ -305,6 +321,10 @@ class MeshRequest:
             lease_ms=self._config.lease_ms,
             model_spec=self._model_spec,
         )
+        if not self._nc.is_connected:
+            # NATS is down (restarting, or our link): what we sent now would wait in the
+            # client's buffer and reach a registry after we gave up on it. Wait as for room.
+            raise OverloadedError("NATS is reconnecting", retry_after_s=0.5)
         self._may_hold_blocks = True
         try:
             msg = await self._nc.request(
@@ -325,7 +345,7 @@ class MeshRequest:
                 f"{self._subjects.mesh}`) or check --nats-url"
             ) from None
         except nats.errors.TimeoutError:
-            raise GatewayTimeoutError(
+            raise PlacementLostError(
                 f"the kv-registry did not place the request within "
                 f"{self._config.place_timeout_s:g}s (--place-timeout-s)"
             ) from None
@@ -465,7 +485,10 @@ class Dispatcher:
         config: RouterConfig,
         metrics: RouterMetrics,
         model_spec: str = "",
+        hearing: Hearing | None = None,
     ) -> None:
+        """``hearing``: the NATS connection's outages (connect_nats tells it); the worker pools
+        count no silence during one."""
         self._nc = nc
         self._subjects = subjects
         self._model_spec = model_spec
@@ -474,9 +497,10 @@ class Dispatcher:
         self._live: dict[str, MeshRequest] = {}
         self.is_stopping = False  # the router is shutting down: a cancellation is not the client
         now = time.monotonic()
-        self.prefill_pool = WorkerPool(config.worker_liveness_s, now)
-        self.decode_pool = WorkerPool(config.worker_liveness_s, now)  # decode or colocated
-        self.registry_pool = WorkerPool(config.worker_liveness_s, now)
+        hearing = hearing or Hearing(connected_since=now)
+        self.prefill_pool = WorkerPool(config.worker_liveness_s, now, hearing)
+        self.decode_pool = WorkerPool(config.worker_liveness_s, now, hearing)  # or colocated
+        self.registry_pool = WorkerPool(config.worker_liveness_s, now, hearing)
 
     async def on_heartbeat(self, msg: Msg) -> None:
         """Prefill, decode and colocated heartbeats: who is alive and ready."""
@@ -555,6 +579,11 @@ class Dispatcher:
         finally:
             del self._live[request_id]
             await request.close()
+
+
+class PlacementLostError(GatewayTimeoutError):
+    """No answer to a placement within --place-timeout-s: the registry died or was cut off
+    holding it. It is asked again (of the next registry) within the request's deadline."""
 
 
 def _is_gap(event: TokenEvent, num_received: int) -> bool:

@@ -7,16 +7,22 @@ keeps two pools:
 - decode (and colocated): ``/health`` is ready only while one is ready, and with none alive at
   all a request is a 503 ("no workers" is not "at capacity").
 Until the router has listened for one liveness window it does not know; callers say what to
-assume then.
+assume then. Silence counts only while the router is connected to NATS (``Hearing``): after an
+outage, a worker is gone only once it has been silent for a whole window since the reconnect.
 """
 
 from __future__ import annotations
 
+from kvmesh.shared.hearing import Hearing
+
 
 class WorkerPool:
-    def __init__(self, liveness_s: float, started_at: float) -> None:
+    def __init__(
+        self, liveness_s: float, started_at: float, hearing: Hearing | None = None
+    ) -> None:
         self.liveness_s = liveness_s
         self._started_at = started_at
+        self._hearing = hearing or Hearing(connected_since=started_at)
         self._seen: dict[str, tuple[float, str]] = {}  # worker id -> (last heartbeat, state)
 
     def on_heartbeat(self, worker_id: str, state: str, now: float) -> None:
@@ -27,18 +33,20 @@ class WorkerPool:
 
     def is_known(self, now: float) -> bool:
         """Whether the router has listened long enough to have heard every live worker."""
-        return now - self._started_at >= self.liveness_s
+        return self._hearing.silence(self._started_at, now) >= self.liveness_s
 
     def seen_within(self, now: float, window_s: float) -> bool:
         """Whether any worker of the pool heartbeat in the last ``window_s`` seconds."""
-        return any(now - seen <= window_s for seen, _ in self._seen.values())
+        return any(self._hearing.silence(seen, now) <= window_s for seen, _ in self._seen.values())
 
     def num_alive(self, now: float) -> int:
-        return sum(now - seen <= self.liveness_s for seen, _ in self._seen.values())
+        return sum(self._is_alive(seen, now) for seen, _ in self._seen.values())
 
     def num_ready(self, now: float) -> int:
         """Alive and taking new work (not draining)."""
         return sum(
-            now - seen <= self.liveness_s and state == "ready"
-            for seen, state in self._seen.values()
+            self._is_alive(seen, now) and state == "ready" for seen, state in self._seen.values()
         )
+
+    def _is_alive(self, seen: float, now: float) -> bool:
+        return self._hearing.silence(seen, now) <= self.liveness_s
