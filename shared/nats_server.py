@@ -148,6 +148,7 @@ class NatsServer:
         self.log_path = log_path
         self._proc: subprocess.Popen[bytes] | None = None
         self._tmp: str | None = None
+        self._cmd: list[str] = []  # set by start, reused by restart
 
     @property
     def url(self) -> str:
@@ -193,6 +194,17 @@ class NatsServer:
             with os.fdopen(fd, "w") as f:
                 f.write("\n".join(blocks))
             cmd += ["-c", str(conf)]
+        self._cmd = cmd
+        try:
+            self._launch(tmp)
+        except BaseException:
+            self.stop()
+            raise
+        return self.url
+
+    def _launch(self, tmp: Path) -> None:
+        cmd = list(self._cmd)
+        cmd[cmd.index("-p") + 1] = str(self.port or -1)  # a restart: the port it had
         log = open(self.log_path or tmp / "nats-server.log", "ab")  # noqa: SIM115
         try:
             # own session: a terminal's Ctrl-C reaches the owner, which stops the server last
@@ -208,10 +220,27 @@ class NatsServer:
             )
         finally:
             log.close()
+        self._wait_ready(tmp)
+
+    def exit_code(self) -> int | None:
+        """The server's exit code once it has exited (and is reaped), None while it runs."""
+        assert self._proc is not None, "server not started"
+        return self._proc.poll()
+
+    def restart(self) -> str:
+        """Start the server again after it exited: the same port, config and JetStream store
+        directory (what it kept on disk survives; memory streams do not). Blocks until it
+        accepts connections; NatsServerError if it does not."""
+        assert self._proc is not None and self._tmp is not None, "server not started"
+        assert self.port, "a restart keeps the port the server had"
+        if self._proc.poll() is None:
+            raise NatsServerError(f"nats-server (pid {self._proc.pid}) is still running")
         try:
-            self._wait_ready(tmp)
+            self._launch(Path(self._tmp))
         except BaseException:
-            self.stop()
+            if self._proc.poll() is None:  # started but never ready: the next try starts anew
+                self._proc.kill()
+                self._proc.wait()
             raise
         return self.url
 

@@ -121,9 +121,7 @@ async def test_a_placement_the_registry_never_answers_is_asked_again_under_a_new
     first, again = mesh.places
     assert again.request_id == f"{first.request_id}-r1"
     # the lost placement may have reserved blocks: its wire id is aborted
-    assert [(a.request_id, a.reason) for a in mesh.aborts] == [
-        (first.request_id, "placement lost")
-    ]
+    assert [(a.request_id, a.reason) for a in mesh.aborts] == [(first.request_id, "placement lost")]
 
 
 async def test_a_request_sent_while_nats_is_down_waits_and_is_served_once_it_is_back(

@@ -1,5 +1,6 @@
 """`kvmesh up` restarts a service that dies once the mesh is up: backoff within a budget (pure),
-and a real mesh whose killed decode worker comes back and serves again."""
+and a real mesh whose killed decode worker, then its killed nats-server, come back and serve
+again."""
 
 from __future__ import annotations
 
@@ -33,7 +34,9 @@ def test_restart_budget_forgets_deaths_older_than_the_window():
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_up_restarts_a_killed_decode_worker_and_serves_again(tmp_path: Path) -> None:
+def test_up_restarts_a_killed_decode_worker_and_its_nats_server_and_serves_again(
+    tmp_path: Path,
+) -> None:
     proc, out, err, port, nats_url = launch(tmp_path, "--local-prefill-threshold", "16")
     try:
         wait_for_line(proc, out, "kvmesh is up", timeout_s=400)
@@ -59,6 +62,24 @@ def test_up_restarts_a_killed_decode_worker_and_serves_again(tmp_path: Path) -> 
                 break
             time.sleep(0.5)
         assert rows == [("decode-0", True)]
+
+        # kill -9 of the nats-server it started: reaped, logged, restarted on the same port
+        [nats] = [p for p in descendants(proc.pid) if "nats-server" in cmdline(p)]
+        os.kill(nats, signal.SIGKILL)
+        wait_for_line(proc, err, "restarted nats-server at", timeout_s=60)
+        assert "nats-server exited with code -9; restarting it in 1 s" in err.read_text()
+        assert nats not in descendants(proc.pid)  # no zombie left behind
+        deadline = time.monotonic() + 60
+        while True:  # the services reconnect; the router serves again
+            try:
+                reply = chat(port, "tell me about supervision " * 8, max_tokens=3)
+                break
+            except (urllib.error.HTTPError, urllib.error.URLError) as exc:
+                assert time.monotonic() < deadline, exc
+                time.sleep(0.5)
+        assert 1 <= reply["usage"]["completion_tokens"] <= 3
+        # the same users and password file: kvmesh admin still gets in
+        assert [d["worker_id"] for d in admin_status_json(nats_url, err)["decode"]] == ["decode-0"]
         assert proc.poll() is None  # the launcher never stopped
     finally:
         if proc.poll() is None:

@@ -32,6 +32,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
+from kvmesh.commands.nats_supervisor import NatsSupervisor
 from kvmesh.commands.restarts import RestartPolicy
 from kvmesh.shared.mesh_state import MeshState, remove_state, running_meshes, write_state
 from kvmesh.shared.nats_auth import (
@@ -548,6 +549,8 @@ class Launcher:
         ]
 
     def check_alive(self) -> None:
+        if self.nats is not None and (code := self.nats.exit_code()) is not None:
+            raise LaunchError(f"the nats-server at {self.nats.url} exited with code {code}")
         for spec, code in self.dead():
             raise LaunchError(
                 f"{spec.name} exited with code {code}; its log is above "
@@ -557,8 +560,11 @@ class Launcher:
     async def supervise(self, policy: RestartPolicy, poll_s: float = 0.5) -> None:
         """Restart children that die, with backoff, until one dies too often (LaunchError)."""
         pending: dict[str, float] = {}  # name -> monotonic time to restart it at
+        nats = NatsSupervisor(self.nats, policy) if self.nats is not None else None
         while True:
             now = time.monotonic()
+            if nats is not None:
+                nats.check(now)  # the nats-server we started, restarted like a service
             for spec, code in self.dead():
                 if spec.name in pending:
                     continue
