@@ -120,6 +120,7 @@ def role_permissions(s: Subjects) -> dict[str, Permissions]:
             "kv-registry",
             publish=(
                 f"{p}.decode.*.reserve",
+                s.decode_lease_cancel("*"),
                 f"{p}.worker.*.control",
                 s.CONTROL_LOG_LEVEL,
                 s.REGISTRY_WORKER_GONE,
@@ -176,6 +177,7 @@ def role_permissions(s: Subjects) -> dict[str, Permissions]:
                 s.DRAFT_KV_RESERVE,
                 s.draft_kv_done("*"),
                 s.ABORT,
+                s.REGISTRY_WORKER_GONE,
                 f"{p}.worker.*.control",
             ),
         ),

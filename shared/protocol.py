@@ -208,6 +208,16 @@ class LeaseRenew(Message):
     lease_ms: int
 
 
+class LeaseCancel(Message):
+    """Registry -> decode worker: a reservation it asked for under ``lease_id`` was never handed
+    to anyone (the reply did not come in time, so the request went elsewhere): free its blocks,
+    or refuse the reservation if it has not arrived yet."""
+
+    request_id: str
+    lease_id: str
+    reason: str = "no reserve reply in time"
+
+
 # --- speculative decoding (decode <-> draft) -------------------------------------------------
 
 

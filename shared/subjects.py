@@ -194,6 +194,10 @@ class Subjects:
         """prefill -> decode worker (publish): PrefillStarted."""
         return f"{self.prefix}.decode.{worker_id}.prefill_started"
 
+    def decode_lease_cancel(self, worker_id: str) -> str:
+        """kv-registry -> decode worker (publish): LeaseCancel of a reservation it gave up on."""
+        return f"{self.prefix}.decode.{worker_id}.lease_cancel"
+
     def decode_lease_renew(self, worker_id: str) -> str:
         """router (the lease holder) -> decode worker and kv-registry (publish): LeaseRenew."""
         return f"{self.prefix}.decode.{worker_id}.lease_renew"

@@ -19,6 +19,7 @@ from kvmesh.shared.descriptor import TcpBackend, TransportDescriptor
 from kvmesh.shared.nats_service import background, connect_nats, flush_to_server, publish_every
 from kvmesh.shared.protocol import (
     DecodeAdvert,
+    LeaseCancel,
     PrefillDone,
     ReserveReply,
     ReserveRequest,
@@ -42,6 +43,8 @@ class PeerDecode:
     mode: str = "disagg"
     state: str = "ready"
     refuse_with: str = ""  # non-empty: refuse every reservation with this error
+    is_silent: bool = False  # never answer a reservation (a stopped worker)
+    cancels: list[LeaseCancel] = field(default_factory=list)
     free: list[int] = field(default_factory=list)
     leases: dict[str, tuple[tuple[int, ...], float]] = field(default_factory=dict)
     reserves: list[ReserveRequest] = field(default_factory=list)
@@ -71,6 +74,8 @@ class PeerDecode:
     async def on_reserve(self, msg: Msg) -> None:
         req = protocol.decode_message(msg.data, ReserveRequest)
         self.reserves.append(req)
+        if self.is_silent:
+            return
         need = -(-len(req.prompt_ids) // BLOCK_SIZE)
         if self.refuse_with or self.state != "ready" or need > len(self.free):
             error = self.refuse_with or f"{self.worker_id} cannot take {need} blocks"
@@ -84,6 +89,9 @@ class PeerDecode:
         await msg.respond(
             protocol.encode_message(ReserveReply(True, self.worker_id, block_ids=blocks, rkey=42))
         )
+
+    async def on_lease_cancel(self, msg: Msg) -> None:
+        self.cancels.append(protocol.decode_message(msg.data, LeaseCancel))
 
     async def on_prefill_done(self, msg: Msg) -> None:
         done = protocol.decode_message(msg.data, PrefillDone)
@@ -120,6 +128,7 @@ async def peer_decode(
             await nc.subscribe(subjects.decode_reserve(worker_id), cb=peer.on_reserve),
             await nc.subscribe(subjects.decode_prefill_done(worker_id), cb=peer.on_prefill_done),
             await nc.subscribe(subjects.worker_control(worker_id), cb=peer.on_control),
+            await nc.subscribe(subjects.decode_lease_cancel(worker_id), cb=peer.on_lease_cancel),
         ]
         async with background(
             publish_every(nc, subjects.REGISTRY_ADVERTISE, peer.advert, interval_s),

@@ -475,3 +475,42 @@ def test_aborted_reservation_whose_job_was_withdrawn_frees_at_once_unless_writte
     assert table.abort("b", job_withdrawn=True) is None and "b" in table
     table.on_started("c", "lc", "prefill-0")  # c's job was taken: withdrawal cannot be true
     assert table.abort("c", job_withdrawn=True) is None and "c" in table
+
+
+async def test_a_reservation_the_registry_gave_up_on_is_freed_at_once_or_refused_if_late(
+    decode_worker,
+):
+    worker, rec, _ = decode_worker
+    assert (await worker.reserve(_reserve("a", 40))).ok  # its reply came too late
+    assert worker.engine.block_manager.num_free_blocks == 61
+    assert not worker.cancel_lease("a", "L-other")  # another lease: not this reservation
+    assert worker.cancel_lease("a", "La")
+    await _drive(worker, rec)
+    assert rec.tokens("a") == []  # the request lives on another worker: nothing to tell
+    assert worker.engine.block_manager.num_free_blocks == 64
+    # the cancel can overtake the reservation (a worker that was stopped): refused when it comes
+    assert not worker.cancel_lease("b", "Lb")
+    reply = await worker.reserve(_reserve("b", 40))
+    assert not reply.ok and "gave up on lease Lb" in reply.error
+    assert worker.engine.block_manager.num_free_blocks == 64
+
+
+async def test_a_reservation_that_arrives_after_its_abort_is_refused(decode_worker):
+    worker, _, now = decode_worker
+    assert worker.abort("a") is None  # nothing of it here yet
+    reply = await worker.reserve(_reserve("a", 40))
+    assert not reply.ok and "aborted before its reservation arrived" in reply.error
+    assert worker.engine.block_manager.num_free_blocks == 64
+    now[0] += 600  # long after: the id is forgotten (the memory is bounded in time)
+    assert (await worker.reserve(_reserve("a", 40))).ok
+
+
+def test_recent_ids_forget_after_their_ttl_and_beyond_their_bound():
+    from kvmesh.shared.recent_ids import RecentIds
+
+    ids = RecentIds(ttl_s=10.0, max_ids=2)
+    ids.add("a", 0.0)
+    assert ids.seen("a", 9.0) and not ids.seen("a", 10.5)
+    for key, at in (("x", 20.0), ("y", 21.0), ("z", 22.0)):
+        ids.add(key, at)
+    assert len(ids) == 2 and not ids.seen("x", 22.0) and ids.seen("y", 22.0)

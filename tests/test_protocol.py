@@ -24,6 +24,7 @@ from kvmesh.shared.protocol import (
     DraftProposal,
     KvCacheDigest,
     KvCacheEvents,
+    LeaseCancel,
     LeaseRenew,
     LogLevel,
     Message,
@@ -150,6 +151,7 @@ EXAMPLES: list[Message] = [
     PrefillStarted("r1", "L1", "p0"),
     WorkerGone("d0", "decode", last_seen_s=3.5),
     LeaseRenew("r1", "L1", lease_ms=1000),
+    LeaseCancel("r1", "L1", reason="no reserve reply within 2s"),
     WorkerHeartbeat(
         "d0", "decode", "draining", num_running=2, num_waiting=1, started_at=1.0, sent_at=2.0
     ),

@@ -121,6 +121,25 @@ async def test_place_spreads_load_and_skips_a_refusing_worker(nats_server: str) 
         assert len(bad.reserves) >= 1  # tried, refused, then the other worker took it
 
 
+async def test_a_reservation_given_up_on_is_cancelled_on_its_worker(nats_server: str) -> None:
+    async with (
+        registry_service(config(nats_server, reserve_timeout_s=0.3)),
+        peer_decode(nats_server, "stopped", is_silent=True) as stopped,
+        peer_decode(nats_server, "good") as good,
+        connect_nats(nats_server, "client") as nc,
+    ):
+        await wait_for(lambda: _count(nc, 2))
+        for i in range(3):  # the least loaded worker is tried first: some go to "stopped"
+            reply = await place(nc, place_request(f"r{i}", num_tokens=16))
+            assert reply.ok and reply.worker_id == "good", reply
+        assert stopped.reserves
+        # each reservation "stopped" never answered is cancelled there, by its lease id
+        await wait_for(lambda: len(stopped.cancels) == len(stopped.reserves))
+        assert [c.lease_id for c in stopped.cancels] == [r.lease_id for r in stopped.reserves]
+        assert all("no reserve reply" in c.reason for c in stopped.cancels)
+        assert not good.cancels
+
+
 async def test_place_replies_overloaded_when_no_worker_has_room(nats_server: str) -> None:
     async with (
         registry_service(config(nats_server, retry_after_s=0.25)),

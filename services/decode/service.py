@@ -57,6 +57,7 @@ from kvmesh.shared.protocol import (
     DraftProposal,
     KvCacheDigest,
     KvCacheEvents,
+    LeaseCancel,
     LeaseRenew,
     MessageError,
     PrefillDone,
@@ -302,6 +303,11 @@ class DecodeService:
             if event is not None:
                 await self._publish_tokens([event])
 
+    async def on_lease_cancel(self, msg: LeaseCancel) -> None:
+        with logs.request_context(msg.request_id):
+            if self.worker.cancel_lease(msg.request_id, msg.lease_id):
+                log.info("reservation freed: the registry gave up on it", reason=msg.reason)
+
     async def on_lease_renew(self, msg: LeaseRenew) -> None:
         lease_ms = min(msg.lease_ms, int(self.config.max_lease_s * 1000))  # policy caps it
         if not self.worker.renew(msg.request_id, msg.lease_id, lease_ms):
@@ -443,6 +449,7 @@ async def decode_service(config: DecodeConfig) -> AsyncIterator[DecodeService]:
                 ),
                 (subjects.REGISTRY_WORKER_GONE, WorkerGone, service.on_worker_gone),
                 (subjects.decode_lease_renew(worker_id), LeaseRenew, service.on_lease_renew),
+                (subjects.decode_lease_cancel(worker_id), LeaseCancel, service.on_lease_cancel),
                 (subjects.decode_draft(worker_id), DraftProposal, service.on_proposal),
                 (subjects.REGISTRY_STORE_ADVERTISE, StoreAdvert, service.on_store_advert),
             ),

@@ -51,6 +51,7 @@ from kvmesh.shared.protocol import (
     TokenEvent,
     WorkerGone,
 )
+from kvmesh.shared.recent_ids import RecentIds
 from kvmesh.shared.transport.base import MemoryWindow
 from kvmesh.shared.transport.completions import Completion
 
@@ -144,6 +145,11 @@ class DecodeWorker:
         self._read_aborted: set[str] = set()
         self._read: dict[str, Fetched] = {}
         self._read_unused: list[Fetched] = []
+        # Requests aborted and leases the registry gave up on, lately: a reservation for one
+        # of them that arrives late (its messages took another path) is refused, not held for
+        # nobody until its lease runs out.
+        self._aborted = RecentIds()
+        self._cancelled_leases = RecentIds()
 
     # ---- the engine loop (the service drives it) --------------------------------------------
 
@@ -329,6 +335,10 @@ class DecodeWorker:
         except ValueError as exc:
             return refuse(f"bad sampling options: {exc}")
         rid, prompt = req.request_id, list(req.prompt_ids)
+        if self._aborted.seen(rid, self._clock()):
+            return refuse(f"request {rid!r} was aborted before its reservation arrived")
+        if self._cancelled_leases.seen(req.lease_id, self._clock()):
+            return refuse(f"the registry gave up on lease {req.lease_id} before it arrived")
         if (
             rid in self.pending
             or rid in self._reading
@@ -457,6 +467,7 @@ class DecodeWorker:
         """The client went away. Returns the request's final event when it can be told at once
         (accepted, not yet in the engine); otherwise that event comes from ``admit()`` or
         ``step()``."""
+        self._aborted.add(request_id, self._clock())
         for i, (rid, prompt, _) in enumerate(self._incoming):  # accepted, not yet in the engine
             if rid == request_id:
                 del self._incoming[i]
@@ -481,6 +492,21 @@ class DecodeWorker:
         self._aborts.append(request_id)
         self._wake.set()
         return None
+
+    def cancel_lease(self, request_id: str, lease_id: str) -> bool:
+        """The registry gave up on the reservation it asked for under ``lease_id`` (no reply in
+        time; the request went elsewhere): free its blocks at once, as nobody holds its lease
+        and nothing can write them, or refuse it if it comes later. True if blocks were freed."""
+        self._cancelled_leases.add(lease_id, self._clock())
+        res = self.pending.get(request_id)
+        if res is None or res.lease_id != lease_id:
+            return False
+        if res.writer or res.writes or res.done is not None:  # someone writes: not a lost reply
+            return False
+        verdict = self.pending.abort(request_id, job_withdrawn=True)
+        assert verdict is not None and not verdict.notify  # the request lives elsewhere
+        self._settle(verdict)
+        return True
 
     def expire_leases(self) -> list[Abort]:
         """Fail reservations whose lease ran out; their blocks are quarantined until their

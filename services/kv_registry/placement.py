@@ -21,6 +21,7 @@ from kvmesh.services.kv_registry.core import Candidate, Refusal, RegistryState
 from kvmesh.services.kv_registry.metrics import RegistryMetrics
 from kvmesh.shared import logs, protocol
 from kvmesh.shared.protocol import (
+    LeaseCancel,
     MessageError,
     PlaceReply,
     PlaceRequest,
@@ -127,7 +128,16 @@ class Placement:
         except nats.errors.NoRespondersError:
             return refuse("not listening for reservations")
         except nats.errors.TimeoutError:
-            return refuse(f"no reserve reply within {self.config.reserve_timeout_s:g}s")
+            # It may reserve once it gets to the request (a worker that was stopped, or slow):
+            # the request is placed elsewhere, so tell it to free (or refuse) that reservation.
+            error = f"no reserve reply within {self.config.reserve_timeout_s:g}s"
+            cancel = LeaseCancel(request.request_id, lease_id, reason=error)
+            with contextlib.suppress(nats.errors.Error):
+                await self.nc.publish(
+                    self.subjects.decode_lease_cancel(choice.worker_id),
+                    protocol.encode_message(cancel),
+                )
+            return refuse(error)
         if msg.headers and ERROR_HEADER in msg.headers:
             return refuse(msg.headers[ERROR_HEADER])
         try:
