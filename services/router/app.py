@@ -22,11 +22,13 @@ from kvmesh.services.router.api import (
     parse_completion,
     parse_json_body,
 )
+from kvmesh.services.router.client_stream import ClientStream
 from kvmesh.services.router.config import RouterConfig
 from kvmesh.services.router.dispatch import Dispatcher, MeshRequest
 from kvmesh.services.router.errors import (
     ApiError,
     AuthenticationError,
+    ClientGoneError,
     InternalError,
     MethodNotAllowedError,
     ModelNotFoundError,
@@ -204,40 +206,53 @@ class Router:
             }
         )
 
+        # Bounded: a client that does not read is cut off, never waited for (client_stream.py).
+        client = ClientStream(
+            http,
+            response,
+            max_buffer_bytes=self.config.client_send_buffer_kb * 1024,
+            write_timeout_s=self.config.client_write_timeout_s,
+        )
+
         async def send_text(text: str, num_tokens: int = 0) -> None:
             # One chunk per step's tokens, even when they complete no character yet (a byte of a
             # multi-byte character, a possible stop-string prefix), as vLLM streams: clients
             # see every token when it is made, and token gaps are measurable.
             if text or num_tokens:
-                await response.write(sse_event(builder.text_chunk(text)))
+                client.send(sse_event(builder.text_chunk(text)))
 
         status = 200
         try:
-            async with (
-                self.shutdown.guard(),
-                self.dispatcher.open(response_id, prompt, timer) as mesh,
-            ):
-                # Placed: from here on errors go into the stream, not the status line.
-                await response.prepare(http)
-                role_chunk = builder.role_chunk()
-                if role_chunk is not None:
-                    await response.write(sse_event(role_chunk))
-                finish_reason = await _relay(mesh, output, send_text)
-            await send_text(output.finish())
-            await response.write(sse_event(builder.finish_chunk(finish_reason)))
-            if request.include_usage:
-                usage = _usage(prompt, output, mesh)
-                await response.write(sse_event(builder.usage_chunk(usage)))
-            await response.write(SSE_DONE)
-            timer.on_finish(finish_reason, len(prompt.prompt_ids), output.num_tokens)
-        except ApiError as exc:
-            if not response.prepared:
-                raise
-            status = exc.status
-            log.warning("stream failed", status=status, error=exc.message)
-            await response.write(error_event(exc))
-            await response.write(SSE_DONE)
-        await response.write_eof()
+            async with client:
+                try:
+                    async with (
+                        self.shutdown.guard(),
+                        self.dispatcher.open(response_id, prompt, timer) as mesh,
+                    ):
+                        # Placed: from here on errors go into the stream, not the status line.
+                        await response.prepare(http)
+                        role_chunk = builder.role_chunk()
+                        if role_chunk is not None:
+                            client.send(sse_event(role_chunk))
+                        finish_reason = await _relay(mesh, output, send_text)
+                    await send_text(output.finish())
+                    client.send(sse_event(builder.finish_chunk(finish_reason)))
+                    if request.include_usage:
+                        usage = _usage(prompt, output, mesh)
+                        client.send(sse_event(builder.usage_chunk(usage)))
+                    await client.finish(SSE_DONE)
+                    timer.on_finish(finish_reason, len(prompt.prompt_ids), output.num_tokens)
+                except ApiError as exc:
+                    if not response.prepared:
+                        raise
+                    status = exc.status
+                    log.warning("stream failed", status=status, error=exc.message)
+                    client.send(error_event(exc))
+                    await client.finish(SSE_DONE)
+        except ClientGoneError as exc:  # its mesh work is aborted, its connection dropped
+            status = CLIENT_CLOSED
+            if exc.cutoff:
+                self.metrics.client_cutoffs.labels(exc.cutoff).inc()
         return response, status
 
     # --- the rest ------------------------------------------------------------------------------

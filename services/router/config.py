@@ -68,6 +68,17 @@ class RouterConfig(ServiceConfig):
         "for this long; then streams still running end with an SSE error event and [DONE], "
         "other requests with a 503, their mesh work is aborted, and the router exits",
     )
+    client_send_buffer_kb: int = option(
+        256,
+        help="bytes of a stream the router holds for a client that reads slower than the mesh "
+        "writes (KiB, besides the socket's own buffers); a client past it is cut off and its "
+        "request aborted",
+    )
+    client_write_timeout_s: float = option(
+        10.0,
+        help="a stream whose client takes no bytes for this long (its socket is full) is cut off "
+        "and its request aborted",
+    )
     worker_id: str | None = option(
         None, help="this router's id in heartbeats and $SRV (default: generated)"
     )
@@ -94,7 +105,7 @@ class RouterConfig(ServiceConfig):
             raise ValueError(f"shutdown_grace_s must be >= 0 seconds, got {self.shutdown_grace_s}")
         if self.max_retries < 0:
             raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
-        for name in ("lease_ms", "max_concurrent_requests"):
+        for name in ("lease_ms", "max_concurrent_requests", "client_send_buffer_kb"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in (
@@ -103,6 +114,7 @@ class RouterConfig(ServiceConfig):
             "token_timeout_s",
             "worker_liveness_s",
             "max_body_mb",
+            "client_write_timeout_s",
         ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")

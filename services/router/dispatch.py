@@ -22,6 +22,7 @@ import msgspec
 import nats.errors
 from kvmesh.services.router.config import RouterConfig
 from kvmesh.services.router.errors import (
+    ClientGoneError,
     GatewayTimeoutError,
     MeshError,
     OverloadedError,
@@ -595,6 +596,8 @@ def _is_gap(event: TokenEvent, num_received: int) -> bool:
 
 
 def _abort_reason(exc: BaseException) -> str:
+    if isinstance(exc, ClientGoneError):
+        return exc.reason
     if isinstance(exc, ConnectionError):
         return "client disconnected"
     if isinstance(exc, MeshError):

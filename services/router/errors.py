@@ -133,3 +133,14 @@ class InternalError(ApiError):
     status = 500
     error_type = "server_error"
     default_code = "internal_error"
+
+
+class ClientGoneError(ConnectionError):
+    """The client of a stream went away, or was cut off for not reading (``cutoff`` says which
+    limit it passed; client_stream.py): nothing more can reach it, and its request is aborted
+    on the mesh with ``reason``."""
+
+    def __init__(self, message: str, *, cutoff: str = "") -> None:
+        super().__init__(message)
+        self.cutoff = cutoff
+        self.reason = "client too slow" if cutoff else "client disconnected"

@@ -107,6 +107,12 @@ class RouterMetrics(MetricSet):
             "decode-migrate for streams moved to another decode worker after it.",
             ("role",),
         )
+        self.client_cutoffs = self.counter(
+            "client_cutoffs_total",
+            "Streams cut off because their client did not read: by the limit it passed (send "
+            "buffer full, write timeout); their requests were aborted.",
+            ("limit",),
+        )
         self.in_flight = self.gauge("requests_in_flight", "Requests being served now.")
         self.waiting = self.gauge(
             "requests_waiting",
