@@ -32,7 +32,11 @@ class RouterConfig(ServiceConfig):
         help="lease on the reserved decode blocks (ms); the router renews it every third of it "
         "until the first token, so it runs out only when the router is gone",
     )
-    place_timeout_s: float = option(5.0, help="how long to wait for the kv-registry to place")
+    place_timeout_s: float = option(
+        5.0,
+        help="how long to wait for the kv-registry to place; with no answer by then (it died "
+        "holding the request) the placement is asked again, of the next registry",
+    )
     first_token_timeout_s: float = option(
         300.0, help="how long to wait for a request's first token (covers queueing and prefill)"
     )
