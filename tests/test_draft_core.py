@@ -135,3 +135,29 @@ def test_engine_drafter_tops_up_a_chain_with_the_tokens_it_would_have_drafted():
     assert len(whole) == 6 and parents == _chain(6)
     [(rest, _)] = drafter.propose([DraftJob("r", "d", context, 21, ahead=whole[:4])])
     assert rest == whole[4:]  # only the 2 tokens the chain lacked
+
+
+def test_a_context_that_comes_after_its_sequence_ended_is_dropped():
+    core = DraftCore("draft-0", max_sequences=8)
+    core.on_context(ctx("r", 0, [1, 2]))
+    assert core.forget("r")  # aborted (or finished) while a delta was on its way
+    assert core.on_context(ctx("r", 2, [3])) is None  # no resync for what ended
+    assert core.on_context(ctx("r", 0, [1, 2, 3])) is None
+    assert "r" not in core.seqs and core.take_jobs(4) == [] and core.num_resyncs == 0
+
+
+def test_a_dead_decode_workers_sequences_are_dropped():
+    core = DraftCore("draft-0", max_sequences=8)
+    core.on_context(ctx("a", 0, [1, 2]))
+    core.on_context(DraftContext("b", "decode-1", 0, (1, 2)))
+    assert core.forget_worker("decode-0") == 1
+    assert list(core.seqs) == ["b"]
+    assert core.on_context(ctx("a", 2, [3])) is None and "a" not in core.seqs
+
+
+def test_a_resync_is_not_an_end():
+    core = DraftCore("draft-0", max_sequences=8)
+    core.on_context(ctx("r", 0, [1, 2]))
+    assert core.on_context(ctx("r", 5, [9])).need_context  # a gap: dropped, asked for again
+    assert core.on_context(ctx("r", 0, [1, 2, 3, 4, 5, 9])) is None
+    assert "r" in core.seqs

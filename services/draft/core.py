@@ -19,11 +19,13 @@ leaves the chain discards it (a miss).
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvmesh.shared.protocol import DraftContext, DraftProposal
+from kvmesh.shared.recent_ids import RecentIds
 
 
 @dataclass(slots=True)
@@ -68,12 +70,18 @@ class DraftCore:
         self.num_proposals = 0
         self.num_resyncs = 0  # need_context answers
         self.num_evicted = 0
+        # Sequences that ended (finished, aborted, their decode worker died): a context still on
+        # its way for one is dropped, not held until the LRU bound evicts it. Bounded by count
+        # (an id ends once: retries and migrations get new ones), so no clock.
+        self.ended = RecentIds(ttl_s=math.inf, max_ids=4 * max_sequences)
 
     def on_context(self, msg: DraftContext) -> DraftProposal | None:
         """Take a context (whole or delta). Returns a ``need_context`` answer when the delta
         does not continue what is held."""
         self.num_verified += msg.num_verified
         self.num_accepted += msg.num_accepted
+        if msg.request_id in self.ended:
+            return None
         seq = self.seqs.get(msg.request_id)
         if msg.start == 0:
             seq = DraftSequence(
@@ -82,7 +90,7 @@ class DraftCore:
             self.seqs[msg.request_id] = seq
         elif seq is None or msg.start > len(seq.tokens):
             if seq is not None:
-                self.forget(msg.request_id)
+                del self.seqs[msg.request_id]  # to be sent again whole: it has not ended
             self.num_resyncs += 1
             return DraftProposal(
                 msg.request_id,
@@ -107,7 +115,18 @@ class DraftCore:
         return None
 
     def forget(self, request_id: str) -> bool:
+        """The sequence ended (its DraftForget, its Abort): drop it, and any context that comes
+        for it later. True if it was held."""
+        self.ended.add(request_id, 0.0)
         return self.seqs.pop(request_id, None) is not None
+
+    def forget_worker(self, decode_worker_id: str) -> int:
+        """A decode worker died: its sequences ended with it (a migrated stream comes back under
+        a new id). Returns how many were dropped."""
+        gone = [rid for rid, seq in self.seqs.items() if seq.decode_worker_id == decode_worker_id]
+        for rid in gone:
+            self.forget(rid)
+        return len(gone)
 
     @property
     def has_jobs(self) -> bool:

@@ -50,6 +50,7 @@ from kvmesh.shared.protocol import (
     DraftProposal,
     MessageError,
     PrefillDone,
+    WorkerGone,
     WorkerHeartbeat,
     decode_message,
     encode_message,
@@ -124,6 +125,11 @@ class DraftService:
 
     async def on_abort(self, msg: Abort) -> None:
         self.core.forget(msg.request_id)
+        self.metrics.sequences.set(len(self.core.seqs))
+
+    async def on_worker_gone(self, msg: WorkerGone) -> None:
+        if msg.role in ("decode", "colocated") and self.core.forget_worker(msg.worker_id):
+            self.metrics.sequences.set(len(self.core.seqs))
 
     async def on_status(self, req: Request) -> None:
         await req.respond(orjson.dumps(self.status()))
@@ -285,6 +291,7 @@ async def draft_service(config: DraftConfig) -> AsyncIterator[DraftService]:
                     (subjects.draft_context(worker_id), DraftContext, service.on_context),
                     (subjects.draft_forget(worker_id), DraftForget, service.on_forget),
                     (subjects.ABORT, Abort, service.on_abort),
+                    (subjects.REGISTRY_WORKER_GONE, WorkerGone, service.on_worker_gone),
                     *routes,
                 ),
                 background(*loops),
