@@ -346,6 +346,8 @@ def run(args: argparse.Namespace) -> int:
         decode=args.decode,
         transport="shm",
         decode_pacing_ms=args.decode_pacing_ms,
+        draft=None if args.draft == "none" else args.draft,
+        kv_store=args.kv_store,
         log_level="warning",
         startup_timeout_s=300.0,
         stop_timeout_s=10.0,
@@ -415,6 +417,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill", type=int, default=2)
     p.add_argument("--decode", type=int, default=2)
     p.add_argument("--decode-pacing-ms", type=float, default=50.0)
+    p.add_argument("--draft", choices=("ngram", "none"), default="ngram")
+    p.add_argument("--kv-store", type=int, default=1)
     p.add_argument("--seed", type=int, default=33)
 
 
