@@ -358,13 +358,12 @@ def run(args: argparse.Namespace) -> int:
     print(f"uptime: {os.popen('uptime').read().strip()}", flush=True)
     with launched(config, ENV) as mesh:
         if args.scenario == "stalled-clients":
-            result = asyncio.run(
-                stalled_clients(mesh, prompts, 3000, prompts[:4], 64, args.outage_s)
-            )
+            stalled, normal = prompts[: args.stalled], prompts[-4:]
+            result = asyncio.run(stalled_clients(mesh, stalled, 3000, normal, 64, args.outage_s))
             gaps = [o.worst_gap_s for o in result["normal"] if o is not None]
             errors = [o.error for o in result["normal"] if o is None or o.error]
             print(
-                f"stalled-clients: {len(prompts)} stalled for {args.outage_s:g} s; "
+                f"stalled-clients: {len(stalled)} stalled for {args.outage_s:g} s; "
                 f"{len(gaps)} normal streams, worst token gap {max(gaps):.3f} s (median of "
                 f"worst {statistics.median(gaps):.3f} s), {len(errors)} failed; /metrics worst "
                 f"{max(result['metrics_s']):.3f} s; blocks back {result['blocks_back_s']} s "
@@ -412,6 +411,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--outage-s", type=float, default=10.0, help="outage, stop or stall length")
     p.add_argument("--requests", type=int, default=60)
+    p.add_argument("--stalled", type=int, default=20, help="stalled-clients: clients that stall")
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--prefill", type=int, default=2)
