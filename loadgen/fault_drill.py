@@ -44,7 +44,7 @@ class StreamOutcome:
     error: str | None = None  # "503: ..." (a status) or "stream: ..." (an SSE error event)
     ended_at: float = 0.0
     worst_gap_s: float = 0.0  # between two token chunks
-    num_chunks: int = 0
+    num_chunks: int = 0  # token chunks (not the finish chunk)
 
 
 async def stream_completion(
@@ -80,7 +80,10 @@ async def stream_completion(
                 if "error" in event:
                     out.error = f"stream: {event['error']['message']}"
                     continue
-                out.text += event["choices"][0]["text"]
+                choice = event["choices"][0]
+                out.text += choice["text"]
+                if choice["finish_reason"] is not None:
+                    continue
                 out.num_chunks += 1
                 now = time.monotonic()
                 if last is not None:
