@@ -36,7 +36,8 @@ from kvmesh.commands.up import UpConfig, free_port
 pytestmark = pytest.mark.slow
 
 MAX_TOKENS, CONCURRENCY = 24, 6
-CLIENT_ENV = {"KVMESH_CLIENT_WRITE_TIMEOUT_S": "2", "KVMESH_CLIENT_SEND_BUFFER_KB": "16"}
+# small limits: a stalled client (~4 KB/s of SSE at the paced decode) is cut off in seconds
+CLIENT_ENV = {"KVMESH_CLIENT_WRITE_TIMEOUT_S": "2", "KVMESH_CLIENT_SEND_BUFFER_KB": "4"}
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +80,7 @@ def test_stalled_clients_are_cut_off_and_stall_nothing_else(mesh, load, capfd):
     prompts, _ = load
     stalled = random_prompts(20, 16, 48, seed=35)
     started = time.monotonic()
-    result = asyncio.run(stalled_clients(mesh, stalled, 3000, prompts[:4], 48, hold_s=8.0))
+    result = asyncio.run(stalled_clients(mesh, stalled, 3000, prompts[:4], 48, hold_s=10.0))
     took = time.monotonic() - started
     gaps = [o.worst_gap_s for o in result["normal"]]
     with capfd.disabled():

@@ -30,6 +30,7 @@ def test_send_buffer_takes_chunks_up_to_its_limit_and_hands_them_out_as_one():
     assert buffer.num_bytes == 8
     assert buffer.take() == b"abcdefgh" and buffer.num_bytes == 0
     assert buffer.take() == b""
+    assert not buffer.push(b"abcd", num_sent_unread=7)  # 7 bytes still in the transport
 
 
 @contextlib.asynccontextmanager

@@ -3,9 +3,9 @@
 The relay hands each event to ``ClientStream.send``, which never waits: the bytes go into the
 stream's send buffer, and a writer task of its own moves them into the HTTP response. A client
 that reads slowly or not at all therefore holds up only that writer, never the relay, the event
-loop, the heartbeats or ``/metrics``; and the router holds at most ``max_buffer_bytes`` for it,
-plus up to 64 KiB in the socket's send buffer (SO_SNDBUF, which the kernel doubles) and as much
-in aiohttp's transport. It is cut off, with a
+loop, the heartbeats or ``/metrics``; and the router holds at most ``max_buffer_bytes`` for it
+(queued here and in aiohttp's transport together), plus up to 64 KiB in the socket's send
+buffer (SO_SNDBUF, which the kernel doubles). It is cut off, with a
 ``ClientGoneError`` the relay sees at its next send, when
 
 - the send buffer would grow past ``max_buffer_bytes`` (the client reads slower than the mesh
@@ -46,9 +46,10 @@ class SendBuffer:
     chunks: deque[bytes] = field(default_factory=deque)
     num_bytes: int = 0
 
-    def push(self, chunk: bytes) -> bool:
-        """Queue ``chunk``; False (nothing queued) when it would pass ``max_bytes``."""
-        if self.num_bytes + len(chunk) > self.max_bytes:
+    def push(self, chunk: bytes, num_sent_unread: int = 0) -> bool:
+        """Queue ``chunk``; False (nothing queued) when it would pass ``max_bytes`` with the
+        ``num_sent_unread`` bytes handed on but still waiting in the transport."""
+        if num_sent_unread + self.num_bytes + len(chunk) > self.max_bytes:
             return False
         self.chunks.append(chunk)
         self.num_bytes += len(chunk)
@@ -106,7 +107,10 @@ class ClientStream:
 
     def send(self, data: bytes) -> None:
         """Queue ``data`` for the client without waiting; ClientGoneError once it is cut off."""
-        if self.error is None and not self._buffer.push(data):
+        transport = self._http.transport
+        # aiohttp waits for the transport to drain only every 64 KiB: what it holds counts too
+        held = transport.get_write_buffer_size() if transport is not None else 0
+        if self.error is None and not self._buffer.push(data, held):
             self._cut(BUFFER_FULL)
         if self.error is not None:
             raise self.error
