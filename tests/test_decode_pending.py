@@ -514,3 +514,12 @@ def test_recent_ids_forget_after_their_ttl_and_beyond_their_bound():
     for key, at in (("x", 20.0), ("y", 21.0), ("z", 22.0)):
         ids.add(key, at)
     assert len(ids) == 2 and not ids.seen("x", 22.0) and ids.seen("y", 22.0)
+
+
+async def test_a_local_prefill_the_registry_gave_up_on_is_dropped_before_it_starts(decode_worker):
+    worker, rec, _ = decode_worker
+    assert (await worker.reserve(_reserve("a", 20, local=True))).ok  # its reply came too late
+    worker.cancel_lease("a", "La")
+    await _drive(worker, rec)
+    assert rec.tokens("a") == []  # never run here: the request lives on another worker
+    assert worker.engine.block_manager.num_free_blocks == 64

@@ -150,6 +150,7 @@ class DecodeWorker:
         # nobody until its lease runs out.
         self._aborted = RecentIds()
         self._cancelled_leases = RecentIds()
+        self._local_leases: dict[str, str] = {}  # accepted local prefill -> its lease id
 
     # ---- the engine loop (the service drives it) --------------------------------------------
 
@@ -183,6 +184,7 @@ class DecodeWorker:
         events: list[TokenEvent] = []
         async with self._lock:
             incoming, self._incoming = self._incoming, []
+            self._local_leases.clear()
             unused, self._read_unused = self._read_unused, []
             for fetched in unused:  # aborted requests' reads: cached (they verified), freed
                 self.reader.adopt(fetched)
@@ -358,6 +360,7 @@ class DecodeWorker:
                 self._reading[rid] = (prompt, task)
             else:
                 self._incoming.append((rid, prompt, params))
+                self._local_leases[rid] = req.lease_id
                 self._wake.set()
             return ReserveReply(True, self.worker_id)
         async with self._lock:
@@ -496,8 +499,13 @@ class DecodeWorker:
     def cancel_lease(self, request_id: str, lease_id: str) -> bool:
         """The registry gave up on the reservation it asked for under ``lease_id`` (no reply in
         time; the request went elsewhere): free its blocks at once, as nobody holds its lease
-        and nothing can write them, or refuse it if it comes later. True if blocks were freed."""
+        and nothing can write them, or refuse it if it comes later; a local prefill accepted but
+        not started yet is dropped. True if blocks were freed."""
         self._cancelled_leases.add(lease_id, self._clock())
+        if self._local_leases.get(request_id) == lease_id:  # accepted, not in the engine yet
+            del self._local_leases[request_id]
+            self._incoming = [entry for entry in self._incoming if entry[0] != request_id]
+            return False
         res = self.pending.get(request_id)
         if res is None or res.lease_id != lease_id:
             return False
