@@ -23,17 +23,22 @@ class Hearing:
 
     connected_since: float | None = 0.0  # None: disconnected now
     num_outages: int = 0
+    disconnected_at: float = 0.0  # of the last outage
+    last_outage_s: float = 0.0  # how long the last outage that ended lasted
 
     @property
     def is_connected(self) -> bool:
         return self.connected_since is not None
 
-    def on_disconnected(self) -> None:
+    def on_disconnected(self, now: float) -> None:
         if self.connected_since is not None:
             self.num_outages += 1
+            self.disconnected_at = now
         self.connected_since = None
 
     def on_reconnected(self, now: float) -> None:
+        if self.connected_since is None:
+            self.last_outage_s = max(0.0, now - self.disconnected_at)
         self.connected_since = now
 
     def silence(self, last_heard: float, now: float) -> float:

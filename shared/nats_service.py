@@ -110,7 +110,7 @@ async def connect_nats(
         if closing or nc.is_closed:
             return
         if hearing is not None:
-            hearing.on_disconnected()
+            hearing.on_disconnected(time.monotonic())
         log.warning("nats disconnected, reconnecting", name=name, url=shown)
 
     async def on_reconnected() -> None:

@@ -94,6 +94,13 @@ class WriteLeaseTable(Generic[L]):
     def leases(self) -> list[L]:
         return list(self._by_request.values())
 
+    def postpone(self, seconds: float) -> None:
+        """The holders could not reach us for ``seconds`` (a NATS outage): no renewal could
+        come, so every deadline moves that much later; a lease runs out only after a whole
+        lease of silence heard with the connection up."""
+        for lease in self._by_request.values():
+            lease.deadline += seconds
+
     def next_deadline(self) -> float | None:
         return min((x.deadline for x in self._by_request.values()), default=None)
 

@@ -523,3 +523,14 @@ async def test_a_local_prefill_the_registry_gave_up_on_is_dropped_before_it_star
     await _drive(worker, rec)
     assert rec.tokens("a") == []  # never run here: the request lives on another worker
     assert worker.engine.block_manager.num_free_blocks == 64
+
+
+async def test_a_nats_outage_postpones_every_lease_by_its_length(decode_worker):
+    worker, rec, now = decode_worker
+    assert (await worker.reserve(_reserve("a", 20, lease_ms=1000))).ok  # due at 101.0
+    now[0] += 0.9
+    worker.postpone_leases(10.0)  # NATS was down 10 s: the router could not renew
+    now[0] += 5.0
+    assert worker.expire_leases() == []  # 5.9 s after the reservation, 1 s lease: still held
+    now[0] += 5.2
+    assert [a.request_id for a in worker.expire_leases()] == ["a"]

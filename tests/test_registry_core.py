@@ -249,7 +249,7 @@ def test_a_nats_outage_drops_nobody_and_teaches_no_interval() -> None:
     stores = StoreTable(3.0, hearing=hearing)
     registry.observe_advert(advert("a"), now=1.0)
     registry.observe_advert(advert("b"), now=1.0)
-    hearing.on_disconnected()  # the nats-server restarts: 10 s without a message
+    hearing.on_disconnected(1.0)  # the nats-server restarts: 10 s without a message
     assert registry.expire(now=11.0) == ([], [])
     assert stores.expire(now=11.0) == []
     hearing.on_reconnected(11.0)

@@ -35,7 +35,7 @@ def test_an_outage_kills_nobody_and_silence_counts_again_from_the_reconnect():
     hearing = Hearing(connected_since=0.0)
     pool = WorkerPool(liveness_s=3.0, started_at=0.0, hearing=hearing)
     pool.on_heartbeat("d0", "ready", 10.0)
-    hearing.on_disconnected()  # NATS goes at 10.5 s, for 10 s
+    hearing.on_disconnected(10.5)  # NATS goes for 10 s
     assert pool.num_ready(20.0) == 1
     hearing.on_reconnected(20.5)
     assert pool.num_ready(23.0) == 1  # 2.5 s heard since the reconnect: not gone yet

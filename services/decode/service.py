@@ -36,6 +36,7 @@ from kvmesh.shared.descriptor import TransportDescriptor
 from kvmesh.shared.engine.config import EngineConfig
 from kvmesh.shared.engine.kv_cache import KVCacheSpec
 from kvmesh.shared.engine.llm_engine import LLMEngine
+from kvmesh.shared.hearing import Hearing
 from kvmesh.shared.kv_store_client import KvStoreClient
 from kvmesh.shared.kv_store_prefix import PrefixReader
 from kvmesh.shared.model.config import parse_dtype
@@ -119,9 +120,12 @@ class DecodeService:
         worker: DecodeWorker,
         transport: Transport | None,
         nc: Client,
+        hearing: Hearing | None = None,
         **advert: Any,
     ) -> None:
+        """``hearing``: the NATS connection's outages; no lease runs out during one."""
         self.config = config
+        self.hearing = hearing or Hearing()
         self.worker = worker
         self.transport = transport
         self.nc = nc
@@ -249,9 +253,17 @@ class DecodeService:
             log.debug("cache report not sent", subject=subject, error=str(exc))
 
     async def lease_loop(self) -> None:
-        """Expire leases every ``lease_check_s``; tell each expired lease's prefill to stop."""
+        """Expire leases every ``lease_check_s``; tell each expired lease's prefill to stop.
+        Not while NATS is down, and an outage moves every deadline by its length: no holder
+        could renew meanwhile."""
+        num_outages = self.hearing.num_outages
         while True:
             await asyncio.sleep(self.config.lease_check_s)
+            if not self.hearing.is_connected:
+                continue
+            if self.hearing.num_outages != num_outages:
+                num_outages = self.hearing.num_outages
+                self.worker.postpone_leases(self.hearing.last_outage_s)
             for abort in self.worker.expire_leases():
                 try:
                     await self.nc.publish(self.config.subjects.ABORT, encode_message(abort))
@@ -362,11 +374,14 @@ async def decode_service(config: DecodeConfig) -> AsyncIterator[DecodeService]:
         peer_id=worker_id, tcp_host=bind_host, tcp_advertise_host=advertise_host
     )
     subjects = config.subjects
+    hearing = Hearing(connected_since=time.monotonic())
     async with (
         create_transport(config.transport, tconf)
         if disagg
         else contextlib.nullcontext() as transport,
-        connect_nats(config.nats_url, worker_id, security=config.nats_security) as nc,
+        connect_nats(
+            config.nats_url, worker_id, security=config.nats_security, hearing=hearing
+        ) as nc,
     ):
         # On the host the pool lives in transport memory (shm: a segment the prefill maps);
         # device pools are the engine's own and need a backend that reaches them (rdma).
@@ -415,6 +430,7 @@ async def decode_service(config: DecodeConfig) -> AsyncIterator[DecodeService]:
             worker,
             transport,
             nc,
+            hearing,
             descriptor=(
                 TransportDescriptor.from_peer(transport.descriptor().public())
                 if transport

@@ -516,6 +516,10 @@ class DecodeWorker:
         self._settle(verdict)
         return True
 
+    def postpone_leases(self, seconds: float) -> None:
+        """NATS was down for ``seconds``: no holder could renew (WriteLeaseTable.postpone)."""
+        self.pending.postpone(seconds)
+
     def expire_leases(self) -> list[Abort]:
         """Fail reservations whose lease ran out; their blocks are quarantined until their
         prefill has stopped writing (see PendingTable). Returns the Aborts that tell those
