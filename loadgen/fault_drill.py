@@ -420,7 +420,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--prefill", type=int, default=2)
     p.add_argument("--decode", type=int, default=2)
-    p.add_argument("--decode-pacing-ms", type=float, default=50.0)
+    p.add_argument("--decode-pacing-ms", type=float, default=0.0, help="kvmesh up's (0)")
     p.add_argument("--draft", choices=("ngram", "none"), default="ngram")
     p.add_argument("--kv-store", type=int, default=1)
     p.add_argument("--seed", type=int, default=33)
