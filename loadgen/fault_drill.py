@@ -7,7 +7,8 @@ Scenarios (docs/faults.md; each on a mesh ``kvmesh up``'s Launcher starts, its s
   the supervisor starts it again on its port after ``--outage-s``;
 - ``registry-kill``: requests whose placement the kv-registry holds (it is stopped, asked, then
   killed); the supervisor restarts it and the router asks the new one;
-- ``decode-stop``: SIGSTOP of a decode worker for ``--outage-s`` under load, then SIGCONT;
+- ``decode-stop``: SIGSTOP of a decode worker for ``--outage-s`` under load, then SIGCONT (its
+  blocks are counted from the SIGCONT if the load ended first);
 - ``stalled-clients``: clients that stop reading (small receive buffers) beside normal streams.
 
 Each prints how many requests ended with the offline engine's greedy text, how many with a clear
@@ -254,8 +255,10 @@ async def decode_stop(
         await asyncio.sleep(outage_s)
     finally:
         os.kill(decode.pid, signal.SIGCONT)
+    resumed = time.monotonic()
     outcomes = await load
-    return outcomes, await blocks_back_s(mesh, _end_of(outcomes))
+    # a stopped worker frees nothing: from the end of the load or the SIGCONT, the later
+    return outcomes, await blocks_back_s(mesh, max(_end_of(outcomes), resumed))
 
 
 def _stalled_client(port: int, prompt: list[int], max_tokens: int) -> socket.socket:

@@ -526,7 +526,7 @@ async def test_a_local_prefill_the_registry_gave_up_on_is_dropped_before_it_star
 
 
 async def test_a_nats_outage_postpones_every_lease_by_its_length(decode_worker):
-    worker, rec, now = decode_worker
+    worker, _, now = decode_worker
     assert (await worker.reserve(_reserve("a", 20, lease_ms=1000))).ok  # due at 101.0
     now[0] += 0.9
     worker.postpone_leases(10.0)  # NATS was down 10 s: the router could not renew
