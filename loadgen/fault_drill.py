@@ -322,11 +322,19 @@ async def stalled_clients(
     if left > 0:
         await asyncio.sleep(left)
     poller.cancel()
+    text = await asyncio.to_thread(
+        lambda: urllib.request.urlopen(f"{mesh.url}/metrics", timeout=10).read().decode()
+    )
     for sock in socks:
         sock.close()
     ended = time.monotonic()
     return {
         "normal": outcomes,
+        "cutoffs": sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("kvmesh_router_client_cutoffs_total{")
+        ),
         "metrics_s": polls,
         "blocks_back_s": await blocks_back_s(mesh, ended),
     }
@@ -373,8 +381,8 @@ def run(args: argparse.Namespace) -> int:
                 f"stalled-clients: {len(stalled)} stalled for {args.outage_s:g} s; "
                 f"{len(gaps)} normal streams, worst token gap {max(gaps):.3f} s (median of "
                 f"worst {statistics.median(gaps):.3f} s), {len(errors)} failed; /metrics worst "
-                f"{max(result['metrics_s']):.3f} s; blocks back {result['blocks_back_s']} s "
-                "after the clients closed"
+                f"{max(result['metrics_s']):.3f} s; {result['cutoffs']:g} cut off by the router "
+                f"before they closed; blocks back {result['blocks_back_s']} s after they closed"
             )
             return 0
         expected = _offline(prompts, args.max_tokens)
