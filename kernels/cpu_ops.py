@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 import structlog
 import torch
 import torch.nn.functional as F
+from kvmesh.shared.cache_dir import cache_dir, temp_cache_dir
 from kvmesh.shared.engine.kv_quant import e4m3_lut
 
 if TYPE_CHECKING:
@@ -98,20 +99,6 @@ class CpuOpsBuildError(RuntimeError):
     """The C compiler is missing or failed; the message has its output."""
 
 
-def cache_dir() -> Path:
-    if os.environ.get("KVMESH_CACHE_DIR"):
-        return Path(os.environ["KVMESH_CACHE_DIR"])
-    try:
-        base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    except RuntimeError:  # no home directory
-        return _temp_cache_dir()
-    return Path(base) / "kvmesh"
-
-
-def _temp_cache_dir() -> Path:
-    return Path(tempfile.gettempdir()) / f"kvmesh-cache-{os.getuid()}"
-
-
 def _cpu_fingerprint() -> str:
     """The CPU feature flags -march=native compiles for (empty where /proc/cpuinfo is absent)."""
     try:
@@ -136,7 +123,7 @@ def build(directory: Path | None = None, compiler: str | None = None) -> Path:
     try:
         return _compile(cc, cache_dir() / name)
     except OSError:  # a read-only or broken cache folder: the temp folder will do
-        return _compile(cc, _temp_cache_dir() / name)
+        return _compile(cc, temp_cache_dir() / name)
 
 
 def _compile(cc: str, target: Path) -> Path:
