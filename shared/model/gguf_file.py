@@ -70,14 +70,19 @@ def read_gguf(path: str | Path) -> GGUFFile:
     path = Path(path)
     if not path.is_file():
         raise GGUFError(f"{path}: no such file")
+    size = path.stat().st_size
     try:
         reader = GGUFReader(path)
     except Exception as e:  # gguf raises ValueError, KeyError, IndexError on damaged headers
+        if _read_past_the_end(e):
+            raise GGUFError(
+                f"{path}: truncated file: it ends ({size} bytes) before its header or tensor "
+                f"data does ({type(e).__name__}: {e}); download or convert it again"
+            ) from None
         raise GGUFError(
             f"{path}: not a readable GGUF file ({type(e).__name__}: {e}); is it a .gguf "
             "written by llama.cpp's converter, complete and uncorrupted?"
         ) from None
-    size = path.stat().st_size
     metadata = {name: _field_value(field) for name, field in reader.fields.items()}
     tensors: dict[str, GGUFTensor] = {}
     for t in reader.tensors:
@@ -98,6 +103,14 @@ def read_gguf(path: str | Path) -> GGUFFile:
             f"{', '.join(SUPPORTED_GGUF_ARCHITECTURES)} GGUF files"
         )
     return gguf_file
+
+
+def _read_past_the_end(error: Exception) -> bool:
+    """Whether gguf failed on a short read: a slice of the memory map past the file's end comes
+    back short, and reshaping or indexing it fails."""
+    if isinstance(error, IndexError):
+        return True
+    return isinstance(error, ValueError) and "cannot reshape array" in str(error)
 
 
 def _field_value(field: Any) -> Any:
