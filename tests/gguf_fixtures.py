@@ -65,6 +65,32 @@ def vocabulary() -> Vocabulary:
     return Vocabulary(tokens, types, merges)
 
 
+def sentencepiece_vocabulary() -> tuple[Vocabulary, list[float]]:
+    """A SentencePiece-style vocabulary as llama.cpp stores one: <unk>, <s>, </s>, the 256
+    <0xNN> byte tokens, then pieces ("▁" for spaces) trained as BPE on ``CORPUS``, each scored
+    by its rank (earlier pieces merge first), and the user-defined tokens."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    trainer = trainers.BpeTrainer(vocab_size=300, show_progress=False)
+    tok.train_from_iterator(CORPUS * 4, trainer)
+    pieces = sorted(json.loads(tok.to_str())["model"]["vocab"].items(), key=lambda kv: kv[1])
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    types = [2, 3, 3] + [6] * 256
+    scores = [0.0] * len(tokens)
+    for piece, rank in pieces:
+        tokens.append(piece)
+        types.append(1)
+        scores.append(-float(rank))
+    tokens += list(USER_DEFINED)
+    types += [4] * len(USER_DEFINED)
+    scores += [0.0] * len(USER_DEFINED)
+    return Vocabulary(tokens, types, []), scores
+
+
 def hf_weights(vocab_size: int, seed: int = 3) -> dict[str, np.ndarray]:
     """float32 weights under HF Llama names (tied embeddings: no lm_head)."""
     rng = np.random.default_rng(seed)
@@ -158,7 +184,13 @@ def write_gguf(
     quantization round trip they are not: compare dequantized values with a tolerance)."""
     import gguf
 
-    vocab = vocabulary()
+    scores = None
+    if tokenizer_model == "llama":
+        vocab, scores = sentencepiece_vocabulary()
+        bos, eos = "<s>", "</s>"
+    else:
+        vocab = vocabulary()
+        bos, eos = "<|im_start|>", "<|im_end|>"
     weights = hf_weights(len(vocab.tokens), seed)
     rng = np.random.default_rng(seed + 1)
     writer = gguf.GGUFWriter(str(path), arch)
@@ -176,10 +208,15 @@ def write_gguf(
     writer.add_tokenizer_pre(pre)
     writer.add_token_list(vocab.tokens)
     writer.add_token_types(vocab.types)
-    writer.add_token_merges(vocab.merges)
-    writer.add_bos_token_id(vocab.tokens.index("<|im_start|>"))
-    writer.add_eos_token_id(vocab.tokens.index("<|im_end|>"))
-    writer.add_add_bos_token(False)
+    if scores is None:
+        writer.add_token_merges(vocab.merges)
+        writer.add_add_bos_token(False)
+    else:
+        writer.add_token_scores(scores)
+        writer.add_unk_token_id(0)
+        writer.add_add_bos_token(True)
+    writer.add_bos_token_id(vocab.tokens.index(bos))
+    writer.add_eos_token_id(vocab.tokens.index(eos))
     writer.add_chat_template(CHAT_TEMPLATE)
     two_d = 0
     for hf, values in weights.items():

@@ -220,10 +220,10 @@ def test_tensor_with_no_place_in_a_llama_is_refused(tmp_path) -> None:
     assert "'blk.0.ffn_gate_inp.weight'" in message and "not a plain Llama" in message
 
 
-def test_sentencepiece_vocabulary_is_refused_before_the_weights(tmp_path) -> None:
-    write_gguf(tmp_path / "spm.gguf", tokenizer_model="llama")
-    message = _refused(tmp_path / "spm.gguf", tmp_path / "out")
-    assert "tokenizer 'llama' is not supported" in message and "SentencePiece" in message
+def test_other_vocabulary_kinds_are_refused_before_the_weights(tmp_path) -> None:
+    write_gguf(tmp_path / "bert.gguf", tokenizer_model="bert")
+    message = _refused(tmp_path / "bert.gguf", tmp_path / "out")
+    assert "tokenizer 'bert' is not supported" in message and "SentencePiece" in message
 
 
 def test_unknown_pre_tokenizer_is_refused_by_name(tmp_path) -> None:
@@ -272,3 +272,73 @@ def test_cli_import_prints_the_directory_and_refuses_in_one_line(synthetic, tmp_
     )
     assert out.returncode == 1
     assert out.stderr.strip().count("\n") == 0 and "kvmesh model import:" in out.stderr
+
+
+# --- SentencePiece vocabularies (Llama 2, Mistral, TinyLlama) --------------------------------
+
+SPM_TEXTS = ["The capital of France is Paris.", "Été à Paris 🙂 12 2024\nnew line"]
+
+
+@pytest.fixture(scope="module")
+def sentencepiece(tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("spm")
+    write_gguf(root / "spm.gguf", tokenizer_model="llama", pre="default")
+    import_gguf(root / "spm.gguf", root / "imported")
+    return root / "spm.gguf", root / "imported"
+
+
+def test_sentencepiece_tokenizer_matches_transformers_on_plain_text(sentencepiece) -> None:
+    """Merges from the scores, byte fallback for what the vocabulary lacks (é, the emoji), BOS
+    added: transformers' GGUF tokenizer gives the same ids and both decode to the text."""
+    transformers = pytest.importorskip("transformers")
+    from kvmesh.shared.tokenizer import Tokenizer
+
+    path, directory = sentencepiece
+    ours = Tokenizer.from_pretrained(directory)
+    theirs = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    for text in SPM_TEXTS:
+        ids = ours.encode(text)
+        assert ids == theirs(text).input_ids, text
+        assert ids[0] == ours.bos_token_id and ours.decode(ids) == text
+    assert ours.token_to_id("<0xF0>") in ours.encode("🙂")  # not in the vocabulary: bytes
+
+
+def test_sentencepiece_prefixes_every_text_piece_with_a_space_as_llamacpp(sentencepiece) -> None:
+    """llama.cpp (and SentencePiece's dummy prefix) put "▁" before every piece of text, also
+    one that starts with spaces or follows a special token; transformers' Llama tokenizer
+    prepends it only at the start, and not before a space. kvmesh follows llama.cpp."""
+    from kvmesh.shared.tokenizer import Tokenizer
+
+    ours = Tokenizer.from_pretrained(sentencepiece[1])
+    space = ours.token_to_id("▁")
+    assert ours.encode("  two", add_special_tokens=False)[:3] == [space] * 3
+    after_special = ours.encode("</s>hi there", add_special_tokens=False)
+    assert after_special == [ours.token_to_id("</s>"), *ours.encode("hi there", False)]
+
+
+def test_sentencepiece_tokenizer_matches_llamacpp(sentencepiece) -> None:
+    llama_cpp = pytest.importorskip(
+        "llama_cpp", reason="llama-cpp-python is installed by make bench-deps"
+    )
+    from kvmesh.shared.tokenizer import Tokenizer
+
+    path, directory = sentencepiece
+    ours = Tokenizer.from_pretrained(directory)
+    llm = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
+    for text in [*SPM_TEXTS, "  two leading spaces", "</s> after a special <think> token"]:
+        expected = llm.tokenize(text.encode(), add_bos=True, special=True)
+        assert ours.encode(text) == expected, text
+
+
+def test_sentencepiece_model_loads_and_gives_transformers_logits(sentencepiece) -> None:
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    path, directory = sentencepiece
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    ).eval()
+    model, tokenizer = load_model(str(directory))
+    ids = tokenizer.encode(SPM_TEXTS[0])
+    with torch.no_grad():
+        expected = reference(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(kvmesh_logits(model, ids), expected, rtol=1e-4, atol=1e-4)

@@ -1,15 +1,19 @@
 """A GGUF's tokenizer metadata as ``tokenizer.json`` + ``tokenizer_config.json``.
 
 A GGUF carries no tokenizer.json: llama.cpp keeps the vocabulary (``tokenizer.ggml.tokens``),
-each token's type (normal, control, user-defined ...), the BPE merges, the special token ids, a
-pre-tokenizer *name* (``tokenizer.ggml.pre``: which regex splits text before the merges) and the
-chat template. This module rebuilds the ``tokenizers`` tokenizer llama.cpp runs from those: a
-byte-level BPE over the same ids, the pre-tokenizer llama.cpp's ``llama-vocab.cpp`` uses for that
-name (a table below, refused by name when absent), control tokens as special added tokens and
-user-defined ones as plain added tokens, both matched whole in text as llama.cpp does.
+each token's type (normal, control, user-defined, byte ...), the BPE merges or SentencePiece
+scores, the special token ids, a pre-tokenizer *name* (``tokenizer.ggml.pre``: which regex splits
+text before the merges) and the chat template. This module rebuilds the ``tokenizers`` tokenizer
+llama.cpp runs from those, over the same ids:
 
-Only byte-level BPE vocabularies (``tokenizer.ggml.model == "gpt2"``: SmolLM, Llama 3, Qwen2 ...)
-are rebuilt; SentencePiece ones (``"llama"``: Llama 2, Mistral, TinyLlama) are refused in one line.
+- byte-level BPE (``tokenizer.ggml.model == "gpt2"``: SmolLM, Llama 3, Qwen2 ...): the file's
+  merges, and the pre-tokenizer llama.cpp's ``llama-vocab.cpp`` uses for the file's ``pre`` name
+  (a table below; a name not in it is refused);
+- SentencePiece BPE (``"llama"``: Llama 2, Mistral, TinyLlama): merges ranked by the scores, as
+  transformers converts a SentencePiece model, "▁" for spaces, byte fallback;
+
+control tokens as special added tokens and user-defined ones as plain added tokens, both matched
+whole in text as llama.cpp does. Other vocabularies (WordPiece, Unigram ...) are refused.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from typing import Any
 from kvmesh.shared.model.gguf_file import GGUFError, GGUFFile
 
 # llama.cpp's token types (llama_token_type in llama.h)
+NORMAL = 1
 CONTROL = 3
 USER_DEFINED = 4
 
@@ -69,25 +74,17 @@ class GGUFTokenizer:
 
 def build_tokenizer(gguf: GGUFFile) -> GGUFTokenizer:
     """The file's tokenizer, ids equal to the GGUF's token indices."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import AddedToken
 
     kind = gguf.metadata.get("tokenizer.ggml.model")
-    if kind != "gpt2":
+    if kind not in ("gpt2", "llama"):
         raise GGUFError(
             f"{gguf.path}: tokenizer {kind!r} is not supported; kvmesh rebuilds byte-level BPE "
-            "tokenizers (tokenizer.ggml.model 'gpt2': SmolLM, Llama 3, Qwen2), not SentencePiece "
-            "('llama': Llama 2, Mistral): import the Hugging Face checkpoint instead"
-        )
-    pre_name = gguf.metadata.get("tokenizer.ggml.pre", "gpt-2")
-    pre = PRE_TOKENIZERS.get(pre_name)
-    if pre is None:
-        raise GGUFError(
-            f"{gguf.path}: pre-tokenizer {pre_name!r} is not in kvmesh's table (known: "
-            f"{', '.join(sorted(PRE_TOKENIZERS))}); add it to shared/model/gguf_tokenizer.py"
+            "('gpt2': SmolLM, Llama 3, Qwen2) and SentencePiece BPE ('llama': Llama 2, Mistral, "
+            "TinyLlama) vocabularies"
         )
     tokens: list[str] = list(gguf.require("tokenizer.ggml.tokens"))
     types: list[int] = list(gguf.metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens))
-    merges = [tuple(m.split(" ", 1)) for m in gguf.metadata.get("tokenizer.ggml.merges") or []]
     if len(types) != len(tokens):
         raise GGUFError(
             f"{gguf.path}: {len(tokens)} tokens but {len(types)} token types; the file is damaged"
@@ -95,14 +92,10 @@ def build_tokenizer(gguf: GGUFFile) -> GGUFTokenizer:
     vocab = {token: i for i, token in enumerate(tokens)}
     if len(vocab) != len(tokens):
         raise GGUFError(f"{gguf.path}: the vocabulary lists a token twice; the file is damaged")
-
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=pre.ignore_merges))
-    steps = [pre_tokenizers.Digits(individual_digits=True)] if pre.digits_first else []
-    if pre.split is not None:
-        steps.append(pre_tokenizers.Split(Regex(pre.split), behavior="isolated"))
-    steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pre.split is None))
-    tok.pre_tokenizer = pre_tokenizers.Sequence(steps)
-    tok.decoder = decoders.ByteLevel()
+    if kind == "gpt2":
+        tok, default_add_bos = _byte_level_bpe(gguf, vocab)
+    else:
+        tok, default_add_bos = _sentencepiece_bpe(gguf, vocab, types)
     tok.add_special_tokens(
         [
             AddedToken(t, special=True, normalized=False)
@@ -127,7 +120,7 @@ def build_tokenizer(gguf: GGUFFile) -> GGUFTokenizer:
             raise GGUFError(f"{gguf.path}: tokenizer.ggml.{key} {i} is outside the vocabulary")
         return tokens[int(i)]
 
-    add_bos = bool(gguf.metadata.get("tokenizer.ggml.add_bos_token", pre.add_bos))
+    add_bos = bool(gguf.metadata.get("tokenizer.ggml.add_bos_token", default_add_bos))
     add_eos = bool(gguf.metadata.get("tokenizer.ggml.add_eos_token", False))
     bos, eos = token("bos_token_id"), token("eos_token_id")
     _set_post_processor(tok, bos if add_bos else None, eos if add_eos else None)
@@ -150,6 +143,76 @@ def build_tokenizer(gguf: GGUFFile) -> GGUFTokenizer:
     if template:
         config["chat_template"] = template
     return GGUFTokenizer(tok, config)
+
+
+def _byte_level_bpe(gguf: GGUFFile, vocab: dict[str, int]) -> tuple[Any, bool]:
+    """A byte-level BPE (tokenizer.ggml.model "gpt2") and llama.cpp's add_bos default for it."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    pre_name = gguf.metadata.get("tokenizer.ggml.pre", "gpt-2")
+    pre = PRE_TOKENIZERS.get(pre_name)
+    if pre is None:
+        raise GGUFError(
+            f"{gguf.path}: pre-tokenizer {pre_name!r} is not in kvmesh's table (known: "
+            f"{', '.join(sorted(PRE_TOKENIZERS))}); add it to shared/model/gguf_tokenizer.py"
+        )
+    merges = [tuple(m.split(" ", 1)) for m in gguf.metadata.get("tokenizer.ggml.merges") or []]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=pre.ignore_merges))
+    steps = [pre_tokenizers.Digits(individual_digits=True)] if pre.digits_first else []
+    if pre.split is not None:
+        steps.append(pre_tokenizers.Split(Regex(pre.split), behavior="isolated"))
+    steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pre.split is None))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(steps)
+    tok.decoder = decoders.ByteLevel()
+    return tok, pre.add_bos
+
+
+def _sentencepiece_bpe(gguf: GGUFFile, vocab: dict[str, int], types: list[int]) -> tuple[Any, bool]:
+    """A SentencePiece BPE vocabulary (tokenizer.ggml.model "llama") as llama.cpp runs it:
+    spaces as "▁", one prepended to each piece of text (llama.cpp's add_space_prefix), merges
+    ranked by the merged piece's score, bytes outside the vocabulary as <0xNN> tokens. llama.cpp
+    adds BOS by default for it."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    scores = gguf.metadata.get("tokenizer.ggml.scores")
+    if scores is None or len(scores) != len(vocab):
+        raise GGUFError(
+            f"{gguf.path}: a SentencePiece vocabulary needs a score per token "
+            "(tokenizer.ggml.scores); the file is incomplete"
+        )
+    pieces = {t: i for t, i in vocab.items() if types[i] in (NORMAL, USER_DEFINED)}
+    merges = sentencepiece_merges(pieces, {t: float(scores[i]) for t, i in pieces.items()})
+    unk_id = gguf.metadata.get("tokenizer.ggml.unknown_token_id")
+    unk = next((t for t, i in vocab.items() if i == unk_id), None)
+    tok = Tokenizer(
+        models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=True)
+    )
+    prefix = bool(gguf.metadata.get("tokenizer.ggml.add_space_prefix", True))
+    # A normalizer, not a Metaspace pre-tokenizer: it runs on each piece of text between added
+    # tokens, and llama.cpp prefixes every such piece with a space (and never merges it away
+    # when the text already starts with one), as SentencePiece's dummy prefix does.
+    spaces = [normalizers.Replace(" ", "▁")]
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), *spaces] if prefix else spaces)
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if prefix:
+        steps.append(decoders.Strip(content=" ", left=1))
+    tok.decoder = decoders.Sequence(steps)
+    return tok, True
+
+
+def sentencepiece_merges(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
+    """BPE merges that reproduce SentencePiece's choices: every split of a piece into two
+    pieces, best merged score first (as transformers' ``generate_merges``)."""
+    merges = []
+    for piece, score in scores.items():
+        local = [
+            (piece[:i], piece[i:], score)
+            for i in range(1, len(piece))
+            if piece[:i] in vocab and piece[i:] in vocab
+        ]
+        merges += sorted(local, key=lambda m: (vocab[m[0]], vocab[m[1]]))
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(left, right) for left, right, _ in merges]
 
 
 def _set_post_processor(tok: Any, bos: str | None, eos: str | None) -> None:
