@@ -50,7 +50,11 @@ def register_engine(sub: Any) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "engine", help="prefill/decode tokens/s: kvmesh vs transformers generate (and llama.cpp)"
     )
-    p.add_argument("--model", default="kvmesh-tiny", help="HF checkpoint dir or kvmesh-tiny")
+    p.add_argument(
+        "--model",
+        default="kvmesh-tiny",
+        help="kvmesh-tiny, a checkpoint dir, a fetchable model or a .gguf file",
+    )
     p.add_argument("--json", action="store_true")
     p.add_argument("--prompt-len", type=int, default=2048)
     p.add_argument("--decode-prompt-len", type=int, default=64)
@@ -312,6 +316,9 @@ def run(args: argparse.Namespace) -> int:
             llamacpp_runner.require(converter)
         except llamacpp_runner.LlamaCppMissingError as exc:
             raise SystemExit(f"kvmesh bench engine: {exc}") from None
+    from kvmesh.shared.model.model_ref import model_path
+
+    args.model = model_path(args.model, "kvmesh bench engine")
     torch.set_num_threads(args.threads)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     rng = random.Random(0)

@@ -336,7 +336,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="multi-turn chat TTFT and computed prefill tokens, store + prefix routing vs without",
     )
-    g.add_argument("--model", default="kvmesh-tiny", help="kvmesh-tiny or a checkpoint directory")
+    g.add_argument(
+        "--model",
+        default="kvmesh-tiny",
+        help="kvmesh-tiny, a checkpoint dir, a fetchable model or a .gguf file",
+    )
     g.add_argument("--conversations", type=int, default=16, help="chats sharing the system prompt")
     g.add_argument("--turns", type=int, default=8, help="turns of each conversation")
     g.add_argument("--system-len", type=int, default=2048, help="shared system prompt tokens")
@@ -389,6 +393,9 @@ def load_tokenizer(model: str) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     from kvmesh.loadgen.arrivals import ArrivalProcess, arrival_times
+    from kvmesh.shared.model.model_ref import model_path
+
+    args.model = model_path(args.model, "kvmesh bench kv")
 
     try:
         spec = MultiTurnSpec(

@@ -216,6 +216,9 @@ def draft_setups(
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvmesh.shared.model.model_ref import model_path
+
+    args.model = model_path(args.model, "kvmesh bench spec")
     batches = [int(b) for b in args.batches.split(",")]
     setups = draft_setups(
         args.methods,
@@ -293,7 +296,11 @@ def register_spec(sub: Any) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "spec", help="speculative decoding: mesh tokens/s with each draft method vs without"
     )
-    p.add_argument("--model", default=MODEL)
+    p.add_argument(
+        "--model",
+        default=MODEL,
+        help="kvmesh-tiny, a checkpoint dir, a fetchable model or a .gguf file",
+    )
     p.add_argument("--transport", default="shm", choices=("auto", "shm", "tcp"))
     p.add_argument("--methods", default="ngram,early-exit", help="comma-separated draft methods")
     p.add_argument("--k", type=int, default=4, help="draft tokens per proposal")

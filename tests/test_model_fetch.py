@@ -206,3 +206,12 @@ def test_cli_fetch_help_lists_the_fetchable_models() -> None:
         text=True,
     )
     assert out.returncode == 0 and "smollm2-135m-instruct" in out.stdout
+
+
+def test_commands_take_a_model_name_and_refuse_nothing_in_one_line(cache, tmp_path) -> None:
+    from kvmesh.shared.model.model_ref import model_path
+
+    assert model_path("kvmesh-tiny", "kvmesh generate") == "kvmesh-tiny"
+    assert model_path(str(tmp_path), "kvmesh generate") == str(tmp_path)
+    with pytest.raises(SystemExit, match=r"^kvmesh bench spec: --model '/no/such': not "):
+        model_path("/no/such", "kvmesh bench spec")

@@ -47,6 +47,18 @@ def resolve_model(ref: str, progress: Callable[[str], None] = lambda _: None) ->
     )
 
 
+def model_path(ref: str, command: str) -> str:
+    """``resolve_model(ref).path`` for a command's ``--model``; SystemExit with one line naming
+    ``command`` where it cannot be had."""
+    from kvmesh.shared.model.fetch import FetchError
+    from kvmesh.shared.model.gguf_file import GGUFError
+
+    try:
+        return resolve_model(ref).path
+    except (FetchError, GGUFError, ModelRefError) as e:
+        raise SystemExit(f"{command}: {e}") from None
+
+
 def import_cached_gguf(path: Path, progress: Callable[[str], None] = lambda _: None) -> Path:
     """The cache's import of the GGUF at ``path``, made unless the cache holds it already."""
     from kvmesh.shared.model.fetch import models_dir
