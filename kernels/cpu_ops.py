@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING
 import structlog
 import torch
 import torch.nn.functional as F
-from kvmesh.shared.cache_dir import cache_dir, temp_cache_dir
+from kvmesh.shared.cache_dir import cache_dir
+from kvmesh.shared.cache_dir import temp_cache_dir as _temp_cache_dir
 from kvmesh.shared.engine.kv_quant import e4m3_lut
 
 if TYPE_CHECKING:
@@ -123,7 +124,7 @@ def build(directory: Path | None = None, compiler: str | None = None) -> Path:
     try:
         return _compile(cc, cache_dir() / name)
     except OSError:  # a read-only or broken cache folder: the temp folder will do
-        return _compile(cc, temp_cache_dir() / name)
+        return _compile(cc, _temp_cache_dir() / name)
 
 
 def _compile(cc: str, target: Path) -> Path:
