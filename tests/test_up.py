@@ -216,8 +216,9 @@ def test_up_serves_requests_and_ctrl_c_leaves_no_process_behind(tmp_path: Path) 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_up_stops_everything_when_a_service_fails_to_start(tmp_path: Path) -> None:
-    missing = tmp_path / "no-such-model"
-    proc, _, err, _, _ = launch(tmp_path, "--model", str(missing))
+    not_a_checkpoint = tmp_path / "empty-model"  # a folder: only the services find it wanting
+    not_a_checkpoint.mkdir()
+    proc, _, err, _, _ = launch(tmp_path, "--model", str(not_a_checkpoint))
     try:
         assert proc.wait(240) == 1
         text = err.read_text()
@@ -227,6 +228,15 @@ def test_up_stops_everything_when_a_service_fails_to_start(tmp_path: Path) -> No
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_up_refuses_a_model_that_names_nothing_before_starting_anything(tmp_path: Path) -> None:
+    proc, _, err, _, _ = launch(tmp_path, "--model", str(tmp_path / "no-such-model"))
+    assert proc.wait(60) == 1
+    assert err.read_text().strip().splitlines() == [
+        f"kvmesh up: --model '{tmp_path / 'no-such-model'}': not 'kvmesh-tiny', a checkpoint "
+        "directory, a .gguf file or a fetchable model (smollm2-135m-instruct)"
+    ]
 
 
 @pytest.mark.timeout(300)
