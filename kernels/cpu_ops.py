@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING
 import structlog
 import torch
 import torch.nn.functional as F
+from kvmesh.shared.cache_dir import cache_dir
+from kvmesh.shared.cache_dir import temp_cache_dir as _temp_cache_dir
 from kvmesh.shared.engine.kv_quant import e4m3_lut
 
 if TYPE_CHECKING:
@@ -96,20 +98,6 @@ def pack_linear_weight(weight: torch.Tensor) -> PackedWeight:
 
 class CpuOpsBuildError(RuntimeError):
     """The C compiler is missing or failed; the message has its output."""
-
-
-def cache_dir() -> Path:
-    if os.environ.get("KVMESH_CACHE_DIR"):
-        return Path(os.environ["KVMESH_CACHE_DIR"])
-    try:
-        base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    except RuntimeError:  # no home directory
-        return _temp_cache_dir()
-    return Path(base) / "kvmesh"
-
-
-def _temp_cache_dir() -> Path:
-    return Path(tempfile.gettempdir()) / f"kvmesh-cache-{os.getuid()}"
 
 
 def _cpu_fingerprint() -> str:

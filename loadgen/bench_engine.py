@@ -24,6 +24,8 @@ measures its pure-torch path instead.
 converted to GGUF in the dtype kvmesh runs, with the same threads, prompts and lengths: prefill
 and batch-1 decode against it (llama.cpp's Python binding decodes one sequence), every batch
 size against transformers, and llama.cpp's greedy tokens compared with kvmesh's.
+``--llama-weights q8_0`` or ``FILE.gguf`` runs llama.cpp in the formats its users run instead
+(8-bit blocks, or a quantized file as downloaded) while kvmesh runs its float32 checkpoint.
 """
 
 from __future__ import annotations
@@ -48,7 +50,11 @@ def register_engine(sub: Any) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "engine", help="prefill/decode tokens/s: kvmesh vs transformers generate (and llama.cpp)"
     )
-    p.add_argument("--model", default="kvmesh-tiny", help="HF checkpoint dir or kvmesh-tiny")
+    p.add_argument(
+        "--model",
+        default="kvmesh-tiny",
+        help="kvmesh-tiny, a checkpoint dir, a fetchable model or a .gguf file",
+    )
     p.add_argument("--json", action="store_true")
     p.add_argument("--prompt-len", type=int, default=2048)
     p.add_argument("--decode-prompt-len", type=int, default=64)
@@ -81,6 +87,15 @@ def register_engine(sub: Any) -> argparse.ArgumentParser:
         default="same",
         help="llama.cpp's KV cache type: same (kvmesh's dtype, equal precision; default) or f16 "
         "(llama.cpp's own default, fewer bytes: the faster llama.cpp on most CPUs)",
+    )
+    p.add_argument(
+        "--llama-weights",
+        default="same",
+        metavar="same|q8_0|FILE.gguf",
+        help="llama.cpp's weights: same (converted to kvmesh's dtype: like for like; default), "
+        "q8_0 (converted to llama.cpp's 8-bit blocks), or a GGUF file run as it is (e.g. the "
+        "Q4_1 file `kvmesh model fetch` keeps beside the checkpoint it imported); kvmesh runs "
+        "--model in its own dtype",
     )
     p.add_argument(
         "--no-cpu-kernels",
@@ -224,6 +239,22 @@ class HFRunner:
         return [b - a for a, b in itertools.pairwise(stamps)]
 
 
+def _llama_weights(choice: str, hf_path: Path, tmp: Path, dtype: Any, converter: Path) -> Path:
+    """The GGUF llama.cpp runs for ``--llama-weights``."""
+    from kvmesh.loadgen import llamacpp_runner
+
+    if choice == "same":
+        return llamacpp_runner.convert(hf_path, tmp / "model.gguf", dtype, converter)
+    if choice == "q8_0":
+        return llamacpp_runner.convert(hf_path, tmp / "model.gguf", dtype, converter, "q8_0")
+    path = Path(choice)
+    if path.suffix != ".gguf" or not path.is_file():
+        raise SystemExit(
+            f"kvmesh bench engine: --llama-weights {choice!r}: not same, q8_0 or a .gguf file"
+        )
+    return path
+
+
 def measure(
     runners: dict[str, Any],
     prompt: list[int],
@@ -285,6 +316,9 @@ def run(args: argparse.Namespace) -> int:
             llamacpp_runner.require(converter)
         except llamacpp_runner.LlamaCppMissingError as exc:
             raise SystemExit(f"kvmesh bench engine: {exc}") from None
+    from kvmesh.shared.model.model_ref import model_path
+
+    args.model = model_path(args.model, "kvmesh bench engine")
     torch.set_num_threads(args.threads)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     rng = random.Random(0)
@@ -310,7 +344,7 @@ def run(args: argparse.Namespace) -> int:
         runners: dict[str, Any] = {"kvmesh": kv, "transformers": hf}
         llama_match = None
         if with_llama_cpp:
-            gguf = llamacpp_runner.convert(hf_path, Path(tmp) / "model.gguf", kv.dtype, converter)
+            gguf = _llama_weights(args.llama_weights, hf_path, Path(tmp), kv.dtype, converter)
             n_ctx = max(prompt_len, args.decode_prompt_len + args.decode_tokens) + 16
             llama_kv = torch.float16 if args.llama_kv_cache == "f16" else kv.dtype
             llama = llamacpp_runner.LlamaCppRunner(gguf, args.threads, n_ctx, llama_kv)
@@ -335,6 +369,7 @@ def run(args: argparse.Namespace) -> int:
         "greedy_outputs_match": outputs_match,
         "greedy_outputs_match_llama_cpp": llama_match,
         "llama_kv_cache": args.llama_kv_cache if with_llama_cpp else None,
+        "llama_weights": args.llama_weights if with_llama_cpp else None,
         "cpu_kernels": kv.engine.runner.cpu_ops is not None,
     }
     if args.json:
@@ -353,7 +388,8 @@ def print_table(results: dict) -> None:
     match = f"greedy tokens match transformers: {config['greedy_outputs_match']}"
     if config["greedy_outputs_match_llama_cpp"] is not None:
         match += f", llama.cpp: {config['greedy_outputs_match_llama_cpp']}"
-        match += f" (llama.cpp KV cache: {config['llama_kv_cache']})"
+        match += f" (llama.cpp weights: {config['llama_weights']}, KV cache: "
+        match += f"{config['llama_kv_cache']})"
     print(
         f"model {config['model']} ({config['dtype']}), {threads} thread{'s' if threads > 1 else ''}"
         f", {config['clock']} clock, kvmesh on {kernels}; {match}"

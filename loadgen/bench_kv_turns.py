@@ -22,6 +22,9 @@ one at a time on the same cores, each warmed up by one unrelated request first):
   Each engine keeps its own prefix cache (a prefill worker still reuses the system prompt and
   the earlier prompts it computed itself). ``--baseline no-reuse`` also turns every engine's
   prefix cache off (``--no-enable-prefix-caching``): every prompt is computed whole.
+  ``--baseline routing`` is the fair one for the store itself: no kv-store process, but the
+  registry's prefix-aware placement and every prefix cache on, as the store mesh has them, so
+  the ratio is what the store adds to local prefix reuse.
 
 Per turn and over turns >= 3: client TTFT p50/p99 (streamed, first token chunk) and the prompt
 tokens computed, from the workers' ``/metrics`` read before and after each wave: the prefill
@@ -102,6 +105,13 @@ def variants(baseline: str, local_max_suffix_tokens: int | None = None) -> tuple
             "no kv-store; kv-registry prefix-aware placement off (prefix_weight 0: by load "
             "only, no local prefill of a cached prefix); every engine's prefix cache off "
             "(every prompt computed whole)"
+        )
+    elif baseline == "routing":
+        env = {}
+        text = (
+            "no kv-store; kv-registry prefix-aware placement on (its defaults: a request goes "
+            "to the decode worker caching most of its prompt, which prefills the rest locally "
+            "when it is short), every engine's prefix cache on: the store's own gain"
         )
     else:
         env = {"KVMESH_PREFIX_WEIGHT": "0"}
@@ -326,7 +336,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="multi-turn chat TTFT and computed prefill tokens, store + prefix routing vs without",
     )
-    g.add_argument("--model", default="kvmesh-tiny", help="kvmesh-tiny or a checkpoint directory")
+    g.add_argument(
+        "--model",
+        default="kvmesh-tiny",
+        help="kvmesh-tiny, a checkpoint dir, a fetchable model or a .gguf file",
+    )
     g.add_argument("--conversations", type=int, default=16, help="chats sharing the system prompt")
     g.add_argument("--turns", type=int, default=8, help="turns of each conversation")
     g.add_argument("--system-len", type=int, default=2048, help="shared system prompt tokens")
@@ -342,7 +356,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--burstiness", type=float, default=1.0, help="gamma arrivals only")
     g.add_argument(
         "--baseline",
-        choices=("no-store", "no-reuse"),
+        choices=("no-store", "routing", "no-reuse"),
         default="no-store",
         help="what the plain mesh turns off (module docstring)",
     )
@@ -379,6 +393,9 @@ def load_tokenizer(model: str) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     from kvmesh.loadgen.arrivals import ArrivalProcess, arrival_times
+    from kvmesh.shared.model.model_ref import model_path
+
+    args.model = model_path(args.model, "kvmesh bench kv")
 
     try:
         spec = MultiTurnSpec(

@@ -9,9 +9,11 @@ from the decode worker's own counters (``kvmesh_decode_spec_*``), read before an
 load. Two rates per load: ``tok_s``, every output token over the whole load (the prompts' prefill
 included), and ``decode_tok_s``, the tokens after each request's first over the time from the
 first first-token to the last end (``decode_phase``): what drafting speeds up, without the
-prefill that drafting does not touch. The workload quotes a long passage and asks for it again: prompt lookup (n-gram) can
-propose what the output repeats, as in summarization or code editing, where a trained model
-copies from its prompt (kvmesh-tiny's random weights copy only when their greedy output loops).
+prefill that drafting does not touch. ``--workload`` (loadgen/spec_workloads.py): ``quote`` (the
+default) quotes a long passage and asks for it again, as plain text: prompt lookup (n-gram) can
+propose what the output repeats (kvmesh-tiny's random weights copy only when their greedy output
+loops); on a trained model, ``chat`` (questions, answers of new text) and ``copy`` (answers that
+copy from the prompt: repeat a text, edit code) in its chat template, stopping at EOS.
 
 Also the harness of tests/test_mesh_spec.py: ``spec_mesh`` (a local mesh with draft workers)
 and ``spec_counters`` (the decode worker's speculative counters).
@@ -23,7 +25,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import random
 import sys
 import time
 import urllib.request
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvmesh.loadgen.bench_mesh import launched
+from kvmesh.loadgen.spec_workloads import WORKLOADS
 
 MODEL = "kvmesh-tiny"
 SPEC_COUNTERS = {
@@ -109,19 +111,6 @@ def spec_counters(launcher: Any, worker: str = "decode-0") -> dict[str, float]:
     }
 
 
-def quote_prompts(num: int, passage_len: int, seed: int = 0) -> list[list[int]]:
-    """Prompts that quote a passage and ask for it again (byte-level token ids of kvmesh-tiny's
-    tokenizer: printable ASCII words)."""
-    rng = random.Random(seed)
-    words = ["the", "mesh", "decode", "prefill", "block", "cache", "token", "draft", "verify"]
-    prompts = []
-    for _ in range(num):
-        text = " ".join(rng.choice(words) for _ in range(passage_len // 5))
-        full = f"Passage: {text}\nRepeat the passage.\nPassage: {text[: len(text) // 4]}"
-        prompts.append(list(full.encode()))
-    return prompts
-
-
 def decode_phase(records: Sequence[Any]) -> tuple[int, float]:
     """(tokens, seconds) of a load's decode phase: the output tokens after each request's first,
     over the time from the earliest first token to the latest end."""
@@ -132,15 +121,19 @@ def decode_phase(records: Sequence[Any]) -> tuple[int, float]:
 
 
 async def _load(
-    url: str, prompts: list[list[int]], max_tokens: int, model: str = MODEL
+    url: str,
+    prompts: list[list[int]],
+    max_tokens: int,
+    model: str = MODEL,
+    ignore_eos: bool = True,
 ) -> tuple[int, float, int, float]:
-    """All prompts at once (greedy, ``ignore_eos``, streamed) to ``model``; returns (output
-    tokens, seconds, decode-phase tokens, decode-phase seconds)."""
+    """All prompts at once (greedy, streamed) to ``model``; returns (output tokens, seconds,
+    decode-phase tokens, decode-phase seconds)."""
     import aiohttp
     from kvmesh.loadgen.sse_client import Endpoint, send_request
     from kvmesh.loadgen.workload import Prompt
 
-    endpoint = Endpoint(url, model)
+    endpoint = Endpoint(url, model, ignore_eos=ignore_eos)
     async with aiohttp.ClientSession() as session:
         origin = time.perf_counter()
         records = await asyncio.gather(
@@ -158,18 +151,37 @@ async def _load(
     return (sum(r.num_output_tokens for r in records), seconds, *decode_phase(records))
 
 
-def measure(
-    launcher: Any, batches: list[int], max_tokens: int, passage_len: int
-) -> dict[int, dict[str, float]]:
+@dataclass(frozen=True, slots=True)
+class Workload:
+    """What every mesh of one run serves: ``--workload``'s prompts of the model's tokenizer."""
+
+    name: str
+    tokenizer: Any
+    max_tokens: int
+    passage_len: int
+
+    @property
+    def ignore_eos(self) -> bool:
+        # quote: as many tokens as asked (the seeded figures); chat and copy: the real answers
+        return self.name == "quote"
+
+    def prompts(self, num: int, seed: int) -> list[list[int]]:
+        from kvmesh.loadgen.spec_workloads import workload_prompts
+
+        return workload_prompts(self.name, self.tokenizer, num, self.passage_len, seed)
+
+
+def measure(launcher: Any, batches: list[int], workload: Workload) -> dict[int, dict[str, float]]:
     """Per batch size: tok/s and the speculative counters' change over its load."""
     out = {}
     model = launcher.config.model
-    asyncio.run(_load(launcher.url, quote_prompts(1, passage_len, seed=99), 4, model))  # warm-up
+    eos = workload.ignore_eos
+    asyncio.run(_load(launcher.url, workload.prompts(1, seed=99), 4, model, eos))  # warm-up
     for batch in batches:
         before = spec_counters(launcher)
-        prompts = quote_prompts(batch, passage_len, seed=batch)
+        prompts = workload.prompts(batch, seed=batch)
         tokens, seconds, decode_tokens, decode_seconds = asyncio.run(
-            _load(launcher.url, prompts, max_tokens, model)
+            _load(launcher.url, prompts, workload.max_tokens, model, eos)
         )
         after = spec_counters(launcher)
         delta = {k: after[k] - before[k] for k in after}
@@ -204,6 +216,9 @@ def draft_setups(
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvmesh.shared.model.model_ref import model_path
+
+    args.model = model_path(args.model, "kvmesh bench spec")
     batches = [int(b) for b in args.batches.split(",")]
     setups = draft_setups(
         args.methods,
@@ -216,7 +231,10 @@ def run(args: argparse.Namespace) -> int:
     env = {"KVMESH_NUM_BLOCKS": "2048"}
     if args.min_step_interval_ms:  # every mesh, the baselines too
         env["KVMESH_MIN_STEP_INTERVAL_MS"] = str(args.min_step_interval_ms)
-    measure_args = (batches, args.max_tokens, args.passage_len)
+    from kvmesh.shared.model.checkpoint_info import load_config_and_tokenizer
+
+    _, tokenizer = load_config_and_tokenizer(args.model)
+    measure_args = (batches, Workload(args.workload, tokenizer, args.max_tokens, args.passage_len))
     with spec_mesh(None, args.transport, model=args.model, env=env) as mesh:
         first = measure(mesh, *measure_args)
     drafted = []
@@ -255,6 +273,7 @@ def run(args: argparse.Namespace) -> int:
             )
     report = {
         "model": args.model,
+        "workload": args.workload,
         "transport": args.transport,
         "baseline_runs_tok_s": {
             b: [round(first[b]["tok_s"], 1), round(last[b]["tok_s"], 1)] for b in batches
@@ -277,7 +296,11 @@ def register_spec(sub: Any) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "spec", help="speculative decoding: mesh tokens/s with each draft method vs without"
     )
-    p.add_argument("--model", default=MODEL)
+    p.add_argument(
+        "--model",
+        default=MODEL,
+        help="kvmesh-tiny, a checkpoint dir, a fetchable model or a .gguf file",
+    )
     p.add_argument("--transport", default="shm", choices=("auto", "shm", "tcp"))
     p.add_argument("--methods", default="ngram,early-exit", help="comma-separated draft methods")
     p.add_argument("--k", type=int, default=4, help="draft tokens per proposal")
@@ -305,7 +328,15 @@ def register_spec(sub: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--batches", default="1,8")
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--passage-len", type=int, default=600, help="characters of the passage")
+    p.add_argument("--passage-len", type=int, default=600, help="quote: characters of the passage")
+    p.add_argument(
+        "--workload",
+        choices=WORKLOADS,
+        default="quote",
+        help="quote: a random-word passage to repeat, plain text, EOS ignored (the seeded "
+        "figures); chat: questions in the chat template; copy: answers that copy from the prompt "
+        "(repeat a text, edit code); chat and copy stop at EOS (loadgen/spec_workloads.py)",
+    )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=run)
     return p

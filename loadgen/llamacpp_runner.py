@@ -69,11 +69,18 @@ def require(converter: Path) -> None:
         )
 
 
-def convert(hf_dir: Path, out: Path, dtype: torch.dtype, converter: Path) -> Path:
-    """Write ``hf_dir`` as a GGUF file of ``dtype`` weights at ``out``; returns ``out``."""
-    if dtype not in GGUF_TYPES:
-        raise ValueError(f"no GGUF type for {dtype}; kvmesh runs {sorted(map(str, GGUF_TYPES))}")
-    cmd = [sys.executable, "-m", __name__, str(converter), str(hf_dir), str(out), GGUF_TYPES[dtype]]
+def convert(
+    hf_dir: Path, out: Path, dtype: torch.dtype, converter: Path, outtype: str | None = None
+) -> Path:
+    """Write ``hf_dir`` as a GGUF file of ``dtype`` weights at ``out`` (or of the converter's
+    ``outtype``, e.g. "q8_0"); returns ``out``."""
+    if outtype is None:
+        if dtype not in GGUF_TYPES:
+            raise ValueError(
+                f"no GGUF type for {dtype}; kvmesh runs {sorted(map(str, GGUF_TYPES))}"
+            )
+        outtype = GGUF_TYPES[dtype]
+    cmd = [sys.executable, "-m", __name__, str(converter), str(hf_dir), str(out), outtype]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0 or not out.is_file():
         tail = "\n".join(proc.stderr.strip().splitlines()[-15:])

@@ -148,3 +148,13 @@ def test_tiny_multi_turn_bench_computes_fewer_prefill_tokens_with_the_store_and_
     assert store["turns_3_on"]["computed_tokens"] < plain["turns_3_on"]["computed_tokens"]
     assert result["computed_tokens_plain_over_store_turns_3_on"] > 1
     assert result["ttft_p50_plain_over_store_turns_3_on"] > 0
+
+
+def test_routing_baseline_keeps_prefix_placement_and_caches_and_drops_only_the_store():
+    from kvmesh.loadgen.bench_kv_turns import variants
+
+    plain, store = variants("routing")
+    assert (plain.kv_store, store.kv_store) == (0, 1)
+    assert dict(plain.env) == {}  # the registry's prefix weight and every prefix cache: defaults
+    no_store, _ = variants("no-store")
+    assert dict(no_store.env) == {"KVMESH_PREFIX_WEIGHT": "0"}

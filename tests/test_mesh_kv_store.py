@@ -147,6 +147,7 @@ def test_prefill_reads_prefixes_and_earlier_answers_from_the_store_and_computes_
     from kvmesh.commands.up import UpConfig, free_port
 
     config = UpConfig(
+        model="kvmesh-tiny",
         mode="disagg",
         transport="shm",
         port=0,

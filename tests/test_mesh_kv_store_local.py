@@ -141,6 +141,7 @@ def test_shared_prefix_goes_to_its_holder_or_is_read_from_the_store_and_never_re
     from kvmesh.commands.up import UpConfig, free_port
 
     config = UpConfig(
+        model="kvmesh-tiny",
         mode="disagg",
         transport="shm",
         port=0,

@@ -67,6 +67,7 @@ def test_preempted_sequences_swap_to_the_store_and_back_with_offline_outputs() -
     from kvmesh.commands.up import UpConfig, free_port
 
     config = UpConfig(
+        model="kvmesh-tiny",
         mode="disagg",
         transport="shm",
         port=0,

@@ -28,7 +28,9 @@ SMALL_POOL = str(8 << 20)  # bytes of KV per worker: plenty for a few short requ
 
 
 def test_plan_starts_registry_decode_prefill_router_with_valid_commands() -> None:
-    config = UpConfig(prefill=2, decode=3, transport="tcp", local_prefill_threshold=8)
+    config = UpConfig(
+        model="kvmesh-tiny", prefill=2, decode=3, transport="tcp", local_prefill_threshold=8
+    )
     specs = plan(config, "nats://127.0.0.1:4333", 8123)
     assert [s.name for s in specs] == [
         "kv-registry-0",
@@ -111,7 +113,8 @@ def launch(tmp_path: Path, *flags: str) -> tuple[subprocess.Popen[bytes], Path, 
     port, nats_url = free_port(), f"nats://127.0.0.1:{free_port()}"
     out, err = tmp_path / "up.out", tmp_path / "up.err"
     argv = [sys.executable, "-m", "kvmesh.cli", "up", "--port", str(port), "--nats-url", nats_url]
-    argv += ["--kv-cache-bytes", SMALL_POOL, "--log-level", "warning", *flags]
+    argv += ["--model", "kvmesh-tiny", "--kv-cache-bytes", SMALL_POOL, "--log-level", "warning"]
+    argv += flags
     with open(out, "wb") as fout, open(err, "wb") as ferr:  # files: pipes would fill and block
         proc = subprocess.Popen(argv, cwd=REPO, stdout=fout, stderr=ferr)
     return proc, out, err, port, nats_url
@@ -213,8 +216,9 @@ def test_up_serves_requests_and_ctrl_c_leaves_no_process_behind(tmp_path: Path) 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_up_stops_everything_when_a_service_fails_to_start(tmp_path: Path) -> None:
-    missing = tmp_path / "no-such-model"
-    proc, _, err, _, _ = launch(tmp_path, "--model", str(missing))
+    not_a_checkpoint = tmp_path / "empty-model"  # a folder: only the services find it wanting
+    not_a_checkpoint.mkdir()
+    proc, _, err, _, _ = launch(tmp_path, "--model", str(not_a_checkpoint))
     try:
         assert proc.wait(240) == 1
         text = err.read_text()
@@ -224,6 +228,15 @@ def test_up_stops_everything_when_a_service_fails_to_start(tmp_path: Path) -> No
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_up_refuses_a_model_that_names_nothing_before_starting_anything(tmp_path: Path) -> None:
+    proc, _, err, _, _ = launch(tmp_path, "--model", str(tmp_path / "no-such-model"))
+    assert proc.wait(60) == 1
+    assert err.read_text().strip().splitlines() == [
+        f"kvmesh up: --model '{tmp_path / 'no-such-model'}': not 'kvmesh-tiny', a checkpoint "
+        "directory, a .gguf file or a fetchable model (smollm2-135m-instruct)"
+    ]
 
 
 @pytest.mark.timeout(300)
@@ -405,7 +418,7 @@ async def test_up_refuses_to_join_a_nats_that_already_carries_a_mesh(nats_server
     other = asyncio.create_task(_beating(nats_server, "decode-0", stop))
     try:
         await asyncio.sleep(0.3)
-        launcher = Launcher(UpConfig(nats_url=nats_server, port=0))
+        launcher = Launcher(UpConfig(model="kvmesh-tiny", nats_url=nats_server, port=0))
         with pytest.raises(LaunchError, match=r"already running .*decode-0.*own NATS"):
             await asyncio.to_thread(launcher.start)
         assert launcher.children == {}  # nothing was started
@@ -430,7 +443,7 @@ async def test_up_joins_a_nats_that_carries_only_other_meshes(nats_server) -> No
         await asyncio.sleep(0.3)
         assert await workers_on(nats_server, listen_s=0.5, mesh="other-model") == {"decode-0"}
         assert await workers_on(nats_server, listen_s=0.5, mesh="kvmesh-tiny") == set()
-        launcher = Launcher(UpConfig(nats_url=nats_server, port=0))
+        launcher = Launcher(UpConfig(model="kvmesh-tiny", nats_url=nats_server, port=0))
         await asyncio.to_thread(launcher._check_mesh_absent, nats_server)  # no refusal
     finally:
         stop.set()
@@ -475,7 +488,7 @@ def test_same_mesh_twice_on_one_machine_is_refused_in_one_line() -> None:
     write_state(first)
     try:
         with pytest.raises(LaunchError, match=r"mesh 'kvmesh-tiny' is already up .* --mesh"):
-            Launcher(UpConfig(port=0)).start()
+            Launcher(UpConfig(model="kvmesh-tiny", port=0)).start()
     finally:
         remove_state(first)
 
@@ -485,7 +498,8 @@ def _launch_default_nats(tmp_path: Path, name: str, *flags: str) -> tuple:
     port = free_port()
     out, err = tmp_path / f"{name}.out", tmp_path / f"{name}.err"
     argv = [sys.executable, "-m", "kvmesh.cli", "up", "--port", str(port)]
-    argv += ["--kv-cache-bytes", SMALL_POOL, "--log-level", "warning", *flags]
+    argv += ["--model", "kvmesh-tiny", "--kv-cache-bytes", SMALL_POOL, "--log-level", "warning"]
+    argv += flags
     with open(out, "wb") as fout, open(err, "wb") as ferr:
         proc = subprocess.Popen(argv, cwd=REPO, stdout=fout, stderr=ferr)
     return proc, out, err, port
@@ -590,7 +604,7 @@ def test_two_ups_with_different_models_on_one_machine_both_serve(tmp_path: Path)
 
 
 def test_plan_with_kv_stores_starts_them_in_the_mesh_with_their_capacity() -> None:
-    config = UpConfig(kv_store=2, kv_store_capacity_gb=0.5, transport="tcp")
+    config = UpConfig(model="kvmesh-tiny", kv_store=2, kv_store_capacity_gb=0.5, transport="tcp")
     specs = [s for s in plan(config, "nats://127.0.0.1:4222", 8000) if s.tier == "kv-store"]
     assert [s.name for s in specs] == ["kv-store-0", "kv-store-1"]
     for spec in specs:

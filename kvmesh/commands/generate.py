@@ -35,7 +35,9 @@ def register(subparsers: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
-        "--model", default="kvmesh-tiny", help="HF checkpoint dir or kvmesh-tiny (default)"
+        "--model",
+        default="kvmesh-tiny",
+        help="kvmesh-tiny (default), a checkpoint dir, a fetchable model or a .gguf file",
     )
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="prompt text (tokenized with the model's tokenizer)")
@@ -68,7 +70,10 @@ def run(args: argparse.Namespace) -> int:
     from kvmesh.shared.engine.llm_engine import LLMEngine
     from kvmesh.shared.engine.sequence import RequestError, SamplingParams
     from kvmesh.shared.model import ModelLoadError, load_model
+    from kvmesh.shared.model.model_ref import model_path
     from kvmesh.shared.text import TextStream
+
+    args.model = model_path(args.model, "kvmesh generate")
 
     try:
         params = SamplingParams(

