@@ -80,8 +80,8 @@ def test_fp8_and_float32_blocks_never_share_a_prefix_hash(tiny):
 
 
 def test_engine_config_refuses_an_unknown_kv_cache_dtype():
-    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8_e4m3"):
-        EngineConfig(kv_cache_dtype="int8")
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, int8, fp8_e4m3"):
+        EngineConfig(kv_cache_dtype="int4")
 
 
 def test_up_gives_prefill_and_decode_their_kv_cache_dtypes():

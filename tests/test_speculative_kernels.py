@@ -200,7 +200,7 @@ def test_c_decode_kernels_verify_random_trees_as_the_tree_mask_does(
             width,
             bs,
             h_q // h_kv,
-            fp8_head_dim=head_dim if fp8 else 0,
+            quant_head_dim=head_dim if fp8 else 0,
             tree_rows=tree_rows,
             head_dim=head_dim,
         )
