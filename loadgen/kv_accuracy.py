@@ -26,6 +26,7 @@ import argparse
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # `kvmesh model` registers this command: building the CLI must not import torch
@@ -229,9 +230,7 @@ def measure_formats(
         test_out = test_engine.generate(prompts, params)
         results = []
         for prompt, ref, got, want in zip(prompts, ref_out, test_out, ref_logits, strict=True):
-            agreed = next(
-                (i for i, (a, b) in enumerate(zip(ref, got, strict=True)) if a != b), len(ref)
-            )
+            agreed = agreed_prefix(ref, got)
             logits = teacher_forced_logits(test_engine, prompt + ref[:-1], len(ref))
             err = (logits - want).abs()
             top1 = (logits.argmax(-1) == want.argmax(-1)).float().mean()
@@ -254,6 +253,14 @@ def measure_formats(
             KVAccuracyReport(model_name, dtype, max_tokens, tuple(results), fact_results)
         )
     return tuple(reports)
+
+
+def agreed_prefix(reference: Sequence[int], tokens: Sequence[int]) -> int:
+    """How many of ``tokens`` equal ``reference``'s before the first difference."""
+    return next(
+        (i for i, (a, b) in enumerate(zip(reference, tokens, strict=True)) if a != b),
+        len(reference),
+    )
 
 
 def fact_prompts(tokenizer: Any) -> list[list[int]]:
@@ -296,6 +303,12 @@ def register_kv_accuracy(subparsers: Any) -> None:
         help="the 8-bit formats to measure (default: all)",
     )
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument(
+        "--llama-cpp",
+        action="store_true",
+        help="also measure llama.cpp's q8_0 KV against its f32 KV on the same prompts (the "
+        "checkpoint converted to an f32 GGUF; needs `make bench-deps`)",
+    )
     p.add_argument("--json", action="store_true", help="print the reports as JSON")
     p.set_defaults(func=_run)
 
@@ -306,25 +319,47 @@ def _run(args: argparse.Namespace) -> int:
 
     if args.max_tokens <= 0:
         raise SystemExit("kvmesh model kv-accuracy: --max-tokens must be positive")
+    if args.llama_cpp and not Path(args.model).is_dir():
+        raise SystemExit(
+            f"kvmesh model kv-accuracy: --llama-cpp converts a checkpoint directory; "
+            f"{args.model!r} is not one"
+        )
     model, tokenizer = load_model(args.model, torch.float32)
     prompts = [tokenizer.encode(text, add_special_tokens=True) for text in FIXTURE_PROMPTS]
+    facts = fact_prompts(tokenizer)
+    stop_token_ids = sorted(tokenizer.eos_token_ids)
     reports = measure_formats(
         model,
         prompts,
         args.max_tokens,
         args.kv_cache_dtype,
-        facts=fact_prompts(tokenizer),
-        stop_token_ids=sorted(tokenizer.eos_token_ids),
+        facts=facts,
+        stop_token_ids=stop_token_ids,
         model_name=args.model,
         block_size=args.block_size,
     )
-    if args.json:
-        print(
-            json.dumps({"model": args.model, "reports": [r.to_json() for r in reports]}, indent=2)
+    llama = None
+    if args.llama_cpp:
+        from kvmesh.loadgen.kv_accuracy_llamacpp import measure_llama_cpp
+
+        llama = measure_llama_cpp(
+            Path(args.model),
+            prompts,
+            args.max_tokens,
+            facts=facts,
+            stop_token_ids=stop_token_ids,
+            threads=torch.get_num_threads(),
         )
+    if args.json:
+        out: dict[str, Any] = {"model": args.model, "reports": [r.to_json() for r in reports]}
+        if llama is not None:
+            out["llama_cpp"] = llama.to_json()
+        print(json.dumps(out, indent=2))
         return 0
     for report in reports:
         print(report.table(tokenizer.decode) + "\n")
     for report in reports:
         print(report.summary())
+    if llama is not None:
+        print(llama.summary())
     return 0

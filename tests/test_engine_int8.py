@@ -113,3 +113,10 @@ def test_int8_with_random_draft_chains_and_trees_equals_plain_int8_decoding(tiny
                 got[out.request_id] += out.new_token_ids
         assert [got[f"r{i}"] for i in range(len(prompts))] == plain, shape
         assert eng.block_manager.num_free_blocks == eng.block_manager.num_total_blocks
+
+
+def test_kv_accuracy_against_llama_cpp_needs_a_checkpoint_directory():
+    from kvmesh import cli
+
+    with pytest.raises(SystemExit, match="converts a checkpoint directory"):
+        cli.main(["model", "kv-accuracy", "kvmesh-tiny", "--llama-cpp"])
