@@ -95,6 +95,14 @@ class KVCacheSpec:
     def block_shape(self) -> tuple[int, ...]:
         return (self.num_kv_heads, self.num_layers, 2, self.block_size, self.head_dim)
 
+    def block_scale_shape(self) -> tuple[int, ...]:
+        """Shape of one block's float32 scales: (H_kv, L, 2) for fp8, (H_kv, L, 2, block_size,
+        D // 32) for int8; () when the pool has none."""
+        H, L = self.num_kv_heads, self.num_layers
+        if self.is_int8:
+            return (H, L, 2, self.block_size, self.head_dim // INT8_GROUP)
+        return (H, L, 2) if self.is_fp8 else ()
+
     def fingerprint(self) -> str:
         """A short string two workers compare before exchanging blocks."""
         dtype = str(self.dtype).removeprefix("torch.")
@@ -134,17 +142,12 @@ class KVPool:
                 f"bytes need {nbytes}"
             )
         self.raw = raw[:nbytes]  # (num_blocks * block_bytes,) uint8
-        # (num_blocks, H_kv, L, 2, block_size, D); strided over the scales of an fp8 pool
+        # (num_blocks, H_kv, L, 2, block_size, D); strided over the scales of an fp8 or int8 pool
         self.tensor = _strided(self.raw, spec.dtype, (num_blocks, *spec.block_shape()), spec)
-        # float32 scales: (num_blocks, H_kv, L, 2) of an fp8 pool, (num_blocks, H_kv, L, 2,
-        # block_size, D // 32) of an int8 pool, else None
+        # (num_blocks, *spec.block_scale_shape()) float32 scales of an fp8 or int8 pool, else None
         self.scales: torch.Tensor | None = None
-        L, H = spec.num_layers, spec.num_kv_heads
-        if spec.is_fp8:
-            shape: tuple[int, ...] = (num_blocks, H, L, 2)
-        elif spec.is_int8:
-            shape = (num_blocks, H, L, 2, spec.block_size, spec.head_dim // INT8_GROUP)
         if spec.is_quantized:
+            shape = (num_blocks, *spec.block_scale_shape())
             offset = spec.head_bytes - spec.scale_bytes
             self.scales = _strided(self.raw, torch.float32, shape, spec, offset=offset)
         # Per-layer K/V views, made once: a decode step asks for them in every layer.
