@@ -49,6 +49,11 @@ def filled_pool(num_layers: int = 2) -> KVPool:
     return pool
 
 
+def close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """Equal but for float32 sums in another order; values reach ~200 (the outlier channels)."""
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
 def decode_meta() -> AttentionMetadata:
     pos = CONTEXT - 1
     return AttentionMetadata(
@@ -146,11 +151,12 @@ def test_torch_decode_attention_over_int8_matches_reference():
     pool = filled_pool()
     k, v = pool.layer(1)
     scales = pool.layer_scales(1)
-    q = torch.randn(3, H_Q, D)
-    new_k, new_v = torch.randn(3, H_KV, D), torch.randn(3, H_KV, D)
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(3, H_Q, D, generator=g)
+    new_k, new_v = torch.randn(3, H_KV, D, generator=g), torch.randn(3, H_KV, D, generator=g)
     out = paged_attention(q, new_k, new_v, k, v, decode_meta(), 0.125, scales)
     ref = paged_decode_attention_ref(q, k, v, TABLES, CONTEXT, 0.125, kv_scales=scales)
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    close(out, ref)
 
 
 def test_torch_prefill_over_int8_reads_its_own_blocks_back():
@@ -159,7 +165,8 @@ def test_torch_prefill_over_int8_reads_its_own_blocks_back():
     k_cache, v_cache = pool.layer(0)
     scales = pool.layer_scales(0)
     T = 10
-    q, k, v = torch.randn(T, H_Q, D), torch.randn(T, H_KV, D), torch.randn(T, H_KV, D)
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(T, h, D, generator=g) for h in (H_Q, H_KV, H_KV))
     table = torch.tensor([[1, 2, 3]])
     meta = AttentionMetadata(
         slot_mapping=table[0][torch.arange(T) // BS] * BS + torch.arange(T) % BS,
@@ -173,7 +180,7 @@ def test_torch_prefill_over_int8_reads_its_own_blocks_back():
     ref = paged_tree_attention_ref(
         q, k_cache, v_cache, table, torch.tensor([T]), [T], bits, 0.125, kv_scales=scales
     )
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    close(out, ref)
 
 
 @pytest.mark.skipif(
@@ -184,16 +191,17 @@ def test_triton_decode_and_tree_attention_over_int8_match_reference():
     pool = filled_pool()
     k, v = pool.layer(1)
     scales = pool.layer_scales(1)
-    q = torch.randn(3, H_Q, D)
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(3, H_Q, D, generator=g)
     out = paged_decode_attention(q, k, v, TABLES, CONTEXT, 0.125, kv_scales=scales)
     ref = paged_decode_attention_ref(q, k, v, TABLES, CONTEXT, 0.125, kv_scales=scales)
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    close(out, ref)
     lens = [2, 3, 1]
-    qt = torch.randn(sum(lens), H_Q, D)
+    qt = torch.randn(sum(lens), H_Q, D, generator=g)
     bits = torch.tensor([1, 3, 1, 3, 5, 1])  # trees: a root then children
     out = paged_tree_attention(qt, k, v, TABLES, CONTEXT, lens, bits, 0.125, kv_scales=scales)
     ref = paged_tree_attention_ref(qt, k, v, TABLES, CONTEXT, lens, bits, 0.125, kv_scales=scales)
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    close(out, ref)
 
 
 def test_triton_refuses_int8_scales_of_the_wrong_shape():
@@ -241,8 +249,7 @@ def test_c_decode_attention_over_int8_matches_torch_and_stores_the_same_bits(thr
         torch_pool.layer_scales(1),
     )
     assert torch.equal(c_pool.raw, torch_pool.raw)
-    # values up to ~200 (outlier channels): float32 sums in another order
-    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    close(out, ref)
 
 
 def test_c_int8_rounding_matches_torch_on_ties_and_zero_groups():
