@@ -375,7 +375,7 @@ typedef struct kv_quant {
     const float *lut;            /* fp8: (256,) the value of each e4m3fn byte; NULL: int8 */
     float *k_scales, *v_scales;  /* tile (b, h) at b * scale_block_stride + h * scale_head_stride */
     int64_t scale_block_stride, scale_head_stride;
-    int64_t scale_slot_stride;   /* int8: floats from one slot's scales to the next's */
+    int64_t scale_slot_stride;   /* int8: floats from one slot's scales to the next's; fp8: 0 */
     int64_t scratch_offset;      /* floats into a scratch row: dequantized K, V, a tile table */
 } kv_quant;
 
@@ -488,7 +488,8 @@ void kv_decode_store_quant(float *qkv, int64_t batch, int64_t num_q_heads, int64
         }
 }
 
-/* n rows of d quantized values at src (tile (block, h), from slot j0) as floats into dst. */
+/* n rows of d quantized values at src (consecutive slots of one tile) as floats into dst;
+ * scales: the first row's (fp8: the tile's one scale). */
 static void dequant_rows(const uint8_t *src, float *dst, const float *scales, int64_t n, int64_t d,
                          const kv_quant *kq) {
     if (kq->lut) {
@@ -512,12 +513,11 @@ static void quant_dequant_context(const uint8_t *k_cache, const uint8_t *v_cache
                                   const kv_quant *kq, float *kd, float *vd, int64_t *ident,
                                   const kv_tree *tree, int64_t b) {
     int64_t plain = tree == NULL ? ctx : tree->starts[b]; /* positions read from their own slot */
-    int64_t slot_stride = kq->lut ? 0 : kq->scale_slot_stride;
     for (int64_t p = plain; p < ctx; p++) { /* a tree row's ancestors, one row each */
         int64_t at = tree_position(tree, b, p), block = table[at / block_size];
         int64_t off = block * block_stride + h * head_stride + (at % block_size) * d;
         int64_t sc = block * kq->scale_block_stride + h * kq->scale_head_stride +
-                     (at % block_size) * slot_stride;
+                     (at % block_size) * kq->scale_slot_stride;
         dequant_rows(k_cache + off, kd + p * d, kq->k_scales + sc, 1, d, kq);
         dequant_rows(v_cache + off, vd + p * d, kq->v_scales + sc, 1, d, kq);
     }
