@@ -381,6 +381,20 @@ typedef struct kv_quant {
 
 #define INT8_GROUP 32
 #define INT8_MAX_Q 127.0f
+#define INT8_ROTATE_SCALE 0.17677669529663687f /* 32^-1/2, as float32 */
+
+/* The normalized Walsh-Hadamard transform of INT8_GROUP values in place: kv_int8.rotate's
+ * butterflies in its order, so bit for bit. */
+static void int8_rotate(float *x) {
+    for (int64_t h = 1; h < INT8_GROUP; h *= 2)
+        for (int64_t i = 0; i < INT8_GROUP; i += 2 * h)
+            for (int64_t j = i; j < i + h; j++) {
+                float a = x[j], b = x[j + h];
+                x[j] = a + b;
+                x[j + h] = a - b;
+            }
+    for (int64_t i = 0; i < INT8_GROUP; i++) x[i] *= INT8_ROTATE_SCALE;
+}
 
 #define FP8_MAX 448.0f
 
@@ -437,7 +451,9 @@ static void fp8_store(const float *x, uint8_t *tile, float *scale, int64_t off, 
 /* Store one token x (d floats) as int8 at row q with its scales at sc: kv_int8.store. */
 static void int8_store(const float *x, int8_t *q, float *sc, int64_t d) {
     for (int64_t g = 0; g < d / INT8_GROUP; g++) {
-        const float *xg = x + g * INT8_GROUP;
+        float xg[INT8_GROUP];
+        memcpy(xg, x + g * INT8_GROUP, sizeof xg);
+        int8_rotate(xg);
         float amax = 0;
         for (int64_t i = 0; i < INT8_GROUP; i++) {
             float a = fabsf(xg[i]);
@@ -501,6 +517,7 @@ static void dequant_rows(const uint8_t *src, float *dst, const float *scales, in
     for (int64_t r = 0; r < n; r++) {
         const float *sr = scales + r * kq->scale_slot_stride;
         for (int64_t i = 0; i < d; i++) dst[r * d + i] = (float)q[r * d + i] * sr[i / INT8_GROUP];
+        for (int64_t g = 0; g < d; g += INT8_GROUP) int8_rotate(dst + r * d + g);
     }
 }
 

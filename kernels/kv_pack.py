@@ -280,6 +280,21 @@ def pack_converted(
             f"out must be a contiguous ({n}, {h * head_bytes}) uint8 tensor, got "
             f"{out.dtype} {tuple(out.shape)}"
         )
+    spans = out.view(n, h, head_bytes)
+    past_run = None  # (n, 1, 1, 1, bs, 1): the slots past the run's num_tokens
+    if num_tokens is not None and num_tokens < n * bs:
+        token = torch.arange(n * bs, device=pool.device).view(n, 1, 1, 1, bs, 1)
+        past_run = token >= num_tokens
+    if pool.dtype == _INT8 and dst_dtype == _INT8:  # the bytes and scales as they are
+        data = pool[ids][:, head_start:head_end]
+        token_scales = scales[ids][:, head_start:head_end]
+        if past_run is not None:
+            data, token_scales = (
+                data.masked_fill(past_run, 0),
+                token_scales.masked_fill(past_run, 0),
+            )
+        _write_int8(spans, data, token_scales)
+        return out
     if pool.dtype == _INT8:
         from kvmesh.shared.engine.kv_int8 import dequantize
 
@@ -288,10 +303,8 @@ def pack_converted(
         values = pool[ids][:, head_start:head_end].float()  # (n, h, L, 2, bs, D)
     if scales is not None and pool.dtype == _FP8:
         values *= scales[ids][:, head_start:head_end, :, :, None, None]
-    if num_tokens is not None and num_tokens < n * bs:
-        token = torch.arange(n * bs, device=pool.device).view(n, 1, 1, 1, bs, 1)
-        values.masked_fill_(token >= num_tokens, 0.0)
-    spans = out.view(n, h, head_bytes)
+    if past_run is not None:
+        values.masked_fill_(past_run, 0.0)
     if dst_dtype == _FP8:
         from kvmesh.shared.engine.kv_quant import pow2_scale, quantize
 
@@ -303,13 +316,19 @@ def pack_converted(
     elif dst_dtype == _INT8:
         from kvmesh.shared.engine.kv_int8 import quantize as quantize_int8
 
-        data, token_scales = quantize_int8(values)  # (n, h, L, 2, bs, D), (..., D // 32)
-        num_data = data[0, 0].numel()
-        spans[:, :, :num_data] = data.view(torch.uint8).reshape(n, h, num_data)
-        spans[:, :, num_data:] = token_scales.contiguous().view(torch.uint8).reshape(n, h, -1)
+        _write_int8(spans, *quantize_int8(values))
     else:
         spans.copy_(values.to(dst_dtype).contiguous().view(torch.uint8).reshape(n, h, head_bytes))
     return out
+
+
+def _write_int8(spans: torch.Tensor, data: torch.Tensor, scales: torch.Tensor) -> None:
+    """int8 ``data`` (n, h, L, 2, bs, D) then its ``scales`` (..., D // 32) into head spans
+    (n, h, head_bytes) uint8."""
+    n, h = spans.shape[:2]
+    num_data = data[0, 0].numel()
+    spans[:, :, :num_data] = data.contiguous().view(torch.uint8).reshape(n, h, num_data)
+    spans[:, :, num_data:] = scales.contiguous().view(torch.uint8).reshape(n, h, -1)
 
 
 def _launch(

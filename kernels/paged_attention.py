@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 from kvmesh.shared.engine.kv_int8 import GROUP as INT8_GROUP
 from kvmesh.shared.engine.kv_int8 import dequantize as dequantize_int8
+from kvmesh.shared.engine.kv_int8 import rotation_matrix
 from kvmesh.shared.engine.kv_quant import e4m3_lut
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -45,6 +46,7 @@ def _paged_attention_kernel(
     k_scale_ptr,
     v_scale_ptr,
     lut_ptr,
+    rot_ptr,
     scale,
     stride_qr,
     stride_qh,
@@ -88,6 +90,13 @@ def _paged_attention_kernel(
         q_ptr + row * stride_qr + q_heads[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0
     )
     q = q.to(tl.float32) * scale
+    if KV_MODE == 2:  # int8 K/V are stored rotated (kv_int8.rotate): rotate q alike, once
+        rot = tl.load(
+            rot_ptr + d[:, None] * HEAD_DIM + d[None, :],
+            mask=d_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        )  # (D, D), symmetric
+        q = tl.sum(q[:, :, None] * rot[None, :, :], axis=1)  # (G, D)
 
     if IS_TREE:
         seq = tl.load(token_seq_ptr + row).to(tl.int64)
@@ -158,6 +167,8 @@ def _paged_attention_kernel(
         m_i = m_new
 
     out = acc / l_i[:, None]
+    if KV_MODE == 2:  # the weighted sum of rotated V, rotated back
+        out = tl.sum(out[:, :, None] * rot[None, :, :], axis=1)
     tl.store(
         out_ptr + row * stride_or + q_heads[:, None] * stride_oh + d[None, :],
         out.to(out_ptr.dtype.element_ty),
@@ -185,18 +196,20 @@ def _launch(
     context_lens = context_lens.contiguous()
     token_seq, prefix_lens, tree_bits = tree if tree is not None else (context_lens,) * 3
     if kv_scales is None:
-        k_scales = v_scales = lut = context_lens  # unused
+        k_scales = v_scales = lut = rot = context_lens  # unused
         scale_strides = (0, 0, 0)
         mode = _PLAIN
     elif k_cache.dtype == torch.int8:
         k_scales, v_scales = kv_scales
         lut = context_lens  # unused
+        rot = rotation_matrix(k_cache.shape[3], q.device)
         block_stride, slot_stride, head_stride, _ = k_scales.stride()
         scale_strides = (block_stride, head_stride, slot_stride)
         mode = _INT8
     else:
         k_scales, v_scales = kv_scales
         lut = e4m3_lut(q.device)
+        rot = context_lens  # unused
         k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
         scale_strides = (*k_scales.stride(), 0)
         mode = _FP8
@@ -213,6 +226,7 @@ def _launch(
         k_scales,
         v_scales,
         lut,
+        rot,
         float(scale),
         q.stride(0),
         q.stride(1),
