@@ -505,7 +505,7 @@ void kv_decode_store_quant(float *qkv, int64_t batch, int64_t num_q_heads, int64
 }
 
 /* n rows of d quantized values at src (consecutive slots of one tile) as floats into dst;
- * scales: the first row's (fp8: the tile's one scale). */
+ * scales: the first row's (fp8: the tile's one scale). int8 rows stay rotated. */
 static void dequant_rows(const uint8_t *src, float *dst, const float *scales, int64_t n, int64_t d,
                          const kv_quant *kq) {
     if (kq->lut) {
@@ -517,13 +517,12 @@ static void dequant_rows(const uint8_t *src, float *dst, const float *scales, in
     for (int64_t r = 0; r < n; r++) {
         const float *sr = scales + r * kq->scale_slot_stride;
         for (int64_t i = 0; i < d; i++) dst[r * d + i] = (float)q[r * d + i] * sr[i / INT8_GROUP];
-        for (int64_t g = 0; g < d; g += INT8_GROUP) int8_rotate(dst + r * d + g);
     }
 }
 
 /* The context of one (sequence, KV head) of a quantized cache as float tiles: K into kd, V into
- * vd (ctx rows of d each, in order), and ident the identity table, so that attend reads them as
- * a float cache of consecutive blocks (block stride block_size * d). */
+ * vd (ctx rows of d each, in order; int8 rows still rotated), and ident the identity table, so
+ * that attend reads them as a float cache of consecutive blocks (block stride block_size * d). */
 static void quant_dequant_context(const uint8_t *k_cache, const uint8_t *v_cache, int64_t h,
                                   int64_t block_stride, int64_t head_stride, int64_t block_size,
                                   const int64_t *table, int64_t ctx, int64_t d,
@@ -633,13 +632,23 @@ void kv_decode_attention_units(const float *qkv, int64_t num_q_heads, int64_t nu
             int64_t *ident = (int64_t *)(vd + table_width * block_size * d);
             quant_dequant_context(k_pool, v_pool, h, block_stride, head_stride, block_size, table,
                                   ctx, d, kq, kd, vd, ident, tree, b);
+            /* int8 K and V stay rotated (kv_int8.rotate): the group's queries are rotated alike
+             * and the output rotated back, once each instead of every context token */
+            float qr[kq->lut ? 1 : group * d];
+            if (!kq->lut) {
+                memcpy(qr, q, group * d * sizeof(float));
+                for (int64_t i = 0; i < group * d; i += INT8_GROUP) int8_rotate(qr + i);
+            }
+            const float *qa = kq->lut ? q : qr;
             int64_t bsd = block_size * d;
             if (d == 64)
-                attend(q, kd, vd, ident, bsd, block_size, ctx, group, 64, scale, scratch, oh, INT64_MAX, NULL, NULL);
+                attend(qa, kd, vd, ident, bsd, block_size, ctx, group, 64, scale, scratch, oh, INT64_MAX, NULL, NULL);
             else if (d == 128)
-                attend(q, kd, vd, ident, bsd, block_size, ctx, group, 128, scale, scratch, oh, INT64_MAX, NULL, NULL);
+                attend(qa, kd, vd, ident, bsd, block_size, ctx, group, 128, scale, scratch, oh, INT64_MAX, NULL, NULL);
             else
-                attend(q, kd, vd, ident, bsd, block_size, ctx, group, d, scale, scratch, oh, INT64_MAX, NULL, NULL);
+                attend(qa, kd, vd, ident, bsd, block_size, ctx, group, d, scale, scratch, oh, INT64_MAX, NULL, NULL);
+            if (!kq->lut)
+                for (int64_t i = 0; i < group * d; i += INT8_GROUP) int8_rotate(oh + i);
             continue;
         }
         const float *kh = k_cache + h * head_stride, *vh = v_cache + h * head_stride;
