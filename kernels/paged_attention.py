@@ -168,6 +168,11 @@ def _paged_attention_kernel(
 
     out = acc / l_i[:, None]
     if KV_MODE == 2:  # the weighted sum of rotated V, rotated back
+        rot = tl.load(
+            rot_ptr + d[:, None] * HEAD_DIM + d[None, :],
+            mask=d_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        )
         out = tl.sum(out[:, :, None] * rot[None, :, :], axis=1)
     tl.store(
         out_ptr + row * stride_or + q_heads[:, None] * stride_oh + d[None, :],
