@@ -3,8 +3,9 @@ path, token for token and byte for byte), lossless draft verification (a token's
 that token alone), its pool size, and int8 blocks never mistaken for others.
 
 Its accuracy on a trained model is measured by ``kvmesh model kv-accuracy`` (docs/kv_cache.md);
-on kvmesh-tiny (16 greedy tokens per prompt) every fixture prompt agrees with float32 KV on all
-16 tokens, logit error at most 0.0001 (fp8: 11 tokens at the least, 0.0009)."""
+on kvmesh-tiny (16 greedy tokens per prompt) 95.3% of greedy tokens agree with float32 KV (7 of 8
+prompts on all 16, one flips a near tie after 10), logit error at most 0.0001, mean 0.00002
+(fp8: 93.0%, 0.0009, 0.00013)."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def fixture_prompts(tiny) -> list[list[int]]:
 
 def test_int8_greedy_output_agrees_with_float32_kv_on_the_fixture_prompts(tiny, fixture_prompts):
     report = measure(tiny[0], fixture_prompts, max_tokens=16, kv_cache_dtype="int8")
-    assert report.token_agreement >= 0.9  # measured 1.0
+    assert report.token_agreement >= 0.9  # measured 0.953
     assert report.max_logit_error <= 0.001  # measured 0.0001
     assert report.logit_std > 100 * report.max_logit_error
 
