@@ -16,13 +16,13 @@
  * pack_linear_weight, biases (n,) or NULL; work buffers xn (batch, hidden), qkv (batch, n_qkv),
  * attn (batch, num_q_heads * d), gu (batch, 2 * inter), act (batch, inter); attention arguments
  * as kv_decode_store_units's and kv_decode_attention_units's, scratch: num_threads rows of
- * scratch_stride floats; fp8: NULL for a float32 cache, else its scales and table (an fp8 cache
- * stores through kv_decode_store_fp8, by KV head); tree: NULL, or the batch's draft-tree rows
- * (kv_tree in cpu_ops.c).
+ * scratch_stride floats; kq: NULL for a float32 cache, else an fp8 or int8 cache's scales
+ * (kv_quant: it stores through kv_decode_store_quant, by KV head); tree: NULL, or the batch's
+ * draft-tree rows (kv_tree in cpu_ops.c).
  */
 #include <stdint.h>
 
-typedef struct kv_fp8 kv_fp8;   /* fp8 KV: see kernels/cpu_ops.c */
+typedef struct kv_quant kv_quant; /* fp8 or int8 KV: see kernels/cpu_ops.c */
 typedef struct kv_tree kv_tree; /* draft-tree rows: see kernels/cpu_ops.c */
 
 void kv_rms_norm(const float *x, const float *w, float *out, int64_t rows, int64_t n, float eps);
@@ -35,18 +35,18 @@ void kv_decode_store_units(float *qkv, int64_t num_q_heads, int64_t num_kv_heads
                            int64_t block_size, const int64_t *block_tables, int64_t table_width,
                            const int64_t *context_lens, int64_t u0, int64_t u1,
                            const kv_tree *tree);
-void kv_decode_store_fp8(float *qkv, int64_t batch, int64_t num_q_heads, int64_t num_kv_heads,
-                         int64_t d, const float *rope_cos, const float *rope_sin, uint8_t *k_cache,
-                         uint8_t *v_cache, int64_t block_stride, int64_t head_stride,
-                         int64_t block_size, const int64_t *block_tables, int64_t table_width,
-                         const int64_t *context_lens, const kv_fp8 *fp8, int64_t h0,
-                         int64_t h1, const kv_tree *tree);
+void kv_decode_store_quant(float *qkv, int64_t batch, int64_t num_q_heads, int64_t num_kv_heads,
+                           int64_t d, const float *rope_cos, const float *rope_sin,
+                           uint8_t *k_cache, uint8_t *v_cache, int64_t block_stride,
+                           int64_t head_stride, int64_t block_size, const int64_t *block_tables,
+                           int64_t table_width, const int64_t *context_lens, const kv_quant *kq,
+                           int64_t h0, int64_t h1, const kv_tree *tree);
 void kv_decode_attention_units(const float *qkv, int64_t num_q_heads, int64_t num_kv_heads,
                                int64_t d, const void *k_pool, const void *v_pool,
                                int64_t block_stride, int64_t head_stride, int64_t block_size,
                                const int64_t *block_tables, int64_t table_width,
                                const int64_t *context_lens, float scale, float *out,
-                               float *scratch, int64_t u0, int64_t u1, const kv_fp8 *fp8,
+                               float *scratch, int64_t u0, int64_t u1, const kv_quant *kq,
                                const kv_tree *tree);
 int64_t kv_attention_unit_bound(const int64_t *context_lens, int64_t batch, int64_t num_kv_heads,
                                 int64_t t, int64_t num_threads);
@@ -70,7 +70,7 @@ void kv_decode_layer(float *x, int64_t batch, int64_t hidden, const float *attn_
                      int64_t head_stride, int64_t block_size, const int64_t *block_tables,
                      int64_t table_width, const int64_t *context_lens, float scale,
                      float *scratch, int64_t scratch_stride, int64_t num_threads,
-                     const kv_fp8 *fp8, const kv_tree *tree) {
+                     const kv_quant *kq, const kv_tree *tree) {
     int64_t n_qkv = (num_q_heads + 2 * num_kv_heads) * d, n_attn = num_q_heads * d;
     if (num_threads < 1) num_threads = 1;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
@@ -84,11 +84,11 @@ void kv_decode_layer(float *x, int64_t batch, int64_t hidden, const float *attn_
         BARRIER
         int64_t u0 = kv_attention_unit_bound(context_lens, batch, num_kv_heads, t, nt);
         int64_t u1 = kv_attention_unit_bound(context_lens, batch, num_kv_heads, t + 1, nt);
-        if (fp8) /* by KV head, rows in order: a draft chain's rows may share a tile */
-            kv_decode_store_fp8(qkv, batch, num_q_heads, num_kv_heads, d, rope_cos, rope_sin,
-                                k_cache, v_cache, block_stride, head_stride, block_size,
-                                block_tables, table_width, context_lens, fp8,
-                                num_kv_heads * t / nt, num_kv_heads * (t + 1) / nt, tree);
+        if (kq) /* by KV head, rows in order: a draft chain's rows may share a tile */
+            kv_decode_store_quant(qkv, batch, num_q_heads, num_kv_heads, d, rope_cos, rope_sin,
+                                  k_cache, v_cache, block_stride, head_stride, block_size,
+                                  block_tables, table_width, context_lens, kq,
+                                  num_kv_heads * t / nt, num_kv_heads * (t + 1) / nt, tree);
         else
             kv_decode_store_units(qkv, num_q_heads, num_kv_heads, d, rope_cos, rope_sin, k_cache,
                                   v_cache, block_stride, head_stride, block_size, block_tables,
@@ -97,7 +97,7 @@ void kv_decode_layer(float *x, int64_t batch, int64_t hidden, const float *attn_
         kv_decode_attention_units(qkv, num_q_heads, num_kv_heads, d, k_cache, v_cache,
                                   block_stride, head_stride, block_size, block_tables,
                                   table_width, context_lens, scale, attn,
-                                  scratch + t * scratch_stride, u0, u1, fp8, tree);
+                                  scratch + t * scratch_stride, u0, u1, kq, tree);
         BARRIER
         kv_linear_share(attn, batch, n_attn, wo, hidden, bo, x, t, nt, 1);
         BARRIER

@@ -358,17 +358,43 @@ static inline int64_t tree_position(const kv_tree *tree, int64_t b, int64_t p) {
     return tree->positions[tree->offsets[b] + p - tree->starts[b]];
 }
 
-/* FP8 (e4m3fn) KV (shared/engine/kv_quant.py): a tile of (block, KV head) in a layer holds fp8
+/* Quantized KV: fp8 or int8, told apart by lut.
+ *
+ * FP8 (e4m3fn, shared/engine/kv_quant.py): a tile of (block, KV head) in a layer holds fp8
  * bytes meaning byte * scale, one float32 scale per tile. Reading decodes through a 256-entry
  * table (torch's own values, passed in: exact, and cheaper than bit arithmetic); storing follows
  * kv_quant.store bit for bit: power-of-two scales, grown (and the tile requantized) when a new
- * token's largest magnitude does not fit, reset when a token starts the block. */
-typedef struct kv_fp8 {
-    const float *lut;            /* (256,) the value of each e4m3fn byte */
+ * token's largest magnitude does not fit, reset when a token starts the block.
+ *
+ * INT8 (shared/engine/kv_int8.py, lut NULL): every token of a tile holds d int8 values meaning
+ * value * the scale of its group of INT8_GROUP; slot j of tile (b, h) has its scales at
+ * b * scale_block_stride + h * scale_head_stride + j * scale_slot_stride. Storing follows
+ * kv_int8.store bit for bit (scale = amax / 127, values rint(x / scale) clamped to +-127); a
+ * token's bytes depend on that token alone. */
+typedef struct kv_quant {
+    const float *lut;            /* fp8: (256,) the value of each e4m3fn byte; NULL: int8 */
     float *k_scales, *v_scales;  /* tile (b, h) at b * scale_block_stride + h * scale_head_stride */
     int64_t scale_block_stride, scale_head_stride;
+    int64_t scale_slot_stride;   /* int8: floats from one slot's scales to the next's; fp8: 0 */
     int64_t scratch_offset;      /* floats into a scratch row: dequantized K, V, a tile table */
-} kv_fp8;
+} kv_quant;
+
+#define INT8_GROUP 32
+#define INT8_MAX_Q 127.0f
+#define INT8_ROTATE_SCALE 0.17677669529663687f /* 32^-1/2, as float32 */
+
+/* The normalized Walsh-Hadamard transform of INT8_GROUP values in place: kv_int8.rotate's
+ * butterflies in its order, so bit for bit. */
+static void int8_rotate(float *x) {
+    for (int64_t h = 1; h < INT8_GROUP; h *= 2)
+        for (int64_t i = 0; i < INT8_GROUP; i += 2 * h)
+            for (int64_t j = i; j < i + h; j++) {
+                float a = x[j], b = x[j + h];
+                x[j] = a + b;
+                x[j + h] = a - b;
+            }
+    for (int64_t i = 0; i < INT8_GROUP; i++) x[i] *= INT8_ROTATE_SCALE;
+}
 
 #define FP8_MAX 448.0f
 
@@ -422,16 +448,37 @@ static void fp8_store(const float *x, uint8_t *tile, float *scale, int64_t off, 
     for (int64_t i = 0; i < d; i++) tile[off * d + i] = e4m3_from_float(x[i] / s);
 }
 
-/* The store phase for an fp8 cache, KV heads [h0, h1): rotate each row's q heads of the group
- * and its k head, then quantize its k and v into their slots, rows in order for each head (the
- * rows of a draft chain share tiles, and a tile's scale may grow: one thread per head keeps
- * that in order). Arguments as kv_decode_store_units's. */
-void kv_decode_store_fp8(float *qkv, int64_t batch, int64_t num_q_heads, int64_t num_kv_heads,
-                         int64_t d, const float *rope_cos, const float *rope_sin, uint8_t *k_cache,
-                         uint8_t *v_cache, int64_t block_stride, int64_t head_stride,
-                         int64_t block_size, const int64_t *block_tables, int64_t table_width,
-                         const int64_t *context_lens, const kv_fp8 *fp8, int64_t h0, int64_t h1,
-                         const kv_tree *tree) {
+/* Store one token x (d floats) as int8 at row q with its scales at sc: kv_int8.store. */
+static void int8_store(const float *x, int8_t *q, float *sc, int64_t d) {
+    for (int64_t g = 0; g < d / INT8_GROUP; g++) {
+        float xg[INT8_GROUP];
+        memcpy(xg, x + g * INT8_GROUP, sizeof xg);
+        int8_rotate(xg);
+        float amax = 0;
+        for (int64_t i = 0; i < INT8_GROUP; i++) {
+            float a = fabsf(xg[i]);
+            amax = a > amax ? a : amax;
+        }
+        float s = amax / INT8_MAX_Q;
+        for (int64_t i = 0; i < INT8_GROUP; i++) {
+            float r = s > 0 ? rintf(xg[i] / s) : 0.0f;
+            r = r > INT8_MAX_Q ? INT8_MAX_Q : r < -INT8_MAX_Q ? -INT8_MAX_Q : r;
+            q[g * INT8_GROUP + i] = (int8_t)r;
+        }
+        sc[g] = s;
+    }
+}
+
+/* The store phase for a quantized cache, KV heads [h0, h1): rotate each row's q heads of the
+ * group and its k head, then quantize its k and v into their slots, rows in order for each head
+ * (the rows of a draft chain share tiles, and an fp8 tile's scale may grow: one thread per head
+ * keeps that in order). Arguments as kv_decode_store_units's. */
+void kv_decode_store_quant(float *qkv, int64_t batch, int64_t num_q_heads, int64_t num_kv_heads,
+                           int64_t d, const float *rope_cos, const float *rope_sin,
+                           uint8_t *k_cache, uint8_t *v_cache, int64_t block_stride,
+                           int64_t head_stride, int64_t block_size, const int64_t *block_tables,
+                           int64_t table_width, const int64_t *context_lens, const kv_quant *kq,
+                           int64_t h0, int64_t h1, const kv_tree *tree) {
     int64_t group = num_q_heads / num_kv_heads;
     int64_t row = (num_q_heads + 2 * num_kv_heads) * d;
     for (int64_t h = h0; h < h1; h++)
@@ -442,43 +489,63 @@ void kv_decode_store_fp8(float *qkv, int64_t batch, int64_t num_q_heads, int64_t
             int64_t pos = tree_position(tree, b, context_lens[b] - 1);
             int64_t block = block_tables[b * table_width + pos / block_size];
             int64_t tile = block * block_stride + h * head_stride;
-            int64_t sc = block * fp8->scale_block_stride + h * fp8->scale_head_stride;
+            int64_t sc = block * kq->scale_block_stride + h * kq->scale_head_stride;
             for (int64_t g = 0; g < group; g++) rope_head(q + g * d, rope_cos + b * d, rope_sin + b * d, d);
             rope_head(k, rope_cos + b * d, rope_sin + b * d, d);
-            fp8_store(k, k_cache + tile, fp8->k_scales + sc, pos % block_size, block_size, d, fp8->lut);
-            fp8_store(v, v_cache + tile, fp8->v_scales + sc, pos % block_size, block_size, d, fp8->lut);
+            if (kq->lut) {
+                fp8_store(k, k_cache + tile, kq->k_scales + sc, pos % block_size, block_size, d, kq->lut);
+                fp8_store(v, v_cache + tile, kq->v_scales + sc, pos % block_size, block_size, d, kq->lut);
+            } else {
+                int64_t off = tile + (pos % block_size) * d;
+                sc += (pos % block_size) * kq->scale_slot_stride;
+                int8_store(k, (int8_t *)k_cache + off, kq->k_scales + sc, d);
+                int8_store(v, (int8_t *)v_cache + off, kq->v_scales + sc, d);
+            }
         }
 }
 
-/* The context of one (sequence, KV head) of an fp8 cache as float tiles: K into kd, V into vd
- * (ctx rows of d each, in order), and ident the identity table, so that attend reads them as a
- * float cache of consecutive blocks (block stride block_size * d). */
-static void fp8_dequant_context(const uint8_t *k_cache, const uint8_t *v_cache, int64_t h,
-                                int64_t block_stride, int64_t head_stride, int64_t block_size,
-                                const int64_t *table, int64_t ctx, int64_t d, const kv_fp8 *fp8,
-                                float *kd, float *vd, int64_t *ident, const kv_tree *tree,
-                                int64_t b) {
+/* n rows of d quantized values at src (consecutive slots of one tile) as floats into dst;
+ * scales: the first row's (fp8: the tile's one scale). int8 rows stay rotated. */
+static void dequant_rows(const uint8_t *src, float *dst, const float *scales, int64_t n, int64_t d,
+                         const kv_quant *kq) {
+    if (kq->lut) {
+        float s = scales[0];
+        for (int64_t i = 0; i < n * d; i++) dst[i] = kq->lut[src[i]] * s;
+        return;
+    }
+    const int8_t *q = (const int8_t *)src;
+    for (int64_t r = 0; r < n; r++) {
+        const float *sr = scales + r * kq->scale_slot_stride;
+        for (int64_t i = 0; i < d; i++) dst[r * d + i] = (float)q[r * d + i] * sr[i / INT8_GROUP];
+    }
+}
+
+/* The context of one (sequence, KV head) of a quantized cache as float tiles: K into kd, V into
+ * vd (ctx rows of d each, in order; int8 rows still rotated), and ident the identity table, so
+ * that attend reads them as a float cache of consecutive blocks (block stride block_size * d). */
+static void quant_dequant_context(const uint8_t *k_cache, const uint8_t *v_cache, int64_t h,
+                                  int64_t block_stride, int64_t head_stride, int64_t block_size,
+                                  const int64_t *table, int64_t ctx, int64_t d,
+                                  const kv_quant *kq, float *kd, float *vd, int64_t *ident,
+                                  const kv_tree *tree, int64_t b) {
     int64_t plain = tree == NULL ? ctx : tree->starts[b]; /* positions read from their own slot */
     for (int64_t p = plain; p < ctx; p++) { /* a tree row's ancestors, one row each */
         int64_t at = tree_position(tree, b, p), block = table[at / block_size];
         int64_t off = block * block_stride + h * head_stride + (at % block_size) * d;
-        int64_t sc = block * fp8->scale_block_stride + h * fp8->scale_head_stride;
-        float ks = fp8->k_scales[sc], vs = fp8->v_scales[sc];
-        for (int64_t i = 0; i < d; i++) kd[p * d + i] = fp8->lut[k_cache[off + i]] * ks;
-        for (int64_t i = 0; i < d; i++) vd[p * d + i] = fp8->lut[v_cache[off + i]] * vs;
+        int64_t sc = block * kq->scale_block_stride + h * kq->scale_head_stride +
+                     (at % block_size) * kq->scale_slot_stride;
+        dequant_rows(k_cache + off, kd + p * d, kq->k_scales + sc, 1, d, kq);
+        dequant_rows(v_cache + off, vd + p * d, kq->v_scales + sc, 1, d, kq);
     }
     for (int64_t j = 0; j * block_size < ctx; j++) ident[j] = j;
     ctx = plain;
     for (int64_t j = 0; j * block_size < ctx; j++) {
         int64_t block = table[j], n = ctx - j * block_size;
-        n = (n < block_size ? n : block_size) * d;
-        const uint8_t *kt = k_cache + block * block_stride + h * head_stride;
-        const uint8_t *vt = v_cache + block * block_stride + h * head_stride;
-        int64_t sc = block * fp8->scale_block_stride + h * fp8->scale_head_stride;
-        float ks = fp8->k_scales[sc], vs = fp8->v_scales[sc];
-        float *ko = kd + j * block_size * d, *vo = vd + j * block_size * d;
-        for (int64_t i = 0; i < n; i++) ko[i] = fp8->lut[kt[i]] * ks;
-        for (int64_t i = 0; i < n; i++) vo[i] = fp8->lut[vt[i]] * vs;
+        n = n < block_size ? n : block_size;
+        int64_t tile = block * block_stride + h * head_stride;
+        int64_t sc = block * kq->scale_block_stride + h * kq->scale_head_stride;
+        dequant_rows(k_cache + tile, kd + j * block_size * d, kq->k_scales + sc, n, d, kq);
+        dequant_rows(v_cache + tile, vd + j * block_size * d, kq->v_scales + sc, n, d, kq);
         ident[j] = j;
     }
 }
@@ -549,7 +616,7 @@ void kv_decode_attention_units(const float *qkv, int64_t num_q_heads, int64_t nu
                                int64_t block_stride, int64_t head_stride, int64_t block_size,
                                const int64_t *block_tables, int64_t table_width,
                                const int64_t *context_lens, float scale, float *out,
-                               float *scratch, int64_t u0, int64_t u1, const kv_fp8 *fp8,
+                               float *scratch, int64_t u0, int64_t u1, const kv_quant *kq,
                                const kv_tree *tree) {
     const float *k_cache = k_pool, *v_cache = v_pool;
     int64_t group = num_q_heads / num_kv_heads;
@@ -560,18 +627,28 @@ void kv_decode_attention_units(const float *qkv, int64_t num_q_heads, int64_t nu
         int64_t ctx = context_lens[b];
         const int64_t *table = block_tables + b * table_width;
         float *oh = out + (b * num_q_heads + h * group) * d;
-        if (fp8) { /* an fp8 cache: this unit's context read back as floats, then as below */
-            float *kd = scratch + fp8->scratch_offset, *vd = kd + table_width * block_size * d;
+        if (kq) { /* a quantized cache: this unit's context read back as floats, then as below */
+            float *kd = scratch + kq->scratch_offset, *vd = kd + table_width * block_size * d;
             int64_t *ident = (int64_t *)(vd + table_width * block_size * d);
-            fp8_dequant_context(k_pool, v_pool, h, block_stride, head_stride, block_size, table,
-                                ctx, d, fp8, kd, vd, ident, tree, b);
+            quant_dequant_context(k_pool, v_pool, h, block_stride, head_stride, block_size, table,
+                                  ctx, d, kq, kd, vd, ident, tree, b);
+            /* int8 K and V stay rotated (kv_int8.rotate): the group's queries are rotated alike
+             * and the output rotated back, once each instead of every context token */
+            float qr[kq->lut ? 1 : group * d];
+            if (!kq->lut) {
+                memcpy(qr, q, group * d * sizeof(float));
+                for (int64_t i = 0; i < group * d; i += INT8_GROUP) int8_rotate(qr + i);
+            }
+            const float *qa = kq->lut ? q : qr;
             int64_t bsd = block_size * d;
             if (d == 64)
-                attend(q, kd, vd, ident, bsd, block_size, ctx, group, 64, scale, scratch, oh, INT64_MAX, NULL, NULL);
+                attend(qa, kd, vd, ident, bsd, block_size, ctx, group, 64, scale, scratch, oh, INT64_MAX, NULL, NULL);
             else if (d == 128)
-                attend(q, kd, vd, ident, bsd, block_size, ctx, group, 128, scale, scratch, oh, INT64_MAX, NULL, NULL);
+                attend(qa, kd, vd, ident, bsd, block_size, ctx, group, 128, scale, scratch, oh, INT64_MAX, NULL, NULL);
             else
-                attend(q, kd, vd, ident, bsd, block_size, ctx, group, d, scale, scratch, oh, INT64_MAX, NULL, NULL);
+                attend(qa, kd, vd, ident, bsd, block_size, ctx, group, d, scale, scratch, oh, INT64_MAX, NULL, NULL);
+            if (!kq->lut)
+                for (int64_t i = 0; i < group * d; i += INT8_GROUP) int8_rotate(oh + i);
             continue;
         }
         const float *kh = k_cache + h * head_stride, *vh = v_cache + h * head_stride;
@@ -631,25 +708,25 @@ int64_t kv_attention_unit_bound(const int64_t *context_lens, int64_t batch, int6
  * lengths). Every run has its own scratch_stride floats of scratch. Built with -fopenmp the
  * threads are those of the OpenMP runtime already in the process (torch's libgomp, matched by its
  * soname), so they do not compete with another pool's spinning threads; built without it, the
- * runs go one after another. Arguments as kv_decode_attention_units's above; fp8: NULL for a
- * float32 cache, else the cache is fp8 bytes (stored by KV head, kv_decode_store_fp8); tree:
- * NULL, or the batch's draft-tree rows. */
+ * runs go one after another. Arguments as kv_decode_attention_units's above; kq: NULL for a
+ * float32 cache, else the cache is fp8 or int8 bytes (stored by KV head, kv_decode_store_quant);
+ * tree: NULL, or the batch's draft-tree rows. */
 void kv_decode_attention(float *qkv, int64_t num_q_heads, int64_t num_kv_heads, int64_t d,
                          const float *rope_cos, const float *rope_sin, void *k_cache,
                          void *v_cache, int64_t block_stride, int64_t head_stride,
                          int64_t block_size, const int64_t *block_tables, int64_t table_width,
                          const int64_t *context_lens, float scale, float *out, float *scratch,
                          int64_t scratch_stride, const int64_t *bounds, int64_t num_parts,
-                         const kv_fp8 *fp8, const kv_tree *tree) {
+                         const kv_quant *kq, const kv_tree *tree) {
 #pragma omp parallel num_threads(num_parts) if (num_parts > 1)
     {
-        if (fp8) {
+        if (kq) {
 #pragma omp for schedule(static, 1)
             for (int64_t h = 0; h < num_kv_heads; h++)
-                kv_decode_store_fp8(qkv, bounds[num_parts], num_q_heads, num_kv_heads, d, rope_cos,
-                                    rope_sin, k_cache, v_cache, block_stride, head_stride,
-                                    block_size, block_tables, table_width, context_lens, fp8, h,
-                                    h + 1, tree);
+                kv_decode_store_quant(qkv, bounds[num_parts], num_q_heads, num_kv_heads, d,
+                                      rope_cos, rope_sin, k_cache, v_cache, block_stride,
+                                      head_stride, block_size, block_tables, table_width,
+                                      context_lens, kq, h, h + 1, tree);
         } else {
 #pragma omp for schedule(static, 1)
         for (int64_t p = 0; p < num_parts; p++)
@@ -665,6 +742,6 @@ void kv_decode_attention(float *qkv, int64_t num_q_heads, int64_t num_kv_heads, 
                                       block_stride, head_stride, block_size, block_tables,
                                       table_width, context_lens, scale, out,
                                       scratch + p * scratch_stride, bounds[p] * num_kv_heads,
-                                      bounds[p + 1] * num_kv_heads, fp8, tree);
+                                      bounds[p + 1] * num_kv_heads, kq, tree);
     }
 }

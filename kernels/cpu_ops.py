@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from kvmesh.shared.cache_dir import cache_dir
 from kvmesh.shared.cache_dir import temp_cache_dir as _temp_cache_dir
+from kvmesh.shared.engine.kv_int8 import GROUP as INT8_GROUP
 from kvmesh.shared.engine.kv_quant import e4m3_lut
 
 if TYPE_CHECKING:
@@ -56,7 +57,7 @@ _SIGNATURES = {
     # x, rows, in, packed weight, out features, bias or NULL, y, threads
     "kv_linear": (_ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64),
     # qkv, heads, kv heads, d, cos, sin, k, v, strides, block size, tables, width, context
-    # lens, scale, out, scratch, scratch stride, part bounds, parts, fp8 (KVFp8* or NULL),
+    # lens, scale, out, scratch, scratch stride, part bounds, parts, fp8 or int8 (KVQuant* or NULL),
     # tree rows (KVTree* or NULL)
     "kv_decode_attention": (
         *(_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr),
@@ -65,7 +66,7 @@ _SIGNATURES = {
     # x, batch, hidden, attn norm, ffn norm, eps, wqkv, bqkv, wo, bo, wgu, bgu, wdown, bdown,
     # inter, xn, qkv, attn, gu, act, then the attention's: heads, kv heads, d, cos, sin, k, v,
     # strides, block size, tables, width, context lens, scale, scratch, scratch stride; threads;
-    # fp8 (KVFp8* or NULL); tree rows (KVTree* or NULL)
+    # fp8 or int8 (KVQuant* or NULL); tree rows (KVTree* or NULL)
     "kv_decode_layer": (
         *(_ptr, _i64, _i64, _ptr, _ptr, _f32, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr),
         *(_i64, _ptr, _ptr, _ptr, _ptr, _ptr),
@@ -227,8 +228,9 @@ class CpuOps:
     ) -> torch.Tensor:
         """One new token per sequence: rotate q and k of ``qkv`` in place, store k and v in their
         slots, attend over each sequence's context. Returns (batch, num_q_heads, head_dim).
-        ``kv_scales``: the (num_blocks, H_kv) K and V scales of an fp8 cache (the plan then
-        needs ``fp8_head_dim``), stored and read as ``shared/engine/kv_quant.py`` does.
+        ``kv_scales``: the K and V scales of an fp8 or int8 cache (``KVPool.layer_scales``; the
+        plan then needs ``quant_head_dim``), stored and read as ``shared/engine/kv_quant.py`` and
+        ``kv_int8.py`` do.
 
         qkv: (batch, num_q_heads + 2 * H_kv, D); cos, sin: (batch, 1, D) rotation-table rows of
         each token's position; k_cache, v_cache: (num_blocks, block_size, H_kv, D) per-layer views
@@ -244,7 +246,7 @@ class CpuOps:
         assert num_heads == num_q_heads + 2 * num_kv_heads and kd == d, (qkv.shape, k_cache.shape)
         assert num_q_heads % num_kv_heads == 0, (num_q_heads, num_kv_heads)
         assert cos.shape == sin.shape == (batch, 1, d), (cos.shape, sin.shape)
-        assert k_cache.dtype == v_cache.dtype == _cache_dtype(kv_scales), (
+        assert k_cache.dtype == v_cache.dtype and _is_cache_dtype(k_cache.dtype, kv_scales), (
             k_cache.dtype,
             v_cache.dtype,
         )
@@ -259,14 +261,14 @@ class CpuOps:
         width = block_tables.shape[1]
         group = num_q_heads // num_kv_heads
         if plan is None:
-            fp8_d = 0 if kv_scales is None else d
-            plan = decode_plan(context_lens, width, block_size, group, fp8_head_dim=fp8_d)
+            quant_d = 0 if kv_scales is None else d
+            plan = decode_plan(context_lens, width, block_size, group, quant_head_dim=quant_d)
         assert plan.batch == batch and plan.scratch.shape[1] >= width * block_size * group, (
             "the plan was made for another step",
             plan.batch,
             plan.scratch.shape,
         )
-        fp8 = _fp8_args(kv_scales, plan, k_cache)
+        quant = _quant_args(kv_scales, plan, k_cache)
         scratch, bounds = plan.scratch, plan.bounds
         out = qkv.new_empty(batch, num_q_heads, d)
         self._decode_attention(
@@ -290,7 +292,7 @@ class CpuOps:
             scratch.shape[1],
             bounds.data_ptr(),
             bounds.shape[0] - 1,
-            None if fp8 is None else ctypes.addressof(fp8),
+            None if quant is None else ctypes.addressof(quant),
             _tree_arg(plan),
         )
         return out
@@ -313,7 +315,8 @@ class CpuOps:
             k_cache.shape,
         )
         assert kv.cos.shape == kv.sin.shape == (batch, 1, d), (kv.cos.shape, kv.sin.shape)
-        assert k_cache.dtype == v_cache.dtype == _cache_dtype(kv.scales) and k_cache.is_cpu
+        assert k_cache.dtype == v_cache.dtype and _is_cache_dtype(k_cache.dtype, kv.scales)
+        assert k_cache.is_cpu
         assert v_cache.shape == k_cache.shape and v_cache.stride() == strides
         assert strides[1] == d and strides[3] == 1, strides
         assert kv.block_tables.dtype == kv.context_lens.dtype == torch.int64
@@ -325,7 +328,7 @@ class CpuOps:
             "the plan was made for another step or thread count"
         )
         assert stride >= width * block_size * (w.num_q_heads // num_kv_heads), plan.scratch.shape
-        fp8 = _fp8_args(kv.scales, plan, k_cache)
+        quant = _quant_args(kv.scales, plan, k_cache)
         n_qkv, n_attn, inter = w.wqkv.out_features, w.wo.panels.shape[1], w.inter
         out = x.clone()
         # one allocation, cut into contiguous (batch, n) buffers
@@ -361,14 +364,15 @@ class CpuOps:
             plan.scratch.data_ptr(),
             stride,
             num_threads,
-            None if fp8 is None else ctypes.addressof(fp8),
+            None if quant is None else ctypes.addressof(quant),
             _tree_arg(plan),
         )
         return out
 
 
-class KVFp8(ctypes.Structure):
-    """``kv_fp8`` of cpu_ops.c: what the kernels need to store and read an fp8 cache."""
+class KVQuant(ctypes.Structure):
+    """``kv_quant`` of cpu_ops.c: what the kernels need to store and read an fp8 or int8 cache
+    (``lut`` NULL: int8)."""
 
     _fields_ = [
         ("lut", ctypes.c_void_p),
@@ -376,6 +380,7 @@ class KVFp8(ctypes.Structure):
         ("v_scales", ctypes.c_void_p),
         ("scale_block_stride", ctypes.c_int64),
         ("scale_head_stride", ctypes.c_int64),
+        ("scale_slot_stride", ctypes.c_int64),
         ("scratch_offset", ctypes.c_int64),
     ]
 
@@ -395,28 +400,47 @@ def _tree_arg(plan: DecodePlan) -> int | None:
     return None if plan.tree is None else ctypes.addressof(plan.tree)
 
 
-def _cache_dtype(kv_scales: tuple[torch.Tensor, torch.Tensor] | None) -> torch.dtype:
-    return torch.float32 if kv_scales is None else torch.float8_e4m3fn
+def _is_cache_dtype(dtype: torch.dtype, kv_scales: tuple[torch.Tensor, ...] | None) -> bool:
+    """Whether the kernels read a cache of ``dtype`` with (or without) ``kv_scales``."""
+    if kv_scales is None:
+        return dtype == torch.float32
+    return dtype in (torch.float8_e4m3fn, torch.int8)
 
 
-def _fp8_args(
+def _quant_args(
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None, plan: DecodePlan, k_cache: torch.Tensor
-) -> KVFp8 | None:
-    """The kernels' fp8 argument for a cache with ``kv_scales`` (None for a float32 cache)."""
+) -> KVQuant | None:
+    """The kernels' quantized-cache argument for a cache with ``kv_scales`` (None for float32):
+    fp8 scales (num_blocks, H_kv), int8 scales (num_blocks, block_size, H_kv, D // 32)."""
     if kv_scales is None:
         return None
     k_scales, v_scales = kv_scales
-    num_blocks, num_kv_heads = k_cache.shape[0], k_cache.shape[2]
-    assert plan.fp8_offset is not None, "the plan was made for a float32 cache"
-    assert k_scales.shape == v_scales.shape == (num_blocks, num_kv_heads), k_scales.shape
+    num_blocks, block_size, num_kv_heads, d = k_cache.shape
+    assert plan.quant_offset is not None, "the plan was made for a float32 cache"
     assert k_scales.dtype == v_scales.dtype == torch.float32 and k_scales.is_cpu
     assert k_scales.stride() == v_scales.stride(), (k_scales.stride(), v_scales.stride())
-    return KVFp8(
+    if k_cache.dtype == torch.int8:
+        shape = (num_blocks, block_size, num_kv_heads, d // INT8_GROUP)
+        assert k_scales.shape == v_scales.shape == shape, (k_scales.shape, shape)
+        block_stride, slot_stride, head_stride, group_stride = k_scales.stride()
+        assert group_stride == 1, k_scales.stride()
+        return KVQuant(
+            None,
+            k_scales.data_ptr(),
+            v_scales.data_ptr(),
+            block_stride,
+            head_stride,
+            slot_stride,
+            plan.quant_offset,
+        )
+    assert k_scales.shape == v_scales.shape == (num_blocks, num_kv_heads), k_scales.shape
+    return KVQuant(
         e4m3_lut().data_ptr(),
         k_scales.data_ptr(),
         v_scales.data_ptr(),
         *k_scales.stride(),
-        plan.fp8_offset,
+        0,
+        plan.quant_offset,
     )
 
 
@@ -485,7 +509,7 @@ class DecodeLayerKV:
     block_tables: torch.Tensor
     context_lens: torch.Tensor
     plan: DecodePlan
-    scales: tuple[torch.Tensor, torch.Tensor] | None = None  # an fp8 cache's K and V scales
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None  # an fp8 or int8 cache's K, V scales
 
 
 @dataclass(frozen=True, slots=True)
@@ -497,7 +521,7 @@ class DecodePlan:
     batch: int
     bounds: torch.Tensor
     scratch: torch.Tensor
-    fp8_offset: int | None = None  # where a row's room to dequantize fp8 KV starts (floats)
+    quant_offset: int | None = None  # where a row's room to dequantize fp8/int8 KV starts (floats)
     tree: KVTree | None = None  # the step's draft-tree rows (``tree_rows``); None: plain rows
     tree_rows: TreeRows | None = None  # keeps the tensors ``tree`` points into alive
 
@@ -507,14 +531,14 @@ def decode_plan(
     table_width: int,
     block_size: int,
     group: int,
-    fp8_head_dim: int = 0,
+    quant_head_dim: int = 0,
     tree_rows: TreeRows | None = None,
     head_dim: int = 0,
 ) -> DecodePlan:
     """The ``DecodePlan`` of a step: runs of sequences with about equal context, one per torch
     thread (``split_by_work``), and scratch for the longest context a block table can hold, a
     row for each torch thread (``decode_layer`` splits the work finer than by sequence).
-    ``fp8_head_dim``: for an fp8 cache of that head size, each row also has room for one
+    ``quant_head_dim``: for an fp8 or int8 cache of that head size, each row also has room for one
     (sequence, KV head)'s context dequantized (K and V) and its tile table. ``tree_rows``: the
     batch's draft-tree rows (``TreeRows``), with room in each row for a tree row's gathered
     context tail (K and V, ``head_dim`` each)."""
@@ -523,11 +547,11 @@ def decode_plan(
     parts = split_by_work(lens, min(num_threads, len(lens)))
     bounds = torch.tensor([start for start, _ in parts] + [len(lens)], dtype=torch.int64)
     scores = table_width * block_size * group
-    fp8_offset = None
+    quant_offset = None
     stride = scores
-    if fp8_head_dim:
-        fp8_offset = scores + scores % 2  # the tile table after K and V is int64: even offset
-        stride = fp8_offset + 2 * table_width * block_size * fp8_head_dim + 2 * table_width
+    if quant_head_dim:
+        quant_offset = scores + scores % 2  # the tile table after K and V is int64: even offset
+        stride = quant_offset + 2 * table_width * block_size * quant_head_dim + 2 * table_width
     tree = None
     if tree_rows is not None:
         assert head_dim > 0 and tree_rows.starts.shape == (len(lens),), tree_rows.starts.shape
@@ -540,7 +564,7 @@ def decode_plan(
         )
         stride += stride % 2 + 2 * (block_size + MAX_TREE_TAIL) * head_dim
     scratch = torch.empty(max(num_threads, len(parts)), stride + stride % 2)
-    return DecodePlan(len(lens), bounds, scratch, fp8_offset, tree, tree_rows)
+    return DecodePlan(len(lens), bounds, scratch, quant_offset, tree, tree_rows)
 
 
 def split_by_work(context_lens: list[int], parts: int) -> list[tuple[int, int]]:

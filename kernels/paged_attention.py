@@ -10,6 +10,10 @@ An fp8 cache (``kv_scales`` given: the layer's (num_blocks, H_kv) float32 K and 
 ``shared/engine/kv_quant.py``) is read as bytes and decoded through a 256-entry table of e4m3fn
 values (torch's own; a gather from a small table is exact, and runs the same under the
 interpreter, which has no fp8 type), times the scale of the (block, KV head).
+
+An int8 cache (``kv_scales``: the layer's (num_blocks, block_size, H_kv, D // 32) float32 K and V
+scales, see ``shared/engine/kv_int8.py``) is read as int8 times the scale of each token's group of
+32 values.
 """
 
 from __future__ import annotations
@@ -17,10 +21,15 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from kvmesh.shared.engine.kv_int8 import GROUP as INT8_GROUP
+from kvmesh.shared.engine.kv_int8 import dequantize as dequantize_int8
+from kvmesh.shared.engine.kv_int8 import rotation_matrix
 from kvmesh.shared.engine.kv_quant import e4m3_lut
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _INDEX_DTYPES = (torch.int32, torch.int64)
+# KV_MODE of the kernel: how a cache element becomes a value
+_PLAIN, _FP8, _INT8 = 0, 1, 2
 
 
 @triton.jit
@@ -37,6 +46,7 @@ def _paged_attention_kernel(
     k_scale_ptr,
     v_scale_ptr,
     lut_ptr,
+    rot_ptr,
     scale,
     stride_qr,
     stride_qh,
@@ -52,8 +62,10 @@ def _paged_attention_kernel(
     stride_btj,
     stride_sb,
     stride_sh,
+    stride_st,
     IS_TREE: tl.constexpr,
-    IS_FP8: tl.constexpr,
+    KV_MODE: tl.constexpr,
+    SCALE_GROUP: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -78,6 +90,13 @@ def _paged_attention_kernel(
         q_ptr + row * stride_qr + q_heads[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0
     )
     q = q.to(tl.float32) * scale
+    if KV_MODE == 2:  # int8 K/V are stored rotated (kv_int8.rotate): rotate q alike, once
+        rot = tl.load(
+            rot_ptr + d[:, None] * HEAD_DIM + d[None, :],
+            mask=d_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        )  # (D, D), symmetric
+        q = tl.sum(q[:, :, None] * rot[None, :, :], axis=1)  # (G, D)
 
     if IS_TREE:
         seq = tl.load(token_seq_ptr + row).to(tl.int64)
@@ -107,9 +126,13 @@ def _paged_attention_kernel(
             mask=kv_mask,
             other=0,
         )
-        if IS_FP8:  # bytes -> value * the tile's scale
+        if KV_MODE == 1:  # fp8 bytes -> value * the tile's scale
             k_scale = tl.load(k_scale_ptr + block_id * stride_sb + kv_head * stride_sh)
             k = tl.load(lut_ptr + k.to(tl.int32)) * k_scale
+        if KV_MODE == 2:  # int8 * the scale of each token's group of SCALE_GROUP values
+            scale_at = block_id * stride_sb + kv_head * stride_sh + t[:, None] * stride_st
+            scale_at = scale_at + d[None, :] // SCALE_GROUP
+            k = k.to(tl.float32) * tl.load(k_scale_ptr + scale_at, mask=kv_mask, other=0.0)
         k = k.to(tl.float32)  # (T, D)
         s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # (G, T)
         s = tl.where(t_mask[None, :], s, float("-inf"))
@@ -132,14 +155,25 @@ def _paged_attention_kernel(
             mask=kv_mask,
             other=0,
         )
-        if IS_FP8:
+        if KV_MODE == 1:
             v_scale = tl.load(v_scale_ptr + block_id * stride_sb + kv_head * stride_sh)
             v = tl.load(lut_ptr + v.to(tl.int32)) * v_scale
+        if KV_MODE == 2:
+            scale_at = block_id * stride_sb + kv_head * stride_sh + t[:, None] * stride_st
+            scale_at = scale_at + d[None, :] // SCALE_GROUP
+            v = v.to(tl.float32) * tl.load(v_scale_ptr + scale_at, mask=kv_mask, other=0.0)
         v = v.to(tl.float32)  # (T, D)
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
         m_i = m_new
 
     out = acc / l_i[:, None]
+    if KV_MODE == 2:  # the weighted sum of rotated V, rotated back
+        rot = tl.load(
+            rot_ptr + d[:, None] * HEAD_DIM + d[None, :],
+            mask=d_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        )
+        out = tl.sum(out[:, :, None] * rot[None, :, :], axis=1)
     tl.store(
         out_ptr + row * stride_or + q_heads[:, None] * stride_oh + d[None, :],
         out.to(out_ptr.dtype.element_ty),
@@ -160,20 +194,30 @@ def _launch(
 ) -> None:
     """Run the kernel over q's rows and every KV head; ``tree`` is (token_seq, prefix_lens,
     tree_bits) when the rows are draft-tree tokens, None when each row is one decoding sequence;
-    ``kv_scales`` the K and V scales of an fp8 cache."""
+    ``kv_scales`` the K and V scales of an fp8 or int8 cache."""
     _, block_size, H_kv, _ = k_cache.shape
     R, H_q, D = q.shape
     group = H_q // H_kv
     context_lens = context_lens.contiguous()
     token_seq, prefix_lens, tree_bits = tree if tree is not None else (context_lens,) * 3
     if kv_scales is None:
-        k_scales = v_scales = lut = context_lens  # unused
-        scale_strides = (0, 0)
+        k_scales = v_scales = lut = rot = context_lens  # unused
+        scale_strides = (0, 0, 0)
+        mode = _PLAIN
+    elif k_cache.dtype == torch.int8:
+        k_scales, v_scales = kv_scales
+        lut = context_lens  # unused
+        rot = rotation_matrix(k_cache.shape[3], q.device)
+        block_stride, slot_stride, head_stride, _ = k_scales.stride()
+        scale_strides = (block_stride, head_stride, slot_stride)
+        mode = _INT8
     else:
         k_scales, v_scales = kv_scales
         lut = e4m3_lut(q.device)
+        rot = context_lens  # unused
         k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
-        scale_strides = k_scales.stride()
+        scale_strides = (*k_scales.stride(), 0)
+        mode = _FP8
     _paged_attention_kernel[(R, H_kv)](
         out,
         q,
@@ -187,6 +231,7 @@ def _launch(
         k_scales,
         v_scales,
         lut,
+        rot,
         float(scale),
         q.stride(0),
         q.stride(1),
@@ -202,7 +247,8 @@ def _launch(
         block_tables.stride(1),
         *scale_strides,
         IS_TREE=tree is not None,
-        IS_FP8=kv_scales is not None,
+        KV_MODE=mode,
+        SCALE_GROUP=INT8_GROUP,
         GROUP=group,
         HEAD_DIM=D,
         BLOCK_SIZE=block_size,
@@ -225,8 +271,9 @@ def paged_decode_attention(
 
     q: (B, H_q, D); k_cache, v_cache: (num_blocks, block_size, H_kv, D), any strides with the last
     one 1; block_tables: (B, max_blocks) int32/int64; context_lens: (B,) int32/int64, each in
-    [1, max_blocks * block_size]; kv_scales: (num_blocks, H_kv) float32 K and V scales of an fp8
-    cache (``KVPool.layer_scales``), None otherwise. Returns (B, H_q, D) in q's dtype.
+    [1, max_blocks * block_size]; kv_scales: the float32 K and V scales of an fp8 cache
+    (num_blocks, H_kv) or of an int8 cache (num_blocks, block_size, H_kv, D // 32), as
+    ``KVPool.layer_scales`` gives them; None otherwise. Returns (B, H_q, D) in q's dtype.
     """
     _check_inputs(q, k_cache, v_cache, block_tables, context_lens, kv_scales)
     B, H_q, D = q.shape
@@ -270,7 +317,9 @@ def _read(
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None,
     which: int,
 ) -> torch.Tensor:
-    """(len(blocks) * block_size, H_kv, D) float32 tokens of the listed blocks (fp8 dequantized)."""
+    """(len(blocks) * block_size, H_kv, D) float32 tokens of the listed blocks (dequantized)."""
+    if kv_scales is not None and cache.dtype == torch.int8:
+        return dequantize_int8(cache[blocks], kv_scales[which][blocks]).flatten(0, 1)
     tokens = cache[blocks].float()  # (n, block_size, H_kv, D)
     if kv_scales is not None:
         tokens = tokens * kv_scales[which][blocks][:, None, :, None]
@@ -298,18 +347,29 @@ def _check_inputs(
         raise ValueError(f"head_dim of q ({D}) and of the cache ({D_kv}) differ")
     if H_q % H_kv != 0:
         raise ValueError(f"query heads ({H_q}) must be a multiple of KV heads ({H_kv})")
-    cache_dtypes = SUPPORTED_DTYPES if kv_scales is None else (torch.float8_e4m3fn,)
+    cache_dtypes = SUPPORTED_DTYPES if kv_scales is None else (torch.float8_e4m3fn, torch.int8)
     if q.dtype not in SUPPORTED_DTYPES or k_cache.dtype not in cache_dtypes:
         raise TypeError(
-            f"q must be one of {SUPPORTED_DTYPES} and the cache one of {cache_dtypes} (fp8 with "
-            f"kv_scales), got {q.dtype} and {k_cache.dtype}"
+            f"q must be one of {SUPPORTED_DTYPES} and the cache one of {cache_dtypes} (fp8 and "
+            f"int8 with kv_scales), got {q.dtype} and {k_cache.dtype}"
         )
     if kv_scales is not None:
         k_scales, v_scales = kv_scales
-        if k_scales.shape != (num_blocks, H_kv) or v_scales.shape != (num_blocks, H_kv):
+        want: tuple[int, ...] = (num_blocks, H_kv)
+        if k_cache.dtype == torch.int8:
+            want = (num_blocks, block_size, H_kv, D // INT8_GROUP)
+            if D % INT8_GROUP:
+                raise ValueError(
+                    f"an int8 cache needs head_dim a multiple of {INT8_GROUP}, got {D}"
+                )
+        if k_scales.shape != want or v_scales.shape != want:
             raise ValueError(
-                f"kv_scales must be ({num_blocks}, {H_kv}) each, got {tuple(k_scales.shape)} "
+                f"kv_scales must be {want} each, got {tuple(k_scales.shape)} "
                 f"and {tuple(v_scales.shape)}"
+            )
+        if k_cache.dtype == torch.int8 and k_scales.stride(-1) != 1:
+            raise ValueError(
+                f"int8 kv_scales need unit stride in their last dim: {k_scales.stride()}"
             )
         if k_scales.dtype != torch.float32 or v_scales.dtype != torch.float32:
             raise TypeError(f"kv_scales must be float32, got {k_scales.dtype}, {v_scales.dtype}")

@@ -1,23 +1,32 @@
-"""What an fp8 KV cache costs in accuracy: greedy agreement and logit error against float32 KV.
+"""What an 8-bit KV cache costs in accuracy: greedy agreement and logit error against the model
+dtype's KV, for every 8-bit format (``--kv-cache-dtype int8`` and ``fp8_e4m3``).
 
-``kvmesh model kv-accuracy MODEL`` runs the fixture prompts (``FIXTURE_PROMPTS``) through two
-offline engines that differ only in ``kv_cache_dtype`` and reports, per prompt:
+``kvmesh model kv-accuracy MODEL`` runs the fixture prompts (``FIXTURE_PROMPTS``) through offline
+engines that differ only in ``kv_cache_dtype`` ("auto", the model's dtype, is the reference) and
+reports, per format and prompt:
 
-* ``agreed_tokens``: how many greedy tokens the fp8 engine produces before its first one that
-  differs from the float32 engine's (the real decode path: the C or Triton kernels as served);
-* the logit error along the float32 trajectory (teacher-forced: both engines score the same
-  prompt + float32 output in one forward pass, the fp8 one reading its K/V back from fp8
+* ``agreed_tokens``: how many greedy tokens the 8-bit engine produces before its first one that
+  differs from the reference's (the real decode path: the C or Triton kernels as served); over
+  all prompts, ``token_agreement`` is the share of generated tokens so agreed (a token after the
+  first difference never counts, even where it happens to match);
+* the logit error along the reference trajectory (teacher-forced: both engines score the same
+  prompt + reference output in one forward pass, the 8-bit one reading its K/V back from its
   blocks): max and mean absolute difference over every vocabulary entry of every output
   position, and how often the two argmaxes agree (``top1_agreement``; unlike greedy agreement,
-  one early flip does not end it). ``logit_std``, the float32 logits' standard deviation over
+  one early flip does not end it). ``logit_std``, the reference logits' standard deviation over
   the vocabulary, is the yardstick for the error: a seeded model's logits are small.
+
+and the answers to short factual questions (``FACT_QUESTIONS``, through the model's chat template
+when it has one): each answer, greedy up to an end-of-sequence token, must be the reference's.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # `kvmesh model` registers this command: building the CLI must not import torch
@@ -40,14 +49,42 @@ FIXTURE_PROMPTS = (
 )
 
 
+# Short factual questions whose answers must not change (asked through the chat template).
+FACT_QUESTIONS = (
+    "What is the capital of France?",
+    "What is 2 + 2?",
+    "Who wrote Romeo and Juliet?",
+    "How many days are in a week?",
+    "What is the chemical symbol for gold?",
+    "What is the largest planet in the solar system?",
+    "What color is the sky on a clear day?",
+    "What is the boiling point of water in degrees Celsius?",
+)
+EIGHT_BIT_FORMATS = ("int8", "fp8_e4m3")
+FACT_MAX_TOKENS = 32
+
+
 @dataclass(frozen=True, slots=True)
 class PromptAccuracy:
     prompt_tokens: int
-    agreed_tokens: int  # greedy tokens equal to float32 KV's before the first difference
+    agreed_tokens: int  # greedy tokens equal to the reference's before the first difference
     top1_agreement: float  # teacher-forced: fraction of positions whose argmax agrees
     max_logit_error: float
     mean_logit_error: float
-    logit_std: float  # the float32 logits' spread over the vocabulary (mean over positions)
+    logit_std: float  # the reference logits' spread over the vocabulary (mean over positions)
+
+
+@dataclass(frozen=True, slots=True)
+class FactAnswer:
+    """One factual question's greedy answer (token ids, up to and with the stop token)."""
+
+    prompt_tokens: int
+    reference: tuple[int, ...]
+    answer: tuple[int, ...]
+
+    @property
+    def is_same(self) -> bool:
+        return self.answer == self.reference
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +93,7 @@ class KVAccuracyReport:
     kv_cache_dtype: str
     max_tokens: int
     prompts: tuple[PromptAccuracy, ...]
+    facts: tuple[FactAnswer, ...] = ()
 
     @property
     def min_agreed_tokens(self) -> int:
@@ -64,6 +102,15 @@ class KVAccuracyReport:
     @property
     def num_fully_agreed(self) -> int:
         return sum(p.agreed_tokens == self.max_tokens for p in self.prompts)
+
+    @property
+    def token_agreement(self) -> float:
+        """Share of all generated tokens that came before their prompt's first difference."""
+        return sum(p.agreed_tokens for p in self.prompts) / (self.max_tokens * len(self.prompts))
+
+    @property
+    def num_facts_changed(self) -> int:
+        return sum(not f.is_same for f in self.facts)
 
     @property
     def max_logit_error(self) -> float:
@@ -82,15 +129,30 @@ class KVAccuracyReport:
             **asdict(self),
             "min_agreed_tokens": self.min_agreed_tokens,
             "num_fully_agreed": self.num_fully_agreed,
+            "token_agreement": self.token_agreement,
+            "num_facts_changed": self.num_facts_changed,
             "max_logit_error": self.max_logit_error,
             "mean_logit_error": self.mean_logit_error,
             "logit_std": self.logit_std,
         }
 
-    def table(self) -> str:
+    def summary(self) -> str:
+        facts = (
+            f"; factual answers changed: {self.num_facts_changed}/{len(self.facts)}"
+            if self.facts
+            else ""
+        )
+        return (
+            f"{self.kv_cache_dtype}: {self.token_agreement:.1%} of greedy tokens agree "
+            f"({self.num_fully_agreed}/{len(self.prompts)} prompts all {self.max_tokens}, the "
+            f"least {self.min_agreed_tokens}); logit error max {self.max_logit_error:.4f}, mean "
+            f"{self.mean_logit_error:.5f} (logit std {self.logit_std:.4f}){facts}"
+        )
+
+    def table(self, decode: Callable[[Sequence[int]], str] | None = None) -> str:
         lines = [
-            f"{self.model}: {self.kv_cache_dtype} KV against float32 KV, {self.max_tokens} greedy "
-            "tokens per prompt",
+            f"{self.model}: {self.kv_cache_dtype} KV against the model dtype's KV, "
+            f"{self.max_tokens} greedy tokens per prompt",
             f"{'prompt':>6} {'tokens':>6} {'agreed':>7} {'top-1':>6} {'max err':>8} "
             f"{'mean err':>9} {'logit std':>9}",
         ]
@@ -99,12 +161,10 @@ class KVAccuracyReport:
                 f"{i:>6} {p.prompt_tokens:>6} {p.agreed_tokens:>7} {p.top1_agreement:>6.3f} "
                 f"{p.max_logit_error:>8.4f} {p.mean_logit_error:>9.5f} {p.logit_std:>9.4f}"
             )
-        lines.append(
-            f"greedy agreement: {self.num_fully_agreed}/{len(self.prompts)} prompts all "
-            f"{self.max_tokens} tokens, the least {self.min_agreed_tokens}; logit error max "
-            f"{self.max_logit_error:.4f}, mean {self.mean_logit_error:.5f} (logit std "
-            f"{self.logit_std:.4f})"
-        )
+        for i, f in enumerate(self.facts):
+            if not f.is_same and decode is not None:
+                lines.append(f"  fact {i} changed: {decode(f.reference)!r} -> {decode(f.answer)!r}")
+        lines.append(self.summary())
         return "\n".join(lines)
 
 
@@ -114,16 +174,35 @@ def measure(
     max_tokens: int,
     *,
     model_name: str = "",
-    kv_cache_dtype: str = "fp8_e4m3",
+    kv_cache_dtype: str = "int8",
     block_size: int = 16,
 ) -> KVAccuracyReport:
-    """Compare engines with ``kv_cache_dtype`` and float32 ("auto" on a float32 model) KV."""
+    """Compare an engine with ``kv_cache_dtype`` against the model dtype's ("auto") KV."""
+    return measure_formats(
+        model, prompts, max_tokens, (kv_cache_dtype,), model_name=model_name, block_size=block_size
+    )[0]
+
+
+def measure_formats(
+    model: Any,
+    prompts: list[list[int]],
+    max_tokens: int,
+    kv_cache_dtypes: Sequence[str] = EIGHT_BIT_FORMATS,
+    *,
+    facts: Sequence[list[int]] = (),
+    stop_token_ids: Sequence[int] = (),
+    model_name: str = "",
+    block_size: int = 16,
+) -> tuple[KVAccuracyReport, ...]:
+    """One report per format of ``kv_cache_dtypes``, each against the same reference run: the
+    fixture ``prompts`` (``max_tokens`` greedy tokens each) and the ``facts`` prompts (greedy up
+    to one of ``stop_token_ids``, at most ``FACT_MAX_TOKENS``)."""
     from kvmesh.shared.engine.config import EngineConfig
     from kvmesh.shared.engine.llm_engine import LLMEngine
     from kvmesh.shared.engine.sequence import SamplingParams
 
-    longest = max(len(p) for p in prompts) + max_tokens
-    num_blocks = len(prompts) * (-(-longest // block_size) + 1) + 8
+    longest = max(len(p) for p in [*prompts, *facts]) + max(max_tokens, FACT_MAX_TOKENS)
+    num_blocks = max(len(prompts), len(facts)) * (-(-longest // block_size) + 1) + 8
 
     def engine(dtype: str) -> LLMEngine:
         config = EngineConfig(
@@ -135,30 +214,61 @@ def measure(
         return LLMEngine(model, None, config)
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    ref_engine, test_engine = engine("auto"), engine(kv_cache_dtype)
+    fact_params = SamplingParams(
+        max_tokens=FACT_MAX_TOKENS, temperature=0.0, stop_token_ids=tuple(stop_token_ids)
+    )
+    ref_engine = engine("auto")
     ref_out = ref_engine.generate(prompts, params)
-    test_out = test_engine.generate(prompts, params)
-    results = []
-    for prompt, ref, got in zip(prompts, ref_out, test_out, strict=True):
-        agreed = next(
-            (i for i, (a, b) in enumerate(zip(ref, got, strict=True)) if a != b), len(ref)
-        )
-        tokens = prompt + ref[:-1]
-        ref_logits = teacher_forced_logits(ref_engine, tokens, len(ref))
-        test_logits = teacher_forced_logits(test_engine, tokens, len(ref))
-        err = (test_logits - ref_logits).abs()
-        top1 = (test_logits.argmax(-1) == ref_logits.argmax(-1)).float().mean()
-        results.append(
-            PromptAccuracy(
-                prompt_tokens=len(prompt),
-                agreed_tokens=agreed,
-                top1_agreement=float(top1),
-                max_logit_error=float(err.max()),
-                mean_logit_error=float(err.mean()),
-                logit_std=float(ref_logits.std(-1).mean()),
+    ref_facts = ref_engine.generate(list(facts), fact_params) if facts else []
+    ref_logits = [
+        teacher_forced_logits(ref_engine, prompt + ref[:-1], len(ref))
+        for prompt, ref in zip(prompts, ref_out, strict=True)
+    ]
+    reports = []
+    for dtype in kv_cache_dtypes:
+        test_engine = engine(dtype)
+        test_out = test_engine.generate(prompts, params)
+        results = []
+        for prompt, ref, got, want in zip(prompts, ref_out, test_out, ref_logits, strict=True):
+            agreed = agreed_prefix(ref, got)
+            logits = teacher_forced_logits(test_engine, prompt + ref[:-1], len(ref))
+            err = (logits - want).abs()
+            top1 = (logits.argmax(-1) == want.argmax(-1)).float().mean()
+            results.append(
+                PromptAccuracy(
+                    prompt_tokens=len(prompt),
+                    agreed_tokens=agreed,
+                    top1_agreement=float(top1),
+                    max_logit_error=float(err.max()),
+                    mean_logit_error=float(err.mean()),
+                    logit_std=float(want.std(-1).mean()),
+                )
             )
+        answers = test_engine.generate(list(facts), fact_params) if facts else []
+        fact_results = tuple(
+            FactAnswer(len(q), tuple(ref), tuple(got))
+            for q, ref, got in zip(facts, ref_facts, answers, strict=True)
         )
-    return KVAccuracyReport(model_name, kv_cache_dtype, max_tokens, tuple(results))
+        reports.append(
+            KVAccuracyReport(model_name, dtype, max_tokens, tuple(results), fact_results)
+        )
+    return tuple(reports)
+
+
+def agreed_prefix(reference: Sequence[int], tokens: Sequence[int]) -> int:
+    """How many of ``tokens`` equal ``reference``'s before the first difference."""
+    return next(
+        (i for i, (a, b) in enumerate(zip(reference, tokens, strict=True)) if a != b),
+        len(reference),
+    )
+
+
+def fact_prompts(tokenizer: Any) -> list[list[int]]:
+    """``FACT_QUESTIONS`` as prompts: through the chat template when the tokenizer has one,
+    else as ``Q: ...\nA:`` text."""
+    if getattr(tokenizer, "chat_template", None):
+        return [tokenizer.encode_chat([{"role": "user", "content": q}]) for q in FACT_QUESTIONS]
+    return [tokenizer.encode(f"Q: {q}\nA:", add_special_tokens=True) for q in FACT_QUESTIONS]
 
 
 def teacher_forced_logits(engine: Any, token_ids: list[int], num_logits: int) -> torch.Tensor:
@@ -178,15 +288,28 @@ def teacher_forced_logits(engine: Any, token_ids: list[int], num_logits: int) ->
 def register_kv_accuracy(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "kv-accuracy",
-        help="greedy agreement and logit error of fp8 KV against float32 KV on fixture prompts",
+        help="greedy agreement, logit error and factual answers of each 8-bit KV format against "
+        "the model dtype's KV",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("model", help="a checkpoint directory or kvmesh-tiny")
     p.add_argument("--max-tokens", type=int, default=64, help="greedy tokens per prompt")
-    p.add_argument("--kv-cache-dtype", default="fp8_e4m3", choices=["fp8_e4m3"])
+    p.add_argument(
+        "--kv-cache-dtype",
+        nargs="+",
+        default=list(EIGHT_BIT_FORMATS),
+        choices=list(EIGHT_BIT_FORMATS),
+        help="the 8-bit formats to measure (default: all)",
+    )
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument(
+        "--llama-cpp",
+        action="store_true",
+        help="also measure llama.cpp's q8_0 KV against its f32 KV on the same prompts (the "
+        "checkpoint converted to an f32 GGUF; needs `make bench-deps`)",
+    )
+    p.add_argument("--json", action="store_true", help="print the reports as JSON")
     p.set_defaults(func=_run)
 
 
@@ -196,15 +319,47 @@ def _run(args: argparse.Namespace) -> int:
 
     if args.max_tokens <= 0:
         raise SystemExit("kvmesh model kv-accuracy: --max-tokens must be positive")
+    if args.llama_cpp and not Path(args.model).is_dir():
+        raise SystemExit(
+            f"kvmesh model kv-accuracy: --llama-cpp converts a checkpoint directory; "
+            f"{args.model!r} is not one"
+        )
     model, tokenizer = load_model(args.model, torch.float32)
     prompts = [tokenizer.encode(text, add_special_tokens=True) for text in FIXTURE_PROMPTS]
-    report = measure(
+    facts = fact_prompts(tokenizer)
+    stop_token_ids = sorted(tokenizer.eos_token_ids)
+    reports = measure_formats(
         model,
         prompts,
         args.max_tokens,
+        args.kv_cache_dtype,
+        facts=facts,
+        stop_token_ids=stop_token_ids,
         model_name=args.model,
-        kv_cache_dtype=args.kv_cache_dtype,
         block_size=args.block_size,
     )
-    print(json.dumps(report.to_json(), indent=2) if args.json else report.table())
+    llama = None
+    if args.llama_cpp:
+        from kvmesh.loadgen.kv_accuracy_llamacpp import measure_llama_cpp
+
+        llama = measure_llama_cpp(
+            Path(args.model),
+            prompts,
+            args.max_tokens,
+            facts=facts,
+            stop_token_ids=stop_token_ids,
+            threads=torch.get_num_threads(),
+        )
+    if args.json:
+        out: dict[str, Any] = {"model": args.model, "reports": [r.to_json() for r in reports]}
+        if llama is not None:
+            out["llama_cpp"] = llama.to_json()
+        print(json.dumps(out, indent=2))
+        return 0
+    for report in reports:
+        print(report.table(tokenizer.decode) + "\n")
+    for report in reports:
+        print(report.summary())
+    if llama is not None:
+        print(llama.summary())
     return 0

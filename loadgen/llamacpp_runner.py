@@ -20,7 +20,7 @@ import importlib.util
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -123,14 +123,25 @@ def _run_converter(converter: Path, hf_dir: str, out: str, outtype: str) -> None
 class LlamaCppRunner:
     """One llama.cpp context, batch 1, greedy. ``n_threads`` for prompt and generation alike; the
     KV cache in ``kv_type``: the weights' type keeps both engines at the same precision, f16 is
-    llama.cpp's own default."""
+    llama.cpp's own default, ``"q8_0"`` its 8-bit KV (32 int8 values and an f16 scale a block; a
+    quantized V needs ``flash_attn``)."""
 
     max_batch = 1
 
-    def __init__(self, gguf: Path, threads: int, n_ctx: int, kv_type: torch.dtype) -> None:
+    def __init__(
+        self,
+        gguf: Path,
+        threads: int,
+        n_ctx: int,
+        kv_type: torch.dtype | str,
+        flash_attn: bool = False,
+    ) -> None:
         import llama_cpp
 
-        name = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}[kv_type]
+        if isinstance(kv_type, str):
+            name = kv_type.upper()
+        else:
+            name = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}[kv_type]
         ggml_type = getattr(llama_cpp, f"GGML_TYPE_{name}", None)
         if ggml_type is None:
             raise ValueError(f"this llama-cpp-python has no {name} KV cache type")
@@ -141,6 +152,7 @@ class LlamaCppRunner:
             n_threads_batch=threads,
             type_k=ggml_type,
             type_v=ggml_type,
+            flash_attn=flash_attn,
             verbose=False,
         )
         self._llama_cpp = llama_cpp
@@ -155,11 +167,15 @@ class LlamaCppRunner:
         self.llm.eval(prompt)
         return self._next_token()
 
-    def generate(self, prompts: list[list[int]], num_tokens: int) -> list[list[int]]:
+    def generate(
+        self, prompts: list[list[int]], num_tokens: int, stop_token_ids: Collection[int] = ()
+    ) -> list[list[int]]:
+        """``num_tokens`` greedy tokens per prompt, fewer where one of ``stop_token_ids`` comes
+        (kept as the last token)."""
         outputs = []
         for prompt in prompts:
             tokens = [self._prefill(prompt)]
-            while len(tokens) < num_tokens:
+            while len(tokens) < num_tokens and tokens[-1] not in stop_token_ids:
                 self.llm.eval(tokens[-1:])
                 tokens.append(self._next_token())
             outputs.append(tokens)

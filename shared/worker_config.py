@@ -84,11 +84,12 @@ class EngineWorkerConfig(MetricsServiceConfig):
         "the address of the interface that routes to the NATS server; 127.0.0.1 on one host)",
     )
     block_size: int = option(16, help="tokens per KV block (prefill and decode workers must match)")
-    kv_cache_dtype: Literal["auto", "fp8_e4m3"] = option(
+    kv_cache_dtype: Literal["auto", "int8", "fp8_e4m3"] = option(
         "auto",
-        help="KV cache dtype: auto (the model's) or fp8_e4m3 (float8 with per-(block, KV head) "
-        "scales, a quarter of float32's bytes); prefill and decode workers may differ in it: the "
-        "prefill's writes convert (docs/kv_cache.md)",
+        help="KV cache dtype: auto (the model's), int8 (the recommended 8-bit format: a scale per "
+        "32 values of each token, 9/32 of float32's bytes) or fp8_e4m3 (float8 with per-(block, "
+        "KV head) scales, a quarter; changes a trained model's answers); prefill and decode "
+        "workers may differ in it: the prefill's writes convert (docs/kv_cache.md)",
     )
     num_blocks: int | None = option(
         None, help="KV blocks in this worker's pool (default: from kv_cache_bytes)"

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvmesh.loadgen.kv_accuracy import FIXTURE_PROMPTS, measure
+from kvmesh.loadgen.kv_accuracy import FACT_QUESTIONS, FIXTURE_PROMPTS, measure
 from kvmesh.shared.engine.config import EngineConfig
 from kvmesh.shared.engine.llm_engine import LLMEngine
 from kvmesh.shared.engine.sequence import SamplingParams
@@ -33,7 +33,7 @@ def fixture_prompts(tiny) -> list[list[int]]:
 
 
 def test_fp8_greedy_output_agrees_with_float32_kv_on_the_fixture_prompts(tiny, fixture_prompts):
-    report = measure(tiny[0], fixture_prompts, max_tokens=16)
+    report = measure(tiny[0], fixture_prompts, max_tokens=16, kv_cache_dtype="fp8_e4m3")
     assert report.min_agreed_tokens >= 8  # measured 11
     assert report.num_fully_agreed >= 5  # measured 6 of 8
     assert min(p.top1_agreement for p in report.prompts) >= 0.85  # measured 0.938
@@ -80,8 +80,8 @@ def test_fp8_and_float32_blocks_never_share_a_prefix_hash(tiny):
 
 
 def test_engine_config_refuses_an_unknown_kv_cache_dtype():
-    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8_e4m3"):
-        EngineConfig(kv_cache_dtype="int8")
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, int8, fp8_e4m3"):
+        EngineConfig(kv_cache_dtype="int4")
 
 
 def test_up_gives_prefill_and_decode_their_kv_cache_dtypes():
@@ -104,10 +104,13 @@ def test_kv_accuracy_command_reports_every_fixture_prompt(capsys):
     from kvmesh import cli
 
     assert cli.main(["model", "kv-accuracy", "kvmesh-tiny", "--max-tokens", "3", "--json"]) == 0
-    report = json.loads(capsys.readouterr().out)
-    assert report["kv_cache_dtype"] == "fp8_e4m3" and report["max_tokens"] == 3
-    assert len(report["prompts"]) == len(FIXTURE_PROMPTS)
-    assert 0 <= report["min_agreed_tokens"] <= 3 and report["max_logit_error"] >= 0
+    reports = json.loads(capsys.readouterr().out)["reports"]
+    assert [r["kv_cache_dtype"] for r in reports] == ["int8", "fp8_e4m3"]
+    for report in reports:
+        assert report["max_tokens"] == 3 and len(report["prompts"]) == len(FIXTURE_PROMPTS)
+        assert 0 <= report["min_agreed_tokens"] <= 3 and report["max_logit_error"] >= 0
+        assert 0 <= report["token_agreement"] <= 1
+        assert len(report["facts"]) == len(FACT_QUESTIONS)
 
 
 def test_fp8_with_random_draft_chains_and_trees_keeps_plain_fp8_greedy_output(tiny):

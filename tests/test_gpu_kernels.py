@@ -1,7 +1,7 @@
 """The Triton kernels compiled for a CUDA GPU (not interpreted) against their torch references on
 the same GPU, at the engine's shapes and at Llama-3.2-1B's (32 query heads, 8 KV heads, head_dim
 64, block 16, contexts of thousands of tokens): paged decode attention and tree / prefill-chunk
-attention for every cache dtype (fp8 with scales), KV pack / scatter for every dtype, block-size
+attention for every cache dtype (int8 and fp8 with scales), KV pack / scatter for every dtype, block-size
 regroup and TP reshard.
 
 ``gpu``-marked: skipped without CUDA ("no CUDA device"); `make gpu-check` runs them. Never yet run
@@ -20,19 +20,23 @@ pytestmark = pytest.mark.gpu
 
 DEVICE = "cuda"
 ATOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float8_e4m3fn: 2e-3}
-KV_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn]
+KV_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.int8]
 
 
 def _pool(
     layers: int, heads: int, dim: int, block: int, dtype: torch.dtype, blocks: int, seed: int
 ):
-    """A KV pool on the GPU with random contents; an fp8 pool gets random power-of-two scales."""
+    """A KV pool on the GPU with random contents; an int8 or fp8 pool gets random power-of-two
+    scales."""
     spec = KVCacheSpec(
         num_layers=layers, num_kv_heads=heads, head_dim=dim, block_size=block, dtype=dtype
     )
     pool = KVPool(spec, blocks, device=DEVICE)
     gen = torch.Generator().manual_seed(seed)
-    pool.tensor.copy_(torch.randn(pool.tensor.shape, generator=gen).to(dtype))
+    values = torch.randn(pool.tensor.shape, generator=gen)
+    if dtype == torch.int8:
+        values = (values * 3).round()  # small ints: values as fp8 pools hold
+    pool.tensor.copy_(values.to(dtype))
     if pool.scales is not None:
         exps = torch.randint(-3, 3, pool.scales.shape, generator=gen).float()
         pool.scales.copy_(torch.exp2(exps))
@@ -52,7 +56,7 @@ def _tables(context_lens: list[int], block: int, num_blocks: int, seed: int):
 
 
 def _q_dtype(kv_dtype: torch.dtype) -> torch.dtype:
-    return torch.bfloat16 if kv_dtype == torch.float8_e4m3fn else kv_dtype
+    return torch.bfloat16 if kv_dtype in (torch.float8_e4m3fn, torch.int8) else kv_dtype
 
 
 # --- paged decode attention ----------------------------------------------------------------------

@@ -1,12 +1,12 @@
 """Writes between KV pools of different dtypes: the prefill rank converts into staging in the
-decode's layout (fp8 with scales, or float), the entries carry the destination's bytes."""
+decode's layout (fp8 or int8 with scales, or float), the entries carry the destination's bytes."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from kvmesh.kernels.kv_pack import pack_converted
-from kvmesh.shared.engine import kv_quant
+from kvmesh.shared.engine import kv_int8, kv_quant
 from kvmesh.shared.engine.kv_cache import KVCacheSpec, KVPool
 from kvmesh.shared.transport.base import MemoryRegion
 from kvmesh.shared.transport.kv_writes import (
@@ -18,12 +18,14 @@ from kvmesh.shared.transport.kv_writes import (
 )
 
 FP8 = torch.float8_e4m3fn
+INT8 = torch.int8
 HEADS = 4
+D = 32  # one int8 scale group
 
 
 def _spec(heads: int, dtype: torch.dtype, block_size: int = 4) -> KVCacheSpec:
     return KVCacheSpec(
-        num_layers=2, num_kv_heads=heads, head_dim=8, block_size=block_size, dtype=dtype
+        num_layers=2, num_kv_heads=heads, head_dim=D, block_size=block_size, dtype=dtype
     )
 
 
@@ -37,6 +39,9 @@ def _source(spec: KVCacheSpec, num_blocks: int) -> tuple[KVPool, MemoryRegion]:
             tokens = values[b].permute(3, 0, 1, 2, 4)  # (bs, H, L, 2, D)
             slots = torch.arange(spec.block_size)
             kv_quant.store(data, pool.scales, tokens, torch.full_like(slots, b), slots)
+    elif spec.is_int8:
+        pool.tensor.copy_(kv_int8.quantize(values)[0])
+        pool.scales.copy_(kv_int8.quantize(values)[1])
     else:
         pool.tensor.copy_(values)
     return pool, MemoryRegion(pool.base_addr, pool.nbytes, rkey=3)
@@ -46,6 +51,8 @@ def _values(pool: KVPool) -> torch.Tensor:
     """(N, H, L, 2, bs, D) float32 values the pool holds."""
     if pool.scales is None:
         return pool.tensor.float()
+    if pool.spec.is_int8:
+        return kv_int8.dequantize(pool.tensor, pool.scales)
     return pool.tensor.float() * pool.scales[..., None, None]
 
 
@@ -64,13 +71,18 @@ def _apply(plan, staging: torch.Tensor, dst: KVPool) -> None:
         (FP8, torch.float32, 1),
         (torch.float32, FP8, 2),
         (FP8, torch.float16, 2),
+        (torch.float32, INT8, 1),
+        (INT8, torch.float32, 1),
+        (torch.float32, INT8, 2),
+        (INT8, FP8, 1),
+        (FP8, INT8, 2),
     ],
 )
 def test_converted_writes_carry_the_values_in_the_decode_dtype(src_dtype, dst_dtype, src_tp):
     heads = HEADS // src_tp
     dst = KVPool(_spec(HEADS, dst_dtype), 6)
     src_ids, dst_ids = [3, 0, 2], [1, 4, 5]
-    expected = torch.zeros(3, HEADS, 2, 2, 4, 8)
+    expected = torch.zeros(3, HEADS, 2, 2, 4, D)
     for rank in range(src_tp):
         pool, region = _source(_spec(heads, src_dtype), 4)
         dest = KVDestination(dst.spec, 9, tuple(dst.block_addr(b) for b in dst_ids))
@@ -89,8 +101,26 @@ def test_converted_writes_carry_the_values_in_the_decode_dtype(src_dtype, dst_dt
     if dst_dtype == FP8:  # within half an e4m3 step of each tile's scale
         step = dst.scales[dst_ids][..., None, None] * 16
         assert bool(((got - expected).abs() <= step).all())
+    elif dst_dtype == INT8:  # rotated, within half a step of each token's group scale
+        step = dst.scales[dst_ids].repeat_interleave(kv_int8.GROUP, -1) * 0.5 * (1 + 1e-4)
+        err = kv_int8.rotate(got) - kv_int8.rotate(expected)
+        assert bool((err.abs() <= step + 1e-5).all())
     else:
         assert torch.allclose(got, expected, rtol=2**-8 if dst_dtype != torch.float32 else 0)
+
+
+def test_int8_destination_takes_a_quarter_of_float32_bytes_plus_a_scale_per_32_values():
+    fp32, int8 = _spec(HEADS, torch.float32, 16), _spec(HEADS, INT8, 16)
+    assert int8.bytes_per_token * 4 == fp32.bytes_per_token
+    assert int8.block_bytes * 32 == fp32.block_bytes // 4 * 36
+
+
+def test_pack_converted_from_int8_to_int8_keeps_the_bytes():
+    pool, _ = _source(_spec(2, INT8), 3)
+    out = pack_converted(pool.tensor, pool.scales, [2, 1], 0, 2, INT8)
+    dst = KVPool(_spec(2, INT8), 2)
+    dst.raw.copy_(out.flatten())
+    assert torch.equal(dst.raw, torch.cat([pool.block_bytes_view(2), pool.block_bytes_view(1)]))
 
 
 def test_fp8_destination_takes_a_quarter_of_float32_bytes_plus_scales():
@@ -123,7 +153,7 @@ def test_fp8_with_another_block_size_is_refused():
     with pytest.raises(KVLayoutError, match="not both"):
         plan_kv_writes(pool, region, [0, 1], [dest])
     pool8, region8 = _source(_spec(HEADS, FP8, 4), 2)
-    with pytest.raises(KVLayoutError, match="fp8 blocks"):
+    with pytest.raises(KVLayoutError, match="fp8 and int8 blocks"):
         plan_kv_writes(pool8, region8, [0, 1], [KVDestination(_spec(HEADS, FP8, 8), 1, (0,))])
 
 
@@ -149,4 +179,5 @@ def test_prefill_converts_for_a_decode_spec_that_differs_in_the_kv_dtype_alone()
         with pytest.raises(KVSpecMismatchError, match="same model and block size"):
             decode_kv_dtype(fp32, other)
     with pytest.raises(KVSpecMismatchError, match="no conversion"):
-        decode_kv_dtype(fp32, "L2-H1-D32-B16-int8:model-ab12")
+        decode_kv_dtype(fp32, "L2-H1-D32-B16-int16:model-ab12")
+    assert decode_kv_dtype(fp32, "L2-H1-D32-B16-int8:model-ab12") == INT8

@@ -211,7 +211,7 @@ def test_triton_decode_and_tree_attention_over_fp8_match_reference():
 def test_triton_refuses_an_fp8_cache_without_scales():
     pool = filled_pool()
     k, v = pool.layer(1)
-    with pytest.raises(TypeError, match="fp8 with kv_scales"):
+    with pytest.raises(TypeError, match="int8 with kv_scales"):
         paged_decode_attention(torch.randn(3, H_Q, D), k, v, TABLES, CONTEXT, 0.125)
 
 
@@ -233,7 +233,7 @@ def test_c_decode_attention_over_fp8_matches_torch_and_stores_the_same_bits(thre
     torch.set_num_threads(threads)
     try:
         k, v = c_pool.layer(1)
-        plan = decode_plan(CONTEXT, TABLES.shape[1], BS, H_Q // H_KV, fp8_head_dim=D)
+        plan = decode_plan(CONTEXT, TABLES.shape[1], BS, H_Q // H_KV, quant_head_dim=D)
         out = ops.decode_attention(
             qkv.clone(), cos, sin, k, v, TABLES, CONTEXT, H_Q, 0.125, plan, c_pool.layer_scales(1)
         )
@@ -269,7 +269,7 @@ def test_c_e4m3_rounding_matches_torch_on_ties_subnormals_and_the_edge():
     cos, sin = torch.ones(1, 1, D), torch.zeros(1, 1, D)
     table, ctx = torch.tensor([[1]]), torch.tensor([1])
     k, v = pools[0].layer(0)
-    plan = decode_plan(ctx, 1, BS, 1, fp8_head_dim=D)
+    plan = decode_plan(ctx, 1, BS, 1, quant_head_dim=D)
     ops.decode_attention(qkv, cos, sin, k, v, table, ctx, 1, 1.0, plan, pools[0].layer_scales(0))
     k, v = pools[1].layer(0)
     k_scales = pools[1].layer_scales(0)[0]

@@ -100,7 +100,10 @@ def _job(region, block_bytes: int, descriptor) -> protocol.PrefillJob:
     )
 
 
-@pytest.mark.parametrize(("prefill_dtype", "decode_dtype"), [("auto", FP8), ("fp8_e4m3", None)])
+@pytest.mark.parametrize(
+    ("prefill_dtype", "decode_dtype"),
+    [("auto", FP8), ("fp8_e4m3", None), ("auto", torch.int8), ("int8", None), ("int8", FP8)],
+)
 async def test_prefill_converts_each_chunk_for_a_decode_worker_of_another_kv_dtype(
     tiny, prefill_dtype, decode_dtype
 ):

@@ -102,12 +102,17 @@ def random_tree(rng: random.Random, num_nodes: int) -> DraftTree:
 
 
 @pytest.mark.parametrize(
-    ("head_dim", "block_size", "fp8"),
-    [(64, 16, False), (48, 8, False), (64, 16, True)],  # 48: a head size not specialised
+    ("head_dim", "block_size", "kv_dtype"),
+    [
+        (64, 16, torch.float32),
+        (48, 8, torch.float32),  # 48: a head size not specialised
+        (64, 16, torch.float8_e4m3fn),
+        (64, 16, torch.int8),
+    ],
 )
 @pytest.mark.parametrize("threads", [1, 3])
 def test_c_decode_kernels_verify_random_trees_as_the_tree_mask_does(
-    head_dim, block_size, fp8, threads
+    head_dim, block_size, kv_dtype, threads
 ):
     from kvmesh.kernels.cpu_ops import decode_plan, load_cpu_ops
     from kvmesh.shared.engine.kv_cache import KVCacheSpec, KVPool
@@ -116,6 +121,7 @@ def test_c_decode_kernels_verify_random_trees_as_the_tree_mask_does(
 
     ops = load_cpu_ops()
     assert ops is not None, "gcc is part of the test machine; the C kernels must build"
+    fp8 = kv_dtype == torch.float8_e4m3fn
     rng = random.Random(head_dim + block_size + fp8)
     g = torch.Generator().manual_seed(rng.randrange(1000))
     h_q, h_kv, bs = 4, 2, block_size
@@ -136,7 +142,7 @@ def test_c_decode_kernels_verify_random_trees_as_the_tree_mask_does(
         num_kv_heads=h_kv,
         head_dim=head_dim,
         block_size=bs,
-        dtype=torch.float8_e4m3fn if fp8 else torch.float32,
+        dtype=kv_dtype,
     )
     pool = KVPool(spec, len(lasts) * width + 2)
     layer = 1
@@ -154,7 +160,7 @@ def test_c_decode_kernels_verify_random_trees_as_the_tree_mask_does(
     write_kv(k_cache, v_cache, kv[0], kv[1], old, scales)
     ref_pool = KVPool(spec, pool.num_blocks)
     ref_pool.tensor.copy_(pool.tensor)
-    if fp8:
+    if pool.scales is not None:
         ref_pool.scales.copy_(pool.scales)
     # the step's new tokens: each sequence's last token, then its tree's nodes in order
     T = sum(num_new)
@@ -200,7 +206,7 @@ def test_c_decode_kernels_verify_random_trees_as_the_tree_mask_does(
             width,
             bs,
             h_q // h_kv,
-            fp8_head_dim=head_dim if fp8 else 0,
+            quant_head_dim=0 if kv_dtype == torch.float32 else head_dim,
             tree_rows=tree_rows,
             head_dim=head_dim,
         )
@@ -219,7 +225,7 @@ def test_c_decode_kernels_verify_random_trees_as_the_tree_mask_does(
         )
     finally:
         torch.set_num_threads(saved)
-    tol = 2e-2 if fp8 else 2e-5
+    tol = {torch.float32: 2e-5, torch.int8: 1e-4}.get(kv_dtype, 2e-2)
     torch.testing.assert_close(out, expected, rtol=tol, atol=tol)
-    if not fp8:  # every new key and value in its node's slot, as the torch path stores it
-        assert torch.equal(pool.tensor, ref_pool.tensor)
+    if not fp8:  # every new key and value (and int8 scales) in its node's slot, as torch stores it
+        assert torch.equal(pool.raw, ref_pool.raw)

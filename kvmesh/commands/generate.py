@@ -57,8 +57,9 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--kv-cache-dtype",
         default="auto",
-        choices=["auto", "fp8_e4m3"],
-        help="KV cache dtype: auto (the model's) or fp8_e4m3 (docs/kv_cache.md)",
+        choices=["auto", "int8", "fp8_e4m3"],
+        help="KV cache dtype: auto (the model's), int8 (recommended 8-bit) or fp8_e4m3 "
+        "(docs/kv_cache.md)",
     )
     p.set_defaults(func=run)
 

@@ -112,15 +112,16 @@ class UpConfig(NatsClientConfig):
     kv_cache_bytes: int | None = option(
         None, help="KV pool bytes per prefill/decode worker (their default: 256 MiB)"
     )
-    kv_cache_dtype: Literal["auto", "fp8_e4m3"] = option(
+    kv_cache_dtype: Literal["auto", "int8", "fp8_e4m3"] = option(
         "auto",
-        help="KV cache dtype of every prefill and decode worker: auto (the model's) or fp8_e4m3 "
-        "(float8 with per-(block, KV head) scales)",
+        help="KV cache dtype of every prefill and decode worker: auto (the model's), int8 (the "
+        "recommended 8-bit format: a scale per 32 values of each token) or fp8_e4m3 (float8 with "
+        "per-(block, KV head) scales; docs/kv_cache.md)",
     )
-    decode_kv_cache_dtype: Literal["auto", "fp8_e4m3"] | None = option(
+    decode_kv_cache_dtype: Literal["auto", "int8", "fp8_e4m3"] | None = option(
         None,
-        help="decode workers' KV cache dtype where it differs from --kv-cache-dtype (e.g. "
-        "fp8_e4m3 decode pools behind model-dtype prefill: the prefill writes convert)",
+        help="decode workers' KV cache dtype where it differs from --kv-cache-dtype (e.g. int8 "
+        "decode pools behind model-dtype prefill: the prefill writes convert)",
     )
     log_level: Literal["debug", "info", "warning", "error", "critical"] = option(
         "info", help="log level of every service"

@@ -163,8 +163,8 @@ class PromptKvReceiver:
                 f"the prefill's KV layout {req.kv_spec} is not this draft's target's "
                 f"{self.kv_spec}: run both on the same model, dtype and block size"
             )
-        if self.engine.kv_pool.spec.is_fp8:
-            return "fp8 KV caches do not split by layer: no prompt KV transfer"
+        if self.engine.kv_pool.spec.is_quantized:
+            return "fp8 and int8 KV caches do not split by layer: no prompt KV transfer"
         return ""
 
     async def on_completion(self, completion: Completion) -> None:

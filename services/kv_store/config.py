@@ -29,8 +29,8 @@ class StoreConfig(MetricsServiceConfig):
         None, help="the decode workers' --dtype (float32, bfloat16, float16); default: the model's"
     )
     block_size: int = option(16, help="tokens per KV block (as the decode workers')")
-    kv_cache_dtype: Literal["auto", "fp8_e4m3"] = option(
-        "auto", help="the workers' --kv-cache-dtype: auto (the model's dtype) or fp8_e4m3"
+    kv_cache_dtype: Literal["auto", "int8", "fp8_e4m3"] = option(
+        "auto", help="the workers' --kv-cache-dtype: auto (the model's dtype), int8 or fp8_e4m3"
     )
     num_blocks: int | None = option(
         None, help="blocks in the store's pool (default: --capacity-gb)"

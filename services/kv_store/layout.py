@@ -22,7 +22,7 @@ def store_layout(
     model: str, dtype: str | None, block_size: int, kv_cache_dtype: str = "auto"
 ) -> tuple[KVCacheSpec, str]:
     """``(spec, kv_spec)`` of the blocks a store of ``model`` holds (``kv_cache_dtype``: the
-    workers' ``--kv-cache-dtype``, e.g. fp8_e4m3 blocks with their scales)."""
+    workers' ``--kv-cache-dtype``, e.g. int8 or fp8_e4m3 blocks with their scales)."""
     torch_dtype = parse_dtype(dtype, "--dtype") if dtype is not None else None
     name = model if model == TINY_NAME else str(Path(model))  # as load_model names it
     config, _ = load_config_and_tokenizer(name, torch_dtype)

@@ -1,13 +1,14 @@
 """A decode worker whose KV dtype differs from this prefill worker's: convert, then write.
 
-``--kv-cache-dtype`` may differ between the pools (fp8 e4m3 with scales on one side, the
-model's dtype on the other). Their blocks then differ in bytes, so a chunk cannot be copied
+``--kv-cache-dtype`` may differ between the pools (int8 or fp8 e4m3 with scales on one side,
+the model's dtype or the other 8-bit format on the other). Their blocks then differ in bytes, so a chunk cannot be copied
 from the local pool as it is: its blocks are first converted (``kernels/kv_pack.pack_converted``)
 into a mirror pool in the decode's layout, block ``i`` of the mirror for local block ``i``, so the
 ``ChunkPlanner``'s spans (local block id times block bytes) address the mirror unchanged, and
 written from there. One mirror per decode dtype, registered with the transport and allocated on
 first use: ``num_blocks`` blocks of the decode's size, a quarter of the pool's bytes behind a
-float32 prefill for an fp8 decode side, four times them for float32 behind an fp8 prefill.
+float32 prefill for an fp8 decode side (9/32 for int8), four times them for float32 behind an
+fp8 prefill.
 Specs that differ in more than the dtype are refused (``KVSpecMismatchError``).
 """
 
@@ -29,6 +30,7 @@ CONVERTIBLE_DTYPES = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
     "float8_e4m3fn": torch.float8_e4m3fn,
+    "int8": torch.int8,
 }
 
 

@@ -5,9 +5,9 @@ Early exit (``DraftKvPlanner``): the draft runs the target's first N layers, so 
 prompt is the first N layers of the target's. A block is head-major, ``(H_kv, L, 2,
 block_size, D)``: within each KV head the layers follow each other, so the first N layers of a
 head are one contiguous span of ``N * 2 * block_size * D`` elements at the head's start, and
-the draft's block is the same shape with ``L = N``. fp8 pools are refused where the reservation
-is made: their per-layer scales sit after every layer's data, so a head's first layers are not
-one span.
+the draft's block is the same shape with ``L = N``. fp8 and int8 pools are refused where the
+reservation is made: their per-layer scales sit after every layer's data, so a head's first
+layers are not one span.
 
 Model (``DraftBlockPlanner``): the prefill worker runs the draft checkpoint in an engine of its
 own, whose blocks have the draft worker's layout, so each of the draft engine's full prompt

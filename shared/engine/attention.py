@@ -12,6 +12,7 @@ take over for decode-only batches and for batches verifying draft trees (up to 6
 An fp8 pool (``kv_scales`` given: the layer's (num_blocks, H_kv) K and V scales) stores through
 ``kv_quant.store`` and every path reads back ``fp8 * scale``; a whole fresh prompt then attends over
 its stored (quantized) K/V too, so that no output depends on how a prompt was cut into chunks.
+An int8 pool likewise, through ``kv_int8`` (its scales: (num_blocks, block_size, H_kv, D // 32)).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-from kvmesh.shared.engine import kv_quant
+from kvmesh.shared.engine import kv_int8, kv_quant
 
 if TYPE_CHECKING:
     from kvmesh.kernels.cpu_ops import DecodePlan
@@ -214,8 +215,12 @@ def write_kv(
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Store new keys/values. k_cache: (num_blocks, block_size, H_kv, D); k: (T, H_kv, D);
-    kv_scales: the fp8 pool's (num_blocks, H_kv) K and V scales."""
+    kv_scales: the fp8 or int8 pool's K and V scales (``KVPool.layer_scales``)."""
     index = meta.kv_index()
+    if kv_scales is not None and k_cache.dtype == kv_int8.INT8_DTYPE:
+        kv_int8.store(k_cache, kv_scales[0], k, *index)
+        kv_int8.store(v_cache, kv_scales[1], v, *index)
+        return
     if kv_scales is not None:
         kv_quant.store(k_cache, kv_scales[0], k, *index)
         kv_quant.store(v_cache, kv_scales[1], v, *index)
@@ -235,7 +240,7 @@ def paged_attention(
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """q: (T, H_q, D); k, v: (T, H_kv, D) for the new tokens. Returns (T, H_q, D).
-    ``kv_scales``: the K and V scales of an fp8 cache (``KVPool.layer_scales``)."""
+    ``kv_scales``: the K and V scales of an fp8 or int8 cache (``KVPool.layer_scales``)."""
     if meta.tree_rows is not None:
         raise ValueError("draft-tree rows (TreeRows) run on the C decode kernels only")
     write_kv(k_cache, v_cache, k, v, meta, kv_scales)
@@ -316,7 +321,12 @@ def _gather(
         heads_ids = torch.arange(H, device=plan.blocks.device)
         plan.tile_index = (plan.blocks[:, None, :] * H + heads_ids[None, :, None]).reshape(-1)
     out = tiles.index_select(0, plan.tile_index)  # (B * H * nb, bs, D)
-    if scales is not None:  # (num_blocks, H_kv) fp8 scales, one per tile likewise
+    if scales is not None and cache.dtype == kv_int8.INT8_DTYPE:
+        # (num_blocks, block_size, H_kv, G) int8 scales: the same tiles of (block_size, G)
+        s = scales.transpose(1, 2)
+        s_tiles = s.as_strided((N * H, bs, s.shape[3]), (s.stride(1), s.stride(2), s.stride(3)))
+        out = kv_int8.dequantize(out, s_tiles.index_select(0, plan.tile_index))
+    elif scales is not None:  # (num_blocks, H_kv) fp8 scales, one per tile likewise
         tile_scales = scales.as_strided((N * H,), (scales.stride(1),))
         out = kv_quant.dequantize(out, tile_scales.index_select(0, plan.tile_index)[:, None])
     out = out.view(B, H, nb * bs, D)[:, :, : plan.num_keys]

@@ -7,8 +7,10 @@ from dataclasses import dataclass
 import torch
 
 DEFAULT_KV_CACHE_BYTES = 256 * 1024 * 1024
-# "auto": the KV pool has the model's dtype (or EngineConfig.dtype); "fp8_e4m3": float8 e4m3
-KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
+# "auto": the KV pool has the model's dtype (or EngineConfig.dtype); "int8": int8 with a scale per
+# 32 values of each token (the recommended 8-bit format); "fp8_e4m3": float8 e4m3 with
+# per-(block, KV head) scales (docs/kv_cache.md)
+KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
 
 
 @dataclass(frozen=True, slots=True)
@@ -17,8 +19,9 @@ class EngineConfig:
     is divided by the block size in bytes. ``max_model_len`` defaults to the model's
     ``max_position_embeddings``. ``dtype`` is the KV cache dtype (default: the model's).
     ``cpu_kernels``: see kernels/cpu_ops.py. ``kv_cache_dtype``: "auto" keeps the KV pool in
-    ``dtype``; "fp8_e4m3" stores it as float8 e4m3 with per-(block, KV head) scales
-    (docs/kv_cache.md), a quarter of float32's bytes, half of bf16's."""
+    ``dtype``; "int8" stores it as int8 with a float32 scale per 32 values of each token (1.125
+    bytes a value); "fp8_e4m3" as float8 e4m3 with per-(block, KV head) scales (docs/kv_cache.md),
+    a quarter of float32's bytes, half of bf16's."""
 
     block_size: int = 16
     num_blocks: int | None = None
@@ -84,6 +87,8 @@ class EngineConfig:
         """The KV pool's element dtype for a model computing in ``model_dtype``."""
         if self.kv_cache_dtype == "fp8_e4m3":
             return torch.float8_e4m3fn
+        if self.kv_cache_dtype == "int8":
+            return torch.int8
         return self.dtype or model_dtype
 
     def resolve_num_blocks(self, block_bytes: int) -> int:

@@ -10,6 +10,10 @@ An fp8 pool (``dtype=torch.float8_e4m3fn``, ``--kv-cache-dtype fp8_e4m3``) keeps
 per (block, KV head, layer, K/V) at the end of each head span: ``[L, 2, block_size, D]`` fp8 bytes
 then ``[L, 2]`` float32 scales. The scales thus travel inside the span with their block, whole or
 as a head slice (docs/kv_cache.md; the scale rule is in ``kv_quant.py``).
+
+An int8 pool (``dtype=torch.int8``, ``--kv-cache-dtype int8``) keeps a float32 scale per 32
+values of every token likewise at the end of each head span: ``[L, 2, block_size, D]`` int8 bytes
+then ``[L, 2, block_size, D // 32]`` float32 scales (``kv_int8.py``).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from kvmesh.shared.engine.kv_int8 import GROUP as INT8_GROUP
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,11 +43,26 @@ class KVCacheSpec:
                 f"an fp8 KV cache needs block_size * head_dim to be a multiple of 4 (its scales "
                 f"are float32), got {self.block_size} * {self.head_dim}"
             )
+        if self.is_int8 and self.head_dim % INT8_GROUP:
+            raise ValueError(
+                f"an int8 KV cache needs head_dim to be a multiple of {INT8_GROUP} (one scale per "
+                f"{INT8_GROUP} values), got {self.head_dim}: use --kv-cache-dtype fp8_e4m3 or auto"
+            )
 
     @property
     def is_fp8(self) -> bool:
         """Whether the pool stores fp8 e4m3 with per-(block, head, layer, K/V) scales."""
         return self.dtype == torch.float8_e4m3fn
+
+    @property
+    def is_int8(self) -> bool:
+        """Whether the pool stores int8 with a scale per 32 values of each token."""
+        return self.dtype == torch.int8
+
+    @property
+    def is_quantized(self) -> bool:
+        """Whether blocks carry scales after their data (fp8 or int8)."""
+        return self.is_fp8 or self.is_int8
 
     @property
     def dtype_size(self) -> int:
@@ -51,12 +71,15 @@ class KVCacheSpec:
     @property
     def bytes_per_token(self) -> int:
         """KV bytes of one token: 2 (K and V) * layers * kv_heads * head_dim * dtype size (an fp8
-        block adds ``scale_bytes`` per head on top, see ``block_bytes``)."""
+        or int8 block adds ``scale_bytes`` per head on top, see ``block_bytes``)."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_size
 
     @property
     def scale_bytes(self) -> int:
-        """Bytes of scales at the end of one head span: float32 per (layer, K/V); 0 unless fp8."""
+        """Bytes of scales at the end of one head span: float32 per (layer, K/V) for fp8, per
+        (layer, K/V, token, 32 values) for int8; 0 otherwise."""
+        if self.is_int8:
+            return 2 * self.num_layers * self.block_size * (self.head_dim // INT8_GROUP) * 4
         return 2 * self.num_layers * 4 if self.is_fp8 else 0
 
     @property
@@ -71,6 +94,14 @@ class KVCacheSpec:
 
     def block_shape(self) -> tuple[int, ...]:
         return (self.num_kv_heads, self.num_layers, 2, self.block_size, self.head_dim)
+
+    def block_scale_shape(self) -> tuple[int, ...]:
+        """Shape of one block's float32 scales: (H_kv, L, 2) for fp8, (H_kv, L, 2, block_size,
+        D // 32) for int8; () when the pool has none."""
+        H, L = self.num_kv_heads, self.num_layers
+        if self.is_int8:
+            return (H, L, 2, self.block_size, self.head_dim // INT8_GROUP)
+        return (H, L, 2) if self.is_fp8 else ()
 
     def fingerprint(self) -> str:
         """A short string two workers compare before exchanging blocks."""
@@ -111,21 +142,17 @@ class KVPool:
                 f"bytes need {nbytes}"
             )
         self.raw = raw[:nbytes]  # (num_blocks * block_bytes,) uint8
-        # (num_blocks, H_kv, L, 2, block_size, D); strided over the scales of an fp8 pool
+        # (num_blocks, H_kv, L, 2, block_size, D); strided over the scales of an fp8 or int8 pool
         self.tensor = _strided(self.raw, spec.dtype, (num_blocks, *spec.block_shape()), spec)
-        # (num_blocks, H_kv, L, 2) float32 scales of an fp8 pool, else None
+        # (num_blocks, *spec.block_scale_shape()) float32 scales of an fp8 or int8 pool, else None
         self.scales: torch.Tensor | None = None
-        if spec.is_fp8:
-            L, H = spec.num_layers, spec.num_kv_heads
-            self.scales = _strided(
-                self.raw, torch.float32, (num_blocks, H, L, 2), spec, offset=spec.head_bytes - 8 * L
-            )
+        if spec.is_quantized:
+            shape = (num_blocks, *spec.block_scale_shape())
+            offset = spec.head_bytes - spec.scale_bytes
+            self.scales = _strided(self.raw, torch.float32, shape, spec, offset=offset)
         # Per-layer K/V views, made once: a decode step asks for them in every layer.
         self._layers = [self._layer_views(i) for i in range(spec.num_layers)]
-        self._layer_scales = [
-            None if self.scales is None else (self.scales[:, :, i, 0], self.scales[:, :, i, 1])
-            for i in range(spec.num_layers)
-        ]
+        self._layer_scales = [self._layer_scale_views(i) for i in range(spec.num_layers)]
 
     @property
     def device(self) -> torch.device:
@@ -144,8 +171,17 @@ class KVPool:
         return self._layers[layer_idx]
 
     def layer_scales(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(num_blocks, H_kv) float32 views of one layer's K and V scales; None unless fp8."""
+        """Float32 views of one layer's K and V scales: (num_blocks, H_kv) for fp8, (num_blocks,
+        block_size, H_kv, D // 32) for int8 (laid out as ``layer``'s views); None otherwise."""
         return self._layer_scales[layer_idx]
+
+    def _layer_scale_views(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if self.scales is None:
+            return None
+        layer = self.scales[:, :, layer_idx]
+        if self.spec.is_int8:  # (num_blocks, H_kv, 2, block_size, G)
+            return layer[:, :, 0].transpose(1, 2), layer[:, :, 1].transpose(1, 2)
+        return layer[:, :, 0], layer[:, :, 1]
 
     def _layer_views(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         layer = self.tensor[:, :, layer_idx]  # (num_blocks, H_kv, 2, block_size, D)

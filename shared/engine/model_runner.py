@@ -10,7 +10,7 @@ as its new tokens: they take consecutive KV slots in node order, but node ``j`` 
 position ``last + depth(j)`` and attends only to its ancestors among the new tokens. A chain
 needs no mask: each of its tokens becomes a one-query row of its own (``_one_query_rows``), so a
 step verifying only chains is a decode batch and runs the decode kernels. Where the C decode
-kernels run the step (CPU, float32 model, float32 or fp8 cache) and every other sequence
+kernels run the step (CPU, float32 model, float32, fp8 or int8 cache) and every other sequence
 decodes one token, trees become one-query rows too: node ``j``'s row reads its ancestors' slots
 through ``TreeRows``, and computes what a plain decode step at its position would, bit for bit.
 Elsewhere a tree is verified by its mask (the torch path; Triton's tree kernel on CUDA).
@@ -53,7 +53,7 @@ class ModelRunner:
         self.tree_rows = (
             ops is not None
             and model.config.dtype == "float32"
-            and kv_pool.spec.dtype in (torch.float32, torch.float8_e4m3fn)
+            and kv_pool.spec.dtype in (torch.float32, torch.float8_e4m3fn, torch.int8)
         )
 
     def prepare(

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
-from kvmesh.shared.engine import kv_quant
+from kvmesh.shared.engine import kv_int8, kv_quant
 from kvmesh.shared.engine.block_manager import BlockManager, OutOfBlocksError
 from kvmesh.shared.engine.draft_tree import DraftTree
 from kvmesh.shared.engine.finish import stop_text_for
@@ -209,6 +209,8 @@ class DraftVerifier:
             db, do = seq.block_table[dst // bs], dst % bs
             if self.kv_pool.scales is None:
                 pool[db, :, :, :, do] = pool[sb, :, :, :, so]
+            elif self.kv_pool.spec.is_int8:  # the token's bytes and its own scales
+                kv_int8.move_token(pool, self.kv_pool.scales, (sb, so), (db, do))
             else:  # fp8: the two blocks may have different scales
                 kv_quant.move_token(pool, self.kv_pool.scales, (sb, so), (db, do))
 

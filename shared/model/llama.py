@@ -38,8 +38,9 @@ CPU_OPS_MAX_ROWS = 256
 # Row counts up to which a linear layer multiplies by its prepacked weight (``CpuOps.linear``):
 # decode batches, bound by reading the weights; above it MKL's blocked GEMM computes faster.
 PACKED_LINEAR_MAX_ROWS = 64
-# KV caches the C decode attention reads: float32, and fp8 e4m3 with scales (kv_quant.py)
-CPU_KV_DTYPES = (torch.float32, torch.float8_e4m3fn)
+# KV caches the C decode attention reads: float32, fp8 e4m3 and int8 with scales (kv_quant.py,
+# kv_int8.py)
+CPU_KV_DTYPES = (torch.float32, torch.float8_e4m3fn, torch.int8)
 
 
 def _cpu_ops_sized(x: torch.Tensor) -> bool:
@@ -133,7 +134,7 @@ class Attention(nn.Module):
         H_q, H_kv = self.num_heads, self.num_kv_heads
         qkv = self.wqkv(x).view(T, H_q + 2 * H_kv, self.head_dim)
         k_cache, v_cache = kv_pool.layer(self.layer_idx)
-        kv_scales = kv_pool.layer_scales(self.layer_idx)  # None unless the pool is fp8
+        kv_scales = kv_pool.layer_scales(self.layer_idx)  # None unless fp8 or int8
         ops = self.cpu_ops
         if (
             ops is not None
@@ -232,18 +233,18 @@ class TransformerBlock(nn.Module):
 
 
 def _decode_plan(
-    meta: AttentionMetadata, k_cache: torch.Tensor, group: int, is_fp8: bool
+    meta: AttentionMetadata, k_cache: torch.Tensor, group: int, is_quantized: bool
 ) -> DecodePlan:
     """The step's ``DecodePlan`` (made by the first layer, shared by all)."""
     block_size, head_dim = k_cache.shape[1], k_cache.shape[3]
     width = meta.block_tables.shape[1]
-    fp8_head_dim = head_dim if is_fp8 else 0
+    quant_head_dim = head_dim if is_quantized else 0
     return decode_plan(
         meta.context_lens,
         width,
         block_size,
         group,
-        fp8_head_dim=fp8_head_dim,
+        quant_head_dim=quant_head_dim,
         tree_rows=meta.tree_rows,
         head_dim=head_dim,
     )

@@ -14,13 +14,14 @@ says which heads go where).
   Write whole decode blocks only: a short last block goes with a zero tail, so a caller that splits
   one decode block over two calls (chunk boundaries not on decode block boundaries) overwrites the
   first call's tokens. Cut chunks at multiples of the larger block size.
-* Different KV dtype (``--kv-cache-dtype``: float32/bf16/fp16 against fp8 e4m3 with scales),
-  same block size: the prefill rank converts each head piece into staging in the decode's
-  layout (``run_packs``, ``kvmesh.kernels.kv_pack.pack_converted``), and the entries read from
-  there; an fp8 destination then takes a quarter of float32's bytes (half of bf16's).
-* Different dtype and block size together, an fp8 side with a different block size (a block's
-  scales cover its own tokens), different head_dim, layer count or total head count: refused
-  (``KVLayoutError``).
+* Different KV dtype (``--kv-cache-dtype``: float32/bf16/fp16 against int8 or fp8 e4m3 with
+  scales), same block size: the prefill rank converts each head piece into staging in the
+  decode's layout (``run_packs``, ``kvmesh.kernels.kv_pack.pack_converted``), and the entries read
+  from there; an fp8 destination then takes a quarter of float32's bytes (half of bf16's), an
+  int8 one 9/32 (its per-token scales included).
+* Different dtype and block size together, an fp8 or int8 side with a different block size (a
+  block's scales sit after its own tokens), different head_dim, layer count or total head count:
+  refused (``KVLayoutError``).
 """
 
 from __future__ import annotations
@@ -263,11 +264,11 @@ def _check_layouts(
             f"converts the KV dtype or regroups block sizes, not both; run prefill and decode "
             f"with the same block size"
         )
-    if (spec.is_fp8 or dst_spec.is_fp8) and spec.block_size != dst_spec.block_size:
+    if (spec.is_quantized or dst_spec.is_quantized) and spec.block_size != dst_spec.block_size:
         raise KVLayoutError(
-            f"prefill KV is {spec.fingerprint()}, decode KV {dst_spec.fingerprint()}: fp8 blocks "
-            f"carry scales of their own tokens and are not regrouped; run prefill and decode "
-            f"with the same block size"
+            f"prefill KV is {spec.fingerprint()}, decode KV {dst_spec.fingerprint()}: fp8 and "
+            f"int8 blocks carry the scales of their own tokens and are not regrouped; run "
+            f"prefill and decode with the same block size"
         )
     total_src, total_dst = spec.num_kv_heads * src_tp, dst_spec.num_kv_heads * len(destinations)
     if total_src != total_dst:

@@ -1,12 +1,12 @@
-"""FP8 KV through a real disaggregated mesh (kvmesh-tiny, nats-server, registry, router, prefill and
-decode processes, shm data plane).
+"""8-bit KV (int8 and fp8 e4m3) through a real disaggregated mesh (kvmesh-tiny, nats-server,
+registry, router, prefill and decode processes, shm data plane).
 
-* fp8 on both sides: the blocks (scales inside) move as they are; greedy output equals the
-  offline engine with fp8 KV token for token, and the prefill's byte counter shows a quarter of
-  float32's block bytes (plus the scales) per block.
-* fp8 on the decode side only: the prefill worker converts each chunk into the decode's layout
+* 8-bit on both sides: the blocks (scales inside) move as they are; greedy output equals the
+  offline engine with that KV dtype token for token, and the prefill's byte counter shows the
+  8-bit block bytes (a quarter of float32's plus the scales) per block.
+* 8-bit on the decode side only: the prefill worker converts each chunk into the decode's layout
   before writing (services/prefill/convert.py); greedy output equals the same hand-off done
-  offline (float32 prefill, blocks converted, fp8 decode), and the bytes are again fp8's.
+  offline (float32 prefill, blocks converted, 8-bit decode), and the bytes are again 8-bit's.
 """
 
 from __future__ import annotations
@@ -45,21 +45,23 @@ def tiny():
     return load_model("kvmesh-tiny")
 
 
-def fp8_offline(tiny) -> list[list[int]]:
+def offline(tiny, kv_cache_dtype: str) -> list[list[int]]:
     model, tokenizer = tiny
-    engine = LLMEngine(model, tokenizer, EngineConfig(num_blocks=1024, kv_cache_dtype="fp8_e4m3"))
-    return engine.generate(PROMPTS, GREEDY)
+    config = EngineConfig(num_blocks=1024, kv_cache_dtype=kv_cache_dtype)
+    return LLMEngine(model, tokenizer, config).generate(PROMPTS, GREEDY)
 
 
-def converted_handoff_offline(tiny) -> list[list[int]]:
-    """What the mesh does with a float32 prefill and an fp8 decode, in this process: prefill in
+def converted_handoff_offline(tiny, kv_cache_dtype: str) -> list[list[int]]:
+    """What the mesh does with a float32 prefill and an 8-bit decode, in this process: prefill in
     chunks of CHUNK_TOKENS, each chunk's blocks converted (as KVMirror.convert does) into
-    reserved fp8 blocks, then decoded together."""
+    reserved 8-bit blocks, then decoded together."""
     model, tokenizer = tiny
     prefill = LLMEngine(
         model, tokenizer, EngineConfig(num_blocks=1024, max_num_batched_tokens=CHUNK_TOKENS)
     )
-    decode = LLMEngine(model, tokenizer, EngineConfig(num_blocks=1024, kv_cache_dtype="fp8_e4m3"))
+    decode = LLMEngine(
+        model, tokenizer, EngineConfig(num_blocks=1024, kv_cache_dtype=kv_cache_dtype)
+    )
     heads = prefill.kv_pool.spec.num_kv_heads
     tokens: dict[str, list[int]] = {}
     for i, prompt in enumerate(PROMPTS):
@@ -79,7 +81,7 @@ def converted_handoff_offline(tiny) -> list[list[int]]:
                 ids,
                 0,
                 heads,
-                torch.float8_e4m3fn,
+                decode.kv_pool.spec.dtype,
                 num_tokens=chunk.end_token - first * BLOCK_SIZE,
             )
             for j, block in enumerate(reserved[done : done + len(ids)]):
@@ -94,12 +96,16 @@ def converted_handoff_offline(tiny) -> list[list[int]]:
     return [tokens[f"r{i}"] for i in range(len(PROMPTS))]
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["fp8-both", "fp8-decode-only"])
-def fp8_mesh(request):
-    """(mesh, decode_only): fp8 KV on both sides, or on the decode side only."""
+@pytest.fixture(
+    scope="module",
+    params=[("int8", False), ("int8", True), ("fp8_e4m3", False), ("fp8_e4m3", True)],
+    ids=["int8-both", "int8-decode-only", "fp8-both", "fp8-decode-only"],
+)
+def kv8_mesh(request):
+    """(mesh, KV dtype, decode_only): that 8-bit KV on both sides, or on the decode side only."""
     from kvmesh.commands.up import UpConfig, free_port
 
-    decode_only = request.param
+    kv_cache_dtype, decode_only = request.param
     config = UpConfig(
         model="kvmesh-tiny",
         mode="disagg",
@@ -110,11 +116,11 @@ def fp8_mesh(request):
         log_level="warning",
         startup_timeout_s=180.0,
         stop_timeout_s=10.0,
-        kv_cache_dtype="auto" if decode_only else "fp8_e4m3",
-        decode_kv_cache_dtype="fp8_e4m3",
+        kv_cache_dtype="auto" if decode_only else kv_cache_dtype,
+        decode_kv_cache_dtype=kv_cache_dtype,
     )
     with launched(config, ENV) as mesh:
-        yield mesh, decode_only
+        yield mesh, kv_cache_dtype, decode_only
 
 
 def kv_bytes_written(mesh) -> float:
@@ -122,23 +128,28 @@ def kv_bytes_written(mesh) -> float:
         return parse_prometheus(resp.read().decode())["kvmesh_prefill_kv_bytes_written_total"]
 
 
-def fp8_block_bytes(tiny) -> tuple[int, int]:
-    """(fp8, float32) bytes of one kvmesh-tiny block."""
+def block_bytes(tiny, dtype: torch.dtype) -> int:
+    """Bytes of one kvmesh-tiny block in ``dtype``."""
     mc = tiny[0].config
     shape = (mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, BLOCK_SIZE)
-    fp8 = KVCacheSpec(*shape, torch.float8_e4m3fn).block_bytes
-    return fp8, KVCacheSpec(*shape, torch.float32).block_bytes
+    return KVCacheSpec(*shape, dtype).block_bytes
 
 
-async def test_disagg_mesh_with_fp8_kv_serves_as_offline(tiny, fp8_mesh):
-    mesh, decode_only = fp8_mesh
-    expected = converted_handoff_offline(tiny) if decode_only else fp8_offline(tiny)
+async def test_disagg_mesh_with_8bit_kv_serves_as_offline(tiny, kv8_mesh):
+    mesh, kv_cache_dtype, decode_only = kv8_mesh
+    if decode_only:
+        expected = converted_handoff_offline(tiny, kv_cache_dtype)
+    else:
+        expected = offline(tiny, kv_cache_dtype)
     replies, tap = await load(mesh, PROMPTS, MAX_TOKENS, linger_s=0.1)
     check_equals_offline(replies, tap, expected)
     for reply in replies:
         assert tap.reports[reply["id"]].num_chunks >= 2  # prefilled remotely, in chunks
     await check_blocks_returned(mesh)
-    fp8, fp32 = fp8_block_bytes(tiny)
+    dtype = EngineConfig(kv_cache_dtype=kv_cache_dtype).kv_dtype(torch.float32)
+    kv8, fp32 = block_bytes(tiny, dtype), block_bytes(tiny, torch.float32)
     num_blocks = sum(math.ceil(len(p) / BLOCK_SIZE) for p in PROMPTS)
-    assert kv_bytes_written(mesh) == num_blocks * fp8  # every block once, in fp8
-    assert fp8 * 4 < fp32 * 1.01  # a quarter of float32's, plus the scales
+    assert kv_bytes_written(mesh) == num_blocks * kv8  # every block once, in the 8-bit format
+    # a quarter of float32's, plus the scales: one float per (layer, K/V) for fp8, per 32 values
+    # of each token for int8
+    assert kv8 * 4 <= fp32 * (36 / 32 if kv_cache_dtype == "int8" else 1.01)
