@@ -174,7 +174,9 @@ def ttft_stages(breakdowns: Mapping[str, Breakdown], path: Path) -> Path:
                 hatch=hatch,
                 label=f"{label} {name}",
             )
-    ax_roles.set_xticks([x + 0.4 - role_width / 2 for x in range(len(roles))], roles)
+    ax_roles.set_xticks(
+        [x + 0.4 - role_width / 2 for x in range(len(roles))], roles, rotation=30, ha="right"
+    )
     ax_roles.set_ylabel("cores' worth (seconds / run time)")
     ax_roles.set_title("CPU used and runnable-but-waiting, by role")
     for ax in (ax_stages, ax_roles):
