@@ -47,20 +47,25 @@ def local_mesh(
     prefill: int | None = None,
     decode: int = 1,
     prefill_nice: int | None = None,
+    cpu_sharing: str | None = None,
     log_level: str = "warning",
     startup_timeout_s: float = 180.0,
 ) -> Iterator[Any]:
     """A whole mesh on a fresh nats-server, in child processes; yields the Launcher (``.url``,
         ``.config.nats_url``). ``env`` (KVMESH_* settings, e.g. KVMESH_CHUNK_TOKENS) reaches every
         service; ``model`` is kvmesh-tiny or a checkpoint directory; ``nats_url``: a NATS server to use
-    (default: a fresh one, started with one user per role); ``prefill`` and ``prefill_nice``
-    left at None are ``kvmesh up``'s defaults. Synchronous: use it from sync fixtures or scripts,
+    (default: a fresh one, started with one user per role); ``prefill``, ``prefill_nice`` and
+    ``cpu_sharing`` left at None are ``kvmesh up``'s defaults. Synchronous: use it from sync fixtures or scripts,
     not inside an event loop."""
     from kvmesh.commands.up import UpConfig, free_port
 
     chosen = {
         name: value
-        for name, value in (("prefill", prefill), ("prefill_nice", prefill_nice))
+        for name, value in (
+            ("prefill", prefill),
+            ("prefill_nice", prefill_nice),
+            ("cpu_sharing", cpu_sharing),
+        )
         if value is not None
     }
     config = UpConfig(

@@ -147,6 +147,7 @@ def _target(config: ServeBenchConfig, target: Target) -> Iterator[tuple[str, dic
                     decode_pacing_ms=config.decode_pacing_ms,
                     prefill=config.prefill_workers if target.mode == "disagg" else None,
                     prefill_nice=config.prefill_nice,
+                    cpu_sharing=config.cpu_sharing,
                 )
             )
         finally:

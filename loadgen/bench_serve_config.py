@@ -51,7 +51,7 @@ class ServeBenchConfig:
     num_warmups: int = 1
     result_json: Path | None = None
     plot_dir: Path | None = None
-    compare: tuple[Target, ...] = ()
+    compare: tuple[Target, ...] = ()  # given as strings ("colocated", "NAME=URL"): parsed
     transport: Literal["auto", "shm", "tcp", "rdma"] = "auto"
     mesh_env: tuple[tuple[str, str], ...] = ()
     mesh_cpus: frozenset[int] = frozenset()
@@ -59,8 +59,16 @@ class ServeBenchConfig:
     decode_pacing_ms: float = 0.0
     prefill_workers: int | None = None  # disagg meshes of --compare (None: kvmesh up's)
     prefill_nice: int | None = None
+    cpu_sharing: str | None = None  # disagg meshes: kvmesh up --cpu-sharing (None: its default)
 
     def __post_init__(self) -> None:
+        if any(isinstance(t, str) for t in self.compare):
+            parsed = parse_targets(",".join(t if isinstance(t, str) else "" for t in self.compare))
+            if len(parsed) != len(self.compare) or not all(
+                isinstance(t, str) for t in self.compare
+            ):
+                raise ValueError("give --compare's targets all as strings or all as Targets")
+            object.__setattr__(self, "compare", parsed)
         positive = (
             "input_len",
             "output_len",
@@ -198,6 +206,7 @@ def config_from_args(args: argparse.Namespace) -> ServeBenchConfig:
         decode_pacing_ms=args.decode_pacing_ms,
         prefill_workers=args.prefill_workers,
         prefill_nice=args.prefill_nice,
+        cpu_sharing=args.cpu_sharing,
     )
 
 
@@ -304,6 +313,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--prefill-workers",
         type=int,
         help="disagg: prefill workers, sharing the cores (kvmesh up --prefill; default: its)",
+    )
+    mesh.add_argument(
+        "--cpu-sharing",
+        choices=("auto", "priority", "partition", "equal"),
+        help="disagg: how prefill and decode share the cores (kvmesh up --cpu-sharing; "
+        "default: its)",
     )
     mesh.add_argument(
         "--prefill-nice",
