@@ -16,7 +16,7 @@ from kvmesh.shared.cpu_placement import (
     parse_cpu_list,
 )
 
-from kvmesh.commands.cpu_plan import PASSIVE, RolePlan, plan_cpus
+from kvmesh.commands.cpu_plan import PASSIVE, SPARE, RolePlan, plan_cpus
 
 TWO = frozenset({0, 1})
 
@@ -41,12 +41,22 @@ def test_partition_pins_each_pool_to_cores_of_its_own() -> None:
     plan = disagg(sharing="partition")
     assert plan.roles["decode"] == RolePlan(1, frozenset({1}))
     assert plan.roles["prefill"] == RolePlan(1, frozenset({0}))
-    twelve = disagg(frozenset(range(4, 16)), sharing="partition", prefill_workers=2)
+    twelve = disagg(frozenset(range(4, 16)), sharing="partition")
     assert twelve.roles["decode"].cpus == frozenset(range(12, 16))
-    assert twelve.roles["prefill"] == RolePlan(4, frozenset(range(4, 12)))
+    assert twelve.roles["prefill"] == RolePlan(8, frozenset(range(4, 12)))
     assert twelve.roles["decode"].flags() == ("--threads", "4", "--cpus", "12-15")
     one = disagg(frozenset({3}), sharing="partition")
     assert one.roles["decode"].cpus == one.roles["prefill"].cpus == frozenset({3})
+
+
+def test_partition_makes_the_last_of_several_prefill_workers_a_spare_at_sched_idle() -> None:
+    plan = disagg(sharing="partition", prefill_workers=2)
+    assert plan.roles["prefill"] == RolePlan(1, frozenset({0}))
+    assert plan.roles[SPARE] == RolePlan(1, idle=True)  # any core, on idle cycles
+    assert plan.roles[SPARE].flags() == ("--threads", "1", "--sched-idle")
+    three = disagg(frozenset(range(6)), sharing="partition", prefill_workers=3)
+    assert three.roles["prefill"] == RolePlan(2, frozenset(range(4)))  # 4 cores, 2 pinned workers
+    assert SPARE not in disagg(sharing="partition").roles
 
 
 def test_auto_chooses_by_device_and_says_why() -> None:

@@ -44,6 +44,17 @@ def test_local_prefill_takes_the_decode_workers_wait_and_prefill() -> None:
     assert t.relay_s == pytest.approx(0.4)
 
 
+def test_a_local_wait_that_began_during_placement_gives_the_overlap_back() -> None:
+    stamps = TimingStamps(arrived_at=0.0, place_started_at=0.0, placed_at=0.5, local_prefill=True)
+    stamps.decode_wait_s, stamps.decode_prefill_s = 1.0, 2.0  # accepted at 0.3 s
+    t = stamps.timing("cmpl-3", first_token_at=3.3, num_prompt_tokens=10)
+    assert t is not None
+    assert (t.place_s, t.prefill_queue_s, t.prefill_s, t.relay_s) == pytest.approx(
+        (0.5, 0.8, 2.0, 0)
+    )
+    assert sum(getattr(t, s) for s in STAGES) == pytest.approx(t.ttft_s)
+
+
 def test_a_request_never_placed_has_no_timing_and_the_log_is_bounded() -> None:
     assert TimingStamps(arrived_at=0.0).timing("x", 1.0, 1) is None
     log = TimingLog(capacity=2)

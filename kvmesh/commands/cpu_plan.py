@@ -9,7 +9,9 @@ back (docs/load.md, "Cores") are:
   ``SCHED_IDLE`` (or at ``--prefill-nice`` N), their autogroup at the same low weight, so a
   decode step takes the cores the moment it is runnable and prefill uses every cycle left;
 - ``partition``: hard partitioning. Decode workers are pinned to a third of the cores (at
-  least one), prefill workers to the rest, as each pool owns its GPUs in a real deployment;
+  least one), prefill workers to the rest, as each pool owns its GPUs in a real deployment.
+  With two or more prefill workers the last is a spare: one unpinned thread at ``SCHED_IDLE``
+  that computes on whatever core the others leave idle, decode's included;
 - ``equal``: the earlier split at equal priority: prefill threads on every core, decode threads
   on a third, the kernel sharing them out.
 
@@ -33,6 +35,7 @@ from kvmesh.shared.cpu_placement import format_cpu_list
 Sharing = Literal["auto", "priority", "partition", "equal"]
 SHARINGS: tuple[str, ...] = ("auto", "priority", "partition", "equal")
 PASSIVE = (("OMP_WAIT_POLICY", "PASSIVE"),)
+SPARE = "prefill-spare"  # partition: the last prefill worker, on idle cycles of any core
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +73,7 @@ class RolePlan:
 @dataclass(frozen=True, slots=True)
 class CpuPlan:
     sharing: str  # what auto resolved to
-    roles: dict[str, RolePlan]  # "decode"/"prefill", or "colocated"
+    roles: dict[str, RolePlan]  # "decode"/"prefill" (and SPARE), or "colocated"
     why: str
 
     def threads(self) -> dict[str, int]:
@@ -133,7 +136,13 @@ def plan_cpus(
         decode_cpus = frozenset(ordered[cores - num_decode :])
         prefill_cpus = frozenset(ordered[: cores - num_decode]) or decode_cpus
         decode = RolePlan(max(1, len(decode_cpus) // decode_workers), decode_cpus)
-        prefill = RolePlan(max(1, len(prefill_cpus) // prefill_workers), prefill_cpus)
+        pinned = prefill_workers - 1 if prefill_workers > 1 else 1
+        prefill = RolePlan(max(1, len(prefill_cpus) // pinned), prefill_cpus)
+        if prefill_workers > 1:
+            # the last prefill worker is a spare: one thread on any core, at SCHED_IDLE, so it
+            # computes a job on whatever core the others leave idle, decode's included
+            spare = RolePlan(1, idle=True)
+            return CpuPlan(sharing, {"decode": decode, "prefill": prefill, SPARE: spare}, why)
     else:
         decode_cores = cores if prefill_nice else max(1, cores // 3)
         decode = RolePlan(

@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
-from kvmesh.commands.cpu_plan import CpuPlan, plan_cpus
+from kvmesh.commands.cpu_plan import SPARE, CpuPlan, plan_cpus
 from kvmesh.commands.restarts import RestartPolicy
 from kvmesh.shared.mesh_state import MeshState, remove_state, running_meshes, write_state
 from kvmesh.shared.nats_auth import (
@@ -298,9 +298,10 @@ def plan(config: UpConfig, nats_url: str, port: int) -> list[ChildSpec]:
         argv = ("serve", decode_service, *worker(name), *engine, *decode_kv, *decode_threads)
         specs.append(ChildSpec(name, "decode", argv, decode_env))
     if config.mode == "disagg":
-        prefill_threads = roles["prefill"].flags()
         for i in range(config.prefill):
             name = f"prefill-{i}"
+            spare = SPARE in roles and i == config.prefill - 1  # cpu_plan.py: the spare one
+            prefill_threads = roles[SPARE if spare else "prefill"].flags()
             argv = ("serve", "prefill", *worker(name), *engine, *prefill_kv, *prefill_threads)
             if config.draft == "early-exit":  # the draft workers take the prompts' draft KV
                 argv += ("--draft-kv",)

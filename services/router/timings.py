@@ -92,6 +92,11 @@ class TimingStamps:
             queue, prefill = self.remote_queue_s, self.remote_compute_s
             transfer, admit = self.remote_transfer_s, self.decode_wait_s
         relay = ttft - (admission + place + queue + prefill + transfer + admit)
+        if relay < 0:
+            # A local prefill's wait starts when the decode worker accepts it, during the
+            # placement: the overlap is the placement's, so the wait gives it back first.
+            queue, relay = max(0.0, queue + relay), min(0.0, queue + relay)
+            prefill = max(0.0, prefill + relay)
         return RequestTiming(
             request_id=request_id,
             local_prefill=self.local_prefill,
@@ -103,7 +108,7 @@ class TimingStamps:
             prefill_s=prefill,
             transfer_s=transfer,
             admit_s=admit,
-            relay_s=max(0.0, relay),
+            relay_s=max(0.0, ttft - (admission + place + queue + prefill + transfer + admit)),
         )
 
 
