@@ -316,7 +316,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     mesh.add_argument(
         "--cpu-sharing",
-        choices=("auto", "priority", "partition", "equal"),
+        choices=("auto", "priority", "partition", "partition-spare", "equal"),
         help="disagg: how prefill and decode share the cores (kvmesh up --cpu-sharing; "
         "default: its)",
     )

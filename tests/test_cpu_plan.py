@@ -49,14 +49,19 @@ def test_partition_pins_each_pool_to_cores_of_its_own() -> None:
     assert one.roles["decode"].cpus == one.roles["prefill"].cpus == frozenset({3})
 
 
-def test_partition_makes_the_last_of_several_prefill_workers_a_spare_at_sched_idle() -> None:
-    plan = disagg(sharing="partition", prefill_workers=2)
+def test_partition_spare_makes_the_last_of_several_prefill_workers_a_spare_at_sched_idle() -> None:
+    both = disagg(sharing="partition", prefill_workers=2)  # two pinned workers, no spare
+    assert both.roles == {
+        "decode": RolePlan(1, frozenset({1})),
+        "prefill": RolePlan(1, frozenset({0})),
+    }
+    plan = disagg(sharing="partition-spare", prefill_workers=2)
     assert plan.roles["prefill"] == RolePlan(1, frozenset({0}))
     assert plan.roles[SPARE] == RolePlan(1, idle=True)  # any core, on idle cycles
     assert plan.roles[SPARE].flags() == ("--threads", "1", "--sched-idle")
-    three = disagg(frozenset(range(6)), sharing="partition", prefill_workers=3)
+    three = disagg(frozenset(range(6)), sharing="partition-spare", prefill_workers=3)
     assert three.roles["prefill"] == RolePlan(2, frozenset(range(4)))  # 4 cores, 2 pinned workers
-    assert SPARE not in disagg(sharing="partition").roles
+    assert SPARE not in disagg(sharing="partition-spare").roles  # one worker: no spare
 
 
 def test_auto_chooses_by_device_and_says_why() -> None:

@@ -10,8 +10,8 @@ back (docs/load.md, "Cores") are:
   decode step takes the cores the moment it is runnable and prefill uses every cycle left;
 - ``partition``: hard partitioning. Decode workers are pinned to a third of the cores (at
   least one), prefill workers to the rest, as each pool owns its GPUs in a real deployment.
-  With two or more prefill workers the last is a spare: one unpinned thread at ``SCHED_IDLE``
-  that computes on whatever core the others leave idle, decode's included;
+  ``partition-spare`` makes the last of two or more prefill workers a spare: one unpinned thread
+  at ``SCHED_IDLE`` that computes on whatever core the others leave idle, decode's included;
 - ``equal``: the earlier split at equal priority: prefill threads on every core, decode threads
   on a third, the kernel sharing them out.
 
@@ -32,10 +32,10 @@ from typing import Literal
 
 from kvmesh.shared.cpu_placement import format_cpu_list
 
-Sharing = Literal["auto", "priority", "partition", "equal"]
-SHARINGS: tuple[str, ...] = ("auto", "priority", "partition", "equal")
+Sharing = Literal["auto", "priority", "partition", "partition-spare", "equal"]
+SHARINGS: tuple[str, ...] = ("auto", "priority", "partition", "partition-spare", "equal")
 PASSIVE = (("OMP_WAIT_POLICY", "PASSIVE"),)
-SPARE = "prefill-spare"  # partition: the last prefill worker, on idle cycles of any core
+SPARE = "prefill-spare"  # partition-spare: the last prefill worker, on idle cycles of any core
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,7 +122,7 @@ def plan_cpus(
             )
     else:
         why = "as asked (--cpu-sharing)"
-    if sharing == "partition" and not pinnable:
+    if sharing.startswith("partition") and not pinnable:
         sharing = "equal"
         why = f"--cores {cores} is more CPUs than this process may run on: none to pin"
     if sharing == "priority":
@@ -130,15 +130,16 @@ def plan_cpus(
         prefill = RolePlan(
             max(1, cores // prefill_workers), nice=prefill_nice, idle=not prefill_nice
         )
-    elif sharing == "partition":
+    elif sharing.startswith("partition"):
         ordered = sorted(cpus)
         num_decode = max(1, cores // 3) if cores > 1 else 1
         decode_cpus = frozenset(ordered[cores - num_decode :])
         prefill_cpus = frozenset(ordered[: cores - num_decode]) or decode_cpus
         decode = RolePlan(max(1, len(decode_cpus) // decode_workers), decode_cpus)
-        pinned = prefill_workers - 1 if prefill_workers > 1 else 1
+        with_spare = sharing == "partition-spare" and prefill_workers > 1
+        pinned = prefill_workers - 1 if with_spare else prefill_workers
         prefill = RolePlan(max(1, len(prefill_cpus) // pinned), prefill_cpus)
-        if prefill_workers > 1:
+        if with_spare:
             # the last prefill worker is a spare: one thread on any core, at SCHED_IDLE, so it
             # computes a job on whatever core the others leave idle, decode's included
             spare = RolePlan(1, idle=True)

@@ -93,12 +93,13 @@ class UpConfig(NatsClientConfig):
         "--min-step-interval-ms; 0: back to back). Near the inter-token target, it leaves "
         "decode's idle share of shared cores to prefill",
     )
-    cpu_sharing: Literal["auto", "priority", "partition", "equal"] = option(
+    cpu_sharing: Literal["auto", "priority", "partition", "partition-spare", "equal"] = option(
         "auto",
         help="disagg on the CPU: how prefill and decode share the cores: priority (decode "
         "first, prefill at SCHED_IDLE on every core), partition (each pool pinned to cores of "
-        "its own), equal (same priority); auto: the better of the measured ones for this "
-        "machine (kvmesh up prints its choice and why; docs/load.md)",
+        "its own; partition-spare: the last of several prefill workers at SCHED_IDLE on any "
+        "core), equal (same priority); auto: the better of the measured ones for this machine "
+        "(kvmesh up prints its choice and why; docs/load.md)",
     )
     prefill_nice: int = option(
         0,
