@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test up lint format rdma clean bench-deps gpu-check gpu-check-dry
+.PHONY: install test up lint format rdma clean bench-deps llama-server gpu-check gpu-check-dry
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -45,6 +45,27 @@ bench-deps: $(STAMP)
 	tar xzf $(LLAMA_CPP_SHARE)/$(LLAMA_CPP_SDIST).tar.gz -C $(LLAMA_CPP_SHARE) --strip-components=3 \
 		$(LLAMA_CPP_SDIST)/vendor/llama.cpp/convert_hf_to_gguf.py \
 		$(LLAMA_CPP_SDIST)/vendor/llama.cpp/conversion $(LLAMA_CPP_SDIST)/vendor/llama.cpp/gguf-py
+
+# Optional: llama.cpp's own server for `kvmesh bench serve --compare ...,http://HOST:PORT`
+# (docs/load.md), built from the llama.cpp sources vendored in the same sdist: CPU only, tuned
+# for this machine (GGML_NATIVE), no web UI (nothing is downloaded), static, into $(BIN).
+LLAMA_SERVER_SRC := $(LLAMA_CPP_SHARE)/src
+LLAMA_SERVER_BUILD := $(LLAMA_CPP_SHARE)/build
+
+llama-server: $(BIN)/llama-server
+
+$(BIN)/llama-server:
+	mkdir -p $(LLAMA_CPP_SHARE) $(LLAMA_SERVER_SRC)
+	test -f $(LLAMA_CPP_SHARE)/$(LLAMA_CPP_SDIST).tar.gz || $(BIN)/pip download -q --no-deps \
+		--no-binary :all: -d $(LLAMA_CPP_SHARE) 'llama-cpp-python==$(LLAMA_CPP_PYTHON)'
+	tar xzf $(LLAMA_CPP_SHARE)/$(LLAMA_CPP_SDIST).tar.gz -C $(LLAMA_SERVER_SRC) --strip-components=3 \
+		$(LLAMA_CPP_SDIST)/vendor/llama.cpp
+	cmake -S $(LLAMA_SERVER_SRC) -B $(LLAMA_SERVER_BUILD) -DCMAKE_BUILD_TYPE=Release \
+		-DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF \
+		-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
+		-DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF -DGGML_CUDA=OFF -DGGML_METAL=OFF
+	cmake --build $(LLAMA_SERVER_BUILD) --target llama-server -j $$(nproc)
+	cp $(LLAMA_SERVER_BUILD)/bin/llama-server $(BIN)/llama-server
 
 rdma: $(STAMP)
 	scripts/install_pyverbs.sh $(VENV)

@@ -44,18 +44,30 @@ def local_mesh(
     env: Mapping[str, str] | None = None,
     local_prefill_threshold: int = 0,
     decode_pacing_ms: float = 0.0,
-    prefill: int = 1,
+    prefill: int | None = None,
     decode: int = 1,
-    prefill_nice: int = 0,
+    prefill_nice: int | None = None,
+    cpu_sharing: str | None = None,
     log_level: str = "warning",
     startup_timeout_s: float = 180.0,
 ) -> Iterator[Any]:
     """A whole mesh on a fresh nats-server, in child processes; yields the Launcher (``.url``,
         ``.config.nats_url``). ``env`` (KVMESH_* settings, e.g. KVMESH_CHUNK_TOKENS) reaches every
         service; ``model`` is kvmesh-tiny or a checkpoint directory; ``nats_url``: a NATS server to use
-    (default: a fresh one, started with one user per role). Synchronous: use it from sync fixtures or scripts, not inside an event loop."""
+    (default: a fresh one, started with one user per role); ``prefill``, ``prefill_nice`` and
+    ``cpu_sharing`` left at None are ``kvmesh up``'s defaults. Synchronous: use it from sync fixtures or scripts,
+    not inside an event loop."""
     from kvmesh.commands.up import UpConfig, free_port
 
+    chosen = {
+        name: value
+        for name, value in (
+            ("prefill", prefill),
+            ("prefill_nice", prefill_nice),
+            ("cpu_sharing", cpu_sharing),
+        )
+        if value is not None
+    }
     config = UpConfig(
         model=model,
         mode=mode,
@@ -64,12 +76,11 @@ def local_mesh(
         nats_url=nats_url or f"nats://127.0.0.1:{free_port()}",
         local_prefill_threshold=local_prefill_threshold,
         decode_pacing_ms=decode_pacing_ms,
-        prefill=prefill,
         decode=decode,
-        prefill_nice=prefill_nice,
         log_level=log_level,
         startup_timeout_s=startup_timeout_s,
         stop_timeout_s=10.0,
+        **chosen,
     )
     with launched(config, env) as launcher:
         yield launcher

@@ -8,9 +8,14 @@ by kind; ``--result-json`` keeps every request's timings, ``--plot-dir`` draws t
 from ``--seed`` alone, arrivals from ``--seed`` and the rate: every rate of a sweep sends the same
 prompts, in the same (time-scaled) pattern of gaps.
 
-``--compare colocated,disagg`` starts a local kvmesh-tiny mesh of each mode in turn (on the same
-``--mesh-cpus``), runs the identical workload (same seed: same prompts, same arrivals) against each
-and prints them side by side with the ratio of each mode to the first.
+``--compare colocated,disagg,NAME=URL`` runs the identical workload (same seed: same prompts,
+same arrivals) against each target in turn and prints them side by side with the ratio of each
+to the baseline: ``colocated`` and ``disagg`` are local kvmesh meshes with ``kvmesh up``'s
+defaults (on the same ``--mesh-cpus``), colocated swept over ``--colocated-budgets`` and the best
+of that sweep under ``--slo`` taken as the baseline; a URL is an OpenAI-compatible server started
+elsewhere (e.g. llama.cpp's llama-server). After every run it prints where the first token's
+time went: per request, the stages a kvmesh router timed, at p50 and p99; per role, the CPU
+time its processes used and the time their threads waited, runnable, for a core.
 """
 
 from __future__ import annotations
@@ -29,8 +34,9 @@ from pathlib import Path
 from typing import Any
 
 from kvmesh.loadgen.bench_serve_config import ServeBenchConfig, add_arguments, config_from_args
+from kvmesh.loadgen.compare_targets import Target
 from kvmesh.loadgen.serve_metrics import RequestRecord, Summary
-from kvmesh.loadgen.serve_report import RunResult, format_comparison, format_summary, rate_text
+from kvmesh.loadgen.serve_report import RunResult, comparison_text, format_summary, rate_text
 from kvmesh.loadgen.server_breakdown import ServerBreakdown, parse_prometheus
 from kvmesh.loadgen.sse_client import Endpoint
 from kvmesh.loadgen.workload import Prompt
@@ -67,13 +73,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvmesh bench serve: {exc}", file=sys.stderr)
         return 2
     results: list[RunResult] = []
-    for label in config.compare or ("run",):
-        with _target(config, label) as base_url:
-            status = _sweep(config, label, base_url, prompts, trace_times, results)
+    for target in config.compare or (Target("run", url=config.base_url),):
+        with _target(config, target) as (base_url, roles):
+            status = _sweep(config, target.label, base_url, prompts, trace_times, results, roles)
             if status:
                 return status
     if len(results) > 1:
-        print("\n" + format_comparison(results))
+        print("\n" + comparison_text(results))
     _write_outputs(config, prompts, results)
     return 1 if any(r.summary.num_completed == 0 for r in results) else 0
 
@@ -109,14 +115,23 @@ def build_workload(config: ServeBenchConfig) -> tuple[list[Prompt], list[float] 
 
 
 @contextlib.contextmanager
-def _target(config: ServeBenchConfig, label: str) -> Iterator[str]:
-    """The base URL to load: ``--base-url``, or a fresh local mesh of mode ``label``."""
-    if not config.compare:
-        yield config.base_url
+def _target(config: ServeBenchConfig, target: Target) -> Iterator[tuple[str, dict[str, list[int]]]]:
+    """The base URL to load and the processes behind it by role (for their CPU times): an
+    outside server's, found by its port, or a fresh local mesh's of ``target.mode``."""
+    roles: dict[str, list[int]] = {"loadgen": [os.getpid()]}
+    if target.mode is None:
+        assert target.url is not None
+        pid = _local_server_pid(target.url)
+        if pid is not None:
+            roles["server"] = [pid]
+        yield target.url, roles
         return
     from kvmesh.loadgen.bench_mesh import local_mesh
 
-    print(f"kvmesh bench serve: starting a {label} mesh", file=sys.stderr)
+    print(f"kvmesh bench serve: starting a {target.label} mesh", file=sys.stderr)
+    env = dict(config.mesh_env)
+    if target.budget is not None:
+        env["KVMESH_MAX_NUM_BATCHED_TOKENS"] = str(target.budget)
     with contextlib.ExitStack() as stack:
         saved = os.sched_getaffinity(0)
         if config.mesh_cpus:
@@ -124,19 +139,35 @@ def _target(config: ServeBenchConfig, label: str) -> Iterator[str]:
         try:
             mesh = stack.enter_context(
                 local_mesh(
-                    label,
+                    target.mode,
                     config.transport,
                     model=config.model,
-                    env=dict(config.mesh_env),
+                    env=env,
                     local_prefill_threshold=config.local_prefill_threshold,
                     decode_pacing_ms=config.decode_pacing_ms,
-                    prefill=config.prefill_workers if label == "disagg" else 1,
+                    prefill=config.prefill_workers if target.mode == "disagg" else None,
                     prefill_nice=config.prefill_nice,
+                    cpu_sharing=config.cpu_sharing,
                 )
             )
         finally:
             os.sched_setaffinity(0, saved)  # the load generator keeps its own CPUs
-        yield mesh.url
+        for spec, proc in mesh.children.values():
+            roles.setdefault(spec.argv[1], []).append(proc.pid)  # serve <role> ...
+        if mesh.nats is not None:
+            roles["nats"] = [mesh.nats.pid]
+        yield mesh.url, roles
+
+
+def _local_server_pid(url: str) -> int | None:
+    import urllib.parse
+
+    from kvmesh.loadgen.proc_sched import pid_listening_on
+
+    split = urllib.parse.urlsplit(url)
+    if split.hostname not in ("127.0.0.1", "localhost", "::1"):
+        return None
+    return pid_listening_on(split.port or 80)
 
 
 def _sweep(
@@ -146,9 +177,11 @@ def _sweep(
     prompts: Sequence[Prompt],
     trace_times: list[float] | None,
     results: list[RunResult],
+    roles: dict[str, list[int]],
 ) -> int:
     import asyncio
 
+    from kvmesh.loadgen import proc_sched, ttft_breakdown
     from kvmesh.loadgen.arrivals import ArrivalProcess, arrival_times
     from kvmesh.loadgen.progress import ProgressBar
     from kvmesh.loadgen.serve_metrics import summarize
@@ -176,6 +209,7 @@ def _sweep(
             times = arrival_times(process, len(prompts), random.Random(f"{config.seed}:arrivals"))
         bar = ProgressBar(len(prompts), f"{label} @ {rate_text(rate)}")
         before = scrape_metrics(base_url, config.api_key)
+        sched_before = proc_sched.read_roles(roles)
         records, duration_s = asyncio.run(
             run_requests(
                 endpoint,
@@ -187,13 +221,17 @@ def _sweep(
             )
         )
         bar.close()
+        used = proc_sched.role_deltas(sched_before, proc_sched.read_roles(roles))
         after = scrape_metrics(base_url, config.api_key)
         server = None if before is None or after is None else ServerBreakdown.between(before, after)
+        timings = fetch_timings(base_url, config.api_key)
+        breakdown = ttft_breakdown.build(records, timings, used, duration_s)
         summary = summarize(records, duration_s, config.slo)
-        result = RunResult(label, rate, summary, tuple(records), server)
+        result = RunResult(label, rate, summary, tuple(records), server, breakdown)
         print(format_summary(result))
         if server is not None:
             print(server.line())
+        print(ttft_breakdown.format_breakdown(label, breakdown))
         results.append(result)
     return 0
 
@@ -213,6 +251,28 @@ def scrape_metrics(
             return parse_prometheus(resp.read().decode("utf-8", "replace"))
     except (OSError, urllib.error.URLError, ValueError):
         return None
+
+
+def fetch_timings(
+    base_url: str, api_key: str | None = None, timeout_s: float = 10.0
+) -> list[dict[str, Any]] | None:
+    """A kvmesh router's latest per-request timings (``GET /v1/kvmesh/timings``), or None from
+    a server without them."""
+    import urllib.error
+    import urllib.request
+
+    import orjson
+
+    request = urllib.request.Request(f"{base_url.rstrip('/')}/v1/kvmesh/timings")
+    if api_key:
+        request.add_header("Authorization", f"Bearer {api_key}")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as resp:
+            body = orjson.loads(resp.read())
+    except (OSError, urllib.error.URLError, ValueError):
+        return None
+    requests = body.get("requests") if isinstance(body, dict) else None
+    return requests if isinstance(requests, list) else None
 
 
 async def _warmup(endpoint: Endpoint, prompt: Prompt, timeout_s: float) -> RequestRecord:
@@ -259,6 +319,9 @@ def _plot(
         suffix = f"_rate-{rate_text(rate).removesuffix(' req/s')}" if len(rates) > 1 else ""
         written.append(plots.latency_cdfs(runs, plot_dir / f"latency_cdf{suffix}.png"))
         written.append(plots.token_gaps(runs, plot_dir / f"token_gaps{suffix}.png", long_len))
+        breakdowns = {r.label: r.breakdown for r in results if r.rate == rate and r.breakdown}
+        if breakdowns:
+            written.append(plots.ttft_stages(breakdowns, plot_dir / f"ttft_stages{suffix}.png"))
     if len(rates) > 1:
         sweeps: dict[str, list[tuple[float, Summary]]] = {}
         for r in results:

@@ -12,12 +12,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 from kvmesh.loadgen.arrivals import ARRIVAL_KINDS, ArrivalProcess, parse_rates
+from kvmesh.loadgen.compare_targets import Target, parse_budgets, parse_targets
 from kvmesh.loadgen.serve_metrics import Slo
 from kvmesh.loadgen.sse_client import CHAT, COMPLETIONS, Endpoint
 from kvmesh.loadgen.workload import LengthSpec
 
 TINY_MODEL = "kvmesh-tiny"
-MESH_MODES = ("colocated", "disagg")
+DEFAULT_BUDGETS = "256,512,1024,2048"  # --colocated-budgets: colocated's sweep
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,16 +51,24 @@ class ServeBenchConfig:
     num_warmups: int = 1
     result_json: Path | None = None
     plot_dir: Path | None = None
-    compare: tuple[str, ...] = ()
+    compare: tuple[Target, ...] = ()  # given as strings ("colocated", "NAME=URL"): parsed
     transport: Literal["auto", "shm", "tcp", "rdma"] = "auto"
     mesh_env: tuple[tuple[str, str], ...] = ()
     mesh_cpus: frozenset[int] = frozenset()
     local_prefill_threshold: int = 0
     decode_pacing_ms: float = 0.0
-    prefill_workers: int = 1  # disagg meshes of --compare
-    prefill_nice: int = 0
+    prefill_workers: int | None = None  # disagg meshes of --compare (None: kvmesh up's)
+    prefill_nice: int | None = None
+    cpu_sharing: str | None = None  # disagg meshes: kvmesh up --cpu-sharing (None: its default)
 
     def __post_init__(self) -> None:
+        if any(isinstance(t, str) for t in self.compare):
+            parsed = parse_targets(",".join(t if isinstance(t, str) else "" for t in self.compare))
+            if len(parsed) != len(self.compare) or not all(
+                isinstance(t, str) for t in self.compare
+            ):
+                raise ValueError("give --compare's targets all as strings or all as Targets")
+            object.__setattr__(self, "compare", parsed)
         positive = (
             "input_len",
             "output_len",
@@ -87,12 +96,8 @@ class ServeBenchConfig:
         for rate in self.request_rates:
             ArrivalProcess(self.arrival, rate, self.burstiness)
         self.endpoint(self.base_url)
-        unknown = [m for m in self.compare if m not in MESH_MODES]
-        if unknown or len(set(self.compare)) != len(self.compare):
-            raise ValueError(
-                f"--compare takes distinct modes of {', '.join(MESH_MODES)}, got {','.join(self.compare)}"
-            )
-        if self.compare and self.model != TINY_MODEL and not Path(self.model).is_dir():
+        meshes = [t for t in self.compare if t.mode is not None]
+        if meshes and self.model != TINY_MODEL and not Path(self.model).is_dir():
             raise ValueError(
                 f"--compare starts local meshes serving --model, which must be {TINY_MODEL} or a "
                 f"checkpoint directory (kvmesh model seeded DIR makes one); got {self.model!r}"
@@ -122,6 +127,8 @@ class ServeBenchConfig:
                 value = ["inf" if math.isinf(r) else r for r in value]
             elif f.name == "mesh_cpus":
                 value = sorted(value)
+            elif f.name == "compare":
+                value = [dataclasses.asdict(t) for t in value]
             elif f.name == "api_key" and value:
                 value = "<set>"
             elif isinstance(value, Mapping):
@@ -191,7 +198,7 @@ def config_from_args(args: argparse.Namespace) -> ServeBenchConfig:
         num_warmups=args.warmups,
         result_json=args.result_json,
         plot_dir=args.plot_dir,
-        compare=tuple(m.strip() for m in args.compare.split(",")) if args.compare else (),
+        compare=parse_targets(args.compare or "", parse_budgets(args.colocated_budgets or "")),
         transport=args.transport,
         mesh_env=tuple(mesh_env),
         mesh_cpus=parse_cpus(args.mesh_cpus or ""),
@@ -199,6 +206,7 @@ def config_from_args(args: argparse.Namespace) -> ServeBenchConfig:
         decode_pacing_ms=args.decode_pacing_ms,
         prefill_workers=args.prefill_workers,
         prefill_nice=args.prefill_nice,
+        cpu_sharing=args.cpu_sharing,
     )
 
 
@@ -272,7 +280,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     out.add_argument("--plot-dir", type=Path, help="write PNG plots here (needs matplotlib)")
 
     mesh = p.add_argument_group("compare (local meshes instead of --base-url)")
-    mesh.add_argument("--compare", help="mesh modes to run in turn, e.g. colocated,disagg")
+    mesh.add_argument(
+        "--compare",
+        help="targets to run in turn: mesh modes (colocated, disagg: local meshes with kvmesh "
+        "up's defaults) and OpenAI-compatible servers not started here (URL or NAME=URL), e.g. "
+        "colocated,disagg,llama-server=http://127.0.0.1:8080",
+    )
+    mesh.add_argument(
+        "--colocated-budgets",
+        default=DEFAULT_BUDGETS,
+        help="colocated's per-step token budgets to sweep (--max-num-batched-tokens); the "
+        "comparison takes the best under --slo as its baseline ('': the worker's default only)",
+    )
     mesh.add_argument("--transport", default="auto", choices=("auto", "shm", "tcp", "rdma"))
     mesh.add_argument(
         "--mesh-env", action="append", default=[], help="KEY=VALUE for every mesh service"
@@ -293,12 +312,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     mesh.add_argument(
         "--prefill-workers",
         type=int,
-        default=1,
-        help="disagg: prefill workers, sharing the cores (kvmesh up --prefill)",
+        help="disagg: prefill workers, sharing the cores (kvmesh up --prefill; default: its)",
+    )
+    mesh.add_argument(
+        "--cpu-sharing",
+        choices=("auto", "priority", "partition", "partition-spare", "equal"),
+        help="disagg: how prefill and decode share the cores (kvmesh up --cpu-sharing; "
+        "default: its)",
     )
     mesh.add_argument(
         "--prefill-nice",
         type=int,
-        default=0,
-        help="disagg: prefill workers' niceness (kvmesh up --prefill-nice)",
+        help="disagg: prefill workers' niceness (kvmesh up --prefill-nice; default: its)",
     )

@@ -8,7 +8,9 @@ every mode's curves:
   vertical line where each long prompt arrived: a decode step frozen behind a long prefill shows
   as a column of tall dots just right of a line;
 - ``goodput_vs_rate``: goodput (or, without an SLO, completed requests per second) at each request
-  rate of a sweep.
+  rate of a sweep;
+- ``ttft_stages``: the time to first token by stage (``ttft_breakdown``), p50 and p99 bars per
+  label, and each role's CPU and runnable-but-waiting time in cores' worth.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from kvmesh.loadgen.serve_metrics import RequestRecord, Summary
+from kvmesh.loadgen.ttft_breakdown import STAGE_LABELS, Breakdown
 
 INSTALL_HINT = (
     "plots need matplotlib: pip install 'kvmesh[bench]' (or pip install 'matplotlib>=3.7'), "
@@ -126,3 +129,59 @@ def goodput_vs_rate(sweeps: Mapping[str, Sequence[tuple[float, Summary]]], path:
 
 def _rate_label(rate: float) -> str:
     return "inf" if math.isinf(rate) else f"{rate:g}"
+
+
+def ttft_stages(breakdowns: Mapping[str, Breakdown], path: Path) -> Path:
+    fig, (ax_stages, ax_roles) = _figure(2)
+    labels = [label for label, b in breakdowns.items() if b.stages]
+    width = 0.8 / max(1, 2 * len(labels))
+    keys = list(STAGE_LABELS)
+    for i, label in enumerate(labels):
+        stages = breakdowns[label].stages
+        for j, (pct, hatch) in enumerate((("p50", ""), ("p99", "//"))):
+            offset = (2 * i + j) * width
+            values = [getattr(stages[k], f"{pct}_ms") / 1e3 if k in stages else 0.0 for k in keys]
+            ax_stages.bar(
+                [x + offset for x in range(len(keys))],
+                values,
+                width,
+                hatch=hatch,
+                label=f"{label} {pct}",
+            )
+    ax_stages.set_xticks(
+        [x + 0.4 - width / 2 for x in range(len(keys))],
+        [STAGE_LABELS[k] for k in keys],
+        rotation=30,
+        ha="right",
+    )
+    ax_stages.set_ylabel("seconds")
+    ax_stages.set_title("time to first token by stage")
+    roles = sorted({r for b in breakdowns.values() for r in b.roles})
+    role_width = 0.8 / max(1, 2 * len(breakdowns))
+    for i, (label, b) in enumerate(breakdowns.items()):
+        if b.duration_s <= 0:
+            continue
+        for j, (what, hatch) in enumerate((("cpu_s", ""), ("wait_s", "//"))):
+            offset = (2 * i + j) * role_width
+            values = [
+                getattr(b.roles[r], what) / b.duration_s if r in b.roles else 0.0 for r in roles
+            ]
+            name = "CPU" if what == "cpu_s" else "waiting"
+            ax_roles.bar(
+                [x + offset for x in range(len(roles))],
+                values,
+                role_width,
+                hatch=hatch,
+                label=f"{label} {name}",
+            )
+    ax_roles.set_xticks(
+        [x + 0.4 - role_width / 2 for x in range(len(roles))], roles, rotation=30, ha="right"
+    )
+    ax_roles.set_ylabel("cores' worth (seconds / run time)")
+    ax_roles.set_title("CPU used and runnable-but-waiting, by role")
+    for ax in (ax_stages, ax_roles):
+        ax.grid(True, alpha=0.3, axis="y")
+        if ax.has_data():
+            ax.legend(loc="upper left", fontsize="small")
+    fig.savefig(path, dpi=120)
+    return path

@@ -8,8 +8,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvmesh.loadgen.compare_targets import sweep_score
 from kvmesh.loadgen.serve_metrics import RequestRecord, Stats, Summary
 from kvmesh.loadgen.server_breakdown import ServerBreakdown
+from kvmesh.loadgen.ttft_breakdown import Breakdown
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,6 +24,7 @@ class RunResult:
     summary: Summary
     records: tuple[RequestRecord, ...]
     server: ServerBreakdown | None = None  # a kvmesh router's own account of the run
+    breakdown: Breakdown | None = None  # per-request stages and per-role CPU (ttft_breakdown)
 
 
 def rate_text(rate: float | None) -> str:
@@ -85,6 +88,48 @@ _COLUMNS: tuple[tuple[str, Any], ...] = (
 )
 
 
+SWEPT = "colocated@"  # labels of --colocated-budgets' runs
+
+
+def best_colocated(results: Sequence[RunResult], rate: float | None) -> RunResult | None:
+    """Of the colocated budget sweep at ``rate``, the best run (compare_targets.sweep_score)."""
+    swept = [r for r in results if r.label.startswith(SWEPT) and r.rate == rate]
+    if not swept:
+        return None
+    return max(
+        swept,
+        key=lambda r: sweep_score(
+            r.summary.goodput,
+            r.summary.output_throughput,
+            r.summary.ttft.p50_ms if r.summary.ttft else None,
+        ),
+    )
+
+
+def comparison_text(results: Sequence[RunResult]) -> str:
+    """The colocated budget sweep (when there was one), then every target against the best
+    colocated run of its rate (or against the first target)."""
+    swept = [r for r in results if r.label.startswith(SWEPT)]
+    if len(swept) < 2:
+        return format_comparison(results)
+    rates = list(dict.fromkeys(r.rate for r in results))
+    best = [b for rate in rates if (b := best_colocated(results, rate)) is not None]
+    text = "colocated token-budget sweep:\n" + format_comparison(swept)
+    for b in best:
+        text += f"\nbest colocated at {rate_text(b.rate)}: {b.label}"
+    chosen = [*best, *(r for r in results if not r.label.startswith(SWEPT))]
+    return text + "\n\n" + format_comparison(_as_baseline(chosen))
+
+
+def _as_baseline(results: list[RunResult]) -> list[RunResult]:
+    """The best colocated run of each rate relabelled "colocated (best)", so that every rate's
+    rows compare to it even where the best budgets differ."""
+    return [
+        dataclasses.replace(r, label="colocated (best)") if r.label.startswith(SWEPT) else r
+        for r in results
+    ]
+
+
 def format_comparison(results: Sequence[RunResult]) -> str:
     """One row per (rate, label), then per rate the ratio of every other label to the first."""
     labels = list(dict.fromkeys(r.label for r in results))
@@ -139,6 +184,7 @@ def result_json(config: Mapping[str, Any], results: Sequence[RunResult]) -> dict
                 "request_rate": _rate_json(r.rate),
                 "summary": dataclasses.asdict(r.summary),
                 "server": None if r.server is None else dataclasses.asdict(r.server),
+                "ttft_breakdown": None if r.breakdown is None else r.breakdown.to_json(),
                 "requests": [_record_json(record) for record in r.records],
             }
             for r in results

@@ -180,7 +180,11 @@ async def run_requests(
     assert max_concurrency is None or max_concurrency >= 1
     records: list[RequestRecord | None] = [None] * len(prompts)
     gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-    connector = aiohttp.TCPConnector(limit=max_concurrency or 0)
+    # A fresh connection per request (as vllm bench serve's session per request): a kept-alive
+    # one the server closes as it is taken again fails the request with "Server disconnected"
+    # (llama-server closed 2 of 40 that way under --max-concurrency 8), which is no fault of
+    # the server's serving.
+    connector = aiohttp.TCPConnector(limit=max_concurrency or 0, force_close=True)
     async with aiohttp.ClientSession(connector=connector) as session:
         origin = time.perf_counter()
 

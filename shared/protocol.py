@@ -169,6 +169,12 @@ class TokenEvent(Message):
     error: str = ""
     # of token_ids, how many were draft tokens the decode worker verified and accepted
     num_accepted_drafts: Annotated[int, msgspec.Meta(ge=0)] = 0
+    # Only on a request's first event, where the decode worker's time went before it (seconds):
+    # wait_s: a local prefill, accepted to its first chunk computed; a remote one, its prefill
+    # heard done to admitted (the step in flight). prefill_s: a local prefill's first chunk to
+    # its first token (the steps it shared with other sequences included); 0 for a remote one.
+    wait_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    prefill_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
 
 
 class Abort(Message):

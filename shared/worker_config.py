@@ -19,6 +19,7 @@ from kvmesh.shared.advertise import (
     check_advertise_host,
     resolve_transport_hosts,
 )
+from kvmesh.shared.cpu_placement import CpuPlacement, parse_cpu_list
 from kvmesh.shared.nats_options import NatsClientConfig
 from kvmesh.shared.service_config import check_worker_id, option
 from kvmesh.shared.service_errors import ServiceStartError
@@ -98,6 +99,21 @@ class EngineWorkerConfig(MetricsServiceConfig):
     threads: int | None = option(
         None, help="torch CPU threads of this worker (default: torch's choice, all cores)"
     )
+    cpus: str | None = option(
+        None,
+        help="run only on these CPUs, e.g. 0-3,8 (hard partitioning of shared cores; default: "
+        "wherever it was started)",
+    )
+    nice: int = option(
+        0,
+        help="raise this worker's niceness by N (0-19) at start, its session's (autogroup's) "
+        "too: on cores it shares with latency-critical workers, they run first",
+    )
+    sched_idle: bool = option(
+        False,
+        help="run every thread at SCHED_IDLE (its autogroup at nice 19): on shared cores it "
+        "takes only the cycles no other worker wants (docs/load.md, Cores)",
+    )
     enable_prefix_caching: bool = option(True, help="reuse KV blocks of shared prompt prefixes")
     drain_timeout_s: float = option(
         10.0, help="on SIGTERM, seconds to let the work in hand finish before it is aborted"
@@ -117,6 +133,7 @@ class EngineWorkerConfig(MetricsServiceConfig):
                 raise ValueError(f"{name} must be positive, got {value}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
+        self.cpu_placement()  # ValueError: a bad --cpus or --nice, in one line
         if not self.drain_timeout_s > 0:
             raise ValueError(f"drain_timeout_s must be positive, got {self.drain_timeout_s}")
         if self.advertise_host is not None:
@@ -127,6 +144,10 @@ class EngineWorkerConfig(MetricsServiceConfig):
                 "keeps its KV cache on the device: use --transport rdma (or auto where a NIC "
                 "exists)"
             )
+
+    def cpu_placement(self) -> CpuPlacement:
+        cpus = parse_cpu_list(self.cpus) if self.cpus is not None else frozenset()
+        return CpuPlacement(cpus, self.nice, self.sched_idle)
 
     def default_mesh(self) -> str:
         return mesh_from_model(self.model)

@@ -67,8 +67,26 @@ def test_bench_serve_sweep_writes_json_plots_and_counts_failures(server, tmp_pat
             "latency_cdf_rate-inf.png",
             "token_gaps_rate-200.png",
             "token_gaps_rate-inf.png",
+            "ttft_stages_rate-200.png",  # the fake server's and the load generator's CPU
+            "ttft_stages_rate-inf.png",
         ]
         assert all((tmp_path / "plots" / n).read_bytes()[:8] == PNG_MAGIC for n in names)
+
+
+def test_compare_loads_outside_servers_in_turn_with_the_table(server, tmp_path, capsys):
+    result = tmp_path / "compare.json"
+    targets = f"first={server.url},second={server.url}"
+    flags = ["--model", "ok", "--num-prompts", "3", "--output-len", "3", "--warmups", "0"]
+    assert bench(server.url, "--compare", targets, *flags, "--result-json", str(result)) == 0
+    out = capsys.readouterr().out
+    assert "==== first @ inf req/s" in out and "==== second @ inf req/s" in out
+    assert "second/first" in out  # the table, each target against the first
+    assert "CPU by role" in out and "loadgen" in out and "server" in out  # found by its port
+    runs = orjson.loads(result.read_bytes())["runs"]
+    assert [r["label"] for r in runs] == ["first", "second"]
+    breakdown = runs[0]["ttft_breakdown"]
+    assert breakdown["num_requests"] == 0  # no kvmesh router: no stages, only roles
+    assert breakdown["roles"]["server"]["cpu_s"] >= 0
 
 
 def prompts_and_arrivals(url: str, server, tmp_path, seed: int, *flags: str):
@@ -142,7 +160,11 @@ def test_sharegpt_dataset_sends_the_conversation_prompts(server, tmp_path):
     "flags, message",
     [
         (["--trace", "t.jsonl", "--request-rate", "1"], "leave out --request-rate"),
-        (["--compare", "colocated,turbo"], "--compare takes distinct modes"),
+        (["--compare", "colocated,turbo"], "expected colocated or disagg, a URL or NAME=URL"),
+        (["--compare", "disagg,disagg"], "names a target twice"),
+        (["--compare", "disagg=http://x:1"], "a name that is not a mode"),
+        (["--compare", "a=ftp://x"], "http(s)://HOST:PORT"),
+        (["--colocated-budgets", "512,8"], "below one block"),
         (
             ["--compare", "disagg", "--model", "no/such/dir"],
             "must be kvmesh-tiny or a checkpoint directory",

@@ -61,6 +61,21 @@ async def _load(mesh) -> tuple[list[dict], MeshTap]:
     return await load(mesh, PROMPTS, MAX_TOKENS, linger_s=0.1)
 
 
+async def check_timings(mesh, replies: list[dict], *, local: bool) -> None:
+    """The router's per-request stages (GET /v1/kvmesh/timings) cover every reply, add up to its
+    TTFT and say where the prefill ran; the decode worker reported its share."""
+    async with aiohttp.ClientSession() as s, s.get(f"{mesh.url}/v1/kvmesh/timings") as resp:
+        body = await resp.json()
+    by_id = {t["request_id"]: t for t in body["requests"]}
+    for reply in replies:
+        t = by_id[reply["id"]]
+        assert t["local_prefill"] is local and t["num_prompt_tokens"] > 0
+        assert sum(t[stage] for stage in body["stages"]) == pytest.approx(t["ttft_s"], abs=1e-6)
+        assert t["prefill_s"] > 0  # compute on the prefill worker; chunks on the colocated one
+        if local:
+            assert t["transfer_s"] == t["admit_s"] == 0
+
+
 async def test_disagg_greedy_output_equals_offline_engine(disagg_mesh, offline_tokens):
     replies, tap = await _load(disagg_mesh)
     check_equals_offline(replies, tap, offline_tokens)
@@ -76,6 +91,7 @@ async def test_disagg_greedy_output_equals_offline_engine(disagg_mesh, offline_t
     # every write came with its lease's key: nothing refused, nothing stray
     assert 'kvmesh_decode_refused_accesses_total{worker="decode-0"} 0' in metrics
     assert 'kvmesh_decode_stray_immediates_total{worker="decode-0"} 0' in metrics
+    await check_timings(disagg_mesh, replies, local=False)
 
 
 async def test_colocated_greedy_output_equals_offline_engine(colocated_mesh, offline_tokens):
@@ -83,6 +99,7 @@ async def test_colocated_greedy_output_equals_offline_engine(colocated_mesh, off
     check_equals_offline(replies, tap, offline_tokens)
     assert not tap.reports and not tap.prefill_done  # nothing went through a prefill worker
     await check_blocks_returned(colocated_mesh)
+    await check_timings(colocated_mesh, replies, local=True)
 
 
 async def test_request_waits_while_the_only_worker_is_drained_and_runs_once_resumed(colocated_mesh):

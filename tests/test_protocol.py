@@ -146,6 +146,8 @@ EXAMPLES: list[Message] = [
         num_output_tokens=2,
         error="e",
         num_accepted_drafts=1,
+        wait_s=0.5,
+        prefill_s=1.25,
     ),
     Abort("r1", reason="lease expired", job_withdrawn=True),
     PrefillStarted("r1", "L1", "p0"),

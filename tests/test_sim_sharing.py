@@ -57,7 +57,7 @@ def test_disagg_decode_alone_on_a_shared_host_pays_its_overhead_at_full_speed():
     )
     cost = CostModel(load_model("kvmesh-tiny"), device)
     topology = mesh_topology("disagg", cost)
-    assert (topology.decode_threads, topology.prefill_threads) == (1, 2)
+    assert (topology.decode_threads, topology.prefill_threads) == (1, 1)  # a core each
     result = simulate(topology, cost, [SimRequest(0.0, 100, 20)])
     assert result.records[0].itl_s == pytest.approx([0.01] * 19)
 

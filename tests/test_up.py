@@ -334,9 +334,13 @@ async def test_connection_survives_a_nats_server_restart_on_the_same_port() -> N
 @pytest.mark.parametrize(
     ("kw", "expected"),
     [
-        ({"cores": 2}, {"decode": 1, "prefill": 2}),
-        ({"cores": 12}, {"decode": 4, "prefill": 12}),
-        ({"cores": 12, "prefill": 2, "decode": 2}, {"decode": 2, "prefill": 6}),
+        # at equal priority decode gets a third of the cores, prefill all of them
+        ({"cores": 2, "cpu_sharing": "equal"}, {"decode": 1, "prefill": 2}),
+        ({"cores": 12, "cpu_sharing": "equal"}, {"decode": 4, "prefill": 12}),
+        (
+            {"cores": 12, "prefill": 2, "decode": 2, "cpu_sharing": "equal"},
+            {"decode": 2, "prefill": 6},
+        ),
         ({"cores": 1}, {"decode": 1, "prefill": 1}),  # fewer cores than workers: they share
         ({"cores": 2, "mode": "colocated"}, {"colocated": 2}),
         # decode has priority over a nicer prefill pool: both get every core
@@ -351,8 +355,34 @@ def test_cores_are_split_between_roles(kw, expected) -> None:
     assert split_cores(UpConfig(**kw)) == expected
 
 
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="partitions two or more CPUs")
+def test_by_default_each_pool_runs_on_cores_of_its_own() -> None:
+    cpus = sorted(os.sched_getaffinity(0))[:2]
+    specs = plan(UpConfig(cores=2), "nats://127.0.0.1:4222", 8000)
+    placed = {}
+    for spec in specs:
+        if spec.tier in ("decode", "prefill"):
+            _, config, _ = build_service_config(spec.argv[1], spec.argv[2:], env={})
+            placed[spec.name] = (config.threads, config.cpus, config.sched_idle, spec.env)
+    assert placed == {
+        "decode-0": (1, str(cpus[1]), False, ()),
+        "prefill-0": (1, str(cpus[0]), False, ()),
+    }
+
+
+def test_priority_sharing_puts_prefill_at_sched_idle_behind_decode() -> None:
+    specs = plan(UpConfig(cores=2, cpu_sharing="priority"), "nats://127.0.0.1:4222", 8000)
+    placed = {}
+    for spec in specs:
+        if spec.tier in ("decode", "prefill"):
+            _, config, _ = build_service_config(spec.argv[1], spec.argv[2:], env={})
+            placed[spec.name] = (config.threads, config.cpus, config.sched_idle, spec.env)
+    passive = (("OMP_WAIT_POLICY", "PASSIVE"),)
+    assert placed == {"decode-0": (2, None, False, passive), "prefill-0": (2, None, True, ())}
+
+
 def test_plan_passes_each_worker_its_threads() -> None:
-    specs = plan(UpConfig(cores=12, prefill=2), "nats://127.0.0.1:4222", 8000)
+    specs = plan(UpConfig(cores=12, prefill=2, cpu_sharing="equal"), "nats://127.0.0.1:4222", 8000)
     for spec in specs:
         if spec.tier in ("decode", "prefill"):
             _, config, _ = build_service_config(spec.argv[1], spec.argv[2:], env={})
@@ -381,7 +411,8 @@ def test_prefill_nice_reaches_prefill_workers_only() -> None:
 
 def test_decode_threads_sleep_when_they_share_cores_with_a_nicer_prefill_pool() -> None:
     for nice, expected in ((10, (("OMP_WAIT_POLICY", "PASSIVE"),)), (0, ())):
-        specs = plan(UpConfig(prefill_nice=nice), "nats://127.0.0.1:4222", 8000)
+        config = UpConfig(prefill_nice=nice, cpu_sharing="auto" if nice else "equal")
+        specs = plan(config, "nats://127.0.0.1:4222", 8000)
         assert {s.name: s.env for s in specs if s.tier in ("decode", "prefill")} == {
             "decode-0": expected,
             "prefill-0": (),

@@ -32,6 +32,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
+from kvmesh.commands.cpu_plan import SPARE, CpuPlan, plan_cpus
 from kvmesh.commands.nats_supervisor import NatsSupervisor
 from kvmesh.commands.restarts import RestartPolicy
 from kvmesh.commands.up_model import DEFAULT_MODEL, ModelChoiceError, resolve_up_model
@@ -94,9 +95,8 @@ class UpConfig(NatsClientConfig):
     device: str = option("cpu", help="torch device of prefill and decode workers")
     cores: int | None = option(
         None,
-        help="CPU cores the workers share (default: the cores this process may run on), as torch "
-        "threads: disagg gives prefill all of them and decode a third (all of them with "
-        "--prefill-nice), colocated gives all to its workers",
+        help="CPU cores the workers share (default: the cores this process may run on), shared "
+        "out by --cpu-sharing (disagg) or all to the colocated workers",
     )
     decode_pacing_ms: float = option(
         0.0,
@@ -104,10 +104,18 @@ class UpConfig(NatsClientConfig):
         "--min-step-interval-ms; 0: back to back). Near the inter-token target, it leaves "
         "decode's idle share of shared cores to prefill",
     )
+    cpu_sharing: Literal["auto", "priority", "partition", "partition-spare", "equal"] = option(
+        "auto",
+        help="disagg on the CPU: how prefill and decode share the cores: priority (decode "
+        "first, prefill at SCHED_IDLE on every core), partition (each pool pinned to cores of "
+        "its own; partition-spare: the last of several prefill workers at SCHED_IDLE on any "
+        "core), equal (same priority); auto: the better of the measured ones for this machine "
+        "(kvmesh up prints its choice and why; docs/load.md)",
+    )
     prefill_nice: int = option(
         0,
-        help="disagg: prefill workers run this much nicer (0-19): where they share cores with "
-        "decode, a decode step (latency) runs first and prefill (throughput) takes the rest",
+        help="disagg: prefill workers run this much nicer (0-19, their session too) instead of "
+        "at SCHED_IDLE: --cpu-sharing priority with a nice level",
     )
     kv_cache_bytes: int | None = option(
         None, help="KV pool bytes per prefill/decode worker (their default: 256 MiB)"
@@ -230,32 +238,41 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
-def split_cores(config: UpConfig) -> dict[str, int]:
-    """Torch threads per worker of each role: ``{"decode": n, "prefill": m}`` (or colocated).
+def cpu_plan(config: UpConfig) -> CpuPlan:
+    """How the workers share the cores (``cpu_plan.py``): the first ``--cores`` of those this
+    process may run on."""
+    try:
+        allowed = sorted(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        allowed = list(range(os.cpu_count() or 1))
+    cores = config.cores or len(allowed)
+    cpus = frozenset(allowed[:cores]) if cores <= len(allowed) else frozenset(range(cores))
+    return plan_cpus(
+        cpus,
+        mode=config.mode,
+        device=config.device,
+        decode_workers=config.decode,
+        prefill_workers=max(1, config.prefill),
+        sharing=config.cpu_sharing,
+        prefill_nice=config.prefill_nice,
+        pinnable=cores <= len(allowed),
+    )
 
-    Disaggregated: decode is memory-bound and latency-critical; prefill is compute-bound
-    throughput work. The prefill pool gets every core, divided among its workers. With
-    ``prefill_nice`` the decode pool gets every core too: its steps are short and run first, and
-    prefill takes the rest. At equal priority the decode pool gets a third of the cores (at
-    least one), so that it competes with prefill for as few as it can. Colocated: every worker
-    does both, and the cores are divided among them. Both modes use the same cores, so they
-    compare on equal hardware. Every worker gets at least one thread."""
+
+def split_cores(config: UpConfig) -> dict[str, int]:
+    """Torch threads per worker of each role: ``{"decode": n, "prefill": m}`` (or colocated),
+    as ``cpu_plan`` shares the cores out (``cpu_plan.py``); both modes use the same cores, so
+    they compare on equal hardware."""
     cores = config.cores or available_cores()
     # Draft workers (when asked for) run a small model or none: a quarter of the cores.
     draft = {"draft": max(1, cores // 4 // config.draft_workers)} if config.draft else {}
-    if config.mode == "colocated":
-        return {"colocated": max(1, cores // config.decode), **draft}
-    decode_cores = cores if config.prefill_nice else max(1, cores // 3)
-    return {
-        "decode": max(1, decode_cores // config.decode),
-        "prefill": max(1, cores // config.prefill),
-        **draft,
-    }
+    return {**cpu_plan(config).threads(), **draft}
 
 
 def plan(config: UpConfig, nats_url: str, port: int) -> list[ChildSpec]:
     """The ``kvmesh serve ...`` command of every service, in start order."""
     threads = split_cores(config)
+    roles = cpu_plan(config).roles
     assert config.mesh is not None
     common: tuple[str, ...] = ("--mesh", config.mesh)
     if not url_has_credentials(nats_url):  # else it reaches them in KVMESH_NATS_URL (ps shows argv)
@@ -281,24 +298,23 @@ def plan(config: UpConfig, nats_url: str, port: int) -> list[ChildSpec]:
         )
     ]
     decode_service = "colocated" if config.mode == "colocated" else "decode"
-    decode_threads = ("--threads", str(threads[decode_service]))
+    decode_threads = roles[decode_service].flags()
     if config.mode == "disagg" and config.decode_pacing_ms:
         decode_threads += ("--min-step-interval-ms", str(config.decode_pacing_ms))
     if config.draft:
         decode_threads += ("--speculative",)
-    # Decode workers that share their cores with a nicer prefill pool: their OpenMP threads wait
-    # for work asleep, not spinning on cores prefill could use between a step's parallel parts.
-    decode_env = (("OMP_WAIT_POLICY", "PASSIVE"),) if config.prefill_nice else ()
+    # e.g. decode workers that share their cores with a lower-priority prefill pool: their
+    # OpenMP threads wait for work asleep, not spinning on cores prefill could use
+    decode_env = roles[decode_service].env
     for i in range(config.decode):
         name = f"{decode_service}-{i}"
         argv = ("serve", decode_service, *worker(name), *engine, *decode_kv, *decode_threads)
         specs.append(ChildSpec(name, "decode", argv, decode_env))
     if config.mode == "disagg":
-        prefill_threads = ("--threads", str(threads["prefill"]))
-        if config.prefill_nice:
-            prefill_threads += ("--nice", str(config.prefill_nice))
         for i in range(config.prefill):
             name = f"prefill-{i}"
+            spare = SPARE in roles and i == config.prefill - 1  # cpu_plan.py: the spare one
+            prefill_threads = roles[SPARE if spare else "prefill"].flags()
             argv = ("serve", "prefill", *worker(name), *engine, *prefill_kv, *prefill_threads)
             if config.draft == "early-exit":  # the draft workers take the prompts' draft KV
                 argv += ("--draft-kv",)
@@ -753,6 +769,7 @@ async def run_up(launcher: Launcher) -> int:
         )
         threads = ", ".join(f"{role} {n}" for role, n in split_cores(launcher.config).items())
         print(f"kvmesh up: torch threads per worker: {threads}", flush=True)
+        print(f"kvmesh up: {cpu_plan(launcher.config).describe()}", flush=True)
         metrics = ", ".join(f"{name} {url}" for name, url in launcher.metrics_urls.items())
         print(f"kvmesh up: metrics: {metrics}", flush=True)
         await watch()

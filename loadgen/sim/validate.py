@@ -7,8 +7,9 @@ defaults, one prefill worker) and ``sse_client.run_requests`` the streamed reque
 simulated side runs the same lengths and arrival times on a topology that mirrors that mesh:
 one worker of each role on one shared device (the calibrated CPU spec), the mesh's step budgets
 (512 tokens for colocated and prefill chunks), its 256 MiB KV pool per worker, and the threads
-and niceness ``kvmesh up`` gives each role (``up.split_cores``): on 2 cores colocated runs 2
-threads; disagg runs decode on 1 thread and prefill on 2 at equal priority, or, with
+and niceness ``kvmesh up`` gives each role (``cpu_plan.plan_cpus``): on 2 cores colocated runs 2
+threads; disagg runs decode on 1 thread and prefill on 1, each on a core of its own (the
+partition: two single-threaded workers on two cores share nothing here either), or, with
 ``--prefill-nice N``, decode on 2 threads and prefill on 2 at nice N.
 
 With ``repeats`` > 1 the same workload is served by ``repeats`` fresh meshes of each mode (the
@@ -174,9 +175,16 @@ class Comparison:
 
 def mesh_topology(mode: str, cost: CostModel, prefill_nice: int = 0) -> Topology:
     """The simulated twin of ``local_mesh(mode, prefill_nice=...)`` on the spec's cores."""
-    from kvmesh.commands.up import UpConfig, split_cores
+    from kvmesh.commands.cpu_plan import plan_cpus
 
-    threads = split_cores(UpConfig(mode=mode, prefill_nice=prefill_nice, cores=cost.device.cores))
+    threads = plan_cpus(
+        frozenset(range(cost.device.cores)),  # a simulated device's cores are all its own
+        mode=mode,
+        device="cpu",
+        decode_workers=1,
+        prefill_workers=1,
+        prefill_nice=prefill_nice,
+    ).threads()
     capacity = MESH_KV_CACHE_BYTES // cost.kv_bytes_per_token
     return Topology(
         mode,  # type: ignore[arg-type]

@@ -360,6 +360,9 @@ class DecodeService:
 async def decode_service(config: DecodeConfig) -> AsyncIterator[DecodeService]:
     """Model, KV pool over transport memory, NATS, subscriptions and loops: ready to serve."""
     worker_id = config.worker_id or new_worker_id(config.role)
+    placed = config.cpu_placement().apply()  # first: torch's and asyncio's threads inherit it
+    if placed:
+        log.info("cpu placement", applied=", ".join(placed))
     if config.threads is not None:
         torch.set_num_threads(config.threads)
     model, tokenizer = await asyncio.to_thread(

@@ -24,8 +24,10 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import msgspec
 from kvmesh.services.decode.cache_reports import CacheReporter
 from kvmesh.services.decode.drafts import DraftBook, Outgoing
+from kvmesh.services.decode.first_token import FirstTokenClock
 from kvmesh.services.decode.metrics import DecodeMetrics
 from kvmesh.services.decode.pending import Admission, PendingTable, ReservationError, Verdict
 from kvmesh.services.decode.store_puts import FinishedPuts
@@ -127,6 +129,8 @@ class DecodeWorker:
         self._lock = asyncio.Lock()
         self._wake = asyncio.Event()
         self._settled: list[Verdict] = []  # reservations leaving the table, applied by admit()
+        self._settled_at: dict[str, float] = {}  # request id -> when its verdict came
+        self.first_token = FirstTokenClock()  # local prefills' wait and prefill time
         self._aborts: list[str] = []  # running requests to abort, applied by admit()
         # Local-prefill requests accepted by reserve() without waiting for the step in flight,
         # added to the engine by admit() between steps.
@@ -196,6 +200,7 @@ class DecodeWorker:
                 try:
                     self.engine.add_request(rid, prompt, params)
                 except RequestError as exc:
+                    self.first_token.forget(rid)
                     events.append(_failed(rid, len(prompt), str(exc)))
             settled, self._settled = self._settled, []
             for verdict in settled:
@@ -219,7 +224,10 @@ class DecodeWorker:
             live = dict(self.engine.seqs) if self.store is not None else {}  # finished: gone after
             step_started = time.monotonic()
             outputs = await asyncio.to_thread(self.engine.step, trees or None)
-            seconds = time.monotonic() - step_started
+            step_ended = time.monotonic()
+            seconds = step_ended - step_started
+            if len(self.first_token):
+                self._time_first_tokens(outputs, step_started, step_ended)
             self.metrics.observe_step(
                 seconds,
                 batch_size=sum(1 for out in outputs if out.new_token_ids),
@@ -237,7 +245,29 @@ class DecodeWorker:
                         self.store.put_later(list(seq.token_ids), self._lock)
             if self.swaps is not None and self.engine.scheduler.preempted:
                 self.swaps.after_step(self._lock)
-        return [event for out in outputs if (event := _token_event(out)) is not None]
+        return [event for out in outputs if (event := self._event(out)) is not None]
+
+    def _time_first_tokens(
+        self, outputs: list[RequestOutput], started_at: float, ended_at: float
+    ) -> None:
+        seqs = self.engine.seqs
+        self.first_token.after_step(
+            started_at,
+            ended_at,
+            lambda rid: seq.num_computed_tokens if (seq := seqs.get(rid)) is not None else None,
+            (out.request_id for out in outputs if out.new_token_ids),
+        )
+
+    def _event(self, out: RequestOutput) -> TokenEvent | None:
+        """``_token_event`` with the decode worker's first-token times on a first event."""
+        event = _token_event(out)
+        if event is not None and len(self.first_token):
+            wait_s, prefill_s = self.first_token.take(out.request_id)
+            if out.finished:
+                self.first_token.forget(out.request_id)
+            if wait_s or prefill_s:
+                event = msgspec.structs.replace(event, wait_s=wait_s, prefill_s=prefill_s)
+        return event
 
     # ---- speculative decoding -----------------------------------------------------------------
 
@@ -362,6 +392,7 @@ class DecodeWorker:
                 self._incoming.append((rid, prompt, params))
                 self._local_leases[rid] = req.lease_id
                 self._wake.set()
+            self.first_token.accepted(rid, time.monotonic())
             return ReserveReply(True, self.worker_id)
         async with self._lock:
             if rid in self.engine.seqs:
@@ -474,6 +505,7 @@ class DecodeWorker:
         for i, (rid, prompt, _) in enumerate(self._incoming):  # accepted, not yet in the engine
             if rid == request_id:
                 del self._incoming[i]
+                self.first_token.forget(rid)
                 read = self._read.pop(rid, None)
                 if read is not None:  # its blocks are adopted (and freed) by the next admit()
                     self._read_unused.append(read)
@@ -481,6 +513,7 @@ class DecodeWorker:
                 return TokenEvent(rid, (), finish_reason="abort", num_prompt_tokens=len(prompt))
         if request_id in self._reading:  # its prefix is being read: the read frees its blocks
             self._read_aborted.add(request_id)
+            self.first_token.forget(request_id)
             prompt = self._reading[request_id][0]
             return TokenEvent(request_id, (), finish_reason="abort", num_prompt_tokens=len(prompt))
         if request_id in self.pending:
@@ -538,6 +571,7 @@ class DecodeWorker:
         (admit or free). Its window closes now: no write may land in its blocks any more."""
         self._close_window(verdict.lease.window)  # closing twice is harmless
         self._settled.append(verdict)
+        self._settled_at.setdefault(verdict.lease.request_id, time.monotonic())
         self._wake.set()
 
     def _apply(self, verdict: Verdict) -> TokenEvent | None:
@@ -548,6 +582,8 @@ class DecodeWorker:
         assert res.admission is not None
         prompt, params = list(res.admission.prompt_ids), res.admission.params
         error = verdict.error
+        settled_at = self._settled_at.pop(res.request_id, None)
+        wait_s = 0.0 if settled_at is None else max(0.0, time.monotonic() - settled_at)
         if verdict.ok and not res.is_aborted:
             assert res.done is not None
             try:
@@ -561,7 +597,11 @@ class DecodeWorker:
                     self.drafts.pin(res.request_id, res.done.draft_worker_id, self._clock())
                 first = (res.done.first_token,)
                 return TokenEvent(
-                    res.request_id, first, num_prompt_tokens=len(prompt), num_output_tokens=1
+                    res.request_id,
+                    first,
+                    num_prompt_tokens=len(prompt),
+                    num_output_tokens=1,
+                    wait_s=wait_s,
                 )
         if verdict.release:
             self.engine.free_reserved(list(res.block_ids))

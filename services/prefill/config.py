@@ -27,11 +27,6 @@ class PrefillConfig(EngineWorkerConfig):
         help="prefill jobs this worker holds at once (pulled from the queue only when a slot is "
         "free; few slots keep jobs first-come-first-served and leave the rest to idle peers)",
     )
-    nice: int = option(
-        0,
-        help="raise this worker's niceness by N (0-19) at start: on cores it shares with decode "
-        "workers, decode steps (latency) then run first and prefill (throughput) takes the rest",
-    )
     abort_memory_s: float = option(
         660.0,
         help="how long an Abort is remembered for jobs not yet taken (longer than a job may wait "
@@ -73,8 +68,6 @@ class PrefillConfig(EngineWorkerConfig):
             raise ValueError(
                 f"max_concurrent_jobs must be positive, got {self.max_concurrent_jobs}"
             )
-        if not 0 <= self.nice <= 19:
-            raise ValueError(f"nice must be in [0, 19] (a lower priority only), got {self.nice}")
         if self.draft_model and not self.draft_kv:
             raise ValueError("--draft-model needs --draft-kv (it only serves the draft KV)")
         if self.draft_kv_cache_bytes <= 0:

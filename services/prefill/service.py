@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import time
 from collections.abc import AsyncIterator
 
@@ -257,8 +256,9 @@ class PrefillService:
 @contextlib.asynccontextmanager
 async def prefill_service(config: PrefillConfig) -> AsyncIterator[PrefillService]:
     worker_id = config.worker_id or new_worker_id("prefill")
-    if config.nice:
-        os.nice(config.nice)  # first: the threads torch and asyncio start later inherit it
+    placed = config.cpu_placement().apply()  # first: torch's and asyncio's threads inherit it
+    if placed:
+        log.info("cpu placement", applied=", ".join(placed))
     if config.threads is not None:
         torch.set_num_threads(config.threads)
     dtype = parse_dtype(config.dtype, "--dtype") if config.dtype else None

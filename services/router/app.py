@@ -50,6 +50,7 @@ from kvmesh.services.router.responses import (
 )
 from kvmesh.services.router.schema import Model, ModelList
 from kvmesh.services.router.shutdown import Shutdown
+from kvmesh.services.router.timings import TimingLog
 from kvmesh.shared import logs
 from kvmesh.shared.hearing import Hearing
 from kvmesh.shared.metrics_exporter import exposition
@@ -76,6 +77,7 @@ class Router:
     nc: NATS
     subjects: Subjects  # the mesh's
     metrics: RouterMetrics = field(default_factory=RouterMetrics)
+    timings: TimingLog = field(default_factory=TimingLog)  # GET /v1/kvmesh/timings
     started_at: int = field(default_factory=lambda: int(time.time()))
     num_in_flight: int = 0
     dispatcher: Dispatcher = field(init=False)
@@ -142,7 +144,9 @@ class Router:
             response_id = new_request_id(request.kind)
             try:
                 with logs.request_context(response_id):
-                    timer = RequestTimer(self.metrics, arrived_at)
+                    timer = RequestTimer(
+                        self.metrics, arrived_at, log=self.timings, request_id=response_id
+                    )
                     if request.stream:
                         response, status = await self._stream(
                             http, request, prompt, timer, response_id
@@ -315,6 +319,10 @@ class Router:
     async def openapi(self, request: web.Request) -> web.Response:
         return _json_response(openapi_document(self.model.name))
 
+    async def request_timings(self, request: web.Request) -> web.Response:
+        """The latest finished requests' time to first token by stage (``timings.py``)."""
+        return _json_response(self.timings.to_json())
+
 
 def _usage(prompt: Prompt, output: TextStream, mesh: MeshRequest) -> Usage:
     """The request's token counts, with the accepted drafts among the tokens the client got."""
@@ -424,6 +432,7 @@ def build_app(router: Router) -> web.Application:
             web.get("/health", router.health),
             web.get("/metrics", router.metrics_text),
             web.get("/openapi.json", router.openapi),
+            web.get("/v1/kvmesh/timings", router.request_timings),
         ]
     )
     return app

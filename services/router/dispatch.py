@@ -233,6 +233,7 @@ class MeshRequest:
         try:
             while True:
                 try:
+                    self.timer.stamps.place_started_at = time.monotonic()
                     reply = await self._place()
                     break
                 except PlacementLostError as exc:
@@ -267,6 +268,8 @@ class MeshRequest:
         self.placement = reply
         if reply.local_prefill:  # its prefix is cached there: the decode worker prefills the rest
             self.is_local_prefill = True
+        self.timer.stamps.placed_at = time.monotonic()
+        self.timer.stamps.local_prefill = self.is_local_prefill
         if self.is_local_prefill:
             return
         job = PrefillJob(
@@ -436,6 +439,9 @@ class MeshRequest:
                 continue
             self.num_events += 1
             self._last_event_at = time.monotonic()
+            if self.num_events == 1:  # the decode worker's share of the time to first token
+                self.timer.stamps.decode_wait_s = event.wait_s
+                self.timer.stamps.decode_prefill_s = event.prefill_s
             self._generated.extend(event.token_ids)
             self.num_accepted_drafts += event.num_accepted_drafts
             self.stop_renewing()  # the decode worker admitted it: the lease is over
@@ -474,6 +480,9 @@ class MeshRequest:
             log.warning("ignoring malformed prefill report: %s", exc)
             return
         self._metrics.record_prefill(report)
+        stamps = self.timer.stamps
+        stamps.remote_queue_s, stamps.remote_compute_s = report.queue_s, report.compute_s
+        stamps.remote_transfer_s = report.exposed_transfer_s
 
 
 class Dispatcher:

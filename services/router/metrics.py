@@ -9,9 +9,11 @@ worker's own counters, exported where every advert is heard.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from kvmesh.services.router.timings import TimingLog, TimingStamps
 from kvmesh.shared.metric_set import MetricSet, seconds_buckets
 from kvmesh.shared.metrics_exporter import exposition
 from kvmesh.shared.protocol import DecodeAdvert, PrefillReport
@@ -147,12 +149,19 @@ class RouterMetrics(MetricSet):
 
 @dataclass(slots=True)
 class RequestTimer:
-    """Timings of one generation, observed into ``metrics`` as they happen."""
+    """Timings of one generation, observed into ``metrics`` as they happen; with a ``log``, its
+    time to first token by stage goes there when it finishes (services/router/timings.py)."""
 
     metrics: RouterMetrics
     arrived_at: float
     first_token_at: float | None = None
     last_token_at: float | None = None
+    log: TimingLog | None = None
+    request_id: str = ""
+    stamps: TimingStamps = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.stamps = TimingStamps(self.arrived_at)
 
     def on_tokens(self, now: float, num_tokens: int) -> None:
         """``num_tokens`` arrived together at ``now``; the gap is spread evenly over them."""
@@ -174,6 +183,10 @@ class RequestTimer:
     def on_finish(self, finish_reason: str, num_prompt_tokens: int, num_output_tokens: int) -> None:
         if self.last_token_at is not None:
             self.metrics.e2e.observe(self.last_token_at - self.arrived_at)
+        if self.log is not None and self.first_token_at is not None:
+            timing = self.stamps.timing(self.request_id, self.first_token_at, num_prompt_tokens)
+            if timing is not None:
+                self.log.add(timing)
         self.metrics.finish_reasons.labels(finish_reason).inc()
         self.metrics.prompt_tokens.inc(num_prompt_tokens)
         self.metrics.generation_tokens.inc(num_output_tokens)
