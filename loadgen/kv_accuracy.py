@@ -120,7 +120,7 @@ def measure(
     """Compare engines with ``kv_cache_dtype`` and float32 ("auto" on a float32 model) KV."""
     from kvmesh.shared.engine.config import EngineConfig
     from kvmesh.shared.engine.llm_engine import LLMEngine
-    from kvmesh.shared.engine.sequence import SamplingParams
+    from kvmesh.shared.sampling import SamplingOptions
 
     longest = max(len(p) for p in prompts) + max_tokens
     num_blocks = len(prompts) * (-(-longest // block_size) + 1) + 8
@@ -134,7 +134,7 @@ def measure(
         )
         return LLMEngine(model, None, config)
 
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    params = SamplingOptions(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     ref_engine, test_engine = engine("auto"), engine(kv_cache_dtype)
     ref_out = ref_engine.generate(prompts, params)
     test_out = test_engine.generate(prompts, params)
@@ -164,9 +164,10 @@ def measure(
 def teacher_forced_logits(engine: Any, token_ids: list[int], num_logits: int) -> torch.Tensor:
     """(num_logits, vocab) float32 logits of the last ``num_logits`` positions of ``token_ids``,
     all in one forward pass through ``engine``'s KV pool (blocks taken and given back)."""
-    from kvmesh.shared.engine.sequence import SamplingParams, Sequence
+    from kvmesh.shared.engine.sequence import Sequence
+    from kvmesh.shared.sampling import SamplingOptions
 
-    seq = Sequence("kv-accuracy", list(token_ids), SamplingParams(max_tokens=1, temperature=0.0))
+    seq = Sequence("kv-accuracy", list(token_ids), SamplingOptions(max_tokens=1, temperature=0.0))
     engine.block_manager.allocate(seq)
     try:
         assert seq.num_computed_tokens == 0, "the engine must not have prefix caching on"

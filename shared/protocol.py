@@ -17,6 +17,7 @@ from typing import Annotated, Any, TypeVar
 
 import msgspec
 from kvmesh.shared.descriptor import TransportDescriptor
+from kvmesh.shared.sampling import SamplingOptions
 
 
 class Message(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -29,22 +30,6 @@ M = TypeVar("M", bound=Message)
 
 class MessageError(ValueError):
     """A NATS message that does not decode into the expected message type."""
-
-
-# --- sampling ---------------------------------------------------------------------------------
-
-
-class SamplingOptions(Message):
-    """Wire form of the engine's SamplingParams (``top_k`` 0 and ``top_p`` 1 are off, as there)."""
-
-    max_tokens: Annotated[int, msgspec.Meta(ge=1)] = 16
-    temperature: Annotated[float, msgspec.Meta(ge=0)] = 1.0
-    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] = 1.0
-    top_k: Annotated[int, msgspec.Meta(ge=0)] = 0  # 0: off (every token is a candidate)
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    stop: tuple[str, ...] = ()
-    ignore_eos: bool = False
 
 
 # --- placement (router -> kv-registry -> decode) -----------------------------------------------

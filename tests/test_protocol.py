@@ -36,7 +36,6 @@ from kvmesh.shared.protocol import (
     PrefillStarted,
     ReserveReply,
     ReserveRequest,
-    SamplingOptions,
     StoreAck,
     StoreAdvert,
     StoreCommit,
@@ -54,6 +53,7 @@ from kvmesh.shared.protocol import (
     decode_message,
     encode_message,
 )
+from kvmesh.shared.sampling import SamplingOptions
 
 SAMPLING = SamplingOptions(
     max_tokens=7,
@@ -113,7 +113,6 @@ ADVERT = DecodeAdvert(
 
 # One message of every type, every field set to something other than its default.
 EXAMPLES: list[Message] = [
-    SAMPLING,
     PLACE,
     ReserveRequest("r1", (1, 2), SAMPLING, local_prefill=True, lease_id="L1", lease_ms=9),
     ReserveReply(ok=True, worker_id="d0", block_ids=(4, 5), error="e", rkey=77),

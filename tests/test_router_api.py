@@ -127,10 +127,12 @@ def test_invalid_parameter_is_400_naming_the_parameter(field, value):
 
 def test_sampling_parameters_are_carried():
     req = completion(temperature=0, top_p=0.5, top_k=7, seed=3, stop="\n", max_tokens=9)
-    assert (req.temperature, req.top_p, req.top_k, req.seed) == (0.0, 0.5, 7, 3)
-    assert req.stop == ("\n",) and req.max_tokens == 9
-    assert completion(top_k=0).top_k == 0 and completion(top_k=-1).top_k == 0  # both off
-    assert completion(stop=["a", "b", "a"]).stop == ("a", "b")
+    s = req.sampling
+    assert (s.temperature, s.top_p, s.top_k, s.seed) == (0.0, 0.5, 7, 3)
+    assert s.stop == ("\n",) and req.max_tokens == 9
+    assert completion(top_k=0).sampling.top_k == 0
+    assert completion(top_k=-1).sampling.top_k == 0  # both off
+    assert completion(stop=["a", "b", "a"]).sampling.stop == ("a", "b")
     assert completion(n=1, stream=False).stream is False
 
 

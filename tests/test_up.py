@@ -525,10 +525,10 @@ def test_two_ups_with_different_models_on_one_machine_both_serve(tmp_path: Path)
     from kvmesh.loadgen.bench_mesh import random_prompts
     from kvmesh.shared.engine.config import EngineConfig
     from kvmesh.shared.engine.llm_engine import LLMEngine
-    from kvmesh.shared.engine.sequence import SamplingParams
     from kvmesh.shared.mesh_state import running_meshes
     from kvmesh.shared.model.loader import load_model
     from kvmesh.shared.nats_server import nats_is_reachable
+    from kvmesh.shared.sampling import SamplingOptions
     from kvmesh.shared.service_config import DEFAULT_NATS_URL
     from small_models import write_small_seeded
 
@@ -558,7 +558,7 @@ def test_two_ups_with_different_models_on_one_machine_both_serve(tmp_path: Path)
             (second, "other-model", other_model, found.group(1)),
         ):
             engine = LLMEngine(*load_model(model), EngineConfig(num_blocks=64))
-            [expected] = engine.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0))
+            [expected] = engine.generate([prompt], SamplingOptions(max_tokens=6, temperature=0.0))
             got = asyncio.run(_greedy_tokens(url, err, mesh, port, model, prompt))
             assert got == expected, mesh
 

@@ -66,12 +66,13 @@ def run(args: argparse.Namespace) -> int:
 
     from kvmesh.shared.engine.config import EngineConfig
     from kvmesh.shared.engine.llm_engine import LLMEngine
-    from kvmesh.shared.engine.sequence import RequestError, SamplingParams
+    from kvmesh.shared.engine.sequence import RequestError
     from kvmesh.shared.model import ModelLoadError, load_model
+    from kvmesh.shared.sampling import SamplingOptions
     from kvmesh.shared.text import TextStream
 
     try:
-        params = SamplingParams(
+        params = SamplingOptions(
             max_tokens=args.max_tokens,
             temperature=args.temperature,
             top_k=args.top_k,

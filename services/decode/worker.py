@@ -35,7 +35,7 @@ from kvmesh.shared import logs
 from kvmesh.shared.engine.block_manager import OutOfBlocksError
 from kvmesh.shared.engine.draft_tree import DraftTree, DraftTreeError
 from kvmesh.shared.engine.llm_engine import LLMEngine
-from kvmesh.shared.engine.sequence import RequestError, RequestOutput, SamplingParams
+from kvmesh.shared.engine.sequence import RequestError, RequestOutput
 from kvmesh.shared.imm import imm_slot, unpack_imm
 from kvmesh.shared.kv_store_prefix import Fetched, PrefixReader
 from kvmesh.shared.protocol import (
@@ -51,6 +51,7 @@ from kvmesh.shared.protocol import (
     TokenEvent,
     WorkerGone,
 )
+from kvmesh.shared.sampling import SamplingOptions
 from kvmesh.shared.transport.base import MemoryWindow
 from kvmesh.shared.transport.completions import Completion
 
@@ -129,7 +130,7 @@ class DecodeWorker:
         self._aborts: list[str] = []  # running requests to abort, applied by admit()
         # Local-prefill requests accepted by reserve() without waiting for the step in flight,
         # added to the engine by admit() between steps.
-        self._incoming: list[tuple[str, list[int], SamplingParams]] = []
+        self._incoming: list[tuple[str, list[int], SamplingOptions]] = []
         self.drafts = drafts  # None: no speculative decoding
         self._draft_outbox: list[Outgoing | tuple[str, DraftForget]] = []
         self.cache = cache  # None: the prefix cache is not reported to the registry
@@ -324,10 +325,7 @@ class DecodeWorker:
         refuse = lambda error: ReserveReply(False, self.worker_id, error=error)
         if self.is_draining:
             return refuse(f"decode worker {self.worker_id} is draining")
-        try:
-            params = SamplingParams.from_wire(req.sampling)
-        except ValueError as exc:
-            return refuse(f"bad sampling options: {exc}")
+        params = req.sampling  # checked when the message was decoded
         rid, prompt = req.request_id, list(req.prompt_ids)
         if (
             rid in self.pending
@@ -389,7 +387,7 @@ class DecodeWorker:
                 return refuse(str(exc))
         return ReserveReply(True, self.worker_id, block_ids=tuple(block_ids), rkey=res.rkey)
 
-    async def _read_prefix(self, rid: str, prompt: list[int], params: SamplingParams) -> None:
+    async def _read_prefix(self, rid: str, prompt: list[int], params: SamplingOptions) -> None:
         """A local prefill's prefix blocks from a kv-store (best effort), then the request is
         queued for ``admit()``; one aborted meanwhile only has its blocks adopted and freed."""
         fetched = None

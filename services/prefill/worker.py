@@ -39,7 +39,7 @@ from kvmesh.services.prefill.plan import (
 from kvmesh.services.prefill.store_prefix import StorePrefix
 from kvmesh.shared import logs
 from kvmesh.shared.engine.llm_engine import LLMEngine
-from kvmesh.shared.engine.sequence import ChunkReady, RequestError, SamplingParams
+from kvmesh.shared.engine.sequence import ChunkReady, RequestError
 from kvmesh.shared.protocol import (
     DraftKvReserveReply,
     PrefillDone,
@@ -47,6 +47,7 @@ from kvmesh.shared.protocol import (
     PrefillReport,
     PrefillStarted,
 )
+from kvmesh.shared.sampling import SamplingOptions
 from kvmesh.shared.transport import Endpoint, MemoryRegion, TransportError, WriteEntry
 
 log = logs.get_logger(__name__)
@@ -257,7 +258,7 @@ class PrefillWorker:
                 msg.block_addrs,
                 msg.block_bytes,
             )
-            params = SamplingParams.from_wire(msg.sampling)
+            params = msg.sampling
             endpoint = await self.endpoints.get(msg.descriptor)
         except (PlanError, TransportError, ValueError) as exc:
             log.warning("prefill job refused", request_id=rid, error=str(exc))
@@ -359,7 +360,7 @@ class PrefillWorker:
         without a draft model or when the draft engine cannot take the prompt."""
         if self.draft_engine is None:
             return None
-        params = SamplingParams(max_tokens=1, temperature=0.0)
+        params = SamplingOptions(max_tokens=1, temperature=0.0)
         try:
             self.draft_engine.add_request(
                 request_id, prompt, params, prefill_only=True, on_chunk=self._on_draft_chunk

@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 import reprlib
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
 import msgspec
@@ -29,6 +29,7 @@ from kvmesh.services.router.schema import (
     CompletionRequest,
     SamplingFields,
 )
+from kvmesh.shared.sampling import SamplingOptions
 
 Kind = Literal["completion", "chat"]
 R = TypeVar("R", bound=SamplingFields)
@@ -49,12 +50,8 @@ class GenerateRequest:
     prompt_ids: tuple[int, ...] | None = None
     messages: tuple[dict[str, str], ...] | None = None
     max_tokens: int | None = None  # None: the default for the kind
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0: off
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    ignore_eos: bool = False
+    # how to sample; its max_tokens is set by prompt.tokenize, which knows the context
+    sampling: SamplingOptions = field(default_factory=SamplingOptions)
     stream: bool = False
     include_usage: bool = False
 
@@ -121,15 +118,15 @@ def _common(req: SamplingFields, max_tokens: int | None) -> dict[str, Any]:
             "'stream_options' is only allowed when 'stream' is true", param="stream_options"
         )
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(dict.fromkeys(req.stop or ()))
+    sampling = req.sampling_options(
+        stop=stop,
+        top_k=max(req.top_k, 0),  # -1 (older vLLM clients) is off too
+        max_tokens=max_tokens or 1,  # prompt.tokenize sets it against the context
+    )
     return {
         "model": req.model,
         "max_tokens": max_tokens,
-        "temperature": req.temperature,
-        "top_p": req.top_p,
-        "top_k": max(req.top_k, 0),  # -1 (older vLLM clients) is off too
-        "seed": req.seed,
-        "stop": stop,
-        "ignore_eos": req.ignore_eos,
+        "sampling": sampling,
         "stream": req.stream,
         "include_usage": req.stream_options is not None and req.stream_options.include_usage,
     }

@@ -166,7 +166,7 @@ class Router:
         self, request: GenerateRequest, prompt: Prompt, timer: RequestTimer, response_id: str
     ) -> web.Response:
         builder = ResponseBuilder.for_request(request, response_id)
-        output = TextStream(self.model.tokenizer, prompt.prompt_ids, request.stop)
+        output = TextStream(self.model.tokenizer, prompt.prompt_ids, request.sampling.stop)
         async with (
             self.shutdown.guard(),
             self.dispatcher.open(response_id, prompt, timer) as mesh,
@@ -188,7 +188,7 @@ class Router:
         """The SSE response and the status to count it under (an error after the first byte
         keeps the 200 status line but is counted as what it was)."""
         builder = ResponseBuilder.for_request(request, response_id)
-        output = TextStream(self.model.tokenizer, prompt.prompt_ids, request.stop)
+        output = TextStream(self.model.tokenizer, prompt.prompt_ids, request.sampling.stop)
         response = web.StreamResponse(
             headers={
                 "Content-Type": "text/event-stream; charset=utf-8",

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import msgspec
 from kvmesh.services.router.api import GenerateRequest
 from kvmesh.services.router.errors import InvalidRequestError
-from kvmesh.shared.protocol import SamplingOptions
+from kvmesh.shared.sampling import SamplingOptions
 from kvmesh.shared.tokenizer import Tokenizer, TokenizerError
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -67,13 +68,5 @@ def tokenize(request: GenerateRequest, tokenizer: Tokenizer, max_model_len: int)
             param=name,
             code="context_length_exceeded",
         )
-    sampling = SamplingOptions(
-        max_tokens=max_tokens,
-        temperature=request.temperature,
-        top_p=request.top_p,
-        top_k=request.top_k,
-        seed=request.seed,
-        stop=request.stop,
-        ignore_eos=request.ignore_eos,
-    )
+    sampling = msgspec.structs.replace(request.sampling, max_tokens=max_tokens)
     return Prompt(prompt_ids=ids, sampling=sampling)

@@ -11,16 +11,12 @@ its type alone would say it badly.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, get_args
+from typing import Annotated, Any, Literal, get_args
 
 import msgspec
+from kvmesh.shared.sampling import MAX_STOP_STRINGS, NonEmptyStr, SamplingOptions, TokenId
 from msgspec import UNSET, Meta, UnsetType
 
-MAX_STOP_STRINGS = 16
-MAX_SEED = 2**63 - 1
-
-NonEmptyStr = Annotated[str, Meta(min_length=1)]
-TokenId = Annotated[int, Meta(ge=0)]
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 CHAT_ROLES = get_args(Role)
 FinishReason = Literal["stop", "length"]
@@ -50,16 +46,15 @@ class ChatMessage(msgspec.Struct, frozen=True):
     ] = None
 
 
-class SamplingFields(msgspec.Struct, frozen=True, kw_only=True):
-    """The parameters both generate routes take. Unknown fields are ignored, as OpenAI's API
-    does; the ones kvmesh cannot honour are refused by name before this schema applies
-    (``api.py``)."""
+class SamplingFields(SamplingOptions, frozen=True, kw_only=True, forbid_unknown_fields=False):
+    """The parameters both generate routes take: every sampling option (``SamplingOptions``,
+    its fields, bounds and descriptions) and the request's own. Unknown fields are ignored, as
+    OpenAI's API does; the ones kvmesh cannot honour are refused by name before this schema
+    applies (``api.py``). ``max_tokens`` and the HTTP shapes of ``stop`` and ``top_k`` are the
+    API's own: ``api.py`` maps them onto the options."""
 
     model: Annotated[NonEmptyStr, Meta(description="Must be the served model (GET /v1/models).")]
-    temperature: Annotated[float, Meta(ge=0, le=2)] = 1.0
-    top_p: Annotated[float, Meta(gt=0, le=1)] = 1.0
     top_k: Annotated[int, Meta(ge=-1, description="0 (or -1, as older vLLM clients send): off")] = 0
-    seed: Annotated[int, Meta(ge=-MAX_SEED, le=MAX_SEED)] | None = None
     stop: (
         NonEmptyStr
         | Annotated[
@@ -74,7 +69,15 @@ class SamplingFields(msgspec.Struct, frozen=True, kw_only=True):
     n: Literal[1] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    ignore_eos: Annotated[bool, Meta(description="kvmesh extension")] = False
+
+    def __post_init__(self) -> None:
+        pass  # decoded from a body: msgspec has checked every field
+
+    def sampling_options(self, **api_fields: Any) -> SamplingOptions:
+        """The options this body asks for: its ``SamplingOptions`` fields, with ``api_fields``
+        (the options whose HTTP shape differs, mapped by ``api.py``) over them."""
+        shared = {name: getattr(self, name) for name in SamplingOptions.__struct_fields__}
+        return SamplingOptions(**{**shared, **api_fields})
 
 
 class CompletionRequest(SamplingFields, frozen=True, kw_only=True):

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from kvmesh.shared.engine.draft_tree import DraftTree
 from kvmesh.shared.engine.sampler import apply_top_k_top_p, token_seed
-from kvmesh.shared.engine.sequence import SamplingParams
+from kvmesh.shared.sampling import SamplingOptions
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,7 +34,7 @@ class Verdict:
 
 def target_tokens(
     logits: torch.Tensor,
-    params: SamplingParams,
+    params: SamplingOptions,
     output_indices: list[int],
     generator: torch.Generator,
 ) -> list[int]:

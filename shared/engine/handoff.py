@@ -9,7 +9,8 @@ sequence over blocks a remote writer filled with its prompt KV, ready to decode 
 from __future__ import annotations
 
 from kvmesh.shared.engine.block_manager import BlockManager
-from kvmesh.shared.engine.sequence import ChunkReady, RequestError, SamplingParams, Sequence
+from kvmesh.shared.engine.sequence import ChunkReady, RequestError, Sequence
+from kvmesh.shared.sampling import SamplingOptions
 
 
 def report_chunk(seq: Sequence, first_token: int | None, block_manager: BlockManager) -> None:
@@ -37,7 +38,7 @@ def prefilled_sequence(
     prompt_ids: list[int],
     block_ids: list[int],
     first_token: int,
-    params: SamplingParams,
+    params: SamplingOptions,
     block_manager: BlockManager,
     vocab_size: int,
 ) -> Sequence:

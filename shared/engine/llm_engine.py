@@ -75,7 +75,6 @@ from kvmesh.shared.engine.sequence import (
     PromptTooLongError,
     RequestError,
     RequestOutput,
-    SamplingParams,
     Sequence,
     SequenceStatus,
     UnknownRequestError,
@@ -83,6 +82,7 @@ from kvmesh.shared.engine.sequence import (
 from kvmesh.shared.engine.speculative import DraftVerifier, SpecStepStats, SpecTotals
 from kvmesh.shared.prefix_hash import layout_root
 from kvmesh.shared.protocol import kv_spec_fingerprint
+from kvmesh.shared.sampling import SamplingOptions
 
 __all__ = [
     "ChunkReady",
@@ -90,7 +90,7 @@ __all__ = [
     "LLMEngine",
     "OutOfBlocksError",
     "RequestOutput",
-    "SamplingParams",
+    "SamplingOptions",
 ]
 
 
@@ -187,7 +187,7 @@ class LLMEngine:
         self,
         request_id: str,
         prompt_ids: list[int],
-        params: SamplingParams,
+        params: SamplingOptions,
         *,
         prefill_only: bool = False,
         on_chunk: Callable[[ChunkReady], Any] | None = None,
@@ -203,7 +203,7 @@ class LLMEngine:
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
 
-    def _check_stop(self, request_id: str, params: SamplingParams) -> None:
+    def _check_stop(self, request_id: str, params: SamplingOptions) -> None:
         if params.stop and self.tokenizer is None:
             raise RequestError(
                 f"request {request_id!r}: stop strings need a tokenizer and this engine has none; "
@@ -380,7 +380,7 @@ class LLMEngine:
             del self.seqs[seq.request_id]
 
     def generate(
-        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+        self, prompts: list[list[int]], params: SamplingOptions | list[SamplingOptions]
     ) -> list[list[int]]:
         """Run the prompts to completion; returns the generated token ids of each, in order."""
         params_list = params if isinstance(params, list) else [params] * len(prompts)
@@ -466,7 +466,7 @@ class LLMEngine:
         prompt_ids: list[int],
         block_ids: list[int],
         first_token: int,
-        params: SamplingParams,
+        params: SamplingOptions,
     ) -> None:
         """Start decoding a request whose prompt KV is already in ``block_ids`` (from
         ``reserve_blocks``; the engine takes them over and frees them when the request ends)."""

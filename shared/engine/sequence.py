@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+from kvmesh.shared.sampling import SamplingOptions
 
 if TYPE_CHECKING:
-    from kvmesh.shared.protocol import SamplingOptions
     from kvmesh.shared.text import TextStream
 
 
@@ -30,62 +30,6 @@ class PromptTooLongError(RequestError):
 
 class UnknownRequestError(RequestError):
     pass
-
-
-@dataclass(frozen=True, slots=True)
-class SamplingParams:
-    """How to pick output tokens. ``temperature == 0`` is greedy; ``top_k == 0`` and
-    ``top_p == 1`` disable those filters; ``seed`` makes sampling reproducible per request."""
-
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    stop: tuple[str, ...] = ()
-    ignore_eos: bool = False
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not self.temperature >= 0.0:
-            raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1] (1 disables it), got {self.top_p!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
-        # Accept lists from callers but store tuples so the params stay hashable and frozen.
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        object.__setattr__(
-            self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
-        )
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise ValueError(
-                f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}"
-            )
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError(f"stop must hold non-empty strings, got {self.stop!r}")
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    @classmethod
-    def from_wire(cls, o: SamplingOptions) -> SamplingParams:
-        """From the NATS form (``protocol.SamplingOptions``); top_k 0 is off in both."""
-        return cls(
-            max_tokens=o.max_tokens,
-            temperature=o.temperature,
-            top_k=o.top_k,
-            top_p=o.top_p,
-            seed=o.seed,
-            stop_token_ids=o.stop_token_ids,
-            stop=o.stop,
-            ignore_eos=o.ignore_eos,
-        )
 
 
 class SequenceStatus(enum.Enum):
@@ -130,7 +74,7 @@ class RequestOutput:
 class Sequence:
     request_id: str
     token_ids: list[int]
-    params: SamplingParams
+    params: SamplingOptions
     num_prompt_tokens: int = 0
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)

@@ -1,0 +1,60 @@
+"""SamplingOptions: one type from the HTTP body to the engine, one set of bounds for all."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+from kvmesh.services.router.schema import ChatCompletionRequest, CompletionRequest
+from kvmesh.shared.protocol import PlaceRequest, decode_message, encode_message
+from kvmesh.shared.sampling import SamplingOptions
+
+EVERY_FIELD = SamplingOptions(
+    max_tokens=7,
+    temperature=0.5,
+    top_p=0.9,
+    top_k=40,
+    seed=-3,
+    stop=("\n", "END"),
+    stop_token_ids=(2, 9),
+    ignore_eos=True,
+)
+
+
+def test_every_field_round_trips_on_the_wire():
+    for field in msgspec.structs.fields(EVERY_FIELD):
+        assert getattr(EVERY_FIELD, field.name) != field.default, field.name
+    place = PlaceRequest("r", (1, 2), EVERY_FIELD, local_prefill=False)
+    assert decode_message(encode_message(place), PlaceRequest).sampling == EVERY_FIELD
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("max_tokens", 0),
+        ("temperature", -0.5),
+        ("temperature", 2.5),
+        ("top_p", 0.0),
+        ("top_k", -1),
+        ("stop", ("",)),
+        ("stop", tuple(f"s{i}" for i in range(17))),
+        ("stop_token_ids", (-1,)),
+        ("seed", 2**63),
+    ],
+)
+def test_construction_and_decoding_refuse_the_same_values(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingOptions(**{field: value})
+    with pytest.raises(msgspec.ValidationError, match=field):
+        msgspec.convert({field: value}, SamplingOptions)
+
+
+def test_sequences_are_stored_as_tuples_and_one_stop_string_is_a_list_of_one():
+    options = SamplingOptions(stop="x", stop_token_ids=[3])  # type: ignore[arg-type]
+    assert options.stop == ("x",)
+    assert options.stop_token_ids == (3,)
+
+
+@pytest.mark.parametrize("body", [CompletionRequest, ChatCompletionRequest])
+def test_http_bodies_take_every_sampling_option(body):
+    own = set(body.__struct_fields__)
+    assert set(SamplingOptions.__struct_fields__) <= own
