@@ -17,7 +17,7 @@ from typing import Annotated, Any, TypeVar
 
 import msgspec
 from kvmesh.shared.descriptor import TransportDescriptor
-from kvmesh.shared.sampling import SamplingOptions
+from kvmesh.shared.sampling import SamplingOptions, TokenLogprobs
 
 
 class Message(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -126,6 +126,7 @@ class PrefillDone(Message):
     # To the decode worker: the draft worker that received the prompt's draft KV through the
     # data plane ("" if none did); the decode worker sends that worker the first DraftContext.
     draft_worker_id: str = ""
+    first_logprobs: TokenLogprobs | None = None  # the first token's, when the options ask
 
 
 class PrefillReport(Message):
@@ -154,6 +155,8 @@ class TokenEvent(Message):
     error: str = ""
     # of token_ids, how many were draft tokens the decode worker verified and accepted
     num_accepted_drafts: Annotated[int, msgspec.Meta(ge=0)] = 0
+    # with SamplingOptions.logprobs: one per token of token_ids
+    logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 class Abort(Message):

@@ -23,6 +23,8 @@ from msgspec import Meta
 
 MAX_STOP_STRINGS = 16
 MAX_SEED = 2**63 - 1
+MAX_LOGPROBS = 20  # alternatives per token, as vLLM's default --max-logprobs
+MAX_LOGIT_BIAS = 1024  # tokens biased per request
 
 NonEmptyStr = Annotated[str, Meta(min_length=1)]
 TokenId = Annotated[int, Meta(ge=0)]
@@ -46,8 +48,54 @@ class SamplingOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
             extra={"expects": f"a list of at most {MAX_STOP_STRINGS} non-empty strings"},
         ),
     ] = ()
-    stop_token_ids: tuple[TokenId, ...] = ()
+    stop_token_ids: Annotated[
+        tuple[TokenId, ...], Meta(description="Tokens that end the output (not included in it)")
+    ] = ()
+    include_stop_str_in_output: Annotated[
+        bool, Meta(description="Keep the stop string that ended the output")
+    ] = False
     ignore_eos: Annotated[bool, Meta(description="Generate past the end-of-sequence token")] = False
+    min_tokens: Annotated[
+        int, Meta(ge=0, description="Stop tokens and EOS cannot end the output before this many")
+    ] = 0
+    min_p: Annotated[
+        float, Meta(ge=0, le=1, description="Drop tokens less likely than min_p x the likeliest")
+    ] = 0.0
+    presence_penalty: Annotated[
+        float, Meta(ge=-2, le=2, description="Subtracted from the logit of every output token")
+    ] = 0.0
+    frequency_penalty: Annotated[
+        float,
+        Meta(ge=-2, le=2, description="Times a token's count in the output, subtracted from it"),
+    ] = 0.0
+    repetition_penalty: Annotated[
+        float,
+        Meta(
+            gt=0,
+            le=10,
+            description="Prompt and output tokens' logits divided by it (multiplied if negative)",
+        ),
+    ] = 1.0
+    logit_bias: Annotated[
+        dict[TokenId, Annotated[float, Meta(ge=-100, le=100)]],
+        Meta(
+            max_length=MAX_LOGIT_BIAS,
+            description="Token id -> a bias added to its logit",
+            extra={"expects": "an object of token id -> a number in [-100, 100]"},
+            extra_json_schema={"propertyNames": {"pattern": "^[0-9]{1,9}$"}},
+        ),
+    ] = {}
+    logprobs: (
+        Annotated[
+            int,
+            Meta(
+                ge=0,
+                le=MAX_LOGPROBS,
+                description="Return each output token's log-probability and this many likeliest",
+            ),
+        ]
+        | None
+    ) = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):  # a single stop string, as OpenAI's API allows
@@ -57,6 +105,27 @@ class SamplingOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def changes_logits(self) -> bool:
+        """Whether an option acts on the logits before the draw (penalties, bias, min_tokens)."""
+        return bool(
+            self.logit_bias
+            or self.min_tokens
+            or self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+        )
+
+
+class TokenLogprobs(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
+    """One output token's log-probability under the model (its log-softmax, before any sampling
+    option) and the ``SamplingOptions.logprobs`` likeliest tokens' (ids and log-probabilities,
+    likeliest first)."""
+
+    logprob: float
+    top_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
 
 
 def check_fields(options: msgspec.Struct) -> None:

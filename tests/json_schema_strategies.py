@@ -2,7 +2,9 @@
 
 ``from_schema`` draws instances of a schema: ``type`` (null, boolean, integer, number, string,
 array, object), ``anyOf``, ``enum``, ``const``, numeric bounds (``minimum``, ``maximum``,
-``exclusiveMinimum``), ``minLength``, ``minItems``/``maxItems``, ``properties``/``required``. A
+``exclusiveMinimum``), ``minLength``, ``pattern``, ``minItems``/``maxItems``,
+``properties``/``required``, maps (``additionalProperties``, ``propertyNames``,
+``maxProperties``). A
 keyword outside that subset raises, so a schema that grows past it fails loudly instead of being
 half-generated. ``inline_refs`` replaces ``#/...`` references by what they point to.
 
@@ -28,11 +30,15 @@ _KNOWN = _ANNOTATIONS | {
     "maximum",
     "exclusiveMinimum",
     "minLength",
+    "pattern",
     "items",
     "minItems",
     "maxItems",
     "properties",
     "required",
+    "additionalProperties",
+    "propertyNames",
+    "maxProperties",
 }
 MAX_STRING = 40
 MAX_ITEMS = 6
@@ -73,6 +79,8 @@ def from_schema(schema: dict) -> st.SearchStrategy[Any]:
     if kind == "number":
         return _numbers(schema)
     if kind == "string":
+        if "pattern" in schema:
+            return st.from_regex(schema["pattern"], fullmatch=True)
         return st.text(min_size=schema.get("minLength", 0), max_size=MAX_STRING)
     if kind == "array":
         min_items = schema.get("minItems", 0)
@@ -80,6 +88,11 @@ def from_schema(schema: dict) -> st.SearchStrategy[Any]:
         return st.lists(
             from_schema(schema.get("items", {})), min_size=min_items, max_size=max_items
         )
+    if kind == "object" and "additionalProperties" in schema:  # a map
+        keys = from_schema({"type": "string", **schema.get("propertyNames", {})})
+        max_size = min(schema.get("maxProperties", MAX_ITEMS), MAX_ITEMS)
+        values = from_schema(schema["additionalProperties"])
+        return st.dictionaries(keys, values, max_size=max_size)
     if kind == "object":
         properties = {name: from_schema(sub) for name, sub in schema.get("properties", {}).items()}
         required = set(schema.get("required", ()))

@@ -53,7 +53,7 @@ from kvmesh.shared.protocol import (
     decode_message,
     encode_message,
 )
-from kvmesh.shared.sampling import SamplingOptions
+from kvmesh.shared.sampling import SamplingOptions, TokenLogprobs
 
 SAMPLING = SamplingOptions(
     max_tokens=7,
@@ -133,7 +133,15 @@ EXAMPLES: list[Message] = [
     ),
     JOB,
     PrefillDone(
-        "r1", "L1", ok=True, first_token=5, num_writes=3, error="e", rkey=77, draft_worker_id="dr0"
+        "r1",
+        "L1",
+        ok=True,
+        first_token=5,
+        num_writes=3,
+        error="e",
+        rkey=77,
+        draft_worker_id="dr0",
+        first_logprobs=TokenLogprobs(-0.5, (5, 2), (-0.5, -1.25)),
     ),
     PrefillReport("r1", "p0", 0.1, 0.2, 0.3, 0.04, num_chunks=2),
     TokenEvent(
@@ -144,6 +152,7 @@ EXAMPLES: list[Message] = [
         num_output_tokens=2,
         error="e",
         num_accepted_drafts=1,
+        logprobs=(TokenLogprobs(-0.5), TokenLogprobs(-2.0, (1,), (-0.125,))),
     ),
     Abort("r1", reason="lease expired", job_withdrawn=True),
     PrefillStarted("r1", "L1", "p0"),

@@ -19,12 +19,20 @@ from kvmesh.services.router.errors import (
     ModelNotFoundError,
     OverloadedError,
 )
+from kvmesh.services.router.logprobs import LogprobsBuilder
 from kvmesh.services.router.metrics import RequestTimer, RouterMetrics
 from kvmesh.services.router.openapi import openapi_document
 from kvmesh.services.router.prompt import tokenize
-from kvmesh.services.router.responses import SSE_DONE, ResponseBuilder, Usage, sse_event
+from kvmesh.services.router.responses import (
+    SSE_DONE,
+    ChoiceResult,
+    ResponseBuilder,
+    Usage,
+    sse_event,
+)
 from kvmesh.shared.model.tiny import tiny_tokenizer
 from kvmesh.shared.protocol import PrefillReport
+from kvmesh.shared.sampling import TokenLogprobs
 from kvmesh.shared.service_config import ConfigError, config_from_args
 
 MODEL = "kvmesh-tiny"
@@ -113,9 +121,18 @@ def test_missing_model_is_400_and_unknown_model_is_404():
         ("n", 2),
         ("best_of", 3),
         ("echo", True),
-        ("logprobs", 2),
-        ("presence_penalty", 0.5),
-        ("logit_bias", {"1": 5}),
+        ("logprobs", 21),
+        ("logprobs", True),
+        ("presence_penalty", 2.5),
+        ("frequency_penalty", "x"),
+        ("repetition_penalty", 0),
+        ("min_p", 1.5),
+        ("min_tokens", -1),
+        ("stop_token_ids", [-1]),
+        ("include_stop_str_in_output", 1),
+        ("logit_bias", {"1": 500}),
+        ("logit_bias", {"a": 5}),
+        ("logit_bias", {"-1": 5}),
     ],
 )
 def test_invalid_parameter_is_400_naming_the_parameter(field, value):
@@ -187,30 +204,39 @@ def test_completion_takes_max_completion_tokens_like_chat():
 
 
 @pytest.mark.parametrize(
-    ("param", "value"),
+    ("param", "value", "expected"),
     [
-        ("min_tokens", 3),
-        ("repetition_penalty", 1.2),
-        ("min_p", 0.05),
-        ("stop_token_ids", [7]),
-        ("include_stop_str_in_output", True),
+        ("min_tokens", 3, 3),
+        ("repetition_penalty", 1.2, 1.2),
+        ("min_p", 0.05, 0.05),
+        ("presence_penalty", -0.5, -0.5),
+        ("frequency_penalty", 1.5, 1.5),
+        ("stop_token_ids", [7, 9], (7, 9)),
+        ("include_stop_str_in_output", True, True),
+        ("logit_bias", {"7": -100, "12": 2.5}, {7: -100, 12: 2.5}),
     ],
 )
-def test_vllm_sampling_extras_are_refused_unless_neutral(param, value):
+def test_vllm_and_openai_sampling_options_are_carried(param, value, expected):
     for parse in (completion, chat):
-        err = invalid(parse, **{param: value})
-        assert (err.status, err.param, err.code) == (400, param, "unsupported_parameter")
-        assert "not supported" in err.message
-    neutral = {"min_tokens": 0, "repetition_penalty": 1.0, "min_p": 0.0, "stop_token_ids": []}
-    if param in neutral:
-        completion(**{param: neutral[param]})  # the neutral value is accepted
+        assert getattr(parse(**{param: value}).sampling, param) == expected
+
+
+def test_logprobs_map_onto_the_options_on_both_routes():
+    assert completion().sampling.logprobs is None
+    assert completion(logprobs=0).sampling.logprobs == 0
+    assert completion(logprobs=5).sampling.logprobs == 5
+    assert chat().sampling.logprobs is None
+    assert chat(logprobs=True).sampling.logprobs == 0
+    assert chat(logprobs=True, top_logprobs=4).sampling.logprobs == 4
+    assert chat(logprobs=False).sampling.logprobs is None
+    assert invalid(chat, top_logprobs=2).param == "top_logprobs"
+    assert invalid(chat, logprobs=True, top_logprobs=21).param == "top_logprobs"
 
 
 def test_chat_prefers_max_completion_tokens_and_refuses_tools():
     assert chat(max_completion_tokens=5, max_tokens=9).max_tokens == 5
     assert chat(max_tokens=9).max_tokens == 9
     assert invalid(chat, tools=[{"type": "function"}]).param == "tools"
-    assert invalid(chat, logprobs=True).param == "logprobs"
 
 
 # Found by tests/test_router_schema_fuzz.py: a value nested 1,000 lists deep (the JSON parser
@@ -346,7 +372,7 @@ def wire(body) -> dict:
 
 def test_completion_response_shape():
     b = ResponseBuilder("completion", "cmpl-1", MODEL, 7)
-    body = b.full("text", "length", Usage(3, 4))
+    body = b.full([ChoiceResult(0, "text", "length")], Usage(3, 4))
     assert wire(body) == {
         "id": "cmpl-1",
         "object": "text_completion",
@@ -376,7 +402,7 @@ def test_chat_chunks_open_with_role_and_end_with_finish_and_usage():
     assert finish["delta"] == {} and finish["finish_reason"] == "stop"
     usage = wire(b.usage_chunk(Usage(2, 3)))
     assert usage["choices"] == [] and usage["usage"]["total_tokens"] == 5
-    full = wire(b.full("hello", "stop", Usage(2, 3)))
+    full = wire(b.full([ChoiceResult(0, "hello", "stop")], Usage(2, 3)))
     assert full["object"] == "chat.completion"
     assert full["choices"][0]["message"] == {"role": "assistant", "content": "hello"}
 
@@ -397,9 +423,14 @@ def test_every_streamed_and_full_body_matches_its_published_schema():
     ):
         for include_usage in (False, True):
             b = ResponseBuilder(kind, "id-1", MODEL, 7, include_usage=include_usage)
-            validator(full).validate(wire(b.full("text", "stop", Usage(1, 2))))
+            validator(full).validate(wire(b.full([ChoiceResult(0, "text", "stop")], Usage(1, 2))))
             chunks = [b.role_chunk(), b.text_chunk("x"), b.finish_chunk("length")]
             chunks.append(b.usage_chunk(Usage(1, 2)))
+            lps = LogprobsBuilder(tiny_tokenizer(), kind == "chat")
+            logprobs = lps.build([104, 105], [TokenLogprobs(-0.5, (104, 7), (-0.5, -2.0))] * 2)
+            chunks.append(b.text_chunk("hi", 0, logprobs))
+            with_logprobs = ChoiceResult(1, "hi", "stop", logprobs)
+            validator(full).validate(wire(b.full([with_logprobs], Usage(1, 2))))
             for body in filter(None, chunks):
                 validator(chunk).validate(wire(body))
     validator("Error").validate(InvalidRequestError("bad", param="top_p").body())
@@ -536,3 +567,38 @@ def test_router_config_from_env_and_validation():
         config_from_args(RouterConfig, None, {"KVMESH_WORKER_ID": "router.1"})
     with pytest.raises(ConfigError, match="nats_url"):
         config_from_args(RouterConfig, None, {"KVMESH_NATS_URL": "http://x"})
+
+
+def test_logprobs_take_openais_shapes():
+    tok = tiny_tokenizer()  # ids 0..255 are bytes
+    lps = [TokenLogprobs(-0.25, (104, 72), (-0.25, -1.5)), TokenLogprobs(-0.75, (105,), (-0.5,))]
+    chat = wire(LogprobsBuilder(tok, is_chat=True).build([104, 106], lps))
+    assert chat == {
+        "content": [
+            {
+                "token": "h",
+                "logprob": -0.25,
+                "bytes": [104],
+                "top_logprobs": [
+                    {"token": "h", "logprob": -0.25, "bytes": [104]},
+                    {"token": "H", "logprob": -1.5, "bytes": [72]},
+                ],
+            },
+            {
+                "token": "j",
+                "logprob": -0.75,
+                "bytes": [106],
+                "top_logprobs": [{"token": "i", "logprob": -0.5, "bytes": [105]}],
+            },
+        ],
+        "refusal": None,
+    }
+    builder = LogprobsBuilder(tok, is_chat=False)
+    first = wire(builder.build([104, 106], lps))
+    assert first == {
+        "tokens": ["h", "j"],
+        "token_logprobs": [-0.25, -0.75],
+        "top_logprobs": [{"h": -0.25, "H": -1.5}, {"i": -0.5, "j": -0.75}],
+        "text_offset": [0, 1],
+    }
+    assert wire(builder.build([105], lps[:1]))["text_offset"] == [2]  # a stream goes on

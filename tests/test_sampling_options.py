@@ -16,7 +16,15 @@ EVERY_FIELD = SamplingOptions(
     seed=-3,
     stop=("\n", "END"),
     stop_token_ids=(2, 9),
+    include_stop_str_in_output=True,
     ignore_eos=True,
+    min_tokens=3,
+    min_p=0.05,
+    presence_penalty=0.5,
+    frequency_penalty=-0.25,
+    repetition_penalty=1.3,
+    logit_bias={5: -100.0, 7: 2.5},
+    logprobs=2,
 )
 
 
@@ -39,6 +47,14 @@ def test_every_field_round_trips_on_the_wire():
         ("stop", tuple(f"s{i}" for i in range(17))),
         ("stop_token_ids", (-1,)),
         ("seed", 2**63),
+        ("min_p", 1.5),
+        ("presence_penalty", 2.5),
+        ("frequency_penalty", -3.0),
+        ("repetition_penalty", 0.0),
+        ("logit_bias", {5: 101.0}),
+        ("logit_bias", {-1: 1.0}),
+        ("logprobs", 21),
+        ("min_tokens", -1),
     ],
 )
 def test_construction_and_decoding_refuse_the_same_values(field, value):

@@ -87,6 +87,7 @@ def _token_event(out: RequestOutput) -> TokenEvent | None:
         num_prompt_tokens=out.num_prompt_tokens,
         num_output_tokens=out.num_output_tokens,
         num_accepted_drafts=min(out.accepted_drafts, len(out.new_token_ids)),
+        logprobs=tuple(out.logprobs or ()),
     )
 
 
@@ -512,7 +513,12 @@ class DecodeWorker:
             assert res.done is not None
             try:
                 self.engine.admit_prefilled(
-                    res.request_id, prompt, list(res.block_ids), res.done.first_token, params
+                    res.request_id,
+                    prompt,
+                    list(res.block_ids),
+                    res.done.first_token,
+                    params,
+                    res.done.first_logprobs,
                 )
             except RequestError as exc:
                 error = str(exc)
@@ -520,8 +526,13 @@ class DecodeWorker:
                 if self.drafts is not None and res.done.draft_worker_id:
                     self.drafts.pin(res.request_id, res.done.draft_worker_id, self._clock())
                 first = (res.done.first_token,)
+                lps = (res.done.first_logprobs,) if res.done.first_logprobs is not None else ()
                 return TokenEvent(
-                    res.request_id, first, num_prompt_tokens=len(prompt), num_output_tokens=1
+                    res.request_id,
+                    first,
+                    num_prompt_tokens=len(prompt),
+                    num_output_tokens=1,
+                    logprobs=lps,
                 )
         if verdict.release:
             self.engine.free_reserved(list(res.block_ids))

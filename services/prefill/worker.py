@@ -47,7 +47,7 @@ from kvmesh.shared.protocol import (
     PrefillReport,
     PrefillStarted,
 )
-from kvmesh.shared.sampling import SamplingOptions
+from kvmesh.shared.sampling import SamplingOptions, TokenLogprobs
 from kvmesh.shared.transport import Endpoint, MemoryRegion, TransportError, WriteEntry
 
 log = logs.get_logger(__name__)
@@ -65,6 +65,7 @@ class _Job:
     chunks: asyncio.Queue[ChunkReady | None] = field(default_factory=asyncio.Queue)
     num_writes: int = 0
     first_token: int = -1
+    first_logprobs: TokenLogprobs | None = None  # with SamplingOptions.logprobs
     error: str = ""
     is_computed: bool = False  # the last chunk is in; the engine holds the blocks until release
     draft: _DraftWrites | None = None  # the prompt's draft KV to a draft worker
@@ -306,6 +307,7 @@ class PrefillWorker:
                     self._plan_draft_write(job, DraftKvPlanner, new_blocks, tg)
                     if chunk.is_last:
                         job.first_token = chunk.first_token
+                        job.first_logprobs = chunk.first_logprobs
                         await self._drop_draft_if_waiting(job)
                         break
             # every write has returned: no byte of ours is still on its way to the decode blocks
@@ -526,6 +528,7 @@ class PrefillWorker:
             msg.lease_id,
             ok,
             first_token=job.first_token if ok else -1,
+            first_logprobs=job.first_logprobs if ok else None,
             num_writes=job.num_writes if job is not None else 0,
             error=error,
             rkey=msg.rkey,

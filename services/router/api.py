@@ -2,12 +2,13 @@
 
 Three steps, each with its own kind of error:
 
-1. refusals by name of what kvmesh cannot honour (``n`` > 1, ``logprobs``, penalties, tools,
-   batched prompts, non-text content parts) rather than ignoring them, and the served model;
+1. refusals by name of what kvmesh cannot honour (``n`` > 1, ``echo``, tools, batched prompts,
+   non-text content parts) rather than ignoring them, and the served model;
 2. the request Structs of ``schema.py`` (the ones ``/openapi.json`` publishes) check every type
    and bound; msgspec's error becomes a 400 naming the parameter and quoting the value;
-3. what a schema cannot say: ``stream_options`` needs ``stream``, ``max_completion_tokens`` wins
-   over ``max_tokens``, the "developer" role is the system prompt.
+3. what a schema cannot say: ``stream_options`` needs ``stream``, ``top_logprobs`` needs
+   ``logprobs``, ``max_completion_tokens`` wins over ``max_tokens``, ``logit_bias`` keys are
+   token ids, the "developer" role is the system prompt.
 
 ``kvmesh.services.router.prompt.tokenize`` then makes the request concrete.
 """
@@ -75,14 +76,14 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
 def parse_completion(body: Mapping[str, Any], served_model: str) -> GenerateRequest:
     """Validate a ``POST /v1/completions`` body."""
     _refuse_unsupported(body, _COMPLETION_UNSUPPORTED)
-    body = {**body, "prompt": _unwrap_prompt(body.get("prompt"))}
+    body = {**_normalise(body), "prompt": _unwrap_prompt(body.get("prompt"))}
     req = _validate(body, CompletionRequest, served_model)
     is_text = isinstance(req.prompt, str)
     return GenerateRequest(
         kind="completion",
         prompt_text=req.prompt if is_text else None,
         prompt_ids=None if is_text else tuple(req.prompt),
-        **_common(req, req.max_completion_tokens or req.max_tokens),
+        **_common(req, req.max_completion_tokens or req.max_tokens, logprobs=req.logprobs),
     )
 
 
@@ -90,7 +91,11 @@ def parse_chat(body: Mapping[str, Any], served_model: str) -> GenerateRequest:
     """Validate a ``POST /v1/chat/completions`` body."""
     _refuse_unsupported(body, _CHAT_UNSUPPORTED)
     _refuse_non_text_parts(body.get("messages"))
-    req = _validate(body, ChatCompletionRequest, served_model)
+    req = _validate(_normalise(body), ChatCompletionRequest, served_model)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise InvalidRequestError(
+            "'top_logprobs' needs 'logprobs': true", param="top_logprobs", code="invalid_value"
+        )
     messages = []
     for i, message in enumerate(req.messages):
         content = message.content
@@ -108,17 +113,40 @@ def parse_chat(body: Mapping[str, Any], served_model: str) -> GenerateRequest:
     return GenerateRequest(
         kind="chat",
         messages=tuple(messages),
-        **_common(req, req.max_completion_tokens or req.max_tokens),
+        **_common(
+            req,
+            req.max_completion_tokens or req.max_tokens,
+            logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+        ),
     )
 
 
-def _common(req: SamplingFields, max_tokens: int | None) -> dict[str, Any]:
+def _normalise(body: Mapping[str, Any]) -> dict[str, Any]:
+    """What JSON cannot type as the schema wants: ``logit_bias`` keys are token ids written as
+    strings (JSON object keys); they become integers here, or a 400 names the bad key."""
+    bias = body.get("logit_bias")
+    if not isinstance(bias, dict):
+        return dict(body)
+    ids = {}
+    for key, value in bias.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit()):
+            raise InvalidRequestError(
+                f"'logit_bias' keys must be token ids (non-negative integers), got {_show(key)}",
+                param="logit_bias",
+                code="invalid_value",
+            )
+        ids[int(key)] = value
+    return {**body, "logit_bias": ids}
+
+
+def _common(req: SamplingFields, max_tokens: int | None, logprobs: int | None) -> dict[str, Any]:
     if req.stream_options is not None and not req.stream:
         raise InvalidRequestError(
             "'stream_options' is only allowed when 'stream' is true", param="stream_options"
         )
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(dict.fromkeys(req.stop or ()))
     sampling = req.sampling_options(
+        logprobs=logprobs,
         stop=stop,
         top_k=max(req.top_k, 0),  # -1 (older vLLM clients) is off too
         max_tokens=max_tokens or 1,  # prompt.tokenize sets it against the context
@@ -137,30 +165,15 @@ def _common(req: SamplingFields, max_tokens: int | None) -> dict[str, Any]:
 # name -> (is the value harmless?, what to tell the user)
 _COMMON_UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "n": (lambda v: v in (None, 1), "only n=1 is supported; send one request per completion"),
-    "presence_penalty": (lambda v: v in (None, 0, 0.0), "presence_penalty is not supported"),
-    "frequency_penalty": (lambda v: v in (None, 0, 0.0), "frequency_penalty is not supported"),
-    "logit_bias": (lambda v: not v, "logit_bias is not supported"),
-    # vLLM's extra sampling parameters: accepted at their neutral value, refused otherwise
-    "min_tokens": (lambda v: v in (None, 0), "min_tokens is not supported"),
-    "repetition_penalty": (lambda v: v in (None, 1, 1.0), "repetition_penalty is not supported"),
-    "min_p": (lambda v: v in (None, 0, 0.0), "min_p is not supported"),
-    "stop_token_ids": (lambda v: not v, "stop_token_ids is not supported; use stop strings"),
-    "include_stop_str_in_output": (
-        lambda v: v in (None, False),
-        "include_stop_str_in_output is not supported (stop strings are cut from the output)",
-    ),
 }
 _COMPLETION_UNSUPPORTED = {
     **_COMMON_UNSUPPORTED,
     "best_of": (lambda v: v in (None, 1), "only best_of=1 is supported"),
     "echo": (lambda v: v in (None, False), "echo is not supported"),
-    "logprobs": (lambda v: v is None, "logprobs are not supported"),
     "suffix": (lambda v: v in (None, ""), "suffix (insertion) is not supported"),
 }
 _CHAT_UNSUPPORTED = {
     **_COMMON_UNSUPPORTED,
-    "logprobs": (lambda v: v in (None, False), "logprobs are not supported"),
-    "top_logprobs": (lambda v: v in (None, 0), "top_logprobs are not supported"),
     "tools": (lambda v: not v, "tools (function calling) are not supported"),
     "functions": (lambda v: not v, "functions (function calling) are not supported"),
     "response_format": (

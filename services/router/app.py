@@ -22,12 +22,14 @@ from kvmesh.services.router.api import (
     parse_completion,
     parse_json_body,
 )
+from kvmesh.services.router.choices import Choice
 from kvmesh.services.router.config import RouterConfig
 from kvmesh.services.router.dispatch import Dispatcher, MeshRequest
 from kvmesh.services.router.errors import (
     ApiError,
     AuthenticationError,
     InternalError,
+    MeshError,
     MethodNotAllowedError,
     ModelNotFoundError,
     OverloadedError,
@@ -40,6 +42,7 @@ from kvmesh.services.router.openapi import openapi_document
 from kvmesh.services.router.prompt import Prompt, tokenize
 from kvmesh.services.router.responses import (
     SSE_DONE,
+    Logprobs,
     ResponseBuilder,
     Usage,
     error_event,
@@ -52,7 +55,6 @@ from kvmesh.shared import logs
 from kvmesh.shared.metrics_exporter import exposition
 from kvmesh.shared.service_errors import listen_error
 from kvmesh.shared.subjects import Subjects
-from kvmesh.shared.text import TextStream
 from nats.aio.client import Client as NATS
 
 log = logs.get_logger(__name__)
@@ -166,16 +168,20 @@ class Router:
         self, request: GenerateRequest, prompt: Prompt, timer: RequestTimer, response_id: str
     ) -> web.Response:
         builder = ResponseBuilder.for_request(request, response_id)
-        output = TextStream(self.model.tokenizer, prompt.prompt_ids, request.sampling.stop)
+        choices = self._choices(request, prompt)
         async with (
             self.shutdown.guard(),
             self.dispatcher.open(response_id, prompt, timer) as mesh,
         ):
-            finish_reason = await _relay(mesh, output, None)
-        output.finish()
-        timer.on_finish(finish_reason, len(prompt.prompt_ids), output.num_tokens)
-        usage = _usage(prompt, output, mesh)
-        return _json_response(builder.full(output.text, finish_reason, usage))
+            await _relay(mesh, choices, None)
+        results = [choice.result() for choice in choices]
+        usage = _usage(prompt, choices, mesh)
+        timer.on_finish(results[0].finish_reason, len(prompt.prompt_ids), usage.completion_tokens)
+        return _json_response(builder.full(results, usage))
+
+    def _choices(self, request: GenerateRequest, prompt: Prompt) -> list[Choice]:
+        is_chat = request.kind == "chat"
+        return [Choice.new(0, self.model.tokenizer, prompt.prompt_ids, prompt.sampling, is_chat)]
 
     async def _stream(
         self,
@@ -188,7 +194,7 @@ class Router:
         """The SSE response and the status to count it under (an error after the first byte
         keeps the 200 status line but is counted as what it was)."""
         builder = ResponseBuilder.for_request(request, response_id)
-        output = TextStream(self.model.tokenizer, prompt.prompt_ids, request.sampling.stop)
+        choices = self._choices(request, prompt)
         response = web.StreamResponse(
             headers={
                 "Content-Type": "text/event-stream; charset=utf-8",
@@ -197,12 +203,20 @@ class Router:
             }
         )
 
-        async def send_text(text: str, num_tokens: int = 0) -> None:
+        async def send(choice: Choice, text: str, num_tokens: int, logprobs: Logprobs | None):
             # One chunk per step's tokens, even when they complete no character yet (a byte of a
             # multi-byte character, a possible stop-string prefix), as vLLM streams: clients
             # see every token when it is made, and token gaps are measurable.
             if text or num_tokens:
-                await response.write(sse_event(builder.text_chunk(text)))
+                chunk = builder.text_chunk(text, choice.index, logprobs)
+                await response.write(sse_event(chunk))
+            if choice.is_done:
+                tail = choice.output.finish()
+                if tail:
+                    await response.write(sse_event(builder.text_chunk(tail, choice.index)))
+                assert choice.finish_reason is not None
+                chunk = builder.finish_chunk(choice.finish_reason, choice.index)
+                await response.write(sse_event(chunk))
 
         status = 200
         try:
@@ -212,17 +226,18 @@ class Router:
             ):
                 # Placed: from here on errors go into the stream, not the status line.
                 await response.prepare(http)
-                role_chunk = builder.role_chunk()
-                if role_chunk is not None:
-                    await response.write(sse_event(role_chunk))
-                finish_reason = await _relay(mesh, output, send_text)
-            await send_text(output.finish())
-            await response.write(sse_event(builder.finish_chunk(finish_reason)))
+                for choice in choices:
+                    role_chunk = builder.role_chunk(choice.index)
+                    if role_chunk is not None:
+                        await response.write(sse_event(role_chunk))
+                await _relay(mesh, choices, send)
+            usage = _usage(prompt, choices, mesh)
             if request.include_usage:
-                usage = _usage(prompt, output, mesh)
                 await response.write(sse_event(builder.usage_chunk(usage)))
             await response.write(SSE_DONE)
-            timer.on_finish(finish_reason, len(prompt.prompt_ids), output.num_tokens)
+            finish_reason = choices[0].finish_reason
+            assert finish_reason is not None
+            timer.on_finish(finish_reason, len(prompt.prompt_ids), usage.completion_tokens)
         except ApiError as exc:
             if not response.prepared:
                 raise
@@ -294,30 +309,38 @@ class Router:
         return _json_response(openapi_document(self.model.name))
 
 
-def _usage(prompt: Prompt, output: TextStream, mesh: MeshRequest) -> Usage:
+def _usage(prompt: Prompt, choices: list[Choice], mesh: MeshRequest) -> Usage:
     """The request's token counts, with the accepted drafts among the tokens the client got."""
-    accepted = min(mesh.num_accepted_drafts, output.num_tokens)
-    return Usage.of(len(prompt.prompt_ids), output.num_tokens, accepted)
+    num_tokens = sum(choice.output.num_tokens for choice in choices)
+    accepted = min(mesh.num_accepted_drafts, num_tokens)
+    return Usage.of(len(prompt.prompt_ids), num_tokens, accepted)
 
 
 async def _relay(
     mesh: MeshRequest,
-    output: TextStream,
-    send_text: Callable[[str, int], Awaitable[None]] | None,
-) -> str:
-    """Feed the mesh's tokens into ``output`` (and out, when streaming) until the end; returns
-    the finish reason. A stop string ends the request here and aborts the rest of it."""
+    choices: list[Choice],
+    send: Callable[[Choice, str, int, Logprobs | None], Awaitable[None]] | None,
+) -> None:
+    """Feed the mesh's tokens into their choices (and out, when streaming) until every choice
+    is done. A stop string ends its choice here; once every choice is done the rest of the
+    request is aborted."""
     async with aclosing(mesh.events()) as events:
         async for event in events:
-            text = output.add(event.token_ids)
-            if send_text is not None:  # after a stop string: its last text only
-                await send_text(text, 0 if output.is_stopped else len(event.token_ids))
-            if output.is_stopped:
-                await mesh.abort("stop string")
-                return "stop"
-            if event.finish_reason is not None:
-                return event.finish_reason
-    raise AssertionError("events() ended without a finish_reason")
+            choice = choices[0]
+            if choice.is_done:
+                continue
+            try:
+                text, logprobs = choice.add(event)
+            except ValueError as exc:
+                raise MeshError(f"a decode worker sent a malformed token event: {exc}") from None
+            if send is not None:  # after a stop string: its last text only
+                stopped = choice.output.is_stopped
+                await send(choice, text, 0 if stopped else len(event.token_ids), logprobs)
+            if all(c.is_done for c in choices):
+                if event.finish_reason is None:
+                    await mesh.abort("stop string")
+                return
+    raise AssertionError("events() ended before every choice finished")
 
 
 def error_response(exc: ApiError) -> web.Response:

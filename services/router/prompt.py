@@ -69,4 +69,27 @@ def tokenize(request: GenerateRequest, tokenizer: Tokenizer, max_model_len: int)
             code="context_length_exceeded",
         )
     sampling = msgspec.structs.replace(request.sampling, max_tokens=max_tokens)
+    _check_options(sampling, tokenizer.vocab_size)
     return Prompt(prompt_ids=ids, sampling=sampling)
+
+
+def _check_options(sampling: SamplingOptions, vocab_size: int) -> None:
+    """What needs the vocabulary or the final max_tokens to check."""
+    for name, ids in (
+        ("stop_token_ids", sampling.stop_token_ids),
+        ("logit_bias", sampling.logit_bias),
+    ):
+        bad = next((t for t in ids if t >= vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(
+                f"'{name}' names token id {bad}, outside the vocabulary (size {vocab_size})",
+                param=name,
+                code="invalid_value",
+            )
+    if sampling.min_tokens > sampling.max_tokens:
+        raise InvalidRequestError(
+            f"'min_tokens' ({sampling.min_tokens}) is more than the output may have "
+            f"({sampling.max_tokens} tokens: max_tokens, or what the context leaves)",
+            param="min_tokens",
+            code="invalid_value",
+        )

@@ -14,7 +14,13 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal, get_args
 
 import msgspec
-from kvmesh.shared.sampling import MAX_STOP_STRINGS, NonEmptyStr, SamplingOptions, TokenId
+from kvmesh.shared.sampling import (
+    MAX_LOGPROBS,
+    MAX_STOP_STRINGS,
+    NonEmptyStr,
+    SamplingOptions,
+    TokenId,
+)
 from msgspec import UNSET, Meta, UnsetType
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
@@ -99,6 +105,17 @@ class CompletionRequest(SamplingFields, frozen=True, kw_only=True):
 class ChatCompletionRequest(SamplingFields, frozen=True, kw_only=True):
     """``POST /v1/chat/completions``."""
 
+    logprobs: Annotated[bool, Meta(description="Return the output tokens' log-probabilities")] = (
+        False
+    )
+    top_logprobs: (
+        Annotated[
+            int,
+            Meta(ge=0, le=MAX_LOGPROBS, description="With logprobs: this many likeliest tokens"),
+        ]
+        | None
+    ) = None
+
     messages: Annotated[
         list[ChatMessage],
         Meta(min_length=1, extra={"expects": "a non-empty list of {role, content} objects"}),
@@ -141,10 +158,45 @@ class Usage(msgspec.Struct):
         return cls(prompt_tokens, completion_tokens, completion_tokens_details=details)
 
 
+class TopLogprob(msgspec.Struct, kw_only=True):
+    """One of the likeliest tokens at a position (chat ``logprobs``)."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None  # the token's text as UTF-8
+
+
+class TokenLogprob(msgspec.Struct, kw_only=True):
+    """An output token's log-probability and its position's likeliest tokens (chat)."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(msgspec.Struct, kw_only=True):
+    """A chat choice's (or chunk's) ``logprobs``: one entry per token of its content."""
+
+    content: list[TokenLogprob] | None
+    refusal: None = None
+
+
+class CompletionLogprobs(msgspec.Struct, kw_only=True):
+    """A completion choice's (or chunk's) ``logprobs``, the legacy shape: per token its text,
+    log-probability, the likeliest tokens (and the chosen one) by text, and where its text
+    starts in the choice's text (of the whole choice, across a stream's chunks)."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
 class CompletionChoice(msgspec.Struct, kw_only=True):
     index: int
     text: str
-    logprobs: None
+    logprobs: CompletionLogprobs | None
     finish_reason: FinishReason | None  # null in every stream chunk but the last
 
 
@@ -168,7 +220,7 @@ class AssistantMessage(msgspec.Struct, kw_only=True):
 class ChatChoice(msgspec.Struct, kw_only=True):
     index: int
     message: AssistantMessage
-    logprobs: None
+    logprobs: ChatLogprobs | None
     finish_reason: FinishReason
 
 
@@ -193,7 +245,7 @@ class ChatDelta(msgspec.Struct, kw_only=True):
 class ChatChunkChoice(msgspec.Struct, kw_only=True):
     index: int
     delta: ChatDelta
-    logprobs: None
+    logprobs: ChatLogprobs | None
     finish_reason: FinishReason | None
 
 

@@ -10,10 +10,15 @@ from __future__ import annotations
 
 from kvmesh.shared.engine.block_manager import BlockManager
 from kvmesh.shared.engine.sequence import ChunkReady, RequestError, Sequence
-from kvmesh.shared.sampling import SamplingOptions
+from kvmesh.shared.sampling import SamplingOptions, TokenLogprobs
 
 
-def report_chunk(seq: Sequence, first_token: int | None, block_manager: BlockManager) -> None:
+def report_chunk(
+    seq: Sequence,
+    first_token: int | None,
+    block_manager: BlockManager,
+    first_logprobs: TokenLogprobs | None = None,
+) -> None:
     """Report the prompt tokens computed since the last report; ``first_token`` ends the prefill."""
     end = seq.num_computed_tokens
     is_last = first_token is not None
@@ -26,6 +31,7 @@ def report_chunk(seq: Sequence, first_token: int | None, block_manager: BlockMan
         tuple(seq.block_table[seq.num_reported_blocks : num_blocks]),
         is_last,
         first_token,
+        first_logprobs,
     )
     seq.num_chunks += 1
     seq.num_reported_tokens, seq.num_reported_blocks = end, num_blocks
@@ -41,6 +47,7 @@ def prefilled_sequence(
     params: SamplingOptions,
     block_manager: BlockManager,
     vocab_size: int,
+    first_logprobs: TokenLogprobs | None = None,
 ) -> Sequence:
     """A decoding sequence whose prompt KV is already in ``block_ids``, its full blocks committed
     to the prefix cache. The prompt itself is checked by the caller."""
@@ -56,6 +63,12 @@ def prefilled_sequence(
     seq = Sequence(
         request_id, [*prompt_ids, first_token], params, num_prompt_tokens=len(prompt_ids)
     )
+    if params.logprobs is not None:
+        if first_logprobs is None:
+            raise RequestError(
+                f"request {request_id!r} asks for logprobs; its first token came without them"
+            )
+        seq.logprobs.append(first_logprobs)
     seq.block_table = list(block_ids)
     seq.num_computed_tokens = len(prompt_ids)
     block_manager.share_cached(seq)  # the cache's copies of the prompt stay held while it runs

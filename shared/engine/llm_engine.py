@@ -68,7 +68,7 @@ from kvmesh.shared.engine.draft_tree import DraftTree
 from kvmesh.shared.engine.finish import finish_reason, stop_text_for
 from kvmesh.shared.engine.kv_cache import KVCacheSpec, KVPool
 from kvmesh.shared.engine.model_runner import ModelRunner
-from kvmesh.shared.engine.sampler import Sampler
+from kvmesh.shared.engine.sampler import Sampler, token_logprobs
 from kvmesh.shared.engine.scheduler import Scheduler
 from kvmesh.shared.engine.sequence import (
     ChunkReady,
@@ -82,7 +82,7 @@ from kvmesh.shared.engine.sequence import (
 from kvmesh.shared.engine.speculative import DraftVerifier, SpecStepStats, SpecTotals
 from kvmesh.shared.prefix_hash import layout_root
 from kvmesh.shared.protocol import kv_spec_fingerprint
-from kvmesh.shared.sampling import SamplingOptions
+from kvmesh.shared.sampling import SamplingOptions, TokenLogprobs
 
 __all__ = [
     "ChunkReady",
@@ -133,10 +133,10 @@ class LLMEngine:
             config.reserve_output_tokens,
         )
         self.runner = ModelRunner(model, self.kv_pool, config.device, config.cpu_kernels)
-        self.sampler = Sampler(config.seed)
         eos = set(getattr(mc, "eos_token_ids", ()) or ())
         eos |= set(getattr(tokenizer, "eos_token_ids", ()) or ())
         self.eos_token_ids = frozenset(eos)
+        self.sampler = Sampler(config.seed, self.eos_token_ids)
         self.vocab_size = mc.vocab_size
         # A sequence stops ("length") before it could outgrow the whole pool and preempt itself
         # forever.
@@ -204,6 +204,13 @@ class LLMEngine:
         self.scheduler.add(seq)
 
     def _check_stop(self, request_id: str, params: SamplingOptions) -> None:
+        named = {*params.stop_token_ids, *params.logit_bias}
+        bad = next((t for t in sorted(named) if t >= self.vocab_size), None)
+        if bad is not None:
+            raise RequestError(
+                f"request {request_id!r}: token id {bad} (in stop_token_ids or logit_bias) is "
+                f"outside the vocabulary (size {self.vocab_size})"
+            )
         if params.stop and self.tokenizer is None:
             raise RequestError(
                 f"request {request_id!r}: stop strings need a tokenizer and this engine has none; "
@@ -266,14 +273,13 @@ class LLMEngine:
         if trees:  # verification rows go to acceptance, the others to the sampler
             rows = logits.split(num_logits)
             plain = [i for i, k in enumerate(num_logits) if k and i not in trees]
-            if plain:
-                plain_logits = torch.cat([rows[i] for i in plain])
-                sampled = self.sampler(plain_logits, [batch.seqs[i] for i in plain])
-            else:
-                sampled = []
+            plain_logits = torch.cat([rows[i] for i in plain]) if plain else None
         else:
-            sample_seqs = [s for s, k in zip(batch.seqs, num_logits, strict=True) if k]
-            sampled = self.sampler(logits, sample_seqs) if sample_seqs else []
+            plain = [i for i, k in enumerate(num_logits) if k]
+            plain_logits = logits
+        plain_seqs = [batch.seqs[i] for i in plain]
+        sampled = self.sampler(plain_logits, plain_seqs) if plain else []
+        logprobs = _logprobs_of(plain_logits, plain_seqs, sampled) if plain else {}
         tokens = iter(sampled)
         bm = self.block_manager
         num_accepted = 0
@@ -287,11 +293,14 @@ class LLMEngine:
             seq.num_computed_tokens += n
             bm.commit(seq)
             token = next(tokens) if k else None
+            lp = logprobs.get(id(seq))
             if seq.prefill_only:
-                handoff.report_chunk(seq, token, bm)
+                handoff.report_chunk(seq, token, bm, lp)
             if token is None:
                 continue
             seq.token_ids.append(token)
+            if lp is not None:
+                seq.logprobs.append(lp)
             if seq.prefill_only:
                 self._finish(seq, "prefill_done")
                 outputs.append(self._output(seq, [token]))
@@ -320,9 +329,20 @@ class LLMEngine:
         token in the sequence; returns the path's length."""
         first = seq.num_output_tokens - len(tree)  # output index of the token after the last one
         indices = [first, *(first + d for d in tree.depths)]
-        picks = acceptance.target_tokens(logits, seq.params, indices, self.sampler.generator)
+        histories = None
+        if seq.params.changes_logits:
+            outputs = seq.token_ids[seq.num_prompt_tokens : len(seq) - len(tree)]
+            histories = acceptance.tree_histories(seq.prompt_ids, outputs, tree)
+        picks = acceptance.target_tokens(
+            logits, seq.params, indices, self.sampler.generator, histories, self.eos_token_ids
+        )
         verdict = acceptance.accept(tree, picks)
         self.verifier.keep_path(seq, tree, verdict.path, verdict.next_token)
+        if seq.params.logprobs is not None:  # row of each kept token: its parent's
+            kept = [*(tree.tokens[j] for j in verdict.path), verdict.next_token]
+            parents = [0, *(1 + j for j in verdict.path)]
+            num_top = [seq.params.logprobs] * len(kept)
+            seq.logprobs += token_logprobs(logits[parents], kept, num_top)
         self._last_accepted[seq.request_id] = len(verdict.path)
         return len(verdict.path)
 
@@ -360,6 +380,11 @@ class LLMEngine:
         return self._output(seq, emitted)
 
     def _output(self, seq: Sequence, new_token_ids: list[int]) -> RequestOutput:
+        logprobs = None
+        if seq.params.logprobs is not None and not seq.prefill_only:
+            first = seq.num_emitted_tokens
+            logprobs = seq.logprobs[first : first + len(new_token_ids)]
+            assert len(logprobs) == len(new_token_ids), (seq.request_id, len(logprobs))
         seq.num_emitted_tokens = seq.num_output_tokens
         return RequestOutput(
             seq.request_id,
@@ -369,6 +394,7 @@ class LLMEngine:
             seq.num_prompt_tokens,
             seq.num_output_tokens,
             self._last_accepted.pop(seq.request_id, 0),
+            logprobs,
         )
 
     def _finish(self, seq: Sequence, reason: str) -> None:
@@ -467,14 +493,23 @@ class LLMEngine:
         block_ids: list[int],
         first_token: int,
         params: SamplingOptions,
+        first_logprobs: TokenLogprobs | None = None,
     ) -> None:
         """Start decoding a request whose prompt KV is already in ``block_ids`` (from
-        ``reserve_blocks``; the engine takes them over and frees them when the request ends)."""
+        ``reserve_blocks``; the engine takes them over and frees them when the request ends).
+        ``first_logprobs``: the first token's, when ``params.logprobs`` asks for them."""
         self._check_prompt(request_id, prompt_ids)
         self._check_stop(request_id, params)
         bm = self.block_manager
         seq = handoff.prefilled_sequence(
-            request_id, prompt_ids, block_ids, first_token, params, bm, self.vocab_size
+            request_id,
+            prompt_ids,
+            block_ids,
+            first_token,
+            params,
+            bm,
+            self.vocab_size,
+            first_logprobs,
         )
         self.seqs[request_id] = seq
         self.scheduler.add_prefilled(seq)
@@ -492,3 +527,16 @@ class LLMEngine:
                     out.num_output_tokens,
                 )
             )
+
+
+def _logprobs_of(
+    logits: torch.Tensor, seqs: list[Sequence], tokens: list[int]
+) -> dict[int, TokenLogprobs]:
+    """id(seq) -> the sampled token's logprobs, for the sequences whose options ask for them."""
+    want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+    if not want:
+        return {}
+    rows = logits[torch.tensor(want, device=logits.device)] if len(want) < len(seqs) else logits
+    num_top = [seqs[i].params.logprobs or 0 for i in want]
+    lps = token_logprobs(rows, [tokens[i] for i in want], num_top)
+    return {id(seqs[i]): lp for i, lp in zip(want, lps, strict=True)}

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-from kvmesh.shared.sampling import SamplingOptions
+from kvmesh.shared.sampling import SamplingOptions, TokenLogprobs
 
 if TYPE_CHECKING:
     from kvmesh.shared.text import TextStream
@@ -53,6 +53,7 @@ class ChunkReady:
     block_ids: tuple[int, ...]
     is_last: bool
     first_token: int | None
+    first_logprobs: TokenLogprobs | None = None  # with SamplingOptions.logprobs, on the last
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +69,7 @@ class RequestOutput:
     accepted_drafts: int = (
         0  # draft tokens verified and kept this step (their ids lead new_token_ids)
     )
+    logprobs: list[TokenLogprobs] | None = None  # per new token, with SamplingOptions.logprobs
 
 
 @dataclass(slots=True, eq=False)
@@ -90,6 +92,8 @@ class Sequence:
     num_emitted_tokens: int = 0  # output tokens already returned in a RequestOutput
     generator: torch.Generator | None = None
     stop_text: TextStream | None = None  # the emitted output's text, only with stop strings
+    # with SamplingOptions.logprobs: one per output token, in order
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:

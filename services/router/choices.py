@@ -1,0 +1,77 @@
+"""The choices of one response as their tokens arrive from the mesh (pure).
+
+A ``Choice`` turns its TokenEvents into client text (``TextStream``: detokenized, stop strings
+cut or kept), keeps its token ids and log-probabilities, and knows when it is done: a finish
+reason from the mesh, or a stop string the router saw first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvmesh.services.router.logprobs import LogprobsBuilder
+from kvmesh.services.router.responses import ChoiceResult, Logprobs
+from kvmesh.shared.protocol import TokenEvent
+from kvmesh.shared.sampling import SamplingOptions, TokenLogprobs
+from kvmesh.shared.text import TextStream
+from kvmesh.shared.tokenizer import Tokenizer
+
+
+@dataclass(slots=True)
+class Choice:
+    index: int
+    output: TextStream
+    logprobs: LogprobsBuilder | None  # None: the request asked for none
+    token_ids: list[int] = field(default_factory=list)
+    token_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    @classmethod
+    def new(
+        cls,
+        index: int,
+        tokenizer: Tokenizer,
+        prompt_ids: tuple[int, ...],
+        sampling: SamplingOptions,
+        is_chat: bool,
+    ) -> Choice:
+        output = TextStream(
+            tokenizer, prompt_ids, sampling.stop, sampling.include_stop_str_in_output
+        )
+        wants = sampling.logprobs is not None
+        return cls(index, output, LogprobsBuilder(tokenizer, is_chat) if wants else None)
+
+    @property
+    def is_done(self) -> bool:
+        return self.finish_reason is not None
+
+    def add(self, event: TokenEvent) -> tuple[str, Logprobs | None]:
+        """The event's new text and, when asked for, its tokens' logprobs (for a stream's
+        chunk). Sets ``finish_reason`` when the event ends the choice, or a stop string does."""
+        assert not self.is_done, self.index
+        text = self.output.add(event.token_ids)
+        self.token_ids += event.token_ids
+        chunk_logprobs = None
+        if self.logprobs is not None and event.token_ids:
+            if len(event.logprobs) != len(event.token_ids):
+                raise ValueError(
+                    f"the mesh sent {len(event.logprobs)} logprobs for {len(event.token_ids)} "
+                    "tokens"
+                )
+            self.token_logprobs += event.logprobs
+            chunk_logprobs = self.logprobs.build(event.token_ids, event.logprobs)
+        if self.output.is_stopped:
+            self.finish_reason = "stop"
+        elif event.finish_reason is not None:
+            self.finish_reason = event.finish_reason
+        return text, chunk_logprobs
+
+    def result(self) -> ChoiceResult:
+        """The finished choice, for a non-streamed answer."""
+        assert self.finish_reason is not None
+        self.output.finish()
+        logprobs = None
+        if self.logprobs is not None:
+            self.logprobs.text_offset = 0
+            logprobs = self.logprobs.build(self.token_ids, self.token_logprobs)
+        return ChoiceResult(self.index, self.output.text, self.finish_reason, logprobs)
