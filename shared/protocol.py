@@ -157,6 +157,9 @@ class TokenEvent(Message):
     num_accepted_drafts: Annotated[int, msgspec.Meta(ge=0)] = 0
     # with SamplingOptions.logprobs: one per token of token_ids
     logprobs: tuple[TokenLogprobs, ...] = ()
+    # which of the request's SamplingOptions.n choices; num_output_tokens and finish_reason are
+    # that choice's (the request ends when each choice has finished)
+    index: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 
 class Abort(Message):

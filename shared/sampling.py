@@ -25,6 +25,7 @@ MAX_STOP_STRINGS = 16
 MAX_SEED = 2**63 - 1
 MAX_LOGPROBS = 20  # alternatives per token, as vLLM's default --max-logprobs
 MAX_LOGIT_BIAS = 1024  # tokens biased per request
+MAX_CHOICES = 16  # SamplingOptions.n
 
 NonEmptyStr = Annotated[str, Meta(min_length=1)]
 TokenId = Annotated[int, Meta(ge=0)]
@@ -36,6 +37,14 @@ class SamplingOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     samples them (with or without speculative decoding)."""
 
     max_tokens: Annotated[int, Meta(ge=1, description="Output tokens at most")] = 16
+    n: Annotated[
+        int,
+        Meta(
+            ge=1,
+            le=MAX_CHOICES,
+            description="Choices to generate (the prompt is prefilled once, its KV shared)",
+        ),
+    ] = 1
     temperature: Annotated[float, Meta(ge=0, le=2, description="0: greedy")] = 1.0
     top_p: Annotated[float, Meta(gt=0, le=1, description="1: off")] = 1.0
     top_k: Annotated[int, Meta(ge=0, description="0: off (every token is a candidate)")] = 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import msgspec
 import pytest
 import torch
 from hf_fixtures import load_hf_reference, make_llama_checkpoint
@@ -215,3 +216,87 @@ def test_token_ids_outside_the_vocabulary_are_refused(llama):
     eng = engine(llama)
     with pytest.raises(RequestError, match="logit_bias"):
         eng.add_request("r", [1, 2], SamplingOptions(logit_bias={10**6: 1.0}))
+
+
+def run_choices(eng: LLMEngine, prompt_ids, params) -> dict[int, list[RequestOutput]]:
+    eng.add_request("r", prompt_ids, params)
+    outs: dict[int, list[RequestOutput]] = {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            assert out.request_id == "r"
+            outs.setdefault(out.index, []).append(out)
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_total_blocks
+    eng.block_manager.check_invariants()
+    return outs
+
+
+def count_computed(eng: LLMEngine) -> list[int]:
+    """Tokens the engine computes per forward pass, recorded."""
+    counts: list[int] = []
+    execute = eng.runner.execute
+
+    def counting(seqs, num_new, *args, **kwargs):
+        counts.append(sum(num_new))
+        return execute(seqs, num_new, *args, **kwargs)
+
+    eng.runner.execute = counting
+    return counts
+
+
+@pytest.mark.parametrize("prompt_len", [37, 48])  # a partial last block, and a full one
+def test_n_choices_share_the_prompt_and_each_equals_its_own_seeded_run(llama, prompt_len):
+    from kvmesh.shared.engine.sequence import choice_seed
+
+    ids = prompt(prompt_len, 5)
+    params = SamplingOptions(
+        max_tokens=10, temperature=1.0, seed=3, n=4, logprobs=1, ignore_eos=True
+    )
+    eng = engine(llama, block_size=16)
+    computed = count_computed(eng)
+    outs = run_choices(eng, ids, params)
+    assert sorted(outs) == [0, 1, 2, 3] and all(o[-1].finished for o in outs.values())
+    assert sum(computed) == prompt_len + 3 + 4 * 9  # the prompt once, a token per other choice
+    got = {i: tokens(o) for i, o in outs.items()}
+    assert len({tuple(t) for t in got.values()}) == 4  # the choices differ
+    for i, toks in got.items():
+        seed = 3 if i == 0 else choice_seed(3, i)
+        alone = msgspec.structs.replace(params, n=1, seed=seed)
+        assert toks == tokens(run(engine(llama, block_size=16), [ids], alone)[0]), i
+        assert len(logprobs(outs[i])) == 10
+
+
+def test_n_choices_after_a_prefill_handoff_and_when_aborted(llama):
+    ids = prompt(40, 6)
+    params = SamplingOptions(max_tokens=6, temperature=0.8, seed=9, n=3, ignore_eos=True)
+    expected = {i: tokens(o) for i, o in run_choices(engine(llama), ids, params).items()}
+    prefill = engine(llama)
+    decode = engine(llama, kv_buffer=bytearray(64 * prefill.kv_pool.spec.block_bytes))
+    reserved = decode.reserve_blocks(len(ids))
+    chunks = []
+
+    def on_chunk(chunk):
+        chunks.append(chunk)
+        done = sum(len(c.block_ids) for c in chunks[:-1])
+        for i, src in enumerate(chunk.block_ids):
+            decode.kv_pool.block_bytes_view(reserved[done + i]).copy_(
+                prefill.kv_pool.block_bytes_view(src)
+            )
+
+    prefill.add_request("r", ids, params, prefill_only=True, on_chunk=on_chunk)
+    while prefill.has_unfinished():
+        prefill.step()
+    prefill.release("r")
+    decode.admit_prefilled("r", ids, reserved, chunks[-1].first_token, params)
+    got: dict[int, list[int]] = {0: [chunks[-1].first_token]}
+    while decode.has_unfinished():
+        for out in decode.step():
+            got.setdefault(out.index, []).extend(out.new_token_ids)
+    assert got == expected
+    eng = engine(llama)
+    eng.add_request("a", ids, params)
+    eng.step()
+    eng.step()
+    assert eng.abort("a")
+    outs = eng.step()
+    assert sorted(o.index for o in outs if o.finish_reason == "abort") == [0, 1, 2]
+    assert eng.block_manager.num_free_blocks == 64 and not eng.has_unfinished()

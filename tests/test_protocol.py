@@ -153,6 +153,7 @@ EXAMPLES: list[Message] = [
         error="e",
         num_accepted_drafts=1,
         logprobs=(TokenLogprobs(-0.5), TokenLogprobs(-2.0, (1,), (-0.125,))),
+        index=2,
     ),
     Abort("r1", reason="lease expired", job_withdrawn=True),
     PrefillStarted("r1", "L1", "p0"),

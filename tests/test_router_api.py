@@ -118,7 +118,8 @@ def test_missing_model_is_400_and_unknown_model_is_404():
         ("stop", ""),
         ("stop", ["ok", ""]),
         ("stop", 3),
-        ("n", 2),
+        ("n", 0),
+        ("n", 17),
         ("best_of", 3),
         ("echo", True),
         ("logprobs", 21),
@@ -322,6 +323,59 @@ def test_prompt_longer_than_context_is_400(tokenizer):
     err = invalid(tokenize, completion(prompt=[1] * 100), tokenizer, 100)
     assert (err.status, err.param) == (400, "prompt")
     assert "100 tokens" in err.message
+
+
+def test_a_prompt_beyond_the_largest_kv_pool_is_400_naming_the_setting(tokenizer):
+    err = invalid(tokenize, completion(prompt=[1] * 70), tokenizer, 100, 64)
+    assert (err.status, err.param, err.code) == (400, "prompt", "context_length_exceeded")
+    assert "KV pool holds 64 tokens" in err.message and "--num-blocks" in err.message
+    err = invalid(tokenize, completion(prompt=[1] * 10, max_tokens=60), tokenizer, 100, 64)
+    assert err.param == "max_tokens" and "at most 54" in err.message
+    assert tokenize(chat(), tokenizer, 100, 64).sampling.max_tokens < 64
+    assert tokenize(completion(prompt=[1] * 70), tokenizer, 100, 4096)  # the model's limit
+
+
+def test_pool_capacity_is_the_largest_live_pool_of_the_model():
+    from kvmesh.services.router.pool_capacity import ADVERT_TTL_S, PoolCapacity
+    from kvmesh.shared.protocol import DecodeAdvert
+
+    def advert(worker, blocks, spec="m1"):
+        return DecodeAdvert(
+            worker,
+            "disagg",
+            None,
+            0,
+            64,
+            16,
+            "kv",
+            blocks,
+            blocks,
+            (),
+            0,
+            0,
+            "ready",
+            0.0,
+            model_spec=spec,
+        )
+
+    capacity = PoolCapacity("m1")
+    assert capacity.max_tokens(0.0) is None
+    capacity.note(advert("d0", 10), 0.0)
+    capacity.note(advert("d1", 30), 0.0)
+    capacity.note(advert("other", 99, spec="m2"), 0.0)
+    assert capacity.max_tokens(1.0) == 30 * 16
+    capacity.forget("d1")
+    assert capacity.max_tokens(1.0) == 10 * 16
+    assert capacity.max_tokens(ADVERT_TTL_S + 1) is None
+
+
+def test_stop_token_ids_and_logit_bias_must_be_in_the_vocabulary(tokenizer):
+    assert invalid(tokenize, completion(stop_token_ids=[99999]), tokenizer, 100).param == (
+        "stop_token_ids"
+    )
+    assert invalid(tokenize, chat(logit_bias={"99999": 1}), tokenizer, 100).param == "logit_bias"
+    err = invalid(tokenize, completion(min_tokens=20, max_tokens=10), tokenizer, 100)
+    assert err.param == "min_tokens"
 
 
 def test_token_id_outside_vocabulary_is_400(tokenizer):
@@ -543,6 +597,8 @@ def test_openapi_document_covers_every_route_and_resolves_refs():
         "/v1/chat/completions",
         "/v1/models",
         "/v1/models/{model}",
+        "/tokenize",
+        "/detokenize",
         "/health",
         "/metrics",
         "/openapi.json",
@@ -602,3 +658,63 @@ def test_logprobs_take_openais_shapes():
         "text_offset": [0, 1],
     }
     assert wire(builder.build([105], lps[:1]))["text_offset"] == [2]  # a stream goes on
+
+
+def test_unknown_fields_are_refused_by_name_and_harmless_ones_ignored():
+    for parse in (completion, chat):
+        err = invalid(parse, frobnicate=1, bad_words=["x"])
+        assert (err.status, err.param, err.code) == (400, "frobnicate", "unsupported_parameter")
+        assert "'frobnicate', 'bad_words'" in err.message
+        assert parse(user="u-1", metadata={"a": "b"}, store=False, skip_special_tokens=True)
+        assert parse(prompt_logprobs=None)  # null: absent
+        assert invalid(parse, store=True).param == "store"
+        assert invalid(parse, skip_special_tokens=False).param == "skip_special_tokens"
+    for name in ("guided_json", "chat_template_kwargs", "allowed_token_ids", "prompt_logprobs"):
+        assert invalid(chat, **{name: {"x": 1}}).param == name
+    assert chat(echo=False, tool_choice="none", add_generation_prompt=True)
+    assert completion(add_special_tokens=True, best_of=1, suffix="")
+    assert invalid(chat, stream=True, stream_options={"include_usage": True, "x": 1}).param
+    err = invalid(chat, messages=[{"role": "user", "content": "hi", "tool_calls": []}])
+    assert err.param.startswith("messages[0]")
+
+
+def test_a_message_name_reaches_the_template():
+    req = chat(messages=[{"role": "user", "content": "hi", "name": "ann"}])
+    assert req.messages == ({"role": "user", "content": "hi", "name": "ann"},)
+
+
+# --- /tokenize and /detokenize -------------------------------------------------------------------
+
+
+def test_tokenize_text_and_chat_as_vllm_answers(tokenizer):
+    from kvmesh.services.router.tokens_api import tokenize_body
+
+    answer = wire(tokenize_body({"prompt": "ab"}, MODEL, tokenizer, 100))
+    assert answer == {
+        "count": 3,
+        "max_model_len": 100,
+        "tokens": [tokenizer.bos_token_id, 97, 98],
+        "token_strs": None,
+    }
+    plain = tokenize_body(
+        {"model": MODEL, "prompt": "ab", "add_special_tokens": False, "return_token_strs": True},
+        MODEL,
+        tokenizer,
+        100,
+    )
+    assert (plain.tokens, plain.token_strs) == ([97, 98], ["a", "b"])
+    messages = [{"role": "user", "content": "hi"}]
+    chat_answer = tokenize_body({"messages": messages}, MODEL, tokenizer, 100)
+    assert chat_answer.tokens == tokenizer.encode_chat(messages)
+    err = invalid(tokenize_body, {"prompt": "x", "model": "other"}, MODEL, tokenizer, 100)
+    assert err.status == 404
+    assert invalid(tokenize_body, {"prompt": "x", "foo": 1}, MODEL, tokenizer, 100).param == "foo"
+    assert invalid(tokenize_body, {"prompt": 3}, MODEL, tokenizer, 100).param == "prompt"
+
+
+def test_detokenize_round_trips_and_refuses_ids_outside_the_vocabulary(tokenizer):
+    from kvmesh.services.router.tokens_api import detokenize_body
+
+    assert wire(detokenize_body({"tokens": [104, 105]}, MODEL, tokenizer)) == {"prompt": "hi"}
+    assert invalid(detokenize_body, {"tokens": [10**6]}, MODEL, tokenizer).param == "tokens"
+    assert invalid(detokenize_body, {"tokens": [-1]}, MODEL, tokenizer).param == "tokens"

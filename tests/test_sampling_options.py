@@ -10,6 +10,7 @@ from kvmesh.shared.sampling import SamplingOptions
 
 EVERY_FIELD = SamplingOptions(
     max_tokens=7,
+    n=3,
     temperature=0.5,
     top_p=0.9,
     top_k=40,
@@ -55,6 +56,8 @@ def test_every_field_round_trips_on_the_wire():
         ("logit_bias", {-1: 1.0}),
         ("logprobs", 21),
         ("min_tokens", -1),
+        ("n", 0),
+        ("n", 17),
     ],
 )
 def test_construction_and_decoding_refuse_the_same_values(field, value):

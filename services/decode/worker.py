@@ -88,6 +88,7 @@ def _token_event(out: RequestOutput) -> TokenEvent | None:
         num_output_tokens=out.num_output_tokens,
         num_accepted_drafts=min(out.accepted_drafts, len(out.new_token_ids)),
         logprobs=tuple(out.logprobs or ()),
+        index=out.index,
     )
 
 
@@ -227,7 +228,12 @@ class DecodeWorker:
             if self.store is not None:
                 for out in outputs:
                     seq = live.get(out.request_id)  # absent: it ended before this step began
-                    if seq is not None and out.finished and out.finish_reason in ("stop", "length"):
+                    if (
+                        seq is not None
+                        and out.index == 0
+                        and out.finished
+                        and out.finish_reason in ("stop", "length")
+                    ):
                         self.store.put_later(list(seq.token_ids), self._lock)
             if self.swaps is not None and self.engine.scheduler.preempted:
                 self.swaps.after_step(self._lock)
@@ -241,6 +247,7 @@ class DecodeWorker:
             seq.request_id: seq
             for seq in self.engine.scheduler.running
             if not seq.prefill_only
+            and seq.index == 0  # a request's other choices are not drafted
             and seq.num_output_tokens >= 1
             and seq.num_uncomputed_tokens == 1
         }
@@ -285,7 +292,7 @@ class DecodeWorker:
                     out.request_id, trees[out.request_id].depth, out.accepted_drafts
                 )
         for out in outputs:
-            if out.finished:
+            if out.finished and out.index == 0:
                 holder = self.drafts.forget(out.request_id)
                 if holder is not None:
                     self._draft_outbox.append((holder, DraftForget(out.request_id)))

@@ -2,7 +2,7 @@
 
 Three steps, each with its own kind of error:
 
-1. refusals by name of what kvmesh cannot honour (``n`` > 1, ``echo``, tools, batched prompts,
+1. refusals by name of what kvmesh cannot honour (``best_of``, ``echo``, tools, batched prompts,
    non-text content parts) rather than ignoring them, and the served model;
 2. the request Structs of ``schema.py`` (the ones ``/openapi.json`` publishes) check every type
    and bound; msgspec's error becomes a 400 naming the parameter and quoting the value;
@@ -27,6 +27,7 @@ import orjson
 from kvmesh.services.router.errors import InvalidRequestError, ModelNotFoundError
 from kvmesh.services.router.schema import (
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
     SamplingFields,
 )
@@ -34,6 +35,7 @@ from kvmesh.shared.sampling import SamplingOptions
 
 Kind = Literal["completion", "chat"]
 R = TypeVar("R", bound=SamplingFields)
+S = TypeVar("S", bound=msgspec.Struct)
 
 _QUOTE = reprlib.Repr()  # keyword arguments need Python 3.12
 _QUOTE.maxlevel, _QUOTE.maxlist, _QUOTE.maxdict = 3, 8, 8
@@ -76,6 +78,7 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
 def parse_completion(body: Mapping[str, Any], served_model: str) -> GenerateRequest:
     """Validate a ``POST /v1/completions`` body."""
     _refuse_unsupported(body, _COMPLETION_UNSUPPORTED)
+    refuse_unknown(body, CompletionRequest, _COMPLETION_UNSUPPORTED, _IGNORED_COMPLETION)
     body = {**_normalise(body), "prompt": _unwrap_prompt(body.get("prompt"))}
     req = _validate(body, CompletionRequest, served_model)
     is_text = isinstance(req.prompt, str)
@@ -90,14 +93,28 @@ def parse_completion(body: Mapping[str, Any], served_model: str) -> GenerateRequ
 def parse_chat(body: Mapping[str, Any], served_model: str) -> GenerateRequest:
     """Validate a ``POST /v1/chat/completions`` body."""
     _refuse_unsupported(body, _CHAT_UNSUPPORTED)
-    _refuse_non_text_parts(body.get("messages"))
+    refuse_unknown(body, ChatCompletionRequest, _CHAT_UNSUPPORTED, _IGNORED_CHAT)
+    refuse_non_text_parts(body.get("messages"))
     req = _validate(_normalise(body), ChatCompletionRequest, served_model)
     if req.top_logprobs is not None and not req.logprobs:
         raise InvalidRequestError(
             "'top_logprobs' needs 'logprobs': true", param="top_logprobs", code="invalid_value"
         )
+    return GenerateRequest(
+        kind="chat",
+        messages=chat_messages(req.messages),
+        **_common(
+            req,
+            req.max_completion_tokens or req.max_tokens,
+            logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+        ),
+    )
+
+
+def chat_messages(given: list[ChatMessage]) -> tuple[dict[str, str], ...]:
+    """Validated messages as the chat template takes them."""
     messages = []
-    for i, message in enumerate(req.messages):
+    for i, message in enumerate(given):
         content = message.content
         if content is None and message.role != "assistant":
             raise InvalidRequestError(
@@ -109,16 +126,9 @@ def parse_chat(body: Mapping[str, Any], served_model: str) -> GenerateRequest:
             content = "".join(part.text for part in content or ())
         # Chat templates predate the "developer" role; it is the system prompt by another name.
         role = "system" if message.role == "developer" else message.role
-        messages.append({"role": role, "content": content})
-    return GenerateRequest(
-        kind="chat",
-        messages=tuple(messages),
-        **_common(
-            req,
-            req.max_completion_tokens or req.max_tokens,
-            logprobs=(req.top_logprobs or 0) if req.logprobs else None,
-        ),
-    )
+        named = {"name": message.name} if message.name is not None else {}
+        messages.append({"role": role, "content": content, **named})
+    return tuple(messages)
 
 
 def _normalise(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -163,9 +173,7 @@ def _common(req: SamplingFields, max_tokens: int | None, logprobs: int | None) -
 # --- 1. refusals by name -----------------------------------------------------------------------
 
 # name -> (is the value harmless?, what to tell the user)
-_COMMON_UNSUPPORTED: dict[str, tuple[Any, str]] = {
-    "n": (lambda v: v in (None, 1), "only n=1 is supported; send one request per completion"),
-}
+_COMMON_UNSUPPORTED: dict[str, tuple[Any, str]] = {}
 _COMPLETION_UNSUPPORTED = {
     **_COMMON_UNSUPPORTED,
     "best_of": (lambda v: v in (None, 1), "only best_of=1 is supported"),
@@ -181,6 +189,62 @@ _CHAT_UNSUPPORTED = {
         "only response_format {'type': 'text'} is supported",
     ),
 }
+
+
+# Fields kvmesh does not take but may ignore without changing the answer, each at the values
+# for which that is true (docs/openai_api.md lists them); any other field is refused by name.
+_IGNORED_COMMON: dict[str, Any] = {
+    "user": lambda v: True,  # an end-user id for the provider's abuse monitoring
+    "metadata": lambda v: True,  # tags for OpenAI's stored completions
+    "store": lambda v: v is False,  # nothing is stored: store=true is refused
+    "service_tier": lambda v: v in ("auto", "default"),
+    "prompt_cache_key": lambda v: True,  # prefix caching is automatic
+    "safety_identifier": lambda v: True,
+    "skip_special_tokens": lambda v: v is True,  # what the router does
+    "spaces_between_special_tokens": lambda v: v is True,
+    "priority": lambda v: v == 0,
+}
+_IGNORED_COMPLETION = {
+    **_IGNORED_COMMON,
+    "add_special_tokens": lambda v: v is True,  # a text prompt is encoded with them
+}
+_IGNORED_CHAT = {
+    **_IGNORED_COMMON,
+    "parallel_tool_calls": lambda v: True,  # without tools there are no calls
+    "tool_choice": lambda v: v in ("none", "auto"),
+    "echo": lambda v: v is False,
+    "add_generation_prompt": lambda v: v is True,
+    "continue_final_message": lambda v: v is False,
+    "add_special_tokens": lambda v: v is False,  # the chat template writes them
+}
+
+
+def refuse_unknown(
+    body: Mapping[str, Any], cls: type, refused: Mapping[str, Any], ignored: Mapping[str, Any]
+) -> None:
+    """Every field neither ``cls`` nor the refusals by name know is refused (a null counts as
+    absent), unless ignoring it changes nothing (``ignored``). An ignored field would make the
+    client believe it was honoured."""
+    known = {*cls.__struct_fields__, *refused}
+    unknown = [
+        name
+        for name, value in body.items()
+        if value is not None and name not in known and not ignored.get(name, _NEVER)(value)
+    ]
+    if not unknown:
+        return
+    names = ", ".join(repr(name) for name in unknown[:8])
+    raise InvalidRequestError(
+        f"kvmesh does not support {names} on this route (or not at "
+        f"{_show(body[unknown[0]])}); remove {'it' if len(unknown) == 1 else 'them'}. What it "
+        "takes is listed in /openapi.json, what it ignores in docs/openai_api.md",
+        param=unknown[0],
+        code="unsupported_parameter",
+    )
+
+
+def _NEVER(value: Any) -> bool:
+    return False
 
 
 def _refuse_unsupported(body: Mapping[str, Any], table: Mapping[str, tuple[Any, str]]) -> None:
@@ -217,7 +281,7 @@ def _unwrap_prompt(prompt: Any) -> Any:
     return inner
 
 
-def _refuse_non_text_parts(messages: Any) -> None:
+def refuse_non_text_parts(messages: Any) -> None:
     for i, message in enumerate(messages if isinstance(messages, list) else ()):
         content = message.get("content") if isinstance(message, dict) else None
         for j, part in enumerate(content if isinstance(content, list) else ()):
@@ -236,15 +300,21 @@ def _refuse_non_text_parts(messages: Any) -> None:
 
 def _validate(body: Mapping[str, Any], cls: type[R], served_model: str) -> R:
     """``body`` as ``cls``; a null counts as absent (OpenAI clients send nulls for defaults)."""
-    _check_model(body.get("model"), served_model)
-    present = {k: v for k, v in body.items() if v is not None}
+    check_model(body.get("model"), served_model)
+    return validate_body(body, cls)
+
+
+def validate_body(body: Mapping[str, Any], cls: type[S]) -> S:
+    """``body`` as ``cls`` (fields it does not take are dropped: refuse them first); a null
+    counts as absent; msgspec's error becomes a 400 naming the parameter."""
+    present = {k: v for k, v in body.items() if v is not None and k in cls.__struct_fields__}
     try:
         return msgspec.convert(present, cls, strict=True)
     except msgspec.ValidationError as exc:
         raise _schema_error(cls, present, str(exc)) from None
 
 
-def _check_model(model: Any, served_model: str) -> None:
+def check_model(model: Any, served_model: str) -> None:
     if not isinstance(model, str) or not model:
         raise InvalidRequestError(
             f"'model' is required and must be a string; this router serves {served_model!r}",

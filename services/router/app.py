@@ -51,6 +51,7 @@ from kvmesh.services.router.responses import (
 )
 from kvmesh.services.router.schema import Model, ModelList
 from kvmesh.services.router.shutdown import Shutdown
+from kvmesh.services.router.tokens_api import detokenize_body, tokenize_body
 from kvmesh.shared import logs
 from kvmesh.shared.metrics_exporter import exposition
 from kvmesh.shared.service_errors import listen_error
@@ -107,7 +108,8 @@ class Router:
     ) -> tuple[GenerateRequest, Prompt]:
         """Body bytes to a validated request and its token ids (pure CPU work)."""
         request = parse(parse_json_body(raw), self.model.name)
-        return request, tokenize(request, self.model.tokenizer, self.model.max_model_len)
+        pool = self.dispatcher.capacity.max_tokens(time.monotonic())
+        return request, tokenize(request, self.model.tokenizer, self.model.max_model_len, pool)
 
     async def _generate(
         self,
@@ -181,7 +183,11 @@ class Router:
 
     def _choices(self, request: GenerateRequest, prompt: Prompt) -> list[Choice]:
         is_chat = request.kind == "chat"
-        return [Choice.new(0, self.model.tokenizer, prompt.prompt_ids, prompt.sampling, is_chat)]
+        tokenizer, sampling = self.model.tokenizer, prompt.sampling
+        return [
+            Choice.new(i, tokenizer, prompt.prompt_ids, sampling, is_chat)
+            for i in range(sampling.n)
+        ]
 
     async def _stream(
         self,
@@ -268,8 +274,23 @@ class Router:
             object="model",
             created=self.started_at,
             owned_by="kvmesh",
-            max_model_len=self.model.max_model_len,
+            max_model_len=self.max_model_len(),
         )
+
+    def max_model_len(self) -> int:
+        """The context a request can really use: the model's, or the largest decode worker's KV
+        pool when that is smaller (pool_capacity.py)."""
+        pool = self.dispatcher.capacity.max_tokens(time.monotonic())
+        return min(self.model.max_model_len, pool) if pool is not None else self.model.max_model_len
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        body = parse_json_body(await request.read())
+        answer = tokenize_body(body, self.model.name, self.model.tokenizer, self.max_model_len())
+        return _json_response(answer)
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        body = parse_json_body(await request.read())
+        return _json_response(detokenize_body(body, self.model.name, self.model.tokenizer))
 
     async def health(self, request: web.Request) -> web.Response:
         """Readiness: NATS connected and at least one decode (or colocated) worker ready."""
@@ -326,8 +347,12 @@ async def _relay(
     request is aborted."""
     async with aclosing(mesh.events()) as events:
         async for event in events:
-            choice = choices[0]
-            if choice.is_done:
+            if event.index >= len(choices):
+                raise MeshError(
+                    f"a decode worker sent choice {event.index} of a request of {len(choices)}"
+                )
+            choice = choices[event.index]
+            if choice.is_done:  # a stop string the router saw first; the mesh ends it too
                 continue
             try:
                 text, logprobs = choice.add(event)
@@ -337,8 +362,7 @@ async def _relay(
                 stopped = choice.output.is_stopped
                 await send(choice, text, 0 if stopped else len(event.token_ids), logprobs)
             if all(c.is_done for c in choices):
-                if event.finish_reason is None:
-                    await mesh.abort("stop string")
+                await mesh.abort("stop string")  # nothing to stop when the mesh finished them
                 return
     raise AssertionError("events() ended before every choice finished")
 
@@ -422,6 +446,8 @@ def build_app(router: Router) -> web.Application:
             web.post("/v1/chat/completions", router.chat_completions),
             web.get("/v1/models", router.models),
             web.get("/v1/models/{model}", router.model_detail),
+            web.post("/tokenize", router.tokenize),
+            web.post("/detokenize", router.detokenize),
             web.get("/health", router.health),
             web.get("/metrics", router.metrics_text),
             web.get("/openapi.json", router.openapi),

@@ -1,7 +1,8 @@
 """Token log-probabilities from the mesh (``TokenLogprobs``) in OpenAI's two shapes (pure).
 
 Chat: ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}``, one entry per
-token. Completions (the legacy shape): parallel lists ``tokens``, ``token_logprobs``,
+token, ``bytes`` the token's own bytes (``Tokenizer.token_bytes``: the bytes of a multi-byte
+character split over tokens add up across entries). Completions (the legacy shape): parallel lists ``tokens``, ``token_logprobs``,
 ``top_logprobs`` (text -> logprob of the likeliest tokens and the chosen one, as vLLM gives it)
 and ``text_offset`` (where each token's text starts in the choice's text). A token's text is the
 token decoded alone, special tokens included; one byte of a multi-byte character decodes to
@@ -19,13 +20,13 @@ from kvmesh.services.router.schema import (
     TopLogprob,
 )
 from kvmesh.shared.sampling import TokenLogprobs
-from kvmesh.shared.text import TokenDecoder
+from kvmesh.shared.tokenizer import Tokenizer
 
 
 class LogprobsBuilder:
     """The logprobs of one choice, chunk by chunk (a stream's chunks continue its offsets)."""
 
-    def __init__(self, tokenizer: TokenDecoder, is_chat: bool) -> None:
+    def __init__(self, tokenizer: Tokenizer, is_chat: bool) -> None:
         self._tokenizer = tokenizer
         self._is_chat = is_chat
         self._texts: dict[int, str] = {}
@@ -69,9 +70,12 @@ class LogprobsBuilder:
         assert lp is not None, "only an echoed prompt has tokens without logprobs"
         text = self.token_text(token_id)
         top = [
-            TopLogprob(token=(t := self.token_text(i)), logprob=v, bytes=list(t.encode()))
+            TopLogprob(token=self.token_text(i), logprob=v, bytes=self._bytes(i))
             for i, v in zip(lp.top_ids, lp.top_logprobs, strict=True)
         ]
         return TokenLogprob(
-            token=text, logprob=lp.logprob, bytes=list(text.encode()), top_logprobs=top
+            token=text, logprob=lp.logprob, bytes=self._bytes(token_id), top_logprobs=top
         )
+
+    def _bytes(self, token_id: int) -> list[int]:
+        return list(self._tokenizer.token_bytes(token_id))

@@ -25,8 +25,15 @@ class Prompt:
     sampling: SamplingOptions
 
 
-def tokenize(request: GenerateRequest, tokenizer: Tokenizer, max_model_len: int) -> Prompt:
-    """Prompt ids and sampling options for ``request``; refuses prompts the context cannot hold."""
+def tokenize(
+    request: GenerateRequest,
+    tokenizer: Tokenizer,
+    max_model_len: int,
+    kv_pool_tokens: int | None = None,
+) -> Prompt:
+    """Prompt ids and sampling options for ``request``; refuses prompts the context cannot hold:
+    the model's ``max_model_len``, or ``kv_pool_tokens`` (the largest decode worker's KV pool)
+    when that is smaller."""
     if request.messages is not None:
         try:
             ids = tuple(tokenizer.encode_chat(request.messages))
@@ -48,10 +55,19 @@ def tokenize(request: GenerateRequest, tokenizer: Tokenizer, max_model_len: int)
         param = "prompt"
     if not ids:
         raise InvalidRequestError("the prompt is empty; send at least one token", param=param)
+    context = f"the model's context is {max_model_len} tokens"
+    fix = ""
+    if kv_pool_tokens is not None and kv_pool_tokens < max_model_len:
+        max_model_len = kv_pool_tokens
+        context = f"the largest decode worker's KV pool holds {kv_pool_tokens} tokens"
+        fix = (
+            ", or give the decode workers more KV memory (--num-blocks or --kv-cache-bytes, "
+            "KVMESH_NUM_BLOCKS / KVMESH_KV_CACHE_BYTES)"
+        )
     if len(ids) >= max_model_len:
         raise InvalidRequestError(
-            f"the prompt is {len(ids)} tokens but the model's context is {max_model_len} tokens "
-            f"(prompt plus output); shorten the prompt",
+            f"the prompt is {len(ids)} tokens but {context} (prompt plus output); shorten the "
+            f"prompt{fix}",
             param=param,
             code="context_length_exceeded",
         )
@@ -63,8 +79,8 @@ def tokenize(request: GenerateRequest, tokenizer: Tokenizer, max_model_len: int)
     elif max_tokens > room:
         name = "max_tokens" if request.kind == "completion" else "max_completion_tokens"
         raise InvalidRequestError(
-            f"the prompt is {len(ids)} tokens and {name} is {max_tokens}, more than the model's "
-            f"context of {max_model_len} tokens; set {name} to at most {room}",
+            f"the prompt is {len(ids)} tokens and {name} is {max_tokens}, more than fits: "
+            f"{context}; set {name} to at most {room}{fix}",
             param=name,
             code="context_length_exceeded",
         )

@@ -30,18 +30,18 @@ FinishReason = Literal["stop", "length"]
 # --- requests ----------------------------------------------------------------------------------
 
 
-class StreamOptions(msgspec.Struct, frozen=True):
+class StreamOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     include_usage: bool = False
 
 
-class TextPart(msgspec.Struct, frozen=True):
+class TextPart(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """A part of a message's content; only text parts are supported."""
 
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(msgspec.Struct, frozen=True):
+class ChatMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     role: Role
     content: Annotated[
         str | list[TextPart] | None,
@@ -50,13 +50,16 @@ class ChatMessage(msgspec.Struct, frozen=True):
             extra={"expects": "a string or a list of text parts"},
         ),
     ] = None
+    name: (
+        Annotated[str, Meta(description="The author's name, given to the chat template")] | None
+    ) = None
 
 
 class SamplingFields(SamplingOptions, frozen=True, kw_only=True, forbid_unknown_fields=False):
     """The parameters both generate routes take: every sampling option (``SamplingOptions``,
-    its fields, bounds and descriptions) and the request's own. Unknown fields are ignored, as
-    OpenAI's API does; the ones kvmesh cannot honour are refused by name before this schema
-    applies (``api.py``). ``max_tokens`` and the HTTP shapes of ``stop`` and ``top_k`` are the
+    its fields, bounds and descriptions) and the request's own. Any other field is refused by
+    name before this schema applies (``api.py``), but for a few that are harmless to ignore
+    (docs/openai_api.md). ``max_tokens`` and the HTTP shapes of ``stop`` and ``top_k`` are the
     API's own: ``api.py`` maps them onto the options."""
 
     model: Annotated[NonEmptyStr, Meta(description="Must be the served model (GET /v1/models).")]
@@ -72,7 +75,6 @@ class SamplingFields(SamplingOptions, frozen=True, kw_only=True, forbid_unknown_
         ]
         | None
     ) = None
-    n: Literal[1] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
 
@@ -128,7 +130,46 @@ class ChatCompletionRequest(SamplingFields, frozen=True, kw_only=True):
     ) = None
 
 
+class TokenizeCompletionRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """``POST /tokenize`` of a text prompt (vLLM's)."""
+
+    model: NonEmptyStr | None = None  # if given, the served model
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: Annotated[bool, Meta(description="Also return each token's text")] = False
+
+
+class TokenizeChatRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """``POST /tokenize`` of chat messages through the chat template (vLLM's)."""
+
+    model: NonEmptyStr | None = None
+    messages: Annotated[
+        list[ChatMessage],
+        Meta(min_length=1, extra={"expects": "a non-empty list of {role, content} objects"}),
+    ]
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """``POST /detokenize`` (vLLM's)."""
+
+    model: NonEmptyStr | None = None
+    tokens: list[TokenId]
+
+
 # --- responses ---------------------------------------------------------------------------------
+
+
+class TokenizeResponse(msgspec.Struct, kw_only=True):
+    count: int
+    max_model_len: int  # the context a request can use (as /v1/models reports it)
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(msgspec.Struct, kw_only=True):
+    prompt: str
 
 
 class CompletionTokensDetails(msgspec.Struct, kw_only=True):
@@ -286,5 +327,20 @@ class Error(msgspec.Struct):
     error: ErrorDetail
 
 
-REQUESTS = (CompletionRequest, ChatCompletionRequest)
-RESPONSES = (Completion, ChatCompletion, ChatCompletionChunk, ModelList, Model, Error)
+REQUESTS = (
+    CompletionRequest,
+    ChatCompletionRequest,
+    TokenizeCompletionRequest,
+    TokenizeChatRequest,
+    DetokenizeRequest,
+)
+RESPONSES = (
+    Completion,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ModelList,
+    Model,
+    Error,
+    TokenizeResponse,
+    DetokenizeResponse,
+)

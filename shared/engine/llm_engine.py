@@ -61,8 +61,9 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-from kvmesh.shared.engine import acceptance, handoff
+from kvmesh.shared.engine import acceptance, choices, handoff
 from kvmesh.shared.engine.block_manager import BlockManager, OutOfBlocksError
+from kvmesh.shared.engine.choices import choice_id
 from kvmesh.shared.engine.config import EngineConfig
 from kvmesh.shared.engine.draft_tree import DraftTree
 from kvmesh.shared.engine.finish import finish_reason, stop_text_for
@@ -155,6 +156,7 @@ class LLMEngine:
         self.spec_totals = SpecTotals()
         self._pending: list[RequestOutput] = []
         self._num_generated = 0
+        self._num_choices: dict[str, int] = {}  # request id -> its n, while a choice runs
 
     # ---- requests -----------------------------------------------------------------------------
 
@@ -224,14 +226,21 @@ class LLMEngine:
         return seq
 
     def abort(self, request_id: str) -> bool:
+        """Abort the request: each of its choices' sequences still here."""
         seq = self.seqs.get(request_id)
-        if seq is None:
+        others = [
+            self.seqs[sid]
+            for i in range(1, self._num_choices.get(request_id, 1))
+            if (sid := choice_id(request_id, i)) in self.seqs
+        ]
+        if seq is None and not others:
             return False
-        if seq.is_finished:  # prefill_done, still holding its blocks
+        if seq is not None and seq.is_finished:  # prefill_done, still holding its blocks
             self.release(request_id)
             return True
-        self._finish(seq, "abort")
-        self._pending.append(self._output(seq, []))
+        for s in [seq, *others] if seq is not None else others:
+            self._finish(s, "abort")
+            self._pending.append(self._output(s, []))
         return True
 
     def release(self, request_id: str) -> None:
@@ -305,6 +314,7 @@ class LLMEngine:
                 self._finish(seq, "prefill_done")
                 outputs.append(self._output(seq, [token]))
             else:
+                self._fork_choices(seq)
                 outputs.append(self._emit(seq))
         if drafts:
             self.last_spec_step = self._spec_stats(
@@ -387,7 +397,7 @@ class LLMEngine:
             assert len(logprobs) == len(new_token_ids), (seq.request_id, len(logprobs))
         seq.num_emitted_tokens = seq.num_output_tokens
         return RequestOutput(
-            seq.request_id,
+            seq.reply_id,
             new_token_ids,
             seq.is_finished,
             seq.finish_reason,
@@ -395,7 +405,35 @@ class LLMEngine:
             seq.num_output_tokens,
             self._last_accepted.pop(seq.request_id, 0),
             logprobs,
+            seq.index,
         )
+
+    def _fork_choices(self, seq: Sequence) -> None:
+        """After choice 0's first token: the request's other choices, over its prompt KV. A
+        pool too full for their private blocks gets them as plain sequences instead (their
+        prompt prefilled again, from the prefix cache where it holds it)."""
+        n = seq.params.n
+        if n == 1 or seq.index or seq.num_output_tokens != 1 or seq.request_id in self._num_choices:
+            return
+        self._num_choices[seq.request_id] = n
+        forked = choices.can_fork(seq, self.block_manager)
+        for i in range(1, n):
+            if forked:
+                child = choices.fork(seq, i, self.block_manager, self.kv_pool)
+            else:
+                child = Sequence(
+                    choices.choice_id(seq.request_id, i),
+                    seq.prompt_ids,
+                    seq.params,
+                    choice_of=seq.request_id,
+                    index=i,
+                )
+            child.stop_text = stop_text_for(child, self.tokenizer)
+            self.seqs[child.request_id] = child
+            if forked:
+                self.scheduler.add_prefilled(child)
+            else:
+                self.scheduler.add(child)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.remove(seq)
@@ -404,12 +442,19 @@ class LLMEngine:
         if reason != "prefill_done":
             self.block_manager.deallocate(seq)
             del self.seqs[seq.request_id]
+            rid = seq.reply_id
+            if rid in self._num_choices and not any(
+                choice_id(rid, i) in self.seqs for i in range(self._num_choices[rid])
+            ):
+                del self._num_choices[rid]
 
     def generate(
         self, prompts: list[list[int]], params: SamplingOptions | list[SamplingOptions]
     ) -> list[list[int]]:
         """Run the prompts to completion; returns the generated token ids of each, in order."""
         params_list = params if isinstance(params, list) else [params] * len(prompts)
+        if any(p.n > 1 for p in params_list):
+            raise RequestError("generate() runs n=1; add_request and step() run n > 1 choices")
         ids = []
         for prompt, p in zip(prompts, params_list, strict=True):
             self._num_generated += 1
@@ -515,6 +560,7 @@ class LLMEngine:
         self.scheduler.add_prefilled(seq)
         seq.num_emitted_tokens = 0
         seq.stop_text = stop_text_for(seq, self.tokenizer)
+        self._fork_choices(seq)
         out = self._emit(seq)  # stop checks on the first token, already delivered by prefill
         if out.finished:
             self._pending.append(

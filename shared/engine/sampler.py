@@ -112,7 +112,8 @@ class Sampler:
                 # Noise keyed by (seed, output index), not by how many draws came before: the
                 # token is the same whichever worker samples it (a prefill worker samples the
                 # first, a decode worker the rest) and after a preemption recompute.
-                seq.generator.manual_seed(token_seed(seq.params.seed, seq.num_output_tokens))
+                assert seq.seed is not None
+                seq.generator.manual_seed(token_seed(seq.seed, seq.num_output_tokens))
                 q[i].exponential_(generator=seq.generator)
         return draw(x, params, q)
 

@@ -70,6 +70,7 @@ class RequestOutput:
         0  # draft tokens verified and kept this step (their ids lead new_token_ids)
     )
     logprobs: list[TokenLogprobs] | None = None  # per new token, with SamplingOptions.logprobs
+    index: int = 0  # which of the request's SamplingOptions.n choices
 
 
 @dataclass(slots=True, eq=False)
@@ -94,13 +95,29 @@ class Sequence:
     stop_text: TextStream | None = None  # the emitted output's text, only with stop strings
     # with SamplingOptions.logprobs: one per output token, in order
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # choice ``index`` > 0 of the request ``choice_of`` (SamplingOptions.n; choices.py)
+    choice_of: str | None = None
+    index: int = 0
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:
             self.num_prompt_tokens = len(self.token_ids)
         self.num_emitted_tokens = len(self.token_ids) - self.num_prompt_tokens
-        if self.params.seed is not None and not self.params.is_greedy:
-            self.generator = torch.Generator().manual_seed(self.params.seed)
+        if self.seed is not None and not self.params.is_greedy:
+            self.generator = torch.Generator().manual_seed(self.seed)
+
+    @property
+    def seed(self) -> int | None:
+        """The seed of this choice's noise: the request's for choice 0, one drawn from it for
+        the others (each choice samples differently, reproducibly)."""
+        if self.params.seed is None or self.index == 0:
+            return self.params.seed
+        return choice_seed(self.params.seed, self.index)
+
+    @property
+    def reply_id(self) -> str:
+        """The request this sequence answers (its own id but for choices > 0)."""
+        return self.choice_of or self.request_id
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -124,3 +141,10 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """Choice ``index``'s seed from the request's (a splitmix64 mix, 63 bits)."""
+    z = (seed * 0xD1B54A32D192ED03 + index * 0x9E3779B97F4A7C15) % (1 << 64)
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % (1 << 64)
+    return (z ^ (z >> 27)) >> 1

@@ -1,0 +1,247 @@
+"""Sampling options through a real mesh with speculative decoding on, with the official ``openai``
+client: every reply equals the offline engine's run of the same options, token for token, with
+logprobs within float tolerance, streamed and not; short prompts are prefilled by the decode
+worker, long ones by the prefill worker (its first token sampled there under the same options).
+
+One mesh (kv-registry, router, prefill, decode and an n-gram draft worker as processes on a
+real nats-server) serves every case.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import openai
+import pytest
+from kvmesh.loadgen.bench_mesh import random_prompts
+from kvmesh.loadgen.bench_spec import DraftSetup, spec_mesh
+from kvmesh.shared.sampling import SamplingOptions
+
+pytestmark = pytest.mark.slow
+
+MODEL = "kvmesh-tiny"
+ENV = {"KVMESH_CHUNK_TOKENS": "32", "KVMESH_BLOCK_SIZE": "16", "KVMESH_NUM_BLOCKS": "512"}
+LOCAL_PREFILL_BELOW = 48
+# phrases repeated three times: n-gram drafts find something to propose
+PROMPTS = [p * 3 for p in random_prompts(2, 10, 12, seed=3)] + [
+    p * 3 for p in random_prompts(2, 30, 40, seed=4)
+]
+# HTTP body -> the options the engine must run
+CASES = {
+    "penalties-greedy": (
+        {
+            "temperature": 0,
+            "max_tokens": 16,
+            "logprobs": 3,
+            "extra_body": {
+                "repetition_penalty": 1.3,
+                "ignore_eos": True,
+                "logit_bias": {"101": 3.0, "32": -100},
+            },
+            "frequency_penalty": 0.4,
+            "presence_penalty": 0.3,
+        },
+        SamplingOptions(
+            max_tokens=16,
+            temperature=0,
+            logprobs=3,
+            repetition_penalty=1.3,
+            frequency_penalty=0.4,
+            presence_penalty=0.3,
+            logit_bias={101: 3.0, 32: -100},
+            ignore_eos=True,
+        ),
+    ),
+    "seeded-min-p-min-tokens": (
+        {
+            "temperature": 0.8,
+            "max_tokens": 14,
+            "seed": 21,
+            "logprobs": 2,
+            "extra_body": {"top_k": 30, "min_p": 0.05, "min_tokens": 10, "stop_token_ids": [97]},
+        },
+        SamplingOptions(
+            max_tokens=14,
+            temperature=0.8,
+            seed=21,
+            logprobs=2,
+            top_k=30,
+            min_p=0.05,
+            min_tokens=10,
+            stop_token_ids=(97,),
+        ),
+    ),
+    "greedy-logprobs": (
+        {"temperature": 0, "max_tokens": 20, "logprobs": 1, "extra_body": {"ignore_eos": True}},
+        SamplingOptions(max_tokens=20, temperature=0, logprobs=1, ignore_eos=True),
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    with spec_mesh(
+        DraftSetup("ngram", k=4), env=ENV, local_prefill_threshold=LOCAL_PREFILL_BELOW
+    ) as launcher:
+        yield launcher
+
+
+@pytest.fixture(scope="module")
+def offline():
+    """The offline engine's tokens and logprobs of each case and prompt."""
+    from kvmesh.shared.engine.config import EngineConfig
+    from kvmesh.shared.engine.llm_engine import LLMEngine
+    from kvmesh.shared.model.loader import load_model
+
+    model, tokenizer = load_model(MODEL)
+    engine = LLMEngine(model, tokenizer, EngineConfig(num_blocks=512))
+    out = {}
+    for name, (_, params) in CASES.items():
+        for i, prompt in enumerate(PROMPTS):
+            engine.add_request("r", prompt, params)
+            outs = []
+            while engine.has_unfinished():
+                outs += engine.step()
+            ids = [t for o in outs for t in o.new_token_ids]
+            lps = [lp for o in outs for lp in o.logprobs or ()]
+            out[name, i] = (ids, lps, tokenizer)
+    return out
+
+
+def expected_texts(ids, tokenizer) -> list[str]:
+    return [tokenizer.decode([t], skip_special_tokens=False) for t in ids]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_options_equal_the_offline_engine_with_drafts_streamed_and_not(mesh, offline, name):
+    body, _ = CASES[name]
+
+    async def scenario():
+        client = openai.AsyncOpenAI(base_url=f"{mesh.url}/v1", api_key="x", max_retries=0)
+        async with client:
+            fulls = await asyncio.gather(
+                *(client.completions.create(model=MODEL, prompt=p, **body) for p in PROMPTS)
+            )
+            streams = []
+            for p in PROMPTS:
+                stream = await client.completions.create(model=MODEL, prompt=p, stream=True, **body)
+                streams.append([c async for c in stream])
+        return fulls, streams
+
+    fulls, streams = asyncio.run(scenario())
+    accepted = 0
+    for i, (full, chunks) in enumerate(zip(fulls, streams, strict=True)):
+        ids, lps, tokenizer = offline[name, i]
+        choice = full.choices[0]
+        assert choice.logprobs.tokens == expected_texts(ids, tokenizer), (name, i)
+        assert choice.logprobs.token_logprobs == pytest.approx([lp.logprob for lp in lps], abs=1e-4)
+        tops = [set(d) for d in choice.logprobs.top_logprobs]
+        assert tops == [
+            {tokenizer.decode([t], skip_special_tokens=False) for t in (*lp.top_ids, tok)}
+            for tok, lp in zip(ids, lps, strict=True)
+        ]
+        assert full.usage.completion_tokens == len(ids)
+        details = full.usage.completion_tokens_details
+        accepted += details.accepted_prediction_tokens if details else 0
+        streamed = [
+            t
+            for c in chunks
+            if c.choices and c.choices[0].logprobs
+            for t in c.choices[0].logprobs.tokens
+        ]
+        assert streamed == choice.logprobs.tokens
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
+        offsets = [
+            o
+            for c in chunks
+            if c.choices and c.choices[0].logprobs
+            for o in c.choices[0].logprobs.text_offset
+        ]
+        assert offsets == choice.logprobs.text_offset
+    if name == "greedy-logprobs":
+        assert accepted > 0  # the drafts were verified and kept
+
+
+def test_chat_logprobs_and_stop_string_kept_through_the_mesh(mesh):
+    async def scenario():
+        client = openai.AsyncOpenAI(base_url=f"{mesh.url}/v1", api_key="x", max_retries=0)
+        async with client:
+            messages = [{"role": "user", "content": "the mesh decode prefill " * 4}]
+            plain = await client.chat.completions.create(
+                model=MODEL,
+                messages=messages,
+                max_completion_tokens=12,
+                temperature=0,
+                logprobs=True,
+                top_logprobs=2,
+            )
+            text = plain.choices[0].message.content
+            stop = text[3:5]
+            kept = await client.chat.completions.create(
+                model=MODEL,
+                messages=messages,
+                max_completion_tokens=12,
+                temperature=0,
+                stop=[stop],
+                extra_body={"include_stop_str_in_output": True},
+            )
+            return plain, kept, text, stop
+
+    plain, kept, text, stop = asyncio.run(scenario())
+    content = plain.choices[0].logprobs.content
+    assert len(content) == plain.usage.completion_tokens
+    assert all(len(entry.top_logprobs) == 2 for entry in content)
+    assert b"".join(bytes(entry.bytes) for entry in content).decode() == text
+    assert kept.choices[0].message.content == text[: text.index(stop) + len(stop)]
+    assert kept.choices[0].finish_reason == "stop"
+
+
+def offline_choices(prompt, params):
+    from kvmesh.shared.engine.config import EngineConfig
+    from kvmesh.shared.engine.llm_engine import LLMEngine
+    from kvmesh.shared.model.loader import load_model
+
+    model, tokenizer = load_model(MODEL)
+    engine = LLMEngine(model, tokenizer, EngineConfig(num_blocks=512))
+    engine.add_request("r", prompt, params)
+    got: dict[int, list[int]] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            got.setdefault(out.index, []).extend(out.new_token_ids)
+    return got, tokenizer
+
+
+@pytest.mark.parametrize("prompt_index", [0, 2], ids=["local-prefill", "remote-prefill"])
+def test_n_choices_equal_the_offline_engines_streamed_and_not(mesh, prompt_index):
+    prompt = PROMPTS[prompt_index]
+    params = SamplingOptions(max_tokens=12, temperature=1.0, seed=5, n=3, ignore_eos=True)
+    expected, tokenizer = offline_choices(prompt, params)
+    body = {"max_tokens": 12, "temperature": 1.0, "seed": 5, "n": 3, "logprobs": 0}
+
+    async def scenario():
+        client = openai.AsyncOpenAI(base_url=f"{mesh.url}/v1", api_key="x", max_retries=0)
+        async with client:
+            full = await client.completions.create(
+                model=MODEL, prompt=prompt, extra_body={"ignore_eos": True}, **body
+            )
+            stream = await client.completions.create(
+                model=MODEL, prompt=prompt, stream=True, extra_body={"ignore_eos": True}, **body
+            )
+            return full, [c async for c in stream]
+
+    full, chunks = asyncio.run(scenario())
+    assert sorted(c.index for c in full.choices) == [0, 1, 2]
+    for choice in full.choices:
+        texts = [tokenizer.decode([t], skip_special_tokens=False) for t in expected[choice.index]]
+        assert choice.logprobs.tokens == texts, choice.index
+        streamed = "".join(
+            c.choices[0].text for c in chunks if c.choices and c.choices[0].index == choice.index
+        )
+        assert streamed == choice.text
+        finishes = [
+            c.choices[0].finish_reason
+            for c in chunks
+            if c.choices and c.choices[0].index == choice.index
+        ]
+        assert finishes[-1] == "length" and finishes.count("length") == 1
+    assert full.usage.completion_tokens == 36
