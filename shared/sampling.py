@@ -19,6 +19,7 @@ import typing
 from typing import Annotated, Any
 
 import msgspec
+from kvmesh.shared.structured_output import StructuredOutputs
 from msgspec import Meta
 
 MAX_STOP_STRINGS = 16
@@ -105,6 +106,10 @@ class SamplingOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
         ]
         | None
     ) = None
+    structured_outputs: Annotated[
+        StructuredOutputs | None,
+        Meta(description="The grammar the output follows (vLLM's; or response_format)"),
+    ] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):  # a single stop string, as OpenAI's API allows

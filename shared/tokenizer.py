@@ -36,6 +36,8 @@ class _Backend(Protocol):
 
     def token_bytes(self, token_id: int) -> bytes: ...
 
+    def special_ids(self) -> frozenset[int]: ...
+
 
 class _HFBackend:
     def __init__(self, path: Path) -> None:
@@ -56,6 +58,10 @@ class _HFBackend:
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
+
+    def special_ids(self) -> frozenset[int]:
+        added = self._tok.get_added_tokens_decoder()
+        return frozenset(i for i, token in added.items() if token.special)
 
     def token_bytes(self, token_id: int) -> bytes:
         piece = self._tok.id_to_token(token_id)
@@ -131,6 +137,9 @@ class _ByteBackend:
 
     def token_to_id(self, token: str) -> int | None:
         return self._special_ids.get(token)
+
+    def special_ids(self) -> frozenset[int]:
+        return frozenset(range(256, self.vocab_size))
 
     def token_bytes(self, token_id: int) -> bytes:
         if 0 <= token_id < 256:
@@ -227,6 +236,10 @@ class Tokenizer:
         """The bytes one token stands for (a part of a multi-byte character decodes to U+FFFD
         alone; its bytes do not): OpenAI's logprobs ``bytes``."""
         return self._backend.token_bytes(token_id)
+
+    def special_ids(self) -> frozenset[int]:
+        """The special tokens' ids (BOS, EOS, chat markers): no text of the output."""
+        return self._backend.special_ids()
 
     def apply_chat_template(
         self,

@@ -245,3 +245,97 @@ def test_n_choices_equal_the_offline_engines_streamed_and_not(mesh, prompt_index
         ]
         assert finishes[-1] == "length" and finishes.count("length") == 1
     assert full.usage.completion_tokens == 36
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "ok": {"type": "boolean"},
+        "count": {"type": "integer", "minimum": 0, "maximum": 999},
+        "tag": {"enum": ["red", "green", "blue"]},
+    },
+    "required": ["ok", "count", "tag"],
+}
+
+
+def test_structured_outputs_through_the_mesh_with_the_openai_client(mesh):
+    import json
+    import re
+
+    from jsonschema import Draft202012Validator
+
+    async def scenario():
+        client = openai.AsyncOpenAI(base_url=f"{mesh.url}/v1", api_key="x", max_retries=0)
+        async with client:
+            messages = [{"role": "user", "content": "the mesh decode prefill " * 4}]
+            schema_format = {
+                "type": "json_schema",
+                "json_schema": {"name": "answer", "schema": SCHEMA, "strict": True},
+            }
+            chats = await asyncio.gather(
+                *(
+                    client.chat.completions.create(
+                        model=MODEL,
+                        messages=messages,
+                        max_completion_tokens=60,
+                        seed=s,
+                        response_format=schema_format,
+                    )
+                    for s in range(6)
+                ),
+                client.chat.completions.create(
+                    model=MODEL,
+                    messages=messages,
+                    max_completion_tokens=60,
+                    seed=9,
+                    response_format={"type": "json_object"},
+                    n=2,
+                ),
+            )
+            stream = await client.chat.completions.create(
+                model=MODEL,
+                messages=messages,
+                max_completion_tokens=60,
+                seed=3,
+                response_format=schema_format,
+                stream=True,
+            )
+            streamed = "".join(
+                [c.choices[0].delta.content or "" async for c in stream if c.choices]
+            )
+            regex = await client.completions.create(
+                model=MODEL,
+                prompt=PROMPTS[2],
+                max_tokens=20,
+                seed=1,
+                extra_body={"guided_regex": "[0-9]{3}-[a-z]{2}"},
+            )
+            choice = await client.completions.create(
+                model=MODEL,
+                prompt=PROMPTS[0],
+                max_tokens=20,
+                seed=1,
+                extra_body={"guided_choice": ["alpha", "beta"]},
+            )
+            with pytest.raises(openai.BadRequestError, match="Unsupported type"):
+                await client.chat.completions.create(
+                    model=MODEL,
+                    messages=messages,
+                    response_format={
+                        "type": "json_schema",
+                        "json_schema": {"name": "x", "schema": {"type": "foo"}},
+                    },
+                )
+            return chats, streamed, regex, choice
+
+    chats, streamed, regex, choice = asyncio.run(scenario())
+    validator = Draft202012Validator(SCHEMA)
+    for reply in chats[:-1]:
+        validator.validate(json.loads(reply.choices[0].message.content))
+        assert reply.choices[0].finish_reason == "stop"
+    validator.validate(json.loads(streamed))
+    for c in chats[-1].choices:  # any object; one the length limit cut does not parse
+        assert c.message.content.startswith("{")
+        assert c.finish_reason == "length" or isinstance(json.loads(c.message.content), dict)
+    assert re.fullmatch("[0-9]{3}-[a-z]{2}", regex.choices[0].text)
+    assert choice.choices[0].text in ("alpha", "beta")

@@ -669,7 +669,7 @@ def test_unknown_fields_are_refused_by_name_and_harmless_ones_ignored():
         assert parse(prompt_logprobs=None)  # null: absent
         assert invalid(parse, store=True).param == "store"
         assert invalid(parse, skip_special_tokens=False).param == "skip_special_tokens"
-    for name in ("guided_json", "chat_template_kwargs", "allowed_token_ids", "prompt_logprobs"):
+    for name in ("guided_whitespace_pattern", "chat_template_kwargs", "allowed_token_ids"):
         assert invalid(chat, **{name: {"x": 1}}).param == name
     assert chat(echo=False, tool_choice="none", add_generation_prompt=True)
     assert completion(add_special_tokens=True, best_of=1, suffix="")
@@ -718,3 +718,77 @@ def test_detokenize_round_trips_and_refuses_ids_outside_the_vocabulary(tokenizer
     assert wire(detokenize_body({"tokens": [104, 105]}, MODEL, tokenizer)) == {"prompt": "hi"}
     assert invalid(detokenize_body, {"tokens": [10**6]}, MODEL, tokenizer).param == "tokens"
     assert invalid(detokenize_body, {"tokens": [-1]}, MODEL, tokenizer).param == "tokens"
+
+
+# --- structured outputs --------------------------------------------------------------------------
+
+SCHEMA = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}}
+
+
+@pytest.mark.parametrize("parse", [completion, chat])
+def test_every_spelling_of_a_structured_output_maps_onto_one_spec(parse):
+    from kvmesh.shared.structured_output import StructuredOutputs
+
+    schema_text = '{"type":"object","properties":{"b":{"type":"integer"},"a":{"type":"string"}}}'
+    cases = {
+        "response_format": (
+            {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "strict": True}},
+            StructuredOutputs(json=schema_text),
+        ),
+        "guided_json": (SCHEMA, StructuredOutputs(json=schema_text)),
+        "guided_regex": ("[0-9]+", StructuredOutputs(regex="[0-9]+")),
+        "guided_choice": (["yes", "no"], StructuredOutputs(choice=("yes", "no"))),
+        "guided_grammar": ('root ::= "a"', StructuredOutputs(grammar='root ::= "a"')),
+        "structured_outputs": ({"json": SCHEMA}, StructuredOutputs(json=schema_text)),
+    }
+    for name, (value, expected) in cases.items():
+        req = parse(**{name: value})
+        assert (req.sampling.structured_outputs, req.structured_param) == (expected, name)
+    json_object = parse(response_format={"type": "json_object"}).sampling.structured_outputs
+    assert json_object == StructuredOutputs(json_object=True)
+    assert parse(response_format={"type": "text"}).sampling.structured_outputs is None
+    assert parse(guided_decoding_backend="xgrammar", guided_regex="a").sampling.structured_outputs
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"response_format": {"type": "json_schema"}}, "response_format"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+            "response_format",
+        ),
+        ({"response_format": {"type": "yaml"}}, "response_format"),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"schema": {}, "strict": False},
+                }
+            },
+            "response_format",
+        ),
+        ({"guided_json": "not json"}, "guided_json"),
+        ({"guided_json": [1]}, "guided_json"),
+        ({"guided_choice": []}, "guided_choice"),
+        ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
+        ({"structured_outputs": {}}, "structured_outputs"),
+        ({"structured_outputs": {"regex": "a", "grammar": "b"}}, "structured_outputs"),
+        ({"guided_decoding_backend": "outlines"}, "guided_decoding_backend"),
+    ],
+)
+def test_malformed_structured_outputs_are_400_naming_the_field(body, param):
+    for parse in (completion, chat):
+        err = invalid(parse, **body)
+        assert (err.status, err.param) == (400, param), err.message
+
+
+def test_a_spec_that_does_not_build_is_400_saying_why():
+    from kvmesh.services.router import structured
+    from kvmesh.shared.structured_output import StructuredOutputs
+
+    err = invalid(structured.check, StructuredOutputs(regex="[a-"), "guided_regex")
+    assert (err.status, err.param) == (400, "guided_regex") and "Unclosed '['" in err.message
+    err = invalid(structured.check, StructuredOutputs(json='{"type": "foo"}'), "response_format")
+    assert 'Unsupported type "foo"' in err.message
+    structured.check(StructuredOutputs(json='{"type": "object"}'), "response_format")

@@ -7,6 +7,7 @@ import pytest
 from kvmesh.services.router.schema import ChatCompletionRequest, CompletionRequest
 from kvmesh.shared.protocol import PlaceRequest, decode_message, encode_message
 from kvmesh.shared.sampling import SamplingOptions
+from kvmesh.shared.structured_output import StructuredOutputs
 
 EVERY_FIELD = SamplingOptions(
     max_tokens=7,
@@ -26,6 +27,7 @@ EVERY_FIELD = SamplingOptions(
     repetition_penalty=1.3,
     logit_bias={5: -100.0, 7: 2.5},
     logprobs=2,
+    structured_outputs=StructuredOutputs(choice=("a", "b")),
 )
 
 

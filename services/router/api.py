@@ -24,6 +24,7 @@ from typing import Any, Literal, TypeVar
 import msgspec
 import msgspec.inspect as mi
 import orjson
+from kvmesh.services.router import structured
 from kvmesh.services.router.errors import InvalidRequestError, ModelNotFoundError
 from kvmesh.services.router.schema import (
     ChatCompletionRequest,
@@ -32,6 +33,7 @@ from kvmesh.services.router.schema import (
     SamplingFields,
 )
 from kvmesh.shared.sampling import SamplingOptions
+from kvmesh.shared.structured_output import StructuredOutputs
 
 Kind = Literal["completion", "chat"]
 R = TypeVar("R", bound=SamplingFields)
@@ -55,6 +57,7 @@ class GenerateRequest:
     max_tokens: int | None = None  # None: the default for the kind
     # how to sample; its max_tokens is set by prompt.tokenize, which knows the context
     sampling: SamplingOptions = field(default_factory=SamplingOptions)
+    structured_param: str = ""  # the field that asked for sampling.structured_outputs
     stream: bool = False
     include_usage: bool = False
 
@@ -79,6 +82,7 @@ def parse_completion(body: Mapping[str, Any], served_model: str) -> GenerateRequ
     """Validate a ``POST /v1/completions`` body."""
     _refuse_unsupported(body, _COMPLETION_UNSUPPORTED)
     refuse_unknown(body, CompletionRequest, _COMPLETION_UNSUPPORTED, _IGNORED_COMPLETION)
+    spec, spec_param = structured.structured_outputs_of(body)
     body = {**_normalise(body), "prompt": _unwrap_prompt(body.get("prompt"))}
     req = _validate(body, CompletionRequest, served_model)
     is_text = isinstance(req.prompt, str)
@@ -86,7 +90,8 @@ def parse_completion(body: Mapping[str, Any], served_model: str) -> GenerateRequ
         kind="completion",
         prompt_text=req.prompt if is_text else None,
         prompt_ids=None if is_text else tuple(req.prompt),
-        **_common(req, req.max_completion_tokens or req.max_tokens, logprobs=req.logprobs),
+        structured_param=spec_param,
+        **_common(req, req.max_completion_tokens or req.max_tokens, req.logprobs, spec),
     )
 
 
@@ -95,6 +100,7 @@ def parse_chat(body: Mapping[str, Any], served_model: str) -> GenerateRequest:
     _refuse_unsupported(body, _CHAT_UNSUPPORTED)
     refuse_unknown(body, ChatCompletionRequest, _CHAT_UNSUPPORTED, _IGNORED_CHAT)
     refuse_non_text_parts(body.get("messages"))
+    spec, spec_param = structured.structured_outputs_of(body)
     req = _validate(_normalise(body), ChatCompletionRequest, served_model)
     if req.top_logprobs is not None and not req.logprobs:
         raise InvalidRequestError(
@@ -103,10 +109,12 @@ def parse_chat(body: Mapping[str, Any], served_model: str) -> GenerateRequest:
     return GenerateRequest(
         kind="chat",
         messages=chat_messages(req.messages),
+        structured_param=spec_param,
         **_common(
             req,
             req.max_completion_tokens or req.max_tokens,
-            logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+            (req.top_logprobs or 0) if req.logprobs else None,
+            spec,
         ),
     )
 
@@ -149,7 +157,12 @@ def _normalise(body: Mapping[str, Any]) -> dict[str, Any]:
     return {**body, "logit_bias": ids}
 
 
-def _common(req: SamplingFields, max_tokens: int | None, logprobs: int | None) -> dict[str, Any]:
+def _common(
+    req: SamplingFields,
+    max_tokens: int | None,
+    logprobs: int | None,
+    spec: StructuredOutputs | None,
+) -> dict[str, Any]:
     if req.stream_options is not None and not req.stream:
         raise InvalidRequestError(
             "'stream_options' is only allowed when 'stream' is true", param="stream_options"
@@ -157,6 +170,7 @@ def _common(req: SamplingFields, max_tokens: int | None, logprobs: int | None) -
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(dict.fromkeys(req.stop or ()))
     sampling = req.sampling_options(
         logprobs=logprobs,
+        structured_outputs=spec,
         stop=stop,
         top_k=max(req.top_k, 0),  # -1 (older vLLM clients) is off too
         max_tokens=max_tokens or 1,  # prompt.tokenize sets it against the context
@@ -184,10 +198,6 @@ _CHAT_UNSUPPORTED = {
     **_COMMON_UNSUPPORTED,
     "tools": (lambda v: not v, "tools (function calling) are not supported"),
     "functions": (lambda v: not v, "functions (function calling) are not supported"),
-    "response_format": (
-        lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
-        "only response_format {'type': 'text'} is supported",
-    ),
 }
 
 
@@ -203,6 +213,7 @@ _IGNORED_COMMON: dict[str, Any] = {
     "skip_special_tokens": lambda v: v is True,  # what the router does
     "spaces_between_special_tokens": lambda v: v is True,
     "priority": lambda v: v == 0,
+    "guided_decoding_backend": lambda v: v in ("xgrammar", "auto"),  # the one kvmesh has
 }
 _IGNORED_COMPLETION = {
     **_IGNORED_COMMON,
@@ -225,7 +236,7 @@ def refuse_unknown(
     """Every field neither ``cls`` nor the refusals by name know is refused (a null counts as
     absent), unless ignoring it changes nothing (``ignored``). An ignored field would make the
     client believe it was honoured."""
-    known = {*cls.__struct_fields__, *refused}
+    known = {*cls.__struct_fields__, *refused, *structured.FIELDS}
     unknown = [
         name
         for name, value in body.items()
@@ -307,7 +318,11 @@ def _validate(body: Mapping[str, Any], cls: type[R], served_model: str) -> R:
 def validate_body(body: Mapping[str, Any], cls: type[S]) -> S:
     """``body`` as ``cls`` (fields it does not take are dropped: refuse them first); a null
     counts as absent; msgspec's error becomes a 400 naming the parameter."""
-    present = {k: v for k, v in body.items() if v is not None and k in cls.__struct_fields__}
+    present = {
+        k: v
+        for k, v in body.items()
+        if v is not None and k in cls.__struct_fields__ and k != "structured_outputs"
+    }
     try:
         return msgspec.convert(present, cls, strict=True)
     except msgspec.ValidationError as exc:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 from aiohttp import web
+from kvmesh.services.router import structured
 from kvmesh.services.router.api import (
     GenerateRequest,
     parse_chat,
@@ -109,7 +110,10 @@ class Router:
         """Body bytes to a validated request and its token ids (pure CPU work)."""
         request = parse(parse_json_body(raw), self.model.name)
         pool = self.dispatcher.capacity.max_tokens(time.monotonic())
-        return request, tokenize(request, self.model.tokenizer, self.model.max_model_len, pool)
+        prompt = tokenize(request, self.model.tokenizer, self.model.max_model_len, pool)
+        if prompt.sampling.structured_outputs is not None:
+            structured.check(prompt.sampling.structured_outputs, request.structured_param)
+        return request, prompt
 
     async def _generate(
         self,
@@ -122,7 +126,7 @@ class Router:
         try:
             self.shutdown.check_open()
             raw = await http.read()
-            if len(raw) > INLINE_BODY_BYTES:
+            if len(raw) > INLINE_BODY_BYTES or structured.may_ask(raw):
                 request, prompt = await asyncio.to_thread(self._prepare, raw, parse)
             else:
                 request, prompt = self._prepare(raw, parse)

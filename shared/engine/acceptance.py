@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 from kvmesh.shared.engine.draft_tree import DraftTree
+from kvmesh.shared.engine.grammar import apply_bitmask
 from kvmesh.shared.engine.logit_options import RowHistory, apply_logit_options
 from kvmesh.shared.engine.sampler import draw, token_seed
 from kvmesh.shared.sampling import SamplingOptions
@@ -40,17 +41,21 @@ def target_tokens(
     generator: torch.Generator,
     histories: list[RowHistory] | None = None,
     eos_token_ids: frozenset[int] = frozenset(),
+    bitmask: torch.Tensor | None = None,
 ) -> list[int]:
     """The token the target picks after each row of ``logits`` (N, V), as ``Sampler`` picks
     it: the options that act on logits (over ``histories[r]``, the tokens before row ``r``'s
     token: the sequence and the tree path to the row), then ``draw``. Row ``r`` would be output
     token ``output_indices[r]``; rows with one index share one noise vector. A seeded request's
-    noise depends on (seed, index) only; others draw from ``generator``."""
+    noise depends on (seed, index) only; others draw from ``generator``. ``bitmask``: a
+    structured output's grammar per row (``grammar.tree_bitmask``)."""
     assert logits.shape[0] == len(output_indices), (logits.shape, len(output_indices))
     rows = [params] * len(output_indices)
     if params.changes_logits:
         assert histories is not None and len(histories) == len(rows)
         logits = apply_logit_options(logits.float().cpu(), rows, histories, eos_token_ids)
+    if bitmask is not None:
+        logits = apply_bitmask(logits.float().cpu(), bitmask)
     if params.is_greedy:
         return logits.argmax(-1).tolist()
     x = logits.float().cpu()

@@ -61,12 +61,13 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-from kvmesh.shared.engine import acceptance, choices, handoff
+from kvmesh.shared.engine import acceptance, choices, grammar, handoff
 from kvmesh.shared.engine.block_manager import BlockManager, OutOfBlocksError
 from kvmesh.shared.engine.choices import choice_id
 from kvmesh.shared.engine.config import EngineConfig
 from kvmesh.shared.engine.draft_tree import DraftTree
 from kvmesh.shared.engine.finish import finish_reason, stop_text_for
+from kvmesh.shared.engine.grammar import GrammarBook
 from kvmesh.shared.engine.kv_cache import KVCacheSpec, KVPool
 from kvmesh.shared.engine.model_runner import ModelRunner
 from kvmesh.shared.engine.sampler import Sampler, token_logprobs
@@ -84,6 +85,7 @@ from kvmesh.shared.engine.speculative import DraftVerifier, SpecStepStats, SpecT
 from kvmesh.shared.prefix_hash import layout_root
 from kvmesh.shared.protocol import kv_spec_fingerprint
 from kvmesh.shared.sampling import SamplingOptions, TokenLogprobs
+from kvmesh.shared.structured_output import StructuredOutputError
 
 __all__ = [
     "ChunkReady",
@@ -138,6 +140,10 @@ class LLMEngine:
         eos |= set(getattr(tokenizer, "eos_token_ids", ()) or ())
         self.eos_token_ids = frozenset(eos)
         self.sampler = Sampler(config.seed, self.eos_token_ids)
+        # structured outputs' compiled grammars (xgrammar is loaded on the first one)
+        self.grammars = (
+            GrammarBook(tokenizer, mc.vocab_size, self.eos_token_ids) if tokenizer else None
+        )
         self.vocab_size = mc.vocab_size
         # A sequence stops ("length") before it could outgrow the whole pool and preempt itself
         # forever.
@@ -200,10 +206,25 @@ class LLMEngine:
         seq = Sequence(
             request_id, list(prompt_ids), params, prefill_only=prefill_only, on_chunk=on_chunk
         )
+        seq.grammar = self._grammar_for(request_id, params)
         if not prefill_only:
             seq.stop_text = stop_text_for(seq, self.tokenizer)
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
+
+    def _grammar_for(self, request_id: str, params: SamplingOptions) -> Any:
+        """A fresh matcher of the request's structured output (None without one)."""
+        if params.structured_outputs is None:
+            return None
+        if self.grammars is None:
+            raise RequestError(
+                f"request {request_id!r}: structured outputs need a tokenizer and this engine "
+                "has none"
+            )
+        try:
+            return self.grammars.matcher(params.structured_outputs)
+        except StructuredOutputError as exc:
+            raise RequestError(f"request {request_id!r}: {exc}") from None
 
     def _check_stop(self, request_id: str, params: SamplingOptions) -> None:
         named = {*params.stop_token_ids, *params.logit_bias}
@@ -310,6 +331,9 @@ class LLMEngine:
             seq.token_ids.append(token)
             if lp is not None:
                 seq.logprobs.append(lp)
+            if seq.grammar is not None and not seq.prefill_only:
+                accepted = seq.grammar.accept_token(token)
+                assert accepted, (seq.request_id, token)  # it was sampled under its mask
             if seq.prefill_only:
                 self._finish(seq, "prefill_done")
                 outputs.append(self._output(seq, [token]))
@@ -343,11 +367,24 @@ class LLMEngine:
         if seq.params.changes_logits:
             outputs = seq.token_ids[seq.num_prompt_tokens : len(seq) - len(tree)]
             histories = acceptance.tree_histories(seq.prompt_ids, outputs, tree)
+        bitmask = None
+        if seq.grammar is not None:
+            bitmask = grammar.tree_bitmask(seq.grammar, tree, logits.shape[1])
         picks = acceptance.target_tokens(
-            logits, seq.params, indices, self.sampler.generator, histories, self.eos_token_ids
+            logits,
+            seq.params,
+            indices,
+            self.sampler.generator,
+            histories,
+            self.eos_token_ids,
+            bitmask,
         )
         verdict = acceptance.accept(tree, picks)
         self.verifier.keep_path(seq, tree, verdict.path, verdict.next_token)
+        if seq.grammar is not None:
+            for token in [*(tree.tokens[j] for j in verdict.path), verdict.next_token]:
+                accepted = seq.grammar.accept_token(token)
+                assert accepted, (seq.request_id, token)
         if seq.params.logprobs is not None:  # row of each kept token: its parent's
             kept = [*(tree.tokens[j] for j in verdict.path), verdict.next_token]
             parents = [0, *(1 + j for j in verdict.path)]
@@ -429,6 +466,7 @@ class LLMEngine:
                     index=i,
                 )
             child.stop_text = stop_text_for(child, self.tokenizer)
+            child.grammar = self._grammar_for(child.request_id, seq.params)
             self.seqs[child.request_id] = child
             if forked:
                 self.scheduler.add_prefilled(child)
@@ -545,6 +583,12 @@ class LLMEngine:
         ``first_logprobs``: the first token's, when ``params.logprobs`` asks for them."""
         self._check_prompt(request_id, prompt_ids)
         self._check_stop(request_id, params)
+        matcher = self._grammar_for(request_id, params)
+        if matcher is not None and not matcher.accept_token(first_token):
+            raise RequestError(
+                f"request {request_id!r}: the first token {first_token} breaks its structured "
+                "output's grammar"
+            )
         bm = self.block_manager
         seq = handoff.prefilled_sequence(
             request_id,
@@ -556,6 +600,7 @@ class LLMEngine:
             self.vocab_size,
             first_logprobs,
         )
+        seq.grammar = matcher
         self.seqs[request_id] = seq
         self.scheduler.add_prefilled(seq)
         seq.num_emitted_tokens = 0

@@ -6,7 +6,8 @@ rows take the argmax; the others are scaled by temperature, filtered by min-p, t
 and drawn with the exponential-race trick (``argmax(p / q)``, ``q ~ Exp(1)``), which needs no
 cumulative sums. A seeded request draws its noise from its own ``torch.Generator``, so its tokens
 do not depend on what else is in the batch. ``acceptance`` draws verification rows through the
-same ``draw``. ``token_logprobs`` gives the chosen tokens' log-probabilities under the model (the
+same ``draw``. A structured output's grammar masks what it forbids (``grammar``) before the draw.
+``token_logprobs`` gives the chosen tokens' log-probabilities under the model (the
 raw logits' log-softmax, before any option, as vLLM's default ``raw_logprobs``). Whether a token
 ends its request is ``finish.finish_reason``'s business.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 
 import torch
+from kvmesh.shared.engine.grammar import mask_rows
 from kvmesh.shared.engine.logit_options import RowHistory, apply_logit_options
 from kvmesh.shared.engine.sequence import Sequence
 from kvmesh.shared.sampling import SamplingOptions, TokenLogprobs
@@ -103,6 +105,8 @@ class Sampler:
             logits = apply_logit_options(
                 logits.float().cpu(), params, histories, self.eos_token_ids
             )
+        if any(s.grammar is not None for s in seqs):
+            logits = mask_rows(logits.float().cpu(), [s.grammar for s in seqs])
         if all(p.is_greedy for p in params):
             return logits.argmax(-1).tolist()
         x = logits.float().cpu()

@@ -95,6 +95,9 @@ class Sequence:
     stop_text: TextStream | None = None  # the emitted output's text, only with stop strings
     # with SamplingOptions.logprobs: one per output token, in order
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # with SamplingOptions.structured_outputs: an xgrammar GrammarMatcher (grammar.py) that has
+    # accepted every output token
+    grammar: Any = None
     # choice ``index`` > 0 of the request ``choice_of`` (SamplingOptions.n; choices.py)
     choice_of: str | None = None
     index: int = 0
