@@ -127,6 +127,7 @@ class PrefillDone(Message):
     # data plane ("" if none did); the decode worker sends that worker the first DraftContext.
     draft_worker_id: str = ""
     first_logprobs: TokenLogprobs | None = None  # the first token's, when the options ask
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()  # of prompt tokens 1.., when they ask
 
 
 class PrefillReport(Message):
@@ -160,6 +161,8 @@ class TokenEvent(Message):
     # which of the request's SamplingOptions.n choices; num_output_tokens and finish_reason are
     # that choice's (the request ends when each choice has finished)
     index: Annotated[int, msgspec.Meta(ge=0)] = 0
+    # with SamplingOptions.prompt_logprobs, on choice 0's first event: of prompt tokens 1..
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 class Abort(Message):

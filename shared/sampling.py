@@ -106,6 +106,17 @@ class SamplingOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
         ]
         | None
     ) = None
+    prompt_logprobs: (
+        Annotated[
+            int,
+            Meta(
+                ge=0,
+                le=MAX_LOGPROBS,
+                description="Score the prompt: each token's log-probability and this many likeliest",
+            ),
+        ]
+        | None
+    ) = None
     structured_outputs: Annotated[
         StructuredOutputs | None,
         Meta(description="The grammar the output follows (vLLM's; or response_format)"),
@@ -140,6 +151,7 @@ class TokenLogprobs(msgspec.Struct, frozen=True, array_like=True, forbid_unknown
     logprob: float
     top_ids: tuple[int, ...] = ()
     top_logprobs: tuple[float, ...] = ()
+    rank: int = 0  # 1 + how many tokens are likelier (0: not given)
 
 
 def check_fields(options: msgspec.Struct) -> None:

@@ -300,3 +300,40 @@ def test_n_choices_after_a_prefill_handoff_and_when_aborted(llama):
     outs = eng.step()
     assert sorted(o.index for o in outs if o.finish_reason == "abort") == [0, 1, 2]
     assert eng.block_manager.num_free_blocks == 64 and not eng.has_unfinished()
+
+
+@pytest.mark.parametrize("budget", [512, 16])  # one pass, and chunks
+def test_prompt_logprobs_match_transformers_with_ranks(llama, checkpoint, budget):
+    ref = load_hf_reference(checkpoint)
+    ids = prompt(37, 8)
+    params = SamplingOptions(max_tokens=2, temperature=0, prompt_logprobs=2, ignore_eos=True)
+    eng = engine(llama, max_num_batched_tokens=budget, block_size=16)
+    eng.add_request("warm", ids, SamplingOptions(max_tokens=1))  # its blocks stay cached
+    while eng.has_unfinished():
+        eng.step()
+    (outs,) = run(eng, [ids], params)  # computes the whole prompt despite the cache
+    scored = outs[0].prompt_logprobs
+    assert all(o.prompt_logprobs is None for o in outs[1:])
+    with torch.no_grad():
+        lp = ref(input_ids=torch.tensor([ids])).logits[0].log_softmax(-1)
+    assert len(scored) == len(ids) - 1
+    for i, got in enumerate(scored):
+        row, token = lp[i], ids[i + 1]
+        assert got.logprob == pytest.approx(row[token].item(), abs=1e-3)
+        assert got.rank == int((row > row[token]).sum()) + 1
+        assert got.top_ids == tuple(row.topk(2).indices.tolist())
+
+
+def test_prompt_logprobs_cross_a_prefill_handoff(llama):
+    ids = prompt(40, 9)
+    params = SamplingOptions(max_tokens=3, temperature=0, prompt_logprobs=0, ignore_eos=True)
+    expected = run(engine(llama), [ids], params)[0][0].prompt_logprobs
+    prefill = engine(llama, max_num_batched_tokens=16)
+    chunks = []
+    prefill.add_request("r", ids, params, prefill_only=True, on_chunk=chunks.append)
+    while prefill.has_unfinished():
+        prefill.step()
+    got = chunks[-1].prompt_logprobs
+    assert [lp.logprob for lp in got] == pytest.approx([lp.logprob for lp in expected])
+    assert [lp.rank for lp in got] == [lp.rank for lp in expected]
+    assert all(not c.prompt_logprobs for c in chunks[:-1])

@@ -339,3 +339,55 @@ def test_structured_outputs_through_the_mesh_with_the_openai_client(mesh):
         assert c.finish_reason == "length" or isinstance(json.loads(c.message.content), dict)
     assert re.fullmatch("[0-9]{3}-[a-z]{2}", regex.choices[0].text)
     assert choice.choices[0].text in ("alpha", "beta")
+
+
+@pytest.mark.parametrize("prompt_index", [0, 2], ids=["local-prefill", "remote-prefill"])
+def test_echo_with_logprobs_and_prompt_logprobs_score_the_prompt_as_offline(mesh, prompt_index):
+    from kvmesh.shared.engine.config import EngineConfig
+    from kvmesh.shared.engine.llm_engine import LLMEngine
+    from kvmesh.shared.model.loader import load_model
+
+    prompt = PROMPTS[prompt_index]
+    model, tokenizer = load_model(MODEL)
+    engine = LLMEngine(model, tokenizer, EngineConfig(num_blocks=512))
+    params = SamplingOptions(max_tokens=4, temperature=0, prompt_logprobs=1, ignore_eos=True)
+    engine.add_request("r", prompt, params)
+    first = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            first = first or out.prompt_logprobs
+    assert first is not None
+
+    async def scenario():
+        client = openai.AsyncOpenAI(base_url=f"{mesh.url}/v1", api_key="x", max_retries=0)
+        async with client:
+            kwargs = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0}
+            extra = {"ignore_eos": True}
+            full = await client.completions.create(
+                echo=True, logprobs=1, extra_body=extra, **kwargs
+            )
+            stream = await client.completions.create(
+                echo=True, logprobs=1, stream=True, extra_body=extra, **kwargs
+            )
+            chunks = [c async for c in stream]
+            scored = await client.completions.create(
+                extra_body={**extra, "prompt_logprobs": 1}, **kwargs
+            )
+            return full, chunks, scored
+
+    full, chunks, scored = asyncio.run(scenario())
+    choice = full.choices[0]
+    prompt_text = tokenizer.decode(prompt)
+    assert choice.text.startswith(prompt_text)
+    assert choice.logprobs.token_logprobs[0] is None
+    assert choice.logprobs.token_logprobs[1 : len(prompt)] == pytest.approx(
+        [lp.logprob for lp in first], abs=1e-4
+    )
+    assert len(choice.logprobs.tokens) == len(prompt) + 4
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
+    assert chunks[0].choices[0].logprobs.token_logprobs[0] is None
+    vllm = scored.choices[0].model_extra["prompt_logprobs"]
+    assert vllm[0] is None and len(vllm) == len(prompt)
+    for entry, token, lp in zip(vllm[1:], prompt[1:], first, strict=True):
+        assert entry[str(token)]["logprob"] == pytest.approx(lp.logprob, abs=1e-4)
+        assert entry[str(token)]["rank"] == lp.rank

@@ -142,6 +142,7 @@ EXAMPLES: list[Message] = [
         rkey=77,
         draft_worker_id="dr0",
         first_logprobs=TokenLogprobs(-0.5, (5, 2), (-0.5, -1.25)),
+        prompt_logprobs=(TokenLogprobs(-1.5, rank=3),),
     ),
     PrefillReport("r1", "p0", 0.1, 0.2, 0.3, 0.04, num_chunks=2),
     TokenEvent(
@@ -154,6 +155,7 @@ EXAMPLES: list[Message] = [
         num_accepted_drafts=1,
         logprobs=(TokenLogprobs(-0.5), TokenLogprobs(-2.0, (1,), (-0.125,))),
         index=2,
+        prompt_logprobs=(TokenLogprobs(-1.5, rank=3),),
     ),
     Abort("r1", reason="lease expired", job_withdrawn=True),
     PrefillStarted("r1", "L1", "p0"),

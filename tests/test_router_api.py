@@ -32,7 +32,7 @@ from kvmesh.services.router.responses import (
 )
 from kvmesh.shared.model.tiny import tiny_tokenizer
 from kvmesh.shared.protocol import PrefillReport
-from kvmesh.shared.sampling import TokenLogprobs
+from kvmesh.shared.sampling import SamplingOptions, TokenLogprobs
 from kvmesh.shared.service_config import ConfigError, config_from_args
 
 MODEL = "kvmesh-tiny"
@@ -121,7 +121,7 @@ def test_missing_model_is_400_and_unknown_model_is_404():
         ("n", 0),
         ("n", 17),
         ("best_of", 3),
-        ("echo", True),
+        ("echo", "yes"),
         ("logprobs", 21),
         ("logprobs", True),
         ("presence_penalty", 2.5),
@@ -792,3 +792,50 @@ def test_a_spec_that_does_not_build_is_400_saying_why():
     err = invalid(structured.check, StructuredOutputs(json='{"type": "foo"}'), "response_format")
     assert 'Unsupported type "foo"' in err.message
     structured.check(StructuredOutputs(json='{"type": "object"}'), "response_format")
+
+
+def test_echo_and_prompt_logprobs_ask_the_mesh_to_score_the_prompt():
+    assert completion(echo=True).sampling.prompt_logprobs is None  # text only
+    req = completion(echo=True, logprobs=2)
+    assert (req.echo, req.sampling.prompt_logprobs, req.returns_prompt_logprobs) == (True, 2, False)
+    req = completion(prompt_logprobs=4, echo=True, logprobs=1)
+    assert (req.sampling.prompt_logprobs, req.returns_prompt_logprobs) == (4, True)
+    assert chat(prompt_logprobs=0).sampling.prompt_logprobs == 0
+    assert invalid(completion, prompt_logprobs=1, stream=True).param == "prompt_logprobs"
+    assert invalid(chat, echo=True).param == "echo"
+
+
+def test_too_many_prompt_scores_are_400(tokenizer):
+    err = invalid(tokenize, completion(prompt=[1] * 2000, echo=True, logprobs=10), tokenizer, 4096)
+    assert err.param == "echo" and "16384" in err.message
+
+
+def test_an_echoed_choice_leads_with_the_prompt_and_its_logprobs():
+    from kvmesh.services.router.choices import Choice
+    from kvmesh.shared.protocol import TokenEvent
+
+    tok = tiny_tokenizer()
+    sampling = SamplingOptions(logprobs=0, prompt_logprobs=0)
+    choice = Choice.new(0, tok, (104, 105), sampling, is_chat=False, echo_text="hi")
+    choice.prompt_scored = [TokenLogprobs(-1.0, rank=2)]
+    text, chunk = choice.add(TokenEvent("r", (33,), logprobs=(TokenLogprobs(-0.5),)))
+    assert text == "hi!" and wire(chunk)["tokens"] == ["h", "i", "!"]
+    assert wire(chunk)["token_logprobs"] == [None, -1.0, -0.5]
+    choice.add(TokenEvent("r", (63,), "length", logprobs=(TokenLogprobs(-0.25),)))
+    result = choice.result()
+    assert result.text == "hi!?"
+    assert wire(result.logprobs)["text_offset"] == [0, 1, 2, 3]
+
+
+def test_vllm_prompt_logprobs_shape():
+    from kvmesh.services.router.logprobs import prompt_logprobs
+
+    lps = LogprobsBuilder(tiny_tokenizer(), is_chat=False)
+    shaped = wire(prompt_logprobs(lps, [104, 105], [TokenLogprobs(-1.0, (106,), (-0.5,), 2)]))
+    assert shaped == [
+        None,
+        {
+            "106": {"logprob": -0.5, "rank": 1, "decoded_token": "j"},
+            "105": {"logprob": -1.0, "rank": 2, "decoded_token": "i"},
+        },
+    ]

@@ -27,6 +27,7 @@ EVERY_FIELD = SamplingOptions(
     repetition_penalty=1.3,
     logit_bias={5: -100.0, 7: 2.5},
     logprobs=2,
+    prompt_logprobs=1,
     structured_outputs=StructuredOutputs(choice=("a", "b")),
 )
 

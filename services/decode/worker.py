@@ -89,6 +89,7 @@ def _token_event(out: RequestOutput) -> TokenEvent | None:
         num_accepted_drafts=min(out.accepted_drafts, len(out.new_token_ids)),
         logprobs=tuple(out.logprobs or ()),
         index=out.index,
+        prompt_logprobs=tuple(out.prompt_logprobs or ()),
     )
 
 
@@ -526,6 +527,7 @@ class DecodeWorker:
                     res.done.first_token,
                     params,
                     res.done.first_logprobs,
+                    res.done.prompt_logprobs,
                 )
             except RequestError as exc:
                 error = str(exc)
@@ -540,6 +542,7 @@ class DecodeWorker:
                     num_prompt_tokens=len(prompt),
                     num_output_tokens=1,
                     logprobs=lps,
+                    prompt_logprobs=res.done.prompt_logprobs,
                 )
         if verdict.release:
             self.engine.free_reserved(list(res.block_ids))

@@ -66,6 +66,7 @@ class _Job:
     num_writes: int = 0
     first_token: int = -1
     first_logprobs: TokenLogprobs | None = None  # with SamplingOptions.logprobs
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()  # with SamplingOptions.prompt_logprobs
     error: str = ""
     is_computed: bool = False  # the last chunk is in; the engine holds the blocks until release
     draft: _DraftWrites | None = None  # the prompt's draft KV to a draft worker
@@ -308,6 +309,7 @@ class PrefillWorker:
                     if chunk.is_last:
                         job.first_token = chunk.first_token
                         job.first_logprobs = chunk.first_logprobs
+                        job.prompt_logprobs = chunk.prompt_logprobs
                         await self._drop_draft_if_waiting(job)
                         break
             # every write has returned: no byte of ours is still on its way to the decode blocks
@@ -529,6 +531,7 @@ class PrefillWorker:
             ok,
             first_token=job.first_token if ok else -1,
             first_logprobs=job.first_logprobs if ok else None,
+            prompt_logprobs=job.prompt_logprobs if ok else (),
             num_writes=job.num_writes if job is not None else 0,
             error=error,
             rkey=msg.rkey,

@@ -58,6 +58,8 @@ class GenerateRequest:
     # how to sample; its max_tokens is set by prompt.tokenize, which knows the context
     sampling: SamplingOptions = field(default_factory=SamplingOptions)
     structured_param: str = ""  # the field that asked for sampling.structured_outputs
+    echo: bool = False  # completions: the prompt leads each choice's text
+    returns_prompt_logprobs: bool = False  # vLLM's prompt_logprobs field in the answer
     stream: bool = False
     include_usage: bool = False
 
@@ -91,7 +93,8 @@ def parse_completion(body: Mapping[str, Any], served_model: str) -> GenerateRequ
         prompt_text=req.prompt if is_text else None,
         prompt_ids=None if is_text else tuple(req.prompt),
         structured_param=spec_param,
-        **_common(req, req.max_completion_tokens or req.max_tokens, req.logprobs, spec),
+        echo=req.echo,
+        **_common(req, req.max_completion_tokens or req.max_tokens, req.logprobs, spec, req.echo),
     )
 
 
@@ -162,14 +165,25 @@ def _common(
     max_tokens: int | None,
     logprobs: int | None,
     spec: StructuredOutputs | None,
+    echo: bool = False,
 ) -> dict[str, Any]:
     if req.stream_options is not None and not req.stream:
         raise InvalidRequestError(
             "'stream_options' is only allowed when 'stream' is true", param="stream_options"
         )
+    if req.prompt_logprobs is not None and req.stream:
+        raise InvalidRequestError(
+            "'prompt_logprobs' come with the whole answer, not a stream: send stream=false "
+            "(or echo with logprobs, which streams the prompt's in the first chunk)",
+            param="prompt_logprobs",
+            code="unsupported_parameter",
+        )
+    # the mesh scores the prompt for vLLM's prompt_logprobs and for an echo with logprobs
+    asked = [k for k in (req.prompt_logprobs, logprobs if echo else None) if k is not None]
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(dict.fromkeys(req.stop or ()))
     sampling = req.sampling_options(
         logprobs=logprobs,
+        prompt_logprobs=max(asked) if asked else None,
         structured_outputs=spec,
         stop=stop,
         top_k=max(req.top_k, 0),  # -1 (older vLLM clients) is off too
@@ -177,6 +191,7 @@ def _common(
     )
     return {
         "model": req.model,
+        "returns_prompt_logprobs": req.prompt_logprobs is not None,
         "max_tokens": max_tokens,
         "sampling": sampling,
         "stream": req.stream,
@@ -191,7 +206,6 @@ _COMMON_UNSUPPORTED: dict[str, tuple[Any, str]] = {}
 _COMPLETION_UNSUPPORTED = {
     **_COMMON_UNSUPPORTED,
     "best_of": (lambda v: v in (None, 1), "only best_of=1 is supported"),
-    "echo": (lambda v: v in (None, False), "echo is not supported"),
     "suffix": (lambda v: v in (None, ""), "suffix (insertion) is not supported"),
 }
 _CHAT_UNSUPPORTED = {

@@ -37,6 +37,7 @@ from kvmesh.services.router.errors import (
     PayloadTooLargeError,
     RouteNotFoundError,
 )
+from kvmesh.services.router.logprobs import LogprobsBuilder, prompt_logprobs
 from kvmesh.services.router.metrics import RequestTimer, RouterMetrics
 from kvmesh.services.router.model_info import ModelInfo
 from kvmesh.services.router.openapi import openapi_document
@@ -180,16 +181,30 @@ class Router:
             self.dispatcher.open(response_id, prompt, timer) as mesh,
         ):
             await _relay(mesh, choices, None)
-        results = [choice.result() for choice in choices]
+        try:
+            results = [choice.result() for choice in choices]
+        except ValueError as exc:
+            raise MeshError(f"the mesh's answer is incomplete: {exc}") from None
         usage = _usage(prompt, choices, mesh)
         timer.on_finish(results[0].finish_reason, len(prompt.prompt_ids), usage.completion_tokens)
-        return _json_response(builder.full(results, usage))
+        scored = None
+        if request.returns_prompt_logprobs:
+            if choices[0].prompt_scored is None:
+                raise MeshError("the mesh sent no prompt logprobs")
+            lps = LogprobsBuilder(self.model.tokenizer, is_chat=False)
+            scored = prompt_logprobs(lps, prompt.prompt_ids, choices[0].prompt_scored)
+        return _json_response(builder.full(results, usage, scored))
 
     def _choices(self, request: GenerateRequest, prompt: Prompt) -> list[Choice]:
         is_chat = request.kind == "chat"
         tokenizer, sampling = self.model.tokenizer, prompt.sampling
+        echo_text = None
+        if request.echo:
+            echo_text = request.prompt_text
+            if echo_text is None:
+                echo_text = tokenizer.decode(prompt.prompt_ids)
         return [
-            Choice.new(i, tokenizer, prompt.prompt_ids, sampling, is_chat)
+            Choice.new(i, tokenizer, prompt.prompt_ids, sampling, is_chat, echo_text)
             for i in range(sampling.n)
         ]
 
@@ -355,6 +370,9 @@ async def _relay(
                 raise MeshError(
                     f"a decode worker sent choice {event.index} of a request of {len(choices)}"
                 )
+            if event.prompt_logprobs:  # the prompt's, on choice 0's first event
+                for c in choices:
+                    c.prompt_scored = list(event.prompt_logprobs)
             choice = choices[event.index]
             if choice.is_done:  # a stop string the router saw first; the mesh ends it too
                 continue

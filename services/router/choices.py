@@ -25,6 +25,11 @@ class Choice:
     token_ids: list[int] = field(default_factory=list)
     token_logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
+    # completions' echo: the prompt leads the text (and the logprobs, once scored)
+    echo_text: str | None = None
+    prompt_ids: tuple[int, ...] = ()
+    prompt_scored: list[TokenLogprobs] | None = None  # the mesh's prompt logprobs (tokens 1..)
+    is_echoed: bool = False  # the prompt went out (in a stream's first chunk)
 
     @classmethod
     def new(
@@ -34,12 +39,14 @@ class Choice:
         prompt_ids: tuple[int, ...],
         sampling: SamplingOptions,
         is_chat: bool,
+        echo_text: str | None = None,
     ) -> Choice:
         output = TextStream(
             tokenizer, prompt_ids, sampling.stop, sampling.include_stop_str_in_output
         )
         wants = sampling.logprobs is not None
-        return cls(index, output, LogprobsBuilder(tokenizer, is_chat) if wants else None)
+        builder = LogprobsBuilder(tokenizer, is_chat) if wants else None
+        return cls(index, output, builder, echo_text=echo_text, prompt_ids=prompt_ids)
 
     @property
     def is_done(self) -> bool:
@@ -59,7 +66,12 @@ class Choice:
                     "tokens"
                 )
             self.token_logprobs += event.logprobs
-            chunk_logprobs = self.logprobs.build(event.token_ids, event.logprobs)
+            ids, lps = list(event.token_ids), list(event.logprobs)
+            if self.echo_text is not None and not self.is_echoed:
+                ids, lps = [*self.prompt_ids, *ids], [*self._prompt_logprobs(), *lps]
+            chunk_logprobs = self.logprobs.build(ids, lps)
+        if self.echo_text is not None and not self.is_echoed:
+            text, self.is_echoed = self.echo_text + text, True
         if self.output.is_stopped:
             self.finish_reason = "stop"
         elif event.finish_reason is not None:
@@ -73,5 +85,16 @@ class Choice:
         logprobs = None
         if self.logprobs is not None:
             self.logprobs.text_offset = 0
-            logprobs = self.logprobs.build(self.token_ids, self.token_logprobs)
-        return ChoiceResult(self.index, self.output.text, self.finish_reason, logprobs)
+            ids: list[int] = list(self.token_ids)
+            lps: list[TokenLogprobs | None] = list(self.token_logprobs)
+            if self.echo_text is not None:
+                ids, lps = [*self.prompt_ids, *ids], [*self._prompt_logprobs(), *lps]
+            logprobs = self.logprobs.build(ids, lps)
+        text = (self.echo_text or "") + self.output.text
+        return ChoiceResult(self.index, text, self.finish_reason, logprobs)
+
+    def _prompt_logprobs(self) -> list[TokenLogprobs | None]:
+        """The echoed prompt's logprobs: none for its first token, the mesh's for the rest."""
+        if self.prompt_scored is None or len(self.prompt_scored) != len(self.prompt_ids) - 1:
+            raise ValueError("the mesh sent no prompt logprobs for an echo with logprobs")
+        return [None, *self.prompt_scored]

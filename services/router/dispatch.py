@@ -223,6 +223,7 @@ class MeshRequest:
             self.prompt.sampling,
             max_tokens=owed,
             min_tokens=max(0, self.prompt.sampling.min_tokens - made),
+            prompt_logprobs=None,  # the first attempt scored the prompt; this one's is longer
         )
         self.prompt = Prompt(base + generated, sampling)
         self._migrated_tokens = len(generated)

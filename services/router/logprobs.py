@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from kvmesh.services.router.schema import (
     ChatLogprobs,
     CompletionLogprobs,
+    PromptLogprob,
+    PromptLogprobs,
     TokenLogprob,
     TopLogprob,
 )
@@ -79,3 +81,22 @@ class LogprobsBuilder:
 
     def _bytes(self, token_id: int) -> list[int]:
         return list(self._tokenizer.token_bytes(token_id))
+
+
+def prompt_logprobs(
+    builder: LogprobsBuilder, prompt_ids: Sequence[int], scored: Sequence[TokenLogprobs]
+) -> PromptLogprobs:
+    """vLLM's ``prompt_logprobs``: null for the first prompt token, then per token
+    ``{id: {logprob, rank, decoded_token}}`` of the token itself and its position's likeliest."""
+    assert len(scored) == len(prompt_ids) - 1, (len(scored), len(prompt_ids))
+    out: PromptLogprobs = [None]
+    for token_id, lp in zip(prompt_ids[1:], scored, strict=True):
+        entry = {
+            str(i): PromptLogprob(logprob=v, rank=r + 1, decoded_token=builder.token_text(i))
+            for r, (i, v) in enumerate(zip(lp.top_ids, lp.top_logprobs, strict=True))
+        }
+        entry[str(token_id)] = PromptLogprob(
+            logprob=lp.logprob, rank=lp.rank or None, decoded_token=builder.token_text(token_id)
+        )
+        out.append(entry)
+    return out

@@ -15,6 +15,8 @@ from kvmesh.shared.sampling import SamplingOptions
 from kvmesh.shared.tokenizer import Tokenizer, TokenizerError
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# prompt logprobs travel in one message (PrefillDone, TokenEvent): tokens x (1 + alternatives)
+MAX_PROMPT_SCORES = 16_384
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +88,17 @@ def tokenize(
         )
     sampling = msgspec.structs.replace(request.sampling, max_tokens=max_tokens)
     _check_options(sampling, tokenizer.vocab_size)
+    if sampling.prompt_logprobs is not None:
+        size = len(ids) * (1 + sampling.prompt_logprobs)
+        if size > MAX_PROMPT_SCORES:
+            raise InvalidRequestError(
+                f"prompt logprobs (echo with logprobs, or prompt_logprobs) of {len(ids)} tokens "
+                f"with {sampling.prompt_logprobs} alternatives each are {size} entries, more "
+                f"than the {MAX_PROMPT_SCORES} a request may have; shorten the prompt or ask "
+                "for fewer",
+                param="prompt_logprobs" if request.returns_prompt_logprobs else "echo",
+                code="invalid_value",
+            )
     return Prompt(prompt_ids=ids, sampling=sampling)
 
 

@@ -27,6 +27,7 @@ from kvmesh.services.router.schema import (
     Completion,
     CompletionChoice,
     CompletionLogprobs,
+    PromptLogprobs,
     Usage,
 )
 
@@ -78,9 +79,18 @@ class ResponseBuilder:
     def _is_chat(self) -> bool:
         return self.kind == "chat"
 
-    def full(self, choices: list[ChoiceResult], usage: Usage) -> Completion | ChatCompletion:
-        """The non-streamed response."""
+    def full(
+        self,
+        choices: list[ChoiceResult],
+        usage: Usage,
+        prompt_logprobs: PromptLogprobs | None = None,
+    ) -> Completion | ChatCompletion:
+        """The non-streamed response; ``prompt_logprobs``: vLLM's, when asked for (chat: of
+        the answer; completions: of each choice)."""
         head = self._head()
+        scored: dict[str, Any] = (
+            {} if prompt_logprobs is None else {"prompt_logprobs": prompt_logprobs}
+        )
         if self._is_chat:
             chat = [
                 ChatChoice(
@@ -91,13 +101,16 @@ class ResponseBuilder:
                 )
                 for c in choices
             ]
-            return ChatCompletion(object="chat.completion", choices=chat, usage=usage, **head)
+            return ChatCompletion(
+                object="chat.completion", choices=chat, usage=usage, **head, **scored
+            )
         plain = [
             CompletionChoice(
                 index=c.index,
                 text=c.text,
                 logprobs=c.logprobs,  # type: ignore[arg-type]
                 finish_reason=c.finish_reason,
+                **scored,
             )
             for c in choices
         ]

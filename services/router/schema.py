@@ -102,6 +102,9 @@ class CompletionRequest(SamplingFields, frozen=True, kw_only=True):
     max_tokens: Annotated[int, Meta(ge=1, description="Default 16")] | None = None
     # OpenAI's newer name, taken on both routes; it wins over max_tokens
     max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
+    echo: Annotated[
+        bool, Meta(description="The prompt leads the text (and, with logprobs, the logprobs)")
+    ] = False
 
 
 class ChatCompletionRequest(SamplingFields, frozen=True, kw_only=True):
@@ -234,11 +237,24 @@ class CompletionLogprobs(msgspec.Struct, kw_only=True):
     text_offset: list[int]
 
 
+class PromptLogprob(msgspec.Struct, kw_only=True):
+    """vLLM's ``prompt_logprobs`` entry of one token (keyed by its id, as a string)."""
+
+    logprob: float
+    rank: int | None  # 1: the likeliest
+    decoded_token: str
+
+
+# per prompt token, the first one null: {token id: entry} of the token and the likeliest
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(msgspec.Struct, kw_only=True):
     index: int
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: FinishReason | None  # null in every stream chunk but the last
+    prompt_logprobs: PromptLogprobs | UnsetType = UNSET  # vLLM's, when asked for
 
 
 class Completion(msgspec.Struct, kw_only=True):
@@ -274,6 +290,7 @@ class ChatCompletion(msgspec.Struct, kw_only=True):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | UnsetType = UNSET  # vLLM's, when asked for
 
 
 class ChatDelta(msgspec.Struct, kw_only=True):

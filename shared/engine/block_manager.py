@@ -194,8 +194,8 @@ class BlockManager:
     def _cache_hits(self, seq: Sequence) -> list[int]:
         """Leading blocks of ``seq`` found in the prefix cache. At least one token is always
         left to compute, so the forward pass has a row to sample from."""
-        if not self.enable_prefix_caching:
-            return []
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+            return []  # prompt log-probabilities need every prompt token computed here
         bs = self.block_size
         num_full = (len(seq) - 1) // bs
         hits = []

@@ -18,8 +18,10 @@ def report_chunk(
     first_token: int | None,
     block_manager: BlockManager,
     first_logprobs: TokenLogprobs | None = None,
+    prompt_logprobs: list[TokenLogprobs] | None = None,
 ) -> None:
-    """Report the prompt tokens computed since the last report; ``first_token`` ends the prefill."""
+    """Report the prompt tokens computed since the last report; ``first_token`` ends the prefill
+    (with the first token's and the prompt's log-probabilities, when asked for)."""
     end = seq.num_computed_tokens
     is_last = first_token is not None
     num_blocks = block_manager.num_blocks_for(end) if is_last else end // block_manager.block_size
@@ -32,6 +34,7 @@ def report_chunk(
         is_last,
         first_token,
         first_logprobs,
+        tuple(prompt_logprobs or ()) if is_last else (),
     )
     seq.num_chunks += 1
     seq.num_reported_tokens, seq.num_reported_blocks = end, num_blocks

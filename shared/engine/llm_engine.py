@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
+from collections.abc import Sequence as Sequence_
 from typing import Any
 
 import torch
@@ -292,28 +293,32 @@ class LLMEngine:
         num_new = list(batch.num_new_tokens)
         for i, tree in trees.items():
             num_new[i] += len(tree)
-        num_logits = [
+        num_samples = [  # rows to sample from (or to verify a tree with)
             int(s.num_computed_tokens + n == len(s)) * (n if i in trees else 1)
             for i, (s, n) in enumerate(zip(batch.seqs, num_new, strict=True))
         ]
+        num_scored = [_num_prompt_rows(s, n) for s, n in zip(batch.seqs, num_new, strict=True)]
+        num_logits = [a + b for a, b in zip(num_samples, num_scored, strict=True)]
         if trees:
             logits = self.runner.execute(batch.seqs, num_new, num_logits, trees)
         else:
             logits = self.runner.execute(batch.seqs, num_new, num_logits)
-        if trees:  # verification rows go to acceptance, the others to the sampler
-            rows = logits.split(num_logits)
-            plain = [i for i, k in enumerate(num_logits) if k and i not in trees]
-            plain_logits = torch.cat([rows[i] for i in plain]) if plain else None
-        else:
-            plain = [i for i, k in enumerate(num_logits) if k]
-            plain_logits = logits
+        rows = logits.split(num_logits) if logits is not None else ()
+        plain = [i for i, k in enumerate(num_samples) if k and i not in trees]
+        if not trees and not any(num_scored):
+            plain_logits = logits  # one row per sampled sequence, in order
+        else:  # verification rows go to acceptance, prompt rows to scoring, the rest sampled
+            plain_logits = torch.cat([rows[i][-1:] for i in plain]) if plain else None
         plain_seqs = [batch.seqs[i] for i in plain]
         sampled = self.sampler(plain_logits, plain_seqs) if plain else []
         logprobs = _logprobs_of(plain_logits, plain_seqs, sampled) if plain else {}
+        for i, k in enumerate(num_scored):
+            if k:
+                _score_prompt(batch.seqs[i], rows[i][:k])
         tokens = iter(sampled)
         bm = self.block_manager
         num_accepted = 0
-        for i, (seq, n, k) in enumerate(zip(batch.seqs, num_new, num_logits, strict=True)):
+        for i, (seq, n, k) in enumerate(zip(batch.seqs, num_new, num_samples, strict=True)):
             tree = trees.get(i)
             if tree is not None:
                 num_accepted += self._accept_tree(seq, tree, rows[i])
@@ -325,7 +330,7 @@ class LLMEngine:
             token = next(tokens) if k else None
             lp = logprobs.get(id(seq))
             if seq.prefill_only:
-                handoff.report_chunk(seq, token, bm, lp)
+                handoff.report_chunk(seq, token, bm, lp, seq.prompt_logprobs)
             if token is None:
                 continue
             seq.token_ids.append(token)
@@ -432,6 +437,9 @@ class LLMEngine:
             first = seq.num_emitted_tokens
             logprobs = seq.logprobs[first : first + len(new_token_ids)]
             assert len(logprobs) == len(new_token_ids), (seq.request_id, len(logprobs))
+        prompt_logprobs = None
+        if seq.params.prompt_logprobs is not None and seq.index == 0 and not seq.num_emitted_tokens:
+            prompt_logprobs = list(seq.prompt_logprobs)
         seq.num_emitted_tokens = seq.num_output_tokens
         return RequestOutput(
             seq.reply_id,
@@ -443,6 +451,7 @@ class LLMEngine:
             self._last_accepted.pop(seq.request_id, 0),
             logprobs,
             seq.index,
+            prompt_logprobs,
         )
 
     def _fork_choices(self, seq: Sequence) -> None:
@@ -577,10 +586,12 @@ class LLMEngine:
         first_token: int,
         params: SamplingOptions,
         first_logprobs: TokenLogprobs | None = None,
+        prompt_logprobs: Sequence_[TokenLogprobs] = (),
     ) -> None:
         """Start decoding a request whose prompt KV is already in ``block_ids`` (from
         ``reserve_blocks``; the engine takes them over and frees them when the request ends).
-        ``first_logprobs``: the first token's, when ``params.logprobs`` asks for them."""
+        ``first_logprobs``: the first token's, when ``params.logprobs`` asks for them;
+        ``prompt_logprobs``: the prompt's, when ``params.prompt_logprobs`` does."""
         self._check_prompt(request_id, prompt_ids)
         self._check_stop(request_id, params)
         matcher = self._grammar_for(request_id, params)
@@ -601,6 +612,7 @@ class LLMEngine:
             first_logprobs,
         )
         seq.grammar = matcher
+        seq.prompt_logprobs = list(prompt_logprobs)
         self.seqs[request_id] = seq
         self.scheduler.add_prefilled(seq)
         seq.num_emitted_tokens = 0
@@ -631,3 +643,22 @@ def _logprobs_of(
     num_top = [seqs[i].params.logprobs or 0 for i in want]
     lps = token_logprobs(rows, [tokens[i] for i in want], num_top)
     return {id(seqs[i]): lp for i, lp in zip(want, lps, strict=True)}
+
+
+def _num_prompt_rows(seq: Sequence, num_new: int) -> int:
+    """Rows of this step's chunk that score prompt tokens (``SamplingOptions.prompt_logprobs``):
+    row ``j`` of a chunk from position ``c`` gives the log-probabilities of prompt token
+    ``c + j + 1``, up to the prompt's last token (its row samples the first output token)."""
+    if seq.params.prompt_logprobs is None or seq.is_scored:
+        return 0
+    # after a preemption the prompt is computed again: only the tokens not scored yet
+    first = max(seq.num_computed_tokens, len(seq.prompt_logprobs))
+    return max(0, min(seq.num_computed_tokens + num_new, seq.num_prompt_tokens - 1) - first)
+
+
+def _score_prompt(seq: Sequence, rows: torch.Tensor) -> None:
+    """Prompt log-probabilities from ``rows`` (k, V): of the prompt tokens after those scored."""
+    start = len(seq.prompt_logprobs)
+    targets = seq.token_ids[start + 1 : start + 1 + rows.shape[0]]
+    num_top = [seq.params.prompt_logprobs or 0] * len(targets)
+    seq.prompt_logprobs += token_logprobs(rows, targets, num_top)

@@ -72,14 +72,16 @@ def token_logprobs(
     logits: torch.Tensor, tokens: Seq[int], num_top: Seq[int]
 ) -> list[TokenLogprobs]:
     """Row ``i`` of ``logits`` (N, V) chose ``tokens[i]``: its log-probability under the
-    model and the ``num_top[i]`` likeliest tokens' (ids, log-probabilities, likeliest first)."""
+    model, its rank, and the ``num_top[i]`` likeliest tokens' (ids, log-probabilities,
+    likeliest first)."""
     lp = logits.float().log_softmax(-1)
-    chosen = lp.gather(1, torch.tensor(tokens, device=lp.device).unsqueeze(1)).squeeze(1)
+    chosen = lp.gather(1, torch.tensor(tokens, device=lp.device).unsqueeze(1))  # (N, 1)
+    ranks = (lp > chosen).sum(-1).add_(1).tolist()
     k = max(num_top, default=0)
     top_lp, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
-    chosen_l, top_lp_l, top_ids_l = chosen.tolist(), top_lp.tolist(), top_ids.tolist()
+    chosen_l, top_lp_l, top_ids_l = chosen.squeeze(1).tolist(), top_lp.tolist(), top_ids.tolist()
     return [
-        TokenLogprobs(chosen_l[i], tuple(top_ids_l[i][:n]), tuple(top_lp_l[i][:n]))
+        TokenLogprobs(chosen_l[i], tuple(top_ids_l[i][:n]), tuple(top_lp_l[i][:n]), ranks[i])
         for i, n in enumerate(num_top)
     ]
 

@@ -54,6 +54,7 @@ class ChunkReady:
     is_last: bool
     first_token: int | None
     first_logprobs: TokenLogprobs | None = None  # with SamplingOptions.logprobs, on the last
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()  # with .prompt_logprobs, on the last
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +72,8 @@ class RequestOutput:
     )
     logprobs: list[TokenLogprobs] | None = None  # per new token, with SamplingOptions.logprobs
     index: int = 0  # which of the request's SamplingOptions.n choices
+    # with SamplingOptions.prompt_logprobs, on the request's first output: of prompt tokens 1..
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass(slots=True, eq=False)
@@ -95,6 +98,8 @@ class Sequence:
     stop_text: TextStream | None = None  # the emitted output's text, only with stop strings
     # with SamplingOptions.logprobs: one per output token, in order
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # with SamplingOptions.prompt_logprobs: of prompt tokens 1.. (the first has none)
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     # with SamplingOptions.structured_outputs: an xgrammar GrammarMatcher (grammar.py) that has
     # accepted every output token
     grammar: Any = None
@@ -116,6 +121,11 @@ class Sequence:
         if self.params.seed is None or self.index == 0:
             return self.params.seed
         return choice_seed(self.params.seed, self.index)
+
+    @property
+    def is_scored(self) -> bool:
+        """Every prompt token but the first has its log-probability (prompt_logprobs)."""
+        return len(self.prompt_logprobs) >= self.num_prompt_tokens - 1
 
     @property
     def reply_id(self) -> str:
