@@ -50,3 +50,10 @@ def test_generate_rejects_bad_prompt_ids(capsys):
 def test_generate_reports_invalid_sampling_params(capsys):
     assert main(["generate", "--prompt", "hi", "--temperature", "-1"]) == 2
     assert "temperature must be float >= 0" in capsys.readouterr().err
+
+
+def test_generate_says_it_talks_to_no_mesh(capsys):
+    with pytest.raises(SystemExit):
+        main(["generate", "--prompt", "hi", "--nats-url", "nats://127.0.0.1:4222"])
+    err = capsys.readouterr().err
+    assert "runs the model in this process" in err and "/v1/completions" in err

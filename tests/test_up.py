@@ -52,6 +52,19 @@ def test_plan_starts_registry_decode_prefill_router_with_valid_commands() -> Non
     assert router.host == "127.0.0.1"  # what the banner prints; --host 0.0.0.0 opens it up
 
 
+def test_up_serves_the_model_under_the_served_model_name() -> None:
+    def served(config: UpConfig) -> str:
+        _, router, _ = build_service_config(
+            "router", plan(config, "nats://x:1", 1)[-1].argv[2:], env={}
+        )
+        return router.model_id
+
+    assert served(UpConfig()) == "kvmesh-tiny"
+    assert served(UpConfig(served_model_name="smol")) == "smol"
+    with pytest.raises(ValueError, match="served_model_name"):
+        UpConfig(served_model_name="")
+
+
 def test_cli_stops_quietly_when_its_reader_goes_away() -> None:
     """`kvmesh admin status | head`: a closed pipe ends the command (141, as a shell reports a
     tool killed by SIGPIPE) without a BrokenPipeError traceback."""

@@ -69,6 +69,9 @@ class UpConfig(NatsClientConfig):
     a nats-server of its own on a free port."""
 
     model: str = option("kvmesh-tiny", help="model name or local HF checkpoint directory")
+    served_model_name: str | None = option(
+        None, help="the model id clients send and /v1/models lists (default: --model)"
+    )
     mode: Literal["disagg", "colocated"] = option(
         "disagg", help="disagg: prefill and decode pools; colocated: the unified baseline"
     )
@@ -156,6 +159,8 @@ class UpConfig(NatsClientConfig):
 
     def __post_init__(self) -> None:
         self.check_nats_options(mesh_from_model(self.model))
+        if self.served_model_name == "":
+            raise ValueError("served_model_name must not be empty (leave it unset for --model)")
         if self.draft is not None:
             from kvmesh.services.draft.shape import TreeShape
 
@@ -309,6 +314,8 @@ def plan(config: UpConfig, nats_url: str, port: int) -> list[ChildSpec]:
         specs.append(ChildSpec(name, "kv-store", argv))
     router = ("serve", "router", *worker("router-0"), "--model", config.model, "--port", str(port))
     router += ("--host", config.host)
+    if config.served_model_name:
+        router += ("--served-model-name", config.served_model_name)
     router += ("--mode", config.mode)
     if config.local_prefill_threshold is not None:
         router += ("--local-prefill-threshold", str(config.local_prefill_threshold))
