@@ -157,3 +157,11 @@ def test_n_choices_each_follow_the_grammar(tiny):
     assert sorted(out) == [0, 1, 2]
     for ids in out.values():
         Draft202012Validator(SCHEMA).validate(json.loads(eng.tokenizer.decode(ids)))
+
+
+def test_a_completed_grammar_wins_over_min_tokens(tiny):
+    spec = StructuredOutputs(choice=("a",))
+    params = SamplingOptions(max_tokens=10, temperature=0, min_tokens=5, structured_outputs=spec)
+    outs, reasons, _ = run(engine(tiny), [[1, 2, 3]], params)
+    assert reasons == ["stop"]
+    assert engine(tiny).tokenizer.decode(outs[0]) == "a"

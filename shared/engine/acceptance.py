@@ -51,11 +51,15 @@ def target_tokens(
     structured output's grammar per row (``grammar.tree_bitmask``)."""
     assert logits.shape[0] == len(output_indices), (logits.shape, len(output_indices))
     rows = [params] * len(output_indices)
+    raw = logits
     if params.changes_logits:
         assert histories is not None and len(histories) == len(rows)
         logits = apply_logit_options(logits.float().cpu(), rows, histories, eos_token_ids)
     if bitmask is not None:
         logits = apply_bitmask(logits.float().cpu(), bitmask)
+        dead = torch.isneginf(logits).all(-1)  # as Sampler: the grammar wins over the options
+        if dead.any():
+            logits[dead] = apply_bitmask(raw.float().cpu(), bitmask)[dead]
     if params.is_greedy:
         return logits.argmax(-1).tolist()
     x = logits.float().cpu()

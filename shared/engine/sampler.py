@@ -102,13 +102,19 @@ class Sampler:
         """logits: (N, V) float32, one row per sequence. Returns N token ids."""
         assert logits.shape[0] == len(seqs)
         params = [s.params for s in seqs]
+        raw = logits
         if any(p.changes_logits for p in params):
             histories = [RowHistory(s.prompt_ids, s.output_ids) for s in seqs]
             logits = apply_logit_options(
                 logits.float().cpu(), params, histories, self.eos_token_ids
             )
         if any(s.grammar is not None for s in seqs):
-            logits = mask_rows(logits.float().cpu(), [s.grammar for s in seqs])
+            grammars = [s.grammar for s in seqs]
+            logits = mask_rows(logits.float().cpu(), grammars)
+            # the grammar allows only what the options masked (EOS under min_tokens): it wins
+            dead = torch.isneginf(logits).all(-1)
+            if dead.any():
+                logits[dead] = mask_rows(raw.float().cpu(), grammars)[dead]
         if all(p.is_greedy for p in params):
             return logits.argmax(-1).tolist()
         x = logits.float().cpu()
