@@ -178,6 +178,7 @@ class FakeMesh:
                     offset,
                     sampling.logprobs,
                     sampling.n,
+                    _prompt_logprobs(prompt_ids, sampling.prompt_logprobs),
                 )
             )
 
@@ -189,6 +190,7 @@ class FakeMesh:
         offset: int = 0,
         logprobs: int | None = None,
         num_choices: int = 1,
+        prompt_logprobs: tuple[TokenLogprobs, ...] = (),
     ) -> None:
         """The reply's tokens, one event each; with n > 1 each choice in turn gets them."""
         ids, reason = self.output_ids(max_tokens, offset)
@@ -209,6 +211,7 @@ class FakeMesh:
                 error=self.fail_with if failing else "",
                 logprobs=() if logprobs is None else (_logprobs_of(token_id, logprobs),),
                 index=index,
+                prompt_logprobs=prompt_logprobs if (index, i) == (0, 0) else (),
             )
             if self.lose_token == i + 1 and request_id == self.places[0].request_id:
                 continue  # published into a NATS that lost it
@@ -225,3 +228,9 @@ def _logprobs_of(token_id: int, num_top: int) -> TokenLogprobs:
     """Made-up but well-formed: the token and its neighbours, likeliest first."""
     top = tuple((token_id + i) % 256 for i in range(num_top))
     return TokenLogprobs(-0.5, top, tuple(-0.5 - i for i in range(num_top)))
+
+
+def _prompt_logprobs(prompt_ids: tuple[int, ...], num_top: int | None) -> tuple[TokenLogprobs, ...]:
+    if num_top is None:
+        return ()
+    return tuple(_logprobs_of(t, num_top) for t in prompt_ids[1:])

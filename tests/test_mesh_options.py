@@ -391,3 +391,48 @@ def test_echo_with_logprobs_and_prompt_logprobs_score_the_prompt_as_offline(mesh
     for entry, token, lp in zip(vllm[1:], prompt[1:], first, strict=True):
         assert entry[str(token)]["logprob"] == pytest.approx(lp.logprob, abs=1e-4)
         assert entry[str(token)]["rank"] == lp.rank
+
+
+def test_options_in_colocated_mode_equal_the_offline_engine():
+    """The colocated baseline runs the same options: n seeded choices with logprobs and
+    penalties, and a JSON schema."""
+    import json
+
+    from jsonschema import Draft202012Validator
+    from kvmesh.loadgen.bench_mesh import local_mesh
+
+    prompt = PROMPTS[2]
+    params = SamplingOptions(
+        max_tokens=10, temperature=0.8, seed=2, n=2, repetition_penalty=1.2, ignore_eos=True
+    )
+    expected, tokenizer = offline_choices(prompt, params)
+
+    async def scenario(url: str):
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        async with client:
+            plain = await client.completions.create(
+                model=MODEL,
+                prompt=prompt,
+                max_tokens=10,
+                temperature=0.8,
+                seed=2,
+                n=2,
+                logprobs=0,
+                extra_body={"repetition_penalty": 1.2, "ignore_eos": True},
+            )
+            schema_format = {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}
+            structured = await client.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": "hi"}],
+                seed=1,
+                max_completion_tokens=60,
+                response_format=schema_format,
+            )
+            return plain, structured
+
+    with local_mesh("colocated", env=ENV) as mesh:
+        plain, structured = asyncio.run(scenario(mesh.url))
+    for choice in plain.choices:
+        texts = [tokenizer.decode([t], skip_special_tokens=False) for t in expected[choice.index]]
+        assert choice.logprobs.tokens == texts
+    Draft202012Validator(SCHEMA).validate(json.loads(structured.choices[0].message.content))

@@ -16,7 +16,6 @@ Three steps, each with its own kind of error:
 from __future__ import annotations
 
 import re
-import reprlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
@@ -25,7 +24,15 @@ import msgspec
 import msgspec.inspect as mi
 import orjson
 from kvmesh.services.router import structured
-from kvmesh.services.router.errors import InvalidRequestError, ModelNotFoundError
+from kvmesh.services.router.errors import InvalidRequestError, ModelNotFoundError, quote_value
+from kvmesh.services.router.refusals import (
+    CHAT_UNSUPPORTED,
+    COMPLETION_UNSUPPORTED,
+    IGNORED_CHAT,
+    IGNORED_COMPLETION,
+    refuse_unknown,
+    refuse_unsupported,
+)
 from kvmesh.services.router.schema import (
     ChatCompletionRequest,
     ChatMessage,
@@ -38,10 +45,6 @@ from kvmesh.shared.structured_output import StructuredOutputs
 Kind = Literal["completion", "chat"]
 R = TypeVar("R", bound=SamplingFields)
 S = TypeVar("S", bound=msgspec.Struct)
-
-_QUOTE = reprlib.Repr()  # keyword arguments need Python 3.12
-_QUOTE.maxlevel, _QUOTE.maxlist, _QUOTE.maxdict = 3, 8, 8
-_QUOTE.maxstring = _QUOTE.maxother = _QUOTE.maxlong = 80
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,8 +85,8 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
 
 def parse_completion(body: Mapping[str, Any], served_model: str) -> GenerateRequest:
     """Validate a ``POST /v1/completions`` body."""
-    _refuse_unsupported(body, _COMPLETION_UNSUPPORTED)
-    refuse_unknown(body, CompletionRequest, _COMPLETION_UNSUPPORTED, _IGNORED_COMPLETION)
+    refuse_unsupported(body, COMPLETION_UNSUPPORTED)
+    refuse_unknown(body, CompletionRequest, COMPLETION_UNSUPPORTED, IGNORED_COMPLETION)
     spec, spec_param = structured.structured_outputs_of(body)
     body = {**_normalise(body), "prompt": _unwrap_prompt(body.get("prompt"))}
     req = _validate(body, CompletionRequest, served_model)
@@ -100,8 +103,8 @@ def parse_completion(body: Mapping[str, Any], served_model: str) -> GenerateRequ
 
 def parse_chat(body: Mapping[str, Any], served_model: str) -> GenerateRequest:
     """Validate a ``POST /v1/chat/completions`` body."""
-    _refuse_unsupported(body, _CHAT_UNSUPPORTED)
-    refuse_unknown(body, ChatCompletionRequest, _CHAT_UNSUPPORTED, _IGNORED_CHAT)
+    refuse_unsupported(body, CHAT_UNSUPPORTED)
+    refuse_unknown(body, ChatCompletionRequest, CHAT_UNSUPPORTED, IGNORED_CHAT)
     refuse_non_text_parts(body.get("messages"))
     spec, spec_param = structured.structured_outputs_of(body)
     req = _validate(_normalise(body), ChatCompletionRequest, served_model)
@@ -152,7 +155,7 @@ def _normalise(body: Mapping[str, Any]) -> dict[str, Any]:
     for key, value in bias.items():
         if not (isinstance(key, str) and key.isascii() and key.isdigit()):
             raise InvalidRequestError(
-                f"'logit_bias' keys must be token ids (non-negative integers), got {_show(key)}",
+                f"'logit_bias' keys must be token ids (non-negative integers), got {quote_value(key)}",
                 param="logit_bias",
                 code="invalid_value",
             )
@@ -199,87 +202,7 @@ def _common(
     }
 
 
-# --- 1. refusals by name -----------------------------------------------------------------------
-
-# name -> (is the value harmless?, what to tell the user)
-_COMMON_UNSUPPORTED: dict[str, tuple[Any, str]] = {}
-_COMPLETION_UNSUPPORTED = {
-    **_COMMON_UNSUPPORTED,
-    "best_of": (lambda v: v in (None, 1), "only best_of=1 is supported"),
-    "suffix": (lambda v: v in (None, ""), "suffix (insertion) is not supported"),
-}
-_CHAT_UNSUPPORTED = {
-    **_COMMON_UNSUPPORTED,
-    "tools": (lambda v: not v, "tools (function calling) are not supported"),
-    "functions": (lambda v: not v, "functions (function calling) are not supported"),
-}
-
-
-# Fields kvmesh does not take but may ignore without changing the answer, each at the values
-# for which that is true (docs/openai_api.md lists them); any other field is refused by name.
-_IGNORED_COMMON: dict[str, Any] = {
-    "user": lambda v: True,  # an end-user id for the provider's abuse monitoring
-    "metadata": lambda v: True,  # tags for OpenAI's stored completions
-    "store": lambda v: v is False,  # nothing is stored: store=true is refused
-    "service_tier": lambda v: v in ("auto", "default"),
-    "prompt_cache_key": lambda v: True,  # prefix caching is automatic
-    "safety_identifier": lambda v: True,
-    "skip_special_tokens": lambda v: v is True,  # what the router does
-    "spaces_between_special_tokens": lambda v: v is True,
-    "priority": lambda v: v == 0,
-    "guided_decoding_backend": lambda v: v in ("xgrammar", "auto"),  # the one kvmesh has
-}
-_IGNORED_COMPLETION = {
-    **_IGNORED_COMMON,
-    "add_special_tokens": lambda v: v is True,  # a text prompt is encoded with them
-}
-_IGNORED_CHAT = {
-    **_IGNORED_COMMON,
-    "parallel_tool_calls": lambda v: True,  # without tools there are no calls
-    "tool_choice": lambda v: v in ("none", "auto"),
-    "echo": lambda v: v is False,
-    "add_generation_prompt": lambda v: v is True,
-    "continue_final_message": lambda v: v is False,
-    "add_special_tokens": lambda v: v is False,  # the chat template writes them
-}
-
-
-def refuse_unknown(
-    body: Mapping[str, Any], cls: type, refused: Mapping[str, Any], ignored: Mapping[str, Any]
-) -> None:
-    """Every field neither ``cls`` nor the refusals by name know is refused (a null counts as
-    absent), unless ignoring it changes nothing (``ignored``). An ignored field would make the
-    client believe it was honoured."""
-    known = {*cls.__struct_fields__, *refused, *structured.FIELDS}
-    unknown = [
-        name
-        for name, value in body.items()
-        if value is not None and name not in known and not ignored.get(name, _NEVER)(value)
-    ]
-    if not unknown:
-        return
-    names = ", ".join(repr(name) for name in unknown[:8])
-    raise InvalidRequestError(
-        f"kvmesh does not support {names} on this route (or not at "
-        f"{_show(body[unknown[0]])}); remove {'it' if len(unknown) == 1 else 'them'}. What it "
-        "takes is listed in /openapi.json, what it ignores in docs/openai_api.md",
-        param=unknown[0],
-        code="unsupported_parameter",
-    )
-
-
-def _NEVER(value: Any) -> bool:
-    return False
-
-
-def _refuse_unsupported(body: Mapping[str, Any], table: Mapping[str, tuple[Any, str]]) -> None:
-    for name, (is_harmless, message) in table.items():
-        if name in body and not is_harmless(body[name]):
-            raise InvalidRequestError(
-                f"{message} (got {name}={_show(body[name])})",
-                param=name,
-                code="unsupported_parameter",
-            )
+# --- 1. refusals by name: refusals.py -----------------------------------------------------
 
 
 def _unwrap_prompt(prompt: Any) -> Any:
@@ -314,7 +237,7 @@ def refuse_non_text_parts(messages: Any) -> None:
                 where = f"messages[{i}].content[{j}]"
                 raise InvalidRequestError(
                     f"{where}: only text content parts are supported, got "
-                    f"{_show(part.get('type'))}",
+                    f"{quote_value(part.get('type'))}",
                     param=where,
                     code="unsupported_parameter",
                 )
@@ -352,7 +275,7 @@ def check_model(model: Any, served_model: str) -> None:
         )
     if model != served_model:
         raise ModelNotFoundError(
-            f"the model {_show(model)} does not exist here; this router serves {served_model!r}",
+            f"the model {quote_value(model)} does not exist here; this router serves {served_model!r}",
             param="model",
         )
 
@@ -392,7 +315,7 @@ def _schema_error(cls: type, body: Mapping[str, Any], error: str) -> InvalidRequ
     inner = "".join(f"[{s}]" if isinstance(s, int) else f".{s}" for s in path[len(shown) :])
     detail = f" ({param}{inner}: {what[:1].lower()}{what[1:]})".replace("`", "") if inner else ""
     return InvalidRequestError(
-        f"'{param}' must be {expects}, got {_show(value)}{detail}",
+        f"'{param}' must be {expects}, got {quote_value(value)}{detail}",
         param=param,
         code="invalid_type" if is_type else "invalid_value",
     )
@@ -459,9 +382,3 @@ def _num(x: float) -> str:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _show(value: Any) -> str:
-    """A client's value quoted in an error message: its repr, cut short in length and depth
-    (a plain repr of a value nested as deep as the JSON parser allows overflows the stack)."""
-    return _QUOTE.repr(value)

@@ -62,7 +62,7 @@ from collections.abc import Sequence as Sequence_
 from typing import Any
 
 import torch
-from kvmesh.shared.engine import acceptance, choices, grammar, handoff
+from kvmesh.shared.engine import acceptance, choices, grammar, handoff, scoring
 from kvmesh.shared.engine.block_manager import BlockManager, OutOfBlocksError
 from kvmesh.shared.engine.choices import choice_id
 from kvmesh.shared.engine.config import EngineConfig
@@ -297,7 +297,9 @@ class LLMEngine:
             int(s.num_computed_tokens + n == len(s)) * (n if i in trees else 1)
             for i, (s, n) in enumerate(zip(batch.seqs, num_new, strict=True))
         ]
-        num_scored = [_num_prompt_rows(s, n) for s, n in zip(batch.seqs, num_new, strict=True)]
+        num_scored = [
+            scoring.num_prompt_rows(s, n) for s, n in zip(batch.seqs, num_new, strict=True)
+        ]
         num_logits = [a + b for a, b in zip(num_samples, num_scored, strict=True)]
         if trees:
             logits = self.runner.execute(batch.seqs, num_new, num_logits, trees)
@@ -311,10 +313,10 @@ class LLMEngine:
             plain_logits = torch.cat([rows[i][-1:] for i in plain]) if plain else None
         plain_seqs = [batch.seqs[i] for i in plain]
         sampled = self.sampler(plain_logits, plain_seqs) if plain else []
-        logprobs = _logprobs_of(plain_logits, plain_seqs, sampled) if plain else {}
+        logprobs = scoring.sampled_logprobs(plain_logits, plain_seqs, sampled) if plain else {}
         for i, k in enumerate(num_scored):
             if k:
-                _score_prompt(batch.seqs[i], rows[i][:k])
+                scoring.score_prompt(batch.seqs[i], rows[i][:k])
         tokens = iter(sampled)
         bm = self.block_manager
         num_accepted = 0
@@ -630,35 +632,3 @@ class LLMEngine:
                     out.num_output_tokens,
                 )
             )
-
-
-def _logprobs_of(
-    logits: torch.Tensor, seqs: list[Sequence], tokens: list[int]
-) -> dict[int, TokenLogprobs]:
-    """id(seq) -> the sampled token's logprobs, for the sequences whose options ask for them."""
-    want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
-    if not want:
-        return {}
-    rows = logits[torch.tensor(want, device=logits.device)] if len(want) < len(seqs) else logits
-    num_top = [seqs[i].params.logprobs or 0 for i in want]
-    lps = token_logprobs(rows, [tokens[i] for i in want], num_top)
-    return {id(seqs[i]): lp for i, lp in zip(want, lps, strict=True)}
-
-
-def _num_prompt_rows(seq: Sequence, num_new: int) -> int:
-    """Rows of this step's chunk that score prompt tokens (``SamplingOptions.prompt_logprobs``):
-    row ``j`` of a chunk from position ``c`` gives the log-probabilities of prompt token
-    ``c + j + 1``, up to the prompt's last token (its row samples the first output token)."""
-    if seq.params.prompt_logprobs is None or seq.is_scored:
-        return 0
-    # after a preemption the prompt is computed again: only the tokens not scored yet
-    first = max(seq.num_computed_tokens, len(seq.prompt_logprobs))
-    return max(0, min(seq.num_computed_tokens + num_new, seq.num_prompt_tokens - 1) - first)
-
-
-def _score_prompt(seq: Sequence, rows: torch.Tensor) -> None:
-    """Prompt log-probabilities from ``rows`` (k, V): of the prompt tokens after those scored."""
-    start = len(seq.prompt_logprobs)
-    targets = seq.token_ids[start + 1 : start + 1 + rows.shape[0]]
-    num_top = [seq.params.prompt_logprobs or 0] * len(targets)
-    seq.prompt_logprobs += token_logprobs(rows, targets, num_top)
