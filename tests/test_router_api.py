@@ -839,3 +839,14 @@ def test_vllm_prompt_logprobs_shape():
             "105": {"logprob": -1.0, "rank": 2, "decoded_token": "i"},
         },
     ]
+
+
+def test_a_one_token_prompt_has_empty_prompt_logprobs_without_a_message():
+    from kvmesh.services.router.choices import Choice
+    from kvmesh.shared.protocol import TokenEvent
+
+    sampling = SamplingOptions(logprobs=0, prompt_logprobs=0)
+    choice = Choice.new(0, tiny_tokenizer(), (104,), sampling, is_chat=False, echo_text="h")
+    choice.add(TokenEvent("r", (105,), "length", logprobs=(TokenLogprobs(-0.5),)))
+    assert choice.prompt_scored == []
+    assert wire(choice.result().logprobs)["token_logprobs"] == [None, -0.5]

@@ -46,7 +46,16 @@ class Choice:
         )
         wants = sampling.logprobs is not None
         builder = LogprobsBuilder(tokenizer, is_chat) if wants else None
-        return cls(index, output, builder, echo_text=echo_text, prompt_ids=prompt_ids)
+        # a one-token prompt has nothing to score: no message will carry its (empty) scores
+        scored: list[TokenLogprobs] | None = [] if len(prompt_ids) == 1 else None
+        return cls(
+            index,
+            output,
+            builder,
+            echo_text=echo_text,
+            prompt_ids=prompt_ids,
+            prompt_scored=scored,
+        )
 
     @property
     def is_done(self) -> bool:
