@@ -171,17 +171,17 @@ class KvmeshRunner:
         )
 
     def generate(self, prompts: list[list[int]], num_tokens: int) -> list[list[int]]:
-        from kvmesh.shared.engine.sequence import SamplingParams
+        from kvmesh.shared.sampling import SamplingOptions
 
-        params = SamplingParams(max_tokens=num_tokens, temperature=0, ignore_eos=True)
+        params = SamplingOptions(max_tokens=num_tokens, temperature=0, ignore_eos=True)
         return self.engine.generate(prompts, params)
 
     def decode_step_times(
         self, prompts: list[list[int]], num_tokens: int, clock: Callable[[], float]
     ) -> list[float]:
-        from kvmesh.shared.engine.sequence import SamplingParams
+        from kvmesh.shared.sampling import SamplingOptions
 
-        params = SamplingParams(max_tokens=num_tokens, temperature=0, ignore_eos=True)
+        params = SamplingOptions(max_tokens=num_tokens, temperature=0, ignore_eos=True)
         engine = self.engine
         for i, prompt in enumerate(prompts):
             engine.add_request(f"bench-{i}", prompt, params)

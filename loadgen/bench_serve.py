@@ -33,7 +33,12 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvmesh.loadgen.bench_serve_config import ServeBenchConfig, add_arguments, config_from_args
+from kvmesh.loadgen.bench_serve_config import (
+    TINY_MODEL,
+    ServeBenchConfig,
+    add_arguments,
+    config_from_args,
+)
 from kvmesh.loadgen.compare_targets import Target
 from kvmesh.loadgen.serve_metrics import RequestRecord, Summary
 from kvmesh.loadgen.serve_report import RunResult, comparison_text, format_summary, rate_text
@@ -56,6 +61,8 @@ def register_serve(sub: Any) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     try:
+        asked = args.model
+        args.model = asked or TINY_MODEL  # the flags are checked before the server is asked
         config = config_from_args(args)
     except ValueError as exc:
         print(f"kvmesh bench serve: {exc}", file=sys.stderr)
@@ -65,6 +72,13 @@ def run(args: argparse.Namespace) -> int:
 
         print(f"kvmesh bench serve: {INSTALL_HINT}", file=sys.stderr)
         return 2
+    if asked is None and not config.compare:
+        try:
+            served = served_model(config.base_url, config.api_key)
+        except ValueError as exc:
+            print(f"kvmesh bench serve: {exc}", file=sys.stderr)
+            return 2
+        config = dataclasses.replace(config, model=served)
     from kvmesh.loadgen.workload import WorkloadError
 
     try:
@@ -234,6 +248,28 @@ def _sweep(
         print(ttft_breakdown.format_breakdown(label, breakdown))
         results.append(result)
     return 0
+
+
+def served_model(base_url: str, api_key: str | None = None, timeout_s: float = 10.0) -> str:
+    """The model ``base_url`` serves: the first of its ``/v1/models``; ValueError saying what
+    went wrong otherwise (the server is down, or lists none)."""
+    import urllib.error
+    import urllib.request
+
+    import orjson
+
+    request = urllib.request.Request(f"{base_url.rstrip('/')}/v1/models")
+    if api_key:
+        request.add_header("Authorization", f"Bearer {api_key}")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as resp:
+            models = orjson.loads(resp.read())["data"]
+        return str(models[0]["id"])
+    except (OSError, urllib.error.URLError, ValueError, KeyError, IndexError, TypeError) as exc:
+        raise ValueError(
+            f"could not ask {base_url}/v1/models which model it serves ({exc}); is the server "
+            "up? Or name it with --model"
+        ) from None
 
 
 def scrape_metrics(

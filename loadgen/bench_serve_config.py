@@ -216,9 +216,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     target.add_argument("--endpoint", default=COMPLETIONS, choices=(COMPLETIONS, CHAT))
     target.add_argument(
         "--model",
-        default=TINY_MODEL,
-        help="model name sent in every request; with --compare, the model the local meshes serve "
-        "(kvmesh-tiny or a checkpoint directory)",
+        default=None,
+        help="model name sent in every request (default: the one --base-url's /v1/models "
+        f"lists); with --compare, the model the local meshes serve ({TINY_MODEL}, the default, "
+        "or a checkpoint directory)",
     )
     target.add_argument(
         "--tokenizer",

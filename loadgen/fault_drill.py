@@ -404,13 +404,13 @@ def run(args: argparse.Namespace) -> int:
 def _offline(prompts: list[list[int]], max_tokens: int) -> list[str]:
     from kvmesh.shared.engine.config import EngineConfig
     from kvmesh.shared.engine.llm_engine import LLMEngine
-    from kvmesh.shared.engine.sequence import SamplingParams
     from kvmesh.shared.model.loader import load_model
+    from kvmesh.shared.sampling import SamplingOptions
     from kvmesh.shared.text import TextStream
 
     model, tokenizer = load_model(MODEL)
     engine = LLMEngine(model, tokenizer, EngineConfig(num_blocks=4096))
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    params = SamplingOptions(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     texts = []
     for prompt, ids in zip(prompts, engine.generate(prompts, params), strict=True):
         text = TextStream(tokenizer, prompt)

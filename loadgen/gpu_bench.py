@@ -323,7 +323,7 @@ def engine_decode_rate(
     the steps producing the next ``new_tokens`` tokens of all of them timed."""
     from kvmesh.shared.engine.config import EngineConfig
     from kvmesh.shared.engine.llm_engine import LLMEngine
-    from kvmesh.shared.engine.sequence import SamplingParams
+    from kvmesh.shared.sampling import SamplingOptions
 
     P = prompts.shape[1]
     block_size = 16
@@ -337,7 +337,7 @@ def engine_decode_rate(
         enable_prefix_caching=False,
     )
     engine = LLMEngine(model, None, config)
-    params = SamplingParams(max_tokens=new_tokens + 1, temperature=0.0, ignore_eos=True)
+    params = SamplingOptions(max_tokens=new_tokens + 1, temperature=0.0, ignore_eos=True)
     tokens: dict[str, list[int]] = {}
     for i, prompt in enumerate(prompts.tolist()):
         engine.add_request(str(i), prompt, params)

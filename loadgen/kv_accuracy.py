@@ -199,7 +199,7 @@ def measure_formats(
     to one of ``stop_token_ids``, at most ``FACT_MAX_TOKENS``)."""
     from kvmesh.shared.engine.config import EngineConfig
     from kvmesh.shared.engine.llm_engine import LLMEngine
-    from kvmesh.shared.engine.sequence import SamplingParams
+    from kvmesh.shared.sampling import SamplingOptions
 
     longest = max(len(p) for p in [*prompts, *facts]) + max(max_tokens, FACT_MAX_TOKENS)
     num_blocks = max(len(prompts), len(facts)) * (-(-longest // block_size) + 1) + 8
@@ -213,8 +213,8 @@ def measure_formats(
         )
         return LLMEngine(model, None, config)
 
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    fact_params = SamplingParams(
+    params = SamplingOptions(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    fact_params = SamplingOptions(
         max_tokens=FACT_MAX_TOKENS, temperature=0.0, stop_token_ids=tuple(stop_token_ids)
     )
     ref_engine = engine("auto")
@@ -274,9 +274,10 @@ def fact_prompts(tokenizer: Any) -> list[list[int]]:
 def teacher_forced_logits(engine: Any, token_ids: list[int], num_logits: int) -> torch.Tensor:
     """(num_logits, vocab) float32 logits of the last ``num_logits`` positions of ``token_ids``,
     all in one forward pass through ``engine``'s KV pool (blocks taken and given back)."""
-    from kvmesh.shared.engine.sequence import SamplingParams, Sequence
+    from kvmesh.shared.engine.sequence import Sequence
+    from kvmesh.shared.sampling import SamplingOptions
 
-    seq = Sequence("kv-accuracy", list(token_ids), SamplingParams(max_tokens=1, temperature=0.0))
+    seq = Sequence("kv-accuracy", list(token_ids), SamplingOptions(max_tokens=1, temperature=0.0))
     engine.block_manager.allocate(seq)
     try:
         assert seq.num_computed_tokens == 0, "the engine must not have prefix caching on"

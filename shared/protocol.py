@@ -17,6 +17,7 @@ from typing import Annotated, Any, TypeVar
 
 import msgspec
 from kvmesh.shared.descriptor import TransportDescriptor
+from kvmesh.shared.sampling import SamplingOptions, TokenLogprobs
 
 
 class Message(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -29,22 +30,6 @@ M = TypeVar("M", bound=Message)
 
 class MessageError(ValueError):
     """A NATS message that does not decode into the expected message type."""
-
-
-# --- sampling ---------------------------------------------------------------------------------
-
-
-class SamplingOptions(Message):
-    """Wire form of the engine's SamplingParams (``top_k`` 0 and ``top_p`` 1 are off, as there)."""
-
-    max_tokens: Annotated[int, msgspec.Meta(ge=1)] = 16
-    temperature: Annotated[float, msgspec.Meta(ge=0)] = 1.0
-    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] = 1.0
-    top_k: Annotated[int, msgspec.Meta(ge=0)] = 0  # 0: off (every token is a candidate)
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    stop: tuple[str, ...] = ()
-    ignore_eos: bool = False
 
 
 # --- placement (router -> kv-registry -> decode) -----------------------------------------------
@@ -141,6 +126,8 @@ class PrefillDone(Message):
     # To the decode worker: the draft worker that received the prompt's draft KV through the
     # data plane ("" if none did); the decode worker sends that worker the first DraftContext.
     draft_worker_id: str = ""
+    first_logprobs: TokenLogprobs | None = None  # the first token's, when the options ask
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()  # of prompt tokens 1.., when they ask
 
 
 class PrefillReport(Message):
@@ -175,6 +162,13 @@ class TokenEvent(Message):
     # its first token (the steps it shared with other sequences included); 0 for a remote one.
     wait_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
     prefill_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    # with SamplingOptions.logprobs: one per token of token_ids
+    logprobs: tuple[TokenLogprobs, ...] = ()
+    # which of the request's SamplingOptions.n choices; num_output_tokens and finish_reason are
+    # that choice's (the request ends when each choice has finished)
+    index: Annotated[int, msgspec.Meta(ge=0)] = 0
+    # with SamplingOptions.prompt_logprobs, on choice 0's first event: of prompt tokens 1..
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 class Abort(Message):

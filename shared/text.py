@@ -77,9 +77,10 @@ class IncrementalDetokenizer:
 class StopMatcher:
     """Feed text with ``add``; each call returns the new text safe to show."""
 
-    def __init__(self, stop: Sequence[str]) -> None:
+    def __init__(self, stop: Sequence[str], include_stop: bool = False) -> None:
         assert all(stop), "stop strings are non-empty"
         self._stop = tuple(stop)
+        self._include_stop = include_stop  # the text ends after the stop string, not before
         self._max_stop_len = max((len(s) for s in self._stop), default=0)
         self._text = ""  # everything added so far (cut at a stop string)
         self._num_released = 0  # characters of _text already returned
@@ -105,6 +106,8 @@ class StopMatcher:
         cut = self._find_stop()
         if cut is not None:
             self.is_stopped = True
+            if self._include_stop:
+                cut += max(len(s) for s in self._stop if self._text.startswith(s, cut))
             self._text = self._text[:cut]
             end = cut
         elif is_final:
@@ -138,10 +141,14 @@ class TextStream:
     """Generated token ids in, client text out: ``IncrementalDetokenizer`` then ``StopMatcher``."""
 
     def __init__(
-        self, tokenizer: TokenDecoder, prompt_ids: Sequence[int], stop: Sequence[str] = ()
+        self,
+        tokenizer: TokenDecoder,
+        prompt_ids: Sequence[int],
+        stop: Sequence[str] = (),
+        include_stop: bool = False,
     ) -> None:
         self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids)
-        self._matcher = StopMatcher(stop)
+        self._matcher = StopMatcher(stop, include_stop)
         self.num_tokens = 0  # token ids added
 
     @property

@@ -34,6 +34,10 @@ class _Backend(Protocol):
 
     def token_to_id(self, token: str) -> int | None: ...
 
+    def token_bytes(self, token_id: int) -> bytes: ...
+
+    def special_ids(self) -> frozenset[int]: ...
+
 
 class _HFBackend:
     def __init__(self, path: Path) -> None:
@@ -54,6 +58,38 @@ class _HFBackend:
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
+
+    def special_ids(self) -> frozenset[int]:
+        added = self._tok.get_added_tokens_decoder()
+        return frozenset(i for i, token in added.items() if token.special)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        piece = self._tok.id_to_token(token_id)
+        if piece is None:
+            raise TokenizerError(f"token id {token_id} is outside the vocabulary")
+        if _BYTE_FALLBACK.fullmatch(piece):  # sentencepiece's byte fallback: <0xE2>
+            return bytes([int(piece[3:5], 16)])
+        is_byte_level = "ByteLevel" in repr(self._tok.decoder)
+        if is_byte_level and all(c in _UNICODE_TO_BYTE for c in piece):  # GPT-2's alphabet
+            return bytes(_UNICODE_TO_BYTE[c] for c in piece)
+        return self._tok.decode([token_id], skip_special_tokens=False).encode()
+
+
+def _gpt2_byte_alphabet() -> dict[str, int]:
+    """GPT-2's printable stand-in for each byte (``bytes_to_unicode``), inverted."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    chars, n = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + n)] = b
+            n += 1
+    return chars
+
+
+_UNICODE_TO_BYTE = _gpt2_byte_alphabet()
+_BYTE_FALLBACK = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 
 class _ByteBackend:
@@ -101,6 +137,14 @@ class _ByteBackend:
 
     def token_to_id(self, token: str) -> int | None:
         return self._special_ids.get(token)
+
+    def special_ids(self) -> frozenset[int]:
+        return frozenset(range(256, self.vocab_size))
+
+    def token_bytes(self, token_id: int) -> bytes:
+        if 0 <= token_id < 256:
+            return bytes([token_id])
+        return self.decode([token_id], skip_special_tokens=False).encode()
 
 
 class Tokenizer:
@@ -187,6 +231,15 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(ids, skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (a part of a multi-byte character decodes to U+FFFD
+        alone; its bytes do not): OpenAI's logprobs ``bytes``."""
+        return self._backend.token_bytes(token_id)
+
+    def special_ids(self) -> frozenset[int]:
+        """The special tokens' ids (BOS, EOS, chat markers): no text of the output."""
+        return self._backend.special_ids()
 
     def apply_chat_template(
         self,

@@ -2,7 +2,9 @@
 
 ``from_schema`` draws instances of a schema: ``type`` (null, boolean, integer, number, string,
 array, object), ``anyOf``, ``enum``, ``const``, numeric bounds (``minimum``, ``maximum``,
-``exclusiveMinimum``), ``minLength``, ``minItems``/``maxItems``, ``properties``/``required``. A
+``exclusiveMinimum``), ``minLength``, ``maxLength``, ``pattern``, ``minItems``/``maxItems``,
+``properties``/``required`` (``additionalProperties: false`` draws none beyond them), maps
+(``additionalProperties`` a schema, ``propertyNames``, ``maxProperties``). A
 keyword outside that subset raises, so a schema that grows past it fails loudly instead of being
 half-generated. ``inline_refs`` replaces ``#/...`` references by what they point to.
 
@@ -28,11 +30,16 @@ _KNOWN = _ANNOTATIONS | {
     "maximum",
     "exclusiveMinimum",
     "minLength",
+    "maxLength",
+    "pattern",
     "items",
     "minItems",
     "maxItems",
     "properties",
     "required",
+    "additionalProperties",
+    "propertyNames",
+    "maxProperties",
 }
 MAX_STRING = 40
 MAX_ITEMS = 6
@@ -73,13 +80,21 @@ def from_schema(schema: dict) -> st.SearchStrategy[Any]:
     if kind == "number":
         return _numbers(schema)
     if kind == "string":
-        return st.text(min_size=schema.get("minLength", 0), max_size=MAX_STRING)
+        if "pattern" in schema:
+            return st.from_regex(schema["pattern"], fullmatch=True)
+        max_size = min(schema.get("maxLength", MAX_STRING), MAX_STRING)
+        return st.text(min_size=schema.get("minLength", 0), max_size=max_size)
     if kind == "array":
         min_items = schema.get("minItems", 0)
         max_items = schema.get("maxItems", max(min_items, MAX_ITEMS))
         return st.lists(
             from_schema(schema.get("items", {})), min_size=min_items, max_size=max_items
         )
+    if kind == "object" and isinstance(schema.get("additionalProperties"), dict):  # a map
+        keys = from_schema({"type": "string", **schema.get("propertyNames", {})})
+        max_size = min(schema.get("maxProperties", MAX_ITEMS), MAX_ITEMS)
+        values = from_schema(schema["additionalProperties"])
+        return st.dictionaries(keys, values, max_size=max_size)
     if kind == "object":
         properties = {name: from_schema(sub) for name, sub in schema.get("properties", {}).items()}
         required = set(schema.get("required", ()))

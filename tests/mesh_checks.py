@@ -16,12 +16,12 @@ def offline_greedy(prompts: list[list[int]], max_tokens: int) -> list[list[int]]
     """kvmesh-tiny's greedy output for each prompt from the offline engine (LLMEngine)."""
     from kvmesh.shared.engine.config import EngineConfig
     from kvmesh.shared.engine.llm_engine import LLMEngine
-    from kvmesh.shared.engine.sequence import SamplingParams
     from kvmesh.shared.model.loader import load_model
+    from kvmesh.shared.sampling import SamplingOptions
 
     model, tokenizer = load_model("kvmesh-tiny")
     engine = LLMEngine(model, tokenizer, EngineConfig(num_blocks=1024))
-    return engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+    return engine.generate(prompts, SamplingOptions(max_tokens=max_tokens, temperature=0.0))
 
 
 async def load(

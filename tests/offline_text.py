@@ -7,13 +7,13 @@ def offline_texts(prompts: list[list[int]], max_tokens: int, num_blocks: int = 4
     """Greedy completions of ``prompts`` (EOS ignored), turned into text as the router does."""
     from kvmesh.shared.engine.config import EngineConfig
     from kvmesh.shared.engine.llm_engine import LLMEngine
-    from kvmesh.shared.engine.sequence import SamplingParams
     from kvmesh.shared.model.loader import load_model
+    from kvmesh.shared.sampling import SamplingOptions
     from kvmesh.shared.text import TextStream
 
     model, tokenizer = load_model("kvmesh-tiny")
     engine = LLMEngine(model, tokenizer, EngineConfig(num_blocks=num_blocks))
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    params = SamplingOptions(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     texts = []
     for prompt, ids in zip(prompts, engine.generate(prompts, params), strict=True):
         text = TextStream(tokenizer, prompt)

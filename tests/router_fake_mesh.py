@@ -28,6 +28,7 @@ from kvmesh.shared.protocol import (
     TokenEvent,
     WorkerHeartbeat,
 )
+from kvmesh.shared.sampling import SamplingOptions, TokenLogprobs
 from kvmesh.shared.subjects import DEFAULT_MESH, Subjects
 
 EOS_ID = tiny_config().eos_token_ids[0]
@@ -138,7 +139,7 @@ class FakeMesh:
             )
         await msg.respond(protocol.encode_message(reply))
         if reply.ok and place.local_prefill:
-            self._start(place.request_id, place.prompt_ids, place.sampling.max_tokens)
+            self._start(place.request_id, place.prompt_ids, place.sampling)
 
     async def _on_job(self, msg) -> None:
         job = protocol.decode_message(msg.data, PrefillJob)
@@ -155,7 +156,7 @@ class FakeMesh:
         await self._nc.publish(
             self.subjects.request_prefill_report(job.request_id), protocol.encode_message(report)
         )
-        self._start(job.request_id, job.prompt_ids, job.sampling.max_tokens)
+        self._start(job.request_id, job.prompt_ids, job.sampling)
 
     async def _on_abort(self, msg) -> None:
         abort = protocol.decode_message(msg.data, Abort)
@@ -165,21 +166,41 @@ class FakeMesh:
         if task is not None:
             task.cancel()
 
-    def _start(self, request_id: str, prompt_ids: tuple[int, ...], max_tokens: int) -> None:
+    def _start(
+        self, request_id: str, prompt_ids: tuple[int, ...], sampling: SamplingOptions
+    ) -> None:
         if self.hold_first and len(self.places) == 1:
             return
         if not self.hold_tokens:
             offset = len(prompt_ids) - len(self.places[0].prompt_ids) if self.continue_reply else 0
             self._tasks[request_id] = asyncio.create_task(
-                self._generate(request_id, len(prompt_ids), max_tokens, offset)
+                self._generate(
+                    request_id,
+                    len(prompt_ids),
+                    sampling.max_tokens,
+                    offset,
+                    sampling.logprobs,
+                    sampling.n,
+                    _prompt_logprobs(prompt_ids, sampling.prompt_logprobs),
+                )
             )
 
     async def _generate(
-        self, request_id: str, num_prompt: int, max_tokens: int, offset: int = 0
+        self,
+        request_id: str,
+        num_prompt: int,
+        max_tokens: int,
+        offset: int = 0,
+        logprobs: int | None = None,
+        num_choices: int = 1,
+        prompt_logprobs: tuple[TokenLogprobs, ...] = (),
     ) -> None:
+        """The reply's tokens, one event each; with n > 1 each choice in turn gets them."""
         ids, reason = self.output_ids(max_tokens, offset)
         subject = self.subjects.request_tokens(request_id)
-        for i, token_id in enumerate(ids):
+        for index, i, token_id in (
+            (c, i, t) for c in range(num_choices) for i, t in enumerate(ids)
+        ):
             if self.token_delay_s:
                 await asyncio.sleep(self.token_delay_s)
             last = i == len(ids) - 1
@@ -191,6 +212,9 @@ class FakeMesh:
                 num_prompt_tokens=num_prompt,
                 num_output_tokens=i + 1,
                 error=self.fail_with if failing else "",
+                logprobs=() if logprobs is None else (_logprobs_of(token_id, logprobs),),
+                index=index,
+                prompt_logprobs=prompt_logprobs if (index, i) == (0, 0) else (),
             )
             if self.lose_token == i + 1 and request_id == self.places[0].request_id:
                 continue  # published into a NATS that lost it
@@ -201,3 +225,15 @@ class FakeMesh:
     async def wait_for_abort(self, timeout_s: float = 5.0) -> Abort:
         await asyncio.wait_for(self.aborted.wait(), timeout_s)
         return self.aborts[0]
+
+
+def _logprobs_of(token_id: int, num_top: int) -> TokenLogprobs:
+    """Made-up but well-formed: the token and its neighbours, likeliest first."""
+    top = tuple((token_id + i) % 256 for i in range(num_top))
+    return TokenLogprobs(-0.5, top, tuple(-0.5 - i for i in range(num_top)))
+
+
+def _prompt_logprobs(prompt_ids: tuple[int, ...], num_top: int | None) -> tuple[TokenLogprobs, ...]:
+    if num_top is None:
+        return ()
+    return tuple(_logprobs_of(t, num_top) for t in prompt_ids[1:])

@@ -1,13 +1,14 @@
 import pytest
 from kvmesh.shared.engine.block_manager import BlockManager, OutOfBlocksError, block_hash
 from kvmesh.shared.engine.handoff import prefilled_sequence
-from kvmesh.shared.engine.sequence import SamplingParams, Sequence
+from kvmesh.shared.engine.sequence import Sequence
+from kvmesh.shared.sampling import SamplingOptions
 
 BS = 4
 
 
 def make_seq(tokens: list[int], rid: str = "r") -> Sequence:
-    return Sequence(rid, list(tokens), SamplingParams(temperature=0))
+    return Sequence(rid, list(tokens), SamplingOptions(temperature=0))
 
 
 def compute_all(bm: BlockManager, seq: Sequence) -> None:
@@ -233,7 +234,7 @@ def test_prefilled_sequence_keeps_its_cached_prompt_chain_when_the_pool_is_press
     of the prompt's blocks (an earlier turn of the chat) must be the ones the sequence holds, or
     allocations while it runs evict them and the chain a kv-store put walks breaks there."""
     bm = BlockManager(6, BS)
-    params = SamplingParams(temperature=0)
+    params = SamplingOptions(temperature=0)
     turn1 = prefilled_sequence("t1", list(range(8)), bm.allocate_blocks(2), 50, params, bm, 100)
     bm.deallocate(turn1)  # finished: its 2 blocks stay cached in the free list
     prompt = [*range(8), 50, 51, 52, 53]  # the history again and 4 new tokens: 3 full blocks

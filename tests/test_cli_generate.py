@@ -3,8 +3,8 @@ import json
 import pytest
 from kvmesh.shared.engine.config import EngineConfig
 from kvmesh.shared.engine.llm_engine import LLMEngine
-from kvmesh.shared.engine.sequence import SamplingParams
 from kvmesh.shared.model import load_model
+from kvmesh.shared.sampling import SamplingOptions
 
 from kvmesh.cli import main
 
@@ -19,7 +19,7 @@ def test_generate_json_prints_generated_ids_and_text(capsys):
     model, tok = load_model("kvmesh-tiny")
     engine = LLMEngine(model, tok, EngineConfig(num_blocks=8))
     expected = engine.generate(
-        [[1, 2, 3, 4]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+        [[1, 2, 3, 4]], SamplingOptions(max_tokens=6, temperature=0, ignore_eos=True)
     )[0]
     assert out["token_ids"] == expected
     assert out["text"] == tok.decode(expected)  # as the router sends it, unfinished bytes too
@@ -49,4 +49,11 @@ def test_generate_rejects_bad_prompt_ids(capsys):
 
 def test_generate_reports_invalid_sampling_params(capsys):
     assert main(["generate", "--prompt", "hi", "--temperature", "-1"]) == 2
-    assert "temperature must be >= 0" in capsys.readouterr().err
+    assert "temperature must be float >= 0" in capsys.readouterr().err
+
+
+def test_generate_says_it_talks_to_no_mesh(capsys):
+    with pytest.raises(SystemExit):
+        main(["generate", "--prompt", "hi", "--nats-url", "nats://127.0.0.1:4222"])
+    err = capsys.readouterr().err
+    assert "runs the model in this process" in err and "/v1/completions" in err

@@ -165,10 +165,10 @@ def tiny():
 def reference(tiny) -> list[list[int]]:
     from kvmesh.shared.engine.config import EngineConfig
     from kvmesh.shared.engine.llm_engine import LLMEngine
-    from kvmesh.shared.engine.sequence import SamplingParams
+    from kvmesh.shared.sampling import SamplingOptions
 
     engine = LLMEngine(*tiny, EngineConfig(num_blocks=128))
-    return engine.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
+    return engine.generate(PROMPTS, SamplingOptions(max_tokens=MAX_TOKENS, temperature=0.0))
 
 
 async def _run(tiny, drafter) -> tuple[dict[str, list[int]], object]:

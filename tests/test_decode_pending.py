@@ -4,12 +4,12 @@ import contextlib
 import pytest
 from kvmesh.services.decode.pending import Admission, PendingTable, ReservationError
 from kvmesh.shared import protocol
-from kvmesh.shared.engine.sequence import SamplingParams
 from kvmesh.shared.imm import imm_slot, pack_imm
 from kvmesh.shared.protocol import PrefillDone
+from kvmesh.shared.sampling import SamplingOptions
 from kvmesh.shared.transport.completions import Completion
 
-ADMISSION = Admission((1, 2, 3), SamplingParams(max_tokens=4))
+ADMISSION = Admission((1, 2, 3), SamplingOptions(max_tokens=4))
 
 
 def _done(rid="r1", lease="l1", ok=True, num_writes=3, first_token=7, error=""):

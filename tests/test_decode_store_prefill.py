@@ -66,10 +66,10 @@ def counted(worker: DecodeWorker, name: str) -> float:
 async def test_local_prefill_adopts_the_stored_prefix_and_computes_only_the_rest(tiny) -> None:
     from kvmesh.shared.engine.config import EngineConfig
     from kvmesh.shared.engine.llm_engine import LLMEngine
-    from kvmesh.shared.engine.sequence import SamplingParams
+    from kvmesh.shared.sampling import SamplingOptions
 
     offline = LLMEngine(*tiny, EngineConfig(num_blocks=64, enable_prefix_caching=False))
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    params = SamplingOptions(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     expected = [offline.generate([p], params)[0] for p in (FIRST, SECOND)]
 
     first, store = worker_of(tiny)

@@ -95,9 +95,9 @@ NUM_BLOCKS = 7  # 3 prompts of 2-3 blocks growing by 2: preemptions
 
 async def drive(engine, swaps: Swaps) -> dict[str, list[int]]:
     """The decode worker's loop: swap-ins between steps, swap-outs right after a step."""
-    from kvmesh.shared.engine.sequence import SamplingParams
+    from kvmesh.shared.sampling import SamplingOptions
 
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    params = SamplingOptions(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     lock = asyncio.Lock()
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(f"r{i}", prompt, params)
@@ -118,9 +118,9 @@ async def drive(engine, swaps: Swaps) -> dict[str, list[int]]:
 
 @pytest.fixture(scope="module")
 def roomy(tiny) -> dict[str, list[int]]:
-    from kvmesh.shared.engine.sequence import SamplingParams
+    from kvmesh.shared.sampling import SamplingOptions
 
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    params = SamplingOptions(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     outs = engine_of(tiny, 256).generate(PROMPTS, params)
     return {f"r{i}": out for i, out in enumerate(outs)}
 

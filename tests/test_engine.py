@@ -8,10 +8,11 @@ import torch
 from hf_fixtures import load_hf_reference, make_llama_checkpoint, make_qwen2_checkpoint
 from kvmesh.shared.engine.config import EngineConfig
 from kvmesh.shared.engine.llm_engine import LLMEngine
-from kvmesh.shared.engine.sequence import PromptTooLongError, RequestError, SamplingParams
+from kvmesh.shared.engine.sequence import PromptTooLongError, RequestError
 from kvmesh.shared.model import load_model
+from kvmesh.shared.sampling import SamplingOptions
 
-GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+GREEDY = SamplingOptions(max_tokens=12, temperature=0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +84,7 @@ def test_prefix_cache_hit_equals_miss(llama):
 
 def test_preemption_recomputes_to_the_same_tokens(llama):
     ps = prompts(4, lengths=(30, 31, 29, 33))
-    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    params = SamplingOptions(max_tokens=20, temperature=0, ignore_eos=True)
     roomy = engine(llama).generate(ps, params)
     tight = engine(llama, num_blocks=10)
     assert tight.generate(ps, params) == roomy
@@ -102,7 +103,7 @@ def decode_until(eng: LLMEngine, rid: str, num_tokens: int) -> list[int]:
 
 def test_score_equals_single_steps_and_rollback_restores_state(llama):
     prompt = prompts(1, lengths=(29,))[0]
-    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    params = SamplingOptions(max_tokens=30, temperature=0, ignore_eos=True)
     ref = engine(llama).generate([prompt], params)[0]
     K = 5
     eng = engine(llama)
@@ -120,7 +121,7 @@ def test_score_equals_single_steps_and_rollback_restores_state(llama):
 
 def test_accept_keeps_accepted_drafts_and_continues_identically(llama):
     prompt = prompts(1, lengths=(30,))[0]
-    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    params = SamplingOptions(max_tokens=30, temperature=0, ignore_eos=True)
     ref = engine(llama).generate([prompt], params)[0]
     eng = engine(llama)
     eng.add_request("r", prompt, params)
@@ -137,8 +138,8 @@ def test_accept_keeps_accepted_drafts_and_continues_identically(llama):
 @pytest.mark.parametrize(
     "params",
     [
-        SamplingParams(max_tokens=10, temperature=0, ignore_eos=True),
-        SamplingParams(max_tokens=10, temperature=1.5, top_k=50, seed=1234, ignore_eos=True),
+        SamplingOptions(max_tokens=10, temperature=0, ignore_eos=True),
+        SamplingOptions(max_tokens=10, temperature=1.5, top_k=50, seed=1234, ignore_eos=True),
     ],
     ids=["greedy", "seeded"],
 )
@@ -181,7 +182,7 @@ def test_prefill_handoff_to_second_engine_gives_same_tokens(llama, params):
 
 def test_abort_frees_blocks_and_reports_abort(llama):
     eng = engine(llama)
-    eng.add_request("a", prompts(1)[0], SamplingParams(max_tokens=50, temperature=0))
+    eng.add_request("a", prompts(1)[0], SamplingOptions(max_tokens=50, temperature=0))
     eng.step()
     eng.step()
     assert eng.block_manager.num_free_blocks < 64
@@ -218,20 +219,20 @@ def test_prompt_longer_than_context_is_refused_with_a_message(llama):
 
 def test_generation_stops_at_max_model_len(llama):
     eng = engine(llama, max_model_len=40)
-    out = eng.generate([[5] * 35], SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))
+    out = eng.generate([[5] * 35], SamplingOptions(max_tokens=100, temperature=0, ignore_eos=True))
     assert len(out[0]) == 5
 
 
 def test_seeded_sampling_is_reproducible_across_batches(llama):
     ps = prompts(3)
-    seeded = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, seed=7)
-    other = SamplingParams(max_tokens=10, temperature=1.0)
+    seeded = SamplingOptions(max_tokens=10, temperature=1.0, top_p=0.9, seed=7)
+    other = SamplingOptions(max_tokens=10, temperature=1.0)
     alone = engine(llama).generate([ps[0]], seeded)[0]
     batched = engine(llama).generate(ps, [other, seeded, other])
     assert engine(llama).generate([ps[1]], seeded)[0] == batched[1]
     assert (
         alone
-        != engine(llama).generate([ps[0]], SamplingParams(max_tokens=10, temperature=1.0, seed=8))[
+        != engine(llama).generate([ps[0]], SamplingOptions(max_tokens=10, temperature=1.0, seed=8))[
             0
         ]
     )
@@ -239,7 +240,7 @@ def test_seeded_sampling_is_reproducible_across_batches(llama):
 
 def test_sequence_filling_the_whole_pool_stops_with_length(llama):
     eng = engine(llama, num_blocks=3)  # 48 tokens in all
-    out = eng.generate([[7] * 40], SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))
+    out = eng.generate([[7] * 40], SamplingOptions(max_tokens=100, temperature=0, ignore_eos=True))
     assert len(out[0]) == 8
     assert eng.block_manager.num_free_blocks == 3
 
@@ -249,7 +250,7 @@ def test_admitted_request_ended_by_its_first_token_finishes_and_frees_blocks(lla
     prompt = prompts(1, lengths=(20,))[0]
     blocks = eng.reserve_blocks(len(prompt))
     assert len(blocks) == 2 and eng.block_manager.num_free_blocks == 62
-    eng.admit_prefilled("r", prompt, blocks, 9, SamplingParams(max_tokens=1, temperature=0))
+    eng.admit_prefilled("r", prompt, blocks, 9, SamplingOptions(max_tokens=1, temperature=0))
     (out,) = eng.step()
     assert out.finished and out.finish_reason == "length" and out.new_token_ids == []
     assert eng.block_manager.num_free_blocks == 64

@@ -8,8 +8,9 @@ import pytest
 from kvmesh.shared.engine.config import EngineConfig
 from kvmesh.shared.engine.finish import finish_reason, stop_text_for
 from kvmesh.shared.engine.llm_engine import LLMEngine
-from kvmesh.shared.engine.sequence import RequestError, SamplingParams, Sequence
+from kvmesh.shared.engine.sequence import RequestError, Sequence
 from kvmesh.shared.model import load_model
+from kvmesh.shared.sampling import SamplingOptions
 from kvmesh.shared.text import TextStream
 
 EOS = frozenset({3})
@@ -38,8 +39,8 @@ def engine(model, tokenizer) -> LLMEngine:
     return LLMEngine(model, tokenizer, EngineConfig(num_blocks=64))
 
 
-def greedy(**kw) -> SamplingParams:
-    return SamplingParams(**{"max_tokens": 24, "temperature": 0, "ignore_eos": True, **kw})
+def greedy(**kw) -> SamplingOptions:
+    return SamplingOptions(**{"max_tokens": 24, "temperature": 0, "ignore_eos": True, **kw})
 
 
 def run(eng: LLMEngine) -> dict[str, tuple[list[int], str | None]]:
@@ -57,7 +58,7 @@ def first_token_containing(tokenizer, ids: list[int], stop: str) -> int:
     return next(k for k in range(len(ids)) if stop in tokenizer.decode(ids[: k + 1]))
 
 
-def seq_with(params: SamplingParams, tokenizer=None) -> Sequence:
+def seq_with(params: SamplingOptions, tokenizer=None) -> Sequence:
     seq = Sequence("r", list(b"AB"), params)
     seq.stop_text = stop_text_for(seq, tokenizer)
     return seq
@@ -67,31 +68,31 @@ def seq_with(params: SamplingParams, tokenizer=None) -> Sequence:
 
 
 def test_stop_token_eos_and_ignore_eos():
-    seq = seq_with(SamplingParams(stop_token_ids=(7,)))
+    seq = seq_with(SamplingOptions(stop_token_ids=(7,)))
     seq.token_ids.append(7)
     assert finish_reason(seq, EOS, 100) == "stop"
-    seq = seq_with(SamplingParams())
+    seq = seq_with(SamplingOptions())
     seq.token_ids.append(3)
     assert finish_reason(seq, EOS, 100) == "stop"
-    seq = seq_with(SamplingParams(ignore_eos=True))
+    seq = seq_with(SamplingOptions(ignore_eos=True))
     seq.token_ids.append(3)
     assert finish_reason(seq, EOS, 100) is None
 
 
 def test_max_tokens_and_max_model_len_finish_with_length():
-    seq = seq_with(SamplingParams(max_tokens=2))
+    seq = seq_with(SamplingOptions(max_tokens=2))
     seq.token_ids.append(70)
     assert finish_reason(seq, EOS, 100) is None
     seq.token_ids.append(71)
     assert finish_reason(seq, EOS, 100) == "length"
-    seq = seq_with(SamplingParams(max_tokens=50))
+    seq = seq_with(SamplingOptions(max_tokens=50))
     seq.token_ids.append(70)
     assert finish_reason(seq, EOS, 3) == "length"
 
 
 def test_stop_string_finishes_at_the_token_completing_it_not_before():
     tok = Letters()
-    seq = seq_with(SamplingParams(stop=("cde", "zz"), max_tokens=50), tok)
+    seq = seq_with(SamplingOptions(stop=("cde", "zz"), max_tokens=50), tok)
     reasons = []
     for token in (0, 2, 55, 4):  # "a", "c", "d", "e"
         seq.token_ids.append(token)
@@ -101,7 +102,7 @@ def test_stop_string_finishes_at_the_token_completing_it_not_before():
 
 
 def test_sequence_without_stop_strings_has_no_stop_text():
-    assert seq_with(SamplingParams(), Letters()).stop_text is None
+    assert seq_with(SamplingOptions(), Letters()).stop_text is None
 
 
 # --- the engine, on the decode side and locally ---------------------------------------------------

@@ -16,9 +16,9 @@ import torch
 from kvmesh.loadgen.kv_accuracy import FACT_QUESTIONS, FIXTURE_PROMPTS, measure
 from kvmesh.shared.engine.config import EngineConfig
 from kvmesh.shared.engine.llm_engine import LLMEngine
-from kvmesh.shared.engine.sequence import SamplingParams
 from kvmesh.shared.model.loader import load_model
 from kvmesh.shared.prefix_hash import layout_root
+from kvmesh.shared.sampling import SamplingOptions
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +43,7 @@ def test_fp8_greedy_output_agrees_with_float32_kv_on_the_fixture_prompts(tiny, f
 
 def test_fp8_decode_through_c_kernels_equals_the_torch_path(tiny, fixture_prompts):
     model, tokenizer = tiny
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    params = SamplingOptions(max_tokens=12, temperature=0.0, ignore_eos=True)
     engines = [
         LLMEngine(
             model,
@@ -124,7 +124,7 @@ def test_fp8_with_random_draft_chains_and_trees_keeps_plain_fp8_greedy_output(ti
     model, tokenizer = tiny
     rng = random.Random(0)
     prompts = [[rng.randrange(256) for _ in range(n)] for n in (20, 37, 9, 50)]
-    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    params = SamplingOptions(max_tokens=16, temperature=0.0, ignore_eos=True)
 
     def engine() -> LLMEngine:
         config = EngineConfig(num_blocks=128, block_size=8, kv_cache_dtype="fp8_e4m3")

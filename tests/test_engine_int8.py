@@ -17,9 +17,9 @@ from kvmesh.loadgen.kv_accuracy import FIXTURE_PROMPTS, measure
 from kvmesh.shared.engine.config import EngineConfig
 from kvmesh.shared.engine.draft_tree import DraftTree
 from kvmesh.shared.engine.llm_engine import LLMEngine
-from kvmesh.shared.engine.sequence import SamplingParams
 from kvmesh.shared.model.loader import load_model
 from kvmesh.shared.prefix_hash import layout_root
+from kvmesh.shared.sampling import SamplingOptions
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +42,7 @@ def test_int8_greedy_output_agrees_with_float32_kv_on_the_fixture_prompts(tiny, 
 
 def test_int8_decode_through_c_kernels_equals_the_torch_path(tiny, fixture_prompts):
     model, tokenizer = tiny
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    params = SamplingOptions(max_tokens=12, temperature=0.0, ignore_eos=True)
     engines = [
         LLMEngine(
             model,
@@ -87,7 +87,7 @@ def test_int8_with_random_draft_chains_and_trees_equals_plain_int8_decoding(tiny
     model, tokenizer = tiny
     rng = random.Random(0)
     prompts = [[rng.randrange(256) for _ in range(n)] for n in (20, 37, 9, 50)]
-    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    params = SamplingOptions(max_tokens=16, temperature=0.0, ignore_eos=True)
 
     def engine() -> LLMEngine:
         config = EngineConfig(

@@ -25,7 +25,7 @@ from hf_fixtures import (
 )
 from kvmesh.shared.engine.config import EngineConfig
 from kvmesh.shared.engine.llm_engine import LLMEngine
-from kvmesh.shared.engine.sequence import SamplingParams
+from kvmesh.shared.sampling import SamplingOptions
 
 pytestmark = pytest.mark.gpu
 
@@ -49,7 +49,7 @@ def _engine_greedy(model, prompts: list[list[int]], max_tokens: int) -> list[lis
     engine = LLMEngine(model, None, config)
     # decode steps take the Triton kernel on CUDA
     assert engine.runner.use_triton == (torch.device(DEVICE).type == "cuda")
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    params = SamplingOptions(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     return engine.generate(prompts, params)
 
 

@@ -30,12 +30,12 @@ MAX_TOKENS = 12
 def offline_cuda_tokens() -> list[list[int]]:
     from kvmesh.shared.engine.config import EngineConfig
     from kvmesh.shared.engine.llm_engine import LLMEngine
-    from kvmesh.shared.engine.sequence import SamplingParams
     from kvmesh.shared.model.loader import load_model
+    from kvmesh.shared.sampling import SamplingOptions
 
     model, tokenizer = load_model("kvmesh-tiny", device="cuda")
     engine = LLMEngine(model, tokenizer, EngineConfig(num_blocks=1024, device="cuda"))
-    return engine.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
+    return engine.generate(PROMPTS, SamplingOptions(max_tokens=MAX_TOKENS, temperature=0.0))
 
 
 @pytest.fixture(scope="module")

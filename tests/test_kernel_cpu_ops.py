@@ -20,9 +20,9 @@ from kvmesh.shared.engine.attention import AttentionMetadata, paged_attention
 from kvmesh.shared.engine.config import EngineConfig
 from kvmesh.shared.engine.kv_cache import KVCacheSpec, KVPool
 from kvmesh.shared.engine.llm_engine import LLMEngine
-from kvmesh.shared.engine.sequence import SamplingParams
 from kvmesh.shared.model import load_model
 from kvmesh.shared.model.rope import apply_rope
+from kvmesh.shared.sampling import SamplingOptions
 
 
 @pytest.fixture(scope="module")
@@ -234,7 +234,7 @@ def test_build_is_cached_by_source_and_machine(tmp_path):
 def test_engine_gives_the_same_tokens_with_and_without_cpu_kernels():
     model, tok = load_model("kvmesh-tiny")
     prompts = [list(range(3, 3 + n)) for n in (5, 40, 17, 90)]
-    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    params = SamplingOptions(max_tokens=24, temperature=0, ignore_eos=True)
     outputs = []
     for cpu_kernels in (True, False):
         engine = LLMEngine(model, tok, EngineConfig(num_blocks=64, cpu_kernels=cpu_kernels))

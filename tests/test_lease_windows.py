@@ -247,10 +247,10 @@ def _transport(backend: str, verbs: Any, peer_id: str):
 
 def _reference_tokens(tiny: Any, max_tokens: int) -> list[int]:
     """What one engine generates for PROMPT, greedy, with no hand-off."""
-    from kvmesh.shared.engine.sequence import SamplingParams
+    from kvmesh.shared.sampling import SamplingOptions
 
     engine = LLMEngine(*tiny, EngineConfig(num_blocks=16))
-    engine.add_request("ref", list(PROMPT), SamplingParams(max_tokens=max_tokens, temperature=0))
+    engine.add_request("ref", list(PROMPT), SamplingOptions(max_tokens=max_tokens, temperature=0))
     tokens: list[int] = []
     while engine.has_unfinished():
         for out in engine.step():

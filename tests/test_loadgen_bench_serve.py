@@ -253,3 +253,14 @@ def test_plots_without_matplotlib_fail_up_front_with_the_install_command(monkeyp
     )
     assert bench("http://127.0.0.1:9", "--plot-dir", "plots") == 2
     assert "pip install 'kvmesh[bench]'" in capsys.readouterr().err
+
+
+def test_without_model_it_asks_the_server_which_it_serves(server):
+    flags = ["--num-prompts", "2", "--input-len", "8", "--output-len", "2"]
+    assert bench(server.url, *flags) == 0
+    assert {b["model"] for b in server.bodies} == {"served-fake"}
+
+
+def test_a_server_that_does_not_answer_v1_models_is_named(capsys):
+    assert main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--num-prompts", "1"]) == 2
+    assert "/v1/models" in capsys.readouterr().err

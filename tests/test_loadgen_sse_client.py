@@ -99,6 +99,10 @@ def fake_openai_server(**options: Any) -> Iterator[FakeOpenAI]:
     app = web.Application()
     app.router.add_post("/v1/completions", fake.handle)
     app.router.add_post(CHAT, fake.handle)
+    app.router.add_get(
+        "/v1/models",
+        lambda _: web.json_response({"object": "list", "data": [{"id": "served-fake"}]}),
+    )
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()

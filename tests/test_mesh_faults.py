@@ -41,11 +41,11 @@ def mesh():
 def _offline(prompts: list[list[int]]) -> list[list[int]]:
     from kvmesh.shared.engine.config import EngineConfig
     from kvmesh.shared.engine.llm_engine import LLMEngine
-    from kvmesh.shared.engine.sequence import SamplingParams
     from kvmesh.shared.model.loader import load_model
+    from kvmesh.shared.sampling import SamplingOptions
 
     engine = LLMEngine(*load_model("kvmesh-tiny"), EngineConfig(num_blocks=2048))
-    return engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
+    return engine.generate(prompts, SamplingOptions(max_tokens=MAX_TOKENS, temperature=0.0))
 
 
 def _kill(launcher, name: str) -> None:

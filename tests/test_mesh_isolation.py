@@ -44,11 +44,11 @@ def other_model(tmp_path_factory: pytest.TempPathFactory) -> str:
 def _offline(model: str) -> list[list[int]]:
     from kvmesh.shared.engine.config import EngineConfig
     from kvmesh.shared.engine.llm_engine import LLMEngine
-    from kvmesh.shared.engine.sequence import SamplingParams
     from kvmesh.shared.model.loader import load_model
+    from kvmesh.shared.sampling import SamplingOptions
 
     engine = LLMEngine(*load_model(model), EngineConfig(num_blocks=256))
-    return engine.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
+    return engine.generate(PROMPTS, SamplingOptions(max_tokens=MAX_TOKENS, temperature=0.0))
 
 
 @pytest.fixture(scope="module")

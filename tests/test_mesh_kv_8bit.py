@@ -22,8 +22,8 @@ from kvmesh.loadgen.server_breakdown import parse_prometheus
 from kvmesh.shared.engine.config import EngineConfig
 from kvmesh.shared.engine.kv_cache import KVCacheSpec
 from kvmesh.shared.engine.llm_engine import LLMEngine
-from kvmesh.shared.engine.sequence import SamplingParams
 from kvmesh.shared.model.loader import load_model
+from kvmesh.shared.sampling import SamplingOptions
 from mesh_checks import check_blocks_returned, check_equals_offline, load
 
 pytestmark = pytest.mark.slow
@@ -37,7 +37,7 @@ ENV = {
 }
 PROMPTS = random_prompts(12, 40, 150, seed=11)
 MAX_TOKENS = 12
-GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+GREEDY = SamplingOptions(max_tokens=MAX_TOKENS, temperature=0.0)
 
 
 @pytest.fixture(scope="module")

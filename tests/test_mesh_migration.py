@@ -36,11 +36,11 @@ def mesh():
 def _offline(prompts: list[list[int]]) -> list[list[int]]:
     from kvmesh.shared.engine.config import EngineConfig
     from kvmesh.shared.engine.llm_engine import LLMEngine
-    from kvmesh.shared.engine.sequence import SamplingParams
     from kvmesh.shared.model.loader import load_model
+    from kvmesh.shared.sampling import SamplingOptions
 
     engine = LLMEngine(*load_model("kvmesh-tiny"), EngineConfig(num_blocks=1024))
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    params = SamplingOptions(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     return engine.generate(prompts, params)
 
 

@@ -33,12 +33,12 @@ MAX_TOKENS = 8
 def offline_tokens() -> list[list[int]]:
     from kvmesh.shared.engine.config import EngineConfig
     from kvmesh.shared.engine.llm_engine import LLMEngine
-    from kvmesh.shared.engine.sequence import SamplingParams
     from kvmesh.shared.model.loader import load_model
+    from kvmesh.shared.sampling import SamplingOptions
 
     model, tokenizer = load_model("kvmesh-tiny")
     engine = LLMEngine(model, tokenizer, EngineConfig(num_blocks=256, enable_prefix_caching=False))
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    params = SamplingOptions(max_tokens=MAX_TOKENS, temperature=0.0)
     return [engine.generate([p], params)[0] for p in (FIRST, SECOND)]
 
 

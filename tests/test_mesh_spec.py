@@ -287,11 +287,11 @@ def test_draft_model_equal_to_the_target_has_every_draft_accepted_until_killed_m
 def _offline_greedy_ignoring_eos(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     from kvmesh.shared.engine.config import EngineConfig
     from kvmesh.shared.engine.llm_engine import LLMEngine
-    from kvmesh.shared.engine.sequence import SamplingParams
     from kvmesh.shared.model.loader import load_model
+    from kvmesh.shared.sampling import SamplingOptions
 
     engine = LLMEngine(*load_model("kvmesh-tiny"), EngineConfig(num_blocks=1024))
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    params = SamplingOptions(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     return engine.generate(prompts, params)
 
 

@@ -8,9 +8,9 @@ import torch
 from hf_fixtures import load_hf_reference
 from kvmesh.shared.engine.config import EngineConfig
 from kvmesh.shared.engine.llm_engine import LLMEngine
-from kvmesh.shared.engine.sequence import SamplingParams
 from kvmesh.shared.model import load_model
 from kvmesh.shared.model.seeded import SeededShape, num_parameters, write_seeded_checkpoint
+from kvmesh.shared.sampling import SamplingOptions
 
 from kvmesh.cli import main
 
@@ -49,7 +49,7 @@ def test_seeded_checkpoint_greedy_tokens_equal_transformers(tmp_path):
             ids = torch.cat([ids, ref(input_ids=ids).logits[0, -1].argmax().view(1, 1)], dim=1)
     expected = ids[0, len(prompt) :].tolist()
     engine = LLMEngine(model, tokenizer, EngineConfig(num_blocks=32))
-    greedy = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    greedy = SamplingOptions(max_tokens=10, temperature=0, ignore_eos=True)
     assert engine.generate([prompt], greedy) == [expected]
     assert tokenizer.decode(tokenizer.encode("héllo", add_special_tokens=False)) == "héllo"
 

@@ -101,7 +101,7 @@ async def test_client_error_types_match_status(nats_server):
         with pytest.raises(openai.NotFoundError) as not_found:
             await client.completions.create(model="gpt-4o", prompt="x")
         with pytest.raises(openai.BadRequestError) as bad:
-            await client.chat.completions.create(model=MODEL, messages=MESSAGES, n=2)
+            await client.chat.completions.create(model=MODEL, messages=MESSAGES, n=17)
         with pytest.raises(openai.BadRequestError) as too_long:
             await client.completions.create(model=MODEL, prompt="x", max_tokens=10**6)
     assert not_found.value.status_code == 404 and "kvmesh-tiny" in not_found.value.message

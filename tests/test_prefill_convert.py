@@ -14,8 +14,8 @@ import torch
 from kvmesh.kernels.kv_pack import pack_converted
 from kvmesh.shared import protocol
 from kvmesh.shared.descriptor import TransportDescriptor
-from kvmesh.shared.engine.sequence import SamplingParams
 from kvmesh.shared.protocol import kv_spec_fingerprint
+from kvmesh.shared.sampling import SamplingOptions
 
 FP8 = torch.float8_e4m3fn
 PROMPT = [(7 * i) % 250 + 1 for i in range(60)]  # 4 blocks: chunks of 32 + 16 + 12 tokens
@@ -117,7 +117,7 @@ async def test_prefill_converts_each_chunk_for_a_decode_worker_of_another_kv_dty
         got = remote.clone().view(-1, bb)
 
     chunks = []
-    greedy = SamplingParams(temperature=0.0)
+    greedy = SamplingOptions(temperature=0.0)
     reference.add_request("x", PROMPT, greedy, prefill_only=True, on_chunk=chunks.append)
     while reference.has_unfinished():
         reference.step()

@@ -183,7 +183,7 @@ def _job(rid, prompt, region, block_ids, block_bytes, worker, descriptor=None):
 async def test_prefill_worker_writes_each_chunk_into_the_reserved_blocks(tiny):
     from kvmesh.shared.engine.config import EngineConfig
     from kvmesh.shared.engine.llm_engine import LLMEngine
-    from kvmesh.shared.engine.sequence import SamplingParams
+    from kvmesh.shared.sampling import SamplingOptions
 
     prompt = [(7 * i) % 250 + 1 for i in range(60)]  # 4 blocks, chunks of 32 + 16 + 12 tokens
     targets = [9, 3, 4, 10]
@@ -204,7 +204,7 @@ async def test_prefill_worker_writes_each_chunk_into_the_reserved_blocks(tiny):
     ref = LLMEngine(*tiny, EngineConfig(num_blocks=8))
     chunks = []
     ref.add_request(
-        "x", prompt, SamplingParams(temperature=0.0), prefill_only=True, on_chunk=chunks.append
+        "x", prompt, SamplingOptions(temperature=0.0), prefill_only=True, on_chunk=chunks.append
     )
     while ref.has_unfinished():
         ref.step()

@@ -8,20 +8,21 @@ from kvmesh.services.decode.cache_reports import CacheReporter
 from kvmesh.services.kv_registry.prefix_index import PrefixIndex
 from kvmesh.shared.engine.block_manager import BlockManager
 from kvmesh.shared.engine.cache_events import CacheEventLog
-from kvmesh.shared.engine.sequence import SamplingParams, Sequence
+from kvmesh.shared.engine.sequence import Sequence
 from kvmesh.shared.prefix_hash import (
     layout_root,
     prefix_block_hashes,
     reusable_prefix_hashes,
 )
 from kvmesh.shared.protocol import KvCacheDigest, KvCacheEvents
+from kvmesh.shared.sampling import SamplingOptions
 
 BS = 4
 
 
 def run_prompt(bm: BlockManager, tokens: list[int], rid: str = "r") -> Sequence:
     """Allocate, 'compute' every token, commit: what a prefill leaves in the cache."""
-    seq = Sequence(rid, list(tokens), SamplingParams(temperature=0))
+    seq = Sequence(rid, list(tokens), SamplingOptions(temperature=0))
     bm.allocate(seq)
     seq.num_computed_tokens = len(seq)
     bm.commit(seq)
@@ -40,7 +41,7 @@ def test_engine_block_hashes_equal_the_shared_function_under_a_layout_root() -> 
     assert set(bm.hash_to_block) == set(prefix_block_hashes(tokens, BS, root))
     # a prompt that shares 2 blocks: what the registry would match is what the engine reuses
     other = [*tokens[:8], 3, 3, 3, 3, 3]
-    second = Sequence("s", other, SamplingParams(temperature=0))
+    second = Sequence("s", other, SamplingOptions(temperature=0))
     bm.allocate(second)
     assert second.num_computed_tokens == 8
     assert reusable_prefix_hashes(other, BS, root)[:2] == seq.block_hashes[:2]
@@ -74,7 +75,7 @@ def test_engine_hashes_of_a_real_prompt_match_what_the_registry_computes() -> No
         "worker computes only the uncached suffix of a long shared system prompt."
     )
     assert len(prompt) > 32
-    engine.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0))
+    engine.generate([prompt], SamplingOptions(max_tokens=1, temperature=0.0))
     expected = prefix_block_hashes(prompt, 16, layout_root(engine.kv_spec))
     assert expected and set(expected) <= set(engine.block_manager.hash_to_block)
 

@@ -37,7 +37,6 @@ from kvmesh.shared.protocol import (
     PrefillStarted,
     ReserveReply,
     ReserveRequest,
-    SamplingOptions,
     StoreAck,
     StoreAdvert,
     StoreCommit,
@@ -55,6 +54,7 @@ from kvmesh.shared.protocol import (
     decode_message,
     encode_message,
 )
+from kvmesh.shared.sampling import SamplingOptions, TokenLogprobs
 
 SAMPLING = SamplingOptions(
     max_tokens=7,
@@ -114,7 +114,6 @@ ADVERT = DecodeAdvert(
 
 # One message of every type, every field set to something other than its default.
 EXAMPLES: list[Message] = [
-    SAMPLING,
     PLACE,
     ReserveRequest("r1", (1, 2), SAMPLING, local_prefill=True, lease_id="L1", lease_ms=9),
     ReserveReply(ok=True, worker_id="d0", block_ids=(4, 5), error="e", rkey=77),
@@ -135,7 +134,16 @@ EXAMPLES: list[Message] = [
     ),
     JOB,
     PrefillDone(
-        "r1", "L1", ok=True, first_token=5, num_writes=3, error="e", rkey=77, draft_worker_id="dr0"
+        "r1",
+        "L1",
+        ok=True,
+        first_token=5,
+        num_writes=3,
+        error="e",
+        rkey=77,
+        draft_worker_id="dr0",
+        first_logprobs=TokenLogprobs(-0.5, (5, 2), (-0.5, -1.25)),
+        prompt_logprobs=(TokenLogprobs(-1.5, rank=3),),
     ),
     PrefillReport("r1", "p0", 0.1, 0.2, 0.3, 0.04, num_chunks=2),
     TokenEvent(
@@ -148,6 +156,9 @@ EXAMPLES: list[Message] = [
         num_accepted_drafts=1,
         wait_s=0.5,
         prefill_s=1.25,
+        logprobs=(TokenLogprobs(-0.5), TokenLogprobs(-2.0, (1,), (-0.125,))),
+        index=2,
+        prompt_logprobs=(TokenLogprobs(-1.5, rank=3),),
     ),
     Abort("r1", reason="lease expired", job_withdrawn=True),
     PrefillStarted("r1", "L1", "p0"),

@@ -4,7 +4,8 @@ import msgspec
 import pytest
 from kvmesh.services.kv_registry.core import Candidate, Refusal, RegistryState
 from kvmesh.shared.descriptor import TcpBackend, TransportDescriptor
-from kvmesh.shared.protocol import DecodeAdvert, PlaceRequest, SamplingOptions, WorkerHeartbeat
+from kvmesh.shared.protocol import DecodeAdvert, PlaceRequest, WorkerHeartbeat
+from kvmesh.shared.sampling import SamplingOptions
 
 BLOCK_BYTES = 4096
 BLOCK_SIZE = 16

@@ -9,7 +9,8 @@ from kvmesh.services.kv_registry.config import RegistryConfig
 from kvmesh.services.kv_registry.service import registry_service
 from kvmesh.shared import protocol
 from kvmesh.shared.nats_service import connect_nats
-from kvmesh.shared.protocol import PlaceReply, PlaceRequest, SamplingOptions
+from kvmesh.shared.protocol import PlaceReply, PlaceRequest
+from kvmesh.shared.sampling import SamplingOptions
 from kvmesh.shared.subjects import DEFAULT_MESH, Subjects
 from registry_peers import peer_decode, wait_for
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from kvmesh.services.kv_registry.core import Candidate, RegistryState
 from kvmesh.shared.prefix_hash import layout_root, prefix_block_hashes
-from kvmesh.shared.protocol import KvCacheDigest, KvCacheEvents, PlaceRequest, SamplingOptions
+from kvmesh.shared.protocol import KvCacheDigest, KvCacheEvents, PlaceRequest
+from kvmesh.shared.sampling import SamplingOptions
 from test_registry_core import BLOCK_SIZE, advert
 
 KV_SPEC = "4x2x64:bs16:float32"  # what advert() says

@@ -32,9 +32,9 @@ from kvmesh.shared.protocol import (
     PlaceReply,
     PlaceRequest,
     PrefillDone,
-    SamplingOptions,
     WorkerHeartbeat,
 )
+from kvmesh.shared.sampling import SamplingOptions
 from kvmesh.shared.subjects import DEFAULT_MESH, Subjects
 from nats.aio.client import Client
 from nats.aio.msg import Msg

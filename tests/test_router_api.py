@@ -19,12 +19,20 @@ from kvmesh.services.router.errors import (
     ModelNotFoundError,
     OverloadedError,
 )
+from kvmesh.services.router.logprobs import LogprobsBuilder
 from kvmesh.services.router.metrics import RequestTimer, RouterMetrics
 from kvmesh.services.router.openapi import openapi_document
 from kvmesh.services.router.prompt import tokenize
-from kvmesh.services.router.responses import SSE_DONE, ResponseBuilder, Usage, sse_event
+from kvmesh.services.router.responses import (
+    SSE_DONE,
+    ChoiceResult,
+    ResponseBuilder,
+    Usage,
+    sse_event,
+)
 from kvmesh.shared.model.tiny import tiny_tokenizer
 from kvmesh.shared.protocol import PrefillReport
+from kvmesh.shared.sampling import SamplingOptions, TokenLogprobs
 from kvmesh.shared.service_config import ConfigError, config_from_args
 
 MODEL = "kvmesh-tiny"
@@ -110,12 +118,22 @@ def test_missing_model_is_400_and_unknown_model_is_404():
         ("stop", ""),
         ("stop", ["ok", ""]),
         ("stop", 3),
-        ("n", 2),
+        ("n", 0),
+        ("n", 17),
         ("best_of", 3),
-        ("echo", True),
-        ("logprobs", 2),
-        ("presence_penalty", 0.5),
-        ("logit_bias", {"1": 5}),
+        ("echo", "yes"),
+        ("logprobs", 21),
+        ("logprobs", True),
+        ("presence_penalty", 2.5),
+        ("frequency_penalty", "x"),
+        ("repetition_penalty", 0),
+        ("min_p", 1.5),
+        ("min_tokens", -1),
+        ("stop_token_ids", [-1]),
+        ("include_stop_str_in_output", 1),
+        ("logit_bias", {"1": 500}),
+        ("logit_bias", {"a": 5}),
+        ("logit_bias", {"-1": 5}),
     ],
 )
 def test_invalid_parameter_is_400_naming_the_parameter(field, value):
@@ -127,10 +145,12 @@ def test_invalid_parameter_is_400_naming_the_parameter(field, value):
 
 def test_sampling_parameters_are_carried():
     req = completion(temperature=0, top_p=0.5, top_k=7, seed=3, stop="\n", max_tokens=9)
-    assert (req.temperature, req.top_p, req.top_k, req.seed) == (0.0, 0.5, 7, 3)
-    assert req.stop == ("\n",) and req.max_tokens == 9
-    assert completion(top_k=0).top_k == 0 and completion(top_k=-1).top_k == 0  # both off
-    assert completion(stop=["a", "b", "a"]).stop == ("a", "b")
+    s = req.sampling
+    assert (s.temperature, s.top_p, s.top_k, s.seed) == (0.0, 0.5, 7, 3)
+    assert s.stop == ("\n",) and req.max_tokens == 9
+    assert completion(top_k=0).sampling.top_k == 0
+    assert completion(top_k=-1).sampling.top_k == 0  # both off
+    assert completion(stop=["a", "b", "a"]).sampling.stop == ("a", "b")
     assert completion(n=1, stream=False).stream is False
 
 
@@ -185,30 +205,39 @@ def test_completion_takes_max_completion_tokens_like_chat():
 
 
 @pytest.mark.parametrize(
-    ("param", "value"),
+    ("param", "value", "expected"),
     [
-        ("min_tokens", 3),
-        ("repetition_penalty", 1.2),
-        ("min_p", 0.05),
-        ("stop_token_ids", [7]),
-        ("include_stop_str_in_output", True),
+        ("min_tokens", 3, 3),
+        ("repetition_penalty", 1.2, 1.2),
+        ("min_p", 0.05, 0.05),
+        ("presence_penalty", -0.5, -0.5),
+        ("frequency_penalty", 1.5, 1.5),
+        ("stop_token_ids", [7, 9], (7, 9)),
+        ("include_stop_str_in_output", True, True),
+        ("logit_bias", {"7": -100, "12": 2.5}, {7: -100, 12: 2.5}),
     ],
 )
-def test_vllm_sampling_extras_are_refused_unless_neutral(param, value):
+def test_vllm_and_openai_sampling_options_are_carried(param, value, expected):
     for parse in (completion, chat):
-        err = invalid(parse, **{param: value})
-        assert (err.status, err.param, err.code) == (400, param, "unsupported_parameter")
-        assert "not supported" in err.message
-    neutral = {"min_tokens": 0, "repetition_penalty": 1.0, "min_p": 0.0, "stop_token_ids": []}
-    if param in neutral:
-        completion(**{param: neutral[param]})  # the neutral value is accepted
+        assert getattr(parse(**{param: value}).sampling, param) == expected
+
+
+def test_logprobs_map_onto_the_options_on_both_routes():
+    assert completion().sampling.logprobs is None
+    assert completion(logprobs=0).sampling.logprobs == 0
+    assert completion(logprobs=5).sampling.logprobs == 5
+    assert chat().sampling.logprobs is None
+    assert chat(logprobs=True).sampling.logprobs == 0
+    assert chat(logprobs=True, top_logprobs=4).sampling.logprobs == 4
+    assert chat(logprobs=False).sampling.logprobs is None
+    assert invalid(chat, top_logprobs=2).param == "top_logprobs"
+    assert invalid(chat, logprobs=True, top_logprobs=21).param == "top_logprobs"
 
 
 def test_chat_prefers_max_completion_tokens_and_refuses_tools():
     assert chat(max_completion_tokens=5, max_tokens=9).max_tokens == 5
     assert chat(max_tokens=9).max_tokens == 9
     assert invalid(chat, tools=[{"type": "function"}]).param == "tools"
-    assert invalid(chat, logprobs=True).param == "logprobs"
 
 
 # Found by tests/test_router_schema_fuzz.py: a value nested 1,000 lists deep (the JSON parser
@@ -296,6 +325,59 @@ def test_prompt_longer_than_context_is_400(tokenizer):
     assert "100 tokens" in err.message
 
 
+def test_a_prompt_beyond_the_largest_kv_pool_is_400_naming_the_setting(tokenizer):
+    err = invalid(tokenize, completion(prompt=[1] * 70), tokenizer, 100, 64)
+    assert (err.status, err.param, err.code) == (400, "prompt", "context_length_exceeded")
+    assert "KV pool holds 64 tokens" in err.message and "--num-blocks" in err.message
+    err = invalid(tokenize, completion(prompt=[1] * 10, max_tokens=60), tokenizer, 100, 64)
+    assert err.param == "max_tokens" and "at most 54" in err.message
+    assert tokenize(chat(), tokenizer, 100, 64).sampling.max_tokens < 64
+    assert tokenize(completion(prompt=[1] * 70), tokenizer, 100, 4096)  # the model's limit
+
+
+def test_pool_capacity_is_the_largest_live_pool_of_the_model():
+    from kvmesh.services.router.pool_capacity import ADVERT_TTL_S, PoolCapacity
+    from kvmesh.shared.protocol import DecodeAdvert
+
+    def advert(worker, blocks, spec="m1"):
+        return DecodeAdvert(
+            worker,
+            "disagg",
+            None,
+            0,
+            64,
+            16,
+            "kv",
+            blocks,
+            blocks,
+            (),
+            0,
+            0,
+            "ready",
+            0.0,
+            model_spec=spec,
+        )
+
+    capacity = PoolCapacity("m1")
+    assert capacity.max_tokens(0.0) is None
+    capacity.note(advert("d0", 10), 0.0)
+    capacity.note(advert("d1", 30), 0.0)
+    capacity.note(advert("other", 99, spec="m2"), 0.0)
+    assert capacity.max_tokens(1.0) == 30 * 16
+    capacity.forget("d1")
+    assert capacity.max_tokens(1.0) == 10 * 16
+    assert capacity.max_tokens(ADVERT_TTL_S + 1) is None
+
+
+def test_stop_token_ids_and_logit_bias_must_be_in_the_vocabulary(tokenizer):
+    assert invalid(tokenize, completion(stop_token_ids=[99999]), tokenizer, 100).param == (
+        "stop_token_ids"
+    )
+    assert invalid(tokenize, chat(logit_bias={"99999": 1}), tokenizer, 100).param == "logit_bias"
+    err = invalid(tokenize, completion(min_tokens=20, max_tokens=10), tokenizer, 100)
+    assert err.param == "min_tokens"
+
+
 def test_token_id_outside_vocabulary_is_400(tokenizer):
     err = invalid(tokenize, completion(prompt=[1, 99999]), tokenizer, 100)
     assert err.param == "prompt" and "99999" in err.message
@@ -344,7 +426,7 @@ def wire(body) -> dict:
 
 def test_completion_response_shape():
     b = ResponseBuilder("completion", "cmpl-1", MODEL, 7)
-    body = b.full("text", "length", Usage(3, 4))
+    body = b.full([ChoiceResult(0, "text", "length")], Usage(3, 4))
     assert wire(body) == {
         "id": "cmpl-1",
         "object": "text_completion",
@@ -374,7 +456,7 @@ def test_chat_chunks_open_with_role_and_end_with_finish_and_usage():
     assert finish["delta"] == {} and finish["finish_reason"] == "stop"
     usage = wire(b.usage_chunk(Usage(2, 3)))
     assert usage["choices"] == [] and usage["usage"]["total_tokens"] == 5
-    full = wire(b.full("hello", "stop", Usage(2, 3)))
+    full = wire(b.full([ChoiceResult(0, "hello", "stop")], Usage(2, 3)))
     assert full["object"] == "chat.completion"
     assert full["choices"][0]["message"] == {"role": "assistant", "content": "hello"}
 
@@ -395,9 +477,14 @@ def test_every_streamed_and_full_body_matches_its_published_schema():
     ):
         for include_usage in (False, True):
             b = ResponseBuilder(kind, "id-1", MODEL, 7, include_usage=include_usage)
-            validator(full).validate(wire(b.full("text", "stop", Usage(1, 2))))
+            validator(full).validate(wire(b.full([ChoiceResult(0, "text", "stop")], Usage(1, 2))))
             chunks = [b.role_chunk(), b.text_chunk("x"), b.finish_chunk("length")]
             chunks.append(b.usage_chunk(Usage(1, 2)))
+            lps = LogprobsBuilder(tiny_tokenizer(), kind == "chat")
+            logprobs = lps.build([104, 105], [TokenLogprobs(-0.5, (104, 7), (-0.5, -2.0))] * 2)
+            chunks.append(b.text_chunk("hi", 0, logprobs))
+            with_logprobs = ChoiceResult(1, "hi", "stop", logprobs)
+            validator(full).validate(wire(b.full([with_logprobs], Usage(1, 2))))
             for body in filter(None, chunks):
                 validator(chunk).validate(wire(body))
     validator("Error").validate(InvalidRequestError("bad", param="top_p").body())
@@ -510,6 +597,8 @@ def test_openapi_document_covers_every_route_and_resolves_refs():
         "/v1/chat/completions",
         "/v1/models",
         "/v1/models/{model}",
+        "/tokenize",
+        "/detokenize",
         "/health",
         "/metrics",
         "/openapi.json",
@@ -534,3 +623,230 @@ def test_router_config_from_env_and_validation():
         config_from_args(RouterConfig, None, {"KVMESH_WORKER_ID": "router.1"})
     with pytest.raises(ConfigError, match="nats_url"):
         config_from_args(RouterConfig, None, {"KVMESH_NATS_URL": "http://x"})
+
+
+def test_logprobs_take_openais_shapes():
+    tok = tiny_tokenizer()  # ids 0..255 are bytes
+    lps = [TokenLogprobs(-0.25, (104, 72), (-0.25, -1.5)), TokenLogprobs(-0.75, (105,), (-0.5,))]
+    chat = wire(LogprobsBuilder(tok, is_chat=True).build([104, 106], lps))
+    assert chat == {
+        "content": [
+            {
+                "token": "h",
+                "logprob": -0.25,
+                "bytes": [104],
+                "top_logprobs": [
+                    {"token": "h", "logprob": -0.25, "bytes": [104]},
+                    {"token": "H", "logprob": -1.5, "bytes": [72]},
+                ],
+            },
+            {
+                "token": "j",
+                "logprob": -0.75,
+                "bytes": [106],
+                "top_logprobs": [{"token": "i", "logprob": -0.5, "bytes": [105]}],
+            },
+        ],
+        "refusal": None,
+    }
+    builder = LogprobsBuilder(tok, is_chat=False)
+    first = wire(builder.build([104, 106], lps))
+    assert first == {
+        "tokens": ["h", "j"],
+        "token_logprobs": [-0.25, -0.75],
+        "top_logprobs": [{"h": -0.25, "H": -1.5}, {"i": -0.5, "j": -0.75}],
+        "text_offset": [0, 1],
+    }
+    assert wire(builder.build([105], lps[:1]))["text_offset"] == [2]  # a stream goes on
+
+
+def test_unknown_fields_are_refused_by_name_and_harmless_ones_ignored():
+    for parse in (completion, chat):
+        err = invalid(parse, frobnicate=1, bad_words=["x"])
+        assert (err.status, err.param, err.code) == (400, "frobnicate", "unsupported_parameter")
+        assert "'frobnicate', 'bad_words'" in err.message
+        assert parse(user="u-1", metadata={"a": "b"}, store=False, skip_special_tokens=True)
+        assert parse(prompt_logprobs=None)  # null: absent
+        assert invalid(parse, store=True).param == "store"
+        assert invalid(parse, skip_special_tokens=False).param == "skip_special_tokens"
+    for name in ("guided_whitespace_pattern", "chat_template_kwargs", "allowed_token_ids"):
+        assert invalid(chat, **{name: {"x": 1}}).param == name
+    assert chat(echo=False, tool_choice="none", add_generation_prompt=True)
+    assert completion(add_special_tokens=True, best_of=1, suffix="")
+    assert invalid(chat, stream=True, stream_options={"include_usage": True, "x": 1}).param
+    err = invalid(chat, messages=[{"role": "user", "content": "hi", "tool_calls": []}])
+    assert err.param.startswith("messages[0]")
+
+
+def test_a_message_name_reaches_the_template():
+    req = chat(messages=[{"role": "user", "content": "hi", "name": "ann"}])
+    assert req.messages == ({"role": "user", "content": "hi", "name": "ann"},)
+
+
+# --- /tokenize and /detokenize -------------------------------------------------------------------
+
+
+def test_tokenize_text_and_chat_as_vllm_answers(tokenizer):
+    from kvmesh.services.router.tokens_api import tokenize_body
+
+    answer = wire(tokenize_body({"prompt": "ab"}, MODEL, tokenizer, 100))
+    assert answer == {
+        "count": 3,
+        "max_model_len": 100,
+        "tokens": [tokenizer.bos_token_id, 97, 98],
+        "token_strs": None,
+    }
+    plain = tokenize_body(
+        {"model": MODEL, "prompt": "ab", "add_special_tokens": False, "return_token_strs": True},
+        MODEL,
+        tokenizer,
+        100,
+    )
+    assert (plain.tokens, plain.token_strs) == ([97, 98], ["a", "b"])
+    messages = [{"role": "user", "content": "hi"}]
+    chat_answer = tokenize_body({"messages": messages}, MODEL, tokenizer, 100)
+    assert chat_answer.tokens == tokenizer.encode_chat(messages)
+    err = invalid(tokenize_body, {"prompt": "x", "model": "other"}, MODEL, tokenizer, 100)
+    assert err.status == 404
+    assert invalid(tokenize_body, {"prompt": "x", "foo": 1}, MODEL, tokenizer, 100).param == "foo"
+    assert invalid(tokenize_body, {"prompt": 3}, MODEL, tokenizer, 100).param == "prompt"
+
+
+def test_detokenize_round_trips_and_refuses_ids_outside_the_vocabulary(tokenizer):
+    from kvmesh.services.router.tokens_api import detokenize_body
+
+    assert wire(detokenize_body({"tokens": [104, 105]}, MODEL, tokenizer)) == {"prompt": "hi"}
+    assert invalid(detokenize_body, {"tokens": [10**6]}, MODEL, tokenizer).param == "tokens"
+    assert invalid(detokenize_body, {"tokens": [-1]}, MODEL, tokenizer).param == "tokens"
+
+
+# --- structured outputs --------------------------------------------------------------------------
+
+SCHEMA = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}}
+
+
+@pytest.mark.parametrize("parse", [completion, chat])
+def test_every_spelling_of_a_structured_output_maps_onto_one_spec(parse):
+    from kvmesh.shared.structured_output import StructuredOutputs
+
+    schema_text = '{"type":"object","properties":{"b":{"type":"integer"},"a":{"type":"string"}}}'
+    cases = {
+        "response_format": (
+            {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "strict": True}},
+            StructuredOutputs(json=schema_text),
+        ),
+        "guided_json": (SCHEMA, StructuredOutputs(json=schema_text)),
+        "guided_regex": ("[0-9]+", StructuredOutputs(regex="[0-9]+")),
+        "guided_choice": (["yes", "no"], StructuredOutputs(choice=("yes", "no"))),
+        "guided_grammar": ('root ::= "a"', StructuredOutputs(grammar='root ::= "a"')),
+        "structured_outputs": ({"json": SCHEMA}, StructuredOutputs(json=schema_text)),
+    }
+    for name, (value, expected) in cases.items():
+        req = parse(**{name: value})
+        assert (req.sampling.structured_outputs, req.structured_param) == (expected, name)
+    json_object = parse(response_format={"type": "json_object"}).sampling.structured_outputs
+    assert json_object == StructuredOutputs(json_object=True)
+    assert parse(response_format={"type": "text"}).sampling.structured_outputs is None
+    assert parse(guided_decoding_backend="xgrammar", guided_regex="a").sampling.structured_outputs
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"response_format": {"type": "json_schema"}}, "response_format"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+            "response_format",
+        ),
+        ({"response_format": {"type": "yaml"}}, "response_format"),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"schema": {}, "strict": False},
+                }
+            },
+            "response_format",
+        ),
+        ({"guided_json": "not json"}, "guided_json"),
+        ({"guided_json": [1]}, "guided_json"),
+        ({"guided_choice": []}, "guided_choice"),
+        ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
+        ({"structured_outputs": {}}, "structured_outputs"),
+        ({"structured_outputs": {"regex": "a", "grammar": "b"}}, "structured_outputs"),
+        ({"guided_decoding_backend": "outlines"}, "guided_decoding_backend"),
+    ],
+)
+def test_malformed_structured_outputs_are_400_naming_the_field(body, param):
+    for parse in (completion, chat):
+        err = invalid(parse, **body)
+        assert (err.status, err.param) == (400, param), err.message
+
+
+def test_a_spec_that_does_not_build_is_400_saying_why():
+    from kvmesh.services.router import structured
+    from kvmesh.shared.structured_output import StructuredOutputs
+
+    err = invalid(structured.check, StructuredOutputs(regex="[a-"), "guided_regex")
+    assert (err.status, err.param) == (400, "guided_regex") and "Unclosed '['" in err.message
+    err = invalid(structured.check, StructuredOutputs(json='{"type": "foo"}'), "response_format")
+    assert 'Unsupported type "foo"' in err.message
+    structured.check(StructuredOutputs(json='{"type": "object"}'), "response_format")
+
+
+def test_echo_and_prompt_logprobs_ask_the_mesh_to_score_the_prompt():
+    assert completion(echo=True).sampling.prompt_logprobs is None  # text only
+    req = completion(echo=True, logprobs=2)
+    assert (req.echo, req.sampling.prompt_logprobs, req.returns_prompt_logprobs) == (True, 2, False)
+    req = completion(prompt_logprobs=4, echo=True, logprobs=1)
+    assert (req.sampling.prompt_logprobs, req.returns_prompt_logprobs) == (4, True)
+    assert chat(prompt_logprobs=0).sampling.prompt_logprobs == 0
+    assert invalid(completion, prompt_logprobs=1, stream=True).param == "prompt_logprobs"
+    assert invalid(chat, echo=True).param == "echo"
+
+
+def test_too_many_prompt_scores_are_400(tokenizer):
+    err = invalid(tokenize, completion(prompt=[1] * 2000, echo=True, logprobs=10), tokenizer, 4096)
+    assert err.param == "echo" and "16384" in err.message
+
+
+def test_an_echoed_choice_leads_with_the_prompt_and_its_logprobs():
+    from kvmesh.services.router.choices import Choice
+    from kvmesh.shared.protocol import TokenEvent
+
+    tok = tiny_tokenizer()
+    sampling = SamplingOptions(logprobs=0, prompt_logprobs=0)
+    choice = Choice.new(0, tok, (104, 105), sampling, is_chat=False, echo_text="hi")
+    choice.prompt_scored = [TokenLogprobs(-1.0, rank=2)]
+    text, chunk = choice.add(TokenEvent("r", (33,), logprobs=(TokenLogprobs(-0.5),)))
+    assert text == "hi!" and wire(chunk)["tokens"] == ["h", "i", "!"]
+    assert wire(chunk)["token_logprobs"] == [None, -1.0, -0.5]
+    choice.add(TokenEvent("r", (63,), "length", logprobs=(TokenLogprobs(-0.25),)))
+    result = choice.result()
+    assert result.text == "hi!?"
+    assert wire(result.logprobs)["text_offset"] == [0, 1, 2, 3]
+
+
+def test_vllm_prompt_logprobs_shape():
+    from kvmesh.services.router.logprobs import prompt_logprobs
+
+    lps = LogprobsBuilder(tiny_tokenizer(), is_chat=False)
+    shaped = wire(prompt_logprobs(lps, [104, 105], [TokenLogprobs(-1.0, (106,), (-0.5,), 2)]))
+    assert shaped == [
+        None,
+        {
+            "106": {"logprob": -0.5, "rank": 1, "decoded_token": "j"},
+            "105": {"logprob": -1.0, "rank": 2, "decoded_token": "i"},
+        },
+    ]
+
+
+def test_a_one_token_prompt_has_empty_prompt_logprobs_without_a_message():
+    from kvmesh.services.router.choices import Choice
+    from kvmesh.shared.protocol import TokenEvent
+
+    sampling = SamplingOptions(logprobs=0, prompt_logprobs=0)
+    choice = Choice.new(0, tiny_tokenizer(), (104,), sampling, is_chat=False, echo_text="h")
+    choice.add(TokenEvent("r", (105,), "length", logprobs=(TokenLogprobs(-0.5),)))
+    assert choice.prompt_scored == []
+    assert wire(choice.result().logprobs)["token_logprobs"] == [None, -0.5]

@@ -43,7 +43,7 @@ from router_fake_mesh import FakeMesh
 from yarl import URL
 
 MODEL = "kvmesh-tiny"
-POST_PATHS = ("/v1/completions", "/v1/chat/completions")
+POST_PATHS = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
 METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS")
 REQUEST_TIMEOUT_S = 20.0
 STARTUP_TIMEOUT_S = 60.0
@@ -254,13 +254,17 @@ json_values = st.recursive(
 huge_numbers = st.sampled_from(
     [2**31, 2**53 + 1, 2**63 - 1, 2**63, 2**64 - 1, -(2**63), 10**30, 1e308, -1e308, 5e-324, -0.0]
 )
-# parameters the router refuses unless neutral (services/router/api.py) and a few it ignores
+# parameters of one route sent to another, those refused unless neutral, those ignored
+# when harmless (services/router/api.py), and some of vLLM's that kvmesh refuses
 other_fields = st.sampled_from(
     [
         "n", "best_of", "echo", "logprobs", "top_logprobs", "suffix", "presence_penalty",
         "frequency_penalty", "logit_bias", "min_tokens", "repetition_penalty", "min_p",
         "stop_token_ids", "include_stop_str_in_output", "tools", "functions", "response_format",
-        "user", "tool_choice", "parallel_tool_calls", "metadata",
+        "user", "tool_choice", "parallel_tool_calls", "metadata", "store", "service_tier",
+        "skip_special_tokens", "add_special_tokens", "add_generation_prompt", "guided_json",
+        "guided_regex", "guided_choice", "prompt_logprobs", "bad_words", "allowed_token_ids",
+        "chat_template_kwargs", "messages", "prompt", "tokens", "return_token_strs",
     ]
 )  # fmt: skip
 
@@ -282,11 +286,13 @@ def valid_bodies(schema: dict) -> st.SearchStrategy[dict]:
     """Bodies of ``schema``; most name the served model (the schema cannot say which) and half
     stream."""
 
+    can_stream = "stream" in schema.get("properties", {})
+
     def adjust(body: dict, served: bool, stream: bool) -> dict:
         return {
             **body,
             **({"model": MODEL} if served else {}),
-            **({"stream": True} if stream else {}),
+            **({"stream": True} if stream and can_stream else {}),
         }
 
     return st.builds(
@@ -303,6 +309,9 @@ def broken_bodies(draw: st.DrawFn, schema: dict, valid: st.SearchStrategy[dict])
     if kind == "bytes":
         return draw(st.binary(max_size=64) | st.sampled_from([b"", b"null", b"{", b"{}}", b"\xff"]))
     body = dict(draw(valid))
+    if "anyOf" in schema:  # /tokenize: mutate as the option that fits the body
+        options = [o for o in schema["anyOf"] if set(o["required"]) <= set(body)]
+        schema = options[-1] if options else schema["anyOf"][0]
     fields = sorted(schema["properties"])
     if kind == "drop":
         body.pop(draw(st.sampled_from(schema["required"])), None)

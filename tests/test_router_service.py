@@ -347,7 +347,8 @@ async def test_mesh_error_is_502_before_streaming_and_an_error_event_after(nats_
     ("path", "body", "status", "param"),
     [
         ("/v1/completions", b"{oops", 400, None),
-        ("/v1/completions", b'{"model": "kvmesh-tiny", "prompt": "x", "n": 3}', 400, "n"),
+        ("/v1/completions", b'{"model": "kvmesh-tiny", "prompt": "x", "n": 17}', 400, "n"),
+        ("/v1/completions", b'{"model": "kvmesh-tiny", "prompt": "x", "tools": 1}', 400, "tools"),
         ("/v1/completions", b'{"model": "gpt-4", "prompt": "x"}', 404, "model"),
         ("/v1/chat/completions", b'{"model": "kvmesh-tiny", "messages": []}', 400, "messages"),
         (

@@ -1,38 +1,39 @@
 import pytest
 import torch
 from kvmesh.shared.engine.sampler import Sampler, apply_top_k_top_p
-from kvmesh.shared.engine.sequence import SamplingParams, Sequence
+from kvmesh.shared.engine.sequence import Sequence
+from kvmesh.shared.sampling import SamplingOptions
 
 
-def seq_with(params: SamplingParams, prompt=(65, 66), rid="r") -> Sequence:
+def seq_with(params: SamplingOptions, prompt=(65, 66), rid="r") -> Sequence:
     return Sequence(rid, list(prompt), params)
 
 
 def test_sampling_params_validation_names_the_field():
     with pytest.raises(ValueError, match="max_tokens"):
-        SamplingParams(max_tokens=0)
+        SamplingOptions(max_tokens=0)
     with pytest.raises(ValueError, match="temperature"):
-        SamplingParams(temperature=-1)
+        SamplingOptions(temperature=-1)
     with pytest.raises(ValueError, match="top_p"):
-        SamplingParams(top_p=0)
+        SamplingOptions(top_p=0)
     with pytest.raises(ValueError, match="top_k"):
-        SamplingParams(top_k=-1)
+        SamplingOptions(top_k=-1)
     with pytest.raises(ValueError, match="stop"):
-        SamplingParams(stop=[""])
-    assert SamplingParams(stop="x").stop == ("x",)
-    assert SamplingParams(stop_token_ids=[3]).stop_token_ids == (3,)
+        SamplingOptions(stop=[""])
+    assert SamplingOptions(stop="x").stop == ("x",)
+    assert SamplingOptions(stop_token_ids=[3]).stop_token_ids == (3,)
 
 
 def test_greedy_takes_argmax():
     logits = torch.tensor([[0.0, 3.0, 1.0], [5.0, 0.0, 1.0]])
-    seqs = [seq_with(SamplingParams(temperature=0)), seq_with(SamplingParams(temperature=0))]
+    seqs = [seq_with(SamplingOptions(temperature=0)), seq_with(SamplingOptions(temperature=0))]
     assert Sampler(0)(logits, seqs) == [1, 0]
 
 
 def test_top_k_one_equals_greedy_under_sampling():
     torch.manual_seed(0)
     logits = torch.randn(4, 50)
-    seqs = [seq_with(SamplingParams(temperature=1.0, top_k=1)) for _ in range(4)]
+    seqs = [seq_with(SamplingOptions(temperature=1.0, top_k=1)) for _ in range(4)]
     assert Sampler(0)(logits, seqs) == logits.argmax(-1).tolist()
 
 
@@ -49,7 +50,7 @@ def test_top_k_top_p_filter():
 def test_sampling_follows_the_distribution():
     probs = torch.tensor([0.7, 0.2, 0.1])
     logits = probs.log().expand(4000, 3).contiguous()
-    seqs = [seq_with(SamplingParams(temperature=1.0)) for _ in range(4000)]
+    seqs = [seq_with(SamplingOptions(temperature=1.0)) for _ in range(4000)]
     counts = torch.bincount(torch.tensor(Sampler(1)(logits, seqs)), minlength=3).float() / 4000
     assert torch.allclose(counts, probs, atol=0.03)
 
@@ -57,12 +58,12 @@ def test_sampling_follows_the_distribution():
 def test_seeded_request_is_independent_of_batch_composition():
     torch.manual_seed(0)
     logits = torch.randn(3, 100)
-    p = SamplingParams(temperature=1.0, seed=1234)
+    p = SamplingOptions(temperature=1.0, seed=1234)
     alone = [Sampler()(logits[1:2], [seq_with(p)])[0] for _ in range(1)]
     a = seq_with(p)
     mixed = Sampler()(
         logits,
-        [seq_with(SamplingParams(temperature=0.8)), a, seq_with(SamplingParams(temperature=0))],
+        [seq_with(SamplingOptions(temperature=0.8)), a, seq_with(SamplingOptions(temperature=0))],
     )
     assert mixed[1] == alone[0]
     # Same seed, fresh sequence: same stream of tokens.

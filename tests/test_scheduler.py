@@ -1,13 +1,17 @@
 from kvmesh.shared.engine.block_manager import BlockManager
 from kvmesh.shared.engine.scheduler import Scheduler
-from kvmesh.shared.engine.sequence import SamplingParams, Sequence, SequenceStatus
+from kvmesh.shared.engine.sequence import Sequence, SequenceStatus
+from kvmesh.shared.sampling import SamplingOptions
 
 BS = 4
 
 
 def make_seq(n: int, rid: str, prefill_only: bool = False, start: int = 0) -> Sequence:
     return Sequence(
-        rid, list(range(start, start + n)), SamplingParams(temperature=0), prefill_only=prefill_only
+        rid,
+        list(range(start, start + n)),
+        SamplingOptions(temperature=0),
+        prefill_only=prefill_only,
     )
 
 
@@ -160,7 +164,7 @@ def test_single_chunk_prefill_only_prompt_is_not_split():
 
 
 def _seq_with_max_tokens(n: int, rid: str, max_tokens: int, start: int = 0) -> Sequence:
-    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    params = SamplingOptions(temperature=0, max_tokens=max_tokens)
     return Sequence(rid, list(range(start, start + n)), params)
 
 

@@ -217,3 +217,13 @@ def test_colocated_decode_takes_any_transport_on_a_device() -> None:
 
     env = {"KVMESH_DEVICE": "cuda", "KVMESH_TRANSPORT": "tcp", "KVMESH_MODE": "colocated"}
     assert config_from_args(DecodeConfig, None, env).role == "colocated"  # no data plane
+
+
+def test_every_service_reads_the_nats_credentials() -> None:
+    """They are how it logs in to NATS (shared/nats_auth.py): never "ignored" at start."""
+    from kvmesh.shared.nats_auth import PASSWORD_ENV, PASSWORD_FILE_ENV, USER_ENV
+
+    from kvmesh.commands.serve import SERVICES, service_env_keys
+
+    for name in SERVICES:
+        assert {USER_ENV, PASSWORD_ENV, PASSWORD_FILE_ENV} <= service_env_keys(name), name

@@ -8,7 +8,8 @@ import torch
 from kvmesh.shared.engine.acceptance import Verdict, accept, target_tokens
 from kvmesh.shared.engine.draft_tree import DraftTree
 from kvmesh.shared.engine.sampler import Sampler
-from kvmesh.shared.engine.sequence import SamplingParams, Sequence
+from kvmesh.shared.engine.sequence import Sequence
+from kvmesh.shared.sampling import SamplingOptions
 
 
 def chi2_sf(x: float, df: int) -> float:
@@ -47,7 +48,7 @@ def test_accept_takes_the_first_of_equal_siblings():
 
 def test_greedy_picks_are_the_argmax_of_each_row():
     logits = torch.randn(5, 32, generator=torch.Generator().manual_seed(0))
-    params = SamplingParams(temperature=0.0)
+    params = SamplingOptions(temperature=0.0)
     assert target_tokens(logits, params, [3, 4, 4, 5, 5], torch.Generator()) == (
         logits.argmax(-1).tolist()
     )
@@ -56,9 +57,9 @@ def test_greedy_picks_are_the_argmax_of_each_row():
 @pytest.mark.parametrize(
     "params",
     [
-        SamplingParams(temperature=1.0, seed=3),
-        SamplingParams(temperature=0.6, top_k=5, seed=4),
-        SamplingParams(temperature=1.4, top_p=0.8, seed=5),
+        SamplingOptions(temperature=1.0, seed=3),
+        SamplingOptions(temperature=0.6, top_k=5, seed=4),
+        SamplingOptions(temperature=1.4, top_p=0.8, seed=5),
     ],
 )
 def test_seeded_picks_are_what_the_sampler_draws_at_that_output_index(params):
@@ -78,7 +79,7 @@ def first_tokens(tree: DraftTree, logits: torch.Tensor, params, n: int, seeded: 
     generator = torch.Generator().manual_seed(99)
     counts: Counter = Counter()
     for i in range(n):
-        p = SamplingParams(
+        p = SamplingOptions(
             temperature=params.temperature, top_k=params.top_k, seed=i if seeded else None
         )
         verdict = accept(tree, target_tokens(rows, p, indices, generator))
@@ -99,7 +100,7 @@ def first_tokens(tree: DraftTree, logits: torch.Tensor, params, n: int, seeded: 
 def test_emitted_distribution_matches_the_target_whatever_the_drafts(seeded, tree_kind):
     vocab, n = 12, 1000
     logits = torch.randn(vocab, generator=torch.Generator().manual_seed(7)) * 1.5
-    params = SamplingParams(temperature=1.0, top_k=6)
+    params = SamplingOptions(temperature=1.0, top_k=6)
     kept = logits.topk(6).indices
     probs = torch.zeros(vocab)
     probs[kept] = logits[kept].softmax(-1)

@@ -8,11 +8,12 @@ import torch
 from kvmesh.shared.engine.config import EngineConfig
 from kvmesh.shared.engine.draft_tree import DraftTree
 from kvmesh.shared.engine.llm_engine import LLMEngine
-from kvmesh.shared.engine.sequence import RequestError, RequestOutput, SamplingParams
+from kvmesh.shared.engine.sequence import RequestError, RequestOutput
 from kvmesh.shared.model import load_model
+from kvmesh.shared.sampling import SamplingOptions
 
 NUM_BLOCKS = 64
-GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+GREEDY = SamplingOptions(max_tokens=20, temperature=0.0, ignore_eos=True)
 PROMPT_LENGTHS = (13, 7, 30, 21)
 
 # (request id, tokens emitted so far) -> tree or None
@@ -39,7 +40,7 @@ def make_prompts(n: int = 4, seed: int = 0) -> list[list[int]]:
 def run(
     eng: LLMEngine,
     prompts: list[list[int]],
-    params: SamplingParams | list[SamplingParams],
+    params: SamplingOptions | list[SamplingOptions],
     drafter: Drafter,
 ) -> tuple[list[list[int]], list[RequestOutput]]:
     """Run to completion with ``drafter`` asked before every step; returns the tokens of each
@@ -150,7 +151,7 @@ def test_mixed_drafted_and_plain_sequences_in_one_batch_equal_plain_greedy(tiny,
 def test_kv_after_accepting_drafts_equals_kv_of_a_plain_run(tiny, greedy_reference):
     prompts, expected = greedy_reference
     prompt, ref = prompts[2], expected[2]
-    params = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+    params = SamplingOptions(max_tokens=100, temperature=0.0, ignore_eos=True)
     spec, plain = make_engine(tiny), make_engine(tiny)
     spec.add_request("r", prompt, params)
     plain.add_request("r", prompt, params)
@@ -185,7 +186,7 @@ def test_chain_verification_equals_plain_decode_bit_for_bit(tiny, greedy_referen
     torch.set_num_threads(threads)
     try:
         spec, plain = make_engine(tiny), make_engine(tiny)
-        params = SamplingParams(max_tokens=len(expected[2]), temperature=0.0, ignore_eos=True)
+        params = SamplingOptions(max_tokens=len(expected[2]), temperature=0.0, ignore_eos=True)
         for eng in (spec, plain):
             eng.add_request("r", prompts[2], params)
         got = spec.step()[0].new_token_ids
@@ -229,7 +230,7 @@ def test_tree_verification_equals_plain_decode_bit_for_bit(tiny, greedy_referenc
 
     spec.runner.prepare = spy
     try:
-        params = SamplingParams(max_tokens=len(ref), temperature=0.0, ignore_eos=True)
+        params = SamplingOptions(max_tokens=len(ref), temperature=0.0, ignore_eos=True)
         for eng in (spec, plain):
             eng.add_request("r", prompts[2], params)
         got = spec.step()[0].new_token_ids
@@ -261,9 +262,9 @@ def test_tree_verification_equals_plain_decode_bit_for_bit(tiny, greedy_referenc
 def test_seeded_sampling_with_drafts_equals_seeded_sampling_without(tiny):
     prompts = make_prompts()
     params = [
-        SamplingParams(max_tokens=16, temperature=1.0, top_k=20, seed=11),
-        SamplingParams(max_tokens=16, temperature=0.7, top_p=0.9, seed=12),
-        SamplingParams(max_tokens=16, temperature=1.3, seed=13),
+        SamplingOptions(max_tokens=16, temperature=1.0, top_k=20, seed=11),
+        SamplingOptions(max_tokens=16, temperature=0.7, top_p=0.9, seed=12),
+        SamplingOptions(max_tokens=16, temperature=1.3, seed=13),
         GREEDY,
     ]
     expected = make_engine(tiny).generate(prompts, params)
@@ -277,10 +278,10 @@ def test_stop_token_and_max_tokens_cut_inside_a_multi_token_step(tiny, greedy_re
     prompts, expected = greedy_reference
     ref = expected[0]
     stop_at = next(i for i in range(2, len(ref)) if ref[i] not in ref[:i])
-    stop = SamplingParams(
+    stop = SamplingOptions(
         max_tokens=20, temperature=0.0, ignore_eos=True, stop_token_ids=(ref[stop_at],)
     )
-    short = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    short = SamplingOptions(max_tokens=3, temperature=0.0, ignore_eos=True)
     got, outputs = run(
         make_engine(tiny), [prompts[0], prompts[0]], [stop, short], oracle([ref, ref], 8)
     )
@@ -294,7 +295,7 @@ def test_stop_string_cuts_inside_a_multi_token_step(tiny, greedy_reference):
     text_tokens = [(i, t) for i, t in enumerate(expected[2]) if 97 <= t <= 122 and i >= 2]
     assert text_tokens, "the reference output has no lowercase letter to stop at"
     at, token = text_tokens[0]
-    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, stop=(chr(token),))
+    params = SamplingOptions(max_tokens=20, temperature=0.0, ignore_eos=True, stop=(chr(token),))
     plain = make_engine(tiny).generate([prompts[2]], params)[0]
     got, outputs = run(make_engine(tiny), [prompts[2]], params, oracle([expected[2]], 6))
     assert got == [plain] and len(plain) <= at + 1

@@ -128,3 +128,10 @@ def test_stream_joins_a_utf8_character_split_over_tokens(tokenizer):
     first, second = "é".encode()
     assert out.add([first]) == ""
     assert out.add([second]) == "é"
+
+
+def test_matcher_with_include_stop_keeps_the_stop_string_and_nothing_after():
+    matcher = StopMatcher(("ab", "abc"), include_stop=True)
+    assert matcher.add("xxa") == "xx"
+    assert matcher.add("bcd tail") == "abc" and matcher.is_stopped
+    assert matcher.text == "xxabc"

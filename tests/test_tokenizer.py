@@ -167,3 +167,16 @@ def test_chat_template_renders_as_transformers_without_a_tokenizer():
         ChatTemplate("{{ raise_exception('no') }}").render([])
     with pytest.raises(ChatTemplateError, match=r"t\.jinja: chat template has a syntax error"):
         ChatTemplate("{% for %}", source="t.jinja")
+
+
+def test_token_bytes_add_up_to_the_text_across_split_characters(llama_dir, qwen_dir):
+    text = "héllo — wörld ✓"
+    for tok in (
+        tiny_tokenizer(),
+        Tokenizer.from_pretrained(llama_dir),
+        Tokenizer.from_pretrained(qwen_dir),
+    ):
+        ids = tok.encode(text, add_special_tokens=False)
+        pieces = [tok.token_bytes(i) for i in ids]
+        assert b"".join(pieces) == text.encode()
+        assert any(len(p) == 1 and p[0] >= 0x80 for p in pieces)  # a character split apart

@@ -54,6 +54,19 @@ def test_plan_starts_registry_decode_prefill_router_with_valid_commands() -> Non
     assert router.host == "127.0.0.1"  # what the banner prints; --host 0.0.0.0 opens it up
 
 
+def test_up_serves_the_model_under_the_served_model_name() -> None:
+    def served(config: UpConfig) -> str:
+        _, router, _ = build_service_config(
+            "router", plan(config, "nats://x:1", 1)[-1].argv[2:], env={}
+        )
+        return router.model_id
+
+    assert served(UpConfig()) == "kvmesh-tiny"
+    assert served(UpConfig(served_model_name="smol")) == "smol"
+    with pytest.raises(ValueError, match="served_model_name"):
+        UpConfig(served_model_name="")
+
+
 def test_cli_stops_quietly_when_its_reader_goes_away() -> None:
     """`kvmesh admin status | head`: a closed pipe ends the command (141, as a shell reports a
     tool killed by SIGPIPE) without a BrokenPipeError traceback."""
@@ -570,10 +583,10 @@ def test_two_ups_with_different_models_on_one_machine_both_serve(tmp_path: Path)
     from kvmesh.loadgen.bench_mesh import random_prompts
     from kvmesh.shared.engine.config import EngineConfig
     from kvmesh.shared.engine.llm_engine import LLMEngine
-    from kvmesh.shared.engine.sequence import SamplingParams
     from kvmesh.shared.mesh_state import running_meshes
     from kvmesh.shared.model.loader import load_model
     from kvmesh.shared.nats_server import nats_is_reachable
+    from kvmesh.shared.sampling import SamplingOptions
     from kvmesh.shared.service_config import DEFAULT_NATS_URL
     from small_models import write_small_seeded
 
@@ -603,7 +616,7 @@ def test_two_ups_with_different_models_on_one_machine_both_serve(tmp_path: Path)
             (second, "other-model", other_model, found.group(1)),
         ):
             engine = LLMEngine(*load_model(model), EngineConfig(num_blocks=64))
-            [expected] = engine.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0))
+            [expected] = engine.generate([prompt], SamplingOptions(max_tokens=6, temperature=0.0))
             got = asyncio.run(_greedy_tokens(url, err, mesh, port, model, prompt))
             assert got == expected, mesh
 

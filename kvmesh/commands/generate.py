@@ -1,4 +1,6 @@
-"""``kvmesh generate``: run one prompt through a local LLMEngine and print the result.
+"""``kvmesh generate``: run one prompt through an LLMEngine in this process (no mesh, no NATS) and
+print the result: the engine alone, to try a model or check a checkpoint. A mesh's answers come
+from its router (``curl http://HOST:8000/v1/completions``, or any OpenAI client).
 
     kvmesh generate --prompt "Hello" --max-tokens 32 --temperature 0
     kvmesh generate --model /path/to/hf_dir --prompt-ids 1,2,3 --json
@@ -30,7 +32,7 @@ def _token_ids(value: str) -> list[int]:
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "generate",
-        help="generate text for one prompt with a local engine",
+        help="generate text for one prompt with an engine in this process (no mesh)",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -61,7 +63,19 @@ def register(subparsers: Any) -> None:
         help="KV cache dtype: auto (the model's), int8 (recommended 8-bit) or fp8_e4m3 "
         "(docs/kv_cache.md)",
     )
+    # a mesh's flags: refused with what to do instead of argparse's "unrecognized arguments"
+    for flag in ("--nats-url", "--mesh", "--base-url"):
+        p.add_argument(flag, dest="mesh_flag", action=_RefuseMeshFlag, help=argparse.SUPPRESS)
     p.set_defaults(func=run)
+
+
+class _RefuseMeshFlag(argparse.Action):
+    def __call__(self, parser: Any, namespace: Any, values: Any, option: Any = None) -> None:
+        parser.error(
+            f"{option}: kvmesh generate runs the model in this process and talks to no mesh; "
+            "ask a mesh through its router instead (curl http://HOST:8000/v1/completions -d "
+            '\'{"model": ..., "prompt": ...}\', or any OpenAI client)'
+        )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -69,15 +83,16 @@ def run(args: argparse.Namespace) -> int:
 
     from kvmesh.shared.engine.config import EngineConfig
     from kvmesh.shared.engine.llm_engine import LLMEngine
-    from kvmesh.shared.engine.sequence import RequestError, SamplingParams
+    from kvmesh.shared.engine.sequence import RequestError
     from kvmesh.shared.model import ModelLoadError, load_model
     from kvmesh.shared.model.model_ref import model_path
+    from kvmesh.shared.sampling import SamplingOptions
     from kvmesh.shared.text import TextStream
 
     args.model = model_path(args.model, "kvmesh generate")
 
     try:
-        params = SamplingParams(
+        params = SamplingOptions(
             max_tokens=args.max_tokens,
             temperature=args.temperature,
             top_k=args.top_k,

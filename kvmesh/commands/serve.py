@@ -100,10 +100,12 @@ def service_parser(spec: ServiceSpec) -> argparse.ArgumentParser:
 def service_env_keys(name: str) -> set[str]:
     """Every KVMESH_* variable ``kvmesh serve <name>`` reads (its config's and logging's)."""
     from kvmesh.shared.logs import LogConfig
+    from kvmesh.shared.nats_auth import PASSWORD_ENV, PASSWORD_FILE_ENV, USER_ENV
 
     spec = load_service(name)
     keys = known_env_keys(spec.config_cls) | known_env_keys(LogConfig)
     keys.add("KVMESH_CACHE_DIR")  # where kernels/cpu_ops.py keeps the compiled C kernels
+    keys |= {USER_ENV, PASSWORD_ENV, PASSWORD_FILE_ENV}  # every service logs in to NATS with them
     return keys - {f"KVMESH_{k.upper()}" for k in spec.overrides}
 
 

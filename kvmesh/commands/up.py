@@ -176,6 +176,8 @@ class UpConfig(NatsClientConfig):
 
     def __post_init__(self) -> None:
         self.check_nats_options(mesh_from_model(self.model))
+        if self.served_model_name == "":
+            raise ValueError("served_model_name must not be empty (leave it unset for --model)")
         if self.draft is not None:
             from kvmesh.services.draft.shape import TreeShape
 

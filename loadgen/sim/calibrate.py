@@ -193,10 +193,10 @@ def chunk_points(runner: Any, prompt: list[int], chunk: int, runs: int) -> list[
     """The best time of each later chunk of ``prompt`` prefilled ``chunk`` tokens a step (the
     engine's step budget lowered to ``chunk`` meanwhile): ``chunk`` tokens after ``chunk``,
     after ``2 * chunk``, ..."""
-    from kvmesh.shared.engine.sequence import SamplingParams
+    from kvmesh.shared.sampling import SamplingOptions
 
     engine = runner.engine
-    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    params = SamplingOptions(max_tokens=1, temperature=0, ignore_eos=True)
     saved = engine.scheduler.max_num_batched_tokens
     engine.scheduler.max_num_batched_tokens = chunk
     best: list[float] = []

@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvmesh.shared import logs
+from kvmesh.shared.sampling import SamplingOptions
 from kvmesh.shared.write_lease import LeaseVerdict, WriteLease, WriteLeaseError, WriteLeaseTable
 
-if TYPE_CHECKING:  # the table stays torch-free; it only carries the parameters
-    from kvmesh.shared.engine.sequence import SamplingParams
+if TYPE_CHECKING:
     from kvmesh.shared.transport.base import MemoryWindow
 
 
@@ -37,7 +37,7 @@ class Admission:
     computed and the request's sampling parameters."""
 
     prompt_ids: tuple[int, ...]
-    params: SamplingParams
+    params: SamplingOptions
 
 
 @dataclass(slots=True, eq=False)

@@ -37,7 +37,7 @@ from kvmesh.shared import logs
 from kvmesh.shared.engine.block_manager import OutOfBlocksError
 from kvmesh.shared.engine.draft_tree import DraftTree, DraftTreeError
 from kvmesh.shared.engine.llm_engine import LLMEngine
-from kvmesh.shared.engine.sequence import RequestError, RequestOutput, SamplingParams
+from kvmesh.shared.engine.sequence import RequestError, RequestOutput
 from kvmesh.shared.imm import imm_slot, unpack_imm
 from kvmesh.shared.kv_store_prefix import Fetched, PrefixReader
 from kvmesh.shared.protocol import (
@@ -54,6 +54,7 @@ from kvmesh.shared.protocol import (
     WorkerGone,
 )
 from kvmesh.shared.recent_ids import RecentIds
+from kvmesh.shared.sampling import SamplingOptions
 from kvmesh.shared.transport.base import MemoryWindow
 from kvmesh.shared.transport.completions import Completion
 
@@ -89,6 +90,9 @@ def _token_event(out: RequestOutput) -> TokenEvent | None:
         num_prompt_tokens=out.num_prompt_tokens,
         num_output_tokens=out.num_output_tokens,
         num_accepted_drafts=min(out.accepted_drafts, len(out.new_token_ids)),
+        logprobs=tuple(out.logprobs or ()),
+        index=out.index,
+        prompt_logprobs=tuple(out.prompt_logprobs or ()),
     )
 
 
@@ -134,7 +138,7 @@ class DecodeWorker:
         self._aborts: list[str] = []  # running requests to abort, applied by admit()
         # Local-prefill requests accepted by reserve() without waiting for the step in flight,
         # added to the engine by admit() between steps.
-        self._incoming: list[tuple[str, list[int], SamplingParams]] = []
+        self._incoming: list[tuple[str, list[int], SamplingOptions]] = []
         self.drafts = drafts  # None: no speculative decoding
         self._draft_outbox: list[Outgoing | tuple[str, DraftForget]] = []
         self.cache = cache  # None: the prefix cache is not reported to the registry
@@ -241,7 +245,12 @@ class DecodeWorker:
             if self.store is not None:
                 for out in outputs:
                     seq = live.get(out.request_id)  # absent: it ended before this step began
-                    if seq is not None and out.finished and out.finish_reason in ("stop", "length"):
+                    if (
+                        seq is not None
+                        and out.index == 0
+                        and out.finished
+                        and out.finish_reason in ("stop", "length")
+                    ):
                         self.store.put_later(list(seq.token_ids), self._lock)
             if self.swaps is not None and self.engine.scheduler.preempted:
                 self.swaps.after_step(self._lock)
@@ -277,6 +286,7 @@ class DecodeWorker:
             seq.request_id: seq
             for seq in self.engine.scheduler.running
             if not seq.prefill_only
+            and seq.index == 0  # a request's other choices are not drafted
             and seq.num_output_tokens >= 1
             and seq.num_uncomputed_tokens == 1
         }
@@ -321,7 +331,7 @@ class DecodeWorker:
                     out.request_id, trees[out.request_id].depth, out.accepted_drafts
                 )
         for out in outputs:
-            if out.finished:
+            if out.finished and out.index == 0:
                 holder = self.drafts.forget(out.request_id)
                 if holder is not None:
                     self._draft_outbox.append((holder, DraftForget(out.request_id)))
@@ -362,10 +372,7 @@ class DecodeWorker:
         refuse = lambda error: ReserveReply(False, self.worker_id, error=error)
         if self.is_draining:
             return refuse(f"decode worker {self.worker_id} is draining")
-        try:
-            params = SamplingParams.from_wire(req.sampling)
-        except ValueError as exc:
-            return refuse(f"bad sampling options: {exc}")
+        params = req.sampling  # checked when the message was decoded
         rid, prompt = req.request_id, list(req.prompt_ids)
         if self._aborted.seen(rid, self._clock()):
             return refuse(f"request {rid!r} was aborted before its reservation arrived")
@@ -433,7 +440,7 @@ class DecodeWorker:
                 return refuse(str(exc))
         return ReserveReply(True, self.worker_id, block_ids=tuple(block_ids), rkey=res.rkey)
 
-    async def _read_prefix(self, rid: str, prompt: list[int], params: SamplingParams) -> None:
+    async def _read_prefix(self, rid: str, prompt: list[int], params: SamplingOptions) -> None:
         """A local prefill's prefix blocks from a kv-store (best effort), then the request is
         queued for ``admit()``; one aborted meanwhile only has its blocks adopted and freed."""
         fetched = None
@@ -588,7 +595,13 @@ class DecodeWorker:
             assert res.done is not None
             try:
                 self.engine.admit_prefilled(
-                    res.request_id, prompt, list(res.block_ids), res.done.first_token, params
+                    res.request_id,
+                    prompt,
+                    list(res.block_ids),
+                    res.done.first_token,
+                    params,
+                    res.done.first_logprobs,
+                    res.done.prompt_logprobs,
                 )
             except RequestError as exc:
                 error = str(exc)
@@ -596,12 +609,15 @@ class DecodeWorker:
                 if self.drafts is not None and res.done.draft_worker_id:
                     self.drafts.pin(res.request_id, res.done.draft_worker_id, self._clock())
                 first = (res.done.first_token,)
+                lps = (res.done.first_logprobs,) if res.done.first_logprobs is not None else ()
                 return TokenEvent(
                     res.request_id,
                     first,
                     num_prompt_tokens=len(prompt),
                     num_output_tokens=1,
                     wait_s=wait_s,
+                    logprobs=lps,
+                    prompt_logprobs=res.done.prompt_logprobs,
                 )
         if verdict.release:
             self.engine.free_reserved(list(res.block_ids))

@@ -57,7 +57,8 @@ class EngineDrafter:
 
     def propose(self, jobs: Sequence[DraftJob]) -> list[Tree]:
         from kvmesh.shared.engine.block_manager import OutOfBlocksError
-        from kvmesh.shared.engine.sequence import RequestError, SamplingParams
+        from kvmesh.shared.engine.sequence import RequestError
+        from kvmesh.shared.sampling import SamplingOptions
 
         ids: dict[str, int] = {}
         num_hits, num_context = self.engine.block_manager.num_hit_tokens, 0
@@ -67,7 +68,7 @@ class EngineDrafter:
                 continue  # deep enough, or too long for the draft's pool
             self._num_requests += 1
             rid = f"draft-{self._num_requests}"
-            params = SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True)
+            params = SamplingOptions(max_tokens=num_tokens, temperature=0.0, ignore_eos=True)
             try:
                 self.engine.add_request(rid, list(job.context + job.ahead), params)
             except (RequestError, OutOfBlocksError):

@@ -44,12 +44,13 @@ class EngineTreeDrafter(EngineDrafter):
 
     def propose(self, jobs: Sequence[DraftJob]) -> list[Tree]:
         from kvmesh.shared.engine.block_manager import OutOfBlocksError
-        from kvmesh.shared.engine.sequence import RequestError, SamplingParams
+        from kvmesh.shared.engine.sequence import RequestError
+        from kvmesh.shared.sampling import SamplingOptions
 
         engine = self.engine
         # + 1: the request must not end at ``depth`` tokens before its tree is drafted; it is
         # aborted once it has them
-        params = SamplingParams(max_tokens=self.depth + 1, temperature=0.0, ignore_eos=True)
+        params = SamplingOptions(max_tokens=self.depth + 1, temperature=0.0, ignore_eos=True)
         ids: dict[str, int] = {}
         num_hits, num_context = engine.block_manager.num_hit_tokens, 0
         for i, job in enumerate(jobs):

@@ -39,7 +39,7 @@ from kvmesh.services.prefill.plan import (
 from kvmesh.services.prefill.store_prefix import StorePrefix
 from kvmesh.shared import logs
 from kvmesh.shared.engine.llm_engine import LLMEngine
-from kvmesh.shared.engine.sequence import ChunkReady, RequestError, SamplingParams
+from kvmesh.shared.engine.sequence import ChunkReady, RequestError
 from kvmesh.shared.protocol import (
     DraftKvReserveReply,
     PrefillDone,
@@ -47,6 +47,7 @@ from kvmesh.shared.protocol import (
     PrefillReport,
     PrefillStarted,
 )
+from kvmesh.shared.sampling import SamplingOptions, TokenLogprobs
 from kvmesh.shared.transport import Endpoint, MemoryRegion, TransportError, WriteEntry
 
 log = logs.get_logger(__name__)
@@ -64,6 +65,8 @@ class _Job:
     chunks: asyncio.Queue[ChunkReady | None] = field(default_factory=asyncio.Queue)
     num_writes: int = 0
     first_token: int = -1
+    first_logprobs: TokenLogprobs | None = None  # with SamplingOptions.logprobs
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()  # with SamplingOptions.prompt_logprobs
     error: str = ""
     is_computed: bool = False  # the last chunk is in; the engine holds the blocks until release
     draft: _DraftWrites | None = None  # the prompt's draft KV to a draft worker
@@ -257,7 +260,7 @@ class PrefillWorker:
                 msg.block_addrs,
                 msg.block_bytes,
             )
-            params = SamplingParams.from_wire(msg.sampling)
+            params = msg.sampling
             endpoint = await self.endpoints.get(msg.descriptor)
         except (PlanError, TransportError, ValueError) as exc:
             log.warning("prefill job refused", request_id=rid, error=str(exc))
@@ -305,6 +308,8 @@ class PrefillWorker:
                     self._plan_draft_write(job, DraftKvPlanner, new_blocks, tg)
                     if chunk.is_last:
                         job.first_token = chunk.first_token
+                        job.first_logprobs = chunk.first_logprobs
+                        job.prompt_logprobs = chunk.prompt_logprobs
                         await self._drop_draft_if_waiting(job)
                         break
             # every write has returned: no byte of ours is still on its way to the decode blocks
@@ -359,7 +364,7 @@ class PrefillWorker:
         without a draft model or when the draft engine cannot take the prompt."""
         if self.draft_engine is None:
             return None
-        params = SamplingParams(max_tokens=1, temperature=0.0)
+        params = SamplingOptions(max_tokens=1, temperature=0.0)
         try:
             self.draft_engine.add_request(
                 request_id, prompt, params, prefill_only=True, on_chunk=self._on_draft_chunk
@@ -525,6 +530,8 @@ class PrefillWorker:
             msg.lease_id,
             ok,
             first_token=job.first_token if ok else -1,
+            first_logprobs=job.first_logprobs if ok else None,
+            prompt_logprobs=job.prompt_logprobs if ok else (),
             num_writes=job.num_writes if job is not None else 0,
             error=error,
             rkey=msg.rkey,

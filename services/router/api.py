@@ -2,12 +2,13 @@
 
 Three steps, each with its own kind of error:
 
-1. refusals by name of what kvmesh cannot honour (``n`` > 1, ``logprobs``, penalties, tools,
-   batched prompts, non-text content parts) rather than ignoring them, and the served model;
+1. refusals by name of what kvmesh cannot honour (``best_of``, ``echo``, tools, batched prompts,
+   non-text content parts) rather than ignoring them, and the served model;
 2. the request Structs of ``schema.py`` (the ones ``/openapi.json`` publishes) check every type
    and bound; msgspec's error becomes a 400 naming the parameter and quoting the value;
-3. what a schema cannot say: ``stream_options`` needs ``stream``, ``max_completion_tokens`` wins
-   over ``max_tokens``, the "developer" role is the system prompt.
+3. what a schema cannot say: ``stream_options`` needs ``stream``, ``top_logprobs`` needs
+   ``logprobs``, ``max_completion_tokens`` wins over ``max_tokens``, ``logit_bias`` keys are
+   token ids, the "developer" role is the system prompt.
 
 ``kvmesh.services.router.prompt.tokenize`` then makes the request concrete.
 """
@@ -15,27 +16,35 @@ Three steps, each with its own kind of error:
 from __future__ import annotations
 
 import re
-import reprlib
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
 import msgspec
 import msgspec.inspect as mi
 import orjson
-from kvmesh.services.router.errors import InvalidRequestError, ModelNotFoundError
+from kvmesh.services.router import structured
+from kvmesh.services.router.errors import InvalidRequestError, ModelNotFoundError, quote_value
+from kvmesh.services.router.refusals import (
+    CHAT_UNSUPPORTED,
+    COMPLETION_UNSUPPORTED,
+    IGNORED_CHAT,
+    IGNORED_COMPLETION,
+    refuse_unknown,
+    refuse_unsupported,
+)
 from kvmesh.services.router.schema import (
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
     SamplingFields,
 )
+from kvmesh.shared.sampling import SamplingOptions
+from kvmesh.shared.structured_output import StructuredOutputs
 
 Kind = Literal["completion", "chat"]
 R = TypeVar("R", bound=SamplingFields)
-
-_QUOTE = reprlib.Repr()  # keyword arguments need Python 3.12
-_QUOTE.maxlevel, _QUOTE.maxlist, _QUOTE.maxdict = 3, 8, 8
-_QUOTE.maxstring = _QUOTE.maxother = _QUOTE.maxlong = 80
+S = TypeVar("S", bound=msgspec.Struct)
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,12 +58,11 @@ class GenerateRequest:
     prompt_ids: tuple[int, ...] | None = None
     messages: tuple[dict[str, str], ...] | None = None
     max_tokens: int | None = None  # None: the default for the kind
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0: off
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    ignore_eos: bool = False
+    # how to sample; its max_tokens is set by prompt.tokenize, which knows the context
+    sampling: SamplingOptions = field(default_factory=SamplingOptions)
+    structured_param: str = ""  # the field that asked for sampling.structured_outputs
+    echo: bool = False  # completions: the prompt leads each choice's text
+    returns_prompt_logprobs: bool = False  # vLLM's prompt_logprobs field in the answer
     stream: bool = False
     include_usage: bool = False
 
@@ -77,25 +85,50 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
 
 def parse_completion(body: Mapping[str, Any], served_model: str) -> GenerateRequest:
     """Validate a ``POST /v1/completions`` body."""
-    _refuse_unsupported(body, _COMPLETION_UNSUPPORTED)
-    body = {**body, "prompt": _unwrap_prompt(body.get("prompt"))}
+    refuse_unsupported(body, COMPLETION_UNSUPPORTED)
+    refuse_unknown(body, CompletionRequest, COMPLETION_UNSUPPORTED, IGNORED_COMPLETION)
+    spec, spec_param = structured.structured_outputs_of(body)
+    body = {**_normalise(body), "prompt": _unwrap_prompt(body.get("prompt"))}
     req = _validate(body, CompletionRequest, served_model)
     is_text = isinstance(req.prompt, str)
     return GenerateRequest(
         kind="completion",
         prompt_text=req.prompt if is_text else None,
         prompt_ids=None if is_text else tuple(req.prompt),
-        **_common(req, req.max_completion_tokens or req.max_tokens),
+        structured_param=spec_param,
+        echo=req.echo,
+        **_common(req, req.max_completion_tokens or req.max_tokens, req.logprobs, spec, req.echo),
     )
 
 
 def parse_chat(body: Mapping[str, Any], served_model: str) -> GenerateRequest:
     """Validate a ``POST /v1/chat/completions`` body."""
-    _refuse_unsupported(body, _CHAT_UNSUPPORTED)
-    _refuse_non_text_parts(body.get("messages"))
-    req = _validate(body, ChatCompletionRequest, served_model)
+    refuse_unsupported(body, CHAT_UNSUPPORTED)
+    refuse_unknown(body, ChatCompletionRequest, CHAT_UNSUPPORTED, IGNORED_CHAT)
+    refuse_non_text_parts(body.get("messages"))
+    spec, spec_param = structured.structured_outputs_of(body)
+    req = _validate(_normalise(body), ChatCompletionRequest, served_model)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise InvalidRequestError(
+            "'top_logprobs' needs 'logprobs': true", param="top_logprobs", code="invalid_value"
+        )
+    return GenerateRequest(
+        kind="chat",
+        messages=chat_messages(req.messages),
+        structured_param=spec_param,
+        **_common(
+            req,
+            req.max_completion_tokens or req.max_tokens,
+            (req.top_logprobs or 0) if req.logprobs else None,
+            spec,
+        ),
+    )
+
+
+def chat_messages(given: list[ChatMessage]) -> tuple[dict[str, str], ...]:
+    """Validated messages as the chat template takes them."""
     messages = []
-    for i, message in enumerate(req.messages):
+    for i, message in enumerate(given):
         content = message.content
         if content is None and message.role != "assistant":
             raise InvalidRequestError(
@@ -107,80 +140,69 @@ def parse_chat(body: Mapping[str, Any], served_model: str) -> GenerateRequest:
             content = "".join(part.text for part in content or ())
         # Chat templates predate the "developer" role; it is the system prompt by another name.
         role = "system" if message.role == "developer" else message.role
-        messages.append({"role": role, "content": content})
-    return GenerateRequest(
-        kind="chat",
-        messages=tuple(messages),
-        **_common(req, req.max_completion_tokens or req.max_tokens),
-    )
+        named = {"name": message.name} if message.name is not None else {}
+        messages.append({"role": role, "content": content, **named})
+    return tuple(messages)
 
 
-def _common(req: SamplingFields, max_tokens: int | None) -> dict[str, Any]:
+def _normalise(body: Mapping[str, Any]) -> dict[str, Any]:
+    """What JSON cannot type as the schema wants: ``logit_bias`` keys are token ids written as
+    strings (JSON object keys); they become integers here, or a 400 names the bad key."""
+    bias = body.get("logit_bias")
+    if not isinstance(bias, dict):
+        return dict(body)
+    ids = {}
+    for key, value in bias.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit()):
+            raise InvalidRequestError(
+                f"'logit_bias' keys must be token ids (non-negative integers), got {quote_value(key)}",
+                param="logit_bias",
+                code="invalid_value",
+            )
+        ids[int(key)] = value
+    return {**body, "logit_bias": ids}
+
+
+def _common(
+    req: SamplingFields,
+    max_tokens: int | None,
+    logprobs: int | None,
+    spec: StructuredOutputs | None,
+    echo: bool = False,
+) -> dict[str, Any]:
     if req.stream_options is not None and not req.stream:
         raise InvalidRequestError(
             "'stream_options' is only allowed when 'stream' is true", param="stream_options"
         )
+    if req.prompt_logprobs is not None and req.stream:
+        raise InvalidRequestError(
+            "'prompt_logprobs' come with the whole answer, not a stream: send stream=false "
+            "(or echo with logprobs, which streams the prompt's in the first chunk)",
+            param="prompt_logprobs",
+            code="unsupported_parameter",
+        )
+    # the mesh scores the prompt for vLLM's prompt_logprobs and for an echo with logprobs
+    asked = [k for k in (req.prompt_logprobs, logprobs if echo else None) if k is not None]
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(dict.fromkeys(req.stop or ()))
+    sampling = req.sampling_options(
+        logprobs=logprobs,
+        prompt_logprobs=max(asked) if asked else None,
+        structured_outputs=spec,
+        stop=stop,
+        top_k=max(req.top_k, 0),  # -1 (older vLLM clients) is off too
+        max_tokens=max_tokens or 1,  # prompt.tokenize sets it against the context
+    )
     return {
         "model": req.model,
+        "returns_prompt_logprobs": req.prompt_logprobs is not None,
         "max_tokens": max_tokens,
-        "temperature": req.temperature,
-        "top_p": req.top_p,
-        "top_k": max(req.top_k, 0),  # -1 (older vLLM clients) is off too
-        "seed": req.seed,
-        "stop": stop,
-        "ignore_eos": req.ignore_eos,
+        "sampling": sampling,
         "stream": req.stream,
         "include_usage": req.stream_options is not None and req.stream_options.include_usage,
     }
 
 
-# --- 1. refusals by name -----------------------------------------------------------------------
-
-# name -> (is the value harmless?, what to tell the user)
-_COMMON_UNSUPPORTED: dict[str, tuple[Any, str]] = {
-    "n": (lambda v: v in (None, 1), "only n=1 is supported; send one request per completion"),
-    "presence_penalty": (lambda v: v in (None, 0, 0.0), "presence_penalty is not supported"),
-    "frequency_penalty": (lambda v: v in (None, 0, 0.0), "frequency_penalty is not supported"),
-    "logit_bias": (lambda v: not v, "logit_bias is not supported"),
-    # vLLM's extra sampling parameters: accepted at their neutral value, refused otherwise
-    "min_tokens": (lambda v: v in (None, 0), "min_tokens is not supported"),
-    "repetition_penalty": (lambda v: v in (None, 1, 1.0), "repetition_penalty is not supported"),
-    "min_p": (lambda v: v in (None, 0, 0.0), "min_p is not supported"),
-    "stop_token_ids": (lambda v: not v, "stop_token_ids is not supported; use stop strings"),
-    "include_stop_str_in_output": (
-        lambda v: v in (None, False),
-        "include_stop_str_in_output is not supported (stop strings are cut from the output)",
-    ),
-}
-_COMPLETION_UNSUPPORTED = {
-    **_COMMON_UNSUPPORTED,
-    "best_of": (lambda v: v in (None, 1), "only best_of=1 is supported"),
-    "echo": (lambda v: v in (None, False), "echo is not supported"),
-    "logprobs": (lambda v: v is None, "logprobs are not supported"),
-    "suffix": (lambda v: v in (None, ""), "suffix (insertion) is not supported"),
-}
-_CHAT_UNSUPPORTED = {
-    **_COMMON_UNSUPPORTED,
-    "logprobs": (lambda v: v in (None, False), "logprobs are not supported"),
-    "top_logprobs": (lambda v: v in (None, 0), "top_logprobs are not supported"),
-    "tools": (lambda v: not v, "tools (function calling) are not supported"),
-    "functions": (lambda v: not v, "functions (function calling) are not supported"),
-    "response_format": (
-        lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
-        "only response_format {'type': 'text'} is supported",
-    ),
-}
-
-
-def _refuse_unsupported(body: Mapping[str, Any], table: Mapping[str, tuple[Any, str]]) -> None:
-    for name, (is_harmless, message) in table.items():
-        if name in body and not is_harmless(body[name]):
-            raise InvalidRequestError(
-                f"{message} (got {name}={_show(body[name])})",
-                param=name,
-                code="unsupported_parameter",
-            )
+# --- 1. refusals by name: refusals.py -----------------------------------------------------
 
 
 def _unwrap_prompt(prompt: Any) -> Any:
@@ -207,7 +229,7 @@ def _unwrap_prompt(prompt: Any) -> Any:
     return inner
 
 
-def _refuse_non_text_parts(messages: Any) -> None:
+def refuse_non_text_parts(messages: Any) -> None:
     for i, message in enumerate(messages if isinstance(messages, list) else ()):
         content = message.get("content") if isinstance(message, dict) else None
         for j, part in enumerate(content if isinstance(content, list) else ()):
@@ -215,7 +237,7 @@ def _refuse_non_text_parts(messages: Any) -> None:
                 where = f"messages[{i}].content[{j}]"
                 raise InvalidRequestError(
                     f"{where}: only text content parts are supported, got "
-                    f"{_show(part.get('type'))}",
+                    f"{quote_value(part.get('type'))}",
                     param=where,
                     code="unsupported_parameter",
                 )
@@ -226,15 +248,25 @@ def _refuse_non_text_parts(messages: Any) -> None:
 
 def _validate(body: Mapping[str, Any], cls: type[R], served_model: str) -> R:
     """``body`` as ``cls``; a null counts as absent (OpenAI clients send nulls for defaults)."""
-    _check_model(body.get("model"), served_model)
-    present = {k: v for k, v in body.items() if v is not None}
+    check_model(body.get("model"), served_model)
+    return validate_body(body, cls)
+
+
+def validate_body(body: Mapping[str, Any], cls: type[S]) -> S:
+    """``body`` as ``cls`` (fields it does not take are dropped: refuse them first); a null
+    counts as absent; msgspec's error becomes a 400 naming the parameter."""
+    present = {
+        k: v
+        for k, v in body.items()
+        if v is not None and k in cls.__struct_fields__ and k != "structured_outputs"
+    }
     try:
         return msgspec.convert(present, cls, strict=True)
     except msgspec.ValidationError as exc:
         raise _schema_error(cls, present, str(exc)) from None
 
 
-def _check_model(model: Any, served_model: str) -> None:
+def check_model(model: Any, served_model: str) -> None:
     if not isinstance(model, str) or not model:
         raise InvalidRequestError(
             f"'model' is required and must be a string; this router serves {served_model!r}",
@@ -243,7 +275,7 @@ def _check_model(model: Any, served_model: str) -> None:
         )
     if model != served_model:
         raise ModelNotFoundError(
-            f"the model {_show(model)} does not exist here; this router serves {served_model!r}",
+            f"the model {quote_value(model)} does not exist here; this router serves {served_model!r}",
             param="model",
         )
 
@@ -283,7 +315,7 @@ def _schema_error(cls: type, body: Mapping[str, Any], error: str) -> InvalidRequ
     inner = "".join(f"[{s}]" if isinstance(s, int) else f".{s}" for s in path[len(shown) :])
     detail = f" ({param}{inner}: {what[:1].lower()}{what[1:]})".replace("`", "") if inner else ""
     return InvalidRequestError(
-        f"'{param}' must be {expects}, got {_show(value)}{detail}",
+        f"'{param}' must be {expects}, got {quote_value(value)}{detail}",
         param=param,
         code="invalid_type" if is_type else "invalid_value",
     )
@@ -350,9 +382,3 @@ def _num(x: float) -> str:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _show(value: Any) -> str:
-    """A client's value quoted in an error message: its repr, cut short in length and depth
-    (a plain repr of a value nested as deep as the JSON parser allows overflows the stack)."""
-    return _QUOTE.repr(value)

@@ -16,12 +16,14 @@ from dataclasses import dataclass, field
 
 import msgspec
 from aiohttp import web
+from kvmesh.services.router import structured
 from kvmesh.services.router.api import (
     GenerateRequest,
     parse_chat,
     parse_completion,
     parse_json_body,
 )
+from kvmesh.services.router.choices import Choice
 from kvmesh.services.router.client_stream import ClientStream
 from kvmesh.services.router.config import RouterConfig
 from kvmesh.services.router.dispatch import Dispatcher, MeshRequest
@@ -30,18 +32,21 @@ from kvmesh.services.router.errors import (
     AuthenticationError,
     ClientGoneError,
     InternalError,
+    MeshError,
     MethodNotAllowedError,
     ModelNotFoundError,
     OverloadedError,
     PayloadTooLargeError,
     RouteNotFoundError,
 )
+from kvmesh.services.router.logprobs import LogprobsBuilder, prompt_logprobs
 from kvmesh.services.router.metrics import RequestTimer, RouterMetrics
 from kvmesh.services.router.model_info import ModelInfo
 from kvmesh.services.router.openapi import openapi_document
 from kvmesh.services.router.prompt import Prompt, tokenize
 from kvmesh.services.router.responses import (
     SSE_DONE,
+    Logprobs,
     ResponseBuilder,
     Usage,
     error_event,
@@ -51,12 +56,12 @@ from kvmesh.services.router.responses import (
 from kvmesh.services.router.schema import Model, ModelList
 from kvmesh.services.router.shutdown import Shutdown
 from kvmesh.services.router.timings import TimingLog
+from kvmesh.services.router.tokens_api import detokenize_body, tokenize_body
 from kvmesh.shared import logs
 from kvmesh.shared.hearing import Hearing
 from kvmesh.shared.metrics_exporter import exposition
 from kvmesh.shared.service_errors import listen_error
 from kvmesh.shared.subjects import Subjects
-from kvmesh.shared.text import TextStream
 from nats.aio.client import Client as NATS
 
 log = logs.get_logger(__name__)
@@ -116,7 +121,11 @@ class Router:
     ) -> tuple[GenerateRequest, Prompt]:
         """Body bytes to a validated request and its token ids (pure CPU work)."""
         request = parse(parse_json_body(raw), self.model.name)
-        return request, tokenize(request, self.model.tokenizer, self.model.max_model_len)
+        pool = self.dispatcher.capacity.max_tokens(time.monotonic())
+        prompt = tokenize(request, self.model.tokenizer, self.model.max_model_len, pool)
+        if prompt.sampling.structured_outputs is not None:
+            structured.check(prompt.sampling.structured_outputs, request.structured_param)
+        return request, prompt
 
     async def _generate(
         self,
@@ -129,7 +138,7 @@ class Router:
         try:
             self.shutdown.check_open()
             raw = await http.read()
-            if len(raw) > INLINE_BODY_BYTES:
+            if len(raw) > INLINE_BODY_BYTES or structured.may_ask(raw):
                 request, prompt = await asyncio.to_thread(self._prepare, raw, parse)
             else:
                 request, prompt = self._prepare(raw, parse)
@@ -179,16 +188,38 @@ class Router:
         self, request: GenerateRequest, prompt: Prompt, timer: RequestTimer, response_id: str
     ) -> web.Response:
         builder = ResponseBuilder.for_request(request, response_id)
-        output = TextStream(self.model.tokenizer, prompt.prompt_ids, request.stop)
+        choices = self._choices(request, prompt)
         async with (
             self.shutdown.guard(),
             self.dispatcher.open(response_id, prompt, timer) as mesh,
         ):
-            finish_reason = await _relay(mesh, output, None)
-        output.finish()
-        timer.on_finish(finish_reason, len(prompt.prompt_ids), output.num_tokens)
-        usage = _usage(prompt, output, mesh)
-        return _json_response(builder.full(output.text, finish_reason, usage))
+            await _relay(mesh, choices, None)
+        try:
+            results = [choice.result() for choice in choices]
+        except ValueError as exc:
+            raise MeshError(f"the mesh's answer is incomplete: {exc}") from None
+        usage = _usage(prompt, choices, mesh)
+        timer.on_finish(results[0].finish_reason, len(prompt.prompt_ids), usage.completion_tokens)
+        scored = None
+        if request.returns_prompt_logprobs:
+            if choices[0].prompt_scored is None:
+                raise MeshError("the mesh sent no prompt logprobs")
+            lps = LogprobsBuilder(self.model.tokenizer, is_chat=False)
+            scored = prompt_logprobs(lps, prompt.prompt_ids, choices[0].prompt_scored)
+        return _json_response(builder.full(results, usage, scored))
+
+    def _choices(self, request: GenerateRequest, prompt: Prompt) -> list[Choice]:
+        is_chat = request.kind == "chat"
+        tokenizer, sampling = self.model.tokenizer, prompt.sampling
+        echo_text = None
+        if request.echo:
+            echo_text = request.prompt_text
+            if echo_text is None:
+                echo_text = tokenizer.decode(prompt.prompt_ids)
+        return [
+            Choice.new(i, tokenizer, prompt.prompt_ids, sampling, is_chat, echo_text)
+            for i in range(sampling.n)
+        ]
 
     async def _stream(
         self,
@@ -201,7 +232,7 @@ class Router:
         """The SSE response and the status to count it under (an error after the first byte
         keeps the 200 status line but is counted as what it was)."""
         builder = ResponseBuilder.for_request(request, response_id)
-        output = TextStream(self.model.tokenizer, prompt.prompt_ids, request.stop)
+        choices = self._choices(request, prompt)
         response = web.StreamResponse(
             headers={
                 "Content-Type": "text/event-stream; charset=utf-8",
@@ -218,12 +249,18 @@ class Router:
             write_timeout_s=self.config.client_write_timeout_s,
         )
 
-        async def send_text(text: str, num_tokens: int = 0) -> None:
+        async def send(choice: Choice, text: str, num_tokens: int, logprobs: Logprobs | None):
             # One chunk per step's tokens, even when they complete no character yet (a byte of a
             # multi-byte character, a possible stop-string prefix), as vLLM streams: clients
             # see every token when it is made, and token gaps are measurable.
             if text or num_tokens:
-                client.send(sse_event(builder.text_chunk(text)))
+                client.send(sse_event(builder.text_chunk(text, choice.index, logprobs)))
+            if choice.is_done:
+                tail = choice.output.finish()
+                if tail:
+                    client.send(sse_event(builder.text_chunk(tail, choice.index)))
+                assert choice.finish_reason is not None
+                client.send(sse_event(builder.finish_chunk(choice.finish_reason, choice.index)))
 
         status = 200
         try:
@@ -235,17 +272,18 @@ class Router:
                     ):
                         # Placed: from here on errors go into the stream, not the status line.
                         await response.prepare(http)
-                        role_chunk = builder.role_chunk()
-                        if role_chunk is not None:
-                            client.send(sse_event(role_chunk))
-                        finish_reason = await _relay(mesh, output, send_text)
-                    await send_text(output.finish())
-                    client.send(sse_event(builder.finish_chunk(finish_reason)))
+                        for choice in choices:
+                            role_chunk = builder.role_chunk(choice.index)
+                            if role_chunk is not None:
+                                client.send(sse_event(role_chunk))
+                        await _relay(mesh, choices, send)
+                    usage = _usage(prompt, choices, mesh)
                     if request.include_usage:
-                        usage = _usage(prompt, output, mesh)
                         client.send(sse_event(builder.usage_chunk(usage)))
                     await client.finish(SSE_DONE)
-                    timer.on_finish(finish_reason, len(prompt.prompt_ids), output.num_tokens)
+                    finish_reason = choices[0].finish_reason
+                    assert finish_reason is not None
+                    timer.on_finish(finish_reason, len(prompt.prompt_ids), usage.completion_tokens)
                 except ApiError as exc:
                     if not response.prepared:
                         raise
@@ -279,8 +317,23 @@ class Router:
             object="model",
             created=self.started_at,
             owned_by="kvmesh",
-            max_model_len=self.model.max_model_len,
+            max_model_len=self.max_model_len(),
         )
+
+    def max_model_len(self) -> int:
+        """The context a request can really use: the model's, or the largest decode worker's KV
+        pool when that is smaller (pool_capacity.py)."""
+        pool = self.dispatcher.capacity.max_tokens(time.monotonic())
+        return min(self.model.max_model_len, pool) if pool is not None else self.model.max_model_len
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        body = parse_json_body(await request.read())
+        answer = tokenize_body(body, self.model.name, self.model.tokenizer, self.max_model_len())
+        return _json_response(answer)
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        body = parse_json_body(await request.read())
+        return _json_response(detokenize_body(body, self.model.name, self.model.tokenizer))
 
     async def health(self, request: web.Request) -> web.Response:
         """Readiness: NATS connected and at least one decode (or colocated) worker ready."""
@@ -324,30 +377,44 @@ class Router:
         return _json_response(self.timings.to_json())
 
 
-def _usage(prompt: Prompt, output: TextStream, mesh: MeshRequest) -> Usage:
+def _usage(prompt: Prompt, choices: list[Choice], mesh: MeshRequest) -> Usage:
     """The request's token counts, with the accepted drafts among the tokens the client got."""
-    accepted = min(mesh.num_accepted_drafts, output.num_tokens)
-    return Usage.of(len(prompt.prompt_ids), output.num_tokens, accepted)
+    num_tokens = sum(choice.output.num_tokens for choice in choices)
+    accepted = min(mesh.num_accepted_drafts, num_tokens)
+    return Usage.of(len(prompt.prompt_ids), num_tokens, accepted)
 
 
 async def _relay(
     mesh: MeshRequest,
-    output: TextStream,
-    send_text: Callable[[str, int], Awaitable[None]] | None,
-) -> str:
-    """Feed the mesh's tokens into ``output`` (and out, when streaming) until the end; returns
-    the finish reason. A stop string ends the request here and aborts the rest of it."""
+    choices: list[Choice],
+    send: Callable[[Choice, str, int, Logprobs | None], Awaitable[None]] | None,
+) -> None:
+    """Feed the mesh's tokens into their choices (and out, when streaming) until every choice
+    is done. A stop string ends its choice here; once every choice is done the rest of the
+    request is aborted."""
     async with aclosing(mesh.events()) as events:
         async for event in events:
-            text = output.add(event.token_ids)
-            if send_text is not None:  # after a stop string: its last text only
-                await send_text(text, 0 if output.is_stopped else len(event.token_ids))
-            if output.is_stopped:
-                await mesh.abort("stop string")
-                return "stop"
-            if event.finish_reason is not None:
-                return event.finish_reason
-    raise AssertionError("events() ended without a finish_reason")
+            if event.index >= len(choices):
+                raise MeshError(
+                    f"a decode worker sent choice {event.index} of a request of {len(choices)}"
+                )
+            if event.prompt_logprobs:  # the prompt's, on choice 0's first event
+                for c in choices:
+                    c.prompt_scored = list(event.prompt_logprobs)
+            choice = choices[event.index]
+            if choice.is_done:  # a stop string the router saw first; the mesh ends it too
+                continue
+            try:
+                text, logprobs = choice.add(event)
+            except ValueError as exc:
+                raise MeshError(f"a decode worker sent a malformed token event: {exc}") from None
+            if send is not None:  # after a stop string: its last text only
+                stopped = choice.output.is_stopped
+                await send(choice, text, 0 if stopped else len(event.token_ids), logprobs)
+            if all(c.is_done for c in choices):
+                await mesh.abort("stop string")  # nothing to stop when the mesh finished them
+                return
+    raise AssertionError("events() ended before every choice finished")
 
 
 def error_response(exc: ApiError) -> web.Response:
@@ -429,6 +496,8 @@ def build_app(router: Router) -> web.Application:
             web.post("/v1/chat/completions", router.chat_completions),
             web.get("/v1/models", router.models),
             web.get("/v1/models/{model}", router.model_detail),
+            web.post("/tokenize", router.tokenize),
+            web.post("/detokenize", router.detokenize),
             web.get("/health", router.health),
             web.get("/metrics", router.metrics_text),
             web.get("/openapi.json", router.openapi),

@@ -29,6 +29,7 @@ from kvmesh.services.router.errors import (
     ServiceUnavailableError,
 )
 from kvmesh.services.router.metrics import RequestTimer, RouterMetrics
+from kvmesh.services.router.pool_capacity import PoolCapacity
 from kvmesh.services.router.prompt import Prompt
 from kvmesh.services.router.worker_pool import WorkerPool
 from kvmesh.shared import protocol
@@ -104,6 +105,9 @@ class MeshRequest:
         self.prompt = prompt  # of the current attempt: a migrated one carries the output so far
         self._generated: list[int] = []  # every token the client has been sent, all attempts
         self._migrated_tokens = 0  # of those, how many the current attempt's prompt carries
+        # n > 1: tokens per choice (of this attempt: they never migrate) and the finished ones
+        self._choice_tokens: dict[int, int] = {}
+        self._finished_choices: set[int] = set()
         self.timer = timer
         self.is_finished = False  # a TokenEvent with finish_reason arrived
         self._renewer: asyncio.Task[None] | None = None
@@ -179,6 +183,11 @@ class MeshRequest:
         if self.num_events == 0:
             await self._retry(why, role)
             return None
+        if self.prompt.sampling.n > 1:
+            raise MeshError(
+                f"{why} while serving request {self.response_id} after its first tokens; a "
+                "request of n > 1 choices is not migrated (send it again)"
+            )
         return await self._migrate(why)
 
     async def _retry(self, why: str, role: str) -> None:
@@ -205,7 +214,8 @@ class MeshRequest:
         an undisturbed run gives). Returns the final event when nothing is owed any more (the
         finish event was lost)."""
         generated = tuple(self._generated)
-        owed = self.prompt.sampling.max_tokens - (len(generated) - self._migrated_tokens)
+        made = len(generated) - self._migrated_tokens  # by the attempt that broke
+        owed = self.prompt.sampling.max_tokens - made
         log.warning(
             "%s after %d tokens of %s; migrating the stream", why, len(generated), self.response_id
         )
@@ -216,7 +226,14 @@ class MeshRequest:
             self.is_finished = True
             return TokenEvent(self.request_id, (), finish_reason="length")
         base = self.prompt.prompt_ids[: len(self.prompt.prompt_ids) - self._migrated_tokens]
-        sampling = msgspec.structs.replace(self.prompt.sampling, max_tokens=owed)
+        # The output so far becomes prompt: its tokens still count for repetition_penalty, no
+        # longer for the frequency and presence penalties (vLLM's output-only counts).
+        sampling = msgspec.structs.replace(
+            self.prompt.sampling,
+            max_tokens=owed,
+            min_tokens=max(0, self.prompt.sampling.min_tokens - made),
+            prompt_logprobs=None,  # the first attempt scored the prompt; this one's is longer
+        )
         self.prompt = Prompt(base + generated, sampling)
         self._migrated_tokens = len(generated)
         self._begin_attempt(f"{self.response_id}-m{self.num_attempts}")
@@ -428,10 +445,13 @@ class MeshRequest:
                 event = protocol.decode_message(msg.data, TokenEvent)
             except MessageError as exc:
                 raise MeshError(f"a decode worker sent a malformed token event: {exc}") from None
-            if _is_gap(event, len(self._generated) - self._migrated_tokens):
+            received = self._choice_tokens.get(event.index, 0)
+            if self.prompt.sampling.n == 1:
+                received = len(self._generated) - self._migrated_tokens
+            if _is_gap(event, received):
                 why = (
                     f"token events were lost (the decode worker counts {event.num_output_tokens} "
-                    f"tokens, {len(self._generated) - self._migrated_tokens} arrived before)"
+                    f"tokens of choice {event.index}, {received} arrived before)"
                 )
                 final = await self._run_again(why, "decode")
                 if final is not None:
@@ -443,12 +463,15 @@ class MeshRequest:
                 self.timer.stamps.decode_wait_s = event.wait_s
                 self.timer.stamps.decode_prefill_s = event.prefill_s
             self._generated.extend(event.token_ids)
+            self._choice_tokens[event.index] = received + len(event.token_ids)
             self.num_accepted_drafts += event.num_accepted_drafts
             self.stop_renewing()  # the decode worker admitted it: the lease is over
             self.timer.on_tokens(time.monotonic(), len(event.token_ids))
             if event.finish_reason is not None:
-                self.is_finished = True
+                self._finished_choices.add(event.index)
+                self.is_finished = len(self._finished_choices) >= self.prompt.sampling.n
                 if event.finish_reason in ("error", "abort"):
+                    self.is_finished = True
                     raise MeshError(
                         f"the mesh ended request {self.request_id} with {event.finish_reason!r}: "
                         f"{event.error or 'no reason given'}"
@@ -511,6 +534,7 @@ class Dispatcher:
         self.prefill_pool = WorkerPool(config.worker_liveness_s, now, hearing)
         self.decode_pool = WorkerPool(config.worker_liveness_s, now, hearing)  # or colocated
         self.registry_pool = WorkerPool(config.worker_liveness_s, now, hearing)
+        self.capacity = PoolCapacity(model_spec)  # the decode workers' KV pools, by adverts
 
     async def on_heartbeat(self, msg: Msg) -> None:
         """Prefill, decode and colocated heartbeats: who is alive and ready."""
@@ -529,6 +553,7 @@ class Dispatcher:
         except MessageError:
             return
         self._metrics.record_advert(advert)
+        self.capacity.note(advert, time.monotonic())
 
     async def on_worker_gone(self, msg: Msg) -> None:
         """The registry dropped a worker: every request that depended on it hears it now, in its
@@ -538,6 +563,7 @@ class Dispatcher:
         except MessageError:
             return
         self._metrics.forget_worker(gone.worker_id)
+        self.capacity.forget(gone.worker_id)
         self.decode_pool.on_gone(gone.worker_id)
         if gone.role == "prefill":
             self.prefill_pool.on_gone(gone.worker_id)

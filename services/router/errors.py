@@ -8,7 +8,18 @@ them onto their own exception types.
 from __future__ import annotations
 
 import math
+import reprlib
 from typing import Any
+
+_QUOTE = reprlib.Repr()  # keyword arguments need Python 3.12
+_QUOTE.maxlevel, _QUOTE.maxlist, _QUOTE.maxdict = 3, 8, 8
+_QUOTE.maxstring = _QUOTE.maxother = _QUOTE.maxlong = 80
+
+
+def quote_value(value: Any) -> str:
+    """A client's value quoted in an error message: its repr, cut short in length and depth
+    (a plain repr of a value nested as deep as the JSON parser allows overflows the stack)."""
+    return _QUOTE.repr(value)
 
 
 class ApiError(Exception):

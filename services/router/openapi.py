@@ -66,6 +66,22 @@ def _generate_operation(summary: str, request: str, response: str, chunk: str) -
     }
 
 
+def _post_operation(summary: str, request: dict[str, Any], response: str) -> dict[str, Any]:
+    return {
+        "post": {
+            "summary": summary,
+            "requestBody": {"required": True, "content": {"application/json": {"schema": request}}},
+            "responses": {
+                "200": {
+                    "description": "The answer",
+                    "content": {"application/json": {"schema": _ref(response)}},
+                },
+                **_errors(400, 404),
+            },
+        }
+    }
+
+
 def openapi_document(model_name: str) -> dict[str, Any]:
     """The OpenAPI document of every route the router serves."""
     return {
@@ -113,6 +129,14 @@ def openapi_document(model_name: str) -> dict[str, Any]:
                     },
                 }
             },
+            "/tokenize": _post_operation(
+                "Token ids of a prompt, or of chat messages through the chat template (vLLM's)",
+                {"anyOf": [_ref("TokenizeCompletionRequest"), _ref("TokenizeChatRequest")]},
+                "TokenizeResponse",
+            ),
+            "/detokenize": _post_operation(
+                "Text of token ids (vLLM's)", _ref("DetokenizeRequest"), "DetokenizeResponse"
+            ),
             "/health": {
                 "get": {
                     "summary": "Liveness and NATS connectivity",

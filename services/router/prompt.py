@@ -8,12 +8,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import msgspec
 from kvmesh.services.router.api import GenerateRequest
 from kvmesh.services.router.errors import InvalidRequestError
-from kvmesh.shared.protocol import SamplingOptions
+from kvmesh.shared.sampling import SamplingOptions
 from kvmesh.shared.tokenizer import Tokenizer, TokenizerError
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# prompt logprobs travel in one message (PrefillDone, TokenEvent): tokens x (1 + alternatives)
+MAX_PROMPT_SCORES = 16_384
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,8 +27,15 @@ class Prompt:
     sampling: SamplingOptions
 
 
-def tokenize(request: GenerateRequest, tokenizer: Tokenizer, max_model_len: int) -> Prompt:
-    """Prompt ids and sampling options for ``request``; refuses prompts the context cannot hold."""
+def tokenize(
+    request: GenerateRequest,
+    tokenizer: Tokenizer,
+    max_model_len: int,
+    kv_pool_tokens: int | None = None,
+) -> Prompt:
+    """Prompt ids and sampling options for ``request``; refuses prompts the context cannot hold:
+    the model's ``max_model_len``, or ``kv_pool_tokens`` (the largest decode worker's KV pool)
+    when that is smaller."""
     if request.messages is not None:
         try:
             ids = tuple(tokenizer.encode_chat(request.messages))
@@ -47,10 +57,19 @@ def tokenize(request: GenerateRequest, tokenizer: Tokenizer, max_model_len: int)
         param = "prompt"
     if not ids:
         raise InvalidRequestError("the prompt is empty; send at least one token", param=param)
+    context = f"the model's context is {max_model_len} tokens"
+    fix = ""
+    if kv_pool_tokens is not None and kv_pool_tokens < max_model_len:
+        max_model_len = kv_pool_tokens
+        context = f"the largest decode worker's KV pool holds {kv_pool_tokens} tokens"
+        fix = (
+            ", or give the decode workers more KV memory (--num-blocks or --kv-cache-bytes, "
+            "KVMESH_NUM_BLOCKS / KVMESH_KV_CACHE_BYTES)"
+        )
     if len(ids) >= max_model_len:
         raise InvalidRequestError(
-            f"the prompt is {len(ids)} tokens but the model's context is {max_model_len} tokens "
-            f"(prompt plus output); shorten the prompt",
+            f"the prompt is {len(ids)} tokens but {context} (prompt plus output); shorten the "
+            f"prompt{fix}",
             param=param,
             code="context_length_exceeded",
         )
@@ -62,18 +81,44 @@ def tokenize(request: GenerateRequest, tokenizer: Tokenizer, max_model_len: int)
     elif max_tokens > room:
         name = "max_tokens" if request.kind == "completion" else "max_completion_tokens"
         raise InvalidRequestError(
-            f"the prompt is {len(ids)} tokens and {name} is {max_tokens}, more than the model's "
-            f"context of {max_model_len} tokens; set {name} to at most {room}",
+            f"the prompt is {len(ids)} tokens and {name} is {max_tokens}, more than fits: "
+            f"{context}; set {name} to at most {room}{fix}",
             param=name,
             code="context_length_exceeded",
         )
-    sampling = SamplingOptions(
-        max_tokens=max_tokens,
-        temperature=request.temperature,
-        top_p=request.top_p,
-        top_k=request.top_k,
-        seed=request.seed,
-        stop=request.stop,
-        ignore_eos=request.ignore_eos,
-    )
+    sampling = msgspec.structs.replace(request.sampling, max_tokens=max_tokens)
+    _check_options(sampling, tokenizer.vocab_size)
+    if sampling.prompt_logprobs is not None:
+        size = len(ids) * (1 + sampling.prompt_logprobs)
+        if size > MAX_PROMPT_SCORES:
+            raise InvalidRequestError(
+                f"prompt logprobs (echo with logprobs, or prompt_logprobs) of {len(ids)} tokens "
+                f"with {sampling.prompt_logprobs} alternatives each are {size} entries, more "
+                f"than the {MAX_PROMPT_SCORES} a request may have; shorten the prompt or ask "
+                "for fewer",
+                param="prompt_logprobs" if request.returns_prompt_logprobs else "echo",
+                code="invalid_value",
+            )
     return Prompt(prompt_ids=ids, sampling=sampling)
+
+
+def _check_options(sampling: SamplingOptions, vocab_size: int) -> None:
+    """What needs the vocabulary or the final max_tokens to check."""
+    for name, ids in (
+        ("stop_token_ids", sampling.stop_token_ids),
+        ("logit_bias", sampling.logit_bias),
+    ):
+        bad = next((t for t in ids if t >= vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(
+                f"'{name}' names token id {bad}, outside the vocabulary (size {vocab_size})",
+                param=name,
+                code="invalid_value",
+            )
+    if sampling.min_tokens > sampling.max_tokens:
+        raise InvalidRequestError(
+            f"'min_tokens' ({sampling.min_tokens}) is more than the output may have "
+            f"({sampling.max_tokens} tokens: max_tokens, or what the context leaves)",
+            param="min_tokens",
+            code="invalid_value",
+        )

@@ -23,14 +23,28 @@ from kvmesh.services.router.schema import (
     ChatCompletion,
     ChatCompletionChunk,
     ChatDelta,
+    ChatLogprobs,
     Completion,
     CompletionChoice,
+    CompletionLogprobs,
+    PromptLogprobs,
     Usage,
 )
 
 SSE_DONE = b"data: [DONE]\n\n"
 
 Body = Completion | ChatCompletion | ChatCompletionChunk
+Logprobs = ChatLogprobs | CompletionLogprobs
+
+
+@dataclass(frozen=True, slots=True)
+class ChoiceResult:
+    """One finished choice of a non-streamed answer."""
+
+    index: int
+    text: str
+    finish_reason: str
+    logprobs: Logprobs | None = None
 
 
 def sse_event(payload: Body | dict[str, Any]) -> bytes:
@@ -65,33 +79,60 @@ class ResponseBuilder:
     def _is_chat(self) -> bool:
         return self.kind == "chat"
 
-    def full(self, text: str, finish_reason: str, usage: Usage) -> Completion | ChatCompletion:
-        """The non-streamed response."""
+    def full(
+        self,
+        choices: list[ChoiceResult],
+        usage: Usage,
+        prompt_logprobs: PromptLogprobs | None = None,
+    ) -> Completion | ChatCompletion:
+        """The non-streamed response; ``prompt_logprobs``: vLLM's, when asked for (chat: of
+        the answer; completions: of each choice)."""
         head = self._head()
+        scored: dict[str, Any] = (
+            {} if prompt_logprobs is None else {"prompt_logprobs": prompt_logprobs}
+        )
         if self._is_chat:
-            message = AssistantMessage(role="assistant", content=text)
-            choice = ChatChoice(
-                index=0, message=message, logprobs=None, finish_reason=finish_reason
+            chat = [
+                ChatChoice(
+                    index=c.index,
+                    message=AssistantMessage(role="assistant", content=c.text),
+                    logprobs=c.logprobs,  # type: ignore[arg-type]
+                    finish_reason=c.finish_reason,
+                )
+                for c in choices
+            ]
+            return ChatCompletion(
+                object="chat.completion", choices=chat, usage=usage, **head, **scored
             )
-            return ChatCompletion(object="chat.completion", choices=[choice], usage=usage, **head)
-        choice = CompletionChoice(index=0, text=text, logprobs=None, finish_reason=finish_reason)
-        return Completion(object="text_completion", choices=[choice], usage=usage, **head)
+        plain = [
+            CompletionChoice(
+                index=c.index,
+                text=c.text,
+                logprobs=c.logprobs,  # type: ignore[arg-type]
+                finish_reason=c.finish_reason,
+                **scored,
+            )
+            for c in choices
+        ]
+        return Completion(object="text_completion", choices=plain, usage=usage, **head)
 
-    def role_chunk(self) -> ChatCompletionChunk | None:
-        """The chunk that opens a chat stream (None for completions)."""
+    def role_chunk(self, index: int = 0) -> ChatCompletionChunk | None:
+        """The chunk that opens a chat choice's stream (None for completions)."""
         if not self._is_chat:
             return None
-        return self._chat_chunk(ChatDelta(role="assistant", content=""), None)
+        return self._chat_chunk(index, ChatDelta(role="assistant", content=""), None)
 
-    def text_chunk(self, text: str) -> Completion | ChatCompletionChunk:
+    def text_chunk(
+        self, text: str, index: int = 0, logprobs: Logprobs | None = None
+    ) -> Completion | ChatCompletionChunk:
         if self._is_chat:
-            return self._chat_chunk(ChatDelta(content=text), None)
-        return self._completion_chunk(text, None)
+            return self._chat_chunk(index, ChatDelta(content=text), None, logprobs)
+        return self._completion_chunk(index, text, None, logprobs)
 
-    def finish_chunk(self, finish_reason: str) -> Completion | ChatCompletionChunk:
+    def finish_chunk(self, finish_reason: str, index: int = 0) -> Completion | ChatCompletionChunk:
         if self._is_chat:
-            return self._chat_chunk(ChatDelta(), finish_reason)
-        return self._completion_chunk("", finish_reason)
+            return self._chat_chunk(index, ChatDelta(), finish_reason)
+        return self._completion_chunk(index, "", finish_reason)
 
     def usage_chunk(self, usage: Usage) -> Completion | ChatCompletionChunk:
         if self._is_chat:
@@ -100,14 +141,36 @@ class ResponseBuilder:
             )
         return Completion(object="text_completion", choices=[], usage=usage, **self._head())
 
-    def _chat_chunk(self, delta: ChatDelta, finish_reason: str | None) -> ChatCompletionChunk:
-        choice = ChatChunkChoice(index=0, delta=delta, logprobs=None, finish_reason=finish_reason)
+    def _chat_chunk(
+        self,
+        index: int,
+        delta: ChatDelta,
+        finish_reason: str | None,
+        logprobs: Logprobs | None = None,
+    ) -> ChatCompletionChunk:
+        choice = ChatChunkChoice(
+            index=index,
+            delta=delta,
+            logprobs=logprobs,  # type: ignore[arg-type]
+            finish_reason=finish_reason,
+        )
         return ChatCompletionChunk(
             object="chat.completion.chunk", choices=[choice], **self._head(), **self._no_usage()
         )
 
-    def _completion_chunk(self, text: str, finish_reason: str | None) -> Completion:
-        choice = CompletionChoice(index=0, text=text, logprobs=None, finish_reason=finish_reason)
+    def _completion_chunk(
+        self,
+        index: int,
+        text: str,
+        finish_reason: str | None,
+        logprobs: Logprobs | None = None,
+    ) -> Completion:
+        choice = CompletionChoice(
+            index=index,
+            text=text,
+            logprobs=logprobs,  # type: ignore[arg-type]
+            finish_reason=finish_reason,
+        )
         return Completion(
             object="text_completion", choices=[choice], **self._head(), **self._no_usage()
         )

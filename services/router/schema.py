@@ -11,16 +11,18 @@ its type alone would say it badly.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, get_args
+from typing import Annotated, Any, Literal, get_args
 
 import msgspec
+from kvmesh.shared.sampling import (
+    MAX_LOGPROBS,
+    MAX_STOP_STRINGS,
+    NonEmptyStr,
+    SamplingOptions,
+    TokenId,
+)
 from msgspec import UNSET, Meta, UnsetType
 
-MAX_STOP_STRINGS = 16
-MAX_SEED = 2**63 - 1
-
-NonEmptyStr = Annotated[str, Meta(min_length=1)]
-TokenId = Annotated[int, Meta(ge=0)]
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 CHAT_ROLES = get_args(Role)
 FinishReason = Literal["stop", "length"]
@@ -28,18 +30,18 @@ FinishReason = Literal["stop", "length"]
 # --- requests ----------------------------------------------------------------------------------
 
 
-class StreamOptions(msgspec.Struct, frozen=True):
+class StreamOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     include_usage: bool = False
 
 
-class TextPart(msgspec.Struct, frozen=True):
+class TextPart(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """A part of a message's content; only text parts are supported."""
 
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(msgspec.Struct, frozen=True):
+class ChatMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     role: Role
     content: Annotated[
         str | list[TextPart] | None,
@@ -48,18 +50,20 @@ class ChatMessage(msgspec.Struct, frozen=True):
             extra={"expects": "a string or a list of text parts"},
         ),
     ] = None
+    name: (
+        Annotated[str, Meta(description="The author's name, given to the chat template")] | None
+    ) = None
 
 
-class SamplingFields(msgspec.Struct, frozen=True, kw_only=True):
-    """The parameters both generate routes take. Unknown fields are ignored, as OpenAI's API
-    does; the ones kvmesh cannot honour are refused by name before this schema applies
-    (``api.py``)."""
+class SamplingFields(SamplingOptions, frozen=True, kw_only=True, forbid_unknown_fields=False):
+    """The parameters both generate routes take: every sampling option (``SamplingOptions``,
+    its fields, bounds and descriptions) and the request's own. Any other field is refused by
+    name before this schema applies (``api.py``), but for a few that are harmless to ignore
+    (docs/openai_api.md). ``max_tokens`` and the HTTP shapes of ``stop`` and ``top_k`` are the
+    API's own: ``api.py`` maps them onto the options."""
 
     model: Annotated[NonEmptyStr, Meta(description="Must be the served model (GET /v1/models).")]
-    temperature: Annotated[float, Meta(ge=0, le=2)] = 1.0
-    top_p: Annotated[float, Meta(gt=0, le=1)] = 1.0
     top_k: Annotated[int, Meta(ge=-1, description="0 (or -1, as older vLLM clients send): off")] = 0
-    seed: Annotated[int, Meta(ge=-MAX_SEED, le=MAX_SEED)] | None = None
     stop: (
         NonEmptyStr
         | Annotated[
@@ -71,10 +75,17 @@ class SamplingFields(msgspec.Struct, frozen=True, kw_only=True):
         ]
         | None
     ) = None
-    n: Literal[1] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    ignore_eos: Annotated[bool, Meta(description="kvmesh extension")] = False
+
+    def __post_init__(self) -> None:
+        pass  # decoded from a body: msgspec has checked every field
+
+    def sampling_options(self, **api_fields: Any) -> SamplingOptions:
+        """The options this body asks for: its ``SamplingOptions`` fields, with ``api_fields``
+        (the options whose HTTP shape differs, mapped by ``api.py``) over them."""
+        shared = {name: getattr(self, name) for name in SamplingOptions.__struct_fields__}
+        return SamplingOptions(**{**shared, **api_fields})
 
 
 class CompletionRequest(SamplingFields, frozen=True, kw_only=True):
@@ -91,10 +102,24 @@ class CompletionRequest(SamplingFields, frozen=True, kw_only=True):
     max_tokens: Annotated[int, Meta(ge=1, description="Default 16")] | None = None
     # OpenAI's newer name, taken on both routes; it wins over max_tokens
     max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
+    echo: Annotated[
+        bool, Meta(description="The prompt leads the text (and, with logprobs, the logprobs)")
+    ] = False
 
 
 class ChatCompletionRequest(SamplingFields, frozen=True, kw_only=True):
     """``POST /v1/chat/completions``."""
+
+    logprobs: Annotated[bool, Meta(description="Return the output tokens' log-probabilities")] = (
+        False
+    )
+    top_logprobs: (
+        Annotated[
+            int,
+            Meta(ge=0, le=MAX_LOGPROBS, description="With logprobs: this many likeliest tokens"),
+        ]
+        | None
+    ) = None
 
     messages: Annotated[
         list[ChatMessage],
@@ -108,7 +133,46 @@ class ChatCompletionRequest(SamplingFields, frozen=True, kw_only=True):
     ) = None
 
 
+class TokenizeCompletionRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """``POST /tokenize`` of a text prompt (vLLM's)."""
+
+    model: NonEmptyStr | None = None  # if given, the served model
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: Annotated[bool, Meta(description="Also return each token's text")] = False
+
+
+class TokenizeChatRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """``POST /tokenize`` of chat messages through the chat template (vLLM's)."""
+
+    model: NonEmptyStr | None = None
+    messages: Annotated[
+        list[ChatMessage],
+        Meta(min_length=1, extra={"expects": "a non-empty list of {role, content} objects"}),
+    ]
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """``POST /detokenize`` (vLLM's)."""
+
+    model: NonEmptyStr | None = None
+    tokens: list[TokenId]
+
+
 # --- responses ---------------------------------------------------------------------------------
+
+
+class TokenizeResponse(msgspec.Struct, kw_only=True):
+    count: int
+    max_model_len: int  # the context a request can use (as /v1/models reports it)
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(msgspec.Struct, kw_only=True):
+    prompt: str
 
 
 class CompletionTokensDetails(msgspec.Struct, kw_only=True):
@@ -138,11 +202,59 @@ class Usage(msgspec.Struct):
         return cls(prompt_tokens, completion_tokens, completion_tokens_details=details)
 
 
+class TopLogprob(msgspec.Struct, kw_only=True):
+    """One of the likeliest tokens at a position (chat ``logprobs``)."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None  # the token's text as UTF-8
+
+
+class TokenLogprob(msgspec.Struct, kw_only=True):
+    """An output token's log-probability and its position's likeliest tokens (chat)."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(msgspec.Struct, kw_only=True):
+    """A chat choice's (or chunk's) ``logprobs``: one entry per token of its content."""
+
+    content: list[TokenLogprob] | None
+    refusal: None = None
+
+
+class CompletionLogprobs(msgspec.Struct, kw_only=True):
+    """A completion choice's (or chunk's) ``logprobs``, the legacy shape: per token its text,
+    log-probability, the likeliest tokens (and the chosen one) by text, and where its text
+    starts in the choice's text (of the whole choice, across a stream's chunks)."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class PromptLogprob(msgspec.Struct, kw_only=True):
+    """vLLM's ``prompt_logprobs`` entry of one token (keyed by its id, as a string)."""
+
+    logprob: float
+    rank: int | None  # 1: the likeliest
+    decoded_token: str
+
+
+# per prompt token, the first one null: {token id: entry} of the token and the likeliest
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(msgspec.Struct, kw_only=True):
     index: int
     text: str
-    logprobs: None
+    logprobs: CompletionLogprobs | None
     finish_reason: FinishReason | None  # null in every stream chunk but the last
+    prompt_logprobs: PromptLogprobs | UnsetType = UNSET  # vLLM's, when asked for
 
 
 class Completion(msgspec.Struct, kw_only=True):
@@ -165,7 +277,7 @@ class AssistantMessage(msgspec.Struct, kw_only=True):
 class ChatChoice(msgspec.Struct, kw_only=True):
     index: int
     message: AssistantMessage
-    logprobs: None
+    logprobs: ChatLogprobs | None
     finish_reason: FinishReason
 
 
@@ -178,6 +290,7 @@ class ChatCompletion(msgspec.Struct, kw_only=True):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | UnsetType = UNSET  # vLLM's, when asked for
 
 
 class ChatDelta(msgspec.Struct, kw_only=True):
@@ -190,7 +303,7 @@ class ChatDelta(msgspec.Struct, kw_only=True):
 class ChatChunkChoice(msgspec.Struct, kw_only=True):
     index: int
     delta: ChatDelta
-    logprobs: None
+    logprobs: ChatLogprobs | None
     finish_reason: FinishReason | None
 
 
@@ -231,5 +344,20 @@ class Error(msgspec.Struct):
     error: ErrorDetail
 
 
-REQUESTS = (CompletionRequest, ChatCompletionRequest)
-RESPONSES = (Completion, ChatCompletion, ChatCompletionChunk, ModelList, Model, Error)
+REQUESTS = (
+    CompletionRequest,
+    ChatCompletionRequest,
+    TokenizeCompletionRequest,
+    TokenizeChatRequest,
+    DetokenizeRequest,
+)
+RESPONSES = (
+    Completion,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ModelList,
+    Model,
+    Error,
+    TokenizeResponse,
+    DetokenizeResponse,
+)

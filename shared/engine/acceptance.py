@@ -20,8 +20,10 @@ from dataclasses import dataclass
 
 import torch
 from kvmesh.shared.engine.draft_tree import DraftTree
-from kvmesh.shared.engine.sampler import apply_top_k_top_p, token_seed
-from kvmesh.shared.engine.sequence import SamplingParams
+from kvmesh.shared.engine.grammar import apply_bitmask
+from kvmesh.shared.engine.logit_options import RowHistory, apply_logit_options
+from kvmesh.shared.engine.sampler import draw, token_seed
+from kvmesh.shared.sampling import SamplingOptions
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,34 +36,54 @@ class Verdict:
 
 def target_tokens(
     logits: torch.Tensor,
-    params: SamplingParams,
+    params: SamplingOptions,
     output_indices: list[int],
     generator: torch.Generator,
+    histories: list[RowHistory] | None = None,
+    eos_token_ids: frozenset[int] = frozenset(),
+    bitmask: torch.Tensor | None = None,
 ) -> list[int]:
-    """The token the target picks after each row of ``logits`` (N, V): the argmax when greedy,
-    else ``Sampler``'s draw (temperature, top-k/top-p, exponential race). Row ``r`` would be
-    output token ``output_indices[r]``; rows with one index share one noise vector. A seeded
-    request's noise depends on (seed, index) only; others draw from ``generator``."""
+    """The token the target picks after each row of ``logits`` (N, V), as ``Sampler`` picks
+    it: the options that act on logits (over ``histories[r]``, the tokens before row ``r``'s
+    token: the sequence and the tree path to the row), then ``draw``. Row ``r`` would be output
+    token ``output_indices[r]``; rows with one index share one noise vector. A seeded request's
+    noise depends on (seed, index) only; others draw from ``generator``. ``bitmask``: a
+    structured output's grammar per row (``grammar.tree_bitmask``)."""
     assert logits.shape[0] == len(output_indices), (logits.shape, len(output_indices))
+    rows = [params] * len(output_indices)
+    raw = logits
+    if params.changes_logits:
+        assert histories is not None and len(histories) == len(rows)
+        logits = apply_logit_options(logits.float().cpu(), rows, histories, eos_token_ids)
+    if bitmask is not None:
+        logits = apply_bitmask(logits.float().cpu(), bitmask)
+        dead = torch.isneginf(logits).all(-1)  # as Sampler: the grammar wins over the options
+        if dead.any():
+            logits[dead] = apply_bitmask(raw.float().cpu(), bitmask)[dead]
     if params.is_greedy:
         return logits.argmax(-1).tolist()
-    # as Sampler computes it, op for op, so that a seeded draw is the same bits
-    x = logits.float().cpu() / torch.tensor([[params.temperature]], dtype=torch.float32)
-    if params.top_k > 0 or params.top_p < 1.0:
-        n = x.shape[0]
-        top_k = torch.full((n,), params.top_k, dtype=torch.int64)
-        top_p = torch.full((n,), params.top_p, dtype=torch.float32)
-        x = apply_top_k_top_p(x, top_k, top_p)
-    probs = x.softmax(-1)
+    x = logits.float().cpu()
     noise: dict[int, torch.Tensor] = {}
     for index in sorted(set(output_indices)):
         if params.seed is not None:
             g = torch.Generator().manual_seed(token_seed(params.seed, index))
         else:
             g = generator
-        noise[index] = torch.empty(probs.shape[1]).exponential_(generator=g)
+        noise[index] = torch.empty(x.shape[1]).exponential_(generator=g)
     q = torch.stack([noise[i] for i in output_indices])
-    return probs.div_(q.clamp_(min=1e-20)).argmax(-1).tolist()
+    return draw(x, rows, q)
+
+
+def tree_histories(
+    prompt_ids: list[int], output_ids: list[int], tree: DraftTree
+) -> list[RowHistory]:
+    """What precedes each verification row's token: the sequence's output (before the tree)
+    for row 0, then the path down to node ``j`` for row ``1 + j``."""
+    rows = [RowHistory(prompt_ids, output_ids)]
+    for j in range(len(tree)):
+        path = [tree.tokens[a] for a in tree.path(j)]
+        rows.append(RowHistory(prompt_ids, output_ids + path))
+    return rows
 
 
 def accept(tree: DraftTree, picks: list[int]) -> Verdict:

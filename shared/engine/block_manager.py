@@ -96,6 +96,13 @@ class BlockManager:
             raise OutOfBlocksError(f"asked for {num_blocks} KV blocks, {len(self.free)} are free")
         return [self._take_free() for _ in range(num_blocks)]
 
+    def share(self, block_ids: list[int]) -> None:
+        """One more reference to each block in use (a forked choice reads them too)."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            assert block.ref_count > 0, f"block {block_id} is not in use"
+            block.ref_count += 1
+
     def free_blocks(self, block_ids: list[int]) -> None:
         """Drop one reference to each block (reverse order keeps a chain's tail evicted first)."""
         for block_id in reversed(block_ids):
@@ -187,8 +194,8 @@ class BlockManager:
     def _cache_hits(self, seq: Sequence) -> list[int]:
         """Leading blocks of ``seq`` found in the prefix cache. At least one token is always
         left to compute, so the forward pass has a row to sample from."""
-        if not self.enable_prefix_caching:
-            return []
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+            return []  # prompt log-probabilities need every prompt token computed here
         bs = self.block_size
         num_full = (len(seq) - 1) // bs
         hits = []

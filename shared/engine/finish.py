@@ -31,6 +31,8 @@ def finish_reason(seq: Sequence, eos_token_ids: frozenset[int], max_seq_len: int
     token = seq.token_ids[-1]
     if token in p.stop_token_ids or (not p.ignore_eos and token in eos_token_ids):
         return "stop"
+    if seq.grammar is not None and seq.grammar.is_terminated():  # the structured output is done
+        return "stop"
     if seq.stop_text is not None:
         seq.stop_text.add((token,))
         if seq.stop_text.is_stopped:

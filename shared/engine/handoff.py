@@ -9,11 +9,19 @@ sequence over blocks a remote writer filled with its prompt KV, ready to decode 
 from __future__ import annotations
 
 from kvmesh.shared.engine.block_manager import BlockManager
-from kvmesh.shared.engine.sequence import ChunkReady, RequestError, SamplingParams, Sequence
+from kvmesh.shared.engine.sequence import ChunkReady, RequestError, Sequence
+from kvmesh.shared.sampling import SamplingOptions, TokenLogprobs
 
 
-def report_chunk(seq: Sequence, first_token: int | None, block_manager: BlockManager) -> None:
-    """Report the prompt tokens computed since the last report; ``first_token`` ends the prefill."""
+def report_chunk(
+    seq: Sequence,
+    first_token: int | None,
+    block_manager: BlockManager,
+    first_logprobs: TokenLogprobs | None = None,
+    prompt_logprobs: list[TokenLogprobs] | None = None,
+) -> None:
+    """Report the prompt tokens computed since the last report; ``first_token`` ends the prefill
+    (with the first token's and the prompt's log-probabilities, when asked for)."""
     end = seq.num_computed_tokens
     is_last = first_token is not None
     num_blocks = block_manager.num_blocks_for(end) if is_last else end // block_manager.block_size
@@ -25,6 +33,8 @@ def report_chunk(seq: Sequence, first_token: int | None, block_manager: BlockMan
         tuple(seq.block_table[seq.num_reported_blocks : num_blocks]),
         is_last,
         first_token,
+        first_logprobs,
+        tuple(prompt_logprobs or ()) if is_last else (),
     )
     seq.num_chunks += 1
     seq.num_reported_tokens, seq.num_reported_blocks = end, num_blocks
@@ -37,9 +47,10 @@ def prefilled_sequence(
     prompt_ids: list[int],
     block_ids: list[int],
     first_token: int,
-    params: SamplingParams,
+    params: SamplingOptions,
     block_manager: BlockManager,
     vocab_size: int,
+    first_logprobs: TokenLogprobs | None = None,
 ) -> Sequence:
     """A decoding sequence whose prompt KV is already in ``block_ids``, its full blocks committed
     to the prefix cache. The prompt itself is checked by the caller."""
@@ -55,6 +66,12 @@ def prefilled_sequence(
     seq = Sequence(
         request_id, [*prompt_ids, first_token], params, num_prompt_tokens=len(prompt_ids)
     )
+    if params.logprobs is not None:
+        if first_logprobs is None:
+            raise RequestError(
+                f"request {request_id!r} asks for logprobs; its first token came without them"
+            )
+        seq.logprobs.append(first_logprobs)
     seq.block_table = list(block_ids)
     seq.num_computed_tokens = len(prompt_ids)
     block_manager.share_cached(seq)  # the cache's copies of the prompt stay held while it runs

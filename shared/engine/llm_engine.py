@@ -58,24 +58,26 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
+from collections.abc import Sequence as Sequence_
 from typing import Any
 
 import torch
-from kvmesh.shared.engine import acceptance, handoff
+from kvmesh.shared.engine import acceptance, choices, grammar, handoff, scoring
 from kvmesh.shared.engine.block_manager import BlockManager, OutOfBlocksError
+from kvmesh.shared.engine.choices import choice_id
 from kvmesh.shared.engine.config import EngineConfig
 from kvmesh.shared.engine.draft_tree import DraftTree
 from kvmesh.shared.engine.finish import finish_reason, stop_text_for
+from kvmesh.shared.engine.grammar import GrammarBook
 from kvmesh.shared.engine.kv_cache import KVCacheSpec, KVPool
 from kvmesh.shared.engine.model_runner import ModelRunner
-from kvmesh.shared.engine.sampler import Sampler
+from kvmesh.shared.engine.sampler import Sampler, token_logprobs
 from kvmesh.shared.engine.scheduler import Scheduler
 from kvmesh.shared.engine.sequence import (
     ChunkReady,
     PromptTooLongError,
     RequestError,
     RequestOutput,
-    SamplingParams,
     Sequence,
     SequenceStatus,
     UnknownRequestError,
@@ -83,6 +85,8 @@ from kvmesh.shared.engine.sequence import (
 from kvmesh.shared.engine.speculative import DraftVerifier, SpecStepStats, SpecTotals
 from kvmesh.shared.prefix_hash import layout_root
 from kvmesh.shared.protocol import kv_spec_fingerprint
+from kvmesh.shared.sampling import SamplingOptions, TokenLogprobs
+from kvmesh.shared.structured_output import StructuredOutputError
 
 __all__ = [
     "ChunkReady",
@@ -90,7 +94,7 @@ __all__ = [
     "LLMEngine",
     "OutOfBlocksError",
     "RequestOutput",
-    "SamplingParams",
+    "SamplingOptions",
 ]
 
 
@@ -133,10 +137,14 @@ class LLMEngine:
             config.reserve_output_tokens,
         )
         self.runner = ModelRunner(model, self.kv_pool, config.device, config.cpu_kernels)
-        self.sampler = Sampler(config.seed)
         eos = set(getattr(mc, "eos_token_ids", ()) or ())
         eos |= set(getattr(tokenizer, "eos_token_ids", ()) or ())
         self.eos_token_ids = frozenset(eos)
+        self.sampler = Sampler(config.seed, self.eos_token_ids)
+        # structured outputs' compiled grammars (xgrammar is loaded on the first one)
+        self.grammars = (
+            GrammarBook(tokenizer, mc.vocab_size, self.eos_token_ids) if tokenizer else None
+        )
         self.vocab_size = mc.vocab_size
         # A sequence stops ("length") before it could outgrow the whole pool and preempt itself
         # forever.
@@ -155,6 +163,7 @@ class LLMEngine:
         self.spec_totals = SpecTotals()
         self._pending: list[RequestOutput] = []
         self._num_generated = 0
+        self._num_choices: dict[str, int] = {}  # request id -> its n, while a choice runs
 
     # ---- requests -----------------------------------------------------------------------------
 
@@ -187,7 +196,7 @@ class LLMEngine:
         self,
         request_id: str,
         prompt_ids: list[int],
-        params: SamplingParams,
+        params: SamplingOptions,
         *,
         prefill_only: bool = False,
         on_chunk: Callable[[ChunkReady], Any] | None = None,
@@ -198,12 +207,34 @@ class LLMEngine:
         seq = Sequence(
             request_id, list(prompt_ids), params, prefill_only=prefill_only, on_chunk=on_chunk
         )
+        seq.grammar = self._grammar_for(request_id, params)
         if not prefill_only:
             seq.stop_text = stop_text_for(seq, self.tokenizer)
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
 
-    def _check_stop(self, request_id: str, params: SamplingParams) -> None:
+    def _grammar_for(self, request_id: str, params: SamplingOptions) -> Any:
+        """A fresh matcher of the request's structured output (None without one)."""
+        if params.structured_outputs is None:
+            return None
+        if self.grammars is None:
+            raise RequestError(
+                f"request {request_id!r}: structured outputs need a tokenizer and this engine "
+                "has none"
+            )
+        try:
+            return self.grammars.matcher(params.structured_outputs)
+        except StructuredOutputError as exc:
+            raise RequestError(f"request {request_id!r}: {exc}") from None
+
+    def _check_stop(self, request_id: str, params: SamplingOptions) -> None:
+        named = {*params.stop_token_ids, *params.logit_bias}
+        bad = next((t for t in sorted(named) if t >= self.vocab_size), None)
+        if bad is not None:
+            raise RequestError(
+                f"request {request_id!r}: token id {bad} (in stop_token_ids or logit_bias) is "
+                f"outside the vocabulary (size {self.vocab_size})"
+            )
         if params.stop and self.tokenizer is None:
             raise RequestError(
                 f"request {request_id!r}: stop strings need a tokenizer and this engine has none; "
@@ -217,14 +248,21 @@ class LLMEngine:
         return seq
 
     def abort(self, request_id: str) -> bool:
+        """Abort the request: each of its choices' sequences still here."""
         seq = self.seqs.get(request_id)
-        if seq is None:
+        others = [
+            self.seqs[sid]
+            for i in range(1, self._num_choices.get(request_id, 1))
+            if (sid := choice_id(request_id, i)) in self.seqs
+        ]
+        if seq is None and not others:
             return False
-        if seq.is_finished:  # prefill_done, still holding its blocks
+        if seq is not None and seq.is_finished:  # prefill_done, still holding its blocks
             self.release(request_id)
             return True
-        self._finish(seq, "abort")
-        self._pending.append(self._output(seq, []))
+        for s in [seq, *others] if seq is not None else others:
+            self._finish(s, "abort")
+            self._pending.append(self._output(s, []))
         return True
 
     def release(self, request_id: str) -> None:
@@ -255,29 +293,34 @@ class LLMEngine:
         num_new = list(batch.num_new_tokens)
         for i, tree in trees.items():
             num_new[i] += len(tree)
-        num_logits = [
+        num_samples = [  # rows to sample from (or to verify a tree with)
             int(s.num_computed_tokens + n == len(s)) * (n if i in trees else 1)
             for i, (s, n) in enumerate(zip(batch.seqs, num_new, strict=True))
         ]
+        num_scored = [
+            scoring.num_prompt_rows(s, n) for s, n in zip(batch.seqs, num_new, strict=True)
+        ]
+        num_logits = [a + b for a, b in zip(num_samples, num_scored, strict=True)]
         if trees:
             logits = self.runner.execute(batch.seqs, num_new, num_logits, trees)
         else:
             logits = self.runner.execute(batch.seqs, num_new, num_logits)
-        if trees:  # verification rows go to acceptance, the others to the sampler
-            rows = logits.split(num_logits)
-            plain = [i for i, k in enumerate(num_logits) if k and i not in trees]
-            if plain:
-                plain_logits = torch.cat([rows[i] for i in plain])
-                sampled = self.sampler(plain_logits, [batch.seqs[i] for i in plain])
-            else:
-                sampled = []
-        else:
-            sample_seqs = [s for s, k in zip(batch.seqs, num_logits, strict=True) if k]
-            sampled = self.sampler(logits, sample_seqs) if sample_seqs else []
+        rows = logits.split(num_logits) if logits is not None else ()
+        plain = [i for i, k in enumerate(num_samples) if k and i not in trees]
+        if not trees and not any(num_scored):
+            plain_logits = logits  # one row per sampled sequence, in order
+        else:  # verification rows go to acceptance, prompt rows to scoring, the rest sampled
+            plain_logits = torch.cat([rows[i][-1:] for i in plain]) if plain else None
+        plain_seqs = [batch.seqs[i] for i in plain]
+        sampled = self.sampler(plain_logits, plain_seqs) if plain else []
+        logprobs = scoring.sampled_logprobs(plain_logits, plain_seqs, sampled) if plain else {}
+        for i, k in enumerate(num_scored):
+            if k:
+                scoring.score_prompt(batch.seqs[i], rows[i][:k])
         tokens = iter(sampled)
         bm = self.block_manager
         num_accepted = 0
-        for i, (seq, n, k) in enumerate(zip(batch.seqs, num_new, num_logits, strict=True)):
+        for i, (seq, n, k) in enumerate(zip(batch.seqs, num_new, num_samples, strict=True)):
             tree = trees.get(i)
             if tree is not None:
                 num_accepted += self._accept_tree(seq, tree, rows[i])
@@ -287,15 +330,22 @@ class LLMEngine:
             seq.num_computed_tokens += n
             bm.commit(seq)
             token = next(tokens) if k else None
+            lp = logprobs.get(id(seq))
             if seq.prefill_only:
-                handoff.report_chunk(seq, token, bm)
+                handoff.report_chunk(seq, token, bm, lp, seq.prompt_logprobs)
             if token is None:
                 continue
             seq.token_ids.append(token)
+            if lp is not None:
+                seq.logprobs.append(lp)
+            if seq.grammar is not None and not seq.prefill_only:
+                accepted = seq.grammar.accept_token(token)
+                assert accepted, (seq.request_id, token)  # it was sampled under its mask
             if seq.prefill_only:
                 self._finish(seq, "prefill_done")
                 outputs.append(self._output(seq, [token]))
             else:
+                self._fork_choices(seq)
                 outputs.append(self._emit(seq))
         if drafts:
             self.last_spec_step = self._spec_stats(
@@ -320,9 +370,33 @@ class LLMEngine:
         token in the sequence; returns the path's length."""
         first = seq.num_output_tokens - len(tree)  # output index of the token after the last one
         indices = [first, *(first + d for d in tree.depths)]
-        picks = acceptance.target_tokens(logits, seq.params, indices, self.sampler.generator)
+        histories = None
+        if seq.params.changes_logits:
+            outputs = seq.token_ids[seq.num_prompt_tokens : len(seq) - len(tree)]
+            histories = acceptance.tree_histories(seq.prompt_ids, outputs, tree)
+        bitmask = None
+        if seq.grammar is not None:
+            bitmask = grammar.tree_bitmask(seq.grammar, tree, logits.shape[1])
+        picks = acceptance.target_tokens(
+            logits,
+            seq.params,
+            indices,
+            self.sampler.generator,
+            histories,
+            self.eos_token_ids,
+            bitmask,
+        )
         verdict = acceptance.accept(tree, picks)
         self.verifier.keep_path(seq, tree, verdict.path, verdict.next_token)
+        if seq.grammar is not None:
+            for token in [*(tree.tokens[j] for j in verdict.path), verdict.next_token]:
+                accepted = seq.grammar.accept_token(token)
+                assert accepted, (seq.request_id, token)
+        if seq.params.logprobs is not None:  # row of each kept token: its parent's
+            kept = [*(tree.tokens[j] for j in verdict.path), verdict.next_token]
+            parents = [0, *(1 + j for j in verdict.path)]
+            num_top = [seq.params.logprobs] * len(kept)
+            seq.logprobs += token_logprobs(logits[parents], kept, num_top)
         self._last_accepted[seq.request_id] = len(verdict.path)
         return len(verdict.path)
 
@@ -360,16 +434,55 @@ class LLMEngine:
         return self._output(seq, emitted)
 
     def _output(self, seq: Sequence, new_token_ids: list[int]) -> RequestOutput:
+        logprobs = None
+        if seq.params.logprobs is not None and not seq.prefill_only:
+            first = seq.num_emitted_tokens
+            logprobs = seq.logprobs[first : first + len(new_token_ids)]
+            assert len(logprobs) == len(new_token_ids), (seq.request_id, len(logprobs))
+        prompt_logprobs = None
+        if seq.params.prompt_logprobs is not None and seq.index == 0 and not seq.num_emitted_tokens:
+            prompt_logprobs = list(seq.prompt_logprobs)
         seq.num_emitted_tokens = seq.num_output_tokens
         return RequestOutput(
-            seq.request_id,
+            seq.reply_id,
             new_token_ids,
             seq.is_finished,
             seq.finish_reason,
             seq.num_prompt_tokens,
             seq.num_output_tokens,
             self._last_accepted.pop(seq.request_id, 0),
+            logprobs,
+            seq.index,
+            prompt_logprobs,
         )
+
+    def _fork_choices(self, seq: Sequence) -> None:
+        """After choice 0's first token: the request's other choices, over its prompt KV. A
+        pool too full for their private blocks gets them as plain sequences instead (their
+        prompt prefilled again, from the prefix cache where it holds it)."""
+        n = seq.params.n
+        if n == 1 or seq.index or seq.num_output_tokens != 1 or seq.request_id in self._num_choices:
+            return
+        self._num_choices[seq.request_id] = n
+        forked = choices.can_fork(seq, self.block_manager)
+        for i in range(1, n):
+            if forked:
+                child = choices.fork(seq, i, self.block_manager, self.kv_pool)
+            else:
+                child = Sequence(
+                    choices.choice_id(seq.request_id, i),
+                    seq.prompt_ids,
+                    seq.params,
+                    choice_of=seq.request_id,
+                    index=i,
+                )
+            child.stop_text = stop_text_for(child, self.tokenizer)
+            child.grammar = self._grammar_for(child.request_id, seq.params)
+            self.seqs[child.request_id] = child
+            if forked:
+                self.scheduler.add_prefilled(child)
+            else:
+                self.scheduler.add(child)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.remove(seq)
@@ -378,12 +491,19 @@ class LLMEngine:
         if reason != "prefill_done":
             self.block_manager.deallocate(seq)
             del self.seqs[seq.request_id]
+            rid = seq.reply_id
+            if rid in self._num_choices and not any(
+                choice_id(rid, i) in self.seqs for i in range(self._num_choices[rid])
+            ):
+                del self._num_choices[rid]
 
     def generate(
-        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+        self, prompts: list[list[int]], params: SamplingOptions | list[SamplingOptions]
     ) -> list[list[int]]:
         """Run the prompts to completion; returns the generated token ids of each, in order."""
         params_list = params if isinstance(params, list) else [params] * len(prompts)
+        if any(p.n > 1 for p in params_list):
+            raise RequestError("generate() runs n=1; add_request and step() run n > 1 choices")
         ids = []
         for prompt, p in zip(prompts, params_list, strict=True):
             self._num_generated += 1
@@ -466,20 +586,40 @@ class LLMEngine:
         prompt_ids: list[int],
         block_ids: list[int],
         first_token: int,
-        params: SamplingParams,
+        params: SamplingOptions,
+        first_logprobs: TokenLogprobs | None = None,
+        prompt_logprobs: Sequence_[TokenLogprobs] = (),
     ) -> None:
         """Start decoding a request whose prompt KV is already in ``block_ids`` (from
-        ``reserve_blocks``; the engine takes them over and frees them when the request ends)."""
+        ``reserve_blocks``; the engine takes them over and frees them when the request ends).
+        ``first_logprobs``: the first token's, when ``params.logprobs`` asks for them;
+        ``prompt_logprobs``: the prompt's, when ``params.prompt_logprobs`` does."""
         self._check_prompt(request_id, prompt_ids)
         self._check_stop(request_id, params)
+        matcher = self._grammar_for(request_id, params)
+        if matcher is not None and not matcher.accept_token(first_token):
+            raise RequestError(
+                f"request {request_id!r}: the first token {first_token} breaks its structured "
+                "output's grammar"
+            )
         bm = self.block_manager
         seq = handoff.prefilled_sequence(
-            request_id, prompt_ids, block_ids, first_token, params, bm, self.vocab_size
+            request_id,
+            prompt_ids,
+            block_ids,
+            first_token,
+            params,
+            bm,
+            self.vocab_size,
+            first_logprobs,
         )
+        seq.grammar = matcher
+        seq.prompt_logprobs = list(prompt_logprobs)
         self.seqs[request_id] = seq
         self.scheduler.add_prefilled(seq)
         seq.num_emitted_tokens = 0
         seq.stop_text = stop_text_for(seq, self.tokenizer)
+        self._fork_choices(seq)
         out = self._emit(seq)  # stop checks on the first token, already delivered by prefill
         if out.finished:
             self._pending.append(

@@ -1,16 +1,26 @@
 """Token selection.
 
-``Sampler`` turns a batch of logits into one token per row: greedy rows take one argmax over the
-batch; the others are scaled by temperature, filtered by top-k / top-p, and drawn with the
-exponential-race trick (``argmax(p / q)``, ``q ~ Exp(1)``), which needs no cumulative sums. A seeded
-request draws its noise from its own ``torch.Generator``, so its tokens do not depend on what else
-is in the batch. Whether a token ends its request is ``finish.finish_reason``'s business.
+``Sampler`` turns a batch of logits into one token per row. The options that act on logits
+(penalties, ``logit_bias``, ``min_tokens``: ``logit_options``) apply first; then ``draw``: greedy
+rows take the argmax; the others are scaled by temperature, filtered by min-p, top-k and top-p,
+and drawn with the exponential-race trick (``argmax(p / q)``, ``q ~ Exp(1)``), which needs no
+cumulative sums. A seeded request draws its noise from its own ``torch.Generator``, so its tokens
+do not depend on what else is in the batch. ``acceptance`` draws verification rows through the
+same ``draw``. A structured output's grammar masks what it forbids (``grammar``) before the draw.
+``token_logprobs`` gives the chosen tokens' log-probabilities under the model (the
+raw logits' log-softmax, before any option, as vLLM's default ``raw_logprobs``). Whether a token
+ends its request is ``finish.finish_reason``'s business.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence as Seq
+
 import torch
+from kvmesh.shared.engine.grammar import mask_rows
+from kvmesh.shared.engine.logit_options import RowHistory, apply_logit_options
 from kvmesh.shared.engine.sequence import Sequence
+from kvmesh.shared.sampling import SamplingOptions, TokenLogprobs
 
 
 def apply_top_k_top_p(
@@ -30,42 +40,94 @@ def apply_top_k_top_p(
     return torch.empty_like(logits).scatter_(1, idx, sorted_logits)
 
 
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """logits: (N, V); min_p: (N,), 0 = off. Tokens less likely than ``min_p`` times the
+    likeliest go to -inf (the likeliest always survives)."""
+    probs = logits.softmax(-1)
+    floor = probs.amax(-1, keepdim=True) * min_p.unsqueeze(1)
+    return logits.masked_fill(probs < floor, float("-inf"))
+
+
+def draw(x: torch.Tensor, params: Seq[SamplingOptions], noise: torch.Tensor) -> list[int]:
+    """One token per row of ``x`` (N, V) float32 CPU logits, ``logit_options`` applied:
+    the argmax for greedy rows, else the exponential race against ``noise`` (N, V) ~ Exp(1)
+    after temperature, min-p, top-k and top-p. ``noise`` is consumed."""
+    temps = torch.tensor([p.temperature or 1.0 for p in params], dtype=torch.float32)
+    y = x / temps.unsqueeze(1)
+    if any(p.min_p > 0.0 for p in params):
+        y = apply_min_p(y, torch.tensor([p.min_p for p in params], dtype=torch.float32))
+    if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+        top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64)
+        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
+        y = apply_top_k_top_p(y, top_k, top_p)
+    probs = y.softmax(-1)
+    sampled = probs.div_(noise.clamp_(min=1e-20)).argmax(-1)
+    greedy = torch.tensor([p.is_greedy for p in params])
+    if greedy.any():
+        sampled = torch.where(greedy, x.argmax(-1), sampled)
+    return sampled.tolist()
+
+
+def token_logprobs(
+    logits: torch.Tensor, tokens: Seq[int], num_top: Seq[int]
+) -> list[TokenLogprobs]:
+    """Row ``i`` of ``logits`` (N, V) chose ``tokens[i]``: its log-probability under the
+    model, its rank, and the ``num_top[i]`` likeliest tokens' (ids, log-probabilities,
+    likeliest first)."""
+    lp = logits.float().log_softmax(-1)
+    chosen = lp.gather(1, torch.tensor(tokens, device=lp.device).unsqueeze(1))  # (N, 1)
+    ranks = (lp > chosen).sum(-1).add_(1).tolist()
+    k = max(num_top, default=0)
+    top_lp, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+    chosen_l, top_lp_l, top_ids_l = chosen.squeeze(1).tolist(), top_lp.tolist(), top_ids.tolist()
+    return [
+        TokenLogprobs(chosen_l[i], tuple(top_ids_l[i][:n]), tuple(top_lp_l[i][:n]), ranks[i])
+        for i, n in enumerate(num_top)
+    ]
+
+
 class Sampler:
-    def __init__(self, seed: int | None = None) -> None:
+    def __init__(
+        self, seed: int | None = None, eos_token_ids: frozenset[int] = frozenset()
+    ) -> None:
         # Noise for unseeded requests; seeded ones use their own generator.
         self.generator = torch.Generator()
         if seed is not None:
             self.generator.manual_seed(seed)
         else:
             self.generator.seed()
+        self.eos_token_ids = eos_token_ids  # what min_tokens holds back, besides stop tokens
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         """logits: (N, V) float32, one row per sequence. Returns N token ids."""
         assert logits.shape[0] == len(seqs)
         params = [s.params for s in seqs]
-        if all(p.temperature == 0.0 for p in params):
+        raw = logits
+        if any(p.changes_logits for p in params):
+            histories = [RowHistory(s.prompt_ids, s.output_ids) for s in seqs]
+            logits = apply_logit_options(
+                logits.float().cpu(), params, histories, self.eos_token_ids
+            )
+        if any(s.grammar is not None for s in seqs):
+            grammars = [s.grammar for s in seqs]
+            logits = mask_rows(logits.float().cpu(), grammars)
+            # the grammar allows only what the options masked (EOS under min_tokens): it wins
+            dead = torch.isneginf(logits).all(-1)
+            if dead.any():
+                logits[dead] = mask_rows(raw.float().cpu(), grammars)[dead]
+        if all(p.is_greedy for p in params):
             return logits.argmax(-1).tolist()
-        logits = logits.float().cpu()
-        temps = torch.tensor([p.temperature or 1.0 for p in params], dtype=torch.float32)
-        x = logits / temps.unsqueeze(1)
-        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-            top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64)
-            top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
-            x = apply_top_k_top_p(x, top_k, top_p)
-        probs = x.softmax(-1)
-        q = torch.empty_like(probs).exponential_(generator=self.generator)
+        x = logits.float().cpu()
+        q = torch.empty_like(x).exponential_(generator=self.generator)
         for i, seq in enumerate(seqs):
             if seq.generator is not None:
                 # Noise keyed by (seed, output index), not by how many draws came before: the
                 # token is the same whichever worker samples it (a prefill worker samples the
                 # first, a decode worker the rest) and after a preemption recompute.
-                seq.generator.manual_seed(token_seed(seq.params.seed, seq.num_output_tokens))
+                assert seq.seed is not None
+                seq.generator.manual_seed(token_seed(seq.seed, seq.num_output_tokens))
                 q[i].exponential_(generator=seq.generator)
-        sampled = probs.div_(q.clamp_(min=1e-20)).argmax(-1)
-        greedy = torch.tensor([p.temperature == 0.0 for p in params])
-        if greedy.any():
-            sampled = torch.where(greedy, logits.argmax(-1), sampled)
-        return sampled.tolist()
+        return draw(x, params, q)
 
 
 def token_seed(seed: int, output_index: int) -> int:

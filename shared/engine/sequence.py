@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+from kvmesh.shared.sampling import SamplingOptions, TokenLogprobs
 
 if TYPE_CHECKING:
-    from kvmesh.shared.protocol import SamplingOptions
     from kvmesh.shared.text import TextStream
 
 
@@ -30,62 +30,6 @@ class PromptTooLongError(RequestError):
 
 class UnknownRequestError(RequestError):
     pass
-
-
-@dataclass(frozen=True, slots=True)
-class SamplingParams:
-    """How to pick output tokens. ``temperature == 0`` is greedy; ``top_k == 0`` and
-    ``top_p == 1`` disable those filters; ``seed`` makes sampling reproducible per request."""
-
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    stop: tuple[str, ...] = ()
-    ignore_eos: bool = False
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not self.temperature >= 0.0:
-            raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1] (1 disables it), got {self.top_p!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
-        # Accept lists from callers but store tuples so the params stay hashable and frozen.
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        object.__setattr__(
-            self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
-        )
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise ValueError(
-                f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}"
-            )
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError(f"stop must hold non-empty strings, got {self.stop!r}")
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    @classmethod
-    def from_wire(cls, o: SamplingOptions) -> SamplingParams:
-        """From the NATS form (``protocol.SamplingOptions``); top_k 0 is off in both."""
-        return cls(
-            max_tokens=o.max_tokens,
-            temperature=o.temperature,
-            top_k=o.top_k,
-            top_p=o.top_p,
-            seed=o.seed,
-            stop_token_ids=o.stop_token_ids,
-            stop=o.stop,
-            ignore_eos=o.ignore_eos,
-        )
 
 
 class SequenceStatus(enum.Enum):
@@ -109,6 +53,8 @@ class ChunkReady:
     block_ids: tuple[int, ...]
     is_last: bool
     first_token: int | None
+    first_logprobs: TokenLogprobs | None = None  # with SamplingOptions.logprobs, on the last
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()  # with .prompt_logprobs, on the last
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,13 +70,17 @@ class RequestOutput:
     accepted_drafts: int = (
         0  # draft tokens verified and kept this step (their ids lead new_token_ids)
     )
+    logprobs: list[TokenLogprobs] | None = None  # per new token, with SamplingOptions.logprobs
+    index: int = 0  # which of the request's SamplingOptions.n choices
+    # with SamplingOptions.prompt_logprobs, on the request's first output: of prompt tokens 1..
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass(slots=True, eq=False)
 class Sequence:
     request_id: str
     token_ids: list[int]
-    params: SamplingParams
+    params: SamplingOptions
     num_prompt_tokens: int = 0
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
@@ -146,13 +96,41 @@ class Sequence:
     num_emitted_tokens: int = 0  # output tokens already returned in a RequestOutput
     generator: torch.Generator | None = None
     stop_text: TextStream | None = None  # the emitted output's text, only with stop strings
+    # with SamplingOptions.logprobs: one per output token, in order
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # with SamplingOptions.prompt_logprobs: of prompt tokens 1.. (the first has none)
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # with SamplingOptions.structured_outputs: an xgrammar GrammarMatcher (grammar.py) that has
+    # accepted every output token
+    grammar: Any = None
+    # choice ``index`` > 0 of the request ``choice_of`` (SamplingOptions.n; choices.py)
+    choice_of: str | None = None
+    index: int = 0
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:
             self.num_prompt_tokens = len(self.token_ids)
         self.num_emitted_tokens = len(self.token_ids) - self.num_prompt_tokens
-        if self.params.seed is not None and not self.params.is_greedy:
-            self.generator = torch.Generator().manual_seed(self.params.seed)
+        if self.seed is not None and not self.params.is_greedy:
+            self.generator = torch.Generator().manual_seed(self.seed)
+
+    @property
+    def seed(self) -> int | None:
+        """The seed of this choice's noise: the request's for choice 0, one drawn from it for
+        the others (each choice samples differently, reproducibly)."""
+        if self.params.seed is None or self.index == 0:
+            return self.params.seed
+        return choice_seed(self.params.seed, self.index)
+
+    @property
+    def is_scored(self) -> bool:
+        """Every prompt token but the first has its log-probability (prompt_logprobs)."""
+        return len(self.prompt_logprobs) >= self.num_prompt_tokens - 1
+
+    @property
+    def reply_id(self) -> str:
+        """The request this sequence answers (its own id but for choices > 0)."""
+        return self.choice_of or self.request_id
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -176,3 +154,10 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """Choice ``index``'s seed from the request's (a splitmix64 mix, 63 bits)."""
+    z = (seed * 0xD1B54A32D192ED03 + index * 0x9E3779B97F4A7C15) % (1 << 64)
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % (1 << 64)
+    return (z ^ (z >> 27)) >> 1

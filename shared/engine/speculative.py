@@ -247,6 +247,7 @@ class DraftVerifier:
         for src, dst in self.block_manager.truncate(seq, num_tokens, num_computed):
             self.kv_pool.block_bytes_view(dst).copy_(self.kv_pool.block_bytes_view(src))
         seq.num_emitted_tokens = min(seq.num_emitted_tokens, seq.num_output_tokens)
+        del seq.logprobs[seq.num_output_tokens :]
         if seq.stop_text is not None and seq.stop_text.num_tokens > seq.num_emitted_tokens:
             # Emitted tokens were dropped: the stop-string text starts over from what is kept.
             seq.stop_text = stop_text_for(seq, self.tokenizer)
