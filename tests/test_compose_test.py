@@ -1,0 +1,136 @@
+"""The pure parts of ``make compose-test`` (scripts/compose_*.py), without Docker: the Debian
+mirror read from apt's sources, the wheelhouse's requirements and constraints, the stack's
+environment, and how the checks judge what they see."""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+
+import compose_checks as checks  # noqa: E402
+import compose_host as host  # noqa: E402
+import compose_stack as stack  # noqa: E402
+
+
+def test_debian_mirror_from_a_deb822_sources_file_skips_security() -> None:
+    sources = {
+        "/etc/apt/sources.list.d/debian.sources": (
+            "Types: deb\nURIs: http://deb.debian.org/debian\nSuites: bookworm bookworm-updates\n"
+            "Components: main\n\n"
+            "Types: deb\nURIs: http://deb.debian.org/debian-security\n"
+            "Suites: bookworm-security\nComponents: main\n"
+        )
+    }
+    assert host.debian_mirror(sources) == "http://deb.debian.org/debian"
+
+
+def test_debian_mirror_from_a_one_line_sources_list_with_options() -> None:
+    sources = {
+        "/etc/apt/sources.list": (
+            "# deb http://old.example/debian bookworm main\n"
+            "deb-src http://src.example/debian bookworm main\n"
+            "deb [arch=amd64] http://mirror.example/debian bookworm main\n"
+        )
+    }
+    assert host.debian_mirror(sources) == "http://mirror.example/debian"
+
+
+def test_debian_mirror_missing_says_how_to_give_one() -> None:
+    with pytest.raises(host.HostError, match="KVMESH_DEBIAN_MIRROR"):
+        host.debian_mirror({"/etc/apt/sources.list": "deb http://x/debian trixie main\n"})
+
+
+def test_wheelhouse_requirements_are_the_dependencies_and_the_build_backend() -> None:
+    pyproject = {
+        "project": {"dependencies": ["torch>=2.4", "msgspec>=0.19"]},
+        "build-system": {"requires": ["setuptools>=77", "wheel"]},
+    }
+    assert host.requirements(pyproject) == [
+        "torch>=2.4",
+        "msgspec>=0.19",
+        "setuptools>=77",
+        "wheel",
+    ]
+
+
+def test_wheelhouse_constraints_keep_pins_only() -> None:
+    freeze = "-e git+https://x/kvmesh#egg=kvmesh\ntorch==2.13.0+cpu\nfoo @ file:///tmp/foo\nnats-py==2.16.0\n"
+    assert host.constraints(freeze) == ["torch==2.13.0+cpu", "nats-py==2.16.0"]
+
+
+def test_stack_environment_drops_the_callers_kvmesh_variables(monkeypatch) -> None:
+    monkeypatch.setenv("KVMESH_MODEL", "/somewhere/else")
+    monkeypatch.setenv("KVMESH_NATS_PASSWORD_ADMIN", "stale")
+    settings = stack.StackSettings("p1", "kvmesh-tiny", Path("/m"), "kvmesh-tiny", "base:1")
+    ports = {"nats": 1, "router": 2, "prometheus": 3}
+    env = stack.compose_env(
+        settings, {"KVMESH_NATS_PASSWORD_ADMIN": "fresh"}, ports, Path("/a.conf")
+    )
+    assert env["KVMESH_MODEL"] == "kvmesh-tiny" and env["KVMESH_NATS_PASSWORD_ADMIN"] == "fresh"
+    assert env["KVMESH_ROUTER_BIND"] == "127.0.0.1" and env["KVMESH_ROUTER_PORT"] == "2"
+    assert env["COMPOSE_PROJECT_NAME"] == "p1" and env["KVMESH_NATS_AUTH_CONF"] == "/a.conf"
+
+
+def test_env_file_pairs() -> None:
+    text = "# made by kvmesh nats-config\nKVMESH_NATS_PASSWORD_ROUTER=abc=\n\n"
+    assert stack.parse_env_file(text) == {"KVMESH_NATS_PASSWORD_ROUTER": "abc="}
+
+
+def test_expected_roles_scale_the_pools() -> None:
+    roles = checks.expected_roles({"prefill": 2, "decode": 3})
+    assert roles == Counter(router=1, draft=1, **{"kv-store": 1}, decode=3, prefill=2)
+
+
+def test_roles_listed_count_workers_and_the_registry() -> None:
+    status = {
+        "registry": {"worker_id": "kv-registry-1"},
+        "workers": [{"role": "decode"}, {"role": "decode"}, {"role": "router"}],
+    }
+    assert checks.roles_listed(status) == Counter(decode=2, router=1, **{"kv-registry": 1})
+
+
+@pytest.mark.parametrize(
+    ("outcome", "verdict"),
+    [
+        (checks.Outcome(200, text="abc"), "right"),
+        (checks.Outcome(200, text="abd"), "wrong-text"),
+        (checks.Outcome(503, error="no decode worker is ready"), "clear-error"),
+        (checks.Outcome(500, error=None), "unclear-500"),
+        (checks.Outcome(0, error="ServerDisconnectedError: "), "unclear-0"),
+    ],
+)
+def test_a_request_ends_right_or_with_a_clear_error(outcome, verdict) -> None:
+    assert checks.judge(outcome, "abc") == verdict
+
+
+def test_targets_up_counts_per_job_and_names_the_down_ones() -> None:
+    targets = [
+        {"labels": {"job": "decode"}, "scrapeUrl": "http://a:9102/metrics", "health": "up"},
+        {
+            "labels": {"job": "decode"},
+            "scrapeUrl": "http://b:9102/metrics",
+            "health": "down",
+            "lastError": "connection refused",
+        },
+    ]
+    up, down = checks.targets_up(targets)
+    assert up == Counter(decode=1)
+    assert down == ["decode http://b:9102/metrics: down connection refused"]
+
+
+def test_worker_ids_from_json_logs_one_per_start() -> None:
+    logs = "\n".join(
+        [
+            '{"event": "loading model", "worker_id": "decode-a"}',
+            '{"event": "decode ready", "worker_id": "decode-a", "metrics_port": 9102}',
+            "Traceback (most recent call last):",
+            '2026-01-01T00:00:00Z {"event": "decode ready", "worker_id": "decode-b", "metrics_port": 9102}',
+        ]
+    )
+    assert checks.worker_ids(logs) == ["decode-a", "decode-b"]
