@@ -262,3 +262,33 @@ def ensure_wheelhouse(directory: Path, pip: Path) -> bool:
         )
     stamp_file.write_text(stamp)
     return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``compose_host.py wheelhouse [DIR] [--pip PIP]``: the wheelhouse for an air-gapped build
+    (on a connected host); ``compose_host.py base-image``: kvmesh-base:bookworm (on the Docker
+    host, from its Debian mirror). docs/deploy.md."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=main.__doc__)
+    sub = p.add_subparsers(dest="action", required=True)
+    wheels = sub.add_parser("wheelhouse", help="every dependency as a wheel, in DIR")
+    wheels.add_argument("dir", nargs="?", type=Path, default=ROOT / "wheelhouse")
+    wheels.add_argument("--pip", type=Path, default=ROOT / ".venv" / "bin" / "pip")
+    sub.add_parser("base-image", help=f"{BASE_IMAGE} with debootstrap, unless Docker has it")
+    args = p.parse_args(argv)
+    try:
+        if args.action == "wheelhouse":
+            made = ensure_wheelhouse(args.dir.resolve(), args.pip)
+            log(f"wheelhouse {args.dir}: {'made' if made else 'up to date'}")
+        else:
+            made = ensure_base_image()
+            log(f"{BASE_IMAGE}: {'made' if made else 'already there'}")
+    except HostError as exc:
+        log(str(exc))
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
