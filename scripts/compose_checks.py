@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import subprocess
 import time
 from collections import Counter
@@ -50,11 +51,9 @@ def expected_roles(scale: dict[str, int]) -> Counter:
 
 
 def roles_listed(status: dict[str, Any]) -> Counter:
-    """Live workers by role in ``kvmesh admin status --json``, the kv-registry counted too."""
-    roles = Counter(row["role"] for row in status.get("workers", []))
-    if status.get("registry", {}).get("worker_id"):
-        roles["kv-registry"] += 1
-    return roles
+    """Live workers by role in ``kvmesh admin status --json`` (its workers list has the
+    kv-registry's own heartbeat too)."""
+    return Counter(row["role"] for row in status.get("workers", []))
 
 
 def judge(outcome: Outcome, expected: str) -> str:
@@ -76,6 +75,20 @@ def targets_up(targets: list[dict[str, Any]]) -> tuple[Counter, list[str]]:
         if t["health"] != "up"
     ]
     return up, down
+
+
+def retries(metrics: str) -> dict[str, float]:
+    """``kvmesh_router_retries_total`` by role from the router's /metrics text: requests run
+    again because a worker died (before their first token), ``decode-migrate`` streams moved."""
+    found = re.findall(r'^kvmesh_router_retries_total\{role="([^"]+)"\} (\S+)$', metrics, re.M)
+    return {role: float(value) for role, value in found}
+
+
+def router_retries(stack: Stack) -> dict[str, float]:
+    import urllib.request
+
+    with urllib.request.urlopen(f"{stack.router_url}/metrics", timeout=10) as resp:
+        return retries(resp.read().decode())
 
 
 # --- completions against kvmesh generate --------------------------------------------------------
@@ -106,14 +119,18 @@ async def served_model(session: aiohttp.ClientSession, url: str) -> str:
         return (await resp.json())["data"][0]["id"]
 
 
-async def check_completions(stack: Stack, host_model: str, expected: list[str]) -> Verdict:
+async def check_completions(stack: Stack, host_model: str, expected: dict[str, str]) -> Verdict:
     """Each prompt, greedy, through the published router port: the same text as ``kvmesh
     generate`` on the host with the same weights."""
     timeout = aiohttp.ClientTimeout(total=300)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         name = await served_model(session, stack.router_url)
         got = [await complete(session, stack.router_url, name, p, 16) for p in PROMPTS]
-    bad = [i for i, (o, e) in enumerate(zip(got, expected, strict=True)) if judge(o, e) != "right"]
+    bad = [
+        i
+        for i, (o, p) in enumerate(zip(got, PROMPTS, strict=True))
+        if judge(o, expected[p]) != "right"
+    ]
     detail = f"{len(PROMPTS)} prompts through {stack.router_url} ({name}), 16 tokens greedy"
     if bad:
         return Verdict(False, f"{detail}: prompts {bad} differ: {[got[i] for i in bad]}")
@@ -227,14 +244,17 @@ async def check_kill(stack: Stack, expected: dict[str, str]) -> Verdict:
     old_ids = worker_ids(container_logs(victim))
     async with aiohttp.ClientSession() as session:
         model = await served_model(session, stack.router_url)
+    before = router_retries(stack)
     task = asyncio.create_task(load(stack.router_url, model, clients=4, duration_s=25))
     await asyncio.sleep(8)
     run(["docker", "kill", victim], 60)
     results = await task
+    rerun = {k: v - before.get(k, 0.0) for k, v in router_retries(stack).items()}
     judged = [(judge(o, expected[p]), o) for p, o in results]
     verdicts = Counter(v for v, _ in judged)
     errors = sorted({str(o.error) for v, o in judged if v != "right"})
-    ok = set(verdicts) <= {"right", "clear-error"} and verdicts["right"] > 0
+    hit = sum(rerun.values()) > 0 or verdicts["clear-error"] > 0  # the kill met running requests
+    ok = set(verdicts) <= {"right", "clear-error"} and verdicts["right"] > 0 and hit
 
     run(["docker", "start", victim], 60)
     await asyncio.to_thread(stack.wait_healthy, victim, 600)
@@ -250,7 +270,8 @@ async def check_kill(stack: Stack, expected: dict[str, str]) -> Verdict:
     settled, rows = await until(probe, 90)
     blocks = ", ".join(f"{r['worker_id']} {r['free_blocks']}/{r['total_blocks']}" for r in rows)
     detail = (
-        f"{len(results)} requests ({dict(verdicts)}) while killing decode {old_ids[-1:]}; "
+        f"{len(results)} requests ({dict(verdicts)}) while killing decode {old_ids[-1:]}, "
+        f"run again by the router: {dict(rerun) or 'none (the kill met no running request)'}; "
         f"restarted as {new_ids[-1:]}; free/total blocks: {blocks}"
     )
     if errors:

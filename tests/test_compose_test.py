@@ -87,10 +87,15 @@ def test_expected_roles_scale_the_pools() -> None:
     assert roles == Counter(router=1, draft=1, **{"kv-store": 1}, decode=3, prefill=2)
 
 
-def test_roles_listed_count_workers_and_the_registry() -> None:
+def test_roles_listed_count_every_worker_the_registry_included() -> None:
     status = {
         "registry": {"worker_id": "kv-registry-1"},
-        "workers": [{"role": "decode"}, {"role": "decode"}, {"role": "router"}],
+        "workers": [
+            {"role": "decode"},
+            {"role": "decode"},
+            {"role": "kv-registry"},
+            {"role": "router"},
+        ],
     }
     assert checks.roles_listed(status) == Counter(decode=2, router=1, **{"kv-registry": 1})
 
@@ -134,3 +139,17 @@ def test_worker_ids_from_json_logs_one_per_start() -> None:
         ]
     )
     assert checks.worker_ids(logs) == ["decode-a", "decode-b"]
+
+
+def test_retries_from_the_routers_metrics_by_role() -> None:
+    text = "\n".join(
+        [
+            "# HELP kvmesh_router_retries_total Requests run again because a worker died",
+            "# TYPE kvmesh_router_retries_total counter",
+            'kvmesh_router_retries_total{role="decode"} 3.0',
+            'kvmesh_router_retries_total{role="decode-migrate"} 2.0',
+            'kvmesh_router_retries_created{role="decode"} 1.7e+09',
+            'kvmesh_router_aborts_total{reason="client"} 1.0',
+        ]
+    )
+    assert checks.retries(text) == {"decode": 3.0, "decode-migrate": 2.0}
