@@ -77,6 +77,12 @@ def stack_settings(model: str) -> StackSettings:
     path = Path(model).resolve()
     if not (path / "config.json").is_file():
         raise HostError(f"--model {model}: not kvmesh-tiny nor a checkpoint dir (no config.json)")
+    unreadable = [f.name for f in path.iterdir() if f.is_file() and not f.stat().st_mode & 0o004]
+    if unreadable:
+        raise HostError(
+            f"--model {model}: {', '.join(sorted(unreadable))} not readable by other users, and "
+            f"the containers run as uid 10001: chmod -R a+rX {path}"
+        )
     return StackSettings(
         project, f"/models/{path.name}", path.parent, mesh_from_model(path.name), BASE_IMAGE
     )
@@ -156,6 +162,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     out = args.out or Path(tempfile.mkdtemp(prefix="kvmesh-compose-test-"))
     out.mkdir(parents=True, exist_ok=True)
+    try:
+        settings = stack_settings(args.model)
+    except HostError as exc:
+        print(f"compose-test: error: {exc}", file=sys.stderr)
+        return 2
     timings: dict[str, float] = {}
     with contextlib.ExitStack() as resources:
         start = time.monotonic()
@@ -168,16 +179,20 @@ def main(argv: list[str] | None = None) -> int:
             if args.if_possible:
                 print(f"compose-test: SKIP this host cannot run Docker: {exc}")
                 return 0
-            raise
+            print(f"compose-test: FAIL docker: {exc}")
+            return 1
         timings["docker"] = log_step(f"docker ({' '.join(compose)})", start)
-        settings = stack_settings(args.model)
         for name, step in (
             ("base image", ensure_base_image),
             ("wheelhouse", lambda: ensure_wheelhouse(ROOT / WHEELHOUSE, ROOT / ".venv/bin/pip")),
             ("images", build_images),
         ):
             start = time.monotonic()
-            step()
+            try:
+                step()
+            except HostError as exc:
+                print(f"compose-test: FAIL {name}: {exc}")
+                return 1
             timings[name] = log_step(name, start)
         results = run_checks(Stack(compose, settings, out), args.model, timings)
     for name, verdict in results:

@@ -153,3 +153,33 @@ def test_retries_from_the_routers_metrics_by_role() -> None:
         ]
     )
     assert checks.retries(text) == {"decode": 3.0, "decode-migrate": 2.0}
+
+
+def _compose_test():
+    import compose_test
+
+    return compose_test
+
+
+def test_stack_settings_mount_a_checkpoints_parent_and_name_the_mesh_after_it(tmp_path) -> None:
+    model = tmp_path / "My Llama"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    settings = _compose_test().stack_settings(str(model))
+    assert (settings.model, settings.models_dir, settings.mesh) == (
+        "/models/My Llama",
+        tmp_path,
+        "My-Llama",
+    )
+    tiny = _compose_test().stack_settings("kvmesh-tiny")
+    assert (tiny.model, tiny.mesh) == ("kvmesh-tiny", "kvmesh-tiny")
+
+
+def test_stack_settings_refuse_a_checkpoint_the_containers_cannot_read(tmp_path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    (tmp_path / "model.safetensors").chmod(0o600)
+    with pytest.raises(host.HostError, match=r"model.safetensors .* chmod -R a\+rX"):
+        _compose_test().stack_settings(str(tmp_path))
+    with pytest.raises(host.HostError, match=r"no config\.json"):
+        _compose_test().stack_settings(str(tmp_path / "nothing"))
