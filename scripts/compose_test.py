@@ -78,6 +78,8 @@ def stack_settings(model: str) -> StackSettings:
     if not (path / "config.json").is_file():
         raise HostError(f"--model {model}: not kvmesh-tiny nor a checkpoint dir (no config.json)")
     unreadable = [f.name for f in path.iterdir() if f.is_file() and not f.stat().st_mode & 0o004]
+    if path.stat().st_mode & 0o005 != 0o005:
+        unreadable.append(f"{path.name}/")
     if unreadable:
         raise HostError(
             f"--model {model}: {', '.join(sorted(unreadable))} not readable by other users, and "

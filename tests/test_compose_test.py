@@ -176,6 +176,7 @@ def test_stack_settings_mount_a_checkpoints_parent_and_name_the_mesh_after_it(tm
 
 
 def test_stack_settings_refuse_a_checkpoint_the_containers_cannot_read(tmp_path) -> None:
+    tmp_path.chmod(0o755)
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "model.safetensors").write_bytes(b"")
     (tmp_path / "model.safetensors").chmod(0o600)
@@ -183,3 +184,12 @@ def test_stack_settings_refuse_a_checkpoint_the_containers_cannot_read(tmp_path)
         _compose_test().stack_settings(str(tmp_path))
     with pytest.raises(host.HostError, match=r"no config\.json"):
         _compose_test().stack_settings(str(tmp_path / "nothing"))
+
+
+def test_stack_settings_refuse_a_checkpoint_folder_others_cannot_list(tmp_path) -> None:
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    model.chmod(0o700)
+    with pytest.raises(host.HostError, match=r"m/ not readable"):
+        _compose_test().stack_settings(str(model))
