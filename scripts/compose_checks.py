@@ -235,18 +235,30 @@ async def load(url: str, model: str, clients: int, duration_s: float) -> list[tu
     return results
 
 
+def busiest(rows: list[dict[str, Any]], ids_by_container: dict[str, list[str]]) -> str:
+    """The container of the decode worker holding the most requests (running, waiting, leased)
+    in admin status ``rows``: placement follows cached prefixes, so with a few prompts repeated
+    one worker may take them all."""
+    row = max(rows, key=lambda r: (r["running"] + r["waiting"] + r["leases"], r["worker_id"]))
+    for container, ids in ids_by_container.items():
+        if ids and ids[-1] == row["worker_id"]:
+            return container
+    raise AssertionError(f"no decode container announced {row['worker_id']}: {ids_by_container}")
+
+
 async def check_kill(stack: Stack, expected: dict[str, str]) -> Verdict:
-    """``docker kill`` of one decode container while requests run: every request ends with the
-    greedy text or an HTTP error that says what happened; ``docker start`` brings the replica
-    back (a kill turns Docker's restart policy off), it registers as a new worker, the dead
-    one's id is gone, and every decode worker has all its KV blocks free again."""
-    victim = stack.containers("decode")[0]
-    old_ids = worker_ids(container_logs(victim))
+    """``docker kill`` of the busiest decode container while requests run: every request ends
+    with the greedy text or an HTTP error that says what happened; ``docker start`` brings the
+    replica back (a kill turns Docker's restart policy off), it registers as a new worker, the
+    dead one's id is gone, and every decode worker has all its KV blocks free again."""
     async with aiohttp.ClientSession() as session:
         model = await served_model(session, stack.router_url)
     before = router_retries(stack)
     task = asyncio.create_task(load(stack.router_url, model, clients=4, duration_s=25))
-    await asyncio.sleep(8)
+    await asyncio.sleep(6)
+    logs = {c: worker_ids(container_logs(c)) for c in stack.containers("decode")}
+    victim = busiest((await asyncio.to_thread(admin_status, stack))["decode"], logs)
+    old_ids = logs[victim]
     run(["docker", "kill", victim], 60)
     results = await task
     rerun = {k: v - before.get(k, 0.0) for k, v in router_retries(stack).items()}

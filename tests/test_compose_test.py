@@ -193,3 +193,14 @@ def test_stack_settings_refuse_a_checkpoint_folder_others_cannot_list(tmp_path) 
     model.chmod(0o700)
     with pytest.raises(host.HostError, match=r"m/ not readable"):
         _compose_test().stack_settings(str(model))
+
+
+def test_the_busiest_decode_worker_is_the_one_killed() -> None:
+    rows = [
+        {"worker_id": "decode-a", "running": 0, "waiting": 0, "leases": 0},
+        {"worker_id": "decode-b", "running": 2, "waiting": 1, "leases": 1},
+    ]
+    logs = {"c1": ["decode-a"], "c2": ["decode-old", "decode-b"]}
+    assert checks.busiest(rows, logs) == "c2"
+    with pytest.raises(AssertionError, match="decode-b"):
+        checks.busiest(rows, {"c1": ["decode-a"]})
