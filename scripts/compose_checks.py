@@ -261,7 +261,8 @@ async def check_kill(stack: Stack, expected: dict[str, str]) -> Verdict:
     old_ids = logs[victim]
     run(["docker", "kill", victim], 60)
     results = await task
-    rerun = {k: v - before.get(k, 0.0) for k, v in router_retries(stack).items()}
+    after = router_retries(stack)
+    rerun = {k: v - before.get(k, 0.0) for k, v in after.items() if v > before.get(k, 0.0)}
     judged = [(judge(o, expected[p]), o) for p, o in results]
     verdicts = Counter(v for v, _ in judged)
     errors = sorted({str(o.error) for v, o in judged if v != "right"})
