@@ -43,11 +43,23 @@ class Outcome:
     error: str | None = None
 
 
-def expected_roles(scale: dict[str, int]) -> Counter:
+def kvmesh_services(compose: dict[str, Any]) -> list[str]:
+    """What each service of a parsed docker-compose.yml serves (``kvmesh serve X``): X is also
+    the role its heartbeats carry and its Prometheus job."""
+    commands = [svc.get("command", []) for svc in compose["services"].values()]
+    return sorted(c[2] for c in commands if c[:2] == ["kvmesh", "serve"])
+
+
+def expected_roles(services: list[str], scale: dict[str, int]) -> Counter:
     """The workers the registry should list: one of each service, ``scale`` of the pools."""
-    roles = Counter({"router": 1, "draft": 1, "kv-store": 1, "decode": 1, "prefill": 1})
-    roles.update({role: n - 1 for role, n in scale.items()})
-    return roles
+    return Counter({name: scale.get(name, 1) for name in services})
+
+
+def stack_roles(stack: Stack) -> Counter:
+    import yaml  # PyYAML: a dev dependency of the project
+
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    return expected_roles(kvmesh_services(compose), stack.settings.scale)
 
 
 def roles_listed(status: dict[str, Any]) -> Counter:
@@ -164,7 +176,7 @@ async def until(probe, timeout_s: float, every_s: float = 2.0):
 
 async def check_replicas(stack: Stack) -> Verdict:
     """``kvmesh admin status`` lists every replica of every kvmesh service."""
-    want = expected_roles(stack.settings.scale) + Counter({"kv-registry": 1})
+    want = stack_roles(stack)
 
     def probe() -> tuple[bool, Counter]:
         roles = roles_listed(admin_status(stack))
@@ -177,7 +189,7 @@ async def check_replicas(stack: Stack) -> Verdict:
 
 async def check_prometheus(stack: Stack) -> Verdict:
     """Prometheus (found by DNS, deploy/prometheus.yml) scrapes every replica and each is up."""
-    want = expected_roles(stack.settings.scale) + Counter({"kv-registry": 1})
+    want = stack_roles(stack)
     url = f"{stack.prometheus_url}/api/v1/targets?state=active"
 
     def probe() -> tuple[bool, tuple[Counter, list[str]]]:

@@ -122,9 +122,10 @@ def test_every_service_has_a_healthcheck_on_what_it_serves() -> None:
     assert probe_url(services["router"]) == "http://127.0.0.1:8000/health"
     assert probe_url(services["prometheus"]) == "http://127.0.0.1:9090/-/ready"
     assert "http://127.0.0.1:3000/api/health" in services["grafana"]["healthcheck"]["test"]
-    for name in ("kv-registry", "prefill", "decode", "draft", "kv-store"):
-        port = metrics_port(name)
-        assert probe_url(services[name]) == f"http://127.0.0.1:{port}/metrics", name
+    for name in kvmesh_services():
+        if name != "router":
+            port = metrics_port(name)
+            assert probe_url(services[name]) == f"http://127.0.0.1:{port}/metrics", name
 
 
 def test_services_start_after_what_they_need_is_healthy() -> None:
@@ -138,11 +139,10 @@ def test_services_start_after_what_they_need_is_healthy() -> None:
     }
     assert conditions["nats"] == {}
     assert conditions["kv-registry"] == {"nats": "service_healthy"}
-    for name in ("router", "prefill", "decode", "draft", "kv-store"):
+    workers = [name for name in kvmesh_services() if name != "kv-registry"]
+    for name in workers:
         assert conditions[name] == {"nats": "service_healthy", "kv-registry": "service_healthy"}
-    assert conditions["prometheus"] == {
-        name: "service_healthy" for name in ("router", "decode", "prefill", "draft", "kv-store")
-    }
+    assert conditions["prometheus"] == dict.fromkeys(workers, "service_healthy")
     assert conditions["grafana"] == {"prometheus": "service_healthy"}
 
 

@@ -82,9 +82,14 @@ def test_env_file_pairs() -> None:
     assert stack.parse_env_file(text) == {"KVMESH_NATS_PASSWORD_ROUTER": "abc="}
 
 
-def test_expected_roles_scale_the_pools() -> None:
-    roles = checks.expected_roles({"prefill": 2, "decode": 3})
-    assert roles == Counter(router=1, draft=1, **{"kv-store": 1}, decode=3, prefill=2)
+def test_expected_roles_are_the_compose_files_services_with_the_pools_scaled() -> None:
+    import yaml
+
+    compose = yaml.safe_load((SCRIPTS.parent / "docker-compose.yml").read_text())
+    services = checks.kvmesh_services(compose)
+    assert "nats" not in services and {"decode", "prefill", "router"} <= set(services)
+    roles = checks.expected_roles(services, {"prefill": 2, "decode": 3})
+    assert roles == Counter({name: 1 for name in services}) + Counter(decode=2, prefill=1)
 
 
 def test_roles_listed_count_every_worker_the_registry_included() -> None:
