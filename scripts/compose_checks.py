@@ -20,7 +20,9 @@ from compose_host import ROOT, run
 from compose_stack import Stack
 
 KVMESH = str(ROOT / ".venv" / "bin" / "kvmesh")
-LOAD_TOKENS = 48  # per request of the kill check's load; the completions check asks 16
+# The kill check's load: requests long enough (EOS ignored) that the killed worker holds some.
+LOAD_TOKENS = 128
+LOAD_CLIENTS = 6
 PROMPTS = (
     "The capital of France is",
     "Write a haiku about the sea.",
@@ -106,16 +108,23 @@ def router_retries(stack: Stack) -> dict[str, float]:
 # --- completions against kvmesh generate --------------------------------------------------------
 
 
-def generate(model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
+def generate(model: str, prompt: str, max_tokens: int, ignore_eos: bool = False) -> dict[str, Any]:
     argv = [KVMESH, "generate", "--model", model, "--prompt", prompt]
     argv += ["--max-tokens", str(max_tokens), "--temperature", "0", "--json"]
-    return json.loads(run(argv, 600).stdout)
+    return json.loads(run([*argv, "--ignore-eos"] if ignore_eos else argv, 600).stdout)
 
 
 async def complete(
-    session: aiohttp.ClientSession, url: str, model: str, prompt: str, max_tokens: int
+    session: aiohttp.ClientSession,
+    url: str,
+    model: str,
+    prompt: str,
+    max_tokens: int,
+    ignore_eos: bool = False,
 ) -> Outcome:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0}
+    if ignore_eos:
+        body["ignore_eos"] = True
     try:
         async with session.post(f"{url}/v1/completions", json=body) as resp:
             payload = await resp.json(content_type=None)
@@ -230,7 +239,8 @@ def container_logs(container: str) -> str:
 
 
 async def load(url: str, model: str, clients: int, duration_s: float) -> list[tuple[str, Outcome]]:
-    """``clients`` loops sending the prompts back to back for ``duration_s``."""
+    """``clients`` loops sending the prompts back to back for ``duration_s``, ``LOAD_TOKENS``
+    tokens each, EOS ignored."""
     results: list[tuple[str, Outcome]] = []
     deadline = time.monotonic() + duration_s
     timeout = aiohttp.ClientTimeout(total=180)
@@ -240,11 +250,28 @@ async def load(url: str, model: str, clients: int, duration_s: float) -> list[tu
             n = i
             while time.monotonic() < deadline:
                 prompt = PROMPTS[n % len(PROMPTS)]
-                results.append((prompt, await complete(session, url, model, prompt, LOAD_TOKENS)))
+                outcome = await complete(session, url, model, prompt, LOAD_TOKENS, ignore_eos=True)
+                results.append((prompt, outcome))
                 n += 1
 
     await asyncio.gather(*(client(i) for i in range(clients)))
     return results
+
+
+async def decode_rows_under_load(stack: Stack, timeout_s: float = 10.0) -> list[dict[str, Any]]:
+    """The admin status's decode rows once one shows a running request (polled every 0.1 s
+    over one admin connection: the CLI takes a second a call), or the last ones seen."""
+    from kvmesh.shared.admin_client import admin_client
+    from kvmesh.shared.nats_auth import ADMIN, NatsAuth
+
+    auth = NatsAuth(ADMIN, stack.passwords["KVMESH_NATS_PASSWORD_ADMIN"])
+    deadline = time.monotonic() + timeout_s
+    async with admin_client(stack.nats_url, auth=auth, mesh=stack.settings.mesh) as admin:
+        while True:
+            rows = (await admin.status())["decode"]
+            if any(r["running"] for r in rows) or time.monotonic() > deadline:
+                return rows
+            await asyncio.sleep(0.1)
 
 
 def busiest(rows: list[dict[str, Any]], ids_by_container: dict[str, list[str]]) -> str:
@@ -266,10 +293,10 @@ async def check_kill(stack: Stack, expected: dict[str, str]) -> Verdict:
     async with aiohttp.ClientSession() as session:
         model = await served_model(session, stack.router_url)
     before = router_retries(stack)
-    task = asyncio.create_task(load(stack.router_url, model, clients=4, duration_s=25))
-    await asyncio.sleep(6)
     logs = {c: worker_ids(container_logs(c)) for c in stack.containers("decode")}
-    victim = busiest((await asyncio.to_thread(admin_status, stack))["decode"], logs)
+    task = asyncio.create_task(load(stack.router_url, model, LOAD_CLIENTS, duration_s=25))
+    await asyncio.sleep(6)
+    victim = busiest(await decode_rows_under_load(stack), logs)
     old_ids = logs[victim]
     run(["docker", "kill", victim], 60)
     results = await task
