@@ -296,7 +296,9 @@ async def check_kill(stack: Stack, expected: dict[str, str]) -> Verdict:
     logs = {c: worker_ids(container_logs(c)) for c in stack.containers("decode")}
     task = asyncio.create_task(load(stack.router_url, model, LOAD_CLIENTS, duration_s=25))
     await asyncio.sleep(6)
-    victim = busiest(await decode_rows_under_load(stack), logs)
+    rows = await decode_rows_under_load(stack)
+    victim = busiest(rows, logs)
+    held = {r["worker_id"]: f"{r['running']} running, {r['leases']} leased" for r in rows}
     old_ids = logs[victim]
     run(["docker", "kill", victim], 60)
     results = await task
@@ -322,7 +324,7 @@ async def check_kill(stack: Stack, expected: dict[str, str]) -> Verdict:
     settled, rows = await until(probe, 90)
     blocks = ", ".join(f"{r['worker_id']} {r['free_blocks']}/{r['total_blocks']}" for r in rows)
     detail = (
-        f"{len(results)} requests ({dict(verdicts)}) while killing decode {old_ids[-1:]}, "
+        f"{len(results)} requests ({dict(verdicts)}); killed decode {old_ids[-1:]} of {held}, "
         f"run again by the router: {dict(rerun) or 'none (the kill met no running request)'}; "
         f"restarted as {new_ids[-1:]}; free/total blocks: {blocks}"
     )

@@ -200,7 +200,9 @@ def main(argv: list[str] | None = None) -> int:
     for name, verdict in results:
         print(f"compose-test: {'PASS' if verdict.passed else 'FAIL'} {name}: {verdict.detail}")
     print("compose-test: seconds " + ", ".join(f"{k} {v:.0f}" for k, v in timings.items()))
-    return 0 if results and all(v.passed for _, v in results) else 1
+    passed = sum(v.passed for _, v in results)
+    print(f"compose-test: {passed} passed, {len(results) - passed} failed")  # CI reads this line
+    return 0 if results and passed == len(results) else 1
 
 
 if __name__ == "__main__":
