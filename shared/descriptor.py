@@ -42,10 +42,13 @@ class ShmBackend(_Backend, tag="shm"):
 
 
 class TcpBackend(_Backend, tag="tcp"):
-    """Any host: where the peer's TCP transport listens, and over how many lanes."""
+    """Any host: where the peer's TCP transport listens, over how many lanes, and the secret a
+    lane proves it knows before the receiver serves it (``transport/lane_auth.py``). It travels
+    only over authenticated NATS, like a lease's window key."""
 
     host: str
     port: TcpPort
+    secret: Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")]
     lanes: Annotated[int, msgspec.Meta(ge=1)] = 1
 
 

@@ -30,6 +30,8 @@ from kvmesh.shared.protocol import (
 )
 from kvmesh.shared.subjects import DEFAULT_MESH, Subjects
 
+SECRET = "ab" * 32  # a tcp descriptor's lane secret (64 hex digits)
+
 EOS_ID = tiny_config().eos_token_ids[0]
 REPLY_TEXT = "The quick brown fox jumps over the lazy dog. "
 
@@ -127,7 +129,9 @@ class FakeMesh:
                 request_id=place.request_id,
                 worker_id="decode-fake",
                 lease_id=f"lease-{place.request_id}",
-                descriptor=TransportDescriptor("decode-fake", "h", (TcpBackend("127.0.0.1", 1),)),
+                descriptor=TransportDescriptor(
+                    "decode-fake", "h", (TcpBackend("127.0.0.1", 1, SECRET),)
+                ),
                 rkey=7,
                 block_ids=(0, 1),
                 block_addrs=(4096, 8192),

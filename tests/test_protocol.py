@@ -55,6 +55,8 @@ from kvmesh.shared.protocol import (
     encode_message,
 )
 
+SECRET = "ab" * 32  # a tcp descriptor's lane secret (64 hex digits)
+
 SAMPLING = SamplingOptions(
     max_tokens=7,
     temperature=0.5,
@@ -70,7 +72,7 @@ DESCRIPTOR = TransportDescriptor(
     host_id="host-a",
     backends=(
         ShmBackend(socket="/tmp/kvmesh-1-deadbeef/notify.sock", table="kvmesh-1-deadbeef-table"),
-        TcpBackend(host="10.0.0.2", port=41234, lanes=4),
+        TcpBackend(host="10.0.0.2", port=41234, secret=SECRET, lanes=4),
         RdmaBackend(
             device="mlx5_0",
             port=1,
@@ -344,7 +346,9 @@ def test_encode_refuses_what_is_not_a_message():
 def test_descriptor_backends_are_tagged_on_the_wire():
     wire = _wire(JOB)["descriptor"]
     assert [b["backend"] for b in wire["backends"]] == ["shm", "tcp", "rdma"]
-    assert DESCRIPTOR.backend("tcp") == TcpBackend(host="10.0.0.2", port=41234, lanes=4)
+    assert DESCRIPTOR.backend("tcp") == TcpBackend(
+        host="10.0.0.2", port=41234, secret=SECRET, lanes=4
+    )
     assert DESCRIPTOR.backend("nvlink") is None
 
 
@@ -369,7 +373,7 @@ def test_descriptor_converts_to_and_from_the_transports_peer_descriptor():
 
     peer = DESCRIPTOR.to_peer()
     assert set(peer.backends) == {"shm", "tcp", "rdma"}
-    assert peer.backends["tcp"] == {"host": "10.0.0.2", "port": 41234, "lanes": 4}
+    assert peer.backends["tcp"] == {"host": "10.0.0.2", "port": 41234, "secret": SECRET, "lanes": 4}
     rdma = RdmaPeerInfo.from_dict(peer.backends["rdma"])
     assert rdma.iova == {17: (4096, 1 << 40)} and rdma.memory_windows == 2
     assert peer.regions[0].rkey == 17 and int(peer.regions[0].access) == 1

@@ -196,6 +196,7 @@ class RdmaTransport:
                 self._registry,
                 self.next_wr_id,
                 self.limits.send_depth // 2,
+                self.config.max_refusals,
             )
         self.poller = CompletionPoller(
             v,

@@ -21,12 +21,15 @@ import mmap
 import socket
 import struct
 import threading
+import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
+from kvmesh.shared import logs
 from kvmesh.shared.advertise import default_route_address
+from kvmesh.shared.transport import lane_auth
 from kvmesh.shared.transport.base import (
     Access,
     Buffer,
@@ -39,27 +42,36 @@ from kvmesh.shared.transport.base import (
 )
 from kvmesh.shared.transport.completions import Completion, CompletionQueue
 from kvmesh.shared.transport.config import TransportConfig
-from kvmesh.shared.transport.errors import ProtocolError, RemoteAccessError, TransportClosedError
+from kvmesh.shared.transport.errors import (
+    ProtocolError,
+    RefusalReason,
+    RemoteAccessError,
+    TransportClosedError,
+)
+from kvmesh.shared.transport.lane_auth import LaneHello
 from kvmesh.shared.transport.registry import Registry
-from kvmesh.shared.transport.server import SocketServer, recv_exact
+from kvmesh.shared.transport.server import SocketServer
 
 if TYPE_CHECKING:
     from kvmesh.shared.transport.tcp_endpoint import TcpEndpoint
 
-MAGIC_HELLO, MAGIC_FRAME, MAGIC_ACK = b"KVMH", b"KVMF", b"KVMA"
-VERSION = 1
-OP_WRITE, OP_READ = 1, 2
+log = logs.get_logger(__name__)
+
+MAGIC_FRAME, MAGIC_ACK = b"KVMF", b"KVMA"
+VERSION = lane_auth.VERSION
+OP_WRITE, OP_READ, OP_PING = 1, 2, 3  # a ping (length 0, no payload, no answer) keeps a lane alive
 # Frame flag: the writer needs no ACK for this frame (a later frame's ACK covers it; ACKs are
 # cumulative per lane). Refused frames and reads are always answered.
 FLAG_NO_ACK = 1
 MAX_FRAME_BYTES = 1 << 30  # a longer frame is corrupt: close the connection
-# HELLO: magic, version, lane, num_lanes, endpoint id, peer id length (+ peer id bytes)
-HELLO = struct.Struct("<4sHHHQH")
 # FRAME: magic, version, op, flags, rkey, imm, remote_addr, length, seq, frame index, frame count,
 # span addr, span length (the remote run this frame belongs to; checked whole)
 FRAME = struct.Struct("<4sBBHIIQQQIIQQ")
-# ACK: magic, status (0 ok, else RefusalReason), op, pad, frame index, seq, length (+ read payload)
+# ACK: magic, status (0 ok, else RefusalReason.REFUSED), op, pad, frame index, seq, length
+# (+ read payload)
 ACK = struct.Struct("<4sBBHIQQ")
+# A frame's bytes must keep coming: after stall_timeout_s of grace, at least this fast.
+MIN_FRAME_BYTES_PER_S = 16 << 20
 DRAIN_BYTES = 1 << 20
 # Writes a peer may have partly placed at once (each costs the receiver a small record): a peer
 # that starts more is disconnected. Writers hold at most this many writes in flight per
@@ -72,10 +84,18 @@ def tensor_buffer(t: torch.Tensor) -> memoryview:
     return memoryview(t.numpy()).cast("B")
 
 
-def send_all(sock: socket.socket, buffers: list[memoryview]) -> None:
-    """sendmsg until every buffer is out (partial sends resume mid-buffer)."""
+def send_all(sock: socket.socket, buffers: list[memoryview], deadline: float | None = None) -> None:
+    """sendmsg until every buffer is out (partial sends resume mid-buffer). With a deadline (a
+    receiver's socket has SO_SNDTIMEO), a peer that stops reading past it is a ProtocolError."""
     while buffers:
-        sent = sock.sendmsg(buffers)
+        if deadline is not None and time.monotonic() > deadline:
+            raise ProtocolError("the peer stopped reading")
+        try:
+            sent = sock.sendmsg(buffers)
+        except BlockingIOError:
+            if deadline is None:
+                raise
+            continue
         while buffers and sent >= len(buffers[0]):
             sent -= len(buffers[0])
             buffers.pop(0)
@@ -85,6 +105,15 @@ def send_all(sock: socket.socket, buffers: list[memoryview]) -> None:
 
 def tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+def set_io_timeout(sock: socket.socket, seconds: float) -> None:
+    """SO_RCVTIMEO and SO_SNDTIMEO on a blocking socket: a recv or send that waits this long
+    returns short or raises BlockingIOError, and the caller decides (the fast path stays one
+    blocking MSG_WAITALL call)."""
+    tv = struct.pack("ll", int(seconds), int((seconds % 1) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
 
 
 @dataclass
@@ -97,6 +126,7 @@ class _WriteState:
     frames: int = 0
     num_bytes: int = 0
     refused: bool = False
+    reason: str = ""  # why its first refused frame was refused (for the log)
 
 
 @dataclass
@@ -108,6 +138,7 @@ class _PeerEndpoint:
     next_seq: int = 1
     pending: dict[int, _WriteState] = field(default_factory=dict)
     dead: bool = False
+    refusals: int = 0  # operations refused (a write counts once however many frames it has)
 
 
 class TcpTransport:
@@ -133,6 +164,9 @@ class TcpTransport:
         self._memory: list[mmap.mmap] = []
         self._endpoints: set[TcpEndpoint] = set()
         self._closed = False
+        # Lanes prove they know it (lane_auth); it travels only in this transport's descriptor.
+        self._secret = lane_auth.new_secret()
+        self.num_dropped = 0  # lanes dropped (idle, stalled, corrupt, too many refusals)
 
     @property
     def peer_id(self) -> str:
@@ -162,13 +196,15 @@ class TcpTransport:
         listener.bind((self.config.tcp_host, self.config.tcp_port))
         listener.listen(128)
         self._port = listener.getsockname()[1]
+        secret = self._secret
         self._server = SocketServer(
             listener,
             self._serve_lane,
             "tcp-lane",
-            on_accept=tune,
-            max_connections=self.config.max_connections,
-            handshake_timeout_s=self.config.handshake_timeout_s,
+            lambda: lane_auth.HelloReader(secret),
+            on_admit=tune,
+            accept_reply=lane_auth.ACCEPT,
+            limits=self.config.server_limits(),
         )
         self._server.start()
 
@@ -221,7 +257,14 @@ class TcpTransport:
         return PeerDescriptor(
             peer_id=self._peer_id,
             host_id=local_host_id(),
-            backends={"tcp": {"host": host, "port": self._port, "lanes": self.config.tcp_lanes}},
+            backends={
+                "tcp": {
+                    "host": host,
+                    "port": self._port,
+                    "lanes": self.config.tcp_lanes,
+                    "secret": self._secret.hex(),
+                }
+            },
             regions=tuple(self._registry.regions(Access.REMOTE_WRITE)),
         )
 
@@ -242,36 +285,25 @@ class TcpTransport:
 
     # -- receiver ----------------------------------------------------------------------------------
 
-    def _serve_lane(self, conn: socket.socket) -> None:
-        peer: _PeerEndpoint | None = None
-        try:
-            peer = self._hello(conn)
-            if peer is not None:
-                self._frames(conn, peer)
-        except (OSError, ProtocolError):
-            pass  # this endpoint is gone; other peers are served by their own threads
-        finally:
-            if peer is not None:
-                self._drop(peer)
-
-    def _hello(self, conn: socket.socket) -> _PeerEndpoint | None:
-        buf = bytearray(HELLO.size)
-        if recv_exact(conn, memoryview(buf)) != HELLO.size:
-            return None
-        magic, version, _lane, _num_lanes, endpoint_id, n = HELLO.unpack(buf)
-        if magic != MAGIC_HELLO or version != VERSION or not 0 < n <= 256:
-            raise ProtocolError(f"bad hello {bytes(buf)!r}")
-        raw = bytearray(n)
-        if recv_exact(conn, memoryview(raw)) != n:
-            return None
-        peer_id = raw.decode(errors="replace")
-        conn.settimeout(
-            None
-        )  # hello complete: lanes may idle between jobs for as long as they like
+    def _serve_lane(self, conn: socket.socket, hello: LaneHello) -> None:
+        """Serve one admitted lane (its hello proven by the server) until it ends."""
         with self._lock:
-            peer = self._peers.setdefault((peer_id, endpoint_id), _PeerEndpoint(peer_id))
+            key = (hello.peer_id, hello.endpoint_id)
+            peer = self._peers.setdefault(key, _PeerEndpoint(hello.peer_id))
             peer.lanes.add(conn)
-        return peer
+        try:
+            set_io_timeout(conn, min(self.config.stall_timeout_s, self.config.idle_timeout_s))
+            self._frames(conn, peer)
+        except (OSError, ProtocolError) as exc:
+            if logs.is_sampled(self._count_dropped()):
+                log.info("tcp lane dropped", peer=peer.peer_id, reason=str(exc))
+        finally:
+            self._drop(peer)
+
+    def _count_dropped(self) -> int:
+        with self._lock:
+            self.num_dropped += 1
+            return self.num_dropped
 
     def _drop(self, peer: _PeerEndpoint) -> None:
         """A lane died: the endpoint's order is broken, so close all of its lanes."""
@@ -286,12 +318,49 @@ class TcpTransport:
             with contextlib.suppress(OSError):
                 lane.shutdown(socket.SHUT_RDWR)
 
+    def _recv_header(self, conn: socket.socket, view: memoryview) -> int:
+        """The next frame header (0 on a clean end). Waits up to idle_timeout_s for its first
+        byte (writers ping more often), then stall_timeout_s for the rest."""
+        got, idle_since, deadline = 0, time.monotonic(), 0.0
+        while got < len(view):
+            try:
+                r = conn.recv_into(view[got:], len(view) - got, socket.MSG_WAITALL)
+            except BlockingIOError:
+                r = -1
+            now = time.monotonic()
+            if r == 0:
+                return got
+            if r > 0:
+                deadline = deadline or now + self.config.stall_timeout_s
+                got += r
+            elif not got and now - idle_since >= self.config.idle_timeout_s:
+                raise ProtocolError(f"lane idle for {self.config.idle_timeout_s} s")
+            if got and got < len(view) and now > deadline:
+                raise ProtocolError("frame header stalled")
+        return got
+
+    def _recv_payload(self, conn: socket.socket, view: memoryview) -> None:
+        """Fill ``view`` or raise: a frame that stalls is dropped (with its endpoint)."""
+        n = len(view)
+        deadline = time.monotonic() + self.config.stall_timeout_s + n / MIN_FRAME_BYTES_PER_S
+        got = 0
+        while got < n:
+            try:
+                r = conn.recv_into(view[got:], n - got, socket.MSG_WAITALL)
+            except BlockingIOError:
+                r = -1
+            if r == 0:
+                raise ProtocolError("truncated payload")
+            got += max(r, 0)
+            if got < n and time.monotonic() > deadline:
+                raise ProtocolError(f"frame of {n} bytes stalled after {got}")
+
     def _frames(self, conn: socket.socket, peer: _PeerEndpoint) -> None:
         hdr = bytearray(FRAME.size)
         hview = memoryview(hdr)
         scratch = None
         while True:
-            got = recv_exact(conn, hview)
+            got = self._recv_header(conn, hview)
             if got == 0:
                 return
             if got != FRAME.size:
@@ -299,24 +368,31 @@ class TcpTransport:
             magic, version, op, flags, rkey, imm, addr, length, seq, idx, count, span, span_len = (
                 FRAME.unpack(hdr)
             )
-            if magic != MAGIC_FRAME or version != VERSION or op not in (OP_WRITE, OP_READ):
+            if magic != MAGIC_FRAME or version != VERSION or op not in (OP_WRITE, OP_READ, OP_PING):
                 raise ProtocolError(f"corrupt frame header {bytes(hdr)!r}")
+            if op == OP_PING:
+                if length:
+                    raise ProtocolError(f"a ping of {length} bytes")
+                continue
             if not 0 < length <= MAX_FRAME_BYTES or not idx < count:
                 raise ProtocolError(f"insane frame length {length} or index {idx}/{count}")
             if not span <= addr <= addr + length <= span + span_len:
                 raise ProtocolError(f"frame [{addr:#x}, +{length}) outside its span")
             access = Access.REMOTE_WRITE if op == OP_WRITE else Access.REMOTE_READ
             view, error = self._target(rkey, span, span_len, access)
-            status = int(error.reason) if error else 0
+            # Every refusal answers alike (no oracle); the reason goes to the log only.
+            status = int(RefusalReason.REFUSED) if error else 0
             if view is not None:
                 view = view[addr - span : addr - span + length]
             if op == OP_READ:
                 if view is None:
-                    self._registry.count_refused(peer.peer_id, error.reason.name if error else "")
-                    conn.sendall(ACK.pack(MAGIC_ACK, status, op, 0, idx, seq, 0))
+                    assert error is not None
+                    self._registry.count_refused(peer.peer_id, error.reason.name)
+                    self._refused_op(peer)
+                    self._send(conn, [memoryview(ACK.pack(MAGIC_ACK, status, op, 0, idx, seq, 0))])
                     continue
                 ack = ACK.pack(MAGIC_ACK, 0, op, 0, idx, seq, length)
-                send_all(conn, [memoryview(ack), tensor_buffer(view)])
+                self._send(conn, [memoryview(ack), tensor_buffer(view)])
                 self._registry.count_read(length, ops=int(idx == count - 1))
                 continue
             if view is None:
@@ -324,14 +400,29 @@ class TcpTransport:
                 left = length
                 while left:
                     n = min(left, DRAIN_BYTES)
-                    if recv_exact(conn, scratch[:n]) != n:
-                        raise ProtocolError("truncated payload")
+                    self._recv_payload(conn, scratch[:n])
                     left -= n
-            elif recv_exact(conn, tensor_buffer(view)) != length:
-                raise ProtocolError("truncated payload")
-            self._placed(peer, seq, idx, count, imm, rkey, 0 if error else length)
+            else:
+                self._recv_payload(conn, tensor_buffer(view))
+            reason = error.reason.name if error else ""
+            self._placed(peer, seq, idx, count, imm, rkey, 0 if error else length, reason)
             if error or not flags & FLAG_NO_ACK:
-                conn.sendall(ACK.pack(MAGIC_ACK, status, op, 0, idx, seq, length))
+                self._send(conn, [memoryview(ACK.pack(MAGIC_ACK, status, op, 0, idx, seq, length))])
+
+    def _send(self, conn: socket.socket, buffers: list[memoryview]) -> None:
+        """Answer a frame; a peer that stops reading its answers is dropped."""
+        total = sum(len(b) for b in buffers)
+        deadline = time.monotonic() + self.config.stall_timeout_s + total / MIN_FRAME_BYTES_PER_S
+        send_all(conn, buffers, deadline)
+
+    def _refused_op(self, peer: _PeerEndpoint) -> None:
+        """One more refused operation: past ``max_refusals`` the endpoint is disconnected (a
+        writer that keeps presenting bad keys is probing; an honest one stops at its first)."""
+        with self._lock:
+            peer.refusals += 1
+            over = peer.refusals >= self.config.max_refusals
+        if over:
+            raise ProtocolError(f"{peer.refusals} accesses refused: disconnected")
 
     def _target(
         self, rkey: int, addr: int, length: int, access: Access
@@ -351,9 +442,12 @@ class TcpTransport:
         imm: int,
         rkey: int,
         num_bytes: int,
+        reason: str = "",
     ) -> None:
-        """Book one frame (num_bytes 0: refused); deliver completed writes in seq order."""
+        """Book one frame (num_bytes 0: refused, for ``reason``); deliver completed writes in
+        seq order. Raises ProtocolError once the endpoint has too many refusals."""
         done: list[_WriteState] = []
+        first_refusal = False
         with self._lock:
             if peer.dead:
                 return
@@ -366,15 +460,18 @@ class TcpTransport:
                 state = peer.pending[seq] = _WriteState(imm=imm, num_frames=count, rkey=rkey)
             state.frames += 1
             state.num_bytes += num_bytes
-            state.refused |= num_bytes == 0
+            if num_bytes == 0 and not state.refused:
+                state.refused, state.reason, first_refusal = True, reason, True
             while (head := peer.pending.get(peer.next_seq)) and head.frames == head.num_frames:
                 del peer.pending[peer.next_seq]
                 peer.next_seq += 1
                 done.append(head)
         for state in done:
             if state.refused:
-                self._registry.count_refused(peer.peer_id, "write")
+                self._registry.count_refused(peer.peer_id, f"write: {state.reason}")
             else:
                 self._registry.count_write(state.num_bytes)
                 keys = frozenset((state.rkey,))
                 self._queue.put(Completion(state.imm, peer.peer_id, state.num_bytes, keys))
+        if first_refusal:
+            self._refused_op(peer)
