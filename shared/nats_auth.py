@@ -181,7 +181,8 @@ def role_permissions(s: Subjects) -> dict[str, Permissions]:
         ),
         # KV stores: answer their own endpoints (put, commit, get, release), advertise
         # themselves (every heartbeat, and at once when a starting reader solicits it) and what
-        # they hold; they send nothing else and read no other role's messages.
+        # they hold, and evict the blocks of workers the kv-registry drops; they send nothing
+        # else and read no other role's messages.
         "kv-store": service(
             "kv-store",
             publish=(
@@ -189,7 +190,7 @@ def role_permissions(s: Subjects) -> dict[str, Permissions]:
                 s.REGISTRY_STORE_KV_EVENTS,
                 s.REGISTRY_STORE_KV_DIGEST,
             ),
-            subscribe=(f"{p}.store.*.>", s.REGISTRY_STORE_SOLICIT),
+            subscribe=(f"{p}.store.*.>", s.REGISTRY_STORE_SOLICIT, s.REGISTRY_WORKER_GONE),
         ),
         # The operator: the mesh's admin requests and discovery; may watch everything of the
         # mesh (kvmesh bench taps it) and its own replies.

@@ -121,7 +121,15 @@ async def test_nats_without_credentials_or_with_a_wrong_password_is_refused(serv
         ),
         ("prefill", subjects.REGISTRY_KV_EVENTS, "kv-registry", subjects.REGISTRY_KV_EVENTS, False),
         ("router", subjects.REGISTRY_KV_DIGEST, "kv-registry", subjects.REGISTRY_KV_DIGEST, False),
-        # KV stores: adverts to the registry and prefill workers, put/get from their clients
+        # KV stores: adverts to the registry and prefill workers, put/get from their clients;
+        # they hear the registry drop a worker (and evict its blocks)
+        (
+            "kv-registry",
+            subjects.REGISTRY_WORKER_GONE,
+            "kv-store",
+            subjects.REGISTRY_WORKER_GONE,
+            True,
+        ),
         (
             "kv-store",
             subjects.REGISTRY_STORE_ADVERTISE,
