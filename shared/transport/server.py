@@ -145,22 +145,30 @@ class SocketServer:
     def _loop(self) -> None:
         try:
             while not self._closed:
-                timeout = _TICK_S
-                if self._pending:
-                    first = next(iter(self._pending.values()))
-                    timeout = min(timeout, max(0.0, first.deadline - time.monotonic()))
-                for key, _ in self._selector.select(timeout):
-                    if key.fileobj is self.listener:
-                        self._accept_all()
-                    else:
-                        self._advance(key.data)
-                self._expire(time.monotonic())
+                self._tick()
         finally:
             for pending in list(self._pending.values()):
                 self._drop(pending, "")
             with contextlib.suppress(Exception):
                 self._selector.close()
             self._loop_done.set()
+
+    def _tick(self) -> None:
+        """One round: accept, advance the handshakes that have bytes, expire the late ones."""
+        timeout = _TICK_S
+        if self._pending:
+            first = next(iter(self._pending.values()))
+            timeout = min(timeout, max(0.0, first.deadline - time.monotonic()))
+        try:
+            for key, _ in self._selector.select(timeout):
+                if key.fileobj is self.listener:
+                    self._accept_all()
+                else:
+                    self._advance(key.data)
+            self._expire(time.monotonic())
+        except Exception as exc:  # a bug must not end the receiver's accepting
+            log.exception("handshake loop error; going on", server=self._name, error=str(exc))
+            time.sleep(_TICK_S)
 
     def _accept_all(self) -> None:
         while not self._closed:
