@@ -251,7 +251,8 @@ async def test_a_starting_reader_gets_every_stores_advert_at_once_not_at_its_hea
 
 async def test_store_full_of_pinned_blocks_refuses_a_put_at_once(nats_server: str) -> None:
     async with (
-        store_process(nats_server, "store-f", "--num-blocks", "2") as advert,
+        # one writer may fill it: this test is about pins, not writers' shares
+        store_process(nats_server, "store-f", "--num-blocks", "2", "--writer-share", "1") as advert,
         Client(nats_server, "tcp", advert) as c,
     ):
         blocks = c.blocks(TOKENS, [0, 1, 2])
