@@ -68,6 +68,8 @@ class RdmaBackend(_Backend, tag="rdma"):
     iova: dict[U32, tuple[U64, U64]] = msgspec.field(default_factory=dict)
     # the memory-window type bound per lease (1 or 2); 0 where the NIC has none
     memory_windows: Annotated[int, msgspec.Meta(ge=0, le=2)] = 0
+    # the side channel's secret: a connection proves it knows it before a QP is made for it
+    secret: Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")] = ""
 
 
 BackendInfo = ShmBackend | TcpBackend | RdmaBackend

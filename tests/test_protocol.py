@@ -84,6 +84,7 @@ DESCRIPTOR = TransportDescriptor(
             handshake_port=41235,
             iova={17: (4096, 1 << 40)},
             memory_windows=2,
+            secret=SECRET,
         ),
     ),
     regions=(RegionInfo(addr=1 << 32, length=1 << 20, rkey=17, access=1, lkey=5),),
@@ -383,7 +384,7 @@ def test_descriptor_converts_to_and_from_the_transports_peer_descriptor():
 def test_descriptor_knows_every_field_of_the_rdma_peer_info():
     from kvmesh.shared.transport.rdma_device import RdmaPeerInfo
 
-    info = RdmaPeerInfo("mlx5_0", 1, 3, "fe80::1", 1, 5, "10.0.0.2", 41235, {17: (1, 2)}, 1)
+    info = RdmaPeerInfo("mlx5_0", 1, 3, "fe80::1", 1, 5, "10.0.0.2", 41235, {17: (1, 2)}, 1, SECRET)
     assert {f.name for f in msgspec.structs.fields(RdmaBackend)} == set(info.to_dict())
     backend = msgspec.convert({"backend": "rdma", **info.to_dict()}, RdmaBackend, strict=False)
     assert RdmaPeerInfo.from_dict(msgspec.to_builtins(backend)) == info

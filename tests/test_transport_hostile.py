@@ -189,3 +189,28 @@ async def test_hostile_load_leaves_normal_writes_served() -> None:
         assert rx._server.peak_connections <= config.max_connections
         # the rogue member's lanes: bounded by the per-peer limit, one peer id per kind
         assert rx.stats().refused > 0
+
+
+async def test_an_rdma_side_channel_hello_without_the_secret_gets_no_queue_pair() -> None:
+    """rdma's handshake listener made a queue pair for any hello; now, as a tcp lane, a
+    connection proves it knows the secret in the receiver's descriptor first (on
+    tests/fake_pyverbs.py)."""
+    from fake_pyverbs import FakeVerbs
+    from kvmesh.shared.transport.rdma import RdmaTransport
+    from kvmesh.shared.transport.rdma_side_channel import read_frame, write_frame
+
+    verbs = FakeVerbs()
+    async with (
+        RdmaTransport(TransportConfig(), verbs=verbs) as rx,
+        RdmaTransport(TransportConfig(), verbs=verbs) as tx,
+    ):
+        info = rx.descriptor().backends["rdma"]
+        reader, writer = await asyncio.open_connection(info["host"], info["handshake_port"])
+        assert "challenge" in await asyncio.wait_for(read_frame(reader), 5)
+        qp = {"qpn": 1, "psn": 1, "lid": 0, "gid": "fe80::1", "mtu": 5}
+        await write_frame(writer, {"peer_id": "intruder", "qp": qp, "proof": "00" * 32})
+        assert await asyncio.wait_for(reader.read(1), 5) == b""  # closed, nothing said
+        writer.close()
+        assert rx._side_channel.num_refused == 1 and len(rx.qps) == 0
+        async with await tx.connect(rx.descriptor()) as ep:  # a member connects
+            assert ep.backend == "rdma" and len(rx.qps) == 1

@@ -60,6 +60,21 @@ def _mac(secret: bytes, nonce: bytes, header: bytes, peer_id: bytes) -> bytes:
     return hmac.new(secret, LABEL + nonce + header + peer_id, hashlib.sha256).digest()
 
 
+RDMA_LABEL = b"kvmesh rdma side channel v2\x00"
+
+
+def side_channel_proof(secret: bytes, nonce: bytes, hello: bytes) -> str:
+    """The rdma side channel's proof (hex) of a hello (its canonical JSON) for ``nonce``: the
+    same idea as a tcp lane's, under a label of its own."""
+    return hmac.new(secret, RDMA_LABEL + nonce + hello, hashlib.sha256).hexdigest()
+
+
+def proof_matches(secret: bytes, nonce: bytes, hello: bytes, proof: object) -> bool:
+    return isinstance(proof, str) and hmac.compare_digest(
+        proof, side_channel_proof(secret, nonce, hello)
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class LaneHello:
     """An admitted hello: which lane of which writer endpoint, and the id the writer declared
@@ -137,4 +152,6 @@ __all__ = [
     "answer_challenge",
     "new_secret",
     "parse_secret",
+    "proof_matches",
+    "side_channel_proof",
 ]
