@@ -4,7 +4,7 @@ holds at most its quota, and the blocks of a worker the kv-registry dropped are 
 
 from __future__ import annotations
 
-from kvmesh.services.kv_store.core import BlockStore, PutGrant
+from kvmesh.services.kv_store.core import BlockStore, PutGrant, StoreFull
 from kvmesh.services.kv_store.disk_tier import DiskSlots
 from kvmesh.services.kv_store.owners import BlockOwners, writer_quota
 
@@ -48,6 +48,13 @@ def test_a_writer_at_its_quota_with_every_block_pinned_gets_no_slot_but_no_error
     assert store.lookup("g", L, [1, 2], 10.0).block_hashes == (1, 2)  # pinned by a get
     grant = store.reserve("p", L, [3], 10.0, "w")
     assert isinstance(grant, PutGrant) and grant.slots == () and store.num_free == 6
+
+
+def test_a_writer_at_its_quota_in_a_store_full_of_pinned_blocks_is_told_so() -> None:
+    store = BlockStore(2, max_per_owner=2)
+    stored(store, "w", 1, 2)
+    assert store.lookup("g", L, [1, 2], 10.0).block_hashes == (1, 2)
+    assert isinstance(store.reserve("p", L, [3], 10.0, "w"), StoreFull)
 
 
 def test_reserved_slots_count_toward_the_quota() -> None:
@@ -101,7 +108,7 @@ def test_owner_counts_follow_blocks_that_leave_by_plain_eviction() -> None:
 
 def test_writer_quota_is_a_share_of_host_and_disk_blocks() -> None:
     assert writer_quota(0.5, 8, 0) == 4 and writer_quota(0.5, 4, 16) == 10
-    assert writer_quota(0.01, 4, 0) == 1 and writer_quota(1.0, 8, 8) == 16
+    assert writer_quota(0.01, 4, 0) == 1 and writer_quota(1.0, 8, 8) == 0  # 0: no limit
     owners = BlockOwners()
     owners.record((1, L), "x")
     owners.record((1, L), "y")

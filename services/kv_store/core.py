@@ -151,17 +151,19 @@ class BlockStore:
         held = self.owners.count(owner) + sum(
             len(p.slots) for p in self.puts.values() if p.owner == owner
         )
-        at_quota = False
+        full = False  # no slot for reasons other than the writer's quota
         for _ in wanted:
             at_quota = bool(self.max_per_owner) and held >= self.max_per_owner
             if at_quota and not self._give_up_oldest(owner):
+                full = not self.free and not self.lru
                 break
             slot = self._take_slot(spills)
             if slot is None:
+                full = True
                 break
             held += not at_quota
             slots.append(slot)
-        if wanted and not slots and not at_quota:
+        if wanted and not slots and full:
             self.counters.refused_puts += 1
             return StoreFull(self.num_pinned, self.num_blocks)
         write = tuple(wanted[: len(slots)])

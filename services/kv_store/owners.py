@@ -48,8 +48,11 @@ class BlockOwners:
 
 
 def writer_quota(share: float, num_blocks: int, num_disk_slots: int) -> int:
-    """Blocks one writer may hold: ``share`` of the store (host and disk), at least one."""
+    """Blocks one writer may hold: ``share`` of the store (host and disk), at least one; 0 (no
+    limit) for a share of 1."""
     assert 0 < share <= 1, share
+    if share >= 1:
+        return 0
     return max(1, int(share * (num_blocks + num_disk_slots)))
 
 
