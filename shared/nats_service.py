@@ -29,6 +29,7 @@ import nats
 import nats.micro
 import orjson
 from kvmesh.shared import logs, protocol
+from kvmesh.shared.message_guard import guard_of
 from kvmesh.shared.metrics_exporter import serve_metrics
 from kvmesh.shared.nats_auth import ADMIN, PASSWORD_FILE_ENV, USER_ENV, NatsAuth, auth_from_env
 from kvmesh.shared.nats_options import (
@@ -41,11 +42,12 @@ from kvmesh.shared.nats_options import (
 from kvmesh.shared.subjects import Subjects
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.micro.request import Request
 from nats.micro.service import Service
-from prometheus_client import CollectorRegistry
 
 if TYPE_CHECKING:
+    from kvmesh.shared.metric_set import MetricSet
     from kvmesh.shared.worker_config import MetricsServiceConfig
 
 log = logs.get_logger(__name__)
@@ -231,21 +233,29 @@ async def heartbeat_loop(
 
 
 def on_message(
-    cls: type[M], handle: Callable[[M], Awaitable[None]]
+    nc: Client, cls: type[M], handle: Callable[[M], Awaitable[None]]
 ) -> Callable[[Msg], Awaitable[None]]:
-    """A subscription callback: decodes each message as ``cls`` and awaits ``handle(message)``.
-    A malformed message (another version's, a stray publisher's) is logged and dropped: a message
-    is data, never a reason for a service to fail."""
+    """A subscription callback: decodes each message as ``cls`` and awaits ``handle(message)``,
+    through ``nc``'s MessageGuard (shared/message_guard.py): a malformed or oversized message
+    (another version's, a stray publisher's) is refused, and what ``handle`` raises is logged
+    and counted. A message is data, never a reason for a service to fail."""
+    return guard_of(nc).typed(cls, handle)
 
-    async def callback(msg: Msg) -> None:
-        try:
-            body = protocol.decode_message(msg.data, cls)
-        except protocol.MessageError as exc:
-            log.warning("ignored malformed message", subject=msg.subject, error=str(exc))
-            return
-        await handle(body)
 
-    return callback
+async def guarded_subscribe(
+    nc: Client,
+    subject: str,
+    handle: Callable[[Msg], Awaitable[None]],
+    *,
+    queue: str = "",
+    needs_reply: bool = False,
+) -> Subscription:
+    """``nc.subscribe`` for a handler that reads raw messages, through ``nc``'s MessageGuard:
+    oversized ones are refused (and, ``needs_reply``, those without a reply subject) and what
+    ``handle`` raises is contained."""
+    return await nc.subscribe(
+        subject, queue=queue, cb=guard_of(nc).raw(handle, needs_reply=needs_reply)
+    )
 
 
 @contextlib.asynccontextmanager
@@ -255,7 +265,7 @@ async def subscriptions(nc: Client, *routes: tuple[str, type[Any], Handler]) -> 
     subs = []
     try:
         for subject, cls, handle in routes:
-            subs.append(await nc.subscribe(subject, cb=on_message(cls, handle)))
+            subs.append(await nc.subscribe(subject, cb=on_message(nc, cls, handle)))
         yield
     finally:
         if not nc.is_closed:
@@ -354,7 +364,7 @@ async def open_for_requests(
     nc: Client,
     svc: Service,
     *endpoints: tuple[str, str, RequestHandler],
-    metrics: CollectorRegistry,
+    metrics: MetricSet,
     config: MetricsServiceConfig,
     worker_id: str,
     logger: Any,
@@ -362,13 +372,18 @@ async def open_for_requests(
     **log_fields: Any,
 ) -> AsyncIterator[int | None]:
     """A worker's last start-up step, once its subscriptions and loops run: serve ``metrics`` on
-    ``config``'s metrics host and port (``serve_metrics``), add the ``(name, subject, handler)``
-    request/reply endpoints to ``svc``, flush (the server holds every subscription), then log
+    ``config``'s metrics host and port (``serve_metrics``; the connection's refused messages
+    counted in its ``nats_refused``), add the ``(name, subject, handler)`` request/reply
+    endpoints to ``svc``, each behind the connection's MessageGuard, flush (the server holds every subscription), then log
     ``ready`` on the service's ``logger`` with the worker id, the mesh, ``log_fields`` and the
     bound metrics port. Yields that port (None: no metrics endpoint)."""
-    async with serve_metrics(metrics, config.metrics_host, config.metrics_port) as bound_port:
+    guard = guard_of(nc)
+    guard.count_into(metrics.nats_refused)
+    async with serve_metrics(
+        metrics.registry, config.metrics_host, config.metrics_port
+    ) as bound_port:
         for name, subject, handler in endpoints:
-            await svc.add_endpoint(name=name, subject=subject, handler=handler)
+            await svc.add_endpoint(name=name, subject=subject, handler=guard.request(handler))
         await flush_to_server(nc)
         logger.info(
             ready,

@@ -14,8 +14,10 @@ from kvmesh.services.router.app import Router, build_app, serve_http
 from kvmesh.services.router.config import RouterConfig
 from kvmesh.services.router.model_info import load_model_info
 from kvmesh.shared import logs
+from kvmesh.shared.message_guard import guard_of
 from kvmesh.shared.nats_service import (
     connect_nats,
+    guarded_subscribe,
     new_worker_id,
     serve_until_signal,
     worker_presence,
@@ -55,10 +57,13 @@ async def serve_router(config: RouterConfig) -> AsyncIterator[RunningRouter]:
             await ensure_stream(nc, subjects)
         router = Router(config=config, model=model, nc=nc, subjects=subjects)
         # lives as long as the connection (drained on exit)
-        await nc.subscribe(subjects.REGISTRY_WORKER_GONE, cb=router.dispatcher.on_worker_gone)
-        await nc.subscribe(subjects.REGISTRY_ADVERTISE, cb=router.dispatcher.on_advert)
+        guard_of(nc).count_into(router.metrics.nats_refused)
+        await guarded_subscribe(nc, subjects.REGISTRY_WORKER_GONE, router.dispatcher.on_worker_gone)
+        await guarded_subscribe(nc, subjects.REGISTRY_ADVERTISE, router.dispatcher.on_advert)
         for role in ("prefill", "decode", "colocated", "kv-registry"):
-            await nc.subscribe(subjects.heartbeat(role, "*"), cb=router.dispatcher.on_heartbeat)
+            await guarded_subscribe(
+                nc, subjects.heartbeat(role, "*"), router.dispatcher.on_heartbeat
+            )
 
         def heartbeat() -> WorkerHeartbeat:
             return WorkerHeartbeat(
