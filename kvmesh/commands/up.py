@@ -268,6 +268,9 @@ def plan(config: UpConfig, nats_url: str, port: int) -> list[ChildSpec]:
             "kv-registry-0", "kv-registry", ("serve", "kv-registry", *worker("kv-registry-0"))
         )
     ]
+    if config.mode == "disagg":  # the one user that may make the JetStream queue
+        name = "prefill-queue-0"
+        specs.insert(0, ChildSpec(name, "kv-registry", ("serve", "prefill-queue", *worker(name))))
     decode_service = "colocated" if config.mode == "colocated" else "decode"
     decode_threads = ("--threads", str(threads[decode_service]))
     if config.mode == "disagg" and config.decode_pacing_ms:
@@ -618,6 +621,8 @@ class Launcher:
                         waiting_for = f"draft workers ({n}/{num_draft})"
                     elif (n := len(status.get("stores", []))) < self.config.kv_store:
                         waiting_for = f"kv-stores ({n}/{self.config.kv_store})"
+                    elif "note" in status.get("prefill_queue", {}) and num_prefill:
+                        waiting_for = "the prefill queue (prefill-queue-0)"
                     elif not await asyncio.to_thread(self._router_healthy):
                         waiting_for = "the router"
                     else:

@@ -50,11 +50,6 @@ async def serve_router(config: RouterConfig) -> AsyncIterator[RunningRouter]:
     started_at = time.time()
     subjects = config.subjects
     async with connect_nats(config.nats_url, worker_id, security=config.nats_security) as nc:
-        if config.mode == "disagg":
-            from kvmesh.shared.prefill_queue import ensure_stream
-
-            # jobs published before any prefill worker starts are kept
-            await ensure_stream(nc, subjects)
         router = Router(config=config, model=model, nc=nc, subjects=subjects)
         # lives as long as the connection (drained on exit)
         guard_of(nc).count_into(router.metrics.nats_refused)
