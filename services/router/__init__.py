@@ -80,7 +80,7 @@ async def serve_router(config: RouterConfig) -> AsyncIterator[RunningRouter]:
                 interval_s=config.heartbeat_s,
                 metadata={"model": model.name},
             ),
-            serve_http(build_app(router), config.host, config.port) as port,
+            serve_http(build_app(router), config.host, config.port, router.connections) as port,
         ):
             log.info(
                 "router serving",
