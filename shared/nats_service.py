@@ -39,6 +39,7 @@ from kvmesh.shared.nats_options import (
     split_nats_urls,
     url_has_credentials,
 )
+from kvmesh.shared.nats_vetting import holder_note
 from kvmesh.shared.subjects import Subjects
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -108,7 +109,34 @@ async def connect_nats(
             return
         log.warning("nats disconnected, reconnecting", name=name, url=shown)
 
+    # Credentials were made for one server: one that asks for none is not it (another user's
+    # open server on the port, shared/nats_vetting.py), and nothing is sent to it.
+    given_credentials = bool(
+        auth or url_has_credentials(url) or (security is not None and security.creds)
+    )
+
+    def open_server() -> str | None:
+        """Why the connected server must not be used, or None."""
+        if not given_credentials or nc._server_info.get("auth_required"):
+            return None
+        where = nc.connected_url
+        host, port = (where.hostname or "", where.port or 4222) if where else ("", 0)
+        return (
+            f"the NATS server at {host}:{port}{holder_note(host, port)} asks for no credentials, "
+            f"but {name} was given some: it is not the server they were made for (another "
+            "user's, started first on that port?), and nothing is sent to it; stop it, or "
+            "connect without credentials to use an open server"
+        )
+
+    refusing: list[asyncio.Future[None]] = []
+
     async def on_reconnected() -> None:
+        why = open_server()
+        if why is not None:
+            log.error("refusing the NATS server reconnected to", name=name, why=why)
+            # not awaited here: close() would wait on the reconnect that is calling us
+            refusing.append(asyncio.ensure_future(nc.close()))  # the service ends
+            return
         log.info("nats reconnected", name=name, url=shown)
 
     nc = Client()
@@ -164,6 +192,11 @@ async def connect_nats(
             f"({type(exc).__name__}: {redact_secrets(str(exc), url)}); start one (`kvmesh up` "
             "does, or `nats-server -js`) or pass --nats-url / KVMESH_NATS_URL"
         ) from None
+    why = open_server()
+    if why is not None:
+        closing = True
+        await nc.close()
+        raise NatsUnavailableError(why)
     try:
         yield nc
     finally:

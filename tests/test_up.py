@@ -407,7 +407,7 @@ async def test_up_refuses_to_join_a_nats_that_already_carries_a_mesh(nats_server
     other = asyncio.create_task(_beating(nats_server, "decode-0", stop))
     try:
         await asyncio.sleep(0.3)
-        launcher = Launcher(UpConfig(nats_url=nats_server, port=0))
+        launcher = Launcher(UpConfig(nats_url=nats_server, port=0, nats_insecure=True))
         with pytest.raises(LaunchError, match=r"already running .*decode-0.*own NATS"):
             await asyncio.to_thread(launcher.start)
         assert launcher.children == {}  # nothing was started
