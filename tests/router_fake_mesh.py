@@ -14,6 +14,7 @@ import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from kvmesh.services.prefill_queue.keeper import ensure_queue
 from kvmesh.shared import protocol
 from kvmesh.shared.descriptor import TcpBackend, TransportDescriptor
 from kvmesh.shared.model.tiny import tiny_config
@@ -78,6 +79,7 @@ class FakeMesh:
     async def running(self) -> AsyncIterator[FakeMesh]:
         async with connect_nats(self.nats_url, "fake-mesh") as nc:
             self._nc = nc
+            await ensure_queue(nc, self.subjects)  # the keeper's part: the router makes none
             subs = [
                 await nc.subscribe(self.subjects.REGISTRY_PLACE, cb=self._on_place),
                 await nc.subscribe(self.subjects.PREFILL_JOBS, cb=self._on_job),  # sees the publish

@@ -43,7 +43,15 @@ def test_compose_runs_every_mesh_service() -> None:
         services
     )
     serves = sorted(svc["command"][2] for svc in kvmesh_services().values())
-    assert serves == ["decode", "draft", "kv-registry", "kv-store", "prefill", "router"]
+    assert serves == [
+        "decode",
+        "draft",
+        "kv-registry",
+        "kv-store",
+        "prefill",
+        "prefill-queue",  # makes the JetStream queue: no worker role may (docs/security.md)
+        "router",
+    ]
 
 
 def test_decode_sends_contexts_to_the_compose_draft_service() -> None:
@@ -53,7 +61,7 @@ def test_decode_sends_contexts_to_the_compose_draft_service() -> None:
 
 
 @pytest.mark.parametrize(
-    "name", ["kv-registry", "router", "prefill", "decode", "draft", "kv-store"]
+    "name", ["kv-registry", "router", "prefill", "decode", "draft", "kv-store", "prefill-queue"]
 )
 def test_command_is_a_kvmesh_entry_point_with_valid_env(name: str) -> None:
     svc = kvmesh_services()[name]
@@ -161,7 +169,9 @@ def test_prometheus_scrapes_every_service_on_its_metrics_port() -> None:
     assert targets == {name: metrics_port(name) for name in kvmesh_services()}
 
 
-@pytest.mark.parametrize("name", ["kv-registry", "prefill", "decode", "draft", "kv-store"])
+@pytest.mark.parametrize(
+    "name", ["kv-registry", "prefill", "decode", "draft", "kv-store", "prefill-queue"]
+)
 def test_worker_metrics_ports_are_config_keys_and_stay_unpublished(name: str) -> None:
     svc = kvmesh_services()[name]
     env = {k: interpolate(v) for k, v in svc["environment"].items()}

@@ -530,7 +530,7 @@ async def store_service(config: StoreConfig) -> AsyncIterator[StoreService]:
                     subjects.store_release(store_id),
                     service.endpoint(StoreRelease, service.release),
                 ),
-                metrics=service.metrics.registry,
+                metrics=service.metrics,
                 config=config,
                 logger=log,
                 ready="kv-store ready",

@@ -107,6 +107,12 @@ class RouterMetrics(MetricSet):
             "decode-migrate for streams moved to another decode worker after it.",
             ("role",),
         )
+        self.http_refused = self.counter(
+            "http_refused_total",
+            "HTTP connections closed and requests refused by the router's limits: "
+            "too_many_connections (one client's cap), header_timeout, body_timeout.",
+            ("reason",),
+        )
         self.in_flight = self.gauge("requests_in_flight", "Requests being served now.")
         self.waiting = self.gauge(
             "requests_waiting",
