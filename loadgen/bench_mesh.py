@@ -50,13 +50,15 @@ def local_mesh(
     cpu_sharing: str | None = None,
     log_level: str = "warning",
     startup_timeout_s: float = 180.0,
+    nats_insecure: bool = False,
 ) -> Iterator[Any]:
     """A whole mesh on a fresh nats-server, in child processes; yields the Launcher (``.url``,
         ``.config.nats_url``). ``env`` (KVMESH_* settings, e.g. KVMESH_CHUNK_TOKENS) reaches every
         service; ``model`` is kvmesh-tiny or a checkpoint directory; ``nats_url``: a NATS server to use
-    (default: a fresh one, started with one user per role); ``prefill``, ``prefill_nice`` and
-    ``cpu_sharing`` left at None are ``kvmesh up``'s defaults. Synchronous: use it from sync fixtures or scripts,
-    not inside an event loop."""
+    (default: a fresh one, started with one user per role; one that asks for no credentials
+    needs ``nats_insecure``: `kvmesh up --nats-insecure`); ``prefill``, ``prefill_nice`` and
+    ``cpu_sharing`` left at None are ``kvmesh up``'s defaults. Synchronous: use it from sync
+    fixtures or scripts, not inside an event loop."""
     from kvmesh.commands.up import UpConfig, free_port
 
     chosen = {
@@ -80,6 +82,7 @@ def local_mesh(
         log_level=log_level,
         startup_timeout_s=startup_timeout_s,
         stop_timeout_s=10.0,
+        nats_insecure=nats_insecure,
         **chosen,
     )
     with launched(config, env) as launcher:

@@ -64,6 +64,22 @@ def stack_roles(stack: Stack) -> Counter:
     return expected_roles(kvmesh_services(compose), stack.settings.scale)
 
 
+# The prefill-queue keeper sends no heartbeat (it serves no requests): admin status shows its
+# work, the queue (``prefill_queue``: depth and consumers, or a note that it is missing).
+NO_HEARTBEAT = ("prefill-queue",)
+
+
+def heartbeat_roles(roles: Counter) -> Counter:
+    """The roles of ``roles`` that the registry lists as workers."""
+    return Counter({role: n for role, n in roles.items() if role not in NO_HEARTBEAT})
+
+
+def queue_made(status: dict[str, Any]) -> bool:
+    """Whether admin status found the prefill queue (the keeper made it)."""
+    queue = status.get("prefill_queue")
+    return isinstance(queue, dict) and "note" not in queue
+
+
 def roles_listed(status: dict[str, Any]) -> Counter:
     """Live workers by role in ``kvmesh admin status --json`` (its workers list has the
     kv-registry's own heartbeat too)."""
@@ -184,16 +200,19 @@ async def until(probe, timeout_s: float, every_s: float = 2.0):
 
 
 async def check_replicas(stack: Stack) -> Verdict:
-    """``kvmesh admin status`` lists every replica of every kvmesh service."""
-    want = stack_roles(stack)
+    """``kvmesh admin status`` lists every replica of every kvmesh service that heartbeats, and
+    the prefill queue its keeper made."""
+    want = heartbeat_roles(stack_roles(stack))
 
-    def probe() -> tuple[bool, Counter]:
-        roles = roles_listed(admin_status(stack))
-        return roles == want, roles
+    def probe() -> tuple[bool, tuple[Counter, Any]]:
+        status = admin_status(stack)
+        roles = roles_listed(status)
+        return roles == want and queue_made(status), (roles, status.get("prefill_queue"))
 
-    ok, roles = await until(probe, 60)
+    ok, (roles, queue) = await until(probe, 60)
     seen = ", ".join(f"{role} {n}" for role, n in sorted(roles.items()))
-    return Verdict(ok, f"kvmesh admin status lists {seen}" + ("" if ok else f"; want {want}"))
+    detail = f"kvmesh admin status lists {seen}; prefill queue {queue}"
+    return Verdict(ok, detail + ("" if ok else f"; want {dict(want)} and the queue made"))
 
 
 async def check_prometheus(stack: Stack) -> Verdict:

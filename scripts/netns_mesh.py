@@ -4,8 +4,8 @@
     sudo .venv/bin/python scripts/netns_mesh.py [--delay-ms 1] [--loss-pct 0]
 
 builds namespaces ``<id>-1..3`` (10.77.K.1-3/24, K picked free) on bridge ``kvb<id>``, one
-nats-server per namespace joined into a cluster (routes; JetStream R3), then kv-registry and router
-in host 1, prefill in host 2, two decode workers in host 3, over the tcp transport, each service
+nats-server per namespace joined into a cluster (routes; JetStream R3), then the prefill-queue
+keeper, kv-registry and router in host 1, prefill in host 2, two decode workers in host 3, over the tcp transport, each service
 listing its own host's NATS server first. The bridge holds 10.77.K.254 so that this process (in
 the root namespace) reaches the router and NATS; nothing is routed beyond the bridge. Ctrl-C tears
 everything down; so does any failure on the way up. tests/netns_harness.py wraps it for pytest.
@@ -311,6 +311,8 @@ def netns_mesh(
         os.environ.update(env or {})  # children inherit it
         engine = ("--transport", "tcp", "--threads", "1")
         specs = [
+            # makes the R3 prefill queue and keeps it through a member's restart (no worker may)
+            _service_argv(mesh, "prefill-queue-0", "prefill-queue", 1, ()),
             _service_argv(mesh, "kv-registry-0", "kv-registry", 1, ()),
             _service_argv(mesh, "prefill-0", "prefill", 2, engine),
             *(

@@ -42,10 +42,13 @@ class ShmBackend(_Backend, tag="shm"):
 
 
 class TcpBackend(_Backend, tag="tcp"):
-    """Any host: where the peer's TCP transport listens, and over how many lanes."""
+    """Any host: where the peer's TCP transport listens, over how many lanes, and the secret a
+    lane proves it knows before the receiver serves it (``transport/lane_auth.py``). It travels
+    only over authenticated NATS, like a lease's window key."""
 
     host: str
     port: TcpPort
+    secret: Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")]
     lanes: Annotated[int, msgspec.Meta(ge=1)] = 1
 
 
@@ -65,6 +68,8 @@ class RdmaBackend(_Backend, tag="rdma"):
     iova: dict[U32, tuple[U64, U64]] = msgspec.field(default_factory=dict)
     # the memory-window type bound per lease (1 or 2); 0 where the NIC has none
     memory_windows: Annotated[int, msgspec.Meta(ge=0, le=2)] = 0
+    # the side channel's secret: a connection proves it knows it before a QP is made for it
+    secret: Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")] = ""
 
 
 BackendInfo = ShmBackend | TcpBackend | RdmaBackend

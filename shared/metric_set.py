@@ -47,6 +47,13 @@ class MetricSet:
     def __init__(self, prefix: str) -> None:
         self.registry = CollectorRegistry()
         self.prefix = prefix
+        # every service's: what its MessageGuard refused (shared/message_guard.py)
+        self.nats_refused = self.counter(
+            "nats_refused_total",
+            "NATS messages refused unhandled: oversized, malformed (not the subject's message "
+            "type), no_reply (a request that cannot be answered), failed (its handler raised).",
+            ("reason",),
+        )
 
     def counter(self, name: str, help: str, labels: Sequence[str] = ()) -> Counter:
         """``name`` ends in ``_total`` as queried (prometheus_client adds it when it does not)."""

@@ -33,7 +33,18 @@ USER_ENV, PASSWORD_ENV, PASSWORD_FILE_ENV = (
     "KVMESH_NATS_PASSWORD_FILE",
 )
 ADMIN = "admin"
-ROLES = ("router", "kv-registry", "decode", "colocated", "prefill", "draft", "kv-store", ADMIN)
+QUEUE_KEEPER = "prefill-queue"
+ROLES = (
+    "router",
+    "kv-registry",
+    "decode",
+    "colocated",
+    "prefill",
+    "draft",
+    "kv-store",
+    QUEUE_KEEPER,
+    ADMIN,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,8 +59,8 @@ def inbox_prefix(user: str) -> str:
 
 
 def jetstream_api(s: Subjects) -> tuple[str, ...]:
-    """The JetStream API of the mesh's own prefill stream (its info, creation, message deletion,
-    its consumers and their pulls), and nothing of any other stream."""
+    """The whole JetStream API of the mesh's own prefill stream and its consumers (the
+    operator's), and nothing of any other stream."""
     stream = s.PREFILL_STREAM
     return (
         f"$JS.API.STREAM.*.{stream}",
@@ -57,6 +68,34 @@ def jetstream_api(s: Subjects) -> tuple[str, ...]:
         f"$JS.API.CONSUMER.*.{stream}",
         f"$JS.API.CONSUMER.*.{stream}.>",
         f"$JS.API.CONSUMER.*.*.{stream}.>",
+        f"$JS.API.DIRECT.GET.{stream}",
+        f"$JS.API.DIRECT.GET.{stream}.>",
+    )
+
+
+def jetstream_keeper_api(s: Subjects) -> tuple[str, ...]:
+    """What the prefill-queue keeper needs to make, scale and inspect the mesh's stream and its
+    durable consumer: no deletion, no purge, no message access."""
+    stream, durable = s.PREFILL_STREAM, "prefill"  # shared/prefill_queue.DURABLE
+    return (
+        f"$JS.API.STREAM.CREATE.{stream}",
+        f"$JS.API.STREAM.UPDATE.{stream}",
+        f"$JS.API.STREAM.INFO.{stream}",
+        f"$JS.API.CONSUMER.CREATE.{stream}.{durable}",
+        f"$JS.API.CONSUMER.CREATE.{stream}.{durable}.>",
+        f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.{durable}",
+        f"$JS.API.CONSUMER.INFO.{stream}.{durable}",
+    )
+
+
+def jetstream_worker_api(s: Subjects) -> tuple[str, ...]:
+    """What a prefill worker needs to take jobs: the durable consumer's info, its pulls and the
+    acknowledgements of what it took. Nothing that creates, changes or deletes."""
+    stream, durable = s.PREFILL_STREAM, "prefill"
+    return (
+        f"$JS.API.CONSUMER.INFO.{stream}.{durable}",
+        f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}",
+        f"$JS.ACK.{stream}.{durable}.>",
     )
 
 
@@ -97,7 +136,7 @@ def role_permissions(s: Subjects) -> dict[str, Permissions]:
         s.REGISTRY_WORKER_GONE,
         s.REGISTRY_STORE_ADVERTISE,
     )
-    js = jetstream_api(s)
+    stream = s.PREFILL_STREAM
     return {
         "router": service(
             "router",
@@ -106,8 +145,8 @@ def role_permissions(s: Subjects) -> dict[str, Permissions]:
                 s.ABORT,
                 s.DECODE_LEASE_RENEW_ALL,
                 f"{p}.request.*.worker_gone",
-                s.PREFILL_JOBS,
-                *js,
+                s.PREFILL_JOBS,  # jobs into the stream (its acks come to the router's inbox)
+                f"$JS.API.STREAM.MSG.DELETE.{stream}",  # withdraw_job: shared/prefill_queue.py
             ),
             subscribe=(
                 f"{p}.request.>",
@@ -125,7 +164,7 @@ def role_permissions(s: Subjects) -> dict[str, Permissions]:
                 s.CONTROL_LOG_LEVEL,
                 s.REGISTRY_WORKER_GONE,
                 s.REGISTRY_STORE_SOLICIT,
-                *js,
+                f"$JS.API.STREAM.INFO.{stream}",  # the queue's depth in admin status
             ),
             subscribe=(
                 s.REGISTRY_PLACE,
@@ -154,7 +193,7 @@ def role_permissions(s: Subjects) -> dict[str, Permissions]:
                 f"{p}.request.*.prefill_started",
                 s.REGISTRY_STORE_SOLICIT,
                 *store_client,
-                *js,
+                *jetstream_worker_api(s),
             ),
             subscribe=(
                 s.ABORT,
@@ -183,7 +222,8 @@ def role_permissions(s: Subjects) -> dict[str, Permissions]:
         ),
         # KV stores: answer their own endpoints (put, commit, get, release), advertise
         # themselves (every heartbeat, and at once when a starting reader solicits it) and what
-        # they hold; they send nothing else and read no other role's messages.
+        # they hold, and evict the blocks of workers the kv-registry drops; they send nothing
+        # else and read no other role's messages.
         "kv-store": service(
             "kv-store",
             publish=(
@@ -191,12 +231,20 @@ def role_permissions(s: Subjects) -> dict[str, Permissions]:
                 s.REGISTRY_STORE_KV_EVENTS,
                 s.REGISTRY_STORE_KV_DIGEST,
             ),
-            subscribe=(f"{p}.store.*.>", s.REGISTRY_STORE_SOLICIT),
+            subscribe=(f"{p}.store.*.>", s.REGISTRY_STORE_SOLICIT, s.REGISTRY_WORKER_GONE),
         ),
-        # The operator: the mesh's admin requests and discovery; may watch everything of the
-        # mesh (kvmesh bench taps it) and its own replies.
+        # The prefill-queue keeper (services/prefill_queue/): makes and scales the stream and
+        # its consumer; reads nothing but the API's answers. No worker role can: one that could
+        # update the stream could give it a republish rule, and the server would publish
+        # anything it sends under the server's own identity.
+        QUEUE_KEEPER: Permissions(
+            publish=("$JS.API.INFO", *jetstream_keeper_api(s)),
+            subscribe=(f"{inbox_prefix(QUEUE_KEEPER)}.>",),
+        ),
+        # The operator: the mesh's admin requests and discovery, and all of its JetStream
+        # stream; may watch everything of the mesh (kvmesh bench taps it) and its own replies.
         ADMIN: Permissions(
-            publish=(f"{p}.admin.>", "$SRV.>"),
+            publish=(f"{p}.admin.>", "$SRV.>", "$JS.API.INFO", *jetstream_api(s)),
             subscribe=(f"{p}.>", f"{inbox_prefix(ADMIN)}.>", "$SRV.>"),
         ),
     }

@@ -31,6 +31,7 @@ import nats.micro
 import orjson
 from kvmesh.shared import logs, protocol
 from kvmesh.shared.hearing import Hearing
+from kvmesh.shared.message_guard import guard_of
 from kvmesh.shared.metrics_exporter import serve_metrics
 from kvmesh.shared.nats_auth import ADMIN, PASSWORD_FILE_ENV, USER_ENV, NatsAuth, auth_from_env
 from kvmesh.shared.nats_options import (
@@ -40,14 +41,16 @@ from kvmesh.shared.nats_options import (
     split_nats_urls,
     url_has_credentials,
 )
+from kvmesh.shared.nats_vetting import holder_note
 from kvmesh.shared.subjects import Subjects
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.micro.request import Request
 from nats.micro.service import Service
-from prometheus_client import CollectorRegistry
 
 if TYPE_CHECKING:
+    from kvmesh.shared.metric_set import MetricSet
     from kvmesh.shared.worker_config import MetricsServiceConfig
 
 log = logs.get_logger(__name__)
@@ -113,7 +116,34 @@ async def connect_nats(
             hearing.on_disconnected(time.monotonic())
         log.warning("nats disconnected, reconnecting", name=name, url=shown)
 
+    # Credentials were made for one server: one that asks for none is not it (another user's
+    # open server on the port, shared/nats_vetting.py), and nothing is sent to it.
+    given_credentials = bool(
+        auth or url_has_credentials(url) or (security is not None and security.creds)
+    )
+
+    def open_server() -> str | None:
+        """Why the connected server must not be used, or None."""
+        if not given_credentials or nc._server_info.get("auth_required"):
+            return None
+        where = nc.connected_url
+        host, port = (where.hostname or "", where.port or 4222) if where else ("", 0)
+        return (
+            f"the NATS server at {host}:{port}{holder_note(host, port)} asks for no credentials, "
+            f"but {name} was given some: it is not the server they were made for (another "
+            "user's, started first on that port?), and nothing is sent to it; stop it, or "
+            "connect without credentials to use an open server"
+        )
+
+    refusing: list[asyncio.Future[None]] = []
+
     async def on_reconnected() -> None:
+        why = open_server()
+        if why is not None:
+            log.error("refusing the NATS server reconnected to", name=name, why=why)
+            # not awaited here: close() would wait on the reconnect that is calling us
+            refusing.append(asyncio.ensure_future(nc.close()))  # the service ends
+            return
         if hearing is not None:
             hearing.on_reconnected(time.monotonic())
         log.info("nats reconnected", name=name, url=shown)
@@ -171,6 +201,11 @@ async def connect_nats(
             f"({type(exc).__name__}: {redact_secrets(str(exc), url)}); start one (`kvmesh up` "
             "does, or `nats-server -js`) or pass --nats-url / KVMESH_NATS_URL"
         ) from None
+    why = open_server()
+    if why is not None:
+        closing = True
+        await nc.close()
+        raise NatsUnavailableError(why)
     try:
         yield nc
     finally:
@@ -240,21 +275,29 @@ async def heartbeat_loop(
 
 
 def on_message(
-    cls: type[M], handle: Callable[[M], Awaitable[None]]
+    nc: Client, cls: type[M], handle: Callable[[M], Awaitable[None]]
 ) -> Callable[[Msg], Awaitable[None]]:
-    """A subscription callback: decodes each message as ``cls`` and awaits ``handle(message)``.
-    A malformed message (another version's, a stray publisher's) is logged and dropped: a message
-    is data, never a reason for a service to fail."""
+    """A subscription callback: decodes each message as ``cls`` and awaits ``handle(message)``,
+    through ``nc``'s MessageGuard (shared/message_guard.py): a malformed or oversized message
+    (another version's, a stray publisher's) is refused, and what ``handle`` raises is logged
+    and counted. A message is data, never a reason for a service to fail."""
+    return guard_of(nc).typed(cls, handle)
 
-    async def callback(msg: Msg) -> None:
-        try:
-            body = protocol.decode_message(msg.data, cls)
-        except protocol.MessageError as exc:
-            log.warning("ignored malformed message", subject=msg.subject, error=str(exc))
-            return
-        await handle(body)
 
-    return callback
+async def guarded_subscribe(
+    nc: Client,
+    subject: str,
+    handle: Callable[[Msg], Awaitable[None]],
+    *,
+    queue: str = "",
+    needs_reply: bool = False,
+) -> Subscription:
+    """``nc.subscribe`` for a handler that reads raw messages, through ``nc``'s MessageGuard:
+    oversized ones are refused (and, ``needs_reply``, those without a reply subject) and what
+    ``handle`` raises is contained."""
+    return await nc.subscribe(
+        subject, queue=queue, cb=guard_of(nc).raw(handle, needs_reply=needs_reply)
+    )
 
 
 @contextlib.asynccontextmanager
@@ -264,7 +307,7 @@ async def subscriptions(nc: Client, *routes: tuple[str, type[Any], Handler]) -> 
     subs = []
     try:
         for subject, cls, handle in routes:
-            subs.append(await nc.subscribe(subject, cb=on_message(cls, handle)))
+            subs.append(await nc.subscribe(subject, cb=on_message(nc, cls, handle)))
         yield
     finally:
         if not nc.is_closed:
@@ -363,7 +406,7 @@ async def open_for_requests(
     nc: Client,
     svc: Service,
     *endpoints: tuple[str, str, RequestHandler],
-    metrics: CollectorRegistry,
+    metrics: MetricSet,
     config: MetricsServiceConfig,
     worker_id: str,
     logger: Any,
@@ -371,13 +414,18 @@ async def open_for_requests(
     **log_fields: Any,
 ) -> AsyncIterator[int | None]:
     """A worker's last start-up step, once its subscriptions and loops run: serve ``metrics`` on
-    ``config``'s metrics host and port (``serve_metrics``), add the ``(name, subject, handler)``
-    request/reply endpoints to ``svc``, flush (the server holds every subscription), then log
+    ``config``'s metrics host and port (``serve_metrics``; the connection's refused messages
+    counted in its ``nats_refused``), add the ``(name, subject, handler)`` request/reply
+    endpoints to ``svc``, each behind the connection's MessageGuard, flush (the server holds every subscription), then log
     ``ready`` on the service's ``logger`` with the worker id, the mesh, ``log_fields`` and the
     bound metrics port. Yields that port (None: no metrics endpoint)."""
-    async with serve_metrics(metrics, config.metrics_host, config.metrics_port) as bound_port:
+    guard = guard_of(nc)
+    guard.count_into(metrics.nats_refused)
+    async with serve_metrics(
+        metrics.registry, config.metrics_host, config.metrics_port
+    ) as bound_port:
         for name, subject, handler in endpoints:
-            await svc.add_endpoint(name=name, subject=subject, handler=handler)
+            await svc.add_endpoint(name=name, subject=subject, handler=guard.request(handler))
         await flush_to_server(nc)
         logger.info(
             ready,

@@ -6,8 +6,15 @@ into the stream (``publish_job``) and each prefill worker fetches one job only w
 slot (``PrefillJobQueue.next``), so whoever has room takes the next job, in arrival order. The
 stream lives in memory: a job is worth nothing once its router has given up (its lease, renewed
 by that router, keeps the decode blocks only while the router waits). On a NATS cluster the
-stream has three replicas (``stream_replicas``), so the queue outlives the loss of one server;
-one made while the cluster was forming has one, and is scaled up once it can have three.
+stream has three replicas, so the queue outlives the loss of one server.
+
+Who may do what (shared/nats_auth.py, docs/security.md): the stream and its consumer are made,
+scaled and made again after a NATS restart by the prefill-queue keeper
+(services/prefill_queue/, run by `kvmesh up` and in compose), the only NATS user allowed to
+create or update them: a role that could update the stream could give it a ``republish`` rule
+and have the server publish anything under its own identity. The router may publish jobs and
+withdraw one (``withdraw_job``); prefill workers may read the consumer, pull and acknowledge;
+the kv-registry may read the stream's state (``queue_status``).
 
 A job is acknowledged once its worker has announced it (``PrefillStarted``, to the router and
 the decode worker), before any KV is written. A worker that dies between taking a job and that
@@ -24,17 +31,18 @@ import contextlib
 
 import nats.errors
 import nats.js.errors
+from kvmesh.shared import logs
 from kvmesh.shared.subjects import Subjects
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import api
+from nats.js.client import JetStreamContext
+
+log = logs.get_logger(__name__)
 
 DURABLE = "prefill"
 MAX_AGE_S = 600.0  # a job nobody took in 10 minutes has been given up by its router
 ACK_WAIT_S = 5.0  # a job taken and not acknowledged within this goes to another worker
-REPLICA_CHECK_S = 10.0  # how often a worker tries to scale an under-replicated queue up
-
-
 CLUSTER_REPLICAS = 3  # on a NATS cluster: the queue survives the loss of any one server
 
 
@@ -50,66 +58,26 @@ def stream_config(s: Subjects, replicas: int = 1) -> api.StreamConfig:
     )
 
 
-def stream_replicas(nc: Client) -> list[int]:
-    """Replica counts to try, best first: R3 on a cluster (the queue outlives one member; a
-    cluster of two falls back to R1), R1 on a lone server."""
-    clustered = bool(nc._server_info.get("cluster"))  # the INFO a clustered server sends
-    return [CLUSTER_REPLICAS, 1] if clustered else [1]
+def consumer_config(s: Subjects, ack_wait_s: float = ACK_WAIT_S) -> api.ConsumerConfig:
+    """The one durable pull consumer every prefill worker of the mesh takes jobs through."""
+    return api.ConsumerConfig(
+        name=DURABLE,
+        durable_name=DURABLE,
+        filter_subject=s.PREFILL_JOBS,
+        ack_policy=api.AckPolicy.EXPLICIT,
+        max_ack_pending=-1,
+        ack_wait=ack_wait_s,
+    )
 
 
 class PrefillQueueError(RuntimeError):
     """The NATS server cannot hold the prefill queue (JetStream off, or a conflicting stream)."""
 
 
-async def ensure_stream(nc: Client, s: Subjects) -> bool:
-    """Create the stream if it does not exist (idempotent; router and prefill both call it).
-    True when the stream has the replicas it should have here; False when it has fewer.
-
-    A cluster still forming (a member not yet joined, JetStream not yet placed on all three)
-    cannot place three replicas, and the stream is made with one so that jobs flow at once.
-    Each later call scales such a stream up to ``CLUSTER_REPLICAS`` once the cluster can hold
-    them (its jobs are kept); ``PrefillJobQueue`` calls it every ``REPLICA_CHECK_S`` until then.
-    """
-    js = nc.jetstream()
-    wanted = stream_replicas(nc)
-    try:
-        info = await js.stream_info(s.PREFILL_STREAM)
-    except nats.js.errors.NotFoundError:
-        pass
-    except (nats.errors.NoRespondersError, nats.js.errors.ServiceUnavailableError) as exc:
-        raise PrefillQueueError(
-            "the NATS server has JetStream disabled; kvmesh's prefill queue needs it "
-            "(start nats-server with -js, as `kvmesh up` and docker-compose do)"
-        ) from exc
-    else:
-        return await _scale_up(nc, s, info, wanted[0])
-    for replicas in wanted:
-        try:
-            await js.add_stream(stream_config(s, replicas))
-            return replicas == wanted[0]
-        except nats.js.errors.BadRequestError as exc:  # created concurrently, or too few peers
-            with contextlib.suppress(nats.js.errors.NotFoundError):
-                return await _scale_up(nc, s, await js.stream_info(s.PREFILL_STREAM), wanted[0])
-            error = exc
-        except nats.js.errors.ServiceUnavailableError as exc:  # JetStream (cluster) not ready
-            error = exc
-    raise PrefillQueueError(f"cannot create JetStream stream {s.PREFILL_STREAM}: {error}")
-
-
-async def _scale_up(nc: Client, s: Subjects, info: api.StreamInfo, wanted: int) -> bool:
-    """Raise an existing stream's replicas to ``wanted``; False while the cluster cannot place
-    them ("no suitable peers for placement", no JetStream leader yet: tried again later)."""
-    if int(info.config.num_replicas or 1) >= wanted:
-        return True
-    try:
-        await nc.jetstream().update_stream(stream_config(s, wanted))
-    except (
-        nats.js.errors.BadRequestError,
-        nats.js.errors.ServiceUnavailableError,
-        nats.errors.TimeoutError,
-    ):
-        return False
-    return True
+MISSING = (
+    "the prefill queue {stream} is missing: it is made by `kvmesh serve prefill-queue` (kvmesh "
+    "up runs it; roles may not create streams or consumers, docs/security.md)"
+)
 
 
 async def publish_job(
@@ -122,11 +90,12 @@ async def publish_job(
     retry_for_s: float = 30.0,
 ) -> int:
     """Append an encoded PrefillJob to the queue; its sequence number in the stream. Raises
-    nats errors, or PrefillQueueError when the server cannot hold the queue at all, when it is
-    not stored within ``retry_for_s``.
+    PrefillQueueError (no stream answered: it says who makes it) or nats errors when it is not
+    stored within ``retry_for_s``.
 
     "No response from stream" means nothing answered for it: the stream is missing (the NATS
-    server restarted with an empty store: it is created again) or, on a cluster, it has no
+    server restarted with an empty store: the prefill-queue keeper makes it again within its
+    ``check_s``; it is never made here) or, on a cluster, it has no
     leader for the moment (a partition healing, a member restarting: the replicas elect one,
     which takes nats-server 4-9 s of silence before a vote, 5 s here on a quiet box and more
     than 10 s on a loaded one, longer again on a split vote). A leader that lost its quorum does not answer at all (a timeout). All
@@ -139,7 +108,6 @@ async def publish_job(
     loop = asyncio.get_running_loop()
     deadline = loop.time() + retry_for_s
     pause = 0.05
-    queue_error: PrefillQueueError | None = None
     while True:
         wait_s = min(timeout_s, max(1.0, deadline - loop.time()))
         try:
@@ -147,29 +115,28 @@ async def publish_job(
                 s.PREFILL_JOBS, data, timeout=wait_s, stream=s.PREFILL_STREAM, headers=headers
             )
             return int(ack.seq)
-        except (
-            nats.js.errors.NoStreamResponseError,
-            nats.js.errors.ServiceUnavailableError,
-            nats.errors.TimeoutError,
-        ):
+        except nats.js.errors.NoStreamResponseError:
             if loop.time() + pause > deadline:
-                if queue_error is not None:  # says why, e.g. JetStream is off: raise that
-                    raise queue_error from None
+                raise PrefillQueueError(
+                    f"no prefill queue took the job within {retry_for_s:g}s: "
+                    + MISSING.format(stream=s.PREFILL_STREAM)
+                    + ", and needs a NATS server with JetStream (-js)"
+                ) from None
+        except (nats.js.errors.ServiceUnavailableError, nats.errors.TimeoutError):
+            if loop.time() + pause > deadline:
                 raise
-        try:
-            await ensure_stream(nc, s)
-            queue_error = None
-        except PrefillQueueError as exc:
-            queue_error = exc
-        except (nats.errors.Error, nats.js.errors.Error):
-            pass
         await asyncio.sleep(min(pause, max(0.0, deadline - loop.time())))
         pause = min(2 * pause, 1.0)
 
 
 async def withdraw_job(nc: Client, s: Subjects, seq: int) -> bool:
     """Take a job off the queue if no worker has taken it yet. True: it is gone and no worker
-    will ever compute it; False: a worker took it first (or the queue is unreachable)."""
+    will ever compute it; False: a worker took it first (or the queue is unreachable).
+
+    The router holds ``$JS.API.STREAM.MSG.DELETE`` of its mesh's stream for this, and nothing
+    else of the stream's API: it can delete a job it did not publish (another router's), which
+    withdraws that request before a worker took it, as the ``Abort`` the router role may
+    already publish for any request does; the stream holds nothing but jobs."""
     try:
         return bool(await nc.jetstream().delete_msg(s.PREFILL_STREAM, seq))
     except (nats.errors.Error, nats.js.errors.Error):
@@ -187,7 +154,7 @@ async def queue_status(nc: Client, s: Subjects) -> dict[str, int | str]:
     try:
         info = await nc.jetstream().stream_info(s.PREFILL_STREAM)
     except nats.js.errors.NotFoundError:
-        return {"depth": 0, "workers": 0, "note": "no prefill queue yet (no router or prefill)"}
+        return {"depth": 0, "workers": 0, "note": MISSING.format(stream=s.PREFILL_STREAM)}
     except (nats.errors.Error, nats.js.errors.Error) as exc:
         return {"depth": -1, "workers": 0, "note": f"JetStream unavailable: {exc}"}
     return {"depth": int(info.state.messages), "workers": int(info.state.consumer_count)}
@@ -195,49 +162,40 @@ async def queue_status(nc: Client, s: Subjects) -> dict[str, int | str]:
 
 class PrefillJobQueue:
     """A prefill worker's pull subscription: ``next()`` takes one job, ``ack()`` confirms it once
-    the job is announced (until then JetStream gives it to another worker after ``ack_wait_s``,
-    ``ACK_WAIT_S`` by default; every worker of a mesh pulls through one consumer, so they must
-    agree on it)."""
+    the job is announced (until then JetStream gives it to another worker after the consumer's
+    ack wait). It binds to the mesh's durable consumer and never makes or changes it: the
+    prefill-queue keeper does (services/prefill_queue/), and a worker waits for it. What the
+    worker's NATS user needs is the consumer's INFO and MSG.NEXT and acks (shared/nats_auth.py)."""
 
-    def __init__(
-        self,
-        nc: Client,
-        s: Subjects,
-        *,
-        ack_wait_s: float = ACK_WAIT_S,
-        replica_check_s: float = REPLICA_CHECK_S,
-    ) -> None:
-        assert ack_wait_s > 0, ack_wait_s
-        assert replica_check_s > 0, replica_check_s
+    def __init__(self, nc: Client, s: Subjects) -> None:
         self._nc = nc
         self._subjects = s
-        self._ack_wait_s = ack_wait_s
-        self._replica_check_s = replica_check_s
-        self._replicated = False  # the stream has all its replicas (ensure_stream said so)
-        self._next_replica_check = 0.0
-        self._sub = None
+        self._sub: JetStreamContext.PullSubscription | None = None
+        self._waiting = False  # said once that the queue is missing
 
     async def __aenter__(self) -> PrefillJobQueue:
-        await self._subscribe()
+        with contextlib.suppress(nats.errors.Error):  # missing: next() tries again
+            await self._subscribe()
         return self
 
     async def _subscribe(self) -> None:
-        """Make the stream and the consumer if they are missing and pull through the consumer;
-        ``self._sub`` is set only once that worked (a NATS error leaves it None)."""
-        await self._ensure_stream()
-        config = api.ConsumerConfig(
-            ack_policy=api.AckPolicy.EXPLICIT, max_ack_pending=-1, ack_wait=self._ack_wait_s
-        )
-        self._sub = await self._nc.jetstream().pull_subscribe(
-            self._subjects.PREFILL_JOBS,
-            durable=DURABLE,
-            stream=self._subjects.PREFILL_STREAM,
-            config=config,
-        )
-
-    async def _ensure_stream(self) -> None:
-        self._replicated = await ensure_stream(self._nc, self._subjects)
-        self._next_replica_check = asyncio.get_running_loop().time() + self._replica_check_s
+        """Bind to the consumer if it exists; ``self._sub`` is set only once that worked (a
+        NATS error, or a missing queue, leaves it None and is raised)."""
+        js = self._nc.jetstream()
+        s = self._subjects
+        try:
+            await js.consumer_info(s.PREFILL_STREAM, DURABLE)
+        except nats.js.errors.NotFoundError:
+            if not self._waiting:
+                log.warning(
+                    "waiting for the prefill queue", why=MISSING.format(stream=s.PREFILL_STREAM)
+                )
+            self._waiting = True
+            raise
+        if self._waiting:
+            log.info("the prefill queue is there")
+            self._waiting = False
+        self._sub = await js.pull_subscribe_bind(durable=DURABLE, stream=s.PREFILL_STREAM)
 
     async def _unsubscribe(self) -> None:
         sub, self._sub = self._sub, None
@@ -251,24 +209,22 @@ class PrefillJobQueue:
     async def next(self, timeout_s: float = 1.0) -> Msg | None:
         """The next job, not yet acknowledged; None when none came within ``timeout_s``.
 
-        A NATS error (JetStream unavailable, a server cut off from its cluster) is raised for
-        the caller to try again; a subscription lost on the way is made again first."""
-        if self._sub is None:  # lost below and not yet made again
+        A NATS error (JetStream unavailable, a server cut off from its cluster, the queue not
+        there yet) is raised for the caller to try again; a subscription lost on the way is
+        made again first."""
+        if self._sub is None:  # lost below, or the queue was not there yet
             await self._subscribe()
             assert self._sub is not None
-        elif not self._replicated and asyncio.get_running_loop().time() >= self._next_replica_check:
-            await self._ensure_stream()  # made while the cluster was forming: scale it up
         try:
             [msg] = await self._sub.fetch(1, timeout=timeout_s)
         except nats.errors.TimeoutError:
             return None
         except (nats.js.errors.ServiceUnavailableError, nats.js.errors.NotFoundError):
             # the stream or our consumer is gone (the NATS server restarted with an empty
-            # store), or JetStream is unavailable on our server: make them again, and pull from
-            # the new ones from now on. Until that works the next call tries again: an
-            # unsubscribed pull subscription would time out on every fetch, silently, forever.
+            # store), or JetStream is unavailable on our server: bind to the new ones (the
+            # keeper makes them again) from the next call. An unbound pull subscription would
+            # time out on every fetch, silently, forever.
             await self._unsubscribe()
-            await self._subscribe()
             return None
         return msg
 

@@ -43,6 +43,7 @@ def service_metrics() -> dict[str, object]:
     from kvmesh.services.kv_store.core import BlockStore
     from kvmesh.services.kv_store.metrics import StoreMetrics
     from kvmesh.services.prefill.metrics import PrefillMetrics
+    from kvmesh.services.prefill_queue.metrics import QueueKeeperMetrics
     from kvmesh.services.router.metrics import RouterMetrics
     from kvmesh.shared.transport.base import TransportStats
 
@@ -53,6 +54,7 @@ def service_metrics() -> dict[str, object]:
         "decode": DecodeMetrics(),
         "draft": DraftMetrics(),
         "kv-store": StoreMetrics(BlockStore(1), TransportStats, 1),
+        "prefill-queue": QueueKeeperMetrics(),
     }
 
 

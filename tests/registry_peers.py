@@ -30,6 +30,8 @@ from kvmesh.shared.subjects import DEFAULT_MESH, Subjects
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
+SECRET = "ab" * 32  # a tcp descriptor's lane secret (64 hex digits)
+
 BLOCK_SIZE = 16
 BLOCK_BYTES = 4096
 
@@ -57,7 +59,9 @@ class PeerDecode:
         return DecodeAdvert(
             worker_id=self.worker_id,
             mode=self.mode,
-            descriptor=TransportDescriptor(self.worker_id, "h", (TcpBackend("127.0.0.1", 1),)),
+            descriptor=TransportDescriptor(
+                self.worker_id, "h", (TcpBackend("127.0.0.1", 1, SECRET),)
+            ),
             base_addr=self.base_addr,
             block_bytes=BLOCK_BYTES,
             block_size=BLOCK_SIZE,

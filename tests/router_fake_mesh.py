@@ -14,6 +14,7 @@ import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from kvmesh.services.prefill_queue.keeper import ensure_queue
 from kvmesh.shared import protocol
 from kvmesh.shared.descriptor import TcpBackend, TransportDescriptor
 from kvmesh.shared.model.tiny import tiny_config
@@ -30,6 +31,8 @@ from kvmesh.shared.protocol import (
 )
 from kvmesh.shared.sampling import SamplingOptions, TokenLogprobs
 from kvmesh.shared.subjects import DEFAULT_MESH, Subjects
+
+SECRET = "ab" * 32  # a tcp descriptor's lane secret (64 hex digits)
 
 EOS_ID = tiny_config().eos_token_ids[0]
 REPLY_TEXT = "The quick brown fox jumps over the lazy dog. "
@@ -78,6 +81,7 @@ class FakeMesh:
     async def running(self) -> AsyncIterator[FakeMesh]:
         async with connect_nats(self.nats_url, "fake-mesh") as nc:
             self._nc = nc
+            await ensure_queue(nc, self.subjects)  # the keeper's part: the router makes none
             subs = [
                 await nc.subscribe(self.subjects.REGISTRY_PLACE, cb=self._on_place),
                 await nc.subscribe(self.subjects.PREFILL_JOBS, cb=self._on_job),  # sees the publish
@@ -131,7 +135,9 @@ class FakeMesh:
                 request_id=place.request_id,
                 worker_id="decode-fake",
                 lease_id=f"lease-{place.request_id}",
-                descriptor=TransportDescriptor("decode-fake", "h", (TcpBackend("127.0.0.1", 1),)),
+                descriptor=TransportDescriptor(
+                    "decode-fake", "h", (TcpBackend("127.0.0.1", 1, SECRET),)
+                ),
                 rkey=7,
                 block_ids=(0, 1),
                 block_addrs=(4096, 8192),

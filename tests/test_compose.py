@@ -50,7 +50,15 @@ def test_compose_runs_every_mesh_service() -> None:
         services
     )
     serves = sorted(svc["command"][2] for svc in kvmesh_services().values())
-    assert serves == ["decode", "draft", "kv-registry", "kv-store", "prefill", "router"]
+    assert serves == [
+        "decode",
+        "draft",
+        "kv-registry",
+        "kv-store",
+        "prefill",
+        "prefill-queue",  # makes the JetStream queue: no worker role may (docs/security.md)
+        "router",
+    ]
 
 
 def test_decode_sends_contexts_to_the_compose_draft_service() -> None:
@@ -60,7 +68,7 @@ def test_decode_sends_contexts_to_the_compose_draft_service() -> None:
 
 
 @pytest.mark.parametrize(
-    "name", ["kv-registry", "router", "prefill", "decode", "draft", "kv-store"]
+    "name", ["kv-registry", "router", "prefill", "decode", "draft", "kv-store", "prefill-queue"]
 )
 def test_command_is_a_kvmesh_entry_point_with_valid_env(name: str) -> None:
     svc = kvmesh_services()[name]
@@ -128,10 +136,34 @@ def test_every_service_has_a_healthcheck_on_what_it_serves() -> None:
             assert probe_url(services[name]) == f"http://127.0.0.1:{port}/metrics", name
 
 
+def test_the_queue_keeper_is_healthy_once_the_queue_exists() -> None:
+    """Its metrics are served before it has made the stream: its probe reads the replicas
+    gauge (services/prefill_queue/metrics.py), which is 0 until the stream is there."""
+    import subprocess
+    import sys
+
+    code = compose()["services"]["prefill-queue"]["healthcheck"]["test"][2:4]
+    assert code[0] == "-c"
+
+    def probe(page: str) -> int:
+        fake = (
+            "import io, sys, urllib.request\n"
+            f"urllib.request.urlopen = lambda url, timeout: io.BytesIO({page.encode()!r})\n"
+            f"sys.argv = ['-c', 'http://x/metrics']\nexec({code[1]!r})\n"
+        )
+        return subprocess.run([sys.executable, "-c", fake], timeout=30).returncode
+
+    made = "# TYPE kvmesh_prefill_queue_replicas gauge\nkvmesh_prefill_queue_replicas 1.0\n"
+    assert probe(made) == 0
+    assert probe(made.replace(" 1.0", " 0.0")) == 1
+    assert probe("kvmesh_prefill_queue_depth 0.0\n") == 1
+
+
 def test_services_start_after_what_they_need_is_healthy() -> None:
     """depends_on with conditions (compose v1 >= 1.27 and v2): the registry after NATS, every
-    other kvmesh service after both, Prometheus after every kvmesh service, so `up` returns a
-    stack that serves."""
+    other kvmesh service after both, those that use the JetStream prefill queue (prefill takes
+    jobs, the router publishes them) after its keeper, Prometheus after every kvmesh service, so
+    `up` returns a stack that serves."""
     services = compose()["services"]
     conditions = {
         name: {dep: spec["condition"] for dep, spec in svc.get("depends_on", {}).items()}
@@ -141,7 +173,9 @@ def test_services_start_after_what_they_need_is_healthy() -> None:
     assert conditions["kv-registry"] == {"nats": "service_healthy"}
     workers = [name for name in kvmesh_services() if name != "kv-registry"]
     for name in workers:
-        assert conditions[name] == {"nats": "service_healthy", "kv-registry": "service_healthy"}
+        queue = {"prefill-queue": "service_healthy"} if name in ("prefill", "router") else {}
+        wanted = {"nats": "service_healthy", "kv-registry": "service_healthy", **queue}
+        assert conditions[name] == wanted, name
     assert conditions["prometheus"] == dict.fromkeys(workers, "service_healthy")
     assert conditions["grafana"] == {"prometheus": "service_healthy"}
 
@@ -239,7 +273,9 @@ def test_prometheus_scrapes_every_service_on_its_metrics_port() -> None:
     assert targets == {name: metrics_port(name) for name in kvmesh_services()}
 
 
-@pytest.mark.parametrize("name", ["kv-registry", "prefill", "decode", "draft", "kv-store"])
+@pytest.mark.parametrize(
+    "name", ["kv-registry", "prefill", "decode", "draft", "kv-store", "prefill-queue"]
+)
 def test_worker_metrics_ports_are_config_keys_and_stay_unpublished(name: str) -> None:
     svc = kvmesh_services()[name]
     env = {k: interpolate(v) for k, v in svc["environment"].items()}

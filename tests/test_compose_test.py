@@ -92,6 +92,15 @@ def test_expected_roles_are_the_compose_files_services_with_the_pools_scaled() -
     assert roles == Counter({name: 1 for name in services}) + Counter(decode=2, prefill=1)
 
 
+def test_admin_status_wants_every_role_but_the_queue_keeper_and_the_queue_it_made() -> None:
+    roles = Counter({"prefill-queue": 1, "decode": 2, "router": 1})
+    assert checks.heartbeat_roles(roles) == Counter(decode=2, router=1)
+    assert checks.queue_made({"prefill_queue": {"depth": 0, "workers": 1}})
+    missing = {"depth": 0, "workers": 0, "note": "no prefill queue KVMESH_PREFILL_x"}
+    assert not checks.queue_made({"prefill_queue": missing})
+    assert not checks.queue_made({})
+
+
 def test_roles_listed_count_every_worker_the_registry_included() -> None:
     status = {
         "registry": {"worker_id": "kv-registry-1"},

@@ -256,6 +256,7 @@ async def _mesh_in_process(tiny, small_draft=None):
     from kvmesh.shared.engine.llm_engine import LLMEngine
     from kvmesh.shared.protocol import kv_spec_fingerprint
     from kvmesh.shared.transport import Access, TransportConfig, create_transport
+    from transport_wire import remote as remote_key
 
     model, tokenizer = tiny
     engine = LLMEngine(model, tokenizer, EngineConfig(num_blocks=64, max_num_batched_tokens=32))
@@ -268,7 +269,8 @@ async def _mesh_in_process(tiny, small_draft=None):
         EndpointCache(prefill_side) as endpoints,
     ):
         remote = decode_side.allocate(64 * spec.block_bytes)
-        region = decode_side.register(remote, Access.REMOTE_WRITE)
+        # as a decode worker's lease window would, over the whole pool
+        region = remote_key(decode_side, decode_side.register(remote, Access.REMOTE_WRITE))
         draft_engine = draft_region = None
         if small_draft is not None:  # the prefill's own draft engine: the same chunk budget
             draft_engine = LLMEngine(

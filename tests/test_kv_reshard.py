@@ -38,6 +38,7 @@ from kvmesh.shared.transport.kv_writes import (
     run_packs,
     staging_bytes,
 )
+from transport_wire import remote
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 needs_interpreter = pytest.mark.skipif(
@@ -470,7 +471,7 @@ async def _run_prefill_ranks(
 def _decode_rank(rx: Transport, dst_tp: int, dst_bs: int) -> tuple[Decode, MemoryRegion]:
     spec = _spec(HEADS // dst_tp, dst_bs, E2E_DTYPE)
     dec = Decode(spec, E2E_DST_BLOCKS, mem=rx.allocate((E2E_DST_BLOCKS + 2) * spec.block_bytes))
-    return dec, rx.register(dec.pool.raw, Access.REMOTE_WRITE)
+    return dec, remote(rx, rx.register(dec.pool.raw, Access.REMOTE_WRITE))
 
 
 async def _reshard_end_to_end(

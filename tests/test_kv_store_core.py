@@ -197,7 +197,7 @@ def test_registry_store_table_reports_hit_rate_and_drops_silent_stores() -> None
     from kvmesh.shared.transport.base import PeerDescriptor
 
     desc = TransportDescriptor.from_peer(
-        PeerDescriptor("s", "h", {"tcp": {"host": "x", "port": 1}})
+        PeerDescriptor("s", "h", {"tcp": {"host": "x", "port": 1, "secret": "ab" * 32}})
     )
 
     def advert(epoch: str, hits: int, misses: int) -> StoreAdvert:
@@ -222,7 +222,7 @@ def test_store_book_picks_the_lowest_ready_store_of_its_layout_heard_of_lately()
     from kvmesh.shared.transport.base import PeerDescriptor
 
     desc = TransportDescriptor.from_peer(
-        PeerDescriptor("s", "h", {"tcp": {"host": "x", "port": 1}})
+        PeerDescriptor("s", "h", {"tcp": {"host": "x", "port": 1, "secret": "ab" * 32}})
     )
 
     def advert(store_id: str, kv_spec: str = "spec", block_bytes: int = 64, state: str = "ready"):

@@ -251,7 +251,8 @@ async def test_a_starting_reader_gets_every_stores_advert_at_once_not_at_its_hea
 
 async def test_store_full_of_pinned_blocks_refuses_a_put_at_once(nats_server: str) -> None:
     async with (
-        store_process(nats_server, "store-f", "--num-blocks", "2") as advert,
+        # one writer may fill it: this test is about pins, not writers' shares
+        store_process(nats_server, "store-f", "--num-blocks", "2", "--writer-share", "1") as advert,
         Client(nats_server, "tcp", advert) as c,
     ):
         blocks = c.blocks(TOKENS, [0, 1, 2])
@@ -341,3 +342,43 @@ async def test_admin_status_lists_the_store_with_its_use_and_hit_rate(nats_serve
         [row] = rows
         assert (row["store_id"], row["total_blocks"], row["used_blocks"]) == ("store-a", 4, 2)
         assert (row["hits"], row["misses"], row["hit_rate"]) == (2, 1, round(2 / 3, 4))
+
+
+async def test_store_evicts_a_dropped_workers_blocks_and_refuses_puts_from_other_roles(
+    nats_server: str,
+) -> None:
+    """Issue #27: blocks a compromised decode worker put were committed and served to every
+    other worker for as long as the store kept them. Each block now records its writer; when
+    the kv-registry drops that worker, its blocks go. A put whose reply goes to the inbox of a
+    role that may not put (here the router's) is refused: only that role would learn the
+    window's key."""
+    import nats
+    from kvmesh.shared.protocol import StorePut, StorePutReply, WorkerGone
+
+    async with (
+        store_process(nats_server, "store-o", "--num-blocks", "8") as advert,
+        Client(nats_server, "tcp", advert) as c,
+    ):
+        put = await c.client.put(c.target, advert.kv_spec, c.blocks(TOKENS, [0, 1]))
+        assert put.ok and len(put.committed) == 2
+        got = await c.client.get(c.target, advert.kv_spec, c.blocks(TOKENS, [4, 5]))
+        assert got.num_blocks == 2
+        gone = WorkerGone(worker_id="test", role="decode", last_seen_s=3.0)
+        await c.nc.publish(SUBJECTS.REGISTRY_WORKER_GONE, encode_message(gone))
+        for _ in range(100):
+            got = await c.client.get(c.target, advert.kv_spec, c.blocks(TOKENS, [4, 5]))
+            if got.num_blocks == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert got.num_blocks == 0  # the dropped worker's blocks are no longer served
+
+        router = await nats.connect(nats_server, inbox_prefix=b"_INBOX_router")
+        try:
+            body = StorePut("router-0", advert.kv_spec, (1, 2), 1000)
+            msg = await router.request(
+                SUBJECTS.store_put(advert.store_id), encode_message(body), timeout=10
+            )
+            reply = decode_message(msg.data, StorePutReply)
+            assert not reply.ok and "may not put" in reply.error and reply.rkey == 0
+        finally:
+            await router.close()

@@ -56,8 +56,10 @@ def two_meshes(other_model: str):
     server = NatsServer()  # open: both meshes' services connect to it
     with (
         server,
-        local_mesh("disagg", "tcp", nats_url=server.url, env=ENV) as tiny,
-        local_mesh("disagg", "tcp", model=other_model, nats_url=server.url, env=ENV) as other,
+        local_mesh("disagg", "tcp", nats_url=server.url, env=ENV, nats_insecure=True) as tiny,
+        local_mesh(
+            "disagg", "tcp", model=other_model, nats_url=server.url, env=ENV, nats_insecure=True
+        ) as other,
     ):
         yield server.url, tiny, other
 

@@ -122,7 +122,9 @@ def test_streams_in_flight_survive_or_fail_clearly_and_the_mesh_serves_after_nat
     server.start()
     try:
         # decode paced at 50 ms: a stream takes ~1.2 s, so the kill lands on streams in flight
-        with local_mesh("disagg", "tcp", nats_url=server.url, env=ENV, decode_pacing_ms=50) as mesh:
+        with local_mesh(
+            "disagg", "tcp", nats_url=server.url, env=ENV, decode_pacing_ms=50, nats_insecure=True
+        ) as mesh:
             body, _ = asyncio.run(_serve_until_ok(mesh.url, prompts[0], 30))
             assert body["usage"]["completion_tokens"] == 4
             results, back_at = asyncio.run(_load_through_a_restart(mesh.url, server, prompts))

@@ -47,7 +47,13 @@ def test_one_request_shows_in_every_services_metrics_and_logs(tmp_path: Path) ->
     try:
         wait_for_line(proc, out, "kvmesh up: metrics:", timeout_s=400)
         urls = metrics_urls(out)
-        assert set(urls) == {"kv-registry-0", "decode-0", "prefill-0", "router-0"}
+        assert set(urls) == {
+            "prefill-queue-0",
+            "kv-registry-0",
+            "decode-0",
+            "prefill-0",
+            "router-0",
+        }
         reply = chat(port, "tell me about disaggregated serving " * 8, max_tokens=4)
         request_id = reply["id"]
         router = scrape(urls["router-0"])

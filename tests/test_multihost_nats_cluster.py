@@ -9,6 +9,7 @@ import contextlib
 from collections.abc import Iterator
 
 import pytest
+from kvmesh.services.prefill_queue.keeper import ensure_queue
 from kvmesh.shared import prefill_queue
 from kvmesh.shared.nats_options import redact_url, split_nats_urls
 from kvmesh.shared.nats_server import ClusterSpec, NatsServer
@@ -87,19 +88,24 @@ async def test_client_reconnects_to_another_member_and_the_queue_keeps_its_jobs(
 
 async def test_a_queue_made_while_the_cluster_forms_is_scaled_up_and_keeps_its_jobs():
     """Two of three members up: the queue cannot have three replicas and is made with one, so
-    jobs flow at once. When the third joins, a prefill worker's queue scales it to three on its
-    next check, and the job published before is still there."""
+    jobs flow at once. When the third joins, the keeper (the one user that may change the
+    stream; services/prefill_queue/) scales it to three on its next check, and the job
+    published before is still there."""
     subjects = Subjects("cluster-test")
     with cluster(started=2) as servers:
-        async with connect_nats(servers[0].url, "prefill") as nc:
-            await _until(lambda: _stream_ready(nc, subjects), timeout_s=60.0)
-            assert await prefill_queue.ensure_stream(nc, subjects) is False
+        async with (
+            connect_nats(servers[0].url, "prefill-queue") as keeper,
+            connect_nats(servers[0].url, "prefill") as nc,
+        ):
+            await _until(lambda: _stream_ready(keeper, subjects), timeout_s=60.0)
+            assert not (await ensure_queue(keeper, subjects)).is_replicated
             await prefill_queue.publish_job(nc, subjects, b"job-1")
-            async with prefill_queue.PrefillJobQueue(nc, subjects, replica_check_s=0.2) as queue:
+            async with prefill_queue.PrefillJobQueue(nc, subjects) as queue:
                 assert await _replicas(nc, subjects) == 1
                 servers[2].start()
 
                 async def scaled_up() -> bool:
+                    await ensure_queue(keeper, subjects)  # the keeper's check
                     msg = await queue.next(timeout_s=0.2)
                     if msg is not None:  # taken, not acknowledged: it stays in the stream
                         assert msg.data == b"job-1"
@@ -107,7 +113,7 @@ async def test_a_queue_made_while_the_cluster_forms_is_scaled_up_and_keeps_its_j
 
                 await _until(scaled_up, timeout_s=60.0)
             await _until(lambda: _depth_is(nc, subjects, 1))
-            assert await prefill_queue.ensure_stream(nc, subjects) is True
+            assert (await ensure_queue(keeper, subjects)).is_replicated
 
 
 async def _replicas(nc, subjects) -> int:
@@ -121,7 +127,7 @@ async def _reconnected_elsewhere(nc, port: int) -> bool:
 
 async def _replicated(nc, subjects) -> bool:
     """The queue exists with all its replicas, a leader and both followers current."""
-    if not await prefill_queue.ensure_stream(nc, subjects):
+    if not (await ensure_queue(nc, subjects)).is_replicated:
         return False
     info = await nc.jetstream().stream_info(subjects.PREFILL_STREAM)
     followers = info.cluster.replicas or [] if info.cluster else []
@@ -135,7 +141,7 @@ async def _replicated(nc, subjects) -> bool:
 
 
 async def _stream_ready(nc, subjects) -> bool:
-    await prefill_queue.ensure_stream(nc, subjects)
+    await ensure_queue(nc, subjects)
     return True
 
 

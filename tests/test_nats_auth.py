@@ -8,6 +8,7 @@ import asyncio
 
 import nats.errors
 import pytest
+from kvmesh.services.prefill_queue.keeper import ensure_queue
 from kvmesh.shared.nats_auth import (
     ROLES,
     MeshCredentials,
@@ -17,7 +18,7 @@ from kvmesh.shared.nats_auth import (
 )
 from kvmesh.shared.nats_server import NatsServer
 from kvmesh.shared.nats_service import NatsUnavailableError, connect_nats, flush_to_server
-from kvmesh.shared.prefill_queue import ensure_stream, publish_job
+from kvmesh.shared.prefill_queue import publish_job
 from kvmesh.shared.subjects import Subjects
 
 subjects = Subjects("m1")  # the mesh the server's users belong to
@@ -121,7 +122,15 @@ async def test_nats_without_credentials_or_with_a_wrong_password_is_refused(serv
         ),
         ("prefill", subjects.REGISTRY_KV_EVENTS, "kv-registry", subjects.REGISTRY_KV_EVENTS, False),
         ("router", subjects.REGISTRY_KV_DIGEST, "kv-registry", subjects.REGISTRY_KV_DIGEST, False),
-        # KV stores: adverts to the registry and prefill workers, put/get from their clients
+        # KV stores: adverts to the registry and prefill workers, put/get from their clients;
+        # they hear the registry drop a worker (and evict its blocks)
+        (
+            "kv-registry",
+            subjects.REGISTRY_WORKER_GONE,
+            "kv-store",
+            subjects.REGISTRY_WORKER_GONE,
+            True,
+        ),
         (
             "kv-store",
             subjects.REGISTRY_STORE_ADVERTISE,
@@ -285,12 +294,16 @@ def test_credentials_come_from_the_environment_or_a_password_file(tmp_path):
 
 
 async def test_prefill_queue_of_another_mesh_is_out_of_reach(server, creds):
-    """The router and prefill roles manage their own mesh's stream, not another's."""
-    async with connect_nats(server.url, "r", auth=creds.auth("router")) as router:
-        await ensure_stream(router, subjects)
+    """The keeper makes its own mesh's stream, not another's; the router publishes jobs into
+    its own."""
+    async with (
+        connect_nats(server.url, "k", auth=creds.auth("prefill-queue")) as keeper,
+        connect_nats(server.url, "r", auth=creds.auth("router")) as router,
+    ):
+        await ensure_queue(keeper, subjects)
         assert await publish_job(router, subjects, b"job") >= 1
         with pytest.raises(Exception):  # noqa: B017  (denied: the JetStream API times out)
-            await asyncio.wait_for(ensure_stream(router, other), 3.0)
+            await asyncio.wait_for(ensure_queue(keeper, other), 3.0)
     assert any("KVMESH_PREFILL_m2" in line for line in server.permission_violations())
 
 

@@ -171,11 +171,12 @@ def _post_ok(url: str, body: dict) -> bool:
 
 @pytest.fixture(scope="module")
 def real_mesh(nats_server_module: str, tmp_path_factory) -> Iterator[str]:
-    """kv-registry, one decode and one prefill worker and the router as processes; yields the
-    router's base URL once a completion goes through end to end."""
+    """The prefill-queue keeper, kv-registry, one decode and one prefill worker and the router
+    as processes; yields the router's base URL once a completion goes through end to end."""
     logs = tmp_path_factory.mktemp("mesh-logs")
     port = free_port()
     procs = [
+        _serve("prefill-queue", nats_server_module, logs),  # makes the queue; no role may
         _serve("kv-registry", nats_server_module, logs),
         _serve("decode", nats_server_module, logs, "--num-blocks", "256"),
         _serve("prefill", nats_server_module, logs),

@@ -41,6 +41,7 @@ async def _converting_prefill(tiny, prefill_dtype: str, decode_spec):
     from kvmesh.services.prefill.endpoints import EndpointCache
     from kvmesh.services.prefill.worker import PrefillWorker
     from kvmesh.shared.transport import Access, TransportConfig, create_transport
+    from transport_wire import remote as remote_key
 
     engine = _engine(tiny, prefill_dtype, max_num_batched_tokens=32)
     async with (
@@ -49,7 +50,7 @@ async def _converting_prefill(tiny, prefill_dtype: str, decode_spec):
         EndpointCache(prefill_side) as endpoints,
     ):
         remote = decode_side.allocate(16 * decode_spec.block_bytes)
-        region = decode_side.register(remote, Access.REMOTE_WRITE)
+        region = remote_key(decode_side, decode_side.register(remote, Access.REMOTE_WRITE))
         worker = PrefillWorker(
             engine,
             prefill_side.register(engine.kv_pool.raw),

@@ -116,6 +116,7 @@ async def _prefill_setup(tiny, num_remote_blocks=64):
     from kvmesh.shared.engine.config import EngineConfig
     from kvmesh.shared.engine.llm_engine import LLMEngine
     from kvmesh.shared.transport import Access, TransportConfig, create_transport
+    from transport_wire import remote as remote_key
 
     engine = LLMEngine(*tiny, EngineConfig(num_blocks=64, max_num_batched_tokens=32))
     spec = engine.kv_pool.spec
@@ -125,7 +126,7 @@ async def _prefill_setup(tiny, num_remote_blocks=64):
         EndpointCache(prefill_side) as endpoints,  # connected on first use, as the service does
     ):
         remote = decode_side.allocate(num_remote_blocks * spec.block_bytes)
-        region = decode_side.register(remote, Access.REMOTE_WRITE)
+        region = remote_key(decode_side, decode_side.register(remote, Access.REMOTE_WRITE))
         worker = PrefillWorker(
             engine,
             prefill_side.register(engine.kv_pool.raw),

@@ -1,13 +1,19 @@
-"""The prefill work queue on JetStream: jobs wait in the stream until a worker with room pulls."""
+"""The prefill work queue on JetStream: jobs wait in the stream until a worker with room pulls.
+The stream and its consumer are made by the keeper (services/prefill_queue/keeper.py), never by
+a publisher or a worker."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
+import nats.errors
+import nats.js.errors
 import pytest
+from kvmesh.services.prefill_queue.keeper import ensure_queue
 from kvmesh.shared.nats_service import connect_nats
-from kvmesh.shared.prefill_queue import PrefillJobQueue, ensure_stream, publish_job, queue_depth
+from kvmesh.shared.prefill_queue import PrefillJobQueue, publish_job, queue_depth
 from kvmesh.shared.subjects import Subjects
 
 S = Subjects("test")
@@ -15,8 +21,9 @@ S = Subjects("test")
 
 async def test_jobs_wait_in_the_queue_until_a_worker_pulls_them(nats_server):
     async with connect_nats(nats_server, "router") as router, connect_nats(nats_server, "p") as p:
-        await ensure_stream(router, S)
-        await ensure_stream(router, S)  # idempotent
+        state = await ensure_queue(router, S)
+        assert state.made == ("stream", "consumer")
+        assert (await ensure_queue(router, S)).made == ()  # idempotent
         for i in range(3):
             await publish_job(router, S, f"job-{i}".encode())
         assert await queue_depth(router, S) == 3
@@ -41,6 +48,7 @@ async def test_each_job_goes_to_exactly_one_of_several_workers(nats_server):
         PrefillJobQueue(p0, S) as q0,
         PrefillJobQueue(p1, S) as q1,
     ):
+        await ensure_queue(router, S)
         for i in range(10):
             await publish_job(router, S, str(i).encode())
 
@@ -65,6 +73,7 @@ async def test_a_worker_that_does_not_pull_leaves_jobs_to_its_peer(nats_server):
         PrefillJobQueue(busy_nc, S),  # subscribed, but busy: never asks
         PrefillJobQueue(idle_nc, S) as idle,
     ):
+        await ensure_queue(router, S)
         for i in range(4):
             await publish_job(router, S, str(i).encode())
         got = [int((await idle.next(timeout_s=2.0)).data) for _ in range(4)]
@@ -76,17 +85,17 @@ async def test_a_job_taken_and_never_acknowledged_goes_to_another_worker(nats_se
     ack_wait_s = 1.0  # the mechanism is JetStream's whatever the wait; shorter than ACK_WAIT_S
 
     async with connect_nats(nats_server, "router") as router, connect_nats(nats_server, "p1") as p1:
-        await ensure_stream(router, S)
+        await ensure_queue(router, S, ack_wait_s=ack_wait_s)  # the consumer's, for every worker
         await publish_job(router, S, b"job")
         async with (
             connect_nats(nats_server, "p0") as p0,
-            PrefillJobQueue(p0, S, ack_wait_s=ack_wait_s) as q0,
+            PrefillJobQueue(p0, S) as q0,
         ):
             taken = await q0.next(timeout_s=2.0)
             assert taken is not None and taken.data == b"job"
             taken_at = time.monotonic()
         # p0 is gone without acknowledging; after the ack wait the job is offered again
-        async with PrefillJobQueue(p1, S, ack_wait_s=ack_wait_s) as q1:
+        async with PrefillJobQueue(p1, S) as q1:
             again = await q1.next(timeout_s=ack_wait_s + 5)
             assert again is not None and again.data == b"job"
             assert time.monotonic() - taken_at >= ack_wait_s * 0.9  # not before the ack wait
@@ -100,15 +109,15 @@ async def test_publish_without_jetstream_says_how_to_fix_it():
 
     async with NatsServer(jetstream=False) as server, connect_nats(server.url, "r") as nc:
         with pytest.raises(PrefillQueueError, match="-js"):
-            await ensure_stream(nc, S)
+            await ensure_queue(nc, S)
 
 
 async def test_queue_status_counts_waiting_jobs_and_pulling_workers(nats_server):
     from kvmesh.shared.prefill_queue import queue_status
 
     async with connect_nats(nats_server, "r") as nc, connect_nats(nats_server, "p") as p:
-        assert (await queue_status(nc, S))["depth"] == 0
-        await ensure_stream(nc, S)
+        assert "kvmesh serve prefill-queue" in (await queue_status(nc, S))["note"]
+        await ensure_queue(nc, S)
         await publish_job(nc, S, b"a")
         await publish_job(nc, S, b"b")
         async with PrefillJobQueue(p, S):
@@ -119,7 +128,7 @@ async def test_a_job_can_be_withdrawn_only_before_a_worker_takes_it(nats_server)
     from kvmesh.shared.prefill_queue import withdraw_job
 
     async with connect_nats(nats_server, "r") as nc, connect_nats(nats_server, "p") as p:
-        await ensure_stream(nc, S)
+        await ensure_queue(nc, S)
         first = await publish_job(nc, S, b"a")
         second = await publish_job(nc, S, b"b")
         assert await withdraw_job(nc, S, second)
@@ -132,8 +141,9 @@ async def test_a_job_can_be_withdrawn_only_before_a_worker_takes_it(nats_server)
         assert await queue_depth(nc, S) == 0
 
 
-async def test_queue_is_made_again_after_the_nats_server_restarts_empty():
-    """A restarted server has no stream and no consumer: publishing and pulling recreate them."""
+async def test_a_worker_binds_again_once_the_keeper_made_the_queue_after_a_restart():
+    """A restarted server has no stream and no consumer. Publishing does not make them (no role
+    may): the job waits for the keeper, and the worker's pulls find the new consumer."""
     from kvmesh.shared.nats_server import NatsServer
 
     server = NatsServer()
@@ -143,26 +153,44 @@ async def test_queue_is_made_again_after_the_nats_server_restarts_empty():
         async with (
             connect_nats(server.url, "r", reconnect_time_wait_s=0.1) as router,
             connect_nats(server.url, "p", reconnect_time_wait_s=0.1) as p,
-            PrefillJobQueue(p, S) as queue,
+            connect_nats(server.url, "keeper", reconnect_time_wait_s=0.1) as keeper,
         ):
-            await publish_job(router, S, b"before")
-            await queue.ack(await queue.next(timeout_s=2.0))
-            await asyncio.to_thread(server.stop)
-            server = NatsServer(port)
-            await asyncio.to_thread(server.start)
-            for _ in range(100):  # both clients reconnect
-                if router.is_connected and p.is_connected:
-                    break
-                await asyncio.sleep(0.05)
-            await publish_job(router, S, b"after")  # the stream is made again
-            got = None
-            for _ in range(5):  # the first pull finds its consumer gone and makes it again
-                if (got := await queue.next(timeout_s=1.0)) is not None:
-                    break
-            assert got is not None and got.data == b"after"
-            await queue.ack(got)
+            await ensure_queue(keeper, S)
+            async with PrefillJobQueue(p, S) as queue:
+                await publish_job(router, S, b"before")
+                await queue.ack(await queue.next(timeout_s=2.0))
+                await asyncio.to_thread(server.stop)
+                server = NatsServer(port)
+                await asyncio.to_thread(server.start)
+                for _ in range(100):  # every client reconnects
+                    if router.is_connected and p.is_connected and keeper.is_connected:
+                        break
+                    await asyncio.sleep(0.05)
+                published = asyncio.ensure_future(publish_job(router, S, b"after"))
+                await asyncio.sleep(0.5)
+                assert not published.done()  # no stream, and the router makes none
+                assert (await ensure_queue(keeper, S)).made == ("stream", "consumer")
+                await published
+                got = None
+                for _ in range(5):  # the first pull finds its consumer gone and binds again
+                    with contextlib.suppress(nats.errors.Error):
+                        if (got := await queue.next(timeout_s=1.0)) is not None:
+                            break
+                assert got is not None and got.data == b"after"
+                await queue.ack(got)
     finally:
         server.stop()
+
+
+async def test_a_worker_started_before_the_queue_waits_for_it(nats_server):
+    async with connect_nats(nats_server, "p") as p, PrefillJobQueue(p, S) as queue:
+        with pytest.raises(nats.js.errors.NotFoundError):
+            await queue.next(timeout_s=0.2)  # the pull loop says so once and tries again
+        async with connect_nats(nats_server, "keeper") as keeper:
+            await ensure_queue(keeper, S)
+            await publish_job(keeper, S, b"job")
+        got = await queue.next(timeout_s=2.0)
+        assert got is not None and got.data == b"job"
 
 
 async def test_each_mesh_has_its_own_queue_on_a_shared_server(nats_server):
@@ -170,6 +198,8 @@ async def test_each_mesh_has_its_own_queue_on_a_shared_server(nats_server):
     pulls the other's."""
     a, b = Subjects("mesh-a"), Subjects("mesh-b")
     async with connect_nats(nats_server, "r") as router, connect_nats(nats_server, "p") as p:
+        await ensure_queue(router, a)
+        await ensure_queue(router, b)
         await publish_job(router, a, b"for-a")
         await publish_job(router, b, b"for-b")
         assert await queue_depth(router, a) == await queue_depth(router, b) == 1
@@ -186,7 +216,7 @@ async def test_a_retried_publish_of_one_attempt_stores_its_job_once(nats_server)
     """The router publishes each attempt's job with its id as Nats-Msg-Id: a retry after a lost
     answer gets the first copy's sequence number and no second job."""
     async with connect_nats(nats_server, "router") as router:
-        await ensure_stream(router, S)
+        await ensure_queue(router, S)
         first = await publish_job(router, S, b"job", msg_id="req-1-a0")
         again = await publish_job(router, S, b"job", msg_id="req-1-a0")
         other = await publish_job(router, S, b"job", msg_id="req-1-r1")  # the next attempt
@@ -205,43 +235,47 @@ async def test_publish_to_a_server_without_jetstream_gives_up_saying_how_to_fix_
 
 async def test_a_failed_resubscribe_is_tried_again_not_left_dead(nats_server, monkeypatch):
     """JetStream unavailable on the worker's server (e.g. one cut off from its cluster): the
-    fetch fails, and so does making the subscription again. The next pulls must make it again;
-    pulling through the old, unsubscribed one times out silently forever."""
+    fetch fails, and so does binding again. The next pulls must bind again; pulling through the
+    old, unsubscribed one times out silently forever."""
     import nats.js.errors
-    from kvmesh.shared import prefill_queue
 
     async with (
         connect_nats(nats_server, "router") as router,
         connect_nats(nats_server, "p") as p,
-        PrefillJobQueue(p, S) as queue,
     ):
-        unavailable = nats.js.errors.ServiceUnavailableError(code=503, description="test")
-        real_fetch = queue._sub.fetch
-        failures = iter([unavailable])
+        await ensure_queue(router, S)
+        async with PrefillJobQueue(p, S) as queue:
+            unavailable = nats.js.errors.ServiceUnavailableError(code=503, description="test")
+            real_fetch = queue._sub.fetch
+            monkeypatch.setattr(queue._sub, "fetch", _failing_once(real_fetch, unavailable))
+            js = p.jetstream()
+            real_info = type(js).consumer_info
+            infos = iter([unavailable])
 
-        async def fetch(*args, **kwargs):
-            if (exc := next(failures, None)) is not None:
-                raise exc
-            return await real_fetch(*args, **kwargs)
+            async def consumer_info(self, *args, **kwargs):
+                if (exc := next(infos, None)) is not None:
+                    raise exc
+                return await real_info(self, *args, **kwargs)
 
-        monkeypatch.setattr(queue._sub, "fetch", fetch)
-        real_ensure = prefill_queue.ensure_stream
-        ensure_failures = iter([unavailable, unavailable])
+            monkeypatch.setattr(type(js), "consumer_info", consumer_info)
+            assert await queue.next(timeout_s=0.5) is None  # the fetch failed: unbound
+            with pytest.raises(nats.js.errors.ServiceUnavailableError):
+                await queue.next(timeout_s=0.5)  # binding again fails too
+            await publish_job(router, S, b"after")
+            got = None
+            for _ in range(3):
+                if (got := await queue.next(timeout_s=1.0)) is not None:
+                    break
+            assert got is not None and got.data == b"after"
+            await queue.ack(got)
 
-        async def ensure(nc, s):
-            if (exc := next(ensure_failures, None)) is not None:
-                raise exc
-            await real_ensure(nc, s)
 
-        monkeypatch.setattr(prefill_queue, "ensure_stream", ensure)
-        with pytest.raises(nats.js.errors.ServiceUnavailableError):
-            await queue.next(timeout_s=0.5)  # the fetch, then making it again, fail
-        with pytest.raises(nats.js.errors.ServiceUnavailableError):
-            await queue.next(timeout_s=0.5)  # JetStream still unavailable
-        await publish_job(router, S, b"after")
-        got = None
-        for _ in range(3):
-            if (got := await queue.next(timeout_s=1.0)) is not None:
-                break
-        assert got is not None and got.data == b"after"
-        await queue.ack(got)
+def _failing_once(call, exc):
+    failures = iter([exc])
+
+    async def wrapped(*args, **kwargs):
+        if (failure := next(failures, None)) is not None:
+            raise failure
+        return await call(*args, **kwargs)
+
+    return wrapped

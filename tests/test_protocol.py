@@ -56,6 +56,8 @@ from kvmesh.shared.protocol import (
 )
 from kvmesh.shared.sampling import SamplingOptions, TokenLogprobs
 
+SECRET = "ab" * 32  # a tcp descriptor's lane secret (64 hex digits)
+
 SAMPLING = SamplingOptions(
     max_tokens=7,
     temperature=0.5,
@@ -71,7 +73,7 @@ DESCRIPTOR = TransportDescriptor(
     host_id="host-a",
     backends=(
         ShmBackend(socket="/tmp/kvmesh-1-deadbeef/notify.sock", table="kvmesh-1-deadbeef-table"),
-        TcpBackend(host="10.0.0.2", port=41234, lanes=4),
+        TcpBackend(host="10.0.0.2", port=41234, secret=SECRET, lanes=4),
         RdmaBackend(
             device="mlx5_0",
             port=1,
@@ -83,6 +85,7 @@ DESCRIPTOR = TransportDescriptor(
             handshake_port=41235,
             iova={17: (4096, 1 << 40)},
             memory_windows=2,
+            secret=SECRET,
         ),
     ),
     regions=(RegionInfo(addr=1 << 32, length=1 << 20, rkey=17, access=1, lkey=5),),
@@ -359,7 +362,9 @@ def test_encode_refuses_what_is_not_a_message():
 def test_descriptor_backends_are_tagged_on_the_wire():
     wire = _wire(JOB)["descriptor"]
     assert [b["backend"] for b in wire["backends"]] == ["shm", "tcp", "rdma"]
-    assert DESCRIPTOR.backend("tcp") == TcpBackend(host="10.0.0.2", port=41234, lanes=4)
+    assert DESCRIPTOR.backend("tcp") == TcpBackend(
+        host="10.0.0.2", port=41234, secret=SECRET, lanes=4
+    )
     assert DESCRIPTOR.backend("nvlink") is None
 
 
@@ -384,7 +389,7 @@ def test_descriptor_converts_to_and_from_the_transports_peer_descriptor():
 
     peer = DESCRIPTOR.to_peer()
     assert set(peer.backends) == {"shm", "tcp", "rdma"}
-    assert peer.backends["tcp"] == {"host": "10.0.0.2", "port": 41234, "lanes": 4}
+    assert peer.backends["tcp"] == {"host": "10.0.0.2", "port": 41234, "secret": SECRET, "lanes": 4}
     rdma = RdmaPeerInfo.from_dict(peer.backends["rdma"])
     assert rdma.iova == {17: (4096, 1 << 40)} and rdma.memory_windows == 2
     assert peer.regions[0].rkey == 17 and int(peer.regions[0].access) == 1
@@ -394,7 +399,7 @@ def test_descriptor_converts_to_and_from_the_transports_peer_descriptor():
 def test_descriptor_knows_every_field_of_the_rdma_peer_info():
     from kvmesh.shared.transport.rdma_device import RdmaPeerInfo
 
-    info = RdmaPeerInfo("mlx5_0", 1, 3, "fe80::1", 1, 5, "10.0.0.2", 41235, {17: (1, 2)}, 1)
+    info = RdmaPeerInfo("mlx5_0", 1, 3, "fe80::1", 1, 5, "10.0.0.2", 41235, {17: (1, 2)}, 1, SECRET)
     assert {f.name for f in msgspec.structs.fields(RdmaBackend)} == set(info.to_dict())
     backend = msgspec.convert({"backend": "rdma", **info.to_dict()}, RdmaBackend, strict=False)
     assert RdmaPeerInfo.from_dict(msgspec.to_builtins(backend)) == info

@@ -7,6 +7,8 @@ from kvmesh.shared.descriptor import TcpBackend, TransportDescriptor
 from kvmesh.shared.protocol import DecodeAdvert, PlaceRequest, WorkerHeartbeat
 from kvmesh.shared.sampling import SamplingOptions
 
+SECRET = "ab" * 32  # a tcp descriptor's lane secret (64 hex digits)
+
 BLOCK_BYTES = 4096
 BLOCK_SIZE = 16
 
@@ -15,7 +17,7 @@ def advert(worker_id: str, **kw: object) -> DecodeAdvert:
     fields = dict(
         worker_id=worker_id,
         mode="disagg",
-        descriptor=TransportDescriptor(worker_id, "h", (TcpBackend("127.0.0.1", 1234),)),
+        descriptor=TransportDescriptor(worker_id, "h", (TcpBackend("127.0.0.1", 1234, SECRET),)),
         base_addr=1 << 20,
         block_bytes=BLOCK_BYTES,
         block_size=BLOCK_SIZE,

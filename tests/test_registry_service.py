@@ -403,6 +403,7 @@ async def test_full_mesh_survives_a_registry_restart(nats_server: str, tmp_path:
     common = ("--nats-url", nats_server, "--log-level", "warning")
     engine = ("--kv-cache-bytes", str(8 << 20), "--heartbeat-s", "0.3")
     procs = {
+        "prefill-queue": serve(tmp_path, "prefill-queue", *common),  # no role may make it
         "registry": start_registry(nats_server, "reg-a"),
         "decode": serve(tmp_path, "decode", "--worker-id", "decode-0", *common, *engine),
         "prefill": serve(tmp_path, "prefill", "--worker-id", "prefill-0", *common, *engine),

@@ -19,13 +19,15 @@ from kvmesh.shared.protocol import KvCacheDigest, KvCacheEvents, StoreAdvert
 from test_registry_core import BLOCK_SIZE, advert
 from test_registry_prefix import KV_SPEC, PREFIX, holds, place, prompt
 
+SECRET = "ab" * 32  # a tcp descriptor's lane secret (64 hex digits)
+
 LAYOUT = 7
 
 
 def store_advert(
     store_id: str = "s0", epoch: str = "e1", *, kv_spec: str = KV_SPEC, state: str = "ready"
 ) -> StoreAdvert:
-    desc = TransportDescriptor(store_id, "h", (TcpBackend("127.0.0.1", 1),))
+    desc = TransportDescriptor(store_id, "h", (TcpBackend("127.0.0.1", 1, SECRET),))
     return StoreAdvert(
         store_id, epoch, desc, kv_spec, 64, BLOCK_SIZE, 100, 0, 0, 0, 0, 0, 0, 0, 0, state, 0.0
     )

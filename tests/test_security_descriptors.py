@@ -27,6 +27,8 @@ from kvmesh.shared.transport.shm import (
     check_socket_path,
 )
 
+SECRET = "ab" * 32  # a tcp descriptor's lane secret (64 hex digits)
+
 
 def _forged(descriptor: PeerDescriptor, **shm: str) -> PeerDescriptor:
     """``descriptor`` with its shm part changed, as a peer would receive it: through a NATS
@@ -114,15 +116,17 @@ async def test_region_table_row_naming_another_transports_segment_is_refused():
         ShmTransport(TransportConfig()) as tx,
     ):
         mem = rx.allocate(4096)
-        region = rx.register(mem, Access.REMOTE_WRITE)
+        registered = rx.register(mem, Access.REMOTE_WRITE)
+        window = rx.open_window(registered, [(registered.addr, 4096)])
         other.allocate(4096)
         foreign = f"{other._token}-0"
         # what a table forged by (or corrupted in) the receiver could say
-        rx._table["segment"][rx._slots[region.rkey]] = foreign.encode()
+        [slot] = rx._window_slots[window.rkey]
+        rx._table["segment"][slot] = foreign.encode()
         src = tx.register(torch.ones(4096, dtype=torch.uint8))
         async with await tx.connect(rx.descriptor()) as ep:
             with pytest.raises(UntrustedDescriptorError, match="another transport"):
-                await ep.write([WriteEntry(src, 0, region.addr, region.rkey, 4096)], 1)
+                await ep.write([WriteEntry(src, 0, registered.addr, window.rkey, 4096)], 1)
         assert int(mem.sum()) == 0
 
 
@@ -133,7 +137,7 @@ def _advert(**changes):
     fields = dict(
         worker_id="d0",
         mode="disagg",
-        descriptor=TransportDescriptor("d0", "h", (TcpBackend("127.0.0.1", 1),)),
+        descriptor=TransportDescriptor("d0", "h", (TcpBackend("127.0.0.1", 1, SECRET),)),
         base_addr=0x10000,
         block_bytes=1024,
         block_size=16,
@@ -174,7 +178,7 @@ def test_job_matching_the_advert_is_vouched_for():
     ("changes", "match"),
     [
         (
-            {"descriptor": TransportDescriptor("d0", "h", (TcpBackend("10.9.9.9", 22),))},
+            {"descriptor": TransportDescriptor("d0", "h", (TcpBackend("10.9.9.9", 22, SECRET),))},
             "descriptor",
         ),
         (

@@ -47,11 +47,16 @@ def test_descriptor_roundtrips_through_orjson() -> None:
         PeerDescriptor.from_dict({"peer_id": "x"})
 
 
-def test_registry_refuses_unknown_rkey_bounds_access_and_deregistered() -> None:
+def test_registry_refuses_unknown_rkey_bounds_access_and_closed() -> None:
     reg = Registry()
     mem = torch.zeros(4096, dtype=torch.uint8)
-    r = reg.register(mem, Access.REMOTE_WRITE)
-    assert (r.addr, r.length) == (mem.data_ptr(), 4096)
+    region = reg.register(mem, Access.REMOTE_WRITE)
+    assert (region.addr, region.length) == (mem.data_ptr(), 4096)
+    # the region's own key opens nothing remotely; a window over all of it does
+    err = reg.refusal(region.rkey, region.addr, 8, Access.REMOTE_WRITE)
+    assert err is not None and "region's own key" in str(err)
+    w = reg.open_window(region, [(region.addr, region.length)])
+    r = MemoryRegion(region.addr, region.length, w.rkey, region.access)
     assert reg.refusal(r.rkey, r.addr, 4096, Access.REMOTE_WRITE) is None
     cases = {
         RefusalReason.UNKNOWN_RKEY: (r.rkey ^ 0x5A5A, r.addr, 8, Access.REMOTE_WRITE),
@@ -64,7 +69,7 @@ def test_registry_refuses_unknown_rkey_bounds_access_and_deregistered() -> None:
         assert isinstance(err, RemoteAccessError) and err.reason == reason, (reason, err)
     with pytest.raises(RemoteAccessError, match="out_of_bounds"):
         reg.remote_view(r.rkey, r.addr - 1, 8, Access.REMOTE_WRITE)
-    reg.deregister(r)
+    reg.deregister(region)
     err = reg.refusal(r.rkey, r.addr, 8, Access.REMOTE_WRITE)
     assert err is not None and err.reason == RefusalReason.DEREGISTERED
     assert "deregistered" in str(err)

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import random
 import selectors
@@ -62,6 +63,7 @@ from kvmesh.shared.transport import (
     TransportStats,
     WriteEntry,
 )
+from kvmesh.shared.transport.lane_auth import ACCEPT, CHALLENGE, HELLO, MAGIC_HELLO, _mac
 from kvmesh.shared.transport.server import SocketServer
 from kvmesh.shared.transport.shm import (
     FREE,
@@ -79,10 +81,8 @@ from kvmesh.shared.transport.tcp import (
     ACK,
     FLAG_NO_ACK,
     FRAME,
-    HELLO,
     MAGIC_ACK,
     MAGIC_FRAME,
-    MAGIC_HELLO,
     MAX_FRAME_BYTES,
     MAX_PENDING_WRITES,
     OP_READ,
@@ -92,6 +92,9 @@ from kvmesh.shared.transport.tcp import (
 )
 
 SEED = int(os.environ.get("KVMESH_FUZZ_SEED", "0x5eedf022"), 0)
+# The campaign probes refusals by the thousand on one connection: no disconnect for them here
+# (tests/test_transport_windows.py checks that one).
+RX_CONFIG = TransportConfig(max_refusals=1 << 30)
 FRAMES_PER_TRANSPORT = 10_000
 TABLE_TRIALS = 600
 GUARD = 0xAB
@@ -145,35 +148,37 @@ class Arena:
             spans.append((slot, offset, end))
             offset = end + gap
         self.actual[:] = self.expected
+        # name -> the region as peers reach it: the key of a window over all of it (a region's
+        # own key opens nothing remotely; "local" keeps its own key, which opens nothing)
         self.regions: dict[str, MemoryRegion] = {}
         self.live: dict[int, MemoryRegion] = {}
         self.retired: set[int] = set()
         for slot, start, end in spans:
-            region = self.regions[slot.name] = transport.register(self.mem[start:end], slot.access)
+            region = transport.register(self.mem[start:end], slot.access)
+            if slot.access == Access.LOCAL:
+                self.regions[slot.name] = region
+                continue
+            window = transport.open_window(region, [(region.addr, region.length)], slot.access)
+            self.regions[slot.name] = dataclasses.replace(region, rkey=window.rkey)
             if slot.retired:
-                transport.deregister(region)
-                self.retired.add(region.rkey)
+                transport.deregister(region)  # closes its window
+                self.retired.add(window.rkey)
             else:
-                self.live[region.rkey] = region
+                self.live[window.rkey] = self.regions[slot.name]
 
-    def refusal(
-        self, rkey: int, addr: int, length: int, access: Access, *, table: bool = False
-    ) -> int:
-        """The RefusalReason (0: allowed) due to an access of ``[addr, +length)`` of ``rkey``: as
-        the registry judges it, or (``table``) an shm writer reading the region table, which has
-        no row for a local-only region."""
+    def refusal(self, rkey: int, addr: int, length: int, access: Access) -> int:
+        """The RefusalReason (0: allowed) due to an access of ``[addr, +length)`` of ``rkey``, as
+        the registry (or an shm writer reading the region table) judges it; every refusal is
+        ``REFUSED`` to the peer, whatever its cause."""
         region = self.live.get(rkey)
-        if region is None or (table and not region.access & Access.REMOTE):
-            return (
-                RefusalReason.DEREGISTERED if rkey in self.retired else RefusalReason.UNKNOWN_RKEY
-            )
-        if region.access & access != access:
-            return RefusalReason.ACCESS_DENIED
-        if length <= 0:
-            return RefusalReason.BAD_LENGTH
-        if addr < region.addr or addr + length > region.end:
-            return RefusalReason.OUT_OF_BOUNDS
-        return 0
+        refused = (
+            region is None
+            or region.access & access != access
+            or length <= 0
+            or addr < region.addr
+            or addr + length > region.end
+        )
+        return RefusalReason.REFUSED if refused else 0
 
     def span_in(self, rng: random.Random, name: str, cap: int = 512) -> tuple[int, int]:
         """A random ``(addr, length)`` inside region ``name``."""
@@ -241,14 +246,26 @@ def flip_bits(rng: random.Random, data: bytes, limit: int) -> bytes:
 # ---- the wire: a socket exchange, and the receivers' own checks as a reference ------------------
 
 
-def exchange(family: int, address: object, data: bytes) -> tuple[bytes, bool]:
-    """Send ``data``, half-close, and read all the receiver answers until it hangs up (reading
-    all the while, so neither side blocks on a full buffer). Returns (answers, reset)."""
+Hello = Callable[[bytes], bytes]  # the receiver's challenge -> the hello that answers it
+
+
+def exchange(
+    family: int, address: object, data: bytes, hello: Hello | None = None
+) -> tuple[bytes, bool]:
+    """Send ``data`` (tcp: after ``hello``'s answer to the receiver's challenge), half-close,
+    and read all the receiver answers until it hangs up (reading all the while, so neither
+    side blocks on a full buffer). Returns (answers, reset)."""
     sock = socket.socket(family, socket.SOCK_STREAM)
     sel = selectors.DefaultSelector()
-    received, out, reset = bytearray(), memoryview(data), False
+    received, reset = bytearray(), False
     try:
         sock.connect(address)
+        if hello is not None:
+            sock.settimeout(EXCHANGE_TIMEOUT_S)
+            challenge = sock.recv(CHALLENGE.size, socket.MSG_WAITALL)
+            assert len(challenge) == CHALLENGE.size, "the receiver sent no challenge"
+            data = hello(challenge) + data
+        out = memoryview(data)
         sock.setblocking(False)
         sel.register(sock, selectors.EVENT_READ | selectors.EVENT_WRITE)
         deadline = time.monotonic() + EXCHANGE_TIMEOUT_S
@@ -285,10 +302,12 @@ def exchange(family: int, address: object, data: bytes) -> tuple[bytes, bool]:
         sock.close()
 
 
-async def round_trip(family: int, address: object, data: bytes, ctx: str) -> tuple[bytes, bool]:
+async def round_trip(
+    family: int, address: object, data: bytes, ctx: str, hello: Hello | None = None
+) -> tuple[bytes, bool]:
     """``exchange`` in a thread; a receiver that does not hang up fails the test."""
     try:
-        return await asyncio.to_thread(exchange, family, address, data)
+        return await asyncio.to_thread(exchange, family, address, data, hello)
     except TimeoutError as exc:
         raise AssertionError(fail(ctx, str(exc))) from None
 
@@ -330,19 +349,13 @@ def walk_frames(data: bytes, arena: Arena) -> Walk:
     return walk
 
 
-def walk_stream(data: bytes, arena: Arena) -> Walk:
-    """``walk_frames`` after the hello, if the receiver accepts the hello."""
-    if len(data) < HELLO.size:
-        return Walk()
-    magic, version, _, _, _, n = HELLO.unpack_from(data)
-    if magic != MAGIC_HELLO or version != VERSION or not 0 < n <= 256:
-        return Walk()
-    return walk_frames(data[HELLO.size + n :], arena)
-
-
-def tcp_hello(peer: bytes, endpoint_id: int, n: int | None = None) -> bytes:
+def tcp_hello(
+    secret: bytes, challenge: bytes, peer: bytes, endpoint_id: int, n: int | None = None
+) -> bytes:
+    """A hello proven with ``secret`` for ``challenge`` (``n``: the peer id length it claims)."""
     size = len(peer) if n is None else n
-    return HELLO.pack(MAGIC_HELLO, VERSION, 0, 1, endpoint_id & M64, size & M16) + peer
+    header = HELLO.pack(MAGIC_HELLO, VERSION, 0, 1, endpoint_id & M64, size & M16)
+    return header + peer + _mac(secret, CHALLENGE.unpack(challenge)[2], header, peer)
 
 
 def drain(queue: CompletionQueue) -> list[tuple[int, str, int]]:
@@ -373,10 +386,12 @@ def counters(stats: TransportStats) -> np.ndarray:
 
 
 async def assert_no_leaks(server: SocketServer, threads: int, fds: int, connections: int) -> None:
-    """Every connection of the campaign is gone with its thread and descriptor, none refused."""
+    """Every connection of the campaign is gone with its thread and descriptor; each was
+    admitted or refused at its hello (a broken hello, garbage), none lost."""
     await wait_until(lambda: server.num_connections == 0, "no connection left")
+    await wait_until(lambda: server.num_pending == 0, "no handshake left")
     await wait_until(lambda: transport_threads() <= threads, "no transport thread left")
-    assert server.num_refused == 0 and server.num_accepted >= connections
+    assert server.num_accepted + server.num_refused >= connections
     leaked = open_fds() - fds
     assert leaked <= FD_SLACK, fail("after the campaign", f"{leaked} descriptors leaked")
 
@@ -537,7 +552,8 @@ class TcpConnection:
     """One connection's bytes and what the receiver must do with them."""
 
     kind: str
-    stream: bytearray
+    hello: Hello  # answers the receiver's challenge
+    stream: bytearray  # what follows the hello
     answers: bytearray = field(default_factory=bytearray)  # exact ACKs/NAKs of the soft frames
     completions: list[tuple[int, str, int]] = field(default_factory=list)
     refused: int = 0  # refusals of soft frames
@@ -574,10 +590,14 @@ def soft_effect(conn: TcpConnection, frame: TcpFrame, arena: Arena, peer: str) -
     return True
 
 
-def tcp_session(rng: random.Random, arena: Arena) -> TcpConnection:
+def tcp_session(rng: random.Random, arena: Arena, secret: bytes) -> TcpConnection:
     """A good hello, soft frames, and (most often) a hard tail."""
     peer = rng.choice([rng.randbytes(rng.randint(1, 256)), b"fuzz-%d" % rng.getrandbits(20)])
-    conn = TcpConnection("session", bytearray(tcp_hello(peer, rng.getrandbits(64))))
+    endpoint_id = rng.getrandbits(64)
+    conn = TcpConnection(
+        "session", lambda ch: tcp_hello(secret, ch, peer, endpoint_id), bytearray()
+    )
+    conn.answers += ACCEPT  # the receiver admits the lane first
     name = peer.decode(errors="replace")
     seq = 1
     for _ in range(rng.randint(1, 40)):
@@ -591,37 +611,44 @@ def tcp_session(rng: random.Random, arena: Arena) -> TcpConnection:
     return conn
 
 
-def tcp_bad_hello(rng: random.Random, arena: Arena) -> TcpConnection:
-    """A hello with one thing wrong, then valid frames the receiver must not act on unless the
-    hello (as sent) is acceptable after all."""
+def tcp_bad_hello(rng: random.Random, arena: Arena, secret: bytes) -> TcpConnection:
+    """A hello with one thing wrong (a proof made with another secret, a broken field, a cut),
+    then valid frames: the receiver must hang up and act on none of them."""
     peer = b"fuzz-%d" % rng.getrandbits(20)
-    kind = rng.choice(["magic", "version", "n_zero", "n_big", "n_short", "n_long", "cut", "bits"])
-    hello = tcp_hello(peer, rng.getrandbits(64))
-    if kind == "magic":
-        hello = rng.choice([b"KVMF", rng.randbytes(4)]) + hello[4:]
-    elif kind == "version":
-        hello = hello[:4] + rng.choice([0, 2, M16]).to_bytes(2, "little") + hello[6:]
-    elif kind.startswith("n_"):
-        n = {
-            "n_zero": 0,
-            "n_big": rng.randint(257, M16),
-            "n_short": rng.randint(1, len(peer) - 1),
-            "n_long": rng.randint(len(peer) + 1, 256),
-        }[kind]
-        hello = tcp_hello(peer, rng.getrandbits(64), n)
-    elif kind == "cut":
-        hello = hello[: rng.randrange(1, HELLO.size + len(peer))]
-    else:
-        hello = flip_bits(rng, hello, HELLO.size)
-    stream = bytearray(hello)
+    endpoint_id = rng.getrandbits(64)
+    kind = rng.choice(
+        ["secret", "magic", "version", "n_zero", "n_big", "n_short", "n_long", "cut", "bits"]
+    )
+
+    def hello(challenge: bytes) -> bytes:
+        if kind == "secret":
+            return tcp_hello(rng.randbytes(32), challenge, peer, endpoint_id)
+        good = tcp_hello(secret, challenge, peer, endpoint_id)
+        if kind == "magic":
+            return rng.choice([b"KVMF", rng.randbytes(4)]) + good[4:]
+        if kind == "version":
+            return good[:4] + rng.choice([0, 1, 3, M16]).to_bytes(2, "little") + good[6:]
+        if kind.startswith("n_"):
+            n = {
+                "n_zero": 0,
+                "n_big": rng.randint(257, M16),
+                "n_short": rng.randint(1, len(peer) - 1),
+                "n_long": rng.randint(len(peer) + 1, 256),
+            }[kind]
+            return tcp_hello(secret, challenge, peer, endpoint_id, n)
+        if kind == "cut":
+            return good[: rng.randrange(1, len(good))]
+        return flip_bits(rng, good, HELLO.size)
+
+    stream = bytearray()
     for seq in range(1, rng.randint(1, 5)):
         stream += valid_write(rng, arena, seq).wire()
-    return TcpConnection(f"hello-{kind}", stream, frames=1, tail=walk_stream(stream, arena))
+    return TcpConnection(f"hello-{kind}", hello, stream, frames=1)
 
 
-def tcp_garbage(rng: random.Random, arena: Arena) -> TcpConnection:
-    stream = bytearray(rng.randbytes(rng.randint(1, 4096)))
-    return TcpConnection("garbage", stream, frames=1, tail=walk_stream(stream, arena))
+def tcp_garbage(rng: random.Random, arena: Arena, secret: bytes) -> TcpConnection:
+    garbage = rng.randbytes(rng.randint(1, 4096))
+    return TcpConnection("garbage", lambda _: garbage, bytearray(), frames=1)
 
 
 def check_tcp_connection(
@@ -660,7 +687,7 @@ async def tcp_round(rx: TcpTransport, conn: TcpConnection, arena: Arena, ctx: st
     connection ended with a reset."""
     before = rx.stats()
     address = ("127.0.0.1", rx.port)
-    answers, reset = await round_trip(socket.AF_INET, address, bytes(conn.stream), ctx)
+    answers, reset = await round_trip(socket.AF_INET, address, bytes(conn.stream), ctx, conn.hello)
     got = drain(rx.completion_queue)
     after = rx.stats()
     delta = (after.writes - before.writes, after.refused - before.refused)
@@ -718,10 +745,11 @@ async def test_tcp_receiver_survives_fuzzed_frames_with_guards_and_untouched_byt
     rng = random.Random(SEED)
     started = time.monotonic()
     async with (
-        TcpTransport(TransportConfig()) as rx,
+        TcpTransport(RX_CONFIG) as rx,
         TcpTransport(TransportConfig(peer_id="fuzz-tx", tcp_slice_bytes=4096)) as tx,
     ):
         arena = Arena(rx, rng)
+        secret = rx._secret
         src = torch.randint(0, 256, (32 << 10,), dtype=torch.uint8, generator=torch.Generator())
         local = tx.register(src)
         threads, fds = transport_threads(), open_fds()
@@ -730,7 +758,7 @@ async def test_tcp_receiver_survives_fuzzed_frames_with_guards_and_untouched_byt
         while tally.frames < FRAMES_PER_TRANSPORT:
             roll = rng.random()
             make = tcp_session if roll < 0.86 else tcp_bad_hello if roll < 0.94 else tcp_garbage
-            conn = make(rng, arena)
+            conn = make(rng, arena, secret)
             ctx = f"tcp connection {tally.connections} ({conn.kind}), frames {tally.frames}-"
             ctx += f"{tally.frames + conn.frames - 1}"
             tally.add(conn, await tcp_round(rx, conn, arena, ctx))
@@ -894,7 +922,7 @@ def fuzzed_entry(rng: random.Random, arena: Arena, local: MemoryRegion) -> Write
 def first_refusal(arena: Arena, entries: list[WriteEntry]) -> int:
     """The reason an shm writer refuses a write for (its first bad entry's), or 0."""
     for e in entries:
-        status = arena.refusal(e.rkey, e.remote_addr, e.length, Access.REMOTE_WRITE, table=True)
+        status = arena.refusal(e.rkey, e.remote_addr, e.length, Access.REMOTE_WRITE)
         if status:
             return status
     return 0
@@ -958,7 +986,7 @@ async def test_shm_receiver_survives_fuzzed_notes_and_writers_refuse_fuzzed_entr
     rng = random.Random(SEED + 1)
     started = time.monotonic()
     async with (
-        ShmTransport(TransportConfig()) as rx,
+        ShmTransport(RX_CONFIG) as rx,
         ShmTransport(TransportConfig(peer_id="fuzz-tx")) as tx,
     ):
         arena = Arena(rx, rng)
@@ -1110,7 +1138,7 @@ async def test_shm_writer_places_or_refuses_per_fuzzed_region_table_rows() -> No
     TransportError and changes nothing."""
     rng = random.Random(SEED + 2)
     async with (
-        ShmTransport(TransportConfig()) as rx,
+        ShmTransport(RX_CONFIG) as rx,
         ShmTransport(TransportConfig(peer_id="fuzz-tx")) as tx,
     ):
         arena = Arena(rx, rng)
@@ -1171,11 +1199,15 @@ async def test_shm_writer_places_or_refuses_per_fuzzed_region_table_rows() -> No
 
 
 async def shm_pair_with_region() -> tuple[ShmTransport, ShmTransport, torch.Tensor, MemoryRegion]:
+    """A receiver and a writer; the receiver's 4 KiB region as the writer reaches it (through
+    a window: its key names the window's table row)."""
     rx, tx = ShmTransport(TransportConfig()), ShmTransport(TransportConfig())
     await rx.start()
     await tx.start()
     mem = rx.allocate(4096)
-    return rx, tx, mem, rx.register(mem, Access.REMOTE_WRITE)
+    region = rx.register(mem, Access.REMOTE_WRITE)
+    window = rx.open_window(region, [(region.addr, region.length)])
+    return rx, tx, mem, dataclasses.replace(region, rkey=window.rkey)
 
 
 @pytest.mark.parametrize(
@@ -1189,7 +1221,7 @@ async def test_shm_writer_refuses_a_table_row_pointing_past_its_segment(
     rx, tx, mem, region = await shm_pair_with_region()
     try:
         assert rx._table is not None
-        rx._table[field_name][rx._slots[region.rkey]] = value
+        rx._table[field_name][rx._window_slots[region.rkey][0]] = value
         length = 2 if field_name == "seg_offset" else 8192
         src = tx.register(torch.full((length,), 9, dtype=torch.uint8))
         async with await tx.connect(rx.descriptor()) as ep:
@@ -1208,7 +1240,7 @@ async def test_shm_writer_refuses_a_table_row_naming_the_table_itself() -> None:
     rx, tx, _, region = await shm_pair_with_region()
     try:
         assert rx._table is not None and rx._table_seg is not None
-        slot = rx._slots[region.rkey]
+        slot = rx._window_slots[region.rkey][0]
         rx._table["segment"][slot] = rx._table_seg.name.encode()
         rx._table["seg_offset"][slot] = 0
         table_before = rx._table_seg.tensor.clone()
@@ -1231,7 +1263,7 @@ async def test_shm_writer_refuses_rkey_zero_as_unknown_not_deregistered() -> Non
         async with await tx.connect(rx.descriptor()) as ep:
             with pytest.raises(RemoteAccessError) as info:
                 await ep.write([WriteEntry(src, 0, 0x1000, 0, 16)], 1)
-        assert info.value.reason == RefusalReason.UNKNOWN_RKEY
+        assert info.value.cause == RefusalReason.UNKNOWN_RKEY
     finally:
         await tx.aclose()
         await rx.aclose()

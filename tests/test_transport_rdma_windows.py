@@ -188,7 +188,7 @@ async def test_window_write_outside_its_blocks_is_refused_before_the_nic():
         for block in (1, 3, 5):  # unleased blocks, and another lease's block
             with pytest.raises(RemoteAccessError) as info:
                 await m.write(block, mine.rkey)
-            assert info.value.reason == RefusalReason.OUT_OF_BOUNDS
+            assert info.value.reason == RefusalReason.REFUSED
         await m.write(5, other.rkey)  # the connection survives a refusal made here
         assert m.written() == [5]
 
@@ -217,8 +217,8 @@ async def test_write_with_the_regions_own_key_is_refused_and_counted():
         before = m.rx.stats().refused
         with pytest.raises(RemoteAccessError) as info:  # asked for as a window: refused
             await m.write(0, m.region.rkey)
-        assert info.value.reason == RefusalReason.ACCESS_DENIED
-        assert "reachable only through a memory window" in str(info.value)
+        assert info.value.reason == RefusalReason.REFUSED
+        assert "region" not in str(info.value)  # said alike for any key: the log says why
         assert m.rx.stats().refused == before + 1
         mr_key = m.rx.memory.registration(m.region).mr.rkey  # the NIC's key, should it leak
         assert await m.post_raw(m.ep, mr_key, m.addr(0), BLOCK) == e.IBV_WC_REM_ACCESS_ERR
@@ -264,7 +264,7 @@ async def test_window_closed_after_use_is_refused_by_the_nic_and_counted():
         fresh = await m.connect()  # a writer that resolves only now learns it was closed
         with pytest.raises(RemoteAccessError) as info:
             await m.write(6, window.rkey, ep=fresh)
-        assert info.value.reason == RefusalReason.DEREGISTERED
+        assert info.value.reason == RefusalReason.REFUSED
 
 
 async def test_guessed_window_keys_are_refused_counted_and_keep_the_connection():
@@ -274,7 +274,7 @@ async def test_guessed_window_keys_are_refused_counted_and_keep_the_connection()
         for guess in (window.rkey + 1, window.rkey ^ 0x8000_0000, 12345):
             with pytest.raises(RemoteAccessError) as info:
                 await m.write(0, guess)
-            assert info.value.reason == RefusalReason.UNKNOWN_RKEY
+            assert info.value.reason == RefusalReason.REFUSED
         assert m.rx.stats().refused == before + 3
         await m.write(0, window.rkey)
         assert m.written() == [0]

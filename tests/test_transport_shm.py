@@ -11,6 +11,7 @@ import torch
 from kvmesh.shared.transport import Access, PeerUnreachableError, TransportConfig, WriteEntry
 from kvmesh.shared.transport.base import PeerDescriptor
 from kvmesh.shared.transport.shm import SHM_DIR, ShmTransport
+from transport_wire import remote
 
 
 def segments() -> set[str]:
@@ -54,7 +55,7 @@ async def test_descriptor_names_socket_and_table_but_no_region_key_when_public()
 async def test_writes_through_a_sub_region_land_at_the_right_offset() -> None:
     async with ShmTransport(TransportConfig()) as rx, ShmTransport(TransportConfig()) as tx:
         mem = rx.allocate(3 * 4096)
-        r = rx.register(mem[4096:8192], Access.REMOTE_WRITE)  # a view, offset in its segment
+        r = remote(rx, rx.register(mem[4096:8192], Access.REMOTE_WRITE))  # offset in its segment
         src = torch.arange(256, dtype=torch.uint8).repeat(16)
         local = tx.register(src)
         async with await tx.connect(rx.descriptor()) as ep:

@@ -22,14 +22,13 @@ from kvmesh.shared.transport.tcp import (
     ACK,
     FLAG_NO_ACK,
     FRAME,
-    HELLO,
     MAGIC_ACK,
     MAGIC_FRAME,
-    MAGIC_HELLO,
     OP_WRITE,
     VERSION,
     TcpTransport,
 )
+from transport_wire import FAKE_SECRET, accept_hello, raw_lane, remote
 
 NBYTES = 64 << 10
 GUARD = 0xAB
@@ -48,16 +47,10 @@ class Receiver:
         self.mem.fill_(GUARD)
         self.body = self.mem[4096 : 4096 + NBYTES]
         self.body.zero_()
-        self.region = rx.register(self.body, Access.REMOTE_WRITE)
+        self.region = remote(rx, rx.register(self.body, Access.REMOTE_WRITE))
 
     def guards_intact(self) -> bool:
         return bool((self.mem[:4096] == GUARD).all() and (self.mem[-4096:] == GUARD).all())
-
-
-def raw_lane(port: int, endpoint_id: int = 7, peer: bytes = b"raw-peer") -> socket.socket:
-    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
-    sock.sendall(HELLO.pack(MAGIC_HELLO, VERSION, 0, 1, endpoint_id, len(peer)) + peer)
-    return sock
 
 
 def frame(
@@ -104,13 +97,13 @@ async def receiver():
 
 async def test_refused_frame_is_nacked_drained_and_the_connection_keeps_working(receiver) -> None:
     r = receiver.region
-    sock = await asyncio.to_thread(raw_lane, receiver.rx.port)
+    sock = await asyncio.to_thread(raw_lane, receiver.rx.descriptor())
     payload = b"\x11" * 1000
     sock.sendall(frame(r.rkey ^ 0xFF, r.addr, 1000, seq=1, imm=5) + payload)
     status, seq, _ = await asyncio.to_thread(read_ack, sock)
-    assert (status, seq) == (RefusalReason.UNKNOWN_RKEY, 1)
+    assert (status, seq) == (RefusalReason.REFUSED, 1)  # alike, whatever the reason
     sock.sendall(frame(r.rkey, r.end - 500, 1000, seq=2, imm=6) + payload)  # crosses the end
-    assert (await asyncio.to_thread(read_ack, sock))[0] == RefusalReason.OUT_OF_BOUNDS
+    assert (await asyncio.to_thread(read_ack, sock))[0] == RefusalReason.REFUSED
     sock.sendall(frame(r.rkey, r.addr + 100, 1000, seq=3, imm=7) + payload)
     assert (await asyncio.to_thread(read_ack, sock))[:2] == (0, 3)
     c = await timeout(receiver.rx.completion_queue.get())
@@ -136,7 +129,7 @@ async def test_refused_frame_is_nacked_drained_and_the_connection_keeps_working(
 )
 async def test_corrupt_frames_close_the_connection_and_write_nothing(receiver, bad: str) -> None:
     r = receiver.region
-    sock = await asyncio.to_thread(raw_lane, receiver.rx.port)
+    sock = await asyncio.to_thread(raw_lane, receiver.rx.descriptor())
     good = frame(r.rkey, r.addr, 4096, imm=1)
     data = {
         "oversized_length": frame(r.rkey, r.addr, 1 << 40),
@@ -211,14 +204,15 @@ async def test_window_bounds_frames_in_flight_under_a_stream_of_writes(receiver)
 async def test_read_pulls_remote_bytes_and_is_refused_without_read_access(receiver) -> None:
     r = receiver.region
     receiver.body.copy_(torch.arange(NBYTES, dtype=torch.int64).to(torch.uint8))
-    readable = receiver.rx.register(receiver.body[:8192], Access.REMOTE_READ)
+    rx = receiver.rx
+    readable = remote(rx, rx.register(receiver.body[:8192], Access.REMOTE_READ))
     async with TcpTransport(TransportConfig(tcp_slice_bytes=4096)) as tx:
         dst = torch.zeros(8192, dtype=torch.uint8)
         local = tx.register(dst)
         async with await tx.connect(receiver.rx.descriptor()) as ep:
             await timeout(ep.read([WriteEntry(local, 0, readable.addr, readable.rkey, 8192)]))
             assert torch.equal(dst, receiver.body[:8192])
-            with pytest.raises(Exception, match="access_denied"):
+            with pytest.raises(Exception, match="refused"):
                 await timeout(ep.read([WriteEntry(local, 0, r.addr, r.rkey, 4096)]))
     stats = receiver.rx.stats()
     assert (stats.reads, stats.read_bytes, stats.refused) == (1, 8192, 1)
@@ -234,13 +228,22 @@ async def test_write_to_a_peer_that_never_acks_times_out_with_peer_gone() -> Non
     accepted: list[socket.socket] = []
     port = mute.getsockname()[1]
     desc = PeerDescriptor(
-        "mute", "elsewhere", {"tcp": {"host": "127.0.0.1", "port": port, "lanes": 1}}
+        "mute",
+        "elsewhere",
+        {"tcp": {"host": "127.0.0.1", "port": port, "lanes": 1, "secret": FAKE_SECRET}},
     )
     try:
         async with TcpTransport(TransportConfig(op_timeout_s=0.5)) as tx:
             local = tx.register(torch.zeros(4096, dtype=torch.uint8))
+
+            def answer_and_go_mute() -> None:
+                conn = mute.accept()[0]
+                accepted.append(conn)
+                accept_hello(conn, bytes.fromhex(FAKE_SECRET))
+
+            answering = asyncio.ensure_future(asyncio.to_thread(answer_and_go_mute))
             ep = await tx.connect(desc)
-            accepted.append(await asyncio.to_thread(lambda: mute.accept()[0]))
+            await answering
             with pytest.raises(PeerGoneError, match=r"did not acknowledge within 0\.5 s"):
                 await timeout(ep.write([WriteEntry(local, 0, 0x1000, 1, 4096)], 1))
             with pytest.raises(PeerGoneError):  # the endpoint stays failed
@@ -253,7 +256,7 @@ async def test_write_to_a_peer_that_never_acks_times_out_with_peer_gone() -> Non
 
 async def test_frames_flagged_no_ack_are_acked_only_by_a_later_frame_or_a_refusal(receiver) -> None:
     r = receiver.region
-    sock = await asyncio.to_thread(raw_lane, receiver.rx.port)
+    sock = await asyncio.to_thread(raw_lane, receiver.rx.descriptor())
     payload = b"\x05" * 1024
     for idx in range(3):  # one write of three frames; only the last asks for an ACK
         flags = 0 if idx == 2 else FLAG_NO_ACK
@@ -269,7 +272,7 @@ async def test_frames_flagged_no_ack_are_acked_only_by_a_later_frame_or_a_refusa
         assert chunk
         data += chunk
     acks = [ACK.unpack_from(data, i * ACK.size) for i in range(2)]
-    assert [(a[1], a[5], a[4]) for a in acks] == [(0, 1, 2), (RefusalReason.UNKNOWN_RKEY, 2, 0)]
+    assert [(a[1], a[5], a[4]) for a in acks] == [(0, 1, 2), (RefusalReason.REFUSED, 2, 0)]
     c = await timeout(receiver.rx.completion_queue.get())
     assert (c.imm, c.num_bytes) == (4, 3 * 1024)
     assert bytes(receiver.body[: 3 * 1024].numpy()) == payload * 3
@@ -288,7 +291,8 @@ class SlowAcker:
 
     def descriptor(self) -> PeerDescriptor:
         port = self.server.getsockname()[1]
-        return PeerDescriptor("slow", "elsewhere", {"tcp": {"host": "127.0.0.1", "port": port}})
+        info = {"host": "127.0.0.1", "port": port, "secret": FAKE_SECRET}
+        return PeerDescriptor("slow", "elsewhere", {"tcp": info})
 
     def _recv(self, n: int) -> bytes:
         assert self.conn is not None
@@ -297,8 +301,7 @@ class SlowAcker:
 
     def _serve(self) -> None:
         self.conn, _ = self.server.accept()
-        hello = self._recv(HELLO.size)
-        self._recv(HELLO.unpack(hello)[-1])
+        accept_hello(self.conn, bytes.fromhex(FAKE_SECRET))
         while hdr := self._recv(FRAME.size):
             fields = FRAME.unpack(hdr)
             flags, length, seq, idx = fields[3], fields[7], fields[8], fields[9]

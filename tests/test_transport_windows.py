@@ -17,6 +17,7 @@ from kvmesh.shared.transport import (
     RefusalReason,
     RemoteAccessError,
     TransportConfig,
+    TransportError,
     WriteEntry,
     create_transport,
 )
@@ -27,18 +28,14 @@ from kvmesh.shared.transport.shm import NOTE, OP_HELLO, OP_WRITE_DONE
 BLOCK = 4096
 NUM_BLOCKS = 16
 BACKENDS = ["shm", "tcp", "rdma"]
-# The NIC says only "remote access error", whatever the cause.
-CLOSED_REASON = {
-    "shm": RefusalReason.DEREGISTERED,
-    "tcp": RefusalReason.DEREGISTERED,
-    "rdma": RefusalReason.ACCESS_DENIED,
-}
+MAX_REFUSALS = 4
 
 
 def _transport(backend: str, verbs: FakeVerbs):
+    config = TransportConfig(max_refusals=MAX_REFUSALS)
     if backend == "rdma":
-        return RdmaTransport(TransportConfig(), verbs=verbs)
-    return create_transport(backend, TransportConfig())
+        return RdmaTransport(config, verbs=verbs)
+    return create_transport(backend, config)
 
 
 class Pair:
@@ -109,7 +106,7 @@ async def test_window_write_outside_its_blocks_is_refused_and_writes_nothing(bac
         for block in (1, 3, 5):  # unleased blocks, and another lease's block
             with pytest.raises(RemoteAccessError) as info:
                 await p.write(block, mine.rkey)
-            assert info.value.reason == RefusalReason.OUT_OF_BOUNDS
+            assert info.value.reason == RefusalReason.REFUSED
         await p.write(5, other.rkey)
         await p.completions(1)
         assert p.written() == [5]
@@ -129,7 +126,7 @@ async def test_window_closed_refuses_every_later_write(backend: str) -> None:
         p.rx.close_window(window)  # closing twice is harmless
         with pytest.raises(RemoteAccessError) as info:
             await p.write(6, window.rkey)
-        assert info.value.reason == CLOSED_REASON[backend]
+        assert info.value.reason == RefusalReason.REFUSED  # the NIC, too, says only that
         assert p.written() == [] and p.rx.completion_queue.qsize() == 0
 
 
@@ -141,6 +138,57 @@ async def test_window_guessed_key_is_refused_without_a_completion(backend: str) 
             with pytest.raises(RemoteAccessError):
                 await p.write(0, guess)
         assert p.written() == [] and p.rx.completion_queue.qsize() == 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_region_key_opens_nothing_from_the_network(backend: str) -> None:
+    """Issue #27: the region's own key (an odd 31-bit number, counted up) wrote anywhere in
+    the pool. Peers reach memory through live windows only, on every backend."""
+    async with Pair(backend) as p:
+        with pytest.raises(RemoteAccessError) as info:
+            await p.write(3, p.region.rkey)
+        assert info.value.reason == RefusalReason.REFUSED
+        assert p.written() == [] and p.rx.completion_queue.qsize() == 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_refusals_answer_alike_whatever_the_reason(backend: str) -> None:
+    """Issue #27: an unknown key, a closed window's key and a live key outside its window were
+    told apart on the wire (a key oracle). Each is now just refused."""
+    async with Pair(backend) as p:
+        live, closed = p.window(2), p.window(4)
+        p.rx.close_window(closed)
+        reasons = {}
+        for name, block, rkey in (
+            ("unknown", 2, live.rkey ^ 0x5A5A_0000),
+            ("closed", 4, closed.rkey),
+            ("outside", 3, live.rkey),
+        ):
+            with pytest.raises(RemoteAccessError) as info:
+                await p.write(block, rkey)
+            reasons[name] = info.value.reason
+        assert set(reasons.values()) == {RefusalReason.REFUSED}, reasons
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_a_writer_that_keeps_presenting_bad_keys_is_disconnected(backend: str) -> None:
+    """Issue #27: about 25,000 probes a second were counted and never disconnected."""
+    async with Pair(backend) as p:
+        window = p.window(1)
+        for guess in range(1, MAX_REFUSALS + 1):
+            with pytest.raises(TransportError):
+                await p.write(1, window.rkey ^ guess)
+        await asyncio.sleep(0.2)  # shm: refusal notices travel asynchronously
+        with pytest.raises(TransportError):  # the receiver hung up on this writer
+            for imm in range(50):  # a write or two may still be buffered by the kernel
+                await p.write(1, window.rkey, imm)
+                assert p.rx.completion_queue.get_nowait() is None, "served after probing"
+                await asyncio.sleep(0.02)
+        fresh = await p.tx.connect(PeerDescriptor.from_dict(p.rx.descriptor().to_dict()))
+        async with fresh:  # other connections are served
+            entry = WriteEntry(p.src_region, 0, p.addr(1), window.rkey, BLOCK)
+            await asyncio.wait_for(fresh.write([entry], 9), 10)
+        assert [c.imm for c in await p.completions(1)] == [9]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

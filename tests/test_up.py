@@ -33,6 +33,7 @@ def test_plan_starts_registry_decode_prefill_router_with_valid_commands() -> Non
     )
     specs = plan(config, "nats://127.0.0.1:4333", 8123)
     assert [s.name for s in specs] == [
+        "prefill-queue-0",  # the one user that may make the JetStream queue
         "kv-registry-0",
         *(f"decode-{i}" for i in range(3)),
         "prefill-0",
@@ -198,6 +199,7 @@ def test_up_serves_requests_and_ctrl_c_leaves_no_process_behind(tmp_path: Path) 
         commands = " | ".join(cmdline(p) for p in tree)
         for service in ("nats-server", "serve kv-registry", "serve decode", "serve prefill"):
             assert service in commands
+        assert "serve prefill-queue" in commands  # the one user that may make the queue
         assert "serve router" in commands
 
         long_reply = chat(port, "tell me about disaggregated serving " * 8, max_tokens=4)
@@ -261,11 +263,11 @@ def test_killed_launcher_takes_its_children_down(tmp_path: Path) -> None:
         while time.monotonic() < deadline:
             tree = descendants(proc.pid)
             if (
-                sum("kvmesh.cli serve" in cmdline(p) for p in tree) == 5
-            ):  # registry 2xdecode prefill router
+                sum("kvmesh.cli serve" in cmdline(p) for p in tree) == 6
+            ):  # prefill-queue registry 2xdecode prefill router
                 break
             time.sleep(0.1)
-        assert sum("kvmesh.cli serve" in cmdline(p) for p in tree) == 5
+        assert sum("kvmesh.cli serve" in cmdline(p) for p in tree) == 6
         os.kill(proc.pid, signal.SIGKILL)  # no cleanup code runs in the launcher
         proc.wait()
         assert wait_all_dead(tree, timeout_s=30) == set()
@@ -462,7 +464,9 @@ async def test_up_refuses_to_join_a_nats_that_already_carries_a_mesh(nats_server
     other = asyncio.create_task(_beating(nats_server, "decode-0", stop))
     try:
         await asyncio.sleep(0.3)
-        launcher = Launcher(UpConfig(model="kvmesh-tiny", nats_url=nats_server, port=0))
+        launcher = Launcher(
+            UpConfig(model="kvmesh-tiny", nats_url=nats_server, port=0, nats_insecure=True)
+        )
         with pytest.raises(LaunchError, match=r"already running .*decode-0.*own NATS"):
             await asyncio.to_thread(launcher.start)
         assert launcher.children == {}  # nothing was started

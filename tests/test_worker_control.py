@@ -12,6 +12,7 @@ from kvmesh.shared import protocol
 from kvmesh.shared.nats_service import (
     answer_worker_control,
     connect_nats,
+    flush_to_server,
     read_worker_control,
 )
 from kvmesh.shared.subjects import Subjects
@@ -42,7 +43,7 @@ async def test_the_new_state_is_heard_on_the_heartbeat_subject_before_the_answer
         await svc.add_endpoint(
             name="control", subject=SUBJECTS.worker_control("prefill-1"), handler=on_control
         )
-        await nc_worker.flush()
+        await flush_to_server(nc_worker)  # one flush may return before the SUB is in
         # no heartbeat loop runs: only the control answer can have published one
         beats = await nc.subscribe(SUBJECTS.heartbeat("prefill", "prefill-1"))
         for action, expected in (("drain", "draining"), ("resume", "ready")):

@@ -1,4 +1,4 @@
-"""``kvmesh bench engine|xfer|kv|mesh|serve|spec|gc``: benchmarks. Each lives in ``loadgen/`` and exposes
+"""``kvmesh bench engine|xfer|kv|mesh|serve|spec|gc|hostile``: benchmarks. Each lives in ``loadgen/`` and exposes
 ``register_<name>(subparsers)``, which adds its parser with ``func`` set."""
 
 from __future__ import annotations
@@ -7,10 +7,13 @@ from typing import Any
 
 
 def register(subparsers: Any) -> None:
-    p = subparsers.add_parser("bench", help="benchmarks (engine, xfer, kv, mesh, serve, spec, gc)")
+    p = subparsers.add_parser(
+        "bench", help="benchmarks (engine, xfer, kv, mesh, serve, spec, gc, hostile)"
+    )
     sub = p.add_subparsers(dest="bench", required=True, metavar="BENCH")
     from kvmesh.loadgen.bench_engine import register_engine
     from kvmesh.loadgen.bench_gc import register_gc
+    from kvmesh.loadgen.bench_hostile import register_hostile
     from kvmesh.loadgen.bench_kv import register_kv
     from kvmesh.loadgen.bench_mesh import register_mesh
     from kvmesh.loadgen.bench_serve import register_serve
@@ -24,3 +27,4 @@ def register(subparsers: Any) -> None:
     register_serve(sub)
     register_spec(sub)
     register_gc(sub)
+    register_hostile(sub)

@@ -1,4 +1,5 @@
-"""``kvmesh serve router|prefill|decode|kv-registry|colocated|draft|kv-store [flags]``: run one service.
+"""``kvmesh serve router|prefill|decode|kv-registry|colocated|draft|kv-store|prefill-queue [flags]``:
+run one service.
 
 Contract (docs/mesh.md): ``services.<module>`` exposes ``CONFIG`` (its config dataclass, built here
 from flags and KVMESH_* env) and ``async def run(config) -> None`` (returns on SIGTERM/SIGINT
@@ -37,6 +38,7 @@ SERVICES: dict[str, tuple[str, dict[str, Any]]] = {
     "colocated": ("kvmesh.services.decode", {"mode": "colocated"}),
     "draft": ("kvmesh.services.draft", {}),
     "kv-store": ("kvmesh.services.kv_store", {}),
+    "prefill-queue": ("kvmesh.services.prefill_queue", {}),
 }
 
 
@@ -128,7 +130,8 @@ def build_service_config(
 def register(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser(
         "serve",
-        help="run one service (router, prefill, decode, kv-registry, colocated, draft, kv-store)",
+        help="run one service (router, prefill, decode, kv-registry, colocated, draft, kv-store, "
+        "prefill-queue)",
         description="Run one kvmesh service. `kvmesh serve SERVICE --help` lists its flags.",
     )
     parser.add_argument("service", choices=tuple(SERVICES), help="the service to run")

@@ -173,6 +173,11 @@ class UpConfig(NatsClientConfig):
     kv_store_disk_capacity_gb: float | None = option(
         None, help="size of each kv-store's disk tier in GiB (--disk-capacity-gb)"
     )
+    nats_insecure: bool = option(
+        False,
+        help="use a NATS server already at --nats-url even though it lets anyone connect without "
+        "credentials (refused by default: whoever runs it reads every prompt; docs/security.md)",
+    )
 
     def __post_init__(self) -> None:
         self.check_nats_options(mesh_from_model(self.model))
@@ -299,6 +304,9 @@ def plan(config: UpConfig, nats_url: str, port: int) -> list[ChildSpec]:
             "kv-registry-0", "kv-registry", ("serve", "kv-registry", *worker("kv-registry-0"))
         )
     ]
+    if config.mode == "disagg":  # the one user that may make the JetStream queue
+        name = "prefill-queue-0"
+        specs.insert(0, ChildSpec(name, "kv-registry", ("serve", "prefill-queue", *worker(name))))
     decode_service = "colocated" if config.mode == "colocated" else "decode"
     decode_threads = roles[decode_service].flags()
     if config.mode == "disagg" and config.decode_pacing_ms:
@@ -443,6 +451,7 @@ class Launcher:
 
     def start(self) -> None:
         from kvmesh.shared.nats_server import nats_is_reachable
+        from kvmesh.shared.nats_vetting import NatsVettingError, vet_nats_url
 
         url = self.config.nats_url
         if url == DEFAULT_NATS_URL:
@@ -450,6 +459,10 @@ class Launcher:
         if not nats_is_reachable(url):
             self._start_nats(url)
         else:
+            try:  # a server anybody can log in to is anybody's (shared/nats_vetting.py)
+                vet_nats_url(url, insecure=self.config.nats_insecure)
+            except NatsVettingError as exc:
+                raise LaunchError(str(exc)) from None
             self._check_mesh_absent(url)
         specs = plan(self.config, self.nats_url, self.port)
         ports = {s.name: free_port() for s in specs if s.tier != "router"}  # kept across restarts
@@ -655,6 +668,8 @@ class Launcher:
                         waiting_for = f"draft workers ({n}/{num_draft})"
                     elif (n := len(status.get("stores", []))) < self.config.kv_store:
                         waiting_for = f"kv-stores ({n}/{self.config.kv_store})"
+                    elif "note" in status.get("prefill_queue", {}) and num_prefill:
+                        waiting_for = "the prefill queue (prefill-queue-0)"
                     elif not await asyncio.to_thread(self._router_healthy):
                         waiting_for = "the router"
                     else:

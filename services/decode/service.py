@@ -39,6 +39,7 @@ from kvmesh.shared.engine.llm_engine import LLMEngine
 from kvmesh.shared.hearing import Hearing
 from kvmesh.shared.kv_store_client import KvStoreClient
 from kvmesh.shared.kv_store_prefix import PrefixReader
+from kvmesh.shared.message_guard import guard_of
 from kvmesh.shared.model.config import parse_dtype
 from kvmesh.shared.model.loader import load_model
 from kvmesh.shared.nats_service import (
@@ -278,7 +279,7 @@ class DecodeService:
 
     async def on_reserve(self, req: Request) -> None:
         # Concurrently: each reserve waits for the step in flight, all of them for the same one.
-        self.tg.create_task(self._reserve(req))
+        guard_of(self.nc).spawn(self.tg, self._reserve(req), req.subject)
 
     async def _reserve(self, req: Request) -> None:
         try:
@@ -489,7 +490,7 @@ async def decode_service(config: DecodeConfig) -> AsyncIterator[DecodeService]:
                 svc,
                 ("reserve", subjects.decode_reserve(worker_id), service.on_reserve),
                 ("control", subjects.worker_control(worker_id), service.on_control),
-                metrics=worker.metrics.registry,
+                metrics=worker.metrics,
                 config=config,
                 logger=log,
                 ready="decode worker ready",

@@ -29,6 +29,7 @@ from kvmesh.services.draft.drafters import Drafter, build_drafter
 from kvmesh.services.draft.metrics import DraftMetrics
 from kvmesh.services.draft.prompt_kv_receiver import PromptKvReceiver, target_kv_spec
 from kvmesh.shared import logs
+from kvmesh.shared.message_guard import guard_of
 from kvmesh.shared.nats_service import (
     answer_worker_control,
     background,
@@ -84,7 +85,8 @@ class DraftService:
         self.receiver: PromptKvReceiver | None = None
         self._num_computed = 0
         # the queue group's subjects (a sequence's first context, prompt-KV reservations) and
-        # their subscriptions while this worker takes new work (none while drained)
+        # their subscriptions while this worker takes new work (none while drained); each
+        # callback is a MessageGuard's (shared/message_guard.py)
         self.queue_routes: list[tuple[str, Callable[[Msg], Awaitable[None]]]] = []
         self._queue_subs: list[Subscription] = []
         self.is_draining = False
@@ -269,10 +271,11 @@ async def draft_service(config: DraftConfig) -> AsyncIterator[DraftService]:
             loops += [service.receiver.completion_loop(), service.receiver.expiry_loop()]
             routes.append((subjects.draft_kv_done(worker_id), PrefillDone, service.on_kv_done))
         service.queue_routes.append(
-            (subjects.DRAFT_CONTEXT, on_message(DraftContext, service.on_context))
+            (subjects.DRAFT_CONTEXT, on_message(nc, DraftContext, service.on_context))
         )
         if service.receiver is not None:  # any early-exit or model worker may take one
-            service.queue_routes.append((subjects.DRAFT_KV_RESERVE, service.on_kv_reserve))
+            reserve = guard_of(nc).raw(service.on_kv_reserve, needs_reply=True)
+            service.queue_routes.append((subjects.DRAFT_KV_RESERVE, reserve))
         await service.join_queue()
         try:
             async with (
@@ -300,7 +303,7 @@ async def draft_service(config: DraftConfig) -> AsyncIterator[DraftService]:
                     svc,
                     ("status", subjects.draft_status(worker_id), service.on_status),
                     ("control", subjects.worker_control(worker_id), service.on_control),
-                    metrics=service.metrics.registry,
+                    metrics=service.metrics,
                     config=config,
                     logger=log,
                     ready="draft worker ready",

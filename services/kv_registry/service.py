@@ -15,7 +15,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from typing import Any
 
 import nats.errors
 from kvmesh.services.kv_registry.admin import AdminHandler, RegistryAdmin
@@ -27,6 +28,7 @@ from kvmesh.services.kv_registry.prefix_index import PrefixIndex
 from kvmesh.services.kv_registry.stores import StoreTable
 from kvmesh.shared import logs, protocol
 from kvmesh.shared.hearing import Hearing
+from kvmesh.shared.message_guard import guard_of
 from kvmesh.shared.nats_service import (
     connect_nats,
     new_worker_id,
@@ -185,28 +187,19 @@ class RegistryService:
     async def on_place(self, req: Request) -> None:
         # Reservations wait on decode workers: answer each in its own task so one slow worker
         # does not hold up the endpoint.
-        self._spawn(self.placement.answer(req))
+        self._spawn(self.placement.answer(req), req.subject)
 
     def admin_endpoint(self, handle: AdminHandler) -> Callable[[Request], Awaitable[None]]:
         """The micro endpoint handler of one admin subject: each request in its own task."""
 
         async def on_request(req: Request) -> None:
-            self._spawn(self.admin.answer(req, handle))
+            self._spawn(self.admin.answer(req, handle), req.subject)
 
         return on_request
 
-    def _spawn(self, coro: Awaitable[None]) -> None:
-        self.tg.create_task(_logged(coro))
-
-
-async def _logged(coro: Awaitable[None]) -> None:
-    """A request task must never take the registry down: log and swallow what escapes it."""
-    try:
-        await coro
-    except nats.errors.Error as exc:
-        log.warning("could not answer a request", error=str(exc))
-    except Exception:
-        log.exception("request handler failed")
+    def _spawn(self, coro: Coroutine[Any, Any, None], subject: str) -> None:
+        """A request task never takes the registry down (shared/message_guard.py)."""
+        guard_of(self.nc).spawn(self.tg, coro, subject)
 
 
 @contextlib.asynccontextmanager
@@ -254,7 +247,7 @@ async def registry_service(config: RegistryConfig) -> AsyncIterator[RegistryServ
                         (subject.rsplit(".", 1)[-1], subject, service.admin_endpoint(handle))
                         for subject, handle in service.admin.handlers().items()
                     ),
-                    metrics=service.metrics.registry,
+                    metrics=service.metrics,
                     config=config,
                     logger=log,
                     ready="kv-registry ready",

@@ -69,6 +69,16 @@ class StoreConfig(MetricsServiceConfig):
     retry_after_s: float = option(
         0.5, help="retry_after_s of a put refused because every slot is pinned"
     )
+    put_roles: str = option(
+        "decode,colocated,prefill",
+        help="comma list of the NATS roles whose workers may put blocks (a put's reply inbox "
+        "names its role; docs/security.md)",
+    )
+    writer_share: float = option(
+        0.5,
+        help="the share of the store's blocks (host and disk) one writer may hold; past it, its "
+        "puts recycle its own least recently used blocks (1: no limit)",
+    )
     cache_events_interval_s: float = option(
         0.25,
         help="seconds between reports of the changes to the block hashes held to the "
@@ -110,6 +120,14 @@ class StoreConfig(MetricsServiceConfig):
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.advertise_host is not None:
             check_advertise_host(self.advertise_host)
+        if not 0 < self.writer_share <= 1:
+            raise ValueError(f"writer_share must be in (0, 1], got {self.writer_share}")
+        if not self.allowed_put_roles:
+            raise ValueError("put_roles must name at least one role (e.g. decode,prefill)")
+
+    @property
+    def allowed_put_roles(self) -> frozenset[str]:
+        return frozenset(r.strip() for r in self.put_roles.split(",") if r.strip())
 
     def default_mesh(self) -> str:
         return mesh_from_model(self.model)

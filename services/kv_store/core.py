@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvmesh.services.kv_store.disk_tier import DiskSlots, Key
+from kvmesh.services.kv_store.owners import BlockOwners
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +87,7 @@ class _Put:
     hashes: tuple[int, ...]
     slots: tuple[int, ...]
     expires_at: float
+    owner: str = ""
 
 
 @dataclass(slots=True)
@@ -106,6 +108,8 @@ class StoreCounters:
     promotions: int = 0  # disk blocks copied back to host
     failed_copies: int = 0  # spills and promotions whose I/O failed (the block is dropped)
     refused_puts: int = 0  # puts refused because every slot was pinned
+    quota_evictions: int = 0  # a writer's own blocks recycled for its puts past its quota
+    owner_drops: int = 0  # blocks evicted because the kv-registry dropped their writer
     expired_puts: int = 0
     expired_gets: int = 0
 
@@ -123,6 +127,8 @@ class BlockStore:
     counters: StoreCounters = field(default_factory=StoreCounters)
     disk: DiskSlots | None = None  # the disk tier, if any
     transit: set[Key] = field(default_factory=set)  # keys being spilled or promoted
+    max_per_owner: int = 0  # blocks one writer may hold (host, disk, reserved); 0: no limit
+    owners: BlockOwners = field(default_factory=BlockOwners)
 
     def __post_init__(self) -> None:
         assert self.num_blocks > 0, self.num_blocks
@@ -131,28 +137,40 @@ class BlockStore:
     # --- puts ------------------------------------------------------------------------------------
 
     def reserve(
-        self, put_id: str, layout: int, hashes: Sequence[int], expires_at: float
+        self, put_id: str, layout: int, hashes: Sequence[int], expires_at: float, owner: str = ""
     ) -> PutGrant | StoreFull:
-        """Slots for the hashes not stored yet (in order, as long as slots can be had)."""
+        """Slots for the hashes not stored yet (in order, as long as slots can be had). A
+        writer at its quota (``max_per_owner``) gets slots only by giving up its own least
+        recently used blocks; where it has none to give, the put ends there."""
         assert put_id not in self.puts, put_id
         present, wanted = [], []
         for h in dict.fromkeys(hashes):  # a hash offered twice is written once
             (present if self._known((h, layout)) else wanted).append(h)
         slots: list[int] = []
         spills: list[Spill] = []
+        held = self.owners.count(owner) + sum(
+            len(p.slots) for p in self.puts.values() if p.owner == owner
+        )
+        full = False  # no slot for reasons other than the writer's quota
         for _ in wanted:
+            at_quota = bool(self.max_per_owner) and held >= self.max_per_owner
+            if at_quota and not self._give_up_oldest(owner):
+                full = not self.free and not self.lru
+                break
             slot = self._take_slot(spills)
             if slot is None:
+                full = True
                 break
+            held += not at_quota
             slots.append(slot)
-        if wanted and not slots:
+        if wanted and not slots and full:
             self.counters.refused_puts += 1
             return StoreFull(self.num_pinned, self.num_blocks)
         write = tuple(wanted[: len(slots)])
         for h in present:
             self._touch((h, layout))
         if slots:
-            self.puts[put_id] = _Put(layout, write, tuple(slots), expires_at)
+            self.puts[put_id] = _Put(layout, write, tuple(slots), expires_at, owner)
         return PutGrant(put_id, tuple(present), write, tuple(slots), tuple(spills))
 
     def commit(self, put_id: str, good: Sequence[bool]) -> tuple[list[int], list[int]]:
@@ -176,6 +194,7 @@ class BlockStore:
                 self.index[key] = slot
                 self.keys[slot] = key
                 self.lru[slot] = None
+                self.owners.record(key, put.owner)
                 committed.append(h)
                 self.counters.commits += 1
         return committed, rejected
@@ -265,6 +284,7 @@ class BlockStore:
             self.counters.spills += 1
         else:
             self.disk.give_back(spill.disk_slot)
+            self.owners.forget(spill.key)
             self.counters.failed_copies += 1
 
     def promoted(self, get_id: str, promotion: Promotion, ok: bool) -> bool:
@@ -275,10 +295,12 @@ class BlockStore:
         self.transit.discard(promotion.key)
         self.disk.give_back(promotion.disk_slot)
         if not ok:
+            self.owners.forget(promotion.key)
             self.counters.failed_copies += 1
             return False
         self.counters.promotions += 1
         if get_id not in self.gets:  # its lease ended meanwhile: its slot went back free
+            self.owners.forget(promotion.key)
             return False
         self.index[promotion.key] = promotion.host_slot
         self.keys[promotion.host_slot] = promotion.key
@@ -339,10 +361,62 @@ class BlockStore:
         del self.index[key]
         self.counters.evictions += 1
         disk_slot = self.disk.take() if self.disk is not None else None
+        if self.disk is not None:
+            for dropped in self.disk.drain_dropped():
+                self.owners.forget(dropped)
         if disk_slot is not None:
             self.transit.add(key)
             spills.append(Spill(key, slot, disk_slot))
+        else:
+            self.owners.forget(key)
         return slot
+
+    # --- writers ---------------------------------------------------------------------------------
+
+    def _give_up_oldest(self, owner: str) -> bool:
+        """Drop ``owner``'s least recently used unpinned block (host first, then disk) to make
+        room within its quota; False if it has none."""
+        for slot in self.lru:
+            key = self.keys[slot]
+            if self.owners.owner(key) == owner:
+                del self.lru[slot], self.keys[slot], self.index[key]
+                self.free.append(slot)
+                break
+        else:
+            if self.disk is None:
+                return False
+            key = next(
+                (k for s, k in self.disk.keys.items() if self.owners.owner(k) == owner), None
+            )
+            if key is None:
+                return False
+            self.disk.give_back(self.disk.detach(key))
+        self.owners.forget(key)
+        self.counters.quota_evictions += 1
+        return True
+
+    def drop_owner(self, owner: str) -> list[str]:
+        """Evict every block ``owner`` put (the kv-registry dropped that worker) and cancel its
+        puts in flight; returns their ids (the service closes their windows). A block a get
+        still holds leaves the index now and its slot when the get ends; one being copied
+        between tiers goes when its copy ends."""
+        for key in self.owners.keys_of(owner):
+            if key in self.transit:
+                continue
+            slot = self.index.pop(key, None)
+            if slot is not None:
+                del self.keys[slot]
+                if slot not in self.pins:
+                    del self.lru[slot]
+                    self.free.append(slot)
+            elif self.disk is not None and key in self.disk.index:
+                self.disk.give_back(self.disk.detach(key))
+            self.owners.forget(key)
+            self.counters.owner_drops += 1
+        puts = [pid for pid, p in self.puts.items() if p.owner == owner]
+        for pid in puts:
+            self.cancel_put(pid)
+        return puts
 
     def _pin(self, slot: int) -> None:
         self.pins[slot] = self.pins.get(slot, 0) + 1

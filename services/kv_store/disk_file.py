@@ -3,12 +3,16 @@ read and written with ``os.preadv``/``os.pwritev`` (blocking: the service calls 
 thread, never on the event loop).
 
 The directory is the operator's (``--disk-path``, from config, never from a message); it must
-exist, be a directory and be writable, or the store refuses to start and says which. The file
-is the store's own: created there with ``O_CREAT | O_EXCL | O_NOFOLLOW`` and mode 0600 under a
-fresh name (``kvmesh-kv-store-<pid>-<hex>.blocks``), so it can be neither a planted file nor a
-symlink, preallocated (a full disk fails the start, not a spill), then unlinked at once: its
-space belongs to the open descriptor and goes back to the filesystem when the store process
-ends, however it ends. A restarted store never reuses a file; it starts with an empty index and
+exist, be a directory itself (not a symlink to one: it is opened with ``O_NOFOLLOW``), be owned
+by the store's user and writable by nobody else (no group or other write bit: another user
+could rename the file away during preallocation, which crashed the store and left a 1 GiB file
+behind; issue 27), or the store refuses to start and says which. The checks are made on the
+opened directory (``fstat``), which is the one the file is created in. The file is the store's
+own: created there with ``O_CREAT | O_EXCL | O_NOFOLLOW`` and mode 0600 under a fresh name
+(``kvmesh-kv-store-<pid>-<hex>.blocks``), so it can be neither a planted file nor a symlink,
+unlinked at once, then preallocated (a full disk fails the start, not a spill): its space
+belongs to the open descriptor and goes back to the filesystem when the store process ends,
+however it ends. A restarted store never reuses a file; it starts with an empty index and
 a new file (docs/kv_store.md).
 """
 
@@ -23,14 +27,45 @@ from kvmesh.shared.kv_block_header import HEADER_BYTES
 from kvmesh.shared.service_errors import ServiceStartError
 
 
+def open_disk_dir(path: str | Path) -> int:
+    """An fd of directory ``path`` (not followed if a symlink) that is this user's own and
+    writable by nobody else; else a ServiceStartError that says what is wrong and how to fix
+    it. The caller closes it."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise ServiceStartError(f"--disk-path {path}: no such directory") from None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP or os.path.islink(path):
+            raise ServiceStartError(
+                f"--disk-path {path}: a symlink; give the directory itself"
+            ) from None
+        if exc.errno == errno.ENOTDIR:
+            raise ServiceStartError(f"--disk-path {path}: not a directory") from None
+        raise ServiceStartError(f"--disk-path {path}: cannot open it: {exc.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid():
+            raise ServiceStartError(
+                f"--disk-path {path}: owned by uid {st.st_uid}, not by this user "
+                f"(uid {os.geteuid()}); use a directory of the store's own user"
+            )
+        if st.st_mode & 0o022:
+            raise ServiceStartError(
+                f"--disk-path {path}: writable by other users (mode {st.st_mode & 0o777:o}); "
+                f"chmod go-w it, or use a directory of the store's own (mode 700)"
+            )
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def check_disk_dir(path: str) -> Path:
-    """``path`` as an absolute directory this process may create files in; else a
-    ServiceStartError that says what is wrong."""
+    """``path`` as an absolute directory of this user's that nobody else may write to (see
+    ``open_disk_dir``); else a ServiceStartError that says what is wrong."""
     p = Path(path).expanduser().absolute()
-    if not p.exists():
-        raise ServiceStartError(f"--disk-path {path}: no such directory")
-    if not p.is_dir():
-        raise ServiceStartError(f"--disk-path {path}: not a directory")
+    os.close(open_disk_dir(p))
     if not os.access(p, os.W_OK | os.X_OK):
         raise ServiceStartError(f"--disk-path {path}: not writable by this user")
     return p
@@ -51,7 +86,7 @@ class DiskFile:
         """A fresh file of ``num_slots`` slots under ``directory`` (see the module doc)."""
         name = f"kvmesh-kv-store-{os.getpid()}-{secrets.token_hex(4)}.blocks"
         size = num_slots * (block_bytes + HEADER_BYTES)
-        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        dir_fd = open_disk_dir(directory)  # checked again: the directory the file goes in
         try:
             flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
             try:
@@ -60,16 +95,15 @@ class DiskFile:
                 raise ServiceStartError(
                     f"--disk-path {directory}: cannot create {name}: {exc.strerror}"
                 ) from None
-            try:
+            try:  # nameless before it takes its space: nothing to rename, nothing left behind
+                os.unlink(name, dir_fd=dir_fd)
                 _preallocate(fd, size)
             except OSError as exc:
                 os.close(fd)
                 raise ServiceStartError(
-                    f"--disk-path {directory}: cannot allocate {size} bytes for the disk tier: "
+                    f"--disk-path {directory}: cannot make the disk tier's {size}-byte file: "
                     f"{exc.strerror}"
                 ) from None
-            finally:
-                os.unlink(name, dir_fd=dir_fd)
         finally:
             os.close(dir_fd)
         return cls(fd, str(directory / name), num_slots, block_bytes)

@@ -24,6 +24,7 @@ class DiskSlots:
     keys: dict[int, Key] = field(default_factory=dict)  # indexed slot -> key
     lru: OrderedDict[int, None] = field(default_factory=OrderedDict)  # indexed, oldest first
     num_evictions: int = 0  # blocks dropped from the disk tier to make room
+    dropped: list[Key] = field(default_factory=list)  # evicted keys, until drain_dropped()
 
     def __post_init__(self) -> None:
         assert self.num_slots > 0, self.num_slots
@@ -37,9 +38,16 @@ class DiskSlots:
         if not self.lru:
             return None
         slot, _ = self.lru.popitem(last=False)
-        del self.index[self.keys.pop(slot)]
+        key = self.keys.pop(slot)
+        del self.index[key]
+        self.dropped.append(key)
         self.num_evictions += 1
         return slot
+
+    def drain_dropped(self) -> list[Key]:
+        """The keys ``take`` dropped since the last call (the store forgets their writers)."""
+        dropped, self.dropped = self.dropped, []
+        return dropped
 
     def fill(self, slot: int, key: Key) -> None:
         """A spill into busy ``slot`` finished: index it, most recently used."""

@@ -42,6 +42,8 @@ def change_mark(store: BlockStore) -> tuple[int, ...]:
     return (
         c.commits,
         c.evictions,
+        c.quota_evictions,
+        c.owner_drops,
         c.spills,
         c.promotions,
         c.failed_copies,

@@ -27,6 +27,7 @@ from kvmesh.services.kv_store.disk_tier import DiskSlots
 from kvmesh.services.kv_store.held_reports import HeldReporter, change_mark, held_hashes
 from kvmesh.services.kv_store.layout import store_layout
 from kvmesh.services.kv_store.metrics import StoreMetrics
+from kvmesh.services.kv_store.owners import writer_quota
 from kvmesh.shared import logs
 from kvmesh.shared.descriptor import TransportDescriptor
 from kvmesh.shared.kv_block_header import HEADER_BYTES, BlockHeader, BlockVerifyError, check_stored
@@ -56,6 +57,7 @@ from kvmesh.shared.protocol import (
     StorePutReply,
     StoreRelease,
     StoreSolicit,
+    WorkerGone,
     WorkerHeartbeat,
     decode_message,
     encode_message,
@@ -101,7 +103,12 @@ class StoreService:
         self.kv_spec = kv_spec
         self.layout = layout_root(kv_spec)
         self.disk = disk  # the disk tier's file, if any
-        self.core = BlockStore(num_blocks, disk=DiskSlots(disk.num_slots) if disk else None)
+        num_disk_slots = disk.num_slots if disk else 0
+        self.core = BlockStore(
+            num_blocks,
+            disk=DiskSlots(num_disk_slots) if disk else None,
+            max_per_owner=writer_quota(config.writer_share, num_blocks, num_disk_slots),
+        )
         self.held = HeldReporter(store_id, self.epoch)  # what it holds, for the registry
         self.memory = memory  # (num_blocks * (block_bytes + HEADER_BYTES),) uint8
         self.region = transport.register(memory, Access.REMOTE)
@@ -191,13 +198,18 @@ class StoreService:
 
     # --- puts ------------------------------------------------------------------------------------
 
-    async def put(self, body: StorePut) -> StorePutReply:
+    async def put(self, body: StorePut, role: str = "") -> StorePutReply:
+        """``role``: the NATS role whose inbox the reply goes to (``requester_role``), the only
+        one that learns the window's key and can write the blocks."""
         error = self._layout_error(body.kv_spec)
+        if role and role not in self.config.allowed_put_roles:
+            log.warning("put refused: role may not put", role=role, client=body.client_id)
+            error = f"role {role!r} may not put blocks in store {self.store_id}"
         if error:
             return StorePutReply(ok=False, store_id=self.store_id, error=error)
         put_id = f"put-{secrets.token_hex(8)}"
         verdict = self.core.reserve(
-            put_id, self.layout, body.block_hashes, self._expiry(body.lease_ms)
+            put_id, self.layout, body.block_hashes, self._expiry(body.lease_ms), body.client_id
         )
         if isinstance(verdict, StoreFull):
             log.info("put refused: full of pinned blocks", client=body.client_id)
@@ -364,6 +376,21 @@ class StoreService:
                     log.debug("held report not sent", error=str(exc))
             await asyncio.sleep(self.config.cache_events_interval_s)
 
+    async def on_worker_gone(self, gone: WorkerGone) -> None:
+        """The kv-registry dropped a worker: evict every block it put, and its puts in flight."""
+        before = self.core.counters.owner_drops
+        cancelled = self.core.drop_owner(gone.worker_id)
+        for put_id in cancelled:
+            self._close(put_id)
+        evicted = self.core.counters.owner_drops - before
+        if evicted or cancelled:
+            log.info(
+                "a dropped worker's blocks evicted",
+                worker=gone.worker_id,
+                blocks=evicted,
+                puts=len(cancelled),
+            )
+
     async def on_solicit(self, solicit: StoreSolicit) -> None:
         """A store reader started: advertise now (at most once per ``SolicitLimiter``
         interval), not at the next heartbeat."""
@@ -417,9 +444,14 @@ class StoreService:
     # --- endpoints -------------------------------------------------------------------------------
 
     def endpoint(
-        self, cls: type[Any], handle: Callable[[Any], Message | Awaitable[Message]]
+        self,
+        cls: type[Any],
+        handle: Callable[..., Message | Awaitable[Message]],
+        *,
+        with_role: bool = False,
     ) -> Callable[[Request], Awaitable[None]]:
-        """A micro endpoint: decode ``cls`` (400 when malformed), answer ``handle``'s reply."""
+        """A micro endpoint: decode ``cls`` (400 when malformed), answer ``handle``'s reply
+        (``with_role``: ``handle(body, requester_role(reply subject))``)."""
 
         async def on_request(req: Request) -> None:
             try:
@@ -427,7 +459,9 @@ class StoreService:
             except MessageError as exc:
                 await req.respond_error("400", str(exc))
                 return
-            reply = handle(body)
+            # nats.micro's Request keeps the reply subject on its message only
+            role = requester_role(req._msg.reply or "") if with_role else None
+            reply = handle(body) if role is None else handle(body, role)
             if asyncio.iscoroutine(reply):
                 reply = await reply
             try:
@@ -480,7 +514,11 @@ async def store_service(config: StoreConfig) -> AsyncIterator[StoreService]:
             open_for_requests(
                 nc,
                 svc,
-                ("put", subjects.store_put(store_id), service.endpoint(StorePut, service.put)),
+                (
+                    "put",
+                    subjects.store_put(store_id),
+                    service.endpoint(StorePut, service.put, with_role=True),
+                ),
                 (
                     "commit",
                     subjects.store_commit(store_id),
@@ -492,7 +530,7 @@ async def store_service(config: StoreConfig) -> AsyncIterator[StoreService]:
                     subjects.store_release(store_id),
                     service.endpoint(StoreRelease, service.release),
                 ),
-                metrics=service.metrics.registry,
+                metrics=service.metrics,
                 config=config,
                 logger=log,
                 ready="kv-store ready",
@@ -509,9 +547,21 @@ async def store_service(config: StoreConfig) -> AsyncIterator[StoreService]:
                     nc, subjects.REGISTRY_STORE_ADVERTISE, service.advert, config.heartbeat_s
                 )
             ),
-            subscriptions(nc, (subjects.REGISTRY_STORE_SOLICIT, StoreSolicit, service.on_solicit)),
+            subscriptions(
+                nc,
+                (subjects.REGISTRY_STORE_SOLICIT, StoreSolicit, service.on_solicit),
+                (subjects.REGISTRY_WORKER_GONE, WorkerGone, service.on_worker_gone),
+            ),
         ):
             yield service
+
+
+def requester_role(reply: str) -> str:
+    """The NATS role a request's reply goes to: its inbox is ``_INBOX_<role>.…``, and only
+    that role's user may read it (``shared/nats_auth.py``); "" for a plain ``_INBOX.`` (a mesh
+    without credentials has no roles)."""
+    head = reply.split(".", 1)[0]
+    return head.removeprefix("_INBOX_") if head.startswith("_INBOX_") else ""
 
 
 async def run_store(config: StoreConfig) -> None:
@@ -519,4 +569,4 @@ async def run_store(config: StoreConfig) -> None:
         await serve_until_signal()
 
 
-__all__ = ["ROLE", "StoreService", "run_store", "store_service"]
+__all__ = ["ROLE", "StoreService", "requester_role", "run_store", "store_service"]

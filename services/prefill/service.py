@@ -27,6 +27,7 @@ from kvmesh.services.prefill.worker import PrefillResult, PrefillWorker
 from kvmesh.shared import logs
 from kvmesh.shared.engine.llm_engine import LLMEngine
 from kvmesh.shared.kv_store_client import KvStoreClient
+from kvmesh.shared.message_guard import guard_of
 from kvmesh.shared.model.config import parse_dtype
 from kvmesh.shared.model.loader import load_model
 from kvmesh.shared.nats_service import (
@@ -126,7 +127,7 @@ class PrefillService:
             except MessageError as exc:
                 self._slots.release()
                 await _ack_quietly(queue, msg)  # nobody can do anything with it
-                log.warning("ignored malformed prefill job", error=str(exc))
+                guard_of(self.nc).refuse("malformed", msg.subject, str(exc))
                 continue
             # Announce, then acknowledge: if this worker dies before the announcement, the job
             # goes to another worker; after it, the router hears our WorkerGone and runs it again.
@@ -139,7 +140,8 @@ class PrefillService:
                     "could not take a prefill job", request_id=job.request_id, error=str(exc)
                 )
                 continue
-            self._tg.create_task(self._run_job(job))
+            # a job whose fields make the prefill fail fails alone (shared/message_guard.py)
+            guard_of(self.nc).spawn(self._tg, self._run_job(job), msg.subject)
 
     async def _announce_started(self, job: PrefillJob) -> None:
         """Tell the decode worker and the router that this worker took the job."""
@@ -334,7 +336,7 @@ async def prefill_service(config: PrefillConfig) -> AsyncIterator[PrefillService
                     nc,
                     svc,
                     ("control", subjects.worker_control(worker_id), service.on_control),
-                    metrics=worker.metrics.registry,
+                    metrics=worker.metrics,
                     config=config,
                     logger=log,
                     ready="prefill worker ready",

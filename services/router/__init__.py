@@ -15,8 +15,10 @@ from kvmesh.services.router.config import RouterConfig
 from kvmesh.services.router.model_info import load_model_info
 from kvmesh.shared import logs
 from kvmesh.shared.hearing import Hearing
+from kvmesh.shared.message_guard import guard_of
 from kvmesh.shared.nats_service import (
     connect_nats,
+    guarded_subscribe,
     new_worker_id,
     serve_until_signal,
     worker_presence,
@@ -52,17 +54,16 @@ async def serve_router(config: RouterConfig) -> AsyncIterator[RunningRouter]:
     async with connect_nats(
         config.nats_url, worker_id, security=config.nats_security, hearing=hearing
     ) as nc:
-        if config.mode == "disagg":
-            from kvmesh.shared.prefill_queue import ensure_stream
-
-            # jobs published before any prefill worker starts are kept
-            await ensure_stream(nc, subjects)
+        # the prefill queue is made by its keeper (kvmesh serve prefill-queue), not the router
         router = Router(config=config, model=model, nc=nc, subjects=subjects, hearing=hearing)
         # lives as long as the connection (drained on exit)
-        await nc.subscribe(subjects.REGISTRY_WORKER_GONE, cb=router.dispatcher.on_worker_gone)
-        await nc.subscribe(subjects.REGISTRY_ADVERTISE, cb=router.dispatcher.on_advert)
+        guard_of(nc).count_into(router.metrics.nats_refused)
+        await guarded_subscribe(nc, subjects.REGISTRY_WORKER_GONE, router.dispatcher.on_worker_gone)
+        await guarded_subscribe(nc, subjects.REGISTRY_ADVERTISE, router.dispatcher.on_advert)
         for role in ("prefill", "decode", "colocated", "kv-registry"):
-            await nc.subscribe(subjects.heartbeat(role, "*"), cb=router.dispatcher.on_heartbeat)
+            await guarded_subscribe(
+                nc, subjects.heartbeat(role, "*"), router.dispatcher.on_heartbeat
+            )
 
         def heartbeat() -> WorkerHeartbeat:
             return WorkerHeartbeat(
@@ -84,7 +85,7 @@ async def serve_router(config: RouterConfig) -> AsyncIterator[RunningRouter]:
                 interval_s=config.heartbeat_s,
                 metadata={"model": model.name},
             ),
-            serve_http(build_app(router), config.host, config.port) as port,
+            serve_http(build_app(router), config.host, config.port, router.connections) as port,
         ):
             log.info(
                 "router serving",

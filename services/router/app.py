@@ -39,6 +39,12 @@ from kvmesh.services.router.errors import (
     PayloadTooLargeError,
     RouteNotFoundError,
 )
+from kvmesh.services.router.http_limits import (
+    ConnectionTable,
+    GuardedSite,
+    read_body,
+    request_done_middleware,
+)
 from kvmesh.services.router.logprobs import LogprobsBuilder, prompt_logprobs
 from kvmesh.services.router.metrics import RequestTimer, RouterMetrics
 from kvmesh.services.router.model_info import ModelInfo
@@ -88,6 +94,7 @@ class Router:
     dispatcher: Dispatcher = field(init=False)
     shutdown: Shutdown = field(default_factory=Shutdown)
     hearing: Hearing | None = None  # the NATS link's outages (shared/hearing.py)
+    connections: ConnectionTable = field(init=False)  # what each HTTP client holds
 
     def __post_init__(self) -> None:
         self.dispatcher = Dispatcher(
@@ -98,6 +105,11 @@ class Router:
             model_spec=self.model.spec,
             hearing=self.hearing,
         )
+        self.connections = ConnectionTable(self.config.http_limits(), self.refuse_http)
+
+    def refuse_http(self, reason: str) -> None:
+        """A connection or a request refused by the HTTP limits (http_limits.py)."""
+        self.metrics.http_refused.labels(reason).inc()
 
     async def stop(self, grace_s: float) -> None:
         """Stop taking requests (503) and let those in flight finish for ``grace_s``; then end
@@ -137,7 +149,7 @@ class Router:
         response_id = ""  # the request's id everywhere on the mesh, once it is accepted
         try:
             self.shutdown.check_open()
-            raw = await http.read()
+            raw = await read_body(http, self.config.body_timeout_s, self.refuse_http)
             if len(raw) > INLINE_BODY_BYTES or structured.may_ask(raw):
                 request, prompt = await asyncio.to_thread(self._prepare, raw, parse)
             else:
@@ -487,7 +499,11 @@ def _api_key_middleware(api_key: str | None):
 
 def build_app(router: Router) -> web.Application:
     app = web.Application(
-        middlewares=[_error_middleware, _api_key_middleware(router.config.api_key)],
+        middlewares=[
+            request_done_middleware(router.connections),
+            _error_middleware,
+            _api_key_middleware(router.config.api_key),
+        ],
         client_max_size=int(router.config.max_body_mb * 1024 * 1024),
     )
     app.add_routes(
@@ -508,15 +524,18 @@ def build_app(router: Router) -> web.Application:
 
 
 @asynccontextmanager
-async def serve_http(app: web.Application, host: str, port: int) -> AsyncIterator[int]:
-    """Serve ``app`` on host:port for the duration of the block; yields the bound port.
+async def serve_http(
+    app: web.Application, host: str, port: int, connections: ConnectionTable
+) -> AsyncIterator[int]:
+    """Serve ``app`` on host:port for the duration of the block; yields the bound port. Each
+    connection goes through ``connections``' limits (services/router/http_limits.py).
 
     Handlers are cancelled when their client disconnects, so a waiting request aborts its work
     on the mesh instead of running to the end for nobody."""
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     try:
-        site = web.TCPSite(runner, host, port)
+        site = GuardedSite(runner, host, port, connections)
         try:
             await site.start()
         except OSError as exc:  # a busy port, a foreign address: one line says what to change

@@ -11,8 +11,31 @@ from kvmesh.shared.worker_config import ServiceConfig
 
 
 @dataclass(frozen=True, slots=True)
+class HttpLimits:
+    """What one HTTP client may hold of the router (services/router/http_limits.py)."""
+
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    max_connections_per_client: int = 64
+
+    def __post_init__(self) -> None:
+        for name in ("header_timeout_s", "body_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_connections_per_client < 1:
+            raise ValueError(
+                f"max_connections_per_client must be at least 1, got "
+                f"{self.max_connections_per_client}"
+            )
+
+
+@dataclass(frozen=True, slots=True)
 class RouterConfig(ServiceConfig):
-    host: str = option("0.0.0.0", help="HTTP listen address")
+    host: str = option(
+        "127.0.0.1",
+        help="HTTP listen address of the API and /metrics (0.0.0.0: every interface, to serve "
+        "other hosts and let a Prometheus elsewhere scrape it)",
+    )
     port: int = option(8000, help="HTTP port (0 picks a free one)")
     model: str = option("kvmesh-tiny", help="model name or local HF checkpoint directory")
     served_model_name: str | None = option(
@@ -66,6 +89,17 @@ class RouterConfig(ServiceConfig):
     max_body_mb: float = option(
         64.0, help="largest request body accepted (MiB); a larger one is a JSON 413"
     )
+    header_timeout_s: float = option(
+        10.0,
+        help="a request's headers must arrive within this many seconds (of the connection's "
+        "start, or of the answer before on a kept-alive one); the connection is closed after",
+    )
+    body_timeout_s: float = option(
+        30.0, help="a request's body must arrive within this many seconds (a 408 after it)"
+    )
+    max_connections_per_client: int = option(
+        64, help="connections one client address may hold open at once; more are closed at once"
+    )
     shutdown_grace_s: float = option(
         5.0,
         help="on SIGTERM/SIGINT: new requests get 503 at once, and those in flight may finish "
@@ -88,12 +122,18 @@ class RouterConfig(ServiceConfig):
     )
     heartbeat_s: float = option(2.0, help="seconds between heartbeats")
 
+    def http_limits(self) -> HttpLimits:
+        return HttpLimits(
+            self.header_timeout_s, self.body_timeout_s, self.max_connections_per_client
+        )
+
     def __post_init__(self) -> None:
         ServiceConfig.__post_init__(self)
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if not self.model:
             raise ValueError("model must name a model or a checkpoint directory")
+        self.http_limits()  # ValueError names the bad limit
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key must not be empty (leave it unset for no key)")
         if self.served_model_name == "":

@@ -430,7 +430,10 @@ class MeshRequest:
                     ).worker_id
                 continue
             if msg.subject == self._subjects.request_worker_gone(self.request_id):
-                gone = protocol.decode_message(msg.data, WorkerGone)
+                try:
+                    gone = protocol.decode_message(msg.data, WorkerGone)
+                except MessageError:  # not the router's own: ignored
+                    continue
                 if not self.depends_on(gone.worker_id):
                     continue
                 final = await self._run_again(

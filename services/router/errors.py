@@ -76,6 +76,14 @@ class PayloadTooLargeError(ApiError):
     default_code = "request_too_large"
 
 
+class RequestTimeoutError(ApiError):
+    """408: the body did not arrive within --body-timeout-s."""
+
+    status = 408
+    error_type = "invalid_request_error"
+    default_code = "request_timeout"
+
+
 class ModelNotFoundError(ApiError):
     status = 404
     error_type = "invalid_request_error"

@@ -115,6 +115,12 @@ class RouterMetrics(MetricSet):
             "buffer full, write timeout); their requests were aborted.",
             ("limit",),
         )
+        self.http_refused = self.counter(
+            "http_refused_total",
+            "HTTP connections closed and requests refused by the router's limits: "
+            "too_many_connections (one client's cap), header_timeout, body_timeout.",
+            ("reason",),
+        )
         self.in_flight = self.gauge("requests_in_flight", "Requests being served now.")
         self.waiting = self.gauge(
             "requests_waiting",

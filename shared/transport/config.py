@@ -6,6 +6,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvmesh.shared.transport.server import ServerLimits
+
 
 @dataclass(frozen=True, slots=True)
 class TransportConfig:
@@ -23,11 +25,33 @@ class TransportConfig:
     rdma_gid_index: int | None = None
     connect_timeout_s: float = 10.0
     op_timeout_s: float = 60.0  # a write/read not placed by then fails with PeerGoneError
-    # Receivers: at most this many connections at once (each holds a thread), and a peer that
-    # has not finished its hello within handshake_timeout_s is disconnected.
+    # Receivers (server.py): a connection holds no thread until its hello is proven; at most
+    # max_pending_handshakes of those at once (max_pending_per_source from one address; a new
+    # one pushes out the oldest), each dropped after handshake_timeout_s. Admitted: at most
+    # max_connections (each holds a thread), max_connections_per_peer per declared peer id.
     max_connections: int = 256
+    max_connections_per_peer: int = 32
+    max_pending_handshakes: int = 1024
+    max_pending_per_source: int = 256
     handshake_timeout_s: float = 5.0
+    # tcp lanes: a lane silent for idle_timeout_s is closed (writers send a keepalive every
+    # keepalive_s, so theirs never are); a frame whose bytes stop for stall_timeout_s (or come
+    # slower than 16 MiB/s after that grace) is dropped with its endpoint; an endpoint that has
+    # max_refusals accesses refused is disconnected (every refusal is counted and logged).
+    idle_timeout_s: float = 60.0
+    keepalive_s: float = 15.0
+    stall_timeout_s: float = 10.0
+    max_refusals: int = 16
     extra: Mapping[str, Any] = field(default_factory=dict)  # backend-specific knobs
+
+    def server_limits(self) -> ServerLimits:
+        return ServerLimits(
+            max_connections=self.max_connections,
+            max_per_peer=self.max_connections_per_peer,
+            max_pending=self.max_pending_handshakes,
+            max_pending_per_source=self.max_pending_per_source,
+            handshake_timeout_s=self.handshake_timeout_s,
+        )
 
     def __post_init__(self) -> None:
         if not 0 <= self.tcp_port < 65536:
@@ -39,8 +63,27 @@ class TransportConfig:
             raise ValueError(
                 f"tcp_slice_bytes must be in [4 KiB, 1 GiB], got {self.tcp_slice_bytes}"
             )
-        if self.max_connections < 1:
-            raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
-        for name in ("connect_timeout_s", "op_timeout_s", "handshake_timeout_s"):
+        for name in (
+            "max_connections",
+            "max_connections_per_peer",
+            "max_pending_handshakes",
+            "max_pending_per_source",
+            "max_refusals",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.keepalive_s >= self.idle_timeout_s:
+            raise ValueError(
+                f"keepalive_s ({self.keepalive_s}) must be below idle_timeout_s "
+                f"({self.idle_timeout_s}), or the receiver closes idle writers' lanes"
+            )
+        for name in (
+            "connect_timeout_s",
+            "op_timeout_s",
+            "handshake_timeout_s",
+            "idle_timeout_s",
+            "keepalive_s",
+            "stall_timeout_s",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

@@ -22,6 +22,10 @@ class RefusalReason(enum.IntEnum):
     OUT_OF_BOUNDS = 3
     ACCESS_DENIED = 4
     BAD_LENGTH = 5
+    # What a receiver answers a peer for every refusal above (tcp NAK, rdma resolution): the
+    # peer learns only "refused", never whether a key was unknown, closed or out of bounds, so
+    # refusals are no oracle for probing keys. The receiver logs the reason.
+    REFUSED = 6
 
 
 _REASON_HINTS = {
@@ -34,15 +38,21 @@ _REASON_HINTS = {
     RefusalReason.ACCESS_DENIED: "the region was not registered with the access this operation "
     "needs (REMOTE_WRITE for write, REMOTE_READ for read)",
     RefusalReason.BAD_LENGTH: "length must be positive and at most the transport's max frame size",
+    RefusalReason.REFUSED: "the receiver refused the access (an unknown or closed key, a span "
+    "outside its window, or the wrong access; it does not say which, its log does); use the key "
+    "of a live lease window for exactly that window's blocks",
 }
 
 
 class RemoteAccessError(TransportError):
     """The target refused a write or read: bad rkey, out of bounds, deregistered, wrong access."""
 
-    def __init__(self, reason: RefusalReason, detail: str = "") -> None:
+    def __init__(
+        self, reason: RefusalReason, detail: str = "", cause: RefusalReason | None = None
+    ) -> None:
         self.reason = RefusalReason(reason)
         self.detail = detail
+        self.cause = cause  # REFUSED: the reason behind it, where this side knows it
         msg = f"remote access refused ({self.reason.name.lower()}): {_REASON_HINTS[self.reason]}"
         super().__init__(f"{msg}; {detail}" if detail else msg)
 

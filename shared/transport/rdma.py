@@ -27,6 +27,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import torch
+from kvmesh.shared.transport import lane_auth
 from kvmesh.shared.transport.base import (
     Access,
     Buffer,
@@ -94,6 +95,7 @@ class RdmaTransport:
         self.config = config or TransportConfig()
         self.verbs = verbs if verbs is not None else require_pyverbs()
         self._peer_id = self.config.peer_id or new_peer_id()
+        self._secret = lane_auth.new_secret()  # the side channel's (rdma_side_channel.py)
         self._registry = registry if registry is not None else Registry()
         self._queue = completions if completions is not None else CompletionQueue()
         self._dmabuf_exporter = dmabuf_exporter
@@ -196,6 +198,7 @@ class RdmaTransport:
                 self._registry,
                 self.next_wr_id,
                 self.limits.send_depth // 2,
+                self.config.max_refusals,
             )
         self.poller = CompletionPoller(
             v,
@@ -207,7 +210,7 @@ class RdmaTransport:
             asyncio.get_running_loop(),
         )
         self._side_channel = SideChannelServer(
-            self.qps, self.windows, self._registry, self.config, self._peer_id
+            self.qps, self.windows, self._registry, self.config, self._peer_id, self._secret
         )
         await self._side_channel.__aenter__()
         self.poller.start()
@@ -297,6 +300,7 @@ class RdmaTransport:
             handshake_port=self.handshake_port,
             iova=self.memory.iova_map(),
             memory_windows=self.memory_windows,
+            secret=self._secret.hex(),
         )
 
     def descriptor(self) -> PeerDescriptor:

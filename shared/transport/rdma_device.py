@@ -173,6 +173,9 @@ class RdmaPeerInfo:
     # The memory-window type the peer binds per lease (1 or 2), 0 where its NIC has none: then
     # window keys are region keys and writes are scoped to the region only (docs/security.md).
     memory_windows: int = 0
+    # The side channel's secret (hex): a connection proves it knows it before a QP is made for
+    # it (rdma_side_channel.py, lane_auth.side_channel_proof); it travels only in descriptors.
+    secret: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -186,6 +189,7 @@ class RdmaPeerInfo:
             "handshake_port": self.handshake_port,
             "iova": {str(k): [a, i] for k, (a, i) in self.iova.items()},
             "memory_windows": self.memory_windows,
+            "secret": self.secret,
         }
 
     @classmethod
@@ -202,6 +206,7 @@ class RdmaPeerInfo:
                 handshake_port=int(d["handshake_port"]),
                 iova={int(k): (int(v[0]), int(v[1])) for k, v in d.get("iova", {}).items()},
                 memory_windows=int(d.get("memory_windows", 0)),
+                secret=str(d.get("secret", "")),
             )
         except (KeyError, TypeError, ValueError, IndexError) as exc:
             raise ProtocolError(f"malformed rdma descriptor part {d!r}: {exc}") from exc

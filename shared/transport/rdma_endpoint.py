@@ -151,16 +151,19 @@ class RdmaEndpoint:
         granted, spans = self._resolved[entry.rkey]
         if granted & access != access:
             raise RemoteAccessError(
-                RefusalReason.ACCESS_DENIED, f"window {entry.rkey} grants {granted!r}"
+                RefusalReason.REFUSED,
+                f"window {entry.rkey} grants {granted!r}",
+                RefusalReason.ACCESS_DENIED,
             )
         for span in spans:
             wire = span.wire_addr(entry.remote_addr, entry.length)
             if wire is not None:
                 return wire, span.rkey
         raise RemoteAccessError(
-            RefusalReason.OUT_OF_BOUNDS,
+            RefusalReason.REFUSED,
             f"window {entry.rkey} access [{entry.remote_addr:#x}, "
             f"{entry.remote_addr + entry.length:#x}) is outside its {len(spans)} span(s)",
+            RefusalReason.OUT_OF_BOUNDS,
         )
 
     def _span(self, entry: WriteEntry, access: Access) -> Span:
@@ -173,13 +176,16 @@ class RdmaEndpoint:
         if region is not None:  # advertised: refuse here rather than break the QP
             if region.access & access != access:
                 raise RemoteAccessError(
-                    RefusalReason.ACCESS_DENIED, f"rkey={entry.rkey} grants {region.access!r}"
+                    RefusalReason.REFUSED,
+                    f"rkey={entry.rkey} grants {region.access!r}",
+                    RefusalReason.ACCESS_DENIED,
                 )
             if remote_addr < region.addr or remote_addr + entry.length > region.end:
                 raise RemoteAccessError(
-                    RefusalReason.OUT_OF_BOUNDS,
+                    RefusalReason.REFUSED,
                     f"rkey={entry.rkey} access [{remote_addr:#x}, {remote_addr + entry.length:#x})"
                     f" region [{region.addr:#x}, {region.end:#x})",
+                    RefusalReason.OUT_OF_BOUNDS,
                 )
         if entry.rkey in self._iova:
             addr, iova = self._iova[entry.rkey]

@@ -313,7 +313,7 @@ def completion_error(verbs: Any, status: int, vendor_err: int, what: str) -> Tra
     detail = f"{what}: {status_name(verbs, status)} (vendor error {vendor_err:#x})"
     if status == e.IBV_WC_REM_ACCESS_ERR:
         return RemoteAccessError(
-            RefusalReason.ACCESS_DENIED,
+            RefusalReason.REFUSED,
             f"{detail}; the NIC does not say which: unknown or deregistered rkey, span out of "
             "bounds, or a region without the needed remote access",
         )

@@ -7,7 +7,11 @@ INIT -> RTR -> RTS (``dial`` on the writer's side, ``SideChannelServer`` on the 
 socket stays open for the connection's life: the writer resolves window keys over it
 (rdma_windows.py), and when it closes the receiver retires and destroys that QP.
 
-Frames are a 4-byte big-endian length, then a JSON object.
+Frames are a 4-byte big-endian length, then a JSON object. The receiver speaks first: a
+challenge with a fresh nonce; the writer's hello carries a proof that it knows the secret in the
+receiver's descriptor (``lane_auth.side_channel_proof`` over the nonce and the hello's canonical
+JSON), as a tcp lane's does. A hello without a valid proof gets no QP and no answer: the
+connection is closed, counted and logged (issue #27).
 """
 
 from __future__ import annotations
@@ -16,11 +20,13 @@ import asyncio
 import contextlib
 import json
 import logging
+import secrets
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvmesh.shared.transport import lane_auth
 from kvmesh.shared.transport.config import TransportConfig
 from kvmesh.shared.transport.errors import PeerUnreachableError, ProtocolError, TransportError
 from kvmesh.shared.transport.rdma_connections import QPEntry, QPTable
@@ -58,6 +64,11 @@ async def write_frame(writer: asyncio.StreamWriter, message: Mapping[str, Any]) 
     await writer.drain()
 
 
+def canonical(message: Mapping[str, Any]) -> bytes:
+    """The bytes a side-channel proof covers: sorted keys, no spaces."""
+    return json.dumps(message, sort_keys=True, separators=(",", ":")).encode()
+
+
 async def dial(
     qps: QPTable, entry: QPEntry, peer_id: str, remote_peer: str, info: RdmaPeerInfo, timeout: float
 ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
@@ -67,10 +78,15 @@ async def dial(
     verbs = qps.verbs
     writer = None
     try:
+        secret = lane_auth.parse_secret(info.secret)
         reader, writer = await asyncio.wait_for(
             asyncio.open_connection(info.host, info.handshake_port), timeout
         )
-        await write_frame(writer, {"peer_id": peer_id, "qp": entry.info.to_dict()})
+        challenge = await asyncio.wait_for(read_frame(reader), timeout)
+        nonce = bytes.fromhex(str(challenge.get("challenge", "")))
+        hello = {"peer_id": peer_id, "qp": entry.info.to_dict()}
+        proof = lane_auth.side_channel_proof(secret, nonce, canonical(hello))
+        await write_frame(writer, {**hello, "proof": proof})
         reply = await asyncio.wait_for(read_frame(reader), timeout)
         if "error" in reply:
             raise PeerUnreachableError(
@@ -79,11 +95,11 @@ async def dial(
         remote = QPInfo.from_dict(reply.get("qp", {}))
         qp_to_rtr(verbs, entry.qp, entry.info, remote, qps.limits)
         qp_to_rts(verbs, entry.qp, entry.info, qps.limits)
-    except (TimeoutError, OSError, asyncio.IncompleteReadError, ProtocolError) as exc:
+    except (TimeoutError, OSError, ValueError, asyncio.IncompleteReadError, ProtocolError) as exc:
         _abort(qps, entry, writer)
         raise PeerUnreachableError(
             f"rdma handshake with peer {remote_peer} at {info.host}:{info.handshake_port} "
-            f"failed: {exc!r}"
+            f"failed: {exc!r} (a hang-up after the hello: the descriptor's secret is stale)"
         ) from exc
     except verbs.PyverbsError as exc:
         _abort(qps, entry, writer)
@@ -116,7 +132,9 @@ class SideChannelServer:
     registry: Registry
     config: TransportConfig
     peer_id: str  # ours, sent in the reply to each hello
+    secret: bytes  # what a hello must prove it knows (it travels in our descriptor only)
     port: int = field(default=0, init=False)
+    num_refused: int = field(default=0, init=False)  # hellos without a valid proof
     _server: asyncio.AbstractServer | None = field(default=None, init=False)
     _conns: set[asyncio.StreamWriter] = field(default_factory=set, init=False)
     _handlers: set[asyncio.Task[Any]] = field(default_factory=set, init=False)
@@ -167,21 +185,30 @@ class SideChannelServer:
         """The hello: our QP for this connection, at RTS; None if the handshake failed."""
         verbs, entry = self.qps.verbs, None
         try:
-            request = await asyncio.wait_for(read_frame(reader), self.config.connect_timeout_s)
+            nonce = secrets.token_bytes(lane_auth.NONCE_BYTES)
+            await write_frame(writer, {"challenge": nonce.hex()})
+            timeout = self.config.handshake_timeout_s
+            request = await asyncio.wait_for(read_frame(reader), timeout)
+            proof = request.pop("proof", None)
+            if not lane_auth.proof_matches(self.secret, nonce, canonical(request), proof):
+                self.num_refused += 1
+                self.registry.count_refused(str(request.get("peer_id", "?")), "rdma hello")
+                await self._end(writer, None)  # no QP, nothing said
+                return None
             remote = QPInfo.from_dict(request.get("qp", {}))
             entry = self.qps.new(str(request.get("peer_id", "?")), accepting=True)
             entry.conn = writer
             qp_to_rtr(verbs, entry.qp, entry.info, remote, self.qps.limits)
             qp_to_rts(verbs, entry.qp, entry.info, self.qps.limits)
             await write_frame(writer, {"peer_id": self.peer_id, "qp": entry.info.to_dict()})
+        except (TimeoutError, OSError, asyncio.IncompleteReadError, ProtocolError):
+            await self._end(writer, entry)  # the peer went away mid-handshake, or sent garbage
+            return None
         except (TransportError, verbs.PyverbsError) as exc:
             log.warning("rdma handshake refused: %s", exc)
             with contextlib.suppress(OSError):
                 await write_frame(writer, {"error": str(exc)})
             await self._end(writer, entry)
-            return None
-        except (TimeoutError, OSError, asyncio.IncompleteReadError):
-            await self._end(writer, entry)  # the peer went away mid-handshake
             return None
         return entry
 

@@ -134,6 +134,7 @@ class WindowTable:
         registry: Registry,
         next_wr_id: Callable[[], int],
         max_batch: int,
+        max_refusals: int = 16,
     ) -> None:
         assert mw_type != NO_WINDOWS
         self.verbs = verbs
@@ -149,6 +150,8 @@ class WindowTable:
         # the poller thread reads it to say whose authority an immediate came with.
         self._keys_by_qpn: dict[int, frozenset[int]] = {}
         self.num_mws = 0  # allocated and not yet deallocated
+        self.max_refusals = max_refusals  # refused resolutions before a connection is ended
+        self._refusals_by_qpn: dict[int, int] = {}
 
     def __len__(self) -> int:
         return len(self._open)
@@ -212,6 +215,7 @@ class WindowTable:
     def drop_connection(self, qpn: int) -> None:
         """The connection on QP ``qpn`` ended: deallocate the MWs bound on it."""
         self._keys_by_qpn.pop(qpn, None)
+        self._refusals_by_qpn.pop(qpn, None)
         for entry in self._open.values():
             binding = entry.bindings.pop(qpn, None)
             if binding is not None:
@@ -221,14 +225,19 @@ class WindowTable:
 
     def answer(self, request: dict[str, Any], qp: Any, peer_id: str) -> tuple[dict[str, Any], bool]:
         """The reply to a writer's ``{"resolve": key}`` on the connection of ``qp``, and whether
-        the connection goes on. A refused key is counted and the connection kept (as tcp keeps
-        it); a failed bind leaves the QP in the error state, so the connection ends."""
+        the connection goes on. A refused key is counted and answered ``REFUSED`` whatever the
+        reason (no oracle: the reason is logged only), and the connection kept, as tcp keeps
+        it, until it has had ``max_refusals``; a failed bind leaves the QP in the error state,
+        so the connection ends."""
         key = _requested_key(request)
         try:
             access, spans = self.resolve(key, qp)
         except RemoteAccessError as exc:
             self.registry.count_refused(peer_id, str(exc))
-            return {"error": exc.detail, "reason": int(exc.reason)}, True
+            refusals = self._refusals_by_qpn.get(qp.qp_num, 0) + 1
+            self._refusals_by_qpn[qp.qp_num] = refusals
+            reply = {"error": "window key refused", "reason": int(RefusalReason.REFUSED)}
+            return reply, refusals < self.max_refusals
         except TransportError as exc:
             log.error("rdma window for %s: %s", peer_id, exc)
             return {"error": str(exc), "reason": 0}, False
@@ -395,7 +404,7 @@ def no_windows_reply(request: dict[str, Any]) -> tuple[dict[str, Any], bool]:
     """The answer of a transport whose NIC binds no memory windows."""
     _requested_key(request)
     error = "this peer binds no memory windows; write with its region keys"
-    return {"error": error, "reason": int(RefusalReason.UNKNOWN_RKEY)}, True
+    return {"error": error, "reason": int(RefusalReason.REFUSED)}, True
 
 
 def log_window_support(device: str, mw_type: int) -> None:

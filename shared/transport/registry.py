@@ -83,7 +83,7 @@ class RegistryListener(Protocol):
 
 class Registry:
     """rkey -> registered memory, and rkey -> window onto part of it. ``refusal``/``remote_view``
-    is the one gate every incoming access passes; one Registry may be shared by several backends
+    is the one gate every incoming access passes, and it opens windows only; one Registry may be shared by several backends
     of a composite transport. Region keys count up from a random start; window keys are drawn at
     random, so that holding one key tells nothing about another."""
 
@@ -193,12 +193,11 @@ class Registry:
         return len(self._windows)
 
     def is_live_key(self, rkey: int, access: Access) -> bool:
-        """Whether ``rkey`` names a live region or window granting ``access``."""
+        """Whether ``rkey`` names a live window granting ``access`` (a region's own key opens
+        nothing from the network)."""
         with self._lock:
-            found = self._windows.get(rkey) or self._entries.get(rkey)
-        if isinstance(found, _Entry):
-            return found.region.access & access == access
-        return found is not None and found.access & access == access
+            window = self._windows.get(rkey)
+        return window is not None and window.access & access == access
 
     def deregister(self, region: MemoryRegion) -> None:
         with self._lock:
@@ -231,43 +230,36 @@ class Registry:
     def refusal(
         self, rkey: int, addr: int, length: int, access: Access
     ) -> RemoteAccessError | None:
-        """Why an access of ``[addr, addr+length)`` with key ``rkey`` (a region's or a window's)
-        must be refused, or None."""
+        """Why a peer's access of ``[addr, addr+length)`` with key ``rkey`` must be refused, or
+        None. Only a live window's key opens anything: a region's own key never leaves this
+        process and is refused like an unknown one, so nothing addressable from the network
+        reaches memory outside a live window (the reason is for the log; peers are told only
+        that the access was refused)."""
         with self._lock:
             window = self._windows.get(rkey)
-            entry = self._entries.get(window.region_rkey if window else rkey)
+            entry = self._entries.get(window.region_rkey) if window else None
+            is_region = rkey in self._entries
             retired = rkey in self._retired
-        if window is not None and entry is not None:
-            if window.access & access != access:
+        if window is None or entry is None:
+            if is_region:
                 return RemoteAccessError(
-                    RefusalReason.ACCESS_DENIED,
-                    f"window rkey={rkey} grants {window.access!r}, needs {Access(access)!r}",
+                    RefusalReason.UNKNOWN_RKEY,
+                    f"rkey={rkey} is a region's own key; peers reach memory only through windows",
                 )
-            if length <= 0:
-                return RemoteAccessError(RefusalReason.BAD_LENGTH, f"length={length}")
-            if not window.covers(addr, length):
-                return RemoteAccessError(
-                    RefusalReason.OUT_OF_BOUNDS,
-                    f"window rkey={rkey} access [{addr:#x}, {addr + length:#x}) is outside the "
-                    f"window's {len(window.spans)} span(s)",
-                )
-            return None
-        if entry is None:
             reason = RefusalReason.DEREGISTERED if retired else RefusalReason.UNKNOWN_RKEY
             return RemoteAccessError(reason, f"rkey={rkey}")
-        region = entry.region
-        if region.access & access != access:
+        if window.access & access != access:
             return RemoteAccessError(
                 RefusalReason.ACCESS_DENIED,
-                f"rkey={rkey} grants {region.access!r}, needs {Access(access)!r}",
+                f"window rkey={rkey} grants {window.access!r}, needs {Access(access)!r}",
             )
         if length <= 0:
             return RemoteAccessError(RefusalReason.BAD_LENGTH, f"length={length}")
-        if addr < region.addr or addr + length > region.end:
+        if not window.covers(addr, length):
             return RemoteAccessError(
                 RefusalReason.OUT_OF_BOUNDS,
-                f"rkey={rkey} access [{addr:#x}, {addr + length:#x}) region "
-                f"[{region.addr:#x}, {region.end:#x})",
+                f"window rkey={rkey} access [{addr:#x}, {addr + length:#x}) is outside the "
+                f"window's {len(window.spans)} span(s)",
             )
         return None
 
@@ -278,8 +270,8 @@ class Registry:
             raise error
         with self._lock:
             window = self._windows.get(rkey)
-            entry = self._entries.get(window.region_rkey if window else rkey)
-        if entry is None:  # deregistered between the check and now
+            entry = self._entries.get(window.region_rkey) if window else None
+        if entry is None:  # closed between the check and now
             raise RemoteAccessError(RefusalReason.DEREGISTERED, f"rkey={rkey}")
         start = addr - entry.region.addr
         return entry.tensor[start : start + length]

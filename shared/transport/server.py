@@ -1,30 +1,47 @@
-"""The receiving side's listening socket: an accept loop that hands every connection to a
-handler on its own daemon thread, and a close that stops accepting, shuts every live connection
-down (unblocking its handler) and joins all the threads. Used by the shm and tcp backends.
+"""The receiving side's listening socket: handshakes first, then one thread per admitted
+connection. Used by the shm and tcp backends.
 
-Bounded (a local attacker must not exhaust it): at most ``max_connections`` at once (more are
-closed on accept and counted); every connection starts with ``handshake_timeout_s`` on its
-socket, which the handler lifts (``settimeout(None)``) once the peer's hello is complete, so a
-silent or half-finished hello is dropped; the accept loop outlives EMFILE and friends (it backs
-off and retries) and ends only when the server closes."""
+A local user must not be able to exhaust it (issue #27). So:
+
+* a connection holds no thread until its hello is complete and admitted. One thread accepts
+  connections and runs every pending handshake (``Handshake``: tcp's HMAC proof, shm's hello)
+  over non-blocking sockets with a selector;
+* at most ``max_pending`` handshakes at once, and ``max_pending_per_source`` from one source
+  address: a new connection over either limit pushes out the oldest pending one, so a flood
+  of silent connections cannot keep a real peer's hello (one round trip) from completing;
+* a handshake not complete within ``handshake_timeout_s`` is dropped;
+* admitted connections: at most ``max_connections`` in all and ``max_per_peer`` per declared
+  peer id, each served by its own daemon thread;
+* every refusal looks alike to the peer: the connection is closed, nothing is said (a bad proof,
+  a malformed hello, a full server, a timeout); the counters and the log say which;
+* the accept loop outlives EMFILE and friends (it backs off and retries) and ends only when the
+  server closes.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import errno
+import selectors
 import socket
+import struct
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
 
 from kvmesh.shared import logs
+from kvmesh.shared.transport.lane_auth import HelloRefused, LaneHello
 from kvmesh.shared.transport.threads import ThreadSet
 
 log = logs.get_logger(__name__)
 
 # accept() errors that mean "no resources right now", not "the listener is gone"
 _TRANSIENT = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.ECONNABORTED}
+_TICK_S = 0.1  # the handshake thread's longest sleep (it also checks for close)
 
 
 def recv_exact(sock: socket.socket, view: memoryview) -> int:
@@ -39,88 +56,263 @@ def recv_exact(sock: socket.socket, view: memoryview) -> int:
     return got
 
 
+class Handshake(Protocol):
+    """One connection's hello, parsed as its bytes arrive (``lane_auth.HelloReader``)."""
+
+    def challenge(self) -> bytes:
+        """Sent as soon as the connection is accepted (may be empty)."""
+        ...
+
+    def need(self) -> int:
+        """Bytes wanted before the next step (> 0 until the hello is complete)."""
+        ...
+
+    def feed(self, data: bytes) -> LaneHello | None:
+        """The admitted hello once complete; raises HelloRefused."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class ServerLimits:
+    max_connections: int = 256  # admitted connections, in all
+    max_per_peer: int = 32  # admitted connections with one declared peer id
+    max_pending: int = 1024  # handshakes in progress, in all
+    max_pending_per_source: int = 256  # handshakes in progress from one source address
+    handshake_timeout_s: float = 5.0
+
+
+@dataclass(slots=True)
+class _Pending:
+    conn: socket.socket
+    handshake: Handshake
+    source: str
+    deadline: float
+
+
 class SocketServer:
     def __init__(
         self,
         listener: socket.socket,
-        handle: Callable[[socket.socket], None],
+        handle: Callable[[socket.socket, LaneHello], None],
         name: str,
-        on_accept: Callable[[socket.socket], None] | None = None,
+        handshake: Callable[[], Handshake],
         *,
-        max_connections: int = 256,
-        handshake_timeout_s: float = 5.0,
+        on_admit: Callable[[socket.socket], None] | None = None,
+        accept_reply: bytes = b"",
+        limits: ServerLimits | None = None,
     ) -> None:
         self.listener = listener  # bound and listening
-        self._handle = handle  # serves one connection until it ends; the server closes it
+        self._handle = handle  # serves one admitted connection until it ends; the server closes it
         self._name = name
-        self._on_accept = on_accept
+        self._new_handshake = handshake
+        self._on_admit = on_admit
+        self._accept_reply = accept_reply
+        self.limits = limits or ServerLimits()
         self._lock = threading.Lock()
-        self._conns: set[socket.socket] = set()
+        self._conns: dict[socket.socket, str] = {}  # admitted -> its peer id
+        self._per_peer: dict[str, int] = {}
+        self._pending: OrderedDict[socket.socket, _Pending] = OrderedDict()  # accept order
+        self._per_source: dict[str, int] = {}
         self._threads = ThreadSet()
+        self._selector = selectors.DefaultSelector()
         self._closed = False
-        self.max_connections = max_connections
-        self.handshake_timeout_s = handshake_timeout_s
-        self.num_accepted = 0
+        self._loop_done = threading.Event()
+        self._started = False
+        self.num_accepted = 0  # connections admitted after their hello
         self.peak_connections = 0
-        self.num_refused = 0  # connections closed at accept: over max_connections
+        self.num_refused = 0  # closed before admission: bad hello, timeout, pushed out, full
         self.num_accept_errors = 0  # transient accept failures (EMFILE, ...) survived
 
     def start(self) -> None:
-        self._threads.spawn(self._accept_loop, f"{self._name}-accept")
+        self._started = True
+        self.listener.setblocking(False)
+        self._selector.register(self.listener, selectors.EVENT_READ)
+        self._threads.spawn(self._loop, f"{self._name}-accept")
 
     @property
     def num_connections(self) -> int:
+        """Admitted connections (each holds a thread)."""
         with self._lock:
             return len(self._conns)
 
-    def _accept_loop(self) -> None:
+    @property
+    def num_pending(self) -> int:
+        """Connections whose handshake is in progress (they hold no thread)."""
+        return len(self._pending)
+
+    # -- the handshake thread ----------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        try:
+            while not self._closed:
+                self._tick()
+        finally:
+            for pending in list(self._pending.values()):
+                self._drop(pending, "")
+            with contextlib.suppress(Exception):
+                self._selector.close()
+            self._loop_done.set()
+
+    def _tick(self) -> None:
+        """One round: accept, advance the handshakes that have bytes, expire the late ones."""
+        timeout = _TICK_S
+        if self._pending:
+            first = next(iter(self._pending.values()))
+            timeout = min(timeout, max(0.0, first.deadline - time.monotonic()))
+        try:
+            for key, _ in self._selector.select(timeout):
+                if key.fileobj is self.listener:
+                    self._accept_all()
+                else:
+                    self._advance(key.data)
+            self._expire(time.monotonic())
+        except Exception as exc:  # a bug must not end the receiver's accepting
+            log.exception("handshake loop error; going on", server=self._name, error=str(exc))
+            time.sleep(_TICK_S)
+
+    def _accept_all(self) -> None:
         while not self._closed:
             try:
-                conn, _ = self.listener.accept()
+                conn, address = self.listener.accept()
+            except BlockingIOError:
+                return
             except OSError as exc:
                 if self._closed or exc.errno not in _TRANSIENT:
-                    return  # the listener was closed
+                    self._closed = True  # the listener is gone
+                    return
                 self.num_accept_errors += 1
                 if logs.is_sampled(self.num_accept_errors):
                     log.warning("accept failed; retrying", server=self._name, error=str(exc))
                 time.sleep(0.05)  # let descriptors free up
-                continue
-            with self._lock:
-                full = len(self._conns) >= self.max_connections
-                if not full:
-                    self._conns.add(conn)
-                    self.num_accepted += 1
-                    self.peak_connections = max(self.peak_connections, len(self._conns))
-            if full:
-                self.num_refused += 1
-                if logs.is_sampled(self.num_refused):
-                    log.warning(
-                        "connection refused: limit reached",
-                        server=self._name,
-                        max_connections=self.max_connections,
-                        refused=self.num_refused,
-                    )
-                with contextlib.suppress(OSError):
-                    conn.close()
-                continue
-            conn.settimeout(self.handshake_timeout_s)  # the handler lifts it after the hello
-            if self._on_accept is not None:
-                self._on_accept(conn)
-            self._threads.spawn(self._serve, self._name, conn)
+                return
+            self._start_handshake(conn, _source(address))
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _start_handshake(self, conn: socket.socket, source: str) -> None:
+        limits = self.limits
+        if self._per_source.get(source, 0) >= limits.max_pending_per_source:
+            oldest = next(p for p in self._pending.values() if p.source == source)
+            self._drop(oldest, "pushed out by a newer handshake from its source")
+        if len(self._pending) >= limits.max_pending:
+            self._drop(next(iter(self._pending.values())), "pushed out by a newer handshake")
+        conn.setblocking(False)
+        handshake = self._new_handshake()
+        pending = _Pending(conn, handshake, source, time.monotonic() + limits.handshake_timeout_s)
+        self._pending[conn] = pending
+        self._per_source[source] = self._per_source.get(source, 0) + 1
         try:
-            self._handle(conn)
+            greeting = handshake.challenge()
+            if greeting and conn.send(greeting) != len(greeting):
+                raise OSError("short send of the challenge")
+            self._selector.register(conn, selectors.EVENT_READ, pending)
+        except OSError:
+            self._drop(pending, "")
+
+    def _advance(self, pending: _Pending) -> None:
+        try:
+            data = pending.conn.recv(pending.handshake.need())
+            if not data:
+                self._drop(pending, "")
+                return
+            hello = pending.handshake.feed(data)
+        except BlockingIOError:
+            return
+        except OSError:
+            self._drop(pending, "")
+            return
+        except HelloRefused as exc:
+            self._drop(pending, str(exc))
+            return
+        if hello is not None:
+            self._admit(pending, hello)
+
+    def _expire(self, now: float) -> None:
+        while self._pending:
+            first = next(iter(self._pending.values()))
+            if first.deadline > now:
+                return
+            self._drop(first, "hello not complete in time")
+
+    def _forget(self, pending: _Pending) -> None:
+        self._pending.pop(pending.conn, None)
+        left = self._per_source.get(pending.source, 1) - 1
+        if left:
+            self._per_source[pending.source] = left
+        else:
+            self._per_source.pop(pending.source, None)
+        with contextlib.suppress(KeyError, ValueError, OSError):
+            self._selector.unregister(pending.conn)
+
+    def _drop(self, pending: _Pending, reason: str) -> None:
+        """Refuse a connection before admission: reset it, say nothing (no oracle)."""
+        self._forget(pending)
+        _reset(pending.conn)
+        if reason:
+            self._count_refused(reason, pending.source)
+
+    def _count_refused(self, reason: str, source: str) -> None:
+        self.num_refused += 1
+        if logs.is_sampled(self.num_refused):
+            log.warning(
+                "connection refused",
+                server=self._name,
+                reason=reason,
+                source=source,
+                refused_total=self.num_refused,
+            )
+
+    def _admit(self, pending: _Pending, hello: LaneHello) -> None:
+        self._forget(pending)
+        conn, limits = pending.conn, self.limits
+        with self._lock:
+            full = len(self._conns) >= limits.max_connections
+            crowded = self._per_peer.get(hello.peer_id, 0) >= limits.max_per_peer
+            if not (full or crowded):
+                self._conns[conn] = hello.peer_id
+                self._per_peer[hello.peer_id] = self._per_peer.get(hello.peer_id, 0) + 1
+                self.num_accepted += 1
+                self.peak_connections = max(self.peak_connections, len(self._conns))
+        if full or crowded:
+            _reset(conn)
+            what = "connection limit reached" if full else "per-peer connection limit reached"
+            self._count_refused(what, pending.source)
+            return
+        try:
+            conn.setblocking(True)
+            if self._accept_reply:
+                conn.settimeout(self.limits.handshake_timeout_s)
+                conn.sendall(self._accept_reply)
+                conn.settimeout(None)
+            if self._on_admit is not None:
+                self._on_admit(conn)
+        except OSError:
+            self._release(conn)
+            return
+        self._threads.spawn(self._serve, self._name, conn, hello)
+
+    def _release(self, conn: socket.socket) -> None:
+        with self._lock:
+            peer_id = self._conns.pop(conn, None)
+            if peer_id is not None:
+                left = self._per_peer[peer_id] - 1
+                if left:
+                    self._per_peer[peer_id] = left
+                else:
+                    del self._per_peer[peer_id]
+        with contextlib.suppress(OSError):
+            conn.close()
+
+    def _serve(self, conn: socket.socket, hello: LaneHello) -> None:
+        try:
+            self._handle(conn, hello)
         finally:
-            with self._lock:
-                self._conns.discard(conn)
-            with contextlib.suppress(OSError):
-                conn.close()
+            self._release(conn)
 
     async def aclose(self) -> None:
         self._closed = True
         with contextlib.suppress(OSError):
             self.listener.shutdown(socket.SHUT_RDWR)
+        if self._started:  # the handshake thread ends within a tick
+            await asyncio.to_thread(self._loop_done.wait)
         self.listener.close()
         with self._lock:
             conns = list(self._conns)
@@ -128,3 +320,26 @@ class SocketServer:
             with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_RDWR)
         await asyncio.to_thread(self._threads.join)
+
+
+_LINGER_RESET = struct.pack("ii", 1, 0)
+
+
+def _reset(conn: socket.socket) -> None:
+    """Close with a reset (SO_LINGER 0): every refusal ends the same way, whether or not the
+    peer's bytes were all read (a plain close resets only when some were not: an oracle), and
+    leaves no TIME_WAIT behind."""
+    with contextlib.suppress(OSError):
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_RESET)
+    with contextlib.suppress(OSError):
+        conn.close()
+
+
+def _source(address: object) -> str:
+    """The source a connection counts against: its IP address (unix sockets: one source)."""
+    if isinstance(address, tuple) and address:
+        return str(address[0])
+    return "local"
+
+
+__all__ = ["Handshake", "ServerLimits", "SocketServer", "recv_exact"]

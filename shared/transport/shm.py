@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+from kvmesh.shared import logs
 from kvmesh.shared.stale_dirs import make_owned_dir, sweep_dead_owner_files
 from kvmesh.shared.transport.base import (
     Access,
@@ -41,11 +42,14 @@ from kvmesh.shared.transport.base import (
 from kvmesh.shared.transport.completions import Completion, CompletionQueue
 from kvmesh.shared.transport.config import TransportConfig
 from kvmesh.shared.transport.errors import PeerUnreachableError, RefusalReason, TransportClosedError
+from kvmesh.shared.transport.lane_auth import HelloRefused, LaneHello
 from kvmesh.shared.transport.registry import Registry
-from kvmesh.shared.transport.server import SocketServer, recv_exact
+from kvmesh.shared.transport.server import SocketServer
 
 if TYPE_CHECKING:
     from kvmesh.shared.transport.shm_endpoint import ShmEndpoint
+
+log = logs.get_logger(__name__)
 
 SHM_DIR = "/dev/shm"
 PAGE = mmap.PAGESIZE
@@ -75,6 +79,34 @@ OP_HELLO, OP_WRITE_DONE, OP_READ_DONE, OP_REFUSED = 0, 1, 2, 3
 # A descriptor is data from the network: it names segments, never paths (no separators, no "..").
 SEGMENT_NAME = re.compile(r"kvmesh-[0-9]{1,10}-[0-9a-f]{8}-(?:table|[0-9]{1,6})")
 SOCKET_NAME = "notify.sock"
+
+
+class ShmHello:
+    """The receiver's side of an shm writer's hello (a ``server.Handshake``): ``NOTE`` with
+    ``OP_HELLO`` and the peer id's length, then the peer id. The socket's folder (0700, owner
+    checked) keeps other users out, so the hello proves nothing more."""
+
+    def __init__(self) -> None:
+        self._n: int | None = None
+        self._buf = bytearray()
+
+    def challenge(self) -> bytes:
+        return b""
+
+    def need(self) -> int:
+        return (NOTE.size if self._n is None else self._n) - len(self._buf)
+
+    def feed(self, data: bytes) -> LaneHello | None:
+        self._buf += data
+        if self.need():
+            return None
+        if self._n is None:
+            op, _, _, _, _, _, n = NOTE.unpack(self._buf)
+            if op != OP_HELLO or not 0 < n <= 256:
+                raise HelloRefused(f"bad shm hello (op {op}, peer id of {n} bytes)")
+            self._n, self._buf = n, bytearray()
+            return None
+        return LaneHello(0, 1, 0, self._buf.decode(errors="replace"))
 
 
 class UntrustedDescriptorError(PeerUnreachableError):
@@ -191,7 +223,6 @@ class ShmTransport:
         self._strict = strict  # refuse remote registrations outside a segment (no tcp fallback)
         self._token = f"kvmesh-{os.getpid()}-{secrets.token_hex(4)}"
         self._segments: list[_Segment] = []
-        self._slots: dict[int, int] = {}
         self._window_slots: dict[int, list[int]] = {}
         self._unshared: set[int] = set()  # remote regions outside segments (strict=False only)
         self._table_seg: _Segment | None = None
@@ -237,11 +268,7 @@ class ShmTransport:
         listener.listen(64)
         self._registry.add_listener(self)
         self._server = SocketServer(
-            listener,
-            self._serve,
-            "shm-notify",
-            max_connections=self.config.max_connections,
-            handshake_timeout_s=self.config.handshake_timeout_s,
+            listener, self._serve, "shm-notify", ShmHello, limits=self.config.server_limits()
         )
         self._server.start()
 
@@ -306,16 +333,10 @@ class ShmTransport:
                     "allocated tensor (e.g. KVPool built over it)"
                 )
             self._unshared.add(region.rkey)
-            return
-        (slot,) = self._free_slots(1)
-        self._publish_row(slot, region.rkey, region.addr, region.length, region.access, seg)
-        self._slots[region.rkey] = slot
+        # No row for the region itself: writers reach memory through windows' rows only.
 
     def on_deregister(self, region: MemoryRegion) -> None:
-        self._unshared.discard(region.rkey)
-        slot = self._slots.pop(region.rkey, None)
-        if slot is not None and self._table is not None:
-            self._table["state"][slot] = RETIRED
+        self._unshared.discard(region.rkey)  # its windows' rows were retired before this
 
     def on_window_open(self, window: MemoryWindow) -> None:
         """One table row per span, under the window's key: writers check against those rows."""
@@ -389,36 +410,33 @@ class ShmTransport:
 
     # -- receiver: notification channel ------------------------------------------------------------
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _serve(self, conn: socket.socket, hello: LaneHello) -> None:
+        """Serve one writer's notifications (its hello read by the server: ``ShmHello``)."""
+        peer_id, refusals = hello.peer_id, 0
         buf = bytearray(NOTE.size)
         try:
-            if recv_exact(conn, memoryview(buf)) != NOTE.size:
-                return
-            op, _, _, _, _, _, n = NOTE.unpack(buf)
-            if op != OP_HELLO or not 0 < n <= 256:
-                return
-            raw = bytearray(n)
-            if recv_exact(conn, memoryview(raw)) != n:
-                return
-            peer_id = raw.decode(errors="replace")
-            conn.settimeout(None)  # hello complete
             while conn.recv_into(buf, NOTE.size, socket.MSG_WAITALL) == NOTE.size:
                 op, reason, _, imm, rkey, _, n = NOTE.unpack(buf)
                 if op == OP_WRITE_DONE:
                     # The bytes were copied by the writer; its immediate counts only if the key it
-                    # wrote with is live here (a forged or late immediate is refused).
-                    if not self._registry.is_live_key(rkey, Access.REMOTE_WRITE):
-                        self._registry.count_refused(peer_id, f"write done with dead key {rkey}")
+                    # wrote with is a live window here (a forged or late immediate is refused).
+                    if self._registry.is_live_key(rkey, Access.REMOTE_WRITE):
+                        self._registry.count_write(n)
+                        keys = frozenset((rkey,))
+                        self._queue.put(Completion(imm, peer_id, n, keys))
                         continue
-                    self._registry.count_write(n)
-                    keys = frozenset((rkey,))
-                    self._queue.put(Completion(imm, peer_id, n, keys))
+                    self._registry.count_refused(peer_id, f"write done with dead key {rkey}")
                 elif op == OP_READ_DONE:
                     self._registry.count_read(n)
+                    continue
                 elif op == OP_REFUSED:
                     self._registry.count_refused(peer_id, _reason_name(reason))
                 else:
                     return  # corrupt stream: drop this peer, keep serving others
+                refusals += 1
+                if refusals >= self.config.max_refusals:
+                    log.info("shm writer disconnected: too many refusals", peer=peer_id)
+                    return  # a writer that keeps naming dead keys is probing
         except OSError:
             return
 

@@ -89,14 +89,16 @@ class ShmEndpoint:
         self._mappings.clear()
 
     def _remote_view(self, rkey: int, addr: int, length: int, access: Access) -> torch.Tensor:
-        """Check one entry against the peer's table; the (length,) view of its mapped bytes."""
+        """Check one entry against the peer's table (window rows only: a region's own key has
+        none); the (length,) view of its mapped bytes. Refused as on tcp: ``REFUSED``, with
+        what the table showed in the message."""
         table = self._table
         slots = np.flatnonzero((table["rkey"] == rkey) & (table["state"] != FREE))
         if slots.size == 0:
-            raise RemoteAccessError(RefusalReason.UNKNOWN_RKEY, f"rkey={rkey}")
+            raise _refused(RefusalReason.UNKNOWN_RKEY, f"rkey={rkey}")
         live = slots[table["state"][slots] == LIVE]
         if live.size == 0:
-            raise RemoteAccessError(RefusalReason.DEREGISTERED, f"rkey={rkey}")
+            raise _refused(RefusalReason.DEREGISTERED, f"rkey={rkey}")
         # A window has one row per span: the one that holds the access, if any.
         holds = [  # in Python ints: a corrupt row's addr + length may overflow 64 bits
             int(i)
@@ -106,9 +108,9 @@ class ShmEndpoint:
         row = table[holds[0] if holds else int(live[0])]
         base, size = int(row["addr"]), int(row["length"])
         if int(row["access"]) & access != access:
-            raise RemoteAccessError(RefusalReason.ACCESS_DENIED, f"rkey={rkey}")
+            raise _refused(RefusalReason.ACCESS_DENIED, f"rkey={rkey}")
         if addr < base or addr + length > base + size:
-            raise RemoteAccessError(
+            raise _refused(
                 RefusalReason.OUT_OF_BOUNDS,
                 f"rkey={rkey} access [{addr:#x}, {addr + length:#x}) region "
                 f"[{base:#x}, {base + size:#x})",
@@ -172,7 +174,7 @@ class ShmEndpoint:
         try:
             pairs = self._plan(entries, Access.REMOTE_WRITE)
         except RemoteAccessError as exc:
-            await self._notify(OP_REFUSED, imm, 0, int(exc.reason))
+            await self._notify(OP_REFUSED, imm, 0, int(exc.cause or exc.reason))
             raise
         prev = self._tail
         task = self._tail = asyncio.ensure_future(self._place(pairs, imm, entries[0].rkey, prev))
@@ -200,7 +202,7 @@ class ShmEndpoint:
         try:
             pairs = self._plan(entries, Access.REMOTE_READ)
         except RemoteAccessError as exc:
-            await self._notify(OP_REFUSED, 0, 0, int(exc.reason))
+            await self._notify(OP_REFUSED, 0, 0, int(exc.cause or exc.reason))
             raise
         await asyncio.to_thread(_copy_all, pairs)
         await self._notify(OP_READ_DONE, 0, sum(e.length for e in entries))
@@ -236,3 +238,8 @@ def _span(view: torch.Tensor, addr: int, n: int) -> torch.Tensor:
     base = view.untyped_storage()
     offset = addr - base.data_ptr()
     return torch.empty(0, dtype=torch.uint8).set_(base, offset, (n,))
+
+
+def _refused(cause: RefusalReason, detail: str) -> RemoteAccessError:
+    """A refusal by the peer's table, reported as every backend reports one (``REFUSED``)."""
+    return RemoteAccessError(RefusalReason.REFUSED, f"{cause.name.lower()}: {detail}", cause)

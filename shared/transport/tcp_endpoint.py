@@ -17,6 +17,7 @@ from collections.abc import Coroutine, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvmesh.shared.imm import check_imm
+from kvmesh.shared.transport import lane_auth
 from kvmesh.shared.transport.base import PeerDescriptor, WriteEntry
 from kvmesh.shared.transport.errors import (
     PeerGoneError,
@@ -26,15 +27,8 @@ from kvmesh.shared.transport.errors import (
     TransportClosedError,
     TransportError,
 )
-from kvmesh.shared.transport.tcp import (
-    HELLO,
-    MAGIC_HELLO,
-    MAX_PENDING_WRITES,
-    OP_READ,
-    OP_WRITE,
-    VERSION,
-    tune,
-)
+from kvmesh.shared.transport.server import recv_exact
+from kvmesh.shared.transport.tcp import MAX_PENDING_WRITES, OP_READ, OP_WRITE, tune
 from kvmesh.shared.transport.tcp_frames import Frame, Op, cut_frames
 from kvmesh.shared.transport.tcp_lane import Lane, ack_loop, send_loop
 from kvmesh.shared.transport.threads import ThreadSet
@@ -49,6 +43,35 @@ def _background(coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
     task = asyncio.ensure_future(coro)
     task.add_done_callback(lambda t: t.cancelled() or t.exception())
     return task
+
+
+def _open_lane(
+    address: tuple[str, int],
+    timeout_s: float,
+    secret: bytes,
+    hello: tuple[int, int, int, str],
+) -> socket.socket:
+    """Connect one lane and prove it belongs to the mesh (``lane_auth``): read the receiver's
+    challenge, answer it, wait for its acceptance. A receiver that hangs up instead refused
+    the hello (a stale descriptor's secret, or it is at a connection limit)."""
+    sock = socket.create_connection(address, timeout_s)
+    try:
+        challenge = bytearray(lane_auth.CHALLENGE.size)
+        if recv_exact(sock, memoryview(challenge)) != len(challenge):
+            raise OSError("the receiver hung up before its challenge")
+        sock.sendall(lane_auth.answer_challenge(secret, bytes(challenge), *hello))
+        accept = bytearray(len(lane_auth.ACCEPT))
+        if recv_exact(sock, memoryview(accept)) != len(accept) or accept != lane_auth.ACCEPT:
+            raise OSError(
+                "the receiver refused this lane (it hung up after the hello: the descriptor's "
+                "secret is stale, or the receiver is at its connection limit)"
+            )
+        sock.settimeout(None)
+        tune(sock)
+        return sock
+    except BaseException:
+        sock.close()
+        raise
 
 
 class TcpEndpoint:
@@ -81,32 +104,31 @@ class TcpEndpoint:
         info = descriptor.backends.get("tcp")
         if info is None:
             raise PeerUnreachableError(f"peer {descriptor.peer_id} offers no tcp backend")
+        try:
+            secret = lane_auth.parse_secret(info.get("secret"))
+        except ValueError as exc:
+            raise PeerUnreachableError(f"tcp peer {descriptor.peer_id}: {exc}") from None
         ep = cls(transport, descriptor)
         num_lanes = max(1, min(transport.config.tcp_lanes, int(info.get("lanes", 1))))
         endpoint_id = secrets.randbits(63)
-        hello_id = transport.peer_id.encode()
+        config = transport.config
         try:
             for i in range(num_lanes):
                 sock = await asyncio.to_thread(
-                    socket.create_connection,
-                    ep._address,
-                    transport.config.connect_timeout_s,
-                )
-                sock.settimeout(None)
-                tune(sock)
-                sock.sendall(
-                    HELLO.pack(MAGIC_HELLO, VERSION, i, num_lanes, endpoint_id, len(hello_id))
-                    + hello_id
-                )
+                    _open_lane, ep._address, config.connect_timeout_s, secret,
+                    (i, num_lanes, endpoint_id, transport.peer_id),
+                )  # fmt: skip
                 ep._lanes.append(Lane(i, sock, ep._window_bytes))
-        except OSError as exc:
+        except (OSError, ValueError) as exc:
             for lane in ep._lanes:
                 lane.sock.close()
             raise PeerUnreachableError(
                 f"cannot reach tcp peer {descriptor.peer_id} at {ep._address}: {exc}"
             ) from exc
         for lane in ep._lanes:
-            ep._threads.spawn(send_loop, f"tcp-send-{lane.index}", lane, ep._lost)
+            ep._threads.spawn(
+                send_loop, f"tcp-send-{lane.index}", lane, ep._lost, config.keepalive_s
+            )
             ep._threads.spawn(ack_loop, f"tcp-ack-{lane.index}", lane, ep._settle, ep._lost)
         return ep
 

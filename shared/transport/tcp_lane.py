@@ -15,13 +15,17 @@ from collections import deque
 from collections.abc import Callable
 
 from kvmesh.shared.transport.errors import ProtocolError, RefusalReason
+from kvmesh.shared.transport.server import recv_exact
 from kvmesh.shared.transport.tcp import (
     ACK,
     FLAG_NO_ACK,
+    FRAME,
     MAGIC_ACK,
+    MAGIC_FRAME,
+    OP_PING,
     OP_READ,
     OP_WRITE,
-    recv_exact,
+    VERSION,
     send_all,
 )
 from kvmesh.shared.transport.tcp_frames import Frame
@@ -60,16 +64,31 @@ class Lane:
         raise ProtocolError(f"ack for a frame never sent (op {kind}, seq {seq}, frame {idx})")
 
 
-def send_loop(lane: Lane, lost: Callable[[Lane, str], None]) -> None:
+PING = FRAME.pack(MAGIC_FRAME, VERSION, OP_PING, FLAG_NO_ACK, 0, 0, 0, 0, 0, 0, 1, 0, 0)
+
+
+def send_loop(lane: Lane, lost: Callable[[Lane, str], None], keepalive_s: float) -> None:
     """Send queued frames within the lane's window: as many as the window admits leave in one
     ``sendmsg``. Most frames go out with ``FLAG_NO_ACK``; one every window/4 bytes and the
     last of each batch ask for the (cumulative) ACK, so whenever this thread waits, every
-    frame it has sent is covered by an ACK on its way."""
+    frame it has sent is covered by an ACK on its way. A lane with nothing to send for
+    ``keepalive_s`` sends a ping, so the receiver's idle timeout spares it."""
     ack_every = max(1, lane.window.limit // ACKS_PER_WINDOW)
     since_ack = 0  # bytes sent since the last frame that asked for an ACK
     held: Frame | None = None  # dequeued, not yet admitted by the window
     while True:
-        frame = held if held is not None else lane.sends.get()
+        if held is not None:
+            frame: Frame | None = held
+        else:
+            try:
+                frame = lane.sends.get(timeout=keepalive_s)
+            except queue.Empty:
+                try:
+                    send_all(lane.sock, [memoryview(PING)])
+                except OSError as exc:
+                    lost(lane, f"send failed: {exc}")
+                    return
+                continue
         held = None
         if frame is None or not lane.window.take(frame.length):
             return  # the endpoint broke or closed

@@ -1,0 +1,30 @@
+"""QueueKeeperConfig: flags ``--x-y`` / env ``KVMESH_X_Y`` for every field (see
+kvmesh.shared.service_config)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvmesh.shared.prefill_queue import ACK_WAIT_S
+from kvmesh.shared.service_config import option
+from kvmesh.shared.worker_config import MetricsServiceConfig
+
+
+@dataclass(frozen=True, slots=True)
+class QueueKeeperConfig(MetricsServiceConfig):
+    worker_id: str | None = option(None, help="keeper id (default: prefill-queue-<random>)")
+    heartbeat_s: float = option(
+        1.0,
+        help="seconds between checks that the queue is there with its replicas (a NATS server "
+        "restarted with an empty store gets it again within this)",
+    )
+    ack_wait_s: float = option(
+        ACK_WAIT_S,
+        help="seconds a prefill worker has to announce a job it took before JetStream hands it "
+        "to another worker",
+    )
+
+    def __post_init__(self) -> None:
+        MetricsServiceConfig.__post_init__(self)
+        if not self.ack_wait_s > 0:
+            raise ValueError(f"ack_wait_s must be positive, got {self.ack_wait_s}")

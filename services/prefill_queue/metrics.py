@@ -1,0 +1,18 @@
+"""The prefill-queue keeper's metrics (``--metrics-port``)."""
+
+from __future__ import annotations
+
+from kvmesh.shared.metric_set import MetricSet
+
+
+class QueueKeeperMetrics(MetricSet):
+    def __init__(self, prefix: str = "kvmesh_prefill_queue") -> None:
+        super().__init__(prefix)
+        self.depth = self.gauge("depth", "Prefill jobs waiting in the queue for a worker.")
+        self.replicas = self.gauge("replicas", "Replicas the queue's stream has now.")
+        self.made = self.counter(
+            "made_total",
+            "Times the keeper made the queue's stream or consumer (once at start; again after a "
+            "NATS server lost them).",
+            ("what",),
+        )

@@ -1,0 +1,185 @@
+"""Every JetStream API verb, tried as every NATS user of a mesh against a real nats-server with
+the mesh's permissions (shared/nats_auth.py): which reach the API and which the server refuses.
+
+No worker or router role may create, update or delete a stream or a consumer: a role that could
+update the prefill stream could give it a ``republish`` rule, and the server would republish any
+job it sends under the server's own identity (as prefill, an ``admin.drain`` drained a decode
+worker: issue 27). The keeper (user ``prefill-queue``) makes and scales them and nothing else;
+the operator (``admin``) holds the whole API of the mesh's stream. The tables below are the
+policy, written out; the server is asked, not the permission lists."""
+
+from __future__ import annotations
+
+import asyncio
+
+import nats
+import orjson
+import pytest
+from kvmesh.services.prefill_queue.keeper import ensure_queue
+from kvmesh.shared.nats_auth import ROLES, MeshCredentials
+from kvmesh.shared.nats_server import NatsServer
+from kvmesh.shared.nats_service import connect_nats, flush_to_server
+from kvmesh.shared.prefill_queue import DURABLE, publish_job, stream_config
+from kvmesh.shared.subjects import Subjects
+
+subjects = Subjects("js1")
+other = Subjects("js2")
+S, O = subjects.PREFILL_STREAM, other.PREFILL_STREAM
+
+# verb -> the API subject it is asked on (the mesh's stream, its consumer; another mesh's)
+VERBS = {
+    "INFO": "$JS.API.INFO",
+    "STREAM.CREATE": f"$JS.API.STREAM.CREATE.{S}",
+    "STREAM.UPDATE": f"$JS.API.STREAM.UPDATE.{S}",
+    "STREAM.DELETE": f"$JS.API.STREAM.DELETE.{S}",
+    "STREAM.INFO": f"$JS.API.STREAM.INFO.{S}",
+    "STREAM.LIST": "$JS.API.STREAM.LIST",
+    "STREAM.NAMES": "$JS.API.STREAM.NAMES",
+    "STREAM.PURGE": f"$JS.API.STREAM.PURGE.{S}",
+    "STREAM.SNAPSHOT": f"$JS.API.STREAM.SNAPSHOT.{S}",
+    "STREAM.RESTORE": f"$JS.API.STREAM.RESTORE.{S}",
+    "STREAM.MSG.GET": f"$JS.API.STREAM.MSG.GET.{S}",
+    "STREAM.MSG.DELETE": f"$JS.API.STREAM.MSG.DELETE.{S}",
+    "STREAM.LEADER.STEPDOWN": f"$JS.API.STREAM.LEADER.STEPDOWN.{S}",
+    "STREAM.PEER.REMOVE": f"$JS.API.STREAM.PEER.REMOVE.{S}",
+    "DIRECT.GET": f"$JS.API.DIRECT.GET.{S}",
+    "CONSUMER.CREATE": f"$JS.API.CONSUMER.CREATE.{S}.{DURABLE}",
+    "CONSUMER.CREATE.other": f"$JS.API.CONSUMER.CREATE.{S}.spy",
+    "CONSUMER.DURABLE.CREATE": f"$JS.API.CONSUMER.DURABLE.CREATE.{S}.{DURABLE}",
+    "CONSUMER.DURABLE.CREATE.other": f"$JS.API.CONSUMER.DURABLE.CREATE.{S}.spy",
+    "CONSUMER.DELETE": f"$JS.API.CONSUMER.DELETE.{S}.{DURABLE}",
+    "CONSUMER.INFO": f"$JS.API.CONSUMER.INFO.{S}.{DURABLE}",
+    "CONSUMER.LIST": f"$JS.API.CONSUMER.LIST.{S}",
+    "CONSUMER.NAMES": f"$JS.API.CONSUMER.NAMES.{S}",
+    "CONSUMER.MSG.NEXT": f"$JS.API.CONSUMER.MSG.NEXT.{S}.{DURABLE}",
+    "CONSUMER.LEADER.STEPDOWN": f"$JS.API.CONSUMER.LEADER.STEPDOWN.{S}.{DURABLE}",
+    "CONSUMER.PAUSE": f"$JS.API.CONSUMER.PAUSE.{S}.{DURABLE}",
+    "ACCOUNT.PURGE": "$JS.API.ACCOUNT.PURGE.$G",
+    "META.LEADER.STEPDOWN": "$JS.API.META.LEADER.STEPDOWN",
+    "SERVER.REMOVE": "$JS.API.SERVER.REMOVE",
+    "other.STREAM.INFO": f"$JS.API.STREAM.INFO.{O}",
+    "other.STREAM.UPDATE": f"$JS.API.STREAM.UPDATE.{O}",
+    "other.STREAM.MSG.DELETE": f"$JS.API.STREAM.MSG.DELETE.{O}",
+    "other.CONSUMER.INFO": f"$JS.API.CONSUMER.INFO.{O}.{DURABLE}",
+    "other.CONSUMER.MSG.NEXT": f"$JS.API.CONSUMER.MSG.NEXT.{O}.{DURABLE}",
+}
+# a body for the verbs that would otherwise wait (a pull with nothing to take answers at once)
+BODIES = {"CONSUMER.MSG.NEXT": b'{"batch": 1, "no_wait": true}', "STREAM.MSG.DELETE": b'{"seq": 1}'}
+OPERATOR = {
+    v for v in VERBS if not v.startswith("other.") and v.split(".")[0] in ("STREAM", "CONSUMER")
+} - {"STREAM.LIST", "STREAM.NAMES", "STREAM.LEADER.STEPDOWN", "STREAM.PEER.REMOVE"}
+ALLOWED = {
+    "router": {"STREAM.MSG.DELETE"},  # withdraw_job; an Abort does as much to any request
+    "kv-registry": {"STREAM.INFO"},  # the queue's depth in `kvmesh admin status`
+    "decode": set(),
+    "colocated": set(),
+    "prefill": {"CONSUMER.INFO", "CONSUMER.MSG.NEXT"},  # and acks (replies to what it took)
+    "draft": set(),
+    "kv-store": set(),
+    "prefill-queue": {
+        "INFO",
+        "STREAM.CREATE",
+        "STREAM.UPDATE",
+        "STREAM.INFO",
+        "CONSUMER.CREATE",
+        "CONSUMER.DURABLE.CREATE",
+        "CONSUMER.INFO",
+    },
+    "admin": {"INFO", "DIRECT.GET", *OPERATOR},
+}
+
+
+# every role but the keeper (which makes the stream) and the operator
+WORKER_ROLES = tuple(r for r in ROLES if r not in ("prefill-queue", "admin"))
+assert {"prefill", "router", "kv-registry", "decode", "draft", "kv-store"} <= set(WORKER_ROLES)
+
+
+@pytest.fixture(scope="module")
+def creds() -> MeshCredentials:
+    return MeshCredentials.generate()
+
+
+@pytest.fixture(scope="module")
+def server(creds: MeshCredentials):
+    with NatsServer(authorization=creds.server_config(subjects)) as s:
+        yield s
+
+
+async def _reached(url: str, creds: MeshCredentials, role: str) -> set[str]:
+    """The verbs whose request got an answer (any: an API error is an answer) as ``role``;
+    the server refuses the others (a permissions violation, no answer)."""
+    auth = creds.auth(role)
+    refused: set[str] = set()
+
+    async def on_error(exc: Exception) -> None:
+        text = str(exc).lower()  # nats-py lowercases the server's -ERR line
+        if "permissions violation" in text:
+            refused.update(v for v, subject in VERBS.items() if f'"{subject.lower()}"' in text)
+
+    nc = await nats.connect(url, error_cb=on_error, **auth.connect_options())
+    try:
+        answered: set[str] = set()
+        inbox = f"{auth.inbox_prefix}.verbs"
+
+        async def on_answer(msg) -> None:
+            answered.add(msg.subject.rsplit(".", 1)[-1])
+
+        await nc.subscribe(f"{inbox}.*", cb=on_answer)
+        names = list(VERBS)
+        for i, verb in enumerate(names):
+            body = BODIES.get(verb.removeprefix("other."), b"")
+            await nc.publish(VERBS[verb], body, reply=f"{inbox}.{i}")
+        await flush_to_server(nc)  # every refusal is said before this returns
+        deadline = asyncio.get_running_loop().time() + 10.0
+        while len(answered) + len(refused) < len(names):
+            assert asyncio.get_running_loop().time() < deadline, (
+                f"{role}: neither answered nor refused: "
+                f"{set(names) - refused - {names[int(i)] for i in answered}}"
+            )
+            await asyncio.sleep(0.02)
+        return {names[int(i)] for i in answered}
+    finally:
+        await nc.close()
+
+
+async def test_every_jetstream_verb_as_every_role_reaches_the_api_only_where_allowed(server, creds):
+    assert set(ALLOWED) == set(ROLES)
+    found = {}
+    async with connect_nats(server.url, "keeper", auth=creds.auth("prefill-queue")) as keeper:
+        for role in sorted(ROLES, key=lambda r: r == "admin"):  # admin may delete: last
+            await ensure_queue(keeper, subjects)  # what the verbs of the one before removed
+            found[role] = await _reached(server.url, creds, role)
+    assert found == ALLOWED
+
+
+async def test_a_worker_cannot_give_the_queue_a_republish_rule(server, creds):
+    """The escape of issue 27: as prefill (or any other worker or router role), update the
+    stream so that the server republishes each job on ``admin.drain``. Refused for every role
+    but the keeper and the operator; the stream is as the keeper made it, and a job published
+    after goes nowhere else."""
+    rule = stream_config(subjects).as_dict()
+    rule["republish"] = {"src": subjects.PREFILL_JOBS, "dest": subjects.ADMIN_DRAIN}
+    async with (
+        connect_nats(server.url, "keeper", auth=creds.auth("prefill-queue")) as keeper,
+        connect_nats(server.url, "admin", auth=creds.auth("admin")) as admin,
+    ):
+        await ensure_queue(keeper, subjects)
+        logged_before = len(server.permission_violations())
+        for role in WORKER_ROLES:
+            async with connect_nats(server.url, role, auth=creds.auth(role)) as nc:
+                with pytest.raises(nats.errors.TimeoutError):
+                    await nc.request(f"$JS.API.STREAM.UPDATE.{S}", orjson.dumps(rule), timeout=0.5)
+        info = await keeper.jetstream().stream_info(S)
+        assert info.config.republish is None
+        drains = await admin.subscribe(subjects.ADMIN_DRAIN)
+        await flush_to_server(admin)
+        async with connect_nats(server.url, "router", auth=creds.auth("router")) as router:
+            await publish_job(router, subjects, b'{"worker": "decode-0"}')
+        with pytest.raises(nats.errors.TimeoutError):
+            await drains.next_msg(timeout=0.5)
+    violations = server.permission_violations()[logged_before:]
+    for role in WORKER_ROLES:  # each attempt was refused by the server, and logged as its user's
+        assert any(f'"{role}"' in line and f"STREAM.UPDATE.{S}" in line for line in violations), (
+            role,
+            violations,
+        )

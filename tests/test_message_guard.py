@@ -1,0 +1,139 @@
+"""shared/message_guard.py against a real nats-server: what it refuses, what it answers, that a
+handler's failure stays inside, and that every refusal is counted."""
+
+from __future__ import annotations
+
+import asyncio
+
+import nats.errors
+import nats.micro
+import pytest
+from kvmesh.shared import protocol
+from kvmesh.shared.message_guard import MessageGuard, guard_of
+from kvmesh.shared.metric_set import MetricSet
+from kvmesh.shared.nats_service import flush_to_server, subscriptions
+
+
+async def _until(predicate, timeout_s: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "condition not met"
+        await asyncio.sleep(0.01)
+
+
+async def test_a_request_without_a_reply_subject_never_reaches_its_handler(nats_client):
+    nc = nats_client
+    guard = guard_of(nc)
+    seen = []
+
+    async def handle(req) -> None:
+        seen.append(req.data)
+        await req.respond(b"ok")
+
+    svc = await nats.micro.add_service(nc, name="guard-test", version="0.0.1")
+    await svc.add_endpoint(name="e", subject="guard.e", handler=guard.request(handle))
+    await flush_to_server(nc)
+    await nc.publish("guard.e", b"no reply")  # nats-py's respond() would raise ValueError
+    assert (await nc.request("guard.e", b"asked", timeout=5)).data == b"ok"
+    assert seen == [b"asked"]
+    assert guard.counts["no_reply"] == 1
+    await svc.stop()
+
+
+async def test_a_failing_handler_answers_500_and_the_endpoint_goes_on(nats_client):
+    nc = nats_client
+    guard = guard_of(nc)
+    calls = []
+
+    async def handle(req) -> None:
+        calls.append(req.data)
+        if req.data == b"boom":
+            raise RuntimeError("a bug a message found")
+        await req.respond(b"fine")
+
+    svc = await nats.micro.add_service(nc, name="guard-test", version="0.0.1")
+    await svc.add_endpoint(name="e", subject="guard.f", handler=guard.request(handle))
+    reply = await nc.request("guard.f", b"boom", timeout=5)
+    assert reply.headers["Nats-Service-Error-Code"] == "500"
+    assert "RuntimeError" not in reply.headers["Nats-Service-Error"]  # no internals leak
+    assert (await nc.request("guard.f", b"next", timeout=5)).data == b"fine"
+    assert guard.counts["failed"] == 1
+    await svc.stop()
+
+
+async def test_a_malformed_or_oversized_message_is_refused_and_the_next_is_handled(nats_client):
+    nc = nats_client
+    guard = guard_of(nc)
+    guard.max_bytes = 256
+    got: list[protocol.Abort] = []
+
+    async def on_abort(msg: protocol.Abort) -> None:
+        got.append(msg)
+
+    async with subscriptions(nc, ("guard.abort", protocol.Abort, on_abort)):
+        await flush_to_server(nc)
+        await nc.publish("guard.abort", b'{"request_id": 7}')  # wrong field type
+        await nc.publish("guard.abort", b"x" * 257)
+        await nc.publish("guard.abort", protocol.encode_message(protocol.Abort("r1")))
+        await _until(lambda: got)
+    assert [m.request_id for m in got] == ["r1"]
+    assert guard.counts["malformed"] == 1 and guard.counts["oversized"] == 1
+
+
+async def test_what_a_spawned_task_raises_does_not_fail_its_group():
+    guard = MessageGuard()
+
+    async def fails() -> None:
+        raise ValueError("no reply subject set")
+
+    async with asyncio.TaskGroup() as tg:
+        guard.spawn(tg, fails(), "kvmesh.m.decode.d0.reserve")
+    assert guard.counts["failed"] == 1
+
+
+async def test_a_handler_error_on_a_plain_subscription_is_contained(nats_client):
+    nc = nats_client
+    guard = guard_of(nc)
+    handled = []
+
+    async def handle(msg) -> None:
+        handled.append(msg.data)
+        await msg.respond(b"answer")  # raises without a reply subject
+
+    await nc.subscribe("guard.raw", cb=guard.raw(handle, needs_reply=True))
+    await flush_to_server(nc)
+    await nc.publish("guard.raw", b"unanswerable")
+    assert (await nc.request("guard.raw", b"q", timeout=5)).data == b"answer"
+    assert handled == [b"q"] and guard.counts["no_reply"] == 1
+
+
+def test_refusals_before_the_counter_is_bound_are_counted_too():
+    guard = MessageGuard()
+    guard.refuse("malformed", "s", "bad")
+    metrics = MetricSet("kvmesh_test")
+    guard.count_into(metrics.nats_refused)
+    guard.refuse("malformed", "s", "bad")
+    guard.refuse("no_reply", "s", "none")
+    sample = metrics.registry.get_sample_value
+    assert sample("kvmesh_test_nats_refused_total", {"reason": "malformed"}) == 2
+    assert sample("kvmesh_test_nats_refused_total", {"reason": "no_reply"}) == 1
+    with pytest.raises(AssertionError):
+        guard.refuse("whatever", "s", "unknown reason")
+
+
+async def test_a_request_the_client_gave_up_on_is_not_an_error(nats_client):
+    """An answer to a requester that left is published into the void: no exception."""
+    nc = nats_client
+    guard = guard_of(nc)
+
+    async def slow(req) -> None:
+        await asyncio.sleep(0.3)
+        await req.respond(b"late")
+
+    svc = await nats.micro.add_service(nc, name="guard-test", version="0.0.1")
+    await svc.add_endpoint(name="e", subject="guard.slow", handler=guard.request(slow))
+    with pytest.raises(nats.errors.TimeoutError):
+        await nc.request("guard.slow", b"q", timeout=0.05)
+    await asyncio.sleep(0.5)
+    assert guard.counts["failed"] == 0
+    await svc.stop()
