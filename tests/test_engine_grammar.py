@@ -39,10 +39,10 @@ def tiny():
     return load_model("kvmesh-tiny")
 
 
-def engine(tiny, **kw) -> LLMEngine:
+def engine(tiny, kv_buffer=None, **kw) -> LLMEngine:
     model, tok = tiny
     kw.setdefault("num_blocks", 512)
-    return LLMEngine(model, tok, EngineConfig(**kw))
+    return LLMEngine(model, tok, EngineConfig(**kw), kv_buffer=kv_buffer)
 
 
 def run(eng, prompts, params, drafter=None):
@@ -165,3 +165,55 @@ def test_a_completed_grammar_wins_over_min_tokens(tiny):
     outs, reasons, _ = run(engine(tiny), [[1, 2, 3]], params)
     assert reasons == ["stop"]
     assert engine(tiny).tokenizer.decode(outs[0]) == "a"
+
+
+def test_the_prefill_side_samples_the_first_token_under_the_grammar(tiny):
+    """Disaggregated: the prefill engine's first token obeys the grammar (the decode engine
+    refuses one that breaks it), and the decode engine goes on from the grammar's state after
+    it: the output equals one engine's, and validates."""
+    ids = [(3 * j) % 256 for j in range(40)]
+    params = SamplingOptions(max_tokens=80, temperature=1.0, seed=11, structured_outputs=JSON)
+    (expected,), _, _ = run(engine(tiny), [ids], params)
+    prefill = engine(tiny)
+    decode = engine(tiny, kv_buffer=bytearray(512 * prefill.kv_pool.spec.block_bytes))
+    reserved = decode.reserve_blocks(len(ids))
+    chunks = []
+
+    def on_chunk(chunk):
+        chunks.append(chunk)
+        done = sum(len(c.block_ids) for c in chunks[:-1])
+        for i, src in enumerate(chunk.block_ids):
+            view = decode.kv_pool.block_bytes_view(reserved[done + i])
+            view.copy_(prefill.kv_pool.block_bytes_view(src))
+
+    prefill.add_request("r", ids, params, prefill_only=True, on_chunk=on_chunk)
+    while prefill.has_unfinished():
+        prefill.step()
+    prefill.release("r")
+    first = chunks[-1].first_token
+    assert chr(first) == "{"  # the grammar's only allowed first token
+    with pytest.raises(RequestError, match="breaks its structured output"):
+        decode.admit_prefilled("x", ids, list(reserved), ord("~"), params)
+    decode.admit_prefilled("r", ids, reserved, first, params)
+    rest = []
+    while decode.has_unfinished():
+        rest += [t for o in decode.step() for t in o.new_token_ids]
+    assert [first, *rest] == expected
+    Draft202012Validator(SCHEMA).validate(json.loads(decode.tokenizer.decode(expected)))
+
+
+def test_a_schema_sent_again_is_not_compiled_again_and_the_cache_is_bounded(tiny):
+    from kvmesh.shared.engine import grammar
+
+    book = engine(tiny).grammars
+    specs = [StructuredOutputs(regex=f"[a-z]{{{i}}}") for i in range(1, grammar.MAX_COMPILED + 2)]
+    book.matcher(specs[0])
+    book.matcher(specs[0])
+    assert book.num_compiled == 1
+    for spec in specs[1:]:
+        book.matcher(spec)
+    assert book.num_compiled == len(specs)
+    book.matcher(specs[-1])  # still cached
+    assert book.num_compiled == len(specs)
+    book.matcher(specs[0])  # the least recently used: dropped when the 65th came in
+    assert book.num_compiled == len(specs) + 1
