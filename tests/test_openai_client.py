@@ -131,9 +131,137 @@ async def test_error_mid_stream_raises_api_error(nats_server):
                 pass
 
 
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+# every option the official client can send: its own keyword arguments, and vLLM's in extra_body
+COMMON = {
+    "temperature": 0.7,
+    "top_p": 0.9,
+    "seed": 3,
+    "n": 2,
+    "presence_penalty": 0.5,
+    "frequency_penalty": -0.25,
+    "stop": ["zzz"],
+    "logit_bias": {"65": 2.5},
+}
+VLLM = {
+    "top_k": 40,
+    "min_p": 0.05,
+    "repetition_penalty": 1.2,
+    "min_tokens": 2,
+    "stop_token_ids": [7],
+    "include_stop_str_in_output": True,
+    "ignore_eos": True,
+    "prompt_logprobs": 1,
+    "user": "ignored",
+}
+
+
+async def test_every_option_reaches_the_mesh_through_the_official_client(nats_server):
+    """Each option the client sends arrives in the SamplingOptions the mesh is asked to run,
+    and the answers parse as the client's own types (choices, logprobs)."""
+    from kvmesh.shared.sampling import SamplingOptions
+    from kvmesh.shared.structured_output import StructuredOutputs, json_schema_text
+
+    mesh = FakeMesh(nats_server)
+    schema_format = {
+        "type": "json_schema",
+        "json_schema": {"name": "a", "schema": SCHEMA, "strict": True},
+    }
+    async with client_for(nats_server, mesh) as client:
+        done = await client.completions.create(
+            model=MODEL,
+            prompt="x" * 10,
+            max_tokens=8,
+            logprobs=3,
+            echo=True,
+            extra_body={**VLLM, "guided_regex": "[a-z]+"},
+            **COMMON,
+        )
+        chat = await client.chat.completions.create(
+            model=MODEL,
+            messages=MESSAGES,
+            max_completion_tokens=8,
+            logprobs=True,
+            top_logprobs=2,
+            response_format=schema_format,
+            extra_body=VLLM,
+            **COMMON,
+        )
+        spellings = [
+            ({"response_format": {"type": "json_object"}}, StructuredOutputs(json_object=True)),
+            (
+                {"extra_body": {"guided_json": SCHEMA}},
+                StructuredOutputs(json=json_schema_text(SCHEMA)),
+            ),
+            ({"extra_body": {"guided_choice": ["a", "b"]}}, StructuredOutputs(choice=("a", "b"))),
+            (
+                {"extra_body": {"guided_grammar": 'root ::= "a"'}},
+                StructuredOutputs(grammar='root ::= "a"'),
+            ),
+            (
+                {"extra_body": {"structured_outputs": {"regex": "b+"}}},
+                StructuredOutputs(regex="b+"),
+            ),
+        ]
+        for kwargs, _ in spellings:
+            await client.chat.completions.create(
+                model=MODEL, messages=MESSAGES, max_completion_tokens=4, **kwargs
+            )
+    shared = {
+        **{k: v for k, v in COMMON.items() if k != "logit_bias"},
+        **{k: v for k, v in VLLM.items() if k != "user"},
+        "stop": ("zzz",),
+        "stop_token_ids": (7,),
+        "logit_bias": {65: 2.5},
+        "max_tokens": 8,
+    }
+    completion_place, chat_place, *others = mesh.places
+    # echo with logprobs=3 asks the prompt's top 3 too: the larger of that and prompt_logprobs
+    assert completion_place.sampling == SamplingOptions(
+        **{**shared, "prompt_logprobs": 3},
+        logprobs=3,
+        structured_outputs=StructuredOutputs(regex="[a-z]+"),
+    )
+    assert chat_place.sampling == SamplingOptions(
+        **shared, logprobs=2, structured_outputs=StructuredOutputs(json=json_schema_text(SCHEMA))
+    )
+    assert [p.sampling.structured_outputs for p in others] == [spec for _, spec in spellings]
+    assert sorted(c.index for c in done.choices) == [0, 1]
+    for choice in done.choices:  # echo: the prompt's tokens lead, the first without a logprob
+        assert choice.text.startswith("x" * 10)
+        assert choice.logprobs.token_logprobs[0] is None
+        assert len(choice.logprobs.tokens) == len(choice.logprobs.top_logprobs)
+    assert done.choices[0].model_extra["prompt_logprobs"][0] is None
+    for choice in chat.choices:
+        assert all(len(entry.top_logprobs) == 2 for entry in choice.logprobs.content)
+        assert len(choice.logprobs.content) == 8
+    assert chat.model_extra["prompt_logprobs"][0] is None
+
+
+async def test_streamed_chat_logprobs_add_up_to_the_full_answers(nats_server):
+    async with client_for(nats_server) as client:
+        kwargs = {"model": MODEL, "messages": MESSAGES, "max_completion_tokens": 12, "n": 2}
+        full = await client.chat.completions.create(logprobs=True, top_logprobs=2, **kwargs)
+        stream = await client.chat.completions.create(
+            logprobs=True, top_logprobs=2, stream=True, **kwargs
+        )
+        chunks = [c async for c in stream]
+    for choice in full.choices:
+        streamed = [
+            entry
+            for c in chunks
+            for part in c.choices
+            if part.index == choice.index and part.logprobs
+            for entry in part.logprobs.content
+        ]
+        assert streamed == choice.logprobs.content
+        assert len(streamed) == 12 and all(len(e.top_logprobs) == 2 for e in streamed)
+
+
 # --- the real mesh ---------------------------------------------------------------------------
 
 REPO = Path(__file__).resolve().parents[1]
+DECODE_BLOCKS = 64
 
 
 def _serve(service: str, nats_url: str, log_dir: Path, *flags: str) -> subprocess.Popen:
@@ -178,7 +306,8 @@ def real_mesh(nats_server_module: str, tmp_path_factory) -> Iterator[str]:
     procs = [
         _serve("prefill-queue", nats_server_module, logs),  # makes the queue; no role may
         _serve("kv-registry", nats_server_module, logs),
-        _serve("decode", nats_server_module, logs, "--num-blocks", "256"),
+        # 64 blocks of 16 tokens: a pool smaller than the model's 4096-token context
+        _serve("decode", nats_server_module, logs, "--num-blocks", str(DECODE_BLOCKS)),
         _serve("prefill", nats_server_module, logs),
         _serve("router", nats_server_module, logs, "--host", "127.0.0.1", "--port", str(port)),
     ]
@@ -237,3 +366,24 @@ async def test_real_mesh_chat_stream_and_metrics(real_mesh):
     assert float(samples["kvmesh_router_prefill_compute_seconds_count"]) >= 1  # remote prefill
     assert float(samples["kvmesh_router_kv_transfer_seconds_count"]) >= 1
     assert float(samples["kvmesh_router_time_to_first_token_seconds_count"]) >= 7
+
+
+@pytest.mark.slow
+async def test_real_mesh_models_report_the_context_the_kv_pool_admits(real_mesh):
+    """/v1/models' max_model_len is the decode worker's pool (64 x 16 tokens), not the model's
+    4096: a prompt that fits the model but not the pool is a 400 naming the setting."""
+    client = openai.AsyncOpenAI(base_url=f"{real_mesh}/v1", api_key="unused", max_retries=0)
+    async with client:
+        deadline = time.monotonic() + 10
+        while True:  # the router learns the pool from the worker's advert (each heartbeat)
+            (card,) = (await client.models.list()).data
+            if card.model_extra["max_model_len"] != 4096 or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.2)
+        with pytest.raises(openai.BadRequestError) as too_long:
+            await client.completions.create(model=MODEL, prompt="a" * 1100, max_tokens=1)
+        fits = await client.completions.create(model=MODEL, prompt="a" * 1000, max_tokens=4)
+    assert card.model_extra["max_model_len"] == DECODE_BLOCKS * 16
+    assert too_long.value.body["code"] == "context_length_exceeded"
+    assert "--num-blocks" in too_long.value.message
+    assert fits.usage.prompt_tokens == 1001

@@ -81,6 +81,30 @@ async def test_a_lost_token_event_with_no_retry_left_ends_the_stream_with_an_err
     assert [a.request_id for a in mesh.aborts] == [mesh.places[0].request_id]
 
 
+async def test_a_broken_stream_with_a_structured_output_ends_with_an_error_not_a_migration(
+    nats_server,
+):
+    """A migrated attempt takes the output so far as prompt; the grammar would start over
+    after it (a second JSON object inside the first), so the stream ends and says why."""
+    mesh = FakeMesh(nats_server, continue_reply=True, lose_token=3, token_delay_s=0.01)
+    async with router_on(nats_server, mesh) as http:
+        resp = await http.post(
+            "/v1/completions",
+            json={
+                "model": MODEL,
+                "prompt": "hi",
+                "max_tokens": 10,
+                "stream": True,
+                "guided_regex": "[A-Za-z .]+",
+            },
+        )
+        text, errors = _stream_text(await resp.read())
+    assert text == REPLY_TEXT[:2]
+    assert len(errors) == 1, errors
+    assert "structured output" in errors[0]["message"] and "send it again" in errors[0]["message"]
+    assert len(mesh.places) == 1  # not placed again
+
+
 async def test_silence_after_a_nats_restart_runs_the_request_again(nats_server_process):
     server = nats_server_process
     # the first placement's tokens are "lost in the restart": they never come

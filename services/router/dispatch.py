@@ -49,6 +49,7 @@ from kvmesh.shared.protocol import (
     WorkerGone,
     WorkerHeartbeat,
 )
+from kvmesh.shared.sampling import SamplingOptions
 from kvmesh.shared.subjects import Subjects
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -183,10 +184,11 @@ class MeshRequest:
         if self.num_events == 0:
             await self._retry(why, role)
             return None
-        if self.prompt.sampling.n > 1:
+        unmovable = _why_not_migrated(self.prompt.sampling)
+        if unmovable:
             raise MeshError(
                 f"{why} while serving request {self.response_id} after its first tokens; a "
-                "request of n > 1 choices is not migrated (send it again)"
+                f"request {unmovable} is not migrated (send it again)"
             )
         return await self._migrate(why)
 
@@ -618,6 +620,17 @@ class Dispatcher:
         finally:
             del self._live[request_id]
             await request.close()
+
+
+def _why_not_migrated(sampling: SamplingOptions) -> str:
+    """What keeps a request that has streamed tokens from migrating ("" if nothing): a migrated
+    attempt takes the output so far as prompt, which n > 1 choices cannot share, and which a
+    structured output's grammar would start over after."""
+    if sampling.n > 1:
+        return "of n > 1 choices"
+    if sampling.structured_outputs is not None:
+        return "with a structured output (its grammar cannot resume mid-output)"
+    return ""
 
 
 class PlacementLostError(GatewayTimeoutError):
