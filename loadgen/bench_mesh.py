@@ -24,7 +24,7 @@ import statistics
 import sys
 from collections import defaultdict
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, BinaryIO
 
 from kvmesh.shared.subjects import DEFAULT_MESH
 
@@ -90,10 +90,13 @@ def local_mesh(
 
 
 @contextlib.contextmanager
-def launched(config: Any, env: Mapping[str, str] | None = None) -> Iterator[Any]:
+def launched(
+    config: Any, env: Mapping[str, str] | None = None, log: BinaryIO | None = None
+) -> Iterator[Any]:
     """Start ``kvmesh up``'s Launcher for ``config`` (an UpConfig) with ``env`` set only while its
-    children start (they inherit it), wait until the mesh is ready, yield it, stop it on exit."""
-    launcher = start_launcher(config, env)
+    children start (they inherit it), wait until the mesh is ready, yield it, stop it on exit.
+    ``log``: where the services' output goes (None: this process's stderr)."""
+    launcher = start_launcher(config, env, log)
     try:
         asyncio.run(launcher.wait_ready())
         yield launcher
@@ -101,12 +104,14 @@ def launched(config: Any, env: Mapping[str, str] | None = None) -> Iterator[Any]
         launcher.stop()
 
 
-def start_launcher(config: Any, env: Mapping[str, str] | None = None) -> Any:
+def start_launcher(
+    config: Any, env: Mapping[str, str] | None = None, log: BinaryIO | None = None
+) -> Any:
     """``kvmesh up``'s Launcher for ``config``, its children started with ``env`` added to this
     process's environment (set only while they start: they inherit it); not waited for."""
     from kvmesh.commands.up import Launcher
 
-    launcher = Launcher(config)
+    launcher = Launcher(config, log)
     saved = {k: os.environ.get(k) for k in env or {}}
     os.environ.update(env or {})
     try:

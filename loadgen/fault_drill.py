@@ -7,6 +7,8 @@ Scenarios (docs/faults.md; each on a mesh ``kvmesh up``'s Launcher starts, its s
   the supervisor starts it again on its port after ``--outage-s``;
 - ``registry-kill``: requests whose placement the kv-registry holds (it is stopped, asked, then
   killed); the supervisor restarts it and the router asks the new one;
+- ``worker-kill``: kill -9 of one service (``--worker``: decode-0, prefill-0, kv-store-0,
+  draft-0 ...) at the load's first token; the supervisor restarts it;
 - ``decode-stop``: SIGSTOP of a decode worker for ``--outage-s`` under load, then SIGCONT (its
   blocks are counted from the SIGCONT if the load ended first);
 - ``stalled-clients``: clients that stop reading (small receive buffers) beside normal streams.
@@ -28,6 +30,7 @@ import socket
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -207,9 +210,15 @@ async def stop_supervising(task: asyncio.Task[None]) -> None:
 
 
 async def nats_outage(
-    mesh: Any, prompts: list[list[int]], max_tokens: int, concurrency: int, outage_s: float
+    mesh: Any,
+    prompts: list[list[int]],
+    max_tokens: int,
+    concurrency: int,
+    outage_s: float,
+    during: Sequence[list[int]] = (),
 ) -> tuple[list[StreamOutcome | None], float | None]:
-    """Streams through a kill -9 of the mesh's nats-server, restarted ``outage_s`` later."""
+    """Streams through a kill -9 of the mesh's nats-server, restarted ``outage_s`` later; the
+    ``during`` prompts are sent halfway through the outage (after ``prompts``' outcomes)."""
     supervisor = supervised(mesh, first_delay_s=outage_s)
     under_way = asyncio.Event()
     load = asyncio.create_task(
@@ -217,7 +226,11 @@ async def nats_outage(
     )
     await under_way.wait()
     os.kill(mesh.nats.pid, signal.SIGKILL)
-    outcomes = await load
+    late: list[StreamOutcome | None] = []
+    if during:
+        await asyncio.sleep(outage_s / 2)
+        late = await stream_load(mesh.url, list(during), max_tokens, len(during))
+    outcomes = await load + late
     back = await blocks_back_s(mesh, _end_of(outcomes))
     await stop_supervising(supervisor)
     return outcomes, back
@@ -234,6 +247,25 @@ async def registry_kill(
     load = asyncio.create_task(stream_load(mesh.url, prompts, max_tokens, len(prompts)))
     await asyncio.sleep(1.0)  # each placement is with the stopped registry now
     os.kill(registry.pid, signal.SIGKILL)
+    outcomes = await load
+    back = await blocks_back_s(mesh, _end_of(outcomes))
+    await stop_supervising(supervisor)
+    return outcomes, back
+
+
+async def worker_kill(
+    mesh: Any, prompts: list[list[int]], max_tokens: int, concurrency: int, name: str
+) -> tuple[list[StreamOutcome | None], float | None]:
+    """kill -9 of the service ``name`` (decode-0, prefill-0, kv-store-0, draft-0 ...) at the
+    load's first token; the supervisor restarts it a second later."""
+    supervisor = supervised(mesh)
+    _, proc = mesh.children[name]
+    under_way = asyncio.Event()
+    load = asyncio.create_task(
+        stream_load(mesh.url, prompts, max_tokens, concurrency, under_way=under_way)
+    )
+    await under_way.wait()
+    os.kill(proc.pid, signal.SIGKILL)
     outcomes = await load
     back = await blocks_back_s(mesh, _end_of(outcomes))
     await stop_supervising(supervisor)
@@ -388,16 +420,28 @@ def run(args: argparse.Namespace) -> int:
         expected = _offline(prompts, args.max_tokens)
         if args.scenario == "nats-outage":
             outcomes, back = asyncio.run(
-                nats_outage(mesh, prompts, args.max_tokens, args.concurrency, args.outage_s)
+                nats_outage(
+                    mesh,
+                    prompts[: len(prompts) - args.during],
+                    args.max_tokens,
+                    args.concurrency,
+                    args.outage_s,
+                    during=prompts[len(prompts) - args.during :],
+                )
             )
         elif args.scenario == "registry-kill":
             outcomes, back = asyncio.run(registry_kill(mesh, prompts, args.max_tokens))
+        elif args.scenario == "worker-kill":
+            outcomes, back = asyncio.run(
+                worker_kill(mesh, prompts, args.max_tokens, args.concurrency, args.worker)
+            )
         else:
             outcomes, back = asyncio.run(
                 decode_stop(mesh, prompts, args.max_tokens, args.concurrency, args.outage_s)
             )
     counts = tally(outcomes, expected)
-    print(f"{args.scenario} ({args.outage_s:g} s): {counts.summary()}; blocks back {back} s")
+    what = args.worker if args.scenario == "worker-kill" else f"{args.outage_s:g} s"
+    print(f"{args.scenario} ({what}): {counts.summary()}; blocks back {back} s")
     return 0 if counts.right_share >= 0.95 and not counts.wrong and not counts.hung else 1
 
 
@@ -422,7 +466,15 @@ def _offline(prompts: list[list[int]], max_tokens: int) -> list[str]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "scenario", choices=("nats-outage", "registry-kill", "decode-stop", "stalled-clients")
+        "scenario",
+        choices=("nats-outage", "registry-kill", "worker-kill", "decode-stop", "stalled-clients"),
+    )
+    p.add_argument("--worker", default="decode-0", help="worker-kill: the service killed")
+    p.add_argument(
+        "--during",
+        type=int,
+        default=0,
+        help="nats-outage: of --requests, this many are sent halfway through the outage",
     )
     p.add_argument("--outage-s", type=float, default=10.0, help="outage, stop or stall length")
     p.add_argument("--requests", type=int, default=60)

@@ -161,3 +161,20 @@ def test_a_resync_is_not_an_end():
     assert core.on_context(ctx("r", 5, [9])).need_context  # a gap: dropped, asked for again
     assert core.on_context(ctx("r", 0, [1, 2, 3, 4, 5, 9])) is None
     assert "r" in core.seqs
+
+
+def test_contexts_no_update_reached_for_idle_s_are_dropped_and_sent_again_whole_if_they_resume():
+    """A DraftForget lost in a NATS outage leaves a context nobody updates: dropped after
+    idle_s; a sequence that was only paused is answered need_context at its next delta."""
+    core = DraftCore("draft-0", max_sequences=8)
+    core.on_context(ctx("lost", 0, [1, 2]), now=10.0)
+    core.on_context(ctx("live", 0, [3, 4]), now=10.0)
+    core.on_context(ctx("live", 2, [5]), now=14.0)
+    assert core.drop_idle(now=14.9, idle_s=5.0) == 0
+    assert core.drop_idle(now=15.0, idle_s=5.0) == 1
+    assert list(core.seqs) == ["live"] and core.stats()["idle_dropped"] == 1
+    answer = core.on_context(ctx("lost", 2, [6]), now=16.0)  # it was only paused: resync
+    assert answer is not None and answer.need_context
+    assert core.on_context(ctx("lost", 0, [1, 2, 6]), now=16.5) is None
+    assert core.drop_idle(now=19.0, idle_s=5.0) == 1  # "live": last update at 14.0
+    assert list(core.seqs) == ["lost"]

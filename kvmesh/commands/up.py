@@ -30,7 +30,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Literal
+from typing import BinaryIO, Literal
 
 from kvmesh.commands.cpu_plan import SPARE, CpuPlan, plan_cpus
 from kvmesh.commands.nats_supervisor import NatsSupervisor
@@ -424,8 +424,9 @@ def free_port(rng: random.Random | None = None, path: Path = EPHEMERAL_PORTS) ->
 
 
 class Launcher:
-    def __init__(self, config: UpConfig) -> None:
+    def __init__(self, config: UpConfig, log: BinaryIO | None = None) -> None:
         self.config = config
+        self.log = log  # where the services' output goes (None: this process's stderr)
         self.nats_url = config.nats_url  # where the mesh's NATS is (set by start)
         self.port = config.port or free_port()
         self.children: dict[str, tuple[ChildSpec, subprocess.Popen[bytes]]] = {}
@@ -581,7 +582,14 @@ class Launcher:
             for key, value in spec.env:
                 env.setdefault(key, value)
             self._envs[spec.name] = env
-        proc = subprocess.Popen(argv, start_new_session=True, preexec_fn=die_with_parent, env=env)
+        proc = subprocess.Popen(
+            argv,
+            start_new_session=True,
+            preexec_fn=die_with_parent,
+            env=env,
+            stdout=self.log,
+            stderr=self.log,
+        )
         self.children[spec.name] = (spec, proc)
 
     def dead(self) -> list[tuple[ChildSpec, int]]:

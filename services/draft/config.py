@@ -48,10 +48,17 @@ class DraftConfig(EngineWorkerConfig):
         4096, help="sequences whose context a worker keeps (least recently used dropped first)"
     )
     max_batch: int = option(64, help="sequences drafted in one batch at most")
+    idle_s: float = option(
+        5.0,
+        help="a context no update reached for this long is dropped (its end was lost in a NATS "
+        "outage; a sequence only paused is sent again whole at its next step)",
+    )
 
     def __post_init__(self) -> None:
         EngineWorkerConfig.__post_init__(self)
         self.shape  # noqa: B018 (validates K and the tree; raises ValueError)
+        if not self.idle_s > 0:
+            raise ValueError(f"--idle-s must be > 0 seconds, got {self.idle_s}")
         if self.lookahead is not None and not 0 <= self.lookahead <= MAX_SPECULATIVE_TOKENS + 1:
             raise ValueError(
                 f"lookahead must be in [0, {MAX_SPECULATIVE_TOKENS + 1}], got {self.lookahead}"

@@ -36,6 +36,7 @@ class DraftSequence:
     num_prompt_tokens: int
     is_dirty: bool = True  # the context changed since the last draft
     ahead: list[int] = field(default_factory=list)  # drafted chain past tokens, still followed
+    touched_at: float = 0.0  # when its last context arrived (the caller's clock)
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,14 +71,15 @@ class DraftCore:
         self.num_proposals = 0
         self.num_resyncs = 0  # need_context answers
         self.num_evicted = 0
+        self.num_idle_dropped = 0  # dropped by drop_idle
         # Sequences that ended (finished, aborted, their decode worker died): a context still on
         # its way for one is dropped, not held until the LRU bound evicts it. Bounded by count
         # (an id ends once: retries and migrations get new ones), so no clock.
         self.ended = RecentIds(ttl_s=math.inf, max_ids=4 * max_sequences)
 
-    def on_context(self, msg: DraftContext) -> DraftProposal | None:
-        """Take a context (whole or delta). Returns a ``need_context`` answer when the delta
-        does not continue what is held."""
+    def on_context(self, msg: DraftContext, now: float = 0.0) -> DraftProposal | None:
+        """Take a context (whole or delta) that arrived at ``now``. Returns a ``need_context``
+        answer when the delta does not continue what is held."""
         self.num_verified += msg.num_verified
         self.num_accepted += msg.num_accepted
         if msg.request_id in self.ended:
@@ -108,6 +110,7 @@ class DraftCore:
         seq.is_dirty = bool(seq.tokens) and (
             not self.pipeline_depth or len(seq.ahead) < self.pipeline_depth
         )
+        seq.touched_at = now
         self.seqs.move_to_end(msg.request_id)
         while len(self.seqs) > self.max_sequences:
             self.seqs.popitem(last=False)
@@ -127,6 +130,21 @@ class DraftCore:
         for rid in gone:
             self.forget(rid)
         return len(gone)
+
+    def drop_idle(self, now: float, idle_s: float) -> int:
+        """Drop the sequences no context reached for ``idle_s`` (their end was lost: a
+        DraftForget published while this worker was cut off from NATS). Not marked ended: a
+        sequence that was only paused (preempted) is answered ``need_context`` at its next delta
+        and sent again whole. Returns how many were dropped."""
+        dropped = 0
+        while self.seqs:
+            rid, seq = next(iter(self.seqs.items()))  # least recently updated first
+            if now - seq.touched_at < idle_s:
+                break
+            del self.seqs[rid]
+            dropped += 1
+        self.num_idle_dropped += dropped
+        return dropped
 
     @property
     def has_jobs(self) -> bool:
@@ -189,4 +207,5 @@ class DraftCore:
             else None,
             "resyncs": self.num_resyncs,
             "evicted": self.num_evicted,
+            "idle_dropped": self.num_idle_dropped,
         }

@@ -114,7 +114,7 @@ class DraftService:
     async def on_context(self, msg: DraftContext) -> None:
         self.metrics.verified_tokens.inc(msg.num_verified)
         self.metrics.accepted_tokens.inc(msg.num_accepted)
-        answer = self.core.on_context(msg)
+        answer = self.core.on_context(msg, time.monotonic())
         if answer is not None:
             self.metrics.resyncs.inc()
             await self._send(msg.decode_worker_id, answer)
@@ -184,6 +184,13 @@ class DraftService:
                         self.metrics.proposals.inc()
                         await self._send(job.decode_worker_id, proposal)
 
+    async def idle_loop(self) -> None:
+        """Drop the contexts nobody updated for --idle-s, once a second (a task body)."""
+        while True:
+            await asyncio.sleep(min(1.0, self.config.idle_s))
+            if self.core.drop_idle(time.monotonic(), self.config.idle_s):
+                self.metrics.sequences.set(len(self.core.seqs))
+
     async def on_kv_reserve(self, msg: Msg) -> None:
         """A prefill worker's request (queue group ``draft``): DraftKvReserve -> its reply."""
         assert self.receiver is not None
@@ -245,7 +252,7 @@ async def draft_service(config: DraftConfig) -> AsyncIterator[DraftService]:
             drafter,
             nc,
         )
-        loops = [service.draft_loop()]
+        loops = [service.draft_loop(), service.idle_loop()]
         routes = []
         engine = getattr(drafter, "engine", None)  # the engine drafters' (chains and trees)
         if transport is not None and engine is not None:
