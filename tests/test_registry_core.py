@@ -196,6 +196,35 @@ def test_silent_worker_is_dropped_with_its_leases(registry: RegistryState) -> No
     assert isinstance(registry.choose(place(16), now=10.1), Refusal)
 
 
+def test_a_worker_restarted_under_its_id_before_its_silence_counts_is_dropped_at_once(
+    registry: RegistryState,
+) -> None:
+    """kill -9 and a restart within the heartbeat timeout: the new process's first heartbeat
+    (another started_at) drops the old one with its leases, so its requests move now instead of
+    waiting for tokens from a dead process."""
+    beat = WorkerHeartbeat(worker_id="a", role="decode", state="ready", started_at=100.0)
+    registry.observe_advert(advert("a"), now=0.0)
+    assert registry.observe_heartbeat(beat, now=0.0) is None
+    assert registry.observe_heartbeat(beat, now=1.0) is None  # the same process
+    choice = registry.choose(place(16), now=1.0)
+    assert isinstance(choice, Candidate)
+    registry.grant(choice, msgspec.structs.replace(place(16), lease_ms=60_000), "L", (0,), now=1.0)
+    restarted = msgspec.structs.replace(beat, started_at=101.5)
+    assert registry.observe_heartbeat(restarted, now=1.6) == "decode"
+    assert registry.leases == {} and registry.counters.dropped == 1
+    assert "a" not in registry.decode  # placeable again once its advert comes
+    registry.observe_advert(advert("a"), now=1.7)
+    assert isinstance(registry.choose(place(16), now=1.7), Candidate)
+    assert registry.observe_heartbeat(restarted, now=2.0) is None
+    # a prefill worker too; a heartbeat without started_at (an old worker) never counts as one
+    prefill = WorkerHeartbeat(worker_id="p", role="prefill", state="ready", started_at=5.0)
+    registry.observe_heartbeat(prefill, now=2.0)
+    assert registry.observe_heartbeat(prefill, now=2.5) is None
+    again = msgspec.structs.replace(prefill, started_at=6.0)
+    assert registry.observe_heartbeat(again, now=3.0) == "prefill"
+    assert registry.observe_heartbeat(msgspec.structs.replace(again, started_at=0.0), 3.5) is None
+
+
 def test_mark_draining_stops_placement_until_the_worker_says_ready(registry: RegistryState) -> None:
     registry.observe_advert(advert("a"), now=0.0)
     assert registry.mark_draining("a", True)

@@ -55,6 +55,7 @@ class DecodeWorkerView:
     inflight_blocks: int = 0  # blocks asked for, reply not in yet
     num_inflight: int = 0
     is_draining: bool = False  # set by admin drain before the worker's next advert says so
+    started_at: float = 0.0  # its heartbeats' started_at: another one is a restarted process
 
     @property
     def worker_id(self) -> str:
@@ -182,11 +183,19 @@ class RegistryState:
             worker.is_draining = False  # the worker says it resumed (or never drained)
         return False
 
-    def observe_heartbeat(self, heartbeat: WorkerHeartbeat, now: float) -> None:
+    def observe_heartbeat(self, heartbeat: WorkerHeartbeat, now: float) -> str | None:
+        """Record a heartbeat. Returns the role of the worker it replaces when it comes from a
+        new process under a known id (restarted before its silence was noticed): the old one is
+        dropped now, as if it had timed out, and the caller announces it gone (its requests move
+        at once instead of waiting for tokens that will never come)."""
+        replaced = self._replaced_by(heartbeat)
+        if replaced is not None:
+            self._drop(heartbeat.worker_id)
         worker = self.decode.get(heartbeat.worker_id)
         if worker is not None:
+            worker.started_at = heartbeat.started_at
             _seen(worker, now, self.hearing)
-            return
+            return replaced
         peer = self.peers.get(heartbeat.worker_id)
         if peer is None:
             self.peers[heartbeat.worker_id] = PeerWorker(
@@ -197,6 +206,21 @@ class RegistryState:
         else:
             peer.heartbeat = heartbeat
             _seen(peer, now, self.hearing)
+        return replaced
+
+    def _replaced_by(self, heartbeat: WorkerHeartbeat) -> str | None:
+        """The known worker's role if ``heartbeat`` is another process's under its id."""
+        if not heartbeat.started_at:
+            return None
+        worker = self.decode.get(heartbeat.worker_id)
+        if worker is not None:
+            known = worker.started_at
+            role = "colocated" if worker.advert.mode == "colocated" else "decode"
+        elif (peer := self.peers.get(heartbeat.worker_id)) is not None:
+            known, role = peer.heartbeat.started_at, peer.heartbeat.role
+        else:
+            return None
+        return role if known and known != heartbeat.started_at else None
 
     def observe_cache_events(self, msg: KvCacheEvents) -> bool:
         """A decode worker's prefix cache changes; False (ignored) for a worker not known by
@@ -228,23 +252,27 @@ class RegistryState:
         dead = [w for w, d in self.decode.items() if not self._is_alive(d, now)]
         dead += [w for w, p in self.peers.items() if not self._is_alive(p, now)]
         for worker_id in dead:
-            entry = self.decode.pop(worker_id, None) or self.peers.pop(worker_id)
-            self.dropped_at[worker_id] = entry.last_seen
-            self.prefix_index.drop_worker(worker_id)
+            self._drop(worker_id)
         for worker_id, last_seen in list(self.dropped_at.items()):
             if now - last_seen > 10 * self.worker_timeout_s:
                 del self.dropped_at[worker_id]
-        dead_set = set(dead)
         expired: list[Lease] = []
         for lease in list(self.leases.values()):
-            if lease.worker_id in dead_set:
-                del self.leases[lease.lease_id]
-                self.counters.dropped += 1
-            elif lease.expires_at <= now:
+            if lease.expires_at <= now:
                 del self.leases[lease.lease_id]
                 self.counters.expired += 1
                 expired.append(lease)
         return dead, expired
+
+    def _drop(self, worker_id: str) -> None:
+        """Forget a dead worker: its entry, what it had cached, its leases."""
+        entry = self.decode.pop(worker_id, None) or self.peers.pop(worker_id)
+        self.dropped_at[worker_id] = entry.last_seen
+        self.prefix_index.drop_worker(worker_id)
+        for lease in list(self.leases.values()):
+            if lease.worker_id == worker_id:
+                del self.leases[lease.lease_id]
+                self.counters.dropped += 1
 
     def _returning(self, worker_id: str, now: float) -> float:
         last_seen = self.dropped_at.pop(worker_id, None)

@@ -146,7 +146,13 @@ class RegistryService:
         self.stores.observe_digest(msg)
 
     async def on_heartbeat(self, heartbeat: WorkerHeartbeat) -> None:
-        self.core.observe_heartbeat(heartbeat, self.clock())
+        replaced = self.core.observe_heartbeat(heartbeat, self.clock())
+        if replaced is not None:
+            log.warning(
+                "worker dropped: restarted (a new process heartbeats under its id)",
+                worker_id=heartbeat.worker_id,
+            )
+            await self._announce_gone(WorkerGone(heartbeat.worker_id, replaced, 0.0))
 
     async def on_prefill_done(self, done: PrefillDone) -> None:
         self.core.complete_lease(done.lease_id)
@@ -166,13 +172,9 @@ class RegistryService:
             for worker_id in dropped:
                 log.warning("worker dropped: no heartbeat or advert", worker_id=worker_id)
                 row = before.get(worker_id, {"role": "?", "last_seen_s": 0.0})
-                gone = WorkerGone(worker_id, row["role"], float(row["last_seen_s"]))
-                try:  # requests on it fail or move now, not at their timeouts
-                    await self.nc.publish(
-                        self.subjects.REGISTRY_WORKER_GONE, protocol.encode_message(gone)
-                    )
-                except nats.errors.Error as exc:
-                    log.warning("could not announce a dropped worker", error=str(exc))
+                await self._announce_gone(
+                    WorkerGone(worker_id, row["role"], float(row["last_seen_s"]))
+                )
             for lease in expired:
                 log.info(
                     "lease expired (the decode worker frees its blocks)",
@@ -181,6 +183,12 @@ class RegistryService:
                     worker_id=lease.worker_id,
                 )
             await asyncio.sleep(interval)
+
+    async def _announce_gone(self, gone: WorkerGone) -> None:
+        try:  # requests on it fail or move now, not at their timeouts
+            await self.nc.publish(self.subjects.REGISTRY_WORKER_GONE, protocol.encode_message(gone))
+        except nats.errors.Error as exc:
+            log.warning("could not announce a dropped worker", error=str(exc))
 
     # --- requests --------------------------------------------------------------------------------
 
