@@ -128,6 +128,7 @@ class Network:
         self.created.append(("link", self.bridge))
         _run("ip", "addr", "add", f"10.77.{self.subnet}.254/24", "dev", self.bridge)
         _run("ip", "link", "set", self.bridge, "up")
+        self._allow_forwarding()
         for host in range(1, NUM_HOSTS + 1):
             ns, veth = self.ns(host), self.veth(host)
             _run("ip", "netns", "add", ns)
@@ -144,6 +145,19 @@ class Network:
             self.exec(host, "ip", "link", "set", "lo", "up")
             if self.link_kind == "netem":
                 self.netem(host, self.delay_ms, self.loss_pct)
+
+    def _forward_rule(self) -> tuple[str, ...]:
+        return ("FORWARD", "-i", self.bridge, "-o", self.bridge, "-j", "ACCEPT")
+
+    def _allow_forwarding(self) -> None:
+        """Let the hosts reach each other across the bridge where a firewall would drop it: a
+        Docker daemon that has run sets the FORWARD policy to DROP, and with br_netfilter that
+        applies to bridged frames too (the hosts' NATS cluster never forms). Where iptables is
+        missing or refuses, nothing is needed or can be done."""
+        if shutil.which("iptables") is None:
+            return
+        if _run("iptables", "-I", *self._forward_rule(), check=False).returncode == 0:
+            self.created.append(("iptables", self.bridge))
 
     def _start_tap_link(self, host: int) -> None:
         """host's link as tap_link.py: the TAP ``veth(host)`` here, ``eth0`` in its namespace."""
@@ -187,6 +201,8 @@ class Network:
         for kind, name in reversed(self.created):
             if kind == "netns":
                 _run("ip", "netns", "del", name, check=False)
+            elif kind == "iptables":
+                _run("iptables", "-D", *self._forward_rule(), check=False)
             else:
                 _run("ip", "link", "del", name, check=False)
         self.created.clear()

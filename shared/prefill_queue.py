@@ -74,6 +74,10 @@ class PrefillQueueError(RuntimeError):
     """The NATS server cannot hold the prefill queue (JetStream off, or a conflicting stream)."""
 
 
+class JetStreamUnavailableError(PrefillQueueError):
+    """No JetStream answers: off on this server, or a cluster whose JetStream is not up yet."""
+
+
 MISSING = (
     "the prefill queue {stream} is missing: it is made by `kvmesh serve prefill-queue` (kvmesh "
     "up runs it; roles may not create streams or consumers, docs/security.md)"

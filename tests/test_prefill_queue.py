@@ -112,6 +112,31 @@ async def test_publish_without_jetstream_says_how_to_fix_it():
             await ensure_queue(nc, S)
 
 
+async def test_the_keeper_waits_for_jetstream_before_it_gives_up():
+    """A cluster's JetStream answers "unavailable" until its members elect a leader: the keeper
+    tries again for a while, and only then says that the server has no JetStream."""
+    from kvmesh.services.prefill_queue.metrics import QueueKeeperMetrics
+    from kvmesh.services.prefill_queue.service import keep_queue
+    from kvmesh.shared.nats_server import NatsServer
+    from kvmesh.shared.prefill_queue import PrefillQueueError
+
+    async with NatsServer(jetstream=False) as server, connect_nats(server.url, "k") as nc:
+        started = time.monotonic()
+        with pytest.raises(PrefillQueueError, match="-js"):
+            await asyncio.wait_for(
+                keep_queue(
+                    nc,
+                    S,
+                    QueueKeeperMetrics(),
+                    check_s=0.2,
+                    ack_wait_s=5.0,
+                    jetstream_wait_s=1.0,
+                ),
+                timeout=10,
+            )
+        assert time.monotonic() - started >= 1.0  # not at the first "unavailable"
+
+
 async def test_queue_status_counts_waiting_jobs_and_pulling_workers(nats_server):
     from kvmesh.shared.prefill_queue import queue_status
 

@@ -133,11 +133,11 @@ async def test_sigterm_ends_streams_with_an_error_event_and_done_and_aborts_them
         refused = await http.post("/v1/completions", json=long_body)  # during the grace
         health = await http.get("/health")
         short_raw = await (await short).read()  # finishes within the grace: untouched
-        rest = await asyncio.wait_for(stream.content.read(), grace_s + 5)
-        chat_rest = await asyncio.wait_for(chat.content.read(), grace_s + 5)
-        plain_resp = await asyncio.wait_for(plain, grace_s + 5)
+        rest = await asyncio.wait_for(stream.content.read(), grace_s + 15)
+        chat_rest = await asyncio.wait_for(chat.content.read(), grace_s + 15)
+        plain_resp = await asyncio.wait_for(plain, grace_s + 15)
         plain_body = await plain_resp.json()
-        code = await asyncio.wait_for(proc.wait(), grace_s + 8)
+        code = await asyncio.wait_for(proc.wait(), grace_s + 18)
         exited_after = time.monotonic() - signalled
 
     assert refused.status == 503 and (await refused.json())["error"]["code"] == "router_stopping"

@@ -14,6 +14,7 @@ from kvmesh.shared.prefill_queue import (
     ACK_WAIT_S,
     CLUSTER_REPLICAS,
     DURABLE,
+    JetStreamUnavailableError,
     PrefillQueueError,
     consumer_config,
     stream_config,
@@ -73,7 +74,7 @@ async def _stream(nc: Client, s: Subjects, made: list[str]) -> api.StreamInfo:
     except nats.js.errors.NotFoundError:
         pass
     except (nats.errors.NoRespondersError, nats.js.errors.ServiceUnavailableError) as exc:
-        raise PrefillQueueError(
+        raise JetStreamUnavailableError(
             "the NATS server has JetStream disabled; kvmesh's prefill queue needs it "
             "(start nats-server with -js, as `kvmesh up` and docker-compose do)"
         ) from exc

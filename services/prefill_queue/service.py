@@ -4,6 +4,7 @@ check it every ``heartbeat_s`` and make again what a NATS restart lost, serve me
 from __future__ import annotations
 
 import asyncio
+import time
 
 import nats.errors
 import nats.js.errors
@@ -14,10 +15,15 @@ from kvmesh.shared import logs
 from kvmesh.shared.message_guard import guard_of
 from kvmesh.shared.metrics_exporter import serve_metrics
 from kvmesh.shared.nats_service import background, connect_nats, new_worker_id, serve_until_signal
+from kvmesh.shared.prefill_queue import JetStreamUnavailableError
 from kvmesh.shared.subjects import Subjects
 from nats.aio.client import Client
 
 log = logs.get_logger(__name__)
+
+# How long no JetStream may answer before the keeper gives up: a NATS cluster's members answer
+# "JetStream unavailable" until they elect a meta leader (seconds after they connect).
+JETSTREAM_WAIT_S = 30.0
 
 
 async def keep_queue(
@@ -27,17 +33,27 @@ async def keep_queue(
     *,
     check_s: float,
     ack_wait_s: float,
+    jetstream_wait_s: float = JETSTREAM_WAIT_S,
 ) -> None:
-    """Ensure the queue now and every ``check_s`` (a task body). A server without JetStream is
-    fatal (PrefillQueueError: `kvmesh serve` says so in one line); a NATS error is retried at
-    the next check."""
+    """Ensure the queue now and every ``check_s`` (a task body). No JetStream for
+    ``jetstream_wait_s`` in a row is fatal (PrefillQueueError: `kvmesh serve` says so in one
+    line): a server started without -js, not a cluster whose JetStream is still electing its
+    leader; a NATS error is retried at the next check."""
     last: QueueState | None = None
+    unavailable_since: float | None = None
     while True:
         try:
             state = await ensure_queue(nc, s, ack_wait_s)
+        except JetStreamUnavailableError as exc:
+            now = time.monotonic()
+            unavailable_since = now if unavailable_since is None else unavailable_since
+            if now - unavailable_since >= jetstream_wait_s:
+                raise
+            log.debug("no JetStream answers yet; retrying", error=str(exc.__cause__ or exc))
         except (nats.errors.Error, nats.js.errors.Error) as exc:
             log.debug("prefill queue check failed; retrying", error=str(exc) or type(exc).__name__)
         else:
+            unavailable_since = None
             for what in state.made:
                 metrics.made.labels(what).inc()
             metrics.depth.set(state.depth)
