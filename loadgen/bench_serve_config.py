@@ -16,6 +16,7 @@ from kvmesh.loadgen.compare_targets import Target, parse_budgets, parse_targets
 from kvmesh.loadgen.serve_metrics import Slo
 from kvmesh.loadgen.sse_client import CHAT, COMPLETIONS, Endpoint
 from kvmesh.loadgen.workload import LengthSpec
+from kvmesh.shared.cpu_placement import parse_cpu_list
 
 TINY_MODEL = "kvmesh-tiny"
 DEFAULT_BUDGETS = "256,512,1024,2048"  # --colocated-budgets: colocated's sweep
@@ -138,18 +139,13 @@ class ServeBenchConfig:
 
 
 def parse_cpus(text: str) -> frozenset[int]:
-    """``"0-3,8"`` -> {0, 1, 2, 3, 8}."""
-    cpus: set[int] = set()
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        low, _, high = part.partition("-")
-        try:
-            first, last = int(low), int(high or low)
-        except ValueError:
-            raise ValueError(f"--mesh-cpus {text!r}: expected a list like 0-3,8") from None
-        if first < 0 or last < first:
-            raise ValueError(f"--mesh-cpus {text!r}: bad range {part!r}")
-        cpus.update(range(first, last + 1))
-    return frozenset(cpus)
+    """``--mesh-cpus``: ``"0-3,8"`` -> {0, 1, 2, 3, 8}; nothing listed: no pinning."""
+    if not any(part.strip() for part in text.split(",")):
+        return frozenset()
+    try:
+        return parse_cpu_list(text)
+    except ValueError as exc:
+        raise ValueError(f"--mesh-cpus: {exc}") from None
 
 
 def config_from_args(args: argparse.Namespace) -> ServeBenchConfig:
