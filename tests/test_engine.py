@@ -5,6 +5,7 @@ import random
 
 import pytest
 import torch
+from engine_handoff import chunk_copier
 from hf_fixtures import load_hf_reference, make_llama_checkpoint, make_qwen2_checkpoint
 from kvmesh.shared.engine.config import EngineConfig
 from kvmesh.shared.engine.llm_engine import LLMEngine
@@ -150,15 +151,7 @@ def test_prefill_handoff_to_second_engine_gives_same_tokens(llama, params):
     spec = prefill.kv_pool.spec
     decode = engine(llama, kv_buffer=bytearray(64 * spec.block_bytes))
     reserved = decode.reserve_blocks(len(prompt))
-    chunks = []
-
-    def on_chunk(chunk):
-        chunks.append(chunk)
-        done = sum(len(c.block_ids) for c in chunks[:-1])
-        for i, src in enumerate(chunk.block_ids):
-            decode.kv_pool.block_bytes_view(reserved[done + i]).copy_(
-                prefill.kv_pool.block_bytes_view(src)
-            )
+    chunks, on_chunk = chunk_copier(prefill, decode, reserved)
 
     prefill.add_request("r", prompt, params, prefill_only=True, on_chunk=on_chunk)
     outs = []

@@ -8,6 +8,7 @@ import json
 import re
 
 import pytest
+from engine_handoff import chunk_copier
 from jsonschema import Draft202012Validator
 from kvmesh.shared.engine.config import EngineConfig
 from kvmesh.shared.engine.draft_tree import DraftTree
@@ -177,14 +178,7 @@ def test_the_prefill_side_samples_the_first_token_under_the_grammar(tiny):
     prefill = engine(tiny)
     decode = engine(tiny, kv_buffer=bytearray(512 * prefill.kv_pool.spec.block_bytes))
     reserved = decode.reserve_blocks(len(ids))
-    chunks = []
-
-    def on_chunk(chunk):
-        chunks.append(chunk)
-        done = sum(len(c.block_ids) for c in chunks[:-1])
-        for i, src in enumerate(chunk.block_ids):
-            view = decode.kv_pool.block_bytes_view(reserved[done + i])
-            view.copy_(prefill.kv_pool.block_bytes_view(src))
+    chunks, on_chunk = chunk_copier(prefill, decode, reserved)
 
     prefill.add_request("r", ids, params, prefill_only=True, on_chunk=on_chunk)
     while prefill.has_unfinished():

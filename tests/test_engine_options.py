@@ -8,6 +8,7 @@ import random
 import msgspec
 import pytest
 import torch
+from engine_handoff import chunk_copier
 from hf_fixtures import load_hf_reference, make_llama_checkpoint
 from kvmesh.shared.engine.config import EngineConfig
 from kvmesh.shared.engine.draft_tree import DraftTree
@@ -185,15 +186,7 @@ def test_handoff_carries_the_first_tokens_logprobs(llama):
     prefill = engine(llama)
     decode = engine(llama, kv_buffer=bytearray(64 * prefill.kv_pool.spec.block_bytes))
     reserved = decode.reserve_blocks(len(ids))
-    chunks = []
-
-    def on_chunk(chunk):
-        chunks.append(chunk)
-        done = sum(len(c.block_ids) for c in chunks[:-1])
-        for i, src in enumerate(chunk.block_ids):
-            decode.kv_pool.block_bytes_view(reserved[done + i]).copy_(
-                prefill.kv_pool.block_bytes_view(src)
-            )
+    chunks, on_chunk = chunk_copier(prefill, decode, reserved)
 
     prefill.add_request("r", ids, EVERY_OPTION, prefill_only=True, on_chunk=on_chunk)
     while prefill.has_unfinished():
@@ -272,15 +265,7 @@ def test_n_choices_after_a_prefill_handoff_and_when_aborted(llama):
     prefill = engine(llama)
     decode = engine(llama, kv_buffer=bytearray(64 * prefill.kv_pool.spec.block_bytes))
     reserved = decode.reserve_blocks(len(ids))
-    chunks = []
-
-    def on_chunk(chunk):
-        chunks.append(chunk)
-        done = sum(len(c.block_ids) for c in chunks[:-1])
-        for i, src in enumerate(chunk.block_ids):
-            decode.kv_pool.block_bytes_view(reserved[done + i]).copy_(
-                prefill.kv_pool.block_bytes_view(src)
-            )
+    chunks, on_chunk = chunk_copier(prefill, decode, reserved)
 
     prefill.add_request("r", ids, params, prefill_only=True, on_chunk=on_chunk)
     while prefill.has_unfinished():
