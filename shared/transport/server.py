@@ -245,9 +245,9 @@ class SocketServer:
     def _drop(self, pending: _Pending, reason: str) -> None:
         """Refuse a connection before admission: reset it, say nothing (no oracle)."""
         self._forget(pending)
-        _reset(pending.conn)
-        if reason:
+        if reason:  # counted before the reset: a peer that saw the reset sees it counted
             self._count_refused(reason, pending.source)
+        _reset(pending.conn)
 
     def _count_refused(self, reason: str, source: str) -> None:
         self.num_refused += 1
@@ -272,9 +272,9 @@ class SocketServer:
                 self.num_accepted += 1
                 self.peak_connections = max(self.peak_connections, len(self._conns))
         if full or crowded:
-            _reset(conn)
             what = "connection limit reached" if full else "per-peer connection limit reached"
             self._count_refused(what, pending.source)
+            _reset(conn)
             return
         try:
             conn.setblocking(True)
