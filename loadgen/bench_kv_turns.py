@@ -246,7 +246,9 @@ async def drive(
 
 def mesh_config(variant: Variant, args: argparse.Namespace) -> Any:
     """The UpConfig of ``variant``'s mesh: disagg, a NATS server and a mesh name of its own."""
-    from kvmesh.commands.up import UpConfig, free_port
+    from kvmesh.shared.ports import free_port
+
+    from kvmesh.commands.up_config import UpConfig
 
     return UpConfig(
         model=args.model,

@@ -59,7 +59,9 @@ def local_mesh(
     needs ``nats_insecure``: `kvmesh up --nats-insecure`); ``prefill``, ``prefill_nice`` and
     ``cpu_sharing`` left at None are ``kvmesh up``'s defaults. Synchronous: use it from sync
     fixtures or scripts, not inside an event loop."""
-    from kvmesh.commands.up import UpConfig, free_port
+    from kvmesh.shared.ports import free_port
+
+    from kvmesh.commands.up_config import UpConfig
 
     chosen = {
         name: value
@@ -109,7 +111,7 @@ def start_launcher(
 ) -> Any:
     """``kvmesh up``'s Launcher for ``config``, its children started with ``env`` added to this
     process's environment (set only while they start: they inherit it); not waited for."""
-    from kvmesh.commands.up import Launcher
+    from kvmesh.commands.launcher import Launcher
 
     launcher = Launcher(config, log)
     saved = {k: os.environ.get(k) for k in env or {}}

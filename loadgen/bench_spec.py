@@ -72,7 +72,9 @@ def spec_mesh(
     """A disaggregated local mesh (one prefill, one decode, the router; one draft worker with
     ``draft``) on a fresh nats-server, in child processes; yields the Launcher. ``env``: KVMESH_*
     settings every service inherits. Synchronous (use it from sync fixtures)."""
-    from kvmesh.commands.up import UpConfig, free_port
+    from kvmesh.shared.ports import free_port
+
+    from kvmesh.commands.up_config import UpConfig
 
     config = UpConfig(
         model=model,

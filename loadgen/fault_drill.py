@@ -382,8 +382,9 @@ def _end_of(outcomes: list[StreamOutcome | None]) -> float:
 
 def run(args: argparse.Namespace) -> int:
     from kvmesh.loadgen.bench_mesh import launched, random_prompts
+    from kvmesh.shared.ports import free_port
 
-    from kvmesh.commands.up import UpConfig, free_port
+    from kvmesh.commands.up_config import UpConfig
 
     config = UpConfig(
         model=MODEL,

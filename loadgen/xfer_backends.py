@@ -192,8 +192,7 @@ class _SocketSender:
 class _GlooSender:
     def __init__(self, conn: Any) -> None:
         import torch.distributed as dist
-
-        from kvmesh.commands.up import free_port
+        from kvmesh.shared.ports import free_port
 
         port = free_port()  # gloo binds it later: not one an outgoing connection may take
         conn.send(port)

@@ -12,14 +12,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from kvmesh.shared.ports import free_port
 from kvmesh.shared.service_errors import (
     ServiceStartError,
     check_can_listen,
     find_error,
     listen_error,
 )
-
-from kvmesh.commands.up import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 ROLES = ("router", "kv-registry", "prefill", "decode", "colocated")

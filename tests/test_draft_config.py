@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from kvmesh.services.draft.config import DraftConfig
 
-from kvmesh.commands.up import UpConfig, plan
+from kvmesh.commands.up_config import UpConfig
+from kvmesh.commands.up_plan import plan
 
 
 @pytest.mark.parametrize(

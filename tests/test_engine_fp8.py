@@ -86,7 +86,8 @@ def test_engine_config_refuses_an_unknown_kv_cache_dtype():
 
 def test_up_gives_prefill_and_decode_their_kv_cache_dtypes():
     from kvmesh.commands.serve import build_service_config
-    from kvmesh.commands.up import UpConfig, plan
+    from kvmesh.commands.up_config import UpConfig
+    from kvmesh.commands.up_plan import plan
 
     both = UpConfig(kv_cache_dtype="fp8_e4m3")
     decode_only = UpConfig(decode_kv_cache_dtype="fp8_e4m3")

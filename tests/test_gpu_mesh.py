@@ -40,7 +40,9 @@ def offline_cuda_tokens() -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def cuda_mesh():
-    from kvmesh.commands.up import UpConfig, free_port
+    from kvmesh.shared.ports import free_port
+
+    from kvmesh.commands.up_config import UpConfig
 
     config = UpConfig(
         model="kvmesh-tiny",

@@ -35,9 +35,10 @@ from kvmesh.loadgen.fault_drill import (
     tally,
     worker_kill,
 )
+from kvmesh.shared.ports import free_port
 from offline_text import offline_texts
 
-from kvmesh.commands.up import UpConfig, free_port
+from kvmesh.commands.up_config import UpConfig
 
 pytestmark = pytest.mark.slow
 

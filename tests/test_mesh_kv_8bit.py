@@ -103,7 +103,9 @@ def converted_handoff_offline(tiny, kv_cache_dtype: str) -> list[list[int]]:
 )
 def kv8_mesh(request):
     """(mesh, KV dtype, decode_only): that 8-bit KV on both sides, or on the decode side only."""
-    from kvmesh.commands.up import UpConfig, free_port
+    from kvmesh.shared.ports import free_port
+
+    from kvmesh.commands.up_config import UpConfig
 
     kv_cache_dtype, decode_only = request.param
     config = UpConfig(

@@ -144,7 +144,9 @@ async def run(mesh, offline: list[list[int]]) -> None:
 def test_prefill_reads_prefixes_and_earlier_answers_from_the_store_and_computes_only_new_tokens(
     offline_tokens: list[list[int]],
 ) -> None:
-    from kvmesh.commands.up import UpConfig, free_port
+    from kvmesh.shared.ports import free_port
+
+    from kvmesh.commands.up_config import UpConfig
 
     config = UpConfig(
         model="kvmesh-tiny",

@@ -138,7 +138,9 @@ async def run(mesh, offline: list[list[int]]) -> None:
 def test_shared_prefix_goes_to_its_holder_or_is_read_from_the_store_and_never_recomputed(
     offline_tokens: list[list[int]],
 ) -> None:
-    from kvmesh.commands.up import UpConfig, free_port
+    from kvmesh.shared.ports import free_port
+
+    from kvmesh.commands.up_config import UpConfig
 
     config = UpConfig(
         model="kvmesh-tiny",

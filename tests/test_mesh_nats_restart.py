@@ -16,9 +16,8 @@ import orjson
 import pytest
 from kvmesh.loadgen.bench_mesh import complete, local_mesh, random_prompts, wait_blocks_returned
 from kvmesh.shared.nats_server import NatsServer
+from kvmesh.shared.ports import free_port
 from offline_text import offline_texts
-
-from kvmesh.commands.up import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,8 @@ import pytest
 from kvmesh.loadgen.server_breakdown import parse_prometheus
 from test_up import chat, launch, wait_for_line
 
-from kvmesh.commands.up import UpConfig, plan, with_metrics_ports
+from kvmesh.commands.up_config import UpConfig
+from kvmesh.commands.up_plan import plan, with_metrics_ports
 
 
 def test_with_metrics_ports_gives_each_worker_its_port_and_leaves_the_router() -> None:

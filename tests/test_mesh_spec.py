@@ -158,7 +158,9 @@ async def _check_trees_from_a_second_draft_worker(
     starts draft workers of one setting; the mesh stops this one too): draft-0 stops once
     draft-1 serves, so every sequence of the next load is drafted by draft-1, and the output
     is the same. Returns draft-1's row of kvmesh admin status."""
-    from kvmesh.commands.up import ChildSpec, free_port
+    from kvmesh.shared.ports import free_port
+
+    from kvmesh.commands.up_plan import ChildSpec
 
     spec, first = mesh.children["draft-0"]
     argv = list(spec.argv)

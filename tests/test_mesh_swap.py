@@ -64,7 +64,9 @@ async def run(mesh) -> list[str]:
 
 @pytest.mark.timeout(240)
 def test_preempted_sequences_swap_to_the_store_and_back_with_offline_outputs() -> None:
-    from kvmesh.commands.up import UpConfig, free_port
+    from kvmesh.shared.ports import free_port
+
+    from kvmesh.commands.up_config import UpConfig
 
     config = UpConfig(
         model="kvmesh-tiny",

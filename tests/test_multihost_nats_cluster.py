@@ -14,9 +14,8 @@ from kvmesh.shared import prefill_queue
 from kvmesh.shared.nats_options import redact_url, split_nats_urls
 from kvmesh.shared.nats_server import ClusterSpec, NatsServer
 from kvmesh.shared.nats_service import connect_nats
+from kvmesh.shared.ports import free_port
 from kvmesh.shared.subjects import Subjects
-
-from kvmesh.commands.up import free_port
 
 
 def test_cluster_spec_refuses_a_bad_route():

@@ -20,9 +20,10 @@ import pytest
 from kvmesh.loadgen.bench_mesh import complete, launched
 from kvmesh.loadgen.server_breakdown import parse_prometheus
 from kvmesh.shared.nats_service import connect_nats
+from kvmesh.shared.ports import free_port
 from nats_fuzz import bodies, targets
 
-from kvmesh.commands.up import UpConfig, free_port
+from kvmesh.commands.up_config import UpConfig
 
 pytestmark = pytest.mark.slow
 

@@ -26,7 +26,8 @@ from kvmesh.shared.nats_vetting import (
 )
 from kvmesh.shared.subjects import Subjects
 
-from kvmesh.commands.up import Launcher, LaunchError, UpConfig
+from kvmesh.commands.launcher import Launcher, LaunchError
+from kvmesh.commands.up_config import UpConfig
 
 REPO = Path(__file__).resolve().parents[1]
 MESH = Subjects("kvmesh-tiny")

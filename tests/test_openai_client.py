@@ -23,9 +23,8 @@ import openai
 import orjson
 import pytest
 from kvmesh.services.router import RouterConfig, serve_router
+from kvmesh.shared.ports import free_port
 from router_fake_mesh import REPLY_TEXT, FakeMesh
-
-from kvmesh.commands.up import free_port
 
 MODEL = "kvmesh-tiny"
 MESSAGES = [{"role": "system", "content": "be terse"}, {"role": "user", "content": "hello"}]

@@ -27,6 +27,7 @@ from kvmesh.shared.nats_service import (
     heartbeat_loop,
     request_json,
 )
+from kvmesh.shared.ports import free_port
 from kvmesh.shared.protocol import (
     LogLevel,
     PlaceReply,
@@ -39,8 +40,6 @@ from kvmesh.shared.subjects import DEFAULT_MESH, Subjects
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from registry_peers import BLOCK_BYTES, peer_decode, wait_for
-
-from kvmesh.commands.up import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 subjects = Subjects(DEFAULT_MESH)  # RegistryConfig's default mesh

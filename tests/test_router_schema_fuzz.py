@@ -20,7 +20,6 @@ import asyncio
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -39,6 +38,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from json_schema_strategies import from_schema, inline_refs
 from jsonschema import Draft202012Validator
+from kvmesh.shared.ports import free_port
 from router_fake_mesh import FakeMesh
 from yarl import URL
 
@@ -137,12 +137,6 @@ class LiveRouter:
         url = URL(self.url + target, encoded=True)
         async with self._http.request(method, url, data=body, headers=headers) as resp:
             return Reply(resp.status, resp.headers.get("Content-Type", ""), await resp.read())
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -15,9 +15,8 @@ import aiohttp
 import orjson
 import pytest
 from kvmesh.services.router.shutdown import RouterStoppingError, Shutdown
+from kvmesh.shared.ports import free_port
 from router_fake_mesh import REPLY_TEXT, FakeMesh
-
-from kvmesh.commands.up import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "kvmesh-tiny"

@@ -51,7 +51,7 @@ def test_every_service_takes_mesh_from_flag_env_or_model() -> None:
     from kvmesh.services.prefill.config import PrefillConfig
     from kvmesh.services.router.config import RouterConfig
 
-    from kvmesh.commands.up import UpConfig
+    from kvmesh.commands.up_config import UpConfig
     from kvmesh.commands.up_model import DEFAULT_MODEL
 
     for cls in (RouterConfig, DecodeConfig, PrefillConfig, UpConfig):

@@ -15,13 +15,15 @@ from pathlib import Path
 
 import pytest
 from kvmesh.shared.nats_service import flush_to_server
+from kvmesh.shared.ports import free_port
 from kvmesh.shared.service_config import ConfigError
 from nats.aio.msg import Msg
 from proc_tree import cmdline, descendants, wait_all_dead
 
 from kvmesh.cli import build_parser
 from kvmesh.commands.serve import build_service_config
-from kvmesh.commands.up import TIERS, UpConfig, free_port, plan
+from kvmesh.commands.up_config import TIERS, UpConfig
+from kvmesh.commands.up_plan import plan
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL_POOL = str(8 << 20)  # bytes of KV per worker: plenty for a few short requests
@@ -396,7 +398,7 @@ async def test_connection_survives_a_nats_server_restart_on_the_same_port() -> N
     ],
 )
 def test_cores_are_split_between_roles(kw, expected) -> None:
-    from kvmesh.commands.up import split_cores
+    from kvmesh.commands.up_plan import split_cores
 
     assert split_cores(UpConfig(**kw)) == expected
 
@@ -489,7 +491,7 @@ async def _beating(
 
 
 async def test_up_refuses_to_join_a_nats_that_already_carries_a_mesh(nats_server) -> None:
-    from kvmesh.commands.up import Launcher, LaunchError
+    from kvmesh.commands.launcher import Launcher, LaunchError
 
     stop = asyncio.Event()
     other = asyncio.create_task(_beating(nats_server, "decode-0", stop))
@@ -507,14 +509,14 @@ async def test_up_refuses_to_join_a_nats_that_already_carries_a_mesh(nats_server
 
 
 async def test_up_joins_an_empty_nats(nats_server) -> None:
-    from kvmesh.commands.up import workers_on
+    from kvmesh.commands.launcher import workers_on
 
     assert await workers_on(nats_server, listen_s=0.3, mesh="kvmesh-tiny") == set()
 
 
 async def test_up_joins_a_nats_that_carries_only_other_meshes(nats_server) -> None:
     """Another mesh's workers on the same NATS are no concern: their subjects are their own."""
-    from kvmesh.commands.up import Launcher, workers_on
+    from kvmesh.commands.launcher import Launcher, workers_on
 
     stop = asyncio.Event()
     other = asyncio.create_task(_beating(nats_server, "decode-0", stop, mesh="other-model"))
@@ -546,7 +548,7 @@ def test_second_up_beside_another_meshs_nats_gets_its_own(capsys) -> None:
     from kvmesh.shared.mesh_state import MeshState, remove_state, write_state
     from kvmesh.shared.service_config import DEFAULT_NATS_URL
 
-    from kvmesh.commands.up import Launcher
+    from kvmesh.commands.launcher import Launcher
 
     other = MeshState("other-model", DEFAULT_NATS_URL, os.getpid(), "http://127.0.0.1:8000")
     write_state(other)
@@ -561,7 +563,7 @@ def test_second_up_beside_another_meshs_nats_gets_its_own(capsys) -> None:
 def test_same_mesh_twice_on_one_machine_is_refused_in_one_line() -> None:
     from kvmesh.shared.mesh_state import MeshState, remove_state, write_state
 
-    from kvmesh.commands.up import Launcher, LaunchError
+    from kvmesh.commands.launcher import Launcher, LaunchError
 
     first = MeshState("kvmesh-tiny", "nats://127.0.0.1:4999", os.getpid(), "http://x:8000")
     write_state(first)
@@ -744,7 +746,7 @@ def test_free_port_is_bindable_and_below_the_ephemeral_range(tmp_path):
     import random
     import socket
 
-    from kvmesh.commands.up import LOWEST_FREE_PORT, ephemeral_port_range
+    from kvmesh.shared.ports import LOWEST_FREE_PORT, ephemeral_port_range
 
     ranges = tmp_path / "ip_local_port_range"
     ranges.write_text("32768\t60999\n")

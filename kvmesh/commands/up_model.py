@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from kvmesh.shared.subjects import mesh_from_model
 
 if TYPE_CHECKING:
-    from kvmesh.commands.up import UpConfig
+    from kvmesh.commands.up_config import UpConfig
 
 DEFAULT_MODEL = "smollm2-135m-instruct"  # kvmesh up's default --model (shared/model/fetch.py)
 

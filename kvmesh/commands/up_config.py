@@ -1,0 +1,175 @@
+"""``kvmesh up``'s configuration: every flag, its default and its checks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from kvmesh.commands.up_model import DEFAULT_MODEL
+from kvmesh.shared.nats_options import NatsClientConfig
+from kvmesh.shared.service_config import option
+from kvmesh.shared.subjects import mesh_from_model
+
+# stop order: earlier tiers first (router stops taking requests before its backends go)
+TIERS = ("router", "prefill", "decode", "draft", "kv-store", "kv-registry")
+
+
+@dataclass(frozen=True, slots=True)
+class UpConfig(NatsClientConfig):
+    """``nats_url`` (inherited): the NATS server; started here if none answers. Left at its
+    default, a server there that another ``kvmesh up``'s mesh owns is not joined: this mesh gets
+    a nats-server of its own on a free port."""
+
+    model: str = option(
+        DEFAULT_MODEL,
+        help="a checkpoint directory, a fetchable model (fetched and imported into the cache "
+        "once: kvmesh model fetch), a .gguf file (imported into the cache once) or kvmesh-tiny",
+    )
+    served_model_name: str | None = option(
+        None,
+        help="the model id clients send (default: the fetchable name, the .gguf file's stem, or "
+        "--model)",
+    )
+    mode: Literal["disagg", "colocated"] = option(
+        "disagg", help="disagg: prefill and decode pools; colocated: the unified baseline"
+    )
+    prefill: int = option(1, help="prefill workers (disagg mode)")
+    decode: int = option(1, help="decode workers (colocated workers in colocated mode)")
+    transport: Literal["auto", "shm", "tcp", "rdma"] = option("auto", help="KV data plane")
+    port: int = option(8000, help="router HTTP port (0: a free one)")
+    host: str = option("127.0.0.1", help="address the router listens on (0.0.0.0: every interface)")
+    local_prefill_threshold: int | None = option(
+        None, help="prompts shorter than this are prefilled on the decode worker (router default)"
+    )
+    device: str = option("cpu", help="torch device of prefill and decode workers")
+    cores: int | None = option(
+        None,
+        help="CPU cores the workers share (default: the cores this process may run on), shared "
+        "out by --cpu-sharing (disagg) or all to the colocated workers",
+    )
+    decode_pacing_ms: float = option(
+        0.0,
+        help="disagg: decode workers start a step at most this often (their "
+        "--min-step-interval-ms; 0: back to back). Near the inter-token target, it leaves "
+        "decode's idle share of shared cores to prefill",
+    )
+    cpu_sharing: Literal["auto", "priority", "partition", "partition-spare", "equal"] = option(
+        "auto",
+        help="disagg on the CPU: how prefill and decode share the cores: priority (decode "
+        "first, prefill at SCHED_IDLE on every core), partition (each pool pinned to cores of "
+        "its own; partition-spare: the last of several prefill workers at SCHED_IDLE on any "
+        "core), equal (same priority); auto: the better of the measured ones for this machine "
+        "(kvmesh up prints its choice and why; docs/load.md)",
+    )
+    prefill_nice: int = option(
+        0,
+        help="disagg: prefill workers run this much nicer (0-19, their session too) instead of "
+        "at SCHED_IDLE: --cpu-sharing priority with a nice level",
+    )
+    kv_cache_bytes: int | None = option(
+        None, help="KV pool bytes per prefill/decode worker (their default: 256 MiB)"
+    )
+    kv_cache_dtype: Literal["auto", "int8", "fp8_e4m3"] = option(
+        "auto",
+        help="KV cache dtype of every prefill and decode worker: auto (the model's), int8 (the "
+        "recommended 8-bit format: a scale per 32 values of each token) or fp8_e4m3 (float8 with "
+        "per-(block, KV head) scales; docs/kv_cache.md)",
+    )
+    decode_kv_cache_dtype: Literal["auto", "int8", "fp8_e4m3"] | None = option(
+        None,
+        help="decode workers' KV cache dtype where it differs from --kv-cache-dtype (e.g. int8 "
+        "decode pools behind model-dtype prefill: the prefill writes convert)",
+    )
+    log_level: Literal["debug", "info", "warning", "error", "critical"] = option(
+        "info", help="log level of every service"
+    )
+    log_format: Literal["console", "json"] = option("console", help="log format of every service")
+    startup_timeout_s: float = option(600.0, help="seconds to wait for every service to be ready")
+    max_restarts: int = option(
+        5,
+        help="once the mesh is up, a service that dies is restarted (after 1, 2, 4 ... 30 s); "
+        "more deaths than this within 5 minutes stop the mesh (0: stop at the first death)",
+    )
+    stop_timeout_s: float = option(15.0, help="seconds between SIGTERM and SIGKILL on shutdown")
+    draft: Literal["ngram", "early-exit", "model"] | None = option(
+        None,
+        help="speculative decoding: start draft workers with this method (kvmesh serve draft "
+        "--method) and decode workers with --speculative; none: no drafts",
+    )
+    draft_workers: int = option(1, help="draft workers (with --draft)")
+    num_speculative_tokens: int = option(4, help="draft tokens per proposal (with --draft)")
+    draft_tree: tuple[int, ...] = option(
+        (), help="draft tree branching per depth, e.g. 2,2,1 (any --draft; absent: a chain)"
+    )
+    draft_exit_layer: int = option(1, help="early-exit: layers of the target the draft runs")
+    draft_model: str | None = option(
+        None,
+        help="model: the draft checkpoint directory (draft workers draft with it; prefill "
+        "workers run it too, for the prompts' draft KV: --draft-kv --draft-model)",
+    )
+    kv_store: int = option(
+        0,
+        help="kv-store memory nodes to start (kvmesh serve kv-store; prefill workers read prompt "
+        "prefixes from them and write computed ones to them; docs/kv_store.md)",
+    )
+    kv_store_capacity_gb: float = option(1.0, help="host memory of each kv-store (GiB)")
+    kv_store_disk_path: str | None = option(
+        None,
+        help="directory for every kv-store's disk tier (their --disk-path): each store creates "
+        "its own file there (a fresh name per process, unlinked at once), so one directory "
+        "serves several",
+    )
+    kv_store_disk_capacity_gb: float | None = option(
+        None, help="size of each kv-store's disk tier in GiB (--disk-capacity-gb)"
+    )
+    nats_insecure: bool = option(
+        False,
+        help="use a NATS server already at --nats-url even though it lets anyone connect without "
+        "credentials (refused by default: whoever runs it reads every prompt; docs/security.md)",
+    )
+
+    def __post_init__(self) -> None:
+        self.check_nats_options(mesh_from_model(self.model))
+        if self.served_model_name == "":
+            raise ValueError("served_model_name must not be empty (leave it unset for --model)")
+        if self.draft is not None:
+            from kvmesh.services.draft.shape import TreeShape
+
+            TreeShape.parse(self.num_speculative_tokens, self.draft_tree)  # ValueError: one line
+            if self.draft_workers < 1:
+                raise ValueError(f"draft_workers must be >= 1, got {self.draft_workers}")
+            if self.draft == "model" and not self.draft_model:
+                raise ValueError("--draft model needs --draft-model PATH")
+        if self.decode < 1:
+            raise ValueError(f"decode must be >= 1, got {self.decode}")
+        if self.kv_store < 0:
+            raise ValueError(f"kv_store must be >= 0, got {self.kv_store}")
+        if not self.kv_store_capacity_gb > 0:
+            raise ValueError(
+                f"kv_store_capacity_gb must be positive, got {self.kv_store_capacity_gb}"
+            )
+        if (self.kv_store_disk_path is None) != (self.kv_store_disk_capacity_gb is None):
+            raise ValueError(
+                "a kv-store disk tier needs both kv_store_disk_path and kv_store_disk_capacity_gb"
+            )
+        if self.kv_store_disk_path is not None and not self.kv_store:
+            raise ValueError("kv_store_disk_path needs kv-stores (kv_store >= 1)")
+        if self.kv_store_disk_capacity_gb is not None and not self.kv_store_disk_capacity_gb > 0:
+            raise ValueError(
+                f"kv_store_disk_capacity_gb must be positive, got {self.kv_store_disk_capacity_gb}"
+            )
+        if self.prefill < 0 or (self.mode == "disagg" and self.prefill < 1):
+            raise ValueError(f"prefill must be >= 1 in disagg mode, got {self.prefill}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.cores is not None and self.cores < 1:
+            raise ValueError(f"cores must be >= 1, got {self.cores}")
+        if not 0 <= self.prefill_nice <= 19:
+            raise ValueError(f"prefill_nice must be in [0, 19], got {self.prefill_nice}")
+        if self.max_restarts < 0:
+            raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
+        if self.decode_pacing_ms < 0:
+            raise ValueError(f"decode_pacing_ms must be >= 0, got {self.decode_pacing_ms}")
+        for name in ("startup_timeout_s", "stop_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
