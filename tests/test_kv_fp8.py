@@ -1,55 +1,18 @@
 """FP8 KV: the pool layout with scales, the store rule (power-of-two scales that grow, never
-clip), and every attention path reading fp8 (torch, the C kernels, Triton) against the torch
-reference."""
+clip), and the C store's e4m3 rounding against torch's. The attention paths over fp8 are in
+test_kv_8bit_paths.py."""
 
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
 from kvmesh.kernels.cpu_ops import decode_plan, load_cpu_ops
-from kvmesh.kernels.paged_attention import (
-    paged_decode_attention,
-    paged_decode_attention_ref,
-    paged_tree_attention,
-    paged_tree_attention_ref,
-)
 from kvmesh.shared.engine import kv_quant
-from kvmesh.shared.engine.attention import AttentionMetadata, paged_attention
 from kvmesh.shared.engine.kv_cache import KVCacheSpec, KVPool
 from kvmesh.shared.model.rope import apply_rope
 
 FP8 = torch.float8_e4m3fn
-H_KV, H_Q, D, BS = 2, 4, 64, 4
-TABLES = torch.tensor([[1, 2, 3, 0], [4, 5, 6, 7], [8, 9, 10, 11]])
-CONTEXT = torch.tensor([9, 16, 5])
-
-
-def filled_pool(num_layers: int = 2) -> KVPool:
-    """An fp8 pool whose layer 1 holds CONTEXT - 1 tokens of each sequence of TABLES."""
-    pool = KVPool(KVCacheSpec(num_layers, H_KV, D, BS, FP8), 12)
-    k, v = pool.layer(1)
-    k_scales, v_scales = pool.layer_scales(1)
-    for b in range(3):
-        n = int(CONTEXT[b]) - 1
-        pos = torch.arange(n)
-        g = torch.Generator().manual_seed(b)
-        blocks, offsets = TABLES[b][pos // BS], pos % BS
-        kv_quant.store(k, k_scales, torch.randn(n, H_KV, D, generator=g), blocks, offsets)
-        kv_quant.store(v, v_scales, 2 * torch.randn(n, H_KV, D, generator=g), blocks, offsets)
-    return pool
-
-
-def decode_meta() -> AttentionMetadata:
-    pos = CONTEXT - 1
-    return AttentionMetadata(
-        slot_mapping=TABLES[torch.arange(3), pos // BS] * BS + pos % BS,
-        query_lens=[1, 1, 1],
-        context_lens=CONTEXT,
-        block_tables=TABLES,
-        block_size=BS,
-    )
+H_KV, D, BS = 2, 64, 4
 
 
 # ---- layout -----------------------------------------------------------------------------------
@@ -151,108 +114,7 @@ def test_move_token_across_blocks_requantizes_to_the_destination_scale():
     assert torch.equal(kv_quant.dequantize(data[2, 0], pool.scales[2]), small[0])
 
 
-# ---- attention paths against the reference ---------------------------------------------------
-
-
-def test_torch_decode_attention_over_fp8_matches_reference():
-    pool = filled_pool()
-    k, v = pool.layer(1)
-    scales = pool.layer_scales(1)
-    q = torch.randn(3, H_Q, D)
-    new_k, new_v = torch.randn(3, H_KV, D), torch.randn(3, H_KV, D)
-    out = paged_attention(q, new_k, new_v, k, v, decode_meta(), 0.125, scales)
-    ref = paged_decode_attention_ref(q, k, v, TABLES, CONTEXT, 0.125, kv_scales=scales)
-    assert (out - ref).abs().max() < 1e-5
-
-
-def test_torch_prefill_over_fp8_reads_its_own_blocks_back():
-    """A whole fresh prompt attends over its K/V as stored (quantized), as a later chunk would."""
-    pool = KVPool(KVCacheSpec(1, H_KV, D, BS, FP8), 4)
-    k_cache, v_cache = pool.layer(0)
-    scales = pool.layer_scales(0)
-    T = 10
-    q, k, v = torch.randn(T, H_Q, D), torch.randn(T, H_KV, D), torch.randn(T, H_KV, D)
-    table = torch.tensor([[1, 2, 3]])
-    meta = AttentionMetadata(
-        slot_mapping=table[0][torch.arange(T) // BS] * BS + torch.arange(T) % BS,
-        query_lens=[T],
-        context_lens=torch.tensor([T]),
-        block_tables=table,
-        block_size=BS,
-    )
-    out = paged_attention(q, k, v, k_cache, v_cache, meta, 0.125, scales)
-    bits = torch.tensor([(1 << (r + 1)) - 1 for r in range(T)])  # causal
-    ref = paged_tree_attention_ref(
-        q, k_cache, v_cache, table, torch.tensor([T]), [T], bits, 0.125, kv_scales=scales
-    )
-    assert (out - ref).abs().max() < 1e-5
-
-
-@pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
-    reason="Triton runs under TRITON_INTERPRET=1 or on CUDA",
-)
-def test_triton_decode_and_tree_attention_over_fp8_match_reference():
-    pool = filled_pool()
-    k, v = pool.layer(1)
-    scales = pool.layer_scales(1)
-    q = torch.randn(3, H_Q, D)
-    out = paged_decode_attention(q, k, v, TABLES, CONTEXT, 0.125, kv_scales=scales)
-    ref = paged_decode_attention_ref(q, k, v, TABLES, CONTEXT, 0.125, kv_scales=scales)
-    assert (out - ref).abs().max() < 1e-5
-    lens = [2, 3, 1]
-    qt = torch.randn(sum(lens), H_Q, D)
-    bits = torch.tensor([1, 3, 1, 3, 5, 1])  # trees: a root then children
-    out = paged_tree_attention(qt, k, v, TABLES, CONTEXT, lens, bits, 0.125, kv_scales=scales)
-    ref = paged_tree_attention_ref(qt, k, v, TABLES, CONTEXT, lens, bits, 0.125, kv_scales=scales)
-    assert (out - ref).abs().max() < 1e-5
-
-
-def test_triton_refuses_an_fp8_cache_without_scales():
-    pool = filled_pool()
-    k, v = pool.layer(1)
-    with pytest.raises(TypeError, match="int8 with kv_scales"):
-        paged_decode_attention(torch.randn(3, H_Q, D), k, v, TABLES, CONTEXT, 0.125)
-
-
-@pytest.mark.parametrize("threads", [1, 3])
-def test_c_decode_attention_over_fp8_matches_torch_and_stores_the_same_bits(threads):
-    ops = load_cpu_ops()
-    if ops is None:
-        pytest.skip("no C compiler")
-    base = filled_pool()
-    c_pool, torch_pool = (KVPool(base.spec, base.num_blocks) for _ in range(2))
-    c_pool.raw.copy_(base.raw)
-    torch_pool.raw.copy_(base.raw)
-    g = torch.Generator().manual_seed(9)
-    qkv = 3 * torch.randn(3, H_Q + 2 * H_KV, D, generator=g)
-    qkv[1, H_Q] *= 40  # sequence 1's new key grows its tile's scale
-    angle = 6 * torch.rand(3, 1, D // 2, generator=g)
-    cos, sin = torch.cat([angle.cos()] * 2, -1), torch.cat([-angle.sin(), angle.sin()], -1)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        k, v = c_pool.layer(1)
-        plan = decode_plan(CONTEXT, TABLES.shape[1], BS, H_Q // H_KV, quant_head_dim=D)
-        out = ops.decode_attention(
-            qkv.clone(), cos, sin, k, v, TABLES, CONTEXT, H_Q, 0.125, plan, c_pool.layer_scales(1)
-        )
-    finally:
-        torch.set_num_threads(before)
-    qk = apply_rope(qkv[:, : H_Q + H_KV], cos, sin)
-    k, v = torch_pool.layer(1)
-    ref = paged_attention(
-        qk[:, :H_Q],
-        qk[:, H_Q:],
-        qkv[:, H_Q + H_KV :],
-        k,
-        v,
-        decode_meta(),
-        0.125,
-        torch_pool.layer_scales(1),
-    )
-    assert torch.equal(c_pool.raw, torch_pool.raw)
-    assert (out - ref).abs().max() < 1e-5
+# ---- the C store against the torch one --------------------------------------------------------
 
 
 def test_c_e4m3_rounding_matches_torch_on_ties_subnormals_and_the_edge():
