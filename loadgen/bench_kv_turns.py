@@ -246,17 +246,13 @@ async def drive(
 
 def mesh_config(variant: Variant, args: argparse.Namespace) -> Any:
     """The UpConfig of ``variant``'s mesh: disagg, a NATS server and a mesh name of its own."""
-    from kvmesh.shared.ports import free_port
+    from kvmesh.loadgen.bench_mesh import mesh_config
 
-    from kvmesh.commands.up_config import UpConfig
-
-    return UpConfig(
+    return mesh_config(
         model=args.model,
         mesh=f"kvbench-{variant.name}",  # two meshes in one process: their state files differ
         mode="disagg",
         transport=args.transport,
-        port=0,
-        nats_url=f"nats://127.0.0.1:{free_port()}",
         local_prefill_threshold=0,  # only the registry's prefix routing prefills on decode
         prefill=args.prefill_workers,
         decode=args.decode_workers,
@@ -265,9 +261,7 @@ def mesh_config(variant: Variant, args: argparse.Namespace) -> Any:
         kv_cache_bytes=args.kv_cache_bytes,
         kv_store=variant.kv_store,
         kv_store_capacity_gb=args.kv_store_capacity_gb,
-        log_level="warning",
         startup_timeout_s=args.startup_timeout_s,
-        stop_timeout_s=10.0,
     )
 
 

@@ -59,10 +59,6 @@ def local_mesh(
     needs ``nats_insecure``: `kvmesh up --nats-insecure`); ``prefill``, ``prefill_nice`` and
     ``cpu_sharing`` left at None are ``kvmesh up``'s defaults. Synchronous: use it from sync
     fixtures or scripts, not inside an event loop."""
-    from kvmesh.shared.ports import free_port
-
-    from kvmesh.commands.up_config import UpConfig
-
     chosen = {
         name: value
         for name, value in (
@@ -72,23 +68,42 @@ def local_mesh(
         )
         if value is not None
     }
-    config = UpConfig(
+    if nats_url is not None:
+        chosen["nats_url"] = nats_url
+    config = mesh_config(
         model=model,
         mode=mode,
         transport=transport,
-        port=0,
-        nats_url=nats_url or f"nats://127.0.0.1:{free_port()}",
         local_prefill_threshold=local_prefill_threshold,
         decode_pacing_ms=decode_pacing_ms,
         decode=decode,
         log_level=log_level,
         startup_timeout_s=startup_timeout_s,
-        stop_timeout_s=10.0,
         nats_insecure=nats_insecure,
         **chosen,
     )
     with launched(config, env) as launcher:
         yield launcher
+
+
+def mesh_config(**fields: Any) -> Any:
+    """An UpConfig for a mesh of tests or benchmarks: kvmesh-tiny, a nats-server of its own on a
+    free port, any free HTTP port, warnings only, 180 s to start and 10 s to stop; ``fields`` set
+    these or any other of its fields."""
+    from kvmesh.shared.ports import free_port
+
+    from kvmesh.commands.up_config import UpConfig
+
+    defaults = {
+        "model": MODEL,
+        "port": 0,
+        "log_level": "warning",
+        "startup_timeout_s": 180.0,
+        "stop_timeout_s": 10.0,
+    }
+    if "nats_url" not in fields:
+        defaults["nats_url"] = f"nats://127.0.0.1:{free_port()}"
+    return UpConfig(**{**defaults, **fields})
 
 
 @contextlib.contextmanager

@@ -72,20 +72,15 @@ def spec_mesh(
     """A disaggregated local mesh (one prefill, one decode, the router; one draft worker with
     ``draft``) on a fresh nats-server, in child processes; yields the Launcher. ``env``: KVMESH_*
     settings every service inherits. Synchronous (use it from sync fixtures)."""
-    from kvmesh.shared.ports import free_port
+    from kvmesh.loadgen.bench_mesh import mesh_config
 
-    from kvmesh.commands.up_config import UpConfig
-
-    config = UpConfig(
+    config = mesh_config(
         model=model,
         mode="disagg",
         transport=transport,
-        port=0,
-        nats_url=f"nats://127.0.0.1:{free_port()}",
         local_prefill_threshold=local_prefill_threshold,
         log_level=log_level,
         startup_timeout_s=startup_timeout_s,
-        stop_timeout_s=10.0,
         cores=cores,
         draft=draft.method if draft else None,
         num_speculative_tokens=draft.k if draft else 4,

@@ -381,24 +381,17 @@ def _end_of(outcomes: list[StreamOutcome | None]) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvmesh.loadgen.bench_mesh import launched, random_prompts
-    from kvmesh.shared.ports import free_port
+    from kvmesh.loadgen.bench_mesh import launched, mesh_config, random_prompts
 
-    from kvmesh.commands.up_config import UpConfig
-
-    config = UpConfig(
+    config = mesh_config(
         model=MODEL,
-        port=0,
-        nats_url=f"nats://127.0.0.1:{free_port()}",
         prefill=args.prefill,
         decode=args.decode,
         transport="shm",
         decode_pacing_ms=args.decode_pacing_ms,
         draft=None if args.draft == "none" else args.draft,
         kv_store=args.kv_store,
-        log_level="warning",
         startup_timeout_s=300.0,
-        stop_timeout_s=10.0,
     )
     # half short prompts (prefilled on the decode worker), half long ones (the prefill queue)
     prompts = random_prompts(args.requests // 2, 16, 48, seed=args.seed)

@@ -13,7 +13,7 @@ startup (shared/worker_config.py; docs/gpu.md).
 from __future__ import annotations
 
 import pytest
-from kvmesh.loadgen.bench_mesh import launched, random_prompts
+from kvmesh.loadgen.bench_mesh import launched, mesh_config, random_prompts
 from mesh_checks import check_blocks_returned, check_equals_offline, load
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
@@ -40,19 +40,9 @@ def offline_cuda_tokens() -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def cuda_mesh():
-    from kvmesh.shared.ports import free_port
-
-    from kvmesh.commands.up_config import UpConfig
-
-    config = UpConfig(
-        model="kvmesh-tiny",
+    config = mesh_config(
         mode="colocated",
         device="cuda",  # `kvmesh up` passes --device to every worker
-        port=0,
-        nats_url=f"nats://127.0.0.1:{free_port()}",
-        log_level="warning",
-        startup_timeout_s=180.0,
-        stop_timeout_s=10.0,
     )
     with launched(config, ENV) as mesh:
         yield mesh

@@ -25,7 +25,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from kvmesh.loadgen.bench_mesh import launched, random_prompts
+from kvmesh.loadgen.bench_mesh import launched, mesh_config, random_prompts
 from kvmesh.loadgen.fault_drill import (
     ENV,
     decode_stop,
@@ -35,10 +35,7 @@ from kvmesh.loadgen.fault_drill import (
     tally,
     worker_kill,
 )
-from kvmesh.shared.ports import free_port
 from offline_text import offline_texts
-
-from kvmesh.commands.up_config import UpConfig
 
 pytestmark = pytest.mark.slow
 
@@ -80,10 +77,7 @@ def logged(mesh, mesh_log):
 
 @pytest.fixture(scope="module")
 def mesh(mesh_log):
-    config = UpConfig(
-        model="kvmesh-tiny",
-        port=0,
-        nats_url=f"nats://127.0.0.1:{free_port()}",
+    config = mesh_config(
         prefill=1,
         decode=2,
         transport="shm",
@@ -91,7 +85,6 @@ def mesh(mesh_log):
         draft="ngram",
         log_level="info",  # the router logs each client it cuts off
         startup_timeout_s=300.0,
-        stop_timeout_s=10.0,
     )
     with launched(config, {**ENV, **CLIENT_ENV}, mesh_log.file) as launcher:
         yield launcher

@@ -17,7 +17,7 @@ import urllib.request
 import pytest
 import torch
 from kvmesh.kernels.kv_pack import pack_converted
-from kvmesh.loadgen.bench_mesh import launched, random_prompts
+from kvmesh.loadgen.bench_mesh import launched, mesh_config, random_prompts
 from kvmesh.loadgen.server_breakdown import parse_prometheus
 from kvmesh.shared.engine.config import EngineConfig
 from kvmesh.shared.engine.kv_cache import KVCacheSpec
@@ -103,21 +103,11 @@ def converted_handoff_offline(tiny, kv_cache_dtype: str) -> list[list[int]]:
 )
 def kv8_mesh(request):
     """(mesh, KV dtype, decode_only): that 8-bit KV on both sides, or on the decode side only."""
-    from kvmesh.shared.ports import free_port
-
-    from kvmesh.commands.up_config import UpConfig
-
     kv_cache_dtype, decode_only = request.param
-    config = UpConfig(
-        model="kvmesh-tiny",
+    config = mesh_config(
         mode="disagg",
         transport="shm",
-        port=0,
-        nats_url=f"nats://127.0.0.1:{free_port()}",
         local_prefill_threshold=0,
-        log_level="warning",
-        startup_timeout_s=180.0,
-        stop_timeout_s=10.0,
         kv_cache_dtype="auto" if decode_only else kv_cache_dtype,
         decode_kv_cache_dtype=kv_cache_dtype,
     )

@@ -25,7 +25,7 @@ import urllib.request
 
 import aiohttp
 import pytest
-from kvmesh.loadgen.bench_mesh import MeshTap, complete, launched, random_prompts
+from kvmesh.loadgen.bench_mesh import MeshTap, complete, launched, mesh_config, random_prompts
 from kvmesh.loadgen.server_breakdown import parse_prometheus
 from kvmesh.shared.admin_client import admin_client
 from mesh_checks import store_advertised_since_ready
@@ -144,24 +144,14 @@ async def run(mesh, offline: list[list[int]]) -> None:
 def test_prefill_reads_prefixes_and_earlier_answers_from_the_store_and_computes_only_new_tokens(
     offline_tokens: list[list[int]],
 ) -> None:
-    from kvmesh.shared.ports import free_port
-
-    from kvmesh.commands.up_config import UpConfig
-
-    config = UpConfig(
-        model="kvmesh-tiny",
+    config = mesh_config(
         mode="disagg",
         transport="shm",
-        port=0,
-        nats_url=f"nats://127.0.0.1:{free_port()}",
         local_prefill_threshold=0,
         prefill=2,
         decode=1,
         kv_store=1,
         kv_store_capacity_gb=0.0625,
-        log_level="warning",
-        startup_timeout_s=180.0,
-        stop_timeout_s=10.0,
     )
     with launched(config, ENV) as mesh:
         asyncio.run(run(mesh, offline_tokens))

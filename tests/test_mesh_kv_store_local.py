@@ -28,7 +28,7 @@ import urllib.request
 
 import aiohttp
 import pytest
-from kvmesh.loadgen.bench_mesh import MeshTap, complete, launched, random_prompts
+from kvmesh.loadgen.bench_mesh import MeshTap, complete, launched, mesh_config, random_prompts
 from kvmesh.loadgen.server_breakdown import parse_prometheus
 from kvmesh.shared.admin_client import admin_client
 from mesh_checks import store_advertised_since_ready
@@ -138,24 +138,14 @@ async def run(mesh, offline: list[list[int]]) -> None:
 def test_shared_prefix_goes_to_its_holder_or_is_read_from_the_store_and_never_recomputed(
     offline_tokens: list[list[int]],
 ) -> None:
-    from kvmesh.shared.ports import free_port
-
-    from kvmesh.commands.up_config import UpConfig
-
-    config = UpConfig(
-        model="kvmesh-tiny",
+    config = mesh_config(
         mode="disagg",
         transport="shm",
-        port=0,
-        nats_url=f"nats://127.0.0.1:{free_port()}",
         local_prefill_threshold=0,
         prefill=1,
         decode=2,
         kv_store=1,
         kv_store_capacity_gb=0.0625,
-        log_level="warning",
-        startup_timeout_s=180.0,
-        stop_timeout_s=10.0,
     )
     with launched(config, ENV) as mesh:
         asyncio.run(run(mesh, offline_tokens))

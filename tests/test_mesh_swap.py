@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import aiohttp
 import pytest
-from kvmesh.loadgen.bench_mesh import complete, launched, random_prompts
+from kvmesh.loadgen.bench_mesh import complete, launched, mesh_config, random_prompts
 from mesh_checks import check_blocks_returned, store_advertised_since_ready
 from offline_text import offline_texts
 from prometheus_client.parser import text_string_to_metric_families
@@ -64,24 +64,14 @@ async def run(mesh) -> list[str]:
 
 @pytest.mark.timeout(240)
 def test_preempted_sequences_swap_to_the_store_and_back_with_offline_outputs() -> None:
-    from kvmesh.shared.ports import free_port
-
-    from kvmesh.commands.up_config import UpConfig
-
-    config = UpConfig(
-        model="kvmesh-tiny",
+    config = mesh_config(
         mode="disagg",
         transport="shm",
-        port=0,
-        nats_url=f"nats://127.0.0.1:{free_port()}",
         local_prefill_threshold=4096,
         prefill=1,
         decode=1,
         kv_store=1,
         kv_store_capacity_gb=0.0625,
-        log_level="warning",
-        startup_timeout_s=180.0,
-        stop_timeout_s=10.0,
     )
     with ThreadPoolExecutor(1) as offline:  # computed while the mesh starts
         expected = offline.submit(offline_texts, PROMPTS, MAX_TOKENS, 64)

@@ -17,13 +17,10 @@ import urllib.request
 
 import aiohttp
 import pytest
-from kvmesh.loadgen.bench_mesh import complete, launched
+from kvmesh.loadgen.bench_mesh import complete, launched, mesh_config
 from kvmesh.loadgen.server_breakdown import parse_prometheus
 from kvmesh.shared.nats_service import connect_nats
-from kvmesh.shared.ports import free_port
 from nats_fuzz import bodies, targets
-
-from kvmesh.commands.up_config import UpConfig
 
 pytestmark = pytest.mark.slow
 
@@ -33,18 +30,14 @@ ENV = {"KVMESH_BLOCK_SIZE": "16"}
 
 @pytest.fixture(scope="module")
 def mesh():
-    config = UpConfig(
-        model="kvmesh-tiny",
+    config = mesh_config(
         mode="disagg",
         transport="tcp",
-        port=0,
-        nats_url=f"nats://127.0.0.1:{free_port()}",
         draft="ngram",
         kv_store=1,
         kv_store_capacity_gb=0.05,
         log_level="error",
         startup_timeout_s=240.0,
-        stop_timeout_s=10.0,
     )
     with launched(config, ENV) as launcher:
         yield launcher
