@@ -6,10 +6,10 @@ import argparse
 import asyncio
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, cast
 
 from kvmesh.shared.logs import LEVELS
 from kvmesh.shared.nats_options import NatsClientConfig
@@ -24,6 +24,9 @@ from kvmesh.shared.subjects import DEFAULT_MESH
 
 if TYPE_CHECKING:
     from kvmesh.shared.nats_auth import NatsAuth
+
+# A JSON object of the registry's replies (``shared/admin_client.py``), its fields read by name.
+Reply = Mapping[str, object]
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,7 +141,7 @@ def resolve_target(config: AdminConfig) -> AdminTarget:
     return AdminTarget(mesh, url, auth)
 
 
-async def run_admin(config: AdminConfig, action: str, arg: str | None) -> Any:
+async def run_admin(config: AdminConfig, action: str, arg: str | None) -> dict[str, object]:
     from kvmesh.shared.admin_client import admin_client
 
     target = resolve_target(config)
@@ -167,12 +170,13 @@ async def run_admin(config: AdminConfig, action: str, arg: str | None) -> Any:
 # --- rendering --------------------------------------------------------------------------------
 
 
-def render(action: str, result: dict[str, Any]) -> str:
+def render(action: str, result: Reply) -> str:
     if action == "status":
         return render_status(result)
     if action == "workers":
         return table(
-            result["workers"], ("worker_id", "role", "state", "running", "waiting", "last_seen_s")
+            cast("Sequence[Reply]", result["workers"]),
+            ("worker_id", "role", "state", "running", "waiting", "last_seen_s"),
         )
     if action == "log-level":
         return f"log level set to {result['level']} on every service"
@@ -180,12 +184,22 @@ def render(action: str, result: dict[str, Any]) -> str:
     return f"{result['action']} sent to {result['worker']}{state}"
 
 
-def render_status(status: dict[str, Any]) -> str:
-    registry = status.get("registry", {})
-    leases = status.get("leases", {})
+def _object(reply: Reply, key: str) -> Reply:
+    """The JSON object ``reply[key]`` (absent: empty)."""
+    return cast("Reply", reply.get(key, {}))
+
+
+def _rows(reply: Reply, key: str) -> Sequence[Reply]:
+    """The list of JSON objects ``reply[key]`` (absent: empty)."""
+    return cast("Sequence[Reply]", reply.get(key, []))
+
+
+def render_status(status: Reply) -> str:
+    registry = _object(status, "registry")
+    leases = _object(status, "leases")
     others = [
         w
-        for w in status.get("workers", [])
+        for w in _rows(status, "workers")
         if w["role"] not in ("decode", "colocated", "draft", "kv-store")
     ]
     parts = [
@@ -193,7 +207,7 @@ def render_status(status: dict[str, Any]) -> str:
         "",
         "decode workers:",
         table(
-            status.get("decode", []),
+            _rows(status, "decode"),
             (
                 "worker_id",
                 "role",
@@ -210,7 +224,7 @@ def render_status(status: dict[str, Any]) -> str:
         "",
         "draft workers (acceptance: accepted / verified draft positions, as decode reported):",
         table(
-            status.get("draft", []),
+            _rows(status, "draft"),
             (
                 "worker_id",
                 "method",
@@ -226,7 +240,7 @@ def render_status(status: dict[str, Any]) -> str:
         "",
         "kv stores (blocks; disk_*: the disk tier; hit rate: blocks served / blocks asked for):",
         table(
-            status.get("stores", []),
+            _rows(status, "stores"),
             (
                 "store_id",
                 "state",
@@ -247,12 +261,12 @@ def render_status(status: dict[str, Any]) -> str:
         "",
         "leases: " + ", ".join(f"{k} {v}" for k, v in leases.items()),
         "prefill queue: "
-        + ", ".join(f"{k} {v}" for k, v in status.get("prefill_queue", {}).items()),
+        + ", ".join(f"{k} {v}" for k, v in _object(status, "prefill_queue").items()),
     ]
     return "\n".join(parts)
 
 
-def table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
+def table(rows: Sequence[Reply], columns: Sequence[str]) -> str:
     if not rows:
         return "  (none)"
     cells = [[str(row.get(c, "")) for c in columns] for row in rows]

@@ -3,10 +3,10 @@
 
 from __future__ import annotations
 
-from typing import Any
+import argparse
 
 
-def register(subparsers: Any) -> None:
+def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "bench", help="benchmarks (engine, xfer, kv, mesh, serve, spec, gc, hostile)"
     )

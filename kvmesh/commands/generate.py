@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
+from collections.abc import Sequence
 
 
 def _token_ids(value: str) -> list[int]:
@@ -29,7 +29,7 @@ def _token_ids(value: str) -> list[int]:
     return ids
 
 
-def register(subparsers: Any) -> None:
+def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "generate",
         help="generate text for one prompt with an engine in this process (no mesh)",
@@ -70,7 +70,13 @@ def register(subparsers: Any) -> None:
 
 
 class _RefuseMeshFlag(argparse.Action):
-    def __call__(self, parser: Any, namespace: Any, values: Any, option: Any = None) -> None:
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: str | Sequence[object] | None,
+        option: str | None = None,
+    ) -> None:
         parser.error(
             f"{option}: kvmesh generate runs the model in this process and talks to no mesh; "
             "ask a mesh through its router instead (curl http://HOST:8000/v1/completions -d "

@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
 
 SEEDED_DEFAULT_SEED = 23
 
 
-def register(subparsers: Any) -> None:
+def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "model",
         help="make, import or fetch model checkpoints, measure a model's fp8 KV accuracy",
@@ -67,7 +66,7 @@ def _run_seeded(args: argparse.Namespace) -> int:
     return 0
 
 
-def _register_import(sub: Any) -> None:
+def _register_import(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "import",
         help="turn a Llama GGUF file (llama.cpp's format) into a checkpoint directory",
@@ -103,7 +102,7 @@ def _run_import(args: argparse.Namespace) -> int:
     return 0
 
 
-def _register_fetch(sub: Any) -> None:
+def _register_fetch(sub: argparse._SubParsersAction) -> None:
     from kvmesh.shared.model.fetch import FETCHABLE
 
     listing = "; ".join(f"{m.name}: {m.description}" for m in FETCHABLE.values())

@@ -6,12 +6,11 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
-from typing import Any
 
 from kvmesh.shared.subjects import DEFAULT_MESH
 
 
-def register(subparsers: Any) -> None:
+def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "nats-config",
         help="print the nats-server authorization block (one user per role) or make passwords",

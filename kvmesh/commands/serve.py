@@ -19,7 +19,7 @@ import sys
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING
 
 from kvmesh.shared.service_config import (
     ConfigError,
@@ -29,8 +29,12 @@ from kvmesh.shared.service_config import (
     unknown_env_keys,
 )
 
+if TYPE_CHECKING:
+    from kvmesh.shared.logs import LogConfig
+    from kvmesh.shared.worker_config import ServiceConfig
+
 # service name -> (module, config overrides)
-SERVICES: dict[str, tuple[str, dict[str, Any]]] = {
+SERVICES: dict[str, tuple[str, dict[str, object]]] = {
     "router": ("kvmesh.services.router", {}),
     "prefill": ("kvmesh.services.prefill", {}),
     "decode": ("kvmesh.services.decode", {}),
@@ -51,7 +55,7 @@ class ServiceSpec:
     name: str
     module: ModuleType
     config_cls: type
-    overrides: dict[str, Any]
+    overrides: dict[str, object]
 
 
 def load_service(name: str) -> ServiceSpec:
@@ -113,7 +117,7 @@ def service_env_keys(name: str) -> set[str]:
 
 def build_service_config(
     name: str, argv: Sequence[str], env: Mapping[str, str] | None = None
-) -> tuple[ServiceSpec, Any, Any]:
+) -> tuple[ServiceSpec, ServiceConfig, LogConfig]:
     """Parse ``argv`` (the flags after ``serve <name>``) -> (spec, service config, LogConfig).
 
     Exits (argparse) on unknown flags; raises ConfigError on bad values."""
@@ -122,7 +126,7 @@ def build_service_config(
     env = os.environ if env is None else env
     spec = load_service(name)
     args = service_parser(spec).parse_args(list(argv))
-    config = config_from_args(spec.config_cls, args, env, **spec.overrides)
+    config: ServiceConfig = config_from_args(spec.config_cls, args, env, **spec.overrides)
     log_config = config_from_args(LogConfig, args, env)
     return spec, config, log_config
 

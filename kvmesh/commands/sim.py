@@ -19,18 +19,25 @@ Torch is imported by ``--calibrate`` and ``--validate`` only.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
+from kvmesh.commands import sim_report
 from kvmesh.loadgen.arrivals import ARRIVAL_KINDS
 from kvmesh.loadgen.sim.specs import SPEC_DIR
+
+if TYPE_CHECKING:
+    from kvmesh.loadgen.sim.cost import CostModel
+    from kvmesh.loadgen.sim.sla import Sla
+    from kvmesh.loadgen.sim.specs import ModelSpec
+    from kvmesh.loadgen.sim.topology import Mode, Topology
+    from kvmesh.loadgen.sim.workload import SimRequest
 
 DEFAULT_CPU_SPEC = SPEC_DIR / "devices" / "cpu.json"
 
 
-def register(subparsers: Any) -> None:
+def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "sim",
         help="cluster simulator: TTFT/ITL/goodput of a topology, P:D planner, calibration",
@@ -160,7 +167,7 @@ def _fail(message: str) -> int:
     return 2
 
 
-def _sla(text: str) -> Any:
+def _sla(text: str) -> Sla:
     from kvmesh.loadgen.sim.sla import Sla
 
     values = {}
@@ -174,7 +181,7 @@ def _sla(text: str) -> Any:
     return Sla(**values)
 
 
-def _requests(args: argparse.Namespace) -> list[Any]:
+def _requests(args: argparse.Namespace) -> list[SimRequest]:
     from kvmesh.loadgen.arrivals import ArrivalProcess
     from kvmesh.loadgen.sim import workload
     from kvmesh.loadgen.workload import LengthSpec
@@ -213,48 +220,47 @@ def run(args: argparse.Namespace) -> int:
         return _fail(str(exc))
 
 
-def _topology(args: argparse.Namespace, **overrides: Any) -> Any:
+def _topology(
+    args: argparse.Namespace,
+    mode: Mode | None = None,
+    *,
+    num_prefill: int = 0,
+    num_decode: int = 1,
+    chunk_tokens: int | None = None,
+) -> Topology:
+    """The topology of ``--mode``, ``--prefill``, ``--decode`` and ``--chunk-tokens``; with
+    ``mode``, that mode with ``num_prefill``, ``num_decode`` and ``chunk_tokens`` instead. The
+    rest (``--max-num-seqs``, ``--tp``, ...) from ``args`` either way."""
     from kvmesh.loadgen.sim.topology import Topology
 
-    fields = dict(
-        mode=args.mode,
-        num_decode=args.decode,
-        num_prefill=args.prefill if args.mode == "disagg" else 0,
-        chunk_tokens=args.chunk_tokens or None,
+    if mode is None:
+        mode, num_decode = args.mode, args.decode
+        num_prefill = args.prefill if args.mode == "disagg" else 0
+        chunk_tokens = args.chunk_tokens or None
+    return Topology(
+        mode=mode,
+        num_decode=num_decode,
+        num_prefill=num_prefill,
+        chunk_tokens=chunk_tokens,
         max_num_seqs=args.max_num_seqs,
         tp=args.tp,
         decode_pacing_s=args.decode_pacing_ms / 1e3,
         kv_capacity_tokens=args.kv_capacity_tokens,
     )
-    fields.update(overrides)
-    return Topology(**fields)
 
 
-def _assumptions(cost: Any, requests: list[Any], sla: Any) -> str:
-    d, m = cost.device, cost.model
-    n_in = [r.input_len for r in requests]
-    return (
-        f"{m.name} ({m.weight_bytes / 1e9:.1f} GB weights, {m.kv_bytes_per_token / 1024:.0f} KiB KV "
-        f"per token) on {d.name} x tp {cost.tp}: {d.peak_flops / 1e12:.0f} TFLOP/s x "
-        f"{d.flops_efficiency:g}, {d.mem_bandwidth / 1e12:.2f} TB/s x {d.bandwidth_efficiency:g}, "
-        f"{d.step_overhead_s * 1e3:g} ms per step, {d.cache_bytes / 1e6:g} MB cache, link {d.link_bandwidth / 1e9:g} GB/s; "
-        f"{len(requests)} requests, prompts {min(n_in)}-{max(n_in)} tokens; "
-        f"SLA p99 TTFT <= {sla.ttft_ms:g} ms, p99 ITL <= {sla.itl_ms:g} ms"
-    )
-
-
-def _one(args: argparse.Namespace, cost: Any, requests: list[Any], sla: Any) -> int:
+def _one(args: argparse.Namespace, cost: CostModel, requests: list[SimRequest], sla: Sla) -> int:
     from kvmesh.loadgen.sim.cluster import simulate
     from kvmesh.loadgen.sim.report import format_table, result_row
 
     topology = _topology(args)
     result = simulate(topology, cost, requests, sla.slo)
-    print(_assumptions(cost, requests, sla))
+    print(sim_report.assumptions(cost, requests, sla))
     print(format_table([result_row(topology.label, result, sla)]))
     return 0
 
 
-def _plan(args: argparse.Namespace, cost: Any, requests: list[Any], sla: Any) -> int:
+def _plan(args: argparse.Namespace, cost: CostModel, requests: list[SimRequest], sla: Sla) -> int:
     from kvmesh.loadgen.sim import planner
     from kvmesh.loadgen.sim.cluster import simulate
     from kvmesh.loadgen.sim.report import format_table, result_row
@@ -270,7 +276,7 @@ def _plan(args: argparse.Namespace, cost: Any, requests: list[Any], sla: Any) ->
     plan = planner.plan(cost, requests, sla, args.gpus, base=base)
     rows = [result_row(t.label, r, sla) for t, r in baselines]
     rows.append(result_row(f"planner: {plan.best.topology.label}", plan.best.result, sla))
-    print(_assumptions(cost, requests, sla))
+    print(sim_report.assumptions(cost, requests, sla))
     print(format_table(rows))
     print()
     print("\n".join(planner.explain(plan)))
@@ -292,7 +298,7 @@ def _plan(args: argparse.Namespace, cost: Any, requests: list[Any], sla: Any) ->
     return 0
 
 
-def _calibrate(args: argparse.Namespace, model: Any) -> int:
+def _calibrate(args: argparse.Namespace, model: ModelSpec) -> int:
     from kvmesh.loadgen.sim.calibrate import calibrate
     from kvmesh.loadgen.sim.fit import FitError
     from kvmesh.loadgen.sim.overheads import OverheadFitError
@@ -313,233 +319,12 @@ def _calibrate(args: argparse.Namespace, model: Any) -> int:
         return _fail(f"calibration refused: {exc}")
     except OverheadFitError as exc:
         return _fail(f"mesh probe refused: {exc}")
-    s, fit = result.spec, result.fit
-    print(f"measured in {result.seconds:.0f} s on {s.cores} cores, {s.calibration_threads} threads")
-    print("| point | measured ms | fitted ms | residual |\n|---|---|---|---|")
-    for r in fit.residuals:
-        print(
-            f"| {r.label} | {r.measured_s * 1e3:.2f} | {r.predicted_s * 1e3:.2f} | "
-            f"{r.relative:+.1%} |"
-        )
-    for note in fit.notes:
-        print(f"note: {note}")
-    if fit.max_relative_error > 0.25:
-        print(
-            f"warning: a point is off by {fit.max_relative_error:.0%}: the cost model does not "
-            "describe this machine well at that shape (or the machine was busy)"
-        )
-    cache = "in" if s.cache_bytes >= model.weight_bytes else "out of"
-    print(
-        f"effective {s.peak_flops / 1e9:.1f} GFLOP/s, {s.mem_bandwidth / 1e9:.2f} GB/s; overhead "
-        f"{s.step_overhead_s * 1e3:.2f} ms per step + {s.seq_overhead_s * 1e3:.3f} ms per "
-        f"sequence + {s.chunk_overhead_s * 1e3:.2f} ms per prefill chunk; "
-        f"{s.cache_bytes / 2**20:.0f} MiB LLC ({model.name}'s weights {cache} it); "
-        f"link {s.link_bandwidth / 1e9:.1f} GB/s"
-    )
-    if result.probe_runs:
-        _print_probe_runs(result.probe_runs)
-    if result.engine_scale is not None:
-        _print_engine_scale(result.engine_scale)
-    elif result.mesh is not None:
-        print("\nmesh engine scale: not measured (the mesh's /metrics could not be read); 1")
-    if result.mesh is not None:
-        _print_mesh_fit(result.mesh)
-    print(f"wrote {write_device(s, args.out or DEFAULT_CPU_SPEC)}")
+    sim_report.print_calibration(result, model)
+    print(f"wrote {write_device(result.spec, args.out or DEFAULT_CPU_SPEC)}")
     return 0
 
 
-def _print_probe_runs(runs: Any) -> None:
-    """Each probe run's figures and the scale and overheads fitted to it alone: the spread that
-    the fit to the medians (below) smooths."""
-    from kvmesh.loadgen.sim.engine_scale import role_means
-
-    n = len(runs)
-    print(f"\nmesh probe, {n} runs (the fit below is to each figure's median over them):")
-    print(
-        "| run | mode | TTFT ms | gap batch 1 ms | gap batch 8 ms | long-prompt TTFT ms | "
-        "engine mean ms (count) |\n|---|---|---|---|---|---|---|"
-    )
-    for k, r in enumerate(runs, 1):
-        for mode, f in r.figures.items():
-            means = role_means(mode, r.timings[mode]) if mode in r.timings else {}
-            engine = ", ".join(f"{role} {m * 1e3:.2f} ({c})" for role, (m, c) in means.items())
-            long = r.long_ttft_s.get(mode)
-            print(
-                f"| {k} | {mode} | {f.ttft_s * 1e3:.1f} | {f.gap_1_s * 1e3:.2f} | "
-                f"{f.gap_batch_s * 1e3:.2f} | {'-' if long is None else f'{long * 1e3:.0f}'} | "
-                f"{engine or '-'} |"
-            )
-    print("\neach run fitted alone (not used; the spec gets the fit to the medians):")
-    print(_fit_header())
-    for k, r in enumerate(runs, 1):
-        print(f"| {k} | {' | '.join(_fit_cells(r.scale, r.overheads))} |")
-    _print_scale_spread([r.scale for r in runs])
-
-
-_FIT_COLUMNS = (
-    "engine scale",
-    "colocated loop + token ms",
-    "decode loop + token ms",
-    "request ms",
-    "hand-off ms",
-    "wake ms (colocated; prefill)",
-    "warm-up ms (colocated; decode)",
-    "jitter p90 / p99 ms (colocated; decode)",
-    "pace p10-p90 (colocated; decode)",
-)
-
-
-def _fit_header(extra: tuple[str, ...] = ()) -> str:
-    """The header of a table with one fitted scale and overheads a row (``_fit_cells``)."""
-    header = ["run", *_FIT_COLUMNS, *extra]
-    return "| " + " | ".join(header) + " |\n" + "|---" * len(header) + "|"
-
-
-def _scale_terms(scale: Any) -> list[tuple[str, float, str]]:
-    """A fitted engine scale's terms as (name, value, text): a factor per role (``x1.57``), a
-    fixed term (a field in seconds, ``_s``) in ms."""
-    out = []
-    for field in dataclasses.fields(scale):
-        value = getattr(scale, field.name)
-        if field.name.endswith("_s"):
-            out.append((field.name.removesuffix("_s"), value * 1e3, f"{value * 1e3:.2f} ms"))
-        else:
-            out.append((field.name, value, f"x{value:.2f}"))
-    return out
-
-
-def _fit_cells(scale: Any, o: Any) -> list[str]:
-    """One fit's engine scale ("-": none fitted) and overheads, as table cells."""
-    scales = "-" if scale is None else ", ".join(f"{n} {t}" for n, _, t in _scale_terms(scale))
-    return [
-        scales,
-        f"{o.colocated_loop_s * 1e3:.2f} + {o.colocated_token_s * 1e3:.3f}",
-        f"{o.loop_s * 1e3:.2f} + {o.token_s * 1e3:.3f}",
-        f"{o.request_s * 1e3:.1f}",
-        f"{o.handoff_s * 1e3:.1f}",
-        f"{o.colocated_wake_s * 1e3:.1f}; {o.prefill_wake_s * 1e3:.1f}",
-        f"{o.colocated_warmup_s * 1e3:.2f}; {o.decode_warmup_s * 1e3:.2f}",
-        "; ".join(
-            f"{j.p90_s * 1e3:.2f} / {j.p99_s * 1e3:.2f}" for j in (o.colocated_jitter, o.jitter)
-        ),
-        "; ".join(f"{j.pace[1]:.2f}-{j.pace[3]:.2f}" for j in (o.colocated_jitter, o.jitter)),
-    ]
-
-
-def _print_scale_spread(scales: list[Any]) -> None:
-    """Each engine scale term's range over the runs that fitted one (two or more)."""
-    fitted = [_scale_terms(s) for s in scales if s is not None]
-    if len(fitted) > 1:
-        spread = ", ".join(
-            f"{name} {min(t[k][1] for t in fitted):.2f}-{max(t[k][1] for t in fitted):.2f}"
-            + (" ms" if unit.endswith("ms") else "x")
-            for k, (name, _, unit) in enumerate(fitted[0])
-        )
-        print(f"the scales fitted run by run: {spread}")
-
-
-_PROBE_FIT_COLUMNS = ("worst probe residual", "worst long-prompt check")
-
-
-def _print_probe_fit_row(label: str, fit: Any, note_prefix: str = "note") -> None:
-    """One fit made on validation meshes (``validate.RunFit``) as a row of a ``_fit_header``
-    table with ``_PROBE_FIT_COLUMNS``, then its notes."""
-    mesh = fit.mesh
-    check = f"{mesh.max_check_error:.0%}" if mesh.checks else "-"
-    cells = _fit_cells(fit.engine_scale and fit.engine_scale.scale, mesh.overheads)
-    print(f"| {label} | {' | '.join([*cells, f'{mesh.max_relative_error:.0%}', check])} |")
-    for note in mesh.notes:
-        print(f"{note_prefix}: {note}")
-
-
-def _print_pooled_fit(fit: Any, runs: int) -> None:
-    """``--probe-each-run``: the fit to every probe run of the validation (each figure their
-    median, the jitter their gaps together), which the pooled comparison below uses."""
-    print(
-        f"\nthe fit to all {runs} probe runs (each figure their median, the jitter their gaps "
-        "together; the comparison below uses it):"
-    )
-    print(_fit_header(_PROBE_FIT_COLUMNS))
-    _print_probe_fit_row("all", fit)
-
-
-def _print_run_fits(fits: Any) -> None:
-    """``--probe-each-run``: each repeat's scale and overheads, fitted to the two probe runs its
-    meshes served (before and after the workload), with the fit's worst probe residual and its
-    worst long-prompt check (nothing fitted to those)."""
-    print("\neach repeat's fit to the probes on its own meshes (its own simulation uses it):")
-    print(_fit_header(_PROBE_FIT_COLUMNS))
-    for k, f in enumerate(fits, 1):
-        _print_probe_fit_row(str(k), f, f"note (repeat {k})")
-    _print_scale_spread([f.engine_scale and f.engine_scale.scale for f in fits])
-
-
-def _print_engine_scale(scaled: Any) -> None:
-    print("\nengine in the mesh's workers during the probe (their /metrics) against the model:")
-    print(
-        "| figure | mesh mean ms | count | in-process model ms | scaled model ms |\n"
-        "|---|---|---|---|---|"
-    )
-    for f in scaled.figures:
-        print(
-            f"| {f.role} | {f.measured_s * 1e3:.2f} | {f.count} | {f.unscaled_s * 1e3:.2f} | "
-            f"{f.scaled_s * 1e3:.2f} ({f.relative:+.1%}) |"
-        )
-    print("engine in the mesh: " + ", ".join(f"{n} {v}" for n, v in scaled.scale.terms()))
-
-
-def _print_mesh_fit(mesh: Any) -> None:
-    from kvmesh.loadgen.sim.cost import WARMUP_STEPS
-
-    o = mesh.overheads
-    print("\nmesh probe (simulated with the overheads below):")
-    print("| figure | measured ms | simulated ms | residual |\n|---|---|---|---|")
-    for r in mesh.residuals:
-        print(
-            f"| {r.label} | {r.measured_s * 1e3:.2f} | {r.simulated_s * 1e3:.2f} | "
-            f"{r.relative:+.1%} |"
-        )
-    for r in mesh.checks:
-        print(
-            f"| check: {r.label} | {r.measured_s * 1e3:.2f} | {r.simulated_s * 1e3:.2f} | "
-            f"{r.relative:+.1%} |"
-        )
-    for note in mesh.notes:
-        print(f"note: {note}")
-    if mesh.max_check_error > 0.25:
-        print(
-            f"warning: a long prompt's TTFT is off by {mesh.max_check_error:.0%} though nothing "
-            "was fitted to it: the engine's calibrated prefill, or the request path, is not what "
-            "the mesh shows at that length (or the machine was busy)"
-        )
-    if mesh.max_relative_error > 0.25:
-        print(
-            f"warning: a probe figure is off by {mesh.max_relative_error:.0%}: the overheads do "
-            "not describe this mesh well (or the machine was busy)"
-        )
-    print(
-        f"mesh overheads: colocated loop {o.colocated_loop_s * 1e3:.2f} ms per step + "
-        f"{o.colocated_token_s * 1e3:.3f} ms per streamed token; "
-        f"decode loop {o.loop_s * 1e3:.2f} ms per step + {o.token_s * 1e3:.3f} ms per "
-        f"streamed token; request {o.request_s * 1e3:.1f} ms; disagg hand-off "
-        f"{o.handoff_s * 1e3:.1f} ms; the first step after idling: colocated "
-        f"+{o.colocated_wake_s * 1e3:.1f} ms, prefill +{o.prefill_wake_s * 1e3:.1f} ms; "
-        f"a sequence's first decode step: colocated +{o.colocated_warmup_s * 1e3:.2f} ms, "
-        f"decode +{o.decode_warmup_s * 1e3:.2f} ms (tapering over {WARMUP_STEPS} steps); "
-        "loop step jitter over its request's median (p90, p99, max): "
-        + "; ".join(
-            f"{who} {j.p90_s * 1e3:.2f}, {j.p99_s * 1e3:.2f}, {j.max_s * 1e3:.1f} ms"
-            for who, j in (("colocated", o.colocated_jitter), ("decode", o.jitter))
-        )
-        + "; each sequence's pace against the mean (min, p10, p50, p90, max): "
-        + "; ".join(
-            f"{who} " + ", ".join(f"{x:.2f}" for x in j.pace)
-            for who, j in (("colocated", o.colocated_jitter), ("decode", o.jitter))
-        )
-    )
-
-
-def _validate(args: argparse.Namespace, cost: Any, requests: list[Any]) -> int:
+def _validate(args: argparse.Namespace, cost: CostModel, requests: list[SimRequest]) -> int:
     from kvmesh.loadgen.bench_serve_config import ServeBenchConfig
     from kvmesh.loadgen.sim import validate
     from kvmesh.loadgen.sim.overheads import OverheadFitError
@@ -568,16 +353,10 @@ def _validate(args: argparse.Namespace, cost: Any, requests: list[Any]) -> int:
         compare=("colocated", "disagg"),
         prefill_nice=args.prefill_nice,
     )
-    d = cost.device
     if args.probe_each_run:
-        print(
-            f"simulated on {d.name}'s engine figures: {d.peak_flops / 1e9:.1f} GFLOP/s, "
-            f"{d.mem_bandwidth / 1e9:.2f} GB/s, {d.step_overhead_s * 1e3:.2f} ms per step; the "
-            "engine scale and mesh overheads fitted to the probes served on the validation's "
-            "own meshes, before and after each workload"
-        )
+        sim_report.print_engine_figures(cost.device)
     else:
-        _print_spec_terms(d)
+        sim_report.print_spec_terms(cost.device)
     modes = ("colocated", "disagg")
     try:
         served = validate.serve(
@@ -591,79 +370,21 @@ def _validate(args: argparse.Namespace, cost: Any, requests: list[Any]) -> int:
             comparisons = validate.compare_served(runs, cost, requests, args.prefill_nice)
     except OverheadFitError as exc:
         return _fail(f"mesh probe refused: {exc}")
-    _print_disturbed(served)
+    sim_report.print_disturbed(served)
     if args.probe_each_run:
-        _print_run_fits(each[0].fits)
+        sim_report.print_run_fits(each[0].fits)
         print()
         print(validate.format_runs(each))
         print(validate.format_comparisons(each))
-        _print_pooled_fit(comparisons[0].fits[0], 2 * args.repeats)
+        sim_report.print_pooled_fit(comparisons[0].fits[0], 2 * args.repeats)
         print()
     if args.repeats > 1:
         print(validate.format_runs(comparisons))
         print(f"\npooled: the real side is every run's records ({args.repeats} x {len(requests)})")
     print(validate.format_comparisons(comparisons))
     if args.per_request:
-        from kvmesh.loadgen.sim.engine_timings import format_timings
-        from kvmesh.loadgen.sim.per_request import format_pairs, pair
-
-        for c in comparisons:
-            for k, run in enumerate(c.real_runs):
-                label = c.mode if len(c.real_runs) == 1 else f"{c.mode}, run {k + 1}"
-                print()
-                print(format_pairs(label, pair(run, c.sim_of(k))))
-            print(format_timings(c.mode, c.real_timings, c.sim_timings))
+        sim_report.print_per_request(comparisons)
     if args.records_out is not None:
         args.records_out.write_text(validate.records_json(comparisons))
         print(f"wrote {args.records_out}", file=sys.stderr)
     return 0
-
-
-def _print_disturbed(served: Any) -> None:
-    """The repeats served again because the hypervisor disturbed them, and those kept so."""
-    for s in served.set_aside:
-        print(
-            f"repeat {s.repeat + 1} served again: the hypervisor took {s.steal.cell()} of the CPU "
-            f"during the {s.mode} mesh's probes / workload (--max-steal {served.max_steal:.0%})"
-        )
-    for k, mode, steal in served.kept_disturbed():
-        print(
-            f"warning: repeat {k + 1}'s {mode} run lost {steal.cell()} of the CPU to the "
-            "hypervisor and is compared all the same (no --redo left): its machine was not "
-            "the one its probes measured"
-        )
-
-
-def _print_spec_terms(d: Any) -> None:
-    """The spec's engine figures, mesh overheads and engine scales the simulation uses."""
-    print(
-        f"simulated on {d.name}: {d.peak_flops / 1e9:.1f} GFLOP/s, {d.mem_bandwidth / 1e9:.2f} GB/s, "
-        f"{d.step_overhead_s * 1e3:.2f} ms per step; mesh overheads: colocated loop "
-        f"{d.colocated_loop_overhead_s * 1e3:.2f} ms + {d.colocated_token_overhead_s * 1e3:.3f} ms "
-        f"per token, decode loop {d.loop_overhead_s * 1e3:.2f} ms + "
-        f"{d.token_overhead_s * 1e3:.3f} ms per token, request "
-        f"{d.request_overhead_s * 1e3:.1f} ms, hand-off {d.handoff_overhead_s * 1e3:.1f} ms, "
-        f"wake colocated {d.colocated_wake_s * 1e3:.1f} ms, prefill "
-        f"{d.prefill_wake_s * 1e3:.1f} ms, warm-up colocated "
-        f"{d.colocated_warmup_s * 1e3:.2f} ms, decode {d.decode_warmup_s * 1e3:.2f} ms, "
-        + ", ".join(
-            f"{who} jitter p90 {p90 * 1e3:.2f} ms, p99 {p99 * 1e3:.2f} ms, max {top * 1e3:.1f} ms"
-            for who, (p90, p99, top) in (
-                ("colocated", d.jitter_knots("colocated")),
-                ("decode", d.jitter_knots("decode")),
-            )
-        )
-        + ", "
-        + ", ".join(
-            f"{who} pace p10-p90 {knots[1]:.2f}-{knots[3]:.2f}"
-            for who, knots in (
-                ("colocated", d.pace_knots("colocated")),
-                ("decode", d.pace_knots("decode")),
-            )
-        )
-        + ("" if d.request_overhead_s else " (none measured: run --calibrate first)")
-        + f"; engine in the mesh x{d.colocated_engine_scale:.2f} + "
-        f"{d.colocated_engine_extra_s * 1e3:.2f} ms colocated, "
-        f"x{d.decode_engine_scale:.2f} + {d.decode_engine_extra_s * 1e3:.2f} ms decode, "
-        f"x{d.prefill_engine_scale:.2f} prefill"
-    )
