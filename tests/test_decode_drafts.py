@@ -174,18 +174,23 @@ def reference(tiny) -> list[list[int]]:
 async def _run(tiny, drafter) -> tuple[dict[str, list[int]], object]:
     """Local-prefill requests on a colocated worker with a DraftBook; between steps the
     ``drafter(rid, context)`` answers every context the worker sent."""
+    from kvmesh.services.decode.metrics import DecodeMetrics
+    from kvmesh.services.decode.speculation import Speculation
     from kvmesh.services.decode.worker import DecodeWorker
     from kvmesh.shared.engine.config import EngineConfig
     from kvmesh.shared.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(*tiny, EngineConfig(num_blocks=128))
+    metrics = DecodeMetrics()
+    speculation = Speculation(DraftBook("d0"), metrics, clock=lambda: 0.0)
     worker = DecodeWorker(
         engine,
         worker_id="d0",
         base_addr=engine.kv_pool.base_addr,
         colocated=True,
-        drafts=DraftBook("d0"),
+        metrics=metrics,
         clock=lambda: 0.0,
+        hooks=[speculation],
     )
     opts = protocol.SamplingOptions(max_tokens=MAX_TOKENS, temperature=0.0)
     for i, prompt in enumerate(PROMPTS):
@@ -200,13 +205,13 @@ async def _run(tiny, drafter) -> tuple[dict[str, list[int]], object]:
             break
         for event in await worker.admit() + await worker.step():
             got[event.request_id] += event.token_ids
-        for item in worker.take_draft_messages():
+        for item in speculation.take_messages():
             if not isinstance(item, Outgoing):
                 continue
             msg = item.message
             held[msg.request_id] = held.get(msg.request_id, [])[: msg.start] + list(msg.token_ids)
             tokens = drafter(msg.request_id, held[msg.request_id])
-            worker.on_proposal(
+            speculation.on_proposal(
                 DraftProposal(
                     msg.request_id,
                     "x1",

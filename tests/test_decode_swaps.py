@@ -98,7 +98,7 @@ async def drive(engine, swaps: Swaps) -> dict[str, list[int]]:
     from kvmesh.shared.sampling import SamplingOptions
 
     params = SamplingOptions(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    lock = asyncio.Lock()
+    lock = swaps.lock
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(f"r{i}", prompt, params)
     tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(PROMPTS))}
@@ -106,11 +106,11 @@ async def drive(engine, swaps: Swaps) -> dict[str, list[int]]:
         async with lock:
             plan = swaps.plan_swap_in()
         if plan is not None:
-            await swaps.swap_in(*plan, lock)
+            await swaps.swap_in(*plan)
         async with lock:
             for out in engine.step():
                 tokens[out.request_id] += out.new_token_ids
-            swaps.after_step(lock)
+            swaps.swap_out_preempted()
         await asyncio.sleep(0)
     await swaps.aclose()
     return tokens
@@ -127,7 +127,7 @@ def roomy(tiny) -> dict[str, list[int]]:
 
 def swaps_of(engine, store) -> tuple[Swaps, DecodeMetrics]:
     metrics = DecodeMetrics()
-    return Swaps(engine, store, OneStore(), engine.kv_spec, metrics), metrics
+    return Swaps(engine, store, OneStore(), engine.kv_spec, metrics, asyncio.Lock()), metrics
 
 
 def counts(metrics: DecodeMetrics) -> dict[str, float]:

@@ -27,6 +27,7 @@ from kvmesh.services.decode.cache_reports import CacheReporter
 from kvmesh.services.decode.config import DecodeConfig
 from kvmesh.services.decode.drafts import DraftBook, Outgoing
 from kvmesh.services.decode.metrics import DecodeMetrics
+from kvmesh.services.decode.speculation import Speculation
 from kvmesh.services.decode.store_puts import FinishedPuts
 from kvmesh.services.decode.swaps import Swaps
 from kvmesh.services.decode.windows import LeaseWindows
@@ -122,10 +123,19 @@ class DecodeService:
         transport: Transport | None,
         nc: Client,
         hearing: Hearing | None = None,
+        *,
+        speculation: Speculation | None = None,
+        store: FinishedPuts | None = None,
+        cache: CacheReporter | None = None,
         **advert: Any,
     ) -> None:
-        """``hearing``: the NATS connection's outages; no lease runs out during one."""
+        """``hearing``: the NATS connection's outages; no lease runs out during one. The
+        features the service feeds from NATS: ``speculation`` (proposals in, contexts out),
+        ``store`` (store adverts) and ``cache`` (prefix cache reports to the registry)."""
         self.config = config
+        self.speculation = speculation
+        self.store = store
+        self.cache = cache
         self.hearing = hearing or Hearing()
         self.worker = worker
         self.transport = transport
@@ -207,7 +217,9 @@ class DecodeService:
     async def _publish_drafts(self) -> None:
         """Send what the last step queued for the draft service (nothing waits for it)."""
         subjects = self.config.subjects
-        for item in self.worker.take_draft_messages():
+        if self.speculation is None:
+            return
+        for item in self.speculation.take_messages():
             if isinstance(item, Outgoing):
                 subject = (
                     subjects.DRAFT_CONTEXT
@@ -224,26 +236,25 @@ class DecodeService:
                 log.debug("draft message not sent", subject=subject, error=str(exc))
 
     async def on_proposal(self, msg: DraftProposal) -> None:
-        latency = self.worker.on_proposal(msg)
-        if latency is not None:
-            self.worker.metrics.spec_draft_latency_seconds.observe(latency)
+        if self.speculation is not None:
+            self.speculation.on_proposal(msg)
 
     async def cache_report_loop(self) -> None:
         """Tell the kv-registry what the prefix cache holds: its changes every
         ``cache_events_interval_s``, all of it every ``cache_digest_interval_s`` (and at once
         after an overflow). One task sends both, so they go out in ``seq`` order."""
-        if self.worker.cache is None:
+        cache = self.cache
+        if cache is None:
             return
         subjects = self.config.subjects
         next_digest = 0.0
         while True:
-            msg: KvCacheEvents | KvCacheDigest | None = self.worker.cache_events()
-            if msg is not None:
-                await self._publish_cache_report(subjects.REGISTRY_KV_EVENTS, msg)
-            if self.worker.cache.needs_digest or time.monotonic() >= next_digest:
-                msg = await self.worker.cache_digest()
-                assert msg is not None
-                await self._publish_cache_report(subjects.REGISTRY_KV_DIGEST, msg)
+            events = cache.events()  # no lock: the log has its own
+            if events is not None:
+                await self._publish_cache_report(subjects.REGISTRY_KV_EVENTS, events)
+            if cache.needs_digest or time.monotonic() >= next_digest:
+                digest = await self.worker.between_steps(cache.digest)  # it reads the table
+                await self._publish_cache_report(subjects.REGISTRY_KV_DIGEST, digest)
                 next_digest = time.monotonic() + self.config.cache_digest_interval_s
             await asyncio.sleep(self.config.cache_events_interval_s)
 
@@ -332,8 +343,8 @@ class DecodeService:
 
     async def on_worker_gone(self, msg: WorkerGone) -> None:
         if msg.role == "draft":
-            if self.worker.drafts is not None:
-                self.worker.drafts.on_worker_gone(msg.worker_id)
+            if self.speculation is not None:
+                self.speculation.on_worker_gone(msg.worker_id)
             return
         self.worker.on_worker_gone(msg)
 
@@ -342,8 +353,8 @@ class DecodeService:
             self.worker.on_prefill_done(msg)
 
     async def on_store_advert(self, advert: StoreAdvert) -> None:
-        if self.worker.store is not None:
-            self.worker.store.on_advert(advert)
+        if self.store is not None:
+            self.store.on_advert(advert)
 
     async def drain(self, timeout_s: float) -> None:
         """Refuse new work; wait (bounded) for what runs to finish."""
@@ -396,6 +407,7 @@ async def decode_service(config: DecodeConfig) -> AsyncIterator[DecodeService]:
         engine = LLMEngine(model, tokenizer, econf, kv_buffer=buffer)
         region = transport.register(engine.kv_pool.raw, Access.REMOTE_WRITE) if disagg else None
         store, swaps, reader, metrics = None, None, None, DecodeMetrics()
+        lock = asyncio.Lock()  # the engine's: the worker's, and the puts' and swap-ins' later
         if region is not None and config.use_kv_store and econf.enable_prefix_caching:
             client = KvStoreClient(
                 nc,
@@ -406,11 +418,17 @@ async def decode_service(config: DecodeConfig) -> AsyncIterator[DecodeService]:
                 spec.block_bytes,
                 worker_id,
             )
-            store = FinishedPuts(engine, client, engine.kv_spec)
-            swaps = Swaps(engine, client, store.stores, engine.kv_spec, metrics)
+            store = FinishedPuts(engine, client, engine.kv_spec, lock)
+            swaps = Swaps(engine, client, store.stores, engine.kv_spec, metrics, lock)
             reader = PrefixReader(
                 client, store.stores, engine.kv_spec, engine.block_manager, engine.kv_pool
             )
+        speculation = Speculation(DraftBook(worker_id), metrics) if config.speculative else None
+        cache = (
+            CacheReporter(worker_id, engine.block_manager, config.max_cache_events)
+            if econf.enable_prefix_caching
+            else None
+        )
         worker = DecodeWorker(
             engine,
             worker_id=worker_id,
@@ -419,14 +437,8 @@ async def decode_service(config: DecodeConfig) -> AsyncIterator[DecodeService]:
             windows=LeaseWindows(transport, region, spec.block_bytes) if region else None,
             quarantine_s=config.quarantine_s,
             metrics=metrics,
-            drafts=DraftBook(worker_id) if config.speculative else None,
-            cache=(
-                CacheReporter(worker_id, engine.block_manager, config.max_cache_events)
-                if econf.enable_prefix_caching
-                else None
-            ),
-            store=store,
-            swaps=swaps,
+            hooks=[hook for hook in (speculation, store, swaps) if hook is not None],
+            lock=lock,
             reader=reader,
         )
         service = DecodeService(
@@ -435,6 +447,9 @@ async def decode_service(config: DecodeConfig) -> AsyncIterator[DecodeService]:
             transport,
             nc,
             hearing,
+            speculation=speculation,
+            store=store,
+            cache=cache,
             descriptor=(
                 TransportDescriptor.from_peer(transport.descriptor().public())
                 if transport
@@ -475,7 +490,7 @@ async def decode_service(config: DecodeConfig) -> AsyncIterator[DecodeService]:
             ),
             (
                 store_adverts_solicited(nc, subjects, worker_id)
-                if worker.store is not None
+                if store is not None
                 else contextlib.nullcontext()
             ),
             asyncio.TaskGroup() as service.tg,

@@ -3,13 +3,16 @@ blocks of its prompt and output whose KV the engine computed (all but the last s
 are put into the store in the background, pinned in the pool while the write is in flight. A
 later turn of the conversation, which resends them, is then read by the prefill worker instead
 of computed. Best effort: a store that is absent, full or failing costs a prefill, and a step
-never waits for a put (the engine lock is held only to pin and unpin).
+never waits for a put (the engine lock is held only to pin and unpin). A step hook of the decode
+worker (``step_hooks.py``): after each step it puts the requests that ended with "stop" or
+"length" (an aborted or failed request's output is not a conversation's next turn).
 """
 
 from __future__ import annotations
 
 import asyncio
 
+from kvmesh.services.decode.step_hooks import Step, StepHook
 from kvmesh.shared import logs
 from kvmesh.shared.engine.llm_engine import LLMEngine
 from kvmesh.shared.kv_store_client import (
@@ -23,9 +26,12 @@ from kvmesh.shared.protocol import StoreAdvert
 log = logs.get_logger(__name__)
 
 
-class FinishedPuts:
-    def __init__(self, engine: LLMEngine, client: KvStoreClient, kv_spec: str) -> None:
+class FinishedPuts(StepHook):
+    def __init__(
+        self, engine: LLMEngine, client: KvStoreClient, kv_spec: str, lock: asyncio.Lock
+    ) -> None:
         self.engine = engine
+        self.lock = lock  # the engine's: a put pins and unpins blocks under it
         self.client = client
         self.kv_spec = kv_spec
         self.stores = StoreBook(kv_spec, client.block_bytes)
@@ -36,21 +42,26 @@ class FinishedPuts:
     def on_advert(self, advert: StoreAdvert) -> None:
         self.stores.note(advert)
 
-    def put_later(self, token_ids: list[int], lock: asyncio.Lock) -> None:
+    def after_step(self, engine: LLMEngine, step: Step) -> None:
+        for out, seq in step.finished():
+            if out.finish_reason in ("stop", "length"):
+                self.put_later(list(seq.token_ids))
+
+    def put_later(self, token_ids: list[int]) -> None:
         """Put the computed full blocks of a finished sequence (``token_ids``: prompt and output;
         the last token's KV was never computed)."""
         store = self.stores.target()
         if store is None or len(token_ids) < 2:
             return
-        task = asyncio.ensure_future(self._put(store, token_ids[:-1], lock))
+        task = asyncio.ensure_future(self._put(store, token_ids[:-1]))
         self._puts.add(task)
         task.add_done_callback(self._puts.discard)
 
-    async def _put(self, store: StoreTarget, token_ids: list[int], lock: asyncio.Lock) -> None:
+    async def _put(self, store: StoreTarget, token_ids: list[int]) -> None:
         pool, bm = self.engine.kv_pool, self.engine.block_manager
         try:
             result = await put_cached_prefix(
-                self.client, store, self.kv_spec, bm, pool, token_ids, lock
+                self.client, store, self.kv_spec, bm, pool, token_ids, self.lock
             )
         except Exception as exc:  # best effort: the store misses these blocks
             log.warning("kv-store put failed", error=str(exc))

@@ -25,10 +25,12 @@ on readmission, as without a store. Never is a request lost to a swap.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+from collections.abc import Coroutine, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from kvmesh.services.decode.metrics import DecodeMetrics
+from kvmesh.services.decode.step_hooks import Step, StepHook
 from kvmesh.shared import logs
 from kvmesh.shared.engine.llm_engine import LLMEngine
 from kvmesh.shared.engine.sequence import Sequence
@@ -95,9 +97,10 @@ class SwapIn:
 # --- the shell: puts, holds and reads around the engine ---------------------------------------
 
 
-class Swaps:
-    """The decode worker's swaps. ``after_step`` and ``plan_swap_in`` run under the engine lock
-    (the worker's); ``swap_in`` takes it itself, never across I/O."""
+class Swaps(StepHook):
+    """The decode worker's swaps, a step hook (``step_hooks.py``): ``after_step`` swaps out
+    what a step preempted and ``between_steps`` plans the queue head's swap-in, both under the
+    engine lock (the worker holds it); ``swap_in`` takes ``lock`` itself, never across I/O."""
 
     def __init__(
         self,
@@ -106,8 +109,10 @@ class Swaps:
         stores: StoreBook,
         kv_spec: str,
         metrics: DecodeMetrics,
+        lock: asyncio.Lock,
     ) -> None:
         self.engine = engine
+        self.lock = lock  # the engine's: swap-outs unpin and swap-ins adopt under it
         self.client = client
         self.stores = stores  # shared with the finished requests' puts
         self.kv_spec = kv_spec
@@ -116,7 +121,15 @@ class Swaps:
         self.swapped: dict[str, SwapOut] = {}
         self._puts: set[asyncio.Task[None]] = set()
 
-    def after_step(self, lock: asyncio.Lock) -> None:
+    def after_step(self, engine: LLMEngine, step: Step) -> None:
+        if engine.scheduler.preempted:
+            self.swap_out_preempted()
+
+    def between_steps(self, engine: LLMEngine) -> Coroutine[Any, Any, None] | None:
+        plan = self.plan_swap_in()
+        return self.swap_in(*plan) if plan is not None else None
+
+    def swap_out_preempted(self) -> None:
         """Under the lock, right after a step: pin and put what the step's preemptions left
         cached, and hold those sequences in the queue until their swap-in."""
         store = self.stores.target()
@@ -134,13 +147,11 @@ class Swaps:
             swap = SwapOut(seq.request_id, store.store_id, pinned.hashes)
             self.swapped[seq.request_id] = swap
             sched.hold(seq)
-            task = asyncio.ensure_future(self._put(store, swap, pinned, lock))
+            task = asyncio.ensure_future(self._put(store, swap, pinned))
             self._puts.add(task)
             task.add_done_callback(self._puts.discard)
 
-    async def _put(
-        self, store: StoreTarget, swap: SwapOut, pinned: PinnedPrefix, lock: asyncio.Lock
-    ) -> None:
+    async def _put(self, store: StoreTarget, swap: SwapOut, pinned: PinnedPrefix) -> None:
         engine = self.engine
         result: PutResult | None = None
         try:
@@ -151,7 +162,7 @@ class Swaps:
                 engine.block_manager,
                 engine.kv_pool,
                 pinned,
-                lock,
+                self.lock,
             )
         except Exception as exc:  # recomputed on readmission
             log.warning("kv-store swap-out failed", request_id=swap.request_id, error=str(exc))
@@ -190,7 +201,7 @@ class Swaps:
         self._readmit(seq, swap, num_cached, 0)  # nothing to read: cached, pinned or lost
         return None
 
-    async def swap_in(self, seq: Sequence, swap: SwapOut, lock: asyncio.Lock) -> None:
+    async def swap_in(self, seq: Sequence, swap: SwapOut) -> None:
         """Read the blocks of ``swap`` the pool lost back from its store (without the lock), adopt
         the good ones into the prefix cache and release the hold (under it)."""
         engine = self.engine
@@ -205,12 +216,12 @@ class Swaps:
                 engine.block_manager,
                 engine.kv_pool,
                 seq.token_ids,
-                lock,
+                self.lock,
                 max_blocks=num_stored,
             )
             if fetched is not None and fetched.failed:
                 self.stores.forget(store.store_id)
-        async with lock:
+        async with self.lock:
             num_read = 0
             if fetched is not None:
                 num_read = adopt_fetched(engine.block_manager, fetched) // self.block_size

@@ -11,10 +11,11 @@ writes landed, PrefillDone, Abort, renewals), runs the engine loop (``wait_for_w
 ``admit()`` and ``step()`` while there is work) and publishes the TokenEvents these return, and the
 Aborts ``expire_leases()`` returns.
 
-Speculative decoding (``drafts``, a DraftBook): each step verifies the draft trees whose position
-matches their sequence's length, then queues the context deltas (and the DraftForgets of finished
-sequences) that ``take_draft_messages()`` hands the service to send. A step never waits for a
-draft: a sequence without a valid one decodes plainly.
+Features join the loop as step hooks (``step_hooks.py``), composed by the service from its
+config: speculative decoding (``speculation.py``), kv-store puts of finished requests
+(``store_puts.py``) and swaps of preempted ones (``swaps.py``). The worker calls them at fixed
+points, holding its lock, and knows none of them. Local prefills that read their prefix from a
+kv-store first (``reader``) are part of how requests enter, not a step hook.
 """
 
 from __future__ import annotations
@@ -22,30 +23,23 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
-from kvmesh.services.decode.cache_reports import CacheReporter
-from kvmesh.services.decode.drafts import DraftBook, Outgoing
 from kvmesh.services.decode.first_token import FirstTokenClock
 from kvmesh.services.decode.metrics import DecodeMetrics
 from kvmesh.services.decode.pending import Admission, PendingTable, ReservationError, Verdict
-from kvmesh.services.decode.store_puts import FinishedPuts
-from kvmesh.services.decode.swaps import Swaps
+from kvmesh.services.decode.step_hooks import Step, StepHook
 from kvmesh.services.decode.windows import LeaseWindows
 from kvmesh.shared import logs
 from kvmesh.shared.engine.block_manager import OutOfBlocksError
-from kvmesh.shared.engine.draft_tree import DraftTree, DraftTreeError
+from kvmesh.shared.engine.draft_tree import DraftTree
 from kvmesh.shared.engine.llm_engine import LLMEngine
 from kvmesh.shared.engine.sequence import RequestError, RequestOutput
 from kvmesh.shared.imm import imm_slot, unpack_imm
 from kvmesh.shared.kv_store_prefix import Fetched, PrefixReader
 from kvmesh.shared.protocol import (
     Abort,
-    DraftForget,
-    DraftProposal,
-    KvCacheDigest,
-    KvCacheEvents,
     PrefillDone,
     PrefillStarted,
     ReserveReply,
@@ -59,6 +53,7 @@ from kvmesh.shared.transport.base import MemoryWindow
 from kvmesh.shared.transport.completions import Completion
 
 log = logs.get_logger(__name__)
+T = TypeVar("T")
 
 
 def free_block_ranges(free_ids: Iterable[int]) -> tuple[tuple[int, int], ...]:
@@ -114,12 +109,13 @@ class DecodeWorker:
         quarantine_s: float = 30.0,
         metrics: DecodeMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
-        drafts: DraftBook | None = None,
-        cache: CacheReporter | None = None,
-        store: FinishedPuts | None = None,
-        swaps: Swaps | None = None,
+        hooks: Iterable[StepHook] = (),
+        lock: asyncio.Lock | None = None,
         reader: PrefixReader | None = None,
     ) -> None:
+        """``hooks``: the features of the engine loop, called in this order; ``lock``: the
+        engine lock, when the shell gave it to hooks whose background work touches the pool
+        (else the worker makes its own)."""
         self.engine = engine
         self.metrics = metrics or DecodeMetrics()
         self.worker_id = worker_id
@@ -130,7 +126,8 @@ class DecodeWorker:
         self.is_draining = False
         self.pending = PendingTable(quarantine_s)
         self._clock = clock
-        self._lock = asyncio.Lock()
+        self._lock = lock or asyncio.Lock()
+        self.hooks = tuple(hooks)
         self._wake = asyncio.Event()
         self._settled: list[Verdict] = []  # reservations leaving the table, applied by admit()
         self._settled_at: dict[str, float] = {}  # request id -> when its verdict came
@@ -139,11 +136,6 @@ class DecodeWorker:
         # Local-prefill requests accepted by reserve() without waiting for the step in flight,
         # added to the engine by admit() between steps.
         self._incoming: list[tuple[str, list[int], SamplingOptions]] = []
-        self.drafts = drafts  # None: no speculative decoding
-        self._draft_outbox: list[Outgoing | tuple[str, DraftForget]] = []
-        self.cache = cache  # None: the prefix cache is not reported to the registry
-        self.store = store  # None: finished requests' blocks are not put into a kv-store
-        self.swaps = swaps  # None: preempted sequences are recomputed, never swapped out
         # None: local prefills use this worker's own prefix cache only, never a kv-store's
         self.reader = reader
         # Local prefills whose prefix is being read from a kv-store (queued in _incoming when
@@ -214,9 +206,9 @@ class DecodeWorker:
             aborts, self._aborts = self._aborts, []
             for request_id in aborts:
                 self.engine.abort(request_id)  # its "abort" output comes with the next step
-            swap_in = self.swaps.plan_swap_in() if self.swaps is not None else None
-        if swap_in is not None:  # read back before the step that readmits it (lock released)
-            await self.swaps.swap_in(*swap_in, self._lock)
+            work = [w for hook in self.hooks if (w := hook.between_steps(self.engine))]
+        for coroutine in work:  # e.g. a swap-in's read, before the step that readmits it
+            await coroutine  # (the lock released: a hook's work takes it where it must)
         return events
 
     async def step(self) -> list[TokenEvent]:
@@ -224,8 +216,12 @@ class DecodeWorker:
         async with self._lock:
             if not self.engine.has_unfinished():
                 return []
-            trees = self._draft_trees() if self.drafts is not None else {}
-            live = dict(self.engine.seqs) if self.store is not None else {}  # finished: gone after
+            trees: dict[str, DraftTree] = {}
+            for hook in self.hooks:
+                plan = hook.before_step(self.engine)
+                if plan is not None:
+                    trees.update(plan.drafts)
+            before = dict(self.engine.seqs)  # a finished sequence is gone after the step
             step_started = time.monotonic()
             outputs = await asyncio.to_thread(self.engine.step, trees or None)
             step_ended = time.monotonic()
@@ -238,22 +234,11 @@ class DecodeWorker:
                 num_tokens=sum(len(out.new_token_ids) for out in outputs),
                 num_preemptions=self.engine.scheduler.num_preemptions,
             )
-            if self.drafts is not None:
-                self._after_verify(outputs, trees, seconds)
             bm = self.engine.block_manager
             self.metrics.observe_prefix_cache(bm.num_hit_tokens, len(bm.hash_to_block))
-            if self.store is not None:
-                for out in outputs:
-                    seq = live.get(out.request_id)  # absent: it ended before this step began
-                    if (
-                        seq is not None
-                        and out.index == 0
-                        and out.finished
-                        and out.finish_reason in ("stop", "length")
-                    ):
-                        self.store.put_later(list(seq.token_ids), self._lock)
-            if self.swaps is not None and self.engine.scheduler.preempted:
-                self.swaps.after_step(self._lock)
+            step = Step(outputs, trees, seconds, before)
+            for hook in self.hooks:
+                hook.after_step(self.engine, step)
         return [event for out in outputs if (event := self._event(out)) is not None]
 
     def _time_first_tokens(
@@ -278,92 +263,11 @@ class DecodeWorker:
                 event = msgspec.structs.replace(event, wait_s=wait_s, prefill_s=prefill_s)
         return event
 
-    # ---- speculative decoding -----------------------------------------------------------------
-
-    def _decoding(self) -> dict[str, Any]:
-        """The sequences decoding now (their KV computed up to the last token)."""
-        return {
-            seq.request_id: seq
-            for seq in self.engine.scheduler.running
-            if not seq.prefill_only
-            and seq.index == 0  # a request's other choices are not drafted
-            and seq.num_output_tokens >= 1
-            and seq.num_uncomputed_tokens == 1
-        }
-
-    def _draft_trees(self) -> dict[str, DraftTree]:
-        """The proposals that continue their sequence's current length, as trees."""
-        assert self.drafts is not None
-        limit = self.engine.max_seq_len
-        contexts = {  # a draft past max_tokens or the length limit would be verified for nothing
-            rid: (
-                seq.token_ids,
-                min(seq.params.max_tokens - seq.num_output_tokens, limit - len(seq)) - 1,
-            )
-            for rid, seq in self._decoding().items()
-        }
-        trees = {}
-        for rid, (tokens, parents) in self.drafts.drafts(contexts).items():
-            try:
-                trees[rid] = DraftTree(tokens, parents)
-            except DraftTreeError as exc:  # a message is data: a malformed tree is dropped
-                log.debug("ignored malformed draft tree", request_id=rid, error=str(exc))
-        return trees
-
-    def _after_verify(
-        self, outputs: list[RequestOutput], trees: dict[str, DraftTree], seconds: float
-    ) -> None:
-        """Account the verification, forget finished sequences, queue the context deltas."""
-        assert self.drafts is not None
-        verified = [out for out in outputs if out.request_id in trees]
-        if verified:
-            positions = sum(trees[out.request_id].depth for out in verified)
-            accepted = sum(out.accepted_drafts for out in verified)
-            self.metrics.observe_verify(
-                seconds,
-                positions,
-                accepted,
-                [len(out.new_token_ids) for out in verified],
-                num_nodes=sum(len(trees[out.request_id]) for out in verified),
-            )
-            for out in verified:
-                self.drafts.on_verified(
-                    out.request_id, trees[out.request_id].depth, out.accepted_drafts
-                )
-        for out in outputs:
-            if out.finished and out.index == 0:
-                holder = self.drafts.forget(out.request_id)
-                if holder is not None:
-                    self._draft_outbox.append((holder, DraftForget(out.request_id)))
-        seqs = {
-            rid: (seq.token_ids, seq.num_prompt_tokens) for rid, seq in self._decoding().items()
-        }
-        self._draft_outbox += self.drafts.contexts(seqs, self._clock())
-
-    def on_proposal(self, proposal: DraftProposal) -> float | None:
-        """Keep a draft proposal for the next steps; returns its latency (see DraftBook)."""
-        if self.drafts is None:
-            return None
-        return self.drafts.on_proposal(proposal, self._clock())
-
-    def take_draft_messages(self) -> list[Outgoing | tuple[str, DraftForget]]:
-        """The draft messages the last steps queued: contexts (``Outgoing``) and
-        ``(draft worker id, DraftForget)``; the service sends them."""
-        out, self._draft_outbox = self._draft_outbox, []
-        return out
-
-    # ---- prefix cache reports (to the kv-registry's index) -----------------------------------
-
-    def cache_events(self) -> KvCacheEvents | None:
-        """The prefix cache's changes since the last report (no lock: the log has its own)."""
-        return self.cache.events() if self.cache is not None else None
-
-    async def cache_digest(self) -> KvCacheDigest | None:
-        """The whole prefix cache, taken between steps."""
-        if self.cache is None:
-            return None
+    async def between_steps(self, work: Callable[[], T]) -> T:
+        """``work()``'s result, run between steps (no step runs meanwhile), e.g. a digest of the
+        prefix cache; ``work`` must not block."""
         async with self._lock:
-            return self.cache.digest()
+            return work()
 
     # ---- requests in ------------------------------------------------------------------------
 
@@ -606,8 +510,8 @@ class DecodeWorker:
             except RequestError as exc:
                 error = str(exc)
             else:  # the prefill sampled the first token; the engine's outputs follow it
-                if self.drafts is not None and res.done.draft_worker_id:
-                    self.drafts.pin(res.request_id, res.done.draft_worker_id, self._clock())
+                for hook in self.hooks:
+                    hook.on_admitted(res.request_id, res.done)
                 first = (res.done.first_token,)
                 lps = (res.done.first_logprobs,) if res.done.first_logprobs is not None else ()
                 return TokenEvent(
