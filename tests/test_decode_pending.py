@@ -315,7 +315,7 @@ async def test_worker_refuses_reservations_while_draining_and_when_full(decode_w
 
 
 def test_free_block_ranges_are_sorted_runs():
-    from kvmesh.services.decode.worker import free_block_ranges
+    from kvmesh.services.decode.load import free_block_ranges
 
     assert free_block_ranges([5, 0, 1, 2, 7, 6, 9]) == ((0, 3), (5, 8), (9, 10))
     assert free_block_ranges([]) == ()

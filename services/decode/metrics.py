@@ -1,16 +1,14 @@
 """Every metric a decode (or colocated) worker exports on ``--metrics-port``, in one registry.
 
 The engine loop reports each step (``observe_step``); the load gauges follow the stats every
-advert carries (``observe_stats``), so they are at most one heartbeat old. The refusal counters
+advert carries (``observe_load``), so they are at most one heartbeat old. The refusal counters
 of the transport are in the adverts too; the router exports those per worker
 (``kvmesh_decode_refused_accesses_total`` and friends, services/router/metrics.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
+from kvmesh.services.decode.load import WorkerLoad
 from kvmesh.shared.metric_set import MetricSet, seconds_buckets
 
 STEP_BUCKETS = seconds_buckets(0.001, 10.0)
@@ -170,9 +168,9 @@ class DecodeMetrics(MetricSet):
         self.swap_in_tokens.labels("read").inc(num_read)
         self.swap_in_tokens.labels("recomputed").inc(num_recomputed)
 
-    def observe_stats(self, stats: Mapping[str, Any]) -> None:
-        """The worker's stats (``DecodeWorker.stats()``: what its advert reports)."""
-        self.running.set(stats["num_running"])
-        self.waiting.set(stats["num_waiting"])
-        self.kv_blocks_total.set(stats["total_blocks"])
-        self.kv_blocks_used.set(stats["total_blocks"] - stats["free_blocks"])
+    def observe_load(self, load: WorkerLoad) -> None:
+        """The worker's load (``DecodeWorker.load()``: what its advert reports)."""
+        self.running.set(load.num_running)
+        self.waiting.set(load.num_waiting)
+        self.kv_blocks_total.set(load.total_blocks)
+        self.kv_blocks_used.set(load.total_blocks - load.free_blocks)

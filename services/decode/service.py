@@ -26,6 +26,7 @@ import torch
 from kvmesh.services.decode.cache_reports import CacheReporter
 from kvmesh.services.decode.config import DecodeConfig
 from kvmesh.services.decode.drafts import DraftBook, Outgoing
+from kvmesh.services.decode.load import DecodeReach, WorkerLoad
 from kvmesh.services.decode.metrics import DecodeMetrics
 from kvmesh.services.decode.speculation import Speculation
 from kvmesh.services.decode.store_puts import FinishedPuts
@@ -127,11 +128,12 @@ class DecodeService:
         speculation: Speculation | None = None,
         store: FinishedPuts | None = None,
         cache: CacheReporter | None = None,
-        **advert: Any,
+        reach: DecodeReach | None = None,
     ) -> None:
         """``hearing``: the NATS connection's outages; no lease runs out during one. The
         features the service feeds from NATS: ``speculation`` (proposals in, contexts out),
-        ``store`` (store adverts) and ``cache`` (prefix cache reports to the registry)."""
+        ``store`` (store adverts) and ``cache`` (prefix cache reports to the registry);
+        ``reach``: what its adverts say of how to reach it (None: it never advertises)."""
         self.config = config
         self.speculation = speculation
         self.store = store
@@ -140,40 +142,52 @@ class DecodeService:
         self.worker = worker
         self.transport = transport
         self.nc = nc
-        self.advert_fields = advert  # descriptor, base_addr, block_bytes, block_size, kv_spec
+        self.reach = reach
         self.started_at = time.time()
         self.tg: asyncio.TaskGroup  # set by decode_service
-        self.last_stats: dict[str, Any] = {}
+        self.last_load = WorkerLoad.idle()
         self.metrics_port: int | None = None  # bound by decode_service (None: no endpoint)
 
-    async def stats(self) -> dict[str, Any]:
-        self.last_stats = await self.worker.stats()
-        self.worker.metrics.observe_stats(self.last_stats)  # the load gauges follow the adverts
-        return self.last_stats
+    async def load(self) -> WorkerLoad:
+        self.last_load = await self.worker.load()
+        self.worker.metrics.observe_load(self.last_load)  # the load gauges follow the adverts
+        return self.last_load
 
     def heartbeat(self) -> WorkerHeartbeat:
-        s = self.last_stats or {"state": "ready", "num_running": 0, "num_waiting": 0}
+        load = self.last_load
         return WorkerHeartbeat(
             self.worker.worker_id,
             self.config.role,
-            s["state"],
-            s["num_running"],
-            s["num_waiting"],
+            load.state,
+            load.num_running,
+            load.num_waiting,
             self.started_at,
             time.time(),
         )
 
     async def advertise(self) -> None:
-        s = await self.stats()
+        reach, load = self.reach, await self.load()
+        assert reach is not None, "a decode service without its reach does not advertise"
         advert = DecodeAdvert(
             worker_id=self.worker.worker_id,
             mode=self.config.mode,
+            descriptor=reach.descriptor,
+            base_addr=reach.base_addr,
+            block_bytes=reach.block_bytes,
+            block_size=reach.block_size,
+            kv_spec=reach.kv_spec,
+            model_spec=reach.model_spec,
+            reads_kv_store=reach.reads_kv_store,
+            total_blocks=load.total_blocks,
+            free_blocks=load.free_blocks,
+            free_block_ranges=load.free_block_ranges,
+            num_running=load.num_running,
+            num_waiting=load.num_waiting,
+            state=load.state,
             sent_at=time.time(),
             refused_accesses=self.transport.stats().refused if self.transport else 0,
             stray_immediates=self.worker.pending.num_stray_immediates,
             forged_announcements=self.worker.pending.num_forged_announcements,
-            **self.advert_fields,
-            **s,
         )
         await self.nc.publish(self.config.subjects.REGISTRY_ADVERTISE, encode_message(advert))
 
@@ -362,8 +376,8 @@ class DecodeService:
         await self.advertise()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            s = await self.stats()
-            if not s["num_running"] and not s["num_waiting"]:
+            load = await self.load()
+            if not load.num_running and not load.num_waiting:
                 return
             await asyncio.sleep(0.05)
 
@@ -450,19 +464,21 @@ async def decode_service(config: DecodeConfig) -> AsyncIterator[DecodeService]:
             speculation=speculation,
             store=store,
             cache=cache,
-            descriptor=(
-                TransportDescriptor.from_peer(transport.descriptor().public())
-                if transport
-                else None
+            reach=DecodeReach(
+                descriptor=(
+                    TransportDescriptor.from_peer(transport.descriptor().public())
+                    if transport
+                    else None
+                ),
+                base_addr=region.addr if region else 0,
+                block_bytes=spec.block_bytes,
+                block_size=spec.block_size,
+                kv_spec=engine.kv_spec,
+                model_spec=model_spec(model.config),
+                reads_kv_store=reader is not None,
             ),
-            base_addr=region.addr if region else 0,
-            block_bytes=spec.block_bytes,
-            block_size=spec.block_size,
-            kv_spec=engine.kv_spec,  # kv_spec_fingerprint(); it also roots the prefix hashes
-            model_spec=model_spec(model.config),
-            reads_kv_store=reader is not None,  # the registry may have it read a prefix
         )
-        await service.stats()
+        await service.load()
         async with (
             worker_presence(
                 nc,
@@ -514,7 +530,7 @@ async def decode_service(config: DecodeConfig) -> AsyncIterator[DecodeService]:
                 speculative=config.speculative,
                 transport=transport.name if transport else None,
                 num_blocks=econf.num_blocks,
-                kv_spec=service.advert_fields["kv_spec"],
+                kv_spec=engine.kv_spec,
             ) as service.metrics_port,
             # Advertised only once ``reserve`` answers: a router that saw the advert finds it.
             background(service.advert_loop()),

@@ -23,10 +23,11 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Iterable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import msgspec
 from kvmesh.services.decode.first_token import FirstTokenClock
+from kvmesh.services.decode.load import WorkerLoad, free_block_ranges
 from kvmesh.services.decode.metrics import DecodeMetrics
 from kvmesh.services.decode.pending import Admission, PendingTable, ReservationError, Verdict
 from kvmesh.services.decode.step_hooks import Step, StepHook
@@ -54,17 +55,6 @@ from kvmesh.shared.transport.completions import Completion
 
 log = logs.get_logger(__name__)
 T = TypeVar("T")
-
-
-def free_block_ranges(free_ids: Iterable[int]) -> tuple[tuple[int, int], ...]:
-    """Sorted ``[start, end)`` runs of the given block ids."""
-    runs: list[list[int]] = []
-    for b in sorted(free_ids):
-        if runs and runs[-1][1] == b:
-            runs[-1][1] = b + 1
-        else:
-            runs.append([b, b + 1])
-    return tuple((s, e) for s, e in runs)
 
 
 def _token_event(out: RequestOutput) -> TokenEvent | None:
@@ -537,21 +527,18 @@ class DecodeWorker:
 
     # ---- state --------------------------------------------------------------------------------
 
-    async def stats(self) -> dict[str, Any]:
+    async def load(self) -> WorkerLoad:
         """What the advert and heartbeat report (under the lock: a step mutates the free list)."""
         async with self._lock:
-            return self._stats()
-
-    def _stats(self) -> dict[str, Any]:
-        bm = self.engine.block_manager
-        return {
-            "total_blocks": bm.num_total_blocks,
-            "free_blocks": bm.num_free_blocks,
-            "free_block_ranges": free_block_ranges(bm.free),
-            "num_running": len(self.engine.scheduler.running),
-            "num_waiting": len(self.engine.scheduler.waiting)
-            + len(self.pending)
-            + len(self._incoming)
-            + len(self._reading),
-            "state": "draining" if self.is_draining else "ready",
-        }
+            bm = self.engine.block_manager
+            return WorkerLoad(
+                total_blocks=bm.num_total_blocks,
+                free_blocks=bm.num_free_blocks,
+                free_block_ranges=free_block_ranges(bm.free),
+                num_running=len(self.engine.scheduler.running),
+                num_waiting=len(self.engine.scheduler.waiting)
+                + len(self.pending)
+                + len(self._incoming)
+                + len(self._reading),
+                state="draining" if self.is_draining else "ready",
+            )
