@@ -18,29 +18,24 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
-from typing import Any
 
 import msgspec
 import nats.errors
 import torch
 from kvmesh.services.decode.cache_reports import CacheReporter
+from kvmesh.services.decode.compose import compose_features, engine_config
 from kvmesh.services.decode.config import DecodeConfig
-from kvmesh.services.decode.drafts import DraftBook, Outgoing
+from kvmesh.services.decode.drafts import Outgoing
 from kvmesh.services.decode.load import DecodeReach, WorkerLoad
 from kvmesh.services.decode.metrics import DecodeMetrics
 from kvmesh.services.decode.speculation import Speculation
 from kvmesh.services.decode.store_puts import FinishedPuts
-from kvmesh.services.decode.swaps import Swaps
 from kvmesh.services.decode.windows import LeaseWindows
 from kvmesh.services.decode.worker import DecodeWorker
 from kvmesh.shared import logs
 from kvmesh.shared.descriptor import TransportDescriptor
-from kvmesh.shared.engine.config import EngineConfig
-from kvmesh.shared.engine.kv_cache import KVCacheSpec
 from kvmesh.shared.engine.llm_engine import LLMEngine
 from kvmesh.shared.hearing import Hearing
-from kvmesh.shared.kv_store_client import KvStoreClient
-from kvmesh.shared.kv_store_prefix import PrefixReader
 from kvmesh.shared.message_guard import guard_of
 from kvmesh.shared.model.config import parse_dtype
 from kvmesh.shared.model.loader import load_model
@@ -81,37 +76,6 @@ from nats.aio.client import Client
 from nats.micro.request import Request
 
 log = logs.get_logger(__name__)
-
-
-def engine_config(config: DecodeConfig, model: Any) -> tuple[EngineConfig, KVCacheSpec]:
-    mc = model.config
-    dtype = parse_dtype(config.dtype, "--dtype", next(model.parameters()).dtype)
-    sizing = EngineConfig(
-        num_blocks=config.num_blocks,
-        kv_cache_bytes=config.kv_cache_bytes,
-        kv_cache_dtype=config.kv_cache_dtype,
-    )
-    spec = KVCacheSpec(
-        mc.num_hidden_layers,
-        mc.num_key_value_heads,
-        mc.head_dim,
-        config.block_size,
-        sizing.kv_dtype(dtype),
-    )
-    return (
-        EngineConfig(
-            block_size=config.block_size,
-            num_blocks=sizing.resolve_num_blocks(spec.block_bytes),
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            enable_prefix_caching=config.enable_prefix_caching,
-            device=config.device,
-            dtype=dtype,
-            reserve_output_tokens=config.reserve_output_tokens,
-            kv_cache_dtype=config.kv_cache_dtype,
-        ),
-        spec,
-    )
 
 
 class DecodeService:
@@ -420,29 +384,10 @@ async def decode_service(config: DecodeConfig) -> AsyncIterator[DecodeService]:
         )
         engine = LLMEngine(model, tokenizer, econf, kv_buffer=buffer)
         region = transport.register(engine.kv_pool.raw, Access.REMOTE_WRITE) if disagg else None
-        store, swaps, reader, metrics = None, None, None, DecodeMetrics()
+        metrics = DecodeMetrics()
         lock = asyncio.Lock()  # the engine's: the worker's, and the puts' and swap-ins' later
-        if region is not None and config.use_kv_store and econf.enable_prefix_caching:
-            client = KvStoreClient(
-                nc,
-                config.subjects,
-                transport,
-                engine.kv_pool.raw,
-                region,
-                spec.block_bytes,
-                worker_id,
-            )
-            store = FinishedPuts(engine, client, engine.kv_spec, lock)
-            swaps = Swaps(engine, client, store.stores, engine.kv_spec, metrics, lock)
-            reader = PrefixReader(
-                client, store.stores, engine.kv_spec, engine.block_manager, engine.kv_pool
-            )
-        speculation = Speculation(DraftBook(worker_id), metrics) if config.speculative else None
-        cache = (
-            CacheReporter(worker_id, engine.block_manager, config.max_cache_events)
-            if econf.enable_prefix_caching
-            else None
-        )
+        features = compose_features(config, engine, worker_id, nc, transport, region, metrics, lock)
+        store, swaps = features.store, features.swaps
         worker = DecodeWorker(
             engine,
             worker_id=worker_id,
@@ -451,9 +396,9 @@ async def decode_service(config: DecodeConfig) -> AsyncIterator[DecodeService]:
             windows=LeaseWindows(transport, region, spec.block_bytes) if region else None,
             quarantine_s=config.quarantine_s,
             metrics=metrics,
-            hooks=[hook for hook in (speculation, store, swaps) if hook is not None],
+            hooks=features.hooks,
             lock=lock,
-            reader=reader,
+            reader=features.reader,
         )
         service = DecodeService(
             config,
@@ -461,9 +406,9 @@ async def decode_service(config: DecodeConfig) -> AsyncIterator[DecodeService]:
             transport,
             nc,
             hearing,
-            speculation=speculation,
+            speculation=features.speculation,
             store=store,
-            cache=cache,
+            cache=features.cache,
             reach=DecodeReach(
                 descriptor=(
                     TransportDescriptor.from_peer(transport.descriptor().public())
@@ -475,7 +420,7 @@ async def decode_service(config: DecodeConfig) -> AsyncIterator[DecodeService]:
                 block_size=spec.block_size,
                 kv_spec=engine.kv_spec,
                 model_spec=model_spec(model.config),
-                reads_kv_store=reader is not None,
+                reads_kv_store=features.reader is not None,
             ),
         )
         await service.load()

@@ -26,8 +26,10 @@ from collections.abc import Callable, Iterable
 from typing import TypeVar
 
 import msgspec
+from kvmesh.services.decode.events import failed_event, token_event
 from kvmesh.services.decode.first_token import FirstTokenClock
 from kvmesh.services.decode.load import WorkerLoad, free_block_ranges
+from kvmesh.services.decode.local_reads import LocalPrefixReads
 from kvmesh.services.decode.metrics import DecodeMetrics
 from kvmesh.services.decode.pending import Admission, PendingTable, ReservationError, Verdict
 from kvmesh.services.decode.step_hooks import Step, StepHook
@@ -38,7 +40,7 @@ from kvmesh.shared.engine.draft_tree import DraftTree
 from kvmesh.shared.engine.llm_engine import LLMEngine
 from kvmesh.shared.engine.sequence import RequestError, RequestOutput
 from kvmesh.shared.imm import imm_slot, unpack_imm
-from kvmesh.shared.kv_store_prefix import Fetched, PrefixReader
+from kvmesh.shared.kv_store_prefix import PrefixReader
 from kvmesh.shared.protocol import (
     Abort,
     PrefillDone,
@@ -55,36 +57,6 @@ from kvmesh.shared.transport.completions import Completion
 
 log = logs.get_logger(__name__)
 T = TypeVar("T")
-
-
-def _token_event(out: RequestOutput) -> TokenEvent | None:
-    """What the client hears of one step's output of a request (None: nothing new)."""
-    if not out.new_token_ids and not out.finished:
-        return None
-    if out.finished:
-        log.debug(
-            "finished",
-            request_id=out.request_id,
-            finish_reason=out.finish_reason,
-            num_output_tokens=out.num_output_tokens,
-        )
-    return TokenEvent(
-        out.request_id,
-        tuple(out.new_token_ids),
-        finish_reason=out.finish_reason if out.finished else None,
-        num_prompt_tokens=out.num_prompt_tokens,
-        num_output_tokens=out.num_output_tokens,
-        num_accepted_drafts=min(out.accepted_drafts, len(out.new_token_ids)),
-        logprobs=tuple(out.logprobs or ()),
-        index=out.index,
-        prompt_logprobs=tuple(out.prompt_logprobs or ()),
-    )
-
-
-def _failed(request_id: str, num_prompt_tokens: int, error: str) -> TokenEvent:
-    return TokenEvent(
-        request_id, (), finish_reason="error", num_prompt_tokens=num_prompt_tokens, error=error
-    )
 
 
 class DecodeWorker:
@@ -127,14 +99,11 @@ class DecodeWorker:
         # added to the engine by admit() between steps.
         self._incoming: list[tuple[str, list[int], SamplingOptions]] = []
         # None: local prefills use this worker's own prefix cache only, never a kv-store's
-        self.reader = reader
-        # Local prefills whose prefix is being read from a kv-store (queued in _incoming when
-        # the read ends), those aborted meanwhile, the blocks each read (adopted by admit()),
-        # and the reads of aborted requests (adopted and freed by admit()).
-        self._reading: dict[str, tuple[list[int], asyncio.Task[None]]] = {}
-        self._read_aborted: set[str] = set()
-        self._read: dict[str, Fetched] = {}
-        self._read_unused: list[Fetched] = []
+        self.reads = (
+            LocalPrefixReads(reader, self._lock, self._queue_local, self._wake.set)
+            if reader is not None
+            else None
+        )
         # Requests aborted and leases the registry gave up on, lately: a reservation for one
         # of them that arrives late (its messages took another path) is refused, not held for
         # nobody until its lease runs out.
@@ -159,8 +128,7 @@ class DecodeWorker:
         """Nothing to admit, abort or step: the engine loop would wait for work."""
         return not (
             self._incoming
-            or self._reading
-            or self._read_unused
+            or (self.reads is not None and (len(self.reads) or self.reads.has_unused))
             or self._settled
             or self._aborts
             or self.has_unfinished
@@ -175,19 +143,17 @@ class DecodeWorker:
         async with self._lock:
             incoming, self._incoming = self._incoming, []
             self._local_leases.clear()
-            unused, self._read_unused = self._read_unused, []
-            for fetched in unused:  # aborted requests' reads: cached (they verified), freed
-                self.reader.adopt(fetched)
+            if self.reads is not None:
+                self.reads.adopt_unused()
             for rid, prompt, params in incoming:
-                fetched = self._read.pop(rid, None)
-                if fetched is not None and self.reader is not None:  # adopted and added at once
-                    self.metrics.store_hit_tokens.inc(self.reader.adopt(fetched))
+                if self.reads is not None:  # adopted and added at once
+                    self.metrics.store_hit_tokens.inc(self.reads.adopt_for(rid))
                 self.metrics.local_prompt_tokens.inc(len(prompt))
                 try:
                     self.engine.add_request(rid, prompt, params)
                 except RequestError as exc:
                     self.first_token.forget(rid)
-                    events.append(_failed(rid, len(prompt), str(exc)))
+                    events.append(failed_event(rid, len(prompt), str(exc)))
             settled, self._settled = self._settled, []
             for verdict in settled:
                 event = self._apply(verdict)
@@ -244,7 +210,7 @@ class DecodeWorker:
 
     def _event(self, out: RequestOutput) -> TokenEvent | None:
         """``_token_event`` with the decode worker's first-token times on a first event."""
-        event = _token_event(out)
+        event = token_event(out)
         if event is not None and len(self.first_token):
             wait_s, prefill_s = self.first_token.take(out.request_id)
             if out.finished:
@@ -274,7 +240,7 @@ class DecodeWorker:
             return refuse(f"the registry gave up on lease {req.lease_id} before it arrived")
         if (
             rid in self.pending
-            or rid in self._reading
+            or (self.reads is not None and rid in self.reads)
             or any(rid == r for r, _, _ in self._incoming)
         ):
             return refuse(f"request {rid!r} is already on decode worker {self.worker_id}")
@@ -285,10 +251,9 @@ class DecodeWorker:
                 self.engine.check_request(rid, prompt)
             except RequestError as exc:
                 return refuse(str(exc))
-            if self.reader is not None and self.reader.stores.target() is not None:
+            if self.reads is not None and self.reads.can_read:
                 # its prefix from a store first (the request is queued when the read ends)
-                task = asyncio.ensure_future(self._read_prefix(rid, prompt, params))
-                self._reading[rid] = (prompt, task)
+                self.reads.start(rid, prompt, params)
             else:
                 self._incoming.append((rid, prompt, params))
                 self._local_leases[rid] = req.lease_id
@@ -334,25 +299,8 @@ class DecodeWorker:
                 return refuse(str(exc))
         return ReserveReply(True, self.worker_id, block_ids=tuple(block_ids), rkey=res.rkey)
 
-    async def _read_prefix(self, rid: str, prompt: list[int], params: SamplingOptions) -> None:
-        """A local prefill's prefix blocks from a kv-store (best effort), then the request is
-        queued for ``admit()``; one aborted meanwhile only has its blocks adopted and freed."""
-        fetched = None
-        try:
-            fetched = await self.reader.fetch(prompt, self._lock)
-        except Exception as exc:  # fetch_prefix never raises for the store; a bug must not
-            log.error("kv-store read for a local prefill failed", request_id=rid, error=repr(exc))
-        finally:
-            del self._reading[rid]
-        if rid in self._read_aborted:
-            self._read_aborted.discard(rid)
-            if fetched is not None:
-                self._read_unused.append(fetched)
-        else:
-            if fetched is not None:
-                self._read[rid] = fetched
-            self._incoming.append((rid, prompt, params))
-        self._wake.set()
+    def _queue_local(self, rid: str, prompt: list[int], params: SamplingOptions) -> None:
+        self._incoming.append((rid, prompt, params))
 
     def _close_window(self, window: MemoryWindow | None) -> None:
         if window is not None and self.windows is not None:
@@ -407,15 +355,13 @@ class DecodeWorker:
             if rid == request_id:
                 del self._incoming[i]
                 self.first_token.forget(rid)
-                read = self._read.pop(rid, None)
-                if read is not None:  # its blocks are adopted (and freed) by the next admit()
-                    self._read_unused.append(read)
-                    self._wake.set()
+                if self.reads is not None:  # its blocks are adopted by the next admit()
+                    self.reads.abort_queued(rid)
                 return TokenEvent(rid, (), finish_reason="abort", num_prompt_tokens=len(prompt))
-        if request_id in self._reading:  # its prefix is being read: the read frees its blocks
-            self._read_aborted.add(request_id)
+        reading = self.reads.abort_reading(request_id) if self.reads is not None else None
+        if reading is not None:  # its prefix is being read: the read frees its blocks
             self.first_token.forget(request_id)
-            prompt = self._reading[request_id][0]
+            prompt = reading
             return TokenEvent(request_id, (), finish_reason="abort", num_prompt_tokens=len(prompt))
         if request_id in self.pending:
             verdict = self.pending.abort(request_id, job_withdrawn)
@@ -539,6 +485,6 @@ class DecodeWorker:
                 num_waiting=len(self.engine.scheduler.waiting)
                 + len(self.pending)
                 + len(self._incoming)
-                + len(self._reading),
+                + (len(self.reads) if self.reads is not None else 0),
                 state="draining" if self.is_draining else "ready",
             )

@@ -1,0 +1,117 @@
+"""How a decode worker is put together from its config: the engine's sizes and the features of
+its engine loop (step hooks, ``step_hooks.py``) and around it. A new feature of the loop is a
+hook of its own module and one line here; ``worker.py`` does not change."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+from kvmesh.services.decode.cache_reports import CacheReporter
+from kvmesh.services.decode.config import DecodeConfig
+from kvmesh.services.decode.drafts import DraftBook
+from kvmesh.services.decode.metrics import DecodeMetrics
+from kvmesh.services.decode.speculation import Speculation
+from kvmesh.services.decode.step_hooks import StepHook
+from kvmesh.services.decode.store_puts import FinishedPuts
+from kvmesh.services.decode.swaps import Swaps
+from kvmesh.shared.engine.config import EngineConfig
+from kvmesh.shared.engine.kv_cache import KVCacheSpec
+from kvmesh.shared.engine.llm_engine import LLMEngine
+from kvmesh.shared.kv_store_client import KvStoreClient
+from kvmesh.shared.kv_store_prefix import PrefixReader
+from kvmesh.shared.model.config import parse_dtype
+from kvmesh.shared.transport import Transport
+from kvmesh.shared.transport.base import MemoryRegion
+from nats.aio.client import Client
+
+
+def engine_config(config: DecodeConfig, model: Any) -> tuple[EngineConfig, KVCacheSpec]:
+    mc = model.config
+    dtype = parse_dtype(config.dtype, "--dtype", next(model.parameters()).dtype)
+    sizing = EngineConfig(
+        num_blocks=config.num_blocks,
+        kv_cache_bytes=config.kv_cache_bytes,
+        kv_cache_dtype=config.kv_cache_dtype,
+    )
+    spec = KVCacheSpec(
+        mc.num_hidden_layers,
+        mc.num_key_value_heads,
+        mc.head_dim,
+        config.block_size,
+        sizing.kv_dtype(dtype),
+    )
+    return (
+        EngineConfig(
+            block_size=config.block_size,
+            num_blocks=sizing.resolve_num_blocks(spec.block_bytes),
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            enable_prefix_caching=config.enable_prefix_caching,
+            device=config.device,
+            dtype=dtype,
+            reserve_output_tokens=config.reserve_output_tokens,
+            kv_cache_dtype=config.kv_cache_dtype,
+        ),
+        spec,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeFeatures:
+    """What the config turned on. ``hooks``: the engine loop's, in the order the worker calls
+    them; the others are fed by the service (proposals, store adverts) or read by it (cache
+    reports), or take part in how requests enter (``reader``)."""
+
+    speculation: Speculation | None = None
+    store: FinishedPuts | None = None
+    swaps: Swaps | None = None
+    reader: PrefixReader | None = None
+    cache: CacheReporter | None = None
+
+    @property
+    def hooks(self) -> list[StepHook]:
+        return [h for h in (self.speculation, self.store, self.swaps) if h is not None]
+
+
+def compose_features(
+    config: DecodeConfig,
+    engine: LLMEngine,
+    worker_id: str,
+    nc: Client,
+    transport: Transport | None,
+    region: MemoryRegion | None,
+    metrics: DecodeMetrics,
+    lock: asyncio.Lock,
+) -> DecodeFeatures:
+    """The features ``config`` asks for on this worker. ``lock``: the engine's, for the hooks
+    whose background work touches the pool (puts, swap-ins, prefix reads)."""
+    store = swaps = reader = None
+    caching = engine.config.enable_prefix_caching
+    if region is not None and transport is not None and config.use_kv_store and caching:
+        client = KvStoreClient(
+            nc,
+            config.subjects,
+            transport,
+            engine.kv_pool.raw,
+            region,
+            engine.kv_pool.spec.block_bytes,
+            worker_id,
+        )
+        store = FinishedPuts(engine, client, engine.kv_spec, lock)
+        swaps = Swaps(engine, client, store.stores, engine.kv_spec, metrics, lock)
+        reader = PrefixReader(
+            client, store.stores, engine.kv_spec, engine.block_manager, engine.kv_pool
+        )
+    return DecodeFeatures(
+        speculation=Speculation(DraftBook(worker_id), metrics) if config.speculative else None,
+        store=store,
+        swaps=swaps,
+        reader=reader,
+        cache=(
+            CacheReporter(worker_id, engine.block_manager, config.max_cache_events)
+            if caching
+            else None
+        ),
+    )
