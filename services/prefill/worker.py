@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvmesh.services.prefill.adverts import AdvertBook
-from kvmesh.services.prefill.convert import KVMirror, KVMirrors, decode_kv_dtype
-from kvmesh.services.prefill.draft_kv import DraftBlockPlanner, DraftKvPlanner
+from kvmesh.services.prefill.convert import KVMirrors, decode_kv_dtype
+from kvmesh.services.prefill.draft_kv import DraftKvPlanner
+from kvmesh.services.prefill.draft_writes import DraftKv, is_whole_blocks, reply_of
 from kvmesh.services.prefill.endpoints import EndpointCache
+from kvmesh.services.prefill.job import STOP, Job
 from kvmesh.services.prefill.metrics import PrefillMetrics
 from kvmesh.services.prefill.plan import (
     ChunkPlanner,
@@ -47,54 +49,9 @@ from kvmesh.shared.protocol import (
     PrefillReport,
     PrefillStarted,
 )
-from kvmesh.shared.sampling import SamplingOptions, TokenLogprobs
-from kvmesh.shared.transport import Endpoint, MemoryRegion, TransportError, WriteEntry
+from kvmesh.shared.transport import MemoryRegion, TransportError, WriteEntry
 
 log = logs.get_logger(__name__)
-
-_STOP = None  # queue marker: the job was aborted or failed; no more chunks come
-
-
-@dataclass(eq=False)
-class _Job:
-    msg: PrefillJob
-    planner: ChunkPlanner
-    timeline: PrefillTimeline
-    endpoint: Endpoint
-    mirror: KVMirror | None = None  # the decode's KV dtype differs: written from this mirror
-    chunks: asyncio.Queue[ChunkReady | None] = field(default_factory=asyncio.Queue)
-    num_writes: int = 0
-    first_token: int = -1
-    first_logprobs: TokenLogprobs | None = None  # with SamplingOptions.logprobs
-    prompt_logprobs: tuple[TokenLogprobs, ...] = ()  # with SamplingOptions.prompt_logprobs
-    error: str = ""
-    is_computed: bool = False  # the last chunk is in; the engine holds the blocks until release
-    draft: _DraftWrites | None = None  # the prompt's draft KV to a draft worker
-    # the draft engine's chunks of the prompt (with a draft model; None: not run for this job)
-    draft_chunks: asyncio.Queue[ChunkReady | None] | None = None
-
-
-@dataclass(eq=False)
-class _DraftWrites:
-    """A job's writes of draft KV (docs/speculative.md): best effort, never the job's failure."""
-
-    reply: DraftKvReserveReply
-    # None: the reply did not fit (``error`` says why)
-    planner: DraftKvPlanner | DraftBlockPlanner | None = None
-    region: MemoryRegion | None = None  # written from: the target's pool or the draft engine's
-    endpoint: Endpoint | None = None
-    num_writes: int = 0
-    error: str = ""
-
-    @property
-    def is_complete(self) -> bool:
-        """Every planned write landed: the draft worker holds the prompt's full blocks."""
-        return (
-            self.planner is not None
-            and self.planner.is_complete
-            and not self.error
-            and self.num_writes == self.planner.num_writes_planned
-        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,11 +103,13 @@ class PrefillWorker:
         self.mirrors = KVMirrors(engine.kv_pool, endpoints)  # for decode workers of other KV dtypes
         self._advert_wait_s = advert_wait_s
         self._abort_memory_s = abort_memory_s
-        self._jobs: dict[str, _Job] = {}
+        self._jobs: dict[str, Job] = {}
         self._aborted: dict[str, float] = {}  # request id -> monotonic time of its Abort
         self._chunks: list[ChunkReady] = []  # filled by on_chunk in the engine thread
-        self._draft_chunks: list[ChunkReady] = []  # the draft engine's, likewise
         self._lock = asyncio.Lock()
+        self.draft_kv = DraftKv(
+            engine, region, endpoints, self.metrics, self._lock, draft_engine, draft_region
+        )
         self._wake = asyncio.Event()
         self.metrics.jobs_running.set_function(lambda: len(self._jobs))
 
@@ -204,7 +163,7 @@ class PrefillWorker:
         t0 = time.perf_counter()
         await asyncio.to_thread(draft.step)
         self.metrics.draft_compute.observe(time.perf_counter() - t0)
-        chunks, self._draft_chunks = self._draft_chunks, []
+        chunks, self.draft_kv.chunks = self.draft_kv.chunks, []
         return chunks
 
     def _hand_out(self, chunks: list[ChunkReady]) -> None:
@@ -221,9 +180,6 @@ class PrefillWorker:
 
     def _on_chunk(self, chunk: ChunkReady) -> None:
         self._chunks.append(chunk)  # in the engine thread, during step(), under self._lock
-
-    def _on_draft_chunk(self, chunk: ChunkReady) -> None:
-        self._draft_chunks.append(chunk)  # likewise, during the draft engine's step()
 
     # ---- jobs ---------------------------------------------------------------------------------
 
@@ -265,7 +221,7 @@ class PrefillWorker:
         except (PlanError, TransportError, ValueError) as exc:
             log.warning("prefill job refused", request_id=rid, error=str(exc))
             return self._result(msg, None, str(exc))
-        job = _Job(msg, planner, PrefillTimeline(msg.enqueued_at, started_at), endpoint, mirror)
+        job = Job(msg, planner, PrefillTimeline(msg.enqueued_at, started_at), endpoint, mirror)
         self._jobs[rid] = job
         prompt = list(msg.prompt_ids)
         fetched = await self.store.fetch(prompt, self._lock) if self.store is not None else None
@@ -282,7 +238,7 @@ class PrefillWorker:
                     on_chunk=self._on_chunk,
                 )
                 if draft is not None:
-                    job.draft_chunks = self._add_draft(rid, prompt)
+                    job.draft_chunks = self.draft_kv.add(rid, prompt)
         except RequestError as exc:
             del self._jobs[rid]
             return self._result(msg, None, str(exc))
@@ -291,9 +247,9 @@ class PrefillWorker:
             async with asyncio.TaskGroup() as tg:
                 if job.draft_chunks is not None:
                     assert draft is not None
-                    tg.create_task(self._draft_model_writes(job, draft, tg))
+                    tg.create_task(self.draft_kv.model_writes(job, draft, tg))
                 blocks: list[int] = []  # the job's local blocks so far (the engine holds them)
-                while (chunk := await job.chunks.get()) is not _STOP:
+                while (chunk := await job.chunks.get()) is not STOP:
                     write = planner.plan(
                         chunk.chunk_index, chunk.end_token, chunk.block_ids, chunk.is_last
                     )
@@ -302,15 +258,15 @@ class PrefillWorker:
                     new_blocks = chunk.block_ids
                     # an early exit's reservation: the chunks so far, then each (a model
                     # worker's is _draft_model_writes')
-                    if draft is not None and draft.done() and not _is_whole_blocks(draft):
-                        job.draft = await self._draft_writes(msg, _reply(draft))
+                    if draft is not None and draft.done() and not is_whole_blocks(draft):
+                        job.draft = await self.draft_kv.writes(msg, reply_of(draft))
                         draft, new_blocks = None, tuple(blocks)
-                    self._plan_draft_write(job, DraftKvPlanner, new_blocks, tg)
+                    self.draft_kv.plan_write(job, DraftKvPlanner, new_blocks, tg)
                     if chunk.is_last:
                         job.first_token = chunk.first_token
                         job.first_logprobs = chunk.first_logprobs
                         job.prompt_logprobs = chunk.prompt_logprobs
-                        await self._drop_draft_if_waiting(job)
+                        await self.draft_kv.drop_if_waiting(job)
                         break
             # every write has returned: no byte of ours is still on its way to the decode blocks
         except PlanError as exc:  # an engine/plan disagreement: a bug, but never leak blocks
@@ -327,7 +283,7 @@ class PrefillWorker:
             self.store.put_later(prompt, self._lock)  # its full blocks stay cached meanwhile
         return self._result(msg, job, job.error)
 
-    async def _write(self, job: _Job, write: ChunkWrite, chunk: ChunkReady) -> None:
+    async def _write(self, job: Job, write: ChunkWrite, chunk: ChunkReady) -> None:
         msg = job.msg
         region = self.region
         if job.mirror is not None:  # another KV dtype on the decode side: convert, then write
@@ -357,142 +313,16 @@ class PrefillWorker:
         self.metrics.observe_write(sum(s.length for s in write.spans), t1 - t0)
         job.num_writes += 1
 
-    def _add_draft(
-        self, request_id: str, prompt: list[int]
-    ) -> asyncio.Queue[ChunkReady | None] | None:
-        """The prompt into the draft engine (under ``self._lock``); its chunks' queue, or None
-        without a draft model or when the draft engine cannot take the prompt."""
-        if self.draft_engine is None:
-            return None
-        params = SamplingOptions(max_tokens=1, temperature=0.0)
-        try:
-            self.draft_engine.add_request(
-                request_id, prompt, params, prefill_only=True, on_chunk=self._on_draft_chunk
-            )
-        except RequestError as exc:
-            log.info("draft model not run", request_id=request_id, error=str(exc))
-            return None
-        return asyncio.Queue()
-
-    async def _draft_model_writes(
-        self,
-        job: _Job,
-        reply: asyncio.Future[DraftKvReserveReply | None],
-        tg: asyncio.TaskGroup,
-    ) -> None:
-        """The draft engine's chunks of ``job``'s prompt, written whole into a model draft
-        worker's reserved blocks once its reservation came (taken with the first draft chunk
-        after it; the chunks before it are written then). Any other answer (none, a refusal,
-        an early exit's) ends the job's draft compute."""
-        assert job.draft_chunks is not None and self.draft_engine is not None
-        pending: asyncio.Future[DraftKvReserveReply | None] | None = reply
-        blocks: list[int] = []  # the draft engine's blocks of the prompt so far
-        while (chunk := await job.draft_chunks.get()) is not _STOP:
-            blocks += chunk.block_ids
-            new_blocks = chunk.block_ids
-            if pending is not None and pending.done():
-                if not _is_whole_blocks(pending):
-                    break
-                job.draft = await self._draft_writes(job.msg, _reply(pending))
-                pending, new_blocks = None, tuple(blocks)
-            self._plan_draft_write(job, DraftBlockPlanner, new_blocks, tg)
-            if chunk.is_last:
-                return
-        async with self._lock:  # stopped early: no draft write was issued
-            self.draft_engine.abort(job.msg.request_id)
-
-    async def _drop_draft_if_waiting(self, job: _Job) -> None:
-        """The target's last chunk is in: a draft prompt the draft engine has not admitted
-        yet (its pool is full) is dropped rather than waited for."""
-        if job.draft_chunks is None or self.draft_engine is None:
-            return
-        async with self._lock:
-            seq = self.draft_engine.seqs.get(job.msg.request_id)
-            if seq is None or seq.block_table:
-                return
-            self.draft_engine.abort(job.msg.request_id)
-        log.info("draft model found no room", request_id=job.msg.request_id)
-        job.draft_chunks.put_nowait(_STOP)
-
-    async def _draft_writes(
-        self, msg: PrefillJob, reply: DraftKvReserveReply | None
-    ) -> _DraftWrites | None:
-        """The draft writes of a job, if its reservation came and fits this worker."""
-        if reply is None or not reply.ok or reply.descriptor is None:
-            return None
-        spec = self.engine.kv_pool.spec
-        try:
-            if reply.whole_blocks:  # a model draft worker's: from the draft engine's pool
-                if self.draft_engine is None or self.draft_region is None:
-                    raise PlanError("this prefill worker runs no draft model")
-                planner: DraftKvPlanner | DraftBlockPlanner = DraftBlockPlanner(
-                    reply,
-                    len(msg.prompt_ids),
-                    self.block_size,
-                    self.draft_engine.kv_pool.spec.block_bytes,
-                )
-                region = self.draft_region
-            else:  # an early exit's: the first layers of the target's blocks
-                planner = DraftKvPlanner(
-                    reply,
-                    len(msg.prompt_ids),
-                    self.block_size,
-                    spec.num_layers,
-                    spec.num_kv_heads,
-                    self.block_bytes,
-                )
-                region = self.region
-            endpoint = await self.endpoints.get(reply.descriptor)
-        except (PlanError, TransportError, ValueError) as exc:
-            log.info("draft kv not written", request_id=msg.request_id, error=str(exc))
-            return _DraftWrites(reply, error=str(exc))
-        return _DraftWrites(reply, planner, region, endpoint)
-
-    def _plan_draft_write(
-        self,
-        job: _Job,
-        kind: type[DraftKvPlanner | DraftBlockPlanner],
-        block_ids: tuple[int, ...],
-        tg: asyncio.TaskGroup,
-    ) -> None:
-        """Plan the draft write of ``block_ids`` (the target's blocks for an early exit's
-        reservation, the draft engine's for a model worker's: ``kind``) and issue it, unless
-        the job's draft writes already failed."""
-        draft = job.draft
-        if draft is None or not isinstance(draft.planner, kind):
-            return
-        write = draft.planner.plan(block_ids)
-        if write is not None and not draft.error:
-            tg.create_task(self._write_draft(draft, write))
-
-    async def _write_draft(self, draft: _DraftWrites, write: ChunkWrite) -> None:
-        assert draft.endpoint is not None and draft.reply.descriptor is not None
-        assert draft.region is not None
-        entries = [
-            WriteEntry(draft.region, s.local_offset, s.remote_addr, draft.reply.rkey, s.length)
-            for s in write.spans
-        ]
-        try:
-            await draft.endpoint.write(entries, write.imm)
-        except TransportError as exc:
-            if not draft.error:
-                draft.error = f"draft KV write {write.chunk_index} failed: {exc}"
-                log.info("draft kv write failed", error=str(exc))
-                await self.endpoints.forget(draft.reply.descriptor)
-            return
-        self.metrics.draft_kv_bytes.inc(write.num_bytes)
-        draft.num_writes += 1
-
-    async def _stop(self, job: _Job) -> None:
+    async def _stop(self, job: Job) -> None:
         """No more chunks for this job: the engines drop it, its queues get the stop marker."""
         if not job.is_computed:
             async with self._lock:
                 self.engine.abort(job.msg.request_id)
-        job.chunks.put_nowait(_STOP)
+        job.chunks.put_nowait(STOP)
         if job.draft_chunks is not None and self.draft_engine is not None:
             async with self._lock:
                 self.draft_engine.abort(job.msg.request_id)
-            job.draft_chunks.put_nowait(_STOP)
+            job.draft_chunks.put_nowait(STOP)
 
     async def abort(self, request_id: str, reason: str) -> None:
         job = self._jobs.get(request_id)
@@ -507,24 +337,10 @@ class PrefillWorker:
             job.error = f"aborted: {reason}"
             await self._stop(job)
 
-    def _result(self, msg: PrefillJob, job: _Job | None, error: str) -> PrefillResult:
+    def _result(self, msg: PrefillJob, job: Job | None, error: str) -> PrefillResult:
         ok = job is not None and not error
         draft = job.draft if job is not None else None
-        draft_done = None
-        if draft is not None:  # the draft worker's blocks wait for this (its lease id: the job's)
-            draft_ok = ok and draft.is_complete
-            draft_error = "" if draft_ok else (draft.error or error or "draft KV not complete")
-            draft_done = (
-                draft.reply.worker_id,
-                PrefillDone(
-                    msg.request_id,
-                    msg.lease_id,
-                    draft_ok,
-                    num_writes=draft.num_writes,
-                    error=draft_error,
-                    rkey=draft.reply.rkey,
-                ),
-            )
+        draft_done = DraftKv.done_of(msg, draft, ok, error) if draft is not None else None
         done = PrefillDone(
             msg.request_id,
             msg.lease_id,
@@ -553,14 +369,3 @@ class PrefillWorker:
             num_chunks=t.num_chunks,
         )
         return PrefillResult(done, report, draft_done)
-
-
-def _reply(future: asyncio.Future[DraftKvReserveReply | None]) -> DraftKvReserveReply | None:
-    """A done reservation's reply (None: none came, or it was given up)."""
-    return None if future.cancelled() else future.result()
-
-
-def _is_whole_blocks(future: asyncio.Future[DraftKvReserveReply | None]) -> bool:
-    """Whether a done reservation is a model draft worker's (blocks of the draft model)."""
-    reply = _reply(future)
-    return reply is not None and reply.ok and reply.whole_blocks
