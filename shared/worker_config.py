@@ -65,14 +65,10 @@ class MetricsServiceConfig(ServiceConfig):
 
 
 @dataclass(frozen=True, slots=True)
-class EngineWorkerConfig(MetricsServiceConfig):
-    """A worker that runs the engine over a KV pool and moves KV on the data plane."""
+class DataPlaneConfig(MetricsServiceConfig):
+    """A service that moves KV on the data plane (engine workers, kv-stores): its backend and
+    the addresses it listens on and is reached at."""
 
-    model: str = option("kvmesh-tiny", help="model name or local HF checkpoint directory")
-    dtype: str | None = option(
-        None, help="model dtype (float32, bfloat16, float16); default: the checkpoint's"
-    )
-    device: str = option("cpu", help="torch device")
     transport: Literal["auto", "shm", "tcp", "rdma"] = option("auto", help="KV data plane backend")
     tcp_host: str | None = option(
         None,
@@ -81,9 +77,34 @@ class EngineWorkerConfig(MetricsServiceConfig):
     )
     advertise_host: str | None = option(
         None,
-        help="address peers on other hosts dial to reach this worker's data plane (default: "
+        help="address peers on other hosts dial to reach this service's data plane (default: "
         "the address of the interface that routes to the NATS server; 127.0.0.1 on one host)",
     )
+
+    def __post_init__(self) -> None:
+        MetricsServiceConfig.__post_init__(self)
+        if self.advertise_host is not None:
+            check_advertise_host(self.advertise_host)
+
+    def transport_hosts(self) -> tuple[str, str]:
+        """``(bind, advertise)`` of the data plane (shared/advertise.py): the advertise host
+        defaults to the interface routing to NATS, the bind address to the advertise host.
+        Raises ServiceStartError (printed as one line) when peers could not dial the result."""
+        try:
+            return resolve_transport_hosts(self.tcp_host, self.advertise_host, self.nats_url)
+        except AdvertiseHostError as exc:
+            raise ServiceStartError(str(exc)) from None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineWorkerConfig(DataPlaneConfig):
+    """A worker that runs the engine over a KV pool and moves KV on the data plane."""
+
+    model: str = option("kvmesh-tiny", help="model name or local HF checkpoint directory")
+    dtype: str | None = option(
+        None, help="model dtype (float32, bfloat16, float16); default: the checkpoint's"
+    )
+    device: str = option("cpu", help="torch device")
     block_size: int = option(16, help="tokens per KV block (prefill and decode workers must match)")
     kv_cache_dtype: Literal["auto", "int8", "fp8_e4m3"] = option(
         "auto",
@@ -120,7 +141,7 @@ class EngineWorkerConfig(MetricsServiceConfig):
     )
 
     def __post_init__(self) -> None:
-        MetricsServiceConfig.__post_init__(self)
+        DataPlaneConfig.__post_init__(self)
         if not self.model:
             raise ValueError("model must name a model or a checkpoint directory")
         if self.block_size <= 0:
@@ -136,8 +157,6 @@ class EngineWorkerConfig(MetricsServiceConfig):
         self.cpu_placement()  # ValueError: a bad --cpus or --nice, in one line
         if not self.drain_timeout_s > 0:
             raise ValueError(f"drain_timeout_s must be positive, got {self.drain_timeout_s}")
-        if self.advertise_host is not None:
-            check_advertise_host(self.advertise_host)
         if self.uses_data_plane and self.device != "cpu" and self.transport in ("shm", "tcp"):
             raise ValueError(
                 f"the {self.transport} transport moves host memory, but a {self.device} worker "
@@ -151,15 +170,6 @@ class EngineWorkerConfig(MetricsServiceConfig):
 
     def default_mesh(self) -> str:
         return mesh_from_model(self.model)
-
-    def transport_hosts(self) -> tuple[str, str]:
-        """``(bind, advertise)`` of the data plane (shared/advertise.py): the advertise host
-        defaults to the interface routing to NATS, the bind address to the advertise host.
-        Raises ServiceStartError (printed as one line) when peers could not dial the result."""
-        try:
-            return resolve_transport_hosts(self.tcp_host, self.advertise_host, self.nats_url)
-        except AdvertiseHostError as exc:
-            raise ServiceStartError(str(exc)) from None
 
     @property
     def uses_data_plane(self) -> bool:

@@ -5,21 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from kvmesh.shared.advertise import (
-    AdvertiseHostError,
-    check_advertise_host,
-    resolve_transport_hosts,
-)
 from kvmesh.shared.service_config import option
-from kvmesh.shared.service_errors import ServiceStartError
 from kvmesh.shared.subjects import mesh_from_model
-from kvmesh.shared.worker_config import MetricsServiceConfig
+from kvmesh.shared.worker_config import DataPlaneConfig
 
 DEFAULT_CAPACITY_GB = 1.0
 
 
 @dataclass(frozen=True, slots=True)
-class StoreConfig(MetricsServiceConfig):
+class StoreConfig(DataPlaneConfig):
     worker_id: str | None = option(None, help="store id (default: kv-store-<random>)")
     heartbeat_s: float = option(1.0, help="seconds between heartbeats and store adverts")
     model: str = option(
@@ -45,17 +39,6 @@ class StoreConfig(MetricsServiceConfig):
     )
     disk_capacity_gb: float | None = option(
         None, help="size in GiB of the disk tier's file (needs --disk-path)"
-    )
-    transport: Literal["auto", "shm", "tcp", "rdma"] = option("auto", help="KV data plane backend")
-    tcp_host: str | None = option(
-        None,
-        help="address the data plane listens on (tcp lanes, the rdma side channel); 0.0.0.0 "
-        "for every interface (default: --advertise-host)",
-    )
-    advertise_host: str | None = option(
-        None,
-        help="address peers on other hosts dial to reach the store's data plane (default: the "
-        "address of the interface that routes to the NATS server; 127.0.0.1 on one host)",
     )
     max_lease_s: float = option(
         120.0, help="longest a put or get may hold its slots (longer leases are capped)"
@@ -91,7 +74,7 @@ class StoreConfig(MetricsServiceConfig):
     )
 
     def __post_init__(self) -> None:
-        MetricsServiceConfig.__post_init__(self)
+        DataPlaneConfig.__post_init__(self)
         if not self.model:
             raise ValueError("model must name a model or a checkpoint directory")
         if self.block_size <= 0:
@@ -118,8 +101,6 @@ class StoreConfig(MetricsServiceConfig):
         ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.advertise_host is not None:
-            check_advertise_host(self.advertise_host)
         if not 0 < self.writer_share <= 1:
             raise ValueError(f"writer_share must be in (0, 1], got {self.writer_share}")
         if not self.allowed_put_roles:
@@ -154,10 +135,3 @@ class StoreConfig(MetricsServiceConfig):
                 f"disk_capacity_gb {self.disk_capacity_gb} holds no block of {slot_bytes} bytes"
             )
         return num
-
-    def transport_hosts(self) -> tuple[str, str]:
-        """``(bind, advertise)`` of the data plane, as for engine workers."""
-        try:
-            return resolve_transport_hosts(self.tcp_host, self.advertise_host, self.nats_url)
-        except AdvertiseHostError as exc:
-            raise ServiceStartError(str(exc)) from None
