@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 from kvmesh.shared.transport import lane_auth
+from kvmesh.shared.transport.backend import BackendBase
 from kvmesh.shared.transport.base import (
     Access,
     Buffer,
@@ -36,7 +37,6 @@ from kvmesh.shared.transport.base import (
     PeerDescriptor,
     TransportStats,
     local_host_id,
-    new_peer_id,
     unenforced_window,
 )
 from kvmesh.shared.transport.completions import Completion, CompletionQueue
@@ -72,7 +72,7 @@ from kvmesh.shared.transport.registry import Registry
 __all__ = ["RdmaEndpoint", "RdmaPeerInfo", "RdmaTransport", "rdma_available"]
 
 
-class RdmaTransport:
+class RdmaTransport(BackendBase):
     """The rdma backend; use as ``async with RdmaTransport(config) as t``.
 
     ``verbs``: the pyverbs namespace (``rdma_device.load_pyverbs()``); tests inject a stand-in.
@@ -92,12 +92,9 @@ class RdmaTransport:
         verbs: Any = None,
         dmabuf_exporter: Callable[[int, int], tuple[int, int]] = cuda_dmabuf_export,
     ) -> None:
-        self.config = config or TransportConfig()
+        super().__init__(config, registry, completions)
         self.verbs = verbs if verbs is not None else require_pyverbs()
-        self._peer_id = self.config.peer_id or new_peer_id()
         self._secret = lane_auth.new_secret()  # the side channel's (rdma_side_channel.py)
-        self._registry = registry if registry is not None else Registry()
-        self._queue = completions if completions is not None else CompletionQueue()
         self._dmabuf_exporter = dmabuf_exporter
         extra = self.config.extra
         defaults = QPLimits()
@@ -121,25 +118,10 @@ class RdmaTransport:
     # -- lifecycle ---------------------------------------------------------------------------------
 
     @property
-    def peer_id(self) -> str:
-        return self._peer_id
-
-    @property
-    def completion_queue(self) -> CompletionQueue:
-        return self._queue
-
-    @property
     def handshake_port(self) -> int:
         """The side channel's TCP port (in the descriptor)."""
         self._check_open()
         return self._side_channel.port
-
-    async def __aenter__(self) -> RdmaTransport:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
 
     async def start(self) -> None:
         """Open the device, PD, CQ; listen for handshakes; start polling."""

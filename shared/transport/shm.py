@@ -22,22 +22,21 @@ import socket
 import stat
 import struct
 import threading
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from kvmesh.shared import logs
 from kvmesh.shared.stale_dirs import make_owned_dir, sweep_dead_owner_files
+from kvmesh.shared.transport.backend import HostMemoryBackend
 from kvmesh.shared.transport.base import (
     Access,
-    Buffer,
     MemoryRegion,
     MemoryWindow,
     PeerDescriptor,
     TransportStats,
     local_host_id,
-    new_peer_id,
 )
 from kvmesh.shared.transport.completions import Completion, CompletionQueue
 from kvmesh.shared.transport.config import TransportConfig
@@ -203,7 +202,7 @@ class _Segment:
         self.addr = self.tensor.data_ptr()
 
 
-class ShmTransport:
+class ShmTransport(HostMemoryBackend):
     """Shared-memory transport; use as ``async with ShmTransport(config) as t``."""
 
     name = "shm"
@@ -216,10 +215,7 @@ class ShmTransport:
         completions: CompletionQueue | None = None,
         strict: bool = True,
     ) -> None:
-        self.config = config or TransportConfig()
-        self._peer_id = self.config.peer_id or new_peer_id()
-        self._registry = registry if registry is not None else Registry()
-        self._queue = completions if completions is not None else CompletionQueue()
+        super().__init__(config, registry, completions)
         self._strict = strict  # refuse remote registrations outside a segment (no tcp fallback)
         self._token = f"kvmesh-{os.getpid()}-{secrets.token_hex(4)}"
         self._segments: list[_Segment] = []
@@ -236,24 +232,9 @@ class ShmTransport:
     # -- lifecycle ---------------------------------------------------------------------------------
 
     @property
-    def peer_id(self) -> str:
-        return self._peer_id
-
-    @property
-    def completion_queue(self) -> CompletionQueue:
-        return self._queue
-
-    @property
     def socket_path(self) -> str:
         assert self._dir is not None, "enter the transport first"
         return os.path.join(self._dir, SOCKET_NAME)
-
-    async def __aenter__(self) -> ShmTransport:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
 
     async def start(self) -> None:
         if self._server is not None:
@@ -304,23 +285,6 @@ class ShmTransport:
         seg = _Segment(f"{self._token}-{len(self._segments)}", size)
         self._segments.append(seg)
         return seg.tensor[:nbytes]
-
-    def register(self, memory: Buffer, access: Access = Access.LOCAL) -> MemoryRegion:
-        return self._registry.register(memory, access)
-
-    def deregister(self, region: MemoryRegion) -> None:
-        self._registry.deregister(region)
-
-    def open_window(
-        self,
-        region: MemoryRegion,
-        spans: Sequence[tuple[int, int]],
-        access: Access = Access.REMOTE_WRITE,
-    ) -> MemoryWindow:
-        return self._registry.open_window(region, spans, access)
-
-    def close_window(self, window: MemoryWindow) -> None:
-        self._registry.close_window(window)
 
     def on_register(self, region: MemoryRegion) -> None:
         if not region.access & Access.REMOTE:

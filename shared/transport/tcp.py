@@ -24,22 +24,19 @@ import mmap
 import socket
 import struct
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 from kvmesh.shared import logs
 from kvmesh.shared.advertise import default_route_address
 from kvmesh.shared.transport import lane_auth
+from kvmesh.shared.transport.backend import HostMemoryBackend
 from kvmesh.shared.transport.base import (
     Access,
-    Buffer,
-    MemoryRegion,
-    MemoryWindow,
     PeerDescriptor,
     TransportStats,
     local_host_id,
-    new_peer_id,
 )
 from kvmesh.shared.transport.completions import Completion, CompletionQueue
 from kvmesh.shared.transport.config import TransportConfig
@@ -114,7 +111,7 @@ def set_io_timeout(sock: socket.socket, seconds: float) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
 
 
-class TcpTransport:
+class TcpTransport(HostMemoryBackend):
     """TCP transport; use as ``async with TcpTransport(config) as t``."""
 
     name = "tcp"
@@ -126,10 +123,7 @@ class TcpTransport:
         registry: Registry | None = None,
         completions: CompletionQueue | None = None,
     ) -> None:
-        self.config = config or TransportConfig()
-        self._peer_id = self.config.peer_id or new_peer_id()
-        self._registry = registry if registry is not None else Registry()
-        self._queue = completions if completions is not None else CompletionQueue()
+        super().__init__(config, registry, completions)
         self._server: SocketServer | None = None
         self._port = 0
         self._memory: list[mmap.mmap] = []
@@ -142,16 +136,8 @@ class TcpTransport:
         self._receiver = TcpReceiver(self.config, self._registry, self._queue)
 
     @property
-    def peer_id(self) -> str:
-        return self._peer_id
-
-    @property
     def port(self) -> int:
         return self._port
-
-    @property
-    def completion_queue(self) -> CompletionQueue:
-        return self._queue
 
     @property
     def num_dropped(self) -> int:
@@ -162,13 +148,6 @@ class TcpTransport:
     def _peers(self) -> dict[tuple[str, int], Any]:
         """The receiver's writer endpoints (tests check none is left behind)."""
         return self._receiver.peers
-
-    async def __aenter__(self) -> TcpTransport:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
 
     async def start(self) -> None:
         if self._server is not None:
@@ -213,23 +192,6 @@ class TcpTransport:
         mm = mmap.mmap(-1, nbytes)
         self._memory.append(mm)
         return torch.frombuffer(mm, dtype=torch.uint8)
-
-    def register(self, memory: Buffer, access: Access = Access.LOCAL) -> MemoryRegion:
-        return self._registry.register(memory, access)
-
-    def deregister(self, region: MemoryRegion) -> None:
-        self._registry.deregister(region)
-
-    def open_window(
-        self,
-        region: MemoryRegion,
-        spans: Sequence[tuple[int, int]],
-        access: Access = Access.REMOTE_WRITE,
-    ) -> MemoryWindow:
-        return self._registry.open_window(region, spans, access)
-
-    def close_window(self, window: MemoryWindow) -> None:
-        self._registry.close_window(window)
 
     def descriptor(self) -> PeerDescriptor:
         if self._server is None:

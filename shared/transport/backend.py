@@ -1,0 +1,70 @@
+"""What every transport backend shares (shm, tcp, rdma): its config and peer id, the registry of
+its regions, the queue its completions land in, and ``async with`` (``start``, ``aclose``).
+``HostMemoryBackend`` adds what the backends over host memory share: regions and windows kept
+by the registry alone (rdma registers memory with its NIC instead)."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from typing import Self
+
+from kvmesh.shared.transport.base import Access, Buffer, MemoryRegion, MemoryWindow, new_peer_id
+from kvmesh.shared.transport.completions import CompletionQueue
+from kvmesh.shared.transport.config import TransportConfig
+from kvmesh.shared.transport.registry import Registry
+
+
+class BackendBase(abc.ABC):
+    name: str
+
+    def __init__(
+        self,
+        config: TransportConfig | None,
+        registry: Registry | None,
+        completions: CompletionQueue | None,
+    ) -> None:
+        self.config = config or TransportConfig()
+        self._peer_id = self.config.peer_id or new_peer_id()
+        self._registry = registry if registry is not None else Registry()
+        self._queue = completions if completions is not None else CompletionQueue()
+
+    @property
+    def peer_id(self) -> str:
+        return self._peer_id
+
+    @property
+    def completion_queue(self) -> CompletionQueue:
+        return self._queue
+
+    @abc.abstractmethod
+    async def start(self) -> None: ...
+
+    @abc.abstractmethod
+    async def aclose(self) -> None: ...
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+class HostMemoryBackend(BackendBase):
+    def register(self, memory: Buffer, access: Access = Access.LOCAL) -> MemoryRegion:
+        return self._registry.register(memory, access)
+
+    def deregister(self, region: MemoryRegion) -> None:
+        self._registry.deregister(region)
+
+    def open_window(
+        self,
+        region: MemoryRegion,
+        spans: Sequence[tuple[int, int]],
+        access: Access = Access.REMOTE_WRITE,
+    ) -> MemoryWindow:
+        return self._registry.open_window(region, spans, access)
+
+    def close_window(self, window: MemoryWindow) -> None:
+        self._registry.close_window(window)
