@@ -14,6 +14,8 @@ interpreter, which has no fp8 type), times the scale of the (block, KV head).
 An int8 cache (``kv_scales``: the layer's (num_blocks, block_size, H_kv, D // 32) float32 K and V
 scales, see ``shared/engine/kv_int8.py``) is read as int8 times the scale of each token's group of
 32 values.
+
+The pure-torch references (``*_ref``) are in ``paged_attention_ref.py``.
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ import torch
 import triton
 import triton.language as tl
 from kvmesh.shared.engine.kv_int8 import GROUP as INT8_GROUP
-from kvmesh.shared.engine.kv_int8 import dequantize as dequantize_int8
 from kvmesh.shared.engine.kv_int8 import rotation_matrix
 from kvmesh.shared.engine.kv_quant import e4m3_lut
 
@@ -284,48 +285,6 @@ def paged_decode_attention(
     return out
 
 
-def paged_decode_attention_ref(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> torch.Tensor:
-    """Pure-torch reference: gather each sequence's tokens, then plain softmax attention in fp32."""
-    B, H_q, _ = q.shape
-    block_size, H_kv = k_cache.shape[1], k_cache.shape[2]
-    group = H_q // H_kv
-    out = torch.empty_like(q)
-    for b in range(B):
-        n = int(context_lens[b])
-        blocks = block_tables[b, : -(-n // block_size)].long()
-        keys = _read(k_cache, blocks, kv_scales, 0)[:n]  # (n, H_kv, D)
-        values = _read(v_cache, blocks, kv_scales, 1)[:n]
-        keys = keys.repeat_interleave(group, dim=1)  # (n, H_q, D)
-        values = values.repeat_interleave(group, dim=1)
-        scores = torch.einsum("hd,nhd->hn", q[b].float(), keys) * scale  # (H_q, n)
-        probs = scores.softmax(dim=-1)
-        out[b] = torch.einsum("hn,nhd->hd", probs, values).to(q.dtype)
-    return out
-
-
-def _read(
-    cache: torch.Tensor,
-    blocks: torch.Tensor,
-    kv_scales: tuple[torch.Tensor, torch.Tensor] | None,
-    which: int,
-) -> torch.Tensor:
-    """(len(blocks) * block_size, H_kv, D) float32 tokens of the listed blocks (dequantized)."""
-    if kv_scales is not None and cache.dtype == torch.int8:
-        return dequantize_int8(cache[blocks], kv_scales[which][blocks]).flatten(0, 1)
-    tokens = cache[blocks].float()  # (n, block_size, H_kv, D)
-    if kv_scales is not None:
-        tokens = tokens * kv_scales[which][blocks][:, None, :, None]
-    return tokens.flatten(0, 1)
-
-
 def _check_inputs(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -480,37 +439,4 @@ def paged_tree_attention(
         tree=(token_seq, prefix_lens, tree_bits.contiguous()),
         kv_scales=kv_scales,
     )
-    return out
-
-
-def paged_tree_attention_ref(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    query_lens: list[int],
-    tree_bits: torch.Tensor,
-    scale: float,
-    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> torch.Tensor:
-    """Pure-torch reference of ``paged_tree_attention``: gather, mask, softmax in fp32."""
-    H_q = q.shape[1]
-    block_size, H_kv = k_cache.shape[1], k_cache.shape[2]
-    group = H_q // H_kv
-    out = torch.empty_like(q)
-    start = 0
-    for b, n_q in enumerate(query_lens):
-        n = int(context_lens[b])
-        blocks = block_tables[b, : -(-n // block_size)].long()
-        keys = _read(k_cache, blocks, kv_scales, 0)[:n].repeat_interleave(group, dim=1)
-        values = _read(v_cache, blocks, kv_scales, 1)[:n].repeat_interleave(group, dim=1)
-        for r in range(n_q):
-            bits = int(tree_bits[start + r])
-            seen = [j < n - n_q or (bits >> (j - n + n_q)) & 1 == 1 for j in range(n)]
-            visible = torch.tensor(seen, device=q.device)
-            scores = torch.einsum("hd,nhd->hn", q[start + r].float(), keys) * scale  # (H_q, n)
-            probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
-            out[start + r] = torch.einsum("hn,nhd->hd", probs, values).to(q.dtype)
-        start += n_q
     return out

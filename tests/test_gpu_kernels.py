@@ -73,7 +73,8 @@ def _q_dtype(kv_dtype: torch.dtype) -> torch.dtype:
     ],
 )
 def test_decode_kernel_matches_reference_on_cuda(H_q, H_kv, D, block, context_lens, kv_dtype):
-    from kvmesh.kernels.paged_attention import paged_decode_attention, paged_decode_attention_ref
+    from kvmesh.kernels.paged_attention import paged_decode_attention
+    from kvmesh.kernels.paged_attention_ref import paged_decode_attention_ref
 
     num_blocks = sum(-(-n // block) for n in context_lens) + 3
     pool = _pool(2, H_kv, D, block, kv_dtype, num_blocks, seed=H_q + D)
@@ -146,7 +147,8 @@ def _tree_bits(query_lens: list[int], seed: int) -> torch.Tensor:
 def test_tree_kernel_matches_reference_on_cuda(
     H_q, H_kv, D, block, query_lens, context_lens, kv_dtype
 ):
-    from kvmesh.kernels.paged_attention import paged_tree_attention, paged_tree_attention_ref
+    from kvmesh.kernels.paged_attention import paged_tree_attention
+    from kvmesh.kernels.paged_attention_ref import paged_tree_attention_ref
 
     num_blocks = sum(-(-n // block) for n in context_lens) + 2
     pool = _pool(1, H_kv, D, block, kv_dtype, num_blocks, seed=D)

@@ -10,7 +10,8 @@ import os
 
 import pytest
 import torch
-from kvmesh.kernels.paged_attention import paged_decode_attention, paged_decode_attention_ref
+from kvmesh.kernels.paged_attention import paged_decode_attention
+from kvmesh.kernels.paged_attention_ref import paged_decode_attention_ref
 from kvmesh.shared.engine.attention import AttentionMetadata, paged_attention
 from kvmesh.shared.engine.kv_cache import KVCacheSpec, KVPool
 

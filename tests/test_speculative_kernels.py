@@ -73,7 +73,8 @@ def test_torch_path_tree_rows_see_only_context_and_ancestors():
 
 @needs_triton
 def test_triton_tree_kernel_matches_reference_and_torch_path():
-    from kvmesh.kernels.paged_attention import paged_tree_attention, paged_tree_attention_ref
+    from kvmesh.kernels.paged_attention import paged_tree_attention
+    from kvmesh.kernels.paged_attention_ref import paged_tree_attention_ref
 
     q, k, v, k_cache, v_cache, meta = batch(use_triton=False)
     expected = paged_attention(q, k, v, k_cache, v_cache, meta, 0.25)  # torch path, writes KV

@@ -62,20 +62,20 @@ from collections.abc import Sequence as Sequence_
 from typing import Any
 
 import torch
-from kvmesh.shared.engine import acceptance, choices, grammar, handoff, scoring
+from kvmesh.shared.engine import choices, draft_step, handoff, scoring
+from kvmesh.shared.engine.admission import Admission
 from kvmesh.shared.engine.block_manager import BlockManager, OutOfBlocksError
-from kvmesh.shared.engine.choices import choice_id
+from kvmesh.shared.engine.choices import ChoiceGroups
 from kvmesh.shared.engine.config import EngineConfig
 from kvmesh.shared.engine.draft_tree import DraftTree
-from kvmesh.shared.engine.finish import finish_reason, stop_text_for
 from kvmesh.shared.engine.grammar import GrammarBook
 from kvmesh.shared.engine.kv_cache import KVCacheSpec, KVPool
 from kvmesh.shared.engine.model_runner import ModelRunner
-from kvmesh.shared.engine.sampler import Sampler, token_logprobs
+from kvmesh.shared.engine.outputs import collect_tokens, request_output, stop_check
+from kvmesh.shared.engine.sampler import Sampler
 from kvmesh.shared.engine.scheduler import Scheduler
 from kvmesh.shared.engine.sequence import (
     ChunkReady,
-    PromptTooLongError,
     RequestError,
     RequestOutput,
     Sequence,
@@ -83,10 +83,10 @@ from kvmesh.shared.engine.sequence import (
     UnknownRequestError,
 )
 from kvmesh.shared.engine.speculative import DraftVerifier, SpecStepStats, SpecTotals
+from kvmesh.shared.engine.step_rows import step_rows
 from kvmesh.shared.prefix_hash import layout_root
 from kvmesh.shared.protocol import kv_spec_fingerprint
 from kvmesh.shared.sampling import SamplingOptions, TokenLogprobs
-from kvmesh.shared.structured_output import StructuredOutputError
 
 __all__ = [
     "ChunkReady",
@@ -157,40 +157,24 @@ class LLMEngine:
             self.max_seq_len,
             self.vocab_size,
         )
+        # what a request is refused for, and the sequences admitted (admission.py)
+        self.admission = Admission(
+            tokenizer,
+            self.grammars,
+            self.vocab_size,
+            self.max_model_len,
+            self.block_manager,
+            self.kv_pool,
+        )
         self.seqs: dict[str, Sequence] = {}
         self._last_accepted: dict[str, int] = {}  # request id -> drafts accepted this step
         self.last_spec_step: SpecStepStats | None = None  # set by each step given drafts
         self.spec_totals = SpecTotals()
         self._pending: list[RequestOutput] = []
         self._num_generated = 0
-        self._num_choices: dict[str, int] = {}  # request id -> its n, while a choice runs
+        self._choices = ChoiceGroups()  # the requests whose n > 1 choices run
 
     # ---- requests -----------------------------------------------------------------------------
-
-    def _check_prompt(self, request_id: str, prompt_ids: list[int]) -> None:
-        if request_id in self.seqs:
-            raise RequestError(f"request id {request_id!r} is already in use; pick a unique id")
-        n = len(prompt_ids)
-        if n == 0:
-            raise RequestError(
-                f"request {request_id!r}: the prompt is empty; send at least one token"
-            )
-        if any(not 0 <= t < self.vocab_size for t in prompt_ids):
-            bad = next(t for t in prompt_ids if not 0 <= t < self.vocab_size)
-            raise RequestError(
-                f"request {request_id!r}: token id {bad} is outside the vocabulary (size {self.vocab_size})"
-            )
-        if n > self.max_model_len:
-            raise PromptTooLongError(
-                f"request {request_id!r}: the prompt has {n} tokens but max_model_len is "
-                f"{self.max_model_len}; shorten the prompt by at least {n - self.max_model_len} tokens"
-            )
-        bm = self.block_manager
-        if bm.num_blocks_for(n) > bm.num_total_blocks:
-            raise PromptTooLongError(
-                f"request {request_id!r}: the prompt has {n} tokens but the KV pool holds only "
-                f"{bm.num_total_blocks * bm.block_size}; shorten it or give the engine more KV memory"
-            )
 
     def add_request(
         self,
@@ -201,45 +185,11 @@ class LLMEngine:
         prefill_only: bool = False,
         on_chunk: Callable[[ChunkReady], Any] | None = None,
     ) -> None:
-        self._check_prompt(request_id, prompt_ids)
-        if not prefill_only:
-            self._check_stop(request_id, params)
-        seq = Sequence(
-            request_id, list(prompt_ids), params, prefill_only=prefill_only, on_chunk=on_chunk
+        seq = self.admission.sequence(
+            request_id, prompt_ids, params, self.seqs, prefill_only, on_chunk
         )
-        seq.grammar = self._grammar_for(request_id, params)
-        if not prefill_only:
-            seq.stop_text = stop_text_for(seq, self.tokenizer)
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
-
-    def _grammar_for(self, request_id: str, params: SamplingOptions) -> Any:
-        """A fresh matcher of the request's structured output (None without one)."""
-        if params.structured_outputs is None:
-            return None
-        if self.grammars is None:
-            raise RequestError(
-                f"request {request_id!r}: structured outputs need a tokenizer and this engine "
-                "has none"
-            )
-        try:
-            return self.grammars.matcher(params.structured_outputs)
-        except StructuredOutputError as exc:
-            raise RequestError(f"request {request_id!r}: {exc}") from None
-
-    def _check_stop(self, request_id: str, params: SamplingOptions) -> None:
-        named = {*params.stop_token_ids, *params.logit_bias}
-        bad = next((t for t in sorted(named) if t >= self.vocab_size), None)
-        if bad is not None:
-            raise RequestError(
-                f"request {request_id!r}: token id {bad} (in stop_token_ids or logit_bias) is "
-                f"outside the vocabulary (size {self.vocab_size})"
-            )
-        if params.stop and self.tokenizer is None:
-            raise RequestError(
-                f"request {request_id!r}: stop strings need a tokenizer and this engine has none; "
-                "use stop_token_ids instead"
-            )
 
     def _get(self, request_id: str) -> Sequence:
         seq = self.seqs.get(request_id)
@@ -250,11 +200,7 @@ class LLMEngine:
     def abort(self, request_id: str) -> bool:
         """Abort the request: each of its choices' sequences still here."""
         seq = self.seqs.get(request_id)
-        others = [
-            self.seqs[sid]
-            for i in range(1, self._num_choices.get(request_id, 1))
-            if (sid := choice_id(request_id, i)) in self.seqs
-        ]
+        others = self._choices.others(request_id, self.seqs)
         if seq is None and not others:
             return False
         if seq is not None and seq.is_finished:  # prefill_done, still holding its blocks
@@ -287,30 +233,18 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch.seqs:
             if drafts:
-                self.last_spec_step = self._spec_stats({}, 0, len(drafts), t0)
+                self.last_spec_step = draft_step.spec_stats(
+                    self.spec_totals, {}, 0, len(drafts), t0
+                )
             return outputs
-        trees = self._trees_for(batch.seqs, drafts) if drafts else {}
-        num_new = list(batch.num_new_tokens)
-        for i, tree in trees.items():
-            num_new[i] += len(tree)
-        num_samples = [  # rows to sample from (or to verify a tree with)
-            int(s.num_computed_tokens + n == len(s)) * (n if i in trees else 1)
-            for i, (s, n) in enumerate(zip(batch.seqs, num_new, strict=True))
-        ]
-        num_scored = [
-            scoring.num_prompt_rows(s, n) for s, n in zip(batch.seqs, num_new, strict=True)
-        ]
-        num_logits = [a + b for a, b in zip(num_samples, num_scored, strict=True)]
+        trees = draft_step.trees_for(self.verifier, batch.seqs, drafts) if drafts else {}
+        layout = step_rows(batch.seqs, batch.num_new_tokens, trees)
+        num_new, num_samples, num_scored = layout.num_new, layout.num_samples, layout.num_scored
         if trees:
-            logits = self.runner.execute(batch.seqs, num_new, num_logits, trees)
+            logits = self.runner.execute(batch.seqs, num_new, layout.num_logits, trees)
         else:
-            logits = self.runner.execute(batch.seqs, num_new, num_logits)
-        rows = logits.split(num_logits) if logits is not None else ()
-        plain = [i for i, k in enumerate(num_samples) if k and i not in trees]
-        if not trees and not any(num_scored):
-            plain_logits = logits  # one row per sampled sequence, in order
-        else:  # verification rows go to acceptance, prompt rows to scoring, the rest sampled
-            plain_logits = torch.cat([rows[i][-1:] for i in plain]) if plain else None
+            logits = self.runner.execute(batch.seqs, num_new, layout.num_logits)
+        rows, plain, plain_logits = layout.split(logits, trees)
         plain_seqs = [batch.seqs[i] for i in plain]
         sampled = self.sampler(plain_logits, plain_seqs) if plain else []
         logprobs = scoring.sampled_logprobs(plain_logits, plain_seqs, sampled) if plain else {}
@@ -323,7 +257,11 @@ class LLMEngine:
         for i, (seq, n, k) in enumerate(zip(batch.seqs, num_new, num_samples, strict=True)):
             tree = trees.get(i)
             if tree is not None:
-                num_accepted += self._accept_tree(seq, tree, rows[i])
+                path_len = draft_step.accept_tree(
+                    self.verifier, self.sampler.generator, self.eos_token_ids, seq, tree, rows[i]
+                )
+                self._last_accepted[seq.request_id] = path_len
+                num_accepted += path_len
                 bm.commit(seq)
                 outputs.append(self._emit(seq))
                 continue
@@ -348,136 +286,31 @@ class LLMEngine:
                 self._fork_choices(seq)
                 outputs.append(self._emit(seq))
         if drafts:
-            self.last_spec_step = self._spec_stats(
-                trees, num_accepted, len(drafts) - len(trees), t0
+            self.last_spec_step = draft_step.spec_stats(
+                self.spec_totals, trees, num_accepted, len(drafts) - len(trees), t0
             )
         return outputs
 
-    def _trees_for(
-        self, seqs: list[Sequence], drafts: Mapping[str, DraftTree]
-    ) -> dict[int, DraftTree]:
-        """Batch index -> tree for the scheduled sequences a draft fits; nodes appended."""
-        trees = {}
-        for i, seq in enumerate(seqs):
-            tree = drafts.get(seq.request_id)
-            if tree is not None and self.verifier.can_verify(seq, tree):
-                self.verifier.append_tree(seq, tree)
-                trees[i] = tree
-        return trees
-
-    def _accept_tree(self, seq: Sequence, tree: DraftTree, logits: torch.Tensor) -> int:
-        """Pick the accepted path from the verification logits (K+1, vocab), keep it and the next
-        token in the sequence; returns the path's length."""
-        first = seq.num_output_tokens - len(tree)  # output index of the token after the last one
-        indices = [first, *(first + d for d in tree.depths)]
-        histories = None
-        if seq.params.changes_logits:
-            outputs = seq.token_ids[seq.num_prompt_tokens : len(seq) - len(tree)]
-            histories = acceptance.tree_histories(seq.prompt_ids, outputs, tree)
-        bitmask = None
-        if seq.grammar is not None:
-            bitmask = grammar.tree_bitmask(seq.grammar, tree, logits.shape[1])
-        picks = acceptance.target_tokens(
-            logits,
-            seq.params,
-            indices,
-            self.sampler.generator,
-            histories,
-            self.eos_token_ids,
-            bitmask,
-        )
-        verdict = acceptance.accept(tree, picks)
-        self.verifier.keep_path(seq, tree, verdict.path, verdict.next_token)
-        if seq.grammar is not None:
-            for token in [*(tree.tokens[j] for j in verdict.path), verdict.next_token]:
-                accepted = seq.grammar.accept_token(token)
-                assert accepted, (seq.request_id, token)
-        if seq.params.logprobs is not None:  # row of each kept token: its parent's
-            kept = [*(tree.tokens[j] for j in verdict.path), verdict.next_token]
-            parents = [0, *(1 + j for j in verdict.path)]
-            num_top = [seq.params.logprobs] * len(kept)
-            seq.logprobs += token_logprobs(logits[parents], kept, num_top)
-        self._last_accepted[seq.request_id] = len(verdict.path)
-        return len(verdict.path)
-
-    def _spec_stats(
-        self, trees: Mapping[int, DraftTree], num_accepted: int, num_ignored: int, t0: float
-    ) -> SpecStepStats:
-        stats = SpecStepStats(
-            num_verified_seqs=len(trees),
-            num_ignored_trees=num_ignored,
-            num_draft_tokens=sum(len(t) for t in trees.values()),
-            num_draft_positions=sum(t.depth for t in trees.values()),
-            num_accepted_tokens=num_accepted,
-            verify_time_s=time.perf_counter() - t0 if trees else 0.0,
-        )
-        if trees:
-            self.spec_totals.add(stats)
-        else:
-            self.spec_totals.num_ignored_trees += num_ignored
-        return stats
-
     def _emit(self, seq: Sequence) -> RequestOutput:
         """Stop-check the output tokens not yet returned, in order; build their output."""
-        start = seq.num_prompt_tokens + seq.num_emitted_tokens
-        new = seq.token_ids[start:]
-        del seq.token_ids[start:]
-        reason = None
-        for token in new:
-            seq.token_ids.append(token)
-            reason = finish_reason(seq, self.eos_token_ids, self.max_seq_len)
-            if reason is not None:
-                break
-        emitted = seq.token_ids[start:]
+        emitted, reason = stop_check(seq, self.eos_token_ids, self.max_seq_len)
         if reason is not None:
             self._finish(seq, reason)
         return self._output(seq, emitted)
 
     def _output(self, seq: Sequence, new_token_ids: list[int]) -> RequestOutput:
-        logprobs = None
-        if seq.params.logprobs is not None and not seq.prefill_only:
-            first = seq.num_emitted_tokens
-            logprobs = seq.logprobs[first : first + len(new_token_ids)]
-            assert len(logprobs) == len(new_token_ids), (seq.request_id, len(logprobs))
-        prompt_logprobs = None
-        if seq.params.prompt_logprobs is not None and seq.index == 0 and not seq.num_emitted_tokens:
-            prompt_logprobs = list(seq.prompt_logprobs)
-        seq.num_emitted_tokens = seq.num_output_tokens
-        return RequestOutput(
-            seq.reply_id,
-            new_token_ids,
-            seq.is_finished,
-            seq.finish_reason,
-            seq.num_prompt_tokens,
-            seq.num_output_tokens,
-            self._last_accepted.pop(seq.request_id, 0),
-            logprobs,
-            seq.index,
-            prompt_logprobs,
-        )
+        num_accepted = self._last_accepted.pop(seq.request_id, 0)
+        return request_output(seq, new_token_ids, num_accepted)
 
     def _fork_choices(self, seq: Sequence) -> None:
         """After choice 0's first token: the request's other choices, over its prompt KV. A
         pool too full for their private blocks gets them as plain sequences instead (their
         prompt prefilled again, from the prefix cache where it holds it)."""
-        n = seq.params.n
-        if n == 1 or seq.index or seq.num_output_tokens != 1 or seq.request_id in self._num_choices:
+        if not self._choices.start(seq):
             return
-        self._num_choices[seq.request_id] = n
         forked = choices.can_fork(seq, self.block_manager)
-        for i in range(1, n):
-            if forked:
-                child = choices.fork(seq, i, self.block_manager, self.kv_pool)
-            else:
-                child = Sequence(
-                    choices.choice_id(seq.request_id, i),
-                    seq.prompt_ids,
-                    seq.params,
-                    choice_of=seq.request_id,
-                    index=i,
-                )
-            child.stop_text = stop_text_for(child, self.tokenizer)
-            child.grammar = self._grammar_for(child.request_id, seq.params)
+        for i in range(1, seq.params.n):
+            child = self.admission.choice(seq, i, forked)
             self.seqs[child.request_id] = child
             if forked:
                 self.scheduler.add_prefilled(child)
@@ -491,11 +324,7 @@ class LLMEngine:
         if reason != "prefill_done":
             self.block_manager.deallocate(seq)
             del self.seqs[seq.request_id]
-            rid = seq.reply_id
-            if rid in self._num_choices and not any(
-                choice_id(rid, i) in self.seqs for i in range(self._num_choices[rid])
-            ):
-                del self._num_choices[rid]
+            self._choices.ended(seq.reply_id, self.seqs)
 
     def generate(
         self, prompts: list[list[int]], params: SamplingOptions | list[SamplingOptions]
@@ -509,15 +338,7 @@ class LLMEngine:
             self._num_generated += 1
             ids.append(f"generate-{self._num_generated}")
             self.add_request(ids[-1], prompt, p)
-        results: dict[str, list[int]] = {rid: [] for rid in ids}
-        remaining = set(ids)
-        while remaining:
-            for out in self.step():
-                if out.request_id in results:
-                    results[out.request_id] += out.new_token_ids
-                    if out.finished:
-                        remaining.discard(out.request_id)
-        return [results[rid] for rid in ids]
+        return collect_tokens(self.step, ids)
 
     # ---- speculative verification -------------------------------------------------------------
 
@@ -571,7 +392,7 @@ class LLMEngine:
     def check_request(self, request_id: str, prompt_ids: list[int]) -> None:
         """RequestError if ``add_request`` would refuse this prompt (needs no lock: reads only
         what a step does not change but the id set, whose race add_request settles)."""
-        self._check_prompt(request_id, prompt_ids)
+        self.admission.check_prompt(request_id, prompt_ids, self.seqs)
 
     def reserve_blocks(self, num_tokens: int) -> list[int]:
         """Blocks for a remote writer to fill with ``num_tokens`` tokens of KV."""
@@ -594,31 +415,18 @@ class LLMEngine:
         ``reserve_blocks``; the engine takes them over and frees them when the request ends).
         ``first_logprobs``: the first token's, when ``params.logprobs`` asks for them;
         ``prompt_logprobs``: the prompt's, when ``params.prompt_logprobs`` does."""
-        self._check_prompt(request_id, prompt_ids)
-        self._check_stop(request_id, params)
-        matcher = self._grammar_for(request_id, params)
-        if matcher is not None and not matcher.accept_token(first_token):
-            raise RequestError(
-                f"request {request_id!r}: the first token {first_token} breaks its structured "
-                "output's grammar"
-            )
-        bm = self.block_manager
-        seq = handoff.prefilled_sequence(
+        seq = self.admission.prefilled(
             request_id,
             prompt_ids,
             block_ids,
             first_token,
             params,
-            bm,
-            self.vocab_size,
+            self.seqs,
             first_logprobs,
+            prompt_logprobs,
         )
-        seq.grammar = matcher
-        seq.prompt_logprobs = list(prompt_logprobs)
         self.seqs[request_id] = seq
         self.scheduler.add_prefilled(seq)
-        seq.num_emitted_tokens = 0
-        seq.stop_text = stop_text_for(seq, self.tokenizer)
         self._fork_choices(seq)
         out = self._emit(seq)  # stop checks on the first token, already delivered by prefill
         if out.finished:
