@@ -26,6 +26,7 @@ from collections import defaultdict
 from collections.abc import Iterator, Mapping
 from typing import Any, BinaryIO
 
+from kvmesh.services.router.attempts import attempt_of
 from kvmesh.shared.subjects import DEFAULT_MESH
 
 MODEL = "kvmesh-tiny"
@@ -232,15 +233,6 @@ class MeshTap:
         if self.finished[attempts[-1]].finish_reason not in ("stop", "length"):
             return None
         return self.finished[attempts[-1]], [t for w in attempts for t in self.tokens[w]]
-
-
-def attempt_of(wire_id: str) -> tuple[str, int]:
-    """``(reply id, attempt number)`` of a router wire id: ``X`` is attempt 0 of ``X``,
-    ``X-r2`` and ``X-m2`` attempt 2 (services/router/dispatch.py numbers them in one sequence)."""
-    base, sep, suffix = wire_id.rpartition("-")
-    if sep and suffix[:1] in ("r", "m") and suffix[1:].isdigit():
-        return base, int(suffix[1:])
-    return wire_id, 0
 
 
 async def complete(

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
-from kvmesh.services.router.app import _api_key_middleware, _error_middleware
 from kvmesh.services.router.config import RouterConfig
+from kvmesh.services.router.http_server import api_key_middleware, error_middleware
 
 
 def _app(api_key: str | None, max_body_bytes: int = 1 << 20) -> web.Application:
@@ -16,7 +16,7 @@ def _app(api_key: str | None, max_body_bytes: int = 1 << 20) -> web.Application:
         return web.json_response({"ok": True})
 
     app = web.Application(
-        middlewares=[_error_middleware, _api_key_middleware(api_key)],
+        middlewares=[error_middleware, api_key_middleware(api_key)],
         client_max_size=max_body_bytes,
     )
     app.add_routes([web.post("/v1/completions", ok), web.get("/v1/models", ok)])

@@ -11,7 +11,7 @@ import time
 import aiohttp
 import orjson
 from kvmesh.services.router import RouterConfig, serve_router
-from kvmesh.services.router.dispatch import _is_gap
+from kvmesh.services.router.attempts import is_gap
 from kvmesh.shared.protocol import TokenEvent
 from router_fake_mesh import REPLY_TEXT, FakeMesh
 
@@ -41,12 +41,12 @@ def _stream_text(raw: bytes) -> tuple[str, list[dict]]:
 
 def test_a_gap_is_a_count_that_does_not_follow_from_the_tokens_received():
     event = lambda n, ids=(7,), reason=None: TokenEvent("r", ids, reason, 1, n)
-    assert not _is_gap(event(3), 2)
-    assert _is_gap(event(4), 2)  # the third token's event went missing
-    assert not _is_gap(event(3, ids=(7, 8)), 1)  # two tokens in one event
-    assert not _is_gap(event(2, ids=(), reason="stop"), 2)  # a finish without tokens
-    assert not _is_gap(event(0), 5)  # not counted
-    assert not _is_gap(event(9, ids=(), reason="error"), 1)
+    assert not is_gap(event(3), 2)
+    assert is_gap(event(4), 2)  # the third token's event went missing
+    assert not is_gap(event(3, ids=(7, 8)), 1)  # two tokens in one event
+    assert not is_gap(event(2, ids=(), reason="stop"), 2)  # a finish without tokens
+    assert not is_gap(event(0), 5)  # not counted
+    assert not is_gap(event(9, ids=(), reason="error"), 1)
 
 
 async def test_a_lost_token_event_migrates_the_stream_without_a_gap(nats_server):

@@ -3,7 +3,8 @@
 The decode workers own their free lists and enforce their leases; the registry keeps a soft view
 (the latest DecodeAdvert of each worker, corrected for the reservations granted since), picks a
 worker for each PlaceRequest, and tracks leases for status and expiry. Everything here can be
-rebuilt from the workers' periodic adverts, which is what a restarted registry does.
+rebuilt from the workers' periodic adverts, which is what a restarted registry does. The table's
+entries are worker_views.py's; what admin shows of the state, status_rows.py's.
 
 Placement policy (``choose``): skip dead, draining and mismatched workers (another model or KV
 layout than the router's ``PlaceRequest.model_spec``, mode, the registry's KV layout, a prompt
@@ -32,7 +33,9 @@ from dataclasses import dataclass, field
 
 from kvmesh.services.kv_registry.prefix_index import PrefixIndex
 from kvmesh.services.kv_registry.prefix_reach import PrefixReach, prefix_reach, prefix_score
+from kvmesh.services.kv_registry.status_rows import registry_status, worker_rows
 from kvmesh.services.kv_registry.stores import StoreTable
+from kvmesh.services.kv_registry.worker_views import DecodeWorkerView, PeerWorker, seen
 from kvmesh.shared.hearing import Hearing
 from kvmesh.shared.protocol import (
     DecodeAdvert,
@@ -42,46 +45,6 @@ from kvmesh.shared.protocol import (
     PlaceRequest,
     WorkerHeartbeat,
 )
-
-
-@dataclass(slots=True)
-class DecodeWorkerView:
-    """A decode (or colocated) worker as the registry sees it."""
-
-    advert: DecodeAdvert
-    last_seen: float  # registry clock
-    interval_s: float = 0.0  # the worker's observed publish interval (slowly decaying max gap)
-    reserved_since_advert: int = 0  # blocks granted after the advert was received
-    inflight_blocks: int = 0  # blocks asked for, reply not in yet
-    num_inflight: int = 0
-    is_draining: bool = False  # set by admin drain before the worker's next advert says so
-    started_at: float = 0.0  # its heartbeats' started_at: another one is a restarted process
-
-    @property
-    def worker_id(self) -> str:
-        return self.advert.worker_id
-
-    @property
-    def state(self) -> str:
-        return "draining" if self.is_draining else self.advert.state
-
-    @property
-    def free_blocks(self) -> int:
-        """Estimated free blocks: advertised, less what was handed out since (never < 0)."""
-        return max(0, self.advert.free_blocks - self.reserved_since_advert - self.inflight_blocks)
-
-    @property
-    def load(self) -> int:
-        return self.advert.num_running + self.advert.num_waiting + self.num_inflight
-
-
-@dataclass(slots=True)
-class PeerWorker:
-    """Any worker known only by its heartbeats (prefill, router, draft, ...)."""
-
-    heartbeat: WorkerHeartbeat
-    last_seen: float
-    interval_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,14 +94,6 @@ class LeaseCounters:
     dropped: int = 0  # their worker died
 
 
-def _seen(entry: DecodeWorkerView | PeerWorker, now: float, hearing: Hearing) -> None:
-    """Refresh last-seen and learn the worker's interval: a router heartbeating every 2 s must not
-    be declared dead by a registry that expects 1 s. A gap the registry could not hear (a NATS
-    outage) teaches nothing: only the part since the reconnect counts."""
-    entry.interval_s = max(hearing.silence(entry.last_seen, now), 0.9 * entry.interval_s)
-    entry.last_seen = now
-
-
 @dataclass(slots=True)
 class RegistryState:
     """``worker_timeout_s`` = missed heartbeats x the expected interval; a worker observed to
@@ -177,7 +132,7 @@ class RegistryState:
             )
             return True
         worker.advert = advert
-        _seen(worker, now, self.hearing)
+        seen(worker, now, self.hearing)
         worker.reserved_since_advert = 0  # the advert counts every reservation replied before it
         if advert.state == "ready":
             worker.is_draining = False  # the worker says it resumed (or never drained)
@@ -194,7 +149,7 @@ class RegistryState:
         worker = self.decode.get(heartbeat.worker_id)
         if worker is not None:
             worker.started_at = heartbeat.started_at
-            _seen(worker, now, self.hearing)
+            seen(worker, now, self.hearing)
             return replaced
         peer = self.peers.get(heartbeat.worker_id)
         if peer is None:
@@ -205,7 +160,7 @@ class RegistryState:
             )
         else:
             peer.heartbeat = heartbeat
-            _seen(peer, now, self.hearing)
+            seen(peer, now, self.hearing)
         return replaced
 
     def _replaced_by(self, heartbeat: WorkerHeartbeat) -> str | None:
@@ -458,66 +413,9 @@ class RegistryState:
     # --- views (admin) --------------------------------------------------------------------------
 
     def status(self, now: float) -> dict:
-        leases_by_worker: dict[str, int] = {}
-        for lease in self.leases.values():
-            leases_by_worker[lease.worker_id] = leases_by_worker.get(lease.worker_id, 0) + 1
-        decode = [
-            {
-                "worker_id": w.worker_id,
-                "role": "colocated" if w.advert.mode == "colocated" else "decode",
-                "state": w.state,
-                "total_blocks": w.advert.total_blocks,
-                "free_blocks": w.advert.free_blocks,
-                "free_blocks_estimate": w.free_blocks,
-                "running": w.advert.num_running,
-                "waiting": w.advert.num_waiting,
-                "leases": leases_by_worker.get(w.worker_id, 0),
-                "cached_blocks": self.prefix_index.num_blocks(w.worker_id),
-                "cache_synced": self.prefix_index.is_synced(w.worker_id),
-                "reads_kv_store": w.advert.reads_kv_store,
-                "refused_accesses": w.advert.refused_accesses,
-                "stray_immediates": w.advert.stray_immediates,
-                "forged_announcements": w.advert.forged_announcements,
-                "kv_spec": w.advert.kv_spec,
-                "model_spec": w.advert.model_spec,
-                "last_seen_s": round(now - w.last_seen, 3),
-            }
-            for w in sorted(self.decode.values(), key=lambda w: w.worker_id)
-        ]
-        return {
-            "decode": decode,
-            "workers": self.workers(now),
-            "leases": {
-                "active": len(self.leases),
-                "granted": self.counters.granted,
-                "completed": self.counters.completed,
-                "expired": self.counters.expired,
-                "dropped": self.counters.dropped,
-            },
-        }
+        """The admin status: a row per decode worker, every worker's row, the lease counters."""
+        return registry_status(self, now)
 
     def workers(self, now: float) -> list[dict]:
         """Every known worker, decode ones included, one row each."""
-        rows = [
-            {
-                "worker_id": w.worker_id,
-                "role": "colocated" if w.advert.mode == "colocated" else "decode",
-                "state": w.state,
-                "running": w.advert.num_running,
-                "waiting": w.advert.num_waiting,
-                "last_seen_s": round(now - w.last_seen, 3),
-            }
-            for w in self.decode.values()
-        ]
-        rows += [
-            {
-                "worker_id": p.heartbeat.worker_id,
-                "role": p.heartbeat.role,
-                "state": p.heartbeat.state,
-                "running": p.heartbeat.num_running,
-                "waiting": p.heartbeat.num_waiting,
-                "last_seen_s": round(now - p.last_seen, 3),
-            }
-            for p in self.peers.values()
-        ]
-        return sorted(rows, key=lambda r: (r["role"], r["worker_id"]))
+        return worker_rows(self, now)

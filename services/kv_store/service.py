@@ -1,12 +1,13 @@
-"""The kv-store's shell: its pool on the data plane, the put/commit/get/release endpoints, the
-lease and advert loops around ``core.BlockStore`` (docs/kv_store.md).
+"""The kv-store's NATS shell around StoreWorker (the pool and its requests, which knows no NATS;
+docs/kv_store.md).
 
 In (``Subjects(mesh)``): StorePut / StoreCommit / StoreGet / StoreRelease on ``store_*(id)``
-(micro endpoints). Out: StoreAdvert on REGISTRY_STORE_ADVERTISE and a WorkerHeartbeat every
-``heartbeat_s``. KV bytes never pass through here: writers and readers move them one-sided
-through the windows this shell opens; it looks at the bytes only to check a commit, and, with
-a disk tier (``--disk-path``), to copy evicted blocks to the disk file and hit ones back, in a
-worker thread, before the reply that hands their host slots out.
+(micro endpoints), each decoded here and handed to the worker (a put with the role its reply
+goes to, ``requester_role``); StoreSolicit on REGISTRY_STORE_SOLICIT and WorkerGone on
+REGISTRY_WORKER_GONE. Out: StoreAdvert on REGISTRY_STORE_ADVERTISE, a WorkerHeartbeat every
+``heartbeat_s`` and the hashes held on REGISTRY_STORE_KV_EVENTS / REGISTRY_STORE_KV_DIGEST
+(held_reports.py). The shell runs the loops: lease expiry every ``lease_check_s`` and the
+transport's completions, both handed to the worker, and the held reports.
 """
 
 from __future__ import annotations
@@ -21,16 +22,14 @@ from typing import Any
 
 import nats.errors
 from kvmesh.services.kv_store.config import StoreConfig
-from kvmesh.services.kv_store.core import BlockStore, Promotion, Spill, StoreFull
 from kvmesh.services.kv_store.disk_file import DiskFile, check_disk_dir
-from kvmesh.services.kv_store.disk_tier import DiskSlots
 from kvmesh.services.kv_store.held_reports import HeldReporter, change_mark, held_hashes
 from kvmesh.services.kv_store.layout import store_layout
 from kvmesh.services.kv_store.metrics import StoreMetrics
-from kvmesh.services.kv_store.owners import writer_quota
+from kvmesh.services.kv_store.worker import StoreWorker
 from kvmesh.shared import logs
 from kvmesh.shared.descriptor import TransportDescriptor
-from kvmesh.shared.kv_block_header import HEADER_BYTES, BlockHeader, BlockVerifyError, check_stored
+from kvmesh.shared.kv_block_header import HEADER_BYTES
 from kvmesh.shared.nats_service import (
     background,
     connect_nats,
@@ -41,20 +40,15 @@ from kvmesh.shared.nats_service import (
     subscriptions,
     worker_presence,
 )
-from kvmesh.shared.prefix_hash import layout_root
 from kvmesh.shared.protocol import (
     KvCacheDigest,
     KvCacheEvents,
     Message,
     MessageError,
-    StoreAck,
     StoreAdvert,
     StoreCommit,
-    StoreCommitReply,
     StoreGet,
-    StoreGetReply,
     StorePut,
-    StorePutReply,
     StoreRelease,
     StoreSolicit,
     WorkerGone,
@@ -63,13 +57,7 @@ from kvmesh.shared.protocol import (
     encode_message,
 )
 from kvmesh.shared.store_solicit import SolicitLimiter
-from kvmesh.shared.transport import (
-    Access,
-    MemoryWindow,
-    Transport,
-    TransportConfig,
-    create_transport,
-)
+from kvmesh.shared.transport import TransportConfig, create_transport
 from nats.aio.client import Client
 from nats.micro.request import Request
 
@@ -79,272 +67,33 @@ ROLE = "kv-store"
 
 
 class StoreService:
-    """One store: ``num_blocks`` blocks at ``data_addr``, their headers at ``header_addr``, in one
-    registered region of ``transport``."""
+    """Wires one StoreWorker to NATS: its endpoints, adverts, heartbeats and held reports."""
 
-    def __init__(
-        self,
-        config: StoreConfig,
-        nc: Client,
-        transport: Transport,
-        memory: Any,
-        store_id: str,
-        num_blocks: int,
-        block_bytes: int,
-        kv_spec: str,
-        disk: DiskFile | None = None,
-    ) -> None:
+    def __init__(self, config: StoreConfig, nc: Client, worker: StoreWorker) -> None:
         self.config = config
         self.nc = nc
-        self.transport = transport
-        self.store_id = store_id
+        self.worker = worker
+        self.transport = worker.transport
+        self.store_id = worker.store_id
         self.epoch = secrets.token_hex(8)
-        self.block_bytes = block_bytes
-        self.kv_spec = kv_spec
-        self.layout = layout_root(kv_spec)
-        self.disk = disk  # the disk tier's file, if any
-        num_disk_slots = disk.num_slots if disk else 0
-        self.core = BlockStore(
-            num_blocks,
-            disk=DiskSlots(num_disk_slots) if disk else None,
-            max_per_owner=writer_quota(config.writer_share, num_blocks, num_disk_slots),
-        )
-        self.held = HeldReporter(store_id, self.epoch)  # what it holds, for the registry
-        self.memory = memory  # (num_blocks * (block_bytes + HEADER_BYTES),) uint8
-        self.region = transport.register(memory, Access.REMOTE)
-        self.data_addr = self.region.addr
-        self.header_addr = self.region.addr + num_blocks * block_bytes
-        self.windows: dict[str, MemoryWindow] = {}  # put or get id -> its window
-        # put window key -> set when a write with that key completed here (its immediate)
-        self._landed: dict[int, asyncio.Event] = {}
+        self.held = HeldReporter(self.store_id, self.epoch)  # what it holds, for the registry
         self.started_at = time.time()
-        self.is_draining = False
-        self.metrics = StoreMetrics(self.core, transport.stats, block_bytes)
+        self.metrics = StoreMetrics(worker.core, self.transport.stats, worker.block_bytes)
         self.metrics_port: int | None = None
         self.solicits = SolicitLimiter()
-
-    # --- addresses ------------------------------------------------------------------------------
-
-    def block_addr(self, slot: int) -> int:
-        return self.data_addr + slot * self.block_bytes
-
-    def slot_header_addr(self, slot: int) -> int:
-        return self.header_addr + slot * HEADER_BYTES
-
-    def _views(self, slot: int) -> tuple[memoryview, memoryview]:
-        """Host slot ``slot``'s block and header, as buffers for the disk file's I/O."""
-        block = self.memory[slot * self.block_bytes : (slot + 1) * self.block_bytes]
-        base = self.header_addr - self.data_addr + slot * HEADER_BYTES
-        return memoryview(block.numpy()), memoryview(
-            self.memory[base : base + HEADER_BYTES].numpy()
-        )
-
-    async def _copy(
-        self, op_id: str, spills: tuple[Spill, ...], promotions: tuple[Promotion, ...]
-    ) -> bool:
-        """Make an op's copies between tiers (spills first: a promotion may land in a slot a
-        spill empties), in a worker thread; report each to the core. False if a promotion did
-        not end indexed (the get must not serve it)."""
-        if not spills and not promotions:
-            return True
-        ok_spills, ok_promotions = await asyncio.to_thread(self._copy_blocking, spills, promotions)
-        for spill, ok in zip(spills, ok_spills, strict=True):
-            self.core.spilled(spill, ok)
-        served = [
-            self.core.promoted(op_id, p, ok)
-            for p, ok in zip(promotions, ok_promotions, strict=True)
-        ]
-        return all(served)
-
-    def _copy_blocking(
-        self, spills: tuple[Spill, ...], promotions: tuple[Promotion, ...]
-    ) -> tuple[list[bool], list[bool]]:
-        assert self.disk is not None
-        done: tuple[list[bool], list[bool]] = ([], [])
-        for copies, out in ((spills, done[0]), (promotions, done[1])):
-            for c in copies:
-                try:
-                    if isinstance(c, Spill):
-                        self.disk.write_slot(c.disk_slot, *self._views(c.host_slot))
-                    else:
-                        self.disk.read_slot(c.disk_slot, *self._views(c.host_slot))
-                    out.append(True)
-                except OSError as exc:  # the block is dropped; the store goes on
-                    log.warning("disk tier copy failed", kind=type(c).__name__, error=str(exc))
-                    out.append(False)
-        return done
-
-    def _open(self, slots: tuple[int, ...], access: Access) -> MemoryWindow:
-        spans = [(self.block_addr(s), self.block_bytes) for s in slots]
-        spans += [(self.slot_header_addr(s), HEADER_BYTES) for s in slots]
-        return self.transport.open_window(self.region, spans, access)
-
-    def _close(self, op_id: str) -> None:
-        window = self.windows.pop(op_id, None)
-        if window is not None:
-            self.transport.close_window(window)
-            self._landed.pop(window.rkey, None)
-
-    def _expiry(self, lease_ms: int) -> float:
-        return time.monotonic() + min(lease_ms / 1000.0, self.config.max_lease_s)
-
-    def _layout_error(self, kv_spec: str) -> str:
-        if kv_spec == self.kv_spec:
-            return ""
-        return (
-            f"stale or foreign KV layout: store {self.store_id} holds {self.kv_spec!r}, the "
-            f"request names {kv_spec!r}"
-        )
-
-    # --- puts ------------------------------------------------------------------------------------
-
-    async def put(self, body: StorePut, role: str = "") -> StorePutReply:
-        """``role``: the NATS role whose inbox the reply goes to (``requester_role``), the only
-        one that learns the window's key and can write the blocks."""
-        error = self._layout_error(body.kv_spec)
-        if role and role not in self.config.allowed_put_roles:
-            log.warning("put refused: role may not put", role=role, client=body.client_id)
-            error = f"role {role!r} may not put blocks in store {self.store_id}"
-        if error:
-            return StorePutReply(ok=False, store_id=self.store_id, error=error)
-        put_id = f"put-{secrets.token_hex(8)}"
-        verdict = self.core.reserve(
-            put_id, self.layout, body.block_hashes, self._expiry(body.lease_ms), body.client_id
-        )
-        if isinstance(verdict, StoreFull):
-            log.info("put refused: full of pinned blocks", client=body.client_id)
-            return StorePutReply(
-                ok=False,
-                store_id=self.store_id,
-                error=verdict.error,
-                retry_after_s=self.config.retry_after_s,
-            )
-        await self._copy(put_id, verdict.spills, ())  # before the writer may write those slots
-        rkey = 0
-        if verdict.slots:
-            try:
-                window = self.windows[put_id] = self._open(verdict.slots, Access.REMOTE_WRITE)
-            except ValueError as exc:  # the transport's table of windows is full
-                self.core.cancel_put(put_id)
-                return StorePutReply(
-                    ok=False,
-                    store_id=self.store_id,
-                    error=f"cannot open a write window: {exc}",
-                    retry_after_s=self.config.retry_after_s,
-                )
-            rkey = window.rkey
-            self._landed[rkey] = asyncio.Event()
-        return StorePutReply(
-            ok=True,
-            store_id=self.store_id,
-            put_id=put_id if verdict.slots else "",
-            rkey=rkey,
-            present=verdict.present,
-            write_hashes=verdict.write_hashes,
-            block_addrs=tuple(self.block_addr(s) for s in verdict.slots),
-            header_addrs=tuple(self.slot_header_addr(s) for s in verdict.slots),
-            block_bytes=self.block_bytes,
-        )
-
-    async def commit(self, body: StoreCommit) -> StoreCommitReply:
-        window = self.windows.get(body.put_id)
-        put = self.core.put_slots(body.put_id)
-        if window is None or put is None or window.rkey != body.rkey:
-            return StoreCommitReply(
-                ok=False, error=f"no put {body.put_id!r} in flight with this key (expired?)"
-            )
-        # The writer's write() returned (placed), but its completion may reach this process
-        # after the commit (shm: the notification socket; rdma: the receive queue): wait for it
-        # (bounded) before the window closes, so it is not taken for a late write.
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._landed[window.rkey].wait(), self.config.commit_wait_s)
-        self._close(body.put_id)  # from here on a late write is refused
-        hashes, slots, layout = put
-        good = await asyncio.to_thread(self._check_slots, hashes, slots, layout)
-        committed, rejected = self.core.commit(body.put_id, good)
-        if rejected:
-            log.warning("commit rejected blocks", put_id=body.put_id, rejected=len(rejected))
-        return StoreCommitReply(ok=True, committed=tuple(committed), rejected=tuple(rejected))
-
-    def _check_slots(
-        self, hashes: tuple[int, ...], slots: tuple[int, ...], layout: int
-    ) -> list[bool]:
-        """Whether each slot's header names its reserved hash and layout and its bytes match
-        the CRC32 (in a thread: it reads every byte of the put)."""
-        good = []
-        base = self.header_addr - self.data_addr
-        for h, slot in zip(hashes, slots, strict=True):
-            start = slot * self.block_bytes
-            block = self.memory[start : start + self.block_bytes].numpy()
-            raw = self.memory[base + slot * HEADER_BYTES : base + (slot + 1) * HEADER_BYTES]
-            try:
-                check_stored(BlockHeader.unpack(raw.numpy().tobytes()), h, layout, block)
-                good.append(True)
-            except BlockVerifyError as exc:
-                log.warning("block refused at commit", block_hash=f"{h:#x}", error=str(exc))
-                good.append(False)
-        return good
-
-    # --- gets ------------------------------------------------------------------------------------
-
-    async def get(self, body: StoreGet) -> StoreGetReply:
-        error = self._layout_error(body.kv_spec)
-        if error:
-            return StoreGetReply(ok=False, store_id=self.store_id, error=error)
-        get_id = f"get-{secrets.token_hex(8)}"
-        grant = self.core.lookup(
-            get_id, self.layout, body.block_hashes, self._expiry(body.lease_ms)
-        )
-        if not grant.slots:
-            return StoreGetReply(ok=True, store_id=self.store_id, block_bytes=self.block_bytes)
-        if not await self._copy(get_id, grant.spills, grant.promotions):
-            self.core.release(get_id)  # a disk block could not be read back: a miss
-            return StoreGetReply(ok=True, store_id=self.store_id, block_bytes=self.block_bytes)
-        try:
-            window = self.windows[get_id] = self._open(grant.slots, Access.REMOTE_READ)
-        except ValueError as exc:  # the transport's table of windows is full: a miss
-            self.core.release(get_id)
-            log.warning("get served as a miss: no read window", error=str(exc))
-            return StoreGetReply(ok=True, store_id=self.store_id, block_bytes=self.block_bytes)
-        return StoreGetReply(
-            ok=True,
-            store_id=self.store_id,
-            get_id=get_id,
-            rkey=window.rkey,
-            block_hashes=grant.block_hashes,
-            block_addrs=tuple(self.block_addr(s) for s in grant.slots),
-            header_addrs=tuple(self.slot_header_addr(s) for s in grant.slots),
-            block_bytes=self.block_bytes,
-        )
-
-    def release(self, body: StoreRelease) -> StoreAck:
-        window = self.windows.get(body.get_id)
-        if window is None or window.rkey != body.rkey:
-            return StoreAck(ok=False, error=f"no get {body.get_id!r} held with this key (expired?)")
-        self._close(body.get_id)
-        self.core.release(body.get_id)
-        return StoreAck(ok=True)
 
     # --- loops -----------------------------------------------------------------------------------
 
     async def lease_loop(self) -> None:
+        """Every ``lease_check_s``: the worker drops the puts and gets whose lease ran out."""
         while True:
-            puts, gets = self.core.expire(time.monotonic())
-            for op_id in (*puts, *gets):
-                self._close(op_id)
-            if puts or gets:
-                log.info("leases expired", puts=len(puts), gets=len(gets))
+            self.worker.expire_leases(time.monotonic())
             await asyncio.sleep(self.config.lease_check_s)
 
     async def completion_loop(self) -> None:
-        """A put's write completes here with the key of its window (tcp, shm: the key it used;
-        rdma: the windows its connection resolved; None: cannot tell, so every put waiting)."""
+        """The transport's completions (writes landed in the pool), handed to the worker."""
         async for completion in self.transport.completions():
-            keys = completion.keys if completion.keys is not None else list(self._landed)
-            for key in keys:
-                landed = self._landed.get(key)
-                if landed is not None:
-                    landed.set()
+            self.worker.on_completion(completion)
 
     async def held_loop(self) -> None:
         """Tell the kv-registry which hashes this store holds (held_reports.py): the changes
@@ -355,12 +104,12 @@ class StoreService:
         last_mark: tuple[int, ...] | None = None
         while True:
             now = time.monotonic()
-            mark = change_mark(self.core)
+            mark = change_mark(self.worker.core)
             msg: KvCacheEvents | KvCacheDigest | None = None
             if now - last_digest >= self.config.cache_digest_interval_s:
-                msg = self.held.digest(held_hashes(self.core))
+                msg = self.held.digest(held_hashes(self.worker.core))
             elif mark != last_mark:
-                msg = self.held.events(held_hashes(self.core))
+                msg = self.held.events(held_hashes(self.worker.core))
             last_mark = mark
             if isinstance(msg, KvCacheDigest):
                 last_digest = now
@@ -377,19 +126,8 @@ class StoreService:
             await asyncio.sleep(self.config.cache_events_interval_s)
 
     async def on_worker_gone(self, gone: WorkerGone) -> None:
-        """The kv-registry dropped a worker: evict every block it put, and its puts in flight."""
-        before = self.core.counters.owner_drops
-        cancelled = self.core.drop_owner(gone.worker_id)
-        for put_id in cancelled:
-            self._close(put_id)
-        evicted = self.core.counters.owner_drops - before
-        if evicted or cancelled:
-            log.info(
-                "a dropped worker's blocks evicted",
-                worker=gone.worker_id,
-                blocks=evicted,
-                puts=len(cancelled),
-            )
+        """The kv-registry dropped a worker: the worker evicts every block it put."""
+        self.worker.on_worker_gone(gone)
 
     async def on_solicit(self, solicit: StoreSolicit) -> None:
         """A store reader started: advertise now (at most once per ``SolicitLimiter``
@@ -406,24 +144,25 @@ class StoreService:
 
     def advert(self) -> StoreAdvert:
         stats = self.transport.stats()
-        c, disk = self.core.counters, self.core.disk
+        core = self.worker.core
+        c, disk = core.counters, core.disk
         return StoreAdvert(
             store_id=self.store_id,
             epoch=self.epoch,
             descriptor=TransportDescriptor.from_peer(self.transport.descriptor().public()),
-            kv_spec=self.kv_spec,
-            block_bytes=self.block_bytes,
+            kv_spec=self.worker.kv_spec,
+            block_bytes=self.worker.block_bytes,
             block_size=self.config.block_size,
-            total_blocks=self.core.num_blocks,
-            used_blocks=self.core.num_used,
-            pinned_blocks=self.core.num_pinned,
+            total_blocks=core.num_blocks,
+            used_blocks=core.num_used,
+            pinned_blocks=core.num_pinned,
             hits=c.hits,
             misses=c.misses,
             evictions=c.evictions,
             bytes_written=stats.bytes,
             bytes_read=stats.read_bytes,
             refused_accesses=stats.refused,
-            state="draining" if self.is_draining else "ready",
+            state="draining" if self.worker.is_draining else "ready",
             sent_at=time.time(),
             disk_total_blocks=disk.num_slots if disk else 0,
             disk_used_blocks=disk.num_used if disk else 0,
@@ -435,8 +174,8 @@ class StoreService:
         return WorkerHeartbeat(
             worker_id=self.store_id,
             role=ROLE,
-            state="draining" if self.is_draining else "ready",
-            num_running=len(self.core.puts) + len(self.core.gets),
+            state="draining" if self.worker.is_draining else "ready",
+            num_running=self.worker.num_running,
             started_at=self.started_at,
             sent_at=time.time(),
         )
@@ -498,9 +237,10 @@ async def store_service(config: StoreConfig) -> AsyncIterator[StoreService]:
             connect_nats(config.nats_url, store_id, security=config.nats_security)
         )
         memory = transport.allocate(num_blocks * (spec.block_bytes + HEADER_BYTES))
-        service = StoreService(
-            config, nc, transport, memory, store_id, num_blocks, spec.block_bytes, kv_spec, disk
+        worker = StoreWorker(
+            config, transport, memory, store_id, num_blocks, spec.block_bytes, kv_spec, disk
         )
+        service = StoreService(config, nc, worker)
         async with (
             worker_presence(
                 nc,
@@ -517,18 +257,18 @@ async def store_service(config: StoreConfig) -> AsyncIterator[StoreService]:
                 (
                     "put",
                     subjects.store_put(store_id),
-                    service.endpoint(StorePut, service.put, with_role=True),
+                    service.endpoint(StorePut, worker.put, with_role=True),
                 ),
                 (
                     "commit",
                     subjects.store_commit(store_id),
-                    service.endpoint(StoreCommit, service.commit),
+                    service.endpoint(StoreCommit, worker.commit),
                 ),
-                ("get", subjects.store_get(store_id), service.endpoint(StoreGet, service.get)),
+                ("get", subjects.store_get(store_id), service.endpoint(StoreGet, worker.get)),
                 (
                     "release",
                     subjects.store_release(store_id),
-                    service.endpoint(StoreRelease, service.release),
+                    service.endpoint(StoreRelease, worker.release),
                 ),
                 metrics=service.metrics,
                 config=config,

@@ -10,8 +10,9 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
-from kvmesh.services.router.app import Router, build_app, serve_http
+from kvmesh.services.router.app import Router, build_app
 from kvmesh.services.router.config import RouterConfig
+from kvmesh.services.router.http_server import serve_http
 from kvmesh.services.router.model_info import load_model_info
 from kvmesh.shared import logs
 from kvmesh.shared.hearing import Hearing

@@ -8,13 +8,11 @@ with their status; errors after a stream has started are an SSE error event and 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import aclosing, asynccontextmanager
+from collections.abc import Awaitable, Callable
+from contextlib import aclosing
 from dataclasses import dataclass, field
 
-import msgspec
 from aiohttp import web
 from kvmesh.services.router import structured
 from kvmesh.services.router.api import (
@@ -26,29 +24,26 @@ from kvmesh.services.router.api import (
 from kvmesh.services.router.choices import Choice
 from kvmesh.services.router.client_stream import ClientStream
 from kvmesh.services.router.config import RouterConfig
-from kvmesh.services.router.dispatch import Dispatcher, MeshRequest
+from kvmesh.services.router.dispatch import Dispatcher
 from kvmesh.services.router.errors import (
     ApiError,
-    AuthenticationError,
     ClientGoneError,
-    InternalError,
     MeshError,
-    MethodNotAllowedError,
     ModelNotFoundError,
     OverloadedError,
-    PayloadTooLargeError,
-    RouteNotFoundError,
 )
-from kvmesh.services.router.http_limits import (
-    ConnectionTable,
-    GuardedSite,
-    read_body,
-    request_done_middleware,
+from kvmesh.services.router.http_limits import ConnectionTable, read_body, request_done_middleware
+from kvmesh.services.router.http_server import (
+    api_key_middleware,
+    error_middleware,
+    error_response,
+    json_response,
 )
 from kvmesh.services.router.logprobs import LogprobsBuilder, prompt_logprobs
+from kvmesh.services.router.mesh_request import MeshRequest
 from kvmesh.services.router.metrics import RequestTimer, RouterMetrics
 from kvmesh.services.router.model_info import ModelInfo
-from kvmesh.services.router.openapi import openapi_document
+from kvmesh.services.router.openapi import ROUTES, openapi_document
 from kvmesh.services.router.prompt import Prompt, tokenize
 from kvmesh.services.router.responses import (
     SSE_DONE,
@@ -66,7 +61,6 @@ from kvmesh.services.router.tokens_api import detokenize_body, tokenize_body
 from kvmesh.shared import logs
 from kvmesh.shared.hearing import Hearing
 from kvmesh.shared.metrics_exporter import exposition
-from kvmesh.shared.service_errors import listen_error
 from kvmesh.shared.subjects import Subjects
 from nats.aio.client import Client as NATS
 
@@ -218,7 +212,7 @@ class Router:
                 raise MeshError("the mesh sent no prompt logprobs")
             lps = LogprobsBuilder(self.model.tokenizer, is_chat=False)
             scored = prompt_logprobs(lps, prompt.prompt_ids, choices[0].prompt_scored)
-        return _json_response(builder.full(results, usage, scored))
+        return json_response(builder.full(results, usage, scored))
 
     def _choices(self, request: GenerateRequest, prompt: Prompt) -> list[Choice]:
         is_chat = request.kind == "chat"
@@ -312,7 +306,7 @@ class Router:
     # --- the rest ------------------------------------------------------------------------------
 
     async def models(self, request: web.Request) -> web.Response:
-        return _json_response(ModelList(object="list", data=[self._model_card()]))
+        return json_response(ModelList(object="list", data=[self._model_card()]))
 
     async def model_detail(self, request: web.Request) -> web.Response:
         name = request.match_info["model"]
@@ -321,7 +315,7 @@ class Router:
                 f"the model {name!r} does not exist here; this router serves {self.model.name!r}",
                 param="model",
             )
-        return _json_response(self._model_card())
+        return json_response(self._model_card())
 
     def _model_card(self) -> Model:
         return Model(
@@ -341,20 +335,20 @@ class Router:
     async def tokenize(self, request: web.Request) -> web.Response:
         body = parse_json_body(await request.read())
         answer = tokenize_body(body, self.model.name, self.model.tokenizer, self.max_model_len())
-        return _json_response(answer)
+        return json_response(answer)
 
     async def detokenize(self, request: web.Request) -> web.Response:
         body = parse_json_body(await request.read())
-        return _json_response(detokenize_body(body, self.model.name, self.model.tokenizer))
+        return json_response(detokenize_body(body, self.model.name, self.model.tokenizer))
 
     async def health(self, request: web.Request) -> web.Response:
         """Readiness: NATS connected and at least one decode (or colocated) worker ready."""
         if self.shutdown.is_stopping:
-            return _json_response(
+            return json_response(
                 {"status": "unavailable", "reason": "the router is shutting down"}, status=503
             )
         if not self.nc.is_connected:
-            return _json_response(
+            return json_response(
                 {"status": "unavailable", "reason": "not connected to NATS"}, status=503
             )
         now = time.monotonic()
@@ -370,23 +364,23 @@ class Router:
                 if alive
                 else "no decode worker heartbeats yet (starting, or none running)"
             )
-            return _json_response(
+            return json_response(
                 {"status": "unavailable", "reason": reason, **counts},
                 status=503,
                 headers={"Retry-After": "1"},
             )
-        return _json_response({"status": "ok", "model": self.model.name, **counts})
+        return json_response({"status": "ok", "model": self.model.name, **counts})
 
     async def metrics_text(self, request: web.Request) -> web.Response:
         body, content_type = exposition(self.metrics.registry, request.headers.get("Accept"))
         return web.Response(body=body, headers={"Content-Type": content_type})
 
     async def openapi(self, request: web.Request) -> web.Response:
-        return _json_response(openapi_document(self.model.name))
+        return json_response(openapi_document(self.model.name))
 
     async def request_timings(self, request: web.Request) -> web.Response:
         """The latest finished requests' time to first token by stage (``timings.py``)."""
-        return _json_response(self.timings.to_json())
+        return json_response(self.timings.to_json())
 
 
 def _usage(prompt: Prompt, choices: list[Choice], mesh: MeshRequest) -> Usage:
@@ -429,117 +423,16 @@ async def _relay(
     raise AssertionError("events() ended before every choice finished")
 
 
-def error_response(exc: ApiError) -> web.Response:
-    return _json_response(exc.body(), status=exc.status, headers=exc.headers())
-
-
-def _json_response(
-    payload: object, status: int = 200, headers: dict[str, str] | None = None
-) -> web.Response:
-    return web.Response(
-        body=msgspec.json.encode(payload),
-        status=status,
-        headers={"Content-Type": "application/json", **(headers or {})},
-    )
-
-
-@web.middleware
-async def _error_middleware(
-    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-) -> web.StreamResponse:
-    try:
-        return await handler(request)
-    except ApiError as exc:
-        return error_response(exc)
-    except web.HTTPNotFound:
-        return error_response(
-            RouteNotFoundError(f"no route {request.method} {request.path}; see /openapi.json")
-        )
-    except web.HTTPRequestEntityTooLarge as exc:
-        return error_response(
-            PayloadTooLargeError(
-                f"the request body is larger than this router accepts ({exc.text}); raise "
-                "--max-body-mb or send less"
-            )
-        )
-    except web.HTTPMethodNotAllowed as exc:
-        allowed = ", ".join(sorted(exc.allowed_methods))
-        return error_response(
-            MethodNotAllowedError(
-                f"{request.method} is not allowed on {request.path}; use {allowed}"
-            )
-        )
-    except (asyncio.CancelledError, ConnectionError, web.HTTPException):
-        raise
-    except Exception:
-        log.exception("unhandled error", path=request.path)
-        return error_response(InternalError("internal error in the router; see its log"))
-
-
-def _api_key_middleware(api_key: str | None):
-    """With an API key, every /v1 route needs ``Authorization: Bearer <key>`` (health, metrics
-    and the OpenAPI document stay open, as in vLLM)."""
-    expected = f"Bearer {api_key}".encode() if api_key else None
-
-    @web.middleware
-    async def check_api_key(
-        request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-    ) -> web.StreamResponse:
-        if expected is not None and request.path.startswith("/v1/"):
-            given = request.headers.get("Authorization", "").encode()
-            if not hmac.compare_digest(given, expected):
-                raise AuthenticationError(
-                    "missing or wrong API key: send 'Authorization: Bearer <key>' with the key "
-                    "the router was started with (--api-key / KVMESH_API_KEY)"
-                )
-        return await handler(request)
-
-    return check_api_key
-
-
 def build_app(router: Router) -> web.Application:
     app = web.Application(
         middlewares=[
             request_done_middleware(router.connections),
-            _error_middleware,
-            _api_key_middleware(router.config.api_key),
+            error_middleware,
+            api_key_middleware(router.config.api_key),
         ],
         client_max_size=int(router.config.max_body_mb * 1024 * 1024),
     )
-    app.add_routes(
-        [
-            web.post("/v1/completions", router.completions),
-            web.post("/v1/chat/completions", router.chat_completions),
-            web.get("/v1/models", router.models),
-            web.get("/v1/models/{model}", router.model_detail),
-            web.post("/tokenize", router.tokenize),
-            web.post("/detokenize", router.detokenize),
-            web.get("/health", router.health),
-            web.get("/metrics", router.metrics_text),
-            web.get("/openapi.json", router.openapi),
-            web.get("/v1/kvmesh/timings", router.request_timings),
-        ]
-    )
+    # the same list makes /openapi.json (openapi.py); web.get also answers HEAD
+    add = {"GET": web.get, "POST": web.post}
+    app.add_routes([add[r.method](r.path, getattr(router, r.handler)) for r in ROUTES])
     return app
-
-
-@asynccontextmanager
-async def serve_http(
-    app: web.Application, host: str, port: int, connections: ConnectionTable
-) -> AsyncIterator[int]:
-    """Serve ``app`` on host:port for the duration of the block; yields the bound port. Each
-    connection goes through ``connections``' limits (services/router/http_limits.py).
-
-    Handlers are cancelled when their client disconnects, so a waiting request aborts its work
-    on the mesh instead of running to the end for nobody."""
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-    await runner.setup()
-    try:
-        site = GuardedSite(runner, host, port, connections)
-        try:
-            await site.start()
-        except OSError as exc:  # a busy port, a foreign address: one line says what to change
-            raise listen_error(host, port, exc) from None
-        yield runner.addresses[0][1]
-    finally:
-        await runner.cleanup()

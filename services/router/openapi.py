@@ -1,12 +1,15 @@
-"""The OpenAPI 3.1 document of the router's routes (served at ``/openapi.json``).
+"""The router's routes (``ROUTES``) and their OpenAPI 3.1 document (served at ``/openapi.json``).
 
-Every body's schema is generated from its Struct in ``schema.py`` (the same Structs that validate
-requests and encode answers); only the routes are written here.
+One list makes both: ``app.py`` builds aiohttp's router from ``ROUTES`` and ``openapi_document``
+the paths. Every body's schema is generated from its Struct in ``schema.py`` (the same Structs
+that validate requests and encode answers); only the routes are written here.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import copy
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import msgspec
 from kvmesh.services.router.schema import REQUESTS, RESPONSES
@@ -45,45 +48,149 @@ def _errors(*statuses: int) -> dict[str, Any]:
 
 def _generate_operation(summary: str, request: str, response: str, chunk: str) -> dict[str, Any]:
     return {
-        "post": {
-            "summary": summary,
-            "requestBody": {
-                "required": True,
-                "content": {"application/json": {"schema": _ref(request)}},
-            },
-            "responses": {
-                "200": {
-                    "description": "The completion; with stream=true, server-sent events "
-                    "`data: {chunk}` ending with `data: [DONE]`",
-                    "content": {
-                        "application/json": {"schema": _ref(response)},
-                        "text/event-stream": {"schema": _ref(chunk)},
-                    },
+        "summary": summary,
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": _ref(request)}},
+        },
+        "responses": {
+            "200": {
+                "description": "The completion; with stream=true, server-sent events "
+                "`data: {chunk}` ending with `data: [DONE]`",
+                "content": {
+                    "application/json": {"schema": _ref(response)},
+                    "text/event-stream": {"schema": _ref(chunk)},
                 },
-                **_errors(400, 404, 429, 502, 503, 504),
             },
-        }
+            **_errors(400, 404, 429, 502, 503, 504),
+        },
     }
 
 
 def _post_operation(summary: str, request: dict[str, Any], response: str) -> dict[str, Any]:
     return {
-        "post": {
-            "summary": summary,
-            "requestBody": {"required": True, "content": {"application/json": {"schema": request}}},
-            "responses": {
-                "200": {
-                    "description": "The answer",
-                    "content": {"application/json": {"schema": _ref(response)}},
-                },
-                **_errors(400, 404),
+        "summary": summary,
+        "requestBody": {"required": True, "content": {"application/json": {"schema": request}}},
+        "responses": {
+            "200": {
+                "description": "The answer",
+                "content": {"application/json": {"schema": _ref(response)}},
             },
-        }
+            **_errors(400, 404),
+        },
     }
 
 
+def _get_operation(summary: str, responses: dict[str, Any], **more: Any) -> dict[str, Any]:
+    return {"summary": summary, **more, "responses": responses}
+
+
+def _json_answer(description: str, schema: dict[str, Any]) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """One route the router serves; ``operation`` is its OpenAPI operation (None: the route is
+    left out of the document)."""
+
+    method: Literal["GET", "POST"]
+    path: str
+    handler: str  # the name of the ``app.Router`` method that answers it
+    operation: dict[str, Any] | None
+
+
+ROUTES: tuple[Route, ...] = (
+    Route(
+        "POST",
+        "/v1/completions",
+        "completions",
+        _generate_operation("Complete a prompt", "CompletionRequest", "Completion", "Completion"),
+    ),
+    Route(
+        "POST",
+        "/v1/chat/completions",
+        "chat_completions",
+        _generate_operation(
+            "Answer a chat", "ChatCompletionRequest", "ChatCompletion", "ChatCompletionChunk"
+        ),
+    ),
+    Route(
+        "GET",
+        "/v1/models",
+        "models",
+        _get_operation("The served model", {"200": _json_answer("Model list", _ref("ModelList"))}),
+    ),
+    Route(
+        "GET",
+        "/v1/models/{model}",
+        "model_detail",
+        _get_operation(
+            "One model",
+            {"200": _json_answer("The model", _ref("Model")), **_errors(404)},
+            parameters=[
+                {"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}
+            ],
+        ),
+    ),
+    Route(
+        "POST",
+        "/tokenize",
+        "tokenize",
+        _post_operation(
+            "Token ids of a prompt, or of chat messages through the chat template (vLLM's)",
+            {"anyOf": [_ref("TokenizeCompletionRequest"), _ref("TokenizeChatRequest")]},
+            "TokenizeResponse",
+        ),
+    ),
+    Route(
+        "POST",
+        "/detokenize",
+        "detokenize",
+        _post_operation(
+            "Text of token ids (vLLM's)", _ref("DetokenizeRequest"), "DetokenizeResponse"
+        ),
+    ),
+    Route(
+        "GET",
+        "/health",
+        "health",
+        _get_operation(
+            "Liveness and NATS connectivity",
+            {"200": {"description": "Serving"}, "503": {"description": "Not connected to NATS"}},
+        ),
+    ),
+    Route(
+        "GET",
+        "/metrics",
+        "metrics_text",
+        _get_operation(
+            "Prometheus metrics",
+            {
+                "200": {
+                    "description": "Text exposition format 0.0.4",
+                    "content": {"text/plain": {"schema": {"type": "string"}}},
+                }
+            },
+        ),
+    ),
+    Route(
+        "GET",
+        "/openapi.json",
+        "openapi",
+        _get_operation("This document", {"200": {"description": "OpenAPI 3.1 document"}}),
+    ),
+    Route("GET", "/v1/kvmesh/timings", "request_timings", None),
+)
+
+
 def openapi_document(model_name: str) -> dict[str, Any]:
-    """The OpenAPI document of every route the router serves."""
+    """The OpenAPI document of the routes the router serves (``ROUTES``)."""
+    paths: dict[str, Any] = {}
+    for route in ROUTES:
+        if route.operation is not None:  # a copy: each document is the caller's to change
+            operation = copy.deepcopy(route.operation)
+            paths.setdefault(route.path, {})[route.method.lower()] = operation
     return {
         "openapi": OPENAPI_VERSION,
         "info": {
@@ -91,78 +198,6 @@ def openapi_document(model_name: str) -> dict[str, Any]:
             "version": "0.1.0",
             "description": f"OpenAI-compatible API of kvmesh, serving {model_name!r}.",
         },
-        "paths": {
-            "/v1/completions": _generate_operation(
-                "Complete a prompt", "CompletionRequest", "Completion", "Completion"
-            ),
-            "/v1/chat/completions": _generate_operation(
-                "Answer a chat", "ChatCompletionRequest", "ChatCompletion", "ChatCompletionChunk"
-            ),
-            "/v1/models": {
-                "get": {
-                    "summary": "The served model",
-                    "responses": {
-                        "200": {
-                            "description": "Model list",
-                            "content": {"application/json": {"schema": _ref("ModelList")}},
-                        }
-                    },
-                }
-            },
-            "/v1/models/{model}": {
-                "get": {
-                    "summary": "One model",
-                    "parameters": [
-                        {
-                            "name": "model",
-                            "in": "path",
-                            "required": True,
-                            "schema": {"type": "string"},
-                        }
-                    ],
-                    "responses": {
-                        "200": {
-                            "description": "The model",
-                            "content": {"application/json": {"schema": _ref("Model")}},
-                        },
-                        **_errors(404),
-                    },
-                }
-            },
-            "/tokenize": _post_operation(
-                "Token ids of a prompt, or of chat messages through the chat template (vLLM's)",
-                {"anyOf": [_ref("TokenizeCompletionRequest"), _ref("TokenizeChatRequest")]},
-                "TokenizeResponse",
-            ),
-            "/detokenize": _post_operation(
-                "Text of token ids (vLLM's)", _ref("DetokenizeRequest"), "DetokenizeResponse"
-            ),
-            "/health": {
-                "get": {
-                    "summary": "Liveness and NATS connectivity",
-                    "responses": {
-                        "200": {"description": "Serving"},
-                        "503": {"description": "Not connected to NATS"},
-                    },
-                }
-            },
-            "/metrics": {
-                "get": {
-                    "summary": "Prometheus metrics",
-                    "responses": {
-                        "200": {
-                            "description": "Text exposition format 0.0.4",
-                            "content": {"text/plain": {"schema": {"type": "string"}}},
-                        }
-                    },
-                }
-            },
-            "/openapi.json": {
-                "get": {
-                    "summary": "This document",
-                    "responses": {"200": {"description": "OpenAPI 3.1 document"}},
-                }
-            },
-        },
+        "paths": paths,
         "components": {"schemas": schemas()},
     }

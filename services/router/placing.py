@@ -1,0 +1,108 @@
+"""One attempt's calls to get a request placed: the kv-registry's placement (request/reply), the
+prefill job on the JetStream queue, and the decode worker's lease kept alive while it waits.
+
+Each call maps NATS's failures to the router's errors (what to do about them: ``recovery.py``);
+``mesh_request.py`` makes the calls and keeps the attempt's state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import nats.errors
+from kvmesh.services.router.errors import MeshError, ServiceUnavailableError
+from kvmesh.services.router.prompt import Prompt
+from kvmesh.services.router.recovery import (
+    REGISTRY_RESTART_S,
+    PlacementLostError,
+    registry_silent_error,
+)
+from kvmesh.services.router.worker_pool import WorkerPool
+from kvmesh.shared import protocol
+from kvmesh.shared.prefill_queue import PrefillQueueError, publish_job
+from kvmesh.shared.protocol import LeaseRenew, MessageError, PlaceReply, PlaceRequest, PrefillJob
+from kvmesh.shared.subjects import Subjects
+from nats.aio.client import Client as NATS
+
+log = logging.getLogger(__name__)
+
+
+async def ask_registry(
+    nc: NATS,
+    subjects: Subjects,
+    place: PlaceRequest,
+    timeout_s: float,
+    registry_pool: WorkerPool | None,
+) -> PlaceReply:
+    """Ask the kv-registry to place ``place``: its reply, ok or not. No registry answering is
+    a wait (one was heard recently: restarting) or a 503; no answer in ``timeout_s`` is a
+    PlacementLostError (asked again); a malformed reply a MeshError."""
+    try:
+        msg = await nc.request(
+            subjects.REGISTRY_PLACE, protocol.encode_message(place), timeout=timeout_s
+        )
+    except nats.errors.NoRespondersError:
+        pool = registry_pool
+        seen = pool is not None and pool.seen_within(time.monotonic(), REGISTRY_RESTART_S)
+        raise registry_silent_error(seen, subjects) from None
+    except nats.errors.TimeoutError:
+        raise PlacementLostError(
+            f"the kv-registry did not place the request within {timeout_s:g}s (--place-timeout-s)"
+        ) from None
+    except nats.errors.Error as exc:
+        raise ServiceUnavailableError(f"NATS is unavailable to the router: {exc}") from None
+    try:
+        return protocol.decode_message(msg.data, PlaceReply)
+    except MessageError as exc:
+        raise MeshError(f"the kv-registry sent a malformed placement: {exc}") from None
+
+
+async def publish_prefill_job(
+    nc: NATS,
+    subjects: Subjects,
+    request_id: str,
+    prompt: Prompt,
+    reply: PlaceReply,
+    retry_for_s: float,
+) -> int:
+    """Queue the prefill of ``prompt`` into the blocks ``reply`` reserved on its decode worker;
+    the job's sequence in the queue (what an abort withdraws), or a 503."""
+    job = PrefillJob(
+        request_id=request_id,
+        prompt_ids=prompt.prompt_ids,
+        sampling=prompt.sampling,
+        decode_worker_id=reply.worker_id,
+        lease_id=reply.lease_id,
+        descriptor=reply.descriptor,
+        rkey=reply.rkey,
+        block_addrs=reply.block_addrs,
+        block_bytes=reply.block_bytes,
+        enqueued_at=time.time(),
+    )
+    try:
+        return await publish_job(
+            nc,
+            subjects,
+            protocol.encode_message(job),
+            msg_id=request_id,
+            retry_for_s=retry_for_s,
+        )
+    except (nats.errors.Error, PrefillQueueError) as exc:
+        raise ServiceUnavailableError(f"could not publish the prefill job: {exc}") from None
+
+
+async def renew_lease(
+    nc: NATS, subjects: Subjects, request_id: str, reply: PlaceReply, lease_ms: int
+) -> None:
+    """The router holds the lease while it waits: renew it every third of its length, so it
+    outlives any queue but not the router (cancelled by the first token, abort or close)."""
+    renew = protocol.encode_message(LeaseRenew(request_id, reply.lease_id, lease_ms=lease_ms))
+    subject = subjects.decode_lease_renew(reply.worker_id)
+    while True:
+        await asyncio.sleep(lease_ms / 3000)
+        try:
+            await nc.publish(subject, renew)
+        except nats.errors.Error as exc:
+            log.warning("could not renew the lease of %s: %s", request_id, exc)
