@@ -26,7 +26,6 @@ from collections import defaultdict
 from collections.abc import Iterator, Mapping
 from typing import Any, BinaryIO
 
-from kvmesh.services.router.attempts import attempt_of
 from kvmesh.shared.subjects import DEFAULT_MESH
 
 MODEL = "kvmesh-tiny"
@@ -163,6 +162,8 @@ class MeshTap:
         from kvmesh.shared.subjects import Subjects
 
         self._stack = contextlib.AsyncExitStack()
+        from kvmesh.services.router.attempts import attempt_of  # the router's wire ids
+
         nc = await self._stack.enter_async_context(
             connect_nats(self.nats_url, "mesh-tap", auth=self.auth)
         )
@@ -202,6 +203,8 @@ class MeshTap:
         """The wire ids heard of the request the router answered as ``reply_id``, in attempt
         order: the reply id, then its retries (``-rN``, before a first token) and migrations
         (``-mN``, the rest of the stream on another decode worker)."""
+        from kvmesh.services.router.attempts import attempt_of
+
         ids = {*self.tokens, *self.finished}
         mine = [w for w in ids if attempt_of(w)[0] == reply_id]
         return sorted(mine, key=lambda w: attempt_of(w)[1])

@@ -55,7 +55,11 @@ def test_one_request_shows_in_every_services_metrics_and_logs(tmp_path: Path) ->
             "prefill-0",
             "router-0",
         }
-        reply = chat(port, "tell me about disaggregated serving " * 8, max_tokens=4)
+        # ignore_eos: a sampled end of text as the prefill's first token would leave the decode
+        # worker nothing to generate (kvmesh-tiny samples at temperature 1)
+        reply = chat(
+            port, "tell me about disaggregated serving " * 8, max_tokens=4, ignore_eos=True
+        )
         request_id = reply["id"]
         router = scrape(urls["router-0"])
         registry = scrape(urls["kv-registry-0"])

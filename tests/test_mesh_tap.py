@@ -8,7 +8,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from kvmesh.loadgen.bench_mesh import MeshTap, attempt_of
+from kvmesh.loadgen.bench_mesh import MeshTap
+from kvmesh.services.router.attempts import attempt_of
 from kvmesh.shared import protocol
 from kvmesh.shared.nats_service import connect_nats, flush_to_server
 from kvmesh.shared.subjects import Subjects

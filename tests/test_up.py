@@ -169,11 +169,13 @@ def wait_for_line(proc: subprocess.Popen[bytes], path: Path, needle: str, timeou
     raise AssertionError(f"{needle!r} not printed (exit code {proc.poll()})")
 
 
-def chat(port: int, content: str, max_tokens: int) -> dict:
+def chat(port: int, content: str, max_tokens: int, **fields: object) -> dict:
+    """A chat completion of kvmesh-tiny; ``fields``: more of the body (e.g. ignore_eos)."""
     body = {
         "model": "kvmesh-tiny",
         "messages": [{"role": "user", "content": content}],
         "max_tokens": max_tokens,
+        **fields,
     }
     req = urllib.request.Request(
         f"http://127.0.0.1:{port}/v1/chat/completions",
