@@ -109,6 +109,12 @@ class KVAccuracyReport:
         return sum(p.agreed_tokens for p in self.prompts) / (self.max_tokens * len(self.prompts))
 
     @property
+    def top1_agreement(self) -> float:
+        """Teacher-forced: the share of all positions, each fed the reference's tokens before it,
+        whose argmax agrees (a flip does not carry over to the tokens after it)."""
+        return sum(p.top1_agreement for p in self.prompts) / len(self.prompts)
+
+    @property
     def num_facts_changed(self) -> int:
         return sum(not f.is_same for f in self.facts)
 
@@ -130,6 +136,7 @@ class KVAccuracyReport:
             "min_agreed_tokens": self.min_agreed_tokens,
             "num_fully_agreed": self.num_fully_agreed,
             "token_agreement": self.token_agreement,
+            "top1_agreement": self.top1_agreement,
             "num_facts_changed": self.num_facts_changed,
             "max_logit_error": self.max_logit_error,
             "mean_logit_error": self.mean_logit_error,
@@ -145,7 +152,8 @@ class KVAccuracyReport:
         return (
             f"{self.kv_cache_dtype}: {self.token_agreement:.1%} of greedy tokens agree "
             f"({self.num_fully_agreed}/{len(self.prompts)} prompts all {self.max_tokens}, the "
-            f"least {self.min_agreed_tokens}); logit error max {self.max_logit_error:.4f}, mean "
+            f"least {self.min_agreed_tokens}; teacher-forced top-1 {self.top1_agreement:.1%}); "
+            f"logit error max {self.max_logit_error:.4f}, mean "
             f"{self.mean_logit_error:.5f} (logit std {self.logit_std:.4f}){facts}"
         )
 

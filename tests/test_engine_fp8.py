@@ -93,4 +93,6 @@ def test_kv_accuracy_command_reports_every_fixture_prompt(capsys):
         assert report["max_tokens"] == 3 and len(report["prompts"]) == len(FIXTURE_PROMPTS)
         assert 0 <= report["min_agreed_tokens"] <= 3 and report["max_logit_error"] >= 0
         assert 0 <= report["token_agreement"] <= 1
+        mean_top1 = sum(p["top1_agreement"] for p in report["prompts"]) / len(report["prompts"])
+        assert report["top1_agreement"] == pytest.approx(mean_top1)
         assert len(report["facts"]) == len(FACT_QUESTIONS)
