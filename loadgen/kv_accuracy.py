@@ -333,6 +333,15 @@ def _run(args: argparse.Namespace) -> int:
             f"kvmesh model kv-accuracy: --llama-cpp converts a checkpoint directory; "
             f"{args.model!r} is not one"
         )
+    if args.llama_cpp:  # before the minutes of measuring, not after
+        from kvmesh.loadgen import llamacpp_runner
+
+        lacks = llamacpp_runner.missing(llamacpp_runner.converter_path())
+        if lacks:
+            raise SystemExit(
+                "kvmesh model kv-accuracy: --llama-cpp needs " + "; ".join(lacks) + ". Install "
+                "them with `make bench-deps` (builds llama-cpp-python from source: minutes)."
+            )
     model, tokenizer = load_model(args.model, torch.float32)
     prompts = [tokenizer.encode(text, add_special_tokens=True) for text in FIXTURE_PROMPTS]
     facts = fact_prompts(tokenizer)

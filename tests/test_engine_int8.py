@@ -62,3 +62,14 @@ def test_kv_accuracy_against_llama_cpp_needs_a_checkpoint_directory():
 
     with pytest.raises(SystemExit, match="converts a checkpoint directory"):
         cli.main(["model", "kv-accuracy", "kvmesh-tiny", "--llama-cpp"])
+
+
+def test_kv_accuracy_against_llama_cpp_says_what_is_missing_before_measuring(tmp_path, monkeypatch):
+    """One line naming what to install, before any model is loaded (tmp_path holds none)."""
+    from kvmesh.loadgen import llamacpp_runner
+
+    from kvmesh import cli
+
+    monkeypatch.setattr(llamacpp_runner, "missing", lambda converter: ["the llama_cpp module"])
+    with pytest.raises(SystemExit, match=r"needs the llama_cpp module.*make bench-deps"):
+        cli.main(["model", "kv-accuracy", str(tmp_path), "--llama-cpp"])
