@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import string
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -291,6 +292,14 @@ def auth_from_env(environ: Mapping[str, str] | None = None) -> NatsAuth | None:
     return NatsAuth(user, password)
 
 
+def new_password() -> str:
+    """A random password (32 url-safe characters, about 190 random bits) that starts with a letter.
+    nats-server reads a ``$VARIABLE`` of its config (deploy/nats-auth.conf's passwords) as a
+    config value: one starting with a digit or "-" is parsed as a number and refused ("Expected a
+    digit"), or taken as one (a size such as 12K)."""
+    return secrets.choice(string.ascii_letters) + secrets.token_urlsafe(24)[:31]
+
+
 @dataclass(frozen=True, slots=True)
 class MeshCredentials:
     """A random password per role, for one mesh's nats-server."""
@@ -299,7 +308,7 @@ class MeshCredentials:
 
     @classmethod
     def generate(cls) -> MeshCredentials:
-        return cls({role: secrets.token_urlsafe(24) for role in ROLES})
+        return cls({role: new_password() for role in ROLES})
 
     def auth(self, role: str) -> NatsAuth:
         if role not in self.passwords:

@@ -320,3 +320,41 @@ def test_every_role_has_a_distinct_password_and_its_own_inbox(creds):
     assert config.startswith("# kvmesh mesh 'm1'\nauthorization {")
     assert "allow_responses: true" in config
     assert all(f'password: "{pw}"' in config for pw in creds.passwords.values())
+
+
+def test_generated_passwords_start_with_a_letter_and_stay_url_safe():
+    import string
+
+    from kvmesh.shared.nats_auth import new_password
+
+    allowed = set(string.ascii_letters + string.digits + "-_")
+    passwords = [new_password() for _ in range(2000)]
+    assert all(p[0].isascii() and p[0].isalpha() for p in passwords)
+    assert all(len(p) == 32 and set(p) <= allowed for p in passwords)
+    assert len(set(passwords)) == len(passwords)
+
+
+def test_nats_server_reads_generated_passwords_through_config_variables_as_strings(tmp_path):
+    """deploy/nats-auth.conf takes each role's password from ``$KVMESH_NATS_PASSWORD_<ROLE>``,
+    and nats-server parses a variable's value as a config value: one that starts with a digit
+    or "-" is refused or read as a number (compose stacks then failed to start, now and then).
+    ``nats-server -t`` checks the config with the variables set."""
+    import os
+    import subprocess
+
+    from kvmesh.shared.nats_auth import MeshCredentials, authorization_block
+    from kvmesh.shared.nats_server import nats_server_binary
+
+    conf = tmp_path / "nats-auth.conf"
+    conf.write_text(authorization_block(Subjects("zz9"), None))
+
+    def check(env_lines: str) -> int:
+        env = dict(line.split("=", 1) for line in env_lines.splitlines())
+        argv = [str(nats_server_binary()), "-c", str(conf), "-t"]
+        return subprocess.run(argv, env={**os.environ, **env}, capture_output=True).returncode
+
+    for _ in range(20):
+        assert check(MeshCredentials.generate().env_file()) == 0
+    numeric = MeshCredentials.generate()
+    numeric = MeshCredentials({**numeric.passwords, "router": "12K"})
+    assert check(numeric.env_file()) != 0  # what a digit-led password did
