@@ -85,7 +85,7 @@ class MeshRequest:
         self.timer = timer
         self.is_finished = False  # a TokenEvent with finish_reason arrived
         self._renewer: asyncio.Task[None] | None = None
-        self._first_deadline = 0.0  # set by start(); every attempt shares it
+        self._first_deadline = 0.0  # set by start(); retries share it, a migration starts anew
         self._last_event_at = 0.0  # of the last token event: the next-token timeout runs from it
         self._begin_attempt(request_id)
 
