@@ -128,6 +128,21 @@ class KvStoreClient:
         self._endpoints: dict[str, Endpoint] = {}
         self._turn = asyncio.Lock()
 
+    @classmethod
+    def for_pool(
+        cls,
+        nc: Client,
+        subjects: Subjects,
+        transport: Transport,
+        kv_pool: KVPool,
+        region: MemoryRegion,
+        client_id: str,
+    ) -> KvStoreClient:
+        """The client of an engine's ``kv_pool``, registered as ``region``."""
+        return cls(
+            nc, subjects, transport, kv_pool.raw, region, kv_pool.spec.block_bytes, client_id
+        )
+
     async def aclose(self) -> None:
         for ep in self._endpoints.values():
             await ep.aclose()

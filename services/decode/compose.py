@@ -90,14 +90,8 @@ def compose_features(
     store = swaps = reader = None
     caching = engine.config.enable_prefix_caching
     if region is not None and transport is not None and config.use_kv_store and caching:
-        client = KvStoreClient(
-            nc,
-            config.subjects,
-            transport,
-            engine.kv_pool.raw,
-            region,
-            engine.kv_pool.spec.block_bytes,
-            worker_id,
+        client = KvStoreClient.for_pool(
+            nc, config.subjects, transport, engine.kv_pool, region, worker_id
         )
         store = FinishedPuts(engine, client, engine.kv_spec, lock)
         swaps = Swaps(engine, client, store.stores, engine.kv_spec, metrics, lock)

@@ -287,14 +287,8 @@ async def prefill_service(config: PrefillConfig) -> AsyncIterator[PrefillService
         kv_spec = engine.kv_spec
         store = None
         if config.use_kv_store and config.enable_prefix_caching:
-            client = KvStoreClient(
-                nc,
-                config.subjects,
-                transport,
-                engine.kv_pool.raw,
-                region,
-                engine.kv_pool.spec.block_bytes,
-                worker_id,
+            client = KvStoreClient.for_pool(
+                nc, config.subjects, transport, engine.kv_pool, region, worker_id
             )
             store = StorePrefix(engine, client, kv_spec)
         worker = PrefillWorker(
