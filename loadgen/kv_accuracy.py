@@ -336,12 +336,10 @@ def _run(args: argparse.Namespace) -> int:
     if args.llama_cpp:  # before the minutes of measuring, not after
         from kvmesh.loadgen import llamacpp_runner
 
-        lacks = llamacpp_runner.missing(llamacpp_runner.converter_path())
-        if lacks:
-            raise SystemExit(
-                "kvmesh model kv-accuracy: --llama-cpp needs " + "; ".join(lacks) + ". Install "
-                "them with `make bench-deps` (builds llama-cpp-python from source: minutes)."
-            )
+        try:
+            llamacpp_runner.require(llamacpp_runner.converter_path(), "--llama-cpp")
+        except llamacpp_runner.LlamaCppMissingError as exc:
+            raise SystemExit(f"kvmesh model kv-accuracy: {exc}") from None
     model, tokenizer = load_model(args.model, torch.float32)
     prompts = [tokenizer.encode(text, add_special_tokens=True) for text in FIXTURE_PROMPTS]
     facts = fact_prompts(tokenizer)

@@ -59,12 +59,13 @@ def missing(converter: Path) -> list[str]:
     return lacks
 
 
-def require(converter: Path) -> None:
-    """Raise ``LlamaCppMissingError`` naming every missing piece and ``make bench-deps``."""
+def require(converter: Path, flag: str = "--against llama.cpp") -> None:
+    """Raise ``LlamaCppMissingError`` naming every missing piece and ``make bench-deps``
+    (``flag``: the option that asked for llama.cpp, as the message names it)."""
     lacks = missing(converter)
     if lacks:
         raise LlamaCppMissingError(
-            "--against llama.cpp needs " + "; ".join(lacks) + ". Install them with "
+            f"{flag} needs " + "; ".join(lacks) + ". Install them with "
             "`make bench-deps` (builds llama-cpp-python from source: minutes)."
         )
 
