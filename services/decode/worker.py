@@ -177,7 +177,8 @@ class DecodeWorker:
                 plan = hook.before_step(self.engine)
                 if plan is not None:
                     trees.update(plan.drafts)
-            before = dict(self.engine.seqs)  # a finished sequence is gone after the step
+            # a finished sequence is gone after the step; only hooks look at it then
+            before = dict(self.engine.seqs) if self.hooks else {}
             step_started = time.monotonic()
             outputs = await asyncio.to_thread(self.engine.step, trees or None)
             step_ended = time.monotonic()
