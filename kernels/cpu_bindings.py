@@ -19,8 +19,8 @@ from kvmesh.kernels.cpu_plans import (
     check_f32_contiguous,
     decode_plan,
 )
-from kvmesh.shared.engine.kv_int8 import GROUP as INT8_GROUP
-from kvmesh.shared.engine.kv_quant import e4m3_lut
+from kvmesh.shared.kv.kv_int8 import GROUP as INT8_GROUP
+from kvmesh.shared.kv.kv_quant import e4m3_lut
 
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 _SIGNATURES = {
@@ -121,7 +121,7 @@ class CpuOps:
         """One new token per sequence: rotate q and k of ``qkv`` in place, store k and v in their
         slots, attend over each sequence's context. Returns (batch, num_q_heads, head_dim).
         ``kv_scales``: the K and V scales of an fp8 or int8 cache (``KVPool.layer_scales``; the
-        plan then needs ``quant_head_dim``), stored and read as ``shared/engine/kv_quant.py`` and
+        plan then needs ``quant_head_dim``), stored and read as ``shared/kv/kv_quant.py`` and
         ``kv_int8.py`` do.
 
         qkv: (batch, num_q_heads + 2 * H_kv, D); cos, sin: (batch, 1, D) rotation-table rows of

@@ -360,13 +360,13 @@ static inline int64_t tree_position(const kv_tree *tree, int64_t b, int64_t p) {
 
 /* Quantized KV: fp8 or int8, told apart by lut.
  *
- * FP8 (e4m3fn, shared/engine/kv_quant.py): a tile of (block, KV head) in a layer holds fp8
+ * FP8 (e4m3fn, shared/kv/kv_quant.py): a tile of (block, KV head) in a layer holds fp8
  * bytes meaning byte * scale, one float32 scale per tile. Reading decodes through a 256-entry
  * table (torch's own values, passed in: exact, and cheaper than bit arithmetic); storing follows
  * kv_quant.store bit for bit: power-of-two scales, grown (and the tile requantized) when a new
  * token's largest magnitude does not fit, reset when a token starts the block.
  *
- * INT8 (shared/engine/kv_int8.py, lut NULL): every token of a tile holds d int8 values meaning
+ * INT8 (shared/kv/kv_int8.py, lut NULL): every token of a tile holds d int8 values meaning
  * value * the scale of its group of INT8_GROUP; slot j of tile (b, h) has its scales at
  * b * scale_block_stride + h * scale_head_stride + j * scale_slot_stride. Storing follows
  * kv_int8.store bit for bit (scale = amax / 127, values rint(x / scale) clamped to +-127); a

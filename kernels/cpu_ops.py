@@ -47,8 +47,8 @@ from kvmesh.kernels.cpu_plans import (
     pack_linear_weight,
     split_by_work,
 )
-from kvmesh.shared.cache_dir import cache_dir
-from kvmesh.shared.cache_dir import temp_cache_dir as _temp_cache_dir
+from kvmesh.shared.config.cache_dir import cache_dir
+from kvmesh.shared.config.cache_dir import temp_cache_dir as _temp_cache_dir
 
 __all__ = [
     "CFLAGS",

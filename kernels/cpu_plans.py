@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from kvmesh.shared.engine.attention import TreeRows
+    from kvmesh.shared.model.attention import TreeRows
 
 # The most context positions of a draft-tree row read past its sequence's last token: a node's
 # ancestors and itself (the engine's trees have at most 63 nodes).

@@ -2,7 +2,7 @@
 
 A pool is ``(num_blocks, num_kv_heads, num_layers, 2, block_size, head_dim)`` (head-major blocks,
 see docs/ARCHITECTURE.md), so a head range of one block is already one contiguous span and plain
-tensor-parallel resharding needs no copy (``shared/transport/kv_writes.py`` writes straight from
+tensor-parallel resharding needs no copy (``tests/kv_writes.py`` writes straight from
 the pool). The pack kernel is for the layouts that really differ: it gathers heads
 ``[head_start, head_end)`` of the listed blocks into a contiguous staging tensor
 ``(m, num_heads, num_layers, 2, staging_block_size, head_dim)``, optionally regrouping the tokens
@@ -14,8 +14,8 @@ Dtype conversion (``pack_converted``, torch): when the two sides keep KV in diff
 (float32, bf16, fp16, fp8 e4m3 or int8 with scales; ``--kv-cache-dtype``), the source blocks are
 read as float32 (fp8 and int8 times their scales) and written into staging in the destination's
 head-span layout: its dtype, then its scales after the data: for fp8 a power-of-two scale per
-(block, head, layer, K/V), the scale rule of ``shared/engine/kv_quant.py`` over the tokens the
-block holds; for int8 a scale per 32 values of each token (``shared/engine/kv_int8.py``).
+(block, head, layer, K/V), the scale rule of ``shared/kv/kv_quant.py`` over the tokens the
+block holds; for int8 a scale per 32 values of each token (``shared/kv/kv_int8.py``).
 
 Token regroup: the listed blocks are read as one run of ``n * block_size`` tokens; staging block
 ``j`` holds tokens ``[j * B, (j + 1) * B)`` of that run. Pack zero-fills the tail of a last staging
@@ -242,7 +242,7 @@ def converted_head_bytes(
     """Bytes of one head span of a block in ``dtype`` (fp8: data, then a float32 scale per
     (layer, K/V); int8: data, then a float32 scale per (layer, K/V, token, 32 values));
     ``KVCacheSpec.head_bytes`` for that layout."""
-    from kvmesh.shared.engine.kv_cache import KVCacheSpec
+    from kvmesh.shared.kv.kv_cache import KVCacheSpec
 
     return KVCacheSpec(num_layers, 1, head_dim, block_size, dtype).head_bytes
 
@@ -296,7 +296,7 @@ def pack_converted(
         _write_int8(spans, data, token_scales)
         return out
     if pool.dtype == _INT8:
-        from kvmesh.shared.engine.kv_int8 import dequantize
+        from kvmesh.shared.kv.kv_int8 import dequantize
 
         values = dequantize(pool[ids][:, head_start:head_end], scales[ids][:, head_start:head_end])
     else:
@@ -306,7 +306,7 @@ def pack_converted(
     if past_run is not None:
         values.masked_fill_(past_run, 0.0)
     if dst_dtype == _FP8:
-        from kvmesh.shared.engine.kv_quant import pow2_scale, quantize
+        from kvmesh.shared.kv.kv_quant import pow2_scale, quantize
 
         tile_scales = pow2_scale(values.abs().amax((-2, -1)))  # (n, h, L, 2)
         data = quantize(values / tile_scales[..., None, None])
@@ -314,7 +314,7 @@ def pack_converted(
         spans[:, :, :num_data] = data.view(torch.uint8).reshape(n, h, num_data)
         spans[:, :, num_data:] = tile_scales.contiguous().view(torch.uint8).reshape(n, h, -1)
     elif dst_dtype == _INT8:
-        from kvmesh.shared.engine.kv_int8 import quantize as quantize_int8
+        from kvmesh.shared.kv.kv_int8 import quantize as quantize_int8
 
         _write_int8(spans, *quantize_int8(values))
     else:

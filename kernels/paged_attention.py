@@ -7,12 +7,12 @@ head together with its whole GQA group of query heads, so each K/V block is load
 Softmax is computed online over blocks with fp32 statistics and accumulator.
 
 An fp8 cache (``kv_scales`` given: the layer's (num_blocks, H_kv) float32 K and V scales, see
-``shared/engine/kv_quant.py``) is read as bytes and decoded through a 256-entry table of e4m3fn
+``shared/kv/kv_quant.py``) is read as bytes and decoded through a 256-entry table of e4m3fn
 values (torch's own; a gather from a small table is exact, and runs the same under the
 interpreter, which has no fp8 type), times the scale of the (block, KV head).
 
 An int8 cache (``kv_scales``: the layer's (num_blocks, block_size, H_kv, D // 32) float32 K and V
-scales, see ``shared/engine/kv_int8.py``) is read as int8 times the scale of each token's group of
+scales, see ``shared/kv/kv_int8.py``) is read as int8 times the scale of each token's group of
 32 values.
 
 The pure-torch references (``*_ref``) are in ``paged_attention_ref.py``.
@@ -23,9 +23,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from kvmesh.shared.engine.kv_int8 import GROUP as INT8_GROUP
-from kvmesh.shared.engine.kv_int8 import rotation_matrix
-from kvmesh.shared.engine.kv_quant import e4m3_lut
+from kvmesh.shared.kv.kv_int8 import GROUP as INT8_GROUP
+from kvmesh.shared.kv.kv_int8 import rotation_matrix
+from kvmesh.shared.kv.kv_quant import e4m3_lut
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _INDEX_DTYPES = (torch.int32, torch.int64)

@@ -7,7 +7,7 @@ tree bits for ``paged_tree_attention_ref``. No Triton needed.
 from __future__ import annotations
 
 import torch
-from kvmesh.shared.engine.kv_int8 import dequantize as dequantize_int8
+from kvmesh.shared.kv.kv_int8 import dequantize as dequantize_int8
 
 
 def paged_decode_attention_ref(

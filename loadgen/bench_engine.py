@@ -171,7 +171,7 @@ class KvmeshRunner:
         )
 
     def generate(self, prompts: list[list[int]], num_tokens: int) -> list[list[int]]:
-        from kvmesh.shared.sampling import SamplingOptions
+        from kvmesh.shared.text.sampling import SamplingOptions
 
         params = SamplingOptions(max_tokens=num_tokens, temperature=0, ignore_eos=True)
         return self.engine.generate(prompts, params)
@@ -179,7 +179,7 @@ class KvmeshRunner:
     def decode_step_times(
         self, prompts: list[list[int]], num_tokens: int, clock: Callable[[], float]
     ) -> list[float]:
-        from kvmesh.shared.sampling import SamplingOptions
+        from kvmesh.shared.text.sampling import SamplingOptions
 
         params = SamplingOptions(max_tokens=num_tokens, temperature=0, ignore_eos=True)
         engine = self.engine

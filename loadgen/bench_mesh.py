@@ -26,7 +26,7 @@ from collections import defaultdict
 from collections.abc import Iterator, Mapping
 from typing import Any, BinaryIO
 
-from kvmesh.shared.subjects import DEFAULT_MESH
+from kvmesh.shared.bus.subjects import DEFAULT_MESH
 
 MODEL = "kvmesh-tiny"
 
@@ -90,7 +90,7 @@ def mesh_config(**fields: Any) -> Any:
     """An UpConfig for a mesh of tests or benchmarks: kvmesh-tiny, a nats-server of its own on a
     free port, any free HTTP port, warnings only, 180 s to start and 10 s to stop; ``fields`` set
     these or any other of its fields."""
-    from kvmesh.shared.ports import free_port
+    from kvmesh.shared.config.ports import free_port
 
     from kvmesh.commands.up_config import UpConfig
 
@@ -157,9 +157,9 @@ class MeshTap:
         self._answered: dict[str, asyncio.Event] = defaultdict(asyncio.Event)  # by reply id
 
     async def __aenter__(self) -> MeshTap:
-        from kvmesh.shared import protocol
-        from kvmesh.shared.nats_service import connect_nats, flush_to_server
-        from kvmesh.shared.subjects import Subjects
+        from kvmesh.shared.bus import protocol
+        from kvmesh.shared.bus.nats_service import connect_nats, flush_to_server
+        from kvmesh.shared.bus.subjects import Subjects
 
         self._stack = contextlib.AsyncExitStack()
         from kvmesh.services.router.attempts import attempt_of  # the router's wire ids
@@ -262,7 +262,7 @@ async def wait_blocks_returned(
     ``workers``, that many are registered (a registry that was cut off relearns the workers from
     their next heartbeat); or the last rows seen when ``timeout_s`` runs out: the caller asserts.
     A registry that does not answer (being restarted) is asked again until then."""
-    from kvmesh.shared.admin_client import AdminError, admin_client
+    from kvmesh.shared.bus.admin_client import AdminError, admin_client
 
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s

@@ -16,7 +16,7 @@ from kvmesh.loadgen.compare_targets import Target, parse_budgets, parse_targets
 from kvmesh.loadgen.serve_metrics import Slo
 from kvmesh.loadgen.sse_client import CHAT, COMPLETIONS, Endpoint
 from kvmesh.loadgen.workload import LengthSpec
-from kvmesh.shared.cpu_placement import parse_cpu_list
+from kvmesh.shared.config.cpu_placement import parse_cpu_list
 
 TINY_MODEL = "kvmesh-tiny"
 DEFAULT_BUDGETS = "256,512,1024,2048"  # --colocated-budgets: colocated's sweep

@@ -443,8 +443,8 @@ def _offline(prompts: list[list[int]], max_tokens: int) -> list[str]:
     from kvmesh.shared.engine.config import EngineConfig
     from kvmesh.shared.engine.llm_engine import LLMEngine
     from kvmesh.shared.model.loader import load_model
-    from kvmesh.shared.sampling import SamplingOptions
-    from kvmesh.shared.text import TextStream
+    from kvmesh.shared.text.detokenize import TextStream
+    from kvmesh.shared.text.sampling import SamplingOptions
 
     model, tokenizer = load_model(MODEL)
     engine = LLMEngine(model, tokenizer, EngineConfig(num_blocks=4096))

@@ -200,7 +200,7 @@ def bench_kv_pack(sizes: BenchSizes, device: torch.device) -> dict[str, Any]:
     """GB/s of pack_blocks and scatter_blocks moving heads [0, H/2) of ``pack_blocks`` scattered
     blocks, against ``torch`` copying a contiguous tensor of the same bytes on the same device."""
     from kvmesh.kernels.kv_pack import pack_blocks, scatter_blocks
-    from kvmesh.shared.engine.kv_cache import KVCacheSpec, KVPool
+    from kvmesh.shared.kv.kv_cache import KVCacheSpec, KVPool
 
     spec = KVCacheSpec(
         num_layers=sizes.layers,
@@ -256,7 +256,7 @@ def bench_paged_decode(sizes: BenchSizes, device: torch.device) -> dict[str, Any
     """Seconds per call of paged_decode_attention over a pool (scattered blocks) against SDPA over
     the same keys and values gathered into (B, H_kv, n, D), for each batch size."""
     from kvmesh.kernels.paged_attention import paged_decode_attention
-    from kvmesh.shared.engine.kv_cache import KVCacheSpec, KVPool
+    from kvmesh.shared.kv.kv_cache import KVCacheSpec, KVPool
 
     H_q, H_kv, D, bs = sizes.attention_heads, sizes.kv_heads, sizes.head_dim, sizes.block_size
     n = sizes.attention_context
@@ -323,7 +323,7 @@ def engine_decode_rate(
     the steps producing the next ``new_tokens`` tokens of all of them timed."""
     from kvmesh.shared.engine.config import EngineConfig
     from kvmesh.shared.engine.llm_engine import LLMEngine
-    from kvmesh.shared.sampling import SamplingOptions
+    from kvmesh.shared.text.sampling import SamplingOptions
 
     P = prompts.shape[1]
     block_size = 16

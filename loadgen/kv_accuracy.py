@@ -207,7 +207,7 @@ def measure_formats(
     to one of ``stop_token_ids``, at most ``FACT_MAX_TOKENS``)."""
     from kvmesh.shared.engine.config import EngineConfig
     from kvmesh.shared.engine.llm_engine import LLMEngine
-    from kvmesh.shared.sampling import SamplingOptions
+    from kvmesh.shared.text.sampling import SamplingOptions
 
     longest = max(len(p) for p in [*prompts, *facts]) + max(max_tokens, FACT_MAX_TOKENS)
     num_blocks = max(len(prompts), len(facts)) * (-(-longest // block_size) + 1) + 8
@@ -283,7 +283,7 @@ def teacher_forced_logits(engine: Any, token_ids: list[int], num_logits: int) ->
     """(num_logits, vocab) float32 logits of the last ``num_logits`` positions of ``token_ids``,
     all in one forward pass through ``engine``'s KV pool (blocks taken and given back)."""
     from kvmesh.shared.engine.sequence import Sequence
-    from kvmesh.shared.sampling import SamplingOptions
+    from kvmesh.shared.text.sampling import SamplingOptions
 
     seq = Sequence("kv-accuracy", list(token_ids), SamplingOptions(max_tokens=1, temperature=0.0))
     engine.block_manager.allocate(seq)

@@ -14,7 +14,7 @@ import torch
 from kvmesh.loadgen.bench_kv import KvResult
 from kvmesh.loadgen.bench_xfer import Plan
 from kvmesh.loadgen.xfer_backends import SPEC, _expect, _source, blocks_crc
-from kvmesh.shared.engine.kv_cache import KVPool
+from kvmesh.shared.kv.kv_cache import KVPool
 
 _TIMEOUT_S = 600.0
 

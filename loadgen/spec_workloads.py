@@ -77,7 +77,7 @@ _CODE = [
 def workload_prompts(
     workload: str, tokenizer: Any, num: int, passage_len: int, seed: int = 0
 ) -> list[list[int]]:
-    """``num`` prompts of ``workload`` as token ids of ``tokenizer`` (shared/tokenizer.py)."""
+    """``num`` prompts of ``workload`` as token ids of ``tokenizer`` (shared/text/tokenizer.py)."""
     rng = random.Random(seed)
     if workload == "quote":
         prompts = []

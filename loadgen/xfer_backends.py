@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 from kvmesh.loadgen.bench_xfer import BLOCK_BYTES, Plan, Result
-from kvmesh.shared.engine.kv_cache import KVCacheSpec, KVPool
+from kvmesh.shared.kv.kv_cache import KVCacheSpec, KVPool
 
 SPEC = KVCacheSpec(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, dtype=torch.bfloat16)
 assert SPEC.block_bytes == BLOCK_BYTES, (SPEC.block_bytes, BLOCK_BYTES)
@@ -192,7 +192,7 @@ class _SocketSender:
 class _GlooSender:
     def __init__(self, conn: Any) -> None:
         import torch.distributed as dist
-        from kvmesh.shared.ports import free_port
+        from kvmesh.shared.config.ports import free_port
 
         port = free_port()  # gloo binds it later: not one an outgoing connection may take
         conn.send(port)

@@ -280,8 +280,8 @@ async def load(url: str, model: str, clients: int, duration_s: float) -> list[tu
 async def decode_rows_under_load(stack: Stack, timeout_s: float = 10.0) -> list[dict[str, Any]]:
     """The admin status's decode rows once one shows a running request (polled every 0.1 s
     over one admin connection: the CLI takes a second a call), or the last ones seen."""
-    from kvmesh.shared.admin_client import admin_client
-    from kvmesh.shared.nats_auth import ADMIN, NatsAuth
+    from kvmesh.shared.bus.admin_client import admin_client
+    from kvmesh.shared.bus.nats_auth import ADMIN, NatsAuth
 
     auth = NatsAuth(ADMIN, stack.passwords["KVMESH_NATS_PASSWORD_ADMIN"])
     deadline = time.monotonic() + timeout_s

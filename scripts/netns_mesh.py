@@ -31,7 +31,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvmesh.shared.nats_server import ClusterSpec, NatsServer, die_with_parent
+from kvmesh.shared.bus.nats_server import ClusterSpec, NatsServer, die_with_parent
 
 NATS_PORT = 4222
 ROUTE_PORT = 6222

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 import pytest_asyncio
-from kvmesh.shared.nats_server import NatsServer
+from kvmesh.shared.bus.nats_server import NatsServer
 
 # --- mesh: NATS -----------------------------------------------------------------------------
 
@@ -44,7 +44,7 @@ def nats_server_process() -> Iterator[NatsServer]:
 @pytest_asyncio.fixture
 async def nats_client(nats_server: str) -> AsyncIterator[object]:
     """A connected nats-py client on the per-test server."""
-    from kvmesh.shared.nats_service import connect_nats
+    from kvmesh.shared.bus.nats_service import connect_nats
 
     async with connect_nats(nats_server, "pytest") as nc:
         yield nc
@@ -55,7 +55,7 @@ async def nats_client(nats_server: str) -> AsyncIterator[object]:
 
 @pytest.fixture(scope="session", autouse=True)
 def mesh_state_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
-    """The suite records and looks up running meshes (shared/mesh_state.py) in a folder of its
+    """The suite records and looks up running meshes (shared/bus/mesh_state.py) in a folder of its
     own, never the user's: a `kvmesh up` outside the suite neither disturbs nor is disturbed.
     Session-wide, so module fixtures that start meshes use it too."""
     folder = tmp_path_factory.mktemp("mesh-state")

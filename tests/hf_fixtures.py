@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from kvmesh.shared.engine.attention import AttentionMetadata
-from kvmesh.shared.engine.kv_cache import KVPool
+from kvmesh.shared.kv.kv_cache import KVPool
+from kvmesh.shared.model.attention import AttentionMetadata
 from kvmesh.shared.model.seeded import write_tokenizer
 
 BLOCK_SIZE = 16

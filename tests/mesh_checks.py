@@ -17,7 +17,7 @@ def offline_greedy(prompts: list[list[int]], max_tokens: int) -> list[list[int]]
     from kvmesh.shared.engine.config import EngineConfig
     from kvmesh.shared.engine.llm_engine import LLMEngine
     from kvmesh.shared.model.loader import load_model
-    from kvmesh.shared.sampling import SamplingOptions
+    from kvmesh.shared.text.sampling import SamplingOptions
 
     model, tokenizer = load_model("kvmesh-tiny")
     engine = LLMEngine(model, tokenizer, EngineConfig(num_blocks=1024))
@@ -69,7 +69,7 @@ async def check_blocks_returned(mesh: Any) -> None:
 async def store_advertised_since_ready(mesh) -> None:
     """A barrier: the registry heard a store advert sent after the mesh was ready, so the decode
     worker (subscribed before it was ready) has heard it too and knows where to swap to."""
-    from kvmesh.shared.admin_client import admin_client
+    from kvmesh.shared.bus.admin_client import admin_client
 
     loop = asyncio.get_running_loop()
     ready = loop.time()

@@ -1,5 +1,5 @@
 """What tests/test_nats_fuzz.py sends: every subject some role reads, generated from
-``Subjects`` and the roles' permissions (shared/nats_auth.py), each with bodies generated from
+``Subjects`` and the roles' permissions (shared/bus/nats_auth.py), each with bodies generated from
 the protocol's message types (``msgspec.inspect``), and which role may publish it."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import msgspec
-from kvmesh.shared import protocol
-from kvmesh.shared.nats_auth import ADMIN, role_permissions
-from kvmesh.shared.subjects import Subjects
+from kvmesh.shared.bus import protocol
+from kvmesh.shared.bus.nats_auth import ADMIN, role_permissions
+from kvmesh.shared.bus.subjects import Subjects
 
 NOT_SUBJECTS = {"mesh", "prefix", "PREFILL_STREAM", "status"}
 REQUEST_ID = "fuzz-request"

@@ -8,8 +8,8 @@ def offline_texts(prompts: list[list[int]], max_tokens: int, num_blocks: int = 4
     from kvmesh.shared.engine.config import EngineConfig
     from kvmesh.shared.engine.llm_engine import LLMEngine
     from kvmesh.shared.model.loader import load_model
-    from kvmesh.shared.sampling import SamplingOptions
-    from kvmesh.shared.text import TextStream
+    from kvmesh.shared.text.detokenize import TextStream
+    from kvmesh.shared.text.sampling import SamplingOptions
 
     model, tokenizer = load_model("kvmesh-tiny")
     engine = LLMEngine(model, tokenizer, EngineConfig(num_blocks=num_blocks))

@@ -14,10 +14,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvmesh.shared import protocol
-from kvmesh.shared.descriptor import TcpBackend, TransportDescriptor
-from kvmesh.shared.nats_service import background, connect_nats, flush_to_server, publish_every
-from kvmesh.shared.protocol import (
+from kvmesh.shared.bus import protocol
+from kvmesh.shared.bus.nats_service import background, connect_nats, flush_to_server, publish_every
+from kvmesh.shared.bus.protocol import (
     DecodeAdvert,
     LeaseCancel,
     PrefillDone,
@@ -26,7 +25,8 @@ from kvmesh.shared.protocol import (
     WorkerControl,
     WorkerHeartbeat,
 )
-from kvmesh.shared.subjects import DEFAULT_MESH, Subjects
+from kvmesh.shared.bus.subjects import DEFAULT_MESH, Subjects
+from kvmesh.shared.kv.descriptor import TcpBackend, TransportDescriptor
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 

@@ -15,11 +15,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from kvmesh.services.prefill_queue.keeper import ensure_queue
-from kvmesh.shared import protocol
-from kvmesh.shared.descriptor import TcpBackend, TransportDescriptor
-from kvmesh.shared.model.tiny import tiny_config
-from kvmesh.shared.nats_service import connect_nats, flush_to_server
-from kvmesh.shared.protocol import (
+from kvmesh.shared.bus import protocol
+from kvmesh.shared.bus.nats_service import connect_nats, flush_to_server
+from kvmesh.shared.bus.protocol import (
     Abort,
     LeaseRenew,
     PlaceReply,
@@ -29,8 +27,10 @@ from kvmesh.shared.protocol import (
     TokenEvent,
     WorkerHeartbeat,
 )
-from kvmesh.shared.sampling import SamplingOptions, TokenLogprobs
-from kvmesh.shared.subjects import DEFAULT_MESH, Subjects
+from kvmesh.shared.bus.subjects import DEFAULT_MESH, Subjects
+from kvmesh.shared.kv.descriptor import TcpBackend, TransportDescriptor
+from kvmesh.shared.model.tiny import tiny_config
+from kvmesh.shared.text.sampling import SamplingOptions, TokenLogprobs
 
 SECRET = "ab" * 32  # a tcp descriptor's lane secret (64 hex digits)
 

@@ -1,18 +1,18 @@
-"""--advertise-host: what a worker's transport descriptor tells peers to dial (shared/advertise.py)."""
+"""--advertise-host: what a worker's transport descriptor tells peers to dial (shared/config/advertise.py)."""
 
 from __future__ import annotations
 
 import pytest
-from kvmesh.shared.advertise import (
+from kvmesh.shared.bus.worker_config import EngineWorkerConfig
+from kvmesh.shared.config.advertise import (
     AdvertiseHostError,
     check_advertise_host,
     default_advertise_host,
     nats_hosts,
     resolve_transport_hosts,
 )
-from kvmesh.shared.service_errors import ServiceStartError
+from kvmesh.shared.config.service_errors import ServiceStartError
 from kvmesh.shared.transport import TransportConfig, create_transport
-from kvmesh.shared.worker_config import EngineWorkerConfig
 
 
 def test_default_advertise_host_is_loopback_with_loopback_nats():

@@ -1,6 +1,6 @@
 import torch
-from kvmesh.shared.engine.attention import AttentionMetadata, paged_attention
-from kvmesh.shared.engine.kv_cache import KVCacheSpec, KVPool
+from kvmesh.shared.kv.kv_cache import KVCacheSpec, KVPool
+from kvmesh.shared.model.attention import AttentionMetadata, paged_attention
 
 
 def _reference(q, k, v, scale):

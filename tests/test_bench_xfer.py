@@ -11,7 +11,7 @@ import pytest
 import torch
 from kvmesh.loadgen.bench_xfer import BLOCK_BYTES, Plan, format_table, parse_size, register_xfer
 from kvmesh.loadgen.xfer_backends import SPEC, blocks_crc, fill_source
-from kvmesh.shared.engine.kv_cache import KVPool
+from kvmesh.shared.kv.kv_cache import KVPool
 
 
 def test_bench_xfer_json_reports_every_backend_after_verifying_bytes():

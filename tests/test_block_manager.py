@@ -2,7 +2,7 @@ import pytest
 from kvmesh.shared.engine.block_manager import BlockManager, OutOfBlocksError, block_hash
 from kvmesh.shared.engine.handoff import prefilled_sequence
 from kvmesh.shared.engine.sequence import Sequence
-from kvmesh.shared.sampling import SamplingOptions
+from kvmesh.shared.text.sampling import SamplingOptions
 
 BS = 4
 

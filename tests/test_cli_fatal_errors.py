@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from kvmesh.shared.ports import free_port
-from kvmesh.shared.service_errors import (
+from kvmesh.shared.config.ports import free_port
+from kvmesh.shared.config.service_errors import (
     ServiceStartError,
     check_can_listen,
     find_error,

@@ -4,7 +4,7 @@ import pytest
 from kvmesh.shared.engine.config import EngineConfig
 from kvmesh.shared.engine.llm_engine import LLMEngine
 from kvmesh.shared.model import load_model
-from kvmesh.shared.sampling import SamplingOptions
+from kvmesh.shared.text.sampling import SamplingOptions
 
 from kvmesh.cli import main
 

@@ -10,7 +10,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kvmesh.shared.nats_auth import PASSWORD_ENV, USER_ENV, authorization_block, password_variable
+from kvmesh.shared.bus.nats_auth import (
+    PASSWORD_ENV,
+    USER_ENV,
+    authorization_block,
+    password_variable,
+)
 
 from kvmesh.cli import build_parser
 from kvmesh.commands.serve import build_service_config, service_env_keys
@@ -77,7 +82,10 @@ def test_command_is_a_kvmesh_entry_point_with_valid_env(name: str) -> None:
     args = build_parser().parse_args(command[1:])
     assert args.command == "serve" and args.service == name
     env = {k: interpolate(v) for k, v in svc.get("environment", {}).items()}
-    known = service_env_keys(name) | {USER_ENV, PASSWORD_ENV}  # credentials: shared/nats_auth.py
+    known = service_env_keys(name) | {
+        USER_ENV,
+        PASSWORD_ENV,
+    }  # credentials: shared/bus/nats_auth.py
     unknown = sorted(k for k in env if k.startswith("KVMESH_") and k not in known)
     assert unknown == [], f"{name}: {unknown} are not config keys of `kvmesh serve {name}`"
     _, config, log_config = build_service_config(name, args.service_args, env=env)
@@ -124,7 +132,7 @@ def probe_url(svc: dict[str, Any]) -> str:
 
 def test_every_service_has_a_healthcheck_on_what_it_serves() -> None:
     """NATS's JetStream health, each worker's metrics port (served as its last start-up step:
-    shared/nats_service.open_for_requests), the router's /health, Prometheus's readiness."""
+    shared/bus/nats_service.open_for_requests), the router's /health, Prometheus's readiness."""
     services = compose()["services"]
     assert probe_url(services["nats"]) == "http://127.0.0.1:8222/healthz?js-enabled-only=true"
     assert probe_url(services["router"]) == "http://127.0.0.1:8000/health"
@@ -203,7 +211,7 @@ def test_dockerfile_installs_from_a_wheelhouse_or_torchs_cpu_index_then_the_proj
 
 
 def test_mesh_doc_lists_every_subject() -> None:
-    from kvmesh.shared.subjects import Subjects
+    from kvmesh.shared.bus.subjects import Subjects
 
     doc = (REPO / "docs" / "mesh.md").read_text()
     names = [n for n in dir(Subjects) if not n.startswith("_") and n not in ("mesh", "prefix")]
@@ -219,7 +227,7 @@ def test_nats_is_published_on_the_host_loopback_only() -> None:
 def test_nats_requires_a_user_per_role_with_the_generated_permissions() -> None:
     """deploy/nats-auth.conf is `kvmesh nats-config`'s output (no drift from the code), the NATS
     container loads it, and each service logs in as its own role."""
-    from kvmesh.shared.subjects import DEFAULT_MESH, Subjects
+    from kvmesh.shared.bus.subjects import DEFAULT_MESH, Subjects
 
     conf = (REPO / "deploy" / "nats-auth.conf").read_text()
     assert conf == authorization_block(Subjects(DEFAULT_MESH))

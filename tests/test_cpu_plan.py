@@ -1,5 +1,5 @@
 """How kvmesh up shares the cores (kvmesh/commands/cpu_plan.py) and how a worker applies its
-share (shared/cpu_placement.py): affinity, SCHED_IDLE, nice, and its autogroup's nice."""
+share (shared/config/cpu_placement.py): affinity, SCHED_IDLE, nice, and its autogroup's nice."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from kvmesh.shared.cpu_placement import (
+from kvmesh.shared.config.cpu_placement import (
     CpuPlacement,
     autogroup_enabled,
     format_cpu_list,
@@ -94,7 +94,7 @@ def test_cpu_lists_parse_and_print_as_the_kernel_writes_them() -> None:
 CHILD = """
 import os, sys
 from pathlib import Path
-from kvmesh.shared.cpu_placement import CpuPlacement
+from kvmesh.shared.config.cpu_placement import CpuPlacement
 out = Path(sys.argv[1])
 done = CpuPlacement(frozenset({int(sys.argv[2])}), idle=True).apply(autogroup=out / "autogroup")
 import threading

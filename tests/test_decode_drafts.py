@@ -7,8 +7,8 @@ import random
 
 import pytest
 from kvmesh.services.decode.drafts import DraftBook, Outgoing, rebase_tree
-from kvmesh.shared import protocol
-from kvmesh.shared.protocol import DraftProposal
+from kvmesh.shared.bus import protocol
+from kvmesh.shared.bus.protocol import DraftProposal
 
 
 def _seqs(**lengths: int) -> dict[str, tuple[list[int], int]]:
@@ -165,7 +165,7 @@ def tiny():
 def reference(tiny) -> list[list[int]]:
     from kvmesh.shared.engine.config import EngineConfig
     from kvmesh.shared.engine.llm_engine import LLMEngine
-    from kvmesh.shared.sampling import SamplingOptions
+    from kvmesh.shared.text.sampling import SamplingOptions
 
     engine = LLMEngine(*tiny, EngineConfig(num_blocks=128))
     return engine.generate(PROMPTS, SamplingOptions(max_tokens=MAX_TOKENS, temperature=0.0))

@@ -3,11 +3,11 @@ import contextlib
 
 import pytest
 from kvmesh.services.decode.pending import Admission, PendingTable, ReservationError
-from kvmesh.shared import protocol
-from kvmesh.shared.imm import imm_slot, pack_imm
-from kvmesh.shared.protocol import PrefillDone
-from kvmesh.shared.sampling import SamplingOptions
+from kvmesh.shared.bus import protocol
+from kvmesh.shared.bus.protocol import PrefillDone
+from kvmesh.shared.text.sampling import SamplingOptions
 from kvmesh.shared.transport.completions import Completion
+from kvmesh.shared.transport.imm import imm_slot, pack_imm
 
 ADMISSION = Admission((1, 2, 3), SamplingOptions(max_tokens=4))
 
@@ -325,7 +325,11 @@ def test_decode_config_from_flags_and_env():
     import argparse
 
     from kvmesh.services.decode.config import DecodeConfig
-    from kvmesh.shared.service_config import ConfigError, add_config_arguments, config_from_args
+    from kvmesh.shared.config.service_config import (
+        ConfigError,
+        add_config_arguments,
+        config_from_args,
+    )
 
     parser = argparse.ArgumentParser()
     add_config_arguments(parser, DecodeConfig)
@@ -506,7 +510,7 @@ async def test_a_reservation_that_arrives_after_its_abort_is_refused(decode_work
 
 
 def test_recent_ids_forget_after_their_ttl_and_beyond_their_bound():
-    from kvmesh.shared.recent_ids import RecentIds
+    from kvmesh.shared.bus.recent_ids import RecentIds
 
     ids = RecentIds(ttl_s=10.0, max_ids=2)
     ids.add("a", 0.0)

@@ -11,11 +11,11 @@ import asyncio
 import pytest
 from kvmesh.services.decode.step_hooks import Step, StepHook, StepPlan
 from kvmesh.services.decode.worker import DecodeWorker
-from kvmesh.shared import protocol
+from kvmesh.shared.bus import protocol
+from kvmesh.shared.bus.protocol import PrefillDone
 from kvmesh.shared.engine.draft_tree import DraftTree
-from kvmesh.shared.imm import imm_slot, pack_imm
-from kvmesh.shared.protocol import PrefillDone
 from kvmesh.shared.transport.completions import Completion
+from kvmesh.shared.transport.imm import imm_slot, pack_imm
 
 
 @pytest.fixture(scope="module")

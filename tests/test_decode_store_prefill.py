@@ -1,5 +1,5 @@
 """A decode worker's local prefills read their prefix from a kv-store (DecodeWorker with a
-PrefixReader, shared/kv_store_prefix.py), driven as the service drives it, against an
+PrefixReader, shared/mesh/kv_store_prefix.py), driven as the service drives it, against an
 in-process store that copies blocks (the data plane's part is the mesh test's,
 tests/test_mesh_kv_store_local.py): the prefix read is adopted and not computed, the output
 equals the offline engine's, and a request aborted while its prefix is read frees every block."""
@@ -10,9 +10,9 @@ import asyncio
 
 import pytest
 from kvmesh.services.decode.worker import DecodeWorker
-from kvmesh.shared import protocol
-from kvmesh.shared.kv_store_client import put_cached_prefix
-from kvmesh.shared.kv_store_prefix import PrefixReader
+from kvmesh.shared.bus import protocol
+from kvmesh.shared.mesh.kv_store_client import put_cached_prefix
+from kvmesh.shared.mesh.kv_store_prefix import PrefixReader
 from test_decode_swaps import FakeStore, OneStore
 
 BS = 16
@@ -66,7 +66,7 @@ def counted(worker: DecodeWorker, name: str) -> float:
 async def test_local_prefill_adopts_the_stored_prefix_and_computes_only_the_rest(tiny) -> None:
     from kvmesh.shared.engine.config import EngineConfig
     from kvmesh.shared.engine.llm_engine import LLMEngine
-    from kvmesh.shared.sampling import SamplingOptions
+    from kvmesh.shared.text.sampling import SamplingOptions
 
     offline = LLMEngine(*tiny, EngineConfig(num_blocks=64, enable_prefix_caching=False))
     params = SamplingOptions(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)

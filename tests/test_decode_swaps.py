@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import pytest
 from kvmesh.services.decode.metrics import DecodeMetrics
 from kvmesh.services.decode.swaps import SwapIn, Swaps, stored_run
-from kvmesh.shared.kv_store_client import GetResult, LocalBlock, PutResult, StoreTarget
+from kvmesh.shared.mesh.kv_store_client import GetResult, LocalBlock, PutResult, StoreTarget
 
 BS = 16
 
@@ -95,7 +95,7 @@ NUM_BLOCKS = 7  # 3 prompts of 2-3 blocks growing by 2: preemptions
 
 async def drive(engine, swaps: Swaps) -> dict[str, list[int]]:
     """The decode worker's loop: swap-ins between steps, swap-outs right after a step."""
-    from kvmesh.shared.sampling import SamplingOptions
+    from kvmesh.shared.text.sampling import SamplingOptions
 
     params = SamplingOptions(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     lock = swaps.lock
@@ -118,7 +118,7 @@ async def drive(engine, swaps: Swaps) -> dict[str, list[int]]:
 
 @pytest.fixture(scope="module")
 def roomy(tiny) -> dict[str, list[int]]:
-    from kvmesh.shared.sampling import SamplingOptions
+    from kvmesh.shared.text.sampling import SamplingOptions
 
     params = SamplingOptions(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     outs = engine_of(tiny, 256).generate(PROMPTS, params)

@@ -8,7 +8,7 @@ import ast
 import re
 
 from doc_blocks import ROOT, SOURCE_FOLDERS, fenced_block
-from kvmesh.shared.subjects import Subjects
+from kvmesh.shared.bus.subjects import Subjects
 
 
 def _diagram() -> str:

@@ -15,10 +15,10 @@ import torch
 from kvmesh.services.draft.prompt_kv import PromptKvError, PromptKvTable
 from kvmesh.services.prefill.draft_kv import DraftBlockPlanner, DraftKvPlanner
 from kvmesh.services.prefill.plan import PlanError
-from kvmesh.shared import protocol
-from kvmesh.shared.imm import imm_slot, unpack_imm
-from kvmesh.shared.protocol import DraftKvReserveReply, PrefillDone
+from kvmesh.shared.bus import protocol
+from kvmesh.shared.bus.protocol import DraftKvReserveReply, PrefillDone
 from kvmesh.shared.transport.base import Access, MemoryWindow
+from kvmesh.shared.transport.imm import imm_slot, unpack_imm
 
 
 def _window(rkey: int = 5, enforced: bool = True) -> MemoryWindow:
@@ -251,10 +251,10 @@ async def _mesh_in_process(tiny, small_draft=None):
     from kvmesh.services.draft.prompt_kv_receiver import PromptKvReceiver, target_kv_spec
     from kvmesh.services.prefill.endpoints import EndpointCache
     from kvmesh.services.prefill.worker import PrefillWorker
-    from kvmesh.shared.descriptor import TransportDescriptor
     from kvmesh.shared.engine.config import EngineConfig
     from kvmesh.shared.engine.llm_engine import LLMEngine
-    from kvmesh.shared.protocol import kv_spec_fingerprint
+    from kvmesh.shared.kv.descriptor import TransportDescriptor
+    from kvmesh.shared.model.identity import kv_spec_fingerprint
     from kvmesh.shared.transport import Access, TransportConfig, create_transport
     from transport_wire import remote as remote_key
 
@@ -497,8 +497,8 @@ async def test_model_drafter_refuses_a_prefill_without_its_draft_model_and_the_j
 def test_prefill_draft_model_with_another_vocabulary_stops_the_worker_at_start_up(tmp_path):
     from kvmesh.services.prefill.config import PrefillConfig
     from kvmesh.services.prefill.draft_engine import load_draft_engine
+    from kvmesh.shared.config.service_errors import ServiceStartError
     from kvmesh.shared.model.loader import load_config_and_tokenizer
-    from kvmesh.shared.service_errors import ServiceStartError
     from small_models import write_small_seeded
 
     other = write_small_seeded(tmp_path / "other-vocab")
@@ -512,7 +512,7 @@ def test_prefill_draft_model_with_another_vocabulary_stops_the_worker_at_start_u
 def test_draft_block_bytes_hold_the_targets_first_layers(tiny):
     """The layout the plan relies on: a draft pool block is the target block's first layers of
     each head (kv_cache.py: head-major blocks)."""
-    from kvmesh.shared.engine.kv_cache import KVCacheSpec, KVPool
+    from kvmesh.shared.kv.kv_cache import KVCacheSpec, KVPool
 
     target = KVPool(KVCacheSpec(L, H, D, BS, torch.float32), 2)
     target.tensor.copy_(torch.randn_like(target.tensor))

@@ -16,8 +16,8 @@ from kvmesh.services.draft.tree_drafter import EngineTreeDrafter
 from kvmesh.services.draft.tree_expansion import TreeExpansion
 from kvmesh.shared.engine.config import EngineConfig
 from kvmesh.shared.engine.draft_tree import MAX_TREE_NODES, DraftTree
-from kvmesh.shared.engine.kv_cache import KVPool
 from kvmesh.shared.engine.llm_engine import LLMEngine
+from kvmesh.shared.kv.kv_cache import KVPool
 from kvmesh.shared.model import load_model
 
 WIDTHS = (2, 2, 1, 1)

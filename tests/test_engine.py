@@ -11,7 +11,7 @@ from kvmesh.shared.engine.config import EngineConfig
 from kvmesh.shared.engine.llm_engine import LLMEngine
 from kvmesh.shared.engine.sequence import PromptTooLongError, RequestError
 from kvmesh.shared.model import load_model
-from kvmesh.shared.sampling import SamplingOptions
+from kvmesh.shared.text.sampling import SamplingOptions
 
 GREEDY = SamplingOptions(max_tokens=12, temperature=0, ignore_eos=True)
 

@@ -1,5 +1,5 @@
 """When the engine ends a request: stop tokens, EOS, length, and stop strings matched on the text
-of ``kvmesh.shared.text`` (the router's pipeline) at the token that completes them. A request
+of ``kvmesh.shared.text.detokenize`` (the router's pipeline) at the token that completes them. A request
 without stop strings is never detokenized."""
 
 import string
@@ -10,8 +10,8 @@ from kvmesh.shared.engine.finish import finish_reason, stop_text_for
 from kvmesh.shared.engine.llm_engine import LLMEngine
 from kvmesh.shared.engine.sequence import RequestError, Sequence
 from kvmesh.shared.model import load_model
-from kvmesh.shared.sampling import SamplingOptions
-from kvmesh.shared.text import TextStream
+from kvmesh.shared.text.detokenize import TextStream
+from kvmesh.shared.text.sampling import SamplingOptions
 
 EOS = frozenset({3})
 PROMPT = list(b"The quick brown fox")

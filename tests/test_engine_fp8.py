@@ -16,8 +16,8 @@ import torch
 from kvmesh.loadgen.kv_accuracy import FACT_QUESTIONS, FIXTURE_PROMPTS, measure
 from kvmesh.shared.engine.config import EngineConfig
 from kvmesh.shared.engine.llm_engine import LLMEngine
+from kvmesh.shared.kv.prefix_hash import layout_root
 from kvmesh.shared.model.loader import load_model
-from kvmesh.shared.prefix_hash import layout_root
 
 
 @pytest.fixture(scope="module")

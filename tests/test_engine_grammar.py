@@ -15,8 +15,8 @@ from kvmesh.shared.engine.draft_tree import DraftTree
 from kvmesh.shared.engine.llm_engine import LLMEngine
 from kvmesh.shared.engine.sequence import RequestError
 from kvmesh.shared.model import load_model
-from kvmesh.shared.sampling import SamplingOptions
-from kvmesh.shared.structured_output import StructuredOutputs, json_schema_text
+from kvmesh.shared.text.sampling import SamplingOptions
+from kvmesh.shared.text.structured_output import StructuredOutputs, json_schema_text
 
 SCHEMA = {
     "type": "object",

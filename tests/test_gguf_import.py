@@ -80,7 +80,7 @@ def test_import_gives_transformers_gguf_weights_and_logits(synthetic, transforme
 def kvmesh_logits(model, ids: list[int]) -> torch.Tensor:
     """Every position's logits from kvmesh's model, prefilled through a paged KV pool."""
     from hf_fixtures import BLOCK_SIZE, prefill_metadata
-    from kvmesh.shared.engine.kv_cache import KVPool
+    from kvmesh.shared.kv.kv_cache import KVPool
     from kvmesh.shared.model.llama import kv_cache_spec
 
     num_blocks = -(-len(ids) // BLOCK_SIZE)
@@ -121,7 +121,7 @@ def test_tokenizer_matches_transformers_and_splits_digits_as_llamacpp(
     """Same ids as transformers' GGUF tokenizer on text without digits; digits one by one as
     llama.cpp's "smollm" pre-tokenizer splits them, where transformers (GPT-2 regex for every
     byte-level file) merges "12"."""
-    from kvmesh.shared.tokenizer import Tokenizer
+    from kvmesh.shared.text.tokenizer import Tokenizer
 
     ours = Tokenizer.from_pretrained(synthetic[1])
     _, theirs = transformers_gguf
@@ -291,7 +291,7 @@ def test_sentencepiece_tokenizer_matches_transformers_on_plain_text(sentencepiec
     """Merges from the scores, byte fallback for what the vocabulary lacks (é, the emoji), BOS
     added: transformers' GGUF tokenizer gives the same ids and both decode to the text."""
     transformers = pytest.importorskip("transformers")
-    from kvmesh.shared.tokenizer import Tokenizer
+    from kvmesh.shared.text.tokenizer import Tokenizer
 
     path, directory = sentencepiece
     ours = Tokenizer.from_pretrained(directory)
@@ -307,7 +307,7 @@ def test_sentencepiece_prefixes_every_text_piece_with_a_space_as_llamacpp(senten
     """llama.cpp (and SentencePiece's dummy prefix) put "▁" before every piece of text, also
     one that starts with spaces or follows a special token; transformers' Llama tokenizer
     prepends it only at the start, and not before a space. kvmesh follows llama.cpp."""
-    from kvmesh.shared.tokenizer import Tokenizer
+    from kvmesh.shared.text.tokenizer import Tokenizer
 
     ours = Tokenizer.from_pretrained(sentencepiece[1])
     space = ours.token_to_id("▁")
@@ -320,7 +320,7 @@ def test_sentencepiece_tokenizer_matches_llamacpp(sentencepiece) -> None:
     llama_cpp = pytest.importorskip(
         "llama_cpp", reason="llama-cpp-python is installed by make bench-deps"
     )
-    from kvmesh.shared.tokenizer import Tokenizer
+    from kvmesh.shared.text.tokenizer import Tokenizer
 
     path, directory = sentencepiece
     ours = Tokenizer.from_pretrained(directory)

@@ -25,7 +25,7 @@ from hf_fixtures import (
 )
 from kvmesh.shared.engine.config import EngineConfig
 from kvmesh.shared.engine.llm_engine import LLMEngine
-from kvmesh.shared.sampling import SamplingOptions
+from kvmesh.shared.text.sampling import SamplingOptions
 
 pytestmark = pytest.mark.gpu
 

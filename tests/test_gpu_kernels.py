@@ -14,7 +14,7 @@ import math
 
 import pytest
 import torch
-from kvmesh.shared.engine.kv_cache import KVCacheSpec, KVPool
+from kvmesh.shared.kv.kv_cache import KVCacheSpec, KVPool
 
 pytestmark = pytest.mark.gpu
 

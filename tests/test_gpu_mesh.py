@@ -5,7 +5,7 @@ output equal to the offline engine on CUDA, token for token, and returns every b
 Only colocated: a disaggregated worker on CUDA needs the rdma transport (GPU memory registered
 as a dma-buf MR, which a real RDMA NIC can reach and SoftRoCE cannot); shm and tcp move host
 memory, have no staging through pinned host memory, and a CUDA worker with either is refused at
-startup (shared/worker_config.py; docs/gpu.md).
+startup (shared/bus/worker_config.py; docs/gpu.md).
 
 ``gpu``-marked: skipped without CUDA; `make gpu-check` runs it. Never yet run on real hardware.
 """
@@ -31,7 +31,7 @@ def offline_cuda_tokens() -> list[list[int]]:
     from kvmesh.shared.engine.config import EngineConfig
     from kvmesh.shared.engine.llm_engine import LLMEngine
     from kvmesh.shared.model.loader import load_model
-    from kvmesh.shared.sampling import SamplingOptions
+    from kvmesh.shared.text.sampling import SamplingOptions
 
     model, tokenizer = load_model("kvmesh-tiny", device="cuda")
     engine = LLMEngine(model, tokenizer, EngineConfig(num_blocks=1024, device="cuda"))

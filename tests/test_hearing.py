@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvmesh.shared.hearing import Hearing
+from kvmesh.shared.bus.hearing import Hearing
 
 
 def test_silence_is_the_time_since_the_last_message_while_connected():

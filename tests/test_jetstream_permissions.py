@@ -1,5 +1,5 @@
 """Every JetStream API verb, tried as every NATS user of a mesh against a real nats-server with
-the mesh's permissions (shared/nats_auth.py): which reach the API and which the server refuses.
+the mesh's permissions (shared/bus/nats_auth.py): which reach the API and which the server refuses.
 
 No worker or router role may create, update or delete a stream or a consumer: a role that could
 update the prefill stream could give it a ``republish`` rule, and the server would republish any
@@ -16,11 +16,11 @@ import nats
 import orjson
 import pytest
 from kvmesh.services.prefill_queue.keeper import ensure_queue
-from kvmesh.shared.nats_auth import ROLES, MeshCredentials
-from kvmesh.shared.nats_server import NatsServer
-from kvmesh.shared.nats_service import connect_nats, flush_to_server
-from kvmesh.shared.prefill_queue import DURABLE, publish_job, stream_config
-from kvmesh.shared.subjects import Subjects
+from kvmesh.shared.bus.nats_auth import ROLES, MeshCredentials
+from kvmesh.shared.bus.nats_server import NatsServer
+from kvmesh.shared.bus.nats_service import connect_nats, flush_to_server
+from kvmesh.shared.bus.prefill_queue import DURABLE, publish_job, stream_config
+from kvmesh.shared.bus.subjects import Subjects
 
 subjects = Subjects("js1")
 other = Subjects("js2")

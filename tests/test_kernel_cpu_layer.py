@@ -6,8 +6,8 @@ import dataclasses
 import pytest
 import torch
 from kvmesh.kernels.cpu_ops import load_cpu_ops
-from kvmesh.shared.engine.attention import AttentionMetadata
-from kvmesh.shared.engine.kv_cache import KVPool
+from kvmesh.shared.kv.kv_cache import KVPool
+from kvmesh.shared.model.attention import AttentionMetadata
 from kvmesh.shared.model.config import ModelConfig
 from kvmesh.shared.model.llama import Transformer, attach_cpu_ops, kv_cache_spec
 

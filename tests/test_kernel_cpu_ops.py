@@ -16,13 +16,13 @@ from kvmesh.kernels.cpu_ops import (
     silu_mul_reference,
     split_by_work,
 )
-from kvmesh.shared.engine.attention import AttentionMetadata, paged_attention
 from kvmesh.shared.engine.config import EngineConfig
-from kvmesh.shared.engine.kv_cache import KVCacheSpec, KVPool
 from kvmesh.shared.engine.llm_engine import LLMEngine
+from kvmesh.shared.kv.kv_cache import KVCacheSpec, KVPool
 from kvmesh.shared.model import load_model
+from kvmesh.shared.model.attention import AttentionMetadata, paged_attention
 from kvmesh.shared.model.rope import apply_rope
-from kvmesh.shared.sampling import SamplingOptions
+from kvmesh.shared.text.sampling import SamplingOptions
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,8 @@ import pytest
 import torch
 from kvmesh.kernels.paged_attention import paged_decode_attention
 from kvmesh.kernels.paged_attention_ref import paged_decode_attention_ref
-from kvmesh.shared.engine.attention import AttentionMetadata, paged_attention
-from kvmesh.shared.engine.kv_cache import KVCacheSpec, KVPool
+from kvmesh.shared.kv.kv_cache import KVCacheSpec, KVPool
+from kvmesh.shared.model.attention import AttentionMetadata, paged_attention
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 pytestmark = pytest.mark.skipif(

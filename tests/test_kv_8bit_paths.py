@@ -14,9 +14,9 @@ import torch
 from kvmesh.kernels.cpu_ops import decode_plan, load_cpu_ops
 from kvmesh.kernels.paged_attention import paged_decode_attention, paged_tree_attention
 from kvmesh.kernels.paged_attention_ref import paged_decode_attention_ref, paged_tree_attention_ref
-from kvmesh.shared.engine import kv_int8, kv_quant
-from kvmesh.shared.engine.attention import AttentionMetadata, paged_attention
-from kvmesh.shared.engine.kv_cache import KVCacheSpec, KVPool
+from kvmesh.shared.kv import kv_int8, kv_quant
+from kvmesh.shared.kv.kv_cache import KVCacheSpec, KVPool
+from kvmesh.shared.model.attention import AttentionMetadata, paged_attention
 from kvmesh.shared.model.rope import apply_rope
 
 H_KV, H_Q, D, BS = 2, 4, 64, 4

@@ -1,6 +1,6 @@
 import pytest
 import torch
-from kvmesh.shared.engine.kv_cache import KVCacheSpec, KVPool
+from kvmesh.shared.kv.kv_cache import KVCacheSpec, KVPool
 
 
 def test_bytes_per_token_follows_layout_math():

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 from kvmesh.kernels.cpu_ops import decode_plan, load_cpu_ops
-from kvmesh.shared.engine import kv_int8
-from kvmesh.shared.engine.kv_cache import KVCacheSpec, KVPool
+from kvmesh.shared.kv import kv_int8
+from kvmesh.shared.kv.kv_cache import KVCacheSpec, KVPool
 from kvmesh.shared.model.rope import apply_rope
 
 INT8 = torch.int8

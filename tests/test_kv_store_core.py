@@ -1,5 +1,5 @@
 """The kv-store's pure parts: slots, pins and LRU (services/kv_store/core.py), the block header
-and its checks (shared/kv_block_header.py), the store's layout string, the registry's store
+and its checks (shared/kv/kv_block_header.py), the store's layout string, the registry's store
 table."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from kvmesh.services.kv_registry.stores import StoreTable
 from kvmesh.services.kv_store.core import BlockStore, GetGrant, PutGrant, StoreFull
-from kvmesh.shared.kv_block_header import (
+from kvmesh.shared.kv.kv_block_header import (
     HEADER_BYTES,
     BlockHeader,
     BlockVerifyError,
@@ -192,8 +192,8 @@ def test_store_layout_of_the_tiny_model_is_the_decode_engines_kv_spec(kv_cache_d
 
 
 def test_registry_store_table_reports_hit_rate_and_drops_silent_stores() -> None:
-    from kvmesh.shared.descriptor import TransportDescriptor
-    from kvmesh.shared.protocol import StoreAdvert
+    from kvmesh.shared.bus.protocol import StoreAdvert
+    from kvmesh.shared.kv.descriptor import TransportDescriptor
     from kvmesh.shared.transport.base import PeerDescriptor
 
     desc = TransportDescriptor.from_peer(
@@ -216,9 +216,9 @@ def test_registry_store_table_reports_hit_rate_and_drops_silent_stores() -> None
 
 
 def test_store_book_picks_the_lowest_ready_store_of_its_layout_heard_of_lately() -> None:
-    from kvmesh.shared.descriptor import TransportDescriptor
-    from kvmesh.shared.kv_store_client import StoreBook
-    from kvmesh.shared.protocol import StoreAdvert
+    from kvmesh.shared.bus.protocol import StoreAdvert
+    from kvmesh.shared.kv.descriptor import TransportDescriptor
+    from kvmesh.shared.mesh.kv_store_client import StoreBook
     from kvmesh.shared.transport.base import PeerDescriptor
 
     desc = TransportDescriptor.from_peer(

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 from kvmesh.services.kv_store.disk_file import DiskFile, check_disk_dir
-from kvmesh.shared.kv_block_header import HEADER_BYTES
-from kvmesh.shared.service_errors import ServiceStartError
+from kvmesh.shared.config.service_errors import ServiceStartError
+from kvmesh.shared.kv.kv_block_header import HEADER_BYTES
 from test_kv_store_service import OTHER_TOKENS, TOKENS, Client, store_process
 
 HOST_BLOCKS = 4

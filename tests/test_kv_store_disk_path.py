@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from kvmesh.services.kv_store.disk_file import DiskFile, check_disk_dir
-from kvmesh.shared.service_errors import ServiceStartError
+from kvmesh.shared.config.service_errors import ServiceStartError
 
 
 def _own_dir(tmp_path: Path, name: str, mode: int = 0o700) -> Path:

@@ -1,4 +1,4 @@
-"""fetch_prefix and adopt_fetched (shared/kv_store_prefix.py) against a block manager and a
+"""fetch_prefix and adopt_fetched (shared/mesh/kv_store_prefix.py) against a block manager and a
 store that answers in this process: which blocks a read goes into, what ends up cached."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import asyncio
 from dataclasses import dataclass
 
 from kvmesh.shared.engine.block_manager import BlockManager
-from kvmesh.shared.kv_store_client import GetResult
-from kvmesh.shared.kv_store_prefix import adopt_fetched, fetch_prefix
-from kvmesh.shared.prefix_hash import reusable_prefix_hashes
+from kvmesh.shared.kv.prefix_hash import reusable_prefix_hashes
+from kvmesh.shared.mesh.kv_store_client import GetResult
+from kvmesh.shared.mesh.kv_store_prefix import adopt_fetched, fetch_prefix
 
 BS = 4
 

@@ -20,11 +20,8 @@ from collections.abc import AsyncIterator
 import pytest
 import torch
 from kvmesh.loadgen.server_breakdown import parse_prometheus
-from kvmesh.shared.kv_block_header import token_digests
-from kvmesh.shared.kv_store_client import KvStoreClient, LocalBlock, StoreTarget
-from kvmesh.shared.nats_service import connect_nats
-from kvmesh.shared.prefix_hash import layout_root, prefix_block_hashes
-from kvmesh.shared.protocol import (
+from kvmesh.shared.bus.nats_service import connect_nats
+from kvmesh.shared.bus.protocol import (
     StoreAck,
     StoreAdvert,
     StoreGet,
@@ -34,8 +31,11 @@ from kvmesh.shared.protocol import (
     decode_message,
     encode_message,
 )
-from kvmesh.shared.store_solicit import store_adverts_solicited
-from kvmesh.shared.subjects import Subjects
+from kvmesh.shared.bus.store_solicit import store_adverts_solicited
+from kvmesh.shared.bus.subjects import Subjects
+from kvmesh.shared.kv.kv_block_header import token_digests
+from kvmesh.shared.kv.prefix_hash import layout_root, prefix_block_hashes
+from kvmesh.shared.mesh.kv_store_client import KvStoreClient, LocalBlock, StoreTarget
 from kvmesh.shared.transport import (
     Access,
     RemoteAccessError,
@@ -323,7 +323,7 @@ async def test_store_read_after_release_is_refused_and_counted(shared_store) -> 
 async def test_admin_status_lists_the_store_with_its_use_and_hit_rate(nats_server: str) -> None:
     from kvmesh.services.kv_registry.config import RegistryConfig
     from kvmesh.services.kv_registry.service import registry_service
-    from kvmesh.shared.admin_client import admin_client
+    from kvmesh.shared.bus.admin_client import admin_client
 
     config = RegistryConfig(nats_url=nats_server, mesh=MESH, worker_id="reg-0", heartbeat_s=0.2)
     async with (
@@ -353,7 +353,7 @@ async def test_store_evicts_a_dropped_workers_blocks_and_refuses_puts_from_other
     role that may not put (here the router's) is refused: only that role would learn the
     window's key."""
     import nats
-    from kvmesh.shared.protocol import StorePut, StorePutReply, WorkerGone
+    from kvmesh.shared.bus.protocol import StorePut, StorePutReply, WorkerGone
 
     async with (
         store_process(nats_server, "store-o", "--num-blocks", "8") as advert,

@@ -14,11 +14,10 @@ import pytest
 from kvmesh.services.decode.pending import PendingTable
 from kvmesh.services.decode.windows import LeaseWindows
 from kvmesh.services.decode.worker import DecodeWorker
-from kvmesh.shared import protocol
+from kvmesh.shared.bus import protocol
 from kvmesh.shared.engine.config import EngineConfig
-from kvmesh.shared.engine.kv_cache import KVCacheSpec
 from kvmesh.shared.engine.llm_engine import LLMEngine
-from kvmesh.shared.imm import imm_slot, pack_imm
+from kvmesh.shared.kv.kv_cache import KVCacheSpec
 from kvmesh.shared.transport import (
     Access,
     MemoryWindow,
@@ -29,6 +28,7 @@ from kvmesh.shared.transport import (
     WriteEntry,
     create_transport,
 )
+from kvmesh.shared.transport.imm import imm_slot, pack_imm
 
 NUM_BLOCKS = 32
 
@@ -247,7 +247,7 @@ def _transport(backend: str, verbs: Any, peer_id: str):
 
 def _reference_tokens(tiny: Any, max_tokens: int) -> list[int]:
     """What one engine generates for PROMPT, greedy, with no hand-off."""
-    from kvmesh.shared.sampling import SamplingOptions
+    from kvmesh.shared.text.sampling import SamplingOptions
 
     engine = LLMEngine(*tiny, EngineConfig(num_blocks=16))
     engine.add_request("ref", list(PROMPT), SamplingOptions(max_tokens=max_tokens, temperature=0))
@@ -270,7 +270,7 @@ class ForgeryMesh:
         from fake_pyverbs import FakeVerbs
         from kvmesh.services.prefill.endpoints import EndpointCache
         from kvmesh.services.prefill.worker import PrefillWorker
-        from kvmesh.shared.descriptor import TransportDescriptor
+        from kvmesh.shared.kv.descriptor import TransportDescriptor
 
         self._stack = contextlib.AsyncExitStack()
         await self._stack.__aenter__()

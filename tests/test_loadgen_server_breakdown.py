@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from kvmesh.loadgen.server_breakdown import ServerBreakdown, parse_prometheus
 from kvmesh.services.router.metrics import RouterMetrics
-from kvmesh.shared.protocol import PrefillReport
+from kvmesh.shared.bus.protocol import PrefillReport
 
 BEFORE = """\
 # HELP kvmesh_router_time_to_first_token_seconds Request arrival to first output token.

@@ -241,7 +241,7 @@ async def test_connection_closed_before_a_response_is_a_connection_error(server)
 
 
 async def test_refused_connection_is_a_connection_error():
-    from kvmesh.shared.ports import free_port
+    from kvmesh.shared.config.ports import free_port
 
     r = await send(f"http://127.0.0.1:{free_port()}", "ok")
     assert r.error == "connection_error" and r.chunk_times == ()

@@ -10,7 +10,7 @@ import torch
 from kvmesh.shared.engine.logit_options import RowHistory, apply_logit_options
 from kvmesh.shared.engine.sampler import Sampler, apply_min_p, token_logprobs
 from kvmesh.shared.engine.sequence import Sequence
-from kvmesh.shared.sampling import SamplingOptions
+from kvmesh.shared.text.sampling import SamplingOptions
 
 ROW = [1.0, -2.0, 3.0, 0.5, 0.0]
 EOS = frozenset({4})

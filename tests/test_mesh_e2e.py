@@ -22,9 +22,9 @@ import aiohttp
 import orjson
 import pytest
 from kvmesh.loadgen.bench_mesh import MODEL, MeshTap, complete, local_mesh, random_prompts
-from kvmesh.shared import protocol
-from kvmesh.shared.nats_service import connect_nats, flush_to_server
-from kvmesh.shared.subjects import DEFAULT_MESH, Subjects
+from kvmesh.shared.bus import protocol
+from kvmesh.shared.bus.nats_service import connect_nats, flush_to_server
+from kvmesh.shared.bus.subjects import DEFAULT_MESH, Subjects
 from mesh_checks import check_blocks_returned, check_equals_offline, load, offline_greedy
 
 pytestmark = pytest.mark.slow
@@ -103,7 +103,7 @@ async def test_colocated_greedy_output_equals_offline_engine(colocated_mesh, off
 
 
 async def test_request_waits_while_the_only_worker_is_drained_and_runs_once_resumed(colocated_mesh):
-    from kvmesh.shared.admin_client import admin_client
+    from kvmesh.shared.bus.admin_client import admin_client
 
     prompt = PROMPTS[0]
     async with (
@@ -126,7 +126,7 @@ async def test_request_waits_while_the_only_worker_is_drained_and_runs_once_resu
 async def test_drained_prefill_worker_takes_no_job_and_long_prompts_still_run(disagg_mesh):
     """`kvmesh admin drain prefill-0`: the prefill worker stops taking jobs; with no prefill
     worker ready the router prefills long prompts on the decode worker; resume brings it back."""
-    from kvmesh.shared.admin_client import admin_client
+    from kvmesh.shared.bus.admin_client import admin_client
 
     async with (
         admin_client(disagg_mesh.config.nats_url, auth=disagg_mesh.nats_auth) as admin,

@@ -42,7 +42,7 @@ def _offline(prompts: list[list[int]]) -> list[list[int]]:
     from kvmesh.shared.engine.config import EngineConfig
     from kvmesh.shared.engine.llm_engine import LLMEngine
     from kvmesh.shared.model.loader import load_model
-    from kvmesh.shared.sampling import SamplingOptions
+    from kvmesh.shared.text.sampling import SamplingOptions
 
     engine = LLMEngine(*load_model("kvmesh-tiny"), EngineConfig(num_blocks=2048))
     return engine.generate(prompts, SamplingOptions(max_tokens=MAX_TOKENS, temperature=0.0))
@@ -58,9 +58,9 @@ async def _load_then_kill(launcher, prompts, victim: str, delay_s: float):
     """Send ``prompts`` and kill ``victim`` ``delay_s`` later; a prefill worker once it has also
     taken a job (its PrefillStarted): at a fixed delay alone, a loaded box may not have handed it
     one yet, and then nothing of it is left to run again."""
-    from kvmesh.shared.nats_service import connect_nats
-    from kvmesh.shared.protocol import PrefillStarted, decode_message
-    from kvmesh.shared.subjects import Subjects
+    from kvmesh.shared.bus.nats_service import connect_nats
+    from kvmesh.shared.bus.protocol import PrefillStarted, decode_message
+    from kvmesh.shared.bus.subjects import Subjects
 
     took_job = asyncio.Event()
 

@@ -25,7 +25,7 @@ from kvmesh.loadgen.bench_mesh import (
     random_prompts,
     wait_blocks_returned,
 )
-from kvmesh.shared.nats_server import NatsServer
+from kvmesh.shared.bus.nats_server import NatsServer
 from small_models import write_small_seeded
 
 pytestmark = pytest.mark.slow
@@ -45,7 +45,7 @@ def _offline(model: str) -> list[list[int]]:
     from kvmesh.shared.engine.config import EngineConfig
     from kvmesh.shared.engine.llm_engine import LLMEngine
     from kvmesh.shared.model.loader import load_model
-    from kvmesh.shared.sampling import SamplingOptions
+    from kvmesh.shared.text.sampling import SamplingOptions
 
     engine = LLMEngine(*load_model(model), EngineConfig(num_blocks=256))
     return engine.generate(PROMPTS, SamplingOptions(max_tokens=MAX_TOKENS, temperature=0.0))
@@ -102,10 +102,10 @@ async def test_two_meshes_on_one_nats_each_serve_their_own_model(two_meshes, oth
 
 
 async def test_admin_addresses_one_mesh_and_registry_refuses_another_model(two_meshes):
-    from kvmesh.shared import protocol
-    from kvmesh.shared.admin_client import admin_client
-    from kvmesh.shared.nats_service import connect_nats
-    from kvmesh.shared.subjects import Subjects
+    from kvmesh.shared.bus import protocol
+    from kvmesh.shared.bus.admin_client import admin_client
+    from kvmesh.shared.bus.nats_service import connect_nats
+    from kvmesh.shared.bus.subjects import Subjects
 
     url = two_meshes[0]
     out = subprocess.run(

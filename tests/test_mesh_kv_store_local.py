@@ -30,7 +30,7 @@ import aiohttp
 import pytest
 from kvmesh.loadgen.bench_mesh import MeshTap, complete, launched, mesh_config, random_prompts
 from kvmesh.loadgen.server_breakdown import parse_prometheus
-from kvmesh.shared.admin_client import admin_client
+from kvmesh.shared.bus.admin_client import admin_client
 from mesh_checks import store_advertised_since_ready
 
 pytestmark = pytest.mark.slow
@@ -53,7 +53,7 @@ def offline_tokens() -> list[list[int]]:
     from kvmesh.shared.engine.config import EngineConfig
     from kvmesh.shared.engine.llm_engine import LLMEngine
     from kvmesh.shared.model.loader import load_model
-    from kvmesh.shared.sampling import SamplingOptions
+    from kvmesh.shared.text.sampling import SamplingOptions
 
     model, tokenizer = load_model("kvmesh-tiny")
     engine = LLMEngine(model, tokenizer, EngineConfig(num_blocks=256, enable_prefix_caching=False))

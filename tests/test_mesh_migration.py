@@ -37,7 +37,7 @@ def _offline(prompts: list[list[int]]) -> list[list[int]]:
     from kvmesh.shared.engine.config import EngineConfig
     from kvmesh.shared.engine.llm_engine import LLMEngine
     from kvmesh.shared.model.loader import load_model
-    from kvmesh.shared.sampling import SamplingOptions
+    from kvmesh.shared.text.sampling import SamplingOptions
 
     engine = LLMEngine(*load_model("kvmesh-tiny"), EngineConfig(num_blocks=1024))
     params = SamplingOptions(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)

@@ -15,8 +15,8 @@ import aiohttp
 import orjson
 import pytest
 from kvmesh.loadgen.bench_mesh import complete, local_mesh, random_prompts, wait_blocks_returned
-from kvmesh.shared.nats_server import NatsServer
-from kvmesh.shared.ports import free_port
+from kvmesh.shared.bus.nats_server import NatsServer
+from kvmesh.shared.config.ports import free_port
 from offline_text import offline_texts
 
 pytestmark = pytest.mark.slow

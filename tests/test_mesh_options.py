@@ -15,7 +15,7 @@ import openai
 import pytest
 from kvmesh.loadgen.bench_mesh import random_prompts
 from kvmesh.loadgen.bench_spec import DraftSetup, spec_mesh
-from kvmesh.shared.sampling import SamplingOptions
+from kvmesh.shared.text.sampling import SamplingOptions
 
 pytestmark = pytest.mark.slow
 

@@ -31,7 +31,7 @@ import aiohttp
 import pytest
 from kvmesh.loadgen.bench_mesh import MeshTap, complete, random_prompts
 from kvmesh.loadgen.bench_spec import DraftSetup, spec_counters, spec_mesh
-from kvmesh.shared.admin_client import admin_client
+from kvmesh.shared.bus.admin_client import admin_client
 from mesh_checks import check_blocks_returned, check_equals_offline, load, offline_greedy
 
 from kvmesh.commands.admin import render_status
@@ -158,7 +158,7 @@ async def _check_trees_from_a_second_draft_worker(
     starts draft workers of one setting; the mesh stops this one too): draft-0 stops once
     draft-1 serves, so every sequence of the next load is drafted by draft-1, and the output
     is the same. Returns draft-1's row of kvmesh admin status."""
-    from kvmesh.shared.ports import free_port
+    from kvmesh.shared.config.ports import free_port
 
     from kvmesh.commands.up_plan import ChildSpec
 
@@ -290,7 +290,7 @@ def _offline_greedy_ignoring_eos(prompts: list[list[int]], max_tokens: int) -> l
     from kvmesh.shared.engine.config import EngineConfig
     from kvmesh.shared.engine.llm_engine import LLMEngine
     from kvmesh.shared.model.loader import load_model
-    from kvmesh.shared.sampling import SamplingOptions
+    from kvmesh.shared.text.sampling import SamplingOptions
 
     engine = LLMEngine(*load_model("kvmesh-tiny"), EngineConfig(num_blocks=1024))
     params = SamplingOptions(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)

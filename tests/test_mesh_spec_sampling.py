@@ -30,10 +30,10 @@ import pytest
 import torch
 from kvmesh.loadgen.bench_mesh import MeshTap, complete
 from kvmesh.loadgen.bench_spec import spec_counters, spec_mesh
-from kvmesh.shared import protocol
+from kvmesh.shared.bus import protocol
+from kvmesh.shared.bus.nats_service import connect_nats, flush_to_server
+from kvmesh.shared.bus.subjects import DRAFT_QUEUE_GROUP, Subjects
 from kvmesh.shared.engine.sampler import apply_top_k_top_p
-from kvmesh.shared.nats_service import connect_nats, flush_to_server
-from kvmesh.shared.subjects import DRAFT_QUEUE_GROUP, Subjects
 from test_speculative_acceptance import chi2_sf
 
 pytestmark = pytest.mark.slow
@@ -157,8 +157,8 @@ class TargetTable:
 def last_logits(model: Any, seqs: list[list[int]]) -> torch.Tensor:
     """(len(seqs), vocab) logits after each of ``seqs`` (all one length), one forward pass over
     a fresh paged cache."""
-    from kvmesh.shared.engine.attention import AttentionMetadata
-    from kvmesh.shared.engine.kv_cache import KVPool
+    from kvmesh.shared.kv.kv_cache import KVPool
+    from kvmesh.shared.model.attention import AttentionMetadata
     from kvmesh.shared.model.llama import kv_cache_spec
 
     n, bs = len(seqs[0]), 16

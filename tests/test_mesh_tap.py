@@ -10,9 +10,9 @@ import asyncio
 import pytest
 from kvmesh.loadgen.bench_mesh import MeshTap
 from kvmesh.services.router.attempts import attempt_of
-from kvmesh.shared import protocol
-from kvmesh.shared.nats_service import connect_nats, flush_to_server
-from kvmesh.shared.subjects import Subjects
+from kvmesh.shared.bus import protocol
+from kvmesh.shared.bus.nats_service import connect_nats, flush_to_server
+from kvmesh.shared.bus.subjects import Subjects
 
 S = Subjects("kvmesh-tiny")
 

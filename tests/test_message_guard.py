@@ -1,4 +1,4 @@
-"""shared/message_guard.py against a real nats-server: what it refuses, what it answers, that a
+"""shared/bus/message_guard.py against a real nats-server: what it refuses, what it answers, that a
 handler's failure stays inside, and that every refusal is counted."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import asyncio
 import nats.errors
 import nats.micro
 import pytest
-from kvmesh.shared import protocol
-from kvmesh.shared.message_guard import MessageGuard, guard_of
-from kvmesh.shared.metric_set import MetricSet
-from kvmesh.shared.nats_service import flush_to_server, subscriptions
+from kvmesh.shared.bus import protocol
+from kvmesh.shared.bus.message_guard import MessageGuard, guard_of
+from kvmesh.shared.bus.nats_service import flush_to_server, subscriptions
+from kvmesh.shared.obs.metric_set import MetricSet
 
 
 async def _until(predicate, timeout_s: float = 5.0) -> None:

@@ -9,8 +9,8 @@ from kvmesh.services.kv_registry.core import LeaseCounters, RegistryState
 from kvmesh.services.kv_registry.metrics import RegistryMetrics
 from kvmesh.services.prefill.metrics import PrefillMetrics
 from kvmesh.services.prefill.plan import PrefillTiming
-from kvmesh.shared.metrics_exporter import serve_metrics
-from kvmesh.shared.service_errors import ServiceStartError
+from kvmesh.shared.config.service_errors import ServiceStartError
+from kvmesh.shared.obs.metrics_exporter import serve_metrics
 from prometheus_client import CollectorRegistry, Counter
 
 
@@ -101,7 +101,7 @@ def test_registry_metrics_read_leases_from_the_core_at_scrape_time() -> None:
 async def test_request_context_puts_the_request_id_on_every_line_of_its_task(capsys) -> None:
     import asyncio
 
-    from kvmesh.shared import logs
+    from kvmesh.shared.obs import logs
 
     logs.setup_logging("info", "json")
     log = logs.get_logger("kvmesh.test")

@@ -16,9 +16,9 @@ from hf_fixtures import (
     make_qwen2_checkpoint,
     prefill_metadata,
 )
-from kvmesh.shared.engine.attention import AttentionMetadata
-from kvmesh.shared.engine.kv_cache import KVPool
+from kvmesh.shared.kv.kv_cache import KVPool
 from kvmesh.shared.model import kv_cache_spec, load_model
+from kvmesh.shared.model.attention import AttentionMetadata
 
 PROMPT = "The quick brown fox jumps over the lazy dog; größer 🦊 " * 2  # 120 byte tokens: 8 blocks
 # Blocks deliberately out of order, so a mix-up of block tables and slots changes the result.

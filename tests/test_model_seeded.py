@@ -10,7 +10,7 @@ from kvmesh.shared.engine.config import EngineConfig
 from kvmesh.shared.engine.llm_engine import LLMEngine
 from kvmesh.shared.model import load_model
 from kvmesh.shared.model.seeded import SeededShape, num_parameters, write_seeded_checkpoint
-from kvmesh.shared.sampling import SamplingOptions
+from kvmesh.shared.text.sampling import SamplingOptions
 
 from kvmesh.cli import main
 

@@ -2,7 +2,7 @@ import hashlib
 
 import pytest
 import torch
-from kvmesh.shared.engine.kv_cache import KVPool
+from kvmesh.shared.kv.kv_cache import KVPool
 from kvmesh.shared.model import TINY_NAME, kv_cache_spec, load_model
 from kvmesh.shared.model.tiny import tiny_config, tiny_state_dict
 

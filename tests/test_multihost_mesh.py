@@ -20,9 +20,9 @@ import nats.errors
 import nats.js.errors
 import pytest
 from kvmesh.loadgen.bench_mesh import random_prompts, wait_blocks_returned
-from kvmesh.shared.admin_client import AdminError, admin_client
-from kvmesh.shared.nats_service import connect_nats
-from kvmesh.shared.subjects import Subjects
+from kvmesh.shared.bus.admin_client import AdminError, admin_client
+from kvmesh.shared.bus.nats_service import connect_nats
+from kvmesh.shared.bus.subjects import Subjects
 from netns_harness import netns_mesh_or_skip
 from offline_text import offline_texts
 

@@ -10,12 +10,12 @@ from collections.abc import Iterator
 
 import pytest
 from kvmesh.services.prefill_queue.keeper import ensure_queue
-from kvmesh.shared import prefill_queue
-from kvmesh.shared.nats_options import redact_url, split_nats_urls
-from kvmesh.shared.nats_server import ClusterSpec, NatsServer
-from kvmesh.shared.nats_service import connect_nats
-from kvmesh.shared.ports import free_port
-from kvmesh.shared.subjects import Subjects
+from kvmesh.shared.bus import prefill_queue
+from kvmesh.shared.bus.nats_options import redact_url, split_nats_urls
+from kvmesh.shared.bus.nats_server import ClusterSpec, NatsServer
+from kvmesh.shared.bus.nats_service import connect_nats
+from kvmesh.shared.bus.subjects import Subjects
+from kvmesh.shared.config.ports import free_port
 
 
 def test_cluster_spec_refuses_a_bad_route():

@@ -9,17 +9,17 @@ import asyncio
 import nats.errors
 import pytest
 from kvmesh.services.prefill_queue.keeper import ensure_queue
-from kvmesh.shared.nats_auth import (
+from kvmesh.shared.bus.nats_auth import (
     ROLES,
     MeshCredentials,
     NatsAuth,
     auth_from_env,
     role_permissions,
 )
-from kvmesh.shared.nats_server import NatsServer
-from kvmesh.shared.nats_service import NatsUnavailableError, connect_nats, flush_to_server
-from kvmesh.shared.prefill_queue import publish_job
-from kvmesh.shared.subjects import Subjects
+from kvmesh.shared.bus.nats_server import NatsServer
+from kvmesh.shared.bus.nats_service import NatsUnavailableError, connect_nats, flush_to_server
+from kvmesh.shared.bus.prefill_queue import publish_job
+from kvmesh.shared.bus.subjects import Subjects
 
 subjects = Subjects("m1")  # the mesh the server's users belong to
 other = Subjects("m2")  # another mesh: no role of m1 may use its subjects
@@ -325,7 +325,7 @@ def test_every_role_has_a_distinct_password_and_its_own_inbox(creds):
 def test_generated_passwords_start_with_a_letter_and_stay_url_safe():
     import string
 
-    from kvmesh.shared.nats_auth import new_password
+    from kvmesh.shared.bus.nats_auth import new_password
 
     allowed = set(string.ascii_letters + string.digits + "-_")
     passwords = [new_password() for _ in range(2000)]
@@ -342,8 +342,8 @@ def test_nats_server_reads_generated_passwords_through_config_variables_as_strin
     import os
     import subprocess
 
-    from kvmesh.shared.nats_auth import MeshCredentials, authorization_block
-    from kvmesh.shared.nats_server import nats_server_binary
+    from kvmesh.shared.bus.nats_auth import MeshCredentials, authorization_block
+    from kvmesh.shared.bus.nats_server import nats_server_binary
 
     conf = tmp_path / "nats-auth.conf"
     conf.write_text(authorization_block(Subjects("zz9"), None))

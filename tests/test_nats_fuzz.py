@@ -6,7 +6,7 @@ published with the credentials of a role that may publish there, into a real mes
 kv-registry, decode, prefill, an n-gram draft worker, a kv-store and the router, one user per
 role). Afterwards every process still runs, a request is served, and the refusals were counted.
 
-Before shared/message_guard.py a ReserveRequest without a reply subject raised "no reply subject
+Before shared/bus/message_guard.py a ReserveRequest without a reply subject raised "no reply subject
 set" out of the decode worker's task group and the process exited."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import aiohttp
 import pytest
 from kvmesh.loadgen.bench_mesh import complete, launched, mesh_config
 from kvmesh.loadgen.server_breakdown import parse_prometheus
-from kvmesh.shared.nats_service import connect_nats
+from kvmesh.shared.bus.nats_service import connect_nats
 from nats_fuzz import bodies, targets
 
 pytestmark = pytest.mark.slow

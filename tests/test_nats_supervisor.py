@@ -9,7 +9,7 @@ import signal
 import time
 
 import pytest
-from kvmesh.shared.nats_server import NatsServer, NatsServerError, nats_is_reachable
+from kvmesh.shared.bus.nats_server import NatsServer, NatsServerError, nats_is_reachable
 
 from kvmesh.commands.nats_supervisor import NatsSupervisor
 from kvmesh.commands.restarts import RestartPolicy

@@ -14,17 +14,17 @@ import sys
 from pathlib import Path
 
 import pytest
-from kvmesh.shared.nats_auth import MeshCredentials
-from kvmesh.shared.nats_server import NatsServer
-from kvmesh.shared.nats_service import NatsUnavailableError, connect_nats
-from kvmesh.shared.nats_vetting import (
+from kvmesh.shared.bus.nats_auth import MeshCredentials
+from kvmesh.shared.bus.nats_server import NatsServer
+from kvmesh.shared.bus.nats_service import NatsUnavailableError, connect_nats
+from kvmesh.shared.bus.nats_vetting import (
     NatsVettingError,
     parse_info,
     port_holder,
     server_info,
     vet_foreign_server,
 )
-from kvmesh.shared.subjects import Subjects
+from kvmesh.shared.bus.subjects import Subjects
 
 from kvmesh.commands.launcher import Launcher, LaunchError
 from kvmesh.commands.up_config import UpConfig

@@ -23,7 +23,7 @@ import openai
 import orjson
 import pytest
 from kvmesh.services.router import RouterConfig, serve_router
-from kvmesh.shared.ports import free_port
+from kvmesh.shared.config.ports import free_port
 from router_fake_mesh import REPLY_TEXT, FakeMesh
 
 MODEL = "kvmesh-tiny"
@@ -158,8 +158,8 @@ VLLM = {
 async def test_every_option_reaches_the_mesh_through_the_official_client(nats_server):
     """Each option the client sends arrives in the SamplingOptions the mesh is asked to run,
     and the answers parse as the client's own types (choices, logprobs)."""
-    from kvmesh.shared.sampling import SamplingOptions
-    from kvmesh.shared.structured_output import StructuredOutputs, json_schema_text
+    from kvmesh.shared.text.sampling import SamplingOptions
+    from kvmesh.shared.text.structured_output import StructuredOutputs, json_schema_text
 
     mesh = FakeMesh(nats_server)
     schema_format = {

@@ -67,7 +67,7 @@ def test_wheel_holds_only_the_kvmesh_namespace_and_the_c_kernel(wheel):
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert tops == {"kvmesh"}
     assert "kvmesh/kernels/cpu_ops.c" in names
-    assert "kvmesh/shared/protocol.py" in names and "kvmesh/cli.py" in names
+    assert "kvmesh/shared/bus/protocol.py" in names and "kvmesh/cli.py" in names
 
 
 def test_wheel_imports_and_runs_its_command_outside_the_repository(wheel, tmp_path):
@@ -75,8 +75,8 @@ def test_wheel_imports_and_runs_its_command_outside_the_repository(wheel, tmp_pa
     _pip("install", "--no-deps", "--target", str(target), str(wheel))
     assert not any((target / top).exists() for top in ("shared", "services", "kernels", "loadgen"))
     probe = (
-        "import kvmesh.shared.protocol, kvmesh.services.router, kvmesh.kernels.cpu_ops, kvmesh.cli;"
-        "print(kvmesh.shared.protocol.__file__);"
+        "import kvmesh.shared.bus.protocol, kvmesh.services.router, kvmesh.kernels.cpu_ops, kvmesh.cli;"
+        "print(kvmesh.shared.bus.protocol.__file__);"
         "kvmesh.cli.build_parser()"
     )
     run = subprocess.run(

@@ -12,10 +12,10 @@ import dataclasses
 import pytest
 import torch
 from kvmesh.kernels.kv_pack import pack_converted
-from kvmesh.shared import protocol
-from kvmesh.shared.descriptor import TransportDescriptor
-from kvmesh.shared.protocol import kv_spec_fingerprint
-from kvmesh.shared.sampling import SamplingOptions
+from kvmesh.shared.bus import protocol
+from kvmesh.shared.kv.descriptor import TransportDescriptor
+from kvmesh.shared.model.identity import kv_spec_fingerprint
+from kvmesh.shared.text.sampling import SamplingOptions
 
 FP8 = torch.float8_e4m3fn
 PROMPT = [(7 * i) % 250 + 1 for i in range(60)]  # 4 blocks: chunks of 32 + 16 + 12 tokens

@@ -10,9 +10,9 @@ from kvmesh.services.prefill.plan import (
     PrefillTimeline,
     WriteSpan,
 )
-from kvmesh.shared import protocol
-from kvmesh.shared.descriptor import TransportDescriptor
-from kvmesh.shared.imm import imm_slot, unpack_imm
+from kvmesh.shared.bus import protocol
+from kvmesh.shared.kv.descriptor import TransportDescriptor
+from kvmesh.shared.transport.imm import imm_slot, unpack_imm
 
 BS, BB = 16, 1024  # block size in tokens, block bytes
 BASE = 0x10_0000
@@ -184,7 +184,7 @@ def _job(rid, prompt, region, block_ids, block_bytes, worker, descriptor=None):
 async def test_prefill_worker_writes_each_chunk_into_the_reserved_blocks(tiny):
     from kvmesh.shared.engine.config import EngineConfig
     from kvmesh.shared.engine.llm_engine import LLMEngine
-    from kvmesh.shared.sampling import SamplingOptions
+    from kvmesh.shared.text.sampling import SamplingOptions
 
     prompt = [(7 * i) % 250 + 1 for i in range(60)]  # 4 blocks, chunks of 32 + 16 + 12 tokens
     targets = [9, 3, 4, 10]
@@ -255,7 +255,7 @@ async def test_prefill_worker_answers_a_job_aborted_before_it_arrived(tiny):
 
 def test_prefill_config_from_env_and_its_checks():
     from kvmesh.services.prefill.config import PrefillConfig
-    from kvmesh.shared.service_config import ConfigError, config_from_args
+    from kvmesh.shared.config.service_config import ConfigError, config_from_args
 
     config = config_from_args(
         PrefillConfig, None, {"KVMESH_CHUNK_TOKENS": "32", "KVMESH_TRANSPORT": "shm"}

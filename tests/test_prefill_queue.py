@@ -12,9 +12,9 @@ import nats.errors
 import nats.js.errors
 import pytest
 from kvmesh.services.prefill_queue.keeper import ensure_queue
-from kvmesh.shared.nats_service import connect_nats
-from kvmesh.shared.prefill_queue import PrefillJobQueue, publish_job, queue_depth
-from kvmesh.shared.subjects import Subjects
+from kvmesh.shared.bus.nats_service import connect_nats
+from kvmesh.shared.bus.prefill_queue import PrefillJobQueue, publish_job, queue_depth
+from kvmesh.shared.bus.subjects import Subjects
 
 S = Subjects("test")
 
@@ -104,8 +104,8 @@ async def test_a_job_taken_and_never_acknowledged_goes_to_another_worker(nats_se
 
 
 async def test_publish_without_jetstream_says_how_to_fix_it():
-    from kvmesh.shared.nats_server import NatsServer
-    from kvmesh.shared.prefill_queue import PrefillQueueError
+    from kvmesh.shared.bus.nats_server import NatsServer
+    from kvmesh.shared.bus.prefill_queue import PrefillQueueError
 
     async with NatsServer(jetstream=False) as server, connect_nats(server.url, "r") as nc:
         with pytest.raises(PrefillQueueError, match="-js"):
@@ -117,8 +117,8 @@ async def test_the_keeper_waits_for_jetstream_before_it_gives_up():
     tries again for a while, and only then says that the server has no JetStream."""
     from kvmesh.services.prefill_queue.metrics import QueueKeeperMetrics
     from kvmesh.services.prefill_queue.service import keep_queue
-    from kvmesh.shared.nats_server import NatsServer
-    from kvmesh.shared.prefill_queue import PrefillQueueError
+    from kvmesh.shared.bus.nats_server import NatsServer
+    from kvmesh.shared.bus.prefill_queue import PrefillQueueError
 
     async with NatsServer(jetstream=False) as server, connect_nats(server.url, "k") as nc:
         started = time.monotonic()
@@ -138,7 +138,7 @@ async def test_the_keeper_waits_for_jetstream_before_it_gives_up():
 
 
 async def test_queue_status_counts_waiting_jobs_and_pulling_workers(nats_server):
-    from kvmesh.shared.prefill_queue import queue_status
+    from kvmesh.shared.bus.prefill_queue import queue_status
 
     async with connect_nats(nats_server, "r") as nc, connect_nats(nats_server, "p") as p:
         assert "kvmesh serve prefill-queue" in (await queue_status(nc, S))["note"]
@@ -150,7 +150,7 @@ async def test_queue_status_counts_waiting_jobs_and_pulling_workers(nats_server)
 
 
 async def test_a_job_can_be_withdrawn_only_before_a_worker_takes_it(nats_server):
-    from kvmesh.shared.prefill_queue import withdraw_job
+    from kvmesh.shared.bus.prefill_queue import withdraw_job
 
     async with connect_nats(nats_server, "r") as nc, connect_nats(nats_server, "p") as p:
         await ensure_queue(nc, S)
@@ -169,7 +169,7 @@ async def test_a_job_can_be_withdrawn_only_before_a_worker_takes_it(nats_server)
 async def test_a_worker_binds_again_once_the_keeper_made_the_queue_after_a_restart():
     """A restarted server has no stream and no consumer. Publishing does not make them (no role
     may): the job waits for the keeper, and the worker's pulls find the new consumer."""
-    from kvmesh.shared.nats_server import NatsServer
+    from kvmesh.shared.bus.nats_server import NatsServer
 
     server = NatsServer()
     await asyncio.to_thread(server.start)
@@ -250,8 +250,8 @@ async def test_a_retried_publish_of_one_attempt_stores_its_job_once(nats_server)
 
 
 async def test_publish_to_a_server_without_jetstream_gives_up_saying_how_to_fix_it():
-    from kvmesh.shared.nats_server import NatsServer
-    from kvmesh.shared.prefill_queue import PrefillQueueError
+    from kvmesh.shared.bus.nats_server import NatsServer
+    from kvmesh.shared.bus.prefill_queue import PrefillQueueError
 
     async with NatsServer(jetstream=False) as server, connect_nats(server.url, "r") as nc:
         with pytest.raises(PrefillQueueError, match="-js"):

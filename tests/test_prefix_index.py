@@ -6,16 +6,16 @@ from __future__ import annotations
 
 from kvmesh.services.decode.cache_reports import CacheReporter
 from kvmesh.services.kv_registry.prefix_index import PrefixIndex
+from kvmesh.shared.bus.protocol import KvCacheDigest, KvCacheEvents
 from kvmesh.shared.engine.block_manager import BlockManager
 from kvmesh.shared.engine.cache_events import CacheEventLog
 from kvmesh.shared.engine.sequence import Sequence
-from kvmesh.shared.prefix_hash import (
+from kvmesh.shared.kv.prefix_hash import (
     layout_root,
     prefix_block_hashes,
     reusable_prefix_hashes,
 )
-from kvmesh.shared.protocol import KvCacheDigest, KvCacheEvents
-from kvmesh.shared.sampling import SamplingOptions
+from kvmesh.shared.text.sampling import SamplingOptions
 
 BS = 4
 

@@ -6,15 +6,8 @@ from __future__ import annotations
 import msgspec
 import orjson
 import pytest
-from kvmesh.shared import protocol
-from kvmesh.shared.descriptor import (
-    RdmaBackend,
-    RegionInfo,
-    ShmBackend,
-    TcpBackend,
-    TransportDescriptor,
-)
-from kvmesh.shared.protocol import (
+from kvmesh.shared.bus import protocol
+from kvmesh.shared.bus.protocol import (
     Abort,
     DecodeAdvert,
     DraftContext,
@@ -54,7 +47,14 @@ from kvmesh.shared.protocol import (
     decode_message,
     encode_message,
 )
-from kvmesh.shared.sampling import SamplingOptions, TokenLogprobs
+from kvmesh.shared.kv.descriptor import (
+    RdmaBackend,
+    RegionInfo,
+    ShmBackend,
+    TcpBackend,
+    TransportDescriptor,
+)
+from kvmesh.shared.text.sampling import SamplingOptions, TokenLogprobs
 
 SECRET = "ab" * 32  # a tcp descriptor's lane secret (64 hex digits)
 
@@ -431,9 +431,9 @@ def test_model_spec_is_what_router_and_decode_both_compute_and_tells_models_apar
     """The router reads only the config; a decode worker loads the weights, maybe in another
     dtype: both get the same model_spec. Another shape gets another."""
     import torch
+    from kvmesh.shared.model.identity import model_spec
     from kvmesh.shared.model.loader import load_config_and_tokenizer
     from kvmesh.shared.model.seeded import SeededShape
-    from kvmesh.shared.protocol import model_spec
 
     router_config, _ = load_config_and_tokenizer("kvmesh-tiny")
     decode_config, _ = load_config_and_tokenizer("kvmesh-tiny", torch.bfloat16)

@@ -103,7 +103,7 @@ def test_tokenizer_matches_llamacpp_including_digits(real_model) -> None:
     llama_cpp = pytest.importorskip(
         "llama_cpp", reason="llama-cpp-python is installed by make bench-deps"
     )
-    from kvmesh.shared.tokenizer import Tokenizer
+    from kvmesh.shared.text.tokenizer import Tokenizer
 
     ours = Tokenizer.from_pretrained(real_model)
     llm = llama_cpp.Llama(str(real_model / GGUF), vocab_only=True, verbose=False)
@@ -155,7 +155,7 @@ def test_kvmesh_up_defaults_answer_chats_as_transformers(real_model, tmp_path) -
     """`kvmesh up` with no --model serves the fetched model under its name; disaggregated (every
     prompt prefilled remotely, its KV moved to the decode worker), the greedy answers equal
     transformers' on the same weights."""
-    from kvmesh.shared.ports import free_port
+    from kvmesh.shared.config.ports import free_port
 
     port, nats = free_port(), f"nats://127.0.0.1:{free_port()}"
     argv = [sys.executable, "-m", "kvmesh.cli", "up", "--port", str(port), "--nats-url", nats]

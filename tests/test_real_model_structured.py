@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 from jsonschema import Draft202012Validator
-from kvmesh.shared.sampling import SamplingOptions
-from kvmesh.shared.structured_output import StructuredOutputs, json_schema_text
+from kvmesh.shared.text.sampling import SamplingOptions
+from kvmesh.shared.text.structured_output import StructuredOutputs, json_schema_text
 
 pytestmark = pytest.mark.slow
 

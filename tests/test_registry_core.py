@@ -3,9 +3,9 @@ from __future__ import annotations
 import msgspec
 import pytest
 from kvmesh.services.kv_registry.core import Candidate, Refusal, RegistryState
-from kvmesh.shared.descriptor import TcpBackend, TransportDescriptor
-from kvmesh.shared.protocol import DecodeAdvert, PlaceRequest, WorkerHeartbeat
-from kvmesh.shared.sampling import SamplingOptions
+from kvmesh.shared.bus.protocol import DecodeAdvert, PlaceRequest, WorkerHeartbeat
+from kvmesh.shared.kv.descriptor import TcpBackend, TransportDescriptor
+from kvmesh.shared.text.sampling import SamplingOptions
 
 SECRET = "ab" * 32  # a tcp descriptor's lane secret (64 hex digits)
 
@@ -274,7 +274,7 @@ def test_worker_slower_than_the_timeout_stops_flapping_once_it_returns() -> None
 
 def test_a_nats_outage_drops_nobody_and_teaches_no_interval() -> None:
     from kvmesh.services.kv_registry.stores import StoreTable
-    from kvmesh.shared.hearing import Hearing
+    from kvmesh.shared.bus.hearing import Hearing
 
     hearing = Hearing(connected_since=0.0)
     registry = RegistryState(worker_timeout_s=3.0, hearing=hearing)

@@ -7,11 +7,11 @@ import aiohttp
 from kvmesh.loadgen.server_breakdown import parse_prometheus
 from kvmesh.services.kv_registry.config import RegistryConfig
 from kvmesh.services.kv_registry.service import registry_service
-from kvmesh.shared import protocol
-from kvmesh.shared.nats_service import connect_nats
-from kvmesh.shared.protocol import PlaceReply, PlaceRequest
-from kvmesh.shared.sampling import SamplingOptions
-from kvmesh.shared.subjects import DEFAULT_MESH, Subjects
+from kvmesh.shared.bus import protocol
+from kvmesh.shared.bus.nats_service import connect_nats
+from kvmesh.shared.bus.protocol import PlaceReply, PlaceRequest
+from kvmesh.shared.bus.subjects import DEFAULT_MESH, Subjects
+from kvmesh.shared.text.sampling import SamplingOptions
 from registry_peers import peer_decode, wait_for
 
 subjects = Subjects(DEFAULT_MESH)

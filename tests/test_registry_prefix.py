@@ -5,9 +5,9 @@ the index following the workers (events only from known workers, dropped with th
 from __future__ import annotations
 
 from kvmesh.services.kv_registry.core import Candidate, RegistryState
-from kvmesh.shared.prefix_hash import layout_root, prefix_block_hashes
-from kvmesh.shared.protocol import KvCacheDigest, KvCacheEvents, PlaceRequest
-from kvmesh.shared.sampling import SamplingOptions
+from kvmesh.shared.bus.protocol import KvCacheDigest, KvCacheEvents, PlaceRequest
+from kvmesh.shared.kv.prefix_hash import layout_root, prefix_block_hashes
+from kvmesh.shared.text.sampling import SamplingOptions
 from test_registry_core import BLOCK_SIZE, advert
 
 KV_SPEC = "4x2x64:bs16:float32"  # what advert() says

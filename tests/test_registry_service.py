@@ -19,24 +19,25 @@ import orjson
 import pytest
 from kvmesh.services.kv_registry.config import RegistryConfig
 from kvmesh.services.kv_registry.service import registry_service
-from kvmesh.shared import logs, protocol
-from kvmesh.shared.nats_service import (
+from kvmesh.shared.bus import protocol
+from kvmesh.shared.bus.nats_service import (
     NatsUnavailableError,
     connect_nats,
     flush_to_server,
     heartbeat_loop,
     request_json,
 )
-from kvmesh.shared.ports import free_port
-from kvmesh.shared.protocol import (
+from kvmesh.shared.bus.protocol import (
     LogLevel,
     PlaceReply,
     PlaceRequest,
     PrefillDone,
     WorkerHeartbeat,
 )
-from kvmesh.shared.sampling import SamplingOptions
-from kvmesh.shared.subjects import DEFAULT_MESH, Subjects
+from kvmesh.shared.bus.subjects import DEFAULT_MESH, Subjects
+from kvmesh.shared.config.ports import free_port
+from kvmesh.shared.obs import logs
+from kvmesh.shared.text.sampling import SamplingOptions
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from registry_peers import BLOCK_BYTES, peer_decode, wait_for

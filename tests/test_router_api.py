@@ -30,10 +30,10 @@ from kvmesh.services.router.responses import (
     Usage,
     sse_event,
 )
+from kvmesh.shared.bus.protocol import PrefillReport
+from kvmesh.shared.config.service_config import ConfigError, config_from_args
 from kvmesh.shared.model.tiny import tiny_tokenizer
-from kvmesh.shared.protocol import PrefillReport
-from kvmesh.shared.sampling import SamplingOptions, TokenLogprobs
-from kvmesh.shared.service_config import ConfigError, config_from_args
+from kvmesh.shared.text.sampling import SamplingOptions, TokenLogprobs
 
 MODEL = "kvmesh-tiny"
 
@@ -337,7 +337,7 @@ def test_a_prompt_beyond_the_largest_kv_pool_is_400_naming_the_setting(tokenizer
 
 def test_pool_capacity_is_the_largest_live_pool_of_the_model():
     from kvmesh.services.router.pool_capacity import ADVERT_TTL_S, PoolCapacity
-    from kvmesh.shared.protocol import DecodeAdvert
+    from kvmesh.shared.bus.protocol import DecodeAdvert
 
     def advert(worker, blocks, spec="m1"):
         return DecodeAdvert(
@@ -569,7 +569,7 @@ def test_metrics_render_is_prometheus_text():
 
 
 def test_metrics_mirror_each_decode_workers_refusals_until_it_is_gone():
-    from kvmesh.shared.protocol import DecodeAdvert
+    from kvmesh.shared.bus.protocol import DecodeAdvert
 
     m = RouterMetrics()
     advert = DecodeAdvert(
@@ -727,7 +727,7 @@ SCHEMA = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type
 
 @pytest.mark.parametrize("parse", [completion, chat])
 def test_every_spelling_of_a_structured_output_maps_onto_one_spec(parse):
-    from kvmesh.shared.structured_output import StructuredOutputs
+    from kvmesh.shared.text.structured_output import StructuredOutputs
 
     schema_text = '{"type":"object","properties":{"b":{"type":"integer"},"a":{"type":"string"}}}'
     cases = {
@@ -785,7 +785,7 @@ def test_malformed_structured_outputs_are_400_naming_the_field(body, param):
 
 def test_a_spec_that_does_not_build_is_400_saying_why():
     from kvmesh.services.router import structured
-    from kvmesh.shared.structured_output import StructuredOutputs
+    from kvmesh.shared.text.structured_output import StructuredOutputs
 
     err = invalid(structured.check, StructuredOutputs(regex="[a-"), "guided_regex")
     assert (err.status, err.param) == (400, "guided_regex") and "Unclosed '['" in err.message
@@ -812,7 +812,7 @@ def test_too_many_prompt_scores_are_400(tokenizer):
 
 def test_an_echoed_choice_leads_with_the_prompt_and_its_logprobs():
     from kvmesh.services.router.choices import Choice
-    from kvmesh.shared.protocol import TokenEvent
+    from kvmesh.shared.bus.protocol import TokenEvent
 
     tok = tiny_tokenizer()
     sampling = SamplingOptions(logprobs=0, prompt_logprobs=0)
@@ -843,7 +843,7 @@ def test_vllm_prompt_logprobs_shape():
 
 def test_a_one_token_prompt_has_empty_prompt_logprobs_without_a_message():
     from kvmesh.services.router.choices import Choice
-    from kvmesh.shared.protocol import TokenEvent
+    from kvmesh.shared.bus.protocol import TokenEvent
 
     sampling = SamplingOptions(logprobs=0, prompt_logprobs=0)
     choice = Choice.new(0, tiny_tokenizer(), (104,), sampling, is_chat=False, echo_text="h")

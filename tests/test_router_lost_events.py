@@ -12,7 +12,7 @@ import aiohttp
 import orjson
 from kvmesh.services.router import RouterConfig, serve_router
 from kvmesh.services.router.attempts import is_gap
-from kvmesh.shared.protocol import TokenEvent
+from kvmesh.shared.bus.protocol import TokenEvent
 from router_fake_mesh import REPLY_TEXT, FakeMesh
 
 MODEL = "kvmesh-tiny"

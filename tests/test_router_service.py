@@ -11,10 +11,10 @@ import msgspec
 import orjson
 import pytest
 from kvmesh.services.router import RouterConfig, schema, serve_router
-from kvmesh.shared import protocol
+from kvmesh.shared.bus import protocol
+from kvmesh.shared.bus.nats_service import flush_to_server
+from kvmesh.shared.bus.subjects import DEFAULT_MESH, Subjects
 from kvmesh.shared.model.tiny import tiny_tokenizer
-from kvmesh.shared.nats_service import flush_to_server
-from kvmesh.shared.subjects import DEFAULT_MESH, Subjects
 from router_fake_mesh import REPLY_TEXT, FakeMesh
 
 MODEL = "kvmesh-tiny"
@@ -412,7 +412,7 @@ async def test_models_health_openapi_and_unknown_route(nats_server):
 
 
 async def _announce_gone(nats_url: str, worker_id: str, role: str = "decode") -> None:
-    from kvmesh.shared.nats_service import connect_nats
+    from kvmesh.shared.bus.nats_service import connect_nats
 
     async with connect_nats(nats_url, "registry-stand-in") as nc:
         gone = protocol.WorkerGone(worker_id, role, last_seen_s=3.0)

@@ -15,7 +15,7 @@ import aiohttp
 import orjson
 import pytest
 from kvmesh.services.router.shutdown import RouterStoppingError, Shutdown
-from kvmesh.shared.ports import free_port
+from kvmesh.shared.config.ports import free_port
 from router_fake_mesh import REPLY_TEXT, FakeMesh
 
 REPO = Path(__file__).resolve().parents[1]

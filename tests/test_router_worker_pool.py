@@ -30,7 +30,7 @@ def test_draining_workers_are_alive_but_not_ready_and_gone_ones_are_neither():
 
 
 def test_an_outage_kills_nobody_and_silence_counts_again_from_the_reconnect():
-    from kvmesh.shared.hearing import Hearing
+    from kvmesh.shared.bus.hearing import Hearing
 
     hearing = Hearing(connected_since=0.0)
     pool = WorkerPool(liveness_s=3.0, started_at=0.0, hearing=hearing)

@@ -2,7 +2,7 @@ import pytest
 import torch
 from kvmesh.shared.engine.sampler import Sampler, apply_top_k_top_p
 from kvmesh.shared.engine.sequence import Sequence
-from kvmesh.shared.sampling import SamplingOptions
+from kvmesh.shared.text.sampling import SamplingOptions
 
 
 def seq_with(params: SamplingOptions, prompt=(65, 66), rid="r") -> Sequence:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import msgspec
 import pytest
 from kvmesh.services.router.schema import ChatCompletionRequest, CompletionRequest
-from kvmesh.shared.protocol import PlaceRequest, decode_message, encode_message
-from kvmesh.shared.sampling import SamplingOptions
-from kvmesh.shared.structured_output import StructuredOutputs
+from kvmesh.shared.bus.protocol import PlaceRequest, decode_message, encode_message
+from kvmesh.shared.text.sampling import SamplingOptions
+from kvmesh.shared.text.structured_output import StructuredOutputs
 
 EVERY_FIELD = SamplingOptions(
     max_tokens=7,

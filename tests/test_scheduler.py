@@ -1,7 +1,7 @@
 from kvmesh.shared.engine.block_manager import BlockManager
 from kvmesh.shared.engine.scheduler import Scheduler
 from kvmesh.shared.engine.sequence import Sequence, SequenceStatus
-from kvmesh.shared.sampling import SamplingOptions
+from kvmesh.shared.text.sampling import SamplingOptions
 
 BS = 4
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 from kvmesh.services.prefill.adverts import AdvertBook, UnvouchedJobError, check_job_against_advert
 from kvmesh.services.prefill.plan import KVSpecMismatchError
-from kvmesh.shared import protocol
-from kvmesh.shared.descriptor import ShmBackend, TcpBackend, TransportDescriptor
+from kvmesh.shared.bus import protocol
+from kvmesh.shared.kv.descriptor import ShmBackend, TcpBackend, TransportDescriptor
 from kvmesh.shared.transport import Access, PeerUnreachableError, TransportConfig, WriteEntry
 from kvmesh.shared.transport.base import PeerDescriptor
 from kvmesh.shared.transport.shm import (

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import pytest
-from kvmesh.shared.service_config import (
+from kvmesh.shared.config.service_config import (
     DEFAULT_NATS_URL,
     ConfigError,
     add_config_arguments,
@@ -220,8 +220,8 @@ def test_colocated_decode_takes_any_transport_on_a_device() -> None:
 
 
 def test_every_service_reads_the_nats_credentials() -> None:
-    """They are how it logs in to NATS (shared/nats_auth.py): never "ignored" at start."""
-    from kvmesh.shared.nats_auth import PASSWORD_ENV, PASSWORD_FILE_ENV, USER_ENV
+    """They are how it logs in to NATS (shared/bus/nats_auth.py): never "ignored" at start."""
+    from kvmesh.shared.bus.nats_auth import PASSWORD_ENV, PASSWORD_FILE_ENV, USER_ENV
 
     from kvmesh.commands.serve import SERVICES, service_env_keys
 

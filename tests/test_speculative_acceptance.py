@@ -9,7 +9,7 @@ from kvmesh.shared.engine.acceptance import Verdict, accept, target_tokens
 from kvmesh.shared.engine.draft_tree import DraftTree
 from kvmesh.shared.engine.sampler import Sampler
 from kvmesh.shared.engine.sequence import Sequence
-from kvmesh.shared.sampling import SamplingOptions
+from kvmesh.shared.text.sampling import SamplingOptions
 
 
 def chi2_sf(x: float, df: int) -> float:

@@ -10,7 +10,7 @@ from kvmesh.shared.engine.draft_tree import DraftTree
 from kvmesh.shared.engine.llm_engine import LLMEngine
 from kvmesh.shared.engine.sequence import RequestError, RequestOutput
 from kvmesh.shared.model import load_model
-from kvmesh.shared.sampling import SamplingOptions
+from kvmesh.shared.text.sampling import SamplingOptions
 
 NUM_BLOCKS = 64
 GREEDY = SamplingOptions(max_tokens=20, temperature=0.0, ignore_eos=True)

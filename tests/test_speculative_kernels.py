@@ -7,8 +7,8 @@ import random
 
 import pytest
 import torch
-from kvmesh.shared.engine.attention import AttentionMetadata, paged_attention
 from kvmesh.shared.engine.draft_tree import DraftTree
+from kvmesh.shared.model.attention import AttentionMetadata, paged_attention
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -116,8 +116,8 @@ def test_c_decode_kernels_verify_random_trees_as_the_tree_mask_does(
     head_dim, block_size, kv_dtype, threads
 ):
     from kvmesh.kernels.cpu_ops import decode_plan, load_cpu_ops
-    from kvmesh.shared.engine.kv_cache import KVCacheSpec, KVPool
     from kvmesh.shared.engine.model_runner import _one_query_rows
+    from kvmesh.shared.kv.kv_cache import KVCacheSpec, KVPool
     from kvmesh.shared.model.rope import apply_rope
 
     ops = load_cpu_ops()
@@ -155,7 +155,7 @@ def test_c_decode_kernels_verify_random_trees_as_the_tree_mask_does(
     earlier = [(i, p) for i, last in enumerate(lasts) for p in range(last)]
     earlier_slots = torch.tensor([tables[i][p // bs] * bs + p % bs for i, p in earlier])
     old = AttentionMetadata(earlier_slots, [len(earlier)], torch.tensor([1]), ids[None], bs)
-    from kvmesh.shared.engine.attention import write_kv
+    from kvmesh.shared.model.attention import write_kv
 
     kv = torch.randn(2, len(earlier), h_kv, head_dim, generator=g)
     write_kv(k_cache, v_cache, kv[0], kv[1], old, scales)

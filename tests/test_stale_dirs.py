@@ -1,5 +1,5 @@
 """Folders and files named for their process, swept once that process is gone
-(shared/stale_dirs.py)."""
+(shared/config/stale_dirs.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import os
 import subprocess
 
 import pytest
-from kvmesh.shared.nats_server import NatsServer
-from kvmesh.shared.stale_dirs import (
+from kvmesh.shared.bus.nats_server import NatsServer
+from kvmesh.shared.config.stale_dirs import (
     make_owned_dir,
     owner_is_dead,
     sweep_dead_owner_files,

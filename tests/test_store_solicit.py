@@ -1,8 +1,8 @@
-"""A store answers a solicit at once, at most once per interval (shared/store_solicit.py)."""
+"""A store answers a solicit at once, at most once per interval (shared/bus/store_solicit.py)."""
 
 from __future__ import annotations
 
-from kvmesh.shared.store_solicit import MIN_INTERVAL_S, SolicitLimiter
+from kvmesh.shared.bus.store_solicit import MIN_INTERVAL_S, SolicitLimiter
 
 
 def test_a_store_answers_the_first_solicit_and_at_most_one_per_interval():

@@ -14,8 +14,8 @@ from hf_fixtures import (
     write_tokenizer,
 )
 from kvmesh.shared.model.tiny import tiny_tokenizer
-from kvmesh.shared.text import IncrementalDetokenizer
-from kvmesh.shared.tokenizer import Tokenizer
+from kvmesh.shared.text.detokenize import IncrementalDetokenizer
+from kvmesh.shared.text.tokenizer import Tokenizer
 
 TEXT = "Grüße aus Zürich 🦊 日本語 — ok"
 
@@ -147,8 +147,6 @@ def test_incremental_text_equals_full_decode_with_byte_fallback(sentencepiece):
 
 
 def test_text_module_imports_without_torch_or_tokenizers():
-    code = (
-        "import sys, kvmesh.shared.text; print('torch' in sys.modules, 'tokenizers' in sys.modules)"
-    )
+    code = "import sys, kvmesh.shared.text.detokenize; print('torch' in sys.modules, 'tokenizers' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]

@@ -3,7 +3,7 @@ nothing that might start one is released before it is settled; the same, token b
 
 import pytest
 from kvmesh.shared.model.tiny import tiny_tokenizer
-from kvmesh.shared.text import StopMatcher, TextStream
+from kvmesh.shared.text.detokenize import StopMatcher, TextStream
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ from hf_fixtures import (
     write_tokenizer,
 )
 from kvmesh.shared.model.tiny import tiny_tokenizer
-from kvmesh.shared.tokenizer import Tokenizer, TokenizerError
+from kvmesh.shared.text.tokenizer import Tokenizer, TokenizerError
 
 MESSAGES = [
     {"role": "system", "content": "Be brief."},
@@ -154,7 +154,7 @@ def test_broken_chat_template_is_reported(llama_dir):
 
 
 def test_chat_template_renders_as_transformers_without_a_tokenizer():
-    from kvmesh.shared.chat_template import ChatTemplate, ChatTemplateError
+    from kvmesh.shared.text.chat_template import ChatTemplate, ChatTemplateError
 
     template = ChatTemplate(
         "{{ bos_token }}{% for m in messages %}{{ m['content'] | tojson }}{% endfor %}"

@@ -13,8 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from kvmesh.shared.engine.kv_cache import KVCacheSpec, KVPool
-from kvmesh.shared.imm import pack_imm
+from kvmesh.shared.kv.kv_cache import KVCacheSpec, KVPool
 from kvmesh.shared.transport import (
     Access,
     Completion,
@@ -27,6 +26,7 @@ from kvmesh.shared.transport import (
     WriteEntry,
     create_transport,
 )
+from kvmesh.shared.transport.imm import pack_imm
 from transport_wire import remote
 
 SPEC = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16)  # 32 KiB blocks
@@ -38,7 +38,7 @@ BACKENDS = ["shm", "tcp"]
 CONFIG = {"tcp_lanes": 3, "tcp_slice_bytes": 12 << 10, "tcp_window": 4}
 # forkserver: one clean (thread-free) server imports torch once; each peer process forks from it
 CTX = mp.get_context("forkserver")
-CTX.set_forkserver_preload(["torch", "kvmesh.shared.transport", "kvmesh.shared.engine.kv_cache"])
+CTX.set_forkserver_preload(["torch", "kvmesh.shared.transport", "kvmesh.shared.kv.kv_cache"])
 
 
 def pattern(seed: int, nbytes: int) -> torch.Tensor:

@@ -14,9 +14,9 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from kvmesh.shared.nats_service import flush_to_server
-from kvmesh.shared.ports import free_port
-from kvmesh.shared.service_config import ConfigError
+from kvmesh.shared.bus.nats_service import flush_to_server
+from kvmesh.shared.config.ports import free_port
+from kvmesh.shared.config.service_config import ConfigError
 from nats.aio.msg import Msg
 from proc_tree import cmdline, descendants, wait_all_dead
 
@@ -117,7 +117,7 @@ def test_up_rejects_bad_flags_with_exit_code_2() -> None:
     )
     assert out.returncode == 2 and "--decode='zero': expected int" in out.stderr
     with pytest.raises(ConfigError):
-        from kvmesh.shared.service_config import config_from_args
+        from kvmesh.shared.config.service_config import config_from_args
 
         config_from_args(UpConfig, None, {"KVMESH_MODE": "both"})
 
@@ -340,7 +340,7 @@ def test_up_colocated_serves_and_stops_on_sigterm(tmp_path: Path) -> None:
 def test_nats_is_reachable_only_where_a_nats_server_speaks(nats_server: str) -> None:
     import socket
 
-    from kvmesh.shared.nats_server import nats_is_reachable
+    from kvmesh.shared.bus.nats_server import nats_is_reachable
 
     assert nats_is_reachable(nats_server)
     with socket.socket() as silent:  # something listens but does not speak NATS
@@ -354,8 +354,8 @@ def test_nats_is_reachable_only_where_a_nats_server_speaks(nats_server: str) -> 
 async def test_connection_survives_a_nats_server_restart_on_the_same_port() -> None:
     import asyncio
 
-    from kvmesh.shared.nats_server import NatsServer
-    from kvmesh.shared.nats_service import connect_nats
+    from kvmesh.shared.bus.nats_server import NatsServer
+    from kvmesh.shared.bus.nats_service import connect_nats
 
     server = NatsServer()
     await asyncio.to_thread(server.start)
@@ -479,9 +479,9 @@ def test_prefill_worker_refuses_a_higher_priority() -> None:
 async def _beating(
     nats_url: str, worker_id: str, stop: asyncio.Event, mesh: str = "kvmesh-tiny"
 ) -> None:
-    from kvmesh.shared import protocol
-    from kvmesh.shared.nats_service import connect_nats
-    from kvmesh.shared.subjects import Subjects
+    from kvmesh.shared.bus import protocol
+    from kvmesh.shared.bus.nats_service import connect_nats
+    from kvmesh.shared.bus.subjects import Subjects
 
     subjects = Subjects(mesh)
 
@@ -547,8 +547,8 @@ def test_plan_passes_mesh_tls_and_creds_but_never_url_credentials(tmp_path: Path
 def test_second_up_beside_another_meshs_nats_gets_its_own(capsys) -> None:
     """Left at the default URL, kvmesh up does not join the nats-server another kvmesh up
     started for its mesh: it takes a free port of its own and says so."""
-    from kvmesh.shared.mesh_state import MeshState, remove_state, write_state
-    from kvmesh.shared.service_config import DEFAULT_NATS_URL
+    from kvmesh.shared.bus.mesh_state import MeshState, remove_state, write_state
+    from kvmesh.shared.config.service_config import DEFAULT_NATS_URL
 
     from kvmesh.commands.launcher import Launcher
 
@@ -563,7 +563,7 @@ def test_second_up_beside_another_meshs_nats_gets_its_own(capsys) -> None:
 
 
 def test_same_mesh_twice_on_one_machine_is_refused_in_one_line() -> None:
-    from kvmesh.shared.mesh_state import MeshState, remove_state, write_state
+    from kvmesh.shared.bus.mesh_state import MeshState, remove_state, write_state
 
     from kvmesh.commands.launcher import Launcher, LaunchError
 
@@ -589,8 +589,8 @@ def _launch_default_nats(tmp_path: Path, name: str, *flags: str) -> tuple:
 
 
 def _wait_recorded(proc: subprocess.Popen[bytes], mesh: str, timeout_s: float) -> None:
-    """Until the `kvmesh up` of ``proc`` has recorded ``mesh`` (shared/mesh_state.py)."""
-    from kvmesh.shared.mesh_state import running_meshes
+    """Until the `kvmesh up` of ``proc`` has recorded ``mesh`` (shared/bus/mesh_state.py)."""
+    from kvmesh.shared.bus.mesh_state import running_meshes
 
     deadline = time.monotonic() + timeout_s
     while not any(m.mesh == mesh and m.pid == proc.pid for m in running_meshes()):
@@ -602,7 +602,7 @@ async def _greedy_tokens(nats_url: str, err: Path, mesh: str, port: int, model: 
     """A greedy completion through the router; its token ids, read off the mesh's subjects."""
     import aiohttp
     from kvmesh.loadgen.bench_mesh import MeshTap, complete
-    from kvmesh.shared.nats_auth import auth_from_env
+    from kvmesh.shared.bus.nats_auth import auth_from_env
 
     async with (
         MeshTap(nats_url, auth_from_env(admin_env(err)), mesh=mesh) as tap,
@@ -620,13 +620,13 @@ def test_two_ups_with_different_models_on_one_machine_both_serve(tmp_path: Path)
     URL) joined the first one's NATS and placed requests on its workers. Now it starts a NATS of
     its own, each mesh serves its own model, and kvmesh admin finds either by name."""
     from kvmesh.loadgen.bench_mesh import random_prompts
+    from kvmesh.shared.bus.mesh_state import running_meshes
+    from kvmesh.shared.bus.nats_server import nats_is_reachable
+    from kvmesh.shared.config.service_config import DEFAULT_NATS_URL
     from kvmesh.shared.engine.config import EngineConfig
     from kvmesh.shared.engine.llm_engine import LLMEngine
-    from kvmesh.shared.mesh_state import running_meshes
     from kvmesh.shared.model.loader import load_model
-    from kvmesh.shared.nats_server import nats_is_reachable
-    from kvmesh.shared.sampling import SamplingOptions
-    from kvmesh.shared.service_config import DEFAULT_NATS_URL
+    from kvmesh.shared.text.sampling import SamplingOptions
     from small_models import write_small_seeded
 
     if nats_is_reachable(DEFAULT_NATS_URL):
@@ -703,7 +703,7 @@ def test_plan_gives_every_kv_store_the_disk_tier_and_each_makes_its_own_file(
     tmp_path: Path,
 ) -> None:
     from kvmesh.services.kv_store.disk_file import DiskFile
-    from kvmesh.shared.service_config import config_from_args
+    from kvmesh.shared.config.service_config import config_from_args
 
     flags = ["--kv-store", "2", "--kv-store-disk-path", str(tmp_path)]
     args = build_parser().parse_args(["up", *flags, "--kv-store-disk-capacity-gb", "0.25"])
@@ -748,7 +748,7 @@ def test_free_port_is_bindable_and_below_the_ephemeral_range(tmp_path):
     import random
     import socket
 
-    from kvmesh.shared.ports import LOWEST_FREE_PORT, ephemeral_port_range
+    from kvmesh.shared.config.ports import LOWEST_FREE_PORT, ephemeral_port_range
 
     ranges = tmp_path / "ip_local_port_range"
     ranges.write_text("32768\t60999\n")

@@ -8,14 +8,14 @@ from __future__ import annotations
 import time
 
 import nats.micro
-from kvmesh.shared import protocol
-from kvmesh.shared.nats_service import (
+from kvmesh.shared.bus import protocol
+from kvmesh.shared.bus.nats_service import (
     answer_worker_control,
     connect_nats,
     flush_to_server,
     read_worker_control,
 )
-from kvmesh.shared.subjects import Subjects
+from kvmesh.shared.bus.subjects import Subjects
 
 SUBJECTS = Subjects("kvmesh-tiny")
 

@@ -11,28 +11,28 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
-from kvmesh.shared.logs import LEVELS
-from kvmesh.shared.nats_options import NatsClientConfig
-from kvmesh.shared.service_config import (
+from kvmesh.shared.bus.nats_options import NatsClientConfig
+from kvmesh.shared.bus.subjects import DEFAULT_MESH
+from kvmesh.shared.config.service_config import (
     DEFAULT_NATS_URL,
     ConfigError,
     add_config_arguments,
     config_from_args,
     option,
 )
-from kvmesh.shared.subjects import DEFAULT_MESH
+from kvmesh.shared.obs.logs import LEVELS
 
 if TYPE_CHECKING:
-    from kvmesh.shared.nats_auth import NatsAuth
+    from kvmesh.shared.bus.nats_auth import NatsAuth
 
-# A JSON object of the registry's replies (``shared/admin_client.py``), its fields read by name.
+# A JSON object of the registry's replies (``shared/bus/admin_client.py``), its fields read by name.
 Reply = Mapping[str, object]
 
 
 @dataclass(frozen=True, slots=True)
 class AdminConfig(NatsClientConfig):
     """Without --mesh: the one mesh ``kvmesh up`` runs on this machine, else the default mesh.
-    Without --nats-url: that mesh's NATS as ``kvmesh up`` recorded it (shared/mesh_state.py),
+    Without --nats-url: that mesh's NATS as ``kvmesh up`` recorded it (shared/bus/mesh_state.py),
     with its admin password when the environment holds no credentials."""
 
     admin_timeout_s: float = option(3.0, help="seconds to wait for the registry's answer")
@@ -65,9 +65,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _admin(args: argparse.Namespace) -> int:
-    from kvmesh.shared import logs
-    from kvmesh.shared.admin_client import AdminError
-    from kvmesh.shared.nats_service import NatsUnavailableError
+    from kvmesh.shared.bus.admin_client import AdminError
+    from kvmesh.shared.bus.nats_service import NatsUnavailableError
+    from kvmesh.shared.obs import logs
 
     logs.setup_logging("warning")
 
@@ -103,10 +103,10 @@ class AdminTarget:
 def resolve_target(config: AdminConfig) -> AdminTarget:
     """Which mesh and NATS: the flags and environment first, then what ``kvmesh up`` recorded
     (of the meshes on --nats-url when it is given)."""
-    from kvmesh.shared.admin_client import AdminError
-    from kvmesh.shared.mesh_state import running_meshes
-    from kvmesh.shared.nats_auth import ADMIN, NatsAuth, auth_from_env
-    from kvmesh.shared.nats_options import strip_credentials
+    from kvmesh.shared.bus.admin_client import AdminError
+    from kvmesh.shared.bus.mesh_state import running_meshes
+    from kvmesh.shared.bus.nats_auth import ADMIN, NatsAuth, auth_from_env
+    from kvmesh.shared.bus.nats_options import strip_credentials
 
     url = config.nats_url
     url_given = url != DEFAULT_NATS_URL
@@ -142,7 +142,7 @@ def resolve_target(config: AdminConfig) -> AdminTarget:
 
 
 async def run_admin(config: AdminConfig, action: str, arg: str | None) -> dict[str, object]:
-    from kvmesh.shared.admin_client import admin_client
+    from kvmesh.shared.bus.admin_client import admin_client
 
     target = resolve_target(config)
     async with admin_client(

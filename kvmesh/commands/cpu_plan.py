@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from kvmesh.shared.cpu_placement import format_cpu_list
+from kvmesh.shared.config.cpu_placement import format_cpu_list
 
 Sharing = Literal["auto", "priority", "partition", "partition-spare", "equal"]
 SHARINGS: tuple[str, ...] = ("auto", "priority", "partition", "partition-spare", "equal")

@@ -92,8 +92,8 @@ def run(args: argparse.Namespace) -> int:
     from kvmesh.shared.engine.sequence import RequestError
     from kvmesh.shared.model import ModelLoadError, load_model
     from kvmesh.shared.model.model_ref import model_path
-    from kvmesh.shared.sampling import SamplingOptions
-    from kvmesh.shared.text import TextStream
+    from kvmesh.shared.text.detokenize import TextStream
+    from kvmesh.shared.text.sampling import SamplingOptions
 
     args.model = model_path(args.model, "kvmesh generate")
 

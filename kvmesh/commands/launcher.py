@@ -20,8 +20,8 @@ from kvmesh.commands.nats_supervisor import NatsSupervisor
 from kvmesh.commands.restarts import RestartPolicy
 from kvmesh.commands.up_config import TIERS, UpConfig
 from kvmesh.commands.up_plan import ChildSpec, plan, with_metrics_ports
-from kvmesh.shared.mesh_state import MeshState, remove_state, running_meshes, write_state
-from kvmesh.shared.nats_auth import (
+from kvmesh.shared.bus.mesh_state import MeshState, remove_state, running_meshes, write_state
+from kvmesh.shared.bus.nats_auth import (
     ADMIN,
     PASSWORD_FILE_ENV,
     USER_ENV,
@@ -29,14 +29,14 @@ from kvmesh.shared.nats_auth import (
     NatsAuth,
     auth_from_env,
 )
-from kvmesh.shared.nats_options import (
+from kvmesh.shared.bus.nats_options import (
     NatsSecurity,
     redact_url,
     strip_credentials,
     url_has_credentials,
 )
-from kvmesh.shared.ports import free_port
-from kvmesh.shared.service_config import DEFAULT_NATS_URL
+from kvmesh.shared.config.ports import free_port
+from kvmesh.shared.config.service_config import DEFAULT_NATS_URL
 
 
 class LaunchError(RuntimeError):
@@ -51,13 +51,15 @@ class Launcher:
         self.port = config.port or free_port()
         self.children: dict[str, tuple[ChildSpec, subprocess.Popen[bytes]]] = {}
         self.nats = None  # NatsServer we started, if any
-        # One NATS user per role on a server we start (shared/nats_auth.py); on a server we
+        # One NATS user per role on a server we start (shared/bus/nats_auth.py); on a server we
         # found, whatever credentials the environment holds.
         self.credentials: MeshCredentials | None = None
         self.nats_auth: NatsAuth | None = auth_from_env()  # this process's own client (admin)
         self.admin_password_file: Path | None = None
         self._envs: dict[str, dict[str, str]] = {}  # child name -> environment it started with
-        self.state: MeshState | None = None  # what this launcher recorded (shared/mesh_state.py)
+        self.state: MeshState | None = (
+            None  # what this launcher recorded (shared/bus/mesh_state.py)
+        )
         self.metrics_urls: dict[str, str] = {}  # service name -> its /metrics (set by start)
 
     @property
@@ -71,8 +73,8 @@ class Launcher:
         return f"http://{host}:{self.port}"
 
     def start(self) -> None:
-        from kvmesh.shared.nats_server import nats_is_reachable
-        from kvmesh.shared.nats_vetting import NatsVettingError, vet_nats_url
+        from kvmesh.shared.bus.nats_server import nats_is_reachable
+        from kvmesh.shared.bus.nats_vetting import NatsVettingError, vet_nats_url
 
         url = self.config.nats_url
         if url == DEFAULT_NATS_URL:
@@ -80,7 +82,7 @@ class Launcher:
         if not nats_is_reachable(url):
             self._start_nats(url)
         else:
-            try:  # a server anybody can log in to is anybody's (shared/nats_vetting.py)
+            try:  # a server anybody can log in to is anybody's (shared/bus/nats_vetting.py)
                 vet_nats_url(url, insecure=self.config.nats_insecure)
             except NatsVettingError as exc:
                 raise LaunchError(str(exc)) from None
@@ -131,7 +133,7 @@ class Launcher:
         return url
 
     def _start_nats(self, url: str) -> None:
-        from kvmesh.shared.nats_server import NatsServer, parse_nats_url
+        from kvmesh.shared.bus.nats_server import NatsServer, parse_nats_url
 
         if not url.startswith("nats://") or url_has_credentials(url):
             raise LaunchError(
@@ -164,7 +166,7 @@ class Launcher:
     def _check_mesh_absent(self, url: str) -> None:
         """Join the NATS at ``url`` unless this mesh already runs there: its workers would count
         as ours, and ours would take its requests. Other meshes there are no concern."""
-        from kvmesh.shared.nats_service import NatsUnavailableError
+        from kvmesh.shared.bus.nats_service import NatsUnavailableError
 
         self.nats_url = url
         try:
@@ -189,7 +191,7 @@ class Launcher:
 
     def _spawn(self, spec: ChildSpec) -> None:
         """Start ``spec``'s process; a restart gets the environment of the first start."""
-        from kvmesh.shared.nats_server import die_with_parent
+        from kvmesh.shared.bus.nats_server import die_with_parent
 
         argv = [sys.executable, "-m", "kvmesh.cli", *spec.argv]
         env = self._envs.get(spec.name)
@@ -264,7 +266,7 @@ class Launcher:
 
     async def wait_ready(self) -> None:
         """Router /health OK and the registry sees every decode (and prefill) worker."""
-        from kvmesh.shared.admin_client import AdminError, admin_client
+        from kvmesh.shared.bus.admin_client import AdminError, admin_client
 
         deadline = time.monotonic() + self.config.startup_timeout_s
         num_prefill = self.config.prefill if self.config.mode == "disagg" else 0
@@ -353,8 +355,8 @@ async def workers_on(
 ) -> set[str]:
     """Worker ids of mesh ``mesh`` heard on ``nats_url``: its registry's list, or heartbeats
     for ``listen_s``."""
-    from kvmesh.shared.admin_client import AdminError, admin_client
-    from kvmesh.shared.protocol import MessageError, WorkerHeartbeat, decode_message
+    from kvmesh.shared.bus.admin_client import AdminError, admin_client
+    from kvmesh.shared.bus.protocol import MessageError, WorkerHeartbeat, decode_message
 
     async with admin_client(
         nats_url, timeout_s=2.0, auth=auth, mesh=mesh, security=security

@@ -1,5 +1,5 @@
 """``kvmesh nats-config``: the nats-server authorization block of a kvmesh mesh (one user per
-role, shared/nats_auth.py), for running the control plane on a server kvmesh does not start."""
+role, shared/bus/nats_auth.py), for running the control plane on a server kvmesh does not start."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import argparse
 import os
 from pathlib import Path
 
-from kvmesh.shared.subjects import DEFAULT_MESH
+from kvmesh.shared.bus.subjects import DEFAULT_MESH
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -30,8 +30,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from kvmesh.shared.nats_auth import MeshCredentials, authorization_block
-    from kvmesh.shared.subjects import Subjects
+    from kvmesh.shared.bus.nats_auth import MeshCredentials, authorization_block
+    from kvmesh.shared.bus.subjects import Subjects
 
     if args.env_file is None:
         try:

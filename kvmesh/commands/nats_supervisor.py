@@ -4,7 +4,7 @@ A nats-server that dies (kill -9, OOM) is restarted after the same backoff as a 
 (``RestartPolicy``: 1, 2, 4 ... s, within the ``--max-restarts`` budget), on the same port, with
 the same config (one user per role) and the same JetStream store directory, so every client
 reconnects to the URL it knows and the admin password file stays valid. Each death and restart is
-logged. Meanwhile the services reconnect by themselves and count no silence (shared/hearing.py);
+logged. Meanwhile the services reconnect by themselves and count no silence (shared/bus/hearing.py);
 what the mesh does with requests in flight is in docs/faults.md.
 
 A server the launcher found running (an operator's) is the operator's to supervise: this only
@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvmesh.commands.restarts import RestartPolicy
-from kvmesh.shared.nats_server import NatsServer, NatsServerError
+from kvmesh.shared.bus.nats_server import NatsServer, NatsServerError
 
 NAME = "nats-server"
 

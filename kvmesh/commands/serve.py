@@ -21,7 +21,7 @@ from dataclasses import dataclass, fields
 from types import ModuleType
 from typing import TYPE_CHECKING
 
-from kvmesh.shared.service_config import (
+from kvmesh.shared.config.service_config import (
     ConfigError,
     add_config_arguments,
     config_from_args,
@@ -30,8 +30,8 @@ from kvmesh.shared.service_config import (
 )
 
 if TYPE_CHECKING:
-    from kvmesh.shared.logs import LogConfig
-    from kvmesh.shared.worker_config import ServiceConfig
+    from kvmesh.shared.bus.worker_config import ServiceConfig
+    from kvmesh.shared.obs.logs import LogConfig
 
 # service name -> (module, config overrides)
 SERVICES: dict[str, tuple[str, dict[str, object]]] = {
@@ -89,7 +89,7 @@ def load_service(name: str) -> ServiceSpec:
 
 
 def service_parser(spec: ServiceSpec) -> argparse.ArgumentParser:
-    from kvmesh.shared.logs import LogConfig
+    from kvmesh.shared.obs.logs import LogConfig
 
     parser = argparse.ArgumentParser(
         prog=f"kvmesh serve {spec.name}",
@@ -105,8 +105,8 @@ def service_parser(spec: ServiceSpec) -> argparse.ArgumentParser:
 
 def service_env_keys(name: str) -> set[str]:
     """Every KVMESH_* variable ``kvmesh serve <name>`` reads (its config's and logging's)."""
-    from kvmesh.shared.logs import LogConfig
-    from kvmesh.shared.nats_auth import PASSWORD_ENV, PASSWORD_FILE_ENV, USER_ENV
+    from kvmesh.shared.bus.nats_auth import PASSWORD_ENV, PASSWORD_FILE_ENV, USER_ENV
+    from kvmesh.shared.obs.logs import LogConfig
 
     spec = load_service(name)
     keys = known_env_keys(spec.config_cls) | known_env_keys(LogConfig)
@@ -121,7 +121,7 @@ def build_service_config(
     """Parse ``argv`` (the flags after ``serve <name>``) -> (spec, service config, LogConfig).
 
     Exits (argparse) on unknown flags; raises ConfigError on bad values."""
-    from kvmesh.shared.logs import LogConfig
+    from kvmesh.shared.obs.logs import LogConfig
 
     env = os.environ if env is None else env
     spec = load_service(name)
@@ -162,11 +162,11 @@ def frozen_heap() -> Iterator[None]:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from kvmesh.shared import logs
-    from kvmesh.shared.nats_options import redact_url
-    from kvmesh.shared.nats_service import NatsUnavailableError
-    from kvmesh.shared.prefill_queue import PrefillQueueError
-    from kvmesh.shared.service_errors import ServiceStartError, find_error
+    from kvmesh.shared.bus.nats_options import redact_url
+    from kvmesh.shared.bus.nats_service import NatsUnavailableError
+    from kvmesh.shared.bus.prefill_queue import PrefillQueueError
+    from kvmesh.shared.config.service_errors import ServiceStartError, find_error
+    from kvmesh.shared.obs import logs
 
     try:
         spec, config, log_config = build_service_config(args.service, args.service_args)

@@ -9,7 +9,7 @@ Children also get SIGTERM from the kernel if the launcher itself dies (PR_SET_PD
 Two meshes on one machine: each has a name (--mesh, default from the model) and its own
 subjects. Left at its default --nats-url, a second ``kvmesh up`` whose port 4222 holds another
 mesh's nats-server starts one of its own on a free port; ``kvmesh admin --mesh NAME`` finds it
-through the state file each launcher keeps (shared/mesh_state.py). The same mesh twice on one
+through the state file each launcher keeps (shared/bus/mesh_state.py). The same mesh twice on one
 NATS, or a taken HTTP port, is refused in one line.
 """
 
@@ -26,8 +26,8 @@ from kvmesh.commands.restarts import RestartPolicy
 from kvmesh.commands.up_config import UpConfig
 from kvmesh.commands.up_model import ModelChoiceError, resolve_up_model
 from kvmesh.commands.up_plan import cpu_plan, split_cores
-from kvmesh.shared.nats_options import redact_url
-from kvmesh.shared.service_config import (
+from kvmesh.shared.bus.nats_options import redact_url
+from kvmesh.shared.config.service_config import (
     ConfigError,
     add_config_arguments,
     config_from_args,
@@ -35,7 +35,7 @@ from kvmesh.shared.service_config import (
 
 
 async def run_up(launcher: Launcher) -> int:
-    from kvmesh.shared.nats_service import serve_until_signal
+    from kvmesh.shared.bus.nats_service import serve_until_signal
 
     stop = asyncio.Event()
 
@@ -88,8 +88,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _up(args: argparse.Namespace) -> int:
-    from kvmesh.shared.nats_server import NatsServerError
-    from kvmesh.shared.service_errors import ServiceStartError, check_can_listen
+    from kvmesh.shared.bus.nats_server import NatsServerError
+    from kvmesh.shared.config.service_errors import ServiceStartError, check_can_listen
 
     try:
         config = config_from_args(UpConfig, args)

@@ -6,9 +6,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 from kvmesh.commands.up_model import DEFAULT_MODEL
-from kvmesh.shared.nats_options import NatsClientConfig
-from kvmesh.shared.service_config import option
-from kvmesh.shared.subjects import mesh_from_model
+from kvmesh.shared.bus.nats_options import NatsClientConfig
+from kvmesh.shared.bus.subjects import mesh_from_model
+from kvmesh.shared.config.service_config import option
 
 # stop order: earlier tiers first (router stops taking requests before its backends go)
 TIERS = ("router", "prefill", "decode", "draft", "kv-store", "kv-registry")

@@ -193,7 +193,7 @@ def chunk_points(runner: Any, prompt: list[int], chunk: int, runs: int) -> list[
     """The best time of each later chunk of ``prompt`` prefilled ``chunk`` tokens a step (the
     engine's step budget lowered to ``chunk`` meanwhile): ``chunk`` tokens after ``chunk``,
     after ``2 * chunk``, ..."""
-    from kvmesh.shared.sampling import SamplingOptions
+    from kvmesh.shared.text.sampling import SamplingOptions
 
     engine = runner.engine
     params = SamplingOptions(max_tokens=1, temperature=0, ignore_eos=True)

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import uuid
 
+from kvmesh.shared.bus.protocol import MAX_CACHE_EVENT_HASHES, KvCacheDigest, KvCacheEvents
 from kvmesh.shared.engine.block_manager import BlockManager
 from kvmesh.shared.engine.cache_events import CacheEventLog
-from kvmesh.shared.protocol import MAX_CACHE_EVENT_HASHES, KvCacheDigest, KvCacheEvents
 
 
 class CacheReporter:

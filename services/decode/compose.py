@@ -17,10 +17,10 @@ from kvmesh.services.decode.step_hooks import StepHook
 from kvmesh.services.decode.store_puts import FinishedPuts
 from kvmesh.services.decode.swaps import Swaps
 from kvmesh.shared.engine.config import EngineConfig
-from kvmesh.shared.engine.kv_cache import KVCacheSpec
 from kvmesh.shared.engine.llm_engine import LLMEngine
-from kvmesh.shared.kv_store_client import KvStoreClient
-from kvmesh.shared.kv_store_prefix import PrefixReader
+from kvmesh.shared.kv.kv_cache import KVCacheSpec
+from kvmesh.shared.mesh.kv_store_client import KvStoreClient
+from kvmesh.shared.mesh.kv_store_prefix import PrefixReader
 from kvmesh.shared.model.config import parse_dtype
 from kvmesh.shared.transport import Transport
 from kvmesh.shared.transport.base import MemoryRegion

@@ -1,19 +1,19 @@
-"""DecodeConfig: flags ``--x-y`` / env ``KVMESH_X_Y`` for every field (see kvmesh.shared.service_config)."""
+"""DecodeConfig: flags ``--x-y`` / env ``KVMESH_X_Y`` for every field (see kvmesh.shared.config.service_config)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Literal
 
-from kvmesh.shared.imm import MAX_SLOTS
-from kvmesh.shared.protocol import MAX_CACHE_EVENT_HASHES
-from kvmesh.shared.service_config import option
-from kvmesh.shared.worker_config import EngineWorkerConfig
+from kvmesh.shared.bus.protocol import MAX_CACHE_EVENT_HASHES
+from kvmesh.shared.bus.worker_config import EngineWorkerConfig
+from kvmesh.shared.config.service_config import option
+from kvmesh.shared.transport.imm import MAX_SLOTS
 
 
 @dataclass(frozen=True, slots=True)
 class DecodeConfig(EngineWorkerConfig):
-    """The engine worker's fields (kvmesh.shared.worker_config) and decode's own."""
+    """The engine worker's fields (kvmesh.shared.bus.worker_config) and decode's own."""
 
     worker_id: str | None = option(None, help="worker id (default: decode-<random>)")
     heartbeat_s: float = option(1.0, help="seconds between heartbeats and adverts")

@@ -3,9 +3,9 @@ request, and of a request that failed before it ran."""
 
 from __future__ import annotations
 
-from kvmesh.shared import logs
+from kvmesh.shared.bus.protocol import TokenEvent
 from kvmesh.shared.engine.sequence import RequestOutput
-from kvmesh.shared.protocol import TokenEvent
+from kvmesh.shared.obs import logs
 
 log = logs.get_logger(__name__)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from kvmesh.shared.descriptor import TransportDescriptor
+from kvmesh.shared.kv.descriptor import TransportDescriptor
 
 
 def free_block_ranges(free_ids: Iterable[int]) -> tuple[tuple[int, int], ...]:

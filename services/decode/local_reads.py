@@ -13,9 +13,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from kvmesh.shared import logs
-from kvmesh.shared.kv_store_prefix import Fetched, PrefixReader
-from kvmesh.shared.sampling import SamplingOptions
+from kvmesh.shared.mesh.kv_store_prefix import Fetched, PrefixReader
+from kvmesh.shared.obs import logs
+from kvmesh.shared.text.sampling import SamplingOptions
 
 log = logs.get_logger(__name__)
 

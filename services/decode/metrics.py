@@ -9,7 +9,7 @@ of the transport are in the adverts too; the router exports those per worker
 from __future__ import annotations
 
 from kvmesh.services.decode.load import WorkerLoad
-from kvmesh.shared.metric_set import MetricSet, seconds_buckets
+from kvmesh.shared.obs.metric_set import MetricSet, seconds_buckets
 
 STEP_BUCKETS = seconds_buckets(0.001, 10.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)

@@ -1,6 +1,6 @@
 """Requests whose KV a prefill worker is writing into this decode worker: the pending table.
 
-A reservation is a write lease (kvmesh.shared.write_lease: the rules for immediates, the
+A reservation is a write lease (kvmesh.shared.mesh.write_lease: the rules for immediates, the
 announcement, expiry and quarantine) on decode blocks, plus what the engine needs to admit the
 request once its prefill is in. Each write of the prefill is one chunk: ``(slot, chunk)``
 immediates, then ``PrefillDone(num_writes, first_token)``. An expired reservation is reported to
@@ -16,9 +16,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvmesh.shared import logs
-from kvmesh.shared.sampling import SamplingOptions
-from kvmesh.shared.write_lease import LeaseVerdict, WriteLease, WriteLeaseError, WriteLeaseTable
+from kvmesh.shared.mesh.write_lease import (
+    LeaseVerdict,
+    WriteLease,
+    WriteLeaseError,
+    WriteLeaseTable,
+)
+from kvmesh.shared.obs import logs
+from kvmesh.shared.text.sampling import SamplingOptions
 
 if TYPE_CHECKING:
     from kvmesh.shared.transport.base import MemoryWindow

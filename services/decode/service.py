@@ -32,14 +32,9 @@ from kvmesh.services.decode.speculation import Speculation
 from kvmesh.services.decode.store_puts import FinishedPuts
 from kvmesh.services.decode.windows import LeaseWindows
 from kvmesh.services.decode.worker import DecodeWorker
-from kvmesh.shared import logs
-from kvmesh.shared.descriptor import TransportDescriptor
-from kvmesh.shared.engine.llm_engine import LLMEngine
-from kvmesh.shared.hearing import Hearing
-from kvmesh.shared.message_guard import guard_of
-from kvmesh.shared.model.config import parse_dtype
-from kvmesh.shared.model.loader import load_model
-from kvmesh.shared.nats_service import (
+from kvmesh.shared.bus.hearing import Hearing
+from kvmesh.shared.bus.message_guard import guard_of
+from kvmesh.shared.bus.nats_service import (
     answer_worker_control,
     background,
     connect_nats,
@@ -50,7 +45,7 @@ from kvmesh.shared.nats_service import (
     subscriptions,
     worker_presence,
 )
-from kvmesh.shared.protocol import (
+from kvmesh.shared.bus.protocol import (
     Abort,
     DecodeAdvert,
     DraftProposal,
@@ -68,9 +63,14 @@ from kvmesh.shared.protocol import (
     WorkerHeartbeat,
     decode_message,
     encode_message,
-    model_spec,
 )
-from kvmesh.shared.store_solicit import store_adverts_solicited
+from kvmesh.shared.bus.store_solicit import store_adverts_solicited
+from kvmesh.shared.engine.llm_engine import LLMEngine
+from kvmesh.shared.kv.descriptor import TransportDescriptor
+from kvmesh.shared.model.config import parse_dtype
+from kvmesh.shared.model.identity import model_spec
+from kvmesh.shared.model.loader import load_model
+from kvmesh.shared.obs import logs
 from kvmesh.shared.transport import Access, Transport, TransportConfig, create_transport
 from nats.aio.client import Client
 from nats.micro.request import Request

@@ -15,11 +15,11 @@ from collections.abc import Callable
 from kvmesh.services.decode.drafts import DraftBook, Outgoing
 from kvmesh.services.decode.metrics import DecodeMetrics
 from kvmesh.services.decode.step_hooks import Step, StepHook, StepPlan
-from kvmesh.shared import logs
+from kvmesh.shared.bus.protocol import DraftForget, DraftProposal, PrefillDone
 from kvmesh.shared.engine.draft_tree import DraftTree, DraftTreeError
 from kvmesh.shared.engine.llm_engine import LLMEngine
 from kvmesh.shared.engine.sequence import Sequence
-from kvmesh.shared.protocol import DraftForget, DraftProposal, PrefillDone
+from kvmesh.shared.obs import logs
 
 log = logs.get_logger(__name__)
 

@@ -27,10 +27,10 @@ from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvmesh.shared.bus.protocol import PrefillDone
 from kvmesh.shared.engine.draft_tree import DraftTree
 from kvmesh.shared.engine.llm_engine import LLMEngine
 from kvmesh.shared.engine.sequence import RequestOutput, Sequence
-from kvmesh.shared.protocol import PrefillDone
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,15 +13,15 @@ from __future__ import annotations
 import asyncio
 
 from kvmesh.services.decode.step_hooks import Step, StepHook
-from kvmesh.shared import logs
+from kvmesh.shared.bus.protocol import StoreAdvert
 from kvmesh.shared.engine.llm_engine import LLMEngine
-from kvmesh.shared.kv_store_client import (
+from kvmesh.shared.mesh.kv_store_client import (
     KvStoreClient,
     StoreBook,
     StoreTarget,
     put_cached_prefix,
 )
-from kvmesh.shared.protocol import StoreAdvert
+from kvmesh.shared.obs import logs
 
 log = logs.get_logger(__name__)
 

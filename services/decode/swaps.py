@@ -31,10 +31,9 @@ from typing import Any
 
 from kvmesh.services.decode.metrics import DecodeMetrics
 from kvmesh.services.decode.step_hooks import Step, StepHook
-from kvmesh.shared import logs
 from kvmesh.shared.engine.llm_engine import LLMEngine
 from kvmesh.shared.engine.sequence import Sequence
-from kvmesh.shared.kv_store_client import (
+from kvmesh.shared.mesh.kv_store_client import (
     KvStoreClient,
     PinnedPrefix,
     PutResult,
@@ -43,7 +42,8 @@ from kvmesh.shared.kv_store_client import (
     pin_cached_prefix,
     put_pinned,
 )
-from kvmesh.shared.kv_store_prefix import adopt_fetched, fetch_prefix
+from kvmesh.shared.mesh.kv_store_prefix import adopt_fetched, fetch_prefix
+from kvmesh.shared.obs import logs
 
 log = logs.get_logger(__name__)
 

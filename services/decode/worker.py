@@ -34,14 +34,7 @@ from kvmesh.services.decode.metrics import DecodeMetrics
 from kvmesh.services.decode.pending import Admission, PendingTable, ReservationError, Verdict
 from kvmesh.services.decode.step_hooks import Step, StepHook
 from kvmesh.services.decode.windows import LeaseWindows
-from kvmesh.shared import logs
-from kvmesh.shared.engine.block_manager import OutOfBlocksError
-from kvmesh.shared.engine.draft_tree import DraftTree
-from kvmesh.shared.engine.llm_engine import LLMEngine
-from kvmesh.shared.engine.sequence import RequestError, RequestOutput
-from kvmesh.shared.imm import imm_slot, unpack_imm
-from kvmesh.shared.kv_store_prefix import PrefixReader
-from kvmesh.shared.protocol import (
+from kvmesh.shared.bus.protocol import (
     Abort,
     PrefillDone,
     PrefillStarted,
@@ -50,10 +43,17 @@ from kvmesh.shared.protocol import (
     TokenEvent,
     WorkerGone,
 )
-from kvmesh.shared.recent_ids import RecentIds
-from kvmesh.shared.sampling import SamplingOptions
+from kvmesh.shared.bus.recent_ids import RecentIds
+from kvmesh.shared.engine.block_manager import OutOfBlocksError
+from kvmesh.shared.engine.draft_tree import DraftTree
+from kvmesh.shared.engine.llm_engine import LLMEngine
+from kvmesh.shared.engine.sequence import RequestError, RequestOutput
+from kvmesh.shared.mesh.kv_store_prefix import PrefixReader
+from kvmesh.shared.obs import logs
+from kvmesh.shared.text.sampling import SamplingOptions
 from kvmesh.shared.transport.base import MemoryWindow
 from kvmesh.shared.transport.completions import Completion
+from kvmesh.shared.transport.imm import imm_slot, unpack_imm
 
 log = logs.get_logger(__name__)
 T = TypeVar("T")

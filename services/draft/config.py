@@ -1,4 +1,4 @@
-"""DraftConfig: flags ``--x-y`` / env ``KVMESH_X_Y`` for every field (see kvmesh.shared.service_config)."""
+"""DraftConfig: flags ``--x-y`` / env ``KVMESH_X_Y`` for every field (see kvmesh.shared.config.service_config)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from kvmesh.services.draft.shape import MAX_SPECULATIVE_TOKENS, TreeShape
-from kvmesh.shared.service_config import option
-from kvmesh.shared.worker_config import EngineWorkerConfig
+from kvmesh.shared.bus.worker_config import EngineWorkerConfig
+from kvmesh.shared.config.service_config import option
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,8 +24,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvmesh.shared.protocol import DraftContext, DraftProposal
-from kvmesh.shared.recent_ids import RecentIds
+from kvmesh.shared.bus.protocol import DraftContext, DraftProposal
+from kvmesh.shared.bus.recent_ids import RecentIds
 
 
 @dataclass(slots=True)

@@ -18,8 +18,8 @@ from kvmesh.services.draft.config import DraftConfig
 from kvmesh.services.draft.core import DraftJob
 from kvmesh.services.draft.ngram import propose_ngram
 from kvmesh.services.draft.shape import TreeShape
+from kvmesh.shared.config.service_errors import ServiceStartError
 from kvmesh.shared.model.vocabulary import vocabulary_difference
-from kvmesh.shared.service_errors import ServiceStartError
 
 Tree = tuple[tuple[int, ...], tuple[int, ...]]  # (tokens, parents)
 
@@ -58,7 +58,7 @@ class EngineDrafter:
     def propose(self, jobs: Sequence[DraftJob]) -> list[Tree]:
         from kvmesh.shared.engine.block_manager import OutOfBlocksError
         from kvmesh.shared.engine.sequence import RequestError
-        from kvmesh.shared.sampling import SamplingOptions
+        from kvmesh.shared.text.sampling import SamplingOptions
 
         ids: dict[str, int] = {}
         num_hits, num_context = self.engine.block_manager.num_hit_tokens, 0

@@ -7,7 +7,7 @@ Acceptance is what the decode workers report back with their next context (``Dra
 
 from __future__ import annotations
 
-from kvmesh.shared.metric_set import MetricSet, seconds_buckets
+from kvmesh.shared.obs.metric_set import MetricSet, seconds_buckets
 
 DRAFT_BUCKETS = seconds_buckets(0.0005, 2.5)
 

@@ -1,7 +1,7 @@
 """Prompt-KV leases of a draft worker: blocks a prefill worker writes a prompt's draft KV into
 (docs/speculative.md, Prompt KV through the data plane). Pure and synchronous.
 
-A lease is a write lease (kvmesh.shared.write_lease: immediates ``(slot, write index)`` counted
+A lease is a write lease (kvmesh.shared.mesh.write_lease: immediates ``(slot, write index)`` counted
 only with the window's key, then ``PrefillDone(num_writes)`` on ``draft_kv_done``; ready once
 both are in) on draft-pool blocks, one per full block of the prompt, plus the prompt tokens
 those blocks will hold; a ready lease's blocks are adopted into the draft engine's prefix
@@ -15,8 +15,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvmesh.shared.mesh.write_lease import (
+    LeaseVerdict,
+    WriteLease,
+    WriteLeaseError,
+    WriteLeaseTable,
+)
 from kvmesh.shared.transport.base import MemoryWindow
-from kvmesh.shared.write_lease import LeaseVerdict, WriteLease, WriteLeaseError, WriteLeaseTable
 
 
 class PromptKvError(WriteLeaseError):

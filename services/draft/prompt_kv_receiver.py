@@ -19,17 +19,17 @@ from typing import Any
 
 from kvmesh.services.draft.metrics import DraftMetrics
 from kvmesh.services.draft.prompt_kv import PromptKvError, PromptKvTable, PromptKvVerdict
-from kvmesh.shared import logs
-from kvmesh.shared.descriptor import TransportDescriptor
-from kvmesh.shared.imm import imm_slot, unpack_imm
-from kvmesh.shared.prefix_hash import prefix_block_hashes
-from kvmesh.shared.protocol import (
+from kvmesh.shared.bus.protocol import (
     DraftKvReserve,
     DraftKvReserveReply,
     PrefillDone,
-    kv_spec_fingerprint,
 )
+from kvmesh.shared.kv.descriptor import TransportDescriptor
+from kvmesh.shared.kv.prefix_hash import prefix_block_hashes
+from kvmesh.shared.model.identity import kv_spec_fingerprint
+from kvmesh.shared.obs import logs
 from kvmesh.shared.transport import Access, Completion, MemoryRegion, Transport
+from kvmesh.shared.transport.imm import imm_slot, unpack_imm
 
 log = logs.get_logger(__name__)
 
@@ -39,7 +39,7 @@ MAX_LEASE_S = 60.0  # nobody holds draft blocks longer than this unannounced
 def pool_bytes(model: Any, econf: Any) -> int:
     """Bytes of the KV pool LLMEngine makes for ``model`` under EngineConfig ``econf`` (to
     allocate it in transport memory first)."""
-    from kvmesh.shared.engine.kv_cache import KVCacheSpec
+    from kvmesh.shared.kv.kv_cache import KVCacheSpec
 
     mc = model.config
     dtype = econf.kv_dtype(getattr(mc, "torch_dtype", None) or next(model.parameters()).dtype)

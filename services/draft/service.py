@@ -28,9 +28,8 @@ from kvmesh.services.draft.core import DraftCore
 from kvmesh.services.draft.drafters import Drafter, build_drafter
 from kvmesh.services.draft.metrics import DraftMetrics
 from kvmesh.services.draft.prompt_kv_receiver import PromptKvReceiver, target_kv_spec
-from kvmesh.shared import logs
-from kvmesh.shared.message_guard import guard_of
-from kvmesh.shared.nats_service import (
+from kvmesh.shared.bus.message_guard import guard_of
+from kvmesh.shared.bus.nats_service import (
     answer_worker_control,
     background,
     connect_nats,
@@ -43,7 +42,7 @@ from kvmesh.shared.nats_service import (
     subscriptions,
     worker_presence,
 )
-from kvmesh.shared.protocol import (
+from kvmesh.shared.bus.protocol import (
     Abort,
     DraftContext,
     DraftForget,
@@ -56,7 +55,8 @@ from kvmesh.shared.protocol import (
     decode_message,
     encode_message,
 )
-from kvmesh.shared.subjects import DRAFT_QUEUE_GROUP
+from kvmesh.shared.bus.subjects import DRAFT_QUEUE_GROUP
+from kvmesh.shared.obs import logs
 from kvmesh.shared.transport import Access, TransportConfig, create_transport
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -86,7 +86,7 @@ class DraftService:
         self._num_computed = 0
         # the queue group's subjects (a sequence's first context, prompt-KV reservations) and
         # their subscriptions while this worker takes new work (none while drained); each
-        # callback is a MessageGuard's (shared/message_guard.py)
+        # callback is a MessageGuard's (shared/bus/message_guard.py)
         self.queue_routes: list[tuple[str, Callable[[Msg], Awaitable[None]]]] = []
         self._queue_subs: list[Subscription] = []
         self.is_draining = False

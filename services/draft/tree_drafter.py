@@ -45,7 +45,7 @@ class EngineTreeDrafter(EngineDrafter):
     def propose(self, jobs: Sequence[DraftJob]) -> list[Tree]:
         from kvmesh.shared.engine.block_manager import OutOfBlocksError
         from kvmesh.shared.engine.sequence import RequestError
-        from kvmesh.shared.sampling import SamplingOptions
+        from kvmesh.shared.text.sampling import SamplingOptions
 
         engine = self.engine
         # + 1: the request must not end at ``depth`` tokens before its tree is drafted; it is

@@ -19,10 +19,11 @@ import orjson
 from kvmesh.services.kv_registry.config import RegistryConfig
 from kvmesh.services.kv_registry.core import RegistryState
 from kvmesh.services.kv_registry.stores import StoreTable
-from kvmesh.shared import logs, protocol
-from kvmesh.shared.prefill_queue import queue_status
-from kvmesh.shared.protocol import LogLevel, WorkerControl
-from kvmesh.shared.subjects import Subjects
+from kvmesh.shared.bus import protocol
+from kvmesh.shared.bus.prefill_queue import queue_status
+from kvmesh.shared.bus.protocol import LogLevel, WorkerControl
+from kvmesh.shared.bus.subjects import Subjects
+from kvmesh.shared.obs import logs
 from nats.aio.client import Client
 from nats.micro.request import ERROR_HEADER, Request
 

@@ -1,11 +1,11 @@
-"""RegistryConfig: flags ``--x-y`` / env ``KVMESH_X_Y`` for every field (see kvmesh.shared.service_config)."""
+"""RegistryConfig: flags ``--x-y`` / env ``KVMESH_X_Y`` for every field (see kvmesh.shared.config.service_config)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvmesh.shared.service_config import option
-from kvmesh.shared.worker_config import MetricsServiceConfig
+from kvmesh.shared.bus.worker_config import MetricsServiceConfig
+from kvmesh.shared.config.service_config import option
 
 
 @dataclass(frozen=True, slots=True)

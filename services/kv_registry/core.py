@@ -16,7 +16,7 @@ prompt (feasibility first); among them take the highest
 
 where ``cached_blocks`` is how many leading blocks of the prompt the worker's prefix cache holds
 (``prefix_index``, fed by its KV events; the prompt's hashes are computed as the engine computes
-them, shared/prefix_hash.py), ``read_blocks`` how many more leading blocks the kv-store the
+them, shared/kv/prefix_hash.py), ``read_blocks`` how many more leading blocks the kv-store the
 worker reads holds (prefix_reach.py says why they weigh less), and ``load`` is running +
 waiting + reservations in flight; ties go to the lowest load, then the most free blocks, then
 the id. A remote-prefill request placed where at least one block is cached or readable, with at
@@ -36,8 +36,8 @@ from kvmesh.services.kv_registry.prefix_reach import PrefixReach, prefix_reach, 
 from kvmesh.services.kv_registry.status_rows import registry_status, worker_rows
 from kvmesh.services.kv_registry.stores import StoreTable
 from kvmesh.services.kv_registry.worker_views import DecodeWorkerView, PeerWorker, seen
-from kvmesh.shared.hearing import Hearing
-from kvmesh.shared.protocol import (
+from kvmesh.shared.bus.hearing import Hearing
+from kvmesh.shared.bus.protocol import (
     DecodeAdvert,
     KvCacheDigest,
     KvCacheEvents,

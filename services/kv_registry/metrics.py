@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from kvmesh.shared.metric_set import MetricSet, seconds_buckets
+from kvmesh.shared.obs.metric_set import MetricSet, seconds_buckets
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 

@@ -19,8 +19,8 @@ import orjson
 from kvmesh.services.kv_registry.config import RegistryConfig
 from kvmesh.services.kv_registry.core import Candidate, Refusal, RegistryState
 from kvmesh.services.kv_registry.metrics import RegistryMetrics
-from kvmesh.shared import logs, protocol
-from kvmesh.shared.protocol import (
+from kvmesh.shared.bus import protocol
+from kvmesh.shared.bus.protocol import (
     LeaseCancel,
     MessageError,
     PlaceReply,
@@ -28,7 +28,8 @@ from kvmesh.shared.protocol import (
     ReserveReply,
     ReserveRequest,
 )
-from kvmesh.shared.subjects import Subjects
+from kvmesh.shared.bus.subjects import Subjects
+from kvmesh.shared.obs import logs
 from nats.aio.client import Client
 from nats.micro.request import ERROR_HEADER, Request
 

@@ -19,7 +19,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvmesh.shared.protocol import KvCacheDigest, KvCacheEvents
+from kvmesh.shared.bus.protocol import KvCacheDigest, KvCacheEvents
 
 
 @dataclass(slots=True)

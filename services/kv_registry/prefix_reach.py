@@ -4,7 +4,7 @@ A worker reaches a prompt's leading blocks two ways: its own prefix cache holds 
 registry's ``PrefixIndex`` of decode workers, fed by their KV events), or the kv-store it reads
 holds them (``StoreTable``, fed by the stores' KV events) and the worker reads them one-sided
 into its pool before it prefills the rest itself (``DecodeAdvert.reads_kv_store``; the read is
-``PrefixReader`` in shared/kv_store_prefix.py). It reads only the blocks its cache lacks, past
+``PrefixReader`` in shared/mesh/kv_store_prefix.py). It reads only the blocks its cache lacks, past
 its own leading run, so what it reaches is ``max(own run, store run)`` leading blocks.
 
 The score (``prefix_score``) weighs a block to read below a block already in the pool: both
@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 from kvmesh.services.kv_registry.prefix_index import PrefixIndex
 from kvmesh.services.kv_registry.stores import StoreTable
-from kvmesh.shared.prefix_hash import layout_root, reusable_prefix_hashes
-from kvmesh.shared.protocol import DecodeAdvert
+from kvmesh.shared.bus.protocol import DecodeAdvert
+from kvmesh.shared.kv.prefix_hash import layout_root, reusable_prefix_hashes
 
 
 @dataclass(frozen=True, slots=True)

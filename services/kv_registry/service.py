@@ -26,10 +26,10 @@ from kvmesh.services.kv_registry.metrics import RegistryMetrics
 from kvmesh.services.kv_registry.placement import Placement
 from kvmesh.services.kv_registry.prefix_index import PrefixIndex
 from kvmesh.services.kv_registry.stores import StoreTable
-from kvmesh.shared import logs, protocol
-from kvmesh.shared.hearing import Hearing
-from kvmesh.shared.message_guard import guard_of
-from kvmesh.shared.nats_service import (
+from kvmesh.shared.bus import protocol
+from kvmesh.shared.bus.hearing import Hearing
+from kvmesh.shared.bus.message_guard import guard_of
+from kvmesh.shared.bus.nats_service import (
     connect_nats,
     new_worker_id,
     open_for_requests,
@@ -37,7 +37,7 @@ from kvmesh.shared.nats_service import (
     subscriptions,
     worker_presence,
 )
-from kvmesh.shared.protocol import (
+from kvmesh.shared.bus.protocol import (
     DecodeAdvert,
     KvCacheDigest,
     KvCacheEvents,
@@ -47,8 +47,9 @@ from kvmesh.shared.protocol import (
     WorkerGone,
     WorkerHeartbeat,
 )
-from kvmesh.shared.store_solicit import store_adverts_solicited
-from kvmesh.shared.subjects import Subjects
+from kvmesh.shared.bus.store_solicit import store_adverts_solicited
+from kvmesh.shared.bus.subjects import Subjects
+from kvmesh.shared.obs import logs
 from nats.aio.client import Client
 from nats.micro.request import Request
 
@@ -206,7 +207,7 @@ class RegistryService:
         return on_request
 
     def _spawn(self, coro: Coroutine[Any, Any, None], subject: str) -> None:
-        """A request task never takes the registry down (shared/message_guard.py)."""
+        """A request task never takes the registry down (shared/bus/message_guard.py)."""
         guard_of(self.nc).spawn(self.tg, coro, subject)
 
 

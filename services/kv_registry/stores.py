@@ -17,8 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvmesh.services.kv_registry.prefix_index import PrefixIndex
-from kvmesh.shared.hearing import Hearing
-from kvmesh.shared.protocol import KvCacheDigest, KvCacheEvents, StoreAdvert
+from kvmesh.shared.bus.hearing import Hearing
+from kvmesh.shared.bus.protocol import KvCacheDigest, KvCacheEvents, StoreAdvert
 
 
 @dataclass(slots=True)
@@ -67,7 +67,7 @@ class StoreTable:
 
     def reader_store(self, kv_spec: str) -> str | None:
         """The store a worker of layout ``kv_spec`` reads: the ready one with the lowest id, as
-        the workers' ``StoreBook.target`` picks it (shared/kv_store_client.py), so that placement
+        the workers' ``StoreBook.target`` picks it (shared/mesh/kv_store_client.py), so that placement
         counts the blocks of the store the worker will ask, not those of another."""
         ready = [
             sid

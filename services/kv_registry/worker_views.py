@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvmesh.shared.hearing import Hearing
-from kvmesh.shared.protocol import DecodeAdvert, WorkerHeartbeat
+from kvmesh.shared.bus.hearing import Hearing
+from kvmesh.shared.bus.protocol import DecodeAdvert, WorkerHeartbeat
 
 
 @dataclass(slots=True)

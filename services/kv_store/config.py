@@ -1,13 +1,13 @@
-"""StoreConfig: flags ``--x-y`` / env ``KVMESH_X_Y`` for every field (see kvmesh.shared.service_config)."""
+"""StoreConfig: flags ``--x-y`` / env ``KVMESH_X_Y`` for every field (see kvmesh.shared.config.service_config)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Literal
 
-from kvmesh.shared.service_config import option
-from kvmesh.shared.subjects import mesh_from_model
-from kvmesh.shared.worker_config import DataPlaneConfig
+from kvmesh.shared.bus.subjects import mesh_from_model
+from kvmesh.shared.bus.worker_config import DataPlaneConfig
+from kvmesh.shared.config.service_config import option
 
 DEFAULT_CAPACITY_GB = 1.0
 

@@ -23,8 +23,8 @@ import os
 import secrets
 from pathlib import Path
 
-from kvmesh.shared.kv_block_header import HEADER_BYTES
-from kvmesh.shared.service_errors import ServiceStartError
+from kvmesh.shared.config.service_errors import ServiceStartError
+from kvmesh.shared.kv.kv_block_header import HEADER_BYTES
 
 
 def open_disk_dir(path: str | Path) -> int:

@@ -8,7 +8,7 @@ change is too large for one message. ``worker_id`` is the store's id, ``epoch`` 
 
 "Holds" means findable by a get: in the host index, on the disk tier, or being copied between
 them (``held_hashes``). A store has one layout, so a hash alone names a block (its chain is
-rooted in the layout: ``shared/prefix_hash.py``), the same hash a decode worker reports.
+rooted in the layout: ``shared/kv/prefix_hash.py``), the same hash a decode worker reports.
 
 Unlike the decode worker, whose block manager logs each change as it happens, the store compares
 what it holds with what it last told (a set difference, O(blocks held)) at each report, and only
@@ -22,7 +22,7 @@ import uuid
 from collections.abc import Sequence
 
 from kvmesh.services.kv_store.core import BlockStore
-from kvmesh.shared.protocol import MAX_CACHE_EVENT_HASHES, KvCacheDigest, KvCacheEvents
+from kvmesh.shared.bus.protocol import MAX_CACHE_EVENT_HASHES, KvCacheDigest, KvCacheEvents
 
 
 def held_hashes(store: BlockStore) -> list[int]:

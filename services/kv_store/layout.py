@@ -12,10 +12,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvmesh.shared.engine.config import EngineConfig
-from kvmesh.shared.engine.kv_cache import KVCacheSpec
+from kvmesh.shared.kv.kv_cache import KVCacheSpec
 from kvmesh.shared.model.config import parse_dtype
+from kvmesh.shared.model.identity import kv_spec_fingerprint
 from kvmesh.shared.model.loader import TINY_NAME, load_config_and_tokenizer
-from kvmesh.shared.protocol import kv_spec_fingerprint
 
 
 def store_layout(

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from kvmesh.services.kv_store.core import BlockStore
-from kvmesh.shared.metric_set import MetricSet
+from kvmesh.shared.obs.metric_set import MetricSet
 from kvmesh.shared.transport.base import TransportStats
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector

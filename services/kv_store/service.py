@@ -27,10 +27,7 @@ from kvmesh.services.kv_store.held_reports import HeldReporter, change_mark, hel
 from kvmesh.services.kv_store.layout import store_layout
 from kvmesh.services.kv_store.metrics import StoreMetrics
 from kvmesh.services.kv_store.worker import StoreWorker
-from kvmesh.shared import logs
-from kvmesh.shared.descriptor import TransportDescriptor
-from kvmesh.shared.kv_block_header import HEADER_BYTES
-from kvmesh.shared.nats_service import (
+from kvmesh.shared.bus.nats_service import (
     background,
     connect_nats,
     new_worker_id,
@@ -40,7 +37,7 @@ from kvmesh.shared.nats_service import (
     subscriptions,
     worker_presence,
 )
-from kvmesh.shared.protocol import (
+from kvmesh.shared.bus.protocol import (
     KvCacheDigest,
     KvCacheEvents,
     Message,
@@ -56,7 +53,10 @@ from kvmesh.shared.protocol import (
     decode_message,
     encode_message,
 )
-from kvmesh.shared.store_solicit import SolicitLimiter
+from kvmesh.shared.bus.store_solicit import SolicitLimiter
+from kvmesh.shared.kv.descriptor import TransportDescriptor
+from kvmesh.shared.kv.kv_block_header import HEADER_BYTES
+from kvmesh.shared.obs import logs
 from kvmesh.shared.transport import TransportConfig, create_transport
 from nats.aio.client import Client
 from nats.micro.request import Request
@@ -298,7 +298,7 @@ async def store_service(config: StoreConfig) -> AsyncIterator[StoreService]:
 
 def requester_role(reply: str) -> str:
     """The NATS role a request's reply goes to: its inbox is ``_INBOX_<role>.…``, and only
-    that role's user may read it (``shared/nats_auth.py``); "" for a plain ``_INBOX.`` (a mesh
+    that role's user may read it (``shared/bus/nats_auth.py``); "" for a plain ``_INBOX.`` (a mesh
     without credentials has no roles)."""
     head = reply.split(".", 1)[0]
     return head.removeprefix("_INBOX_") if head.startswith("_INBOX_") else ""

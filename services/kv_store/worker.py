@@ -24,10 +24,7 @@ from kvmesh.services.kv_store.core import BlockStore, Promotion, Spill, StoreFul
 from kvmesh.services.kv_store.disk_file import DiskFile
 from kvmesh.services.kv_store.disk_tier import DiskSlots
 from kvmesh.services.kv_store.owners import writer_quota
-from kvmesh.shared import logs
-from kvmesh.shared.kv_block_header import HEADER_BYTES, BlockHeader, BlockVerifyError, check_stored
-from kvmesh.shared.prefix_hash import layout_root
-from kvmesh.shared.protocol import (
+from kvmesh.shared.bus.protocol import (
     StoreAck,
     StoreCommit,
     StoreCommitReply,
@@ -38,6 +35,14 @@ from kvmesh.shared.protocol import (
     StoreRelease,
     WorkerGone,
 )
+from kvmesh.shared.kv.kv_block_header import (
+    HEADER_BYTES,
+    BlockHeader,
+    BlockVerifyError,
+    check_stored,
+)
+from kvmesh.shared.kv.prefix_hash import layout_root
+from kvmesh.shared.obs import logs
 from kvmesh.shared.transport import Access, MemoryWindow, Transport
 from kvmesh.shared.transport.completions import Completion
 

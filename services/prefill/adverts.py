@@ -15,7 +15,7 @@ import asyncio
 import time
 
 from kvmesh.services.prefill.convert import decode_kv_dtype
-from kvmesh.shared.protocol import DecodeAdvert, PrefillJob
+from kvmesh.shared.bus.protocol import DecodeAdvert, PrefillJob
 
 
 class UnvouchedJobError(ValueError):

@@ -1,12 +1,12 @@
-"""PrefillConfig: flags ``--x-y`` / env ``KVMESH_X_Y`` for every field (see kvmesh.shared.service_config)."""
+"""PrefillConfig: flags ``--x-y`` / env ``KVMESH_X_Y`` for every field (see kvmesh.shared.config.service_config)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvmesh.shared.service_config import option
-from kvmesh.shared.worker_config import EngineWorkerConfig
+from kvmesh.shared.bus.worker_config import EngineWorkerConfig
+from kvmesh.shared.config.service_config import option
 
 if TYPE_CHECKING:
     from kvmesh.shared.engine.config import EngineConfig
@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, slots=True)
 class PrefillConfig(EngineWorkerConfig):
-    """The engine worker's fields (kvmesh.shared.worker_config) and prefill's own."""
+    """The engine worker's fields (kvmesh.shared.bus.worker_config) and prefill's own."""
 
     worker_id: str | None = option(None, help="worker id (default: prefill-<random>)")
     chunk_tokens: int = option(

@@ -21,7 +21,7 @@ import torch
 from kvmesh.kernels.kv_pack import pack_converted
 from kvmesh.services.prefill.endpoints import EndpointCache
 from kvmesh.services.prefill.plan import KVSpecMismatchError
-from kvmesh.shared.engine.kv_cache import KVCacheSpec, KVPool
+from kvmesh.shared.kv.kv_cache import KVCacheSpec, KVPool
 from kvmesh.shared.transport import MemoryRegion
 
 # KV dtypes a write converts between (KVCacheSpec.fingerprint names them so)

@@ -8,11 +8,11 @@ from __future__ import annotations
 from typing import Any
 
 from kvmesh.services.prefill.config import PrefillConfig
+from kvmesh.shared.config.service_errors import ServiceStartError
 from kvmesh.shared.engine.llm_engine import LLMEngine
 from kvmesh.shared.model.config import parse_dtype
 from kvmesh.shared.model.loader import ModelLoadError, load_model
 from kvmesh.shared.model.vocabulary import vocabulary_difference
-from kvmesh.shared.service_errors import ServiceStartError
 
 
 def load_draft_engine(config: PrefillConfig, target_tokenizer: Any) -> LLMEngine:

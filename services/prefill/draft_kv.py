@@ -21,8 +21,8 @@ index)``; chunks without a full block to write make no write.
 from __future__ import annotations
 
 from kvmesh.services.prefill.plan import ChunkWrite, PlanError, WriteSpan
-from kvmesh.shared.imm import imm_slot, pack_imm
-from kvmesh.shared.protocol import DraftKvReserveReply
+from kvmesh.shared.bus.protocol import DraftKvReserveReply
+from kvmesh.shared.transport.imm import imm_slot, pack_imm
 
 
 class _ReservedBlocksPlanner:

@@ -14,11 +14,11 @@ from kvmesh.services.prefill.endpoints import EndpointCache
 from kvmesh.services.prefill.job import STOP, DraftWrites, Job
 from kvmesh.services.prefill.metrics import PrefillMetrics
 from kvmesh.services.prefill.plan import ChunkWrite, PlanError
-from kvmesh.shared import logs
+from kvmesh.shared.bus.protocol import DraftKvReserveReply, PrefillDone, PrefillJob
 from kvmesh.shared.engine.llm_engine import LLMEngine
 from kvmesh.shared.engine.sequence import ChunkReady, RequestError
-from kvmesh.shared.protocol import DraftKvReserveReply, PrefillDone, PrefillJob
-from kvmesh.shared.sampling import SamplingOptions
+from kvmesh.shared.obs import logs
+from kvmesh.shared.text.sampling import SamplingOptions
 from kvmesh.shared.transport import MemoryRegion, TransportError, WriteEntry
 
 log = logs.get_logger(__name__)

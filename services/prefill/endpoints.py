@@ -7,8 +7,8 @@ import asyncio
 import contextlib
 
 import msgspec
-from kvmesh.shared import logs
-from kvmesh.shared.descriptor import TransportDescriptor
+from kvmesh.shared.kv.descriptor import TransportDescriptor
+from kvmesh.shared.obs import logs
 from kvmesh.shared.transport import Endpoint, Transport
 
 log = logs.get_logger(__name__)

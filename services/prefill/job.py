@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 from kvmesh.services.prefill.convert import KVMirror
 from kvmesh.services.prefill.draft_kv import DraftBlockPlanner, DraftKvPlanner
 from kvmesh.services.prefill.plan import ChunkPlanner, PrefillTimeline
+from kvmesh.shared.bus.protocol import DraftKvReserveReply, PrefillJob
 from kvmesh.shared.engine.sequence import ChunkReady
-from kvmesh.shared.protocol import DraftKvReserveReply, PrefillJob
-from kvmesh.shared.sampling import TokenLogprobs
+from kvmesh.shared.text.sampling import TokenLogprobs
 from kvmesh.shared.transport import Endpoint, MemoryRegion
 
 STOP = None  # queue marker: the job was aborted or failed; no more chunks come

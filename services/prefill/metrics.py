@@ -9,7 +9,7 @@ timings mesh-wide; these say which prefill worker they came from.
 from __future__ import annotations
 
 from kvmesh.services.prefill.plan import PrefillTiming
-from kvmesh.shared.metric_set import MetricSet, seconds_buckets
+from kvmesh.shared.obs.metric_set import MetricSet, seconds_buckets
 
 SECONDS_BUCKETS = seconds_buckets(0.001, 60.0)
 # bytes per second: 10 MB/s (a loaded tcp link) to 100 GB/s (a fast RDMA NIC or shm)

@@ -1,6 +1,6 @@
 """The prefill service's NATS shell around PrefillWorker (the core, which knows no NATS).
 
-Pulls ``PrefillJob``s from the JetStream work queue (kvmesh.shared.prefill_queue) only while it has a
+Pulls ``PrefillJob``s from the JetStream work queue (kvmesh.shared.bus.prefill_queue) only while it has a
 free slot (``max_concurrent_jobs``), so an idle peer takes the next job rather than a busy worker
 hoarding it; follows ``ABORT``; checks every job against its decode worker's ``DecodeAdvert``;
 publishes what the worker returns: ``PrefillStarted`` when it takes a job, ``PrefillDone`` and
@@ -24,13 +24,8 @@ from kvmesh.services.prefill.draft_engine import load_draft_engine
 from kvmesh.services.prefill.endpoints import EndpointCache
 from kvmesh.services.prefill.store_prefix import StorePrefix
 from kvmesh.services.prefill.worker import PrefillResult, PrefillWorker
-from kvmesh.shared import logs
-from kvmesh.shared.engine.llm_engine import LLMEngine
-from kvmesh.shared.kv_store_client import KvStoreClient
-from kvmesh.shared.message_guard import guard_of
-from kvmesh.shared.model.config import parse_dtype
-from kvmesh.shared.model.loader import load_model
-from kvmesh.shared.nats_service import (
+from kvmesh.shared.bus.message_guard import guard_of
+from kvmesh.shared.bus.nats_service import (
     answer_worker_control,
     background,
     connect_nats,
@@ -41,8 +36,8 @@ from kvmesh.shared.nats_service import (
     subscriptions,
     worker_presence,
 )
-from kvmesh.shared.prefill_queue import PrefillJobQueue
-from kvmesh.shared.protocol import (
+from kvmesh.shared.bus.prefill_queue import PrefillJobQueue
+from kvmesh.shared.bus.protocol import (
     Abort,
     DecodeAdvert,
     DraftKvReserve,
@@ -55,8 +50,13 @@ from kvmesh.shared.protocol import (
     decode_message,
     encode_message,
 )
-from kvmesh.shared.store_solicit import store_adverts_solicited
-from kvmesh.shared.subjects import Subjects
+from kvmesh.shared.bus.store_solicit import store_adverts_solicited
+from kvmesh.shared.bus.subjects import Subjects
+from kvmesh.shared.engine.llm_engine import LLMEngine
+from kvmesh.shared.mesh.kv_store_client import KvStoreClient
+from kvmesh.shared.model.config import parse_dtype
+from kvmesh.shared.model.loader import load_model
+from kvmesh.shared.obs import logs
 from kvmesh.shared.transport import TransportConfig, create_transport
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -140,7 +140,7 @@ class PrefillService:
                     "could not take a prefill job", request_id=job.request_id, error=str(exc)
                 )
                 continue
-            # a job whose fields make the prefill fail fails alone (shared/message_guard.py)
+            # a job whose fields make the prefill fail fails alone (shared/bus/message_guard.py)
             guard_of(self.nc).spawn(self._tg, self._run_job(job), msg.subject)
 
     async def _announce_started(self, job: PrefillJob) -> None:

@@ -12,16 +12,16 @@ from __future__ import annotations
 
 import asyncio
 
-from kvmesh.shared import logs
+from kvmesh.shared.bus.protocol import StoreAdvert
 from kvmesh.shared.engine.llm_engine import LLMEngine
-from kvmesh.shared.kv_store_client import (
+from kvmesh.shared.mesh.kv_store_client import (
     KvStoreClient,
     StoreBook,
     StoreTarget,
     put_cached_prefix,
 )
-from kvmesh.shared.kv_store_prefix import Fetched, PrefixReader
-from kvmesh.shared.protocol import StoreAdvert
+from kvmesh.shared.mesh.kv_store_prefix import Fetched, PrefixReader
+from kvmesh.shared.obs import logs
 
 log = logs.get_logger(__name__)
 

@@ -39,16 +39,16 @@ from kvmesh.services.prefill.plan import (
     PrefillTimeline,
 )
 from kvmesh.services.prefill.store_prefix import StorePrefix
-from kvmesh.shared import logs
-from kvmesh.shared.engine.llm_engine import LLMEngine
-from kvmesh.shared.engine.sequence import ChunkReady, RequestError
-from kvmesh.shared.protocol import (
+from kvmesh.shared.bus.protocol import (
     DraftKvReserveReply,
     PrefillDone,
     PrefillJob,
     PrefillReport,
     PrefillStarted,
 )
+from kvmesh.shared.engine.llm_engine import LLMEngine
+from kvmesh.shared.engine.sequence import ChunkReady, RequestError
+from kvmesh.shared.obs import logs
 from kvmesh.shared.transport import MemoryRegion, TransportError, WriteEntry
 
 log = logs.get_logger(__name__)

@@ -1,13 +1,13 @@
 """QueueKeeperConfig: flags ``--x-y`` / env ``KVMESH_X_Y`` for every field (see
-kvmesh.shared.service_config)."""
+kvmesh.shared.config.service_config)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvmesh.shared.prefill_queue import ACK_WAIT_S
-from kvmesh.shared.service_config import option
-from kvmesh.shared.worker_config import MetricsServiceConfig
+from kvmesh.shared.bus.prefill_queue import ACK_WAIT_S
+from kvmesh.shared.bus.worker_config import MetricsServiceConfig
+from kvmesh.shared.config.service_config import option
 
 
 @dataclass(frozen=True, slots=True)

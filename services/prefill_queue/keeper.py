@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import nats.errors
 import nats.js.errors
-from kvmesh.shared.prefill_queue import (
+from kvmesh.shared.bus.prefill_queue import (
     ACK_WAIT_S,
     CLUSTER_REPLICAS,
     DURABLE,
@@ -19,7 +19,7 @@ from kvmesh.shared.prefill_queue import (
     consumer_config,
     stream_config,
 )
-from kvmesh.shared.subjects import Subjects
+from kvmesh.shared.bus.subjects import Subjects
 from nats.aio.client import Client
 from nats.js import api
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvmesh.shared.metric_set import MetricSet
+from kvmesh.shared.obs.metric_set import MetricSet
 
 
 class QueueKeeperMetrics(MetricSet):

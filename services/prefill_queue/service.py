@@ -11,12 +11,17 @@ import nats.js.errors
 from kvmesh.services.prefill_queue.config import QueueKeeperConfig
 from kvmesh.services.prefill_queue.keeper import QueueState, ensure_queue
 from kvmesh.services.prefill_queue.metrics import QueueKeeperMetrics
-from kvmesh.shared import logs
-from kvmesh.shared.message_guard import guard_of
-from kvmesh.shared.metrics_exporter import serve_metrics
-from kvmesh.shared.nats_service import background, connect_nats, new_worker_id, serve_until_signal
-from kvmesh.shared.prefill_queue import JetStreamUnavailableError
-from kvmesh.shared.subjects import Subjects
+from kvmesh.shared.bus.message_guard import guard_of
+from kvmesh.shared.bus.nats_service import (
+    background,
+    connect_nats,
+    new_worker_id,
+    serve_until_signal,
+)
+from kvmesh.shared.bus.prefill_queue import JetStreamUnavailableError
+from kvmesh.shared.bus.subjects import Subjects
+from kvmesh.shared.obs import logs
+from kvmesh.shared.obs.metrics_exporter import serve_metrics
 from nats.aio.client import Client
 
 log = logs.get_logger(__name__)

@@ -14,17 +14,17 @@ from kvmesh.services.router.app import Router, build_app
 from kvmesh.services.router.config import RouterConfig
 from kvmesh.services.router.http_server import serve_http
 from kvmesh.services.router.model_info import load_model_info
-from kvmesh.shared import logs
-from kvmesh.shared.hearing import Hearing
-from kvmesh.shared.message_guard import guard_of
-from kvmesh.shared.nats_service import (
+from kvmesh.shared.bus.hearing import Hearing
+from kvmesh.shared.bus.message_guard import guard_of
+from kvmesh.shared.bus.nats_service import (
     connect_nats,
     guarded_subscribe,
     new_worker_id,
     serve_until_signal,
     worker_presence,
 )
-from kvmesh.shared.protocol import WorkerHeartbeat
+from kvmesh.shared.bus.protocol import WorkerHeartbeat
+from kvmesh.shared.obs import logs
 
 CONFIG = RouterConfig
 

@@ -39,8 +39,8 @@ from kvmesh.services.router.schema import (
     CompletionRequest,
     SamplingFields,
 )
-from kvmesh.shared.sampling import SamplingOptions
-from kvmesh.shared.structured_output import StructuredOutputs
+from kvmesh.shared.text.sampling import SamplingOptions
+from kvmesh.shared.text.structured_output import StructuredOutputs
 
 Kind = Literal["completion", "chat"]
 R = TypeVar("R", bound=SamplingFields)

@@ -58,10 +58,10 @@ from kvmesh.services.router.schema import Model, ModelList
 from kvmesh.services.router.shutdown import Shutdown
 from kvmesh.services.router.timings import TimingLog
 from kvmesh.services.router.tokens_api import detokenize_body, tokenize_body
-from kvmesh.shared import logs
-from kvmesh.shared.hearing import Hearing
-from kvmesh.shared.metrics_exporter import exposition
-from kvmesh.shared.subjects import Subjects
+from kvmesh.shared.bus.hearing import Hearing
+from kvmesh.shared.bus.subjects import Subjects
+from kvmesh.shared.obs import logs
+from kvmesh.shared.obs.metrics_exporter import exposition
 from nats.aio.client import Client as NATS
 
 log = logs.get_logger(__name__)
@@ -87,7 +87,7 @@ class Router:
     num_in_flight: int = 0
     dispatcher: Dispatcher = field(init=False)
     shutdown: Shutdown = field(default_factory=Shutdown)
-    hearing: Hearing | None = None  # the NATS link's outages (shared/hearing.py)
+    hearing: Hearing | None = None  # the NATS link's outages (shared/bus/hearing.py)
     connections: ConnectionTable = field(init=False)  # what each HTTP client holds
 
     def __post_init__(self) -> None:

@@ -14,8 +14,8 @@ from typing import Literal
 import msgspec
 from kvmesh.services.router.errors import MeshError
 from kvmesh.services.router.prompt import Prompt
-from kvmesh.shared.protocol import TokenEvent
-from kvmesh.shared.sampling import SamplingOptions
+from kvmesh.shared.bus.protocol import TokenEvent
+from kvmesh.shared.text.sampling import SamplingOptions
 
 
 def wire_id(response_id: str, kind: Literal["r", "m"], attempt: int) -> str:

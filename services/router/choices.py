@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 
 from kvmesh.services.router.logprobs import LogprobsBuilder
 from kvmesh.services.router.responses import ChoiceResult, Logprobs
-from kvmesh.shared.protocol import TokenEvent
-from kvmesh.shared.sampling import SamplingOptions, TokenLogprobs
-from kvmesh.shared.text import TextStream
-from kvmesh.shared.tokenizer import Tokenizer
+from kvmesh.shared.bus.protocol import TokenEvent
+from kvmesh.shared.text.detokenize import TextStream
+from kvmesh.shared.text.sampling import SamplingOptions, TokenLogprobs
+from kvmesh.shared.text.tokenizer import Tokenizer
 
 
 @dataclass(slots=True)

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 from kvmesh.services.router.errors import ClientGoneError
-from kvmesh.shared import logs
+from kvmesh.shared.obs import logs
 
 log = logs.get_logger(__name__)
 

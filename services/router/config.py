@@ -1,13 +1,13 @@
-"""RouterConfig: every knob of the router, from flags and KVMESH_* env (kvmesh.shared.service_config)."""
+"""RouterConfig: every knob of the router, from flags and KVMESH_* env (kvmesh.shared.config.service_config)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Literal
 
-from kvmesh.shared.service_config import option
-from kvmesh.shared.subjects import mesh_from_model
-from kvmesh.shared.worker_config import ServiceConfig
+from kvmesh.shared.bus.subjects import mesh_from_model
+from kvmesh.shared.bus.worker_config import ServiceConfig
+from kvmesh.shared.config.service_config import option
 
 
 @dataclass(frozen=True, slots=True)

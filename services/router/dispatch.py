@@ -26,10 +26,10 @@ from kvmesh.services.router.pool_capacity import PoolCapacity
 from kvmesh.services.router.prompt import Prompt
 from kvmesh.services.router.recovery import abort_reason
 from kvmesh.services.router.worker_pool import WorkerPool
-from kvmesh.shared import protocol
-from kvmesh.shared.hearing import Hearing
-from kvmesh.shared.protocol import DecodeAdvert, MessageError, WorkerGone, WorkerHeartbeat
-from kvmesh.shared.subjects import Subjects
+from kvmesh.shared.bus import protocol
+from kvmesh.shared.bus.hearing import Hearing
+from kvmesh.shared.bus.protocol import DecodeAdvert, MessageError, WorkerGone, WorkerHeartbeat
+from kvmesh.shared.bus.subjects import Subjects
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 

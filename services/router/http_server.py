@@ -23,8 +23,8 @@ from kvmesh.services.router.errors import (
     RouteNotFoundError,
 )
 from kvmesh.services.router.http_limits import ConnectionTable, GuardedSite
-from kvmesh.shared import logs
-from kvmesh.shared.service_errors import listen_error
+from kvmesh.shared.config.service_errors import listen_error
+from kvmesh.shared.obs import logs
 
 log = logs.get_logger(__name__)
 

@@ -21,8 +21,8 @@ from kvmesh.services.router.schema import (
     TokenLogprob,
     TopLogprob,
 )
-from kvmesh.shared.sampling import TokenLogprobs
-from kvmesh.shared.tokenizer import Tokenizer
+from kvmesh.shared.text.sampling import TokenLogprobs
+from kvmesh.shared.text.tokenizer import Tokenizer
 
 
 class LogprobsBuilder:

@@ -33,9 +33,9 @@ from kvmesh.services.router.recovery import (
     token_deadline,
 )
 from kvmesh.services.router.worker_pool import WorkerPool
-from kvmesh.shared import protocol
-from kvmesh.shared.prefill_queue import withdraw_job
-from kvmesh.shared.protocol import (
+from kvmesh.shared.bus import protocol
+from kvmesh.shared.bus.prefill_queue import withdraw_job
+from kvmesh.shared.bus.protocol import (
     Abort,
     MessageError,
     PlaceReply,
@@ -45,7 +45,7 @@ from kvmesh.shared.protocol import (
     TokenEvent,
     WorkerGone,
 )
-from kvmesh.shared.subjects import Subjects
+from kvmesh.shared.bus.subjects import Subjects
 from nats.aio.client import Client as NATS
 from nats.aio.subscription import Subscription
 

@@ -14,9 +14,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from kvmesh.services.router.timings import TimingLog, TimingStamps
-from kvmesh.shared.metric_set import MetricSet, seconds_buckets
-from kvmesh.shared.metrics_exporter import exposition
-from kvmesh.shared.protocol import DecodeAdvert, PrefillReport
+from kvmesh.shared.bus.protocol import DecodeAdvert, PrefillReport
+from kvmesh.shared.obs.metric_set import MetricSet, seconds_buckets
+from kvmesh.shared.obs.metrics_exporter import exposition
 from prometheus_client import Histogram
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector

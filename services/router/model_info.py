@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvmesh.shared.model.checkpoint_info import ModelLoadError, load_config_and_tokenizer
-from kvmesh.shared.protocol import model_spec
-from kvmesh.shared.tokenizer import Tokenizer
+from kvmesh.shared.model.identity import model_spec
+from kvmesh.shared.text.tokenizer import Tokenizer
 
 
 class ModelInfoError(ValueError):

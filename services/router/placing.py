@@ -20,10 +20,16 @@ from kvmesh.services.router.recovery import (
     registry_silent_error,
 )
 from kvmesh.services.router.worker_pool import WorkerPool
-from kvmesh.shared import protocol
-from kvmesh.shared.prefill_queue import PrefillQueueError, publish_job
-from kvmesh.shared.protocol import LeaseRenew, MessageError, PlaceReply, PlaceRequest, PrefillJob
-from kvmesh.shared.subjects import Subjects
+from kvmesh.shared.bus import protocol
+from kvmesh.shared.bus.prefill_queue import PrefillQueueError, publish_job
+from kvmesh.shared.bus.protocol import (
+    LeaseRenew,
+    MessageError,
+    PlaceReply,
+    PlaceRequest,
+    PrefillJob,
+)
+from kvmesh.shared.bus.subjects import Subjects
 from nats.aio.client import Client as NATS
 
 log = logging.getLogger(__name__)

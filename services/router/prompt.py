@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import msgspec
 from kvmesh.services.router.api import GenerateRequest
 from kvmesh.services.router.errors import InvalidRequestError
-from kvmesh.shared.sampling import SamplingOptions
-from kvmesh.shared.tokenizer import Tokenizer, TokenizerError
+from kvmesh.shared.text.sampling import SamplingOptions
+from kvmesh.shared.text.tokenizer import Tokenizer, TokenizerError
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # prompt logprobs travel in one message (PrefillDone, TokenEvent): tokens x (1 + alternatives)

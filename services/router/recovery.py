@@ -21,8 +21,8 @@ from kvmesh.services.router.errors import (
     ServiceUnavailableError,
 )
 from kvmesh.services.router.worker_pool import WorkerPool
-from kvmesh.shared.protocol import PlaceReply
-from kvmesh.shared.subjects import Subjects
+from kvmesh.shared.bus.protocol import PlaceReply
+from kvmesh.shared.bus.subjects import Subjects
 
 # A kv-registry heard this recently and not answering now is restarting (its supervisor brings it
 # back in seconds): placements wait for it, within the request's first-token deadline, instead

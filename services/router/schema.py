@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal, get_args
 
 import msgspec
-from kvmesh.shared.sampling import (
+from kvmesh.shared.text.sampling import (
     MAX_LOGPROBS,
     MAX_STOP_STRINGS,
     NonEmptyStr,

@@ -15,7 +15,7 @@ from typing import Any
 
 import msgspec
 from kvmesh.services.router.errors import InvalidRequestError
-from kvmesh.shared.structured_output import (
+from kvmesh.shared.text.structured_output import (
     StructuredOutputError,
     StructuredOutputs,
     build_grammar,

@@ -27,7 +27,7 @@ from kvmesh.services.router.schema import (
     TokenizeCompletionRequest,
     TokenizeResponse,
 )
-from kvmesh.shared.tokenizer import Tokenizer, TokenizerError
+from kvmesh.shared.text.tokenizer import Tokenizer, TokenizerError
 
 
 def tokenize_body(

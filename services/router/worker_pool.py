@@ -13,7 +13,7 @@ outage, a worker is gone only once it has been silent for a whole window since t
 
 from __future__ import annotations
 
-from kvmesh.shared.hearing import Hearing
+from kvmesh.shared.bus.hearing import Hearing
 
 
 class WorkerPool:

@@ -23,7 +23,7 @@ from kvmesh.shared.engine.draft_tree import DraftTree
 from kvmesh.shared.engine.grammar import apply_bitmask
 from kvmesh.shared.engine.logit_options import RowHistory, apply_logit_options
 from kvmesh.shared.engine.sampler import draw, token_seed
-from kvmesh.shared.sampling import SamplingOptions
+from kvmesh.shared.text.sampling import SamplingOptions
 
 
 @dataclass(frozen=True, slots=True)

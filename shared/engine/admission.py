@@ -19,11 +19,11 @@ from kvmesh.shared.engine import choices, handoff
 from kvmesh.shared.engine.block_manager import BlockManager
 from kvmesh.shared.engine.finish import stop_text_for
 from kvmesh.shared.engine.grammar import GrammarBook
-from kvmesh.shared.engine.kv_cache import KVPool
 from kvmesh.shared.engine.sequence import ChunkReady, PromptTooLongError, RequestError, Sequence
-from kvmesh.shared.sampling import SamplingOptions, TokenLogprobs
-from kvmesh.shared.structured_output import StructuredOutputError
-from kvmesh.shared.text import TokenDecoder
+from kvmesh.shared.kv.kv_cache import KVPool
+from kvmesh.shared.text.detokenize import TokenDecoder
+from kvmesh.shared.text.sampling import SamplingOptions, TokenLogprobs
+from kvmesh.shared.text.structured_output import StructuredOutputError
 
 
 class Admission:

@@ -7,7 +7,7 @@ the same prefix can take it back; allocating a fresh block evicts from the front
 freed, uncached blocks first). Blocks reserved with ``allocate_blocks`` for a remote writer are
 plain owned blocks; ``free_blocks`` returns them.
 
-The hash chain is shared/prefix_hash.py's, started from ``root_hash`` (the KV layout's root), so
+The hash chain is shared/kv/prefix_hash.py's, started from ``root_hash`` (the KV layout's root), so
 the kv-registry computes the same names. ``events``, when its owner sets a CacheEventLog, hears
 every hash that enters or leaves the cache (the decode worker publishes them).
 """
@@ -18,7 +18,7 @@ from collections import OrderedDict
 
 from kvmesh.shared.engine.cache_events import CacheEventLog
 from kvmesh.shared.engine.sequence import Sequence
-from kvmesh.shared.prefix_hash import block_hash
+from kvmesh.shared.kv.prefix_hash import block_hash
 
 __all__ = ["Block", "BlockManager", "OutOfBlocksError", "block_hash"]
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections.abc import Container, Mapping
 
 from kvmesh.shared.engine.block_manager import BlockManager
-from kvmesh.shared.engine.kv_cache import KVPool
 from kvmesh.shared.engine.sequence import Sequence
+from kvmesh.shared.kv.kv_cache import KVPool
 
 
 def choice_id(request_id: str, index: int) -> str:

@@ -1,6 +1,6 @@
 """When a sequence is done: a stop token or EOS, a stop string, or its length limit.
 
-Stop strings are matched on text from ``kvmesh.shared.text`` (the router's pipeline, so both sides
+Stop strings are matched on text from ``kvmesh.shared.text.detokenize`` (the router's pipeline, so both sides
 stop at the same token). Only sequences with stop strings carry a ``TextStream``
 (``Sequence.stop_text``); every other sequence is checked on ids alone and never detokenized.
 The stream has been fed exactly the sequence's emitted output tokens.
@@ -9,7 +9,7 @@ The stream has been fed exactly the sequence's emitted output tokens.
 from __future__ import annotations
 
 from kvmesh.shared.engine.sequence import Sequence
-from kvmesh.shared.text import TextStream, TokenDecoder
+from kvmesh.shared.text.detokenize import TextStream, TokenDecoder
 
 
 def stop_text_for(seq: Sequence, tokenizer: TokenDecoder | None) -> TextStream | None:

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from kvmesh.shared.engine.draft_tree import DraftTree
-from kvmesh.shared.structured_output import StructuredOutputs, build_grammar
-from kvmesh.shared.tokenizer import Tokenizer
+from kvmesh.shared.text.structured_output import StructuredOutputs, build_grammar
+from kvmesh.shared.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     import xgrammar

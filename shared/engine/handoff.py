@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from kvmesh.shared.engine.block_manager import BlockManager
 from kvmesh.shared.engine.sequence import ChunkReady, RequestError, Sequence
-from kvmesh.shared.sampling import SamplingOptions, TokenLogprobs
+from kvmesh.shared.text.sampling import SamplingOptions, TokenLogprobs
 
 
 def report_chunk(

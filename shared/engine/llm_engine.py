@@ -69,7 +69,6 @@ from kvmesh.shared.engine.choices import ChoiceGroups
 from kvmesh.shared.engine.config import EngineConfig
 from kvmesh.shared.engine.draft_tree import DraftTree
 from kvmesh.shared.engine.grammar import GrammarBook
-from kvmesh.shared.engine.kv_cache import KVCacheSpec, KVPool
 from kvmesh.shared.engine.model_runner import ModelRunner
 from kvmesh.shared.engine.outputs import collect_tokens, request_output, stop_check
 from kvmesh.shared.engine.sampler import Sampler
@@ -84,9 +83,10 @@ from kvmesh.shared.engine.sequence import (
 )
 from kvmesh.shared.engine.speculative import DraftVerifier, SpecStepStats, SpecTotals
 from kvmesh.shared.engine.step_rows import step_rows
-from kvmesh.shared.prefix_hash import layout_root
-from kvmesh.shared.protocol import kv_spec_fingerprint
-from kvmesh.shared.sampling import SamplingOptions, TokenLogprobs
+from kvmesh.shared.kv.kv_cache import KVCacheSpec, KVPool
+from kvmesh.shared.kv.prefix_hash import layout_root
+from kvmesh.shared.model.identity import kv_spec_fingerprint
+from kvmesh.shared.text.sampling import SamplingOptions, TokenLogprobs
 
 __all__ = [
     "ChunkReady",
@@ -122,7 +122,7 @@ class LLMEngine:
         )
         num_blocks = config.resolve_num_blocks(spec.block_bytes)
         self.kv_pool = KVPool(spec, num_blocks, device=config.device, buffer=kv_buffer)
-        # what DecodeAdvert.kv_spec says; it roots the prefix hash chain (shared/prefix_hash.py)
+        # what DecodeAdvert.kv_spec says; it roots the prefix hash chain (shared/kv/prefix_hash.py)
         self.kv_spec = kv_spec_fingerprint(spec, mc)
         self.block_manager = BlockManager(
             num_blocks,

@@ -22,10 +22,10 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from kvmesh.shared.engine.attention import AttentionMetadata, TreeRows
 from kvmesh.shared.engine.draft_tree import DraftTree
-from kvmesh.shared.engine.kv_cache import KVPool
 from kvmesh.shared.engine.sequence import Sequence
+from kvmesh.shared.kv.kv_cache import KVPool
+from kvmesh.shared.model.attention import AttentionMetadata, TreeRows
 from kvmesh.shared.model.llama import attach_cpu_ops
 
 

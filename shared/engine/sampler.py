@@ -20,7 +20,7 @@ import torch
 from kvmesh.shared.engine.grammar import mask_rows
 from kvmesh.shared.engine.logit_options import RowHistory, apply_logit_options
 from kvmesh.shared.engine.sequence import Sequence
-from kvmesh.shared.sampling import SamplingOptions, TokenLogprobs
+from kvmesh.shared.text.sampling import SamplingOptions, TokenLogprobs
 
 
 def apply_top_k_top_p(

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from kvmesh.shared.engine.sampler import token_logprobs
 from kvmesh.shared.engine.sequence import Sequence
-from kvmesh.shared.sampling import TokenLogprobs
+from kvmesh.shared.text.sampling import TokenLogprobs
 
 
 def sampled_logprobs(

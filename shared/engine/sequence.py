@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-from kvmesh.shared.sampling import SamplingOptions, TokenLogprobs
+from kvmesh.shared.text.sampling import SamplingOptions, TokenLogprobs
 
 if TYPE_CHECKING:
-    from kvmesh.shared.text import TextStream
+    from kvmesh.shared.text.detokenize import TextStream
 
 
 class RequestError(ValueError):

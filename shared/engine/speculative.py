@@ -20,14 +20,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
-from kvmesh.shared.engine import kv_int8, kv_quant
 from kvmesh.shared.engine.block_manager import BlockManager, OutOfBlocksError
 from kvmesh.shared.engine.draft_tree import DraftTree
 from kvmesh.shared.engine.finish import stop_text_for
-from kvmesh.shared.engine.kv_cache import KVPool
 from kvmesh.shared.engine.model_runner import ModelRunner
 from kvmesh.shared.engine.sequence import RequestError, Sequence, SequenceStatus
-from kvmesh.shared.text import TokenDecoder
+from kvmesh.shared.kv import kv_int8, kv_quant
+from kvmesh.shared.kv.kv_cache import KVPool
+from kvmesh.shared.text.detokenize import TokenDecoder
 
 
 @dataclass(frozen=True, slots=True)

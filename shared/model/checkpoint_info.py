@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from kvmesh.shared.model.config import ModelConfig, ModelConfigError
 from kvmesh.shared.model.tiny import TINY_NAME, tiny_config, tiny_tokenizer
-from kvmesh.shared.tokenizer import Tokenizer, TokenizerError
+from kvmesh.shared.text.tokenizer import Tokenizer, TokenizerError
 
 if TYPE_CHECKING:
     import torch

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvmesh.shared.cache_dir import cache_dir
+from kvmesh.shared.config.cache_dir import cache_dir
 from kvmesh.shared.model.gguf_import import (
     file_sha256,
     import_gguf,

@@ -21,8 +21,8 @@ from kvmesh.kernels.cpu_ops import (
     decode_plan,
     pack_linear_weight,
 )
-from kvmesh.shared.engine.attention import AttentionMetadata, paged_attention
-from kvmesh.shared.engine.kv_cache import KVCacheSpec, KVPool
+from kvmesh.shared.kv.kv_cache import KVCacheSpec, KVPool
+from kvmesh.shared.model.attention import AttentionMetadata, paged_attention
 from kvmesh.shared.model.config import ModelConfig
 from kvmesh.shared.model.rope import apply_rope, rope_cos_sin, rotation_tables
 from torch import nn

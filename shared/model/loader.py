@@ -20,7 +20,7 @@ from kvmesh.shared.model.checkpoint_info import ModelLoadError, load_config_and_
 from kvmesh.shared.model.config import ModelConfig, ModelConfigError, parse_dtype
 from kvmesh.shared.model.llama import Transformer
 from kvmesh.shared.model.tiny import TINY_NAME, tiny_state_dict
-from kvmesh.shared.tokenizer import Tokenizer
+from kvmesh.shared.text.tokenizer import Tokenizer
 from safetensors import safe_open
 
 WEIGHTS_FILE = "model.safetensors"

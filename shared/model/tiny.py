@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvmesh.shared.model.config import ModelConfig
-from kvmesh.shared.tokenizer import Tokenizer
+from kvmesh.shared.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     import torch

@@ -16,7 +16,7 @@ Every backend (``shm``, ``tcp``, ``rdma``) keeps RDMA semantics so that RDMA is 
 
 This module holds the API's vocabulary (registrations, windows, descriptors) and its Protocols;
 errors are in errors.py, completions in completions.py, options in config.py, and what the 32 bits
-of an immediate mean in ``kvmesh.shared.imm``.
+of an immediate mean in ``kvmesh.shared.transport.imm``.
 """
 
 from __future__ import annotations

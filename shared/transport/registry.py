@@ -14,7 +14,7 @@ from typing import Protocol
 
 import numpy as np
 import torch
-from kvmesh.shared import logs
+from kvmesh.shared.obs import logs
 from kvmesh.shared.transport.base import (
     Access,
     Buffer,

@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvmesh.shared import logs
+from kvmesh.shared.obs import logs
 from kvmesh.shared.transport.lane_auth import HelloRefused, LaneHello
 from kvmesh.shared.transport.threads import ThreadSet
 

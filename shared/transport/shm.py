@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from kvmesh.shared import logs
-from kvmesh.shared.stale_dirs import make_owned_dir, sweep_dead_owner_files
+from kvmesh.shared.config.stale_dirs import make_owned_dir, sweep_dead_owner_files
+from kvmesh.shared.obs import logs
 from kvmesh.shared.transport.backend import HostMemoryBackend
 from kvmesh.shared.transport.base import (
     Access,

@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from kvmesh.shared.imm import check_imm
 from kvmesh.shared.transport.base import Access, WriteEntry
 from kvmesh.shared.transport.errors import (
     PeerGoneError,
@@ -19,6 +18,7 @@ from kvmesh.shared.transport.errors import (
     RemoteAccessError,
     TransportClosedError,
 )
+from kvmesh.shared.transport.imm import check_imm
 from kvmesh.shared.transport.shm import (
     FREE,
     LIVE,

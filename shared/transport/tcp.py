@@ -28,8 +28,8 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 import torch
-from kvmesh.shared import logs
-from kvmesh.shared.advertise import default_route_address
+from kvmesh.shared.config.advertise import default_route_address
+from kvmesh.shared.obs import logs
 from kvmesh.shared.transport import lane_auth
 from kvmesh.shared.transport.backend import HostMemoryBackend
 from kvmesh.shared.transport.base import (

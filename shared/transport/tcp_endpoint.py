@@ -16,7 +16,6 @@ import threading
 from collections.abc import Coroutine, Sequence
 from typing import TYPE_CHECKING, Any
 
-from kvmesh.shared.imm import check_imm
 from kvmesh.shared.transport import lane_auth
 from kvmesh.shared.transport.base import PeerDescriptor, WriteEntry
 from kvmesh.shared.transport.errors import (
@@ -27,6 +26,7 @@ from kvmesh.shared.transport.errors import (
     TransportClosedError,
     TransportError,
 )
+from kvmesh.shared.transport.imm import check_imm
 from kvmesh.shared.transport.server import recv_exact
 from kvmesh.shared.transport.tcp import MAX_PENDING_WRITES, OP_READ, OP_WRITE, tune
 from kvmesh.shared.transport.tcp_frames import Frame, Op, cut_frames

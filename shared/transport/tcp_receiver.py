@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from kvmesh.shared import logs
+from kvmesh.shared.obs import logs
 from kvmesh.shared.transport.base import Access
 from kvmesh.shared.transport.completions import Completion, CompletionQueue
 from kvmesh.shared.transport.config import TransportConfig

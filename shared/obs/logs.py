@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-from kvmesh.shared.service_config import option
+from kvmesh.shared.config.service_config import option
 
 if TYPE_CHECKING:
     import structlog

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from kvmesh.shared.stale_dirs import make_owned_dir
+from kvmesh.shared.config.stale_dirs import make_owned_dir
 
 BINARY_ENV = "KVMESH_NATS_SERVER"
 
@@ -131,7 +131,7 @@ class NatsServer:
         cluster: ClusterSpec | None = None,
         command_prefix: Sequence[str] = (),
     ) -> None:
-        """``authorization``: a nats-server ``authorization { ... }`` block (shared/nats_auth.py,
+        """``authorization``: a nats-server ``authorization { ... }`` block (shared/bus/nats_auth.py,
         or a token / user and password one); None runs an open server. ``tls``: a ``tls { ... }``
         block (certificate, key, CA, verify), for clients that connect with TLS. ``cluster``:
         join a NATS cluster (routes to its other members; JetStream clustered across them).

@@ -1,6 +1,6 @@
 """The 64-byte header a KV store keeps beside each block, and how readers verify a block.
 
-A block in the store is named by its prefix hash (``shared/prefix_hash.py``, 64 bits, rooted in
+A block in the store is named by its prefix hash (``shared/kv/prefix_hash.py``, 64 bits, rooted in
 the KV layout). The header, written by the writer together with the block, says what the block
 is: the hash, the layout root, a 128-bit *token digest* (a second chain, independent of the
 hash: a 64-bit collision between two token sequences does not survive it) and the CRC32 of the

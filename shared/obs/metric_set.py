@@ -47,7 +47,7 @@ class MetricSet:
     def __init__(self, prefix: str) -> None:
         self.registry = CollectorRegistry()
         self.prefix = prefix
-        # every service's: what its MessageGuard refused (shared/message_guard.py)
+        # every service's: what its MessageGuard refused (shared/bus/message_guard.py)
         self.nats_refused = self.counter(
             "nats_refused_total",
             "NATS messages refused unhandled: oversized, malformed (not the subject's message "

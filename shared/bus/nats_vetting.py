@@ -5,7 +5,7 @@ A server anybody can connect to is anybody's: an unprivileged local user who sta
 mesh that joins it (issue 27). Two checks use the server's first line, its ``INFO`` (sent in the
 clear before any TLS or login): ``kvmesh up`` joins a server it did not start only when that
 server demands credentials (``vet_foreign_server``; ``--nats-insecure`` overrides), and a
-service given credentials refuses a server that asks for none (``shared/nats_service.py``):
+service given credentials refuses a server that asks for none (``shared/bus/nats_service.py``):
 such a server is not the one the credentials were made for. When the port is on this machine,
 the refusal says whose process holds it (``port_holder``: /proc/net/tcp and the holder's fds).
 """
@@ -142,8 +142,8 @@ def vet_foreign_server(host: str, port: int, *, insecure: bool) -> dict:
 def vet_nats_url(url: str, *, insecure: bool) -> None:
     """``vet_foreign_server`` for the first server of ``url`` (a cluster's members share their
     configuration)."""
-    from kvmesh.shared.nats_options import split_nats_urls
-    from kvmesh.shared.nats_server import parse_nats_url
+    from kvmesh.shared.bus.nats_options import split_nats_urls
+    from kvmesh.shared.bus.nats_server import parse_nats_url
 
     host, port = parse_nats_url(split_nats_urls(url)[0])
     vet_foreign_server(host, port, insecure=insecure)

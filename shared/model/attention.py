@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-from kvmesh.shared.engine import kv_int8, kv_quant
+from kvmesh.shared.kv import kv_int8, kv_quant
 
 if TYPE_CHECKING:
     from kvmesh.kernels.cpu_ops import DecodePlan

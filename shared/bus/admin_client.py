@@ -6,10 +6,10 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
-from kvmesh.shared.nats_auth import NatsAuth
-from kvmesh.shared.nats_options import NatsSecurity
-from kvmesh.shared.nats_service import NatsUnavailableError, connect_nats, request_json
-from kvmesh.shared.subjects import DEFAULT_MESH, Subjects
+from kvmesh.shared.bus.nats_auth import NatsAuth
+from kvmesh.shared.bus.nats_options import NatsSecurity
+from kvmesh.shared.bus.nats_service import NatsUnavailableError, connect_nats, request_json
+from kvmesh.shared.bus.subjects import DEFAULT_MESH, Subjects
 from nats.aio.client import Client
 
 

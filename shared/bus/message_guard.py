@@ -2,7 +2,7 @@
 
 A message is data from whoever may publish on a subject (a stray publisher, another version, a
 compromised role). Each subscription callback and each micro endpoint handler of a service is
-wrapped here (``shared/nats_service.py`` does it for ``subscriptions``, ``open_for_requests``
+wrapped here (``shared/bus/nats_service.py`` does it for ``subscriptions``, ``open_for_requests``
 and ``guarded_subscribe``), and each task a handler spawns runs through ``spawn``:
 
 - a body over ``max_bytes`` is refused before it is decoded (``oversized``);
@@ -29,7 +29,8 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
-from kvmesh.shared import logs, protocol
+from kvmesh.shared.bus import protocol
+from kvmesh.shared.obs import logs
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.micro.request import Request

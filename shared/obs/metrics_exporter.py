@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator
 
-from kvmesh.shared.service_errors import ServiceStartError
+from kvmesh.shared.config.service_errors import ServiceStartError
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 

@@ -10,9 +10,9 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 import nats.errors
-from kvmesh.shared import logs
-from kvmesh.shared.protocol import StoreSolicit, encode_message
-from kvmesh.shared.subjects import Subjects
+from kvmesh.shared.bus.protocol import StoreSolicit, encode_message
+from kvmesh.shared.bus.subjects import Subjects
+from kvmesh.shared.obs import logs
 from nats.aio.client import Client
 
 log = logs.get_logger(__name__)

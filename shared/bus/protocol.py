@@ -9,15 +9,13 @@ and not pydantic: docs/schema.md.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import hashlib
 import re
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, TypeVar
 
 import msgspec
-from kvmesh.shared.descriptor import TransportDescriptor
-from kvmesh.shared.sampling import SamplingOptions, TokenLogprobs
+from kvmesh.shared.kv.descriptor import TransportDescriptor
+from kvmesh.shared.text.sampling import SamplingOptions, TokenLogprobs
 
 
 class Message(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -339,7 +337,7 @@ class DecodeAdvert(Message):
 
 
 # --- prefix cache events (decode -> kv-registry) --------------------------------------------
-# Block hashes are shared/prefix_hash.py's chain, rooted in the worker's KV layout: the registry
+# Block hashes are shared/kv/prefix_hash.py's chain, rooted in the worker's KV layout: the registry
 # indexes which worker holds which prefix and places requests where their prefix is cached.
 
 MAX_CACHE_EVENT_HASHES = 16_384  # per message: a digest of a larger cache sends its newest ones
@@ -552,35 +550,3 @@ def _explain(type_name: str, error: str) -> str:
     else:
         what = (what[:1].lower() + what[1:]).replace("`", "")
     return f"{type_name}{path}: {what}"
-
-
-# --- model identity -------------------------------------------------------------------------
-# What the router and the decode workers compare to know they serve the same model (the
-# ``model_spec`` and ``kv_spec`` fields of the messages above).
-
-
-def model_spec(model_config: Any) -> str:
-    """What a router and a decode worker must agree on to serve one model: its KV layout per
-    token (layers, KV heads, head size) and a digest of its architecture, vocabulary and special
-    tokens. Independent of the weights' dtype, the block size and where the checkpoint lies, so
-    the router (which reads only config.json) computes the same string as the decode workers."""
-    fields = {
-        f.name: getattr(model_config, f.name)
-        for f in dataclasses.fields(model_config)
-        if f.name not in _NOT_MODEL_IDENTITY
-    }
-    digest = hashlib.blake2b(repr(sorted(fields.items())).encode(), digest_size=4).hexdigest()
-    mc = model_config
-    layout = f"L{mc.num_hidden_layers}-H{mc.num_key_value_heads}-D{mc.head_dim}"
-    return f"{layout}:model-{digest}"
-
-
-# ModelConfig fields that say how a model is stored or loaded, not which model it is
-_NOT_MODEL_IDENTITY = frozenset({"dtype", "source", "extra"})
-
-
-def kv_spec_fingerprint(spec: Any, model_config: Any) -> str:
-    """``DecodeAdvert.kv_spec``: the KV layout (``KVCacheSpec.fingerprint()``) plus a digest of
-    the model config. Prefill and decode exchange blocks only when these strings are equal."""
-    digest = hashlib.blake2b(repr(model_config).encode(), digest_size=4).hexdigest()
-    return f"{spec.fingerprint()}:model-{digest}"

@@ -3,7 +3,7 @@ signals. Each piece is an async context manager or a coroutine meant for a TaskG
 
 A worker's ``run(config)`` typically reads::
 
-    subjects = config.subjects                           # the mesh's (shared/subjects.py)
+    subjects = config.subjects                           # the mesh's (shared/bus/subjects.py)
     async with connect_nats(config.nats_url, f"decode-{worker_id}",
                             security=config.nats_security) as nc:
         async with worker_presence(nc, subjects, role="decode", worker_id=worker_id,
@@ -29,20 +29,21 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import nats
 import nats.micro
 import orjson
-from kvmesh.shared import logs, protocol
-from kvmesh.shared.hearing import Hearing
-from kvmesh.shared.message_guard import guard_of
-from kvmesh.shared.metrics_exporter import serve_metrics
-from kvmesh.shared.nats_auth import ADMIN, PASSWORD_FILE_ENV, USER_ENV, NatsAuth, auth_from_env
-from kvmesh.shared.nats_options import (
+from kvmesh.shared.bus import protocol
+from kvmesh.shared.bus.hearing import Hearing
+from kvmesh.shared.bus.message_guard import guard_of
+from kvmesh.shared.bus.nats_auth import ADMIN, PASSWORD_FILE_ENV, USER_ENV, NatsAuth, auth_from_env
+from kvmesh.shared.bus.nats_options import (
     NatsSecurity,
     redact_secrets,
     redact_url,
     split_nats_urls,
     url_has_credentials,
 )
-from kvmesh.shared.nats_vetting import holder_note
-from kvmesh.shared.subjects import Subjects
+from kvmesh.shared.bus.nats_vetting import holder_note
+from kvmesh.shared.bus.subjects import Subjects
+from kvmesh.shared.obs import logs
+from kvmesh.shared.obs.metrics_exporter import serve_metrics
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -50,8 +51,8 @@ from nats.micro.request import Request
 from nats.micro.service import Service
 
 if TYPE_CHECKING:
-    from kvmesh.shared.metric_set import MetricSet
-    from kvmesh.shared.worker_config import MetricsServiceConfig
+    from kvmesh.shared.bus.worker_config import MetricsServiceConfig
+    from kvmesh.shared.obs.metric_set import MetricSet
 
 log = logs.get_logger(__name__)
 
@@ -83,10 +84,10 @@ async def connect_nats(
     hearing: Hearing | None = None,
 ) -> AsyncIterator[Client]:
     """Connect (retrying for ``connect_wait_s``), reconnect forever after, drain on exit.
-    ``hearing``: told of every disconnect and reconnect (shared/hearing.py), so that the
+    ``hearing``: told of every disconnect and reconnect (shared/bus/hearing.py), so that the
     service's liveness checks do not count an outage as its peers' silence.
-    ``auth``: user and password; default those in the environment (shared/nats_auth.py), none
-    on an open server. ``security``: a credentials file and TLS (shared/nats_options.py); a
+    ``auth``: user and password; default those in the environment (shared/bus/nats_auth.py), none
+    on an open server. ``security``: a credentials file and TLS (shared/bus/nats_options.py); a
     token or user:password in ``url`` works too. Logs and errors show ``url`` redacted."""
     shown = redact_url(url)
     try:
@@ -117,7 +118,7 @@ async def connect_nats(
         log.warning("nats disconnected, reconnecting", name=name, url=shown)
 
     # Credentials were made for one server: one that asks for none is not it (another user's
-    # open server on the port, shared/nats_vetting.py), and nothing is sent to it.
+    # open server on the port, shared/bus/nats_vetting.py), and nothing is sent to it.
     given_credentials = bool(
         auth or url_has_credentials(url) or (security is not None and security.creds)
     )
@@ -278,7 +279,7 @@ def on_message(
     nc: Client, cls: type[M], handle: Callable[[M], Awaitable[None]]
 ) -> Callable[[Msg], Awaitable[None]]:
     """A subscription callback: decodes each message as ``cls`` and awaits ``handle(message)``,
-    through ``nc``'s MessageGuard (shared/message_guard.py): a malformed or oversized message
+    through ``nc``'s MessageGuard (shared/bus/message_guard.py): a malformed or oversized message
     (another version's, a stray publisher's) is refused, and what ``handle`` raises is logged
     and counted. A message is data, never a reason for a service to fail."""
     return guard_of(nc).typed(cls, handle)

@@ -15,12 +15,12 @@ import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvmesh.shared import logs
 from kvmesh.shared.engine.block_manager import BlockManager
-from kvmesh.shared.engine.kv_cache import KVPool
-from kvmesh.shared.kv_block_header import token_digests
-from kvmesh.shared.kv_store_client import KvStoreClient, LocalBlock, StoreBook, StoreTarget
-from kvmesh.shared.prefix_hash import reusable_prefix_hashes
+from kvmesh.shared.kv.kv_block_header import token_digests
+from kvmesh.shared.kv.kv_cache import KVPool
+from kvmesh.shared.kv.prefix_hash import reusable_prefix_hashes
+from kvmesh.shared.mesh.kv_store_client import KvStoreClient, LocalBlock, StoreBook, StoreTarget
+from kvmesh.shared.obs import logs
 
 log = logs.get_logger(__name__)
 

@@ -19,7 +19,7 @@ import typing
 from typing import Annotated, Any
 
 import msgspec
-from kvmesh.shared.structured_output import StructuredOutputs
+from kvmesh.shared.text.structured_output import StructuredOutputs
 from msgspec import Meta
 
 MAX_STOP_STRINGS = 16

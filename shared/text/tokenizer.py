@@ -3,9 +3,9 @@
 Two backends: a Hugging Face ``tokenizers`` tokenizer read from ``tokenizer.json`` +
 ``tokenizer_config.json`` (+ ``chat_template.jinja``), and the byte-level tokenizer of
 ``kvmesh-tiny`` (ids 0..255 are bytes, specials follow). The model's chat template comes with the
-tokenizer files; rendering it is ``kvmesh.shared.chat_template``'s job.
+tokenizer files; rendering it is ``kvmesh.shared.text.chat_template``'s job.
 
-Turning generated ids back into text, one token at a time, is ``kvmesh.shared.text``'s job.
+Turning generated ids back into text, one token at a time, is ``kvmesh.shared.text.detokenize``'s job.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from kvmesh.shared.chat_template import ChatTemplate, ChatTemplateError
+from kvmesh.shared.text.chat_template import ChatTemplate, ChatTemplateError
 from tokenizers import Tokenizer as HFTokenizer
 
 

@@ -16,18 +16,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
-from kvmesh.shared import logs
-from kvmesh.shared.engine.block_manager import BlockManager
-from kvmesh.shared.engine.kv_cache import KVPool
-from kvmesh.shared.kv_block_header import (
-    HEADER_BYTES,
-    BlockVerifyError,
-    make_header,
-    token_digests,
-    verify_block,
-)
-from kvmesh.shared.prefix_hash import layout_root, prefix_block_hashes
-from kvmesh.shared.protocol import (
+from kvmesh.shared.bus.protocol import (
     MAX_STORE_BLOCKS,
     Message,
     MessageError,
@@ -43,7 +32,18 @@ from kvmesh.shared.protocol import (
     decode_message,
     encode_message,
 )
-from kvmesh.shared.subjects import Subjects
+from kvmesh.shared.bus.subjects import Subjects
+from kvmesh.shared.engine.block_manager import BlockManager
+from kvmesh.shared.kv.kv_block_header import (
+    HEADER_BYTES,
+    BlockVerifyError,
+    make_header,
+    token_digests,
+    verify_block,
+)
+from kvmesh.shared.kv.kv_cache import KVPool
+from kvmesh.shared.kv.prefix_hash import layout_root, prefix_block_hashes
+from kvmesh.shared.obs import logs
 from kvmesh.shared.transport import (
     Access,
     Endpoint,

@@ -14,16 +14,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from kvmesh.shared.advertise import (
+from kvmesh.shared.bus.nats_options import NatsClientConfig
+from kvmesh.shared.bus.subjects import DEFAULT_MESH, mesh_from_model
+from kvmesh.shared.config.advertise import (
     AdvertiseHostError,
     check_advertise_host,
     resolve_transport_hosts,
 )
-from kvmesh.shared.cpu_placement import CpuPlacement, parse_cpu_list
-from kvmesh.shared.nats_options import NatsClientConfig
-from kvmesh.shared.service_config import check_worker_id, option
-from kvmesh.shared.service_errors import ServiceStartError
-from kvmesh.shared.subjects import DEFAULT_MESH, mesh_from_model
+from kvmesh.shared.config.cpu_placement import CpuPlacement, parse_cpu_list
+from kvmesh.shared.config.service_config import check_worker_id, option
+from kvmesh.shared.config.service_errors import ServiceStartError
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +87,7 @@ class DataPlaneConfig(MetricsServiceConfig):
             check_advertise_host(self.advertise_host)
 
     def transport_hosts(self) -> tuple[str, str]:
-        """``(bind, advertise)`` of the data plane (shared/advertise.py): the advertise host
+        """``(bind, advertise)`` of the data plane (shared/config/advertise.py): the advertise host
         defaults to the interface routing to NATS, the bind address to the advertise host.
         Raises ServiceStartError (printed as one line) when peers could not dial the result."""
         try:

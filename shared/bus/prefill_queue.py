@@ -8,7 +8,7 @@ stream lives in memory: a job is worth nothing once its router has given up (its
 by that router, keeps the decode blocks only while the router waits). On a NATS cluster the
 stream has three replicas, so the queue outlives the loss of one server.
 
-Who may do what (shared/nats_auth.py, docs/security.md): the stream and its consumer are made,
+Who may do what (shared/bus/nats_auth.py, docs/security.md): the stream and its consumer are made,
 scaled and made again after a NATS restart by the prefill-queue keeper
 (services/prefill_queue/, run by `kvmesh up` and in compose), the only NATS user allowed to
 create or update them: a role that could update the stream could give it a ``republish`` rule
@@ -31,8 +31,8 @@ import contextlib
 
 import nats.errors
 import nats.js.errors
-from kvmesh.shared import logs
-from kvmesh.shared.subjects import Subjects
+from kvmesh.shared.bus.subjects import Subjects
+from kvmesh.shared.obs import logs
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import api
@@ -169,7 +169,7 @@ class PrefillJobQueue:
     the job is announced (until then JetStream gives it to another worker after the consumer's
     ack wait). It binds to the mesh's durable consumer and never makes or changes it: the
     prefill-queue keeper does (services/prefill_queue/), and a worker waits for it. What the
-    worker's NATS user needs is the consumer's INFO and MSG.NEXT and acks (shared/nats_auth.py)."""
+    worker's NATS user needs is the consumer's INFO and MSG.NEXT and acks (shared/bus/nats_auth.py)."""
 
     def __init__(self, nc: Client, s: Subjects) -> None:
         self._nc = nc

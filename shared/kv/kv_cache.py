@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from kvmesh.shared.engine.kv_int8 import GROUP as INT8_GROUP
+from kvmesh.shared.kv.kv_int8 import GROUP as INT8_GROUP
 
 
 @dataclass(frozen=True, slots=True)

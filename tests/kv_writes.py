@@ -1,5 +1,10 @@
 """Planning the scatter-gather writes that move KV blocks from a prefill rank to decode ranks.
 
+Not product code: the services do not run tensor-parallel yet (prefill plans its chunk writes in
+``services/prefill/plan.py``, converts dtypes in ``services/prefill/convert.py``); this planner
+shows, with tests/test_kv_reshard.py and tests/test_kv_convert.py, that the pool layout reshards
+without staging.
+
 Pure: given the prefill rank's pool (and the ``MemoryRegion`` it is registered under), the blocks
 to send, and where the matching decode blocks are, return one ``WriteEntry`` list per destination
 (decode) rank. Tensor-parallel degrees may differ on the two sides (``kvmesh.kernels.kv_pack.reshard_plan``
@@ -31,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 from kvmesh.kernels.kv_pack import pack_blocks, pack_converted, reshard_plan, staging_shape
-from kvmesh.shared.engine.kv_cache import KVCacheSpec, KVPool
+from kvmesh.shared.kv.kv_cache import KVCacheSpec, KVPool
 from kvmesh.shared.transport.base import MemoryRegion, WriteEntry
 from kvmesh.shared.transport.errors import LocalAccessError
 

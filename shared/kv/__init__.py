@@ -1,0 +1,2 @@
+"""KV memory and what names it: pools and their 8-bit formats, block hashes and headers, write
+leases and immediates, the transport descriptor, the kv-store client."""
