@@ -188,9 +188,10 @@ async def drive(
     on_turn: Any = None,
 ) -> None:
     """Every turn of every conversation through ``mesh``, wave by wave (module docstring)."""
-    from kvmesh.loadgen.bench_mesh import MeshTap
     from kvmesh.loadgen.sse_client import Endpoint, run_requests, send_request
     from kvmesh.loadgen.workload import Prompt
+
+    from kvmesh.testing.mesh import MeshTap
 
     endpoint = Endpoint(mesh.url, model=model, ignore_eos=True)
     turns = len(conversations[0].user_messages)
@@ -244,7 +245,7 @@ async def drive(
 
 def mesh_config(variant: Variant, args: argparse.Namespace) -> Any:
     """The UpConfig of ``variant``'s mesh: disagg, a NATS server and a mesh name of its own."""
-    from kvmesh.loadgen.bench_mesh import mesh_config
+    from kvmesh.testing.mesh import mesh_config
 
     return mesh_config(
         model=args.model,
@@ -268,7 +269,7 @@ def started_meshes(variants: Sequence[Variant], args: argparse.Namespace) -> Ite
     """Every variant's mesh, started at once and waited for together (one start-up's time, not
     one per mesh); stopped together on exit. Only one of them is loaded at a time: the other
     idles (heartbeats)."""
-    from kvmesh.loadgen.bench_mesh import start_launcher
+    from kvmesh.testing.mesh import start_launcher
 
     launchers: list[Any] = []
     try:

@@ -140,7 +140,7 @@ def _target(config: ServeBenchConfig, target: Target) -> Iterator[tuple[str, dic
             roles["server"] = [pid]
         yield target.url, roles
         return
-    from kvmesh.loadgen.bench_mesh import local_mesh
+    from kvmesh.testing.mesh import local_mesh
 
     print(f"kvmesh bench serve: starting a {target.label} mesh", file=sys.stderr)
     env = dict(config.mesh_env)

@@ -32,8 +32,9 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvmesh.loadgen.bench_mesh import launched
 from kvmesh.loadgen.spec_workloads import WORKLOADS
+
+from kvmesh.testing.mesh import launched
 
 MODEL = "kvmesh-tiny"
 SPEC_COUNTERS = {
@@ -72,7 +73,7 @@ def spec_mesh(
     """A disaggregated local mesh (one prefill, one decode, the router; one draft worker with
     ``draft``) on a fresh nats-server, in child processes; yields the Launcher. ``env``: KVMESH_*
     settings every service inherits. Synchronous (use it from sync fixtures)."""
-    from kvmesh.loadgen.bench_mesh import mesh_config
+    from kvmesh.testing.mesh import mesh_config
 
     config = mesh_config(
         model=model,

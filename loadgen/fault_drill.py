@@ -182,7 +182,7 @@ def tally(outcomes: list[StreamOutcome | None], expected: list[str]) -> Tally:
 async def blocks_back_s(mesh: Any, since: float, timeout_s: float = 60.0) -> float | None:
     """Seconds after ``since`` when every decode worker had all its blocks free (None: not
     within ``timeout_s``)."""
-    from kvmesh.loadgen.bench_mesh import wait_blocks_returned
+    from kvmesh.testing.mesh import wait_blocks_returned
 
     rows = await wait_blocks_returned(
         mesh.config.nats_url, mesh.nats_auth, timeout_s, workers=mesh.config.decode
@@ -381,7 +381,7 @@ def _end_of(outcomes: list[StreamOutcome | None]) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvmesh.loadgen.bench_mesh import launched, mesh_config, random_prompts
+    from kvmesh.testing.mesh import launched, mesh_config, random_prompts
 
     config = mesh_config(
         model=MODEL,

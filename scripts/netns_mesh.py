@@ -8,7 +8,7 @@ nats-server per namespace joined into a cluster (routes; JetStream R3), then the
 keeper, kv-registry and router in host 1, prefill in host 2, two decode workers in host 3, over the tcp transport, each service
 listing its own host's NATS server first. The bridge holds 10.77.K.254 so that this process (in
 the root namespace) reaches the router and NATS; nothing is routed beyond the bridge. Ctrl-C tears
-everything down; so does any failure on the way up. tests/netns_harness.py wraps it for pytest.
+everything down; so does any failure on the way up. tests/support/netns_harness.py wraps it for pytest.
 
 Needs root or CAP_NET_ADMIN and iproute2. Delay and loss on the links (``--delay-ms``,
 ``--loss-pct``) come from ``tc netem`` where the kernel has sch_netem (``netem_available()``);

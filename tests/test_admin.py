@@ -12,7 +12,7 @@ from kvmesh.services.kv_registry.config import RegistryConfig
 from kvmesh.services.kv_registry.service import registry_service
 from kvmesh.shared.bus.nats_server import NatsServer
 from kvmesh.shared.bus.nats_service import connect_nats, request_json
-from registry_peers import peer_decode, wait_for
+from support.registry_peers import peer_decode, wait_for
 
 from kvmesh.commands.admin import table
 

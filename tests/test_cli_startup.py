@@ -42,9 +42,9 @@ print(sorted(m for m in sys.modules if m == "torch" or m.startswith("torch.")))
 
 def test_the_router_imports_no_torch(tmp_path):
     # torch costs a router 2-3 s of CPU at start and ~200 MB of memory, for nothing it uses
-    from hf_fixtures import make_llama_checkpoint
     from kvmesh.shared.model.identity import model_spec
     from kvmesh.shared.model.loader import load_model
+    from support.hf_fixtures import make_llama_checkpoint
 
     checkpoint = str(make_llama_checkpoint(tmp_path, dtype="bfloat16"))
     proc = subprocess.run(

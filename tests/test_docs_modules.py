@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from doc_blocks import ROOT, SOURCE_FOLDERS, fenced_block
+from support.doc_blocks import ROOT, SOURCE_FOLDERS, fenced_block
 
 
 def _module_map() -> str:

@@ -7,8 +7,8 @@ from __future__ import annotations
 import ast
 import re
 
-from doc_blocks import ROOT, SOURCE_FOLDERS, fenced_block
 from kvmesh.shared.bus.subjects import Subjects
+from support.doc_blocks import ROOT, SOURCE_FOLDERS, fenced_block
 
 
 def _diagram() -> str:

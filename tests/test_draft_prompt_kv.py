@@ -256,7 +256,7 @@ async def _mesh_in_process(tiny, small_draft=None):
     from kvmesh.shared.kv.descriptor import TransportDescriptor
     from kvmesh.shared.model.identity import kv_spec_fingerprint
     from kvmesh.shared.transport import Access, TransportConfig, create_transport
-    from transport_wire import remote as remote_key
+    from support.transport_wire import remote as remote_key
 
     model, tokenizer = tiny
     engine = LLMEngine(model, tokenizer, EngineConfig(num_blocks=64, max_num_batched_tokens=32))
@@ -499,7 +499,7 @@ def test_prefill_draft_model_with_another_vocabulary_stops_the_worker_at_start_u
     from kvmesh.services.prefill.draft_engine import load_draft_engine
     from kvmesh.shared.config.service_errors import ServiceStartError
     from kvmesh.shared.model.loader import load_config_and_tokenizer
-    from small_models import write_small_seeded
+    from support.small_models import write_small_seeded
 
     other = write_small_seeded(tmp_path / "other-vocab")
     config = PrefillConfig(draft_kv=True, draft_model=other)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_fixtures import prefill_metadata
 from kvmesh.services.draft.config import DraftConfig
 from kvmesh.services.draft.core import DraftJob
 from kvmesh.services.draft.drafters import EngineDrafter, truncate_layers
@@ -19,6 +18,7 @@ from kvmesh.shared.engine.draft_tree import MAX_TREE_NODES, DraftTree
 from kvmesh.shared.engine.llm_engine import LLMEngine
 from kvmesh.shared.kv.kv_cache import KVPool
 from kvmesh.shared.model import load_model
+from support.hf_fixtures import prefill_metadata
 
 WIDTHS = (2, 2, 1, 1)
 LOOKAHEAD = 5

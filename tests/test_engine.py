@@ -5,13 +5,13 @@ import random
 
 import pytest
 import torch
-from engine_handoff import chunk_copier
-from hf_fixtures import load_hf_reference, make_llama_checkpoint, make_qwen2_checkpoint
 from kvmesh.shared.engine.config import EngineConfig
 from kvmesh.shared.engine.llm_engine import LLMEngine
 from kvmesh.shared.engine.sequence import PromptTooLongError, RequestError
 from kvmesh.shared.model import load_model
 from kvmesh.shared.text.sampling import SamplingOptions
+from support.engine_handoff import chunk_copier
+from support.hf_fixtures import load_hf_reference, make_llama_checkpoint, make_qwen2_checkpoint
 
 GREEDY = SamplingOptions(max_tokens=12, temperature=0, ignore_eos=True)
 

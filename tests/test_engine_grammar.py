@@ -8,7 +8,6 @@ import json
 import re
 
 import pytest
-from engine_handoff import chunk_copier
 from jsonschema import Draft202012Validator
 from kvmesh.shared.engine.config import EngineConfig
 from kvmesh.shared.engine.draft_tree import DraftTree
@@ -17,6 +16,7 @@ from kvmesh.shared.engine.sequence import RequestError
 from kvmesh.shared.model import load_model
 from kvmesh.shared.text.sampling import SamplingOptions
 from kvmesh.shared.text.structured_output import StructuredOutputs, json_schema_text
+from support.engine_handoff import chunk_copier
 
 SCHEMA = {
     "type": "object",

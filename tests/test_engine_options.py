@@ -8,14 +8,14 @@ import random
 import msgspec
 import pytest
 import torch
-from engine_handoff import chunk_copier
-from hf_fixtures import load_hf_reference, make_llama_checkpoint
 from kvmesh.shared.engine.config import EngineConfig
 from kvmesh.shared.engine.draft_tree import DraftTree
 from kvmesh.shared.engine.llm_engine import LLMEngine
 from kvmesh.shared.engine.sequence import RequestError, RequestOutput
 from kvmesh.shared.model import load_model
 from kvmesh.shared.text.sampling import SamplingOptions
+from support.engine_handoff import chunk_copier
+from support.hf_fixtures import load_hf_reference, make_llama_checkpoint
 
 EVERY_OPTION = SamplingOptions(
     max_tokens=14,

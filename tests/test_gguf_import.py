@@ -1,4 +1,4 @@
-"""kvmesh model import on synthetic GGUF files (tests/gguf_fixtures.py): every tensor type the
+"""kvmesh model import on synthetic GGUF files (tests/support/gguf_fixtures.py): every tensor type the
 issue names, against transformers' own GGUF loading; the tokenizer and chat template; the bad
 files, each refused in one line."""
 
@@ -11,11 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf_fixtures import CHAT_TEMPLATE, TYPES, llamacpp_permute, write_gguf
 from kvmesh.shared.model.gguf_file import GGUFError, read_gguf
 from kvmesh.shared.model.gguf_import import MARKER, import_gguf, verify_import
 from kvmesh.shared.model.gguf_weights import unpermute_rows
 from kvmesh.shared.model.loader import load_model
+from support.gguf_fixtures import CHAT_TEMPLATE, TYPES, llamacpp_permute, write_gguf
 
 TEXTS = [
     "The capital of France is Paris.",
@@ -79,9 +79,9 @@ def test_import_gives_transformers_gguf_weights_and_logits(synthetic, transforme
 
 def kvmesh_logits(model, ids: list[int]) -> torch.Tensor:
     """Every position's logits from kvmesh's model, prefilled through a paged KV pool."""
-    from hf_fixtures import BLOCK_SIZE, prefill_metadata
     from kvmesh.shared.kv.kv_cache import KVPool
     from kvmesh.shared.model.llama import kv_cache_spec
+    from support.hf_fixtures import BLOCK_SIZE, prefill_metadata
 
     num_blocks = -(-len(ids) // BLOCK_SIZE)
     pool = KVPool(kv_cache_spec(model.config, BLOCK_SIZE), num_blocks)

@@ -17,15 +17,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_fixtures import (
+from kvmesh.shared.engine.config import EngineConfig
+from kvmesh.shared.engine.llm_engine import LLMEngine
+from kvmesh.shared.text.sampling import SamplingOptions
+from support.hf_fixtures import (
     load_hf_reference,
     make_llama_checkpoint,
     make_mistral_checkpoint,
     make_qwen2_checkpoint,
 )
-from kvmesh.shared.engine.config import EngineConfig
-from kvmesh.shared.engine.llm_engine import LLMEngine
-from kvmesh.shared.text.sampling import SamplingOptions
 
 pytestmark = pytest.mark.gpu
 

@@ -13,8 +13,9 @@ startup (shared/bus/worker_config.py; docs/gpu.md).
 from __future__ import annotations
 
 import pytest
-from kvmesh.loadgen.bench_mesh import launched, mesh_config, random_prompts
-from mesh_checks import check_blocks_returned, check_equals_offline, load
+from support.mesh_checks import check_blocks_returned, check_equals_offline, load
+
+from kvmesh.testing.mesh import launched, mesh_config, random_prompts
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 

@@ -1,4 +1,4 @@
-"""KV write planning (tests/kv_writes.py) and tensor-parallel resharding end to end.
+"""KV write planning (tests/support/kv_writes.py) and tensor-parallel resharding end to end.
 
 Planning: entries, offsets, coalescing and refusals, checked on byte offsets and by applying the
 entries with a plain memcpy. End to end: prefill ranks in separate processes write through the real
@@ -16,15 +16,6 @@ from typing import Any
 
 import pytest
 import torch
-from kv_writes import (
-    KVDestination,
-    KVLayoutError,
-    KVWritePlan,
-    PackStep,
-    plan_kv_writes,
-    run_packs,
-    staging_bytes,
-)
 from kvmesh.kernels.kv_pack import reshard_plan
 from kvmesh.shared.kv.kv_cache import KVCacheSpec, KVPool
 from kvmesh.shared.transport import (
@@ -38,7 +29,16 @@ from kvmesh.shared.transport import (
     create_transport,
 )
 from kvmesh.shared.transport.imm import pack_imm
-from transport_wire import remote
+from support.kv_writes import (
+    KVDestination,
+    KVLayoutError,
+    KVWritePlan,
+    PackStep,
+    plan_kv_writes,
+    run_packs,
+    staging_bytes,
+)
+from support.transport_wire import remote
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 needs_interpreter = pytest.mark.skipif(

@@ -8,7 +8,7 @@ from __future__ import annotations
 import ast
 import sys
 
-from doc_blocks import ROOT
+from support.doc_blocks import ROOT
 
 # Bottom to top: each plane may import the ones before it.
 PLANES = ("config", "obs", "text", "transport", "kv", "model", "engine", "bus", "mesh")

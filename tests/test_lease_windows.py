@@ -267,10 +267,10 @@ class ForgeryMesh:
         self.backend = backend
 
     async def __aenter__(self) -> ForgeryMesh:
-        from fake_pyverbs import FakeVerbs
         from kvmesh.services.prefill.endpoints import EndpointCache
         from kvmesh.services.prefill.worker import PrefillWorker
         from kvmesh.shared.kv.descriptor import TransportDescriptor
+        from support.fake_pyverbs import FakeVerbs
 
         self._stack = contextlib.AsyncExitStack()
         await self._stack.__aenter__()

@@ -13,10 +13,10 @@ import time
 
 import aiohttp
 import pytest
-from kvmesh.loadgen.bench_mesh import local_mesh, random_prompts, wait_blocks_returned
-from offline_text import offline_texts
+from support.offline_text import offline_texts
 
 from kvmesh.commands.restarts import RestartPolicy
+from kvmesh.testing.mesh import local_mesh, random_prompts, wait_blocks_returned
 
 pytestmark = pytest.mark.slow
 

@@ -21,11 +21,12 @@ import math
 import aiohttp
 import orjson
 import pytest
-from kvmesh.loadgen.bench_mesh import MODEL, MeshTap, complete, local_mesh, random_prompts
 from kvmesh.shared.bus import protocol
 from kvmesh.shared.bus.nats_service import connect_nats, flush_to_server
 from kvmesh.shared.bus.subjects import DEFAULT_MESH, Subjects
-from mesh_checks import check_blocks_returned, check_equals_offline, load, offline_greedy
+from support.mesh_checks import check_blocks_returned, check_equals_offline, load, offline_greedy
+
+from kvmesh.testing.mesh import MODEL, MeshTap, complete, local_mesh, random_prompts
 
 pytestmark = pytest.mark.slow
 

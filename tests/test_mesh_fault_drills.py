@@ -25,7 +25,6 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from kvmesh.loadgen.bench_mesh import launched, mesh_config, random_prompts
 from kvmesh.loadgen.fault_drill import (
     ENV,
     decode_stop,
@@ -35,7 +34,9 @@ from kvmesh.loadgen.fault_drill import (
     tally,
     worker_kill,
 )
-from offline_text import offline_texts
+from support.offline_text import offline_texts
+
+from kvmesh.testing.mesh import launched, mesh_config, random_prompts
 
 pytestmark = pytest.mark.slow
 

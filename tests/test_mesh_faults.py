@@ -18,7 +18,8 @@ import time
 
 import aiohttp
 import pytest
-from kvmesh.loadgen.bench_mesh import (
+
+from kvmesh.testing.mesh import (
     MeshTap,
     complete,
     local_mesh,

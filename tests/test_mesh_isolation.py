@@ -18,15 +18,16 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from kvmesh.loadgen.bench_mesh import (
+from kvmesh.shared.bus.nats_server import NatsServer
+from support.small_models import write_small_seeded
+
+from kvmesh.testing.mesh import (
     MeshTap,
     complete,
     local_mesh,
     random_prompts,
     wait_blocks_returned,
 )
-from kvmesh.shared.bus.nats_server import NatsServer
-from small_models import write_small_seeded
 
 pytestmark = pytest.mark.slow
 

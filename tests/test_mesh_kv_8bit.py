@@ -17,14 +17,15 @@ import urllib.request
 import pytest
 import torch
 from kvmesh.kernels.kv_pack import pack_converted
-from kvmesh.loadgen.bench_mesh import launched, mesh_config, random_prompts
 from kvmesh.loadgen.server_breakdown import parse_prometheus
 from kvmesh.shared.engine.config import EngineConfig
 from kvmesh.shared.engine.llm_engine import LLMEngine
 from kvmesh.shared.kv.kv_cache import KVCacheSpec
 from kvmesh.shared.model.loader import load_model
 from kvmesh.shared.text.sampling import SamplingOptions
-from mesh_checks import check_blocks_returned, check_equals_offline, load
+from support.mesh_checks import check_blocks_returned, check_equals_offline, load
+
+from kvmesh.testing.mesh import launched, mesh_config, random_prompts
 
 pytestmark = pytest.mark.slow
 

@@ -25,10 +25,11 @@ import urllib.request
 
 import aiohttp
 import pytest
-from kvmesh.loadgen.bench_mesh import MeshTap, complete, launched, mesh_config, random_prompts
 from kvmesh.loadgen.server_breakdown import parse_prometheus
 from kvmesh.shared.bus.admin_client import admin_client
-from mesh_checks import store_advertised_since_ready
+from support.mesh_checks import store_advertised_since_ready
+
+from kvmesh.testing.mesh import MeshTap, complete, launched, mesh_config, random_prompts
 
 pytestmark = pytest.mark.slow
 

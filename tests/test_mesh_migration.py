@@ -12,7 +12,8 @@ import urllib.request
 
 import aiohttp
 import pytest
-from kvmesh.loadgen.bench_mesh import (
+
+from kvmesh.testing.mesh import (
     MeshTap,
     complete,
     local_mesh,

@@ -14,10 +14,11 @@ import time
 import aiohttp
 import orjson
 import pytest
-from kvmesh.loadgen.bench_mesh import complete, local_mesh, random_prompts, wait_blocks_returned
 from kvmesh.shared.bus.nats_server import NatsServer
 from kvmesh.shared.config.ports import free_port
-from offline_text import offline_texts
+from support.offline_text import offline_texts
+
+from kvmesh.testing.mesh import complete, local_mesh, random_prompts, wait_blocks_returned
 
 pytestmark = pytest.mark.slow
 

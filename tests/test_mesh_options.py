@@ -13,9 +13,10 @@ import asyncio
 
 import openai
 import pytest
-from kvmesh.loadgen.bench_mesh import random_prompts
 from kvmesh.loadgen.bench_spec import DraftSetup, spec_mesh
 from kvmesh.shared.text.sampling import SamplingOptions
+
+from kvmesh.testing.mesh import random_prompts
 
 pytestmark = pytest.mark.slow
 
@@ -399,7 +400,8 @@ def test_options_in_colocated_mode_equal_the_offline_engine():
     import json
 
     from jsonschema import Draft202012Validator
-    from kvmesh.loadgen.bench_mesh import local_mesh
+
+    from kvmesh.testing.mesh import local_mesh
 
     prompt = PROMPTS[2]
     params = SamplingOptions(

@@ -16,9 +16,10 @@ import urllib.request
 
 import aiohttp
 import pytest
-from kvmesh.loadgen.bench_mesh import MeshTap, complete, local_mesh, random_prompts
 from kvmesh.loadgen.server_breakdown import parse_prometheus
 from kvmesh.shared.bus.admin_client import admin_client
+
+from kvmesh.testing.mesh import MeshTap, complete, local_mesh, random_prompts
 
 pytestmark = pytest.mark.slow
 

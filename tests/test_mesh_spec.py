@@ -29,12 +29,12 @@ import urllib.request
 
 import aiohttp
 import pytest
-from kvmesh.loadgen.bench_mesh import MeshTap, complete, random_prompts
 from kvmesh.loadgen.bench_spec import DraftSetup, spec_counters, spec_mesh
 from kvmesh.shared.bus.admin_client import admin_client
-from mesh_checks import check_blocks_returned, check_equals_offline, load, offline_greedy
+from support.mesh_checks import check_blocks_returned, check_equals_offline, load, offline_greedy
 
 from kvmesh.commands.admin import render_status
+from kvmesh.testing.mesh import MeshTap, complete, random_prompts
 
 pytestmark = pytest.mark.slow
 
@@ -328,7 +328,7 @@ def test_bad_draft_settings_stop_the_service_with_one_line(flags, message):
 
 
 def test_draft_model_with_another_vocabulary_is_refused_at_start_up(tmp_path):
-    from small_models import write_small_seeded
+    from support.small_models import write_small_seeded
 
     other = write_small_seeded(tmp_path / "other-vocab")
     proc = _serve_draft("--method", "model", "--draft-model", other)

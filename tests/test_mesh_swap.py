@@ -22,10 +22,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import aiohttp
 import pytest
-from kvmesh.loadgen.bench_mesh import complete, launched, mesh_config, random_prompts
-from mesh_checks import check_blocks_returned, store_advertised_since_ready
-from offline_text import offline_texts
 from prometheus_client.parser import text_string_to_metric_families
+from support.mesh_checks import check_blocks_returned, store_advertised_since_ready
+from support.offline_text import offline_texts
+
+from kvmesh.testing.mesh import complete, launched, mesh_config, random_prompts
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,4 @@
-"""The tests' NATS tap (loadgen/bench_mesh.py ``MeshTap``) follows a request across the wire ids
+"""The tests' NATS tap (kvmesh/testing/mesh.py ``MeshTap``) follows a request across the wire ids
 the router gives its attempts, against a real nats-server: a retry (``-rN``) after an attempt
 that was aborted before its first token, a migration (``-mN``) that carries the rest of a stream,
 and a plain request; a finish that ends an abandoned attempt is not the answer."""
@@ -8,11 +8,12 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from kvmesh.loadgen.bench_mesh import MeshTap
 from kvmesh.services.router.attempts import attempt_of
 from kvmesh.shared.bus import protocol
 from kvmesh.shared.bus.nats_service import connect_nats, flush_to_server
 from kvmesh.shared.bus.subjects import Subjects
+
+from kvmesh.testing.mesh import MeshTap
 
 S = Subjects("kvmesh-tiny")
 

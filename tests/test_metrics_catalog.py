@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 import yaml
-from metrics_catalog import catalog, markdown_table, series_names
+from support.metrics_catalog import catalog, markdown_table, series_names
 
 REPO = Path(__file__).resolve().parents[1]
 DASHBOARD = REPO / "deploy" / "grafana" / "dashboards" / "kvmesh.json"
@@ -51,7 +51,7 @@ def test_readme_lists_every_metric_as_the_modules_define_it() -> None:
     readme = (REPO / "README.md").read_text()
     assert markdown_table() in readme, (
         "README's metrics table is out of date; replace it with the output of "
-        "`python tests/metrics_catalog.py`"
+        "`python tests/support/metrics_catalog.py`"
     )
 
 

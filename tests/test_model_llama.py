@@ -7,7 +7,10 @@ import torch
 
 pytest.importorskip("transformers")
 
-from hf_fixtures import (
+from kvmesh.shared.kv.kv_cache import KVPool
+from kvmesh.shared.model import kv_cache_spec, load_model
+from kvmesh.shared.model.attention import AttentionMetadata
+from support.hf_fixtures import (
     BLOCK_SIZE,
     greedy_generate,
     load_hf_reference,
@@ -16,9 +19,6 @@ from hf_fixtures import (
     make_qwen2_checkpoint,
     prefill_metadata,
 )
-from kvmesh.shared.kv.kv_cache import KVPool
-from kvmesh.shared.model import kv_cache_spec, load_model
-from kvmesh.shared.model.attention import AttentionMetadata
 
 PROMPT = "The quick brown fox jumps over the lazy dog; größer 🦊 " * 2  # 120 byte tokens: 8 blocks
 # Blocks deliberately out of order, so a mix-up of block tables and slots changes the result.

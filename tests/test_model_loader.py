@@ -9,8 +9,8 @@ from safetensors.torch import load_file, save_file
 
 pytest.importorskip("transformers")
 
-from hf_fixtures import make_llama_checkpoint, make_qwen2_checkpoint
 from kvmesh.shared.model import ModelLoadError, load_model
+from support.hf_fixtures import make_llama_checkpoint, make_qwen2_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -5,12 +5,12 @@ import hashlib
 
 import pytest
 import torch
-from hf_fixtures import load_hf_reference
 from kvmesh.shared.engine.config import EngineConfig
 from kvmesh.shared.engine.llm_engine import LLMEngine
 from kvmesh.shared.model import load_model
 from kvmesh.shared.model.seeded import SeededShape, num_parameters, write_seeded_checkpoint
 from kvmesh.shared.text.sampling import SamplingOptions
+from support.hf_fixtures import load_hf_reference
 
 from kvmesh.cli import main
 

@@ -68,7 +68,7 @@ def test_tiny_is_a_real_llama_checkpoint():
     model, tok = load_model()
     ids = tok.encode_chat([{"role": "user", "content": "Tell me about paged attention, please."}])
     pool = KVPool(kv_cache_spec(model.config), 8)
-    from hf_fixtures import prefill_metadata
+    from support.hf_fixtures import prefill_metadata
 
     with torch.inference_mode():
         ours = model.compute_logits(
@@ -85,7 +85,7 @@ def test_tiny_is_a_real_llama_checkpoint():
 
 def test_decode_steps_reproduce_prefill_logits():
     """Feeding a prompt token by token through the cache gives the logits of one big prefill."""
-    from hf_fixtures import prefill_metadata
+    from support.hf_fixtures import prefill_metadata
 
     model, tok = load_model()
     ids = tok.encode("Paged KV: one span per block, all layers.")  # 42 tokens, 3 blocks

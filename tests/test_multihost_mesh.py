@@ -19,12 +19,13 @@ import aiohttp
 import nats.errors
 import nats.js.errors
 import pytest
-from kvmesh.loadgen.bench_mesh import random_prompts, wait_blocks_returned
 from kvmesh.shared.bus.admin_client import AdminError, admin_client
 from kvmesh.shared.bus.nats_service import connect_nats
 from kvmesh.shared.bus.subjects import Subjects
-from netns_harness import netns_mesh_or_skip
-from offline_text import offline_texts
+from support.netns_harness import netns_mesh_or_skip
+from support.offline_text import offline_texts
+
+from kvmesh.testing.mesh import random_prompts, wait_blocks_returned
 
 pytestmark = pytest.mark.slow
 

@@ -1,5 +1,5 @@
 """No message kills a service: every subject some role reads (generated from ``Subjects`` and the
-roles' permissions, tests/nats_fuzz.py) gets one message of every protocol type (its own among
+roles' permissions, tests/support/nats_fuzz.py) gets one message of every protocol type (its own among
 them), each cut short, an empty body, junk, 10,000 nested brackets and a body as large as the
 server carries, each without a reply subject and with one, and every typed one again (a replay),
 published with the credentials of a role that may publish there, into a real mesh (`kvmesh up`:
@@ -17,10 +17,11 @@ import urllib.request
 
 import aiohttp
 import pytest
-from kvmesh.loadgen.bench_mesh import complete, launched, mesh_config
 from kvmesh.loadgen.server_breakdown import parse_prometheus
 from kvmesh.shared.bus.nats_service import connect_nats
-from nats_fuzz import bodies, targets
+from support.nats_fuzz import bodies, targets
+
+from kvmesh.testing.mesh import complete, launched, mesh_config
 
 pytestmark = pytest.mark.slow
 

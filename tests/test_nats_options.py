@@ -27,7 +27,7 @@ from kvmesh.shared.bus.nats_options import (
 from kvmesh.shared.bus.nats_server import NatsServer
 from kvmesh.shared.bus.nats_service import NatsUnavailableError, connect_nats
 from kvmesh.shared.config.service_config import ConfigError, config_from_args
-from nats_keys import NKey, OperatorChain
+from support.nats_keys import NKey, OperatorChain
 
 REPO = Path(__file__).resolve().parents[1]
 

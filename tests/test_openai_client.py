@@ -1,7 +1,7 @@
 """The official ``openai`` client against the router: completions and chat, streamed and not, the
 streamed deltas adding up to the non-streamed text, and errors mapped onto the client's types.
 
-First against the fake peer of tests/router_fake_mesh.py (real NATS, real protocol messages), then
+First against the fake peer of tests/support/router_fake_mesh.py (real NATS, real protocol messages), then
 against the real mesh: kv-registry, decode, prefill and router started as `kvmesh serve` processes.
 """
 
@@ -24,7 +24,7 @@ import orjson
 import pytest
 from kvmesh.services.router import RouterConfig, serve_router
 from kvmesh.shared.config.ports import free_port
-from router_fake_mesh import REPLY_TEXT, FakeMesh
+from support.router_fake_mesh import REPLY_TEXT, FakeMesh
 
 MODEL = "kvmesh-tiny"
 MESSAGES = [{"role": "system", "content": "be terse"}, {"role": "user", "content": "hello"}]

@@ -41,7 +41,7 @@ async def _converting_prefill(tiny, prefill_dtype: str, decode_spec):
     from kvmesh.services.prefill.endpoints import EndpointCache
     from kvmesh.services.prefill.worker import PrefillWorker
     from kvmesh.shared.transport import Access, TransportConfig, create_transport
-    from transport_wire import remote as remote_key
+    from support.transport_wire import remote as remote_key
 
     engine = _engine(tiny, prefill_dtype, max_num_batched_tokens=32)
     async with (

@@ -116,7 +116,7 @@ async def _prefill_setup(tiny, num_remote_blocks=64):
     from kvmesh.shared.engine.config import EngineConfig
     from kvmesh.shared.engine.llm_engine import LLMEngine
     from kvmesh.shared.transport import Access, TransportConfig, create_transport
-    from transport_wire import remote as remote_key
+    from support.transport_wire import remote as remote_key
 
     engine = LLMEngine(*tiny, EngineConfig(num_blocks=64, max_num_batched_tokens=32))
     spec = engine.kv_pool.spec

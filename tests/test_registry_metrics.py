@@ -12,7 +12,7 @@ from kvmesh.shared.bus.nats_service import connect_nats
 from kvmesh.shared.bus.protocol import PlaceReply, PlaceRequest
 from kvmesh.shared.bus.subjects import DEFAULT_MESH, Subjects
 from kvmesh.shared.text.sampling import SamplingOptions
-from registry_peers import peer_decode, wait_for
+from support.registry_peers import peer_decode, wait_for
 
 subjects = Subjects(DEFAULT_MESH)
 

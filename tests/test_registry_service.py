@@ -1,4 +1,4 @@
-"""The kv-registry against a real nats-server and real protocol peers (tests/registry_peers.py)."""
+"""The kv-registry against a real nats-server and real protocol peers (tests/support/registry_peers.py)."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ from kvmesh.shared.obs import logs
 from kvmesh.shared.text.sampling import SamplingOptions
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from registry_peers import BLOCK_BYTES, peer_decode, wait_for
+from support.registry_peers import BLOCK_BYTES, peer_decode, wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 subjects = Subjects(DEFAULT_MESH)  # RegistryConfig's default mesh

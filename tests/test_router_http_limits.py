@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 from kvmesh.services.router import RouterConfig, serve_router
 from kvmesh.services.router.config import HttpLimits
-from router_fake_mesh import FakeMesh
+from support.router_fake_mesh import FakeMesh
 
 HEADER_TIMEOUT_S, BODY_TIMEOUT_S, CAP = 1.0, 1.0, 16
 NUM_SLOW = 100

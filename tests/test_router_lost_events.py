@@ -13,7 +13,7 @@ import orjson
 from kvmesh.services.router import RouterConfig, serve_router
 from kvmesh.services.router.attempts import is_gap
 from kvmesh.shared.bus.protocol import TokenEvent
-from router_fake_mesh import REPLY_TEXT, FakeMesh
+from support.router_fake_mesh import REPLY_TEXT, FakeMesh
 
 MODEL = "kvmesh-tiny"
 

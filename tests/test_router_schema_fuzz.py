@@ -36,10 +36,10 @@ import orjson
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from json_schema_strategies import from_schema, inline_refs
 from jsonschema import Draft202012Validator
 from kvmesh.shared.config.ports import free_port
-from router_fake_mesh import FakeMesh
+from support.json_schema_strategies import from_schema, inline_refs
+from support.router_fake_mesh import FakeMesh
 from yarl import URL
 
 MODEL = "kvmesh-tiny"

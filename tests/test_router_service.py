@@ -1,4 +1,4 @@
-"""The router over HTTP against a real nats-server and a fake mesh peer (tests/router_fake_mesh.py):
+"""The router over HTTP against a real nats-server and a fake mesh peer (tests/support/router_fake_mesh.py):
 wire framing of SSE, placement and prefill jobs, aborts on disconnect, overload and error shapes."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from kvmesh.shared.bus import protocol
 from kvmesh.shared.bus.nats_service import flush_to_server
 from kvmesh.shared.bus.subjects import DEFAULT_MESH, Subjects
 from kvmesh.shared.model.tiny import tiny_tokenizer
-from router_fake_mesh import REPLY_TEXT, FakeMesh
+from support.router_fake_mesh import REPLY_TEXT, FakeMesh
 
 MODEL = "kvmesh-tiny"
 LONG_PROMPT = "x" * 80  # over the default local_prefill_threshold (64 tokens): remote prefill

@@ -1,6 +1,6 @@
 """A stopping router ends what it serves cleanly: the ``Shutdown`` core on plain tasks, then a
 real ``kvmesh serve router`` process on a real nats-server with the fake mesh peer
-(tests/router_fake_mesh.py) producing slow tokens, stopped by SIGTERM."""
+(tests/support/router_fake_mesh.py) producing slow tokens, stopped by SIGTERM."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import orjson
 import pytest
 from kvmesh.services.router.shutdown import RouterStoppingError, Shutdown
 from kvmesh.shared.config.ports import free_port
-from router_fake_mesh import REPLY_TEXT, FakeMesh
+from support.router_fake_mesh import REPLY_TEXT, FakeMesh
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "kvmesh-tiny"

@@ -19,7 +19,7 @@ from kvmesh.loadgen.sim.specs import DeviceSpec, SpecError, load_device, load_mo
 from kvmesh.loadgen.sim.topology import Topology
 from kvmesh.loadgen.sim.validate import mesh_topology
 from kvmesh.loadgen.sim.workload import SimRequest
-from sim_probe_fakes import fixed_steps
+from support.sim_probe_fakes import fixed_steps
 
 TINY = load_model("kvmesh-tiny")
 

@@ -26,7 +26,7 @@ from kvmesh.loadgen.sim.topology import Topology
 from kvmesh.loadgen.sim.validate import mesh_topology
 from kvmesh.loadgen.sim.worker import SimSeq, Worker
 from kvmesh.loadgen.sim.workload import SimRequest
-from sim_probe_fakes import cpu_like, fixed_steps, simulated_probe
+from support.sim_probe_fakes import cpu_like, fixed_steps, simulated_probe
 
 TINY = load_model("kvmesh-tiny")
 

@@ -29,7 +29,7 @@ from kvmesh.loadgen.sim.validate import (
     records_json,
 )
 from kvmesh.loadgen.sim.workload import SimRequest
-from sim_probe_fakes import cpu_like, simulated_probe
+from support.sim_probe_fakes import cpu_like, simulated_probe
 
 TINY = load_model("kvmesh-tiny")
 MODES = ("colocated", "disagg")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from netns_harness import load_script
+from support.netns_harness import load_script
 
 
 def _tap_link():

@@ -6,16 +6,16 @@ import subprocess
 import sys
 
 import pytest
-from hf_fixtures import (
+from kvmesh.shared.model.tiny import tiny_tokenizer
+from kvmesh.shared.text.detokenize import IncrementalDetokenizer
+from kvmesh.shared.text.tokenizer import Tokenizer
+from support.hf_fixtures import (
     LLAMA_CHAT_TEMPLATE,
     LLAMA_SPECIALS,
     QWEN2_CHAT_TEMPLATE,
     QWEN2_SPECIALS,
     write_tokenizer,
 )
-from kvmesh.shared.model.tiny import tiny_tokenizer
-from kvmesh.shared.text.detokenize import IncrementalDetokenizer
-from kvmesh.shared.text.tokenizer import Tokenizer
 
 TEXT = "Grüße aus Zürich 🦊 日本語 — ok"
 

@@ -1,15 +1,15 @@
 import json
 
 import pytest
-from hf_fixtures import (
+from kvmesh.shared.model.tiny import tiny_tokenizer
+from kvmesh.shared.text.tokenizer import Tokenizer, TokenizerError
+from support.hf_fixtures import (
     LLAMA_CHAT_TEMPLATE,
     LLAMA_SPECIALS,
     QWEN2_CHAT_TEMPLATE,
     QWEN2_SPECIALS,
     write_tokenizer,
 )
-from kvmesh.shared.model.tiny import tiny_tokenizer
-from kvmesh.shared.text.tokenizer import Tokenizer, TokenizerError
 
 MESSAGES = [
     {"role": "system", "content": "Be brief."},

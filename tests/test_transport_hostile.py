@@ -22,7 +22,7 @@ from kvmesh.shared.transport.tcp import (
     VERSION,
     TcpTransport,
 )
-from transport_wire import raw_lane, remote, tcp_secret
+from support.transport_wire import raw_lane, remote, tcp_secret
 
 BLOCK = 4096
 
@@ -194,10 +194,10 @@ async def test_hostile_load_leaves_normal_writes_served() -> None:
 async def test_an_rdma_side_channel_hello_without_the_secret_gets_no_queue_pair() -> None:
     """rdma's handshake listener made a queue pair for any hello; now, as a tcp lane, a
     connection proves it knows the secret in the receiver's descriptor first (on
-    tests/fake_pyverbs.py)."""
-    from fake_pyverbs import FakeVerbs
+    tests/support/fake_pyverbs.py)."""
     from kvmesh.shared.transport.rdma import RdmaTransport
     from kvmesh.shared.transport.rdma_side_channel import read_frame, write_frame
+    from support.fake_pyverbs import FakeVerbs
 
     verbs = FakeVerbs()
     async with (

@@ -14,7 +14,7 @@ import torch
 from kvmesh.shared.transport import Access, TransportConfig, WriteEntry, create_transport
 from kvmesh.shared.transport.lane_auth import HelloReader, answer_challenge, new_secret
 from kvmesh.shared.transport.server import SocketServer
-from transport_wire import raw_lane, remote
+from support.transport_wire import raw_lane, remote
 
 
 def _address(transport) -> tuple[int, object]:

@@ -1,4 +1,4 @@
-"""rdma backend: logic against tests/fake_pyverbs.py (a recording, byte-moving stand-in), plus a
+"""rdma backend: logic against tests/support/fake_pyverbs.py (a recording, byte-moving stand-in), plus a
 real loopback write-with-imm wherever an RDMA device exists (SoftRoCE counts).
 
 The fake device offers memory windows (types 1 and 2, like rxe) unless a test says otherwise, so
@@ -16,7 +16,6 @@ import socket
 
 import pytest
 import torch
-from fake_pyverbs import FakeDevice, FakeVerbs, e
 from kvmesh.shared.transport.base import Access, WriteEntry
 from kvmesh.shared.transport.config import TransportConfig
 from kvmesh.shared.transport.errors import (
@@ -29,6 +28,7 @@ from kvmesh.shared.transport.errors import (
 )
 from kvmesh.shared.transport.rdma import RdmaTransport, rdma_available
 from kvmesh.shared.transport.rdma_qp import QPLimits, Span, build_segments, completion_error
+from support.fake_pyverbs import FakeDevice, FakeVerbs, e
 
 BLOCK = 4096
 NO_MW = FakeDevice(mw_types=())

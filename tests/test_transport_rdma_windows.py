@@ -1,4 +1,4 @@
-"""Lease-scoped writes on rdma, against tests/fake_pyverbs.py: a window's key resolves into verbs
+"""Lease-scoped writes on rdma, against tests/support/fake_pyverbs.py: a window's key resolves into verbs
 memory windows bound to exactly its spans on the writer's own connection; the NIC refuses
 everything else (blocks outside, the region's key, another connection's window, a closed
 window), the receiver counts it; a NIC without memory windows falls back to region keys and says
@@ -15,12 +15,12 @@ import socket
 
 import pytest
 import torch
-from fake_pyverbs import FakeDevice, FakeVerbs, e
 from kvmesh.shared.transport.base import Access, PeerDescriptor, WriteEntry
 from kvmesh.shared.transport.config import TransportConfig
 from kvmesh.shared.transport.errors import PeerGoneError, RefusalReason, RemoteAccessError
 from kvmesh.shared.transport.rdma import RdmaTransport, rdma_available
 from kvmesh.shared.transport.rdma_windows import choose_window_type
+from support.fake_pyverbs import FakeDevice, FakeVerbs, e
 
 BLOCK = 4096
 NUM_BLOCKS = 16

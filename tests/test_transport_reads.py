@@ -1,4 +1,4 @@
-"""One-sided reads on shm, tcp and rdma (on tests/fake_pyverbs.py), scoped like writes: a reader
+"""One-sided reads on shm, tcp and rdma (on tests/support/fake_pyverbs.py), scoped like writes: a reader
 pulls bytes of a remote registered region straight into its own registered memory, only through
 a window the owner opened with REMOTE_READ; a read outside its spans, with a write-only key or
 after the window closed is refused (and counted where the owner can see it), and nothing of the
@@ -10,7 +10,6 @@ import asyncio
 
 import pytest
 import torch
-from fake_pyverbs import FakeVerbs, e
 from kvmesh.shared.transport import (
     Access,
     MemoryWindow,
@@ -22,6 +21,7 @@ from kvmesh.shared.transport import (
     create_transport,
 )
 from kvmesh.shared.transport.rdma import RdmaTransport
+from support.fake_pyverbs import FakeVerbs, e
 
 BLOCK = 4096
 NUM_BLOCKS = 8

@@ -27,7 +27,7 @@ from kvmesh.shared.transport import (
     create_transport,
 )
 from kvmesh.shared.transport.imm import pack_imm
-from transport_wire import remote
+from support.transport_wire import remote
 
 SPEC = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16)  # 32 KiB blocks
 BB = SPEC.block_bytes

@@ -11,7 +11,7 @@ import torch
 from kvmesh.shared.transport import Access, PeerUnreachableError, TransportConfig, WriteEntry
 from kvmesh.shared.transport.base import PeerDescriptor
 from kvmesh.shared.transport.shm import SHM_DIR, ShmTransport
-from transport_wire import remote
+from support.transport_wire import remote
 
 
 def segments() -> set[str]:

@@ -28,7 +28,7 @@ from kvmesh.shared.transport.tcp import (
     VERSION,
     TcpTransport,
 )
-from transport_wire import FAKE_SECRET, accept_hello, raw_lane, remote
+from support.transport_wire import FAKE_SECRET, accept_hello, raw_lane, remote
 
 NBYTES = 64 << 10
 GUARD = 0xAB

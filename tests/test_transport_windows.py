@@ -1,4 +1,4 @@
-"""Memory windows on shm, tcp and rdma (on tests/fake_pyverbs.py): a key to a reservation's blocks
+"""Memory windows on shm, tcp and rdma (on tests/support/fake_pyverbs.py): a key to a reservation's blocks
 alone, refused outside its spans and after it closes; immediates count only with a live key
 (security issue, lease-scoped writes). rdma-only behaviour (the NIC's refusals, binding per
 connection, the fallback without memory windows) is in tests/test_transport_rdma_windows.py."""
@@ -9,7 +9,6 @@ import asyncio
 import socket
 
 import pytest
-from fake_pyverbs import FakeVerbs
 from kvmesh.shared.transport import (
     Access,
     MemoryWindow,
@@ -24,6 +23,7 @@ from kvmesh.shared.transport import (
 from kvmesh.shared.transport.base import merge_spans
 from kvmesh.shared.transport.rdma import RdmaTransport
 from kvmesh.shared.transport.shm import NOTE, OP_HELLO, OP_WRITE_DONE
+from support.fake_pyverbs import FakeVerbs
 
 BLOCK = 4096
 NUM_BLOCKS = 16

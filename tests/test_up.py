@@ -18,7 +18,7 @@ from kvmesh.shared.bus.nats_service import flush_to_server
 from kvmesh.shared.config.ports import free_port
 from kvmesh.shared.config.service_config import ConfigError
 from nats.aio.msg import Msg
-from proc_tree import cmdline, descendants, wait_all_dead
+from support.proc_tree import cmdline, descendants, wait_all_dead
 
 from kvmesh.cli import build_parser
 from kvmesh.commands.serve import build_service_config
@@ -601,8 +601,9 @@ def _wait_recorded(proc: subprocess.Popen[bytes], mesh: str, timeout_s: float) -
 async def _greedy_tokens(nats_url: str, err: Path, mesh: str, port: int, model: str, prompt):
     """A greedy completion through the router; its token ids, read off the mesh's subjects."""
     import aiohttp
-    from kvmesh.loadgen.bench_mesh import MeshTap, complete
     from kvmesh.shared.bus.nats_auth import auth_from_env
+
+    from kvmesh.testing.mesh import MeshTap, complete
 
     async with (
         MeshTap(nats_url, auth_from_env(admin_env(err)), mesh=mesh) as tap,
@@ -619,7 +620,6 @@ def test_two_ups_with_different_models_on_one_machine_both_serve(tmp_path: Path)
     """Issue #9, defect 3: the second `kvmesh up` (another model, another port, default NATS
     URL) joined the first one's NATS and placed requests on its workers. Now it starts a NATS of
     its own, each mesh serves its own model, and kvmesh admin finds either by name."""
-    from kvmesh.loadgen.bench_mesh import random_prompts
     from kvmesh.shared.bus.mesh_state import running_meshes
     from kvmesh.shared.bus.nats_server import nats_is_reachable
     from kvmesh.shared.config.service_config import DEFAULT_NATS_URL
@@ -627,7 +627,9 @@ def test_two_ups_with_different_models_on_one_machine_both_serve(tmp_path: Path)
     from kvmesh.shared.engine.llm_engine import LLMEngine
     from kvmesh.shared.model.loader import load_model
     from kvmesh.shared.text.sampling import SamplingOptions
-    from small_models import write_small_seeded
+    from support.small_models import write_small_seeded
+
+    from kvmesh.testing.mesh import random_prompts
 
     if nats_is_reachable(DEFAULT_NATS_URL):
         pytest.skip("a NATS server already runs on 127.0.0.1:4222 on this machine")

@@ -12,7 +12,7 @@ import urllib.error
 from pathlib import Path
 
 import pytest
-from proc_tree import cmdline, descendants
+from support.proc_tree import cmdline, descendants
 from test_up import admin_status_json, chat, launch, wait_for_line
 
 from kvmesh.commands.restarts import RestartPolicy

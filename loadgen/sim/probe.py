@@ -28,7 +28,7 @@ decode steps mostly) are what ``engine_scale.py`` fits the engine's slowdown in 
 
 The same requests, as ``SimRequest``s (``probe_requests``), are what the simulator replays when
 it fits the overheads. The real side uses ``kvmesh bench serve``'s client (``sse_client``) and
-``bench_mesh.local_mesh`` as ``--validate`` does (torch and the services, imported lazily).
+``kvmesh.testing.mesh.local_mesh`` as ``--validate`` does (torch and the services, imported lazily).
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def run_probe(
     mode: str, model: str, transport: str = "shm", timeout_s: float = 120.0
 ) -> ProbeRecords:
     """Serve the probe on a fresh local mesh of ``mode`` (the ``--validate`` mesh's settings)."""
-    from kvmesh.loadgen.bench_mesh import local_mesh
+    from kvmesh.testing.mesh import local_mesh
 
     with local_mesh(mode, transport, model=model, local_prefill_threshold=0) as mesh:
         return serve_probe(mesh, mode, model, timeout_s)

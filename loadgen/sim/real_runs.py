@@ -66,11 +66,12 @@ def run_real(config: ServeBenchConfig, mode: str, probe: bool = False) -> RealRu
     calibration probe on that mesh before the warm-up and the workload, and again (other
     prompts) after them."""
     from kvmesh.loadgen.arrivals import ArrivalProcess, arrival_times
-    from kvmesh.loadgen.bench_mesh import local_mesh
     from kvmesh.loadgen.bench_serve import build_workload
     from kvmesh.loadgen.cpu_steal import CpuTimes, read_cpu_times, steal_share, steal_share_over
     from kvmesh.loadgen.sim.probe import serve_probe
     from kvmesh.loadgen.sse_client import run_requests
+
+    from kvmesh.testing.mesh import local_mesh
 
     prompts, _ = build_workload(config)
     process = ArrivalProcess(config.arrival, config.request_rates[0], config.burstiness)

@@ -2,7 +2,7 @@
 
 The real side is ``kvmesh bench serve --compare``'s machinery: ``bench_serve.build_workload``
 makes the prompts (exact token lengths, from the seed), ``arrivals.arrival_times`` the send
-times, ``bench_mesh.local_mesh`` a fresh mesh of each mode on this machine's cores (kvmesh up's
+times, ``kvmesh.testing.mesh.local_mesh`` a fresh mesh of each mode on this machine's cores (kvmesh up's
 defaults, one prefill worker) and ``sse_client.run_requests`` the streamed requests. The
 simulated side runs the same lengths and arrival times on a topology that mirrors that mesh:
 one worker of each role on one shared device (the calibrated CPU spec), the mesh's step budgets

@@ -44,7 +44,7 @@ class StoreCollector(Collector):
         self.block_bytes = block_bytes
 
     def declared_labels(self) -> dict[str, tuple[str, ...]]:
-        """For the metrics catalog (tests/metrics_catalog.py)."""
+        """For the metrics catalog (tests/support/metrics_catalog.py)."""
         return {
             f"kvmesh_store_tier_{n}": ("tier",)
             for n in ("hits", "evictions", "capacity_bytes", "used_bytes")

@@ -2,7 +2,7 @@
 
 Used by ``kvmesh up`` (when no server answers at --nats-url) and by the tests. JetStream is on,
 its data lives in a temporary directory removed on stop. With a ``ClusterSpec`` the server joins
-a NATS cluster (routes to its peers; tests/netns_harness.py runs one per network namespace). ``NatsServer`` is a context manager
+a NATS cluster (routes to its peers; tests/support/netns_harness.py runs one per network namespace). ``NatsServer`` is a context manager
 (sync, for the launcher) and an async context manager (for asyncio code and fixtures).
 """
 

@@ -9,7 +9,8 @@ import asyncio
 from typing import Any
 
 import aiohttp
-from kvmesh.loadgen.bench_mesh import MeshTap, complete, wait_blocks_returned
+
+from kvmesh.testing.mesh import MeshTap, complete, wait_blocks_returned
 
 
 def offline_greedy(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:

@@ -1,0 +1,1 @@
+"""Helpers the tests share (fixtures, fakes, harness pieces); no tests here."""
