@@ -1,7 +1,8 @@
 """What every transport backend shares (shm, tcp, rdma): its config and peer id, the registry of
 its regions, the queue its completions land in, and ``async with`` (``start``, ``aclose``).
 ``HostMemoryBackend`` adds what the backends over host memory share: regions and windows kept
-by the registry alone (rdma registers memory with its NIC instead)."""
+by the registry alone (rdma registers memory with its NIC instead). ``EndpointBase`` is what
+every backend's endpoint shares: the peer it reaches, ``async with``, and a once-only ``aclose``."""
 
 from __future__ import annotations
 
@@ -68,3 +69,33 @@ class HostMemoryBackend(BackendBase):
 
     def close_window(self, window: MemoryWindow) -> None:
         self._registry.close_window(window)
+
+
+class EndpointBase(abc.ABC):
+    """A connection to one peer (base.Endpoint); ``aclose`` runs ``_teardown`` once."""
+
+    backend: str
+
+    def __init__(self, peer_id: str) -> None:
+        self._peer_id = peer_id
+        self._closed = False
+
+    @property
+    def peer_id(self) -> str:
+        return self._peer_id
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        await self._teardown()
+
+    @abc.abstractmethod
+    async def _teardown(self) -> None:
+        """Release the connection (the first ``aclose`` only; ``_closed`` is already set)."""

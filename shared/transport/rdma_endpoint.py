@@ -13,6 +13,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from kvmesh.shared.transport.backend import EndpointBase
 from kvmesh.shared.transport.base import Access, MemoryRegion, WriteEntry
 from kvmesh.shared.transport.errors import (
     PeerGoneError,
@@ -34,7 +35,7 @@ if TYPE_CHECKING:
     from kvmesh.shared.transport.rdma_connections import QPEntry
 
 
-class RdmaEndpoint:
+class RdmaEndpoint(EndpointBase):
     """A connection to one peer: ``write`` returns once the peer acknowledged every byte."""
 
     backend = "rdma"
@@ -50,9 +51,9 @@ class RdmaEndpoint:
         reader: asyncio.StreamReader | None = None,
         memory_windows: int = NO_WINDOWS,
     ) -> None:
+        super().__init__(peer_id)
         self._t = transport
         self._entry = entry
-        self._peer_id = peer_id
         self._regions = {r.rkey: r for r in regions}  # what the peer advertised at connect
         self._iova = iova
         self._side_channel = side_channel
@@ -63,27 +64,13 @@ class RdmaEndpoint:
         self._free_wrs = transport.limits.send_depth
         self._slots = asyncio.Event()
         self._broken: TransportError | None = None
-        self._closed = False
-
-    @property
-    def peer_id(self) -> str:
-        return self._peer_id
 
     @property
     def qp_num(self) -> int:
         return self._entry.info.qpn
 
-    async def __aenter__(self) -> RdmaEndpoint:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
-
-    async def aclose(self) -> None:
+    async def _teardown(self) -> None:
         """Close the side channel (the peer then destroys its QP), flush and destroy ours."""
-        if self._closed:
-            return
-        self._closed = True
         if self._side_channel is not None:
             self._side_channel.close()
         self._t.qps.retire(self._entry)

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+from kvmesh.shared.transport.backend import EndpointBase
 from kvmesh.shared.transport.base import Access, WriteEntry
 from kvmesh.shared.transport.errors import (
     PeerGoneError,
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
     from kvmesh.shared.transport.shm import ShmTransport
 
 
-class ShmEndpoint:
+class ShmEndpoint(EndpointBase):
     """Writer side of one shm peer: mapped region table and segments, notification stream."""
 
     backend = "shm"
@@ -52,8 +53,8 @@ class ShmEndpoint:
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
     ) -> None:
+        super().__init__(peer_id)
         self._transport = transport
-        self._peer_id = peer_id
         self._token = token  # the table's creator: its rows may name only that creator's segments
         self._table_mm = table_mm
         self._table = np.frombuffer(table_mm, dtype=TABLE_DTYPE)
@@ -62,22 +63,8 @@ class ShmEndpoint:
         self._mappings: dict[str, tuple[mmap.mmap, torch.Tensor]] = {}
         self._seq = 0
         self._tail: asyncio.Task[None] | None = None
-        self._closed = False
 
-    @property
-    def peer_id(self) -> str:
-        return self._peer_id
-
-    async def __aenter__(self) -> ShmEndpoint:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
-
-    async def aclose(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
+    async def _teardown(self) -> None:
         self._transport._endpoints.discard(self)
         self._writer.close()
         with contextlib.suppress(OSError, ConnectionError):

@@ -17,6 +17,7 @@ from collections.abc import Coroutine, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvmesh.shared.transport import lane_auth
+from kvmesh.shared.transport.backend import EndpointBase
 from kvmesh.shared.transport.base import PeerDescriptor, WriteEntry
 from kvmesh.shared.transport.errors import (
     PeerGoneError,
@@ -74,12 +75,12 @@ def _open_lane(
         raise
 
 
-class TcpEndpoint:
+class TcpEndpoint(EndpointBase):
     backend = "tcp"
 
     def __init__(self, transport: TcpTransport, descriptor: PeerDescriptor) -> None:
+        super().__init__(descriptor.peer_id)
         self._transport = transport
-        self._peer_id = descriptor.peer_id
         info = descriptor.backends["tcp"]
         self._address = (str(info["host"]), int(info["port"]))
         config = transport.config
@@ -97,7 +98,6 @@ class TcpEndpoint:
         self._write_slots = asyncio.Semaphore(MAX_PENDING_WRITES)
         self._last_write: asyncio.Task[None] | None = None
         self._broken: TransportError | None = None
-        self._closed = False
 
     @classmethod
     async def open(cls, transport: TcpTransport, descriptor: PeerDescriptor) -> TcpEndpoint:
@@ -133,10 +133,6 @@ class TcpEndpoint:
         return ep
 
     @property
-    def peer_id(self) -> str:
-        return self._peer_id
-
-    @property
     def num_lanes(self) -> int:
         return len(self._lanes)
 
@@ -155,16 +151,7 @@ class TcpEndpoint:
         """Most bytes ever in flight on one lane (never above ``window_bytes``)."""
         return max(lane.window.peak_bytes for lane in self._lanes)
 
-    async def __aenter__(self) -> TcpEndpoint:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
-
-    async def aclose(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
+    async def _teardown(self) -> None:
         self._transport._endpoints.discard(self)
         self._break(TransportClosedError(f"endpoint to {self._peer_id} was closed"))
         await asyncio.to_thread(self._threads.join)
