@@ -43,14 +43,8 @@ def print_calibration(result: Calibration, model: ModelSpec) -> None:
     engine scale in the mesh and the mesh overheads fitted."""
     s, fit = result.spec, result.fit
     print(f"measured in {result.seconds:.0f} s on {s.cores} cores, {s.calibration_threads} threads")
-    print("| point | measured ms | fitted ms | residual |\n|---|---|---|---|")
-    for r in fit.residuals:
-        print(
-            f"| {r.label} | {r.measured_s * 1e3:.2f} | {r.predicted_s * 1e3:.2f} | "
-            f"{r.relative:+.1%} |"
-        )
-    for note in fit.notes:
-        print(f"note: {note}")
+    rows = [(r.label, r.measured_s, r.predicted_s, r.relative) for r in fit.residuals]
+    print_residuals("point", "fitted", rows, fit.notes)
     if fit.max_relative_error > 0.25:
         print(
             f"warning: a point is off by {fit.max_relative_error:.0%}: the cost model does not "
@@ -72,6 +66,21 @@ def print_calibration(result: Calibration, model: ModelSpec) -> None:
         print("\nmesh engine scale: not measured (the mesh's /metrics could not be read); 1")
     if result.mesh is not None:
         print_mesh_fit(result.mesh)
+
+
+def print_residuals(
+    what: str,
+    model: str,
+    rows: Sequence[tuple[str, float, float, float]],
+    notes: Sequence[str],
+) -> None:
+    """A table of (label, measured seconds, the ``model``'s seconds, relative residual) rows, a
+    ``what`` each, in ms; then the fit's notes."""
+    print(f"| {what} | measured ms | {model} ms | residual |\n|---|---|---|---|")
+    for label, measured_s, model_s, relative in rows:
+        print(f"| {label} | {measured_s * 1e3:.2f} | {model_s * 1e3:.2f} | {relative:+.1%} |")
+    for note in notes:
+        print(f"note: {note}")
 
 
 def print_probe_runs(runs: Sequence[ProbeRun]) -> None:
@@ -184,19 +193,9 @@ def print_mesh_fit(mesh: OverheadFit) -> None:
 
     o = mesh.overheads
     print("\nmesh probe (simulated with the overheads below):")
-    print("| figure | measured ms | simulated ms | residual |\n|---|---|---|---|")
-    for r in mesh.residuals:
-        print(
-            f"| {r.label} | {r.measured_s * 1e3:.2f} | {r.simulated_s * 1e3:.2f} | "
-            f"{r.relative:+.1%} |"
-        )
-    for r in mesh.checks:
-        print(
-            f"| check: {r.label} | {r.measured_s * 1e3:.2f} | {r.simulated_s * 1e3:.2f} | "
-            f"{r.relative:+.1%} |"
-        )
-    for note in mesh.notes:
-        print(f"note: {note}")
+    rows = [(r.label, r.measured_s, r.simulated_s, r.relative) for r in mesh.residuals]
+    rows += [(f"check: {r.label}", r.measured_s, r.simulated_s, r.relative) for r in mesh.checks]
+    print_residuals("figure", "simulated", rows, mesh.notes)
     if mesh.max_check_error > 0.25:
         print(
             f"warning: a long prompt's TTFT is off by {mesh.max_check_error:.0%} though nothing "
