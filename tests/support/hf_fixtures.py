@@ -15,6 +15,7 @@ text round-trips and multi-byte characters are split over several tokens.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,35 +40,34 @@ QWEN2_CHAT_TEMPLATE = (
 )
 
 
-def _save(model, path: Path, max_shard_size: str | None) -> None:
-    kwargs: dict[str, Any] = {}
-    if max_shard_size is not None:
-        kwargs["max_shard_size"] = max_shard_size
-    model.save_pretrained(path, **kwargs)
+@dataclass(frozen=True)
+class _Family:
+    """A checkpoint family: transformers' class prefix (``Llama`` for LlamaConfig and
+    LlamaForCausalLM), its config beyond the shared shape, and its tokenizer."""
+
+    prefix: str
+    config: dict[str, Any]
+    specials: list[str]
+    bos: str | None
+    eos: str
+    chat_template: str
+    random_qkv_bias: bool = False
 
 
-def make_llama_checkpoint(
-    tmp_path: Path,
-    name: str = "llama",
-    max_shard_size: str | None = None,
-    seed: int = 0,
-    **overrides: Any,
-) -> Path:
-    """Llama with GQA (4 heads, 2 KV heads), untied embeddings, llama3 rope scaling."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    path = tmp_path / name
-    path.mkdir(parents=True, exist_ok=True)
-    kwargs: dict[str, Any] = dict(
-        vocab_size=256 + len(LLAMA_SPECIALS),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
+# The shape every checkpoint here shares: two layers of width 64, four query heads.
+_SHARED_CONFIG: dict[str, Any] = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=256,
+    initializer_range=0.1,
+)
+_LLAMA = _Family(
+    "Llama",
+    dict(
         num_key_value_heads=2,
-        max_position_embeddings=256,
         rms_norm_eps=1e-5,
-        initializer_range=0.1,
         tie_word_embeddings=False,
         bos_token_id=256,
         eos_token_id=257,
@@ -79,87 +79,93 @@ def make_llama_checkpoint(
             "high_freq_factor": 4.0,
             "original_max_position_embeddings": 64,
         },
-    )
-    kwargs.update(overrides)
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**kwargs)).eval()
-    _save(model, path, max_shard_size)
-    write_tokenizer(path, LLAMA_SPECIALS, bos="<s>", eos="</s>", chat_template=LLAMA_CHAT_TEMPLATE)
-    return path
-
-
-def make_qwen2_checkpoint(
-    tmp_path: Path,
-    name: str = "qwen2",
-    max_shard_size: str | None = None,
-    seed: int = 0,
-    **overrides: Any,
-) -> Path:
-    """Qwen2 with q/k/v bias, tied embeddings, no BOS, two EOS ids (generation_config.json)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    path = tmp_path / name
-    path.mkdir(parents=True, exist_ok=True)
-    kwargs: dict[str, Any] = dict(
-        vocab_size=256 + len(QWEN2_SPECIALS),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
+    ),
+    LLAMA_SPECIALS,
+    bos="<s>",
+    eos="</s>",
+    chat_template=LLAMA_CHAT_TEMPLATE,
+)
+_QWEN2 = _Family(
+    "Qwen2",
+    dict(
         num_key_value_heads=2,
-        max_position_embeddings=256,
-        initializer_range=0.1,
         tie_word_embeddings=True,
         bos_token_id=None,
         eos_token_id=[258, 256],
         rope_theta=1000000.0,
-    )
-    kwargs.update(overrides)
-    torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(Qwen2Config(**kwargs)).eval()
-    with torch.no_grad():  # random biases, so the test notices if they are dropped
-        for layer in model.model.layers:
-            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                proj.bias.normal_(0.0, 0.5)
-    _save(model, path, max_shard_size)
-    write_tokenizer(
-        path, QWEN2_SPECIALS, bos=None, eos="<|im_end|>", chat_template=QWEN2_CHAT_TEMPLATE
-    )
-    return path
+    ),
+    QWEN2_SPECIALS,
+    bos=None,
+    eos="<|im_end|>",
+    chat_template=QWEN2_CHAT_TEMPLATE,
+    random_qkv_bias=True,
+)
+_MISTRAL = _Family(
+    "Mistral",
+    dict(
+        num_key_value_heads=1,
+        head_dim=32,
+        sliding_window=None,
+        bos_token_id=256,
+        eos_token_id=257,
+    ),
+    LLAMA_SPECIALS,
+    bos="<s>",
+    eos="</s>",
+    chat_template=LLAMA_CHAT_TEMPLATE,
+)
 
 
-def make_mistral_checkpoint(
+def _make_checkpoint(
+    family: _Family,
     tmp_path: Path,
-    name: str = "mistral",
+    name: str,
     max_shard_size: str | None = None,
     seed: int = 0,
     **overrides: Any,
 ) -> Path:
-    """Mistral (GQA, no sliding window, explicit head_dim 32 != hidden / heads), Llama tokenizer."""
-    from transformers import MistralConfig, MistralForCausalLM
+    """A ``family`` checkpoint with random weights from ``seed`` in ``tmp_path / name``; its config
+    is the shared shape and the tokenizer's vocabulary size, then the family's, then ``overrides``."""
+    import transformers
 
     path = tmp_path / name
     path.mkdir(parents=True, exist_ok=True)
-    kwargs: dict[str, Any] = dict(
-        vocab_size=256 + len(LLAMA_SPECIALS),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=1,
-        head_dim=32,
-        max_position_embeddings=256,
-        initializer_range=0.1,
-        sliding_window=None,
-        bos_token_id=256,
-        eos_token_id=257,
-    )
-    kwargs.update(overrides)
+    config_class = getattr(transformers, f"{family.prefix}Config")
+    model_class = getattr(transformers, f"{family.prefix}ForCausalLM")
     torch.manual_seed(seed)
-    model = MistralForCausalLM(MistralConfig(**kwargs)).eval()
-    _save(model, path, max_shard_size)
-    write_tokenizer(path, LLAMA_SPECIALS, bos="<s>", eos="</s>", chat_template=LLAMA_CHAT_TEMPLATE)
+    vocab_size = 256 + len(family.specials)  # the byte symbols, then the specials
+    config = {**_SHARED_CONFIG, "vocab_size": vocab_size, **family.config, **overrides}
+    model = model_class(config_class(**config)).eval()
+    if family.random_qkv_bias:  # so the test notices if they are dropped
+        with torch.no_grad():
+            for layer in model.model.layers:
+                attn = layer.self_attn
+                for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
+                    proj.bias.normal_(0.0, 0.5)
+    kwargs: dict[str, Any] = {}
+    if max_shard_size is not None:
+        kwargs["max_shard_size"] = max_shard_size
+    model.save_pretrained(path, **kwargs)
+    write_tokenizer(
+        path, family.specials, bos=family.bos, eos=family.eos, chat_template=family.chat_template
+    )
     return path
+
+
+def make_llama_checkpoint(tmp_path: Path, name: str = "llama", **options: Any) -> Path:
+    """Llama with GQA (4 heads, 2 KV heads), untied embeddings, llama3 rope scaling.
+    ``options``: ``max_shard_size``, ``seed``, and config overrides (``_make_checkpoint``)."""
+    return _make_checkpoint(_LLAMA, tmp_path, name, **options)
+
+
+def make_qwen2_checkpoint(tmp_path: Path, name: str = "qwen2", **options: Any) -> Path:
+    """Qwen2 with q/k/v bias, tied embeddings, no BOS, two EOS ids (generation_config.json)."""
+    return _make_checkpoint(_QWEN2, tmp_path, name, **options)
+
+
+def make_mistral_checkpoint(tmp_path: Path, name: str = "mistral", **options: Any) -> Path:
+    """Mistral (GQA, no sliding window, explicit head_dim 32 != hidden / heads), Llama tokenizer."""
+    return _make_checkpoint(_MISTRAL, tmp_path, name, **options)
 
 
 def load_hf_reference(path: Path, dtype: torch.dtype = torch.float32):
