@@ -1,5 +1,6 @@
 """What every transport backend shares (shm, tcp, rdma): its config and peer id, the registry of
-its regions, the queue its completions land in, and ``async with`` (``start``, ``aclose``).
+its regions, the queue its completions land in, its open endpoints, and ``async with``
+(``start``; ``aclose`` closes the endpoints, then the backend's own ``_teardown``).
 ``HostMemoryBackend`` adds what the backends over host memory share: regions and windows kept
 by the registry alone (rdma registers memory with its NIC instead). ``EndpointBase`` is what
 every backend's endpoint shares: the peer it reaches, ``async with``, and a once-only ``aclose``."""
@@ -7,12 +8,20 @@ every backend's endpoint shares: the peer it reaches, ``async with``, and a once
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Self
 
-from kvmesh.shared.transport.base import Access, Buffer, MemoryRegion, MemoryWindow, new_peer_id
-from kvmesh.shared.transport.completions import CompletionQueue
+from kvmesh.shared.transport.base import (
+    Access,
+    Buffer,
+    MemoryRegion,
+    MemoryWindow,
+    TransportStats,
+    new_peer_id,
+)
+from kvmesh.shared.transport.completions import Completion, CompletionQueue
 from kvmesh.shared.transport.config import TransportConfig
+from kvmesh.shared.transport.errors import TransportClosedError
 from kvmesh.shared.transport.registry import Registry
 
 
@@ -29,6 +38,8 @@ class BackendBase(abc.ABC):
         self._peer_id = self.config.peer_id or new_peer_id()
         self._registry = registry if registry is not None else Registry()
         self._queue = completions if completions is not None else CompletionQueue()
+        self._endpoints: set[EndpointBase] = set()  # open ones, closed with the transport
+        self._closed = False
 
     @property
     def peer_id(self) -> str:
@@ -38,11 +49,35 @@ class BackendBase(abc.ABC):
     def completion_queue(self) -> CompletionQueue:
         return self._queue
 
+    def completions(self) -> AsyncIterator[Completion]:
+        return aiter(self._queue)
+
+    def stats(self) -> TransportStats:
+        return self._registry.stats()
+
+    def forget_endpoint(self, endpoint: EndpointBase) -> None:
+        """Called by an endpoint as it closes."""
+        self._endpoints.discard(endpoint)
+
+    def _check_not_closed(self) -> None:
+        if self._closed:
+            raise TransportClosedError(f"{self.name} transport is closed")
+
     @abc.abstractmethod
     async def start(self) -> None: ...
 
+    async def aclose(self) -> None:
+        """Close every endpoint, then what ``start`` set up; a second call is a no-op."""
+        if self._closed:
+            return
+        self._closed = True
+        for ep in list(self._endpoints):
+            await ep.aclose()
+        await self._teardown()
+
     @abc.abstractmethod
-    async def aclose(self) -> None: ...
+    async def _teardown(self) -> None:
+        """Release what ``start`` set up (the first ``aclose`` only, after the endpoints)."""
 
     async def __aenter__(self) -> Self:
         await self.start()

@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -35,11 +35,10 @@ from kvmesh.shared.transport.base import (
     MemoryRegion,
     MemoryWindow,
     PeerDescriptor,
-    TransportStats,
     local_host_id,
     unenforced_window,
 )
-from kvmesh.shared.transport.completions import Completion, CompletionQueue
+from kvmesh.shared.transport.completions import CompletionQueue
 from kvmesh.shared.transport.config import TransportConfig
 from kvmesh.shared.transport.errors import (
     BackendUnavailableError,
@@ -104,7 +103,6 @@ class RdmaTransport(BackendBase):
             recv_depth=int(extra.get("rdma_recv_depth", defaults.recv_depth)),
         )
         self._cq_depth = int(extra.get("rdma_cq_depth", 16384))
-        self._endpoints: set[RdmaEndpoint] = set()
         self._wr_ids = iter(range(1, RECV_WR_ID_BIT))  # send WRs: segments and window binds
         self._ctx = self._pd = self._cq = self._ctrl_cq = self._recv_mr = None
         self.qps: QPTable | None = None
@@ -113,7 +111,6 @@ class RdmaTransport(BackendBase):
         self.windows: WindowTable | None = None
         self.memory_windows = NO_WINDOWS  # the MW type bound per lease, once started
         self._side_channel: SideChannelServer | None = None
-        self._closed = False
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -197,12 +194,7 @@ class RdmaTransport(BackendBase):
         await self._side_channel.__aenter__()
         self.poller.start()
 
-    async def aclose(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        for ep in list(self._endpoints):
-            await ep.aclose()
+    async def _teardown(self) -> None:
         if self._side_channel is not None:  # accepted connections retire their QPs
             await self._side_channel.aclose()
         if self.windows is not None:  # MWs go before the QPs they are bound on and their MRs
@@ -224,8 +216,7 @@ class RdmaTransport(BackendBase):
         self._recv_mr = self._ctrl_cq = self._cq = self._pd = self._ctx = None
 
     def _check_open(self) -> None:
-        if self._closed:
-            raise TransportClosedError("rdma transport is closed")
+        self._check_not_closed()
         if self._ctx is None:
             raise TransportError("enter the rdma transport (async with) before using it")
 
@@ -322,12 +313,3 @@ class RdmaTransport(BackendBase):
 
     def next_wr_id(self) -> int:
         return next(self._wr_ids)
-
-    def forget_endpoint(self, endpoint: RdmaEndpoint) -> None:
-        self._endpoints.discard(endpoint)
-
-    def completions(self) -> AsyncIterator[Completion]:
-        return aiter(self._queue)
-
-    def stats(self) -> TransportStats:
-        return self._registry.stats()

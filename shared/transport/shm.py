@@ -22,7 +22,6 @@ import socket
 import stat
 import struct
 import threading
-from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -35,7 +34,6 @@ from kvmesh.shared.transport.base import (
     MemoryRegion,
     MemoryWindow,
     PeerDescriptor,
-    TransportStats,
     local_host_id,
 )
 from kvmesh.shared.transport.completions import Completion, CompletionQueue
@@ -225,9 +223,7 @@ class ShmTransport(HostMemoryBackend):
         self._table: np.ndarray | None = None
         self._dir: str | None = None
         self._server: SocketServer | None = None
-        self._endpoints: set[ShmEndpoint] = set()
         self._lock = threading.Lock()
-        self._closed = False
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -253,12 +249,7 @@ class ShmTransport(HostMemoryBackend):
         )
         self._server.start()
 
-    async def aclose(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        for ep in list(self._endpoints):
-            await ep.aclose()
+    async def _teardown(self) -> None:
         if self._server is not None:
             await self._server.aclose()
         for seg in [*self._segments, *([self._table_seg] if self._table_seg else [])]:
@@ -279,8 +270,7 @@ class ShmTransport(HostMemoryBackend):
         """A flat uint8 tensor in a fresh /dev/shm segment (page-aligned, zeroed)."""
         if nbytes <= 0:
             raise ValueError(f"allocate needs a positive size, got {nbytes}")
-        if self._closed:
-            raise TransportClosedError("shm transport is closed")
+        self._check_not_closed()
         size = -(-nbytes // PAGE) * PAGE
         seg = _Segment(f"{self._token}-{len(self._segments)}", size)
         self._segments.append(seg)
@@ -366,12 +356,6 @@ class ShmTransport(HostMemoryBackend):
             regions=tuple(self._registry.regions(Access.REMOTE_WRITE)),
         )
 
-    def completions(self) -> AsyncIterator[Completion]:
-        return aiter(self._queue)
-
-    def stats(self) -> TransportStats:
-        return self._registry.stats()
-
     # -- receiver: notification channel ------------------------------------------------------------
 
     def _serve(self, conn: socket.socket, hello: LaneHello) -> None:
@@ -409,8 +393,7 @@ class ShmTransport(HostMemoryBackend):
     async def connect(self, descriptor: PeerDescriptor) -> ShmEndpoint:
         from kvmesh.shared.transport.shm_endpoint import ShmEndpoint
 
-        if self._closed:
-            raise TransportClosedError("shm transport is closed")
+        self._check_not_closed()
         info = descriptor.backends.get("shm")
         if info is None:
             raise PeerUnreachableError(f"peer {descriptor.peer_id} offers no shm backend")

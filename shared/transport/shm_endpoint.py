@@ -65,7 +65,7 @@ class ShmEndpoint(EndpointBase):
         self._tail: asyncio.Task[None] | None = None
 
     async def _teardown(self) -> None:
-        self._transport._endpoints.discard(self)
+        self._transport.forget_endpoint(self)
         self._writer.close()
         with contextlib.suppress(OSError, ConnectionError):
             await self._writer.wait_closed()

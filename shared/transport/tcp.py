@@ -24,7 +24,6 @@ import mmap
 import socket
 import struct
 import time
-from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -35,10 +34,9 @@ from kvmesh.shared.transport.backend import HostMemoryBackend
 from kvmesh.shared.transport.base import (
     Access,
     PeerDescriptor,
-    TransportStats,
     local_host_id,
 )
-from kvmesh.shared.transport.completions import Completion, CompletionQueue
+from kvmesh.shared.transport.completions import CompletionQueue
 from kvmesh.shared.transport.config import TransportConfig
 from kvmesh.shared.transport.errors import (
     ProtocolError,
@@ -127,8 +125,6 @@ class TcpTransport(HostMemoryBackend):
         self._server: SocketServer | None = None
         self._port = 0
         self._memory: list[mmap.mmap] = []
-        self._endpoints: set[TcpEndpoint] = set()
-        self._closed = False
         # Lanes prove they know it (lane_auth); it travels only in this transport's descriptor.
         self._secret = lane_auth.new_secret()
         from kvmesh.shared.transport.tcp_receiver import TcpReceiver
@@ -170,12 +166,7 @@ class TcpTransport(HostMemoryBackend):
         )
         self._server.start()
 
-    async def aclose(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        for ep in list(self._endpoints):
-            await ep.aclose()
+    async def _teardown(self) -> None:
         if self._server is not None:
             await self._server.aclose()
         for mm in self._memory:
@@ -216,14 +207,7 @@ class TcpTransport(HostMemoryBackend):
     async def connect(self, descriptor: PeerDescriptor) -> TcpEndpoint:
         from kvmesh.shared.transport.tcp_endpoint import TcpEndpoint
 
-        if self._closed:
-            raise TransportClosedError("tcp transport is closed")
+        self._check_not_closed()
         ep = await TcpEndpoint.open(self, descriptor)
         self._endpoints.add(ep)
         return ep
-
-    def completions(self) -> AsyncIterator[Completion]:
-        return aiter(self._queue)
-
-    def stats(self) -> TransportStats:
-        return self._registry.stats()

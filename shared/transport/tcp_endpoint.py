@@ -152,7 +152,7 @@ class TcpEndpoint(EndpointBase):
         return max(lane.window.peak_bytes for lane in self._lanes)
 
     async def _teardown(self) -> None:
-        self._transport._endpoints.discard(self)
+        self._transport.forget_endpoint(self)
         self._break(TransportClosedError(f"endpoint to {self._peer_id} was closed"))
         await asyncio.to_thread(self._threads.join)
         for lane in self._lanes:
