@@ -84,20 +84,23 @@ def select_backend(local: PeerDescriptor, remote: PeerDescriptor) -> str:
     )
 
 
+def _require(name: str, status: tuple[bool, str]) -> None:
+    """Raise BackendUnavailableError where ``status`` (``shm_status()``, ...) says no."""
+    ok, why = status
+    if not ok:
+        raise BackendUnavailableError(f"{name} backend unavailable: {why}")
+
+
 def create_transport(name: str = "auto", config: TransportConfig | None = None) -> Transport:
     """``"auto" | "shm" | "tcp" | "rdma"``; enter the result (``async with``) before use."""
     config = config or TransportConfig()
     if name == "shm":
-        ok, why = shm_status()
-        if not ok:
-            raise BackendUnavailableError(f"shm backend unavailable: {why}")
+        _require("shm", shm_status())
         return ShmTransport(config)
     if name == "tcp":
         return TcpTransport(config)
     if name == "rdma":
-        ok, why = rdma_status()
-        if not ok:
-            raise BackendUnavailableError(f"rdma backend unavailable: {why}")
+        _require("rdma", rdma_status())
         from kvmesh.shared.transport.rdma import RdmaTransport
 
         return RdmaTransport(config)
