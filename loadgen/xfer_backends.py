@@ -8,17 +8,21 @@ checks the destination's CRC32 against the source's.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import multiprocessing as mp
 import socket
 import time
 import zlib
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 from kvmesh.loadgen.bench_xfer import BLOCK_BYTES, Plan, Result
 from kvmesh.shared.kv.kv_cache import KVCacheSpec, KVPool
+
+if TYPE_CHECKING:
+    from kvmesh.shared.transport import Access, MemoryRegion, PeerDescriptor, Transport, WriteEntry
 
 SPEC = KVCacheSpec(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, dtype=torch.bfloat16)
 assert SPEC.block_bytes == BLOCK_BYTES, (SPEC.block_bytes, BLOCK_BYTES)
@@ -45,21 +49,71 @@ def byte_view(t: torch.Tensor) -> memoryview:
 
 
 # ---------------------------------------------------------------------------------------------------
+# The spawned process and the pool it exposes to this one (``kvmesh bench kv`` shares them).
+
+PlansBody = Callable[[Any, str, list[Plan]], None]
+
+
+@contextlib.contextmanager
+def spawned(role: str, body: PlansBody, backend: str, plans: list[Plan]) -> Iterator[Any]:
+    """This end of a Pipe to ``body(conn, backend, plans)`` run in a spawned process with one
+    torch thread (``body`` a module-level function); what it raises comes here as an "error"
+    message (``_expect`` raises it), its death as EOF. On exit the process is joined (terminated
+    if it has not ended within 30 s)."""
+    ctx = mp.get_context("spawn")
+    conn, child_conn = ctx.Pipe()
+    proc = ctx.Process(
+        target=_spawned_main, args=(child_conn, role, body, backend, plans), daemon=True
+    )
+    proc.start()
+    child_conn.close()  # so that the child's death reads as EOF here
+    try:
+        yield conn
+    finally:
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.terminate()
+            proc.join()
+
+
+def _spawned_main(conn: Any, role: str, body: PlansBody, backend: str, plans: list[Plan]) -> None:
+    torch.set_num_threads(1)
+    try:
+        body(conn, backend, plans)
+    except BaseException as exc:
+        conn.send(("error", f"{backend} {role}: {exc!r}"))
+        raise
+
+
+@contextlib.contextmanager
+def exposed_pool(t: Transport, conn: Any, plan: Plan, access: Access) -> Iterator[KVPool]:
+    """``plan``'s destination pool in ``t``'s memory, registered with ``access`` behind one window
+    of that access over all of it; ``t``'s descriptor and the window (the region with the
+    window's key) are sent on ``conn`` as "ready". On exit the window is closed and the region
+    deregistered."""
+    pool = KVPool(SPEC, plan.pool_blocks, buffer=t.allocate(plan.pool_blocks * SPEC.block_bytes))
+    region = t.register(pool.raw, access)
+    # peers get a window's key, as from a decode worker (on rdma with memory windows the
+    # region's own key opens nothing); one span, so the check costs what it did
+    window = t.open_window(region, [(region.addr, region.length)], access)
+    target = dataclasses.replace(region, rkey=window.rkey)
+    conn.send(("ready", (t.descriptor().to_dict(), target.to_dict())))
+    yield pool
+    t.close_window(window)
+    t.deregister(region)
+
+
+# ---------------------------------------------------------------------------------------------------
 # Receivers: run in a spawned process; talk to the sender over a multiprocessing Pipe.
 
 
-def _receiver_main(conn: Any, backend: str, plans: list[Plan]) -> None:
-    torch.set_num_threads(1)
-    try:
-        if backend == "socket":
-            _socket_receiver(conn, plans)
-        elif backend == "gloo":
-            _gloo_receiver(conn, plans)
-        else:
-            asyncio.run(_transport_receiver(conn, backend, plans))
-    except BaseException as exc:
-        conn.send(("error", f"{backend} receiver: {exc!r}"))
-        raise
+def _receive(conn: Any, backend: str, plans: list[Plan]) -> None:
+    if backend == "socket":
+        _socket_receiver(conn, plans)
+    elif backend == "gloo":
+        _gloo_receiver(conn, plans)
+    else:
+        asyncio.run(_transport_receiver(conn, backend, plans))
 
 
 def _socket_receiver(conn: Any, plans: list[Plan]) -> None:
@@ -108,23 +162,13 @@ async def _transport_receiver(conn: Any, backend: str, plans: list[Plan]) -> Non
 
     for plan in plans:
         async with create_transport(backend, TransportConfig(peer_id="bench-recv")) as t:
-            pool = KVPool(
-                SPEC, plan.pool_blocks, buffer=t.allocate(plan.pool_blocks * SPEC.block_bytes)
-            )
-            region = t.register(pool.raw, Access.REMOTE_WRITE)
-            # writers get a window's key, as from a decode worker (on rdma with memory windows
-            # the region's own key opens nothing); one span, so the check costs what it did
-            window = t.open_window(region, [(region.addr, region.length)])
-            target = dataclasses.replace(region, rkey=window.rkey)
-            conn.send(("ready", (t.descriptor().to_dict(), target.to_dict())))
-            imms = []
-            for _ in range(plan.runs):
-                done = await asyncio.wait_for(t.completion_queue.get(), _TIMEOUT_S)
-                imms.append(done.imm)
-            conn.send(("done", blocks_crc(pool, plan.dst_blocks), imms))
-            await asyncio.to_thread(conn.recv)  # the sender has closed its endpoint
-            t.close_window(window)
-            t.deregister(region)
+            with exposed_pool(t, conn, plan, Access.REMOTE_WRITE) as pool:
+                imms = []
+                for _ in range(plan.runs):
+                    done = await asyncio.wait_for(t.completion_queue.get(), _TIMEOUT_S)
+                    imms.append(done.imm)
+                conn.send(("done", blocks_crc(pool, plan.dst_blocks), imms))
+                await asyncio.to_thread(conn.recv)  # the sender has closed its endpoint
             del pool
 
 
@@ -145,6 +189,34 @@ def _expect(conn: Any, tag: str) -> Any:
         raise RuntimeError(payload)
     assert kind == tag, (kind, tag)
     return (payload, *rest) if rest else payload
+
+
+async def expect_target(conn: Any) -> tuple[PeerDescriptor, MemoryRegion]:
+    """The peer's descriptor and the window over its pool, from its "ready" (``exposed_pool``)."""
+    from kvmesh.shared.transport import MemoryRegion, PeerDescriptor
+
+    desc, region = await asyncio.to_thread(_expect, conn, "ready")
+    return PeerDescriptor.from_dict(desc), MemoryRegion.from_dict(region)
+
+
+def block_entries(
+    local: MemoryRegion, src: KVPool, plan: Plan, target: MemoryRegion
+) -> list[WriteEntry]:
+    """One entry a block: ``plan``'s source blocks at their offsets in ``src``'s layout within
+    ``local`` (a region over ``src``, or over a pool of its layout), its destination blocks in
+    ``target``."""
+    from kvmesh.shared.transport import WriteEntry
+
+    return [
+        WriteEntry(
+            local,
+            src.block_offset(s),
+            target.addr + d * SPEC.block_bytes,
+            target.rkey,
+            SPEC.block_bytes,
+        )
+        for s, d in zip(plan.src_blocks, plan.dst_blocks, strict=True)
+    ]
 
 
 def _source(plan: Plan) -> KVPool:
@@ -216,29 +288,13 @@ class _GlooSender:
 
 
 async def _transport_send(backend: str, conn: Any, plan: Plan, src: KVPool) -> list[float]:
-    from kvmesh.shared.transport import (
-        MemoryRegion,
-        PeerDescriptor,
-        TransportConfig,
-        WriteEntry,
-        create_transport,
-    )
+    from kvmesh.shared.transport import TransportConfig, create_transport
 
-    desc, region = await asyncio.to_thread(_expect, conn, "ready")
-    desc, region = PeerDescriptor.from_dict(desc), MemoryRegion.from_dict(region)
+    desc, region = await expect_target(conn)
     times = []
     async with create_transport(backend, TransportConfig(peer_id="bench-send")) as t:
         local = t.register(src.raw)
-        entries = [
-            WriteEntry(
-                local,
-                src.block_offset(s),
-                region.addr + d * SPEC.block_bytes,
-                region.rkey,
-                SPEC.block_bytes,
-            )
-            for s, d in zip(plan.src_blocks, plan.dst_blocks, strict=True)
-        ]
+        entries = block_entries(local, src, plan, region)
         async with await t.connect(desc) as ep:
             for run in range(plan.runs):
                 t0 = time.perf_counter()
@@ -257,39 +313,33 @@ def bench_backend(backend: str, plans: list[Plan], warmup: int) -> list[Result]:
             _check(ok, backend, plan)
             out.append(Result(backend, plan.num_bytes, plan.num_bytes / min(times[warmup:]) / 1e9))
         return out
-    ctx = mp.get_context("spawn")
-    conn, child_conn = ctx.Pipe()
-    proc = ctx.Process(target=_receiver_main, args=(child_conn, backend, plans), daemon=True)
-    proc.start()
-    child_conn.close()  # so that the receiver's death reads as EOF here
     sender: Any = None
     out = []
-    try:
-        if backend in ("socket", "gloo"):
-            sender = (_SocketSender if backend == "socket" else _GlooSender)(conn)
-        for plan in plans:
-            src = _source(plan)
+    with spawned("receiver", _receive, backend, plans) as conn:
+        try:
+            if backend in ("socket", "gloo"):
+                sender = (_SocketSender if backend == "socket" else _GlooSender)(conn)
+            for plan in plans:
+                src = _source(plan)
+                if sender is not None:
+                    times = sender.run(plan, src)
+                    crc, imms = _expect(conn, "done")
+                else:
+                    times = asyncio.run(_transport_send(backend, conn, plan, src))
+                    crc, imms = _expect(conn, "done")
+                    conn.send("closed")
+                    if imms != list(range(plan.runs)):
+                        raise RuntimeError(
+                            f"{backend}: completions {imms}, expected imms 0..{plan.runs - 1} "
+                            "in order"
+                        )
+                _check(crc == blocks_crc(src, plan.src_blocks), backend, plan)
+                gbps = plan.num_bytes / min(times[warmup:]) / 1e9
+                out.append(Result(backend, plan.num_bytes, gbps))
+                del src
+        finally:
             if sender is not None:
-                times = sender.run(plan, src)
-                crc, imms = _expect(conn, "done")
-            else:
-                times = asyncio.run(_transport_send(backend, conn, plan, src))
-                crc, imms = _expect(conn, "done")
-                conn.send("closed")
-                if imms != list(range(plan.runs)):
-                    raise RuntimeError(
-                        f"{backend}: completions {imms}, expected imms 0..{plan.runs - 1} in order"
-                    )
-            _check(crc == blocks_crc(src, plan.src_blocks), backend, plan)
-            out.append(Result(backend, plan.num_bytes, plan.num_bytes / min(times[warmup:]) / 1e9))
-            del src
-    finally:
-        if sender is not None:
-            sender.close()
-        proc.join(timeout=30)
-        if proc.is_alive():
-            proc.terminate()
-            proc.join()
+                sender.close()
     return out
 
 
