@@ -34,6 +34,51 @@ _PLAIN, _FP8, _INT8 = 0, 1, 2
 
 
 @triton.jit
+def _load_tile(
+    ptr,
+    scale_ptr,
+    lut_ptr,
+    block_id,
+    kv_head,
+    t,
+    d,
+    kv_mask,
+    stride_b,
+    stride_t,
+    stride_h,
+    stride_sb,
+    stride_sh,
+    stride_st,
+    KV_MODE: tl.constexpr,
+    SCALE_GROUP: tl.constexpr,
+):
+    """One block's (T, D) keys or values of ``kv_head``, decoded to float32 as KV_MODE says."""
+    x = tl.load(
+        ptr + block_id * stride_b + t[:, None] * stride_t + kv_head * stride_h + d[None, :],
+        mask=kv_mask,
+        other=0,
+    )
+    if KV_MODE == 1:  # fp8 bytes -> value * the tile's scale
+        tile_scale = tl.load(scale_ptr + block_id * stride_sb + kv_head * stride_sh)
+        x = tl.load(lut_ptr + x.to(tl.int32)) * tile_scale
+    if KV_MODE == 2:  # int8 * the scale of each token's group of SCALE_GROUP values
+        scale_at = block_id * stride_sb + kv_head * stride_sh + t[:, None] * stride_st
+        scale_at = scale_at + d[None, :] // SCALE_GROUP
+        x = x.to(tl.float32) * tl.load(scale_ptr + scale_at, mask=kv_mask, other=0.0)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _load_rotation(rot_ptr, d, d_mask, HEAD_DIM: tl.constexpr):
+    """The (D, D) int8 rotation (kv_int8.rotation_matrix), symmetric."""
+    return tl.load(
+        rot_ptr + d[:, None] * HEAD_DIM + d[None, :],
+        mask=d_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+
+
+@triton.jit
 def _paged_attention_kernel(
     out_ptr,
     q_ptr,
@@ -92,11 +137,7 @@ def _paged_attention_kernel(
     )
     q = q.to(tl.float32) * scale
     if KV_MODE == 2:  # int8 K/V are stored rotated (kv_int8.rotate): rotate q alike, once
-        rot = tl.load(
-            rot_ptr + d[:, None] * HEAD_DIM + d[None, :],
-            mask=d_mask[:, None] & d_mask[None, :],
-            other=0.0,
-        )  # (D, D), symmetric
+        rot = _load_rotation(rot_ptr, d, d_mask, HEAD_DIM)
         q = tl.sum(q[:, :, None] * rot[None, :, :], axis=1)  # (G, D)
 
     if IS_TREE:
@@ -118,23 +159,11 @@ def _paged_attention_kernel(
             shift = tl.maximum(key - prefix, 0).to(tl.int64)
             t_mask = t_mask & ((key < prefix) | (((bits >> shift) & 1) == 1))
         kv_mask = t_mask[:, None] & d_mask[None, :]
-        k = tl.load(
-            k_ptr
-            + block_id * stride_kb
-            + t[:, None] * stride_kt
-            + kv_head * stride_kh
-            + d[None, :],
-            mask=kv_mask,
-            other=0,
-        )
-        if KV_MODE == 1:  # fp8 bytes -> value * the tile's scale
-            k_scale = tl.load(k_scale_ptr + block_id * stride_sb + kv_head * stride_sh)
-            k = tl.load(lut_ptr + k.to(tl.int32)) * k_scale
-        if KV_MODE == 2:  # int8 * the scale of each token's group of SCALE_GROUP values
-            scale_at = block_id * stride_sb + kv_head * stride_sh + t[:, None] * stride_st
-            scale_at = scale_at + d[None, :] // SCALE_GROUP
-            k = k.to(tl.float32) * tl.load(k_scale_ptr + scale_at, mask=kv_mask, other=0.0)
-        k = k.to(tl.float32)  # (T, D)
+        k = _load_tile(
+            k_ptr, k_scale_ptr, lut_ptr, block_id, kv_head, t, d, kv_mask,
+            stride_kb, stride_kt, stride_kh, stride_sb, stride_sh, stride_st,
+            KV_MODE, SCALE_GROUP,
+        )  # fmt: skip
         s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # (G, T)
         s = tl.where(t_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -147,33 +176,17 @@ def _paged_attention_kernel(
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(s - m_safe[:, None])  # (G, T)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(
-            v_ptr
-            + block_id * stride_vb
-            + t[:, None] * stride_vt
-            + kv_head * stride_vh
-            + d[None, :],
-            mask=kv_mask,
-            other=0,
-        )
-        if KV_MODE == 1:
-            v_scale = tl.load(v_scale_ptr + block_id * stride_sb + kv_head * stride_sh)
-            v = tl.load(lut_ptr + v.to(tl.int32)) * v_scale
-        if KV_MODE == 2:
-            scale_at = block_id * stride_sb + kv_head * stride_sh + t[:, None] * stride_st
-            scale_at = scale_at + d[None, :] // SCALE_GROUP
-            v = v.to(tl.float32) * tl.load(v_scale_ptr + scale_at, mask=kv_mask, other=0.0)
-        v = v.to(tl.float32)  # (T, D)
+        v = _load_tile(
+            v_ptr, v_scale_ptr, lut_ptr, block_id, kv_head, t, d, kv_mask,
+            stride_vb, stride_vt, stride_vh, stride_sb, stride_sh, stride_st,
+            KV_MODE, SCALE_GROUP,
+        )  # fmt: skip
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
         m_i = m_new
 
     out = acc / l_i[:, None]
     if KV_MODE == 2:  # the weighted sum of rotated V, rotated back
-        rot = tl.load(
-            rot_ptr + d[:, None] * HEAD_DIM + d[None, :],
-            mask=d_mask[:, None] & d_mask[None, :],
-            other=0.0,
-        )
+        rot = _load_rotation(rot_ptr, d, d_mask, HEAD_DIM)
         out = tl.sum(out[:, :, None] * rot[None, :, :], axis=1)
     tl.store(
         out_ptr + row * stride_or + q_heads[:, None] * stride_oh + d[None, :],
