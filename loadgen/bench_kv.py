@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvmesh.loadgen.bench_kv_turns import add_arguments as add_multi_turn_arguments
-from kvmesh.loadgen.bench_xfer import TRANSPORTS, Plan, parse_size, runs_for
+from kvmesh.loadgen.bench_xfer import TRANSPORTS, Plan, parse_size, run_alone, runs_for
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,11 +127,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="bench_kv")
-    sub = parser.add_subparsers(dest="bench", required=True)
-    register_kv(sub)
-    args = parser.parse_args(["kv", *(argv if argv is not None else sys.argv[1:])])
-    return int(args.func(args))
+    return run_alone("bench_kv", "kv", register_kv, argv)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ import argparse
 import json
 import random
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -177,12 +177,23 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="bench_xfer")
+def run_alone(
+    prog: str,
+    name: str,
+    register: Callable[[Any], argparse.ArgumentParser],
+    argv: Sequence[str] | None = None,
+) -> int:
+    """One ``kvmesh bench`` subcommand run as a module of its own (``python -m``): ``argv``
+    (default: the process's arguments) parsed as subcommand ``name``'s, then its handler run."""
+    parser = argparse.ArgumentParser(prog=prog)
     sub = parser.add_subparsers(dest="bench", required=True)
-    register_xfer(sub)
-    args = parser.parse_args(["xfer", *(argv if argv is not None else sys.argv[1:])])
+    register(sub)
+    args = parser.parse_args([name, *(argv if argv is not None else sys.argv[1:])])
     return int(args.func(args))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_alone("bench_xfer", "xfer", register_xfer, argv)
 
 
 if __name__ == "__main__":
