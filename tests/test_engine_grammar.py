@@ -16,7 +16,7 @@ from kvmesh.shared.engine.sequence import RequestError
 from kvmesh.shared.model import load_model
 from kvmesh.shared.text.sampling import SamplingOptions
 from kvmesh.shared.text.structured_output import StructuredOutputs, json_schema_text
-from support.engine_handoff import chunk_copier
+from support.engine_handoff import prefill_handoff
 
 SCHEMA = {
     "type": "object",
@@ -177,13 +177,7 @@ def test_the_prefill_side_samples_the_first_token_under_the_grammar(tiny):
     (expected,), _, _ = run(engine(tiny), [ids], params)
     prefill = engine(tiny)
     decode = engine(tiny, kv_buffer=bytearray(512 * prefill.kv_pool.spec.block_bytes))
-    reserved = decode.reserve_blocks(len(ids))
-    chunks, on_chunk = chunk_copier(prefill, decode, reserved)
-
-    prefill.add_request("r", ids, params, prefill_only=True, on_chunk=on_chunk)
-    while prefill.has_unfinished():
-        prefill.step()
-    prefill.release("r")
+    chunks, reserved = prefill_handoff(prefill, decode, ids, params)
     first = chunks[-1].first_token
     assert chr(first) == "{"  # the grammar's only allowed first token
     with pytest.raises(RequestError, match="breaks its structured output"):

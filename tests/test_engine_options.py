@@ -14,7 +14,7 @@ from kvmesh.shared.engine.llm_engine import LLMEngine
 from kvmesh.shared.engine.sequence import RequestError, RequestOutput
 from kvmesh.shared.model import load_model
 from kvmesh.shared.text.sampling import SamplingOptions
-from support.engine_handoff import chunk_copier
+from support.engine_handoff import prefill_handoff
 from support.hf_fixtures import load_hf_reference, make_llama_checkpoint
 
 EVERY_OPTION = SamplingOptions(
@@ -185,13 +185,7 @@ def test_handoff_carries_the_first_tokens_logprobs(llama):
     expected = run(engine(llama), [ids], EVERY_OPTION)[0]
     prefill = engine(llama)
     decode = engine(llama, kv_buffer=bytearray(64 * prefill.kv_pool.spec.block_bytes))
-    reserved = decode.reserve_blocks(len(ids))
-    chunks, on_chunk = chunk_copier(prefill, decode, reserved)
-
-    prefill.add_request("r", ids, EVERY_OPTION, prefill_only=True, on_chunk=on_chunk)
-    while prefill.has_unfinished():
-        prefill.step()
-    prefill.release("r")
+    chunks, reserved = prefill_handoff(prefill, decode, ids, EVERY_OPTION)
     last = chunks[-1]
     with pytest.raises(RequestError, match="logprobs"):
         decode.admit_prefilled("x", ids, list(reserved), last.first_token, EVERY_OPTION)
@@ -264,13 +258,7 @@ def test_n_choices_after_a_prefill_handoff_and_when_aborted(llama):
     expected = {i: tokens(o) for i, o in run_choices(engine(llama), ids, params).items()}
     prefill = engine(llama)
     decode = engine(llama, kv_buffer=bytearray(64 * prefill.kv_pool.spec.block_bytes))
-    reserved = decode.reserve_blocks(len(ids))
-    chunks, on_chunk = chunk_copier(prefill, decode, reserved)
-
-    prefill.add_request("r", ids, params, prefill_only=True, on_chunk=on_chunk)
-    while prefill.has_unfinished():
-        prefill.step()
-    prefill.release("r")
+    chunks, reserved = prefill_handoff(prefill, decode, ids, params)
     decode.admit_prefilled("r", ids, reserved, chunks[-1].first_token, params)
     got: dict[int, list[int]] = {0: [chunks[-1].first_token]}
     while decode.has_unfinished():

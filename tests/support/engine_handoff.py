@@ -21,3 +21,18 @@ def chunk_copier(prefill: Any, decode: Any, reserved: Sequence[int]) -> tuple[li
             )
 
     return chunks, on_chunk
+
+
+def prefill_handoff(
+    prefill: Any, decode: Any, prompt_ids: list[int], params: Any, request_id: str = "r"
+) -> tuple[list, list[int]]:
+    """Prefill ``prompt_ids`` on ``prefill`` (``prefill_only``), its chunks copied into blocks
+    reserved for them on ``decode``, then release the request on the prefill side. Returns the
+    chunks (the last has the first token) and the reserved blocks, to admit on ``decode``."""
+    reserved = decode.reserve_blocks(len(prompt_ids))
+    chunks, on_chunk = chunk_copier(prefill, decode, reserved)
+    prefill.add_request(request_id, prompt_ids, params, prefill_only=True, on_chunk=on_chunk)
+    while prefill.has_unfinished():
+        prefill.step()
+    prefill.release(request_id)
+    return chunks, reserved
