@@ -139,21 +139,9 @@ def ttft_stages(breakdowns: Mapping[str, Breakdown], path: Path) -> Path:
     for i, label in enumerate(labels):
         stages = breakdowns[label].stages
         for j, (pct, hatch) in enumerate((("p50", ""), ("p99", "//"))):
-            offset = (2 * i + j) * width
             values = [getattr(stages[k], f"{pct}_ms") / 1e3 if k in stages else 0.0 for k in keys]
-            ax_stages.bar(
-                [x + offset for x in range(len(keys))],
-                values,
-                width,
-                hatch=hatch,
-                label=f"{label} {pct}",
-            )
-    ax_stages.set_xticks(
-        [x + 0.4 - width / 2 for x in range(len(keys))],
-        [STAGE_LABELS[k] for k in keys],
-        rotation=30,
-        ha="right",
-    )
+            _bars(ax_stages, 2 * i + j, width, values, hatch, f"{label} {pct}")
+    _group_ticks(ax_stages, [STAGE_LABELS[k] for k in keys], width)
     ax_stages.set_ylabel("seconds")
     ax_stages.set_title("time to first token by stage")
     roles = sorted({r for b in breakdowns.values() for r in b.roles})
@@ -162,21 +150,12 @@ def ttft_stages(breakdowns: Mapping[str, Breakdown], path: Path) -> Path:
         if b.duration_s <= 0:
             continue
         for j, (what, hatch) in enumerate((("cpu_s", ""), ("wait_s", "//"))):
-            offset = (2 * i + j) * role_width
             values = [
                 getattr(b.roles[r], what) / b.duration_s if r in b.roles else 0.0 for r in roles
             ]
             name = "CPU" if what == "cpu_s" else "waiting"
-            ax_roles.bar(
-                [x + offset for x in range(len(roles))],
-                values,
-                role_width,
-                hatch=hatch,
-                label=f"{label} {name}",
-            )
-    ax_roles.set_xticks(
-        [x + 0.4 - role_width / 2 for x in range(len(roles))], roles, rotation=30, ha="right"
-    )
+            _bars(ax_roles, 2 * i + j, role_width, values, hatch, f"{label} {name}")
+    _group_ticks(ax_roles, roles, role_width)
     ax_roles.set_ylabel("cores' worth (seconds / run time)")
     ax_roles.set_title("CPU used and runnable-but-waiting, by role")
     for ax in (ax_stages, ax_roles):
@@ -185,3 +164,17 @@ def ttft_stages(breakdowns: Mapping[str, Breakdown], path: Path) -> Path:
             ax.legend(loc="upper left", fontsize="small")
     fig.savefig(path, dpi=120)
     return path
+
+
+def _bars(
+    ax: Any, slot: int, width: float, values: Sequence[float], hatch: str, label: str
+) -> None:
+    """Series ``slot`` of a grouped bar chart: a bar ``width`` wide in each group (one group a
+    value, 0.8 wide, the series side by side in slot order)."""
+    offset = slot * width
+    ax.bar([x + offset for x in range(len(values))], values, width, hatch=hatch, label=label)
+
+
+def _group_ticks(ax: Any, names: Sequence[str], width: float) -> None:
+    """Each group's name, slanted, under the middle of its bars (``_bars`` of ``width``)."""
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(names))], names, rotation=30, ha="right")
