@@ -36,14 +36,10 @@ from kvmesh.shared.bus.hearing import Hearing
 from kvmesh.shared.bus.message_guard import guard_of
 from kvmesh.shared.bus.nats_service import (
     answer_worker_control,
-    background,
     connect_nats,
     new_worker_id,
-    open_for_requests,
     read_worker_control,
     serve_until_signal,
-    subscriptions,
-    worker_presence,
 )
 from kvmesh.shared.bus.protocol import (
     Abort,
@@ -65,6 +61,7 @@ from kvmesh.shared.bus.protocol import (
     encode_message,
 )
 from kvmesh.shared.bus.store_solicit import store_adverts_solicited
+from kvmesh.shared.bus.worker_shell import WorkerShell, serve_worker
 from kvmesh.shared.engine.llm_engine import LLMEngine
 from kvmesh.shared.kv.descriptor import TransportDescriptor
 from kvmesh.shared.model.config import parse_dtype
@@ -424,18 +421,19 @@ async def decode_service(config: DecodeConfig) -> AsyncIterator[DecodeService]:
             ),
         )
         await service.load()
-        async with (
-            worker_presence(
-                nc,
-                subjects,
-                role=config.role,
-                worker_id=worker_id,
-                heartbeat=service.heartbeat,
-                interval_s=config.heartbeat_s,
-                metadata={"mode": config.mode},
-            ) as svc,
-            subscriptions(
-                nc,
+        service.tg = asyncio.TaskGroup()
+        shell = WorkerShell(
+            role=config.role,
+            worker_id=worker_id,
+            heartbeat=service.heartbeat,
+            config=config,
+            metrics=worker.metrics,
+            ready="decode worker ready",
+            endpoints=(
+                ("reserve", subjects.decode_reserve(worker_id), service.on_reserve),
+                ("control", subjects.worker_control(worker_id), service.on_control),
+            ),
+            routes=(
                 (subjects.decode_prefill_done(worker_id), PrefillDone, service.on_prefill_done),
                 (subjects.ABORT, Abort, service.on_abort),
                 (
@@ -449,37 +447,32 @@ async def decode_service(config: DecodeConfig) -> AsyncIterator[DecodeService]:
                 (subjects.decode_draft(worker_id), DraftProposal, service.on_proposal),
                 (subjects.REGISTRY_STORE_ADVERTISE, StoreAdvert, service.on_store_advert),
             ),
-            (
-                store_adverts_solicited(nc, subjects, worker_id)
-                if store is not None
-                else contextlib.nullcontext()
+            contexts=(
+                (
+                    store_adverts_solicited(nc, subjects, worker_id)
+                    if store is not None
+                    else contextlib.nullcontext()
+                ),
+                service.tg,
             ),
-            asyncio.TaskGroup() as service.tg,
-            background(
-                service.engine_loop(),
-                service.lease_loop(),
-                service.completion_loop(),
-                service.cache_report_loop(),
+            loops=(
+                service.engine_loop,
+                service.lease_loop,
+                service.completion_loop,
+                service.cache_report_loop,
             ),
-            open_for_requests(
-                nc,
-                svc,
-                ("reserve", subjects.decode_reserve(worker_id), service.on_reserve),
-                ("control", subjects.worker_control(worker_id), service.on_control),
-                metrics=worker.metrics,
-                config=config,
-                logger=log,
-                ready="decode worker ready",
-                worker_id=worker_id,
-                mode=config.mode,
-                speculative=config.speculative,
-                transport=transport.name if transport else None,
-                num_blocks=econf.num_blocks,
-                kv_spec=engine.kv_spec,
-            ) as service.metrics_port,
             # Advertised only once ``reserve`` answers: a router that saw the advert finds it.
-            background(service.advert_loop()),
-        ):
+            after_ready=(service.advert_loop,),
+            metadata={"mode": config.mode},
+            ready_fields={
+                "mode": config.mode,
+                "speculative": config.speculative,
+                "transport": transport.name if transport else None,
+                "num_blocks": econf.num_blocks,
+                "kv_spec": engine.kv_spec,
+            },
+        )
+        async with serve_worker(nc, subjects, shell, log) as service.metrics_port:
             yield service
         if swaps is not None:
             await swaps.aclose()  # before the client closes

@@ -31,16 +31,12 @@ from kvmesh.services.draft.prompt_kv_receiver import PromptKvReceiver, target_kv
 from kvmesh.shared.bus.message_guard import guard_of
 from kvmesh.shared.bus.nats_service import (
     answer_worker_control,
-    background,
     connect_nats,
     flush_to_server,
     new_worker_id,
     on_message,
-    open_for_requests,
     read_worker_control,
     serve_until_signal,
-    subscriptions,
-    worker_presence,
 )
 from kvmesh.shared.bus.protocol import (
     Abort,
@@ -56,6 +52,7 @@ from kvmesh.shared.bus.protocol import (
     encode_message,
 )
 from kvmesh.shared.bus.subjects import DRAFT_QUEUE_GROUP
+from kvmesh.shared.bus.worker_shell import WorkerShell, serve_worker
 from kvmesh.shared.obs import logs
 from kvmesh.shared.transport import Access, TransportConfig, create_transport
 from nats.aio.client import Client
@@ -252,7 +249,7 @@ async def draft_service(config: DraftConfig) -> AsyncIterator[DraftService]:
             drafter,
             nc,
         )
-        loops = [service.draft_loop(), service.idle_loop()]
+        loops = [service.draft_loop, service.idle_loop]
         routes = []
         engine = getattr(drafter, "engine", None)  # the engine drafters' (chains and trees)
         if transport is not None and engine is not None:
@@ -275,7 +272,7 @@ async def draft_service(config: DraftConfig) -> AsyncIterator[DraftService]:
                 metrics=service.metrics,
                 whole_blocks=whole_blocks,
             )
-            loops += [service.receiver.completion_loop(), service.receiver.expiry_loop()]
+            loops += [service.receiver.completion_loop, service.receiver.expiry_loop]
             routes.append((subjects.draft_kv_done(worker_id), PrefillDone, service.on_kv_done))
         service.queue_routes.append(
             (subjects.DRAFT_CONTEXT, on_message(nc, DraftContext, service.on_context))
@@ -285,42 +282,35 @@ async def draft_service(config: DraftConfig) -> AsyncIterator[DraftService]:
             service.queue_routes.append((subjects.DRAFT_KV_RESERVE, reserve))
         await service.join_queue()
         try:
-            async with (
-                worker_presence(
-                    nc,
-                    subjects,
-                    role="draft",
-                    worker_id=worker_id,
-                    heartbeat=service.heartbeat,
-                    interval_s=config.heartbeat_s,
-                    metadata={"method": config.method},
-                    stats=service.status,
-                ) as svc,
-                subscriptions(
-                    nc,
+            shell = WorkerShell(
+                role="draft",
+                worker_id=worker_id,
+                heartbeat=service.heartbeat,
+                config=config,
+                metrics=service.metrics,
+                ready="draft worker ready",
+                endpoints=(
+                    ("status", subjects.draft_status(worker_id), service.on_status),
+                    ("control", subjects.worker_control(worker_id), service.on_control),
+                ),
+                routes=(
                     (subjects.draft_context(worker_id), DraftContext, service.on_context),
                     (subjects.draft_forget(worker_id), DraftForget, service.on_forget),
                     (subjects.ABORT, Abort, service.on_abort),
                     (subjects.REGISTRY_WORKER_GONE, WorkerGone, service.on_worker_gone),
                     *routes,
                 ),
-                background(*loops),
-                open_for_requests(
-                    nc,
-                    svc,
-                    ("status", subjects.draft_status(worker_id), service.on_status),
-                    ("control", subjects.worker_control(worker_id), service.on_control),
-                    metrics=service.metrics,
-                    config=config,
-                    logger=log,
-                    ready="draft worker ready",
-                    worker_id=worker_id,
-                    method=config.method,
-                    k=config.num_speculative_tokens,
-                    tree=config.tree or None,
-                    transport=transport.name if transport is not None else None,
-                ) as service.metrics_port,
-            ):
+                loops=loops,
+                metadata={"method": config.method},
+                stats=service.status,
+                ready_fields={
+                    "method": config.method,
+                    "k": config.num_speculative_tokens,
+                    "tree": config.tree or None,
+                    "transport": transport.name if transport is not None else None,
+                },
+            )
+            async with serve_worker(nc, subjects, shell, log) as service.metrics_port:
                 yield service
         finally:
             if not nc.is_closed:

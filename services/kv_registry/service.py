@@ -32,10 +32,7 @@ from kvmesh.shared.bus.message_guard import guard_of
 from kvmesh.shared.bus.nats_service import (
     connect_nats,
     new_worker_id,
-    open_for_requests,
     serve_until_signal,
-    subscriptions,
-    worker_presence,
 )
 from kvmesh.shared.bus.protocol import (
     DecodeAdvert,
@@ -49,6 +46,7 @@ from kvmesh.shared.bus.protocol import (
 )
 from kvmesh.shared.bus.store_solicit import store_adverts_solicited
 from kvmesh.shared.bus.subjects import Subjects
+from kvmesh.shared.bus.worker_shell import WorkerShell, serve_worker
 from kvmesh.shared.obs import logs
 from nats.aio.client import Client
 from nats.micro.request import Request
@@ -226,9 +224,21 @@ async def registry_service(config: RegistryConfig) -> AsyncIterator[RegistryServ
         service = RegistryService(config, nc, tg, worker_id, subjects, hearing=hearing)
         expiry = tg.create_task(service.expiry_loop())
         try:
-            async with (
-                subscriptions(
-                    nc,
+            shell = WorkerShell(
+                role=ROLE,
+                worker_id=worker_id,
+                heartbeat=service.heartbeat,
+                config=config,
+                metrics=service.metrics,
+                ready="kv-registry ready",
+                endpoints=(
+                    ("place", subjects.REGISTRY_PLACE, service.on_place),
+                    *(
+                        (subject.rsplit(".", 1)[-1], subject, service.admin_endpoint(handle))
+                        for subject, handle in service.admin.handlers().items()
+                    ),
+                ),
+                routes=(
                     (subjects.REGISTRY_ADVERTISE, DecodeAdvert, service.on_advert),
                     (subjects.HEARTBEAT_ALL, WorkerHeartbeat, service.on_heartbeat),
                     (subjects.decode_prefill_done("*"), PrefillDone, service.on_prefill_done),
@@ -239,31 +249,10 @@ async def registry_service(config: RegistryConfig) -> AsyncIterator[RegistryServ
                     (subjects.REGISTRY_STORE_KV_EVENTS, KvCacheEvents, service.on_store_events),
                     (subjects.REGISTRY_STORE_KV_DIGEST, KvCacheDigest, service.on_store_digest),
                 ),
-                store_adverts_solicited(nc, subjects, worker_id),
-                worker_presence(
-                    nc,
-                    subjects,
-                    role=ROLE,
-                    worker_id=worker_id,
-                    heartbeat=service.heartbeat,
-                    interval_s=config.heartbeat_s,
-                ) as svc,
-                open_for_requests(
-                    nc,
-                    svc,
-                    ("place", subjects.REGISTRY_PLACE, service.on_place),
-                    *(
-                        (subject.rsplit(".", 1)[-1], subject, service.admin_endpoint(handle))
-                        for subject, handle in service.admin.handlers().items()
-                    ),
-                    metrics=service.metrics,
-                    config=config,
-                    logger=log,
-                    ready="kv-registry ready",
-                    worker_id=worker_id,
-                    nats_url=config.safe_nats_url,
-                ) as service.metrics_port,
-            ):
+                contexts=(store_adverts_solicited(nc, subjects, worker_id),),
+                ready_fields={"nats_url": config.safe_nats_url},
+            )
+            async with serve_worker(nc, subjects, shell, log) as service.metrics_port:
                 yield service
         finally:
             expiry.cancel()

@@ -28,14 +28,10 @@ from kvmesh.services.kv_store.layout import store_layout
 from kvmesh.services.kv_store.metrics import StoreMetrics
 from kvmesh.services.kv_store.worker import StoreWorker
 from kvmesh.shared.bus.nats_service import (
-    background,
     connect_nats,
     new_worker_id,
-    open_for_requests,
     publish_every,
     serve_until_signal,
-    subscriptions,
-    worker_presence,
 )
 from kvmesh.shared.bus.protocol import (
     KvCacheDigest,
@@ -54,6 +50,7 @@ from kvmesh.shared.bus.protocol import (
     encode_message,
 )
 from kvmesh.shared.bus.store_solicit import SolicitLimiter
+from kvmesh.shared.bus.worker_shell import WorkerShell, serve_worker
 from kvmesh.shared.kv.descriptor import TransportDescriptor
 from kvmesh.shared.kv.kv_block_header import HEADER_BYTES
 from kvmesh.shared.obs import logs
@@ -241,19 +238,14 @@ async def store_service(config: StoreConfig) -> AsyncIterator[StoreService]:
             config, transport, memory, store_id, num_blocks, spec.block_bytes, kv_spec, disk
         )
         service = StoreService(config, nc, worker)
-        async with (
-            worker_presence(
-                nc,
-                subjects,
-                role=ROLE,
-                worker_id=store_id,
-                heartbeat=service.heartbeat,
-                interval_s=config.heartbeat_s,
-            ) as svc,
-            background(service.lease_loop(), service.completion_loop(), service.held_loop()),
-            open_for_requests(
-                nc,
-                svc,
+        shell = WorkerShell(
+            role=ROLE,
+            worker_id=store_id,
+            heartbeat=service.heartbeat,
+            config=config,
+            metrics=service.metrics,
+            ready="kv-store ready",
+            endpoints=(
                 (
                     "put",
                     subjects.store_put(store_id),
@@ -270,29 +262,27 @@ async def store_service(config: StoreConfig) -> AsyncIterator[StoreService]:
                     subjects.store_release(store_id),
                     service.endpoint(StoreRelease, worker.release),
                 ),
-                metrics=service.metrics,
-                config=config,
-                logger=log,
-                ready="kv-store ready",
-                worker_id=store_id,
-                transport=transport.name,
-                num_blocks=num_blocks,
-                disk_blocks=num_disk_slots,
-                block_bytes=spec.block_bytes,
-                kv_spec=kv_spec,
-            ) as service.metrics_port,
-            # Advertised only once its endpoints answer: a reader that saw the advert finds them.
-            background(
-                publish_every(
-                    nc, subjects.REGISTRY_STORE_ADVERTISE, service.advert, config.heartbeat_s
-                )
             ),
-            subscriptions(
-                nc,
+            routes=(
                 (subjects.REGISTRY_STORE_SOLICIT, StoreSolicit, service.on_solicit),
                 (subjects.REGISTRY_WORKER_GONE, WorkerGone, service.on_worker_gone),
             ),
-        ):
+            loops=(service.lease_loop, service.completion_loop, service.held_loop),
+            # Advertised only once its endpoints answer: a reader that saw the advert finds them.
+            after_ready=(
+                lambda: publish_every(
+                    nc, subjects.REGISTRY_STORE_ADVERTISE, service.advert, config.heartbeat_s
+                ),
+            ),
+            ready_fields={
+                "transport": transport.name,
+                "num_blocks": num_blocks,
+                "disk_blocks": num_disk_slots,
+                "block_bytes": spec.block_bytes,
+                "kv_spec": kv_spec,
+            },
+        )
+        async with serve_worker(nc, subjects, shell, log) as service.metrics_port:
             yield service
 
 

@@ -27,14 +27,10 @@ from kvmesh.services.prefill.worker import PrefillResult, PrefillWorker
 from kvmesh.shared.bus.message_guard import guard_of
 from kvmesh.shared.bus.nats_service import (
     answer_worker_control,
-    background,
     connect_nats,
     new_worker_id,
-    open_for_requests,
     read_worker_control,
     serve_until_signal,
-    subscriptions,
-    worker_presence,
 )
 from kvmesh.shared.bus.prefill_queue import PrefillJobQueue
 from kvmesh.shared.bus.protocol import (
@@ -52,6 +48,7 @@ from kvmesh.shared.bus.protocol import (
 )
 from kvmesh.shared.bus.store_solicit import store_adverts_solicited
 from kvmesh.shared.bus.subjects import Subjects
+from kvmesh.shared.bus.worker_shell import WorkerShell, serve_worker
 from kvmesh.shared.engine.llm_engine import LLMEngine
 from kvmesh.shared.mesh.kv_store_client import KvStoreClient
 from kvmesh.shared.model.config import parse_dtype
@@ -304,42 +301,36 @@ async def prefill_service(config: PrefillConfig) -> AsyncIterator[PrefillService
         )
         async with asyncio.TaskGroup() as tg:
             service = PrefillService(config, worker, nc, tg)
-            async with (
-                worker_presence(
-                    nc,
-                    subjects,
-                    role="prefill",
-                    worker_id=worker_id,
-                    heartbeat=service.heartbeat,
-                    interval_s=config.heartbeat_s,
-                ) as svc,
-                subscriptions(
-                    nc,
+            queue = PrefillJobQueue(nc, subjects)
+            shell = WorkerShell(
+                role="prefill",
+                worker_id=worker_id,
+                heartbeat=service.heartbeat,
+                config=config,
+                metrics=worker.metrics,
+                ready="prefill worker ready",
+                endpoints=(("control", subjects.worker_control(worker_id), service.on_control),),
+                routes=(
                     (subjects.ABORT, Abort, service.on_abort),
                     (subjects.REGISTRY_ADVERTISE, DecodeAdvert, service.on_advert),
                     (subjects.REGISTRY_STORE_ADVERTISE, StoreAdvert, service.on_store_advert),
                 ),
-                (
-                    store_adverts_solicited(nc, subjects, worker_id)
-                    if store is not None
-                    else contextlib.nullcontext()
+                contexts=(
+                    (
+                        store_adverts_solicited(nc, subjects, worker_id)
+                        if store is not None
+                        else contextlib.nullcontext()
+                    ),
+                    queue,
                 ),
-                PrefillJobQueue(nc, subjects) as queue,
-                background(worker.run(), service.pull_loop(queue)),
-                open_for_requests(
-                    nc,
-                    svc,
-                    ("control", subjects.worker_control(worker_id), service.on_control),
-                    metrics=worker.metrics,
-                    config=config,
-                    logger=log,
-                    ready="prefill worker ready",
-                    worker_id=worker_id,
-                    transport=config.transport,
-                    chunk_tokens=config.chunk_tokens,
-                    kv_spec=worker.kv_spec,
-                ) as service.metrics_port,
-            ):
+                loops=(worker.run, lambda: service.pull_loop(queue)),
+                ready_fields={
+                    "transport": config.transport,
+                    "chunk_tokens": config.chunk_tokens,
+                    "kv_spec": worker.kv_spec,
+                },
+            )
+            async with serve_worker(nc, subjects, shell, log) as service.metrics_port:
                 yield service
                 await service.drain(timeout_s=config.drain_timeout_s)
                 if store is not None:

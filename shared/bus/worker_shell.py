@@ -1,0 +1,105 @@
+"""A worker's start-up on NATS, the same steps in the same order for every service.
+
+Each service shell (decode, prefill, draft, kv-store, kv-registry) says what it shows with one
+``WorkerShell`` and enters ``serve_worker``:
+
+1. presence: the micro service (``$SRV``), heartbeats, the log-level control;
+2. its subscriptions (each through the MessageGuard);
+3. its own contexts (a task group, a queue consumer, solicited store adverts);
+4. its loops;
+5. its request endpoints and /metrics: from here on it answers, and logs ``ready``;
+6. what may start only once it answers (its adverts: a peer that saw one finds the endpoints).
+
+On exit the steps close in reverse order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvmesh.shared.bus.nats_service import (
+    Handler,
+    RequestHandler,
+    background,
+    open_for_requests,
+    subscriptions,
+    worker_presence,
+)
+from kvmesh.shared.bus.subjects import Subjects
+from nats.aio.client import Client
+
+if TYPE_CHECKING:
+    from kvmesh.shared.bus.protocol import WorkerHeartbeat
+    from kvmesh.shared.bus.worker_config import MetricsServiceConfig
+    from kvmesh.shared.obs.metric_set import MetricSet
+
+Loop = Callable[[], Coroutine[Any, Any, Any]]
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerShell:
+    """What one worker shows on NATS. ``endpoints``: (name, subject, handler) request
+    endpoints of its micro service; ``routes``: (subject, message type, handler) subscriptions;
+    ``loops`` and ``after_ready``: task bodies, called when their step starts; ``ready_fields``:
+    logged with the ready line."""
+
+    role: str
+    worker_id: str
+    heartbeat: Callable[[], WorkerHeartbeat]
+    config: MetricsServiceConfig
+    metrics: MetricSet
+    ready: str
+    endpoints: Sequence[tuple[str, str, RequestHandler]] = ()
+    routes: Sequence[tuple[str, type[Any], Handler]] = ()
+    contexts: Sequence[AbstractAsyncContextManager[Any]] = ()
+    loops: Sequence[Loop] = ()
+    after_ready: Sequence[Loop] = ()
+    metadata: dict[str, str] | None = None
+    stats: Callable[[], Any] | None = None
+    ready_fields: Mapping[str, Any] = field(default_factory=dict)
+
+
+@contextlib.asynccontextmanager
+async def serve_worker(
+    nc: Client, subjects: Subjects, shell: WorkerShell, logger: Any
+) -> AsyncIterator[int | None]:
+    """Run ``shell``'s steps (module docstring) for the duration of the block; yields the
+    metrics port (None: no metrics server)."""
+    async with contextlib.AsyncExitStack() as stack:
+        svc = await stack.enter_async_context(
+            worker_presence(
+                nc,
+                subjects,
+                role=shell.role,
+                worker_id=shell.worker_id,
+                heartbeat=shell.heartbeat,
+                interval_s=shell.config.heartbeat_s,
+                metadata=shell.metadata,
+                stats=shell.stats,
+            )
+        )
+        await stack.enter_async_context(subscriptions(nc, *shell.routes))
+        for context in shell.contexts:
+            await stack.enter_async_context(context)
+        if shell.loops:
+            await stack.enter_async_context(background(*(loop() for loop in shell.loops)))
+        port = await stack.enter_async_context(
+            open_for_requests(
+                nc,
+                svc,
+                *shell.endpoints,
+                metrics=shell.metrics,
+                config=shell.config,
+                logger=logger,
+                ready=shell.ready,
+                worker_id=shell.worker_id,
+                **shell.ready_fields,
+            )
+        )
+        if shell.after_ready:
+            await stack.enter_async_context(background(*(loop() for loop in shell.after_ready)))
+        yield port
