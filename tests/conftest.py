@@ -104,3 +104,13 @@ def _starts_processes(item: pytest.Item) -> bool:
         text = item.path.read_text(errors="replace")
         _module_starts_processes[path] = any(word in text for word in PROCESS_WORDS)
     return _module_starts_processes[path]
+
+
+@pytest.fixture(scope="module")
+def tiny_float32() -> object:
+    """kvmesh-tiny in float32, a (model, tokenizer) pair: what the 8-bit KV cache tests
+    (test_engine_8bit.py, test_engine_fp8.py, test_engine_int8.py) measure against."""
+    import torch
+    from kvmesh.shared.model.loader import load_model
+
+    return load_model("kvmesh-tiny", torch.float32)

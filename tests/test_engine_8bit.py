@@ -16,20 +16,14 @@ from kvmesh.loadgen.kv_accuracy import FIXTURE_PROMPTS
 from kvmesh.shared.engine.config import EngineConfig
 from kvmesh.shared.engine.draft_tree import DraftTree
 from kvmesh.shared.engine.llm_engine import LLMEngine
-from kvmesh.shared.model.loader import load_model
 from kvmesh.shared.text.sampling import SamplingOptions
 
 FORMATS = ("int8", "fp8_e4m3")
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    return load_model("kvmesh-tiny", torch.float32)
-
-
 @pytest.mark.parametrize("kv_dtype", FORMATS)
-def test_decode_through_c_kernels_equals_the_torch_path(tiny, kv_dtype):
-    model, tokenizer = tiny
+def test_decode_through_c_kernels_equals_the_torch_path(tiny_float32, kv_dtype):
+    model, tokenizer = tiny_float32
     prompts = [tokenizer.encode(text, add_special_tokens=True) for text in FIXTURE_PROMPTS[:4]]
     params = SamplingOptions(max_tokens=12, temperature=0.0, ignore_eos=True)
     engines = [
@@ -49,8 +43,8 @@ def test_decode_through_c_kernels_equals_the_torch_path(tiny, kv_dtype):
 
 @pytest.mark.parametrize("kernels", [True, False])
 @pytest.mark.parametrize("kv_dtype", FORMATS)
-def test_random_draft_chains_and_trees_keep_plain_greedy_output(tiny, kv_dtype, kernels):
-    model, tokenizer = tiny
+def test_random_draft_chains_and_trees_keep_plain_greedy_output(tiny_float32, kv_dtype, kernels):
+    model, tokenizer = tiny_float32
     rng = random.Random(0)
     prompts = [[rng.randrange(256) for _ in range(n)] for n in (20, 37, 9, 50)]
     params = SamplingOptions(max_tokens=16, temperature=0.0, ignore_eos=True)

@@ -12,27 +12,15 @@ agree on every token)."""
 from __future__ import annotations
 
 import pytest
-import torch
-from kvmesh.loadgen.kv_accuracy import FACT_QUESTIONS, FIXTURE_PROMPTS, measure
+from kvmesh.loadgen.kv_accuracy import FACT_QUESTIONS, FIXTURE_PROMPTS
 from kvmesh.shared.engine.config import EngineConfig
 from kvmesh.shared.engine.llm_engine import LLMEngine
 from kvmesh.shared.kv.prefix_hash import layout_root
-from kvmesh.shared.model.loader import load_model
+from support.kv_accuracy_runs import fixture_prompts_report
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    return load_model("kvmesh-tiny", torch.float32)
-
-
-@pytest.fixture(scope="module")
-def fixture_prompts(tiny) -> list[list[int]]:
-    _, tokenizer = tiny
-    return [tokenizer.encode(text, add_special_tokens=True) for text in FIXTURE_PROMPTS]
-
-
-def test_fp8_greedy_output_agrees_with_float32_kv_on_the_fixture_prompts(tiny, fixture_prompts):
-    report = measure(tiny[0], fixture_prompts, max_tokens=16, kv_cache_dtype="fp8_e4m3")
+def test_fp8_greedy_output_agrees_with_float32_kv_on_the_fixture_prompts(tiny_float32):
+    report = fixture_prompts_report(tiny_float32, "fp8_e4m3")
     assert report.min_agreed_tokens >= 8  # measured 11
     assert report.num_fully_agreed >= 5  # measured 6 of 8
     assert min(p.top1_agreement for p in report.prompts) >= 0.85  # measured 0.938
@@ -40,8 +28,8 @@ def test_fp8_greedy_output_agrees_with_float32_kv_on_the_fixture_prompts(tiny, f
     assert report.logit_std > 50 * report.max_logit_error  # small against the logits' spread
 
 
-def test_fp8_pool_holds_four_times_the_blocks_of_float32_in_the_same_bytes(tiny):
-    model, tokenizer = tiny
+def test_fp8_pool_holds_four_times_the_blocks_of_float32_in_the_same_bytes(tiny_float32):
+    model, tokenizer = tiny_float32
     sizes = {}
     for dtype in ("auto", "fp8_e4m3"):
         config = EngineConfig(kv_cache_bytes=4 << 20, kv_cache_dtype=dtype)
@@ -51,8 +39,8 @@ def test_fp8_pool_holds_four_times_the_blocks_of_float32_in_the_same_bytes(tiny)
     assert sizes["fp8_e4m3"][0] > 3.9 * sizes["auto"][0]  # scales: 8 bytes per (layer, head)
 
 
-def test_fp8_and_float32_blocks_never_share_a_prefix_hash(tiny):
-    model, tokenizer = tiny
+def test_fp8_and_float32_blocks_never_share_a_prefix_hash(tiny_float32):
+    model, tokenizer = tiny_float32
     specs = [
         LLMEngine(model, tokenizer, EngineConfig(num_blocks=8, kv_cache_dtype=d)).kv_spec
         for d in ("auto", "fp8_e4m3")

@@ -9,34 +9,21 @@ prompts on all 16, one flips a near tie after 10), logit error at most 0.0001, m
 from __future__ import annotations
 
 import pytest
-import torch
-from kvmesh.loadgen.kv_accuracy import FIXTURE_PROMPTS, measure
 from kvmesh.shared.engine.config import EngineConfig
 from kvmesh.shared.engine.llm_engine import LLMEngine
 from kvmesh.shared.kv.prefix_hash import layout_root
-from kvmesh.shared.model.loader import load_model
+from support.kv_accuracy_runs import fixture_prompts_report
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    return load_model("kvmesh-tiny", torch.float32)
-
-
-@pytest.fixture(scope="module")
-def fixture_prompts(tiny) -> list[list[int]]:
-    _, tokenizer = tiny
-    return [tokenizer.encode(text, add_special_tokens=True) for text in FIXTURE_PROMPTS]
-
-
-def test_int8_greedy_output_agrees_with_float32_kv_on_the_fixture_prompts(tiny, fixture_prompts):
-    report = measure(tiny[0], fixture_prompts, max_tokens=16, kv_cache_dtype="int8")
+def test_int8_greedy_output_agrees_with_float32_kv_on_the_fixture_prompts(tiny_float32):
+    report = fixture_prompts_report(tiny_float32, "int8")
     assert report.token_agreement >= 0.9  # measured 0.953
     assert report.max_logit_error <= 0.001  # measured 0.0001
     assert report.logit_std > 100 * report.max_logit_error
 
 
-def test_int8_pool_holds_32_36ths_of_fp8s_blocks_in_the_same_bytes(tiny):
-    model, tokenizer = tiny
+def test_int8_pool_holds_32_36ths_of_fp8s_blocks_in_the_same_bytes(tiny_float32):
+    model, tokenizer = tiny_float32
     blocks = {}
     for dtype in ("auto", "int8", "fp8_e4m3"):
         config = EngineConfig(kv_cache_bytes=4 << 20, kv_cache_dtype=dtype)
@@ -47,8 +34,8 @@ def test_int8_pool_holds_32_36ths_of_fp8s_blocks_in_the_same_bytes(tiny):
     assert blocks["fp8_e4m3"] < blocks["int8"] < blocks["auto"] // 3
 
 
-def test_int8_blocks_never_share_a_prefix_hash_with_other_dtypes(tiny):
-    model, tokenizer = tiny
+def test_int8_blocks_never_share_a_prefix_hash_with_other_dtypes(tiny_float32):
+    model, tokenizer = tiny_float32
     specs = [
         LLMEngine(model, tokenizer, EngineConfig(num_blocks=8, kv_cache_dtype=d)).kv_spec
         for d in ("auto", "int8", "fp8_e4m3")
