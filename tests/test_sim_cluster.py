@@ -8,6 +8,7 @@ from kvmesh.loadgen.sim.cost import CostModel
 from kvmesh.loadgen.sim.specs import DeviceSpec, load_device, load_model
 from kvmesh.loadgen.sim.topology import Topology
 from kvmesh.loadgen.sim.workload import SimRequest
+from support.sim_probe_fakes import slow_link_disagg
 
 H100_8B = CostModel(load_model("llama-3-8b"), load_device("h100"))
 # a short stream decoding when a 32k-token prompt arrives
@@ -44,21 +45,10 @@ def test_chunked_colocated_spreads_the_stall_over_many_steps():
 
 
 def test_chunk_transfers_overlap_the_next_chunks_compute():
-    model = load_model("kvmesh-tiny")
-    # each step costs its 1 s overhead; a 1000-token chunk's KV takes 0.5 s on the link
-    device = DeviceSpec(
-        "overlap",
-        1e30,
-        1e30,
-        1e30,
-        link_bandwidth=1000 * model.kv_bytes_per_token / 0.5,
-        step_overhead_s=1.0,
-    )
-    # plain 1000-token chunks (not cut on blocks: test_sim_overheads covers hand-off chunks)
-    topology = Topology(
-        "disagg", 1, 1, chunk_tokens=1000, kv_capacity_tokens=10_000, block_tokens=None
-    )
-    result = simulate(topology, CostModel(model, device), [SimRequest(0.0, 4000, 2)])
+    # each step costs its 1 s overhead; a 1000-token chunk's KV takes 0.5 s on the link; plain
+    # 1000-token chunks (not cut on blocks: test_sim_overheads covers hand-off chunks)
+    cost, topology = slow_link_disagg()
+    result = simulate(topology, cost, [SimRequest(0.0, 4000, 2)])
     # four chunks computed back to back; only the last chunk's transfer is exposed
     assert result.records[0].ttft_s == pytest.approx(4 * 1.0 + 0.5)
 

@@ -43,14 +43,20 @@ def _phases(short: EngineTimings, long: EngineTimings | None = None) -> PhaseTim
     return PhaseTimings(short, long or EngineTimings(0, None, 0, None, 0, None))
 
 
-def test_step_with_role_costs_engine_times_that_roles_scale():
-    cost = fixed_steps(
+def _scaled_by_role(colocated_extra_s: float, **fields: float) -> CostModel:
+    """Fixed 10 ms steps, the engine 1.5 times slower colocated (and ``colocated_extra_s`` on
+    top), 2 times on decode, 3 times on prefill; ``fields`` on top."""
+    return fixed_steps(
         colocated_engine_scale=1.5,
-        colocated_engine_extra_s=0.003,
+        colocated_engine_extra_s=colocated_extra_s,
         decode_engine_scale=2.0,
         prefill_engine_scale=3.0,
-        loop_overhead_s=0.002,
+        **fields,
     )
+
+
+def test_step_with_role_costs_engine_times_that_roles_scale():
+    cost = _scaled_by_role(0.003, loop_overhead_s=0.002)
     slices = [Slice(1, 100)]
     assert cost.step(slices).seconds == pytest.approx(0.010)
     # a colocated step: its engine times the scale, and the stall on top, whatever it computes
@@ -64,12 +70,7 @@ def test_step_with_role_costs_engine_times_that_roles_scale():
 
 
 def test_simulated_engine_means_scale_by_role_on_dedicated_devices():
-    cost = fixed_steps(
-        decode_engine_scale=2.0,
-        prefill_engine_scale=3.0,
-        colocated_engine_scale=1.5,
-        colocated_engine_extra_s=0.001,
-    )
+    cost = _scaled_by_role(0.001)
     requests = [SimRequest(0.0, 100, 5)]
     disagg = simulate(_dedicated("disagg", cost), cost, requests).timings
     assert disagg.prefill_chunk_s == pytest.approx(0.030)

@@ -26,7 +26,7 @@ from kvmesh.loadgen.sim.topology import Topology
 from kvmesh.loadgen.sim.validate import mesh_topology
 from kvmesh.loadgen.sim.worker import SimSeq, Worker
 from kvmesh.loadgen.sim.workload import SimRequest
-from support.sim_probe_fakes import cpu_like, fixed_steps, simulated_probe
+from support.sim_probe_fakes import cpu_like, fixed_steps, simulated_probe, slow_link_disagg
 
 TINY = load_model("kvmesh-tiny")
 
@@ -109,19 +109,9 @@ def test_prefill_hand_off_chunks_are_whole_blocks_then_at_most_one_block():
 
 def test_prefill_job_holds_its_slot_until_its_last_write_lands():
     # 1 s a step; a 1000-token chunk's KV takes 0.5 s on the link; one job at a time
-    device = DeviceSpec(
-        "slot",
-        1e30,
-        1e30,
-        1e30,
-        link_bandwidth=1000 * TINY.kv_bytes_per_token / 0.5,
-        step_overhead_s=1.0,
-    )
-    topology = Topology(
-        "disagg", 1, 1, chunk_tokens=1000, kv_capacity_tokens=10_000, block_tokens=None
-    )
+    cost, topology = slow_link_disagg()
     requests = [SimRequest(0.0, 1000, 1), SimRequest(0.0, 1000, 1)]
-    first, second = simulate(topology, CostModel(TINY, device), requests).records
+    first, second = simulate(topology, cost, requests).records
     assert first.ttft_s == pytest.approx(1.5)
     # the second job starts when the first one's write has landed (1.5), not when it computed
     assert second.ttft_s == pytest.approx(1.5 + 1.0 + 0.5)
@@ -166,26 +156,29 @@ def test_jitter_is_how_far_the_gaps_exceed_their_median():
     assert Jitter.of([]) == Jitter()
 
 
+def _jitter(p90_s: float, p99_s: float, max_s: float, role: str = "") -> dict[str, float]:
+    """A role's jitter quantiles as DeviceSpec fields (no role: the decode worker's)."""
+    prefix = f"{role}_" if role else ""
+    return {
+        f"{prefix}jitter_p90_s": p90_s,
+        f"{prefix}jitter_p99_s": p99_s,
+        f"{prefix}jitter_max_s": max_s,
+    }
+
+
 def test_jitter_draws_follow_the_measured_quantiles():
-    cost = fixed_steps(jitter_p90_s=0.002, jitter_p99_s=0.01, jitter_max_s=0.05)
+    cost = fixed_steps(**_jitter(0.002, 0.01, 0.05))
     assert cost.jitter_s(0.3) == 0.0  # up to the median
     assert cost.jitter_s(0.7) == pytest.approx(0.001)
     assert cost.jitter_s(0.9) == pytest.approx(0.002)
     assert cost.jitter_s(0.99) == pytest.approx(0.01)
     assert cost.jitter_s(0.995) == pytest.approx(0.03)
     with pytest.raises(SpecError, match="must not decrease"):
-        fixed_steps(jitter_p90_s=0.01, jitter_p99_s=0.002, jitter_max_s=0.05)
+        fixed_steps(**_jitter(0.01, 0.002, 0.05))
 
 
 def test_each_role_draws_its_own_jitter():
-    cost = fixed_steps(
-        jitter_p90_s=0.002,
-        jitter_p99_s=0.01,
-        jitter_max_s=0.05,
-        colocated_jitter_p90_s=0.004,
-        colocated_jitter_p99_s=0.02,
-        colocated_jitter_max_s=0.1,
-    )
+    cost = fixed_steps(**_jitter(0.002, 0.01, 0.05), **_jitter(0.004, 0.02, 0.1, "colocated"))
     assert cost.jitter_s(0.9) == pytest.approx(0.002)
     assert cost.jitter_s(0.9, "decode") == pytest.approx(0.002)
     assert cost.jitter_s(0.9, "colocated") == pytest.approx(0.004)
@@ -195,9 +188,7 @@ def test_each_role_draws_its_own_jitter():
 
 
 def test_loop_steps_jitter_by_seeded_draws():
-    cost = fixed_steps(
-        colocated_jitter_p90_s=0.002, colocated_jitter_p99_s=0.01, colocated_jitter_max_s=0.05
-    )
+    cost = fixed_steps(**_jitter(0.002, 0.01, 0.05, "colocated"))
     topology = Topology("colocated", 1, kv_capacity_tokens=10_000)
     gaps = _gaps(simulate(topology, cost, [SimRequest(0.0, 16, 2000)]).records[0])
     assert min(gaps) == pytest.approx(0.01)  # no jitter below the median
@@ -208,7 +199,7 @@ def test_loop_steps_jitter_by_seeded_draws():
     again = _gaps(simulate(topology, cost, [SimRequest(0.0, 16, 2000)]).records[0])
     assert again == gaps  # the same draws every run
     # the decode worker's jitter is not the colocated worker's
-    steady = fixed_steps(jitter_p90_s=0.002, jitter_p99_s=0.01, jitter_max_s=0.05)
+    steady = fixed_steps(**_jitter(0.002, 0.01, 0.05))
     flat = _gaps(simulate(topology, steady, [SimRequest(0.0, 16, 200)]).records[0])
     assert max(flat) == pytest.approx(0.01)
 
@@ -401,15 +392,8 @@ def test_pooled_jitter_is_of_every_runs_gaps_together():
 def test_pool_probe_runs_of_one_run_is_that_runs_figures():
     from kvmesh.loadgen.sim.calibrate import pool_probe_runs
 
-    cost = _cpu(
-        request_overhead_s=0.01,
-        jitter_p90_s=0.001,
-        jitter_p99_s=0.002,
-        jitter_max_s=0.004,
-        colocated_jitter_p90_s=0.002,
-        colocated_jitter_p99_s=0.004,
-        colocated_jitter_max_s=0.008,
-    )
+    jitters = {**_jitter(0.001, 0.002, 0.004), **_jitter(0.002, 0.004, 0.008, "colocated")}
+    cost = _cpu(request_overhead_s=0.01, **jitters)
     run = {m: simulated_probe(m, cost) for m in ("colocated", "disagg")}
     pooled = pool_probe_runs([run])
     for m in ("colocated", "disagg"):

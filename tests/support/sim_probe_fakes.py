@@ -1,5 +1,5 @@
-"""Test helpers for the simulator's calibration on a mesh: a device of fixed-cost steps, a
-CPU-like engine spec, and the probe a mesh behaving as a cost model would serve (the simulator
+"""Test helpers for the simulator's calibration on a mesh: a device of fixed-cost steps, one
+whose chunk transfers take half a step, a CPU-like engine spec, and the probe a mesh behaving as a cost model would serve (the simulator
 stands in for the real mesh)."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from kvmesh.loadgen.sim.cost import CostModel
 from kvmesh.loadgen.sim.engine_scale import simulate_probe_timings
 from kvmesh.loadgen.sim.probe import ProbeRecords, long_requests, probe_requests
 from kvmesh.loadgen.sim.specs import DeviceSpec, load_model
+from kvmesh.loadgen.sim.topology import Topology
 from kvmesh.loadgen.sim.validate import mesh_topology
 
 
@@ -17,6 +18,25 @@ def fixed_steps(**fields: float) -> CostModel:
     memory, an instant link), with ``fields`` on top."""
     device = DeviceSpec("fixed", 1e30, 1e30, 1e30, 1e30, step_overhead_s=0.01, **fields)
     return CostModel(load_model("kvmesh-tiny"), device)
+
+
+def slow_link_disagg() -> tuple[CostModel, Topology]:
+    """kvmesh-tiny disaggregated (a prefill worker and a decode worker) where each step costs
+    its 1 s overhead and a 1000-token chunk's KV takes 0.5 s on the link; plain 1000-token chunks
+    (not cut on blocks)."""
+    model = load_model("kvmesh-tiny")
+    device = DeviceSpec(
+        "slow-link",
+        1e30,
+        1e30,
+        1e30,
+        link_bandwidth=1000 * model.kv_bytes_per_token / 0.5,
+        step_overhead_s=1.0,
+    )
+    topology = Topology(
+        "disagg", 1, 1, chunk_tokens=1000, kv_capacity_tokens=10_000, block_tokens=None
+    )
+    return CostModel(model, device), topology
 
 
 def cpu_like(**fields: float) -> DeviceSpec:
