@@ -17,6 +17,14 @@ def compute_all(bm: BlockManager, seq: Sequence) -> None:
     bm.commit(seq)
 
 
+def computed_seq(bm: BlockManager, tokens: list[int], rid: str = "r") -> Sequence:
+    """A sequence of ``tokens`` given its blocks by ``bm`` and computed: its full blocks cached."""
+    seq = make_seq(tokens, rid)
+    bm.allocate(seq)
+    compute_all(bm, seq)
+    return seq
+
+
 def test_allocate_takes_blocks_for_every_token_and_deallocate_returns_them():
     bm = BlockManager(8, BS)
     seq = make_seq(list(range(10)))
@@ -72,9 +80,7 @@ def test_uncomputed_blocks_are_not_reused():
 
 def test_freed_cached_blocks_are_reused_until_evicted():
     bm = BlockManager(4, BS)
-    a = make_seq(list(range(9)), "a")
-    bm.allocate(a)
-    compute_all(bm, a)
+    a = computed_seq(bm, list(range(9)), "a")
     first_two = a.block_table[:2]
     bm.deallocate(a)
     assert bm.num_free_blocks == 4
@@ -95,9 +101,7 @@ def test_freed_cached_blocks_are_reused_until_evicted():
 
 def test_uncached_free_blocks_are_handed_out_before_cached_ones():
     bm = BlockManager(6, BS)
-    a = make_seq(list(range(9)), "a")
-    bm.allocate(a)
-    compute_all(bm, a)
+    a = computed_seq(bm, list(range(9)), "a")
     bm.deallocate(a)
     fresh = bm.allocate_blocks(3)
     assert not set(fresh) & set(a.block_table[:2])
@@ -106,9 +110,7 @@ def test_uncached_free_blocks_are_handed_out_before_cached_ones():
 
 def test_can_allocate_counts_free_cached_hits_against_the_free_list():
     bm = BlockManager(3, BS)
-    a = make_seq(list(range(9)), "a")
-    bm.allocate(a)
-    compute_all(bm, a)
+    a = computed_seq(bm, list(range(9)), "a")
     bm.deallocate(a)
     # 9 tokens -> 3 blocks; 2 are free cached hits, 1 fresh: exactly fits.
     b = make_seq(list(range(9)), "b")
@@ -153,9 +155,7 @@ def test_chained_hash_depends_on_parent():
 
 def test_truncate_frees_blocks_past_the_end():
     bm = BlockManager(8, BS)
-    seq = make_seq(list(range(14)))
-    bm.allocate(seq)
-    compute_all(bm, seq)
+    seq = computed_seq(bm, list(range(14)))
     copies = bm.truncate(seq, 6, 5)
     assert copies == []
     assert seq.token_ids == list(range(6)) and seq.num_computed_tokens == 5
@@ -168,12 +168,8 @@ def test_truncate_frees_blocks_past_the_end():
 
 def test_truncate_copies_a_shared_block_before_it_is_rewritten():
     bm = BlockManager(8, BS)
-    a = make_seq(list(range(9)), "a")
-    bm.allocate(a)
-    compute_all(bm, a)
-    b = make_seq(list(range(9)), "b")
-    bm.allocate(b)
-    compute_all(bm, b)
+    a = computed_seq(bm, list(range(9)), "a")
+    b = computed_seq(bm, list(range(9)), "b")
     shared = b.block_table[1]
     assert shared == a.block_table[1]
     copies = bm.truncate(b, 6, 6)
@@ -203,9 +199,7 @@ def test_adopted_blocks_are_prefix_hits_for_the_next_sequence_after_they_are_fre
 
 def test_adopt_leaves_a_hash_cached_already_as_it_is():
     bm = BlockManager(8, BS)
-    seq = make_seq(list(range(9)))
-    bm.allocate(seq)
-    compute_all(bm, seq)
+    seq = computed_seq(bm, list(range(9)))
     [h0, _] = seq.block_hashes
     [other] = bm.allocate_blocks(1)
     assert bm.adopt([other], [h0], [tuple(range(BS))]) == 0
@@ -216,9 +210,7 @@ def test_adopt_leaves_a_hash_cached_already_as_it_is():
 
 def test_pinned_cached_blocks_are_not_handed_out_until_freed():
     bm = BlockManager(3, BS)
-    seq = make_seq(list(range(9)))
-    bm.allocate(seq)
-    compute_all(bm, seq)
+    seq = computed_seq(bm, list(range(9)))
     hashes = list(seq.block_hashes)
     bm.deallocate(seq)  # cached, free
     pinned = bm.pin_cached([*hashes, 12345])  # stops at the first hash not cached
@@ -250,9 +242,7 @@ def test_prefilled_sequence_keeps_its_cached_prompt_chain_when_the_pool_is_press
 
 def test_share_cached_keeps_own_block_on_a_hash_collision():
     bm = BlockManager(6, BS)
-    first = make_seq(list(range(5)))
-    bm.allocate(first)
-    compute_all(bm, first)
+    first = computed_seq(bm, list(range(5)))
     h0 = first.block_hashes[0]
     bm.blocks[first.block_table[0]].token_ids = (9, 9, 9, 9)  # another block's tokens, same hash
     seq = make_seq(list(range(5)), "r2")
