@@ -69,6 +69,15 @@ class Mesh:
         blocks = self.mem.view(NUM_BLOCKS, BLOCK)
         return [b for b in range(NUM_BLOCKS) if bool(blocks[b].any())]
 
+    async def used_window(self, block: int):
+        """A window over ``block`` that a write went through (bound on the NIC), the write's
+        completion taken and the pool zeroed again."""
+        window = self.window(block)
+        await self.write(block, window.rkey)
+        await asyncio.wait_for(self.rx.completion_queue.get(), 2)
+        self.mem.zero_()
+        return window
+
     def accepted_qpn(self, ep=None) -> int:
         """The receiver's QP of the connection ``ep`` (default: the mesh's endpoint)."""
         return (ep or self.ep)._entry.qp.attrs["dest_qp_num"]
@@ -196,10 +205,7 @@ async def test_window_write_outside_its_blocks_is_refused_before_the_nic():
 async def test_forged_write_outside_a_bound_window_is_refused_by_the_nic_and_counted():
     verbs = FakeVerbs()
     async with Mesh(verbs) as m:
-        window = m.window(2)
-        await m.write(2, window.rkey)
-        await asyncio.wait_for(m.rx.completion_queue.get(), 2)
-        m.mem.zero_()
+        await m.used_window(2)
         [mw] = verbs.fabric.mws.values()
         before = m.rx.stats().refused
         status = await m.post_raw(m.ep, mw.hw_rkey, m.addr(3), BLOCK)
@@ -245,10 +251,7 @@ async def test_type_2_window_is_refused_through_another_connection():
 async def test_window_closed_after_use_is_refused_by_the_nic_and_counted():
     verbs = FakeVerbs()
     async with Mesh(verbs) as m:
-        window = m.window(6)
-        await m.write(6, window.rkey)
-        await asyncio.wait_for(m.rx.completion_queue.get(), 2)
-        m.mem.zero_()
+        window = await m.used_window(6)
         m.rx.close_window(window)
         m.rx.close_window(window)  # closing twice is harmless
         assert verbs.fabric.mws == {}  # deallocated: invalid on the NIC at once
