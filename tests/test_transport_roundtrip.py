@@ -69,6 +69,16 @@ class Target:
         return bool((self.mem[:BB] == GUARD).all() and (self.mem[-BB:] == GUARD).all())
 
 
+@contextlib.asynccontextmanager
+async def _target_and_writer(backend: str, src: torch.Tensor):
+    """A receiver with a Target pool and a writer with ``src`` registered (not yet connected):
+    yields the receiver, the writer, the target and ``src``'s region."""
+    cfg = TransportConfig(**CONFIG)
+    async with create_transport(backend, cfg) as rx, create_transport(backend, cfg) as tx:
+        target = Target(rx)
+        yield rx, tx, target, tx.register(src)
+
+
 # -- child processes ---------------------------------------------------------------------------------
 
 
@@ -193,11 +203,8 @@ async def test_scattered_blocks_from_two_writer_processes_land_bit_exact_in_orde
 
 @pytest.mark.parametrize("backend", BACKENDS)
 async def test_bad_writes_are_refused_and_nothing_outside_the_target_changes(backend: str) -> None:
-    cfg = TransportConfig(**CONFIG)
-    async with create_transport(backend, cfg) as rx, create_transport(backend, cfg) as tx:
-        target = Target(rx)
-        src = torch.full((4 * BB,), 0x5C, dtype=torch.uint8)
-        local = tx.register(src)
+    src = torch.full((4 * BB,), 0x5C, dtype=torch.uint8)
+    async with _target_and_writer(backend, src) as (rx, tx, target, local):
         ep = await tx.connect(rx.descriptor())
         r = target.region
         before = target.mem.clone()
@@ -232,11 +239,8 @@ async def test_bad_writes_are_refused_and_nothing_outside_the_target_changes(bac
 
 @pytest.mark.parametrize("backend", BACKENDS)
 async def test_concurrent_writes_on_one_endpoint_complete_in_call_order(backend: str) -> None:
-    cfg = TransportConfig(**CONFIG)
-    async with create_transport(backend, cfg) as rx, create_transport(backend, cfg) as tx:
-        target = Target(rx)
-        src = pattern(3, NUM_BLOCKS * BB)
-        local = tx.register(src)
+    src = pattern(3, NUM_BLOCKS * BB)
+    async with _target_and_writer(backend, src) as (rx, tx, target, local):
         r = target.region
         async with await tx.connect(rx.descriptor()) as ep:
             # big and small writes interleaved: later small ones would finish first if unordered
@@ -260,11 +264,8 @@ async def test_concurrent_writes_on_one_endpoint_complete_in_call_order(backend:
 async def test_a_cancelled_write_still_completes_so_later_writes_are_not_held_back(
     backend: str,
 ) -> None:
-    cfg = TransportConfig(**CONFIG)
-    async with create_transport(backend, cfg) as rx, create_transport(backend, cfg) as tx:
-        target = Target(rx)
-        src = pattern(4, NUM_BLOCKS * BB)
-        local = tx.register(src)
+    src = pattern(4, NUM_BLOCKS * BB)
+    async with _target_and_writer(backend, src) as (rx, tx, target, local):
         r = target.region
         async with await tx.connect(rx.descriptor()) as ep:
             first = asyncio.ensure_future(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import struct
 import threading
@@ -89,6 +90,18 @@ def closed_by_peer(sock: socket.socket) -> bool:
         return True
 
 
+@contextlib.asynccontextmanager
+async def connected_writer(
+    receiver: Receiver, buffer: torch.Tensor, config: TransportConfig | None = None
+):
+    """A tcp transport (``config``, default settings without) with ``buffer`` registered and
+    connected to ``receiver``: yields ``buffer``'s region and the endpoint."""
+    async with TcpTransport(config or TransportConfig()) as tx:
+        local = tx.register(buffer)
+        async with await tx.connect(receiver.rx.descriptor()) as ep:
+            yield local, ep
+
+
 @pytest.fixture
 async def receiver():
     async with TcpTransport(TransportConfig()) as rx:
@@ -150,32 +163,26 @@ async def test_corrupt_frames_close_the_connection_and_write_nothing(receiver, b
     if bad != "truncated_payload":  # a truncated payload may have landed partly, inside the target
         assert int(receiver.body.sum()) == 0
     # the receiver still serves other peers
-    async with TcpTransport(TransportConfig()) as tx:
-        src = torch.full((4096,), 3, dtype=torch.uint8)
-        local = tx.register(src)
-        async with await tx.connect(receiver.rx.descriptor()) as ep:
-            await timeout(ep.write([WriteEntry(local, 0, r.addr + 8192, r.rkey, 4096)], 9))
+    src = torch.full((4096,), 3, dtype=torch.uint8)
+    async with connected_writer(receiver, src) as (local, ep):
+        await timeout(ep.write([WriteEntry(local, 0, r.addr + 8192, r.rkey, 4096)], 9))
     assert (await timeout(receiver.rx.completion_queue.get())).imm == 9
 
 
 async def test_large_write_is_sliced_across_lanes_and_completes_once(receiver) -> None:
     r = receiver.region
+    src = torch.randint(0, 256, (NBYTES,), dtype=torch.uint8)
     cfg = TransportConfig(tcp_lanes=4, tcp_slice_bytes=4096, tcp_window=2)
-    async with TcpTransport(cfg) as tx:
-        src = torch.randint(0, 256, (NBYTES,), dtype=torch.uint8)
-        local = tx.register(src)
-        async with await tx.connect(receiver.rx.descriptor()) as ep:
-            assert ep.num_lanes == 2  # the receiver advertises 2 lanes (its default)
-            # one entry per 8 KiB, given in reverse: remote runs are not merged across entries
-            entries = [
-                WriteEntry(local, off, r.addr + off, r.rkey, 8192)
-                for off in reversed(range(0, NBYTES, 8192))
-            ]
-            await timeout(ep.write(entries, 42))
-            assert 1 <= ep.max_in_flight <= 2  # 16 frames, window 2 per lane
-            assert all(
-                lane.window.peak_items > 0 for lane in ep._lanes
-            )  # both lanes carried frames
+    async with connected_writer(receiver, src, cfg) as (local, ep):
+        assert ep.num_lanes == 2  # the receiver advertises 2 lanes (its default)
+        # one entry per 8 KiB, given in reverse: remote runs are not merged across entries
+        entries = [
+            WriteEntry(local, off, r.addr + off, r.rkey, 8192)
+            for off in reversed(range(0, NBYTES, 8192))
+        ]
+        await timeout(ep.write(entries, 42))
+        assert 1 <= ep.max_in_flight <= 2  # 16 frames, window 2 per lane
+        assert all(lane.window.peak_items > 0 for lane in ep._lanes)  # both lanes carried frames
     c = await timeout(receiver.rx.completion_queue.get())
     assert (c.imm, c.num_bytes) == (42, NBYTES)
     assert receiver.rx.completion_queue.get_nowait() is None
@@ -185,17 +192,15 @@ async def test_large_write_is_sliced_across_lanes_and_completes_once(receiver) -
 
 async def test_window_bounds_frames_in_flight_under_a_stream_of_writes(receiver) -> None:
     r = receiver.region
+    src = torch.randint(0, 256, (NBYTES,), dtype=torch.uint8)
     cfg = TransportConfig(tcp_lanes=1, tcp_slice_bytes=4096, tcp_window=3)
-    async with TcpTransport(cfg) as tx:
-        src = torch.randint(0, 256, (NBYTES,), dtype=torch.uint8)
-        local = tx.register(src)
-        async with await tx.connect(receiver.rx.descriptor()) as ep:
-            writes = [
-                ep.write([WriteEntry(local, 0, r.addr, r.rkey, NBYTES)], i)  # 16 frames each
-                for i in range(8)
-            ]
-            await timeout(asyncio.gather(*writes))
-            assert ep.max_in_flight == 3  # 128 frames queued, never more than the window out
+    async with connected_writer(receiver, src, cfg) as (local, ep):
+        writes = [
+            ep.write([WriteEntry(local, 0, r.addr, r.rkey, NBYTES)], i)  # 16 frames each
+            for i in range(8)
+        ]
+        await timeout(asyncio.gather(*writes))
+        assert ep.max_in_flight == 3  # 128 frames queued, never more than the window out
     imms = [(await timeout(receiver.rx.completion_queue.get())).imm for _ in range(8)]
     assert imms == list(range(8))
     assert torch.equal(receiver.body, src)
@@ -206,14 +211,13 @@ async def test_read_pulls_remote_bytes_and_is_refused_without_read_access(receiv
     receiver.body.copy_(torch.arange(NBYTES, dtype=torch.int64).to(torch.uint8))
     rx = receiver.rx
     readable = remote(rx, rx.register(receiver.body[:8192], Access.REMOTE_READ))
-    async with TcpTransport(TransportConfig(tcp_slice_bytes=4096)) as tx:
-        dst = torch.zeros(8192, dtype=torch.uint8)
-        local = tx.register(dst)
-        async with await tx.connect(receiver.rx.descriptor()) as ep:
-            await timeout(ep.read([WriteEntry(local, 0, readable.addr, readable.rkey, 8192)]))
-            assert torch.equal(dst, receiver.body[:8192])
-            with pytest.raises(Exception, match="refused"):
-                await timeout(ep.read([WriteEntry(local, 0, r.addr, r.rkey, 4096)]))
+    dst = torch.zeros(8192, dtype=torch.uint8)
+    cfg = TransportConfig(tcp_slice_bytes=4096)
+    async with connected_writer(receiver, dst, cfg) as (local, ep):
+        await timeout(ep.read([WriteEntry(local, 0, readable.addr, readable.rkey, 8192)]))
+        assert torch.equal(dst, receiver.body[:8192])
+        with pytest.raises(Exception, match="refused"):
+            await timeout(ep.read([WriteEntry(local, 0, r.addr, r.rkey, 4096)]))
     stats = receiver.rx.stats()
     assert (stats.reads, stats.read_bytes, stats.refused) == (1, 8192, 1)
 
@@ -358,24 +362,22 @@ async def test_window_is_in_bytes_and_one_cumulative_ack_frees_it() -> None:
 
 async def test_entries_contiguous_on_both_sides_leave_as_one_piece(receiver) -> None:
     r = receiver.region
-    async with TcpTransport(TransportConfig(tcp_lanes=1)) as tx:
-        src = torch.randint(0, 256, (NBYTES,), dtype=torch.uint8)
-        local = tx.register(src)
-        async with await tx.connect(receiver.rx.descriptor()) as ep:
-            merged = [
-                WriteEntry(local, off, r.addr + off, r.rkey, 4096) for off in range(0, 32768, 4096)
-            ]
-            frames = ep._frames(merged, OP_WRITE)
-            assert [(f.length, len(f.views)) for f in frames] == [(32768, 1)]
-            # remote-contiguous but local pieces in reverse: one frame, one piece per entry
-            flipped = [
-                WriteEntry(local, 28672 - off, r.addr + off, r.rkey, 4096)
-                for off in range(0, 32768, 4096)
-            ]
-            frames = ep._frames(flipped, OP_WRITE)
-            assert [(f.length, len(f.views)) for f in frames] == [(32768, 8)]
-            await timeout(ep.write(merged, 1))
-            await timeout(ep.write(flipped, 2))
+    src = torch.randint(0, 256, (NBYTES,), dtype=torch.uint8)
+    async with connected_writer(receiver, src, TransportConfig(tcp_lanes=1)) as (local, ep):
+        merged = [
+            WriteEntry(local, off, r.addr + off, r.rkey, 4096) for off in range(0, 32768, 4096)
+        ]
+        frames = ep._frames(merged, OP_WRITE)
+        assert [(f.length, len(f.views)) for f in frames] == [(32768, 1)]
+        # remote-contiguous but local pieces in reverse: one frame, one piece per entry
+        flipped = [
+            WriteEntry(local, 28672 - off, r.addr + off, r.rkey, 4096)
+            for off in range(0, 32768, 4096)
+        ]
+        frames = ep._frames(flipped, OP_WRITE)
+        assert [(f.length, len(f.views)) for f in frames] == [(32768, 8)]
+        await timeout(ep.write(merged, 1))
+        await timeout(ep.write(flipped, 2))
     assert [(await timeout(receiver.rx.completion_queue.get())).imm for _ in range(2)] == [1, 2]
     expected = torch.cat([src[28672 - off : 32768 - off] for off in range(0, 32768, 4096)])
     assert torch.equal(receiver.body[:32768], expected)
