@@ -17,6 +17,7 @@ from kvmesh.shared.model import load_model
 from kvmesh.shared.text.sampling import SamplingOptions
 from kvmesh.shared.text.structured_output import StructuredOutputs, json_schema_text
 from support.engine_handoff import prefill_handoff
+from support.engine_runs import new_tokens, run_requests
 
 SCHEMA = {
     "type": "object",
@@ -47,26 +48,11 @@ def engine(tiny, kv_buffer=None, **kw) -> LLMEngine:
 
 
 def run(eng, prompts, params, drafter=None):
-    params_list = params if isinstance(params, list) else [params] * len(prompts)
-    ids = [f"r{i}" for i in range(len(prompts))]
-    for rid, p, sp in zip(ids, prompts, params_list, strict=True):
-        eng.add_request(rid, p, sp)
-    out = {rid: [] for rid in ids}
-    reasons, accepted = {}, 0
-    while eng.has_unfinished():
-        drafts = {}
-        if drafter is not None:
-            for rid in ids:
-                tree = drafter(rid, out[rid])
-                if tree is not None:
-                    drafts[rid] = tree
-        for o in eng.step(drafts):
-            out[o.request_id] += o.new_token_ids
-            accepted += o.accepted_drafts
-            if o.finished:
-                reasons[o.request_id] = o.finish_reason
-    assert eng.block_manager.num_free_blocks == eng.block_manager.num_total_blocks
-    return [out[rid] for rid in ids], [reasons[rid] for rid in ids], accepted
+    """Each request's tokens and finish reason, and the drafts accepted in all."""
+    per_request = run_requests(eng, prompts, params, drafter)
+    reasons = [next(o.finish_reason for o in outs if o.finished) for outs in per_request]
+    accepted = sum(o.accepted_drafts for outs in per_request for o in outs)
+    return [new_tokens(outs) for outs in per_request], reasons, accepted
 
 
 def test_fifty_json_outputs_parse_and_validate_against_their_schema(tiny):

@@ -15,6 +15,7 @@ from kvmesh.shared.engine.sequence import RequestError, RequestOutput
 from kvmesh.shared.model import load_model
 from kvmesh.shared.text.sampling import SamplingOptions
 from support.engine_handoff import prefill_handoff
+from support.engine_runs import run_requests
 from support.hf_fixtures import load_hf_reference, make_llama_checkpoint
 
 EVERY_OPTION = SamplingOptions(
@@ -55,25 +56,6 @@ def prompt(n: int = 37, seed: int = 0) -> list[int]:
     return [rng.randrange(0, 256) for _ in range(n)]
 
 
-def run(eng: LLMEngine, prompts, params, drafter=None) -> list[list[RequestOutput]]:
-    params_list = params if isinstance(params, list) else [params] * len(prompts)
-    ids = [f"r{i}" for i in range(len(prompts))]
-    for rid, p, sp in zip(ids, prompts, params_list, strict=True):
-        eng.add_request(rid, p, sp)
-    outs: dict[str, list[RequestOutput]] = {rid: [] for rid in ids}
-    while eng.has_unfinished():
-        drafts = {}
-        if drafter is not None:
-            for rid in ids:
-                tree = drafter(rid, [t for o in outs[rid] for t in o.new_token_ids])
-                if tree is not None:
-                    drafts[rid] = tree
-        for out in eng.step(drafts):
-            outs[out.request_id].append(out)
-    assert eng.block_manager.num_free_blocks == eng.block_manager.num_total_blocks
-    return [outs[rid] for rid in ids]
-
-
 def tokens(outs: list[RequestOutput]) -> list[int]:
     return [t for o in outs for t in o.new_token_ids]
 
@@ -86,7 +68,7 @@ def test_logprobs_match_transformers_log_softmax(llama, checkpoint):
     ref = load_hf_reference(checkpoint)
     ids = prompt()
     params = SamplingOptions(max_tokens=8, temperature=0, logprobs=5, ignore_eos=True)
-    (outs,) = run(engine(llama), [ids], params)
+    (outs,) = run_requests(engine(llama), [ids], params)
     got, lps = tokens(outs), logprobs(outs)
     assert len(lps) == len(got) == 8
     with torch.no_grad():
@@ -104,7 +86,7 @@ def test_repetition_penalty_matches_transformers_generate(llama, checkpoint):
     ref = load_hf_reference(checkpoint)
     ids = prompt(12)
     params = SamplingOptions(max_tokens=10, temperature=0, repetition_penalty=1.5, ignore_eos=True)
-    (outs,) = run(engine(llama), [ids], params)
+    (outs,) = run_requests(engine(llama), [ids], params)
     with torch.no_grad():
         hf = ref.generate(
             torch.tensor([ids]),
@@ -115,7 +97,9 @@ def test_repetition_penalty_matches_transformers_generate(llama, checkpoint):
             pad_token_id=0,
         )
     assert tokens(outs) == hf[0, len(ids) :].tolist()
-    plain = tokens(run(engine(llama), [ids], SamplingOptions(max_tokens=10, temperature=0))[0])
+    plain = tokens(
+        run_requests(engine(llama), [ids], SamplingOptions(max_tokens=10, temperature=0))[0]
+    )
     assert tokens(outs) != plain  # the penalty changed the output
 
 
@@ -146,9 +130,9 @@ def test_every_option_gives_the_same_tokens_and_logprobs_with_drafts(llama):
             ignore_eos=True,
         ),
     ]
-    plain = run(engine(llama), ps, params)
+    plain = run_requests(engine(llama), ps, params)
     expected = [tokens(o) for o in plain]
-    drafted = run(engine(llama), ps, params, chain_drafter(expected, 4))
+    drafted = run_requests(engine(llama), ps, params, chain_drafter(expected, 4))
     assert [tokens(o) for o in drafted] == expected
     assert sum(o.accepted_drafts for outs in drafted for o in outs) > 0
     for a, b in zip(plain, drafted, strict=True):
@@ -160,10 +144,12 @@ def test_every_option_gives_the_same_tokens_and_logprobs_with_drafts(llama):
 
 def test_min_tokens_holds_back_a_stop_token(llama):
     ids = prompt()
-    free = tokens(run(engine(llama), [ids], SamplingOptions(max_tokens=12, temperature=0))[0])
+    free = tokens(
+        run_requests(engine(llama), [ids], SamplingOptions(max_tokens=12, temperature=0))[0]
+    )
     stop = free[1]
     stopped = tokens(
-        run(
+        run_requests(
             engine(llama),
             [ids],
             SamplingOptions(max_tokens=12, temperature=0, stop_token_ids=(stop,)),
@@ -171,7 +157,7 @@ def test_min_tokens_holds_back_a_stop_token(llama):
     )
     assert stopped == free[:2]
     held = tokens(
-        run(
+        run_requests(
             engine(llama),
             [ids],
             SamplingOptions(max_tokens=12, temperature=0, stop_token_ids=(stop,), min_tokens=6),
@@ -182,7 +168,7 @@ def test_min_tokens_holds_back_a_stop_token(llama):
 
 def test_handoff_carries_the_first_tokens_logprobs(llama):
     ids = prompt(40)
-    expected = run(engine(llama), [ids], EVERY_OPTION)[0]
+    expected = run_requests(engine(llama), [ids], EVERY_OPTION)[0]
     prefill = engine(llama)
     decode = engine(llama, kv_buffer=bytearray(64 * prefill.kv_pool.spec.block_bytes))
     chunks, reserved = prefill_handoff(prefill, decode, ids, EVERY_OPTION)
@@ -248,7 +234,7 @@ def test_n_choices_share_the_prompt_and_each_equals_its_own_seeded_run(llama, pr
     for i, toks in got.items():
         seed = 3 if i == 0 else choice_seed(3, i)
         alone = msgspec.structs.replace(params, n=1, seed=seed)
-        assert toks == tokens(run(engine(llama, block_size=16), [ids], alone)[0]), i
+        assert toks == tokens(run_requests(engine(llama, block_size=16), [ids], alone)[0]), i
         assert len(logprobs(outs[i])) == 10
 
 
@@ -284,7 +270,7 @@ def test_prompt_logprobs_match_transformers_with_ranks(llama, checkpoint, budget
     eng.add_request("warm", ids, SamplingOptions(max_tokens=1))  # its blocks stay cached
     while eng.has_unfinished():
         eng.step()
-    (outs,) = run(eng, [ids], params)  # computes the whole prompt despite the cache
+    (outs,) = run_requests(eng, [ids], params)  # computes the whole prompt despite the cache
     scored = outs[0].prompt_logprobs
     assert all(o.prompt_logprobs is None for o in outs[1:])
     with torch.no_grad():
@@ -300,7 +286,7 @@ def test_prompt_logprobs_match_transformers_with_ranks(llama, checkpoint, budget
 def test_prompt_logprobs_cross_a_prefill_handoff(llama):
     ids = prompt(40, 9)
     params = SamplingOptions(max_tokens=3, temperature=0, prompt_logprobs=0, ignore_eos=True)
-    expected = run(engine(llama), [ids], params)[0][0].prompt_logprobs
+    expected = run_requests(engine(llama), [ids], params)[0][0].prompt_logprobs
     prefill = engine(llama, max_num_batched_tokens=16)
     chunks = []
     prefill.add_request("r", ids, params, prefill_only=True, on_chunk=chunks.append)

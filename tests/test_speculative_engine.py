@@ -11,6 +11,7 @@ from kvmesh.shared.engine.llm_engine import LLMEngine
 from kvmesh.shared.engine.sequence import RequestError, RequestOutput
 from kvmesh.shared.model import load_model
 from kvmesh.shared.text.sampling import SamplingOptions
+from support.engine_runs import new_tokens, run_requests
 
 NUM_BLOCKS = 64
 GREEDY = SamplingOptions(max_tokens=20, temperature=0.0, ignore_eos=True)
@@ -44,25 +45,10 @@ def run(
     drafter: Drafter,
 ) -> tuple[list[list[int]], list[RequestOutput]]:
     """Run to completion with ``drafter`` asked before every step; returns the tokens of each
-    request and every output."""
-    params_list = params if isinstance(params, list) else [params] * len(prompts)
-    ids = [f"r{i}" for i in range(len(prompts))]
-    for rid, p, sp in zip(ids, prompts, params_list, strict=True):
-        eng.add_request(rid, p, sp)
-    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
-    outputs = []
-    while eng.has_unfinished():
-        drafts = {}
-        for rid in ids:
-            tree = drafter(rid, tokens[rid])
-            if tree is not None:
-                drafts[rid] = tree
-        for out in eng.step(drafts):
-            tokens[out.request_id] += out.new_token_ids
-            outputs.append(out)
-    assert eng.block_manager.num_free_blocks == eng.block_manager.num_total_blocks
+    request and every output (request by request)."""
+    per_request = run_requests(eng, prompts, params, drafter)
     eng.block_manager.check_invariants()
-    return [tokens[rid] for rid in ids], outputs
+    return [new_tokens(outs) for outs in per_request], [o for outs in per_request for o in outs]
 
 
 def oracle(reference: list[list[int]], k: int) -> Drafter:
@@ -176,6 +162,20 @@ def test_kv_after_accepting_drafts_equals_kv_of_a_plain_run(tiny, greedy_referen
     assert spec.step()[0].new_token_ids == plain.step()[0].new_token_ids
 
 
+def assert_same_sequence_and_kv(spec, plain, num_layers: int, rid: str = "r") -> None:
+    """Request ``rid`` has the same tokens in both engines, the same number computed, and the
+    same KV bytes for every computed token in every layer."""
+    seq_s, seq_p = spec.seqs[rid], plain.seqs[rid]
+    assert seq_s.token_ids == seq_p.token_ids
+    n = seq_s.num_computed_tokens
+    assert n == seq_p.num_computed_tokens
+    for layer in range(num_layers):
+        caches = zip(spec.kv_pool.layer(layer), plain.kv_pool.layer(layer), strict=True)
+        for cache_s, cache_p in caches:
+            kv_s = cache_s[seq_s.block_table].flatten(0, 1)[:n]
+            assert torch.equal(kv_s, cache_p[seq_p.block_table].flatten(0, 1)[:n])
+
+
 @pytest.mark.parametrize("threads", [1, 3])
 def test_chain_verification_equals_plain_decode_bit_for_bit(tiny, greedy_reference, threads):
     # A chain verifies as a decode batch of one row per draft (the fused C layer, its rows
@@ -198,15 +198,8 @@ def test_chain_verification_equals_plain_decode_bit_for_bit(tiny, greedy_referen
             plain.step()
     finally:
         torch.set_num_threads(saved)
-    seq_s, seq_p = spec.seqs["r"], plain.seqs["r"]
-    assert seq_s.token_ids == seq_p.token_ids and got == expected[2][: len(got)]
-    n = seq_s.num_computed_tokens
-    assert n == seq_p.num_computed_tokens
-    for layer in range(tiny[0].config.num_hidden_layers):
-        caches = zip(spec.kv_pool.layer(layer), plain.kv_pool.layer(layer), strict=True)
-        for cache_s, cache_p in caches:
-            kv_s = cache_s[seq_s.block_table].flatten(0, 1)[:n]
-            assert torch.equal(kv_s, cache_p[seq_p.block_table].flatten(0, 1)[:n])
+    assert got == expected[2][: len(got)]
+    assert_same_sequence_and_kv(spec, plain, tiny[0].config.num_hidden_layers)
 
 
 @pytest.mark.parametrize("threads", [1, 3])
@@ -248,15 +241,8 @@ def test_tree_verification_equals_plain_decode_bit_for_bit(tiny, greedy_referenc
     finally:
         torch.set_num_threads(saved)
     assert any(rows_seen)
-    seq_s, seq_p = spec.seqs["r"], plain.seqs["r"]
-    assert seq_s.token_ids == seq_p.token_ids and got == ref[: len(got)]
-    n = seq_s.num_computed_tokens
-    assert n == seq_p.num_computed_tokens
-    for layer in range(tiny[0].config.num_hidden_layers):
-        caches = zip(spec.kv_pool.layer(layer), plain.kv_pool.layer(layer), strict=True)
-        for cache_s, cache_p in caches:
-            kv_s = cache_s[seq_s.block_table].flatten(0, 1)[:n]
-            assert torch.equal(kv_s, cache_p[seq_p.block_table].flatten(0, 1)[:n])
+    assert got == ref[: len(got)]
+    assert_same_sequence_and_kv(spec, plain, tiny[0].config.num_hidden_layers)
 
 
 def test_seeded_sampling_with_drafts_equals_seeded_sampling_without(tiny):
