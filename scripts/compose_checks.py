@@ -280,6 +280,7 @@ async def load(url: str, model: str, clients: int, duration_s: float) -> list[tu
 async def decode_rows_under_load(stack: Stack, timeout_s: float = 10.0) -> list[dict[str, Any]]:
     """The admin status's decode rows once one shows a running request (polled every 0.1 s
     over one admin connection: the CLI takes a second a call), or the last ones seen."""
+    import msgspec
     from kvmesh.shared.bus.admin_client import admin_client
     from kvmesh.shared.bus.nats_auth import ADMIN, NatsAuth
 
@@ -287,7 +288,7 @@ async def decode_rows_under_load(stack: Stack, timeout_s: float = 10.0) -> list[
     deadline = time.monotonic() + timeout_s
     async with admin_client(stack.nats_url, auth=auth, mesh=stack.settings.mesh) as admin:
         while True:
-            rows = (await admin.status())["decode"]
+            rows = msgspec.to_builtins((await admin.status()).decode)  # as the CLI prints
             if any(r["running"] for r in rows) or time.monotonic() > deadline:
                 return rows
             await asyncio.sleep(0.1)

@@ -211,8 +211,8 @@ def test_registry_store_table_reports_hit_rate_and_drops_silent_stores() -> None
     assert table.observe(advert("e2", 0, 0), 1.5)  # restarted: a new epoch, an empty store
     table.observe(advert("e2", 3, 1), 2.0)
     [row] = table.status(2.0)
-    assert (row["hit_rate"], row["used_blocks"], row["capacity_bytes"]) == (0.75, 4, 640)
-    assert table.expire(4.0) == [] and table.expire(5.1) == ["s0"] and table.status(6.0) == []
+    assert (row.hit_rate, row.used_blocks, row.capacity_bytes) == (0.75, 4, 640)
+    assert table.expire(4.0) == [] and table.expire(5.1) == ["s0"] and table.status(6.0) == ()
 
 
 def test_store_book_picks_the_lowest_ready_store_of_its_layout_heard_of_lately() -> None:

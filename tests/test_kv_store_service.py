@@ -43,6 +43,7 @@ from kvmesh.shared.transport import (
     WriteEntry,
     create_transport,
 )
+from kvmesh.shared.transport.base import PeerDescriptor
 
 pytestmark = pytest.mark.slow  # kv-store processes
 
@@ -142,7 +143,9 @@ class Client:
         self.region = self.t.register(self.pool, Access.LOCAL)
         self.client = KvStoreClient(self.nc, SUBJECTS, self.t, self.pool, self.region, bb, "test")
         self._stack.push_async_callback(self.client.aclose)
-        self.target = StoreTarget(self.advert.store_id, self.advert.descriptor.to_peer())
+        self.target = StoreTarget(
+            self.advert.store_id, PeerDescriptor.from_wire(self.advert.descriptor)
+        )
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -335,13 +338,13 @@ async def test_admin_status_lists_the_store_with_its_use_and_hit_rate(nats_serve
         await c.client.put(c.target, advert.kv_spec, c.blocks(TOKENS, [0, 1]))
         await c.client.get(c.target, advert.kv_spec, c.blocks(TOKENS, [2, 3, 4]))  # 2 of 3
         for _ in range(100):  # the next advert carries the counts
-            rows = (await admin.status())["stores"]
-            if rows and rows[0]["hits"] == 2:
+            rows = (await admin.status()).stores
+            if rows and rows[0].hits == 2:
                 break
             await asyncio.sleep(0.1)
         [row] = rows
-        assert (row["store_id"], row["total_blocks"], row["used_blocks"]) == ("store-a", 4, 2)
-        assert (row["hits"], row["misses"], row["hit_rate"]) == (2, 1, round(2 / 3, 4))
+        assert (row.store_id, row.total_blocks, row.used_blocks) == ("store-a", 4, 2)
+        assert (row.hits, row.misses, row.hit_rate) == (2, 1, round(2 / 3, 4))
 
 
 async def test_store_evicts_a_dropped_workers_blocks_and_refuses_puts_from_other_roles(

@@ -111,15 +111,15 @@ async def test_request_waits_while_the_only_worker_is_drained_and_runs_once_resu
         admin_client(colocated_mesh.config.nats_url, auth=colocated_mesh.nats_auth) as admin,
         aiohttp.ClientSession() as s,
     ):
-        [worker] = (await admin.status())["decode"]
-        reply = await admin.drain(worker["worker_id"])
-        assert reply["ok"] and reply["state"] == "draining"
+        [worker] = (await admin.status()).decode
+        reply = await admin.drain(worker.worker_id)
+        assert reply.ok and reply.state == "draining"
         waiting = asyncio.create_task(complete(s, colocated_mesh.url, prompt, 2))
         await asyncio.sleep(1.5)
         assert not waiting.done()  # accepted and queued, neither refused nor placed
-        assert (await admin.status())["decode"][0]["running"] == 0
-        reply = await admin.resume(worker["worker_id"])
-        assert reply["ok"] and reply["state"] == "ready"
+        assert (await admin.status()).decode[0].running == 0
+        reply = await admin.resume(worker.worker_id)
+        assert reply.ok and reply.state == "ready"
         done = await asyncio.wait_for(waiting, 30)
         assert done["usage"]["completion_tokens"] == 2
 
@@ -135,12 +135,12 @@ async def test_drained_prefill_worker_takes_no_job_and_long_prompts_still_run(di
         aiohttp.ClientSession() as s,
     ):
         reply = await admin.drain("prefill-0")
-        assert reply["ok"] and reply["state"] == "draining"
+        assert reply.ok and reply.state == "draining"
         await _wait_ready_prefill_workers(s, disagg_mesh.url, 0)  # its heartbeat said draining
         body = await complete(s, disagg_mesh.url, PROMPTS[0], 2)
         assert body["usage"]["completion_tokens"] == 2
         assert body["id"] not in tap.reports  # no prefill worker computed it
-        assert (await admin.resume("prefill-0"))["state"] == "ready"
+        assert (await admin.resume("prefill-0")).state == "ready"
         await _wait_ready_prefill_workers(s, disagg_mesh.url, 1)  # as the module found it
     assert disagg_mesh.nats_violations() == []
 

@@ -98,8 +98,8 @@ async def test_two_meshes_on_one_nats_each_serve_their_own_model(two_meshes, oth
         assert not ids & (set(theirs.tokens) | set(theirs.reports) | set(theirs.prefill_done))
     for mesh in (tiny, other):
         rows = await wait_blocks_returned(url, mesh=mesh.mesh)
-        assert [r["worker_id"] for r in rows] == ["decode-0"]
-        assert all(r["free_blocks"] == r["total_blocks"] for r in rows)
+        assert [r.worker_id for r in rows] == ["decode-0"]
+        assert all(r.free_blocks == r.total_blocks for r in rows)
 
 
 async def test_admin_addresses_one_mesh_and_registry_refuses_another_model(two_meshes):
@@ -124,9 +124,9 @@ async def test_admin_addresses_one_mesh_and_registry_refuses_another_model(two_m
     assert {("decode-0", "decode"), ("prefill-0", "prefill"), ("router-0", "router")} <= workers
     assert len(status["workers"]) == 4  # its own four, not the other mesh's namesakes
     async with admin_client(url, mesh="kvmesh-tiny") as admin:
-        [tiny_decode] = (await admin.status())["decode"]
-    [other_decode] = status["decode"]
-    assert tiny_decode["model_spec"] != other_decode["model_spec"]
+        [tiny_decode] = (await admin.status()).decode
+    [other_decode] = status["decode"]  # the JSON `kvmesh admin status --json` printed
+    assert tiny_decode.model_spec != other_decode["model_spec"]
 
     # a router of the other model asking the kvmesh-tiny mesh's registry: refused, with why
     place = protocol.PlaceRequest(

@@ -73,7 +73,7 @@ async def wait_store(admin, ready, what: str, timeout_s: float = 30.0) -> dict:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     while True:
-        rows = (await admin.status())["stores"]
+        rows = (await admin.status()).stores
         if rows and ready(rows[0]):
             return rows[0]
         assert loop.time() < deadline, f"timed out waiting for {what}: {rows}"
@@ -110,20 +110,20 @@ async def run(mesh, offline: list[list[int]]) -> None:
         await admin.drain("prefill-1")
         first = await ask(FIRST)
         # the registry's index learns them from the store's KV events (placement counts them)
-        await wait_store(admin, lambda r: r["indexed_blocks"] >= 8, "the first prompt's blocks")
+        await wait_store(admin, lambda r: r.indexed_blocks >= 8, "the first prompt's blocks")
         await admin.resume("prefill-1")
         await admin.drain("prefill-0")
         second = await ask(SECOND)
         # 8 (prefix) + 2 (the end of the first answer) + 3 (the end of the second)
-        await wait_store(admin, lambda r: r["indexed_blocks"] >= 13, "the answers' blocks")
+        await wait_store(admin, lambda r: r.indexed_blocks >= 13, "the answers' blocks")
         third = await ask([*SECOND, *second, *NEW])
         assert [first, second, third] == offline[:3]
         try:
-            row = await wait_store(admin, lambda r: r["hits"] >= 11, "the second turn's store read")
+            row = await wait_store(admin, lambda r: r.hits >= 11, "the second turn's store read")
         except AssertionError as exc:  # say which worker prefilled what (a fresh clone saw 3 hits)
             raise AssertionError(f"{exc}; prefill workers: {prefill_counts(mesh)}") from None
-        assert (row["hits"], row["refused_accesses"]) == (11, 0)
-        assert row["used_blocks"] >= 13  # and the second turn's own, put after it
+        assert (row.hits, row.refused_accesses) == (11, 0)
+        assert row.used_blocks >= 13  # and the second turn's own, put after it
         store = scrape(mesh.metrics_urls["kv-store-0"])
         mesh.children["kv-store-0"][1].kill()  # a dead store costs prefills, not requests
         assert await ask(LAST) == offline[3]

@@ -73,8 +73,8 @@ async def wait_status(admin, ready, what: str, timeout_s: float = 30.0) -> None:
     deadline = loop.time() + timeout_s
     while True:
         status = await admin.status()
-        decode = {r["worker_id"]: r for r in status["decode"]}
-        if ready(decode, status["stores"]):
+        decode = {r.worker_id: r for r in status.decode}
+        if ready(decode, status.stores):
             return
         assert loop.time() < deadline, f"timed out waiting for {what}: {status}"
         await asyncio.sleep(0.1)
@@ -101,9 +101,9 @@ async def run(mesh, offline: list[list[int]]) -> None:
             admin,
             lambda decode, stores: (
                 stores
-                and stores[0]["indexed_blocks"] >= 10  # the prefill's 8 and decode-0's 10
-                and decode["decode-0"]["cached_blocks"] >= 10
-                and all(r["running"] == 0 and r["state"] == "ready" for r in decode.values())
+                and stores[0].indexed_blocks >= 10  # the prefill's 8 and decode-0's 10
+                and decode["decode-0"].cached_blocks >= 10
+                and all(r.running == 0 and r.state == "ready" for r in decode.values())
             ),
             "the registry's view of the cached and stored prefix, both workers idle",
         )

@@ -54,7 +54,7 @@ async def wait_status(admin, ready, what: str, timeout_s: float = 20.0) -> dict:
     deadline = loop.time() + timeout_s
     while True:
         status = await admin.status()
-        rows = {r["worker_id"]: r for r in status["decode"]}
+        rows = {r.worker_id: r for r in status.decode}
         if ready(rows):
             return rows
         assert loop.time() < deadline, f"timed out waiting for {what}: {rows}"
@@ -69,7 +69,7 @@ async def run(mesh, offline: list[list[int]]) -> None:
     ):
         await wait_status(
             admin,
-            lambda rows: len(rows) == 2 and all(r["cache_synced"] for r in rows.values()),
+            lambda rows: len(rows) == 2 and all(r.cache_synced for r in rows.values()),
             "both decode workers and their first digests",
         )
         await admin.drain("decode-0")
@@ -78,12 +78,10 @@ async def run(mesh, offline: list[list[int]]) -> None:
         await tap.wait_finished(first["id"])
         rows = await wait_status(
             admin,
-            lambda rows: (
-                rows["decode-1"]["cached_blocks"] >= 8 and rows["decode-0"]["state"] == "ready"
-            ),
+            lambda rows: rows["decode-1"].cached_blocks >= 8 and rows["decode-0"].state == "ready",
             "decode-1's cached prefix in the registry's index",
         )
-        assert rows["decode-0"]["cached_blocks"] == 0
+        assert rows["decode-0"].cached_blocks == 0
         second = await complete(session, mesh.url, SECOND, MAX_TOKENS)
         await tap.wait_finished(second["id"])
         assert first["id"] in tap.prefill_done  # the first was prefilled remotely...

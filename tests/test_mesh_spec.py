@@ -28,6 +28,7 @@ import sys
 import urllib.request
 
 import aiohttp
+import msgspec
 import pytest
 from kvmesh.loadgen.bench_spec import DraftSetup, spec_counters, spec_mesh
 from kvmesh.shared.bus.admin_client import admin_client
@@ -89,7 +90,10 @@ def test_greedy_output_with_drafts_equals_output_without(transport, setup, offli
             if transport == "tcp":
                 await _check_drain_and_resume(mesh, offline_tokens)
             async with admin_client(mesh.config.nats_url, auth=mesh.nats_auth) as admin:
-                status = {**await admin.status(), "draft": await admin.draft_workers()}
+                status = {
+                    **msgspec.to_builtins(await admin.status()),
+                    "draft": await admin.draft_workers(),
+                }
             if second is not None:
                 status["draft"] += await _check_trees_from_a_second_draft_worker(
                     mesh, second, env, offline_tokens
@@ -203,14 +207,14 @@ async def _check_drain_and_resume(mesh, offline) -> None:
     load is decoded plainly (no verify step) with the same output; `resume`: drafted again."""
     async with admin_client(mesh.config.nats_url, auth=mesh.nats_auth) as admin:
         drained = await admin.drain("draft-0")
-        assert drained["state"] == "draining", drained
+        assert drained.state == "draining", drained
         assert [r["state"] for r in await admin.draft_workers()] == ["draining"]
         before = spec_counters(mesh)
         replies, tap = await load(mesh, PROMPTS[1::4], MAX_TOKENS)
         check_equals_offline(replies, tap, offline[1::4])
         assert spec_counters(mesh)["verify_steps"] == before["verify_steps"]
         resumed = await admin.resume("draft-0")
-        assert resumed["state"] == "ready", resumed
+        assert resumed.state == "ready", resumed
         replies, tap = await load(mesh, PROMPTS[1::4], MAX_TOKENS)
         check_equals_offline(replies, tap, offline[1::4])
         assert spec_counters(mesh)["verify_steps"] > before["verify_steps"]

@@ -144,7 +144,7 @@ async def _check_no_block_leaked(mesh, timeout_s: float = 15.0) -> None:
             assert asyncio.get_running_loop().time() < deadline, "the registry never answered"
     assert len(rows) == 2, rows
     for row in rows:
-        assert row["free_blocks"] == row["total_blocks"], row
+        assert row.free_blocks == row.total_blocks, row
 
 
 def test_links_delay_every_packet_by_the_asked_time(delayed_mesh):
@@ -195,11 +195,11 @@ async def test_registry_keeps_its_workers_when_its_nats_server_dies(mesh):
     """The registry's state lives in its process and is re-advertised by every worker each
     heartbeat (docs/mesh.md): its own server dying loses neither."""
     async with admin_client(mesh.local_nats_url(2)) as admin:
-        before = {r["worker_id"] for r in (await admin.status())["decode"]}
+        before = {r.worker_id for r in (await admin.status()).decode}
         mesh.servers[1].stop()
         try:
             await _serve_all(mesh, PROMPTS[4:8])
-            after = {r["worker_id"] for r in (await admin.status())["decode"]}
+            after = {r.worker_id for r in (await admin.status()).decode}
         finally:
             await _restart_nats(mesh, 1)
     assert before == after == {"decode-0", "decode-1"}

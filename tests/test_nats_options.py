@@ -232,4 +232,4 @@ async def test_registry_and_admin_work_over_tls_with_a_password(pki: Path) -> No
             admin_client(url, mesh="m1", security=config.nats_security) as admin,
         ):
             status = await admin.status()
-    assert status["registry"]["worker_id"] == "reg-tls" and status["registry"]["mesh"] == "m1"
+    assert status.registry.worker_id == "reg-tls" and status.registry.mesh == "m1"

@@ -139,14 +139,15 @@ async def test_the_keeper_waits_for_jetstream_before_it_gives_up():
 
 async def test_queue_status_counts_waiting_jobs_and_pulling_workers(nats_server):
     from kvmesh.shared.bus.prefill_queue import queue_status
+    from kvmesh.shared.bus.protocol import QueueStatus
 
     async with connect_nats(nats_server, "r") as nc, connect_nats(nats_server, "p") as p:
-        assert "kvmesh serve prefill-queue" in (await queue_status(nc, S))["note"]
+        assert "kvmesh serve prefill-queue" in (await queue_status(nc, S)).note
         await ensure_queue(nc, S)
         await publish_job(nc, S, b"a")
         await publish_job(nc, S, b"b")
         async with PrefillJobQueue(p, S):
-            assert await queue_status(nc, S) == {"depth": 2, "workers": 1}
+            assert await queue_status(nc, S) == QueueStatus(depth=2, workers=1)
 
 
 async def test_a_job_can_be_withdrawn_only_before_a_worker_takes_it(nats_server):

@@ -55,6 +55,7 @@ from kvmesh.shared.kv.descriptor import (
     TransportDescriptor,
 )
 from kvmesh.shared.text.sampling import SamplingOptions, TokenLogprobs
+from kvmesh.shared.transport.base import PeerDescriptor
 
 SECRET = "ab" * 32  # a tcp descriptor's lane secret (64 hex digits)
 
@@ -116,6 +117,8 @@ ADVERT = DecodeAdvert(
 )
 
 # One message of every type, every field set to something other than its default.
+WORKER_ROW = protocol.WorkerRow("p0", "prefill", "ready", running=1, waiting=2, last_seen_s=0.5)
+
 EXAMPLES: list[Message] = [
     PLACE,
     ReserveRequest("r1", (1, 2), SAMPLING, local_prefill=True, lease_id="L1", lease_ms=9),
@@ -248,6 +251,69 @@ EXAMPLES: list[Message] = [
         disk_used_blocks=6,
         disk_hits=2,
         disk_evictions=1,
+    ),
+    protocol.AdminWorker("d0"),
+    protocol.AdminLogLevel("debug"),
+    protocol.AdminFailure("no worker 'x'"),
+    protocol.AdminWorkers((WORKER_ROW,)),
+    protocol.AdminControlled(ok=True, worker="d0", action="drain", state="draining"),
+    protocol.AdminLogLevelSet(ok=True, level="debug"),
+    protocol.AdminStatus(
+        decode=(
+            protocol.DecodeStatusRow(
+                "d0",
+                "decode",
+                "ready",
+                64,
+                60,
+                58,
+                1,
+                2,
+                1,
+                8,
+                True,
+                True,
+                1,
+                2,
+                3,
+                "L2:m",
+                "M1",
+                0.5,
+            ),
+        ),
+        workers=(WORKER_ROW,),
+        leases=protocol.LeaseCounts(active=1, granted=9, completed=7, expired=1, dropped=1),
+        stores=(
+            protocol.StoreStatusRow(
+                "s0",
+                "ready",
+                64,
+                8,
+                2,
+                65536,
+                8192,
+                5,
+                3,
+                0.625,
+                1,
+                32,
+                4,
+                32768,
+                4096,
+                2,
+                1,
+                8192,
+                4096,
+                1,
+                8,
+                True,
+                "L2:m",
+                "e1",
+                0.25,
+            ),
+        ),
+        registry=protocol.RegistryInfo("reg-0", "m", uptime_s=12.5, worker_timeout_s=3.0),
+        prefill_queue=protocol.QueueStatus(depth=2, workers=1, note="electing"),
     ),
 ]
 
@@ -387,7 +453,7 @@ def test_descriptor_with_an_unknown_backend_or_bad_field_is_refused(change, matc
 def test_descriptor_converts_to_and_from_the_transports_peer_descriptor():
     from kvmesh.shared.transport.rdma_device import RdmaPeerInfo
 
-    peer = DESCRIPTOR.to_peer()
+    peer = PeerDescriptor.from_wire(DESCRIPTOR)
     assert set(peer.backends) == {"shm", "tcp", "rdma"}
     assert peer.backends["tcp"] == {"host": "10.0.0.2", "port": 41234, "secret": SECRET, "lanes": 4}
     rdma = RdmaPeerInfo.from_dict(peer.backends["rdma"])
@@ -417,7 +483,7 @@ async def test_descriptor_of_real_tcp_and_shm_transports_round_trips():
             wire = TransportDescriptor.from_peer(peer)
             assert len(wire.regions) == 1
             assert decode_message(encode_message(_with(wire)), PrefillJob).descriptor == wire
-            assert wire.to_peer() == peer
+            assert PeerDescriptor.from_wire(wire) == peer
 
 
 def _with(descriptor: TransportDescriptor) -> PrefillJob:

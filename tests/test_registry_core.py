@@ -239,17 +239,17 @@ def test_status_lists_decode_pools_and_peers(registry: RegistryState) -> None:
     registry.observe_advert(advert("d1", free_blocks=40, num_running=3), now=0.0)
     registry.observe_heartbeat(WorkerHeartbeat("p1", "prefill", "ready", num_running=1), now=0.0)
     status = registry.status(now=1.0)
-    (d1,) = status["decode"]
-    assert (d1["worker_id"], d1["total_blocks"], d1["free_blocks"], d1["running"]) == (
+    (d1,) = status.decode
+    assert (d1.worker_id, d1.total_blocks, d1.free_blocks, d1.running) == (
         "d1",
         100,
         40,
         3,
     )
-    assert d1["state"] == "ready" and d1["last_seen_s"] == 1.0
-    roles = {(w["worker_id"], w["role"]) for w in status["workers"]}
+    assert d1.state == "ready" and d1.last_seen_s == 1.0
+    roles = {(w.worker_id, w.role) for w in status.workers}
     assert roles == {("d1", "decode"), ("p1", "prefill")}
-    assert status["leases"]["active"] == 0
+    assert status.leases.active == 0
 
 
 def test_worker_heartbeating_slower_than_expected_is_not_dropped(registry: RegistryState) -> None:

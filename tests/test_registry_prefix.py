@@ -121,6 +121,6 @@ def test_events_from_an_unknown_worker_are_ignored_and_a_dropped_worker_is_forgo
     hashes = tuple(prefix_block_hashes(PREFIX, BLOCK_SIZE, layout_root(KV_SPEC)))
     assert not registry.observe_cache_events(KvCacheEvents("ghost", "e", 1, hashes))
     assert registry.observe_cache_events(KvCacheEvents("a", "e", 1, hashes))
-    assert registry.status(now=0.0)["decode"][0]["cached_blocks"] == 6
+    assert registry.status(now=0.0).decode[0].cached_blocks == 6
     registry.expire(now=100.0)  # "a" went silent
     assert len(registry.prefix_index) == 0

@@ -20,6 +20,7 @@ import pytest
 from kvmesh.services.kv_registry.config import RegistryConfig
 from kvmesh.services.kv_registry.service import registry_service
 from kvmesh.shared.bus import protocol
+from kvmesh.shared.bus.admin_client import AdminError, admin_client
 from kvmesh.shared.bus.nats_service import (
     NatsUnavailableError,
     connect_nats,
@@ -489,3 +490,45 @@ def _router_ok(port: int) -> bool:
             return resp.status == 200
     except OSError:
         return False
+
+
+async def test_admin_replies_decode_as_their_protocol_types(nats_server: str) -> None:
+    """Every admin reply is exactly one of shared/bus/protocol.py's admin messages: decoded
+    strictly (no field missing, none unknown), for each subject and for a refusal."""
+    async with (
+        registry_service(config(nats_server, worker_id="reg-1")),
+        peer_decode(nats_server, "d1"),
+        connect_nats(nats_server, "c") as nc,
+    ):
+        await wait_for(lambda: num_decode(nc))
+        for subject, body, cls in (
+            (subjects.ADMIN_STATUS, {}, protocol.AdminStatus),
+            (subjects.ADMIN_WORKERS, {}, protocol.AdminWorkers),
+            (subjects.ADMIN_DRAIN, {"worker": "d1"}, protocol.AdminControlled),
+            (subjects.ADMIN_RESUME, {"worker": "d1"}, protocol.AdminControlled),
+            (subjects.ADMIN_LOG_LEVEL, {"level": "info"}, protocol.AdminLogLevelSet),
+            (subjects.ADMIN_DRAIN, {"worker": "ghost"}, protocol.AdminFailure),
+            (subjects.ADMIN_LOG_LEVEL, {"level": "info", "extra": 1}, protocol.AdminFailure),
+        ):
+            msg = await nc.request(subject, orjson.dumps(body), timeout=2.0)
+            reply = protocol.decode_message(msg.data, cls)
+            assert isinstance(reply, cls), (subject, body)
+        async with admin_client(nats_server) as admin:
+            status = await admin.status()
+            assert [r.worker_id for r in status.decode] == ["d1"]
+            assert status.registry.worker_id == "reg-1" and status.leases.active == 0
+            assert (await admin.drain("d1")).state == "draining"
+
+
+async def test_admin_client_refuses_a_reply_of_another_shape(nats_server: str) -> None:
+    """A registry of another kvmesh version answering in another shape: one clear line."""
+    async with connect_nats(nats_server, "old-registry") as nc:
+
+        async def answer(msg: Msg) -> None:
+            await msg.respond(orjson.dumps({"decode": "one worker"}))
+
+        await nc.subscribe(subjects.ADMIN_STATUS, cb=answer)
+        await flush_to_server(nc)
+        async with admin_client(nats_server) as admin:
+            with pytest.raises(AdminError, match="another kvmesh version"):
+                await admin.status()

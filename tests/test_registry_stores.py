@@ -91,7 +91,7 @@ def test_registry_indexes_only_known_stores_and_forgets_a_restarted_or_silent_on
     table.observe(store_advert(), 0.0)
     assert table.observe_digest(digest)
     [row] = table.status(0.0)
-    assert (row["indexed_blocks"], row["index_synced"]) == (6, True)
+    assert (row.indexed_blocks, row.index_synced) == (6, True)
     assert table.matched_blocks(KV_SPEC, chain(list(prompt(40)))) == 6
     assert table.matched_blocks("another layout", chain(PREFIX)) == 0
     assert table.observe_events(KvCacheEvents("s0", "e1", 2, removed=chain(PREFIX)[3:4]))

@@ -173,8 +173,8 @@ def test_admin_status_shows_each_decode_workers_refused_accesses():
         refused_accesses=3, stray_immediates=2,
     )  # fmt: skip
     core.observe_advert(advert, now=1.0)
-    [row] = core.status(now=1.0)["decode"]
-    assert (row["refused_accesses"], row["stray_immediates"]) == (3, 2)
+    [row] = core.status(now=1.0).decode
+    assert (row.refused_accesses, row.stray_immediates) == (3, 2)
 
 
 async def test_tcp_half_finished_writes_are_capped_per_connection():

@@ -142,6 +142,9 @@ def resolve_target(config: AdminConfig) -> AdminTarget:
 
 
 async def run_admin(config: AdminConfig, action: str, arg: str | None) -> dict[str, object]:
+    """The registry's typed reply as the JSON it came as (what --json prints and render reads)."""
+    import msgspec
+
     from kvmesh.shared.bus.admin_client import admin_client
 
     target = resolve_target(config)
@@ -153,17 +156,17 @@ async def run_admin(config: AdminConfig, action: str, arg: str | None) -> dict[s
         security=config.nats_security,
     ) as admin:
         if action == "status":
-            status = await admin.status()
+            status = msgspec.to_builtins(await admin.status())
             return {**status, "draft": await admin.draft_workers()}
         if action == "workers":
-            return {"workers": await admin.workers()}
+            return {"workers": msgspec.to_builtins(await admin.workers())}
         assert arg is not None, action
         if action == "drain":
-            return await admin.drain(arg)
+            return msgspec.to_builtins(await admin.drain(arg))
         if action == "resume":
-            return await admin.resume(arg)
+            return msgspec.to_builtins(await admin.resume(arg))
         if action == "log-level":
-            return await admin.log_level(arg)
+            return msgspec.to_builtins(await admin.log_level(arg))
     raise AssertionError(f"unknown admin action {action!r}")
 
 

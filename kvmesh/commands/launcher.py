@@ -286,19 +286,17 @@ class Launcher:
                 except AdminError:
                     waiting_for = "the kv-registry"
                 else:
-                    num_decode = len(status["decode"])
-                    prefills = [w for w in status["workers"] if w["role"] == "prefill"]
+                    num_decode = len(status.decode)
+                    prefills = [w for w in status.workers if w.role == "prefill"]
                     if num_decode < self.config.decode:
                         waiting_for = f"decode workers ({num_decode}/{self.config.decode})"
                     elif len(prefills) < num_prefill:
                         waiting_for = f"prefill workers ({len(prefills)}/{num_prefill})"
-                    elif (
-                        n := sum(1 for w in status["workers"] if w["role"] == "draft")
-                    ) < num_draft:
+                    elif (n := sum(1 for w in status.workers if w.role == "draft")) < num_draft:
                         waiting_for = f"draft workers ({n}/{num_draft})"
-                    elif (n := len(status.get("stores", []))) < self.config.kv_store:
+                    elif (n := len(status.stores)) < self.config.kv_store:
                         waiting_for = f"kv-stores ({n}/{self.config.kv_store})"
-                    elif "note" in status.get("prefill_queue", {}) and num_prefill:
+                    elif status.prefill_queue.note and num_prefill:
                         waiting_for = "the prefill queue (prefill-queue-0)"
                     elif not await asyncio.to_thread(self._router_healthy):
                         waiting_for = "the router"
@@ -362,7 +360,7 @@ async def workers_on(
         nats_url, timeout_s=2.0, auth=auth, mesh=mesh, security=security
     ) as admin:
         try:
-            return {w["worker_id"] for w in await admin.workers()}
+            return {w.worker_id for w in await admin.workers()}
         except AdminError:  # no registry: listen for heartbeats instead
             pass
         heard: set[str] = set()

@@ -15,9 +15,12 @@ import os
 import random
 from collections import defaultdict
 from collections.abc import Iterator, Mapping
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from kvmesh.shared.bus.subjects import DEFAULT_MESH
+
+if TYPE_CHECKING:
+    from kvmesh.shared.bus.protocol import DecodeStatusRow
 
 MODEL = "kvmesh-tiny"
 
@@ -244,7 +247,7 @@ async def wait_blocks_returned(
     *,
     mesh: str = DEFAULT_MESH,
     workers: int | None = None,
-) -> list[dict[str, Any]]:
+) -> tuple[DecodeStatusRow, ...]:
     """Admin status rows of the decode workers, once each has every block free again and, with
     ``workers``, that many are registered (a registry that was cut off relearns the workers from
     their next heartbeat); or the last rows seen when ``timeout_s`` runs out: the caller asserts.
@@ -256,14 +259,14 @@ async def wait_blocks_returned(
     async with admin_client(nats_url, auth=auth, mesh=mesh) as admin:
         while True:
             try:
-                rows = (await admin.status())["decode"]
+                rows = (await admin.status()).decode
             except AdminError:  # the kv-registry is being restarted: ask again until the deadline
                 if loop.time() > deadline:
                     raise
                 await asyncio.sleep(0.2)
                 continue
             complete = workers is None or len(rows) == workers
-            if rows and complete and all(r["free_blocks"] == r["total_blocks"] for r in rows):
+            if rows and complete and all(r.free_blocks == r.total_blocks for r in rows):
                 return rows
             if loop.time() > deadline:
                 return rows

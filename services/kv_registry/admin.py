@@ -1,7 +1,7 @@
-"""The kv-registry's admin subjects: status, workers, drain/resume, log level (plain JSON).
+"""The kv-registry's admin subjects: status, workers, drain/resume, log level.
 
-Each handler takes the request body (a JSON object) and returns the reply body; an
-``AdminError`` becomes ``{"error": "..."}``. Drain and resume are forwarded to the worker
+Each handler takes the request body (JSON bytes) and returns the reply, one of the admin messages
+of shared/bus/protocol.py; an ``AdminError`` becomes ``AdminFailure`` (``{"error": "..."}``). Drain and resume are forwarded to the worker
 (WorkerControl on ``worker_control(worker)``); the log level is broadcast (LogLevel on
 CONTROL_LOG_LEVEL).
 """
@@ -12,7 +12,6 @@ import contextlib
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
 
 import nats.errors
 import orjson
@@ -21,7 +20,19 @@ from kvmesh.services.kv_registry.core import RegistryState
 from kvmesh.services.kv_registry.stores import StoreTable
 from kvmesh.shared.bus import protocol
 from kvmesh.shared.bus.prefill_queue import queue_status
-from kvmesh.shared.bus.protocol import LogLevel, WorkerControl
+from kvmesh.shared.bus.protocol import (
+    AdminControlled,
+    AdminFailure,
+    AdminLogLevel,
+    AdminLogLevelSet,
+    AdminStatus,
+    AdminWorker,
+    AdminWorkers,
+    LogLevel,
+    Message,
+    RegistryInfo,
+    WorkerControl,
+)
 from kvmesh.shared.bus.subjects import Subjects
 from kvmesh.shared.obs import logs
 from nats.aio.client import Client
@@ -29,7 +40,7 @@ from nats.micro.request import ERROR_HEADER, Request
 
 log = logs.get_logger(__name__)
 
-AdminHandler = Callable[[dict[str, Any]], Awaitable[Any]]
+AdminHandler = Callable[[bytes], Awaitable[Message]]
 
 
 class AdminError(ValueError):
@@ -60,36 +71,42 @@ class RegistryAdmin:
         }
 
     async def answer(self, req: Request, handle: AdminHandler) -> None:
-        """Reply to one admin request with ``handle``'s result (or ``{"error": ...}``)."""
+        """Reply to one admin request with ``handle``'s result (or ``AdminFailure``)."""
         try:
-            body = orjson.loads(req.data) if req.data.strip() else {}
-            if not isinstance(body, dict):
-                raise AdminError("the request body must be a JSON object, e.g. '{}'")
-            result = await handle(body)
-        except orjson.JSONDecodeError as exc:
-            result = {"error": f"the request body is not JSON: {exc}"}
+            result = await handle(req.data)
         except AdminError as exc:
-            result = {"error": str(exc)}
-        await req.respond(orjson.dumps(result))
+            result = AdminFailure(str(exc))
+        await req.respond(protocol.encode_message(result))
 
-    async def admin_status(self, body: dict[str, Any]) -> dict[str, Any]:
-        status = self.core.status(self.clock())
-        status["stores"] = self.stores.status(self.clock()) if self.stores is not None else []
-        status["registry"] = {
-            "worker_id": self.worker_id,
-            "mesh": self.subjects.mesh,
-            "uptime_s": round(time.time() - self.started_at, 3),
-            "worker_timeout_s": self.config.worker_timeout_s,
-        }
-        status["prefill_queue"] = await queue_status(self.nc, self.subjects)
-        return status
+    async def admin_status(self, body: bytes) -> AdminStatus:
+        _request_object(body)
+        now = self.clock()
+        rows = self.core.status(now)
+        return AdminStatus(
+            decode=rows.decode,
+            workers=rows.workers,
+            leases=rows.leases,
+            stores=self.stores.status(now) if self.stores is not None else (),
+            registry=RegistryInfo(
+                worker_id=self.worker_id,
+                mesh=self.subjects.mesh,
+                uptime_s=round(time.time() - self.started_at, 3),
+                worker_timeout_s=self.config.worker_timeout_s,
+            ),
+            prefill_queue=await queue_status(self.nc, self.subjects),
+        )
 
-    async def admin_workers(self, body: dict[str, Any]) -> dict[str, Any]:
-        return {"workers": self.core.workers(self.clock())}
+    async def admin_workers(self, body: bytes) -> AdminWorkers:
+        _request_object(body)
+        return AdminWorkers(self.core.workers(self.clock()))
 
-    async def admin_control(self, body: dict[str, Any], action: str) -> dict[str, Any]:
-        worker_id = body.get("worker")
-        if not isinstance(worker_id, str) or not worker_id:
+    async def admin_control(self, body: bytes, action: str) -> AdminControlled:
+        _request_object(body)
+        try:
+            worker_id = protocol.decode_message(body or b"{}", AdminWorker).worker
+        except protocol.MessageError:
+            worker_id = ""
+        if not worker_id:
             raise AdminError(
                 f'{action} needs {{"worker": "<worker id>"}}; see `kvmesh admin workers`'
             )
@@ -113,16 +130,22 @@ class RegistryAdmin:
             raise AdminError(f"worker {worker_id!r} refused {action}: {msg.headers[ERROR_HEADER]}")
         self.core.mark_draining(worker_id, action == "drain")
         log.info("worker control forwarded", worker_id=worker_id, action=action)
-        result: dict[str, Any] = {"ok": True, "worker": worker_id, "action": action}
+        state = ""
         with contextlib.suppress(orjson.JSONDecodeError):
             reply = orjson.loads(msg.data) if msg.data else None
-            if isinstance(reply, dict) and "state" in reply:
-                result["state"] = reply["state"]
-        return result
+            if isinstance(reply, dict) and isinstance(reply.get("state"), str):
+                state = reply["state"]
+        return AdminControlled(ok=True, worker=worker_id, action=action, state=state)
 
-    async def admin_log_level(self, body: dict[str, Any]) -> dict[str, Any]:
-        level = body.get("level")
-        if not isinstance(level, str) or level.strip().lower() not in logs.LEVELS:
+    async def admin_log_level(self, body: bytes) -> AdminLogLevelSet:
+        _request_object(body)
+        try:
+            level = protocol.decode_message(body or b"{}", AdminLogLevel).level
+        except protocol.MessageError as exc:
+            raise AdminError(
+                f'log-level needs {{"level": one of {", ".join(logs.LEVELS)}}} ({exc})'
+            ) from None
+        if level.strip().lower() not in logs.LEVELS:
             raise AdminError(
                 f'log-level needs {{"level": one of {", ".join(logs.LEVELS)}}}, got {level!r}'
             )
@@ -130,4 +153,16 @@ class RegistryAdmin:
         await self.nc.publish(
             self.subjects.CONTROL_LOG_LEVEL, protocol.encode_message(LogLevel(level=level))
         )
-        return {"ok": True, "level": level}
+        return AdminLogLevelSet(ok=True, level=level)
+
+
+def _request_object(body: bytes) -> None:
+    """An admin request body must be a JSON object (``{}`` when it says nothing) or empty."""
+    if not body.strip():
+        return
+    try:
+        value = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise AdminError(f"the request body is not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise AdminError("the request body must be a JSON object, e.g. '{}'")

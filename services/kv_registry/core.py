@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 from kvmesh.services.kv_registry.prefix_index import PrefixIndex
 from kvmesh.services.kv_registry.prefix_reach import PrefixReach, prefix_reach, prefix_score
-from kvmesh.services.kv_registry.status_rows import registry_status, worker_rows
+from kvmesh.services.kv_registry.status_rows import RegistryRows, registry_status, worker_rows
 from kvmesh.services.kv_registry.stores import StoreTable
 from kvmesh.services.kv_registry.worker_views import DecodeWorkerView, PeerWorker, seen
 from kvmesh.shared.bus.hearing import Hearing
@@ -44,6 +44,7 @@ from kvmesh.shared.bus.protocol import (
     PlaceReply,
     PlaceRequest,
     WorkerHeartbeat,
+    WorkerRow,
 )
 
 
@@ -412,10 +413,10 @@ class RegistryState:
 
     # --- views (admin) --------------------------------------------------------------------------
 
-    def status(self, now: float) -> dict:
+    def status(self, now: float) -> RegistryRows:
         """The admin status: a row per decode worker, every worker's row, the lease counters."""
         return registry_status(self, now)
 
-    def workers(self, now: float) -> list[dict]:
+    def workers(self, now: float) -> tuple[WorkerRow, ...]:
         """Every known worker, decode ones included, one row each."""
         return worker_rows(self, now)

@@ -164,16 +164,15 @@ class RegistryService:
         interval = min(0.5, self.config.heartbeat_s / 2)
         while True:
             now = self.clock()
-            before = {row["worker_id"]: row for row in self.core.workers(now)}
+            before = {row.worker_id: row for row in self.core.workers(now)}
             dropped, expired = self.core.expire(now)
             for store_id in self.stores.expire(now):
                 log.warning("kv-store dropped: no advert", store_id=store_id)
             for worker_id in dropped:
                 log.warning("worker dropped: no heartbeat or advert", worker_id=worker_id)
-                row = before.get(worker_id, {"role": "?", "last_seen_s": 0.0})
-                await self._announce_gone(
-                    WorkerGone(worker_id, row["role"], float(row["last_seen_s"]))
-                )
+                row = before.get(worker_id)
+                role, last_seen_s = (row.role, row.last_seen_s) if row is not None else ("?", 0.0)
+                await self._announce_gone(WorkerGone(worker_id, role, last_seen_s))
             for lease in expired:
                 log.info(
                     "lease expired (the decode worker frees its blocks)",

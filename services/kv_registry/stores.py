@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from kvmesh.services.kv_registry.prefix_index import PrefixIndex
 from kvmesh.shared.bus.hearing import Hearing
-from kvmesh.shared.bus.protocol import KvCacheDigest, KvCacheEvents, StoreAdvert
+from kvmesh.shared.bus.protocol import KvCacheDigest, KvCacheEvents, StoreAdvert, StoreStatusRow
 
 
 @dataclass(slots=True)
@@ -88,38 +88,38 @@ class StoreTable:
             self.prefixes.drop_worker(sid)
         return dead
 
-    def status(self, now: float) -> list[dict]:
+    def status(self, now: float) -> tuple[StoreStatusRow, ...]:
         rows = []
         for v in sorted(self.stores.values(), key=lambda v: v.advert.store_id):
             a = v.advert
             asked = a.hits + a.misses
             rows.append(
-                {
-                    "store_id": a.store_id,
-                    "state": a.state,
-                    "total_blocks": a.total_blocks,
-                    "used_blocks": a.used_blocks,
-                    "pinned_blocks": a.pinned_blocks,
-                    "capacity_bytes": a.total_blocks * a.block_bytes,
-                    "used_bytes": a.used_blocks * a.block_bytes,
-                    "hits": a.hits,
-                    "misses": a.misses,
-                    "hit_rate": round(a.hits / asked, 4) if asked else 0.0,
-                    "evictions": a.evictions,
-                    "disk_total_blocks": a.disk_total_blocks,
-                    "disk_used_blocks": a.disk_used_blocks,
-                    "disk_capacity_bytes": a.disk_total_blocks * a.block_bytes,
-                    "disk_used_bytes": a.disk_used_blocks * a.block_bytes,
-                    "disk_hits": a.disk_hits,
-                    "disk_evictions": a.disk_evictions,
-                    "bytes_written": a.bytes_written,
-                    "bytes_read": a.bytes_read,
-                    "refused_accesses": a.refused_accesses,
-                    "indexed_blocks": self.prefixes.num_blocks(a.store_id),
-                    "index_synced": self.prefixes.is_synced(a.store_id),
-                    "kv_spec": a.kv_spec,
-                    "epoch": a.epoch,
-                    "last_seen_s": round(now - v.last_seen, 3),
-                }
+                StoreStatusRow(
+                    store_id=a.store_id,
+                    state=a.state,
+                    total_blocks=a.total_blocks,
+                    used_blocks=a.used_blocks,
+                    pinned_blocks=a.pinned_blocks,
+                    capacity_bytes=a.total_blocks * a.block_bytes,
+                    used_bytes=a.used_blocks * a.block_bytes,
+                    hits=a.hits,
+                    misses=a.misses,
+                    hit_rate=round(a.hits / asked, 4) if asked else 0.0,
+                    evictions=a.evictions,
+                    disk_total_blocks=a.disk_total_blocks,
+                    disk_used_blocks=a.disk_used_blocks,
+                    disk_capacity_bytes=a.disk_total_blocks * a.block_bytes,
+                    disk_used_bytes=a.disk_used_blocks * a.block_bytes,
+                    disk_hits=a.disk_hits,
+                    disk_evictions=a.disk_evictions,
+                    bytes_written=a.bytes_written,
+                    bytes_read=a.bytes_read,
+                    refused_accesses=a.refused_accesses,
+                    indexed_blocks=self.prefixes.num_blocks(a.store_id),
+                    index_synced=self.prefixes.is_synced(a.store_id),
+                    kv_spec=a.kv_spec,
+                    epoch=a.epoch,
+                    last_seen_s=round(now - v.last_seen, 3),
+                )
             )
-        return rows
+        return tuple(rows)

@@ -1,4 +1,5 @@
-"""Admin requests to a mesh's kv-registry (plain JSON on its kvmesh.<mesh>.admin.* subjects)."""
+"""Admin requests to a mesh's kv-registry (the admin messages of shared/bus/protocol.py on its
+kvmesh.<mesh>.admin.* subjects)."""
 
 from __future__ import annotations
 
@@ -6,9 +7,18 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
 from kvmesh.shared.bus.nats_auth import NatsAuth
 from kvmesh.shared.bus.nats_options import NatsSecurity
 from kvmesh.shared.bus.nats_service import NatsUnavailableError, connect_nats, request_json
+from kvmesh.shared.bus.protocol import (
+    AdminControlled,
+    AdminLogLevelSet,
+    AdminStatus,
+    AdminWorkers,
+    M,
+    WorkerRow,
+)
 from kvmesh.shared.bus.subjects import DEFAULT_MESH, Subjects
 from nats.aio.client import Client
 
@@ -23,20 +33,26 @@ class AdminClient:
         self.subjects = subjects
         self.timeout_s = timeout_s
 
-    async def status(self) -> dict[str, Any]:
-        return await self._request(self.subjects.ADMIN_STATUS, {})
+    async def status(self) -> AdminStatus:
+        return await self._request(self.subjects.ADMIN_STATUS, {}, AdminStatus)
 
-    async def workers(self) -> list[dict[str, Any]]:
-        return (await self._request(self.subjects.ADMIN_WORKERS, {}))["workers"]
+    async def workers(self) -> tuple[WorkerRow, ...]:
+        return (await self._request(self.subjects.ADMIN_WORKERS, {}, AdminWorkers)).workers
 
-    async def drain(self, worker_id: str) -> dict[str, Any]:
-        return await self._request(self.subjects.ADMIN_DRAIN, {"worker": worker_id})
+    async def drain(self, worker_id: str) -> AdminControlled:
+        return await self._request(
+            self.subjects.ADMIN_DRAIN, {"worker": worker_id}, AdminControlled
+        )
 
-    async def resume(self, worker_id: str) -> dict[str, Any]:
-        return await self._request(self.subjects.ADMIN_RESUME, {"worker": worker_id})
+    async def resume(self, worker_id: str) -> AdminControlled:
+        return await self._request(
+            self.subjects.ADMIN_RESUME, {"worker": worker_id}, AdminControlled
+        )
 
-    async def log_level(self, level: str) -> dict[str, Any]:
-        return await self._request(self.subjects.ADMIN_LOG_LEVEL, {"level": level})
+    async def log_level(self, level: str) -> AdminLogLevelSet:
+        return await self._request(
+            self.subjects.ADMIN_LOG_LEVEL, {"level": level}, AdminLogLevelSet
+        )
 
     async def draft_workers(self, listen_s: float = 0.3) -> list[dict[str, Any]]:
         """Every draft worker of the mesh with its acceptance figures: the ``status`` endpoint
@@ -76,14 +92,20 @@ class AdminClient:
             await sub.unsubscribe()
         return sorted(rows, key=lambda r: r.get("worker_id", ""))
 
-    async def _request(self, subject: str, body: dict[str, Any]) -> Any:
+    async def _request(self, subject: str, body: dict[str, Any], cls: type[M]) -> M:
         try:
             reply = await request_json(self.nc, subject, body, self.timeout_s)
         except NatsUnavailableError as exc:
             raise AdminError(f"{exc} (mesh {self.subjects.mesh})") from None
         if isinstance(reply, dict) and "error" in reply:
             raise AdminError(str(reply["error"]))
-        return reply
+        try:
+            return msgspec.convert(reply, cls)
+        except msgspec.ValidationError as exc:
+            raise AdminError(
+                f"the kv-registry answered {subject} with a reply this client does not read "
+                f"({exc}): is it another kvmesh version?"
+            ) from None
 
 
 @contextlib.asynccontextmanager

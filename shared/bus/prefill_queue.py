@@ -31,6 +31,7 @@ import contextlib
 
 import nats.errors
 import nats.js.errors
+from kvmesh.shared.bus.protocol import QueueStatus
 from kvmesh.shared.bus.subjects import Subjects
 from kvmesh.shared.obs import logs
 from nats.aio.client import Client
@@ -153,15 +154,15 @@ async def queue_depth(nc: Client, s: Subjects) -> int:
     return int(info.state.messages)
 
 
-async def queue_status(nc: Client, s: Subjects) -> dict[str, int | str]:
+async def queue_status(nc: Client, s: Subjects) -> QueueStatus:
     """What ``kvmesh admin status`` shows: waiting jobs and pulling workers (or why not)."""
     try:
         info = await nc.jetstream().stream_info(s.PREFILL_STREAM)
     except nats.js.errors.NotFoundError:
-        return {"depth": 0, "workers": 0, "note": MISSING.format(stream=s.PREFILL_STREAM)}
+        return QueueStatus(0, 0, note=MISSING.format(stream=s.PREFILL_STREAM))
     except (nats.errors.Error, nats.js.errors.Error) as exc:
-        return {"depth": -1, "workers": 0, "note": f"JetStream unavailable: {exc}"}
-    return {"depth": int(info.state.messages), "workers": int(info.state.consumer_count)}
+        return QueueStatus(-1, 0, note=f"JetStream unavailable: {exc}")
+    return QueueStatus(int(info.state.messages), int(info.state.consumer_count))
 
 
 class PrefillJobQueue:

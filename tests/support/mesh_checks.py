@@ -63,7 +63,7 @@ async def check_blocks_returned(mesh: Any) -> None:
     rows = await wait_blocks_returned(mesh.config.nats_url, mesh.nats_auth)
     assert rows, "no decode worker in the admin status"
     for row in rows:
-        assert row["free_blocks"] == row["total_blocks"], row
+        assert row.free_blocks == row.total_blocks, row
     assert mesh.nats_violations() == []
 
 
@@ -76,8 +76,8 @@ async def store_advertised_since_ready(mesh) -> None:
     ready = loop.time()
     async with admin_client(mesh.config.nats_url, auth=mesh.nats_auth) as admin:
         while True:
-            rows = (await admin.status())["stores"]
-            if rows and rows[0]["last_seen_s"] < loop.time() - ready - 0.05:
+            rows = (await admin.status()).stores
+            if rows and rows[0].last_seen_s < loop.time() - ready - 0.05:
                 return
             assert loop.time() < ready + 30, f"no store advert since the mesh was ready: {rows}"
             await asyncio.sleep(0.1)
