@@ -14,11 +14,14 @@ import pytest
 import torch
 from kvmesh.services.draft.prompt_kv import PromptKvError, PromptKvTable
 from kvmesh.services.prefill.draft_kv import DraftBlockPlanner, DraftKvPlanner
+from kvmesh.services.prefill.draft_writes import DraftKv
+from kvmesh.services.prefill.metrics import PrefillMetrics
 from kvmesh.services.prefill.plan import PlanError
+from kvmesh.services.prefill.worker import PrefillWorker
 from kvmesh.shared.bus import protocol
 from kvmesh.shared.bus.protocol import DraftKvReserveReply, PrefillDone
+from kvmesh.shared.kv.imm import imm_slot, unpack_imm
 from kvmesh.shared.transport.base import Access, MemoryWindow
-from kvmesh.shared.transport.imm import imm_slot, unpack_imm
 
 
 def _window(rkey: int = 5, enforced: bool = True) -> MemoryWindow:
@@ -250,7 +253,6 @@ async def _mesh_in_process(tiny, small_draft=None):
     from kvmesh.services.draft.metrics import DraftMetrics
     from kvmesh.services.draft.prompt_kv_receiver import PromptKvReceiver, target_kv_spec
     from kvmesh.services.prefill.endpoints import EndpointCache
-    from kvmesh.services.prefill.worker import PrefillWorker
     from kvmesh.shared.engine.config import EngineConfig
     from kvmesh.shared.engine.llm_engine import LLMEngine
     from kvmesh.shared.kv.descriptor import TransportDescriptor
@@ -277,15 +279,19 @@ async def _mesh_in_process(tiny, small_draft=None):
                 *small_draft(), EngineConfig(num_blocks=64, max_num_batched_tokens=32)
             )
             draft_region = prefill_side.register(draft_engine.kv_pool.raw)
+        source = prefill_side.register(engine.kv_pool.raw)
+        metrics, lock = PrefillMetrics(), asyncio.Lock()
+        draft_kv = DraftKv(engine, source, endpoints, metrics, lock, draft_engine, draft_region)
         worker = PrefillWorker(
             engine,
-            prefill_side.register(engine.kv_pool.raw),
+            source,
             endpoints,
             worker_id="p0",
             kv_spec=kv_spec,
             advert_wait_s=0.2,
-            draft_engine=draft_engine,
-            draft_region=draft_region,
+            metrics=metrics,
+            hooks=[draft_kv],
+            lock=lock,
         )
         peer = TransportDescriptor.from_peer(decode_side.descriptor())
         worker.adverts.note(
@@ -313,7 +319,9 @@ async def _mesh_in_process(tiny, small_draft=None):
         else:
             drafter = _model_drafter(small_draft, draft_side.allocate)
             pool_kv_spec = drafter.engine.kv_spec
-            assert pool_kv_spec == worker.draft_kv_spec != kv_spec  # the same draft model
+            assert (
+                pool_kv_spec == _draft_kv(worker).draft_kv_spec != kv_spec
+            )  # the same draft model
         receiver = PromptKvReceiver(
             drafter.engine,
             draft_side,
@@ -350,6 +358,18 @@ def _job(rid, prompt, region, block_bytes, worker):
     )
 
 
+def _draft_kv(worker: PrefillWorker) -> DraftKv:
+    [hook] = worker.hooks
+    assert isinstance(hook, DraftKv)
+    return hook
+
+
+async def _prefill(worker: PrefillWorker, job, reservation):
+    """A job whose draft-KV reservation is ``reservation`` (a future), as the service runs it."""
+    assert _draft_kv(worker).expect(job, reservation)
+    return await worker.prefill(job)
+
+
 def _sample(receiver, name: str) -> float | None:
     return receiver.metrics.registry.get_sample_value(f"kvmesh_draft_{name}")
 
@@ -371,8 +391,8 @@ async def test_prefill_writes_the_draft_kv_and_the_next_draft_computes_only_the_
         reply = await receiver.reserve(req)
         assert reply.ok and len(reply.block_addrs) == 6 and reply.num_layers == 2
         assert bm.num_free_blocks == 64 - 6
-        result = await worker.prefill(
-            _job("r", prompt, region, worker.block_bytes, worker), _done_future(reply)
+        result = await _prefill(
+            worker, _job("r", prompt, region, worker.block_bytes, worker), _done_future(reply)
         )
         assert result.done.ok and result.done.draft_worker_id == "dr0"
         draft_worker_id, done = result.draft_done
@@ -398,12 +418,12 @@ async def test_refused_or_late_reservation_leaves_the_job_without_draft_writes(t
         req = protocol.DraftKvReserve("r", "Lr", tuple(prompt), "another-layout", 10_000)
         reply = await receiver.reserve(req)
         assert not reply.ok and "is not this draft's target's" in reply.error
-        result = await worker.prefill(
-            _job("r", prompt, region, worker.block_bytes, worker), _done_future(reply)
+        result = await _prefill(
+            worker, _job("r", prompt, region, worker.block_bytes, worker), _done_future(reply)
         )
         assert result.done.ok and result.done.draft_worker_id == "" and result.draft_done is None
         late = asyncio.get_running_loop().create_future()  # never answered during the job
-        result = await worker.prefill(_job("q", prompt, region, worker.block_bytes, worker), late)
+        result = await _prefill(worker, _job("q", prompt, region, worker.block_bytes, worker), late)
         assert result.done.ok and result.done.draft_worker_id == "" and result.draft_done is None
         late.cancel()
 
@@ -437,13 +457,18 @@ async def test_prefill_runs_the_draft_model_and_the_model_drafters_next_draft_co
     ):
         bm = drafter.engine.block_manager
         req = protocol.DraftKvReserve(
-            "r", "Lr", tuple(prompt), worker.kv_spec, 10_000, draft_kv_spec=worker.draft_kv_spec
+            "r",
+            "Lr",
+            tuple(prompt),
+            worker.kv_spec,
+            10_000,
+            draft_kv_spec=_draft_kv(worker).draft_kv_spec,
         )
         reply = await receiver.reserve(req)
         assert reply.ok and reply.whole_blocks and len(reply.block_addrs) == 6
-        assert reply.block_bytes == worker.draft_engine.kv_pool.spec.block_bytes
-        result = await worker.prefill(
-            _job("r", prompt, region, worker.block_bytes, worker), _done_future(reply)
+        assert reply.block_bytes == _draft_kv(worker).draft_engine.kv_pool.spec.block_bytes
+        result = await _prefill(
+            worker, _job("r", prompt, region, worker.block_bytes, worker), _done_future(reply)
         )
         assert result.done.ok and result.done.draft_worker_id == "dr0"
         draft_worker_id, done = result.draft_done
@@ -454,7 +479,7 @@ async def test_prefill_runs_the_draft_model_and_the_model_drafters_next_draft_co
         await receiver.on_done(done)
         assert _sample(receiver, "prompt_tokens_received_total") == 96
         assert bm.num_free_blocks == 64 and len(bm.hash_to_block) == 6  # cached, evictable
-        prefill_draft = worker.draft_engine
+        prefill_draft = _draft_kv(worker).draft_engine
         assert not prefill_draft.seqs and prefill_draft.block_manager.num_free_blocks == 64
         steps = worker.metrics.registry.get_sample_value(
             "kvmesh_prefill_draft_compute_seconds_count"
@@ -482,15 +507,17 @@ async def test_model_drafter_refuses_a_prefill_without_its_draft_model_and_the_j
             assert not reply.ok and error in reply.error
         assert _sample(receiver, "prompt_kv_refused_total") == 2
         # a refusal ends the prefill's draft compute; the target's job is as without it
-        result = await worker.prefill(
-            _job("r", prompt, region, worker.block_bytes, worker), _done_future(reply)
+        result = await _prefill(
+            worker, _job("r", prompt, region, worker.block_bytes, worker), _done_future(reply)
         )
         assert result.done.ok and result.done.draft_worker_id == "" and result.draft_done is None
-        assert not worker.draft_engine.seqs
+        assert not _draft_kv(worker).draft_engine.seqs
         # no answer at all by the draft's last chunk: the same
         late = asyncio.get_running_loop().create_future()
-        result = await worker.prefill(_job("q", prompt, region, worker.block_bytes, worker), late)
-        assert result.done.ok and result.draft_done is None and not worker.draft_engine.seqs
+        result = await _prefill(worker, _job("q", prompt, region, worker.block_bytes, worker), late)
+        assert (
+            result.done.ok and result.draft_done is None and not _draft_kv(worker).draft_engine.seqs
+        )
         late.cancel()
 
 

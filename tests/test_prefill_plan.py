@@ -3,6 +3,7 @@ import contextlib
 
 import pytest
 import torch
+from kvmesh.services.prefill.job_hooks import JobHook
 from kvmesh.services.prefill.plan import (
     ChunkPlanner,
     KVSpecMismatchError,
@@ -12,7 +13,7 @@ from kvmesh.services.prefill.plan import (
 )
 from kvmesh.shared.bus import protocol
 from kvmesh.shared.kv.descriptor import TransportDescriptor
-from kvmesh.shared.transport.imm import imm_slot, unpack_imm
+from kvmesh.shared.kv.imm import imm_slot, unpack_imm
 
 BS, BB = 16, 1024  # block size in tokens, block bytes
 BASE = 0x10_0000
@@ -110,7 +111,7 @@ def tiny():
 
 
 @contextlib.asynccontextmanager
-async def _prefill_setup(tiny, num_remote_blocks=64):
+async def _prefill_setup(tiny, num_remote_blocks=64, hooks=(), lock=None):
     from kvmesh.services.prefill.endpoints import EndpointCache
     from kvmesh.services.prefill.worker import PrefillWorker
     from kvmesh.shared.engine.config import EngineConfig
@@ -134,6 +135,8 @@ async def _prefill_setup(tiny, num_remote_blocks=64):
             worker_id="p0",
             kv_spec="spec-a",
             advert_wait_s=0.2,
+            hooks=hooks,
+            lock=lock,
         )
         peer = TransportDescriptor.from_peer(decode_side.descriptor())
         worker.adverts.note(_advert(peer, region, spec, "spec-a"))
@@ -282,3 +285,90 @@ async def test_prefill_worker_returns_nothing_for_a_duplicate_of_a_job_in_hand(t
         done = (await asyncio.wait_for(first, 30)).done
         assert not done.ok and "test over" in done.error
         assert worker.num_jobs == 0 and worker.engine.block_manager.num_free_blocks == 64
+
+
+class _RecordingHook(JobHook):
+    """A feature added to the prefill worker the way job_hooks.py says: its own class and the
+    composition (here the test's), no edit of worker.py. It records each call (and, for the
+    two the worker makes under the engine lock, that the lock is held), and announces to a
+    worker of its own at the end."""
+
+    def __init__(self, lock: asyncio.Lock) -> None:
+        self.lock = lock
+        self.calls: list[str] = []
+        self.steps = 0
+
+    def _note(self, name: str, *, locked: bool = False) -> None:
+        assert self.lock.locked() or not locked, f"{name}: the engine lock is not held"
+        self.calls.append(name)
+
+    def admit(self, job, prompt):
+        self._note("admit", locked=True)  # with the prompt in the engine
+
+    def has_work(self):
+        return False
+
+    async def step(self):
+        self.steps += 1  # after each target step
+
+    def start(self, job, tg):
+        self._note("start")
+
+    async def on_chunk(self, job, chunk, tg):
+        self._note(f"chunk {chunk.chunk_index}")
+
+    async def on_computed(self, job):
+        self._note("computed")
+
+    async def on_stop(self, job):
+        self._note("stop")
+
+    def on_end(self, job):
+        self._note("end", locked=True)  # with the job's blocks released
+
+    def finish(self, msg, job, ok, error):
+        self._note(f"finish ok={ok}")
+        return ("w-1", protocol.PrefillDone(msg.request_id, msg.lease_id, ok, rkey=7))
+
+
+async def test_a_job_hook_sees_each_jobs_life_in_order_and_its_announcement_comes_back(tiny):
+    lock = asyncio.Lock()
+    hook = _RecordingHook(lock)
+    prompt = [(7 * i) % 250 + 1 for i in range(60)]  # chunks of 32 + 16 + 12 tokens
+    async with _prefill_setup(tiny, hooks=[hook], lock=lock) as (worker, _, region, _):
+        result = await worker.prefill(
+            _job("r", prompt, region, range(4), worker.block_bytes, worker)
+        )
+    assert result.done.ok
+    assert hook.calls == [
+        "admit",
+        "start",
+        "chunk 0",
+        "chunk 1",
+        "chunk 2",
+        "computed",
+        "end",
+        "finish ok=True",
+    ]
+    assert hook.steps >= 3  # once after each target step
+    worker_id, announced = result.draft_done
+    assert worker_id == "w-1" and announced.request_id == "r" and announced.rkey == 7
+
+
+async def test_a_job_hook_hears_a_stopped_job_and_a_refused_one(tiny):
+    lock = asyncio.Lock()
+    hook = _RecordingHook(lock)
+    prompt = [(5 * i) % 250 + 1 for i in range(60)]
+    async with _prefill_setup(tiny, hooks=[hook], lock=lock) as (worker, _, region, _):
+        job = _job("r", prompt, region, range(4), worker.block_bytes, worker)
+        running = asyncio.create_task(worker.prefill(job))
+        while "start" not in hook.calls:
+            await asyncio.sleep(0)
+        await worker.abort("r", "the client went away")
+        result = await running
+        assert not result.done.ok and "client went away" in result.done.error
+        assert "stop" in hook.calls and hook.calls[-2:] == ["end", "finish ok=False"]
+        hook.calls.clear()
+        unknown = _job("q", prompt, region, range(4), worker.block_bytes, worker, "nobody")
+        refused = await worker.prefill(unknown)  # a decode worker it has no advert of
+        assert not refused.done.ok and hook.calls == ["finish ok=False"]

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from kvmesh.services.prefill.plan import ChunkWrite, PlanError, WriteSpan
 from kvmesh.shared.bus.protocol import DraftKvReserveReply
-from kvmesh.shared.transport.imm import imm_slot, pack_imm
+from kvmesh.shared.kv.imm import imm_slot, pack_imm
 
 
 class _ReservedBlocksPlanner:

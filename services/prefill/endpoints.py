@@ -10,6 +10,7 @@ import msgspec
 from kvmesh.shared.kv.descriptor import TransportDescriptor
 from kvmesh.shared.obs import logs
 from kvmesh.shared.transport import Endpoint, Transport
+from kvmesh.shared.transport.base import PeerDescriptor
 
 log = logs.get_logger(__name__)
 
@@ -33,7 +34,7 @@ class EndpointCache:
             return endpoint
         async with self._connecting.setdefault(key, asyncio.Lock()):
             if key not in self._endpoints:
-                peer = descriptor.to_peer()
+                peer = PeerDescriptor.from_wire(descriptor)
                 self._endpoints[key] = await self.transport.connect(peer)
                 log.info("connected to decode worker", peer=peer.peer_id)
             return self._endpoints[key]

@@ -1,5 +1,5 @@
 """A prefill job in hand: what the prefill worker keeps of it while its chunks compute and their
-KV is written, and its draft KV's writes (to a draft worker, best effort)."""
+KV is written (a hook keeps its own state of the job: job_hooks.py)."""
 
 from __future__ import annotations
 
@@ -7,12 +7,11 @@ import asyncio
 from dataclasses import dataclass, field
 
 from kvmesh.services.prefill.convert import KVMirror
-from kvmesh.services.prefill.draft_kv import DraftBlockPlanner, DraftKvPlanner
 from kvmesh.services.prefill.plan import ChunkPlanner, PrefillTimeline
-from kvmesh.shared.bus.protocol import DraftKvReserveReply, PrefillJob
+from kvmesh.shared.bus.protocol import PrefillJob
 from kvmesh.shared.engine.sequence import ChunkReady
 from kvmesh.shared.text.sampling import TokenLogprobs
-from kvmesh.shared.transport import Endpoint, MemoryRegion
+from kvmesh.shared.transport import Endpoint
 
 STOP = None  # queue marker: the job was aborted or failed; no more chunks come
 
@@ -31,29 +30,3 @@ class Job:
     prompt_logprobs: tuple[TokenLogprobs, ...] = ()  # with SamplingOptions.prompt_logprobs
     error: str = ""
     is_computed: bool = False  # the last chunk is in; the engine holds the blocks until release
-    draft: DraftWrites | None = None  # the prompt's draft KV to a draft worker
-    # the draft engine's chunks of the prompt (with a draft model; None: not run for this job)
-    draft_chunks: asyncio.Queue[ChunkReady | None] | None = None
-
-
-@dataclass(eq=False)
-class DraftWrites:
-    """A job's writes of draft KV (docs/speculative.md): best effort, never the job's failure."""
-
-    reply: DraftKvReserveReply
-    # None: the reply did not fit (``error`` says why)
-    planner: DraftKvPlanner | DraftBlockPlanner | None = None
-    region: MemoryRegion | None = None  # written from: the target's pool or the draft engine's
-    endpoint: Endpoint | None = None
-    num_writes: int = 0
-    error: str = ""
-
-    @property
-    def is_complete(self) -> bool:
-        """Every planned write landed: the draft worker holds the prompt's full blocks."""
-        return (
-            self.planner is not None
-            and self.planner.is_complete
-            and not self.error
-            and self.num_writes == self.planner.num_writes_planned
-        )

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from kvmesh.shared.transport.imm import imm_slot, pack_imm
+from kvmesh.shared.kv.imm import imm_slot, pack_imm
 
 
 class PlanError(ValueError):

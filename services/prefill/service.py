@@ -21,7 +21,9 @@ import nats.errors
 import torch
 from kvmesh.services.prefill.config import PrefillConfig
 from kvmesh.services.prefill.draft_engine import load_draft_engine
+from kvmesh.services.prefill.draft_writes import DraftKv
 from kvmesh.services.prefill.endpoints import EndpointCache
+from kvmesh.services.prefill.metrics import PrefillMetrics
 from kvmesh.services.prefill.store_prefix import StorePrefix
 from kvmesh.services.prefill.worker import PrefillResult, PrefillWorker
 from kvmesh.shared.bus.message_guard import guard_of
@@ -67,9 +69,17 @@ DRAFT_KV_LEASE_S = 30.0  # its blocks wait this long for the prefill's announcem
 
 class PrefillService:
     def __init__(
-        self, config: PrefillConfig, worker: PrefillWorker, nc: Client, tg: asyncio.TaskGroup
+        self,
+        config: PrefillConfig,
+        worker: PrefillWorker,
+        nc: Client,
+        tg: asyncio.TaskGroup,
+        draft_kv: DraftKv | None = None,
     ) -> None:
+        """``draft_kv``: the worker's draft-KV hook (--draft-kv), whose reservations this shell
+        asks the draft workers for."""
         self.config = config
+        self.draft_kv = draft_kv
         self.worker = worker
         self.nc = nc
         self.subjects: Subjects = config.subjects
@@ -150,12 +160,15 @@ class PrefillService:
         draft = None
         try:
             with logs.request_context(job.request_id):
-                if self.config.draft_kv and len(job.prompt_ids) >= self.config.block_size:
+                kept = False
+                if self.draft_kv is not None and len(job.prompt_ids) >= self.config.block_size:
                     draft = asyncio.ensure_future(self._reserve_draft_kv(job))
-                result = await self.worker.prefill(job, draft)
+                    kept = self.draft_kv.expect(job, draft)
+                result = await self.worker.prefill(job)
                 if result is not None:
                     await self._announce_result(job, result)
-                if draft is not None and (result is None or result.draft_done is None):
+                unused = not kept or result is None or result.draft_done is None
+                if draft is not None and unused:
                     self._tg.create_task(self._release_draft_kv(job, draft))  # never waited for
         finally:
             self._slots.release()
@@ -169,7 +182,7 @@ class PrefillService:
             job.prompt_ids,
             self.worker.kv_spec,
             lease_ms=int(DRAFT_KV_LEASE_S * 1000),
-            draft_kv_spec=self.worker.draft_kv_spec,
+            draft_kv_spec=self.draft_kv.draft_kv_spec if self.draft_kv is not None else "",
         )
         try:
             msg = await self.nc.request(
@@ -288,6 +301,11 @@ async def prefill_service(config: PrefillConfig) -> AsyncIterator[PrefillService
                 nc, config.subjects, transport, engine.kv_pool, region, worker_id
             )
             store = StorePrefix(engine, client, kv_spec)
+        metrics = PrefillMetrics()
+        lock = asyncio.Lock()  # the engines': the worker's, and the draft KV hook's
+        draft_kv = None
+        if config.draft_kv:  # a hook of the worker's (job_hooks.py)
+            draft_kv = DraftKv(engine, region, endpoints, metrics, lock, draft_engine, draft_region)
         worker = PrefillWorker(
             engine,
             region,
@@ -295,12 +313,13 @@ async def prefill_service(config: PrefillConfig) -> AsyncIterator[PrefillService
             worker_id=worker_id,
             kv_spec=kv_spec,
             abort_memory_s=config.abort_memory_s,
+            metrics=metrics,
             store=store,
-            draft_engine=draft_engine,
-            draft_region=draft_region,
+            hooks=[draft_kv] if draft_kv is not None else [],
+            lock=lock,
         )
         async with asyncio.TaskGroup() as tg:
-            service = PrefillService(config, worker, nc, tg)
+            service = PrefillService(config, worker, nc, tg, draft_kv)
             queue = PrefillJobQueue(nc, subjects)
             shell = WorkerShell(
                 role="prefill",

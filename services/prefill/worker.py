@@ -9,10 +9,10 @@ ends with ``PrefillDone(num_writes, first_token)`` for the decode worker and ``P
 the router, and its local blocks are freed. An Abort stops the job between chunks; the decode
 worker still gets a PrefillDone (ok=False) once no write is in flight, so its blocks return.
 
-With a draft model (``draft_engine``, --draft-model) the loop steps a second engine after the
-target's, over the prompts of jobs a model draft worker may take the draft KV of: the target's
-chunk writes are issued first and run meanwhile, so a job pays the draft compute and nothing
-else; the draft chunks' whole blocks go to the draft worker (docs/speculative.md).
+Features join through ``hooks`` (job_hooks.py: ``JobHook``), composed by the service shell: the
+worker calls them at fixed points of a job's life and of the engine loop and knows none of them.
+Draft-KV writes are one (draft_writes.py: a draft model stepped after each target step, the
+draft KV written to a draft worker; docs/speculative.md).
 
 The worker knows no NATS: the service (the shell) calls it and publishes what it returns
 (``started()``, ``prefill()``'s ``PrefillResult``). It reaches decode workers' memory itself,
@@ -23,14 +23,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvmesh.services.prefill.adverts import AdvertBook
 from kvmesh.services.prefill.convert import KVMirrors, decode_kv_dtype
-from kvmesh.services.prefill.draft_kv import DraftKvPlanner
-from kvmesh.services.prefill.draft_writes import DraftKv, is_whole_blocks, reply_of
 from kvmesh.services.prefill.endpoints import EndpointCache
 from kvmesh.services.prefill.job import STOP, Job
+from kvmesh.services.prefill.job_hooks import Announcement, JobHook
 from kvmesh.services.prefill.metrics import PrefillMetrics
 from kvmesh.services.prefill.plan import (
     ChunkPlanner,
@@ -40,7 +40,6 @@ from kvmesh.services.prefill.plan import (
 )
 from kvmesh.services.prefill.store_prefix import StorePrefix
 from kvmesh.shared.bus.protocol import (
-    DraftKvReserveReply,
     PrefillDone,
     PrefillJob,
     PrefillReport,
@@ -61,10 +60,9 @@ class PrefillResult:
 
     done: PrefillDone
     report: PrefillReport | None = None
-    # (draft worker id, its announcement) when a draft worker reserved blocks for the prompt's
-    # draft KV: sent before ``done``, so the draft worker has the KV when the decode's first
-    # context arrives
-    draft_done: tuple[str, PrefillDone] | None = None
+    # (draft worker id, its announcement) when a hook wrote the prompt's draft KV there: sent
+    # before ``done``, so the draft worker has the KV when the decode's first context arrives
+    draft_done: Announcement | None = None
 
 
 class PrefillWorker:
@@ -80,17 +78,13 @@ class PrefillWorker:
         advert_wait_s: float = 3.0,
         metrics: PrefillMetrics | None = None,
         store: StorePrefix | None = None,
-        draft_engine: LLMEngine | None = None,
-        draft_region: MemoryRegion | None = None,
+        hooks: Sequence[JobHook] = (),
+        lock: asyncio.Lock | None = None,
     ) -> None:
-        """``draft_engine``: the draft model run beside the target (--draft-model), its pool
-        registered as ``draft_region``."""
-        assert (draft_engine is None) == (draft_region is None)
+        """``hooks``: the features composed in (job_hooks.py); ``lock``: the engine lock, shared
+        with hooks that run an engine of their own (default: a new one)."""
         self.engine = engine
-        self.draft_engine = draft_engine
-        self.draft_region = draft_region
-        # what a model draft worker checks a reservation against ("": no draft model here)
-        self.draft_kv_spec = draft_engine.kv_spec if draft_engine is not None else ""
+        self.hooks = tuple(hooks)
         self.store = store  # a kv-store's prefixes (read before, written after a job), if any
         self.metrics = metrics or PrefillMetrics()
         self.region = region  # the engine's KV pool, registered as the source of writes
@@ -106,10 +100,7 @@ class PrefillWorker:
         self._jobs: dict[str, Job] = {}
         self._aborted: dict[str, float] = {}  # request id -> monotonic time of its Abort
         self._chunks: list[ChunkReady] = []  # filled by on_chunk in the engine thread
-        self._lock = asyncio.Lock()
-        self.draft_kv = DraftKv(
-            engine, region, endpoints, self.metrics, self._lock, draft_engine, draft_region
-        )
+        self._lock = lock or asyncio.Lock()
         self._wake = asyncio.Event()
         self.metrics.jobs_running.set_function(lambda: len(self._jobs))
 
@@ -123,24 +114,21 @@ class PrefillWorker:
     # ---- the engine loop ----------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Step the engine while any job computes; hand each finished chunk to its job. With a
-        draft model, step its engine after each target step (the target chunks' writes run
-        meanwhile) and hand its chunks over likewise."""
+        """Step the engine while any job computes; hand each finished chunk to its job. After
+        each target step the hooks step (a draft model: the target chunks' writes run
+        meanwhile); the loop runs while the engine or a hook has work."""
         while True:
             await self._wake.wait()
             self._wake.clear()
             while True:
                 async with self._lock:
                     is_busy = self.engine.has_unfinished()
-                    draft = self.draft_engine
-                    if not is_busy and (draft is None or not draft.has_unfinished()):
+                    if not is_busy and not any(hook.has_work() for hook in self.hooks):
                         break
                     chunks = await self._step_target() if is_busy else []
                 self._hand_out(chunks)
-                if draft is not None:
-                    async with self._lock:
-                        chunks = await self._step_draft(draft) if draft.has_unfinished() else []
-                    self._hand_out_draft(chunks)
+                for hook in self.hooks:
+                    await hook.step()
 
     async def _step_target(self) -> list[ChunkReady]:
         t0 = time.perf_counter()
@@ -159,24 +147,11 @@ class PrefillWorker:
                     job.timeline.on_compute_done(t1)
         return chunks
 
-    async def _step_draft(self, draft: LLMEngine) -> list[ChunkReady]:
-        t0 = time.perf_counter()
-        await asyncio.to_thread(draft.step)
-        self.metrics.draft_compute.observe(time.perf_counter() - t0)
-        chunks, self.draft_kv.chunks = self.draft_kv.chunks, []
-        return chunks
-
     def _hand_out(self, chunks: list[ChunkReady]) -> None:
         for chunk in chunks:
             job = self._jobs.get(chunk.request_id)
             if job is not None:
                 job.chunks.put_nowait(chunk)
-
-    def _hand_out_draft(self, chunks: list[ChunkReady]) -> None:
-        for chunk in chunks:
-            job = self._jobs.get(chunk.request_id)
-            if job is not None and job.draft_chunks is not None:
-                job.draft_chunks.put_nowait(chunk)
 
     def _on_chunk(self, chunk: ChunkReady) -> None:
         self._chunks.append(chunk)  # in the engine thread, during step(), under self._lock
@@ -188,16 +163,10 @@ class PrefillWorker:
         then on they count on it (and on hearing if it dies)."""
         return PrefillStarted(msg.request_id, msg.lease_id, self.worker_id)
 
-    async def prefill(
-        self, msg: PrefillJob, draft: asyncio.Future[DraftKvReserveReply | None] | None = None
-    ) -> PrefillResult | None:
+    async def prefill(self, msg: PrefillJob) -> PrefillResult | None:
         """Run one job to its end: every write landed (or none in flight). Returns what to tell
-        the decode worker and the router; None for a duplicate of a job in hand. ``draft``: a
-        draft worker's reservation for the prompt's draft KV, never waited for: taken with the
-        first chunk after it came (the chunks before it are written then too); not come by the
-        last chunk, or None, or a refusal: no draft writes. With a draft model the draft
-        engine computes the prompt too, for a model draft worker's reservation (whole blocks,
-        from the draft engine's chunks); any other answer ends that compute."""
+        the decode worker and the router (and what the hooks announce); None for a duplicate of
+        a job in hand."""
         rid = msg.request_id
         started_at = time.time()
         if rid in self._jobs:
@@ -237,36 +206,29 @@ class PrefillWorker:
                     prefill_only=True,
                     on_chunk=self._on_chunk,
                 )
-                if draft is not None:
-                    job.draft_chunks = self.draft_kv.add(rid, prompt)
+                for hook in self.hooks:
+                    hook.admit(job, prompt)
         except RequestError as exc:
             del self._jobs[rid]
             return self._result(msg, None, str(exc))
         self._wake.set()
         try:
             async with asyncio.TaskGroup() as tg:
-                if job.draft_chunks is not None:
-                    assert draft is not None
-                    tg.create_task(self.draft_kv.model_writes(job, draft, tg))
-                blocks: list[int] = []  # the job's local blocks so far (the engine holds them)
+                for hook in self.hooks:
+                    hook.start(job, tg)
                 while (chunk := await job.chunks.get()) is not STOP:
                     write = planner.plan(
                         chunk.chunk_index, chunk.end_token, chunk.block_ids, chunk.is_last
                     )
                     tg.create_task(self._write(job, write, chunk))
-                    blocks += chunk.block_ids
-                    new_blocks = chunk.block_ids
-                    # an early exit's reservation: the chunks so far, then each (a model
-                    # worker's is _draft_model_writes')
-                    if draft is not None and draft.done() and not is_whole_blocks(draft):
-                        job.draft = await self.draft_kv.writes(msg, reply_of(draft))
-                        draft, new_blocks = None, tuple(blocks)
-                    self.draft_kv.plan_write(job, DraftKvPlanner, new_blocks, tg)
+                    for hook in self.hooks:
+                        await hook.on_chunk(job, chunk, tg)
                     if chunk.is_last:
                         job.first_token = chunk.first_token
                         job.first_logprobs = chunk.first_logprobs
                         job.prompt_logprobs = chunk.prompt_logprobs
-                        await self.draft_kv.drop_if_waiting(job)
+                        for hook in self.hooks:
+                            await hook.on_computed(job)
                         break
             # every write has returned: no byte of ours is still on its way to the decode blocks
         except PlanError as exc:  # an engine/plan disagreement: a bug, but never leak blocks
@@ -276,8 +238,8 @@ class PrefillWorker:
             del self._jobs[rid]
             async with self._lock:
                 self.engine.abort(rid)  # frees the local blocks, computed or not
-                if job.draft_chunks is not None and self.draft_engine is not None:
-                    self.draft_engine.abort(rid)
+                for hook in self.hooks:
+                    hook.on_end(job)
             self._wake.set()
         if self.store is not None and job.is_computed and not job.error:
             self.store.put_later(prompt, self._lock)  # its full blocks stay cached meanwhile
@@ -319,10 +281,8 @@ class PrefillWorker:
             async with self._lock:
                 self.engine.abort(job.msg.request_id)
         job.chunks.put_nowait(STOP)
-        if job.draft_chunks is not None and self.draft_engine is not None:
-            async with self._lock:
-                self.draft_engine.abort(job.msg.request_id)
-            job.draft_chunks.put_nowait(STOP)
+        for hook in self.hooks:
+            await hook.on_stop(job)
 
     async def abort(self, request_id: str, reason: str) -> None:
         job = self._jobs.get(request_id)
@@ -339,8 +299,9 @@ class PrefillWorker:
 
     def _result(self, msg: PrefillJob, job: Job | None, error: str) -> PrefillResult:
         ok = job is not None and not error
-        draft = job.draft if job is not None else None
-        draft_done = DraftKv.done_of(msg, draft, ok, error) if draft is not None else None
+        draft_done = None
+        for hook in self.hooks:
+            draft_done = hook.finish(msg, job, ok, error) or draft_done
         done = PrefillDone(
             msg.request_id,
             msg.lease_id,
