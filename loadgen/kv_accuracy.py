@@ -18,6 +18,12 @@ reports, per format and prompt:
 
 and the answers to short factual questions (``FACT_QUESTIONS``, through the model's chat template
 when it has one): each answer, greedy up to an end-of-sequence token, must be the reference's.
+
+Two more figures say what a greedy difference means: ``flip_gap``, the reference's own margin
+(top-1 minus top-2 logit) at a prompt's first differing token, and the same measurement of a
+16-bit KV cache (``bf16``: the model's float32 weights with a bfloat16 KV pool, what vLLM keeps
+for a bf16 model) as a yardstick: a difference where the reference itself is within rounding
+of a tie is one any lossy KV format may show.
 """
 
 from __future__ import annotations
@@ -61,6 +67,8 @@ FACT_QUESTIONS = (
     "What is the boiling point of water in degrees Celsius?",
 )
 EIGHT_BIT_FORMATS = ("int8", "fp8_e4m3")
+YARDSTICK = "bf16"  # a 16-bit KV pool (EngineConfig.dtype), measured alike
+FORMATS = (*EIGHT_BIT_FORMATS, YARDSTICK)
 FACT_MAX_TOKENS = 32
 
 
@@ -68,10 +76,14 @@ FACT_MAX_TOKENS = 32
 class PromptAccuracy:
     prompt_tokens: int
     agreed_tokens: int  # greedy tokens equal to the reference's before the first difference
-    top1_agreement: float  # teacher-forced: fraction of positions whose argmax agrees
-    max_logit_error: float
-    mean_logit_error: float
+    # teacher-forced (None for the bf16 yardstick: a float pool's prefill attends to the fresh
+    # K/V, not to what it stored, so only its greedy decode reads the 16-bit KV)
+    top1_agreement: float | None  # fraction of positions whose argmax agrees
+    max_logit_error: float | None
+    mean_logit_error: float | None
     logit_std: float  # the reference logits' spread over the vocabulary (mean over positions)
+    # the reference's top-1 minus top-2 logit where the greedy tokens first differ (None: none)
+    flip_gap: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,22 +121,34 @@ class KVAccuracyReport:
         return sum(p.agreed_tokens for p in self.prompts) / (self.max_tokens * len(self.prompts))
 
     @property
-    def top1_agreement(self) -> float:
+    def is_teacher_forced(self) -> bool:
+        return all(p.top1_agreement is not None for p in self.prompts)
+
+    @property
+    def top1_agreement(self) -> float | None:
         """Teacher-forced: the share of all positions, each fed the reference's tokens before it,
         whose argmax agrees (a flip does not carry over to the tokens after it)."""
-        return sum(p.top1_agreement for p in self.prompts) / len(self.prompts)
+        values = [p.top1_agreement for p in self.prompts if p.top1_agreement is not None]
+        return sum(values) / len(values) if self.is_teacher_forced else None
+
+    @property
+    def flip_gaps(self) -> list[float]:
+        """The reference's margins at each prompt's first difference, smallest first."""
+        return sorted(p.flip_gap for p in self.prompts if p.flip_gap is not None)
 
     @property
     def num_facts_changed(self) -> int:
         return sum(not f.is_same for f in self.facts)
 
     @property
-    def max_logit_error(self) -> float:
-        return max(p.max_logit_error for p in self.prompts)
+    def max_logit_error(self) -> float | None:
+        values = [p.max_logit_error for p in self.prompts if p.max_logit_error is not None]
+        return max(values) if self.is_teacher_forced else None
 
     @property
-    def mean_logit_error(self) -> float:
-        return sum(p.mean_logit_error for p in self.prompts) / len(self.prompts)
+    def mean_logit_error(self) -> float | None:
+        values = [p.mean_logit_error for p in self.prompts if p.mean_logit_error is not None]
+        return sum(values) / len(values) if self.is_teacher_forced else None
 
     @property
     def logit_std(self) -> float:
@@ -138,6 +162,7 @@ class KVAccuracyReport:
             "token_agreement": self.token_agreement,
             "top1_agreement": self.top1_agreement,
             "num_facts_changed": self.num_facts_changed,
+            "flip_gaps": self.flip_gaps,
             "max_logit_error": self.max_logit_error,
             "mean_logit_error": self.mean_logit_error,
             "logit_std": self.logit_std,
@@ -149,12 +174,26 @@ class KVAccuracyReport:
             if self.facts
             else ""
         )
+        gaps = (
+            "; first differences where the reference's top-2 logits are "
+            + ", ".join(f"{g:.4f}" for g in self.flip_gaps)
+            + " apart"
+            if self.flip_gaps
+            else ""
+        )
+        forced = (
+            f"; teacher-forced top-1 {self.top1_agreement:.1%}); logit error max "
+            f"{self.max_logit_error:.4f}, mean {self.mean_logit_error:.5f}"
+            if self.top1_agreement is not None
+            and self.max_logit_error is not None
+            and self.mean_logit_error is not None
+            else "; not teacher-forced: its prefill does not read the KV back)"
+        )
         return (
             f"{self.kv_cache_dtype}: {self.token_agreement:.1%} of greedy tokens agree "
             f"({self.num_fully_agreed}/{len(self.prompts)} prompts all {self.max_tokens}, the "
-            f"least {self.min_agreed_tokens}; teacher-forced top-1 {self.top1_agreement:.1%}); "
-            f"logit error max {self.max_logit_error:.4f}, mean "
-            f"{self.mean_logit_error:.5f} (logit std {self.logit_std:.4f}){facts}"
+            f"least {self.min_agreed_tokens}{forced} (logit std {self.logit_std:.4f}){gaps}"
+            f"{facts}"
         )
 
     def table(self, decode: Callable[[Sequence[int]], str] | None = None) -> str:
@@ -162,12 +201,14 @@ class KVAccuracyReport:
             f"{self.model}: {self.kv_cache_dtype} KV against the model dtype's KV, "
             f"{self.max_tokens} greedy tokens per prompt",
             f"{'prompt':>6} {'tokens':>6} {'agreed':>7} {'top-1':>6} {'max err':>8} "
-            f"{'mean err':>9} {'logit std':>9}",
+            f"{'mean err':>9} {'logit std':>9} {'flip gap':>8}",
         ]
         for i, p in enumerate(self.prompts):
             lines.append(
-                f"{i:>6} {p.prompt_tokens:>6} {p.agreed_tokens:>7} {p.top1_agreement:>6.3f} "
-                f"{p.max_logit_error:>8.4f} {p.mean_logit_error:>9.5f} {p.logit_std:>9.4f}"
+                f"{i:>6} {p.prompt_tokens:>6} {p.agreed_tokens:>7} {_num(p.top1_agreement, 3):>6} "
+                f"{_num(p.max_logit_error, 4):>8} {_num(p.mean_logit_error, 5):>9} "
+                f"{p.logit_std:>9.4f} "
+                f"{'-' if p.flip_gap is None else f'{p.flip_gap:.4f}':>8}"
             )
         for i, f in enumerate(self.facts):
             if not f.is_same and decode is not None:
@@ -202,9 +243,11 @@ def measure_formats(
     model_name: str = "",
     block_size: int = 16,
 ) -> tuple[KVAccuracyReport, ...]:
-    """One report per format of ``kv_cache_dtypes``, each against the same reference run: the
-    fixture ``prompts`` (``max_tokens`` greedy tokens each) and the ``facts`` prompts (greedy up
-    to one of ``stop_token_ids``, at most ``FACT_MAX_TOKENS``)."""
+    """One report per format of ``kv_cache_dtypes`` (an 8-bit ``kv_cache_dtype`` or ``bf16``, a
+    bfloat16 KV pool), each against the same reference run: the fixture ``prompts``
+    (``max_tokens`` greedy tokens each) and the ``facts`` prompts (greedy up to one of
+    ``stop_token_ids``, at most ``FACT_MAX_TOKENS``)."""
+    import torch
     from kvmesh.shared.engine.config import EngineConfig
     from kvmesh.shared.engine.llm_engine import LLMEngine
     from kvmesh.shared.text.sampling import SamplingOptions
@@ -213,11 +256,13 @@ def measure_formats(
     num_blocks = max(len(prompts), len(facts)) * (-(-longest // block_size) + 1) + 8
 
     def engine(dtype: str) -> LLMEngine:
+        is_yardstick = dtype == YARDSTICK
         config = EngineConfig(
             block_size=block_size,
             num_blocks=num_blocks,
             enable_prefix_caching=False,
-            kv_cache_dtype=dtype,
+            dtype=torch.bfloat16 if is_yardstick else None,
+            kv_cache_dtype="auto" if is_yardstick else dtype,
         )
         return LLMEngine(model, None, config)
 
@@ -239,17 +284,25 @@ def measure_formats(
         results = []
         for prompt, ref, got, want in zip(prompts, ref_out, test_out, ref_logits, strict=True):
             agreed = agreed_prefix(ref, got)
-            logits = teacher_forced_logits(test_engine, prompt + ref[:-1], len(ref))
-            err = (logits - want).abs()
-            top1 = (logits.argmax(-1) == want.argmax(-1)).float().mean()
+            top1 = max_err = mean_err = None
+            if dtype != YARDSTICK:
+                logits = teacher_forced_logits(test_engine, prompt + ref[:-1], len(ref))
+                err = (logits - want).abs()
+                top1 = float((logits.argmax(-1) == want.argmax(-1)).float().mean())
+                max_err, mean_err = float(err.max()), float(err.mean())
+            margin = None
+            if agreed < len(ref):  # the reference's own top-2 gap where the tokens part
+                top2 = want[agreed].topk(2).values
+                margin = float(top2[0] - top2[1])
             results.append(
                 PromptAccuracy(
                     prompt_tokens=len(prompt),
                     agreed_tokens=agreed,
-                    top1_agreement=float(top1),
-                    max_logit_error=float(err.max()),
-                    mean_logit_error=float(err.mean()),
+                    top1_agreement=top1,
+                    max_logit_error=max_err,
+                    mean_logit_error=mean_err,
                     logit_std=float(want.std(-1).mean()),
+                    flip_gap=margin,
                 )
             )
         answers = test_engine.generate(list(facts), fact_params) if facts else []
@@ -261,6 +314,10 @@ def measure_formats(
             KVAccuracyReport(model_name, dtype, max_tokens, tuple(results), fact_results)
         )
     return tuple(reports)
+
+
+def _num(value: float | None, digits: int) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
 
 
 def agreed_prefix(reference: Sequence[int], tokens: Sequence[int]) -> int:
@@ -307,9 +364,10 @@ def register_kv_accuracy(subparsers: Any) -> None:
     p.add_argument(
         "--kv-cache-dtype",
         nargs="+",
-        default=list(EIGHT_BIT_FORMATS),
-        choices=list(EIGHT_BIT_FORMATS),
-        help="the 8-bit formats to measure (default: all)",
+        default=list(FORMATS),
+        choices=list(FORMATS),
+        help="the formats to measure: the 8-bit ones and bf16, a 16-bit KV pool as a "
+        "yardstick (default: all)",
     )
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument(
