@@ -5,9 +5,9 @@ import pytest
 from kvmesh.services.decode.pending import Admission, PendingTable, ReservationError
 from kvmesh.shared.bus import protocol
 from kvmesh.shared.bus.protocol import PrefillDone
+from kvmesh.shared.kv.imm import imm_slot, pack_imm
 from kvmesh.shared.text.sampling import SamplingOptions
 from kvmesh.shared.transport.completions import Completion
-from kvmesh.shared.transport.imm import imm_slot, pack_imm
 
 ADMISSION = Admission((1, 2, 3), SamplingOptions(max_tokens=4))
 

@@ -14,8 +14,8 @@ from kvmesh.services.decode.worker import DecodeWorker
 from kvmesh.shared.bus import protocol
 from kvmesh.shared.bus.protocol import PrefillDone
 from kvmesh.shared.engine.draft_tree import DraftTree
+from kvmesh.shared.kv.imm import imm_slot, pack_imm
 from kvmesh.shared.transport.completions import Completion
-from kvmesh.shared.transport.imm import imm_slot, pack_imm
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The immediate's layout (kvmesh.shared.transport.imm): slot and chunk round-trip, slots derived from block
+"""The immediate's layout (kvmesh.shared.kv.imm): slot and chunk round-trip, slots derived from block
 addresses are distinct within a pool, and every limit is refused with an error that names it."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from kvmesh.shared.transport.imm import (
+from kvmesh.shared.kv.imm import (
     IMM_CHUNK_BITS,
     IMM_MAX,
     IMM_SLOT_BITS,
@@ -87,5 +87,5 @@ def test_imm_slot_refuses_impossible_addresses(addr: int, block_bytes: int, mess
 
 
 def test_imm_module_imports_without_torch() -> None:
-    code = "import sys, kvmesh.shared.transport.imm; sys.exit('torch' in sys.modules)"
+    code = "import sys, kvmesh.shared.kv.imm; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 from kvmesh.kernels.kv_pack import reshard_plan
+from kvmesh.shared.kv.imm import pack_imm
 from kvmesh.shared.kv.kv_cache import KVCacheSpec, KVPool
 from kvmesh.shared.transport import (
     Access,
@@ -28,7 +29,6 @@ from kvmesh.shared.transport import (
     WriteEntry,
     create_transport,
 )
-from kvmesh.shared.transport.imm import pack_imm
 from support.kv_writes import (
     KVDestination,
     KVLayoutError,

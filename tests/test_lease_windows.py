@@ -17,6 +17,7 @@ from kvmesh.services.decode.worker import DecodeWorker
 from kvmesh.shared.bus import protocol
 from kvmesh.shared.engine.config import EngineConfig
 from kvmesh.shared.engine.llm_engine import LLMEngine
+from kvmesh.shared.kv.imm import imm_slot, pack_imm
 from kvmesh.shared.kv.kv_cache import KVCacheSpec
 from kvmesh.shared.transport import (
     Access,
@@ -28,7 +29,6 @@ from kvmesh.shared.transport import (
     WriteEntry,
     create_transport,
 )
-from kvmesh.shared.transport.imm import imm_slot, pack_imm
 
 NUM_BLOCKS = 32
 

@@ -38,7 +38,8 @@ def _forged(descriptor: PeerDescriptor, **shm: str) -> PeerDescriptor:
     heartbeat = protocol.encode_message(
         _advert(descriptor=msgspec.structs.replace(wire, backends=(forged,), regions=()))
     )
-    return protocol.decode_message(heartbeat, protocol.DecodeAdvert).descriptor.to_peer()
+    advert = protocol.decode_message(heartbeat, protocol.DecodeAdvert)
+    return PeerDescriptor.from_wire(advert.descriptor)
 
 
 @pytest.fixture

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from kvmesh.shared.kv.imm import pack_imm
 from kvmesh.shared.kv.kv_cache import KVCacheSpec, KVPool
 from kvmesh.shared.transport import (
     Access,
@@ -26,7 +27,6 @@ from kvmesh.shared.transport import (
     WriteEntry,
     create_transport,
 )
-from kvmesh.shared.transport.imm import pack_imm
 from support.transport_wire import remote
 
 SPEC = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16)  # 32 KiB blocks

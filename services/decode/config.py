@@ -8,7 +8,7 @@ from typing import Literal
 from kvmesh.shared.bus.protocol import MAX_CACHE_EVENT_HASHES
 from kvmesh.shared.bus.worker_config import EngineWorkerConfig
 from kvmesh.shared.config.service_config import option
-from kvmesh.shared.transport.imm import MAX_SLOTS
+from kvmesh.shared.kv.imm import MAX_SLOTS
 
 
 @dataclass(frozen=True, slots=True)

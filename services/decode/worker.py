@@ -48,12 +48,12 @@ from kvmesh.shared.engine.block_manager import OutOfBlocksError
 from kvmesh.shared.engine.draft_tree import DraftTree
 from kvmesh.shared.engine.llm_engine import LLMEngine
 from kvmesh.shared.engine.sequence import RequestError, RequestOutput
+from kvmesh.shared.kv.imm import imm_slot, unpack_imm
 from kvmesh.shared.mesh.kv_store_prefix import PrefixReader
 from kvmesh.shared.obs import logs
 from kvmesh.shared.text.sampling import SamplingOptions
 from kvmesh.shared.transport.base import MemoryWindow
 from kvmesh.shared.transport.completions import Completion
-from kvmesh.shared.transport.imm import imm_slot, unpack_imm
 
 log = logs.get_logger(__name__)
 T = TypeVar("T")

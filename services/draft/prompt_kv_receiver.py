@@ -25,11 +25,11 @@ from kvmesh.shared.bus.protocol import (
     PrefillDone,
 )
 from kvmesh.shared.kv.descriptor import TransportDescriptor
+from kvmesh.shared.kv.imm import imm_slot, unpack_imm
 from kvmesh.shared.kv.prefix_hash import prefix_block_hashes
 from kvmesh.shared.model.identity import kv_spec_fingerprint
 from kvmesh.shared.obs import logs
 from kvmesh.shared.transport import Access, Completion, MemoryRegion, Transport
-from kvmesh.shared.transport.imm import imm_slot, unpack_imm
 
 log = logs.get_logger(__name__)
 

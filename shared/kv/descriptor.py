@@ -11,8 +11,9 @@ before they use it (``shm.check_segment_name``, ``shm.check_socket_path``), and 
 writes only where the decode worker itself advertised (``services/prefill/adverts.py``).
 
 In-process, transports speak ``kvmesh.shared.transport.PeerDescriptor``;
-``TransportDescriptor.from_peer`` and ``to_peer`` convert through its ``to_dict``/``from_dict``
-shape, so this module imports neither torch nor a transport until a conversion asks for one.
+``TransportDescriptor.from_peer`` and ``PeerDescriptor.from_wire`` convert through its
+``to_dict``/``from_dict`` shape, so this module imports neither torch nor a transport (the
+transport plane sits above this one).
 """
 
 from __future__ import annotations
@@ -102,12 +103,6 @@ class TransportDescriptor(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
         d = peer.to_dict()
         backends = [{"backend": name, **info} for name, info in d["backends"].items()]
         return msgspec.convert({**d, "backends": backends}, cls, strict=False)
-
-    def to_peer(self) -> PeerDescriptor:
-        """The descriptor a transport's ``connect`` takes."""
-        from kvmesh.shared.transport.base import PeerDescriptor
-
-        return PeerDescriptor.from_dict(self.to_dict())
 
     def to_dict(self) -> dict[str, Any]:
         """``PeerDescriptor.to_dict()``'s shape: backends keyed by name."""

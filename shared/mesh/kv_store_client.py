@@ -359,7 +359,7 @@ class StoreBook:
         )
         if not live:
             return None
-        return StoreTarget(live[0].store_id, live[0].descriptor.to_peer())
+        return StoreTarget(live[0].store_id, PeerDescriptor.from_wire(live[0].descriptor))
 
 
 @dataclass(frozen=True, slots=True)

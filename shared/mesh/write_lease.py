@@ -4,7 +4,7 @@ Pure and synchronous; the table behind a decode worker's reservations
 (kvmesh.services.draft.prompt_kv).
 
 A lease holds blocks under a write window. Every write of its holder lands with an immediate
-``(slot, write index)`` (kvmesh.shared.transport.imm), which counts only if it came from the holder (the
+``(slot, write index)`` (kvmesh.shared.kv.imm), which counts only if it came from the holder (the
 transport vouches for the keys a write came with); the holder then announces
 ``PrefillDone(num_writes)``. Writes and the announcement race (the immediate travels on the
 data plane, the announcement on NATS), so a lease is *ready* once both are in: the

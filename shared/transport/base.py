@@ -16,7 +16,7 @@ Every backend (``shm``, ``tcp``, ``rdma``) keeps RDMA semantics so that RDMA is 
 
 This module holds the API's vocabulary (registrations, windows, descriptors) and its Protocols;
 errors are in errors.py, completions in completions.py, options in config.py, and what the 32 bits
-of an immediate mean in ``kvmesh.shared.transport.imm``.
+of an immediate mean in ``kvmesh.shared.kv.imm``.
 """
 
 from __future__ import annotations
@@ -27,11 +27,14 @@ import secrets
 import socket
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 from kvmesh.shared.transport.completions import Completion, CompletionQueue
 from kvmesh.shared.transport.errors import LocalAccessError
+
+if TYPE_CHECKING:
+    from kvmesh.shared.kv.descriptor import TransportDescriptor
 
 # ---------------------------------------------------------------------------------------------------
 # Identity
@@ -227,6 +230,11 @@ class PeerDescriptor:
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ValueError(f"malformed PeerDescriptor {d!r}: {exc}") from exc
+
+    @classmethod
+    def from_wire(cls, descriptor: TransportDescriptor) -> PeerDescriptor:
+        """The descriptor a transport's ``connect`` takes, from its NATS wire form."""
+        return cls.from_dict(descriptor.to_dict())
 
     def public(self) -> PeerDescriptor:
         """This descriptor for broadcast: without its regions' keys (peers get a window's key

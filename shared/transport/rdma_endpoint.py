@@ -13,6 +13,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from kvmesh.shared.kv.imm import check_imm
 from kvmesh.shared.transport.backend import EndpointBase
 from kvmesh.shared.transport.base import Access, MemoryRegion, WriteEntry
 from kvmesh.shared.transport.errors import (
@@ -23,7 +24,6 @@ from kvmesh.shared.transport.errors import (
     TransportClosedError,
     TransportError,
 )
-from kvmesh.shared.transport.imm import check_imm
 from kvmesh.shared.transport.rdma_qp import Span, build_segments
 from kvmesh.shared.transport.rdma_side_channel import MAX_REPLY_FRAME, read_frame, write_frame
 from kvmesh.shared.transport.rdma_windows import NO_WINDOWS, BoundSpan

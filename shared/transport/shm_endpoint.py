@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+from kvmesh.shared.kv.imm import check_imm
 from kvmesh.shared.transport.backend import EndpointBase
 from kvmesh.shared.transport.base import Access, WriteEntry
 from kvmesh.shared.transport.errors import (
@@ -19,7 +20,6 @@ from kvmesh.shared.transport.errors import (
     RemoteAccessError,
     TransportClosedError,
 )
-from kvmesh.shared.transport.imm import check_imm
 from kvmesh.shared.transport.shm import (
     FREE,
     LIVE,

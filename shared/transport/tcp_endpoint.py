@@ -16,6 +16,7 @@ import threading
 from collections.abc import Coroutine, Sequence
 from typing import TYPE_CHECKING, Any
 
+from kvmesh.shared.kv.imm import check_imm
 from kvmesh.shared.transport import lane_auth
 from kvmesh.shared.transport.backend import EndpointBase
 from kvmesh.shared.transport.base import PeerDescriptor, WriteEntry
@@ -27,7 +28,6 @@ from kvmesh.shared.transport.errors import (
     TransportClosedError,
     TransportError,
 )
-from kvmesh.shared.transport.imm import check_imm
 from kvmesh.shared.transport.server import recv_exact
 from kvmesh.shared.transport.tcp import MAX_PENDING_WRITES, OP_READ, OP_WRITE, tune
 from kvmesh.shared.transport.tcp_frames import Frame, Op, cut_frames
