@@ -31,7 +31,7 @@ def test_cli_help_does_not_import_torch():
 
 _ROUTER_PROBE = """
 import sys
-from kvmesh.services.router import serve_router
+from kvmesh.services.router.service import serve_router
 from kvmesh.services.router.model_info import load_model_info
 for name in sys.argv[1:]:
     info = load_model_info(name, "served", None)

@@ -22,7 +22,8 @@ from pathlib import Path
 import openai
 import orjson
 import pytest
-from kvmesh.services.router import RouterConfig, serve_router
+from kvmesh.services.router.config import RouterConfig
+from kvmesh.services.router.service import serve_router
 from kvmesh.shared.config.ports import free_port
 from support.router_fake_mesh import REPLY_TEXT, FakeMesh
 

@@ -10,8 +10,8 @@ import time
 
 import aiohttp
 import pytest
-from kvmesh.services.router import RouterConfig, serve_router
-from kvmesh.services.router.config import HttpLimits
+from kvmesh.services.router.config import HttpLimits, RouterConfig
+from kvmesh.services.router.service import serve_router
 from support.router_fake_mesh import FakeMesh
 
 HEADER_TIMEOUT_S, BODY_TIMEOUT_S, CAP = 1.0, 1.0, 16

@@ -10,8 +10,9 @@ import time
 
 import aiohttp
 import orjson
-from kvmesh.services.router import RouterConfig, serve_router
 from kvmesh.services.router.attempts import is_gap
+from kvmesh.services.router.config import RouterConfig
+from kvmesh.services.router.service import serve_router
 from kvmesh.shared.bus.protocol import TokenEvent
 from support.router_fake_mesh import REPLY_TEXT, FakeMesh
 

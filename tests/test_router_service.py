@@ -10,7 +10,9 @@ import aiohttp
 import msgspec
 import orjson
 import pytest
-from kvmesh.services.router import RouterConfig, schema, serve_router
+from kvmesh.services.router import schema
+from kvmesh.services.router.config import RouterConfig
+from kvmesh.services.router.service import serve_router
 from kvmesh.shared.bus import protocol
 from kvmesh.shared.bus.nats_service import flush_to_server
 from kvmesh.shared.bus.subjects import DEFAULT_MESH, Subjects

@@ -1,111 +1,21 @@
 """kvmesh router: the OpenAI-compatible HTTP API (SSE streaming) in front of the mesh.
 
-``kvmesh serve router`` builds ``CONFIG`` from flags and KVMESH_* env and calls ``run(config)``.
+``kvmesh serve router`` builds ``CONFIG`` from flags and KVMESH_* env and calls ``run(config)``;
+the shell is service.py (``serve_router``), the HTTP app app.py.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-from dataclasses import dataclass
-
-from kvmesh.services.router.app import Router, build_app
 from kvmesh.services.router.config import RouterConfig
-from kvmesh.services.router.http_server import serve_http
-from kvmesh.services.router.model_info import load_model_info
-from kvmesh.shared.bus.hearing import Hearing
-from kvmesh.shared.bus.message_guard import guard_of
-from kvmesh.shared.bus.nats_service import (
-    connect_nats,
-    guarded_subscribe,
-    new_worker_id,
-    serve_until_signal,
-    worker_presence,
-)
-from kvmesh.shared.bus.protocol import WorkerHeartbeat
-from kvmesh.shared.obs import logs
 
 CONFIG = RouterConfig
 
-log = logs.get_logger(__name__)
-
-__all__ = ["CONFIG", "RouterConfig", "RunningRouter", "run", "serve_router"]
-
-
-@dataclass(frozen=True, slots=True)
-class RunningRouter:
-    router: Router
-    port: int
-    worker_id: str
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-
-@asynccontextmanager
-async def serve_router(config: RouterConfig) -> AsyncIterator[RunningRouter]:
-    """The router, connected to NATS and serving HTTP, for the duration of the block."""
-    model = load_model_info(config.model, config.model_id, config.max_model_len)
-    worker_id = config.worker_id or new_worker_id("router")
-    started_at = time.time()
-    subjects = config.subjects
-    hearing = Hearing(connected_since=time.monotonic())
-    async with connect_nats(
-        config.nats_url, worker_id, security=config.nats_security, hearing=hearing
-    ) as nc:
-        # the prefill queue is made by its keeper (kvmesh serve prefill-queue), not the router
-        router = Router(config=config, model=model, nc=nc, subjects=subjects, hearing=hearing)
-        # lives as long as the connection (drained on exit)
-        guard_of(nc).count_into(router.metrics.nats_refused)
-        await guarded_subscribe(nc, subjects.REGISTRY_WORKER_GONE, router.dispatcher.on_worker_gone)
-        await guarded_subscribe(nc, subjects.REGISTRY_ADVERTISE, router.dispatcher.on_advert)
-        for role in ("prefill", "decode", "colocated", "kv-registry"):
-            await guarded_subscribe(
-                nc, subjects.heartbeat(role, "*"), router.dispatcher.on_heartbeat
-            )
-
-        def heartbeat() -> WorkerHeartbeat:
-            return WorkerHeartbeat(
-                worker_id=worker_id,
-                role="router",
-                state="ready",
-                num_running=router.num_in_flight,
-                started_at=started_at,
-                sent_at=time.time(),
-            )
-
-        async with (
-            worker_presence(
-                nc,
-                subjects,
-                role="router",
-                worker_id=worker_id,
-                heartbeat=heartbeat,
-                interval_s=config.heartbeat_s,
-                metadata={"model": model.name},
-            ),
-            serve_http(build_app(router), config.host, config.port, router.connections) as port,
-        ):
-            log.info(
-                "router serving",
-                worker_id=worker_id,
-                mesh=subjects.mesh,
-                model=model.name,
-                port=port,
-                mode=config.mode,
-                max_model_len=model.max_model_len,
-            )
-            try:
-                yield RunningRouter(router=router, port=port, worker_id=worker_id)
-            finally:
-                # before the HTTP server closes: streams in flight end with an error event
-                await router.stop(config.shutdown_grace_s)
+__all__ = ["CONFIG", "RouterConfig", "run"]
 
 
 async def run(config: RouterConfig) -> None:
     """Serve until SIGTERM/SIGINT, then stop within ``config.shutdown_grace_s`` (and a moment
     to end what is left; see services/router/shutdown.py)."""
-    async with serve_router(config):
-        await serve_until_signal()
+    from kvmesh.services.router.service import run as run_service
+
+    await run_service(config)

@@ -28,10 +28,9 @@ from kvmesh.services.router.recovery import abort_reason
 from kvmesh.services.router.worker_pool import WorkerPool
 from kvmesh.shared.bus import protocol
 from kvmesh.shared.bus.hearing import Hearing
-from kvmesh.shared.bus.protocol import DecodeAdvert, MessageError, WorkerGone, WorkerHeartbeat
+from kvmesh.shared.bus.protocol import DecodeAdvert, WorkerGone, WorkerHeartbeat
 from kvmesh.shared.bus.subjects import Subjects
 from nats.aio.client import Client as NATS
-from nats.aio.msg import Msg
 
 
 class Dispatcher:
@@ -62,32 +61,20 @@ class Dispatcher:
         self.registry_pool = WorkerPool(config.worker_liveness_s, now, hearing)
         self.capacity = PoolCapacity(model_spec)  # the decode workers' KV pools, by adverts
 
-    async def on_heartbeat(self, msg: Msg) -> None:
+    async def on_heartbeat(self, beat: WorkerHeartbeat) -> None:
         """Prefill, decode and colocated heartbeats: who is alive and ready."""
-        try:
-            beat = protocol.decode_message(msg.data, WorkerHeartbeat)
-        except MessageError:
-            return
         pools = {"prefill": self.prefill_pool, "kv-registry": self.registry_pool}
         pool = pools.get(beat.role, self.decode_pool)
         pool.on_heartbeat(beat.worker_id, beat.state, time.monotonic())
 
-    async def on_advert(self, msg: Msg) -> None:
+    async def on_advert(self, advert: DecodeAdvert) -> None:
         """Decode adverts: the refusal counters each decode worker reports, for /metrics."""
-        try:
-            advert = protocol.decode_message(msg.data, DecodeAdvert)
-        except MessageError:
-            return
         self._metrics.record_advert(advert)
         self.capacity.note(advert, time.monotonic())
 
-    async def on_worker_gone(self, msg: Msg) -> None:
+    async def on_worker_gone(self, gone: WorkerGone) -> None:
         """The registry dropped a worker: every request that depended on it hears it now, in its
         own event stream (it retries before its first token, fails after)."""
-        try:
-            gone = protocol.decode_message(msg.data, WorkerGone)
-        except MessageError:
-            return
         self._metrics.forget_worker(gone.worker_id)
         self.capacity.forget(gone.worker_id)
         self.decode_pool.on_gone(gone.worker_id)
@@ -102,7 +89,8 @@ class Dispatcher:
             if request.depends_on(gone.worker_id):
                 with contextlib.suppress(nats.errors.Error):
                     await self._nc.publish(
-                        self._subjects.request_worker_gone(request.request_id), msg.data
+                        self._subjects.request_worker_gone(request.request_id),
+                        protocol.encode_message(gone),
                     )
 
     @asynccontextmanager
