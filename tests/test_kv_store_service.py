@@ -346,6 +346,23 @@ async def test_admin_status_lists_the_store_with_its_use_and_hit_rate(nats_serve
         assert (row.store_id, row.total_blocks, row.used_blocks) == ("store-a", 4, 2)
         assert (row.hits, row.misses, row.hit_rate) == (2, 1, round(2 / 3, 4))
 
+        # drained: no new put (with what to do), gets still served, "draining" advertised
+        assert (await admin.drain("store-a")).state == "draining"
+        refused = await c.client.put(c.target, advert.kv_spec, c.blocks(TOKENS, [2]))
+        assert not refused.ok and "draining" in refused.error
+        assert "kvmesh admin resume store-a" in refused.error
+        got = await c.client.get(c.target, advert.kv_spec, c.blocks(TOKENS, [0, 1]))
+        assert got.num_blocks == 2
+        for _ in range(100):
+            [row] = (await admin.status()).stores
+            if row.state == "draining":
+                break
+            await asyncio.sleep(0.1)
+        assert row.state == "draining"
+        assert (await admin.resume("store-a")).state == "ready"
+        put = await c.client.put(c.target, advert.kv_spec, c.blocks(TOKENS, [2]))
+        assert put.ok and not put.error  # taken again (its block already held: present)
+
 
 async def test_store_evicts_a_dropped_workers_blocks_and_refuses_puts_from_other_roles(
     nats_server: str,

@@ -4,7 +4,9 @@ docs/kv_store.md).
 In (``Subjects(mesh)``): StorePut / StoreCommit / StoreGet / StoreRelease on ``store_*(id)``
 (micro endpoints), each decoded here and handed to the worker (a put with the role its reply
 goes to, ``requester_role``); StoreSolicit on REGISTRY_STORE_SOLICIT and WorkerGone on
-REGISTRY_WORKER_GONE. Out: StoreAdvert on REGISTRY_STORE_ADVERTISE, a WorkerHeartbeat every
+REGISTRY_WORKER_GONE; WorkerControl on ``worker_control(id)`` (``kvmesh admin drain|resume``:
+drained, it refuses new puts and still serves gets, and advertises "draining" so readers put
+elsewhere). Out: StoreAdvert on REGISTRY_STORE_ADVERTISE, a WorkerHeartbeat every
 ``heartbeat_s`` and the hashes held on REGISTRY_STORE_KV_EVENTS / REGISTRY_STORE_KV_DIGEST
 (held_reports.py). The shell runs the loops: lease expiry every ``lease_check_s`` and the
 transport's completions, both handed to the worker, and the held reports.
@@ -28,9 +30,11 @@ from kvmesh.services.kv_store.layout import store_layout
 from kvmesh.services.kv_store.metrics import StoreMetrics
 from kvmesh.services.kv_store.worker import StoreWorker
 from kvmesh.shared.bus.nats_service import (
+    answer_worker_control,
     connect_nats,
     new_worker_id,
     publish_every,
+    read_worker_control,
     serve_until_signal,
 )
 from kvmesh.shared.bus.protocol import (
@@ -126,18 +130,32 @@ class StoreService:
         """The kv-registry dropped a worker: the worker evicts every block it put."""
         self.worker.on_worker_gone(gone)
 
+    async def on_control(self, req: Request) -> None:
+        """``kvmesh admin drain|resume <store>``: drained, no new put (readers see "draining" in
+        its advert, sent now, and put into another store); gets are still served."""
+        action = await read_worker_control(req)
+        if action is None:
+            return
+        self.worker.is_draining = action == "drain"
+        log.warning(f"worker control: {action}", store_id=self.store_id)
+        await self._advertise_now()
+        await answer_worker_control(self.nc, self.config.subjects, req, self.heartbeat())
+
+    async def _advertise_now(self) -> None:
+        try:
+            await self.nc.publish(
+                self.config.subjects.REGISTRY_STORE_ADVERTISE, encode_message(self.advert())
+            )
+        except nats.errors.Error as exc:  # its heartbeat's advert comes anyway
+            log.debug("advert not sent", error=str(exc))
+
     async def on_solicit(self, solicit: StoreSolicit) -> None:
         """A store reader started: advertise now (at most once per ``SolicitLimiter``
         interval), not at the next heartbeat."""
         if not self.solicits.answer():
             log.debug("store solicit not answered again so soon", sender=solicit.sender)
             return
-        try:
-            await self.nc.publish(
-                self.config.subjects.REGISTRY_STORE_ADVERTISE, encode_message(self.advert())
-            )
-        except nats.errors.Error as exc:  # its heartbeat's advert comes anyway
-            log.debug("solicited advert not sent", error=str(exc))
+        await self._advertise_now()
 
     def advert(self) -> StoreAdvert:
         stats = self.transport.stats()
@@ -257,6 +275,7 @@ async def store_service(config: StoreConfig) -> AsyncIterator[StoreService]:
                     service.endpoint(StoreCommit, worker.commit),
                 ),
                 ("get", subjects.store_get(store_id), service.endpoint(StoreGet, worker.get)),
+                ("control", subjects.worker_control(store_id), service.on_control),
                 (
                     "release",
                     subjects.store_release(store_id),

@@ -84,7 +84,7 @@ class StoreWorker:
         self.windows: dict[str, MemoryWindow] = {}  # put or get id -> its window
         # put window key -> set when a write with that key completed here (its immediate)
         self._landed: dict[int, asyncio.Event] = {}
-        self.is_draining = False
+        self.is_draining = False  # `kvmesh admin drain`: no new put, gets still served
 
     @property
     def num_running(self) -> int:
@@ -170,6 +170,11 @@ class StoreWorker:
         """``role``: the NATS role whose inbox the reply goes to (``requester_role``), the only
         one that learns the window's key and can write the blocks."""
         error = self._layout_error(body.kv_spec)
+        if self.is_draining:
+            error = (
+                f"kv-store {self.store_id} is draining: it takes no new blocks (gets are still "
+                f"served; `kvmesh admin resume {self.store_id}`)"
+            )
         if role and role not in self.config.allowed_put_roles:
             log.warning("put refused: role may not put", role=role, client=body.client_id)
             error = f"role {role!r} may not put blocks in store {self.store_id}"

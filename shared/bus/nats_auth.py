@@ -223,8 +223,8 @@ def role_permissions(s: Subjects) -> dict[str, Permissions]:
         ),
         # KV stores: answer their own endpoints (put, commit, get, release), advertise
         # themselves (every heartbeat, and at once when a starting reader solicits it) and what
-        # they hold, and evict the blocks of workers the kv-registry drops; they send nothing
-        # else and read no other role's messages.
+        # they hold, evict the blocks of workers the kv-registry drops, and answer the
+        # registry's drain/resume; they send nothing else and read no other role's messages.
         "kv-store": service(
             "kv-store",
             publish=(
@@ -232,7 +232,12 @@ def role_permissions(s: Subjects) -> dict[str, Permissions]:
                 s.REGISTRY_STORE_KV_EVENTS,
                 s.REGISTRY_STORE_KV_DIGEST,
             ),
-            subscribe=(f"{p}.store.*.>", s.REGISTRY_STORE_SOLICIT, s.REGISTRY_WORKER_GONE),
+            subscribe=(
+                f"{p}.store.*.>",
+                f"{p}.worker.*.control",
+                s.REGISTRY_STORE_SOLICIT,
+                s.REGISTRY_WORKER_GONE,
+            ),
         ),
         # The prefill-queue keeper (services/prefill_queue/): makes and scales the stream and
         # its consumer; reads nothing but the API's answers. No worker role can: one that could
