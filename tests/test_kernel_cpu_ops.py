@@ -224,6 +224,7 @@ def test_load_without_a_compiler_falls_back_to_none(monkeypatch, tmp_path):
     assert load_cpu_ops.__wrapped__() is None
 
 
+@pytest.mark.slow  # seconds: left out of make test-fast
 def test_build_is_cached_by_source_and_machine(tmp_path):
     first = build(tmp_path)
     mtime = first.stat().st_mtime_ns

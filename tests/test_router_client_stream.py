@@ -104,6 +104,7 @@ def _silent_client(port: int) -> socket.socket:
     ("max_buffer_bytes", "write_timeout_s", "cutoff"),
     [(16 * 1024, 30.0, BUFFER_FULL), (8 * 1024 * 1024, 0.5, WRITE_TIMEOUT)],
 )
+@pytest.mark.slow  # seconds: left out of make test-fast
 async def test_a_client_that_reads_nothing_is_cut_off_and_holds_up_nothing(
     max_buffer_bytes, write_timeout_s, cutoff
 ):

@@ -25,6 +25,7 @@ def test_sim_prints_one_topology_row(capsys):
     assert "30/30" in out
 
 
+@pytest.mark.slow  # seconds: left out of make test-fast
 def test_sim_plan_prints_three_rows_and_reasons(capsys, tmp_path):
     pytest.importorskip("matplotlib")
     assert main(["sim", "--plan", "--gpus", "4", *SMALL, "--plot-dir", str(tmp_path)]) == 0

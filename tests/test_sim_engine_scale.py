@@ -88,6 +88,7 @@ def _probe_means(cost: CostModel, modes=("colocated", "disagg")) -> dict[str, Ph
     return {m: simulate_probe_timings(m, cost, _dedicated) for m in modes}
 
 
+@pytest.mark.slow  # seconds: left out of make test-fast
 def test_fit_engine_scale_recovers_the_scales_and_colocated_stall_a_probe_had():
     truth = EngineScale(colocated=1.5, decode=2.0, prefill=4.0, colocated_extra_s=0.008)
     measured = _probe_means(CostModel(TINY, truth.apply(_chunky().device)))
@@ -138,6 +139,7 @@ def test_fit_engine_scale_keeps_roles_the_probe_did_not_measure_at_one():
     assert [f.role for f in fit.figures] == ["colocated"]
 
 
+@pytest.mark.slow  # seconds: left out of make test-fast
 def test_fit_engine_scale_matches_means_on_shared_cores():
     # the mesh twin: workers share 2 cores, so a role's mean is not proportional to its scale;
     # the iterated fit still reproduces the measured means

@@ -405,6 +405,7 @@ def test_pool_probe_runs_of_one_run_is_that_runs_figures():
     assert pooled.jitter["colocated"] != pooled.jitter["disagg"]
 
 
+@pytest.mark.slow  # seconds: left out of make test-fast
 def test_fit_to_the_runs_medians_ignores_one_disturbed_run():
     from kvmesh.loadgen.sim.calibrate import fit_probe, pool_probe_runs
 
@@ -495,6 +496,7 @@ def test_fit_wake_recovers_the_wake_terms_the_woken_probe_had():
     assert fit_wake(plain, {}, _topology)[0] == MeshOverheads()
 
 
+@pytest.mark.slow  # seconds: left out of make test-fast
 def test_fit_probe_fits_the_wake_to_the_woken_long_prompts():
     from kvmesh.loadgen.sim.calibrate import fit_probe, pool_probe_runs
     from kvmesh.loadgen.sim.probe import long_requests
@@ -557,6 +559,7 @@ def test_warmup_is_the_first_gaps_excess_over_the_steady_gap_fitted_to_the_taper
     assert fitted == MeshOverheads(colocated_warmup_s=pytest.approx(0.0008))
 
 
+@pytest.mark.slow  # seconds: left out of make test-fast
 def test_fit_probe_measures_the_warm_up_on_the_long_prompts():
     from kvmesh.loadgen.sim.calibrate import fit_probe, pool_probe_runs
 

@@ -17,6 +17,7 @@ from kvmesh.loadgen.workload import LengthSpec
 FIXED = DeviceSpec("fixed", 1e30, 1e30, 1e30, 1e30, step_overhead_s=1.0)
 
 
+@pytest.mark.slow  # seconds: left out of make test-fast
 @pytest.mark.parametrize("rho", [0.5, 0.8])
 def test_single_worker_mean_wait_matches_md1_closed_form(rho):
     cost = CostModel(load_model("kvmesh-tiny"), FIXED)

@@ -70,6 +70,7 @@ def test_engine_only_drops_the_specs_scales_and_overheads():
     assert engine_only(spec) == _engine()
 
 
+@pytest.mark.slow  # seconds: left out of make test-fast
 def test_each_repeat_is_simulated_with_the_fit_to_its_own_probe(monkeypatch):
     # the machine drifts: the first repeat's mesh takes 10 ms a request, the second's 80 ms
     meshes = [_mesh(0.010), _mesh(0.080)]
@@ -106,6 +107,7 @@ def test_each_repeat_is_simulated_with_the_fit_to_its_own_probe(monkeypatch):
         assert c.sim_of(1) == c.sim_runs[1].records
 
 
+@pytest.mark.slow  # seconds: left out of make test-fast
 def test_the_pooled_fit_is_to_the_median_of_every_probe_run(monkeypatch):
     # three repeats, the last one's meshes disturbed: 10, 10 and 80 ms a request
     meshes = [_mesh(0.010), _mesh(0.010), _mesh(0.080)]
@@ -182,6 +184,7 @@ def test_a_run_without_its_probe_is_refused(monkeypatch):
             )
 
 
+@pytest.mark.slow  # seconds: left out of make test-fast
 def test_cli_prints_each_repeats_fit(monkeypatch, capsys, tmp_path):
     from kvmesh.loadgen.sim.specs import write_device
 

@@ -740,6 +740,7 @@ class Tally:
         self.kinds[conn.kind] = self.kinds.get(conn.kind, 0) + 1
 
 
+@pytest.mark.slow  # seconds: left out of make test-fast
 async def test_tcp_receiver_survives_fuzzed_frames_with_guards_and_untouched_bytes_intact() -> None:
     """At least FRAMES_PER_TRANSPORT frames against one tcp receiver (see the module doc)."""
     rng = random.Random(SEED)

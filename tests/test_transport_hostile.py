@@ -118,6 +118,7 @@ async def test_a_peer_may_hold_only_its_share_of_lanes() -> None:
             sock.close()
 
 
+@pytest.mark.slow  # seconds: left out of make test-fast
 async def test_a_lane_idle_past_the_idle_timeout_is_closed_but_a_writers_lane_is_kept() -> None:
     """Before: no idle timeout after the hello; a lane could be held forever. Writers send a
     keepalive, so an endpoint idle between jobs keeps its lanes."""
@@ -139,6 +140,7 @@ async def test_a_lane_idle_past_the_idle_timeout_is_closed_but_a_writers_lane_is
         assert (await rx.completion_queue.get()).imm == 5
 
 
+@pytest.mark.slow  # seconds: left out of make test-fast
 @pytest.mark.parametrize("key", ["refused", "window"])
 async def test_a_frame_that_stalls_is_dropped_with_its_endpoint(key: str) -> None:
     """Before: a frame that announced 1 GiB (refused, so drained) and sent 4 KiB held a receiver
@@ -165,6 +167,7 @@ async def test_a_frame_that_stalls_is_dropped_with_its_endpoint(key: str) -> Non
         sock.close()
 
 
+@pytest.mark.slow  # seconds: left out of make test-fast
 async def test_hostile_load_leaves_normal_writes_served() -> None:
     """The bounded version of ``kvmesh bench hostile``: outsiders' hellos held open, a rogue
     member's bad keys and stalled 1 GiB frames, all reconnecting as soon as they are dropped,

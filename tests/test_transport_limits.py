@@ -74,6 +74,7 @@ async def test_partial_hello_is_dropped_after_the_handshake_timeout(backend):
         await _write_works(rx, tx)  # real peers are unaffected
 
 
+@pytest.mark.slow  # seconds: left out of make test-fast
 async def test_a_thousand_idle_connections_hold_at_most_the_limit_and_then_go():
     config = TransportConfig(max_pending_handshakes=64, handshake_timeout_s=0.5)
     async with (
