@@ -15,66 +15,33 @@ import socket
 
 import pytest
 import torch
-from kvmesh.shared.transport.base import Access, PeerDescriptor, WriteEntry
+from kvmesh.shared.transport.base import Access, WriteEntry
 from kvmesh.shared.transport.config import TransportConfig
 from kvmesh.shared.transport.errors import PeerGoneError, RefusalReason, RemoteAccessError
 from kvmesh.shared.transport.rdma import RdmaTransport, rdma_available
 from kvmesh.shared.transport.rdma_windows import choose_window_type
 from support.fake_pyverbs import FakeDevice, FakeVerbs, e
+from support.transport_windows import BLOCK, PoolPair
 
-BLOCK = 4096
 NUM_BLOCKS = 16
 
 
-class Mesh:
+class Mesh(PoolPair):
     """A receiver with a pool of NUM_BLOCKS blocks and a writer connected to it, on one fake
     fabric."""
 
     def __init__(self, verbs: FakeVerbs, **extra: object) -> None:
         self.verbs = verbs
-        self.extra = extra
-
-    async def __aenter__(self) -> Mesh:
-        cfg = TransportConfig
-        self.rx = await RdmaTransport(
-            cfg(peer_id="decode", extra=self.extra), verbs=self.verbs
-        ).__aenter__()
-        self.tx = await RdmaTransport(cfg(peer_id="prefill"), verbs=self.verbs).__aenter__()
-        self.mem = self.rx.allocate(NUM_BLOCKS * BLOCK)
-        self.mem.zero_()
-        self.region = self.rx.register(self.mem, Access.REMOTE_WRITE)
-        self.src = torch.full((BLOCK,), 0x5A, dtype=torch.uint8)
-        self.src_region = self.tx.register(self.src)
-        self.ep = await self.connect()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.tx.aclose()
-        await self.rx.aclose()
-
-    async def connect(self):
-        return await self.tx.connect(PeerDescriptor.from_dict(self.rx.descriptor().to_dict()))
-
-    def addr(self, block: int) -> int:
-        return self.region.addr + block * BLOCK
-
-    def window(self, *blocks: int):
-        return self.rx.open_window(self.region, [(self.addr(b), BLOCK) for b in blocks])
-
-    async def write(self, block: int, rkey: int, imm: int = 7, ep=None) -> None:
-        entry = WriteEntry(self.src_region, 0, self.addr(block), rkey, BLOCK)
-        await asyncio.wait_for((ep or self.ep).write([entry], imm), 5)
-
-    def written(self) -> list[int]:
-        blocks = self.mem.view(NUM_BLOCKS, BLOCK)
-        return [b for b in range(NUM_BLOCKS) if bool(blocks[b].any())]
+        rx = RdmaTransport(TransportConfig(peer_id="decode", extra=extra), verbs=verbs)
+        tx = RdmaTransport(TransportConfig(peer_id="prefill"), verbs=verbs)
+        super().__init__(rx, tx, NUM_BLOCKS)
 
     async def used_window(self, block: int):
         """A window over ``block`` that a write went through (bound on the NIC), the write's
         completion taken and the pool zeroed again."""
         window = self.window(block)
         await self.write(block, window.rkey)
-        await asyncio.wait_for(self.rx.completion_queue.get(), 2)
+        await self.completions(1)
         self.mem.zero_()
         return window
 
@@ -96,14 +63,6 @@ class Mesh:
             ev for ev in v.fabric.events("send_status") if ev[1] == qp.qp_num and ev[2] == 77
         ]
         return status
-
-    async def refused_after(self, before: int) -> int:
-        """The receiver's refused count once the poller has seen the NIC's refusal."""
-        for _ in range(200):
-            if self.rx.stats().refused > before:
-                break
-            await asyncio.sleep(0.005)
-        return self.rx.stats().refused
 
 
 async def _no_completion(rx: RdmaTransport) -> None:
@@ -210,7 +169,7 @@ async def test_forged_write_outside_a_bound_window_is_refused_by_the_nic_and_cou
         before = m.rx.stats().refused
         status = await m.post_raw(m.ep, mw.hw_rkey, m.addr(3), BLOCK)
         assert status == e.IBV_WC_REM_ACCESS_ERR
-        assert await m.refused_after(before) == before + 1
+        assert await m.refused_after(before + 1) == before + 1
         assert m.written() == []
         await _no_completion(m.rx)
         assert ("qp_error", m.accepted_qpn()) in verbs.fabric.log  # class C: responder QP errs
@@ -228,7 +187,7 @@ async def test_write_with_the_regions_own_key_is_refused_and_counted():
         assert m.rx.stats().refused == before + 1
         mr_key = m.rx.memory.registration(m.region).mr.rkey  # the NIC's key, should it leak
         assert await m.post_raw(m.ep, mr_key, m.addr(0), BLOCK) == e.IBV_WC_REM_ACCESS_ERR
-        assert await m.refused_after(before + 1) == before + 2
+        assert await m.refused_after(before + 2) == before + 2
         assert m.written() == []
 
 
@@ -242,7 +201,7 @@ async def test_type_2_window_is_refused_through_another_connection():
         other = await m.connect()
         before = m.rx.stats().refused
         assert await m.post_raw(other, mw.hw_rkey, m.addr(4), BLOCK) == e.IBV_WC_REM_ACCESS_ERR
-        assert await m.refused_after(before) == before + 1
+        assert await m.refused_after(before + 1) == before + 1
         assert m.written() == []
         await m.write(4, window.rkey)  # the first connection still writes
         assert m.written() == [4]
@@ -259,7 +218,7 @@ async def test_window_closed_after_use_is_refused_by_the_nic_and_counted():
         with pytest.raises(RemoteAccessError) as info:  # the writer's cached key is dead
             await m.write(6, window.rkey, imm=99)
         assert "IBV_WC_REM_ACCESS_ERR" in str(info.value)
-        assert await m.refused_after(before) == before + 1
+        assert await m.refused_after(before + 1) == before + 1
         await _no_completion(m.rx)  # its immediate was refused with it
         assert m.written() == []
         with pytest.raises(PeerGoneError):  # RC: the refused connection is gone
@@ -289,7 +248,7 @@ async def test_zero_length_immediate_without_a_key_is_refused_not_completed():
     async with Mesh(FakeVerbs()) as m:
         before = m.rx.stats().refused
         assert await m.post_raw(m.ep, 0xDEAD, 0, 0, imm=123) == e.IBV_WC_SUCCESS
-        assert await m.refused_after(before) == before + 1
+        assert await m.refused_after(before + 1) == before + 1
         await _no_completion(m.rx)
 
 

@@ -13,60 +13,47 @@ import torch
 from kvmesh.shared.transport import (
     Access,
     MemoryWindow,
-    PeerDescriptor,
     RefusalReason,
     RemoteAccessError,
+    Transport,
     TransportConfig,
     WriteEntry,
-    create_transport,
 )
-from kvmesh.shared.transport.rdma import RdmaTransport
 from support.fake_pyverbs import FakeVerbs, e
+from support.transport_windows import BLOCK, PoolPair, make_transport
 
-BLOCK = 4096
 NUM_BLOCKS = 8
 BACKENDS = ["shm", "tcp", "rdma"]
 # Every refusal is REFUSED, whatever its cause (no key oracle; the NIC says no more either).
 
 
-def _transport(backend: str, verbs: FakeVerbs):
-    if backend == "rdma":
-        return RdmaTransport(TransportConfig(), verbs=verbs)
-    return create_transport(backend, TransportConfig())
-
-
-class Owner:
+class Owner(PoolPair):
     """An owner of NUM_BLOCKS distinct blocks (REMOTE_READ | REMOTE_WRITE) and a reader connected
     to it; the reader's landing buffer starts zeroed."""
 
     def __init__(self, backend: str) -> None:
-        self.backend = backend
         self.verbs = FakeVerbs()  # one fabric for both ends (rdma only)
+        owner, reader = (make_transport(backend, TransportConfig(), self.verbs) for _ in range(2))
+        super().__init__(owner, reader, NUM_BLOCKS, Access.REMOTE)
 
-    async def __aenter__(self) -> Owner:
-        self.owner = await _transport(self.backend, self.verbs).__aenter__()
-        self.reader = await _transport(self.backend, self.verbs).__aenter__()
-        self.mem = self.owner.allocate(NUM_BLOCKS * BLOCK)
+    @property
+    def owner(self) -> Transport:
+        return self.rx
+
+    @property
+    def reader(self) -> Transport:
+        return self.tx
+
+    def setup(self) -> None:
+        super().setup()
         for b in range(NUM_BLOCKS):
             self.mem[b * BLOCK : (b + 1) * BLOCK] = b + 1
-        self.region = self.owner.register(self.mem, Access.REMOTE)
         self.dst = self.reader.allocate(NUM_BLOCKS * BLOCK)
         self.dst.zero_()
         self.dst_region = self.reader.register(self.dst)
-        desc = PeerDescriptor.from_dict(self.owner.descriptor().to_dict())
-        self.ep = await self.reader.connect(desc)
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.ep.aclose()
-        await self.reader.aclose()
-        await self.owner.aclose()
-
-    def addr(self, block: int) -> int:
-        return self.region.addr + block * BLOCK
 
     def window(self, *blocks: int, access: Access = Access.REMOTE_READ) -> MemoryWindow:
-        return self.owner.open_window(self.region, [(self.addr(b), BLOCK) for b in blocks], access)
+        return super().window(*blocks, access=access)
 
     async def read(self, pairs: list[tuple[int, int]], rkey: int) -> None:
         """Read remote block ``src`` into local block ``dst`` for each ``(src, dst)``."""
@@ -79,15 +66,6 @@ class Owner:
         """Local block -> the value it holds, for blocks that are no longer zero."""
         blocks = self.dst.view(NUM_BLOCKS, BLOCK)
         return {b: int(blocks[b, 0]) for b in range(NUM_BLOCKS) if bool(blocks[b].any())}
-
-    async def refused_after(self, expected: int) -> int:
-        """The owner's refused count once it has heard of (or seen) ``expected`` refusals, or
-        after 5 s. shm reports each refusal to the owner on its own, so they arrive apart."""
-        for _ in range(1000):
-            if self.owner.stats().refused >= expected:
-                break
-            await asyncio.sleep(0.005)
-        return self.owner.stats().refused
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -140,13 +118,9 @@ async def test_read_with_a_write_only_key_is_refused(backend: str) -> None:
 async def test_write_with_a_read_only_key_is_refused_and_changes_nothing(backend: str) -> None:
     async with Owner(backend) as o:
         read_only = o.window(4)
-        src = o.reader.allocate(BLOCK)
-        src.fill_(0xEE)
-        src_region = o.reader.register(src)
         before = o.mem.clone()
         with pytest.raises(RemoteAccessError) as info:
-            entry = WriteEntry(src_region, 0, o.addr(4), read_only.rkey, BLOCK)
-            await asyncio.wait_for(o.ep.write([entry], 1), 10)
+            await o.write(4, read_only.rkey, imm=1)
         assert info.value.reason == RefusalReason.REFUSED
         assert torch.equal(o.mem, before)
 

@@ -12,72 +12,30 @@ import pytest
 from kvmesh.shared.transport import (
     Access,
     MemoryWindow,
-    PeerDescriptor,
     RefusalReason,
     RemoteAccessError,
     TransportConfig,
     TransportError,
-    WriteEntry,
     create_transport,
 )
 from kvmesh.shared.transport.base import merge_spans
-from kvmesh.shared.transport.rdma import RdmaTransport
 from kvmesh.shared.transport.shm import NOTE, OP_HELLO, OP_WRITE_DONE
 from support.fake_pyverbs import FakeVerbs
+from support.transport_windows import BLOCK, PoolPair, make_transport
 
-BLOCK = 4096
 NUM_BLOCKS = 16
 BACKENDS = ["shm", "tcp", "rdma"]
 MAX_REFUSALS = 4
 
 
-def _transport(backend: str, verbs: FakeVerbs):
-    config = TransportConfig(max_refusals=MAX_REFUSALS)
-    if backend == "rdma":
-        return RdmaTransport(config, verbs=verbs)
-    return create_transport(backend, config)
-
-
-class Pair:
+class Pair(PoolPair):
     """A receiver with a pool of NUM_BLOCKS blocks and a writer connected to it."""
 
     def __init__(self, backend: str) -> None:
-        self.backend = backend
-
-    async def __aenter__(self) -> Pair:
+        config = TransportConfig(max_refusals=MAX_REFUSALS)
         verbs = FakeVerbs()  # one fabric for both ends (rdma only)
-        self.rx = await _transport(self.backend, verbs).__aenter__()
-        self.tx = await _transport(self.backend, verbs).__aenter__()
-        self.mem = self.rx.allocate(NUM_BLOCKS * BLOCK)
-        self.mem.zero_()
-        self.region = self.rx.register(self.mem, Access.REMOTE_WRITE)
-        self.src = self.tx.allocate(BLOCK)
-        self.src.fill_(0x5A)
-        self.src_region = self.tx.register(self.src)
-        self.ep = await self.tx.connect(PeerDescriptor.from_dict(self.rx.descriptor().to_dict()))
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.ep.aclose()
-        await self.tx.aclose()
-        await self.rx.aclose()
-
-    def addr(self, block: int) -> int:
-        return self.region.addr + block * BLOCK
-
-    def window(self, *blocks: int) -> MemoryWindow:
-        return self.rx.open_window(self.region, [(self.addr(b), BLOCK) for b in blocks])
-
-    async def write(self, block: int, rkey: int, imm: int = 7) -> None:
-        entry = WriteEntry(self.src_region, 0, self.addr(block), rkey, BLOCK)
-        await asyncio.wait_for(self.ep.write([entry], imm), 10)
-
-    def written(self) -> list[int]:
-        blocks = self.mem.view(NUM_BLOCKS, BLOCK)
-        return [b for b in range(NUM_BLOCKS) if bool(blocks[b].any())]
-
-    async def completions(self, n: int) -> list:
-        return [await asyncio.wait_for(self.rx.completion_queue.get(), 5) for _ in range(n)]
+        rx, tx = (make_transport(backend, config, verbs) for _ in range(2))
+        super().__init__(rx, tx, NUM_BLOCKS)
 
 
 def test_merge_spans_joins_touching_spans_and_refuses_empty_ones() -> None:
@@ -184,10 +142,8 @@ async def test_a_writer_that_keeps_presenting_bad_keys_is_disconnected(backend: 
                 await p.write(1, window.rkey, imm)
                 assert p.rx.completion_queue.get_nowait() is None, "served after probing"
                 await asyncio.sleep(0.02)
-        fresh = await p.tx.connect(PeerDescriptor.from_dict(p.rx.descriptor().to_dict()))
-        async with fresh:  # other connections are served
-            entry = WriteEntry(p.src_region, 0, p.addr(1), window.rkey, BLOCK)
-            await asyncio.wait_for(fresh.write([entry], 9), 10)
+        async with await p.connect() as fresh:  # other connections are served
+            await p.write(1, window.rkey, 9, ep=fresh)
         assert [c.imm for c in await p.completions(1)] == [9]
 
 
@@ -223,11 +179,7 @@ async def test_shm_forged_write_done_with_a_dead_key_is_refused_not_completed() 
             hello = NOTE.pack(OP_HELLO, 0, 0, 0, 0, 0, len(peer)) + peer
             forged = NOTE.pack(OP_WRITE_DONE, 0, 0, 7, window.rkey ^ 1, 1, BLOCK)
             await loop.sock_sendall(s, hello + forged)
-            for _ in range(100):
-                if p.rx.stats().refused > refused:
-                    break
-                await asyncio.sleep(0.02)
-        assert p.rx.stats().refused == refused + 1
+            assert await p.refused_after(refused + 1) == refused + 1
         assert p.rx.completion_queue.qsize() == 0
 
 
