@@ -16,7 +16,7 @@ import socket
 
 import pytest
 import torch
-from kvmesh.shared.transport.base import Access, WriteEntry
+from kvmesh.shared.transport.base import Access, MemoryRegion, WriteEntry
 from kvmesh.shared.transport.config import TransportConfig
 from kvmesh.shared.transport.errors import (
     BackendUnavailableError,
@@ -26,7 +26,7 @@ from kvmesh.shared.transport.errors import (
     RefusalReason,
     RemoteAccessError,
 )
-from kvmesh.shared.transport.rdma import RdmaTransport, rdma_available
+from kvmesh.shared.transport.rdma import RdmaEndpoint, RdmaTransport, rdma_available
 from kvmesh.shared.transport.rdma_qp import QPLimits, Span, build_segments, completion_error
 from support.fake_pyverbs import FakeDevice, FakeVerbs, e
 
@@ -56,6 +56,28 @@ def _pools(receiver: RdmaTransport, sender: RdmaTransport, num_blocks: int = 8):
     src = torch.randint(0, 256, (num_blocks * BLOCK,), dtype=torch.uint8)
     src_region = sender.register(src)
     return dst, dataclasses.replace(dst_region, rkey=window.rkey), src, src_region
+
+
+@dataclasses.dataclass
+class _Connected:
+    """What ``_connected`` yields: the pair, the sender's endpoint and the pools."""
+
+    receiver: RdmaTransport
+    sender: RdmaTransport
+    ep: RdmaEndpoint
+    dst: torch.Tensor
+    dst_region: MemoryRegion
+    src: torch.Tensor
+    src_region: MemoryRegion
+
+
+@contextlib.asynccontextmanager
+async def _connected(verbs: FakeVerbs, num_blocks: int = 8, **extra: int):
+    """A pair (``_pair``) with its pools (``_pools``), the sender connected to the receiver."""
+    async with _pair(verbs, **extra) as (receiver, sender):
+        dst, dst_region, src, src_region = _pools(receiver, sender, num_blocks)
+        ep = await sender.connect(receiver.descriptor())
+        yield _Connected(receiver, sender, ep, dst, dst_region, src, src_region)
 
 
 def _entries(src_region, dst_region, pairs):
@@ -188,27 +210,25 @@ async def test_closing_an_endpoint_destroys_the_peers_qp():
 
 
 async def test_write_places_scattered_blocks_and_delivers_one_completion_with_imm():
-    async with _pair(FakeVerbs()) as (receiver, sender):
-        dst, dst_region, src, src_region = _pools(receiver, sender)
-        ep = await sender.connect(receiver.descriptor())
+    async with _connected(FakeVerbs()) as c:
         pairs = [(0, 5), (3, 1), (6, 7)]
-        await ep.write(_entries(src_region, dst_region, pairs), imm=0xABC123)
+        await c.ep.write(_entries(c.src_region, c.dst_region, pairs), imm=0xABC123)
         for s, d in pairs:
-            assert torch.equal(dst[d * BLOCK : (d + 1) * BLOCK], src[s * BLOCK : (s + 1) * BLOCK])
-        assert not dst[0:BLOCK].any()  # untouched block
-        done = await _next_completion(receiver)
+            assert torch.equal(
+                c.dst[d * BLOCK : (d + 1) * BLOCK], c.src[s * BLOCK : (s + 1) * BLOCK]
+            )
+        assert not c.dst[0:BLOCK].any()  # untouched block
+        done = await _next_completion(c.receiver)
         assert (done.imm, done.peer_id) == (0xABC123, "prefill")
-        assert receiver.completion_queue.get_nowait() is None  # exactly one per write
-        assert receiver.stats().writes == 1
+        assert c.receiver.completion_queue.get_nowait() is None  # exactly one per write
+        assert c.receiver.stats().writes == 1
 
 
 async def test_batched_write_chains_wrs_with_imm_and_signal_only_on_the_last():
     verbs = FakeVerbs()
-    async with _pair(verbs) as (receiver, sender):
-        _, dst_region, _, src_region = _pools(receiver, sender)
-        ep = await sender.connect(receiver.descriptor())
-        await ep.write(_entries(src_region, dst_region, [(0, 6), (1, 2), (2, 4)]), imm=7)
-        [chain] = _sends(verbs, ep.qp_num)
+    async with _connected(verbs) as c:
+        await c.ep.write(_entries(c.src_region, c.dst_region, [(0, 6), (1, 2), (2, 4)]), imm=7)
+        [chain] = _sends(verbs, c.ep.qp_num)
         assert [w["opcode"] for w in chain] == [
             e.IBV_WR_RDMA_WRITE,
             e.IBV_WR_RDMA_WRITE,
@@ -216,73 +236,71 @@ async def test_batched_write_chains_wrs_with_imm_and_signal_only_on_the_last():
         ]
         assert [w["send_flags"] for w in chain] == [0, 0, e.IBV_SEND_SIGNALED]
         assert [w["imm_data"] for w in chain] == [0, 0, socket.htonl(7)]
-        assert [w["remote_addr"] for w in chain] == [dst_region.addr + d * BLOCK for d in (6, 2, 4)]
+        assert [w["remote_addr"] for w in chain] == [
+            c.dst_region.addr + d * BLOCK for d in (6, 2, 4)
+        ]
         # the memory window bound over the region, not the window's key
-        assert {w["rkey"] for w in chain} == _mw_rkeys(verbs) != {dst_region.rkey}
+        assert {w["rkey"] for w in chain} == _mw_rkeys(verbs) != {c.dst_region.rkey}
         assert [w["sg"] for w in chain] == [
-            [(src_region.addr + s * BLOCK, BLOCK, src_region.lkey)] for s in (0, 1, 2)
+            [(c.src_region.addr + s * BLOCK, BLOCK, c.src_region.lkey)] for s in (0, 1, 2)
         ]
 
 
 async def test_blocks_adjacent_at_the_receiver_travel_as_one_wr_with_several_sges():
     verbs = FakeVerbs()
-    async with _pair(verbs) as (receiver, sender):
-        dst, dst_region, src, src_region = _pools(receiver, sender)
-        ep = await sender.connect(receiver.descriptor())
-        await ep.write(_entries(src_region, dst_region, [(5, 2), (1, 3), (7, 4)]), imm=1)
-        [chain] = _sends(verbs, ep.qp_num)
+    async with _connected(verbs) as c:
+        await c.ep.write(_entries(c.src_region, c.dst_region, [(5, 2), (1, 3), (7, 4)]), imm=1)
+        [chain] = _sends(verbs, c.ep.qp_num)
         assert len(chain) == 1 and chain[0]["opcode"] == e.IBV_WR_RDMA_WRITE_WITH_IMM
-        assert [a for a, _, _ in chain[0]["sg"]] == [src_region.addr + s * BLOCK for s in (5, 1, 7)]
-        assert torch.equal(dst[2 * BLOCK : 3 * BLOCK], src[5 * BLOCK : 6 * BLOCK])
-        assert torch.equal(dst[4 * BLOCK : 5 * BLOCK], src[7 * BLOCK : 8 * BLOCK])
+        assert [a for a, _, _ in chain[0]["sg"]] == [
+            c.src_region.addr + s * BLOCK for s in (5, 1, 7)
+        ]
+        assert torch.equal(c.dst[2 * BLOCK : 3 * BLOCK], c.src[5 * BLOCK : 6 * BLOCK])
+        assert torch.equal(c.dst[4 * BLOCK : 5 * BLOCK], c.src[7 * BLOCK : 8 * BLOCK])
 
 
 async def test_long_batch_is_posted_in_segments_that_fit_the_send_queue():
     verbs = FakeVerbs()
-    async with _pair(verbs, rdma_send_depth=4) as (receiver, sender):
-        dst, dst_region, src, src_region = _pools(receiver, sender, num_blocks=16)
-        ep = await sender.connect(receiver.descriptor())
+    async with _connected(verbs, num_blocks=16, rdma_send_depth=4) as c:
         pairs = [(i, 15 - 2 * i) for i in range(8)]  # never adjacent: 8 WRs
-        await ep.write(_entries(src_region, dst_region, pairs), imm=9)
-        chains = _sends(verbs, ep.qp_num)
-        assert [len(c) for c in chains] == [2, 2, 2, 2]
-        assert all(c[-1]["send_flags"] == e.IBV_SEND_SIGNALED for c in chains)
-        opcodes = [w["opcode"] for c in chains for w in c]
+        await c.ep.write(_entries(c.src_region, c.dst_region, pairs), imm=9)
+        chains = _sends(verbs, c.ep.qp_num)
+        assert [len(chain) for chain in chains] == [2, 2, 2, 2]
+        assert all(chain[-1]["send_flags"] == e.IBV_SEND_SIGNALED for chain in chains)
+        opcodes = [w["opcode"] for chain in chains for w in chain]
         assert opcodes == [e.IBV_WR_RDMA_WRITE] * 7 + [e.IBV_WR_RDMA_WRITE_WITH_IMM]
         for s, d in pairs:
-            assert torch.equal(dst[d * BLOCK : (d + 1) * BLOCK], src[s * BLOCK : (s + 1) * BLOCK])
-        assert (await _next_completion(receiver)).imm == 9
+            assert torch.equal(
+                c.dst[d * BLOCK : (d + 1) * BLOCK], c.src[s * BLOCK : (s + 1) * BLOCK]
+            )
+        assert (await _next_completion(c.receiver)).imm == 9
 
 
 async def test_receive_wrs_are_reposted_so_more_writes_than_the_queue_depth_succeed():
     verbs = FakeVerbs()
-    async with _pair(verbs, rdma_recv_depth=4) as (receiver, sender):
-        _, dst_region, _, src_region = _pools(receiver, sender)
-        ep = await sender.connect(receiver.descriptor())
+    async with _connected(verbs, rdma_recv_depth=4) as c:
         imms = []
         for i in range(12):
-            await ep.write(_entries(src_region, dst_region, [(i % 8, i % 8)]), imm=100 + i)
-            imms.append((await _next_completion(receiver)).imm)
+            await c.ep.write(_entries(c.src_region, c.dst_region, [(i % 8, i % 8)]), imm=100 + i)
+            imms.append((await _next_completion(c.receiver)).imm)
         assert imms == list(range(100, 112))  # in write order
-        peer_qpn = next(q for q in verbs.fabric.qps if q != ep.qp_num)
+        peer_qpn = next(q for q in verbs.fabric.qps if q != c.ep.qp_num)
         reposts = [ev for ev in verbs.fabric.events("post_recv") if ev[1] == peer_qpn]
         assert len(reposts) == 4 + 12
 
 
 async def test_read_pulls_remote_bytes_with_rdma_read():
     verbs = FakeVerbs()
-    async with _pair(verbs) as (receiver, sender):
-        dst, dst_region, _, _ = _pools(receiver, sender)
-        dst[3 * BLOCK : 4 * BLOCK] = 42
+    async with _connected(verbs) as c:
+        c.dst[3 * BLOCK : 4 * BLOCK] = 42
         local = torch.zeros(BLOCK, dtype=torch.uint8)
-        local_region = sender.register(local)
-        ep = await sender.connect(receiver.descriptor())
-        entry = WriteEntry(local_region, 0, dst_region.addr + 3 * BLOCK, dst_region.rkey, BLOCK)
-        await ep.read([entry])
+        local_region = c.sender.register(local)
+        entry = WriteEntry(local_region, 0, c.dst_region.addr + 3 * BLOCK, c.dst_region.rkey, BLOCK)
+        await c.ep.read([entry])
         assert bool((local == 42).all())
-        [chain] = _sends(verbs, ep.qp_num)
+        [chain] = _sends(verbs, c.ep.qp_num)
         assert [w["opcode"] for w in chain] == [e.IBV_WR_RDMA_READ]
-        assert receiver.completion_queue.get_nowait() is None
+        assert c.receiver.completion_queue.get_nowait() is None
 
 
 # -- failures ---------------------------------------------------------------------------------------
@@ -290,36 +308,32 @@ async def test_read_pulls_remote_bytes_with_rdma_read():
 
 async def test_out_of_bounds_write_to_an_advertised_region_is_refused_before_posting():
     verbs = FakeVerbs(NO_MW)
-    async with _pair(verbs) as (receiver, sender):
-        _, dst_region, _, src_region = _pools(receiver, sender)
-        ep = await sender.connect(receiver.descriptor())
-        bad = WriteEntry(src_region, 0, dst_region.end - 16, dst_region.rkey, BLOCK)
+    async with _connected(verbs) as c:
+        bad = WriteEntry(c.src_region, 0, c.dst_region.end - 16, c.dst_region.rkey, BLOCK)
         with pytest.raises(RemoteAccessError) as info:
-            await ep.write([bad], imm=1)
+            await c.ep.write([bad], imm=1)
         assert info.value.reason == RefusalReason.REFUSED
         assert verbs.fabric.events("post_send") == []
-        await ep.write(_entries(src_region, dst_region, [(0, 0)]), imm=2)  # still usable
+        await c.ep.write(_entries(c.src_region, c.dst_region, [(0, 0)]), imm=2)  # still usable
 
 
 async def test_nic_refusal_of_an_unknown_rkey_is_a_remote_access_error_then_peer_gone():
-    async with _pair(FakeVerbs(NO_MW)) as (receiver, sender):
-        _, dst_region, _, src_region = _pools(receiver, sender)
-        ep = await sender.connect(receiver.descriptor())
-        bad = WriteEntry(src_region, 0, dst_region.addr, 0xDEAD, BLOCK)
+    async with _connected(FakeVerbs(NO_MW)) as c:
+        bad = WriteEntry(c.src_region, 0, c.dst_region.addr, 0xDEAD, BLOCK)
         with pytest.raises(RemoteAccessError) as info:
-            await ep.write([bad], imm=1)
+            await c.ep.write([bad], imm=1)
         assert "IBV_WC_REM_ACCESS_ERR" in str(info.value)
         with pytest.raises(PeerGoneError, match="connect again"):
-            await ep.write(_entries(src_region, dst_region, [(0, 0)]), imm=2)
+            await c.ep.write(_entries(c.src_region, c.dst_region, [(0, 0)]), imm=2)
 
 
 async def test_write_from_an_unregistered_local_region_raises_local_access_error():
-    async with _pair(FakeVerbs()) as (receiver, sender):
-        _, dst_region, _, _ = _pools(receiver, sender)
-        stray = receiver.register(torch.zeros(BLOCK, dtype=torch.uint8))  # another transport's
-        ep = await sender.connect(receiver.descriptor())
+    async with _connected(FakeVerbs()) as c:
+        stray = c.receiver.register(torch.zeros(BLOCK, dtype=torch.uint8))  # another transport's
         with pytest.raises(LocalAccessError, match="register it"):
-            await ep.write([WriteEntry(stray, 0, dst_region.addr, dst_region.rkey, BLOCK)], imm=1)
+            await c.ep.write(
+                [WriteEntry(stray, 0, c.dst_region.addr, c.dst_region.rkey, BLOCK)], imm=1
+            )
 
 
 def test_completion_status_maps_to_typed_errors():
