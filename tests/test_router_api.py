@@ -3,6 +3,8 @@ metrics exposition, the OpenAPI document and the config (stop strings: test_text
 
 from __future__ import annotations
 
+import dataclasses
+
 import msgspec
 import orjson
 import pytest
@@ -30,6 +32,7 @@ from kvmesh.services.router.responses import (
     Usage,
     sse_event,
 )
+from kvmesh.services.router.timings import RequestTiming
 from kvmesh.shared.bus.protocol import PrefillReport
 from kvmesh.shared.config.service_config import ConfigError, config_from_args
 from kvmesh.shared.model.tiny import tiny_tokenizer
@@ -602,7 +605,11 @@ def test_openapi_document_covers_every_route_and_resolves_refs():
         "/health",
         "/metrics",
         "/openapi.json",
+        "/v1/kvmesh/timings",
     }
+    timings = doc["paths"]["/v1/kvmesh/timings"]["get"]["responses"]["200"]
+    row = timings["content"]["application/json"]["schema"]["properties"]["requests"]["items"]
+    assert list(row["properties"]) == [f.name for f in dataclasses.fields(RequestTiming)]
     text = orjson.dumps(doc).decode()
     schemas = doc["components"]["schemas"]
     for ref in {part.split('"')[0] for part in text.split('"$ref":"#/components/schemas/')[1:]}:

@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 import msgspec
 from kvmesh.services.router.schema import REQUESTS, RESPONSES
+from kvmesh.services.router.timings import STAGES
 
 OPENAPI_VERSION = "3.1.0"
 _REF_TEMPLATE = "#/components/schemas/{name}"
@@ -100,6 +101,30 @@ class Route:
     operation: dict[str, Any] | None
 
 
+def _timings_schema() -> dict[str, Any]:
+    """``GET /v1/kvmesh/timings``: services/router/timings.py's TimingLog.to_json."""
+    number = {"type": "number"}
+    row = {
+        "type": "object",
+        "properties": {
+            "request_id": {"type": "string"},
+            "local_prefill": {"type": "boolean"},
+            "num_prompt_tokens": {"type": "integer"},
+            "ttft_s": number,
+            **dict.fromkeys(STAGES, number),
+        },
+    }
+    return {
+        "type": "object",
+        "properties": {
+            "stages": {"type": "array", "items": {"type": "string", "enum": list(STAGES)}},
+            "requests": {"type": "array", "items": row},
+        },
+    }
+
+
+_TIMINGS_SCHEMA = _timings_schema()
+
 ROUTES: tuple[Route, ...] = (
     Route(
         "POST",
@@ -180,7 +205,20 @@ ROUTES: tuple[Route, ...] = (
         "openapi",
         _get_operation("This document", {"200": {"description": "OpenAPI 3.1 document"}}),
     ),
-    Route("GET", "/v1/kvmesh/timings", "request_timings", None),
+    Route(
+        "GET",
+        "/v1/kvmesh/timings",
+        "request_timings",
+        _get_operation(
+            "The latest finished requests' time to first token by stage (seconds)",
+            {
+                "200": {
+                    "description": "The stages in order, and one row per request",
+                    "content": {"application/json": {"schema": _TIMINGS_SCHEMA}},
+                }
+            },
+        ),
+    ),
 )
 
 
