@@ -7,11 +7,13 @@ import asyncio
 import contextlib
 
 import aiohttp
+import jsonschema
 import msgspec
 import orjson
 import pytest
 from kvmesh.services.router import schema
 from kvmesh.services.router.config import RouterConfig
+from kvmesh.services.router.openapi import openapi_document
 from kvmesh.services.router.service import serve_router
 from kvmesh.shared.bus import protocol
 from kvmesh.shared.bus.nats_service import flush_to_server
@@ -545,6 +547,10 @@ async def test_health_is_ready_only_while_a_decode_worker_heartbeats(nats_server
     assert down.status == 503 and down.headers["Retry-After"] == "1"
     assert "no decode worker" in down_body["reason"] and down_body["decode_workers"] == 0
     assert up.status == 200 and up_body["decode_workers"] == 1 and up_body["prefill_workers"] == 1
+    documented = openapi_document("m")["paths"]["/health"]["get"]["responses"]
+    for status, body in ((503, down_body), (200, up_body)):  # as /openapi.json says
+        schema = documented[str(status)]["content"]["application/json"]["schema"]
+        jsonschema.validate(body, schema)
 
 
 async def test_no_decode_worker_at_all_is_503_not_a_wait_in_the_queue(nats_server):

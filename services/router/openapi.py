@@ -125,6 +125,18 @@ def _timings_schema() -> dict[str, Any]:
 
 _TIMINGS_SCHEMA = _timings_schema()
 
+_HEALTH_SCHEMA = {  # GET /health's body (app.py Router.health), either status
+    "type": "object",
+    "required": ["status"],
+    "properties": {
+        "status": {"type": "string", "enum": ["ok", "unavailable"]},
+        "reason": {"type": "string"},
+        "model": {"type": "string"},
+        "decode_workers": {"type": "integer"},
+        "prefill_workers": {"type": "integer"},
+    },
+}
+
 ROUTES: tuple[Route, ...] = (
     Route(
         "POST",
@@ -181,8 +193,21 @@ ROUTES: tuple[Route, ...] = (
         "/health",
         "health",
         _get_operation(
-            "Liveness and NATS connectivity",
-            {"200": {"description": "Serving"}, "503": {"description": "Not connected to NATS"}},
+            "Readiness: NATS connected and at least one decode (or colocated) worker ready",
+            {
+                "200": {
+                    "description": "Serving: the model and the ready decode and prefill workers",
+                    "content": {"application/json": {"schema": _HEALTH_SCHEMA}},
+                },
+                "503": {
+                    "description": (
+                        "Not serving, ``reason`` says why: the router is shutting down, not "
+                        "connected to NATS, or no decode worker ready (none heard yet, or all "
+                        "draining; with Retry-After)"
+                    ),
+                    "content": {"application/json": {"schema": _HEALTH_SCHEMA}},
+                },
+            },
         ),
     ),
     Route(
