@@ -17,10 +17,10 @@ import orjson
 import pytest
 from kvmesh.services.prefill_queue.keeper import ensure_queue
 from kvmesh.shared.bus.nats_auth import ROLES, MeshCredentials
-from kvmesh.shared.bus.nats_server import NatsServer
 from kvmesh.shared.bus.nats_service import connect_nats, flush_to_server
 from kvmesh.shared.bus.prefill_queue import DURABLE, publish_job, stream_config
 from kvmesh.shared.bus.subjects import Subjects
+from support.nats_mesh import mesh_server_fixtures
 
 subjects = Subjects("js1")
 other = Subjects("js2")
@@ -94,15 +94,7 @@ WORKER_ROLES = tuple(r for r in ROLES if r not in ("prefill-queue", "admin"))
 assert {"prefill", "router", "kv-registry", "decode", "draft", "kv-store"} <= set(WORKER_ROLES)
 
 
-@pytest.fixture(scope="module")
-def creds() -> MeshCredentials:
-    return MeshCredentials.generate()
-
-
-@pytest.fixture(scope="module")
-def server(creds: MeshCredentials):
-    with NatsServer(authorization=creds.server_config(subjects)) as s:
-        yield s
+creds, server = mesh_server_fixtures(subjects)
 
 
 async def _reached(url: str, creds: MeshCredentials, role: str) -> set[str]:

@@ -16,24 +16,16 @@ from kvmesh.shared.bus.nats_auth import (
     auth_from_env,
     role_permissions,
 )
-from kvmesh.shared.bus.nats_server import NatsServer
 from kvmesh.shared.bus.nats_service import NatsUnavailableError, connect_nats, flush_to_server
 from kvmesh.shared.bus.prefill_queue import publish_job
 from kvmesh.shared.bus.subjects import Subjects
+from support.nats_mesh import mesh_server_fixtures
 
 subjects = Subjects("m1")  # the mesh the server's users belong to
 other = Subjects("m2")  # another mesh: no role of m1 may use its subjects
 
 
-@pytest.fixture(scope="module")
-def creds() -> MeshCredentials:
-    return MeshCredentials.generate()
-
-
-@pytest.fixture(scope="module")
-def server(creds: MeshCredentials):
-    with NatsServer(authorization=creds.server_config(subjects)) as s:
-        yield s
+creds, server = mesh_server_fixtures(subjects)
 
 
 async def _delivered(
@@ -342,7 +334,7 @@ def test_nats_server_reads_generated_passwords_through_config_variables_as_strin
     import os
     import subprocess
 
-    from kvmesh.shared.bus.nats_auth import MeshCredentials, authorization_block
+    from kvmesh.shared.bus.nats_auth import authorization_block
     from kvmesh.shared.bus.nats_server import nats_server_binary
 
     conf = tmp_path / "nats-auth.conf"
