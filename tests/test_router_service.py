@@ -38,6 +38,11 @@ async def mesh_and_router(nats_url: str, mesh: FakeMesh | None = None, **config)
         yield mesh, running, http
 
 
+def _complete(http: aiohttp.ClientSession, prompt: str | list[int], **fields):
+    """POST /v1/completions of ``prompt`` to MODEL, with the request's other ``fields``."""
+    return http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, **fields})
+
+
 def sse_payloads(raw: bytes) -> list[bytes]:
     """Split an SSE body into event payloads, checking the exact OpenAI framing."""
     assert raw.endswith(b"\n\n"), raw[-40:]
@@ -50,9 +55,7 @@ def sse_payloads(raw: bytes) -> list[bytes]:
 
 async def test_completion_places_publishes_prefill_job_and_returns_text(nats_server):
     async with mesh_and_router(nats_server) as (mesh, _, http):
-        resp = await http.post(
-            "/v1/completions", json={"model": MODEL, "prompt": LONG_PROMPT, "max_tokens": 10}
-        )
+        resp = await _complete(http, LONG_PROMPT, max_tokens=10)
         assert resp.status == 200, await resp.text()
         body = await resp.json()
         metrics = await (await http.get("/metrics")).text()
@@ -85,7 +88,7 @@ async def test_completion_places_publishes_prefill_job_and_returns_text(nats_ser
 
 async def test_short_prompt_is_prefilled_locally_without_a_prefill_job(nats_server):
     async with mesh_and_router(nats_server) as (mesh, _, http):
-        resp = await http.post("/v1/completions", json={"model": MODEL, "prompt": [1, 2, 3]})
+        resp = await _complete(http, [1, 2, 3])
         body = await resp.json()
     assert resp.status == 200 and body["choices"][0]["text"] == REPLY_TEXT[:16]
     assert mesh.places[0].local_prefill and mesh.jobs == []
@@ -111,7 +114,7 @@ async def test_large_bodies_are_tokenized_in_a_worker_thread_and_small_ones_inli
     monkeypatch.setattr(app, "tokenize", recording_tokenize)
     padding = "x" * (INLINE_BODY_BYTES + 1)
     async with mesh_and_router(nats_server) as (_, _, http):
-        small = await http.post("/v1/completions", json={"model": MODEL, "prompt": [1, 2]})
+        small = await _complete(http, [1, 2])
         big = {"model": MODEL, "prompt": [1, 2, 3], "user": padding}
         large = await http.post("/v1/completions", json=big)
     main = threading.main_thread().name
@@ -128,7 +131,7 @@ async def test_large_bodies_are_prepared_off_the_event_loop_with_the_same_result
         big = {"model": MODEL, "prompt": [1, 2, 3], "user": padding}
         resp = await http.post("/v1/completions", json=big)
         body = await resp.json()
-        refused = await http.post("/v1/completions", json={"model": MODEL, "prompt": too_long})
+        refused = await _complete(http, too_long)
         error = (await refused.json())["error"]
     assert resp.status == 200 and body["choices"][0]["text"] == REPLY_TEXT[:16]
     assert mesh.places[0].prompt_ids == (1, 2, 3)
@@ -137,16 +140,14 @@ async def test_large_bodies_are_prepared_off_the_event_loop_with_the_same_result
 
 async def test_colocated_mode_prefills_every_prompt_locally(nats_server):
     async with mesh_and_router(nats_server, mode="colocated") as (mesh, _, http):
-        resp = await http.post("/v1/completions", json={"model": MODEL, "prompt": LONG_PROMPT})
+        resp = await _complete(http, LONG_PROMPT)
         assert resp.status == 200
     assert mesh.places[0].local_prefill and mesh.jobs == []
 
 
 async def test_eos_finishes_with_stop_and_counts_the_eos_token(nats_server):
     async with mesh_and_router(nats_server) as (_, _, http):
-        resp = await http.post(
-            "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 100}
-        )
+        resp = await _complete(http, "hi", max_tokens=100)
         body = await resp.json()
     assert body["choices"][0] == {
         "index": 0,
@@ -192,10 +193,7 @@ async def test_chat_stream_is_framed_like_openai_on_the_wire(nats_server):
 
 async def test_completion_stream_ends_with_finish_chunk_and_done(nats_server):
     async with mesh_and_router(nats_server) as (_, _, http):
-        resp = await http.post(
-            "/v1/completions",
-            json={"model": MODEL, "prompt": "hi", "max_tokens": 5, "stream": True},
-        )
+        resp = await _complete(http, "hi", max_tokens=5, stream=True)
         payloads = sse_payloads(await resp.read())
     chunks = [orjson.loads(p) for p in payloads[:-1]]
     assert payloads[-1] == b"[DONE]"
@@ -207,10 +205,7 @@ async def test_completion_stream_ends_with_finish_chunk_and_done(nats_server):
 async def test_stream_has_a_chunk_per_token_even_inside_a_multibyte_character(nats_server):
     mesh = FakeMesh(nats_server, reply_text="é€!")  # byte tokens: 2 + 3 + 1, then EOS
     async with mesh_and_router(nats_server, mesh) as (_, _, http):
-        resp = await http.post(
-            "/v1/completions",
-            json={"model": MODEL, "prompt": "hi", "max_tokens": 20, "stream": True},
-        )
+        resp = await _complete(http, "hi", max_tokens=20, stream=True)
         payloads = sse_payloads(await resp.read())
     texts = [orjson.loads(p)["choices"][0]["text"] for p in payloads[:-1]]
     # one chunk per token as it is made (6 bytes + EOS), then the finish chunk
@@ -221,10 +216,7 @@ async def test_stream_has_a_chunk_per_token_even_inside_a_multibyte_character(na
 async def test_stop_string_truncates_and_aborts_the_rest(nats_server):
     mesh = FakeMesh(nats_server, token_delay_s=0.005)
     async with mesh_and_router(nats_server, mesh) as (_, _, http):
-        resp = await http.post(
-            "/v1/completions",
-            json={"model": MODEL, "prompt": "hi", "max_tokens": 40, "stop": ["fox", "zzz"]},
-        )
+        resp = await _complete(http, "hi", max_tokens=40, stop=["fox", "zzz"])
         body = await resp.json()
         abort = await mesh.wait_for_abort()
     assert body["choices"][0]["text"] == "The quick brown "
@@ -235,10 +227,7 @@ async def test_stop_string_truncates_and_aborts_the_rest(nats_server):
 async def test_client_disconnect_mid_stream_publishes_abort(nats_server):
     mesh = FakeMesh(nats_server, token_delay_s=0.05, eos_at_end=False)
     async with mesh_and_router(nats_server, mesh) as (_, _, http):
-        resp = await http.post(
-            "/v1/completions",
-            json={"model": MODEL, "prompt": "hi", "max_tokens": 500, "stream": True},
-        )
+        resp = await _complete(http, "hi", max_tokens=500, stream=True)
         assert resp.status == 200
         first = await resp.content.readuntil(b"\n\n")
         assert first.startswith(b"data: ")
@@ -266,7 +255,7 @@ async def test_cancelled_non_stream_request_publishes_abort(nats_server):
 async def test_overloaded_mesh_queues_the_request_until_there_is_room(nats_server):
     mesh = FakeMesh(nats_server, retry_after_s=0.1, overloaded_places=3)
     async with mesh_and_router(nats_server, mesh) as (_, running, http):
-        resp = await http.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
+        resp = await _complete(http, "x")
         body = await resp.json()
         metrics = running.router.metrics
     assert resp.status == 200, body
@@ -278,7 +267,7 @@ async def test_overloaded_mesh_queues_the_request_until_there_is_room(nats_serve
 async def test_request_that_never_finds_room_is_504_after_its_timeout(nats_server):
     mesh = FakeMesh(nats_server, retry_after_s=0.1)
     async with mesh_and_router(nats_server, mesh, first_token_timeout_s=1.0) as (_, _, http):
-        resp = await http.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
+        resp = await _complete(http, "x")
         body = await resp.json()
     assert resp.status == 504 and "no room" in body["error"]["message"]
     assert len(mesh.places) >= 2 and mesh.aborts == []  # nothing was reserved
@@ -305,7 +294,7 @@ async def test_router_renews_the_lease_until_the_first_token(nats_server):
 async def test_refused_placement_is_503(nats_server):
     mesh = FakeMesh(nats_server, refuse_error="no decode workers")
     async with mesh_and_router(nats_server, mesh) as (_, _, http):
-        resp = await http.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
+        resp = await _complete(http, "x")
         body = await resp.json()
     assert resp.status == 503 and "no decode workers" in body["error"]["message"]
 
@@ -313,7 +302,7 @@ async def test_refused_placement_is_503(nats_server):
 async def test_no_registry_is_503_naming_the_subject(nats_server):
     config = RouterConfig(nats_url=nats_server, host="127.0.0.1", port=0)
     async with serve_router(config) as running, aiohttp.ClientSession(running.url) as http:
-        resp = await http.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
+        resp = await _complete(http, "x")
         body = await resp.json()
     assert resp.status == 503
     assert "kvmesh.kvmesh-tiny.registry.place" in body["error"]["message"]
@@ -322,7 +311,7 @@ async def test_no_registry_is_503_naming_the_subject(nats_server):
 async def test_first_token_timeout_is_504_and_aborts(nats_server):
     mesh = FakeMesh(nats_server, hold_tokens=True)
     async with mesh_and_router(nats_server, mesh, first_token_timeout_s=0.3) as (_, _, http):
-        resp = await http.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
+        resp = await _complete(http, "x")
         body = await resp.json()
         abort = await mesh.wait_for_abort()
     assert resp.status == 504 and body["error"]["code"] == "timeout"
@@ -332,12 +321,10 @@ async def test_first_token_timeout_is_504_and_aborts(nats_server):
 async def test_mesh_error_is_502_before_streaming_and_an_error_event_after(nats_server):
     mesh = FakeMesh(nats_server, fail_with="decode worker lost its KV")
     async with mesh_and_router(nats_server, mesh) as (_, _, http):
-        resp = await http.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
+        resp = await _complete(http, "x")
         body = await resp.json()
         assert resp.status == 502 and "lost its KV" in body["error"]["message"]
-        resp = await http.post(
-            "/v1/completions", json={"model": MODEL, "prompt": "x", "stream": True}
-        )
+        resp = await _complete(http, "x", stream=True)
         payloads = sse_payloads(await resp.read())
         metrics = await (await http.get("/metrics")).text()
     assert resp.status == 200
@@ -427,9 +414,7 @@ async def _announce_gone(nats_url: str, worker_id: str, role: str = "decode") ->
 async def test_decode_death_before_the_first_token_runs_the_request_again(nats_server):
     mesh = FakeMesh(nats_server, hold_first=True)
     async with mesh_and_router(nats_server, mesh) as (_, running, http):
-        task = asyncio.create_task(
-            http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 8})
-        )
+        task = asyncio.create_task(_complete(http, "x", max_tokens=8))
         while not mesh.places:
             await asyncio.sleep(0.01)
         await asyncio.sleep(0.1)
@@ -447,10 +432,7 @@ async def test_decode_death_before_the_first_token_runs_the_request_again(nats_s
 async def test_decode_death_mid_stream_migrates_the_stream_without_a_gap(nats_server):
     mesh = FakeMesh(nats_server, token_delay_s=0.1, continue_reply=True)
     async with mesh_and_router(nats_server, mesh) as (_, running, http):
-        resp = await http.post(
-            "/v1/completions",
-            json={"model": MODEL, "prompt": "x", "max_tokens": 30, "stream": True},
-        )
+        resp = await _complete(http, "x", max_tokens=30, stream=True)
         first = await resp.content.readuntil(b"\n\n")  # the first token is out
         await _announce_gone(nats_server, "decode-fake")
         rest = await asyncio.wait_for(resp.content.read(), 10.0)
@@ -474,10 +456,7 @@ async def test_decode_death_mid_stream_migrates_the_stream_without_a_gap(nats_se
 async def test_decode_death_mid_stream_with_no_retries_left_ends_the_stream_at_once(nats_server):
     mesh = FakeMesh(nats_server, token_delay_s=0.3)
     async with mesh_and_router(nats_server, mesh, max_retries=0) as (_, _, http):
-        resp = await http.post(
-            "/v1/completions",
-            json={"model": MODEL, "prompt": "x", "max_tokens": 40, "stream": True},
-        )
+        resp = await _complete(http, "x", max_tokens=40, stream=True)
         await resp.content.readuntil(b"\n\n")  # the first token is out
         await _announce_gone(nats_server, "decode-fake")
         rest = await asyncio.wait_for(resp.content.read(), 2.0)  # not the 30 s token timeout
@@ -487,9 +466,7 @@ async def test_decode_death_mid_stream_with_no_retries_left_ends_the_stream_at_o
 async def test_death_of_an_unrelated_worker_changes_nothing(nats_server):
     mesh = FakeMesh(nats_server, token_delay_s=0.02)
     async with mesh_and_router(nats_server, mesh) as (_, _, http):
-        task = asyncio.create_task(
-            http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 8})
-        )
+        task = asyncio.create_task(_complete(http, "x", max_tokens=8))
         await asyncio.sleep(0.05)
         await _announce_gone(nats_server, "decode-other")
         resp = await asyncio.wait_for(task, 10)
@@ -500,7 +477,7 @@ async def test_with_no_prefill_worker_alive_long_prompts_are_prefilled_on_decode
     mesh = FakeMesh(nats_server, prefill_alive=False)
     async with mesh_and_router(nats_server, mesh, worker_liveness_s=0.3) as (_, _, http):
         await asyncio.sleep(0.4)  # listened one liveness window: nobody
-        resp = await http.post("/v1/completions", json={"model": MODEL, "prompt": LONG_PROMPT})
+        resp = await _complete(http, LONG_PROMPT)
     assert resp.status == 200
     [place] = mesh.places
     assert place.local_prefill and mesh.jobs == []
@@ -510,7 +487,7 @@ async def test_long_prompts_go_to_the_prefill_pool_while_it_heartbeats(nats_serv
     mesh = FakeMesh(nats_server)
     async with mesh_and_router(nats_server, mesh, worker_liveness_s=0.3) as (_, _, http):
         await asyncio.sleep(0.4)
-        resp = await http.post("/v1/completions", json={"model": MODEL, "prompt": LONG_PROMPT})
+        resp = await _complete(http, LONG_PROMPT)
     assert resp.status == 200
     [place] = mesh.places
     assert not place.local_prefill and len(mesh.jobs) == 1
@@ -521,9 +498,7 @@ async def test_queued_jobs_move_to_local_prefill_when_the_last_prefill_worker_di
     config = {"worker_liveness_s": 0.3}
     async with mesh_and_router(nats_server, mesh, **config) as (_, _, http):
         await asyncio.sleep(0.4)
-        task = asyncio.create_task(
-            http.post("/v1/completions", json={"model": MODEL, "prompt": LONG_PROMPT})
-        )
+        task = asyncio.create_task(_complete(http, LONG_PROMPT))
         while not mesh.jobs:
             await asyncio.sleep(0.01)
         mesh.prefill_alive = False  # it stops beating, then the registry drops it
@@ -557,9 +532,7 @@ async def test_no_decode_worker_at_all_is_503_not_a_wait_in_the_queue(nats_serve
     mesh = FakeMesh(nats_server, decode_alive=False, retry_after_s=0.5)
     async with mesh_and_router(nats_server, mesh, worker_liveness_s=0.3) as (_, _, http):
         await asyncio.sleep(0.4)  # listened one window: no decode worker
-        resp = await asyncio.wait_for(
-            http.post("/v1/completions", json={"model": MODEL, "prompt": "x"}), 5
-        )
+        resp = await asyncio.wait_for(_complete(http, "x"), 5)
         body = await resp.json()
     assert resp.status == 503 and "no decode worker is alive" in body["error"]["message"]
     assert "Retry-After" in resp.headers
