@@ -35,6 +35,12 @@ def rewrite_weights(path, change):
     save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
 
 
+def rewrite_config(path, **changes):
+    config = json.loads((path / "config.json").read_text())
+    config.update(changes)
+    (path / "config.json").write_text(json.dumps(config))
+
+
 def test_sharded_checkpoint_loads_same_weights_as_single_file(pristine):
     index = json.loads((pristine["sharded"] / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1
@@ -73,9 +79,7 @@ def test_bad_config_json_is_reported(llama):
 
 
 def test_unknown_architecture_is_reported(llama):
-    config = json.loads((llama / "config.json").read_text())
-    config["architectures"] = ["GemmaForCausalLM"]
-    (llama / "config.json").write_text(json.dumps(config))
+    rewrite_config(llama, architectures=["GemmaForCausalLM"])
     with pytest.raises(
         ModelLoadError,
         match=r"config\.json: architecture 'GemmaForCausalLM' is not supported; supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM",
@@ -154,9 +158,7 @@ def test_missing_tokenizer_is_reported(llama):
 
 
 def test_tokenizer_larger_than_embeddings_is_refused(llama):
-    config = json.loads((llama / "config.json").read_text())
-    config["vocab_size"] = 258
-    (llama / "config.json").write_text(json.dumps(config))
+    rewrite_config(llama, vocab_size=258)
     with pytest.raises(
         ModelLoadError,
         match=r"tokenizer\.json: the tokenizer has 260 tokens but config\.json's vocab_size is 258",
