@@ -81,15 +81,20 @@ async def test_shm_socket_outside_a_kvmesh_folder_is_refused(tmp_path):
             check_socket_path(good.replace("/notify.sock", "/../x/notify.sock"))
 
 
+async def _connect_to_forged_table(name: str) -> None:
+    """Connect to a receiver whose descriptor names the segment ``name`` as its region table."""
+    async with ShmTransport(TransportConfig()) as rx, ShmTransport(TransportConfig()) as tx:
+        await tx.connect(_forged(rx.descriptor(), table=name))
+
+
 async def test_symlink_planted_under_a_segment_name_is_not_followed(victim):
     before = victim.read_bytes()
     name = f"kvmesh-{os.getpid()}-0badc0de-table"
     link = os.path.join(SHM_DIR, name)
     os.symlink(victim, link)
     try:
-        async with ShmTransport(TransportConfig()) as rx, ShmTransport(TransportConfig()) as tx:
-            with pytest.raises(PeerUnreachableError, match="cannot map"):
-                await tx.connect(_forged(rx.descriptor(), table=name))
+        with pytest.raises(PeerUnreachableError, match="cannot map"):
+            await _connect_to_forged_table(name)
     finally:
         os.unlink(link)
     assert victim.read_bytes() == before
@@ -103,9 +108,8 @@ async def test_segment_of_another_user_is_refused():
         f.write(bytes(TABLE_DTYPE.itemsize * 4))
     os.chown(path, 65534, 65534)  # nobody
     try:
-        async with ShmTransport(TransportConfig()) as rx, ShmTransport(TransportConfig()) as tx:
-            with pytest.raises(UntrustedDescriptorError, match="belongs to uid 65534"):
-                await tx.connect(_forged(rx.descriptor(), table=name))
+        with pytest.raises(UntrustedDescriptorError, match="belongs to uid 65534"):
+            await _connect_to_forged_table(name)
     finally:
         os.unlink(path)
 
