@@ -21,6 +21,14 @@ async def _until(predicate, timeout_s: float = 5.0) -> None:
         await asyncio.sleep(0.01)
 
 
+async def _service(nc, subject: str, handler) -> nats.micro.Service:
+    """A micro service whose one endpoint on ``subject`` is ``handler``, known to the server."""
+    svc = await nats.micro.add_service(nc, name="guard-test", version="0.0.1")
+    await svc.add_endpoint(name="e", subject=subject, handler=handler)
+    await flush_to_server(nc)
+    return svc
+
+
 async def test_a_request_without_a_reply_subject_never_reaches_its_handler(nats_client):
     nc = nats_client
     guard = guard_of(nc)
@@ -30,9 +38,7 @@ async def test_a_request_without_a_reply_subject_never_reaches_its_handler(nats_
         seen.append(req.data)
         await req.respond(b"ok")
 
-    svc = await nats.micro.add_service(nc, name="guard-test", version="0.0.1")
-    await svc.add_endpoint(name="e", subject="guard.e", handler=guard.request(handle))
-    await flush_to_server(nc)
+    svc = await _service(nc, "guard.e", guard.request(handle))
     await nc.publish("guard.e", b"no reply")  # nats-py's respond() would raise ValueError
     assert (await nc.request("guard.e", b"asked", timeout=5)).data == b"ok"
     assert seen == [b"asked"]
@@ -51,8 +57,7 @@ async def test_a_failing_handler_answers_500_and_the_endpoint_goes_on(nats_clien
             raise RuntimeError("a bug a message found")
         await req.respond(b"fine")
 
-    svc = await nats.micro.add_service(nc, name="guard-test", version="0.0.1")
-    await svc.add_endpoint(name="e", subject="guard.f", handler=guard.request(handle))
+    svc = await _service(nc, "guard.f", guard.request(handle))
     reply = await nc.request("guard.f", b"boom", timeout=5)
     assert reply.headers["Nats-Service-Error-Code"] == "500"
     assert "RuntimeError" not in reply.headers["Nats-Service-Error"]  # no internals leak
@@ -130,8 +135,7 @@ async def test_a_request_the_client_gave_up_on_is_not_an_error(nats_client):
         await asyncio.sleep(0.3)
         await req.respond(b"late")
 
-    svc = await nats.micro.add_service(nc, name="guard-test", version="0.0.1")
-    await svc.add_endpoint(name="e", subject="guard.slow", handler=guard.request(slow))
+    svc = await _service(nc, "guard.slow", guard.request(slow))
     with pytest.raises(nats.errors.TimeoutError):
         await nc.request("guard.slow", b"q", timeout=0.05)
     await asyncio.sleep(0.5)
