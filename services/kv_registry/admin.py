@@ -32,6 +32,7 @@ from kvmesh.shared.bus.protocol import (
     Message,
     RegistryInfo,
     WorkerControl,
+    WorkerHeartbeat,
 )
 from kvmesh.shared.bus.subjects import Subjects
 from kvmesh.shared.obs import logs
@@ -130,25 +131,20 @@ class RegistryAdmin:
             raise AdminError(f"worker {worker_id!r} refused {action}: {msg.headers[ERROR_HEADER]}")
         self.core.mark_draining(worker_id, action == "drain")
         log.info("worker control forwarded", worker_id=worker_id, action=action)
-        state = ""
-        with contextlib.suppress(orjson.JSONDecodeError):
-            reply = orjson.loads(msg.data) if msg.data else None
-            if isinstance(reply, dict) and isinstance(reply.get("state"), str):
-                state = reply["state"]
+        state = ""  # the worker answers with its heartbeat (answer_worker_control)
+        with contextlib.suppress(protocol.MessageError):
+            state = protocol.decode_message(msg.data, WorkerHeartbeat).state
         return AdminControlled(ok=True, worker=worker_id, action=action, state=state)
 
     async def admin_log_level(self, body: bytes) -> AdminLogLevelSet:
         _request_object(body)
+        needs = f'log-level needs {{"level": one of {", ".join(logs.LEVELS)}}}'
         try:
             level = protocol.decode_message(body or b"{}", AdminLogLevel).level
         except protocol.MessageError as exc:
-            raise AdminError(
-                f'log-level needs {{"level": one of {", ".join(logs.LEVELS)}}} ({exc})'
-            ) from None
+            raise AdminError(f"{needs} ({exc})") from None
         if level.strip().lower() not in logs.LEVELS:
-            raise AdminError(
-                f'log-level needs {{"level": one of {", ".join(logs.LEVELS)}}}, got {level!r}'
-            )
+            raise AdminError(f"{needs}, got {level!r}")
         level = level.strip().lower()
         await self.nc.publish(
             self.subjects.CONTROL_LOG_LEVEL, protocol.encode_message(LogLevel(level=level))
