@@ -120,16 +120,18 @@ class KVAccuracyReport:
         """Share of all generated tokens that came before their prompt's first difference."""
         return sum(p.agreed_tokens for p in self.prompts) / (self.max_tokens * len(self.prompts))
 
-    @property
-    def is_teacher_forced(self) -> bool:
-        return all(p.top1_agreement is not None for p in self.prompts)
+    def _forced(self, name: str) -> list[float] | None:
+        """Each prompt's teacher-forced figure ``name``; None for a report without them (the
+        bf16 yardstick)."""
+        values = [getattr(p, name) for p in self.prompts]
+        return None if None in values else values
 
     @property
     def top1_agreement(self) -> float | None:
         """Teacher-forced: the share of all positions, each fed the reference's tokens before it,
         whose argmax agrees (a flip does not carry over to the tokens after it)."""
-        values = [p.top1_agreement for p in self.prompts if p.top1_agreement is not None]
-        return sum(values) / len(values) if self.is_teacher_forced else None
+        values = self._forced("top1_agreement")
+        return None if values is None else sum(values) / len(values)
 
     @property
     def flip_gaps(self) -> list[float]:
@@ -142,13 +144,13 @@ class KVAccuracyReport:
 
     @property
     def max_logit_error(self) -> float | None:
-        values = [p.max_logit_error for p in self.prompts if p.max_logit_error is not None]
-        return max(values) if self.is_teacher_forced else None
+        values = self._forced("max_logit_error")
+        return None if values is None else max(values)
 
     @property
     def mean_logit_error(self) -> float | None:
-        values = [p.mean_logit_error for p in self.prompts if p.mean_logit_error is not None]
-        return sum(values) / len(values) if self.is_teacher_forced else None
+        values = self._forced("mean_logit_error")
+        return None if values is None else sum(values) / len(values)
 
     @property
     def logit_std(self) -> float:
