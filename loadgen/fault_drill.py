@@ -30,7 +30,7 @@ import socket
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -192,18 +192,40 @@ async def blocks_back_s(mesh: Any, since: float, timeout_s: float = 60.0) -> flo
     return None
 
 
-def supervised(mesh: Any, first_delay_s: float = 1.0) -> asyncio.Task[None]:
-    """The launcher's supervisor (restarts dead services and its nats-server) as a task."""
+@contextlib.asynccontextmanager
+async def supervising(mesh: Any, first_delay_s: float = 1.0) -> AsyncIterator[None]:
+    """The launcher's supervisor (restarts dead services and its nats-server) runs for the
+    block."""
     from kvmesh.commands.restarts import RestartPolicy
 
     policy = RestartPolicy(max_restarts=5, first_delay_s=first_delay_s)
-    return asyncio.create_task(mesh.supervise(policy, poll_s=0.1))
+    task = asyncio.create_task(mesh.supervise(policy, poll_s=0.1))
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
 
-async def stop_supervising(task: asyncio.Task[None]) -> None:
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
+async def load_under_way(
+    mesh: Any, prompts: list[list[int]], max_tokens: int, concurrency: int
+) -> asyncio.Task[list[StreamOutcome | None]]:
+    """The load of ``prompts``, started; returns once its first token has streamed."""
+    under_way = asyncio.Event()
+    load = asyncio.create_task(
+        stream_load(mesh.url, prompts, max_tokens, concurrency, under_way=under_way)
+    )
+    await under_way.wait()
+    return load
+
+
+Outcomes = tuple[list[StreamOutcome | None], float | None]
+
+
+async def with_blocks_back(mesh: Any, outcomes: list[StreamOutcome | None]) -> Outcomes:
+    """The outcomes, and how long after the last one every decode block was free again."""
+    return outcomes, await blocks_back_s(mesh, _end_of(outcomes))
 
 
 # ---- the scenarios ---------------------------------------------------------------------------
@@ -216,72 +238,49 @@ async def nats_outage(
     concurrency: int,
     outage_s: float,
     during: Sequence[list[int]] = (),
-) -> tuple[list[StreamOutcome | None], float | None]:
+) -> Outcomes:
     """Streams through a kill -9 of the mesh's nats-server, restarted ``outage_s`` later; the
     ``during`` prompts are sent halfway through the outage (after ``prompts``' outcomes)."""
-    supervisor = supervised(mesh, first_delay_s=outage_s)
-    under_way = asyncio.Event()
-    load = asyncio.create_task(
-        stream_load(mesh.url, prompts, max_tokens, concurrency, under_way=under_way)
-    )
-    await under_way.wait()
-    os.kill(mesh.nats.pid, signal.SIGKILL)
-    late: list[StreamOutcome | None] = []
-    if during:
-        await asyncio.sleep(outage_s / 2)
-        late = await stream_load(mesh.url, list(during), max_tokens, len(during))
-    outcomes = await load + late
-    back = await blocks_back_s(mesh, _end_of(outcomes))
-    await stop_supervising(supervisor)
-    return outcomes, back
+    async with supervising(mesh, first_delay_s=outage_s):
+        load = await load_under_way(mesh, prompts, max_tokens, concurrency)
+        os.kill(mesh.nats.pid, signal.SIGKILL)
+        late: list[StreamOutcome | None] = []
+        if during:
+            await asyncio.sleep(outage_s / 2)
+            late = await stream_load(mesh.url, list(during), max_tokens, len(during))
+        return await with_blocks_back(mesh, await load + late)
 
 
-async def registry_kill(
-    mesh: Any, prompts: list[list[int]], max_tokens: int
-) -> tuple[list[StreamOutcome | None], float | None]:
+async def registry_kill(mesh: Any, prompts: list[list[int]], max_tokens: int) -> Outcomes:
     """Requests whose placements the kv-registry holds when it is killed: it is stopped, they
     are sent to it, and it is killed; the supervisor restarts it a second later."""
-    supervisor = supervised(mesh)
-    _, registry = mesh.children["kv-registry-0"]
-    os.kill(registry.pid, signal.SIGSTOP)
-    load = asyncio.create_task(stream_load(mesh.url, prompts, max_tokens, len(prompts)))
-    await asyncio.sleep(1.0)  # each placement is with the stopped registry now
-    os.kill(registry.pid, signal.SIGKILL)
-    outcomes = await load
-    back = await blocks_back_s(mesh, _end_of(outcomes))
-    await stop_supervising(supervisor)
-    return outcomes, back
+    async with supervising(mesh):
+        _, registry = mesh.children["kv-registry-0"]
+        os.kill(registry.pid, signal.SIGSTOP)
+        load = asyncio.create_task(stream_load(mesh.url, prompts, max_tokens, len(prompts)))
+        await asyncio.sleep(1.0)  # each placement is with the stopped registry now
+        os.kill(registry.pid, signal.SIGKILL)
+        return await with_blocks_back(mesh, await load)
 
 
 async def worker_kill(
     mesh: Any, prompts: list[list[int]], max_tokens: int, concurrency: int, name: str
-) -> tuple[list[StreamOutcome | None], float | None]:
+) -> Outcomes:
     """kill -9 of the service ``name`` (decode-0, prefill-0, kv-store-0, draft-0 ...) at the
     load's first token; the supervisor restarts it a second later."""
-    supervisor = supervised(mesh)
-    _, proc = mesh.children[name]
-    under_way = asyncio.Event()
-    load = asyncio.create_task(
-        stream_load(mesh.url, prompts, max_tokens, concurrency, under_way=under_way)
-    )
-    await under_way.wait()
-    os.kill(proc.pid, signal.SIGKILL)
-    outcomes = await load
-    back = await blocks_back_s(mesh, _end_of(outcomes))
-    await stop_supervising(supervisor)
-    return outcomes, back
+    async with supervising(mesh):
+        _, proc = mesh.children[name]
+        load = await load_under_way(mesh, prompts, max_tokens, concurrency)
+        os.kill(proc.pid, signal.SIGKILL)
+        return await with_blocks_back(mesh, await load)
 
 
 async def decode_stop(
     mesh: Any, prompts: list[list[int]], max_tokens: int, concurrency: int, outage_s: float
-) -> tuple[list[StreamOutcome | None], float | None]:
+) -> Outcomes:
     """SIGSTOP of decode-0 for ``outage_s`` under load, then SIGCONT."""
     _, decode = mesh.children["decode-0"]
-    under_way = asyncio.Event()
-    load = asyncio.create_task(
-        stream_load(mesh.url, prompts, max_tokens, concurrency, under_way=under_way)
-    )
-    await under_way.wait()
+    load = await load_under_way(mesh, prompts, max_tokens, concurrency)
     os.kill(decode.pid, signal.SIGSTOP)
     try:
         await asyncio.sleep(outage_s)
@@ -382,6 +381,7 @@ def _end_of(outcomes: list[StreamOutcome | None]) -> float:
 
 def run(args: argparse.Namespace) -> int:
     from kvmesh.testing.mesh import launched, mesh_config, random_prompts
+    from kvmesh.testing.offline import offline_texts
 
     config = mesh_config(
         model=MODEL,
@@ -411,7 +411,7 @@ def run(args: argparse.Namespace) -> int:
                 f"before they closed; blocks back {result['blocks_back_s']} s after they closed"
             )
             return 0
-        expected = _offline(prompts, args.max_tokens)
+        expected = offline_texts(prompts, args.max_tokens, model=MODEL)
         if args.scenario == "nats-outage":
             outcomes, back = asyncio.run(
                 nats_outage(
@@ -437,25 +437,6 @@ def run(args: argparse.Namespace) -> int:
     what = args.worker if args.scenario == "worker-kill" else f"{args.outage_s:g} s"
     print(f"{args.scenario} ({what}): {counts.summary()}; blocks back {back} s")
     return 0 if counts.right_share >= 0.95 and not counts.wrong and not counts.hung else 1
-
-
-def _offline(prompts: list[list[int]], max_tokens: int) -> list[str]:
-    from kvmesh.shared.engine.config import EngineConfig
-    from kvmesh.shared.engine.llm_engine import LLMEngine
-    from kvmesh.shared.model.loader import load_model
-    from kvmesh.shared.text.detokenize import TextStream
-    from kvmesh.shared.text.sampling import SamplingOptions
-
-    model, tokenizer = load_model(MODEL)
-    engine = LLMEngine(model, tokenizer, EngineConfig(num_blocks=4096))
-    params = SamplingOptions(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    texts = []
-    for prompt, ids in zip(prompts, engine.generate(prompts, params), strict=True):
-        text = TextStream(tokenizer, prompt)
-        text.add(ids)
-        text.finish()
-        texts.append(text.text)
-    return texts
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

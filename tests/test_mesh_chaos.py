@@ -13,10 +13,10 @@ import time
 
 import aiohttp
 import pytest
-from support.offline_text import offline_texts
 
 from kvmesh.commands.restarts import RestartPolicy
 from kvmesh.testing.mesh import local_mesh, random_prompts, wait_blocks_returned
+from kvmesh.testing.offline import offline_texts
 
 pytestmark = pytest.mark.slow
 

@@ -24,9 +24,10 @@ import pytest
 from kvmesh.shared.bus import protocol
 from kvmesh.shared.bus.nats_service import connect_nats, flush_to_server
 from kvmesh.shared.bus.subjects import DEFAULT_MESH, Subjects
-from support.mesh_checks import check_blocks_returned, check_equals_offline, load, offline_greedy
+from support.mesh_checks import check_blocks_returned, check_equals_offline, load
 
 from kvmesh.testing.mesh import MODEL, MeshTap, complete, local_mesh, random_prompts
+from kvmesh.testing.offline import offline_greedy
 
 pytestmark = pytest.mark.slow
 

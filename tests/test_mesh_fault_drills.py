@@ -34,9 +34,9 @@ from kvmesh.loadgen.fault_drill import (
     tally,
     worker_kill,
 )
-from support.offline_text import offline_texts
 
 from kvmesh.testing.mesh import launched, mesh_config, random_prompts
+from kvmesh.testing.offline import offline_texts
 
 pytestmark = pytest.mark.slow
 

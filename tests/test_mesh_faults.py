@@ -26,6 +26,7 @@ from kvmesh.testing.mesh import (
     random_prompts,
     wait_blocks_returned,
 )
+from kvmesh.testing.offline import offline_greedy
 
 pytestmark = pytest.mark.slow
 
@@ -37,16 +38,6 @@ MAX_TOKENS = 6
 def mesh():
     with local_mesh("disagg", "shm", env=ENV, prefill=2, decode=2) as launcher:
         yield launcher
-
-
-def _offline(prompts: list[list[int]]) -> list[list[int]]:
-    from kvmesh.shared.engine.config import EngineConfig
-    from kvmesh.shared.engine.llm_engine import LLMEngine
-    from kvmesh.shared.model.loader import load_model
-    from kvmesh.shared.text.sampling import SamplingOptions
-
-    engine = LLMEngine(*load_model("kvmesh-tiny"), EngineConfig(num_blocks=2048))
-    return engine.generate(prompts, SamplingOptions(max_tokens=MAX_TOKENS, temperature=0.0))
 
 
 def _kill(launcher, name: str) -> None:
@@ -104,7 +95,7 @@ def _retries(launcher, role: str) -> float:
 def test_killed_decode_worker_requests_run_again_on_the_other(mesh):
     prompts = random_prompts(6, 1200, 1500, seed=21)
     bodies, tokens, elapsed = asyncio.run(_load_then_kill(mesh, prompts, "decode-0", 0.3))
-    assert tokens == _offline(prompts)
+    assert tokens == offline_greedy(prompts, MAX_TOKENS)
     assert all(b["usage"]["completion_tokens"] == MAX_TOKENS for b in bodies)
     assert elapsed < 30  # the router's first-token timeout is 300 s, its token timeout 30 s
     assert _retries(mesh, "decode") >= 1  # some requests were on the killed worker
@@ -116,7 +107,7 @@ def test_killed_decode_worker_requests_run_again_on_the_other(mesh):
 def test_killed_prefill_worker_jobs_run_again_on_the_other(mesh):
     prompts = random_prompts(4, 1500, 1800, seed=22)
     bodies, tokens, elapsed = asyncio.run(_load_then_kill(mesh, prompts, "prefill-0", 0.3))
-    assert tokens == _offline(prompts)
+    assert tokens == offline_greedy(prompts, MAX_TOKENS)
     assert all(b["usage"]["completion_tokens"] == MAX_TOKENS for b in bodies)
     assert elapsed < 30
     assert _retries(mesh, "prefill") >= 1
@@ -129,7 +120,7 @@ def test_with_every_prefill_worker_dead_long_prompts_are_prefilled_on_decode(mes
     prompts = random_prompts(3, 1000, 1200, seed=23)
     # prefill-0 died in the test before; prefill-1 goes now, while these are queued or computing
     bodies, tokens, elapsed = asyncio.run(_load_then_kill(mesh, prompts, "prefill-1", 0.2))
-    assert tokens == _offline(prompts)
+    assert tokens == offline_greedy(prompts, MAX_TOKENS)
     assert all(b["usage"]["completion_tokens"] == MAX_TOKENS for b in bodies)
     assert elapsed < 30  # not the 300 s first-token timeout of a job nobody will take
     rows = asyncio.run(wait_blocks_returned(mesh.config.nats_url, mesh.nats_auth))

@@ -28,6 +28,7 @@ from kvmesh.testing.mesh import (
     random_prompts,
     wait_blocks_returned,
 )
+from kvmesh.testing.offline import offline_greedy
 
 pytestmark = pytest.mark.slow
 
@@ -40,16 +41,6 @@ MAX_TOKENS = 8
 @pytest.fixture(scope="module")
 def other_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     return write_small_seeded(tmp_path_factory.mktemp("models") / "other-model")
-
-
-def _offline(model: str) -> list[list[int]]:
-    from kvmesh.shared.engine.config import EngineConfig
-    from kvmesh.shared.engine.llm_engine import LLMEngine
-    from kvmesh.shared.model.loader import load_model
-    from kvmesh.shared.text.sampling import SamplingOptions
-
-    engine = LLMEngine(*load_model(model), EngineConfig(num_blocks=256))
-    return engine.generate(PROMPTS, SamplingOptions(max_tokens=MAX_TOKENS, temperature=0.0))
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +69,10 @@ async def _serve(mesh, model: str, tap: MeshTap) -> list[dict]:
 async def test_two_meshes_on_one_nats_each_serve_their_own_model(two_meshes, other_model):
     url, tiny, other = two_meshes
     assert (tiny.mesh, other.mesh) == ("kvmesh-tiny", "other-model")
-    expected = {"kvmesh-tiny": _offline("kvmesh-tiny"), "other-model": _offline(other_model)}
+    expected = {
+        "kvmesh-tiny": offline_greedy(PROMPTS, MAX_TOKENS),
+        "other-model": offline_greedy(PROMPTS, MAX_TOKENS, model=other_model),
+    }
     assert expected["kvmesh-tiny"] != expected["other-model"]  # the models tell apart
     async with (
         MeshTap(url, mesh="kvmesh-tiny") as tiny_tap,

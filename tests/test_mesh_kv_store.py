@@ -27,9 +27,9 @@ import aiohttp
 import pytest
 from kvmesh.loadgen.server_breakdown import parse_prometheus
 from kvmesh.shared.bus.admin_client import admin_client
-from support.mesh_checks import store_advertised_since_ready
+from support.mesh_checks import store_advertised_since_ready, store_mesh_config
 
-from kvmesh.testing.mesh import MeshTap, complete, launched, mesh_config, random_prompts
+from kvmesh.testing.mesh import MeshTap, complete, launched, random_prompts
 
 pytestmark = pytest.mark.slow
 
@@ -145,14 +145,6 @@ async def run(mesh, offline: list[list[int]]) -> None:
 def test_prefill_reads_prefixes_and_earlier_answers_from_the_store_and_computes_only_new_tokens(
     offline_tokens: list[list[int]],
 ) -> None:
-    config = mesh_config(
-        mode="disagg",
-        transport="shm",
-        local_prefill_threshold=0,
-        prefill=2,
-        decode=1,
-        kv_store=1,
-        kv_store_capacity_gb=0.0625,
-    )
+    config = store_mesh_config(prefill=2, decode=1)
     with launched(config, ENV) as mesh:
         asyncio.run(run(mesh, offline_tokens))

@@ -20,6 +20,7 @@ from kvmesh.testing.mesh import (
     random_prompts,
     wait_blocks_returned,
 )
+from kvmesh.testing.offline import offline_greedy
 
 pytestmark = pytest.mark.slow
 
@@ -32,17 +33,6 @@ def mesh():
     # decode paced at 100 ms: 40 tokens take ~4 s, so the kill lands mid-stream
     with local_mesh("disagg", "shm", env=ENV, decode=2, decode_pacing_ms=100) as launcher:
         yield launcher
-
-
-def _offline(prompts: list[list[int]]) -> list[list[int]]:
-    from kvmesh.shared.engine.config import EngineConfig
-    from kvmesh.shared.engine.llm_engine import LLMEngine
-    from kvmesh.shared.model.loader import load_model
-    from kvmesh.shared.text.sampling import SamplingOptions
-
-    engine = LLMEngine(*load_model("kvmesh-tiny"), EngineConfig(num_blocks=1024))
-    params = SamplingOptions(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    return engine.generate(prompts, params)
 
 
 def _migrations(launcher) -> float:
@@ -73,7 +63,7 @@ async def _stream_then_kill(launcher, prompts):
 
 def test_killed_decode_worker_streams_migrate_with_the_same_greedy_tokens(mesh):
     prompts = random_prompts(6, 100, 300, seed=31)
-    expected = _offline(prompts)
+    expected = offline_greedy(prompts, MAX_TOKENS, ignore_eos=True)
     bodies, streams, elapsed = asyncio.run(_stream_then_kill(mesh, prompts))
     assert all(b["usage"]["completion_tokens"] == MAX_TOKENS for b in bodies)
     migrated = 0

@@ -16,9 +16,9 @@ import orjson
 import pytest
 from kvmesh.shared.bus.nats_server import NatsServer
 from kvmesh.shared.config.ports import free_port
-from support.offline_text import offline_texts
 
 from kvmesh.testing.mesh import complete, local_mesh, random_prompts, wait_blocks_returned
+from kvmesh.testing.offline import offline_texts
 
 pytestmark = pytest.mark.slow
 

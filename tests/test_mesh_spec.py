@@ -32,10 +32,11 @@ import msgspec
 import pytest
 from kvmesh.loadgen.bench_spec import DraftSetup, spec_counters, spec_mesh
 from kvmesh.shared.bus.admin_client import admin_client
-from support.mesh_checks import check_blocks_returned, check_equals_offline, load, offline_greedy
+from support.mesh_checks import check_blocks_returned, check_equals_offline, load
 
 from kvmesh.commands.admin import render_status
 from kvmesh.testing.mesh import MeshTap, complete, random_prompts
+from kvmesh.testing.offline import offline_greedy
 
 pytestmark = pytest.mark.slow
 
@@ -249,7 +250,7 @@ def test_draft_model_equal_to_the_target_has_every_draft_accepted_until_killed_m
     # blocks to the draft worker, which computes only their tails.
     long_tokens = 96
     k = 4
-    offline = _offline_greedy_ignoring_eos(PROMPTS, long_tokens)
+    offline = offline_greedy(PROMPTS, long_tokens, ignore_eos=True)
     long_prompts = LONG_PROMPTS[:2]
     long_offline = offline_greedy(long_prompts, LONG_MAX_TOKENS)
     # paced: the draft model is the target itself, so topping a chain up takes K + 1 of its
@@ -288,17 +289,6 @@ def test_draft_model_equal_to_the_target_has_every_draft_accepted_until_killed_m
     assert counters["tokens_per_step_sum"] == counters["accepted"] + steps, counters
     # proposals that arrive late are verified below the tokens added since: fewer than K
     assert buckets[k + 1.0] == steps and buckets[float(k)] < steps, buckets
-
-
-def _offline_greedy_ignoring_eos(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    from kvmesh.shared.engine.config import EngineConfig
-    from kvmesh.shared.engine.llm_engine import LLMEngine
-    from kvmesh.shared.model.loader import load_model
-    from kvmesh.shared.text.sampling import SamplingOptions
-
-    engine = LLMEngine(*load_model("kvmesh-tiny"), EngineConfig(num_blocks=1024))
-    params = SamplingOptions(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    return engine.generate(prompts, params)
 
 
 def _serve_draft(*flags: str) -> subprocess.CompletedProcess[str]:

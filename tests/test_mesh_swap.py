@@ -23,10 +23,14 @@ from concurrent.futures import ThreadPoolExecutor
 import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from support.mesh_checks import check_blocks_returned, store_advertised_since_ready
-from support.offline_text import offline_texts
+from support.mesh_checks import (
+    check_blocks_returned,
+    store_advertised_since_ready,
+    store_mesh_config,
+)
 
-from kvmesh.testing.mesh import complete, launched, mesh_config, random_prompts
+from kvmesh.testing.mesh import complete, launched, random_prompts
+from kvmesh.testing.offline import offline_texts
 
 pytestmark = pytest.mark.slow
 
@@ -65,15 +69,7 @@ async def run(mesh) -> list[str]:
 
 @pytest.mark.timeout(240)
 def test_preempted_sequences_swap_to_the_store_and_back_with_offline_outputs() -> None:
-    config = mesh_config(
-        mode="disagg",
-        transport="shm",
-        local_prefill_threshold=4096,
-        prefill=1,
-        decode=1,
-        kv_store=1,
-        kv_store_capacity_gb=0.0625,
-    )
+    config = store_mesh_config(prefill=1, decode=1, local_prefill_threshold=4096)
     with ThreadPoolExecutor(1) as offline:  # computed while the mesh starts
         expected = offline.submit(offline_texts, PROMPTS, MAX_TOKENS, 64)
         with launched(config, ENV) as mesh:

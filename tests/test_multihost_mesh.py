@@ -23,9 +23,9 @@ from kvmesh.shared.bus.admin_client import AdminError, admin_client
 from kvmesh.shared.bus.nats_service import connect_nats
 from kvmesh.shared.bus.subjects import Subjects
 from support.netns_harness import netns_mesh_or_skip
-from support.offline_text import offline_texts
 
 from kvmesh.testing.mesh import random_prompts, wait_blocks_returned
+from kvmesh.testing.offline import offline_texts
 
 pytestmark = pytest.mark.slow
 

@@ -10,19 +10,7 @@ from typing import Any
 
 import aiohttp
 
-from kvmesh.testing.mesh import MeshTap, complete, wait_blocks_returned
-
-
-def offline_greedy(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    """kvmesh-tiny's greedy output for each prompt from the offline engine (LLMEngine)."""
-    from kvmesh.shared.engine.config import EngineConfig
-    from kvmesh.shared.engine.llm_engine import LLMEngine
-    from kvmesh.shared.model.loader import load_model
-    from kvmesh.shared.text.sampling import SamplingOptions
-
-    model, tokenizer = load_model("kvmesh-tiny")
-    engine = LLMEngine(model, tokenizer, EngineConfig(num_blocks=1024))
-    return engine.generate(prompts, SamplingOptions(max_tokens=max_tokens, temperature=0.0))
+from kvmesh.testing.mesh import MeshTap, complete, mesh_config, wait_blocks_returned
 
 
 async def load(
@@ -81,3 +69,18 @@ async def store_advertised_since_ready(mesh) -> None:
                 return
             assert loop.time() < ready + 30, f"no store advert since the mesh was ready: {rows}"
             await asyncio.sleep(0.1)
+
+
+def store_mesh_config(*, prefill: int, decode: int, local_prefill_threshold: int = 0) -> Any:
+    """A disaggregated mesh over shm with one kv-store of 64 MiB (a few hundred kvmesh-tiny
+    blocks: the store tests fill and evict it); ``local_prefill_threshold`` 0 sends every prompt
+    to a prefill worker."""
+    return mesh_config(
+        mode="disagg",
+        transport="shm",
+        local_prefill_threshold=local_prefill_threshold,
+        prefill=prefill,
+        decode=decode,
+        kv_store=1,
+        kv_store_capacity_gb=0.0625,
+    )
