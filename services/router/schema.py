@@ -83,9 +83,10 @@ class SamplingFields(SamplingOptions, frozen=True, kw_only=True, forbid_unknown_
 
     def sampling_options(self, **api_fields: Any) -> SamplingOptions:
         """The options this body asks for: its ``SamplingOptions`` fields, with ``api_fields``
-        (the options whose HTTP shape differs, mapped by ``api.py``) over them."""
+        (the options whose HTTP shape differs, mapped by ``api.py``) over them, checked against
+        ``SamplingOptions``' own types and bounds."""
         shared = {name: getattr(self, name) for name in SamplingOptions.__struct_fields__}
-        return SamplingOptions(**{**shared, **api_fields})
+        return msgspec.convert(shared | api_fields, SamplingOptions)
 
 
 class CompletionRequest(SamplingFields, frozen=True, kw_only=True):

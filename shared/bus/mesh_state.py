@@ -17,6 +17,8 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import msgspec
+
 STATE_DIR_ENV = "KVMESH_STATE_DIR"
 
 
@@ -77,7 +79,7 @@ def running_meshes() -> list[MeshState]:
     found: list[MeshState] = []
     for path in folder.glob("*.json"):
         try:
-            state = MeshState(**json.loads(path.read_text()))
+            state = msgspec.json.decode(path.read_bytes(), type=MeshState)
         except (OSError, ValueError, TypeError):
             continue  # being written, or not ours
         if not _alive(state.pid):
