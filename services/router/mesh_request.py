@@ -32,12 +32,12 @@ from kvmesh.services.router.recovery import (
     stop_waiting_for_room,
     token_deadline,
 )
+from kvmesh.services.router.request_events import AttemptEvents, MalformedEvent
 from kvmesh.services.router.worker_pool import WorkerPool
 from kvmesh.shared.bus import protocol
 from kvmesh.shared.bus.prefill_queue import withdraw_job
 from kvmesh.shared.bus.protocol import (
     Abort,
-    MessageError,
     PlaceReply,
     PlaceRequest,
     PrefillReport,
@@ -102,6 +102,7 @@ class MeshRequest:
         self.is_aborted = False
         self._may_hold_blocks = False  # a placement was asked for and not refused
         self._num_reconnects = self._nc.stats["reconnects"]  # NATS reconnects before this attempt
+        self._events = AttemptEvents(self._subjects, wire_id)
 
     @property
     def num_accepted_drafts(self) -> int:
@@ -280,8 +281,6 @@ class MeshRequest:
         ``first_token_timeout_s`` or a next token within ``token_timeout_s``, MeshError when the
         mesh fails the request."""
         while not self.is_finished:
-            tokens_subject = self._subjects.request_tokens(self.request_id)
-            report_subject = self._subjects.request_prefill_report(self.request_id)
             deadline, what = token_deadline(
                 self.attempts.num_events, self._first_deadline, self._last_event_at, self._config
             )
@@ -301,34 +300,33 @@ class MeshRequest:
                 continue
             except nats.errors.Error as exc:
                 raise MeshError(f"lost the token stream of {self.request_id}: {exc}") from None
-            if msg.subject == report_subject:
-                self._record_report(msg.data)
+            try:
+                event = self._events.decode(msg.subject, msg.data)
+            except MalformedEvent as bad:
+                if bad.kind is TokenEvent:
+                    raise MeshError(
+                        f"a decode worker sent a malformed token event: {bad.error}"
+                    ) from None
+                if bad.kind is PrefillReport:
+                    log.warning("ignoring malformed prefill report: %s", bad.error)
+                continue  # a malformed PrefillStarted, or a WorkerGone not the router's own
+            if isinstance(event, PrefillReport):
+                self._record_report(event)
                 continue
-            if msg.subject == self._subjects.request_prefill_started(self.request_id):
-                with contextlib.suppress(MessageError):
-                    self.prefill_worker = protocol.decode_message(
-                        msg.data, PrefillStarted
-                    ).worker_id
+            if isinstance(event, PrefillStarted):
+                self.prefill_worker = event.worker_id
                 continue
-            if msg.subject == self._subjects.request_worker_gone(self.request_id):
-                try:
-                    gone = protocol.decode_message(msg.data, WorkerGone)
-                except MessageError:  # not the router's own: ignored
-                    continue
-                if not self.depends_on(gone.worker_id):
+            if isinstance(event, WorkerGone):
+                if not self.depends_on(event.worker_id):
                     continue
                 final = await self._run_again(
-                    f"{gone.role} worker {gone.worker_id} died", gone.role
+                    f"{event.role} worker {event.worker_id} died", event.role
                 )
                 if final is not None:
                     yield final
                 continue
-            if msg.subject != tokens_subject:
+            if event is None:
                 continue  # another kind of request event; not the router's business
-            try:
-                event = protocol.decode_message(msg.data, TokenEvent)
-            except MessageError as exc:
-                raise MeshError(f"a decode worker sent a malformed token event: {exc}") from None
             why = self.attempts.gap(event)
             if why:
                 final = await self._run_again(why, "decode")
@@ -368,12 +366,7 @@ class MeshRequest:
         except nats.errors.Error as exc:  # the connection is gone: leases will expire instead
             log.warning("could not publish abort for %s: %s", self.request_id, exc)
 
-    def _record_report(self, data: bytes) -> None:
-        try:
-            report = protocol.decode_message(data, PrefillReport)
-        except MessageError as exc:
-            log.warning("ignoring malformed prefill report: %s", exc)
-            return
+    def _record_report(self, report: PrefillReport) -> None:
         self._metrics.record_prefill(report)
         stamps = self.timer.stamps
         stamps.remote_queue_s, stamps.remote_compute_s = report.queue_s, report.compute_s
