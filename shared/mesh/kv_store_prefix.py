@@ -97,25 +97,18 @@ def adopt_fetched(block_manager: BlockManager, fetched: Fetched) -> int:
     return n * block_manager.block_size
 
 
+@dataclass(eq=False)
 class PrefixReader:
     """One engine's reads of prompt prefixes from the store ``stores`` picks (prefill workers
     before a job, decode workers before a local prefill): ``fetch`` without the engine lock held
     across I/O, then ``adopt`` under it right before the request is added. A store whose get
     failed is forgotten until its next advert."""
 
-    def __init__(
-        self,
-        client: KvStoreClient,
-        stores: StoreBook,
-        kv_spec: str,
-        block_manager: BlockManager,
-        pool: KVPool,
-    ) -> None:
-        self.client = client
-        self.stores = stores
-        self.kv_spec = kv_spec
-        self.block_manager = block_manager
-        self.pool = pool
+    client: KvStoreClient
+    stores: StoreBook
+    kv_spec: str
+    block_manager: BlockManager
+    pool: KVPool
 
     async def fetch(self, token_ids: Sequence[int], lock: asyncio.Lock) -> Fetched | None:
         """``fetch_prefix`` from the chosen store; None: no store, nothing to read, no room."""
