@@ -258,21 +258,22 @@ class StoreWorker:
         error = self._layout_error(body.kv_spec)
         if error:
             return StoreGetReply(ok=False, store_id=self.store_id, error=error)
+        miss = StoreGetReply(ok=True, store_id=self.store_id, block_bytes=self.block_bytes)
         get_id = f"get-{secrets.token_hex(8)}"
         grant = self.core.lookup(
             get_id, self.layout, body.block_hashes, self._expiry(body.lease_ms)
         )
         if not grant.slots:
-            return StoreGetReply(ok=True, store_id=self.store_id, block_bytes=self.block_bytes)
+            return miss
         if not await self._copy(get_id, grant.spills, grant.promotions):
-            self.core.release(get_id)  # a disk block could not be read back: a miss
-            return StoreGetReply(ok=True, store_id=self.store_id, block_bytes=self.block_bytes)
+            self.core.release(get_id)  # a disk block could not be read back
+            return miss
         try:
             window = self.windows[get_id] = self._open(grant.slots, Access.REMOTE_READ)
-        except ValueError as exc:  # the transport's table of windows is full: a miss
+        except ValueError as exc:  # the transport's table of windows is full
             self.core.release(get_id)
             log.warning("get served as a miss: no read window", error=str(exc))
-            return StoreGetReply(ok=True, store_id=self.store_id, block_bytes=self.block_bytes)
+            return miss
         return StoreGetReply(
             ok=True,
             store_id=self.store_id,
