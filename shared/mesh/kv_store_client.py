@@ -81,6 +81,24 @@ class LocalBlock:
     offset: int  # byte offset in the pool region
 
 
+def local_blocks(
+    pool: KVPool,
+    kv_spec: str,
+    token_ids: Sequence[int],
+    hashes: Sequence[int],
+    block_ids: Sequence[int],
+    first: int = 0,
+) -> list[LocalBlock]:
+    """Pool blocks ``block_ids`` holding full blocks ``first``, ``first + 1``, ... of
+    ``token_ids``, named by ``hashes`` (the chain's from ``first`` on)."""
+    num_blocks = first + len(block_ids)
+    digests = token_digests(token_ids, pool.spec.block_size, kv_spec, num_blocks)[first:]
+    return [
+        LocalBlock(h, d, pool.block_offset(b))
+        for h, d, b in zip(hashes, digests, block_ids, strict=True)
+    ]
+
+
 @dataclass(frozen=True, slots=True)
 class PutResult:
     ok: bool
@@ -387,12 +405,7 @@ async def put_pinned(
     """Put pinned blocks into ``store``, then unpin them (under ``lock``, the engine's), whatever
     the put's outcome. Raises what the put raises."""
     try:
-        bs = pool.spec.block_size
-        digests = token_digests(pinned.token_ids, bs, kv_spec, len(pinned.block_ids))
-        blocks = [
-            LocalBlock(h, d, pool.block_offset(b))
-            for h, d, b in zip(pinned.hashes, digests, pinned.block_ids, strict=True)
-        ]
+        blocks = local_blocks(pool, kv_spec, pinned.token_ids, pinned.hashes, pinned.block_ids)
         return await client.put(store, kv_spec, blocks)
     finally:
         async with lock:

@@ -16,10 +16,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvmesh.shared.engine.block_manager import BlockManager
-from kvmesh.shared.kv.kv_block_header import token_digests
 from kvmesh.shared.kv.kv_cache import KVPool
 from kvmesh.shared.kv.prefix_hash import reusable_prefix_hashes
-from kvmesh.shared.mesh.kv_store_client import KvStoreClient, LocalBlock, StoreBook, StoreTarget
+from kvmesh.shared.mesh.kv_store_client import KvStoreClient, StoreBook, StoreTarget, local_blocks
 from kvmesh.shared.obs import logs
 
 log = logs.get_logger(__name__)
@@ -71,11 +70,7 @@ async def fetch_prefix(
             block_manager.free_blocks(list(pinned))
             return None
         block_ids = block_manager.allocate_blocks(want)
-    digests = token_digests(token_ids, bs, kv_spec, len(hashes))[first:]
-    blocks = [
-        LocalBlock(h, d, pool.block_offset(b))
-        for h, d, b in zip(hashes[first:], digests, block_ids, strict=True)
-    ]
+    blocks = local_blocks(pool, kv_spec, token_ids, hashes[first:], block_ids, first)
     tokens = [tuple(token_ids[i * bs : (i + 1) * bs]) for i in range(first, len(hashes))]
     try:
         result = await client.get(store, kv_spec, blocks)
