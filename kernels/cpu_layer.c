@@ -22,34 +22,7 @@
  */
 #include <stdint.h>
 
-typedef struct kv_quant kv_quant; /* fp8 or int8 KV: see kernels/cpu_ops.c */
-typedef struct kv_tree kv_tree; /* draft-tree rows: see kernels/cpu_ops.c */
-
-void kv_rms_norm(const float *x, const float *w, float *out, int64_t rows, int64_t n, float eps);
-void kv_silu_mul(const float *gate_up, float *out, int64_t rows, int64_t n);
-void kv_linear_share(const float *x, int64_t m, int64_t k, const float *packed, int64_t n,
-                     const float *bias, float *y, int64_t t, int64_t num_threads, int accumulate);
-void kv_decode_store_units(float *qkv, int64_t num_q_heads, int64_t num_kv_heads, int64_t d,
-                           const float *rope_cos, const float *rope_sin, float *k_cache,
-                           float *v_cache, int64_t block_stride, int64_t head_stride,
-                           int64_t block_size, const int64_t *block_tables, int64_t table_width,
-                           const int64_t *context_lens, int64_t u0, int64_t u1,
-                           const kv_tree *tree);
-void kv_decode_store_quant(float *qkv, int64_t batch, int64_t num_q_heads, int64_t num_kv_heads,
-                           int64_t d, const float *rope_cos, const float *rope_sin,
-                           uint8_t *k_cache, uint8_t *v_cache, int64_t block_stride,
-                           int64_t head_stride, int64_t block_size, const int64_t *block_tables,
-                           int64_t table_width, const int64_t *context_lens, const kv_quant *kq,
-                           int64_t h0, int64_t h1, const kv_tree *tree);
-void kv_decode_attention_units(const float *qkv, int64_t num_q_heads, int64_t num_kv_heads,
-                               int64_t d, const void *k_pool, const void *v_pool,
-                               int64_t block_stride, int64_t head_stride, int64_t block_size,
-                               const int64_t *block_tables, int64_t table_width,
-                               const int64_t *context_lens, float scale, float *out,
-                               float *scratch, int64_t u0, int64_t u1, const kv_quant *kq,
-                               const kv_tree *tree);
-int64_t kv_attention_unit_bound(const int64_t *context_lens, int64_t batch, int64_t num_kv_heads,
-                                int64_t t, int64_t num_threads);
+#include "cpu_kernels.h"
 
 #ifdef _OPENMP
 #include <omp.h>

@@ -14,6 +14,9 @@
  */
 #include <stdint.h>
 #include <string.h>
+
+#include "cpu_kernels.h"
+
 #if defined(__AVX__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif

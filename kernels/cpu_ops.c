@@ -14,6 +14,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_kernels.h"
+
 #define LANES 16
 _Static_assert(LANES == 16, "hsum16 and BITREV16 are written for 16 lanes");
 typedef float vf __attribute__((vector_size(LANES * sizeof(float))));

@@ -52,6 +52,7 @@ from kvmesh.shared.config.cache_dir import temp_cache_dir as _temp_cache_dir
 
 __all__ = [
     "CFLAGS",
+    "HEADERS",
     "MAX_TREE_TAIL",
     "OPENMP",
     "PANEL_WIDTH",
@@ -75,6 +76,7 @@ __all__ = [
 ]
 
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_ops.c", "cpu_linear.c", "cpu_layer.c"))
+HEADERS = (Path(__file__).with_name("cpu_kernels.h"),)  # included by every source
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-std=gnu11")
 # the decode attention's parts run on the process's OpenMP threads (torch's runtime); a compiler
 # without OpenMP builds the library without it, and the parts run one after another
@@ -99,7 +101,7 @@ def build(directory: Path | None = None, compiler: str | None = None) -> Path:
     cc = compiler or os.environ.get("CC") or "cc"
     if shutil.which(cc) is None:
         raise CpuOpsBuildError(f"no C compiler {cc!r} on PATH (install gcc, or set CC)")
-    source = b"".join(path.read_bytes() for path in SOURCES)
+    source = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
     key = hashlib.sha256(
         source + " ".join((*CFLAGS, OPENMP)).encode() + cc.encode() + _cpu_fingerprint().encode()
     ).hexdigest()[:16]

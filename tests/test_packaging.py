@@ -12,6 +12,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from kvmesh.kernels import cpu_ops
 
 ROOT = Path(__file__).resolve().parent.parent
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
@@ -62,11 +63,12 @@ def wheel(tmp_path_factory) -> Path:
     return built
 
 
-def test_wheel_holds_only_the_kvmesh_namespace_and_the_c_kernel(wheel):
+def test_wheel_holds_only_the_kvmesh_namespace_and_the_c_kernels(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert tops == {"kvmesh"}
-    assert "kvmesh/kernels/cpu_ops.c" in names
+    # every file the C kernels' build reads (kernels/cpu_ops.py compiles them on first use)
+    assert {f"kvmesh/kernels/{p.name}" for p in (*cpu_ops.SOURCES, *cpu_ops.HEADERS)} <= set(names)
     assert "kvmesh/shared/bus/protocol.py" in names and "kvmesh/cli.py" in names
 
 

@@ -20,6 +20,7 @@ from kvmesh.services.router.errors import (
     InvalidRequestError,
     ModelNotFoundError,
     OverloadedError,
+    ServiceUnavailableError,
 )
 from kvmesh.services.router.logprobs import LogprobsBuilder
 from kvmesh.services.router.metrics import RequestTimer, RouterMetrics
@@ -412,6 +413,13 @@ def test_overloaded_error_rounds_retry_after_up():
     assert err.status == 429
     assert err.headers() == {"Retry-After": "1"}
     assert OverloadedError("full", retry_after_s=2.5).headers() == {"Retry-After": "3"}
+
+
+def test_service_unavailable_error_retries_after_one_second_unless_told():
+    err = ServiceUnavailableError("no decode worker")
+    assert (err.status, err.code) == (503, "service_unavailable")
+    assert err.headers() == {"Retry-After": "1"}
+    assert ServiceUnavailableError("x", retry_after_s=4.2).headers() == {"Retry-After": "5"}
 
 
 # --- responses and SSE -------------------------------------------------------------------------

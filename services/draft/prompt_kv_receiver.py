@@ -15,6 +15,7 @@ import asyncio
 import dataclasses
 import time
 from collections.abc import Callable
+from dataclasses import KW_ONLY, InitVar, dataclass
 from typing import Any
 
 from kvmesh.services.draft.metrics import DraftMetrics
@@ -57,36 +58,27 @@ def target_kv_spec(engine: Any, target_num_layers: int) -> str:
     return kv_spec_fingerprint(spec, mc)
 
 
+@dataclass(eq=False)
 class PromptKvReceiver:
-    def __init__(
-        self,
-        engine: Any,
-        transport: Transport,
-        region: MemoryRegion,
-        lock: asyncio.Lock,
-        *,
-        worker_id: str,
-        kv_spec: str,
-        metrics: DraftMetrics,
-        whole_blocks: bool = False,
-        quarantine_s: float = 30.0,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.engine = engine
-        self.transport = transport
-        self.region = region
-        self.lock = lock
-        self.worker_id = worker_id
-        # the layout a reservation must offer: the target's (early exit, DraftKvReserve.kv_spec)
-        # or, with whole_blocks, this draft model's own (DraftKvReserve.draft_kv_spec)
-        self.kv_spec = kv_spec
-        self.whole_blocks = whole_blocks
-        self.metrics = metrics
+    engine: Any
+    transport: Transport
+    region: MemoryRegion
+    lock: asyncio.Lock
+    _: KW_ONLY
+    worker_id: str
+    # the layout a reservation must offer: the target's (early exit, DraftKvReserve.kv_spec)
+    # or, with whole_blocks, this draft model's own (DraftKvReserve.draft_kv_spec)
+    kv_spec: str
+    metrics: DraftMetrics
+    whole_blocks: bool = False
+    quarantine_s: InitVar[float] = 30.0
+    clock: Callable[[], float] = time.monotonic
+
+    def __post_init__(self, quarantine_s: float) -> None:
         self.table = PromptKvTable(quarantine_s)
-        self.block_bytes = engine.kv_pool.spec.block_bytes
-        self.block_size = engine.kv_pool.spec.block_size
-        self.descriptor = TransportDescriptor.from_peer(transport.descriptor().public())
-        self._clock = clock
+        self.block_bytes = self.engine.kv_pool.spec.block_bytes
+        self.block_size = self.engine.kv_pool.spec.block_size
+        self.descriptor = TransportDescriptor.from_peer(self.transport.descriptor().public())
 
     def _refuse(self, error: str) -> DraftKvReserveReply:
         self.metrics.prompt_kv_refused.inc()
@@ -125,7 +117,7 @@ class PromptKvReceiver:
                     slot,
                     tuple(block_ids),
                     tuple(req.prompt_ids[: num_full * bs]),
-                    self._clock() + lease_s,
+                    self.clock() + lease_s,
                     window,
                 )
             except PromptKvError as exc:
@@ -179,7 +171,7 @@ class PromptKvReceiver:
             await self._apply(verdict)
 
     async def expire(self) -> None:
-        for verdict in self.table.expire(self._clock()):
+        for verdict in self.table.expire(self.clock()):
             await self._apply(verdict)
 
     async def _apply(self, verdict: PromptKvVerdict) -> None:

@@ -170,8 +170,7 @@ class RegistryState:
             return None
         worker = self.decode.get(heartbeat.worker_id)
         if worker is not None:
-            known = worker.started_at
-            role = "colocated" if worker.advert.mode == "colocated" else "decode"
+            known, role = worker.started_at, worker.role
         elif (peer := self.peers.get(heartbeat.worker_id)) is not None:
             known, role = peer.heartbeat.started_at, peer.heartbeat.role
         else:

@@ -30,7 +30,7 @@ def registry_status(state: RegistryState, now: float) -> RegistryRows:
     decode = tuple(
         DecodeStatusRow(
             worker_id=w.worker_id,
-            role=_role(w.advert.mode),
+            role=w.role,
             state=w.state,
             total_blocks=w.advert.total_blocks,
             free_blocks=w.advert.free_blocks,
@@ -66,7 +66,7 @@ def worker_rows(state: RegistryState, now: float) -> tuple[WorkerRow, ...]:
     rows = [
         WorkerRow(
             worker_id=w.worker_id,
-            role=_role(w.advert.mode),
+            role=w.role,
             state=w.state,
             running=w.advert.num_running,
             waiting=w.advert.num_waiting,
@@ -86,10 +86,6 @@ def worker_rows(state: RegistryState, now: float) -> tuple[WorkerRow, ...]:
         for p in state.peers.values()
     ]
     return tuple(sorted(rows, key=lambda r: (r.role, r.worker_id)))
-
-
-def _role(mode: str) -> str:
-    return "colocated" if mode == "colocated" else "decode"
 
 
 __all__ = ["RegistryRows", "registry_status", "worker_rows"]

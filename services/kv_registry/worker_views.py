@@ -29,6 +29,11 @@ class DecodeWorkerView:
         return self.advert.worker_id
 
     @property
+    def role(self) -> str:
+        """What its rows and heartbeats call it: "colocated" or "decode"."""
+        return "colocated" if self.advert.mode == "colocated" else "decode"
+
+    @property
     def state(self) -> str:
         return "draining" if self.is_draining else self.advert.state
 

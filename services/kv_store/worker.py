@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import secrets
 import time
+from dataclasses import InitVar, dataclass
 from typing import Any
 
 from kvmesh.services.kv_store.config import StoreConfig
@@ -49,38 +50,31 @@ from kvmesh.shared.transport.completions import Completion
 log = logs.get_logger(__name__)
 
 
+@dataclass(eq=False)
 class StoreWorker:
     """One store: ``num_blocks`` blocks at ``data_addr``, their headers at ``header_addr``, in one
     registered region of ``transport``."""
 
-    def __init__(
-        self,
-        config: StoreConfig,
-        transport: Transport,
-        memory: Any,
-        store_id: str,
-        num_blocks: int,
-        block_bytes: int,
-        kv_spec: str,
-        disk: DiskFile | None = None,
-    ) -> None:
-        self.config = config
-        self.transport = transport
-        self.store_id = store_id
-        self.block_bytes = block_bytes
-        self.kv_spec = kv_spec
-        self.layout = layout_root(kv_spec)
-        self.disk = disk  # the disk tier's file, if any
-        num_disk_slots = disk.num_slots if disk else 0
+    config: StoreConfig
+    transport: Transport
+    memory: Any  # (num_blocks * (block_bytes + HEADER_BYTES),) uint8
+    store_id: str
+    num_blocks: InitVar[int]
+    block_bytes: int
+    kv_spec: str
+    disk: DiskFile | None = None  # the disk tier's file, if any
+
+    def __post_init__(self, num_blocks: int) -> None:
+        self.layout = layout_root(self.kv_spec)
+        num_disk_slots = self.disk.num_slots if self.disk else 0
         self.core = BlockStore(
             num_blocks,
-            disk=DiskSlots(num_disk_slots) if disk else None,
-            max_per_owner=writer_quota(config.writer_share, num_blocks, num_disk_slots),
+            disk=DiskSlots(num_disk_slots) if self.disk else None,
+            max_per_owner=writer_quota(self.config.writer_share, num_blocks, num_disk_slots),
         )
-        self.memory = memory  # (num_blocks * (block_bytes + HEADER_BYTES),) uint8
-        self.region = transport.register(memory, Access.REMOTE)
+        self.region = self.transport.register(self.memory, Access.REMOTE)
         self.data_addr = self.region.addr
-        self.header_addr = self.region.addr + num_blocks * block_bytes
+        self.header_addr = self.region.addr + num_blocks * self.block_bytes
         self.windows: dict[str, MemoryWindow] = {}  # put or get id -> its window
         # put window key -> set when a write with that key completed here (its immediate)
         self._landed: dict[int, asyncio.Event] = {}
@@ -264,21 +258,22 @@ class StoreWorker:
         error = self._layout_error(body.kv_spec)
         if error:
             return StoreGetReply(ok=False, store_id=self.store_id, error=error)
+        miss = StoreGetReply(ok=True, store_id=self.store_id, block_bytes=self.block_bytes)
         get_id = f"get-{secrets.token_hex(8)}"
         grant = self.core.lookup(
             get_id, self.layout, body.block_hashes, self._expiry(body.lease_ms)
         )
         if not grant.slots:
-            return StoreGetReply(ok=True, store_id=self.store_id, block_bytes=self.block_bytes)
+            return miss
         if not await self._copy(get_id, grant.spills, grant.promotions):
-            self.core.release(get_id)  # a disk block could not be read back: a miss
-            return StoreGetReply(ok=True, store_id=self.store_id, block_bytes=self.block_bytes)
+            self.core.release(get_id)  # a disk block could not be read back
+            return miss
         try:
             window = self.windows[get_id] = self._open(grant.slots, Access.REMOTE_READ)
-        except ValueError as exc:  # the transport's table of windows is full: a miss
+        except ValueError as exc:  # the transport's table of windows is full
             self.core.release(get_id)
             log.warning("get served as a miss: no read window", error=str(exc))
-            return StoreGetReply(ok=True, store_id=self.store_id, block_bytes=self.block_bytes)
+            return miss
         return StoreGetReply(
             ok=True,
             store_id=self.store_id,

@@ -102,12 +102,9 @@ class MethodNotAllowedError(ApiError):
     default_code = "method_not_allowed"
 
 
-class OverloadedError(ApiError):
-    """429: the mesh has no room now; the client should retry after ``retry_after_s``."""
-
-    status = 429
-    error_type = "rate_limit_error"
-    default_code = "rate_limit_exceeded"
+class RetryLaterError(ApiError):
+    """An error the client may retry after ``retry_after_s`` (the Retry-After header, whole
+    seconds, at least 1)."""
 
     def __init__(self, message: str, *, retry_after_s: float) -> None:
         super().__init__(message)
@@ -117,7 +114,15 @@ class OverloadedError(ApiError):
         return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
 
 
-class ServiceUnavailableError(ApiError):
+class OverloadedError(RetryLaterError):
+    """429: the mesh has no room now; the client should retry after ``retry_after_s``."""
+
+    status = 429
+    error_type = "rate_limit_error"
+    default_code = "rate_limit_exceeded"
+
+
+class ServiceUnavailableError(RetryLaterError):
     """503: a part of the mesh the request needs is missing (no registry, no decode worker)."""
 
     status = 503
@@ -125,11 +130,7 @@ class ServiceUnavailableError(ApiError):
     default_code = "service_unavailable"
 
     def __init__(self, message: str, *, retry_after_s: float = 1.0) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-
-    def headers(self) -> dict[str, str]:
-        return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
+        super().__init__(message, retry_after_s=retry_after_s)
 
 
 class MeshError(ApiError):

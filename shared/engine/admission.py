@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Container
 from collections.abc import Sequence as Sequence_
+from dataclasses import dataclass
 from typing import Any
 
 from kvmesh.shared.engine import choices, handoff
@@ -26,24 +27,16 @@ from kvmesh.shared.text.sampling import SamplingOptions, TokenLogprobs
 from kvmesh.shared.text.structured_output import StructuredOutputError
 
 
+@dataclass(eq=False)
 class Admission:
     """An engine's admission rules over its vocabulary, length limit and KV pool."""
 
-    def __init__(
-        self,
-        tokenizer: TokenDecoder | None,
-        grammars: GrammarBook | None,
-        vocab_size: int,
-        max_model_len: int,
-        block_manager: BlockManager,
-        kv_pool: KVPool,
-    ) -> None:
-        self.tokenizer = tokenizer
-        self.grammars = grammars
-        self.vocab_size = vocab_size
-        self.max_model_len = max_model_len
-        self.block_manager = block_manager
-        self.kv_pool = kv_pool
+    tokenizer: TokenDecoder | None
+    grammars: GrammarBook | None
+    vocab_size: int
+    max_model_len: int
+    block_manager: BlockManager
+    kv_pool: KVPool
 
     def check_prompt(self, request_id: str, prompt_ids: list[int], in_use: Container[str]) -> None:
         """RequestError unless the id is free (not in ``in_use``) and the prompt fits."""

@@ -19,7 +19,7 @@ goes in queue order, stops at a held sequence until ``unhold``.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvmesh.shared.engine.block_manager import BlockManager
 from kvmesh.shared.engine.sequence import Sequence, SequenceStatus
@@ -35,23 +35,19 @@ class ScheduledBatch:
         return sum(self.num_new_tokens)
 
 
+@dataclass(eq=False)
 class Scheduler:
-    def __init__(
-        self,
-        block_manager: BlockManager,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
-        reserve_output_tokens: int = 0,
-    ) -> None:
-        self.block_manager = block_manager
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.reserve_output_tokens = reserve_output_tokens
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
-        self.num_preemptions = 0
-        self.preempted: list[Sequence] = []  # preempted by the last schedule(), in order
-        self._held: set[str] = set()  # request ids kept from admission (hold)
+    block_manager: BlockManager
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    reserve_output_tokens: int = 0
+    waiting: deque[Sequence] = field(default_factory=deque, init=False)
+    running: list[Sequence] = field(default_factory=list, init=False)
+    num_preemptions: int = field(default=0, init=False)
+    # preempted by the last schedule(), in order
+    preempted: list[Sequence] = field(default_factory=list, init=False)
+    # request ids kept from admission (hold)
+    _held: set[str] = field(default_factory=set, init=False)
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING

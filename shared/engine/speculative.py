@@ -64,24 +64,16 @@ class SpecTotals:
         self.verify_time_s += step.verify_time_s
 
 
+@dataclass(eq=False)
 class DraftVerifier:
     """Scores, accepts and rolls back draft tokens of an engine's sequences, in its KV cache."""
 
-    def __init__(
-        self,
-        block_manager: BlockManager,
-        kv_pool: KVPool,
-        runner: ModelRunner,
-        tokenizer: TokenDecoder | None,
-        max_seq_len: int,
-        vocab_size: int,
-    ) -> None:
-        self.block_manager = block_manager
-        self.kv_pool = kv_pool
-        self.runner = runner
-        self.tokenizer = tokenizer
-        self.max_seq_len = max_seq_len
-        self.vocab_size = vocab_size
+    block_manager: BlockManager
+    kv_pool: KVPool
+    runner: ModelRunner
+    tokenizer: TokenDecoder | None
+    max_seq_len: int
+    vocab_size: int
 
     def score(
         self, seqs: list[Sequence], drafts: Mapping[str, list[int]]

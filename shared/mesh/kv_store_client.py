@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import torch
@@ -81,6 +81,24 @@ class LocalBlock:
     offset: int  # byte offset in the pool region
 
 
+def local_blocks(
+    pool: KVPool,
+    kv_spec: str,
+    token_ids: Sequence[int],
+    hashes: Sequence[int],
+    block_ids: Sequence[int],
+    first: int = 0,
+) -> list[LocalBlock]:
+    """Pool blocks ``block_ids`` holding full blocks ``first``, ``first + 1``, ... of
+    ``token_ids``, named by ``hashes`` (the chain's from ``first`` on)."""
+    num_blocks = first + len(block_ids)
+    digests = token_digests(token_ids, pool.spec.block_size, kv_spec, num_blocks)[first:]
+    return [
+        LocalBlock(h, d, pool.block_offset(b))
+        for h, d, b in zip(hashes, digests, block_ids, strict=True)
+    ]
+
+
 @dataclass(frozen=True, slots=True)
 class PutResult:
     ok: bool
@@ -98,35 +116,26 @@ class GetResult:
     error: str = ""  # why fewer than offered were used, or why the get failed
 
 
+@dataclass(eq=False)
 class KvStoreClient:
     """Puts and gets for one pool ``pool`` (flat uint8) registered as ``region`` on
     ``transport``. Operations take turns on the header buffer (one at a time per client)."""
 
-    def __init__(
-        self,
-        nc: Client,
-        subjects: Subjects,
-        transport: Transport,
-        pool: torch.Tensor,
-        region: MemoryRegion,
-        block_bytes: int,
-        client_id: str,
-        request_timeout_s: float = 5.0,
-        lease_ms: int = 30_000,
-    ) -> None:
-        self.nc = nc
-        self.subjects = subjects
-        self.transport = transport
-        self.pool = pool
-        self.region = region
-        self.block_bytes = block_bytes
-        self.client_id = client_id
-        self.request_timeout_s = request_timeout_s
-        self.lease_ms = lease_ms
-        self._headers = transport.allocate(MAX_STORE_BLOCKS * HEADER_BYTES)
-        self._header_region = transport.register(self._headers, Access.LOCAL)
-        self._endpoints: dict[str, Endpoint] = {}
-        self._turn = asyncio.Lock()
+    nc: Client
+    subjects: Subjects
+    transport: Transport
+    pool: torch.Tensor
+    region: MemoryRegion
+    block_bytes: int
+    client_id: str
+    request_timeout_s: float = 5.0
+    lease_ms: int = 30_000
+    _endpoints: dict[str, Endpoint] = field(default_factory=dict, init=False)
+    _turn: asyncio.Lock = field(default_factory=asyncio.Lock, init=False)
+
+    def __post_init__(self) -> None:
+        self._headers = self.transport.allocate(MAX_STORE_BLOCKS * HEADER_BYTES)
+        self._header_region = self.transport.register(self._headers, Access.LOCAL)
 
     @classmethod
     def for_pool(
@@ -396,12 +405,7 @@ async def put_pinned(
     """Put pinned blocks into ``store``, then unpin them (under ``lock``, the engine's), whatever
     the put's outcome. Raises what the put raises."""
     try:
-        bs = pool.spec.block_size
-        digests = token_digests(pinned.token_ids, bs, kv_spec, len(pinned.block_ids))
-        blocks = [
-            LocalBlock(h, d, pool.block_offset(b))
-            for h, d, b in zip(pinned.hashes, digests, pinned.block_ids, strict=True)
-        ]
+        blocks = local_blocks(pool, kv_spec, pinned.token_ids, pinned.hashes, pinned.block_ids)
         return await client.put(store, kv_spec, blocks)
     finally:
         async with lock:

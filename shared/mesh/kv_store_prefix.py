@@ -16,10 +16,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvmesh.shared.engine.block_manager import BlockManager
-from kvmesh.shared.kv.kv_block_header import token_digests
 from kvmesh.shared.kv.kv_cache import KVPool
 from kvmesh.shared.kv.prefix_hash import reusable_prefix_hashes
-from kvmesh.shared.mesh.kv_store_client import KvStoreClient, LocalBlock, StoreBook, StoreTarget
+from kvmesh.shared.mesh.kv_store_client import KvStoreClient, StoreBook, StoreTarget, local_blocks
 from kvmesh.shared.obs import logs
 
 log = logs.get_logger(__name__)
@@ -71,11 +70,7 @@ async def fetch_prefix(
             block_manager.free_blocks(list(pinned))
             return None
         block_ids = block_manager.allocate_blocks(want)
-    digests = token_digests(token_ids, bs, kv_spec, len(hashes))[first:]
-    blocks = [
-        LocalBlock(h, d, pool.block_offset(b))
-        for h, d, b in zip(hashes[first:], digests, block_ids, strict=True)
-    ]
+    blocks = local_blocks(pool, kv_spec, token_ids, hashes[first:], block_ids, first)
     tokens = [tuple(token_ids[i * bs : (i + 1) * bs]) for i in range(first, len(hashes))]
     try:
         result = await client.get(store, kv_spec, blocks)
@@ -97,25 +92,18 @@ def adopt_fetched(block_manager: BlockManager, fetched: Fetched) -> int:
     return n * block_manager.block_size
 
 
+@dataclass(eq=False)
 class PrefixReader:
     """One engine's reads of prompt prefixes from the store ``stores`` picks (prefill workers
     before a job, decode workers before a local prefill): ``fetch`` without the engine lock held
     across I/O, then ``adopt`` under it right before the request is added. A store whose get
     failed is forgotten until its next advert."""
 
-    def __init__(
-        self,
-        client: KvStoreClient,
-        stores: StoreBook,
-        kv_spec: str,
-        block_manager: BlockManager,
-        pool: KVPool,
-    ) -> None:
-        self.client = client
-        self.stores = stores
-        self.kv_spec = kv_spec
-        self.block_manager = block_manager
-        self.pool = pool
+    client: KvStoreClient
+    stores: StoreBook
+    kv_spec: str
+    block_manager: BlockManager
+    pool: KVPool
 
     async def fetch(self, token_ids: Sequence[int], lock: asyncio.Lock) -> Fetched | None:
         """``fetch_prefix`` from the chosen store; None: no store, nothing to read, no room."""
