@@ -78,7 +78,7 @@ def _receiver_main(conn: Any, pool_bytes: int) -> None:
             mem = rx.allocate(pool_bytes)
             region = rx.register(mem, Access.REMOTE_WRITE)
             window = rx.open_window(region, [(region.addr, region.length)])
-            conn.send((rx.descriptor().to_dict(), window.rkey, region.addr))
+            conn.send((rx.descriptor(), window.rkey, region.addr))
             completions = 0
             while not conn.poll():
                 while rx.completion_queue.get_nowait() is not None:
@@ -158,7 +158,6 @@ def run(args: argparse.Namespace) -> int:
     import multiprocessing as mp
 
     import torch
-    from kvmesh.shared.transport import PeerDescriptor
     from kvmesh.shared.transport.lane_auth import parse_secret
 
     torch.set_num_threads(1)
@@ -168,10 +167,9 @@ def run(args: argparse.Namespace) -> int:
     receiver.start()
     hostile = None
     try:
-        desc_dict, rkey, addr = rx_conn.recv()
-        desc = PeerDescriptor.from_dict(desc_dict)
-        secret = parse_secret(desc.backends["tcp"]["secret"])
-        port = int(desc.backends["tcp"]["port"])
+        desc, rkey, addr = rx_conn.recv()  # a TransportDescriptor (pickled)
+        tcp = desc.backend("tcp")
+        secret, port = parse_secret(tcp.secret), tcp.port
         quiet = asyncio.run(_phase(args, desc, rkey, addr))
         h_conn, h_child = ctx.Pipe()
         hostile = ctx.Process(

@@ -24,7 +24,6 @@ from kvmesh.shared.bus.protocol import (
     DraftKvReserveReply,
     PrefillDone,
 )
-from kvmesh.shared.kv.descriptor import TransportDescriptor
 from kvmesh.shared.kv.imm import imm_slot, unpack_imm
 from kvmesh.shared.kv.prefix_hash import prefix_block_hashes
 from kvmesh.shared.model.identity import kv_spec_fingerprint
@@ -85,7 +84,7 @@ class PromptKvReceiver:
         self.table = PromptKvTable(quarantine_s)
         self.block_bytes = engine.kv_pool.spec.block_bytes
         self.block_size = engine.kv_pool.spec.block_size
-        self.descriptor = TransportDescriptor.from_peer(transport.descriptor().public())
+        self.descriptor = transport.descriptor().public()
         self._clock = clock
 
     def _refuse(self, error: str) -> DraftKvReserveReply:

@@ -15,13 +15,13 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import torch
+from kvmesh.shared.kv.descriptor import TransportDescriptor
 from kvmesh.shared.transport.base import (
     Access,
     Buffer,
     Endpoint,
     MemoryRegion,
     MemoryWindow,
-    PeerDescriptor,
     Transport,
     TransportStats,
     local_host_id,
@@ -57,30 +57,30 @@ def available_backends() -> dict[str, tuple[bool, str]]:
     return {"rdma": rdma_status(), "shm": shm_status(), "tcp": (True, "ok")}
 
 
-def shm_reachable(remote: PeerDescriptor) -> bool:
-    info = remote.backends.get("shm")
+def shm_reachable(remote: TransportDescriptor) -> bool:
+    info = remote.backend("shm")
     if info is None or remote.host_id != local_host_id():
         return False
     try:
-        table = os.path.join(SHM_DIR, check_segment_name(info.get("table")))
-        check_socket_path(info.get("socket"))
+        table = os.path.join(SHM_DIR, check_segment_name(info.table))
+        check_socket_path(info.socket)
     except PeerUnreachableError:
         return False
     return os.path.exists(table)
 
 
-def select_backend(local: PeerDescriptor, remote: PeerDescriptor) -> str:
+def select_backend(local: TransportDescriptor, remote: TransportDescriptor) -> str:
     """The best backend both descriptors offer; raises PeerUnreachableError if none."""
+    ours, theirs = local.backend_names, remote.backend_names
     for name in BACKENDS:
-        if name not in local.backends or name not in remote.backends:
+        if name not in ours or name not in theirs:
             continue
         if name == "shm" and not shm_reachable(remote):
             continue
         return name
     raise PeerUnreachableError(
-        f"no common backend: this peer offers {sorted(local.backends)}, peer {remote.peer_id} "
-        f"offers {sorted(remote.backends)}"
-        + (" (shm needs the same host)" if "shm" in remote.backends else "")
+        f"no common backend: this peer offers {sorted(ours)}, peer {remote.peer_id} "
+        f"offers {sorted(theirs)}" + (" (shm needs the same host)" if "shm" in theirs else "")
     )
 
 
@@ -192,25 +192,26 @@ class AutoTransport:
         elif window.enforced:
             self._registry.close_window(window)
 
-    def descriptor(self) -> PeerDescriptor:
-        backends: dict[str, Any] = {}
-        for name, backend in self._backends.items():
-            if name == "shm" and not backend.serves_all_regions:
-                continue  # memory not from allocate(): peers on this host must use tcp
-            backends.update(backend.descriptor().backends)
-        return PeerDescriptor(
+    def descriptor(self) -> TransportDescriptor:
+        parts = tuple(
+            backend.backend_info()
+            for name, backend in self._backends.items()
+            # memory not from allocate(): peers on this host must use tcp
+            if name != "shm" or backend.serves_all_regions
+        )
+        return TransportDescriptor(
             peer_id=self.peer_id,
             host_id=local_host_id(),
-            backends=backends,
+            backends=parts,
             regions=tuple(self._registry.regions(Access.REMOTE_WRITE)),
         )
 
-    async def connect(self, descriptor: PeerDescriptor) -> Endpoint:
+    async def connect(self, descriptor: TransportDescriptor) -> Endpoint:
         name = select_backend(self.descriptor(), descriptor)
         try:
             return await self._backends[name].connect(descriptor)
         except PeerUnreachableError:
-            if name == "tcp" or "tcp" not in descriptor.backends:
+            if name == "tcp" or descriptor.backend("tcp") is None:
                 raise
             return await self._backends["tcp"].connect(descriptor)
 
