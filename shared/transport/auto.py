@@ -11,17 +11,15 @@ import asyncio
 import dataclasses
 import importlib
 import os
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from typing import Any
 
 import torch
 from kvmesh.shared.kv.descriptor import TransportDescriptor
+from kvmesh.shared.transport.backend import KeyDelegate
 from kvmesh.shared.transport.base import (
     Access,
-    Buffer,
     Endpoint,
-    MemoryRegion,
-    MemoryWindow,
     Transport,
     TransportStats,
     local_host_id,
@@ -109,7 +107,7 @@ def create_transport(name: str = "auto", config: TransportConfig | None = None) 
     raise ValueError(f"unknown transport {name!r}; choose auto, shm, tcp or rdma")
 
 
-class AutoTransport:
+class AutoTransport(KeyDelegate):
     """Every available backend over one registry and one completion queue."""
 
     name = "auto"
@@ -130,6 +128,9 @@ class AutoTransport:
         if shm_status()[0]:
             self._backends["shm"] = ShmTransport(config, strict=False, **shared)
         self._backends["tcp"] = TcpTransport(config, **shared)
+        # rdma, where there is one, keeps the keys: it registers memory with its NIC (hardware
+        # keys) and binds memory windows, mirroring both into the registry for shm/tcp peers
+        self._keys = self._backends.get("rdma", self._registry)
 
     @property
     def peer_id(self) -> str:
@@ -163,34 +164,6 @@ class AutoTransport:
     def allocate(self, nbytes: int) -> torch.Tensor:
         # shm segments also serve tcp (recv_into) and can be registered for rdma
         return self._primary("shm", "tcp").allocate(nbytes)
-
-    def register(self, memory: Buffer, access: Access = Access.LOCAL) -> MemoryRegion:
-        if "rdma" in self._backends:  # hardware keys: rdma registers into the shared registry
-            return self._backends["rdma"].register(memory, access)
-        return self._registry.register(memory, access)
-
-    def deregister(self, region: MemoryRegion) -> None:
-        if "rdma" in self._backends:
-            self._backends["rdma"].deregister(region)
-        else:
-            self._registry.deregister(region)
-
-    def open_window(
-        self,
-        region: MemoryRegion,
-        spans: Sequence[tuple[int, int]],
-        access: Access = Access.REMOTE_WRITE,
-    ) -> MemoryWindow:
-        if "rdma" in self._backends:  # rdma binds memory windows for it, and mirrors the
-            # window into the registry for shm/tcp peers
-            return self._backends["rdma"].open_window(region, spans, access)
-        return self._registry.open_window(region, spans, access)
-
-    def close_window(self, window: MemoryWindow) -> None:
-        if "rdma" in self._backends:  # its memory windows, and the registry's entry
-            self._backends["rdma"].close_window(window)
-        elif window.enforced:
-            self._registry.close_window(window)
 
     def descriptor(self) -> TransportDescriptor:
         parts = tuple(

@@ -3,15 +3,16 @@ its regions, the queue its completions land in, its open endpoints, its descript
 backend's own typed part, ``backend_info``, and its remote regions) and the peer's part a
 ``connect`` reads, and ``async with`` (``start``; ``aclose`` closes the endpoints, then the
 backend's own ``_teardown``).
-``HostMemoryBackend`` adds what the backends over host memory share: regions and windows kept
-by the registry alone (rdma registers memory with its NIC instead). ``EndpointBase`` is what
+``KeyDelegate`` hands registrations and windows to whatever keeps a transport's keys:
+``HostMemoryBackend`` (shm, tcp) to its registry alone (rdma registers memory with its NIC
+instead), ``auto`` to its rdma backend where there is one. ``EndpointBase`` is what
 every backend's endpoint shares: the peer it reaches, ``async with``, and a once-only ``aclose``."""
 
 from __future__ import annotations
 
 import abc
 from collections.abc import AsyncIterator, Sequence
-from typing import Generic, Self, TypeVar
+from typing import TYPE_CHECKING, Generic, Self, TypeVar
 
 from kvmesh.shared.kv.descriptor import RdmaBackend, ShmBackend, TcpBackend, TransportDescriptor
 from kvmesh.shared.transport.base import (
@@ -27,6 +28,9 @@ from kvmesh.shared.transport.completions import Completion, CompletionQueue
 from kvmesh.shared.transport.config import TransportConfig
 from kvmesh.shared.transport.errors import PeerUnreachableError, TransportClosedError
 from kvmesh.shared.transport.registry import Registry
+
+if TYPE_CHECKING:
+    from kvmesh.shared.transport.rdma import RdmaTransport
 
 Part = TypeVar("Part", ShmBackend, TcpBackend, RdmaBackend)
 
@@ -123,12 +127,17 @@ class BackendBase(abc.ABC, Generic[Part]):
         await self.aclose()
 
 
-class HostMemoryBackend(BackendBase[Part]):
+class KeyDelegate:
+    """``register``, ``deregister``, ``open_window`` and ``close_window`` of a transport whose
+    keys another object keeps (``_keys``: a Registry, or an rdma backend)."""
+
+    _keys: Registry | RdmaTransport
+
     def register(self, memory: Buffer, access: Access = Access.LOCAL) -> MemoryRegion:
-        return self._registry.register(memory, access)
+        return self._keys.register(memory, access)
 
     def deregister(self, region: MemoryRegion) -> None:
-        self._registry.deregister(region)
+        self._keys.deregister(region)
 
     def open_window(
         self,
@@ -136,10 +145,19 @@ class HostMemoryBackend(BackendBase[Part]):
         spans: Sequence[tuple[int, int]],
         access: Access = Access.REMOTE_WRITE,
     ) -> MemoryWindow:
-        return self._registry.open_window(region, spans, access)
+        return self._keys.open_window(region, spans, access)
 
     def close_window(self, window: MemoryWindow) -> None:
-        self._registry.close_window(window)
+        """Later accesses with the window's key are refused; closing twice is a no-op."""
+        self._keys.close_window(window)
+
+
+class HostMemoryBackend(KeyDelegate, BackendBase[Part]):
+    """A backend over host memory: its registry keeps its keys."""
+
+    @property
+    def _keys(self) -> Registry:
+        return self._registry
 
 
 class EndpointBase(abc.ABC):
