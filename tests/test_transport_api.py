@@ -198,6 +198,30 @@ def test_select_backend_prefers_rdma_then_reachable_shm_then_tcp(tmp_path) -> No
         select_backend(_desc(here, tcp), _desc("other-host", shm))
 
 
+def test_each_backend_reads_the_descriptor_part_its_name_tags() -> None:
+    from kvmesh.shared.kv.descriptor import backend_name
+    from kvmesh.shared.transport.rdma import RdmaTransport
+    from kvmesh.shared.transport.shm import ShmTransport
+    from kvmesh.shared.transport.tcp import TcpTransport
+
+    parts = {"shm": ShmBackend("/x", "t"), "tcp": TCP, "rdma": RDMA}
+    for kind in (ShmTransport, TcpTransport, RdmaTransport):
+        assert backend_name(parts[kind.name]) == kind.name and isinstance(
+            parts[kind.name], kind.part
+        )
+
+
+async def test_connect_to_a_peer_without_the_backend_says_what_it_offers() -> None:
+    from kvmesh.shared.transport.tcp import TcpTransport
+
+    shm_only = _desc("other-host", ShmBackend("/x", "kvmesh-1-deadbeef-table"))
+    async with TcpTransport(TransportConfig()) as tx:
+        with pytest.raises(
+            PeerUnreachableError, match=r"offers no tcp backend \(it offers \['shm'\]\)"
+        ):
+            await tx.connect(shm_only)
+
+
 def test_transport_config_is_frozen() -> None:
     cfg = TransportConfig()
     with pytest.raises(dataclasses.FrozenInstanceError):

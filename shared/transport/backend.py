@@ -1,12 +1,13 @@
 """What every transport backend shares (shm, tcp, rdma): its config and peer id, the registry of
 its regions, the queue its completions land in, its open endpoints, its descriptor (the
-backend's own typed part, ``backend_info``, and its remote regions) and the peer's part a
-``connect`` reads, and ``async with`` (``start``; ``aclose`` closes the endpoints, then the
-backend's own ``_teardown``).
+backend's own typed part, ``backend_info()``, with its remote regions), the peer's part that
+``connect`` reads (``peer_part``), and ``async with`` (``start``; ``aclose`` closes the
+endpoints, then the backend's own ``_teardown``).
+
 ``KeyDelegate`` hands registrations and windows to whatever keeps a transport's keys:
-``HostMemoryBackend`` (shm, tcp) to its registry alone (rdma registers memory with its NIC
-instead), ``auto`` to its rdma backend where there is one. ``EndpointBase`` is what
-every backend's endpoint shares: the peer it reaches, ``async with``, and a once-only ``aclose``."""
+``HostMemoryBackend`` (shm, tcp) to its registry (rdma registers memory with its NIC instead),
+``auto`` to its rdma backend where there is one. ``EndpointBase`` is what every backend's
+endpoint shares: the peer it reaches, ``async with``, and a once-only ``aclose``."""
 
 from __future__ import annotations
 
