@@ -20,7 +20,10 @@ import json
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvmesh.shared.kv.descriptor import TransportDescriptor
 
 
 def register_hostile(sub: Any) -> argparse.ArgumentParser:
@@ -122,7 +125,9 @@ def _hostile_main(conn: Any, port: int, secret: bytes, total: int, addr: int) ->
     asyncio.run(main())
 
 
-async def _phase(args: argparse.Namespace, desc: Any, rkey: int, addr: int) -> Phase:
+async def _phase(
+    args: argparse.Namespace, desc: TransportDescriptor, rkey: int, addr: int
+) -> Phase:
     import torch
     from kvmesh.shared.transport import TransportConfig, TransportError, WriteEntry
     from kvmesh.shared.transport.tcp import TcpTransport
