@@ -20,7 +20,10 @@ import json
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvmesh.shared.kv.descriptor import TransportDescriptor
 
 
 def register_hostile(sub: Any) -> argparse.ArgumentParser:
@@ -78,7 +81,7 @@ def _receiver_main(conn: Any, pool_bytes: int) -> None:
             mem = rx.allocate(pool_bytes)
             region = rx.register(mem, Access.REMOTE_WRITE)
             window = rx.open_window(region, [(region.addr, region.length)])
-            conn.send((rx.descriptor().to_dict(), window.rkey, region.addr))
+            conn.send((rx.descriptor(), window.rkey, region.addr))
             completions = 0
             while not conn.poll():
                 while rx.completion_queue.get_nowait() is not None:
@@ -122,7 +125,9 @@ def _hostile_main(conn: Any, port: int, secret: bytes, total: int, addr: int) ->
     asyncio.run(main())
 
 
-async def _phase(args: argparse.Namespace, desc: Any, rkey: int, addr: int) -> Phase:
+async def _phase(
+    args: argparse.Namespace, desc: TransportDescriptor, rkey: int, addr: int
+) -> Phase:
     import torch
     from kvmesh.shared.transport import TransportConfig, TransportError, WriteEntry
     from kvmesh.shared.transport.tcp import TcpTransport
@@ -158,7 +163,6 @@ def run(args: argparse.Namespace) -> int:
     import multiprocessing as mp
 
     import torch
-    from kvmesh.shared.transport import PeerDescriptor
     from kvmesh.shared.transport.lane_auth import parse_secret
 
     torch.set_num_threads(1)
@@ -168,10 +172,9 @@ def run(args: argparse.Namespace) -> int:
     receiver.start()
     hostile = None
     try:
-        desc_dict, rkey, addr = rx_conn.recv()
-        desc = PeerDescriptor.from_dict(desc_dict)
-        secret = parse_secret(desc.backends["tcp"]["secret"])
-        port = int(desc.backends["tcp"]["port"])
+        desc, rkey, addr = rx_conn.recv()  # a TransportDescriptor (pickled)
+        tcp = desc.backend("tcp")
+        secret, port = parse_secret(tcp.secret), tcp.port
         quiet = asyncio.run(_phase(args, desc, rkey, addr))
         h_conn, h_child = ctx.Pipe()
         hostile = ctx.Process(

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import multiprocessing as mp
 import socket
 import time
@@ -17,12 +16,19 @@ import zlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import torch
 from kvmesh.loadgen.bench_xfer import BLOCK_BYTES, Plan, Result
 from kvmesh.shared.kv.kv_cache import KVCacheSpec, KVPool
 
 if TYPE_CHECKING:
-    from kvmesh.shared.transport import Access, MemoryRegion, PeerDescriptor, Transport, WriteEntry
+    from kvmesh.shared.transport import (
+        Access,
+        MemoryRegion,
+        Transport,
+        TransportDescriptor,
+        WriteEntry,
+    )
 
 SPEC = KVCacheSpec(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, dtype=torch.bfloat16)
 assert SPEC.block_bytes == BLOCK_BYTES, (SPEC.block_bytes, BLOCK_BYTES)
@@ -96,8 +102,8 @@ def exposed_pool(t: Transport, conn: Any, plan: Plan, access: Access) -> Iterato
     # peers get a window's key, as from a decode worker (on rdma with memory windows the
     # region's own key opens nothing); one span, so the check costs what it did
     window = t.open_window(region, [(region.addr, region.length)], access)
-    target = dataclasses.replace(region, rkey=window.rkey)
-    conn.send(("ready", (t.descriptor().to_dict(), target.to_dict())))
+    target = msgspec.structs.replace(region, rkey=window.rkey)
+    conn.send(("ready", (t.descriptor(), target)))  # typed values, pickled
     yield pool
     t.close_window(window)
     t.deregister(region)
@@ -191,12 +197,10 @@ def _expect(conn: Any, tag: str) -> Any:
     return (payload, *rest) if rest else payload
 
 
-async def expect_target(conn: Any) -> tuple[PeerDescriptor, MemoryRegion]:
+async def expect_target(conn: Any) -> tuple[TransportDescriptor, MemoryRegion]:
     """The peer's descriptor and the window over its pool, from its "ready" (``exposed_pool``)."""
-    from kvmesh.shared.transport import MemoryRegion, PeerDescriptor
-
     desc, region = await asyncio.to_thread(_expect, conn, "ready")
-    return PeerDescriptor.from_dict(desc), MemoryRegion.from_dict(region)
+    return desc, region
 
 
 def block_entries(

@@ -64,8 +64,8 @@ async def test_tcp_descriptor_carries_the_advertise_host():
     bind, _ = config.transport_hosts()
     tconf = TransportConfig(tcp_host=bind, tcp_advertise_host="localhost")
     async with create_transport("tcp", tconf) as transport:
-        assert transport.descriptor().backends["tcp"]["host"] == "localhost"
+        assert transport.descriptor().backend("tcp").host == "localhost"
     async with create_transport("tcp", TransportConfig(tcp_host="0.0.0.0")) as transport:
-        host = transport.descriptor().backends["tcp"]["host"]
+        host = transport.descriptor().backend("tcp").host
         check_advertise_host(host)  # a dialable address, not the host name
         assert host[0].isdigit()

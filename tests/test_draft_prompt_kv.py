@@ -255,7 +255,6 @@ async def _mesh_in_process(tiny, small_draft=None):
     from kvmesh.services.prefill.endpoints import EndpointCache
     from kvmesh.shared.engine.config import EngineConfig
     from kvmesh.shared.engine.llm_engine import LLMEngine
-    from kvmesh.shared.kv.descriptor import TransportDescriptor
     from kvmesh.shared.model.identity import kv_spec_fingerprint
     from kvmesh.shared.transport import Access, TransportConfig, create_transport
     from support.transport_wire import remote as remote_key
@@ -293,7 +292,7 @@ async def _mesh_in_process(tiny, small_draft=None):
             hooks=[draft_kv],
             lock=lock,
         )
-        peer = TransportDescriptor.from_peer(decode_side.descriptor())
+        peer = decode_side.descriptor()
         worker.adverts.note(
             protocol.DecodeAdvert(
                 worker_id="d0",

@@ -14,6 +14,7 @@ import multiprocessing as mp
 import os
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 from kvmesh.kernels.kv_pack import reshard_plan
@@ -23,9 +24,9 @@ from kvmesh.shared.transport import (
     Access,
     LocalAccessError,
     MemoryRegion,
-    PeerDescriptor,
     Transport,
     TransportConfig,
+    TransportDescriptor,
     WriteEntry,
     create_transport,
 )
@@ -423,7 +424,7 @@ async def _prefill_rank(
         pool = KVPool(spec, 6, buffer=tx.allocate(6 * spec.block_bytes))
         pool.tensor.copy_(_shards(_full_kv(seed, 6, src_bs, E2E_DTYPE), src_tp)[rank])
         pool_region = tx.register(pool.raw)
-        peers = [PeerDescriptor.from_dict(d["peer"]) for d in dests]
+        peers = [msgspec.json.decode(d["peer"], type=TransportDescriptor) for d in dests]
         dst_spec = _spec(HEADS // len(dests), dests[0]["block_size"], E2E_DTYPE)
         destinations = [KVDestination(dst_spec, d["rkey"], tuple(d["addrs"])) for d in dests]
         need = staging_bytes(spec, len(E2E_SRC_IDS), destinations, src_rank=rank, src_tp=src_tp)
@@ -441,7 +442,7 @@ async def _prefill_rank(
         if staging_mem is not None:
             run_packs(plan, pool, staging_mem)
 
-        async def write(peer: PeerDescriptor, entries: tuple[WriteEntry, ...]) -> None:
+        async def write(peer: TransportDescriptor, entries: tuple[WriteEntry, ...]) -> None:
             async with await tx.connect(peer) as ep:
                 await ep.write(entries, pack_imm(rank, 0))
 
@@ -487,7 +488,7 @@ async def _reshard_end_to_end(
         ranks = [_decode_rank(rx, dst_tp, dst_bs) for rx in receivers]
         dests = [
             {
-                "peer": rx.descriptor().to_dict(),
+                "peer": msgspec.json.encode(rx.descriptor()),  # as over NATS
                 "rkey": region.rkey,
                 "addrs": [dec.pool.block_addr(b) for b in dst_ids],
                 "block_size": dst_bs,

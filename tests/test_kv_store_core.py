@@ -193,12 +193,9 @@ def test_store_layout_of_the_tiny_model_is_the_decode_engines_kv_spec(kv_cache_d
 
 def test_registry_store_table_reports_hit_rate_and_drops_silent_stores() -> None:
     from kvmesh.shared.bus.protocol import StoreAdvert
-    from kvmesh.shared.kv.descriptor import TransportDescriptor
-    from kvmesh.shared.transport.base import PeerDescriptor
+    from kvmesh.shared.kv.descriptor import TcpBackend, TransportDescriptor
 
-    desc = TransportDescriptor.from_peer(
-        PeerDescriptor("s", "h", {"tcp": {"host": "x", "port": 1, "secret": "ab" * 32}})
-    )
+    desc = TransportDescriptor("s", "h", (TcpBackend("x", 1, "ab" * 32),))
 
     def advert(epoch: str, hits: int, misses: int) -> StoreAdvert:
         return StoreAdvert(
@@ -217,13 +214,10 @@ def test_registry_store_table_reports_hit_rate_and_drops_silent_stores() -> None
 
 def test_store_book_picks_the_lowest_ready_store_of_its_layout_heard_of_lately() -> None:
     from kvmesh.shared.bus.protocol import StoreAdvert
-    from kvmesh.shared.kv.descriptor import TransportDescriptor
+    from kvmesh.shared.kv.descriptor import TcpBackend, TransportDescriptor
     from kvmesh.shared.mesh.kv_store_client import StoreBook
-    from kvmesh.shared.transport.base import PeerDescriptor
 
-    desc = TransportDescriptor.from_peer(
-        PeerDescriptor("s", "h", {"tcp": {"host": "x", "port": 1, "secret": "ab" * 32}})
-    )
+    desc = TransportDescriptor("s", "h", (TcpBackend("x", 1, "ab" * 32),))
 
     def advert(store_id: str, kv_spec: str = "spec", block_bytes: int = 64, state: str = "ready"):
         return StoreAdvert(

@@ -43,7 +43,6 @@ from kvmesh.shared.transport import (
     WriteEntry,
     create_transport,
 )
-from kvmesh.shared.transport.base import PeerDescriptor
 
 pytestmark = pytest.mark.slow  # kv-store processes
 
@@ -143,9 +142,7 @@ class Client:
         self.region = self.t.register(self.pool, Access.LOCAL)
         self.client = KvStoreClient(self.nc, SUBJECTS, self.t, self.pool, self.region, bb, "test")
         self._stack.push_async_callback(self.client.aclose)
-        self.target = StoreTarget(
-            self.advert.store_id, PeerDescriptor.from_wire(self.advert.descriptor)
-        )
+        self.target = StoreTarget(self.advert.store_id, self.advert.descriptor)
         return self
 
     async def __aexit__(self, *exc: object) -> None:

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 from typing import Any
 
+import msgspec
 import pytest
 from kvmesh.services.decode.pending import PendingTable
 from kvmesh.services.decode.windows import LeaseWindows
@@ -22,13 +23,13 @@ from kvmesh.shared.kv.kv_cache import KVCacheSpec
 from kvmesh.shared.transport import (
     Access,
     MemoryWindow,
-    PeerDescriptor,
     RefusalReason,
     RemoteAccessError,
     TransportConfig,
     WriteEntry,
     create_transport,
 )
+from support.transport_wire import over_the_wire
 
 NUM_BLOCKS = 32
 
@@ -71,7 +72,7 @@ class Mesh:
         self.src.fill_(0x77)
         self.src_region = self.tx.register(self.src)
         public = self.rx.descriptor().public()
-        self.ep = await self.tx.connect(PeerDescriptor.from_dict(public.to_dict()))
+        self.ep = await self.tx.connect(over_the_wire(public))
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -116,8 +117,10 @@ async def test_each_lease_gets_its_own_key_and_the_region_key_is_not_advertised(
     async with Mesh(tiny) as m:
         a, b = await m.reserve("a"), await m.reserve("b")
         assert len({a.rkey, b.rkey, m.region.rkey}) == 3
-        public = m.rx.descriptor().public().to_dict()
-        assert public["regions"] == [] and str(m.region.rkey) not in repr(public)
+        public = m.rx.descriptor().public()
+        assert public.regions == () and str(m.region.rkey).encode() not in msgspec.json.encode(
+            public
+        )
         with pytest.raises(RemoteAccessError):  # the region's key is not a writer's key
             await m.write(a.block_ids[0], m.region.rkey ^ 0x5555, pack_imm(m.slot(a), 0))
 
@@ -269,7 +272,6 @@ class ForgeryMesh:
     async def __aenter__(self) -> ForgeryMesh:
         from kvmesh.services.prefill.endpoints import EndpointCache
         from kvmesh.services.prefill.worker import PrefillWorker
-        from kvmesh.shared.kv.descriptor import TransportDescriptor
         from support.fake_pyverbs import FakeVerbs
 
         self._stack = contextlib.AsyncExitStack()
@@ -298,7 +300,7 @@ class ForgeryMesh:
         self.prefill = PrefillWorker(
             penv, tx.register(penv.kv_pool.raw), endpoints, worker_id="p-victim", kv_spec="s"
         )
-        self.descriptor = TransportDescriptor.from_peer(public)
+        self.descriptor = over_the_wire(public)  # as the prefill worker hears it
         self.prefill.adverts.note(
             protocol.DecodeAdvert(
                 worker_id="d0",
@@ -322,7 +324,7 @@ class ForgeryMesh:
         self.src = self.ax.allocate(bb)
         self.src.fill_(0x66)
         self.src_region = self.ax.register(self.src)
-        self.attacker = await self.ax.connect(PeerDescriptor.from_dict(public.to_dict()))
+        self.attacker = await self.ax.connect(over_the_wire(public))
         self._stack.push_async_callback(self.attacker.aclose)
         return self
 

@@ -13,7 +13,6 @@ import pytest
 import torch
 from kvmesh.kernels.kv_pack import pack_converted
 from kvmesh.shared.bus import protocol
-from kvmesh.shared.kv.descriptor import TransportDescriptor
 from kvmesh.shared.model.identity import kv_spec_fingerprint
 from kvmesh.shared.text.sampling import SamplingOptions
 
@@ -63,7 +62,7 @@ async def _converting_prefill(tiny, prefill_dtype: str, decode_spec):
             protocol.DecodeAdvert(
                 worker_id="d0",
                 mode="disagg",
-                descriptor=TransportDescriptor.from_peer(decode_side.descriptor()),
+                descriptor=decode_side.descriptor(),
                 base_addr=region.addr,
                 block_bytes=decode_spec.block_bytes,
                 block_size=decode_spec.block_size,

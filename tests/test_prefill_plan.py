@@ -12,7 +12,6 @@ from kvmesh.services.prefill.plan import (
     WriteSpan,
 )
 from kvmesh.shared.bus import protocol
-from kvmesh.shared.kv.descriptor import TransportDescriptor
 from kvmesh.shared.kv.imm import imm_slot, unpack_imm
 
 BS, BB = 16, 1024  # block size in tokens, block bytes
@@ -138,7 +137,7 @@ async def _prefill_setup(tiny, num_remote_blocks=64, hooks=(), lock=None):
             hooks=hooks,
             lock=lock,
         )
-        peer = TransportDescriptor.from_peer(decode_side.descriptor())
+        peer = decode_side.descriptor()
         worker.adverts.note(_advert(peer, region, spec, "spec-a"))
         loop = asyncio.create_task(worker.run())
         try:

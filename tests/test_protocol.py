@@ -47,15 +47,9 @@ from kvmesh.shared.bus.protocol import (
     decode_message,
     encode_message,
 )
-from kvmesh.shared.kv.descriptor import (
-    RdmaBackend,
-    RegionInfo,
-    ShmBackend,
-    TcpBackend,
-    TransportDescriptor,
-)
+from kvmesh.shared.kv.descriptor import RdmaBackend, ShmBackend, TcpBackend, TransportDescriptor
+from kvmesh.shared.kv.region import Access, MemoryRegion
 from kvmesh.shared.text.sampling import SamplingOptions, TokenLogprobs
-from kvmesh.shared.transport.base import PeerDescriptor
 
 SECRET = "ab" * 32  # a tcp descriptor's lane secret (64 hex digits)
 
@@ -89,7 +83,7 @@ DESCRIPTOR = TransportDescriptor(
             secret=SECRET,
         ),
     ),
-    regions=(RegionInfo(addr=1 << 32, length=1 << 20, rkey=17, access=1, lkey=5),),
+    regions=(MemoryRegion(addr=1 << 32, length=1 << 20, rkey=17, access=1, lkey=5),),
 )
 
 JOB = PrefillJob("r1", (1, 2), SAMPLING, "d0", "L1", DESCRIPTOR, 77, (4096,), 4096, 1.5)
@@ -450,40 +444,54 @@ def test_descriptor_with_an_unknown_backend_or_bad_field_is_refused(change, matc
         decode_message(orjson.dumps(wire), PrefillJob)
 
 
-def test_descriptor_converts_to_and_from_the_transports_peer_descriptor():
-    from kvmesh.shared.transport.rdma_device import RdmaPeerInfo
+def test_descriptor_hands_each_backend_its_typed_part_and_regions():
+    assert DESCRIPTOR.backend_names == ("shm", "tcp", "rdma")
+    assert DESCRIPTOR.backend("tcp") == TcpBackend("10.0.0.2", 41234, SECRET, lanes=4)
+    rdma = DESCRIPTOR.backend("rdma")
+    assert rdma is not None and rdma.iova == {17: (4096, 1 << 40)} and rdma.memory_windows == 2
+    back = decode_message(encode_message(_with(DESCRIPTOR)), PrefillJob).descriptor
+    assert back == DESCRIPTOR
+    region = back.region(17)
+    assert (region.addr, region.lkey) == (1 << 32, 5) and region.access is Access.REMOTE_WRITE
 
-    peer = PeerDescriptor.from_wire(DESCRIPTOR)
-    assert set(peer.backends) == {"shm", "tcp", "rdma"}
-    assert peer.backends["tcp"] == {"host": "10.0.0.2", "port": 41234, "secret": SECRET, "lanes": 4}
-    rdma = RdmaPeerInfo.from_dict(peer.backends["rdma"])
-    assert rdma.iova == {17: (4096, 1 << 40)} and rdma.memory_windows == 2
-    assert peer.regions[0].rkey == 17 and int(peer.regions[0].access) == 1
-    assert TransportDescriptor.from_peer(peer) == DESCRIPTOR
+
+def test_public_descriptor_drops_region_keys_unless_rdma_binds_no_memory_windows():
+    assert DESCRIPTOR.public().regions == () and DESCRIPTOR.public().backends == DESCRIPTOR.backends
+    tcp_only = msgspec.structs.replace(DESCRIPTOR, backends=(DESCRIPTOR.backend("tcp"),))
+    assert tcp_only.public().regions == ()
+    no_mw = msgspec.structs.replace(DESCRIPTOR.backend("rdma"), memory_windows=0)
+    rdma_only = msgspec.structs.replace(DESCRIPTOR, backends=(no_mw,))
+    assert rdma_only.public() == rdma_only  # there a window's key is the region's own
 
 
-def test_descriptor_knows_every_field_of_the_rdma_peer_info():
-    from kvmesh.shared.transport.rdma_device import RdmaPeerInfo
+async def test_descriptor_of_a_real_rdma_transport_round_trips():
+    from kvmesh.shared.transport import TransportConfig
+    from kvmesh.shared.transport.rdma import RdmaTransport
+    from support.fake_pyverbs import FakeVerbs
 
-    info = RdmaPeerInfo("mlx5_0", 1, 3, "fe80::1", 1, 5, "10.0.0.2", 41235, {17: (1, 2)}, 1, SECRET)
-    assert {f.name for f in msgspec.structs.fields(RdmaBackend)} == set(info.to_dict())
-    backend = msgspec.convert({"backend": "rdma", **info.to_dict()}, RdmaBackend, strict=False)
-    assert RdmaPeerInfo.from_dict(msgspec.to_builtins(backend)) == info
+    async with RdmaTransport(TransportConfig(), verbs=FakeVerbs()) as transport:
+        transport.register(transport.allocate(4096), Access.REMOTE_WRITE)
+        descriptor = transport.descriptor()
+        assert descriptor.backend_names == ("rdma",) and len(descriptor.regions) == 1
+        assert (
+            decode_message(encode_message(_with(descriptor)), PrefillJob).descriptor == descriptor
+        )
 
 
 async def test_descriptor_of_real_tcp_and_shm_transports_round_trips():
-    from kvmesh.shared.transport import Access, TransportConfig
+    from kvmesh.shared.transport import TransportConfig
     from kvmesh.shared.transport.shm import ShmTransport
     from kvmesh.shared.transport.tcp import TcpTransport
 
     for kind in (TcpTransport, ShmTransport):
         async with kind(TransportConfig()) as transport:
             transport.register(transport.allocate(4096), Access.REMOTE_WRITE)
-            peer = transport.descriptor()
-            wire = TransportDescriptor.from_peer(peer)
-            assert len(wire.regions) == 1
-            assert decode_message(encode_message(_with(wire)), PrefillJob).descriptor == wire
-            assert PeerDescriptor.from_wire(wire) == peer
+            descriptor = transport.descriptor()
+            assert len(descriptor.regions) == 1
+            assert (
+                decode_message(encode_message(_with(descriptor)), PrefillJob).descriptor
+                == descriptor
+            )
 
 
 def _with(descriptor: TransportDescriptor) -> PrefillJob:

@@ -17,7 +17,6 @@ from kvmesh.services.prefill.plan import KVSpecMismatchError
 from kvmesh.shared.bus import protocol
 from kvmesh.shared.kv.descriptor import ShmBackend, TcpBackend, TransportDescriptor
 from kvmesh.shared.transport import Access, PeerUnreachableError, TransportConfig, WriteEntry
-from kvmesh.shared.transport.base import PeerDescriptor
 from kvmesh.shared.transport.shm import (
     SHM_DIR,
     TABLE_DTYPE,
@@ -30,16 +29,15 @@ from kvmesh.shared.transport.shm import (
 SECRET = "ab" * 32  # a tcp descriptor's lane secret (64 hex digits)
 
 
-def _forged(descriptor: PeerDescriptor, **shm: str) -> PeerDescriptor:
+def _forged(descriptor: TransportDescriptor, **shm: str) -> TransportDescriptor:
     """``descriptor`` with its shm part changed, as a peer would receive it: through a NATS
     message, where the schema takes the strings as data and the transport must refuse them."""
-    wire = TransportDescriptor.from_peer(descriptor)
-    forged = ShmBackend(**{**msgspec.structs.asdict(wire.backend("shm")), **shm})
+    forged = msgspec.structs.replace(descriptor.backend("shm"), **shm)
     heartbeat = protocol.encode_message(
-        _advert(descriptor=msgspec.structs.replace(wire, backends=(forged,), regions=()))
+        _advert(descriptor=msgspec.structs.replace(descriptor, backends=(forged,), regions=()))
     )
     advert = protocol.decode_message(heartbeat, protocol.DecodeAdvert)
-    return PeerDescriptor.from_wire(advert.descriptor)
+    return advert.descriptor
 
 
 @pytest.fixture

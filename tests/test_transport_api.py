@@ -6,9 +6,10 @@ import asyncio
 import dataclasses
 import os
 
-import orjson
+import msgspec
 import pytest
 import torch
+from kvmesh.shared.kv.descriptor import RdmaBackend, ShmBackend, TcpBackend
 from kvmesh.shared.transport import (
     Access,
     BackendUnavailableError,
@@ -16,12 +17,12 @@ from kvmesh.shared.transport import (
     CompletionQueue,
     LocalAccessError,
     MemoryRegion,
-    PeerDescriptor,
     PeerUnreachableError,
     RefusalReason,
     Registry,
     RemoteAccessError,
     TransportConfig,
+    TransportDescriptor,
     WriteEntry,
     auto,
     create_transport,
@@ -29,22 +30,47 @@ from kvmesh.shared.transport import (
     select_backend,
 )
 
+SECRET = "ab" * 32  # a lane secret (64 hex digits)
+TCP = TcpBackend("10.0.0.2", 4242, SECRET, lanes=4)
 
-def test_descriptor_roundtrips_through_orjson() -> None:
+
+def test_descriptor_roundtrips_through_json() -> None:
     region = MemoryRegion(
         addr=0x7F00_0000_0000, length=1 << 30, rkey=0xDEADBEEF, access=Access.REMOTE
     )
-    desc = PeerDescriptor(
+    desc = TransportDescriptor(
         peer_id="decode-0",
         host_id=local_host_id(),
-        backends={"tcp": {"host": "10.0.0.2", "port": 4242, "lanes": 4}, "shm": {"socket": "/x"}},
+        backends=(TCP, ShmBackend("/x", "kvmesh-1-deadbeef-table")),
         regions=(region,),
     )
-    back = PeerDescriptor.from_dict(orjson.loads(orjson.dumps(desc.to_dict())))
+    back = msgspec.json.decode(msgspec.json.encode(desc), type=TransportDescriptor)
     assert back == desc
-    assert back.region(0xDEADBEEF).access == Access.REMOTE
-    with pytest.raises(ValueError, match="malformed PeerDescriptor"):
-        PeerDescriptor.from_dict({"peer_id": "x"})
+    assert back.backend("tcp") == TCP and back.backend("rdma") is None
+    assert back.backend_names == ("tcp", "shm")
+    assert back.region(0xDEADBEEF).access is Access.REMOTE
+    with pytest.raises(KeyError, match="no region with rkey 7"):
+        back.region(7)
+    with pytest.raises(msgspec.ValidationError, match="missing required field `host_id`"):
+        msgspec.json.decode(b'{"peer_id": "x"}', type=TransportDescriptor)
+
+
+def test_descriptor_offering_a_backend_twice_is_refused() -> None:
+    wire = msgspec.json.encode(TransportDescriptor("p", "h", (TCP,)))
+    twice = wire.replace(b"[{", b"[" + msgspec.json.encode(TCP)[:-1] + b"},{", 1)
+    with pytest.raises(msgspec.ValidationError, match="each backend once"):
+        msgspec.json.decode(twice, type=TransportDescriptor)
+
+
+def test_region_access_outside_the_flags_is_refused_on_the_wire() -> None:
+    for access, match in ((4, "<= 3"), (-1, ">= 0")):
+        wire = f'{{"addr": 1, "length": 2, "rkey": 3, "access": {access}}}'.encode()
+        with pytest.raises(msgspec.ValidationError, match=match):
+            msgspec.json.decode(wire, type=MemoryRegion)
+    decoded = msgspec.json.decode(
+        b'{"addr": 1, "length": 2, "rkey": 3, "access": 1}', type=MemoryRegion
+    )
+    assert decoded.access is Access.REMOTE_WRITE
 
 
 def test_registry_refuses_unknown_rkey_bounds_access_and_closed() -> None:
@@ -137,8 +163,11 @@ def test_rdma_status_explains_itself() -> None:
     assert isinstance(ok, bool) and why
 
 
-def _desc(host_id: str, **backends: dict) -> PeerDescriptor:
-    return PeerDescriptor(peer_id=f"p-{host_id}", host_id=host_id, backends=backends)
+RDMA = RdmaBackend("mlx5_0", 1, 0, "fe80::1", 0, 5, "10.0.0.2", 4791)
+
+
+def _desc(host_id: str, *parts: ShmBackend | TcpBackend | RdmaBackend) -> TransportDescriptor:
+    return TransportDescriptor(peer_id=f"p-{host_id}", host_id=host_id, backends=parts)
 
 
 def test_select_backend_prefers_rdma_then_reachable_shm_then_tcp(tmp_path) -> None:
@@ -151,21 +180,46 @@ def test_select_backend_prefers_rdma_then_reachable_shm_then_tcp(tmp_path) -> No
     listener = socket.socket(socket.AF_UNIX)
     listener.bind(str(sock))
     table = f"kvmesh-{os.getpid()}-5e1ec7ed-table"  # not in /dev/shm yet: shm unreachable
-    tcp = {"host": "127.0.0.1", "port": 1, "lanes": 1}
-    shm = {"socket": str(sock), "table": table}
-    local = _desc(here, shm=shm, tcp=tcp, rdma={})
-    assert select_backend(local, _desc(here, rdma={}, tcp=tcp)) == "rdma"
-    assert select_backend(local, _desc(here, shm=shm, tcp=tcp)) == "tcp"  # table missing
+    tcp = TcpBackend("127.0.0.1", 1, SECRET)
+    shm = ShmBackend(str(sock), table)
+    local = _desc(here, shm, tcp, RDMA)
+    assert select_backend(local, _desc(here, RDMA, tcp)) == "rdma"
+    assert select_backend(local, _desc(here, shm, tcp)) == "tcp"  # table missing
     open(f"/dev/shm/{table}", "wb").close()
     try:
-        assert select_backend(local, _desc(here, shm=shm, tcp=tcp)) == "shm"
-        assert select_backend(local, _desc("other-host", shm=shm, tcp=tcp)) == "tcp"
+        assert select_backend(local, _desc(here, shm, tcp)) == "shm"
+        assert select_backend(local, _desc("other-host", shm, tcp)) == "tcp"
     finally:
         os.unlink(f"/dev/shm/{table}")
         listener.close()
-    assert select_backend(local, _desc(here, shm={**shm, "table": "../x"}, tcp=tcp)) == "tcp"
+    bad_table = msgspec.structs.replace(shm, table="../x")
+    assert select_backend(local, _desc(here, bad_table, tcp)) == "tcp"
     with pytest.raises(PeerUnreachableError, match="no common backend"):
-        select_backend(_desc(here, tcp=tcp), _desc("other-host", shm=shm))
+        select_backend(_desc(here, tcp), _desc("other-host", shm))
+
+
+def test_each_backend_reads_the_descriptor_part_its_name_tags() -> None:
+    from kvmesh.shared.kv.descriptor import backend_name
+    from kvmesh.shared.transport.rdma import RdmaTransport
+    from kvmesh.shared.transport.shm import ShmTransport
+    from kvmesh.shared.transport.tcp import TcpTransport
+
+    parts = {"shm": ShmBackend("/x", "t"), "tcp": TCP, "rdma": RDMA}
+    for kind in (ShmTransport, TcpTransport, RdmaTransport):
+        assert backend_name(parts[kind.name]) == kind.name and isinstance(
+            parts[kind.name], kind.part
+        )
+
+
+async def test_connect_to_a_peer_without_the_backend_says_what_it_offers() -> None:
+    from kvmesh.shared.transport.tcp import TcpTransport
+
+    shm_only = _desc("other-host", ShmBackend("/x", "kvmesh-1-deadbeef-table"))
+    async with TcpTransport(TransportConfig()) as tx:
+        with pytest.raises(
+            PeerUnreachableError, match=r"offers no tcp backend \(it offers \['shm'\]\)"
+        ):
+            await tx.connect(shm_only)
 
 
 def test_transport_config_is_frozen() -> None:

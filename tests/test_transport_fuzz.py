@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import os
 import random
 import selectors
@@ -48,6 +47,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -159,7 +159,7 @@ class Arena:
                 self.regions[slot.name] = region
                 continue
             window = transport.open_window(region, [(region.addr, region.length)], slot.access)
-            self.regions[slot.name] = dataclasses.replace(region, rkey=window.rkey)
+            self.regions[slot.name] = msgspec.structs.replace(region, rkey=window.rkey)
             if slot.retired:
                 transport.deregister(region)  # closes its window
                 self.retired.add(window.rkey)
@@ -1208,7 +1208,7 @@ async def shm_pair_with_region() -> tuple[ShmTransport, ShmTransport, torch.Tens
     mem = rx.allocate(4096)
     region = rx.register(mem, Access.REMOTE_WRITE)
     window = rx.open_window(region, [(region.addr, region.length)])
-    return rx, tx, mem, dataclasses.replace(region, rkey=window.rkey)
+    return rx, tx, mem, msgspec.structs.replace(region, rkey=window.rkey)
 
 
 @pytest.mark.parametrize(

@@ -207,8 +207,8 @@ async def test_an_rdma_side_channel_hello_without_the_secret_gets_no_queue_pair(
         RdmaTransport(TransportConfig(), verbs=verbs) as rx,
         RdmaTransport(TransportConfig(), verbs=verbs) as tx,
     ):
-        info = rx.descriptor().backends["rdma"]
-        reader, writer = await asyncio.open_connection(info["host"], info["handshake_port"])
+        info = rx.descriptor().backend("rdma")
+        reader, writer = await asyncio.open_connection(info.host, info.handshake_port)
         assert "challenge" in await asyncio.wait_for(read_frame(reader), 5)
         qp = {"qpn": 1, "psn": 1, "lid": 0, "gid": "fe80::1", "mtu": 5}
         await write_frame(writer, {"peer_id": "intruder", "qp": qp, "proof": "00" * 32})

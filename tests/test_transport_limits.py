@@ -19,10 +19,10 @@ from support.transport_wire import raw_lane, remote
 
 def _address(transport) -> tuple[int, object]:
     """(socket family, address) a raw client dials to reach the transport's receiver."""
-    info = transport.descriptor().backends[transport.name]
+    info = transport.peer_part(transport.descriptor())
     if transport.name == "tcp":
-        return socket.AF_INET, (info["host"], info["port"])
-    return socket.AF_UNIX, info["socket"]
+        return socket.AF_INET, (info.host, info.port)
+    return socket.AF_UNIX, info.socket
 
 
 async def _wait_until(predicate, timeout_s: float = 5.0) -> None:

@@ -14,6 +14,7 @@ import mmap
 import os
 import socket
 
+import msgspec
 import pytest
 import torch
 from kvmesh.shared.transport.base import Access, MemoryRegion, WriteEntry
@@ -55,7 +56,7 @@ def _pools(receiver: RdmaTransport, sender: RdmaTransport, num_blocks: int = 8):
     window = receiver.open_window(dst_region, [(dst_region.addr, dst_region.length)], Access.REMOTE)
     src = torch.randint(0, 256, (num_blocks * BLOCK,), dtype=torch.uint8)
     src_region = sender.register(src)
-    return dst, dataclasses.replace(dst_region, rkey=window.rkey), src, src_region
+    return dst, msgspec.structs.replace(dst_region, rkey=window.rkey), src, src_region
 
 
 @dataclasses.dataclass
@@ -172,12 +173,12 @@ async def test_connect_brings_both_qps_through_init_rtr_rts_with_the_peers_info(
 
 async def test_descriptor_carries_device_gid_mtu_and_handshake_address():
     async with _pair(FakeVerbs()) as (receiver, _):
-        part = receiver.descriptor().backends["rdma"]
-        assert part["device"] == "rxe0" and part["port"] == 1
+        part = receiver.descriptor().backend("rdma")
+        assert part is not None and part.device == "rxe0" and part.port == 1
         # RoCE: the RoCEv2 IPv4-mapped GID is preferred over the link-local one
-        assert part["gid"].startswith("0000:0000:0000:0000:0000:ffff:") and part["gid_index"] == 1
-        assert part["mtu"] == e.IBV_MTU_1024
-        assert part["handshake_port"] == receiver.handshake_port > 0
+        assert part.gid.startswith("0000:0000:0000:0000:0000:ffff:") and part.gid_index == 1
+        assert part.mtu == e.IBV_MTU_1024
+        assert part.handshake_port == receiver.handshake_port > 0
 
 
 async def test_connect_fails_with_peer_unreachable_when_handshake_peer_hangs_up():
@@ -185,8 +186,8 @@ async def test_connect_fails_with_peer_unreachable_when_handshake_peer_hangs_up(
     port = server.sockets[0].getsockname()[1]
     async with _pair(FakeVerbs()) as (receiver, sender):
         desc = receiver.descriptor()
-        part = {**desc.backends["rdma"], "handshake_port": port}
-        bad = type(desc)(desc.peer_id, desc.host_id, {"rdma": part}, desc.regions)
+        part = msgspec.structs.replace(desc.backend("rdma"), handshake_port=port)
+        bad = msgspec.structs.replace(desc, backends=(part,))
         with pytest.raises(PeerUnreachableError, match="handshake"):
             await sender.connect(bad)
     server.close()
@@ -392,9 +393,7 @@ async def test_dmabuf_region_is_addressed_by_iova_on_the_wire():
         region = receiver.memory.register_dmabuf(pool[BLOCK:], Access.REMOTE_WRITE)
         [(_, reg)] = verbs.fabric.events("reg_dmabuf_mr")
         assert reg["offset"] == BLOCK and reg["length"] == 3 * BLOCK
-        assert receiver.descriptor().backends["rdma"]["iova"] == {
-            str(region.rkey): [region.addr, BLOCK]
-        }
+        assert receiver.descriptor().backend("rdma").iova == {region.rkey: (region.addr, BLOCK)}
         src = torch.full((BLOCK,), 7, dtype=torch.uint8)
         src_region = sender.register(src)
         ep = await sender.connect(receiver.descriptor())

@@ -142,9 +142,9 @@ async def test_region_is_registered_for_window_binding_without_remote_access_of_
             e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_MW_BIND | e.IBV_ACCESS_RELAXED_ORDERING
         )
         desc = m.rx.descriptor()
-        assert desc.backends["rdma"]["memory_windows"] == e.IBV_MW_TYPE_2
+        assert desc.backend("rdma").memory_windows == e.IBV_MW_TYPE_2
         assert desc.public().regions == ()  # the region key is never advertised
-        assert desc.backends["rdma"]["iova"] == {}
+        assert desc.backend("rdma").iova == {}
 
 
 # -- refusals ---------------------------------------------------------------------------------------
@@ -364,7 +364,7 @@ async def test_window_over_dmabuf_memory_is_bound_and_written_at_its_iova():
     ):
         region = rx.memory.register_dmabuf(pool[BLOCK:], Access.REMOTE_WRITE)  # iova = BLOCK
         window = rx.open_window(region, [(region.addr + 2 * BLOCK, BLOCK)])
-        assert window.enforced and rx.descriptor().backends["rdma"]["iova"] == {}
+        assert window.enforced and rx.descriptor().backend("rdma").iova == {}
         src = torch.full((BLOCK,), 7, dtype=torch.uint8)
         src_region = tx.register(src)
         ep = await tx.connect(rx.descriptor())
@@ -388,7 +388,7 @@ async def test_device_without_memory_windows_scopes_writes_to_the_region_and_say
         async with Mesh(verbs) as m:
             window = m.window(2)
             assert not window.enforced and window.rkey == m.region.rkey
-            assert m.rx.descriptor().backends["rdma"]["memory_windows"] == 0
+            assert m.rx.descriptor().backend("rdma").memory_windows == 0
             assert m.rx.descriptor().public().regions == (m.region,)
             await m.write(9, window.rkey)  # the NIC checks the region's bounds only
             assert m.written() == [9]

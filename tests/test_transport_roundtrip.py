@@ -11,6 +11,7 @@ import signal
 import threading
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 from kvmesh.shared.kv.imm import pack_imm
@@ -18,12 +19,12 @@ from kvmesh.shared.kv.kv_cache import KVCacheSpec, KVPool
 from kvmesh.shared.transport import (
     Access,
     Completion,
-    PeerDescriptor,
     PeerGoneError,
     RefusalReason,
     RemoteAccessError,
     Transport,
     TransportConfig,
+    TransportDescriptor,
     WriteEntry,
     create_transport,
 )
@@ -61,9 +62,10 @@ class Target:
         self.registered = rx.register(self.pool.raw, Access.REMOTE)
         self.region = remote(rx, self.registered)  # as peers reach it: a window over it all
 
-    def descriptor(self, rx: Transport) -> dict:
-        """The receiver's descriptor for a writer process, naming the window as its region."""
-        return {**rx.descriptor().to_dict(), "regions": [self.region.to_dict()]}
+    def descriptor(self, rx: Transport) -> bytes:
+        """The receiver's descriptor for a writer process, naming the window as its region, in
+        its wire form (``wire_descriptor`` reads it)."""
+        return msgspec.json.encode(msgspec.structs.replace(rx.descriptor(), regions=(self.region,)))
 
     def guards_intact(self) -> bool:
         return bool((self.mem[:BB] == GUARD).all() and (self.mem[-BB:] == GUARD).all())
@@ -82,7 +84,11 @@ async def _target_and_writer(backend: str, src: torch.Tensor):
 # -- child processes ---------------------------------------------------------------------------------
 
 
-def writer_main(backend: str, desc: dict, seed: int, plan: list[list[int]], out: Any) -> None:
+def wire_descriptor(wire: bytes) -> TransportDescriptor:
+    return msgspec.json.decode(wire, type=TransportDescriptor)
+
+
+def writer_main(backend: str, desc: bytes, seed: int, plan: list[list[int]], out: Any) -> None:
     """Write ``plan`` (per write: destination block ids) from a seeded source pool, then read back.
     An empty plan writes block ``seed`` over and over until the process is killed."""
     try:
@@ -92,13 +98,15 @@ def writer_main(backend: str, desc: dict, seed: int, plan: list[list[int]], out:
         raise
 
 
-async def _write_plan(backend: str, desc: dict, seed: int, plan: list[list[int]], out: Any) -> None:
+async def _write_plan(
+    backend: str, desc: bytes, seed: int, plan: list[list[int]], out: Any
+) -> None:
     async with create_transport(backend, TransportConfig(**CONFIG)) as tx:
         num_src = max(sum(len(w) for w in plan), 1)
         src = KVPool(SPEC, num_src)
         src.raw.copy_(pattern(seed, src.nbytes))
         local = tx.register(src.raw)
-        peer = PeerDescriptor.from_dict(desc)
+        peer = wire_descriptor(desc)
         region = peer.regions[0]
 
         def entry(src_block: int, dst_block: int) -> WriteEntry:
@@ -284,7 +292,7 @@ async def test_writer_gets_peer_gone_when_the_receiver_dies(backend: str) -> Non
     proc = CTX.Process(target=receiver_main, args=(backend, out))
     proc.start()
     try:
-        desc = PeerDescriptor.from_dict(await next_message(out))
+        desc = wire_descriptor(await next_message(out))
         async with create_transport(backend, TransportConfig(**CONFIG)) as tx:
             src = torch.ones(2 * BB, dtype=torch.uint8)
             local = tx.register(src)
@@ -394,9 +402,9 @@ async def test_auto_uses_shm_on_the_same_host_and_falls_back_to_tcp() -> None:
         local = tx.register(src)
         r = target.region
         desc = rx.descriptor()
-        assert {"shm", "tcp"} <= set(desc.backends)
-        tcp_only = PeerDescriptor(
-            desc.peer_id, "another-host", {"tcp": desc.backends["tcp"]}, desc.regions
+        assert {"shm", "tcp"} <= set(desc.backend_names)
+        tcp_only = msgspec.structs.replace(
+            desc, host_id="another-host", backends=(desc.backend("tcp"),)
         )
         for peer, backend, block in ((desc, "shm", 0), (tcp_only, "tcp", 1)):
             async with await tx.connect(peer) as ep:
@@ -415,9 +423,9 @@ async def test_auto_uses_shm_on_the_same_host_and_falls_back_to_tcp() -> None:
 async def test_auto_stops_offering_shm_when_a_region_lies_outside_shared_memory() -> None:
     async with create_transport("auto", TransportConfig(**CONFIG)) as rx:
         inside = rx.register(rx.allocate(BB), Access.REMOTE_WRITE)
-        assert "shm" in rx.descriptor().backends
+        assert "shm" in rx.descriptor().backend_names
         outside = rx.register(torch.zeros(BB, dtype=torch.uint8), Access.REMOTE_WRITE)
-        assert set(rx.descriptor().backends) == {"tcp"}
+        assert set(rx.descriptor().backend_names) == {"tcp"}
         rx.deregister(outside)
-        assert "shm" in rx.descriptor().backends
+        assert "shm" in rx.descriptor().backend_names
         assert rx.descriptor().regions == (inside,)

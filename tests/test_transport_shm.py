@@ -6,10 +6,11 @@ import asyncio
 import os
 import subprocess
 
+import msgspec
 import pytest
 import torch
+from kvmesh.shared.kv.descriptor import TransportDescriptor
 from kvmesh.shared.transport import Access, PeerUnreachableError, TransportConfig, WriteEntry
-from kvmesh.shared.transport.base import PeerDescriptor
 from kvmesh.shared.transport.shm import SHM_DIR, ShmTransport
 from support.transport_wire import remote
 
@@ -43,13 +44,14 @@ async def test_descriptor_names_socket_and_table_but_no_region_key_when_public()
     async with ShmTransport(TransportConfig()) as t:
         mem = t.allocate(8192)
         r = t.register(mem[4096:], Access.REMOTE_WRITE)
-        descriptor = PeerDescriptor.from_dict(t.descriptor().to_dict())
-        info = descriptor.backends["shm"]
-        assert info["socket"] == t.socket_path
-        assert os.path.exists(os.path.join(SHM_DIR, info["table"]))
+        wire = msgspec.json.encode(t.descriptor())
+        descriptor = msgspec.json.decode(wire, type=TransportDescriptor)
+        info = descriptor.backend("shm")
+        assert info is not None and info.socket == t.socket_path
+        assert os.path.exists(os.path.join(SHM_DIR, info.table))
         assert descriptor.region(r.rkey) == r
         public = descriptor.public()
-        assert public.regions == () and str(r.rkey) not in repr(public.to_dict())
+        assert public.regions == () and str(r.rkey).encode() not in msgspec.json.encode(public)
 
 
 async def test_writes_through_a_sub_region_land_at_the_right_offset() -> None:
@@ -67,7 +69,7 @@ async def test_writes_through_a_sub_region_land_at_the_right_offset() -> None:
 async def test_connect_to_another_host_is_unreachable() -> None:
     async with ShmTransport(TransportConfig()) as rx, ShmTransport(TransportConfig()) as tx:
         d = rx.descriptor()
-        elsewhere = PeerDescriptor(d.peer_id, "other-host/boot", d.backends, d.regions)
+        elsewhere = msgspec.structs.replace(d, host_id="other-host/boot")
         with pytest.raises(PeerUnreachableError, match="not this one"):
             await tx.connect(elsewhere)
 

@@ -11,12 +11,13 @@ import time
 
 import pytest
 import torch
+from kvmesh.shared.kv.descriptor import TcpBackend
 from kvmesh.shared.transport import (
     Access,
-    PeerDescriptor,
     PeerGoneError,
     RefusalReason,
     TransportConfig,
+    TransportDescriptor,
     WriteEntry,
 )
 from kvmesh.shared.transport.tcp import (
@@ -231,11 +232,7 @@ async def test_write_to_a_peer_that_never_acks_times_out_with_peer_gone() -> Non
     mute = socket.create_server(("127.0.0.1", 0))
     accepted: list[socket.socket] = []
     port = mute.getsockname()[1]
-    desc = PeerDescriptor(
-        "mute",
-        "elsewhere",
-        {"tcp": {"host": "127.0.0.1", "port": port, "lanes": 1, "secret": FAKE_SECRET}},
-    )
+    desc = TransportDescriptor("mute", "elsewhere", (TcpBackend("127.0.0.1", port, FAKE_SECRET),))
     try:
         async with TcpTransport(TransportConfig(op_timeout_s=0.5)) as tx:
             local = tx.register(torch.zeros(4096, dtype=torch.uint8))
@@ -293,10 +290,10 @@ class SlowAcker:
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
 
-    def descriptor(self) -> PeerDescriptor:
+    def descriptor(self) -> TransportDescriptor:
         port = self.server.getsockname()[1]
-        info = {"host": "127.0.0.1", "port": port, "secret": FAKE_SECRET}
-        return PeerDescriptor("slow", "elsewhere", {"tcp": info})
+        info = TcpBackend("127.0.0.1", port, FAKE_SECRET)
+        return TransportDescriptor("slow", "elsewhere", (info,))
 
     def _recv(self, n: int) -> bytes:
         assert self.conn is not None

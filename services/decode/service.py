@@ -63,7 +63,6 @@ from kvmesh.shared.bus.protocol import (
 from kvmesh.shared.bus.store_solicit import store_adverts_solicited
 from kvmesh.shared.bus.worker_shell import WorkerShell, serve_worker
 from kvmesh.shared.engine.llm_engine import LLMEngine
-from kvmesh.shared.kv.descriptor import TransportDescriptor
 from kvmesh.shared.model.config import parse_dtype
 from kvmesh.shared.model.identity import model_spec
 from kvmesh.shared.model.loader import load_model
@@ -407,11 +406,7 @@ async def decode_service(config: DecodeConfig) -> AsyncIterator[DecodeService]:
             store=store,
             cache=features.cache,
             reach=DecodeReach(
-                descriptor=(
-                    TransportDescriptor.from_peer(transport.descriptor().public())
-                    if transport
-                    else None
-                ),
+                descriptor=transport.descriptor().public() if transport else None,
                 base_addr=region.addr if region else 0,
                 block_bytes=spec.block_bytes,
                 block_size=spec.block_size,

@@ -25,7 +25,6 @@ from kvmesh.shared.bus.protocol import (
     DraftKvReserveReply,
     PrefillDone,
 )
-from kvmesh.shared.kv.descriptor import TransportDescriptor
 from kvmesh.shared.kv.imm import imm_slot, unpack_imm
 from kvmesh.shared.kv.prefix_hash import prefix_block_hashes
 from kvmesh.shared.model.identity import kv_spec_fingerprint
@@ -78,7 +77,7 @@ class PromptKvReceiver:
         self.table = PromptKvTable(quarantine_s)
         self.block_bytes = self.engine.kv_pool.spec.block_bytes
         self.block_size = self.engine.kv_pool.spec.block_size
-        self.descriptor = TransportDescriptor.from_peer(self.transport.descriptor().public())
+        self.descriptor = self.transport.descriptor().public()
 
     def _refuse(self, error: str) -> DraftKvReserveReply:
         self.metrics.prompt_kv_refused.inc()

@@ -55,7 +55,6 @@ from kvmesh.shared.bus.protocol import (
 )
 from kvmesh.shared.bus.store_solicit import SolicitLimiter
 from kvmesh.shared.bus.worker_shell import WorkerShell, serve_worker
-from kvmesh.shared.kv.descriptor import TransportDescriptor
 from kvmesh.shared.kv.kv_block_header import HEADER_BYTES
 from kvmesh.shared.obs import logs
 from kvmesh.shared.transport import TransportConfig, create_transport
@@ -164,7 +163,7 @@ class StoreService:
         return StoreAdvert(
             store_id=self.store_id,
             epoch=self.epoch,
-            descriptor=TransportDescriptor.from_peer(self.transport.descriptor().public()),
+            descriptor=self.transport.descriptor().public(),
             kv_spec=self.worker.kv_spec,
             block_bytes=self.worker.block_bytes,
             block_size=self.config.block_size,

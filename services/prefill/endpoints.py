@@ -10,7 +10,6 @@ import msgspec
 from kvmesh.shared.kv.descriptor import TransportDescriptor
 from kvmesh.shared.obs import logs
 from kvmesh.shared.transport import Endpoint, Transport
-from kvmesh.shared.transport.base import PeerDescriptor
 
 log = logs.get_logger(__name__)
 
@@ -34,9 +33,8 @@ class EndpointCache:
             return endpoint
         async with self._connecting.setdefault(key, asyncio.Lock()):
             if key not in self._endpoints:
-                peer = PeerDescriptor.from_wire(descriptor)
-                self._endpoints[key] = await self.transport.connect(peer)
-                log.info("connected to decode worker", peer=peer.peer_id)
+                self._endpoints[key] = await self.transport.connect(descriptor)
+                log.info("connected to decode worker", peer=descriptor.peer_id)
             return self._endpoints[key]
 
     async def forget(self, descriptor: TransportDescriptor) -> None:

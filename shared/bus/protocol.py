@@ -313,7 +313,7 @@ class DecodeAdvert(Message):
 
     worker_id: str
     mode: str  # "disagg" | "colocated"
-    # PeerDescriptor.public(): no region keys (kept only on rdma NICs without memory windows);
+    # TransportDescriptor.public(): no region keys (kept only on rdma NICs without memory windows);
     # None for a colocated worker, which takes no remote writes
     descriptor: TransportDescriptor | None
     base_addr: int
@@ -464,7 +464,7 @@ class StoreAdvert(Message):
 
     store_id: str
     epoch: str  # this process's incarnation: a restarted store is empty
-    descriptor: TransportDescriptor  # PeerDescriptor.public(): no region keys
+    descriptor: TransportDescriptor  # .public(): no region keys
     kv_spec: str
     block_bytes: int
     block_size: int

@@ -1,4 +1,4 @@
-"""The wire form of a transport descriptor: how to reach a decode worker's KV memory.
+"""A transport descriptor: how to reach a peer transport's memory, in process and on the wire.
 
 A decode worker advertises one ``TransportDescriptor``; the registry copies it into each
 ``PlaceReply`` and the router into each ``PrefillJob``. It lists one tagged entry per backend the
@@ -10,23 +10,20 @@ The fields are data, never trusted paths or endpoints: the transports still chec
 before they use it (``shm.check_segment_name``, ``shm.check_socket_path``), and a prefill worker
 writes only where the decode worker itself advertised (``services/prefill/adverts.py``).
 
-In-process, transports speak ``kvmesh.shared.transport.PeerDescriptor``;
-``TransportDescriptor.from_peer`` and ``PeerDescriptor.from_wire`` convert through its
-``to_dict``/``from_dict`` shape, so this module imports neither torch nor a transport (the
+Transports produce and take this type alone: each backend builds its own part (``ShmBackend``,
+``TcpBackend``, ``RdmaBackend``) in ``descriptor()`` and reads it back in ``connect``
+(``descriptor.backend("tcp")``). The advertised regions are ``MemoryRegion``s (``kv/region.py``),
+the very values ``register`` returned. This module imports neither torch nor a transport (the
 transport plane sits above this one).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Literal, overload
 
 import msgspec
+from kvmesh.shared.kv.region import U32, U64, MemoryRegion
 
-if TYPE_CHECKING:
-    from kvmesh.shared.transport.base import PeerDescriptor
-
-U32 = Annotated[int, msgspec.Meta(ge=0, lt=1 << 32)]
-U64 = Annotated[int, msgspec.Meta(ge=0)]  # msgspec bounds stop at int64
 TcpPort = Annotated[int, msgspec.Meta(ge=1, le=65535)]
 
 
@@ -54,70 +51,83 @@ class TcpBackend(_Backend, tag="tcp"):
 
 
 class RdmaBackend(_Backend, tag="rdma"):
-    """Device facts of an RDMA peer and its handshake listener (``transport.rdma_device
-    .RdmaPeerInfo``); per-connection QP facts travel in the handshake."""
+    """Device facts of an RDMA peer and where to reach its handshake listener (a TCP side
+    channel); per-connection QP facts (qpn, psn) travel in the handshake (``rdma_qp.QPInfo``)."""
 
     device: str
     port: Annotated[int, msgspec.Meta(ge=1, le=255)]
     lid: Annotated[int, msgspec.Meta(ge=0, le=0xFFFF)]
     gid: str
     gid_index: Annotated[int, msgspec.Meta(ge=0)]
-    mtu: Annotated[int, msgspec.Meta(ge=1, le=5)]  # ibv_mtu enum
-    host: str
+    mtu: Annotated[int, msgspec.Meta(ge=1, le=5)]  # ibv_mtu enum of the port's active MTU
+    host: str  # the handshake side channel's (TCP)
     handshake_port: TcpPort
-    # rkey -> (addr, iova) of regions whose NIC addresses differ from process addresses
+    # rkey -> (addr, iova) for regions whose NIC addresses differ from process addresses
+    # (dma-buf registrations of GPU memory): remote_addr - addr + iova is what goes on the wire.
     iova: dict[U32, tuple[U64, U64]] = msgspec.field(default_factory=dict)
-    # the memory-window type bound per lease (1 or 2); 0 where the NIC has none
+    # The memory-window type the peer binds per lease (1 or 2), 0 where its NIC has none: then
+    # window keys are region keys and writes are scoped to the region only (docs/security.md).
     memory_windows: Annotated[int, msgspec.Meta(ge=0, le=2)] = 0
-    # the side channel's secret: a connection proves it knows it before a QP is made for it
+    # The side channel's secret (hex): a connection proves it knows it before a QP is made for
+    # it (rdma_side_channel.py, lane_auth.side_channel_proof); it travels only in descriptors.
     secret: Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")] = ""
 
 
 BackendInfo = ShmBackend | TcpBackend | RdmaBackend
 
 
-class RegionInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """A remotely accessible region (``transport.MemoryRegion``)."""
-
-    addr: U64
-    length: U64
-    rkey: U32
-    access: Annotated[int, msgspec.Meta(ge=0, le=3)] = 0  # transport.Access flags
-    lkey: U32 = 0
+def backend_name(part: BackendInfo) -> str:
+    """The tag that names ``part`` on the wire: ``"shm"``, ``"tcp"`` or ``"rdma"``."""
+    return part.__struct_config__.tag
 
 
 class TransportDescriptor(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Connection info of one transport instance, as it travels over NATS."""
+    """Connection info of one transport instance: what ``Transport.descriptor()`` returns, what
+    ``connect`` takes, and what travels over NATS. At most one part per backend."""
 
     peer_id: str
     host_id: str
     backends: tuple[BackendInfo, ...]
-    # empty in adverts except on rdma NICs without memory windows (PeerDescriptor.public())
-    regions: tuple[RegionInfo, ...] = ()
+    # the remotely accessible regions when the descriptor was made; empty in adverts except on
+    # rdma NICs without memory windows (``public()``)
+    regions: tuple[MemoryRegion, ...] = ()
 
-    @classmethod
-    def from_peer(cls, peer: PeerDescriptor) -> TransportDescriptor:
-        """The wire form of a transport's own descriptor. Raises ``msgspec.ValidationError`` if a
-        transport describes itself with a field this schema does not know (a test checks every
-        backend)."""
-        d = peer.to_dict()
-        backends = [{"backend": name, **info} for name, info in d["backends"].items()]
-        return msgspec.convert({**d, "backends": backends}, cls, strict=False)
+    def __post_init__(self) -> None:
+        names = self.backend_names
+        if len(set(names)) != len(names):
+            raise ValueError(f"a descriptor offers each backend once, got {list(names)}")
 
-    def to_dict(self) -> dict[str, Any]:
-        """``PeerDescriptor.to_dict()``'s shape: backends keyed by name."""
-        backends = {}
-        for backend in self.backends:
-            info = msgspec.to_builtins(backend)
-            backends[info.pop("backend")] = info
-        regions = [msgspec.to_builtins(r) for r in self.regions]
-        return {
-            "peer_id": self.peer_id,
-            "host_id": self.host_id,
-            "backends": backends,
-            "regions": regions,
-        }
+    @property
+    def backend_names(self) -> tuple[str, ...]:
+        """The backends this peer offers, in its order."""
+        return tuple(backend_name(b) for b in self.backends)
+
+    @overload
+    def backend(self, name: Literal["shm"]) -> ShmBackend | None: ...
+    @overload
+    def backend(self, name: Literal["tcp"]) -> TcpBackend | None: ...
+    @overload
+    def backend(self, name: Literal["rdma"]) -> RdmaBackend | None: ...
+    @overload
+    def backend(self, name: str) -> BackendInfo | None: ...
 
     def backend(self, name: str) -> BackendInfo | None:
         """This peer's part for backend ``name``, if it offers one."""
-        return next((b for b in self.backends if b.__struct_config__.tag == name), None)
+        return next((b for b in self.backends if backend_name(b) == name), None)
+
+    def public(self) -> TransportDescriptor:
+        """This descriptor for broadcast: without its regions' keys (peers get a window's key
+        per reservation instead). A descriptor whose rdma part binds no memory windows
+        (``memory_windows`` 0: its NIC has none) keeps them, since there a window's key is the
+        region's own."""
+        rdma = self.backend("rdma")
+        if rdma is not None and not rdma.memory_windows:
+            return self
+        return msgspec.structs.replace(self, regions=())
+
+    def region(self, rkey: int) -> MemoryRegion:
+        """The advertised region ``rkey``; KeyError if this peer advertised none."""
+        for r in self.regions:
+            if r.rkey == rkey:
+                return r
+        raise KeyError(f"peer {self.peer_id} advertised no region with rkey {rkey}")

@@ -48,8 +48,8 @@ from kvmesh.shared.transport import (
     Access,
     Endpoint,
     MemoryRegion,
-    PeerDescriptor,
     Transport,
+    TransportDescriptor,
     TransportError,
     WriteEntry,
 )
@@ -69,7 +69,7 @@ class StoreTarget:
     """Where a store is: its id (its subjects) and its data-plane descriptor."""
 
     store_id: str
-    descriptor: PeerDescriptor
+    descriptor: TransportDescriptor
 
 
 @dataclass(frozen=True, slots=True)
@@ -368,7 +368,7 @@ class StoreBook:
         )
         if not live:
             return None
-        return StoreTarget(live[0].store_id, PeerDescriptor.from_wire(live[0].descriptor))
+        return StoreTarget(live[0].store_id, live[0].descriptor)
 
 
 @dataclass(frozen=True, slots=True)

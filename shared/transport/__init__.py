@@ -5,7 +5,7 @@ See docs/transport.md. Typical use::
     async with create_transport("auto", config) as transport:
         pool = KVPool(spec, n, buffer=transport.allocate(n * spec.block_bytes))
         region = transport.register(pool.raw, Access.REMOTE_WRITE)
-        publish(transport.descriptor().to_dict())  # over NATS
+        publish(transport.descriptor())  # a TransportDescriptor, over NATS
 """
 
 from kvmesh.shared.transport.auto import available_backends, create_transport, select_backend
@@ -14,9 +14,9 @@ from kvmesh.shared.transport.base import (
     Endpoint,
     MemoryRegion,
     MemoryWindow,
-    PeerDescriptor,
     ReadEntry,
     Transport,
+    TransportDescriptor,
     TransportStats,
     WriteEntry,
     local_host_id,
@@ -45,7 +45,6 @@ __all__ = [
     "LocalAccessError",
     "MemoryRegion",
     "MemoryWindow",
-    "PeerDescriptor",
     "PeerGoneError",
     "PeerUnreachableError",
     "ProtocolError",
@@ -56,6 +55,7 @@ __all__ = [
     "Transport",
     "TransportClosedError",
     "TransportConfig",
+    "TransportDescriptor",
     "TransportError",
     "TransportStats",
     "WriteEntry",

@@ -11,17 +11,15 @@ import asyncio
 import dataclasses
 import importlib
 import os
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from typing import Any
 
 import torch
+from kvmesh.shared.kv.descriptor import TransportDescriptor
+from kvmesh.shared.transport.backend import KeyDelegate
 from kvmesh.shared.transport.base import (
     Access,
-    Buffer,
     Endpoint,
-    MemoryRegion,
-    MemoryWindow,
-    PeerDescriptor,
     Transport,
     TransportStats,
     local_host_id,
@@ -57,30 +55,30 @@ def available_backends() -> dict[str, tuple[bool, str]]:
     return {"rdma": rdma_status(), "shm": shm_status(), "tcp": (True, "ok")}
 
 
-def shm_reachable(remote: PeerDescriptor) -> bool:
-    info = remote.backends.get("shm")
+def shm_reachable(remote: TransportDescriptor) -> bool:
+    info = remote.backend("shm")
     if info is None or remote.host_id != local_host_id():
         return False
     try:
-        table = os.path.join(SHM_DIR, check_segment_name(info.get("table")))
-        check_socket_path(info.get("socket"))
+        table = os.path.join(SHM_DIR, check_segment_name(info.table))
+        check_socket_path(info.socket)
     except PeerUnreachableError:
         return False
     return os.path.exists(table)
 
 
-def select_backend(local: PeerDescriptor, remote: PeerDescriptor) -> str:
+def select_backend(local: TransportDescriptor, remote: TransportDescriptor) -> str:
     """The best backend both descriptors offer; raises PeerUnreachableError if none."""
+    ours, theirs = local.backend_names, remote.backend_names
     for name in BACKENDS:
-        if name not in local.backends or name not in remote.backends:
+        if name not in ours or name not in theirs:
             continue
         if name == "shm" and not shm_reachable(remote):
             continue
         return name
     raise PeerUnreachableError(
-        f"no common backend: this peer offers {sorted(local.backends)}, peer {remote.peer_id} "
-        f"offers {sorted(remote.backends)}"
-        + (" (shm needs the same host)" if "shm" in remote.backends else "")
+        f"no common backend: this peer offers {sorted(ours)}, peer {remote.peer_id} "
+        f"offers {sorted(theirs)}" + (" (shm needs the same host)" if "shm" in theirs else "")
     )
 
 
@@ -109,7 +107,7 @@ def create_transport(name: str = "auto", config: TransportConfig | None = None) 
     raise ValueError(f"unknown transport {name!r}; choose auto, shm, tcp or rdma")
 
 
-class AutoTransport:
+class AutoTransport(KeyDelegate):
     """Every available backend over one registry and one completion queue."""
 
     name = "auto"
@@ -130,6 +128,9 @@ class AutoTransport:
         if shm_status()[0]:
             self._backends["shm"] = ShmTransport(config, strict=False, **shared)
         self._backends["tcp"] = TcpTransport(config, **shared)
+        # rdma, where there is one, keeps the keys: it registers memory with its NIC (hardware
+        # keys) and binds memory windows, mirroring both into the registry for shm/tcp peers
+        self._keys = self._backends.get("rdma", self._registry)
 
     @property
     def peer_id(self) -> str:
@@ -164,53 +165,26 @@ class AutoTransport:
         # shm segments also serve tcp (recv_into) and can be registered for rdma
         return self._primary("shm", "tcp").allocate(nbytes)
 
-    def register(self, memory: Buffer, access: Access = Access.LOCAL) -> MemoryRegion:
-        if "rdma" in self._backends:  # hardware keys: rdma registers into the shared registry
-            return self._backends["rdma"].register(memory, access)
-        return self._registry.register(memory, access)
-
-    def deregister(self, region: MemoryRegion) -> None:
-        if "rdma" in self._backends:
-            self._backends["rdma"].deregister(region)
-        else:
-            self._registry.deregister(region)
-
-    def open_window(
-        self,
-        region: MemoryRegion,
-        spans: Sequence[tuple[int, int]],
-        access: Access = Access.REMOTE_WRITE,
-    ) -> MemoryWindow:
-        if "rdma" in self._backends:  # rdma binds memory windows for it, and mirrors the
-            # window into the registry for shm/tcp peers
-            return self._backends["rdma"].open_window(region, spans, access)
-        return self._registry.open_window(region, spans, access)
-
-    def close_window(self, window: MemoryWindow) -> None:
-        if "rdma" in self._backends:  # its memory windows, and the registry's entry
-            self._backends["rdma"].close_window(window)
-        elif window.enforced:
-            self._registry.close_window(window)
-
-    def descriptor(self) -> PeerDescriptor:
-        backends: dict[str, Any] = {}
-        for name, backend in self._backends.items():
-            if name == "shm" and not backend.serves_all_regions:
-                continue  # memory not from allocate(): peers on this host must use tcp
-            backends.update(backend.descriptor().backends)
-        return PeerDescriptor(
+    def descriptor(self) -> TransportDescriptor:
+        parts = tuple(
+            backend.backend_info()
+            for name, backend in self._backends.items()
+            # memory not from allocate(): peers on this host must use tcp
+            if name != "shm" or backend.serves_all_regions
+        )
+        return TransportDescriptor(
             peer_id=self.peer_id,
             host_id=local_host_id(),
-            backends=backends,
+            backends=parts,
             regions=tuple(self._registry.regions(Access.REMOTE_WRITE)),
         )
 
-    async def connect(self, descriptor: PeerDescriptor) -> Endpoint:
+    async def connect(self, descriptor: TransportDescriptor) -> Endpoint:
         name = select_backend(self.descriptor(), descriptor)
         try:
             return await self._backends[name].connect(descriptor)
         except PeerUnreachableError:
-            if name == "tcp" or "tcp" not in descriptor.backends:
+            if name == "tcp" or descriptor.backend("tcp") is None:
                 raise
             return await self._backends["tcp"].connect(descriptor)
 

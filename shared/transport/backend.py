@@ -1,32 +1,46 @@
 """What every transport backend shares (shm, tcp, rdma): its config and peer id, the registry of
-its regions, the queue its completions land in, its open endpoints, and ``async with``
-(``start``; ``aclose`` closes the endpoints, then the backend's own ``_teardown``).
-``HostMemoryBackend`` adds what the backends over host memory share: regions and windows kept
-by the registry alone (rdma registers memory with its NIC instead). ``EndpointBase`` is what
-every backend's endpoint shares: the peer it reaches, ``async with``, and a once-only ``aclose``."""
+its regions, the queue its completions land in, its open endpoints, its descriptor (the
+backend's own typed part, ``backend_info()``, with its remote regions), the peer's part that
+``connect`` reads (``peer_part``), and ``async with`` (``start``; ``aclose`` closes the
+endpoints, then the backend's own ``_teardown``).
+
+``KeyDelegate`` hands registrations and windows to whatever keeps a transport's keys:
+``HostMemoryBackend`` (shm, tcp) to its registry (rdma registers memory with its NIC instead),
+``auto`` to its rdma backend where there is one. ``EndpointBase`` is what every backend's
+endpoint shares: the peer it reaches, ``async with``, and a once-only ``aclose``."""
 
 from __future__ import annotations
 
 import abc
 from collections.abc import AsyncIterator, Sequence
-from typing import Self
+from typing import TYPE_CHECKING, Generic, Self, TypeVar
 
+from kvmesh.shared.kv.descriptor import RdmaBackend, ShmBackend, TcpBackend, TransportDescriptor
 from kvmesh.shared.transport.base import (
     Access,
     Buffer,
     MemoryRegion,
     MemoryWindow,
     TransportStats,
+    local_host_id,
     new_peer_id,
 )
 from kvmesh.shared.transport.completions import Completion, CompletionQueue
 from kvmesh.shared.transport.config import TransportConfig
-from kvmesh.shared.transport.errors import TransportClosedError
+from kvmesh.shared.transport.errors import PeerUnreachableError, TransportClosedError
 from kvmesh.shared.transport.registry import Registry
 
+if TYPE_CHECKING:
+    from kvmesh.shared.transport.rdma import RdmaTransport
 
-class BackendBase(abc.ABC):
+Part = TypeVar("Part", ShmBackend, TcpBackend, RdmaBackend)
+
+
+class BackendBase(abc.ABC, Generic[Part]):
+    """``name`` is the backend's tag in descriptors; ``part`` the type of its descriptor part."""
+
     name: str
+    part: type[Part]
 
     def __init__(
         self,
@@ -54,6 +68,33 @@ class BackendBase(abc.ABC):
 
     def stats(self) -> TransportStats:
         return self._registry.stats()
+
+    @abc.abstractmethod
+    def backend_info(self) -> Part:
+        """This backend's part of the descriptor: how a peer reaches it (once started)."""
+
+    def remote_regions(self) -> tuple[MemoryRegion, ...]:
+        """The regions peers may write, as the descriptor advertises them."""
+        return tuple(self._registry.regions(Access.REMOTE_WRITE))
+
+    def descriptor(self) -> TransportDescriptor:
+        return TransportDescriptor(
+            peer_id=self._peer_id,
+            host_id=local_host_id(),
+            backends=(self.backend_info(),),
+            regions=self.remote_regions(),
+        )
+
+    def peer_part(self, descriptor: TransportDescriptor) -> Part:
+        """The part of ``descriptor`` this backend connects through; PeerUnreachableError if the
+        peer offers none."""
+        part = next((b for b in descriptor.backends if isinstance(b, self.part)), None)
+        if part is None:
+            raise PeerUnreachableError(
+                f"peer {descriptor.peer_id} offers no {self.name} backend (it offers "
+                f"{list(descriptor.backend_names)})"
+            )
+        return part
 
     def forget_endpoint(self, endpoint: EndpointBase) -> None:
         """Called by an endpoint as it closes."""
@@ -87,12 +128,17 @@ class BackendBase(abc.ABC):
         await self.aclose()
 
 
-class HostMemoryBackend(BackendBase):
+class KeyDelegate:
+    """``register``, ``deregister``, ``open_window`` and ``close_window`` of a transport whose
+    keys another object keeps (``_keys``: a Registry, or an rdma backend)."""
+
+    _keys: Registry | RdmaTransport
+
     def register(self, memory: Buffer, access: Access = Access.LOCAL) -> MemoryRegion:
-        return self._registry.register(memory, access)
+        return self._keys.register(memory, access)
 
     def deregister(self, region: MemoryRegion) -> None:
-        self._registry.deregister(region)
+        self._keys.deregister(region)
 
     def open_window(
         self,
@@ -100,10 +146,19 @@ class HostMemoryBackend(BackendBase):
         spans: Sequence[tuple[int, int]],
         access: Access = Access.REMOTE_WRITE,
     ) -> MemoryWindow:
-        return self._registry.open_window(region, spans, access)
+        return self._keys.open_window(region, spans, access)
 
     def close_window(self, window: MemoryWindow) -> None:
-        self._registry.close_window(window)
+        """Later accesses with the window's key are refused; closing twice is a no-op."""
+        self._keys.close_window(window)
+
+
+class HostMemoryBackend(KeyDelegate, BackendBase[Part]):
+    """A backend over host memory: its registry keeps its keys."""
+
+    @property
+    def _keys(self) -> Registry:
+        return self._registry
 
 
 class EndpointBase(abc.ABC):

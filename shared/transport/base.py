@@ -4,7 +4,8 @@ Every backend (``shm``, ``tcp``, ``rdma``) keeps RDMA semantics so that RDMA is 
 
 * ``register(memory, access) -> MemoryRegion(addr, length, rkey)``: local memory the backend may read
   (source of writes) or expose to peers (``Access.REMOTE_WRITE`` / ``REMOTE_READ``).
-* ``descriptor() -> PeerDescriptor``: small, JSON-able; travels over NATS to peers.
+* ``descriptor() -> TransportDescriptor`` (``kvmesh.shared.kv.descriptor``): typed, small;
+  travels over NATS to peers.
 * ``await connect(descriptor) -> Endpoint``; ``await endpoint.write(entries, imm)`` returns once the
   bytes are *placed* in the remote memory; the receiver then gets exactly one ``Completion`` per
   write, in write order per endpoint, from ``transport.completions()``.
@@ -14,27 +15,27 @@ Every backend (``shm``, ``tcp``, ``rdma``) keeps RDMA semantics so that RDMA is 
   ``RemoteAccessError`` on the writer, ``stats().refused`` on the receiver, no byte written outside
   the target region.
 
-This module holds the API's vocabulary (registrations, windows, descriptors) and its Protocols;
-errors are in errors.py, completions in completions.py, options in config.py, and what the 32 bits
-of an immediate mean in ``kvmesh.shared.kv.imm``.
+This module holds the API's vocabulary (windows, write entries, stats) and its Protocols; the
+registration (``Access``, ``MemoryRegion``) and the descriptor live in the kv plane below
+(``kv/region.py``, ``kv/descriptor.py``) because they travel on the wire; errors are in
+errors.py, completions in completions.py, options in config.py, and what the 32 bits of an
+immediate mean in ``kvmesh.shared.kv.imm``.
 """
 
 from __future__ import annotations
 
-import enum
 import os
 import secrets
 import socket
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
+from kvmesh.shared.kv.descriptor import TransportDescriptor
+from kvmesh.shared.kv.region import Access, MemoryRegion
 from kvmesh.shared.transport.completions import Completion, CompletionQueue
 from kvmesh.shared.transport.errors import LocalAccessError
-
-if TYPE_CHECKING:
-    from kvmesh.shared.kv.descriptor import TransportDescriptor
 
 # ---------------------------------------------------------------------------------------------------
 # Identity
@@ -56,54 +57,7 @@ def new_peer_id() -> str:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Memory registration
-
-
-class Access(enum.IntFlag):
-    """What a registration allows. Local access is always granted to the registering process."""
-
-    LOCAL = 0
-    REMOTE_WRITE = 1
-    REMOTE_READ = 2
-    REMOTE = REMOTE_WRITE | REMOTE_READ
-
-
-@dataclass(frozen=True, slots=True)
-class MemoryRegion:
-    """A registered span ``[addr, addr + length)`` in the registering process's address space.
-
-    ``rkey`` names the registration to peers (and locally, to find the memory again);
-    ``lkey`` is for backends that have one (rdma), 0 elsewhere.
-    """
-
-    addr: int
-    length: int
-    rkey: int
-    access: Access = Access.LOCAL
-    lkey: int = 0
-
-    @property
-    def end(self) -> int:
-        return self.addr + self.length
-
-    def to_dict(self) -> dict[str, int]:
-        return {
-            "addr": self.addr,
-            "length": self.length,
-            "rkey": self.rkey,
-            "access": int(self.access),
-            "lkey": self.lkey,
-        }
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> MemoryRegion:
-        return cls(
-            addr=int(d["addr"]),
-            length=int(d["length"]),
-            rkey=int(d["rkey"]),
-            access=Access(int(d.get("access", 0))),
-            lkey=int(d.get("lkey", 0)),
-        )
+# Writes and windows
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,69 +145,6 @@ class TransportStats:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Peer descriptor: what a peer needs to connect; orjson-able through to_dict / from_dict.
-
-
-@dataclass(frozen=True, slots=True)
-class PeerDescriptor:
-    """Connection info of one transport instance.
-
-    ``backends`` maps a backend name to its connection info (plain JSON types):
-      * ``"shm"``: ``{"socket": "/path/notify.sock", "table": "<region table segment>",
-        "segments": {"<rkey>": "<segment name>"}}`` (segments live in /dev/shm)
-      * ``"tcp"``: ``{"host": "10.0.0.2", "port": 41234, "lanes": 4}``
-      * ``"rdma"``: defined by shared/transport/rdma.py (device, qpn, gid, psn, mtu, handshake).
-    ``regions`` lists the remotely accessible regions at the time the descriptor was made.
-    """
-
-    peer_id: str
-    host_id: str
-    backends: Mapping[str, Mapping[str, Any]]
-    regions: tuple[MemoryRegion, ...] = ()
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "peer_id": self.peer_id,
-            "host_id": self.host_id,
-            "backends": {k: dict(v) for k, v in self.backends.items()},
-            "regions": [r.to_dict() for r in self.regions],
-        }
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> PeerDescriptor:
-        try:
-            return cls(
-                peer_id=str(d["peer_id"]),
-                host_id=str(d["host_id"]),
-                backends={str(k): dict(v) for k, v in d["backends"].items()},
-                regions=tuple(MemoryRegion.from_dict(r) for r in d.get("regions", ())),
-            )
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise ValueError(f"malformed PeerDescriptor {d!r}: {exc}") from exc
-
-    @classmethod
-    def from_wire(cls, descriptor: TransportDescriptor) -> PeerDescriptor:
-        """The descriptor a transport's ``connect`` takes, from its NATS wire form."""
-        return cls.from_dict(descriptor.to_dict())
-
-    def public(self) -> PeerDescriptor:
-        """This descriptor for broadcast: without its regions' keys (peers get a window's key
-        per reservation instead). A descriptor whose rdma part binds no memory windows
-        (``memory_windows`` 0: its NIC has none) keeps them, since there a window's key is the
-        region's own."""
-        rdma = self.backends.get("rdma")
-        if rdma is not None and not rdma.get("memory_windows"):
-            return self
-        return PeerDescriptor(self.peer_id, self.host_id, self.backends, regions=())
-
-    def region(self, rkey: int) -> MemoryRegion:
-        for r in self.regions:
-            if r.rkey == rkey:
-                return r
-        raise KeyError(f"peer {self.peer_id} advertised no region with rkey {rkey}")
-
-
-# ---------------------------------------------------------------------------------------------------
 # Protocols
 
 
@@ -321,9 +212,11 @@ class Transport(Protocol):
         """Every later access with the window's key is refused (a closed window is a no-op)."""
         ...
 
-    def descriptor(self) -> PeerDescriptor: ...
+    def descriptor(self) -> TransportDescriptor:
+        """How peers reach this transport: its backends' parts and its remote regions."""
+        ...
 
-    async def connect(self, descriptor: PeerDescriptor) -> Endpoint: ...
+    async def connect(self, descriptor: TransportDescriptor) -> Endpoint: ...
 
     def completions(self) -> AsyncIterator[Completion]: ...
 

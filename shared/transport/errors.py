@@ -30,7 +30,7 @@ class RefusalReason(enum.IntEnum):
 
 _REASON_HINTS = {
     RefusalReason.UNKNOWN_RKEY: "rkey was never registered on the receiver; use the rkey from its "
-    "MemoryRegion/PeerDescriptor",
+    "MemoryRegion or its TransportDescriptor",
     RefusalReason.DEREGISTERED: "the region was deregistered on the receiver; fetch a fresh "
     "descriptor before writing again",
     RefusalReason.OUT_OF_BOUNDS: "[remote_addr, remote_addr+length) is outside the registered "

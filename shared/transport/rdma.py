@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from kvmesh.shared.kv.descriptor import RdmaBackend, TransportDescriptor
 from kvmesh.shared.transport import lane_auth
 from kvmesh.shared.transport.backend import BackendBase
 from kvmesh.shared.transport.base import (
@@ -34,21 +35,17 @@ from kvmesh.shared.transport.base import (
     Buffer,
     MemoryRegion,
     MemoryWindow,
-    PeerDescriptor,
-    local_host_id,
     unenforced_window,
 )
 from kvmesh.shared.transport.completions import CompletionQueue
 from kvmesh.shared.transport.config import TransportConfig
 from kvmesh.shared.transport.errors import (
     BackendUnavailableError,
-    PeerUnreachableError,
     TransportClosedError,
     TransportError,
 )
 from kvmesh.shared.transport.rdma_connections import QPTable
 from kvmesh.shared.transport.rdma_device import (
-    RdmaPeerInfo,
     choose_device,
     choose_gid,
     cuda_dmabuf_export,
@@ -68,10 +65,10 @@ from kvmesh.shared.transport.rdma_windows import (
 )
 from kvmesh.shared.transport.registry import Registry
 
-__all__ = ["RdmaEndpoint", "RdmaPeerInfo", "RdmaTransport", "rdma_available"]
+__all__ = ["RdmaEndpoint", "RdmaTransport", "rdma_available"]
 
 
-class RdmaTransport(BackendBase):
+class RdmaTransport(BackendBase[RdmaBackend]):
     """The rdma backend; use as ``async with RdmaTransport(config) as t``.
 
     ``verbs``: the pyverbs namespace (``rdma_device.load_pyverbs()``); tests inject a stand-in.
@@ -80,7 +77,7 @@ class RdmaTransport(BackendBase):
     windows, even where the NIC offers them; writes are then scoped to the region only).
     """
 
-    name = "rdma"
+    name, part = "rdma", RdmaBackend
 
     def __init__(
         self,
@@ -260,9 +257,9 @@ class RdmaTransport(BackendBase):
 
     # -- descriptor and connections ----------------------------------------------------------------
 
-    def peer_info(self) -> RdmaPeerInfo:
+    def backend_info(self) -> RdmaBackend:
         self._check_open()
-        return RdmaPeerInfo(
+        return RdmaBackend(
             device=self.device.name,
             port=self.device.port,
             lid=self.device.port_attr.lid,
@@ -276,24 +273,13 @@ class RdmaTransport(BackendBase):
             secret=self._secret.hex(),
         )
 
-    def descriptor(self) -> PeerDescriptor:
-        return PeerDescriptor(
-            peer_id=self._peer_id,
-            host_id=local_host_id(),
-            backends={"rdma": self.peer_info().to_dict()},
-            regions=self.memory.remote_regions(),
-        )
+    def remote_regions(self) -> tuple[MemoryRegion, ...]:
+        return self.memory.remote_regions()
 
-    async def connect(self, descriptor: PeerDescriptor) -> RdmaEndpoint:
+    async def connect(self, descriptor: TransportDescriptor) -> RdmaEndpoint:
         """Create an RC QP, swap QP info over the peer's side channel, bring the QP to RTS."""
         self._check_open()
-        part = descriptor.backends.get("rdma")
-        if part is None:
-            raise PeerUnreachableError(
-                f"peer {descriptor.peer_id} offers no rdma backend (it offers "
-                f"{sorted(descriptor.backends)})"
-            )
-        info = RdmaPeerInfo.from_dict(part)
+        info = self.peer_part(descriptor)
         entry = self.qps.new(descriptor.peer_id, accepting=False)
         reader, writer = await dial(
             self.qps, entry, self._peer_id, descriptor.peer_id, info, self.config.connect_timeout_s

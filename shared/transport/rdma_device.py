@@ -1,5 +1,6 @@
 """RDMA device discovery for the rdma backend: loading pyverbs, ``rdma_available()``, picking a
-device / port / GID, the ``"rdma"`` part of a PeerDescriptor, and CUDA memory export as dma-buf.
+device / port / GID, and CUDA memory export as dma-buf. The ``"rdma"`` part of a descriptor is
+``kv.descriptor.RdmaBackend``.
 """
 
 from __future__ import annotations
@@ -7,12 +8,11 @@ from __future__ import annotations
 import ctypes
 import importlib
 import mmap
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
-from kvmesh.shared.transport.errors import BackendUnavailableError, ProtocolError
+from kvmesh.shared.transport.errors import BackendUnavailableError
 
 INSTALL_HINT = (
     "install rdma-core's Python bindings: scripts/install_pyverbs.sh (Debian/Ubuntu: apt-get "
@@ -148,71 +148,6 @@ def choose_gid(verbs: Any, ctx: Any, choice: DeviceChoice, wanted: int | None) -
             if roce_v2 and gid.startswith(_IPV4_MAPPED):
                 return idx, gid
     return candidates[0]
-
-
-# ---------------------------------------------------------------------------------------------------
-# The "rdma" part of a PeerDescriptor
-
-
-@dataclass(frozen=True, slots=True)
-class RdmaPeerInfo:
-    """Device-level facts about a peer plus where to reach its handshake listener. Per-connection
-    QP facts (qpn, psn) travel in the handshake (see rdma_qp.QPInfo)."""
-
-    device: str
-    port: int
-    lid: int
-    gid: str
-    gid_index: int
-    mtu: int  # ibv_mtu enum of the active MTU
-    host: str  # handshake side channel (TCP)
-    handshake_port: int
-    # rkey -> (addr, iova) for regions whose NIC addresses differ from process addresses
-    # (dma-buf registrations of GPU memory): remote_addr - addr + iova is what goes on the wire.
-    iova: Mapping[int, tuple[int, int]] = field(default_factory=dict)
-    # The memory-window type the peer binds per lease (1 or 2), 0 where its NIC has none: then
-    # window keys are region keys and writes are scoped to the region only (docs/security.md).
-    memory_windows: int = 0
-    # The side channel's secret (hex): a connection proves it knows it before a QP is made for
-    # it (rdma_side_channel.py, lane_auth.side_channel_proof); it travels only in descriptors.
-    secret: str = ""
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "device": self.device,
-            "port": self.port,
-            "lid": self.lid,
-            "gid": self.gid,
-            "gid_index": self.gid_index,
-            "mtu": self.mtu,
-            "host": self.host,
-            "handshake_port": self.handshake_port,
-            "iova": {str(k): [a, i] for k, (a, i) in self.iova.items()},
-            "memory_windows": self.memory_windows,
-            "secret": self.secret,
-        }
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> RdmaPeerInfo:
-        try:
-            info = cls(
-                device=str(d["device"]),
-                port=int(d["port"]),
-                lid=int(d["lid"]),
-                gid=str(d["gid"]),
-                gid_index=int(d["gid_index"]),
-                mtu=int(d["mtu"]),
-                host=str(d["host"]),
-                handshake_port=int(d["handshake_port"]),
-                iova={int(k): (int(v[0]), int(v[1])) for k, v in d.get("iova", {}).items()},
-                memory_windows=int(d.get("memory_windows", 0)),
-                secret=str(d.get("secret", "")),
-            )
-        except (KeyError, TypeError, ValueError, IndexError) as exc:
-            raise ProtocolError(f"malformed rdma descriptor part {d!r}: {exc}") from exc
-        if info.memory_windows not in (0, 1, 2):
-            raise ProtocolError(f"rdma memory_windows must be 0, 1 or 2, got {info.memory_windows}")
-        return info
 
 
 # ---------------------------------------------------------------------------------------------------

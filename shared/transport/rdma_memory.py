@@ -13,7 +13,6 @@ memory windows the MR carries the remote access and its hardware rkey is the reg
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import errno
 import mmap
 import os
@@ -21,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import torch
 from kvmesh.shared.transport.base import Access, Buffer, MemoryRegion
 from kvmesh.shared.transport.errors import LocalAccessError, TransportError
@@ -83,7 +83,7 @@ class RdmaMemory:
         except BaseException:
             mr.close()
             raise
-        region = dataclasses.replace(region, lkey=mr.lkey)
+        region = msgspec.structs.replace(region, lkey=mr.lkey)
         self._regs[region.rkey] = Registration(mr, region, region.addr, tensor)
         return region
 

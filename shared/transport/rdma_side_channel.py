@@ -26,11 +26,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvmesh.shared.kv.descriptor import RdmaBackend
 from kvmesh.shared.transport import lane_auth
 from kvmesh.shared.transport.config import TransportConfig
 from kvmesh.shared.transport.errors import PeerUnreachableError, ProtocolError, TransportError
 from kvmesh.shared.transport.rdma_connections import QPEntry, QPTable
-from kvmesh.shared.transport.rdma_device import RdmaPeerInfo
 from kvmesh.shared.transport.rdma_qp import QPInfo, qp_to_rtr, qp_to_rts
 from kvmesh.shared.transport.rdma_windows import WindowTable, no_windows_reply
 from kvmesh.shared.transport.registry import Registry
@@ -70,7 +70,7 @@ def canonical(message: Mapping[str, Any]) -> bytes:
 
 
 async def dial(
-    qps: QPTable, entry: QPEntry, peer_id: str, remote_peer: str, info: RdmaPeerInfo, timeout: float
+    qps: QPTable, entry: QPEntry, peer_id: str, remote_peer: str, info: RdmaBackend, timeout: float
 ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     """The writer's side: swap QP info with the peer ``remote_peer`` at ``info``'s handshake
     address and bring ``entry``'s QP to RTS. On any failure the QP is destroyed and the error is

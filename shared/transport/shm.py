@@ -27,13 +27,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 from kvmesh.shared.config.stale_dirs import make_owned_dir, sweep_dead_owner_files
+from kvmesh.shared.kv.descriptor import ShmBackend, TransportDescriptor
 from kvmesh.shared.obs import logs
 from kvmesh.shared.transport.backend import HostMemoryBackend
 from kvmesh.shared.transport.base import (
     Access,
     MemoryRegion,
     MemoryWindow,
-    PeerDescriptor,
     local_host_id,
 )
 from kvmesh.shared.transport.completions import Completion, CompletionQueue
@@ -200,10 +200,10 @@ class _Segment:
         self.addr = self.tensor.data_ptr()
 
 
-class ShmTransport(HostMemoryBackend):
+class ShmTransport(HostMemoryBackend[ShmBackend]):
     """Shared-memory transport; use as ``async with ShmTransport(config) as t``."""
 
-    name = "shm"
+    name, part = "shm", ShmBackend
 
     def __init__(
         self,
@@ -341,20 +341,10 @@ class ShmTransport(HostMemoryBackend):
         """False when a remotely accessible region lies outside shm (only with strict=False)."""
         return not self._unshared
 
-    def descriptor(self) -> PeerDescriptor:
+    def backend_info(self) -> ShmBackend:
         if self._table_seg is None:
             raise TransportClosedError("enter the transport before asking for its descriptor")
-        return PeerDescriptor(
-            peer_id=self._peer_id,
-            host_id=local_host_id(),
-            backends={
-                "shm": {
-                    "socket": self.socket_path,
-                    "table": self._table_seg.name,
-                }
-            },
-            regions=tuple(self._registry.regions(Access.REMOTE_WRITE)),
-        )
+        return ShmBackend(socket=self.socket_path, table=self._table_seg.name)
 
     # -- receiver: notification channel ------------------------------------------------------------
 
@@ -390,22 +380,20 @@ class ShmTransport(HostMemoryBackend):
 
     # -- writer ------------------------------------------------------------------------------------
 
-    async def connect(self, descriptor: PeerDescriptor) -> ShmEndpoint:
+    async def connect(self, descriptor: TransportDescriptor) -> ShmEndpoint:
         from kvmesh.shared.transport.shm_endpoint import ShmEndpoint
 
         self._check_not_closed()
-        info = descriptor.backends.get("shm")
-        if info is None:
-            raise PeerUnreachableError(f"peer {descriptor.peer_id} offers no shm backend")
+        info = self.peer_part(descriptor)
         if descriptor.host_id != local_host_id():
             raise PeerUnreachableError(
                 f"peer {descriptor.peer_id} is on host {descriptor.host_id}, not this one "
                 f"({local_host_id()}); use tcp or rdma"
             )
-        table = check_segment_name(info.get("table"))
+        table = check_segment_name(info.table)
         if not table.endswith("-table"):
             raise UntrustedDescriptorError(f"shm table {table!r} is not a region table segment")
-        socket_path = check_socket_path(info.get("socket"))
+        socket_path = check_socket_path(info.socket)
         try:
             table_mm = _map_segment(table)
         except OSError as exc:
@@ -419,7 +407,7 @@ class ShmTransport(HostMemoryBackend):
         except (OSError, TimeoutError) as exc:
             _close_mapping(table_mm)
             raise PeerUnreachableError(
-                f"cannot reach shm peer {descriptor.peer_id} at {info.get('socket')}: {exc}"
+                f"cannot reach shm peer {descriptor.peer_id} at {info.socket}: {exc}"
             ) from exc
         hello = self._peer_id.encode()
         writer.write(NOTE.pack(OP_HELLO, 0, 0, 0, 0, 0, len(hello)) + hello)

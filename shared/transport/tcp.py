@@ -28,14 +28,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from kvmesh.shared.config.advertise import default_route_address
+from kvmesh.shared.kv.descriptor import TcpBackend, TransportDescriptor
 from kvmesh.shared.obs import logs
 from kvmesh.shared.transport import lane_auth
 from kvmesh.shared.transport.backend import HostMemoryBackend
-from kvmesh.shared.transport.base import (
-    Access,
-    PeerDescriptor,
-    local_host_id,
-)
 from kvmesh.shared.transport.completions import CompletionQueue
 from kvmesh.shared.transport.config import TransportConfig
 from kvmesh.shared.transport.errors import (
@@ -109,10 +105,10 @@ def set_io_timeout(sock: socket.socket, seconds: float) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
 
 
-class TcpTransport(HostMemoryBackend):
+class TcpTransport(HostMemoryBackend[TcpBackend]):
     """TCP transport; use as ``async with TcpTransport(config) as t``."""
 
-    name = "tcp"
+    name, part = "tcp", TcpBackend
 
     def __init__(
         self,
@@ -184,27 +180,17 @@ class TcpTransport(HostMemoryBackend):
         self._memory.append(mm)
         return torch.frombuffer(mm, dtype=torch.uint8)
 
-    def descriptor(self) -> PeerDescriptor:
+    def backend_info(self) -> TcpBackend:
         if self._server is None:
             raise TransportClosedError("enter the transport before asking for its descriptor")
         host = self.config.tcp_advertise_host or self.config.tcp_host
         if host in ("0.0.0.0", "::"):  # every interface: advertise the default route's
             host = default_route_address()
-        return PeerDescriptor(
-            peer_id=self._peer_id,
-            host_id=local_host_id(),
-            backends={
-                "tcp": {
-                    "host": host,
-                    "port": self._port,
-                    "lanes": self.config.tcp_lanes,
-                    "secret": self._secret.hex(),
-                }
-            },
-            regions=tuple(self._registry.regions(Access.REMOTE_WRITE)),
+        return TcpBackend(
+            host=host, port=self._port, secret=self._secret.hex(), lanes=self.config.tcp_lanes
         )
 
-    async def connect(self, descriptor: PeerDescriptor) -> TcpEndpoint:
+    async def connect(self, descriptor: TransportDescriptor) -> TcpEndpoint:
         from kvmesh.shared.transport.tcp_endpoint import TcpEndpoint
 
         self._check_not_closed()

@@ -16,10 +16,11 @@ import threading
 from collections.abc import Coroutine, Sequence
 from typing import TYPE_CHECKING, Any
 
+from kvmesh.shared.kv.descriptor import TcpBackend, TransportDescriptor
 from kvmesh.shared.kv.imm import check_imm
 from kvmesh.shared.transport import lane_auth
 from kvmesh.shared.transport.backend import EndpointBase
-from kvmesh.shared.transport.base import PeerDescriptor, WriteEntry
+from kvmesh.shared.transport.base import WriteEntry
 from kvmesh.shared.transport.errors import (
     PeerGoneError,
     PeerUnreachableError,
@@ -78,11 +79,10 @@ def _open_lane(
 class TcpEndpoint(EndpointBase):
     backend = "tcp"
 
-    def __init__(self, transport: TcpTransport, descriptor: PeerDescriptor) -> None:
-        super().__init__(descriptor.peer_id)
+    def __init__(self, transport: TcpTransport, peer_id: str, info: TcpBackend) -> None:
+        super().__init__(peer_id)
         self._transport = transport
-        info = descriptor.backends["tcp"]
-        self._address = (str(info["host"]), int(info["port"]))
+        self._address = (info.host, info.port)
         config = transport.config
         self._slice = config.tcp_slice_bytes
         # the bytes `tcp_window` full slices hold: smaller frames do not shrink the window
@@ -100,16 +100,14 @@ class TcpEndpoint(EndpointBase):
         self._broken: TransportError | None = None
 
     @classmethod
-    async def open(cls, transport: TcpTransport, descriptor: PeerDescriptor) -> TcpEndpoint:
-        info = descriptor.backends.get("tcp")
-        if info is None:
-            raise PeerUnreachableError(f"peer {descriptor.peer_id} offers no tcp backend")
+    async def open(cls, transport: TcpTransport, descriptor: TransportDescriptor) -> TcpEndpoint:
+        info = transport.peer_part(descriptor)
         try:
-            secret = lane_auth.parse_secret(info.get("secret"))
+            secret = lane_auth.parse_secret(info.secret)
         except ValueError as exc:
             raise PeerUnreachableError(f"tcp peer {descriptor.peer_id}: {exc}") from None
-        ep = cls(transport, descriptor)
-        num_lanes = max(1, min(transport.config.tcp_lanes, int(info.get("lanes", 1))))
+        ep = cls(transport, descriptor.peer_id, info)
+        num_lanes = max(1, min(transport.config.tcp_lanes, info.lanes))
         endpoint_id = secrets.randbits(63)
         config = transport.config
         try:

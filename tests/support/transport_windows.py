@@ -12,7 +12,6 @@ from kvmesh.shared.transport import (
     Completion,
     Endpoint,
     MemoryWindow,
-    PeerDescriptor,
     Transport,
     TransportConfig,
     WriteEntry,
@@ -21,6 +20,7 @@ from kvmesh.shared.transport import (
 from kvmesh.shared.transport.rdma import RdmaTransport
 
 from support.fake_pyverbs import FakeVerbs
+from support.transport_wire import over_the_wire
 
 BLOCK = 4096
 
@@ -72,7 +72,7 @@ class PoolPair:
 
     async def connect(self) -> Endpoint:
         """A further connection from ``tx`` to ``rx``."""
-        return await self.tx.connect(PeerDescriptor.from_dict(self.rx.descriptor().to_dict()))
+        return await self.tx.connect(over_the_wire(self.rx.descriptor()))
 
     def addr(self, block: int) -> int:
         return self.region.addr + block * BLOCK

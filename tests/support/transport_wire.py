@@ -3,10 +3,11 @@ through windows only), and raw tcp lanes that pass (or fail) the receiver's hand
 
 from __future__ import annotations
 
-import dataclasses
 import socket
 
-from kvmesh.shared.transport import Access, MemoryRegion, PeerDescriptor
+import msgspec
+from kvmesh.shared.kv.descriptor import TcpBackend
+from kvmesh.shared.transport import Access, MemoryRegion, TransportDescriptor
 from kvmesh.shared.transport.lane_auth import (
     ACCEPT,
     CHALLENGE,
@@ -21,11 +22,22 @@ def remote(transport, region: MemoryRegion, access: Access | None = None) -> Mem
     """``region`` as a peer reaches it: the key of a window over all of it (a region's own key
     opens nothing from the network). Deregister the original region, not this copy."""
     window = transport.open_window(region, [(region.addr, region.length)], access or region.access)
-    return dataclasses.replace(region, rkey=window.rkey)
+    return msgspec.structs.replace(region, rkey=window.rkey)
 
 
-def tcp_secret(descriptor: PeerDescriptor) -> bytes:
-    return parse_secret(descriptor.backends["tcp"]["secret"])
+def over_the_wire(descriptor: TransportDescriptor) -> TransportDescriptor:
+    """``descriptor`` as a peer gets it: encoded, sent, decoded (and checked) by the schema."""
+    return msgspec.json.decode(msgspec.json.encode(descriptor), type=TransportDescriptor)
+
+
+def tcp_part(descriptor: TransportDescriptor) -> TcpBackend:
+    info = descriptor.backend("tcp")
+    assert info is not None, f"{descriptor.peer_id} offers no tcp backend"
+    return info
+
+
+def tcp_secret(descriptor: TransportDescriptor) -> bytes:
+    return parse_secret(tcp_part(descriptor).secret)
 
 
 def hello_bytes(
@@ -38,11 +50,11 @@ def hello_bytes(
 
 
 def raw_lane(
-    descriptor: PeerDescriptor, endpoint_id: int = 7, peer: bytes = b"raw-peer"
+    descriptor: TransportDescriptor, endpoint_id: int = 7, peer: bytes = b"raw-peer"
 ) -> socket.socket:
     """A tcp lane to ``descriptor``'s receiver past its handshake: frames may follow."""
-    info = descriptor.backends["tcp"]
-    sock = socket.create_connection((info["host"], info["port"]), timeout=10)
+    info = tcp_part(descriptor)
+    sock = socket.create_connection((info.host, info.port), timeout=10)
     sock.sendall(hello_bytes(sock, tcp_secret(descriptor), peer, endpoint_id))
     try:
         accepted = sock.recv(len(ACCEPT), socket.MSG_WAITALL) == ACCEPT
