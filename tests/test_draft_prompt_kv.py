@@ -22,6 +22,7 @@ from kvmesh.shared.bus import protocol
 from kvmesh.shared.bus.protocol import DraftKvReserveReply, PrefillDone
 from kvmesh.shared.kv.imm import imm_slot, unpack_imm
 from kvmesh.shared.transport.base import Access, MemoryWindow
+from support.prefill_rig import ready_advert
 
 
 def _window(rkey: int = 5, enforced: bool = True) -> MemoryWindow:
@@ -293,24 +294,7 @@ async def _mesh_in_process(tiny, small_draft=None):
             lock=lock,
         )
         peer = decode_side.descriptor()
-        worker.adverts.note(
-            protocol.DecodeAdvert(
-                worker_id="d0",
-                mode="disagg",
-                descriptor=peer,
-                base_addr=region.addr,
-                block_bytes=spec.block_bytes,
-                block_size=spec.block_size,
-                kv_spec=kv_spec,
-                total_blocks=64,
-                free_blocks=64,
-                free_block_ranges=(),
-                num_running=0,
-                num_waiting=0,
-                state="ready",
-                sent_at=0.0,
-            )
-        )
+        worker.adverts.note(ready_advert(peer, region, spec, kv_spec))
         if small_draft is None:
             drafter = build_drafter(_draft_config(), draft_side.allocate)
             pool_kv_spec = target_kv_spec(drafter.engine, model.config.num_hidden_layers)

@@ -5,8 +5,6 @@ decode's bytes."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import dataclasses
 
 import pytest
@@ -15,6 +13,7 @@ from kvmesh.kernels.kv_pack import pack_converted
 from kvmesh.shared.bus import protocol
 from kvmesh.shared.model.identity import kv_spec_fingerprint
 from kvmesh.shared.text.sampling import SamplingOptions
+from support.prefill_rig import prefill_rig
 
 FP8 = torch.float8_e4m3fn
 PROMPT = [(7 * i) % 250 + 1 for i in range(60)]  # 4 blocks: chunks of 32 + 16 + 12 tokens
@@ -35,54 +34,17 @@ def _engine(tiny, kv_cache_dtype: str, **kw):
     return LLMEngine(*tiny, EngineConfig(num_blocks=64, kv_cache_dtype=kv_cache_dtype, **kw))
 
 
-@contextlib.asynccontextmanager
-async def _converting_prefill(tiny, prefill_dtype: str, decode_spec):
-    from kvmesh.services.prefill.endpoints import EndpointCache
-    from kvmesh.services.prefill.worker import PrefillWorker
-    from kvmesh.shared.transport import Access, TransportConfig, create_transport
-    from support.transport_wire import remote as remote_key
-
+def _converting_prefill(tiny, prefill_dtype: str, decode_spec):
+    """A prefill worker with a ``prefill_dtype`` KV pool writing into 16 blocks of a decode
+    worker whose KV layout is ``decode_spec``."""
     engine = _engine(tiny, prefill_dtype, max_num_batched_tokens=32)
-    async with (
-        create_transport("tcp", TransportConfig(peer_id="decode")) as decode_side,
-        create_transport("tcp", TransportConfig(peer_id="prefill")) as prefill_side,
-        EndpointCache(prefill_side) as endpoints,
-    ):
-        remote = decode_side.allocate(16 * decode_spec.block_bytes)
-        region = remote_key(decode_side, decode_side.register(remote, Access.REMOTE_WRITE))
-        worker = PrefillWorker(
-            engine,
-            prefill_side.register(engine.kv_pool.raw),
-            endpoints,
-            worker_id="p0",
-            kv_spec=kv_spec_fingerprint(engine.kv_pool.spec, tiny[0].config),
-            advert_wait_s=0.2,
-        )
-        worker.adverts.note(
-            protocol.DecodeAdvert(
-                worker_id="d0",
-                mode="disagg",
-                descriptor=decode_side.descriptor(),
-                base_addr=region.addr,
-                block_bytes=decode_spec.block_bytes,
-                block_size=decode_spec.block_size,
-                kv_spec=kv_spec_fingerprint(decode_spec, tiny[0].config),
-                total_blocks=16,
-                free_blocks=16,
-                free_block_ranges=(),
-                num_running=0,
-                num_waiting=0,
-                state="ready",
-                sent_at=0.0,
-            )
-        )
-        loop = asyncio.create_task(worker.run())
-        try:
-            yield worker, region, remote
-        finally:
-            loop.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await loop
+    return prefill_rig(
+        engine,
+        kv_spec=kv_spec_fingerprint(engine.kv_pool.spec, tiny[0].config),
+        decode_spec=decode_spec,
+        decode_kv_spec=kv_spec_fingerprint(decode_spec, tiny[0].config),
+        remote_blocks=16,
+    )
 
 
 def _job(region, block_bytes: int, descriptor) -> protocol.PrefillJob:
@@ -109,7 +71,7 @@ async def test_prefill_converts_each_chunk_for_a_decode_worker_of_another_kv_dty
 ):
     reference = _engine(tiny, prefill_dtype, max_num_batched_tokens=32)  # the worker's chunks
     decode_spec = dataclasses.replace(reference.kv_pool.spec, dtype=decode_dtype or torch.float32)
-    async with _converting_prefill(tiny, prefill_dtype, decode_spec) as (worker, region, remote):
+    async with _converting_prefill(tiny, prefill_dtype, decode_spec) as (worker, _, region, remote):
         bb = decode_spec.block_bytes
         result = await worker.prefill(_job(region, bb, worker.adverts.get("d0").descriptor))
         assert result.done.ok and result.done.num_writes == 3, result.done.error

@@ -1,5 +1,4 @@
 import asyncio
-import contextlib
 
 import pytest
 import torch
@@ -13,6 +12,7 @@ from kvmesh.services.prefill.plan import (
 )
 from kvmesh.shared.bus import protocol
 from kvmesh.shared.kv.imm import imm_slot, unpack_imm
+from support.prefill_rig import prefill_rig, ready_advert
 
 BS, BB = 16, 1024  # block size in tokens, block bytes
 BASE = 0x10_0000
@@ -109,61 +109,15 @@ def tiny():
     return load_model("kvmesh-tiny")
 
 
-@contextlib.asynccontextmanager
-async def _prefill_setup(tiny, num_remote_blocks=64, hooks=(), lock=None):
-    from kvmesh.services.prefill.endpoints import EndpointCache
-    from kvmesh.services.prefill.worker import PrefillWorker
+def _prefill_setup(tiny, num_remote_blocks=64, hooks=(), lock=None):
+    """(worker, decode transport, region, memory): a prefill worker on kvmesh-tiny writing into
+    ``num_remote_blocks`` decode blocks."""
     from kvmesh.shared.engine.config import EngineConfig
     from kvmesh.shared.engine.llm_engine import LLMEngine
-    from kvmesh.shared.transport import Access, TransportConfig, create_transport
-    from support.transport_wire import remote as remote_key
 
     engine = LLMEngine(*tiny, EngineConfig(num_blocks=64, max_num_batched_tokens=32))
-    spec = engine.kv_pool.spec
-    async with (
-        create_transport("tcp", TransportConfig(peer_id="decode")) as decode_side,
-        create_transport("tcp", TransportConfig(peer_id="prefill")) as prefill_side,
-        EndpointCache(prefill_side) as endpoints,  # connected on first use, as the service does
-    ):
-        remote = decode_side.allocate(num_remote_blocks * spec.block_bytes)
-        region = remote_key(decode_side, decode_side.register(remote, Access.REMOTE_WRITE))
-        worker = PrefillWorker(
-            engine,
-            prefill_side.register(engine.kv_pool.raw),
-            endpoints,
-            worker_id="p0",
-            kv_spec="spec-a",
-            advert_wait_s=0.2,
-            hooks=hooks,
-            lock=lock,
-        )
-        peer = decode_side.descriptor()
-        worker.adverts.note(_advert(peer, region, spec, "spec-a"))
-        loop = asyncio.create_task(worker.run())
-        try:
-            yield worker, decode_side, region, remote
-        finally:
-            loop.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await loop
-
-
-def _advert(descriptor, region, spec, kv_spec, worker_id="d0"):
-    return protocol.DecodeAdvert(
-        worker_id=worker_id,
-        mode="disagg",
-        descriptor=descriptor,
-        base_addr=region.addr,
-        block_bytes=spec.block_bytes,
-        block_size=spec.block_size,
-        kv_spec=kv_spec,
-        total_blocks=region.length // spec.block_bytes,
-        free_blocks=region.length // spec.block_bytes,
-        free_block_ranges=(),
-        num_running=0,
-        num_waiting=0,
-        state="ready",
-        sent_at=0.0,
+    return prefill_rig(
+        engine, kv_spec="spec-a", remote_blocks=num_remote_blocks, hooks=hooks, lock=lock
     )
 
 
@@ -225,7 +179,7 @@ async def test_prefill_worker_refuses_decode_worker_with_other_kv_spec(tiny):
     async with _prefill_setup(tiny) as (worker, _, region, _):
         spec = worker.engine.kv_pool.spec
         descriptor = worker.adverts.get("d0").descriptor
-        worker.adverts.note(_advert(descriptor, region, spec, "spec-b"))
+        worker.adverts.note(ready_advert(descriptor, region, spec, "spec-b"))
         job = _job("r", range(1, 20), region, [0, 1], worker.block_bytes, worker)
         result = await worker.prefill(job)
         done = result.done

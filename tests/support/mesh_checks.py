@@ -63,12 +63,35 @@ async def store_advertised_since_ready(mesh) -> None:
     loop = asyncio.get_running_loop()
     ready = loop.time()
     async with admin_client(mesh.config.nats_url, auth=mesh.nats_auth) as admin:
-        while True:
-            rows = (await admin.status()).stores
-            if rows and rows[0].last_seen_s < loop.time() - ready - 0.05:
-                return
-            assert loop.time() < ready + 30, f"no store advert since the mesh was ready: {rows}"
-            await asyncio.sleep(0.1)
+        await poll_status(
+            admin,
+            lambda s: any(r.last_seen_s < loop.time() - ready - 0.05 for r in s.stores[:1]),
+            "a store advert since the mesh was ready",
+        )
+
+
+async def poll_status(admin: Any, ready: Any, what: str, timeout_s: float = 30.0) -> Any:
+    """The registry's admin status once ``ready(status)`` holds (a barrier, polled every 0.1 s);
+    fails naming ``what`` after ``timeout_s``."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        status = await admin.status()
+        if ready(status):
+            return status
+        assert loop.time() < deadline, f"timed out waiting for {what}: {status}"
+        await asyncio.sleep(0.1)
+
+
+def scrape(url: str) -> dict[str, float]:
+    """A service's /metrics, parsed (``name{labels}`` -> value)."""
+    import urllib.request
+
+    from kvmesh.loadgen.server_breakdown import parse_prometheus
+
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        assert resp.status == 200
+        return parse_prometheus(resp.read().decode())
 
 
 def store_mesh_config(*, prefill: int, decode: int, local_prefill_threshold: int = 0) -> Any:

@@ -1,0 +1,85 @@
+"""A prefill worker with no NATS: an engine, a real tcp transport, and a "decode" side that is
+only a registered region the worker writes into, advertised as a ready decode worker."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+from kvmesh.shared.bus import protocol
+
+
+def ready_advert(
+    descriptor: Any, region: Any, spec: Any, kv_spec: str, worker_id: str = "d0"
+) -> protocol.DecodeAdvert:
+    """The advert of a ready, idle disaggregated decode worker whose whole KV pool is ``region``
+    (in ``spec``'s layout, every block free)."""
+    blocks = region.length // spec.block_bytes
+    return protocol.DecodeAdvert(
+        worker_id=worker_id,
+        mode="disagg",
+        descriptor=descriptor,
+        base_addr=region.addr,
+        block_bytes=spec.block_bytes,
+        block_size=spec.block_size,
+        kv_spec=kv_spec,
+        total_blocks=blocks,
+        free_blocks=blocks,
+        free_block_ranges=(),
+        num_running=0,
+        num_waiting=0,
+        state="ready",
+        sent_at=0.0,
+    )
+
+
+@contextlib.asynccontextmanager
+async def prefill_rig(
+    engine: Any,
+    *,
+    kv_spec: str,
+    decode_spec: Any = None,
+    decode_kv_spec: str | None = None,
+    remote_blocks: int = 64,
+    **worker_options: Any,
+) -> AsyncIterator[tuple[Any, Any, Any, Any]]:
+    """A running ``PrefillWorker`` on ``engine`` (its KV layout ``kv_spec``) that knows one
+    decode worker, "d0": ``remote_blocks`` blocks of ``decode_spec``'s layout (default: the
+    engine's) behind a tcp transport, advertised with ``decode_kv_spec`` (default ``kv_spec``).
+    Yields (worker, decode transport, the decode region, its memory)."""
+    from kvmesh.services.prefill.endpoints import EndpointCache
+    from kvmesh.services.prefill.worker import PrefillWorker
+    from kvmesh.shared.transport import Access, TransportConfig, create_transport
+
+    from support.transport_wire import remote as remote_key
+
+    decode_spec = decode_spec or engine.kv_pool.spec
+    async with (
+        create_transport("tcp", TransportConfig(peer_id="decode")) as decode_side,
+        create_transport("tcp", TransportConfig(peer_id="prefill")) as prefill_side,
+        EndpointCache(prefill_side) as endpoints,  # connected on first use, as the service does
+    ):
+        remote = decode_side.allocate(remote_blocks * decode_spec.block_bytes)
+        region = remote_key(decode_side, decode_side.register(remote, Access.REMOTE_WRITE))
+        worker = PrefillWorker(
+            engine,
+            prefill_side.register(engine.kv_pool.raw),
+            endpoints,
+            worker_id="p0",
+            kv_spec=kv_spec,
+            advert_wait_s=0.2,
+            **worker_options,
+        )
+        advert_spec = decode_kv_spec or kv_spec
+        worker.adverts.note(
+            ready_advert(decode_side.descriptor(), region, decode_spec, advert_spec)
+        )
+        loop = asyncio.create_task(worker.run())
+        try:
+            yield worker, decode_side, region, remote
+        finally:
+            loop.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await loop
