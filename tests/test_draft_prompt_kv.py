@@ -22,7 +22,7 @@ from kvmesh.shared.bus import protocol
 from kvmesh.shared.bus.protocol import DraftKvReserveReply, PrefillDone
 from kvmesh.shared.kv.imm import imm_slot, unpack_imm
 from kvmesh.shared.transport.base import Access, MemoryWindow
-from support.prefill_rig import ready_advert
+from support.prefill_rig import prefill_job, ready_advert
 
 
 def _window(rkey: int = 5, enforced: bool = True) -> MemoryWindow:
@@ -324,21 +324,9 @@ async def _mesh_in_process(tiny, small_draft=None):
                 await loop
 
 
-def _job(rid, prompt, region, block_bytes, worker):
-    advert = worker.adverts.get("d0")
-    num_blocks = -(-len(prompt) // 16)
-    return protocol.PrefillJob(
-        rid,
-        tuple(prompt),
-        protocol.SamplingOptions(temperature=0.0),
-        "d0",
-        "L" + rid,
-        advert.descriptor,
-        region.rkey,
-        tuple(region.addr + b * block_bytes for b in range(num_blocks)),
-        block_bytes,
-        enqueued_at=0.0,
-    )
+def _blocks(prompt) -> range:
+    """The blocks a prompt fills, from block 0 (16-token blocks)."""
+    return range(-(-len(prompt) // 16))
 
 
 def _draft_kv(worker: PrefillWorker) -> DraftKv:
@@ -375,7 +363,7 @@ async def test_prefill_writes_the_draft_kv_and_the_next_draft_computes_only_the_
         assert reply.ok and len(reply.block_addrs) == 6 and reply.num_layers == 2
         assert bm.num_free_blocks == 64 - 6
         result = await _prefill(
-            worker, _job("r", prompt, region, worker.block_bytes, worker), _done_future(reply)
+            worker, prefill_job(worker, "r", prompt, region, _blocks(prompt)), _done_future(reply)
         )
         assert result.done.ok and result.done.draft_worker_id == "dr0"
         draft_worker_id, done = result.draft_done
@@ -402,11 +390,13 @@ async def test_refused_or_late_reservation_leaves_the_job_without_draft_writes(t
         reply = await receiver.reserve(req)
         assert not reply.ok and "is not this draft's target's" in reply.error
         result = await _prefill(
-            worker, _job("r", prompt, region, worker.block_bytes, worker), _done_future(reply)
+            worker, prefill_job(worker, "r", prompt, region, _blocks(prompt)), _done_future(reply)
         )
         assert result.done.ok and result.done.draft_worker_id == "" and result.draft_done is None
         late = asyncio.get_running_loop().create_future()  # never answered during the job
-        result = await _prefill(worker, _job("q", prompt, region, worker.block_bytes, worker), late)
+        result = await _prefill(
+            worker, prefill_job(worker, "q", prompt, region, _blocks(prompt)), late
+        )
         assert result.done.ok and result.done.draft_worker_id == "" and result.draft_done is None
         late.cancel()
 
@@ -451,7 +441,7 @@ async def test_prefill_runs_the_draft_model_and_the_model_drafters_next_draft_co
         assert reply.ok and reply.whole_blocks and len(reply.block_addrs) == 6
         assert reply.block_bytes == _draft_kv(worker).draft_engine.kv_pool.spec.block_bytes
         result = await _prefill(
-            worker, _job("r", prompt, region, worker.block_bytes, worker), _done_future(reply)
+            worker, prefill_job(worker, "r", prompt, region, _blocks(prompt)), _done_future(reply)
         )
         assert result.done.ok and result.done.draft_worker_id == "dr0"
         draft_worker_id, done = result.draft_done
@@ -491,13 +481,15 @@ async def test_model_drafter_refuses_a_prefill_without_its_draft_model_and_the_j
         assert _sample(receiver, "prompt_kv_refused_total") == 2
         # a refusal ends the prefill's draft compute; the target's job is as without it
         result = await _prefill(
-            worker, _job("r", prompt, region, worker.block_bytes, worker), _done_future(reply)
+            worker, prefill_job(worker, "r", prompt, region, _blocks(prompt)), _done_future(reply)
         )
         assert result.done.ok and result.done.draft_worker_id == "" and result.draft_done is None
         assert not _draft_kv(worker).draft_engine.seqs
         # no answer at all by the draft's last chunk: the same
         late = asyncio.get_running_loop().create_future()
-        result = await _prefill(worker, _job("q", prompt, region, worker.block_bytes, worker), late)
+        result = await _prefill(
+            worker, prefill_job(worker, "q", prompt, region, _blocks(prompt)), late
+        )
         assert (
             result.done.ok and result.draft_done is None and not _draft_kv(worker).draft_engine.seqs
         )

@@ -10,10 +10,9 @@ import dataclasses
 import pytest
 import torch
 from kvmesh.kernels.kv_pack import pack_converted
-from kvmesh.shared.bus import protocol
 from kvmesh.shared.model.identity import kv_spec_fingerprint
 from kvmesh.shared.text.sampling import SamplingOptions
-from support.prefill_rig import prefill_rig
+from support.prefill_rig import prefill_job, prefill_rig
 
 FP8 = torch.float8_e4m3fn
 PROMPT = [(7 * i) % 250 + 1 for i in range(60)]  # 4 blocks: chunks of 32 + 16 + 12 tokens
@@ -47,21 +46,6 @@ def _converting_prefill(tiny, prefill_dtype: str, decode_spec):
     )
 
 
-def _job(region, block_bytes: int, descriptor) -> protocol.PrefillJob:
-    return protocol.PrefillJob(
-        "r",
-        tuple(PROMPT),
-        protocol.SamplingOptions(temperature=0.0),
-        "d0",
-        "Lr",
-        descriptor,
-        region.rkey,
-        tuple(region.addr + b * block_bytes for b in TARGETS),
-        block_bytes,
-        enqueued_at=0.0,
-    )
-
-
 @pytest.mark.parametrize(
     ("prefill_dtype", "decode_dtype"),
     [("auto", FP8), ("fp8_e4m3", None), ("auto", torch.int8), ("int8", None), ("int8", FP8)],
@@ -73,7 +57,9 @@ async def test_prefill_converts_each_chunk_for_a_decode_worker_of_another_kv_dty
     decode_spec = dataclasses.replace(reference.kv_pool.spec, dtype=decode_dtype or torch.float32)
     async with _converting_prefill(tiny, prefill_dtype, decode_spec) as (worker, _, region, remote):
         bb = decode_spec.block_bytes
-        result = await worker.prefill(_job(region, bb, worker.adverts.get("d0").descriptor))
+        result = await worker.prefill(
+            prefill_job(worker, "r", PROMPT, region, TARGETS, block_bytes=bb)
+        )
         assert result.done.ok and result.done.num_writes == 3, result.done.error
         assert worker.metrics.kv_bytes_written._value.get() == len(TARGETS) * bb
         got = remote.clone().view(-1, bb)

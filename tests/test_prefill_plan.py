@@ -12,7 +12,7 @@ from kvmesh.services.prefill.plan import (
 )
 from kvmesh.shared.bus import protocol
 from kvmesh.shared.kv.imm import imm_slot, unpack_imm
-from support.prefill_rig import prefill_rig, ready_advert
+from support.prefill_rig import prefill_job, prefill_rig, ready_advert
 
 BS, BB = 16, 1024  # block size in tokens, block bytes
 BASE = 0x10_0000
@@ -121,22 +121,6 @@ def _prefill_setup(tiny, num_remote_blocks=64, hooks=(), lock=None):
     )
 
 
-def _job(rid, prompt, region, block_ids, block_bytes, worker, descriptor=None):
-    advert = worker.adverts.get("d0")
-    return protocol.PrefillJob(
-        rid,
-        tuple(prompt),
-        protocol.SamplingOptions(temperature=0.0),
-        "d0",
-        "L" + rid,
-        advert.descriptor if descriptor is None else descriptor,
-        region.rkey,
-        tuple(region.addr + b * block_bytes for b in block_ids),
-        block_bytes,
-        enqueued_at=0.0,
-    )
-
-
 async def test_prefill_worker_writes_each_chunk_into_the_reserved_blocks(tiny):
     from kvmesh.shared.engine.config import EngineConfig
     from kvmesh.shared.engine.llm_engine import LLMEngine
@@ -146,7 +130,7 @@ async def test_prefill_worker_writes_each_chunk_into_the_reserved_blocks(tiny):
     targets = [9, 3, 4, 10]
     async with _prefill_setup(tiny) as (worker, decode_side, region, remote):
         bb = worker.block_bytes
-        result = await worker.prefill(_job("r", prompt, region, targets, bb, worker))
+        result = await worker.prefill(prefill_job(worker, "r", prompt, region, targets))
         done, report = result.done, result.report
         assert done.ok and done.num_writes == 3 and done.first_token >= 0
         assert done.request_id == "r" and done.lease_id == "Lr" and done.rkey == region.rkey
@@ -180,7 +164,7 @@ async def test_prefill_worker_refuses_decode_worker_with_other_kv_spec(tiny):
         spec = worker.engine.kv_pool.spec
         descriptor = worker.adverts.get("d0").descriptor
         worker.adverts.note(ready_advert(descriptor, region, spec, "spec-b"))
-        job = _job("r", range(1, 20), region, [0, 1], worker.block_bytes, worker)
+        job = prefill_job(worker, "r", range(1, 20), region, [0, 1])
         result = await worker.prefill(job)
         done = result.done
         assert not done.ok and "KV spec mismatch" in done.error and done.num_writes == 0
@@ -191,7 +175,7 @@ async def test_prefill_worker_stops_between_chunks_on_abort(tiny):
     prompt = [(3 * i) % 250 + 1 for i in range(640)]  # 20 chunks
     async with _prefill_setup(tiny) as (worker, decode_side, region, _):
         job = asyncio.create_task(
-            worker.prefill(_job("r", prompt, region, range(40), worker.block_bytes, worker))
+            worker.prefill(prefill_job(worker, "r", prompt, region, range(40)))
         )
         await decode_side.completion_queue.get()  # the first chunk has landed
         await worker.abort("r", "client disconnected")
@@ -204,7 +188,7 @@ async def test_prefill_worker_stops_between_chunks_on_abort(tiny):
 async def test_prefill_worker_answers_a_job_aborted_before_it_arrived(tiny):
     async with _prefill_setup(tiny) as (worker, _, region, _):
         await worker.abort("r", "client disconnected")
-        job = _job("r", range(1, 40), region, [0, 1, 2], worker.block_bytes, worker)
+        job = prefill_job(worker, "r", range(1, 40), region, [0, 1, 2])
         done = (await worker.prefill(job)).done
         assert not done.ok and "aborted before prefill started" in done.error
 
@@ -228,7 +212,7 @@ def test_prefill_config_from_env_and_its_checks():
 async def test_prefill_worker_returns_nothing_for_a_duplicate_of_a_job_in_hand(tiny):
     prompt = [(5 * i) % 250 + 1 for i in range(640)]  # 20 chunks: still running when re-sent
     async with _prefill_setup(tiny) as (worker, decode_side, region, _):
-        job = _job("r", prompt, region, range(40), worker.block_bytes, worker)
+        job = prefill_job(worker, "r", prompt, region, range(40))
         started = worker.started(job)
         assert (started.request_id, started.lease_id, started.worker_id) == ("r", "Lr", "p0")
         first = asyncio.create_task(worker.prefill(job))
@@ -289,9 +273,7 @@ async def test_a_job_hook_sees_each_jobs_life_in_order_and_its_announcement_come
     hook = _RecordingHook(lock)
     prompt = [(7 * i) % 250 + 1 for i in range(60)]  # chunks of 32 + 16 + 12 tokens
     async with _prefill_setup(tiny, hooks=[hook], lock=lock) as (worker, _, region, _):
-        result = await worker.prefill(
-            _job("r", prompt, region, range(4), worker.block_bytes, worker)
-        )
+        result = await worker.prefill(prefill_job(worker, "r", prompt, region, range(4)))
     assert result.done.ok
     assert hook.calls == [
         "admit",
@@ -313,7 +295,7 @@ async def test_a_job_hook_hears_a_stopped_job_and_a_refused_one(tiny):
     hook = _RecordingHook(lock)
     prompt = [(5 * i) % 250 + 1 for i in range(60)]
     async with _prefill_setup(tiny, hooks=[hook], lock=lock) as (worker, _, region, _):
-        job = _job("r", prompt, region, range(4), worker.block_bytes, worker)
+        job = prefill_job(worker, "r", prompt, region, range(4))
         running = asyncio.create_task(worker.prefill(job))
         while "start" not in hook.calls:
             await asyncio.sleep(0)
@@ -322,6 +304,6 @@ async def test_a_job_hook_hears_a_stopped_job_and_a_refused_one(tiny):
         assert not result.done.ok and "client went away" in result.done.error
         assert "stop" in hook.calls and hook.calls[-2:] == ["end", "finish ok=False"]
         hook.calls.clear()
-        unknown = _job("q", prompt, region, range(4), worker.block_bytes, worker, "nobody")
+        unknown = prefill_job(worker, "q", prompt, region, range(4), descriptor="nobody")
         refused = await worker.prefill(unknown)  # a decode worker it has no advert of
         assert not refused.done.ok and hook.calls == ["finish ok=False"]

@@ -83,3 +83,31 @@ async def prefill_rig(
             loop.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await loop
+
+
+def prefill_job(
+    worker: Any,
+    request_id: str,
+    prompt: Any,
+    region: Any,
+    block_ids: Any,
+    *,
+    block_bytes: int | None = None,
+    descriptor: Any = None,
+) -> protocol.PrefillJob:
+    """A greedy job for "d0" whose KV goes to ``block_ids`` of ``region`` (blocks of
+    ``block_bytes``, default the worker's), reaching it by ``descriptor`` (default: as "d0"
+    advertised)."""
+    block_bytes = block_bytes or worker.block_bytes
+    return protocol.PrefillJob(
+        request_id,
+        tuple(prompt),
+        protocol.SamplingOptions(temperature=0.0),
+        "d0",
+        "L" + request_id,
+        worker.adverts.get("d0").descriptor if descriptor is None else descriptor,
+        region.rkey,
+        tuple(region.addr + b * block_bytes for b in block_ids),
+        block_bytes,
+        enqueued_at=0.0,
+    )
