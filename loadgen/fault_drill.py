@@ -52,13 +52,9 @@ class StreamOutcome:
     num_chunks: int = 0  # token chunks (not the finish chunk)
 
 
-async def stream_completion(
-    session: Any, url: str, prompt: list[int], max_tokens: int, under_way: asyncio.Event | None
-) -> StreamOutcome:
-    """One greedy streamed completion; sets ``under_way`` at its first token."""
-    import aiohttp
-
-    body = {
+def stream_body(prompt: list[int], max_tokens: int) -> dict[str, Any]:
+    """A greedy streamed completion of ``prompt``, EOS ignored: every drill's request."""
+    return {
         "model": MODEL,
         "prompt": prompt,
         "max_tokens": max_tokens,
@@ -66,6 +62,15 @@ async def stream_completion(
         "ignore_eos": True,
         "stream": True,
     }
+
+
+async def stream_completion(
+    session: Any, url: str, prompt: list[int], max_tokens: int, under_way: asyncio.Event | None
+) -> StreamOutcome:
+    """One greedy streamed completion; sets ``under_way`` at its first token."""
+    import aiohttp
+
+    body = stream_body(prompt, max_tokens)
     out = StreamOutcome()
     try:
         async with session.post(f"{url}/v1/completions", json=body) as resp:
@@ -297,16 +302,7 @@ def _stalled_client(port: int, prompt: list[int], max_tokens: int) -> socket.soc
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.connect(("127.0.0.1", port))
-    body = orjson.dumps(
-        {
-            "model": MODEL,
-            "prompt": prompt,
-            "max_tokens": max_tokens,
-            "temperature": 0.0,
-            "ignore_eos": True,
-            "stream": True,
-        }
-    )
+    body = orjson.dumps(stream_body(prompt, max_tokens))
     head = (
         f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
         f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
