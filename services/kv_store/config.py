@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
-from kvmesh.shared.bus.worker_config import KvLayoutConfig
+from kvmesh.shared.bus.worker_config import KvCacheDtype, KvLayoutConfig
 from kvmesh.shared.config.service_config import check_positive, option
 
 DEFAULT_CAPACITY_GB = 1.0
@@ -25,7 +24,7 @@ class StoreConfig(KvLayoutConfig):
         None, help="the decode workers' --dtype (float32, bfloat16, float16); default: the model's"
     )
     block_size: int = option(16, help="tokens per KV block (as the decode workers')")
-    kv_cache_dtype: Literal["auto", "int8", "fp8_e4m3"] = option(
+    kv_cache_dtype: KvCacheDtype = option(
         "auto", help="the workers' --kv-cache-dtype: auto (the model's dtype), int8 or fp8_e4m3"
     )
     num_blocks: int | None = option(

@@ -33,6 +33,11 @@ from kvmesh.shared.config.service_config import (
 )
 from kvmesh.shared.config.service_errors import ServiceStartError
 
+# --transport's choices: a backend of shared/transport (auto.BACKENDS) or auto, the best of them
+TransportChoice = Literal["auto", "shm", "tcp", "rdma"]
+# --kv-cache-dtype's choices: the engine's KV_CACHE_DTYPES (shared/engine/config.py)
+KvCacheDtype = Literal["auto", "int8", "fp8_e4m3"]
+
 
 @dataclass(frozen=True, slots=True)
 class ServiceConfig(NatsClientConfig):
@@ -76,7 +81,7 @@ class DataPlaneConfig(MetricsServiceConfig):
     """A service that moves KV on the data plane (engine workers, kv-stores): its backend and
     the addresses it listens on and is reached at."""
 
-    transport: Literal["auto", "shm", "tcp", "rdma"] = option("auto", help="KV data plane backend")
+    transport: TransportChoice = option("auto", help="KV data plane backend")
     tcp_host: str | None = option(
         None,
         help="address the data plane listens on (tcp lanes, the rdma side channel); 0.0.0.0 "
@@ -115,7 +120,7 @@ class KvLayoutConfig(DataPlaneConfig):
         None, help="model dtype (float32, bfloat16, float16); default: the checkpoint's"
     )
     block_size: int = option(16, help="tokens per KV block (prefill and decode workers must match)")
-    kv_cache_dtype: Literal["auto", "int8", "fp8_e4m3"] = option(
+    kv_cache_dtype: KvCacheDtype = option(
         "auto",
         help="KV cache dtype: auto (the model's), int8 (the recommended 8-bit format: a scale per "
         "32 values of each token, 9/32 of float32's bytes) or fp8_e4m3 (float8 with per-(block, "
