@@ -12,11 +12,12 @@ from kvmesh.shared.config.service_config import check_at_least, check_positive, 
 
 @dataclass(frozen=True, slots=True)
 class HttpLimits:
-    """What one HTTP client may hold of the router (services/router/http_limits.py)."""
+    """What one HTTP client may hold of the router (services/router/http_limits.py); the flags
+    and their defaults are RouterConfig's."""
 
-    header_timeout_s: float = 10.0
-    body_timeout_s: float = 30.0
-    max_connections_per_client: int = 64
+    header_timeout_s: float
+    body_timeout_s: float
+    max_connections_per_client: int
 
     def __post_init__(self) -> None:
         check_positive(self, "header_timeout_s", "body_timeout_s")
