@@ -55,7 +55,7 @@ async def test_body_over_the_limit_is_a_json_413() -> None:
 def test_api_key_and_body_limit_config_errors_say_what_to_fix() -> None:
     with pytest.raises(ValueError, match="api_key must not be empty"):
         RouterConfig(api_key=" ")
-    with pytest.raises(ValueError, match="max_body_mb must be > 0"):
+    with pytest.raises(ValueError, match="max_body_mb must be positive"):
         RouterConfig(max_body_mb=0)
 
 

@@ -6,6 +6,7 @@ is served meanwhile."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import aiohttp
@@ -106,7 +107,11 @@ async def test_a_kept_alive_connection_serves_request_after_request(router):
 
 
 def test_limits_must_be_positive():
+    limits = RouterConfig().http_limits()
+    assert limits == HttpLimits(10.0, 30.0, 64)  # the router's defaults
     with pytest.raises(ValueError, match="header_timeout_s"):
-        HttpLimits(header_timeout_s=0)
+        dataclasses.replace(limits, header_timeout_s=0)
     with pytest.raises(ValueError, match="max_connections_per_client"):
-        HttpLimits(max_connections_per_client=0)
+        dataclasses.replace(limits, max_connections_per_client=0)
+    with pytest.raises(ValueError, match="body_timeout_s"):
+        RouterConfig(body_timeout_s=0)

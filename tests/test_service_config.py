@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 from dataclasses import dataclass
 from typing import Literal
 
@@ -227,3 +228,79 @@ def test_every_service_reads_the_nats_credentials() -> None:
 
     for name in SERVICES:
         assert {USER_ENV, PASSWORD_ENV, PASSWORD_FILE_ENV} <= service_env_keys(name), name
+
+
+@pytest.mark.parametrize(
+    ("env", "needle"),
+    [
+        ({"KVMESH_MODEL": ""}, "model must name a model or a checkpoint directory"),
+        ({"KVMESH_BLOCK_SIZE": "0"}, "block_size must be positive"),
+        ({"KVMESH_NUM_BLOCKS": "-3"}, "num_blocks must be positive, got -3"),
+        ({"KVMESH_ADVERTISE_HOST": "0.0.0.0"}, "advertise"),
+    ],
+)
+def test_engine_workers_and_kv_stores_refuse_a_bad_kv_layout_alike(
+    env: dict[str, str], needle: str
+) -> None:
+    from kvmesh.services.decode.config import DecodeConfig
+    from kvmesh.services.draft.config import DraftConfig
+    from kvmesh.services.kv_store.config import StoreConfig
+    from kvmesh.services.prefill.config import PrefillConfig
+
+    for cls in (PrefillConfig, DecodeConfig, DraftConfig, StoreConfig):
+        with pytest.raises(ConfigError, match=needle):
+            config_from_args(cls, None, env)
+
+
+def test_a_kv_store_and_a_worker_of_one_model_join_its_mesh() -> None:
+    from kvmesh.services.kv_store.config import StoreConfig
+    from kvmesh.services.prefill.config import PrefillConfig
+
+    env = {"KVMESH_MODEL": "/models/Qwen2.5-0.5B"}
+    store = config_from_args(StoreConfig, None, env)
+    assert store.mesh == config_from_args(PrefillConfig, None, env).mesh != "kvmesh-tiny"
+
+
+def test_flag_choices_are_what_the_engine_transports_and_logs_accept() -> None:
+    import typing
+
+    from kvmesh.shared.bus.worker_config import KvCacheDtype, TransportChoice
+    from kvmesh.shared.engine.config import KV_CACHE_DTYPES
+    from kvmesh.shared.obs.logs import LogLevelName
+    from kvmesh.shared.transport.auto import BACKENDS
+
+    assert typing.get_args(KvCacheDtype) == KV_CACHE_DTYPES
+    assert set(typing.get_args(TransportChoice)) == {"auto", *BACKENDS}
+    assert all(
+        logging.getLevelName(name.upper()) != f"Level {name.upper()}"
+        for name in typing.get_args(LogLevelName)
+    )
+
+
+@dataclass(frozen=True)
+class Bounds:
+    timeout_s: float = 1.0
+    workers: int | None = None
+
+
+@pytest.mark.parametrize(
+    ("bounds", "needle"),
+    [
+        (Bounds(timeout_s=0.0), "timeout_s must be positive, got 0.0"),
+        (Bounds(timeout_s=float("nan")), "timeout_s must be positive, got nan"),
+        (Bounds(workers=0), "workers must be >= 1, got 0"),
+    ],
+)
+def test_bound_checks_name_the_field_and_its_value(bounds: Bounds, needle: str) -> None:
+    from kvmesh.shared.config.service_config import check_at_least, check_positive
+
+    with pytest.raises(ValueError, match=needle):
+        check_positive(bounds, "timeout_s")
+        check_at_least(bounds, 1, "workers")
+
+
+def test_bound_checks_pass_a_field_left_unset() -> None:
+    from kvmesh.shared.config.service_config import check_at_least, check_positive
+
+    check_positive(Bounds(), "timeout_s", "workers")
+    check_at_least(Bounds(), 1, "workers")

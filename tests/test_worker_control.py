@@ -1,5 +1,6 @@
-"""A worker answers ``kvmesh admin drain|resume`` after announcing its new state on its heartbeat
-subject (``answer_worker_control``), against a real nats-server: the router's worker pool must not
+"""A worker's ``control`` endpoint (``control_endpoint``, what every WorkerShell serves) answers
+``kvmesh admin drain|resume`` after announcing its new state on its heartbeat subject, against a
+real nats-server: the router's worker pool must not
 wait for the next heartbeat tick to learn it (a router that heard one prefill worker's drain but
 not yet another's resume counted none ready and prefilled on the decode worker)."""
 
@@ -9,13 +10,9 @@ import time
 
 import nats.micro
 from kvmesh.shared.bus import protocol
-from kvmesh.shared.bus.nats_service import (
-    answer_worker_control,
-    connect_nats,
-    flush_to_server,
-    read_worker_control,
-)
+from kvmesh.shared.bus.nats_service import connect_nats, flush_to_server
 from kvmesh.shared.bus.subjects import Subjects
+from kvmesh.shared.bus.worker_shell import control_endpoint
 
 SUBJECTS = Subjects("kvmesh-tiny")
 
@@ -24,25 +21,25 @@ async def test_the_new_state_is_heard_on_the_heartbeat_subject_before_the_answer
     nats_server: str,
 ) -> None:
     state = {"state": "ready"}
+    applied: list[str] = []
 
     def heartbeat() -> protocol.WorkerHeartbeat:
         return protocol.WorkerHeartbeat("prefill-1", "prefill", state["state"], sent_at=time.time())
 
-    async def on_control(req) -> None:
-        action = await read_worker_control(req)
-        if action is None:
-            return
+    async def apply(action: str) -> None:
+        applied.append(action)
         state["state"] = "draining" if action == "drain" else "ready"
-        await answer_worker_control(nc_worker, SUBJECTS, req, heartbeat())
 
     async with (
         connect_nats(nats_server, "worker") as nc_worker,
         connect_nats(nats_server, "router") as nc,
     ):
         svc = await nats.micro.add_service(nc_worker, name="kvmesh-prefill", version="0.0.0")
-        await svc.add_endpoint(
-            name="control", subject=SUBJECTS.worker_control("prefill-1"), handler=on_control
+        name, subject, handler = control_endpoint(
+            nc_worker, SUBJECTS, "prefill-1", heartbeat, apply
         )
+        assert (name, subject) == ("control", SUBJECTS.worker_control("prefill-1"))
+        await svc.add_endpoint(name=name, subject=subject, handler=handler)
         await flush_to_server(nc_worker)  # one flush may return before the SUB is in
         # no heartbeat loop runs: only the control answer can have published one
         beats = await nc.subscribe(SUBJECTS.heartbeat("prefill", "prefill-1"))
@@ -58,4 +55,5 @@ async def test_the_new_state_is_heard_on_the_heartbeat_subject_before_the_answer
         msg = await nc.request(SUBJECTS.worker_control("prefill-1"), bad, timeout=5)
         assert msg.headers and msg.headers.get("Nats-Service-Error-Code") == "400"
         assert beats.pending_msgs == 0  # a refused control changes nothing, so announces nothing
+        assert applied == ["drain", "resume"]
         await svc.stop()

@@ -8,7 +8,9 @@ from typing import Literal
 from kvmesh.commands.up_model import DEFAULT_MODEL
 from kvmesh.shared.bus.nats_options import NatsClientConfig
 from kvmesh.shared.bus.subjects import mesh_from_model
-from kvmesh.shared.config.service_config import option
+from kvmesh.shared.bus.worker_config import KvCacheDtype, TransportChoice
+from kvmesh.shared.config.service_config import check_at_least, check_positive, option
+from kvmesh.shared.obs.logs import LogFormat, LogLevelName
 
 # stop order: earlier tiers first (router stops taking requests before its backends go)
 TIERS = ("router", "prefill", "decode", "draft", "kv-store", "kv-registry")
@@ -35,7 +37,7 @@ class UpConfig(NatsClientConfig):
     )
     prefill: int = option(1, help="prefill workers (disagg mode)")
     decode: int = option(1, help="decode workers (colocated workers in colocated mode)")
-    transport: Literal["auto", "shm", "tcp", "rdma"] = option("auto", help="KV data plane")
+    transport: TransportChoice = option("auto", help="KV data plane")
     port: int = option(8000, help="router HTTP port (0: a free one)")
     host: str = option("127.0.0.1", help="address the router listens on (0.0.0.0: every interface)")
     local_prefill_threshold: int | None = option(
@@ -69,21 +71,19 @@ class UpConfig(NatsClientConfig):
     kv_cache_bytes: int | None = option(
         None, help="KV pool bytes per prefill/decode worker (their default: 256 MiB)"
     )
-    kv_cache_dtype: Literal["auto", "int8", "fp8_e4m3"] = option(
+    kv_cache_dtype: KvCacheDtype = option(
         "auto",
         help="KV cache dtype of every prefill and decode worker: auto (the model's), int8 (the "
         "recommended 8-bit format: a scale per 32 values of each token) or fp8_e4m3 (float8 with "
         "per-(block, KV head) scales; docs/kv_cache.md)",
     )
-    decode_kv_cache_dtype: Literal["auto", "int8", "fp8_e4m3"] | None = option(
+    decode_kv_cache_dtype: KvCacheDtype | None = option(
         None,
         help="decode workers' KV cache dtype where it differs from --kv-cache-dtype (e.g. int8 "
         "decode pools behind model-dtype prefill: the prefill writes convert)",
     )
-    log_level: Literal["debug", "info", "warning", "error", "critical"] = option(
-        "info", help="log level of every service"
-    )
-    log_format: Literal["console", "json"] = option("console", help="log format of every service")
+    log_level: LogLevelName = option("info", help="log level of every service")
+    log_format: LogFormat = option("console", help="log format of every service")
     startup_timeout_s: float = option(600.0, help="seconds to wait for every service to be ready")
     max_restarts: int = option(
         5,
@@ -136,40 +136,27 @@ class UpConfig(NatsClientConfig):
             from kvmesh.services.draft.shape import TreeShape
 
             TreeShape.parse(self.num_speculative_tokens, self.draft_tree)  # ValueError: one line
-            if self.draft_workers < 1:
-                raise ValueError(f"draft_workers must be >= 1, got {self.draft_workers}")
+            check_at_least(self, 1, "draft_workers")
             if self.draft == "model" and not self.draft_model:
                 raise ValueError("--draft model needs --draft-model PATH")
-        if self.decode < 1:
-            raise ValueError(f"decode must be >= 1, got {self.decode}")
-        if self.kv_store < 0:
-            raise ValueError(f"kv_store must be >= 0, got {self.kv_store}")
-        if not self.kv_store_capacity_gb > 0:
-            raise ValueError(
-                f"kv_store_capacity_gb must be positive, got {self.kv_store_capacity_gb}"
-            )
+        check_at_least(self, 1, "decode", "cores")
+        check_at_least(self, 0, "kv_store", "max_restarts", "decode_pacing_ms")
+        check_positive(
+            self,
+            "kv_store_capacity_gb",
+            "kv_store_disk_capacity_gb",
+            "startup_timeout_s",
+            "stop_timeout_s",
+        )
         if (self.kv_store_disk_path is None) != (self.kv_store_disk_capacity_gb is None):
             raise ValueError(
                 "a kv-store disk tier needs both kv_store_disk_path and kv_store_disk_capacity_gb"
             )
         if self.kv_store_disk_path is not None and not self.kv_store:
             raise ValueError("kv_store_disk_path needs kv-stores (kv_store >= 1)")
-        if self.kv_store_disk_capacity_gb is not None and not self.kv_store_disk_capacity_gb > 0:
-            raise ValueError(
-                f"kv_store_disk_capacity_gb must be positive, got {self.kv_store_disk_capacity_gb}"
-            )
         if self.prefill < 0 or (self.mode == "disagg" and self.prefill < 1):
             raise ValueError(f"prefill must be >= 1 in disagg mode, got {self.prefill}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        if self.cores is not None and self.cores < 1:
-            raise ValueError(f"cores must be >= 1, got {self.cores}")
         if not 0 <= self.prefill_nice <= 19:
             raise ValueError(f"prefill_nice must be in [0, 19], got {self.prefill_nice}")
-        if self.max_restarts < 0:
-            raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
-        if self.decode_pacing_ms < 0:
-            raise ValueError(f"decode_pacing_ms must be >= 0, got {self.decode_pacing_ms}")
-        for name in ("startup_timeout_s", "stop_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

@@ -7,7 +7,7 @@ from typing import Literal
 
 from kvmesh.shared.bus.protocol import MAX_CACHE_EVENT_HASHES
 from kvmesh.shared.bus.worker_config import EngineWorkerConfig
-from kvmesh.shared.config.service_config import option
+from kvmesh.shared.config.service_config import check_at_least, check_positive, option
 from kvmesh.shared.kv.imm import MAX_SLOTS
 
 
@@ -76,35 +76,26 @@ class DecodeConfig(EngineWorkerConfig):
 
     def __post_init__(self) -> None:
         EngineWorkerConfig.__post_init__(self)
-        if self.quarantine_s < 0:
-            raise ValueError(f"quarantine_s must be >= 0, got {self.quarantine_s}")
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        check_positive(
+            self,
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "lease_check_s",
+            "max_lease_s",
+            "cache_events_interval_s",
+            "cache_digest_interval_s",
+        )
+        check_at_least(self, 0, "quarantine_s", "reserve_output_tokens", "min_step_interval_ms")
         if self.num_blocks is not None and self.num_blocks > MAX_SLOTS:
             raise ValueError(
                 f"num_blocks must be in [1, {MAX_SLOTS}] (immediates name a request by "
                 f"its first block), got {self.num_blocks}"
             )
-        if self.reserve_output_tokens < 0:
-            raise ValueError(
-                f"reserve_output_tokens must be >= 0, got {self.reserve_output_tokens}"
-            )
-        if self.min_step_interval_ms < 0:
-            raise ValueError(f"min_step_interval_ms must be >= 0, got {self.min_step_interval_ms}")
         if not 0 < self.max_cache_events <= MAX_CACHE_EVENT_HASHES:
             raise ValueError(
                 f"max_cache_events must be in [1, {MAX_CACHE_EVENT_HASHES}], "
                 f"got {self.max_cache_events}"
             )
-        for name in (
-            "lease_check_s",
-            "max_lease_s",
-            "cache_events_interval_s",
-            "cache_digest_interval_s",
-        ):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
     @property
     def uses_data_plane(self) -> bool:

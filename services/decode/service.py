@@ -35,10 +35,8 @@ from kvmesh.services.decode.worker import DecodeWorker
 from kvmesh.shared.bus.hearing import Hearing
 from kvmesh.shared.bus.message_guard import guard_of
 from kvmesh.shared.bus.nats_service import (
-    answer_worker_control,
     connect_nats,
     new_worker_id,
-    read_worker_control,
     serve_until_signal,
 )
 from kvmesh.shared.bus.protocol import (
@@ -286,14 +284,12 @@ class DecodeService:
             except nats.errors.Error as exc:  # the registry gave up waiting; the lease frees it
                 log.warning("reserve reply not sent", error=str(exc))
 
-    async def on_control(self, req: Request) -> None:
-        action = await read_worker_control(req)
-        if action is None:
-            return
+    async def on_control(self, action: str) -> None:
+        """``kvmesh admin drain|resume <decode worker>``: drained, it takes no new reservation
+        (its advert, sent now, says so) and finishes the sequences it holds."""
         self.worker.is_draining = action == "drain"
         log.info("worker control", action=action)
         await self.advertise()
-        await answer_worker_control(self.nc, self.config.subjects, req, self.heartbeat())
 
     async def on_abort(self, msg: Abort) -> None:
         with logs.request_context(msg.request_id):
@@ -424,10 +420,8 @@ async def decode_service(config: DecodeConfig) -> AsyncIterator[DecodeService]:
             config=config,
             metrics=worker.metrics,
             ready="decode worker ready",
-            endpoints=(
-                ("reserve", subjects.decode_reserve(worker_id), service.on_reserve),
-                ("control", subjects.worker_control(worker_id), service.on_control),
-            ),
+            control=service.on_control,
+            endpoints=(("reserve", subjects.decode_reserve(worker_id), service.on_reserve),),
             routes=(
                 (subjects.decode_prefill_done(worker_id), PrefillDone, service.on_prefill_done),
                 (subjects.ABORT, Abort, service.on_abort),

@@ -7,7 +7,7 @@ from typing import Literal
 
 from kvmesh.services.draft.shape import MAX_SPECULATIVE_TOKENS, TreeShape
 from kvmesh.shared.bus.worker_config import EngineWorkerConfig
-from kvmesh.shared.config.service_config import option
+from kvmesh.shared.config.service_config import check_at_least, option
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,9 +72,7 @@ class DraftConfig(EngineWorkerConfig):
             raise ValueError(f"exit_layer must be >= 1, got {self.exit_layer}")
         if self.method == "model" and not self.draft_model:
             raise ValueError("--method model needs --draft-model PATH (a small checkpoint)")
-        for name in ("max_sequences", "max_batch"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        check_at_least(self, 1, "max_sequences", "max_batch")
 
     @property
     def shape(self) -> TreeShape:

@@ -30,12 +30,10 @@ from kvmesh.services.draft.metrics import DraftMetrics
 from kvmesh.services.draft.prompt_kv_receiver import PromptKvReceiver, target_kv_spec
 from kvmesh.shared.bus.message_guard import guard_of
 from kvmesh.shared.bus.nats_service import (
-    answer_worker_control,
     connect_nats,
     flush_to_server,
     new_worker_id,
     on_message,
-    read_worker_control,
     serve_until_signal,
 )
 from kvmesh.shared.bus.protocol import (
@@ -149,17 +147,13 @@ class DraftService:
             with contextlib.suppress(nats.errors.Error):
                 await sub.unsubscribe()
 
-    async def on_control(self, req: Request) -> None:
+    async def on_control(self, action: str) -> None:
         """``kvmesh admin drain|resume <draft worker>``: drained, it takes no new sequence and
         no prompt-KV reservation and drafts the sequences it holds until their decode workers
         forget them; resumed, it takes new ones again."""
-        action = await read_worker_control(req)
-        if action is None:
-            return
         self.is_draining = action == "drain"
         await (self.leave_queue() if self.is_draining else self.join_queue())
         log.warning(f"worker control: {action}", worker_id=self.core.worker_id)
-        await answer_worker_control(self.nc, self.config.subjects, req, self.heartbeat())
 
     async def draft_loop(self) -> None:
         """Draft every sequence whose context changed, a batch at a time (a task body)."""
@@ -289,10 +283,8 @@ async def draft_service(config: DraftConfig) -> AsyncIterator[DraftService]:
                 config=config,
                 metrics=service.metrics,
                 ready="draft worker ready",
-                endpoints=(
-                    ("status", subjects.draft_status(worker_id), service.on_status),
-                    ("control", subjects.worker_control(worker_id), service.on_control),
-                ),
+                control=service.on_control,
+                endpoints=(("status", subjects.draft_status(worker_id), service.on_status),),
                 routes=(
                     (subjects.draft_context(worker_id), DraftContext, service.on_context),
                     (subjects.draft_forget(worker_id), DraftForget, service.on_forget),

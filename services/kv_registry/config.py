@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvmesh.shared.bus.worker_config import MetricsServiceConfig
-from kvmesh.shared.config.service_config import option
+from kvmesh.shared.config.service_config import check_at_least, check_positive, option
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,17 +56,13 @@ class RegistryConfig(MetricsServiceConfig):
 
     def __post_init__(self) -> None:
         MetricsServiceConfig.__post_init__(self)
-        for name in ("reserve_timeout_s", "retry_after_s", "admin_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("prefix_weight", "load_weight", "local_max_suffix_tokens"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        check_positive(self, "reserve_timeout_s", "retry_after_s", "admin_timeout_s")
+        check_at_least(self, 0, "prefix_weight", "load_weight", "local_max_suffix_tokens")
         if not 0 <= self.store_block_weight <= 1:
             raise ValueError(f"store_block_weight must be in [0, 1], got {self.store_block_weight}")
-        for name in ("missed_heartbeats", "max_reserve_attempts", "max_cached_blocks_per_worker"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        check_at_least(
+            self, 1, "missed_heartbeats", "max_reserve_attempts", "max_cached_blocks_per_worker"
+        )
 
     @property
     def worker_timeout_s(self) -> float:

@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
-from kvmesh.shared.bus.subjects import mesh_from_model
-from kvmesh.shared.bus.worker_config import DataPlaneConfig
-from kvmesh.shared.config.service_config import option
+from kvmesh.shared.bus.worker_config import KvCacheDtype, KvLayoutConfig
+from kvmesh.shared.config.service_config import check_positive, option
 
 DEFAULT_CAPACITY_GB = 1.0
 
 
 @dataclass(frozen=True, slots=True)
-class StoreConfig(DataPlaneConfig):
+class StoreConfig(KvLayoutConfig):
+    """The KV layout's fields (kvmesh.shared.bus.worker_config; their help says what they mean to
+    a store, which runs no model) and the store's own."""
+
     worker_id: str | None = option(None, help="store id (default: kv-store-<random>)")
     heartbeat_s: float = option(1.0, help="seconds between heartbeats and store adverts")
     model: str = option(
@@ -23,7 +24,7 @@ class StoreConfig(DataPlaneConfig):
         None, help="the decode workers' --dtype (float32, bfloat16, float16); default: the model's"
     )
     block_size: int = option(16, help="tokens per KV block (as the decode workers')")
-    kv_cache_dtype: Literal["auto", "int8", "fp8_e4m3"] = option(
+    kv_cache_dtype: KvCacheDtype = option(
         "auto", help="the workers' --kv-cache-dtype: auto (the model's dtype), int8 or fp8_e4m3"
     )
     num_blocks: int | None = option(
@@ -74,33 +75,24 @@ class StoreConfig(DataPlaneConfig):
     )
 
     def __post_init__(self) -> None:
-        DataPlaneConfig.__post_init__(self)
-        if not self.model:
-            raise ValueError("model must name a model or a checkpoint directory")
-        if self.block_size <= 0:
-            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        KvLayoutConfig.__post_init__(self)
         if self.num_blocks is not None and self.capacity_gb is not None:
             raise ValueError("give num_blocks or capacity_gb, not both")
-        if self.num_blocks is not None and self.num_blocks <= 0:
-            raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
-        if self.capacity_gb is not None and not self.capacity_gb > 0:
-            raise ValueError(f"capacity_gb must be positive, got {self.capacity_gb}")
         if (self.disk_path is None) != (self.disk_capacity_gb is None):
             raise ValueError("a disk tier needs both disk_path and disk_capacity_gb")
         if self.disk_path is not None and not self.disk_path:
             raise ValueError("disk_path must name a directory")
-        if self.disk_capacity_gb is not None and not self.disk_capacity_gb > 0:
-            raise ValueError(f"disk_capacity_gb must be positive, got {self.disk_capacity_gb}")
-        for name in (
+        check_positive(
+            self,
+            "capacity_gb",
+            "disk_capacity_gb",
             "max_lease_s",
             "lease_check_s",
             "retry_after_s",
             "commit_wait_s",
             "cache_events_interval_s",
             "cache_digest_interval_s",
-        ):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        )
         if not 0 < self.writer_share <= 1:
             raise ValueError(f"writer_share must be in (0, 1], got {self.writer_share}")
         if not self.allowed_put_roles:
@@ -109,9 +101,6 @@ class StoreConfig(DataPlaneConfig):
     @property
     def allowed_put_roles(self) -> frozenset[str]:
         return frozenset(r.strip() for r in self.put_roles.split(",") if r.strip())
-
-    def default_mesh(self) -> str:
-        return mesh_from_model(self.model)
 
     def resolve_num_blocks(self, block_bytes: int) -> int:
         """Blocks the pool holds: --num-blocks, else --capacity-gb of block_bytes each."""

@@ -30,11 +30,9 @@ from kvmesh.services.kv_store.layout import store_layout
 from kvmesh.services.kv_store.metrics import StoreMetrics
 from kvmesh.services.kv_store.worker import StoreWorker
 from kvmesh.shared.bus.nats_service import (
-    answer_worker_control,
     connect_nats,
     new_worker_id,
     publish_every,
-    read_worker_control,
     serve_until_signal,
 )
 from kvmesh.shared.bus.protocol import (
@@ -129,16 +127,12 @@ class StoreService:
         """The kv-registry dropped a worker: the worker evicts every block it put."""
         self.worker.on_worker_gone(gone)
 
-    async def on_control(self, req: Request) -> None:
+    async def on_control(self, action: str) -> None:
         """``kvmesh admin drain|resume <store>``: drained, no new put (readers see "draining" in
         its advert, sent now, and put into another store); gets are still served."""
-        action = await read_worker_control(req)
-        if action is None:
-            return
         self.worker.is_draining = action == "drain"
         log.warning(f"worker control: {action}", store_id=self.store_id)
         await self._advertise_now()
-        await answer_worker_control(self.nc, self.config.subjects, req, self.heartbeat())
 
     async def _advertise_now(self) -> None:
         try:
@@ -262,6 +256,7 @@ async def store_service(config: StoreConfig) -> AsyncIterator[StoreService]:
             config=config,
             metrics=service.metrics,
             ready="kv-store ready",
+            control=service.on_control,
             endpoints=(
                 (
                     "put",
@@ -274,7 +269,6 @@ async def store_service(config: StoreConfig) -> AsyncIterator[StoreService]:
                     service.endpoint(StoreCommit, worker.commit),
                 ),
                 ("get", subjects.store_get(store_id), service.endpoint(StoreGet, worker.get)),
-                ("control", subjects.worker_control(store_id), service.on_control),
                 (
                     "release",
                     subjects.store_release(store_id),

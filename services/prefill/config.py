@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvmesh.shared.bus.worker_config import EngineWorkerConfig
-from kvmesh.shared.config.service_config import option
+from kvmesh.shared.config.service_config import check_positive, option
 
 if TYPE_CHECKING:
     from kvmesh.shared.engine.config import EngineConfig
@@ -64,18 +64,9 @@ class PrefillConfig(EngineWorkerConfig):
             raise ValueError(
                 f"chunk_tokens ({self.chunk_tokens}) must hold at least one block ({self.block_size} tokens)"
             )
-        if self.max_concurrent_jobs <= 0:
-            raise ValueError(
-                f"max_concurrent_jobs must be positive, got {self.max_concurrent_jobs}"
-            )
+        check_positive(self, "max_concurrent_jobs", "draft_kv_cache_bytes", "abort_memory_s")
         if self.draft_model and not self.draft_kv:
             raise ValueError("--draft-model needs --draft-kv (it only serves the draft KV)")
-        if self.draft_kv_cache_bytes <= 0:
-            raise ValueError(
-                f"draft_kv_cache_bytes must be positive, got {self.draft_kv_cache_bytes}"
-            )
-        if self.abort_memory_s <= 0:
-            raise ValueError(f"abort_memory_s must be positive, got {self.abort_memory_s}")
 
     def engine_config(
         self, dtype: Any, kv_cache_bytes: int | None, num_blocks: int | None = None

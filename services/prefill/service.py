@@ -28,10 +28,8 @@ from kvmesh.services.prefill.store_prefix import StorePrefix
 from kvmesh.services.prefill.worker import PrefillResult, PrefillWorker
 from kvmesh.shared.bus.message_guard import guard_of
 from kvmesh.shared.bus.nats_service import (
-    answer_worker_control,
     connect_nats,
     new_worker_id,
-    read_worker_control,
     serve_until_signal,
 )
 from kvmesh.shared.bus.prefill_queue import PrefillJobQueue
@@ -59,7 +57,6 @@ from kvmesh.shared.obs import logs
 from kvmesh.shared.transport import TransportConfig, create_transport
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from nats.micro.request import Request
 
 log = logs.get_logger(__name__)
 
@@ -244,15 +241,11 @@ class PrefillService:
         while self.worker.num_jobs:
             await asyncio.sleep(0.01)
 
-    async def on_control(self, req: Request) -> None:
+    async def on_control(self, action: str) -> None:
         """``kvmesh admin drain|resume <prefill worker>``: drained, it takes no new job from the
         queue (its peers take them) and finishes the ones in hand."""
-        action = await read_worker_control(req)
-        if action is None:
-            return
         self.is_draining = action == "drain"
         log.warning(f"worker control: {action}", worker_id=self.worker.worker_id)
-        await answer_worker_control(self.nc, self.config.subjects, req, self.heartbeat())
 
     async def on_abort(self, abort: Abort) -> None:
         await self.worker.abort(abort.request_id, abort.reason)
@@ -328,7 +321,7 @@ async def prefill_service(config: PrefillConfig) -> AsyncIterator[PrefillService
                 config=config,
                 metrics=worker.metrics,
                 ready="prefill worker ready",
-                endpoints=(("control", subjects.worker_control(worker_id), service.on_control),),
+                control=service.on_control,
                 routes=(
                     (subjects.ABORT, Abort, service.on_abort),
                     (subjects.REGISTRY_ADVERTISE, DecodeAdvert, service.on_advert),

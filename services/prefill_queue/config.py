@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from kvmesh.shared.bus.prefill_queue import ACK_WAIT_S
 from kvmesh.shared.bus.worker_config import MetricsServiceConfig
-from kvmesh.shared.config.service_config import option
+from kvmesh.shared.config.service_config import check_positive, option
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,5 +26,4 @@ class QueueKeeperConfig(MetricsServiceConfig):
 
     def __post_init__(self) -> None:
         MetricsServiceConfig.__post_init__(self)
-        if not self.ack_wait_s > 0:
-            raise ValueError(f"ack_wait_s must be positive, got {self.ack_wait_s}")
+        check_positive(self, "ack_wait_s")

@@ -7,26 +7,21 @@ from typing import Literal
 
 from kvmesh.shared.bus.subjects import mesh_from_model
 from kvmesh.shared.bus.worker_config import ServiceConfig
-from kvmesh.shared.config.service_config import option
+from kvmesh.shared.config.service_config import check_at_least, check_positive, option
 
 
 @dataclass(frozen=True, slots=True)
 class HttpLimits:
-    """What one HTTP client may hold of the router (services/router/http_limits.py)."""
+    """What one HTTP client may hold of the router (services/router/http_limits.py); the flags
+    and their defaults are RouterConfig's."""
 
-    header_timeout_s: float = 10.0
-    body_timeout_s: float = 30.0
-    max_connections_per_client: int = 64
+    header_timeout_s: float
+    body_timeout_s: float
+    max_connections_per_client: int
 
     def __post_init__(self) -> None:
-        for name in ("header_timeout_s", "body_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.max_connections_per_client < 1:
-            raise ValueError(
-                f"max_connections_per_client must be at least 1, got "
-                f"{self.max_connections_per_client}"
-            )
+        check_positive(self, "header_timeout_s", "body_timeout_s")
+        check_at_least(self, 1, "max_connections_per_client")
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,23 +140,17 @@ class RouterConfig(ServiceConfig):
                 f"local_prefill_threshold must be >= 0 (0: always prefill remotely), "
                 f"got {self.local_prefill_threshold}"
             )
-        if self.shutdown_grace_s < 0:
-            raise ValueError(f"shutdown_grace_s must be >= 0 seconds, got {self.shutdown_grace_s}")
-        if self.max_retries < 0:
-            raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
-        for name in ("lease_ms", "max_concurrent_requests", "client_send_buffer_kb"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in (
+        check_at_least(self, 0, "shutdown_grace_s", "max_retries")
+        check_at_least(self, 1, "lease_ms", "max_concurrent_requests", "client_send_buffer_kb")
+        check_positive(
+            self,
             "place_timeout_s",
             "first_token_timeout_s",
             "token_timeout_s",
             "worker_liveness_s",
             "max_body_mb",
             "client_write_timeout_s",
-        ):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+        )
 
     def default_mesh(self) -> str:
         return mesh_from_model(self.model)

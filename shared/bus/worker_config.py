@@ -3,10 +3,13 @@
 ``ServiceConfig``: what every service that joins the mesh has (the NATS options, a worker id,
 a heartbeat interval); the router builds on it. ``MetricsServiceConfig``: a service with a
 metrics endpoint of its own (every one but the router, which serves them on its API port); the
-kv-registry builds on it. ``EngineWorkerConfig``: what a worker running the engine adds (model,
-KV pool, data plane, threads, drain); prefill, decode and draft build on it. A subclass may redeclare a field to change its default or help text (the field
-keeps its place); its ``__post_init__`` calls its base's first (explicitly: zero-argument
-``super()`` does not work in slotted dataclasses).
+kv-registry and the prefill-queue keeper build on it. ``DataPlaneConfig``: a service that moves
+KV on the data plane (its backend and addresses). ``KvLayoutConfig``: one whose pool holds a
+model's KV blocks (model, dtype, block size, KV cache dtype, pool blocks); the kv-store builds
+on it. ``EngineWorkerConfig``: what a worker running the engine adds (device, pool bytes,
+threads, CPUs, drain); prefill, decode and draft build on it. A subclass may redeclare a field to
+change its default or help text (the field keeps its place); its ``__post_init__`` calls its
+base's first (explicitly: zero-argument ``super()`` does not work in slotted dataclasses).
 """
 
 from __future__ import annotations
@@ -22,8 +25,18 @@ from kvmesh.shared.config.advertise import (
     resolve_transport_hosts,
 )
 from kvmesh.shared.config.cpu_placement import CpuPlacement, parse_cpu_list
-from kvmesh.shared.config.service_config import check_worker_id, option
+from kvmesh.shared.config.service_config import (
+    check_at_least,
+    check_positive,
+    check_worker_id,
+    option,
+)
 from kvmesh.shared.config.service_errors import ServiceStartError
+
+# --transport's choices: a backend of shared/transport (auto.BACKENDS) or auto, the best of them
+TransportChoice = Literal["auto", "shm", "tcp", "rdma"]
+# --kv-cache-dtype's choices: the engine's KV_CACHE_DTYPES (shared/engine/config.py)
+KvCacheDtype = Literal["auto", "int8", "fp8_e4m3"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,8 +49,7 @@ class ServiceConfig(NatsClientConfig):
     def __post_init__(self) -> None:
         self.check_nats_options(self.default_mesh())
         check_worker_id(self.worker_id)
-        if not self.heartbeat_s > 0:
-            raise ValueError(f"heartbeat_s must be positive, got {self.heartbeat_s}")
+        check_positive(self, "heartbeat_s")
 
     def default_mesh(self) -> str:
         """The mesh when ``--mesh`` is not given (services with a model derive it from that)."""
@@ -69,7 +81,7 @@ class DataPlaneConfig(MetricsServiceConfig):
     """A service that moves KV on the data plane (engine workers, kv-stores): its backend and
     the addresses it listens on and is reached at."""
 
-    transport: Literal["auto", "shm", "tcp", "rdma"] = option("auto", help="KV data plane backend")
+    transport: TransportChoice = option("auto", help="KV data plane backend")
     tcp_host: str | None = option(
         None,
         help="address the data plane listens on (tcp lanes, the rdma side channel); 0.0.0.0 "
@@ -97,16 +109,18 @@ class DataPlaneConfig(MetricsServiceConfig):
 
 
 @dataclass(frozen=True, slots=True)
-class EngineWorkerConfig(DataPlaneConfig):
-    """A worker that runs the engine over a KV pool and moves KV on the data plane."""
+class KvLayoutConfig(DataPlaneConfig):
+    """A data-plane service whose pool holds one model's KV blocks (engine workers, kv-stores):
+    the model, dtype, block size and KV cache dtype that make the blocks' layout (peers
+    exchanging blocks must agree on it) and the pool's size in blocks. The mesh defaults to the
+    model's."""
 
     model: str = option("kvmesh-tiny", help="model name or local HF checkpoint directory")
     dtype: str | None = option(
         None, help="model dtype (float32, bfloat16, float16); default: the checkpoint's"
     )
-    device: str = option("cpu", help="torch device")
     block_size: int = option(16, help="tokens per KV block (prefill and decode workers must match)")
-    kv_cache_dtype: Literal["auto", "int8", "fp8_e4m3"] = option(
+    kv_cache_dtype: KvCacheDtype = option(
         "auto",
         help="KV cache dtype: auto (the model's), int8 (the recommended 8-bit format: a scale per "
         "32 values of each token, 9/32 of float32's bytes) or fp8_e4m3 (float8 with per-(block, "
@@ -116,6 +130,22 @@ class EngineWorkerConfig(DataPlaneConfig):
     num_blocks: int | None = option(
         None, help="KV blocks in this worker's pool (default: from kv_cache_bytes)"
     )
+
+    def __post_init__(self) -> None:
+        DataPlaneConfig.__post_init__(self)
+        if not self.model:
+            raise ValueError("model must name a model or a checkpoint directory")
+        check_positive(self, "block_size", "num_blocks")
+
+    def default_mesh(self) -> str:
+        return mesh_from_model(self.model)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineWorkerConfig(KvLayoutConfig):
+    """A worker that runs the engine over a KV pool and moves KV on the data plane."""
+
+    device: str = option("cpu", help="torch device")
     kv_cache_bytes: int | None = option(None, help="KV pool size in bytes (default 256 MiB)")
     threads: int | None = option(
         None, help="torch CPU threads of this worker (default: torch's choice, all cores)"
@@ -141,22 +171,12 @@ class EngineWorkerConfig(DataPlaneConfig):
     )
 
     def __post_init__(self) -> None:
-        DataPlaneConfig.__post_init__(self)
-        if not self.model:
-            raise ValueError("model must name a model or a checkpoint directory")
-        if self.block_size <= 0:
-            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        KvLayoutConfig.__post_init__(self)
         if self.num_blocks is not None and self.kv_cache_bytes is not None:
             raise ValueError("give num_blocks or kv_cache_bytes, not both")
-        for name in ("num_blocks", "kv_cache_bytes"):
-            value = getattr(self, name)
-            if value is not None and value <= 0:
-                raise ValueError(f"{name} must be positive, got {value}")
-        if self.threads is not None and self.threads < 1:
-            raise ValueError(f"threads must be >= 1, got {self.threads}")
+        check_positive(self, "kv_cache_bytes", "drain_timeout_s")
+        check_at_least(self, 1, "threads")
         self.cpu_placement()  # ValueError: a bad --cpus or --nice, in one line
-        if not self.drain_timeout_s > 0:
-            raise ValueError(f"drain_timeout_s must be positive, got {self.drain_timeout_s}")
         if self.uses_data_plane and self.device != "cpu" and self.transport in ("shm", "tcp"):
             raise ValueError(
                 f"the {self.transport} transport moves host memory, but a {self.device} worker "
@@ -167,9 +187,6 @@ class EngineWorkerConfig(DataPlaneConfig):
     def cpu_placement(self) -> CpuPlacement:
         cpus = parse_cpu_list(self.cpus) if self.cpus is not None else frozenset()
         return CpuPlacement(cpus, self.nice, self.sched_idle)
-
-    def default_mesh(self) -> str:
-        return mesh_from_model(self.model)
 
     @property
     def uses_data_plane(self) -> bool:

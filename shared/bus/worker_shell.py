@@ -7,7 +7,8 @@ Each service shell (decode, prefill, draft, kv-store, kv-registry) says what it 
 2. its subscriptions (each through the MessageGuard);
 3. its own contexts (a task group, a queue consumer, solicited store adverts);
 4. its loops;
-5. its request endpoints and /metrics: from here on it answers, and logs ``ready``;
+5. its request endpoints (and ``control``, which applies ``kvmesh admin drain|resume``) and
+   /metrics: from here on it answers, and logs ``ready``;
 6. what may start only once it answers (its adverts: a peer that saw one finds the endpoints).
 
 On exit the steps close in reverse order.
@@ -16,7 +17,7 @@ On exit the steps close in reverse order.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -24,13 +25,16 @@ from typing import TYPE_CHECKING, Any
 from kvmesh.shared.bus.nats_service import (
     Handler,
     RequestHandler,
+    answer_worker_control,
     background,
     open_for_requests,
+    read_worker_control,
     subscriptions,
     worker_presence,
 )
 from kvmesh.shared.bus.subjects import Subjects
 from nats.aio.client import Client
+from nats.micro.request import Request
 
 if TYPE_CHECKING:
     from kvmesh.shared.bus.protocol import WorkerHeartbeat
@@ -38,14 +42,16 @@ if TYPE_CHECKING:
     from kvmesh.shared.obs.metric_set import MetricSet
 
 Loop = Callable[[], Coroutine[Any, Any, Any]]
+Control = Callable[[str], Awaitable[None]]
 
 
 @dataclass(frozen=True, slots=True)
 class WorkerShell:
     """What one worker shows on NATS. ``endpoints``: (name, subject, handler) request
     endpoints of its micro service; ``routes``: (subject, message type, handler) subscriptions;
-    ``loops`` and ``after_ready``: task bodies, called when their step starts; ``ready_fields``:
-    logged with the ready line."""
+    ``loops`` and ``after_ready``: task bodies, called when their step starts; ``control``:
+    applies an action of ``kvmesh admin``, "drain" or "resume" (the ``control`` endpoint, see
+    ``control_endpoint``); ``ready_fields``: logged with the ready line."""
 
     role: str
     worker_id: str
@@ -61,6 +67,28 @@ class WorkerShell:
     metadata: dict[str, str] | None = None
     stats: Callable[[], Any] | None = None
     ready_fields: Mapping[str, Any] = field(default_factory=dict)
+    control: Control | None = None
+
+
+def control_endpoint(
+    nc: Client,
+    subjects: Subjects,
+    worker_id: str,
+    heartbeat: Callable[[], WorkerHeartbeat],
+    control: Control,
+) -> tuple[str, str, RequestHandler]:
+    """The ``control`` endpoint on ``worker_control(id)``: a malformed WorkerControl is answered
+    400 and changes nothing; else ``control`` applies the action, and the worker's new heartbeat
+    is announced on its heartbeat subject, then is the answer (answer_worker_control)."""
+
+    async def on_control(req: Request) -> None:
+        action = await read_worker_control(req)
+        if action is None:
+            return
+        await control(action)
+        await answer_worker_control(nc, subjects, req, heartbeat())
+
+    return ("control", subjects.worker_control(worker_id), on_control)
 
 
 @contextlib.asynccontextmanager
@@ -87,11 +115,16 @@ async def serve_worker(
             await stack.enter_async_context(context)
         if shell.loops:
             await stack.enter_async_context(background(*(loop() for loop in shell.loops)))
+        endpoints = list(shell.endpoints)
+        if shell.control is not None:
+            endpoints.append(
+                control_endpoint(nc, subjects, shell.worker_id, shell.heartbeat, shell.control)
+            )
         port = await stack.enter_async_context(
             open_for_requests(
                 nc,
                 svc,
-                *shell.endpoints,
+                *endpoints,
                 metrics=shell.metrics,
                 config=shell.config,
                 logger=logger,

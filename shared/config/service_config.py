@@ -7,8 +7,9 @@ One convention for every service: field ``nats_url`` <-> flag ``--nats-url`` <->
 and ``tuple[X, ...]`` (comma-separated). Help text and choices may also come from field metadata:
 ``field(default=..., metadata={"help": "...", "choices": (...)})`` (or the ``option`` helper).
 
-Validation stays in the dataclass's ``__post_init__``; its ValueError becomes a ConfigError that
-names the service config, so a user sees which flag or variable to fix.
+Validation stays in the dataclass's ``__post_init__`` (``check_positive`` and ``check_at_least``
+word the common bounds alike); its ValueError becomes a ConfigError that names the service
+config, so a user sees which flag or variable to fix.
 """
 
 from __future__ import annotations
@@ -55,6 +56,24 @@ def check_worker_id(worker_id: str | None) -> None:
         raise ValueError(
             f"worker_id {worker_id!r} must be a non-empty NATS subject token (no '.', ' ', '*', '>')"
         )
+
+
+def check_positive(config: object, *names: str) -> None:
+    """Raise a ValueError naming the first of the fields ``names`` of ``config`` that is not
+    above 0 (a field left None passes: it is unset)."""
+    for name in names:
+        value = getattr(config, name)
+        if value is not None and not value > 0:
+            raise ValueError(f"{name} must be positive, got {value}")
+
+
+def check_at_least(config: object, minimum: int, *names: str) -> None:
+    """Raise a ValueError naming the first of the fields ``names`` of ``config`` below
+    ``minimum`` (a field left None passes: it is unset)."""
+    for name in names:
+        value = getattr(config, name)
+        if value is not None and not value >= minimum:
+            raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
 
 def flag_name(field_name: str) -> str:

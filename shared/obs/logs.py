@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
+import typing
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
@@ -23,19 +24,17 @@ from kvmesh.shared.config.service_config import option
 if TYPE_CHECKING:
     import structlog
 
-LEVELS = ("debug", "info", "warning", "error", "critical")
+LogLevelName = Literal["debug", "info", "warning", "error", "critical"]
+LogFormat = Literal["console", "json"]
+LEVELS: tuple[str, ...] = typing.get_args(LogLevelName)
 
 
 @dataclass(frozen=True, slots=True)
 class LogConfig:
     """Read by every ``kvmesh serve`` process (flags --log-level/--log-format, KVMESH_LOG_*)."""
 
-    log_level: Literal["debug", "info", "warning", "error", "critical"] = option(
-        "info", help="log level"
-    )
-    log_format: Literal["console", "json"] = option(
-        "console", help="console for humans, json for collectors"
-    )
+    log_level: LogLevelName = option("info", help="log level")
+    log_format: LogFormat = option("console", help="console for humans, json for collectors")
 
 
 def setup_logging(level: str = "info", fmt: str = "console") -> None:

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvmesh.shared.config.service_config import check_at_least, check_positive
 from kvmesh.shared.transport.server import ServerLimits
 
 
@@ -63,27 +64,26 @@ class TransportConfig:
             raise ValueError(
                 f"tcp_slice_bytes must be in [4 KiB, 1 GiB], got {self.tcp_slice_bytes}"
             )
-        for name in (
+        check_at_least(
+            self,
+            1,
             "max_connections",
             "max_connections_per_peer",
             "max_pending_handshakes",
             "max_pending_per_source",
             "max_refusals",
-        ):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        )
         if self.keepalive_s >= self.idle_timeout_s:
             raise ValueError(
                 f"keepalive_s ({self.keepalive_s}) must be below idle_timeout_s "
                 f"({self.idle_timeout_s}), or the receiver closes idle writers' lanes"
             )
-        for name in (
+        check_positive(
+            self,
             "connect_timeout_s",
             "op_timeout_s",
             "handshake_timeout_s",
             "idle_timeout_s",
             "keepalive_s",
             "stall_timeout_s",
-        ):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        )
