@@ -21,13 +21,16 @@ The registry never hands a request to the decode worker's own cache
 from __future__ import annotations
 
 import asyncio
-import urllib.request
 
 import aiohttp
 import pytest
-from kvmesh.loadgen.server_breakdown import parse_prometheus
 from kvmesh.shared.bus.admin_client import admin_client
-from support.mesh_checks import store_advertised_since_ready, store_mesh_config
+from support.mesh_checks import (
+    poll_status,
+    scrape,
+    store_advertised_since_ready,
+    store_mesh_config,
+)
 
 from kvmesh.testing.mesh import MeshTap, complete, launched, random_prompts
 
@@ -63,21 +66,10 @@ def offline_tokens() -> list[list[int]]:
     return [first, second, third, engine.generate([LAST], params)[0]]
 
 
-def scrape(url: str) -> dict[str, float]:
-    with urllib.request.urlopen(url, timeout=10) as resp:
-        return parse_prometheus(resp.read().decode())
-
-
-async def wait_store(admin, ready, what: str, timeout_s: float = 30.0) -> dict:
+async def wait_store(admin, ready, what: str):
     """The store's admin status row once ``ready(row)`` holds (a barrier, polled)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while True:
-        rows = (await admin.status()).stores
-        if rows and ready(rows[0]):
-            return rows[0]
-        assert loop.time() < deadline, f"timed out waiting for {what}: {rows}"
-        await asyncio.sleep(0.1)
+    status = await poll_status(admin, lambda s: any(ready(r) for r in s.stores[:1]), what)
+    return status.stores[0]
 
 
 def prefill_counts(mesh) -> dict[str, dict[str, float]]:

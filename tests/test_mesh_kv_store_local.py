@@ -24,13 +24,16 @@ store's hits. Every output equals the offline engine's.
 from __future__ import annotations
 
 import asyncio
-import urllib.request
 
 import aiohttp
 import pytest
-from kvmesh.loadgen.server_breakdown import parse_prometheus
 from kvmesh.shared.bus.admin_client import admin_client
-from support.mesh_checks import store_advertised_since_ready, store_mesh_config
+from support.mesh_checks import (
+    poll_status,
+    scrape,
+    store_advertised_since_ready,
+    store_mesh_config,
+)
 
 from kvmesh.testing.mesh import MeshTap, complete, launched, random_prompts
 
@@ -62,22 +65,9 @@ def offline_tokens() -> list[list[int]]:
     return [engine.generate([p], params)[0] for p in (FIRST, HELD, SECOND)]
 
 
-def scrape(url: str) -> dict[str, float]:
-    with urllib.request.urlopen(url, timeout=10) as resp:
-        return parse_prometheus(resp.read().decode())
-
-
-async def wait_status(admin, ready, what: str, timeout_s: float = 30.0) -> None:
+async def wait_status(admin, ready, what: str) -> None:
     """A barrier on the registry's view: ``ready(decode rows by id, store rows)``, polled."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while True:
-        status = await admin.status()
-        decode = {r.worker_id: r for r in status.decode}
-        if ready(decode, status.stores):
-            return
-        assert loop.time() < deadline, f"timed out waiting for {what}: {status}"
-        await asyncio.sleep(0.1)
+    await poll_status(admin, lambda s: ready({r.worker_id: r for r in s.decode}, s.stores), what)
 
 
 async def run(mesh, offline: list[list[int]]) -> None:

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import json
 import signal
-import urllib.request
 from pathlib import Path
 
 import pytest
-from kvmesh.loadgen.server_breakdown import parse_prometheus
+from support.mesh_checks import scrape
 from test_up import chat, launch, wait_for_line
 
 from kvmesh.commands.up_config import UpConfig
@@ -24,12 +23,6 @@ def test_with_metrics_ports_gives_each_worker_its_port_and_leaves_the_router() -
             assert "--metrics-port" not in spec.argv  # /metrics on its API port
         else:
             assert spec.argv[-2:] == ("--metrics-port", str(ports[spec.name]))
-
-
-def scrape(url: str) -> dict[str, float]:
-    with urllib.request.urlopen(url, timeout=10) as resp:
-        assert resp.status == 200
-        return parse_prometheus(resp.read().decode())
 
 
 def metrics_urls(out: Path) -> dict[str, str]:

@@ -12,12 +12,11 @@ offline engine's, token for token.
 from __future__ import annotations
 
 import asyncio
-import urllib.request
 
 import aiohttp
 import pytest
-from kvmesh.loadgen.server_breakdown import parse_prometheus
 from kvmesh.shared.bus.admin_client import admin_client
+from support.mesh_checks import poll_status, scrape
 
 from kvmesh.testing.mesh import MeshTap, complete, local_mesh, random_prompts
 
@@ -43,22 +42,14 @@ def offline_tokens() -> list[list[int]]:
     return [engine.generate([p], params)[0] for p in (FIRST, SECOND)]
 
 
-def scrape(url: str) -> dict[str, float]:
-    with urllib.request.urlopen(url, timeout=10) as resp:
-        return parse_prometheus(resp.read().decode())
+async def wait_status(admin, ready, what: str) -> dict:
+    """Admin status once ``ready(decode rows by id)`` holds (a barrier, polled); those rows."""
+    status = await poll_status(admin, lambda s: ready(_decode_rows(s)), what, timeout_s=20.0)
+    return _decode_rows(status)
 
 
-async def wait_status(admin, ready, what: str, timeout_s: float = 20.0) -> dict:
-    """Admin status once ``ready(decode rows by id)`` holds (a barrier, polled)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while True:
-        status = await admin.status()
-        rows = {r.worker_id: r for r in status.decode}
-        if ready(rows):
-            return rows
-        assert loop.time() < deadline, f"timed out waiting for {what}: {rows}"
-        await asyncio.sleep(0.1)
+def _decode_rows(status) -> dict:
+    return {r.worker_id: r for r in status.decode}
 
 
 async def run(mesh, offline: list[list[int]]) -> None:
