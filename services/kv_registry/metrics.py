@@ -63,8 +63,7 @@ class CoreCollector(Collector):
         )
         by_role = dict.fromkeys(ROLES, 0)  # every role, 0 included: a pool that died shows
         for w in self.core.decode.values():
-            role = "colocated" if w.advert.mode == "colocated" else "decode"
-            by_role[role] = by_role.get(role, 0) + 1
+            by_role[w.role] = by_role.get(w.role, 0) + 1
         for p in self.core.peers.values():
             by_role[p.heartbeat.role] = by_role.get(p.heartbeat.role, 0) + 1
         for role, count in by_role.items():
