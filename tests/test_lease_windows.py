@@ -29,6 +29,7 @@ from kvmesh.shared.transport import (
     WriteEntry,
     create_transport,
 )
+from support.prefill_rig import ready_advert
 from support.transport_wire import over_the_wire
 
 NUM_BLOCKS = 32
@@ -301,24 +302,7 @@ class ForgeryMesh:
             penv, tx.register(penv.kv_pool.raw), endpoints, worker_id="p-victim", kv_spec="s"
         )
         self.descriptor = over_the_wire(public)  # as the prefill worker hears it
-        self.prefill.adverts.note(
-            protocol.DecodeAdvert(
-                worker_id="d0",
-                mode="disagg",
-                descriptor=self.descriptor,
-                base_addr=self.region.addr,
-                block_bytes=bb,
-                block_size=16,
-                kv_spec="s",
-                total_blocks=NUM_BLOCKS,
-                free_blocks=NUM_BLOCKS,
-                free_block_ranges=(),
-                num_running=0,
-                num_waiting=0,
-                state="ready",
-                sent_at=0.0,
-            )
-        )
+        self.prefill.adverts.note(ready_advert(self.descriptor, self.region, spec, "s"))
         self._loop = asyncio.create_task(self.prefill.run())
         self._stack.push_async_callback(self._stop_prefill)
         self.src = self.ax.allocate(bb)
