@@ -17,6 +17,7 @@ from kvmesh.shared.config.service_config import (
     DEFAULT_NATS_URL,
     ConfigError,
     add_config_arguments,
+    check_positive,
     config_from_args,
     option,
 )
@@ -39,8 +40,7 @@ class AdminConfig(NatsClientConfig):
 
     def __post_init__(self) -> None:
         self.check_nats_options(None)  # the mesh is looked up (resolve_target)
-        if self.admin_timeout_s <= 0:
-            raise ValueError(f"admin_timeout_s must be positive, got {self.admin_timeout_s}")
+        check_positive(self, "admin_timeout_s")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
