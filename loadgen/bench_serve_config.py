@@ -18,6 +18,8 @@ from kvmesh.loadgen.sse_client import CHAT, COMPLETIONS, Endpoint
 from kvmesh.loadgen.workload import LengthSpec
 from kvmesh.shared.config.cpu_placement import parse_cpu_list
 
+from kvmesh.commands.cpu_plan import SHARINGS
+
 TINY_MODEL = "kvmesh-tiny"
 DEFAULT_BUDGETS = "256,512,1024,2048"  # --colocated-budgets: colocated's sweep
 
@@ -313,7 +315,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     mesh.add_argument(
         "--cpu-sharing",
-        choices=("auto", "priority", "partition", "partition-spare", "equal"),
+        choices=SHARINGS,
         help="disagg: how prefill and decode share the cores (kvmesh up --cpu-sharing; "
         "default: its)",
     )

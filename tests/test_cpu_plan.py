@@ -38,19 +38,35 @@ def test_priority_gives_decode_every_core_first_and_prefill_the_idle_cycles() ->
 
 
 def test_partition_pins_each_pool_to_cores_of_its_own() -> None:
-    plan = disagg(sharing="partition")
+    plan = disagg(sharing="partition-strict")
     assert plan.roles["decode"] == RolePlan(1, frozenset({1}))
     assert plan.roles["prefill"] == RolePlan(1, frozenset({0}))
-    twelve = disagg(frozenset(range(4, 16)), sharing="partition")
+    twelve = disagg(frozenset(range(4, 16)), sharing="partition-strict")
     assert twelve.roles["decode"].cpus == frozenset(range(12, 16))
     assert twelve.roles["prefill"] == RolePlan(8, frozenset(range(4, 12)))
     assert twelve.roles["decode"].flags() == ("--threads", "4", "--cpus", "12-15")
     one = disagg(frozenset({3}), sharing="partition")
     assert one.roles["decode"].cpus == one.roles["prefill"].cpus == frozenset({3})
+    assert not one.roles["prefill"].borrow  # decode's core is its own: nothing to borrow
+
+
+def test_partition_lends_decodes_cores_to_a_single_prefill_worker_while_decode_is_idle() -> None:
+    plan = disagg(sharing="partition")
+    assert plan.roles["decode"] == RolePlan(1, frozenset({1}))
+    assert plan.roles["prefill"] == RolePlan(1, frozenset({0}), borrow=frozenset({1}))
+    assert plan.roles["prefill"].flags() == (
+        "--threads", "1", "--cpus", "0", "--borrow-cpus", "1",
+    )  # fmt: skip
+    assert "borrowing CPUs 1 while decode is idle" in plan.describe()
+    twelve = disagg(frozenset(range(4, 16)))  # auto
+    assert twelve.roles["prefill"].borrow == frozenset(range(12, 16))
+    # several prefill workers: another's delivery could start a stream during one's loan
+    assert not disagg(sharing="partition", prefill_workers=2).roles["prefill"].borrow
+    assert not disagg(sharing="partition-spare", prefill_workers=2).roles["prefill"].borrow
 
 
 def test_partition_spare_makes_the_last_of_several_prefill_workers_a_spare_at_sched_idle() -> None:
-    both = disagg(sharing="partition", prefill_workers=2)  # two pinned workers, no spare
+    both = disagg(sharing="partition", prefill_workers=2)  # two pinned workers, no spare, no loan
     assert both.roles == {
         "decode": RolePlan(1, frozenset({1})),
         "prefill": RolePlan(1, frozenset({0})),

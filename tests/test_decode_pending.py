@@ -538,3 +538,40 @@ async def test_a_nats_outage_postpones_every_lease_by_its_length(decode_worker):
     assert worker.expire_leases() == []  # 5.9 s after the reservation, 1 s lease: still held
     now[0] += 5.2
     assert [a.request_id for a in worker.expire_leases()] == ["a"]
+
+
+async def test_decode_advertises_the_moment_its_last_stream_ends_not_a_heartbeat_later(tiny):
+    """Prefill workers that borrow decode's idle cores (services/prefill/core_loan.py) hear it
+    at once; an engine loop woken with nothing to step sends no extra advert."""
+    from kvmesh.services.decode.config import DecodeConfig
+    from kvmesh.services.decode.service import DecodeService
+    from kvmesh.services.decode.worker import DecodeWorker
+    from kvmesh.shared.engine.config import EngineConfig
+    from kvmesh.shared.engine.llm_engine import LLMEngine
+
+    config = DecodeConfig(mode="colocated", heartbeat_s=60.0)
+    worker = DecodeWorker(
+        LLMEngine(*tiny, EngineConfig(num_blocks=64)), worker_id="d0", base_addr=0
+    )
+    nc = _FakeNats()
+    service = DecodeService(config, worker, None, nc)
+    adverts = asyncio.Queue()
+
+    async def advertise() -> None:
+        adverts.put_nowait(worker.has_unfinished)
+
+    service.advertise = advertise
+    loops = [asyncio.create_task(service.advert_loop()), asyncio.create_task(service.engine_loop())]
+    try:
+        assert await asyncio.wait_for(adverts.get(), 5) is False  # the first, at start
+        assert (await worker.reserve(_reserve("p", 20, local=True))).ok
+        await asyncio.wait_for(nc.finished.wait(), 60)
+        assert await asyncio.wait_for(adverts.get(), 5) is False  # idle, and said so at once
+        worker._wake.set()  # woken with nothing to step: no advert
+        await asyncio.sleep(0.2)
+        assert adverts.empty()
+    finally:
+        for loop in loops:
+            loop.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.gather(*loops)

@@ -10,7 +10,10 @@ back (docs/load.md, "Cores") are:
   decode step takes the cores the moment it is runnable and prefill uses every cycle left;
 - ``partition``: hard partitioning. Decode workers are pinned to a third of the cores (at
   least one), prefill workers to the rest, as each pool owns its GPUs in a real deployment.
-  ``partition-spare`` makes the last of two or more prefill workers a spare: one unpinned thread
+  A single prefill worker also borrows decode's cores for an engine step while every decode
+  worker is idle (``--borrow-cpus``, services/prefill/core_loan.py): a decode worker gains
+  streams only from prefill's deliveries, so an idle decode stays idle through that step.
+  ``partition-strict`` never borrows. ``partition-spare`` makes the last of two or more prefill workers a spare: one unpinned thread
   at ``SCHED_IDLE`` that computes on whatever core the others leave idle, decode's included;
 - ``equal``: the earlier split at equal priority: prefill threads on every core, decode threads
   on a third, the kernel sharing them out.
@@ -32,8 +35,15 @@ from typing import Literal
 
 from kvmesh.shared.config.cpu_placement import format_cpu_list
 
-Sharing = Literal["auto", "priority", "partition", "partition-spare", "equal"]
-SHARINGS: tuple[str, ...] = ("auto", "priority", "partition", "partition-spare", "equal")
+Sharing = Literal["auto", "priority", "partition", "partition-strict", "partition-spare", "equal"]
+SHARINGS: tuple[str, ...] = (
+    "auto",
+    "priority",
+    "partition",
+    "partition-strict",
+    "partition-spare",
+    "equal",
+)
 PASSIVE = (("OMP_WAIT_POLICY", "PASSIVE"),)
 SPARE = "prefill-spare"  # partition-spare: the last prefill worker, on idle cycles of any core
 
@@ -47,6 +57,7 @@ class RolePlan:
     nice: int = 0
     idle: bool = False  # SCHED_IDLE
     env: tuple[tuple[str, str], ...] = ()
+    borrow: frozenset[int] = frozenset()  # cores it also computes on while decode is idle
 
     def flags(self) -> tuple[str, ...]:
         """The worker's ``kvmesh serve`` flags for it (threads included)."""
@@ -57,6 +68,8 @@ class RolePlan:
             out += ("--nice", str(self.nice))
         if self.idle:
             out += ("--sched-idle",)
+        if self.borrow:
+            out += ("--borrow-cpus", format_cpu_list(self.borrow))
         return out
 
     def describe(self) -> str:
@@ -67,6 +80,8 @@ class RolePlan:
             parts.append("SCHED_IDLE")
         elif self.nice:
             parts.append(f"nice {self.nice}")
+        if self.borrow:
+            parts.append(f"borrowing CPUs {format_cpu_list(self.borrow)} while decode is idle")
         return " ".join(parts)
 
 
@@ -118,7 +133,8 @@ def plan_cpus(
             why = (
                 "prefill and decode would share these cores: each pool gets cores of its own, "
                 "so prefill never delays a decode step and decode never stalls prefill's "
-                "threads (better goodput than priority on the CPU, docs/load.md)"
+                "threads (better goodput than priority on the CPU, docs/load.md); one prefill "
+                "worker also computes on decode's cores while decode is idle"
             )
     else:
         why = "as asked (--cpu-sharing)"
@@ -138,7 +154,14 @@ def plan_cpus(
         decode = RolePlan(max(1, len(decode_cpus) // decode_workers), decode_cpus)
         with_spare = sharing == "partition-spare" and prefill_workers > 1
         pinned = prefill_workers - 1 if with_spare else prefill_workers
-        prefill = RolePlan(max(1, len(prefill_cpus) // pinned), prefill_cpus)
+        # one prefill worker borrows decode's cores while decode is idle (core_loan.py): with
+        # several, another's delivery could start a stream on them during its step
+        borrow = (
+            decode_cpus - prefill_cpus
+            if sharing == "partition" and prefill_workers == 1
+            else frozenset()
+        )
+        prefill = RolePlan(max(1, len(prefill_cpus) // pinned), prefill_cpus, borrow=borrow)
         if with_spare:
             # the last prefill worker is a spare: one thread on any core, at SCHED_IDLE, so it
             # computes a job on whatever core the others leave idle, decode's included

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from kvmesh.commands.cpu_plan import Sharing
 from kvmesh.commands.up_model import DEFAULT_MODEL
 from kvmesh.shared.bus.nats_options import NatsClientConfig
 from kvmesh.shared.bus.subjects import mesh_from_model
@@ -55,11 +56,12 @@ class UpConfig(NatsClientConfig):
         "--min-step-interval-ms; 0: back to back). Near the inter-token target, it leaves "
         "decode's idle share of shared cores to prefill",
     )
-    cpu_sharing: Literal["auto", "priority", "partition", "partition-spare", "equal"] = option(
+    cpu_sharing: Sharing = option(
         "auto",
         help="disagg on the CPU: how prefill and decode share the cores: priority (decode "
         "first, prefill at SCHED_IDLE on every core), partition (each pool pinned to cores of "
-        "its own; partition-spare: the last of several prefill workers at SCHED_IDLE on any "
+        "its own, one prefill worker borrowing decode's while decode is idle; partition-strict: "
+        "no borrowing; partition-spare: the last of several prefill workers at SCHED_IDLE on any "
         "core), equal (same priority); auto: the better of the measured ones for this machine "
         "(kvmesh up prints its choice and why; docs/load.md)",
     )

@@ -104,6 +104,9 @@ class DecodeService:
         self.started_at = time.time()
         self.tg: asyncio.TaskGroup  # set by decode_service
         self.last_load = WorkerLoad.idle()
+        # set when the engine runs out of work: an advert goes out at once, so prefill workers
+        # that borrow decode's idle cores (--borrow-cpus) need not wait for the next heartbeat
+        self.went_idle = asyncio.Event()
         self.metrics_port: int | None = None  # bound by decode_service (None: no endpoint)
 
     async def load(self) -> WorkerLoad:
@@ -155,7 +158,9 @@ class DecodeService:
                 await self.advertise()
             except nats.errors.Error as exc:
                 log.debug("advert failed", error=str(exc))
-            await asyncio.sleep(self.config.heartbeat_s)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.went_idle.wait(), self.config.heartbeat_s)
+            self.went_idle.clear()
 
     async def engine_loop(self) -> None:
         """Drive the worker (a task body): admissions between steps, their first tokens out
@@ -167,10 +172,14 @@ class DecodeService:
         interval_s = self.config.min_step_interval_ms / 1000
         while True:
             await self.worker.wait_for_work()
+            stepped = False
             while True:
                 await self._publish_tokens(await self.worker.admit())
                 if not self.worker.has_unfinished:
+                    if stepped:  # the last stream ended: say so now
+                        self.went_idle.set()
                     break
+                stepped = True
                 step_started = time.monotonic()
                 await self._publish_tokens(await self.worker.step())
                 await self._publish_drafts()

@@ -15,6 +15,7 @@ import asyncio
 import time
 
 from kvmesh.services.prefill.convert import decode_kv_dtype
+from kvmesh.services.prefill.core_loan import HeardLoad
 from kvmesh.shared.bus.protocol import DecodeAdvert, PrefillJob
 
 
@@ -28,12 +29,21 @@ class AdvertBook:
     def __init__(self, kv_spec: str) -> None:
         self.kv_spec = kv_spec
         self._adverts: dict[str, DecodeAdvert] = {}
+        self._heard_at: dict[str, float] = {}  # worker id -> monotonic time its advert came
         self._heard = asyncio.Event()  # set and replaced on every new advert
 
     def note(self, advert: DecodeAdvert) -> None:
         self._adverts[advert.worker_id] = advert
+        self._heard_at[advert.worker_id] = time.monotonic()
         self._heard.set()
         self._heard = asyncio.Event()
+
+    def loads(self) -> list[HeardLoad]:
+        """Each decode worker's latest load, with when it was heard (core_loan.py)."""
+        return [
+            HeardLoad(wid, self._heard_at[wid], advert.num_running)
+            for wid, advert in self._adverts.items()
+        ]
 
     def get(self, worker_id: str) -> DecodeAdvert | None:
         return self._adverts.get(worker_id)

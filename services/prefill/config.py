@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from kvmesh.services.prefill.core_loan import CoreLoan
 from kvmesh.shared.bus.worker_config import EngineWorkerConfig
+from kvmesh.shared.config.cpu_placement import parse_cpu_list
 from kvmesh.shared.config.service_config import check_positive, option
 
 if TYPE_CHECKING:
@@ -52,6 +54,12 @@ class PrefillConfig(EngineWorkerConfig):
         help="with --draft-model: the draft engine's KV pool in bytes (holds the prompts of "
         "the jobs in flight; a prompt that finds no room gets no draft KV)",
     )
+    borrow_cpus: str | None = option(
+        None,
+        help="CPUs (e.g. 1 or 2-3) this worker also computes a step on while every decode worker "
+        "it hears is idle: decode's own cores, with --cpus (kvmesh up sets it with --cpu-sharing "
+        "partition and one prefill worker; docs/load.md, Cores)",
+    )
     use_kv_store: bool = option(
         True,
         help="read prompt prefixes from a kv-store advertising on the mesh into the prefix cache "
@@ -67,6 +75,15 @@ class PrefillConfig(EngineWorkerConfig):
         check_positive(self, "max_concurrent_jobs", "draft_kv_cache_bytes", "abort_memory_s")
         if self.draft_model and not self.draft_kv:
             raise ValueError("--draft-model needs --draft-kv (it only serves the draft KV)")
+        if self.borrow_cpus is not None:
+            self.core_loan(self.cpu_placement().cpus)  # ValueError: what to fix, in one line
+
+    def core_loan(self, own: frozenset[int]) -> CoreLoan | None:
+        """The decode cores this worker may borrow (None without --borrow-cpus); ``own``: the
+        CPUs it runs on."""
+        if self.borrow_cpus is None:
+            return None
+        return CoreLoan(own, parse_cpu_list(self.borrow_cpus), self.threads or len(own))
 
     def engine_config(
         self, dtype: Any, kv_cache_bytes: int | None, num_blocks: int | None = None

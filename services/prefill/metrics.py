@@ -67,6 +67,11 @@ class PrefillMetrics(MetricSet):
             "failed: refused, aborted or a write failed).",
             ("outcome",),
         )
+        self.borrowed_steps = self.counter(
+            "borrowed_steps_total",
+            "Engine steps computed on decode's cores too, while every decode worker was idle "
+            "(--borrow-cpus).",
+        )
         self.jobs_running = self.gauge("jobs_running", "Jobs this worker holds now.")
         self.prompt_tokens = self.counter(
             "prompt_tokens_total", "Prompt tokens of the jobs this worker took."

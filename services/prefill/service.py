@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 from collections.abc import AsyncIterator
 
@@ -266,6 +267,9 @@ async def prefill_service(config: PrefillConfig) -> AsyncIterator[PrefillService
         log.info("cpu placement", applied=", ".join(placed))
     if config.threads is not None:
         torch.set_num_threads(config.threads)
+    loan = config.core_loan(frozenset(os.sched_getaffinity(0)))
+    if loan is not None:
+        log.info("cpu loan", loan=loan.describe())
     dtype = parse_dtype(config.dtype, "--dtype") if config.dtype else None
     model, tokenizer = await asyncio.to_thread(load_model, config.model, dtype, config.device)
     econf = config.engine_config(dtype, config.kv_cache_bytes, config.num_blocks)
@@ -310,6 +314,7 @@ async def prefill_service(config: PrefillConfig) -> AsyncIterator[PrefillService
             store=store,
             hooks=[draft_kv] if draft_kv is not None else [],
             lock=lock,
+            loan=loan,
         )
         async with asyncio.TaskGroup() as tg:
             service = PrefillService(config, worker, nc, tg, draft_kv)

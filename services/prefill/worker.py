@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from kvmesh.services.prefill.adverts import AdvertBook
 from kvmesh.services.prefill.convert import KVMirrors, decode_kv_dtype
+from kvmesh.services.prefill.core_loan import CoreLoan, DecodeIdleness
 from kvmesh.services.prefill.endpoints import EndpointCache
 from kvmesh.services.prefill.job import STOP, Job
 from kvmesh.services.prefill.job_hooks import Announcement, JobHook
@@ -80,10 +81,14 @@ class PrefillWorker:
         store: StorePrefix | None = None,
         hooks: Sequence[JobHook] = (),
         lock: asyncio.Lock | None = None,
+        loan: CoreLoan | None = None,
     ) -> None:
         """``hooks``: the features composed in (job_hooks.py); ``lock``: the engine lock, shared
-        with hooks that run an engine of their own (default: a new one)."""
+        with hooks that run an engine of their own (default: a new one); ``loan``: decode's
+        cores, taken for a step while every decode worker is idle (core_loan.py)."""
         self.engine = engine
+        self.loan = loan
+        self.idleness = DecodeIdleness()
         self.hooks = tuple(hooks)
         self.store = store  # a kv-store's prefixes (read before, written after a job), if any
         self.metrics = metrics or PrefillMetrics()
@@ -133,7 +138,13 @@ class PrefillWorker:
     async def _step_target(self) -> list[ChunkReady]:
         t0 = time.perf_counter()
         hits = self.engine.block_manager.num_hit_tokens
-        await asyncio.to_thread(self.engine.step)
+        if self.loan is None:
+            await asyncio.to_thread(self.engine.step)
+        else:
+            widen = self.idleness.idle(self.adverts.loads(), time.monotonic())
+            await asyncio.to_thread(self.loan.run, widen, self.engine.step)
+            if widen:
+                self.metrics.borrowed_steps.inc()
         t1 = time.perf_counter()
         self.metrics.observe_chunk(t1 - t0)
         self.metrics.prefix_hit_tokens.inc(self.engine.block_manager.num_hit_tokens - hits)
@@ -299,6 +310,8 @@ class PrefillWorker:
 
     def _result(self, msg: PrefillJob, job: Job | None, error: str) -> PrefillResult:
         ok = job is not None and not error
+        if ok:  # its stream starts on the decode worker now: no loan until an advert counts it
+            self.idleness.delivered(msg.decode_worker_id, time.monotonic())
         draft_done = None
         for hook in self.hooks:
             draft_done = hook.finish(msg, job, ok, error) or draft_done
