@@ -540,7 +540,7 @@ async def test_a_nats_outage_postpones_every_lease_by_its_length(decode_worker):
     assert [a.request_id for a in worker.expire_leases()] == ["a"]
 
 
-async def test_decode_advertises_the_moment_its_last_stream_ends_not_a_heartbeat_later(tiny):
+async def test_decode_advertises_the_moment_it_turns_busy_or_idle_not_a_heartbeat_later(tiny):
     """Prefill workers that borrow decode's idle cores (services/prefill/core_loan.py) hear it
     at once; an engine loop woken with nothing to step sends no extra advert."""
     from kvmesh.services.decode.config import DecodeConfig
@@ -565,6 +565,7 @@ async def test_decode_advertises_the_moment_its_last_stream_ends_not_a_heartbeat
     try:
         assert await asyncio.wait_for(adverts.get(), 5) is False  # the first, at start
         assert (await worker.reserve(_reserve("p", 20, local=True))).ok
+        assert await asyncio.wait_for(adverts.get(), 5) is True  # busy, and said so at once
         await asyncio.wait_for(nc.finished.wait(), 60)
         assert await asyncio.wait_for(adverts.get(), 5) is False  # idle, and said so at once
         worker._wake.set()  # woken with nothing to step: no advert

@@ -104,9 +104,10 @@ class DecodeService:
         self.started_at = time.time()
         self.tg: asyncio.TaskGroup  # set by decode_service
         self.last_load = WorkerLoad.idle()
-        # set when the engine runs out of work: an advert goes out at once, so prefill workers
-        # that borrow decode's idle cores (--borrow-cpus) need not wait for the next heartbeat
-        self.went_idle = asyncio.Event()
+        # set when the engine runs out of work or starts again: an advert goes out at once, so
+        # prefill workers that borrow decode's idle cores (--borrow-cpus, core_loan.py) start
+        # and stop borrowing on it, not a heartbeat later
+        self.load_turned = asyncio.Event()
         self.metrics_port: int | None = None  # bound by decode_service (None: no endpoint)
 
     async def load(self) -> WorkerLoad:
@@ -159,8 +160,8 @@ class DecodeService:
             except nats.errors.Error as exc:
                 log.debug("advert failed", error=str(exc))
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.went_idle.wait(), self.config.heartbeat_s)
-            self.went_idle.clear()
+                await asyncio.wait_for(self.load_turned.wait(), self.config.heartbeat_s)
+            self.load_turned.clear()
 
     async def engine_loop(self) -> None:
         """Drive the worker (a task body): admissions between steps, their first tokens out
@@ -177,8 +178,10 @@ class DecodeService:
                 await self._publish_tokens(await self.worker.admit())
                 if not self.worker.has_unfinished:
                     if stepped:  # the last stream ended: say so now
-                        self.went_idle.set()
+                        self.load_turned.set()
                     break
+                if not stepped:  # busy again (a delivery or a local prefill): say so now
+                    self.load_turned.set()
                 stepped = True
                 step_started = time.monotonic()
                 await self._publish_tokens(await self.worker.step())

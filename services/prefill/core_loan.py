@@ -15,8 +15,9 @@ engine step when every decode worker it hears is idle:
   thread for each, and puts the worker back on its own cores before the step's thread returns,
   so no thread of this worker is left on decode's cores between steps.
 
-Decode advertises the moment it goes idle (as well as every heartbeat), so a loan can start one
-advert after the last stream ends.
+Decode advertises the moment it turns idle or busy (as well as every heartbeat), so a loan can
+start one advert after the last stream ends, and one that a local prefill on decode (or another
+prefill worker's delivery) overlaps ends after the step in hand.
 """
 
 from __future__ import annotations
