@@ -52,6 +52,9 @@ class FakeMesh:
     hold_first: bool = False  # never produce tokens for the first placement only
     prefill_alive: bool = True  # heartbeat as a ready prefill worker (the router watches)
     decode_alive: bool = True  # heartbeat as a ready decode worker (readiness, 503)
+    # heartbeat as a kv-registry: a router that heard one waits for it through an outage
+    # (no responders right after a reconnect) instead of answering 503 at once
+    registry_alive: bool = True
     fail_with: str = ""  # end each request with finish_reason "error" after the first token
     # a model that continues its reply: a prompt longer than the first placement's by n tokens
     # (a migrated stream: prompt + output so far) gets the reply from its n-th token on
@@ -101,10 +104,15 @@ class FakeMesh:
                 await asyncio.gather(*self._tasks.values(), return_exceptions=True)
 
     async def _heartbeat(self) -> None:
-        """Heartbeats of a prefill and a decode worker; set prefill_alive / decode_alive to
-        False to "kill" one."""
+        """Heartbeats of a prefill and a decode worker and a kv-registry; set prefill_alive /
+        decode_alive / registry_alive to False to "kill" one."""
         while True:
-            for role, alive in (("prefill", self.prefill_alive), ("decode", self.decode_alive)):
+            roles = (
+                ("prefill", self.prefill_alive),
+                ("decode", self.decode_alive),
+                ("kv-registry", self.registry_alive),
+            )
+            for role, alive in roles:
                 if alive:
                     beat = WorkerHeartbeat(f"{role}-fake", role, "ready", 0, 0, 0.0, 0.0)
                     subject = self.subjects.heartbeat(role, f"{role}-fake")
