@@ -12,9 +12,10 @@ back (docs/load.md, "Cores") are:
   least one), prefill workers to the rest, as each pool owns its GPUs in a real deployment.
   A single prefill worker also borrows decode's cores for an engine step while every decode
   worker is idle (``--borrow-cpus``, services/prefill/core_loan.py): a decode worker gains
-  streams only from prefill's deliveries, so an idle decode stays idle through that step.
-  ``partition-strict`` never borrows. ``partition-spare`` makes the last of two or more prefill workers a spare: one unpinned thread
-  at ``SCHED_IDLE`` that computes on whatever core the others leave idle, decode's included;
+  streams from prefill's deliveries (and rarely a local prefill), so an idle decode almost
+  always stays idle through that step. ``partition-strict`` never borrows. ``partition-spare``
+  makes the last of two or more prefill workers a spare: one unpinned thread at ``SCHED_IDLE``
+  that computes on whatever core the others leave idle, decode's included;
 - ``equal``: the earlier split at equal priority: prefill threads on every core, decode threads
   on a third, the kernel sharing them out.
 

@@ -8,9 +8,10 @@ engine step when every decode worker it hears is idle:
 - ``DecodeIdleness`` (pure) decides from the decode workers' adverts: each advert heard within
   ``max_age_s`` says nothing runs, and each was heard at least ``settle_s`` after this worker last
   delivered a prompt to that decode worker (the advert then already counts the stream that
-  delivery started). A decode worker gains streams only from prefill deliveries, so with one
-  prefill worker an idle decode stays idle for the whole step; with several, one step may overlap
-  a stream another delivered, and the next advert ends the loan.
+  delivery started). A decode worker gains streams from prefill deliveries (and, rarely, from a
+  local prefill of a short uncached prompt), so with one prefill worker an idle decode almost
+  always stays idle for the whole step; a local prefill, or with several prefill workers a
+  stream another delivered, may overlap one step, and the next advert ends the loan.
 - ``CoreLoan`` runs one step (in the engine's thread) with the borrowed cores and one more torch
   thread for each, and puts the worker back on its own cores before the step's thread returns,
   so no thread of this worker is left on decode's cores between steps.
