@@ -272,12 +272,42 @@ async def worker_kill(
     mesh: Any, prompts: list[list[int]], max_tokens: int, concurrency: int, name: str
 ) -> Outcomes:
     """kill -9 of the service ``name`` (decode-0, prefill-0, kv-store-0, draft-0 ...) at the
-    load's first token; the supervisor restarts it a second later."""
+    load's first token (a decode worker: once it holds one of the load's requests, which the
+    first token alone does not promise when another decode worker took the first ones); the
+    supervisor restarts it a second later."""
     async with supervising(mesh):
         _, proc = mesh.children[name]
         load = await load_under_way(mesh, prompts, max_tokens, concurrency)
+        if name.startswith("decode-"):
+            await _until_holding(mesh.metrics_urls[name], load)
         os.kill(proc.pid, signal.SIGKILL)
         return await with_blocks_back(mesh, await load)
+
+
+def _decode_requests(metrics_url: str) -> float:
+    """A decode worker's requests, running or waiting (its /metrics)."""
+    import urllib.request
+
+    with urllib.request.urlopen(metrics_url, timeout=5) as resp:
+        text = resp.read().decode()
+    names = ("kvmesh_decode_requests_running", "kvmesh_decode_requests_waiting")
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(names) and not line.startswith("#")
+    )
+
+
+async def _until_holding(
+    metrics_url: str, load: asyncio.Task[Any], timeout_s: float = 10.0
+) -> None:
+    """Until the decode worker at ``metrics_url`` holds a request, the load ended, or
+    ``timeout_s`` ran out (then the drill goes on: its caller sees that nothing moved)."""
+    deadline = time.monotonic() + timeout_s
+    while not load.done() and time.monotonic() < deadline:
+        if await asyncio.to_thread(_decode_requests, metrics_url) > 0:
+            return
+        await asyncio.sleep(0.02)
 
 
 async def decode_stop(
