@@ -16,6 +16,7 @@
 #include <string.h>
 
 #include "cpu_kernels.h"
+#include "cpu_vec.h"
 
 #if defined(__AVX__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -45,13 +46,7 @@
 
 typedef float vl __attribute__((vector_size(VL * sizeof(float))));
 
-static inline vl loadv(const float *p) {
-    vl v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline void storev(float *p, vl v) { memcpy(p, &v, sizeof v); }
+KV_VECTOR_IO(vl, loadv, storev)
 
 /* x in every lane: one broadcast from memory. ((vl){0} + x would add zero first: an extra
  * dependent add per broadcast, since the compiler must keep x = -0.0 as +0.0.) */

@@ -15,19 +15,14 @@
 #include <string.h>
 
 #include "cpu_kernels.h"
+#include "cpu_vec.h"
 
 #define LANES 16
 _Static_assert(LANES == 16, "hsum16 and BITREV16 are written for 16 lanes");
 typedef float vf __attribute__((vector_size(LANES * sizeof(float))));
 typedef int32_t vi __attribute__((vector_size(LANES * sizeof(int32_t))));
 
-static inline vf load(const float *p) {
-    vf v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline void store(float *p, vf v) { memcpy(p, &v, sizeof v); }
+KV_VECTOR_IO(vf, load, store)
 
 static inline vf splat(float x) { return (vf){0} + x; }
 
@@ -171,12 +166,7 @@ static void rope_head(float *x, const float *cos, const float *sin, int64_t d) {
 #endif
 typedef float vn __attribute__((vector_size(NL * sizeof(float))));
 typedef int32_t vni __attribute__((vector_size(NL * sizeof(int32_t))));
-static inline vn loadn(const float *p) {
-    vn v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-static inline void storen(float *p, vn v) { memcpy(p, &v, sizeof v); }
+KV_VECTOR_IO(vn, loadn, storen)
 /* x in every lane, one broadcast ((vn){0} + x would add zero first, a dependent add) */
 static inline vn splatn(float x) {
     vn v;

@@ -76,7 +76,8 @@ __all__ = [
 ]
 
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_ops.c", "cpu_linear.c", "cpu_layer.c"))
-HEADERS = (Path(__file__).with_name("cpu_kernels.h"),)  # included by every source
+# the headers the sources include (cpu_kernels.h: every one), part of the build's cache key
+HEADERS = tuple(Path(__file__).with_name(n) for n in ("cpu_kernels.h", "cpu_vec.h"))
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-std=gnu11")
 # the decode attention's parts run on the process's OpenMP threads (torch's runtime); a compiler
 # without OpenMP builds the library without it, and the parts run one after another

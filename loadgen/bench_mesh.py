@@ -15,8 +15,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import sys
 from typing import Any
+
+from kvmesh.loadgen.module_main import run_module
 
 from kvmesh.testing.mesh import MeshTap, complete, local_mesh, random_prompts
 
@@ -80,8 +81,4 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(
-        prog="python -m kvmesh.loadgen.bench_mesh", description=__doc__
-    )
-    add_arguments(parser)
-    sys.exit(run(parser.parse_args()))
+    run_module("bench_mesh", __doc__, add_arguments, run)

@@ -28,13 +28,13 @@ import os
 import signal
 import socket
 import statistics
-import sys
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
+from kvmesh.loadgen.module_main import run_module
 
 MODEL = "kvmesh-tiny"
 # the fault tests' engine settings (small pools; no kv-store: it takes no --num-blocks with them)
@@ -491,8 +491,4 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(
-        prog="python -m kvmesh.loadgen.fault_drill", description=__doc__
-    )
-    add_arguments(parser)
-    sys.exit(run(parser.parse_args()))
+    run_module("fault_drill", __doc__, add_arguments, run)

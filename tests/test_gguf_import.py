@@ -81,14 +81,11 @@ def kvmesh_logits(model, ids: list[int]) -> torch.Tensor:
     """Every position's logits from kvmesh's model, prefilled through a paged KV pool."""
     from kvmesh.shared.kv.kv_cache import KVPool
     from kvmesh.shared.model.llama import kv_cache_spec
-    from support.hf_fixtures import BLOCK_SIZE, prefill_metadata
+    from support.hf_fixtures import BLOCK_SIZE, prefill_logits
 
     num_blocks = -(-len(ids) // BLOCK_SIZE)
     pool = KVPool(kv_cache_spec(model.config, BLOCK_SIZE), num_blocks)
-    meta = prefill_metadata(len(ids), list(range(num_blocks)))
-    with torch.inference_mode():
-        hidden = model(torch.tensor(ids), torch.arange(len(ids)), pool, meta)
-        return model.compute_logits(hidden)
+    return prefill_logits(model, ids, pool, list(range(num_blocks)))
 
 
 def test_quantized_weights_round_trip_within_their_format(synthetic) -> None:

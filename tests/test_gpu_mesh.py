@@ -16,6 +16,7 @@ import pytest
 from support.mesh_checks import check_blocks_returned, check_equals_offline, load
 
 from kvmesh.testing.mesh import launched, mesh_config, random_prompts
+from kvmesh.testing.offline import offline_greedy
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
@@ -29,14 +30,7 @@ MAX_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def offline_cuda_tokens() -> list[list[int]]:
-    from kvmesh.shared.engine.config import EngineConfig
-    from kvmesh.shared.engine.llm_engine import LLMEngine
-    from kvmesh.shared.model.loader import load_model
-    from kvmesh.shared.text.sampling import SamplingOptions
-
-    model, tokenizer = load_model("kvmesh-tiny", device="cuda")
-    engine = LLMEngine(model, tokenizer, EngineConfig(num_blocks=1024, device="cuda"))
-    return engine.generate(PROMPTS, SamplingOptions(max_tokens=MAX_TOKENS, temperature=0.0))
+    return offline_greedy(PROMPTS, MAX_TOKENS, 1024, device="cuda")
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import aiohttp
 import pytest
 
 from kvmesh.commands.restarts import RestartPolicy
-from kvmesh.testing.mesh import local_mesh, random_prompts, wait_blocks_returned
+from kvmesh.testing.mesh import completion_body, local_mesh, random_prompts, wait_blocks_returned
 from kvmesh.testing.offline import offline_texts
 
 pytestmark = pytest.mark.slow
@@ -28,13 +28,7 @@ VICTIMS = ("decode-0", "prefill-0", "kv-registry-0")
 async def _one(session, url: str, prompt: list[int]) -> tuple[str, str | None, float, float]:
     """(text, error, seconds, end time) of one request; a refusal or failure is an error, never a
     hang."""
-    body = {
-        "model": "kvmesh-tiny",
-        "prompt": prompt,
-        "max_tokens": MAX_TOKENS,
-        "temperature": 0.0,
-        "ignore_eos": True,
-    }
+    body = completion_body(prompt, MAX_TOKENS, ignore_eos=True)
     started = time.monotonic()
     async with session.post(f"{url}/v1/completions", json=body) as resp:
         payload = await resp.json()

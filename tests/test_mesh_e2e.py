@@ -26,7 +26,7 @@ from kvmesh.shared.bus.nats_service import connect_nats, flush_to_server
 from kvmesh.shared.bus.subjects import DEFAULT_MESH, Subjects
 from support.mesh_checks import check_blocks_returned, check_equals_offline, load
 
-from kvmesh.testing.mesh import MODEL, MeshTap, complete, local_mesh, random_prompts
+from kvmesh.testing.mesh import MeshTap, complete, completion_body, local_mesh, random_prompts
 from kvmesh.testing.offline import offline_greedy
 
 pytestmark = pytest.mark.slow
@@ -166,14 +166,7 @@ async def _wait_ready_prefill_workers(
 
 async def _stream_until(session, url: str, prompt: list[int], enough) -> str:
     """Stream a long generation; close the connection once ``enough(request_id)`` holds."""
-    body = {
-        "model": MODEL,
-        "prompt": prompt,
-        "max_tokens": 2000,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "stream": True,
-    }
+    body = completion_body(prompt, 2000, ignore_eos=True, stream=True)
     async with session.post(f"{url}/v1/completions", json=body) as resp:
         assert resp.status == 200, await resp.text()
         async for line in resp.content:

@@ -22,27 +22,22 @@ from __future__ import annotations
 
 import asyncio
 
-import aiohttp
 import pytest
-from kvmesh.shared.bus.admin_client import admin_client
 from support.mesh_checks import (
+    STORE_MESH_ENV,
+    one_by_one,
     poll_status,
     scrape,
     store_advertised_since_ready,
     store_mesh_config,
 )
 
-from kvmesh.testing.mesh import MeshTap, complete, launched, random_prompts
+from kvmesh.testing.mesh import launched, random_prompts
+from kvmesh.testing.offline import offline_greedy_each
 
 pytestmark = pytest.mark.slow
 
-BLOCK_BYTES = 64 << 10  # kvmesh-tiny, 16-token blocks, float32
-ENV = {
-    "KVMESH_BLOCK_SIZE": "16",
-    "KVMESH_KV_CACHE_BYTES": str(256 * BLOCK_BYTES),
-    "KVMESH_CHUNK_TOKENS": "64",
-    "KVMESH_LOCAL_MAX_SUFFIX_TOKENS": "0",
-}
+ENV = {**STORE_MESH_ENV, "KVMESH_LOCAL_MAX_SUFFIX_TOKENS": "0"}
 PREFIX = random_prompts(1, 128, 128, seed=23)[0]  # 8 blocks
 FIRST = [*PREFIX, 3, 1, 4, 1, 5, 9, 2, 6]  # 136 tokens: 8 full blocks put after its prefill
 SECOND = [*PREFIX, 2, 7, 1, 8, 2, 8, 1, 8, 2, 8, 4, 5]  # 140: 8 blocks from the store, 12 computed
@@ -53,17 +48,9 @@ MAX_TOKENS = 40  # SECOND + its answer: 180 tokens, 179 with KV: 11 full blocks
 
 @pytest.fixture(scope="module")
 def offline_tokens() -> list[list[int]]:
-    from kvmesh.shared.engine.config import EngineConfig
-    from kvmesh.shared.engine.llm_engine import LLMEngine
-    from kvmesh.shared.model.loader import load_model
-    from kvmesh.shared.text.sampling import SamplingOptions
-
-    model, tokenizer = load_model("kvmesh-tiny")
-    engine = LLMEngine(model, tokenizer, EngineConfig(num_blocks=256, enable_prefix_caching=False))
-    params = SamplingOptions(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    first, second = (engine.generate([p], params)[0] for p in (FIRST, SECOND))
-    third = engine.generate([[*SECOND, *second, *NEW]], params)[0]
-    return [first, second, third, engine.generate([LAST], params)[0]]
+    greedy = offline_greedy_each(MAX_TOKENS, ignore_eos=True)
+    first, second = greedy(FIRST), greedy(SECOND)
+    return [first, second, greedy([*SECOND, *second, *NEW]), greedy(LAST)]
 
 
 async def wait_store(admin, ready, what: str):
@@ -83,32 +70,21 @@ def prefill_counts(mesh) -> dict[str, dict[str, float]]:
 
 
 async def run(mesh, offline: list[list[int]]) -> None:
-    async with (
-        admin_client(mesh.config.nats_url, auth=mesh.nats_auth) as admin,
-        MeshTap(mesh.config.nats_url, mesh.nats_auth) as tap,
-        aiohttp.ClientSession() as session,
-    ):
-
-        async def ask(prompt: list[int]) -> list[int]:
-            body = await complete(session, mesh.url, prompt, MAX_TOKENS, ignore_eos=True)
-            await tap.wait_finished(body["id"])
-            assert body["id"] in tap.prefill_done  # prefilled remotely
-            return tap.tokens[body["id"]]
-
+    async with one_by_one(mesh, MAX_TOKENS) as (admin, ask):
         # both prefill workers know the store: one that became ready between two of its
         # adverts has none to read from or put to until the next (a fresh clone's prefill-1
         # read none of SECOND's prefix from it)
         await store_advertised_since_ready(mesh)
         await admin.drain("prefill-1")
-        first = await ask(FIRST)
+        first = await ask(FIRST, remote=True)
         # the registry's index learns them from the store's KV events (placement counts them)
         await wait_store(admin, lambda r: r.indexed_blocks >= 8, "the first prompt's blocks")
         await admin.resume("prefill-1")
         await admin.drain("prefill-0")
-        second = await ask(SECOND)
+        second = await ask(SECOND, remote=True)
         # 8 (prefix) + 2 (the end of the first answer) + 3 (the end of the second)
         await wait_store(admin, lambda r: r.indexed_blocks >= 13, "the answers' blocks")
-        third = await ask([*SECOND, *second, *NEW])
+        third = await ask([*SECOND, *second, *NEW], remote=True)
         assert [first, second, third] == offline[:3]
         try:
             row = await wait_store(admin, lambda r: r.hits >= 11, "the second turn's store read")
@@ -118,7 +94,7 @@ async def run(mesh, offline: list[list[int]]) -> None:
         assert row.used_blocks >= 13  # and the second turn's own, put after it
         store = scrape(mesh.metrics_urls["kv-store-0"])
         mesh.children["kv-store-0"][1].kill()  # a dead store costs prefills, not requests
-        assert await ask(LAST) == offline[3]
+        assert await ask(LAST, remote=True) == offline[3]
     registry = scrape(mesh.metrics_urls["kv-registry-0"])
     # placed knowing the store held SECOND's 8 prefix blocks and the second turn's 11
     assert registry["kvmesh_registry_store_matched_tokens_total"] == 128 + 176

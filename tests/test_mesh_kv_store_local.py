@@ -25,26 +25,22 @@ from __future__ import annotations
 
 import asyncio
 
-import aiohttp
 import pytest
-from kvmesh.shared.bus.admin_client import admin_client
 from support.mesh_checks import (
+    STORE_MESH_ENV,
+    one_by_one,
     poll_status,
     scrape,
     store_advertised_since_ready,
     store_mesh_config,
 )
 
-from kvmesh.testing.mesh import MeshTap, complete, launched, random_prompts
+from kvmesh.testing.mesh import launched, random_prompts
+from kvmesh.testing.offline import offline_greedy_each
 
 pytestmark = pytest.mark.slow
 
-BLOCK_BYTES = 64 << 10  # kvmesh-tiny, 16-token blocks, float32
-ENV = {
-    "KVMESH_BLOCK_SIZE": "16",
-    "KVMESH_KV_CACHE_BYTES": str(256 * BLOCK_BYTES),
-    "KVMESH_CHUNK_TOKENS": "64",
-}
+ENV = STORE_MESH_ENV
 PREFIX = random_prompts(1, 128, 128, seed=31)[0]  # 8 blocks
 FIRST = [*PREFIX, 3, 1, 4, 1, 5, 9, 2, 6]  # 136 tokens, computed by prefill-0
 HELD = [*PREFIX, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4]  # 140: 128 cached on decode-0, 12 computed
@@ -54,15 +50,8 @@ MAX_TOKENS = 40  # FIRST + its answer: 175 tokens with KV, 10 full blocks put
 
 @pytest.fixture(scope="module")
 def offline_tokens() -> list[list[int]]:
-    from kvmesh.shared.engine.config import EngineConfig
-    from kvmesh.shared.engine.llm_engine import LLMEngine
-    from kvmesh.shared.model.loader import load_model
-    from kvmesh.shared.text.sampling import SamplingOptions
-
-    model, tokenizer = load_model("kvmesh-tiny")
-    engine = LLMEngine(model, tokenizer, EngineConfig(num_blocks=256, enable_prefix_caching=False))
-    params = SamplingOptions(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    return [engine.generate([p], params)[0] for p in (FIRST, HELD, SECOND)]
+    greedy = offline_greedy_each(MAX_TOKENS, ignore_eos=True)
+    return [greedy(p) for p in (FIRST, HELD, SECOND)]
 
 
 async def wait_status(admin, ready, what: str) -> None:
@@ -72,18 +61,7 @@ async def wait_status(admin, ready, what: str) -> None:
 
 async def run(mesh, offline: list[list[int]]) -> None:
     await store_advertised_since_ready(mesh)  # both decode workers know where to put and read
-    async with (
-        admin_client(mesh.config.nats_url, auth=mesh.nats_auth) as admin,
-        MeshTap(mesh.config.nats_url, mesh.nats_auth) as tap,
-        aiohttp.ClientSession() as session,
-    ):
-
-        async def ask(prompt: list[int], *, remote: bool) -> list[int]:
-            body = await complete(session, mesh.url, prompt, MAX_TOKENS, ignore_eos=True)
-            await tap.wait_finished(body["id"])
-            assert (body["id"] in tap.prefill_done) == remote  # no PrefillDone: a local prefill
-            return tap.tokens[body["id"]]
-
+    async with one_by_one(mesh, MAX_TOKENS) as (admin, ask):
         await admin.drain("decode-1")
         first = await ask(FIRST, remote=True)
         await admin.resume("decode-1")

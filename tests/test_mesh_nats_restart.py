@@ -17,7 +17,13 @@ import pytest
 from kvmesh.shared.bus.nats_server import NatsServer
 from kvmesh.shared.config.ports import free_port
 
-from kvmesh.testing.mesh import complete, local_mesh, random_prompts, wait_blocks_returned
+from kvmesh.testing.mesh import (
+    complete,
+    completion_body,
+    local_mesh,
+    random_prompts,
+    wait_blocks_returned,
+)
 from kvmesh.testing.offline import offline_texts
 
 pytestmark = pytest.mark.slow
@@ -52,14 +58,7 @@ async def _serve_until_ok(url: str, prompt: list[int], timeout_s: float) -> tupl
 async def _stream(session, url: str, prompt: list[int], first_token: asyncio.Event) -> dict:
     """One streamed completion: its text, or the error it ended with (an HTTP status or an SSE
     error event), and when it ended."""
-    body = {
-        "model": "kvmesh-tiny",
-        "prompt": prompt,
-        "max_tokens": MAX_TOKENS,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "stream": True,
-    }
+    body = completion_body(prompt, MAX_TOKENS, ignore_eos=True, stream=True)
     async with session.post(f"{url}/v1/completions", json=body) as resp:
         if resp.status != 200:
             error = (await resp.json())["error"]

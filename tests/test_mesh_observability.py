@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from support.mesh_checks import scrape
+from support.proc_tree import reaped
 from test_up import chat, launch, wait_for_line
 
 from kvmesh.commands.up_config import UpConfig
@@ -38,7 +39,7 @@ def test_one_request_shows_in_every_services_metrics_and_logs(tmp_path: Path) ->
     proc, out, err, port, _ = launch(
         tmp_path, "--local-prefill-threshold", "16", "--log-level", "debug", "--log-format", "json"
     )
-    try:
+    with reaped(proc):
         wait_for_line(proc, out, "kvmesh up: metrics:", timeout_s=400)
         urls = metrics_urls(out)
         assert set(urls) == {
@@ -60,10 +61,6 @@ def test_one_request_shows_in_every_services_metrics_and_logs(tmp_path: Path) ->
         decode = scrape(urls["decode-0"])
         proc.send_signal(signal.SIGINT)
         assert proc.wait(120) == 0, err.read_text()[-2000:]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     assert router["kvmesh_router_requests_total"] == 1
     assert router["kvmesh_router_time_to_first_token_seconds_count"] == 1
     assert registry["kvmesh_registry_placements_total"] == 1

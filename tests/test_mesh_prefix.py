@@ -19,6 +19,7 @@ from kvmesh.shared.bus.admin_client import admin_client
 from support.mesh_checks import poll_status, scrape
 
 from kvmesh.testing.mesh import MeshTap, complete, local_mesh, random_prompts
+from kvmesh.testing.offline import offline_greedy_each
 
 pytestmark = pytest.mark.slow
 
@@ -31,15 +32,8 @@ MAX_TOKENS = 8
 
 @pytest.fixture(scope="module")
 def offline_tokens() -> list[list[int]]:
-    from kvmesh.shared.engine.config import EngineConfig
-    from kvmesh.shared.engine.llm_engine import LLMEngine
-    from kvmesh.shared.model.loader import load_model
-    from kvmesh.shared.text.sampling import SamplingOptions
-
-    model, tokenizer = load_model("kvmesh-tiny")
-    engine = LLMEngine(model, tokenizer, EngineConfig(num_blocks=256, enable_prefix_caching=False))
-    params = SamplingOptions(max_tokens=MAX_TOKENS, temperature=0.0)
-    return [engine.generate([p], params)[0] for p in (FIRST, SECOND)]
+    greedy = offline_greedy_each(MAX_TOKENS)
+    return [greedy(p) for p in (FIRST, SECOND)]
 
 
 async def wait_status(admin, ready, what: str) -> dict:

@@ -24,6 +24,7 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from support.mesh_checks import (
+    TINY_BLOCK_BYTES,
     check_blocks_returned,
     store_advertised_since_ready,
     store_mesh_config,
@@ -34,12 +35,11 @@ from kvmesh.testing.offline import offline_texts
 
 pytestmark = pytest.mark.slow
 
-BLOCK_BYTES = 64 << 10  # kvmesh-tiny, 16-token blocks, float32
 NUM_BLOCKS = 14
 ENV = {
     "KVMESH_BLOCK_SIZE": "16",
     # a pool size in bytes (the kv-store takes --num-blocks too, and its --capacity-gb here)
-    "KVMESH_KV_CACHE_BYTES": str(NUM_BLOCKS * BLOCK_BYTES),
+    "KVMESH_KV_CACHE_BYTES": str(NUM_BLOCKS * TINY_BLOCK_BYTES),
     "KVMESH_RESERVE_OUTPUT_TOKENS": "0",
 }
 PROMPTS = random_prompts(5, 40, 56, seed=41)  # 3-4 blocks each, 6-7 with their outputs

@@ -17,6 +17,7 @@ from support.hf_fixtures import (
     make_llama_checkpoint,
     make_mistral_checkpoint,
     make_qwen2_checkpoint,
+    prefill_logits,
     prefill_metadata,
 )
 
@@ -78,14 +79,7 @@ def test_prefill_logits_match_transformers(checkpoints, name):
         assert model.config.rope_type == "llama3" and model.config.rope_theta == 500000.0
     ids = tok.encode(PROMPT)[: model.config.max_position_embeddings]
     assert len(ids) > 3 * BLOCK_SIZE
-    with torch.inference_mode():
-        hidden = model(
-            torch.tensor(ids),
-            torch.arange(len(ids)),
-            new_pool(model),
-            prefill_metadata(len(ids), TABLE_A),
-        )
-        logits = model.compute_logits(hidden)
+    logits = prefill_logits(model, ids, new_pool(model), TABLE_A)
     assert logits.dtype == torch.float32 and logits.shape == (len(ids), model.config.vocab_size)
     torch.testing.assert_close(
         logits, hf_logits(load_hf_reference(checkpoints[name]), ids), rtol=0, atol=1e-4
@@ -151,15 +145,7 @@ def test_half_precision_load_stays_close_to_float32(checkpoints, dtype):
     ids = tok.encode(PROMPT)
     pool = KVPool(kv_cache_spec(model.config, BLOCK_SIZE), 16)
     assert pool.tensor.dtype == dtype
-    with torch.inference_mode():
-        logits = model.compute_logits(
-            model(
-                torch.tensor(ids),
-                torch.arange(len(ids)),
-                pool,
-                prefill_metadata(len(ids), list(range(8))),
-            )
-        )
+    logits = prefill_logits(model, ids, pool, list(range(8)))
     assert logits.dtype == torch.float32
     expected = hf_logits(load_hf_reference(checkpoints["llama"]), ids)
     torch.testing.assert_close(logits, expected, rtol=0, atol=0.1 * expected.abs().max().item())

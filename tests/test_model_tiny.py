@@ -68,37 +68,23 @@ def test_tiny_is_a_real_llama_checkpoint():
     model, tok = load_model()
     ids = tok.encode_chat([{"role": "user", "content": "Tell me about paged attention, please."}])
     pool = KVPool(kv_cache_spec(model.config), 8)
-    from support.hf_fixtures import prefill_metadata
+    from support.hf_fixtures import prefill_logits
 
+    ours = prefill_logits(model, ids, pool, [4, 0, 6, 2])
     with torch.inference_mode():
-        ours = model.compute_logits(
-            model(
-                torch.tensor(ids),
-                torch.arange(len(ids)),
-                pool,
-                prefill_metadata(len(ids), [4, 0, 6, 2]),
-            )
-        )
         theirs = hf(torch.tensor([ids])).logits[0]
     torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-4)
 
 
 def test_decode_steps_reproduce_prefill_logits():
     """Feeding a prompt token by token through the cache gives the logits of one big prefill."""
-    from support.hf_fixtures import prefill_metadata
+    from support.hf_fixtures import prefill_logits, prefill_metadata
 
     model, tok = load_model()
     ids = tok.encode("Paged KV: one span per block, all layers.")  # 42 tokens, 3 blocks
     n = len(ids)
+    full = prefill_logits(model, ids, KVPool(kv_cache_spec(model.config), 8), [1, 3, 5, 7])
     with torch.inference_mode():
-        full = model.compute_logits(
-            model(
-                torch.tensor(ids),
-                torch.arange(n),
-                KVPool(kv_cache_spec(model.config), 8),
-                prefill_metadata(n, [1, 3, 5, 7]),
-            )
-        )
         pool = KVPool(kv_cache_spec(model.config), 8)
         steps = [
             model.compute_logits(

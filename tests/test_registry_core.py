@@ -6,6 +6,7 @@ from kvmesh.services.kv_registry.core import Candidate, Refusal, RegistryState
 from kvmesh.shared.bus.protocol import DecodeAdvert, PlaceRequest, WorkerHeartbeat
 from kvmesh.shared.kv.descriptor import TcpBackend, TransportDescriptor
 from kvmesh.shared.text.sampling import SamplingOptions
+from support.adverts import idle_advert
 
 SECRET = "ab" * 32  # a tcp descriptor's lane secret (64 hex digits)
 
@@ -14,24 +15,16 @@ BLOCK_SIZE = 16
 
 
 def advert(worker_id: str, **kw: object) -> DecodeAdvert:
-    fields = dict(
-        worker_id=worker_id,
-        mode="disagg",
-        descriptor=TransportDescriptor(worker_id, "h", (TcpBackend("127.0.0.1", 1234, SECRET),)),
+    idle = idle_advert(
+        worker_id,
+        TransportDescriptor(worker_id, "h", (TcpBackend("127.0.0.1", 1234, SECRET),)),
         base_addr=1 << 20,
         block_bytes=BLOCK_BYTES,
         block_size=BLOCK_SIZE,
         kv_spec="4x2x64:bs16:float32",
         total_blocks=100,
-        free_blocks=100,
-        free_block_ranges=((0, 100),),
-        num_running=0,
-        num_waiting=0,
-        state="ready",
-        sent_at=0.0,
     )
-    fields.update(kw)
-    return DecodeAdvert(**fields)  # type: ignore[arg-type]
+    return msgspec.structs.replace(idle, **kw)
 
 
 def place(num_tokens: int, *, local: bool = False, request_id: str = "r1") -> PlaceRequest:

@@ -41,6 +41,7 @@ from kvmesh.shared.obs import logs
 from kvmesh.shared.text.sampling import SamplingOptions
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from support.proc_tree import reaped
 from support.registry_peers import BLOCK_BYTES, peer_decode, wait_for
 
 REPO = Path(__file__).resolve().parents[1]
@@ -309,7 +310,7 @@ def start_registry(url: str, worker_id: str) -> subprocess.Popen[bytes]:
 @pytest.mark.timeout(120)
 async def test_registry_restart_rebuilds_from_adverts_and_serves_again(nats_server: str) -> None:
     first = start_registry(nats_server, "reg-a")
-    try:
+    with reaped(first):
         async with (
             peer_decode(nats_server, "d1", total_blocks=10_000, interval_s=0.2) as d1,
             connect_nats(nats_server, "client") as nc,
@@ -357,10 +358,6 @@ async def test_registry_restart_rebuilds_from_adverts_and_serves_again(nats_serv
             finally:
                 second.send_signal(signal.SIGTERM)
                 assert second.wait(20) == 0  # graceful stop on SIGTERM
-    finally:
-        if first.poll() is None:
-            first.kill()
-            first.wait()
 
 
 async def _count(nc: Client, n: int) -> bool:

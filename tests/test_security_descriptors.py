@@ -25,6 +25,7 @@ from kvmesh.shared.transport.shm import (
     check_segment_name,
     check_socket_path,
 )
+from support.adverts import idle_advert
 
 SECRET = "ab" * 32  # a tcp descriptor's lane secret (64 hex digits)
 
@@ -137,23 +138,16 @@ async def test_region_table_row_naming_another_transports_segment_is_refused():
 
 
 def _advert(**changes):
-    fields = dict(
-        worker_id="d0",
-        mode="disagg",
-        descriptor=TransportDescriptor("d0", "h", (TcpBackend("127.0.0.1", 1, SECRET),)),
+    idle = idle_advert(
+        "d0",
+        TransportDescriptor("d0", "h", (TcpBackend("127.0.0.1", 1, SECRET),)),
         base_addr=0x10000,
         block_bytes=1024,
         block_size=16,
         kv_spec="spec-a",
         total_blocks=8,
-        free_blocks=8,
-        free_block_ranges=((0, 8),),
-        num_running=0,
-        num_waiting=0,
-        state="ready",
-        sent_at=0.0,
     )
-    return protocol.DecodeAdvert(**{**fields, **changes})
+    return msgspec.structs.replace(idle, **changes)
 
 
 def _job(advert, **changes):

@@ -18,7 +18,7 @@ from kvmesh.shared.bus.nats_service import flush_to_server
 from kvmesh.shared.config.ports import free_port
 from kvmesh.shared.config.service_config import ConfigError
 from nats.aio.msg import Msg
-from support.proc_tree import cmdline, descendants, wait_all_dead
+from support.proc_tree import cmdline, descendants, reaped, wait_all_dead
 
 from kvmesh.cli import build_parser
 from kvmesh.commands.serve import build_service_config
@@ -221,7 +221,7 @@ def test_up_serves_requests_and_ctrl_c_leaves_no_process_behind(tmp_path: Path) 
     proc, out, err, port, nats_url = launch(
         tmp_path, "--local-prefill-threshold", "16", model=None, env=unreachable_index_env(tmp_path)
     )
-    try:
+    with reaped(proc):
         wait_for_line(proc, out, "kvmesh is up", timeout_s=400)
         fallback = [ln for ln in err.read_text().splitlines() if "cannot download" in ln]
         assert len(fallback) == 1 and fallback[0].startswith(
@@ -257,10 +257,6 @@ def test_up_serves_requests_and_ctrl_c_leaves_no_process_behind(tmp_path: Path) 
         assert proc.wait(120) == 0, err.read_text()[-2000:]
         assert wait_all_dead(tree, timeout_s=10) == set()
         assert "kvmesh up: stopped" in err.read_text()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 @pytest.mark.slow
@@ -269,15 +265,11 @@ def test_up_stops_everything_when_a_service_fails_to_start(tmp_path: Path) -> No
     not_a_checkpoint = tmp_path / "empty-model"  # a folder: only the services find it wanting
     not_a_checkpoint.mkdir()
     proc, _, err, _, _ = launch(tmp_path, "--model", str(not_a_checkpoint))
-    try:
+    with reaped(proc):
         assert proc.wait(240) == 1
         text = err.read_text()
         assert "exited with code" in text and "rerun it alone: kvmesh serve" in text
         assert descendants(proc.pid) == set()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_up_refuses_a_model_that_names_nothing_before_starting_anything(tmp_path: Path) -> None:
@@ -292,7 +284,7 @@ def test_up_refuses_a_model_that_names_nothing_before_starting_anything(tmp_path
 @pytest.mark.timeout(300)
 def test_killed_launcher_takes_its_children_down(tmp_path: Path) -> None:
     proc, _, _, _, _ = launch(tmp_path, "--decode", "2")
-    try:
+    with reaped(proc):
         deadline = time.monotonic() + 120
         tree: set[int] = set()
         while time.monotonic() < deadline:
@@ -306,17 +298,13 @@ def test_killed_launcher_takes_its_children_down(tmp_path: Path) -> None:
         os.kill(proc.pid, signal.SIGKILL)  # no cleanup code runs in the launcher
         proc.wait()
         assert wait_all_dead(tree, timeout_s=30) == set()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_up_colocated_serves_and_stops_on_sigterm(tmp_path: Path) -> None:
     proc, out, err, port, nats_url = launch(tmp_path, "--mode", "colocated", "--transport", "tcp")
-    try:
+    with reaped(proc):
         wait_for_line(proc, out, "kvmesh is up", timeout_s=400)
         tree = descendants(proc.pid)
         commands = " | ".join(cmdline(p) for p in tree)
@@ -331,10 +319,6 @@ def test_up_colocated_serves_and_stops_on_sigterm(tmp_path: Path) -> None:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(120) == 0, err.read_text()[-2000:]
         assert wait_all_dead(tree, timeout_s=10) == set()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_nats_is_reachable_only_where_a_nats_server_speaks(nats_server: str) -> None:
@@ -623,13 +607,10 @@ def test_two_ups_with_different_models_on_one_machine_both_serve(tmp_path: Path)
     from kvmesh.shared.bus.mesh_state import running_meshes
     from kvmesh.shared.bus.nats_server import nats_is_reachable
     from kvmesh.shared.config.service_config import DEFAULT_NATS_URL
-    from kvmesh.shared.engine.config import EngineConfig
-    from kvmesh.shared.engine.llm_engine import LLMEngine
-    from kvmesh.shared.model.loader import load_model
-    from kvmesh.shared.text.sampling import SamplingOptions
     from support.small_models import write_small_seeded
 
     from kvmesh.testing.mesh import random_prompts
+    from kvmesh.testing.offline import offline_greedy
 
     if nats_is_reachable(DEFAULT_NATS_URL):
         pytest.skip("a NATS server already runs on 127.0.0.1:4222 on this machine")
@@ -656,8 +637,7 @@ def test_two_ups_with_different_models_on_one_machine_both_serve(tmp_path: Path)
             (first, "kvmesh-tiny", "kvmesh-tiny", DEFAULT_NATS_URL),
             (second, "other-model", other_model, found.group(1)),
         ):
-            engine = LLMEngine(*load_model(model), EngineConfig(num_blocks=64))
-            [expected] = engine.generate([prompt], SamplingOptions(max_tokens=6, temperature=0.0))
+            [expected] = offline_greedy([prompt], 6, 64, model=model)
             got = asyncio.run(_greedy_tokens(url, err, mesh, port, model, prompt))
             assert got == expected, mesh
 

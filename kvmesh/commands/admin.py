@@ -15,10 +15,9 @@ from kvmesh.shared.bus.nats_options import NatsClientConfig
 from kvmesh.shared.bus.subjects import DEFAULT_MESH
 from kvmesh.shared.config.service_config import (
     DEFAULT_NATS_URL,
-    ConfigError,
     add_config_arguments,
     check_positive,
-    config_from_args,
+    command_config,
     option,
 )
 from kvmesh.shared.obs.logs import LEVELS
@@ -71,10 +70,8 @@ def _admin(args: argparse.Namespace) -> int:
 
     logs.setup_logging("warning")
 
-    try:
-        config = config_from_args(AdminConfig, args)
-    except ConfigError as exc:
-        print(f"kvmesh admin: {exc}", file=sys.stderr)
+    config = command_config(AdminConfig, args, "kvmesh admin")
+    if config is None:
         return 2
     try:
         result = asyncio.run(

@@ -28,9 +28,8 @@ from kvmesh.commands.up_model import ModelChoiceError, resolve_up_model
 from kvmesh.commands.up_plan import cpu_plan, split_cores
 from kvmesh.shared.bus.nats_options import redact_url
 from kvmesh.shared.config.service_config import (
-    ConfigError,
     add_config_arguments,
-    config_from_args,
+    command_config,
 )
 
 
@@ -91,10 +90,8 @@ def _up(args: argparse.Namespace) -> int:
     from kvmesh.shared.bus.nats_server import NatsServerError
     from kvmesh.shared.config.service_errors import ServiceStartError, check_can_listen
 
-    try:
-        config = config_from_args(UpConfig, args)
-    except ConfigError as exc:
-        print(f"kvmesh up: {exc}", file=sys.stderr)
+    config = command_config(UpConfig, args, "kvmesh up")
+    if config is None:
         return 2
     try:
         check_can_listen(config.host, config.port)  # before anything starts

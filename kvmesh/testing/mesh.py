@@ -228,12 +228,19 @@ class MeshTap:
         return self.finished[attempts[-1]], [t for w in attempts for t in self.tokens[w]]
 
 
+def completion_body(prompt_ids: list[int], max_tokens: int, **extra: Any) -> dict[str, Any]:
+    """The body of a greedy /v1/completions request of kvmesh-tiny with a token-id prompt;
+    ``extra``: more fields (``ignore_eos``, ``stream``, ...) or other values."""
+    body = {"model": MODEL, "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0.0}
+    return {**body, **extra}
+
+
 async def complete(
     session: Any, url: str, prompt_ids: list[int], max_tokens: int, **extra: Any
 ) -> dict[str, Any]:
     """One greedy /v1/completions request with a token-id prompt; returns the JSON body."""
-    body = {"model": MODEL, "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0.0}
-    async with session.post(f"{url}/v1/completions", json={**body, **extra}) as resp:
+    body = completion_body(prompt_ids, max_tokens, **extra)
+    async with session.post(f"{url}/v1/completions", json=body) as resp:
         payload = await resp.json()
         if resp.status != 200:
             raise AssertionError(f"HTTP {resp.status}: {payload}")

@@ -4,6 +4,8 @@ mesh streamed with these."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 
 def offline_greedy(
     prompts: list[list[int]],
@@ -12,9 +14,25 @@ def offline_greedy(
     *,
     model: str = "kvmesh-tiny",
     ignore_eos: bool = False,
+    device: str = "cpu",
 ) -> list[list[int]]:
-    """Greedy token ids of each prompt's completion."""
-    return _generate(prompts, max_tokens, model, num_blocks, ignore_eos)[1]
+    """Greedy token ids of each prompt's completion (on ``device``: the engine and the model)."""
+    return _generate(prompts, max_tokens, model, num_blocks, ignore_eos, device)[1]
+
+
+def offline_greedy_each(
+    max_tokens: int,
+    num_blocks: int = 256,
+    *,
+    model: str = "kvmesh-tiny",
+    ignore_eos: bool = False,
+) -> Callable[[list[int]], list[int]]:
+    """A function that gives the greedy token ids of one prompt's completion at a time, from one
+    engine with prefix caching off (each prompt computed whole): for tests that ask a mesh one
+    prompt after another, a later one perhaps holding an earlier one's answer."""
+    engine = _engine(model, num_blocks, "cpu", enable_prefix_caching=False)
+    params = _greedy(max_tokens, ignore_eos)
+    return lambda prompt: engine.generate([prompt], params)[0]
 
 
 def offline_texts(
@@ -27,7 +45,7 @@ def offline_texts(
     """Greedy completions (EOS ignored), turned into text as the router does."""
     from kvmesh.shared.text.detokenize import TextStream
 
-    tokenizer, completions = _generate(prompts, max_tokens, model, num_blocks, True)
+    tokenizer, completions = _generate(prompts, max_tokens, model, num_blocks, True, "cpu")
     texts = []
     for prompt, ids in zip(prompts, completions, strict=True):
         text = TextStream(tokenizer, prompt)
@@ -37,13 +55,24 @@ def offline_texts(
     return texts
 
 
-def _generate(prompts, max_tokens, model, num_blocks, ignore_eos):
+def _generate(prompts, max_tokens, model, num_blocks, ignore_eos, device):
+    engine = _engine(model, num_blocks, device)
+    return engine.tokenizer, engine.generate(prompts, _greedy(max_tokens, ignore_eos))
+
+
+def _engine(model, num_blocks, device, *, enable_prefix_caching=True):
     from kvmesh.shared.engine.config import EngineConfig
     from kvmesh.shared.engine.llm_engine import LLMEngine
     from kvmesh.shared.model.loader import load_model
+
+    model_, tokenizer = load_model(model, device=device)
+    config = EngineConfig(
+        num_blocks=num_blocks, device=device, enable_prefix_caching=enable_prefix_caching
+    )
+    return LLMEngine(model_, tokenizer, config)
+
+
+def _greedy(max_tokens, ignore_eos):
     from kvmesh.shared.text.sampling import SamplingOptions
 
-    model_, tokenizer = load_model(model)
-    engine = LLMEngine(model_, tokenizer, EngineConfig(num_blocks=num_blocks))
-    params = SamplingOptions(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos)
-    return tokenizer, engine.generate(prompts, params)
+    return SamplingOptions(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos)

@@ -180,17 +180,11 @@ class RegistryState:
     def observe_cache_events(self, msg: KvCacheEvents) -> bool:
         """A decode worker's prefix cache changes; False (ignored) for a worker not known by
         its adverts (it resyncs with its next digest once it is)."""
-        if msg.worker_id not in self.decode:
-            return False
-        self.prefix_index.apply_events(msg)
-        return True
+        return self.prefix_index.apply_from(self.decode, msg)
 
     def observe_cache_digest(self, msg: KvCacheDigest) -> bool:
         """A decode worker's whole prefix cache; False (ignored) for an unknown worker."""
-        if msg.worker_id not in self.decode:
-            return False
-        self.prefix_index.apply_digest(msg)
-        return True
+        return self.prefix_index.apply_from(self.decode, msg)
 
     def mark_draining(self, worker_id: str, is_draining: bool) -> bool:
         """Admin drain/resume: stop (or restart) placing on the worker now. False if unknown."""

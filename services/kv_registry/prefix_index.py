@@ -16,7 +16,7 @@ bounded over being exact:
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass, field
 
 from kvmesh.shared.bus.protocol import KvCacheDigest, KvCacheEvents
@@ -72,6 +72,18 @@ class PrefixIndex:
         # the digest lists the newest last: an over-full index keeps those
         for h in msg.hashes:
             self._remember(msg.worker_id, entry, h)
+
+    def apply_from(self, known: Container[str], msg: KvCacheEvents | KvCacheDigest) -> bool:
+        """Apply a holder's report (its changes, or all it holds) if ``known`` (the holders known
+        by their adverts) has its sender; False (ignored) for an unknown one: it resyncs with
+        its next digest once it is known."""
+        if msg.worker_id not in known:
+            return False
+        if isinstance(msg, KvCacheDigest):
+            self.apply_digest(msg)
+        else:
+            self.apply_events(msg)
+        return True
 
     def drop_worker(self, worker_id: str) -> None:
         """Forget everything of a worker (dropped for silence, or gone)."""

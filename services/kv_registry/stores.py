@@ -47,17 +47,11 @@ class StoreTable:
     def observe_events(self, msg: KvCacheEvents) -> bool:
         """A store's changes; False (ignored) for a store not known by its adverts (it resyncs
         with its next digest once it is)."""
-        if msg.worker_id not in self.stores:
-            return False
-        self.prefixes.apply_events(msg)
-        return True
+        return self.prefixes.apply_from(self.stores, msg)
 
     def observe_digest(self, msg: KvCacheDigest) -> bool:
         """Everything a store holds; False (ignored) for an unknown store."""
-        if msg.worker_id not in self.stores:
-            return False
-        self.prefixes.apply_digest(msg)
-        return True
+        return self.prefixes.apply_from(self.stores, msg)
 
     def matched_blocks(self, kv_spec: str, chain: Sequence[int]) -> int:
         """How many leading blocks of ``chain`` (a prompt's hashes in layout ``kv_spec``) the

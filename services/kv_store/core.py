@@ -14,12 +14,12 @@ not written again. A key is in at most one of the host index, the disk index and
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvmesh.services.kv_store.disk_tier import DiskSlots, Key
+from kvmesh.services.kv_store.disk_tier import DiskSlots
 from kvmesh.services.kv_store.owners import BlockOwners
+from kvmesh.services.kv_store.tier_slots import Key, TierSlots
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,13 +115,11 @@ class StoreCounters:
 
 
 @dataclass(slots=True)
-class BlockStore:
+class BlockStore(TierSlots):
+    """The host tier; its LRU holds the committed slots no get pins."""
+
     num_blocks: int
-    free: list[int] = field(default_factory=list)
-    index: dict[tuple[int, int], int] = field(default_factory=dict)  # (hash, layout) -> slot
-    keys: dict[int, tuple[int, int]] = field(default_factory=dict)  # committed slot -> key
     pins: dict[int, int] = field(default_factory=dict)  # committed slot -> gets holding it
-    lru: OrderedDict[int, None] = field(default_factory=OrderedDict)  # unpinned, oldest first
     puts: dict[str, _Put] = field(default_factory=dict)
     gets: dict[str, _Get] = field(default_factory=dict)
     counters: StoreCounters = field(default_factory=StoreCounters)
@@ -131,8 +129,7 @@ class BlockStore:
     owners: BlockOwners = field(default_factory=BlockOwners)
 
     def __post_init__(self) -> None:
-        assert self.num_blocks > 0, self.num_blocks
-        self.free = list(range(self.num_blocks - 1, -1, -1))  # pop() hands out 0, 1, ...
+        self._free_all(self.num_blocks)
 
     # --- puts ------------------------------------------------------------------------------------
 
@@ -191,9 +188,7 @@ class BlockStore:
                 self.free.append(slot)
                 committed.append(h)
             else:
-                self.index[key] = slot
-                self.keys[slot] = key
-                self.lru[slot] = None
+                self._index(slot, key)
                 self.owners.record(key, put.owner)
                 committed.append(h)
                 self.counters.commits += 1
@@ -352,13 +347,12 @@ class BlockStore:
     def _take_slot(self, spills: list[Spill]) -> int | None:
         """A host slot: a free one, else the least recently used block's, which is spilled to
         disk (appended to ``spills``) when there is a disk slot for it, else dropped."""
-        if self.free:
-            return self.free.pop()
-        if not self.lru:
+        taken = self._take_or_evict()
+        if taken is None:
             return None
-        slot, _ = self.lru.popitem(last=False)
-        key = self.keys.pop(slot)
-        del self.index[key]
+        slot, key = taken
+        if key is None:
+            return slot
         self.counters.evictions += 1
         disk_slot = self.disk.take() if self.disk is not None else None
         if self.disk is not None:

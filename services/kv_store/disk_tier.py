@@ -10,38 +10,30 @@ in one tier at a time. The file and its I/O are the service's (disk_file.py).
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
-Key = tuple[int, int]  # (block hash, layout root)
+from kvmesh.services.kv_store.tier_slots import Key, TierSlots
 
 
 @dataclass(slots=True)
-class DiskSlots:
+class DiskSlots(TierSlots):
     num_slots: int
-    free: list[int] = field(default_factory=list)
-    index: dict[Key, int] = field(default_factory=dict)
-    keys: dict[int, Key] = field(default_factory=dict)  # indexed slot -> key
-    lru: OrderedDict[int, None] = field(default_factory=OrderedDict)  # indexed, oldest first
     num_evictions: int = 0  # blocks dropped from the disk tier to make room
     dropped: list[Key] = field(default_factory=list)  # evicted keys, until drain_dropped()
 
     def __post_init__(self) -> None:
-        assert self.num_slots > 0, self.num_slots
-        self.free = list(range(self.num_slots - 1, -1, -1))  # pop() hands out 0, 1, ...
+        self._free_all(self.num_slots)
 
     def take(self) -> int | None:
         """A slot for a spill (busy until ``fill`` or ``give_back``): a free one, else the least
         recently used block's, which is dropped. None when every slot is busy."""
-        if self.free:
-            return self.free.pop()
-        if not self.lru:
+        taken = self._take_or_evict()
+        if taken is None:
             return None
-        slot, _ = self.lru.popitem(last=False)
-        key = self.keys.pop(slot)
-        del self.index[key]
-        self.dropped.append(key)
-        self.num_evictions += 1
+        slot, key = taken
+        if key is not None:
+            self.dropped.append(key)
+            self.num_evictions += 1
         return slot
 
     def drain_dropped(self) -> list[Key]:
@@ -52,9 +44,7 @@ class DiskSlots:
     def fill(self, slot: int, key: Key) -> None:
         """A spill into busy ``slot`` finished: index it, most recently used."""
         assert key not in self.index and slot not in self.keys, (key, slot)
-        self.index[key] = slot
-        self.keys[slot] = key
-        self.lru[slot] = None
+        self._index(slot, key)
 
     def detach(self, key: Key) -> int:
         """Take ``key``'s slot out of the index for a promotion (busy until ``give_back``)."""

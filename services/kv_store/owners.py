@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from kvmesh.services.kv_store.disk_tier import Key
+from kvmesh.services.kv_store.tier_slots import Key
 
 
 class BlockOwners:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import sys
 import types
 import typing
 from collections.abc import Iterable, Mapping
@@ -161,6 +162,17 @@ def config_from_args(
         return cls(**kwargs)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{cls.__name__}: {exc}") from None
+
+
+def command_config(cls: type[C], args: argparse.Namespace, command: str) -> C | None:
+    """``config_from_args(cls, args)`` for the CLI command ``command`` (e.g. "kvmesh up"): a
+    ConfigError is printed to stderr as ``<command>: <error>`` and gives None (the command then
+    exits 2, as for a bad flag)."""
+    try:
+        return config_from_args(cls, args)
+    except ConfigError as exc:
+        print(f"{command}: {exc}", file=sys.stderr)
+        return None
 
 
 def config_to_argv(config: Any, *, only_changed: bool = True) -> list[str]:

@@ -8,6 +8,7 @@ Reusable by any test (model, engine):
     path = make_mistral_checkpoint(tmp_path)          # MQA, explicit head_dim
     ref = load_hf_reference(path)                     # transformers model, float32, eval
     ids, meta = paged_step(...) / greedy_generate(...) # drive kvmesh's model through a KVPool by hand
+    logits = prefill_logits(model, ids, pool, table)  # every position's logits after one prefill
 
 Each checkpoint has a byte-level BPE tokenizer (256 byte symbols, no merges, plus specials), so any
 text round-trips and multi-byte characters are split over several tokens.
@@ -192,6 +193,16 @@ def prefill_metadata(
         block_tables=table[None],
         block_size=block_size,
     )
+
+
+def prefill_logits(
+    model, ids: list[int], pool: KVPool, block_table: list[int], block_size: int = BLOCK_SIZE
+) -> torch.Tensor:
+    """Every position's logits from kvmesh's ``model`` after one prefill of ``ids`` (positions 0
+    on), its KV stored in ``pool`` through ``block_table``."""
+    meta = prefill_metadata(len(ids), block_table, block_size=block_size)
+    with torch.inference_mode():
+        return model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids)), pool, meta))
 
 
 def greedy_generate(

@@ -1,11 +1,14 @@
 """What the end-to-end mesh tests check, written once: the offline engine's greedy tokens to
 compare with, a batch of completions sent through the router and read off the token subjects
 (under every wire id the router gave a request: a retry on a loaded box is not a wrong answer),
-outputs equal to the offline engine's token for token, and every decode block returned."""
+outputs equal to the offline engine's token for token, and every decode block returned; and
+what the kv-store mesh tests share: their environment and prompts sent one at a time."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -43,6 +46,31 @@ def check_equals_offline(replies: list[dict], tap: MeshTap, offline: list[list[i
     for reply, (final, tokens) in zip(replies, answers, strict=True):
         assert reply["usage"]["completion_tokens"] == len(tokens)
         assert reply["choices"][0]["finish_reason"] == final.finish_reason
+
+
+@contextlib.asynccontextmanager
+async def one_by_one(
+    mesh: Any, max_tokens: int
+) -> AsyncIterator[tuple[Any, Callable[..., Awaitable[list[int]]]]]:
+    """``(admin, ask)`` for a test that sends ``mesh`` one prompt at a time: the registry's admin
+    client, and ``await ask(prompt, remote=...)``, which sends one greedy request (EOS ignored),
+    waits for its end, checks that a prefill worker prefilled it (``remote``) or not (no
+    PrefillDone: a local prefill) and returns its tokens."""
+    from kvmesh.shared.bus.admin_client import admin_client
+
+    async with (
+        admin_client(mesh.config.nats_url, auth=mesh.nats_auth) as admin,
+        MeshTap(mesh.config.nats_url, mesh.nats_auth) as tap,
+        aiohttp.ClientSession() as session,
+    ):
+
+        async def ask(prompt: list[int], *, remote: bool) -> list[int]:
+            body = await complete(session, mesh.url, prompt, max_tokens, ignore_eos=True)
+            await tap.wait_finished(body["id"])
+            assert (body["id"] in tap.prefill_done) == remote, body["id"]
+            return tap.tokens[body["id"]]
+
+        yield admin, ask
 
 
 async def check_blocks_returned(mesh: Any) -> None:
@@ -92,6 +120,15 @@ def scrape(url: str) -> dict[str, float]:
     with urllib.request.urlopen(url, timeout=10) as resp:
         assert resp.status == 200
         return parse_prometheus(resp.read().decode())
+
+
+TINY_BLOCK_BYTES = 64 << 10  # kvmesh-tiny, 16-token blocks, float32
+# the environment of a store mesh whose decode and prefill workers have 256 blocks each
+STORE_MESH_ENV = {
+    "KVMESH_BLOCK_SIZE": "16",
+    "KVMESH_KV_CACHE_BYTES": str(256 * TINY_BLOCK_BYTES),
+    "KVMESH_CHUNK_TOKENS": "64",
+}
 
 
 def store_mesh_config(*, prefill: int, decode: int, local_prefill_threshold: int = 0) -> Any:

@@ -10,28 +10,22 @@ from typing import Any
 
 from kvmesh.shared.bus import protocol
 
+from support.adverts import idle_advert
+
 
 def ready_advert(
     descriptor: Any, region: Any, spec: Any, kv_spec: str, worker_id: str = "d0"
 ) -> protocol.DecodeAdvert:
     """The advert of a ready, idle disaggregated decode worker whose whole KV pool is ``region``
     (in ``spec``'s layout, every block free)."""
-    blocks = region.length // spec.block_bytes
-    return protocol.DecodeAdvert(
-        worker_id=worker_id,
-        mode="disagg",
-        descriptor=descriptor,
+    return idle_advert(
+        worker_id,
+        descriptor,
         base_addr=region.addr,
         block_bytes=spec.block_bytes,
         block_size=spec.block_size,
         kv_spec=kv_spec,
-        total_blocks=blocks,
-        free_blocks=blocks,
-        free_block_ranges=(),
-        num_running=0,
-        num_waiting=0,
-        state="ready",
-        sent_at=0.0,
+        total_blocks=region.length // spec.block_bytes,
     )
 
 

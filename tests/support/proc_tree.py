@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -55,3 +58,15 @@ def wait_all_dead(pids: set[int], timeout_s: float) -> set[int]:
         if not alive or time.monotonic() > deadline:
             return alive
         time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def reaped(proc: subprocess.Popen) -> Iterator[subprocess.Popen]:
+    """``proc``, killed and waited for on the way out if it is still running (a test that failed
+    before stopping it leaves no process behind)."""
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
