@@ -286,16 +286,11 @@ async def worker_kill(
 
 def _decode_requests(metrics_url: str) -> float:
     """A decode worker's requests, running or waiting (its /metrics)."""
-    import urllib.request
+    from kvmesh.loadgen.bench_kv_turns import scrape
 
-    with urllib.request.urlopen(metrics_url, timeout=5) as resp:
-        text = resp.read().decode()
+    samples = scrape(metrics_url, timeout_s=5)
     names = ("kvmesh_decode_requests_running", "kvmesh_decode_requests_waiting")
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith(names) and not line.startswith("#")
-    )
+    return sum(samples.get(name, 0.0) for name in names)
 
 
 async def _until_holding(
