@@ -7,6 +7,10 @@ library and called through ctypes.
 folder (``$KVMESH_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvmesh``, else ``~/.cache/kvmesh``), keyed
 by a hash of the sources, the flags and the CPU's feature flags, and returns a ``CpuOps``; with no
 compiler it returns None and says why in the log, and the engine keeps its pure-torch path.
+A cache folder is used only when it is this user's, ``0700``, on a path no one else can change,
+and a built library only when it is this user's and writable by no one else
+(``shared/config/private_path.py``); otherwise the next folder is tried (the per-user temp
+folder), and last a fresh private folder of this process's own, built anew.
 Each wrapper checks shapes, strides and dtypes; ``*_reference`` are the torch definitions the
 tests hold the kernels to. Decode attention splits its batch into runs of sequences with about
 equal context (``split_by_work``), one per torch thread, run on the OpenMP threads torch itself
@@ -19,6 +23,7 @@ in ``cpu_plans.py``. Every name callers use is importable from here.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import hashlib
 import os
@@ -49,6 +54,12 @@ from kvmesh.kernels.cpu_plans import (
 )
 from kvmesh.shared.config.cache_dir import cache_dir
 from kvmesh.shared.config.cache_dir import temp_cache_dir as _temp_cache_dir
+from kvmesh.shared.config.private_path import (
+    UntrustedPathError,
+    fresh_private_dir,
+    private_dir,
+    trusted_file,
+)
 
 __all__ = [
     "CFLAGS",
@@ -108,18 +119,35 @@ def build(directory: Path | None = None, compiler: str | None = None) -> Path:
     ).hexdigest()[:16]
     name = f"kvmesh_cpu_ops-{key}.so"
     if directory is not None:
-        return _compile(cc, directory / name)
-    try:
-        return _compile(cc, cache_dir() / name)
-    except OSError:  # a read-only or broken cache folder: the temp folder will do
-        return _compile(cc, _temp_cache_dir() / name)
+        return _compile(cc, _trusted_folder(directory) / name)
+    # The library is loaded into this process: a folder or a file another user can change is
+    # never used (issue 40), and a read-only or broken cache folder is skipped too.
+    for folder in (cache_dir, _temp_cache_dir):
+        try:
+            return _compile(cc, _trusted_folder(folder()) / name)
+        except UntrustedPathError as exc:
+            _log().warning("kernel_cache_untrusted", reason=str(exc), fallback="next folder")
+        except OSError:
+            continue
+    private = fresh_private_dir("kvmesh-kernels-")
+    atexit.register(shutil.rmtree, private, ignore_errors=True)  # a loaded library may go
+    return _compile(cc, private / name)
+
+
+def _trusted_folder(directory: Path) -> Path:
+    """``directory`` made or checked as a private folder of this user's (``private_dir``)."""
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    return private_dir(directory)
+
+
+def _log():
+    return structlog.get_logger("kvmesh.kernels")
 
 
 def _compile(cc: str, target: Path) -> Path:
-    if target.exists():
+    if trusted_file(target):
         return target
     directory = target.parent
-    directory.mkdir(parents=True, exist_ok=True)
     # Several processes may build at once: each compiles to its own name, then renames.
     fd, tmp = tempfile.mkstemp(prefix=target.name, suffix=".tmp", dir=directory)
     os.close(fd)
@@ -149,7 +177,5 @@ def load_cpu_ops() -> CpuOps | None:
     try:
         return CpuOps(build())
     except (CpuOpsBuildError, OSError) as exc:
-        structlog.get_logger("kvmesh.kernels").warning(
-            "cpu_ops_unavailable", reason=str(exc), fallback="torch decode path"
-        )
+        _log().warning("cpu_ops_unavailable", reason=str(exc), fallback="torch decode path")
         return None
