@@ -108,7 +108,7 @@ async def test_a_kept_alive_connection_serves_request_after_request(router):
 
 def test_limits_must_be_positive():
     limits = RouterConfig().http_limits()
-    assert limits == HttpLimits(10.0, 30.0, 64)  # the router's defaults
+    assert limits == HttpLimits(10.0, 30.0, 64, 2048)  # the router's defaults
     with pytest.raises(ValueError, match="header_timeout_s"):
         dataclasses.replace(limits, header_timeout_s=0)
     with pytest.raises(ValueError, match="max_connections_per_client"):

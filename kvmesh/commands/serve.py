@@ -165,6 +165,7 @@ def _serve(args: argparse.Namespace) -> int:
     from kvmesh.shared.bus.nats_options import redact_url
     from kvmesh.shared.bus.nats_service import NatsUnavailableError
     from kvmesh.shared.bus.prefill_queue import PrefillQueueError
+    from kvmesh.shared.config.open_files import raise_open_file_limit
     from kvmesh.shared.config.service_errors import ServiceStartError, find_error
     from kvmesh.shared.obs import logs
 
@@ -181,7 +182,8 @@ def _serve(args: argparse.Namespace) -> int:
     shown = repr(config)
     if getattr(config, "nats_url", None):  # a token or password in the URL never reaches a log
         shown = shown.replace(config.nats_url, redact_url(config.nats_url))
-    log.info("starting", service=spec.name, config=shown)
+    soft, _ = raise_open_file_limit()  # a connection flood must not hit a 1,024 default
+    log.info("starting", service=spec.name, config=shown, open_files=soft)
     try:
         with frozen_heap():
             asyncio.run(spec.module.run(config))

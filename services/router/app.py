@@ -60,6 +60,7 @@ from kvmesh.services.router.timings import TimingLog
 from kvmesh.services.router.tokens_api import detokenize_body, tokenize_body
 from kvmesh.shared.bus.hearing import Hearing
 from kvmesh.shared.bus.subjects import Subjects
+from kvmesh.shared.config.open_files import open_file_limit
 from kvmesh.shared.obs import logs
 from kvmesh.shared.obs.metrics_exporter import exposition
 from nats.aio.client import Client as NATS
@@ -99,7 +100,9 @@ class Router:
             model_spec=self.model.spec,
             hearing=self.hearing,
         )
-        self.connections = ConnectionTable(self.config.http_limits(), self.refuse_http)
+        # never more connections than descriptors (issue 40: EMFILE at a 1,024 limit)
+        limits = self.config.http_limits().within_open_files(open_file_limit())
+        self.connections = ConnectionTable(limits, self.refuse_http)
 
     def refuse_http(self, reason: str) -> None:
         """A connection or a request refused by the HTTP limits (http_limits.py)."""

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
 from kvmesh.shared.bus.subjects import mesh_from_model
 from kvmesh.shared.bus.worker_config import ServiceConfig
 from kvmesh.shared.config.service_config import check_at_least, check_positive, option
+
+# descriptors the router keeps for what is not an HTTP connection (NATS, the model's files, the
+# listener, logs) when the open-file limit caps --max-connections
+FD_RESERVE = 128
 
 
 @dataclass(frozen=True, slots=True)
@@ -18,10 +23,17 @@ class HttpLimits:
     header_timeout_s: float
     body_timeout_s: float
     max_connections_per_client: int
+    max_connections: int
 
     def __post_init__(self) -> None:
         check_positive(self, "header_timeout_s", "body_timeout_s")
-        check_at_least(self, 1, "max_connections_per_client")
+        check_at_least(self, 1, "max_connections_per_client", "max_connections")
+
+    def within_open_files(self, open_file_limit: int) -> HttpLimits:
+        """These limits with ``max_connections`` lowered to leave ``FD_RESERVE`` descriptors of
+        ``open_file_limit`` to everything else (NATS, files, the listener)."""
+        room = max(1, open_file_limit - FD_RESERVE)
+        return dataclasses.replace(self, max_connections=min(self.max_connections, room))
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +107,11 @@ class RouterConfig(ServiceConfig):
     max_connections_per_client: int = option(
         64, help="connections one client address may hold open at once; more are closed at once"
     )
+    max_connections: int = option(
+        2048,
+        help="HTTP connections the router holds in all (at most the open-file limit less 128); "
+        "a new one over it closes the oldest connection waiting for a request, or is closed",
+    )
     shutdown_grace_s: float = option(
         5.0,
         help="on SIGTERM/SIGINT: new requests get 503 at once, and those in flight may finish "
@@ -119,7 +136,10 @@ class RouterConfig(ServiceConfig):
 
     def http_limits(self) -> HttpLimits:
         return HttpLimits(
-            self.header_timeout_s, self.body_timeout_s, self.max_connections_per_client
+            self.header_timeout_s,
+            self.body_timeout_s,
+            self.max_connections_per_client,
+            self.max_connections,
         )
 
     def __post_init__(self) -> None:

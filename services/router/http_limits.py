@@ -7,43 +7,77 @@ wrapped in a ``ConnectionGuard``:
 
 - a client (one peer address) may hold at most ``max_connections_per_client`` connections; more
   are closed at once, so one client cannot take the others' room;
+- the router holds at most ``max_connections`` in all (issue 40: 1,100 idle keep-alive
+  connections from 20 addresses ran it out of descriptors). A new connection over it closes the
+  oldest one waiting for a request's headers (idle keep-alive or slow), or is closed itself when
+  every connection is in a request;
 - a request's headers must be complete within ``header_timeout_s`` of its first byte (of the
   connection's start, for its first request, and of the end of the request before, on a kept-
   alive connection): a connection that has not sent them is closed;
 - the body is read within ``body_timeout_s`` (``read_body``: a 408 after it).
 
-Each refusal is counted (``kvmesh_router_http_refused_total{reason}``).
+Each refusal is counted (``kvmesh_router_http_refused_total{reason}``). ``AcceptErrorLog`` turns
+the event loop's accept failures (EMFILE: out of descriptors) into one line a second with a count,
+instead of a traceback per failed accept.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from aiohttp import web
 from kvmesh.services.router.config import HttpLimits
 from kvmesh.services.router.errors import RequestTimeoutError
+from kvmesh.shared.obs import logs
+
+log = logs.get_logger(__name__)
 
 HEADERS_END = b"\r\n\r\n"
+# what asyncio's selector loop says when accept() fails with EMFILE, ENFILE, ENOBUFS or ENOMEM
+# (it then pauses that listener for a second and tries again)
+ACCEPT_OUT_OF_RESOURCES = "socket.accept() out of system resource"
 
 
 class ConnectionTable:
-    """Open connections per client address, and the guard of each transport (for the
-    middleware that says when a request is done)."""
+    """Open connections per client address, and the guard of each transport, oldest first (for
+    the middleware that says when a request is done, and for making room under the cap)."""
 
     def __init__(self, limits: HttpLimits, on_refused: Callable[[str], None]) -> None:
         self.limits = limits
         self.on_refused = on_refused
         self.per_client: Counter[str] = Counter()
+        # admitted and not closed by the table; insertion order is connection age
         self.guards: dict[asyncio.BaseTransport, ConnectionGuard] = {}
 
+    @property
+    def num_open(self) -> int:
+        return len(self.guards)
+
     def admit(self, client: str) -> bool:
+        """Whether a new connection from ``client`` may stay. Under the global cap it always
+        may (room is made by closing the oldest connection waiting for headers); over its
+        client's cap, or with every connection in a request, it may not."""
         if self.per_client[client] >= self.limits.max_connections_per_client:
             self.on_refused("too_many_connections")
             return False
+        if self.num_open >= self.limits.max_connections and not self._close_oldest_idle():
+            self.on_refused("router_full")
+            return False
         self.per_client[client] += 1
         return True
+
+    def _close_oldest_idle(self) -> bool:
+        for transport, guard in self.guards.items():
+            if guard.waiting_headers:
+                del self.guards[transport]  # its room counts at once; connection_lost follows
+                self.on_refused("pushed_out")
+                transport.abort()
+                return True
+        return False
 
     def release(self, client: str) -> None:
         self.per_client[client] -= 1
@@ -124,6 +158,53 @@ class ConnectionGuard(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self.inner.resume_writing()
+
+
+class AcceptErrorLog:
+    """The event loop's exception handler while the router serves: a failed accept (out of
+    descriptors) is counted and logged at most once per ``interval_s``, with how many failed
+    since the last line; any other context goes to the handler that was there before."""
+
+    def __init__(
+        self,
+        on_refused: Callable[[str], None],
+        interval_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.on_refused = on_refused
+        self.interval_s = interval_s
+        self.clock = clock
+        self.num_unlogged = 0
+        self.logged_at: float | None = None
+        self.previous: Callable[[asyncio.AbstractEventLoop, dict[str, Any]], object] | None = None
+
+    def install(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.previous = loop.get_exception_handler()
+        loop.set_exception_handler(self)
+
+    def uninstall(self, loop: asyncio.AbstractEventLoop) -> None:
+        if loop.get_exception_handler() is self:
+            loop.set_exception_handler(self.previous)
+
+    def __call__(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        if context.get("message") != ACCEPT_OUT_OF_RESOURCES:
+            if self.previous is not None:
+                self.previous(loop, context)
+            else:
+                loop.default_exception_handler(context)
+            return
+        self.on_refused("accept_failed")
+        self.num_unlogged += 1
+        now = self.clock()
+        if self.logged_at is not None and now - self.logged_at < self.interval_s:
+            return
+        log.warning(
+            "accepting HTTP connections fails; new clients wait in the backlog (raise the "
+            "open-file limit, or lower --max-connections)",
+            error=str(context.get("exception")),
+            failed_accepts=self.num_unlogged,
+        )
+        self.logged_at, self.num_unlogged = now, 0
 
 
 class GuardedSite(web.TCPSite):

@@ -22,7 +22,7 @@ from kvmesh.services.router.errors import (
     PayloadTooLargeError,
     RouteNotFoundError,
 )
-from kvmesh.services.router.http_limits import ConnectionTable, GuardedSite
+from kvmesh.services.router.http_limits import AcceptErrorLog, ConnectionTable, GuardedSite
 from kvmesh.shared.config.service_errors import listen_error
 from kvmesh.shared.obs import logs
 
@@ -108,6 +108,9 @@ async def serve_http(
     on the mesh instead of running to the end for nobody."""
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
+    accept_errors = AcceptErrorLog(connections.on_refused)
+    loop = asyncio.get_running_loop()
+    accept_errors.install(loop)
     try:
         site = GuardedSite(runner, host, port, connections)
         try:
@@ -117,3 +120,4 @@ async def serve_http(
         yield runner.addresses[0][1]
     finally:
         await runner.cleanup()
+        accept_errors.uninstall(loop)

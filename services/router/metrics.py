@@ -118,7 +118,10 @@ class RouterMetrics(MetricSet):
         self.http_refused = self.counter(
             "http_refused_total",
             "HTTP connections closed and requests refused by the router's limits: "
-            "too_many_connections (one client's cap), header_timeout, body_timeout.",
+            "too_many_connections (one client's cap), router_full (the global cap, every "
+            "connection in a request), pushed_out (an idle connection closed to make room under "
+            "the global cap), accept_failed (out of descriptors), header_timeout, body_timeout, "
+            "body_too_large.",
             ("reason",),
         )
         self.in_flight = self.gauge("requests_in_flight", "Requests being served now.")
