@@ -1,0 +1,62 @@
+"""shared/model/quant.py: weights in their GGUF block format, held to the gguf package's own
+quantizers and dequantizers (ggml's reference arithmetic)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from kvmesh.shared.model.quant import (
+    QUANT_FORMATS,
+    QuantWeight,
+    cat_rows,
+    dequantize,
+    quantize,
+)
+
+gguf_quants = pytest.importorskip("gguf.quants")
+from gguf import GGMLQuantizationType  # noqa: E402
+
+
+def _weight(rows: int, cols: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(rows, cols, generator=g) * 0.05
+    w[0, :32] = 0.0  # an all-zero block: scale 0
+    w[1, 5] = 3.0  # an outlier
+    return w
+
+
+@pytest.mark.parametrize("format", QUANT_FORMATS)
+def test_quantize_matches_gguf_bit_for_bit(format: str) -> None:
+    w = _weight(37, 96, seed=1)
+    ours = quantize(w, format)
+    theirs = gguf_quants.quantize(w.numpy(), GGMLQuantizationType[format])
+    assert ours.data.shape == theirs.shape
+    assert np.array_equal(ours.data.numpy(), theirs)
+
+
+@pytest.mark.parametrize("format", QUANT_FORMATS)
+def test_dequantize_matches_gguf(format: str) -> None:
+    w = _weight(19, 160, seed=2)
+    q = quantize(w, format)
+    expected = gguf_quants.dequantize(q.data.numpy(), GGMLQuantizationType[format])
+    assert torch.equal(dequantize(q), torch.from_numpy(np.asarray(expected, dtype=np.float32)))
+    # and the round trip is close to the float weight: half a step of each block at most
+    step = {"Q8_0": 1 / 127, "Q4_0": 1 / 7, "Q4_1": 1 / 15}[format]
+    span = w.reshape(19, 5, 32).abs().amax(-1, keepdim=True) * 2
+    err = (dequantize(q) - w).abs().reshape(19, 5, 32)
+    assert (err <= span * step + 1e-3).all()
+
+
+def test_rows_select_and_concatenate_as_bytes() -> None:
+    a, b = quantize(_weight(4, 64, 3), "Q4_1"), quantize(_weight(6, 64, 4), "Q4_1")
+    both = cat_rows([a, b])
+    assert both.shape == (10, 64)
+    assert torch.equal(dequantize(both), torch.cat([dequantize(a), dequantize(b)]))
+    picked = both.select_rows(torch.tensor([7, 0]))
+    assert torch.equal(dequantize(picked), dequantize(both)[[7, 0]])
+
+
+def test_quant_weight_refuses_a_shape_its_bytes_do_not_hold() -> None:
+    with pytest.raises(AssertionError):
+        QuantWeight("Q8_0", torch.zeros(4, 33, dtype=torch.uint8), 4, 32)
