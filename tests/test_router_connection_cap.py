@@ -135,3 +135,52 @@ def test_serving_raises_the_open_file_limit_to_the_hard_limit():
     )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "True", out.stderr
+
+
+async def _raw_request(port: int, head: bytes, body: bytes = b"") -> bytes:
+    """Send ``head`` (and the first ``body`` bytes, not all the Content-Length says); the
+    router's status line."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(head + body)
+        await writer.drain()
+        return await asyncio.wait_for(reader.readline(), 5)
+    finally:
+        writer.close()
+
+
+async def test_an_oversize_body_is_refused_from_its_content_length_on_every_route(nats_server):
+    """The defect: a 60 MB body was read whole (under the old 64 MiB limit, and any larger one
+    up to the limit) before a 413; 4 of them stalled the router's loop 2.9 s."""
+    config = RouterConfig(nats_url=nats_server, host="127.0.0.1", port=0, max_body_mb=1.0)
+    async with FakeMesh(nats_server).running(), serve_router(config) as router:
+        for method, path in (
+            ("POST", "/v1/completions"),
+            ("POST", "/v1/chat/completions"),
+            ("POST", "/tokenize"),
+            ("GET", "/v1/models"),
+        ):
+            head = (
+                f"{method} {path} HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n"
+                f"Content-Length: 60000000\r\n\r\n"
+            ).encode()
+            status = await _raw_request(router.port, head, b'{"model": "kvmesh-tiny"')
+            assert status.startswith(b"HTTP/1.1 413"), (path, status)
+        refused = router.router.metrics.registry.get_sample_value(
+            "kvmesh_router_http_refused_total", {"reason": "body_too_large"}
+        )
+    assert refused == 4
+    assert RouterConfig().max_body_mb == 8.0
+
+
+async def test_a_chunked_body_is_refused_at_the_limit_before_its_end(nats_server):
+    config = RouterConfig(nats_url=nats_server, host="127.0.0.1", port=0, max_body_mb=0.01)
+    async with FakeMesh(nats_server).running(), serve_router(config) as router:
+        head = (
+            b"POST /v1/completions HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n"
+        )
+        chunk = b"x" * 4096
+        chunks = b"".join(b"%x\r\n%s\r\n" % (len(chunk), chunk) for _ in range(4))  # no end
+        status = await _raw_request(router.port, head, chunks)
+    assert status.startswith(b"HTTP/1.1 413"), status

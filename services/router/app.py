@@ -32,7 +32,12 @@ from kvmesh.services.router.errors import (
     ModelNotFoundError,
     OverloadedError,
 )
-from kvmesh.services.router.http_limits import ConnectionTable, read_body, request_done_middleware
+from kvmesh.services.router.http_limits import (
+    ConnectionTable,
+    body_limit_middleware,
+    read_body,
+    request_done_middleware,
+)
 from kvmesh.services.router.http_server import (
     api_key_middleware,
     error_middleware,
@@ -63,6 +68,7 @@ from kvmesh.shared.bus.subjects import Subjects
 from kvmesh.shared.config.open_files import open_file_limit
 from kvmesh.shared.obs import logs
 from kvmesh.shared.obs.metrics_exporter import exposition
+from kvmesh.shared.text.schema_limits import SchemaLimits
 from nats.aio.client import Client as NATS
 
 log = logs.get_logger(__name__)
@@ -90,6 +96,7 @@ class Router:
     shutdown: Shutdown = field(default_factory=Shutdown)
     hearing: Hearing | None = None  # the NATS link's outages (shared/bus/hearing.py)
     connections: ConnectionTable = field(init=False)  # what each HTTP client holds
+    schema_limits: SchemaLimits = field(init=False)  # what a structured output may hold
 
     def __post_init__(self) -> None:
         self.dispatcher = Dispatcher(
@@ -107,6 +114,14 @@ class Router:
     def refuse_http(self, reason: str) -> None:
         """A connection or a request refused by the HTTP limits (http_limits.py)."""
         self.metrics.http_refused.labels(reason).inc()
+
+    @property
+    def max_body_bytes(self) -> int:
+        return int(self.config.max_body_mb * 1024 * 1024)
+
+    async def read_body(self, request: web.Request) -> bytes:
+        """A POST route's body, within --body-timeout-s (http_limits.read_body)."""
+        return await read_body(request, self.config.body_timeout_s, self.refuse_http)
 
     async def stop(self, grace_s: float) -> None:
         """Stop taking requests (503) and let those in flight finish for ``grace_s``; then end
@@ -133,7 +148,9 @@ class Router:
         pool = self.dispatcher.capacity.max_tokens(time.monotonic())
         prompt = tokenize(request, self.model.tokenizer, self.model.max_model_len, pool)
         if prompt.sampling.structured_outputs is not None:
-            structured.check(prompt.sampling.structured_outputs, request.structured_param)
+            structured.check(
+                prompt.sampling.structured_outputs, request.structured_param, self.schema_limits
+            )
         return request, prompt
 
     async def _generate(
@@ -146,7 +163,7 @@ class Router:
         response_id = ""  # the request's id everywhere on the mesh, once it is accepted
         try:
             self.shutdown.check_open()
-            raw = await read_body(http, self.config.body_timeout_s, self.refuse_http)
+            raw = await self.read_body(http)
             if len(raw) > INLINE_BODY_BYTES or structured.may_ask(raw):
                 request, prompt = await asyncio.to_thread(self._prepare, raw, parse)
             else:
@@ -336,12 +353,12 @@ class Router:
         return min(self.model.max_model_len, pool) if pool is not None else self.model.max_model_len
 
     async def tokenize(self, request: web.Request) -> web.Response:
-        body = parse_json_body(await request.read())
+        body = parse_json_body(await self.read_body(request))
         answer = tokenize_body(body, self.model.name, self.model.tokenizer, self.max_model_len())
         return json_response(answer)
 
     async def detokenize(self, request: web.Request) -> web.Response:
-        body = parse_json_body(await request.read())
+        body = parse_json_body(await self.read_body(request))
         return json_response(detokenize_body(body, self.model.name, self.model.tokenizer))
 
     async def health(self, request: web.Request) -> web.Response:
@@ -431,9 +448,10 @@ def build_app(router: Router) -> web.Application:
         middlewares=[
             request_done_middleware(router.connections),
             error_middleware,
+            body_limit_middleware(router.max_body_bytes, router.refuse_http),
             api_key_middleware(router.config.api_key),
         ],
-        client_max_size=int(router.config.max_body_mb * 1024 * 1024),
+        client_max_size=router.max_body_bytes,
     )
     # the same list makes /openapi.json (openapi.py); web.get also answers HEAD
     add = {"GET": web.get, "POST": web.post}

@@ -9,6 +9,7 @@ from typing import Literal
 from kvmesh.shared.bus.subjects import mesh_from_model
 from kvmesh.shared.bus.worker_config import ServiceConfig
 from kvmesh.shared.config.service_config import check_at_least, check_positive, option
+from kvmesh.shared.text.schema_limits import SchemaLimits
 
 # descriptors the router keeps for what is not an HTTP connection (NATS, the model's files, the
 # listener, logs) when the open-file limit caps --max-connections
@@ -94,7 +95,9 @@ class RouterConfig(ServiceConfig):
         secret=True,
     )
     max_body_mb: float = option(
-        64.0, help="largest request body accepted (MiB); a larger one is a JSON 413"
+        8.0,
+        help="largest request body accepted (MiB; a prompt of a million token ids is ~7 MiB); a "
+        "larger one is a JSON 413, refused from its Content-Length before it is read",
     )
     header_timeout_s: float = option(
         10.0,
@@ -129,6 +132,23 @@ class RouterConfig(ServiceConfig):
         help="a stream whose client takes no bytes for this long (its socket is full) is cut off "
         "and its request aborted",
     )
+    max_schema_depth: int = option(
+        64,
+        help="a structured output's JSON schema may nest objects and arrays this deep at most "
+        "(grammar build time grows about as its cube); deeper is a 400",
+    )
+    max_schema_nodes: int = option(
+        4096, help="objects and arrays a structured output's JSON schema may hold in all"
+    )
+    max_schema_branches: int = option(
+        512, help="anyOf/oneOf/allOf entries a structured output's JSON schema may hold in all"
+    )
+    max_schema_refs: int = option(128, help="$ref a structured output's JSON schema may hold")
+    max_regex_chars: int = option(
+        1000,
+        help="longest regex of a structured output (guided_regex, or a schema's pattern or "
+        "patternProperties key)",
+    )
     worker_id: str | None = option(
         None, help="this router's id in heartbeats and $SRV (default: generated)"
     )
@@ -142,6 +162,15 @@ class RouterConfig(ServiceConfig):
             self.max_connections,
         )
 
+    def schema_limits(self) -> SchemaLimits:
+        return SchemaLimits(
+            self.max_schema_depth,
+            self.max_schema_nodes,
+            self.max_schema_branches,
+            self.max_schema_refs,
+            self.max_regex_chars,
+        )
+
     def __post_init__(self) -> None:
         ServiceConfig.__post_init__(self)
         if not 0 <= self.port <= 65535:
@@ -149,6 +178,7 @@ class RouterConfig(ServiceConfig):
         if not self.model:
             raise ValueError("model must name a model or a checkpoint directory")
         self.http_limits()  # ValueError names the bad limit
+        self.schema_limits()
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key must not be empty (leave it unset for no key)")
         if self.served_model_name == "":

@@ -69,11 +69,15 @@ class AuthenticationError(ApiError):
 
 
 class PayloadTooLargeError(ApiError):
-    """413: the body is larger than the router accepts."""
+    """413: the body is larger than the router accepts. The connection is closed after the
+    answer: the rest of the body is not read."""
 
     status = 413
     error_type = "invalid_request_error"
     default_code = "request_too_large"
+
+    def headers(self) -> dict[str, str]:
+        return {"Connection": "close"}
 
 
 class RequestTimeoutError(ApiError):

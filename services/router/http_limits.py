@@ -14,7 +14,9 @@ wrapped in a ``ConnectionGuard``:
 - a request's headers must be complete within ``header_timeout_s`` of its first byte (of the
   connection's start, for its first request, and of the end of the request before, on a kept-
   alive connection): a connection that has not sent them is closed;
-- the body is read within ``body_timeout_s`` (``read_body``: a 408 after it).
+- the body is read within ``body_timeout_s`` (``read_body``: a 408 after it), and one whose
+  Content-Length is over ``--max-body-mb`` is refused (413) before any of it is read, on every
+  route (``body_limit_middleware``).
 
 Each refusal is counted (``kvmesh_router_http_refused_total{reason}``). ``AcceptErrorLog`` turns
 the event loop's accept failures (EMFILE: out of descriptors) into one line a second with a count,
@@ -31,7 +33,7 @@ from typing import Any
 
 from aiohttp import web
 from kvmesh.services.router.config import HttpLimits
-from kvmesh.services.router.errors import RequestTimeoutError
+from kvmesh.services.router.errors import PayloadTooLargeError, RequestTimeoutError
 from kvmesh.shared.obs import logs
 
 log = logs.get_logger(__name__)
@@ -245,6 +247,28 @@ def request_done_middleware(table: ConnectionTable) -> Callable:
                 guard.request_done()
 
     return done
+
+
+def body_limit_middleware(max_bytes: int, on_refused: Callable[[str], None]) -> Callable:
+    """Refuse, on every route, a request whose Content-Length is over ``max_bytes`` before a
+    byte of its body is read (PayloadTooLargeError: a 413, and the connection closes). A body
+    without one (chunked) is read up to ``max_bytes`` at most: aiohttp's ``client_max_size``,
+    which must be the same, stops ``request.read()`` there."""
+
+    @web.middleware
+    async def check_size(
+        request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        size = request.content_length
+        if size is not None and size > max_bytes:
+            on_refused("body_too_large")
+            raise PayloadTooLargeError(
+                f"the request body is {size} bytes, more than this router accepts "
+                f"({max_bytes}); raise --max-body-mb or send less"
+            )
+        return await handler(request)
+
+    return check_size
 
 
 async def read_body(
