@@ -802,11 +802,13 @@ def test_a_spec_that_does_not_build_is_400_saying_why():
     from kvmesh.services.router import structured
     from kvmesh.shared.text.structured_output import StructuredOutputs
 
-    err = invalid(structured.check, StructuredOutputs(regex="[a-"), "guided_regex")
+    limits = RouterConfig().schema_limits()
+    err = invalid(structured.check, StructuredOutputs(regex="[a-"), "guided_regex", limits)
     assert (err.status, err.param) == (400, "guided_regex") and "Unclosed '['" in err.message
-    err = invalid(structured.check, StructuredOutputs(json='{"type": "foo"}'), "response_format")
+    spec = StructuredOutputs(json='{"type": "foo"}')
+    err = invalid(structured.check, spec, "response_format", limits)
     assert 'Unsupported type "foo"' in err.message
-    structured.check(StructuredOutputs(json='{"type": "object"}'), "response_format")
+    structured.check(StructuredOutputs(json='{"type": "object"}'), "response_format", limits)
 
 
 def test_echo_and_prompt_logprobs_ask_the_mesh_to_score_the_prompt():

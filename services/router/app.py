@@ -110,6 +110,7 @@ class Router:
         # never more connections than descriptors (issue 40: EMFILE at a 1,024 limit)
         limits = self.config.http_limits().within_open_files(open_file_limit())
         self.connections = ConnectionTable(limits, self.refuse_http)
+        self.schema_limits = self.config.schema_limits()
 
     def refuse_http(self, reason: str) -> None:
         """A connection or a request refused by the HTTP limits (http_limits.py)."""

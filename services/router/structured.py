@@ -2,9 +2,11 @@
 
 Four spellings, one at a time: OpenAI's ``response_format`` (``json_object``, ``json_schema``;
 ``text`` is none), vLLM's ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
-``guided_grammar``, and vLLM's ``structured_outputs`` object. ``check`` builds the grammar
-(xgrammar, loaded on first use: it imports torch) so that a bad schema, regex or grammar is a
-400 that says why, before the request reaches the mesh; verdicts are cached.
+``guided_grammar``, and vLLM's ``structured_outputs`` object. ``check`` refuses a spec past
+the router's ``SchemaLimits`` (``shared/text/schema_limits.py``: deep or wide schemas take
+xgrammar seconds to build), then builds the grammar (xgrammar, loaded on first use: it imports
+torch) so that a bad schema, regex or grammar is a 400 that says why, before the request reaches
+the mesh; verdicts are cached.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 
 import msgspec
 from kvmesh.services.router.errors import InvalidRequestError
+from kvmesh.shared.text.schema_limits import SchemaLimitError, SchemaLimits, check_spec
 from kvmesh.shared.text.structured_output import (
     StructuredOutputError,
     StructuredOutputs,
@@ -99,9 +102,16 @@ def may_ask(raw: bytes) -> bool:
 _QUOTED = {name: f'"{name}"'.encode() for name in FIELDS}
 
 
-def check(spec: StructuredOutputs, param: str) -> None:
-    """InvalidRequestError (naming ``param``) unless ``spec`` builds. Slow the first time
-    (xgrammar's import): call it off the event loop."""
+def check(spec: StructuredOutputs, param: str, limits: SchemaLimits) -> None:
+    """InvalidRequestError (naming ``param``) if ``spec`` is past ``limits`` (the message names
+    the limit) or does not build. Slow the first time (xgrammar's import): call it off the
+    event loop."""
+    try:
+        check_spec(spec, limits)
+    except SchemaLimitError as exc:
+        raise InvalidRequestError(
+            f"'{param}' is too complex to compile: {exc}", param=param, code="invalid_value"
+        ) from None
     reason = _build_error(spec)
     if reason is not None:
         raise InvalidRequestError(

@@ -74,13 +74,22 @@ def json_schema_text(schema: Any) -> str:
     """A schema object (or its JSON text) as the compact JSON text ``StructuredOutputs.json``
     holds (property order kept: it is the order the output writes them in)."""
     if isinstance(schema, str):
+        text = schema
         try:
-            schema = jsonlib.loads(schema)
+            schema = jsonlib.loads(text)
         except ValueError as exc:
             raise StructuredOutputError(f"the JSON schema is not JSON: {exc}") from None
+        except RecursionError:  # as given: the router's depth limit measures it from the text
+            return text.strip()
     if not isinstance(schema, dict):
         raise StructuredOutputError(f"a JSON schema is an object, got {type(schema).__name__}")
-    return jsonlib.dumps(schema, separators=(",", ":"))
+    try:
+        return jsonlib.dumps(schema, separators=(",", ":"))
+    except RecursionError:
+        raise StructuredOutputError(
+            "the JSON schema nests objects and arrays too deep to encode (far past the "
+            "router's max_schema_depth)"
+        ) from None
 
 
 def build_grammar(spec: StructuredOutputs) -> xgrammar.Grammar:
