@@ -21,9 +21,12 @@ from kvmesh.kernels.cpu_plans import (
 )
 from kvmesh.shared.kv.kv_int8 import GROUP as INT8_GROUP
 from kvmesh.shared.kv.kv_quant import e4m3_lut
+from kvmesh.shared.model.quant import FORMAT_CODES, QuantWeight, block_terms, dequantize
 
-_i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+_i64, _f32, _ptr, _int = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
 _SIGNATURES = {
+    # x, rows, in, format, weight, out features, bias or NULL, y, xq, xs, threads
+    "kv_qlinear": (_ptr, _i64, _i64, _int, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64),
     "kv_rms_norm": (_ptr, _ptr, _ptr, _i64, _i64, _f32),
     "kv_silu_mul": (_ptr, _ptr, _i64, _i64),
     # x, rows, in, packed weight, out features, bias or NULL, y, threads
@@ -62,6 +65,37 @@ class CpuOps:
         self._decode_attention = lib.kv_decode_attention
         self._linear = lib.kv_linear
         self._decode_layer = lib.kv_decode_layer
+        self._qlinear = lib.kv_qlinear
+
+    def quant_linear(
+        self, x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x (rows, in) @ w.T (+ bias) for w kept in its block format (``cpu_quant.c``), x
+        quantized per block of 32 to int8 on the way (``quant_linear_exact_reference``): (rows,
+        out). Runs on ``torch.get_num_threads()`` threads, each over its own output features."""
+        check_f32_contiguous(x=x)
+        m, k = x.shape
+        assert k == weight.cols and weight.data.is_cpu, (x.shape, weight.shape)
+        if bias is not None:
+            check_f32_contiguous(bias=bias)
+            assert bias.shape == (weight.rows,), (bias.shape, weight.rows)
+        xq = torch.empty(m, k, dtype=torch.int8)
+        xs = torch.empty(m, quant_scale_stride(k))
+        out = x.new_empty(m, weight.rows)
+        self._qlinear(
+            x.data_ptr(),
+            m,
+            k,
+            FORMAT_CODES[weight.format],
+            weight.data.data_ptr(),
+            weight.rows,
+            None if bias is None else bias.data_ptr(),
+            out.data_ptr(),
+            xq.data_ptr(),
+            xs.data_ptr(),
+            torch.get_num_threads(),
+        )
+        return out
 
     def linear(
         self, x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None
@@ -327,3 +361,39 @@ def linear_reference(
 def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def quant_scale_stride(k: int) -> int:
+    """Floats per row of a quantized activation's scales (``qk_scale_stride`` of cpu_quant.c):
+    32 per pair of blocks of 32 values."""
+    return (k // 32 + 1) // 2 * 32
+
+
+def quantize_activations_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (rows, k) as the kernels quantize it: per block of 32, dx = max|x| / 127 and q =
+    x / dx rounded half to even. Returns q (rows, k / 32, 32) float32 integers, dx (rows, k / 32)."""
+    blocks = x.float().reshape(x.shape[0], -1, 32)
+    d = blocks.abs().amax(-1) / 127
+    inv = torch.where(d == 0, 0.0, 1 / d)
+    return torch.round(blocks * inv.unsqueeze(-1)).clamp(-127, 127), d
+
+
+def quant_linear_reference(
+    x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The float definition: x @ dequantize(w).T (+ bias)."""
+    return F.linear(x, dequantize(weight), bias)
+
+
+def quant_linear_exact_reference(
+    x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """What ``CpuOps.quant_linear`` computes, in float64: x quantized per block
+    (``quantize_activations_reference``), then per block dw dx sum(qw qx) + mw dx sum(qx)."""
+    qx, dx = quantize_activations_reference(x)
+    qw, dw, mw = block_terms(weight)
+    isum = torch.einsum("rbi,nbi->rnb", qx.double(), qw.double())  # exact integer sums
+    sx = dx.double() * qx.double().sum(-1)  # (rows, blocks)
+    y = (isum * (dw.double()[None] * dx.double()[:, None])).sum(-1) + sx @ mw.double().T
+    y = y.float()
+    return y if bias is None else y + bias

@@ -33,6 +33,12 @@ void kv_decode_attention_units(const float *qkv, int64_t num_q_heads, int64_t nu
                                const int64_t *context_lens, float scale, float *out,
                                float *scratch, int64_t u0, int64_t u1, const kv_quant *kq,
                                const kv_tree *tree);
+/* cpu_quant.c: linear layers over Q8_0 / Q4_0 / Q4_1 weights, activations quantized per block */
+int64_t qk_scale_stride(int64_t k);
+void kv_quantize_rows(const float *x, int64_t r0, int64_t r1, int64_t k, int8_t *xq, float *xs);
+void kv_qlinear_share(const int8_t *xq, const float *xs, int64_t m, int64_t k, int fmt,
+                      const uint8_t *w, int64_t n, const float *bias, float *y, int64_t t,
+                      int64_t nt, int accumulate);
 int64_t kv_attention_unit_bound(const int64_t *context_lens, int64_t batch, int64_t num_kv_heads,
                                 int64_t t, int64_t num_threads);
 

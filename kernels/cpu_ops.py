@@ -86,7 +86,9 @@ __all__ = [
     "split_by_work",
 ]
 
-SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_ops.c", "cpu_linear.c", "cpu_layer.c"))
+SOURCES = tuple(
+    Path(__file__).with_name(n) for n in ("cpu_ops.c", "cpu_linear.c", "cpu_layer.c", "cpu_quant.c")
+)
 # the headers the sources include (cpu_kernels.h: every one), part of the build's cache key
 HEADERS = tuple(Path(__file__).with_name(n) for n in ("cpu_kernels.h", "cpu_vec.h"))
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-std=gnu11")

@@ -23,7 +23,7 @@ BLOCK = 32  # values per block, every format here
 # format -> bytes per block
 BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
 QUANT_FORMATS = tuple(BLOCK_BYTES)
-# format codes the C kernels take (kernels/cpu_quant.c, KV_Q8_0 ...)
+# format codes the C kernels take (kernels/cpu_quant.c: KV_Q8_0, KV_Q4_0, KV_Q4_1)
 FORMAT_CODES = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2}
 
 
@@ -98,6 +98,21 @@ def dequantize(weight: QuantWeight) -> torch.Tensor:
     else:  # Q4_1
         values = d * _nibbles(blocks[..., 4:]).float() + _f16(blocks, 2)
     return values.reshape(weight.rows, weight.cols)
+
+
+def block_terms(weight: QuantWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, d, m) with value = d * q + m per block: q (rows, blocks, 32) the stored integers as
+    float32 (int8 for Q8_0, nibbles 0..15 for Q4), d and m (rows, blocks) (Q8_0: m = 0; Q4_0:
+    m = -8 d). The C kernels multiply q by the activations' integers and add the d, m terms."""
+    blocks = weight.data.view(weight.rows, weight.cols // BLOCK, BLOCK_BYTES[weight.format])
+    d = _f16(blocks, 0)
+    if weight.format == "Q8_0":
+        q, m = blocks[..., 2:].contiguous().view(torch.int8).float(), torch.zeros_like(d)
+    elif weight.format == "Q4_0":
+        q, m = _nibbles(blocks[..., 2:]).float(), -8 * d
+    else:
+        q, m = _nibbles(blocks[..., 4:]).float(), _f16(blocks, 2)
+    return q, d.squeeze(-1), m.squeeze(-1)
 
 
 def quantize(weight: torch.Tensor, format: str) -> QuantWeight:

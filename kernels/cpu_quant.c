@@ -1,0 +1,292 @@
+/* Linear layers over weights kept in their GGUF block format (Q8_0, Q4_0, Q4_1; the layouts are
+ * in shared/model/quant.py), for kvmesh's CPU path (kernels/cpu_bindings.py, CpuOps.quant_linear).
+ *
+ * Why: a decode step reads every weight once, so bytes per weight is the speed. A Q4_1 weight is
+ * 5 bits a value against float32's 32. The activations are quantized too, as llama.cpp does: each
+ * block of 32 values of a row to int8 with one float scale dx = max|x| / 127 (q = x / dx rounded
+ * half to even), and the block's sum of q; a block's dot product is then an integer one:
+ *
+ *   Q8_0: dw dx sum(qw qx)      Q4_0: dw dx (sum(qw qx) - 8 sum(qx))      Q4_1: dw dx sum(qw qx) + mw dx sum(qx)
+ *
+ * With AVX-512 VNNI, vpdpbusd multiplies 64 unsigned by 64 signed bytes and sums each 4 into an
+ * int32: a pair of blocks per instruction. Q4 nibbles are unsigned already; Q8_0 takes |qw| and
+ * moves qw's sign onto qx (llama.cpp's trick). Each int32 lane is scaled by its block's dw dx in
+ * float and summed; the sum(qx) terms are folded in by lanes too (the activation rows carry, per
+ * pair of blocks, dx and dx sum(qx) / 8 spread over each block's 8 lanes). Elsewhere a scalar
+ * loop computes the same integer sums.
+ *
+ * Activation rows (kv_quantize_rows): xq (rows, k) int8 and xs (rows, qk_scale_stride(k)) float:
+ * for pair p of blocks, xs[p * 32 + 0 .. 16) the dx of blocks 2p (lanes 0-7) and 2p + 1 (8-15),
+ * xs[p * 32 + 16 .. 32) their dx sum(qx) / 8; zero for a missing last block.
+ *
+ * Threads split the output features: thread t of nt computes columns [n t / nt, n (t + 1) / nt)
+ * of y for every row of x, reading its share of the weight once per block of x rows.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "cpu_kernels.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define QK_VNNI 1
+#include <immintrin.h>
+#endif
+
+#ifdef _OPENMP
+#include <omp.h>
+#else
+static inline int omp_get_thread_num(void) { return 0; }
+static inline int omp_get_num_threads(void) { return 1; }
+#endif
+
+#define QB 32       /* values per block */
+#define XMB 64      /* rows of x per cache block: its int8 rows stay in L2 while weights pass */
+enum { KV_Q8_0 = 0, KV_Q4_0 = 1, KV_Q4_1 = 2 }; /* FORMAT_CODES of shared/model/quant.py */
+
+static const int64_t block_bytes[3] = {34, 18, 20};
+
+int64_t qk_scale_stride(int64_t k) { return (k / QB + 1) / 2 * 32; }
+
+static __attribute__((unused)) float f16_to_f32(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else { /* subnormal: renormalise */
+            exp = 127 - 15 + 1;
+            while (!(man & 0x400)) {
+                man <<= 1;
+                exp--;
+            }
+            bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000 | (man << 13);
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* Rows [r0, r1) of x (rows, k) quantized into xq and xs (layout above). */
+void kv_quantize_rows(const float *x, int64_t r0, int64_t r1, int64_t k, int8_t *xq, float *xs) {
+    int64_t nb = k / QB, stride = qk_scale_stride(k);
+    for (int64_t r = r0; r < r1; r++) {
+        float *srow = xs + r * stride;
+        memset(srow, 0, stride * sizeof(float));
+        for (int64_t b = 0; b < nb; b++) {
+            const float *v = x + r * k + b * QB;
+            int8_t *q = xq + r * k + b * QB;
+            float amax = 0.0f;
+            for (int i = 0; i < QB; i++) amax = fmaxf(amax, fabsf(v[i]));
+            float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+            int32_t sum = 0;
+            for (int i = 0; i < QB; i++) {
+                int32_t qi = (int32_t)nearbyintf(v[i] * id); /* halves to even, as torch.round */
+                qi = qi > 127 ? 127 : qi < -127 ? -127 : qi;
+                q[i] = (int8_t)qi;
+                sum += qi;
+            }
+            float *lanes = srow + (b / 2) * 32 + (b % 2) * 8;
+            for (int i = 0; i < 8; i++) {
+                lanes[i] = d;
+                lanes[16 + i] = d * (float)sum / 8.0f;
+            }
+        }
+    }
+}
+
+#ifdef QK_VNNI
+/* The pair of blocks p of one weight row as 64 bytes in the order of x's values, and its scales:
+ * dw (and mw for Q4_1) of block 2p in lanes 0-7, of 2p + 1 in lanes 8-15. has_b: 2p + 1 exists. */
+static inline __attribute__((always_inline)) __m512i load_pair(int fmt, const uint8_t *a,
+                                                              int has_b, __m512 *dw, __m512 *mw) {
+    const int64_t bb = block_bytes[fmt];
+    const uint8_t *b = a + bb;
+    uint32_t sa, sb = 0;
+    memcpy(&sa, a, 4);
+    if (has_b) memcpy(&sb, b, 4);
+    /* halves dA, mA, dB, mB -> 32 halves: dA x8, dB x8, mA x8, mB x8 */
+    const __m512i idx = _mm512_set_epi16(3, 3, 3, 3, 3, 3, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2,
+                                         2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
+    __m512i halves = _mm512_permutexvar_epi16(
+        idx, _mm512_castsi128_si512(_mm_set_epi32(0, 0, (int)sb, (int)sa)));
+    *dw = _mm512_cvtph_ps(_mm512_castsi512_si256(halves));
+    if (fmt == KV_Q8_0) {
+        __m256i qa = _mm256_loadu_si256((const __m256i *)(a + 2));
+        __m256i qb = has_b ? _mm256_loadu_si256((const __m256i *)(b + 2)) : _mm256_setzero_si256();
+        return _mm512_inserti64x4(_mm512_castsi256_si512(qa), qb, 1);
+    }
+    if (fmt == KV_Q4_1) *mw = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(halves, 1));
+    const int off = fmt == KV_Q4_1 ? 4 : 2;
+    __m128i qa = _mm_loadu_si128((const __m128i *)(a + off));
+    __m128i qb = has_b ? _mm_loadu_si128((const __m128i *)(b + off)) : _mm_setzero_si128();
+    __m256i ab = _mm256_inserti128_si256(_mm256_castsi128_si256(qa), qb, 1);
+    const __m256i low = _mm256_set1_epi8(0x0f);
+    __m256i lo = _mm256_and_si256(ab, low), hi = _mm256_and_si256(_mm256_srli_epi16(ab, 4), low);
+    /* [A lo, B lo, A hi, B hi] -> [A lo, A hi, B lo, B hi] */
+    __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+    return _mm512_shuffle_i64x2(z, z, _MM_SHUFFLE(3, 1, 2, 0));
+}
+
+/* out[r][c] = row r of x (R rows, R <= 4) . weight row c (C rows, C <= 4), before bias */
+static inline __attribute__((always_inline)) void qtile(int fmt, const int8_t *xq,
+                                                       const float *xs, int64_t k,
+                                                       const uint8_t *w, int64_t rb, int R,
+                                                       int C, float out[4][4]) {
+    const int64_t nb = k / QB, np = (nb + 1) / 2, xss = qk_scale_stride(k), bb = block_bytes[fmt];
+    __m512 acc[4][4];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < np; p++) {
+        const int has_b = 2 * p + 1 < nb;
+        __m512i wv[4];
+        __m512 dw[4], mw[4];
+        __mmask64 neg[4];
+        for (int c = 0; c < C; c++) {
+            wv[c] = load_pair(fmt, w + c * rb + 2 * p * bb, has_b, &dw[c], &mw[c]);
+            if (fmt == KV_Q8_0) {
+                neg[c] = _mm512_movepi8_mask(wv[c]);
+                wv[c] = _mm512_abs_epi8(wv[c]);
+            } else if (fmt == KV_Q4_0) {
+                mw[c] = _mm512_mul_ps(dw[c], _mm512_set1_ps(-8.0f));
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            const int8_t *xr = xq + r * k + p * 64;
+            __m512i xv = has_b ? _mm512_loadu_si512(xr)
+                               : _mm512_maskz_loadu_epi8(0xffffffffULL, xr);
+            __m512 dx = _mm512_loadu_ps(xs + r * xss + p * 32);
+            __m512 sx = _mm512_loadu_ps(xs + r * xss + p * 32 + 16);
+            for (int c = 0; c < C; c++) {
+                __m512i xs8 = fmt == KV_Q8_0
+                                  ? _mm512_mask_sub_epi8(xv, neg[c], _mm512_setzero_si512(), xv)
+                                  : xv;
+                __m512i dp = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[c], xs8);
+                acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dp), _mm512_mul_ps(dw[c], dx),
+                                            acc[r][c]);
+                if (fmt != KV_Q8_0) acc[r][c] = _mm512_fmadd_ps(mw[c], sx, acc[r][c]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) out[r][c] = _mm512_reduce_add_ps(acc[r][c]);
+}
+#else
+/* The scalar definition: integer sums per block, then the block's float terms. */
+static inline void qtile(int fmt, const int8_t *xq, const float *xs, int64_t k, const uint8_t *w,
+                         int64_t rb, int R, int C, float out[4][4]) {
+    const int64_t nb = k / QB, xss = qk_scale_stride(k), bb = block_bytes[fmt];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) {
+            float acc = 0.0f;
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *blk = w + c * rb + b * bb;
+                const int8_t *qx = xq + r * k + b * QB;
+                const float *lanes = xs + r * xss + (b / 2) * 32 + (b % 2) * 8;
+                float dx = lanes[0], sx = lanes[16] * 8.0f, dw = f16_to_f32(blk);
+                int32_t isum = 0;
+                if (fmt == KV_Q8_0) {
+                    const int8_t *qw = (const int8_t *)(blk + 2);
+                    for (int i = 0; i < QB; i++) isum += qw[i] * qx[i];
+                    acc += dw * dx * (float)isum;
+                } else {
+                    const uint8_t *qs = blk + (fmt == KV_Q4_1 ? 4 : 2);
+                    for (int i = 0; i < QB / 2; i++)
+                        isum += (qs[i] & 0x0f) * qx[i] + (qs[i] >> 4) * qx[i + QB / 2];
+                    float mw = fmt == KV_Q4_1 ? f16_to_f32(blk + 2) : -8.0f * dw;
+                    acc += dw * dx * (float)isum + mw * sx;
+                }
+            }
+            out[r][c] = acc;
+        }
+}
+#endif
+
+static inline __attribute__((always_inline)) void store_tile(float out[4][4], int R, int C,
+                                                             const float *bias, float *y,
+                                                             int64_t n, int accumulate) {
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) {
+            float v = out[r][c] + (bias ? bias[c] : 0.0f);
+            if (accumulate)
+                y[r * n + c] += v;
+            else
+                y[r * n + c] = v;
+        }
+}
+
+/* R rows of x against weight rows [c0, c1): C_MAIN at a time, then one by one */
+#define QK_ROWS(FMT, R, C_MAIN)                                                                    \
+    do {                                                                                           \
+        float out[4][4];                                                                           \
+        int64_t c = c0;                                                                            \
+        for (; c + C_MAIN <= c1; c += C_MAIN) {                                                    \
+            qtile(FMT, xq, xs, k, w + c * rb, rb, R, C_MAIN, out);                                 \
+            store_tile(out, R, C_MAIN, bias ? bias + c : NULL, y + c, n, accumulate);              \
+        }                                                                                          \
+        for (; c < c1; c++) {                                                                      \
+            qtile(FMT, xq, xs, k, w + c * rb, rb, R, 1, out);                                      \
+            store_tile(out, R, 1, bias ? bias + c : NULL, y + c, n, accumulate);                   \
+        }                                                                                          \
+    } while (0)
+
+#define QK_FORMAT_BODY(FMT)                                                                        \
+    switch (R) {                                                                                   \
+    case 4: QK_ROWS(FMT, 4, 2); break;                                                             \
+    case 3: QK_ROWS(FMT, 3, 2); break;                                                             \
+    case 2: QK_ROWS(FMT, 2, 4); break;                                                             \
+    default: QK_ROWS(FMT, 1, 4); break;                                                            \
+    }
+
+/* R (<= 4) rows of quantized x times weight rows [c0, c1) into y's columns [c0, c1) */
+static void qk_rows(int fmt, const int8_t *xq, const float *xs, int R, int64_t k,
+                    const uint8_t *w, int64_t rb, int64_t c0, int64_t c1, const float *bias,
+                    float *y, int64_t n, int accumulate) {
+    switch (fmt) {
+    case KV_Q8_0: QK_FORMAT_BODY(KV_Q8_0) break;
+    case KV_Q4_0: QK_FORMAT_BODY(KV_Q4_0) break;
+    default: QK_FORMAT_BODY(KV_Q4_1) break;
+    }
+}
+
+/* Thread t of nt's share of y (m, n) = x (m, k) @ w.T (+ bias): columns [n t / nt, n (t+1) / nt).
+ * x given quantized (kv_quantize_rows); w (n, k) in format fmt, rows back to back. accumulate:
+ * y += instead (a residual add). */
+void kv_qlinear_share(const int8_t *xq, const float *xs, int64_t m, int64_t k, int fmt,
+                      const uint8_t *w, int64_t n, const float *bias, float *y, int64_t t,
+                      int64_t nt, int accumulate) {
+    const int64_t rb = k / QB * block_bytes[fmt], xss = qk_scale_stride(k);
+    const int64_t c0 = n * t / nt, c1 = n * (t + 1) / nt;
+    for (int64_t r0 = 0; r0 < m; r0 += XMB) {
+        int64_t r1 = m - r0 < XMB ? m : r0 + XMB;
+        /* weight rows in runs of 16 against the whole block of x rows: both stay in cache */
+        for (int64_t cb = c0; cb < c1; cb += 16) {
+            int64_t ce = c1 - cb < 16 ? c1 : cb + 16;
+            for (int64_t r = r0; r < r1; r += 4) {
+                int R = r1 - r < 4 ? (int)(r1 - r) : 4;
+                qk_rows(fmt, xq + r * k, xs + r * xss, R, k, w, rb, cb, ce, bias, y + r * n, n,
+                        accumulate);
+            }
+        }
+    }
+}
+
+/* y (m, n) = x (m, k) @ w.T (+ bias) on num_threads OpenMP threads; xq (m, k) and xs
+ * (m, qk_scale_stride(k)): room for x quantized. */
+void kv_qlinear(const float *x, int64_t m, int64_t k, int fmt, const uint8_t *w, int64_t n,
+                const float *bias, float *y, int8_t *xq, float *xs, int64_t num_threads) {
+    if (num_threads < 1) num_threads = 1;
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
+    {
+        int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+        kv_quantize_rows(x, m * t / nt, m * (t + 1) / nt, k, xq, xs);
+#pragma omp barrier
+        kv_qlinear_share(xq, xs, m, k, fmt, w, n, bias, y, t, nt, 0);
+    }
+}

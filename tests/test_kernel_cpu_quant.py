@@ -1,0 +1,105 @@
+"""kernels/cpu_quant.c: linear layers over Q8_0 / Q4_0 / Q4_1 weights as stored, held to the
+float definition (dequantize, then matmul) and to a float64 reference that quantizes the
+activations exactly as the kernel does; the portable scalar build (no AVX-512) too."""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+
+import pytest
+import torch
+from kvmesh.kernels.cpu_bindings import (
+    quant_linear_exact_reference,
+    quant_linear_reference,
+    quant_scale_stride,
+    quantize_activations_reference,
+)
+from kvmesh.kernels.cpu_ops import SOURCES, load_cpu_ops
+from kvmesh.shared.model.quant import FORMAT_CODES, QUANT_FORMATS, quantize
+
+ops = load_cpu_ops()
+pytestmark = pytest.mark.skipif(ops is None, reason="no C compiler for the CPU kernels")
+
+
+def _case(m: int, k: int, n: int, format: str, seed: int, bias: bool = False):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g)
+    x[0, :32] = 0.0  # an all-zero activation block: dx = 0
+    w = quantize(torch.randn(n, k, generator=g) * 0.1 + 0.02, format)
+    b = torch.randn(n, generator=g) if bias else None
+    return x, w, b
+
+
+def _assert_exact(got: torch.Tensor, x, w, b) -> None:
+    expected = quant_linear_exact_reference(x, w, b)
+    scale = expected.abs().max().item() + 1.0
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=2e-5 * scale)
+
+
+@pytest.mark.parametrize("format", QUANT_FORMATS)
+@pytest.mark.parametrize(("m", "k", "n"), [(1, 576, 193), (3, 96, 37), (8, 64, 5), (67, 160, 50)])
+def test_quant_linear_matches_the_exact_reference(format: str, m: int, k: int, n: int) -> None:
+    x, w, b = _case(m, k, n, format, seed=m * 1000 + k + n, bias=m == 3)
+    _assert_exact(ops.quant_linear(x, w, b), x, w, b)
+
+
+@pytest.mark.parametrize("format", QUANT_FORMATS)
+def test_quant_linear_is_close_to_the_dequantized_matmul(format: str) -> None:
+    x, w, b = _case(5, 576, 96, format, seed=7, bias=True)
+    got, expected = ops.quant_linear(x, w, b), quant_linear_reference(x, w, b)
+    # the activations' int8 rounding: about 1/254 of each block's largest value per term
+    assert (got - expected).norm() / expected.norm() < 1e-2
+    assert not torch.equal(got, expected)  # it does quantize the activations
+
+
+def test_quant_linear_rows_do_not_depend_on_the_batch_or_threads() -> None:
+    x, w, _ = _case(9, 192, 70, "Q4_1", seed=3)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = torch.cat([ops.quant_linear(x[i : i + 1], w) for i in range(9)])
+        torch.set_num_threads(2)
+        together = ops.quant_linear(x, w)
+    finally:
+        torch.set_num_threads(threads)
+    # same integer sums, same float order per (row, column) in every tile shape
+    torch.testing.assert_close(together, alone, rtol=1e-6, atol=1e-6)
+
+
+def test_activation_quantization_rounds_halves_to_even() -> None:
+    x = torch.zeros(1, 32)
+    x[0, 0], x[0, 1], x[0, 2] = 127.0, 2.5, -0.5
+    q, d = quantize_activations_reference(x)
+    assert d.item() == 1.0 and q[0, 0, :3].tolist() == [127.0, 2.0, -0.0]
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
+@pytest.mark.parametrize("format", QUANT_FORMATS)
+def test_portable_scalar_build_matches_the_exact_reference(format: str, tmp_path) -> None:
+    """cpu_quant.c built for plain x86-64 (or any CPU without AVX-512 VNNI): the scalar path."""
+    source = next(p for p in SOURCES if p.name == "cpu_quant.c")
+    lib_path = tmp_path / "scalar.so"
+    march = ["-march=x86-64"] if _is_x86() else []
+    flags = ["-O2", *march, "-ffp-contract=off", "-fPIC", "-shared", "-std=gnu11"]
+    subprocess.run(["cc", *flags, "-o", str(lib_path), str(source), "-lm"], check=True)
+    lib = ctypes.CDLL(str(lib_path))
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.kv_qlinear.argtypes = (p, i64, i64, ctypes.c_int, p, i64, p, p, p, p, i64)
+    lib.kv_qlinear.restype = None
+    x, w, b = _case(6, 96, 21, format, seed=11, bias=True)
+    xq = torch.empty(6, 96, dtype=torch.int8)
+    xs = torch.empty(6, quant_scale_stride(96))
+    y = torch.empty(6, 21)
+    lib.kv_qlinear(
+        x.data_ptr(), 6, 96, FORMAT_CODES[format], w.data.data_ptr(), 21, b.data_ptr(),
+        y.data_ptr(), xq.data_ptr(), xs.data_ptr(), 1,
+    )  # fmt: skip
+    _assert_exact(y, x, w, b)
+
+
+def _is_x86() -> bool:
+    import platform
+
+    return platform.machine() in ("x86_64", "AMD64")
