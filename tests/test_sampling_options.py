@@ -29,6 +29,7 @@ EVERY_FIELD = SamplingOptions(
     logprobs=2,
     prompt_logprobs=1,
     structured_outputs=StructuredOutputs(choice=("a", "b")),
+    cache_salt="tenant-a",
 )
 
 

@@ -63,7 +63,7 @@ class LocalPrefixReads:
     async def _read_prefix(self, rid: str, prompt: list[int], params: SamplingOptions) -> None:
         fetched = None
         try:
-            fetched = await self.reader.fetch(prompt, self._lock)
+            fetched = await self.reader.fetch(prompt, self._lock, params.cache_salt)
         except Exception as exc:  # fetch_prefix never raises for the store; a bug must not
             log.error("kv-store read for a local prefill failed", request_id=rid, error=repr(exc))
         finally:

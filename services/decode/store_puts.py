@@ -45,23 +45,23 @@ class FinishedPuts(StepHook):
     def after_step(self, engine: LLMEngine, step: Step) -> None:
         for out, seq in step.finished():
             if out.finish_reason in ("stop", "length"):
-                self.put_later(list(seq.token_ids))
+                self.put_later(list(seq.token_ids), seq.params.cache_salt)
 
-    def put_later(self, token_ids: list[int]) -> None:
+    def put_later(self, token_ids: list[int], cache_salt: str = "") -> None:
         """Put the computed full blocks of a finished sequence (``token_ids``: prompt and output;
-        the last token's KV was never computed)."""
+        the last token's KV was never computed), named under its ``cache_salt``."""
         store = self.stores.target()
         if store is None or len(token_ids) < 2:
             return
-        task = asyncio.ensure_future(self._put(store, token_ids[:-1]))
+        task = asyncio.ensure_future(self._put(store, token_ids[:-1], cache_salt))
         self._puts.add(task)
         task.add_done_callback(self._puts.discard)
 
-    async def _put(self, store: StoreTarget, token_ids: list[int]) -> None:
+    async def _put(self, store: StoreTarget, token_ids: list[int], cache_salt: str) -> None:
         pool, bm = self.engine.kv_pool, self.engine.block_manager
         try:
             result = await put_cached_prefix(
-                self.client, store, self.kv_spec, bm, pool, token_ids, self.lock
+                self.client, store, self.kv_spec, bm, pool, token_ids, self.lock, cache_salt
             )
         except Exception as exc:  # best effort: the store misses these blocks
             log.warning("kv-store put failed", error=str(exc))

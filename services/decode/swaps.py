@@ -141,7 +141,9 @@ class Swaps(StepHook):
                 continue
             # every token but the last sampled one may have KV (pinning stops at the first
             # block that has none, or that the step handed to another sequence)
-            pinned = pin_cached_prefix(bm, self.block_size, seq.token_ids[:-1])
+            pinned = pin_cached_prefix(
+                bm, self.block_size, seq.token_ids[:-1], seq.params.cache_salt
+            )
             if pinned is None:
                 continue
             swap = SwapOut(seq.request_id, store.store_id, pinned.hashes)
@@ -218,6 +220,7 @@ class Swaps(StepHook):
                 seq.token_ids,
                 self.lock,
                 max_blocks=num_stored,
+                cache_salt=seq.params.cache_salt,
             )
             if fetched is not None and fetched.failed:
                 self.stores.forget(store.store_id)

@@ -279,6 +279,7 @@ class RegistryState:
             self.stores,
             use_cache=self.prefix_weight > 0,
             use_stores=self.store_block_weight > 0,
+            cache_salt=request.sampling.cache_salt,
         )
         best = min(
             with_room,

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from kvmesh.services.kv_registry.prefix_index import PrefixIndex
 from kvmesh.services.kv_registry.stores import StoreTable
 from kvmesh.shared.bus.protocol import DecodeAdvert
-from kvmesh.shared.kv.prefix_hash import layout_root, reusable_prefix_hashes
+from kvmesh.shared.kv.prefix_hash import request_root, reusable_prefix_hashes
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,10 +65,12 @@ def prefix_reach(
     *,
     use_cache: bool,
     use_stores: bool,
+    cache_salt: str = "",
 ) -> dict[str, PrefixReach]:
     """Each worker's ``PrefixReach`` into the prompt. ``use_cache`` False: its own cache counts
     for nothing (prefix-aware placement off); ``use_stores`` False: it reads nothing. The chain
-    depends on the worker's block size and KV layout, so it is hashed once per pair."""
+    depends on the worker's block size and KV layout, so it is hashed once per pair, from the
+    request's ``cache_salt`` (a salted request reaches only blocks of its own salt)."""
     store_table = stores if stores is not None and stores.prefixes.workers else None
     chains: dict[tuple[int, str], list[int]] = {}
     reach = {}
@@ -78,7 +80,8 @@ def prefix_reach(
             continue
         key = (w.block_size, w.kv_spec)
         if key not in chains:
-            chains[key] = reusable_prefix_hashes(prompt_ids, w.block_size, layout_root(w.kv_spec))
+            root = request_root(w.kv_spec, cache_salt)
+            chains[key] = reusable_prefix_hashes(prompt_ids, w.block_size, root)
         chain = chains[key]
         own = chain[: cached.matched_blocks(w.worker_id, chain)] if use_cache else []
         in_store = store_table.matched_blocks(w.kv_spec, chain) if store_table else 0

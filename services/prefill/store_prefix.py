@@ -40,30 +40,36 @@ class StorePrefix:
     def on_advert(self, advert: StoreAdvert) -> None:
         self.stores.note(advert)
 
-    async def fetch(self, prompt_ids: list[int], lock: asyncio.Lock) -> Fetched | None:
-        """Read the prompt's prefix blocks the prefix cache lacks from the store into fresh pool
-        blocks (allocated under ``lock``, read without it). None when there is nothing to read."""
-        return await self.reader.fetch(prompt_ids, lock)
+    async def fetch(
+        self, prompt_ids: list[int], lock: asyncio.Lock, cache_salt: str = ""
+    ) -> Fetched | None:
+        """Read the prompt's prefix blocks (named under the request's ``cache_salt``) the prefix
+        cache lacks from the store into fresh pool blocks (allocated under ``lock``, read
+        without it). None when there is nothing to read."""
+        return await self.reader.fetch(prompt_ids, lock, cache_salt)
 
     def adopt(self, fetched: Fetched) -> int:
         """Under the engine lock, right before the request is added: the verified blocks enter
         the prefix cache, every fetched block is freed. Returns the tokens adopted."""
         return self.reader.adopt(fetched)
 
-    def put_later(self, prompt_ids: list[int], lock: asyncio.Lock) -> None:
-        """Put the prompt's computed full blocks into the store in the background."""
+    def put_later(self, prompt_ids: list[int], lock: asyncio.Lock, cache_salt: str = "") -> None:
+        """Put the prompt's computed full blocks (named under ``cache_salt``) into the store in
+        the background."""
         store = self.stores.target()
         if store is None:
             return
-        task = asyncio.ensure_future(self._put(store, prompt_ids, lock))
+        task = asyncio.ensure_future(self._put(store, prompt_ids, lock, cache_salt))
         self._puts.add(task)
         task.add_done_callback(self._puts.discard)
 
-    async def _put(self, store: StoreTarget, prompt_ids: list[int], lock: asyncio.Lock) -> None:
+    async def _put(
+        self, store: StoreTarget, prompt_ids: list[int], lock: asyncio.Lock, cache_salt: str
+    ) -> None:
         pool, bm = self.engine.kv_pool, self.engine.block_manager
         try:
             result = await put_cached_prefix(
-                self.client, store, self.kv_spec, bm, pool, prompt_ids, lock
+                self.client, store, self.kv_spec, bm, pool, prompt_ids, lock, cache_salt
             )
             if result is not None and not result.ok:
                 log.info("kv-store put refused", error=result.error)

@@ -204,7 +204,9 @@ class PrefillWorker:
         job = Job(msg, planner, PrefillTimeline(msg.enqueued_at, started_at), endpoint, mirror)
         self._jobs[rid] = job
         prompt = list(msg.prompt_ids)
-        fetched = await self.store.fetch(prompt, self._lock) if self.store is not None else None
+        salt = msg.sampling.cache_salt
+        store = self.store
+        fetched = await store.fetch(prompt, self._lock, salt) if store is not None else None
         try:
             async with self._lock:
                 if fetched is not None:  # adopted and added at once: nothing evicts it between
@@ -253,7 +255,8 @@ class PrefillWorker:
                     hook.on_end(job)
             self._wake.set()
         if self.store is not None and job.is_computed and not job.error:
-            self.store.put_later(prompt, self._lock)  # its full blocks stay cached meanwhile
+            # its full blocks stay cached meanwhile
+            self.store.put_later(prompt, self._lock, msg.sampling.cache_salt)
         return self._result(msg, job, job.error)
 
     async def _write(self, job: Job, write: ChunkWrite, chunk: ChunkReady) -> None:

@@ -65,6 +65,7 @@ class GenerateRequest:
     returns_prompt_logprobs: bool = False  # vLLM's prompt_logprobs field in the answer
     stream: bool = False
     include_usage: bool = False
+    prompt_cache_key: str = ""  # OpenAI's; salts the cache with sampling.cache_salt (tenants.py)
 
 
 def parse_json_body(raw: bytes) -> dict[str, Any]:
@@ -190,6 +191,7 @@ def _common(
         structured_outputs=spec,
         stop=stop,
         top_k=max(req.top_k, 0),  # -1 (older vLLM clients) is off too
+        cache_salt=req.cache_salt or "",
         max_tokens=max_tokens or 1,  # prompt.tokenize sets it against the context
     )
     return {
@@ -199,6 +201,7 @@ def _common(
         "sampling": sampling,
         "stream": req.stream,
         "include_usage": req.stream_options is not None and req.stream_options.include_usage,
+        "prompt_cache_key": req.prompt_cache_key or "",
     }
 
 

@@ -8,11 +8,13 @@ with their status; errors after a stream has started are an SSE error event and 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
+import msgspec
 from aiohttp import web
 from kvmesh.services.router import structured
 from kvmesh.services.router.api import (
@@ -43,6 +45,7 @@ from kvmesh.services.router.http_server import (
     error_middleware,
     error_response,
     json_response,
+    tenant_of,
 )
 from kvmesh.services.router.logprobs import LogprobsBuilder, prompt_logprobs
 from kvmesh.services.router.mesh_request import MeshRequest
@@ -61,6 +64,7 @@ from kvmesh.services.router.responses import (
 )
 from kvmesh.services.router.schema import Model, ModelList
 from kvmesh.services.router.shutdown import Shutdown
+from kvmesh.services.router.tenants import Tenant, Tenants, cache_salt
 from kvmesh.services.router.timings import TimingLog
 from kvmesh.services.router.tokens_api import detokenize_body, tokenize_body
 from kvmesh.shared.bus.hearing import Hearing
@@ -96,6 +100,8 @@ class Router:
     shutdown: Shutdown = field(default_factory=Shutdown)
     hearing: Hearing | None = None  # the NATS link's outages (shared/bus/hearing.py)
     connections: ConnectionTable = field(init=False)  # what each HTTP client holds
+    tenants: Tenants = field(init=False)  # the API keys (tenants.py)
+    salts_by_api_key: bool = field(init=False)  # --salt-by-api-key, its default resolved
     schema_limits: SchemaLimits = field(init=False)  # what a structured output may hold
 
     def __post_init__(self) -> None:
@@ -110,6 +116,9 @@ class Router:
         # never more connections than descriptors (issue 40: EMFILE at a 1,024 limit)
         limits = self.config.http_limits().within_open_files(open_file_limit())
         self.connections = ConnectionTable(limits, self.refuse_http)
+        self.tenants = Tenants(self.config.read_api_keys(), self.config.admin_api_key)
+        salt_by_key = self.config.salt_by_api_key
+        self.salts_by_api_key = self.tenants.num_keys > 1 if salt_by_key is None else salt_by_key
         self.schema_limits = self.config.schema_limits()
 
     def refuse_http(self, reason: str) -> None:
@@ -142,10 +151,15 @@ class Router:
         return await self._generate(request, parse_chat)
 
     def _prepare(
-        self, raw: bytes, parse: Callable[[dict, str], GenerateRequest]
+        self, raw: bytes, parse: Callable[[dict, str], GenerateRequest], tenant: Tenant
     ) -> tuple[GenerateRequest, Prompt]:
         """Body bytes to a validated request and its token ids (pure CPU work)."""
         request = parse(parse_json_body(raw), self.model.name)
+        tenant_salt = tenant.name if self.salts_by_api_key else ""
+        salt = cache_salt(tenant_salt, request.sampling.cache_salt, request.prompt_cache_key)
+        if salt != request.sampling.cache_salt:
+            sampling = msgspec.structs.replace(request.sampling, cache_salt=salt)
+            request = dataclasses.replace(request, sampling=sampling)
         pool = self.dispatcher.capacity.max_tokens(time.monotonic())
         prompt = tokenize(request, self.model.tokenizer, self.model.max_model_len, pool)
         if prompt.sampling.structured_outputs is not None:
@@ -165,10 +179,11 @@ class Router:
         try:
             self.shutdown.check_open()
             raw = await self.read_body(http)
+            tenant = tenant_of(http)
             if len(raw) > INLINE_BODY_BYTES or structured.may_ask(raw):
-                request, prompt = await asyncio.to_thread(self._prepare, raw, parse)
+                request, prompt = await asyncio.to_thread(self._prepare, raw, parse, tenant)
             else:
-                request, prompt = self._prepare(raw, parse)
+                request, prompt = self._prepare(raw, parse, tenant)
             if self.num_in_flight >= self.config.max_concurrent_requests:
                 raise OverloadedError(
                     f"the router holds {self.num_in_flight} requests, its limit "
@@ -181,7 +196,11 @@ class Router:
             try:
                 with logs.request_context(response_id):
                     timer = RequestTimer(
-                        self.metrics, arrived_at, log=self.timings, request_id=response_id
+                        self.metrics,
+                        arrived_at,
+                        log=self.timings,
+                        request_id=response_id,
+                        tenant=tenant.name,
                     )
                     if request.stream:
                         response, status = await self._stream(
@@ -400,8 +419,10 @@ class Router:
         return json_response(openapi_document(self.model.name))
 
     async def request_timings(self, request: web.Request) -> web.Response:
-        """The latest finished requests' time to first token by stage (``timings.py``)."""
-        return json_response(self.timings.to_json())
+        """The latest finished requests' time to first token by stage (``timings.py``): every
+        tenant's for the admin key (or an open router), the caller's own for another key."""
+        tenant = tenant_of(request)
+        return json_response(self.timings.to_json(None if tenant.is_admin else tenant.name))
 
 
 def _usage(prompt: Prompt, choices: list[Choice], mesh: MeshRequest) -> Usage:
@@ -450,7 +471,7 @@ def build_app(router: Router) -> web.Application:
             request_done_middleware(router.connections),
             error_middleware,
             body_limit_middleware(router.max_body_bytes, router.refuse_http),
-            api_key_middleware(router.config.api_key),
+            api_key_middleware(router.tenants),
         ],
         client_max_size=router.max_body_bytes,
     )

@@ -94,6 +94,26 @@ class RouterConfig(ServiceConfig):
         "prefer KVMESH_API_KEY to the flag, which other local users can read in ps",
         secret=True,
     )
+    api_keys: str | None = option(
+        None,
+        help="more API keys, comma-separated, each a tenant (with --api-key, --api-keys-file); "
+        "prefer KVMESH_API_KEYS to the flag",
+        secret=True,
+    )
+    api_keys_file: str | None = option(
+        None, help="a file of API keys, one a line (# starts a comment), each a tenant"
+    )
+    admin_api_key: str | None = option(
+        None,
+        help="an API key that also sees every tenant's /v1/kvmesh/timings (other keys see "
+        "their own requests only); prefer KVMESH_ADMIN_API_KEY",
+        secret=True,
+    )
+    salt_by_api_key: bool | None = option(
+        None,
+        help="salt each request's cached prompt blocks by its API key, so tenants never share "
+        "them (nor time each other's prompts); default: on with several API keys",
+    )
     max_body_mb: float = option(
         8.0,
         help="largest request body accepted (MiB; a prompt of a million token ids is ~7 MiB); a "
@@ -179,8 +199,12 @@ class RouterConfig(ServiceConfig):
             raise ValueError("model must name a model or a checkpoint directory")
         self.http_limits()  # ValueError names the bad limit
         self.schema_limits()
-        if self.api_key is not None and not self.api_key.strip():
-            raise ValueError("api_key must not be empty (leave it unset for no key)")
+        for name in ("api_key", "admin_api_key"):
+            value = getattr(self, name)
+            if value is not None and not value.strip():
+                raise ValueError(f"{name} must not be empty (leave it unset for no key)")
+        if self.api_keys is not None and not all(k.strip() for k in self.api_keys.split(",")):
+            raise ValueError("api_keys must be non-empty keys separated by commas")
         if self.served_model_name == "":
             raise ValueError("served_model_name must not be empty (leave it unset for --model)")
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -201,6 +225,17 @@ class RouterConfig(ServiceConfig):
             "max_body_mb",
             "client_write_timeout_s",
         )
+
+    def read_api_keys(self) -> list[str]:
+        """Every tenant key: --api-key, --api-keys and the lines of --api-keys-file (read now;
+        OSError names the file). The admin key is apart."""
+        keys = [self.api_key] if self.api_key else []
+        keys += [k.strip() for k in (self.api_keys or "").split(",") if k.strip()]
+        if self.api_keys_file:
+            with open(self.api_keys_file, encoding="utf-8") as f:
+                lines = (line.split("#", 1)[0].strip() for line in f)
+                keys += [line for line in lines if line]
+        return keys
 
     def default_mesh(self) -> str:
         return mesh_from_model(self.model)

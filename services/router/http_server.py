@@ -8,7 +8,6 @@ port with the connection limits of http_limits.py.
 from __future__ import annotations
 
 import asyncio
-import hmac
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
@@ -23,6 +22,7 @@ from kvmesh.services.router.errors import (
     RouteNotFoundError,
 )
 from kvmesh.services.router.http_limits import AcceptErrorLog, ConnectionTable, GuardedSite
+from kvmesh.services.router.tenants import Tenant, Tenants
 from kvmesh.shared.config.service_errors import listen_error
 from kvmesh.shared.obs import logs
 
@@ -76,22 +76,36 @@ async def error_middleware(
         return error_response(InternalError("internal error in the router; see its log"))
 
 
-def api_key_middleware(api_key: str | None):
-    """With an API key, every /v1 route needs ``Authorization: Bearer <key>`` (health, metrics
-    and the OpenAPI document stay open, as in vLLM)."""
-    expected = f"Bearer {api_key}".encode() if api_key else None
+TENANT = web.RequestKey("tenant", Tenant)
+
+
+def tenant_of(request: web.Request) -> Tenant:
+    """The caller of a /v1 route, as ``api_key_middleware`` identified it."""
+    tenant = request.get(TENANT)
+    assert tenant is not None, "api_key_middleware identifies every /v1 caller"
+    return tenant
+
+
+def api_key_middleware(tenants: Tenants | str | None):
+    """With API keys, every /v1 route needs ``Authorization: Bearer <key>`` of one of them
+    (health, metrics and the OpenAPI document stay open, as in vLLM); the caller's ``Tenant``
+    is then ``request["tenant"]`` (``tenant_of``). A single key may be given as a string."""
+    if not isinstance(tenants, Tenants):
+        tenants = Tenants([tenants] if tenants else [])
 
     @web.middleware
     async def check_api_key(
         request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
     ) -> web.StreamResponse:
-        if expected is not None and request.path.startswith("/v1/"):
-            given = request.headers.get("Authorization", "").encode()
-            if not hmac.compare_digest(given, expected):
+        if request.path.startswith("/v1/"):
+            tenant = tenants.identify(request.headers.get("Authorization", ""))
+            if tenant is None:
                 raise AuthenticationError(
-                    "missing or wrong API key: send 'Authorization: Bearer <key>' with the key "
-                    "the router was started with (--api-key / KVMESH_API_KEY)"
+                    "missing or wrong API key: send 'Authorization: Bearer <key>' with a key "
+                    "the router was started with (--api-key / KVMESH_API_KEY, --api-keys, "
+                    "--api-keys-file)"
                 )
+            request[TENANT] = tenant
         return await handler(request)
 
     return check_api_key

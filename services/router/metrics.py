@@ -167,6 +167,7 @@ class RequestTimer:
     last_token_at: float | None = None
     log: TimingLog | None = None
     request_id: str = ""
+    tenant: str = ""  # tenants.Tenant.name: who may read its timing
     stamps: TimingStamps = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
@@ -195,7 +196,7 @@ class RequestTimer:
         if self.log is not None and self.first_token_at is not None:
             timing = self.stamps.timing(self.request_id, self.first_token_at, num_prompt_tokens)
             if timing is not None:
-                self.log.add(timing)
+                self.log.add(timing, self.tenant)
         self.metrics.finish_reasons.labels(finish_reason).inc()
         self.metrics.prompt_tokens.inc(num_prompt_tokens)
         self.metrics.generation_tokens.inc(num_output_tokens)

@@ -35,7 +35,6 @@ IGNORED_COMMON: dict[str, Any] = {
     "metadata": lambda v: True,  # tags for OpenAI's stored completions
     "store": lambda v: v is False,  # nothing is stored: store=true is refused
     "service_tier": lambda v: v in ("auto", "default"),
-    "prompt_cache_key": lambda v: True,  # prefix caching is automatic
     "safety_identifier": lambda v: True,
     "skip_special_tokens": lambda v: v is True,  # what the router does
     "spaces_between_special_tokens": lambda v: v is True,

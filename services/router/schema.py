@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal, get_args
 
 import msgspec
 from kvmesh.shared.text.sampling import (
+    MAX_CACHE_SALT,
     MAX_LOGPROBS,
     MAX_STOP_STRINGS,
     NonEmptyStr,
@@ -77,6 +78,28 @@ class SamplingFields(SamplingOptions, frozen=True, kw_only=True, forbid_unknown_
     ) = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    cache_salt: (
+        Annotated[
+            str,
+            Meta(
+                max_length=MAX_CACHE_SALT,
+                description="vLLM's: requests share cached prompt blocks only with requests of "
+                "the same salt",
+            ),
+        ]
+        | None
+    ) = None
+    prompt_cache_key: (
+        Annotated[
+            str,
+            Meta(
+                max_length=MAX_CACHE_SALT,
+                description="OpenAI's: requests share cached prompt blocks only with requests "
+                "of the same key (it salts them, with cache_salt)",
+            ),
+        ]
+        | None
+    ) = None
 
     def __post_init__(self) -> None:
         pass  # decoded from a body: msgspec has checked every field

@@ -4,7 +4,8 @@ The router's histograms say how long placements, prefill queues and prefill comp
 average; they cannot say which of them made one slow request slow, nor give a stage's p99 more
 precisely than a bucket. So every finished request also leaves a ``RequestTiming`` in a bounded
 log (``TimingLog``, the newest ``capacity``), which ``GET /v1/kvmesh/timings`` returns
-(behind the API key, like every /v1 route: the ids are the clients'). ``kvmesh bench serve``
+(behind the API key, like every /v1 route: the ids are the clients'; a tenant's key sees only
+its own requests, the admin key every tenant's: services/router/tenants.py). ``kvmesh bench serve``
 reads it after a run and joins it to its own records by response id.
 
 The stages add up to the router's TTFT (arrival to first token):
@@ -118,13 +119,16 @@ class TimingLog:
     def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
         if capacity < 1:
             raise ValueError(f"a timing log holds at least one request, got {capacity}")
-        self._timings: deque[RequestTiming] = deque(maxlen=capacity)
+        self._timings: deque[tuple[str, RequestTiming]] = deque(maxlen=capacity)
 
     def __len__(self) -> int:
         return len(self._timings)
 
-    def add(self, timing: RequestTiming) -> None:
-        self._timings.append(timing)
+    def add(self, timing: RequestTiming, tenant: str = "") -> None:
+        self._timings.append((tenant, timing))
 
-    def to_json(self) -> dict[str, Any]:
-        return {"stages": list(STAGES), "requests": [t.to_json() for t in self._timings]}
+    def to_json(self, tenant: str | None = None) -> dict[str, Any]:
+        """The log; with ``tenant``, only that tenant's requests (another tenant's ids, prompt
+        lengths and cache hits are none of its business)."""
+        timings = [t for who, t in self._timings if tenant is None or who == tenant]
+        return {"stages": list(STAGES), "requests": [t.to_json() for t in timings]}

@@ -18,7 +18,7 @@ from collections import OrderedDict
 
 from kvmesh.shared.engine.cache_events import CacheEventLog
 from kvmesh.shared.engine.sequence import Sequence
-from kvmesh.shared.kv.prefix_hash import block_hash
+from kvmesh.shared.kv.prefix_hash import block_hash, salted_root
 
 __all__ = ["Block", "BlockManager", "OutOfBlocksError", "block_hash"]
 
@@ -183,11 +183,16 @@ class BlockManager:
 
     # ---- sequences ----------------------------------------------------------------------------
 
+    def root_of(self, cache_salt: str) -> int:
+        """The chain root of a request salted with ``cache_salt`` (prefix_hash.salted_root):
+        requests of different salts never share a cached block."""
+        return salted_root(self.root_hash, cache_salt)
+
     def _ensure_hashes(self, seq: Sequence, num_full_blocks: int) -> list[int]:
         bs = self.block_size
         hashes = seq.block_hashes
         for i in range(len(hashes), num_full_blocks):
-            parent = hashes[i - 1] if i else self.root_hash
+            parent = hashes[i - 1] if i else self.root_of(seq.params.cache_salt)
             hashes.append(block_hash(parent, seq.token_ids[i * bs : (i + 1) * bs]))
         return hashes
 

@@ -382,11 +382,12 @@ class PinnedPrefix:
 
 
 def pin_cached_prefix(
-    block_manager: BlockManager, block_size: int, token_ids: Sequence[int]
+    block_manager: BlockManager, block_size: int, token_ids: Sequence[int], cache_salt: str = ""
 ) -> PinnedPrefix | None:
-    """Pin the full blocks of ``token_ids`` that the prefix cache holds (the leading run);
-    the caller holds the engine lock. None when none is cached."""
-    hashes = prefix_block_hashes(token_ids, block_size, block_manager.root_hash)
+    """Pin the full blocks of ``token_ids`` (of a request salted with ``cache_salt``) that the
+    prefix cache holds (the leading run); the caller holds the engine lock. None when none is
+    cached."""
+    hashes = prefix_block_hashes(token_ids, block_size, block_manager.root_of(cache_salt))
     pinned = block_manager.pin_cached(hashes)
     if not pinned:
         return None
@@ -420,12 +421,14 @@ async def put_cached_prefix(
     pool: KVPool,
     token_ids: Sequence[int],
     lock: asyncio.Lock,
+    cache_salt: str = "",
 ) -> PutResult | None:
-    """Put the full blocks of ``token_ids`` that the engine's prefix cache holds (the leading
-    run), pinned in the pool (under ``lock``, the engine's) while the put reads them, unpinned
-    after. None when none is cached. Raises what the put raises."""
+    """Put the full blocks of ``token_ids`` (of a request salted with ``cache_salt``) that the
+    engine's prefix cache holds (the leading run), pinned in the pool (under ``lock``, the
+    engine's) while the put reads them, unpinned after. None when none is cached. Raises what
+    the put raises."""
     async with lock:
-        pinned = pin_cached_prefix(block_manager, pool.spec.block_size, token_ids)
+        pinned = pin_cached_prefix(block_manager, pool.spec.block_size, token_ids, cache_salt)
     if pinned is None:
         return None
     return await put_pinned(client, store, kv_spec, block_manager, pool, pinned, lock)

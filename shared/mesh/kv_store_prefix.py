@@ -50,14 +50,16 @@ async def fetch_prefix(
     token_ids: Sequence[int],
     lock: asyncio.Lock,
     max_blocks: int | None = None,
+    cache_salt: str = "",
 ) -> Fetched | None:
     """Read the reusable prefix blocks of ``token_ids`` (all full blocks but the one holding
-    the last token; at most ``max_blocks`` of them) that the prefix cache lacks from ``store``
+    the last token; at most ``max_blocks`` of them; named under ``cache_salt``, the request's)
+    that the prefix cache lacks from ``store``
     into fresh pool blocks, allocated under ``lock`` and read without it. None when there is
     nothing to read or no room for it. Never raises for the store's sake: a failed get reads
     nothing (``failed``)."""
     bs = pool.spec.block_size
-    hashes = reusable_prefix_hashes(token_ids, bs, block_manager.root_hash)
+    hashes = reusable_prefix_hashes(token_ids, bs, block_manager.root_of(cache_salt))
     if max_blocks is not None:
         hashes = hashes[:max_blocks]
     async with lock:
@@ -105,13 +107,22 @@ class PrefixReader:
     block_manager: BlockManager
     pool: KVPool
 
-    async def fetch(self, token_ids: Sequence[int], lock: asyncio.Lock) -> Fetched | None:
+    async def fetch(
+        self, token_ids: Sequence[int], lock: asyncio.Lock, cache_salt: str = ""
+    ) -> Fetched | None:
         """``fetch_prefix`` from the chosen store; None: no store, nothing to read, no room."""
         store = self.stores.target()
         if store is None:
             return None
         fetched = await fetch_prefix(
-            self.client, store, self.kv_spec, self.block_manager, self.pool, token_ids, lock
+            self.client,
+            store,
+            self.kv_spec,
+            self.block_manager,
+            self.pool,
+            token_ids,
+            lock,
+            cache_salt=cache_salt,
         )
         if fetched is not None and fetched.failed:
             self.stores.forget(store.store_id)

@@ -27,6 +27,7 @@ MAX_SEED = 2**63 - 1
 MAX_LOGPROBS = 20  # alternatives per token, as vLLM's default --max-logprobs
 MAX_LOGIT_BIAS = 1024  # tokens biased per request
 MAX_CHOICES = 16  # SamplingOptions.n
+MAX_CACHE_SALT = 256  # characters of SamplingOptions.cache_salt
 
 NonEmptyStr = Annotated[str, Meta(min_length=1)]
 TokenId = Annotated[int, Meta(ge=0)]
@@ -121,6 +122,14 @@ class SamplingOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
         StructuredOutputs | None,
         Meta(description="The grammar the output follows (vLLM's; or response_format)"),
     ] = None
+    cache_salt: Annotated[
+        str,
+        Meta(
+            max_length=MAX_CACHE_SALT,
+            description="Requests share cached prompt blocks only with requests of the same salt "
+            "(vLLM's; the router may salt by API key too)",
+        ),
+    ] = ""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):  # a single stop string, as OpenAI's API allows
