@@ -61,6 +61,12 @@ class DecodeConfig(EngineWorkerConfig):
         4096,
         help="prefix cache changes kept between two reports; past it a full report replaces them",
     )
+    grammar_compile_timeout_s: float = option(
+        10.0,
+        help="a structured output's grammar must compile within this many seconds (in a "
+        "thread, off the event loop); past it the request fails and its spec is refused at once "
+        "when sent again",
+    )
 
     speculative: bool = option(
         False,
@@ -84,6 +90,7 @@ class DecodeConfig(EngineWorkerConfig):
             "max_lease_s",
             "cache_events_interval_s",
             "cache_digest_interval_s",
+            "grammar_compile_timeout_s",
         )
         check_at_least(self, 0, "quarantine_s", "reserve_output_tokens", "min_step_interval_ms")
         if self.num_blocks is not None and self.num_blocks > MAX_SLOTS:

@@ -403,6 +403,7 @@ async def decode_service(config: DecodeConfig) -> AsyncIterator[DecodeService]:
             hooks=features.hooks,
             lock=lock,
             reader=features.reader,
+            grammar_compile_timeout_s=config.grammar_compile_timeout_s,
         )
         service = DecodeService(
             config,
@@ -475,6 +476,7 @@ async def decode_service(config: DecodeConfig) -> AsyncIterator[DecodeService]:
         )
         async with serve_worker(nc, subjects, shell, log) as service.metrics_port:
             yield service
+        worker.close()
         if swaps is not None:
             await swaps.aclose()  # before the client closes
         if store is not None:

@@ -16,11 +16,17 @@ config: speculative decoding (``speculation.py``), kv-store puts of finished req
 (``store_puts.py``) and swaps of preempted ones (``swaps.py``). The worker calls them at fixed
 points, holding its lock, and knows none of them. Local prefills that read their prefix from a
 kv-store first (``reader``) are part of how requests enter, not a step hook.
+
+A request with a structured output waits, accepted, until its grammar is compiled: in a thread,
+within ``grammar_compile_timeout_s`` (``shared/engine/grammar_compile.py``), never on the event
+loop or under the lock, so heartbeats and other streams go on meanwhile. One that fails (or ran
+past the limit) gets its final event; its spec is refused at once after that.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable, Iterable
 from typing import TypeVar
@@ -46,12 +52,14 @@ from kvmesh.shared.bus.protocol import (
 from kvmesh.shared.bus.recent_ids import RecentIds
 from kvmesh.shared.engine.block_manager import OutOfBlocksError
 from kvmesh.shared.engine.draft_tree import DraftTree
+from kvmesh.shared.engine.grammar_compile import GrammarCompiles
 from kvmesh.shared.engine.llm_engine import LLMEngine
 from kvmesh.shared.engine.sequence import RequestError, RequestOutput
 from kvmesh.shared.kv.imm import imm_slot, unpack_imm
 from kvmesh.shared.mesh.kv_store_prefix import PrefixReader
 from kvmesh.shared.obs import logs
 from kvmesh.shared.text.sampling import SamplingOptions
+from kvmesh.shared.text.structured_output import StructuredOutputError
 from kvmesh.shared.transport.base import MemoryWindow
 from kvmesh.shared.transport.completions import Completion
 
@@ -74,10 +82,12 @@ class DecodeWorker:
         hooks: Iterable[StepHook] = (),
         lock: asyncio.Lock | None = None,
         reader: PrefixReader | None = None,
+        grammar_compile_timeout_s: float = 10.0,
     ) -> None:
         """``hooks``: the features of the engine loop, called in this order; ``lock``: the
         engine lock, when the shell gave it to hooks whose background work touches the pool
-        (else the worker makes its own)."""
+        (else the worker makes its own); ``grammar_compile_timeout_s``: the longest a
+        structured output's grammar may take to compile."""
         self.engine = engine
         self.metrics = metrics or DecodeMetrics()
         self.worker_id = worker_id
@@ -110,6 +120,8 @@ class DecodeWorker:
         self._aborted = RecentIds()
         self._cancelled_leases = RecentIds()
         self._local_leases: dict[str, str] = {}  # accepted local prefill -> its lease id
+        self._grammar_compile_timeout_s = grammar_compile_timeout_s
+        self.grammars: GrammarCompiles | None = None  # made with the first structured output
 
     # ---- the engine loop (the service drives it) --------------------------------------------
 
@@ -146,6 +158,16 @@ class DecodeWorker:
             if self.reads is not None:
                 self.reads.adopt_unused()
             for rid, prompt, params in incoming:
+                try:
+                    if not self._grammar_ready(params):
+                        self._incoming.append((rid, prompt, params))  # next time
+                        continue
+                except StructuredOutputError as exc:
+                    if self.reads is not None:  # what was read stays cached
+                        self.reads.adopt_for(rid)
+                    self.first_token.forget(rid)
+                    events.append(failed_event(rid, len(prompt), f"request {rid!r}: {exc}"))
+                    continue
                 if self.reads is not None:  # adopted and added at once
                     self.metrics.store_hit_tokens.inc(self.reads.adopt_for(rid))
                 self.metrics.local_prompt_tokens.inc(len(prompt))
@@ -156,6 +178,9 @@ class DecodeWorker:
                     events.append(failed_event(rid, len(prompt), str(exc)))
             settled, self._settled = self._settled, []
             for verdict in settled:
+                if not self._grammar_settled(verdict):
+                    self._settled.append(verdict)  # admitted once its grammar is compiled
+                    continue
                 event = self._apply(verdict)
                 if event is not None:
                     events.append(event)
@@ -166,6 +191,38 @@ class DecodeWorker:
         for coroutine in work:  # e.g. a swap-in's read, before the step that readmits it
             await coroutine  # (the lock released: a hook's work takes it where it must)
         return events
+
+    def _grammar_ready(self, params: SamplingOptions) -> bool:
+        """Whether the request's grammar is compiled (or it has none): ``add_request`` then
+        compiles nothing. StructuredOutputError: it failed."""
+        spec = params.structured_outputs
+        if spec is None or self.engine.grammars is None:
+            return True  # none, or the engine refuses it (no tokenizer)
+        if self.grammars is None:
+            loop = asyncio.get_running_loop()
+            self.grammars = GrammarCompiles(
+                self.engine.grammars,
+                self._grammar_compile_timeout_s,
+                lambda: _call_soon(loop, self._wake.set),
+            )
+        self.grammars.start(spec)
+        return self.grammars.ready(spec)
+
+    def _grammar_settled(self, verdict: Verdict) -> bool:
+        """Whether a settled reservation can be applied now: not one to admit, or its grammar
+        compiled or failed (``admit_prefilled`` then refuses it at once)."""
+        if not verdict.ok or verdict.lease.is_aborted:
+            return True
+        assert verdict.lease.admission is not None
+        try:
+            return self._grammar_ready(verdict.lease.admission.params)
+        except StructuredOutputError:
+            return True
+
+    def close(self) -> None:
+        """Stop the grammar compile threads (a compile in flight ends on its own)."""
+        if self.grammars is not None:
+            self.grammars.close()
 
     async def step(self) -> list[TokenEvent]:
         """One engine step (in a worker thread, holding the lock); returns its token events."""
@@ -252,6 +309,7 @@ class DecodeWorker:
                 self.engine.check_request(rid, prompt)
             except RequestError as exc:
                 return refuse(str(exc))
+            self._start_grammar(params)
             if self.reads is not None and self.reads.can_read:
                 # its prefix from a store first (the request is queued when the read ends)
                 self.reads.start(rid, prompt, params)
@@ -298,7 +356,12 @@ class DecodeWorker:
                 self._close_window(window)
                 self.engine.free_reserved(block_ids)
                 return refuse(str(exc))
+        self._start_grammar(params)  # compiled while the prefill runs
         return ReserveReply(True, self.worker_id, block_ids=tuple(block_ids), rkey=res.rkey)
+
+    def _start_grammar(self, params: SamplingOptions) -> None:
+        with contextlib.suppress(StructuredOutputError):  # failed lately: admit() says so
+            self._grammar_ready(params)
 
     def _queue_local(self, rid: str, prompt: list[int], params: SamplingOptions) -> None:
         self._incoming.append((rid, prompt, params))
@@ -489,3 +552,9 @@ class DecodeWorker:
                 + (len(self.reads) if self.reads is not None else 0),
                 state="draining" if self.is_draining else "ready",
             )
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[[], object]) -> None:
+    """``callback`` on ``loop``, from another thread (nothing once the loop is closed)."""
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(callback)
