@@ -1,7 +1,7 @@
 """``kvmesh model import FILE.gguf DIR``: a Llama GGUF as a Hugging Face checkpoint directory.
 
 The directory holds what kvmesh (``--model DIR``) and transformers (``from_pretrained(DIR)``) both
-load: ``model.safetensors`` (every tensor dequantized, in the dtype asked for), ``config.json``,
+load: ``model.safetensors``, ``config.json``,
 ``generation_config.json``, ``tokenizer.json`` and ``tokenizer_config.json`` with the chat
 template (shared/model/gguf_config.py, gguf_weights.py, gguf_tokenizer.py), and
 ``kvmesh-import.json``, written last: the source file's and every written file's SHA-256. The
@@ -9,6 +9,11 @@ files are written into a sibling folder renamed into place at the end, so an int
 leaves no directory that looks complete. Every file is made mode 0644 and the folder 0755,
 whatever the umask or the writer chose (safetensors writes 0600): a container image that copies
 the checkpoint runs as another user, who must read it.
+
+The weights: Q8_0, Q4_0 and Q4_1 matrices keep their blocks as stored (uint8 tensors, their
+formats in the safetensors metadata under ``CHECKPOINT_KEY``; kvmesh computes with them as they
+are, transformers cannot read them), every other tensor is dequantized to the dtype asked for.
+``dequantize=True`` dequantizes every tensor: a plain HF checkpoint transformers loads too.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from kvmesh.shared.model.gguf_config import generation_config, hf_config, model_
 from kvmesh.shared.model.gguf_file import GGUFError, read_gguf
 from kvmesh.shared.model.gguf_tokenizer import build_tokenizer
 from kvmesh.shared.model.gguf_weights import hf_tensors
+from kvmesh.shared.model.quant import BLOCK, CHECKPOINT_KEY, row_bytes
 
 MARKER = "kvmesh-import.json"
 _CHUNK = 1 << 20
@@ -42,13 +48,19 @@ class ImportedModel:
     source_sha256: str
     dtype: str
     num_parameters: int
+    is_dequantized: bool = True  # every weight in ``dtype``; else Q8_0/Q4_0/Q4_1 as stored
 
 
 def import_gguf(
-    source: str | Path, directory: str | Path, dtype: str = "float32", keep_source: bool = False
+    source: str | Path,
+    directory: str | Path,
+    dtype: str = "float32",
+    keep_source: bool = False,
+    dequantize: bool = False,
 ) -> ImportedModel:
     """Convert ``source`` into the checkpoint directory ``directory`` (new, or an empty folder);
-    ``keep_source``: a copy of the GGUF goes in too (llama.cpp runs it: ``kvmesh bench engine``)."""
+    ``keep_source``: a copy of the GGUF goes in too (llama.cpp runs it: ``kvmesh bench engine``);
+    ``dequantize``: every weight in ``dtype``, none kept in its block format."""
     source, directory = Path(source), Path(directory)
     try:
         dtype = dtype_name(dtype, "--dtype")
@@ -59,7 +71,7 @@ def import_gguf(
     gguf = read_gguf(source)
     config = model_config(gguf, dtype)
     tokenizer = build_tokenizer(gguf)  # before the weights: a bad tokenizer fails in a second
-    weights = _torch_weights(gguf, config)
+    weights, formats = _torch_weights(gguf, config, keep_formats=not dequantize)
 
     directory.parent.mkdir(parents=True, exist_ok=True)
     partial = directory.parent / f".{directory.name}.partial-{os.getpid()}"
@@ -68,8 +80,16 @@ def import_gguf(
     try:
         from safetensors.torch import save_file
 
-        save_file(weights, str(partial / "model.safetensors"), metadata={"format": "pt"})
-        num_parameters = sum(t.numel() for t in weights.values())
+        metadata = {"format": "pt"}
+        if formats:
+            metadata[CHECKPOINT_KEY] = json.dumps(formats, sort_keys=True)
+        save_file(weights, str(partial / "model.safetensors"), metadata=metadata)
+        num_parameters = sum(
+            t.shape[0] * t.shape[1] // row_bytes(formats[n], BLOCK) * BLOCK
+            if n in formats
+            else t.numel()
+            for n, t in weights.items()
+        )
         del weights
         _write_json(partial / "config.json", hf_config(config, gguf))
         _write_json(partial / "generation_config.json", generation_config(config))
@@ -83,6 +103,7 @@ def import_gguf(
             "source_sha256": source_sha256,
             "dtype": dtype,
             "num_parameters": num_parameters,
+            "dequantized": not formats,
             "files": {p.name: file_sha256(p) for p in sorted(partial.iterdir())},
         }
         _write_json(partial / MARKER, marker)  # last: its presence means the rest is whole
@@ -93,7 +114,7 @@ def import_gguf(
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
-    return ImportedModel(directory, source_sha256, dtype, num_parameters)
+    return ImportedModel(directory, source_sha256, dtype, num_parameters, not formats)
 
 
 def verify_import(directory: str | Path, full: bool = False) -> ImportedModel | None:
@@ -108,7 +129,11 @@ def verify_import(directory: str | Path, full: bool = False) -> ImportedModel | 
             if not path.is_file() or (full and file_sha256(path) != digest):
                 return None
         return ImportedModel(
-            directory, marker["source_sha256"], marker["dtype"], int(marker["num_parameters"])
+            directory,
+            marker["source_sha256"],
+            marker["dtype"],
+            int(marker["num_parameters"]),
+            bool(marker.get("dequantized", True)),  # imports before formats were kept
         )
     except (OSError, ValueError, KeyError, TypeError):
         return None
@@ -134,14 +159,22 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _torch_weights(gguf: Any, config: Any) -> dict[str, Any]:
-    """HF-named torch tensors in the config's dtype; exactly the tensors the model needs."""
+def _torch_weights(
+    gguf: Any, config: Any, keep_formats: bool
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """HF-named torch tensors, exactly the tensors the model needs: in the config's dtype, or
+    (``keep_formats``) Q8_0/Q4_0/Q4_1 blocks as stored; and those tensors' formats."""
     import torch
     from kvmesh.shared.model.loader import hf_weight_plan
 
     out: dict[str, torch.Tensor] = {}
-    for name, values in hf_tensors(gguf, config.num_attention_heads, config.num_key_value_heads):
+    formats: dict[str, str] = {}
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    for name, values, format in hf_tensors(gguf, heads, kv_heads, keep_formats):
         values = values if values.flags.writeable else values.copy()  # F32: a memmap view
+        if format is not None:
+            out[name], formats[name] = torch.from_numpy(values).contiguous(), format
+            continue
         out[name] = torch.from_numpy(values).to(config.torch_dtype).contiguous()
     expected = {hf: shape for parts in hf_weight_plan(config).values() for hf, shape in parts}
     missing = sorted(set(expected) - set(out))
@@ -152,12 +185,16 @@ def _torch_weights(gguf: Any, config: Any) -> dict[str, Any]:
             + "; the file is incomplete"
         )
     for name, shape in expected.items():
-        if tuple(out[name].shape) != shape:
+        got = tuple(out[name].shape)
+        if name in formats:  # (rows, bytes): the logical shape needs whole blocks of columns
+            stored_shape = (shape[0], row_bytes(formats[name], shape[1])) if len(shape) == 2 else ()
+            got = shape if got == stored_shape and shape[1] % BLOCK == 0 else got
+        if got != shape:
             raise GGUFError(
-                f"{gguf.path}: tensor {name!r} (HF name) has shape {tuple(out[name].shape)}, the "
+                f"{gguf.path}: tensor {name!r} (HF name) has shape {got}, the "
                 f"file's hyperparameters say {shape}"
             )
-    return out
+    return out, formats
 
 
 def _write_json(path: Path, value: Any) -> None:

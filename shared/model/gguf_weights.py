@@ -14,6 +14,7 @@ from collections.abc import Iterator
 
 import numpy as np
 from kvmesh.shared.model.gguf_file import GGUFError, GGUFFile, GGUFTensor
+from kvmesh.shared.model.quant import QUANT_FORMATS, row_bytes
 
 # GGUF tensor name -> HF name ({i}: the layer); names outside this table are refused.
 _GLOBAL_NAMES = {
@@ -89,18 +90,29 @@ def check_tensor_names(gguf: GGUFFile) -> None:
         )
 
 
+def stored(tensor: GGUFTensor) -> np.ndarray:
+    """A 2-D tensor of a format kvmesh computes with as stored (``QUANT_FORMATS``): its raw
+    blocks as a (rows, row bytes) uint8 array, a copy."""
+    assert tensor.type_name in QUANT_FORMATS and len(tensor.shape) == 2, tensor.type_name
+    rows, cols = tensor.shape
+    return np.array(tensor.raw, dtype=np.uint8).reshape(rows, row_bytes(tensor.type_name, cols))
+
+
 def hf_tensors(
-    gguf: GGUFFile, num_heads: int, num_kv_heads: int
-) -> Iterator[tuple[str, np.ndarray]]:
-    """(HF name, float32 array) for every tensor, Q and K rows unpermuted."""
+    gguf: GGUFFile, num_heads: int, num_kv_heads: int, keep_formats: bool = False
+) -> Iterator[tuple[str, np.ndarray, str | None]]:
+    """(HF name, array, format) for every tensor, Q and K rows unpermuted: float32 values and
+    None, or with ``keep_formats`` a 2-D Q8_0, Q4_0 or Q4_1 tensor's blocks (``stored``) and its
+    format (blocks lie along rows, so rows permute as bytes)."""
     check_tensor_names(gguf)
     for name, tensor in gguf.tensors.items():
         target = hf_name(name)
         if target is None:
             continue
-        values = dequantize(tensor, gguf.path)
+        is_kept = keep_formats and tensor.type_name in QUANT_FORMATS and len(tensor.shape) == 2
+        values = stored(tensor) if is_kept else dequantize(tensor, gguf.path)
         if name.endswith(".attn_q.weight"):
             values = unpermute_rows(values, num_heads)
         elif name.endswith(".attn_k.weight"):
             values = unpermute_rows(values, num_kv_heads)
-        yield target, values
+        yield target, values, tensor.type_name if is_kept else None

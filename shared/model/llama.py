@@ -24,6 +24,7 @@ from kvmesh.kernels.cpu_ops import (
 from kvmesh.shared.kv.kv_cache import KVCacheSpec, KVPool
 from kvmesh.shared.model.attention import AttentionMetadata, paged_attention
 from kvmesh.shared.model.config import ModelConfig
+from kvmesh.shared.model.quant_layers import QuantEmbedding, QuantLinear
 from kvmesh.shared.model.rope import apply_rope, rope_cos_sin, rotation_tables
 from torch import nn
 
@@ -295,7 +296,7 @@ class Transformer(nn.Module):
     def reset_rope_cache(self) -> None:
         """(Re)build the rotation tables (``rotation_tables``), (max_position_embeddings, head_dim)
         float32, on the model's device. Call after materialising a model built on the meta device."""
-        device = self.tok_embeddings.weight.device
+        device = self.norm.weight.device
         num_positions = self.config.max_position_embeddings
         if device.type == "meta":  # shapes only; the loader calls this again once materialised
             shape = (num_positions, self.config.head_dim)
@@ -332,6 +333,10 @@ class Transformer(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, hidden_size) -> (N, vocab_size) float32."""
+        if self.output is None and isinstance(self.tok_embeddings, QuantEmbedding):
+            return self.tok_embeddings.project(hidden).float()
+        if isinstance(self.output, QuantLinear):
+            return self.output(hidden).float()
         return F.linear(hidden, self.lm_head_weight).float()
 
 
@@ -345,6 +350,8 @@ def attach_cpu_ops(model: Transformer, ops: CpuOps | None) -> None:
     for module in model.modules():
         if isinstance(module, (RMSNorm, Attention, FeedForward)):
             module.cpu_ops = ops
+        if isinstance(module, QuantLinear):  # weights as stored: CpuOps.quant_linear
+            module.cpu_ops = ops if module.qweight.data.is_cpu else None
         if isinstance(module, Linear):
             is_packable = ops is not None and module.weight.dtype == torch.float32
             is_packable = is_packable and module.weight.device.type == "cpu"
@@ -362,6 +369,8 @@ def _decode_layer_weights(block: TransformerBlock) -> DecodeLayerWeights | None:
     attn, ffn = block.attention, block.feed_forward
     linears = (attn.wqkv, attn.wo, ffn.w_gate_up, ffn.w_down)
     norms = (block.attention_norm, block.ffn_norm)
+    if not all(isinstance(linear, Linear) for linear in linears):
+        return None
     if any(linear.packed is None for linear in linears) or block.attention_norm.eps != (
         block.ffn_norm.eps
     ):

@@ -16,9 +16,12 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import torch
+from kvmesh.shared.model import quant
 from kvmesh.shared.model.checkpoint_info import ModelLoadError, load_config_and_tokenizer
 from kvmesh.shared.model.config import ModelConfig, ModelConfigError, parse_dtype
 from kvmesh.shared.model.llama import Transformer
+from kvmesh.shared.model.quant import CHECKPOINT_KEY, QuantWeight, cat_rows
+from kvmesh.shared.model.quant_layers import use_quant_weights
 from kvmesh.shared.model.tiny import TINY_NAME, tiny_state_dict
 from kvmesh.shared.text.tokenizer import Tokenizer
 from safetensors import safe_open
@@ -33,11 +36,14 @@ def load_model(
     name_or_path: str = TINY_NAME,
     dtype: torch.dtype | str | None = None,
     device: str | torch.device = "cpu",
+    dequantize: bool = False,
 ) -> tuple[Transformer, Tokenizer]:
     """Build the model (eval mode, no grads) and its tokenizer.
 
     ``dtype`` (a torch dtype or a name such as "bfloat16") defaults to the checkpoint's own dtype,
-    float32 when it names none; float32, bfloat16 and float16 are supported.
+    float32 when it names none; float32, bfloat16 and float16 are supported. Weights a checkpoint
+    keeps in a block format (Q8_0, Q4_0, Q4_1: ``kvmesh model import``) stay in it on the CPU
+    (``shared/model/quant_layers.py``); ``dequantize`` (and any other device) makes them ``dtype``.
     """
     if dtype is not None:
         try:
@@ -49,7 +55,7 @@ def load_model(
         weights = _tiny_weights()
         model = build_model(config, weights.__getitem__, weights.keys(), TINY_NAME, device)
         return model, tokenizer
-    return _load_hf_checkpoint(Path(name_or_path), dtype, device)
+    return _load_hf_checkpoint(Path(name_or_path), dtype, device, dequantize)
 
 
 def hf_weight_plan(config: ModelConfig) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
@@ -101,9 +107,14 @@ def build_model(
     available: Iterable[str],
     source: str,
     device: str | torch.device = "cpu",
+    formats: Mapping[str, str] | None = None,
+    dequantize: bool = False,
 ) -> Transformer:
     """Materialise a Transformer from HF-named tensors. ``available`` lists every tensor in the
-    checkpoint; ``source`` names the checkpoint in errors."""
+    checkpoint; ``source`` names the checkpoint in errors. ``formats``: the tensors kept in a
+    block format (name -> format, their tensors (rows, row bytes) uint8); a weight whose parts
+    all share one format stays in it on the CPU unless ``dequantize``."""
+    formats = dict(formats or {})
     available = set(available)
     plan = hf_weight_plan(config)
     wanted = {name for parts in plan.values() for name, _ in parts}
@@ -122,8 +133,23 @@ def build_model(
             + f"; they do not belong to a {config.architecture} with this config.json"
         )
 
+    keep = torch.device(device).type == "cpu" and not dequantize
+    kept = {
+        param: parts
+        for param, parts in plan.items()
+        if keep
+        and len({formats.get(name) for name, _ in parts} - {None}) == 1
+        and all(name in formats for name, _ in parts)
+    }
     with torch.device("meta"):
         model = Transformer(config).to(dtype=config.torch_dtype)
+    if kept:
+        quant_weights = {
+            param: _quant_weight(parts, formats, get_tensor, source)
+            for param, parts in kept.items()
+        }
+        use_quant_weights(model, quant_weights)
+        plan = {param: parts for param, parts in plan.items() if param not in kept}
     # model.to_empty(device=device), keeping each tensor's strides (Linear's are column-major),
     # without torch's meta empty_like: a Python reference that imports sympy (seconds of start-up)
     model._apply(lambda t: torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=device))
@@ -134,6 +160,8 @@ def build_model(
             tensors = []
             for hf_name, expected in parts:
                 tensor = get_tensor(hf_name)
+                if hf_name in formats:  # blocks kept, a part of a weight that is not
+                    tensor = quant.dequantize(_as_quant(hf_name, tensor, expected, formats, source))
                 if tuple(tensor.shape) != expected:
                     raise ModelLoadError(
                         f"{source}: tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
@@ -151,6 +179,28 @@ def build_model(
     return model.eval()
 
 
+def _as_quant(
+    name: str, tensor: torch.Tensor, shape: tuple[int, ...], formats: Mapping[str, str], source: str
+) -> QuantWeight:
+    try:
+        return QuantWeight(formats[name], tensor.contiguous(), *shape)
+    except (AssertionError, TypeError):
+        raise ModelLoadError(
+            f"{source}: tensor {name!r} is not a {formats[name]} {shape} weight as stored "
+            f"(dtype {tensor.dtype}, shape {tuple(tensor.shape)})"
+        ) from None
+
+
+def _quant_weight(
+    parts: list[tuple[str, tuple[int, ...]]],
+    formats: Mapping[str, str],
+    get_tensor: Callable[[str], torch.Tensor],
+    source: str,
+) -> QuantWeight:
+    weights = [_as_quant(name, get_tensor(name), shape, formats, source) for name, shape in parts]
+    return weights[0] if len(weights) == 1 else cat_rows(weights)
+
+
 @functools.cache
 def _tiny_weights() -> dict[str, torch.Tensor]:
     # Generated once per process (~1 s of CPU); build_model copies, so sharing them is safe.
@@ -165,14 +215,16 @@ def _is_harmless_extra(name: str, config: ModelConfig) -> bool:
 
 
 def _load_hf_checkpoint(
-    directory: Path, dtype: torch.dtype | None, device: str | torch.device
+    directory: Path, dtype: torch.dtype | None, device: str | torch.device, dequantize: bool
 ) -> tuple[Transformer, Tokenizer]:
     config, tokenizer = load_config_and_tokenizer(str(directory), dtype)
     shards = _weight_files(directory)
     with ExitStack() as stack:
         where: dict[str, object] = {}
+        formats: dict[str, str] = {}
         for path, names in shards.items():
             handle = stack.enter_context(_open_safetensors(path))
+            formats.update(_stored_formats(handle, path))
             present = set(handle.keys())
             for name in names if names is not None else present:
                 if name not in present:
@@ -181,9 +233,38 @@ def _load_hf_checkpoint(
                     )
                 where[name] = handle
         model = build_model(
-            config, lambda n: where[n].get_tensor(n), where.keys(), str(directory), device
+            config,
+            lambda n: where[n].get_tensor(n),
+            where.keys(),
+            str(directory),
+            device,
+            formats,
+            dequantize,
         )
     return model, tokenizer
+
+
+def _stored_formats(handle, path: Path) -> dict[str, str]:
+    """The tensors of a safetensors file kept in a block format (``CHECKPOINT_KEY``)."""
+    text = (handle.metadata() or {}).get(CHECKPOINT_KEY)
+    if text is None:
+        return {}
+    try:
+        formats = json.loads(text)
+        assert isinstance(formats, dict) and all(isinstance(v, str) for v in formats.values())
+    except (json.JSONDecodeError, AssertionError):
+        raise ModelLoadError(
+            f"{path}: metadata {CHECKPOINT_KEY!r} is not a name -> format object"
+        ) from None
+    from kvmesh.shared.model.quant import QUANT_FORMATS
+
+    unknown = sorted(set(formats.values()) - set(QUANT_FORMATS))
+    if unknown:
+        raise ModelLoadError(
+            f"{path}: weights in format {unknown[0]!r}, which kvmesh does not read; import the "
+            "GGUF again with --dequantize"
+        )
+    return formats
 
 
 def _weight_files(directory: Path) -> dict[Path, set[str] | None]:
