@@ -87,6 +87,8 @@ class Launcher:
             except NatsVettingError as exc:
                 raise LaunchError(str(exc)) from None
             self._check_mesh_absent(url)
+        if self.config.mode == "disagg":  # as admin, before any role connects: docs/security.md
+            self._make_prefill_queue()
         specs = plan(self.config, self.nats_url, self.port)
         ports = {s.name: free_port() for s in specs if s.tier != "router"}  # kept across restarts
         self.metrics_urls = {
@@ -106,6 +108,23 @@ class Launcher:
         write_state(self.state)
         for spec in with_metrics_ports(specs, ports):
             self._spawn(spec)
+
+    def _make_prefill_queue(self) -> None:
+        from kvmesh.commands.queue_setup import make_prefill_queue
+        from kvmesh.shared.bus.nats_service import NatsUnavailableError
+        from kvmesh.shared.bus.prefill_queue import PrefillQueueError
+
+        try:
+            _run_sync(
+                make_prefill_queue(
+                    self.nats_url,
+                    self.mesh,
+                    auth=self.nats_auth,
+                    security=self.config.nats_security,
+                )
+            )
+        except (PrefillQueueError, NatsUnavailableError) as exc:
+            raise LaunchError(f"{exc} (or make it first: kvmesh admin prefill-queue)") from None
 
     def _default_nats_url(self) -> str:
         """The NATS URL of a launcher left at the default: the default, unless the server there

@@ -110,6 +110,9 @@ class NatsSecurity:
     tls_ca: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
+    # send credentials to a server that neither runs here under this user (or root) nor proves
+    # itself by TLS (shared/bus/nats_vetting.py): a private network the operator vouches for
+    trust_network: bool = False
 
     def __post_init__(self) -> None:
         for path, flag in (
@@ -206,6 +209,12 @@ class NatsClientConfig:
         None, help="client certificate (PEM) for a NATS server that verifies clients"
     )
     nats_tls_key: str | None = option(None, help="private key (PEM) of --nats-tls-cert")
+    nats_trust_network: bool = option(
+        False,
+        help="send NATS credentials to a server that neither runs on this machine under this "
+        "user (or root) nor proves itself by TLS: only on a private network you control (the "
+        "compose stack's); without it such a server gets nothing",
+    )
 
     def check_nats_options(self, default_mesh: str | None) -> None:
         """Validate the URL, mesh and files; a mesh left unset becomes ``default_mesh`` (None
@@ -228,7 +237,11 @@ class NatsClientConfig:
     @property
     def nats_security(self) -> NatsSecurity:
         return NatsSecurity(
-            self.nats_creds, self.nats_tls_ca, self.nats_tls_cert, self.nats_tls_key
+            self.nats_creds,
+            self.nats_tls_ca,
+            self.nats_tls_cert,
+            self.nats_tls_key,
+            trust_network=self.nats_trust_network,
         )
 
     @property

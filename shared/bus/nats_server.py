@@ -260,12 +260,22 @@ class NatsServer:
                     self.port = parse_nats_url(urls[0])[1]
                 except (ValueError, KeyError, IndexError):
                     pass  # written but not complete yet
-            if self.port and nats_is_reachable(self.url, timeout_s=0.5):
+            if self.port and nats_is_reachable(self.url, timeout_s=0.5) and self._listens():
                 return
             time.sleep(0.02)
         raise NatsServerError(
             f"nats-server did not accept connections within {self.start_timeout_s}s"
         )
+
+    def _listens(self) -> bool:
+        """Whether the server answering on our port is our child: another process that took
+        the port first (another user's) is not ours to wait on; ours then exits, port taken.
+        True where this namespace shows no listener (a server run in another netns)."""
+        from kvmesh.shared.bus.nats_vetting import port_holder
+
+        assert self._proc is not None
+        holder = port_holder(self.port)
+        return holder is None or holder.pid == self._proc.pid
 
     def permission_violations(self) -> list[str]:
         """Lines the server logged for a publish or subscription a user's permissions refused."""

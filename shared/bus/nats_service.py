@@ -40,7 +40,7 @@ from kvmesh.shared.bus.nats_options import (
     split_nats_urls,
     url_has_credentials,
 )
-from kvmesh.shared.bus.nats_vetting import holder_note
+from kvmesh.shared.bus.nats_vetting import NatsVettingError, holder_note, vet_connection
 from kvmesh.shared.bus.subjects import Subjects
 from kvmesh.shared.obs import logs
 from kvmesh.shared.obs.metrics_exporter import serve_metrics
@@ -70,6 +70,59 @@ class NatsUnavailableError(ConnectionError):
 def new_worker_id(role: str) -> str:
     """A short unique id, safe as a NATS subject token and a micro-service metadata value."""
     return f"{role}-{uuid.uuid4().hex[:8]}"
+
+
+class UnverifiedServerError(nats.errors.Error):
+    """A reconnect reached a server that must not get this client's credentials; nats-py
+    counts it as a failed attempt and tries again (the mesh's own server may come back)."""
+
+
+def _address(sockaddr: object) -> tuple[str, int] | None:
+    """(host, port) of an AF_INET or AF_INET6 socket address; None for anything else."""
+    if isinstance(sockaddr, tuple) and len(sockaddr) >= 2:
+        return str(sockaddr[0]), int(sockaddr[1])
+    return None
+
+
+class VettedClient(Client):
+    """nats-py's client, asking ``refusal`` before each CONNECT (which carries the credentials)
+    whether this connection's server may have them: the first connect fails with
+    NatsVettingError, a reconnect attempt with UnverifiedServerError (and is retried)."""
+
+    def __init__(
+        self,
+        refusal: Callable[[VettedClient], str | None],
+        on_refused: Callable[[str], None],
+    ) -> None:
+        super().__init__()
+        self._refusal = refusal
+        self._on_refused = on_refused
+        self._connected_once = False  # a refusal after it is a reconnect attempt's
+
+    async def connect(self, *args: Any, **kwargs: Any) -> None:
+        await super().connect(*args, **kwargs)
+        self._connected_once = True
+
+    def connection_facts(self) -> tuple[tuple[str, int] | None, tuple[str, int] | None, bool]:
+        """(our address, the server's address, whether TLS verified the server) of the socket
+        this client is connecting over; addresses None when it is not a TCP socket."""
+        transport = self._transport
+        bare = getattr(transport, "_bare_io_writer", None)
+        wrapped = getattr(transport, "_io_writer", None)
+        ours = bare.get_extra_info("sockname") if bare is not None else None
+        theirs = bare.get_extra_info("peername") if bare is not None else None
+        ssl_object = wrapped.get_extra_info("ssl_object") if wrapped is not None else None
+        tls_verified = ssl_object is not None and self.ssl_context.verify_mode == ssl.CERT_REQUIRED
+        return _address(ours), _address(theirs), tls_verified
+
+    def _connect_command(self) -> bytes:
+        why = self._refusal(self)
+        if why is not None:
+            self._on_refused(why)
+            if self._connected_once:
+                raise UnverifiedServerError(why)
+            raise NatsVettingError(why)
+        return super()._connect_command()
 
 
 @contextlib.asynccontextmanager
@@ -117,39 +170,41 @@ async def connect_nats(
             hearing.on_disconnected(time.monotonic())
         log.warning("nats disconnected, reconnecting", name=name, url=shown)
 
-    # Credentials were made for one server: one that asks for none is not it (another user's
-    # open server on the port, shared/bus/nats_vetting.py), and nothing is sent to it.
+    # Credentials were made for one server, and a server's INFO is its own word: before every
+    # CONNECT (reconnects too) the connection is checked (shared/bus/nats_vetting.py), and a
+    # server that fails gets nothing. One that asks for no credentials is not theirs either.
     given_credentials = bool(
         auth or url_has_credentials(url) or (security is not None and security.creds)
     )
+    trust_network = security is not None and security.trust_network
+    vetting_refusals: list[str] = []
 
-    def open_server() -> str | None:
-        """Why the connected server must not be used, or None."""
-        if not given_credentials or nc._server_info.get("auth_required"):
+    def refusal(client: VettedClient) -> str | None:
+        """Why credentials must not go to the server ``client`` is connected to, or None."""
+        if not given_credentials:
             return None
-        where = nc.connected_url
-        host, port = (where.hostname or "", where.port or 4222) if where else ("", 0)
-        return (
-            f"the NATS server at {host}:{port}{holder_note(host, port)} asks for no credentials, "
-            f"but {name} was given some: it is not the server they were made for (another "
-            "user's, started first on that port?), and nothing is sent to it; stop it, or "
-            "connect without credentials to use an open server"
-        )
+        ours, theirs, tls_verified = client.connection_facts()
+        if not client._server_info.get("auth_required"):
+            host, port = theirs or ("", 0)
+            return (
+                f"the NATS server at {host}:{port}{holder_note(host, port)} asks for no "
+                f"credentials, but {name} was given some: it is not the server they were made "
+                "for (another user's, started first on that port?), and nothing is sent to it; "
+                "stop it, or connect without credentials to use an open server"
+            )
+        return vet_connection(ours, theirs, tls_verified=tls_verified, trust_network=trust_network)
 
-    refusing: list[asyncio.Future[None]] = []
+    def on_refused(why: str) -> None:
+        if not vetting_refusals:  # then counted, not logged again each reconnect attempt
+            log.error("refusing the NATS server", name=name, why=why)
+        vetting_refusals.append(why)
 
     async def on_reconnected() -> None:
-        why = open_server()
-        if why is not None:
-            log.error("refusing the NATS server reconnected to", name=name, why=why)
-            # not awaited here: close() would wait on the reconnect that is calling us
-            refusing.append(asyncio.ensure_future(nc.close()))  # the service ends
-            return
         if hearing is not None:
             hearing.on_reconnected(time.monotonic())
         log.info("nats reconnected", name=name, url=shown)
 
-    nc = Client()
+    nc = VettedClient(refusal, on_refused)
     try:
         await asyncio.wait_for(
             nc.connect(
@@ -173,6 +228,10 @@ async def connect_nats(
             ),
             timeout=connect_wait_s,
         )
+    except NatsVettingError as exc:
+        closing = True
+        await nc.close()
+        raise NatsUnavailableError(str(exc)) from None
     except (TimeoutError, OSError, nats.errors.Error) as exc:
         closing = True
         await nc.close()
@@ -202,11 +261,6 @@ async def connect_nats(
             f"({type(exc).__name__}: {redact_secrets(str(exc), url)}); start one (`kvmesh up` "
             "does, or `nats-server -js`) or pass --nats-url / KVMESH_NATS_URL"
         ) from None
-    why = open_server()
-    if why is not None:
-        closing = True
-        await nc.close()
-        raise NatsUnavailableError(why)
     try:
         yield nc
     finally:
