@@ -35,7 +35,7 @@ def kvmesh_services() -> dict[str, dict[str, Any]]:
     return {
         name: svc
         for name, svc in compose()["services"].items()
-        if svc.get("image") == "kvmesh:latest" and svc["command"][0] == "kvmesh"
+        if svc.get("image") == "kvmesh:latest" and svc["command"][:2] == ["kvmesh", "serve"]
     }
 
 
@@ -61,9 +61,29 @@ def test_compose_runs_every_mesh_service() -> None:
         "kv-registry",
         "kv-store",
         "prefill",
-        "prefill-queue",  # makes the JetStream queue: no worker role may (docs/security.md)
+        "prefill-queue",  # watches the JetStream queue; admin makes it (docs/security.md)
         "router",
     ]
+
+
+def test_the_prefill_queue_is_made_once_as_admin_before_its_keeper_starts() -> None:
+    """No runtime role may create or change the stream (docs/security.md): a one-shot step
+    makes it as admin (`kvmesh admin prefill-queue`) once NATS is up; the keeper starts after
+    it succeeded and only watches."""
+    services = compose()["services"]
+    setup = services["prefill-queue-setup"]
+    args = build_parser().parse_args(setup["command"][1:])
+    assert (args.command, args.action) == ("admin", "prefill-queue")
+    assert setup["restart"] == "no"
+    assert setup["depends_on"] == {"nats": {"condition": "service_healthy"}}
+    env = setup["environment"]
+    assert env[USER_ENV] == "admin"
+    assert env[PASSWORD_ENV].startswith("${" + password_variable("admin") + ":?")
+    assert interpolate(env["KVMESH_MESH"]) == "kvmesh-tiny" and env["KVMESH_NATS_URL"] == (
+        "nats://nats:4222"
+    )
+    keeper = services["prefill-queue"]["depends_on"]
+    assert keeper["prefill-queue-setup"] == {"condition": "service_completed_successfully"}
 
 
 def test_decode_sends_contexts_to_the_compose_draft_service() -> None:
@@ -182,6 +202,8 @@ def test_services_start_after_what_they_need_is_healthy() -> None:
     workers = [name for name in kvmesh_services() if name != "kv-registry"]
     for name in workers:
         queue = {"prefill-queue": "service_healthy"} if name in ("prefill", "router") else {}
+        if name == "prefill-queue":
+            queue = {"prefill-queue-setup": "service_completed_successfully"}
         wanted = {"nats": "service_healthy", "kv-registry": "service_healthy", **queue}
         assert conditions[name] == wanted, name
     assert conditions["prometheus"] == dict.fromkeys(workers, "service_healthy")

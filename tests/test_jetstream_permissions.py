@@ -4,9 +4,11 @@ the mesh's permissions (shared/bus/nats_auth.py): which reach the API and which 
 No worker or router role may create, update or delete a stream or a consumer: a role that could
 update the prefill stream could give it a ``republish`` rule, and the server would republish any
 job it sends under the server's own identity (as prefill, an ``admin.drain`` drained a decode
-worker: issue 27). The keeper (user ``prefill-queue``) makes and scales them and nothing else;
-the operator (``admin``) holds the whole API of the mesh's stream. The tables below are the
-policy, written out; the server is asked, not the permission lists."""
+worker: issue 27). Nor may the keeper (user ``prefill-queue``): it reads their INFO and nothing
+else (issue 40: with UPDATE it added ``request.*.tokens`` and ``registry.advertise`` to the
+stream with a ``republish`` to its own inbox and read another tenant's tokens and decode's lane
+secret). The operator (``admin``) makes them and holds the whole API of the mesh's stream. The
+tables below are the policy, written out; the server is asked, not the permission lists."""
 
 from __future__ import annotations
 
@@ -76,15 +78,7 @@ ALLOWED = {
     "prefill": {"CONSUMER.INFO", "CONSUMER.MSG.NEXT"},  # and acks (replies to what it took)
     "draft": set(),
     "kv-store": set(),
-    "prefill-queue": {
-        "INFO",
-        "STREAM.CREATE",
-        "STREAM.UPDATE",
-        "STREAM.INFO",
-        "CONSUMER.CREATE",
-        "CONSUMER.DURABLE.CREATE",
-        "CONSUMER.INFO",
-    },
+    "prefill-queue": {"INFO", "STREAM.INFO", "CONSUMER.INFO"},  # watches; admin makes
     "admin": {"INFO", "DIRECT.GET", *OPERATOR},
 }
 
@@ -148,27 +142,27 @@ async def _reached(url: str, creds: MeshCredentials, role: str) -> set[str]:
 async def test_every_jetstream_verb_as_every_role_reaches_the_api_only_where_allowed(server, creds):
     assert set(ALLOWED) == set(ROLES)
     found = {}
-    async with connect_nats(server.url, "keeper", auth=creds.auth("prefill-queue")) as keeper:
+    async with connect_nats(server.url, "setup", auth=creds.auth("admin")) as admin:
         for role in sorted(ROLES, key=lambda r: r == "admin"):  # admin may delete: last
-            await ensure_queue(keeper, subjects)  # what the verbs of the one before removed
+            await ensure_queue(admin, subjects)  # what the verbs of the one before removed
             found[role] = await _reached(server.url, creds, role)
     assert found == ALLOWED
 
 
 async def test_a_worker_cannot_give_the_queue_a_republish_rule(server, creds):
-    """The escape of issue 27: as prefill (or any other worker or router role), update the
-    stream so that the server republishes each job on ``admin.drain``. Refused for every role
-    but the keeper and the operator; the stream is as the keeper made it, and a job published
-    after goes nowhere else."""
+    """The escape of issue 27: as prefill (or any other worker or router role, or the keeper),
+    update the stream so that the server republishes each job on ``admin.drain``. Refused for
+    every role but the operator; the stream is as admin made it, and a job published after goes
+    nowhere else."""
     rule = stream_config(subjects).as_dict()
     rule["republish"] = {"src": subjects.PREFILL_JOBS, "dest": subjects.ADMIN_DRAIN}
     async with (
         connect_nats(server.url, "keeper", auth=creds.auth("prefill-queue")) as keeper,
         connect_nats(server.url, "admin", auth=creds.auth("admin")) as admin,
     ):
-        await ensure_queue(keeper, subjects)
+        await ensure_queue(admin, subjects)
         logged_before = len(server.permission_violations())
-        for role in WORKER_ROLES:
+        for role in (*WORKER_ROLES, "prefill-queue"):
             async with connect_nats(server.url, role, auth=creds.auth(role)) as nc:
                 with pytest.raises(nats.errors.TimeoutError):
                     await nc.request(f"$JS.API.STREAM.UPDATE.{S}", orjson.dumps(rule), timeout=0.5)
@@ -181,10 +175,75 @@ async def test_a_worker_cannot_give_the_queue_a_republish_rule(server, creds):
         with pytest.raises(nats.errors.TimeoutError):
             await drains.next_msg(timeout=0.5)
     violations = server.permission_violations()[logged_before:]
-    for role in WORKER_ROLES:  # each attempt was refused by the server, and logged as its user's
+    for role in (
+        *WORKER_ROLES,
+        "prefill-queue",
+    ):  # each attempt was refused by the server, and logged as its user's
         assert any(
             f'user:{role}"' in line and f"STREAM.UPDATE.{S}" in line for line in violations
         ), (
             role,
             violations,
         )
+
+
+def _capture(keeper_inbox: str) -> dict:
+    """Issue 40's stream config: the job subject plus another tenant's tokens and decode's
+    adverts, each republished to the keeper's own inbox."""
+    config = stream_config(subjects).as_dict()
+    config["subjects"] = [
+        subjects.PREFILL_JOBS,
+        f"{subjects.prefix}.request.*.tokens",
+        subjects.REGISTRY_ADVERTISE,
+    ]
+    config["republish"] = {"src": ">", "dest": f"{keeper_inbox}.>"}
+    return config
+
+
+async def test_the_keeper_cannot_capture_tokens_or_adverts_into_its_inbox(server, creds):
+    """Issue 40, replayed: as the keeper, update the stream (and create it, as after a lost
+    store) with ``request.*.tokens`` and ``registry.advertise`` republished to its own inbox.
+    Both are refused by the server and logged as the keeper's; the stream keeps its one
+    subject, and a token event and an advert published after reach the keeper's inbox not
+    at all."""
+    auth = creds.auth("prefill-queue")
+    capture = orjson.dumps(_capture(auth.inbox_prefix))
+    async with (
+        connect_nats(server.url, "admin", auth=creds.auth("admin")) as admin,
+        connect_nats(server.url, "keeper", auth=auth) as keeper,
+        connect_nats(server.url, "decode", auth=creds.auth("decode")) as decode,
+    ):
+        await ensure_queue(admin, subjects)
+        captured = await keeper.subscribe(f"{auth.inbox_prefix}.>")
+        await flush_to_server(keeper)
+        logged_before = len(server.permission_violations())
+        for verb in ("UPDATE", "CREATE"):
+            with pytest.raises(nats.errors.TimeoutError):
+                await keeper.request(f"$JS.API.STREAM.{verb}.{S}", capture, timeout=0.5)
+        info = await admin.jetstream().stream_info(S)
+        assert info.config.subjects == [subjects.PREFILL_JOBS]
+        assert info.config.republish is None
+        await decode.publish(f"{subjects.prefix}.request.7.tokens", b'{"secret": "tokens"}')
+        await decode.publish(subjects.REGISTRY_ADVERTISE, b'{"secret": "lane"}')
+        await flush_to_server(decode)
+        with pytest.raises(nats.errors.TimeoutError):
+            await captured.next_msg(timeout=0.5)
+    violations = server.permission_violations()[logged_before:]
+    for verb in ("UPDATE", "CREATE"):
+        assert any(
+            'user:prefill-queue"' in line and f"STREAM.{verb}.{S}" in line for line in violations
+        ), (verb, violations)
+
+
+async def test_a_create_with_another_config_is_refused_when_the_stream_exists(server, creds):
+    """What nats-server itself enforces (v2.10+): a CREATE is idempotent only for the same
+    config; with other subjects it is refused (10058), whoever asks, so even the operator's
+    CREATE cannot change a stream: only an UPDATE can, which no runtime role holds."""
+    async with connect_nats(server.url, "admin", auth=creds.auth("admin")) as admin:
+        await ensure_queue(admin, subjects)
+        capture = orjson.dumps(_capture("_INBOX_admin"))
+        reply = orjson.loads(
+            (await admin.request(f"$JS.API.STREAM.CREATE.{S}", capture, timeout=2.0)).data
+        )
+        assert reply["error"]["err_code"] == 10058, reply
+        assert (await admin.jetstream().stream_info(S)).config.subjects == [subjects.PREFILL_JOBS]

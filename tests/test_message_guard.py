@@ -9,7 +9,7 @@ import nats.errors
 import nats.micro
 import pytest
 from kvmesh.shared.bus import protocol
-from kvmesh.shared.bus.message_guard import MessageGuard, guard_of
+from kvmesh.shared.bus.message_guard import MessageGuard, guard_of, is_inbox
 from kvmesh.shared.bus.nats_service import flush_to_server, subscriptions
 from kvmesh.shared.obs.metric_set import MetricSet
 
@@ -141,3 +141,63 @@ async def test_a_request_the_client_gave_up_on_is_not_an_error(nats_client):
     await asyncio.sleep(0.5)
     assert guard.counts["failed"] == 0
     await svc.stop()
+
+
+async def test_a_request_whose_reply_is_no_inbox_never_reaches_its_handler(nats_client):
+    """Issue 40: a reply goes out under ``allow_responses`` on whatever subject the request
+    named, so a put with ``reply=registry.advertise`` made the store publish there. Refused and
+    counted; nothing is published on that subject, and a request from an inbox is served."""
+    nc = nats_client
+    guard = guard_of(nc)
+    seen = []
+
+    async def handle(req) -> None:
+        seen.append(req.data)
+        await req.respond(b"ok")
+
+    svc = await _service(nc, "guard.g", guard.request(handle))
+    hijacked = await nc.subscribe("kvmesh.m.registry.advertise")
+    await flush_to_server(nc)
+    await nc.publish("guard.g", b"forged", reply="kvmesh.m.registry.advertise")
+    assert (await nc.request("guard.g", b"asked", timeout=5)).data == b"ok"
+    assert seen == [b"asked"]
+    assert guard.counts["bad_reply"] == 1
+    with pytest.raises(nats.errors.TimeoutError):
+        await hijacked.next_msg(timeout=0.3)
+    await svc.stop()
+
+
+async def test_a_plain_request_whose_reply_is_no_inbox_is_refused(nats_client):
+    nc = nats_client
+    guard = guard_of(nc)
+    handled = []
+
+    async def handle(msg) -> None:
+        handled.append(msg.data)
+        await msg.respond(b"answer")
+
+    await nc.subscribe("guard.raw2", cb=guard.raw(handle, needs_reply=True))
+    await flush_to_server(nc)
+    await nc.publish("guard.raw2", b"forged", reply="$JS.API.STREAM.DELETE.X")
+    assert (await nc.request("guard.raw2", b"q", timeout=5)).data == b"answer"
+    assert handled == [b"q"] and guard.counts["bad_reply"] == 1
+
+
+@pytest.mark.parametrize(
+    ("reply", "inbox"),
+    [
+        ("_INBOX.abc.1", True),  # nats-py's default: a mesh without credentials
+        ("_INBOX_router.abc.1", True),  # a role's own inbox (shared/bus/nats_auth.py)
+        ("_INBOX_prefill-queue.x", True),
+        ("_INBOX", False),
+        ("_INBOX.", False),
+        ("_INBOX_nobody.abc", False),  # not a role of the mesh
+        ("kvmesh.m.registry.advertise", False),
+        ("admin.x", False),
+        ("kvmesh.m.admin.drain", False),
+        ("$JS.API.STREAM.DELETE.X", False),
+        ("$SRV.PING", False),
+    ],
+)
+def test_only_an_inbox_is_a_reply_subject(reply: str, inbox: bool) -> None:
+    assert is_inbox(reply) is inbox

@@ -286,16 +286,16 @@ def test_credentials_come_from_the_environment_or_a_password_file(tmp_path):
 
 
 async def test_prefill_queue_of_another_mesh_is_out_of_reach(server, creds):
-    """The keeper makes its own mesh's stream, not another's; the router publishes jobs into
-    its own."""
+    """admin makes its own mesh's stream, not another's; the router publishes jobs into its
+    own."""
     async with (
-        connect_nats(server.url, "k", auth=creds.auth("prefill-queue")) as keeper,
+        connect_nats(server.url, "a", auth=creds.auth("admin")) as admin,
         connect_nats(server.url, "r", auth=creds.auth("router")) as router,
     ):
-        await ensure_queue(keeper, subjects)
+        await ensure_queue(admin, subjects)
         assert await publish_job(router, subjects, b"job") >= 1
         with pytest.raises(Exception):  # noqa: B017  (denied: the JetStream API times out)
-            await asyncio.wait_for(ensure_queue(keeper, other), 3.0)
+            await asyncio.wait_for(ensure_queue(admin, other), 3.0)
     assert any("KVMESH_PREFILL_m2" in line for line in server.permission_violations())
 
 

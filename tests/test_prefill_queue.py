@@ -1,6 +1,6 @@
 """The prefill work queue on JetStream: jobs wait in the stream until a worker with room pulls.
-The stream and its consumer are made by the keeper (services/prefill_queue/keeper.py), never by
-a publisher or a worker."""
+The stream and its consumer are made by admin (services/prefill_queue/keeper.py: ensure_queue;
+on these open servers any client may), never by a publisher or a worker; the keeper watches."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import contextlib
 import time
 
 import nats.errors
+import nats.js.api
 import nats.js.errors
 import pytest
 from kvmesh.services.prefill_queue.keeper import ensure_queue
@@ -130,6 +131,7 @@ async def test_the_keeper_waits_for_jetstream_before_it_gives_up():
                     QueueKeeperMetrics(),
                     check_s=0.2,
                     ack_wait_s=5.0,
+                    may_make=True,
                     jetstream_wait_s=1.0,
                 ),
                 timeout=10,
@@ -142,7 +144,7 @@ async def test_queue_status_counts_waiting_jobs_and_pulling_workers(nats_server)
     from kvmesh.shared.bus.protocol import QueueStatus
 
     async with connect_nats(nats_server, "r") as nc, connect_nats(nats_server, "p") as p:
-        assert "kvmesh serve prefill-queue" in (await queue_status(nc, S)).note
+        assert "kvmesh admin prefill-queue" in (await queue_status(nc, S)).note
         await ensure_queue(nc, S)
         await publish_job(nc, S, b"a")
         await publish_job(nc, S, b"b")
@@ -167,45 +169,132 @@ async def test_a_job_can_be_withdrawn_only_before_a_worker_takes_it(nats_server)
         assert await queue_depth(nc, S) == 0
 
 
-async def test_a_worker_binds_again_once_the_keeper_made_the_queue_after_a_restart():
-    """A restarted server has no stream and no consumer. Publishing does not make them (no role
-    may): the job waits for the keeper, and the worker's pulls find the new consumer."""
+async def test_the_queue_outlives_a_nats_restart_with_its_store():
+    """The stream is on disk: a server restarted with its store (as kvmesh up restarts its own)
+    still has the stream, its consumer and a job nobody took, with nobody making anything
+    again (no runtime role may); the worker's pulls bind to the consumer again."""
     from kvmesh.shared.bus.nats_server import NatsServer
 
     server = NatsServer()
     await asyncio.to_thread(server.start)
-    port = server.port
     try:
         async with (
             connect_nats(server.url, "r", reconnect_time_wait_s=0.1) as router,
             connect_nats(server.url, "p", reconnect_time_wait_s=0.1) as p,
-            connect_nats(server.url, "keeper", reconnect_time_wait_s=0.1) as keeper,
         ):
-            await ensure_queue(keeper, S)
+            await ensure_queue(router, S)
             async with PrefillJobQueue(p, S) as queue:
                 await publish_job(router, S, b"before")
                 await queue.ack(await queue.next(timeout_s=2.0))
-                await asyncio.to_thread(server.stop)
-                server = NatsServer(port)
-                await asyncio.to_thread(server.start)
+                await publish_job(router, S, b"kept")
+                server._proc.kill()  # a crash: no clean shutdown
+                await asyncio.to_thread(server._proc.wait)
+                await asyncio.to_thread(server.restart)
                 for _ in range(100):  # every client reconnects
-                    if router.is_connected and p.is_connected and keeper.is_connected:
+                    if router.is_connected and p.is_connected:
                         break
                     await asyncio.sleep(0.05)
-                published = asyncio.ensure_future(publish_job(router, S, b"after"))
-                await asyncio.sleep(0.5)
-                assert not published.done()  # no stream, and the router makes none
-                assert (await ensure_queue(keeper, S)).made == ("stream", "consumer")
-                await published
-                got = None
-                for _ in range(5):  # the first pull finds its consumer gone and binds again
+                await publish_job(router, S, b"after", retry_for_s=10.0)
+                got = []
+                for _ in range(10):  # a pull may find its old subscription gone and bind again
                     with contextlib.suppress(nats.errors.Error):
-                        if (got := await queue.next(timeout_s=1.0)) is not None:
-                            break
-                assert got is not None and got.data == b"after"
-                await queue.ack(got)
+                        if (msg := await queue.next(timeout_s=1.0)) is not None:
+                            await queue.ack(msg)
+                            got.append(msg.data)
+                    if len(got) == 2:
+                        break
+                assert got == [b"kept", b"after"]
     finally:
         server.stop()
+
+
+async def test_the_keeper_with_credentials_only_watches_and_reports_the_queue(tmp_path):
+    """On a server that asks for credentials the keeper makes nothing (its user may only read
+    INFO; a create would be a logged violation): it reports the queue missing, then as admin
+    made it, then admin's republish rule as a problem."""
+    from kvmesh.services.prefill_queue.metrics import QueueKeeperMetrics
+    from kvmesh.services.prefill_queue.service import keep_queue, may_make_queue
+    from kvmesh.shared.bus.nats_auth import MeshCredentials
+    from kvmesh.shared.bus.nats_server import NatsServer
+    from kvmesh.shared.bus.prefill_queue import stream_config
+
+    creds = MeshCredentials.generate()
+    metrics = QueueKeeperMetrics()
+
+    def problems() -> float:
+        return metrics.registry.get_sample_value("kvmesh_prefill_queue_problems")
+
+    async def until(predicate) -> None:
+        for _ in range(100):
+            if predicate():
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError("the keeper did not report it")
+
+    async with (
+        NatsServer(authorization=creds.server_config(S)) as server,
+        connect_nats(server.url, "k", auth=creds.auth("prefill-queue")) as nc,
+        connect_nats(server.url, "admin", auth=creds.auth("admin")) as admin,
+    ):
+        assert not may_make_queue(nc)
+        task = asyncio.ensure_future(
+            keep_queue(nc, S, metrics, check_s=0.05, ack_wait_s=5.0, may_make=False)
+        )
+        try:
+            await until(lambda: problems() == 2)  # stream and consumer missing
+            with pytest.raises(nats.js.errors.NotFoundError):
+                await admin.jetstream().stream_info(S.PREFILL_STREAM)  # the keeper made none
+            await ensure_queue(admin, S)
+            await until(lambda: problems() == 0)
+            rule = stream_config(S)
+            rule.republish = nats.js.api.RePublish(src=">", dest="_INBOX_admin.copy.>")
+            await admin.jetstream().update_stream(rule)
+            await until(lambda: problems() == 1)
+            assert (await ensure_queue(admin, S)).made == ("stream",)  # admin puts it back
+            await until(lambda: problems() == 0)
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        assert server.permission_violations() == []
+
+
+async def test_the_keeper_makes_the_queue_only_on_a_server_without_credentials(nats_server):
+    from kvmesh.services.prefill_queue.service import may_make_queue
+
+    async with connect_nats(nats_server, "k") as nc:
+        assert may_make_queue(nc)
+
+
+def test_queue_problems_name_extra_subjects_a_republish_and_a_push_consumer():
+    from kvmesh.services.prefill_queue.keeper import queue_problems
+    from kvmesh.shared.bus.prefill_queue import consumer_config, stream_config
+
+    stream, consumer = stream_config(S), consumer_config(S)
+    assert queue_problems(S, stream, consumer) == ()
+    assert queue_problems(S, None, None) == ("stream missing", "consumer missing")
+    assert queue_problems(S, stream, None) == ("consumer missing",)
+    stream.subjects = [S.PREFILL_JOBS, S.REGISTRY_ADVERTISE]
+    stream.republish = nats.js.api.RePublish(src=">", dest="_INBOX_prefill-queue.x")
+    consumer.deliver_subject = "kvmesh.test.admin.drain"
+    found = queue_problems(S, stream, consumer)
+    assert len(found) == 3, found
+    assert "_INBOX_prefill-queue.x" in found[1] and "kvmesh.test.admin.drain" in found[2]
+
+
+async def test_making_the_queue_as_a_role_says_it_needs_admin():
+    from kvmesh.shared.bus.nats_auth import MeshCredentials
+    from kvmesh.shared.bus.nats_server import NatsServer
+    from kvmesh.shared.bus.prefill_queue import PrefillQueueError
+
+    from kvmesh.commands.queue_setup import make_prefill_queue
+
+    creds = MeshCredentials.generate()
+    async with NatsServer(authorization=creds.server_config(S)) as server:
+        with pytest.raises(PrefillQueueError, match="needs the admin user"):
+            await make_prefill_queue(server.url, S.mesh, auth=creds.auth("prefill-queue"))
+        state = await make_prefill_queue(server.url, S.mesh, auth=creds.auth("admin"))
+        assert state.made == ("stream", "consumer") and state.problems == ()
 
 
 async def test_a_worker_started_before_the_queue_waits_for_it(nats_server):

@@ -1,4 +1,5 @@
-"""``kvmesh admin status|workers|drain WORKER|resume WORKER|log-level LEVEL [--json]``."""
+"""``kvmesh admin status|workers|drain WORKER|resume WORKER|log-level LEVEL|prefill-queue
+[--json]``."""
 
 from __future__ import annotations
 
@@ -51,6 +52,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         ("drain", "stop placing new requests on WORKER; running ones finish", "worker"),
         ("resume", "place requests on WORKER again", "worker"),
         ("log-level", "set the log level of every service", "level"),
+        (
+            "prefill-queue",
+            "make the mesh's JetStream prefill queue (or put it back) as the NATS user admin: "
+            "what kvmesh up does at start; compose and an operator's own server run it once",
+            None,
+        ),
     )
     for name, help_text, arg in specs:
         p = actions.add_parser(name, help=help_text, description=help_text, allow_abbrev=False)
@@ -66,6 +73,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _admin(args: argparse.Namespace) -> int:
     from kvmesh.shared.bus.admin_client import AdminError
     from kvmesh.shared.bus.nats_service import NatsUnavailableError
+    from kvmesh.shared.bus.prefill_queue import PrefillQueueError
     from kvmesh.shared.obs import logs
 
     logs.setup_logging("warning")
@@ -79,7 +87,7 @@ def _admin(args: argparse.Namespace) -> int:
                 config, args.action, getattr(args, "worker", None) or getattr(args, "level", None)
             )
         )
-    except (AdminError, NatsUnavailableError) as exc:
+    except (AdminError, NatsUnavailableError, PrefillQueueError) as exc:
         print(f"kvmesh admin {args.action}: {exc}", file=sys.stderr)
         return 1
     print(
@@ -145,6 +153,19 @@ async def run_admin(config: AdminConfig, action: str, arg: str | None) -> dict[s
     from kvmesh.shared.bus.admin_client import admin_client
 
     target = resolve_target(config)
+    if action == "prefill-queue":  # JetStream itself, not the registry: admin's rights
+        from kvmesh.commands.queue_setup import make_prefill_queue
+        from kvmesh.shared.bus.subjects import Subjects
+
+        state = await make_prefill_queue(
+            target.nats_url, target.mesh, auth=target.auth, security=config.nats_security
+        )
+        return {
+            "stream": Subjects(target.mesh).PREFILL_STREAM,
+            **{k: getattr(state, k) for k in ("replicas", "wanted_replicas", "depth")},
+            "made": list(state.made),
+            "problems": list(state.problems),
+        }
     async with admin_client(
         target.nats_url,
         config.admin_timeout_s,
@@ -180,6 +201,13 @@ def render(action: str, result: Reply) -> str:
         )
     if action == "log-level":
         return f"log level set to {result['level']} on every service"
+    if action == "prefill-queue":
+        made = ", ".join(cast("list[str]", result["made"])) or "nothing (it was there)"
+        problems = "; ".join(cast("list[str]", result["problems"])) or "none"
+        return (
+            f"prefill queue {result['stream']}: made {made}; replicas {result['replicas']} "
+            f"of {result['wanted_replicas']}, {result['depth']} jobs waiting; problems: {problems}"
+        )
     state = f" (now {result['state']})" if "state" in result else ""
     return f"{result['action']} sent to {result['worker']}{state}"
 

@@ -86,7 +86,7 @@ def plan(config: UpConfig, nats_url: str, port: int) -> list[ChildSpec]:
             "kv-registry-0", "kv-registry", ("serve", "kv-registry", *worker("kv-registry-0"))
         )
     ]
-    if config.mode == "disagg":  # the one user that may make the JetStream queue
+    if config.mode == "disagg":  # watches the JetStream queue (the launcher made it, as admin)
         name = "prefill-queue-0"
         specs.insert(0, ChildSpec(name, "kv-registry", ("serve", "prefill-queue", *worker(name))))
     decode_service = "colocated" if config.mode == "colocated" else "decode"

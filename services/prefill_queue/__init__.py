@@ -1,9 +1,11 @@
-"""prefill-queue: makes and keeps the mesh's JetStream prefill queue (stream and consumer).
+"""prefill-queue: watches the mesh's JetStream prefill queue (stream and consumer).
 
-The one NATS user that may create or update them (docs/security.md): `kvmesh up` runs it, and so
-does compose; an operator with a server of their own runs it once per mesh
-(`kvmesh serve prefill-queue`, as user ``prefill-queue``). It reads no mesh message. Follows the
-``kvmesh serve`` contract: ``CONFIG`` and ``async run(config)``."""
+Its NATS user may only read the queue's INFO (docs/security.md): it says when the queue is
+missing or not as kvmesh makes it, and exports its depth. ``admin`` makes the queue (`kvmesh up`
+at start, `kvmesh admin prefill-queue` for compose and an operator's server); on a server that
+asks for no credentials the keeper makes it itself. `kvmesh up` and compose run it; an operator
+runs one per mesh (`kvmesh serve prefill-queue`, as user ``prefill-queue``). It reads no mesh
+message. Follows the ``kvmesh serve`` contract: ``CONFIG`` and ``async run(config)``."""
 
 from __future__ import annotations
 

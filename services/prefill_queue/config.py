@@ -15,8 +15,8 @@ class QueueKeeperConfig(MetricsServiceConfig):
     worker_id: str | None = option(None, help="keeper id (default: prefill-queue-<random>)")
     heartbeat_s: float = option(
         1.0,
-        help="seconds between checks that the queue is there with its replicas (a NATS server "
-        "restarted with an empty store gets it again within this)",
+        help="seconds between checks that the queue is there, as kvmesh makes it, with its "
+        "replicas",
     )
     ack_wait_s: float = option(
         ACK_WAIT_S,

@@ -10,9 +10,14 @@ class QueueKeeperMetrics(MetricSet):
         super().__init__(prefix)
         self.depth = self.gauge("depth", "Prefill jobs waiting in the queue for a worker.")
         self.replicas = self.gauge("replicas", "Replicas the queue's stream has now.")
+        self.problems = self.gauge(
+            "problems",
+            "Ways the queue differs from what kvmesh makes (missing, other subjects, a republish "
+            "rule, a push consumer); 0 when it is as made.",
+        )
         self.made = self.counter(
             "made_total",
-            "Times the keeper made the queue's stream or consumer (once at start; again after a "
-            "NATS server lost them).",
+            "Times the keeper made the queue's stream or consumer (only on a server without "
+            "credentials; admin makes it elsewhere).",
             ("what",),
         )

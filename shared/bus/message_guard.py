@@ -12,6 +12,11 @@ and ``guarded_subscribe``), and each task a handler spawns runs through ``spawn`
   could never be answered, and a handler that reserved something for it would hold it until
   a lease ran out (a decode worker's reserve raised "no reply subject set" out of its task
   group and the process exited);
+- a request whose reply subject is not an inbox is refused before its handler runs
+  (``bad_reply``): a reply goes out under ``allow_responses``, which lets the responder publish
+  on whatever reply subject the request named, so a kv-store put with ``reply=registry.advertise``
+  made the store publish there (issue 40). Replies go only to ``_INBOX.…`` (a mesh without
+  credentials) or a role's own ``_INBOX_<role>.…`` (``shared/bus/nats_auth.inbox_prefix``);
 - whatever a handler or a spawned task raises is logged and counted (``failed``); a request is
   answered with an error (500) when it can be.
 
@@ -30,6 +35,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 from kvmesh.shared.bus import protocol
+from kvmesh.shared.bus.nats_auth import ROLES
 from kvmesh.shared.obs import logs
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -39,7 +45,7 @@ from prometheus_client import Counter
 log = logs.get_logger(__name__)
 
 M = TypeVar("M")
-REASONS = ("oversized", "malformed", "no_reply", "failed")
+REASONS = ("oversized", "malformed", "no_reply", "bad_reply", "failed")
 # NATS's default max_payload: nothing larger arrives from a default server; a server configured
 # for more still does not hand a service a body it would spend seconds decoding
 MAX_MESSAGE_BYTES = 1 << 20
@@ -85,6 +91,16 @@ class MessageGuard:
             exc_info=exc_info,
         )
 
+    def _unanswerable(self, subject: str, reply: str) -> bool:
+        """Refuse (and count) a request that has no reply subject, or one that is no inbox."""
+        if not reply:
+            self.refuse("no_reply", subject, "a request without a reply subject")
+            return True
+        if not is_inbox(reply):
+            self.refuse("bad_reply", subject, f"a reply subject that is no inbox: {reply[:80]!r}")
+            return True
+        return False
+
     def _oversized(self, msg: Msg) -> bool:
         if len(msg.data) <= self.max_bytes:
             return False
@@ -115,8 +131,7 @@ class MessageGuard:
         ``needs_reply`` (a request on a plain subscription) gets none without a reply subject."""
 
         async def callback(msg: Msg) -> None:
-            if needs_reply and not msg.reply:
-                self.refuse("no_reply", msg.subject, "a request without a reply subject")
+            if needs_reply and self._unanswerable(msg.subject, msg.reply):
                 return
             if not self._oversized(msg):
                 await self._contained(handle(msg), msg.subject)
@@ -130,8 +145,7 @@ class MessageGuard:
         rest (a handler that fails answers 500)."""
 
         async def handler(req: Request) -> None:
-            if not req._msg.reply:  # nats-py keeps it on the message only
-                self.refuse("no_reply", req.subject, "a request without a reply subject")
+            if self._unanswerable(req.subject, req._msg.reply):  # nats-py keeps it there only
                 return
             if len(req.data) > self.max_bytes:
                 self.refuse("oversized", req.subject, f"{len(req.data)} bytes > {self.max_bytes}")
@@ -161,6 +175,16 @@ class MessageGuard:
             await req.respond_error(code, description)
         except Exception as exc:  # the requester is gone, or the connection is
             log.debug("error answer not sent", subject=req.subject, error=str(exc))
+
+
+def is_inbox(reply: str) -> bool:
+    """Whether ``reply`` is a requester's inbox: ``_INBOX.<token>…`` (nats-py's default, a mesh
+    without credentials) or ``_INBOX_<role>.<token>…`` of a kvmesh role. Nothing else a service
+    answers on: a subject of the mesh, ``$JS.…`` or ``$SRV.…`` is refused."""
+    head, dot, rest = reply.partition(".")
+    if not dot or not rest:
+        return False
+    return head == "_INBOX" or (head.startswith("_INBOX_") and head[len("_INBOX_") :] in ROLES)
 
 
 def guard_of(nc: Client) -> MessageGuard:

@@ -75,16 +75,13 @@ def jetstream_api(s: Subjects) -> tuple[str, ...]:
 
 
 def jetstream_keeper_api(s: Subjects) -> tuple[str, ...]:
-    """What the prefill-queue keeper needs to make, scale and inspect the mesh's stream and its
-    durable consumer: no deletion, no purge, no message access."""
+    """What the prefill-queue keeper needs to watch the mesh's stream and its durable consumer:
+    their INFO, nothing that creates or changes them. A user that could create or update the
+    stream could give it subjects and a ``republish`` rule to its own inbox and read every
+    message of the mesh (issue 40); ``admin`` makes them (services/prefill_queue/keeper.py)."""
     stream, durable = s.PREFILL_STREAM, "prefill"  # shared/prefill_queue.DURABLE
     return (
-        f"$JS.API.STREAM.CREATE.{stream}",
-        f"$JS.API.STREAM.UPDATE.{stream}",
         f"$JS.API.STREAM.INFO.{stream}",
-        f"$JS.API.CONSUMER.CREATE.{stream}.{durable}",
-        f"$JS.API.CONSUMER.CREATE.{stream}.{durable}.>",
-        f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.{durable}",
         f"$JS.API.CONSUMER.INFO.{stream}.{durable}",
     )
 
@@ -239,10 +236,10 @@ def role_permissions(s: Subjects) -> dict[str, Permissions]:
                 s.REGISTRY_WORKER_GONE,
             ),
         ),
-        # The prefill-queue keeper (services/prefill_queue/): makes and scales the stream and
-        # its consumer; reads nothing but the API's answers. No worker role can: one that could
-        # update the stream could give it a republish rule, and the server would publish
-        # anything it sends under the server's own identity.
+        # The prefill-queue keeper (services/prefill_queue/): watches the stream and its
+        # consumer (INFO only); reads nothing but the API's answers. No runtime role may create
+        # or update them: one that could would give the stream a republish rule, and the server
+        # would publish any message of the mesh, or anything it sends, under its own identity.
         QUEUE_KEEPER: Permissions(
             publish=("$JS.API.INFO", *jetstream_keeper_api(s)),
             subscribe=(f"{inbox_prefix(QUEUE_KEEPER)}.>",),

@@ -4,17 +4,21 @@ Why pull: with a core NATS queue group the server pushes each job to some member
 busy worker's client buffer fills with jobs while a peer sits idle. Here the router publishes
 into the stream (``publish_job``) and each prefill worker fetches one job only when it has a free
 slot (``PrefillJobQueue.next``), so whoever has room takes the next job, in arrival order. The
-stream lives in memory: a job is worth nothing once its router has given up (its lease, renewed
-by that router, keeps the decode blocks only while the router waits). On a NATS cluster the
-stream has three replicas, so the queue outlives the loss of one server.
+stream is kept on disk (JetStream file storage, in the server's store directory), so a NATS server
+that restarts (``kvmesh up`` restarts its own with the same store; compose keeps it on a volume)
+still has it and its consumer: nothing has to make them again at run time. Old jobs it keeps are
+harmless: a job whose router gave up is refused at its first write (its lease ended), and
+``MAX_AGE_S`` drops it. On a NATS cluster the stream has three replicas, so the queue outlives
+the loss of one server.
 
-Who may do what (shared/bus/nats_auth.py, docs/security.md): the stream and its consumer are made,
-scaled and made again after a NATS restart by the prefill-queue keeper
-(services/prefill_queue/, run by `kvmesh up` and in compose), the only NATS user allowed to
-create or update them: a role that could update the stream could give it a ``republish`` rule
-and have the server publish anything under its own identity. The router may publish jobs and
-withdraw one (``withdraw_job``); prefill workers may read the consumer, pull and acknowledge;
-the kv-registry may read the stream's state (``queue_status``).
+Who may do what (shared/bus/nats_auth.py, docs/security.md): no runtime role may create, change
+or delete the stream or its consumer: one that could would give the stream subjects and a
+``republish`` rule, and the server would copy any message of the mesh to it. ``admin`` makes them
+(``kvmesh up`` at start, ``kvmesh admin prefill-queue`` for compose and an operator's server;
+services/prefill_queue/keeper.py); the prefill-queue keeper only reads their INFO and says when
+they are missing or changed. The router may publish jobs and withdraw one (``withdraw_job``);
+prefill workers may read the consumer, pull and acknowledge; the kv-registry may read the
+stream's state (``queue_status``).
 
 A job is acknowledged once its worker has announced it (``PrefillStarted``, to the router and
 the decode worker), before any KV is written. A worker that dies between taking a job and that
@@ -53,7 +57,7 @@ def stream_config(s: Subjects, replicas: int = 1) -> api.StreamConfig:
         name=s.PREFILL_STREAM,
         subjects=[s.PREFILL_JOBS],
         retention=api.RetentionPolicy.WORK_QUEUE,
-        storage=api.StorageType.MEMORY,
+        storage=api.StorageType.FILE,  # survives a NATS restart
         max_age=MAX_AGE_S,
         num_replicas=replicas,
     )
@@ -80,8 +84,10 @@ class JetStreamUnavailableError(PrefillQueueError):
 
 
 MISSING = (
-    "the prefill queue {stream} is missing: it is made by `kvmesh serve prefill-queue` (kvmesh "
-    "up runs it; roles may not create streams or consumers, docs/security.md)"
+    "the prefill queue {stream} is missing: the NATS user admin makes it (kvmesh up does at "
+    "start; compose and an operator's server: `kvmesh admin prefill-queue`; on a server without "
+    "credentials, `kvmesh serve prefill-queue`); no role may create streams or consumers, "
+    "docs/security.md"
 )
 
 
@@ -99,8 +105,8 @@ async def publish_job(
     stored within ``retry_for_s``.
 
     "No response from stream" means nothing answered for it: the stream is missing (the NATS
-    server restarted with an empty store: the prefill-queue keeper makes it again within its
-    ``check_s``; it is never made here) or, on a cluster, it has no
+    server lost its store: ``kvmesh admin prefill-queue`` makes it again; it is never made
+    here) or, on a cluster, it has no
     leader for the moment (a partition healing, a member restarting: the replicas elect one,
     which takes nats-server 4-9 s of silence before a vote, 5 s here on a quiet box and more
     than 10 s on a loaded one, longer again on a split vote). A leader that lost its quorum does not answer at all (a timeout). All
@@ -168,8 +174,8 @@ async def queue_status(nc: Client, s: Subjects) -> QueueStatus:
 class PrefillJobQueue:
     """A prefill worker's pull subscription: ``next()`` takes one job, ``ack()`` confirms it once
     the job is announced (until then JetStream gives it to another worker after the consumer's
-    ack wait). It binds to the mesh's durable consumer and never makes or changes it: the
-    prefill-queue keeper does (services/prefill_queue/), and a worker waits for it. What the
+    ack wait). It binds to the mesh's durable consumer and never makes or changes it: ``admin``
+    does (services/prefill_queue/keeper.py), and a worker waits for it. What the
     worker's NATS user needs is the consumer's INFO and MSG.NEXT and acks (shared/bus/nats_auth.py)."""
 
     def __init__(self, nc: Client, s: Subjects) -> None:
@@ -225,9 +231,9 @@ class PrefillJobQueue:
         except nats.errors.TimeoutError:
             return None
         except (nats.js.errors.ServiceUnavailableError, nats.js.errors.NotFoundError):
-            # the stream or our consumer is gone (the NATS server restarted with an empty
-            # store), or JetStream is unavailable on our server: bind to the new ones (the
-            # keeper makes them again) from the next call. An unbound pull subscription would
+            # the stream or our consumer is gone (the NATS server lost its store and admin
+            # made them again), or JetStream is unavailable on our server: bind to the new ones
+            # from the next call. An unbound pull subscription would
             # time out on every fetch, silently, forever.
             await self._unsubscribe()
             return None

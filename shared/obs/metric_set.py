@@ -51,7 +51,8 @@ class MetricSet:
         self.nats_refused = self.counter(
             "nats_refused_total",
             "NATS messages refused unhandled: oversized, malformed (not the subject's message "
-            "type), no_reply (a request that cannot be answered), failed (its handler raised).",
+            "type), no_reply (a request that cannot be answered), bad_reply (a request whose "
+            "reply subject is no inbox), failed (its handler raised).",
             ("reason",),
         )
 
