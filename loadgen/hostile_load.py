@@ -77,8 +77,11 @@ class HostileLoad:
         counts: dict[str, int],
         target_addr: int = 0x1000,
         seed: int = 0,
+        source: str | None = None,
     ) -> None:
         self.address = (host, port)
+        # the address to connect from (e.g. another 127.0.0.x): a receiver budgets by source
+        self.local_addr = (source, 0) if source else None
         self.secret = secret
         self.counts = counts
         self.target_addr = target_addr
@@ -109,7 +112,9 @@ class HostileLoad:
         while not self._stop.is_set():
             writer = None
             try:
-                reader, writer = await asyncio.open_connection(*self.address)
+                reader, writer = await asyncio.open_connection(
+                    *self.address, local_addr=self.local_addr
+                )
                 self.tally.connects[kind] += 1
                 await run(i, reader, writer)
             except (OSError, asyncio.IncompleteReadError, ConnectionError):

@@ -92,9 +92,9 @@ from kvmesh.shared.transport.tcp import (
 )
 
 SEED = int(os.environ.get("KVMESH_FUZZ_SEED", "0x5eedf022"), 0)
-# The campaign probes refusals by the thousand on one connection: no disconnect for them here
-# (tests/test_transport_windows.py checks that one).
-RX_CONFIG = TransportConfig(max_refusals=1 << 30)
+# The campaign probes refusals by the thousand on one connection: no disconnect and no blocked
+# source for them here (tests/test_transport_windows.py and test_transport_hostile.py check those).
+RX_CONFIG = TransportConfig(max_refusals=1 << 30, max_refusals_per_source=1 << 30)
 FRAMES_PER_TRANSPORT = 10_000
 TABLE_TRIALS = 600
 GUARD = 0xAB

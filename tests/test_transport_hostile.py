@@ -172,13 +172,16 @@ async def test_hostile_load_leaves_normal_writes_served() -> None:
     """The bounded version of ``kvmesh bench hostile``: outsiders' hellos held open, a rogue
     member's bad keys and stalled 1 GiB frames, all reconnecting as soon as they are dropped,
     while a writer opens fresh endpoints and writes. Before: the held hellos filled the
-    receiver's connections, and the writer was refused."""
+    receiver's connections, and the writer was refused. The attack comes from another address
+    than the writer's: the rogue member's bad keys get its source blocked (issue 40)."""
     config = TransportConfig(max_connections=48, stall_timeout_s=1.0, handshake_timeout_s=1.0)
     async with TcpTransport(config) as rx, TcpTransport(TransportConfig()) as tx:
         pool = Pool(rx, tx)
         secret = tcp_secret(rx.descriptor())
         counts = {"hello": 200, "badkey": 20, "stall": 20}
-        async with HostileLoad("127.0.0.1", rx.port, secret, counts, pool.region.addr) as attack:
+        async with HostileLoad(
+            "127.0.0.1", rx.port, secret, counts, pool.region.addr, source="127.0.0.2"
+        ) as attack:
             await _wait_until(lambda: sum(attack.tally.connects.values()) >= 240, what="attack")
             await asyncio.sleep(1.5)  # stalls time out, bad keys get disconnected, all return
             for round_ in range(4):  # fresh lanes during the attack, as a new prefill opens

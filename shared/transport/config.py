@@ -8,6 +8,7 @@ from typing import Any
 
 from kvmesh.shared.config.service_config import check_at_least, check_positive
 from kvmesh.shared.transport.server import ServerLimits
+from kvmesh.shared.transport.source_budget import SourceLimits
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +26,9 @@ class TransportConfig:
     rdma_device: str | None = None  # e.g. "mlx5_0" / "rxe0"; None: first active device
     rdma_gid_index: int | None = None
     connect_timeout_s: float = 10.0
+    # a lane whose connect or handshake is reset or refused is retried (jittered exponential
+    # backoff) until this long has passed, then the peer is reported unreachable
+    connect_retry_s: float = 3.0
     op_timeout_s: float = 60.0  # a write/read not placed by then fails with PeerGoneError
     # Receivers (server.py): a connection holds no thread until its hello is proven; at most
     # max_pending_handshakes of those at once (max_pending_per_source from one address; a new
@@ -35,6 +39,13 @@ class TransportConfig:
     max_pending_handshakes: int = 1024
     max_pending_per_source: int = 256
     handshake_timeout_s: float = 5.0
+    # Per source address (source_budget.py): accepts_per_source_s new connections a second
+    # (accept_burst_per_source at once); max_refusals_per_source refused accesses per
+    # source_block_s, past which the source is blocked for source_block_s.
+    accepts_per_source_s: float = 64.0
+    accept_burst_per_source: int = 256
+    max_refusals_per_source: int = 64
+    source_block_s: float = 30.0
     # tcp lanes: a lane silent for idle_timeout_s is closed (writers send a keepalive every
     # keepalive_s, so theirs never are); a frame whose bytes stop for stall_timeout_s (or come
     # slower than 16 MiB/s after that grace) is dropped with its endpoint; an endpoint that has
@@ -52,6 +63,14 @@ class TransportConfig:
             max_pending=self.max_pending_handshakes,
             max_pending_per_source=self.max_pending_per_source,
             handshake_timeout_s=self.handshake_timeout_s,
+        )
+
+    def source_limits(self) -> SourceLimits:
+        return SourceLimits(
+            accepts_per_s=self.accepts_per_source_s,
+            accept_burst=self.accept_burst_per_source,
+            max_refusals=self.max_refusals_per_source,
+            block_s=self.source_block_s,
         )
 
     def __post_init__(self) -> None:
@@ -72,6 +91,8 @@ class TransportConfig:
             "max_pending_handshakes",
             "max_pending_per_source",
             "max_refusals",
+            "accept_burst_per_source",
+            "max_refusals_per_source",
         )
         if self.keepalive_s >= self.idle_timeout_s:
             raise ValueError(
@@ -81,9 +102,12 @@ class TransportConfig:
         check_positive(
             self,
             "connect_timeout_s",
+            "connect_retry_s",
             "op_timeout_s",
             "handshake_timeout_s",
             "idle_timeout_s",
             "keepalive_s",
             "stall_timeout_s",
+            "accepts_per_source_s",
+            "source_block_s",
         )

@@ -6,9 +6,20 @@ A local user must not be able to exhaust it (issue #27). So:
 * a connection holds no thread until its hello is complete and admitted. One thread accepts
   connections and runs every pending handshake (``Handshake``: tcp's HMAC proof, shm's hello)
   over non-blocking sockets with a selector;
+* each loop round first reads the handshakes that have bytes, then accepts at most
+  ``max_accepts_per_round`` connections: a flood in the backlog cannot starve the hellos
+  already pending (issue 40: the loop drained the backlog first, and a real writer's hello
+  waited behind 20k connections a second);
+* per source address (``source_budget``): accepts per second are budgeted, and a source whose
+  lanes had too many accesses refused is blocked for a while; a connection over its source's
+  budget, or from a blocked source, is reset at accept. A refused hello does not block its
+  source: without the secret it guesses nothing (256 bits), and counting it would let any
+  local user block the address an honest writer shares with it;
 * at most ``max_pending`` handshakes at once, and ``max_pending_per_source`` from one source
-  address: a new connection over either limit pushes out the oldest pending one, so a flood
-  of silent connections cannot keep a real peer's hello (one round trip) from completing;
+  address: a new connection over the source's limit pushes out that source's oldest pending
+  one; over the total, the oldest pending one of a source holding at least its fair share
+  (``max_pending`` / sources), so a flood of silent connections from many addresses cannot
+  push out a real peer's hello (one round trip) before it completes;
 * a handshake not complete within ``handshake_timeout_s`` is dropped;
 * admitted connections: at most ``max_connections`` in all and ``max_per_peer`` per declared
   peer id, each served by its own daemon thread;
@@ -35,6 +46,7 @@ from typing import Protocol
 
 from kvmesh.shared.obs import logs
 from kvmesh.shared.transport.lane_auth import HelloRefused, LaneHello
+from kvmesh.shared.transport.source_budget import SourceGuard, Verdict, source_of
 from kvmesh.shared.transport.threads import ThreadSet
 
 log = logs.get_logger(__name__)
@@ -79,6 +91,7 @@ class ServerLimits:
     max_pending: int = 1024  # handshakes in progress, in all
     max_pending_per_source: int = 256  # handshakes in progress from one source address
     handshake_timeout_s: float = 5.0
+    max_accepts_per_round: int = 64  # accepted between two reads of the pending handshakes
 
 
 @dataclass(slots=True)
@@ -100,6 +113,7 @@ class SocketServer:
         on_admit: Callable[[socket.socket], None] | None = None,
         accept_reply: bytes = b"",
         limits: ServerLimits | None = None,
+        guard: SourceGuard | None = None,
     ) -> None:
         self.listener = listener  # bound and listening
         self._handle = handle  # serves one admitted connection until it ends; the server closes it
@@ -108,6 +122,9 @@ class SocketServer:
         self._on_admit = on_admit
         self._accept_reply = accept_reply
         self.limits = limits or ServerLimits()
+        # per-source accepts and refusals, shared with the lanes (None: one source, e.g. shm's
+        # unix socket in its owner's directory)
+        self.guard = guard
         self._lock = threading.Lock()
         self._conns: dict[socket.socket, str] = {}  # admitted -> its peer id
         self._per_peer: dict[str, int] = {}
@@ -121,6 +138,7 @@ class SocketServer:
         self.num_accepted = 0  # connections admitted after their hello
         self.peak_connections = 0
         self.num_refused = 0  # closed before admission: bad hello, timeout, pushed out, full
+        self.num_throttled = 0  # reset at accept: over its source's budget, or blocked
         self.num_accept_errors = 0  # transient accept failures (EMFILE, ...) survived
 
     def start(self) -> None:
@@ -154,24 +172,30 @@ class SocketServer:
             self._loop_done.set()
 
     def _tick(self) -> None:
-        """One round: accept, advance the handshakes that have bytes, expire the late ones."""
+        """One round: advance the handshakes that have bytes, then accept a bounded number of
+        new connections, then expire the late handshakes."""
         timeout = _TICK_S
         if self._pending:
             first = next(iter(self._pending.values()))
             timeout = min(timeout, max(0.0, first.deadline - time.monotonic()))
         try:
+            listener_ready = False
             for key, _ in self._selector.select(timeout):
                 if key.fileobj is self.listener:
-                    self._accept_all()
+                    listener_ready = True
                 else:
                     self._advance(key.data)
+            if listener_ready:
+                self._accept_some(self.limits.max_accepts_per_round)
             self._expire(time.monotonic())
         except Exception as exc:  # a bug must not end the receiver's accepting
             log.exception("handshake loop error; going on", server=self._name, error=str(exc))
             time.sleep(_TICK_S)
 
-    def _accept_all(self) -> None:
-        while not self._closed:
+    def _accept_some(self, max_accepts: int) -> None:
+        for _ in range(max_accepts):
+            if self._closed:
+                return
             try:
                 conn, address = self.listener.accept()
             except BlockingIOError:
@@ -185,15 +209,39 @@ class SocketServer:
                     log.warning("accept failed; retrying", server=self._name, error=str(exc))
                 time.sleep(0.05)  # let descriptors free up
                 return
-            self._start_handshake(conn, _source(address))
+            source = source_of(address)
+            verdict = Verdict.ADMIT if self.guard is None else self.guard.admit(source)
+            if verdict is Verdict.ADMIT:
+                self._start_handshake(conn, source)
+                continue
+            self.num_throttled += 1  # reset before any byte: no challenge, no nonce, no slot
+            if logs.is_sampled(self.num_throttled):
+                log.warning(
+                    "connection reset at accept",
+                    server=self._name,
+                    reason=verdict.value,
+                    source=source,
+                    throttled_total=self.num_throttled,
+                )
+            _reset(conn)
 
-    def _start_handshake(self, conn: socket.socket, source: str) -> None:
+    def _make_room(self, source: str) -> None:
+        """Push out one pending handshake if ``source`` or the server is at its limit."""
         limits = self.limits
         if self._per_source.get(source, 0) >= limits.max_pending_per_source:
             oldest = next(p for p in self._pending.values() if p.source == source)
             self._drop(oldest, "pushed out by a newer handshake from its source")
-        if len(self._pending) >= limits.max_pending:
-            self._drop(next(iter(self._pending.values())), "pushed out by a newer handshake")
+        if len(self._pending) < limits.max_pending:
+            return
+        # Over the total: the oldest handshake of a source holding at least the average share
+        # (one always does). A source with a handshake or two is not pushed out by a flood.
+        fair = len(self._pending) / max(1, len(self._per_source))
+        victim = next(p for p in self._pending.values() if self._per_source[p.source] >= fair)
+        self._drop(victim, "pushed out by a newer handshake")
+
+    def _start_handshake(self, conn: socket.socket, source: str) -> None:
+        limits = self.limits
+        self._make_room(source)
         conn.setblocking(False)
         handshake = self._new_handshake()
         pending = _Pending(conn, handshake, source, time.monotonic() + limits.handshake_timeout_s)
@@ -333,13 +381,6 @@ def _reset(conn: socket.socket) -> None:
         conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_RESET)
     with contextlib.suppress(OSError):
         conn.close()
-
-
-def _source(address: object) -> str:
-    """The source a connection counts against: its IP address (unix sockets: one source)."""
-    if isinstance(address, tuple) and address:
-        return str(address[0])
-    return "local"
 
 
 __all__ = ["Handshake", "ServerLimits", "SocketServer", "recv_exact"]

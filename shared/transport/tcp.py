@@ -40,6 +40,7 @@ from kvmesh.shared.transport.errors import (
 )
 from kvmesh.shared.transport.registry import Registry
 from kvmesh.shared.transport.server import SocketServer
+from kvmesh.shared.transport.source_budget import SourceGuard
 
 if TYPE_CHECKING:
     from kvmesh.shared.transport.tcp_endpoint import TcpEndpoint
@@ -123,9 +124,11 @@ class TcpTransport(HostMemoryBackend[TcpBackend]):
         self._memory: list[mmap.mmap] = []
         # Lanes prove they know it (lane_auth); it travels only in this transport's descriptor.
         self._secret = lane_auth.new_secret()
+        # per-source budgets, shared by the handshake thread and the lanes' refused accesses
+        self._guard = SourceGuard(self.config.source_limits())
         from kvmesh.shared.transport.tcp_receiver import TcpReceiver
 
-        self._receiver = TcpReceiver(self.config, self._registry, self._queue)
+        self._receiver = TcpReceiver(self.config, self._registry, self._queue, self._guard)
 
     @property
     def port(self) -> int:
@@ -159,6 +162,7 @@ class TcpTransport(HostMemoryBackend[TcpBackend]):
             on_admit=tune,
             accept_reply=lane_auth.ACCEPT,
             limits=self.config.server_limits(),
+            guard=self._guard,
         )
         self._server.start()
 

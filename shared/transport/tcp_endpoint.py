@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import secrets
 import socket
 import threading
+import time
 from collections.abc import Coroutine, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +22,7 @@ from kvmesh.shared.kv.descriptor import TcpBackend, TransportDescriptor
 from kvmesh.shared.kv.imm import check_imm
 from kvmesh.shared.transport import lane_auth
 from kvmesh.shared.transport.backend import EndpointBase
+from kvmesh.shared.transport.backoff import RETRIABLE, Backoff
 from kvmesh.shared.transport.base import WriteEntry
 from kvmesh.shared.transport.errors import (
     PeerGoneError,
@@ -55,25 +58,50 @@ def _open_lane(
 ) -> socket.socket:
     """Connect one lane and prove it belongs to the mesh (``lane_auth``): read the receiver's
     challenge, answer it, wait for its acceptance. A receiver that hangs up instead refused
-    the hello (a stale descriptor's secret, or it is at a connection limit)."""
+    the hello (a stale descriptor's secret, it is at a connection limit, or under a flood): a
+    hang-up is a ConnectionResetError, which the caller tries again (``backoff``)."""
     sock = socket.create_connection(address, timeout_s)
     try:
         challenge = bytearray(lane_auth.CHALLENGE.size)
         if recv_exact(sock, memoryview(challenge)) != len(challenge):
-            raise OSError("the receiver hung up before its challenge")
+            raise ConnectionResetError("the receiver hung up before its challenge")
         sock.sendall(lane_auth.answer_challenge(secret, bytes(challenge), *hello))
         accept = bytearray(len(lane_auth.ACCEPT))
-        if recv_exact(sock, memoryview(accept)) != len(accept) or accept != lane_auth.ACCEPT:
-            raise OSError(
+        if recv_exact(sock, memoryview(accept)) != len(accept):
+            raise ConnectionResetError(
                 "the receiver refused this lane (it hung up after the hello: the descriptor's "
                 "secret is stale, or the receiver is at its connection limit)"
             )
+        if accept != lane_auth.ACCEPT:
+            raise OSError(f"the receiver answered the hello with {bytes(accept)!r}, not ACCEPT")
         sock.settimeout(None)
         tune(sock)
         return sock
     except BaseException:
         sock.close()
         raise
+
+
+async def _open_lane_retrying(
+    address: tuple[str, int],
+    timeout_s: float,
+    secret: bytes,
+    hello: tuple[int, int, int, str],
+    backoff: Backoff,
+) -> socket.socket:
+    """``_open_lane``, tried again after a reset or refusal (``backoff``) until its total time
+    has passed; then the last error goes up, with the number of tries."""
+    rng = random.Random()
+    started, attempt = time.monotonic(), 0
+    while True:
+        attempt += 1
+        try:
+            return await asyncio.to_thread(_open_lane, address, timeout_s, secret, hello)
+        except RETRIABLE as exc:
+            wait = backoff.delay(attempt, time.monotonic() - started, rng)
+            if wait is None:
+                raise type(exc)(f"{exc} ({attempt} tries in {backoff.total_s} s)") from exc
+        await asyncio.sleep(wait)
 
 
 class TcpEndpoint(EndpointBase):
@@ -110,16 +138,19 @@ class TcpEndpoint(EndpointBase):
         num_lanes = max(1, min(transport.config.tcp_lanes, info.lanes))
         endpoint_id = secrets.randbits(63)
         config = transport.config
+        backoff = Backoff(total_s=config.connect_retry_s)
         try:
             for i in range(num_lanes):
-                sock = await asyncio.to_thread(
-                    _open_lane, ep._address, config.connect_timeout_s, secret,
-                    (i, num_lanes, endpoint_id, transport.peer_id),
+                sock = await _open_lane_retrying(
+                    ep._address, config.connect_timeout_s, secret,
+                    (i, num_lanes, endpoint_id, transport.peer_id), backoff,
                 )  # fmt: skip
                 ep._lanes.append(Lane(i, sock, ep._window_bytes))
-        except (OSError, ValueError) as exc:
+        except BaseException as exc:
             for lane in ep._lanes:
                 lane.sock.close()
+            if not isinstance(exc, (OSError, ValueError)):
+                raise  # cancelled: the lanes opened so far are closed
             raise PeerUnreachableError(
                 f"cannot reach tcp peer {descriptor.peer_id} at {ep._address}: {exc}"
             ) from exc

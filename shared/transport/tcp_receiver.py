@@ -6,8 +6,10 @@ A frame header is checked against the registry *before* its payload is read; the
 writer flagged it ``FLAG_NO_ACK`` (ACKs are cumulative per lane). Every refusal is NAKed
 ``REFUSED`` alike (the reason goes to the log). A corrupt or truncated frame, a frame that stalls,
 a lane idle past ``idle_timeout_s`` and an endpoint with ``max_refusals`` refused operations are
-dropped with all the endpoint's lanes. A write's completion is delivered when all its frames are
-placed, in per-endpoint write order.
+dropped with all the endpoint's lanes. Every refused operation also spends its source address's
+refusal budget (``source_budget``): once that is spent, each further refusal from the source
+ends its lane, and the server resets the source's new connections for a while. A write's
+completion is delivered when all its frames are placed, in per-endpoint write order.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from kvmesh.shared.transport.config import TransportConfig
 from kvmesh.shared.transport.errors import ProtocolError, RefusalReason, RemoteAccessError
 from kvmesh.shared.transport.lane_auth import LaneHello
 from kvmesh.shared.transport.registry import Registry
+from kvmesh.shared.transport.source_budget import SourceGuard, source_of
 from kvmesh.shared.transport.tcp import (
     ACK,
     DRAIN_BYTES,
@@ -76,8 +79,15 @@ class _PeerEndpoint:
 class TcpReceiver:
     """The lanes one tcp transport serves: their writer endpoints and the completion order."""
 
-    def __init__(self, config: TransportConfig, registry: Registry, queue: CompletionQueue) -> None:
+    def __init__(
+        self,
+        config: TransportConfig,
+        registry: Registry,
+        queue: CompletionQueue,
+        guard: SourceGuard | None = None,
+    ) -> None:
         self.config = config
+        self._guard = guard
         self._registry = registry
         self._queue = queue
         self._lock = threading.Lock()
@@ -91,8 +101,9 @@ class TcpReceiver:
             peer = self.peers.setdefault(key, _PeerEndpoint(hello.peer_id))
             peer.lanes.add(conn)
         try:
+            source = source_of(conn.getpeername())
             set_io_timeout(conn, min(self.config.stall_timeout_s, self.config.idle_timeout_s))
-            self._frames(conn, peer)
+            self._frames(conn, peer, source)
         except (OSError, ProtocolError) as exc:
             if logs.is_sampled(self._count_dropped()):
                 log.info("tcp lane dropped", peer=peer.peer_id, reason=str(exc))
@@ -154,7 +165,7 @@ class TcpReceiver:
             if got < n and time.monotonic() > deadline:
                 raise ProtocolError(f"frame of {n} bytes stalled after {got}")
 
-    def _frames(self, conn: socket.socket, peer: _PeerEndpoint) -> None:
+    def _frames(self, conn: socket.socket, peer: _PeerEndpoint, source: str) -> None:
         hdr = bytearray(FRAME.size)
         hview = memoryview(hdr)
         scratch = None
@@ -187,7 +198,7 @@ class TcpReceiver:
                 if view is None:
                     assert error is not None
                     self._registry.count_refused(peer.peer_id, error.reason.name)
-                    self._refused_op(peer)
+                    self._refused_op(peer, source)
                     self._send(conn, [memoryview(ACK.pack(MAGIC_ACK, status, op, 0, idx, seq, 0))])
                     continue
                 ack = ACK.pack(MAGIC_ACK, 0, op, 0, idx, seq, length)
@@ -204,7 +215,7 @@ class TcpReceiver:
             else:
                 self._recv_payload(conn, tensor_buffer(view))
             reason = error.reason.name if error else ""
-            self._placed(peer, seq, idx, count, imm, rkey, 0 if error else length, reason)
+            self._placed(peer, source, seq, idx, count, imm, rkey, 0 if error else length, reason)
             if error or not flags & FLAG_NO_ACK:
                 self._send(conn, [memoryview(ACK.pack(MAGIC_ACK, status, op, 0, idx, seq, length))])
 
@@ -214,12 +225,16 @@ class TcpReceiver:
         deadline = time.monotonic() + self.config.stall_timeout_s + total / MIN_FRAME_BYTES_PER_S
         send_all(conn, buffers, deadline)
 
-    def _refused_op(self, peer: _PeerEndpoint) -> None:
+    def _refused_op(self, peer: _PeerEndpoint, source: str) -> None:
         """One more refused operation: past ``max_refusals`` the endpoint is disconnected (a
-        writer that keeps presenting bad keys is probing; an honest one stops at its first)."""
+        writer that keeps presenting bad keys is probing; an honest one stops at its first),
+        and once its source's budget is spent, at each refusal (a prober that opens a fresh
+        endpoint per guess is bounded by source, not by endpoint)."""
         with self._lock:
             peer.refusals += 1
             over = peer.refusals >= self.config.max_refusals
+        if self._guard is not None and self._guard.refused(source):
+            raise ProtocolError(f"source {source} spent its refusals: blocked, disconnected")
         if over:
             raise ProtocolError(f"{peer.refusals} accesses refused: disconnected")
 
@@ -235,6 +250,7 @@ class TcpReceiver:
     def _placed(
         self,
         peer: _PeerEndpoint,
+        source: str,
         seq: int,
         idx: int,
         count: int,
@@ -273,4 +289,4 @@ class TcpReceiver:
                 keys = frozenset((state.rkey,))
                 self._queue.put(Completion(state.imm, peer.peer_id, state.num_bytes, keys))
         if first_refusal:
-            self._refused_op(peer)
+            self._refused_op(peer, source)
