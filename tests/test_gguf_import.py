@@ -29,7 +29,8 @@ def synthetic(tmp_path_factory) -> tuple[Path, Path, dict[str, np.ndarray]]:
     """(GGUF file, its import, its HF weights before quantization)."""
     root = tmp_path_factory.mktemp("gguf")
     weights = write_gguf(root / "synthetic.gguf")
-    import_gguf(root / "synthetic.gguf", root / "imported")
+    # every tensor dequantized: the checkpoint transformers reads too
+    import_gguf(root / "synthetic.gguf", root / "imported", dequantize=True)
     return root / "synthetic.gguf", root / "imported", weights
 
 
@@ -162,7 +163,7 @@ def test_import_writes_a_marker_with_every_files_hash_last(synthetic, tmp_path) 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_import_in_half_precision_loads_in_that_dtype(synthetic, tmp_path, dtype) -> None:
-    import_gguf(synthetic[0], tmp_path / dtype, dtype)
+    import_gguf(synthetic[0], tmp_path / dtype, dtype, dequantize=True)
     model, _ = load_model(str(tmp_path / dtype))
     assert {p.dtype for p in model.parameters()} == {getattr(torch, dtype)}
     assert json.loads((tmp_path / dtype / "config.json").read_text())["torch_dtype"] == dtype
@@ -339,3 +340,70 @@ def test_sentencepiece_model_loads_and_gives_transformers_logits(sentencepiece) 
     with torch.no_grad():
         expected = reference(torch.tensor([ids])).logits[0]
     torch.testing.assert_close(kvmesh_logits(model, ids), expected, rtol=1e-4, atol=1e-4)
+
+
+# --- weights as stored ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def stored(synthetic, tmp_path_factory) -> Path:
+    """The synthetic GGUF imported by default: Q8_0, Q4_0, Q4_1 weights kept as stored."""
+    directory = tmp_path_factory.mktemp("stored") / "imported"
+    imported = import_gguf(synthetic[0], directory)
+    assert not imported.is_dequantized and verify_import(directory).is_dequantized is False
+    return directory
+
+
+def test_default_import_keeps_q8_q4_blocks_and_dequantizes_the_rest(synthetic, stored) -> None:
+    from kvmesh.shared.model.gguf_weights import hf_name
+    from kvmesh.shared.model.quant import CHECKPOINT_KEY, QUANT_FORMATS
+    from safetensors import safe_open
+
+    types = {hf_name(n): t.type_name for n, t in read_gguf(synthetic[0]).tensors.items()}
+    with safe_open(str(stored / "model.safetensors"), "pt") as f:
+        formats = json.loads(f.metadata()[CHECKPOINT_KEY])
+        dtypes = {name: f.get_tensor(name).dtype for name in f.keys()}  # noqa: SIM118
+    expected = {
+        n: t for n, t in types.items() if t in QUANT_FORMATS and not n.endswith("norm.weight")
+    }
+    assert formats == expected and set(expected.values()) == set(QUANT_FORMATS)
+    assert all((dtypes[n] == torch.uint8) == (n in formats) for n in dtypes)
+    assert (stored / "model.safetensors").stat().st_size < (
+        synthetic[1] / "model.safetensors"
+    ).stat().st_size
+
+
+def test_stored_weights_load_as_the_dequantized_values(synthetic, stored) -> None:
+    from kvmesh.shared.model.quant import dequantize
+    from kvmesh.shared.model.quant_layers import QuantEmbedding, QuantLinear
+
+    float_model, _ = load_model(str(synthetic[1]))
+    model, _ = load_model(str(stored))
+    quant = [m for m in model.modules() if isinstance(m, (QuantLinear, QuantEmbedding))]
+    assert quant  # the test would pass on a model with none
+    floats = dict(float_model.named_parameters())
+    for name, module in model.named_modules():
+        if isinstance(module, (QuantLinear, QuantEmbedding)) and not name.endswith(".head"):
+            assert torch.equal(dequantize(module.qweight), floats[f"{name}.weight"]), name
+    assert dict(model.named_parameters()).keys() < floats.keys()
+    dequantized, _ = load_model(str(stored), dequantize=True)
+    for name, param in dequantized.named_parameters():
+        assert torch.equal(param, floats[name]), name
+
+
+def test_stored_weights_give_the_dequantized_models_logits(synthetic, stored) -> None:
+    from kvmesh.kernels.cpu_ops import load_cpu_ops
+    from kvmesh.shared.model.llama import attach_cpu_ops
+
+    float_model, tokenizer = load_model(str(synthetic[1]))
+    model, _ = load_model(str(stored))
+    ids = tokenizer.encode("The capital of France is Paris, and the capital of Spain is Madrid.")
+    expected = kvmesh_logits(float_model, ids)
+    torch.testing.assert_close(kvmesh_logits(model, ids), expected, rtol=1e-4, atol=1e-4)
+    ops = load_cpu_ops()
+    if ops is None:
+        return
+    attach_cpu_ops(model, ops)  # the kernels: activations quantized to int8 per block of 32
+    got = kvmesh_logits(model, ids)
+    assert (got - expected).norm() / expected.norm() < 0.05
+    assert (got.argmax(-1) == expected.argmax(-1)).float().mean() >= 0.9

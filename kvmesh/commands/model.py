@@ -70,11 +70,12 @@ def _register_import(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "import",
         help="turn a Llama GGUF file (llama.cpp's format) into a checkpoint directory",
-        description="Dequantizes every tensor (F32, F16, BF16, Q8_0, Q4_0, Q4_1, the K-quants ...: "
-        "whatever the gguf package reads) into model.safetensors in --dtype, and writes "
-        "config.json, generation_config.json, tokenizer.json and tokenizer_config.json (with the "
-        "chat template) from the file's metadata. kvmesh (--model DIR) and transformers "
-        "(from_pretrained(DIR)) both load the result.",
+        description="Keeps Q8_0, Q4_0 and Q4_1 weights as stored (kvmesh computes with them as "
+        "they are) and dequantizes every other tensor (F32, F16, BF16, the K-quants ...: whatever "
+        "the gguf package reads) into model.safetensors in --dtype, and writes config.json, "
+        "generation_config.json, tokenizer.json and tokenizer_config.json (with the chat "
+        "template) from the file's metadata. kvmesh loads the result with --model DIR; with "
+        "--dequantize (every tensor in --dtype) transformers' from_pretrained(DIR) does too.",
     )
     p.add_argument("gguf", type=Path, metavar="FILE.gguf")
     p.add_argument("directory", type=Path, metavar="OUT_DIR", help="a new or empty folder")
@@ -82,7 +83,13 @@ def _register_import(sub: argparse._SubParsersAction) -> None:
         "--dtype",
         default="float32",
         choices=("float32", "bfloat16", "float16"),
-        help="the weights' dtype (float32 keeps the GGUF's values exactly)",
+        help="the dequantized weights' dtype (float32 keeps the GGUF's values exactly)",
+    )
+    p.add_argument(
+        "--dequantize",
+        action="store_true",
+        help="dequantize every weight to --dtype (4-8x the bytes of Q4/Q8 weights; what "
+        "transformers reads)",
     )
     p.set_defaults(func=_run_import)
 
@@ -92,12 +99,17 @@ def _run_import(args: argparse.Namespace) -> int:
     from kvmesh.shared.model.gguf_import import import_gguf
 
     try:
-        imported = import_gguf(args.gguf, args.directory, args.dtype)
+        imported = import_gguf(args.gguf, args.directory, args.dtype, dequantize=args.dequantize)
     except GGUFError as e:
         raise SystemExit(f"kvmesh model import: {e}") from None
+    weights = (
+        imported.dtype
+        if imported.is_dequantized
+        else f"their GGUF formats ({imported.dtype} elsewhere)"
+    )
     print(
         f"wrote {imported.directory}: {imported.num_parameters / 1e6:.1f}M parameters in "
-        f"{imported.dtype}; serve it with --model {imported.directory}"
+        f"{weights}; serve it with --model {imported.directory}"
     )
     return 0
 

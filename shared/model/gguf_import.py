@@ -48,7 +48,7 @@ class ImportedModel:
     source_sha256: str
     dtype: str
     num_parameters: int
-    is_dequantized: bool = True  # every weight in ``dtype``; else Q8_0/Q4_0/Q4_1 as stored
+    is_dequantized: bool = True  # imported with dequantize: every weight in ``dtype``
 
 
 def import_gguf(
@@ -103,7 +103,7 @@ def import_gguf(
             "source_sha256": source_sha256,
             "dtype": dtype,
             "num_parameters": num_parameters,
-            "dequantized": not formats,
+            "dequantized": dequantize,
             "files": {p.name: file_sha256(p) for p in sorted(partial.iterdir())},
         }
         _write_json(partial / MARKER, marker)  # last: its presence means the rest is whole
@@ -114,7 +114,7 @@ def import_gguf(
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
-    return ImportedModel(directory, source_sha256, dtype, num_parameters, not formats)
+    return ImportedModel(directory, source_sha256, dtype, num_parameters, dequantize)
 
 
 def verify_import(directory: str | Path, full: bool = False) -> ImportedModel | None:

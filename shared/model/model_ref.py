@@ -68,7 +68,8 @@ def import_cached_gguf(path: Path, progress: Callable[[str], None] = lambda _: N
     stat = path.stat()
     key = hashlib.sha256(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()
     directory = models_dir() / "gguf" / f"{path.stem}-{key[:12]}"
-    if verify_import(directory) is None:
+    imported = verify_import(directory)
+    if imported is None or imported.is_dequantized:  # an import from before formats were kept
         if directory.exists():
             import shutil
 
