@@ -14,6 +14,7 @@ from kvmesh.shared.text.schema_limits import SchemaLimits
 # descriptors the router keeps for what is not an HTTP connection (NATS, the model's files, the
 # listener, logs) when the open-file limit caps --max-connections
 FD_RESERVE = 128
+MAX_CONNECTIONS = 2048  # --max-connections' default
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,7 +25,7 @@ class HttpLimits:
     header_timeout_s: float
     body_timeout_s: float
     max_connections_per_client: int
-    max_connections: int
+    max_connections: int = MAX_CONNECTIONS
 
     def __post_init__(self) -> None:
         check_positive(self, "header_timeout_s", "body_timeout_s")
@@ -131,7 +132,7 @@ class RouterConfig(ServiceConfig):
         64, help="connections one client address may hold open at once; more are closed at once"
     )
     max_connections: int = option(
-        2048,
+        MAX_CONNECTIONS,
         help="HTTP connections the router holds in all (at most the open-file limit less 128); "
         "a new one over it closes the oldest connection waiting for a request, or is closed",
     )
