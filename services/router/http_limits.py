@@ -13,7 +13,10 @@ wrapped in a ``ConnectionGuard``:
   every connection is in a request;
 - a request's headers must be complete within ``header_timeout_s`` of its first byte (of the
   connection's start, for its first request, and of the end of the request before, on a kept-
-  alive connection): a connection that has not sent them is closed;
+  alive connection): a connection that has not sent them is closed. The clock runs only while
+  no request of the connection is in progress: a request whose headers were read before the one
+  ahead of it ended (pipelined, or sent as soon as the client read the response's end) is not
+  cut by a clock that the end of the one ahead started (issue 43: such streams were cut at 10 s);
 - the body is read within ``body_timeout_s`` (``read_body``: a 408 after it), and one whose
   Content-Length is over ``--max-body-mb`` is refused (413) before any of it is read, on every
   route (``body_limit_middleware``).
@@ -100,6 +103,7 @@ class ConnectionGuard(asyncio.Protocol):
         self.waiting_headers = True
         self.tail = b""  # the last bytes seen while waiting for the end of the headers
         self.timer: asyncio.TimerHandle | None = None
+        self.num_in_progress = 0  # requests whose handler runs (request_done_middleware's count)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -122,12 +126,26 @@ class ConnectionGuard(asyncio.Protocol):
         self.timer = loop.call_later(self.table.limits.header_timeout_s, self._headers_too_slow)
 
     def _headers_too_slow(self) -> None:
-        if self.waiting_headers and self.transport is not None:
+        if self.waiting_headers and self.num_in_progress == 0 and self.transport is not None:
             self.table.on_refused("header_timeout")
             self.transport.abort()
 
+    def request_started(self) -> None:
+        """The middleware's word: a request's handler runs; no header clock while it does."""
+        self.num_in_progress += 1
+        self.waiting_headers = False
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
     def request_done(self) -> None:
-        """The middleware's word: the response went out; the next request's clock starts."""
+        """The middleware's word: a request's handler returned. With none left in progress the
+        next request's clock starts; a request already read (pipelined) cancels it as soon as
+        its handler starts."""
+        assert self.num_in_progress > 0, "request_done without request_started"
+        self.num_in_progress -= 1
+        if self.num_in_progress > 0:
+            return
         if self.transport is not None and not self.transport.is_closing():
             self._await_headers()
 
@@ -232,19 +250,22 @@ class GuardedSite(web.TCPSite):
 
 
 def request_done_middleware(table: ConnectionTable) -> Callable:
-    """Tell a connection's guard when each of its requests is answered (keep-alive: the next
-    request's header clock starts then, not while the handler streams)."""
+    """Tell a connection's guard when each of its requests starts and is answered (keep-alive:
+    the next request's header clock runs only while none is in progress, not while a handler
+    streams). The outermost middleware, so that every request that reaches a handler counts."""
 
     @web.middleware
     async def done(
         request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
     ) -> web.StreamResponse:
+        guard = table.guards.get(request.transport) if request.transport else None
+        if guard is None:
+            return await handler(request)
+        guard.request_started()
         try:
             return await handler(request)
         finally:
-            guard = table.guards.get(request.transport) if request.transport else None
-            if guard is not None:
-                guard.request_done()
+            guard.request_done()
 
     return done
 
