@@ -247,3 +247,25 @@ async def test_a_create_with_another_config_is_refused_when_the_stream_exists(se
         )
         assert reply["error"]["err_code"] == 10058, reply
         assert (await admin.jetstream().stream_info(S)).config.subjects == [subjects.PREFILL_JOBS]
+
+
+async def test_a_pull_delivers_to_the_reply_subject_it_names_not_yet_refused(server, creds):
+    """docs/security.md, "Not yet": nats-server checks no permission on a pull's reply subject,
+    so as prefill a ``MSG.NEXT`` with ``reply=admin.drain`` has the server deliver the job
+    there. This pins the known gap: when a server starts refusing it, this fails and the docs
+    say so."""
+    async with (
+        connect_nats(server.url, "admin", auth=creds.auth("admin")) as admin,
+        connect_nats(server.url, "router", auth=creds.auth("router")) as router,
+        connect_nats(server.url, "prefill", auth=creds.auth("prefill")) as prefill,
+    ):
+        await ensure_queue(admin, subjects)
+        await admin.jetstream().purge_stream(S)  # the module's server: jobs of tests before
+        drains = await admin.subscribe(subjects.ADMIN_DRAIN)
+        await flush_to_server(admin)
+        await publish_job(router, subjects, b'{"job": "pulled elsewhere"}')
+        next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{S}.{DURABLE}"
+        await prefill.publish(next_subject, BODIES["CONSUMER.MSG.NEXT"], reply=subjects.ADMIN_DRAIN)
+        await flush_to_server(prefill)
+        delivered = await drains.next_msg(timeout=2.0)
+        assert delivered.data == b'{"job": "pulled elsewhere"}'
