@@ -10,9 +10,10 @@ still cuts the text itself, because that last token may carry text past the matc
   recent ids and emits what lies past the text already emitted, so tokenizers that drop a leading
   space at the start of a decode (SentencePiece) and UTF-8 characters split over several byte
   tokens both come out as the full decode would.
-- ``StopMatcher``: text in, the part safe to show out. Text from the first stop string on is cut
-  (OpenAI semantics: the stop string is not part of the output); a tail that could still become a
-  stop string is held back until more text settles it or the stream ends.
+- ``StopMatcher`` (``stop_matcher.py``): text in, the part safe to show out. Text from the first
+  stop string on is cut (OpenAI semantics: the stop string is not part of the output); a tail
+  that could still become a stop string is held back until more text settles it or the stream
+  ends.
 - ``TextStream``: the two in a row.
 
 Torch-free: the tokenizer is anything with ``decode(ids, skip_special_tokens)``.
@@ -22,6 +23,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from typing import Protocol
+
+from kvmesh.shared.text.stop_matcher import StopMatcher
 
 # Prompt ids kept as decoding context for the first output token (a leading space of a
 # SentencePiece token only shows after another token).
@@ -72,69 +75,6 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._ids)
         self.text += delta
         return delta
-
-
-class StopMatcher:
-    """Feed text with ``add``; each call returns the new text safe to show."""
-
-    def __init__(self, stop: Sequence[str], include_stop: bool = False) -> None:
-        assert all(stop), "stop strings are non-empty"
-        self._stop = tuple(stop)
-        self._include_stop = include_stop  # the text ends after the stop string, not before
-        self._max_stop_len = max((len(s) for s in self._stop), default=0)
-        self._text = ""  # everything added so far (cut at a stop string)
-        self._num_released = 0  # characters of _text already returned
-        self._num_searched = 0  # characters of _text already known to hold no full match
-        self.is_stopped = False  # a stop string matched; nothing more is returned
-
-    @property
-    def text(self) -> str:
-        """The text returned so far."""
-        return self._text[: self._num_released]
-
-    def add(self, text: str) -> str:
-        return self._advance(text, is_final=False)
-
-    def finish(self, text: str = "") -> str:
-        """The end of the stream: ``text`` is the last, and held-back text is released."""
-        return self._advance(text, is_final=True)
-
-    def _advance(self, text: str, *, is_final: bool) -> str:
-        if self.is_stopped:
-            return ""
-        self._text += text
-        cut = self._find_stop()
-        if cut is not None:
-            self.is_stopped = True
-            if self._include_stop:
-                cut += max(len(s) for s in self._stop if self._text.startswith(s, cut))
-            self._text = self._text[:cut]
-            end = cut
-        elif is_final:
-            end = len(self._text)
-        else:
-            end = len(self._text) - self._num_held_back()
-        end = max(end, self._num_released)
-        delta = self._text[self._num_released : end]
-        self._num_released = end
-        return delta
-
-    def _find_stop(self) -> int | None:
-        if not self._stop or len(self._text) == self._num_searched:
-            return None
-        # A match may begin up to (longest stop - 1) characters before the new text.
-        start = max(0, self._num_searched - self._max_stop_len + 1)
-        hits = [i for s in self._stop if (i := self._text.find(s, start)) >= 0]
-        self._num_searched = len(self._text)
-        return min(hits) if hits else None
-
-    def _num_held_back(self) -> int:
-        """Length of the longest suffix of the text that is a proper prefix of a stop string."""
-        for k in range(min(self._max_stop_len - 1, len(self._text)), 0, -1):
-            tail = self._text[-k:]
-            if any(s.startswith(tail) for s in self._stop):
-                return k
-        return 0
 
 
 class TextStream:
