@@ -5,6 +5,7 @@ refusals alike whatever the reason. Each test names the attack that got through 
 from __future__ import annotations
 
 import asyncio
+import collections
 import socket
 import threading
 import time
@@ -13,8 +14,9 @@ import pytest
 import torch
 from kvmesh.loadgen.hostile_load import HostileLoad
 from kvmesh.shared.transport import Access, TransportConfig, WriteEntry
-from kvmesh.shared.transport.lane_auth import CHALLENGE, answer_challenge, new_secret
+from kvmesh.shared.transport.lane_auth import ACCEPT, CHALLENGE, answer_challenge, new_secret
 from kvmesh.shared.transport.tcp import (
+    ACK,
     FRAME,
     MAGIC_FRAME,
     MAX_FRAME_BYTES,
@@ -195,6 +197,112 @@ async def test_hostile_load_leaves_normal_writes_served() -> None:
         assert rx._server.peak_connections <= config.max_connections
         # the rogue member's lanes: bounded by the per-peer limit, one peer id per kind
         assert rx.stats().refused > 0
+
+
+FLOOD_SOURCES = [f"127.0.0.{i}" for i in range(2, 10)]
+
+
+def _flood(port: int, stop: threading.Event, max_connections: int, max_s: float) -> int:
+    """Silent connections from FLOOD_SOURCES in turn, as fast as one thread opens them (at most
+    ``max_connections``, for at most ``max_s``); the newest 256 are held open. Returns how many
+    were opened."""
+    held: collections.deque[socket.socket] = collections.deque()
+    opened, deadline = 0, time.monotonic() + max_s
+    try:
+        while opened < max_connections and time.monotonic() < deadline and not stop.is_set():
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.setblocking(False)
+            try:
+                sock.bind((FLOOD_SOURCES[opened % len(FLOOD_SOURCES)], 0))
+                sock.connect_ex(("127.0.0.1", port))
+            except OSError:
+                sock.close()
+                continue
+            opened += 1
+            held.append(sock)
+            if len(held) > 256:
+                held.popleft().close()
+    finally:
+        for sock in held:
+            sock.close()
+    return opened
+
+
+@pytest.mark.slow  # seconds: left out of make test-fast
+async def test_handshakes_of_an_honest_writer_complete_under_a_connection_flood() -> None:
+    """Issue 40: connections by the thousand a second from 127.0.0.2-200 reset a restarted
+    prefill's handshakes (the accept loop drained the backlog before it read pending hellos,
+    a flood pushed the oldest handshake out whoever's it was, and the writer did not try
+    again). Bounded here: up to 6,000 silent connections in 6 s from eight addresses against
+    32 handshake slots, while a writer opens eight endpoints (two lanes each) and writes."""
+    config = TransportConfig(
+        max_pending_handshakes=32, accepts_per_source_s=100.0, accept_burst_per_source=50
+    )
+    async with TcpTransport(config) as rx, TcpTransport(TransportConfig()) as tx:
+        pool = Pool(rx, tx)
+        stop = threading.Event()
+        flood = asyncio.ensure_future(asyncio.to_thread(_flood, rx.port, stop, 6000, 6.0))
+        try:
+            await _wait_until(lambda: rx._server.num_throttled > 100, what="the flood")
+            for i in range(8):
+                async with await tx.connect(rx.descriptor()) as ep:
+                    await asyncio.wait_for(ep.write([pool.entry(i)], i), 10)
+        finally:
+            stop.set()
+            opened = await flood
+        assert opened >= 500, f"only {opened} flood connections"
+        assert rx._server.num_accepted == 16  # every honest lane, none of the flood
+    assert [(await rx.completion_queue.get()).imm for _ in range(8)] == list(range(8))
+
+
+def _guess_on_a_fresh_lane(port: int, secret: bytes, source: str, rkey: int, addr: int) -> bool:
+    """One guessed key on a fresh endpoint (its own refusal count) from ``source``: True when
+    the guess reached the receiver (answered), False when the connection was turned away."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.settimeout(5)
+    try:
+        sock.bind((source, 0))
+        sock.connect(("127.0.0.1", port))
+        challenge = sock.recv(CHALLENGE.size, socket.MSG_WAITALL)
+        if len(challenge) != CHALLENGE.size:
+            return False
+        sock.sendall(answer_challenge(secret, challenge, 0, 1, rkey, "prober"))
+        if sock.recv(len(ACCEPT), socket.MSG_WAITALL) != ACCEPT:
+            return False
+        frame = FRAME.pack(MAGIC_FRAME, VERSION, OP_WRITE, 0, rkey, 0, addr, 1, 1, 0, 1, addr, 1)
+        sock.sendall(frame + b"x")
+        return len(sock.recv(ACK.size, socket.MSG_WAITALL)) == ACK.size
+    except OSError:
+        return False
+    finally:
+        sock.close()
+
+
+async def test_key_guesses_from_fresh_endpoints_are_bounded_per_source() -> None:
+    """Issue 40: a member guessing window keys opened a fresh endpoint per guess (each allowed
+    max_refusals of its own), 16.7k guesses a second. Now each refusal spends its source's
+    budget; a spent source's connections are reset at accept. Another address writes on."""
+    config = TransportConfig(max_refusals_per_source=8, source_block_s=30.0)
+    async with TcpTransport(config) as rx, TcpTransport(TransportConfig()) as tx:
+        pool = Pool(rx, tx)
+        secret = tcp_secret(rx.descriptor())
+        guesses = [
+            await asyncio.to_thread(
+                _guess_on_a_fresh_lane,
+                rx.port,
+                secret,
+                "127.0.0.3",
+                (pool.region.rkey + 1 + i) & 0xFFFF_FFFF,
+                pool.region.addr,
+            )
+            for i in range(40)
+        ]
+        assert sum(guesses) <= 8 + 1, guesses  # the budget, and the one that spent it
+        assert guesses[0] and not any(guesses[10:])
+        assert rx._server.num_throttled >= 30
+        async with await tx.connect(rx.descriptor()) as ep:  # from 127.0.0.1
+            await asyncio.wait_for(ep.write([pool.entry(0)], 1), 10)
+    assert (await rx.completion_queue.get()).imm == 1
 
 
 async def test_an_rdma_side_channel_hello_without_the_secret_gets_no_queue_pair() -> None:
