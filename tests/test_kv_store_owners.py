@@ -113,3 +113,61 @@ def test_writer_quota_is_a_share_of_host_and_disk_blocks() -> None:
     owners.record((1, L), "x")
     owners.record((1, L), "y")
     assert owners.owner((1, L)) == "x" and owners.count("y") == 0
+
+
+def test_a_writer_at_its_quota_recycles_its_disk_blocks_before_its_host_blocks() -> None:
+    store = BlockStore(2, disk=DiskSlots(4), max_per_owner=4)
+    stored_with_spills(store, "w", 1, 2)
+    stored_with_spills(store, "w", 3, 4)  # 1 and 2 go to disk: the writer's oldest
+    assert (1, L) in store.disk.index and (3, L) in store.index
+    stored_with_spills(store, "w", 5)  # at its quota: 1 (least recently used, on disk) goes
+    assert held(store, 1, 2, 3, 4, 5) == [2, 3, 4, 5]
+    stored_with_spills(store, "w", 6)  # then 2, the next oldest, not its newest host block
+    assert held(store, 1, 2, 3, 4, 5, 6) == [3, 4, 5, 6]
+    assert store.owners.count("w") == 4 and store.counters.quota_evictions == 2
+
+
+def test_a_writer_at_its_quota_recycles_its_least_recently_used_disk_block() -> None:
+    store = BlockStore(1, disk=DiskSlots(4), max_per_owner=3)
+    for h in (1, 2, 3):
+        stored_with_spills(store, "w", h)  # 1 and 2 on disk, 1 older
+    store.release(_promoted(store, 1))  # a get reads 1 back: now the newest, on host
+    assert (1, L) in store.index and (2, L) in store.disk.index and (3, L) in store.disk.index
+    stored_with_spills(store, "w", 4)  # its least recently used is 2
+    assert held(store, 1, 2, 3, 4) == [1, 3, 4]
+
+
+def _promoted(store: BlockStore, h: int) -> str:
+    grant = store.lookup(f"g{h}", L, [h], 10.0)
+    for spill in grant.spills:
+        store.spilled(spill, True)
+    for promotion in grant.promotions:
+        assert store.promoted(grant.get_id, promotion, True)
+    return grant.get_id
+
+
+def test_store_metrics_count_evictions_by_reason() -> None:
+    from kvmesh.services.kv_store.metrics import StoreMetrics
+    from kvmesh.shared.transport.base import TransportStats
+
+    store = BlockStore(2, disk=DiskSlots(1), max_per_owner=2)
+    stored_with_spills(store, "a", 1)
+    stored_with_spills(store, "b", 2)
+    stored_with_spills(store, "b", 3)  # host room: 1 spilled
+    stored_with_spills(store, "b", 4)  # b's quota: its 2 goes
+    stored_with_spills(store, "c", 5)  # host room: 3 spilled, and disk room: 1 dropped
+    store.drop_owner("b")  # writer gone: its 3 and 4
+    registry = StoreMetrics(store, TransportStats, 64).registry
+    by_reason = {
+        reason: registry.get_sample_value(
+            "kvmesh_store_evictions_by_reason_total", {"reason": reason}
+        )
+        for reason in ("host_room", "disk_room", "quota", "writer_gone", "failed_copy")
+    }
+    assert by_reason == {
+        "host_room": 2,
+        "disk_room": 1,
+        "quota": 1,
+        "writer_gone": 2,
+        "failed_copy": 0,
+    }

@@ -368,23 +368,25 @@ class BlockStore(TierSlots):
     # --- writers ---------------------------------------------------------------------------------
 
     def _give_up_oldest(self, owner: str) -> bool:
-        """Drop ``owner``'s least recently used unpinned block (host first, then disk) to make
-        room within its quota; False if it has none."""
-        for slot in self.lru:
-            key = self.keys[slot]
-            if self.owners.owner(key) == owner:
-                del self.lru[slot], self.keys[slot], self.index[key]
-                self.free.append(slot)
-                break
-        else:
-            if self.disk is None:
-                return False
-            key = next(
-                (k for s, k in self.disk.keys.items() if self.owners.owner(k) == owner), None
-            )
-            if key is None:
-                return False
+        """Drop ``owner``'s least recently used unpinned block to make room within its quota:
+        disk first (a block reaches disk only by being the host tier's least recently used, so
+        the writer's disk blocks are older than its host blocks), then host; False if it has
+        none. Before (issue 43), host came first: a writer at its quota lost its newest blocks
+        and kept its stale ones on disk."""
+        key = None
+        if self.disk is not None:
+            disk_keys = (self.disk.keys[slot] for slot in self.disk.lru)
+            key = next((k for k in disk_keys if self.owners.owner(k) == owner), None)
+        if key is not None:
+            assert self.disk is not None
             self.disk.give_back(self.disk.detach(key))
+        else:
+            slot = next((s for s in self.lru if self.owners.owner(self.keys[s]) == owner), None)
+            if slot is None:
+                return False
+            key = self.keys[slot]
+            del self.lru[slot], self.keys[slot], self.index[key]
+            self.free.append(slot)
         self.owners.forget(key)
         self.counters.quota_evictions += 1
         return True

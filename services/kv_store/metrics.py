@@ -45,10 +45,11 @@ class StoreCollector(Collector):
 
     def declared_labels(self) -> dict[str, tuple[str, ...]]:
         """For the metrics catalog (tests/support/metrics_catalog.py)."""
-        return {
+        tiers = {
             f"kvmesh_store_tier_{n}": ("tier",)
             for n in ("hits", "evictions", "capacity_bytes", "used_bytes")
         }
+        return {**tiers, "kvmesh_store_evictions_by_reason": ("reason",)}
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         counters = self.store.counters
@@ -79,6 +80,29 @@ class StoreCollector(Collector):
         ):
             yield GaugeMetricFamily(f"kvmesh_store_{name}", help_text, value)
         yield from self._tiers()
+        yield self._evictions_by_reason()
+
+    def _evictions_by_reason(self) -> CounterMetricFamily:
+        c, disk = self.store.counters, self.store.disk
+        family = CounterMetricFamily(
+            "kvmesh_store_evictions_by_reason",
+            "Blocks that left a tier other than by a get, by reason: host_room (the host "
+            "tier's least recently used, for a put or a promotion; spilled or dropped), "
+            "disk_room (the disk tier's least recently used, dropped for a spill), quota (a "
+            "writer's own least recently used, disk first, for its put past its quota), "
+            "writer_gone (the kv-registry dropped the writer), failed_copy (a spill or "
+            "promotion whose I/O failed).",
+            labels=["reason"],
+        )
+        for reason, value in (
+            ("host_room", c.evictions),
+            ("disk_room", disk.num_evictions if disk is not None else 0),
+            ("quota", c.quota_evictions),
+            ("writer_gone", c.owner_drops),
+            ("failed_copy", c.failed_copies),
+        ):
+            family.add_metric([reason], value)
+        return family
 
     def _tiers(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         """Per tier (``host``, and ``disk`` when the store has one)."""
