@@ -11,7 +11,8 @@ Pure given a tokenizer and a ``random.Random``: the same seed gives the same pro
   output length (unless one is fixed), filtered as vLLM filters them (prompt and reply >= 4
   tokens, prompt <= 1024, both <= 2048).
 - Lengths come from ``LengthSpec``: uniform over [low, high] (a ratio around a length, or explicit
-  bounds); optionally a fraction of prompts is a fixed long length, to see long prefills arrive.
+  bounds), or from ``length_dist`` (normal, log-normal, clipped); optionally a fraction of prompts
+  is a fixed long length, to see long prefills arrive. Text cut from a corpus: ``corpus``.
 """
 
 from __future__ import annotations
@@ -33,6 +34,12 @@ _FIT_TRIES = 8
 
 class WorkloadError(ValueError):
     """A workload that cannot be built as asked (bad length range, unusable dataset file)."""
+
+
+class LengthSampler(Protocol):
+    """Draws one length: ``LengthSpec`` (uniform) or ``length_dist.LengthDistribution``."""
+
+    def sample(self, rng: random.Random) -> int: ...
 
 
 class TokenizerLike(Protocol):
@@ -97,8 +104,8 @@ class LengthSpec:
 
 def sample_lengths(
     num: int,
-    input_lens: LengthSpec,
-    output_lens: LengthSpec,
+    input_lens: LengthSampler,
+    output_lens: LengthSampler,
     rng: random.Random,
     *,
     long_input_len: int | None = None,
