@@ -399,3 +399,26 @@ async def test_store_evicts_a_dropped_workers_blocks_and_refuses_puts_from_other
             assert not reply.ok and "may not put" in reply.error and reply.rkey == 0
         finally:
             await router.close()
+
+
+async def test_store_starts_without_disk_tier_when_its_file_cannot_be_made(
+    nats_server: str, tmp_path
+) -> None:
+    disk_dir = tmp_path / "disk"
+    disk_dir.mkdir(mode=0o700)
+    # a file of 1e9 GiB: no filesystem here makes it (a full disk fails the same way)
+    flags = ("--num-blocks", "8", "--transport", "tcp", "--disk-path", str(disk_dir))
+    with tempfile.TemporaryFile() as log:
+        proc = spawn_store(nats_server, "store-nodisk", log, *flags, "--disk-capacity-gb", "1e9")
+        try:
+            advert = await next_advert(nats_server, "store-nodisk", proc, log)
+            assert (advert.total_blocks, advert.disk_total_blocks) == (8, 0)
+            async with Client(nats_server, "tcp", advert) as c:  # it serves from host memory
+                put = await c.client.put(c.target, advert.kv_spec, c.blocks(TOKENS, [0, 1]))
+                assert len(put.committed) == 2
+        finally:
+            stop_store(proc)
+        log.seek(0)
+        output = log.read().decode()
+    assert "no disk tier: serving from host memory only" in output and "File too large" in output
+    assert list(disk_dir.iterdir()) == []

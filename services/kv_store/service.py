@@ -53,6 +53,7 @@ from kvmesh.shared.bus.protocol import (
 )
 from kvmesh.shared.bus.store_solicit import SolicitLimiter
 from kvmesh.shared.bus.worker_shell import WorkerShell, serve_worker
+from kvmesh.shared.config.service_errors import ServiceStartError
 from kvmesh.shared.kv.kv_block_header import HEADER_BYTES
 from kvmesh.shared.obs import logs
 from kvmesh.shared.transport import TransportConfig, create_transport
@@ -235,11 +236,23 @@ async def store_service(config: StoreConfig) -> AsyncIterator[StoreService]:
     async with contextlib.AsyncExitStack() as stack:
         disk = None
         if disk_dir is not None:
-            disk = await asyncio.to_thread(
-                DiskFile.create, disk_dir, num_disk_slots, spec.block_bytes
-            )
-            stack.callback(disk.close)
-            log.info("disk tier", file=disk.name, slots=num_disk_slots, unlinked=True)
+            # A directory refused for who owns it stops the start (the operator's to fix); a
+            # file that cannot be made there (a full filesystem, a quota) does not: the store
+            # serves from host memory and says so, rather than fail every restart (issue 43).
+            try:
+                disk = await asyncio.to_thread(
+                    DiskFile.create, disk_dir, num_disk_slots, spec.block_bytes
+                )
+            except ServiceStartError as exc:
+                log.warning(
+                    "no disk tier: serving from host memory only (free space under "
+                    "--disk-path, or lower --disk-capacity-gb, and restart the store)",
+                    error=str(exc),
+                )
+                num_disk_slots = 0
+            else:
+                stack.callback(disk.close)
+                log.info("disk tier", file=disk.name, slots=num_disk_slots, unlinked=True)
         transport = await stack.enter_async_context(create_transport(config.transport, tconf))
         nc = await stack.enter_async_context(
             connect_nats(config.nats_url, store_id, security=config.nats_security)
