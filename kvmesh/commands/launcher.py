@@ -82,8 +82,17 @@ class Launcher:
         if not nats_is_reachable(url):
             self._start_nats(url)
         else:
-            try:  # a server anybody can log in to is anybody's (shared/bus/nats_vetting.py)
-                vet_nats_url(url, insecure=self.config.nats_insecure)
+            security = self.config.nats_security
+            try:  # joined only with credentials, and only where who runs it is known
+                vet_nats_url(
+                    url,
+                    insecure=self.config.nats_insecure,
+                    has_credentials=bool(
+                        self.nats_auth or url_has_credentials(url) or security.creds
+                    ),
+                    tls=security.uses_tls,
+                    trust_network=security.trust_network,
+                )
             except NatsVettingError as exc:
                 raise LaunchError(str(exc)) from None
             self._check_mesh_absent(url)
