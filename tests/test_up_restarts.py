@@ -4,9 +4,11 @@ again."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
+import sys
 import time
 import urllib.error
 from pathlib import Path
@@ -15,7 +17,10 @@ import pytest
 from support.proc_tree import cmdline, descendants
 from test_up import admin_status_json, chat, launch, wait_for_line
 
-from kvmesh.commands.restarts import RestartPolicy
+from kvmesh.commands.launcher import Launcher, LaunchError
+from kvmesh.commands.restarts import LeaveDown, Restart, RestartPolicy, StopMesh
+from kvmesh.commands.up_config import UpConfig
+from kvmesh.commands.up_plan import ChildSpec
 
 
 def test_restart_delays_double_up_to_the_cap_and_the_budget_ends_them():
@@ -30,6 +35,44 @@ def test_restart_budget_forgets_deaths_older_than_the_window():
     assert policy.on_exit("d", 0) == 1 and policy.on_exit("d", 5) == 2
     assert policy.on_exit("d", 20) == 1  # the first two are out of the window
     assert policy.restarts("d") == 1
+
+
+def _child(name: str, tier: str, *python: str) -> tuple[ChildSpec, subprocess.Popen[bytes]]:
+    """A child that runs ``python -c ...`` first; restarted, it runs ``kvmesh <argv>``, which
+    fails at once (no such command)."""
+    spec = ChildSpec(name, tier, ("no-such-command",))
+    return spec, subprocess.Popen([sys.executable, "-c", *python], stderr=subprocess.DEVNULL)
+
+
+async def test_supervisor_leaves_a_failing_kv_store_down_and_keeps_the_mesh_up(capsys):
+    launcher = Launcher(UpConfig(port=1), log=subprocess.DEVNULL)
+    decode = _child("decode-0", "decode", "import time; time.sleep(60)")
+    store = _child("kv-store-0", "kv-store", "raise SystemExit(3)")
+    launcher.children = {spec.name: (spec, proc) for spec, proc in (decode, store)}
+    policy = RestartPolicy(max_restarts=1, first_delay_s=0.0)
+    supervising = asyncio.create_task(launcher.supervise(policy, poll_s=0.05))
+    try:
+        for _ in range(300):  # the store dies, is restarted once, dies again: left down
+            if launcher.left_down:
+                break
+            await asyncio.sleep(0.05)
+        assert launcher.left_down == {"kv-store-0"}
+        await asyncio.sleep(0.5)
+        assert not supervising.done()  # the mesh goes on
+        assert "kvmesh up: kv-store-0 exited with code 2, 2 times" in capsys.readouterr().err
+    finally:
+        supervising.cancel()
+        decode[1].kill()
+        decode[1].wait()
+
+
+async def test_supervisor_stops_the_mesh_when_a_decode_worker_cannot_stay_up():
+    launcher = Launcher(UpConfig(port=1), log=subprocess.DEVNULL)
+    spec, proc = _child("decode-0", "decode", "raise SystemExit(3)")
+    launcher.children = {spec.name: (spec, proc)}
+    policy = RestartPolicy(max_restarts=1, first_delay_s=0.0)
+    with pytest.raises(LaunchError, match="decode-0 exited with code 2, 2 times"):
+        await asyncio.wait_for(launcher.supervise(policy, poll_s=0.05), 30)
 
 
 @pytest.mark.slow
@@ -89,3 +132,22 @@ def test_up_restarts_a_killed_decode_worker_and_its_nats_server_and_serves_again
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+def test_an_optional_service_out_of_restarts_is_left_down_and_a_needed_one_stops_the_mesh():
+    policy = RestartPolicy(max_restarts=2, window_s=300)
+    assert policy.after_death("kv-store-0", "kv-store", 0) == Restart(1)
+    assert policy.after_death("kv-store-0", "kv-store", 1) == Restart(2)
+    assert policy.after_death("kv-store-0", "kv-store", 3) == LeaveDown(3)
+    for t in (0, 1):
+        assert isinstance(policy.after_death("draft-0", "draft", t), Restart)
+    assert policy.after_death("draft-0", "draft", 2) == LeaveDown(3)
+    for t in (0, 1):
+        assert isinstance(policy.after_death("decode-0", "decode", t), Restart)
+    assert policy.after_death("decode-0", "decode", 2) == StopMesh(3)
+
+
+def test_an_optional_service_is_left_down_at_its_first_death_without_restarts():
+    policy = RestartPolicy(max_restarts=0)
+    assert policy.after_death("kv-store-0", "kv-store", 0) == LeaveDown(1)
+    assert policy.after_death("router-0", "router", 0) == StopMesh(1)

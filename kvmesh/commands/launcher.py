@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from kvmesh.commands.nats_supervisor import NatsSupervisor
-from kvmesh.commands.restarts import RestartPolicy
+from kvmesh.commands.restarts import LeaveDown, RestartPolicy, StopMesh
 from kvmesh.commands.up_config import TIERS, UpConfig
 from kvmesh.commands.up_plan import ChildSpec, plan, with_metrics_ports
 from kvmesh.shared.bus.mesh_state import MeshState, remove_state, running_meshes, write_state
@@ -61,6 +61,7 @@ class Launcher:
             None  # what this launcher recorded (shared/bus/mesh_state.py)
         )
         self.metrics_urls: dict[str, str] = {}  # service name -> its /metrics (set by start)
+        self.left_down: set[str] = set()  # optional services that could not stay up
 
     @property
     def mesh(self) -> str:
@@ -260,7 +261,9 @@ class Launcher:
             )
 
     async def supervise(self, policy: RestartPolicy, poll_s: float = 0.5) -> None:
-        """Restart children that die, with backoff, until one dies too often (LaunchError)."""
+        """Restart children that die, with backoff, until a needed one dies too often
+        (LaunchError); an optional one (a kv-store, a draft worker) that does is left down and
+        the mesh goes on without it (``left_down``)."""
         pending: dict[str, float] = {}  # name -> monotonic time to restart it at
         nats = NatsSupervisor(self.nats, policy) if self.nats is not None else None
         while True:
@@ -268,23 +271,33 @@ class Launcher:
             if nats is not None:
                 nats.check(now)  # the nats-server we started, restarted like a service
             for spec, code in self.dead():
-                if spec.name in pending:
+                if spec.name in pending or spec.name in self.left_down:
                     continue
-                delay = policy.on_exit(spec.name, now)
-                if delay is None:
+                verdict = policy.after_death(spec.name, spec.tier, now)
+                deaths = f"{policy.restarts(spec.name)} times within {policy.window_s:g} s"
+                if isinstance(verdict, StopMesh):
                     raise LaunchError(
-                        f"{spec.name} exited with code {code}, {policy.restarts(spec.name)} "
-                        f"times within {policy.window_s:g} s; stopping the mesh (its log is "
-                        f"above; rerun it alone: kvmesh {' '.join(spec.argv)})"
+                        f"{spec.name} exited with code {code}, {deaths}; stopping the mesh (its "
+                        f"log is above; rerun it alone: kvmesh {' '.join(spec.argv)})"
                     )
+                if isinstance(verdict, LeaveDown):
+                    self.left_down.add(spec.name)
+                    print(
+                        f"kvmesh up: {spec.name} exited with code {code}, {deaths}; leaving it "
+                        f"down: the mesh serves without it, degraded (its log is above; rerun "
+                        f"it alone: kvmesh {' '.join(spec.argv)})",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    continue
                 print(
                     f"kvmesh up: {spec.name} exited with code {code}; restarting it in "
-                    f"{delay:g} s (death {policy.restarts(spec.name)} of at most "
+                    f"{verdict.delay_s:g} s (death {policy.restarts(spec.name)} of at most "
                     f"{policy.max_restarts} in {policy.window_s:g} s)",
                     file=sys.stderr,
                     flush=True,
                 )
-                pending[spec.name] = now + delay
+                pending[spec.name] = now + verdict.delay_s
             for name, at in list(pending.items()):
                 if now >= at:
                     del pending[name]

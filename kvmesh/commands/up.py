@@ -39,11 +39,9 @@ async def run_up(launcher: Launcher) -> int:
     stop = asyncio.Event()
 
     async def watch() -> None:
-        if launcher.config.max_restarts > 0:
-            await launcher.supervise(RestartPolicy(max_restarts=launcher.config.max_restarts))
-        while True:  # no restarts: the first death stops the mesh
-            launcher.check_alive()
-            await asyncio.sleep(0.5)
+        # --max-restarts 0: the first death of a needed service stops the mesh, an optional
+        # one (kv-store, draft) is left down
+        await launcher.supervise(RestartPolicy(max_restarts=launcher.config.max_restarts))
 
     async def ready_then_watch() -> None:
         await launcher.wait_ready()
