@@ -238,10 +238,11 @@ def test_logprobs_map_onto_the_options_on_both_routes():
     assert invalid(chat, logprobs=True, top_logprobs=21).param == "top_logprobs"
 
 
-def test_chat_prefers_max_completion_tokens_and_refuses_tools():
+def test_chat_prefers_max_completion_tokens_and_refuses_functions():
     assert chat(max_completion_tokens=5, max_tokens=9).max_tokens == 5
     assert chat(max_tokens=9).max_tokens == 9
-    assert invalid(chat, tools=[{"type": "function"}]).param == "tools"
+    assert invalid(chat, functions=[{"name": "f"}]).param == "functions"
+    assert invalid(chat, tools=[{"type": "function"}]).param == "tools[0].function"
 
 
 # Found by tests/test_router_schema_fuzz.py: a value nested 1,000 lists deep (the JSON parser
@@ -387,10 +388,17 @@ def test_token_id_outside_vocabulary_is_400(tokenizer):
     assert err.param == "prompt" and "99999" in err.message
 
 
-def test_chat_role_the_template_rejects_is_400(tokenizer):
-    req = parse_chat({"model": MODEL, "messages": [{"role": "tool", "content": "x"}]}, MODEL)
-    err = invalid(tokenize, req, tokenizer, 100)
-    assert (err.status, err.param) == (400, "messages")
+def test_chat_messages_the_template_rejects_are_400(tokenizer):
+    import copy
+
+    strict = copy.copy(tokenizer)
+    strict.chat_template, strict._template = "{{ raise_exception('no tool turns') }}", None
+    req = parse_chat(
+        {"model": MODEL, "messages": [{"role": "tool", "content": "x", "tool_call_id": "c"}]},
+        MODEL,
+    )
+    err = invalid(tokenize, req, strict, 100)
+    assert (err.status, err.param) == (400, "messages") and "no tool turns" in err.message
 
 
 # --- errors ------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ Three steps, each with its own kind of error:
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -39,8 +40,10 @@ from kvmesh.services.router.schema import (
     CompletionRequest,
     SamplingFields,
 )
+from kvmesh.services.router.tools import forced_call, tool_use
 from kvmesh.shared.text.sampling import SamplingOptions
 from kvmesh.shared.text.structured_output import StructuredOutputs
+from kvmesh.shared.text.tool_prompt import ToolUse
 
 Kind = Literal["completion", "chat"]
 R = TypeVar("R", bound=SamplingFields)
@@ -56,7 +59,8 @@ class GenerateRequest:
     model: str
     prompt_text: str | None = None
     prompt_ids: tuple[int, ...] | None = None
-    messages: tuple[dict[str, str], ...] | None = None
+    messages: tuple[dict[str, Any], ...] | None = None
+    tools: ToolUse | None = None  # chat: the tools, tool_choice and parallel_tool_calls
     max_tokens: int | None = None  # None: the default for the kind
     # how to sample; its max_tokens is set by prompt.tokenize, which knows the context
     sampling: SamplingOptions = field(default_factory=SamplingOptions)
@@ -113,9 +117,20 @@ def parse_chat(body: Mapping[str, Any], served_model: str) -> GenerateRequest:
         raise InvalidRequestError(
             "'top_logprobs' needs 'logprobs': true", param="top_logprobs", code="invalid_value"
         )
+    tools = tool_use(req)
+    if tools is not None and tools.is_forced:
+        if spec is not None:
+            raise InvalidRequestError(
+                f"tool_choice {quote_value(body['tool_choice'])} holds the output to a tool "
+                f"call; it cannot also follow '{spec_param}': send one of them",
+                param="tool_choice",
+                code="invalid_value",
+            )
+        spec, spec_param = forced_call(tools), "tools"
     return GenerateRequest(
         kind="chat",
         messages=chat_messages(req.messages),
+        tools=tools,
         structured_param=spec_param,
         **_common(
             req,
@@ -126,8 +141,8 @@ def parse_chat(body: Mapping[str, Any], served_model: str) -> GenerateRequest:
     )
 
 
-def chat_messages(given: list[ChatMessage]) -> tuple[dict[str, str], ...]:
-    """Validated messages as the chat template takes them."""
+def chat_messages(given: list[ChatMessage]) -> tuple[dict[str, Any], ...]:
+    """Validated messages as the chat template takes them (tools: tool_prompt.chat_inputs)."""
     messages = []
     for i, message in enumerate(given):
         content = message.content
@@ -142,8 +157,47 @@ def chat_messages(given: list[ChatMessage]) -> tuple[dict[str, str], ...]:
         # Chat templates predate the "developer" role; it is the system prompt by another name.
         role = "system" if message.role == "developer" else message.role
         named = {"name": message.name} if message.name is not None else {}
-        messages.append({"role": role, "content": content, **named})
+        messages.append({"role": role, "content": content, **named, **_tool_parts(i, message)})
     return tuple(messages)
+
+
+def _tool_parts(i: int, message: ChatMessage) -> dict[str, Any]:
+    """An assistant message's ``tool_calls`` (their arguments checked to be JSON objects) and a
+    tool message's ``tool_call_id`` (required), as the template takes them."""
+    where = f"messages[{i}]"
+    if message.role == "tool":
+        if not message.tool_call_id:
+            raise InvalidRequestError(
+                f"{where}.tool_call_id is required for a tool message: the id of the call it "
+                "answers",
+                param=f"{where}.tool_call_id",
+                code="missing_required_parameter",
+            )
+        return {"tool_call_id": message.tool_call_id}
+    owner = {"tool_call_id": "tool", "tool_calls": "assistant"}
+    for name, role in owner.items():
+        if getattr(message, name) is not None and message.role != role:
+            raise InvalidRequestError(
+                f"{where}.{name} is not taken on a {message.role} message (only on {role} ones)",
+                param=f"{where}.{name}",
+                code="invalid_value",
+            )
+    if not message.tool_calls:
+        return {}
+    for j, call in enumerate(message.tool_calls):
+        try:
+            arguments = json.loads(call.function.arguments)
+        except ValueError:
+            arguments = None
+        if not isinstance(arguments, dict):
+            param = f"{where}.tool_calls[{j}].function.arguments"
+            raise InvalidRequestError(
+                f"{param} must be the JSON text of an object, got "
+                f"{quote_value(call.function.arguments)}",
+                param=param,
+                code="invalid_value",
+            )
+    return {"tool_calls": [msgspec.to_builtins(call) for call in message.tool_calls]}
 
 
 def _normalise(body: Mapping[str, Any]) -> dict[str, Any]:

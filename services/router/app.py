@@ -67,12 +67,14 @@ from kvmesh.services.router.shutdown import Shutdown
 from kvmesh.services.router.tenants import Tenant, Tenants, cache_salt
 from kvmesh.services.router.timings import TimingLog
 from kvmesh.services.router.tokens_api import detokenize_body, tokenize_body
+from kvmesh.services.router.tools import check_tools
 from kvmesh.shared.bus.hearing import Hearing
 from kvmesh.shared.bus.subjects import Subjects
 from kvmesh.shared.config.open_files import open_file_limit
 from kvmesh.shared.obs import logs
 from kvmesh.shared.obs.metrics_exporter import exposition
 from kvmesh.shared.text.schema_limits import SchemaLimits
+from kvmesh.shared.text.tool_calls import default_parser
 from nats.aio.client import Client as NATS
 
 log = logs.get_logger(__name__)
@@ -103,6 +105,7 @@ class Router:
     tenants: Tenants = field(init=False)  # the API keys (tenants.py)
     salts_by_api_key: bool = field(init=False)  # --salt-by-api-key, its default resolved
     schema_limits: SchemaLimits = field(init=False)  # what a structured output may hold
+    tool_parser: str = field(init=False)  # --tool-call-parser, its default resolved
 
     def __post_init__(self) -> None:
         self.dispatcher = Dispatcher(
@@ -120,6 +123,10 @@ class Router:
         salt_by_key = self.config.salt_by_api_key
         self.salts_by_api_key = self.tenants.num_keys > 1 if salt_by_key is None else salt_by_key
         self.schema_limits = self.config.schema_limits()
+        parser = self.config.tool_call_parser
+        self.tool_parser = (
+            default_parser(self.model.tokenizer.chat_template) if parser == "auto" else parser
+        )
 
     def refuse_http(self, reason: str) -> None:
         """A connection or a request refused by the HTTP limits (http_limits.py)."""
@@ -161,7 +168,11 @@ class Router:
             sampling = msgspec.structs.replace(request.sampling, cache_salt=salt)
             request = dataclasses.replace(request, sampling=sampling)
         pool = self.dispatcher.capacity.max_tokens(time.monotonic())
-        prompt = tokenize(request, self.model.tokenizer, self.model.max_model_len, pool)
+        prompt = tokenize(
+            request, self.model.tokenizer, self.model.max_model_len, pool, self.tool_parser
+        )
+        if request.tools is not None:
+            check_tools(request.tools, self.schema_limits)
         if prompt.sampling.structured_outputs is not None:
             structured.check(
                 prompt.sampling.structured_outputs, request.structured_param, self.schema_limits
@@ -180,7 +191,7 @@ class Router:
             self.shutdown.check_open()
             raw = await self.read_body(http)
             tenant = tenant_of(http)
-            if len(raw) > INLINE_BODY_BYTES or structured.may_ask(raw):
+            if len(raw) > INLINE_BODY_BYTES or structured.may_ask(raw) or b'"tools"' in raw:
                 request, prompt = await asyncio.to_thread(self._prepare, raw, parse, tenant)
             else:
                 request, prompt = self._prepare(raw, parse, tenant)
@@ -262,8 +273,9 @@ class Router:
             echo_text = request.prompt_text
             if echo_text is None:
                 echo_text = tokenizer.decode(prompt.prompt_ids)
+        tool_format = request.tools.output_format(self.tool_parser) if request.tools else None
         return [
-            Choice.new(i, tokenizer, prompt.prompt_ids, sampling, is_chat, echo_text)
+            Choice.new(i, tokenizer, prompt.prompt_ids, sampling, is_chat, echo_text, tool_format)
             for i in range(sampling.n)
         ]
 
@@ -299,14 +311,37 @@ class Router:
             # One chunk per step's tokens, even when they complete no character yet (a byte of a
             # multi-byte character, a possible stop-string prefix), as vLLM streams: clients
             # see every token when it is made, and token gaps are measurable.
-            if text or num_tokens:
-                client.send(sse_event(builder.text_chunk(text, choice.index, logprobs)))
+            if choice.tool_calls is not None:
+                if choice.is_done:
+                    text += choice.output.finish()
+                send_tools(choice, choice.tool_deltas(text), num_tokens, logprobs)
+            else:
+                if text or num_tokens:
+                    client.send(sse_event(builder.text_chunk(text, choice.index, logprobs)))
+                if choice.is_done:
+                    tail = choice.output.finish()
+                    if tail:
+                        client.send(sse_event(builder.text_chunk(tail, choice.index)))
             if choice.is_done:
-                tail = choice.output.finish()
-                if tail:
-                    client.send(sse_event(builder.text_chunk(tail, choice.index)))
-                assert choice.finish_reason is not None
-                client.send(sse_event(builder.finish_chunk(choice.finish_reason, choice.index)))
+                finish_reason = choice.api_finish_reason
+                assert finish_reason is not None
+                client.send(sse_event(builder.finish_chunk(finish_reason, choice.index)))
+
+        def send_tools(
+            choice: Choice, deltas: list, num_tokens: int, logprobs: Logprobs | None
+        ) -> None:
+            # a chunk per step as without tools; the step's logprobs ride on its first chunk
+            if not deltas and (num_tokens or logprobs is not None):
+                deltas = [""]
+            for delta in deltas:
+                if isinstance(delta, str):
+                    chunk = builder.text_chunk(delta, choice.index, logprobs)
+                else:
+                    chunk = builder.tool_chunk(delta, choice.index)
+                    if logprobs is not None:
+                        chunk.choices[0].logprobs = logprobs
+                logprobs = None
+                client.send(sse_event(chunk))
 
         status = 200
         try:
@@ -374,7 +409,9 @@ class Router:
 
     async def tokenize(self, request: web.Request) -> web.Response:
         body = parse_json_body(await self.read_body(request))
-        answer = tokenize_body(body, self.model.name, self.model.tokenizer, self.max_model_len())
+        answer = tokenize_body(
+            body, self.model.name, self.model.tokenizer, self.max_model_len(), self.tool_parser
+        )
         return json_response(answer)
 
     async def detokenize(self, request: web.Request) -> web.Response:

@@ -15,6 +15,7 @@ from kvmesh.shared.bus.protocol import TokenEvent
 from kvmesh.shared.text.detokenize import TextStream
 from kvmesh.shared.text.sampling import SamplingOptions, TokenLogprobs
 from kvmesh.shared.text.tokenizer import Tokenizer
+from kvmesh.shared.text.tool_calls import CallDelta, ToolCallStream, ToolFormat, parse
 
 
 @dataclass(slots=True)
@@ -30,6 +31,21 @@ class Choice:
     prompt_ids: tuple[int, ...] = ()
     prompt_scored: list[TokenLogprobs] | None = None  # the mesh's prompt logprobs (tokens 1..)
     is_echoed: bool = False  # the prompt went out (in a stream's first chunk)
+    tool_calls: ToolCallStream | None = None  # chat with tools: how its text is read
+
+    @property
+    def api_finish_reason(self) -> str | None:
+        """The finish reason a streamed choice ends with: "tool_calls" when it made calls."""
+        if self.finish_reason == "stop" and self.tool_calls and self.tool_calls.num_calls:
+            return "tool_calls"
+        return self.finish_reason
+
+    def tool_deltas(self, text: str) -> list[str | CallDelta]:
+        """A streamed chat's new ``text`` read for tool calls: text and call deltas (the rest
+        once the choice is done)."""
+        assert self.tool_calls is not None
+        deltas = self.tool_calls.add(text)
+        return deltas + self.tool_calls.finish() if self.is_done else deltas
 
     @classmethod
     def new(
@@ -40,6 +56,7 @@ class Choice:
         sampling: SamplingOptions,
         is_chat: bool,
         echo_text: str | None = None,
+        tool_format: ToolFormat | None = None,
     ) -> Choice:
         output = TextStream(
             tokenizer, prompt_ids, sampling.stop, sampling.include_stop_str_in_output
@@ -55,6 +72,7 @@ class Choice:
             echo_text=echo_text,
             prompt_ids=prompt_ids,
             prompt_scored=scored,
+            tool_calls=ToolCallStream(tool_format) if tool_format is not None else None,
         )
 
     @property
@@ -100,7 +118,13 @@ class Choice:
                 ids, lps = [*self.prompt_ids, *ids], [*self._prompt_logprobs(), *lps]
             logprobs = self.logprobs.build(ids, lps)
         text = (self.echo_text or "") + self.output.text
-        return ChoiceResult(self.index, text, self.finish_reason, logprobs)
+        if self.tool_calls is None:
+            return ChoiceResult(self.index, text, self.finish_reason, logprobs)
+        parsed = parse(text, self.tool_calls.fmt)
+        finish_reason = self.finish_reason
+        if parsed.calls and finish_reason == "stop":
+            finish_reason = "tool_calls"
+        return ChoiceResult(self.index, parsed.content, finish_reason, logprobs, parsed.calls)
 
     def _prompt_logprobs(self) -> list[TokenLogprobs | None]:
         """The echoed prompt's logprobs: none for its first token, the mesh's for the rest."""

@@ -153,6 +153,12 @@ class RouterConfig(ServiceConfig):
         help="a stream whose client takes no bytes for this long (its socket is full) is cut off "
         "and its request aborted",
     )
+    tool_call_parser: Literal["auto", "hermes", "llama3_json"] = option(
+        "auto",
+        help="how a chat answer's tool calls are read when tool_choice is auto: hermes "
+        '(<tool_call>{json}</tool_call>) or llama3_json ({"name", "parameters"} objects); '
+        "auto: the one the model's chat template writes, else hermes",
+    )
     max_schema_depth: int = option(
         64,
         help="a structured output's JSON schema may nest objects and arrays this deep at most "

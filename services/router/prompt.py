@@ -6,13 +6,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 from kvmesh.services.router.api import GenerateRequest
 from kvmesh.services.router.errors import InvalidRequestError
 from kvmesh.shared.text.sampling import SamplingOptions
 from kvmesh.shared.text.tokenizer import Tokenizer, TokenizerError
+from kvmesh.shared.text.tool_prompt import ToolUse, chat_inputs
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # prompt logprobs travel in one message (PrefillDone, TokenEvent): tokens x (1 + alternatives)
@@ -32,15 +35,14 @@ def tokenize(
     tokenizer: Tokenizer,
     max_model_len: int,
     kv_pool_tokens: int | None = None,
+    tool_parser: str = "hermes",
 ) -> Prompt:
     """Prompt ids and sampling options for ``request``; refuses prompts the context cannot hold:
     the model's ``max_model_len``, or ``kv_pool_tokens`` (the largest decode worker's KV pool)
-    when that is smaller."""
+    when that is smaller. ``tool_parser`` is the format a template without tools is told to
+    write calls in."""
     if request.messages is not None:
-        try:
-            ids = tuple(tokenizer.encode_chat(request.messages))
-        except TokenizerError as exc:
-            raise InvalidRequestError(str(exc), param="messages") from None
+        ids = tuple(encode_chat(tokenizer, request.messages, request.tools, tool_parser))
         param = "messages"
     elif request.prompt_ids is not None:
         ids = request.prompt_ids
@@ -100,6 +102,22 @@ def tokenize(
                 code="invalid_value",
             )
     return Prompt(prompt_ids=ids, sampling=sampling)
+
+
+def encode_chat(
+    tokenizer: Tokenizer,
+    messages: Sequence[Mapping[str, Any]],
+    tools: ToolUse | None,
+    tool_parser: str,
+    add_generation_prompt: bool = True,
+) -> list[int]:
+    """The ids of ``messages`` and ``tools`` through the chat template (tool_prompt.py); a
+    template's refusal is a 400."""
+    shown, context = chat_inputs(messages, tools, tokenizer.chat_template, tool_parser)
+    try:
+        return tokenizer.encode_chat(shown, add_generation_prompt, **context)
+    except TokenizerError as exc:
+        raise InvalidRequestError(str(exc), param="messages") from None
 
 
 def _check_options(sampling: SamplingOptions, vocab_size: int) -> None:

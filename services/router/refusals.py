@@ -23,8 +23,10 @@ COMPLETION_UNSUPPORTED = {
 }
 CHAT_UNSUPPORTED = {
     **COMMON_UNSUPPORTED,
-    "tools": (lambda v: not v, "tools (function calling) are not supported"),
-    "functions": (lambda v: not v, "functions (function calling) are not supported"),
+    "functions": (
+        lambda v: not v,
+        "the deprecated functions are not supported: send them as tools (function calling)",
+    ),
 }
 
 
@@ -47,8 +49,6 @@ IGNORED_COMPLETION = {
 }
 IGNORED_CHAT = {
     **IGNORED_COMMON,
-    "parallel_tool_calls": lambda v: True,  # without tools there are no calls
-    "tool_choice": lambda v: v in ("none", "auto"),
     "echo": lambda v: v is False,
     "add_generation_prompt": lambda v: v is True,
     "continue_final_message": lambda v: v is False,

@@ -27,9 +27,14 @@ from kvmesh.services.router.schema import (
     Completion,
     CompletionChoice,
     CompletionLogprobs,
+    FunctionCall,
+    FunctionCallDelta,
     PromptLogprobs,
+    ToolCall,
+    ToolCallDelta,
     Usage,
 )
+from kvmesh.shared.text.tool_calls import CallDelta, ParsedCall, new_call_id
 
 SSE_DONE = b"data: [DONE]\n\n"
 
@@ -42,9 +47,10 @@ class ChoiceResult:
     """One finished choice of a non-streamed answer."""
 
     index: int
-    text: str
+    text: str | None  # None: a chat answer of tool calls only
     finish_reason: str
     logprobs: Logprobs | None = None
+    tool_calls: tuple[ParsedCall, ...] = ()
 
 
 def sse_event(payload: Body | dict[str, Any]) -> bytes:
@@ -95,7 +101,7 @@ class ResponseBuilder:
             chat = [
                 ChatChoice(
                     index=c.index,
-                    message=AssistantMessage(role="assistant", content=c.text),
+                    message=_message(c),
                     logprobs=c.logprobs,  # type: ignore[arg-type]
                     finish_reason=c.finish_reason,
                 )
@@ -107,7 +113,7 @@ class ResponseBuilder:
         plain = [
             CompletionChoice(
                 index=c.index,
-                text=c.text,
+                text=c.text or "",
                 logprobs=c.logprobs,  # type: ignore[arg-type]
                 finish_reason=c.finish_reason,
                 **scored,
@@ -128,6 +134,15 @@ class ResponseBuilder:
         if self._is_chat:
             return self._chat_chunk(index, ChatDelta(content=text), None, logprobs)
         return self._completion_chunk(index, text, None, logprobs)
+
+    def tool_chunk(self, delta: CallDelta, index: int = 0) -> ChatCompletionChunk:
+        """A streamed tool call's first delta (id, type, name) or a fragment of its arguments."""
+        function = FunctionCallDelta(arguments=delta.arguments)
+        call = ToolCallDelta(index=delta.index, function=function)
+        if delta.id is not None:
+            assert delta.name is not None
+            function.name, call.id, call.type = delta.name, delta.id, "function"
+        return self._chat_chunk(index, ChatDelta(tool_calls=[call]), None)
 
     def finish_chunk(self, finish_reason: str, index: int = 0) -> Completion | ChatCompletionChunk:
         if self._is_chat:
@@ -181,6 +196,16 @@ class ResponseBuilder:
 
     def _head(self) -> dict[str, Any]:
         return {"id": self.response_id, "created": self.created, "model": self.model}
+
+
+def _message(choice: ChoiceResult) -> AssistantMessage:
+    if not choice.tool_calls:
+        return AssistantMessage(role="assistant", content=choice.text)
+    calls = [
+        ToolCall(new_call_id(), "function", FunctionCall(c.name, c.arguments))
+        for c in choice.tool_calls
+    ]
+    return AssistantMessage(role="assistant", content=choice.text, tool_calls=calls)
 
 
 def error_event(error: ApiError) -> bytes:

@@ -26,7 +26,16 @@ from msgspec import UNSET, Meta, UnsetType
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 CHAT_ROLES = get_args(Role)
-FinishReason = Literal["stop", "length"]
+MAX_TOOLS = 128
+FinishReason = Literal["stop", "length", "tool_calls"]
+# OpenAI's function names: letters, digits, underscores and dashes (dots too, as vLLM takes)
+FunctionName = Annotated[
+    str,
+    Meta(
+        pattern=r"^[A-Za-z0-9_.-]{1,64}$",
+        extra={"expects": "a name of 1-64 letters, digits, '_', '.' or '-'"},
+    ),
+]
 
 # --- requests ----------------------------------------------------------------------------------
 
@@ -42,6 +51,48 @@ class TextPart(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     text: str
 
 
+class FunctionCall(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    name: str
+    arguments: Annotated[str, Meta(description="The arguments, as the JSON text of an object")]
+
+
+class ToolCall(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A call of a function: in an assistant message sent back, and in an answer."""
+
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
+class FunctionDefinition(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    name: FunctionName
+    description: str | None = None
+    parameters: (
+        Annotated[
+            dict[str, Any],
+            Meta(description="A JSON schema of the arguments (an object); absent: none"),
+        ]
+        | None
+    ) = None
+    strict: bool | None = None
+
+
+class Tool(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """``tool_choice`` forcing one function."""
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     role: Role
     content: Annotated[
@@ -53,6 +104,12 @@ class ChatMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ] = None
     name: (
         Annotated[str, Meta(description="The author's name, given to the chat template")] | None
+    ) = None
+    tool_calls: (
+        Annotated[list[ToolCall], Meta(description="An assistant message's calls")] | None
+    ) = None
+    tool_call_id: (
+        Annotated[str, Meta(description="A tool message's: the call it answers")] | None
     ) = None
 
 
@@ -155,6 +212,34 @@ class ChatCompletionRequest(SamplingFields, frozen=True, kw_only=True):
     max_tokens: (
         Annotated[int, Meta(ge=1, description="Deprecated: max_completion_tokens")] | None
     ) = None
+    tools: (
+        Annotated[
+            list[Tool],
+            Meta(
+                max_length=MAX_TOOLS,
+                description="Functions the model may call",
+                extra={"expects": f"a list of at most {MAX_TOOLS} function tools"},
+            ),
+        ]
+        | None
+    ) = None
+    tool_choice: (
+        Annotated[
+            Literal["none", "auto", "required"] | NamedToolChoice,
+            Meta(
+                description="none, auto (the default with tools), required (at least one call) "
+                "or a function to call",
+                extra={
+                    "expects": "'none', 'auto', 'required' or "
+                    "{'type': 'function', 'function': {'name': ...}}"
+                },
+            ),
+        ]
+        | None
+    ) = None
+    parallel_tool_calls: Annotated[
+        bool, Meta(description="Whether the model may call several functions at once")
+    ] = True
 
 
 class TokenizeCompletionRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -295,7 +380,8 @@ class Completion(msgspec.Struct, kw_only=True):
 
 class AssistantMessage(msgspec.Struct, kw_only=True):
     role: Literal["assistant"]
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | UnsetType = UNSET  # with tools: the calls the model made
 
 
 class ChatChoice(msgspec.Struct, kw_only=True):
@@ -317,11 +403,27 @@ class ChatCompletion(msgspec.Struct, kw_only=True):
     prompt_logprobs: PromptLogprobs | UnsetType = UNSET  # vLLM's, when asked for
 
 
+class FunctionCallDelta(msgspec.Struct, kw_only=True):
+    name: str | UnsetType = UNSET  # in a call's first delta
+    arguments: str = ""  # a fragment of the arguments' JSON text
+
+
+class ToolCallDelta(msgspec.Struct, kw_only=True):
+    """A streamed call: its id, type and name in its first delta, its arguments in pieces."""
+
+    index: int
+    function: FunctionCallDelta
+    id: str | UnsetType = UNSET
+    type: Literal["function"] | UnsetType = UNSET
+
+
 class ChatDelta(msgspec.Struct, kw_only=True):
-    """What a chunk adds: the role (first chunk), text, or nothing (the finishing chunk)."""
+    """What a chunk adds: the role (first chunk), text, tool calls, or nothing (the finishing
+    chunk)."""
 
     role: Literal["assistant"] | UnsetType = UNSET
     content: str | UnsetType = UNSET
+    tool_calls: list[ToolCallDelta] | UnsetType = UNSET
 
 
 class ChatChunkChoice(msgspec.Struct, kw_only=True):

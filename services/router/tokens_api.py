@@ -20,6 +20,7 @@ from kvmesh.services.router.api import (
     validate_body,
 )
 from kvmesh.services.router.errors import InvalidRequestError
+from kvmesh.services.router.prompt import encode_chat
 from kvmesh.services.router.schema import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -27,11 +28,15 @@ from kvmesh.services.router.schema import (
     TokenizeCompletionRequest,
     TokenizeResponse,
 )
-from kvmesh.shared.text.tokenizer import Tokenizer, TokenizerError
+from kvmesh.shared.text.tokenizer import Tokenizer
 
 
 def tokenize_body(
-    body: Mapping[str, Any], served_model: str, tokenizer: Tokenizer, max_model_len: int
+    body: Mapping[str, Any],
+    served_model: str,
+    tokenizer: Tokenizer,
+    max_model_len: int,
+    tool_parser: str = "hermes",
 ) -> TokenizeResponse:
     cls = TokenizeChatRequest if "messages" in body else TokenizeCompletionRequest
     refuse_unknown(body, cls, {}, {})
@@ -40,10 +45,8 @@ def tokenize_body(
     if cls is TokenizeChatRequest:
         refuse_non_text_parts(body.get("messages"))
         chat = validate_body(body, TokenizeChatRequest)
-        try:
-            ids = tokenizer.encode_chat(chat_messages(chat.messages), chat.add_generation_prompt)
-        except TokenizerError as exc:
-            raise InvalidRequestError(str(exc), param="messages") from None
+        messages = chat_messages(chat.messages)
+        ids = encode_chat(tokenizer, messages, None, tool_parser, chat.add_generation_prompt)
         return_strs = chat.return_token_strs
     else:
         text = validate_body(body, TokenizeCompletionRequest)

@@ -269,10 +269,14 @@ class Tokenizer:
             raise TokenizerError(str(e)) from None
 
     def encode_chat(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        **context: Any,
     ) -> list[int]:
-        """Render the chat template and encode it without adding special tokens a second time."""
-        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        """Render the chat template (``context``: more of its variables, such as ``tools``) and
+        encode it without adding special tokens a second time."""
+        text = self.apply_chat_template(messages, add_generation_prompt, **context)
         return self.encode(text, add_special_tokens=False)
 
 
