@@ -134,3 +134,13 @@ def test_call_with_other_keys_or_non_object_arguments_is_text():
 )
 def test_default_parser_follows_the_chat_template(template, parser):
     assert default_parser(template) == parser
+
+
+@pytest.mark.parametrize("size", [1, 3, 1000])
+def test_raw_control_characters_in_arguments_come_out_escaped(size):
+    # a grammar lets a model write them raw in a string; strict JSON parsers refuse that
+    text = '{"name": "f", "arguments": {"city": "a\x1cb\tc", "n": 1}}'
+    (call,) = parse(text, "json").calls
+    assert json.loads(call.arguments) == {"city": "a\x1cb\tc", "n": 1}
+    assert call.arguments == '{"city": "a\\u001cb\\u0009c", "n": 1}'
+    assert _streamed("json", text, size) == (None, [("f", call.arguments)])

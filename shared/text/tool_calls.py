@@ -35,6 +35,7 @@ PYTHON_TAG = "<|python_tag|>"
 _HEAD = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
 _SCALAR = re.compile(r"-?[0-9][0-9.eE+-]*|true|false|null")
 _SPACE = re.compile(r"\s*")
+_CONTROL = re.compile("[\x00-\x1f]")
 
 
 def new_call_id() -> str:
@@ -255,12 +256,12 @@ def _call(text: str, start: int, is_final: bool) -> _PartialCall | None:
         args_end = _value_end(text, args_start) if args_start < len(text) else None
         name = _string(head[1])
         return (
-            _PartialCall(name, text[args_start : args_end or len(text)])
+            _PartialCall(name, _escape_controls(text[args_start : args_end or len(text)]))
             if name is not None
             else None
         )
     try:
-        obj = json.loads(text[start:end])
+        obj = json.loads(text[start:end], strict=False)  # raw control characters in strings
     except ValueError:
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
@@ -271,7 +272,7 @@ def _call(text: str, start: int, is_final: bool) -> _PartialCall | None:
     if head is not None:
         args_end = _value_end(text, head.end())
         assert args_end is not None
-        arguments = text[head.end() : args_end]
+        arguments = _escape_controls(text[head.end() : args_end])
     else:
         arguments = json.dumps(obj[key], ensure_ascii=False)
     return _PartialCall(obj["name"], arguments, is_complete=True, end=end)
@@ -279,9 +280,33 @@ def _call(text: str, start: int, is_final: bool) -> _PartialCall | None:
 
 def _string(body: str) -> str | None:
     try:
-        return json.loads(f'"{body}"')
+        return json.loads(f'"{body}"', strict=False)
     except ValueError:
         return None
+
+
+def _escape_controls(text: str) -> str:
+    """JSON text with the control characters in its strings escaped (``\\u001c``): a grammar
+    lets a model write them raw, which strict JSON parsers refuse. Character by character, so
+    that the escaped prefix of a text is the prefix of the escaped text."""
+    if not _CONTROL.search(text):
+        return text
+    out, in_string, escaped = [], False, False
+    for ch in text:
+        if in_string and not escaped and ch < " ":
+            out.append(f"\\u{ord(ch):04x}")
+            continue
+        out.append(ch)
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+    return "".join(out)
 
 
 def _value_end(text: str, start: int) -> int | None:
