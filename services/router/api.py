@@ -2,7 +2,7 @@
 
 Three steps, each with its own kind of error:
 
-1. refusals by name of what kvmesh cannot honour (``best_of``, ``echo``, tools, batched prompts,
+1. refusals by name of what kvmesh cannot honour (``best_of``, ``echo``, ``functions``, batched prompts,
    non-text content parts) rather than ignoring them, and the served model;
 2. the request Structs of ``schema.py`` (the ones ``/openapi.json`` publishes) check every type
    and bound; msgspec's error becomes a 400 naming the parameter and quoting the value;
