@@ -67,3 +67,55 @@ def test_a_directory_made_shared_after_the_check_is_refused_at_creation(tmp_path
     d.chmod(0o777)
     with pytest.raises(ServiceStartError, match="writable by other users"):
         DiskFile.create(checked, 2, 4096)
+
+
+@pytest.mark.parametrize("mode", [0o770, 0o777, 0o720])
+def test_a_directory_under_a_parent_others_may_write_to_is_refused(
+    tmp_path: Path, mode: int
+) -> None:
+    """Issue 40: only the last component was checked. A parent others may write to lets them
+    rename the store's directory away and put their own in its place (sshd's StrictModes
+    refuses the same)."""
+    parent = _own_dir(tmp_path, "parent", mode)
+    d = _own_dir(parent, "tier")
+    with pytest.raises(ServiceStartError, match=f"{parent} above it is writable by other"):
+        check_disk_dir(str(d))
+    with pytest.raises(ServiceStartError, match="chmod go-w"):
+        DiskFile.create(d, 2, 4096)
+    assert list(d.iterdir()) == []
+
+
+def test_a_directory_reached_through_a_symlinked_parent_is_checked_where_it_lives(
+    tmp_path: Path,
+) -> None:
+    """A symlink above the directory is resolved first; the real directories are checked."""
+    real = _own_dir(tmp_path, "real", 0o770)
+    d = _own_dir(real, "tier")
+    link = tmp_path / "link"
+    link.symlink_to(real, target_is_directory=True)
+    with pytest.raises(ServiceStartError, match=f"{real} above it is writable by other"):
+        check_disk_dir(str(link / "tier"))
+    real.chmod(0o700)
+    assert check_disk_dir(str(link / "tier")) == link / "tier"
+    assert d.is_dir()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a directory away needs root")
+def test_a_directory_under_a_parent_of_another_user_is_refused(tmp_path: Path) -> None:
+    parent = _own_dir(tmp_path, "theirs", 0o755)
+    d = _own_dir(parent, "tier")
+    os.chown(parent, 65534, 65534)  # nobody
+    with pytest.raises(ServiceStartError, match="owned by uid 65534"):
+        check_disk_dir(str(d))
+
+
+def test_a_directory_under_roots_sticky_tmp_is_taken(tmp_path: Path) -> None:
+    """Root's sticky directories (mode 1777, as /tmp) are exempt: others may not rename what
+    is not theirs in them."""
+    tmp = os.stat("/tmp")
+    if not (
+        tmp.st_uid == 0 and tmp.st_mode & 0o1022 == 0o1022 and str(tmp_path).startswith("/tmp/")
+    ):
+        pytest.skip("tmp_path is not under root's sticky, world-writable /tmp here")
+    d = _own_dir(tmp_path, "tier")
+    assert check_disk_dir(str(d)) == d

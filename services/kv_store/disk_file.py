@@ -6,8 +6,13 @@ The directory is the operator's (``--disk-path``, from config, never from a mess
 exist, be a directory itself (not a symlink to one: it is opened with ``O_NOFOLLOW``), be owned
 by the store's user and writable by nobody else (no group or other write bit: another user
 could rename the file away during preallocation, which crashed the store and left a 1 GiB file
-behind; issue 27), or the store refuses to start and says which. The checks are made on the
-opened directory (``fstat``), which is the one the file is created in. The file is the store's
+behind; issue 27), or the store refuses to start and says which. Every directory above it
+is checked too, as sshd's StrictModes does (issue 40: only the last component was): each is
+owned by this user or root and writable by no one else, unless it is root's and sticky (as
+``/tmp``: others may not rename what is not theirs in it); the path is resolved first, then
+walked from ``/`` one ``O_NOFOLLOW`` open at a time, so no component is a symlink when it is
+checked. The checks are made on the opened directories (``fstat``); the last is the one the
+file is created in. The file is the store's
 own: created there with ``O_CREAT | O_EXCL | O_NOFOLLOW`` and mode 0600 under a fresh name
 (``kvmesh-kv-store-<pid>-<hex>.blocks``), so it can be neither a planted file nor a symlink,
 unlinked at once, then preallocated (a full disk fails the start, not a spill): its space
@@ -21,18 +26,67 @@ from __future__ import annotations
 import errno
 import os
 import secrets
+import stat
 from pathlib import Path
 
 from kvmesh.shared.config.service_errors import ServiceStartError
 from kvmesh.shared.kv.kv_block_header import HEADER_BYTES
 
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _check_parent(path: str | Path, parent: str, st: os.stat_result) -> None:
+    """A directory above ``--disk-path``: root's or this user's, and writable by no one else
+    (root's sticky directories, such as /tmp, excepted)."""
+    if st.st_uid not in (0, os.geteuid()):
+        raise ServiceStartError(
+            f"--disk-path {path}: {parent} above it is owned by uid {st.st_uid}, who could "
+            f"swap the directory; use a path whose every directory is root's or this user's"
+        )
+    if st.st_mode & 0o022 and not (st.st_uid == 0 and st.st_mode & stat.S_ISVTX):
+        raise ServiceStartError(
+            f"--disk-path {path}: {parent} above it is writable by other users (mode "
+            f"{st.st_mode & 0o7777:o}), who could swap the directory; chmod go-w {parent}"
+        )
+
+
+def _open_parent(path: str | Path) -> tuple[int, str]:
+    """An fd of ``path``'s parent directory, reached from ``/`` one ``O_NOFOLLOW`` open at a
+    time with each directory on the way checked (``_check_parent``), and the last name."""
+    parent, name = os.path.split(os.path.abspath(path))
+    if not name:
+        raise ServiceStartError(f"--disk-path {path}: the root directory; give a directory")
+    fd = os.open("/", _DIR_FLAGS)
+    walked = "/"
+    try:
+        _check_parent(path, walked, os.fstat(fd))
+        for part in Path(os.path.realpath(parent)).parts[1:]:
+            walked = os.path.join(walked, part)
+            try:
+                nxt = os.open(part, _DIR_FLAGS, dir_fd=fd)
+            except OSError as exc:
+                raise ServiceStartError(
+                    f"--disk-path {path}: cannot open {walked} above it: {exc.strerror} "
+                    f"(changed while checked?)"
+                ) from None
+            os.close(fd)
+            fd = nxt
+            _check_parent(path, walked, os.fstat(fd))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, name
+
 
 def open_disk_dir(path: str | Path) -> int:
     """An fd of directory ``path`` (not followed if a symlink) that is this user's own and
-    writable by nobody else; else a ServiceStartError that says what is wrong and how to fix
-    it. The caller closes it."""
+    writable by nobody else, under directories nobody else may change; else a
+    ServiceStartError that says what is wrong and how to fix it. The caller closes it."""
+    if not os.path.lexists(path):
+        raise ServiceStartError(f"--disk-path {path}: no such directory")
+    parent_fd, name = _open_parent(path)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
     except FileNotFoundError:
         raise ServiceStartError(f"--disk-path {path}: no such directory") from None
     except OSError as exc:
@@ -43,6 +97,8 @@ def open_disk_dir(path: str | Path) -> int:
         if exc.errno == errno.ENOTDIR:
             raise ServiceStartError(f"--disk-path {path}: not a directory") from None
         raise ServiceStartError(f"--disk-path {path}: cannot open it: {exc.strerror}") from None
+    finally:
+        os.close(parent_fd)
     try:
         st = os.fstat(fd)
         if st.st_uid != os.geteuid():
