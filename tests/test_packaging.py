@@ -29,7 +29,26 @@ def _folders_with_init() -> set[str]:
 
 
 def test_every_package_folder_is_listed_for_the_wheel():
-    assert set(PYPROJECT["packages"]) == _folders_with_init()
+    listed = set(PYPROJECT["packages"])
+    assert _folders_with_init() <= listed
+    for package in listed - _folders_with_init():  # the rest: folders of data, no code
+        name = max((n for n in PYPROJECT["package-dir"] if package.startswith(n + ".")), key=len)
+        folder = ROOT / PYPROJECT["package-dir"][name] / package[len(name) + 1 :].replace(".", "/")
+        assert folder.is_dir() and not list(folder.glob("*.py")), package
+
+
+def test_every_folder_with_files_is_listed_so_the_install_is_quiet():
+    # a folder of data (no __init__.py) missing from the list is what setuptools warns "Package
+    # would be ignored" about on every `pip install -e .` (issue 45: a quiet install)
+    missing = []
+    for name, folder in PYPROJECT["package-dir"].items():
+        for path in [ROOT / folder, *(ROOT / folder).rglob("*")]:
+            if not path.is_dir() or "__pycache__" in path.parts:
+                continue
+            if any(p.is_file() and not p.name.startswith(".") for p in path.iterdir()):
+                package = ".".join([name, *path.relative_to(ROOT / folder).parts])
+                missing += [] if package in PYPROJECT["packages"] else [package]
+    assert missing == [], "add these to [tool.setuptools] packages in pyproject.toml"
 
 
 def test_nothing_under_shared_imports_the_services_or_the_cli():
