@@ -10,7 +10,7 @@ from kvmesh.cli import main
 
 
 def run_json(capsys, *argv: str) -> dict:
-    assert main(["generate", *argv, "--json"]) == 0
+    assert main(["generate", "--model", "kvmesh-tiny", *argv, "--json"]) == 0
     return json.loads(capsys.readouterr().out)
 
 
@@ -43,12 +43,14 @@ def test_generate_seeded_sampling_is_repeatable(capsys):
 
 def test_generate_rejects_bad_prompt_ids(capsys):
     with pytest.raises(SystemExit):
-        main(["generate", "--prompt-ids", "1,x", "--json"])
+        main(["generate", "--model", "kvmesh-tiny", "--prompt-ids", "1,x", "--json"])
     assert "comma-separated integers" in capsys.readouterr().err
 
 
 def test_generate_reports_invalid_sampling_params(capsys):
-    assert main(["generate", "--prompt", "hi", "--temperature", "-1"]) == 2
+    assert (
+        main(["generate", "--model", "kvmesh-tiny", "--prompt", "hi", "--temperature", "-1"]) == 2
+    )
     assert "temperature must be float >= 0" in capsys.readouterr().err
 
 
@@ -57,3 +59,12 @@ def test_generate_says_it_talks_to_no_mesh(capsys):
         main(["generate", "--prompt", "hi", "--nats-url", "nats://127.0.0.1:4222"])
     err = capsys.readouterr().err
     assert "runs the model in this process" in err and "/v1/completions" in err
+
+
+def test_generate_defaults_to_the_model_kvmesh_up_serves():
+    from kvmesh.cli import build_parser
+    from kvmesh.commands.up_config import UpConfig
+    from kvmesh.commands.up_model import DEFAULT_MODEL
+
+    args = build_parser().parse_args(["generate", "--prompt", "hi"])
+    assert args.model == DEFAULT_MODEL == UpConfig().model

@@ -16,6 +16,8 @@ import json
 import sys
 from collections.abc import Sequence
 
+from kvmesh.commands.up_model import DEFAULT_MODEL
+
 
 def _token_ids(value: str) -> list[int]:
     try:
@@ -38,8 +40,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--model",
-        default="kvmesh-tiny",
-        help="kvmesh-tiny (default), a checkpoint dir, a fetchable model or a .gguf file",
+        default=DEFAULT_MODEL,
+        help="a fetchable model (default: kvmesh up's, fetched into the cache on first use), "
+        "kvmesh-tiny, a checkpoint dir or a .gguf file",
     )
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="prompt text (tokenized with the model's tokenizer)")
