@@ -446,6 +446,17 @@ class Router:
                 status=503,
                 headers={"Retry-After": "1"},
             )
+        if missing := self.dispatcher.prefill_queue.missing:  # every prefill job fails
+            return json_response(
+                {"status": "unavailable", "reason": missing, **counts},
+                status=503,
+                headers={"Retry-After": "5"},
+            )
+        if degraded := self.dispatcher.degraded(now):  # it serves, without them
+            return json_response(
+                {"status": "degraded", "reason": f"degraded: {degraded}", **counts}
+                | {"model": self.model.name}
+            )
         return json_response({"status": "ok", "model": self.model.name, **counts})
 
     async def metrics_text(self, request: web.Request) -> web.Response:

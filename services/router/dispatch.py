@@ -24,6 +24,7 @@ from kvmesh.services.router.mesh_request import MeshRequest
 from kvmesh.services.router.metrics import RequestTimer, RouterMetrics
 from kvmesh.services.router.pool_capacity import PoolCapacity
 from kvmesh.services.router.prompt import Prompt
+from kvmesh.services.router.queue_health import PrefillQueueHealth
 from kvmesh.services.router.recovery import abort_reason
 from kvmesh.services.router.worker_pool import WorkerPool
 from kvmesh.shared.bus import protocol
@@ -31,6 +32,8 @@ from kvmesh.shared.bus.hearing import Hearing
 from kvmesh.shared.bus.protocol import DecodeAdvert, WorkerGone, WorkerHeartbeat
 from kvmesh.shared.bus.subjects import Subjects
 from nats.aio.client import Client as NATS
+
+OPTIONAL_ROLES = ("kv-store", "draft")  # heartbeating roles the mesh serves without
 
 
 class Dispatcher:
@@ -59,13 +62,33 @@ class Dispatcher:
         self.prefill_pool = WorkerPool(config.worker_liveness_s, now, hearing)
         self.decode_pool = WorkerPool(config.worker_liveness_s, now, hearing)  # or colocated
         self.registry_pool = WorkerPool(config.worker_liveness_s, now, hearing)
+        # services the mesh serves without, only slower: /health says "degraded" while one
+        # that was heard is silent (a kv-store, a draft worker; issue 43)
+        self.optional_pools = {
+            role: WorkerPool(config.worker_liveness_s, now, hearing) for role in OPTIONAL_ROLES
+        }
+        self.prefill_queue = PrefillQueueHealth()  # what publishes found (queue_health.py)
         self.capacity = PoolCapacity(model_spec)  # the decode workers' KV pools, by adverts
 
     async def on_heartbeat(self, beat: WorkerHeartbeat) -> None:
         """Prefill, decode and colocated heartbeats: who is alive and ready."""
-        pools = {"prefill": self.prefill_pool, "kv-registry": self.registry_pool}
+        pools = {
+            "prefill": self.prefill_pool,
+            "kv-registry": self.registry_pool,
+            **self.optional_pools,
+        }
         pool = pools.get(beat.role, self.decode_pool)
         pool.on_heartbeat(beat.worker_id, beat.state, time.monotonic())
+
+    def degraded(self, now: float) -> str:
+        """What the mesh serves without now ("" if nothing): optional services heard once and
+        silent now, e.g. "kv-store (kv-store-0 silent)"."""
+        parts = []
+        for role, pool in self.optional_pools.items():
+            silent = pool.silent(now)
+            if silent:
+                parts.append(f"{role} ({', '.join(silent)} silent)")
+        return "; ".join(parts)
 
     async def on_advert(self, advert: DecodeAdvert) -> None:
         """Decode adverts: the refusal counters each decode worker reports, for /metrics."""
@@ -110,6 +133,7 @@ class Dispatcher:
             self.decode_pool,
             self.registry_pool,
             self._model_spec,
+            self.prefill_queue,
         )
         self._live[request_id] = request
         try:

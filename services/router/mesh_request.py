@@ -23,6 +23,7 @@ from kvmesh.services.router.errors import GatewayTimeoutError, MeshError, Overlo
 from kvmesh.services.router.metrics import RequestTimer, RouterMetrics
 from kvmesh.services.router.placing import ask_registry, publish_prefill_job, renew_lease
 from kvmesh.services.router.prompt import Prompt
+from kvmesh.services.router.queue_health import PrefillQueueHealth
 from kvmesh.services.router.recovery import (
     RECONNECT_SILENCE_S,
     PlacementLostError,
@@ -68,8 +69,10 @@ class MeshRequest:
         decode_pool: WorkerPool | None = None,
         registry_pool: WorkerPool | None = None,
         model_spec: str = "",
+        prefill_queue: PrefillQueueHealth | None = None,
     ) -> None:
         self._nc = nc
+        self._prefill_queue = prefill_queue or PrefillQueueHealth()
         self._subjects = subjects
         self._model_spec = model_spec  # only decode workers serving this model take the request
         self._sub: Subscription | None = None
@@ -243,7 +246,8 @@ class MeshRequest:
             self.request_id,
             self.attempts.prompt,
             reply,
-            retry_for_s=max(0.0, deadline - time.monotonic()),
+            left_s=max(0.0, deadline - time.monotonic()),
+            queue=self._prefill_queue,
         )
 
     def stop_renewing(self) -> None:

@@ -14,6 +14,7 @@ import time
 import nats.errors
 from kvmesh.services.router.errors import MeshError, ServiceUnavailableError
 from kvmesh.services.router.prompt import Prompt
+from kvmesh.services.router.queue_health import PrefillQueueHealth
 from kvmesh.services.router.recovery import (
     REGISTRY_RESTART_S,
     PlacementLostError,
@@ -71,10 +72,13 @@ async def publish_prefill_job(
     request_id: str,
     prompt: Prompt,
     reply: PlaceReply,
-    retry_for_s: float,
+    left_s: float,
+    queue: PrefillQueueHealth,
 ) -> int:
     """Queue the prefill of ``prompt`` into the blocks ``reply`` reserved on its decode worker;
-    the job's sequence in the queue (what an abort withdraws), or a 503."""
+    the job's sequence in the queue (what an abort withdraws), or a 503. It retries a missing
+    queue for as long as ``queue`` allows of the ``left_s`` the request has left, and tells it
+    how the publish went."""
     job = PrefillJob(
         request_id=request_id,
         prompt_ids=prompt.prompt_ids,
@@ -88,15 +92,20 @@ async def publish_prefill_job(
         enqueued_at=time.time(),
     )
     try:
-        return await publish_job(
+        seq = await publish_job(
             nc,
             subjects,
             protocol.encode_message(job),
             msg_id=request_id,
-            retry_for_s=retry_for_s,
+            retry_for_s=queue.retry_for_s(left_s),
         )
-    except (nats.errors.Error, PrefillQueueError) as exc:
+    except PrefillQueueError as exc:
+        queue.on_missing(str(exc))
         raise ServiceUnavailableError(f"could not publish the prefill job: {exc}") from None
+    except nats.errors.Error as exc:
+        raise ServiceUnavailableError(f"could not publish the prefill job: {exc}") from None
+    queue.on_stored()
+    return seq
 
 
 async def renew_lease(

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from kvmesh.services.router.app import Router, build_app
 from kvmesh.services.router.config import RouterConfig
+from kvmesh.services.router.dispatch import OPTIONAL_ROLES
 from kvmesh.services.router.http_server import serve_http
 from kvmesh.services.router.model_info import load_model_info
 from kvmesh.shared.bus.hearing import Hearing
@@ -73,7 +74,7 @@ async def serve_router(config: RouterConfig) -> AsyncIterator[RunningRouter]:
                 (subjects.REGISTRY_ADVERTISE, DecodeAdvert, dispatcher.on_advert),
                 *(
                     (subjects.heartbeat(role, "*"), WorkerHeartbeat, dispatcher.on_heartbeat)
-                    for role in ("prefill", "decode", "colocated", "kv-registry")
+                    for role in ("prefill", "decode", "colocated", "kv-registry", *OPTIONAL_ROLES)
                 ),
             ),
             worker_presence(

@@ -48,5 +48,10 @@ class WorkerPool:
             self._is_alive(seen, now) and state == "ready" for seen, state in self._seen.values()
         )
 
+    def silent(self, now: float) -> list[str]:
+        """Workers heard once and silent for longer than the liveness window now, by id (a
+        worker the registry announced gone is forgotten by ``on_gone``)."""
+        return sorted(w for w, (seen, _) in self._seen.items() if not self._is_alive(seen, now))
+
     def _is_alive(self, seen: float, now: float) -> bool:
         return self._hearing.silence(seen, now) <= self.liveness_s

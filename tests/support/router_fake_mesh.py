@@ -55,6 +55,9 @@ class FakeMesh:
     # heartbeat as a kv-registry: a router that heard one waits for it through an outage
     # (no responders right after a reconnect) instead of answering 503 at once
     registry_alive: bool = True
+    make_queue: bool = True  # make the prefill queue (the keeper's part); False: a mesh without
+    # heartbeat as these optional services (kv-store, draft) while they are in the set
+    optional_alive: set[str] = field(default_factory=set)
     fail_with: str = ""  # end each request with finish_reason "error" after the first token
     # a model that continues its reply: a prompt longer than the first placement's by n tokens
     # (a migrated stream: prompt + output so far) gets the reply from its n-th token on
@@ -84,13 +87,15 @@ class FakeMesh:
     async def running(self) -> AsyncIterator[FakeMesh]:
         async with connect_nats(self.nats_url, "fake-mesh") as nc:
             self._nc = nc
-            await ensure_queue(nc, self.subjects)  # the keeper's part: the router makes none
+            if self.make_queue:
+                await ensure_queue(nc, self.subjects)  # the keeper's part: the router makes none
             subs = [
                 await nc.subscribe(self.subjects.REGISTRY_PLACE, cb=self._on_place),
-                await nc.subscribe(self.subjects.PREFILL_JOBS, cb=self._on_job),  # sees the publish
                 await nc.subscribe(self.subjects.ABORT, cb=self._on_abort),
                 await nc.subscribe(self.subjects.DECODE_LEASE_RENEW_ALL, cb=self._on_renew),
             ]
+            if self.make_queue:  # sees the publish (without a queue nothing hears it)
+                subs.append(await nc.subscribe(self.subjects.PREFILL_JOBS, cb=self._on_job))
             await flush_to_server(nc)
             beating = asyncio.create_task(self._heartbeat())
             try:
@@ -111,6 +116,7 @@ class FakeMesh:
                 ("prefill", self.prefill_alive),
                 ("decode", self.decode_alive),
                 ("kv-registry", self.registry_alive),
+                *((role, True) for role in sorted(self.optional_alive)),
             )
             for role, alive in roles:
                 if alive:
