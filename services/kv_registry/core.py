@@ -239,9 +239,15 @@ class RegistryState:
         return max(1, math.ceil(num_prompt_tokens / worker.advert.block_size))
 
     def choose(
-        self, request: PlaceRequest, now: float, exclude: frozenset[str] = frozenset()
+        self,
+        request: PlaceRequest,
+        now: float,
+        exclude: frozenset[str] = frozenset(),
+        held_tokens: int = 0,
     ) -> Candidate | Refusal:
         """Pick a decode worker for ``request`` and count the reservation as in flight there.
+        ``held_tokens``: an older placement waiting for room (waiting_line.py) needs this many
+        tokens' blocks; ``request`` goes only where that one still fits after it.
 
         The caller must follow up with ``grant`` or ``release_inflight``."""
         live = [
@@ -268,6 +274,16 @@ class RegistryState:
         with_room = [
             w for w in eligible if w.free_blocks >= self.blocks_needed(w, len(request.prompt_ids))
         ]
+        if with_room and held_tokens:
+            with_room = self._leaving_room(
+                eligible, with_room, len(request.prompt_ids), held_tokens
+            )
+            if not with_room:
+                return Refusal(
+                    "an older request waits for the room this one needs; retry later",
+                    self.retry_after_s,
+                    reason="full",
+                )
         if not with_room:
             return Refusal(
                 "every decode worker is full; retry later", self.retry_after_s, reason="full"
@@ -312,6 +328,26 @@ class RegistryState:
             got.store_blocks * bs,
             got.read_blocks * bs,
         )
+
+    def _leaving_room(
+        self,
+        eligible: list[DecodeWorkerView],
+        with_room: list[DecodeWorkerView],
+        num_tokens: int,
+        held_tokens: int,
+    ) -> list[DecodeWorkerView]:
+        """The workers of ``with_room`` that can take ``num_tokens`` and still leave room for
+        ``held_tokens`` somewhere: on themselves, or on another eligible worker."""
+
+        def fits_after(w: DecodeWorkerView, taken: int) -> bool:
+            return w.free_blocks - taken >= self.blocks_needed(w, held_tokens)
+
+        return [
+            w
+            for w in with_room
+            if fits_after(w, self.blocks_needed(w, num_tokens))
+            or any(o is not w and fits_after(o, 0) for o in eligible)
+        ]
 
     def _prefix_score(self, reach: PrefixReach) -> float:
         return prefix_score(reach, self.prefix_weight, self.store_block_weight)

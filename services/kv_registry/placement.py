@@ -12,13 +12,14 @@ import contextlib
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import nats.errors
 import orjson
 from kvmesh.services.kv_registry.config import RegistryConfig
 from kvmesh.services.kv_registry.core import Candidate, Refusal, RegistryState
 from kvmesh.services.kv_registry.metrics import RegistryMetrics
+from kvmesh.services.kv_registry.waiting_line import WaitingLine
 from kvmesh.shared.bus import protocol
 from kvmesh.shared.bus.protocol import (
     LeaseCancel,
@@ -47,6 +48,7 @@ class Placement:
     core: RegistryState
     metrics: RegistryMetrics
     clock: Callable[[], float] = time.monotonic
+    line: WaitingLine = field(default_factory=WaitingLine)  # placements waiting for room
 
     async def answer(self, req: Request) -> None:
         """Reply to one PlaceRequest (a malformed one gets a refusal naming the problem)."""
@@ -72,11 +74,18 @@ class Placement:
         """The reply, and why it is a refusal ("" when placed; RegistryMetrics' reasons)."""
         tried: set[str] = set()
         errors: list[str] = []
+        now = self.clock()
+        head = self.line.head_before(request.request_id, now)
+        held_tokens = head.num_tokens if head is not None else 0
         for _ in range(self.config.max_reserve_attempts):
-            choice = self.core.choose(request, self.clock(), frozenset(tried))
+            choice = self.core.choose(request, self.clock(), frozenset(tried), held_tokens)
             if isinstance(choice, Refusal):
                 if not tried:
                     log.debug("refused", reason=choice.reason, error=choice.error)
+                    if choice.reason == "full":  # it keeps its place in the line
+                        self.line.wait(request.request_id, len(request.prompt_ids), now)
+                    else:
+                        self.line.leave(request.request_id)
                     return _refused(request, choice.error, choice.retry_after_s), choice.reason
                 break
             tried.add(choice.worker_id)
@@ -98,10 +107,12 @@ class Placement:
                     store_cached_tokens=choice.store_cached_tokens,
                     read_tokens=choice.read_tokens,
                 )
+                self.line.leave(request.request_id)
                 return placed, "" if placed.ok else "worker_gone"
             self.core.release_inflight(choice)
             errors.append(f"{choice.worker_id}: {reply.error}")
         log.debug("refused", reason="reserve_failed", errors=errors)
+        self.line.wait(request.request_id, len(request.prompt_ids), now)
         return _refused(
             request,
             f"no decode worker accepted the request ({'; '.join(errors)})",
