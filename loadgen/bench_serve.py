@@ -16,6 +16,12 @@ of that sweep under ``--slo`` taken as the baseline; a URL is an OpenAI-compatib
 elsewhere (e.g. llama.cpp's llama-server). After every run it prints where the first token's
 time went: per request, the stages a kvmesh router timed, at p50 and p99; per role, the CPU
 time its processes used and the time their threads waited, runnable, for a core.
+
+``--workload longtail`` is a named workload (``workload_presets``): prompt lengths drawn from a
+clipped normal, text cut from a shipped corpus (``--prompt-source corpus``), gamma arrivals.
+``--slo-sweep RATES`` runs every target at each rate and reports DistServe's measure
+(``slo_attainment``): the share of requests within a TTFT, TPOT and p99-gap objective at three
+scales, and goodput, the highest rate with >= 90% of them, per core too.
 """
 
 from __future__ import annotations
@@ -83,28 +89,60 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         prompts, trace_times = build_workload(config)
+        warmups = build_warmups(config, prompts, trace_times is not None)
     except (WorkloadError, ValueError) as exc:
         print(f"kvmesh bench serve: {exc}", file=sys.stderr)
         return 2
     results: list[RunResult] = []
     for target in config.compare or (Target("run", url=config.base_url),):
         with _target(config, target) as (base_url, roles):
-            status = _sweep(config, target.label, base_url, prompts, trace_times, results, roles)
+            status = _sweep(
+                config, target.label, base_url, prompts, warmups, trace_times, results, roles
+            )
             if status:
                 return status
     if len(results) > 1:
         print("\n" + comparison_text(results))
     _write_outputs(config, prompts, results)
+    if config.slo_base is not None:
+        _slo_sweep(config, results)
     return 1 if any(r.summary.num_completed == 0 for r in results) else 0
 
 
 def build_workload(config: ServeBenchConfig) -> tuple[list[Prompt], list[float] | None]:
     """The prompts (same for every rate and target) and, for a trace, its arrival times."""
-    from kvmesh.loadgen import arrivals, workload
     from kvmesh.shared.model.checkpoint_info import load_config_and_tokenizer
 
-    _, tokenizer = load_config_and_tokenizer(config.tokenizer or config.model)
-    rng = random.Random(f"{config.seed}:prompts")
+    model_config, tokenizer = load_config_and_tokenizer(config.tokenizer or config.model)
+    return _prompts(config, model_config, tokenizer, random.Random(f"{config.seed}:prompts"))
+
+
+def build_warmups(
+    config: ServeBenchConfig, prompts: Sequence[Prompt], is_trace: bool
+) -> list[Prompt]:
+    """``--warmups`` untimed prompts of at most 8 output tokens: drawn like the workload's, from a
+    seed of their own (so no measured prompt is cached by them), or for a trace or a dataset the
+    first prompt, as before."""
+    from kvmesh.shared.model.checkpoint_info import load_config_and_tokenizer
+
+    if not config.num_warmups:
+        return []
+    if is_trace or config.dataset is not None:
+        drawn = [prompts[0]] * config.num_warmups
+    else:
+        model_config, tokenizer = load_config_and_tokenizer(config.tokenizer or config.model)
+        rng = random.Random(f"{config.seed}:warmups")
+        warm = dataclasses.replace(config, num_prompts=config.num_warmups)
+        drawn, _ = _prompts(warm, model_config, tokenizer, rng)
+    return [dataclasses.replace(p, output_len=min(p.output_len, 8)) for p in drawn]
+
+
+def _prompts(
+    config: ServeBenchConfig, model_config: Any, tokenizer: Any, rng: random.Random
+) -> tuple[list[Prompt], list[float] | None]:
+    from kvmesh.loadgen import arrivals, workload
+    from kvmesh.loadgen.corpus import DEFAULT_CORPUS, Corpus
+
     as_text = config.endpoint_path == "/v1/chat/completions" or config.prompt_format == "text"
     if config.trace is not None:
         records = arrivals.load_trace(config.trace)[: config.num_prompts]
@@ -117,14 +155,21 @@ def build_workload(config: ServeBenchConfig) -> tuple[list[Prompt], list[float] 
         return workload.sharegpt_prompts(
             tokenizer, pairs, num, rng, output_len=config.output_len
         ), None
+    output_lens = workload.LengthSpec.parse(config.output_len or 64, config.output_len_range)
+    input_lens = config.input_lengths().fit_context(
+        model_config.max_position_embeddings, output_lens.high
+    )
     lengths = workload.sample_lengths(
         num,
-        workload.LengthSpec.parse(config.input_len, config.input_len_range),
-        workload.LengthSpec.parse(config.output_len or 64, config.output_len_range),
+        input_lens,
+        output_lens,
         rng,
         long_input_len=config.long_input_len,
         long_fraction=config.long_fraction,
     )
+    if config.prompt_source == "corpus":
+        corpus = Corpus.load(tokenizer, config.corpus or DEFAULT_CORPUS)
+        return corpus.prompts(tokenizer, lengths, rng), None
     return workload.random_prompts(tokenizer, lengths, rng, as_text=as_text), None
 
 
@@ -189,6 +234,7 @@ def _sweep(
     label: str,
     base_url: str,
     prompts: Sequence[Prompt],
+    warmups: Sequence[Prompt],
     trace_times: list[float] | None,
     results: list[RunResult],
     roles: dict[str, list[int]],
@@ -202,18 +248,16 @@ def _sweep(
     from kvmesh.loadgen.sse_client import run_requests
 
     endpoint = config.endpoint(base_url)
-    if config.num_warmups:
-        warmup = dataclasses.replace(prompts[0], output_len=min(prompts[0].output_len, 8))
-        for _ in range(config.num_warmups):
-            record = asyncio.run(_warmup(endpoint, warmup, config.timeout_s))
-            if not record.is_ok:
-                print(
-                    f"kvmesh bench serve: the warm-up request to {endpoint.url} failed "
-                    f"({record.error}: {record.detail}); is the server up and serving "
-                    f"{config.model!r}?",
-                    file=sys.stderr,
-                )
-                return 1
+    for warmup in warmups:
+        record = asyncio.run(_warmup(endpoint, warmup, config.timeout_s))
+        if not record.is_ok:
+            print(
+                f"kvmesh bench serve: the warm-up request to {endpoint.url} failed "
+                f"({record.error}: {record.detail}); is the server up and serving "
+                f"{config.model!r}?",
+                file=sys.stderr,
+            )
+            return 1
     rates: Sequence[float | None] = (None,) if trace_times is not None else config.request_rates
     for rate in rates:
         if rate is None:
@@ -365,6 +409,29 @@ def _plot(
                 sweeps.setdefault(r.label, []).append((r.rate, r.summary))
         written.append(plots.goodput_vs_rate(sweeps, plot_dir / "goodput_vs_rate.png"))
     return written
+
+
+def _slo_sweep(config: ServeBenchConfig, results: Sequence[RunResult]) -> None:
+    """Print and write (``--slo-dir``) every target's SLO attainment per rate and scale and its
+    goodput, also per core."""
+    import orjson
+    from kvmesh.loadgen import slo_attainment
+
+    assert config.slo_base is not None
+    cores = config.cores or len(config.mesh_cpus) or len(os.sched_getaffinity(0))
+    runs = {(r.label, r.rate): r.records for r in results if r.rate is not None}
+    points, goodputs = slo_attainment.sweep(runs, config.slo_base, config.slo_scales, cores)
+    print("\n" + slo_attainment.format_sweep(points, goodputs, config.slo_base, config.slo_scales))
+    config.slo_dir.mkdir(parents=True, exist_ok=True)
+    path = config.slo_dir / "slo_sweep.json"
+    body = slo_attainment.sweep_json(points, goodputs, config.slo_base, config.slo_scales, cores)
+    path.write_bytes(orjson.dumps(body, option=orjson.OPT_INDENT_2))
+    print(f"SLO sweep: {path}", file=sys.stderr)
+    if importlib.util.find_spec("matplotlib") is not None:
+        from kvmesh.loadgen import plots
+
+        plot = plots.slo_attainment(points, goodputs, config.slo_dir / "slo_attainment.png")
+        print(f"plot: {plot}", file=sys.stderr)
 
 
 def long_prompt_threshold(input_lens: Sequence[int], long_input_len: int | None) -> int | None:

@@ -13,9 +13,12 @@ from typing import Any, Literal
 
 from kvmesh.loadgen.arrivals import ARRIVAL_KINDS, ArrivalProcess, parse_rates
 from kvmesh.loadgen.compare_targets import Target, parse_budgets, parse_targets
+from kvmesh.loadgen.length_dist import LENGTH_KINDS, LengthDistribution
 from kvmesh.loadgen.serve_metrics import Slo
+from kvmesh.loadgen.slo_attainment import DEFAULT_SCALES, SloObjective, parse_scales
 from kvmesh.loadgen.sse_client import CHAT, COMPLETIONS, Endpoint
 from kvmesh.loadgen.workload import LengthSpec
+from kvmesh.loadgen.workload_presets import PRESETS, apply_preset
 from kvmesh.shared.config.cpu_placement import parse_cpu_list
 
 from kvmesh.commands.cpu_plan import SHARINGS
@@ -34,19 +37,28 @@ class ServeBenchConfig:
     dataset: Path | None = None  # ShareGPT JSON
     trace: Path | None = None  # JSONL of timestamp, input_len, output_len
     num_prompts: int | None = None  # None: 100, or every record of a trace
-    input_len: int = 128
-    input_len_range: str | None = None
+    input_len: int = 128  # the mean of a normal or log-normal length
+    input_len_range: str | None = None  # normal, log-normal: the clip bounds MIN:MAX
+    input_len_dist: Literal["uniform", "normal", "lognormal"] = "uniform"
+    input_len_sd: float | None = None
     output_len: int | None = None  # None: 64, or a ShareGPT reply's length
     output_len_range: str | None = None
     long_input_len: int | None = None
     long_fraction: float = 0.0
     prompt_format: Literal["ids", "text"] = "ids"
+    prompt_source: Literal["random", "corpus"] = "random"  # random pool tokens or corpus text
+    corpus: Path | None = None  # None: the shipped one (loadgen/data)
+    workload: str | None = None  # the preset the flags came from (for the record)
     request_rates: tuple[float, ...] = (math.inf,)
     arrival: Literal["poisson", "gamma", "constant"] = "poisson"
     burstiness: float = 1.0
     max_concurrency: int | None = None
     seed: int = 0
     slo: Slo = field(default_factory=Slo)
+    slo_base: SloObjective | None = None  # --slo-sweep's base objective; None: no SLO sweep
+    slo_scales: tuple[tuple[str, float], ...] = DEFAULT_SCALES
+    slo_dir: Path = Path("slo-sweep")
+    cores: int | None = None  # goodput per core divides by this (None: the cores used)
     timeout_s: float = 600.0
     temperature: float = 0.0
     ignore_eos: bool = True
@@ -90,7 +102,11 @@ class ServeBenchConfig:
             raise ValueError(f"--warmups must be >= 0, got {self.num_warmups}")
         if self.dataset is not None and self.trace is not None:
             raise ValueError("--dataset and --trace are two workloads; give one")
-        LengthSpec.parse(self.input_len, self.input_len_range)
+        self.input_lengths()
+        if self.prompt_source not in ("random", "corpus"):
+            raise ValueError(f"--prompt-source must be random or corpus, got {self.prompt_source}")
+        if self.cores is not None and self.cores < 1:
+            raise ValueError(f"--cores must be >= 1, got {self.cores}")
         LengthSpec.parse(self.output_len or 1, self.output_len_range)
         if not 0 <= self.long_fraction <= 1:
             raise ValueError(f"--long-fraction must be in [0, 1], got {self.long_fraction}")
@@ -105,6 +121,12 @@ class ServeBenchConfig:
                 f"--compare starts local meshes serving --model, which must be {TINY_MODEL} or a "
                 f"checkpoint directory (kvmesh model seeded DIR makes one); got {self.model!r}"
             )
+
+    def input_lengths(self) -> LengthDistribution:
+        """The prompt-length distribution of the flags (before the model's context cuts it)."""
+        return LengthDistribution.parse(
+            self.input_len_dist, self.input_len, self.input_len_range, self.input_len_sd
+        )
 
     def endpoint(self, base_url: str) -> Endpoint:
         return Endpoint(
@@ -124,7 +146,7 @@ class ServeBenchConfig:
             value = getattr(self, f.name)
             if isinstance(value, Path):
                 value = str(value)
-            elif isinstance(value, Slo):
+            elif isinstance(value, Slo | SloObjective):
                 value = dataclasses.asdict(value)
             elif f.name == "request_rates":
                 value = ["inf" if math.isinf(r) else r for r in value]
@@ -155,6 +177,12 @@ def config_from_args(args: argparse.Namespace) -> ServeBenchConfig:
 
     if args.trace is not None and args.request_rate is not None:
         raise ValueError("--trace replays its own timestamps; leave out --request-rate")
+    if args.slo_sweep is not None and (args.request_rate is not None or args.trace is not None):
+        raise ValueError(
+            "--slo-sweep gives the request rates; leave out --request-rate and --trace"
+        )
+    apply_preset(args, args.workload)  # fills only the flags left out
+    rates = args.slo_sweep if args.slo_sweep is not None else args.request_rate or "inf"
     try:
         extra_body = orjson.loads(args.extra_body) if args.extra_body else {}
     except orjson.JSONDecodeError as exc:
@@ -178,17 +206,26 @@ def config_from_args(args: argparse.Namespace) -> ServeBenchConfig:
         num_prompts=args.num_prompts,
         input_len=args.input_len,
         input_len_range=args.input_len_range,
+        input_len_dist=args.input_len_dist,
+        input_len_sd=args.input_len_sd,
         output_len=args.output_len,
         output_len_range=args.output_len_range,
         long_input_len=args.long_input_len,
         long_fraction=args.long_fraction,
         prompt_format=args.prompt_format,
-        request_rates=parse_rates(args.request_rate or "inf"),
+        prompt_source=args.prompt_source,
+        corpus=args.corpus,
+        workload=args.workload,
+        request_rates=parse_rates(rates),
         arrival=args.arrival,
         burstiness=args.burstiness,
         max_concurrency=args.max_concurrency,
         seed=args.seed,
         slo=Slo.parse(args.slo or ""),
+        slo_base=SloObjective.parse(args.slo_base) if args.slo_sweep is not None else None,
+        slo_scales=parse_scales(args.slo_scales),
+        slo_dir=args.slo_dir,
+        cores=args.cores,
         timeout_s=args.timeout_s,
         temperature=args.temperature,
         ignore_eos=not args.no_ignore_eos,
@@ -211,7 +248,7 @@ def config_from_args(args: argparse.Namespace) -> ServeBenchConfig:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     target = p.add_argument_group("target")
     target.add_argument("--base-url", default="http://127.0.0.1:8000", help="server to load")
-    target.add_argument("--endpoint", default=COMPLETIONS, choices=(COMPLETIONS, CHAT))
+    target.add_argument("--endpoint", choices=(COMPLETIONS, CHAT), help=f"default {COMPLETIONS}")
     target.add_argument(
         "--model",
         default=None,
@@ -235,15 +272,38 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--extra-body", help="JSON merged into every body, e.g. '{\"min_tokens\": 128}' for vLLM"
     )
     target.add_argument("--timeout-s", type=float, default=600.0, help="per request")
-    target.add_argument("--warmups", type=int, default=1, help="untimed requests first")
+    target.add_argument(
+        "--warmups",
+        type=int,
+        help="untimed requests first, of the workload's lengths but prompts of their own "
+        "(default 1)",
+    )
 
     load = p.add_argument_group("workload")
     load.add_argument(
+        "--workload",
+        choices=tuple(PRESETS),
+        help="a named workload setting the flags below (those given still win): "
+        + "; ".join(f"{name}: {preset.description}" for name, preset in PRESETS.items()),
+    )
+    load.add_argument(
         "--num-prompts", type=int, help="default 100 (a trace: all its records, or the first N)"
     )
-    load.add_argument("--input-len", type=int, default=128, help="prompt tokens")
     load.add_argument(
-        "--input-len-range", help="R: uniform in len*(1-R)..len*(1+R); MIN:MAX: uniform in MIN..MAX"
+        "--input-len", type=int, help="prompt tokens (default 128); normal, lognormal: the mean"
+    )
+    load.add_argument(
+        "--input-len-range",
+        help="uniform: R for len*(1-R)..len*(1+R), or MIN:MAX; normal, lognormal: MIN:MAX, the "
+        "bounds each draw is clipped to (also to the model's context less the output)",
+    )
+    load.add_argument(
+        "--input-len-dist",
+        choices=LENGTH_KINDS,
+        help="prompt-length distribution (default uniform)",
+    )
+    load.add_argument(
+        "--input-len-sd", type=float, help="normal, lognormal: standard deviation of the lengths"
     )
     load.add_argument("--output-len", type=int, help="max_tokens (default 64; ShareGPT: reply's)")
     load.add_argument("--output-len-range", help="as --input-len-range, for --output-len")
@@ -251,9 +311,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     load.add_argument("--long-fraction", type=float, default=0.0, help="share of long prompts")
     load.add_argument(
         "--prompt-format",
-        default="ids",
         choices=("ids", "text"),
-        help="/v1/completions prompts as token-id lists or text (chat always sends text)",
+        help="/v1/completions prompts as token-id lists or text (default ids; chat always sends "
+        "text)",
+    )
+    load.add_argument(
+        "--prompt-source",
+        choices=("random", "corpus"),
+        help="random tokens (default) or text cut from --corpus to each drawn length",
+    )
+    load.add_argument(
+        "--corpus", type=Path, help="UTF-8 text for --prompt-source corpus (default: shipped)"
     )
     load.add_argument("--dataset", type=Path, help="ShareGPT-format JSON file (local)")
     load.add_argument(
@@ -265,9 +333,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     arrivals.add_argument(
         "--request-rate", help="req/s, or a comma list for a sweep; inf: all at once (default)"
     )
-    arrivals.add_argument("--arrival", default="poisson", choices=ARRIVAL_KINDS)
+    arrivals.add_argument("--arrival", choices=ARRIVAL_KINDS, help="default poisson")
     arrivals.add_argument(
-        "--burstiness", type=float, default=1.0, help="gamma shape (< 1: burstier; 1: Poisson)"
+        "--burstiness",
+        type=float,
+        help="gamma shape (< 1: burstier; default 1: Poisson)",
     )
     arrivals.add_argument("--max-concurrency", type=int, help="cap on requests in flight")
 
@@ -277,6 +347,36 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     out.add_argument("--result-json", type=Path, help="write every figure and request here")
     out.add_argument("--plot-dir", type=Path, help="write PNG plots here (needs matplotlib)")
+
+    slo = p.add_argument_group("SLO attainment sweep (DistServe's goodput)")
+    slo.add_argument(
+        "--slo-sweep",
+        help="request rates to sweep, e.g. 0.2,0.4,0.8: per rate and target, the share of "
+        "requests within --slo-base at each --slo-scales, and goodput: the highest rate with "
+        ">= 90%% of them, also per core",
+    )
+    slo.add_argument(
+        "--slo-base",
+        default="ttft_ms=3000,tpot_ms=50,gap_ms=250",
+        help="the base objective: TTFT, TPOT and each request's p99 token gap, in ms",
+    )
+    slo.add_argument(
+        "--slo-scales",
+        default="0.5,1,2",
+        help="three multiples of --slo-base: tight, medium, loose (NAME=X names one)",
+    )
+    slo.add_argument(
+        "--slo-dir",
+        type=Path,
+        default=Path("slo-sweep"),
+        help="where the sweep writes slo_sweep.json and slo_attainment.png",
+    )
+    slo.add_argument(
+        "--cores",
+        type=int,
+        help="goodput per core divides by this (default: --mesh-cpus, else the CPUs this "
+        "process may use)",
+    )
 
     mesh = p.add_argument_group("compare (local meshes instead of --base-url)")
     mesh.add_argument(

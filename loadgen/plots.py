@@ -10,7 +10,9 @@ every mode's curves:
 - ``goodput_vs_rate``: goodput (or, without an SLO, completed requests per second) at each request
   rate of a sweep;
 - ``ttft_stages``: the time to first token by stage (``ttft_breakdown``), p50 and p99 bars per
-  label, and each role's CPU and runnable-but-waiting time in cores' worth.
+  label, and each role's CPU and runnable-but-waiting time in cores' worth;
+- ``slo_attainment``: SLO attainment against the request rate, a panel per SLO scale, a line per
+  label, the 90% line and each label's goodput in the legend (``slo_attainment``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from kvmesh.loadgen.serve_metrics import RequestRecord, Summary
+from kvmesh.loadgen.slo_attainment import DEFAULT_TARGET, SweepPoint, TargetGoodput
 from kvmesh.loadgen.ttft_breakdown import STAGE_LABELS, Breakdown
 
 INSTALL_HINT = (
@@ -123,6 +126,42 @@ def goodput_vs_rate(sweeps: Mapping[str, Sequence[tuple[float, Summary]]], path:
     ax.set_title("goodput vs request rate" if has_slo else "throughput vs request rate (no --slo)")
     ax.grid(True, alpha=0.3)
     ax.legend(loc="upper left")
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def slo_attainment(
+    points: Sequence[SweepPoint],
+    goodputs: Sequence[TargetGoodput],
+    path: Path,
+    target: float = DEFAULT_TARGET,
+) -> Path:
+    scales = list(dict.fromkeys(p.scale for p in points))
+    fig, axes = _figure(len(scales), share_y=True)
+    rates = sorted({p.rate for p in points})
+    position = {rate: i for i, rate in enumerate(rates)}  # categorical: inf has a place too
+    best = {(g.label, g.scale): g.goodput for g in goodputs}
+    for ax, scale in zip(axes, scales, strict=True):
+        for label in dict.fromkeys(p.label for p in points):
+            mine = sorted(
+                (p.rate, p.attainment) for p in points if (p.label, p.scale) == (label, scale)
+            )
+            good = best.get((label, scale))
+            text = "none" if good is None else f"{_rate_label(good)} req/s"
+            ax.plot(
+                [position[r] for r, _ in mine],
+                [100 * a for _, a in mine],
+                marker="o",
+                label=f"{label} (goodput {text})",
+            )
+        ax.axhline(100 * target, color="grey", linestyle=":", linewidth=1)
+        ax.set_xticks(range(len(rates)), [_rate_label(r) for r in rates])
+        ax.set_xlabel("offered request rate (req/s)")
+        ax.set_title(f"SLO scale: {scale}")
+        ax.set_ylim(0, 105)
+        ax.grid(True, alpha=0.3)
+        ax.legend(loc="lower left", fontsize="small")
+    axes[0].set_ylabel("requests within the SLO (%)")
     fig.savefig(path, dpi=120)
     return path
 
