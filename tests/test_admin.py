@@ -14,7 +14,7 @@ from kvmesh.shared.bus.nats_server import NatsServer
 from kvmesh.shared.bus.nats_service import connect_nats, request_json
 from support.registry_peers import peer_decode, wait_for
 
-from kvmesh.commands.admin import table
+from kvmesh.commands.admin import render_status, table
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -93,3 +93,10 @@ def test_table_aligns_columns_and_handles_empty_rows() -> None:
     text = table([{"a": "x", "b": 10}, {"a": "long", "b": 2}], ("a", "b"))
     assert text.splitlines() == ["  a     b", "  x     10", "  long  2"]
     assert table([], ("a",)) == "  (none)"
+
+
+def test_admin_status_text_says_degraded_when_an_optional_service_is_silent() -> None:
+    status = {"registry": {"worker_id": "reg-0", "uptime_s": 5}}
+    assert "degraded" not in render_status(status)
+    text = render_status({**status, "degraded": ["kv-store (kv-store-0 silent)"]})
+    assert text.splitlines()[1] == "degraded: kv-store (kv-store-0 silent)"

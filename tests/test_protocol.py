@@ -308,6 +308,7 @@ EXAMPLES: list[Message] = [
         ),
         registry=protocol.RegistryInfo("reg-0", "m", uptime_s=12.5, worker_timeout_s=3.0),
         prefill_queue=protocol.QueueStatus(depth=2, workers=1, note="electing"),
+        degraded=("kv-store (s1 silent)",),
     ),
 ]
 

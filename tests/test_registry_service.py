@@ -532,3 +532,41 @@ async def test_admin_client_refuses_a_reply_of_another_shape(nats_server: str) -
         async with admin_client(nats_server) as admin:
             with pytest.raises(AdminError, match="another kvmesh version"):
                 await admin.status()
+
+
+async def test_admin_status_says_degraded_while_a_kv_store_is_silent(nats_server: str) -> None:
+    beat = lambda: WorkerHeartbeat("kv-store-0", "kv-store", "ready")
+    liveness = config(nats_server, missed_heartbeats=3)
+    async with registry_service(liveness), connect_nats(nats_server, "c") as nc:
+
+        async def degraded() -> list[str]:
+            return (await request_json(nc, subjects.ADMIN_STATUS, {}, 2.0))["degraded"]
+
+        store = asyncio.create_task(
+            heartbeat_loop(nc, subjects, "kv-store", "kv-store-0", beat, 0.1)
+        )
+
+        async def store_seen() -> bool:
+            rows = (await request_json(nc, subjects.ADMIN_WORKERS, {}, 2.0))["workers"]
+            return "kv-store-0" in {r["worker_id"] for r in rows}
+
+        await wait_for(store_seen)
+        assert await degraded() == []
+        store.cancel()  # it died and stays down
+        await wait_for(lambda: _nonempty(degraded), timeout_s=5.0)
+        assert await degraded() == ["kv-store (kv-store-0 silent)"]
+        store = asyncio.create_task(
+            heartbeat_loop(nc, subjects, "kv-store", "kv-store-0", beat, 0.1)
+        )
+        try:  # back under its id: no longer degraded
+            await wait_for(lambda: _empty(degraded), timeout_s=5.0)
+        finally:
+            store.cancel()
+
+
+async def _nonempty(get) -> bool:
+    return bool(await get())
+
+
+async def _empty(get) -> bool:
+    return not await get()

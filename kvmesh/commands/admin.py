@@ -230,8 +230,10 @@ def render_status(status: Reply) -> str:
         for w in _rows(status, "workers")
         if w["role"] not in ("decode", "colocated", "draft", "kv-store")
     ]
+    degraded = cast("list[str]", status.get("degraded", []))
     parts = [
         f"kv-registry {registry.get('worker_id', '?')} (up {registry.get('uptime_s', 0):.0f}s)",
+        *([f"degraded: {'; '.join(degraded)}"] if degraded else []),
         "",
         "decode workers:",
         table(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import nats.errors
 import orjson
@@ -60,6 +60,8 @@ class RegistryAdmin:
     started_at: float
     clock: Callable[[], float] = time.monotonic
     stores: StoreTable | None = None  # the KV stores' adverts (docs/kv_store.md)
+    # optional services dropped for silence and not heard since: worker id -> role
+    silent_optional: dict[str, str] = field(default_factory=dict)
 
     def handlers(self) -> dict[str, AdminHandler]:
         """The handler of each admin subject."""
@@ -95,6 +97,10 @@ class RegistryAdmin:
                 worker_timeout_s=self.config.worker_timeout_s,
             ),
             prefill_queue=await queue_status(self.nc, self.subjects),
+            degraded=tuple(
+                f"{role} ({worker_id} silent)"
+                for worker_id, role in sorted(self.silent_optional.items())
+            ),
         )
 
     async def admin_workers(self, body: bytes) -> AdminWorkers:

@@ -54,6 +54,7 @@ from nats.micro.request import Request
 log = logs.get_logger(__name__)
 
 ROLE = "kv-registry"
+OPTIONAL_ROLES = ("kv-store", "draft")  # services the mesh serves without
 
 
 class RegistryService:
@@ -145,6 +146,7 @@ class RegistryService:
         self.stores.observe_digest(msg)
 
     async def on_heartbeat(self, heartbeat: WorkerHeartbeat) -> None:
+        self.admin.silent_optional.pop(heartbeat.worker_id, None)  # back
         replaced = self.core.observe_heartbeat(heartbeat, self.clock())
         if replaced is not None:
             log.warning(
@@ -172,6 +174,8 @@ class RegistryService:
                 log.warning("worker dropped: no heartbeat or advert", worker_id=worker_id)
                 row = before.get(worker_id)
                 role, last_seen_s = (row.role, row.last_seen_s) if row is not None else ("?", 0.0)
+                if role in OPTIONAL_ROLES:  # the mesh serves on without it: degraded
+                    self.admin.silent_optional[worker_id] = role
                 await self._announce_gone(WorkerGone(worker_id, role, last_seen_s))
             for lease in expired:
                 log.info(

@@ -632,6 +632,9 @@ class AdminStatus(Message):
     stores: tuple[StoreStatusRow, ...]
     registry: RegistryInfo
     prefill_queue: QueueStatus
+    # optional services (kv-store, draft) dropped for silence and not back: the mesh serves
+    # without them, e.g. "kv-store (kv-store-0 silent)"
+    degraded: tuple[str, ...] = ()
 
 
 class AdminWorkers(Message):
