@@ -258,3 +258,16 @@ def test_abort_after_prefill_done_releases_the_held_blocks(llama):
     assert out.finish_reason == "prefill_done" and eng.block_manager.num_free_blocks < 64
     assert eng.abort("p") is True
     assert eng.block_manager.num_free_blocks == 64 and not eng.has_unfinished()
+
+
+def test_no_decode_budget_prefills_the_oldest_prompt_at_once_with_the_same_tokens(llama):
+    ps = prompts(3, lengths=(70, 45, 60))
+    chunked = engine(llama, max_num_batched_tokens=16)
+    calls = []
+    expected = chunked.generate(ps, GREEDY)
+    fast = engine(llama, max_num_batched_tokens=16, max_num_batched_tokens_no_decode=128)
+    execute = fast.runner.execute
+    fast.runner.execute = lambda seqs, n, k: (calls.append(list(n)), execute(seqs, n, k))[1]
+    assert fast.generate(ps, GREEDY) == expected
+    assert calls[0] == [70]  # the first prompt whole, nothing riding along; then the budget
+    assert all(sum(n) <= 16 for n in calls if 1 in n)  # a step with a decode keeps the budget

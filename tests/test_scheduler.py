@@ -232,3 +232,50 @@ def test_fits_keeps_the_output_room_owed_to_running_sequences():
     bm.allocate_blocks(1)
     assert not sched.fits(b)
     assert sched.schedule().seqs == [a]  # a decodes; b is not admitted
+
+
+def test_prefill_is_first_come_first_served_the_oldest_takes_the_whole_budget():
+    a, b, c = make_seq(25, "a"), make_seq(25, "b", start=100), make_seq(25, "c", start=200)
+    sched, _ = scheduler(64, a, b, c, max_batched=10)
+    steps = 0
+    while a.num_output_tokens == 0:
+        batch = sched.schedule()
+        run(sched, batch)
+        steps += 1
+        if steps < 3:
+            assert batch.seqs == [a] and b.num_computed_tokens == c.num_computed_tokens == 0
+    assert steps == 3  # ceil(25 / 10): not interleaved with b and c
+    assert (b.num_computed_tokens, c.num_computed_tokens) == (5, 0)  # b rides the remainder
+    while b.num_output_tokens == 0:
+        run(sched, sched.schedule())
+        steps += 1
+    # a decodes one token a step from here, b takes the other 9: done in step 6, c rides along
+    assert steps == 6 and c.num_computed_tokens == 10 - 1 - 2
+
+
+def test_a_step_without_decodes_takes_the_no_decode_budget():
+    a, b = make_seq(30, "a"), make_seq(60, "b", start=100)
+    sched, _ = scheduler(64, a, b, max_batched=8, max_num_batched_tokens_no_decode=40)
+    batch = sched.schedule()  # a's whole prompt, no more: b riding along would delay a
+    assert batch.seqs == [a] and batch.num_new_tokens == [30]
+    run(sched, batch)
+    batch = sched.schedule()  # a decodes now: the budget is back to 8
+    assert batch.seqs == [a, b] and batch.num_new_tokens == [1, 7]
+    sched.remove(a)
+    run(sched, batch)
+    assert sched.schedule().num_new_tokens == [40]  # b alone: capped at the no-decode budget
+
+
+def test_the_no_decode_budget_never_applies_with_a_prefilled_sequence_waiting():
+    bm = BlockManager(64, BS)
+    sched = Scheduler(bm, 8, 8, max_num_batched_tokens_no_decode=40)
+    sched.add(make_seq(30, "a"))
+    done = make_seq(9, "d", start=100)
+    bm.allocate(done)
+    done.num_computed_tokens = 8
+    sched.add_prefilled(done)
+    batch = sched.schedule()
+    assert batch.num_tokens == 8  # d admitted to decode, a's chunk within the budget
+    prefill_only = make_seq(30, "p", prefill_only=True)
+    sched2, _ = scheduler(64, prefill_only, max_batched=8, max_num_batched_tokens_no_decode=40)
+    assert sched2.schedule().num_new_tokens == [8]  # hand-off chunks keep their size

@@ -48,6 +48,7 @@ def engine_config(config: DecodeConfig, model: Any) -> tuple[EngineConfig, KVCac
             num_blocks=sizing.resolve_num_blocks(spec.block_bytes),
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_batched_tokens_no_decode=config.max_num_batched_tokens_no_decode,
             enable_prefix_caching=config.enable_prefix_caching,
             device=config.device,
             dtype=dtype,

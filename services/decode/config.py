@@ -28,6 +28,11 @@ class DecodeConfig(EngineWorkerConfig):
         help="tokens per step: decodes first, then local prefill chunks fill the rest (a larger "
         "budget prefills faster but stalls every decoding stream for longer)",
     )
+    max_num_batched_tokens_no_decode: int = option(
+        4096,
+        help="tokens of a step in which nothing decodes (so no stream stalls): the oldest local "
+        "prompt prefills up to this many at once (0: --max-num-batched-tokens always)",
+    )
     reserve_output_tokens: int = option(
         512,
         help="admission keeps room for this many output tokens per request (at most its "
@@ -92,7 +97,14 @@ class DecodeConfig(EngineWorkerConfig):
             "cache_digest_interval_s",
             "grammar_compile_timeout_s",
         )
-        check_at_least(self, 0, "quarantine_s", "reserve_output_tokens", "min_step_interval_ms")
+        check_at_least(
+            self,
+            0,
+            "quarantine_s",
+            "reserve_output_tokens",
+            "min_step_interval_ms",
+            "max_num_batched_tokens_no_decode",
+        )
         if self.num_blocks is not None and self.num_blocks > MAX_SLOTS:
             raise ValueError(
                 f"num_blocks must be in [1, {MAX_SLOTS}] (immediates name a request by "

@@ -40,6 +40,9 @@ class EngineConfig:
     # max_tokens), so decodes rarely outgrow the pool and preempt (a preempted sequence recomputes
     # its whole prompt: a stall for every stream). 0: admit while the prompt fits (nano-vllm).
     reserve_output_tokens: int = 0
+    # A step with no decode in it (nothing it would stall) lets the oldest prompt prefill up to
+    # this many tokens (0: max_num_batched_tokens always; scheduler.py).
+    max_num_batched_tokens_no_decode: int = 0
     kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
@@ -47,6 +50,14 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"EngineConfig.{name} must be a positive integer, got {value!r}")
+        if (
+            not isinstance(self.max_num_batched_tokens_no_decode, int)
+            or self.max_num_batched_tokens_no_decode < 0
+        ):
+            raise ValueError(
+                "EngineConfig.max_num_batched_tokens_no_decode must be an integer >= 0, got "
+                f"{self.max_num_batched_tokens_no_decode!r}"
+            )
         if not isinstance(self.reserve_output_tokens, int) or self.reserve_output_tokens < 0:
             raise ValueError(
                 "EngineConfig.reserve_output_tokens must be an integer >= 0, got "

@@ -135,6 +135,7 @@ class LLMEngine:
             config.max_num_seqs,
             config.max_num_batched_tokens,
             config.reserve_output_tokens,
+            config.max_num_batched_tokens_no_decode,
         )
         self.runner = ModelRunner(model, self.kv_pool, config.device, config.cpu_kernels)
         eos = set(getattr(mc, "eos_token_ids", ()) or ())

@@ -11,6 +11,16 @@ With ``reserve_output_tokens`` > 0 a sequence is admitted only while the free bl
 the output room (up to that many tokens, at most its ``max_tokens``) still owed to every sequence
 holding blocks, so under load requests wait in the queue instead of being admitted and preempted.
 
+Prefill is first come, first served: running prefills take chunks in the order they were admitted,
+so the oldest prompt gets all of the budget left by the decodes until it is done, and a later one
+only what remains (a short prompt may ride along in that remainder). A prompt's first token
+therefore waits for the prompts before it, never for those after it.
+
+The budget bounds how long a step stalls the streams decoding in it. A step with no decode in it
+(nothing running decodes, no prefilled sequence waits to) stalls no stream, so with
+``max_num_batched_tokens_no_decode`` above the budget the oldest prompt takes up to that many
+tokens (no more than it has left): fewer, larger chunks, less per-step cost before its first token.
+
 An owner that swaps preempted sequences out (a decode worker with a kv-store) reads ``preempted``
 after each step and may ``hold`` a waiting sequence while its KV is read back: admission, which
 goes in queue order, stops at a held sequence until ``unhold``.
@@ -41,6 +51,8 @@ class Scheduler:
     max_num_seqs: int
     max_num_batched_tokens: int
     reserve_output_tokens: int = 0
+    # budget of a step without decodes (0: max_num_batched_tokens always)
+    max_num_batched_tokens_no_decode: int = 0
     waiting: deque[Sequence] = field(default_factory=deque, init=False)
     running: list[Sequence] = field(default_factory=list, init=False)
     num_preemptions: int = field(default=0, init=False)
@@ -138,6 +150,22 @@ class Scheduler:
         # Hand-off chunks are whole blocks; only the last one may be partial.
         return n - n % bs
 
+    def _step_budget(self, decodes: list[Sequence], prefills: list[Sequence]) -> int:
+        """Tokens this step may compute. With no stream decoding in it (none running decodes, no
+        prefilled sequence is waiting to) and no hand-off prefill, the oldest prompt may take up
+        to the no-decode budget, but no more than it has left: a later prompt riding along would
+        delay the oldest one's first token."""
+        if self.max_num_batched_tokens_no_decode <= self.max_num_batched_tokens or decodes:
+            return self.max_num_batched_tokens
+        seqs = (*self.running, *self.waiting)
+        if any(s.prefill_only for s in seqs) or any(s.block_table for s in self.waiting):
+            return self.max_num_batched_tokens
+        oldest = prefills[0] if prefills else self.waiting[0] if self.waiting else None
+        if oldest is None:
+            return self.max_num_batched_tokens
+        left = len(oldest) - oldest.num_computed_tokens
+        return max(self.max_num_batched_tokens, min(self.max_num_batched_tokens_no_decode, left))
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.block_manager.deallocate(seq)
@@ -156,7 +184,6 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         bm = self.block_manager
-        budget = self.max_num_batched_tokens
         batch = ScheduledBatch([], [])
         preempted = False
         self.preempted = []
@@ -164,6 +191,7 @@ class Scheduler:
         decodes, prefills = [], []
         for seq in self.running:
             (decodes if len(seq.token_ids) - seq.num_computed_tokens == 1 else prefills).append(seq)
+        budget = self._step_budget(decodes, prefills)
         for seq in decodes + prefills if prefills else decodes:
             if budget == 0:
                 break
