@@ -32,7 +32,7 @@ from kvmesh.shared.model.gguf_config import generation_config, hf_config, model_
 from kvmesh.shared.model.gguf_file import GGUFError, read_gguf
 from kvmesh.shared.model.gguf_tokenizer import build_tokenizer
 from kvmesh.shared.model.gguf_weights import hf_tensors
-from kvmesh.shared.model.quant import BLOCK, CHECKPOINT_KEY, row_bytes
+from kvmesh.shared.model.quant_formats import BLOCK, CHECKPOINT_KEY, row_bytes
 
 MARKER = "kvmesh-import.json"
 _CHUNK = 1 << 20

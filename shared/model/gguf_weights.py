@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import numpy as np
 from kvmesh.shared.model.gguf_file import GGUFError, GGUFFile, GGUFTensor
-from kvmesh.shared.model.quant import QUANT_FORMATS, row_bytes
+from kvmesh.shared.model.quant_formats import QUANT_FORMATS, row_bytes
 
 # GGUF tensor name -> HF name ({i}: the layer); names outside this table are refused.
 _GLOBAL_NAMES = {

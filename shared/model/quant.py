@@ -18,16 +18,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-BLOCK = 32  # values per block, every format here
-# format -> bytes per block
-BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
-QUANT_FORMATS = tuple(BLOCK_BYTES)
-# safetensors metadata key of a checkpoint holding weights as stored: a JSON object, tensor name
-# -> format; each such tensor is its (rows, row bytes) uint8 blocks
-CHECKPOINT_KEY = "kvmesh.quant_formats"
-# format codes the C kernels take (kernels/cpu_quant.c: KV_Q8_0, KV_Q4_0, KV_Q4_1)
-FORMAT_CODES = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2}
+from kvmesh.shared.model.quant_formats import (  # noqa: F401  (re-exported)
+    BLOCK,
+    BLOCK_BYTES,
+    CHECKPOINT_KEY,
+    FORMAT_CODES,
+    QUANT_FORMATS,
+    row_bytes,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,10 +62,6 @@ class QuantWeight:
 
     def to(self, device: torch.device | str) -> QuantWeight:
         return QuantWeight(self.format, self.data.to(device), self.rows, self.cols)
-
-
-def row_bytes(format: str, cols: int) -> int:
-    return cols // BLOCK * BLOCK_BYTES[format]
 
 
 def cat_rows(weights: list[QuantWeight]) -> QuantWeight:
