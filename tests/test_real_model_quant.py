@@ -78,3 +78,21 @@ def test_greedy_agrees_with_float32_until_it_hesitates(models) -> None:
     print(f"teacher-forced top-1 agreement {agreement:.4f}; greedy equal for {diverged} tokens")
     assert agreement >= 0.95
     assert "lighthouse" in tokenizer.decode(got).lower()
+
+
+def test_the_readmes_question_gets_float32s_answer_on_the_kernels(models) -> None:
+    """Through the engine (decode on the quantized kernels): the README's first request, greedy,
+    answers as float32 does. One int8 pass in the prompt's layers and the LM head flipped its
+    first token (a 0.08-logit margin) to "L'Étoile, la Cité, ..." (issue 41)."""
+    from kvmesh.shared.engine.config import EngineConfig
+    from kvmesh.shared.engine.llm_engine import LLMEngine
+    from kvmesh.shared.text.sampling import SamplingOptions
+
+    stored, floats, tokenizer = models
+    ids = tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
+    answers = []
+    for model in (floats, stored):
+        engine = LLMEngine(model, tokenizer, EngineConfig(num_blocks=64))
+        answers.append(engine.generate([ids], SamplingOptions(temperature=0.0, max_tokens=16))[0])
+    assert answers[1] == answers[0]
+    assert tokenizer.decode(answers[1]).startswith("The capital of France is Paris.")

@@ -22,6 +22,14 @@ if TYPE_CHECKING:
     from kvmesh.kernels.cpu_ops import CpuOps
 
 
+# From this many rows on (a prefill chunk) the weight is dequantized and multiplied in float: the
+# dequantization is paid once for all the rows, the GEMM runs at float speed, and the prompt's
+# activations keep their precision. Decode's few rows take the kernel (int8 activations), where
+# reading the weight as stored is the whole cost. SmolLM2's greedy answer to the README's
+# question turns on small margins that int8 activations in the prompt's layers flip (issue 41).
+FLOAT_GEMM_ROWS = 16
+
+
 class QuantLinear(nn.Module):
     """y = x @ w.T (+ bias) with w a ``QuantWeight`` (out_features, in_features)."""
 
@@ -33,7 +41,7 @@ class QuantLinear(nn.Module):
         self.cpu_ops: CpuOps | None = None  # set by attach_cpu_ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.cpu_ops is not None and _is_kernel_input(x):
+        if self.cpu_ops is not None and _is_kernel_input(x) and x.shape[0] < FLOAT_GEMM_ROWS:
             return self.cpu_ops.quant_linear(x, self.qweight, self.bias)
         return F.linear(x, dequantize(self.qweight).to(x.dtype), self.bias)
 
@@ -57,10 +65,27 @@ class QuantEmbedding(nn.Module):
         return dequantize(rows).to(self.dtype).reshape(*input_ids.shape, -1)
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.head(hidden)
+        """Logits (rows, vocab). On the kernels, with the activations quantized twice (the
+        hidden state, then what that left out): the logits' margins are what greedy decoding
+        turns on, and one int8 pass flips small ones (issue 41)."""
+        head = self.head
+        if head.cpu_ops is None or not _is_kernel_input(hidden):
+            return head(hidden)
+        return residual_quant_linear(head.cpu_ops, hidden, self.qweight)
 
     def extra_repr(self) -> str:
         return f"{self.qweight.rows}, {self.qweight.cols}, {self.qweight.format}"
+
+
+def residual_quant_linear(ops: CpuOps, x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
+    """x @ w.T with x's int8 rounding error itself multiplied in: y = W q(x) + W q(x - q(x)),
+    where q is the kernels' per-block int8 quantization. Two passes of the kernel give about
+    16-bit activations, the weight still read as stored. x: (rows, in) float32 contiguous."""
+    from kvmesh.kernels.cpu_bindings import quantize_activations_reference
+
+    qx, dx = quantize_activations_reference(x)
+    residual = (x - (qx * dx.unsqueeze(-1)).reshape(x.shape)).contiguous()
+    return ops.quant_linear(x, weight) + ops.quant_linear(residual, weight)
 
 
 def _is_kernel_input(x: torch.Tensor) -> bool:
