@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import msgspec
+from kvmesh.shared.config.private_path import private_dir
 
 STATE_DIR_ENV = "KVMESH_STATE_DIR"
 
@@ -47,13 +49,19 @@ def state_dir() -> Path:
 def write_state(state: MeshState) -> Path:
     """Record ``state`` (replacing this process's earlier record of it); returns the file."""
     folder = state_dir()
-    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    folder.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    private_dir(folder)  # ours, 0700, on a path no one else can change (UntrustedPathError)
     path = folder / state.path_name
-    tmp = path.with_suffix(".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(asdict(state), f)
-    tmp.replace(path)
+    # a fresh name, created exclusively (a planted link there fails), then renamed over the
+    # record: the rename replaces a link at ``path`` itself, never what it points to
+    fd, tmp = tempfile.mkstemp(prefix=f".{state.path_name}.", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(asdict(state), f)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
     return path
 
 
