@@ -25,6 +25,7 @@ import json
 import os
 import pwd
 import socket
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -103,21 +104,15 @@ def connection_owner(
     network namespace): the server's accepted socket, whose owner is its listener's. None when
     no socket here is that end (the server is on another host or in another namespace)."""
     want_local, want_remote = _normal(*theirs), _normal(*ours)
-    for table in ("net/tcp", "net/tcp6"):
-        try:
-            lines = (proc / table).read_text().splitlines()[1:]
-        except OSError:
+    for fields in _tcp_rows(proc):
+        if len(fields) < 8:
             continue
-        for line in lines:
-            fields = line.split()
-            if len(fields) < 8:
-                continue
-            try:
-                local, remote = _endpoint(fields[1]), _endpoint(fields[2])
-            except ValueError:
-                continue
-            if local == want_local and remote == want_remote:
-                return int(fields[7])
+        try:
+            local, remote = _endpoint(fields[1]), _endpoint(fields[2])
+        except ValueError:
+            continue
+        if local == want_local and remote == want_remote:
+            return int(fields[7])
     return None
 
 
@@ -158,18 +153,24 @@ def vet_connection(
 def _listening_inodes(port: int, proc: Path) -> list[tuple[int, int]]:
     """``(inode, uid)`` of every TCP socket listening on ``port`` (IPv4 and IPv6)."""
     found = []
+    for fields in _tcp_rows(proc):
+        if len(fields) < 10 or fields[3] != "0A":  # 0A: LISTEN
+            continue
+        if int(fields[1].rsplit(":", 1)[1], 16) == port:
+            found.append((int(fields[9]), int(fields[7])))
+    return found
+
+
+def _tcp_rows(proc: Path) -> Iterator[list[str]]:
+    """The fields of every socket row of /proc/net/tcp and /proc/net/tcp6 (a table that cannot
+    be read is skipped)."""
     for table in ("net/tcp", "net/tcp6"):
         try:
             lines = (proc / table).read_text().splitlines()[1:]
         except OSError:
             continue
         for line in lines:
-            fields = line.split()
-            if len(fields) < 10 or fields[3] != "0A":  # 0A: LISTEN
-                continue
-            if int(fields[1].rsplit(":", 1)[1], 16) == port:
-                found.append((int(fields[9]), int(fields[7])))
-    return found
+            yield line.split()
 
 
 def port_holder(port: int, proc: Path = Path("/proc")) -> PortHolder | None:
