@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from kvmesh.shared.bus.nats_service import flush_to_server
 from kvmesh.shared.config.ports import free_port
-from kvmesh.shared.config.service_config import ConfigError
+from kvmesh.shared.config.service_config import ConfigError, config_from_args
 from nats.aio.msg import Msg
 from support.proc_tree import cmdline, descendants, reaped, wait_all_dead
 
@@ -68,6 +68,16 @@ def test_up_serves_the_model_under_the_served_model_name() -> None:
     assert served(UpConfig(model="kvmesh-tiny", served_model_name="smol")) == "smol"
     with pytest.raises(ValueError, match="served_model_name"):
         UpConfig(served_model_name="")
+
+
+@pytest.mark.parametrize("parser", ["auto", "hermes", "llama3_json"])
+def test_up_passes_its_tool_call_parser_to_the_router(parser: str) -> None:
+    args = build_parser().parse_args(["up", "--tool-call-parser", parser])
+    config = config_from_args(UpConfig, args, env={})
+    _, router, _ = build_service_config(
+        "router", plan(config, "nats://x:1", 1)[-1].argv[2:], env={}
+    )
+    assert router.tool_call_parser == parser
 
 
 def test_cli_stops_quietly_when_its_reader_goes_away() -> None:

@@ -44,6 +44,12 @@ class UpConfig(NatsClientConfig):
     local_prefill_threshold: int | None = option(
         None, help="prompts shorter than this are prefilled on the decode worker (router default)"
     )
+    tool_call_parser: Literal["auto", "hermes", "llama3_json"] = option(
+        "auto",
+        help="how the router reads a chat answer's tool calls under tool_choice auto: hermes "
+        '(<tool_call>{json}</tool_call>), llama3_json ({"name", "parameters"} objects) or auto '
+        "(the one the model's chat template writes, else hermes)",
+    )
     device: str = option("cpu", help="torch device of prefill and decode workers")
     cores: int | None = option(
         None,

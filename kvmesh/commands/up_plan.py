@@ -134,6 +134,7 @@ def plan(config: UpConfig, nats_url: str, port: int) -> list[ChildSpec]:
     router += ("--mode", config.mode)
     if config.local_prefill_threshold is not None:
         router += ("--local-prefill-threshold", str(config.local_prefill_threshold))
+    router += ("--tool-call-parser", config.tool_call_parser)
     specs.append(ChildSpec("router-0", "router", router))
     return specs
 
