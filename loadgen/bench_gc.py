@@ -47,10 +47,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
     import kvmesh.services.decode.service  # noqa: F401  (a decode worker's imports)
     from kvmesh.shared.model.loader import load_model
+    from kvmesh.shared.model.model_ref import model_path
 
     from kvmesh.commands.serve import frozen_heap
 
-    model = load_model(args.model)  # noqa: F841  (kept alive, as a worker keeps it)
+    model = load_model(model_path(args.model, "kvmesh bench gc"))  # noqa: F841  (kept alive)
     start_up = len(gc.get_objects())
     with frozen_heap():
         live = [{"request_id": f"r{i}", "token_ids": [i]} for i in range(args.live_objects)]

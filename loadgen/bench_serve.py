@@ -68,6 +68,8 @@ def register_serve(sub: Any) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     try:
         asked = args.model
+        if asked is not None and _starts_meshes(args.compare):  # they load it, as up would
+            asked = resolve_ref(asked, "--model")
         args.model = asked or TINY_MODEL  # the flags are checked before the server is asked
         config = config_from_args(args)
     except ValueError as exc:
@@ -88,6 +90,9 @@ def run(args: argparse.Namespace) -> int:
     from kvmesh.loadgen.workload import WorkloadError
 
     try:
+        source = "--tokenizer" if config.tokenizer else "the served model"
+        tokenizer = resolve_ref(config.tokenizer or config.model, source)
+        config = dataclasses.replace(config, tokenizer=tokenizer)
         prompts, trace_times = build_workload(config)
         warmups = build_warmups(config, prompts, trace_times is not None)
     except (WorkloadError, ValueError) as exc:
@@ -107,6 +112,37 @@ def run(args: argparse.Namespace) -> int:
     if config.slo_base is not None:
         _slo_sweep(config, results)
     return 1 if any(r.summary.num_completed == 0 for r in results) else 0
+
+
+def _starts_meshes(compare: str | None) -> bool:
+    from kvmesh.loadgen.compare_targets import parse_targets
+
+    return any(t.mode is not None for t in parse_targets(compare or ""))
+
+
+def resolve_ref(ref: str, source: str) -> str:
+    """What kvmesh loads for ``ref`` (the model a server names, or ``--tokenizer``), resolved as
+    ``kvmesh up`` resolves its --model (shared/model/model_ref.py): a fetchable name is its cached
+    checkpoint (fetched once), a .gguf file its cached import, a directory itself. ValueError
+    naming ``source`` and what to give instead where ``ref`` is none of those."""
+    from kvmesh.shared.model.fetch import FetchError
+    from kvmesh.shared.model.gguf_file import GGUFError
+    from kvmesh.shared.model.model_ref import ModelRefError, resolve_model
+
+    def progress(line: str) -> None:
+        print(f"kvmesh bench serve: {line}", file=sys.stderr, flush=True)
+
+    try:
+        return resolve_model(ref, progress).path
+    except ModelRefError as exc:
+        raise ValueError(
+            f"{source} {ref!r} is not a model kvmesh can load a tokenizer from ({exc}); give "
+            "--tokenizer DIR (a checkpoint directory with the server's tokenizer)"
+            if source == "the served model"
+            else str(exc).replace("--model", source, 1)
+        ) from None
+    except (FetchError, GGUFError) as exc:
+        raise ValueError(f"{source} {ref!r}: {exc}") from None
 
 
 def build_workload(config: ServeBenchConfig) -> tuple[list[Prompt], list[float] | None]:

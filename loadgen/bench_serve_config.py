@@ -254,12 +254,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="model name sent in every request (default: the one --base-url's /v1/models "
         f"lists); with --compare, the model the local meshes serve ({TINY_MODEL}, the default, "
-        "or a checkpoint directory)",
+        "a fetchable model, a .gguf file or a checkpoint directory, as kvmesh up takes it)",
     )
     target.add_argument(
         "--tokenizer",
-        help="kvmesh-tiny or a local HF checkpoint directory whose tokenizer makes the prompts "
-        "(default: --model)",
+        help="what makes the prompts' tokens, resolved as kvmesh up resolves --model: a "
+        "fetchable model (from the cache, fetched once), a .gguf file, a checkpoint directory or "
+        "kvmesh-tiny (default: the served model)",
     )
     target.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
     target.add_argument("--temperature", type=float, default=0.0)

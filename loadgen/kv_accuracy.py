@@ -361,7 +361,11 @@ def register_kv_accuracy(subparsers: Any) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("model", help="a checkpoint directory or kvmesh-tiny")
+    p.add_argument(
+        "model",
+        help="as kvmesh up's --model: a fetchable model (from the cache), a .gguf file, a "
+        "checkpoint directory or kvmesh-tiny",
+    )
     p.add_argument("--max-tokens", type=int, default=64, help="greedy tokens per prompt")
     p.add_argument(
         "--kv-cache-dtype",
@@ -400,7 +404,9 @@ def _run(args: argparse.Namespace) -> int:
             llamacpp_runner.require(llamacpp_runner.converter_path(), "--llama-cpp")
         except llamacpp_runner.LlamaCppMissingError as exc:
             raise SystemExit(f"kvmesh model kv-accuracy: {exc}") from None
-    model, tokenizer = load_model(args.model, torch.float32)
+    from kvmesh.shared.model.model_ref import model_path
+
+    model, tokenizer = load_model(model_path(args.model, "kvmesh model kv-accuracy"), torch.float32)
     prompts = [tokenizer.encode(text, add_special_tokens=True) for text in FIXTURE_PROMPTS]
     facts = fact_prompts(tokenizer)
     stop_token_ids = sorted(tokenizer.eos_token_ids)

@@ -7,6 +7,7 @@ import importlib.util
 import io
 import subprocess
 import sys
+from pathlib import Path
 
 import orjson
 import pytest
@@ -167,7 +168,7 @@ def test_sharegpt_dataset_sends_the_conversation_prompts(server, tmp_path):
         (["--colocated-budgets", "512,8"], "below one block"),
         (
             ["--compare", "disagg", "--model", "no/such/dir"],
-            "must be kvmesh-tiny or a checkpoint directory",
+            "--model 'no/such/dir': not 'kvmesh-tiny', a checkpoint directory, a .gguf file",
         ),
         (["--slo", "ttft=1"], "SLO"),
         (["--request-rate", "0"], "request rate"),
@@ -264,3 +265,50 @@ def test_without_model_it_asks_the_server_which_it_serves(server):
 def test_a_server_that_does_not_answer_v1_models_is_named(capsys):
     assert main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--num-prompts", "1"]) == 2
     assert "/v1/models" in capsys.readouterr().err
+
+
+@pytest.fixture
+def cached_models(monkeypatch):
+    """fetch_model answering from a cache that holds every fetchable model (kvmesh-tiny's
+    weights stand in); the names asked for, in order."""
+    asked: list[str] = []
+
+    def fetch_model(name, progress=lambda _: None):
+        asked.append(name)
+        return Path("kvmesh-tiny")
+
+    monkeypatch.setattr("kvmesh.shared.model.fetch.fetch_model", fetch_model)
+    return asked
+
+
+def test_the_served_model_resolves_from_the_cache_as_kvmesh_up_resolves_it(cached_models):
+    from kvmesh.commands.up_config import UpConfig
+    from kvmesh.commands.up_model import DEFAULT_MODEL, resolve_up_model
+
+    flags = ["--num-prompts", "2", "--input-len", "8", "--output-len", "2"]
+    with fake_openai_server(ttft_s=0.01, gap_s=0.005, model_id=DEFAULT_MODEL) as fake:
+        assert main(["bench", "serve", "--base-url", fake.url, *flags]) == 0  # no --tokenizer
+    assert {b["model"] for b in fake.bodies} == {DEFAULT_MODEL}
+    assert resolve_up_model(UpConfig()).model == "kvmesh-tiny"
+    assert cached_models == [DEFAULT_MODEL, DEFAULT_MODEL]  # bench serve's, then up's
+
+
+def test_a_served_model_kvmesh_cannot_load_asks_for_a_tokenizer(server, capsys):
+    assert main(["bench", "serve", "--base-url", server.url, "--num-prompts", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "the served model 'served-fake'" in err and "--tokenizer DIR" in err
+
+
+def test_compare_meshes_load_a_fetchable_model_as_kvmesh_up_does(
+    cached_models, monkeypatch, capsys
+):
+    from kvmesh.loadgen import bench_serve
+
+    def config_from_args(args):
+        raise ValueError(f"the meshes would load {args.model}")
+
+    monkeypatch.setattr(bench_serve, "config_from_args", config_from_args)
+    argv = ["bench", "serve", "--compare", "colocated,disagg", "--model", "smollm2-135m-instruct"]
+    assert main(argv) == 2
+    assert cached_models == ["smollm2-135m-instruct"]
+    assert "the meshes would load kvmesh-tiny" in capsys.readouterr().err  # the cache's path

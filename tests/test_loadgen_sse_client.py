@@ -43,6 +43,7 @@ class FakeOpenAI:
     gap_s: float = 0.01
     bodies: list[dict[str, Any]] = field(default_factory=list)
     url: str = ""
+    model_id: str = "served-fake"  # what /v1/models lists
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -101,7 +102,7 @@ def fake_openai_server(**options: Any) -> Iterator[FakeOpenAI]:
     app.router.add_post(CHAT, fake.handle)
     app.router.add_get(
         "/v1/models",
-        lambda _: web.json_response({"object": "list", "data": [{"id": "served-fake"}]}),
+        lambda _: web.json_response({"object": "list", "data": [{"id": fake.model_id}]}),
     )
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
