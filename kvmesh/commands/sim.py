@@ -8,6 +8,10 @@ calibrate this machine as a device spec, or check the simulator against the real
 - ``--calibrate``: measure this machine with the real engine and transport, then what a real
   local mesh adds to the engine (a small probe workload, not the validation's), write a device
   spec;
+- ``--slo-plan``: every candidate (the two meshes ``kvmesh up`` starts on a CPU host; colocated
+  and each P:D split of ``--gpus`` accelerators) swept over ``--slo-sweep`` rates, judged as
+  ``bench serve --slo-sweep`` judges real runs; ``--slo-measured FILE`` sets the predicted
+  goodputs beside a measured ``slo_sweep.json`` (``sim_slo.py``);
 - ``--validate``: the same workload simulated and served by a local mesh (colocated and disagg),
   sim/real ratios of p50/p99 TTFT and ITL (``--probe-each-run``: each mesh serves the probe
   before and after its workload; the simulation is fitted to the median of all those probe
@@ -23,8 +27,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvmesh.commands import sim_report
-from kvmesh.loadgen.arrivals import ARRIVAL_KINDS
+from kvmesh.commands import sim_report, sim_slo, sim_workload
 from kvmesh.loadgen.sim.specs import SPEC_DIR
 
 if TYPE_CHECKING:
@@ -48,6 +51,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     action.add_argument("--plan", action="store_true", help="search the P:D split (and chunk)")
     action.add_argument("--calibrate", action="store_true", help="measure this machine")
     action.add_argument("--validate", action="store_true", help="sim vs the real local mesh")
+    action.add_argument(
+        "--slo-plan",
+        action="store_true",
+        help="which mode and split meets --slo-base at the highest rate (SLO attainment)",
+    )
 
     hw = p.add_argument_group("hardware and model")
     hw.add_argument("--model", default="llama-3-8b", help="model spec name or JSON file")
@@ -70,15 +78,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     topo.add_argument("--kv-capacity-tokens", type=int, help="KV pool per worker (default: memory)")
 
     load = p.add_argument_group("workload")
-    load.add_argument("--num-requests", type=int, default=300)
-    load.add_argument("--request-rate", type=float, default=3.0, help="req/s")
-    load.add_argument("--arrival", choices=ARRIVAL_KINDS, default="gamma")
-    load.add_argument("--burstiness", type=float, default=0.5, help="gamma shape (< 1: bursty)")
-    load.add_argument("--input-len-range", default="8192:32768", help="MIN:MAX prompt tokens")
-    load.add_argument("--output-len-range", default="512:512", help="MIN:MAX output tokens")
+    sim_workload.register(load)
     load.add_argument("--trace", type=Path, help="JSONL trace instead of the synthetic workload")
     load.add_argument("--seed", type=int, default=0)
     load.add_argument("--sla", default="ttft_ms=1500,itl_ms=30", help="p99 TTFT and ITL limits")
+
+    sim_slo.register(p)
 
     out = p.add_argument_group("output")
     out.add_argument("--plot-dir", type=Path, help="--plan: write sim_*.png here")
@@ -182,19 +187,7 @@ def _sla(text: str) -> Sla:
 
 
 def _requests(args: argparse.Namespace) -> list[SimRequest]:
-    from kvmesh.loadgen.arrivals import ArrivalProcess
-    from kvmesh.loadgen.sim import workload
-    from kvmesh.loadgen.workload import LengthSpec
-
-    if args.trace is not None:
-        return workload.from_trace(args.trace, args.num_requests)
-    return workload.synthetic(
-        ArrivalProcess(args.arrival, args.request_rate, args.burstiness),
-        args.num_requests,
-        LengthSpec.parse(0, args.input_len_range),
-        LengthSpec.parse(0, args.output_len_range),
-        args.seed,
-    )
+    return sim_workload.requests(args)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -209,6 +202,9 @@ def run(args: argparse.Namespace) -> int:
             return _calibrate(args, model)
         device = load_device(args.device)
         cost = CostModel(model, device, args.tp)
+        sim_workload.resolve(args)
+        if args.slo_plan:
+            return sim_slo.run(args, cost)
         sla = _sla(args.sla)
         requests = _requests(args)
         if args.validate:
@@ -341,7 +337,9 @@ def _validate(args: argparse.Namespace, cost: CostModel, requests: list[SimReque
     config = ServeBenchConfig(
         model=args.real_model,
         num_prompts=args.num_requests,
-        input_len=1,
+        input_len=args.input_len or 1,
+        input_len_dist=args.input_len_dist,
+        input_len_sd=args.input_len_sd,
         input_len_range=args.input_len_range,
         output_len=1,
         output_len_range=args.output_len_range,

@@ -95,6 +95,7 @@ class Cluster:
                 chunk_tokens=t.chunk_tokens,
                 max_num_seqs=t.max_num_seqs,
                 kv_capacity=capacity,
+                no_decode_tokens=t.no_decode_chunk_tokens if t.mode == "colocated" else 0,
             )
             for i in range(t.num_decode)
         ]

@@ -24,7 +24,9 @@ class Topology:
     ``block_tokens``: the engine's KV block; prefill workers cut hand-off chunks on it (whole
     blocks, the last one after a first at most one block), as the engine does (None: plain
     ``chunk_tokens`` chunks). ``decode_pacing_s``: a decode or colocated worker starts a step at
-    most this often (``--min-step-interval-ms``)."""
+    most this often (``--min-step-interval-ms``). ``no_decode_chunk_tokens``: a colocated step
+    with no decode in it gives the oldest prompt up to this many tokens
+    (``--max-num-batched-tokens-no-decode``; 0: ``chunk_tokens`` always)."""
 
     mode: Mode
     num_decode: int = 1
@@ -40,6 +42,7 @@ class Topology:
     prefill_threads: int | None = None
     prefill_nice: int = 0
     block_tokens: int | None = 16
+    no_decode_chunk_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.mode not in ("colocated", "disagg"):
@@ -78,6 +81,10 @@ class Topology:
             raise ValueError(
                 f"chunk_tokens ({self.chunk_tokens}) must hold at least one block "
                 f"({self.block_tokens} tokens): hand-off chunks are whole blocks"
+            )
+        if self.no_decode_chunk_tokens < 0:
+            raise ValueError(
+                f"no_decode_chunk_tokens must be >= 0, got {self.no_decode_chunk_tokens}"
             )
         if self.kv_capacity_tokens is not None and self.kv_capacity_tokens < 1:
             raise ValueError(f"kv_capacity_tokens must be >= 1, got {self.kv_capacity_tokens}")

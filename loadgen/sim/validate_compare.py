@@ -25,6 +25,8 @@ from kvmesh.loadgen.sim.workload import SimRequest
 
 MESH_CHUNK_TOKENS = 512  # decode/colocated --max-num-batched-tokens and prefill --chunk-tokens
 MESH_MAX_NUM_SEQS = 64
+# a colocated step with no decode: the oldest prompt's budget (--max-num-batched-tokens-no-decode)
+MESH_NO_DECODE_TOKENS = 4096
 MESH_KV_CACHE_BYTES = 256 << 20
 TOLERANCE = 0.25  # issue #12: the simulator's p50 and p99 TTFT and ITL within 25 % of the mesh's
 
@@ -166,6 +168,7 @@ def mesh_topology(mode: str, cost: CostModel, prefill_nice: int = 0) -> Topology
         decode_threads=threads.get("decode", threads.get("colocated")),
         prefill_threads=threads.get("prefill"),
         prefill_nice=prefill_nice if mode == "disagg" else 0,
+        no_decode_chunk_tokens=MESH_NO_DECODE_TOKENS if mode == "colocated" else 0,
     )
 
 

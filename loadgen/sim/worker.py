@@ -7,7 +7,9 @@ sequences whose prompt just finished and those that finished for good. Roles:
 - ``colocated``: continuous batching as kvmesh's scheduler does it: running decodes first (one
   token each), then unfinished prompts take chunks of what is left of ``chunk_tokens``, then
   waiting sequences are admitted while the budget and ``max_num_seqs`` allow (``chunk_tokens``
-  None: no budget, whole prompts in one step beside the decodes);
+  None: no budget, whole prompts in one step beside the decodes); a step with no decode in it
+  gives the oldest prompt up to ``no_decode_tokens`` (no more than it has left), as the
+  scheduler's ``max_num_batched_tokens_no_decode`` does;
 - ``prefill``: up to ``max_jobs`` jobs share a chunk budget of ``chunk_tokens`` per step; a job
   stops computing when its last chunk is computed, but holds its slot until its last write has
   landed (``sending``; the service releases the slot when ``prefill()`` returns). With
@@ -97,6 +99,7 @@ class Worker:
         max_jobs: int = 1,
         kv_capacity: int = 0,
         block_tokens: int | None = None,
+        no_decode_tokens: int = 0,
     ) -> None:
         assert role == "prefill" or kv_capacity > 0
         assert block_tokens is None or (role == "prefill" and block_tokens >= 1)
@@ -107,6 +110,7 @@ class Worker:
         self.max_jobs = max_jobs
         self.kv_capacity = kv_capacity
         self.block_tokens = block_tokens
+        self.no_decode_tokens = no_decode_tokens
         self.kv_free = kv_capacity
         self.waiting: deque[SimSeq] = deque()
         self.running: list[SimSeq] = []
@@ -147,6 +151,8 @@ class Worker:
                     batch.append(Work(s, 1, False))
                     budget -= 1
             queue, limit = self.waiting, self.max_num_seqs
+            if not batch and self.chunk_tokens is not None:
+                budget = self._no_decode_budget(self.chunk_tokens)
         else:
             assert prefill_queue is not None
             queue, limit = prefill_queue, self.max_jobs
@@ -165,6 +171,18 @@ class Worker:
             batch.append(Work(s, n, True))
             budget -= n
         return batch
+
+    def _no_decode_budget(self, budget: int) -> int:
+        """A colocated step with no decode in it: the oldest prompt (running, else the next
+        waiting) may take up to ``no_decode_tokens``, but no more than it has left (the engine
+        scheduler's ``_step_budget``)."""
+        if self.no_decode_tokens <= budget:
+            return budget
+        pending = [s for s in self.running if not s.is_prefilled]
+        oldest = pending[0] if pending else self.waiting[0] if self.waiting else None
+        if oldest is None:
+            return budget
+        return max(budget, min(self.no_decode_tokens, oldest.prompt_len - oldest.num_computed))
 
     def job_sent(self) -> None:
         """A prefill job's last write landed: its slot is free."""

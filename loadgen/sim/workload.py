@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvmesh.loadgen.arrivals import ArrivalProcess, arrival_times, load_trace, trace_arrival_times
-from kvmesh.loadgen.workload import LengthSpec, sample_lengths
+from kvmesh.loadgen.workload import LengthSampler, sample_lengths
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,8 +26,8 @@ class SimRequest:
 def synthetic(
     process: ArrivalProcess,
     num_requests: int,
-    input_lens: LengthSpec,
-    output_lens: LengthSpec,
+    input_lens: LengthSampler,
+    output_lens: LengthSampler,
     seed: int = 0,
 ) -> list[SimRequest]:
     lengths = sample_lengths(
