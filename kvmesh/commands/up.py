@@ -23,7 +23,7 @@ import sys
 
 from kvmesh.commands.launcher import Launcher, LaunchError
 from kvmesh.commands.restarts import RestartPolicy
-from kvmesh.commands.up_config import UpConfig
+from kvmesh.commands.up_config import EXAMPLES, FLAG_GROUPS, UpConfig
 from kvmesh.commands.up_model import ModelChoiceError, resolve_up_model
 from kvmesh.commands.up_plan import cpu_plan, split_cores
 from kvmesh.shared.bus.nats_options import redact_url
@@ -78,9 +78,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         "up",
         allow_abbrev=False,
         help="run the whole mesh locally (NATS, kv-registry, prefill, decode, router)",
+        usage="%(prog)s [OPTIONS]",
         description=(__doc__ or "").strip().splitlines()[0],
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    add_config_arguments(parser, UpConfig)
+    add_config_arguments(parser, UpConfig, groups=FLAG_GROUPS)
     parser.set_defaults(func=_up)
 
 

@@ -16,6 +16,77 @@ from kvmesh.shared.obs.logs import LogFormat, LogLevelName
 # stop order: earlier tiers first (router stops taking requests before its backends go)
 TIERS = ("router", "prefill", "decode", "draft", "kv-store", "kv-registry")
 
+# ``kvmesh up --help``'s groups: the flags by the service they set (every field in one)
+FLAG_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("model", ("model", "served_model_name")),
+    (
+        "router (kvmesh serve router)",
+        ("port", "host", "local_prefill_threshold", "tool_call_parser"),
+    ),
+    (
+        "prefill and decode workers (kvmesh serve prefill|decode|colocated)",
+        (
+            "mode",
+            "prefill",
+            "decode",
+            "device",
+            "transport",
+            "kv_cache_bytes",
+            "kv_cache_dtype",
+            "decode_kv_cache_dtype",
+        ),
+    ),
+    (
+        "how prefill and decode share the CPU",
+        ("cores", "cpu_sharing", "prefill_nice", "decode_pacing_ms"),
+    ),
+    (
+        "draft workers: speculative decoding (kvmesh serve draft)",
+        (
+            "draft",
+            "draft_workers",
+            "num_speculative_tokens",
+            "draft_tree",
+            "draft_exit_layer",
+            "draft_model",
+        ),
+    ),
+    (
+        "kv-store: prompt KV beside the workers (kvmesh serve kv-store)",
+        ("kv_store", "kv_store_capacity_gb", "kv_store_disk_path", "kv_store_disk_capacity_gb"),
+    ),
+    (
+        "NATS: the control plane (started here if none answers)",
+        (
+            "nats_url",
+            "mesh",
+            "nats_creds",
+            "nats_tls_ca",
+            "nats_tls_cert",
+            "nats_tls_key",
+            "nats_trust_network",
+            "nats_insecure",
+        ),
+    ),
+    (
+        "every service: logs, start and stop",
+        ("log_level", "log_format", "startup_timeout_s", "max_restarts", "stop_timeout_s"),
+    ),
+)
+
+EXAMPLES = """\
+examples:
+  kvmesh up                    # smollm2-135m-instruct, disagg, at http://127.0.0.1:8000/v1
+  kvmesh up --model kvmesh-tiny --mode colocated
+  kvmesh up --model ~/models/llama.Q4_0.gguf --port 8080 --host 0.0.0.0
+  kvmesh up --prefill 2 --decode 2 --cores 8
+  kvmesh up --draft ngram --num-speculative-tokens 4
+  kvmesh up --kv-store 1 --kv-store-capacity-gb 2
+  kvmesh up --tool-call-parser hermes --log-level debug
+
+Every flag can be set by its variable instead (--port 8080: KVMESH_PORT=8080); a flag wins.
+"""
+
 
 @dataclass(frozen=True, slots=True)
 class UpConfig(NatsClientConfig):
@@ -42,7 +113,8 @@ class UpConfig(NatsClientConfig):
     port: int = option(8000, help="router HTTP port (0: a free one)")
     host: str = option("127.0.0.1", help="address the router listens on (0.0.0.0: every interface)")
     local_prefill_threshold: int | None = option(
-        None, help="prompts shorter than this are prefilled on the decode worker (router default)"
+        None,
+        help="prompts shorter than this are prefilled on the decode worker (default: the router's)",
     )
     tool_call_parser: Literal["auto", "hermes", "llama3_json"] = option(
         "auto",
@@ -133,7 +205,8 @@ class UpConfig(NatsClientConfig):
     nats_insecure: bool = option(
         False,
         help="use a NATS server already at --nats-url even though it lets anyone connect without "
-        "credentials (refused by default: whoever runs it reads every prompt; docs/security.md)",
+        "credentials (without it such a server is refused: whoever runs it reads every prompt; "
+        "docs/security.md)",
     )
 
     def __post_init__(self) -> None:

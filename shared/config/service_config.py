@@ -20,7 +20,7 @@ import os
 import sys
 import types
 import typing
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal, TypeVar
 
 ENV_PREFIX = "KVMESH_"
@@ -99,38 +99,70 @@ def unknown_env_keys(
 
 
 def add_config_arguments(
-    parser: argparse.ArgumentParser, cls: type, *, exclude: Iterable[str] = ()
+    parser: argparse.ArgumentParser,
+    cls: type,
+    *,
+    exclude: Iterable[str] = (),
+    groups: Sequence[tuple[str, Sequence[str]]] = (),
 ) -> None:
-    """Add one flag per field of ``cls``. Defaults are SUPPRESSed so env and defaults apply later."""
+    """Add one flag per field of ``cls``. Defaults are SUPPRESSed so env and defaults apply later.
+
+    Each flag's help ends with its default, once: the field's value unless its help text says
+    the default itself (or there is none to show), and its ``KVMESH_*`` variable. ``groups``
+    titles the flags in ``--help`` (``(title, field names)``, in order); fields left out of them
+    follow under one group of their own."""
     excluded = set(exclude)
-    group = parser.add_argument_group(f"{cls.__name__} (env: {ENV_PREFIX}<FIELD>)")
     hints = typing.get_type_hints(cls)
-    for f in _config_fields(cls):
-        if f.name in excluded:
-            continue
-        tp = hints[f.name]
-        base, _ = _unwrap_optional(tp)
-        choices = _choices(f, base)
-        default = _default_of(f)
-        help_text = f.metadata.get("help", "")
-        shown = f"default: {default!r}; env {env_key(f.name)}"
-        help_text = f"{help_text} ({shown})" if help_text else f"({shown})"
-        if base is bool:
-            group.add_argument(
-                flag_name(f.name),
-                dest=f.name,
-                action=argparse.BooleanOptionalAction,
-                default=argparse.SUPPRESS,
-                help=help_text,
-            )
-            continue
+    fields = {f.name: f for f in _config_fields(cls) if f.name not in excluded}
+    grouped = [name for _, names in groups for name in names]
+    unknown = sorted(set(grouped) - set(fields))
+    if unknown or len(set(grouped)) != len(grouped):
+        raise ValueError(f"{cls.__name__}: flag groups name {unknown or 'a field twice'}")
+    rest = [name for name in fields if name not in grouped]
+    titled = [*groups, *([("options", rest)] if groups else [])]
+    for title, names in titled or [(f"{cls.__name__} (env: {ENV_PREFIX}<FIELD>)", rest)]:
+        group = parser.add_argument_group(title)
+        for name in names:
+            _add_flag(group, fields[name], hints[name])
+
+
+def _add_flag(group: Any, f: dataclasses.Field, tp: Any) -> None:
+    base, _ = _unwrap_optional(tp)
+    choices = _choices(f, base)
+    help_text = f.metadata.get("help", "")
+    shown = "; ".join(filter(None, (_default_text(f, help_text), f"env {env_key(f.name)}")))
+    help_text = f"{help_text} ({shown})" if help_text else f"({shown})"
+    if base is bool:
         group.add_argument(
             flag_name(f.name),
             dest=f.name,
+            action=argparse.BooleanOptionalAction,
             default=argparse.SUPPRESS,
-            metavar=_metavar(f.name, base, choices),
             help=help_text,
         )
+        return
+    group.add_argument(
+        flag_name(f.name),
+        dest=f.name,
+        default=argparse.SUPPRESS,
+        metavar=_metavar(f.name, base, choices),
+        help=help_text,
+    )
+
+
+def _default_text(f: dataclasses.Field, help_text: str) -> str:
+    """``default: X`` for a flag's help, or "" where its help says the default itself or there
+    is none (None, an empty tuple)."""
+    if "default:" in help_text:
+        return ""
+    default = _default_of(f)
+    if default is None or default == ():
+        return ""
+    if isinstance(default, bool):
+        return f"default: {'on' if default else 'off'}"
+    if isinstance(default, tuple):
+        return "default: " + ",".join(map(str, default))
+    return f"default: {default}"
 
 
 def config_from_args(
