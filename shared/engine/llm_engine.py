@@ -86,6 +86,7 @@ from kvmesh.shared.engine.step_rows import step_rows
 from kvmesh.shared.kv.kv_cache import KVCacheSpec, KVPool
 from kvmesh.shared.kv.prefix_hash import layout_root
 from kvmesh.shared.model.identity import kv_spec_fingerprint
+from kvmesh.shared.model.tensor_parallel import kv_heads_held
 from kvmesh.shared.text.sampling import SamplingOptions, TokenLogprobs
 
 __all__ = [
@@ -115,7 +116,7 @@ class LLMEngine:
         dtype = config.kv_dtype(getattr(mc, "torch_dtype", None) or next(model.parameters()).dtype)
         spec = KVCacheSpec(
             num_layers=mc.num_hidden_layers,
-            num_kv_heads=mc.num_key_value_heads,
+            num_kv_heads=kv_heads_held(model),  # this rank's share under tensor parallelism
             head_dim=mc.head_dim,
             block_size=config.block_size,
             dtype=dtype,

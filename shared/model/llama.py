@@ -335,8 +335,8 @@ class Transformer(nn.Module):
         """(N, hidden_size) -> (N, vocab_size) float32."""
         if self.output is None and isinstance(self.tok_embeddings, QuantEmbedding):
             return self.tok_embeddings.project(hidden).float()
-        if isinstance(self.output, QuantLinear):
-            return self.output(hidden).float()
+        if self.output is not None and not isinstance(self.output, Linear):
+            return self.output(hidden).float()  # as stored, or split (tensor_parallel.py)
         return F.linear(hidden, self.lm_head_weight).float()
 
 

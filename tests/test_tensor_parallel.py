@@ -1,0 +1,132 @@
+"""Tensor parallelism in the engine (shared/model/tensor_parallel.py, docs/tp.md).
+
+Four rank processes share one gloo world, spawned once for the module: TP4 over all of them
+(kvmesh-tiny's 2 KV heads each replicated on two ranks), then TP2 in two pairs, one on the
+float32 model and one on its Q8_0 twin (weights as stored, sharded by rows and by whole blocks).
+Each run's greedy tokens must be TP1's, and each rank's KV pool must hold exactly its heads of
+TP1's pool.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from typing import Any
+
+import pytest
+import torch
+from kvmesh.shared.config.ports import free_port
+from kvmesh.shared.kv.head_shards import HeadPiece, KVHeadShards, reshard_pieces
+from kvmesh.shared.model.quant import quantize
+from kvmesh.shared.model.quant_layers import QuantLinear
+from kvmesh.shared.model.tensor_parallel import TPLayout, TPShardError, _columns
+from support import tp_ranks
+
+
+@pytest.fixture(scope="module")
+def rank_results() -> dict[int, dict[str, Any]]:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=tp_ranks.rank_main, args=(rank, port, queue), daemon=True)
+        for rank in range(tp_ranks.WORLD)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        results = dict(queue.get(timeout=300) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    assert [p.exitcode for p in procs] == [0] * tp_ranks.WORLD
+    return results
+
+
+@pytest.fixture(scope="module")
+def tp1() -> dict[str | None, dict[str, Any]]:
+    torch.set_num_threads(1)
+    return {quant: tp_ranks.run_engine(tp_ranks.tiny_model(quant)) for quant in (None, "Q8_0")}
+
+
+def _check_ranks(
+    runs: list[dict[str, Any]], reference: dict[str, Any], num_kv_heads: int = 2
+) -> None:
+    full_kv = reference["kv"]  # (blocks, 2 heads, L, 2, bs, D)
+    for run in runs:
+        assert run["tokens"] == reference["tokens"]
+        h0, h1 = run["kv_heads"]
+        assert run["block_bytes"] * num_kv_heads == reference["block_bytes"] * (h1 - h0)
+        assert run["kv"].shape[1] == h1 - h0
+        torch.testing.assert_close(run["kv"], full_kv[:, h0:h1], atol=2e-4, rtol=1e-4)
+
+
+def test_tp4_with_replicated_kv_heads_decodes_as_tp1(rank_results, tp1):
+    runs = [rank_results[r]["tp4"] for r in range(4)]
+    assert [run["kv_heads"] for run in runs] == [(0, 1), (0, 1), (1, 2), (1, 2)]
+    _check_ranks(runs, tp1[None])
+
+
+def test_tp2_decodes_as_tp1(rank_results, tp1):
+    runs = [rank_results[r]["tp2"] for r in (0, 1)]
+    assert [run["kv_heads"] for run in runs] == [(0, 1), (1, 2)]
+    _check_ranks(runs, tp1[None])
+
+
+def test_tp2_of_weights_kept_as_q8_0_decodes_as_tp1(rank_results, tp1):
+    _check_ranks([rank_results[r]["tp2_q8"] for r in (2, 3)], tp1["Q8_0"])
+
+
+def test_tp_layout_refuses_head_counts_it_cannot_split():
+    with pytest.raises(TPShardError, match="6 attention heads do not split over TP 4"):
+        TPLayout(4, 0, num_heads=6, num_kv_heads=2)
+    with pytest.raises(TPShardError, match="3 KV heads cannot be split over TP 2"):
+        TPLayout(2, 0, num_heads=6, num_kv_heads=3)
+
+
+def test_row_parallel_split_inside_a_quant_block_is_refused_naming_dequantize():
+    layer = QuantLinear(quantize(torch.randn(8, 64), "Q4_0"), None)
+    with pytest.raises(TPShardError, match="--dequantize"):
+        _columns(layer, 16, 48, "w_down")
+    local, _ = _columns(layer, 32, 64, "w_down")
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(local(x[:, 32:]), x[:, 32:] @ _dequant_cols(layer, 32, 64).T)
+
+
+def _dequant_cols(layer: QuantLinear, start: int, end: int) -> torch.Tensor:
+    from kvmesh.shared.model.quant import dequantize
+
+    return dequantize(layer.qweight)[:, start:end]
+
+
+def test_kv_head_shards_replicate_heads_over_more_ranks_than_heads():
+    shards = KVHeadShards(2, 8)
+    assert [shards.heads(r) for r in range(8)] == [(0, 1)] * 4 + [(1, 2)] * 4
+    assert [r for r in range(8) if shards.is_writer(r)] == [0, 4]
+    assert KVHeadShards(8, 2).heads(1) == (4, 8)
+
+
+def test_reshard_pieces_send_each_head_once_to_every_rank_holding_it():
+    # 2 heads: TP4 (replicated) -> TP1: ranks 0 and 2 send, 1 and 3 hold copies
+    src, dst = KVHeadShards(2, 4), KVHeadShards(2, 1)
+    assert [reshard_pieces(src, dst, r) for r in range(4)] == [
+        [HeadPiece(0, (0, 1), 0)],
+        [],
+        [HeadPiece(0, (0, 1), 1)],
+        [],
+    ]
+    # TP1 -> TP4: the one rank sends head 0 to ranks 0, 1 and head 1 to ranks 2, 3
+    assert reshard_pieces(dst, src, 0) == [
+        HeadPiece(0, (0, 1), 0),
+        HeadPiece(1, (0, 1), 0),
+        HeadPiece(2, (1, 2), 0),
+        HeadPiece(3, (1, 2), 0),
+    ]
+    # 8 heads, TP2 -> TP4: rank 1 (heads 4-7) feeds ranks 2 and 3
+    assert reshard_pieces(KVHeadShards(8, 2), KVHeadShards(8, 4), 1) == [
+        HeadPiece(2, (0, 2), 0),
+        HeadPiece(3, (2, 4), 0),
+    ]
+    with pytest.raises(ValueError, match="not the same model"):
+        reshard_pieces(KVHeadShards(2, 1), KVHeadShards(4, 1), 0)
