@@ -147,7 +147,10 @@ class RegistryService:
 
     async def on_heartbeat(self, heartbeat: WorkerHeartbeat) -> None:
         self.admin.silent_optional.pop(heartbeat.worker_id, None)  # back
-        replaced = self.core.observe_heartbeat(heartbeat, self.clock())
+        now = self.clock()
+        replaced = self.core.observe_heartbeat(heartbeat, now)
+        if heartbeat.role == "kv-store":
+            self.stores.heard(heartbeat.worker_id, now)
         if replaced is not None:
             log.warning(
                 "worker dropped: restarted (a new process heartbeats under its id)",

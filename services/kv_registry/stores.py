@@ -2,7 +2,7 @@
 
 A store is soft state as a decode worker is: its adverts carry everything (capacity, use, hit
 counts), so a restarted registry knows every store again within one advert interval, and a
-store silent for the worker timeout is dropped. ``kvmesh admin status`` lists them (``stores``).
+store silent (no advert, no heartbeat) for the worker timeout is dropped. ``kvmesh admin status`` lists them (``stores``).
 
 What each store holds is indexed as decode workers' caches are (a ``PrefixIndex`` of its own,
 fed by the store's KvCacheEvents and KvCacheDigests, held_reports.py): ``matched_blocks`` says
@@ -43,6 +43,14 @@ class StoreTable:
         if indexed is not None and indexed.epoch != advert.epoch:
             self.prefixes.drop_worker(advert.store_id)  # what the old process held is gone
         return known is None or known.advert.epoch != advert.epoch
+
+    def heard(self, store_id: str, now: float) -> None:
+        """The store's heartbeat: alive, though its adverts may lag (they come from its event
+        loop, its heartbeats from a thread of their own: shared/bus/liveness.py), so a store
+        busy for a while is not dropped while it still beats."""
+        view = self.stores.get(store_id)
+        if view is not None:
+            view.last_seen = max(view.last_seen, now)
 
     def observe_events(self, msg: KvCacheEvents) -> bool:
         """A store's changes; False (ignored) for a store not known by its adverts (it resyncs

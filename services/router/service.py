@@ -84,6 +84,7 @@ async def serve_router(config: RouterConfig) -> AsyncIterator[RunningRouter]:
                 worker_id=worker_id,
                 heartbeat=heartbeat,
                 interval_s=config.heartbeat_s,
+                stall_limit_s=config.stall_limit_s,
                 metadata={"model": model.name},
             ),
             serve_http(build_app(router), config.host, config.port, router.connections) as port,

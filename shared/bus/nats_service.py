@@ -31,6 +31,7 @@ import nats.micro
 import orjson
 from kvmesh.shared.bus import protocol
 from kvmesh.shared.bus.hearing import Hearing
+from kvmesh.shared.bus.liveness import LivenessBeacon, liveness_beacon
 from kvmesh.shared.bus.message_guard import guard_of
 from kvmesh.shared.bus.nats_auth import ADMIN, PASSWORD_FILE_ENV, USER_ENV, NatsAuth, auth_from_env
 from kvmesh.shared.bus.nats_options import (
@@ -98,6 +99,10 @@ class VettedClient(Client):
         self._refusal = refusal
         self._on_refused = on_refused
         self._connected_once = False  # a refusal after it is a reconnect attempt's
+        # a second connection like this one (same server, credentials and vetting), named
+        # ``<name>-<suffix>``: set by connect_nats; the liveness beacon's (shared/bus/liveness.py)
+        self.sibling: Callable[[str], contextlib.AbstractAsyncContextManager[Client]] | None = None
+        self.beacon: LivenessBeacon | None = None  # set while worker_presence runs
 
     async def connect(self, *args: Any, **kwargs: Any) -> None:
         await super().connect(*args, **kwargs)
@@ -261,6 +266,18 @@ async def connect_nats(
             f"({type(exc).__name__}: {redact_secrets(str(exc), url)}); start one (`kvmesh up` "
             "does, or `nats-server -js`) or pass --nats-url / KVMESH_NATS_URL"
         ) from None
+
+    def sibling(suffix: str) -> contextlib.AbstractAsyncContextManager[Client]:
+        return connect_nats(
+            url,
+            f"{name}-{suffix}",
+            connect_wait_s=connect_wait_s,
+            reconnect_time_wait_s=reconnect_time_wait_s,
+            auth=auth,
+            security=security,
+        )
+
+    nc.sibling = sibling
     try:
         yield nc
     finally:
@@ -408,12 +425,16 @@ async def answer_worker_control(
     The heartbeat is published first: the router and registry see a drain or resume now, not at
     the next tick of the heartbeat loop (a router that heard one prefill worker's drain but not
     yet the other's resume would count none ready and prefill on the decode worker). Whoever
-    hears both on one connection hears the heartbeat before the answer."""
+    hears both on one connection hears the heartbeat before the answer. With a liveness beacon
+    (worker_presence) the heartbeat goes on the beacon's connection, where every other heartbeat
+    of the worker goes, and is processed by the server before the answer is sent."""
     data = protocol.encode_message(heartbeat)
-    try:
-        await nc.publish(subjects.heartbeat(heartbeat.role, heartbeat.worker_id), data)
-    except nats.errors.Error as exc:  # reconnecting: the heartbeat loop says it next tick
-        log.debug("control heartbeat not sent", error=str(exc))
+    beacon = nc.beacon if isinstance(nc, VettedClient) else None
+    if beacon is None or not await beacon.announce(heartbeat):
+        try:
+            await nc.publish(subjects.heartbeat(heartbeat.role, heartbeat.worker_id), data)
+        except nats.errors.Error as exc:  # reconnecting: the beacon says it next tick
+            log.debug("control heartbeat not sent", error=str(exc))
     await req.respond(data)
 
 
@@ -426,12 +447,27 @@ async def worker_presence(
     worker_id: str,
     heartbeat: Callable[[], protocol.WorkerHeartbeat],
     interval_s: float,
+    stall_limit_s: float,
     metadata: dict[str, str] | None = None,
     stats: Callable[[], Any] | None = None,
 ) -> AsyncIterator[Service]:
     """Everything that makes a worker visible and controllable: micro-service registration,
-    a heartbeat task and the log-level subscription. Yields the micro Service."""
+    its heartbeats and the log-level subscription. Yields the micro Service.
+
+    The heartbeats come from a liveness beacon (shared/bus/liveness.py): a thread with its own
+    connection (``nc``'s sibling, made by connect_nats), beating while this loop is busy, for up
+    to ``stall_limit_s`` without a tick of it."""
+    if not isinstance(nc, VettedClient) or nc.sibling is None:
+        raise TypeError("worker_presence needs a connection made by connect_nats (its sibling)")
+    open_sibling = nc.sibling
     async with (
+        liveness_beacon(
+            lambda: open_sibling("liveness"),
+            subjects.heartbeat(role, worker_id),
+            heartbeat,
+            interval_s=interval_s,
+            stall_limit_s=stall_limit_s,
+        ) as beacon,
         micro_service(
             nc,
             role=role,
@@ -440,9 +476,12 @@ async def worker_presence(
             stats=stats,
         ) as svc,
         log_level_control(nc, subjects),
-        background(heartbeat_loop(nc, subjects, role, worker_id, heartbeat, interval_s)),
     ):
-        yield svc
+        nc.beacon = beacon
+        try:
+            yield svc
+        finally:
+            nc.beacon = None
 
 
 async def flush_to_server(nc: Client) -> None:

@@ -45,11 +45,29 @@ class ServiceConfig(NatsClientConfig):
 
     worker_id: str | None = option(None, help="worker id (default: <role>-<random>)")
     heartbeat_s: float = option(1.0, help="seconds between heartbeats")
+    loop_stall_limit_s: float | None = option(
+        None,
+        help="seconds the event loop may go without a tick (a long step) while the heartbeats, "
+        "sent from a thread of their own, go on; past it they stop and the mesh drops the worker "
+        "(default: 30, or ten heartbeats if longer)",
+    )
 
     def __post_init__(self) -> None:
         self.check_nats_options(self.default_mesh())
         check_worker_id(self.worker_id)
         check_positive(self, "heartbeat_s")
+        if self.loop_stall_limit_s is not None and self.loop_stall_limit_s <= self.heartbeat_s:
+            raise ValueError(
+                f"loop_stall_limit_s ({self.loop_stall_limit_s:g}) must be longer than "
+                f"heartbeat_s ({self.heartbeat_s:g})"
+            )
+
+    @property
+    def stall_limit_s(self) -> float:
+        """``loop_stall_limit_s``, or its default: 30 s, or ten heartbeats if longer."""
+        if self.loop_stall_limit_s is not None:
+            return self.loop_stall_limit_s
+        return max(30.0, 10 * self.heartbeat_s)
 
     def default_mesh(self) -> str:
         """The mesh when ``--mesh`` is not given (services with a model derive it from that)."""

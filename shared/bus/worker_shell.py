@@ -3,7 +3,8 @@
 Each service shell (decode, prefill, draft, kv-store, kv-registry) says what it shows with one
 ``WorkerShell`` and enters ``serve_worker``:
 
-1. presence: the micro service (``$SRV``), heartbeats, the log-level control;
+1. presence: the micro service (``$SRV``), heartbeats (from a thread of their own:
+   shared/bus/liveness.py), the log-level control;
 2. its subscriptions (each through the MessageGuard);
 3. its own contexts (a task group, a queue consumer, solicited store adverts);
 4. its loops;
@@ -106,6 +107,7 @@ async def serve_worker(
                 worker_id=shell.worker_id,
                 heartbeat=shell.heartbeat,
                 interval_s=shell.config.heartbeat_s,
+                stall_limit_s=shell.config.stall_limit_s,
                 metadata=shell.metadata,
                 stats=shell.stats,
             )
