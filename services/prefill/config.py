@@ -60,6 +60,12 @@ class PrefillConfig(EngineWorkerConfig):
         "it hears is idle: decode's own cores, with --cpus (kvmesh up sets it with --cpu-sharing "
         "partition and one prefill worker; docs/load.md, Cores)",
     )
+    grammar_compile_timeout_s: float = option(
+        10.0,
+        help="a structured output's grammar (its first token follows it) must compile within "
+        "this many seconds, in a thread, while other jobs go on; past it the job fails and its "
+        "spec is refused at once when sent again",
+    )
     use_kv_store: bool = option(
         True,
         help="read prompt prefixes from a kv-store advertising on the mesh into the prefix cache "
@@ -72,7 +78,13 @@ class PrefillConfig(EngineWorkerConfig):
             raise ValueError(
                 f"chunk_tokens ({self.chunk_tokens}) must hold at least one block ({self.block_size} tokens)"
             )
-        check_positive(self, "max_concurrent_jobs", "draft_kv_cache_bytes", "abort_memory_s")
+        check_positive(
+            self,
+            "max_concurrent_jobs",
+            "draft_kv_cache_bytes",
+            "abort_memory_s",
+            "grammar_compile_timeout_s",
+        )
         if self.draft_model and not self.draft_kv:
             raise ValueError("--draft-model needs --draft-kv (it only serves the draft KV)")
         if self.borrow_cpus is not None:

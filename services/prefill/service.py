@@ -315,6 +315,7 @@ async def prefill_service(config: PrefillConfig) -> AsyncIterator[PrefillService
             hooks=[draft_kv] if draft_kv is not None else [],
             lock=lock,
             loan=loan,
+            grammar_compile_timeout_s=config.grammar_compile_timeout_s,
         )
         async with asyncio.TaskGroup() as tg:
             service = PrefillService(config, worker, nc, tg, draft_kv)
@@ -350,6 +351,7 @@ async def prefill_service(config: PrefillConfig) -> AsyncIterator[PrefillService
             async with serve_worker(nc, subjects, shell, log) as service.metrics_port:
                 yield service
                 await service.drain(timeout_s=config.drain_timeout_s)
+                worker.close()
                 if store is not None:
                     await store.aclose()
 

@@ -46,6 +46,7 @@ from kvmesh.shared.bus.protocol import (
     PrefillReport,
     PrefillStarted,
 )
+from kvmesh.shared.engine.grammar_compile import AwaitedCompiles
 from kvmesh.shared.engine.llm_engine import LLMEngine
 from kvmesh.shared.engine.sequence import ChunkReady, RequestError
 from kvmesh.shared.obs import logs
@@ -82,11 +83,20 @@ class PrefillWorker:
         hooks: Sequence[JobHook] = (),
         lock: asyncio.Lock | None = None,
         loan: CoreLoan | None = None,
+        grammar_compile_timeout_s: float = 10.0,
     ) -> None:
         """``hooks``: the features composed in (job_hooks.py); ``lock``: the engine lock, shared
         with hooks that run an engine of their own (default: a new one); ``loan``: decode's
-        cores, taken for a step while every decode worker is idle (core_loan.py)."""
+        cores, taken for a step while every decode worker is idle (core_loan.py);
+        ``grammar_compile_timeout_s``: the longest a job's grammar may take to compile."""
         self.engine = engine
+        # a structured output's grammar (its first token follows it), compiled in a thread
+        # before the job takes the lock: another job's steps go on meanwhile
+        self.grammars = (
+            AwaitedCompiles(engine.grammars, grammar_compile_timeout_s)
+            if engine.grammars is not None
+            else None
+        )
         self.loan = loan
         self.idleness = DecodeIdleness()
         self.hooks = tuple(hooks)
@@ -108,6 +118,11 @@ class PrefillWorker:
         self._lock = lock or asyncio.Lock()
         self._wake = asyncio.Event()
         self.metrics.jobs_running.set_function(lambda: len(self._jobs))
+
+    def close(self) -> None:
+        """Stop the grammar compile threads (a compile in flight ends on its own)."""
+        if self.grammars is not None:
+            self.grammars.close()
 
     @property
     def num_jobs(self) -> int:
@@ -198,9 +213,13 @@ class PrefillWorker:
             )
             params = msg.sampling
             endpoint = await self.endpoints.get(msg.descriptor)
-        except (PlanError, TransportError, ValueError) as exc:
+            if params.structured_outputs is not None and self.grammars is not None:
+                await self.grammars.ready(params.structured_outputs)  # off the loop and lock
+        except (PlanError, TransportError, ValueError) as exc:  # StructuredOutputError too
             log.warning("prefill job refused", request_id=rid, error=str(exc))
             return self._result(msg, None, str(exc))
+        if self._aborted.pop(rid, None) is not None:  # while it waited (its advert, grammar)
+            return self._result(msg, None, f"aborted before prefill started on {self.worker_id}")
         job = Job(msg, planner, PrefillTimeline(msg.enqueued_at, started_at), endpoint, mirror)
         self._jobs[rid] = job
         prompt = list(msg.prompt_ids)

@@ -9,6 +9,7 @@ compiling, and raises StructuredOutputError once it failed, or ran past ``timeou
 from the compile's start: making the compiler, once per worker, is not counted). A failure
 is remembered by the book (so a bad spec sent again is refused without compiling); a spec
 that only waited behind others past the limit is refused as busy and not remembered.
+``AwaitedCompiles`` is the same for a caller that awaits a grammar (the prefill worker).
 
 xgrammar's build cannot be stopped: a compile past its limit runs on in its thread until it
 ends, its result dropped. The router's static limits (``shared/text/schema_limits.py``) keep
@@ -17,6 +18,8 @@ such compiles rare; the few threads keep them from taking every core.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import queue
 import threading
 import time
@@ -151,3 +154,47 @@ class GrammarCompiles:
         timer.daemon = True
         timer.start()
         return timer
+
+
+class AwaitedCompiles:
+    """``GrammarCompiles`` for a worker that awaits one grammar per job (prefill: a remote
+    prefill samples its first token under the request's grammar). ``await ready(spec)``
+    returns once ``spec`` is compiled, meanwhile the event loop and the engine lock are free;
+    StructuredOutputError once it failed, or ran past ``timeout_s``. Made on first use, on the
+    loop that awaits it."""
+
+    def __init__(self, book: GrammarBook, timeout_s: float) -> None:
+        self.book = book
+        self.timeout_s = timeout_s
+        self._compiles: GrammarCompiles | None = None
+        self._changed: asyncio.Event | None = None
+
+    async def ready(self, spec: StructuredOutputs) -> None:
+        if self._compiles is None:
+            loop = asyncio.get_running_loop()
+            self._changed = asyncio.Event()
+            self._compiles = GrammarCompiles(
+                self.book, self.timeout_s, lambda: _call_soon(loop, self._on_change)
+            )
+        while True:
+            assert self._changed is not None
+            changed = self._changed  # the next change's, taken before looking
+            self._compiles.start(spec)  # again after a busy refusal of another waiter: retried
+            if self._compiles.ready(spec):
+                return
+            await changed.wait()
+
+    def close(self) -> None:
+        if self._compiles is not None:
+            self._compiles.close()
+
+    def _on_change(self) -> None:
+        assert self._changed is not None
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[[], object]) -> None:
+    """``callback`` on ``loop``, from another thread (nothing once the loop is closed)."""
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(callback)
