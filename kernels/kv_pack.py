@@ -2,7 +2,7 @@
 
 A pool is ``(num_blocks, num_kv_heads, num_layers, 2, block_size, head_dim)`` (head-major blocks,
 see docs/ARCHITECTURE.md), so a head range of one block is already one contiguous span and plain
-tensor-parallel resharding needs no copy (``tests/support/kv_writes.py`` writes straight from
+tensor-parallel resharding needs no copy (``services/prefill/kv_writes.py`` writes straight from
 the pool). The pack kernel is for the layouts that really differ: it gathers heads
 ``[head_start, head_end)`` of the listed blocks into a contiguous staging tensor
 ``(m, num_heads, num_layers, 2, staging_block_size, head_dim)``, optionally regrouping the tokens

@@ -6,16 +6,16 @@ from __future__ import annotations
 import pytest
 import torch
 from kvmesh.kernels.kv_pack import pack_converted
-from kvmesh.shared.kv import kv_int8, kv_quant
-from kvmesh.shared.kv.kv_cache import KVCacheSpec, KVPool
-from kvmesh.shared.transport.base import MemoryRegion
-from support.kv_writes import (
+from kvmesh.services.prefill.kv_writes import (
     KVDestination,
     KVLayoutError,
     plan_kv_writes,
     run_packs,
     staging_bytes,
 )
+from kvmesh.shared.kv import kv_int8, kv_quant
+from kvmesh.shared.kv.kv_cache import KVCacheSpec, KVPool
+from kvmesh.shared.transport.base import MemoryRegion
 
 FP8 = torch.float8_e4m3fn
 INT8 = torch.int8

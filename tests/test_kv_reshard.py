@@ -1,4 +1,4 @@
-"""KV write planning (tests/support/kv_writes.py) and tensor-parallel resharding end to end.
+"""KV write planning (services/prefill/kv_writes.py) and tensor-parallel resharding end to end.
 
 Planning: entries, offsets, coalescing and refusals, checked on byte offsets and by applying the
 entries with a plain memcpy. End to end: prefill ranks in separate processes write through the real
@@ -18,6 +18,18 @@ import msgspec
 import pytest
 import torch
 from kvmesh.kernels.kv_pack import reshard_plan
+from kvmesh.services.prefill.kv_writes import (
+    KVDestination,
+    KVLayoutError,
+    KVWritePlan,
+    PackStep,
+    plan_kv_writes,
+    rank_block_slices,
+    run_packs,
+    staging_bytes,
+)
+from kvmesh.services.prefill.plan import ChunkPlanner
+from kvmesh.shared.kv.head_shards import KVHeadShards
 from kvmesh.shared.kv.imm import pack_imm
 from kvmesh.shared.kv.kv_cache import KVCacheSpec, KVPool
 from kvmesh.shared.transport import (
@@ -29,15 +41,6 @@ from kvmesh.shared.transport import (
     TransportDescriptor,
     WriteEntry,
     create_transport,
-)
-from support.kv_writes import (
-    KVDestination,
-    KVLayoutError,
-    KVWritePlan,
-    PackStep,
-    plan_kv_writes,
-    run_packs,
-    staging_bytes,
 )
 from support.transport_wire import remote
 
@@ -108,8 +111,9 @@ def _apply(plan: KVWritePlan, local: dict[int, torch.Tensor], decodes: list[Deco
 
 
 def _shards(full: torch.Tensor, tp: int) -> list[torch.Tensor]:
-    h = HEADS // tp
-    return [full[:, r * h : (r + 1) * h] for r in range(tp)]
+    """Each rank's heads of ``full`` (KVHeadShards: replicated over more ranks than heads)."""
+    shards = KVHeadShards(HEADS, tp)
+    return [full[:, slice(*shards.heads(r))] for r in range(tp)]
 
 
 # --- planning: same layout, straight from the pool ------------------------------------------
@@ -198,27 +202,74 @@ def test_tp_4_to_2_leaves_the_other_decode_rank_without_entries():
     assert plans[3].writes[1][1].remote_addr == decs[1].pool.base_addr + decs[1].bb + hb
 
 
-@pytest.mark.parametrize(("src_tp", "dst_tp"), [(1, 1), (2, 1), (4, 2), (1, 2), (2, 4), (1, 4)])
+@pytest.mark.parametrize(
+    ("src_tp", "dst_tp"),
+    [(1, 1), (2, 1), (4, 2), (1, 2), (2, 4), (1, 4), (8, 1), (1, 8), (8, 2), (2, 8)],
+)
 def test_applied_entries_rebuild_every_decode_shard_and_spare_the_rest(src_tp, dst_tp):
+    """TP 8 over 4 heads holds each head on two ranks: the first sends it, into every replica."""
     src_ids, dst_ids = [3, 0, 1, 5], [2, 3, 6, 0]
     full = _full_kv(seed=src_tp * 10 + dst_tp, num_blocks=6, block_size=4, dtype=torch.float32)
+    src_shards, dst_shards = KVHeadShards(HEADS, src_tp), KVHeadShards(HEADS, dst_tp)
     sources = []
     for rank, shard in enumerate(_shards(full, src_tp)):
-        s = Source(_spec(HEADS // src_tp), 6, rkey=100 + rank)
+        s = Source(_spec(src_shards.heads_per_rank), 6, rkey=100 + rank)
         s.pool.tensor.copy_(shard)
         sources.append(s)
-    decs = [Decode(_spec(HEADS // dst_tp), 8) for _ in range(dst_tp)]
+    decs = [Decode(_spec(dst_shards.heads_per_rank), 8) for _ in range(dst_tp)]
     dests = [d.destination(200 + r, dst_ids) for r, d in enumerate(decs)]
 
+    head_bytes = _spec(1).head_bytes
     for rank, s in enumerate(sources):
-        plan = plan_kv_writes(s.pool, s.region, src_ids, dests, src_rank=rank, src_tp=src_tp)
+        plan = plan_kv_writes(
+            s.pool, s.region, src_ids, dests, src_rank=rank, src_tp=src_tp, num_kv_heads=HEADS
+        )
         assert all(e.local == s.region for w in plan.writes for e in w)  # no staging copy
+        # a rank sends its head slice of every block once per decode rank holding it, or nothing
+        sent = src_shards.heads_per_rank * dst_shards.replicas if src_shards.is_writer(rank) else 0
+        assert plan.num_bytes == len(src_ids) * sent * head_bytes
         _apply(plan, {s.region.rkey: s.mem}, decs)
 
     for d, shard in zip(decs, _shards(full, dst_tp), strict=True):
         assert torch.equal(_bits(d.pool.tensor[dst_ids]), _bits(shard[src_ids]))
         assert not d.pool.tensor[[1, 4, 5, 7]].any()
         assert d.guards_intact()
+
+
+@pytest.mark.parametrize(("src_tp", "dst_tp"), [(2, 1), (1, 2), (4, 2), (8, 2)])
+def test_chunk_planners_of_every_prefill_rank_fill_every_decode_rank_with_its_heads(src_tp, dst_tp):
+    """The product's chunk planner (services/prefill/plan.py) given each rank's block slices:
+    two chunks of a 3-block prompt land as the unsharded KV, each rank sending its head slice."""
+    src_ids, dst_ids = [4, 1, 2], [5, 0, 3]
+    full = _full_kv(seed=7 * src_tp + dst_tp, num_blocks=6, block_size=4, dtype=torch.float32)
+    src_shards, dst_shards = KVHeadShards(HEADS, src_tp), KVHeadShards(HEADS, dst_tp)
+    decs = [Decode(_spec(dst_shards.heads_per_rank), 6) for _ in range(dst_tp)]
+    imms: dict[int, set[int]] = {r: set() for r in range(dst_tp)}
+    for rank, shard in enumerate(_shards(full, src_tp)):
+        spec = _spec(src_shards.heads_per_rank)
+        pool = KVPool(spec, 6)
+        pool.tensor.copy_(shard)
+        slices = rank_block_slices(spec, src_shards, dst_shards, rank)
+        # its head slice of a block, once per decode rank holding it; nothing from a replica
+        sent = spec.block_bytes * dst_shards.replicas if src_shards.is_writer(rank) else 0
+        assert sum(length for _, (_, _, length) in slices) == sent
+        for dst_rank, block_slice in slices:
+            dec = decs[dst_rank]
+            addrs = tuple(dec.pool.block_addr(b) for b in dst_ids)
+            planner = ChunkPlanner(10, 4, spec.block_bytes, addrs, dec.bb, block_slice)
+            writes = (planner.plan(0, 8, (4, 1), False), planner.plan(1, 10, (2,), True))
+            assert [w.num_bytes for w in writes] == [2 * block_slice[2], block_slice[2]]
+            for write in writes:
+                imms[dst_rank].add(write.imm)
+                for span in write.spans:
+                    start = span.remote_addr - dec.pool.base_addr
+                    chunk = pool.raw[span.local_offset : span.local_offset + span.length]
+                    dec.pool.raw[start : start + span.length] = chunk
+    # one immediate per chunk and decode rank, whichever prefill rank writes it
+    assert [len(i) for i in imms.values()] == [2] * dst_tp
+    for d, shard in zip(decs, _shards(full, dst_tp), strict=True):
+        assert torch.equal(_bits(d.pool.tensor[dst_ids]), _bits(shard[src_ids]))
+        assert not d.pool.tensor[[1, 2, 4]].any() and d.guards_intact()
 
 
 def test_empty_block_list_plans_no_entries():
@@ -365,7 +416,11 @@ def _plan_args(**overrides: Any) -> dict[str, Any]:
             KVLayoutError,
             "not serve the same model",
         ),
-        ({"src_tp": 1}, KVLayoutError, r"prefill holds 2 KV heads .* decode 4"),
+        (
+            {"src_tp": 1},
+            KVLayoutError,
+            "decode rank of TP 1 holds 2 of the model's 2 KV heads, but its KV layout has 4",
+        ),
         (
             {
                 "destinations": [

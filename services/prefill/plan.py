@@ -3,7 +3,8 @@
 ``ChunkPlanner`` turns each ``ChunkReady`` of the engine (local block ids of the chunk's blocks)
 into one batched write: scatter-gather spans from the local KV pool to the decode worker's
 reserved blocks, runs of adjacent blocks merged into one span, tagged with the immediate
-``(slot, chunk)``. ``PrefillTimeline`` accounts the time: queue, compute (forward passes), transfer
+``(slot, chunk)``. Whole blocks by default; under tensor parallelism (``block_slice``, from
+``kv_writes.rank_block_slices``) a rank's head slice of each block into one decode rank's blocks. ``PrefillTimeline`` accounts the time: queue, compute (forward passes), transfer
 (write durations) and the part of the transfer that compute did not hide.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from kvmesh.services.prefill.kv_writes import block_slice_spans
 from kvmesh.shared.kv.imm import imm_slot, pack_imm
 
 
@@ -45,7 +47,10 @@ class ChunkWrite:
 
 
 class ChunkPlanner:
-    """The writes of one request: prompt block ``i`` goes to ``block_addrs[i]`` on the decode."""
+    """The writes of one request: prompt block ``i`` goes to ``block_addrs[i]`` on the decode.
+
+    ``block_slice``: ``(local start, remote start, length)`` bytes of every block to write (a TP
+    rank's heads, ``kv_writes.rank_block_slices``); None: whole blocks, of one size both sides."""
 
     def __init__(
         self,
@@ -54,11 +59,18 @@ class ChunkPlanner:
         block_bytes: int,
         remote_block_addrs: tuple[int, ...],
         remote_block_bytes: int,
+        block_slice: tuple[int, int, int] | None = None,
     ) -> None:
-        if remote_block_bytes != block_bytes:
+        if block_slice is None and remote_block_bytes != block_bytes:
             raise KVSpecMismatchError(
                 f"the decode worker's KV blocks are {remote_block_bytes} bytes, this prefill "
                 f"worker's are {block_bytes}: run both with the same model, dtype and block size"
+            )
+        if block_slice is not None and block_slice[1] + block_slice[2] > remote_block_bytes:
+            raise KVSpecMismatchError(
+                f"this rank's head slice (bytes {block_slice[1]}..{sum(block_slice[1:])} of a "
+                f"decode block) does not fit the decode rank's {remote_block_bytes}-byte blocks: "
+                f"run both with the same model, dtype and block size"
             )
         num_blocks = math.ceil(num_prompt_tokens / block_size)
         if len(remote_block_addrs) != num_blocks:
@@ -70,7 +82,8 @@ class ChunkPlanner:
         self.block_size = block_size
         self.block_bytes = block_bytes
         self.remote_block_addrs = remote_block_addrs
-        self.slot = imm_slot(remote_block_addrs[0], block_bytes)
+        self.block_slice = (0, 0, block_bytes) if block_slice is None else block_slice
+        self.slot = imm_slot(remote_block_addrs[0], remote_block_bytes)
         self.num_blocks_planned = 0
         self.num_chunks_planned = 0
 
@@ -93,24 +106,16 @@ class ChunkPlanner:
             raise PlanError(
                 f"last chunk ends at token {end_token}, prompt has {self.num_prompt_tokens}"
             )
-        spans: list[WriteSpan] = []
-        for i, block_id in enumerate(local_block_ids):
-            local = block_id * self.block_bytes
-            remote = self.remote_block_addrs[first + i]
-            last = spans[-1] if spans else None
-            if (
-                last is not None
-                and last.local_offset + last.length == local
-                and last.remote_addr + last.length == remote
-            ):
-                spans[-1] = WriteSpan(
-                    last.local_offset, last.remote_addr, last.length + self.block_bytes
-                )
-            else:
-                spans.append(WriteSpan(local, remote, self.block_bytes))
+        remote = self.remote_block_addrs[first : first + len(local_block_ids)]
+        spans = tuple(
+            WriteSpan(*span)
+            for span in block_slice_spans(
+                local_block_ids, remote, self.block_bytes, *self.block_slice
+            )
+        )
         self.num_blocks_planned = end_block
         self.num_chunks_planned += 1
-        return ChunkWrite(chunk_index, pack_imm(self.slot, chunk_index), tuple(spans), is_last)
+        return ChunkWrite(chunk_index, pack_imm(self.slot, chunk_index), spans, is_last)
 
 
 @dataclass(frozen=True, slots=True)

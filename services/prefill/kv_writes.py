@@ -1,14 +1,12 @@
 """Planning the scatter-gather writes that move KV blocks from a prefill rank to decode ranks.
 
-Not product code: the services do not run tensor-parallel yet (prefill plans its chunk writes in
-``services/prefill/plan.py``, converts dtypes in ``services/prefill/convert.py``); this planner
-shows, with tests/test_kv_reshard.py and tests/test_kv_convert.py, that the pool layout reshards
-without staging.
-
 Pure: given the prefill rank's pool (and the ``MemoryRegion`` it is registered under), the blocks
 to send, and where the matching decode blocks are, return one ``WriteEntry`` list per destination
-(decode) rank. Tensor-parallel degrees may differ on the two sides (``kvmesh.kernels.kv_pack.reshard_plan``
-says which heads go where).
+(decode) rank. Tensor-parallel degrees may differ on the two sides: ``KVHeadShards`` on each side
+says which heads a rank holds (replicated when there are fewer heads than ranks), and
+``reshard_pieces`` which of them this rank sends where: every head once, by the first rank
+holding it, into every decode rank holding it (docs/tp.md). ``ChunkPlanner``
+(``services/prefill/plan.py``) spans a chunk's blocks through ``head_slice_spans`` below.
 
 * Same layout (block size, dtype, head_dim, layers): every entry is a span of the registered prefill
   pool, no staging copy. Head-major blocks make a head range of a block one contiguous span, so a
@@ -35,7 +33,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from kvmesh.kernels.kv_pack import pack_blocks, pack_converted, reshard_plan, staging_shape
+from kvmesh.kernels.kv_pack import pack_blocks, pack_converted, staging_shape
+from kvmesh.shared.kv.head_shards import HeadPiece, KVHeadShards, reshard_pieces
 from kvmesh.shared.kv.kv_cache import KVCacheSpec, KVPool
 from kvmesh.shared.transport.base import MemoryRegion, WriteEntry
 from kvmesh.shared.transport.errors import LocalAccessError
@@ -95,14 +94,14 @@ def staging_bytes(
     *,
     src_rank: int = 0,
     src_tp: int = 1,
+    num_kv_heads: int | None = None,
 ) -> int:
     """Bytes of staging ``plan_kv_writes`` needs for ``num_blocks`` source blocks; 0 when the
     writes go straight from the pool."""
-    dst_spec = _check_layouts(spec, destinations, src_rank, src_tp)
+    dst_spec, pieces = _check_layouts(spec, destinations, src_rank, src_tp, num_kv_heads)
     if dst_spec.block_size == spec.block_size and dst_spec.dtype == spec.dtype:
         return 0
     m = _num_dst_blocks(spec, dst_spec, num_blocks)
-    pieces = reshard_plan(spec.num_kv_heads * src_tp, src_tp, len(destinations))[src_rank]
     heads = sum(p.src_heads[1] - p.src_heads[0] for p in pieces)
     return m * heads * dst_spec.head_bytes
 
@@ -115,20 +114,22 @@ def plan_kv_writes(
     *,
     src_rank: int = 0,
     src_tp: int = 1,
+    num_kv_heads: int | None = None,
     staging: MemoryRegion | None = None,
     staging_offset: int = 0,
 ) -> KVWritePlan:
     """The write entries that move ``block_ids`` of this source rank's ``pool`` (registered as
     ``pool_region``) to ``destinations[r]`` for every destination (decode) TP rank ``r``.
 
-    Source rank ``src_rank`` of ``src_tp`` holds global heads ``[src_rank * h, (src_rank + 1) * h)``
-    with ``h = pool.spec.num_kv_heads``; destination rank ``r`` likewise with its own spec. Source
+    ``num_kv_heads``: the model's KV heads in all (default: this rank's times ``src_tp``, none
+    replicated). Each side splits them as ``KVHeadShards`` says; ``pool.spec.num_kv_heads`` and
+    the destinations' ``spec.num_kv_heads`` must be the heads one rank holds there. Source
     block ``i`` goes to destination block ``i`` (same block size) or the tokens of the source
     blocks, as one run, fill the destination blocks in order (different block size; then a
     ``staging`` region of ``staging_bytes(...)`` bytes from ``staging_offset`` is needed).
     """
     spec = pool.spec
-    dst_spec = _check_layouts(spec, destinations, src_rank, src_tp)
+    dst_spec, pieces = _check_layouts(spec, destinations, src_rank, src_tp, num_kv_heads)
     ids = tuple(int(b) for b in block_ids)
     bad = [b for b in ids if not 0 <= b < pool.num_blocks]
     if bad:
@@ -148,25 +149,20 @@ def plan_kv_writes(
             f"region [{pool_region.addr:#x}, +{pool_region.length}) (rkey {pool_region.rkey}); "
             f"register the memory the pool lives in"
         )
-    pieces = reshard_plan(spec.num_kv_heads * src_tp, src_tp, len(destinations))[src_rank]
     writes: list[list[WriteEntry]] = [[] for _ in destinations]
     if not ids:
         return KVWritePlan(tuple(tuple(w) for w in writes))
 
     if dst_spec.block_size == spec.block_size and dst_spec.dtype == spec.dtype:
         for piece in pieces:
-            h0, h1 = piece.src_heads
-            dst_offset = piece.dst_head_offset * dst_spec.head_bytes
-            addrs = destinations[piece.dst_rank].block_addrs
-            rkey = destinations[piece.dst_rank].rkey
-            spans = []
-            for block_id, addr in zip(ids, addrs, strict=True):
-                offset, length = pool.head_span(block_id, h0, h1)
-                spans.append((pool_offset + offset, addr + dst_offset, length))
-            writes[piece.dst_rank] = _entries(pool_region, rkey, spans)
+            dst = destinations[piece.dst_rank]
+            spans = head_slice_spans(ids, dst.block_addrs, spec, piece, local_base=pool_offset)
+            writes[piece.dst_rank] = _entries(pool_region, dst.rkey, spans)
         return KVWritePlan(tuple(tuple(w) for w in writes))
 
-    need = staging_bytes(spec, len(ids), destinations, src_rank=src_rank, src_tp=src_tp)
+    need = staging_bytes(
+        spec, len(ids), destinations, src_rank=src_rank, src_tp=src_tp, num_kv_heads=num_kv_heads
+    )
     convert = dst_spec.dtype if dst_spec.dtype != spec.dtype else None
     if staging is None:
         why = (
@@ -243,10 +239,92 @@ def run_packs(plan: KVWritePlan, pool: KVPool, staging: torch.Tensor) -> None:
         )
 
 
+def head_slice_spans(
+    block_ids: Sequence[int],
+    remote_block_addrs: Sequence[int],
+    spec: KVCacheSpec,
+    piece: HeadPiece,
+    local_base: int = 0,
+) -> list[tuple[int, int, int]]:
+    """``(local_offset, remote_addr, length)`` spans that write ``piece``'s heads of the local
+    blocks ``block_ids`` (a pool of ``spec``'s layout at ``local_base`` of its region) into the
+    remote blocks at ``remote_block_addrs`` (same order), at the piece's head offset there."""
+    local_start, remote_start, length = piece_bytes(piece, spec.head_bytes)
+    spans = block_slice_spans(
+        block_ids, remote_block_addrs, spec.block_bytes, local_start, remote_start, length
+    )
+    return [(local_base + off, addr, n) for off, addr, n in spans]
+
+
+def piece_bytes(piece: HeadPiece, head_bytes: int) -> tuple[int, int, int]:
+    """(its first byte in a local block, its first byte in the remote block, its length)."""
+    h0, h1 = piece.src_heads
+    return h0 * head_bytes, piece.dst_head_offset * head_bytes, (h1 - h0) * head_bytes
+
+
+def rank_block_slices(
+    spec: KVCacheSpec, src: KVHeadShards, dst: KVHeadShards, src_rank: int
+) -> list[tuple[int, tuple[int, int, int]]]:
+    """What source rank ``src_rank`` (its pool laid out as ``spec``) writes of every block: per
+    decode rank it writes to, ``(decode rank, piece_bytes(...))``; none for a replica that is not
+    its heads' writer. ``ChunkPlanner(block_slice=...)`` plans a chunk from one of them."""
+    if spec.num_kv_heads != src.heads_per_rank:
+        raise KVLayoutError(
+            f"a rank of TP {src.tp_size} holds {src.heads_per_rank} of {src.num_kv_heads} KV "
+            f"heads, but its KV layout has {spec.num_kv_heads}"
+        )
+    return [
+        (piece.dst_rank, piece_bytes(piece, spec.head_bytes))
+        for piece in reshard_pieces(src, dst, src_rank)
+    ]
+
+
+def block_slice_spans(
+    block_ids: Sequence[int],
+    remote_block_addrs: Sequence[int],
+    block_bytes: int,
+    local_start: int,
+    remote_start: int,
+    length: int,
+) -> list[tuple[int, int, int]]:
+    """``(local_offset, remote_addr, length)`` spans of bytes ``[local_start, +length)`` of each
+    local block (``block_id * block_bytes`` from the pool's start) to ``remote_start`` of its
+    remote block; one span per block, runs adjacent on both sides merged. ``(0, 0,
+    block_bytes)`` writes whole blocks (the same TP on both sides)."""
+    assert local_start >= 0 and local_start + length <= block_bytes, (local_start, length)
+    spans = [
+        (block_id * block_bytes + local_start, addr + remote_start, length)
+        for block_id, addr in zip(block_ids, remote_block_addrs, strict=True)
+    ]
+    return coalesce_spans(spans)
+
+
+def coalesce_spans(spans: Sequence[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """``(local_offset, remote_addr, length)`` spans in order, each merged into the previous one
+    when both its local and remote sides continue it."""
+    merged: list[tuple[int, int, int]] = []
+    for local_offset, remote_addr, length in spans:
+        if merged:
+            last_local, last_remote, last_length = merged[-1]
+            if (
+                last_local + last_length == local_offset
+                and last_remote + last_length == remote_addr
+            ):
+                merged[-1] = (last_local, last_remote, last_length + length)
+                continue
+        merged.append((local_offset, remote_addr, length))
+    return merged
+
+
 def _check_layouts(
-    spec: KVCacheSpec, destinations: Sequence[KVDestination], src_rank: int, src_tp: int
-) -> KVCacheSpec:
-    """The destination ranks' common spec, once it is checked against the source's."""
+    spec: KVCacheSpec,
+    destinations: Sequence[KVDestination],
+    src_rank: int,
+    src_tp: int,
+    num_kv_heads: int | None,
+) -> tuple[KVCacheSpec, list[HeadPiece]]:
+    """The destination ranks' common spec, once it is checked against the source's, and the head
+    pieces this source rank sends."""
     if src_tp <= 0 or not 0 <= src_rank < src_tp:
         raise ValueError(f"src_rank must be in [0, src_tp={src_tp}), got {src_rank}")
     if not destinations:
@@ -275,14 +353,23 @@ def _check_layouts(
             f"int8 blocks carry the scales of their own tokens and are not regrouped; run "
             f"prefill and decode with the same block size"
         )
-    total_src, total_dst = spec.num_kv_heads * src_tp, dst_spec.num_kv_heads * len(destinations)
-    if total_src != total_dst:
-        raise KVLayoutError(
-            f"prefill holds {total_src} KV heads ({spec.num_kv_heads} per rank x TP {src_tp}), "
-            f"decode {total_dst} ({dst_spec.num_kv_heads} per rank x TP {len(destinations)}): "
-            f"not the same model, or a destination TP rank is missing"
-        )
-    return dst_spec
+    total = spec.num_kv_heads * src_tp if num_kv_heads is None else num_kv_heads
+    try:
+        src_shards = KVHeadShards(total, src_tp)
+        dst_shards = KVHeadShards(total, len(destinations))
+    except ValueError as exc:
+        raise KVLayoutError(f"{exc} (the model has {total} KV heads)") from None
+    for side, shards, per_rank in (
+        ("prefill", src_shards, spec.num_kv_heads),
+        ("decode", dst_shards, dst_spec.num_kv_heads),
+    ):
+        if shards.heads_per_rank != per_rank:
+            raise KVLayoutError(
+                f"a {side} rank of TP {shards.tp_size} holds {shards.heads_per_rank} of the "
+                f"model's {total} KV heads, but its KV layout has {per_rank}: not the same model, "
+                f"or a TP rank is missing"
+            )
+    return dst_spec, reshard_pieces(src_shards, dst_shards, src_rank)
 
 
 def _num_dst_blocks(spec: KVCacheSpec, dst_spec: KVCacheSpec, num_src_blocks: int) -> int:
@@ -292,14 +379,5 @@ def _num_dst_blocks(spec: KVCacheSpec, dst_spec: KVCacheSpec, num_src_blocks: in
 def _entries(
     local: MemoryRegion, rkey: int, spans: Sequence[tuple[int, int, int]]
 ) -> list[WriteEntry]:
-    """WriteEntries for ``(local_offset, remote_addr, length)`` spans, in order, merging a span
-    into the previous one when both its local and remote sides continue it."""
-    merged: list[list[int]] = []
-    for local_offset, remote_addr, length in spans:
-        if merged:
-            last = merged[-1]
-            if last[0] + last[2] == local_offset and last[1] + last[2] == remote_addr:
-                last[2] += length
-                continue
-        merged.append([local_offset, remote_addr, length])
-    return [WriteEntry(local, off, addr, rkey, length) for off, addr, length in merged]
+    """WriteEntries for ``(local_offset, remote_addr, length)`` spans, adjacent runs merged."""
+    return [WriteEntry(local, off, addr, rkey, n) for off, addr, n in coalesce_spans(spans)]
