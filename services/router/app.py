@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 
 import msgspec
 from aiohttp import web
-from kvmesh.services.router import structured
+from kvmesh.services.router import access_log, structured
+from kvmesh.services.router.access_log import access_log_middleware
 from kvmesh.services.router.api import (
     GenerateRequest,
     parse_chat,
@@ -115,6 +116,7 @@ class Router:
             self.metrics,
             model_spec=self.model.spec,
             hearing=self.hearing,
+            model_len=self.model.max_model_len,
         )
         # never more connections than descriptors (issue 40: EMFILE at a 1,024 limit)
         limits = self.config.http_limits().within_open_files(open_file_limit())
@@ -187,6 +189,8 @@ class Router:
         arrived_at = time.monotonic()
         status = 200
         response_id = ""  # the request's id everywhere on the mesh, once it is accepted
+        access = access_log.note()
+        timer: RequestTimer | None = None
         try:
             self.shutdown.check_open()
             raw = await self.read_body(http)
@@ -195,6 +199,7 @@ class Router:
                 request, prompt = await asyncio.to_thread(self._prepare, raw, parse, tenant)
             else:
                 request, prompt = self._prepare(raw, parse, tenant)
+            access.prompt_tokens = len(prompt.prompt_ids)
             if self.num_in_flight >= self.config.max_concurrent_requests:
                 raise OverloadedError(
                     f"the router holds {self.num_in_flight} requests, its limit "
@@ -204,6 +209,7 @@ class Router:
             self.num_in_flight += 1
             self.metrics.in_flight.set(self.num_in_flight)
             response_id = new_request_id(request.kind)
+            access.request_id = response_id
             try:
                 with logs.request_context(response_id):
                     timer = RequestTimer(
@@ -238,6 +244,11 @@ class Router:
             raise
         finally:
             self.metrics.requests.labels(http.path, str(status)).inc()
+            access.status = status
+            if timer is not None:
+                access.completion_tokens = timer.num_output_tokens
+                if timer.first_token_at is not None:
+                    access.ttft_s = timer.first_token_at - arrived_at
             if response_id:
                 log.debug("request finished", request_id=response_id, status=status)
 
@@ -404,8 +415,7 @@ class Router:
     def max_model_len(self) -> int:
         """The context a request can really use: the model's, or the largest decode worker's KV
         pool when that is smaller (pool_capacity.py)."""
-        pool = self.dispatcher.capacity.max_tokens(time.monotonic())
-        return min(self.model.max_model_len, pool) if pool is not None else self.model.max_model_len
+        return self.dispatcher.capacity.context(time.monotonic())
 
     async def tokenize(self, request: web.Request) -> web.Response:
         body = parse_json_body(await self.read_body(request))
@@ -517,6 +527,7 @@ def build_app(router: Router) -> web.Application:
     app = web.Application(
         middlewares=[
             request_done_middleware(router.connections),
+            access_log_middleware(),  # outside error_middleware: it sees the answer sent
             error_middleware,
             body_limit_middleware(router.max_body_bytes, router.refuse_http),
             api_key_middleware(router.tenants),

@@ -31,9 +31,12 @@ from kvmesh.shared.bus import protocol
 from kvmesh.shared.bus.hearing import Hearing
 from kvmesh.shared.bus.protocol import DecodeAdvert, WorkerGone, WorkerHeartbeat
 from kvmesh.shared.bus.subjects import Subjects
+from kvmesh.shared.obs import logs
 from nats.aio.client import Client as NATS
 
 OPTIONAL_ROLES = ("kv-store", "draft")  # heartbeating roles the mesh serves without
+
+log = logs.get_logger(__name__)
 
 
 class Dispatcher:
@@ -47,6 +50,7 @@ class Dispatcher:
         metrics: RouterMetrics,
         model_spec: str = "",
         hearing: Hearing | None = None,
+        model_len: int = 0,
     ) -> None:
         """``hearing``: the NATS connection's outages (connect_nats tells it); the worker pools
         count no silence during one."""
@@ -68,7 +72,9 @@ class Dispatcher:
             role: WorkerPool(config.worker_liveness_s, now, hearing) for role in OPTIONAL_ROLES
         }
         self.prefill_queue = PrefillQueueHealth()  # what publishes found (queue_health.py)
-        self.capacity = PoolCapacity(model_spec)  # the decode workers' KV pools, by adverts
+        # the decode workers' KV pools, by adverts: the context a request can use
+        self.capacity = PoolCapacity(model_spec, model_len)
+        self._context_logged: int | None = None
 
     async def on_heartbeat(self, beat: WorkerHeartbeat) -> None:
         """Prefill, decode and colocated heartbeats: who is alive and ready."""
@@ -93,7 +99,23 @@ class Dispatcher:
     async def on_advert(self, advert: DecodeAdvert) -> None:
         """Decode adverts: the refusal counters each decode worker reports, for /metrics."""
         self._metrics.record_advert(advert)
-        self.capacity.note(advert, time.monotonic())
+        now = time.monotonic()
+        self.capacity.note(advert, now)
+        context = self.capacity.context(now)
+        if context != self._context_logged:  # the first advert, or a pool of another size
+            self._context_logged = context
+            model_len = self.capacity.model_len
+            log.info(
+                "max_model_len"
+                + (
+                    f" {context}: the decode workers' largest KV pool (the model's context is "
+                    f"{model_len}; more needs a larger pool: --kv-cache-bytes)"
+                    if context < model_len
+                    else f" {context}: the model's context"
+                ),
+                max_model_len=context,
+                worker_id=advert.worker_id,
+            )
 
     async def on_worker_gone(self, gone: WorkerGone) -> None:
         """The registry dropped a worker: every request that depended on it hears it now, in its

@@ -168,6 +168,7 @@ class RequestTimer:
     log: TimingLog | None = None
     request_id: str = ""
     tenant: str = ""  # tenants.Tenant.name: who may read its timing
+    num_output_tokens: int = 0  # so far; the usage's count once finished (the access log's)
     stamps: TimingStamps = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
@@ -177,6 +178,7 @@ class RequestTimer:
         """``num_tokens`` arrived together at ``now``; the gap is spread evenly over them."""
         if num_tokens <= 0:
             return
+        self.num_output_tokens += num_tokens
         if self.first_token_at is None:
             self.first_token_at = now
             self.metrics.ttft.observe(now - self.arrived_at)
@@ -191,6 +193,7 @@ class RequestTimer:
         self.last_token_at = now
 
     def on_finish(self, finish_reason: str, num_prompt_tokens: int, num_output_tokens: int) -> None:
+        self.num_output_tokens = num_output_tokens
         if self.last_token_at is not None:
             self.metrics.e2e.observe(self.last_token_at - self.arrived_at)
         if self.log is not None and self.first_token_at is not None:

@@ -20,6 +20,7 @@ ADVERT_TTL_S = 30.0
 @dataclass(slots=True)
 class PoolCapacity:
     model_spec: str  # only workers advertising this model count ("" counts every worker)
+    model_len: int = 0  # the model's context (--max-model-len or the checkpoint's); 0: unknown
     _tokens: dict[str, tuple[int, float]] = field(default_factory=dict)  # id -> (tokens, when)
 
     def note(self, advert: DecodeAdvert, now: float) -> None:
@@ -34,3 +35,9 @@ class PoolCapacity:
         """Tokens the largest live pool holds (None until a worker has advertised)."""
         live = [tokens for tokens, when in self._tokens.values() if now - when <= ADVERT_TTL_S]
         return max(live, default=None)
+
+    def context(self, now: float) -> int:
+        """The context a request can use: ``model_len``, or the largest live pool when that is
+        smaller. The one ``max_model_len``: /v1/models, /tokenize and the router's log say it."""
+        pool = self.max_tokens(now)
+        return self.model_len if pool is None else min(self.model_len or pool, pool)

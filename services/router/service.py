@@ -96,7 +96,8 @@ async def serve_router(config: RouterConfig) -> AsyncIterator[RunningRouter]:
                 model=model.name,
                 port=port,
                 mode=config.mode,
-                max_model_len=model.max_model_len,
+                # max_model_len is logged once the decode workers' pools are heard (dispatch.py)
+                model_context=model.max_model_len,
             )
             try:
                 yield RunningRouter(router=router, port=port, worker_id=worker_id)
