@@ -4,7 +4,8 @@ Four rank processes share one gloo world, spawned once for the module: TP4 over 
 (kvmesh-tiny's 2 KV heads each replicated on two ranks), then TP2 in two pairs, one on the
 float32 model and one on its Q8_0 twin (weights as stored, sharded by rows and by whole blocks).
 Each run's greedy tokens must be TP1's, and each rank's KV pool must hold exactly its heads of
-TP1's pool.
+TP1's pool. Then a prompt is handed from prefill to decode across TP degrees (2 -> 1, 1 -> 2)
+through the shm transport, each prefill rank writing its own heads with the product's planners.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from kvmesh.shared.model.quant import quantize
 from kvmesh.shared.model.quant_layers import QuantLinear
 from kvmesh.shared.model.tensor_parallel import TPLayout, TPShardError, _columns
 from support import tp_ranks
+
+HEAD_BYTES = 2 * 4 * 16 * 64 * 4  # kvmesh-tiny: K and V, 4 layers, 16 tokens, head_dim 64, float32
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +79,26 @@ def test_tp2_decodes_as_tp1(rank_results, tp1):
 
 def test_tp2_of_weights_kept_as_q8_0_decodes_as_tp1(rank_results, tp1):
     _check_ranks([rank_results[r]["tp2_q8"] for r in (2, 3)], tp1["Q8_0"])
+
+
+def test_tp2_prefill_hands_its_heads_to_a_tp1_decode_that_decodes_as_tp1(rank_results, tp1):
+    """Each prefill rank writes its head of every block (32 KiB a block, one head of tiny's two)
+    into the one decode pool: one immediate per chunk from each, then greedy as TP1."""
+    decode = rank_results[2]["handoff_2_to_1"]
+    assert decode["tokens"] == tp1[None]["tokens"][0]
+    assert decode["senders"] == [0, 1] and len(decode["imms"]) == 3 * 2
+    assert len(set(decode["imms"])) == 3  # the two ranks' writes of a chunk share its immediate
+    for rank in (0, 1):
+        prefill = rank_results[rank]["handoff_2_to_1"]
+        assert prefill == {"sent": 3 * HEAD_BYTES, "kv_heads_held": 1}  # 3 blocks, 1 head each
+
+
+def test_tp1_prefill_sends_each_tp2_decode_rank_its_head(rank_results, tp1):
+    for rank in (0, 1):
+        decode = rank_results[rank]["handoff_1_to_2"]
+        assert decode["tokens"] == tp1[None]["tokens"][0]
+        assert decode["senders"] == [0] and len(decode["imms"]) == 3
+    assert rank_results[2]["handoff_1_to_2"] == {"sent": 2 * 3 * HEAD_BYTES, "kv_heads_held": 2}
 
 
 def test_tp_layout_refuses_head_counts_it_cannot_split():

@@ -1,8 +1,11 @@
 """Tensor-parallel engine runs for tests/test_tensor_parallel.py: the cases, one engine run each
-(TP1 in the test's process, TP2 and TP4 in rank processes that share one gloo world of 4)."""
+(TP1 in the test's process, TP2 and TP4 in rank processes that share one gloo world of 4), and
+prefill-to-decode hand-offs between TP degrees through the shm transport (``handoff``)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 from typing import Any
 
@@ -69,6 +72,123 @@ def rank_main(rank: int, port: int, queue: Any) -> None:
         layout = shard_model(model, pairs[rank // 2])
         case = "tp2" if quant is None else "tp2_q8"
         results[case] = run_engine(model) | {"kv_heads": layout.kv_heads}
+        pair = {(0, 1): pairs[0]}
+        results["handoff_2_to_1"] = asyncio.run(handoff(rank, (0, 1), (2,), pair))
+        results["handoff_1_to_2"] = asyncio.run(handoff(rank, (2,), (0, 1), pair))
         queue.put((rank, results))
     finally:
         dist.destroy_process_group()
+
+
+async def handoff(
+    rank: int, prefill_ranks: tuple[int, ...], decode_ranks: tuple[int, ...], groups: dict
+) -> dict[str, Any] | None:
+    """PROMPTS[0] prefilled at TP len(prefill_ranks), its KV written chunk by chunk by every
+    prefill rank straight into the decode rank(s) holding its heads (``rank_block_slices`` and
+    ``ChunkPlanner``, the product's planners, over the shm transport), then decoded at TP
+    len(decode_ranks). Every rank of the world takes part in the two exchanges (the decode ranks'
+    block addresses, the first token); a decode rank returns its tokens and what it received."""
+    import msgspec
+    import torch.distributed as dist
+    from kvmesh.services.prefill.kv_writes import rank_block_slices
+    from kvmesh.services.prefill.plan import ChunkPlanner
+    from kvmesh.shared.engine.llm_engine import EngineConfig, LLMEngine
+    from kvmesh.shared.engine.outputs import collect_tokens
+    from kvmesh.shared.kv.head_shards import KVHeadShards, reshard_pieces
+    from kvmesh.shared.model.tensor_parallel import shard_model
+    from kvmesh.shared.text.sampling import SamplingOptions
+    from kvmesh.shared.transport import (
+        Access,
+        TransportConfig,
+        TransportDescriptor,
+        WriteEntry,
+        create_transport,
+    )
+
+    from support.transport_wire import remote
+
+    async def exchange(value: Any) -> list[Any]:  # off the loop: the transport keeps serving
+        values: list[Any] = [None] * WORLD
+        await asyncio.to_thread(dist.all_gather_object, values, value)
+        return values
+
+    prompt = PROMPTS[0]
+    params = SamplingOptions(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    config = EngineConfig(
+        block_size=16, num_blocks=NUM_BLOCKS, max_num_batched_tokens=16, enable_prefix_caching=False
+    )
+    role_ranks = prefill_ranks if rank in prefill_ranks else decode_ranks
+    is_idle = rank not in prefill_ranks + decode_ranks
+    src, dst = KVHeadShards(2, len(prefill_ranks)), KVHeadShards(2, len(decode_ranks))
+    async with contextlib.AsyncExitStack() as stack:
+        tx = await stack.enter_async_context(create_transport("shm", TransportConfig()))
+        engine = None
+        mine = None
+        if not is_idle:
+            model = tiny_model(None)
+            if len(role_ranks) > 1:
+                shard_model(model, groups[role_ranks])
+            memory = tx.allocate(NUM_BLOCKS * 2 * 32768)  # 2 heads of tiny's 32 KiB: any rank
+            engine = LLMEngine(model, None, config, kv_buffer=memory)
+        if rank in decode_ranks:
+            region = remote(tx, tx.register(memory, Access.REMOTE_WRITE))
+            block_ids = engine.reserve_blocks(len(prompt))
+            mine = {
+                "peer": msgspec.json.encode(tx.descriptor()),
+                "rkey": region.rkey,
+                "addrs": [engine.kv_pool.block_addr(b) for b in block_ids],
+                "block_bytes": engine.kv_pool.spec.block_bytes,
+            }
+        decodes = [(await exchange(mine))[r] for r in decode_ranks]
+        first_token = None
+        sent = 0
+        if rank in prefill_ranks:
+            source = tx.register(memory)
+            spec = engine.kv_pool.spec
+            writers = []
+            for d, block_slice in rank_block_slices(spec, src, dst, prefill_ranks.index(rank)):
+                info = decodes[d]
+                peer = msgspec.json.decode(info["peer"], type=TransportDescriptor)
+                endpoint = await stack.enter_async_context(await tx.connect(peer))
+                addrs = tuple(info["addrs"])
+                planner = ChunkPlanner(
+                    len(prompt), 16, spec.block_bytes, addrs, info["block_bytes"], block_slice
+                )
+                writers.append((planner, endpoint, info["rkey"]))
+            chunks = []
+            engine.add_request("r", prompt, params, prefill_only=True, on_chunk=chunks.append)
+            while engine.has_unfinished():
+                engine.step()
+                for chunk in chunks:
+                    for planner, endpoint, rkey in writers:
+                        w = planner.plan(
+                            chunk.chunk_index, chunk.end_token, chunk.block_ids, chunk.is_last
+                        )
+                        entries = [
+                            WriteEntry(source, s.local_offset, s.remote_addr, rkey, s.length)
+                            for s in w.spans
+                        ]
+                        await endpoint.write(entries, w.imm)
+                        sent += w.num_bytes
+                    first_token = chunk.first_token if chunk.is_last else first_token
+                chunks.clear()
+        if rank in decode_ranks:  # a chunk's write from every prefill rank holding its heads
+            d = decode_ranks.index(rank)
+            senders = [
+                s
+                for s in range(src.tp_size)
+                if any(p.dst_rank == d for p in reshard_pieces(src, dst, s))
+            ]
+            num_chunks = -(-len(prompt) // config.max_num_batched_tokens)
+            imms = [
+                (await asyncio.wait_for(tx.completion_queue.get(), 60)).imm
+                for _ in range(num_chunks * len(senders))
+            ]
+        first_token = (await exchange(first_token))[prefill_ranks[0]]
+        if rank in prefill_ranks:
+            return {"sent": sent, "kv_heads_held": engine.kv_pool.spec.num_kv_heads}
+        if rank in decode_ranks:
+            engine.admit_prefilled("r", prompt, block_ids, first_token, params)
+            (tokens,) = collect_tokens(engine.step, ["r"])
+            return {"tokens": [first_token, *tokens], "imms": imms, "senders": senders}
+        return None
