@@ -81,7 +81,7 @@ def test_registry_prefix_reach_finds_a_workers_blocks_only_with_their_salt():
     _computed(bm, "r1", "tenant-a")
     index = _Index(set(bm.hash_to_block))
     advert = idle_advert(
-        "decode-0", None, base_addr=0, block_bytes=64, block_size=BS, kv_spec=KV_SPEC,
+        "decode-0", None, block_bytes=64, block_size=BS, kv_spec=KV_SPEC,
         total_blocks=64,
     )  # fmt: skip
 

@@ -92,7 +92,6 @@ ADVERT = DecodeAdvert(
     worker_id="d0",
     mode="disagg",
     descriptor=DESCRIPTOR,
-    base_addr=1 << 32,
     block_bytes=4096,
     block_size=16,
     kv_spec="4x2x64:f32",
@@ -116,7 +115,9 @@ WORKER_ROW = protocol.WorkerRow("p0", "prefill", "ready", running=1, waiting=2, 
 EXAMPLES: list[Message] = [
     PLACE,
     ReserveRequest("r1", (1, 2), SAMPLING, local_prefill=True, lease_id="L1", lease_ms=9),
-    ReserveReply(ok=True, worker_id="d0", block_ids=(4, 5), error="e", rkey=77),
+    ReserveReply(
+        ok=True, worker_id="d0", block_ids=(4, 5), error="e", rkey=77, block_addrs=(1 << 32,)
+    ),
     PlaceReply(
         ok=True,
         request_id="r1",

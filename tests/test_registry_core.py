@@ -18,7 +18,6 @@ def advert(worker_id: str, **kw: object) -> DecodeAdvert:
     idle = idle_advert(
         worker_id,
         TransportDescriptor(worker_id, "h", (TcpBackend("127.0.0.1", 1234, SECRET),)),
-        base_addr=1 << 20,
         block_bytes=BLOCK_BYTES,
         block_size=BLOCK_SIZE,
         kv_spec="4x2x64:bs16:float32",
@@ -139,12 +138,13 @@ def test_release_inflight_returns_the_estimate(registry: RegistryState) -> None:
     assert registry.decode["a"].free_blocks == 3 and registry.decode["a"].load == 0
 
 
-def test_grant_computes_block_addresses_from_base_and_block_bytes(registry: RegistryState) -> None:
-    registry.observe_advert(advert("a", base_addr=1000), now=0.0)
+def test_grant_passes_on_the_reservations_block_addresses(registry: RegistryState) -> None:
+    registry.observe_advert(advert("a"), now=0.0)
     choice = registry.choose(place(20), now=0.0)
     assert isinstance(choice, Candidate)
-    reply = registry.grant(choice, place(20), "L", (5, 9), now=0.0, rkey=77)
-    assert reply.block_addrs == (1000 + 5 * BLOCK_BYTES, 1000 + 9 * BLOCK_BYTES)
+    addrs = (1000 + 5 * BLOCK_BYTES, 1000 + 9 * BLOCK_BYTES)  # the decode worker's reply's
+    reply = registry.grant(choice, place(20), "L", (5, 9), now=0.0, rkey=77, block_addrs=addrs)
+    assert reply.block_addrs == addrs
     assert reply.block_bytes == BLOCK_BYTES and reply.rkey == 77  # the reservation's window
     assert reply.descriptor.peer_id == "a" and reply.worker_id == "a"
 

@@ -137,11 +137,13 @@ async def test_region_table_row_naming_another_transports_segment_is_refused():
 # ---- prefill jobs are checked against the decode worker's own advert ---------------------------
 
 
+BASE = 0x10000  # where the blocks are: the job knows it, the advert does not
+
+
 def _advert(**changes):
     idle = idle_advert(
         "d0",
         TransportDescriptor("d0", "h", (TcpBackend("127.0.0.1", 1, SECRET),)),
-        base_addr=0x10000,
         block_bytes=1024,
         block_size=16,
         kv_spec="spec-a",
@@ -159,7 +161,7 @@ def _job(advert, **changes):
         lease_id="L",
         descriptor=advert.descriptor,
         rkey=7,
-        block_addrs=(advert.base_addr + 2 * advert.block_bytes,),
+        block_addrs=(BASE + 2 * advert.block_bytes, BASE + 5 * advert.block_bytes),
         block_bytes=advert.block_bytes,
         enqueued_at=0.0,
     )
@@ -183,9 +185,10 @@ def test_job_matching_the_advert_is_vouched_for():
             "descriptor",
         ),
         ({"block_bytes": 2048}, "block_bytes"),
-        ({"block_addrs": (0x10000 + 8 * 1024,)}, "not a block"),  # past the pool
-        ({"block_addrs": (0x10000 + 100,)}, "not a block"),  # not aligned
-        ({"block_addrs": (0x1000,)}, "not a block"),  # below the pool
+        ({"block_addrs": (BASE, BASE + 8 * 1024)}, "not a block"),  # wider than the pool
+        ({"block_addrs": (BASE, BASE + 100)}, "not a block"),  # not whole blocks apart
+        ({"block_addrs": (BASE, BASE)}, "not a block"),  # the same block twice
+        ({"block_addrs": (-1024,)}, "not a block"),  # no address
     ],
 )
 def test_job_that_differs_from_the_advert_is_refused(changes, match):

@@ -43,7 +43,6 @@ class DecodeReach:
     """How prefill workers and routers reach a decode worker and what it serves."""
 
     descriptor: TransportDescriptor | None  # None: colocated, no remote writes
-    base_addr: int
     block_bytes: int
     block_size: int
     kv_spec: str  # kv_spec_fingerprint(); it also roots the prefix hashes

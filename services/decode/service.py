@@ -134,7 +134,6 @@ class DecodeService:
             worker_id=self.worker.worker_id,
             mode=self.config.mode,
             descriptor=reach.descriptor,
-            base_addr=reach.base_addr,
             block_bytes=reach.block_bytes,
             block_size=reach.block_size,
             kv_spec=reach.kv_spec,
@@ -416,7 +415,6 @@ async def decode_service(config: DecodeConfig) -> AsyncIterator[DecodeService]:
             cache=features.cache,
             reach=DecodeReach(
                 descriptor=transport.descriptor().public() if transport else None,
-                base_addr=region.addr if region else 0,
                 block_bytes=spec.block_bytes,
                 block_size=spec.block_size,
                 kv_spec=engine.kv_spec,

@@ -357,7 +357,13 @@ class DecodeWorker:
                 self.engine.free_reserved(block_ids)
                 return refuse(str(exc))
         self._start_grammar(params)  # compiled while the prefill runs
-        return ReserveReply(True, self.worker_id, block_ids=tuple(block_ids), rkey=res.rkey)
+        return ReserveReply(
+            True,
+            self.worker_id,
+            block_ids=tuple(block_ids),
+            rkey=res.rkey,
+            block_addrs=tuple(self.base_addr + b * self.block_bytes for b in block_ids),
+        )
 
     def _start_grammar(self, params: SamplingOptions) -> None:
         with contextlib.suppress(StructuredOutputError):  # failed lately: admit() says so

@@ -387,9 +387,10 @@ class RegistryState:
         block_ids: tuple[int, ...],
         now: float,
         rkey: int = 0,
+        block_addrs: tuple[int, ...] = (),
     ) -> PlaceReply:
-        """The worker reserved ``block_ids`` under a window with key ``rkey``: record the lease,
-        build the reply with addresses."""
+        """The worker reserved ``block_ids`` (at ``block_addrs`` in its region) under a window
+        with key ``rkey``: record the lease, build the reply."""
         self.release_inflight(candidate)
         worker = self.decode.get(candidate.worker_id)
         if worker is None:  # dropped while we waited; its reply still stands
@@ -419,7 +420,7 @@ class RegistryState:
             descriptor=advert.descriptor,
             rkey=rkey,
             block_ids=block_ids,
-            block_addrs=tuple(advert.base_addr + b * advert.block_bytes for b in block_ids),
+            block_addrs=block_addrs,
             block_bytes=advert.block_bytes,
             local_prefill=candidate.prefill_here,
             cached_tokens=candidate.cached_tokens,

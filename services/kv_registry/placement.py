@@ -96,7 +96,13 @@ class Placement:
                 if choice.read_tokens:
                     self.metrics.store_read_placements.inc()
                 placed = self.core.grant(
-                    choice, request, lease_id, reply.block_ids, self.clock(), reply.rkey
+                    choice,
+                    request,
+                    lease_id,
+                    reply.block_ids,
+                    self.clock(),
+                    reply.rkey,
+                    reply.block_addrs,
                 )
                 log.debug(
                     "placed",
@@ -158,6 +164,10 @@ class Placement:
             return refuse(f"malformed reserve reply: {exc}")
         if reply.ok and reply.worker_id != choice.worker_id:
             return refuse(f"reply names worker {reply.worker_id!r}")
+        if reply.ok and len(reply.block_addrs) != len(reply.block_ids):
+            return refuse(
+                f"reply names {len(reply.block_ids)} blocks but {len(reply.block_addrs)} addresses"
+            )
         return reply
 
 

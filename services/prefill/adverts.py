@@ -3,10 +3,12 @@
 A ``PrefillJob`` names a decode worker, a transport descriptor, a window key and block addresses.
 Those are data from the network, never a place to dial: a job is served only when its target
 matches what that decode worker itself advertised (descriptor, block size, KV layout, which may
-differ in its dtype alone: see convert.py) and every address is a block of the advertised pool. So a forged job cannot make this worker connect to an
-arbitrary host:port or map an arbitrary shm name; at most it can name a real decode worker's real
-blocks, and its writes then carry a key the decode worker never opened a window for, which its
-transport refuses (see docs/security.md).
+differ in its dtype alone: see convert.py) and its addresses are distinct blocks that fit in the
+advertised pool (the advert names no address: the decode worker's transport checks each write
+against the lease's window). So a forged job cannot make this worker connect to an arbitrary
+host:port or map an arbitrary shm name; at most it can name a real decode worker, and its writes
+then carry a key the decode worker never opened a window for, or fall outside the window, which
+its transport refuses (see docs/security.md).
 """
 
 from __future__ import annotations
@@ -85,11 +87,17 @@ def check_job_against_advert(job: PrefillJob, advert: DecodeAdvert, kv_spec: str
         raise UnvouchedJobError(
             f"the job's block_bytes {job.block_bytes} are not {who}'s {advert.block_bytes}"
         )
+    # the advert carries no address (issue 40): the blocks must be whole blocks apart, distinct,
+    # and span no more than the pool; the decode worker's transport checks each write's bounds
+    lowest = min(job.block_addrs, default=0)
+    seen: set[int] = set()
     for addr in job.block_addrs:
-        offset = addr - advert.base_addr
+        offset = addr - lowest
         if (
-            offset < 0
+            addr < 0
+            or addr in seen
             or offset % advert.block_bytes
-            or offset // advert.block_bytes >= (advert.total_blocks)
+            or offset // advert.block_bytes >= advert.total_blocks
         ):
             raise UnvouchedJobError(f"block address {addr:#x} is not a block of {who}'s pool")
+        seen.add(addr)

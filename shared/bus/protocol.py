@@ -67,6 +67,10 @@ class ReserveReply(Message):
     # The key of the window the decode worker opened over exactly these blocks, for this lease
     # alone (closed when the lease ends); 0 for local prefill, which writes nothing remotely.
     rkey: int = 0
+    # Where those blocks are in its registered region (the prefill's write targets). A memory
+    # address travels only in the messages of one lease, beside its window key (this reply,
+    # the PlaceReply, the PrefillJob), never in a broadcast advert (issue 40).
+    block_addrs: tuple[int, ...] = ()
 
 
 class PlaceReply(Message):
@@ -316,7 +320,7 @@ class DecodeAdvert(Message):
     # TransportDescriptor.public(): no region keys (kept only on rdma NICs without memory windows);
     # None for a colocated worker, which takes no remote writes
     descriptor: TransportDescriptor | None
-    base_addr: int
+    # no memory address (issue 40: it was base_addr): a reservation's reply carries its blocks'
     block_bytes: int
     block_size: int
     kv_spec: str  # KVCacheSpec fingerprint: prefill and decode must match

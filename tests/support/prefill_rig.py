@@ -21,7 +21,6 @@ def ready_advert(
     return idle_advert(
         worker_id,
         descriptor,
-        base_addr=region.addr,
         block_bytes=spec.block_bytes,
         block_size=spec.block_size,
         kv_spec=kv_spec,

@@ -62,7 +62,6 @@ class PeerDecode:
             descriptor=TransportDescriptor(
                 self.worker_id, "h", (TcpBackend("127.0.0.1", 1, SECRET),)
             ),
-            base_addr=self.base_addr,
             block_bytes=BLOCK_BYTES,
             block_size=BLOCK_SIZE,
             kv_spec="test-spec",
@@ -90,9 +89,9 @@ class PeerDecode:
         blocks = tuple(self.free[:need])
         del self.free[:need]
         self.leases[req.lease_id] = (blocks, time.monotonic() + req.lease_ms / 1000)
-        await msg.respond(
-            protocol.encode_message(ReserveReply(True, self.worker_id, block_ids=blocks, rkey=42))
-        )
+        addrs = tuple(self.base_addr + b * BLOCK_BYTES for b in blocks)
+        reply = ReserveReply(True, self.worker_id, block_ids=blocks, rkey=42, block_addrs=addrs)
+        await msg.respond(protocol.encode_message(reply))
 
     async def on_lease_cancel(self, msg: Msg) -> None:
         self.cancels.append(protocol.decode_message(msg.data, LeaseCancel))
