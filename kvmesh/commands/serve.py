@@ -183,7 +183,8 @@ def _serve(args: argparse.Namespace) -> int:
     if getattr(config, "nats_url", None):  # a token or password in the URL never reaches a log
         shown = shown.replace(config.nats_url, redact_url(config.nats_url))
     soft, _ = raise_open_file_limit()  # a connection flood must not hit a 1,024 default
-    log.info("starting", service=spec.name, config=shown, open_files=soft)
+    log.info("starting", service=spec.name, open_files=soft)
+    log.debug("config", service=spec.name, config=shown)  # every field: long, so at debug
     try:
         with frozen_heap():
             asyncio.run(spec.module.run(config))

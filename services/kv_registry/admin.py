@@ -155,6 +155,12 @@ class RegistryAdmin:
         await self.nc.publish(
             self.subjects.CONTROL_LOG_LEVEL, protocol.encode_message(LogLevel(level=level))
         )
+        # the one line for the whole mesh (each service notes its own change at debug)
+        log.warning(
+            f"log level set to {level} on every service (kvmesh admin log-level)",
+            level=level,
+            service=self.worker_id,
+        )
         return AdminLogLevelSet(ok=True, level=level)
 
 

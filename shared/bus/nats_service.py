@@ -389,16 +389,24 @@ async def subscriptions(nc: Client, *routes: tuple[str, type[Any], Handler]) -> 
 
 
 @contextlib.asynccontextmanager
-async def log_level_control(nc: Client, subjects: Subjects) -> AsyncIterator[None]:
-    """Follow ``subjects.CONTROL_LOG_LEVEL``: each LogLevel message sets this process's level."""
+async def log_level_control(
+    nc: Client, subjects: Subjects, service: str = ""
+) -> AsyncIterator[None]:
+    """Follow ``subjects.CONTROL_LOG_LEVEL``: each LogLevel message sets this process's level.
+    The mesh-wide change is logged once, by the kv-registry that sent it (``kvmesh admin
+    log-level``); each service notes its own change at debug, naming itself (``service``), and
+    only when its level did change."""
 
     async def set_level(message: protocol.LogLevel) -> None:
+        before = logs.current_level()
         try:
             logs.set_level(message.level)
         except ValueError as exc:
-            log.warning("ignored log-level message", error=str(exc))
+            log.warning("ignored log-level message", error=str(exc), service=service)
             return
-        log.warning(f"log level changed to {message.level}", level=message.level)
+        now = logs.current_level()
+        if now != before:
+            log.debug(f"log level changed from {before} to {now}", level=now, service=service)
 
     async with subscriptions(nc, (subjects.CONTROL_LOG_LEVEL, protocol.LogLevel, set_level)):
         yield
@@ -475,7 +483,7 @@ async def worker_presence(
             metadata={"mesh": subjects.mesh, **(metadata or {})},
             stats=stats,
         ) as svc,
-        log_level_control(nc, subjects),
+        log_level_control(nc, subjects, worker_id),
     ):
         nc.beacon = beacon
         try:
