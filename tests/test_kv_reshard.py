@@ -18,6 +18,7 @@ import msgspec
 import pytest
 import torch
 from kvmesh.kernels.kv_pack import reshard_plan
+from kvmesh.services.decode.pending import PendingTable
 from kvmesh.services.prefill.kv_writes import (
     KVDestination,
     KVLayoutError,
@@ -29,8 +30,9 @@ from kvmesh.services.prefill.kv_writes import (
     staging_bytes,
 )
 from kvmesh.services.prefill.plan import ChunkPlanner
+from kvmesh.shared.bus import protocol
 from kvmesh.shared.kv.head_shards import KVHeadShards
-from kvmesh.shared.kv.imm import pack_imm
+from kvmesh.shared.kv.imm import imm_slot, pack_imm, unpack_imm
 from kvmesh.shared.kv.kv_cache import KVCacheSpec, KVPool
 from kvmesh.shared.transport import (
     Access,
@@ -238,13 +240,18 @@ def test_applied_entries_rebuild_every_decode_shard_and_spare_the_rest(src_tp, d
 
 @pytest.mark.parametrize(("src_tp", "dst_tp"), [(2, 1), (1, 2), (4, 2), (8, 2)])
 def test_chunk_planners_of_every_prefill_rank_fill_every_decode_rank_with_its_heads(src_tp, dst_tp):
-    """The product's chunk planner (services/prefill/plan.py) given each rank's block slices:
-    two chunks of a 3-block prompt land as the unsharded KV, each rank sending its head slice."""
+    """The product's chunk planner (services/prefill/plan.py) given each rank's slices: two
+    chunks of a 3-block prompt land as the unsharded KV, each rank sending its head slice, and
+    each decode rank's write lease (the decode worker's PendingTable) is ready once every
+    writer's write of every chunk has landed and one announcement says how many."""
     src_ids, dst_ids = [4, 1, 2], [5, 0, 3]
     full = _full_kv(seed=7 * src_tp + dst_tp, num_blocks=6, block_size=4, dtype=torch.float32)
     src_shards, dst_shards = KVHeadShards(HEADS, src_tp), KVHeadShards(HEADS, dst_tp)
     decs = [Decode(_spec(dst_shards.heads_per_rank), 6) for _ in range(dst_tp)]
-    imms: dict[int, set[int]] = {r: set() for r in range(dst_tp)}
+    leases = [PendingTable() for _ in decs]
+    for table, dec in zip(leases, decs, strict=True):
+        table.add("r", "lease", imm_slot(dec.pool.block_addr(dst_ids[0]), dec.bb), (5,), 1e9)
+    announced: dict[int, int] = {}
     for rank, shard in enumerate(_shards(full, src_tp)):
         spec = _spec(src_shards.heads_per_rank)
         pool = KVPool(spec, 6)
@@ -252,21 +259,25 @@ def test_chunk_planners_of_every_prefill_rank_fill_every_decode_rank_with_its_he
         slices = rank_block_slices(spec, src_shards, dst_shards, rank)
         # its head slice of a block, once per decode rank holding it; nothing from a replica
         sent = spec.block_bytes * dst_shards.replicas if src_shards.is_writer(rank) else 0
-        assert sum(length for _, (_, _, length) in slices) == sent
-        for dst_rank, block_slice in slices:
-            dec = decs[dst_rank]
+        assert sum(r.block_slice[2] for r in slices) == sent
+        for rank_slice in slices:
+            dec = decs[rank_slice.dst_rank]
             addrs = tuple(dec.pool.block_addr(b) for b in dst_ids)
-            planner = ChunkPlanner(10, 4, spec.block_bytes, addrs, dec.bb, block_slice)
+            planner = ChunkPlanner(10, 4, spec.block_bytes, addrs, dec.bb, rank_slice)
             writes = (planner.plan(0, 8, (4, 1), False), planner.plan(1, 10, (2,), True))
-            assert [w.num_bytes for w in writes] == [2 * block_slice[2], block_slice[2]]
+            length = rank_slice.block_slice[2]
+            assert [w.num_bytes for w in writes] == [2 * length, length]
             for write in writes:
-                imms[dst_rank].add(write.imm)
                 for span in write.spans:
                     start = span.remote_addr - dec.pool.base_addr
                     chunk = pool.raw[span.local_offset : span.local_offset + span.length]
                     dec.pool.raw[start : start + span.length] = chunk
-    # one immediate per chunk and decode rank, whichever prefill rank writes it
-    assert [len(i) for i in imms.values()] == [2] * dst_tp
+                assert leases[rank_slice.dst_rank].on_immediate(*unpack_imm(write.imm)) is None
+            announced[rank_slice.dst_rank] = planner.num_writes  # the same from every writer
+    for table, num_writes in zip(leases, [announced[d] for d in range(dst_tp)], strict=True):
+        done = protocol.PrefillDone("r", "lease", ok=True, first_token=1, num_writes=num_writes)
+        verdict = table.on_done(done)
+        assert verdict is not None and verdict.ok, verdict
     for d, shard in zip(decs, _shards(full, dst_tp), strict=True):
         assert torch.equal(_bits(d.pool.tensor[dst_ids]), _bits(shard[src_ids]))
         assert not d.pool.tensor[[1, 2, 4]].any() and d.guards_intact()

@@ -83,11 +83,11 @@ def test_tp2_of_weights_kept_as_q8_0_decodes_as_tp1(rank_results, tp1):
 
 def test_tp2_prefill_hands_its_heads_to_a_tp1_decode_that_decodes_as_tp1(rank_results, tp1):
     """Each prefill rank writes its head of every block (32 KiB a block, one head of tiny's two)
-    into the one decode pool: one immediate per chunk from each, then greedy as TP1."""
+    into the one decode pool: a distinct immediate per chunk from each, then greedy as TP1."""
     decode = rank_results[2]["handoff_2_to_1"]
     assert decode["tokens"] == tp1[None]["tokens"][0]
     assert decode["senders"] == [0, 1] and len(decode["imms"]) == 3 * 2
-    assert len(set(decode["imms"])) == 3  # the two ranks' writes of a chunk share its immediate
+    assert len(set(decode["imms"])) == 6  # (slot, chunk * 2 + writer): each write counts
     for rank in (0, 1):
         prefill = rank_results[rank]["handoff_2_to_1"]
         assert prefill == {"sent": 3 * HEAD_BYTES, "kv_heads_held": 1}  # 3 blocks, 1 head each

@@ -262,20 +262,45 @@ def piece_bytes(piece: HeadPiece, head_bytes: int) -> tuple[int, int, int]:
     return h0 * head_bytes, piece.dst_head_offset * head_bytes, (h1 - h0) * head_bytes
 
 
+@dataclass(frozen=True, slots=True)
+class RankSlice:
+    """What one prefill rank writes of every block into one decode rank: bytes ``block_slice``
+    = (start in the local block, start in the decode block, length), as writer ``writer`` of the
+    ``num_writers`` prefill ranks that write into that decode rank. Each writes every chunk, so
+    the decode rank counts ``num_writers`` writes a chunk (write index ``chunk * num_writers +
+    writer``: distinct immediates, as its write lease wants)."""
+
+    dst_rank: int
+    block_slice: tuple[int, int, int]
+    writer: int = 0
+    num_writers: int = 1
+
+
 def rank_block_slices(
     spec: KVCacheSpec, src: KVHeadShards, dst: KVHeadShards, src_rank: int
-) -> list[tuple[int, tuple[int, int, int]]]:
-    """What source rank ``src_rank`` (its pool laid out as ``spec``) writes of every block: per
-    decode rank it writes to, ``(decode rank, piece_bytes(...))``; none for a replica that is not
-    its heads' writer. ``ChunkPlanner(block_slice=...)`` plans a chunk from one of them."""
+) -> list[RankSlice]:
+    """What source rank ``src_rank`` (its pool laid out as ``spec``) writes of every block, per
+    decode rank it writes to; none for a replica that is not its heads' writer.
+    ``ChunkPlanner(rank_slice=...)`` plans a chunk's write from one of them."""
     if spec.num_kv_heads != src.heads_per_rank:
         raise KVLayoutError(
             f"a rank of TP {src.tp_size} holds {src.heads_per_rank} of {src.num_kv_heads} KV "
             f"heads, but its KV layout has {spec.num_kv_heads}"
         )
+    slices = []
+    for piece in reshard_pieces(src, dst, src_rank):
+        writers = decode_writers(src, dst, piece.dst_rank)
+        block_slice = piece_bytes(piece, spec.head_bytes)
+        slices.append(RankSlice(piece.dst_rank, block_slice, writers.index(src_rank), len(writers)))
+    return slices
+
+
+def decode_writers(src: KVHeadShards, dst: KVHeadShards, dst_rank: int) -> list[int]:
+    """The source ranks that write into decode rank ``dst_rank``, in rank order."""
     return [
-        (piece.dst_rank, piece_bytes(piece, spec.head_bytes))
-        for piece in reshard_pieces(src, dst, src_rank)
+        s
+        for s in range(src.tp_size)
+        if any(p.dst_rank == dst_rank for p in reshard_pieces(src, dst, s))
     ]
 
 

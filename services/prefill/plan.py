@@ -3,8 +3,10 @@
 ``ChunkPlanner`` turns each ``ChunkReady`` of the engine (local block ids of the chunk's blocks)
 into one batched write: scatter-gather spans from the local KV pool to the decode worker's
 reserved blocks, runs of adjacent blocks merged into one span, tagged with the immediate
-``(slot, chunk)``. Whole blocks by default; under tensor parallelism (``block_slice``, from
-``kv_writes.rank_block_slices``) a rank's head slice of each block into one decode rank's blocks. ``PrefillTimeline`` accounts the time: queue, compute (forward passes), transfer
+``(slot, chunk)``. Whole blocks by default; under tensor parallelism (``rank_slice``, from
+``kv_writes.rank_block_slices``) a rank's head slice of each block into one decode rank's blocks,
+tagged ``(slot, chunk * num_writers + writer)`` so that the decode rank counts every prefill
+rank's write of a chunk (``num_writes`` announces them all). ``PrefillTimeline`` accounts the time: queue, compute (forward passes), transfer
 (write durations) and the part of the transfer that compute did not hide.
 """
 
@@ -13,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from kvmesh.services.prefill.kv_writes import block_slice_spans
+from kvmesh.services.prefill.kv_writes import RankSlice, block_slice_spans
 from kvmesh.shared.kv.imm import imm_slot, pack_imm
 
 
@@ -49,8 +51,9 @@ class ChunkWrite:
 class ChunkPlanner:
     """The writes of one request: prompt block ``i`` goes to ``block_addrs[i]`` on the decode.
 
-    ``block_slice``: ``(local start, remote start, length)`` bytes of every block to write (a TP
-    rank's heads, ``kv_writes.rank_block_slices``); None: whole blocks, of one size both sides."""
+    ``rank_slice``: what of every block this TP rank writes, as which of the decode rank's
+    writers (``kv_writes.rank_block_slices``); None: whole blocks, of one size both sides, one
+    writer."""
 
     def __init__(
         self,
@@ -59,8 +62,9 @@ class ChunkPlanner:
         block_bytes: int,
         remote_block_addrs: tuple[int, ...],
         remote_block_bytes: int,
-        block_slice: tuple[int, int, int] | None = None,
+        rank_slice: RankSlice | None = None,
     ) -> None:
+        block_slice = None if rank_slice is None else rank_slice.block_slice
         if block_slice is None and remote_block_bytes != block_bytes:
             raise KVSpecMismatchError(
                 f"the decode worker's KV blocks are {remote_block_bytes} bytes, this prefill "
@@ -82,7 +86,7 @@ class ChunkPlanner:
         self.block_size = block_size
         self.block_bytes = block_bytes
         self.remote_block_addrs = remote_block_addrs
-        self.block_slice = (0, 0, block_bytes) if block_slice is None else block_slice
+        self.rank_slice = rank_slice or RankSlice(0, (0, 0, block_bytes))
         self.slot = imm_slot(remote_block_addrs[0], remote_block_bytes)
         self.num_blocks_planned = 0
         self.num_chunks_planned = 0
@@ -110,12 +114,19 @@ class ChunkPlanner:
         spans = tuple(
             WriteSpan(*span)
             for span in block_slice_spans(
-                local_block_ids, remote, self.block_bytes, *self.block_slice
+                local_block_ids, remote, self.block_bytes, *self.rank_slice.block_slice
             )
         )
         self.num_blocks_planned = end_block
         self.num_chunks_planned += 1
-        return ChunkWrite(chunk_index, pack_imm(self.slot, chunk_index), spans, is_last)
+        r = self.rank_slice
+        imm = pack_imm(self.slot, chunk_index * r.num_writers + r.writer)
+        return ChunkWrite(chunk_index, imm, spans, is_last)
+
+    @property
+    def num_writes(self) -> int:
+        """The writes the decode counts for the chunks planned so far, from every writer."""
+        return self.num_chunks_planned * self.rank_slice.num_writers
 
 
 @dataclass(frozen=True, slots=True)

@@ -90,11 +90,11 @@ async def handoff(
     block addresses, the first token); a decode rank returns its tokens and what it received."""
     import msgspec
     import torch.distributed as dist
-    from kvmesh.services.prefill.kv_writes import rank_block_slices
+    from kvmesh.services.prefill.kv_writes import decode_writers, rank_block_slices
     from kvmesh.services.prefill.plan import ChunkPlanner
     from kvmesh.shared.engine.llm_engine import EngineConfig, LLMEngine
     from kvmesh.shared.engine.outputs import collect_tokens
-    from kvmesh.shared.kv.head_shards import KVHeadShards, reshard_pieces
+    from kvmesh.shared.kv.head_shards import KVHeadShards
     from kvmesh.shared.model.tensor_parallel import shard_model
     from kvmesh.shared.text.sampling import SamplingOptions
     from kvmesh.shared.transport import (
@@ -146,13 +146,13 @@ async def handoff(
             source = tx.register(memory)
             spec = engine.kv_pool.spec
             writers = []
-            for d, block_slice in rank_block_slices(spec, src, dst, prefill_ranks.index(rank)):
-                info = decodes[d]
+            for rank_slice in rank_block_slices(spec, src, dst, prefill_ranks.index(rank)):
+                info = decodes[rank_slice.dst_rank]
                 peer = msgspec.json.decode(info["peer"], type=TransportDescriptor)
                 endpoint = await stack.enter_async_context(await tx.connect(peer))
                 addrs = tuple(info["addrs"])
                 planner = ChunkPlanner(
-                    len(prompt), 16, spec.block_bytes, addrs, info["block_bytes"], block_slice
+                    len(prompt), 16, spec.block_bytes, addrs, info["block_bytes"], rank_slice
                 )
                 writers.append((planner, endpoint, info["rkey"]))
             chunks = []
@@ -173,12 +173,7 @@ async def handoff(
                     first_token = chunk.first_token if chunk.is_last else first_token
                 chunks.clear()
         if rank in decode_ranks:  # a chunk's write from every prefill rank holding its heads
-            d = decode_ranks.index(rank)
-            senders = [
-                s
-                for s in range(src.tp_size)
-                if any(p.dst_rank == d for p in reshard_pieces(src, dst, s))
-            ]
+            senders = decode_writers(src, dst, decode_ranks.index(rank))
             num_chunks = -(-len(prompt) // config.max_num_batched_tokens)
             imms = [
                 (await asyncio.wait_for(tx.completion_queue.get(), 60)).imm
