@@ -11,6 +11,7 @@ from kvmesh.kernels import cpu_ops
 from kvmesh.shared.config.private_path import (
     UntrustedPathError,
     check_ancestors,
+    open_parent,
     private_dir,
     trusted_file,
 )
@@ -48,13 +49,42 @@ def test_private_dir_refuses_a_folder_of_another_user(tmp_path):
 
 def test_check_ancestors_refuses_a_folder_others_can_write_above(tmp_path):
     os.chmod(tmp_path, 0o777)  # anyone could rename our folder away and put theirs in its place
-    with pytest.raises(UntrustedPathError, match="writable by others"):
+    with pytest.raises(UntrustedPathError, match="writable by other users"):
         check_ancestors(tmp_path / "cache" / "x.so")
 
 
-def test_check_ancestors_accepts_a_sticky_shared_folder_above(tmp_path):
-    os.chmod(tmp_path, 0o1777)  # /tmp: others may not rename or remove what is ours
+@as_root
+def test_check_ancestors_accepts_a_sticky_shared_folder_above_only_if_roots(tmp_path):
+    os.chmod(tmp_path, 0o1777)  # root's, as /tmp: others may not rename or remove what is ours
     check_ancestors(tmp_path / "cache" / "x.so")
+    os.chown(tmp_path, NOBODY, NOBODY)  # sticky, but its owner may rename anything in it
+    with pytest.raises(UntrustedPathError, match="owned by uid 65534"):
+        check_ancestors(tmp_path / "cache" / "x.so")
+
+
+def test_one_walk_for_every_caller_links_followed_only_when_trusted(tmp_path):
+    """check_ancestors (the kernel cache, kvmesh up's state) and the kv-store's --disk-path
+    share open_parent's walk: a link on the way is walked where it points, and the refusal is
+    the same words for both."""
+    from kvmesh.services.kv_store.disk_file import check_disk_dir
+    from kvmesh.shared.config.service_errors import ServiceStartError
+
+    real = tmp_path / "real"
+    (real / "tier").mkdir(parents=True, mode=0o700)
+    os.chmod(real, 0o770)
+    (tmp_path / "link").symlink_to(real, target_is_directory=True)
+    why = f"{real} above it is writable by other users"
+    with pytest.raises(UntrustedPathError, match=why):
+        check_ancestors(tmp_path / "link" / "tier" / "x.so")
+    with pytest.raises(ServiceStartError, match=why):
+        check_disk_dir(str(tmp_path / "link" / "tier"))
+    os.chmod(real, 0o700)
+    check_ancestors(tmp_path / "link" / "tier" / "x.so")
+    fd, name = open_parent(tmp_path / "link" / "tier")
+    try:
+        assert name == "tier" and os.path.samestat(os.fstat(fd), os.stat(real))
+    finally:
+        os.close(fd)
 
 
 @as_root

@@ -7,12 +7,13 @@ exist, be a directory itself (not a symlink to one: it is opened with ``O_NOFOLL
 by the store's user and writable by nobody else (no group or other write bit: another user
 could rename the file away during preallocation, which crashed the store and left a 1 GiB file
 behind; issue 27), or the store refuses to start and says which. Every directory above it
-is checked too, as sshd's StrictModes does (issue 40: only the last component was): each is
-owned by this user or root and writable by no one else, unless it is root's and sticky (as
-``/tmp``: others may not rename what is not theirs in it); the path is resolved first, then
-walked from ``/`` one ``O_NOFOLLOW`` open at a time, so no component is a symlink when it is
-checked. The checks are made on the opened directories (``fstat``); the last is the one the
-file is created in. The file is the store's
+is checked too, as sshd's StrictModes does (issue 40: only the last component was), by the walk
+the kernel cache and kvmesh up's state folder share (shared/config/private_path.py
+``open_parent``): each is owned by this user or root and writable by no one else, unless it is
+root's and sticky (as ``/tmp``: others may not rename what is not theirs in it); it is walked
+from ``/`` one ``O_NOFOLLOW`` open at a time, a symlink on the way followed only when root's or
+ours, so no component is a symlink when it is checked. The checks are made on the opened
+directories (``fstat``); the last is the one the file is created in. The file is the store's
 own: created there with ``O_CREAT | O_EXCL | O_NOFOLLOW`` and mode 0600 under a fresh name
 (``kvmesh-kv-store-<pid>-<hex>.blocks``), so it can be neither a planted file nor a symlink,
 unlinked at once, then preallocated (a full disk fails the start, not a spill): its space
@@ -26,56 +27,23 @@ from __future__ import annotations
 import errno
 import os
 import secrets
-import stat
 from pathlib import Path
 
+from kvmesh.shared.config.private_path import UntrustedPathError, open_parent
 from kvmesh.shared.config.service_errors import ServiceStartError
 from kvmesh.shared.kv.kv_block_header import HEADER_BYTES
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-def _check_parent(path: str | Path, parent: str, st: os.stat_result) -> None:
-    """A directory above ``--disk-path``: root's or this user's, and writable by no one else
-    (root's sticky directories, such as /tmp, excepted)."""
-    if st.st_uid not in (0, os.geteuid()):
-        raise ServiceStartError(
-            f"--disk-path {path}: {parent} above it is owned by uid {st.st_uid}, who could "
-            f"swap the directory; use a path whose every directory is root's or this user's"
-        )
-    if st.st_mode & 0o022 and not (st.st_uid == 0 and st.st_mode & stat.S_ISVTX):
-        raise ServiceStartError(
-            f"--disk-path {path}: {parent} above it is writable by other users (mode "
-            f"{st.st_mode & 0o7777:o}), who could swap the directory; chmod go-w {parent}"
-        )
-
-
 def _open_parent(path: str | Path) -> tuple[int, str]:
-    """An fd of ``path``'s parent directory, reached from ``/`` one ``O_NOFOLLOW`` open at a
-    time with each directory on the way checked (``_check_parent``), and the last name."""
-    parent, name = os.path.split(os.path.abspath(path))
-    if not name:
-        raise ServiceStartError(f"--disk-path {path}: the root directory; give a directory")
-    fd = os.open("/", _DIR_FLAGS)
-    walked = "/"
+    """An fd of ``path``'s parent directory, every directory from ``/`` down to it checked on
+    its fd (shared/config/private_path.py ``open_parent``, the walk every caller shares), and
+    the last name; ServiceStartError saying which directory and what to do."""
     try:
-        _check_parent(path, walked, os.fstat(fd))
-        for part in Path(os.path.realpath(parent)).parts[1:]:
-            walked = os.path.join(walked, part)
-            try:
-                nxt = os.open(part, _DIR_FLAGS, dir_fd=fd)
-            except OSError as exc:
-                raise ServiceStartError(
-                    f"--disk-path {path}: cannot open {walked} above it: {exc.strerror} "
-                    f"(changed while checked?)"
-                ) from None
-            os.close(fd)
-            fd = nxt
-            _check_parent(path, walked, os.fstat(fd))
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd, name
+        return open_parent(path)
+    except UntrustedPathError as exc:
+        raise ServiceStartError(f"--disk-path {path}: {exc}") from None
 
 
 def open_disk_dir(path: str | Path) -> int:
