@@ -16,10 +16,11 @@ import urllib.request
 from pathlib import Path
 from typing import BinaryIO
 
+from kvmesh.commands.cpu_plan import CpuPlan
 from kvmesh.commands.nats_supervisor import NatsSupervisor
 from kvmesh.commands.restarts import LeaveDown, RestartPolicy, StopMesh
 from kvmesh.commands.up_config import TIERS, UpConfig
-from kvmesh.commands.up_plan import ChildSpec, plan, with_metrics_ports
+from kvmesh.commands.up_plan import ChildSpec, cpu_plan, plan, with_metrics_ports
 from kvmesh.shared.bus.mesh_state import MeshState, remove_state, running_meshes, write_state
 from kvmesh.shared.bus.nats_auth import (
     ADMIN,
@@ -61,6 +62,7 @@ class Launcher:
             None  # what this launcher recorded (shared/bus/mesh_state.py)
         )
         self.metrics_urls: dict[str, str] = {}  # service name -> its /metrics (set by start)
+        self.cpus: CpuPlan | None = None  # how the workers share the cores (set by start)
         self.left_down: set[str] = set()  # optional services that could not stay up
 
     @property
@@ -99,7 +101,8 @@ class Launcher:
             self._check_mesh_absent(url)
         if self.config.mode == "disagg":  # as admin, before any role connects: docs/security.md
             self._make_prefill_queue()
-        specs = plan(self.config, self.nats_url, self.port)
+        self.cpus = self._plan_cpus()
+        specs = plan(self.config, self.nats_url, self.port, self.cpus)
         ports = {s.name: free_port() for s in specs if s.tier != "router"}  # kept across restarts
         self.metrics_urls = {
             s.name: f"{self.url}/metrics"
@@ -118,6 +121,20 @@ class Launcher:
         write_state(self.state)
         for spec in with_metrics_ports(specs, ports):
             self._spawn(spec)
+
+    def _plan_cpus(self) -> CpuPlan:
+        """The cores' plan, off the cores other meshes' workers are pinned to where this machine
+        has enough others (pinned_cores.py); a line on stderr says where it pinned, or that it
+        shares pinned cores with another mesh."""
+        from kvmesh.commands.pinned_cores import pinned_workers, pinning_note, taken_cores
+
+        others = pinned_workers()
+        cpus = cpu_plan(self.config, taken_cores(others))
+        pinned = frozenset(cpu for role in cpus.roles.values() for cpu in role.cpus)
+        note = pinning_note(pinned, others) if pinned else ""
+        if note:
+            print(f"kvmesh up: {note}", file=sys.stderr, flush=True)
+        return cpus
 
     def _make_prefill_queue(self) -> None:
         from kvmesh.commands.queue_setup import make_prefill_queue

@@ -57,9 +57,10 @@ async def run_up(launcher: Launcher) -> int:
             + f"NATS {redact_url(launcher.nats_url)}); Ctrl-C stops it",
             flush=True,
         )
-        threads = ", ".join(f"{role} {n}" for role, n in split_cores(launcher.config).items())
+        cpus = launcher.cpus
+        threads = ", ".join(f"{role} {n}" for role, n in split_cores(launcher.config, cpus).items())
         print(f"kvmesh up: torch threads per worker: {threads}", flush=True)
-        print(f"kvmesh up: {cpu_plan(launcher.config).describe()}", flush=True)
+        print(f"kvmesh up: {(cpus or cpu_plan(launcher.config)).describe()}", flush=True)
         metrics = ", ".join(f"{name} {url}" for name, url in launcher.metrics_urls.items())
         print(f"kvmesh up: metrics: {metrics}", flush=True)
         await watch()

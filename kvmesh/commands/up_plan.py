@@ -27,13 +27,18 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
-def cpu_plan(config: UpConfig) -> CpuPlan:
+def cpu_plan(config: UpConfig, taken: frozenset[int] = frozenset()) -> CpuPlan:
     """How the workers share the cores (``cpu_plan.py``): the first ``--cores`` of those this
-    process may run on."""
+    process may run on, skipping ``taken`` (the cores other meshes' workers are pinned to:
+    pinned_cores.py) where enough are left to partition (two, or ``--cores``), else as if none
+    were taken (``pinned_cores.pinning_note`` says so)."""
     try:
         allowed = sorted(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         allowed = list(range(os.cpu_count() or 1))
+    free = [cpu for cpu in allowed if cpu not in taken]
+    if taken and len(free) >= max(2, config.cores or 0):
+        allowed = free
     cores = config.cores or len(allowed)
     cpus = frozenset(allowed[:cores]) if cores <= len(allowed) else frozenset(range(cores))
     return plan_cpus(
@@ -48,20 +53,24 @@ def cpu_plan(config: UpConfig) -> CpuPlan:
     )
 
 
-def split_cores(config: UpConfig) -> dict[str, int]:
+def split_cores(config: UpConfig, cpus: CpuPlan | None = None) -> dict[str, int]:
     """Torch threads per worker of each role: ``{"decode": n, "prefill": m}`` (or colocated),
     as ``cpu_plan`` shares the cores out (``cpu_plan.py``); both modes use the same cores, so
     they compare on equal hardware."""
     cores = config.cores or available_cores()
     # Draft workers (when asked for) run a small model or none: a quarter of the cores.
     draft = {"draft": max(1, cores // 4 // config.draft_workers)} if config.draft else {}
-    return {**cpu_plan(config).threads(), **draft}
+    return {**(cpus or cpu_plan(config)).threads(), **draft}
 
 
-def plan(config: UpConfig, nats_url: str, port: int) -> list[ChildSpec]:
-    """The ``kvmesh serve ...`` command of every service, in start order."""
-    threads = split_cores(config)
-    roles = cpu_plan(config).roles
+def plan(
+    config: UpConfig, nats_url: str, port: int, cpus: CpuPlan | None = None
+) -> list[ChildSpec]:
+    """The ``kvmesh serve ...`` command of every service, in start order (``cpus``: the cores'
+    plan, made here from ``config`` alone when not given)."""
+    cpus = cpus or cpu_plan(config)
+    threads = split_cores(config, cpus)
+    roles = cpus.roles
     assert config.mesh is not None
     common: tuple[str, ...] = ("--mesh", config.mesh)
     if not url_has_credentials(nats_url):  # else it reaches them in KVMESH_NATS_URL (ps shows argv)
