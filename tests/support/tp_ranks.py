@@ -92,8 +92,10 @@ async def handoff(
     import torch.distributed as dist
     from kvmesh.services.prefill.kv_writes import decode_writers, rank_block_slices
     from kvmesh.services.prefill.plan import ChunkPlanner
+    from kvmesh.services.prefill.tp_follower import HandOff, PrefillFollower
     from kvmesh.shared.engine.llm_engine import EngineConfig, LLMEngine
     from kvmesh.shared.engine.outputs import collect_tokens
+    from kvmesh.shared.engine.tp_leader import LeaderEngine
     from kvmesh.shared.kv.head_shards import KVHeadShards
     from kvmesh.shared.model.tensor_parallel import shard_model
     from kvmesh.shared.text.sampling import SamplingOptions
@@ -142,9 +144,16 @@ async def handoff(
         decodes = [(await exchange(mine))[r] for r in decode_ranks]
         first_token = None
         sent = 0
-        if rank in prefill_ranks:
+        is_follower = rank in prefill_ranks[1:]
+        if is_follower:  # replays the leader's engine calls, writes its heads of each chunk
+            source = tx.register(memory)
+            follower = PrefillFollower(engine, groups[prefill_ranks], tx, source, num_kv_heads=2)
+            sent = (await follower.run()).num_bytes
+        elif rank in prefill_ranks:  # the leader: the prefill worker's part
             source = tx.register(memory)
             spec = engine.kv_pool.spec
+            if len(prefill_ranks) > 1:
+                engine = LeaderEngine(engine, groups[prefill_ranks])
             writers = []
             for rank_slice in rank_block_slices(spec, src, dst, prefill_ranks.index(rank)):
                 info = decodes[rank_slice.dst_rank]
@@ -156,7 +165,14 @@ async def handoff(
                 )
                 writers.append((planner, endpoint, info["rkey"]))
             chunks = []
-            engine.add_request("r", prompt, params, prefill_only=True, on_chunk=chunks.append)
+            info = decodes[0]
+            hand_off = HandOff(
+                info["peer"], info["rkey"], tuple(info["addrs"]), info["block_bytes"]
+            )
+            note = {"note": hand_off} if isinstance(engine, LeaderEngine) else {}
+            engine.add_request(
+                "r", prompt, params, prefill_only=True, on_chunk=chunks.append, **note
+            )
             while engine.has_unfinished():
                 engine.step()
                 for chunk in chunks:
@@ -172,6 +188,8 @@ async def handoff(
                         sent += w.num_bytes
                     first_token = chunk.first_token if chunk.is_last else first_token
                 chunks.clear()
+            if isinstance(engine, LeaderEngine):
+                engine.close()
         if rank in decode_ranks:  # a chunk's write from every prefill rank holding its heads
             senders = decode_writers(src, dst, decode_ranks.index(rank))
             num_chunks = -(-len(prompt) // config.max_num_batched_tokens)

@@ -1,0 +1,104 @@
+"""Tensor-parallel ranks driven as one engine: the leader calls, the followers replay (SPMD).
+
+Every rank holds a whole ``LLMEngine`` over its share of the model (``shard_model``): the same
+scheduler, block manager and sampler, so given the same calls in the same order every rank
+schedules the same batches and samples the same tokens (the logits are all-gathered). Only the
+leader (group rank 0) talks to the outside; ``LeaderEngine`` is its engine: each call that changes
+engine state is broadcast to the followers (``EngineCall``, one ``broadcast_object_list`` over the
+TP group) before the leader makes it, and ``follow`` on each follower makes it too, until the
+leader's ``close``. Reads (``kv_pool``, ``has_unfinished`` ...) are the leader's own.
+
+Callbacks do not travel: a follower's ``on_call`` gives the keyword arguments it adds to a call
+(its own ``on_chunk``), from the call's ``note`` (what the leader tells followers beside the call,
+such as where a prefill job's KV goes). Calls on a ``LeaderEngine`` must come from one thread at a
+time, in the order the engine is to see them (the services already hold one engine lock).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+
+# LLMEngine methods that change its state: the followers make every one of them too
+FOLLOWED_METHODS = frozenset(
+    {
+        "add_request",
+        "step",
+        "abort",
+        "release",
+        "reserve_blocks",
+        "free_reserved",
+        "admit_prefilled",
+    }
+)
+STOP = "stop"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCall:
+    """One call of the leader's engine, as followers replay it; ``method`` STOP ends ``follow``."""
+
+    method: str
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    note: Any = None
+
+    def __post_init__(self) -> None:
+        assert self.method in FOLLOWED_METHODS or self.method == STOP, self.method
+
+
+class LeaderEngine:
+    """The leader's engine: an ``LLMEngine`` whose state-changing calls the followers replay."""
+
+    def __init__(self, engine: Any, group: dist.ProcessGroup | None = None) -> None:
+        assert dist.get_rank(group) == 0, "the leader is rank 0 of its TP group"
+        self.engine = engine
+        self.group = group
+        self.tp_size = dist.get_world_size(group)
+        self.is_closed = False
+
+    def __getattr__(self, name: str) -> Any:
+        if name in FOLLOWED_METHODS:
+            return lambda *args, **kwargs: self.call(name, *args, **kwargs)
+        return getattr(self.engine, name)
+
+    def call(self, method: str, *args: Any, note: Any = None, **kwargs: Any) -> Any:
+        """Tell the followers, then make the call here. ``on_chunk`` stays here (followers bring
+        their own); ``note`` goes to the followers only."""
+        assert not self.is_closed, "the followers stopped: this leader engine is closed"
+        sent = {k: v for k, v in kwargs.items() if k != "on_chunk"}
+        _broadcast(EngineCall(method, args, sent, note), self.group)
+        return getattr(self.engine, method)(*args, **kwargs)
+
+    def close(self) -> None:
+        """Stop the followers (their ``follow`` returns)."""
+        if not self.is_closed:
+            self.is_closed = True
+            _broadcast(EngineCall(STOP), self.group)
+
+
+def follow(
+    engine: Any,
+    group: dist.ProcessGroup | None = None,
+    on_call: Callable[[EngineCall], dict[str, Any]] | None = None,
+) -> int:
+    """Replay the leader's calls on ``engine`` until it closes; returns how many were made.
+    ``on_call(call)``: keyword arguments this rank adds to the call (``on_chunk``)."""
+    assert dist.get_rank(group) != 0, "rank 0 of the TP group leads; the others follow"
+    num_calls = 0
+    while True:
+        call = _broadcast(None, group)
+        if call.method == STOP:
+            return num_calls
+        extra = on_call(call) if on_call is not None else {}
+        getattr(engine, call.method)(*call.args, **call.kwargs, **extra)
+        num_calls += 1
+
+
+def _broadcast(call: EngineCall | None, group: dist.ProcessGroup | None) -> EngineCall:
+    box = [call]
+    dist.broadcast_object_list(box, group=group, group_src=0)
+    return box[0]
