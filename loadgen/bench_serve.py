@@ -15,7 +15,8 @@ defaults (on the same ``--mesh-cpus``), colocated swept over ``--colocated-budge
 of that sweep under ``--slo`` taken as the baseline; a URL is an OpenAI-compatible server started
 elsewhere (e.g. llama.cpp's llama-server). After every run it prints where the first token's
 time went: per request, the stages a kvmesh router timed, at p50 and p99; per role, the CPU
-time its processes used and the time their threads waited, runnable, for a core.
+time its processes used and the time their threads waited, runnable, for a core (with
+``--base-url`` of a local kvmesh mesh, every process of that mesh: ``mesh_processes.py``).
 
 ``--workload longtail`` is a named workload (``workload_presets``): prompt lengths drawn from a
 clipped normal, text cut from a shipped corpus (``--prompt-source corpus``), gamma arrivals.
@@ -216,9 +217,9 @@ def _target(config: ServeBenchConfig, target: Target) -> Iterator[tuple[str, dic
     roles: dict[str, list[int]] = {"loadgen": [os.getpid()]}
     if target.mode is None:
         assert target.url is not None
-        pid = _local_server_pid(target.url)
-        if pid is not None:
-            roles["server"] = [pid]
+        from kvmesh.loadgen.mesh_processes import server_roles
+
+        roles.update(server_roles(target.url))  # a local kvmesh mesh: every role's processes
         yield target.url, roles
         return
     from kvmesh.testing.mesh import local_mesh
@@ -252,17 +253,6 @@ def _target(config: ServeBenchConfig, target: Target) -> Iterator[tuple[str, dic
         if mesh.nats is not None:
             roles["nats"] = [mesh.nats.pid]
         yield mesh.url, roles
-
-
-def _local_server_pid(url: str) -> int | None:
-    import urllib.parse
-
-    from kvmesh.loadgen.proc_sched import pid_listening_on
-
-    split = urllib.parse.urlsplit(url)
-    if split.hostname not in ("127.0.0.1", "localhost", "::1"):
-        return None
-    return pid_listening_on(split.port or 80)
 
 
 def _sweep(

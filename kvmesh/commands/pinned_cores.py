@@ -4,7 +4,7 @@ their decode workers to CPU 1, each planning as if it had the machine to itself)
 
 A pinned worker is a ``kvmesh serve`` process started with ``--cpus LIST`` (cpu_plan.py's
 ``partition``): its command line says its mesh, its worker id and its cores, and every user may
-read it in ``/proc/<pid>/cmdline`` as ``ps`` does. So the claim on a core is the process itself:
+read it in ``/proc/<pid>/cmdline`` as ``ps`` does (serve_processes.py). So the claim on a core is the process itself:
 nothing to write, nothing stale after a crash, other users' meshes seen too. The launcher reads
 them once, before it plans and starts its own workers (``cpu_plan(config, taken)`` in
 up_plan.py); two ``kvmesh up`` started within the same few milliseconds can still miss each
@@ -17,6 +17,12 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvmesh.commands.serve_processes import (
+    PROC,
+    ServeCommand,
+    serve_command,
+    serve_processes,
+)
 from kvmesh.shared.config.cpu_placement import format_cpu_list, parse_cpu_list
 
 
@@ -33,32 +39,21 @@ class PinnedWorker:
 
 def parse_worker(pid: int, argv: Sequence[str]) -> PinnedWorker | None:
     """The pinned kvmesh worker ``argv`` starts, or None (not kvmesh serve, or not pinned)."""
-    if "serve" not in argv or "--cpus" not in argv:
-        return None
-    serve = argv.index("serve")
-    if not any(part.endswith(("kvmesh", "kvmesh.cli")) for part in argv[:serve]):
-        return None
-    flags = dict(zip(argv[serve + 2 :], argv[serve + 3 :], strict=False))  # flag -> next word
-    try:
-        cpus = parse_cpu_list(flags["--cpus"])
-    except (KeyError, ValueError):
-        return None
-    worker_id = flags.get("--worker-id", argv[serve + 1] if serve + 1 < len(argv) else "?")
-    return PinnedWorker(pid, flags.get("--mesh", "?"), worker_id, cpus)
+    command = serve_command(pid, argv)
+    return None if command is None else _pinned(command)
 
 
-def pinned_workers(proc: Path = Path("/proc")) -> list[PinnedWorker]:
+def pinned_workers(proc: Path = PROC) -> list[PinnedWorker]:
     """Every pinned kvmesh worker running on this machine (none where /proc is not Linux's)."""
-    found = []
-    for entry in proc.glob("[0-9]*"):
-        try:
-            raw = (entry / "cmdline").read_bytes()
-        except OSError:  # gone meanwhile, or not ours to read
-            continue
-        worker = parse_worker(int(entry.name), raw.decode(errors="replace").split("\0"))
-        if worker is not None:
-            found.append(worker)
-    return sorted(found, key=lambda w: w.pid)
+    return [w for w in map(_pinned, serve_processes(proc)) if w is not None]
+
+
+def _pinned(command: ServeCommand) -> PinnedWorker | None:
+    try:
+        cpus = parse_cpu_list(command.flags["--cpus"])
+    except (KeyError, ValueError):  # not pinned
+        return None
+    return PinnedWorker(command.pid, command.mesh, command.worker_id, cpus)
 
 
 def taken_cores(workers: Iterable[PinnedWorker]) -> frozenset[int]:
