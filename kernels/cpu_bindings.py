@@ -16,6 +16,7 @@ from kvmesh.kernels.cpu_plans import (
     DecodePlan,
     KVQuant,
     PackedWeight,
+    QuantDecodeLayerWeights,
     check_f32_contiguous,
     decode_plan,
 )
@@ -48,6 +49,15 @@ _SIGNATURES = {
         *(_i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _f32),
         *(_ptr, _i64, _i64, _ptr, _ptr),
     ),
+    # as kv_decode_layer's, with the four weights' format codes (int64 *) before the weights
+    # and the quantized activation's room (xq, xs) after the work buffers
+    "kv_decode_layer_quant": (
+        *(_ptr, _i64, _i64, _ptr, _ptr, _f32, _ptr),
+        *(_ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr),
+        *(_i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr),
+        *(_i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _f32),
+        *(_ptr, _i64, _i64, _ptr, _ptr),
+    ),
 }
 
 
@@ -65,6 +75,7 @@ class CpuOps:
         self._decode_attention = lib.kv_decode_attention
         self._linear = lib.kv_linear
         self._decode_layer = lib.kv_decode_layer
+        self._decode_layer_quant = lib.kv_decode_layer_quant
         self._qlinear = lib.kv_qlinear
 
     def quant_linear(
@@ -230,31 +241,8 @@ class CpuOps:
         residual stream x (batch, hidden) after attention and MLP, a new tensor. Rotates, stores
         and attends as ``decode_attention`` does, with ``kv``'s cache, tables and plan; runs on
         ``torch.get_num_threads()`` threads in one parallel region."""
-        check_f32_contiguous(x=x, cos=kv.cos, sin=kv.sin)
+        attention, quant = _layer_attention_args(x, w, kv)
         batch, hidden = x.shape
-        k_cache, v_cache, plan = kv.k_cache, kv.v_cache, kv.plan
-        _, block_size, num_kv_heads, d = k_cache.shape
-        strides = k_cache.stride()
-        num_threads = torch.get_num_threads()
-        assert hidden == w.hidden and num_kv_heads == w.num_kv_heads and d == w.head_dim, (
-            x.shape,
-            k_cache.shape,
-        )
-        assert kv.cos.shape == kv.sin.shape == (batch, 1, d), (kv.cos.shape, kv.sin.shape)
-        assert k_cache.dtype == v_cache.dtype and _is_cache_dtype(k_cache.dtype, kv.scales)
-        assert k_cache.is_cpu
-        assert v_cache.shape == k_cache.shape and v_cache.stride() == strides
-        assert strides[1] == d and strides[3] == 1, strides
-        assert kv.block_tables.dtype == kv.context_lens.dtype == torch.int64
-        assert kv.block_tables.is_contiguous() and kv.context_lens.is_contiguous()
-        assert kv.block_tables.shape[0] == kv.context_lens.shape[0] == batch
-        width = kv.block_tables.shape[1]
-        stride = plan.scratch.shape[1]
-        assert plan.batch == batch and plan.scratch.shape[0] >= num_threads, (
-            "the plan was made for another step or thread count"
-        )
-        assert stride >= width * block_size * (w.num_q_heads // num_kv_heads), plan.scratch.shape
-        quant = _quant_args(kv.scales, plan, k_cache)
         n_qkv, n_attn, inter = w.wqkv.out_features, w.wo.panels.shape[1], w.inter
         out = x.clone()
         # one allocation, cut into contiguous (batch, n) buffers
@@ -273,27 +261,100 @@ class CpuOps:
             *_weight_bias(w.w_down, w.b_down),
             inter,
             *(t.data_ptr() for t in work),  # xn, qkv, attn, gu, act
-            w.num_q_heads,
-            num_kv_heads,
-            d,
-            kv.cos.data_ptr(),
-            kv.sin.data_ptr(),
-            k_cache.data_ptr(),
-            v_cache.data_ptr(),
-            strides[0],
-            strides[2],
-            block_size,
-            kv.block_tables.data_ptr(),
-            width,
-            kv.context_lens.data_ptr(),
-            w.scale,
-            plan.scratch.data_ptr(),
-            stride,
-            num_threads,
-            None if quant is None else ctypes.addressof(quant),
-            _tree_arg(plan),
+            *attention,
         )
+        del quant  # alive until the call returned
         return out
+
+    def decode_layer_quant(
+        self, x: torch.Tensor, w: QuantDecodeLayerWeights, kv: DecodeLayerKV
+    ) -> torch.Tensor:
+        """``decode_layer`` over weights kept in their block formats (``kv_decode_layer_quant``
+        in ``cpu_layer.c``): each linear layer's input quantized per block of 32 to int8 as
+        ``quant_linear`` does, so the result is bit for bit the per-module path's (``QuantLinear``
+        on ``quant_linear``, the separate norm, SiLU and attention kernels). A new tensor."""
+        attention, quant = _layer_attention_args(x, w, kv)
+        batch, hidden = x.shape
+        n_qkv, n_attn, inter = w.wqkv.rows, w.wo.cols, w.inter
+        out = x.clone()
+        sizes = (hidden, n_qkv, n_attn, 2 * inter, inter, quant_scale_stride(w.max_in_features))
+        work = x.new_empty(batch * sum(sizes)).split([batch * n for n in sizes])
+        xq = torch.empty(batch, w.max_in_features, dtype=torch.int8)
+        self._decode_layer_quant(
+            out.data_ptr(),
+            batch,
+            hidden,
+            w.attn_norm.data_ptr(),
+            w.ffn_norm.data_ptr(),
+            w.eps,
+            w.formats.data_ptr(),
+            *_quant_weight_bias(w.wqkv, w.bqkv),
+            *_quant_weight_bias(w.wo, w.bo),
+            *_quant_weight_bias(w.w_gate_up, w.b_gate_up),
+            *_quant_weight_bias(w.w_down, w.b_down),
+            inter,
+            *(t.data_ptr() for t in work[:5]),  # xn, qkv, attn, gu, act
+            xq.data_ptr(),
+            work[5].data_ptr(),  # xs
+            *attention,
+        )
+        del quant
+        return out
+
+
+def _layer_attention_args(
+    x: torch.Tensor, w: DecodeLayerWeights | QuantDecodeLayerWeights, kv: DecodeLayerKV
+) -> tuple[tuple, KVQuant | None]:
+    """The fused layers' attention arguments (heads, cache, tables, plan, threads, fp8/int8
+    and tree structs) after checking them against x (batch, hidden) and the layer; and the
+    ``KVQuant`` they point into, to keep alive through the call."""
+    check_f32_contiguous(x=x, cos=kv.cos, sin=kv.sin)
+    batch, hidden = x.shape
+    k_cache, v_cache, plan = kv.k_cache, kv.v_cache, kv.plan
+    _, block_size, num_kv_heads, d = k_cache.shape
+    strides = k_cache.stride()
+    num_threads = torch.get_num_threads()
+    assert hidden == w.hidden and num_kv_heads == w.num_kv_heads and d == w.head_dim, (
+        x.shape,
+        k_cache.shape,
+    )
+    assert kv.cos.shape == kv.sin.shape == (batch, 1, d), (kv.cos.shape, kv.sin.shape)
+    assert k_cache.dtype == v_cache.dtype and _is_cache_dtype(k_cache.dtype, kv.scales)
+    assert k_cache.is_cpu
+    assert v_cache.shape == k_cache.shape and v_cache.stride() == strides
+    assert strides[1] == d and strides[3] == 1, strides
+    assert kv.block_tables.dtype == kv.context_lens.dtype == torch.int64
+    assert kv.block_tables.is_contiguous() and kv.context_lens.is_contiguous()
+    assert kv.block_tables.shape[0] == kv.context_lens.shape[0] == batch
+    width = kv.block_tables.shape[1]
+    stride = plan.scratch.shape[1]
+    assert plan.batch == batch and plan.scratch.shape[0] >= num_threads, (
+        "the plan was made for another step or thread count"
+    )
+    assert stride >= width * block_size * (w.num_q_heads // num_kv_heads), plan.scratch.shape
+    quant = _quant_args(kv.scales, plan, k_cache)
+    args = (
+        w.num_q_heads,
+        num_kv_heads,
+        d,
+        kv.cos.data_ptr(),
+        kv.sin.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        strides[0],
+        strides[2],
+        block_size,
+        kv.block_tables.data_ptr(),
+        width,
+        kv.context_lens.data_ptr(),
+        w.scale,
+        plan.scratch.data_ptr(),
+        stride,
+        num_threads,
+        None if quant is None else ctypes.addressof(quant),
+        _tree_arg(plan),
+    )
+    return args, quant
 
 
 def _tree_arg(plan: DecodePlan) -> int | None:
@@ -346,6 +407,10 @@ def _quant_args(
 
 def _weight_bias(weight: PackedWeight, bias: torch.Tensor | None) -> tuple[int, int | None]:
     return weight.panels.data_ptr(), None if bias is None else bias.data_ptr()
+
+
+def _quant_weight_bias(weight: QuantWeight, bias: torch.Tensor | None) -> tuple[int, int | None]:
+    return weight.data.data_ptr(), None if bias is None else bias.data_ptr()
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

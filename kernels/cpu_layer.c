@@ -83,3 +83,75 @@ void kv_decode_layer(float *x, int64_t batch, int64_t hidden, const float *attn_
         kv_linear_share(act, batch, inter, wdown, hidden, bdown, x, t, nt, 1);
     }
 }
+
+/* The same layer over weights kept in their GGUF block format (cpu_quant.c; CpuOps.
+ * decode_layer_quant). Each linear layer's input rows are quantized per block of 32 to int8 by
+ * the threads that produced them (right after their RMSNorm or SiLU-and-multiply, or after a
+ * barrier for the attention's output, whose units cut across rows), then every thread multiplies
+ * its share of the weight's output features by all rows (kv_qlinear_share):
+ *
+ *   xn = rms_norm(x), q(xn) -> qkv = q(xn) Wqkv -> rotary, KV store -> attention -> q(attn)
+ *   -> x += q(attn) Wo -> xn = rms_norm(x), q(xn) -> gu = q(xn) Wgate_up
+ *   -> act = silu(gate) * up, q(act) -> x += q(act) Wdown
+ *
+ * The same kernels in the same order as the per-module path (QuantLinear on CpuOps.quant_linear,
+ * which quantizes its input rows the same way), so the result is bit for bit that path's.
+ * fmts: the four weights' formats (KV_Q8_0 ...) in the order wqkv, wo, wgu, wdown; xq (batch,
+ * max_k) int8 and xs (batch, qk_scale_stride(max_k)) float: room for one quantized input, max_k
+ * the widest of hidden, num_q_heads * d and inter. Other arguments as kv_decode_layer's. */
+void kv_decode_layer_quant(float *x, int64_t batch, int64_t hidden, const float *attn_norm,
+                           const float *ffn_norm, float eps, const int64_t *fmts,
+                           const uint8_t *wqkv, const float *bqkv, const uint8_t *wo,
+                           const float *bo, const uint8_t *wgu, const float *bgu,
+                           const uint8_t *wdown, const float *bdown, int64_t inter, float *xn,
+                           float *qkv, float *attn, float *gu, float *act, int8_t *xq, float *xs,
+                           int64_t num_q_heads, int64_t num_kv_heads, int64_t d,
+                           const float *rope_cos, const float *rope_sin, void *k_cache,
+                           void *v_cache, int64_t block_stride, int64_t head_stride,
+                           int64_t block_size, const int64_t *block_tables, int64_t table_width,
+                           const int64_t *context_lens, float scale, float *scratch,
+                           int64_t scratch_stride, int64_t num_threads, const kv_quant *kq,
+                           const kv_tree *tree) {
+    int64_t n_qkv = (num_q_heads + 2 * num_kv_heads) * d, n_attn = num_q_heads * d;
+    if (num_threads < 1) num_threads = 1;
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
+    {
+        int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+        int64_t r0 = batch * t / nt, r1 = batch * (t + 1) / nt;
+        kv_rms_norm(x + r0 * hidden, attn_norm, xn + r0 * hidden, r1 - r0, hidden, eps);
+        kv_quantize_rows(xn, r0, r1, hidden, xq, xs);
+        BARRIER
+        kv_qlinear_share(xq, xs, batch, hidden, (int)fmts[0], wqkv, n_qkv, bqkv, qkv, t, nt, 0);
+        BARRIER
+        int64_t u0 = kv_attention_unit_bound(context_lens, batch, num_kv_heads, t, nt);
+        int64_t u1 = kv_attention_unit_bound(context_lens, batch, num_kv_heads, t + 1, nt);
+        if (kq)
+            kv_decode_store_quant(qkv, batch, num_q_heads, num_kv_heads, d, rope_cos, rope_sin,
+                                  k_cache, v_cache, block_stride, head_stride, block_size,
+                                  block_tables, table_width, context_lens, kq,
+                                  num_kv_heads * t / nt, num_kv_heads * (t + 1) / nt, tree);
+        else
+            kv_decode_store_units(qkv, num_q_heads, num_kv_heads, d, rope_cos, rope_sin, k_cache,
+                                  v_cache, block_stride, head_stride, block_size, block_tables,
+                                  table_width, context_lens, u0, u1, tree);
+        BARRIER
+        kv_decode_attention_units(qkv, num_q_heads, num_kv_heads, d, k_cache, v_cache,
+                                  block_stride, head_stride, block_size, block_tables,
+                                  table_width, context_lens, scale, attn,
+                                  scratch + t * scratch_stride, u0, u1, kq, tree);
+        BARRIER
+        kv_quantize_rows(attn, r0, r1, n_attn, xq, xs);
+        BARRIER
+        kv_qlinear_share(xq, xs, batch, n_attn, (int)fmts[1], wo, hidden, bo, x, t, nt, 1);
+        BARRIER
+        kv_rms_norm(x + r0 * hidden, ffn_norm, xn + r0 * hidden, r1 - r0, hidden, eps);
+        kv_quantize_rows(xn, r0, r1, hidden, xq, xs);
+        BARRIER
+        kv_qlinear_share(xq, xs, batch, hidden, (int)fmts[2], wgu, 2 * inter, bgu, gu, t, nt, 0);
+        BARRIER
+        kv_silu_mul(gu + r0 * 2 * inter, act + r0 * inter, r1 - r0, inter);
+        kv_quantize_rows(act, r0, r1, inter, xq, xs);
+        BARRIER
+        kv_qlinear_share(xq, xs, batch, inter, (int)fmts[3], wdown, hidden, bdown, x, t, nt, 1);
+    }
+}

@@ -10,10 +10,11 @@ from __future__ import annotations
 import bisect
 import ctypes
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
+from kvmesh.shared.model.quant import FORMAT_CODES, QuantWeight
 
 if TYPE_CHECKING:
     from kvmesh.shared.model.attention import TreeRows
@@ -117,6 +118,64 @@ class DecodeLayerWeights:
             if bias is not None:
                 check_f32_contiguous(**{f"{name} bias": bias})
                 assert bias.shape == (n,), (name, bias.shape)
+
+
+@dataclass(frozen=True, slots=True)
+class QuantDecodeLayerWeights:
+    """What ``CpuOps.decode_layer_quant`` needs of one decoder layer: as ``DecodeLayerWeights``,
+    with the four linear weights kept in their block formats (``QuantWeight`` on the CPU, each
+    in any of the formats; gate and up one weight, gate first). ``formats``: their format
+    codes, wqkv, wo, w_gate_up, w_down, as the kernel takes them."""
+
+    hidden: int
+    inter: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    eps: float
+    scale: float
+    attn_norm: torch.Tensor
+    ffn_norm: torch.Tensor
+    wqkv: QuantWeight
+    bqkv: torch.Tensor | None
+    wo: QuantWeight
+    bo: torch.Tensor | None
+    w_gate_up: QuantWeight
+    b_gate_up: torch.Tensor | None
+    w_down: QuantWeight
+    b_down: torch.Tensor | None
+    formats: torch.Tensor = field(init=False)
+
+    def __post_init__(self) -> None:
+        h, n_q, n_kv, d, i = (
+            self.hidden,
+            self.num_q_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.inter,
+        )
+        assert n_q % n_kv == 0, (n_q, n_kv)
+        check_f32_contiguous(attn_norm=self.attn_norm, ffn_norm=self.ffn_norm)
+        assert self.attn_norm.shape == self.ffn_norm.shape == (h,)
+        linears = (
+            ("wqkv", self.wqkv, self.bqkv, (n_q + 2 * n_kv) * d, h),
+            ("wo", self.wo, self.bo, h, n_q * d),
+            ("w_gate_up", self.w_gate_up, self.b_gate_up, 2 * i, h),
+            ("w_down", self.w_down, self.b_down, h, i),
+        )
+        for name, weight, bias, n, k in linears:
+            assert weight.shape == (n, k), (name, weight.shape, (n, k))
+            assert weight.data.is_cpu, f"{name}: the weight must be in CPU memory"
+            if bias is not None:
+                check_f32_contiguous(**{f"{name} bias": bias})
+                assert bias.shape == (n,), (name, bias.shape)
+        codes = [FORMAT_CODES[weight.format] for _, weight, _, _, _ in linears]
+        object.__setattr__(self, "formats", torch.tensor(codes, dtype=torch.int64))
+
+    @property
+    def max_in_features(self) -> int:
+        """The widest linear input: the room one quantized activation row needs."""
+        return max(self.hidden, self.num_q_heads * self.head_dim, self.inter)
 
 
 @dataclass(frozen=True, slots=True)

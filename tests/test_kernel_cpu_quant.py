@@ -134,3 +134,17 @@ def test_quant_linear_takes_the_kernel_for_decode_rows_and_float_for_a_prefill_c
     chunk = torch.randn(FLOAT_GEMM_ROWS, 128)
     assert torch.equal(layer(decode), ops.quant_linear(decode, weight))
     assert torch.equal(layer(chunk), torch.nn.functional.linear(chunk, dequantize(weight)))
+
+
+def test_residual_pass_reads_the_weight_once_for_both_terms() -> None:
+    """x and its rounding error go through the kernel as one batch: the sum is bit for bit that
+    of two separate calls (each row's result does not depend on the batch)."""
+    from kvmesh.shared.model.quant_layers import residual_quant_linear
+
+    torch.manual_seed(5)
+    weight = quantize(torch.randn(300, 192) * 0.05, "Q8_0")
+    x = torch.randn(3, 192)
+    qx, dx = quantize_activations_reference(x)
+    residual = (x - (qx * dx.unsqueeze(-1)).reshape(x.shape)).contiguous()
+    two_calls = ops.quant_linear(x, weight) + ops.quant_linear(residual, weight)
+    assert torch.equal(residual_quant_linear(ops, x, weight), two_calls)

@@ -96,3 +96,24 @@ def test_the_readmes_question_gets_float32s_answer_on_the_kernels(models) -> Non
         answers.append(engine.generate([ids], SamplingOptions(temperature=0.0, max_tokens=16))[0])
     assert answers[1] == answers[0]
     assert tokenizer.decode(answers[1]).startswith("The capital of France is Paris.")
+
+
+def test_fused_decode_layers_give_the_module_paths_tokens(models) -> None:
+    """Decode on the stored weights runs each layer in one C call (``kv_decode_layer_quant``):
+    greedy, its tokens are those of the same weights run module by module (bit for bit the same
+    arithmetic)."""
+    from kvmesh.kernels.cpu_ops import QuantDecodeLayerWeights, load_cpu_ops
+    from kvmesh.shared.model.llama import attach_cpu_ops
+    from support.hf_fixtures import greedy_generate
+
+    stored, _, tokenizer = models
+    prompt = tokenizer.encode(PROMPT)
+    assert all(isinstance(lay.decode_weights, QuantDecodeLayerWeights) for lay in stored.layers)
+    fused = greedy_generate(stored, prompt, 48, *_pool(stored, len(prompt) + 48))
+    for layer in stored.layers:
+        layer.decode_weights = None
+    try:
+        per_module = greedy_generate(stored, prompt, 48, *_pool(stored, len(prompt) + 48))
+    finally:
+        attach_cpu_ops(stored, load_cpu_ops())
+    assert fused == per_module

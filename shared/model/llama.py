@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from kvmesh.kernels.cpu_ops import (
     DecodeLayerKV,
     DecodeLayerWeights,
+    QuantDecodeLayerWeights,
     decode_plan,
     pack_linear_weight,
 )
@@ -192,8 +193,9 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.feed_forward = FeedForward(config)
         # set by attach_cpu_ops where every part of the layer can run in CpuOps.decode_layer
+        # (float32 weights) or CpuOps.decode_layer_quant (weights as stored)
         self.cpu_ops: CpuOps | None = None
-        self.decode_weights: DecodeLayerWeights | None = None
+        self.decode_weights: DecodeLayerWeights | QuantDecodeLayerWeights | None = None
 
     def forward(
         self,
@@ -221,8 +223,8 @@ class TransformerBlock(nn.Module):
         meta: AttentionMetadata,
         scales: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> torch.Tensor:
-        """The whole layer in one C call (``CpuOps.decode_layer``), the same arithmetic as the
-        per-module C kernels."""
+        """The whole layer in one C call (``CpuOps.decode_layer``, or ``decode_layer_quant`` for
+        weights as stored), the same arithmetic as the per-module C kernels."""
         w = self.decode_weights
         if meta.cpu_plan is None:  # once per step, for every layer
             group = w.num_q_heads // w.num_kv_heads
@@ -230,6 +232,8 @@ class TransformerBlock(nn.Module):
         kv = DecodeLayerKV(
             k_cache, v_cache, cos, sin, meta.block_tables, meta.context_lens, meta.cpu_plan, scales
         )
+        if isinstance(w, QuantDecodeLayerWeights):
+            return self.cpu_ops.decode_layer_quant(x, w, kv)
         return self.cpu_ops.decode_layer(x, w, kv)
 
 
@@ -363,25 +367,33 @@ def attach_cpu_ops(model: Transformer, ops: CpuOps | None) -> None:
             module.decode_weights = None if ops is None else _decode_layer_weights(module)
 
 
-def _decode_layer_weights(block: TransformerBlock) -> DecodeLayerWeights | None:
-    """The fused decode layer's view of a block whose linear layers are packed and whose norms
-    are float32 on the CPU; None where any part is not (the block then runs module by module)."""
+def _decode_layer_weights(
+    block: TransformerBlock,
+) -> DecodeLayerWeights | QuantDecodeLayerWeights | None:
+    """The fused decode layer's view of a block whose norms are float32 on the CPU and whose
+    linear layers are all packed (float32) or all kept as stored on the CPU; None where any part
+    is not (the block then runs module by module)."""
     attn, ffn = block.attention, block.feed_forward
     linears = (attn.wqkv, attn.wo, ffn.w_gate_up, ffn.w_down)
     norms = (block.attention_norm, block.ffn_norm)
-    if not all(isinstance(linear, Linear) for linear in linears):
-        return None
-    if any(linear.packed is None for linear in linears) or block.attention_norm.eps != (
-        block.ffn_norm.eps
-    ):
+    if block.attention_norm.eps != block.ffn_norm.eps:
         return None
     if any(n.weight.dtype != torch.float32 or n.weight.device.type != "cpu" for n in norms):
         return None
+    if all(isinstance(linear, QuantLinear) for linear in linears):
+        if any(linear.cpu_ops is None for linear in linears):
+            return None
+        layout: type[DecodeLayerWeights | QuantDecodeLayerWeights] = QuantDecodeLayerWeights
+        weights = [linear.qweight for linear in linears]
+    elif all(isinstance(linear, Linear) and linear.packed is not None for linear in linears):
+        layout, weights = DecodeLayerWeights, [linear.packed for linear in linears]
+    else:
+        return None
 
-    def bias(linear: Linear) -> torch.Tensor | None:
-        return None if linear.bias is None else linear.bias.detach().contiguous()
+    def bias(linear: Linear | QuantLinear) -> torch.Tensor | None:
+        return None if linear.bias is None else linear.bias.detach().float().contiguous()
 
-    return DecodeLayerWeights(
+    return layout(
         hidden=block.attention_norm.weight.shape[0],
         inter=ffn.intermediate_size,
         num_q_heads=attn.num_heads,
@@ -391,12 +403,12 @@ def _decode_layer_weights(block: TransformerBlock) -> DecodeLayerWeights | None:
         scale=attn.scale,
         attn_norm=block.attention_norm.weight.detach().contiguous(),
         ffn_norm=block.ffn_norm.weight.detach().contiguous(),
-        wqkv=attn.wqkv.packed,
+        wqkv=weights[0],
         bqkv=bias(attn.wqkv),
-        wo=attn.wo.packed,
+        wo=weights[1],
         bo=bias(attn.wo),
-        w_gate_up=ffn.w_gate_up.packed,
+        w_gate_up=weights[2],
         b_gate_up=bias(ffn.w_gate_up),
-        w_down=ffn.w_down.packed,
+        w_down=weights[3],
         b_down=bias(ffn.w_down),
     )

@@ -1,0 +1,114 @@
+"""kernels/cpu_layer.c's kv_decode_layer_quant: one decoder layer's decode step over weights kept
+in their GGUF block formats, in one C call, against the same layer run module by module
+(``QuantLinear`` on ``CpuOps.quant_linear`` and the separate kernels: bit for bit) and against
+torch on the dequantized weights (close: the activations are quantized to int8)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kvmesh.kernels.cpu_ops import QuantDecodeLayerWeights, load_cpu_ops
+from kvmesh.shared.model import quant_layers
+from kvmesh.shared.model.llama import attach_cpu_ops
+from kvmesh.shared.model.quant import dequantize, quantize
+from kvmesh.shared.model.quant_layers import QuantLinear, use_quant_weights
+from test_kernel_cpu_layer import _config, _decode_step, _model, _run
+
+LINEARS = ("attention.wqkv", "attention.wo", "feed_forward.w_gate_up", "feed_forward.w_down")
+
+
+@pytest.fixture(scope="module")
+def ops():
+    ops = load_cpu_ops()
+    assert ops is not None, "gcc is part of the test machine; the C kernels must build"
+    return ops
+
+
+def _quant_models(config, formats):
+    """The same layers twice: their linear weights as stored in ``formats`` (one per linear
+    layer, LINEARS' order), and as the float32 values those blocks hold."""
+    stored, floats = _model(config), _model(config)
+    weights = {}
+    for i, layer in enumerate(stored.layers):
+        for name, format in zip(LINEARS, formats, strict=True):
+            weight = layer.get_submodule(name).weight.detach()
+            weights[f"layers.{i}.{name}.weight"] = quantize(weight, format)
+    with torch.no_grad():
+        for name, weight in weights.items():
+            floats.get_parameter(name).copy_(dequantize(weight))
+    use_quant_weights(stored, weights)
+    return stored, floats
+
+
+@pytest.mark.parametrize(
+    ("hidden", "inter", "heads", "kv_heads", "head_dim", "bias", "formats", "context_lens"),
+    [
+        (64, 96, 4, 2, 16, False, ("Q4_1",) * 4, [5]),  # batch 1, SmolLM2's format
+        (96, 64, 6, 3, 16, True, ("Q4_1", "Q8_0", "Q4_0", "Q4_1"), [16, 3, 33, 9, 70]),
+        (64, 128, 2, 1, 32, False, ("Q8_0", "Q4_0", "Q8_0", "Q4_0"), list(range(1, 16))),
+    ],
+)
+@pytest.mark.parametrize("threads", [1, 3])
+def test_quant_decode_layer_matches_the_module_path(
+    ops, hidden, inter, heads, kv_heads, head_dim, bias, formats, context_lens, threads
+):
+    config = _config(hidden, inter, heads, kv_heads, head_dim, bias)
+    stored, floats = _quant_models(config, formats)
+    pool, meta, input_ids, pos = _decode_step(config, context_lens)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        fused, fused_pool = _run(stored, ops, pool, meta, input_ids, pos)
+        assert all(isinstance(lay.decode_weights, QuantDecodeLayerWeights) for lay in stored.layers)
+        unfused, unfused_pool = _run(stored, ops, pool, meta, input_ids, pos, fused=False)
+        reference, reference_pool = _run(floats, None, pool, meta, input_ids, pos)
+    finally:
+        torch.set_num_threads(saved)
+        attach_cpu_ops(stored, None)
+    # the same kernels in the same order: bit for bit the per-module C calls
+    assert torch.equal(fused, unfused)
+    assert torch.equal(fused_pool.tensor, unfused_pool.tensor)
+    # torch on the dequantized weights: only the activations' int8 rounding apart
+    # (2.3-3.0 % measured: int8 rounding of every linear layer's input, two layers of random
+    # weights whose attention and SiLU amplify it; the real model's tolerance is in
+    # test_real_model_quant.py)
+    assert (fused - reference).norm() / reference.norm() < 5e-2
+    assert not torch.equal(fused, reference)
+    new = fused_pool.tensor != pool.tensor  # the step's K and V slots
+    assert new.any()
+    got, expected = fused_pool.tensor[new], reference_pool.tensor[new]
+    assert (got - expected).norm() / expected.norm() < 3e-2  # 1.4 % measured
+
+
+def test_a_decode_batch_of_16_rows_and_more_stays_on_the_kernel(ops, monkeypatch):
+    """The fused layer quantizes every decode row (up to PACKED_LINEAR_MAX_ROWS), where the
+    per-module path turns to a float GEMM from FLOAT_GEMM_ROWS on (for prefill chunks): with that
+    threshold lifted, the two agree bit for bit, and each row is what it is alone."""
+    config = _config(64, 96, 4, 2, 16, False)
+    stored, _ = _quant_models(config, ("Q4_1",) * 4)
+    lens = [3 + 5 * i for i in range(quant_layers.FLOAT_GEMM_ROWS + 4)]
+    pool, meta, input_ids, pos = _decode_step(config, lens)
+    fused, _ = _run(stored, ops, pool, meta, input_ids, pos)
+    monkeypatch.setattr(quant_layers, "FLOAT_GEMM_ROWS", 10_000)
+    unfused, _ = _run(stored, ops, pool, meta, input_ids, pos, fused=False)
+    attach_cpu_ops(stored, None)
+    assert torch.equal(fused, unfused)
+
+
+def test_quant_decode_layer_is_attached_only_where_every_linear_is_stored(ops):
+    config = _config(64, 96, 4, 2, 16, False)
+    stored, _ = _quant_models(config, ("Q4_1",) * 4)
+    attach_cpu_ops(stored, ops)
+    assert all(isinstance(lay.decode_weights, QuantDecodeLayerWeights) for lay in stored.layers)
+    assert stored.layers[0].decode_weights.formats.tolist() == [2, 2, 2, 2]
+    # one float32 linear layer among stored ones: that block runs module by module
+    half, _ = _quant_models(config, ("Q4_1",) * 4)
+    layer = half.layers[1].feed_forward
+    float_down = _model(config).layers[1].feed_forward.w_down
+    layer.w_down = float_down
+    attach_cpu_ops(half, ops)
+    assert isinstance(half.layers[0].decode_weights, QuantDecodeLayerWeights)
+    assert half.layers[1].decode_weights is None
+    assert isinstance(half.layers[0].attention.wqkv, QuantLinear)
+    attach_cpu_ops(stored, None)
+    assert all(layer.decode_weights is None for layer in stored.layers)
