@@ -10,9 +10,11 @@ The model is fetched once per machine into kvmesh's cache (about 10 s from the p
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -160,20 +162,18 @@ async def _ask(url: str) -> list[str]:
         return list(await asyncio.gather(*(one(session, c) for c in CHATS)))
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_kvmesh_up_answers_chats_as_transformers(real_model_float, tmp_path) -> None:
-    """`kvmesh up` serving the model's float32 import under its name; disaggregated (every
-    prompt prefilled remotely, its KV moved to the decode worker), the greedy answers equal
-    transformers' on the same weights. (The default, the Q4_1 weights as stored with int8
-    activations, computes something slightly different: tests/test_real_model_quant.py.)"""
+@pytest.fixture(scope="module")
+def up_mesh(real_model_float, tmp_path_factory) -> Iterator[str]:
+    """`kvmesh up` serving the model's float32 import under its name, disaggregated with every
+    prompt prefilled remotely (its KV moved to the decode worker): the router's URL."""
     from kvmesh.shared.config.ports import free_port
 
     port, nats = free_port(), f"nats://127.0.0.1:{free_port()}"
     argv = [sys.executable, "-m", "kvmesh.cli", "up", "--port", str(port), "--nats-url", nats]
     argv += ["--model", str(real_model_float), "--served-model-name", NAME]
     argv += ["--local-prefill-threshold", "0", "--log-level", "warning"]
-    out, err = tmp_path / "up.out", tmp_path / "up.err"
+    logs = tmp_path_factory.mktemp("up")
+    out, err = logs / "up.out", logs / "up.err"
     with out.open("wb") as fout, err.open("wb") as ferr:
         proc = subprocess.Popen(argv, stdout=fout, stderr=ferr)
     try:
@@ -182,10 +182,97 @@ def test_kvmesh_up_answers_chats_as_transformers(real_model_float, tmp_path) -> 
             assert proc.poll() is None, err.read_text()
             assert time.monotonic() < deadline, err.read_text()
             time.sleep(0.5)
-        answers = asyncio.run(_ask(f"http://127.0.0.1:{port}"))
+        yield f"http://127.0.0.1:{port}"
     finally:
         proc.send_signal(2)
         proc.wait(60)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_kvmesh_up_answers_chats_as_transformers(up_mesh, real_model_float) -> None:
+    """Through the mesh, the greedy answers equal transformers' on the same weights. (The
+    default, the Q4_1 weights as stored with int8 activations, computes something slightly
+    different: tests/test_real_model_quant.py.)"""
+    answers = asyncio.run(_ask(up_mesh))
     expected = _transformers_answers(real_model_float)
     assert answers == expected
     assert "Paris" in answers[0]  # a trained model, not noise
+
+
+WEATHER = {
+    "name": "get_weather",
+    "description": "The current weather in a city",
+    "parameters": {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 20},
+            "unit": {"enum": ["celsius", "fahrenheit"]},
+        },
+        "required": ["city", "unit"],
+    },
+}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_small_agent_loop_runs_on_the_real_model_through_the_mesh(up_mesh) -> None:
+    """The official client's tool round trip (issue 45), greedy and a few tokens each: the model
+    calls the tool (``required``: arguments held to its schema), gets its answer back as a
+    ``role: "tool"`` message, and answers in words from it (``auto``, read by the template's
+    parser); the streamed named call gives the same arguments in deltas."""
+    import openai
+    from jsonschema import Draft202012Validator
+
+    tools = [{"type": "function", "function": WEATHER}]
+    client = openai.OpenAI(base_url=f"{up_mesh}/v1", api_key="unused", max_retries=0)
+    messages: list[dict] = [{"role": "user", "content": "What is the weather in Paris?"}]
+    asked = client.chat.completions.create(
+        model=NAME,
+        messages=messages,
+        tools=tools,
+        tool_choice="required",
+        max_tokens=32,
+        temperature=0,
+    )
+    (called,) = asked.choices
+    (call,) = called.message.tool_calls
+    arguments = json.loads(call.function.arguments)
+    Draft202012Validator(WEATHER["parameters"]).validate(arguments)
+    assert called.finish_reason == "tool_calls" and call.function.name == "get_weather"
+    assert arguments["city"] == "Paris"  # a trained model reads the question
+    messages.append(called.message.model_dump(exclude_none=True))
+    weather = {"temperature": 18, "unit": "celsius", "sky": "sunny"}
+    messages.append({"role": "tool", "tool_call_id": call.id, "content": json.dumps(weather)})
+    answered = client.chat.completions.create(
+        model=NAME, messages=messages, tools=tools, max_tokens=12, temperature=0
+    )
+    (final,) = answered.choices
+    assert final.finish_reason == "stop" and not final.message.tool_calls
+    assert "sunny" in final.message.content  # from the tool's answer, not the question
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    stream = client.chat.completions.create(
+        model=NAME,
+        messages=messages[:1],
+        tools=tools,
+        tool_choice=named,
+        max_tokens=32,
+        temperature=0,
+        stream=True,
+    )
+    streamed, finish = "", None
+    for chunk in stream:
+        for choice in chunk.choices:
+            finish = choice.finish_reason or finish
+            streamed += "".join(d.function.arguments or "" for d in choice.delta.tool_calls or ())
+    assert finish == "tool_calls" and json.loads(streamed) == arguments
+
+
+@pytest.mark.slow
+def test_bench_serve_finds_every_process_of_the_mesh_by_role(up_mesh) -> None:
+    """What ``kvmesh bench serve --base-url`` counts the CPU of (issue 45: the router alone)."""
+    from kvmesh.loadgen.mesh_processes import server_roles
+
+    roles = server_roles(up_mesh)
+    assert set(roles) == {"router", "prefill", "decode", "kv-registry", "prefill-queue", "nats"}
+    assert all(len(pids) == 1 for pids in roles.values())
