@@ -1,5 +1,6 @@
 """Plumbing every kvmesh service shares: NATS connection, discoverability, heartbeats, log level,
-signals. Each piece is an async context manager or a coroutine meant for a TaskGroup.
+signals. Each piece is an async context manager or a coroutine meant for a TaskGroup. The
+heartbeats go out from a thread and connection of their own (shared/bus/liveness.py).
 
 A worker's ``run(config)`` typically reads::
 
@@ -7,7 +8,8 @@ A worker's ``run(config)`` typically reads::
     async with connect_nats(config.nats_url, f"decode-{worker_id}",
                             security=config.nats_security) as nc:
         async with worker_presence(nc, subjects, role="decode", worker_id=worker_id,
-                                   heartbeat=make_heartbeat, interval_s=config.heartbeat_s) as svc:
+                                   heartbeat=make_heartbeat, interval_s=config.heartbeat_s,
+                                   stall_limit_s=config.stall_limit_s) as svc:
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(...)                # the service's own loops
                 async with open_for_requests(nc, svc, *endpoints, metrics=..., ...):
