@@ -153,3 +153,16 @@ def test_reshard_pieces_send_each_head_once_to_every_rank_holding_it():
     ]
     with pytest.raises(ValueError, match="not the same model"):
         reshard_pieces(KVHeadShards(2, 1), KVHeadShards(4, 1), 0)
+
+
+def test_prefill_tp_refuses_what_one_rank_would_write():
+    from kvmesh.services.prefill.config import PrefillConfig
+
+    from kvmesh.commands.up_config import UpConfig
+
+    with pytest.raises(ValueError, match="--tp > 1 runs without --draft-kv"):
+        PrefillConfig(tp=2, draft_kv=True)
+    with pytest.raises(ValueError, match="--prefill-tp > 1 needs --mode disagg"):
+        UpConfig(prefill_tp=2, mode="colocated")
+    with pytest.raises(ValueError, match="prefill_tp"):
+        UpConfig(prefill_tp=0)

@@ -28,6 +28,7 @@ FLAG_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
         (
             "mode",
             "prefill",
+            "prefill_tp",
             "decode",
             "device",
             "transport",
@@ -108,6 +109,11 @@ class UpConfig(NatsClientConfig):
         "disagg", help="disagg: prefill and decode pools; colocated: the unified baseline"
     )
     prefill: int = option(1, help="prefill workers (disagg mode)")
+    prefill_tp: int = option(
+        1,
+        help="tensor parallelism of each prefill worker: N rank processes, one worker "
+        "(kvmesh serve prefill --tp N; docs/tp.md)",
+    )
     decode: int = option(1, help="decode workers (colocated workers in colocated mode)")
     transport: TransportChoice = option("auto", help="KV data plane")
     port: int = option(8000, help="router HTTP port (0: a free one)")
@@ -229,6 +235,12 @@ class UpConfig(NatsClientConfig):
             "startup_timeout_s",
             "stop_timeout_s",
         )
+        check_at_least(self, 1, "prefill_tp")
+        if self.prefill_tp > 1 and (self.mode != "disagg" or self.draft in ("early-exit", "model")):
+            raise ValueError(
+                "--prefill-tp > 1 needs --mode disagg and no prompt draft KV (--draft early-exit "
+                "or model write it from one rank)"
+            )
         if (self.kv_store_disk_path is None) != (self.kv_store_disk_capacity_gb is None):
             raise ValueError(
                 "a kv-store disk tier needs both kv_store_disk_path and kv_store_disk_capacity_gb"

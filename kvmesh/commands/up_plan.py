@@ -122,6 +122,8 @@ def plan(
             if config.draft == "model":  # ... computed here by the draft workers' checkpoint
                 assert config.draft_model is not None
                 argv += ("--draft-kv", "--draft-model", config.draft_model)
+            if config.prefill_tp > 1:  # N rank processes, one worker (docs/tp.md)
+                argv += ("--tp", str(config.prefill_tp))
             specs.append(ChildSpec(name, "prefill", argv))
     if config.draft:
         specs += draft_specs(config, worker, threads["draft"])

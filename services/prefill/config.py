@@ -66,6 +66,13 @@ class PrefillConfig(EngineWorkerConfig):
         "this many seconds, in a thread, while other jobs go on; past it the job fails and its "
         "spec is refused at once when sent again",
     )
+    tp: int = option(
+        1,
+        help="tensor parallelism: this worker runs as N rank processes (this one and N-1 it "
+        "starts), each holding 1/N of the model's heads and MLP, that appear as one worker; "
+        "each rank writes its own heads of every chunk to the decode worker (docs/tp.md). "
+        "Runs without --draft-kv, a KV dtype other than the decode's, or the kv-store",
+    )
     use_kv_store: bool = option(
         True,
         help="read prompt prefixes from a kv-store advertising on the mesh into the prefix cache "
@@ -84,7 +91,10 @@ class PrefillConfig(EngineWorkerConfig):
             "draft_kv_cache_bytes",
             "abort_memory_s",
             "grammar_compile_timeout_s",
+            "tp",
         )
+        if self.tp > 1 and self.draft_kv:
+            raise ValueError("--tp > 1 runs without --draft-kv (the draft KV hook is one rank's)")
         if self.draft_model and not self.draft_kv:
             raise ValueError("--draft-model needs --draft-kv (it only serves the draft KV)")
         if self.borrow_cpus is not None:

@@ -26,6 +26,7 @@ from kvmesh.services.prefill.draft_writes import DraftKv
 from kvmesh.services.prefill.endpoints import EndpointCache
 from kvmesh.services.prefill.metrics import PrefillMetrics
 from kvmesh.services.prefill.store_prefix import StorePrefix
+from kvmesh.services.prefill.tp_group import TPWrites, join_group, start_tp_group
 from kvmesh.services.prefill.worker import PrefillResult, PrefillWorker
 from kvmesh.shared.bus.message_guard import guard_of
 from kvmesh.shared.bus.nats_service import (
@@ -51,9 +52,11 @@ from kvmesh.shared.bus.store_solicit import store_adverts_solicited
 from kvmesh.shared.bus.subjects import Subjects
 from kvmesh.shared.bus.worker_shell import WorkerShell, serve_worker
 from kvmesh.shared.engine.llm_engine import LLMEngine
+from kvmesh.shared.engine.tp_leader import LeaderEngine
 from kvmesh.shared.mesh.kv_store_client import KvStoreClient
 from kvmesh.shared.model.config import parse_dtype
 from kvmesh.shared.model.loader import load_model
+from kvmesh.shared.model.tensor_parallel import shard_model
 from kvmesh.shared.obs import logs
 from kvmesh.shared.transport import TransportConfig, create_transport
 from nats.aio.client import Client
@@ -273,7 +276,17 @@ async def prefill_service(config: PrefillConfig) -> AsyncIterator[PrefillService
     dtype = parse_dtype(config.dtype, "--dtype") if config.dtype else None
     model, tokenizer = await asyncio.to_thread(load_model, config.model, dtype, config.device)
     econf = config.engine_config(dtype, config.kv_cache_bytes, config.num_blocks)
+    tp_group = tp_writes = None
+    if config.tp > 1:  # this process leads N ranks that appear as one worker (docs/tp.md)
+        tp_group, port = start_tp_group(config, worker_id)
+        await asyncio.to_thread(join_group, 0, config.tp, port)
+        shard_model(model)
     engine = LLMEngine(model, tokenizer, econf)
+    if tp_group is not None:
+        tp_writes = TPWrites.for_leader(
+            engine.kv_pool.spec, model.config.num_key_value_heads, config.tp
+        )
+        engine = LeaderEngine(engine)
     draft_engine = None
     if config.draft_model:  # start-up errors (vocabulary) before anything connects
         draft_engine = await asyncio.to_thread(load_draft_engine, config, tokenizer)
@@ -291,9 +304,9 @@ async def prefill_service(config: PrefillConfig) -> AsyncIterator[PrefillService
         draft_region = None
         if draft_engine is not None:  # the draft KV's source, a second region
             draft_region = transport.register(draft_engine.kv_pool.raw)
-        kv_spec = engine.kv_spec
+        kv_spec = engine.kv_spec if tp_group is None else TPWrites.kv_spec(engine)
         store = None
-        if config.use_kv_store and config.enable_prefix_caching:
+        if config.use_kv_store and config.enable_prefix_caching and tp_group is None:
             client = KvStoreClient.for_pool(
                 nc, config.subjects, transport, engine.kv_pool, region, worker_id
             )
@@ -316,7 +329,11 @@ async def prefill_service(config: PrefillConfig) -> AsyncIterator[PrefillService
             lock=lock,
             loan=loan,
             grammar_compile_timeout_s=config.grammar_compile_timeout_s,
+            tp=tp_writes,
         )
+        loops = (worker.run, lambda: service.pull_loop(queue))
+        if tp_group is not None:  # a rank that exits takes the worker down
+            loops += (tp_group.watch,)
         async with asyncio.TaskGroup() as tg:
             service = PrefillService(config, worker, nc, tg, draft_kv)
             queue = PrefillJobQueue(nc, subjects)
@@ -341,11 +358,12 @@ async def prefill_service(config: PrefillConfig) -> AsyncIterator[PrefillService
                     ),
                     queue,
                 ),
-                loops=(worker.run, lambda: service.pull_loop(queue)),
+                loops=loops,
                 ready_fields={
                     "transport": config.transport,
                     "chunk_tokens": config.chunk_tokens,
                     "kv_spec": worker.kv_spec,
+                    "tp": config.tp,
                 },
             )
             async with serve_worker(nc, subjects, shell, log) as service.metrics_port:
@@ -354,6 +372,9 @@ async def prefill_service(config: PrefillConfig) -> AsyncIterator[PrefillService
                 worker.close()
                 if store is not None:
                     await store.aclose()
+                if tp_group is not None:
+                    engine.close()
+                    await asyncio.to_thread(tp_group.stop)
 
 
 async def _ack_quietly(queue: PrefillJobQueue, msg: Msg) -> None:

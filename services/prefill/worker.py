@@ -25,6 +25,7 @@ import asyncio
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvmesh.services.prefill.adverts import AdvertBook
 from kvmesh.services.prefill.convert import KVMirrors, decode_kv_dtype
@@ -51,6 +52,9 @@ from kvmesh.shared.engine.llm_engine import LLMEngine
 from kvmesh.shared.engine.sequence import ChunkReady, RequestError
 from kvmesh.shared.obs import logs
 from kvmesh.shared.transport import MemoryRegion, TransportError, WriteEntry
+
+if TYPE_CHECKING:
+    from kvmesh.services.prefill.tp_group import TPWrites
 
 log = logs.get_logger(__name__)
 
@@ -84,12 +88,16 @@ class PrefillWorker:
         lock: asyncio.Lock | None = None,
         loan: CoreLoan | None = None,
         grammar_compile_timeout_s: float = 10.0,
+        tp: TPWrites | None = None,
     ) -> None:
         """``hooks``: the features composed in (job_hooks.py); ``lock``: the engine lock, shared
         with hooks that run an engine of their own (default: a new one); ``loan``: decode's
         cores, taken for a step while every decode worker is idle (core_loan.py);
-        ``grammar_compile_timeout_s``: the longest a job's grammar may take to compile."""
+        ``grammar_compile_timeout_s``: the longest a job's grammar may take to compile;
+        ``tp``: this worker leads tensor-parallel ranks (``engine`` is a ``LeaderEngine``): it
+        writes its own heads of each chunk, the followers theirs (tp_group.py)."""
         self.engine = engine
+        self.tp = tp
         # a structured output's grammar (its first token follows it), compiled in a thread
         # before the job takes the lock: another job's steps go on meanwhile
         self.grammars = (
@@ -203,6 +211,11 @@ class PrefillWorker:
         try:
             advert = await self.adverts.vouch(msg, self._advert_wait_s)
             dtype = decode_kv_dtype(self.kv_spec, advert.kv_spec)  # None: the same KV dtype
+            if dtype is not None and self.tp is not None:
+                raise PlanError(
+                    f"the decode worker keeps its KV as {dtype}: a tensor-parallel prefill "
+                    f"worker writes only to decode workers of its own KV dtype"
+                )
             mirror = None if dtype is None else self.mirrors.get(dtype)
             planner = ChunkPlanner(
                 len(msg.prompt_ids),
@@ -210,6 +223,7 @@ class PrefillWorker:
                 self.block_bytes if mirror is None else mirror.spec.block_bytes,
                 msg.block_addrs,
                 msg.block_bytes,
+                rank_slice=None if self.tp is None else self.tp.rank_slice,
             )
             params = msg.sampling
             endpoint = await self.endpoints.get(msg.descriptor)
@@ -237,6 +251,7 @@ class PrefillWorker:
                     params,
                     prefill_only=True,
                     on_chunk=self._on_chunk,
+                    **({} if self.tp is None else {"note": self.tp.note(msg)}),
                 )
                 for hook in self.hooks:
                     hook.admit(job, prompt)
@@ -344,7 +359,10 @@ class PrefillWorker:
             first_token=job.first_token if ok else -1,
             first_logprobs=job.first_logprobs if ok else None,
             prompt_logprobs=job.prompt_logprobs if ok else (),
-            num_writes=job.num_writes if job is not None else 0,
+            # every writer's: the TP followers write each chunk too (ChunkPlanner.num_writes)
+            num_writes=(
+                job.num_writes * job.planner.rank_slice.num_writers if job is not None else 0
+            ),
             error=error,
             rkey=msg.rkey,
             draft_worker_id=draft_done[0] if draft_done and draft_done[1].ok else "",

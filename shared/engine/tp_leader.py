@@ -73,11 +73,17 @@ class LeaderEngine:
         _broadcast(EngineCall(method, args, sent, note), self.group)
         return getattr(self.engine, method)(*args, **kwargs)
 
-    def close(self) -> None:
-        """Stop the followers (their ``follow`` returns)."""
-        if not self.is_closed:
-            self.is_closed = True
+    def close(self) -> bool:
+        """Stop the followers (their ``follow`` returns). False when a follower was gone
+        already (the group is broken: nothing to tell)."""
+        if self.is_closed:
+            return True
+        self.is_closed = True
+        try:
             _broadcast(EngineCall(STOP), self.group)
+        except RuntimeError:  # gloo: a peer's connection closed
+            return False
+        return True
 
 
 def follow(

@@ -1,0 +1,196 @@
+"""A tensor-parallel prefill worker's ranks: ``kvmesh serve prefill --tp N`` (docs/tp.md).
+
+The process that serves is rank 0, the leader: it alone talks to NATS, takes jobs and announces
+them, as any prefill worker. ``start_tp_group`` spawns ranks 1..N-1 (``follower_main``), joins
+them in a gloo group over 127.0.0.1, shards the leader's model and wraps its engine in a
+``LeaderEngine``; each follower loads the model, keeps its shard and replays the leader's engine
+calls, writing its own heads of every chunk to the decode worker (``PrefillFollower``).
+
+The ranks live and die together: a follower whose leader is gone exits (its next collective
+fails, and a watcher checks the parent every second); the leader's ``watch`` raises as soon as a
+follower exits, which takes the worker down (its leases then fail as for any dead worker, and
+the launcher restarts it).
+
+``TPWrites`` is what the leader's worker needs to write its own share: its rank slice for the
+chunk planner and the ``HandOff`` note that tells followers where a job's KV goes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from kvmesh.services.prefill.kv_writes import RankSlice, rank_block_slices
+from kvmesh.services.prefill.tp_follower import HandOff
+from kvmesh.shared.config.ports import free_port
+from kvmesh.shared.kv.head_shards import KVHeadShards
+from kvmesh.shared.obs import logs
+
+if TYPE_CHECKING:
+    from kvmesh.services.prefill.config import PrefillConfig
+    from kvmesh.shared.bus.protocol import PrefillJob
+    from kvmesh.shared.kv.kv_cache import KVCacheSpec
+
+log = logs.get_logger(__name__)
+
+TP_INIT_TIMEOUT_S = 300.0  # the followers load the model before the group forms
+
+
+class TPGroupError(RuntimeError):
+    """A rank of a tensor-parallel prefill worker is gone: the worker goes down as a whole."""
+
+
+@dataclass(frozen=True, slots=True)
+class TPWrites:
+    """The leader's share of every job's writes (decode workers at TP 1)."""
+
+    rank_slice: RankSlice
+
+    @staticmethod
+    def for_leader(spec: KVCacheSpec, num_kv_heads: int, tp_size: int) -> TPWrites:
+        src, dst = KVHeadShards(num_kv_heads, tp_size), KVHeadShards(num_kv_heads, 1)
+        (rank_slice,) = rank_block_slices(spec, src, dst, 0)
+        return TPWrites(rank_slice)
+
+    @staticmethod
+    def kv_spec(engine: Any) -> str:
+        """The worker's ``kv_spec``: the whole model's KV layout, as a TP1 worker's (decode
+        workers compare it; each rank's pool holds only its share of the heads)."""
+        import dataclasses
+
+        from kvmesh.shared.model.identity import kv_spec_fingerprint
+
+        mc = engine.model.config
+        spec = dataclasses.replace(engine.kv_pool.spec, num_kv_heads=mc.num_key_value_heads)
+        return kv_spec_fingerprint(spec, mc)
+
+    @staticmethod
+    def note(msg: PrefillJob) -> HandOff:
+        """What the followers need of a job to write their heads of it."""
+        descriptor = msgspec.json.encode(msg.descriptor)
+        return HandOff(descriptor, msg.rkey, tuple(msg.block_addrs), msg.block_bytes)
+
+
+class TPGroup:
+    """The leader's side: the follower processes and the group."""
+
+    def __init__(self, processes: list[Any]) -> None:
+        self.processes = processes
+
+    @property
+    def tp_size(self) -> int:
+        return len(self.processes) + 1
+
+    async def watch(self, interval_s: float = 1.0) -> None:
+        """Return never; raise ``TPGroupError`` once a follower has exited."""
+        while True:
+            for rank, proc in enumerate(self.processes, start=1):
+                if not proc.is_alive():
+                    raise TPGroupError(
+                        f"tensor-parallel rank {rank} of {self.tp_size} exited (code "
+                        f"{proc.exitcode}); the prefill worker goes down with it"
+                    )
+            await asyncio.sleep(interval_s)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """After ``LeaderEngine.close``: wait for the followers to end, kill the stragglers."""
+        deadline = time.monotonic() + timeout_s
+        for proc in self.processes:
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+
+
+def start_tp_group(config: PrefillConfig, worker_id: str) -> tuple[TPGroup, int]:
+    """Spawn ranks 1..tp-1 for ``config``; returns them and the port the group meets on. The
+    caller then joins as rank 0 (``join_group``)."""
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    processes = [
+        ctx.Process(
+            target=follower_main,
+            args=(config, worker_id, rank, port, os.getpid()),
+            name=f"{worker_id}-rank{rank}",
+            daemon=True,
+        )
+        for rank in range(1, config.tp)
+    ]
+    for proc in processes:
+        proc.start()
+    return TPGroup(processes), port
+
+
+def join_group(rank: int, tp_size: int, port: int) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=tp_size,
+        timeout=datetime.timedelta(seconds=TP_INIT_TIMEOUT_S),
+    )
+
+
+def follower_main(
+    config: PrefillConfig, worker_id: str, rank: int, port: int, leader_pid: int
+) -> None:
+    """A follower rank's process: ends when the leader closes the group or is gone, not on the
+    signals a launcher sends the whole process group (the leader stops it once it drained)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _exit_with(leader_pid)
+    logs.setup_logging()
+    asyncio.run(_follow(config, worker_id, rank, port))
+
+
+async def _follow(config: PrefillConfig, worker_id: str, rank: int, port: int) -> None:
+    import torch
+    from kvmesh.services.prefill.tp_follower import PrefillFollower
+    from kvmesh.shared.engine.llm_engine import LLMEngine
+    from kvmesh.shared.model.config import parse_dtype
+    from kvmesh.shared.model.loader import load_model
+    from kvmesh.shared.model.tensor_parallel import shard_model
+    from kvmesh.shared.transport import TransportConfig, create_transport
+
+    if config.threads is not None:
+        torch.set_num_threads(config.threads)
+    dtype = parse_dtype(config.dtype, "--dtype") if config.dtype else None
+    model, tokenizer = await asyncio.to_thread(load_model, config.model, dtype, config.device)
+    await asyncio.to_thread(join_group, rank, config.tp, port)
+    shard_model(model)
+    econf = config.engine_config(dtype, config.kv_cache_bytes, config.num_blocks)
+    engine = LLMEngine(model, tokenizer, econf)
+    bind_host, advertise_host = config.transport_hosts()
+    tconf = TransportConfig(
+        peer_id=f"{worker_id}.rank{rank}", tcp_host=bind_host, tcp_advertise_host=advertise_host
+    )
+    async with create_transport(config.transport, tconf) as transport:
+        region = transport.register(engine.kv_pool.raw)
+        follower = PrefillFollower(
+            engine, None, transport, region, model.config.num_key_value_heads
+        )
+        log.info("tp follower ready", worker_id=worker_id, rank=rank, tp=config.tp)
+        stats = await follower.run()
+        log.info("tp follower done", rank=rank, writes=stats.num_writes, failed=stats.num_failed)
+
+
+def _exit_with(leader_pid: int) -> None:
+    """Exit this process once the leader is gone (its parent changes)."""
+
+    def watch() -> None:
+        while os.getppid() == leader_pid:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="leader-watch", daemon=True).start()
