@@ -329,6 +329,7 @@ class Launcher:
         deadline = time.monotonic() + self.config.startup_timeout_s
         num_prefill = self.config.prefill if self.config.mode == "disagg" else 0
         num_draft = self.config.draft_workers if self.config.draft else 0
+        routers = self.config.routers
         waiting_for = "NATS"
         async with admin_client(
             self.nats_url,
@@ -354,6 +355,8 @@ class Launcher:
                         waiting_for = f"draft workers ({n}/{num_draft})"
                     elif (n := len(status.stores)) < self.config.kv_store:
                         waiting_for = f"kv-stores ({n}/{self.config.kv_store})"
+                    elif (n := sum(w.role == "router" for w in status.workers)) < routers:
+                        waiting_for = f"routers ({n}/{routers})"  # one port: health reaches one
                     elif status.prefill_queue.note and num_prefill:
                         waiting_for = "the prefill queue (prefill-queue-0)"
                     elif not await asyncio.to_thread(self._router_healthy):

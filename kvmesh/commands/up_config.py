@@ -21,7 +21,7 @@ FLAG_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("model", ("model", "served_model_name")),
     (
         "router (kvmesh serve router)",
-        ("port", "host", "local_prefill_threshold", "tool_call_parser"),
+        ("port", "host", "routers", "local_prefill_threshold", "tool_call_parser"),
     ),
     (
         "prefill and decode workers (kvmesh serve prefill|decode|colocated)",
@@ -117,6 +117,12 @@ class UpConfig(NatsClientConfig):
     decode: int = option(1, help="decode workers (colocated workers in colocated mode)")
     transport: TransportChoice = option("auto", help="KV data plane")
     port: int = option(8000, help="router HTTP port (0: a free one)")
+    routers: int = option(
+        1,
+        help="router processes, all on --port (SO_REUSEPORT: the kernel spreads new "
+        "connections over the live ones, so a router's death refuses nothing new; each has its "
+        "own /metrics, so a scrape of the port reads one of them)",
+    )
     host: str = option("127.0.0.1", help="address the router listens on (0.0.0.0: every interface)")
     local_prefill_threshold: int | None = option(
         None,
@@ -226,7 +232,7 @@ class UpConfig(NatsClientConfig):
             check_at_least(self, 1, "draft_workers")
             if self.draft == "model" and not self.draft_model:
                 raise ValueError("--draft model needs --draft-model PATH")
-        check_at_least(self, 1, "decode", "cores")
+        check_at_least(self, 1, "decode", "cores", "routers")
         check_at_least(self, 0, "kv_store", "max_restarts", "decode_pacing_ms")
         check_positive(
             self,

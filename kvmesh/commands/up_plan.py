@@ -138,15 +138,18 @@ def plan(
         if config.kv_cache_dtype != "auto":  # the store's blocks are the workers' blocks
             argv += ("--kv-cache-dtype", config.kv_cache_dtype)
         specs.append(ChildSpec(name, "kv-store", argv))
-    router = ("serve", "router", *worker("router-0"), "--model", config.model, "--port", str(port))
-    router += ("--host", config.host)
+    router = ("--model", config.model, "--port", str(port), "--host", config.host)
     if config.served_model_name is not None:
         router += ("--served-model-name", config.served_model_name)
     router += ("--mode", config.mode)
     if config.local_prefill_threshold is not None:
         router += ("--local-prefill-threshold", str(config.local_prefill_threshold))
     router += ("--tool-call-parser", config.tool_call_parser)
-    specs.append(ChildSpec("router-0", "router", router))
+    if config.routers > 1:  # one port, the kernel spreads connections over the live ones
+        router += ("--reuse-port",)
+    for i in range(config.routers):
+        name = f"router-{i}"
+        specs.append(ChildSpec(name, "router", ("serve", "router", *worker(name), *router)))
     return specs
 
 

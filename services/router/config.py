@@ -46,6 +46,11 @@ class RouterConfig(ServiceConfig):
         "other hosts and let a Prometheus elsewhere scrape it)",
     )
     port: int = option(8000, help="HTTP port (0 picks a free one)")
+    reuse_port: bool = option(
+        False,
+        help="bind the port with SO_REUSEPORT, so that several routers of this user serve one "
+        "port and the kernel spreads new connections over the live ones (kvmesh up --routers)",
+    )
     model: str = option("kvmesh-tiny", help="model name or local HF checkpoint directory")
     served_model_name: str | None = option(
         None, help="model id clients send and /v1/models lists (default: --model)"

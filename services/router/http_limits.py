@@ -230,8 +230,16 @@ class AcceptErrorLog:
 class GuardedSite(web.TCPSite):
     """``web.TCPSite`` whose connections go through ``ConnectionGuard``s of ``table``."""
 
-    def __init__(self, runner: web.BaseRunner, host: str, port: int, table: ConnectionTable):
-        super().__init__(runner, host, port)
+    def __init__(
+        self,
+        runner: web.BaseRunner,
+        host: str,
+        port: int,
+        table: ConnectionTable,
+        *,
+        reuse_port: bool = False,
+    ):
+        super().__init__(runner, host, port, reuse_port=reuse_port or None)
         self._table = table
 
     async def start(self) -> None:

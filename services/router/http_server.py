@@ -113,10 +113,16 @@ def api_key_middleware(tenants: Tenants | str | None):
 
 @asynccontextmanager
 async def serve_http(
-    app: web.Application, host: str, port: int, connections: ConnectionTable
+    app: web.Application,
+    host: str,
+    port: int,
+    connections: ConnectionTable,
+    *,
+    reuse_port: bool = False,
 ) -> AsyncIterator[int]:
     """Serve ``app`` on host:port for the duration of the block; yields the bound port. Each
-    connection goes through ``connections``' limits (services/router/http_limits.py).
+    connection goes through ``connections``' limits (services/router/http_limits.py);
+    ``reuse_port``: SO_REUSEPORT, several routers on one port.
 
     Handlers are cancelled when their client disconnects, so a waiting request aborts its work
     on the mesh instead of running to the end for nobody."""
@@ -126,7 +132,7 @@ async def serve_http(
     loop = asyncio.get_running_loop()
     accept_errors.install(loop)
     try:
-        site = GuardedSite(runner, host, port, connections)
+        site = GuardedSite(runner, host, port, connections, reuse_port=reuse_port)
         try:
             await site.start()
         except OSError as exc:  # a busy port, a foreign address: one line says what to change

@@ -87,7 +87,13 @@ async def serve_router(config: RouterConfig) -> AsyncIterator[RunningRouter]:
                 stall_limit_s=config.stall_limit_s,
                 metadata={"model": model.name},
             ),
-            serve_http(build_app(router), config.host, config.port, router.connections) as port,
+            serve_http(
+                build_app(router),
+                config.host,
+                config.port,
+                router.connections,
+                reuse_port=config.reuse_port,
+            ) as port,
         ):
             log.info(
                 "router serving",
