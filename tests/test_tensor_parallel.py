@@ -166,3 +166,11 @@ def test_prefill_tp_refuses_what_one_rank_would_write():
         UpConfig(prefill_tp=2, mode="colocated")
     with pytest.raises(ValueError, match="prefill_tp"):
         UpConfig(prefill_tp=0)
+
+
+def test_tp_ranks_split_the_workers_cpus_when_there_are_enough():
+    from kvmesh.services.prefill.tp_group import cpu_shares
+
+    assert cpu_shares([0, 1, 2, 3], 2) == [[0, 1], [2, 3]]
+    assert cpu_shares([4, 5, 6], 3) == [[4], [5], [6]]
+    assert cpu_shares([0], 2) == [[0], [0]]

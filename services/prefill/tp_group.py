@@ -6,7 +6,8 @@ them in a gloo group over 127.0.0.1, shards the leader's model and wraps its eng
 ``LeaderEngine``; each follower loads the model, keeps its shard and replays the leader's engine
 calls, writing its own heads of every chunk to the decode worker (``PrefillFollower``).
 
-The ranks live and die together: a follower whose leader is gone exits (its next collective
+Each rank runs on its share of the worker's CPUs (``cpu_shares``: equal runs when the worker
+has at least one CPU a rank, else all of them shared). The ranks live and die together: a follower whose leader is gone exits (its next collective
 fails, and a watcher checks the parent every second); the leader's ``watch`` raises as soon as a
 follower exits, which takes the worker down (its leases then fail as for any dead worker, and
 the launcher restarts it).
@@ -114,10 +115,11 @@ def start_tp_group(config: PrefillConfig, worker_id: str) -> tuple[TPGroup, int]
     caller then joins as rank 0 (``join_group``)."""
     ctx = mp.get_context("spawn")
     port = free_port()
+    shares = cpu_shares(sorted(os.sched_getaffinity(0)), config.tp)
     processes = [
         ctx.Process(
             target=follower_main,
-            args=(config, worker_id, rank, port, os.getpid()),
+            args=(config, worker_id, rank, port, os.getpid(), shares[rank]),
             name=f"{worker_id}-rank{rank}",
             daemon=True,
         )
@@ -125,7 +127,17 @@ def start_tp_group(config: PrefillConfig, worker_id: str) -> tuple[TPGroup, int]
     ]
     for proc in processes:
         proc.start()
+    os.sched_setaffinity(0, shares[0])  # after the spawns, which inherit the whole set
     return TPGroup(processes), port
+
+
+def cpu_shares(cpus: list[int], tp: int) -> list[list[int]]:
+    """Each rank's CPUs: the worker's split into ``tp`` runs of equal length when there are
+    enough; all of them for every rank otherwise (the ranks then share them)."""
+    if len(cpus) < tp:
+        return [cpus] * tp
+    per_rank = len(cpus) // tp
+    return [cpus[r * per_rank : (r + 1) * per_rank] for r in range(tp)]
 
 
 def join_group(rank: int, tp_size: int, port: int) -> None:
@@ -143,12 +155,13 @@ def join_group(rank: int, tp_size: int, port: int) -> None:
 
 
 def follower_main(
-    config: PrefillConfig, worker_id: str, rank: int, port: int, leader_pid: int
+    config: PrefillConfig, worker_id: str, rank: int, port: int, leader_pid: int, cpus: list[int]
 ) -> None:
     """A follower rank's process: ends when the leader closes the group or is gone, not on the
     signals a launcher sends the whole process group (the leader stops it once it drained)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    os.sched_setaffinity(0, cpus)
     _exit_with(leader_pid)
     logs.setup_logging()
     asyncio.run(_follow(config, worker_id, rank, port))
