@@ -44,13 +44,15 @@ async def measure(url: str, nats_url: str, prompts: list[list[int]], auth: Any =
 
 def run(args: argparse.Namespace) -> int:
     env = {"KVMESH_CHUNK_TOKENS": str(args.chunk_tokens), "KVMESH_BLOCK_SIZE": "16"}
+    if args.prefill_tp > 1:  # the prefill worker's --tp (docs/tp.md)
+        env["KVMESH_TP"] = str(args.prefill_tp)
     prompts = random_prompts(args.repeats, args.prompt_len, args.prompt_len, seed=1)
     with local_mesh("disagg", args.transport, env=env) as mesh:
         reports = asyncio.run(measure(mesh.url, mesh.config.nats_url, prompts, mesh.nats_auth))
     ratios = [r.exposed_transfer_s / r.transfer_s for r in reports if r.transfer_s > 0]
     print(
         f"transport {args.transport}, prompt {args.prompt_len} tokens, chunk {args.chunk_tokens} "
-        f"tokens, {len(reports)} requests one at a time"
+        f"tokens, prefill TP {args.prefill_tp}, {len(reports)} requests one at a time"
     )
     print(
         f"{'chunks':>6} {'compute_ms':>11} {'transfer_ms':>12} {'exposed_ms':>11} {'exposed/transfer':>17}"
@@ -78,6 +80,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--max-exposed-ratio", type=float, default=0.10)
+    p.add_argument(
+        "--prefill-tp",
+        type=int,
+        default=1,
+        help="the prefill worker's tensor parallelism; its report times rank 0's writes only "
+        "(each rank writes its own heads of every chunk)",
+    )
 
 
 if __name__ == "__main__":
