@@ -49,7 +49,6 @@ import json
 import random
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -153,10 +152,9 @@ class VariantRun:
 
 
 def scrape(url: str, timeout_s: float = 10.0) -> dict[str, float]:
-    from kvmesh.loadgen.server_breakdown import parse_prometheus
+    from kvmesh.loadgen import prom_text
 
-    with urllib.request.urlopen(url, timeout=timeout_s) as resp:
-        return parse_prometheus(resp.read().decode("utf-8", "replace"))
+    return prom_text.scrape(url, timeout_s=timeout_s)
 
 
 def scrape_workers(metrics_urls: Mapping[str, str]) -> dict[str, dict[str, float]]:

@@ -49,7 +49,7 @@ from kvmesh.loadgen.bench_serve_config import (
 from kvmesh.loadgen.compare_targets import Target
 from kvmesh.loadgen.serve_metrics import RequestRecord, Summary
 from kvmesh.loadgen.serve_report import RunResult, comparison_text, format_summary, rate_text
-from kvmesh.loadgen.server_breakdown import ServerBreakdown, parse_prometheus
+from kvmesh.loadgen.server_breakdown import ServerBreakdown
 from kvmesh.loadgen.sse_client import Endpoint
 from kvmesh.loadgen.workload import Prompt
 
@@ -346,16 +346,11 @@ def scrape_metrics(
     base_url: str, api_key: str | None = None, timeout_s: float = 5.0
 ) -> dict[str, float] | None:
     """The server's ``/metrics`` samples, or None when it has none (not every server does)."""
-    import urllib.error
-    import urllib.request
+    from kvmesh.loadgen import prom_text
 
-    request = urllib.request.Request(f"{base_url.rstrip('/')}/metrics")
-    if api_key:
-        request.add_header("Authorization", f"Bearer {api_key}")
     try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as resp:
-            return parse_prometheus(resp.read().decode("utf-8", "replace"))
-    except (OSError, urllib.error.URLError, ValueError):
+        return prom_text.scrape(f"{base_url.rstrip('/')}/metrics", api_key, timeout_s)
+    except (OSError, ValueError):
         return None
 
 

@@ -27,7 +27,6 @@ import contextlib
 import json
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -95,14 +94,9 @@ def spec_mesh(
 
 def spec_counters(launcher: Any, worker: str = "decode-0") -> dict[str, float]:
     """The decode worker's speculative counters, read off its /metrics."""
-    from prometheus_client.parser import text_string_to_metric_families
+    from kvmesh.loadgen import prom_text
 
-    with urllib.request.urlopen(launcher.metrics_urls[worker], timeout=5) as resp:
-        text = resp.read().decode()
-    values: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            values[sample.name] = sample.value
+    values = prom_text.scrape(launcher.metrics_urls[worker], timeout_s=5)
     return {
         key: values.get(name, values.get(name + "_total", 0.0))
         for key, name in SPEC_COUNTERS.items()

@@ -10,38 +10,12 @@ server has no such metrics; the breakdown is then absent, not zero.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 PREFIX = "kvmesh_router_"
-# Prometheus text lines: name, optional {labels} (quoted values may hold '}' and spaces), value,
-# optional timestamp
-_LINE = re.compile(
-    r'^([A-Za-z_:][A-Za-z0-9_:]*)(\{(?:[^}"]|"(?:[^"\\]|\\.)*")*\})?\s+(\S+)(?:\s+\S+)?$'
-)
 
 Scrape = Mapping[str, float]
-
-
-def parse_prometheus(text: str) -> dict[str, float]:
-    """Unlabelled samples and the label-free sums of labelled ones, by metric name (histogram
-    ``_sum`` and ``_count`` series included); comments, histogram buckets, ``_created``
-    timestamps and malformed lines are skipped."""
-    samples: dict[str, float] = {}
-    for line in text.splitlines():
-        match = _LINE.match(line.strip())
-        if match is None:
-            continue
-        name, labels, raw = match.groups()
-        if name.endswith(("_bucket", "_created")):
-            continue
-        try:
-            value = float(raw)
-        except ValueError:
-            continue
-        samples[name] = samples.get(name, 0.0) + value if labels else value
-    return samples
 
 
 def _mean(before: Scrape, after: Scrape, metric: str) -> tuple[float | None, int]:

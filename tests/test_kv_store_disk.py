@@ -24,18 +24,9 @@ HOST_BLOCKS = 4
 
 def scrape_tiers(port: int) -> dict[str, float]:
     """``name`` and ``name{tier="..."}`` of every sample of the store's metrics."""
-    import urllib.request
+    from kvmesh.loadgen import prom_text
 
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            tier = sample.labels.get("tier")
-            out[sample.name + (f'{{tier="{tier}"}}' if tier else "")] = sample.value
-    return out
+    return prom_text.series(prom_text.fetch(f"http://127.0.0.1:{port}/metrics"))
 
 
 def test_disk_dir_that_is_missing_a_file_or_read_only_is_refused(tmp_path: Path) -> None:

@@ -14,12 +14,11 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import AsyncIterator
 
 import pytest
 import torch
-from kvmesh.loadgen.server_breakdown import parse_prometheus
+from kvmesh.loadgen import prom_text
 from kvmesh.shared.bus.nats_service import connect_nats
 from kvmesh.shared.bus.protocol import (
     StoreAck,
@@ -168,8 +167,7 @@ OTHER_TOKENS = list(range(2000, 2000 + 6 * BLOCK_SIZE))
 
 
 def scrape(port: int) -> dict[str, float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
-        return parse_prometheus(resp.read().decode())
+    return prom_text.scrape(f"http://127.0.0.1:{port}/metrics")
 
 
 @pytest.mark.parametrize("backend", ["shm", "tcp"])

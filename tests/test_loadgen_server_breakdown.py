@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from kvmesh.loadgen.server_breakdown import ServerBreakdown, parse_prometheus
+from kvmesh.loadgen.prom_text import totals as parse_prometheus
+from kvmesh.loadgen.server_breakdown import ServerBreakdown
 from kvmesh.services.router.metrics import RouterMetrics
 from kvmesh.shared.bus.protocol import PrefillReport
 

@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
+from kvmesh.loadgen import prom_text
 from kvmesh.loadgen.fault_drill import (
     ENV,
     decode_stop,
@@ -100,12 +100,9 @@ def load():
 
 
 def _metric(url: str, name: str) -> float:
-    text = urllib.request.urlopen(url, timeout=5).read().decode()
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith(name) and not line.startswith("#")
-    )
+    """The samples whose ``name{label="value",...}`` starts with ``name``, summed."""
+    series = prom_text.series(prom_text.fetch(url, timeout_s=5))
+    return sum(value for key, value in series.items() if key.startswith(name))
 
 
 def _draft_contexts_left(mesh, timeout_s: float = 5.0) -> float:

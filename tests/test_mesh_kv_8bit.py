@@ -12,12 +12,11 @@ registry, router, prefill and decode processes, shm data plane).
 from __future__ import annotations
 
 import math
-import urllib.request
 
 import pytest
 import torch
 from kvmesh.kernels.kv_pack import pack_converted
-from kvmesh.loadgen.server_breakdown import parse_prometheus
+from kvmesh.loadgen import prom_text
 from kvmesh.shared.engine.config import EngineConfig
 from kvmesh.shared.engine.llm_engine import LLMEngine
 from kvmesh.shared.kv.kv_cache import KVCacheSpec
@@ -117,8 +116,7 @@ def kv8_mesh(request):
 
 
 def kv_bytes_written(mesh) -> float:
-    with urllib.request.urlopen(mesh.metrics_urls["prefill-0"], timeout=10) as resp:
-        return parse_prometheus(resp.read().decode())["kvmesh_prefill_kv_bytes_written_total"]
+    return prom_text.scrape(mesh.metrics_urls["prefill-0"])["kvmesh_prefill_kv_bytes_written_total"]
 
 
 def block_bytes(tiny, dtype: torch.dtype) -> int:

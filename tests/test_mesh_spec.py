@@ -25,7 +25,6 @@ import os
 import signal
 import subprocess
 import sys
-import urllib.request
 
 import aiohttp
 import msgspec
@@ -143,15 +142,9 @@ async def _check_long_prompts_draft_kv_from_the_data_plane(
 
 
 def _draft_metrics(mesh) -> dict[str, float]:
-    from prometheus_client.parser import text_string_to_metric_families
+    from kvmesh.loadgen import prom_text
 
-    with urllib.request.urlopen(mesh.metrics_urls["draft-0"], timeout=5) as resp:
-        text = resp.read().decode()
-    values = {
-        sample.name: sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-    }
+    values = prom_text.scrape(mesh.metrics_urls["draft-0"], timeout_s=5)
     names = ("prompt_tokens_received", "context_tokens_computed", "prompt_kv_refused")
     return {name: values.get(f"kvmesh_draft_{name}_total", 0.0) for name in names}
 
@@ -228,14 +221,12 @@ def _accepted_in_usage(reply: dict) -> int:
 
 def _tokens_per_step_buckets(mesh) -> dict[float, float]:
     """The decode worker's histogram of tokens per verify step: upper bound -> count."""
-    from prometheus_client.parser import text_string_to_metric_families
+    from kvmesh.loadgen import prom_text
 
-    with urllib.request.urlopen(mesh.metrics_urls["decode-0"], timeout=5) as resp:
-        text = resp.read().decode()
+    text = prom_text.fetch(mesh.metrics_urls["decode-0"], timeout_s=5)
     return {
         float(sample.labels["le"]): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
+        for sample in prom_text.samples(text)
         if sample.name == "kvmesh_decode_spec_tokens_per_step_bucket"
     }
 

@@ -17,12 +17,11 @@ a worker that knows no store recomputes, and the counts would say so).
 from __future__ import annotations
 
 import asyncio
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import aiohttp
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
+from kvmesh.loadgen import prom_text
 from support.mesh_checks import (
     TINY_BLOCK_BYTES,
     check_blocks_returned,
@@ -47,14 +46,8 @@ MAX_TOKENS = 48
 
 
 def scrape(url: str) -> dict[str, float]:
-    """Samples by name, a labelled one as ``name{value,...}``."""
-    with urllib.request.urlopen(url, timeout=10) as resp:
-        text = resp.read().decode()
-    return {
-        s.name + (f"{{{','.join(s.labels.values())}}}" if s.labels else ""): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
+    """Samples by name, a labelled one as ``name{label="value",...}``."""
+    return prom_text.series(prom_text.fetch(url))
 
 
 async def run(mesh) -> list[str]:
@@ -78,7 +71,7 @@ def test_preempted_sequences_swap_to_the_store_and_back_with_offline_outputs() -
             store = scrape(mesh.metrics_urls["kv-store-0"])
         assert got == expected.result()
     preemptions = decode["kvmesh_decode_preemptions_total"]
-    read = decode["kvmesh_decode_swap_in_tokens_total{read}"]
+    read = decode['kvmesh_decode_swap_in_tokens_total{source="read"}']
     assert preemptions >= 1
     assert decode["kvmesh_decode_swap_outs_total"] >= 1
     assert decode["kvmesh_decode_swap_ins_total"] >= 1

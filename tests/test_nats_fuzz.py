@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import random
-import urllib.request
 
 import aiohttp
 import pytest
-from kvmesh.loadgen.server_breakdown import parse_prometheus
+from kvmesh.loadgen import prom_text
 from kvmesh.shared.bus.nats_service import connect_nats
 from support.nats_fuzz import bodies, targets
 
@@ -78,8 +77,7 @@ async def fuzz(mesh) -> dict[str, int]:
 
 
 def refused(url: str) -> float:
-    with urllib.request.urlopen(url, timeout=10) as resp:
-        samples = parse_prometheus(resp.read().decode())
+    samples = prom_text.scrape(url)
     return sum(v for k, v in samples.items() if k.endswith("_nats_refused_total"))
 
 

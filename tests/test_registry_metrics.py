@@ -4,7 +4,7 @@ and a placement move the counters they should."""
 from __future__ import annotations
 
 import aiohttp
-from kvmesh.loadgen.server_breakdown import parse_prometheus
+from kvmesh.loadgen import prom_text
 from kvmesh.services.kv_registry.config import RegistryConfig
 from kvmesh.services.kv_registry.service import registry_service
 from kvmesh.shared.bus import protocol
@@ -55,7 +55,7 @@ async def test_registry_metrics_count_refusals_placements_and_leases(nats_server
     assert 'kvmesh_registry_placements_total{prefill="remote"} 1.0' in text
     assert 'kvmesh_registry_leases_total{outcome="granted"} 1.0' in text
     assert 'kvmesh_registry_workers{role="decode"} 1.0' in text
-    assert parse_prometheus(text)["kvmesh_registry_place_seconds_count"] == 2
+    assert prom_text.totals(text)["kvmesh_registry_place_seconds_count"] == 2
 
 
 async def test_registry_without_a_metrics_port_serves_none(nats_server: str) -> None:

@@ -1,7 +1,7 @@
 """Where the engines' time went during a run, real or simulated, in the same few means (pure).
 
 The real side comes from the mesh's own ``/metrics`` scraped before and after the run (every
-service's, summed by name: ``server_breakdown.parse_prometheus``):
+service's, summed by name: ``prom_text.totals``):
 
 - ``home_step_s``: a decode or colocated worker's engine step (``kvmesh_decode_step_seconds``:
   schedule, forward pass, sampling; not the loop around it);

@@ -19,15 +19,12 @@ from kvmesh.loadgen.sim.probe import ProbeRecords
 
 def scrape(urls: list[str]) -> dict[str, float] | None:
     """Every service's ``/metrics`` summed by name; None if one cannot be read."""
-    import urllib.request
-
-    from kvmesh.loadgen.server_breakdown import parse_prometheus
+    from kvmesh.loadgen import prom_text
 
     scrapes = []
     for url in urls:
         try:
-            with urllib.request.urlopen(url, timeout=5.0) as resp:
-                scrapes.append(parse_prometheus(resp.read().decode()))
+            scrapes.append(prom_text.scrape(url, timeout_s=5.0))
         except OSError:
             return None
     return merge_scrapes(scrapes)

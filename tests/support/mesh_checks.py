@@ -113,13 +113,9 @@ async def poll_status(admin: Any, ready: Any, what: str, timeout_s: float = 30.0
 
 def scrape(url: str) -> dict[str, float]:
     """A service's /metrics, parsed (``name{labels}`` -> value)."""
-    import urllib.request
+    from kvmesh.loadgen import prom_text
 
-    from kvmesh.loadgen.server_breakdown import parse_prometheus
-
-    with urllib.request.urlopen(url, timeout=10) as resp:
-        assert resp.status == 200
-        return parse_prometheus(resp.read().decode())
+    return prom_text.scrape(url)
 
 
 TINY_BLOCK_BYTES = 64 << 10  # kvmesh-tiny, 16-token blocks, float32
