@@ -101,6 +101,19 @@ def test_tp1_prefill_sends_each_tp2_decode_rank_its_head(rank_results, tp1):
     assert rank_results[2]["handoff_1_to_2"] == {"sent": 2 * 3 * HEAD_BYTES, "kv_heads_held": 2}
 
 
+def test_tp2_prefill_writes_each_tp2_decode_rank_its_head_from_the_rank_holding_it(
+    rank_results, tp1
+):
+    """Prefill ranks 0, 1 (the leader and a PrefillFollower) to decode ranks 2, 3: rank r's head
+    goes to decode rank r alone, one writer each."""
+    for rank in (2, 3):
+        decode = rank_results[rank]["handoff_2_to_2"]
+        assert decode["tokens"] == tp1[None]["tokens"][0]
+        assert decode["senders"] == [rank - 2] and len(decode["imms"]) == 3
+    for rank in (0, 1):
+        assert rank_results[rank]["handoff_2_to_2"] == {"sent": 3 * HEAD_BYTES, "kv_heads_held": 1}
+
+
 def test_tp_layout_refuses_head_counts_it_cannot_split():
     with pytest.raises(TPShardError, match="6 attention heads do not split over TP 4"):
         TPLayout(4, 0, num_heads=6, num_kv_heads=2)

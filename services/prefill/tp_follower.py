@@ -39,16 +39,23 @@ log = logs.get_logger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
-class HandOff:
-    """Where a prefill job's KV goes, as every TP rank needs it (the note of its
-    ``add_request``): the decode worker's transport descriptor (JSON, as over NATS), the key of
-    its window, its reserved blocks' addresses and block size in bytes, and its TP degree."""
+class DecodeTarget:
+    """One decode rank's blocks for a job: its transport descriptor (JSON, as over NATS), the
+    key of its window, its reserved blocks' addresses and its block size in bytes."""
 
     descriptor: bytes
     rkey: int
     block_addrs: tuple[int, ...]
     block_bytes: int
-    decode_tp: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class HandOff:
+    """Where a prefill job's KV goes, as every TP rank needs it (the note of its
+    ``add_request``): one ``DecodeTarget`` per decode rank, in rank order (one for a decode
+    worker at TP1, the mesh's only kind today)."""
+
+    targets: tuple[DecodeTarget, ...]
 
 
 @dataclass(slots=True)
@@ -126,23 +133,20 @@ class PrefillFollower:
         self, hand_off: HandOff, num_tokens: int
     ) -> list[tuple[ChunkPlanner, bytes, int]]:
         spec = self.engine.kv_pool.spec
-        dst = KVHeadShards(self.src.num_kv_heads, hand_off.decode_tp)
-        assert hand_off.decode_tp == 1, "a decode worker at TP > 1 is not built (docs/tp.md)"
-        return [
-            (
-                ChunkPlanner(
-                    num_tokens,
-                    spec.block_size,
-                    spec.block_bytes,
-                    hand_off.block_addrs,
-                    hand_off.block_bytes,
-                    rank_slice,
-                ),
-                hand_off.descriptor,
-                hand_off.rkey,
+        dst = KVHeadShards(self.src.num_kv_heads, len(hand_off.targets))
+        planners = []
+        for rank_slice in rank_block_slices(spec, self.src, dst, self.rank):
+            target = hand_off.targets[rank_slice.dst_rank]
+            planner = ChunkPlanner(
+                num_tokens,
+                spec.block_size,
+                spec.block_bytes,
+                target.block_addrs,
+                target.block_bytes,
+                rank_slice,
             )
-            for rank_slice in rank_block_slices(spec, self.src, dst, self.rank)
-        ]
+            planners.append((planner, target.descriptor, target.rkey))
+        return planners
 
     async def _write(self, descriptor: bytes, rkey: int, write: ChunkWrite) -> None:
         entries = [

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 from kvmesh.services.prefill.kv_writes import RankSlice, rank_block_slices
-from kvmesh.services.prefill.tp_follower import HandOff
+from kvmesh.services.prefill.tp_follower import DecodeTarget, HandOff
 from kvmesh.shared.config.ports import free_port
 from kvmesh.shared.kv.head_shards import KVHeadShards
 from kvmesh.shared.obs import logs
@@ -76,7 +76,8 @@ class TPWrites:
     def note(msg: PrefillJob) -> HandOff:
         """What the followers need of a job to write their heads of it."""
         descriptor = msgspec.json.encode(msg.descriptor)
-        return HandOff(descriptor, msg.rkey, tuple(msg.block_addrs), msg.block_bytes)
+        target = DecodeTarget(descriptor, msg.rkey, tuple(msg.block_addrs), msg.block_bytes)
+        return HandOff((target,))
 
 
 class TPGroup:

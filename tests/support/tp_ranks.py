@@ -72,9 +72,10 @@ def rank_main(rank: int, port: int, queue: Any) -> None:
         layout = shard_model(model, pairs[rank // 2])
         case = "tp2" if quant is None else "tp2_q8"
         results[case] = run_engine(model) | {"kv_heads": layout.kv_heads}
-        pair = {(0, 1): pairs[0]}
+        pair = {(0, 1): pairs[0], (2, 3): pairs[1]}
         results["handoff_2_to_1"] = asyncio.run(handoff(rank, (0, 1), (2,), pair))
         results["handoff_1_to_2"] = asyncio.run(handoff(rank, (2,), (0, 1), pair))
+        results["handoff_2_to_2"] = asyncio.run(handoff(rank, (0, 1), (2, 3), pair))
         queue.put((rank, results))
     finally:
         dist.destroy_process_group()
@@ -92,7 +93,7 @@ async def handoff(
     import torch.distributed as dist
     from kvmesh.services.prefill.kv_writes import decode_writers, rank_block_slices
     from kvmesh.services.prefill.plan import ChunkPlanner
-    from kvmesh.services.prefill.tp_follower import HandOff, PrefillFollower
+    from kvmesh.services.prefill.tp_follower import DecodeTarget, HandOff, PrefillFollower
     from kvmesh.shared.engine.llm_engine import EngineConfig, LLMEngine
     from kvmesh.shared.engine.outputs import collect_tokens
     from kvmesh.shared.engine.tp_leader import LeaderEngine
@@ -165,9 +166,11 @@ async def handoff(
                 )
                 writers.append((planner, endpoint, info["rkey"]))
             chunks = []
-            info = decodes[0]
             hand_off = HandOff(
-                info["peer"], info["rkey"], tuple(info["addrs"]), info["block_bytes"]
+                tuple(
+                    DecodeTarget(d["peer"], d["rkey"], tuple(d["addrs"]), d["block_bytes"])
+                    for d in decodes
+                )
             )
             note = {"note": hand_off} if isinstance(engine, LeaderEngine) else {}
             engine.add_request(
