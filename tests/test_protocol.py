@@ -40,6 +40,10 @@ from kvmesh.shared.bus.protocol import (
     StorePutReply,
     StoreRelease,
     StoreSolicit,
+    StreamHolder,
+    StreamLookup,
+    StreamReplay,
+    StreamResume,
     TokenEvent,
     WorkerControl,
     WorkerGone,
@@ -175,6 +179,14 @@ EXAMPLES: list[Message] = [
     LogLevel("debug"),
     KvCacheEvents("d0", epoch="e1", seq=3, stored=(2**64 - 1, 7), removed=(9,)),
     KvCacheDigest("d0", epoch="e1", seq=4, hashes=(7, 2**63), num_cached_blocks=5),
+    StreamLookup("cmpl-1"),
+    StreamHolder("d0", wire_id="cmpl-1-m2", expired=True),
+    StreamResume("cmpl-1-m2", router="rt-a2", num_prompt_tokens=3),
+    StreamReplay(
+        events=(TokenEvent("cmpl-1-m2", (4,), num_output_tokens=1),),
+        prior_token_ids=(7, 8),
+        error="e",
+    ),
     DraftContext(
         "r1", "d0", start=12, token_ids=(5, 6), num_prompt_tokens=10, num_verified=4, num_accepted=3
     ),

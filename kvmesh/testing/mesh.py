@@ -152,7 +152,7 @@ class MeshTap:
         from kvmesh.shared.bus.subjects import Subjects
 
         self._stack = contextlib.AsyncExitStack()
-        from kvmesh.services.router.attempts import attempt_of  # the router's wire ids
+        from kvmesh.shared.bus.wire_ids import attempt_of  # the router's wire ids
 
         nc = await self._stack.enter_async_context(
             connect_nats(self.nats_url, "mesh-tap", auth=self.auth)
@@ -193,7 +193,7 @@ class MeshTap:
         """The wire ids heard of the request the router answered as ``reply_id``, in attempt
         order: the reply id, then its retries (``-rN``, before a first token) and migrations
         (``-mN``, the rest of the stream on another decode worker)."""
-        from kvmesh.services.router.attempts import attempt_of
+        from kvmesh.shared.bus.wire_ids import attempt_of
 
         ids = {*self.tokens, *self.finished}
         mine = [w for w in ids if attempt_of(w)[0] == reply_id]

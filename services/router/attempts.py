@@ -15,22 +15,8 @@ import msgspec
 from kvmesh.services.router.errors import MeshError
 from kvmesh.services.router.prompt import Prompt
 from kvmesh.shared.bus.protocol import TokenEvent
+from kvmesh.shared.bus.wire_ids import wire_id
 from kvmesh.shared.text.sampling import SamplingOptions
-
-
-def wire_id(response_id: str, kind: Literal["r", "m"], attempt: int) -> str:
-    """The wire id of attempt ``attempt`` (1 and up) of ``response_id``: ``-r<n>`` runs it from
-    the start, ``-m<n>`` migrates its stream."""
-    return f"{response_id}-{kind}{attempt}"
-
-
-def attempt_of(wire: str) -> tuple[str, int]:
-    """``(response id, attempt number)`` of a wire id: ``X`` is attempt 0 of ``X``, ``X-r2``
-    and ``X-m2`` attempt 2 (``wire_id``'s inverse)."""
-    base, sep, suffix = wire.rpartition("-")
-    if sep and suffix[:1] in ("r", "m") and suffix[1:].isdigit():
-        return base, int(suffix[1:])
-    return wire, 0
 
 
 class Attempts:
@@ -111,6 +97,13 @@ class Attempts:
             f"token events were lost (the decode worker counts {event.num_output_tokens} "
             f"tokens of choice {event.index}, {received} arrived before)"
         )
+
+    def arrived_before(self, event: TokenEvent) -> bool:
+        """Whether ``event``'s tokens all arrived already: a resumed stream hears the events
+        the decode worker made between its subscription and its replay twice."""
+        if self.prompt.sampling.n != 1 or not event.token_ids or not event.num_output_tokens:
+            return False
+        return event.num_output_tokens <= self._received(event)
 
     def record(self, event: TokenEvent) -> bool:
         """Count ``event``'s tokens as sent to the client; whether every choice has finished."""

@@ -53,8 +53,15 @@ class ChoiceResult:
     tool_calls: tuple[ParsedCall, ...] = ()
 
 
-def sse_event(payload: Body | dict[str, Any]) -> bytes:
-    return b"data: " + msgspec.json.encode(payload) + b"\n\n"
+def sse_event(payload: Body | dict[str, Any], event_id: str | None = None) -> bytes:
+    """One SSE event; ``event_id``: its ``id:`` line (a resumable stream's: stream_ids.py)."""
+    data = b"data: " + msgspec.json.encode(payload) + b"\n\n"
+    return data if event_id is None else b"id: " + event_id.encode() + b"\n" + data
+
+
+def sse_done(event_id: str | None = None) -> bytes:
+    """``data: [DONE]``, with its ``id:`` line in a resumable stream."""
+    return SSE_DONE if event_id is None else b"id: " + event_id.encode() + b"\n" + SSE_DONE
 
 
 def new_request_id(kind: str) -> str:
@@ -208,6 +215,6 @@ def _message(choice: ChoiceResult) -> AssistantMessage:
     return AssistantMessage(role="assistant", content=choice.text, tool_calls=calls)
 
 
-def error_event(error: ApiError) -> bytes:
+def error_event(error: ApiError, event_id: str | None = None) -> bytes:
     """An error after the stream has started (the status line is already sent)."""
-    return sse_event(error.body())
+    return sse_event(error.body(), event_id)

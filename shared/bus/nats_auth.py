@@ -133,6 +133,7 @@ def role_permissions(s: Subjects) -> dict[str, Permissions]:
         s.ABORT,
         s.REGISTRY_WORKER_GONE,
         s.REGISTRY_STORE_ADVERTISE,
+        s.STREAM_LOOKUP,  # which worker holds a stream a client resumes
     )
     stream = s.PREFILL_STREAM
     return {
@@ -145,6 +146,8 @@ def role_permissions(s: Subjects) -> dict[str, Permissions]:
                 f"{p}.request.*.worker_gone",
                 s.PREFILL_JOBS,  # jobs into the stream (its acks come to the router's inbox)
                 f"$JS.API.STREAM.MSG.DELETE.{stream}",  # withdraw_job: shared/bus/prefill_queue.py
+                s.STREAM_LOOKUP,  # a client resumes a stream: who holds it, its events so far
+                s.decode_stream_resume("*"),
             ),
             subscribe=(
                 f"{p}.request.>",

@@ -220,6 +220,45 @@ class LeaseCancel(Message):
     reason: str = "no reserve reply in time"
 
 
+# --- resuming a stream through another router (docs/faults.md) -------------------------------
+
+
+class StreamLookup(Message):
+    """Router -> every decode worker (request; the router gathers the replies): which of you
+    holds the stream of the client request ``request_id``?"""
+
+    request_id: str
+
+
+class StreamHolder(Message):
+    """Decode worker -> router: ``wire_id``, the latest attempt of the looked-up request that
+    this worker logged ("" for none; ``expired``: it had one and forgot it, its grace over)."""
+
+    worker_id: str
+    wire_id: str = ""
+    expired: bool = False
+
+
+class StreamResume(Message):
+    """Router -> the decode worker holding a stream (request/reply): its events so far. The
+    router's instance ``router`` serves the stream from now on: the stream is no longer its
+    old router's (whose death would abort it)."""
+
+    wire_id: str
+    router: str
+    num_prompt_tokens: Annotated[int, msgspec.Meta(ge=1)]  # of the client's request
+
+
+class StreamReplay(Message):
+    """Decode worker -> router: the stream's TokenEvents from its first token, in order (a
+    migrated attempt's earlier output in ``prior_token_ids``); ``error`` says why it cannot be
+    resumed (then no events)."""
+
+    events: tuple[TokenEvent, ...] = ()
+    prior_token_ids: tuple[int, ...] = ()
+    error: str = ""
+
+
 # --- speculative decoding (decode <-> draft) -------------------------------------------------
 
 

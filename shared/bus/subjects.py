@@ -179,6 +179,15 @@ class Subjects:
         """draft -> decode worker (publish): DraftProposal."""
         return f"{self.prefix}.decode.{worker_id}.draft"
 
+    # router -> every decode worker (request, replies gathered): StreamLookup -> StreamHolder
+    @property
+    def STREAM_LOOKUP(self) -> str:
+        return f"{self.prefix}.stream.lookup"
+
+    def decode_stream_resume(self, worker_id: str) -> str:
+        """router -> decode worker (request/reply): StreamResume -> StreamReplay."""
+        return f"{self.prefix}.decode.{worker_id}.stream_resume"
+
     def heartbeat(self, role: str, worker_id: str) -> str:
         return f"{self.prefix}.heartbeat.{role}.{worker_id}"
 
