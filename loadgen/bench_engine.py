@@ -1,4 +1,5 @@
-"""``kvmesh bench engine``: kvmesh's LLMEngine vs transformers' ``generate`` on the same weights.
+"""``kvmesh bench engine``: kvmesh's LLMEngine vs transformers' ``generate`` on the same weights
+(or, for weights kept as stored, vs kvmesh's own float32 path), and llama.cpp.
 
 Both run in this process with ``torch.set_num_threads(--threads)`` (1 by default), on the same
 random prompts, producing the same number of tokens (EOS ignored by both). For kvmesh-tiny the
@@ -26,6 +27,15 @@ and batch-1 decode against it (llama.cpp's Python binding decodes one sequence),
 size against transformers, and llama.cpp's greedy tokens compared with kvmesh's.
 ``--llama-weights q8_0`` or ``FILE.gguf`` runs llama.cpp in the formats its users run instead
 (8-bit blocks, or a quantized file as downloaded) while kvmesh runs its float32 checkpoint.
+llama.cpp decodes a batch above one as llama-server's parallel slots do: one ``llama_decode``
+of one token per sequence a step (``llamacpp_runner.BatchedDecode``).
+
+Weights as stored (a checkpoint that keeps Q8_0/Q4_0/Q4_1 blocks, such as the fetched SmolLM2
+or a ``.gguf`` given as ``--model``): transformers cannot read them, so the reference measured in
+the same run is kvmesh's engine on the same checkpoint dequantized to float32 (``kvmesh-float32``
+in the results), and ``--llama-weights same`` is the GGUF the checkpoint was imported from (kept
+beside it by ``kvmesh model fetch``). ``--memory`` adds the resident memory each system's model
+adds to a fresh process (``engine_rss.py``).
 """
 
 from __future__ import annotations
@@ -73,7 +83,8 @@ def register_engine(sub: Any) -> argparse.ArgumentParser:
         choices=AGAINST,
         default="transformers",
         help="llama.cpp: also run llama.cpp (llama-cpp-python, `make bench-deps`) on the "
-        "checkpoint converted to GGUF; transformers always runs",
+        "checkpoint converted to GGUF (or --llama-weights FILE); the reference (transformers, "
+        "or kvmesh's float32 path for weights kept as stored) always runs",
     )
     p.add_argument(
         "--gguf-converter",
@@ -102,6 +113,11 @@ def register_engine(sub: Any) -> argparse.ArgumentParser:
         dest="cpu_kernels",
         action="store_false",
         help="run kvmesh on its pure-torch path, without the C decode kernels of kernels/cpu_ops.c",
+    )
+    p.add_argument(
+        "--memory",
+        action="store_true",
+        help="also measure the RSS each system's model adds to a fresh process (engine_rss.py)",
     )
     p.add_argument(
         "--clock",
@@ -148,15 +164,24 @@ def _best_pair(
 
 
 class KvmeshRunner:
+    """kvmesh's engine on ``model_name`` (``dequantize``: weights kept as stored made float), or
+    on a model already ``loaded`` (model, tokenizer)."""
+
     def __init__(
-        self, model_name: str, max_tokens_in_flight: int, cpu_kernels: bool = True
+        self,
+        model_name: str,
+        max_tokens_in_flight: int,
+        cpu_kernels: bool = True,
+        dequantize: bool = False,
+        loaded: tuple[Any, Any] | None = None,
     ) -> None:
         from kvmesh.shared.engine.config import EngineConfig
         from kvmesh.shared.engine.llm_engine import LLMEngine
         from kvmesh.shared.model import load_model
 
-        model, tok = load_model(model_name)
+        model, tok = loaded or load_model(model_name, dequantize=dequantize)
         self.dtype = model.config.torch_dtype
+        self.formats = stored_formats(model)
         self.engine = LLMEngine(
             model,
             tok,
@@ -194,6 +219,24 @@ class KvmeshRunner:
             engine.step()
             times.append(clock() - t0)
         return times
+
+
+def stored_formats(model: Any) -> list[str]:
+    """The block formats ``model``'s weights are kept in (empty: all float)."""
+    from kvmesh.shared.model.quant_layers import QuantEmbedding, QuantLinear
+
+    kinds = (QuantLinear, QuantEmbedding)
+    return sorted({m.qweight.format for m in model.modules() if isinstance(m, kinds)})
+
+
+def _source_gguf(checkpoint: Path) -> Path | None:
+    """The GGUF file a checkpoint was imported from, where it is kept beside it."""
+    try:
+        source = json.loads((checkpoint / "kvmesh-import.json").read_text())["source"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    path = checkpoint / Path(source).name
+    return path if path.is_file() else None
 
 
 class HFRunner:
@@ -239,10 +282,23 @@ class HFRunner:
         return [b - a for a, b in itertools.pairwise(stamps)]
 
 
-def _llama_weights(choice: str, hf_path: Path, tmp: Path, dtype: Any, converter: Path) -> Path:
-    """The GGUF llama.cpp runs for ``--llama-weights``."""
+def _llama_weights(
+    choice: str, hf_path: Path, tmp: Path, dtype: Any, converter: Path, stored: bool = False
+) -> Path:
+    """The GGUF llama.cpp runs for ``--llama-weights`` (``stored``: kvmesh runs a checkpoint of
+    weights as stored, which llama.cpp's converter cannot read: ``same`` is its source GGUF)."""
     from kvmesh.loadgen import llamacpp_runner
 
+    if stored and choice in ("same", "q8_0"):
+        source = _source_gguf(hf_path)
+        if choice == "q8_0" or source is None:
+            raise SystemExit(
+                f"kvmesh bench engine: --llama-weights {choice}: {hf_path} keeps its weights as "
+                "stored (quantized), which llama.cpp's converter cannot read"
+                + ("" if source else ", and its source GGUF is not beside it")
+                + "; pass --llama-weights FILE.gguf"
+            )
+        return source
     if choice == "same":
         return llamacpp_runner.convert(hf_path, tmp / "model.gguf", dtype, converter)
     if choice == "q8_0":
@@ -307,6 +363,8 @@ def run(args: argparse.Namespace) -> int:
             "kvmesh bench engine: --threads > 1 needs --clock wall (the cpu clock adds up the "
             "CPU time of every thread, not the time a step takes)"
         )
+    if args.memory and args.model == "kvmesh-tiny":
+        raise SystemExit("kvmesh bench engine: --memory measures a checkpoint, not kvmesh-tiny")
     with_llama_cpp = args.against == "llama.cpp"
     if with_llama_cpp:
         from kvmesh.loadgen import llamacpp_runner
@@ -316,19 +374,21 @@ def run(args: argparse.Namespace) -> int:
             llamacpp_runner.require(converter)
         except llamacpp_runner.LlamaCppMissingError as exc:
             raise SystemExit(f"kvmesh bench engine: {exc}") from None
+    from kvmesh.shared.model import load_model
     from kvmesh.shared.model.model_ref import model_path
 
     args.model = model_path(args.model, "kvmesh bench engine")
     torch.set_num_threads(args.threads)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     rng = random.Random(0)
+    loaded = load_model(args.model)
+    formats = stored_formats(loaded[0])
     with tempfile.TemporaryDirectory() as tmp:
         hf_path = (
             export_tiny_to_hf(Path(tmp) / "hf") if args.model == "kvmesh-tiny" else Path(args.model)
         )
-        hf = HFRunner(hf_path)
-        vocab = hf.model.config.vocab_size
-        max_pos = hf.model.config.max_position_embeddings
+        vocab = loaded[0].config.vocab_size
+        max_pos = loaded[0].config.max_position_embeddings
         prompt_len = min(args.prompt_len, max_pos - 1)
         prompt = [rng.randrange(vocab) for _ in range(prompt_len)]
         decode_prompts = {
@@ -338,27 +398,46 @@ def run(args: argparse.Namespace) -> int:
         in_flight = max(
             prompt_len, max(batch_sizes) * (args.decode_prompt_len + args.decode_tokens)
         )
-        kv = KvmeshRunner(args.model, in_flight, args.cpu_kernels)
+        kv = KvmeshRunner(args.model, in_flight, args.cpu_kernels, loaded=loaded)
+        del loaded
+        if formats:  # transformers cannot read blocks: kvmesh on the same weights in float32
+            reference = "kvmesh-float32"
+            ref: Any = KvmeshRunner(args.model, in_flight, args.cpu_kernels, dequantize=True)
+        else:
+            reference, ref = "transformers", HFRunner(hf_path)
         check = decode_prompts[batch_sizes[0]]
-        outputs_match = kv.generate(check, 16) == hf.generate(check, 16)
-        runners: dict[str, Any] = {"kvmesh": kv, "transformers": hf}
-        llama_match = None
+        outputs_match = kv.generate(check, 16) == ref.generate(check, 16)
+        runners: dict[str, Any] = {"kvmesh": kv, reference: ref}
+        llama_match = gguf = None
         if with_llama_cpp:
-            gguf = _llama_weights(args.llama_weights, hf_path, Path(tmp), kv.dtype, converter)
+            gguf = _llama_weights(
+                args.llama_weights, hf_path, Path(tmp), kv.dtype, converter, bool(formats)
+            )
             n_ctx = max(prompt_len, args.decode_prompt_len + args.decode_tokens) + 16
             llama_kv = torch.float16 if args.llama_kv_cache == "f16" else kv.dtype
-            llama = llamacpp_runner.LlamaCppRunner(gguf, args.threads, n_ctx, llama_kv)
+            llama = llamacpp_runner.LlamaCppRunner(
+                gguf,
+                args.threads,
+                n_ctx,
+                llama_kv,
+                max_batch=max(batch_sizes),
+                batch_ctx=args.decode_prompt_len + args.decode_tokens + 16,
+            )
             runners["llama.cpp"] = llama
             llama_match = kv.generate(check[:1], 16) == llama.generate(check[:1], 16)
         results = measure(
             runners, prompt, decode_prompts, args.decode_tokens, args.repeats, CLOCKS[args.clock]
         )
+        if args.memory:
+            results["memory_mb"] = _memory(args.model, reference, gguf)
     k = results["kvmesh"]
-    results["ratios"] = _ratios(k, results["transformers"])
+    results["ratios"] = _ratios(k, results[reference])
     if with_llama_cpp:
         results["ratios_llama_cpp"] = _ratios(k, results["llama.cpp"])
     results["config"] = {
         "model": args.model,
+        "reference": reference,
+        "weights": "as stored: " + "+".join(formats) if formats else str(kv.dtype),
         "threads": args.threads,
         "clock": args.clock,
         "against": args.against,
@@ -379,30 +458,43 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _memory(model: str, reference: str, gguf: Path | None) -> dict[str, float]:
+    """RSS (MB) each system's model adds to a fresh process (``engine_rss.measure``)."""
+    from kvmesh.loadgen import engine_rss
+
+    systems = {"kvmesh": ("kvmesh", model)}
+    if reference == "kvmesh-float32":
+        systems[reference] = ("kvmesh-float32", model)
+    if gguf is not None:
+        systems["llama.cpp"] = ("llama.cpp", str(gguf))
+    return {name: engine_rss.measure(*how)["added_mb"] for name, how in systems.items()}
+
+
 def print_table(results: dict) -> None:
     """The human-readable form: tok/s of every system, then kvmesh's ratios against each."""
     config = results["config"]
-    systems = [s for s in ("kvmesh", "transformers", "llama.cpp") if s in results]
+    reference = config["reference"]
+    systems = [s for s in ("kvmesh", reference, "llama.cpp") if s in results]
     threads = config["threads"]
     kernels = "C kernels" if config["cpu_kernels"] else "pure torch"
-    match = f"greedy tokens match transformers: {config['greedy_outputs_match']}"
+    match = f"greedy tokens match {reference}: {config['greedy_outputs_match']}"
     if config["greedy_outputs_match_llama_cpp"] is not None:
         match += f", llama.cpp: {config['greedy_outputs_match_llama_cpp']}"
         match += f" (llama.cpp weights: {config['llama_weights']}, KV cache: "
         match += f"{config['llama_kv_cache']})"
     print(
-        f"model {config['model']} ({config['dtype']}), {threads} thread{'s' if threads > 1 else ''}"
-        f", {config['clock']} clock, kvmesh on {kernels}; {match}"
+        f"model {config['model']} (weights {config['weights']}), {threads} "
+        f"thread{'s' if threads > 1 else ''}, {config['clock']} clock, kvmesh on {kernels}; {match}"
     )
-    against = [("transformers", results["ratios"])]
+    against = [(reference, results["ratios"])]
     if "ratios_llama_cpp" in results:
         against.append(("llama.cpp", results["ratios_llama_cpp"]))
-    header = "".join(f"{s:>14}" for s in systems)
+    header = "".join(f"{s:>16}" for s in systems)
     header += "".join(f"{'vs ' + name:>17}" for name, _ in against)
     print(f"{'tok/s':26}{header}")
 
     def row(label: str, values: list, ratios: list) -> None:
-        cells = "".join(f"{'-' if v is None else v:>14}" for v in values)
+        cells = "".join(f"{'-' if v is None else v:>16}" for v in values)
         cells += "".join(f"{'-' if r is None else r:>17}" for r in ratios)
         print(f"{label:26}{cells}")
 
@@ -416,4 +508,12 @@ def print_table(results: dict) -> None:
             f"decode batch {b}",
             [results[s]["decode_tok_s"].get(b) for s in systems],
             [r["decode"].get(b) for _, r in against],
+        )
+    memory = results.get("memory_mb")
+    if memory:
+        kv_mb = memory["kvmesh"]
+        row(
+            "memory added (RSS MB)",
+            [memory.get(s) for s in systems],
+            [round(kv_mb / memory[name], 2) if name in memory else None for name, _ in against],
         )

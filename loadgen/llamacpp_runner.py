@@ -122,12 +122,12 @@ def _run_converter(converter: Path, hf_dir: str, out: str, outtype: str) -> None
 
 
 class LlamaCppRunner:
-    """One llama.cpp context, batch 1, greedy. ``n_threads`` for prompt and generation alike; the
-    KV cache in ``kv_type``: the weights' type keeps both engines at the same precision, f16 is
+    """One llama.cpp context, greedy. ``n_threads`` for prompt and generation alike; the KV cache
+    in ``kv_type``: the weights' type keeps both engines at the same precision, f16 is
     llama.cpp's own default, ``"q8_0"`` its 8-bit KV (32 int8 values and an f16 scale a block; a
-    quantized V needs ``flash_attn``)."""
-
-    max_batch = 1
+    quantized V needs ``flash_attn``). ``max_batch`` > 1: decode that many sequences in one
+    ``llama_decode`` per step (``BatchedDecode``, as llama-server's parallel slots do), each
+    with ``batch_ctx`` positions of its own (default ``n_ctx``)."""
 
     def __init__(
         self,
@@ -136,6 +136,8 @@ class LlamaCppRunner:
         n_ctx: int,
         kv_type: torch.dtype | str,
         flash_attn: bool = False,
+        max_batch: int = 1,
+        batch_ctx: int | None = None,
     ) -> None:
         import llama_cpp
 
@@ -158,6 +160,9 @@ class LlamaCppRunner:
         )
         self._llama_cpp = llama_cpp
         self.n_vocab = self.llm.n_vocab()
+        self.max_batch = max_batch
+        self.batch_ctx = batch_ctx or n_ctx
+        self._batched: BatchedDecode | None = None  # made on the first batch above one
 
     def _next_token(self) -> int:
         logits = self._llama_cpp.llama_get_logits_ith(self.llm.ctx, -1)
@@ -185,7 +190,11 @@ class LlamaCppRunner:
     def decode_step_times(
         self, prompts: list[list[int]], num_tokens: int, clock: Callable[[], float]
     ) -> list[float]:
-        assert len(prompts) == 1, "the llama.cpp reference decodes at batch 1"
+        assert len(prompts) <= self.max_batch, (len(prompts), self.max_batch)
+        if len(prompts) > 1:
+            if self._batched is None:
+                self._batched = BatchedDecode(self.llm, self.max_batch, self.batch_ctx)
+            return self._batched.decode_step_times(prompts, num_tokens, clock)
         token = self._prefill(prompts[0])
         times = []
         for _ in range(num_tokens - 1):
@@ -193,6 +202,74 @@ class LlamaCppRunner:
             self.llm.eval([token])
             token = self._next_token()
             times.append(clock() - t0)
+        return times
+
+
+class BatchedDecode:
+    """A second llama.cpp context on ``llm``'s model (same threads and KV type) with room for
+    ``max_batch`` sequences of ``n_ctx`` positions each: every prompt prefilled as its own
+    sequence, then one ``llama_decode`` of one token per sequence a step, greedy."""
+
+    def __init__(self, llm: Any, max_batch: int, n_ctx: int) -> None:
+        import llama_cpp
+
+        self._lib = llama_cpp
+        params = type(llm.context_params).from_buffer_copy(llm.context_params)
+        params.n_ctx = max_batch * -(-n_ctx // 256) * 256  # llama.cpp's padding: no rounding
+        params.n_seq_max = max_batch
+        self.n_batch = int(params.n_batch)
+        self.ctx = llama_cpp.llama_init_from_model(llm.model, params)
+        if not self.ctx:
+            raise RuntimeError(f"llama.cpp could not make a context for {max_batch} sequences")
+        self.batch = llama_cpp.llama_batch_init(max(self.n_batch, max_batch), 0, 1)
+        self.n_vocab = llm.n_vocab()
+        self._llm = llm  # the model outlives this context
+        self.outputs: list[list[int]] = []  # the last run's greedy tokens, per sequence
+
+    def __del__(self) -> None:
+        lib = getattr(self, "_lib", None)
+        if lib is not None and getattr(self, "ctx", None):
+            lib.llama_batch_free(self.batch)
+            lib.llama_free(self.ctx)
+
+    def _decode(self, entries: list[tuple[int, int, int, bool]]) -> None:
+        """One llama_decode of (token, position, sequence, wants logits) entries."""
+        b = self.batch
+        for i, (token, pos, seq, logits) in enumerate(entries):
+            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = token, pos, 1, logits
+            b.seq_id[i][0] = seq
+        b.n_tokens = len(entries)
+        rc = self._lib.llama_decode(self.ctx, b)
+        if rc != 0:
+            raise RuntimeError(f"llama_decode returned {rc}")
+
+    def _argmax(self, i: int) -> int:
+        logits = self._lib.llama_get_logits_ith(self.ctx, i)
+        return int(np.ctypeslib.as_array(logits, shape=(self.n_vocab,)).argmax())
+
+    def decode_step_times(
+        self, prompts: list[list[int]], num_tokens: int, clock: Callable[[], float]
+    ) -> list[float]:
+        self._lib.llama_memory_clear(self._lib.llama_get_memory(self.ctx), True)
+        tokens = []
+        for seq, prompt in enumerate(prompts):  # prefill, not timed
+            for start in range(0, len(prompt), self.n_batch):
+                chunk = prompt[start : start + self.n_batch]
+                last = start + len(chunk) == len(prompt)
+                self._decode(
+                    [(t, start + j, seq, last and j == len(chunk) - 1) for j, t in enumerate(chunk)]
+                )
+            tokens.append(self._argmax(-1))
+        lens = [len(p) for p in prompts]
+        self.outputs = [[t] for t in tokens]
+        times = []
+        for step in range(num_tokens - 1):
+            t0 = clock()
+            self._decode([(t, lens[s] + step, s, True) for s, t in enumerate(tokens)])
+            tokens = [self._argmax(s) for s in range(len(prompts))]
+            times.append(clock() - t0)
+            for out, t in zip(self.outputs, tokens, strict=True):
+                out.append(t)
         return times
 
 

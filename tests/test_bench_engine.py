@@ -65,8 +65,49 @@ def test_bench_engine_against_llama_cpp_compares_ratios_and_tokens(kv_cache):
     )
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
-    assert set(result["llama.cpp"]["decode_tok_s"]) == {"1"}  # its binding decodes batch 1
-    assert set(result["ratios_llama_cpp"]["decode"]) == {"1"}
+    # batch 2 as llama-server's parallel slots decode it (one llama_decode a step)
+    assert set(result["llama.cpp"]["decode_tok_s"]) == {"1", "2"}
+    assert set(result["ratios_llama_cpp"]["decode"]) == {"1", "2"}
     assert set(result["ratios"]["decode"]) == {"1", "2"}
     assert result["config"]["greedy_outputs_match_llama_cpp"] is True
     assert result["config"]["llama_kv_cache"] == kv_cache
+
+
+@pytest.fixture(scope="module")
+def stored_gguf(tmp_path_factory):
+    """A small synthetic Llama as a GGUF file of Q4_1, Q4_0 and Q8_0 weights (kept as stored
+    when kvmesh imports it), and a cache folder of its own for the import."""
+    from support.gguf_fixtures import write_gguf
+
+    root = tmp_path_factory.mktemp("stored-bench")
+    path = root / "small.gguf"
+    write_gguf(path, types=("Q4_1", "Q4_0", "Q8_0"))
+    return path, root / "cache"
+
+
+def test_bench_engine_on_weights_as_stored_measures_against_kvmeshs_float32(stored_gguf):
+    """transformers cannot read blocks: the reference measured in the same run is kvmesh's engine
+    on the same weights dequantized, and the ratios are against it."""
+    import os
+
+    path, cache = stored_gguf
+    short = ["--prompt-len", "64", "--decode-prompt-len", "16", "--decode-tokens", "4"]
+    short += ["--batch-sizes", "1,2", "--repeats", "1"]
+    bench = [sys.executable, "-m", "kvmesh.cli", "bench", "engine", "--json"]
+    proc = subprocess.run(
+        [*bench, "--model", str(path), *short],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "KVMESH_CACHE_DIR": str(cache)},
+    )
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert "transformers" not in result
+    assert result["config"]["reference"] == "kvmesh-float32"
+    assert result["config"]["weights"].startswith("as stored: ")
+    for system in ("kvmesh", "kvmesh-float32"):
+        assert set(result[system]["decode_tok_s"]) == {"1", "2"}
+        assert all(v > 0 for v in result[system]["decode_tok_s"].values())
+    ratio = result["kvmesh"]["decode_tok_s"]["1"] / result["kvmesh-float32"]["decode_tok_s"]["1"]
+    assert result["ratios"]["decode"]["1"] == round(ratio, 2)
