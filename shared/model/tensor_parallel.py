@@ -84,6 +84,8 @@ def shard_model(model: Transformer, group: dist.ProcessGroup | None = None) -> T
     """Keep this rank's share of ``model`` (in place) for the ranks of ``group`` (default: the
     whole world of ``torch.distributed``). Call before ``attach_cpu_ops`` (the engine does that)."""
     config: ModelConfig = model.config
+    if getattr(model, "tp_layout", None) is not None:
+        raise TPShardError("this model is sharded already; shard a freshly loaded one")
     layout = TPLayout(
         dist.get_world_size(group),
         dist.get_rank(group),
@@ -214,7 +216,9 @@ def _vocab_slice(vocab_size: int, layout: TPLayout) -> tuple[int, int]:
 
 def _rows(layer: nn.Module, rows: torch.Tensor) -> nn.Module:
     """A column-parallel shard: the output features ``rows`` of ``layer``."""
-    bias = None if layer.bias is None else nn.Parameter(layer.bias.detach()[rows].clone())
+    bias = None
+    if layer.bias is not None:
+        bias = nn.Parameter(layer.bias.detach()[rows].clone(), requires_grad=False)
     if isinstance(layer, QuantLinear):
         return QuantLinear(layer.qweight.select_rows(rows), bias)
     assert isinstance(layer, Linear), type(layer)
