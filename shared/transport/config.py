@@ -27,7 +27,8 @@ class TransportConfig:
     rdma_gid_index: int | None = None
     connect_timeout_s: float = 10.0
     # a lane whose connect or handshake is reset or refused is retried (jittered exponential
-    # backoff) until this long has passed, then the peer is reported unreachable
+    # backoff) until this long has passed since the endpoint's first try (one deadline for all
+    # its lanes), then the peer is reported unreachable
     connect_retry_s: float = 3.0
     op_timeout_s: float = 60.0  # a write/read not placed by then fails with PeerGoneError
     # Receivers (server.py): a connection holds no thread until its hello is proven; at most

@@ -88,11 +88,13 @@ async def _open_lane_retrying(
     secret: bytes,
     hello: tuple[int, int, int, str],
     backoff: Backoff,
+    started: float,
 ) -> socket.socket:
     """``_open_lane``, tried again after a reset or refusal (``backoff``) until its total time
-    has passed; then the last error goes up, with the number of tries."""
+    has passed since ``started`` (the endpoint's first try: all its lanes share one deadline);
+    then the last error goes up, with the number of tries."""
     rng = random.Random()
-    started, attempt = time.monotonic(), 0
+    attempt = 0
     while True:
         attempt += 1
         try:
@@ -138,12 +140,12 @@ class TcpEndpoint(EndpointBase):
         num_lanes = max(1, min(transport.config.tcp_lanes, info.lanes))
         endpoint_id = secrets.randbits(63)
         config = transport.config
-        backoff = Backoff(total_s=config.connect_retry_s)
+        backoff, started = Backoff(total_s=config.connect_retry_s), time.monotonic()
         try:
             for i in range(num_lanes):
                 sock = await _open_lane_retrying(
                     ep._address, config.connect_timeout_s, secret,
-                    (i, num_lanes, endpoint_id, transport.peer_id), backoff,
+                    (i, num_lanes, endpoint_id, transport.peer_id), backoff, started,
                 )  # fmt: skip
                 ep._lanes.append(Lane(i, sock, ep._window_bytes))
         except BaseException as exc:
