@@ -187,3 +187,25 @@ def test_tp_ranks_split_the_workers_cpus_when_there_are_enough():
     assert cpu_shares([0, 1, 2, 3], 2) == [[0, 1], [2, 3]]
     assert cpu_shares([4, 5, 6], 3) == [[4], [5], [6]]
     assert cpu_shares([0], 2) == [[0], [0]]
+
+
+async def test_leader_announces_a_job_once_every_follower_reported_its_writes():
+    from kvmesh.services.prefill.tp_follower import RankReport
+    from kvmesh.services.prefill.tp_group import RankReports
+
+    reports = RankReports(num_followers=2)
+    reports.expect("a")
+    reports.on_report(RankReport(1, "a"))
+    reports.on_report(RankReport(2, "a"))
+    assert await reports.wait("a", 5) == ""
+    reports.expect("b")
+    reports.on_report(RankReport(2, "b", "rank 2's KV write of chunk 0 failed: gone"))
+    assert await reports.wait("b", 5) == "rank 2's KV write of chunk 0 failed: gone"
+    reports.expect("c")
+    reports.on_report(RankReport(1, "c"))
+    assert await reports.wait("c", 0.05) == (
+        "no word on the KV writes of tensor-parallel ranks [2] in 0.05 s"
+    )
+    reports.on_report(RankReport(1, "c"))  # a job no longer in hand: dropped
+    with pytest.raises(KeyError):
+        await reports.wait("c", 0.05)

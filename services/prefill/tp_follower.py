@@ -8,20 +8,23 @@ writes its own heads of every chunk its engine reports straight into the decode 
 own registered pool. The decode worker counts every rank's write of a chunk (the immediates
 differ by writer); the leader announces them all (``ChunkPlanner.num_writes``).
 
-Not yet: telling the leader that a follower's write failed (the decode's lease then expires,
-its blocks quarantined, instead of failing at once).
+Each follower reports every job to the leader (``RankReport``, through ``report``): once all its
+writes of the job have landed, or at its first failed write (it then writes no more of the job).
+The leader announces a job only once every follower has reported it (``RankReports``), and fails
+it on any follower's error: no job is announced with a write missing.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 import torch.distributed as dist
 from kvmesh.services.prefill.kv_writes import rank_block_slices
-from kvmesh.services.prefill.plan import ChunkPlanner, ChunkWrite, PlanError
+from kvmesh.services.prefill.plan import ChunkPlanner, PlanError
 from kvmesh.shared.engine.sequence import ChunkReady
 from kvmesh.shared.engine.tp_leader import EngineCall, follow
 from kvmesh.shared.kv.head_shards import KVHeadShards
@@ -58,6 +61,22 @@ class HandOff:
     targets: tuple[DecodeTarget, ...]
 
 
+@dataclass(frozen=True, slots=True)
+class RankReport:
+    """Follower -> leader: all of rank ``rank``'s writes of a job landed (``error`` empty), or
+    one failed (``error`` says which)."""
+
+    rank: int
+    request_id: str
+    error: str = ""
+
+
+@dataclass(slots=True)
+class _Job:
+    planners: list[tuple[ChunkPlanner, bytes, int]]
+    error: str = ""
+
+
 @dataclass(slots=True)
 class FollowerStats:
     num_calls: int = 0
@@ -77,7 +96,10 @@ class PrefillFollower:
         transport: Transport,
         region: MemoryRegion,
         num_kv_heads: int,
+        report: Callable[[RankReport], None] | None = None,
     ) -> None:
+        """``report``: how this rank tells the leader a job's writes are done (None: it does
+        not; a test of the writes alone)."""
         self.engine = engine
         self.group = group
         self.rank = dist.get_rank(group)
@@ -86,7 +108,8 @@ class PrefillFollower:
         self.region = region
         self.stats = FollowerStats()
         self._endpoints: dict[bytes, Endpoint] = {}
-        self._jobs: dict[str, list[tuple[ChunkPlanner, bytes, int]]] = {}
+        self._jobs: dict[str, _Job] = {}
+        self._report = report
 
     async def run(self) -> FollowerStats:
         """Follow the leader until it closes; every chunk's writes done before returning."""
@@ -96,10 +119,13 @@ class PrefillFollower:
         def on_chunk(chunk: ChunkReady) -> None:  # in the engine thread
             loop.call_soon_threadsafe(chunks.put_nowait, chunk)
 
-        def on_call(call: EngineCall) -> dict[str, Any]:
+        def on_call(call: EngineCall) -> dict[str, Any]:  # in the engine thread
+            if call.method == "abort":  # the leader dropped it: no more chunks will come
+                loop.call_soon_threadsafe(self._jobs.pop, call.args[0], None)
             if call.method != "add_request" or not isinstance(call.note, HandOff):
                 return {}
-            self._jobs[call.args[0]] = self._planners(call.note, len(call.args[1]))
+            planners = self._planners(call.note, len(call.args[1]))
+            loop.call_soon_threadsafe(self._jobs.__setitem__, call.args[0], _Job(planners))
             return {"on_chunk": on_chunk}
 
         async def replay() -> None:
@@ -113,18 +139,20 @@ class PrefillFollower:
         async with asyncio.TaskGroup() as tg:
             tg.create_task(replay())
             while (chunk := await chunks.get()) is not None:
-                for planner, descriptor, rkey in self._jobs.get(chunk.request_id, ()):
-                    try:
-                        write = planner.plan(
-                            chunk.chunk_index, chunk.end_token, chunk.block_ids, chunk.is_last
-                        )
-                    except PlanError as exc:
-                        log.error("tp follower plan failed", rank=self.rank, error=str(exc))
+                job = self._jobs.get(chunk.request_id)
+                if job is None:
+                    continue
+                for planner, descriptor, rkey in job.planners:
+                    if job.error:
+                        break
+                    job.error = await self._write_chunk(planner, descriptor, rkey, chunk)
+                    if job.error:
                         self.stats.num_failed += 1
-                        continue
-                    await self._write(descriptor, rkey, write)
+                        self._tell(chunk.request_id, job.error)
                 if chunk.is_last:
                     self._jobs.pop(chunk.request_id, None)
+                    if not job.error:
+                        self._tell(chunk.request_id, "")
         for endpoint in self._endpoints.values():
             await endpoint.aclose()
         return self.stats
@@ -148,7 +176,19 @@ class PrefillFollower:
             planners.append((planner, target.descriptor, target.rkey))
         return planners
 
-    async def _write(self, descriptor: bytes, rkey: int, write: ChunkWrite) -> None:
+    def _tell(self, request_id: str, error: str) -> None:
+        if self._report is not None:
+            self._report(RankReport(self.rank, request_id, error))
+
+    async def _write_chunk(
+        self, planner: ChunkPlanner, descriptor: bytes, rkey: int, chunk: ChunkReady
+    ) -> str:
+        """Plan and write this rank's share of ``chunk`` to one decode rank; the error, or ""."""
+        try:
+            write = planner.plan(chunk.chunk_index, chunk.end_token, chunk.block_ids, chunk.is_last)
+        except PlanError as exc:
+            log.error("tp follower plan failed", rank=self.rank, error=str(exc))
+            return f"rank {self.rank} could not plan chunk {chunk.chunk_index}: {exc}"
         entries = [
             WriteEntry(self.region, s.local_offset, s.remote_addr, rkey, s.length)
             for s in write.spans
@@ -160,8 +200,8 @@ class PrefillFollower:
                 endpoint = self._endpoints[descriptor] = await self.transport.connect(peer)
             await endpoint.write(entries, write.imm)
         except TransportError as exc:
-            self.stats.num_failed += 1
             log.warning("tp follower write failed", rank=self.rank, error=str(exc))
-            return
+            return f"rank {self.rank}'s KV write of chunk {chunk.chunk_index} failed: {exc}"
         self.stats.num_writes += 1
         self.stats.num_bytes += write.num_bytes
+        return ""

@@ -13,7 +13,9 @@ follower exits, which takes the worker down (its leases then fail as for any dea
 the launcher restarts it).
 
 ``TPWrites`` is what the leader's worker needs to write its own share: its rank slice for the
-chunk planner and the ``HandOff`` note that tells followers where a job's KV goes.
+chunk planner, the ``HandOff`` note that tells followers where a job's KV goes, and
+``RankReports``: the followers' word on each job's writes (relayed by ``TPGroup.relay``), which
+the worker awaits before it announces the job.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import multiprocessing as mp
 import os
+import queue
 import signal
 import threading
 import time
@@ -29,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 from kvmesh.services.prefill.kv_writes import RankSlice, rank_block_slices
-from kvmesh.services.prefill.tp_follower import DecodeTarget, HandOff
+from kvmesh.services.prefill.tp_follower import DecodeTarget, HandOff, RankReport
 from kvmesh.shared.config.ports import free_port
 from kvmesh.shared.kv.head_shards import KVHeadShards
 from kvmesh.shared.obs import logs
@@ -42,23 +45,72 @@ if TYPE_CHECKING:
 log = logs.get_logger(__name__)
 
 TP_INIT_TIMEOUT_S = 300.0  # the followers load the model before the group forms
+# how long the leader waits for its followers' word on a job once its own writes landed
+TP_REPORT_TIMEOUT_S = 30.0
 
 
 class TPGroupError(RuntimeError):
     """A rank of a tensor-parallel prefill worker is gone: the worker goes down as a whole."""
 
 
+class RankReports:
+    """The leader's record of what its followers said about each job in hand (``RankReport``):
+    a job is done once every follower reported it done, failed at the first error."""
+
+    def __init__(self, num_followers: int) -> None:
+        self.num_followers = num_followers
+        self._jobs: dict[str, tuple[set[int], list[str], asyncio.Event]] = {}
+
+    def expect(self, request_id: str) -> None:
+        """Keep the followers' reports of ``request_id`` (others are dropped: jobs ended)."""
+        self._jobs[request_id] = (set(), [], asyncio.Event())
+
+    def on_report(self, report: RankReport) -> None:
+        entry = self._jobs.get(report.request_id)
+        if entry is None:
+            return
+        done, errors, event = entry
+        if report.error:
+            errors.append(report.error)
+            event.set()
+            return
+        done.add(report.rank)
+        if len(done) == self.num_followers:
+            event.set()
+
+    async def wait(self, request_id: str, timeout_s: float) -> str:
+        """ "" once every follower's writes of the job landed; else why not (a follower's error,
+        or none heard from some within ``timeout_s``). Forgets the job."""
+        done, errors, event = self._jobs[request_id]
+        try:
+            await asyncio.wait_for(event.wait(), timeout_s)
+        except TimeoutError:
+            missing = sorted(set(range(1, self.num_followers + 1)) - done)
+            return f"no word on the KV writes of tensor-parallel ranks {missing} in {timeout_s} s"
+        finally:
+            self.forget(request_id)
+        return errors[0] if errors else ""
+
+    def forget(self, request_id: str) -> None:
+        self._jobs.pop(request_id, None)
+
+
 @dataclass(frozen=True, slots=True)
 class TPWrites:
-    """The leader's share of every job's writes (decode workers at TP 1)."""
+    """The leader's share of every job's writes (decode workers at TP 1), and its followers'
+    reports."""
 
     rank_slice: RankSlice
+    reports: RankReports
+    report_timeout_s: float = TP_REPORT_TIMEOUT_S
 
     @staticmethod
-    def for_leader(spec: KVCacheSpec, num_kv_heads: int, tp_size: int) -> TPWrites:
+    def for_leader(
+        spec: KVCacheSpec, num_kv_heads: int, tp_size: int, reports: RankReports
+    ) -> TPWrites:
         src, dst = KVHeadShards(num_kv_heads, tp_size), KVHeadShards(num_kv_heads, 1)
         (rank_slice,) = rank_block_slices(spec, src, dst, 0)
-        return TPWrites(rank_slice)
+        return TPWrites(rank_slice, reports)
 
     @staticmethod
     def kv_spec(engine: Any) -> str:
@@ -81,10 +133,24 @@ class TPWrites:
 
 
 class TPGroup:
-    """The leader's side: the follower processes and the group."""
+    """The leader's side: the follower processes, the group, the followers' reports."""
 
-    def __init__(self, processes: list[Any]) -> None:
+    def __init__(self, processes: list[Any], reports: Any) -> None:
         self.processes = processes
+        self._reports = reports  # a multiprocessing queue of RankReport
+
+    async def relay(self, into: RankReports, poll_s: float = 0.5) -> None:
+        """Hand the followers' reports to ``into`` as they come; returns never."""
+        while True:
+            report = await asyncio.to_thread(self._next_report, poll_s)
+            if report is not None:
+                into.on_report(report)
+
+    def _next_report(self, timeout_s: float) -> RankReport | None:
+        try:
+            return self._reports.get(timeout=timeout_s)
+        except queue.Empty:
+            return None
 
     @property
     def tp_size(self) -> int:
@@ -117,10 +183,11 @@ def start_tp_group(config: PrefillConfig, worker_id: str) -> tuple[TPGroup, int]
     ctx = mp.get_context("spawn")
     port = free_port()
     shares = cpu_shares(sorted(os.sched_getaffinity(0)), config.tp)
+    reports = ctx.Queue()
     processes = [
         ctx.Process(
             target=follower_main,
-            args=(config, worker_id, rank, port, os.getpid(), shares[rank]),
+            args=(config, worker_id, rank, port, os.getpid(), shares[rank], reports),
             name=f"{worker_id}-rank{rank}",
             daemon=True,
         )
@@ -129,7 +196,7 @@ def start_tp_group(config: PrefillConfig, worker_id: str) -> tuple[TPGroup, int]
     for proc in processes:
         proc.start()
     os.sched_setaffinity(0, shares[0])  # after the spawns, which inherit the whole set
-    return TPGroup(processes), port
+    return TPGroup(processes, reports), port
 
 
 def cpu_shares(cpus: list[int], tp: int) -> list[list[int]]:
@@ -156,7 +223,13 @@ def join_group(rank: int, tp_size: int, port: int) -> None:
 
 
 def follower_main(
-    config: PrefillConfig, worker_id: str, rank: int, port: int, leader_pid: int, cpus: list[int]
+    config: PrefillConfig,
+    worker_id: str,
+    rank: int,
+    port: int,
+    leader_pid: int,
+    cpus: list[int],
+    reports: Any,
 ) -> None:
     """A follower rank's process: ends when the leader closes the group or is gone, not on the
     signals a launcher sends the whole process group (the leader stops it once it drained)."""
@@ -165,10 +238,12 @@ def follower_main(
     os.sched_setaffinity(0, cpus)
     _exit_with(leader_pid)
     logs.setup_logging()
-    asyncio.run(_follow(config, worker_id, rank, port))
+    asyncio.run(_follow(config, worker_id, rank, port, reports))
 
 
-async def _follow(config: PrefillConfig, worker_id: str, rank: int, port: int) -> None:
+async def _follow(
+    config: PrefillConfig, worker_id: str, rank: int, port: int, reports: Any
+) -> None:
     import torch
     from kvmesh.services.prefill.tp_follower import PrefillFollower
     from kvmesh.shared.engine.llm_engine import LLMEngine
@@ -192,7 +267,7 @@ async def _follow(config: PrefillConfig, worker_id: str, rank: int, port: int) -
     async with create_transport(config.transport, tconf) as transport:
         region = transport.register(engine.kv_pool.raw)
         follower = PrefillFollower(
-            engine, None, transport, region, model.config.num_key_value_heads
+            engine, None, transport, region, model.config.num_key_value_heads, reports.put
         )
         log.info("tp follower ready", worker_id=worker_id, rank=rank, tp=config.tp)
         stats = await follower.run()
