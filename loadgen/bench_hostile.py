@@ -134,7 +134,8 @@ async def _phase(
 
     phase = Phase()
     nbytes = args.write_kib << 10
-    async with TcpTransport(TransportConfig()) as tx:
+    # over TCP, as the flood: not the same-host unix socket (unix_lanes), which it cannot reach
+    async with TcpTransport(TransportConfig(tcp_unix_lanes=False)) as tx:
         src = tx.register(torch.randint(0, 256, (nbytes,), dtype=torch.uint8))
         entry = WriteEntry(src, 0, addr, rkey, nbytes)
         ep = await tx.connect(desc)

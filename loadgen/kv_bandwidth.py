@@ -50,7 +50,9 @@ async def _write_then_read(
 
     desc, region = await expect_target(conn)
     writes, reads = [], []
-    async with create_transport(backend, TransportConfig(peer_id="bench-reader")) as t:
+    # "tcp" is TCP over loopback here, not the same-host unix socket (unix_lanes)
+    config = TransportConfig(peer_id="bench-reader", tcp_unix_lanes=False)
+    async with create_transport(backend, config) as t:
         local, landing = t.register(src.raw), t.register(back.raw)
         out = block_entries(local, src, plan, region)
         home = block_entries(landing, src, plan, region)  # back has src's layout

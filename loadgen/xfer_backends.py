@@ -296,7 +296,9 @@ async def _transport_send(backend: str, conn: Any, plan: Plan, src: KVPool) -> l
 
     desc, region = await expect_target(conn)
     times = []
-    async with create_transport(backend, TransportConfig(peer_id="bench-send")) as t:
+    # "tcp" is TCP over loopback here, not the same-host unix socket (unix_lanes)
+    config = TransportConfig(peer_id="bench-send", tcp_unix_lanes=False)
+    async with create_transport(backend, config) as t:
         local = t.register(src.raw)
         entries = block_entries(local, src, plan, region)
         async with await t.connect(desc) as ep:

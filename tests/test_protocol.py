@@ -90,8 +90,12 @@ DESCRIPTOR = TransportDescriptor(
     regions=(MemoryRegion(addr=1 << 32, length=1 << 20, rkey=17, access=1, lkey=5),),
 )
 
-JOB = PrefillJob("r1", (1, 2), SAMPLING, "d0", "L1", DESCRIPTOR, 77, (4096,), 4096, 1.5)
-PLACE = PlaceRequest("r1", (1, 2, 3), SAMPLING, local_prefill=True, lease_ms=5, model_spec="L2:m")
+JOB = PrefillJob(
+    "r1", (1, 2), SAMPLING, "d0", "L1", DESCRIPTOR, 77, (4096,), 4096, 1.5, router="rt-a1"
+)
+PLACE = PlaceRequest(
+    "r1", (1, 2, 3), SAMPLING, local_prefill=True, lease_ms=5, model_spec="L2:m", router="rt-a1"
+)
 ADVERT = DecodeAdvert(
     worker_id="d0",
     mode="disagg",
@@ -118,7 +122,9 @@ WORKER_ROW = protocol.WorkerRow("p0", "prefill", "ready", running=1, waiting=2, 
 
 EXAMPLES: list[Message] = [
     PLACE,
-    ReserveRequest("r1", (1, 2), SAMPLING, local_prefill=True, lease_id="L1", lease_ms=9),
+    ReserveRequest(
+        "r1", (1, 2), SAMPLING, local_prefill=True, lease_id="L1", lease_ms=9, router="rt-a1"
+    ),
     ReserveReply(
         ok=True, worker_id="d0", block_ids=(4, 5), error="e", rkey=77, block_addrs=(1 << 32,)
     ),
@@ -167,11 +173,19 @@ EXAMPLES: list[Message] = [
     ),
     Abort("r1", reason="lease expired", job_withdrawn=True),
     PrefillStarted("r1", "L1", "p0"),
-    WorkerGone("d0", "decode", last_seen_s=3.5),
+    WorkerGone("router-0", "router", last_seen_s=3.5, instance="rt-a1"),
     LeaseRenew("r1", "L1", lease_ms=1000),
     LeaseCancel("r1", "L1", reason="no reserve reply within 2s"),
     WorkerHeartbeat(
-        "d0", "decode", "draining", num_running=2, num_waiting=1, started_at=1.0, sent_at=2.0
+        "d0",
+        "decode",
+        "draining",
+        num_running=2,
+        num_waiting=1,
+        started_at=1.0,
+        sent_at=2.0,
+        instance="i1",
+        interval_s=2.0,
     ),
     ADVERT,
     WorkerControl("drain"),

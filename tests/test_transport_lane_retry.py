@@ -57,7 +57,7 @@ async def test_a_prefill_writer_retries_reset_handshakes_and_its_write_lands(
     tries = _count_tries(monkeypatch)
     async with (
         TcpTransport(TransportConfig()) as rx,
-        TcpTransport(TransportConfig(tcp_lanes=2, connect_retry_s=30.0)) as tx,
+        TcpTransport(TransportConfig(connect_retry_s=30.0, tcp_unix_lanes=False)) as tx,
     ):
         server = rx._server
         assert server is not None and server.guard is not None
@@ -83,7 +83,7 @@ async def test_a_writer_reset_every_time_gives_up_at_its_deadline_naming_its_tri
     tries = _count_tries(monkeypatch)
     async with (
         TcpTransport(TransportConfig()) as rx,
-        TcpTransport(TransportConfig(connect_retry_s=0.3)) as tx,
+        TcpTransport(TransportConfig(connect_retry_s=0.3, tcp_unix_lanes=False)) as tx,
     ):
         server = rx._server
         assert server is not None and server.guard is not None

@@ -35,7 +35,9 @@ from kvmesh.services.decode.worker import DecodeWorker
 from kvmesh.shared.bus.hearing import Hearing
 from kvmesh.shared.bus.message_guard import guard_of
 from kvmesh.shared.bus.nats_service import (
+    background,
     connect_nats,
+    heartbeat_loop,
     new_worker_id,
     serve_until_signal,
 )
@@ -87,11 +89,13 @@ class DecodeService:
         store: FinishedPuts | None = None,
         cache: CacheReporter | None = None,
         reach: DecodeReach | None = None,
+        started_at: float | None = None,
     ) -> None:
         """``hearing``: the NATS connection's outages; no lease runs out during one. The
         features the service feeds from NATS: ``speculation`` (proposals in, contexts out),
         ``store`` (store adverts) and ``cache`` (prefix cache reports to the registry);
-        ``reach``: what its adverts say of how to reach it (None: it never advertises)."""
+        ``reach``: what its adverts say of how to reach it (None: it never advertises);
+        ``started_at``: the process's start, as its heartbeats say (default: now)."""
         self.config = config
         self.speculation = speculation
         self.store = store
@@ -101,7 +105,7 @@ class DecodeService:
         self.transport = transport
         self.nc = nc
         self.reach = reach
-        self.started_at = time.time()
+        self.started_at = time.time() if started_at is None else started_at
         self.tg: asyncio.TaskGroup  # set by decode_service
         self.last_load = WorkerLoad.idle()
         # set when the engine runs out of work or starts again: an advert goes out at once, so
@@ -323,6 +327,10 @@ class DecodeService:
             self.worker.on_prefill_started(msg)
 
     async def on_worker_gone(self, msg: WorkerGone) -> None:
+        if msg.role == "router":  # its requests are read by nobody: drop them, free their blocks
+            log.info("router gone: its requests are dropped", router=msg.worker_id)
+            await self._publish_tokens(self.worker.on_router_gone(msg.instance))
+            return
         if msg.role == "draft":
             if self.speculation is not None:
                 self.speculation.on_worker_gone(msg.worker_id)
@@ -358,11 +366,6 @@ async def decode_service(config: DecodeConfig) -> AsyncIterator[DecodeService]:
         log.info("cpu placement", applied=", ".join(placed))
     if config.threads is not None:
         torch.set_num_threads(config.threads)
-    model, tokenizer = await asyncio.to_thread(
-        load_model, config.model, parse_dtype(config.dtype, "--dtype") if config.dtype else None,
-        config.device,
-    )  # fmt: skip
-    econf, spec = engine_config(config, model)
     disagg = config.mode == "disagg"  # colocated workers take no remote writes: no data plane
     # what peers on other hosts dial (a colocated worker has no data plane to reach)
     bind_host, advertise_host = config.transport_hosts() if disagg else ("127.0.0.1",) * 2
@@ -371,6 +374,7 @@ async def decode_service(config: DecodeConfig) -> AsyncIterator[DecodeService]:
     )
     subjects = config.subjects
     hearing = Hearing(connected_since=time.monotonic())
+    started_at = time.time()
     async with (
         create_transport(config.transport, tconf)
         if disagg
@@ -379,13 +383,34 @@ async def decode_service(config: DecodeConfig) -> AsyncIterator[DecodeService]:
             config.nats_url, worker_id, security=config.nats_security, hearing=hearing
         ) as nc,
     ):
-        # On the host the pool lives in transport memory (shm: a segment the prefill maps);
-        # device pools are the engine's own and need a backend that reaches them (rdma).
-        on_host = torch.device(config.device).type == "cpu"
-        buffer = (
-            transport.allocate(econf.num_blocks * spec.block_bytes) if disagg and on_host else None
-        )
-        engine = LLMEngine(model, tokenizer, econf, kv_buffer=buffer)
+        # "starting" until the model is loaded and the pool made: a restarted worker is
+        # coming, not gone, and routers wait for it (docs/faults.md)
+        async with background(
+            heartbeat_loop(
+                nc,
+                subjects,
+                config.role,
+                worker_id,
+                lambda: WorkerHeartbeat(
+                    worker_id, config.role, "starting", started_at=started_at, sent_at=time.time()
+                ),
+                config.heartbeat_s,
+            )
+        ):
+            model, tokenizer = await asyncio.to_thread(
+                load_model, config.model,
+                parse_dtype(config.dtype, "--dtype") if config.dtype else None, config.device,
+            )  # fmt: skip
+            econf, spec = engine_config(config, model)
+            # On the host the pool lives in transport memory (shm: a segment the prefill maps);
+            # device pools are the engine's own and need a backend that reaches them (rdma).
+            on_host = torch.device(config.device).type == "cpu"
+            buffer = (
+                transport.allocate(econf.num_blocks * spec.block_bytes)
+                if disagg and on_host
+                else None
+            )
+            engine = LLMEngine(model, tokenizer, econf, kv_buffer=buffer)
         region = transport.register(engine.kv_pool.raw, Access.REMOTE_WRITE) if disagg else None
         metrics = DecodeMetrics()
         lock = asyncio.Lock()  # the engine's: the worker's, and the puts' and swap-ins' later
@@ -421,6 +446,7 @@ async def decode_service(config: DecodeConfig) -> AsyncIterator[DecodeService]:
                 model_spec=model_spec(model.config),
                 reads_kv_store=features.reader is not None,
             ),
+            started_at=started_at,
         )
         await service.load()
         service.tg = asyncio.TaskGroup()

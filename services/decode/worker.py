@@ -120,6 +120,9 @@ class DecodeWorker:
         self._aborted = RecentIds()
         self._cancelled_leases = RecentIds()
         self._local_leases: dict[str, str] = {}  # accepted local prefill -> its lease id
+        # request id -> the instance of the router that holds it (ReserveRequest.router), until
+        # its final event: the requests to drop when the registry announces that router gone
+        self._routers: dict[str, str] = {}
         self._grammar_compile_timeout_s = grammar_compile_timeout_s
         self.grammars: GrammarCompiles | None = None  # made with the first structured output
 
@@ -190,7 +193,7 @@ class DecodeWorker:
             work = [w for hook in self.hooks if (w := hook.between_steps(self.engine))]
         for coroutine in work:  # e.g. a swap-in's read, before the step that readmits it
             await coroutine  # (the lock released: a hook's work takes it where it must)
-        return events
+        return self._ended(events)
 
     def _grammar_ready(self, params: SamplingOptions) -> bool:
         """Whether the request's grammar is compiled (or it has none): ``add_request`` then
@@ -253,7 +256,14 @@ class DecodeWorker:
             step = Step(outputs, trees, seconds, before)
             for hook in self.hooks:
                 hook.after_step(self.engine, step)
-        return [event for out in outputs if (event := self._event(out)) is not None]
+        return self._ended([event for out in outputs if (event := self._event(out)) is not None])
+
+    def _ended(self, events: list[TokenEvent]) -> list[TokenEvent]:
+        """``events``, their requests that end forgotten by router (``on_router_gone``)."""
+        for event in events:
+            if event.finish_reason is not None:
+                self._routers.pop(event.request_id, None)
+        return events
 
     def _time_first_tokens(
         self, outputs: list[RequestOutput], started_at: float, ended_at: float
@@ -318,6 +328,7 @@ class DecodeWorker:
                 self._local_leases[rid] = req.lease_id
                 self._wake.set()
             self.first_token.accepted(rid, time.monotonic())
+            self._tag(rid, req.router)
             return ReserveReply(True, self.worker_id)
         async with self._lock:
             if rid in self.engine.seqs:
@@ -357,6 +368,7 @@ class DecodeWorker:
                 self.engine.free_reserved(block_ids)
                 return refuse(str(exc))
         self._start_grammar(params)  # compiled while the prefill runs
+        self._tag(rid, req.router)
         return ReserveReply(
             True,
             self.worker_id,
@@ -364,6 +376,10 @@ class DecodeWorker:
             rkey=res.rkey,
             block_addrs=tuple(self.base_addr + b * self.block_bytes for b in block_ids),
         )
+
+    def _tag(self, request_id: str, router: str) -> None:
+        if router:
+            self._routers[request_id] = router
 
     def _start_grammar(self, params: SamplingOptions) -> None:
         with contextlib.suppress(StructuredOutputError):  # failed lately: admit() says so
@@ -411,6 +427,24 @@ class DecodeWorker:
             )
             self._settle(verdict)
 
+    def on_router_gone(self, instance: str) -> list[TokenEvent]:
+        """The registry announced the router ``instance`` gone: nobody reads its requests'
+        tokens any more, so each is aborted as if its client left. A reservation no prefill
+        worker announced it took frees its blocks at once (its window closes, and every
+        prefill worker refuses a job of a gone router); one being written waits for its
+        writer's PrefillDone, which comes as the writer stops on the same announcement.
+        Returns the final events that can be given now (the rest come from ``admit()`` and
+        ``step()``)."""
+        if not instance:
+            return []
+        events = []
+        for request_id in [r for r, router in self._routers.items() if router == instance]:
+            del self._routers[request_id]
+            event = self.abort(request_id, job_withdrawn=True)
+            if event is not None:
+                events.append(event)
+        return events
+
     def on_prefill_done(self, done: PrefillDone) -> None:
         verdict = self.pending.on_done(done)
         if verdict is not None:
@@ -421,6 +455,7 @@ class DecodeWorker:
         (accepted, not yet in the engine); otherwise that event comes from ``admit()`` or
         ``step()``."""
         self._aborted.add(request_id, self._clock())
+        self._routers.pop(request_id, None)  # its final event comes, or none is owed
         for i, (rid, prompt, _) in enumerate(self._incoming):  # accepted, not yet in the engine
             if rid == request_id:
                 del self._incoming[i]
@@ -454,6 +489,7 @@ class DecodeWorker:
         self._cancelled_leases.add(lease_id, self._clock())
         if self._local_leases.get(request_id) == lease_id:  # accepted, not in the engine yet
             del self._local_leases[request_id]
+            self._routers.pop(request_id, None)
             self._incoming = [entry for entry in self._incoming if entry[0] != request_id]
             return False
         res = self.pending.get(request_id)
@@ -529,6 +565,7 @@ class DecodeWorker:
                     logprobs=lps,
                     prompt_logprobs=res.done.prompt_logprobs,
                 )
+        self._routers.pop(res.request_id, None)  # not admitted: it ends here
         if verdict.release:
             self.engine.free_reserved(list(res.block_ids))
         if not verdict.notify:

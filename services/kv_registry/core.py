@@ -56,6 +56,7 @@ class Lease:
     block_ids: tuple[int, ...]
     granted_at: float
     expires_at: float
+    router: str = ""  # the instance of the router that holds it (PlaceRequest.router)
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,21 +215,31 @@ class RegistryState:
         return dead, expired
 
     def _drop(self, worker_id: str) -> None:
-        """Forget a dead worker: its entry, what it had cached, its leases."""
+        """Forget a dead worker: its entry, what it had cached, its leases (a router's: the
+        leases it held, which the decode workers free when they hear it gone)."""
         entry = self.decode.pop(worker_id, None) or self.peers.pop(worker_id)
         self.dropped_at[worker_id] = entry.last_seen
         self.prefix_index.drop_worker(worker_id)
+        instance = entry.heartbeat.instance if isinstance(entry, PeerWorker) else ""
         for lease in list(self.leases.values()):
-            if lease.worker_id == worker_id:
+            if lease.worker_id == worker_id or (instance and lease.router == instance):
                 del self.leases[lease.lease_id]
                 self.counters.dropped += 1
+
+    def instance_of(self, worker_id: str) -> str:
+        """The instance a worker's heartbeats carry (a router's; "" for others or unknown)."""
+        peer = self.peers.get(worker_id)
+        return peer.heartbeat.instance if peer is not None else ""
 
     def _returning(self, worker_id: str, now: float) -> float:
         last_seen = self.dropped_at.pop(worker_id, None)
         return 0.0 if last_seen is None else now - last_seen
 
     def timeout_of(self, entry: DecodeWorkerView | PeerWorker) -> float:
-        return max(self.worker_timeout_s, self.missed_heartbeats * entry.interval_s)
+        interval = entry.interval_s
+        if isinstance(entry, PeerWorker):  # the interval its heartbeats say, if they do
+            interval = max(interval, entry.heartbeat.interval_s)
+        return max(self.worker_timeout_s, self.missed_heartbeats * interval)
 
     def _is_alive(self, entry: DecodeWorkerView | PeerWorker, now: float) -> bool:
         return self.hearing.silence(entry.last_seen, now) <= self.timeout_of(entry)
@@ -254,9 +265,13 @@ class RegistryState:
             w for w in self.decode.values() if self._is_alive(w, now) and w.worker_id not in exclude
         ]
         if not live:
-            return Refusal(
-                "no live decode workers registered yet", self.retry_after_s, reason="no_workers"
+            starting = self.starting(now)
+            error = (
+                f"decode workers starting (loading their model): {', '.join(starting)}"
+                if starting
+                else "no live decode workers registered yet"
             )
+            return Refusal(error, self.retry_after_s, reason="no_workers")
         eligible, reasons = [], set()
         for w in live:
             reason = self._mismatch(w, request)
@@ -327,6 +342,17 @@ class RegistryState:
             prefill_here,
             got.store_blocks * bs,
             got.read_blocks * bs,
+        )
+
+    def starting(self, now: float) -> list[str]:
+        """Decode (or colocated) workers that heartbeat "starting": they reached NATS and load
+        their model; placeable once their first advert comes (never dropped meanwhile)."""
+        return sorted(
+            w
+            for w, p in self.peers.items()
+            if p.heartbeat.role in ("decode", "colocated")
+            and p.heartbeat.state == "starting"
+            and self._is_alive(p, now)
         )
 
     def _leaving_room(
@@ -410,6 +436,7 @@ class RegistryState:
                 block_ids=block_ids,
                 granted_at=now,
                 expires_at=now + request.lease_ms / 1000.0,
+                router=request.router,
             )
             self.counters.granted += 1
         return PlaceReply(

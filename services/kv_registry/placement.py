@@ -135,6 +135,7 @@ class Placement:
             local_prefill=choice.is_local_prefill(request),
             lease_id=lease_id,
             lease_ms=request.lease_ms,
+            router=request.router,
         )
         refuse = lambda error: ReserveReply(ok=False, worker_id=choice.worker_id, error=error)
         try:

@@ -148,6 +148,7 @@ class RegistryService:
     async def on_heartbeat(self, heartbeat: WorkerHeartbeat) -> None:
         self.admin.silent_optional.pop(heartbeat.worker_id, None)  # back
         now = self.clock()
+        instance = self.core.instance_of(heartbeat.worker_id)  # the old process's, if replaced
         replaced = self.core.observe_heartbeat(heartbeat, now)
         if heartbeat.role == "kv-store":
             self.stores.heard(heartbeat.worker_id, now)
@@ -156,7 +157,7 @@ class RegistryService:
                 "worker dropped: restarted (a new process heartbeats under its id)",
                 worker_id=heartbeat.worker_id,
             )
-            await self._announce_gone(WorkerGone(heartbeat.worker_id, replaced, 0.0))
+            await self._announce_gone(WorkerGone(heartbeat.worker_id, replaced, 0.0, instance))
 
     async def on_prefill_done(self, done: PrefillDone) -> None:
         self.core.complete_lease(done.lease_id)
@@ -170,6 +171,7 @@ class RegistryService:
         while True:
             now = self.clock()
             before = {row.worker_id: row for row in self.core.workers(now)}
+            instances = {w: self.core.instance_of(w) for w in before}  # routers'
             dropped, expired = self.core.expire(now)
             for store_id in self.stores.expire(now):
                 log.warning("kv-store dropped: no advert", store_id=store_id)
@@ -179,7 +181,8 @@ class RegistryService:
                 role, last_seen_s = (row.role, row.last_seen_s) if row is not None else ("?", 0.0)
                 if role in OPTIONAL_ROLES:  # the mesh serves on without it: degraded
                     self.admin.silent_optional[worker_id] = role
-                await self._announce_gone(WorkerGone(worker_id, role, last_seen_s))
+                gone = WorkerGone(worker_id, role, last_seen_s, instances.get(worker_id, ""))
+                await self._announce_gone(gone)
             for lease in expired:
                 log.info(
                     "lease expired (the decode worker frees its blocks)",

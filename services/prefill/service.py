@@ -26,12 +26,7 @@ from kvmesh.services.prefill.draft_writes import DraftKv
 from kvmesh.services.prefill.endpoints import EndpointCache
 from kvmesh.services.prefill.metrics import PrefillMetrics
 from kvmesh.services.prefill.store_prefix import StorePrefix
-from kvmesh.services.prefill.tp_group import (
-    RankReports,
-    TPWrites,
-    join_group,
-    start_tp_group,
-)
+from kvmesh.services.prefill.tp_group import TPWrites, join_group, start_tp_group
 from kvmesh.services.prefill.worker import PrefillResult, PrefillWorker
 from kvmesh.shared.bus.message_guard import guard_of
 from kvmesh.shared.bus.nats_service import (
@@ -49,6 +44,7 @@ from kvmesh.shared.bus.protocol import (
     PrefillDone,
     PrefillJob,
     StoreAdvert,
+    WorkerGone,
     WorkerHeartbeat,
     decode_message,
     encode_message,
@@ -259,6 +255,12 @@ class PrefillService:
     async def on_abort(self, abort: Abort) -> None:
         await self.worker.abort(abort.request_id, abort.reason)
 
+    async def on_worker_gone(self, gone: WorkerGone) -> None:
+        if gone.role == "router":  # nobody reads its requests' tokens: stop their jobs
+            stopped = await self.worker.on_router_gone(gone.instance)
+            if stopped:
+                log.warning("router gone: its prefill jobs stopped", router=gone.worker_id)
+
     async def on_advert(self, advert: DecodeAdvert) -> None:
         self.worker.adverts.note(advert)
 
@@ -288,9 +290,8 @@ async def prefill_service(config: PrefillConfig) -> AsyncIterator[PrefillService
         shard_model(model)
     engine = LLMEngine(model, tokenizer, econf)
     if tp_group is not None:
-        reports = RankReports(config.tp - 1)
         tp_writes = TPWrites.for_leader(
-            engine.kv_pool.spec, model.config.num_key_value_heads, config.tp, reports
+            engine.kv_pool.spec, model.config.num_key_value_heads, config.tp
         )
         engine = LeaderEngine(engine)
     draft_engine = None
@@ -339,7 +340,7 @@ async def prefill_service(config: PrefillConfig) -> AsyncIterator[PrefillService
         )
         loops = (worker.run, lambda: service.pull_loop(queue))
         if tp_group is not None:  # a rank that exits takes the worker down
-            loops += (tp_group.watch, lambda: tp_group.relay(reports))
+            loops += (tp_group.watch,)
         async with asyncio.TaskGroup() as tg:
             service = PrefillService(config, worker, nc, tg, draft_kv)
             queue = PrefillJobQueue(nc, subjects)
@@ -353,6 +354,7 @@ async def prefill_service(config: PrefillConfig) -> AsyncIterator[PrefillService
                 control=service.on_control,
                 routes=(
                     (subjects.ABORT, Abort, service.on_abort),
+                    (subjects.REGISTRY_WORKER_GONE, WorkerGone, service.on_worker_gone),
                     (subjects.REGISTRY_ADVERTISE, DecodeAdvert, service.on_advert),
                     (subjects.REGISTRY_STORE_ADVERTISE, StoreAdvert, service.on_store_advert),
                 ),

@@ -47,6 +47,7 @@ from kvmesh.shared.bus.protocol import (
     PrefillReport,
     PrefillStarted,
 )
+from kvmesh.shared.bus.recent_ids import RecentIds
 from kvmesh.shared.engine.grammar_compile import AwaitedCompiles
 from kvmesh.shared.engine.llm_engine import LLMEngine
 from kvmesh.shared.engine.sequence import ChunkReady, RequestError
@@ -122,6 +123,7 @@ class PrefillWorker:
         self._abort_memory_s = abort_memory_s
         self._jobs: dict[str, Job] = {}
         self._aborted: dict[str, float] = {}  # request id -> monotonic time of its Abort
+        self._gone_routers = RecentIds()  # routers the registry announced gone: their jobs die
         self._chunks: list[ChunkReady] = []  # filled by on_chunk in the engine thread
         self._lock = lock or asyncio.Lock()
         self._wake = asyncio.Event()
@@ -208,6 +210,8 @@ class PrefillWorker:
             return None
         if self._aborted.pop(rid, None) is not None:
             return self._result(msg, None, f"aborted before prefill started on {self.worker_id}")
+        if msg.router and self._gone_routers.seen(msg.router, time.monotonic()):
+            return self._result(msg, None, "its router is gone (nobody reads its tokens)")
         try:
             advert = await self.adverts.vouch(msg, self._advert_wait_s)
             dtype = decode_kv_dtype(self.kv_spec, advert.kv_spec)  # None: the same KV dtype
@@ -236,8 +240,6 @@ class PrefillWorker:
             return self._result(msg, None, f"aborted before prefill started on {self.worker_id}")
         job = Job(msg, planner, PrefillTimeline(msg.enqueued_at, started_at), endpoint, mirror)
         self._jobs[rid] = job
-        if self.tp is not None:  # the followers' word on their writes of it, from now on
-            self.tp.reports.expect(rid)
         prompt = list(msg.prompt_ids)
         salt = msg.sampling.cache_salt
         store = self.store
@@ -280,15 +282,11 @@ class PrefillWorker:
                             await hook.on_computed(job)
                         break
             # every write has returned: no byte of ours is still on its way to the decode blocks
-            if self.tp is not None and job.is_computed and not job.error:  # nor the followers'
-                job.error = await self.tp.reports.wait(rid, self.tp.report_timeout_s)
         except PlanError as exc:  # an engine/plan disagreement: a bug, but never leak blocks
             job.error = f"internal error planning KV writes: {exc}"
             log.error("plan failed", request_id=rid, error=str(exc))
         finally:
             del self._jobs[rid]
-            if self.tp is not None:
-                self.tp.reports.forget(rid)
             async with self._lock:
                 self.engine.abort(rid)  # frees the local blocks, computed or not
                 for hook in self.hooks:
@@ -350,6 +348,18 @@ class PrefillWorker:
         if not job.error:
             job.error = f"aborted: {reason}"
             await self._stop(job)
+
+    async def on_router_gone(self, instance: str) -> int:
+        """The registry announced the router ``instance`` gone: its jobs stop (as on an Abort:
+        the decode worker gets a failed PrefillDone once no write is in flight, and frees the
+        blocks) and a job of it taken later is refused. Returns how many jobs stopped."""
+        if not instance:
+            return 0
+        self._gone_routers.add(instance, time.monotonic())
+        doomed = [rid for rid, job in self._jobs.items() if job.msg.router == instance]
+        for request_id in doomed:
+            await self.abort(request_id, "its router is gone")
+        return len(doomed)
 
     def _result(self, msg: PrefillJob, job: Job | None, error: str) -> PrefillResult:
         ok = job is not None and not error

@@ -445,9 +445,11 @@ class Router:
             "prefill_workers": prefill.num_ready(now),
         }
         if counts["decode_workers"] == 0:
-            alive = decode.num_alive(now)
+            alive, starting = decode.num_alive(now), decode.starting(now)
             reason = (
-                f"{alive} decode workers alive, all draining"
+                f"decode workers starting (loading their model): {', '.join(starting)}"
+                if starting
+                else f"{alive} decode workers alive, all draining"
                 if alive
                 else "no decode worker heartbeats yet (starting, or none running)"
             )

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -60,6 +61,9 @@ class Dispatcher:
         self._config = config
         self._metrics = metrics
         self._live: dict[str, MeshRequest] = {}
+        # this process's instance: its heartbeats carry it and its requests are tagged with it,
+        # so the mesh drops them when the registry announces this router gone
+        self.instance = uuid.uuid4().hex
         self.is_stopping = False  # the router is shutting down: a cancellation is not the client
         now = time.monotonic()
         hearing = hearing or Hearing(connected_since=now)
@@ -156,6 +160,7 @@ class Dispatcher:
             self.registry_pool,
             self._model_spec,
             self.prefill_queue,
+            self.instance,
         )
         self._live[request_id] = request
         try:

@@ -27,6 +27,7 @@ from kvmesh.services.router.queue_health import PrefillQueueHealth
 from kvmesh.services.router.recovery import (
     RECONNECT_SILENCE_S,
     PlacementLostError,
+    no_decode_worker,
     placement_refused_error,
     prefills_locally,
     room_backoff_s,
@@ -70,8 +71,10 @@ class MeshRequest:
         registry_pool: WorkerPool | None = None,
         model_spec: str = "",
         prefill_queue: PrefillQueueHealth | None = None,
+        router: str = "",
     ) -> None:
         self._nc = nc
+        self._router = router  # the router's instance: the mesh drops the request if it dies
         self._prefill_queue = prefill_queue or PrefillQueueHealth()
         self._subjects = subjects
         self._model_spec = model_spec  # only decode workers serving this model take the request
@@ -212,12 +215,9 @@ class MeshRequest:
                     log.warning("%s; asking again for %s", exc.message, self.response_id)
                     await self._next_attempt("placement lost", "kv-registry")
                 except OverloadedError as exc:  # queueing: it waits for room (recovery.py)
-                    pool, now = self._decode_pool, time.monotonic()
                     error = stop_waiting_for_room(
                         exc,
-                        no_decode_alive=(
-                            pool is not None and pool.is_known(now) and pool.num_alive(now) == 0
-                        ),
+                        no_decode_alive=no_decode_worker(self._decode_pool, time.monotonic()),
                         left_s=deadline - time.monotonic(),
                         request_id=self.request_id,
                         first_token_timeout_s=self._config.first_token_timeout_s,
@@ -248,6 +248,7 @@ class MeshRequest:
             reply,
             left_s=max(0.0, deadline - time.monotonic()),
             queue=self._prefill_queue,
+            router=self._router,
         )
 
     def stop_renewing(self) -> None:
@@ -264,6 +265,7 @@ class MeshRequest:
             local_prefill=self.is_local_prefill,
             lease_ms=self._config.lease_ms,
             model_spec=self._model_spec,
+            router=self._router,
         )
         if not self._nc.is_connected:
             # NATS is down (restarting, or our link): what we sent now would wait in the

@@ -74,11 +74,12 @@ async def publish_prefill_job(
     reply: PlaceReply,
     left_s: float,
     queue: PrefillQueueHealth,
+    router: str = "",
 ) -> int:
     """Queue the prefill of ``prompt`` into the blocks ``reply`` reserved on its decode worker;
     the job's sequence in the queue (what an abort withdraws), or a 503. It retries a missing
     queue for as long as ``queue`` allows of the ``left_s`` the request has left, and tells it
-    how the publish went."""
+    how the publish went. ``router``: the router's instance (the job dies with it)."""
     job = PrefillJob(
         request_id=request_id,
         prompt_ids=prompt.prompt_ids,
@@ -90,6 +91,7 @@ async def publish_prefill_job(
         block_addrs=reply.block_addrs,
         block_bytes=reply.block_bytes,
         enqueued_at=time.time(),
+        router=router,
     )
     try:
         seq = await publish_job(

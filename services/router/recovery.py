@@ -29,6 +29,12 @@ from kvmesh.shared.bus.subjects import Subjects
 # of failing. One never heard, or gone longer, is missing: a 503 at once.
 REGISTRY_RESTART_S = 20.0
 
+# The same for decode workers: with none alive, one heard this recently (or one that heartbeats
+# "starting", loading its model) may be coming back, as `kvmesh up` restarts a dead one under
+# its id: placements and migrations wait for it, within the request's deadline, instead of a
+# 503 at once. With none heard for this long, "no decode worker is alive" is a 503 at once.
+DECODE_RESTART_S = 20.0
+
 # What was published while the router's NATS connection was down is lost to it: its tokens, and
 # perhaps its prefill job (a restarted server may come back with an empty JetStream store). A
 # request that hears nothing for this long after a reconnect runs again: from the start before
@@ -65,8 +71,9 @@ def stop_waiting_for_room(
 ) -> ApiError | None:
     """Overload is queueing: an accepted request the mesh has no room for (``exc``) waits for
     room, it does not fail. The error that ends the wait instead (None: wait): no decode worker
-    alive at all ("no workers" is not "at capacity"), or too little of the first-token deadline
-    left (``left_s``) for the wait the registry asks."""
+    alive at all, nor any heard within DECODE_RESTART_S ("no workers" is not "at capacity"; see
+    ``no_decode_worker``), or too little of the first-token deadline left (``left_s``) for the
+    wait the registry asks."""
     if no_decode_alive:
         return ServiceUnavailableError(
             "no decode worker is alive (none heartbeats); start one (`kvmesh "
@@ -80,6 +87,18 @@ def stop_waiting_for_room(
             f"last answer: {exc.message}"
         )
     return None
+
+
+def no_decode_worker(pool: WorkerPool | None, now: float) -> bool:
+    """Whether the mesh has no decode worker to wait for: the router has listened long enough,
+    none heartbeats (a "starting" one does), and none was heard within DECODE_RESTART_S (a dead
+    one being restarted is waited for)."""
+    return (
+        pool is not None
+        and pool.is_known(now)
+        and pool.num_alive(now) == 0
+        and not pool.seen_within(now, DECODE_RESTART_S)
+    )
 
 
 def room_backoff_s(retry_after_s: float) -> float:

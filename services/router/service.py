@@ -65,6 +65,8 @@ async def serve_router(config: RouterConfig) -> AsyncIterator[RunningRouter]:
                 num_running=router.num_in_flight,
                 started_at=started_at,
                 sent_at=time.time(),
+                instance=dispatcher.instance,  # its requests carry it; they die with it
+                interval_s=config.heartbeat_s,  # the registry waits for this many missed
             )
 
         async with (

@@ -198,6 +198,7 @@ def role_permissions(s: Subjects) -> dict[str, Permissions]:
             ),
             subscribe=(
                 s.ABORT,
+                s.REGISTRY_WORKER_GONE,  # a gone router's jobs stop
                 s.REGISTRY_ADVERTISE,
                 s.REGISTRY_STORE_ADVERTISE,
                 f"{p}.worker.*.control",

@@ -44,6 +44,9 @@ class PlaceRequest(Message):
     # model_spec() of the router's model: only decode workers advertising the same one may take
     # the request ("" places on any, as before this field)
     model_spec: str = ""
+    # the instance of the router that holds the request (its heartbeats'): when the registry
+    # announces that router gone, decode and prefill drop its requests ("" never)
+    router: str = ""
 
 
 class ReserveRequest(Message):
@@ -55,6 +58,7 @@ class ReserveRequest(Message):
     local_prefill: bool
     lease_id: str
     lease_ms: int
+    router: str = ""  # PlaceRequest.router: the request ends if that router is gone
 
 
 class ReserveReply(Message):
@@ -111,6 +115,7 @@ class PrefillJob(Message):
     block_addrs: tuple[int, ...]
     block_bytes: int
     enqueued_at: float  # unix time the router published the job
+    router: str = ""  # PlaceRequest.router: the job is dropped if that router is gone
 
 
 class PrefillDone(Message):
@@ -199,6 +204,9 @@ class WorkerGone(Message):
     worker_id: str
     role: str
     last_seen_s: float  # seconds between its last message and the drop
+    # the gone process's WorkerHeartbeat.instance ("" if it sent none): a router's requests
+    # carry it (PlaceRequest.router), and decode and prefill drop them
+    instance: str = ""
 
 
 class LeaseRenew(Message):
@@ -344,11 +352,20 @@ class WorkerHeartbeat(Message):
     role: (
         str  # "prefill" | "decode" | "colocated" | "router" | "kv-registry" | "draft" | "kv-store"
     )
-    state: str  # "ready" | "draining"
+    # "ready" | "draining" | "starting" (a decode worker that reached NATS and is loading its
+    # model: not placeable yet, but coming; routers wait for it rather than refuse)
+    state: str
     num_running: int = 0
     num_waiting: int = 0
     started_at: float = 0.0
     sent_at: float = 0.0
+    # a router's: unique to its process (a restart under the same worker id is another
+    # instance); the requests it places carry it (PlaceRequest.router)
+    instance: str = ""
+    # seconds between its heartbeats, when it says (0: unsaid): the registry drops it only
+    # after missing that many of them, from its first heartbeat on (a router's death drops its
+    # requests, so a router slower than the registry's interval must not be counted dead)
+    interval_s: float = 0.0
 
 
 class DecodeAdvert(Message):

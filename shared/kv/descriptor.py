@@ -42,12 +42,15 @@ class ShmBackend(_Backend, tag="shm"):
 class TcpBackend(_Backend, tag="tcp"):
     """Any host: where the peer's TCP transport listens, over how many lanes, and the secret a
     lane proves it knows before the receiver serves it (``transport/lane_auth.py``). It travels
-    only over authenticated NATS, like a lease's window key."""
+    only over authenticated NATS, like a lease's window key. ``unix``: the receiver's
+    same-host lane socket, which writers on its host may dial instead, after checking it
+    (``transport/unix_lanes.py``)."""
 
     host: str
     port: TcpPort
     secret: Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")]
     lanes: Annotated[int, msgspec.Meta(ge=1)] = 1
+    unix: Annotated[str, msgspec.Meta(max_length=4096)] | None = None
 
 
 class RdmaBackend(_Backend, tag="rdma"):

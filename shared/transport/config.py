@@ -22,7 +22,12 @@ class TransportConfig:
     tcp_lanes: int = 2  # sockets per endpoint (more help on many-core hosts)
     tcp_window: int = 8  # in-flight bytes per lane = tcp_window * tcp_slice_bytes (backpressure)
     tcp_slice_bytes: int = 4 << 20  # large writes are cut into slices of at most this many bytes
-    shm_dir: str | None = None  # where the notification socket lives; default a fresh temp dir
+    # where the same-host unix sockets live (shm's notifications, tcp's lanes): a fresh private
+    # folder is made there; default the temp folder
+    shm_dir: str | None = None
+    # tcp receivers also listen on a unix socket, and writers on the same host dial it
+    # (unix_lanes.py: the peer's uid is checked); TCP stays the cross-host path and the fallback
+    tcp_unix_lanes: bool = True
     rdma_device: str | None = None  # e.g. "mlx5_0" / "rxe0"; None: first active device
     rdma_gid_index: int | None = None
     connect_timeout_s: float = 10.0

@@ -26,7 +26,11 @@ A local user must not be able to exhaust it (issue #27). So:
 * every refusal looks alike to the peer: the connection is closed, nothing is said (a bad proof,
   a malformed hello, a full server, a timeout); the counters and the log say which;
 * the accept loop outlives EMFILE and friends (it backs off and retries) and ends only when the
-  server closes.
+  server closes;
+* a server may listen on a second socket (``add_listener``: tcp's same-host unix socket) under
+  the same limits; each connection from it is first put to that socket's peer check (the
+  peer's uid, ``unix_lanes``) and reset, before any byte, if refused. Those skip the
+  per-source accept budget (one source: the users the check lets in).
 """
 
 from __future__ import annotations
@@ -131,6 +135,11 @@ class SocketServer:
         self._pending: OrderedDict[socket.socket, _Pending] = OrderedDict()  # accept order
         self._per_source: dict[str, int] = {}
         self._threads = ThreadSet()
+        # each listening socket -> its peer check (a refusal reason, or None to go on); the
+        # first listener has none: its connections are budgeted by source (``guard``)
+        self._listeners: dict[socket.socket, Callable[[socket.socket], str | None] | None] = {
+            listener: None
+        }
         self._selector = selectors.DefaultSelector()
         self._closed = False
         self._loop_done = threading.Event()
@@ -141,10 +150,19 @@ class SocketServer:
         self.num_throttled = 0  # reset at accept: over its source's budget, or blocked
         self.num_accept_errors = 0  # transient accept failures (EMFILE, ...) survived
 
+    def add_listener(
+        self, listener: socket.socket, check_peer: Callable[[socket.socket], str | None]
+    ) -> None:
+        """Accept from ``listener`` too (bound and listening), under the same limits; each
+        connection is reset at accept if ``check_peer`` gives a reason. Before ``start``."""
+        assert not self._started, "add listeners before start()"
+        self._listeners[listener] = check_peer
+
     def start(self) -> None:
         self._started = True
-        self.listener.setblocking(False)
-        self._selector.register(self.listener, selectors.EVENT_READ)
+        for listener in self._listeners:
+            listener.setblocking(False)
+            self._selector.register(listener, selectors.EVENT_READ)
         self._threads.spawn(self._loop, f"{self._name}-accept")
 
     @property
@@ -179,25 +197,26 @@ class SocketServer:
             first = next(iter(self._pending.values()))
             timeout = min(timeout, max(0.0, first.deadline - time.monotonic()))
         try:
-            listener_ready = False
+            ready = []
             for key, _ in self._selector.select(timeout):
-                if key.fileobj is self.listener:
-                    listener_ready = True
+                if key.data is None:  # a listener
+                    ready.append(key.fileobj)
                 else:
                     self._advance(key.data)
-            if listener_ready:
-                self._accept_some(self.limits.max_accepts_per_round)
+            for listener in ready:
+                self._accept_some(listener, self.limits.max_accepts_per_round)
             self._expire(time.monotonic())
         except Exception as exc:  # a bug must not end the receiver's accepting
             log.exception("handshake loop error; going on", server=self._name, error=str(exc))
             time.sleep(_TICK_S)
 
-    def _accept_some(self, max_accepts: int) -> None:
+    def _accept_some(self, listener: socket.socket, max_accepts: int) -> None:
+        check_peer = self._listeners[listener]
         for _ in range(max_accepts):
             if self._closed:
                 return
             try:
-                conn, address = self.listener.accept()
+                conn, address = listener.accept()
             except BlockingIOError:
                 return
             except OSError as exc:
@@ -210,6 +229,11 @@ class SocketServer:
                 time.sleep(0.05)  # let descriptors free up
                 return
             source = source_of(address)
+            if check_peer is not None:
+                if self._peer_refused(conn, source, check_peer):
+                    continue
+                self._start_handshake(conn, source)
+                continue
             verdict = Verdict.ADMIT if self.guard is None else self.guard.admit(source)
             if verdict is Verdict.ADMIT:
                 self._start_handshake(conn, source)
@@ -224,6 +248,20 @@ class SocketServer:
                     throttled_total=self.num_throttled,
                 )
             _reset(conn)
+
+    def _peer_refused(
+        self, conn: socket.socket, source: str, check_peer: Callable[[socket.socket], str | None]
+    ) -> bool:
+        """Reset ``conn`` (before any byte) if its listener's peer check refuses it."""
+        try:
+            reason = check_peer(conn)
+        except OSError as exc:
+            reason = f"peer check failed: {exc}"
+        if reason is None:
+            return False
+        self._count_refused(reason, source)
+        _reset(conn)
+        return True
 
     def _make_room(self, source: str) -> None:
         """Push out one pending handshake if ``source`` or the server is at its limit."""
@@ -357,11 +395,13 @@ class SocketServer:
 
     async def aclose(self) -> None:
         self._closed = True
-        with contextlib.suppress(OSError):
-            self.listener.shutdown(socket.SHUT_RDWR)
+        for listener in self._listeners:
+            with contextlib.suppress(OSError):
+                listener.shutdown(socket.SHUT_RDWR)
         if self._started:  # the handshake thread ends within a tick
             await asyncio.to_thread(self._loop_done.wait)
-        self.listener.close()
+        for listener in self._listeners:
+            listener.close()
         with self._lock:
             conns = list(self._conns)
         for conn in conns:

@@ -1,7 +1,8 @@
 """Cross-host backend: framed one-sided writes over several TCP lanes per endpoint.
 
-This module holds the wire format and the transport; the receiving side is ``tcp_receiver.py``,
-the writer's ``tcp_endpoint.py`` / ``tcp_lane.py`` / ``tcp_frames.py``. Each lane proves it
+On one host, lanes may go over a unix socket instead, the peer's uid checked
+(``unix_lanes.py``). This module holds the wire format and the transport; the receiving side
+is ``tcp_receiver.py``, the writer's ``tcp_endpoint.py`` / ``tcp_lane.py`` / ``tcp_frames.py``. Each lane proves it
 belongs to the mesh first (``lane_auth.py``). Every frame carries a fixed header (magic,
 version, op, rkey, imm, remote address, length, write sequence number, frame index / count).
 The receiver checks the header against its registry *before* reading the payload, then
@@ -21,6 +22,8 @@ from __future__ import annotations
 
 import contextlib
 import mmap
+import os
+import shutil
 import socket
 import struct
 import time
@@ -30,7 +33,7 @@ import torch
 from kvmesh.shared.config.advertise import default_route_address
 from kvmesh.shared.kv.descriptor import TcpBackend, TransportDescriptor
 from kvmesh.shared.obs import logs
-from kvmesh.shared.transport import lane_auth
+from kvmesh.shared.transport import lane_auth, unix_lanes
 from kvmesh.shared.transport.backend import HostMemoryBackend
 from kvmesh.shared.transport.completions import CompletionQueue
 from kvmesh.shared.transport.config import TransportConfig
@@ -94,7 +97,8 @@ def send_all(sock: socket.socket, buffers: list[memoryview], deadline: float | N
 
 
 def tune(sock: socket.socket) -> None:
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if sock.family != socket.AF_UNIX:  # a same-host lane (unix_lanes) has no Nagle to turn off
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
 def set_io_timeout(sock: socket.socket, seconds: float) -> None:
@@ -121,6 +125,7 @@ class TcpTransport(HostMemoryBackend[TcpBackend]):
         super().__init__(config, registry, completions)
         self._server: SocketServer | None = None
         self._port = 0
+        self._unix_path: str | None = None  # the same-host lane socket (unix_lanes), if any
         self._memory: list[mmap.mmap] = []
         # Lanes prove they know it (lane_auth); it travels only in this transport's descriptor.
         self._secret = lane_auth.new_secret()
@@ -164,11 +169,25 @@ class TcpTransport(HostMemoryBackend[TcpBackend]):
             limits=self.config.server_limits(),
             guard=self._guard,
         )
+        if self.config.tcp_unix_lanes:
+            try:
+                self._unix_path, unix_listener = unix_lanes.listen(self.config.shm_dir)
+            except OSError as exc:  # optional: same-host writers dial TCP then
+                log.warning("no same-host lane socket; tcp only", error=str(exc))
+            else:
+                self._server.add_listener(unix_listener, unix_lanes.refuse_other_users)
         self._server.start()
+
+    @property
+    def unix_path(self) -> str | None:
+        """The same-host lane socket writers on this host dial (None: TCP only)."""
+        return self._unix_path
 
     async def _teardown(self) -> None:
         if self._server is not None:
             await self._server.aclose()
+        if self._unix_path is not None:
+            shutil.rmtree(os.path.dirname(self._unix_path), ignore_errors=True)
         for mm in self._memory:
             with contextlib.suppress(BufferError):  # still viewed (a KVPool): freed with its views
                 mm.close()
@@ -191,7 +210,11 @@ class TcpTransport(HostMemoryBackend[TcpBackend]):
         if host in ("0.0.0.0", "::"):  # every interface: advertise the default route's
             host = default_route_address()
         return TcpBackend(
-            host=host, port=self._port, secret=self._secret.hex(), lanes=self.config.tcp_lanes
+            host=host,
+            port=self._port,
+            secret=self._secret.hex(),
+            lanes=self.config.tcp_lanes,
+            unix=self._unix_path,
         )
 
     async def connect(self, descriptor: TransportDescriptor) -> TcpEndpoint:

@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 from kvmesh.shared.kv.descriptor import TcpBackend, TransportDescriptor
 from kvmesh.shared.kv.imm import check_imm
-from kvmesh.shared.transport import lane_auth
+from kvmesh.shared.obs import logs
+from kvmesh.shared.transport import lane_auth, unix_lanes
 from kvmesh.shared.transport.backend import EndpointBase
 from kvmesh.shared.transport.backoff import RETRIABLE, Backoff
 from kvmesh.shared.transport.base import WriteEntry
@@ -41,6 +42,8 @@ from kvmesh.shared.transport.threads import ThreadSet
 if TYPE_CHECKING:
     from kvmesh.shared.transport.tcp import TcpTransport
 
+log = logs.get_logger(__name__)
+
 
 def _background(coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
     """Waits run to their end even if the caller is cancelled (callers await them shielded), so a
@@ -50,8 +53,25 @@ def _background(coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
     return task
 
 
+# where a lane connects: (host, port) over TCP, or a same-host unix socket's path (unix_lanes)
+Address = tuple[str, int] | str
+
+
+def _connect(address: Address, timeout_s: float) -> socket.socket:
+    if isinstance(address, tuple):
+        return socket.create_connection(address, timeout_s)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(timeout_s)
+        sock.connect(address)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 def _open_lane(
-    address: tuple[str, int],
+    address: Address,
     timeout_s: float,
     secret: bytes,
     hello: tuple[int, int, int, str],
@@ -60,7 +80,7 @@ def _open_lane(
     challenge, answer it, wait for its acceptance. A receiver that hangs up instead refused
     the hello (a stale descriptor's secret, it is at a connection limit, or under a flood): a
     hang-up is a ConnectionResetError, which the caller tries again (``backoff``)."""
-    sock = socket.create_connection(address, timeout_s)
+    sock = _connect(address, timeout_s)
     try:
         challenge = bytearray(lane_auth.CHALLENGE.size)
         if recv_exact(sock, memoryview(challenge)) != len(challenge):
@@ -83,7 +103,7 @@ def _open_lane(
 
 
 async def _open_lane_retrying(
-    address: tuple[str, int],
+    address: Address,
     timeout_s: float,
     secret: bytes,
     hello: tuple[int, int, int, str],
@@ -113,6 +133,7 @@ class TcpEndpoint(EndpointBase):
         super().__init__(peer_id)
         self._transport = transport
         self._address = (info.host, info.port)
+        self.unix_path: str | None = None  # the same-host socket its lanes took, or None: TCP
         config = transport.config
         self._slice = config.tcp_slice_bytes
         # the bytes `tcp_window` full slices hold: smaller frames do not shrink the window
@@ -137,22 +158,20 @@ class TcpEndpoint(EndpointBase):
         except ValueError as exc:
             raise PeerUnreachableError(f"tcp peer {descriptor.peer_id}: {exc}") from None
         ep = cls(transport, descriptor.peer_id, info)
-        num_lanes = max(1, min(transport.config.tcp_lanes, info.lanes))
-        endpoint_id = secrets.randbits(63)
         config = transport.config
-        backoff, started = Backoff(total_s=config.connect_retry_s), time.monotonic()
+        unix = unix_lanes.local_path(descriptor, info) if config.tcp_unix_lanes else None
+        if unix is not None:  # same host: its unix socket, TCP if that fails
+            try:
+                await ep._open_lanes(info, secret, unix)
+                ep.unix_path = unix
+            except OSError as exc:
+                log.info(
+                    "same-host lane socket unreachable; dialing tcp", path=unix, error=str(exc)
+                )
         try:
-            for i in range(num_lanes):
-                sock = await _open_lane_retrying(
-                    ep._address, config.connect_timeout_s, secret,
-                    (i, num_lanes, endpoint_id, transport.peer_id), backoff, started,
-                )  # fmt: skip
-                ep._lanes.append(Lane(i, sock, ep._window_bytes))
-        except BaseException as exc:
-            for lane in ep._lanes:
-                lane.sock.close()
-            if not isinstance(exc, (OSError, ValueError)):
-                raise  # cancelled: the lanes opened so far are closed
+            if ep.unix_path is None:
+                await ep._open_lanes(info, secret, ep._address)
+        except (OSError, ValueError) as exc:
             raise PeerUnreachableError(
                 f"cannot reach tcp peer {descriptor.peer_id} at {ep._address}: {exc}"
             ) from exc
@@ -162,6 +181,26 @@ class TcpEndpoint(EndpointBase):
             )
             ep._threads.spawn(ack_loop, f"tcp-ack-{lane.index}", lane, ep._settle, ep._lost)
         return ep
+
+    async def _open_lanes(self, info: TcpBackend, secret: bytes, address: Address) -> None:
+        """Every lane to ``address``, each retried (``backoff``) within one deadline; on an
+        error, the lanes opened so far are closed."""
+        transport, config = self._transport, self._transport.config
+        num_lanes = max(1, min(config.tcp_lanes, info.lanes))
+        endpoint_id = secrets.randbits(63)
+        backoff, started = Backoff(total_s=config.connect_retry_s), time.monotonic()
+        try:
+            for i in range(num_lanes):
+                sock = await _open_lane_retrying(
+                    address, config.connect_timeout_s, secret,
+                    (i, num_lanes, endpoint_id, transport.peer_id), backoff, started,
+                )  # fmt: skip
+                self._lanes.append(Lane(i, sock, self._window_bytes))
+        except BaseException:
+            for lane in self._lanes:
+                lane.sock.close()
+            self._lanes.clear()
+            raise
 
     @property
     def num_lanes(self) -> int:
