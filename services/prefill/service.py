@@ -26,7 +26,12 @@ from kvmesh.services.prefill.draft_writes import DraftKv
 from kvmesh.services.prefill.endpoints import EndpointCache
 from kvmesh.services.prefill.metrics import PrefillMetrics
 from kvmesh.services.prefill.store_prefix import StorePrefix
-from kvmesh.services.prefill.tp_group import TPWrites, join_group, start_tp_group
+from kvmesh.services.prefill.tp_group import (
+    RankReports,
+    TPWrites,
+    join_group,
+    start_tp_group,
+)
 from kvmesh.services.prefill.worker import PrefillResult, PrefillWorker
 from kvmesh.shared.bus.message_guard import guard_of
 from kvmesh.shared.bus.nats_service import (
@@ -290,8 +295,9 @@ async def prefill_service(config: PrefillConfig) -> AsyncIterator[PrefillService
         shard_model(model)
     engine = LLMEngine(model, tokenizer, econf)
     if tp_group is not None:
+        reports = RankReports(config.tp - 1)
         tp_writes = TPWrites.for_leader(
-            engine.kv_pool.spec, model.config.num_key_value_heads, config.tp
+            engine.kv_pool.spec, model.config.num_key_value_heads, config.tp, reports
         )
         engine = LeaderEngine(engine)
     draft_engine = None
@@ -340,7 +346,7 @@ async def prefill_service(config: PrefillConfig) -> AsyncIterator[PrefillService
         )
         loops = (worker.run, lambda: service.pull_loop(queue))
         if tp_group is not None:  # a rank that exits takes the worker down
-            loops += (tp_group.watch,)
+            loops += (tp_group.watch, lambda: tp_group.relay(reports))
         async with asyncio.TaskGroup() as tg:
             service = PrefillService(config, worker, nc, tg, draft_kv)
             queue = PrefillJobQueue(nc, subjects)

@@ -240,6 +240,8 @@ class PrefillWorker:
             return self._result(msg, None, f"aborted before prefill started on {self.worker_id}")
         job = Job(msg, planner, PrefillTimeline(msg.enqueued_at, started_at), endpoint, mirror)
         self._jobs[rid] = job
+        if self.tp is not None:  # the followers' word on their writes of it, from now on
+            self.tp.reports.expect(rid)
         prompt = list(msg.prompt_ids)
         salt = msg.sampling.cache_salt
         store = self.store
@@ -282,11 +284,15 @@ class PrefillWorker:
                             await hook.on_computed(job)
                         break
             # every write has returned: no byte of ours is still on its way to the decode blocks
+            if self.tp is not None and job.is_computed and not job.error:  # nor the followers'
+                job.error = await self.tp.reports.wait(rid, self.tp.report_timeout_s)
         except PlanError as exc:  # an engine/plan disagreement: a bug, but never leak blocks
             job.error = f"internal error planning KV writes: {exc}"
             log.error("plan failed", request_id=rid, error=str(exc))
         finally:
             del self._jobs[rid]
+            if self.tp is not None:
+                self.tp.reports.forget(rid)
             async with self._lock:
                 self.engine.abort(rid)  # frees the local blocks, computed or not
                 for hook in self.hooks:
