@@ -7,7 +7,9 @@ blocks of a destination KVPool, each pool a quarter larger than the transfer. Ba
 - ``memcpy``: torch ``copy_`` block by block in one process (the ceiling for same-host moves);
 - ``socket``: one loopback TCP socket, ``sendall`` per block / ``recv_into`` the destination block;
 - ``gloo``: torch.distributed gloo ``send`` / ``recv`` per block;
-- ``shm``, ``tcp``, ``rdma``: kvmesh transports, one batched ``write`` of every block per transfer.
+- ``shm``, ``tcp``, ``rdma``: kvmesh transports, one batched ``write`` of every block per transfer
+  (``tcp`` over loopback TCP; ``tcp-unix``, only when named in ``--backends``: the tcp transport
+  over its same-host unix socket, ``shared/transport/unix_lanes.py``).
 
 Every process uses one torch thread. Except memcpy, the sender is this process and the receiver a
 spawned one; each repetition is timed on the sender until the receiver has every byte (the write
@@ -34,7 +36,9 @@ from typing import Any
 # One 16-token block of the Llama-3-8B KV cache in bf16 (kvmesh.loadgen.xfer_backends.SPEC asserts it).
 # A constant here, so that building the CLI parser does not import torch.
 BLOCK_BYTES = 2 << 20
-TRANSPORTS = ("shm", "tcp", "rdma")
+# "tcp" is TCP over loopback; "tcp-unix" the tcp transport over its same-host unix socket
+# (what two kvmesh processes on one host use when shm is not chosen), only when named
+TRANSPORTS = ("shm", "tcp", "tcp-unix", "rdma")
 BASELINES = ("memcpy", "socket", "gloo")
 _UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 

@@ -163,11 +163,21 @@ def _gloo_receiver(conn: Any, plans: list[Plan]) -> None:
         dist.destroy_process_group()
 
 
+def _transport(backend: str, peer_id: str) -> Any:
+    """A kvmesh transport for ``backend``: "tcp" is TCP over loopback, "tcp-unix" the tcp
+    transport over its same-host unix socket (``unix_lanes``)."""
+    from kvmesh.shared.transport import TransportConfig, create_transport
+
+    unix = backend == "tcp-unix"
+    config = TransportConfig(peer_id=peer_id, tcp_unix_lanes=unix)
+    return create_transport("tcp" if unix else backend, config)
+
+
 async def _transport_receiver(conn: Any, backend: str, plans: list[Plan]) -> None:
-    from kvmesh.shared.transport import Access, TransportConfig, create_transport
+    from kvmesh.shared.transport import Access
 
     for plan in plans:
-        async with create_transport(backend, TransportConfig(peer_id="bench-recv")) as t:
+        async with _transport(backend, "bench-recv") as t:
             with exposed_pool(t, conn, plan, Access.REMOTE_WRITE) as pool:
                 imms = []
                 for _ in range(plan.runs):
@@ -292,16 +302,14 @@ class _GlooSender:
 
 
 async def _transport_send(backend: str, conn: Any, plan: Plan, src: KVPool) -> list[float]:
-    from kvmesh.shared.transport import TransportConfig, create_transport
-
     desc, region = await expect_target(conn)
     times = []
-    # "tcp" is TCP over loopback here, not the same-host unix socket (unix_lanes)
-    config = TransportConfig(peer_id="bench-send", tcp_unix_lanes=False)
-    async with create_transport(backend, config) as t:
+    async with _transport(backend, "bench-send") as t:
         local = t.register(src.raw)
         entries = block_entries(local, src, plan, region)
         async with await t.connect(desc) as ep:
+            if (getattr(ep, "unix_path", None) is not None) != (backend == "tcp-unix"):
+                raise RuntimeError(f"{backend}: the lanes went over the wrong socket")
             for run in range(plan.runs):
                 t0 = time.perf_counter()
                 await ep.write(entries, imm=run)

@@ -119,3 +119,12 @@ def test_asking_for_rdma_without_a_device_exits_2_with_the_reason(capsys):
     )
     assert run(args) == 2
     assert why in capsys.readouterr().err
+
+
+def test_tcp_unix_moves_every_block_over_the_same_host_socket_and_is_not_a_default():
+    from kvmesh.loadgen.bench_xfer import default_backends
+    from kvmesh.loadgen.xfer_backends import bench_backend
+
+    (result,) = bench_backend("tcp-unix", [Plan.make(4 << 20, seed=0, runs=2)], warmup=1)
+    assert result.backend == "tcp-unix" and result.gbps > 0  # every block checked on arrival
+    assert "tcp-unix" not in default_backends()
