@@ -9,6 +9,7 @@ import socket
 import sys
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -27,6 +28,8 @@ from kvmesh.shared.transport.tcp import (
 from support.transport_wire import raw_lane, remote, tcp_secret
 
 BLOCK = 4096
+# the honest writers here dial TCP, where the attacks come (not their host's unix socket)
+TCP_ONLY = TransportConfig(tcp_unix_lanes=False)
 
 
 async def _wait_until(predicate, timeout_s: float = 10.0, what: str = "condition") -> None:
@@ -60,7 +63,7 @@ async def test_unproven_hellos_hold_no_thread_or_slot_while_a_real_writer_connec
     """Before: 2,000 unauthenticated hellos held open took all 256 connections (and a thread
     each), and a new prefill lane was refused. Bounded: 300 against a limit of 32."""
     config = TransportConfig(max_connections=32, handshake_timeout_s=1.0)
-    async with TcpTransport(config) as rx, TcpTransport(TransportConfig()) as tx:
+    async with TcpTransport(config) as rx, TcpTransport(TCP_ONLY) as tx:
         pool = Pool(rx, tx)
         threads = _threads()
         counts = {"hello": 300}
@@ -177,7 +180,7 @@ async def test_hostile_load_leaves_normal_writes_served() -> None:
     receiver's connections, and the writer was refused. The attack comes from another address
     than the writer's: the rogue member's bad keys get its source blocked (issue 40)."""
     config = TransportConfig(max_connections=48, stall_timeout_s=1.0, handshake_timeout_s=1.0)
-    async with TcpTransport(config) as rx, TcpTransport(TransportConfig()) as tx:
+    async with TcpTransport(config) as rx, TcpTransport(TCP_ONLY) as tx:
         pool = Pool(rx, tx)
         secret = tcp_secret(rx.descriptor())
         counts = {"hello": 200, "badkey": 20, "stall": 20}
@@ -233,7 +236,7 @@ async def test_handshakes_of_an_honest_writer_complete_under_a_connection_flood(
     (four lanes each) and writes. Before: some of its handshakes were reset, and the endpoint
     reported its peer unreachable."""
     config = TransportConfig(max_pending_handshakes=32, tcp_lanes=4)
-    async with TcpTransport(config) as rx, TcpTransport(TransportConfig(tcp_lanes=4)) as tx:
+    async with TcpTransport(config) as rx, TcpTransport(replace(TCP_ONLY, tcp_lanes=4)) as tx:
         pool = Pool(rx, tx)
         flooders = [
             await asyncio.create_subprocess_exec(
@@ -282,7 +285,7 @@ async def test_key_guesses_from_fresh_endpoints_are_bounded_per_source() -> None
     max_refusals of its own), 16.7k guesses a second. Now each refusal spends its source's
     budget; a spent source's connections are reset at accept. Another address writes on."""
     config = TransportConfig(max_refusals_per_source=8, source_block_s=30.0)
-    async with TcpTransport(config) as rx, TcpTransport(TransportConfig()) as tx:
+    async with TcpTransport(config) as rx, TcpTransport(TCP_ONLY) as tx:
         pool = Pool(rx, tx)
         secret = tcp_secret(rx.descriptor())
         guesses = [
