@@ -9,6 +9,8 @@ The mesh test (kill -9 of a router under load) is tests/test_mesh_member_deaths.
 
 from __future__ import annotations
 
+import time
+
 import msgspec
 import pytest
 from kvmesh.services.kv_registry.core import Candidate, RegistryState
@@ -126,6 +128,10 @@ async def test_prefill_refuses_a_job_of_a_gone_router(tiny):
     assert result.done.rkey == 7 and result.done.num_writes == 0  # the decode worker frees
     other = await worker.prefill(msgspec.structs.replace(job, request_id="r2", router="rt2"))
     assert other is not None and "router is gone" not in other.done.error  # refused otherwise
+    # queued after the announcement: its router lives (it was counted gone while cut off)
+    later = msgspec.structs.replace(job, request_id="r3", enqueued_at=time.time() + 1)
+    result = await worker.prefill(later)
+    assert result is not None and "router is gone" not in result.done.error
 
 
 def test_a_router_heartbeating_slower_than_the_registry_is_not_dropped_between_beats():

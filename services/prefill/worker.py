@@ -47,7 +47,6 @@ from kvmesh.shared.bus.protocol import (
     PrefillReport,
     PrefillStarted,
 )
-from kvmesh.shared.bus.recent_ids import RecentIds
 from kvmesh.shared.engine.grammar_compile import AwaitedCompiles
 from kvmesh.shared.engine.llm_engine import LLMEngine
 from kvmesh.shared.engine.sequence import ChunkReady, RequestError
@@ -58,6 +57,9 @@ if TYPE_CHECKING:
     from kvmesh.services.prefill.tp_group import TPWrites
 
 log = logs.get_logger(__name__)
+
+# how long a gone router's queued jobs are refused (longer than any job waits in the queue)
+GONE_ROUTER_MEMORY_S = 600.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,7 +125,9 @@ class PrefillWorker:
         self._abort_memory_s = abort_memory_s
         self._jobs: dict[str, Job] = {}
         self._aborted: dict[str, float] = {}  # request id -> monotonic time of its Abort
-        self._gone_routers = RecentIds()  # routers the registry announced gone: their jobs die
+        # router instance -> when the registry announced it gone (unix time): its jobs queued
+        # before that die; a later one means it lives (it was counted gone while cut off)
+        self._gone_routers: dict[str, float] = {}
         self._chunks: list[ChunkReady] = []  # filled by on_chunk in the engine thread
         self._lock = lock or asyncio.Lock()
         self._wake = asyncio.Event()
@@ -210,7 +214,8 @@ class PrefillWorker:
             return None
         if self._aborted.pop(rid, None) is not None:
             return self._result(msg, None, f"aborted before prefill started on {self.worker_id}")
-        if msg.router and self._gone_routers.seen(msg.router, time.monotonic()):
+        gone_at = self._gone_routers.get(msg.router) if msg.router else None
+        if gone_at is not None and msg.enqueued_at <= gone_at:
             return self._result(msg, None, "its router is gone (nobody reads its tokens)")
         try:
             advert = await self.adverts.vouch(msg, self._advert_wait_s)
@@ -358,10 +363,15 @@ class PrefillWorker:
     async def on_router_gone(self, instance: str) -> int:
         """The registry announced the router ``instance`` gone: its jobs stop (as on an Abort:
         the decode worker gets a failed PrefillDone once no write is in flight, and frees the
-        blocks) and a job of it taken later is refused. Returns how many jobs stopped."""
+        blocks) and a job of it queued before now and taken later is refused. Returns how many
+        jobs stopped."""
         if not instance:
             return 0
-        self._gone_routers.add(instance, time.monotonic())
+        now = time.time()
+        self._gone_routers = {
+            r: at for r, at in self._gone_routers.items() if now - at < GONE_ROUTER_MEMORY_S
+        }
+        self._gone_routers[instance] = now
         doomed = [rid for rid, job in self._jobs.items() if job.msg.router == instance]
         for request_id in doomed:
             await self.abort(request_id, "its router is gone")
