@@ -22,7 +22,7 @@ from kvmesh.kernels.cpu_plans import (
 )
 from kvmesh.shared.kv.kv_int8 import GROUP as INT8_GROUP
 from kvmesh.shared.kv.kv_quant import e4m3_lut
-from kvmesh.shared.model.quant import FORMAT_CODES, QuantWeight, block_terms, dequantize
+from kvmesh.shared.model.quant import QuantWeight, block_terms, dequantize
 
 _i64, _f32, _ptr, _int = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
 _SIGNATURES = {
@@ -77,6 +77,10 @@ class CpuOps:
         self._decode_layer = lib.kv_decode_layer
         self._decode_layer_quant = lib.kv_decode_layer_quant
         self._qlinear = lib.kv_qlinear
+        lib.kv_quant_pairs.argtypes, lib.kv_quant_pairs.restype = (), _i64
+        # whether the kernels read Q4 weights in the paired layout (quant.pair_blocks; the
+        # VNNI build): attach_cpu_ops repacks the layers' Q4 weights then
+        self.quant_pairs = bool(lib.kv_quant_pairs())
 
     def quant_linear(
         self, x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = None
@@ -97,7 +101,7 @@ class CpuOps:
             x.data_ptr(),
             m,
             k,
-            FORMAT_CODES[weight.format],
+            weight.code,
             weight.data.data_ptr(),
             weight.rows,
             None if bias is None else bias.data_ptr(),

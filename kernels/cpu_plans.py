@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
-from kvmesh.shared.model.quant import FORMAT_CODES, QuantWeight
+from kvmesh.shared.model.quant import QuantWeight
 
 if TYPE_CHECKING:
     from kvmesh.shared.model.attention import TreeRows
@@ -169,7 +169,7 @@ class QuantDecodeLayerWeights:
             if bias is not None:
                 check_f32_contiguous(**{f"{name} bias": bias})
                 assert bias.shape == (n,), (name, bias.shape)
-        codes = [FORMAT_CODES[weight.format] for _, weight, _, _, _ in linears]
+        codes = [weight.code for _, weight, _, _, _ in linears]
         object.__setattr__(self, "formats", torch.tensor(codes, dtype=torch.int64))
 
     @property

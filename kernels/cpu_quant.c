@@ -19,6 +19,14 @@
  * for pair p of blocks, xs[p * 32 + 0 .. 16) the dx of blocks 2p (lanes 0-7) and 2p + 1 (8-15),
  * xs[p * 32 + 16 .. 32) their dx sum(qx) / 8; zero for a missing last block.
  *
+ * Paired Q4 layout (KV_PAIRED | format; shared/model/quant.py's pair_blocks, made at load where
+ * the VNNI path is built, kv_quant_pairs()): each pair of blocks 2p, 2p + 1 of a row (A, B) is
+ * stored as its scales dA, dB (and mA, mB for Q4_1), then 32 bytes whose byte j holds A's value
+ * j in its low nibble and B's value j in its high one; a last unpaired block stays as it was.
+ * The same bytes per row; one 32-byte load, two masks and one insert give the 64 values in x's
+ * order, where the GGUF layout takes two loads, an insert and a cross-lane shuffle. The values
+ * and scales are the same, so the results are bit for bit those of the GGUF layout.
+ *
  * Threads split the output features: thread t of nt computes columns [n t / nt, n (t + 1) / nt)
  * of y for every row of x, reading its share of the weight once per block of x rows.
  */
@@ -43,10 +51,20 @@ static inline int omp_get_num_threads(void) { return 1; }
 #define QB 32       /* values per block */
 #define XMB 64      /* rows of x per cache block: its int8 rows stay in L2 while weights pass */
 enum { KV_Q8_0 = 0, KV_Q4_0 = 1, KV_Q4_1 = 2 }; /* FORMAT_CODES of shared/model/quant.py */
+#define KV_PAIRED 16 /* or-ed into a Q4 format code: the paired layout (PAIRED_FLAG) */
 
 static const int64_t block_bytes[3] = {34, 18, 20};
 
 int64_t qk_scale_stride(int64_t k) { return (k / QB + 1) / 2 * 32; }
+
+/* 1 where the kernels read the paired Q4 layout (the VNNI build), 0 where they do not */
+int64_t kv_quant_pairs(void) {
+#ifdef QK_VNNI
+    return 1;
+#else
+    return 0;
+#endif
+}
 
 static __attribute__((unused)) float f16_to_f32(const uint8_t *p) {
     uint16_t h;
@@ -104,9 +122,25 @@ void kv_quantize_rows(const float *x, int64_t r0, int64_t r1, int64_t k, int8_t 
 #ifdef QK_VNNI
 /* The pair of blocks p of one weight row as 64 bytes in the order of x's values, and its scales:
  * dw (and mw for Q4_1) of block 2p in lanes 0-7, of 2p + 1 in lanes 8-15. has_b: 2p + 1 exists. */
-static inline __attribute__((always_inline)) __m512i load_pair(int fmt, const uint8_t *a,
-                                                              int has_b, __m512 *dw, __m512 *mw) {
+static inline __attribute__((always_inline)) __m512i load_pair(int fmt, int paired,
+                                                              const uint8_t *a, int has_b,
+                                                              __m512 *dw, __m512 *mw) {
     const int64_t bb = block_bytes[fmt];
+    if (paired && has_b) { /* dA dB (mA mB), then A | B << 4 */
+        uint64_t s8 = 0;
+        memcpy(&s8, a, fmt == KV_Q4_1 ? 8 : 4);
+        const __m512i pidx = _mm512_set_epi16(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2, 1, 1,
+                                              1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+        __m512i halves = _mm512_permutexvar_epi16(
+            pidx, _mm512_castsi128_si512(_mm_cvtsi64_si128((long long)s8)));
+        *dw = _mm512_cvtph_ps(_mm512_castsi512_si256(halves));
+        if (fmt == KV_Q4_1) *mw = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(halves, 1));
+        __m256i ab = _mm256_loadu_si256((const __m256i *)(a + (fmt == KV_Q4_1 ? 8 : 4)));
+        const __m256i low = _mm256_set1_epi8(0x0f);
+        __m256i lo = _mm256_and_si256(ab, low);
+        __m256i hi = _mm256_and_si256(_mm256_srli_epi16(ab, 4), low);
+        return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+    }
     const uint8_t *b = a + bb;
     uint32_t sa, sb = 0;
     memcpy(&sa, a, 4);
@@ -135,7 +169,7 @@ static inline __attribute__((always_inline)) __m512i load_pair(int fmt, const ui
 }
 
 /* out[r][c] = row r of x (R rows, R <= 4) . weight row c (C rows, C <= 4), before bias */
-static inline __attribute__((always_inline)) void qtile(int fmt, const int8_t *xq,
+static inline __attribute__((always_inline)) void qtile(int fmt, int paired, const int8_t *xq,
                                                        const float *xs, int64_t k,
                                                        const uint8_t *w, int64_t rb, int R,
                                                        int C, float out[4][4]) {
@@ -149,7 +183,7 @@ static inline __attribute__((always_inline)) void qtile(int fmt, const int8_t *x
         __m512 dw[4], mw[4];
         __mmask64 neg[4];
         for (int c = 0; c < C; c++) {
-            wv[c] = load_pair(fmt, w + c * rb + 2 * p * bb, has_b, &dw[c], &mw[c]);
+            wv[c] = load_pair(fmt, paired, w + c * rb + 2 * p * bb, has_b, &dw[c], &mw[c]);
             if (fmt == KV_Q8_0) {
                 neg[c] = _mm512_movepi8_mask(wv[c]);
                 wv[c] = _mm512_abs_epi8(wv[c]);
@@ -178,8 +212,9 @@ static inline __attribute__((always_inline)) void qtile(int fmt, const int8_t *x
         for (int c = 0; c < C; c++) out[r][c] = _mm512_reduce_add_ps(acc[r][c]);
 }
 #else
-/* The scalar definition: integer sums per block, then the block's float terms. */
-static inline void qtile(int fmt, const int8_t *xq, const float *xs, int64_t k, const uint8_t *w,
+/* The scalar definition: integer sums per block, then the block's float terms (GGUF layout only:
+ * kv_quant_pairs() is 0 here, so no weight is paired for this build). */
+static inline void qtile(int fmt, int paired, const int8_t *xq, const float *xs, int64_t k, const uint8_t *w,
                          int64_t rb, int R, int C, float out[4][4]) {
     const int64_t nb = k / QB, xss = qk_scale_stride(k), bb = block_bytes[fmt];
     for (int r = 0; r < R; r++)
@@ -222,26 +257,26 @@ static inline __attribute__((always_inline)) void store_tile(float out[4][4], in
 }
 
 /* R rows of x against weight rows [c0, c1): C_MAIN at a time, then one by one */
-#define QK_ROWS(FMT, R, C_MAIN)                                                                    \
+#define QK_ROWS(FMT, PAIRED, R, C_MAIN)                                                               \
     do {                                                                                           \
         float out[4][4];                                                                           \
         int64_t c = c0;                                                                            \
         for (; c + C_MAIN <= c1; c += C_MAIN) {                                                    \
-            qtile(FMT, xq, xs, k, w + c * rb, rb, R, C_MAIN, out);                                 \
+            qtile(FMT, PAIRED, xq, xs, k, w + c * rb, rb, R, C_MAIN, out);                         \
             store_tile(out, R, C_MAIN, bias ? bias + c : NULL, y + c, n, accumulate);              \
         }                                                                                          \
         for (; c < c1; c++) {                                                                      \
-            qtile(FMT, xq, xs, k, w + c * rb, rb, R, 1, out);                                      \
+            qtile(FMT, PAIRED, xq, xs, k, w + c * rb, rb, R, 1, out);                              \
             store_tile(out, R, 1, bias ? bias + c : NULL, y + c, n, accumulate);                   \
         }                                                                                          \
     } while (0)
 
-#define QK_FORMAT_BODY(FMT)                                                                        \
+#define QK_FORMAT_BODY(FMT, PAIRED)                                                                 \
     switch (R) {                                                                                   \
-    case 4: QK_ROWS(FMT, 4, 2); break;                                                             \
-    case 3: QK_ROWS(FMT, 3, 2); break;                                                             \
-    case 2: QK_ROWS(FMT, 2, 4); break;                                                             \
-    default: QK_ROWS(FMT, 1, 4); break;                                                            \
+    case 4: QK_ROWS(FMT, PAIRED, 4, 2); break;                                                     \
+    case 3: QK_ROWS(FMT, PAIRED, 3, 2); break;                                                     \
+    case 2: QK_ROWS(FMT, PAIRED, 2, 4); break;                                                     \
+    default: QK_ROWS(FMT, PAIRED, 1, 4); break;                                                    \
     }
 
 /* R (<= 4) rows of quantized x times weight rows [c0, c1) into y's columns [c0, c1) */
@@ -249,9 +284,15 @@ static void qk_rows(int fmt, const int8_t *xq, const float *xs, int R, int64_t k
                     const uint8_t *w, int64_t rb, int64_t c0, int64_t c1, const float *bias,
                     float *y, int64_t n, int accumulate) {
     switch (fmt) {
-    case KV_Q8_0: QK_FORMAT_BODY(KV_Q8_0) break;
-    case KV_Q4_0: QK_FORMAT_BODY(KV_Q4_0) break;
-    default: QK_FORMAT_BODY(KV_Q4_1) break;
+    case KV_Q8_0: QK_FORMAT_BODY(KV_Q8_0, 0) break;
+    case KV_Q4_0: QK_FORMAT_BODY(KV_Q4_0, 0) break;
+    case KV_Q4_1: QK_FORMAT_BODY(KV_Q4_1, 0) break;
+#ifdef QK_VNNI
+    case KV_Q4_0 | KV_PAIRED: QK_FORMAT_BODY(KV_Q4_0, 1) break;
+    default: QK_FORMAT_BODY(KV_Q4_1, 1) break;
+#else
+    default: break; /* no paired weight reaches this build (kv_quant_pairs) */
+#endif
     }
 }
 
@@ -261,7 +302,7 @@ static void qk_rows(int fmt, const int8_t *xq, const float *xs, int R, int64_t k
 void kv_qlinear_share(const int8_t *xq, const float *xs, int64_t m, int64_t k, int fmt,
                       const uint8_t *w, int64_t n, const float *bias, float *y, int64_t t,
                       int64_t nt, int accumulate) {
-    const int64_t rb = k / QB * block_bytes[fmt], xss = qk_scale_stride(k);
+    const int64_t rb = k / QB * block_bytes[fmt & ~KV_PAIRED], xss = qk_scale_stride(k);
     const int64_t c0 = n * t / nt, c1 = n * (t + 1) / nt;
     for (int64_t r0 = 0; r0 < m; r0 += XMB) {
         int64_t r1 = m - r0 < XMB ? m : r0 + XMB;

@@ -100,7 +100,9 @@ def test_quant_decode_layer_is_attached_only_where_every_linear_is_stored(ops):
     stored, _ = _quant_models(config, ("Q4_1",) * 4)
     attach_cpu_ops(stored, ops)
     assert all(isinstance(lay.decode_weights, QuantDecodeLayerWeights) for lay in stored.layers)
-    assert stored.layers[0].decode_weights.formats.tolist() == [2, 2, 2, 2]
+    # Q4_1 (2), in the paired layout (+ 16) where the kernels read it
+    code = 2 | (16 if ops.quant_pairs else 0)
+    assert stored.layers[0].decode_weights.formats.tolist() == [code] * 4
     # one float32 linear layer among stored ones: that block runs module by module
     half, _ = _quant_models(config, ("Q4_1",) * 4)
     layer = half.layers[1].feed_forward

@@ -148,3 +148,18 @@ def test_residual_pass_reads_the_weight_once_for_both_terms() -> None:
     residual = (x - (qx * dx.unsqueeze(-1)).reshape(x.shape)).contiguous()
     two_calls = ops.quant_linear(x, weight) + ops.quant_linear(residual, weight)
     assert torch.equal(residual_quant_linear(ops, x, weight), two_calls)
+
+
+@pytest.mark.parametrize("format", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize(("m", "k"), [(1, 576), (3, 96), (8, 160)])
+def test_paired_layout_gives_the_gguf_layouts_result_bit_for_bit(format, m, k) -> None:
+    """The VNNI build reads Q4 weights repacked in pairs of blocks (quant.pair_blocks): the same
+    values into the same lanes, so the same floats exactly."""
+    from kvmesh.shared.model.quant import pair_blocks
+
+    if not ops.quant_pairs:
+        pytest.skip("this build reads the GGUF layout only (no AVX-512 VNNI)")
+    x, w, b = _case(m, k, 70, format, seed=m + k, bias=True)
+    paired = pair_blocks(w)
+    assert paired.code == FORMAT_CODES[format] | 16
+    assert torch.equal(ops.quant_linear(x, paired, b), ops.quant_linear(x, w, b))

@@ -60,3 +60,27 @@ def test_rows_select_and_concatenate_as_bytes() -> None:
 def test_quant_weight_refuses_a_shape_its_bytes_do_not_hold() -> None:
     with pytest.raises(AssertionError):
         QuantWeight("Q8_0", torch.zeros(4, 33, dtype=torch.uint8), 4, 32)
+
+
+@pytest.mark.parametrize("format", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("cols", [64, 96])  # an even and an odd number of blocks
+def test_paired_layout_holds_the_same_values_in_the_same_bytes(format: str, cols: int) -> None:
+    from kvmesh.shared.model.quant import BLOCK_BYTES, pair_blocks, unpair_blocks
+
+    weight = quantize(torch.randn(5, cols, generator=torch.Generator().manual_seed(cols)), format)
+    paired = pair_blocks(weight)
+    assert paired.paired and paired.data.shape == weight.data.shape
+    assert not torch.equal(paired.data, weight.data)
+    assert torch.equal(unpair_blocks(paired).data, weight.data)
+    assert torch.equal(dequantize(paired), dequantize(weight))
+    # the first pair of row 0: dA, dB (mA, mB), then A's value j | B's value j << 4
+    head = 4 if format == "Q4_1" else 2
+    bb = BLOCK_BYTES[format]
+    a, b = weight.data[0, :bb], weight.data[0, bb : 2 * bb]
+    scales = [a[:2], b[:2]] + ([a[2:4], b[2:4]] if head == 4 else [])
+    nibbles = [torch.cat([q & 15, q >> 4]) for q in (a[head:], b[head:])]
+    expected = torch.cat([*scales, nibbles[0] | (nibbles[1] << 4)])
+    assert torch.equal(paired.data[0, : 2 * bb], expected)
+    if cols == 96:  # the last unpaired block as it was
+        assert torch.equal(paired.data[:, 2 * bb :], weight.data[:, 2 * bb :])
+    assert pair_blocks(quantize(torch.randn(2, 64), "Q8_0")).paired is False

@@ -25,6 +25,7 @@ from kvmesh.kernels.cpu_ops import (
 from kvmesh.shared.kv.kv_cache import KVCacheSpec, KVPool
 from kvmesh.shared.model.attention import AttentionMetadata, paged_attention
 from kvmesh.shared.model.config import ModelConfig
+from kvmesh.shared.model.quant import pair_blocks, unpair_blocks
 from kvmesh.shared.model.quant_layers import QuantEmbedding, QuantLinear
 from kvmesh.shared.model.rope import apply_rope, rope_cos_sin, rotation_tables
 from torch import nn
@@ -350,7 +351,9 @@ def attach_cpu_ops(model: Transformer, ops: CpuOps | None) -> None:
 
     Float32 linear layers also get a packed copy of their weight (``pack_linear_weight``; as much
     memory again as the layers' weights) for decode-sized batches: attach after the weights are
-    final, a later ``load_state_dict`` does not reach the copy."""
+    final, a later ``load_state_dict`` does not reach the copy. The layers' Q4 weights kept as
+    stored are rewritten in place in the kernels' paired layout where ``ops`` reads it
+    (``quant.pair_blocks``: the same bytes, the same values, faster to unpack)."""
     for module in model.modules():
         if isinstance(module, (RMSNorm, Attention, FeedForward)):
             module.cpu_ops = ops
@@ -363,6 +366,10 @@ def attach_cpu_ops(model: Transformer, ops: CpuOps | None) -> None:
             module.packed = pack_linear_weight(module.weight.detach()) if is_packable else None
     for module in model.modules():
         if isinstance(module, TransformerBlock):
+            for linear in module.modules():  # Q4 in the layout ops reads (paired: faster)
+                if isinstance(linear, QuantLinear) and linear.cpu_ops is not None:
+                    layout = pair_blocks if linear.cpu_ops.quant_pairs else unpair_blocks
+                    linear.qweight = layout(linear.qweight)
             module.cpu_ops = ops
             module.decode_weights = None if ops is None else _decode_layer_weights(module)
 

@@ -11,6 +11,11 @@ where byte j of the nibbles holds value j in its low nibble and value j + 16 in 
 (llama.cpp's ggml-quants.c). A row of ``cols`` values is ``cols / 32`` blocks back to back, so a
 (rows, cols) weight is a (rows, cols / 32 * block bytes) uint8 matrix: rows can be sliced,
 permuted and concatenated as bytes.
+
+``pair_blocks`` rewrites a Q4 weight's rows in the layout the VNNI kernels read fastest
+(``paired``): each pair of blocks A, B as dA, dB (mA, mB for Q4_1), then 32 bytes, byte j
+holding A's value j in its low nibble and B's value j in its high one; a last unpaired block
+stays as it was. The same bytes per row and the same values: ``dequantize`` reads both.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from kvmesh.shared.model.quant_formats import (  # noqa: F401  (re-exported)
     BLOCK_BYTES,
     CHECKPOINT_KEY,
     FORMAT_CODES,
+    PAIRED_FLAG,
     QUANT_FORMATS,
     row_bytes,
 )
@@ -30,12 +36,14 @@ from kvmesh.shared.model.quant_formats import (  # noqa: F401  (re-exported)
 
 @dataclass(frozen=True, slots=True)
 class QuantWeight:
-    """A (rows, cols) weight as stored: ``data`` (rows, cols / 32 * block bytes) uint8."""
+    """A (rows, cols) weight as stored: ``data`` (rows, cols / 32 * block bytes) uint8, in the
+    GGUF layout or (``paired``, Q4 only) the kernels' paired one (``pair_blocks``)."""
 
     format: str
     data: torch.Tensor
     rows: int
     cols: int
+    paired: bool = False
 
     def __post_init__(self) -> None:
         assert self.format in BLOCK_BYTES, f"unknown quantized format {self.format!r}"
@@ -47,6 +55,12 @@ class QuantWeight:
             self.rows,
             self.cols,
         )
+        assert not self.paired or self.format != "Q8_0", "Q8_0 has no paired layout"
+
+    @property
+    def code(self) -> int:
+        """The kernels' format code (``FORMAT_CODES``, with ``PAIRED_FLAG`` where paired)."""
+        return FORMAT_CODES[self.format] | (PAIRED_FLAG if self.paired else 0)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -58,20 +72,21 @@ class QuantWeight:
 
     def select_rows(self, index: torch.Tensor) -> QuantWeight:
         """The rows ``index`` (1-D int64), as a new QuantWeight."""
-        return QuantWeight(self.format, self.data.index_select(0, index), index.numel(), self.cols)
+        data = self.data.index_select(0, index)
+        return QuantWeight(self.format, data, index.numel(), self.cols, self.paired)
 
     def to(self, device: torch.device | str) -> QuantWeight:
-        return QuantWeight(self.format, self.data.to(device), self.rows, self.cols)
+        return QuantWeight(self.format, self.data.to(device), self.rows, self.cols, self.paired)
 
 
 def cat_rows(weights: list[QuantWeight]) -> QuantWeight:
     """Weights of one format and width stacked along rows (q, k, v into one projection)."""
     first = weights[0]
-    assert all(w.format == first.format and w.cols == first.cols for w in weights), [
-        (w.format, w.cols) for w in weights
-    ]
+    assert all(
+        (w.format, w.cols, w.paired) == (first.format, first.cols, first.paired) for w in weights
+    ), [(w.format, w.cols, w.paired) for w in weights]
     data = torch.cat([w.data for w in weights], dim=0)
-    return QuantWeight(first.format, data, data.shape[0], first.cols)
+    return QuantWeight(first.format, data, data.shape[0], first.cols, first.paired)
 
 
 def _f16(blocks: torch.Tensor, offset: int) -> torch.Tensor:
@@ -84,8 +99,47 @@ def _nibbles(qs: torch.Tensor) -> torch.Tensor:
     return torch.cat([qs & 0x0F, qs >> 4], dim=-1)
 
 
+def _pair_view(weight: QuantWeight) -> tuple[torch.Tensor, int]:
+    """The rows' whole pairs of blocks (rows, pairs, 2 * block bytes), and the number of pairs."""
+    bb = BLOCK_BYTES[weight.format]
+    pairs = weight.cols // BLOCK // 2
+    return weight.data[:, : pairs * 2 * bb].reshape(weight.rows, pairs, 2 * bb), pairs
+
+
+def pair_blocks(weight: QuantWeight) -> QuantWeight:
+    """A Q4 weight in the paired layout (the module docstring); any other is returned as is."""
+    if weight.paired or weight.format == "Q8_0":
+        return weight
+    head = 4 if weight.format == "Q4_1" else 2  # scale bytes of a block
+    view, _ = _pair_view(weight)
+    a, b = view[..., : view.shape[-1] // 2], view[..., view.shape[-1] // 2 :]
+    scales = [a[..., :2], b[..., :2]] + ([a[..., 2:4], b[..., 2:4]] if head == 4 else [])
+    values = _nibbles(a[..., head:]) | (_nibbles(b[..., head:]) << 4)
+    data = weight.data.clone()
+    data[:, : view.shape[1] * view.shape[2]] = torch.cat([*scales, values], -1).flatten(1)
+    return QuantWeight(weight.format, data, weight.rows, weight.cols, paired=True)
+
+
+def unpair_blocks(weight: QuantWeight) -> QuantWeight:
+    """A weight in the GGUF layout (the inverse of ``pair_blocks``)."""
+    if not weight.paired:
+        return weight
+    head = 4 if weight.format == "Q4_1" else 2
+    view, _ = _pair_view(weight)
+    values = view[..., 2 * head :]
+    low, high = values & 0x0F, values >> 4  # A's 32 values, B's
+    s = view[..., : 2 * head]
+    a_scales = [s[..., 0:2]] + ([s[..., 4:6]] if head == 4 else [])
+    b_scales = [s[..., 2:4]] + ([s[..., 6:8]] if head == 4 else [])
+    blocks = [*a_scales, _pack_nibbles(low), *b_scales, _pack_nibbles(high)]
+    data = weight.data.clone()
+    data[:, : view.shape[1] * view.shape[2]] = torch.cat(blocks, -1).flatten(1)
+    return QuantWeight(weight.format, data, weight.rows, weight.cols)
+
+
 def dequantize(weight: QuantWeight) -> torch.Tensor:
     """The weight as a float32 (rows, cols) tensor, as ggml dequantizes it."""
+    weight = unpair_blocks(weight)
     blocks = weight.data.view(weight.rows, weight.cols // BLOCK, BLOCK_BYTES[weight.format])
     d = _f16(blocks, 0)
     if weight.format == "Q8_0":
@@ -101,6 +155,7 @@ def block_terms(weight: QuantWeight) -> tuple[torch.Tensor, torch.Tensor, torch.
     """(q, d, m) with value = d * q + m per block: q (rows, blocks, 32) the stored integers as
     float32 (int8 for Q8_0, nibbles 0..15 for Q4), d and m (rows, blocks) (Q8_0: m = 0; Q4_0:
     m = -8 d). The C kernels multiply q by the activations' integers and add the d, m terms."""
+    weight = unpair_blocks(weight)
     blocks = weight.data.view(weight.rows, weight.cols // BLOCK, BLOCK_BYTES[weight.format])
     d = _f16(blocks, 0)
     if weight.format == "Q8_0":

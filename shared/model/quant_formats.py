@@ -13,6 +13,8 @@ QUANT_FORMATS = tuple(BLOCK_BYTES)
 CHECKPOINT_KEY = "kvmesh.quant_formats"
 # format codes the C kernels take (kernels/cpu_quant.c: KV_Q8_0, KV_Q4_0, KV_Q4_1)
 FORMAT_CODES = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2}
+# or-ed into a Q4 format code: the weight is in the kernels' paired layout (quant.pair_blocks)
+PAIRED_FLAG = 16
 
 
 def row_bytes(format: str, cols: int) -> int:
