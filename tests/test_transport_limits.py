@@ -173,7 +173,7 @@ def test_admin_status_shows_each_decode_workers_refused_accesses():
 
     core = RegistryState(worker_timeout_s=3.0)
     advert = DecodeAdvert(
-        "d0", "disagg", None, 0, 1024, 16, "spec", 8, 8, ((0, 8),), 0, 0, "ready", 0.0,
+        "d0", "disagg", None, 1024, 16, "spec", 8, 8, ((0, 8),), 0, 0, "ready", 0.0,
         refused_accesses=3, stray_immediates=2,
     )  # fmt: skip
     core.observe_advert(advert, now=1.0)
