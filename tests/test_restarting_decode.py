@@ -89,3 +89,14 @@ def test_no_decode_alive_waits_for_one_heard_lately_or_starting_and_fails_after(
     error = stop_waiting_for_room(overloaded, no_decode_alive=True, **waiting)
     assert isinstance(error, ServiceUnavailableError)
     assert "no decode worker is alive" in error.message
+
+
+def test_the_pool_remembers_a_bounded_number_of_gone_workers():
+    from kvmesh.services.router.worker_pool import MAX_GONE
+
+    pool = WorkerPool(liveness_s=3.0, started_at=0.0)
+    for i in range(MAX_GONE + 5):
+        pool.on_heartbeat(f"d{i}", "ready", float(i))
+        pool.on_gone(f"d{i}")
+    assert len(pool._gone) == MAX_GONE and "d0" not in pool._gone
+    assert pool.seen_within(MAX_GONE + 4.5, 1.0)  # the newest are kept

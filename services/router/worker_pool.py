@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from kvmesh.shared.bus.hearing import Hearing
 
+MAX_GONE = 1024  # workers announced gone whose last heartbeat is remembered
+
 
 class WorkerPool:
     def __init__(
@@ -36,7 +38,10 @@ class WorkerPool:
     def on_gone(self, worker_id: str) -> None:
         seen = self._seen.pop(worker_id, None)
         if seen is not None:
+            self._gone.pop(worker_id, None)
             self._gone[worker_id] = seen[0]
+            if len(self._gone) > MAX_GONE:  # bounded: the oldest go first
+                del self._gone[next(iter(self._gone))]
 
     def is_known(self, now: float) -> bool:
         """Whether the router has listened long enough to have heard every live worker."""
