@@ -167,11 +167,11 @@ static void rope_head(float *x, const float *cos, const float *sin, int64_t d) {
 typedef float vn __attribute__((vector_size(NL * sizeof(float))));
 typedef int32_t vni __attribute__((vector_size(NL * sizeof(int32_t))));
 KV_VECTOR_IO(vn, loadn, storen)
-/* x in every lane, one broadcast ((vn){0} + x would add zero first, a dependent add) */
+/* x in every lane, one broadcast ((vn){0} + x would add zero first, a dependent add; a loop
+ * over the lanes compiled to one masked broadcast per lane, 16 a splat on AVX-512) */
 static inline vn splatn(float x) {
-    vn v;
-    for (int i = 0; i < NL; i++) v[i] = x;
-    return v;
+    vn v = {x};
+    return __builtin_shuffle(v, (vni){0});
 }
 
 /* Lane j of the result: the sum of the lanes of v[BITREVN[j]] (see hsum16). */
@@ -223,7 +223,10 @@ static inline __attribute__((always_inline)) void weigh_values(
         int64_t n = ctx - j0 < block_size ? ctx - j0 : block_size;
         if (j0 + AHEAD * block_size < ctx && j0 + AHEAD * block_size < tail_from) {
             const float *next = v_cache + table[j0 / block_size + AHEAD] * block_stride + i0;
-            for (int64_t j = 0; j < block_size; j++) __builtin_prefetch(next + j * d, 0, 3);
+            for (int64_t j = 0; j < block_size; j++) { /* the strip's 2 * NL floats: 2 lines */
+                __builtin_prefetch(next + j * d, 0, 3);
+                __builtin_prefetch(next + j * d + 2 * NL - 1, 0, 3);
+            }
         }
         for (int64_t j = 0; j < n; j++) {
             const float *vj = tile + j * d;
