@@ -368,8 +368,12 @@ def attach_cpu_ops(model: Transformer, ops: CpuOps | None) -> None:
         if isinstance(module, TransformerBlock):
             for linear in module.modules():  # Q4 in the layout ops reads (paired: faster)
                 if isinstance(linear, QuantLinear) and linear.cpu_ops is not None:
-                    layout = pair_blocks if linear.cpu_ops.quant_pairs else unpair_blocks
-                    linear.qweight = layout(linear.qweight)
+                    w = linear.qweight  # rewritten in place: no second copy stays resident
+                    linear.qweight = (
+                        pair_blocks(w, in_place=True)
+                        if linear.cpu_ops.quant_pairs
+                        else unpair_blocks(w)
+                    )
             module.cpu_ops = ops
             module.decode_weights = None if ops is None else _decode_layer_weights(module)
 

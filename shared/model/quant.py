@@ -103,20 +103,25 @@ def _pair_view(weight: QuantWeight) -> tuple[torch.Tensor, int]:
     """The rows' whole pairs of blocks (rows, pairs, 2 * block bytes), and the number of pairs."""
     bb = BLOCK_BYTES[weight.format]
     pairs = weight.cols // BLOCK // 2
-    return weight.data[:, : pairs * 2 * bb].reshape(weight.rows, pairs, 2 * bb), pairs
+    return weight.data[:, : pairs * 2 * bb].view(weight.rows, pairs, 2 * bb), pairs  # a view
 
 
-def pair_blocks(weight: QuantWeight) -> QuantWeight:
-    """A Q4 weight in the paired layout (the module docstring); any other is returned as is."""
+def pair_blocks(weight: QuantWeight, in_place: bool = False) -> QuantWeight:
+    """A Q4 weight in the paired layout (the module docstring); any other is returned as is.
+    ``in_place``: rewrite ``weight.data`` itself (no second copy stays resident; ``weight``
+    must not be used afterwards), one row at a time."""
     if weight.paired or weight.format == "Q8_0":
         return weight
     head = 4 if weight.format == "Q4_1" else 2  # scale bytes of a block
-    view, _ = _pair_view(weight)
-    a, b = view[..., : view.shape[-1] // 2], view[..., view.shape[-1] // 2 :]
-    scales = [a[..., :2], b[..., :2]] + ([a[..., 2:4], b[..., 2:4]] if head == 4 else [])
-    values = _nibbles(a[..., head:]) | (_nibbles(b[..., head:]) << 4)
-    data = weight.data.clone()
-    data[:, : view.shape[1] * view.shape[2]] = torch.cat([*scales, values], -1).flatten(1)
+    data = weight.data if in_place else weight.data.clone()
+    view, _ = _pair_view(QuantWeight(weight.format, data, weight.rows, weight.cols))
+    step = 256  # rows at a time: the temporaries stay small
+    for r in range(0, weight.rows, step):
+        rows = view[r : r + step]
+        a, b = rows[..., : rows.shape[-1] // 2], rows[..., rows.shape[-1] // 2 :]
+        scales = [a[..., :2], b[..., :2]] + ([a[..., 2:4], b[..., 2:4]] if head == 4 else [])
+        values = _nibbles(a[..., head:]) | (_nibbles(b[..., head:]) << 4)
+        rows.copy_(torch.cat([*scales, values], -1))
     return QuantWeight(weight.format, data, weight.rows, weight.cols, paired=True)
 
 
