@@ -65,7 +65,7 @@ async def _stream(session, url: str, prompt: list[int], first_token: asyncio.Eve
             return {"error": f"{resp.status}: {error['message']}", "ended": time.monotonic()}
         text, error, done = "", None, False
         async for line in resp.content:
-            if not line.strip():
+            if not line.strip() or line.startswith(b"id: "):  # a resumable stream's event ids
                 continue
             assert line.startswith(b"data: "), line
             payload = line[len(b"data: ") :].strip()

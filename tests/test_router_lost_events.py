@@ -32,7 +32,7 @@ async def router_on(nats_url: str, mesh: FakeMesh, **config):
 
 def _stream_text(raw: bytes) -> tuple[str, list[dict]]:
     """The streamed text, and the error events, of a completion stream ending in [DONE]."""
-    events = [e.removeprefix(b"data: ") for e in raw.strip().split(b"\n\n")]
+    events = [e.split(b"data: ", 1)[1] for e in raw.strip().split(b"\n\n")]  # after its id
     assert events[-1] == b"[DONE]", raw[-200:]
     chunks = [orjson.loads(e) for e in events[:-1]]
     errors = [c["error"] for c in chunks if "error" in c]

@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -185,7 +186,8 @@ def served_api(router: LiveRouter) -> Api:
 def sse_payloads(raw: bytes) -> list[bytes]:
     """The payloads of an SSE body, checking OpenAI's framing."""
     assert raw.endswith(b"\n\n"), raw[-80:]
-    events = raw[:-2].split(b"\n\n")
+    # a resumable stream's events carry an id line first (docs/faults.md)
+    events = [re.sub(rb"^id: [^\n]+\n", b"", e) for e in raw[:-2].split(b"\n\n")]
     assert all(e.startswith(b"data: ") and b"\n" not in e for e in events), raw[:400]
     return [e[len(b"data: ") :] for e in events]
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 
 import aiohttp
 import jsonschema
@@ -46,7 +47,8 @@ def _complete(http: aiohttp.ClientSession, prompt: str | list[int], **fields):
 def sse_payloads(raw: bytes) -> list[bytes]:
     """Split an SSE body into event payloads, checking the exact OpenAI framing."""
     assert raw.endswith(b"\n\n"), raw[-40:]
-    events = raw[:-2].split(b"\n\n")
+    # a resumable stream's events carry an id line first (docs/faults.md)
+    events = [re.sub(rb"^id: [^\n]+\n", b"", e) for e in raw[:-2].split(b"\n\n")]
     for event in events:
         assert event.startswith(b"data: "), event
         assert b"\n" not in event, event
@@ -230,7 +232,7 @@ async def test_client_disconnect_mid_stream_publishes_abort(nats_server):
         resp = await _complete(http, "hi", max_tokens=500, stream=True)
         assert resp.status == 200
         first = await resp.content.readuntil(b"\n\n")
-        assert first.startswith(b"data: ")
+        assert first.startswith(b"id: ") and b"\ndata: " in first
         resp.close()  # drop the connection mid-stream
         abort = await mesh.wait_for_abort()
     assert abort.request_id == mesh.places[0].request_id
@@ -437,11 +439,8 @@ async def test_decode_death_mid_stream_migrates_the_stream_without_a_gap(nats_se
         await _announce_gone(nats_server, "decode-fake")
         rest = await asyncio.wait_for(resp.content.read(), 10.0)
         retries = running.router.metrics.sample
-    chunks = [
-        orjson.loads(line[6:])
-        for line in (first + rest).split(b"\n\n")
-        if line.startswith(b"data: {")
-    ]
+    payloads = [e.split(b"data: ", 1)[1] for e in (first + rest).split(b"\n\n") if e]  # after ids
+    chunks = [orjson.loads(p) for p in payloads if p.startswith(b"{")]
     text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
     assert text == REPLY_TEXT[:30] and rest.endswith(b"data: [DONE]\n\n")  # no gap, no repeat
     original, migrated = mesh.places

@@ -146,3 +146,60 @@ def test_an_id_past_what_the_stream_made_is_refused():
     with pytest.raises(InvalidRequestError, match=r"names token 5 .* has made 2"):
         resume_events(replay, EventId(RID, 5, TOKENS), False, RID)
 
+
+# --- a gone router's streams: detached for the resume window -------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from kvmesh.shared.model.loader import load_model
+
+    return load_model("kvmesh-tiny")
+
+
+def _worker(tiny):
+    from kvmesh.services.decode.worker import DecodeWorker
+    from kvmesh.shared.engine.config import EngineConfig
+    from kvmesh.shared.engine.llm_engine import LLMEngine
+
+    now = [0.0]
+    engine = LLMEngine(*tiny, EngineConfig(num_blocks=64))
+    worker = DecodeWorker(
+        engine,
+        worker_id="d0",
+        base_addr=engine.kv_pool.base_addr,
+        clock=lambda: now[0],
+        resume_window_s=1.0,
+    )
+    return worker, now
+
+
+async def _streaming(worker, rid: str, router: str, events: list[TokenEvent]) -> None:
+    from kvmesh.shared.bus.protocol import ReserveRequest
+    from kvmesh.shared.text.sampling import SamplingOptions
+
+    opts = SamplingOptions(max_tokens=500, temperature=0.0, ignore_eos=True)
+    req = ReserveRequest(rid, (1, 2, 3, 4), opts, True, "L" + rid, 30_000, router=router)
+    assert (await worker.reserve(req)).ok
+    events += await worker.admit()
+    while not any(e.token_ids for e in events if e.request_id == rid):
+        events += await worker.step()
+
+
+async def test_a_gone_routers_stream_decodes_on_for_the_window_then_is_aborted(tiny):
+    worker, now = _worker(tiny)
+    events: list[TokenEvent] = []
+    await _streaming(worker, "kept", "rt1", events)
+    await _streaming(worker, "dropped", "rt1", events)
+    assert worker.on_router_gone("rt1") == [] and worker.num_detached == 2
+    worker.hand_over("kept", "rt2")  # a client resumed it through router rt2
+    events += await worker.step()
+    assert not any(e.finish_reason for e in events)  # both decode on within the window
+    now[0] = 1.0
+    events += worker.expire_detached()
+    for _ in range(3):
+        events += await worker.admit()
+        events += await worker.step()
+    ends = {e.request_id: e.finish_reason for e in events if e.finish_reason}
+    assert ends == {"dropped": "abort"}  # nobody resumed it; the resumed one goes on
+    assert worker.on_router_gone("rt2") == [] and worker.num_detached == 1  # rt2's now

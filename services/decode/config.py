@@ -72,6 +72,20 @@ class DecodeConfig(EngineWorkerConfig):
         "thread, off the event loop); past it the request fails and its spec is refused at once "
         "when sent again",
     )
+    resume_max_tokens: int = option(
+        4096,
+        help="tokens of each stream kept so that a client whose router died can resume it "
+        "through another (Last-Event-ID; docs/faults.md); a longer stream cannot be resumed",
+    )
+    resume_grace_s: float = option(
+        10.0, help="seconds a stream's tokens are kept for a resume after the stream ended"
+    )
+    resume_window_s: float | None = option(
+        None,
+        help="when the registry announces a router gone, its streaming sequences decode on "
+        "this many seconds for a client to resume them through another router, then are "
+        "aborted (default: one heartbeat_s; 0: at once; docs/faults.md)",
+    )
 
     speculative: bool = option(
         False,
@@ -96,6 +110,7 @@ class DecodeConfig(EngineWorkerConfig):
             "cache_events_interval_s",
             "cache_digest_interval_s",
             "grammar_compile_timeout_s",
+            "resume_max_tokens",
         )
         check_at_least(
             self,
@@ -104,7 +119,10 @@ class DecodeConfig(EngineWorkerConfig):
             "reserve_output_tokens",
             "min_step_interval_ms",
             "max_num_batched_tokens_no_decode",
+            "resume_grace_s",
         )
+        if self.resume_window_s is not None and self.resume_window_s < 0:
+            raise ValueError(f"resume_window_s must be >= 0, got {self.resume_window_s}")
         if self.num_blocks is not None and self.num_blocks > MAX_SLOTS:
             raise ValueError(
                 f"num_blocks must be in [1, {MAX_SLOTS}] (immediates name a request by "

@@ -30,6 +30,8 @@ from kvmesh.services.decode.load import DecodeReach, WorkerLoad
 from kvmesh.services.decode.metrics import DecodeMetrics
 from kvmesh.services.decode.speculation import Speculation
 from kvmesh.services.decode.store_puts import FinishedPuts
+from kvmesh.services.decode.stream_handover import StreamHandover
+from kvmesh.services.decode.stream_log import StreamLog
 from kvmesh.services.decode.windows import LeaseWindows
 from kvmesh.services.decode.worker import DecodeWorker
 from kvmesh.shared.bus.hearing import Hearing
@@ -54,6 +56,7 @@ from kvmesh.shared.bus.protocol import (
     PrefillStarted,
     ReserveRequest,
     StoreAdvert,
+    StreamResume,
     TokenEvent,
     WorkerGone,
     WorkerHeartbeat,
@@ -113,6 +116,13 @@ class DecodeService:
         # and stop borrowing on it, not a heartbeat later
         self.load_turned = asyncio.Event()
         self.metrics_port: int | None = None  # bound by decode_service (None: no endpoint)
+        # every stream's recent tokens, for a client that resumes it through another router
+        self.handover = StreamHandover(
+            nc,
+            config.subjects,
+            worker.worker_id,
+            StreamLog(max_tokens=config.resume_max_tokens, grace_s=config.resume_grace_s),
+        )
 
     async def load(self) -> WorkerLoad:
         self.last_load = await self.worker.load()
@@ -197,9 +207,33 @@ class DecodeService:
 
     async def _publish_tokens(self, events: list[TokenEvent]) -> None:
         for event in events:
+            self.handover.record(event, self._prompt_of)  # first: a replay has what went out
             await self.nc.publish(
                 self.config.subjects.request_tokens(event.request_id), encode_message(event)
             )
+
+    def _prompt_of(self, request_id: str) -> tuple[int, ...]:
+        seq = self.worker.engine.seqs.get(request_id)
+        return tuple(seq.prompt_ids) if seq is not None else ()
+
+    async def on_stream_resume(self, req: Request) -> None:
+        """A router takes over a stream whose client resumes it there (stream_handover.py)."""
+        try:
+            body = decode_message(req.data, StreamResume)
+        except MessageError as exc:
+            await req.respond_error("400", str(exc))
+            return
+        with logs.request_context(body.wire_id):
+            replay = self.handover.replay(body)
+            if replay.error:
+                log.info("stream not resumed", error=replay.error)
+            else:  # the new router's from now on: its old router's death does not abort it
+                self.worker.hand_over(body.wire_id, body.router)
+                log.info("stream resumed by another router", events=len(replay.events))
+            try:
+                await req.respond(encode_message(replay))
+            except nats.errors.Error as exc:  # the router gave up: its client asks again
+                log.warning("stream replay not sent", error=str(exc))
 
     async def _publish_drafts(self) -> None:
         """Send what the last step queued for the draft service (nothing waits for it)."""
@@ -268,6 +302,8 @@ class DecodeService:
                     await self.nc.publish(self.config.subjects.ABORT, encode_message(abort))
                 except nats.errors.Error as exc:  # its blocks stay quarantined until it stops
                     log.warning("abort not sent", request_id=abort.request_id, error=str(exc))
+            if self.worker.num_detached:  # a gone router's streams nobody resumed in time
+                await self._publish_tokens(self.worker.expire_detached())
 
     async def completion_loop(self) -> None:
         if self.transport is None:  # colocated: nothing is written to us
@@ -428,6 +464,9 @@ async def decode_service(config: DecodeConfig) -> AsyncIterator[DecodeService]:
             lock=lock,
             reader=features.reader,
             grammar_compile_timeout_s=config.grammar_compile_timeout_s,
+            resume_window_s=(
+                config.heartbeat_s if config.resume_window_s is None else config.resume_window_s
+            ),
         )
         service = DecodeService(
             config,
@@ -458,7 +497,14 @@ async def decode_service(config: DecodeConfig) -> AsyncIterator[DecodeService]:
             metrics=worker.metrics,
             ready="decode worker ready",
             control=service.on_control,
-            endpoints=(("reserve", subjects.decode_reserve(worker_id), service.on_reserve),),
+            endpoints=(
+                ("reserve", subjects.decode_reserve(worker_id), service.on_reserve),
+                (
+                    "stream_resume",
+                    subjects.decode_stream_resume(worker_id),
+                    service.on_stream_resume,
+                ),
+            ),
             routes=(
                 (subjects.decode_prefill_done(worker_id), PrefillDone, service.on_prefill_done),
                 (subjects.ABORT, Abort, service.on_abort),
@@ -480,6 +526,7 @@ async def decode_service(config: DecodeConfig) -> AsyncIterator[DecodeService]:
                     else contextlib.nullcontext()
                 ),
                 service.tg,
+                service.handover.subscribed(),
             ),
             loops=(
                 service.engine_loop,

@@ -83,11 +83,14 @@ class DecodeWorker:
         lock: asyncio.Lock | None = None,
         reader: PrefixReader | None = None,
         grammar_compile_timeout_s: float = 10.0,
+        resume_window_s: float = 0.0,
     ) -> None:
         """``hooks``: the features of the engine loop, called in this order; ``lock``: the
         engine lock, when the shell gave it to hooks whose background work touches the pool
         (else the worker makes its own); ``grammar_compile_timeout_s``: the longest a
-        structured output's grammar may take to compile."""
+        structured output's grammar may take to compile; ``resume_window_s``: how long a
+        streaming sequence of a gone router waits for another router to take it over
+        (``hand_over``) before it is aborted."""
         self.engine = engine
         self.metrics = metrics or DecodeMetrics()
         self.worker_id = worker_id
@@ -125,6 +128,10 @@ class DecodeWorker:
         self._routers: dict[str, str] = {}
         self._grammar_compile_timeout_s = grammar_compile_timeout_s
         self.grammars: GrammarCompiles | None = None  # made with the first structured output
+        # streaming sequences of a gone router -> when they are aborted unless a router takes
+        # them over (a client resumes the stream there: docs/faults.md)
+        self.resume_window_s = resume_window_s
+        self._detached: dict[str, float] = {}
 
     # ---- the engine loop (the service drives it) --------------------------------------------
 
@@ -263,6 +270,7 @@ class DecodeWorker:
         for event in events:
             if event.finish_reason is not None:
                 self._routers.pop(event.request_id, None)
+                self._detached.pop(event.request_id, None)
         return events
 
     def _time_first_tokens(
@@ -440,10 +448,40 @@ class DecodeWorker:
         events = []
         for request_id in [r for r, router in self._routers.items() if router == instance]:
             del self._routers[request_id]
+            if self._is_streaming(request_id) and self.resume_window_s > 0:
+                self._detached[request_id] = self._clock() + self.resume_window_s
+                continue  # its client may resume it through another router
             event = self.abort(request_id, job_withdrawn=True)
             if event is not None:
                 events.append(event)
         return events
+
+    def _is_streaming(self, request_id: str) -> bool:
+        seq = self.engine.seqs.get(request_id)
+        return seq is not None and seq.num_output_tokens > 0
+
+    def hand_over(self, request_id: str, router: str) -> None:
+        """The router instance ``router`` took over ``request_id``'s stream (its client resumed
+        it there): the stream is that router's from now on, and no longer detached."""
+        if request_id in self._routers or self._detached.pop(request_id, None) is not None:
+            self._routers[request_id] = router
+
+    def expire_detached(self) -> list[TokenEvent]:
+        """Abort the detached sequences whose resume window is over; their final events that
+        can be given now (the rest come from ``step()``)."""
+        now = self._clock()
+        events = []
+        for request_id in [r for r, until in self._detached.items() if now >= until]:
+            del self._detached[request_id]
+            log.info("nobody resumed the stream of a gone router", request_id=request_id)
+            event = self.abort(request_id, job_withdrawn=True)
+            if event is not None:
+                events.append(event)
+        return events
+
+    @property
+    def num_detached(self) -> int:
+        return len(self._detached)
 
     def on_prefill_done(self, done: PrefillDone) -> None:
         verdict = self.pending.on_done(done)
@@ -456,6 +494,7 @@ class DecodeWorker:
         ``step()``."""
         self._aborted.add(request_id, self._clock())
         self._routers.pop(request_id, None)  # its final event comes, or none is owed
+        self._detached.pop(request_id, None)
         for i, (rid, prompt, _) in enumerate(self._incoming):  # accepted, not yet in the engine
             if rid == request_id:
                 del self._incoming[i]

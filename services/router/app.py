@@ -31,6 +31,7 @@ from kvmesh.services.router.dispatch import Dispatcher
 from kvmesh.services.router.errors import (
     ApiError,
     ClientGoneError,
+    InvalidRequestError,
     MeshError,
     ModelNotFoundError,
     OverloadedError,
@@ -55,16 +56,27 @@ from kvmesh.services.router.model_info import ModelInfo
 from kvmesh.services.router.openapi import ROUTES, openapi_document
 from kvmesh.services.router.prompt import Prompt, tokenize
 from kvmesh.services.router.responses import (
-    SSE_DONE,
     Logprobs,
     ResponseBuilder,
     Usage,
     error_event,
     new_request_id,
+    sse_done,
     sse_event,
 )
 from kvmesh.services.router.schema import Model, ModelList
 from kvmesh.services.router.shutdown import Shutdown
+from kvmesh.services.router.stream_ids import (
+    DONE,
+    ERROR,
+    FINISH,
+    TAIL,
+    TOKENS,
+    USAGE,
+    EventId,
+    EventIds,
+    Resume,
+)
 from kvmesh.services.router.tenants import Tenant, Tenants, cache_salt
 from kvmesh.services.router.timings import TimingLog
 from kvmesh.services.router.tokens_api import detokenize_body, tokenize_body
@@ -200,6 +212,10 @@ class Router:
             else:
                 request, prompt = self._prepare(raw, parse, tenant)
             access.prompt_tokens = len(prompt.prompt_ids)
+            last_event_id = http.headers.get("Last-Event-ID")
+            resume = None
+            if last_event_id is not None:
+                resume = _resume_of(last_event_id, request, prompt)
             if self.num_in_flight >= self.config.max_concurrent_requests:
                 raise OverloadedError(
                     f"the router holds {self.num_in_flight} requests, its limit "
@@ -208,7 +224,7 @@ class Router:
                 )
             self.num_in_flight += 1
             self.metrics.in_flight.set(self.num_in_flight)
-            response_id = new_request_id(request.kind)
+            response_id = resume.last.request_id if resume else new_request_id(request.kind)
             access.request_id = response_id
             try:
                 with logs.request_context(response_id):
@@ -221,7 +237,7 @@ class Router:
                     )
                     if request.stream:
                         response, status = await self._stream(
-                            http, request, prompt, timer, response_id
+                            http, request, prompt, timer, response_id, resume
                         )
                         return response
                     return await self._complete(request, prompt, timer, response_id)
@@ -297,11 +313,31 @@ class Router:
         prompt: Prompt,
         timer: RequestTimer,
         response_id: str,
+        resume: Resume | None = None,
     ) -> tuple[web.StreamResponse, int]:
         """The SSE response and the status to count it under (an error after the first byte
-        keeps the 200 status line but is counted as what it was)."""
+        keeps the 200 status line but is counted as what it was). ``resume``: the client
+        resumes this stream after the event it names (stream_ids.py, stream_resume.py)."""
         builder = ResponseBuilder.for_request(request, response_id)
         choices = self._choices(request, prompt)
+        # a resumable stream's events carry ids; a resumed one sends those past the client's
+        ids = None
+        if _is_resumable(request, prompt):
+            ids = EventIds(response_id, resume.last.point if resume else (-1, 0))
+
+        def event_id(slot: int) -> str | None:
+            """The id of the stream's next event (slot: stream_ids.py), "" when the client has
+            that event already (a resumed stream), None when the stream carries no ids."""
+            if ids is None:
+                return None
+            next_id = ids.next(choices[0].output.num_tokens, slot)
+            return "" if next_id is None else str(next_id)
+
+        def emit(payload, slot: int) -> None:
+            eid = event_id(slot)
+            if eid != "":
+                client.send(sse_event(payload, eid))
+
         response = web.StreamResponse(
             headers={
                 "Content-Type": "text/event-stream; charset=utf-8",
@@ -328,15 +364,15 @@ class Router:
                 send_tools(choice, choice.tool_deltas(text), num_tokens, logprobs)
             else:
                 if text or num_tokens:
-                    client.send(sse_event(builder.text_chunk(text, choice.index, logprobs)))
+                    emit(builder.text_chunk(text, choice.index, logprobs), TOKENS)
                 if choice.is_done:
                     tail = choice.output.finish()
                     if tail:
-                        client.send(sse_event(builder.text_chunk(tail, choice.index)))
+                        emit(builder.text_chunk(tail, choice.index), TAIL)
             if choice.is_done:
                 finish_reason = choice.api_finish_reason
                 assert finish_reason is not None
-                client.send(sse_event(builder.finish_chunk(finish_reason, choice.index)))
+                emit(builder.finish_chunk(finish_reason, choice.index), FINISH)
 
         def send_tools(
             choice: Choice, deltas: list, num_tokens: int, logprobs: Logprobs | None
@@ -360,19 +396,20 @@ class Router:
                 try:
                     async with (
                         self.shutdown.guard(),
-                        self.dispatcher.open(response_id, prompt, timer) as mesh,
+                        self.dispatcher.open(response_id, prompt, timer, resume) as mesh,
                     ):
                         # Placed: from here on errors go into the stream, not the status line.
                         await response.prepare(http)
                         for choice in choices:
                             role_chunk = builder.role_chunk(choice.index)
                             if role_chunk is not None:
-                                client.send(sse_event(role_chunk))
+                                emit(role_chunk, TOKENS)
                         await _relay(mesh, choices, send)
                     usage = _usage(prompt, choices, mesh)
                     if request.include_usage:
-                        client.send(sse_event(builder.usage_chunk(usage)))
-                    await client.finish(SSE_DONE)
+                        emit(builder.usage_chunk(usage), USAGE)
+                    done_id = event_id(DONE)
+                    await client.finish(sse_done(done_id) if done_id != "" else b"")
                     finish_reason = choices[0].finish_reason
                     assert finish_reason is not None
                     timer.on_finish(finish_reason, len(prompt.prompt_ids), usage.completion_tokens)
@@ -381,8 +418,11 @@ class Router:
                         raise
                     status = exc.status
                     log.warning("stream failed", status=status, error=exc.message)
-                    client.send(error_event(exc))
-                    await client.finish(SSE_DONE)
+                    error_id = event_id(ERROR)
+                    if error_id != "":
+                        client.send(error_event(exc, error_id))
+                    done_id = event_id(DONE)
+                    await client.finish(sse_done(done_id) if done_id != "" else b"")
         except ClientGoneError as exc:  # its mesh work is aborted, its connection dropped
             status = CLIENT_CLOSED
             if exc.cutoff:
@@ -483,6 +523,31 @@ class Router:
         tenant's for the admin key (or an open router), the caller's own for another key."""
         tenant = tenant_of(request)
         return json_response(self.timings.to_json(None if tenant.is_admin else tenant.name))
+
+
+def _is_resumable(request: GenerateRequest, prompt: Prompt) -> bool:
+    """Whether a stream of ``request`` carries event ids, so a client can resume it through
+    another router (docs/faults.md): one choice, its text not read for tool calls (whose deltas
+    depend on how the tokens were grouped)."""
+    return prompt.sampling.n == 1 and request.tools is None
+
+
+def _resume_of(last_event_id: str, request: GenerateRequest, prompt: Prompt) -> Resume:
+    """The stream a request with ``Last-Event-ID`` resumes; InvalidRequestError when it cannot
+    be one (not streamed, or a stream that carries no ids)."""
+    if not request.stream:
+        raise InvalidRequestError(
+            "Last-Event-ID resumes a stream: send the same request with stream: true",
+            param="Last-Event-ID",
+        )
+    if not _is_resumable(request, prompt):
+        raise InvalidRequestError(
+            "a stream of n > 1 choices or with tools carries no event ids and cannot be "
+            "resumed: send the request again without Last-Event-ID",
+            param="Last-Event-ID",
+        )
+    last = EventId.parse(last_event_id, request.kind)
+    return Resume(last, wants_logprobs=prompt.sampling.logprobs is not None)
 
 
 def _usage(prompt: Prompt, choices: list[Choice], mesh: MeshRequest) -> Usage:

@@ -27,6 +27,8 @@ from kvmesh.services.router.pool_capacity import PoolCapacity
 from kvmesh.services.router.prompt import Prompt
 from kvmesh.services.router.queue_health import PrefillQueueHealth
 from kvmesh.services.router.recovery import abort_reason
+from kvmesh.services.router.stream_ids import Resume
+from kvmesh.services.router.stream_resume import ask_replay, find_stream, resume_events
 from kvmesh.services.router.worker_pool import WorkerPool
 from kvmesh.shared.bus import protocol
 from kvmesh.shared.bus.hearing import Hearing
@@ -144,9 +146,14 @@ class Dispatcher:
 
     @asynccontextmanager
     async def open(
-        self, request_id: str, prompt: Prompt, timer: RequestTimer
+        self,
+        request_id: str,
+        prompt: Prompt,
+        timer: RequestTimer,
+        resume: Resume | None = None,
     ) -> AsyncIterator[MeshRequest]:
-        """Place ``prompt`` on the mesh; abort it if the block is left before it finishes."""
+        """Place ``prompt`` on the mesh, or take over its stream where a client resumes it
+        (``resume``); abort it if the block is left before it finishes."""
         request = MeshRequest(
             self._nc,
             self._subjects,
@@ -162,10 +169,14 @@ class Dispatcher:
             self.prefill_queue,
             self.instance,
         )
-        self._live[request_id] = request
+        key = request_id if resume is None else f"{request_id} resumed {id(request)}"
+        self._live[key] = request
         try:
-            await request.subscribe()
-            await request.start()
+            if resume is None:
+                await request.subscribe()
+                await request.start()
+            else:
+                await self._take_over(request, resume)
             yield request
             await request.abort("router stopped reading")
         except asyncio.CancelledError:
@@ -178,5 +189,22 @@ class Dispatcher:
             await request.abort(abort_reason(exc))
             raise
         finally:
-            del self._live[request_id]
+            del self._live[key]
             await request.close()
+
+    async def _take_over(self, request: MeshRequest, resume: Resume) -> None:
+        """The stream a client resumes here (stream_resume.py): found on its decode worker,
+        followed, and its events so far replayed from where the client stopped."""
+        timeout_s = self._config.place_timeout_s
+        num_workers = self.decode_pool.num_alive(time.monotonic())
+        holder = await find_stream(
+            self._nc, self._subjects, resume.last.request_id, num_workers, timeout_s
+        )
+        request.attach(holder.wire_id)
+        await request.subscribe()  # before the replay: nothing made after it is missed
+        num_prompt_tokens = len(request.attempts.prompt.prompt_ids)
+        replay = await ask_replay(
+            self._nc, self._subjects, holder, self.instance, num_prompt_tokens, timeout_s
+        )
+        relayed = resume_events(replay, resume.last, resume.wants_logprobs, holder.wire_id)
+        request.adopt(holder.worker_id, replay, relayed)

@@ -44,10 +44,12 @@ from kvmesh.shared.bus.protocol import (
     PlaceRequest,
     PrefillReport,
     PrefillStarted,
+    StreamReplay,
     TokenEvent,
     WorkerGone,
 )
 from kvmesh.shared.bus.subjects import Subjects
+from kvmesh.shared.bus.wire_ids import attempt_of
 from nats.aio.client import Client as NATS
 from nats.aio.subscription import Subscription
 
@@ -93,7 +95,33 @@ class MeshRequest:
         self._renewer: asyncio.Task[None] | None = None
         self._first_deadline = 0.0  # set by start(); retries share it, a migration starts anew
         self._last_event_at = 0.0  # of the last token event: the next-token timeout runs from it
+        self._replayed: list[TokenEvent] = []  # a resumed stream's events so far (adopt)
+        self.is_resumed = False  # adopted from a router that died (adopt)
         self._begin_attempt(request_id)
+
+    def attach(self, wire_id: str) -> None:
+        """Follow attempt ``wire_id`` of this request instead of placing one (a client resumes
+        its stream here after its router died; stream_resume.py); ``subscribe`` next, then
+        ``adopt``."""
+        self.attempts.num_attempts = attempt_of(wire_id)[1] + 1
+        self._begin_attempt(wire_id)
+
+    def adopt(self, worker_id: str, replay: StreamReplay, relayed: list[TokenEvent]) -> None:
+        """Take over the attached attempt, streaming on decode worker ``worker_id``:
+        ``replay``'s events count as arrived; ``events()`` yields ``relayed`` (the replay cut
+        where the client stopped) first, then the live events, skipping those the replay
+        brought too (made between the subscription and the replay)."""
+        attempts = self.attempts
+        if replay.prior_token_ids:  # a migrated attempt: its prompt carries that output
+            attempts.generated = list(replay.prior_token_ids)
+            assert attempts.migrate(), "a migrated attempt owes tokens"
+        self._may_hold_blocks = True  # an abort frees them
+        self.mark_lost(worker_id)  # its decode worker
+        for event in replay.events:
+            self.is_finished = attempts.record(event)
+        self._replayed = relayed
+        self.is_resumed = True
+        self._last_event_at = time.monotonic()
 
     def _begin_attempt(self, wire_id: str) -> None:
         """Fresh per-attempt state: the wire id (retries get -r1, -r2, ...) and nothing placed."""
@@ -286,6 +314,8 @@ class MeshRequest:
         Raises GatewayTimeoutError when the first token does not come within
         ``first_token_timeout_s`` or a next token within ``token_timeout_s``, MeshError when the
         mesh fails the request."""
+        while self._replayed:  # a resumed stream's events so far (adopt)
+            yield self._replayed.pop(0)
         while not self.is_finished:
             deadline, what = token_deadline(
                 self.attempts.num_events, self._first_deadline, self._last_event_at, self._config
@@ -333,6 +363,8 @@ class MeshRequest:
                 continue
             if event is None:
                 continue  # another kind of request event; not the router's business
+            if self.is_resumed and self.attempts.arrived_before(event):  # the replay had it
+                continue
             why = self.attempts.gap(event)
             if why:
                 final = await self._run_again(why, "decode")
