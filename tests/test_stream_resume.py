@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from kvmesh.services.decode.stream_log import StreamLog
 from kvmesh.services.router.errors import InvalidRequestError
-from kvmesh.services.router.stream_ids import DONE, FINISH, TOKENS, EventId, EventIds
+from kvmesh.services.router.stream_ids import DONE, FINISH, TOKENS, USAGE, EventId, EventIds
 from kvmesh.services.router.stream_resume import StreamExpiredError, resume_events
 from kvmesh.shared.bus.protocol import StreamReplay, TokenEvent
 from kvmesh.shared.bus.wire_ids import attempt_of, is_migrated, wire_id
@@ -203,3 +203,33 @@ async def test_a_gone_routers_stream_decodes_on_for_the_window_then_is_aborted(t
     ends = {e.request_id: e.finish_reason for e in events if e.finish_reason}
     assert ends == {"dropped": "abort"}  # nobody resumed it; the resumed one goes on
     assert worker.on_router_gone("rt2") == [] and worker.num_detached == 1  # rt2's now
+
+
+# --- the ids a router's streams carry (the fake mesh) ----------------------------------------------
+
+
+def _ids(raw: bytes) -> list[EventId]:
+    events = raw.strip().split(b"\n\n")
+    assert all(e.startswith(b"id: ") for e in events), raw[:200]
+    return [EventId.parse(e[4:].split(b"\n", 1)[0].decode(), "chat") for e in events]
+
+
+async def test_every_event_of_a_chat_stream_carries_an_ordered_id(nats_server):
+    from test_router_service import MODEL, mesh_and_router
+
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
+    async with mesh_and_router(nats_server) as (_, _, http):
+        resp = await http.post(
+            "/v1/chat/completions",
+            json={**chat, "stream": True, "stream_options": {"include_usage": True}},
+        )
+        ids = _ids(await resp.read())
+        plain = await http.post("/v1/chat/completions", json={**chat, "n": 2, "stream": True})
+        assert b"id: " not in await plain.read()  # n > 1: not resumable, no ids
+        refused = await http.post("/v1/chat/completions", json=chat, headers={"Last-Event-ID": "x"})
+        body = await refused.json()
+    assert ids[0].point == (0, TOKENS)  # the role chunk
+    assert [i.slot for i in ids[-3:]] == [FINISH, USAGE, DONE] and ids[-1].num_tokens == 5
+    assert [i.point for i in ids] == sorted({i.point for i in ids})  # growing, none twice
+    assert len({i.request_id for i in ids}) == 1
+    assert refused.status == 400 and "stream: true" in body["error"]["message"]
