@@ -407,3 +407,19 @@ def test_stored_weights_give_the_dequantized_models_logits(synthetic, stored) ->
     got = kvmesh_logits(model, ids)
     assert (got - expected).norm() / expected.norm() < 0.05
     assert (got.argmax(-1) == expected.argmax(-1)).float().mean() >= 0.9
+
+
+def test_stored_weights_do_not_keep_the_file_mapped(stored) -> None:
+    """Each weight kept as stored owns its bytes: a view into the memory-mapped safetensors file
+    kept the whole mapping, and every page the load read through it, resident beside the copies
+    (SmolLM2's engine: 201 MB of RSS for the model, 154 MB without)."""
+    import gc
+
+    model, _ = load_model(str(stored))  # alive through the check: its tensors would hold it
+    gc.collect()
+    maps = Path("/proc/self/maps")
+    if not maps.exists():
+        pytest.skip("no /proc/self/maps here")
+    target = str((stored / "model.safetensors").resolve())
+    assert not [line for line in maps.read_text().splitlines() if line.endswith(target)]
+    del model

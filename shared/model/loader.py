@@ -198,7 +198,12 @@ def _quant_weight(
     source: str,
 ) -> QuantWeight:
     weights = [_as_quant(name, get_tensor(name), shape, formats, source) for name, shape in parts]
-    return weights[0] if len(weights) == 1 else cat_rows(weights)
+    if len(weights) > 1:
+        return cat_rows(weights)
+    # a copy of its own: a view into the memory-mapped file would keep the whole mapping (and
+    # every page the load read through it, the parts copied elsewhere too) resident
+    w = weights[0]
+    return QuantWeight(w.format, w.data.clone(), w.rows, w.cols)
 
 
 @functools.cache
