@@ -103,7 +103,8 @@ def register_engine(sub: Any) -> argparse.ArgumentParser:
         "--llama-weights",
         default="same",
         metavar="same|q8_0|FILE.gguf",
-        help="llama.cpp's weights: same (converted to kvmesh's dtype: like for like; default), "
+        help="llama.cpp's weights: same (converted to kvmesh's dtype: like for like; default; "
+        "for weights kept as stored, the GGUF they were imported from), "
         "q8_0 (converted to llama.cpp's 8-bit blocks), or a GGUF file run as it is (e.g. the "
         "Q4_1 file `kvmesh model fetch` keeps beside the checkpoint it imported); kvmesh runs "
         "--model in its own dtype",
