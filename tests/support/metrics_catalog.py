@@ -1,7 +1,7 @@
 """Every metric every kvmesh service registers, read from the services' metrics modules (no
-running service needed): for the README's metrics table and the Grafana dashboard check.
+running service needed): for the metrics table of docs/metrics.md and the Grafana dashboard check.
 
-``python tests/support/metrics_catalog.py`` prints the README table.
+``python tests/support/metrics_catalog.py`` prints the table of docs/metrics.md.
 """
 
 from __future__ import annotations
