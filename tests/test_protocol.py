@@ -10,6 +10,7 @@ from kvmesh.shared.bus import protocol
 from kvmesh.shared.bus.protocol import (
     Abort,
     DecodeAdvert,
+    DecodeRankTarget,
     DraftContext,
     DraftForget,
     DraftKvReserve,
@@ -90,8 +91,20 @@ DESCRIPTOR = TransportDescriptor(
     regions=(MemoryRegion(addr=1 << 32, length=1 << 20, rkey=17, access=1, lkey=5),),
 )
 
+RANK1 = DecodeRankTarget(78, (8192,), DESCRIPTOR)  # a TP decode worker's rank 1
 JOB = PrefillJob(
-    "r1", (1, 2), SAMPLING, "d0", "L1", DESCRIPTOR, 77, (4096,), 4096, 1.5, router="rt-a1"
+    "r1",
+    (1, 2),
+    SAMPLING,
+    "d0",
+    "L1",
+    DESCRIPTOR,
+    77,
+    (4096,),
+    4096,
+    1.5,
+    router="rt-a1",
+    ranks=(RANK1,),
 )
 PLACE = PlaceRequest(
     "r1", (1, 2, 3), SAMPLING, local_prefill=True, lease_ms=5, model_spec="L2:m", router="rt-a1"
@@ -115,6 +128,7 @@ ADVERT = DecodeAdvert(
     forged_announcements=3,
     model_spec="L2:m",
     reads_kv_store=True,
+    tp=2,
 )
 
 # One message of every type, every field set to something other than its default.
@@ -126,8 +140,15 @@ EXAMPLES: list[Message] = [
         "r1", (1, 2), SAMPLING, local_prefill=True, lease_id="L1", lease_ms=9, router="rt-a1"
     ),
     ReserveReply(
-        ok=True, worker_id="d0", block_ids=(4, 5), error="e", rkey=77, block_addrs=(1 << 32,)
+        ok=True,
+        worker_id="d0",
+        block_ids=(4, 5),
+        error="e",
+        rkey=77,
+        block_addrs=(1 << 32,),
+        ranks=(RANK1,),
     ),
+    RANK1,
     PlaceReply(
         ok=True,
         request_id="r1",
@@ -142,6 +163,7 @@ EXAMPLES: list[Message] = [
         retry_after_s=0.25,
         local_prefill=True,
         cached_tokens=32,
+        ranks=(RANK1,),
     ),
     JOB,
     PrefillDone(

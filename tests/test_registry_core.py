@@ -3,7 +3,12 @@ from __future__ import annotations
 import msgspec
 import pytest
 from kvmesh.services.kv_registry.core import Candidate, Refusal, RegistryState
-from kvmesh.shared.bus.protocol import DecodeAdvert, PlaceRequest, WorkerHeartbeat
+from kvmesh.shared.bus.protocol import (
+    DecodeAdvert,
+    DecodeRankTarget,
+    PlaceRequest,
+    WorkerHeartbeat,
+)
 from kvmesh.shared.kv.descriptor import TcpBackend, TransportDescriptor
 from kvmesh.shared.text.sampling import SamplingOptions
 from support.adverts import idle_advert
@@ -147,6 +152,24 @@ def test_grant_passes_on_the_reservations_block_addresses(registry: RegistryStat
     assert reply.block_addrs == addrs
     assert reply.block_bytes == BLOCK_BYTES and reply.rkey == 77  # the reservation's window
     assert reply.descriptor.peer_id == "a" and reply.worker_id == "a"
+
+
+def test_grant_passes_on_a_tp_decode_workers_other_ranks_and_refuses_a_short_list(
+    registry: RegistryState,
+) -> None:
+    registry.observe_advert(advert("a", tp=2), now=0.0)
+    rank1 = DecodeRankTarget(
+        78, (64, 96), TransportDescriptor("a.rank1", "h", (TcpBackend("127.0.0.1", 1235, SECRET),))
+    )
+    choice = registry.choose(place(20), now=0.0)
+    assert isinstance(choice, Candidate)
+    reply = registry.grant(choice, place(20), "L", (5, 9), 0.0, 77, (10, 20), ranks=(rank1,))
+    assert reply.ok and reply.ranks == (rank1,) and reply.rkey == 77
+    choice = registry.choose(place(20, request_id="r2"), now=0.0)
+    assert isinstance(choice, Candidate)
+    reply = registry.grant(choice, place(20, request_id="r2"), "L2", (6, 8), 0.0, 79, (30, 40))
+    assert not reply.ok and "advertises TP 2 but its reservation names 1 ranks" in reply.error
+    assert "L2" not in registry.leases
 
 
 def test_lease_expires_after_ttl_and_completed_lease_does_not(registry: RegistryState) -> None:

@@ -39,6 +39,7 @@ from kvmesh.services.kv_registry.worker_views import DecodeWorkerView, PeerWorke
 from kvmesh.shared.bus.hearing import Hearing
 from kvmesh.shared.bus.protocol import (
     DecodeAdvert,
+    DecodeRankTarget,
     KvCacheDigest,
     KvCacheEvents,
     PlaceReply,
@@ -414,9 +415,11 @@ class RegistryState:
         now: float,
         rkey: int = 0,
         block_addrs: tuple[int, ...] = (),
+        ranks: tuple[DecodeRankTarget, ...] = (),
     ) -> PlaceReply:
         """The worker reserved ``block_ids`` (at ``block_addrs`` in its region) under a window
-        with key ``rkey``: record the lease, build the reply."""
+        with key ``rkey``: record the lease, build the reply. ``ranks``: a tensor-parallel
+        worker's other ranks' windows over the same blocks (ReserveReply.ranks)."""
         self.release_inflight(candidate)
         worker = self.decode.get(candidate.worker_id)
         if worker is None:  # dropped while we waited; its reply still stands
@@ -427,6 +430,16 @@ class RegistryState:
                 retry_after_s=self.retry_after_s,
             )
         advert = worker.advert
+        if not candidate.is_local_prefill(request) and len(ranks) != advert.tp - 1:
+            return PlaceReply(
+                ok=False,
+                request_id=request.request_id,
+                error=(
+                    f"decode worker {candidate.worker_id} advertises TP {advert.tp} but its "
+                    f"reservation names {len(ranks) + 1} ranks' blocks"
+                ),
+                retry_after_s=self.retry_after_s,
+            )
         worker.reserved_since_advert += len(block_ids)
         if not candidate.is_local_prefill(request):  # local: no remote writes, no lease to watch
             self.leases[lease_id] = Lease(
@@ -451,6 +464,7 @@ class RegistryState:
             block_bytes=advert.block_bytes,
             local_prefill=candidate.prefill_here,
             cached_tokens=candidate.cached_tokens,
+            ranks=ranks,
         )
 
     def renew_lease(self, lease_id: str, request_id: str, expires_at: float) -> bool:

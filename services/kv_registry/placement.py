@@ -103,6 +103,7 @@ class Placement:
                     self.clock(),
                     reply.rkey,
                     reply.block_addrs,
+                    reply.ranks,
                 )
                 log.debug(
                     "placed",
@@ -169,6 +170,13 @@ class Placement:
             return refuse(
                 f"reply names {len(reply.block_ids)} blocks but {len(reply.block_addrs)} addresses"
             )
+        if reply.ok:
+            for rank, target in enumerate(reply.ranks, start=1):
+                if len(target.block_addrs) != len(reply.block_ids):
+                    return refuse(
+                        f"reply names {len(reply.block_ids)} blocks but {len(target.block_addrs)} "
+                        f"addresses on tensor-parallel rank {rank}"
+                    )
         return reply
 
 

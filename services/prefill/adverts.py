@@ -87,11 +87,26 @@ def check_job_against_advert(job: PrefillJob, advert: DecodeAdvert, kv_spec: str
         raise UnvouchedJobError(
             f"the job's block_bytes {job.block_bytes} are not {who}'s {advert.block_bytes}"
         )
+    if len(job.ranks) != advert.tp - 1:
+        raise UnvouchedJobError(
+            f"the job names {len(job.ranks) + 1} ranks' blocks but {who} runs at TP {advert.tp}"
+        )
+    _check_block_addrs(job.block_addrs, advert, who)
+    for rank, target in enumerate(job.ranks, start=1):
+        if len(target.block_addrs) != len(job.block_addrs):
+            raise UnvouchedJobError(
+                f"the job names {len(job.block_addrs)} blocks but {len(target.block_addrs)} on "
+                f"rank {rank} of {who}"
+            )
+        _check_block_addrs(target.block_addrs, advert, f"rank {rank} of {who}")
+
+
+def _check_block_addrs(block_addrs: tuple[int, ...], advert: DecodeAdvert, who: str) -> None:
     # the advert carries no address (issue 40): the blocks must be whole blocks apart, distinct,
     # and span no more than the pool; the decode worker's transport checks each write's bounds
-    lowest = min(job.block_addrs, default=0)
+    lowest = min(block_addrs, default=0)
     seen: set[int] = set()
-    for addr in job.block_addrs:
+    for addr in block_addrs:
         offset = addr - lowest
         if (
             addr < 0

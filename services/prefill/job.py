@@ -11,9 +11,20 @@ from kvmesh.services.prefill.plan import ChunkPlanner, PrefillTimeline
 from kvmesh.shared.bus.protocol import PrefillJob
 from kvmesh.shared.engine.sequence import ChunkReady
 from kvmesh.shared.text.sampling import TokenLogprobs
-from kvmesh.shared.transport import Endpoint
+from kvmesh.shared.transport import Endpoint, TransportDescriptor
 
 STOP = None  # queue marker: the job was aborted or failed; no more chunks come
+
+
+@dataclass(frozen=True, slots=True)
+class RankTarget:
+    """A tensor-parallel decode worker's rank past rank 0 that this worker writes heads of each
+    chunk into: its planner (this worker's ``RankSlice`` of it), endpoint and window key."""
+
+    planner: ChunkPlanner
+    endpoint: Endpoint
+    rkey: int
+    descriptor: TransportDescriptor
 
 
 @dataclass(eq=False)
@@ -30,3 +41,5 @@ class Job:
     prompt_logprobs: tuple[TokenLogprobs, ...] = ()  # with SamplingOptions.prompt_logprobs
     error: str = ""
     is_computed: bool = False  # the last chunk is in; the engine holds the blocks until release
+    # decode ranks past 0 written too (a TP decode worker); ``planner``/``endpoint``: rank 0's
+    others: tuple[RankTarget, ...] = ()

@@ -295,6 +295,19 @@ def rank_block_slices(
     return slices
 
 
+def job_rank_slices(
+    spec: KVCacheSpec, num_kv_heads: int, tp_size: int, decode_tp: int
+) -> list[RankSlice]:
+    """What prefill rank 0 of TP ``tp_size`` (its pool laid out as ``spec``) writes of every
+    block into a decode worker at TP ``decode_tp``: one ``RankSlice`` per decode rank it writes
+    to, decode rank 0's first (rank 0 holds head 0, whose first writer it is). ValueError
+    (KVLayoutError) when the two TP degrees do not fit the model's KV heads."""
+    src, dst = KVHeadShards(num_kv_heads, tp_size), KVHeadShards(num_kv_heads, decode_tp)
+    slices = rank_block_slices(spec, src, dst, 0)
+    assert slices and slices[0].dst_rank == 0, slices
+    return slices
+
+
 def decode_writers(src: KVHeadShards, dst: KVHeadShards, dst_rank: int) -> list[int]:
     """The source ranks that write into decode rank ``dst_rank``, in rank order."""
     return [

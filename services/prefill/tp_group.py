@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import msgspec
-from kvmesh.services.prefill.kv_writes import RankSlice, rank_block_slices
+from kvmesh.services.prefill.kv_writes import RankSlice, job_rank_slices, rank_block_slices
 from kvmesh.services.prefill.tp_follower import DecodeTarget, HandOff, RankReport
 from kvmesh.shared.config.ports import free_port
 from kvmesh.shared.kv.head_shards import KVHeadShards
@@ -97,10 +97,12 @@ class RankReports:
 
 @dataclass(frozen=True, slots=True)
 class TPWrites:
-    """The leader's share of every job's writes (decode workers at TP 1), and its followers'
+    """The leader's share of every job's writes (``rank_slices``), and its followers'
     reports."""
 
-    rank_slice: RankSlice
+    spec: KVCacheSpec  # the leader's KV pool: its share of the heads
+    num_kv_heads: int  # the whole model's
+    tp_size: int
     reports: RankReports
     report_timeout_s: float = TP_REPORT_TIMEOUT_S
 
@@ -108,9 +110,15 @@ class TPWrites:
     def for_leader(
         spec: KVCacheSpec, num_kv_heads: int, tp_size: int, reports: RankReports
     ) -> TPWrites:
-        src, dst = KVHeadShards(num_kv_heads, tp_size), KVHeadShards(num_kv_heads, 1)
-        (rank_slice,) = rank_block_slices(spec, src, dst, 0)
-        return TPWrites(rank_slice, reports)
+        rank_block_slices(
+            spec, KVHeadShards(num_kv_heads, tp_size), KVHeadShards(num_kv_heads, 1), 0
+        )
+        return TPWrites(spec, num_kv_heads, tp_size, reports)
+
+    def rank_slices(self, decode_tp: int) -> list[RankSlice]:
+        """What the leader writes of every block into a decode worker at TP ``decode_tp``, one
+        ``RankSlice`` per decode rank it writes to (decode rank 0 first: it holds head 0)."""
+        return job_rank_slices(self.spec, self.num_kv_heads, self.tp_size, decode_tp)
 
     @staticmethod
     def kv_spec(engine: Any) -> str:
@@ -126,10 +134,16 @@ class TPWrites:
 
     @staticmethod
     def note(msg: PrefillJob) -> HandOff:
-        """What the followers need of a job to write their heads of it."""
+        """What the followers need of a job to write their heads of it: every decode rank's
+        blocks (rank 0's in the job's own fields, the others' in ``msg.ranks``)."""
         descriptor = msgspec.json.encode(msg.descriptor)
-        target = DecodeTarget(descriptor, msg.rkey, tuple(msg.block_addrs), msg.block_bytes)
-        return HandOff((target,))
+        targets = [DecodeTarget(descriptor, msg.rkey, tuple(msg.block_addrs), msg.block_bytes)]
+        for rank in msg.ranks:
+            rank_descriptor = msgspec.json.encode(rank.descriptor)
+            targets.append(
+                DecodeTarget(rank_descriptor, rank.rkey, tuple(rank.block_addrs), msg.block_bytes)
+            )
+        return HandOff(tuple(targets))
 
 
 class TPGroup:

@@ -31,8 +31,9 @@ from kvmesh.services.prefill.adverts import AdvertBook
 from kvmesh.services.prefill.convert import KVMirrors, decode_kv_dtype
 from kvmesh.services.prefill.core_loan import CoreLoan, DecodeIdleness
 from kvmesh.services.prefill.endpoints import EndpointCache
-from kvmesh.services.prefill.job import STOP, Job
+from kvmesh.services.prefill.job import STOP, Job, RankTarget
 from kvmesh.services.prefill.job_hooks import Announcement, JobHook
+from kvmesh.services.prefill.kv_writes import RankSlice, job_rank_slices
 from kvmesh.services.prefill.metrics import PrefillMetrics
 from kvmesh.services.prefill.plan import (
     ChunkPlanner,
@@ -225,15 +226,34 @@ class PrefillWorker:
                     f"the decode worker keeps its KV as {dtype}: a tensor-parallel prefill "
                     f"worker writes only to decode workers of its own KV dtype"
                 )
+            if dtype is not None and msg.ranks:
+                raise PlanError(
+                    f"the decode worker keeps its KV as {dtype} at TP {len(msg.ranks) + 1}: "
+                    f"tensor-parallel decode workers take only KV of their own dtype"
+                )
             mirror = None if dtype is None else self.mirrors.get(dtype)
+            slices = self._rank_slices(len(msg.ranks) + 1)
             planner = ChunkPlanner(
                 len(msg.prompt_ids),
                 self.block_size,
                 self.block_bytes if mirror is None else mirror.spec.block_bytes,
                 msg.block_addrs,
                 msg.block_bytes,
-                rank_slice=None if self.tp is None else self.tp.rank_slice,
+                rank_slice=slices[0],
             )
+            others = []
+            for rank_slice in slices[1:]:
+                rank = msg.ranks[rank_slice.dst_rank - 1]
+                other = ChunkPlanner(
+                    len(msg.prompt_ids),
+                    self.block_size,
+                    self.block_bytes,
+                    rank.block_addrs,
+                    msg.block_bytes,
+                    rank_slice=rank_slice,
+                )
+                rank_endpoint = await self.endpoints.get(rank.descriptor)
+                others.append(RankTarget(other, rank_endpoint, rank.rkey, rank.descriptor))
             params = msg.sampling
             endpoint = await self.endpoints.get(msg.descriptor)
             if params.structured_outputs is not None and self.grammars is not None:
@@ -244,6 +264,7 @@ class PrefillWorker:
         if self._aborted.pop(rid, None) is not None:  # while it waited (its advert, grammar)
             return self._result(msg, None, f"aborted before prefill started on {self.worker_id}")
         job = Job(msg, planner, PrefillTimeline(msg.enqueued_at, started_at), endpoint, mirror)
+        job.others = tuple(others)
         self._jobs[rid] = job
         if self.tp is not None:  # the followers' word on their writes of it, from now on
             self.tp.reports.expect(rid)
@@ -279,6 +300,11 @@ class PrefillWorker:
                         chunk.chunk_index, chunk.end_token, chunk.block_ids, chunk.is_last
                     )
                     tg.create_task(self._write(job, write, chunk))
+                    for other in job.others:  # a TP decode worker's other ranks' heads
+                        other_write = other.planner.plan(
+                            chunk.chunk_index, chunk.end_token, chunk.block_ids, chunk.is_last
+                        )
+                        tg.create_task(self._write(job, other_write, chunk, other))
                     for hook in self.hooks:
                         await hook.on_chunk(job, chunk, tg)
                     if chunk.is_last:
@@ -308,9 +334,15 @@ class PrefillWorker:
             self.store.put_later(prompt, self._lock, msg.sampling.cache_salt)
         return self._result(msg, job, job.error)
 
-    async def _write(self, job: Job, write: ChunkWrite, chunk: ChunkReady) -> None:
+    async def _write(
+        self, job: Job, write: ChunkWrite, chunk: ChunkReady, rank: RankTarget | None = None
+    ) -> None:
+        """Write ``chunk``'s ``write`` to the decode worker's rank 0, or to its ``rank``."""
         msg = job.msg
         region = self.region
+        endpoint = job.endpoint if rank is None else rank.endpoint
+        rkey = msg.rkey if rank is None else rank.rkey
+        descriptor = msg.descriptor if rank is None else rank.descriptor
         if job.mirror is not None:  # another KV dtype on the decode side: convert, then write
             region = job.mirror.region
             bs = self.block_size
@@ -318,25 +350,35 @@ class PrefillWorker:
             pool = self.engine.kv_pool
             await asyncio.to_thread(job.mirror.convert, pool, chunk.block_ids, num_tokens)
         entries = [
-            WriteEntry(region, s.local_offset, s.remote_addr, msg.rkey, s.length)
-            for s in write.spans
+            WriteEntry(region, s.local_offset, s.remote_addr, rkey, s.length) for s in write.spans
         ]
         t0 = time.perf_counter()
         try:
-            await job.endpoint.write(entries, write.imm)
+            await endpoint.write(entries, write.imm)
         except TransportError as exc:
             if not job.error:
                 job.error = (
                     f"KV write of chunk {write.chunk_index} to {msg.decode_worker_id} failed: {exc}"
                 )
                 log.warning("kv write failed", request_id=msg.request_id, error=str(exc))
-                await self.endpoints.forget(msg.descriptor)
+                await self.endpoints.forget(descriptor)
                 await self._stop(job)
             return
         t1 = time.perf_counter()
         job.timeline.on_write(t0, t1)
         self.metrics.observe_write(sum(s.length for s in write.spans), t1 - t0)
-        job.num_writes += 1
+        if rank is None:  # each decode rank counts as many (PrefillDone.num_writes: one rank's)
+            job.num_writes += 1
+
+    def _rank_slices(self, decode_tp: int) -> list[RankSlice | None]:
+        """What this worker writes of every block into each decode rank it writes to, decode
+        rank 0 first; ``[None]`` (whole blocks) from TP1 to TP1."""
+        if self.tp is not None:
+            return list(self.tp.rank_slices(decode_tp))
+        if decode_tp == 1:
+            return [None]
+        spec = self.engine.kv_pool.spec
+        return list(job_rank_slices(spec, spec.num_kv_heads, 1, decode_tp))
 
     async def _stop(self, job: Job) -> None:
         """No more chunks for this job: the engines drop it, its queues get the stop marker."""

@@ -92,6 +92,7 @@ async def publish_prefill_job(
         block_bytes=reply.block_bytes,
         enqueued_at=time.time(),
         router=router,
+        ranks=reply.ranks,
     )
     try:
         seq = await publish_job(

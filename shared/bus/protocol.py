@@ -61,6 +61,17 @@ class ReserveRequest(Message):
     router: str = ""  # PlaceRequest.router: the request ends if that router is gone
 
 
+class DecodeRankTarget(Message):
+    """Where one tensor-parallel decode rank (1..TP-1) holds a reservation's blocks, for the
+    prefill rank(s) writing that rank's KV heads (docs/tp.md): the key of the window it opened
+    over the blocks for this lease alone, their addresses in its region, and its transport
+    descriptor. The blocks are the same ids on every rank; rank 0's are the message's own fields."""
+
+    rkey: int
+    block_addrs: tuple[int, ...]
+    descriptor: TransportDescriptor
+
+
 class ReserveReply(Message):
     """Decode worker -> registry: the blocks it reserved (or why it could not)."""
 
@@ -75,6 +86,9 @@ class ReserveReply(Message):
     # address travels only in the messages of one lease, beside its window key (this reply,
     # the PlaceReply, the PrefillJob), never in a broadcast advert (issue 40).
     block_addrs: tuple[int, ...] = ()
+    # a tensor-parallel decode worker's ranks 1..TP-1 (rank 0's are the fields above); empty at
+    # TP1
+    ranks: tuple[DecodeRankTarget, ...] = ()
 
 
 class PlaceReply(Message):
@@ -97,6 +111,7 @@ class PlaceReply(Message):
     # is to be published.
     local_prefill: bool = False
     cached_tokens: int = 0  # prompt tokens the registry expects the worker's prefix cache to hold
+    ranks: tuple[DecodeRankTarget, ...] = ()  # ReserveReply.ranks: a TP decode worker's others
 
 
 # --- prefill ----------------------------------------------------------------------------------
@@ -116,6 +131,9 @@ class PrefillJob(Message):
     block_bytes: int
     enqueued_at: float  # unix time the router published the job
     router: str = ""  # PlaceRequest.router: the job is dropped if that router is gone
+    # PlaceReply.ranks: a tensor-parallel decode worker's ranks 1..TP-1, each holding its share
+    # of the KV heads (descriptor, rkey, block_addrs above are rank 0's); empty at TP1
+    ranks: tuple[DecodeRankTarget, ...] = ()
 
 
 class PrefillDone(Message):
@@ -125,7 +143,9 @@ class PrefillDone(Message):
     lease_id: str
     ok: bool
     first_token: int = -1
-    num_writes: int = 0  # the decode worker admits once it has counted this many immediates
+    # the decode worker admits once it has counted this many immediates (a tensor-parallel one:
+    # each of its ranks, every rank taking as many writes of a job)
+    num_writes: int = 0
     error: str = ""
     # The lease's window key from the job: only the holder of the job knows it, so the decode
     # worker ignores an announcement without it.
@@ -394,6 +414,9 @@ class DecodeAdvert(Message):
     # it reads a local prefill's missing prefix blocks from a kv-store first (--use-kv-store with
     # a transport and prefix caching): placement counts what the store holds as within its reach
     reads_kv_store: bool = False
+    # its tensor-parallel degree: TP ranks, each holding 1/tp of the KV heads (block_bytes is one
+    # rank's block); a reservation's reply names every rank's blocks (ReserveReply.ranks)
+    tp: Annotated[int, msgspec.Meta(ge=1)] = 1
 
 
 # --- prefix cache events (decode -> kv-registry) --------------------------------------------
