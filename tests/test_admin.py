@@ -100,3 +100,16 @@ def test_admin_status_text_says_degraded_when_an_optional_service_is_silent() ->
     assert "degraded" not in render_status(status)
     text = render_status({**status, "degraded": ["kv-store (kv-store-0 silent)"]})
     assert text.splitlines()[1] == "degraded: kv-store (kv-store-0 silent)"
+
+
+def test_the_workers_table_shows_each_workers_tensor_parallel_degree() -> None:
+    from kvmesh.commands.admin import render
+
+    rows = [
+        {"worker_id": "prefill-0", "role": "prefill", "state": "ready", "tp": 2},
+        {"worker_id": "decode-0", "role": "decode", "state": "ready", "tp": 1},
+    ]
+    header, *lines = render("workers", {"workers": rows}).splitlines()
+    columns = ["worker_id", "role", "state", "tp", "running", "waiting", "last_seen_s"]
+    assert header.split() == columns
+    assert [line.split()[3] for line in lines] == ["2", "1"]

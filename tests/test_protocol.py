@@ -132,7 +132,9 @@ ADVERT = DecodeAdvert(
 )
 
 # One message of every type, every field set to something other than its default.
-WORKER_ROW = protocol.WorkerRow("p0", "prefill", "ready", running=1, waiting=2, last_seen_s=0.5)
+WORKER_ROW = protocol.WorkerRow(
+    "p0", "prefill", "ready", running=1, waiting=2, last_seen_s=0.5, tp=2
+)
 
 EXAMPLES: list[Message] = [
     PLACE,
@@ -208,6 +210,7 @@ EXAMPLES: list[Message] = [
         sent_at=2.0,
         instance="i1",
         interval_s=2.0,
+        tp=2,
     ),
     ADVERT,
     WorkerControl("drain"),

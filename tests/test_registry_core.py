@@ -253,9 +253,12 @@ def test_mark_draining_stops_placement_until_the_worker_says_ready(registry: Reg
 
 def test_status_lists_decode_pools_and_peers(registry: RegistryState) -> None:
     registry.observe_advert(advert("d1", free_blocks=40, num_running=3), now=0.0)
-    registry.observe_heartbeat(WorkerHeartbeat("p1", "prefill", "ready", num_running=1), now=0.0)
+    registry.observe_advert(advert("d2", tp=2), now=0.0)
+    registry.observe_heartbeat(
+        WorkerHeartbeat("p1", "prefill", "ready", num_running=1, tp=4), now=0.0
+    )
     status = registry.status(now=1.0)
-    (d1,) = status.decode
+    d1, _ = sorted(status.decode, key=lambda row: row.worker_id)
     assert (d1.worker_id, d1.total_blocks, d1.free_blocks, d1.running) == (
         "d1",
         100,
@@ -263,8 +266,8 @@ def test_status_lists_decode_pools_and_peers(registry: RegistryState) -> None:
         3,
     )
     assert d1.state == "ready" and d1.last_seen_s == 1.0
-    roles = {(w.worker_id, w.role) for w in status.workers}
-    assert roles == {("d1", "decode"), ("p1", "prefill")}
+    roles = {(w.worker_id, w.role, w.tp) for w in status.workers}
+    assert roles == {("d1", "decode", 1), ("d2", "decode", 2), ("p1", "prefill", 4)}
     assert status.leases.active == 0
 
 

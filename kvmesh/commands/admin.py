@@ -197,7 +197,7 @@ def render(action: str, result: Reply) -> str:
     if action == "workers":
         return table(
             cast("Sequence[Reply]", result["workers"]),
-            ("worker_id", "role", "state", "running", "waiting", "last_seen_s"),
+            ("worker_id", "role", "state", "tp", "running", "waiting", "last_seen_s"),
         )
     if action == "log-level":
         return f"log level set to {result['level']} on every service"
@@ -287,7 +287,7 @@ def render_status(status: Reply) -> str:
         ),
         "",
         "other workers:",
-        table(others, ("worker_id", "role", "state", "running", "waiting", "last_seen_s")),
+        table(others, ("worker_id", "role", "state", "tp", "running", "waiting", "last_seen_s")),
         "",
         "leases: " + ", ".join(f"{k} {v}" for k, v in leases.items()),
         "prefill queue: "

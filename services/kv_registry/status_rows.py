@@ -71,6 +71,7 @@ def worker_rows(state: RegistryState, now: float) -> tuple[WorkerRow, ...]:
             running=w.advert.num_running,
             waiting=w.advert.num_waiting,
             last_seen_s=round(now - w.last_seen, 3),
+            tp=w.advert.tp,
         )
         for w in state.decode.values()
     ]
@@ -82,6 +83,7 @@ def worker_rows(state: RegistryState, now: float) -> tuple[WorkerRow, ...]:
             running=p.heartbeat.num_running,
             waiting=p.heartbeat.num_waiting,
             last_seen_s=round(now - p.last_seen, 3),
+            tp=p.heartbeat.tp,
         )
         for p in state.peers.values()
     ]

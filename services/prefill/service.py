@@ -105,6 +105,7 @@ class PrefillService:
             num_waiting=0,  # waiting jobs stay in the shared queue (admin status shows its depth)
             started_at=self.started_at,
             sent_at=time.time(),
+            tp=self.config.tp,
         )
 
     async def pull_loop(self, queue: PrefillJobQueue) -> None:

@@ -386,6 +386,8 @@ class WorkerHeartbeat(Message):
     # after missing that many of them, from its first heartbeat on (a router's death drops its
     # requests, so a router slower than the registry's interval must not be counted dead)
     interval_s: float = 0.0
+    # a prefill worker's tensor-parallel degree: its rank processes, one worker (docs/tp.md)
+    tp: Annotated[int, msgspec.Meta(ge=1)] = 1
 
 
 class DecodeAdvert(Message):
@@ -650,6 +652,7 @@ class WorkerRow(Part):
     running: int
     waiting: int
     last_seen_s: float
+    tp: int = 1  # its tensor-parallel degree (a prefill's heartbeat, a decode's advert say it)
 
 
 class LeaseCounts(Part):
