@@ -40,5 +40,5 @@ def test_state_folder_others_can_write_is_refused(monkeypatch, tmp_path):
     shared.mkdir()
     os.chmod(shared, 0o777)  # anyone could swap the folder below it
     monkeypatch.setenv("KVMESH_STATE_DIR", str(shared / "run"))
-    with pytest.raises(UntrustedPathError, match="writable by others"):
+    with pytest.raises(UntrustedPathError, match="writable by other users"):
         write_state(_state())

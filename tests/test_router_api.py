@@ -349,7 +349,6 @@ def test_pool_capacity_is_the_largest_live_pool_of_the_model():
             worker,
             "disagg",
             None,
-            0,
             64,
             16,
             "kv",
@@ -592,7 +591,7 @@ def test_metrics_mirror_each_decode_workers_refusals_until_it_is_gone():
 
     m = RouterMetrics()
     advert = DecodeAdvert(
-        "decode-0", "disagg", None, 0, 1024, 16, "spec", 8, 8, ((0, 8),), 0, 0, "ready", 0.0,
+        "decode-0", "disagg", None, 1024, 16, "spec", 8, 8, ((0, 8),), 0, 0, "ready", 0.0,
         refused_accesses=5, stray_immediates=2, forged_announcements=1,
     )  # fmt: skip
     m.record_advert(advert)
