@@ -97,22 +97,7 @@ class DecodeLayerWeights:
     b_down: torch.Tensor | None
 
     def __post_init__(self) -> None:
-        h, n_q, n_kv, d, i = (
-            self.hidden,
-            self.num_q_heads,
-            self.num_kv_heads,
-            self.head_dim,
-            self.inter,
-        )
-        assert n_q % n_kv == 0, (n_q, n_kv)
-        check_f32_contiguous(attn_norm=self.attn_norm, ffn_norm=self.ffn_norm)
-        assert self.attn_norm.shape == self.ffn_norm.shape == (h,)
-        for name, weight, bias, n, k in (
-            ("wqkv", self.wqkv, self.bqkv, (n_q + 2 * n_kv) * d, h),
-            ("wo", self.wo, self.bo, h, n_q * d),
-            ("w_gate_up", self.w_gate_up, self.b_gate_up, 2 * i, h),
-            ("w_down", self.w_down, self.b_down, h, i),
-        ):
+        for name, weight, bias, n, k in checked_linears(self):
             assert weight.out_features == n and weight.panels.shape[1] == k, (name, n, k)
             check_f32_contiguous(**{name: weight.panels})
             if bias is not None:
@@ -147,22 +132,7 @@ class QuantDecodeLayerWeights:
     formats: torch.Tensor = field(init=False)
 
     def __post_init__(self) -> None:
-        h, n_q, n_kv, d, i = (
-            self.hidden,
-            self.num_q_heads,
-            self.num_kv_heads,
-            self.head_dim,
-            self.inter,
-        )
-        assert n_q % n_kv == 0, (n_q, n_kv)
-        check_f32_contiguous(attn_norm=self.attn_norm, ffn_norm=self.ffn_norm)
-        assert self.attn_norm.shape == self.ffn_norm.shape == (h,)
-        linears = (
-            ("wqkv", self.wqkv, self.bqkv, (n_q + 2 * n_kv) * d, h),
-            ("wo", self.wo, self.bo, h, n_q * d),
-            ("w_gate_up", self.w_gate_up, self.b_gate_up, 2 * i, h),
-            ("w_down", self.w_down, self.b_down, h, i),
-        )
+        linears = checked_linears(self)
         for name, weight, bias, n, k in linears:
             assert weight.shape == (n, k), (name, weight.shape, (n, k))
             assert weight.data.is_cpu, f"{name}: the weight must be in CPU memory"
@@ -176,6 +146,21 @@ class QuantDecodeLayerWeights:
     def max_in_features(self) -> int:
         """The widest linear input: the room one quantized activation row needs."""
         return max(self.hidden, self.num_q_heads * self.head_dim, self.inter)
+
+
+def checked_linears(w: DecodeLayerWeights | QuantDecodeLayerWeights) -> tuple[tuple, ...]:
+    """A layer's shape checks both weight forms share (heads, norms), and its four linears as
+    (name, weight, bias, out_features, in_features) for the checks of the form's own."""
+    h, n_q, n_kv, d, i = w.hidden, w.num_q_heads, w.num_kv_heads, w.head_dim, w.inter
+    assert n_q % n_kv == 0, (n_q, n_kv)
+    check_f32_contiguous(attn_norm=w.attn_norm, ffn_norm=w.ffn_norm)
+    assert w.attn_norm.shape == w.ffn_norm.shape == (h,)
+    return (
+        ("wqkv", w.wqkv, w.bqkv, (n_q + 2 * n_kv) * d, h),
+        ("wo", w.wo, w.bo, h, n_q * d),
+        ("w_gate_up", w.w_gate_up, w.b_gate_up, 2 * i, h),
+        ("w_down", w.w_down, w.b_down, h, i),
+    )
 
 
 @dataclass(frozen=True, slots=True)
