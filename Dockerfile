@@ -35,6 +35,7 @@ COPY shared /build/shared
 COPY services /build/services
 COPY kernels /build/kernels
 COPY loadgen /build/loadgen
+COPY sim /build/sim
 COPY kvmesh /build/kvmesh
 RUN /opt/kvmesh/bin/pip install --no-index --no-deps --no-build-isolation /build
 

@@ -1,5 +1,5 @@
 """kvmesh installs under one import namespace: the repository's folders ``shared``, ``services``,
-``kernels`` and ``loadgen`` become ``kvmesh.shared`` ... and nothing of those names lands at the top
+``kernels``, ``loadgen`` and ``sim`` become ``kvmesh.shared`` ... and nothing of those names lands at the top
 of site-packages (``kernels`` is also Hugging Face's package). Checked on a wheel built here, not
 only on the editable install the suite runs from."""
 
@@ -58,7 +58,7 @@ def test_nothing_under_shared_imports_the_services_or_the_cli():
         if any(
             f"{verb} kvmesh.{pkg}" in path.read_text()
             for verb in ("from", "import")
-            for pkg in ("services", "cli", "commands", "loadgen")
+            for pkg in ("services", "cli", "commands", "loadgen", "sim")
         )
     ]
     assert offenders == []
@@ -94,7 +94,9 @@ def test_wheel_holds_only_the_kvmesh_namespace_and_the_c_kernels(wheel):
 def test_wheel_imports_and_runs_its_command_outside_the_repository(wheel, tmp_path):
     target = tmp_path / "site"
     _pip("install", "--no-deps", "--target", str(target), str(wheel))
-    assert not any((target / top).exists() for top in ("shared", "services", "kernels", "loadgen"))
+    assert not any(
+        (target / top).exists() for top in ("shared", "services", "kernels", "loadgen", "sim")
+    )
     probe = (
         "import kvmesh.shared.bus.protocol, kvmesh.services.router, kvmesh.kernels.cpu_ops, kvmesh.cli;"
         "print(kvmesh.shared.bus.protocol.__file__);"

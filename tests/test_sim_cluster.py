@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from kvmesh.loadgen.sim.cluster import simulate
-from kvmesh.loadgen.sim.cost import CostModel
-from kvmesh.loadgen.sim.specs import DeviceSpec, load_device, load_model
-from kvmesh.loadgen.sim.topology import Topology
-from kvmesh.loadgen.sim.workload import SimRequest
+from kvmesh.sim.cluster import simulate
+from kvmesh.sim.cost import CostModel
+from kvmesh.sim.specs import DeviceSpec, load_device, load_model
+from kvmesh.sim.topology import Topology
+from kvmesh.sim.workload import SimRequest
 from support.sim_probe_fakes import slow_link_disagg
 
 H100_8B = CostModel(load_model("llama-3-8b"), load_device("h100"))

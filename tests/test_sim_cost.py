@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from kvmesh.loadgen.sim.cost import CostModel, Slice
-from kvmesh.loadgen.sim.specs import DeviceSpec, ModelSpec, load_device, load_model
+from kvmesh.sim.cost import CostModel, Slice
+from kvmesh.sim.specs import DeviceSpec, ModelSpec, load_device, load_model
 
 # hidden 8, MLP 16, 2 layers, 2 heads / 1 KV head of 4, vocab 10, 2-byte weights and KV
 SMALL = ModelSpec("small", 8, 16, 2, 2, 1, 4, 10, 2)

@@ -6,19 +6,19 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from kvmesh.loadgen.sim.cluster import simulate
-from kvmesh.loadgen.sim.cost import CostModel, Slice
-from kvmesh.loadgen.sim.engine_scale import (
+from kvmesh.sim.cluster import simulate
+from kvmesh.sim.cost import CostModel, Slice
+from kvmesh.sim.engine_scale import (
     EngineScale,
     PhaseTimings,
     fit_engine_scale,
     simulate_probe_timings,
 )
-from kvmesh.loadgen.sim.engine_timings import EngineTimings, pooled
-from kvmesh.loadgen.sim.specs import DeviceSpec, SpecError, load_device, load_model, write_device
-from kvmesh.loadgen.sim.topology import Topology
-from kvmesh.loadgen.sim.validate import mesh_topology
-from kvmesh.loadgen.sim.workload import SimRequest
+from kvmesh.sim.engine_timings import EngineTimings, pooled
+from kvmesh.sim.specs import DeviceSpec, SpecError, load_device, load_model, write_device
+from kvmesh.sim.topology import Topology
+from kvmesh.sim.validate import mesh_topology
+from kvmesh.sim.workload import SimRequest
 from support.sim_probe_fakes import fixed_steps
 
 TINY = load_model("kvmesh-tiny")
@@ -226,7 +226,7 @@ def test_fit_engine_scale_takes_jitter_mean_off_loop_steps_not_chunks():
 
 
 def test_jitter_mean_integrates_its_quantile_function():
-    from kvmesh.loadgen.sim.overheads import Jitter
+    from kvmesh.sim.overheads import Jitter
 
     # 0 to the median; 0->2 ms over 0.5-0.9; 2->6 ms over 0.9-0.99; 6->10 ms over 0.99-1
     j = Jitter(0.002, 0.006, 0.010)
@@ -234,7 +234,7 @@ def test_jitter_mean_integrates_its_quantile_function():
 
 
 def test_median_timings_take_each_mean_median_over_runs_and_add_counts():
-    from kvmesh.loadgen.sim.engine_scale import median_timings
+    from kvmesh.sim.engine_scale import median_timings
 
     runs = [
         EngineTimings(100, 0.010, 4, 0.050, 2, 0.001),
@@ -256,7 +256,7 @@ def test_median_timings_take_each_mean_median_over_runs_and_add_counts():
 
 
 def test_median_phases_is_one_runs_timings_for_one_run():
-    from kvmesh.loadgen.sim.engine_scale import median_phases
+    from kvmesh.sim.engine_scale import median_phases
 
     one = _phases(_timings(0.020, chunk_s=0.040), _timings(0.030, chunk_s=0.050))
     assert median_phases([one]) == one

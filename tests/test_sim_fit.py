@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from kvmesh.loadgen.sim.calibrate import last_level_cache_bytes, parse_size
-from kvmesh.loadgen.sim.cost import CostModel, Slice
-from kvmesh.loadgen.sim.fit import DecodePoint, FitError, PrefillPoint, fit_costs
-from kvmesh.loadgen.sim.specs import DeviceSpec, load_model
+from kvmesh.sim.calibrate import last_level_cache_bytes, parse_size
+from kvmesh.sim.cost import CostModel, Slice
+from kvmesh.sim.fit import DecodePoint, FitError, PrefillPoint, fit_costs
+from kvmesh.sim.specs import DeviceSpec, load_model
 
 TINY = load_model("kvmesh-tiny")  # 13 MB of float32 weights
 SHAPES = [(b, c) for b in (1, 4, 16) for c in (72, 520)]

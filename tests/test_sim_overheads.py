@@ -9,9 +9,9 @@ from collections import deque
 
 import pytest
 from kvmesh.loadgen.serve_metrics import RequestRecord
-from kvmesh.loadgen.sim.cluster import simulate
-from kvmesh.loadgen.sim.cost import CostModel, Slice
-from kvmesh.loadgen.sim.overheads import (
+from kvmesh.sim.cluster import simulate
+from kvmesh.sim.cost import CostModel, Slice
+from kvmesh.sim.overheads import (
     Jitter,
     MeshOverheads,
     OverheadFitError,
@@ -20,12 +20,12 @@ from kvmesh.loadgen.sim.overheads import (
     simulate_probe,
     steady_gap_s,
 )
-from kvmesh.loadgen.sim.probe import ProbeRecords
-from kvmesh.loadgen.sim.specs import DeviceSpec, SpecError, load_model
-from kvmesh.loadgen.sim.topology import Topology
-from kvmesh.loadgen.sim.validate import mesh_topology
-from kvmesh.loadgen.sim.worker import SimSeq, Worker
-from kvmesh.loadgen.sim.workload import SimRequest
+from kvmesh.sim.probe import ProbeRecords
+from kvmesh.sim.specs import DeviceSpec, SpecError, load_model
+from kvmesh.sim.topology import Topology
+from kvmesh.sim.validate import mesh_topology
+from kvmesh.sim.worker import SimSeq, Worker
+from kvmesh.sim.workload import SimRequest
 from support.sim_probe_fakes import cpu_like, fixed_steps, simulated_probe, slow_link_disagg
 
 TINY = load_model("kvmesh-tiny")
@@ -229,7 +229,7 @@ def test_jitter_is_against_each_requests_own_median_and_pace_holds_the_rest():
 
 
 def test_pace_knots_have_mean_one_and_draws_follow_them():
-    from kvmesh.loadgen.sim.overheads import pace_knots
+    from kvmesh.sim.overheads import pace_knots
 
     knots = pace_knots([1.0, 1.2, 1.5, 2.0, 3.0, 1.1, 1.3, 1.4, 1.6, 2.5])
     assert list(knots) == sorted(knots)
@@ -255,7 +255,7 @@ def test_each_sequence_decodes_at_its_own_pace():
     """The steady gaps of requests served one at a time spread as the pace knots say (each a
     golden-ratio quantile, so eight requests cover the distribution), with mean 1 times the
     step's cost; a batch of decodes takes its sequences' mean pace."""
-    from kvmesh.loadgen.sim.cluster import pace_quantile
+    from kvmesh.sim.cluster import pace_quantile
 
     knots = (0.5, 0.6, 1.0, 1.4, 1.5)
     cost = fixed_steps(**dict(zip(PACE_FIELDS, knots, strict=True)))
@@ -329,7 +329,7 @@ def test_fit_overheads_clamps_a_negative_term_to_zero_with_a_note():
 
 
 def test_mode_jitters_fall_back_to_the_other_mode():
-    from kvmesh.loadgen.sim.overheads import mode_jitters
+    from kvmesh.sim.overheads import mode_jitters
 
     a, b = Jitter(0.001, 0.002, 0.003), Jitter(0.004, 0.005, 0.006)
     assert mode_jitters({"colocated": a, "disagg": b}) == (a, b)
@@ -368,7 +368,7 @@ def test_pooled_jitter_is_of_every_runs_gaps_together():
     """A validation pools its repeats' gaps: a run slower throughout than another widens the
     spread it measures, and so does it the pooled probe's request-to-request pace (not its
     step-to-step jitter: each request's gaps are constant)."""
-    from kvmesh.loadgen.sim.calibrate import pool_probe_runs
+    from kvmesh.sim.calibrate import pool_probe_runs
 
     def run(gap: float) -> dict[str, ProbeRecords]:
         isolated = tuple(_constant_gaps(i, gap) for i in range(4))
@@ -390,7 +390,7 @@ def test_pooled_jitter_is_of_every_runs_gaps_together():
 
 
 def test_pool_probe_runs_of_one_run_is_that_runs_figures():
-    from kvmesh.loadgen.sim.calibrate import pool_probe_runs
+    from kvmesh.sim.calibrate import pool_probe_runs
 
     jitters = {**_jitter(0.001, 0.002, 0.004), **_jitter(0.002, 0.004, 0.008, "colocated")}
     cost = _cpu(request_overhead_s=0.01, **jitters)
@@ -407,7 +407,7 @@ def test_pool_probe_runs_of_one_run_is_that_runs_figures():
 
 @pytest.mark.slow  # seconds: left out of make test-fast
 def test_fit_to_the_runs_medians_ignores_one_disturbed_run():
-    from kvmesh.loadgen.sim.calibrate import fit_probe, pool_probe_runs
+    from kvmesh.sim.calibrate import fit_probe, pool_probe_runs
 
     # the disturbed run's request path and hand-off are slow, its gaps as the others' (slower
     # gaps would widen the pooled jitter, as test_pooled_jitter_is_of_every_runs_gaps_together)
@@ -445,7 +445,7 @@ def test_fit_to_the_runs_medians_ignores_one_disturbed_run():
 
 
 def test_a_worker_that_idled_pays_its_wake_term_on_its_next_step():
-    from kvmesh.loadgen.sim.cost import WAKE_AFTER_S
+    from kvmesh.sim.cost import WAKE_AFTER_S
 
     cost = fixed_steps(colocated_wake_s=0.05)
     topology = Topology("colocated", 1, kv_capacity_tokens=10_000)
@@ -473,8 +473,8 @@ def test_a_worker_that_idled_pays_its_wake_term_on_its_next_step():
 
 
 def test_fit_wake_recovers_the_wake_terms_the_woken_probe_had():
-    from kvmesh.loadgen.sim.overheads import fit_wake
-    from kvmesh.loadgen.sim.probe import long_requests
+    from kvmesh.sim.overheads import fit_wake
+    from kvmesh.sim.probe import long_requests
 
     truth = _cpu(request_overhead_s=0.01, colocated_wake_s=0.03, prefill_wake_s=0.012)
     woken = {
@@ -498,8 +498,8 @@ def test_fit_wake_recovers_the_wake_terms_the_woken_probe_had():
 
 @pytest.mark.slow  # seconds: left out of make test-fast
 def test_fit_probe_fits_the_wake_to_the_woken_long_prompts():
-    from kvmesh.loadgen.sim.calibrate import fit_probe, pool_probe_runs
-    from kvmesh.loadgen.sim.probe import long_requests
+    from kvmesh.sim.calibrate import fit_probe, pool_probe_runs
+    from kvmesh.sim.probe import long_requests
 
     truth = _cpu(request_overhead_s=0.02, colocated_wake_s=0.04, prefill_wake_s=0.01)
     run = {}
@@ -517,7 +517,7 @@ def test_fit_probe_fits_the_wake_to_the_woken_long_prompts():
 
 
 def test_a_sequences_first_decode_steps_pay_the_warm_up_tapering():
-    from kvmesh.loadgen.sim.cost import WARMUP_STEPS
+    from kvmesh.sim.cost import WARMUP_STEPS
 
     assert WARMUP_STEPS == 4
     one = [SimRequest(0.0, 16, 10)]
@@ -545,7 +545,7 @@ def _record(gaps: list[float]) -> RequestRecord:
 
 
 def test_warmup_is_the_first_gaps_excess_over_the_steady_gap_fitted_to_the_taper():
-    from kvmesh.loadgen.sim.overheads import fit_warmup, warmup_of
+    from kvmesh.sim.overheads import fit_warmup, warmup_of
 
     steady = [0.002] * 11
     tapered = [0.002 + 0.0008 * w for w in (1.0, 0.75, 0.5, 0.25)]
@@ -561,7 +561,7 @@ def test_warmup_is_the_first_gaps_excess_over_the_steady_gap_fitted_to_the_taper
 
 @pytest.mark.slow  # seconds: left out of make test-fast
 def test_fit_probe_measures_the_warm_up_on_the_long_prompts():
-    from kvmesh.loadgen.sim.calibrate import fit_probe, pool_probe_runs
+    from kvmesh.sim.calibrate import fit_probe, pool_probe_runs
 
     truth = _cpu(request_overhead_s=0.02, decode_warmup_s=0.0006, colocated_warmup_s=0.001)
     run = {m: simulated_probe(m, truth) for m in ("colocated", "disagg")}

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 from kvmesh.loadgen.serve_metrics import RequestRecord
-from kvmesh.loadgen.sim.cluster import simulate
-from kvmesh.loadgen.sim.cost import CostModel
-from kvmesh.loadgen.sim.engine_timings import EngineTimings, merge_scrapes
-from kvmesh.loadgen.sim.per_request import by_load, format_pairs, in_flight_at, pair
-from kvmesh.loadgen.sim.specs import DeviceSpec, load_model
-from kvmesh.loadgen.sim.topology import Topology
-from kvmesh.loadgen.sim.workload import SimRequest
+from kvmesh.sim.cluster import simulate
+from kvmesh.sim.cost import CostModel
+from kvmesh.sim.engine_timings import EngineTimings, merge_scrapes
+from kvmesh.sim.per_request import by_load, format_pairs, in_flight_at, pair
+from kvmesh.sim.specs import DeviceSpec, load_model
+from kvmesh.sim.topology import Topology
+from kvmesh.sim.workload import SimRequest
 
 
 def _record(index: int, send: float, times: tuple[float, ...], prompt: int = 100) -> RequestRecord:
@@ -108,7 +108,7 @@ def test_simulated_timings_count_engine_steps_chunks_and_queue_waits():
 
 
 def test_long_prompt_check_compares_median_ttft_with_the_simulated_one():
-    from kvmesh.loadgen.sim.overheads import check_long
+    from kvmesh.sim.overheads import check_long
 
     # a 1024-token prompt in 512-token steps of 10 ms each, reached 5 ms after it was sent
     cost = CostModel(
@@ -135,7 +135,7 @@ def _ttfts_run(ttfts: tuple[float, ...], gap: float = 0.01) -> list[RequestRecor
 
 
 def test_pooled_summary_takes_percentiles_over_every_runs_records():
-    from kvmesh.loadgen.sim.validate import pooled_summary
+    from kvmesh.sim.validate import pooled_summary
 
     one = _ttfts_run((0.010, 0.020, 0.030))
     two = _ttfts_run((0.100, 0.110, 0.120, 0.130, 0.140))
@@ -149,7 +149,7 @@ def test_pooled_summary_takes_percentiles_over_every_runs_records():
 
 
 def test_within_counts_ratios_inside_the_tolerance():
-    from kvmesh.loadgen.sim.validate import within
+    from kvmesh.sim.validate import within
 
     values = {"a": 0.75, "b": 1.25, "c": 0.74, "d": 1.26, "e": None, "f": 1.0}
     assert within(values) == 3
@@ -157,7 +157,7 @@ def test_within_counts_ratios_inside_the_tolerance():
 
 
 def _comparison(runs: list[list[RequestRecord]], timings: list[EngineTimings | None]):
-    from kvmesh.loadgen.sim.validate import RealRun, comparison
+    from kvmesh.sim.validate import RealRun, comparison
 
     cost = CostModel(
         load_model("kvmesh-tiny"), DeviceSpec("fixed", 1e30, 1e30, 1e30, 1e30, step_overhead_s=0.01)
@@ -198,7 +198,7 @@ def test_comparison_pools_the_real_runs_and_keeps_each_runs_ratios():
 
 def test_comparison_of_one_run_is_the_plain_comparison():
     from kvmesh.loadgen.serve_metrics import summarize
-    from kvmesh.loadgen.sim.validate import ratios
+    from kvmesh.sim.validate import ratios
 
     run = _ttfts_run((0.010, 0.030, 0.020))
     c, sim = _comparison([run], [None])
@@ -210,7 +210,7 @@ def test_comparison_of_one_run_is_the_plain_comparison():
 def test_validation_tables_show_each_run_the_range_and_the_pooled_count():
     import json
 
-    from kvmesh.loadgen.sim.validate import format_comparisons, format_runs, records_json
+    from kvmesh.sim.validate import format_comparisons, format_runs, records_json
 
     c, _ = _comparison([_ttfts_run((0.010,) * 3), _ttfts_run((0.020, 0.020, 0.040))], [None, None])
     runs = format_runs([c])
@@ -226,7 +226,7 @@ def test_validation_tables_show_each_run_the_range_and_the_pooled_count():
 
 
 def test_compare_refuses_no_repeats():
-    from kvmesh.loadgen.sim.validate import serve
+    from kvmesh.sim.validate import serve
 
     with pytest.raises(ValueError, match="at least 1"):
         serve(None, ("colocated",), repeats=0)  # type: ignore[arg-type]

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from kvmesh.loadgen.arrivals import ArrivalProcess
-from kvmesh.loadgen.sim.cost import CostModel
-from kvmesh.loadgen.sim.planner import evaluate, explain, plan
-from kvmesh.loadgen.sim.sla import Sla
-from kvmesh.loadgen.sim.specs import load_device, load_model
-from kvmesh.loadgen.sim.topology import Topology
-from kvmesh.loadgen.sim.workload import synthetic
 from kvmesh.loadgen.workload import LengthSpec
+from kvmesh.sim.cost import CostModel
+from kvmesh.sim.planner import evaluate, explain, plan
+from kvmesh.sim.sla import Sla
+from kvmesh.sim.specs import load_device, load_model
+from kvmesh.sim.topology import Topology
+from kvmesh.sim.workload import synthetic
 
 COST = CostModel(load_model("llama-3-8b"), load_device("h100"))
 SLA = Sla(ttft_ms=1500, itl_ms=30)

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 from kvmesh.loadgen.arrivals import ArrivalProcess
-from kvmesh.loadgen.sim.cluster import simulate
-from kvmesh.loadgen.sim.cost import CostModel
-from kvmesh.loadgen.sim.specs import DeviceSpec, load_model
-from kvmesh.loadgen.sim.topology import Topology
-from kvmesh.loadgen.sim.workload import synthetic
 from kvmesh.loadgen.workload import LengthSpec
+from kvmesh.sim.cluster import simulate
+from kvmesh.sim.cost import CostModel
+from kvmesh.sim.specs import DeviceSpec, load_model
+from kvmesh.sim.topology import Topology
+from kvmesh.sim.workload import synthetic
 
 # compute and memory are free; every step costs its 1 s overhead: a deterministic server
 FIXED = DeviceSpec("fixed", 1e30, 1e30, 1e30, 1e30, step_overhead_s=1.0)

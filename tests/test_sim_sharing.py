@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import pytest
-from kvmesh.loadgen.sim.cluster import simulate
-from kvmesh.loadgen.sim.cost import CostModel
-from kvmesh.loadgen.sim.sharing import Share, SharedHost
-from kvmesh.loadgen.sim.specs import DeviceSpec, load_model
-from kvmesh.loadgen.sim.topology import Topology
-from kvmesh.loadgen.sim.validate import mesh_topology
-from kvmesh.loadgen.sim.workload import SimRequest
+from kvmesh.sim.cluster import simulate
+from kvmesh.sim.cost import CostModel
+from kvmesh.sim.sharing import Share, SharedHost
+from kvmesh.sim.specs import DeviceSpec, load_model
+from kvmesh.sim.topology import Topology
+from kvmesh.sim.validate import mesh_topology
+from kvmesh.sim.workload import SimRequest
 
 DECODE, PREFILL = 0, 1
 

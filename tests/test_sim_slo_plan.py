@@ -12,13 +12,13 @@ import orjson
 import pytest
 from kvmesh.loadgen import workload as bench_workload
 from kvmesh.loadgen.bench_serve_config import ServeBenchConfig
-from kvmesh.loadgen.sim import slo_plan
-from kvmesh.loadgen.sim.cost import CostModel
-from kvmesh.loadgen.sim.specs import load_device, load_model
-from kvmesh.loadgen.sim.topology import Topology
-from kvmesh.loadgen.sim.worker import SimSeq, Worker
-from kvmesh.loadgen.sim.workload import SimRequest
 from kvmesh.loadgen.slo_attainment import SloObjective, SweepPoint, TargetGoodput
+from kvmesh.sim import slo_plan
+from kvmesh.sim.cost import CostModel
+from kvmesh.sim.specs import load_device, load_model
+from kvmesh.sim.topology import Topology
+from kvmesh.sim.worker import SimSeq, Worker
+from kvmesh.sim.workload import SimRequest
 
 from kvmesh.cli import main
 from kvmesh.commands import sim_workload
@@ -199,8 +199,8 @@ def test_a_colocated_step_without_decodes_gives_the_oldest_prompt_the_no_decode_
 
 
 def test_the_mesh_twin_uses_the_decode_workers_no_decode_default():
-    from kvmesh.loadgen.sim.validate_compare import MESH_NO_DECODE_TOKENS
     from kvmesh.services.decode.config import DecodeConfig
+    from kvmesh.sim.validate_compare import MESH_NO_DECODE_TOKENS
 
     default = DecodeConfig.__dataclass_fields__["max_num_batched_tokens_no_decode"].default
     assert default == MESH_NO_DECODE_TOKENS

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from kvmesh.loadgen.sim.specs import (
+from kvmesh.sim.specs import (
     DeviceSpec,
     SpecError,
     builtin_names,

@@ -12,11 +12,11 @@ import json
 import pytest
 from kvmesh.loadgen.bench_serve_config import ServeBenchConfig
 from kvmesh.loadgen.serve_metrics import RequestRecord
-from kvmesh.loadgen.sim import validate
-from kvmesh.loadgen.sim.cluster import simulate
-from kvmesh.loadgen.sim.cost import CostModel
-from kvmesh.loadgen.sim.specs import DeviceSpec, load_model
-from kvmesh.loadgen.sim.validate import (
+from kvmesh.sim import validate
+from kvmesh.sim.cluster import simulate
+from kvmesh.sim.cost import CostModel
+from kvmesh.sim.specs import DeviceSpec, load_model
+from kvmesh.sim.validate import (
     RealRun,
     SetAside,
     Steal,
@@ -28,7 +28,7 @@ from kvmesh.loadgen.sim.validate import (
     pooled_summary,
     records_json,
 )
-from kvmesh.loadgen.sim.workload import SimRequest
+from kvmesh.sim.workload import SimRequest
 from support.sim_probe_fakes import cpu_like, simulated_probe
 
 TINY = load_model("kvmesh-tiny")
@@ -186,7 +186,7 @@ def test_a_run_without_its_probe_is_refused(monkeypatch):
 
 @pytest.mark.slow  # seconds: left out of make test-fast
 def test_cli_prints_each_repeats_fit(monkeypatch, capsys, tmp_path):
-    from kvmesh.loadgen.sim.specs import write_device
+    from kvmesh.sim.specs import write_device
 
     from kvmesh.cli import main
 
@@ -223,7 +223,7 @@ def test_cli_refuses_no_repeats_with_probe_each_run(capsys):
 def test_a_typical_run_is_each_figures_median_over_the_runs():
     """One disturbed run of three moves the pooled p99 but not the typical run's figures."""
     from kvmesh.loadgen.serve_metrics import summarize
-    from kvmesh.loadgen.sim.validate import median_summary_ratios
+    from kvmesh.sim.validate import median_summary_ratios
 
     def run(gap: float, ttft: float) -> list[RequestRecord]:
         return [
@@ -248,7 +248,7 @@ def test_a_typical_run_is_each_figures_median_over_the_runs():
 
 def test_each_runs_cpu_steal_is_printed_beside_its_ratios():
     """A repeat the hypervisor slowed during its workload but not during its probes shows it."""
-    from kvmesh.loadgen.sim.validate import comparison
+    from kvmesh.sim.validate import comparison
 
     sim = simulate(mesh_topology("colocated", _mesh(0.01)), _mesh(0.01), REQUESTS)
     runs = [
@@ -316,7 +316,7 @@ def test_a_disturbed_repeat_is_kept_and_flagged_when_no_redo_is_left():
 
 
 def test_cli_prints_the_repeats_served_again(monkeypatch, capsys, tmp_path):
-    from kvmesh.loadgen.sim.specs import write_device
+    from kvmesh.sim.specs import write_device
 
     from kvmesh.cli import main
 

@@ -28,14 +28,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvmesh.commands import sim_report, sim_slo, sim_workload
-from kvmesh.loadgen.sim.specs import SPEC_DIR
+from kvmesh.sim.specs import SPEC_DIR
 
 if TYPE_CHECKING:
-    from kvmesh.loadgen.sim.cost import CostModel
-    from kvmesh.loadgen.sim.sla import Sla
-    from kvmesh.loadgen.sim.specs import ModelSpec
-    from kvmesh.loadgen.sim.topology import Mode, Topology
-    from kvmesh.loadgen.sim.workload import SimRequest
+    from kvmesh.sim.cost import CostModel
+    from kvmesh.sim.sla import Sla
+    from kvmesh.sim.specs import ModelSpec
+    from kvmesh.sim.topology import Mode, Topology
+    from kvmesh.sim.workload import SimRequest
 
 DEFAULT_CPU_SPEC = SPEC_DIR / "devices" / "cpu.json"
 
@@ -173,7 +173,7 @@ def _fail(message: str) -> int:
 
 
 def _sla(text: str) -> Sla:
-    from kvmesh.loadgen.sim.sla import Sla
+    from kvmesh.sim.sla import Sla
 
     values = {}
     for part in filter(None, (x.strip() for x in text.split(","))):
@@ -192,9 +192,9 @@ def _requests(args: argparse.Namespace) -> list[SimRequest]:
 
 def run(args: argparse.Namespace) -> int:
     from kvmesh.loadgen.arrivals import TraceError
-    from kvmesh.loadgen.sim.cost import CostModel
-    from kvmesh.loadgen.sim.specs import SpecError, load_device, load_model
     from kvmesh.loadgen.workload import WorkloadError
+    from kvmesh.sim.cost import CostModel
+    from kvmesh.sim.specs import SpecError, load_device, load_model
 
     try:
         model = load_model(args.model)
@@ -227,7 +227,7 @@ def _topology(
     """The topology of ``--mode``, ``--prefill``, ``--decode`` and ``--chunk-tokens``; with
     ``mode``, that mode with ``num_prefill``, ``num_decode`` and ``chunk_tokens`` instead. The
     rest (``--max-num-seqs``, ``--tp``, ...) from ``args`` either way."""
-    from kvmesh.loadgen.sim.topology import Topology
+    from kvmesh.sim.topology import Topology
 
     if mode is None:
         mode, num_decode = args.mode, args.decode
@@ -246,8 +246,8 @@ def _topology(
 
 
 def _one(args: argparse.Namespace, cost: CostModel, requests: list[SimRequest], sla: Sla) -> int:
-    from kvmesh.loadgen.sim.cluster import simulate
-    from kvmesh.loadgen.sim.report import format_table, result_row
+    from kvmesh.sim.cluster import simulate
+    from kvmesh.sim.report import format_table, result_row
 
     topology = _topology(args)
     result = simulate(topology, cost, requests, sla.slo)
@@ -257,9 +257,9 @@ def _one(args: argparse.Namespace, cost: CostModel, requests: list[SimRequest], 
 
 
 def _plan(args: argparse.Namespace, cost: CostModel, requests: list[SimRequest], sla: Sla) -> int:
-    from kvmesh.loadgen.sim import planner
-    from kvmesh.loadgen.sim.cluster import simulate
-    from kvmesh.loadgen.sim.report import format_table, result_row
+    from kvmesh.sim import planner
+    from kvmesh.sim.cluster import simulate
+    from kvmesh.sim.report import format_table, result_row
 
     workers = args.gpus // args.tp
     chunk = args.chunk_tokens or 2048
@@ -280,7 +280,7 @@ def _plan(args: argparse.Namespace, cost: CostModel, requests: list[SimRequest],
     print("every split at chunk", chunk)
     print(format_table([result_row(c.topology.label, c.result, sla) for c in plan.splits]))
     if args.plot_dir is not None:
-        from kvmesh.loadgen.sim import plots
+        from kvmesh.sim import plots
 
         args.plot_dir.mkdir(parents=True, exist_ok=True)
         runs = {t.label: r.records for t, r in baselines}
@@ -295,10 +295,10 @@ def _plan(args: argparse.Namespace, cost: CostModel, requests: list[SimRequest],
 
 
 def _calibrate(args: argparse.Namespace, model: ModelSpec) -> int:
-    from kvmesh.loadgen.sim.calibrate import calibrate
-    from kvmesh.loadgen.sim.fit import FitError
-    from kvmesh.loadgen.sim.overheads import OverheadFitError
-    from kvmesh.loadgen.sim.specs import write_device
+    from kvmesh.sim.calibrate import calibrate
+    from kvmesh.sim.fit import FitError
+    from kvmesh.sim.overheads import OverheadFitError
+    from kvmesh.sim.specs import write_device
 
     if args.probe_runs < 1:
         return _fail(f"--probe-runs must be at least 1, got {args.probe_runs}")
@@ -322,8 +322,8 @@ def _calibrate(args: argparse.Namespace, model: ModelSpec) -> int:
 
 def _validate(args: argparse.Namespace, cost: CostModel, requests: list[SimRequest]) -> int:
     from kvmesh.loadgen.bench_serve_config import ServeBenchConfig
-    from kvmesh.loadgen.sim import validate
-    from kvmesh.loadgen.sim.overheads import OverheadFitError
+    from kvmesh.sim import validate
+    from kvmesh.sim.overheads import OverheadFitError
 
     if args.trace is not None:
         return _fail("--validate runs a synthetic workload; leave out --trace")

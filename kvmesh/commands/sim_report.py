@@ -12,14 +12,14 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvmesh.loadgen.sim.calibrate import Calibration, ProbeRun
-    from kvmesh.loadgen.sim.cost import CostModel
-    from kvmesh.loadgen.sim.engine_scale import EngineScale, EngineScaleFit
-    from kvmesh.loadgen.sim.overheads import MeshOverheads, OverheadFit
-    from kvmesh.loadgen.sim.sla import Sla
-    from kvmesh.loadgen.sim.specs import DeviceSpec, ModelSpec
-    from kvmesh.loadgen.sim.validate import Comparison, RunFit, Served
-    from kvmesh.loadgen.sim.workload import SimRequest
+    from kvmesh.sim.calibrate import Calibration, ProbeRun
+    from kvmesh.sim.cost import CostModel
+    from kvmesh.sim.engine_scale import EngineScale, EngineScaleFit
+    from kvmesh.sim.overheads import MeshOverheads, OverheadFit
+    from kvmesh.sim.sla import Sla
+    from kvmesh.sim.specs import DeviceSpec, ModelSpec
+    from kvmesh.sim.validate import Comparison, RunFit, Served
+    from kvmesh.sim.workload import SimRequest
 
 
 def assumptions(cost: CostModel, requests: Sequence[SimRequest], sla: Sla) -> str:
@@ -86,7 +86,7 @@ def print_residuals(
 def print_probe_runs(runs: Sequence[ProbeRun]) -> None:
     """Each probe run's figures and the scale and overheads fitted to it alone: the spread that
     the fit to the medians (below) smooths."""
-    from kvmesh.loadgen.sim.engine_scale import role_means
+    from kvmesh.sim.engine_scale import role_means
 
     n = len(runs)
     print(f"\nmesh probe, {n} runs (the fit below is to each figure's median over them):")
@@ -189,7 +189,7 @@ def print_engine_scale(scaled: EngineScaleFit) -> None:
 
 
 def print_mesh_fit(mesh: OverheadFit) -> None:
-    from kvmesh.loadgen.sim.cost import WARMUP_STEPS
+    from kvmesh.sim.cost import WARMUP_STEPS
 
     o = mesh.overheads
     print("\nmesh probe (simulated with the overheads below):")
@@ -336,8 +336,8 @@ def print_run_fits(fits: Sequence[RunFit]) -> None:
 def print_per_request(comparisons: Sequence[Comparison]) -> None:
     """``--per-request``: each real run's requests beside their simulated counterparts, then
     each mode's engine means from the mesh's /metrics and from the simulation."""
-    from kvmesh.loadgen.sim.engine_timings import format_timings
-    from kvmesh.loadgen.sim.per_request import format_pairs, pair
+    from kvmesh.sim.engine_timings import format_timings
+    from kvmesh.sim.per_request import format_pairs, pair
 
     for c in comparisons:
         for k, run in enumerate(c.real_runs):

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvmesh.loadgen.sim.cost import CostModel
-    from kvmesh.loadgen.sim.topology import Topology
+    from kvmesh.sim.cost import CostModel
+    from kvmesh.sim.topology import Topology
 
 
 def register(p: argparse.ArgumentParser) -> None:
@@ -55,8 +55,8 @@ def candidates(args: argparse.Namespace, cost: CostModel) -> tuple[dict[str, Top
     """The labelled topologies to compare and the cores (devices) goodput is divided by."""
     from dataclasses import replace
 
-    from kvmesh.loadgen.sim.topology import Topology
-    from kvmesh.loadgen.sim.validate_compare import mesh_topology
+    from kvmesh.sim.topology import Topology
+    from kvmesh.sim.validate_compare import mesh_topology
 
     device = cost.device
     if device.cores > 1 or device.name.startswith("cpu"):
@@ -88,7 +88,7 @@ def run(args: argparse.Namespace, cost: CostModel) -> int:
 
     from kvmesh.commands import sim_workload
     from kvmesh.loadgen import slo_attainment
-    from kvmesh.loadgen.sim import slo_plan
+    from kvmesh.sim import slo_plan
 
     measured = None
     base = scales = rates = None

@@ -17,7 +17,7 @@ from kvmesh.loadgen.arrivals import ARRIVAL_KINDS
 from kvmesh.loadgen.length_dist import LENGTH_KINDS
 
 if TYPE_CHECKING:
-    from kvmesh.loadgen.sim.workload import SimRequest
+    from kvmesh.sim.workload import SimRequest
 
 SIM_DEFAULTS: dict[str, Any] = {
     "num_requests": 300,
@@ -89,8 +89,8 @@ def requests(args: argparse.Namespace, rate: float | None = None) -> list[SimReq
     ``--request-rate``); a trace's own times when ``--trace`` is given."""
     from kvmesh.loadgen.arrivals import ArrivalProcess
     from kvmesh.loadgen.length_dist import LengthDistribution
-    from kvmesh.loadgen.sim import workload
     from kvmesh.loadgen.workload import LengthSpec
+    from kvmesh.sim import workload
 
     if args.trace is not None:
         return workload.from_trace(args.trace, args.num_requests)

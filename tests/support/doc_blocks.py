@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-SOURCE_FOLDERS = ("shared", "services", "kvmesh", "kernels", "loadgen")
+SOURCE_FOLDERS = ("shared", "services", "kvmesh", "kernels", "loadgen", "sim")
 
 
 def fenced_block(doc: str, opening: str) -> str:

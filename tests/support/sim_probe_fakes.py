@@ -4,13 +4,13 @@ stands in for the real mesh)."""
 
 from __future__ import annotations
 
-from kvmesh.loadgen.sim.cluster import simulate
-from kvmesh.loadgen.sim.cost import CostModel
-from kvmesh.loadgen.sim.engine_scale import simulate_probe_timings
-from kvmesh.loadgen.sim.probe import ProbeRecords, long_requests, probe_requests
-from kvmesh.loadgen.sim.specs import DeviceSpec, load_model
-from kvmesh.loadgen.sim.topology import Topology
-from kvmesh.loadgen.sim.validate import mesh_topology
+from kvmesh.sim.cluster import simulate
+from kvmesh.sim.cost import CostModel
+from kvmesh.sim.engine_scale import simulate_probe_timings
+from kvmesh.sim.probe import ProbeRecords, long_requests, probe_requests
+from kvmesh.sim.specs import DeviceSpec, load_model
+from kvmesh.sim.topology import Topology
+from kvmesh.sim.validate import mesh_topology
 
 
 def fixed_steps(**fields: float) -> CostModel:

@@ -24,10 +24,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvmesh.loadgen.serve_metrics import RequestRecord
-from kvmesh.loadgen.sim.cluster import simulate
-from kvmesh.loadgen.sim.cost import CostModel
-from kvmesh.loadgen.sim.topology import Topology
-from kvmesh.loadgen.sim.workload import SimRequest
 from kvmesh.loadgen.slo_attainment import (
     DEFAULT_SCALES,
     DEFAULT_TARGET,
@@ -38,6 +34,10 @@ from kvmesh.loadgen.slo_attainment import (
 from kvmesh.loadgen.slo_attainment import (
     sweep as attainment_sweep,
 )
+from kvmesh.sim.cluster import simulate
+from kvmesh.sim.cost import CostModel
+from kvmesh.sim.topology import Topology
+from kvmesh.sim.workload import SimRequest
 
 TOLERANCE = 0.25
 

@@ -43,8 +43,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvmesh.loadgen.bench_serve_config import ServeBenchConfig
-from kvmesh.loadgen.sim.real_runs import RealRun, Steal, run_real, scrape
-from kvmesh.loadgen.sim.validate_compare import (
+from kvmesh.sim.real_runs import RealRun, Steal, run_real, scrape
+from kvmesh.sim.validate_compare import (
     FITS,
     MESH_CHUNK_TOKENS,
     MESH_KV_CACHE_BYTES,
@@ -65,7 +65,7 @@ from kvmesh.loadgen.sim.validate_compare import (
     ratios,
     within,
 )
-from kvmesh.loadgen.sim.validate_report import format_comparisons, format_runs, records_json
+from kvmesh.sim.validate_report import format_comparisons, format_runs, records_json
 
 
 def disturbed(run: RealRun, max_steal: float) -> bool:

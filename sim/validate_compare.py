@@ -12,16 +12,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from kvmesh.loadgen.serve_metrics import RequestRecord, Summary, summarize
-from kvmesh.loadgen.sim.cluster import SimResult, simulate
-from kvmesh.loadgen.sim.cost import CostModel
-from kvmesh.loadgen.sim.engine_scale import EngineScale, EngineScaleFit
-from kvmesh.loadgen.sim.engine_timings import EngineTimings, pooled
-from kvmesh.loadgen.sim.overheads import MeshOverheads, OverheadFit
-from kvmesh.loadgen.sim.probe import ProbeRecords
-from kvmesh.loadgen.sim.real_runs import RealRun, Steal
-from kvmesh.loadgen.sim.specs import DeviceSpec
-from kvmesh.loadgen.sim.topology import Topology
-from kvmesh.loadgen.sim.workload import SimRequest
+from kvmesh.sim.cluster import SimResult, simulate
+from kvmesh.sim.cost import CostModel
+from kvmesh.sim.engine_scale import EngineScale, EngineScaleFit
+from kvmesh.sim.engine_timings import EngineTimings, pooled
+from kvmesh.sim.overheads import MeshOverheads, OverheadFit
+from kvmesh.sim.probe import ProbeRecords
+from kvmesh.sim.real_runs import RealRun, Steal
+from kvmesh.sim.specs import DeviceSpec
+from kvmesh.sim.topology import Topology
+from kvmesh.sim.workload import SimRequest
 
 MESH_CHUNK_TOKENS = 512  # decode/colocated --max-num-batched-tokens and prefill --chunk-tokens
 MESH_MAX_NUM_SEQS = 64
@@ -182,7 +182,7 @@ def fit_run(cost: CostModel, probe_runs: Sequence[Mapping[str, ProbeRecords]]) -
     """The engine scale and mesh overheads fitted to the median of ``probe_runs`` (each a probe
     by mode) on ``cost``'s engine figures (its own scales and overheads are not used), applied
     as ``calibrate.calibrate`` applies them: the scale, then the overheads."""
-    from kvmesh.loadgen.sim.calibrate import fit_probe, pool_probe_runs
+    from kvmesh.sim.calibrate import fit_probe, pool_probe_runs
 
     engine = engine_only(cost.device)
     mesh, scaled = fit_probe(engine, cost.model, pool_probe_runs(list(probe_runs)))

@@ -26,7 +26,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
 
-from kvmesh.loadgen.sim.cost import Slice
+from kvmesh.sim.cost import Slice
 
 Role = Literal["colocated", "prefill", "decode"]
 

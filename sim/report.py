@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvmesh.loadgen.serve_metrics import Stats
-from kvmesh.loadgen.sim.cluster import SimResult
-from kvmesh.loadgen.sim.sla import Sla
+from kvmesh.sim.cluster import SimResult
+from kvmesh.sim.sla import Sla
 
 
 def _ms(stats: Stats | None, attr: str) -> str:

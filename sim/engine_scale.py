@@ -49,12 +49,12 @@ import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from kvmesh.loadgen.sim.cluster import simulate
-from kvmesh.loadgen.sim.cost import CostModel
-from kvmesh.loadgen.sim.engine_timings import EngineTimings, pooled
-from kvmesh.loadgen.sim.probe import long_requests, probe_requests
-from kvmesh.loadgen.sim.specs import DeviceSpec
-from kvmesh.loadgen.sim.topology import Topology
+from kvmesh.sim.cluster import simulate
+from kvmesh.sim.cost import CostModel
+from kvmesh.sim.engine_timings import EngineTimings, pooled
+from kvmesh.sim.probe import long_requests, probe_requests
+from kvmesh.sim.specs import DeviceSpec
+from kvmesh.sim.topology import Topology
 
 ROUNDS = 10
 ROLES = ("colocated", "colocated_chunk", "decode", "decode_long", "prefill")  # the figures

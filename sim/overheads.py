@@ -58,8 +58,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvmesh.loadgen.serve_metrics import RequestRecord
-from kvmesh.loadgen.sim.cluster import simulate
-from kvmesh.loadgen.sim.cost import (
+from kvmesh.sim.cluster import simulate
+from kvmesh.sim.cost import (
     WARMUP_STEPS,
     CostModel,
     jitter_quantiles,
@@ -67,9 +67,9 @@ from kvmesh.loadgen.sim.cost import (
     quantile_mean,
     warmup_taper,
 )
-from kvmesh.loadgen.sim.probe import BATCH, LONG_INPUT, long_requests, probe_requests
-from kvmesh.loadgen.sim.specs import PACE_KNOT_NAMES, PACE_QUANTILES, DeviceSpec
-from kvmesh.loadgen.sim.topology import Topology
+from kvmesh.sim.probe import BATCH, LONG_INPUT, long_requests, probe_requests
+from kvmesh.sim.specs import PACE_KNOT_NAMES, PACE_QUANTILES, DeviceSpec
+from kvmesh.sim.topology import Topology
 
 ROUNDS = 8
 WARN_RELATIVE_ERROR = 0.25  # a figure the fitted simulator misses by more is reported

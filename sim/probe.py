@@ -40,8 +40,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvmesh.loadgen.serve_metrics import RequestRecord
-from kvmesh.loadgen.sim.engine_timings import EngineTimings, pooled
-from kvmesh.loadgen.sim.workload import SimRequest
+from kvmesh.sim.engine_timings import EngineTimings, pooled
+from kvmesh.sim.workload import SimRequest
 
 PROBE_INPUT = 64
 ISOLATED = 8
@@ -104,9 +104,9 @@ def serve_probe(
     ``run_probe`` so that ``--validate --probe-each-run`` can probe the very mesh it then
     validates on. ``seed`` draws the prompts: a second probe on the same mesh takes another, so
     that none of its prompts is in the prefix cache."""
-    from kvmesh.loadgen.sim.validate import scrape
     from kvmesh.loadgen.sse_client import Endpoint, run_requests
     from kvmesh.loadgen.workload import Prompt
+    from kvmesh.sim.validate import scrape
 
     rng = random.Random(seed)
     # one prompt per request and one for the warm-up: none is in the prefix cache when sent

@@ -43,7 +43,7 @@ import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from kvmesh.loadgen.sim.specs import PACE_QUANTILES, DeviceSpec, ModelSpec
+from kvmesh.sim.specs import PACE_QUANTILES, DeviceSpec, ModelSpec
 
 WAKE_AFTER_S = 0.2  # a worker idle this long pays its wake term on its next step
 WARMUP_STEPS = 4  # a sequence's first decode steps pay its role's warm-up term, tapering

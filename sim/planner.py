@@ -15,11 +15,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from kvmesh.loadgen.sim.cluster import SimResult, simulate
-from kvmesh.loadgen.sim.cost import CostModel
-from kvmesh.loadgen.sim.sla import Sla
-from kvmesh.loadgen.sim.topology import Topology
-from kvmesh.loadgen.sim.workload import SimRequest
+from kvmesh.sim.cluster import SimResult, simulate
+from kvmesh.sim.cost import CostModel
+from kvmesh.sim.sla import Sla
+from kvmesh.sim.topology import Topology
+from kvmesh.sim.workload import SimRequest
 
 DEFAULT_CHUNKS = (1024, 2048, 4096, 8192)
 

@@ -24,8 +24,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvmesh.loadgen.sim.cost import CostModel, Slice
-from kvmesh.loadgen.sim.specs import DeviceSpec, ModelSpec
+from kvmesh.sim.cost import CostModel, Slice
+from kvmesh.sim.specs import DeviceSpec, ModelSpec
 
 _BANDWIDTH_GRID = (1e7, 1e14)  # bytes/s searched for the decode fit
 MAX_RELATIVE_ERROR = 0.5  # a point the fit misses by more is refused, not written

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from kvmesh.loadgen import plots
 from kvmesh.loadgen.serve_metrics import RequestRecord
-from kvmesh.loadgen.sim.planner import Candidate
+from kvmesh.sim.planner import Candidate
 
 
 def itl_over_time(runs: Mapping[str, Sequence[RequestRecord]], path: Path) -> Path:

@@ -42,12 +42,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvmesh.loadgen.serve_metrics import RequestRecord, Slo, Summary, summarize
-from kvmesh.loadgen.sim.cost import WAKE_AFTER_S, CostModel, StepCost
-from kvmesh.loadgen.sim.engine_timings import EngineTimings
-from kvmesh.loadgen.sim.sharing import Share, SharedHost
-from kvmesh.loadgen.sim.topology import Topology
-from kvmesh.loadgen.sim.worker import SimSeq, Work, Worker
-from kvmesh.loadgen.sim.workload import SimRequest
+from kvmesh.sim.cost import WAKE_AFTER_S, CostModel, StepCost
+from kvmesh.sim.engine_timings import EngineTimings
+from kvmesh.sim.sharing import Share, SharedHost
+from kvmesh.sim.topology import Topology
+from kvmesh.sim.worker import SimSeq, Work, Worker
+from kvmesh.sim.workload import SimRequest
 
 _ARRIVAL, _STEP_DONE, _KV_LANDED, _WAKE, _JOB_SENT = range(5)
 GOLDEN = (math.sqrt(5) - 1) / 2

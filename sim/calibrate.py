@@ -42,17 +42,17 @@ from pathlib import Path
 from typing import Any
 
 from kvmesh.loadgen.serve_metrics import RequestRecord
-from kvmesh.loadgen.sim.engine_scale import EngineScale, EngineScaleFit, PhaseTimings, median_phases
-from kvmesh.loadgen.sim.fit import DecodePoint, Fit, PrefillPoint, fit_costs
-from kvmesh.loadgen.sim.overheads import (
+from kvmesh.sim.engine_scale import EngineScale, EngineScaleFit, PhaseTimings, median_phases
+from kvmesh.sim.fit import DecodePoint, Fit, PrefillPoint, fit_costs
+from kvmesh.sim.overheads import (
     Jitter,
     MeshOverheads,
     OverheadFit,
     ProbeFigures,
     mode_jitters,
 )
-from kvmesh.loadgen.sim.probe import ProbeRecords
-from kvmesh.loadgen.sim.specs import DeviceSpec, ModelSpec
+from kvmesh.sim.probe import ProbeRecords
+from kvmesh.sim.specs import DeviceSpec, ModelSpec
 
 _SIZE = re.compile(r"^\s*([\d.]+)\s*([KMG]?)(i?B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -329,7 +329,7 @@ def probe_mesh(
     fit the engine's slowdown in the mesh to its workers' /metrics (None where they could not
     be read), then the overheads to its requests with the scaled engine, to the runs' medians.
     With several runs, each run's figures and its own fits come back too (else ``()``)."""
-    from kvmesh.loadgen.sim.probe import run_probe
+    from kvmesh.sim.probe import run_probe
 
     if runs < 1:
         raise ValueError(f"--probe-runs must be at least 1, got {runs}")
@@ -361,10 +361,10 @@ def fit_probe(
 ) -> tuple[OverheadFit, EngineScaleFit | None]:
     """The engine scale (where the probe has /metrics), then the overheads with it, fitted to
     ``probe``'s figures; with ``checks``, the long prompts' TTFT checked on the result."""
-    from kvmesh.loadgen.sim.cost import CostModel
-    from kvmesh.loadgen.sim.engine_scale import fit_engine_scale, simulate_probe_timings
-    from kvmesh.loadgen.sim.overheads import check_long, fit_overheads, fit_wake, fit_warmup
-    from kvmesh.loadgen.sim.validate import mesh_topology
+    from kvmesh.sim.cost import CostModel
+    from kvmesh.sim.engine_scale import fit_engine_scale, simulate_probe_timings
+    from kvmesh.sim.overheads import check_long, fit_overheads, fit_wake, fit_warmup
+    from kvmesh.sim.validate import mesh_topology
 
     scaled = None
     colocated_jitter, jitter = mode_jitters(probe.jitter)

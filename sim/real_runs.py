@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 from kvmesh.loadgen.bench_serve_config import ServeBenchConfig
 from kvmesh.loadgen.serve_metrics import RequestRecord
-from kvmesh.loadgen.sim.engine_timings import EngineTimings, merge_scrapes
-from kvmesh.loadgen.sim.probe import ProbeRecords
+from kvmesh.sim.engine_timings import EngineTimings, merge_scrapes
+from kvmesh.sim.probe import ProbeRecords
 
 
 def scrape(urls: list[str]) -> dict[str, float] | None:
@@ -65,8 +65,8 @@ def run_real(config: ServeBenchConfig, mode: str, probe: bool = False) -> RealRu
     from kvmesh.loadgen.arrivals import ArrivalProcess, arrival_times
     from kvmesh.loadgen.bench_serve import build_workload
     from kvmesh.loadgen.cpu_steal import CpuTimes, read_cpu_times, steal_share, steal_share_over
-    from kvmesh.loadgen.sim.probe import serve_probe
     from kvmesh.loadgen.sse_client import run_requests
+    from kvmesh.sim.probe import serve_probe
 
     from kvmesh.testing.mesh import local_mesh
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import dataclasses
 
 from kvmesh.loadgen.serve_metrics import RequestRecord
-from kvmesh.loadgen.sim.real_runs import Steal
-from kvmesh.loadgen.sim.validate_compare import TOLERANCE, Comparison, within
+from kvmesh.sim.real_runs import Steal
+from kvmesh.sim.validate_compare import TOLERANCE, Comparison, within
 
 
 def records_json(comparisons: list[Comparison]) -> str:
