@@ -74,7 +74,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def stack_settings(model: str) -> StackSettings:
     """The model as the containers see it: kvmesh-tiny, or /models/<dir> with the directory's
     parent mounted at /models; the mesh is named after it as ``kvmesh up`` names it."""
-    from kvmesh.shared.bus.subjects import mesh_from_model
+    from kvmesh.shared.config.subjects import mesh_from_model
 
     project = f"kvmeshtest{os.getpid()}"
     if model == "kvmesh-tiny":

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-from kvmesh.shared.bus.worker_config import EngineWorkerConfig
 from kvmesh.shared.config.advertise import (
     AdvertiseHostError,
     check_advertise_host,
@@ -12,6 +11,7 @@ from kvmesh.shared.config.advertise import (
     resolve_transport_hosts,
 )
 from kvmesh.shared.config.service_errors import ServiceStartError
+from kvmesh.shared.config.worker_config import EngineWorkerConfig
 from kvmesh.shared.transport import TransportConfig, create_transport
 
 

@@ -233,7 +233,7 @@ def test_dockerfile_installs_from_a_wheelhouse_or_torchs_cpu_index_then_the_proj
 
 
 def test_mesh_doc_lists_every_subject() -> None:
-    from kvmesh.shared.bus.subjects import Subjects
+    from kvmesh.shared.config.subjects import Subjects
 
     doc = (REPO / "docs" / "mesh.md").read_text()
     names = [n for n in dir(Subjects) if not n.startswith("_") and n not in ("mesh", "prefix")]
@@ -249,7 +249,7 @@ def test_nats_is_published_on_the_host_loopback_only() -> None:
 def test_nats_requires_a_user_per_role_with_the_generated_permissions() -> None:
     """deploy/nats-auth.conf is `kvmesh nats-config`'s output (no drift from the code), the NATS
     container loads it, and each service logs in as its own role."""
-    from kvmesh.shared.bus.subjects import DEFAULT_MESH, Subjects
+    from kvmesh.shared.config.subjects import DEFAULT_MESH, Subjects
 
     conf = (REPO / "deploy" / "nats-auth.conf").read_text()
     assert conf == authorization_block(Subjects(DEFAULT_MESH))

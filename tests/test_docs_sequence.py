@@ -7,7 +7,7 @@ from __future__ import annotations
 import ast
 import re
 
-from kvmesh.shared.bus.subjects import Subjects
+from kvmesh.shared.config.subjects import Subjects
 from support.doc_blocks import ROOT, SOURCE_FOLDERS, fenced_block
 
 

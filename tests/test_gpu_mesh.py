@@ -5,7 +5,7 @@ output equal to the offline engine on CUDA, token for token, and returns every b
 Only colocated: a disaggregated worker on CUDA needs the rdma transport (GPU memory registered
 as a dma-buf MR, which a real RDMA NIC can reach and SoftRoCE cannot); shm and tcp move host
 memory, have no staging through pinned host memory, and a CUDA worker with either is refused at
-startup (shared/bus/worker_config.py; docs/gpu.md).
+startup (shared/config/worker_config.py; docs/gpu.md).
 
 ``gpu``-marked: skipped without CUDA; `make gpu-check` runs it. Never yet run on real hardware.
 """

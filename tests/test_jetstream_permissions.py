@@ -20,8 +20,8 @@ import pytest
 from kvmesh.services.prefill_queue.keeper import ensure_queue
 from kvmesh.shared.bus.nats_auth import ROLES, MeshCredentials
 from kvmesh.shared.bus.nats_service import connect_nats, flush_to_server
-from kvmesh.shared.bus.prefill_queue import DURABLE, publish_job, stream_config
-from kvmesh.shared.bus.subjects import Subjects
+from kvmesh.shared.bus.prefill_job_stream import DURABLE, publish_job, stream_config
+from kvmesh.shared.config.subjects import Subjects
 from support.nats_mesh import mesh_server_fixtures
 
 subjects = Subjects("js1")

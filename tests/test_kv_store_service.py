@@ -31,7 +31,7 @@ from kvmesh.shared.bus.protocol import (
     encode_message,
 )
 from kvmesh.shared.bus.store_solicit import store_adverts_solicited
-from kvmesh.shared.bus.subjects import Subjects
+from kvmesh.shared.config.subjects import Subjects
 from kvmesh.shared.kv.kv_block_header import token_digests
 from kvmesh.shared.kv.prefix_hash import layout_root, prefix_block_hashes
 from kvmesh.shared.mesh.kv_store_client import KvStoreClient, LocalBlock, StoreTarget

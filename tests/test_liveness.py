@@ -21,8 +21,8 @@ from kvmesh.shared.bus import protocol
 from kvmesh.shared.bus.liveness import LivenessBeacon
 from kvmesh.shared.bus.nats_service import connect_nats, request_json
 from kvmesh.shared.bus.protocol import WorkerGone, WorkerHeartbeat
-from kvmesh.shared.bus.subjects import DEFAULT_MESH, Subjects
-from kvmesh.shared.bus.worker_config import ServiceConfig
+from kvmesh.shared.config.subjects import DEFAULT_MESH, Subjects
+from kvmesh.shared.config.worker_config import ServiceConfig
 from nats.aio.client import Client
 from support.registry_peers import wait_for
 

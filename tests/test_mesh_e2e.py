@@ -23,7 +23,7 @@ import orjson
 import pytest
 from kvmesh.shared.bus import protocol
 from kvmesh.shared.bus.nats_service import connect_nats, flush_to_server
-from kvmesh.shared.bus.subjects import DEFAULT_MESH, Subjects
+from kvmesh.shared.config.subjects import DEFAULT_MESH, Subjects
 from support.mesh_checks import check_blocks_returned, check_equals_offline, load
 
 from kvmesh.testing.mesh import MeshTap, complete, completion_body, local_mesh, random_prompts

@@ -100,7 +100,7 @@ async def test_admin_addresses_one_mesh_and_registry_refuses_another_model(two_m
     from kvmesh.shared.bus import protocol
     from kvmesh.shared.bus.admin_client import admin_client
     from kvmesh.shared.bus.nats_service import connect_nats
-    from kvmesh.shared.bus.subjects import Subjects
+    from kvmesh.shared.config.subjects import Subjects
 
     url = two_meshes[0]
     out = subprocess.run(

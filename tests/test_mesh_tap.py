@@ -10,8 +10,8 @@ import asyncio
 import pytest
 from kvmesh.shared.bus import protocol
 from kvmesh.shared.bus.nats_service import connect_nats, flush_to_server
-from kvmesh.shared.bus.subjects import Subjects
 from kvmesh.shared.bus.wire_ids import attempt_of
+from kvmesh.shared.config.subjects import Subjects
 
 from kvmesh.testing.mesh import MeshTap
 

@@ -21,7 +21,7 @@ import nats.js.errors
 import pytest
 from kvmesh.shared.bus.admin_client import AdminError, admin_client
 from kvmesh.shared.bus.nats_service import connect_nats
-from kvmesh.shared.bus.subjects import Subjects
+from kvmesh.shared.config.subjects import Subjects
 from support.netns_harness import netns_mesh_or_skip
 
 from kvmesh.testing.mesh import random_prompts, wait_blocks_returned

@@ -10,12 +10,12 @@ from collections.abc import Iterator
 
 import pytest
 from kvmesh.services.prefill_queue.keeper import ensure_queue
-from kvmesh.shared.bus import prefill_queue
-from kvmesh.shared.bus.nats_options import redact_url, split_nats_urls
+from kvmesh.shared.bus import prefill_job_stream
 from kvmesh.shared.bus.nats_server import ClusterSpec, NatsServer
 from kvmesh.shared.bus.nats_service import connect_nats
-from kvmesh.shared.bus.subjects import Subjects
+from kvmesh.shared.config.nats_options import redact_url, split_nats_urls
 from kvmesh.shared.config.ports import free_port
+from kvmesh.shared.config.subjects import Subjects
 
 
 def test_cluster_spec_refuses_a_bad_route():
@@ -74,14 +74,14 @@ async def test_client_reconnects_to_another_member_and_the_queue_keeps_its_jobs(
             # all three replicas, once the cluster can place them (a stream made while it was
             # still forming has one, and is scaled up: see the test below)
             await _until(lambda: _replicated(nc, subjects))
-            await prefill_queue.publish_job(nc, subjects, b"job-1")
+            await prefill_job_stream.publish_job(nc, subjects, b"job-1")
             connected = nc.connected_url.port
             [own] = [s for s in servers if s.port == connected]
             own.stop()
             await _until(lambda: _reconnected_elsewhere(nc, connected))
             # the stream kept its job (two of three replicas remain: a quorum)
             await _until(lambda: _depth_is(nc, subjects, 1))
-            await prefill_queue.publish_job(nc, subjects, b"job-2")
+            await prefill_job_stream.publish_job(nc, subjects, b"job-2")
             await _until(lambda: _depth_is(nc, subjects, 2))
 
 
@@ -98,8 +98,8 @@ async def test_a_queue_made_while_the_cluster_forms_is_scaled_up_and_keeps_its_j
         ):
             await _until(lambda: _stream_ready(keeper, subjects), timeout_s=60.0)
             assert not (await ensure_queue(keeper, subjects)).is_replicated
-            await prefill_queue.publish_job(nc, subjects, b"job-1")
-            async with prefill_queue.PrefillJobQueue(nc, subjects) as queue:
+            await prefill_job_stream.publish_job(nc, subjects, b"job-1")
+            async with prefill_job_stream.PrefillJobQueue(nc, subjects) as queue:
                 assert await _replicas(nc, subjects) == 1
                 servers[2].start()
 
@@ -108,7 +108,7 @@ async def test_a_queue_made_while_the_cluster_forms_is_scaled_up_and_keeps_its_j
                     msg = await queue.next(timeout_s=0.2)
                     if msg is not None:  # taken, not acknowledged: it stays in the stream
                         assert msg.data == b"job-1"
-                    return await _replicas(nc, subjects) == prefill_queue.CLUSTER_REPLICAS
+                    return await _replicas(nc, subjects) == prefill_job_stream.CLUSTER_REPLICAS
 
                 await _until(scaled_up, timeout_s=60.0)
             await _until(lambda: _depth_is(nc, subjects, 1))
@@ -130,11 +130,11 @@ async def _replicated(nc, subjects) -> bool:
         return False
     info = await nc.jetstream().stream_info(subjects.PREFILL_STREAM)
     followers = info.cluster.replicas or [] if info.cluster else []
-    assert info.config.num_replicas == prefill_queue.CLUSTER_REPLICAS
+    assert info.config.num_replicas == prefill_job_stream.CLUSTER_REPLICAS
     return bool(
         info.cluster
         and info.cluster.leader
-        and len(followers) == prefill_queue.CLUSTER_REPLICAS - 1
+        and len(followers) == prefill_job_stream.CLUSTER_REPLICAS - 1
         and all(r.current and not r.offline for r in followers)
     )
 
@@ -145,7 +145,7 @@ async def _stream_ready(nc, subjects) -> bool:
 
 
 async def _depth_is(nc, subjects, depth: int) -> bool:
-    return await prefill_queue.queue_depth(nc, subjects) == depth
+    return await prefill_job_stream.queue_depth(nc, subjects) == depth
 
 
 async def test_a_job_published_while_the_queue_elects_a_leader_is_stored_once():
@@ -163,9 +163,9 @@ async def test_a_job_published_while_the_queue_elects_a_leader_is_stored_once():
             dying.stop()
             # an election takes 5 s on a quiet box, more than 10 s on a loaded one: a router
             # retries for until its first-token deadline (300 s by default)
-            seq = await prefill_queue.publish_job(
+            seq = await prefill_job_stream.publish_job(
                 nc, subjects, b"job", msg_id="req-1", retry_for_s=60.0
             )
-            again = await prefill_queue.publish_job(nc, subjects, b"job", msg_id="req-1")
+            again = await prefill_job_stream.publish_job(nc, subjects, b"job", msg_id="req-1")
             assert again == seq
             await _until(lambda: _depth_is(nc, subjects, 1))

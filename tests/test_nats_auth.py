@@ -17,8 +17,8 @@ from kvmesh.shared.bus.nats_auth import (
     role_permissions,
 )
 from kvmesh.shared.bus.nats_service import NatsUnavailableError, connect_nats, flush_to_server
-from kvmesh.shared.bus.prefill_queue import publish_job
-from kvmesh.shared.bus.subjects import Subjects
+from kvmesh.shared.bus.prefill_job_stream import publish_job
+from kvmesh.shared.config.subjects import Subjects
 from support.nats_mesh import mesh_server_fixtures
 
 subjects = Subjects("m1")  # the mesh the server's users belong to

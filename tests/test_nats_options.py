@@ -18,14 +18,14 @@ import pytest
 from kvmesh.services.kv_registry.config import RegistryConfig
 from kvmesh.services.kv_registry.service import registry_service
 from kvmesh.shared.bus.admin_client import admin_client
-from kvmesh.shared.bus.nats_options import (
+from kvmesh.shared.bus.nats_server import NatsServer
+from kvmesh.shared.bus.nats_service import NatsUnavailableError, connect_nats
+from kvmesh.shared.config.nats_options import (
     NatsOptionsError,
     NatsSecurity,
     redact_url,
     strip_credentials,
 )
-from kvmesh.shared.bus.nats_server import NatsServer
-from kvmesh.shared.bus.nats_service import NatsUnavailableError, connect_nats
 from kvmesh.shared.config.service_config import ConfigError, config_from_args
 from support.nats_keys import NKey, OperatorChain
 

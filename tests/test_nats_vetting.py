@@ -29,7 +29,7 @@ from kvmesh.shared.bus.nats_vetting import (
     vet_connection,
     vet_foreign_server,
 )
-from kvmesh.shared.bus.subjects import Subjects
+from kvmesh.shared.config.subjects import Subjects
 
 from kvmesh.commands.launcher import Launcher, LaunchError
 from kvmesh.commands.up_config import UpConfig

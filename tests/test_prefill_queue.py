@@ -14,8 +14,8 @@ import nats.js.errors
 import pytest
 from kvmesh.services.prefill_queue.keeper import ensure_queue
 from kvmesh.shared.bus.nats_service import connect_nats
-from kvmesh.shared.bus.prefill_queue import PrefillJobQueue, publish_job, queue_depth
-from kvmesh.shared.bus.subjects import Subjects
+from kvmesh.shared.bus.prefill_job_stream import PrefillJobQueue, publish_job, queue_depth
+from kvmesh.shared.config.subjects import Subjects
 
 S = Subjects("test")
 
@@ -106,7 +106,7 @@ async def test_a_job_taken_and_never_acknowledged_goes_to_another_worker(nats_se
 
 async def test_publish_without_jetstream_says_how_to_fix_it():
     from kvmesh.shared.bus.nats_server import NatsServer
-    from kvmesh.shared.bus.prefill_queue import PrefillQueueError
+    from kvmesh.shared.bus.prefill_job_stream import PrefillQueueError
 
     async with NatsServer(jetstream=False) as server, connect_nats(server.url, "r") as nc:
         with pytest.raises(PrefillQueueError, match="-js"):
@@ -119,7 +119,7 @@ async def test_the_keeper_waits_for_jetstream_before_it_gives_up():
     from kvmesh.services.prefill_queue.metrics import QueueKeeperMetrics
     from kvmesh.services.prefill_queue.service import keep_queue
     from kvmesh.shared.bus.nats_server import NatsServer
-    from kvmesh.shared.bus.prefill_queue import PrefillQueueError
+    from kvmesh.shared.bus.prefill_job_stream import PrefillQueueError
 
     async with NatsServer(jetstream=False) as server, connect_nats(server.url, "k") as nc:
         started = time.monotonic()
@@ -140,7 +140,7 @@ async def test_the_keeper_waits_for_jetstream_before_it_gives_up():
 
 
 async def test_queue_status_counts_waiting_jobs_and_pulling_workers(nats_server):
-    from kvmesh.shared.bus.prefill_queue import queue_status
+    from kvmesh.shared.bus.prefill_job_stream import queue_status
     from kvmesh.shared.bus.protocol import QueueStatus
 
     async with connect_nats(nats_server, "r") as nc, connect_nats(nats_server, "p") as p:
@@ -153,7 +153,7 @@ async def test_queue_status_counts_waiting_jobs_and_pulling_workers(nats_server)
 
 
 async def test_a_job_can_be_withdrawn_only_before_a_worker_takes_it(nats_server):
-    from kvmesh.shared.bus.prefill_queue import withdraw_job
+    from kvmesh.shared.bus.prefill_job_stream import withdraw_job
 
     async with connect_nats(nats_server, "r") as nc, connect_nats(nats_server, "p") as p:
         await ensure_queue(nc, S)
@@ -216,7 +216,7 @@ async def test_the_keeper_with_credentials_only_watches_and_reports_the_queue(tm
     from kvmesh.services.prefill_queue.service import keep_queue, may_make_queue
     from kvmesh.shared.bus.nats_auth import MeshCredentials
     from kvmesh.shared.bus.nats_server import NatsServer
-    from kvmesh.shared.bus.prefill_queue import stream_config
+    from kvmesh.shared.bus.prefill_job_stream import stream_config
 
     creds = MeshCredentials.generate()
     metrics = QueueKeeperMetrics()
@@ -268,7 +268,7 @@ async def test_the_keeper_makes_the_queue_only_on_a_server_without_credentials(n
 
 def test_queue_problems_name_extra_subjects_a_republish_and_a_push_consumer():
     from kvmesh.services.prefill_queue.keeper import queue_problems
-    from kvmesh.shared.bus.prefill_queue import consumer_config, stream_config
+    from kvmesh.shared.bus.prefill_job_stream import consumer_config, stream_config
 
     stream, consumer = stream_config(S), consumer_config(S)
     assert queue_problems(S, stream, consumer) == ()
@@ -285,7 +285,7 @@ def test_queue_problems_name_extra_subjects_a_republish_and_a_push_consumer():
 async def test_making_the_queue_as_a_role_says_it_needs_admin():
     from kvmesh.shared.bus.nats_auth import MeshCredentials
     from kvmesh.shared.bus.nats_server import NatsServer
-    from kvmesh.shared.bus.prefill_queue import PrefillQueueError
+    from kvmesh.shared.bus.prefill_job_stream import PrefillQueueError
 
     from kvmesh.commands.queue_setup import make_prefill_queue
 
@@ -341,7 +341,7 @@ async def test_a_retried_publish_of_one_attempt_stores_its_job_once(nats_server)
 
 async def test_publish_to_a_server_without_jetstream_gives_up_saying_how_to_fix_it():
     from kvmesh.shared.bus.nats_server import NatsServer
-    from kvmesh.shared.bus.prefill_queue import PrefillQueueError
+    from kvmesh.shared.bus.prefill_job_stream import PrefillQueueError
 
     async with NatsServer(jetstream=False) as server, connect_nats(server.url, "r") as nc:
         with pytest.raises(PrefillQueueError, match="-js"):

@@ -10,7 +10,7 @@ from kvmesh.services.kv_registry.service import registry_service
 from kvmesh.shared.bus import protocol
 from kvmesh.shared.bus.nats_service import connect_nats
 from kvmesh.shared.bus.protocol import PlaceReply, PlaceRequest
-from kvmesh.shared.bus.subjects import DEFAULT_MESH, Subjects
+from kvmesh.shared.config.subjects import DEFAULT_MESH, Subjects
 from kvmesh.shared.text.sampling import SamplingOptions
 from support.registry_peers import peer_decode, wait_for
 

@@ -35,8 +35,8 @@ from kvmesh.shared.bus.protocol import (
     PrefillDone,
     WorkerHeartbeat,
 )
-from kvmesh.shared.bus.subjects import DEFAULT_MESH, Subjects
 from kvmesh.shared.config.ports import free_port
+from kvmesh.shared.config.subjects import DEFAULT_MESH, Subjects
 from kvmesh.shared.obs import logs
 from kvmesh.shared.text.sampling import SamplingOptions
 from nats.aio.client import Client

@@ -13,7 +13,7 @@ import msgspec
 from kvmesh.services.router.pool_capacity import PoolCapacity
 from kvmesh.shared.bus import protocol
 from kvmesh.shared.bus.nats_service import connect_nats, flush_to_server
-from kvmesh.shared.bus.subjects import DEFAULT_MESH, Subjects
+from kvmesh.shared.config.subjects import DEFAULT_MESH, Subjects
 from kvmesh.shared.model.identity import model_spec
 from kvmesh.shared.model.tiny import tiny_config
 from kvmesh.shared.obs import logs
@@ -114,9 +114,7 @@ async def test_the_logged_max_model_len_is_the_one_v1_models_reports(nats_server
 def test_the_context_is_the_model_s_until_a_smaller_pool_is_heard() -> None:
     capacity = PoolCapacity("m", model_len=4096)
     assert capacity.context(0.0) == 4096
-    advert = idle_advert(
-        "d", None, block_bytes=1, block_size=16, kv_spec="k", total_blocks=1000
-    )
+    advert = idle_advert("d", None, block_bytes=1, block_size=16, kv_spec="k", total_blocks=1000)
     capacity.note(msgspec.structs.replace(advert, model_spec="m"), 0)
     assert capacity.context(1.0) == 4096  # a pool of 16,000 tokens: the model's context binds
     capacity.note(msgspec.structs.replace(advert, model_spec="m", total_blocks=10), 0)

@@ -13,7 +13,7 @@ from kvmesh.shared.bus.protocol import (
     WorkerGone,
     encode_message,
 )
-from kvmesh.shared.bus.subjects import Subjects
+from kvmesh.shared.config.subjects import Subjects
 
 subjects = Subjects("ev")
 EVENTS = {

@@ -18,7 +18,7 @@ from kvmesh.services.router.openapi import openapi_document
 from kvmesh.services.router.service import serve_router
 from kvmesh.shared.bus import protocol
 from kvmesh.shared.bus.nats_service import flush_to_server
-from kvmesh.shared.bus.subjects import DEFAULT_MESH, Subjects
+from kvmesh.shared.config.subjects import DEFAULT_MESH, Subjects
 from kvmesh.shared.model.tiny import tiny_tokenizer
 from support.router_fake_mesh import REPLY_TEXT, FakeMesh
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from kvmesh.shared.bus.nats_auth import QUEUE_KEEPER, inbox_prefix, role_permissions
-from kvmesh.shared.bus.subjects import Subjects
+from kvmesh.shared.config.subjects import Subjects
 
 REPO = Path(__file__).resolve().parents[1]
 DOC = (REPO / "docs" / "security.md").read_text()

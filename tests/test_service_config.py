@@ -264,7 +264,7 @@ def test_a_kv_store_and_a_worker_of_one_model_join_its_mesh() -> None:
 def test_flag_choices_are_what_the_engine_transports_and_logs_accept() -> None:
     import typing
 
-    from kvmesh.shared.bus.worker_config import KvCacheDtype, TransportChoice
+    from kvmesh.shared.config.worker_config import KvCacheDtype, TransportChoice
     from kvmesh.shared.engine.config import KV_CACHE_DTYPES
     from kvmesh.shared.obs.logs import LogLevelName
     from kvmesh.shared.transport.auto import BACKENDS

@@ -9,7 +9,7 @@ import logging
 
 from kvmesh.services.kv_registry.service import registry_service
 from kvmesh.shared.bus.nats_service import connect_nats, flush_to_server, log_level_control
-from kvmesh.shared.bus.subjects import DEFAULT_MESH, Subjects
+from kvmesh.shared.config.subjects import DEFAULT_MESH, Subjects
 from kvmesh.shared.obs import logs
 from support.registry_peers import wait_for
 from test_registry_service import config, request_json

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from kvmesh.shared.bus.subjects import DEFAULT_MESH, Subjects, check_mesh, mesh_from_model
 from kvmesh.shared.config.service_config import ConfigError, config_from_args
+from kvmesh.shared.config.subjects import DEFAULT_MESH, Subjects, check_mesh, mesh_from_model
 
 
 def test_every_subject_of_a_mesh_lives_under_its_prefix() -> None:

@@ -475,7 +475,7 @@ async def _beating(
 ) -> None:
     from kvmesh.shared.bus import protocol
     from kvmesh.shared.bus.nats_service import connect_nats
-    from kvmesh.shared.bus.subjects import Subjects
+    from kvmesh.shared.config.subjects import Subjects
 
     subjects = Subjects(mesh)
 

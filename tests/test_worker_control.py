@@ -11,8 +11,8 @@ import time
 import nats.micro
 from kvmesh.shared.bus import protocol
 from kvmesh.shared.bus.nats_service import connect_nats, flush_to_server
-from kvmesh.shared.bus.subjects import Subjects
 from kvmesh.shared.bus.worker_shell import control_endpoint
+from kvmesh.shared.config.subjects import Subjects
 
 SUBJECTS = Subjects("kvmesh-tiny")
 

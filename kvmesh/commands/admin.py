@@ -12,8 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
-from kvmesh.shared.bus.nats_options import NatsClientConfig
-from kvmesh.shared.bus.subjects import DEFAULT_MESH
+from kvmesh.shared.config.nats_options import NatsClientConfig
 from kvmesh.shared.config.service_config import (
     DEFAULT_NATS_URL,
     add_config_arguments,
@@ -21,6 +20,7 @@ from kvmesh.shared.config.service_config import (
     command_config,
     option,
 )
+from kvmesh.shared.config.subjects import DEFAULT_MESH
 from kvmesh.shared.obs.logs import LEVELS
 
 if TYPE_CHECKING:
@@ -73,7 +73,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _admin(args: argparse.Namespace) -> int:
     from kvmesh.shared.bus.admin_client import AdminError
     from kvmesh.shared.bus.nats_service import NatsUnavailableError
-    from kvmesh.shared.bus.prefill_queue import PrefillQueueError
+    from kvmesh.shared.bus.prefill_job_stream import PrefillQueueError
     from kvmesh.shared.obs import logs
 
     logs.setup_logging("warning")
@@ -111,7 +111,7 @@ def resolve_target(config: AdminConfig) -> AdminTarget:
     from kvmesh.shared.bus.admin_client import AdminError
     from kvmesh.shared.bus.mesh_state import running_meshes
     from kvmesh.shared.bus.nats_auth import ADMIN, NatsAuth, auth_from_env
-    from kvmesh.shared.bus.nats_options import strip_credentials
+    from kvmesh.shared.config.nats_options import strip_credentials
 
     url = config.nats_url
     url_given = url != DEFAULT_NATS_URL
@@ -155,7 +155,7 @@ async def run_admin(config: AdminConfig, action: str, arg: str | None) -> dict[s
     target = resolve_target(config)
     if action == "prefill-queue":  # JetStream itself, not the registry: admin's rights
         from kvmesh.commands.queue_setup import make_prefill_queue
-        from kvmesh.shared.bus.subjects import Subjects
+        from kvmesh.shared.config.subjects import Subjects
 
         state = await make_prefill_queue(
             target.nats_url, target.mesh, auth=target.auth, security=config.nats_security

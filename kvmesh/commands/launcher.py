@@ -30,7 +30,7 @@ from kvmesh.shared.bus.nats_auth import (
     NatsAuth,
     auth_from_env,
 )
-from kvmesh.shared.bus.nats_options import (
+from kvmesh.shared.config.nats_options import (
     NatsSecurity,
     redact_url,
     strip_credentials,
@@ -139,7 +139,7 @@ class Launcher:
     def _make_prefill_queue(self) -> None:
         from kvmesh.commands.queue_setup import make_prefill_queue
         from kvmesh.shared.bus.nats_service import NatsUnavailableError
-        from kvmesh.shared.bus.prefill_queue import PrefillQueueError
+        from kvmesh.shared.bus.prefill_job_stream import PrefillQueueError
 
         try:
             _run_sync(

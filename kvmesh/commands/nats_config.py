@@ -7,7 +7,7 @@ import argparse
 import os
 from pathlib import Path
 
-from kvmesh.shared.bus.subjects import DEFAULT_MESH
+from kvmesh.shared.config.subjects import DEFAULT_MESH
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -31,7 +31,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     from kvmesh.shared.bus.nats_auth import MeshCredentials, authorization_block
-    from kvmesh.shared.bus.subjects import Subjects
+    from kvmesh.shared.config.subjects import Subjects
 
     if args.env_file is None:
         try:

@@ -15,10 +15,10 @@ import nats.js.errors
 
 from kvmesh.services.prefill_queue.keeper import QueueState, ensure_queue
 from kvmesh.shared.bus.nats_auth import NatsAuth
-from kvmesh.shared.bus.nats_options import NatsSecurity
 from kvmesh.shared.bus.nats_service import connect_nats
-from kvmesh.shared.bus.prefill_queue import JetStreamUnavailableError, PrefillQueueError
-from kvmesh.shared.bus.subjects import Subjects
+from kvmesh.shared.bus.prefill_job_stream import JetStreamUnavailableError, PrefillQueueError
+from kvmesh.shared.config.nats_options import NatsSecurity
+from kvmesh.shared.config.subjects import Subjects
 
 # a cluster's JetStream answers "unavailable" until its members elect a meta leader
 JETSTREAM_WAIT_S = 30.0

@@ -30,7 +30,7 @@ from kvmesh.shared.config.service_config import (
 )
 
 if TYPE_CHECKING:
-    from kvmesh.shared.bus.worker_config import ServiceConfig
+    from kvmesh.shared.config.worker_config import ServiceConfig
     from kvmesh.shared.obs.logs import LogConfig
 
 # service name -> (module, config overrides)
@@ -162,9 +162,9 @@ def frozen_heap() -> Iterator[None]:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from kvmesh.shared.bus.nats_options import redact_url
     from kvmesh.shared.bus.nats_service import NatsUnavailableError
-    from kvmesh.shared.bus.prefill_queue import PrefillQueueError
+    from kvmesh.shared.bus.prefill_job_stream import PrefillQueueError
+    from kvmesh.shared.config.nats_options import redact_url
     from kvmesh.shared.config.open_files import raise_open_file_limit
     from kvmesh.shared.config.service_errors import ServiceStartError, find_error
     from kvmesh.shared.obs import logs

@@ -26,7 +26,7 @@ from kvmesh.commands.restarts import RestartPolicy
 from kvmesh.commands.up_config import EXAMPLES, FLAG_GROUPS, UpConfig
 from kvmesh.commands.up_model import ModelChoiceError, resolve_up_model
 from kvmesh.commands.up_plan import cpu_plan, split_cores
-from kvmesh.shared.bus.nats_options import redact_url
+from kvmesh.shared.config.nats_options import redact_url
 from kvmesh.shared.config.service_config import (
     add_config_arguments,
     command_config,

@@ -7,10 +7,10 @@ from typing import Literal
 
 from kvmesh.commands.cpu_plan import Sharing
 from kvmesh.commands.up_model import DEFAULT_MODEL
-from kvmesh.shared.bus.nats_options import NatsClientConfig
-from kvmesh.shared.bus.subjects import mesh_from_model
-from kvmesh.shared.bus.worker_config import KvCacheDtype, TransportChoice
+from kvmesh.shared.config.nats_options import NatsClientConfig
 from kvmesh.shared.config.service_config import check_at_least, check_positive, option
+from kvmesh.shared.config.subjects import mesh_from_model
+from kvmesh.shared.config.worker_config import KvCacheDtype, TransportChoice
 from kvmesh.shared.obs.logs import LogFormat, LogLevelName
 
 # stop order: earlier tiers first (router stops taking requests before its backends go)

@@ -13,7 +13,7 @@ import dataclasses
 import sys
 from typing import TYPE_CHECKING
 
-from kvmesh.shared.bus.subjects import mesh_from_model
+from kvmesh.shared.config.subjects import mesh_from_model
 
 if TYPE_CHECKING:
     from kvmesh.commands.up_config import UpConfig

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from kvmesh.commands.cpu_plan import SPARE, CpuPlan, plan_cpus
 from kvmesh.commands.up_config import UpConfig
-from kvmesh.shared.bus.nats_options import url_has_credentials
+from kvmesh.shared.config.nats_options import url_has_credentials
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,7 +17,7 @@ from collections import defaultdict
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, BinaryIO
 
-from kvmesh.shared.bus.subjects import DEFAULT_MESH
+from kvmesh.shared.config.subjects import DEFAULT_MESH
 
 if TYPE_CHECKING:
     from kvmesh.shared.bus.protocol import DecodeStatusRow
@@ -149,7 +149,7 @@ class MeshTap:
     async def __aenter__(self) -> MeshTap:
         from kvmesh.shared.bus import protocol
         from kvmesh.shared.bus.nats_service import connect_nats, flush_to_server
-        from kvmesh.shared.bus.subjects import Subjects
+        from kvmesh.shared.config.subjects import Subjects
 
         self._stack = contextlib.AsyncExitStack()
         from kvmesh.shared.bus.wire_ids import attempt_of  # the router's wire ids

@@ -6,14 +6,14 @@ from dataclasses import dataclass
 from typing import Literal
 
 from kvmesh.shared.bus.protocol import MAX_CACHE_EVENT_HASHES
-from kvmesh.shared.bus.worker_config import EngineWorkerConfig
 from kvmesh.shared.config.service_config import check_at_least, check_positive, option
+from kvmesh.shared.config.worker_config import EngineWorkerConfig
 from kvmesh.shared.kv.imm import MAX_SLOTS
 
 
 @dataclass(frozen=True, slots=True)
 class DecodeConfig(EngineWorkerConfig):
-    """The engine worker's fields (kvmesh.shared.bus.worker_config) and decode's own."""
+    """The engine worker's fields (kvmesh.shared.config.worker_config) and decode's own."""
 
     worker_id: str | None = option(None, help="worker id (default: decode-<random>)")
     heartbeat_s: float = option(1.0, help="seconds between heartbeats and adverts")

@@ -28,7 +28,7 @@ from kvmesh.shared.bus.protocol import (
     decode_message,
     encode_message,
 )
-from kvmesh.shared.bus.subjects import Subjects
+from kvmesh.shared.config.subjects import Subjects
 from kvmesh.shared.obs import logs
 from nats.aio.client import Client
 from nats.aio.msg import Msg

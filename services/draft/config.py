@@ -6,8 +6,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from kvmesh.services.draft.shape import MAX_SPECULATIVE_TOKENS, TreeShape
-from kvmesh.shared.bus.worker_config import EngineWorkerConfig
 from kvmesh.shared.config.service_config import check_at_least, option
+from kvmesh.shared.config.worker_config import EngineWorkerConfig
 
 
 @dataclass(frozen=True, slots=True)

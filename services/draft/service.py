@@ -49,8 +49,8 @@ from kvmesh.shared.bus.protocol import (
     decode_message,
     encode_message,
 )
-from kvmesh.shared.bus.subjects import DRAFT_QUEUE_GROUP
 from kvmesh.shared.bus.worker_shell import WorkerShell, serve_worker
+from kvmesh.shared.config.subjects import DRAFT_QUEUE_GROUP
 from kvmesh.shared.obs import logs
 from kvmesh.shared.transport import Access, TransportConfig, create_transport
 from nats.aio.client import Client

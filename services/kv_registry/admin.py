@@ -19,7 +19,7 @@ from kvmesh.services.kv_registry.config import RegistryConfig
 from kvmesh.services.kv_registry.core import RegistryState
 from kvmesh.services.kv_registry.stores import StoreTable
 from kvmesh.shared.bus import protocol
-from kvmesh.shared.bus.prefill_queue import queue_status
+from kvmesh.shared.bus.prefill_job_stream import queue_status
 from kvmesh.shared.bus.protocol import (
     AdminControlled,
     AdminFailure,
@@ -34,7 +34,7 @@ from kvmesh.shared.bus.protocol import (
     WorkerControl,
     WorkerHeartbeat,
 )
-from kvmesh.shared.bus.subjects import Subjects
+from kvmesh.shared.config.subjects import Subjects
 from kvmesh.shared.obs import logs
 from nats.aio.client import Client
 from nats.micro.request import ERROR_HEADER, Request

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvmesh.shared.bus.worker_config import MetricsServiceConfig
 from kvmesh.shared.config.service_config import check_at_least, check_positive, option
+from kvmesh.shared.config.worker_config import MetricsServiceConfig
 
 
 @dataclass(frozen=True, slots=True)

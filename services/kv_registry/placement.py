@@ -29,7 +29,7 @@ from kvmesh.shared.bus.protocol import (
     ReserveReply,
     ReserveRequest,
 )
-from kvmesh.shared.bus.subjects import Subjects
+from kvmesh.shared.config.subjects import Subjects
 from kvmesh.shared.obs import logs
 from nats.aio.client import Client
 from nats.micro.request import ERROR_HEADER, Request

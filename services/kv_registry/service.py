@@ -45,8 +45,8 @@ from kvmesh.shared.bus.protocol import (
     WorkerHeartbeat,
 )
 from kvmesh.shared.bus.store_solicit import store_adverts_solicited
-from kvmesh.shared.bus.subjects import Subjects
 from kvmesh.shared.bus.worker_shell import WorkerShell, serve_worker
+from kvmesh.shared.config.subjects import Subjects
 from kvmesh.shared.obs import logs
 from nats.aio.client import Client
 from nats.micro.request import Request

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvmesh.shared.bus.worker_config import KvCacheDtype, KvLayoutConfig
 from kvmesh.shared.config.service_config import check_positive, option
+from kvmesh.shared.config.worker_config import KvCacheDtype, KvLayoutConfig
 
 DEFAULT_CAPACITY_GB = 1.0
 
 
 @dataclass(frozen=True, slots=True)
 class StoreConfig(KvLayoutConfig):
-    """The KV layout's fields (kvmesh.shared.bus.worker_config; their help says what they mean to
+    """The KV layout's fields (kvmesh.shared.config.worker_config; their help says what they mean to
     a store, which runs no model) and the store's own."""
 
     worker_id: str | None = option(None, help="store id (default: kv-store-<random>)")

@@ -6,9 +6,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvmesh.services.prefill.core_loan import CoreLoan
-from kvmesh.shared.bus.worker_config import EngineWorkerConfig
 from kvmesh.shared.config.cpu_placement import parse_cpu_list
 from kvmesh.shared.config.service_config import check_positive, option
+from kvmesh.shared.config.worker_config import EngineWorkerConfig
 
 if TYPE_CHECKING:
     from kvmesh.shared.engine.config import EngineConfig
@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, slots=True)
 class PrefillConfig(EngineWorkerConfig):
-    """The engine worker's fields (kvmesh.shared.bus.worker_config) and prefill's own."""
+    """The engine worker's fields (kvmesh.shared.config.worker_config) and prefill's own."""
 
     worker_id: str | None = option(None, help="worker id (default: prefill-<random>)")
     chunk_tokens: int = option(

@@ -1,6 +1,6 @@
 """The prefill service's NATS shell around PrefillWorker (the core, which knows no NATS).
 
-Pulls ``PrefillJob``s from the JetStream work queue (kvmesh.shared.bus.prefill_queue) only while it has a
+Pulls ``PrefillJob``s from the JetStream work queue (kvmesh.shared.bus.prefill_job_stream) only while it has a
 free slot (``max_concurrent_jobs``), so an idle peer takes the next job rather than a busy worker
 hoarding it; follows ``ABORT``; checks every job against its decode worker's ``DecodeAdvert``;
 publishes what the worker returns: ``PrefillStarted`` when it takes a job, ``PrefillDone`` and
@@ -39,7 +39,7 @@ from kvmesh.shared.bus.nats_service import (
     new_worker_id,
     serve_until_signal,
 )
-from kvmesh.shared.bus.prefill_queue import PrefillJobQueue
+from kvmesh.shared.bus.prefill_job_stream import PrefillJobQueue
 from kvmesh.shared.bus.protocol import (
     Abort,
     DecodeAdvert,
@@ -55,8 +55,8 @@ from kvmesh.shared.bus.protocol import (
     encode_message,
 )
 from kvmesh.shared.bus.store_solicit import store_adverts_solicited
-from kvmesh.shared.bus.subjects import Subjects
 from kvmesh.shared.bus.worker_shell import WorkerShell, serve_worker
+from kvmesh.shared.config.subjects import Subjects
 from kvmesh.shared.engine.llm_engine import LLMEngine
 from kvmesh.shared.engine.tp_leader import LeaderEngine
 from kvmesh.shared.mesh.kv_store_client import KvStoreClient

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvmesh.shared.bus.prefill_queue import ACK_WAIT_S
-from kvmesh.shared.bus.worker_config import MetricsServiceConfig
+from kvmesh.shared.bus.prefill_job_stream import ACK_WAIT_S
 from kvmesh.shared.config.service_config import check_positive, option
+from kvmesh.shared.config.worker_config import MetricsServiceConfig
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import nats.errors
 import nats.js.errors
-from kvmesh.shared.bus.prefill_queue import (
+from kvmesh.shared.bus.prefill_job_stream import (
     ACK_WAIT_S,
     CLUSTER_REPLICAS,
     DURABLE,
@@ -27,7 +27,7 @@ from kvmesh.shared.bus.prefill_queue import (
     consumer_config,
     stream_config,
 )
-from kvmesh.shared.bus.subjects import Subjects
+from kvmesh.shared.config.subjects import Subjects
 from nats.aio.client import Client
 from nats.js import api
 

@@ -22,8 +22,8 @@ from kvmesh.shared.bus.nats_service import (
     new_worker_id,
     serve_until_signal,
 )
-from kvmesh.shared.bus.prefill_queue import MISSING, JetStreamUnavailableError
-from kvmesh.shared.bus.subjects import Subjects
+from kvmesh.shared.bus.prefill_job_stream import MISSING, JetStreamUnavailableError
+from kvmesh.shared.config.subjects import Subjects
 from kvmesh.shared.obs import logs
 from kvmesh.shared.obs.metrics_exporter import serve_metrics
 from nats.aio.client import Client

@@ -82,8 +82,8 @@ from kvmesh.services.router.timings import TimingLog
 from kvmesh.services.router.tokens_api import detokenize_body, tokenize_body
 from kvmesh.services.router.tools import check_tools
 from kvmesh.shared.bus.hearing import Hearing
-from kvmesh.shared.bus.subjects import Subjects
 from kvmesh.shared.config.open_files import open_file_limit
+from kvmesh.shared.config.subjects import Subjects
 from kvmesh.shared.obs import logs
 from kvmesh.shared.obs.metrics_exporter import exposition
 from kvmesh.shared.text.schema_limits import SchemaLimits

@@ -6,9 +6,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
-from kvmesh.shared.bus.subjects import mesh_from_model
-from kvmesh.shared.bus.worker_config import ServiceConfig
 from kvmesh.shared.config.service_config import check_at_least, check_positive, option
+from kvmesh.shared.config.subjects import mesh_from_model
+from kvmesh.shared.config.worker_config import ServiceConfig
 from kvmesh.shared.text.schema_limits import SchemaLimits
 
 # descriptors the router keeps for what is not an HTTP connection (NATS, the model's files, the

@@ -33,7 +33,7 @@ from kvmesh.services.router.worker_pool import WorkerPool
 from kvmesh.shared.bus import protocol
 from kvmesh.shared.bus.hearing import Hearing
 from kvmesh.shared.bus.protocol import DecodeAdvert, WorkerGone, WorkerHeartbeat
-from kvmesh.shared.bus.subjects import Subjects
+from kvmesh.shared.config.subjects import Subjects
 from kvmesh.shared.obs import logs
 from nats.aio.client import Client as NATS
 

@@ -37,7 +37,7 @@ from kvmesh.services.router.recovery import (
 from kvmesh.services.router.request_events import AttemptEvents, MalformedEvent
 from kvmesh.services.router.worker_pool import WorkerPool
 from kvmesh.shared.bus import protocol
-from kvmesh.shared.bus.prefill_queue import withdraw_job
+from kvmesh.shared.bus.prefill_job_stream import withdraw_job
 from kvmesh.shared.bus.protocol import (
     Abort,
     PlaceReply,
@@ -48,8 +48,8 @@ from kvmesh.shared.bus.protocol import (
     TokenEvent,
     WorkerGone,
 )
-from kvmesh.shared.bus.subjects import Subjects
 from kvmesh.shared.bus.wire_ids import attempt_of
+from kvmesh.shared.config.subjects import Subjects
 from nats.aio.client import Client as NATS
 from nats.aio.subscription import Subscription
 

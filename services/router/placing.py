@@ -22,7 +22,7 @@ from kvmesh.services.router.recovery import (
 )
 from kvmesh.services.router.worker_pool import WorkerPool
 from kvmesh.shared.bus import protocol
-from kvmesh.shared.bus.prefill_queue import PrefillQueueError, publish_job
+from kvmesh.shared.bus.prefill_job_stream import PrefillQueueError, publish_job
 from kvmesh.shared.bus.protocol import (
     LeaseRenew,
     MessageError,
@@ -30,7 +30,7 @@ from kvmesh.shared.bus.protocol import (
     PlaceRequest,
     PrefillJob,
 )
-from kvmesh.shared.bus.subjects import Subjects
+from kvmesh.shared.config.subjects import Subjects
 from nats.aio.client import Client as NATS
 
 log = logging.getLogger(__name__)

@@ -22,7 +22,7 @@ from kvmesh.services.router.errors import (
 )
 from kvmesh.services.router.worker_pool import WorkerPool
 from kvmesh.shared.bus.protocol import PlaceReply
-from kvmesh.shared.bus.subjects import Subjects
+from kvmesh.shared.config.subjects import Subjects
 
 # A kv-registry heard this recently and not answering now is restarting (its supervisor brings it
 # back in seconds): placements wait for it, within the request's first-token deadline, instead

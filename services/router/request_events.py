@@ -16,7 +16,7 @@ from kvmesh.shared.bus.protocol import (
     WorkerGone,
     decode_message,
 )
-from kvmesh.shared.bus.subjects import Subjects
+from kvmesh.shared.config.subjects import Subjects
 
 RequestEvent = TokenEvent | PrefillReport | PrefillStarted | WorkerGone
 

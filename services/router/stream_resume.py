@@ -37,7 +37,7 @@ from kvmesh.shared.bus.protocol import (
     decode_message,
     encode_message,
 )
-from kvmesh.shared.bus.subjects import Subjects
+from kvmesh.shared.config.subjects import Subjects
 from nats.aio.client import Client as NATS
 
 

@@ -1,2 +1,2 @@
-"""The NATS control plane: every message type and subject, the client plumbing every service
+"""The NATS control plane: every message type, the client plumbing every service
 shares, the embedded nats-server, its users and permissions."""

@@ -9,7 +9,6 @@ from typing import Any
 
 import msgspec
 from kvmesh.shared.bus.nats_auth import NatsAuth
-from kvmesh.shared.bus.nats_options import NatsSecurity
 from kvmesh.shared.bus.nats_service import NatsUnavailableError, connect_nats, request_json
 from kvmesh.shared.bus.protocol import (
     AdminControlled,
@@ -19,7 +18,8 @@ from kvmesh.shared.bus.protocol import (
     M,
     WorkerRow,
 )
-from kvmesh.shared.bus.subjects import DEFAULT_MESH, Subjects
+from kvmesh.shared.config.nats_options import NatsSecurity
+from kvmesh.shared.config.subjects import DEFAULT_MESH, Subjects
 from nats.aio.client import Client
 
 

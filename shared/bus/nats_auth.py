@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvmesh.shared.bus.subjects import Subjects
+from kvmesh.shared.config.subjects import Subjects
 
 USER_ENV, PASSWORD_ENV, PASSWORD_FILE_ENV = (
     "KVMESH_NATS_USER",
@@ -145,7 +145,7 @@ def role_permissions(s: Subjects) -> dict[str, Permissions]:
                 s.DECODE_LEASE_RENEW_ALL,
                 f"{p}.request.*.worker_gone",
                 s.PREFILL_JOBS,  # jobs into the stream (its acks come to the router's inbox)
-                f"$JS.API.STREAM.MSG.DELETE.{stream}",  # withdraw_job: shared/bus/prefill_queue.py
+                f"$JS.API.STREAM.MSG.DELETE.{stream}",  # withdraw_job: shared/bus/prefill_job_stream.py
                 s.STREAM_LOOKUP,  # a client resumes a stream: who holds it, its events so far
                 s.decode_stream_resume("*"),
             ),

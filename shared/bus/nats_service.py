@@ -4,7 +4,7 @@ heartbeats go out from a thread and connection of their own (shared/bus/liveness
 
 A worker's ``run(config)`` typically reads::
 
-    subjects = config.subjects                           # the mesh's (shared/bus/subjects.py)
+    subjects = config.subjects                           # the mesh's (shared/config/subjects.py)
     async with connect_nats(config.nats_url, f"decode-{worker_id}",
                             security=config.nats_security) as nc:
         async with worker_presence(nc, subjects, role="decode", worker_id=worker_id,
@@ -36,15 +36,15 @@ from kvmesh.shared.bus.hearing import Hearing
 from kvmesh.shared.bus.liveness import LivenessBeacon, liveness_beacon
 from kvmesh.shared.bus.message_guard import guard_of
 from kvmesh.shared.bus.nats_auth import ADMIN, PASSWORD_FILE_ENV, USER_ENV, NatsAuth, auth_from_env
-from kvmesh.shared.bus.nats_options import (
+from kvmesh.shared.bus.nats_vetting import NatsVettingError, holder_note, vet_connection
+from kvmesh.shared.config.nats_options import (
     NatsSecurity,
     redact_secrets,
     redact_url,
     split_nats_urls,
     url_has_credentials,
 )
-from kvmesh.shared.bus.nats_vetting import NatsVettingError, holder_note, vet_connection
-from kvmesh.shared.bus.subjects import Subjects
+from kvmesh.shared.config.subjects import Subjects
 from kvmesh.shared.obs import logs
 from kvmesh.shared.obs.metrics_exporter import serve_metrics
 from nats.aio.client import Client
@@ -54,7 +54,7 @@ from nats.micro.request import Request
 from nats.micro.service import Service
 
 if TYPE_CHECKING:
-    from kvmesh.shared.bus.worker_config import MetricsServiceConfig
+    from kvmesh.shared.config.worker_config import MetricsServiceConfig
     from kvmesh.shared.obs.metric_set import MetricSet
 
 log = logs.get_logger(__name__)
@@ -147,7 +147,7 @@ async def connect_nats(
     ``hearing``: told of every disconnect and reconnect (shared/bus/hearing.py), so that the
     service's liveness checks do not count an outage as its peers' silence.
     ``auth``: user and password; default those in the environment (shared/bus/nats_auth.py), none
-    on an open server. ``security``: a credentials file and TLS (shared/bus/nats_options.py); a
+    on an open server. ``security``: a credentials file and TLS (shared/config/nats_options.py); a
     token or user:password in ``url`` works too. Logs and errors show ``url`` redacted."""
     shown = redact_url(url)
     try:

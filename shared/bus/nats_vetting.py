@@ -278,8 +278,8 @@ def vet_nats_url(
 ) -> None:
     """``vet_foreign_server`` for the first server of ``url`` (a cluster's members share their
     configuration)."""
-    from kvmesh.shared.bus.nats_options import split_nats_urls
     from kvmesh.shared.bus.nats_server import parse_nats_url
+    from kvmesh.shared.config.nats_options import split_nats_urls
 
     first = split_nats_urls(url)[0]
     host, port = parse_nats_url(first)

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Callable
 
 import nats.errors
 from kvmesh.shared.bus.protocol import StoreSolicit, encode_message
-from kvmesh.shared.bus.subjects import Subjects
+from kvmesh.shared.config.subjects import Subjects
 from kvmesh.shared.obs import logs
 from nats.aio.client import Client
 

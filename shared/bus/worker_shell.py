@@ -33,13 +33,13 @@ from kvmesh.shared.bus.nats_service import (
     subscriptions,
     worker_presence,
 )
-from kvmesh.shared.bus.subjects import Subjects
+from kvmesh.shared.config.subjects import Subjects
 from nats.aio.client import Client
 from nats.micro.request import Request
 
 if TYPE_CHECKING:
     from kvmesh.shared.bus.protocol import WorkerHeartbeat
-    from kvmesh.shared.bus.worker_config import MetricsServiceConfig
+    from kvmesh.shared.config.worker_config import MetricsServiceConfig
     from kvmesh.shared.obs.metric_set import MetricSet
 
 Loop = Callable[[], Coroutine[Any, Any, Any]]

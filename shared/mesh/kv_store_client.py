@@ -32,7 +32,7 @@ from kvmesh.shared.bus.protocol import (
     decode_message,
     encode_message,
 )
-from kvmesh.shared.bus.subjects import Subjects
+from kvmesh.shared.config.subjects import Subjects
 from kvmesh.shared.engine.block_manager import BlockManager
 from kvmesh.shared.kv.kv_block_header import (
     HEADER_BYTES,

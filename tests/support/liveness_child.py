@@ -15,7 +15,7 @@ from pathlib import Path
 
 from kvmesh.shared.bus.nats_service import connect_nats, worker_presence
 from kvmesh.shared.bus.protocol import WorkerHeartbeat
-from kvmesh.shared.bus.subjects import DEFAULT_MESH, Subjects
+from kvmesh.shared.config.subjects import DEFAULT_MESH, Subjects
 
 
 async def main(url: str, worker_id: str, interval_s: float, stall_limit_s: float) -> None:

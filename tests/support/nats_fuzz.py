@@ -12,7 +12,7 @@ from typing import Any
 import msgspec
 from kvmesh.shared.bus import protocol
 from kvmesh.shared.bus.nats_auth import ADMIN, role_permissions
-from kvmesh.shared.bus.subjects import Subjects
+from kvmesh.shared.config.subjects import Subjects
 
 NOT_SUBJECTS = {"mesh", "prefix", "PREFILL_STREAM", "status"}
 REQUEST_ID = "fuzz-request"

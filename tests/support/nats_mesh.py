@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from kvmesh.shared.bus.nats_auth import MeshCredentials
 from kvmesh.shared.bus.nats_server import NatsServer
-from kvmesh.shared.bus.subjects import Subjects
+from kvmesh.shared.config.subjects import Subjects
 
 
 def mesh_server_fixtures(subjects: Subjects):

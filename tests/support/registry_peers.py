@@ -25,7 +25,7 @@ from kvmesh.shared.bus.protocol import (
     WorkerControl,
     WorkerHeartbeat,
 )
-from kvmesh.shared.bus.subjects import DEFAULT_MESH, Subjects
+from kvmesh.shared.config.subjects import DEFAULT_MESH, Subjects
 from kvmesh.shared.kv.descriptor import TcpBackend, TransportDescriptor
 from nats.aio.client import Client
 from nats.aio.msg import Msg

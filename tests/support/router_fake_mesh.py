@@ -27,7 +27,7 @@ from kvmesh.shared.bus.protocol import (
     TokenEvent,
     WorkerHeartbeat,
 )
-from kvmesh.shared.bus.subjects import DEFAULT_MESH, Subjects
+from kvmesh.shared.config.subjects import DEFAULT_MESH, Subjects
 from kvmesh.shared.kv.descriptor import TcpBackend, TransportDescriptor
 from kvmesh.shared.model.tiny import tiny_config
 from kvmesh.shared.text.sampling import SamplingOptions, TokenLogprobs

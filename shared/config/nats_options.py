@@ -7,7 +7,7 @@ up``, ``kvmesh admin``), so each has the same flags and ``KVMESH_*`` variables:
   NATS cluster's members (nats-py's server list); ``nats://TOKEN@HOST:PORT`` and
   ``nats://USER:PASSWORD@HOST:PORT`` authenticate (nats-py reads them from the URL). kvmesh never
   prints a URL's credentials (``redact_url``);
-- ``--mesh``: the mesh's name (shared/bus/subjects.py), by default derived from the model;
+- ``--mesh``: the mesh's name (shared/config/subjects.py), by default derived from the model;
 - ``--nats-creds``: a ``.creds`` file (user JWT and nkey seed, as ``nsc`` writes it) or a file
   holding a bare nkey seed (``SU...``, for servers with ``nkey`` users);
 - ``--nats-tls-ca`` / ``--nats-tls-cert`` / ``--nats-tls-key``: the CA that signed the server's
@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from kvmesh.shared.bus.subjects import Subjects, check_mesh
 from kvmesh.shared.config.service_config import DEFAULT_NATS_URL, option
+from kvmesh.shared.config.subjects import Subjects, check_mesh
 
 NATS_SCHEMES = ("nats", "tls", "ws", "wss")
 JWT_MARKER = "-----BEGIN NATS USER JWT-----"

@@ -17,14 +17,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from kvmesh.shared.bus.nats_options import NatsClientConfig
-from kvmesh.shared.bus.subjects import DEFAULT_MESH, mesh_from_model
 from kvmesh.shared.config.advertise import (
     AdvertiseHostError,
     check_advertise_host,
     resolve_transport_hosts,
 )
 from kvmesh.shared.config.cpu_placement import CpuPlacement, parse_cpu_list
+from kvmesh.shared.config.nats_options import NatsClientConfig
 from kvmesh.shared.config.service_config import (
     check_at_least,
     check_positive,
@@ -32,6 +31,7 @@ from kvmesh.shared.config.service_config import (
     option,
 )
 from kvmesh.shared.config.service_errors import ServiceStartError
+from kvmesh.shared.config.subjects import DEFAULT_MESH, mesh_from_model
 
 # --transport's choices: a backend of shared/transport (auto.BACKENDS) or auto, the best of them
 TransportChoice = Literal["auto", "shm", "tcp", "rdma"]

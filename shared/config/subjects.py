@@ -99,7 +99,7 @@ class Subjects:
     def HEARTBEAT_ALL(self) -> str:
         return f"{self.prefix}.heartbeat.>"
 
-    # prefill jobs, stored in the JetStream work queue and pulled (shared/bus/prefill_queue.py)
+    # prefill jobs, stored in the JetStream work queue and pulled (shared/bus/prefill_job_stream.py)
     @property
     def PREFILL_JOBS(self) -> str:
         return f"{self.prefix}.prefill.jobs"
