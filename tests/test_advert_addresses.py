@@ -11,7 +11,10 @@ from typing import Any
 import msgspec
 import orjson
 import pytest
-from kvmesh.shared.bus import protocol
+from kvmesh.shared.bus.messages.kv_store import StoreAdvert
+from kvmesh.shared.bus.messages.placement import ReserveRequest
+from kvmesh.shared.bus.messages.workers import DecodeAdvert
+from kvmesh.shared.text.sampling import SamplingOptions
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +45,7 @@ def numbers_in(value: Any) -> list[int]:
 
 
 def test_no_advert_type_has_an_address_field() -> None:
-    for advert in (protocol.DecodeAdvert, protocol.StoreAdvert):
+    for advert in (DecodeAdvert, StoreAdvert):
         names = [f.name for f in msgspec.structs.fields(advert)]
         assert not [n for n in names if "addr" in n], (advert.__name__, names)
 
@@ -78,8 +81,8 @@ async def test_the_decode_advert_names_no_address_of_its_region_the_reservation_
         inside = [n for n in numbers_in(advert) if region.addr <= n < region.addr + region.length]
         assert not inside, f"the advert carries addresses of the region: {inside}"
 
-        opts = protocol.SamplingOptions(max_tokens=4, temperature=0.0)
-        request = protocol.ReserveRequest("r", tuple(range(1, 41)), opts, False, "Lr", 1000)
+        opts = SamplingOptions(max_tokens=4, temperature=0.0)
+        request = ReserveRequest("r", tuple(range(1, 41)), opts, False, "Lr", 1000)
         reply = await worker.reserve(request)
         assert reply.ok and reply.block_addrs == tuple(
             region.addr + b * spec.block_bytes for b in reply.block_ids

@@ -14,7 +14,8 @@ from kvmesh.services.kv_registry.prefix_reach import prefix_reach
 from kvmesh.services.router.config import RouterConfig
 from kvmesh.services.router.service import serve_router
 from kvmesh.services.router.tenants import Tenants, cache_salt, tenant_name
-from kvmesh.shared.bus.protocol import PlaceRequest, decode_message, encode_message
+from kvmesh.shared.bus.messages.codec import decode_message, encode_message
+from kvmesh.shared.bus.messages.placement import PlaceRequest
 from kvmesh.shared.engine.block_manager import BlockManager
 from kvmesh.shared.engine.sequence import Sequence
 from kvmesh.shared.kv.prefix_hash import (

@@ -7,8 +7,9 @@ import random
 
 import pytest
 from kvmesh.services.decode.drafts import DraftBook, Outgoing, rebase_tree
-from kvmesh.shared.bus import protocol
-from kvmesh.shared.bus.protocol import DraftProposal
+from kvmesh.shared.bus.messages.drafts import DraftProposal
+from kvmesh.shared.bus.messages.placement import ReserveRequest
+from kvmesh.shared.text.sampling import SamplingOptions
 
 
 def _seqs(**lengths: int) -> dict[str, tuple[list[int], int]]:
@@ -192,10 +193,10 @@ async def _run(tiny, drafter) -> tuple[dict[str, list[int]], object]:
         clock=lambda: 0.0,
         hooks=[speculation],
     )
-    opts = protocol.SamplingOptions(max_tokens=MAX_TOKENS, temperature=0.0)
+    opts = SamplingOptions(max_tokens=MAX_TOKENS, temperature=0.0)
     for i, prompt in enumerate(PROMPTS):
         reply = await worker.reserve(
-            protocol.ReserveRequest(f"r{i}", tuple(prompt), opts, True, f"L{i}", 1000)
+            ReserveRequest(f"r{i}", tuple(prompt), opts, True, f"L{i}", 1000)
         )
         assert reply.ok
     got: dict[str, list[int]] = {f"r{i}": [] for i in range(len(PROMPTS))}

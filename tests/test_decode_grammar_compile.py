@@ -10,8 +10,10 @@ import time
 
 import pytest
 from kvmesh.services.decode.worker import DecodeWorker
-from kvmesh.shared.bus import protocol
+from kvmesh.shared.bus.messages.placement import ReserveRequest
+from kvmesh.shared.bus.messages.token_streams import TokenEvent
 from kvmesh.shared.engine.grammar_compile import GrammarCompiles
+from kvmesh.shared.text.sampling import SamplingOptions
 from kvmesh.shared.text.structured_output import StructuredOutputError, StructuredOutputs
 
 SLOW = StructuredOutputs(regex="[0-9]{2}")  # its compile is made slow below
@@ -54,8 +56,8 @@ def slow_worker(tiny, timeout_s: float, slow_s: float) -> DecodeWorker:
 
 
 def request(rid: str, spec: StructuredOutputs | None, max_tokens: int = 6):
-    opts = protocol.SamplingOptions(max_tokens=max_tokens, temperature=0.0, structured_outputs=spec)
-    return protocol.ReserveRequest(rid, (1, 2, 3, 4), opts, True, "L" + rid, 1000)
+    opts = SamplingOptions(max_tokens=max_tokens, temperature=0.0, structured_outputs=spec)
+    return ReserveRequest(rid, (1, 2, 3, 4), opts, True, "L" + rid, 1000)
 
 
 async def drive(worker: DecodeWorker, timeout_s: float = 20.0) -> dict[str, list]:
@@ -71,7 +73,7 @@ async def drive(worker: DecodeWorker, timeout_s: float = 20.0) -> dict[str, list
     return events
 
 
-def final(events: list) -> protocol.TokenEvent:
+def final(events: list) -> TokenEvent:
     assert events[-1].finish_reason is not None
     return events[-1]
 

@@ -3,8 +3,11 @@ import contextlib
 
 import pytest
 from kvmesh.services.decode.pending import Admission, PendingTable, ReservationError
-from kvmesh.shared.bus import protocol
-from kvmesh.shared.bus.protocol import PrefillDone
+from kvmesh.shared.bus.messages.codec import decode_message
+from kvmesh.shared.bus.messages.placement import ReserveRequest
+from kvmesh.shared.bus.messages.prefill_jobs import PrefillDone, PrefillStarted
+from kvmesh.shared.bus.messages.token_streams import TokenEvent
+from kvmesh.shared.bus.messages.workers import WorkerGone
 from kvmesh.shared.kv.imm import imm_slot, pack_imm
 from kvmesh.shared.text.sampling import SamplingOptions
 from kvmesh.shared.transport.completions import Completion
@@ -196,13 +199,13 @@ class _Events:
     """The TokenEvents the worker returned, as the service would have published them."""
 
     def __init__(self) -> None:
-        self.events: list[protocol.TokenEvent] = []
+        self.events: list[TokenEvent] = []
 
-    def add(self, event: protocol.TokenEvent | None) -> None:
+    def add(self, event: TokenEvent | None) -> None:
         if event is not None:
             self.events.append(event)
 
-    def tokens(self, request_id: str) -> list[protocol.TokenEvent]:
+    def tokens(self, request_id: str) -> list[TokenEvent]:
         return [e for e in self.events if e.request_id == request_id]
 
 
@@ -238,8 +241,8 @@ async def _drive(worker, events: _Events, max_steps: int = 10_000) -> None:
 
 
 def _reserve(rid, n, local=False, lease_ms=1000):
-    opts = protocol.SamplingOptions(max_tokens=4, temperature=0.0)
-    return protocol.ReserveRequest(rid, tuple(range(1, n + 1)), opts, local, "L" + rid, lease_ms)
+    opts = SamplingOptions(max_tokens=4, temperature=0.0)
+    return ReserveRequest(rid, tuple(range(1, n + 1)), opts, local, "L" + rid, lease_ms)
 
 
 async def test_worker_admits_after_writes_and_done_then_streams_and_frees(decode_worker):
@@ -290,8 +293,8 @@ async def test_worker_failed_prefill_returns_blocks(decode_worker):
 
 async def test_worker_local_prefill_and_abort_while_running(decode_worker):
     worker, rec, _ = decode_worker
-    opts = protocol.SamplingOptions(max_tokens=500, temperature=0.0, ignore_eos=True)
-    reply = await worker.reserve(protocol.ReserveRequest("d", (5, 6, 7), opts, True, "Ld", 1000))
+    opts = SamplingOptions(max_tokens=500, temperature=0.0, ignore_eos=True)
+    reply = await worker.reserve(ReserveRequest("d", (5, 6, 7), opts, True, "Ld", 1000))
     assert reply.ok and reply.block_ids == ()  # local prefill: nothing reserved for a writer
     rec.events += await worker.admit()
     while sum(len(e.token_ids) for e in rec.tokens("d")) < 3:
@@ -404,7 +407,7 @@ class _FakeNats:
 
     async def publish(self, subject: str, data: bytes) -> None:
         self.published.append((subject, data))
-        if protocol.decode_message(data, protocol.TokenEvent).finish_reason:
+        if decode_message(data, TokenEvent).finish_reason:
             self.finished.set()
 
 
@@ -434,7 +437,7 @@ async def test_paced_engine_loop_starts_steps_no_closer_than_its_interval(tiny):
             await loop
     assert time.monotonic() - started >= 3 * 0.05  # three gaps between four steps
     subject = config.subjects.request_tokens("p")
-    events = [protocol.decode_message(d, protocol.TokenEvent) for s, d in nc.published]
+    events = [decode_message(d, TokenEvent) for s, d in nc.published]
     assert all(s == subject for s, _ in nc.published)
     assert sum(len(e.token_ids) for e in events) == 4 and events[-1].finish_reason == "length"
 
@@ -461,8 +464,8 @@ async def test_worker_frees_blocks_when_their_prefill_worker_dies(decode_worker)
     worker, rec, _ = decode_worker
     assert (await worker.reserve(_reserve("a", 40))).ok
     assert worker.engine.block_manager.num_free_blocks == 61
-    worker.on_prefill_started(protocol.PrefillStarted("a", "La", "prefill-0"))
-    worker.on_worker_gone(protocol.WorkerGone("prefill-0", "prefill", 3.0))
+    worker.on_prefill_started(PrefillStarted("a", "La", "prefill-0"))
+    worker.on_worker_gone(WorkerGone("prefill-0", "prefill", 3.0))
     await _drive(worker, rec)
     assert rec.tokens("a") == []  # the router, told by the registry too, retries or fails it
     assert worker.engine.block_manager.num_free_blocks == 64

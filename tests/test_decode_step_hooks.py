@@ -11,10 +11,12 @@ import asyncio
 import pytest
 from kvmesh.services.decode.step_hooks import Step, StepHook, StepPlan
 from kvmesh.services.decode.worker import DecodeWorker
-from kvmesh.shared.bus import protocol
-from kvmesh.shared.bus.protocol import PrefillDone
+from kvmesh.shared.bus.messages.placement import ReserveRequest
+from kvmesh.shared.bus.messages.prefill_jobs import PrefillDone
+from kvmesh.shared.bus.messages.token_streams import TokenEvent
 from kvmesh.shared.engine.draft_tree import DraftTree
 from kvmesh.shared.kv.imm import imm_slot, pack_imm
+from kvmesh.shared.text.sampling import SamplingOptions
 from kvmesh.shared.transport.completions import Completion
 
 
@@ -74,12 +76,12 @@ def worker_with(tiny, *hooks_of) -> tuple[DecodeWorker, list[Recorder]]:
     return worker, hooks
 
 
-def _request(rid: str, n: int, local: bool, max_tokens: int = 4) -> protocol.ReserveRequest:
-    opts = protocol.SamplingOptions(max_tokens=max_tokens, temperature=0.0)
-    return protocol.ReserveRequest(rid, tuple(range(1, n + 1)), opts, local, "L" + rid, 1000)
+def _request(rid: str, n: int, local: bool, max_tokens: int = 4) -> ReserveRequest:
+    opts = SamplingOptions(max_tokens=max_tokens, temperature=0.0)
+    return ReserveRequest(rid, tuple(range(1, n + 1)), opts, local, "L" + rid, 1000)
 
 
-async def _drive(worker: DecodeWorker) -> list[protocol.TokenEvent]:
+async def _drive(worker: DecodeWorker) -> list[TokenEvent]:
     events = []
     for _ in range(1000):
         if worker.is_idle:

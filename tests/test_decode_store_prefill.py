@@ -10,9 +10,10 @@ import asyncio
 
 import pytest
 from kvmesh.services.decode.worker import DecodeWorker
-from kvmesh.shared.bus import protocol
+from kvmesh.shared.bus.messages.placement import ReserveRequest
 from kvmesh.shared.mesh.kv_store_client import put_cached_prefix
 from kvmesh.shared.mesh.kv_store_prefix import PrefixReader
+from kvmesh.shared.text.sampling import SamplingOptions
 from test_decode_swaps import FakeStore, OneStore
 
 BS = 16
@@ -20,7 +21,7 @@ PREFIX = [(7 * i + 3) % 250 + 1 for i in range(8 * BS)]  # 8 blocks
 FIRST = [*PREFIX, 3, 1, 4, 1, 5, 9, 2, 6]
 SECOND = [*PREFIX, 2, 7, 1, 8, 2, 8, 1, 8, 2, 8, 4, 5]  # 8 blocks read, 12 tokens computed
 MAX_TOKENS = 8
-OPTS = protocol.SamplingOptions(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+OPTS = SamplingOptions(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +45,7 @@ def worker_of(tiny, store: FakeStore | None = None) -> tuple[DecodeWorker, FakeS
 
 
 async def ask(worker: DecodeWorker, rid: str, prompt: list[int]) -> list[int]:
-    reply = await worker.reserve(protocol.ReserveRequest(rid, tuple(prompt), OPTS, True, rid, 1))
+    reply = await worker.reserve(ReserveRequest(rid, tuple(prompt), OPTS, True, rid, 1))
     assert reply.ok, reply.error
     got: list[int] = []
     for _ in range(10_000):
@@ -116,7 +117,7 @@ async def test_request_aborted_while_its_prefix_is_read_frees_every_block(tiny) 
     held = HeldStore(None, store.block_bytes)
     held.blocks = store.blocks
     second, _ = worker_of(tiny, held)
-    reply = await second.reserve(protocol.ReserveRequest("r2", tuple(SECOND), OPTS, True, "r2", 1))
+    reply = await second.reserve(ReserveRequest("r2", tuple(SECOND), OPTS, True, "r2", 1))
     assert reply.ok
     await held.asked.wait()  # the read is in flight, its blocks taken from the pool
     bm = second.engine.block_manager

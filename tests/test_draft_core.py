@@ -4,7 +4,7 @@ pipelined chains (and the engine drafter topping one up)."""
 from __future__ import annotations
 
 from kvmesh.services.draft.core import DraftCore
-from kvmesh.shared.bus.protocol import DraftContext
+from kvmesh.shared.bus.messages.drafts import DraftContext
 
 
 def ctx(rid: str, start: int, tokens, **kw) -> DraftContext:

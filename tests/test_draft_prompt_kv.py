@@ -18,8 +18,8 @@ from kvmesh.services.prefill.draft_writes import DraftKv
 from kvmesh.services.prefill.metrics import PrefillMetrics
 from kvmesh.services.prefill.plan import PlanError
 from kvmesh.services.prefill.worker import PrefillWorker
-from kvmesh.shared.bus import protocol
-from kvmesh.shared.bus.protocol import DraftKvReserveReply, PrefillDone
+from kvmesh.shared.bus.messages.drafts import DraftKvReserve, DraftKvReserveReply
+from kvmesh.shared.bus.messages.prefill_jobs import PrefillDone
 from kvmesh.shared.kv.imm import imm_slot, unpack_imm
 from kvmesh.shared.transport.base import Access, MemoryWindow
 from support.prefill_rig import prefill_job, ready_advert
@@ -358,7 +358,7 @@ async def test_prefill_writes_the_draft_kv_and_the_next_draft_computes_only_the_
     prompt = [(7 * i) % 250 + 1 for i in range(100)]  # 6 full blocks + 4 tokens, 4 chunks
     async with _mesh_in_process(tiny) as (worker, region, receiver, drafter, draft_side):
         bm = drafter.engine.block_manager
-        req = protocol.DraftKvReserve("r", "Lr", tuple(prompt), receiver.kv_spec, 10_000)
+        req = DraftKvReserve("r", "Lr", tuple(prompt), receiver.kv_spec, 10_000)
         reply = await receiver.reserve(req)
         assert reply.ok and len(reply.block_addrs) == 6 and reply.num_layers == 2
         assert bm.num_free_blocks == 64 - 6
@@ -386,7 +386,7 @@ async def test_prefill_writes_the_draft_kv_and_the_next_draft_computes_only_the_
 async def test_refused_or_late_reservation_leaves_the_job_without_draft_writes(tiny):
     prompt = [(5 * i) % 250 + 1 for i in range(40)]
     async with _mesh_in_process(tiny) as (worker, region, receiver, _, _):
-        req = protocol.DraftKvReserve("r", "Lr", tuple(prompt), "another-layout", 10_000)
+        req = DraftKvReserve("r", "Lr", tuple(prompt), "another-layout", 10_000)
         reply = await receiver.reserve(req)
         assert not reply.ok and "is not this draft's target's" in reply.error
         result = await _prefill(
@@ -406,7 +406,7 @@ async def test_expired_reservation_returns_the_draft_blocks(tiny):
     async with _mesh_in_process(tiny) as (_, _, receiver, drafter, _):
         bm = drafter.engine.block_manager
         reply = await receiver.reserve(
-            protocol.DraftKvReserve("r", "Lr", tuple(prompt), receiver.kv_spec, 1)
+            DraftKvReserve("r", "Lr", tuple(prompt), receiver.kv_spec, 1)
         )
         assert reply.ok and bm.num_free_blocks == 62
         await asyncio.sleep(0.01)
@@ -429,7 +429,7 @@ async def test_prefill_runs_the_draft_model_and_the_model_drafters_next_draft_co
         draft_side,
     ):
         bm = drafter.engine.block_manager
-        req = protocol.DraftKvReserve(
+        req = DraftKvReserve(
             "r",
             "Lr",
             tuple(prompt),
@@ -473,7 +473,7 @@ async def test_model_drafter_refuses_a_prefill_without_its_draft_model_and_the_j
     prompt = [(5 * i) % 250 + 1 for i in range(70)]
     async with _mesh_in_process(tiny, small_draft) as (worker, region, receiver, _, _):
         for draft_kv_spec, error in (("", "runs no draft model"), ("other", "is not this draft")):
-            req = protocol.DraftKvReserve(
+            req = DraftKvReserve(
                 "r", "Lr", tuple(prompt), worker.kv_spec, 10_000, draft_kv_spec=draft_kv_spec
             )
             reply = await receiver.reserve(req)

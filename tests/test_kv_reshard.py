@@ -30,7 +30,7 @@ from kvmesh.services.prefill.kv_writes import (
     staging_bytes,
 )
 from kvmesh.services.prefill.plan import ChunkPlanner
-from kvmesh.shared.bus import protocol
+from kvmesh.shared.bus.messages.prefill_jobs import PrefillDone
 from kvmesh.shared.kv.head_shards import KVHeadShards
 from kvmesh.shared.kv.imm import imm_slot, pack_imm, unpack_imm
 from kvmesh.shared.kv.kv_cache import KVCacheSpec, KVPool
@@ -275,7 +275,7 @@ def test_chunk_planners_of_every_prefill_rank_fill_every_decode_rank_with_its_he
                 assert leases[rank_slice.dst_rank].on_immediate(*unpack_imm(write.imm)) is None
             announced[rank_slice.dst_rank] = planner.num_writes  # the same from every writer
     for table, num_writes in zip(leases, [announced[d] for d in range(dst_tp)], strict=True):
-        done = protocol.PrefillDone("r", "lease", ok=True, first_token=1, num_writes=num_writes)
+        done = PrefillDone("r", "lease", ok=True, first_token=1, num_writes=num_writes)
         verdict = table.on_done(done)
         assert verdict is not None and verdict.ok, verdict
     for d, shard in zip(decs, _shards(full, dst_tp), strict=True):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 from kvmesh.services.kv_registry.stores import StoreTable
 from kvmesh.services.kv_store.core import BlockStore, GetGrant, PutGrant, StoreFull
+from kvmesh.shared.bus.messages.kv_store import StoreAdvert
 from kvmesh.shared.kv.kv_block_header import (
     HEADER_BYTES,
     BlockHeader,
@@ -192,7 +193,6 @@ def test_store_layout_of_the_tiny_model_is_the_decode_engines_kv_spec(kv_cache_d
 
 
 def test_registry_store_table_reports_hit_rate_and_drops_silent_stores() -> None:
-    from kvmesh.shared.bus.protocol import StoreAdvert
     from kvmesh.shared.kv.descriptor import TcpBackend, TransportDescriptor
 
     desc = TransportDescriptor("s", "h", (TcpBackend("x", 1, "ab" * 32),))
@@ -213,7 +213,6 @@ def test_registry_store_table_reports_hit_rate_and_drops_silent_stores() -> None
 
 
 def test_store_book_picks_the_lowest_ready_store_of_its_layout_heard_of_lately() -> None:
-    from kvmesh.shared.bus.protocol import StoreAdvert
     from kvmesh.shared.kv.descriptor import TcpBackend, TransportDescriptor
     from kvmesh.shared.mesh.kv_store_client import StoreBook
 

@@ -19,17 +19,19 @@ from collections.abc import AsyncIterator
 import pytest
 import torch
 from kvmesh.loadgen import prom_text
-from kvmesh.shared.bus.nats_service import connect_nats
-from kvmesh.shared.bus.protocol import (
+from kvmesh.shared.bus.messages.codec import decode_message, encode_message
+from kvmesh.shared.bus.messages.kv_store import (
     StoreAck,
     StoreAdvert,
     StoreGet,
     StoreGetReply,
+    StorePut,
+    StorePutReply,
     StoreRelease,
     StoreSolicit,
-    decode_message,
-    encode_message,
 )
+from kvmesh.shared.bus.messages.workers import WorkerGone
+from kvmesh.shared.bus.nats_service import connect_nats
 from kvmesh.shared.bus.store_solicit import store_adverts_solicited
 from kvmesh.shared.config.subjects import Subjects
 from kvmesh.shared.kv.kv_block_header import token_digests
@@ -368,7 +370,6 @@ async def test_store_evicts_a_dropped_workers_blocks_and_refuses_puts_from_other
     role that may not put (here the router's) is refused: only that role would learn the
     window's key."""
     import nats
-    from kvmesh.shared.bus.protocol import StorePut, StorePutReply, WorkerGone
 
     async with (
         store_process(nats_server, "store-o", "--num-blocks", "8") as advert,

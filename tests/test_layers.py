@@ -76,7 +76,7 @@ def test_an_upward_import_is_caught(tmp_path, monkeypatch):
         (tmp_path / plane).mkdir()
         (tmp_path / plane / "__init__.py").write_text("")
     (tmp_path / "engine" / "bad.py").write_text(
-        "def f():\n    from kvmesh.shared.bus.protocol import TokenEvent\n"
+        "def f():\n    from kvmesh.shared.bus.messages.token_streams import TokenEvent\n"
     )
     (tmp_path / "kv" / "types.py").write_text(
         "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
@@ -84,4 +84,6 @@ def test_an_upward_import_is_caught(tmp_path, monkeypatch):
     )
     (tmp_path / "transport" / "fine.py").write_text("from kvmesh.shared.kv.imm import pack_imm\n")
     monkeypatch.setattr(sys.modules[__name__], "SHARED", tmp_path)
-    assert upward_imports() == ["shared/engine/bad.py imports kvmesh.shared.bus.protocol"]
+    assert upward_imports() == [
+        "shared/engine/bad.py imports kvmesh.shared.bus.messages.token_streams"
+    ]

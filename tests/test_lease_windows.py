@@ -15,11 +15,13 @@ import pytest
 from kvmesh.services.decode.pending import PendingTable
 from kvmesh.services.decode.windows import LeaseWindows
 from kvmesh.services.decode.worker import DecodeWorker
-from kvmesh.shared.bus import protocol
+from kvmesh.shared.bus.messages.placement import ReserveReply, ReserveRequest
+from kvmesh.shared.bus.messages.prefill_jobs import PrefillDone, PrefillJob, PrefillStarted
 from kvmesh.shared.engine.config import EngineConfig
 from kvmesh.shared.engine.llm_engine import LLMEngine
 from kvmesh.shared.kv.imm import imm_slot, pack_imm
 from kvmesh.shared.kv.kv_cache import KVCacheSpec
+from kvmesh.shared.text.sampling import SamplingOptions
 from kvmesh.shared.transport import (
     Access,
     MemoryWindow,
@@ -81,16 +83,14 @@ class Mesh:
         await self.tx.aclose()
         await self.rx.aclose()
 
-    async def reserve(self, rid: str, num_tokens: int = 20) -> protocol.ReserveReply:
-        opts = protocol.SamplingOptions(max_tokens=4, temperature=0.0)
-        req = protocol.ReserveRequest(
-            rid, tuple(range(1, num_tokens + 1)), opts, False, "L" + rid, 1000
-        )
+    async def reserve(self, rid: str, num_tokens: int = 20) -> ReserveReply:
+        opts = SamplingOptions(max_tokens=4, temperature=0.0)
+        req = ReserveRequest(rid, tuple(range(1, num_tokens + 1)), opts, False, "L" + rid, 1000)
         reply = await self.worker.reserve(req)
         assert reply.ok, reply.error
         return reply
 
-    def slot(self, reply: protocol.ReserveReply) -> int:
+    def slot(self, reply: ReserveReply) -> int:
         return imm_slot(self.region.addr + reply.block_ids[0] * self.block_bytes, self.block_bytes)
 
     async def write(self, block: int, rkey: int, imm: int) -> None:
@@ -108,10 +108,8 @@ class Mesh:
         return bytes(raw[block * self.block_bytes : (block + 1) * self.block_bytes][:16])
 
 
-def _done(reply: protocol.ReserveReply, rid: str, num_writes: int, rkey: int) -> Any:
-    return protocol.PrefillDone(
-        rid, "L" + rid, True, first_token=5, num_writes=num_writes, rkey=rkey
-    )
+def _done(reply: ReserveReply, rid: str, num_writes: int, rkey: int) -> Any:
+    return PrefillDone(rid, "L" + rid, True, first_token=5, num_writes=num_writes, rkey=rkey)
 
 
 async def test_each_lease_gets_its_own_key_and_the_region_key_is_not_advertised(tiny) -> None:
@@ -320,14 +318,14 @@ class ForgeryMesh:
     async def __aexit__(self, *exc: object) -> None:
         await self._stack.__aexit__(*exc)
 
-    async def reserve(self, rid: str, prompt: tuple[int, ...]) -> protocol.ReserveReply:
-        opts = protocol.SamplingOptions(max_tokens=4, temperature=0.0)
-        req = protocol.ReserveRequest(rid, prompt, opts, False, "L" + rid, 60_000)
+    async def reserve(self, rid: str, prompt: tuple[int, ...]) -> ReserveReply:
+        opts = SamplingOptions(max_tokens=4, temperature=0.0)
+        req = ReserveRequest(rid, prompt, opts, False, "L" + rid, 60_000)
         reply = await self.worker.reserve(req)
         assert reply.ok, reply.error
         return reply
 
-    def slot(self, reply: protocol.ReserveReply) -> int:
+    def slot(self, reply: ReserveReply) -> int:
         return imm_slot(self.region.addr + reply.block_ids[0] * self.block_bytes, self.block_bytes)
 
     async def deliver(self, n: int) -> None:
@@ -335,18 +333,18 @@ class ForgeryMesh:
         for _ in range(n):
             self.worker.on_completion(await asyncio.wait_for(self.rx.completion_queue.get(), 10))
 
-    async def forge(self, own: protocol.ReserveReply, imm: int) -> None:
+    async def forge(self, own: ReserveReply, imm: int) -> None:
         """The attacker writes its own leased block, with an immediate of its choosing."""
         addr = self.region.addr + own.block_ids[0] * self.block_bytes
         entry = WriteEntry(self.src_region, 0, addr, own.rkey, self.block_bytes)
         await asyncio.wait_for(self.attacker.write([entry], imm), 10)
 
-    def job(self, rid: str, reply: protocol.ReserveReply) -> protocol.PrefillJob:
+    def job(self, rid: str, reply: ReserveReply) -> PrefillJob:
         addrs = tuple(self.region.addr + b * self.block_bytes for b in reply.block_ids)
-        return protocol.PrefillJob(
+        return PrefillJob(
             rid,
             PROMPT,
-            protocol.SamplingOptions(max_tokens=4, temperature=0.0),
+            SamplingOptions(max_tokens=4, temperature=0.0),
             "d0",
             "L" + rid,
             self.descriptor,
@@ -374,7 +372,7 @@ async def test_forged_immediates_from_another_lease_holder_are_refused_and_the_v
 ) -> None:
     async with ForgeryMesh(tiny, backend) as m:
         victim, attacker = await m.reserve("v", PROMPT), await m.reserve("x", (1, 2, 3))
-        m.worker.on_prefill_started(protocol.PrefillStarted("v", "Lv", "p-victim"))
+        m.worker.on_prefill_started(PrefillStarted("v", "Lv", "p-victim"))
         for chunk in range(3):  # every chunk the victim's writer is about to write
             await m.forge(attacker, pack_imm(m.slot(victim), chunk))
         await m.deliver(3)

@@ -17,10 +17,10 @@ import msgspec
 import pytest
 from kvmesh.services.kv_registry.config import RegistryConfig
 from kvmesh.services.kv_registry.service import registry_service
-from kvmesh.shared.bus import protocol
 from kvmesh.shared.bus.liveness import LivenessBeacon
+from kvmesh.shared.bus.messages.codec import decode_message
+from kvmesh.shared.bus.messages.workers import WorkerGone, WorkerHeartbeat
 from kvmesh.shared.bus.nats_service import connect_nats, request_json
-from kvmesh.shared.bus.protocol import WorkerGone, WorkerHeartbeat
 from kvmesh.shared.config.subjects import DEFAULT_MESH, Subjects
 from kvmesh.shared.config.worker_config import ServiceConfig
 from nats.aio.client import Client
@@ -100,10 +100,10 @@ async def test_a_blocked_loop_keeps_beating_a_wedged_or_stopped_worker_is_droppe
             }
 
             async def on_beat(msg) -> None:
-                beats.put_nowait(protocol.decode_message(msg.data, WorkerHeartbeat))
+                beats.put_nowait(decode_message(msg.data, WorkerHeartbeat))
 
             async def on_gone(msg) -> None:
-                worker_id = protocol.decode_message(msg.data, WorkerGone).worker_id
+                worker_id = decode_message(msg.data, WorkerGone).worker_id
                 if worker_id in gone:
                     gone[worker_id].set()
 

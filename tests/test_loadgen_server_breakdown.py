@@ -6,7 +6,7 @@ import pytest
 from kvmesh.loadgen.prom_text import totals as parse_prometheus
 from kvmesh.loadgen.server_breakdown import ServerBreakdown
 from kvmesh.services.router.metrics import RouterMetrics
-from kvmesh.shared.bus.protocol import PrefillReport
+from kvmesh.shared.bus.messages.prefill_jobs import PrefillReport
 
 BEFORE = """\
 # HELP kvmesh_router_time_to_first_token_seconds Request arrival to first output token.

@@ -21,7 +21,8 @@ import math
 import aiohttp
 import orjson
 import pytest
-from kvmesh.shared.bus import protocol
+from kvmesh.shared.bus.messages.codec import decode_message
+from kvmesh.shared.bus.messages.prefill_jobs import PrefillJob
 from kvmesh.shared.bus.nats_service import connect_nats, flush_to_server
 from kvmesh.shared.config.subjects import DEFAULT_MESH, Subjects
 from support.mesh_checks import check_blocks_returned, check_equals_offline, load
@@ -202,10 +203,10 @@ async def test_disconnect_mid_prefill_stops_prefill_and_returns_blocks(disagg_me
         connect_nats(mesh.config.nats_url, "test-jobs", auth=mesh.nats_auth) as nc,
         aiohttp.ClientSession() as session,
     ):
-        jobs: list[protocol.PrefillJob] = []
+        jobs: list[PrefillJob] = []
 
         async def on_job(msg) -> None:
-            jobs.append(protocol.decode_message(msg.data, protocol.PrefillJob))
+            jobs.append(decode_message(msg.data, PrefillJob))
             job_seen.set()
 
         jobs_subject = Subjects(DEFAULT_MESH).PREFILL_JOBS

@@ -50,8 +50,9 @@ async def _load_then_kill(launcher, prompts, victim: str, delay_s: float):
     """Send ``prompts`` and kill ``victim`` ``delay_s`` later; a prefill worker once it has also
     taken a job (its PrefillStarted): at a fixed delay alone, a loaded box may not have handed it
     one yet, and then nothing of it is left to run again."""
+    from kvmesh.shared.bus.messages.codec import decode_message
+    from kvmesh.shared.bus.messages.prefill_jobs import PrefillStarted
     from kvmesh.shared.bus.nats_service import connect_nats
-    from kvmesh.shared.bus.protocol import PrefillStarted, decode_message
     from kvmesh.shared.config.subjects import Subjects
 
     took_job = asyncio.Event()

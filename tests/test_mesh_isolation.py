@@ -97,10 +97,12 @@ async def test_two_meshes_on_one_nats_each_serve_their_own_model(two_meshes, oth
 
 
 async def test_admin_addresses_one_mesh_and_registry_refuses_another_model(two_meshes):
-    from kvmesh.shared.bus import protocol
     from kvmesh.shared.bus.admin_client import admin_client
+    from kvmesh.shared.bus.messages.codec import decode_message, encode_message
+    from kvmesh.shared.bus.messages.placement import PlaceReply, PlaceRequest
     from kvmesh.shared.bus.nats_service import connect_nats
     from kvmesh.shared.config.subjects import Subjects
+    from kvmesh.shared.text.sampling import SamplingOptions
 
     url = two_meshes[0]
     out = subprocess.run(
@@ -123,17 +125,17 @@ async def test_admin_addresses_one_mesh_and_registry_refuses_another_model(two_m
     assert tiny_decode.model_spec != other_decode["model_spec"]
 
     # a router of the other model asking the kvmesh-tiny mesh's registry: refused, with why
-    place = protocol.PlaceRequest(
+    place = PlaceRequest(
         request_id="stray-1",
         prompt_ids=(1, 2, 3),
-        sampling=protocol.SamplingOptions(max_tokens=2),
+        sampling=SamplingOptions(max_tokens=2),
         local_prefill=True,
         model_spec=other_decode["model_spec"],
     )
     async with connect_nats(url, "stray-router") as nc:
         msg = await nc.request(
-            Subjects("kvmesh-tiny").REGISTRY_PLACE, protocol.encode_message(place), timeout=5
+            Subjects("kvmesh-tiny").REGISTRY_PLACE, encode_message(place), timeout=5
         )
-    reply = protocol.decode_message(msg.data, protocol.PlaceReply)
+    reply = decode_message(msg.data, PlaceReply)
     assert not reply.ok and reply.retry_after_s == 0
     assert "decode-0 serves another model or KV layout" in reply.error

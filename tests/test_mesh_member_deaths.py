@@ -27,6 +27,8 @@ from collections.abc import AsyncIterator
 import aiohttp
 import msgspec
 import pytest
+from kvmesh.shared.bus.messages.codec import decode_message, encode_message
+from kvmesh.shared.bus.messages.workers import WorkerGone, WorkerHeartbeat
 
 from kvmesh.testing.mesh import MeshTap, complete, local_mesh, random_prompts, wait_blocks_returned
 from kvmesh.testing.offline import offline_greedy
@@ -60,17 +62,16 @@ def mesh():
 @contextlib.asynccontextmanager
 async def _listening(launcher, role: str = "admin") -> AsyncIterator[tuple]:
     """A connection as ``role`` (the mesh's user of it) and the WorkerGones it hears."""
-    from kvmesh.shared.bus import protocol
     from kvmesh.shared.bus.nats_service import connect_nats, flush_to_server
     from kvmesh.shared.config.subjects import Subjects
 
     auth = launcher.nats_auth if role == "admin" else launcher.credentials.auth(role)
-    gone: list[protocol.WorkerGone] = []
+    gone: list[WorkerGone] = []
     async with connect_nats(launcher.config.nats_url, f"test-{role}", auth=auth) as nc:
         subjects = Subjects(launcher.config.mesh)
 
         async def on_gone(msg) -> None:
-            gone.append(protocol.decode_message(msg.data, protocol.WorkerGone))
+            gone.append(decode_message(msg.data, WorkerGone))
 
         await nc.subscribe(subjects.REGISTRY_WORKER_GONE, cb=on_gone)
         await flush_to_server(nc)
@@ -85,7 +86,6 @@ async def _until(predicate, timeout_s: float = 30.0, what: str = "") -> None:
 
 
 async def _restart_the_only_decode_worker(launcher, prompts, max_tokens):
-    from kvmesh.shared.bus import protocol
 
     async with (
         MeshTap(launcher.config.nats_url, launcher.nats_auth) as tap,
@@ -95,7 +95,7 @@ async def _restart_the_only_decode_worker(launcher, prompts, max_tokens):
         states: list[str] = []
 
         async def on_beat(msg) -> None:
-            states.append(protocol.decode_message(msg.data, protocol.WorkerHeartbeat).state)
+            states.append(decode_message(msg.data, WorkerHeartbeat).state)
 
         await nc.subscribe(subjects.heartbeat("decode", "decode-0"), cb=on_beat)
         tasks = [
@@ -141,7 +141,6 @@ def _decode_requests(launcher) -> float:
 
 
 async def _kill_the_router(launcher, short, long):
-    from kvmesh.shared.bus import protocol
 
     _, prefill = launcher.children["prefill-0"]
     async with (
@@ -150,11 +149,11 @@ async def _kill_the_router(launcher, short, long):
         _listening(launcher, "prefill") as (as_prefill, _, _),
         aiohttp.ClientSession() as session,
     ):
-        beats: list[protocol.WorkerHeartbeat] = []
+        beats: list[WorkerHeartbeat] = []
         subject = subjects.heartbeat("prefill", "prefill-0")
 
         async def on_beat(msg) -> None:
-            beats.append(protocol.decode_message(msg.data, protocol.WorkerHeartbeat))
+            beats.append(decode_message(msg.data, WorkerHeartbeat))
 
         await nc.subscribe(subject, cb=on_beat)
         await _until(lambda: beats, what="a prefill heartbeat")
@@ -164,7 +163,7 @@ async def _kill_the_router(launcher, short, long):
             beat = beats[-1]
             while True:
                 sent = msgspec.structs.replace(beat, sent_at=time.time())
-                await as_prefill.publish(subject, protocol.encode_message(sent))
+                await as_prefill.publish(subject, encode_message(sent))
                 await asyncio.sleep(HEARTBEAT_S)
 
         standing_in = asyncio.create_task(stand_in())

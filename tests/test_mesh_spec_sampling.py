@@ -29,7 +29,8 @@ import aiohttp
 import pytest
 import torch
 from kvmesh.loadgen.bench_spec import spec_counters, spec_mesh
-from kvmesh.shared.bus import protocol
+from kvmesh.shared.bus.messages.codec import decode_message, encode_message
+from kvmesh.shared.bus.messages.drafts import DraftContext, DraftProposal
 from kvmesh.shared.bus.nats_service import connect_nats, flush_to_server
 from kvmesh.shared.config.subjects import DRAFT_QUEUE_GROUP, Subjects
 from kvmesh.shared.engine.sampler import apply_top_k_top_p
@@ -77,24 +78,24 @@ class ScriptedDrafter:
         async with connect_nats(mesh.config.nats_url, DRAFTER_ID, auth=auth) as nc:
 
             async def on_context(msg: Any) -> None:
-                ctx = protocol.decode_message(msg.data, protocol.DraftContext)
+                ctx = decode_message(msg.data, DraftContext)
                 held = self.contexts.get(ctx.request_id)
                 if ctx.start == 0:
                     held = self.contexts[ctx.request_id] = list(ctx.token_ids)
                     self.num_prompt[ctx.request_id] = ctx.num_prompt_tokens
                 elif held is None or len(held) != ctx.start:
-                    answer = protocol.DraftProposal(
+                    answer = DraftProposal(
                         ctx.request_id, DRAFTER_ID, max(ctx.start, 1), need_context=True
                     )
                     await nc.publish(
                         subjects.decode_draft(ctx.decode_worker_id),
-                        protocol.encode_message(answer),
+                        encode_message(answer),
                     )
                     return
                 else:
                     held += ctx.token_ids
                 chain = self.proposer(held[self.num_prompt[ctx.request_id] :])
-                answer = protocol.DraftProposal(
+                answer = DraftProposal(
                     ctx.request_id,
                     DRAFTER_ID,
                     len(held),
@@ -103,7 +104,7 @@ class ScriptedDrafter:
                     depth=len(chain),
                 )
                 await nc.publish(
-                    subjects.decode_draft(ctx.decode_worker_id), protocol.encode_message(answer)
+                    subjects.decode_draft(ctx.decode_worker_id), encode_message(answer)
                 )
 
             await nc.subscribe(subjects.DRAFT_CONTEXT, queue=DRAFT_QUEUE_GROUP, cb=on_context)

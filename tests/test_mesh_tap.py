@@ -8,7 +8,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from kvmesh.shared.bus import protocol
+from kvmesh.shared.bus.messages.codec import encode_message
+from kvmesh.shared.bus.messages.token_streams import TokenEvent
 from kvmesh.shared.bus.nats_service import connect_nats, flush_to_server
 from kvmesh.shared.bus.wire_ids import attempt_of
 from kvmesh.shared.config.subjects import Subjects
@@ -31,8 +32,8 @@ async def test_a_reply_is_followed_across_retries_and_migrations(nats_server: st
     async with MeshTap(nats_server) as tap, connect_nats(nats_server, "decode") as nc:
 
         async def send(wire_id: str, tokens: tuple[int, ...], finish: str | None = None) -> None:
-            event = protocol.TokenEvent(wire_id, tokens, finish_reason=finish)
-            await nc.publish(S.request_tokens(wire_id), protocol.encode_message(event))
+            event = TokenEvent(wire_id, tokens, finish_reason=finish)
+            await nc.publish(S.request_tokens(wire_id), encode_message(event))
             await flush_to_server(nc)
 
         await send("cmpl-a", (1, 2, 3), "length")  # no retry

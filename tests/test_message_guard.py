@@ -8,8 +8,9 @@ import asyncio
 import nats.errors
 import nats.micro
 import pytest
-from kvmesh.shared.bus import protocol
 from kvmesh.shared.bus.message_guard import MessageGuard, guard_of, is_inbox
+from kvmesh.shared.bus.messages.codec import encode_message
+from kvmesh.shared.bus.messages.token_streams import Abort
 from kvmesh.shared.bus.nats_service import flush_to_server, subscriptions
 from kvmesh.shared.obs.metric_set import MetricSet
 
@@ -70,16 +71,16 @@ async def test_a_malformed_or_oversized_message_is_refused_and_the_next_is_handl
     nc = nats_client
     guard = guard_of(nc)
     guard.max_bytes = 256
-    got: list[protocol.Abort] = []
+    got: list[Abort] = []
 
-    async def on_abort(msg: protocol.Abort) -> None:
+    async def on_abort(msg: Abort) -> None:
         got.append(msg)
 
-    async with subscriptions(nc, ("guard.abort", protocol.Abort, on_abort)):
+    async with subscriptions(nc, ("guard.abort", Abort, on_abort)):
         await flush_to_server(nc)
         await nc.publish("guard.abort", b'{"request_id": 7}')  # wrong field type
         await nc.publish("guard.abort", b"x" * 257)
-        await nc.publish("guard.abort", protocol.encode_message(protocol.Abort("r1")))
+        await nc.publish("guard.abort", encode_message(Abort("r1")))
         await _until(lambda: got)
     assert [m.request_id for m in got] == ["r1"]
     assert guard.counts["malformed"] == 1 and guard.counts["oversized"] == 1

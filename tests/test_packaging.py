@@ -88,7 +88,7 @@ def test_wheel_holds_only_the_kvmesh_namespace_and_the_c_kernels(wheel):
     assert tops == {"kvmesh"}
     # every file the C kernels' build reads (kernels/cpu_ops.py compiles them on first use)
     assert {f"kvmesh/kernels/{p.name}" for p in (*cpu_ops.SOURCES, *cpu_ops.HEADERS)} <= set(names)
-    assert "kvmesh/shared/bus/protocol.py" in names and "kvmesh/cli.py" in names
+    assert "kvmesh/shared/bus/messages/codec.py" in names and "kvmesh/cli.py" in names
 
 
 def test_wheel_imports_and_runs_its_command_outside_the_repository(wheel, tmp_path):
@@ -98,8 +98,8 @@ def test_wheel_imports_and_runs_its_command_outside_the_repository(wheel, tmp_pa
         (target / top).exists() for top in ("shared", "services", "kernels", "loadgen", "sim")
     )
     probe = (
-        "import kvmesh.shared.bus.protocol, kvmesh.services.router, kvmesh.kernels.cpu_ops, kvmesh.cli;"
-        "print(kvmesh.shared.bus.protocol.__file__);"
+        "import kvmesh.shared.bus.messages.codec, kvmesh.services.router, kvmesh.kernels.cpu_ops, kvmesh.cli;"
+        "print(kvmesh.shared.bus.messages.codec.__file__);"
         "kvmesh.cli.build_parser()"
     )
     run = subprocess.run(

@@ -10,7 +10,7 @@ from kvmesh.services.prefill.plan import (
     PrefillTimeline,
     WriteSpan,
 )
-from kvmesh.shared.bus import protocol
+from kvmesh.shared.bus.messages.prefill_jobs import PrefillDone
 from kvmesh.shared.kv.imm import imm_slot, unpack_imm
 from support.prefill_rig import prefill_job, prefill_rig, ready_advert
 
@@ -265,7 +265,7 @@ class _RecordingHook(JobHook):
 
     def finish(self, msg, job, ok, error):
         self._note(f"finish ok={ok}")
-        return ("w-1", protocol.PrefillDone(msg.request_id, msg.lease_id, ok, rkey=7))
+        return ("w-1", PrefillDone(msg.request_id, msg.lease_id, ok, rkey=7))
 
 
 async def test_a_job_hook_sees_each_jobs_life_in_order_and_its_announcement_comes_back(tiny):

@@ -140,8 +140,8 @@ async def test_the_keeper_waits_for_jetstream_before_it_gives_up():
 
 
 async def test_queue_status_counts_waiting_jobs_and_pulling_workers(nats_server):
+    from kvmesh.shared.bus.messages.admin import QueueStatus
     from kvmesh.shared.bus.prefill_job_stream import queue_status
-    from kvmesh.shared.bus.protocol import QueueStatus
 
     async with connect_nats(nats_server, "r") as nc, connect_nats(nats_server, "p") as p:
         assert "kvmesh admin prefill-queue" in (await queue_status(nc, S)).note

@@ -16,10 +16,11 @@ import pytest
 from kvmesh.services.prefill.adverts import UnvouchedJobError, check_job_against_advert
 from kvmesh.services.prefill.kv_writes import job_rank_slices
 from kvmesh.services.prefill.tp_group import TPWrites
-from kvmesh.shared.bus import protocol
-from kvmesh.shared.bus.protocol import DecodeRankTarget
+from kvmesh.shared.bus.messages.placement import DecodeRankTarget
+from kvmesh.shared.bus.messages.prefill_jobs import PrefillJob
 from kvmesh.shared.kv.descriptor import TcpBackend, TransportDescriptor
 from kvmesh.shared.kv.kv_cache import KVCacheSpec
+from kvmesh.shared.text.sampling import SamplingOptions
 from support.adverts import idle_advert
 from support.prefill_rig import prefill_job, prefill_rig, ready_advert
 
@@ -57,10 +58,10 @@ async def test_a_tp1_prefill_writes_each_tp2_decode_rank_its_heads(tiny) -> None
         )
         addrs = [tuple(r.addr + b * half for b in BLOCKS) for r, _ in ranks]
         descriptor = worker.adverts.get("d1").descriptor
-        job = protocol.PrefillJob(
+        job = PrefillJob(
             "tp",
             tuple(PROMPT),
-            protocol.SamplingOptions(temperature=0.0),
+            SamplingOptions(temperature=0.0),
             "d1",
             "Ltp",
             descriptor,
@@ -115,8 +116,8 @@ def test_prefill_rank0_writes_decode_rank0_first_and_every_rank_its_heads_need(
 def test_the_followers_hand_off_names_every_decode_rank_in_order() -> None:
     d0 = TransportDescriptor("d0", "h", (TcpBackend("127.0.0.1", 1, "ab" * 32),))
     d1 = TransportDescriptor("d0.rank1", "h", (TcpBackend("127.0.0.1", 2, "ab" * 32),))
-    job = protocol.PrefillJob(
-        "r", (1,), protocol.SamplingOptions(), "d0", "L", d0, 7, (64,), 32, 0.0,
+    job = PrefillJob(
+        "r", (1,), SamplingOptions(), "d0", "L", d0, 7, (64,), 32, 0.0,
         ranks=(DecodeRankTarget(8, (96,), d1),),
     )  # fmt: skip
     hand_off = TPWrites.note(job)
@@ -130,8 +131,8 @@ def test_a_job_must_name_as_many_ranks_as_the_advert_says_each_with_its_blocks()
     d0 = TransportDescriptor("d0", "h", (TcpBackend("127.0.0.1", 1, "ab" * 32),))
     tp2 = idle_advert("d0", d0, block_bytes=32, block_size=16, kv_spec="s", total_blocks=4)
     tp2 = msgspec.structs.replace(tp2, tp=2)
-    job = protocol.PrefillJob(
-        "r", (1,), protocol.SamplingOptions(), "d0", "L", d0, 7, (64, 96), 32, 0.0,
+    job = PrefillJob(
+        "r", (1,), SamplingOptions(), "d0", "L", d0, 7, (64, 96), 32, 0.0,
         ranks=(DecodeRankTarget(8, (0, 32), d0),),
     )  # fmt: skip
     check_job_against_advert(job, tp2, "s")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from kvmesh.services.decode.cache_reports import CacheReporter
 from kvmesh.services.kv_registry.prefix_index import PrefixIndex
-from kvmesh.shared.bus.protocol import KvCacheDigest, KvCacheEvents
+from kvmesh.shared.bus.messages.cache_events import KvCacheDigest, KvCacheEvents
 from kvmesh.shared.engine.block_manager import BlockManager
 from kvmesh.shared.engine.cache_events import CacheEventLog
 from kvmesh.shared.engine.sequence import Sequence

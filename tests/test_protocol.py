@@ -6,31 +6,31 @@ from __future__ import annotations
 import msgspec
 import orjson
 import pytest
-from kvmesh.shared.bus import protocol
-from kvmesh.shared.bus.protocol import (
-    Abort,
-    DecodeAdvert,
-    DecodeRankTarget,
+from kvmesh.shared.bus.messages.admin import (
+    AdminControlled,
+    AdminFailure,
+    AdminLogLevel,
+    AdminLogLevelSet,
+    AdminStatus,
+    AdminWorker,
+    AdminWorkers,
+    DecodeStatusRow,
+    LeaseCounts,
+    QueueStatus,
+    RegistryInfo,
+    StoreStatusRow,
+    WorkerRow,
+)
+from kvmesh.shared.bus.messages.cache_events import KvCacheDigest, KvCacheEvents
+from kvmesh.shared.bus.messages.codec import Message, MessageError, decode_message, encode_message
+from kvmesh.shared.bus.messages.drafts import (
     DraftContext,
     DraftForget,
     DraftKvReserve,
     DraftKvReserveReply,
     DraftProposal,
-    KvCacheDigest,
-    KvCacheEvents,
-    LeaseCancel,
-    LeaseRenew,
-    LogLevel,
-    Message,
-    MessageError,
-    PlaceReply,
-    PlaceRequest,
-    PrefillDone,
-    PrefillJob,
-    PrefillReport,
-    PrefillStarted,
-    ReserveReply,
-    ReserveRequest,
+)
+from kvmesh.shared.bus.messages.kv_store import (
     StoreAck,
     StoreAdvert,
     StoreCommit,
@@ -41,20 +41,41 @@ from kvmesh.shared.bus.protocol import (
     StorePutReply,
     StoreRelease,
     StoreSolicit,
+)
+from kvmesh.shared.bus.messages.placement import (
+    DecodeRankTarget,
+    LeaseCancel,
+    LeaseRenew,
+    PlaceReply,
+    PlaceRequest,
+    ReserveReply,
+    ReserveRequest,
+)
+from kvmesh.shared.bus.messages.prefill_jobs import (
+    PrefillDone,
+    PrefillJob,
+    PrefillReport,
+    PrefillStarted,
+)
+from kvmesh.shared.bus.messages.token_streams import (
+    Abort,
     StreamHolder,
     StreamLookup,
     StreamReplay,
     StreamResume,
     TokenEvent,
+)
+from kvmesh.shared.bus.messages.workers import (
+    DecodeAdvert,
+    LogLevel,
     WorkerControl,
     WorkerGone,
     WorkerHeartbeat,
-    decode_message,
-    encode_message,
 )
 from kvmesh.shared.kv.descriptor import RdmaBackend, ShmBackend, TcpBackend, TransportDescriptor
 from kvmesh.shared.kv.region import Access, MemoryRegion
 from kvmesh.shared.text.sampling import SamplingOptions, TokenLogprobs
+from support.nats_fuzz import message_types
 
 SECRET = "ab" * 32  # a tcp descriptor's lane secret (64 hex digits)
 
@@ -132,9 +153,7 @@ ADVERT = DecodeAdvert(
 )
 
 # One message of every type, every field set to something other than its default.
-WORKER_ROW = protocol.WorkerRow(
-    "p0", "prefill", "ready", running=1, waiting=2, last_seen_s=0.5, tp=2
-)
+WORKER_ROW = WorkerRow("p0", "prefill", "ready", running=1, waiting=2, last_seen_s=0.5, tp=2)
 
 EXAMPLES: list[Message] = [
     PLACE,
@@ -298,15 +317,15 @@ EXAMPLES: list[Message] = [
         disk_hits=2,
         disk_evictions=1,
     ),
-    protocol.AdminWorker("d0"),
-    protocol.AdminLogLevel("debug"),
-    protocol.AdminFailure("no worker 'x'"),
-    protocol.AdminWorkers((WORKER_ROW,)),
-    protocol.AdminControlled(ok=True, worker="d0", action="drain", state="draining"),
-    protocol.AdminLogLevelSet(ok=True, level="debug"),
-    protocol.AdminStatus(
+    AdminWorker("d0"),
+    AdminLogLevel("debug"),
+    AdminFailure("no worker 'x'"),
+    AdminWorkers((WORKER_ROW,)),
+    AdminControlled(ok=True, worker="d0", action="drain", state="draining"),
+    AdminLogLevelSet(ok=True, level="debug"),
+    AdminStatus(
         decode=(
-            protocol.DecodeStatusRow(
+            DecodeStatusRow(
                 "d0",
                 "decode",
                 "ready",
@@ -328,9 +347,9 @@ EXAMPLES: list[Message] = [
             ),
         ),
         workers=(WORKER_ROW,),
-        leases=protocol.LeaseCounts(active=1, granted=9, completed=7, expired=1, dropped=1),
+        leases=LeaseCounts(active=1, granted=9, completed=7, expired=1, dropped=1),
         stores=(
-            protocol.StoreStatusRow(
+            StoreStatusRow(
                 "s0",
                 "ready",
                 64,
@@ -358,19 +377,15 @@ EXAMPLES: list[Message] = [
                 0.25,
             ),
         ),
-        registry=protocol.RegistryInfo("reg-0", "m", uptime_s=12.5, worker_timeout_s=3.0),
-        prefill_queue=protocol.QueueStatus(depth=2, workers=1, note="electing"),
+        registry=RegistryInfo("reg-0", "m", uptime_s=12.5, worker_timeout_s=3.0),
+        prefill_queue=QueueStatus(depth=2, workers=1, note="electing"),
         degraded=("kv-store (s1 silent)",),
     ),
 ]
 
 
 def _message_types() -> set[type]:
-    return {
-        obj
-        for obj in vars(protocol).values()
-        if isinstance(obj, type) and issubclass(obj, Message) and obj is not Message
-    }
+    return set(message_types())
 
 
 def _id(msg: Message) -> str:

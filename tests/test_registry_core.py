@@ -3,12 +3,8 @@ from __future__ import annotations
 import msgspec
 import pytest
 from kvmesh.services.kv_registry.core import Candidate, Refusal, RegistryState
-from kvmesh.shared.bus.protocol import (
-    DecodeAdvert,
-    DecodeRankTarget,
-    PlaceRequest,
-    WorkerHeartbeat,
-)
+from kvmesh.shared.bus.messages.placement import DecodeRankTarget, PlaceRequest
+from kvmesh.shared.bus.messages.workers import DecodeAdvert, WorkerHeartbeat
 from kvmesh.shared.kv.descriptor import TcpBackend, TransportDescriptor
 from kvmesh.shared.text.sampling import SamplingOptions
 from support.adverts import idle_advert

@@ -7,9 +7,9 @@ import aiohttp
 from kvmesh.loadgen import prom_text
 from kvmesh.services.kv_registry.config import RegistryConfig
 from kvmesh.services.kv_registry.service import registry_service
-from kvmesh.shared.bus import protocol
+from kvmesh.shared.bus.messages.codec import decode_message, encode_message
+from kvmesh.shared.bus.messages.placement import PlaceReply, PlaceRequest
 from kvmesh.shared.bus.nats_service import connect_nats
-from kvmesh.shared.bus.protocol import PlaceReply, PlaceRequest
 from kvmesh.shared.config.subjects import DEFAULT_MESH, Subjects
 from kvmesh.shared.text.sampling import SamplingOptions
 from support.registry_peers import peer_decode, wait_for
@@ -25,8 +25,8 @@ async def _place(nc, request_id: str) -> PlaceReply:
         local_prefill=False,
         lease_ms=5_000,
     )
-    msg = await nc.request(subjects.REGISTRY_PLACE, protocol.encode_message(request), timeout=3)
-    return protocol.decode_message(msg.data, PlaceReply)
+    msg = await nc.request(subjects.REGISTRY_PLACE, encode_message(request), timeout=3)
+    return decode_message(msg.data, PlaceReply)
 
 
 async def _scrape(port: int) -> str:

@@ -5,7 +5,8 @@ the index following the workers (events only from known workers, dropped with th
 from __future__ import annotations
 
 from kvmesh.services.kv_registry.core import Candidate, RegistryState
-from kvmesh.shared.bus.protocol import KvCacheDigest, KvCacheEvents, PlaceRequest
+from kvmesh.shared.bus.messages.cache_events import KvCacheDigest, KvCacheEvents
+from kvmesh.shared.bus.messages.placement import PlaceRequest
 from kvmesh.shared.kv.prefix_hash import layout_root, prefix_block_hashes
 from kvmesh.shared.text.sampling import SamplingOptions
 from test_registry_core import BLOCK_SIZE, advert

@@ -19,21 +19,24 @@ import orjson
 import pytest
 from kvmesh.services.kv_registry.config import RegistryConfig
 from kvmesh.services.kv_registry.service import registry_service
-from kvmesh.shared.bus import protocol
 from kvmesh.shared.bus.admin_client import AdminError, admin_client
+from kvmesh.shared.bus.messages.admin import (
+    AdminControlled,
+    AdminFailure,
+    AdminLogLevelSet,
+    AdminStatus,
+    AdminWorkers,
+)
+from kvmesh.shared.bus.messages.codec import decode_message, encode_message
+from kvmesh.shared.bus.messages.placement import PlaceReply, PlaceRequest
+from kvmesh.shared.bus.messages.prefill_jobs import PrefillDone
+from kvmesh.shared.bus.messages.workers import LogLevel, WorkerHeartbeat
 from kvmesh.shared.bus.nats_service import (
     NatsUnavailableError,
     connect_nats,
     flush_to_server,
     heartbeat_loop,
     request_json,
-)
-from kvmesh.shared.bus.protocol import (
-    LogLevel,
-    PlaceReply,
-    PlaceRequest,
-    PrefillDone,
-    WorkerHeartbeat,
 )
 from kvmesh.shared.config.ports import free_port
 from kvmesh.shared.config.subjects import DEFAULT_MESH, Subjects
@@ -69,10 +72,8 @@ def place_request(request_id: str, num_tokens: int = 40, **kw: object) -> PlaceR
 
 
 async def place(nc: Client, request: PlaceRequest, timeout_s: float = 3.0) -> PlaceReply:
-    msg = await nc.request(
-        subjects.REGISTRY_PLACE, protocol.encode_message(request), timeout=timeout_s
-    )
-    return protocol.decode_message(msg.data, PlaceReply)
+    msg = await nc.request(subjects.REGISTRY_PLACE, encode_message(request), timeout=timeout_s)
+    return decode_message(msg.data, PlaceReply)
 
 
 async def num_decode(nc: Client) -> int:
@@ -101,7 +102,7 @@ async def test_place_reserves_blocks_on_the_decode_worker_and_returns_addresses(
         assert status["leases"]["active"] == 1
         # the prefill completes: the registry sees PrefillDone and closes the lease
         done = PrefillDone(request_id="r1", lease_id=reply.lease_id, ok=True, first_token=5)
-        await nc.publish(subjects.decode_prefill_done("d1"), protocol.encode_message(done))
+        await nc.publish(subjects.decode_prefill_done("d1"), encode_message(done))
 
         async def lease_closed() -> bool:
             leases = (await request_json(nc, subjects.ADMIN_STATUS, {}, 2.0))["leases"]
@@ -167,7 +168,7 @@ async def test_place_without_decode_workers_is_a_clear_retryable_error(nats_serv
 async def test_malformed_place_request_gets_an_error_reply(nats_server: str) -> None:
     async with registry_service(config(nats_server)), connect_nats(nats_server, "c") as nc:
         msg = await nc.request(subjects.REGISTRY_PLACE, b'{"request_id": "x"}', timeout=2)
-        reply = protocol.decode_message(msg.data, PlaceReply)
+        reply = decode_message(msg.data, PlaceReply)
         assert not reply.ok and reply.request_id == "x" and "missing field" in reply.error
 
 
@@ -245,7 +246,7 @@ async def test_admin_log_level_is_broadcast_and_applied(nats_server: str) -> Non
     received: list[str] = []
 
     async def on_level(msg: Msg) -> None:
-        received.append(protocol.decode_message(msg.data, LogLevel).level)
+        received.append(decode_message(msg.data, LogLevel).level)
 
     async with registry_service(config(nats_server)), connect_nats(nats_server, "c") as nc:
         sub = await nc.subscribe(subjects.CONTROL_LOG_LEVEL, cb=on_level)
@@ -504,7 +505,7 @@ def _router_ok(port: int) -> bool:
 
 
 async def test_admin_replies_decode_as_their_protocol_types(nats_server: str) -> None:
-    """Every admin reply is exactly one of shared/bus/protocol.py's admin messages: decoded
+    """Every admin reply is exactly one of shared/bus/messages/admin.py's messages: decoded
     strictly (no field missing, none unknown), for each subject and for a refusal."""
     async with (
         registry_service(config(nats_server, worker_id="reg-1")),
@@ -513,16 +514,16 @@ async def test_admin_replies_decode_as_their_protocol_types(nats_server: str) ->
     ):
         await wait_for(lambda: num_decode(nc))
         for subject, body, cls in (
-            (subjects.ADMIN_STATUS, {}, protocol.AdminStatus),
-            (subjects.ADMIN_WORKERS, {}, protocol.AdminWorkers),
-            (subjects.ADMIN_DRAIN, {"worker": "d1"}, protocol.AdminControlled),
-            (subjects.ADMIN_RESUME, {"worker": "d1"}, protocol.AdminControlled),
-            (subjects.ADMIN_LOG_LEVEL, {"level": "info"}, protocol.AdminLogLevelSet),
-            (subjects.ADMIN_DRAIN, {"worker": "ghost"}, protocol.AdminFailure),
-            (subjects.ADMIN_LOG_LEVEL, {"level": "info", "extra": 1}, protocol.AdminFailure),
+            (subjects.ADMIN_STATUS, {}, AdminStatus),
+            (subjects.ADMIN_WORKERS, {}, AdminWorkers),
+            (subjects.ADMIN_DRAIN, {"worker": "d1"}, AdminControlled),
+            (subjects.ADMIN_RESUME, {"worker": "d1"}, AdminControlled),
+            (subjects.ADMIN_LOG_LEVEL, {"level": "info"}, AdminLogLevelSet),
+            (subjects.ADMIN_DRAIN, {"worker": "ghost"}, AdminFailure),
+            (subjects.ADMIN_LOG_LEVEL, {"level": "info", "extra": 1}, AdminFailure),
         ):
             msg = await nc.request(subject, orjson.dumps(body), timeout=2.0)
-            reply = protocol.decode_message(msg.data, cls)
+            reply = decode_message(msg.data, cls)
             assert isinstance(reply, cls), (subject, body)
         async with admin_client(nats_server) as admin:
             status = await admin.status()

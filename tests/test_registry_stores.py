@@ -13,7 +13,8 @@ from kvmesh.services.kv_registry.stores import StoreTable
 from kvmesh.services.kv_store.core import BlockStore
 from kvmesh.services.kv_store.disk_tier import DiskSlots
 from kvmesh.services.kv_store.held_reports import HeldReporter, change_mark, held_hashes
-from kvmesh.shared.bus.protocol import KvCacheDigest, KvCacheEvents, StoreAdvert
+from kvmesh.shared.bus.messages.cache_events import KvCacheDigest, KvCacheEvents
+from kvmesh.shared.bus.messages.kv_store import StoreAdvert
 from kvmesh.shared.kv.descriptor import TcpBackend, TransportDescriptor
 from kvmesh.shared.kv.prefix_hash import layout_root, prefix_block_hashes
 from test_registry_core import BLOCK_SIZE, advert

@@ -17,7 +17,8 @@ from kvmesh.services.router.recovery import (
     stop_waiting_for_room,
 )
 from kvmesh.services.router.worker_pool import WorkerPool
-from kvmesh.shared.bus.protocol import DecodeAdvert, PlaceRequest, WorkerHeartbeat
+from kvmesh.shared.bus.messages.placement import PlaceRequest
+from kvmesh.shared.bus.messages.workers import DecodeAdvert, WorkerHeartbeat
 from kvmesh.shared.text.sampling import SamplingOptions
 from support.adverts import idle_advert
 

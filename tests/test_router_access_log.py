@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import msgspec
 from kvmesh.services.router.pool_capacity import PoolCapacity
-from kvmesh.shared.bus import protocol
+from kvmesh.shared.bus.messages.codec import encode_message
 from kvmesh.shared.bus.nats_service import connect_nats, flush_to_server
 from kvmesh.shared.config.subjects import DEFAULT_MESH, Subjects
 from kvmesh.shared.model.identity import model_spec
@@ -95,7 +95,7 @@ async def test_the_logged_max_model_len_is_the_one_v1_models_reports(nats_server
         ):
             for _ in range(3):  # every heartbeat re-advertises: logged the first time only
                 subject = Subjects(DEFAULT_MESH).REGISTRY_ADVERTISE
-                await nc.publish(subject, protocol.encode_message(advert))
+                await nc.publish(subject, encode_message(advert))
                 await flush_to_server(nc)
             for _ in range(100):
                 (card,) = (await (await http.get("/v1/models")).json())["data"]

@@ -34,7 +34,9 @@ from kvmesh.services.router.responses import (
     sse_event,
 )
 from kvmesh.services.router.timings import RequestTiming
-from kvmesh.shared.bus.protocol import PrefillReport
+from kvmesh.shared.bus.messages.prefill_jobs import PrefillReport
+from kvmesh.shared.bus.messages.token_streams import TokenEvent
+from kvmesh.shared.bus.messages.workers import DecodeAdvert
 from kvmesh.shared.config.service_config import ConfigError, config_from_args
 from kvmesh.shared.model.tiny import tiny_tokenizer
 from kvmesh.shared.text.sampling import SamplingOptions, TokenLogprobs
@@ -342,7 +344,6 @@ def test_a_prompt_beyond_the_largest_kv_pool_is_400_naming_the_setting(tokenizer
 
 def test_pool_capacity_is_the_largest_live_pool_of_the_model():
     from kvmesh.services.router.pool_capacity import ADVERT_TTL_S, PoolCapacity
-    from kvmesh.shared.bus.protocol import DecodeAdvert
 
     def advert(worker, blocks, spec="m1"):
         return DecodeAdvert(
@@ -587,7 +588,6 @@ def test_metrics_render_is_prometheus_text():
 
 
 def test_metrics_mirror_each_decode_workers_refusals_until_it_is_gone():
-    from kvmesh.shared.bus.protocol import DecodeAdvert
 
     m = RouterMetrics()
     advert = DecodeAdvert(
@@ -836,7 +836,6 @@ def test_too_many_prompt_scores_are_400(tokenizer):
 
 def test_an_echoed_choice_leads_with_the_prompt_and_its_logprobs():
     from kvmesh.services.router.choices import Choice
-    from kvmesh.shared.bus.protocol import TokenEvent
 
     tok = tiny_tokenizer()
     sampling = SamplingOptions(logprobs=0, prompt_logprobs=0)
@@ -867,7 +866,6 @@ def test_vllm_prompt_logprobs_shape():
 
 def test_a_one_token_prompt_has_empty_prompt_logprobs_without_a_message():
     from kvmesh.services.router.choices import Choice
-    from kvmesh.shared.bus.protocol import TokenEvent
 
     sampling = SamplingOptions(logprobs=0, prompt_logprobs=0)
     choice = Choice.new(0, tiny_tokenizer(), (104,), sampling, is_chat=False, echo_text="h")

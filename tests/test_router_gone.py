@@ -14,8 +14,9 @@ import time
 import msgspec
 import pytest
 from kvmesh.services.kv_registry.core import Candidate, RegistryState
-from kvmesh.shared.bus import protocol
-from kvmesh.shared.bus.protocol import PlaceRequest, PrefillDone, WorkerHeartbeat
+from kvmesh.shared.bus.messages.placement import PlaceRequest, ReserveRequest
+from kvmesh.shared.bus.messages.prefill_jobs import PrefillDone, PrefillJob, PrefillStarted
+from kvmesh.shared.bus.messages.workers import WorkerHeartbeat
 from kvmesh.shared.text.sampling import SamplingOptions
 from test_decode_pending import _drive, _Events
 from test_restarting_decode import advert
@@ -41,7 +42,7 @@ def decode_worker(tiny):
 def _reserve(rid: str, n: int, router: str, *, local: bool = False, max_tokens: int = 4):
     opts = SamplingOptions(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     prompt = tuple(range(1, n + 1))
-    return protocol.ReserveRequest(rid, prompt, opts, local, "L" + rid, 30_000, router=router)
+    return ReserveRequest(rid, prompt, opts, local, "L" + rid, 30_000, router=router)
 
 
 async def test_decode_drops_a_gone_routers_sequences_and_frees_their_blocks(decode_worker):
@@ -50,7 +51,7 @@ async def test_decode_drops_a_gone_routers_sequences_and_frees_their_blocks(deco
     assert (await worker.reserve(_reserve("run", 5, "rt1", local=True, max_tokens=500))).ok
     assert (await worker.reserve(_reserve("queued", 40, "rt1"))).ok  # its job not taken yet
     assert (await worker.reserve(_reserve("written", 40, "rt1"))).ok
-    worker.on_prefill_started(protocol.PrefillStarted("written", "Lwritten", "prefill-0"))
+    worker.on_prefill_started(PrefillStarted("written", "Lwritten", "prefill-0"))
     assert (await worker.reserve(_reserve("other", 5, "rt2", local=True, max_tokens=8))).ok
     rec.events += await worker.admit()
     while not any(e.token_ids for e in rec.tokens("run")):
@@ -119,7 +120,7 @@ async def test_prefill_refuses_a_job_of_a_gone_router(tiny):
     engine = LLMEngine(*tiny, EngineConfig(num_blocks=16))
     worker = PrefillWorker(engine, None, None, worker_id="p0", kv_spec="s", advert_wait_s=0.01)
     descriptor = TransportDescriptor("d0", "h", (TcpBackend("127.0.0.1", 1, "ab" * 32),))
-    job = protocol.PrefillJob(
+    job = PrefillJob(
         "r1", (1, 2, 3), SamplingOptions(), "d0", "L1", descriptor, 7, (0,), 4096, 0.0, "rt1"
     )
     assert await worker.on_router_gone("rt1") == 0  # no job of it in hand

@@ -13,7 +13,7 @@ import orjson
 from kvmesh.services.router.attempts import is_gap
 from kvmesh.services.router.config import RouterConfig
 from kvmesh.services.router.service import serve_router
-from kvmesh.shared.bus.protocol import TokenEvent
+from kvmesh.shared.bus.messages.token_streams import TokenEvent
 from support.router_fake_mesh import REPLY_TEXT, FakeMesh
 
 MODEL = "kvmesh-tiny"

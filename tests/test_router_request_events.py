@@ -6,13 +6,10 @@ from __future__ import annotations
 
 import pytest
 from kvmesh.services.router.request_events import AttemptEvents, MalformedEvent
-from kvmesh.shared.bus.protocol import (
-    PrefillReport,
-    PrefillStarted,
-    TokenEvent,
-    WorkerGone,
-    encode_message,
-)
+from kvmesh.shared.bus.messages.codec import encode_message
+from kvmesh.shared.bus.messages.prefill_jobs import PrefillReport, PrefillStarted
+from kvmesh.shared.bus.messages.token_streams import TokenEvent
+from kvmesh.shared.bus.messages.workers import WorkerGone
 from kvmesh.shared.config.subjects import Subjects
 
 subjects = Subjects("ev")

@@ -16,7 +16,8 @@ from kvmesh.services.router import schema
 from kvmesh.services.router.config import RouterConfig
 from kvmesh.services.router.openapi import openapi_document
 from kvmesh.services.router.service import serve_router
-from kvmesh.shared.bus import protocol
+from kvmesh.shared.bus.messages.codec import encode_message
+from kvmesh.shared.bus.messages.workers import WorkerGone
 from kvmesh.shared.bus.nats_service import flush_to_server
 from kvmesh.shared.config.subjects import DEFAULT_MESH, Subjects
 from kvmesh.shared.model.tiny import tiny_tokenizer
@@ -408,8 +409,8 @@ async def _announce_gone(nats_url: str, worker_id: str, role: str = "decode") ->
     from kvmesh.shared.bus.nats_service import connect_nats
 
     async with connect_nats(nats_url, "registry-stand-in") as nc:
-        gone = protocol.WorkerGone(worker_id, role, last_seen_s=3.0)
-        await nc.publish(Subjects(DEFAULT_MESH).REGISTRY_WORKER_GONE, protocol.encode_message(gone))
+        gone = WorkerGone(worker_id, role, last_seen_s=3.0)
+        await nc.publish(Subjects(DEFAULT_MESH).REGISTRY_WORKER_GONE, encode_message(gone))
         await flush_to_server(nc)
 
 

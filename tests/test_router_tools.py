@@ -18,7 +18,7 @@ from kvmesh.services.router.errors import ApiError
 from kvmesh.services.router.prompt import tokenize
 from kvmesh.services.router.responses import ResponseBuilder
 from kvmesh.services.router.tools import check_tools
-from kvmesh.shared.bus.protocol import TokenEvent
+from kvmesh.shared.bus.messages.token_streams import TokenEvent
 from kvmesh.shared.model.tiny import tiny_tokenizer
 from kvmesh.shared.text.structured_output import build_grammar
 

@@ -14,8 +14,11 @@ import pytest
 import torch
 from kvmesh.services.prefill.adverts import AdvertBook, UnvouchedJobError, check_job_against_advert
 from kvmesh.services.prefill.plan import KVSpecMismatchError
-from kvmesh.shared.bus import protocol
+from kvmesh.shared.bus.messages.codec import decode_message, encode_message
+from kvmesh.shared.bus.messages.prefill_jobs import PrefillJob
+from kvmesh.shared.bus.messages.workers import DecodeAdvert
 from kvmesh.shared.kv.descriptor import ShmBackend, TcpBackend, TransportDescriptor
+from kvmesh.shared.text.sampling import SamplingOptions
 from kvmesh.shared.transport import Access, PeerUnreachableError, TransportConfig, WriteEntry
 from kvmesh.shared.transport.shm import (
     SHM_DIR,
@@ -34,10 +37,10 @@ def _forged(descriptor: TransportDescriptor, **shm: str) -> TransportDescriptor:
     """``descriptor`` with its shm part changed, as a peer would receive it: through a NATS
     message, where the schema takes the strings as data and the transport must refuse them."""
     forged = msgspec.structs.replace(descriptor.backend("shm"), **shm)
-    heartbeat = protocol.encode_message(
+    heartbeat = encode_message(
         _advert(descriptor=msgspec.structs.replace(descriptor, backends=(forged,), regions=()))
     )
-    advert = protocol.decode_message(heartbeat, protocol.DecodeAdvert)
+    advert = decode_message(heartbeat, DecodeAdvert)
     return advert.descriptor
 
 
@@ -156,7 +159,7 @@ def _job(advert, **changes):
     fields = dict(
         request_id="r",
         prompt_ids=(1, 2, 3),
-        sampling=protocol.SamplingOptions(temperature=0.0),
+        sampling=SamplingOptions(temperature=0.0),
         decode_worker_id=advert.worker_id,
         lease_id="L",
         descriptor=advert.descriptor,
@@ -165,7 +168,7 @@ def _job(advert, **changes):
         block_bytes=advert.block_bytes,
         enqueued_at=0.0,
     )
-    return protocol.PrefillJob(**{**fields, **changes})
+    return PrefillJob(**{**fields, **changes})
 
 
 def test_job_matching_the_advert_is_vouched_for():

@@ -11,7 +11,8 @@ from kvmesh.services.decode.stream_log import StreamLog
 from kvmesh.services.router.errors import InvalidRequestError
 from kvmesh.services.router.stream_ids import DONE, FINISH, TOKENS, USAGE, EventId, EventIds
 from kvmesh.services.router.stream_resume import StreamExpiredError, resume_events
-from kvmesh.shared.bus.protocol import StreamReplay, TokenEvent
+from kvmesh.shared.bus.messages.placement import ReserveRequest
+from kvmesh.shared.bus.messages.token_streams import StreamReplay, TokenEvent
 from kvmesh.shared.bus.wire_ids import attempt_of, is_migrated, wire_id
 from kvmesh.shared.text.sampling import TokenLogprobs
 
@@ -175,7 +176,6 @@ def _worker(tiny):
 
 
 async def _streaming(worker, rid: str, router: str, events: list[TokenEvent]) -> None:
-    from kvmesh.shared.bus.protocol import ReserveRequest
     from kvmesh.shared.text.sampling import SamplingOptions
 
     opts = SamplingOptions(max_tokens=500, temperature=0.0, ignore_eos=True)

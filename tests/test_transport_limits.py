@@ -169,7 +169,7 @@ async def test_refused_writes_are_counted_and_logged_with_the_peer(backend, caps
 
 def test_admin_status_shows_each_decode_workers_refused_accesses():
     from kvmesh.services.kv_registry.core import RegistryState
-    from kvmesh.shared.bus.protocol import DecodeAdvert
+    from kvmesh.shared.bus.messages.workers import DecodeAdvert
 
     core = RegistryState(worker_timeout_s=3.0)
     advert = DecodeAdvert(

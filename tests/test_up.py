@@ -473,16 +473,17 @@ def test_prefill_worker_refuses_a_higher_priority() -> None:
 async def _beating(
     nats_url: str, worker_id: str, stop: asyncio.Event, mesh: str = "kvmesh-tiny"
 ) -> None:
-    from kvmesh.shared.bus import protocol
+    from kvmesh.shared.bus.messages.codec import encode_message
+    from kvmesh.shared.bus.messages.workers import WorkerHeartbeat
     from kvmesh.shared.bus.nats_service import connect_nats
     from kvmesh.shared.config.subjects import Subjects
 
     subjects = Subjects(mesh)
 
     async with connect_nats(nats_url, worker_id) as nc:
-        beat = protocol.WorkerHeartbeat(worker_id, "decode", "ready")
+        beat = WorkerHeartbeat(worker_id, "decode", "ready")
         while not stop.is_set():
-            await nc.publish(subjects.heartbeat("decode", worker_id), protocol.encode_message(beat))
+            await nc.publish(subjects.heartbeat("decode", worker_id), encode_message(beat))
             await asyncio.sleep(0.2)
 
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 import time
 
 import nats.micro
-from kvmesh.shared.bus import protocol
+from kvmesh.shared.bus.messages.codec import decode_message, encode_message
+from kvmesh.shared.bus.messages.workers import WorkerControl, WorkerHeartbeat
 from kvmesh.shared.bus.nats_service import connect_nats, flush_to_server
 from kvmesh.shared.bus.worker_shell import control_endpoint
 from kvmesh.shared.config.subjects import Subjects
@@ -23,8 +24,8 @@ async def test_the_new_state_is_heard_on_the_heartbeat_subject_before_the_answer
     state = {"state": "ready"}
     applied: list[str] = []
 
-    def heartbeat() -> protocol.WorkerHeartbeat:
-        return protocol.WorkerHeartbeat("prefill-1", "prefill", state["state"], sent_at=time.time())
+    def heartbeat() -> WorkerHeartbeat:
+        return WorkerHeartbeat("prefill-1", "prefill", state["state"], sent_at=time.time())
 
     async def apply(action: str) -> None:
         applied.append(action)
@@ -44,14 +45,14 @@ async def test_the_new_state_is_heard_on_the_heartbeat_subject_before_the_answer
         # no heartbeat loop runs: only the control answer can have published one
         beats = await nc.subscribe(SUBJECTS.heartbeat("prefill", "prefill-1"))
         for action, expected in (("drain", "draining"), ("resume", "ready")):
-            control = protocol.encode_message(protocol.WorkerControl(action))
+            control = encode_message(WorkerControl(action))
             msg = await nc.request(SUBJECTS.worker_control("prefill-1"), control, timeout=5)
-            answer = protocol.decode_message(msg.data, protocol.WorkerHeartbeat)
+            answer = decode_message(msg.data, WorkerHeartbeat)
             assert answer.state == expected
             # one connection hears messages in the order the server sent them: already queued
             beat = await beats.next_msg(timeout=0.05)
-            assert protocol.decode_message(beat.data, protocol.WorkerHeartbeat).state == expected
-        bad = protocol.encode_message(protocol.WorkerControl("pause"))
+            assert decode_message(beat.data, WorkerHeartbeat).state == expected
+        bad = encode_message(WorkerControl("pause"))
         msg = await nc.request(SUBJECTS.worker_control("prefill-1"), bad, timeout=5)
         assert msg.headers and msg.headers.get("Nats-Service-Error-Code") == "400"
         assert beats.pending_msgs == 0  # a refused control changes nothing, so announces nothing

@@ -415,7 +415,8 @@ async def workers_on(
     """Worker ids of mesh ``mesh`` heard on ``nats_url``: its registry's list, or heartbeats
     for ``listen_s``."""
     from kvmesh.shared.bus.admin_client import AdminError, admin_client
-    from kvmesh.shared.bus.protocol import MessageError, WorkerHeartbeat, decode_message
+    from kvmesh.shared.bus.messages.codec import MessageError, decode_message
+    from kvmesh.shared.bus.messages.workers import WorkerHeartbeat
 
     async with admin_client(
         nats_url, timeout_s=2.0, auth=auth, mesh=mesh, security=security

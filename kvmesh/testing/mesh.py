@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 from kvmesh.shared.config.subjects import DEFAULT_MESH
 
 if TYPE_CHECKING:
-    from kvmesh.shared.bus.protocol import DecodeStatusRow
+    from kvmesh.shared.bus.messages.admin import DecodeStatusRow
 
 MODEL = "kvmesh-tiny"
 
@@ -147,7 +147,9 @@ class MeshTap:
         self._answered: dict[str, asyncio.Event] = defaultdict(asyncio.Event)  # by reply id
 
     async def __aenter__(self) -> MeshTap:
-        from kvmesh.shared.bus import protocol
+        from kvmesh.shared.bus.messages.codec import decode_message
+        from kvmesh.shared.bus.messages.prefill_jobs import PrefillDone, PrefillReport
+        from kvmesh.shared.bus.messages.token_streams import TokenEvent
         from kvmesh.shared.bus.nats_service import connect_nats, flush_to_server
         from kvmesh.shared.config.subjects import Subjects
 
@@ -159,7 +161,7 @@ class MeshTap:
         )
 
         async def on_tokens(msg: Any) -> None:
-            event = protocol.decode_message(msg.data, protocol.TokenEvent)
+            event = decode_message(msg.data, TokenEvent)
             self.tokens[event.request_id] += event.token_ids
             if event.finish_reason is not None:
                 self.finished[event.request_id] = event
@@ -167,11 +169,11 @@ class MeshTap:
                 self._answered[attempt_of(event.request_id)[0]].set()
 
         async def on_report(msg: Any) -> None:
-            report = protocol.decode_message(msg.data, protocol.PrefillReport)
+            report = decode_message(msg.data, PrefillReport)
             self.reports[report.request_id] = report
 
         async def on_done(msg: Any) -> None:
-            done = protocol.decode_message(msg.data, protocol.PrefillDone)
+            done = decode_message(msg.data, PrefillDone)
             self.prefill_done[done.request_id] = done
 
         s = Subjects(self.mesh)

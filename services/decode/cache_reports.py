@@ -3,7 +3,7 @@
 ``CacheReporter`` hangs a CacheEventLog on the engine's block manager and turns what it recorded
 into KvCacheEvents (changes since the last report), or a KvCacheDigest (the whole cache) when
 one is due: periodically, and at once when a batch overflowed its bound. Every message carries
-the next ``seq`` of this process's ``epoch``, so a registry that missed one knows it (protocol.py).
+the next ``seq`` of this process's ``epoch``, so a registry that missed one knows it.
 Pure: the service decides when to report, and takes a digest while the engine is not stepping
 (it reads the block manager's table).
 """
@@ -12,7 +12,11 @@ from __future__ import annotations
 
 import uuid
 
-from kvmesh.shared.bus.protocol import MAX_CACHE_EVENT_HASHES, KvCacheDigest, KvCacheEvents
+from kvmesh.shared.bus.messages.cache_events import (
+    MAX_CACHE_EVENT_HASHES,
+    KvCacheDigest,
+    KvCacheEvents,
+)
 from kvmesh.shared.engine.block_manager import BlockManager
 from kvmesh.shared.engine.cache_events import CacheEventLog
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from kvmesh.shared.bus.protocol import MAX_CACHE_EVENT_HASHES
+from kvmesh.shared.bus.messages.cache_events import MAX_CACHE_EVENT_HASHES
 from kvmesh.shared.config.service_config import check_at_least, check_positive, option
 from kvmesh.shared.config.worker_config import EngineWorkerConfig
 from kvmesh.shared.kv.imm import MAX_SLOTS

@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from kvmesh.shared.bus.protocol import DraftContext, DraftProposal
+from kvmesh.shared.bus.messages.drafts import DraftContext, DraftProposal
 
 Tree = tuple[tuple[int, ...], tuple[int, ...]]  # (tokens, parents)
 

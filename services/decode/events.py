@@ -3,7 +3,7 @@ request, and of a request that failed before it ran."""
 
 from __future__ import annotations
 
-from kvmesh.shared.bus.protocol import TokenEvent
+from kvmesh.shared.bus.messages.token_streams import TokenEvent
 from kvmesh.shared.engine.sequence import RequestOutput
 from kvmesh.shared.obs import logs
 

@@ -36,32 +36,20 @@ from kvmesh.services.decode.windows import LeaseWindows
 from kvmesh.services.decode.worker import DecodeWorker
 from kvmesh.shared.bus.hearing import Hearing
 from kvmesh.shared.bus.message_guard import guard_of
+from kvmesh.shared.bus.messages.cache_events import KvCacheDigest, KvCacheEvents
+from kvmesh.shared.bus.messages.codec import MessageError, decode_message, encode_message
+from kvmesh.shared.bus.messages.drafts import DraftProposal
+from kvmesh.shared.bus.messages.kv_store import StoreAdvert
+from kvmesh.shared.bus.messages.placement import LeaseCancel, LeaseRenew, ReserveRequest
+from kvmesh.shared.bus.messages.prefill_jobs import PrefillDone, PrefillStarted
+from kvmesh.shared.bus.messages.token_streams import Abort, StreamResume, TokenEvent
+from kvmesh.shared.bus.messages.workers import DecodeAdvert, WorkerGone, WorkerHeartbeat
 from kvmesh.shared.bus.nats_service import (
     background,
     connect_nats,
     heartbeat_loop,
     new_worker_id,
     serve_until_signal,
-)
-from kvmesh.shared.bus.protocol import (
-    Abort,
-    DecodeAdvert,
-    DraftProposal,
-    KvCacheDigest,
-    KvCacheEvents,
-    LeaseCancel,
-    LeaseRenew,
-    MessageError,
-    PrefillDone,
-    PrefillStarted,
-    ReserveRequest,
-    StoreAdvert,
-    StreamResume,
-    TokenEvent,
-    WorkerGone,
-    WorkerHeartbeat,
-    decode_message,
-    encode_message,
 )
 from kvmesh.shared.bus.store_solicit import store_adverts_solicited
 from kvmesh.shared.bus.worker_shell import WorkerShell, serve_worker

@@ -15,7 +15,8 @@ from collections.abc import Callable
 from kvmesh.services.decode.drafts import DraftBook, Outgoing
 from kvmesh.services.decode.metrics import DecodeMetrics
 from kvmesh.services.decode.step_hooks import Step, StepHook, StepPlan
-from kvmesh.shared.bus.protocol import DraftForget, DraftProposal, PrefillDone
+from kvmesh.shared.bus.messages.drafts import DraftForget, DraftProposal
+from kvmesh.shared.bus.messages.prefill_jobs import PrefillDone
 from kvmesh.shared.engine.draft_tree import DraftTree, DraftTreeError
 from kvmesh.shared.engine.llm_engine import LLMEngine
 from kvmesh.shared.engine.sequence import Sequence

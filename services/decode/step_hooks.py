@@ -27,7 +27,7 @@ from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvmesh.shared.bus.protocol import PrefillDone
+from kvmesh.shared.bus.messages.prefill_jobs import PrefillDone
 from kvmesh.shared.engine.draft_tree import DraftTree
 from kvmesh.shared.engine.llm_engine import LLMEngine
 from kvmesh.shared.engine.sequence import RequestOutput, Sequence

@@ -17,17 +17,15 @@ from collections.abc import AsyncIterator, Callable
 
 import nats.errors
 from kvmesh.services.decode.stream_log import StreamLog
-from kvmesh.shared.bus.nats_service import guarded_subscribe
-from kvmesh.shared.bus.protocol import (
-    MessageError,
+from kvmesh.shared.bus.messages.codec import MessageError, decode_message, encode_message
+from kvmesh.shared.bus.messages.token_streams import (
     StreamHolder,
     StreamLookup,
     StreamReplay,
     StreamResume,
     TokenEvent,
-    decode_message,
-    encode_message,
 )
+from kvmesh.shared.bus.nats_service import guarded_subscribe
 from kvmesh.shared.config.subjects import Subjects
 from kvmesh.shared.obs import logs
 from nats.aio.client import Client

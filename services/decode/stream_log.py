@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from kvmesh.shared.bus.protocol import StreamReplay, TokenEvent
+from kvmesh.shared.bus.messages.token_streams import StreamReplay, TokenEvent
 from kvmesh.shared.bus.recent_ids import RecentIds
 from kvmesh.shared.bus.wire_ids import attempt_of, is_migrated
 

@@ -40,15 +40,10 @@ from kvmesh.services.decode.metrics import DecodeMetrics
 from kvmesh.services.decode.pending import Admission, PendingTable, ReservationError, Verdict
 from kvmesh.services.decode.step_hooks import Step, StepHook
 from kvmesh.services.decode.windows import LeaseWindows
-from kvmesh.shared.bus.protocol import (
-    Abort,
-    PrefillDone,
-    PrefillStarted,
-    ReserveReply,
-    ReserveRequest,
-    TokenEvent,
-    WorkerGone,
-)
+from kvmesh.shared.bus.messages.placement import ReserveReply, ReserveRequest
+from kvmesh.shared.bus.messages.prefill_jobs import PrefillDone, PrefillStarted
+from kvmesh.shared.bus.messages.token_streams import Abort, TokenEvent
+from kvmesh.shared.bus.messages.workers import WorkerGone
 from kvmesh.shared.bus.recent_ids import RecentIds
 from kvmesh.shared.engine.block_manager import OutOfBlocksError
 from kvmesh.shared.engine.draft_tree import DraftTree

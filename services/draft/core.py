@@ -24,7 +24,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvmesh.shared.bus.protocol import DraftContext, DraftProposal
+from kvmesh.shared.bus.messages.drafts import DraftContext, DraftProposal
 from kvmesh.shared.bus.recent_ids import RecentIds
 
 

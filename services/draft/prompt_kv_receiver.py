@@ -20,11 +20,8 @@ from typing import Any
 
 from kvmesh.services.draft.metrics import DraftMetrics
 from kvmesh.services.draft.prompt_kv import PromptKvError, PromptKvTable, PromptKvVerdict
-from kvmesh.shared.bus.protocol import (
-    DraftKvReserve,
-    DraftKvReserveReply,
-    PrefillDone,
-)
+from kvmesh.shared.bus.messages.drafts import DraftKvReserve, DraftKvReserveReply
+from kvmesh.shared.bus.messages.prefill_jobs import PrefillDone
 from kvmesh.shared.kv.imm import imm_slot, unpack_imm
 from kvmesh.shared.kv.prefix_hash import prefix_block_hashes
 from kvmesh.shared.model.identity import kv_spec_fingerprint

@@ -29,25 +29,22 @@ from kvmesh.services.draft.drafters import Drafter, build_drafter
 from kvmesh.services.draft.metrics import DraftMetrics
 from kvmesh.services.draft.prompt_kv_receiver import PromptKvReceiver, target_kv_spec
 from kvmesh.shared.bus.message_guard import guard_of
+from kvmesh.shared.bus.messages.codec import MessageError, decode_message, encode_message
+from kvmesh.shared.bus.messages.drafts import (
+    DraftContext,
+    DraftForget,
+    DraftKvReserve,
+    DraftProposal,
+)
+from kvmesh.shared.bus.messages.prefill_jobs import PrefillDone
+from kvmesh.shared.bus.messages.token_streams import Abort
+from kvmesh.shared.bus.messages.workers import WorkerGone, WorkerHeartbeat
 from kvmesh.shared.bus.nats_service import (
     connect_nats,
     flush_to_server,
     new_worker_id,
     on_message,
     serve_until_signal,
-)
-from kvmesh.shared.bus.protocol import (
-    Abort,
-    DraftContext,
-    DraftForget,
-    DraftKvReserve,
-    DraftProposal,
-    MessageError,
-    PrefillDone,
-    WorkerGone,
-    WorkerHeartbeat,
-    decode_message,
-    encode_message,
 )
 from kvmesh.shared.bus.worker_shell import WorkerShell, serve_worker
 from kvmesh.shared.config.subjects import DRAFT_QUEUE_GROUP

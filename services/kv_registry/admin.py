@@ -1,7 +1,7 @@
 """The kv-registry's admin subjects: status, workers, drain/resume, log level.
 
 Each handler takes the request body (JSON bytes) and returns the reply, one of the admin messages
-of shared/bus/protocol.py; an ``AdminError`` becomes ``AdminFailure`` (``{"error": "..."}``). Drain and resume are forwarded to the worker
+of shared/bus/messages/admin.py; an ``AdminError`` becomes ``AdminFailure`` (``{"error": "..."}``). Drain and resume are forwarded to the worker
 (WorkerControl on ``worker_control(worker)``); the log level is broadcast (LogLevel on
 CONTROL_LOG_LEVEL).
 """
@@ -18,9 +18,7 @@ import orjson
 from kvmesh.services.kv_registry.config import RegistryConfig
 from kvmesh.services.kv_registry.core import RegistryState
 from kvmesh.services.kv_registry.stores import StoreTable
-from kvmesh.shared.bus import protocol
-from kvmesh.shared.bus.prefill_job_stream import queue_status
-from kvmesh.shared.bus.protocol import (
+from kvmesh.shared.bus.messages.admin import (
     AdminControlled,
     AdminFailure,
     AdminLogLevel,
@@ -28,12 +26,11 @@ from kvmesh.shared.bus.protocol import (
     AdminStatus,
     AdminWorker,
     AdminWorkers,
-    LogLevel,
-    Message,
     RegistryInfo,
-    WorkerControl,
-    WorkerHeartbeat,
 )
+from kvmesh.shared.bus.messages.codec import Message, MessageError, decode_message, encode_message
+from kvmesh.shared.bus.messages.workers import LogLevel, WorkerControl, WorkerHeartbeat
+from kvmesh.shared.bus.prefill_job_stream import queue_status
 from kvmesh.shared.config.subjects import Subjects
 from kvmesh.shared.obs import logs
 from nats.aio.client import Client
@@ -79,7 +76,7 @@ class RegistryAdmin:
             result = await handle(req.data)
         except AdminError as exc:
             result = AdminFailure(str(exc))
-        await req.respond(protocol.encode_message(result))
+        await req.respond(encode_message(result))
 
     async def admin_status(self, body: bytes) -> AdminStatus:
         _request_object(body)
@@ -110,8 +107,8 @@ class RegistryAdmin:
     async def admin_control(self, body: bytes, action: str) -> AdminControlled:
         _request_object(body)
         try:
-            worker_id = protocol.decode_message(body or b"{}", AdminWorker).worker
-        except protocol.MessageError:
+            worker_id = decode_message(body or b"{}", AdminWorker).worker
+        except MessageError:
             worker_id = ""
         if not worker_id:
             raise AdminError(
@@ -121,7 +118,7 @@ class RegistryAdmin:
         try:
             msg = await self.nc.request(
                 subject,
-                protocol.encode_message(WorkerControl(action=action)),
+                encode_message(WorkerControl(action=action)),
                 timeout=self.config.admin_timeout_s,
             )
         except nats.errors.NoRespondersError:
@@ -138,22 +135,22 @@ class RegistryAdmin:
         self.core.mark_draining(worker_id, action == "drain")
         log.info("worker control forwarded", worker_id=worker_id, action=action)
         state = ""  # the worker answers with its heartbeat (answer_worker_control)
-        with contextlib.suppress(protocol.MessageError):
-            state = protocol.decode_message(msg.data, WorkerHeartbeat).state
+        with contextlib.suppress(MessageError):
+            state = decode_message(msg.data, WorkerHeartbeat).state
         return AdminControlled(ok=True, worker=worker_id, action=action, state=state)
 
     async def admin_log_level(self, body: bytes) -> AdminLogLevelSet:
         _request_object(body)
         needs = f'log-level needs {{"level": one of {", ".join(logs.LEVELS)}}}'
         try:
-            level = protocol.decode_message(body or b"{}", AdminLogLevel).level
-        except protocol.MessageError as exc:
+            level = decode_message(body or b"{}", AdminLogLevel).level
+        except MessageError as exc:
             raise AdminError(f"{needs} ({exc})") from None
         if level.strip().lower() not in logs.LEVELS:
             raise AdminError(f"{needs}, got {level!r}")
         level = level.strip().lower()
         await self.nc.publish(
-            self.subjects.CONTROL_LOG_LEVEL, protocol.encode_message(LogLevel(level=level))
+            self.subjects.CONTROL_LOG_LEVEL, encode_message(LogLevel(level=level))
         )
         # the one line for the whole mesh (each service notes its own change at debug)
         log.warning(

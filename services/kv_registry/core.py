@@ -37,16 +37,10 @@ from kvmesh.services.kv_registry.status_rows import RegistryRows, registry_statu
 from kvmesh.services.kv_registry.stores import StoreTable
 from kvmesh.services.kv_registry.worker_views import DecodeWorkerView, PeerWorker, seen
 from kvmesh.shared.bus.hearing import Hearing
-from kvmesh.shared.bus.protocol import (
-    DecodeAdvert,
-    DecodeRankTarget,
-    KvCacheDigest,
-    KvCacheEvents,
-    PlaceReply,
-    PlaceRequest,
-    WorkerHeartbeat,
-    WorkerRow,
-)
+from kvmesh.shared.bus.messages.admin import WorkerRow
+from kvmesh.shared.bus.messages.cache_events import KvCacheDigest, KvCacheEvents
+from kvmesh.shared.bus.messages.placement import DecodeRankTarget, PlaceReply, PlaceRequest
+from kvmesh.shared.bus.messages.workers import DecodeAdvert, WorkerHeartbeat
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,10 +20,9 @@ from kvmesh.services.kv_registry.config import RegistryConfig
 from kvmesh.services.kv_registry.core import Candidate, Refusal, RegistryState
 from kvmesh.services.kv_registry.metrics import RegistryMetrics
 from kvmesh.services.kv_registry.waiting_line import WaitingLine
-from kvmesh.shared.bus import protocol
-from kvmesh.shared.bus.protocol import (
+from kvmesh.shared.bus.messages.codec import MessageError, decode_message, encode_message
+from kvmesh.shared.bus.messages.placement import (
     LeaseCancel,
-    MessageError,
     PlaceReply,
     PlaceRequest,
     ReserveReply,
@@ -54,7 +53,7 @@ class Placement:
         """Reply to one PlaceRequest (a malformed one gets a refusal naming the problem)."""
         started = time.perf_counter()
         try:
-            request = protocol.decode_message(req.data, PlaceRequest)
+            request = decode_message(req.data, PlaceRequest)
         except MessageError as exc:
             reply = PlaceReply(ok=False, request_id=_request_id_of(req.data), error=str(exc))
             refusal, local_prefill = "malformed", False
@@ -68,7 +67,7 @@ class Placement:
             refusal=refusal,
             cached_tokens=reply.cached_tokens,
         )
-        await req.respond(protocol.encode_message(reply))
+        await req.respond(encode_message(reply))
 
     async def place(self, request: PlaceRequest) -> tuple[PlaceReply, str]:
         """The reply, and why it is a refusal ("" when placed; RegistryMetrics' reasons)."""
@@ -142,7 +141,7 @@ class Placement:
         try:
             msg = await self.nc.request(
                 self.subjects.decode_reserve(choice.worker_id),
-                protocol.encode_message(body),
+                encode_message(body),
                 timeout=self.config.reserve_timeout_s,
             )
         except nats.errors.NoRespondersError:
@@ -155,13 +154,13 @@ class Placement:
             with contextlib.suppress(nats.errors.Error):
                 await self.nc.publish(
                     self.subjects.decode_lease_cancel(choice.worker_id),
-                    protocol.encode_message(cancel),
+                    encode_message(cancel),
                 )
             return refuse(error)
         if msg.headers and ERROR_HEADER in msg.headers:
             return refuse(msg.headers[ERROR_HEADER])
         try:
-            reply = protocol.decode_message(msg.data, ReserveReply)
+            reply = decode_message(msg.data, ReserveReply)
         except MessageError as exc:
             return refuse(f"malformed reserve reply: {exc}")
         if reply.ok and reply.worker_id != choice.worker_id:

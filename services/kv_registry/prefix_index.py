@@ -19,7 +19,7 @@ from collections import OrderedDict
 from collections.abc import Container, Sequence
 from dataclasses import dataclass, field
 
-from kvmesh.shared.bus.protocol import KvCacheDigest, KvCacheEvents
+from kvmesh.shared.bus.messages.cache_events import KvCacheDigest, KvCacheEvents
 
 
 @dataclass(slots=True)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from kvmesh.services.kv_registry.prefix_index import PrefixIndex
 from kvmesh.services.kv_registry.stores import StoreTable
-from kvmesh.shared.bus.protocol import DecodeAdvert
+from kvmesh.shared.bus.messages.workers import DecodeAdvert
 from kvmesh.shared.kv.prefix_hash import request_root, reusable_prefix_hashes
 
 

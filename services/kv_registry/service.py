@@ -26,23 +26,18 @@ from kvmesh.services.kv_registry.metrics import RegistryMetrics
 from kvmesh.services.kv_registry.placement import Placement
 from kvmesh.services.kv_registry.prefix_index import PrefixIndex
 from kvmesh.services.kv_registry.stores import StoreTable
-from kvmesh.shared.bus import protocol
 from kvmesh.shared.bus.hearing import Hearing
 from kvmesh.shared.bus.message_guard import guard_of
+from kvmesh.shared.bus.messages.cache_events import KvCacheDigest, KvCacheEvents
+from kvmesh.shared.bus.messages.codec import encode_message
+from kvmesh.shared.bus.messages.kv_store import StoreAdvert
+from kvmesh.shared.bus.messages.placement import LeaseRenew
+from kvmesh.shared.bus.messages.prefill_jobs import PrefillDone
+from kvmesh.shared.bus.messages.workers import DecodeAdvert, WorkerGone, WorkerHeartbeat
 from kvmesh.shared.bus.nats_service import (
     connect_nats,
     new_worker_id,
     serve_until_signal,
-)
-from kvmesh.shared.bus.protocol import (
-    DecodeAdvert,
-    KvCacheDigest,
-    KvCacheEvents,
-    LeaseRenew,
-    PrefillDone,
-    StoreAdvert,
-    WorkerGone,
-    WorkerHeartbeat,
 )
 from kvmesh.shared.bus.store_solicit import store_adverts_solicited
 from kvmesh.shared.bus.worker_shell import WorkerShell, serve_worker
@@ -194,7 +189,7 @@ class RegistryService:
 
     async def _announce_gone(self, gone: WorkerGone) -> None:
         try:  # requests on it fail or move now, not at their timeouts
-            await self.nc.publish(self.subjects.REGISTRY_WORKER_GONE, protocol.encode_message(gone))
+            await self.nc.publish(self.subjects.REGISTRY_WORKER_GONE, encode_message(gone))
         except nats.errors.Error as exc:
             log.warning("could not announce a dropped worker", error=str(exc))
 

@@ -1,6 +1,6 @@
 """What the registry's admin status and workers subjects show of its state (``RegistryState``
 ``.status`` and ``.workers``): a row per decode worker with its pool, cache and leases, a row
-per known worker of any role, and the lease counters (typed: shared/bus/protocol.py's admin
+per known worker of any role, and the lease counters (typed: shared/bus/messages/admin.py's
 messages)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvmesh.shared.bus.protocol import DecodeStatusRow, LeaseCounts, WorkerRow
+from kvmesh.shared.bus.messages.admin import DecodeStatusRow, LeaseCounts, WorkerRow
 
 if TYPE_CHECKING:
     from kvmesh.services.kv_registry.core import RegistryState

@@ -18,7 +18,9 @@ from dataclasses import dataclass, field
 
 from kvmesh.services.kv_registry.prefix_index import PrefixIndex
 from kvmesh.shared.bus.hearing import Hearing
-from kvmesh.shared.bus.protocol import KvCacheDigest, KvCacheEvents, StoreAdvert, StoreStatusRow
+from kvmesh.shared.bus.messages.admin import StoreStatusRow
+from kvmesh.shared.bus.messages.cache_events import KvCacheDigest, KvCacheEvents
+from kvmesh.shared.bus.messages.kv_store import StoreAdvert
 
 
 @dataclass(slots=True)

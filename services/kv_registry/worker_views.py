@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvmesh.shared.bus.hearing import Hearing
-from kvmesh.shared.bus.protocol import DecodeAdvert, WorkerHeartbeat
+from kvmesh.shared.bus.messages.workers import DecodeAdvert, WorkerHeartbeat
 
 
 @dataclass(slots=True)

@@ -22,7 +22,11 @@ import uuid
 from collections.abc import Sequence
 
 from kvmesh.services.kv_store.core import BlockStore
-from kvmesh.shared.bus.protocol import MAX_CACHE_EVENT_HASHES, KvCacheDigest, KvCacheEvents
+from kvmesh.shared.bus.messages.cache_events import (
+    MAX_CACHE_EVENT_HASHES,
+    KvCacheDigest,
+    KvCacheEvents,
+)
 
 
 def held_hashes(store: BlockStore) -> list[int]:

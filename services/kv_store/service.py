@@ -29,27 +29,22 @@ from kvmesh.services.kv_store.held_reports import HeldReporter, change_mark, hel
 from kvmesh.services.kv_store.layout import store_layout
 from kvmesh.services.kv_store.metrics import StoreMetrics
 from kvmesh.services.kv_store.worker import StoreWorker
-from kvmesh.shared.bus.nats_service import (
-    connect_nats,
-    new_worker_id,
-    publish_every,
-    serve_until_signal,
-)
-from kvmesh.shared.bus.protocol import (
-    KvCacheDigest,
-    KvCacheEvents,
-    Message,
-    MessageError,
+from kvmesh.shared.bus.messages.cache_events import KvCacheDigest, KvCacheEvents
+from kvmesh.shared.bus.messages.codec import Message, MessageError, decode_message, encode_message
+from kvmesh.shared.bus.messages.kv_store import (
     StoreAdvert,
     StoreCommit,
     StoreGet,
     StorePut,
     StoreRelease,
     StoreSolicit,
-    WorkerGone,
-    WorkerHeartbeat,
-    decode_message,
-    encode_message,
+)
+from kvmesh.shared.bus.messages.workers import WorkerGone, WorkerHeartbeat
+from kvmesh.shared.bus.nats_service import (
+    connect_nats,
+    new_worker_id,
+    publish_every,
+    serve_until_signal,
 )
 from kvmesh.shared.bus.store_solicit import SolicitLimiter
 from kvmesh.shared.bus.worker_shell import WorkerShell, serve_worker

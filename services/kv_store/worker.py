@@ -25,7 +25,7 @@ from kvmesh.services.kv_store.core import BlockStore, Promotion, Spill, StoreFul
 from kvmesh.services.kv_store.disk_file import DiskFile
 from kvmesh.services.kv_store.disk_tier import DiskSlots
 from kvmesh.services.kv_store.owners import writer_quota
-from kvmesh.shared.bus.protocol import (
+from kvmesh.shared.bus.messages.kv_store import (
     StoreAck,
     StoreCommit,
     StoreCommitReply,
@@ -34,8 +34,8 @@ from kvmesh.shared.bus.protocol import (
     StorePut,
     StorePutReply,
     StoreRelease,
-    WorkerGone,
 )
+from kvmesh.shared.bus.messages.workers import WorkerGone
 from kvmesh.shared.kv.kv_block_header import (
     HEADER_BYTES,
     BlockHeader,

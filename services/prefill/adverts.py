@@ -18,7 +18,8 @@ import time
 
 from kvmesh.services.prefill.convert import decode_kv_dtype
 from kvmesh.services.prefill.core_loan import HeardLoad
-from kvmesh.shared.bus.protocol import DecodeAdvert, PrefillJob
+from kvmesh.shared.bus.messages.prefill_jobs import PrefillJob
+from kvmesh.shared.bus.messages.workers import DecodeAdvert
 
 
 class UnvouchedJobError(ValueError):

@@ -21,7 +21,7 @@ index)``; chunks without a full block to write make no write.
 from __future__ import annotations
 
 from kvmesh.services.prefill.plan import ChunkWrite, PlanError, WriteSpan
-from kvmesh.shared.bus.protocol import DraftKvReserveReply
+from kvmesh.shared.bus.messages.drafts import DraftKvReserveReply
 from kvmesh.shared.kv.imm import imm_slot, pack_imm
 
 

@@ -18,7 +18,8 @@ from kvmesh.services.prefill.job import STOP, Job
 from kvmesh.services.prefill.job_hooks import Announcement, JobHook
 from kvmesh.services.prefill.metrics import PrefillMetrics
 from kvmesh.services.prefill.plan import ChunkWrite, PlanError
-from kvmesh.shared.bus.protocol import DraftKvReserveReply, PrefillDone, PrefillJob
+from kvmesh.shared.bus.messages.drafts import DraftKvReserveReply
+from kvmesh.shared.bus.messages.prefill_jobs import PrefillDone, PrefillJob
 from kvmesh.shared.engine.llm_engine import LLMEngine
 from kvmesh.shared.engine.sequence import ChunkReady, RequestError
 from kvmesh.shared.obs import logs

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from kvmesh.services.prefill.convert import KVMirror
 from kvmesh.services.prefill.plan import ChunkPlanner, PrefillTimeline
-from kvmesh.shared.bus.protocol import PrefillJob
+from kvmesh.shared.bus.messages.prefill_jobs import PrefillJob
 from kvmesh.shared.engine.sequence import ChunkReady
 from kvmesh.shared.text.sampling import TokenLogprobs
 from kvmesh.shared.transport import Endpoint, TransportDescriptor

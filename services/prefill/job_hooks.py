@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from kvmesh.services.prefill.job import Job
-    from kvmesh.shared.bus.protocol import PrefillDone, PrefillJob
+    from kvmesh.shared.bus.messages.prefill_jobs import PrefillDone, PrefillJob
     from kvmesh.shared.engine.sequence import ChunkReady
 
 # (the worker id it goes to, the message): sent before the decode worker's PrefillDone

@@ -34,26 +34,18 @@ from kvmesh.services.prefill.tp_group import (
 )
 from kvmesh.services.prefill.worker import PrefillResult, PrefillWorker
 from kvmesh.shared.bus.message_guard import guard_of
+from kvmesh.shared.bus.messages.codec import MessageError, decode_message, encode_message
+from kvmesh.shared.bus.messages.drafts import DraftKvReserve, DraftKvReserveReply
+from kvmesh.shared.bus.messages.kv_store import StoreAdvert
+from kvmesh.shared.bus.messages.prefill_jobs import PrefillDone, PrefillJob
+from kvmesh.shared.bus.messages.token_streams import Abort
+from kvmesh.shared.bus.messages.workers import DecodeAdvert, WorkerGone, WorkerHeartbeat
 from kvmesh.shared.bus.nats_service import (
     connect_nats,
     new_worker_id,
     serve_until_signal,
 )
 from kvmesh.shared.bus.prefill_job_stream import PrefillJobQueue
-from kvmesh.shared.bus.protocol import (
-    Abort,
-    DecodeAdvert,
-    DraftKvReserve,
-    DraftKvReserveReply,
-    MessageError,
-    PrefillDone,
-    PrefillJob,
-    StoreAdvert,
-    WorkerGone,
-    WorkerHeartbeat,
-    decode_message,
-    encode_message,
-)
 from kvmesh.shared.bus.store_solicit import store_adverts_solicited
 from kvmesh.shared.bus.worker_shell import WorkerShell, serve_worker
 from kvmesh.shared.config.subjects import Subjects

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 
-from kvmesh.shared.bus.protocol import StoreAdvert
+from kvmesh.shared.bus.messages.kv_store import StoreAdvert
 from kvmesh.shared.engine.llm_engine import LLMEngine
 from kvmesh.shared.mesh.kv_store_client import (
     KvStoreClient,

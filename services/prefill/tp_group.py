@@ -39,7 +39,7 @@ from kvmesh.shared.obs import logs
 
 if TYPE_CHECKING:
     from kvmesh.services.prefill.config import PrefillConfig
-    from kvmesh.shared.bus.protocol import PrefillJob
+    from kvmesh.shared.bus.messages.prefill_jobs import PrefillJob
     from kvmesh.shared.kv.kv_cache import KVCacheSpec
 
 log = logs.get_logger(__name__)

@@ -42,7 +42,7 @@ from kvmesh.services.prefill.plan import (
     PrefillTimeline,
 )
 from kvmesh.services.prefill.store_prefix import StorePrefix
-from kvmesh.shared.bus.protocol import (
+from kvmesh.shared.bus.messages.prefill_jobs import (
     PrefillDone,
     PrefillJob,
     PrefillReport,

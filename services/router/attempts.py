@@ -14,7 +14,7 @@ from typing import Literal
 import msgspec
 from kvmesh.services.router.errors import MeshError
 from kvmesh.services.router.prompt import Prompt
-from kvmesh.shared.bus.protocol import TokenEvent
+from kvmesh.shared.bus.messages.token_streams import TokenEvent
 from kvmesh.shared.bus.wire_ids import wire_id
 from kvmesh.shared.text.sampling import SamplingOptions
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from kvmesh.services.router.logprobs import LogprobsBuilder
 from kvmesh.services.router.responses import ChoiceResult, Logprobs
-from kvmesh.shared.bus.protocol import TokenEvent
+from kvmesh.shared.bus.messages.token_streams import TokenEvent
 from kvmesh.shared.text.detokenize import TextStream
 from kvmesh.shared.text.sampling import SamplingOptions, TokenLogprobs
 from kvmesh.shared.text.tokenizer import Tokenizer

@@ -30,9 +30,9 @@ from kvmesh.services.router.recovery import abort_reason
 from kvmesh.services.router.stream_ids import Resume
 from kvmesh.services.router.stream_resume import ask_replay, find_stream, resume_events
 from kvmesh.services.router.worker_pool import WorkerPool
-from kvmesh.shared.bus import protocol
 from kvmesh.shared.bus.hearing import Hearing
-from kvmesh.shared.bus.protocol import DecodeAdvert, WorkerGone, WorkerHeartbeat
+from kvmesh.shared.bus.messages.codec import encode_message
+from kvmesh.shared.bus.messages.workers import DecodeAdvert, WorkerGone, WorkerHeartbeat
 from kvmesh.shared.config.subjects import Subjects
 from kvmesh.shared.obs import logs
 from nats.aio.client import Client as NATS
@@ -141,7 +141,7 @@ class Dispatcher:
                 with contextlib.suppress(nats.errors.Error):
                     await self._nc.publish(
                         self._subjects.request_worker_gone(request.request_id),
-                        protocol.encode_message(gone),
+                        encode_message(gone),
                     )
 
     @asynccontextmanager

@@ -36,18 +36,12 @@ from kvmesh.services.router.recovery import (
 )
 from kvmesh.services.router.request_events import AttemptEvents, MalformedEvent
 from kvmesh.services.router.worker_pool import WorkerPool
-from kvmesh.shared.bus import protocol
+from kvmesh.shared.bus.messages.codec import encode_message
+from kvmesh.shared.bus.messages.placement import PlaceReply, PlaceRequest
+from kvmesh.shared.bus.messages.prefill_jobs import PrefillReport, PrefillStarted
+from kvmesh.shared.bus.messages.token_streams import Abort, StreamReplay, TokenEvent
+from kvmesh.shared.bus.messages.workers import WorkerGone
 from kvmesh.shared.bus.prefill_job_stream import withdraw_job
-from kvmesh.shared.bus.protocol import (
-    Abort,
-    PlaceReply,
-    PlaceRequest,
-    PrefillReport,
-    PrefillStarted,
-    StreamReplay,
-    TokenEvent,
-    WorkerGone,
-)
 from kvmesh.shared.bus.wire_ids import attempt_of
 from kvmesh.shared.config.subjects import Subjects
 from nats.aio.client import Client as NATS
@@ -400,7 +394,7 @@ class MeshRequest:
         )
         try:
             abort = Abort(self.request_id, reason=reason, job_withdrawn=withdrawn)
-            await self._nc.publish(self._subjects.ABORT, protocol.encode_message(abort))
+            await self._nc.publish(self._subjects.ABORT, encode_message(abort))
         except nats.errors.Error as exc:  # the connection is gone: leases will expire instead
             log.warning("could not publish abort for %s: %s", self.request_id, exc)
 

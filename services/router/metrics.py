@@ -14,7 +14,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from kvmesh.services.router.timings import TimingLog, TimingStamps
-from kvmesh.shared.bus.protocol import DecodeAdvert, PrefillReport
+from kvmesh.shared.bus.messages.prefill_jobs import PrefillReport
+from kvmesh.shared.bus.messages.workers import DecodeAdvert
 from kvmesh.shared.obs.metric_set import MetricSet, seconds_buckets
 from kvmesh.shared.obs.metrics_exporter import exposition
 from prometheus_client import Histogram

@@ -21,15 +21,10 @@ from kvmesh.services.router.recovery import (
     registry_silent_error,
 )
 from kvmesh.services.router.worker_pool import WorkerPool
-from kvmesh.shared.bus import protocol
+from kvmesh.shared.bus.messages.codec import MessageError, decode_message, encode_message
+from kvmesh.shared.bus.messages.placement import LeaseRenew, PlaceReply, PlaceRequest
+from kvmesh.shared.bus.messages.prefill_jobs import PrefillJob
 from kvmesh.shared.bus.prefill_job_stream import PrefillQueueError, publish_job
-from kvmesh.shared.bus.protocol import (
-    LeaseRenew,
-    MessageError,
-    PlaceReply,
-    PlaceRequest,
-    PrefillJob,
-)
 from kvmesh.shared.config.subjects import Subjects
 from nats.aio.client import Client as NATS
 
@@ -47,9 +42,7 @@ async def ask_registry(
     a wait (one was heard recently: restarting) or a 503; no answer in ``timeout_s`` is a
     PlacementLostError (asked again); a malformed reply a MeshError."""
     try:
-        msg = await nc.request(
-            subjects.REGISTRY_PLACE, protocol.encode_message(place), timeout=timeout_s
-        )
+        msg = await nc.request(subjects.REGISTRY_PLACE, encode_message(place), timeout=timeout_s)
     except nats.errors.NoRespondersError:
         pool = registry_pool
         seen = pool is not None and pool.seen_within(time.monotonic(), REGISTRY_RESTART_S)
@@ -61,7 +54,7 @@ async def ask_registry(
     except nats.errors.Error as exc:
         raise ServiceUnavailableError(f"NATS is unavailable to the router: {exc}") from None
     try:
-        return protocol.decode_message(msg.data, PlaceReply)
+        return decode_message(msg.data, PlaceReply)
     except MessageError as exc:
         raise MeshError(f"the kv-registry sent a malformed placement: {exc}") from None
 
@@ -98,7 +91,7 @@ async def publish_prefill_job(
         seq = await publish_job(
             nc,
             subjects,
-            protocol.encode_message(job),
+            encode_message(job),
             msg_id=request_id,
             retry_for_s=queue.retry_for_s(left_s),
         )
@@ -116,7 +109,7 @@ async def renew_lease(
 ) -> None:
     """The router holds the lease while it waits: renew it every third of its length, so it
     outlives any queue but not the router (cancelled by the first token, abort or close)."""
-    renew = protocol.encode_message(LeaseRenew(request_id, reply.lease_id, lease_ms=lease_ms))
+    renew = encode_message(LeaseRenew(request_id, reply.lease_id, lease_ms=lease_ms))
     subject = subjects.decode_lease_renew(reply.worker_id)
     while True:
         await asyncio.sleep(lease_ms / 3000)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvmesh.shared.bus.protocol import DecodeAdvert
+from kvmesh.shared.bus.messages.workers import DecodeAdvert
 
 # an advert older than this no longer counts (a worker advertises every heartbeat)
 ADVERT_TTL_S = 30.0

@@ -21,7 +21,7 @@ from kvmesh.services.router.errors import (
     ServiceUnavailableError,
 )
 from kvmesh.services.router.worker_pool import WorkerPool
-from kvmesh.shared.bus.protocol import PlaceReply
+from kvmesh.shared.bus.messages.placement import PlaceReply
 from kvmesh.shared.config.subjects import Subjects
 
 # A kv-registry heard this recently and not answering now is restarting (its supervisor brings it

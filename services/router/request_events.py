@@ -8,14 +8,10 @@ the router's business)."""
 
 from __future__ import annotations
 
-from kvmesh.shared.bus.protocol import (
-    MessageError,
-    PrefillReport,
-    PrefillStarted,
-    TokenEvent,
-    WorkerGone,
-    decode_message,
-)
+from kvmesh.shared.bus.messages.codec import MessageError, decode_message
+from kvmesh.shared.bus.messages.prefill_jobs import PrefillReport, PrefillStarted
+from kvmesh.shared.bus.messages.token_streams import TokenEvent
+from kvmesh.shared.bus.messages.workers import WorkerGone
 from kvmesh.shared.config.subjects import Subjects
 
 RequestEvent = TokenEvent | PrefillReport | PrefillStarted | WorkerGone

@@ -16,6 +16,7 @@ from kvmesh.services.router.http_server import serve_http
 from kvmesh.services.router.model_info import load_model_info
 from kvmesh.shared.bus.hearing import Hearing
 from kvmesh.shared.bus.message_guard import guard_of
+from kvmesh.shared.bus.messages.workers import DecodeAdvert, WorkerGone, WorkerHeartbeat
 from kvmesh.shared.bus.nats_service import (
     connect_nats,
     new_worker_id,
@@ -23,7 +24,6 @@ from kvmesh.shared.bus.nats_service import (
     subscriptions,
     worker_presence,
 )
-from kvmesh.shared.bus.protocol import DecodeAdvert, WorkerGone, WorkerHeartbeat
 from kvmesh.shared.obs import logs
 
 log = logs.get_logger(__name__)

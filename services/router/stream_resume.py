@@ -27,15 +27,13 @@ from kvmesh.services.router.errors import (
     ServiceUnavailableError,
 )
 from kvmesh.services.router.stream_ids import EventId
-from kvmesh.shared.bus.protocol import (
-    MessageError,
+from kvmesh.shared.bus.messages.codec import MessageError, decode_message, encode_message
+from kvmesh.shared.bus.messages.token_streams import (
     StreamHolder,
     StreamLookup,
     StreamReplay,
     StreamResume,
     TokenEvent,
-    decode_message,
-    encode_message,
 )
 from kvmesh.shared.config.subjects import Subjects
 from nats.aio.client import Client as NATS

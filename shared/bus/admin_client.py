@@ -1,4 +1,4 @@
-"""Admin requests to a mesh's kv-registry (the admin messages of shared/bus/protocol.py on its
+"""Admin requests to a mesh's kv-registry (the messages of shared/bus/messages/admin.py on its
 kvmesh.<mesh>.admin.* subjects)."""
 
 from __future__ import annotations
@@ -8,16 +8,16 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
-from kvmesh.shared.bus.nats_auth import NatsAuth
-from kvmesh.shared.bus.nats_service import NatsUnavailableError, connect_nats, request_json
-from kvmesh.shared.bus.protocol import (
+from kvmesh.shared.bus.messages.admin import (
     AdminControlled,
     AdminLogLevelSet,
     AdminStatus,
     AdminWorkers,
-    M,
     WorkerRow,
 )
+from kvmesh.shared.bus.messages.codec import M
+from kvmesh.shared.bus.nats_auth import NatsAuth
+from kvmesh.shared.bus.nats_service import NatsUnavailableError, connect_nats, request_json
 from kvmesh.shared.config.nats_options import NatsSecurity
 from kvmesh.shared.config.subjects import DEFAULT_MESH, Subjects
 from nats.aio.client import Client

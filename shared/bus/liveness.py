@@ -36,7 +36,8 @@ from contextlib import AbstractAsyncContextManager
 
 import msgspec
 import nats.errors
-from kvmesh.shared.bus import protocol
+from kvmesh.shared.bus.messages.codec import encode_message
+from kvmesh.shared.bus.messages.workers import WorkerHeartbeat
 from kvmesh.shared.obs import logs
 from nats.aio.client import Client
 
@@ -61,7 +62,7 @@ class LivenessBeacon:
         self,
         open_connection: OpenConnection,
         subject: str,
-        first: protocol.WorkerHeartbeat,
+        first: WorkerHeartbeat,
         *,
         interval_s: float,
         stall_limit_s: float,
@@ -91,19 +92,19 @@ class LivenessBeacon:
 
     # --- the service's loop ----------------------------------------------------------------------
 
-    def record(self, beat: protocol.WorkerHeartbeat) -> None:
+    def record(self, beat: WorkerHeartbeat) -> None:
         """The loop's latest heartbeat, and the proof that the loop runs (thread-safe)."""
         with self._lock:
             self._latest = beat
             self._recorded_at = self._clock()
 
-    async def ticker(self, make_heartbeat: Callable[[], protocol.WorkerHeartbeat]) -> None:
+    async def ticker(self, make_heartbeat: Callable[[], WorkerHeartbeat]) -> None:
         """Record ``make_heartbeat()`` every interval (a task body on the service's loop)."""
         while True:
             self.record(make_heartbeat())
             await asyncio.sleep(self.interval_s)
 
-    async def announce(self, beat: protocol.WorkerHeartbeat) -> bool:
+    async def announce(self, beat: WorkerHeartbeat) -> bool:
         """Record ``beat`` and publish it now on the beacon's connection, returning once the
         server has processed it (True); False if that connection could not within
         ``ANNOUNCE_TIMEOUT_S`` (reconnecting: the caller publishes it itself)."""
@@ -141,7 +142,7 @@ class LivenessBeacon:
 
     # --- the beacon's thread ---------------------------------------------------------------------
 
-    def due(self) -> protocol.WorkerHeartbeat | None:
+    def due(self) -> WorkerHeartbeat | None:
         """The heartbeat to publish now: the latest recorded, sent now; None while the loop has
         not recorded for more than ``stall_limit_s`` (the worker is to be dropped)."""
         with self._lock:
@@ -189,10 +190,10 @@ class LivenessBeacon:
                     await asyncio.wait_for(self._stop.wait(), self.interval_s)
             self._loop = None
 
-    async def _publish(self, beat: protocol.WorkerHeartbeat, *, flush: bool) -> None:
+    async def _publish(self, beat: WorkerHeartbeat, *, flush: bool) -> None:
         nc = self._nc
         assert nc is not None
-        await nc.publish(self.subject, protocol.encode_message(beat))
+        await nc.publish(self.subject, encode_message(beat))
         self.beats += 1
         if flush:  # twice, as nats_service.flush_to_server: the PUB is processed, not only sent
             await nc.flush()
@@ -203,7 +204,7 @@ class LivenessBeacon:
 async def liveness_beacon(
     open_connection: OpenConnection,
     subject: str,
-    make_heartbeat: Callable[[], protocol.WorkerHeartbeat],
+    make_heartbeat: Callable[[], WorkerHeartbeat],
     *,
     interval_s: float,
     stall_limit_s: float,

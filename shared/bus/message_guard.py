@@ -34,7 +34,7 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
-from kvmesh.shared.bus import protocol
+from kvmesh.shared.bus.messages.codec import MessageError, decode_message
 from kvmesh.shared.bus.nats_auth import ROLES
 from kvmesh.shared.obs import logs
 from nats.aio.client import Client
@@ -116,8 +116,8 @@ class MessageGuard:
             if self._oversized(msg):
                 return
             try:
-                body = protocol.decode_message(msg.data, cls)
-            except protocol.MessageError as exc:
+                body = decode_message(msg.data, cls)
+            except MessageError as exc:
                 self.refuse("malformed", msg.subject, str(exc))
                 return
             await self._contained(handle(body), msg.subject)

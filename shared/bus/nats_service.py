@@ -31,10 +31,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import nats
 import nats.micro
 import orjson
-from kvmesh.shared.bus import protocol
 from kvmesh.shared.bus.hearing import Hearing
 from kvmesh.shared.bus.liveness import LivenessBeacon, liveness_beacon
 from kvmesh.shared.bus.message_guard import guard_of
+from kvmesh.shared.bus.messages.codec import MessageError, decode_message, encode_message
+from kvmesh.shared.bus.messages.workers import LogLevel, WorkerControl, WorkerHeartbeat
 from kvmesh.shared.bus.nats_auth import ADMIN, PASSWORD_FILE_ENV, USER_ENV, NatsAuth, auth_from_env
 from kvmesh.shared.bus.nats_vetting import NatsVettingError, holder_note, vet_connection
 from kvmesh.shared.config.nats_options import (
@@ -330,7 +331,7 @@ async def publish_every(
     assert interval_s > 0, interval_s
     while True:
         try:
-            await nc.publish(subject, protocol.encode_message(make_message()))
+            await nc.publish(subject, encode_message(make_message()))
         except nats.errors.Error as exc:
             log.debug("periodic publish failed", subject=subject, error=str(exc))
         await asyncio.sleep(interval_s)
@@ -341,7 +342,7 @@ async def heartbeat_loop(
     subjects: Subjects,
     role: str,
     worker_id: str,
-    make_heartbeat: Callable[[], protocol.WorkerHeartbeat],
+    make_heartbeat: Callable[[], WorkerHeartbeat],
     interval_s: float,
 ) -> None:
     """Publish WorkerHeartbeat on ``subjects.heartbeat(role, worker_id)`` forever (a task body)."""
@@ -399,7 +400,7 @@ async def log_level_control(
     log-level``); each service notes its own change at debug, naming itself (``service``), and
     only when its level did change."""
 
-    async def set_level(message: protocol.LogLevel) -> None:
+    async def set_level(message: LogLevel) -> None:
         before = logs.current_level()
         try:
             logs.set_level(message.level)
@@ -410,7 +411,7 @@ async def log_level_control(
         if now != before:
             log.debug(f"log level changed from {before} to {now}", level=now, service=service)
 
-    async with subscriptions(nc, (subjects.CONTROL_LOG_LEVEL, protocol.LogLevel, set_level)):
+    async with subscriptions(nc, (subjects.CONTROL_LOG_LEVEL, LogLevel, set_level)):
         yield
 
 
@@ -418,17 +419,17 @@ async def read_worker_control(req: Request) -> str | None:
     """The action of a ``WorkerControl`` request, "drain" or "resume"; a malformed one is
     answered with a 400 here and gives None."""
     try:
-        action = protocol.decode_message(req.data, protocol.WorkerControl).action
+        action = decode_message(req.data, WorkerControl).action
         if action not in ("drain", "resume"):
-            raise protocol.MessageError(f"WorkerControl.action: {action!r} is not drain or resume")
-    except protocol.MessageError as exc:
+            raise MessageError(f"WorkerControl.action: {action!r} is not drain or resume")
+    except MessageError as exc:
         await req.respond_error("400", str(exc))
         return None
     return action
 
 
 async def answer_worker_control(
-    nc: Client, subjects: Subjects, req: Request, heartbeat: protocol.WorkerHeartbeat
+    nc: Client, subjects: Subjects, req: Request, heartbeat: WorkerHeartbeat
 ) -> None:
     """Announce a worker's new state at once, then answer the ``WorkerControl`` request with it.
 
@@ -438,7 +439,7 @@ async def answer_worker_control(
     hears both on one connection hears the heartbeat before the answer. With a liveness beacon
     (worker_presence) the heartbeat goes on the beacon's connection, where every other heartbeat
     of the worker goes, and is processed by the server before the answer is sent."""
-    data = protocol.encode_message(heartbeat)
+    data = encode_message(heartbeat)
     beacon = nc.beacon if isinstance(nc, VettedClient) else None
     if beacon is None or not await beacon.announce(heartbeat):
         try:
@@ -455,7 +456,7 @@ async def worker_presence(
     *,
     role: str,
     worker_id: str,
-    heartbeat: Callable[[], protocol.WorkerHeartbeat],
+    heartbeat: Callable[[], WorkerHeartbeat],
     interval_s: float,
     stall_limit_s: float,
     metadata: dict[str, str] | None = None,

@@ -35,7 +35,7 @@ import contextlib
 
 import nats.errors
 import nats.js.errors
-from kvmesh.shared.bus.protocol import QueueStatus
+from kvmesh.shared.bus.messages.admin import QueueStatus
 from kvmesh.shared.config.subjects import Subjects
 from kvmesh.shared.obs import logs
 from nats.aio.client import Client

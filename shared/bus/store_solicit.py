@@ -10,7 +10,8 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 import nats.errors
-from kvmesh.shared.bus.protocol import StoreSolicit, encode_message
+from kvmesh.shared.bus.messages.codec import encode_message
+from kvmesh.shared.bus.messages.kv_store import StoreSolicit
 from kvmesh.shared.config.subjects import Subjects
 from kvmesh.shared.obs import logs
 from nats.aio.client import Client

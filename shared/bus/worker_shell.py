@@ -38,7 +38,7 @@ from nats.aio.client import Client
 from nats.micro.request import Request
 
 if TYPE_CHECKING:
-    from kvmesh.shared.bus.protocol import WorkerHeartbeat
+    from kvmesh.shared.bus.messages.workers import WorkerHeartbeat
     from kvmesh.shared.config.worker_config import MetricsServiceConfig
     from kvmesh.shared.obs.metric_set import MetricSet
 

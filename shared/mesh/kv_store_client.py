@@ -16,10 +16,9 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 import torch
-from kvmesh.shared.bus.protocol import (
+from kvmesh.shared.bus.messages.codec import Message, MessageError, decode_message, encode_message
+from kvmesh.shared.bus.messages.kv_store import (
     MAX_STORE_BLOCKS,
-    Message,
-    MessageError,
     StoreAck,
     StoreAdvert,
     StoreCommit,
@@ -29,8 +28,6 @@ from kvmesh.shared.bus.protocol import (
     StorePut,
     StorePutReply,
     StoreRelease,
-    decode_message,
-    encode_message,
 )
 from kvmesh.shared.config.subjects import Subjects
 from kvmesh.shared.engine.block_manager import BlockManager

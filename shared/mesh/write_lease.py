@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from kvmesh.shared.bus.protocol import PrefillDone
+from kvmesh.shared.bus.messages.prefill_jobs import PrefillDone
 from kvmesh.shared.transport.base import MemoryWindow
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvmesh.shared.bus.protocol import DecodeAdvert
+from kvmesh.shared.bus.messages.workers import DecodeAdvert
 
 
 def idle_advert(

@@ -13,8 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+from kvmesh.shared.bus.messages.workers import WorkerHeartbeat
 from kvmesh.shared.bus.nats_service import connect_nats, worker_presence
-from kvmesh.shared.bus.protocol import WorkerHeartbeat
 from kvmesh.shared.config.subjects import DEFAULT_MESH, Subjects
 
 

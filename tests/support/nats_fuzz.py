@@ -4,13 +4,16 @@ the protocol's message types (``msgspec.inspect``), and which role may publish i
 
 from __future__ import annotations
 
+import importlib
 import inspect
+import pkgutil
 import random
 from collections.abc import Iterator
 from typing import Any
 
 import msgspec
-from kvmesh.shared.bus import protocol
+from kvmesh.shared.bus import messages
+from kvmesh.shared.bus.messages.codec import Message
 from kvmesh.shared.bus.nats_auth import ADMIN, role_permissions
 from kvmesh.shared.config.subjects import Subjects
 
@@ -114,14 +117,14 @@ def example(info: msgspec.inspect.Type, rng: random.Random) -> Any:
     return None  # a type the protocol does not use: null, itself a wrong type
 
 
-def message_types() -> list[type[protocol.Message]]:
-    return [
-        cls
-        for cls in vars(protocol).values()
-        if isinstance(cls, type)
-        and issubclass(cls, protocol.Message)
-        and cls is not protocol.Message
-    ]
+def message_types() -> list[type[Message]]:
+    """Every message type: what each module of shared/bus/messages/ defines."""
+    found: dict[str, type[Message]] = {}
+    for module in pkgutil.iter_modules(messages.__path__):
+        for cls in vars(importlib.import_module(f"{messages.__name__}.{module.name}")).values():
+            if isinstance(cls, type) and issubclass(cls, Message) and cls is not Message:
+                found[cls.__qualname__] = cls
+    return list(found.values())
 
 
 def bodies(rng: random.Random, max_payload: int) -> Iterator[tuple[str, bytes]]:

@@ -8,14 +8,16 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
-from kvmesh.shared.bus import protocol
+from kvmesh.shared.bus.messages.prefill_jobs import PrefillJob
+from kvmesh.shared.bus.messages.workers import DecodeAdvert
+from kvmesh.shared.text.sampling import SamplingOptions
 
 from support.adverts import idle_advert
 
 
 def ready_advert(
     descriptor: Any, region: Any, spec: Any, kv_spec: str, worker_id: str = "d0"
-) -> protocol.DecodeAdvert:
+) -> DecodeAdvert:
     """The advert of a ready, idle disaggregated decode worker whose whole KV pool is ``region``
     (in ``spec``'s layout, every block free)."""
     return idle_advert(
@@ -87,15 +89,15 @@ def prefill_job(
     *,
     block_bytes: int | None = None,
     descriptor: Any = None,
-) -> protocol.PrefillJob:
+) -> PrefillJob:
     """A greedy job for "d0" whose KV goes to ``block_ids`` of ``region`` (blocks of
     ``block_bytes``, default the worker's), reaching it by ``descriptor`` (default: as "d0"
     advertised)."""
     block_bytes = block_bytes or worker.block_bytes
-    return protocol.PrefillJob(
+    return PrefillJob(
         request_id,
         tuple(prompt),
-        protocol.SamplingOptions(temperature=0.0),
+        SamplingOptions(temperature=0.0),
         "d0",
         "L" + request_id,
         worker.adverts.get("d0").descriptor if descriptor is None else descriptor,

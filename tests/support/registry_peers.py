@@ -14,17 +14,11 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvmesh.shared.bus import protocol
+from kvmesh.shared.bus.messages.codec import decode_message, encode_message
+from kvmesh.shared.bus.messages.placement import LeaseCancel, ReserveReply, ReserveRequest
+from kvmesh.shared.bus.messages.prefill_jobs import PrefillDone
+from kvmesh.shared.bus.messages.workers import DecodeAdvert, WorkerControl, WorkerHeartbeat
 from kvmesh.shared.bus.nats_service import background, connect_nats, flush_to_server, publish_every
-from kvmesh.shared.bus.protocol import (
-    DecodeAdvert,
-    LeaseCancel,
-    PrefillDone,
-    ReserveReply,
-    ReserveRequest,
-    WorkerControl,
-    WorkerHeartbeat,
-)
 from kvmesh.shared.config.subjects import DEFAULT_MESH, Subjects
 from kvmesh.shared.kv.descriptor import TcpBackend, TransportDescriptor
 from nats.aio.client import Client
@@ -75,38 +69,36 @@ class PeerDecode:
         )
 
     async def on_reserve(self, msg: Msg) -> None:
-        req = protocol.decode_message(msg.data, ReserveRequest)
+        req = decode_message(msg.data, ReserveRequest)
         self.reserves.append(req)
         if self.is_silent:
             return
         need = -(-len(req.prompt_ids) // BLOCK_SIZE)
         if self.refuse_with or self.state != "ready" or need > len(self.free):
             error = self.refuse_with or f"{self.worker_id} cannot take {need} blocks"
-            await msg.respond(
-                protocol.encode_message(ReserveReply(False, self.worker_id, error=error))
-            )
+            await msg.respond(encode_message(ReserveReply(False, self.worker_id, error=error)))
             return
         blocks = tuple(self.free[:need])
         del self.free[:need]
         self.leases[req.lease_id] = (blocks, time.monotonic() + req.lease_ms / 1000)
         addrs = tuple(self.base_addr + b * BLOCK_BYTES for b in blocks)
         reply = ReserveReply(True, self.worker_id, block_ids=blocks, rkey=42, block_addrs=addrs)
-        await msg.respond(protocol.encode_message(reply))
+        await msg.respond(encode_message(reply))
 
     async def on_lease_cancel(self, msg: Msg) -> None:
-        self.cancels.append(protocol.decode_message(msg.data, LeaseCancel))
+        self.cancels.append(decode_message(msg.data, LeaseCancel))
 
     async def on_prefill_done(self, msg: Msg) -> None:
-        done = protocol.decode_message(msg.data, PrefillDone)
+        done = decode_message(msg.data, PrefillDone)
         blocks, _ = self.leases.pop(done.lease_id, ((), 0.0))
         self.free.extend(blocks)
 
     async def on_control(self, msg: Msg) -> None:
-        action = protocol.decode_message(msg.data, WorkerControl).action
+        action = decode_message(msg.data, WorkerControl).action
         self.controls.append(action)
         self.state = "draining" if action == "drain" else "ready"
         beat = WorkerHeartbeat(self.worker_id, "decode", self.state, sent_at=time.time())
-        await msg.respond(protocol.encode_message(beat))
+        await msg.respond(encode_message(beat))
 
     async def lease_loop(self) -> None:
         while True:

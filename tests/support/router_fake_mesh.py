@@ -15,18 +15,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from kvmesh.services.prefill_queue.keeper import ensure_queue
-from kvmesh.shared.bus import protocol
+from kvmesh.shared.bus.messages.codec import decode_message, encode_message
+from kvmesh.shared.bus.messages.placement import LeaseRenew, PlaceReply, PlaceRequest
+from kvmesh.shared.bus.messages.prefill_jobs import PrefillJob, PrefillReport
+from kvmesh.shared.bus.messages.token_streams import Abort, TokenEvent
+from kvmesh.shared.bus.messages.workers import WorkerHeartbeat
 from kvmesh.shared.bus.nats_service import connect_nats, flush_to_server
-from kvmesh.shared.bus.protocol import (
-    Abort,
-    LeaseRenew,
-    PlaceReply,
-    PlaceRequest,
-    PrefillJob,
-    PrefillReport,
-    TokenEvent,
-    WorkerHeartbeat,
-)
 from kvmesh.shared.config.subjects import DEFAULT_MESH, Subjects
 from kvmesh.shared.kv.descriptor import TcpBackend, TransportDescriptor
 from kvmesh.shared.model.tiny import tiny_config
@@ -122,14 +116,14 @@ class FakeMesh:
                 if alive:
                     beat = WorkerHeartbeat(f"{role}-fake", role, "ready", 0, 0, 0.0, 0.0)
                     subject = self.subjects.heartbeat(role, f"{role}-fake")
-                    await self._nc.publish(subject, protocol.encode_message(beat))
+                    await self._nc.publish(subject, encode_message(beat))
             await asyncio.sleep(0.2)
 
     async def _on_renew(self, msg) -> None:
-        self.renewals.append(protocol.decode_message(msg.data, LeaseRenew))
+        self.renewals.append(decode_message(msg.data, LeaseRenew))
 
     async def _on_place(self, msg) -> None:
-        place = protocol.decode_message(msg.data, PlaceRequest)
+        place = decode_message(msg.data, PlaceRequest)
         self.places.append(place)
         if len(self.places) <= self.unanswered_places:
             return
@@ -157,12 +151,12 @@ class FakeMesh:
                 block_addrs=(4096, 8192),
                 block_bytes=4096,
             )
-        await msg.respond(protocol.encode_message(reply))
+        await msg.respond(encode_message(reply))
         if reply.ok and place.local_prefill:
             self._start(place.request_id, place.prompt_ids, place.sampling)
 
     async def _on_job(self, msg) -> None:
-        job = protocol.decode_message(msg.data, PrefillJob)
+        job = decode_message(msg.data, PrefillJob)
         self.jobs.append(job)
         report = PrefillReport(
             request_id=job.request_id,
@@ -174,12 +168,12 @@ class FakeMesh:
             num_chunks=2,
         )
         await self._nc.publish(
-            self.subjects.request_prefill_report(job.request_id), protocol.encode_message(report)
+            self.subjects.request_prefill_report(job.request_id), encode_message(report)
         )
         self._start(job.request_id, job.prompt_ids, job.sampling)
 
     async def _on_abort(self, msg) -> None:
-        abort = protocol.decode_message(msg.data, Abort)
+        abort = decode_message(msg.data, Abort)
         self.aborts.append(abort)
         self.aborted.set()
         task = self._tasks.get(abort.request_id)
@@ -238,7 +232,7 @@ class FakeMesh:
             )
             if self.lose_token == i + 1 and request_id == self.places[0].request_id:
                 continue  # published into a NATS that lost it
-            await self._nc.publish(subject, protocol.encode_message(event))
+            await self._nc.publish(subject, encode_message(event))
             if failing:
                 return
 
