@@ -253,11 +253,11 @@ async def _mesh_in_process(tiny, small_draft=None):
     from kvmesh.services.draft.drafters import build_drafter
     from kvmesh.services.draft.metrics import DraftMetrics
     from kvmesh.services.draft.prompt_kv_receiver import PromptKvReceiver, target_kv_spec
-    from kvmesh.services.prefill.endpoints import EndpointCache
     from kvmesh.shared.engine.config import EngineConfig
     from kvmesh.shared.engine.llm_engine import LLMEngine
     from kvmesh.shared.model.identity import kv_spec_fingerprint
     from kvmesh.shared.transport import Access, TransportConfig, create_transport
+    from kvmesh.shared.transport.endpoint_cache import EndpointCache
     from support.transport_wire import remote as remote_key
 
     model, tokenizer = tiny

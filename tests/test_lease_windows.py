@@ -269,8 +269,8 @@ class ForgeryMesh:
         self.backend = backend
 
     async def __aenter__(self) -> ForgeryMesh:
-        from kvmesh.services.prefill.endpoints import EndpointCache
         from kvmesh.services.prefill.worker import PrefillWorker
+        from kvmesh.shared.transport.endpoint_cache import EndpointCache
         from support.fake_pyverbs import FakeVerbs
 
         self._stack = contextlib.AsyncExitStack()

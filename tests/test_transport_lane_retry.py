@@ -9,7 +9,6 @@ import asyncio
 
 import pytest
 import torch
-from kvmesh.services.prefill.endpoints import EndpointCache
 from kvmesh.shared.transport import (
     Access,
     PeerUnreachableError,
@@ -17,6 +16,7 @@ from kvmesh.shared.transport import (
     WriteEntry,
     tcp_endpoint,
 )
+from kvmesh.shared.transport.endpoint_cache import EndpointCache
 from kvmesh.shared.transport.source_budget import SourceGuard, Verdict
 from kvmesh.shared.transport.tcp import TcpTransport
 from support.transport_wire import remote

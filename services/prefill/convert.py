@@ -19,10 +19,10 @@ from collections.abc import Sequence
 
 import torch
 from kvmesh.kernels.kv_pack import pack_converted
-from kvmesh.services.prefill.endpoints import EndpointCache
 from kvmesh.services.prefill.plan import KVSpecMismatchError
 from kvmesh.shared.kv.kv_cache import KVCacheSpec, KVPool
 from kvmesh.shared.transport import MemoryRegion
+from kvmesh.shared.transport.endpoint_cache import EndpointCache
 
 # KV dtypes a write converts between (KVCacheSpec.fingerprint names them so)
 CONVERTIBLE_DTYPES = {

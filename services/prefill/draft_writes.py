@@ -13,7 +13,6 @@ import time
 from dataclasses import dataclass, field
 
 from kvmesh.services.prefill.draft_kv import DraftBlockPlanner, DraftKvPlanner
-from kvmesh.services.prefill.endpoints import EndpointCache
 from kvmesh.services.prefill.job import STOP, Job
 from kvmesh.services.prefill.job_hooks import Announcement, JobHook
 from kvmesh.services.prefill.metrics import PrefillMetrics
@@ -25,6 +24,7 @@ from kvmesh.shared.engine.sequence import ChunkReady, RequestError
 from kvmesh.shared.obs import logs
 from kvmesh.shared.text.sampling import SamplingOptions
 from kvmesh.shared.transport import Endpoint, MemoryRegion, TransportError, WriteEntry
+from kvmesh.shared.transport.endpoint_cache import EndpointCache
 
 log = logs.get_logger(__name__)
 

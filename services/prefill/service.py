@@ -23,7 +23,6 @@ import torch
 from kvmesh.services.prefill.config import PrefillConfig
 from kvmesh.services.prefill.draft_engine import load_draft_engine
 from kvmesh.services.prefill.draft_writes import DraftKv
-from kvmesh.services.prefill.endpoints import EndpointCache
 from kvmesh.services.prefill.metrics import PrefillMetrics
 from kvmesh.services.prefill.store_prefix import StorePrefix
 from kvmesh.services.prefill.tp_group import (
@@ -57,6 +56,7 @@ from kvmesh.shared.model.loader import load_model
 from kvmesh.shared.model.tensor_parallel import shard_model
 from kvmesh.shared.obs import logs
 from kvmesh.shared.transport import TransportConfig, create_transport
+from kvmesh.shared.transport.endpoint_cache import EndpointCache
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 

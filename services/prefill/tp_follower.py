@@ -30,13 +30,13 @@ from kvmesh.shared.engine.tp_leader import EngineCall, follow
 from kvmesh.shared.kv.head_shards import KVHeadShards
 from kvmesh.shared.obs import logs
 from kvmesh.shared.transport import (
-    Endpoint,
     MemoryRegion,
     Transport,
     TransportDescriptor,
     TransportError,
     WriteEntry,
 )
+from kvmesh.shared.transport.endpoint_cache import EndpointCache
 
 log = logs.get_logger(__name__)
 
@@ -107,7 +107,7 @@ class PrefillFollower:
         self.transport = transport
         self.region = region
         self.stats = FollowerStats()
-        self._endpoints: dict[bytes, Endpoint] = {}
+        self._endpoints = EndpointCache(transport)
         self._jobs: dict[str, _Job] = {}
         self._report = report
 
@@ -153,8 +153,7 @@ class PrefillFollower:
                     self._jobs.pop(chunk.request_id, None)
                     if not job.error:
                         self._tell(chunk.request_id, "")
-        for endpoint in self._endpoints.values():
-            await endpoint.aclose()
+        await self._endpoints.aclose()
         return self.stats
 
     def _planners(
@@ -194,10 +193,8 @@ class PrefillFollower:
             for s in write.spans
         ]
         try:
-            endpoint = self._endpoints.get(descriptor)
-            if endpoint is None:
-                peer = msgspec.json.decode(descriptor, type=TransportDescriptor)
-                endpoint = self._endpoints[descriptor] = await self.transport.connect(peer)
+            peer = msgspec.json.decode(descriptor, type=TransportDescriptor)
+            endpoint = await self._endpoints.get(peer)
             await endpoint.write(entries, write.imm)
         except TransportError as exc:
             log.warning("tp follower write failed", rank=self.rank, error=str(exc))

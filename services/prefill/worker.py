@@ -30,7 +30,6 @@ from typing import TYPE_CHECKING
 from kvmesh.services.prefill.adverts import AdvertBook
 from kvmesh.services.prefill.convert import KVMirrors, decode_kv_dtype
 from kvmesh.services.prefill.core_loan import CoreLoan, DecodeIdleness
-from kvmesh.services.prefill.endpoints import EndpointCache
 from kvmesh.services.prefill.job import STOP, Job, RankTarget
 from kvmesh.services.prefill.job_hooks import Announcement, JobHook
 from kvmesh.services.prefill.kv_writes import RankSlice, job_rank_slices
@@ -53,6 +52,7 @@ from kvmesh.shared.engine.llm_engine import LLMEngine
 from kvmesh.shared.engine.sequence import ChunkReady, RequestError
 from kvmesh.shared.obs import logs
 from kvmesh.shared.transport import MemoryRegion, TransportError, WriteEntry
+from kvmesh.shared.transport.endpoint_cache import EndpointCache
 
 if TYPE_CHECKING:
     from kvmesh.services.prefill.tp_group import TPWrites

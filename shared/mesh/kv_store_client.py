@@ -50,6 +50,7 @@ from kvmesh.shared.transport import (
     TransportError,
     WriteEntry,
 )
+from kvmesh.shared.transport.endpoint_cache import EndpointCache
 from nats.aio.client import Client
 
 log = logs.get_logger(__name__)
@@ -127,12 +128,13 @@ class KvStoreClient:
     client_id: str
     request_timeout_s: float = 5.0
     lease_ms: int = 30_000
-    _endpoints: dict[str, Endpoint] = field(default_factory=dict, init=False)
+    _endpoints: EndpointCache = field(init=False)
     _turn: asyncio.Lock = field(default_factory=asyncio.Lock, init=False)
 
     def __post_init__(self) -> None:
         self._headers = self.transport.allocate(MAX_STORE_BLOCKS * HEADER_BYTES)
         self._header_region = self.transport.register(self._headers, Access.LOCAL)
+        self._endpoints = EndpointCache(self.transport)
 
     @classmethod
     def for_pool(
@@ -150,9 +152,7 @@ class KvStoreClient:
         )
 
     async def aclose(self) -> None:
-        for ep in self._endpoints.values():
-            await ep.aclose()
-        self._endpoints.clear()
+        await self._endpoints.aclose()
         self.transport.deregister(self._header_region)
 
     async def __aenter__(self) -> KvStoreClient:
@@ -299,16 +299,11 @@ class KvStoreClient:
             )
 
     async def _endpoint(self, store: StoreTarget) -> Endpoint:
-        ep = self._endpoints.get(store.store_id)
-        if ep is None:
-            ep = self._endpoints[store.store_id] = await self.transport.connect(store.descriptor)
-        return ep
+        return await self._endpoints.get(store.descriptor)
 
     async def _drop(self, store: StoreTarget) -> None:
         """Forget a store's endpoint after a failed operation (the next one connects again)."""
-        ep = self._endpoints.pop(store.store_id, None)
-        if ep is not None:
-            await ep.aclose()
+        await self._endpoints.forget(store.descriptor)
 
     async def _request(self, subject: str, body: Message, cls: type[R]) -> R:
         try:

@@ -44,9 +44,9 @@ async def prefill_rig(
     decode worker, "d0": ``remote_blocks`` blocks of ``decode_spec``'s layout (default: the
     engine's) behind a tcp transport, advertised with ``decode_kv_spec`` (default ``kv_spec``).
     Yields (worker, decode transport, the decode region, its memory)."""
-    from kvmesh.services.prefill.endpoints import EndpointCache
     from kvmesh.services.prefill.worker import PrefillWorker
     from kvmesh.shared.transport import Access, TransportConfig, create_transport
+    from kvmesh.shared.transport.endpoint_cache import EndpointCache
 
     from support.transport_wire import remote as remote_key
 

@@ -1,5 +1,7 @@
-"""The prefill worker's connections to decode workers: one endpoint per advertised descriptor,
-connected on first use, dropped after a failed write, closed on exit."""
+"""One transport endpoint per peer descriptor: connected on first use (one connect at a time per
+peer), dropped after a failed operation (``forget``: the next use connects again), every one
+closed on exit. The prefill worker's writes to decode workers, a TP follower's to decode ranks and
+the kv-store client's puts and gets each hold one."""
 
 from __future__ import annotations
 
@@ -9,13 +11,13 @@ import contextlib
 import msgspec
 from kvmesh.shared.kv.descriptor import TransportDescriptor
 from kvmesh.shared.obs import logs
-from kvmesh.shared.transport import Endpoint, Transport
+from kvmesh.shared.transport.base import Endpoint, Transport
 
 log = logs.get_logger(__name__)
 
 
 class EndpointCache:
-    """One endpoint per decode descriptor, connected on first use, closed on exit."""
+    """One endpoint per descriptor, connected on first use, closed by ``aclose`` (or on exit)."""
 
     def __init__(self, transport: Transport) -> None:
         self.transport = transport
@@ -34,7 +36,7 @@ class EndpointCache:
         async with self._connecting.setdefault(key, asyncio.Lock()):
             if key not in self._endpoints:
                 self._endpoints[key] = await self.transport.connect(descriptor)
-                log.info("connected to decode worker", peer=descriptor.peer_id)
+                log.info("connected to peer", peer=descriptor.peer_id)
             return self._endpoints[key]
 
     async def forget(self, descriptor: TransportDescriptor) -> None:
@@ -43,11 +45,14 @@ class EndpointCache:
             with contextlib.suppress(Exception):
                 await endpoint.aclose()
 
-    async def __aenter__(self) -> EndpointCache:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
+    async def aclose(self) -> None:
         endpoints, self._endpoints = list(self._endpoints.values()), {}
         for endpoint in endpoints:
             with contextlib.suppress(Exception):
                 await endpoint.aclose()
+
+    async def __aenter__(self) -> EndpointCache:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
