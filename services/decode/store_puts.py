@@ -15,15 +15,8 @@ import asyncio
 from kvmesh.services.decode.step_hooks import Step, StepHook
 from kvmesh.shared.bus.messages.kv_store import StoreAdvert
 from kvmesh.shared.engine.llm_engine import LLMEngine
-from kvmesh.shared.mesh.kv_store_client import (
-    KvStoreClient,
-    StoreBook,
-    StoreTarget,
-    put_cached_prefix,
-)
-from kvmesh.shared.obs import logs
-
-log = logs.get_logger(__name__)
+from kvmesh.shared.mesh.kv_store_client import KvStoreClient, StoreBook
+from kvmesh.shared.mesh.kv_store_writer import StoreWriter
 
 
 class FinishedPuts(StepHook):
@@ -35,9 +28,9 @@ class FinishedPuts(StepHook):
         self.client = client
         self.kv_spec = kv_spec
         self.stores = StoreBook(kv_spec, client.block_bytes)
-        self._puts: set[asyncio.Task[None]] = set()
-        self.num_puts = 0  # puts that ended, and the blocks they committed
-        self.num_blocks_committed = 0
+        self.writer = StoreWriter(
+            client, self.stores, self.kv_spec, engine.block_manager, engine.kv_pool
+        )
 
     def on_advert(self, advert: StoreAdvert) -> None:
         self.stores.note(advert)
@@ -50,32 +43,10 @@ class FinishedPuts(StepHook):
     def put_later(self, token_ids: list[int], cache_salt: str = "") -> None:
         """Put the computed full blocks of a finished sequence (``token_ids``: prompt and output;
         the last token's KV was never computed), named under its ``cache_salt``."""
-        store = self.stores.target()
-        if store is None or len(token_ids) < 2:
-            return
-        task = asyncio.ensure_future(self._put(store, token_ids[:-1], cache_salt))
-        self._puts.add(task)
-        task.add_done_callback(self._puts.discard)
-
-    async def _put(self, store: StoreTarget, token_ids: list[int], cache_salt: str) -> None:
-        pool, bm = self.engine.kv_pool, self.engine.block_manager
-        try:
-            result = await put_cached_prefix(
-                self.client, store, self.kv_spec, bm, pool, token_ids, self.lock, cache_salt
-            )
-        except Exception as exc:  # best effort: the store misses these blocks
-            log.warning("kv-store put failed", error=str(exc))
-            self.stores.forget(store.store_id)
-            return
-        if result is None:
-            return
-        self.num_puts += 1
-        self.num_blocks_committed += len(result.committed)
-        if not result.ok:
-            log.info("kv-store put refused", error=result.error)
+        if len(token_ids) >= 2:
+            self.writer.put_later(token_ids[:-1], self.lock, cache_salt)
 
     async def aclose(self) -> None:
         """Wait for the puts in flight (they pin pool blocks), then close the client."""
-        if self._puts:
-            await asyncio.gather(*self._puts, return_exceptions=True)
+        await self.writer.aclose()
         await self.client.aclose()

@@ -14,16 +14,9 @@ import asyncio
 
 from kvmesh.shared.bus.messages.kv_store import StoreAdvert
 from kvmesh.shared.engine.llm_engine import LLMEngine
-from kvmesh.shared.mesh.kv_store_client import (
-    KvStoreClient,
-    StoreBook,
-    StoreTarget,
-    put_cached_prefix,
-)
+from kvmesh.shared.mesh.kv_store_client import KvStoreClient, StoreBook
 from kvmesh.shared.mesh.kv_store_prefix import Fetched, PrefixReader
-from kvmesh.shared.obs import logs
-
-log = logs.get_logger(__name__)
+from kvmesh.shared.mesh.kv_store_writer import StoreWriter
 
 
 class StorePrefix:
@@ -35,7 +28,9 @@ class StorePrefix:
         self.reader = PrefixReader(
             client, self.stores, kv_spec, engine.block_manager, engine.kv_pool
         )
-        self._puts: set[asyncio.Task[None]] = set()
+        self.writer = StoreWriter(
+            client, self.stores, kv_spec, engine.block_manager, engine.kv_pool
+        )
 
     def on_advert(self, advert: StoreAdvert) -> None:
         self.stores.note(advert)
@@ -56,29 +51,9 @@ class StorePrefix:
     def put_later(self, prompt_ids: list[int], lock: asyncio.Lock, cache_salt: str = "") -> None:
         """Put the prompt's computed full blocks (named under ``cache_salt``) into the store in
         the background."""
-        store = self.stores.target()
-        if store is None:
-            return
-        task = asyncio.ensure_future(self._put(store, prompt_ids, lock, cache_salt))
-        self._puts.add(task)
-        task.add_done_callback(self._puts.discard)
-
-    async def _put(
-        self, store: StoreTarget, prompt_ids: list[int], lock: asyncio.Lock, cache_salt: str
-    ) -> None:
-        pool, bm = self.engine.kv_pool, self.engine.block_manager
-        try:
-            result = await put_cached_prefix(
-                self.client, store, self.kv_spec, bm, pool, prompt_ids, lock, cache_salt
-            )
-            if result is not None and not result.ok:
-                log.info("kv-store put refused", error=result.error)
-        except Exception as exc:  # best effort: the store misses these blocks
-            log.warning("kv-store put failed", error=str(exc))
-            self.stores.forget(store.store_id)
+        self.writer.put_later(prompt_ids, lock, cache_salt)
 
     async def aclose(self) -> None:
         """Wait for the puts in flight (they hold pool blocks), then close the client."""
-        if self._puts:
-            await asyncio.gather(*self._puts, return_exceptions=True)
+        await self.writer.aclose()
         await self.client.aclose()
