@@ -44,7 +44,7 @@ def nats_server_process() -> Iterator[NatsServer]:
 @pytest_asyncio.fixture
 async def nats_client(nats_server: str) -> AsyncIterator[object]:
     """A connected nats-py client on the per-test server."""
-    from kvmesh.shared.bus.nats_service import connect_nats
+    from kvmesh.shared.bus.nats_connect import connect_nats
 
     async with connect_nats(nats_server, "pytest") as nc:
         yield nc

@@ -10,8 +10,9 @@ from pathlib import Path
 
 from kvmesh.services.kv_registry.config import RegistryConfig
 from kvmesh.services.kv_registry.service import registry_service
+from kvmesh.shared.bus.nats_connect import connect_nats
+from kvmesh.shared.bus.nats_request import request_json
 from kvmesh.shared.bus.nats_server import NatsServer
-from kvmesh.shared.bus.nats_service import connect_nats, request_json
 from support.registry_peers import peer_decode, wait_for
 
 from kvmesh.commands.admin import render_status, table

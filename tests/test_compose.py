@@ -152,7 +152,7 @@ def probe_url(svc: dict[str, Any]) -> str:
 
 def test_every_service_has_a_healthcheck_on_what_it_serves() -> None:
     """NATS's JetStream health, each worker's metrics port (served as its last start-up step:
-    shared/bus/nats_service.open_for_requests), the router's /health, Prometheus's readiness."""
+    shared/bus/nats_request.open_for_requests), the router's /health, Prometheus's readiness."""
     services = compose()["services"]
     assert probe_url(services["nats"]) == "http://127.0.0.1:8222/healthz?js-enabled-only=true"
     assert probe_url(services["router"]) == "http://127.0.0.1:8000/health"

@@ -19,7 +19,7 @@ import orjson
 import pytest
 from kvmesh.services.prefill_queue.keeper import ensure_queue
 from kvmesh.shared.bus.nats_auth import ROLES, MeshCredentials
-from kvmesh.shared.bus.nats_service import connect_nats, flush_to_server
+from kvmesh.shared.bus.nats_connect import connect_nats, flush_to_server
 from kvmesh.shared.bus.prefill_job_stream import DURABLE, publish_job, stream_config
 from kvmesh.shared.config.subjects import Subjects
 from support.nats_mesh import mesh_server_fixtures

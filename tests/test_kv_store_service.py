@@ -31,7 +31,7 @@ from kvmesh.shared.bus.messages.kv_store import (
     StoreSolicit,
 )
 from kvmesh.shared.bus.messages.workers import WorkerGone
-from kvmesh.shared.bus.nats_service import connect_nats
+from kvmesh.shared.bus.nats_connect import connect_nats
 from kvmesh.shared.bus.store_solicit import store_adverts_solicited
 from kvmesh.shared.config.subjects import Subjects
 from kvmesh.shared.kv.kv_block_header import token_digests

@@ -20,7 +20,8 @@ from kvmesh.services.kv_registry.service import registry_service
 from kvmesh.shared.bus.liveness import LivenessBeacon
 from kvmesh.shared.bus.messages.codec import decode_message
 from kvmesh.shared.bus.messages.workers import WorkerGone, WorkerHeartbeat
-from kvmesh.shared.bus.nats_service import connect_nats, request_json
+from kvmesh.shared.bus.nats_connect import connect_nats
+from kvmesh.shared.bus.nats_request import request_json
 from kvmesh.shared.config.subjects import DEFAULT_MESH, Subjects
 from kvmesh.shared.config.worker_config import ServiceConfig
 from nats.aio.client import Client

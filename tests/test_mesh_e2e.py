@@ -23,7 +23,7 @@ import orjson
 import pytest
 from kvmesh.shared.bus.messages.codec import decode_message
 from kvmesh.shared.bus.messages.prefill_jobs import PrefillJob
-from kvmesh.shared.bus.nats_service import connect_nats, flush_to_server
+from kvmesh.shared.bus.nats_connect import connect_nats, flush_to_server
 from kvmesh.shared.config.subjects import DEFAULT_MESH, Subjects
 from support.mesh_checks import check_blocks_returned, check_equals_offline, load
 

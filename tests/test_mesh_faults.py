@@ -52,7 +52,7 @@ async def _load_then_kill(launcher, prompts, victim: str, delay_s: float):
     one yet, and then nothing of it is left to run again."""
     from kvmesh.shared.bus.messages.codec import decode_message
     from kvmesh.shared.bus.messages.prefill_jobs import PrefillStarted
-    from kvmesh.shared.bus.nats_service import connect_nats
+    from kvmesh.shared.bus.nats_connect import connect_nats
     from kvmesh.shared.config.subjects import Subjects
 
     took_job = asyncio.Event()

@@ -100,7 +100,7 @@ async def test_admin_addresses_one_mesh_and_registry_refuses_another_model(two_m
     from kvmesh.shared.bus.admin_client import admin_client
     from kvmesh.shared.bus.messages.codec import decode_message, encode_message
     from kvmesh.shared.bus.messages.placement import PlaceReply, PlaceRequest
-    from kvmesh.shared.bus.nats_service import connect_nats
+    from kvmesh.shared.bus.nats_connect import connect_nats
     from kvmesh.shared.config.subjects import Subjects
     from kvmesh.shared.text.sampling import SamplingOptions
 

@@ -62,7 +62,7 @@ def mesh():
 @contextlib.asynccontextmanager
 async def _listening(launcher, role: str = "admin") -> AsyncIterator[tuple]:
     """A connection as ``role`` (the mesh's user of it) and the WorkerGones it hears."""
-    from kvmesh.shared.bus.nats_service import connect_nats, flush_to_server
+    from kvmesh.shared.bus.nats_connect import connect_nats, flush_to_server
     from kvmesh.shared.config.subjects import Subjects
 
     auth = launcher.nats_auth if role == "admin" else launcher.credentials.auth(role)

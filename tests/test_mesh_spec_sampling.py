@@ -31,7 +31,7 @@ import torch
 from kvmesh.loadgen.bench_spec import spec_counters, spec_mesh
 from kvmesh.shared.bus.messages.codec import decode_message, encode_message
 from kvmesh.shared.bus.messages.drafts import DraftContext, DraftProposal
-from kvmesh.shared.bus.nats_service import connect_nats, flush_to_server
+from kvmesh.shared.bus.nats_connect import connect_nats, flush_to_server
 from kvmesh.shared.config.subjects import DRAFT_QUEUE_GROUP, Subjects
 from kvmesh.shared.engine.sampler import apply_top_k_top_p
 from test_speculative_acceptance import chi2_sf

@@ -10,7 +10,7 @@ import asyncio
 import pytest
 from kvmesh.shared.bus.messages.codec import encode_message
 from kvmesh.shared.bus.messages.token_streams import TokenEvent
-from kvmesh.shared.bus.nats_service import connect_nats, flush_to_server
+from kvmesh.shared.bus.nats_connect import connect_nats, flush_to_server
 from kvmesh.shared.bus.wire_ids import attempt_of
 from kvmesh.shared.config.subjects import Subjects
 

@@ -11,7 +11,8 @@ import pytest
 from kvmesh.shared.bus.message_guard import MessageGuard, guard_of, is_inbox
 from kvmesh.shared.bus.messages.codec import encode_message
 from kvmesh.shared.bus.messages.token_streams import Abort
-from kvmesh.shared.bus.nats_service import flush_to_server, subscriptions
+from kvmesh.shared.bus.nats_connect import flush_to_server
+from kvmesh.shared.bus.nats_subscribe import subscriptions
 from kvmesh.shared.obs.metric_set import MetricSet
 
 

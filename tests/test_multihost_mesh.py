@@ -20,7 +20,7 @@ import nats.errors
 import nats.js.errors
 import pytest
 from kvmesh.shared.bus.admin_client import AdminError, admin_client
-from kvmesh.shared.bus.nats_service import connect_nats
+from kvmesh.shared.bus.nats_connect import connect_nats
 from kvmesh.shared.config.subjects import Subjects
 from support.netns_harness import netns_mesh_or_skip
 

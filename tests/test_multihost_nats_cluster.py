@@ -11,8 +11,8 @@ from collections.abc import Iterator
 import pytest
 from kvmesh.services.prefill_queue.keeper import ensure_queue
 from kvmesh.shared.bus import prefill_job_stream
+from kvmesh.shared.bus.nats_connect import connect_nats
 from kvmesh.shared.bus.nats_server import ClusterSpec, NatsServer
-from kvmesh.shared.bus.nats_service import connect_nats
 from kvmesh.shared.config.nats_options import redact_url, split_nats_urls
 from kvmesh.shared.config.ports import free_port
 from kvmesh.shared.config.subjects import Subjects

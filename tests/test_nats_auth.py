@@ -16,7 +16,7 @@ from kvmesh.shared.bus.nats_auth import (
     auth_from_env,
     role_permissions,
 )
-from kvmesh.shared.bus.nats_service import NatsUnavailableError, connect_nats, flush_to_server
+from kvmesh.shared.bus.nats_connect import NatsUnavailableError, connect_nats, flush_to_server
 from kvmesh.shared.bus.prefill_job_stream import publish_job
 from kvmesh.shared.config.subjects import Subjects
 from support.nats_mesh import mesh_server_fixtures

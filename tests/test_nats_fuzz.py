@@ -17,7 +17,7 @@ import random
 import aiohttp
 import pytest
 from kvmesh.loadgen import prom_text
-from kvmesh.shared.bus.nats_service import connect_nats
+from kvmesh.shared.bus.nats_connect import connect_nats
 from support.nats_fuzz import bodies, targets
 
 from kvmesh.testing.mesh import complete, launched, mesh_config

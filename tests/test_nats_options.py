@@ -18,8 +18,8 @@ import pytest
 from kvmesh.services.kv_registry.config import RegistryConfig
 from kvmesh.services.kv_registry.service import registry_service
 from kvmesh.shared.bus.admin_client import admin_client
+from kvmesh.shared.bus.nats_connect import NatsUnavailableError, connect_nats
 from kvmesh.shared.bus.nats_server import NatsServer
-from kvmesh.shared.bus.nats_service import NatsUnavailableError, connect_nats
 from kvmesh.shared.config.nats_options import (
     NatsOptionsError,
     NatsSecurity,

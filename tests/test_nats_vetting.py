@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 from kvmesh.shared.bus.nats_auth import ADMIN, USER_ENV, MeshCredentials
+from kvmesh.shared.bus.nats_connect import NatsUnavailableError, connect_nats
 from kvmesh.shared.bus.nats_server import NatsServer
-from kvmesh.shared.bus.nats_service import NatsUnavailableError, connect_nats
 from kvmesh.shared.bus.nats_vetting import (
     NatsVettingError,
     _endpoint,

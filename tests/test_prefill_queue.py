@@ -13,7 +13,7 @@ import nats.js.api
 import nats.js.errors
 import pytest
 from kvmesh.services.prefill_queue.keeper import ensure_queue
-from kvmesh.shared.bus.nats_service import connect_nats
+from kvmesh.shared.bus.nats_connect import connect_nats
 from kvmesh.shared.bus.prefill_job_stream import PrefillJobQueue, publish_job, queue_depth
 from kvmesh.shared.config.subjects import Subjects
 

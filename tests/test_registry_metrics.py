@@ -9,7 +9,7 @@ from kvmesh.services.kv_registry.config import RegistryConfig
 from kvmesh.services.kv_registry.service import registry_service
 from kvmesh.shared.bus.messages.codec import decode_message, encode_message
 from kvmesh.shared.bus.messages.placement import PlaceReply, PlaceRequest
-from kvmesh.shared.bus.nats_service import connect_nats
+from kvmesh.shared.bus.nats_connect import connect_nats
 from kvmesh.shared.config.subjects import DEFAULT_MESH, Subjects
 from kvmesh.shared.text.sampling import SamplingOptions
 from support.registry_peers import peer_decode, wait_for

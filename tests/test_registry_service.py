@@ -31,13 +31,9 @@ from kvmesh.shared.bus.messages.codec import decode_message, encode_message
 from kvmesh.shared.bus.messages.placement import PlaceReply, PlaceRequest
 from kvmesh.shared.bus.messages.prefill_jobs import PrefillDone
 from kvmesh.shared.bus.messages.workers import LogLevel, WorkerHeartbeat
-from kvmesh.shared.bus.nats_service import (
-    NatsUnavailableError,
-    connect_nats,
-    flush_to_server,
-    heartbeat_loop,
-    request_json,
-)
+from kvmesh.shared.bus.nats_connect import NatsUnavailableError, connect_nats, flush_to_server
+from kvmesh.shared.bus.nats_request import request_json
+from kvmesh.shared.bus.worker_presence import heartbeat_loop
 from kvmesh.shared.config.ports import free_port
 from kvmesh.shared.config.subjects import DEFAULT_MESH, Subjects
 from kvmesh.shared.obs import logs

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import msgspec
 from kvmesh.services.router.pool_capacity import PoolCapacity
 from kvmesh.shared.bus.messages.codec import encode_message
-from kvmesh.shared.bus.nats_service import connect_nats, flush_to_server
+from kvmesh.shared.bus.nats_connect import connect_nats, flush_to_server
 from kvmesh.shared.config.subjects import DEFAULT_MESH, Subjects
 from kvmesh.shared.model.identity import model_spec
 from kvmesh.shared.model.tiny import tiny_config

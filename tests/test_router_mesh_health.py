@@ -62,7 +62,7 @@ async def test_request_needing_prefill_fails_fast_when_prefill_queue_missing(nat
 
 async def test_health_is_ok_again_once_the_missing_prefill_queue_is_made(nats_server):
     from kvmesh.services.prefill_queue.keeper import ensure_queue
-    from kvmesh.shared.bus.nats_service import connect_nats
+    from kvmesh.shared.bus.nats_connect import connect_nats
 
     mesh = FakeMesh(nats_server, make_queue=False)
     async with mesh_and_router(mesh, worker_liveness_s=0.5) as (_, http):

@@ -18,7 +18,7 @@ from kvmesh.services.router.openapi import openapi_document
 from kvmesh.services.router.service import serve_router
 from kvmesh.shared.bus.messages.codec import encode_message
 from kvmesh.shared.bus.messages.workers import WorkerGone
-from kvmesh.shared.bus.nats_service import flush_to_server
+from kvmesh.shared.bus.nats_connect import flush_to_server
 from kvmesh.shared.config.subjects import DEFAULT_MESH, Subjects
 from kvmesh.shared.model.tiny import tiny_tokenizer
 from support.router_fake_mesh import REPLY_TEXT, FakeMesh
@@ -406,7 +406,7 @@ async def test_models_health_openapi_and_unknown_route(nats_server):
 
 
 async def _announce_gone(nats_url: str, worker_id: str, role: str = "decode") -> None:
-    from kvmesh.shared.bus.nats_service import connect_nats
+    from kvmesh.shared.bus.nats_connect import connect_nats
 
     async with connect_nats(nats_url, "registry-stand-in") as nc:
         gone = WorkerGone(worker_id, role, last_seen_s=3.0)

@@ -8,7 +8,8 @@ from __future__ import annotations
 import logging
 
 from kvmesh.services.kv_registry.service import registry_service
-from kvmesh.shared.bus.nats_service import connect_nats, flush_to_server, log_level_control
+from kvmesh.shared.bus.nats_connect import connect_nats, flush_to_server
+from kvmesh.shared.bus.worker_presence import log_level_control
 from kvmesh.shared.config.subjects import DEFAULT_MESH, Subjects
 from kvmesh.shared.obs import logs
 from support.registry_peers import wait_for
@@ -48,7 +49,7 @@ def test_the_config_is_logged_at_debug_and_start_up_lines_stay_short(monkeypatch
 
 async def test_a_log_level_change_is_logged_once_naming_the_registry(nats_server):
     subjects = Subjects(DEFAULT_MESH)
-    names = ("kvmesh.services.kv_registry.admin", "kvmesh.shared.bus.nats_service")
+    names = ("kvmesh.services.kv_registry.admin", "kvmesh.shared.bus.worker_presence")
     with captured(*names) as log:
         async with (
             registry_service(config(nats_server, worker_id="reg-1")),

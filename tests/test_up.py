@@ -14,7 +14,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from kvmesh.shared.bus.nats_service import flush_to_server
+from kvmesh.shared.bus.nats_connect import flush_to_server
 from kvmesh.shared.config.ports import free_port
 from kvmesh.shared.config.service_config import ConfigError, config_from_args
 from nats.aio.msg import Msg
@@ -348,8 +348,8 @@ def test_nats_is_reachable_only_where_a_nats_server_speaks(nats_server: str) -> 
 async def test_connection_survives_a_nats_server_restart_on_the_same_port() -> None:
     import asyncio
 
+    from kvmesh.shared.bus.nats_connect import connect_nats
     from kvmesh.shared.bus.nats_server import NatsServer
-    from kvmesh.shared.bus.nats_service import connect_nats
 
     server = NatsServer()
     await asyncio.to_thread(server.start)
@@ -475,7 +475,7 @@ async def _beating(
 ) -> None:
     from kvmesh.shared.bus.messages.codec import encode_message
     from kvmesh.shared.bus.messages.workers import WorkerHeartbeat
-    from kvmesh.shared.bus.nats_service import connect_nats
+    from kvmesh.shared.bus.nats_connect import connect_nats
     from kvmesh.shared.config.subjects import Subjects
 
     subjects = Subjects(mesh)

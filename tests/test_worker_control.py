@@ -11,7 +11,7 @@ import time
 import nats.micro
 from kvmesh.shared.bus.messages.codec import decode_message, encode_message
 from kvmesh.shared.bus.messages.workers import WorkerControl, WorkerHeartbeat
-from kvmesh.shared.bus.nats_service import connect_nats, flush_to_server
+from kvmesh.shared.bus.nats_connect import connect_nats, flush_to_server
 from kvmesh.shared.bus.worker_shell import control_endpoint
 from kvmesh.shared.config.subjects import Subjects
 

@@ -72,7 +72,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _admin(args: argparse.Namespace) -> int:
     from kvmesh.shared.bus.admin_client import AdminError
-    from kvmesh.shared.bus.nats_service import NatsUnavailableError
+    from kvmesh.shared.bus.nats_connect import NatsUnavailableError
     from kvmesh.shared.bus.prefill_job_stream import PrefillQueueError
     from kvmesh.shared.obs import logs
 

@@ -138,7 +138,7 @@ class Launcher:
 
     def _make_prefill_queue(self) -> None:
         from kvmesh.commands.queue_setup import make_prefill_queue
-        from kvmesh.shared.bus.nats_service import NatsUnavailableError
+        from kvmesh.shared.bus.nats_connect import NatsUnavailableError
         from kvmesh.shared.bus.prefill_job_stream import PrefillQueueError
 
         try:
@@ -212,7 +212,7 @@ class Launcher:
     def _check_mesh_absent(self, url: str) -> None:
         """Join the NATS at ``url`` unless this mesh already runs there: its workers would count
         as ours, and ours would take its requests. Other meshes there are no concern."""
-        from kvmesh.shared.bus.nats_service import NatsUnavailableError
+        from kvmesh.shared.bus.nats_connect import NatsUnavailableError
 
         self.nats_url = url
         try:

@@ -15,7 +15,7 @@ import nats.js.errors
 
 from kvmesh.services.prefill_queue.keeper import QueueState, ensure_queue
 from kvmesh.shared.bus.nats_auth import NatsAuth
-from kvmesh.shared.bus.nats_service import connect_nats
+from kvmesh.shared.bus.nats_connect import connect_nats
 from kvmesh.shared.bus.prefill_job_stream import JetStreamUnavailableError, PrefillQueueError
 from kvmesh.shared.config.nats_options import NatsSecurity
 from kvmesh.shared.config.subjects import Subjects

@@ -162,7 +162,7 @@ def frozen_heap() -> Iterator[None]:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from kvmesh.shared.bus.nats_service import NatsUnavailableError
+    from kvmesh.shared.bus.nats_connect import NatsUnavailableError
     from kvmesh.shared.bus.prefill_job_stream import PrefillQueueError
     from kvmesh.shared.config.nats_options import redact_url
     from kvmesh.shared.config.open_files import raise_open_file_limit

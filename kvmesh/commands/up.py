@@ -34,7 +34,7 @@ from kvmesh.shared.config.service_config import (
 
 
 async def run_up(launcher: Launcher) -> int:
-    from kvmesh.shared.bus.nats_service import serve_until_signal
+    from kvmesh.shared.bus.service_lifetime import serve_until_signal
 
     stop = asyncio.Event()
 

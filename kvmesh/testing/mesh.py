@@ -150,7 +150,7 @@ class MeshTap:
         from kvmesh.shared.bus.messages.codec import decode_message
         from kvmesh.shared.bus.messages.prefill_jobs import PrefillDone, PrefillReport
         from kvmesh.shared.bus.messages.token_streams import TokenEvent
-        from kvmesh.shared.bus.nats_service import connect_nats, flush_to_server
+        from kvmesh.shared.bus.nats_connect import connect_nats, flush_to_server
         from kvmesh.shared.config.subjects import Subjects
 
         self._stack = contextlib.AsyncExitStack()

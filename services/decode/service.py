@@ -44,14 +44,10 @@ from kvmesh.shared.bus.messages.placement import LeaseCancel, LeaseRenew, Reserv
 from kvmesh.shared.bus.messages.prefill_jobs import PrefillDone, PrefillStarted
 from kvmesh.shared.bus.messages.token_streams import Abort, StreamResume, TokenEvent
 from kvmesh.shared.bus.messages.workers import DecodeAdvert, WorkerGone, WorkerHeartbeat
-from kvmesh.shared.bus.nats_service import (
-    background,
-    connect_nats,
-    heartbeat_loop,
-    new_worker_id,
-    serve_until_signal,
-)
+from kvmesh.shared.bus.nats_connect import connect_nats
+from kvmesh.shared.bus.service_lifetime import background, serve_until_signal
 from kvmesh.shared.bus.store_solicit import store_adverts_solicited
+from kvmesh.shared.bus.worker_presence import heartbeat_loop, new_worker_id
 from kvmesh.shared.bus.worker_shell import WorkerShell, serve_worker
 from kvmesh.shared.engine.llm_engine import LLMEngine
 from kvmesh.shared.model.config import parse_dtype

@@ -25,7 +25,7 @@ from kvmesh.shared.bus.messages.token_streams import (
     StreamResume,
     TokenEvent,
 )
-from kvmesh.shared.bus.nats_service import guarded_subscribe
+from kvmesh.shared.bus.nats_subscribe import guarded_subscribe
 from kvmesh.shared.config.subjects import Subjects
 from kvmesh.shared.obs import logs
 from nats.aio.client import Client

@@ -39,13 +39,10 @@ from kvmesh.shared.bus.messages.drafts import (
 from kvmesh.shared.bus.messages.prefill_jobs import PrefillDone
 from kvmesh.shared.bus.messages.token_streams import Abort
 from kvmesh.shared.bus.messages.workers import WorkerGone, WorkerHeartbeat
-from kvmesh.shared.bus.nats_service import (
-    connect_nats,
-    flush_to_server,
-    new_worker_id,
-    on_message,
-    serve_until_signal,
-)
+from kvmesh.shared.bus.nats_connect import connect_nats, flush_to_server
+from kvmesh.shared.bus.nats_subscribe import on_message
+from kvmesh.shared.bus.service_lifetime import serve_until_signal
+from kvmesh.shared.bus.worker_presence import new_worker_id
 from kvmesh.shared.bus.worker_shell import WorkerShell, serve_worker
 from kvmesh.shared.config.subjects import DRAFT_QUEUE_GROUP
 from kvmesh.shared.obs import logs

@@ -34,12 +34,10 @@ from kvmesh.shared.bus.messages.kv_store import StoreAdvert
 from kvmesh.shared.bus.messages.placement import LeaseRenew
 from kvmesh.shared.bus.messages.prefill_jobs import PrefillDone
 from kvmesh.shared.bus.messages.workers import DecodeAdvert, WorkerGone, WorkerHeartbeat
-from kvmesh.shared.bus.nats_service import (
-    connect_nats,
-    new_worker_id,
-    serve_until_signal,
-)
+from kvmesh.shared.bus.nats_connect import connect_nats
+from kvmesh.shared.bus.service_lifetime import serve_until_signal
 from kvmesh.shared.bus.store_solicit import store_adverts_solicited
+from kvmesh.shared.bus.worker_presence import new_worker_id
 from kvmesh.shared.bus.worker_shell import WorkerShell, serve_worker
 from kvmesh.shared.config.subjects import Subjects
 from kvmesh.shared.obs import logs

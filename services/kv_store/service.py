@@ -40,13 +40,10 @@ from kvmesh.shared.bus.messages.kv_store import (
     StoreSolicit,
 )
 from kvmesh.shared.bus.messages.workers import WorkerGone, WorkerHeartbeat
-from kvmesh.shared.bus.nats_service import (
-    connect_nats,
-    new_worker_id,
-    publish_every,
-    serve_until_signal,
-)
+from kvmesh.shared.bus.nats_connect import connect_nats
+from kvmesh.shared.bus.service_lifetime import serve_until_signal
 from kvmesh.shared.bus.store_solicit import SolicitLimiter
+from kvmesh.shared.bus.worker_presence import new_worker_id, publish_every
 from kvmesh.shared.bus.worker_shell import WorkerShell, serve_worker
 from kvmesh.shared.config.service_errors import ServiceStartError
 from kvmesh.shared.kv.kv_block_header import HEADER_BYTES

@@ -16,13 +16,10 @@ from kvmesh.services.prefill_queue.config import QueueKeeperConfig
 from kvmesh.services.prefill_queue.keeper import QueueState, ensure_queue, inspect_queue
 from kvmesh.services.prefill_queue.metrics import QueueKeeperMetrics
 from kvmesh.shared.bus.message_guard import guard_of
-from kvmesh.shared.bus.nats_service import (
-    background,
-    connect_nats,
-    new_worker_id,
-    serve_until_signal,
-)
+from kvmesh.shared.bus.nats_connect import connect_nats
 from kvmesh.shared.bus.prefill_job_stream import MISSING, JetStreamUnavailableError
+from kvmesh.shared.bus.service_lifetime import background, serve_until_signal
+from kvmesh.shared.bus.worker_presence import new_worker_id
 from kvmesh.shared.config.subjects import Subjects
 from kvmesh.shared.obs import logs
 from kvmesh.shared.obs.metrics_exporter import serve_metrics

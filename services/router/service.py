@@ -17,13 +17,10 @@ from kvmesh.services.router.model_info import load_model_info
 from kvmesh.shared.bus.hearing import Hearing
 from kvmesh.shared.bus.message_guard import guard_of
 from kvmesh.shared.bus.messages.workers import DecodeAdvert, WorkerGone, WorkerHeartbeat
-from kvmesh.shared.bus.nats_service import (
-    connect_nats,
-    new_worker_id,
-    serve_until_signal,
-    subscriptions,
-    worker_presence,
-)
+from kvmesh.shared.bus.nats_connect import connect_nats
+from kvmesh.shared.bus.nats_subscribe import subscriptions
+from kvmesh.shared.bus.service_lifetime import serve_until_signal
+from kvmesh.shared.bus.worker_presence import new_worker_id, worker_presence
 from kvmesh.shared.obs import logs
 
 log = logs.get_logger(__name__)

@@ -17,7 +17,8 @@ from kvmesh.shared.bus.messages.admin import (
 )
 from kvmesh.shared.bus.messages.codec import M
 from kvmesh.shared.bus.nats_auth import NatsAuth
-from kvmesh.shared.bus.nats_service import NatsUnavailableError, connect_nats, request_json
+from kvmesh.shared.bus.nats_connect import NatsUnavailableError, connect_nats
+from kvmesh.shared.bus.nats_request import request_json
 from kvmesh.shared.config.nats_options import NatsSecurity
 from kvmesh.shared.config.subjects import DEFAULT_MESH, Subjects
 from nats.aio.client import Client

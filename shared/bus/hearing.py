@@ -9,7 +9,7 @@ silent only from ``max(its last message, the reconnect)``, and a worker is dead 
 whole timeout of silence heard with the connection up.
 
 Pure, clock passed in: the service's NATS callbacks call ``on_disconnected`` and
-``on_reconnected`` (``shared/nats_service.connect_nats(hearing=...)``).
+``on_reconnected`` (``shared/bus/nats_connect.connect_nats(hearing=...)``).
 """
 
 from __future__ import annotations

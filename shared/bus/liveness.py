@@ -195,7 +195,7 @@ class LivenessBeacon:
         assert nc is not None
         await nc.publish(self.subject, encode_message(beat))
         self.beats += 1
-        if flush:  # twice, as nats_service.flush_to_server: the PUB is processed, not only sent
+        if flush:  # twice, as nats_connect.flush_to_server: the PUB is processed, not only sent
             await nc.flush()
             await nc.flush()
 

@@ -2,8 +2,8 @@
 
 A message is data from whoever may publish on a subject (a stray publisher, another version, a
 compromised role). Each subscription callback and each micro endpoint handler of a service is
-wrapped here (``shared/bus/nats_service.py`` does it for ``subscriptions``, ``open_for_requests``
-and ``guarded_subscribe``), and each task a handler spawns runs through ``spawn``:
+wrapped here (``subscriptions`` and ``guarded_subscribe`` in shared/bus/nats_subscribe.py,
+``open_for_requests`` in shared/bus/nats_request.py), and each task a handler spawns runs through ``spawn``:
 
 - a body over ``max_bytes`` is refused before it is decoded (``oversized``);
 - a body that does not decode as the route's message type is refused (``malformed``): the

@@ -5,7 +5,7 @@ A server anybody can connect to is anybody's: an unprivileged local user who sta
 mesh that joins it (issue 27). Two checks use the server's first line, its ``INFO`` (sent in the
 clear before any TLS or login): ``kvmesh up`` joins a server it did not start only when that
 server demands credentials (``vet_foreign_server``; ``--nats-insecure`` overrides), and a
-service given credentials refuses a server that asks for none (``shared/bus/nats_service.py``):
+service given credentials refuses a server that asks for none (``shared/bus/nats_connect.py``):
 such a server is not the one the credentials were made for. When the port is on this machine,
 the refusal says whose process holds it (``port_holder``: /proc/net/tcp and the holder's fds).
 
@@ -15,7 +15,7 @@ server whose end of this very connection belongs to this user or root on this ma
 (``connection_owner``, read from /proc/net/tcp after the TCP handshake and before CONNECT, so a
 listener swapped in between changes nothing), or one that proved itself by TLS, or, on a private
 network the operator vouches for, any (``--nats-trust-network``). ``vet_connection`` says which;
-``shared/bus/nats_service.py`` asks it before every CONNECT, reconnects included.
+``shared/bus/nats_connect.py`` asks it before every CONNECT, reconnects included.
 """
 
 from __future__ import annotations

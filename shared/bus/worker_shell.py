@@ -23,14 +23,12 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvmesh.shared.bus.nats_service import (
-    Handler,
-    RequestHandler,
+from kvmesh.shared.bus.nats_request import RequestHandler, open_for_requests
+from kvmesh.shared.bus.nats_subscribe import Handler, subscriptions
+from kvmesh.shared.bus.service_lifetime import background
+from kvmesh.shared.bus.worker_presence import (
     answer_worker_control,
-    background,
-    open_for_requests,
     read_worker_control,
-    subscriptions,
     worker_presence,
 )
 from kvmesh.shared.config.subjects import Subjects

@@ -14,7 +14,8 @@ import time
 from pathlib import Path
 
 from kvmesh.shared.bus.messages.workers import WorkerHeartbeat
-from kvmesh.shared.bus.nats_service import connect_nats, worker_presence
+from kvmesh.shared.bus.nats_connect import connect_nats
+from kvmesh.shared.bus.worker_presence import worker_presence
 from kvmesh.shared.config.subjects import DEFAULT_MESH, Subjects
 
 

@@ -18,7 +18,9 @@ from kvmesh.shared.bus.messages.codec import decode_message, encode_message
 from kvmesh.shared.bus.messages.placement import LeaseCancel, ReserveReply, ReserveRequest
 from kvmesh.shared.bus.messages.prefill_jobs import PrefillDone
 from kvmesh.shared.bus.messages.workers import DecodeAdvert, WorkerControl, WorkerHeartbeat
-from kvmesh.shared.bus.nats_service import background, connect_nats, flush_to_server, publish_every
+from kvmesh.shared.bus.nats_connect import connect_nats, flush_to_server
+from kvmesh.shared.bus.service_lifetime import background
+from kvmesh.shared.bus.worker_presence import publish_every
 from kvmesh.shared.config.subjects import DEFAULT_MESH, Subjects
 from kvmesh.shared.kv.descriptor import TcpBackend, TransportDescriptor
 from nats.aio.client import Client

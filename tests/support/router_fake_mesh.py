@@ -20,7 +20,7 @@ from kvmesh.shared.bus.messages.placement import LeaseRenew, PlaceReply, PlaceRe
 from kvmesh.shared.bus.messages.prefill_jobs import PrefillJob, PrefillReport
 from kvmesh.shared.bus.messages.token_streams import Abort, TokenEvent
 from kvmesh.shared.bus.messages.workers import WorkerHeartbeat
-from kvmesh.shared.bus.nats_service import connect_nats, flush_to_server
+from kvmesh.shared.bus.nats_connect import connect_nats, flush_to_server
 from kvmesh.shared.config.subjects import DEFAULT_MESH, Subjects
 from kvmesh.shared.kv.descriptor import TcpBackend, TransportDescriptor
 from kvmesh.shared.model.tiny import tiny_config
