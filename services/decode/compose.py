@@ -5,7 +5,7 @@ hook of its own module and one line here; ``worker.py`` does not change."""
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvmesh.services.decode.cache_reports import CacheReporter
@@ -16,7 +16,7 @@ from kvmesh.services.decode.speculation import Speculation
 from kvmesh.services.decode.step_hooks import StepHook
 from kvmesh.services.decode.store_puts import FinishedPuts
 from kvmesh.services.decode.swaps import Swaps
-from kvmesh.shared.engine.config import EngineConfig
+from kvmesh.shared.engine.config import EngineConfig, worker_engine_config
 from kvmesh.shared.engine.llm_engine import LLMEngine
 from kvmesh.shared.kv.kv_cache import KVCacheSpec
 from kvmesh.shared.mesh.kv_store_client import KvStoreClient
@@ -28,35 +28,20 @@ from nats.aio.client import Client
 
 
 def engine_config(config: DecodeConfig, model: Any) -> tuple[EngineConfig, KVCacheSpec]:
-    mc = model.config
     dtype = parse_dtype(config.dtype, "--dtype", next(model.parameters()).dtype)
-    sizing = EngineConfig(
-        num_blocks=config.num_blocks,
-        kv_cache_bytes=config.kv_cache_bytes,
-        kv_cache_dtype=config.kv_cache_dtype,
+    econf = worker_engine_config(
+        config,
+        dtype,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_num_batched_tokens_no_decode=config.max_num_batched_tokens_no_decode,
+        reserve_output_tokens=config.reserve_output_tokens,
     )
-    spec = KVCacheSpec(
-        mc.num_hidden_layers,
-        mc.num_key_value_heads,
-        mc.head_dim,
-        config.block_size,
-        sizing.kv_dtype(dtype),
-    )
-    return (
-        EngineConfig(
-            block_size=config.block_size,
-            num_blocks=sizing.resolve_num_blocks(spec.block_bytes),
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_num_batched_tokens_no_decode=config.max_num_batched_tokens_no_decode,
-            enable_prefix_caching=config.enable_prefix_caching,
-            device=config.device,
-            dtype=dtype,
-            reserve_output_tokens=config.reserve_output_tokens,
-            kv_cache_dtype=config.kv_cache_dtype,
-        ),
-        spec,
-    )
+    # the pool is sized here, for all the model's KV heads (a TP rank's share: tp_group.py), so
+    # that its memory can be allocated before the engine is made
+    spec = econf.pool_spec(model.config, dtype)
+    num_blocks = econf.resolve_num_blocks(spec.block_bytes)
+    return replace(econf, num_blocks=num_blocks, kv_cache_bytes=None), spec
 
 
 @dataclass(frozen=True, slots=True)

@@ -108,7 +108,7 @@ def build_drafter(config: DraftConfig, allocate: Callable[[int], Any] | None = N
     if config.method == "ngram":
         return NgramDrafter(config.drafted_shape, config.ngram_min, config.ngram_max)
     import torch
-    from kvmesh.shared.engine.config import EngineConfig
+    from kvmesh.shared.engine.config import worker_engine_config
     from kvmesh.shared.engine.llm_engine import LLMEngine
     from kvmesh.shared.model.config import parse_dtype
     from kvmesh.shared.model.loader import ModelLoadError, load_config_and_tokenizer, load_model
@@ -133,15 +133,8 @@ def build_drafter(config: DraftConfig, allocate: Callable[[int], Any] | None = N
                 )
     except ModelLoadError as exc:
         raise ServiceStartError(str(exc)) from None
-    econf = EngineConfig(
-        block_size=config.block_size,
-        num_blocks=config.num_blocks,
-        kv_cache_bytes=config.kv_cache_bytes,
-        kv_cache_dtype=config.kv_cache_dtype,
-        max_num_seqs=config.max_batch,
-        enable_prefix_caching=True,
-        device=config.device,
-        reserve_output_tokens=0,
+    econf = worker_engine_config(
+        config, None, max_num_seqs=config.max_batch, enable_prefix_caching=True
     )
     buffer = None
     if allocate is not None:

@@ -36,13 +36,8 @@ MAX_LEASE_S = 60.0  # nobody holds draft blocks longer than this unannounced
 def pool_bytes(model: Any, econf: Any) -> int:
     """Bytes of the KV pool LLMEngine makes for ``model`` under EngineConfig ``econf`` (to
     allocate it in transport memory first)."""
-    from kvmesh.shared.kv.kv_cache import KVCacheSpec
-
     mc = model.config
-    dtype = econf.kv_dtype(getattr(mc, "torch_dtype", None) or next(model.parameters()).dtype)
-    spec = KVCacheSpec(
-        mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, econf.block_size, dtype
-    )
+    spec = econf.pool_spec(mc, getattr(mc, "torch_dtype", None) or next(model.parameters()).dtype)
     return econf.resolve_num_blocks(spec.block_bytes) * spec.block_bytes
 
 

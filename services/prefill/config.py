@@ -112,16 +112,13 @@ class PrefillConfig(EngineWorkerConfig):
     ) -> EngineConfig:
         """An engine for this worker's jobs: its chunk budget and job slots (the target's, and
         the draft model's, so a prompt's draft chunks follow its target chunks step by step)."""
-        from kvmesh.shared.engine.config import EngineConfig
+        from kvmesh.shared.engine.config import worker_engine_config
 
-        return EngineConfig(
-            block_size=self.block_size,
-            num_blocks=num_blocks,
+        return worker_engine_config(
+            self,
+            dtype,
             kv_cache_bytes=kv_cache_bytes,
+            num_blocks=num_blocks,
             max_num_seqs=self.max_concurrent_jobs,
             max_num_batched_tokens=self.chunk_tokens,
-            enable_prefix_caching=self.enable_prefix_caching,
-            device=self.device,
-            dtype=dtype,
-            kv_cache_dtype=self.kv_cache_dtype,
         )

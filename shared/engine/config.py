@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
+from kvmesh.shared.kv.kv_cache import KVCacheSpec
+
+if TYPE_CHECKING:
+    from kvmesh.shared.config.worker_config import EngineWorkerConfig
 
 DEFAULT_KV_CACHE_BYTES = 256 * 1024 * 1024
 # "auto": the KV pool has the model's dtype (or EngineConfig.dtype); "int8": int8 with a scale per
@@ -102,6 +107,20 @@ class EngineConfig:
             return torch.int8
         return self.dtype or model_dtype
 
+    def pool_spec(
+        self, model_config: Any, model_dtype: torch.dtype, num_kv_heads: int | None = None
+    ) -> KVCacheSpec:
+        """The block layout of the KV pool for a model of ``model_config`` (its layers, KV heads,
+        head size) computing in ``model_dtype``; ``num_kv_heads``: the heads a tensor-parallel
+        rank holds (default: all)."""
+        return KVCacheSpec(
+            num_layers=model_config.num_hidden_layers,
+            num_kv_heads=model_config.num_key_value_heads if num_kv_heads is None else num_kv_heads,
+            head_dim=model_config.head_dim,
+            block_size=self.block_size,
+            dtype=self.kv_dtype(model_dtype),
+        )
+
     def resolve_num_blocks(self, block_bytes: int) -> int:
         if self.num_blocks is not None:
             return self.num_blocks
@@ -112,3 +131,22 @@ class EngineConfig:
                 f"kv_cache_bytes={num_bytes} is smaller than one KV block ({block_bytes} bytes)"
             )
         return num_blocks
+
+
+def worker_engine_config(
+    worker: EngineWorkerConfig, dtype: torch.dtype | None, **role: Any
+) -> EngineConfig:
+    """The engine of a worker (prefill, decode, draft), built one way: the pool (block size,
+    blocks or bytes, KV cache dtype), device and prefix caching from its config, ``dtype`` (None:
+    the model's), and ``role``: the fields its role sets or overrides (batch and chunk sizes, the
+    output reserve; a prefill worker's draft engine its own pool bytes)."""
+    fields: dict[str, Any] = {
+        "block_size": worker.block_size,
+        "num_blocks": worker.num_blocks,
+        "kv_cache_bytes": worker.kv_cache_bytes,
+        "kv_cache_dtype": worker.kv_cache_dtype,
+        "enable_prefix_caching": worker.enable_prefix_caching,
+        "device": worker.device,
+        "dtype": dtype,
+    }
+    return EngineConfig(**(fields | role))

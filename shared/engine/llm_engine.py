@@ -83,7 +83,7 @@ from kvmesh.shared.engine.sequence import (
 )
 from kvmesh.shared.engine.speculative import DraftVerifier, SpecStepStats, SpecTotals
 from kvmesh.shared.engine.step_rows import step_rows
-from kvmesh.shared.kv.kv_cache import KVCacheSpec, KVPool
+from kvmesh.shared.kv.kv_cache import KVPool
 from kvmesh.shared.kv.prefix_hash import layout_root
 from kvmesh.shared.model.identity import kv_spec_fingerprint
 from kvmesh.shared.model.tensor_parallel import kv_heads_held
@@ -113,14 +113,9 @@ class LLMEngine:
                 f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
                 f"{mc.max_position_embeddings}"
             )
-        dtype = config.kv_dtype(getattr(mc, "torch_dtype", None) or next(model.parameters()).dtype)
-        spec = KVCacheSpec(
-            num_layers=mc.num_hidden_layers,
-            num_kv_heads=kv_heads_held(model),  # this rank's share under tensor parallelism
-            head_dim=mc.head_dim,
-            block_size=config.block_size,
-            dtype=dtype,
-        )
+        model_dtype = getattr(mc, "torch_dtype", None) or next(model.parameters()).dtype
+        # this rank's share of the KV heads under tensor parallelism
+        spec = config.pool_spec(mc, model_dtype, kv_heads_held(model))
         num_blocks = config.resolve_num_blocks(spec.block_bytes)
         self.kv_pool = KVPool(spec, num_blocks, device=config.device, buffer=kv_buffer)
         # what DecodeAdvert.kv_spec says; it roots the prefix hash chain (shared/kv/prefix_hash.py)
