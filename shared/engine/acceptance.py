@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import torch
 from kvmesh.shared.engine.draft_tree import DraftTree
 from kvmesh.shared.engine.grammar import apply_bitmask
-from kvmesh.shared.engine.logit_options import RowHistory, apply_logit_options
-from kvmesh.shared.engine.sampler import draw, token_seed
+from kvmesh.shared.engine.logit_options import RowHistory
+from kvmesh.shared.engine.sampler import constrain, draw, token_seed
 from kvmesh.shared.text.sampling import SamplingOptions
 
 
@@ -51,15 +51,13 @@ def target_tokens(
     structured output's grammar per row (``grammar.tree_bitmask``)."""
     assert logits.shape[0] == len(output_indices), (logits.shape, len(output_indices))
     rows = [params] * len(output_indices)
-    raw = logits
-    if params.changes_logits:
-        assert histories is not None and len(histories) == len(rows)
-        logits = apply_logit_options(logits.float().cpu(), rows, histories, eos_token_ids)
-    if bitmask is not None:
-        logits = apply_bitmask(logits.float().cpu(), bitmask)
-        dead = torch.isneginf(logits).all(-1)  # as Sampler: the grammar wins over the options
-        if dead.any():
-            logits[dead] = apply_bitmask(raw.float().cpu(), bitmask)[dead]
+    logits = constrain(
+        logits,
+        rows,
+        lambda: histories or [],
+        eos_token_ids,
+        (lambda x: apply_bitmask(x, bitmask)) if bitmask is not None else None,
+    )
     if params.is_greedy:
         return logits.argmax(-1).tolist()
     x = logits.float().cpu()

@@ -9,11 +9,14 @@ do not depend on what else is in the batch. ``acceptance`` draws verification ro
 same ``draw``. A structured output's grammar masks what it forbids (``grammar``) before the draw.
 ``token_logprobs`` gives the chosen tokens' log-probabilities under the model (the
 raw logits' log-softmax, before any option, as vLLM's default ``raw_logprobs``). Whether a token
-ends its request is ``finish.finish_reason``'s business.
+ends its request is ``finish.finish_reason``'s business. ``constrain`` is the preamble that
+``Sampler`` and ``acceptance`` share: the options, then the grammar mask, the grammar winning
+where the two leave a row no token.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
 import torch
@@ -46,6 +49,32 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     probs = logits.softmax(-1)
     floor = probs.amax(-1, keepdim=True) * min_p.unsqueeze(1)
     return logits.masked_fill(probs < floor, float("-inf"))
+
+
+def constrain(
+    logits: torch.Tensor,
+    params: Seq[SamplingOptions],
+    histories: Callable[[], Seq[RowHistory]],
+    eos_token_ids: frozenset[int],
+    mask: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """The preamble of every draw (``Sampler``, ``acceptance.target_tokens``): ``logits`` (N, V)
+    with the options that act on logits applied (``logit_options``, over ``histories()``: what
+    precedes each row's token, asked for only when an option needs it), then ``mask``, a
+    structured output's grammar (what it forbids goes to -inf). Where the two leave a row no
+    token (the options masked all the grammar allows: EOS under min_tokens) the grammar wins: that
+    row is the raw logits masked. ``logits`` itself when neither applies."""
+    raw = logits
+    if any(p.changes_logits for p in params):
+        rows = histories()
+        assert len(rows) == len(params), (len(rows), len(params))
+        logits = apply_logit_options(logits.float().cpu(), params, rows, eos_token_ids)
+    if mask is not None:
+        logits = mask(logits.float().cpu())
+        dead = torch.isneginf(logits).all(-1)
+        if dead.any():
+            logits[dead] = mask(raw.float().cpu())[dead]
+    return logits
 
 
 def draw(x: torch.Tensor, params: Seq[SamplingOptions], noise: torch.Tensor) -> list[int]:
@@ -102,19 +131,14 @@ class Sampler:
         """logits: (N, V) float32, one row per sequence. Returns N token ids."""
         assert logits.shape[0] == len(seqs)
         params = [s.params for s in seqs]
-        raw = logits
-        if any(p.changes_logits for p in params):
-            histories = [RowHistory(s.prompt_ids, s.output_ids) for s in seqs]
-            logits = apply_logit_options(
-                logits.float().cpu(), params, histories, self.eos_token_ids
-            )
-        if any(s.grammar is not None for s in seqs):
-            grammars = [s.grammar for s in seqs]
-            logits = mask_rows(logits.float().cpu(), grammars)
-            # the grammar allows only what the options masked (EOS under min_tokens): it wins
-            dead = torch.isneginf(logits).all(-1)
-            if dead.any():
-                logits[dead] = mask_rows(raw.float().cpu(), grammars)[dead]
+        grammars = [s.grammar for s in seqs]
+        logits = constrain(
+            logits,
+            params,
+            lambda: [RowHistory(s.prompt_ids, s.output_ids) for s in seqs],
+            self.eos_token_ids,
+            (lambda x: mask_rows(x, grammars)) if any(g is not None for g in grammars) else None,
+        )
         if all(p.is_greedy for p in params):
             return logits.argmax(-1).tolist()
         x = logits.float().cpu()
