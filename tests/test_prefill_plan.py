@@ -239,6 +239,9 @@ class _RecordingHook(JobHook):
         assert self.lock.locked() or not locked, f"{name}: the engine lock is not held"
         self.calls.append(name)
 
+    def on_received(self, msg):
+        self._note("received")
+
     def admit(self, job, prompt):
         self._note("admit", locked=True)  # with the prompt in the engine
 
@@ -276,6 +279,7 @@ async def test_a_job_hook_sees_each_jobs_life_in_order_and_its_announcement_come
         result = await worker.prefill(prefill_job(worker, "r", prompt, region, range(4)))
     assert result.done.ok
     assert hook.calls == [
+        "received",
         "admit",
         "start",
         "chunk 0",
@@ -306,4 +310,4 @@ async def test_a_job_hook_hears_a_stopped_job_and_a_refused_one(tiny):
         hook.calls.clear()
         unknown = prefill_job(worker, "q", prompt, region, range(4), descriptor="nobody")
         refused = await worker.prefill(unknown)  # a decode worker it has no advert of
-        assert not refused.done.ok and hook.calls == ["finish ok=False"]
+        assert not refused.done.ok and hook.calls == ["received", "finish ok=False"]

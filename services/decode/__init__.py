@@ -7,7 +7,7 @@ CONFIG = DecodeConfig
 
 
 async def run(config: DecodeConfig) -> None:
-    from kvmesh.services.decode.service import run as run_service  # torch and the engine load here
+    from kvmesh.services.decode.serve import run as run_service  # torch and the engine load here
 
     await run_service(config)
 

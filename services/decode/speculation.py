@@ -4,23 +4,32 @@ Before each step it hands the worker the draft trees that continue their sequenc
 length (``DraftBook.drafts``); after it, it accounts the verification, forgets the finished
 sequences and queues the context deltas and DraftForgets that ``take_messages()`` hands the
 service to send. A step never waits for a draft: a sequence without a valid one decodes plainly.
-The service feeds it what arrives: proposals, draft workers gone.
+As a feature (shared/bus/worker_feature.py) it takes proposals on ``decode_draft(id)`` and
+hears of draft workers gone (``REGISTRY_WORKER_GONE``); its outbox is the queued contexts
+(``DRAFT_CONTEXT``, or ``draft_context(draft worker)`` once pinned) and DraftForgets.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from kvmesh.services.decode.drafts import DraftBook, Outgoing
 from kvmesh.services.decode.metrics import DecodeMetrics
 from kvmesh.services.decode.step_hooks import Step, StepHook, StepPlan
 from kvmesh.shared.bus.messages.drafts import DraftForget, DraftProposal
 from kvmesh.shared.bus.messages.prefill_jobs import PrefillDone
+from kvmesh.shared.bus.messages.workers import WorkerGone
+from kvmesh.shared.bus.worker_feature import Outbound, Route, Site
+from kvmesh.shared.config.subjects import Subjects
 from kvmesh.shared.engine.draft_tree import DraftTree, DraftTreeError
 from kvmesh.shared.engine.llm_engine import LLMEngine
 from kvmesh.shared.engine.sequence import Sequence
 from kvmesh.shared.obs import logs
+
+if TYPE_CHECKING:
+    from kvmesh.services.decode.compose import DecodeParts
 
 log = logs.get_logger(__name__)
 
@@ -49,6 +58,13 @@ class Speculation(StepHook):
         self.metrics = metrics
         self._clock = clock
         self._outbox: list[Outgoing | tuple[str, DraftForget]] = []
+
+    @classmethod
+    def compose(cls, parts: DecodeParts) -> Speculation | None:
+        """``--speculative``: drafts from the draft workers, verified by each step."""
+        if not parts.config.speculative:
+            return None
+        return cls(DraftBook(parts.worker_id), parts.metrics)
 
     # ---- the engine loop ------------------------------------------------------------------------
 
@@ -113,6 +129,36 @@ class Speculation(StepHook):
 
     def on_worker_gone(self, draft_worker_id: str) -> None:
         self.book.on_worker_gone(draft_worker_id)
+
+    async def _on_proposal(self, proposal: DraftProposal) -> None:
+        self.on_proposal(proposal)
+
+    async def _on_gone(self, gone: WorkerGone) -> None:
+        if gone.role == "draft":
+            self.on_worker_gone(gone.worker_id)
+
+    def routes(self, site: Site) -> tuple[Route, ...]:
+        subjects = site.subjects
+        return (
+            (subjects.decode_draft(site.worker_id), DraftProposal, self._on_proposal),
+            (subjects.REGISTRY_WORKER_GONE, WorkerGone, self._on_gone),
+        )
+
+    def outbox(self, subjects: Subjects) -> list[Outbound]:
+        """What the last steps queued, addressed: contexts to the queue group or their pinned
+        draft worker, DraftForgets to the worker that holds the sequence."""
+        out: list[Outbound] = []
+        for item in self.take_messages():
+            if isinstance(item, Outgoing):
+                worker = item.draft_worker_id
+                subject = (
+                    subjects.DRAFT_CONTEXT if worker is None else subjects.draft_context(worker)
+                )
+                out.append((subject, item.message))
+            else:
+                holder, forget = item
+                out.append((subjects.draft_forget(holder), forget))
+        return out
 
     def take_messages(self) -> list[Outgoing | tuple[str, DraftForget]]:
         """The draft messages the last steps queued: contexts (``Outgoing``) and

@@ -1,8 +1,8 @@
 """Step hooks: how a feature joins the decode worker's engine loop without the worker knowing it.
 
 The worker owns the engine, its lock and the loop: ``admit()`` between steps, then ``step()``.
-A feature (speculative decoding, kv-store puts, swaps) is a ``StepHook`` that the service shell
-composes into the worker from its config (``services/decode/service.py``). The worker calls each
+A feature (speculative decoding, kv-store puts, swaps) is a ``StepHook`` that the composition
+builds from the config (``services/decode/compose.py``). The worker calls each
 hook, in the order given, at fixed points, always holding the engine lock itself:
 
 - ``before_step(engine)``: what the hook wants the step to do. Today: draft trees to verify
@@ -17,8 +17,10 @@ hook, in the order given, at fixed points, always holding the engine lock itself
 
 Hooks never receive the lock in a call. The ones whose background work touches the pool later
 (a put pinning and unpinning blocks, a swap-in adopting them) are given the engine lock when the
-shell composes them, as their one way to touch the engine outside a step. A feature is added by
-writing its hook and adding it to the composition: ``worker.py`` does not change.
+shell composes them, as their one way to touch the engine outside a step. A ``StepHook`` is a
+``Feature`` (``shared/bus/worker_feature.py``): its subscriptions, messages, advert fields and
+``aclose`` are the shell's business. A feature is added by writing its hook in a module of its
+own and one line in ``compose.py``'s ``FEATURES``: ``worker.py`` and ``service.py`` do not change.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvmesh.shared.bus.messages.prefill_jobs import PrefillDone
+from kvmesh.shared.bus.worker_feature import Feature
 from kvmesh.shared.engine.draft_tree import DraftTree
 from kvmesh.shared.engine.llm_engine import LLMEngine
 from kvmesh.shared.engine.sequence import RequestOutput, Sequence
@@ -61,7 +64,7 @@ class Step:
         ]
 
 
-class StepHook:
+class StepHook(Feature):
     """A feature of the engine loop. Every method is optional: the base does nothing."""
 
     def before_step(self, engine: LLMEngine) -> StepPlan | None:
@@ -74,8 +77,4 @@ class StepHook:
         return None
 
     def on_admitted(self, request_id: str, done: PrefillDone) -> None:
-        return None
-
-    async def aclose(self) -> None:
-        """Wait for the background work still in flight (the service stops it last)."""
         return None

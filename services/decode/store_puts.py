@@ -11,29 +11,35 @@ worker (``step_hooks.py``): after each step it puts the requests that ended with
 from __future__ import annotations
 
 import asyncio
+from typing import TYPE_CHECKING
 
 from kvmesh.services.decode.step_hooks import Step, StepHook
-from kvmesh.shared.bus.messages.kv_store import StoreAdvert
 from kvmesh.shared.engine.llm_engine import LLMEngine
 from kvmesh.shared.mesh.kv_store_client import KvStoreClient, StoreBook
 from kvmesh.shared.mesh.kv_store_writer import StoreWriter
 
+if TYPE_CHECKING:
+    from kvmesh.services.decode.compose import DecodeParts
+
 
 class FinishedPuts(StepHook):
     def __init__(
-        self, engine: LLMEngine, client: KvStoreClient, kv_spec: str, lock: asyncio.Lock
+        self, engine: LLMEngine, client: KvStoreClient, stores: StoreBook, lock: asyncio.Lock
     ) -> None:
+        """``client``, ``stores``: the worker's kv-store link's (shared/mesh/store_link.py)."""
         self.engine = engine
         self.lock = lock  # the engine's: a put pins and unpins blocks under it
         self.client = client
-        self.kv_spec = kv_spec
-        self.stores = StoreBook(kv_spec, client.block_bytes)
+        self.kv_spec = stores.kv_spec
+        self.stores = stores
         self.writer = StoreWriter(
             client, self.stores, self.kv_spec, engine.block_manager, engine.kv_pool
         )
 
-    def on_advert(self, advert: StoreAdvert) -> None:
-        self.stores.note(advert)
+    @classmethod
+    def compose(cls, parts: DecodeParts) -> FinishedPuts | None:
+        link = parts.store_link()
+        return cls(parts.engine, link.client, link.stores, parts.lock) if link else None
 
     def after_step(self, engine: LLMEngine, step: Step) -> None:
         for out, seq in step.finished():
@@ -47,6 +53,5 @@ class FinishedPuts(StepHook):
             self.writer.put_later(token_ids[:-1], self.lock, cache_salt)
 
     async def aclose(self) -> None:
-        """Wait for the puts in flight (they pin pool blocks), then close the client."""
+        """Wait for the puts in flight (they pin pool blocks; the link closes the client)."""
         await self.writer.aclose()
-        await self.client.aclose()

@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Coroutine, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvmesh.services.decode.metrics import DecodeMetrics
 from kvmesh.services.decode.step_hooks import Step, StepHook
@@ -44,6 +44,9 @@ from kvmesh.shared.mesh.kv_store_client import (
 )
 from kvmesh.shared.mesh.kv_store_prefix import adopt_fetched, fetch_prefix
 from kvmesh.shared.obs import logs
+
+if TYPE_CHECKING:
+    from kvmesh.services.decode.compose import DecodeParts
 
 log = logs.get_logger(__name__)
 
@@ -120,6 +123,13 @@ class Swaps(StepHook):
         self.block_size = engine.kv_pool.spec.block_size
         self.swapped: dict[str, SwapOut] = {}
         self._puts: set[asyncio.Task[None]] = set()
+
+    @classmethod
+    def compose(cls, parts: DecodeParts) -> Swaps | None:
+        link = parts.store_link()
+        if link is None:
+            return None
+        return cls(parts.engine, link.client, link.stores, link.kv_spec, parts.metrics, parts.lock)
 
     def after_step(self, engine: LLMEngine, step: Step) -> None:
         if engine.scheduler.preempted:

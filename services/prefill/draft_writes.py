@@ -3,16 +3,19 @@ prompt's KV for a draft worker, best effort, never a job's failure. An early-exi
 takes the first layers of the target's own blocks (``DraftKvPlanner``); a model draft worker
 takes whole blocks that a draft model run beside the target computed (``--draft-model``:
 ``DraftBlockPlanner`` over the draft engine's pool, stepped after each target step). A job's
-reservation (``expect``: the service asks the draft workers for it) is never waited for: taken
-with the first chunk after it came, the chunks before it written then."""
+reservation (asked for when the job arrives, draft_reserve.py; ``expect``) is never waited for:
+taken with the first chunk after it came, the chunks before it written then; one the job wrote
+nothing into is given back when the job ends."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvmesh.services.prefill.draft_kv import DraftBlockPlanner, DraftKvPlanner
+from kvmesh.services.prefill.draft_reserve import DraftReservations, Reservation
 from kvmesh.services.prefill.job import STOP, Job
 from kvmesh.services.prefill.job_hooks import Announcement, JobHook
 from kvmesh.services.prefill.metrics import PrefillMetrics
@@ -26,9 +29,10 @@ from kvmesh.shared.text.sampling import SamplingOptions
 from kvmesh.shared.transport import Endpoint, MemoryRegion, TransportError, WriteEntry
 from kvmesh.shared.transport.endpoint_cache import EndpointCache
 
-log = logs.get_logger(__name__)
+if TYPE_CHECKING:
+    from kvmesh.services.prefill.compose import PrefillParts
 
-Reservation = asyncio.Future[DraftKvReserveReply | None]
+log = logs.get_logger(__name__)
 
 
 @dataclass(eq=False)
@@ -76,10 +80,12 @@ class DraftKv(JobHook):
         lock: asyncio.Lock,
         draft_engine: LLMEngine | None,
         draft_region: MemoryRegion | None,
+        reservations: DraftReservations | None = None,
     ) -> None:
         """``engine``/``region``: the target's (an early exit's blocks come from its pool);
         ``lock``: the engines' (the worker's); ``draft_engine``: the draft model, its pool
-        registered as ``draft_region`` (None: none here)."""
+        registered as ``draft_region`` (None: none here); ``reservations``: asks the draft
+        workers for each arriving job's blocks (None: the caller hands them in, ``expect``)."""
         self.engine = engine
         self.region = region
         self.endpoints = endpoints
@@ -94,6 +100,24 @@ class DraftKv(JobHook):
         self.draft_kv_spec = draft_engine.kv_spec if draft_engine is not None else ""
         self._expected: dict[str, Reservation] = {}  # by request id, until the job is admitted
         self._jobs: dict[str, DraftJob] = {}
+        self.reservations = reservations
+
+    @classmethod
+    def compose(cls, parts: PrefillParts) -> DraftKv | None:
+        """``--draft-kv``: each prompt's draft KV written into a draft worker."""
+        if not parts.config.draft_kv:
+            return None
+        draft_kv_spec = parts.draft_engine.kv_spec if parts.draft_engine is not None else ""
+        return cls(
+            parts.engine,
+            parts.region,
+            parts.endpoints,
+            parts.metrics,
+            parts.lock,
+            parts.draft_engine,
+            parts.draft_region,
+            DraftReservations(parts.nc, parts.config.subjects, parts.kv_spec, draft_kv_spec),
+        )
 
     def expect(self, msg: PrefillJob, reservation: Reservation) -> bool:
         """The draft worker's reservation for ``msg``'s prompt, asked for by the service before
@@ -106,6 +130,13 @@ class DraftKv(JobHook):
         return True
 
     # ---- JobHook -------------------------------------------------------------------------------
+
+    def on_received(self, msg: PrefillJob) -> None:
+        """Ask for a draft worker's blocks for a prompt of at least one full block."""
+        if self.reservations is not None and len(msg.prompt_ids) >= self.block_size:
+            reservation = self.reservations.ask(msg)
+            if not self.expect(msg, reservation):
+                self.reservations.release(msg, reservation)
 
     def admit(self, job: Job, prompt: list[int]) -> None:
         reservation = self._expected.pop(job.msg.request_id, None)
@@ -183,10 +214,14 @@ class DraftKv(JobHook):
 
     def finish(self, msg: PrefillJob, job: Job | None, ok: bool, error: str) -> Announcement | None:
         """What the draft worker is told when the job ended (``ok``/``error``: the job's): its
-        blocks wait for this (its lease id: the job's). None when nothing was written there."""
-        self._expected.pop(msg.request_id, None)
+        blocks wait for this (its lease id: the job's). None when nothing was written there: the
+        reservation is then given back."""
+        expected = self._expected.pop(msg.request_id, None)
         dj = self._jobs.pop(msg.request_id, None) if job is not None else None
         if dj is None or dj.writes is None:
+            reservation = dj.reservation if dj is not None else expected
+            if reservation is not None and self.reservations is not None:
+                self.reservations.release(msg, reservation)
             return None
         draft = dj.writes
         draft_ok = ok and draft.is_complete
@@ -202,6 +237,10 @@ class DraftKv(JobHook):
                 rkey=draft.reply.rkey,
             ),
         )
+
+    async def aclose(self) -> None:
+        if self.reservations is not None:
+            await self.reservations.aclose()
 
     # ---- the writes ----------------------------------------------------------------------------
 

@@ -1,7 +1,7 @@
 """How a feature joins the prefill worker: ``JobHook``, told of each job's life.
 
-The worker runs jobs (``PrefillWorker.prefill``) and steps its engine; a hook, composed in the
-service shell (``service.py``), is called at fixed points and never edits the worker:
+The worker runs jobs (``PrefillWorker.prefill``) and steps its engine; a hook, composed from the
+config (``compose.py``'s ``FEATURES``), is called at fixed points and never edits the worker:
 
 * ``on_received(msg)``: a job arrived (not a duplicate); before any wait of the worker's;
 * ``admit(job, prompt)``: the prompt is in the engine; called under the engine lock;
@@ -17,13 +17,16 @@ service shell (``service.py``), is called at fixed points and never edits the wo
   started; what to announce to another worker (``Announcement``), or None.
 
 Draft-KV writes (draft_writes.py) are the hook today. Every method has a no-op default, so a hook
-implements only what it uses.
+implements only what it uses. A ``JobHook`` is a ``Feature`` (shared/bus/worker_feature.py): its
+subscriptions, loops and ``aclose`` are the service shell's, which names none of them.
 """
 
 from __future__ import annotations
 
 import asyncio
 from typing import TYPE_CHECKING
+
+from kvmesh.shared.bus.worker_feature import Feature
 
 if TYPE_CHECKING:
     from kvmesh.services.prefill.job import Job
@@ -34,7 +37,7 @@ if TYPE_CHECKING:
 Announcement = tuple[str, "PrefillDone"]
 
 
-class JobHook:
+class JobHook(Feature):
     """A prefill feature; the worker calls these in the order the module docstring gives."""
 
     def on_received(self, msg: PrefillJob) -> None:

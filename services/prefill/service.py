@@ -4,10 +4,11 @@ Pulls ``PrefillJob``s from the JetStream work queue (kvmesh.shared.bus.prefill_j
 free slot (``max_concurrent_jobs``), so an idle peer takes the next job rather than a busy worker
 hoarding it; follows ``ABORT``; checks every job against its decode worker's ``DecodeAdvert``;
 publishes what the worker returns: ``PrefillStarted`` when it takes a job, ``PrefillDone`` and
-``PrefillReport`` when the job ends. With ``--draft-kv`` it asks a draft worker (early exit; or
-model, with ``--draft-model``, whose checkpoint this worker then runs too) to reserve blocks for
-each prompt's draft KV (``DRAFT_KV_RESERVE``) and announces those writes on
-``draft_kv_done(draft worker)`` before the decode worker's PrefillDone (docs/speculative.md).
+``PrefillReport`` when the job ends, after what a feature announces of the job (the draft KV's
+``draft_kv_done(draft worker)``: the draft worker has the KV before the decode's first context,
+docs/speculative.md). Its features (compose.py: the kv-store's prompt prefixes, draft KV) bring
+their own subscriptions and NATS traffic: the service names none of them
+(shared/bus/worker_feature.py).
 """
 
 from __future__ import annotations
@@ -20,11 +21,10 @@ from collections.abc import AsyncIterator
 
 import nats.errors
 import torch
+from kvmesh.services.prefill.compose import PrefillParts, compose_features
 from kvmesh.services.prefill.config import PrefillConfig
 from kvmesh.services.prefill.draft_engine import load_draft_engine
-from kvmesh.services.prefill.draft_writes import DraftKv
 from kvmesh.services.prefill.metrics import PrefillMetrics
-from kvmesh.services.prefill.store_prefix import StorePrefix
 from kvmesh.services.prefill.tp_group import (
     RankReports,
     TPWrites,
@@ -34,21 +34,18 @@ from kvmesh.services.prefill.tp_group import (
 from kvmesh.services.prefill.worker import PrefillResult, PrefillWorker
 from kvmesh.shared.bus.message_guard import guard_of
 from kvmesh.shared.bus.messages.codec import MessageError, decode_message, encode_message
-from kvmesh.shared.bus.messages.drafts import DraftKvReserve, DraftKvReserveReply
-from kvmesh.shared.bus.messages.kv_store import StoreAdvert
-from kvmesh.shared.bus.messages.prefill_jobs import PrefillDone, PrefillJob
+from kvmesh.shared.bus.messages.prefill_jobs import PrefillJob
 from kvmesh.shared.bus.messages.token_streams import Abort
 from kvmesh.shared.bus.messages.workers import DecodeAdvert, WorkerGone, WorkerHeartbeat
 from kvmesh.shared.bus.nats_connect import connect_nats
 from kvmesh.shared.bus.prefill_job_stream import PrefillJobQueue
 from kvmesh.shared.bus.service_lifetime import serve_until_signal
-from kvmesh.shared.bus.store_solicit import store_adverts_solicited
+from kvmesh.shared.bus.worker_feature import Features, Site
 from kvmesh.shared.bus.worker_presence import new_worker_id
 from kvmesh.shared.bus.worker_shell import WorkerShell, serve_worker
 from kvmesh.shared.config.subjects import Subjects
 from kvmesh.shared.engine.llm_engine import LLMEngine
 from kvmesh.shared.engine.tp_leader import LeaderEngine
-from kvmesh.shared.mesh.kv_store_client import KvStoreClient
 from kvmesh.shared.model.config import parse_dtype
 from kvmesh.shared.model.loader import load_model
 from kvmesh.shared.model.tensor_parallel import shard_model
@@ -60,9 +57,6 @@ from nats.aio.msg import Msg
 
 log = logs.get_logger(__name__)
 
-DRAFT_KV_TIMEOUT_S = 0.25  # a draft worker's answer to a prompt-KV reservation, at most
-DRAFT_KV_LEASE_S = 30.0  # its blocks wait this long for the prefill's announcement
-
 
 class PrefillService:
     def __init__(
@@ -71,12 +65,11 @@ class PrefillService:
         worker: PrefillWorker,
         nc: Client,
         tg: asyncio.TaskGroup,
-        draft_kv: DraftKv | None = None,
+        features: Features = Features(),
     ) -> None:
-        """``draft_kv``: the worker's draft-KV hook (--draft-kv), whose reservations this shell
-        asks the draft workers for."""
+        """``features``: the worker's (compose.py), closed when it stops."""
         self.config = config
-        self.draft_kv = draft_kv
+        self.features = features
         self.worker = worker
         self.nc = nc
         self.subjects: Subjects = config.subjects
@@ -155,60 +148,13 @@ class PrefillService:
         await self.nc.publish(self.subjects.request_prefill_started(job.request_id), started)
 
     async def _run_job(self, job: PrefillJob) -> None:
-        draft = None
         try:
             with logs.request_context(job.request_id):
-                kept = False
-                if self.draft_kv is not None and len(job.prompt_ids) >= self.config.block_size:
-                    draft = asyncio.ensure_future(self._reserve_draft_kv(job))
-                    kept = self.draft_kv.expect(job, draft)
                 result = await self.worker.prefill(job)
                 if result is not None:
                     await self._announce_result(job, result)
-                unused = not kept or result is None or result.draft_done is None
-                if draft is not None and unused:
-                    self._tg.create_task(self._release_draft_kv(job, draft))  # never waited for
         finally:
             self._slots.release()
-
-    async def _reserve_draft_kv(self, job: PrefillJob) -> DraftKvReserveReply | None:
-        """A draft worker's blocks for the prompt's draft KV; None when none answers in
-        ``DRAFT_KV_TIMEOUT_S`` (the job goes on without draft writes)."""
-        req = DraftKvReserve(
-            job.request_id,
-            job.lease_id,
-            job.prompt_ids,
-            self.worker.kv_spec,
-            lease_ms=int(DRAFT_KV_LEASE_S * 1000),
-            draft_kv_spec=self.draft_kv.draft_kv_spec if self.draft_kv is not None else "",
-        )
-        try:
-            msg = await self.nc.request(
-                self.subjects.DRAFT_KV_RESERVE, encode_message(req), timeout=DRAFT_KV_TIMEOUT_S
-            )
-            reply = decode_message(msg.data, DraftKvReserveReply)
-        except (nats.errors.Error, MessageError) as exc:  # no draft worker (or a slow one)
-            log.debug("no draft kv reservation", error=str(exc) or type(exc).__name__)
-            return None
-        if not reply.ok:
-            log.debug("draft kv reservation refused", error=reply.error)
-        return reply
-
-    async def _release_draft_kv(
-        self, job: PrefillJob, draft: asyncio.Future[DraftKvReserveReply | None]
-    ) -> None:
-        """A reservation the job never wrote into (refused or aborted before its first chunk):
-        its blocks go back now rather than when the lease runs out."""
-        reply = await draft
-        if reply is None or not reply.ok:
-            return
-        done = PrefillDone(
-            job.request_id, job.lease_id, False, error="not written", rkey=reply.rkey
-        )
-        with contextlib.suppress(nats.errors.Error):
-            await self.nc.publish(
-                self.subjects.draft_kv_done(reply.worker_id), encode_message(done)
-            )
 
     async def _announce_result(self, job: PrefillJob, result: PrefillResult) -> None:
         """``PrefillDone`` to the decode worker (its blocks wait for it), the report to the
@@ -260,10 +206,6 @@ class PrefillService:
     async def on_advert(self, advert: DecodeAdvert) -> None:
         self.worker.adverts.note(advert)
 
-    async def on_store_advert(self, advert: StoreAdvert) -> None:
-        if self.worker.store is not None:
-            self.worker.store.on_advert(advert)
-
 
 @contextlib.asynccontextmanager
 async def prefill_service(config: PrefillConfig) -> AsyncIterator[PrefillService]:
@@ -309,17 +251,13 @@ async def prefill_service(config: PrefillConfig) -> AsyncIterator[PrefillService
         if draft_engine is not None:  # the draft KV's source, a second region
             draft_region = transport.register(draft_engine.kv_pool.raw)
         kv_spec = engine.kv_spec if tp_group is None else TPWrites.kv_spec(engine)
-        store = None
-        if config.use_kv_store and config.enable_prefix_caching and tp_group is None:
-            client = KvStoreClient.for_pool(
-                nc, config.subjects, transport, engine.kv_pool, region, worker_id
-            )
-            store = StorePrefix(engine, client, kv_spec)
         metrics = PrefillMetrics()
         lock = asyncio.Lock()  # the engines': the worker's, and the draft KV hook's
-        draft_kv = None
-        if config.draft_kv:  # a hook of the worker's (job_hooks.py)
-            draft_kv = DraftKv(engine, region, endpoints, metrics, lock, draft_engine, draft_region)
+        parts = PrefillParts(
+            config, engine, worker_id, kv_spec, nc, transport, region, endpoints, metrics, lock,
+            draft_engine, draft_region, is_tp=tp_group is not None,
+        )  # fmt: skip
+        features = compose_features(parts)
         worker = PrefillWorker(
             engine,
             region,
@@ -328,18 +266,19 @@ async def prefill_service(config: PrefillConfig) -> AsyncIterator[PrefillService
             kv_spec=kv_spec,
             abort_memory_s=config.abort_memory_s,
             metrics=metrics,
-            store=store,
-            hooks=[draft_kv] if draft_kv is not None else [],
+            store=features.store,
+            hooks=features.hooks,
             lock=lock,
             loan=loan,
             grammar_compile_timeout_s=config.grammar_compile_timeout_s,
             tp=tp_writes,
         )
+        site = Site(nc, subjects, worker_id)
         loops = (worker.run, lambda: service.pull_loop(queue))
         if tp_group is not None:  # a rank that exits takes the worker down
             loops += (tp_group.watch, lambda: tp_group.relay(reports))
         async with asyncio.TaskGroup() as tg:
-            service = PrefillService(config, worker, nc, tg, draft_kv)
+            service = PrefillService(config, worker, nc, tg, features.features)
             queue = PrefillJobQueue(nc, subjects)
             shell = WorkerShell(
                 role="prefill",
@@ -353,17 +292,10 @@ async def prefill_service(config: PrefillConfig) -> AsyncIterator[PrefillService
                     (subjects.ABORT, Abort, service.on_abort),
                     (subjects.REGISTRY_WORKER_GONE, WorkerGone, service.on_worker_gone),
                     (subjects.REGISTRY_ADVERTISE, DecodeAdvert, service.on_advert),
-                    (subjects.REGISTRY_STORE_ADVERTISE, StoreAdvert, service.on_store_advert),
+                    *service.features.routes(site),
                 ),
-                contexts=(
-                    (
-                        store_adverts_solicited(nc, subjects, worker_id)
-                        if store is not None
-                        else contextlib.nullcontext()
-                    ),
-                    queue,
-                ),
-                loops=loops,
+                contexts=(*service.features.contexts(site), queue),
+                loops=(*loops, *service.features.loops(site)),
                 ready_fields={
                     "transport": config.transport,
                     "chunk_tokens": config.chunk_tokens,
@@ -375,8 +307,7 @@ async def prefill_service(config: PrefillConfig) -> AsyncIterator[PrefillService
                 yield service
                 await service.drain(timeout_s=config.drain_timeout_s)
                 worker.close()
-                if store is not None:
-                    await store.aclose()
+                await service.features.aclose()  # before the client closes
                 if tp_group is not None:
                     engine.close()
                     await asyncio.to_thread(tp_group.stop)

@@ -11,20 +11,25 @@ job. The engine lock is held only to allocate, adopt, pin and free blocks, never
 from __future__ import annotations
 
 import asyncio
+from typing import TYPE_CHECKING
 
-from kvmesh.shared.bus.messages.kv_store import StoreAdvert
+from kvmesh.shared.bus.worker_feature import Feature
 from kvmesh.shared.engine.llm_engine import LLMEngine
 from kvmesh.shared.mesh.kv_store_client import KvStoreClient, StoreBook
 from kvmesh.shared.mesh.kv_store_prefix import Fetched, PrefixReader
 from kvmesh.shared.mesh.kv_store_writer import StoreWriter
 
+if TYPE_CHECKING:
+    from kvmesh.services.prefill.compose import PrefillParts
 
-class StorePrefix:
-    def __init__(self, engine: LLMEngine, client: KvStoreClient, kv_spec: str) -> None:
+
+class StorePrefix(Feature):
+    def __init__(self, engine: LLMEngine, client: KvStoreClient, stores: StoreBook) -> None:
+        """``client``, ``stores``: the worker's kv-store link's (shared/mesh/store_link.py)."""
         self.engine = engine
         self.client = client
-        self.kv_spec = kv_spec
-        self.stores = StoreBook(kv_spec, client.block_bytes)
+        self.kv_spec = kv_spec = stores.kv_spec
+        self.stores = stores
         self.reader = PrefixReader(
             client, self.stores, kv_spec, engine.block_manager, engine.kv_pool
         )
@@ -32,8 +37,10 @@ class StorePrefix:
             client, self.stores, kv_spec, engine.block_manager, engine.kv_pool
         )
 
-    def on_advert(self, advert: StoreAdvert) -> None:
-        self.stores.note(advert)
+    @classmethod
+    def compose(cls, parts: PrefillParts) -> StorePrefix | None:
+        link = parts.store_link()
+        return cls(parts.engine, link.client, link.stores) if link is not None else None
 
     async def fetch(
         self, prompt_ids: list[int], lock: asyncio.Lock, cache_salt: str = ""
@@ -54,6 +61,5 @@ class StorePrefix:
         self.writer.put_later(prompt_ids, lock, cache_salt)
 
     async def aclose(self) -> None:
-        """Wait for the puts in flight (they hold pool blocks), then close the client."""
+        """Wait for the puts in flight (they hold pool blocks; the link closes the client)."""
         await self.writer.aclose()
-        await self.client.aclose()

@@ -213,6 +213,8 @@ class PrefillWorker:
         if rid in self._jobs:
             log.warning("ignored a duplicate prefill job", request_id=rid)
             return None
+        for hook in self.hooks:
+            hook.on_received(msg)
         if self._aborted.pop(rid, None) is not None:
             return self._result(msg, None, f"aborted before prefill started on {self.worker_id}")
         gone_at = self._gone_routers.get(msg.router) if msg.router else None
