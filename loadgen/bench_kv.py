@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvmesh.loadgen.bench_kv_turns import add_arguments as add_multi_turn_arguments
-from kvmesh.loadgen.bench_xfer import TRANSPORTS, Plan, parse_size, run_alone, runs_for
+from kvmesh.loadgen.bench_xfer import TRANSPORTS, XferPlan, parse_size, run_alone, runs_for
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
                 return 2
     else:
         backends = [b for b in TRANSPORTS if avail[b][0]]
-    plans = [Plan.make(n, args.seed, args.warmup + runs_for(n, args.repeats)) for n in sizes]
+    plans = [XferPlan.make(n, args.seed, args.warmup + runs_for(n, args.repeats)) for n in sizes]
     best: dict[tuple[str, int], KvResult] = {}
     for round_idx in range(args.rounds):
         for backend in backends:

@@ -186,17 +186,17 @@ async def drive(
     on_turn: Any = None,
 ) -> None:
     """Every turn of every conversation through ``mesh``, wave by wave (module docstring)."""
-    from kvmesh.loadgen.sse_client import Endpoint, run_requests, send_request
-    from kvmesh.loadgen.workload import Prompt
+    from kvmesh.loadgen.sse_client import SseEndpoint, run_requests, send_request
+    from kvmesh.loadgen.workload import WorkloadPrompt
 
     from kvmesh.testing.mesh import MeshTap
 
-    endpoint = Endpoint(mesh.url, model=model, ignore_eos=True)
+    endpoint = SseEndpoint(mesh.url, model=model, ignore_eos=True)
     turns = len(conversations[0].user_messages)
     async with MeshTap(mesh.config.nats_url, mesh.nats_auth, mesh=mesh.mesh) as tap:
         import aiohttp
 
-        warm = Prompt(tuple(random.Random(7).randrange(200) for _ in range(64)), 4)
+        warm = WorkloadPrompt(tuple(random.Random(7).randrange(200) for _ in range(64)), 4)
         async with aiohttp.ClientSession() as session:  # connects prefill to decode, loads code
             record = await send_request(
                 session, endpoint, warm, origin=time.perf_counter(), timeout_s=timeout_s

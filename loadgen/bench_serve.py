@@ -50,8 +50,8 @@ from kvmesh.loadgen.compare_targets import Target
 from kvmesh.loadgen.serve_metrics import RequestRecord, Summary
 from kvmesh.loadgen.serve_report import RunResult, comparison_text, format_summary, rate_text
 from kvmesh.loadgen.server_breakdown import ServerBreakdown
-from kvmesh.loadgen.sse_client import Endpoint
-from kvmesh.loadgen.workload import Prompt
+from kvmesh.loadgen.sse_client import SseEndpoint
+from kvmesh.loadgen.workload import WorkloadPrompt
 
 
 def register_serve(sub: Any) -> argparse.ArgumentParser:
@@ -146,7 +146,7 @@ def resolve_ref(ref: str, source: str) -> str:
         raise ValueError(f"{source} {ref!r}: {exc}") from None
 
 
-def build_workload(config: ServeBenchConfig) -> tuple[list[Prompt], list[float] | None]:
+def build_workload(config: ServeBenchConfig) -> tuple[list[WorkloadPrompt], list[float] | None]:
     """The prompts (same for every rate and target) and, for a trace, its arrival times."""
     from kvmesh.shared.model.checkpoint_info import load_config_and_tokenizer
 
@@ -155,8 +155,8 @@ def build_workload(config: ServeBenchConfig) -> tuple[list[Prompt], list[float] 
 
 
 def build_warmups(
-    config: ServeBenchConfig, prompts: Sequence[Prompt], is_trace: bool
-) -> list[Prompt]:
+    config: ServeBenchConfig, prompts: Sequence[WorkloadPrompt], is_trace: bool
+) -> list[WorkloadPrompt]:
     """``--warmups`` untimed prompts of at most 8 output tokens: drawn like the workload's, from a
     seed of their own (so no measured prompt is cached by them), or for a trace or a dataset the
     first prompt, as before."""
@@ -176,7 +176,7 @@ def build_warmups(
 
 def _prompts(
     config: ServeBenchConfig, model_config: Any, tokenizer: Any, rng: random.Random
-) -> tuple[list[Prompt], list[float] | None]:
+) -> tuple[list[WorkloadPrompt], list[float] | None]:
     from kvmesh.loadgen import arrivals, workload
     from kvmesh.loadgen.corpus import DEFAULT_CORPUS, Corpus
 
@@ -259,8 +259,8 @@ def _sweep(
     config: ServeBenchConfig,
     label: str,
     base_url: str,
-    prompts: Sequence[Prompt],
-    warmups: Sequence[Prompt],
+    prompts: Sequence[WorkloadPrompt],
+    warmups: Sequence[WorkloadPrompt],
     trace_times: list[float] | None,
     results: list[RunResult],
     roles: dict[str, list[int]],
@@ -376,7 +376,7 @@ def fetch_timings(
     return requests if isinstance(requests, list) else None
 
 
-async def _warmup(endpoint: Endpoint, prompt: Prompt, timeout_s: float) -> RequestRecord:
+async def _warmup(endpoint: SseEndpoint, prompt: WorkloadPrompt, timeout_s: float) -> RequestRecord:
     import time
 
     import aiohttp
@@ -389,7 +389,7 @@ async def _warmup(endpoint: Endpoint, prompt: Prompt, timeout_s: float) -> Reque
 
 
 def _write_outputs(
-    config: ServeBenchConfig, prompts: Sequence[Prompt], results: list[RunResult]
+    config: ServeBenchConfig, prompts: Sequence[WorkloadPrompt], results: list[RunResult]
 ) -> None:
     if config.result_json is not None:
         import orjson
@@ -405,7 +405,7 @@ def _write_outputs(
 
 
 def _plot(
-    config: ServeBenchConfig, prompts: Sequence[Prompt], results: list[RunResult]
+    config: ServeBenchConfig, prompts: Sequence[WorkloadPrompt], results: list[RunResult]
 ) -> list[Path]:
     from kvmesh.loadgen import plots
 

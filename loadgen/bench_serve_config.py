@@ -16,7 +16,7 @@ from kvmesh.loadgen.compare_targets import Target, parse_budgets, parse_targets
 from kvmesh.loadgen.length_dist import LENGTH_KINDS, LengthDistribution
 from kvmesh.loadgen.serve_metrics import Slo
 from kvmesh.loadgen.slo_attainment import DEFAULT_SCALES, SloObjective, parse_scales
-from kvmesh.loadgen.sse_client import CHAT, COMPLETIONS, Endpoint
+from kvmesh.loadgen.sse_client import CHAT, COMPLETIONS, SseEndpoint
 from kvmesh.loadgen.workload import LengthSpec
 from kvmesh.loadgen.workload_presets import PRESETS, apply_preset
 from kvmesh.shared.config.cpu_placement import parse_cpu_list
@@ -128,8 +128,8 @@ class ServeBenchConfig:
             self.input_len_dist, self.input_len, self.input_len_range, self.input_len_sd
         )
 
-    def endpoint(self, base_url: str) -> Endpoint:
-        return Endpoint(
+    def endpoint(self, base_url: str) -> SseEndpoint:
+        return SseEndpoint(
             base_url=base_url,
             model=self.model,
             path=self.endpoint_path,

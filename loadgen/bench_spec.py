@@ -122,16 +122,20 @@ async def _load(
     """All prompts at once (greedy, streamed) to ``model``; returns (output tokens, seconds,
     decode-phase tokens, decode-phase seconds)."""
     import aiohttp
-    from kvmesh.loadgen.sse_client import Endpoint, send_request
-    from kvmesh.loadgen.workload import Prompt
+    from kvmesh.loadgen.sse_client import SseEndpoint, send_request
+    from kvmesh.loadgen.workload import WorkloadPrompt
 
-    endpoint = Endpoint(url, model, ignore_eos=ignore_eos)
+    endpoint = SseEndpoint(url, model, ignore_eos=ignore_eos)
     async with aiohttp.ClientSession() as session:
         origin = time.perf_counter()
         records = await asyncio.gather(
             *(
                 send_request(
-                    session, endpoint, Prompt(tuple(p), max_tokens), origin=origin, timeout_s=600
+                    session,
+                    endpoint,
+                    WorkloadPrompt(tuple(p), max_tokens),
+                    origin=origin,
+                    timeout_s=600,
                 )
                 for p in prompts
             )

@@ -75,7 +75,7 @@ def parse_size(text: str) -> int:
 
 
 @dataclass(frozen=True, slots=True)
-class Plan:
+class XferPlan:
     """Which source blocks go to which destination blocks for one transfer size."""
 
     num_bytes: int
@@ -85,7 +85,7 @@ class Plan:
     runs: int = 1  # warm-up + timed
 
     @classmethod
-    def make(cls, num_bytes: int, seed: int, runs: int = 1) -> Plan:
+    def make(cls, num_bytes: int, seed: int, runs: int = 1) -> XferPlan:
         n = num_bytes // BLOCK_BYTES
         pool = n + max(2, n // 4)
         rng = random.Random(seed * 1_000_003 + n)
@@ -160,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
                 return 2
     else:
         backends = default_backends()
-    plans = [Plan.make(n, args.seed, args.warmup + runs_for(n, args.repeats)) for n in sizes]
+    plans = [XferPlan.make(n, args.seed, args.warmup + runs_for(n, args.repeats)) for n in sizes]
     best: dict[tuple[str, int], Result] = {}
     for round_idx in range(args.rounds):  # rounds spread each backend over time: fairer ratios
         for backend in backends:

@@ -18,7 +18,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvmesh.loadgen.workload import Prompt, TokenizerLike, WorkloadError
+from kvmesh.loadgen.workload import TokenizerLike, WorkloadError, WorkloadPrompt
 
 DEFAULT_CORPUS = Path(__file__).parent / "data" / "shakespeare.txt"
 _FIT_TRIES = 8
@@ -56,7 +56,7 @@ class Corpus:
 
     def prompt(
         self, tokenizer: TokenizerLike, num_tokens: int, output_len: int, rng: random.Random
-    ) -> Prompt:
+    ) -> WorkloadPrompt:
         """A text prompt of ``num_tokens`` tokens from a random place in the corpus."""
         assert num_tokens >= 1
         start = rng.randrange(len(self.token_ids))
@@ -66,7 +66,7 @@ class Corpus:
             text = tokenizer.decode(self.span(start + shift, num_tokens), skip_special_tokens=True)
             encoded = tokenizer.encode(text, add_special_tokens=False)
             if len(encoded) == num_tokens:
-                return Prompt(tuple(encoded), output_len, text)
+                return WorkloadPrompt(tuple(encoded), output_len, text)
         ids = self.span(start, num_tokens)
         extra = num_tokens  # where topping up reads on from
         for _ in range(_FIT_TRIES):
@@ -77,10 +77,10 @@ class Corpus:
             missing = num_tokens - len(encoded)
             ids = encoded[:num_tokens] + self.span(start + extra, max(0, missing))
             extra += max(0, missing)
-        return Prompt(tuple(encoded), output_len, text)
+        return WorkloadPrompt(tuple(encoded), output_len, text)
 
     def prompts(
         self, tokenizer: TokenizerLike, lengths: list[tuple[int, int]], rng: random.Random
-    ) -> list[Prompt]:
+    ) -> list[WorkloadPrompt]:
         """One prompt per (input_len, output_len)."""
         return [self.prompt(tokenizer, n, out, rng) for n, out in lengths]

@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 from kvmesh.loadgen.bench_kv import KvResult
-from kvmesh.loadgen.bench_xfer import Plan
+from kvmesh.loadgen.bench_xfer import XferPlan
 from kvmesh.loadgen.xfer_backends import (
     SPEC,
     _expect,
@@ -25,11 +25,11 @@ from kvmesh.shared.kv.kv_cache import KVPool
 _TIMEOUT_S = 600.0
 
 
-def _own(conn: Any, backend: str, plans: list[Plan]) -> None:
+def _own(conn: Any, backend: str, plans: list[XferPlan]) -> None:
     asyncio.run(_owner(conn, backend, plans))
 
 
-async def _owner(conn: Any, backend: str, plans: list[Plan]) -> None:
+async def _owner(conn: Any, backend: str, plans: list[XferPlan]) -> None:
     """Holds each plan's pool behind one read+write window; its code does nothing per read."""
     from kvmesh.shared.transport import Access, TransportConfig, create_transport
 
@@ -44,7 +44,7 @@ async def _owner(conn: Any, backend: str, plans: list[Plan]) -> None:
 
 
 async def _write_then_read(
-    backend: str, conn: Any, plan: Plan, src: KVPool, back: KVPool
+    backend: str, conn: Any, plan: XferPlan, src: KVPool, back: KVPool
 ) -> tuple[list[float], list[float]]:
     from kvmesh.shared.transport import TransportConfig, create_transport
 
@@ -69,7 +69,7 @@ async def _write_then_read(
     return writes, reads
 
 
-def bench_read_write(backend: str, plans: list[Plan], warmup: int) -> list[KvResult]:
+def bench_read_write(backend: str, plans: list[XferPlan], warmup: int) -> list[KvResult]:
     """Every plan through one backend; raises if a byte read back differs from the source."""
     out = []
     with spawned("owner", _own, backend, plans) as conn:

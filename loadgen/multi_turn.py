@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvmesh.loadgen.serve_metrics import RequestRecord, percentile
-from kvmesh.loadgen.workload import Prompt, TokenizerLike, random_prompts, token_pool
+from kvmesh.loadgen.workload import TokenizerLike, WorkloadPrompt, random_prompts, token_pool
 
 # The workers' counters a wave is measured by (cumulative; a wave's value is after - before).
 PREFILL_PROMPT = "kvmesh_prefill_prompt_tokens_total"
@@ -75,7 +75,7 @@ class Conversation:
     def is_alive(self) -> bool:
         return self.failed_at is None
 
-    def prompt(self, turn: int) -> Prompt:
+    def prompt(self, turn: int) -> WorkloadPrompt:
         """Turn ``turn``'s request (0-based); needs the answers of every earlier turn."""
         assert len(self.answers) == turn, (
             f"turn {turn} needs {turn} answers, has {len(self.answers)}"
@@ -85,7 +85,7 @@ class Conversation:
             ids += user
             ids += answer
         ids += self.user_messages[turn]
-        return Prompt(tuple(ids), self.answer_len)
+        return WorkloadPrompt(tuple(ids), self.answer_len)
 
 
 def build_conversations(spec: MultiTurnSpec, tokenizer: TokenizerLike) -> list[Conversation]:

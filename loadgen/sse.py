@@ -41,7 +41,7 @@ class SseDecoder:
 
 
 @dataclass(frozen=True, slots=True)
-class Usage:
+class StreamUsage:
     prompt_tokens: int
     completion_tokens: int
 
@@ -55,7 +55,7 @@ class Chunk:
 
     content: str = ""
     is_token: bool = False
-    usage: Usage | None = None
+    usage: StreamUsage | None = None
     is_done: bool = False
     error: str | None = None
     response_id: str = ""  # the chunk's ``id`` (the server's id of the request), when it has one
@@ -111,13 +111,13 @@ def _content(payload: dict[str, Any], is_chat: bool) -> str:
     return text if isinstance(text, str) else ""
 
 
-def _usage(usage: Any) -> Usage | None:
+def _usage(usage: Any) -> StreamUsage | None:
     if not isinstance(usage, dict):
         return None
     prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
     if not (isinstance(prompt, int) and isinstance(completion, int)):
         return None
-    return Usage(prompt, completion)
+    return StreamUsage(prompt, completion)
 
 
 def _error_message(error: Any) -> str:

@@ -24,15 +24,15 @@ from typing import Any
 
 import orjson
 from kvmesh.loadgen.serve_metrics import RequestRecord
-from kvmesh.loadgen.sse import SseDecoder, Usage, read_chunk
-from kvmesh.loadgen.workload import Prompt
+from kvmesh.loadgen.sse import SseDecoder, StreamUsage, read_chunk
+from kvmesh.loadgen.workload import WorkloadPrompt
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 
 
 @dataclass(frozen=True, slots=True)
-class Endpoint:
+class SseEndpoint:
     """Where and how to send: ``path`` is /v1/completions or /v1/chat/completions."""
 
     base_url: str
@@ -59,7 +59,7 @@ class Endpoint:
         return self.base_url.rstrip("/") + self.path
 
 
-def request_body(endpoint: Endpoint, prompt: Prompt) -> dict[str, Any]:
+def request_body(endpoint: SseEndpoint, prompt: WorkloadPrompt) -> dict[str, Any]:
     body: dict[str, Any] = {"model": endpoint.model}
     if endpoint.is_chat:
         assert prompt.text is not None, "chat prompts are sent as text"
@@ -81,7 +81,7 @@ class _Progress:
     """What one request has seen so far (mutable while it streams)."""
 
     chunk_times: list[float] = field(default_factory=list)
-    usage: Usage | None = None
+    usage: StreamUsage | None = None
     response_id: str = ""
     has_response: bool = False
     is_done: bool = False
@@ -89,8 +89,8 @@ class _Progress:
 
 async def send_request(
     session: Any,
-    endpoint: Endpoint,
-    prompt: Prompt,
+    endpoint: SseEndpoint,
+    prompt: WorkloadPrompt,
     *,
     index: int = 0,
     arrival_s: float = 0.0,
@@ -164,8 +164,8 @@ async def send_request(
 
 
 async def run_requests(
-    endpoint: Endpoint,
-    prompts: Sequence[Prompt],
+    endpoint: SseEndpoint,
+    prompts: Sequence[WorkloadPrompt],
     arrivals: Sequence[float],
     *,
     timeout_s: float,

@@ -52,7 +52,7 @@ class TokenizerLike(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
-class Prompt:
+class WorkloadPrompt:
     """One request's prompt: ``token_ids`` always (its length is the input length), ``text`` when
     it is to be sent as text (chat endpoint, datasets, ``--prompt-format text``)."""
 
@@ -144,7 +144,7 @@ def random_prompts(
     *,
     as_text: bool,
     pool: Sequence[int] | None = None,
-) -> list[Prompt]:
+) -> list[WorkloadPrompt]:
     """One prompt of random pool tokens per (input_len, output_len)."""
     pool = pool or token_pool(tokenizer)
     prompts = []
@@ -152,9 +152,9 @@ def random_prompts(
         ids = [pool[rng.randrange(len(pool))] for _ in range(input_len)]
         if as_text:
             text, fitted = fit_text(tokenizer, ids, pool, rng)
-            prompts.append(Prompt(fitted, output_len, text))
+            prompts.append(WorkloadPrompt(fitted, output_len, text))
         else:
-            prompts.append(Prompt(tuple(ids), output_len))
+            prompts.append(WorkloadPrompt(tuple(ids), output_len))
     return prompts
 
 
@@ -222,12 +222,12 @@ def sharegpt_prompts(
     rng: random.Random,
     *,
     output_len: int | None = None,
-) -> list[Prompt]:
+) -> list[WorkloadPrompt]:
     """``num`` prompts from the conversations in a seeded random order; when fewer pass the
     filters, the accepted ones repeat in that order."""
     order = list(range(len(pairs)))
     rng.shuffle(order)
-    accepted: list[Prompt] = []
+    accepted: list[WorkloadPrompt] = []
     for i in order:
         if len(accepted) == num:
             break
@@ -238,7 +238,7 @@ def sharegpt_prompts(
             continue
         if len(ids) > MAX_SHAREGPT_PROMPT_LEN or len(ids) + n_out > MAX_SHAREGPT_TOTAL_LEN:
             continue
-        accepted.append(Prompt(tuple(ids), n_out, question))
+        accepted.append(WorkloadPrompt(tuple(ids), n_out, question))
     if not accepted:
         raise WorkloadError(
             f"none of {len(pairs)} conversations passes the length filters (prompt and reply >= "

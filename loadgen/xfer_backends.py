@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 import torch
-from kvmesh.loadgen.bench_xfer import BLOCK_BYTES, Plan, Result
+from kvmesh.loadgen.bench_xfer import BLOCK_BYTES, Result, XferPlan
 from kvmesh.shared.kv.kv_cache import KVCacheSpec, KVPool
 
 if TYPE_CHECKING:
@@ -57,11 +57,11 @@ def byte_view(t: torch.Tensor) -> memoryview:
 # ---------------------------------------------------------------------------------------------------
 # The spawned process and the pool it exposes to this one (``kvmesh bench kv`` shares them).
 
-PlansBody = Callable[[Any, str, list[Plan]], None]
+PlansBody = Callable[[Any, str, list[XferPlan]], None]
 
 
 @contextlib.contextmanager
-def spawned(role: str, body: PlansBody, backend: str, plans: list[Plan]) -> Iterator[Any]:
+def spawned(role: str, body: PlansBody, backend: str, plans: list[XferPlan]) -> Iterator[Any]:
     """This end of a Pipe to ``body(conn, backend, plans)`` run in a spawned process with one
     torch thread (``body`` a module-level function); what it raises comes here as an "error"
     message (``_expect`` raises it), its death as EOF. On exit the process is joined (terminated
@@ -82,7 +82,9 @@ def spawned(role: str, body: PlansBody, backend: str, plans: list[Plan]) -> Iter
             proc.join()
 
 
-def _spawned_main(conn: Any, role: str, body: PlansBody, backend: str, plans: list[Plan]) -> None:
+def _spawned_main(
+    conn: Any, role: str, body: PlansBody, backend: str, plans: list[XferPlan]
+) -> None:
     torch.set_num_threads(1)
     try:
         body(conn, backend, plans)
@@ -92,7 +94,7 @@ def _spawned_main(conn: Any, role: str, body: PlansBody, backend: str, plans: li
 
 
 @contextlib.contextmanager
-def exposed_pool(t: Transport, conn: Any, plan: Plan, access: Access) -> Iterator[KVPool]:
+def exposed_pool(t: Transport, conn: Any, plan: XferPlan, access: Access) -> Iterator[KVPool]:
     """``plan``'s destination pool in ``t``'s memory, registered with ``access`` behind one window
     of that access over all of it; ``t``'s descriptor and the window (the region with the
     window's key) are sent on ``conn`` as "ready". On exit the window is closed and the region
@@ -113,7 +115,7 @@ def exposed_pool(t: Transport, conn: Any, plan: Plan, access: Access) -> Iterato
 # Receivers: run in a spawned process; talk to the sender over a multiprocessing Pipe.
 
 
-def _receive(conn: Any, backend: str, plans: list[Plan]) -> None:
+def _receive(conn: Any, backend: str, plans: list[XferPlan]) -> None:
     if backend == "socket":
         _socket_receiver(conn, plans)
     elif backend == "gloo":
@@ -122,7 +124,7 @@ def _receive(conn: Any, backend: str, plans: list[Plan]) -> None:
         asyncio.run(_transport_receiver(conn, backend, plans))
 
 
-def _socket_receiver(conn: Any, plans: list[Plan]) -> None:
+def _socket_receiver(conn: Any, plans: list[XferPlan]) -> None:
     with socket.create_server(("127.0.0.1", 0)) as server:
         conn.send(("ready", server.getsockname()[1]))
         sock, _ = server.accept()
@@ -143,7 +145,7 @@ def _socket_receiver(conn: Any, plans: list[Plan]) -> None:
             del views, pool
 
 
-def _gloo_receiver(conn: Any, plans: list[Plan]) -> None:
+def _gloo_receiver(conn: Any, plans: list[XferPlan]) -> None:
     import torch.distributed as dist
 
     port = conn.recv()
@@ -173,7 +175,7 @@ def _transport(backend: str, peer_id: str) -> Any:
     return create_transport("tcp" if unix else backend, config)
 
 
-async def _transport_receiver(conn: Any, backend: str, plans: list[Plan]) -> None:
+async def _transport_receiver(conn: Any, backend: str, plans: list[XferPlan]) -> None:
     from kvmesh.shared.transport import Access
 
     for plan in plans:
@@ -214,7 +216,7 @@ async def expect_target(conn: Any) -> tuple[TransportDescriptor, MemoryRegion]:
 
 
 def block_entries(
-    local: MemoryRegion, src: KVPool, plan: Plan, target: MemoryRegion
+    local: MemoryRegion, src: KVPool, plan: XferPlan, target: MemoryRegion
 ) -> list[WriteEntry]:
     """One entry a block: ``plan``'s source blocks at their offsets in ``src``'s layout within
     ``local`` (a region over ``src``, or over a pool of its layout), its destination blocks in
@@ -233,13 +235,13 @@ def block_entries(
     ]
 
 
-def _source(plan: Plan) -> KVPool:
+def _source(plan: XferPlan) -> KVPool:
     pool = KVPool(SPEC, plan.pool_blocks)
     fill_source(pool, plan.src_blocks)
     return pool
 
 
-def _memcpy_run(plan: Plan) -> tuple[list[float], bool]:
+def _memcpy_run(plan: XferPlan) -> tuple[list[float], bool]:
     src, dst = _source(plan), KVPool(SPEC, plan.pool_blocks)
     pairs = [
         (dst.block_bytes_view(d), src.block_bytes_view(s))
@@ -258,7 +260,7 @@ class _SocketSender:
     def __init__(self, conn: Any) -> None:
         self.sock = socket.create_connection(("127.0.0.1", _expect(conn, "ready")))
 
-    def run(self, plan: Plan, src: KVPool) -> list[float]:
+    def run(self, plan: XferPlan, src: KVPool) -> list[float]:
         views = [byte_view(src.block_bytes_view(b)) for b in plan.src_blocks]
         ack = bytearray(1)
         times = []
@@ -285,7 +287,7 @@ class _GlooSender:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=2)
         self.dist = dist
 
-    def run(self, plan: Plan, src: KVPool) -> list[float]:
+    def run(self, plan: XferPlan, src: KVPool) -> list[float]:
         views = [src.block_bytes_view(b) for b in plan.src_blocks]
         ack = torch.zeros(1, dtype=torch.uint8)
         times = []
@@ -301,7 +303,7 @@ class _GlooSender:
         self.dist.destroy_process_group()
 
 
-async def _transport_send(backend: str, conn: Any, plan: Plan, src: KVPool) -> list[float]:
+async def _transport_send(backend: str, conn: Any, plan: XferPlan, src: KVPool) -> list[float]:
     desc, region = await expect_target(conn)
     times = []
     async with _transport(backend, "bench-send") as t:
@@ -318,7 +320,7 @@ async def _transport_send(backend: str, conn: Any, plan: Plan, src: KVPool) -> l
     return times
 
 
-def bench_backend(backend: str, plans: list[Plan], warmup: int) -> list[Result]:
+def bench_backend(backend: str, plans: list[XferPlan], warmup: int) -> list[Result]:
     """Run every plan through one backend; raises if any byte went missing."""
     if backend == "memcpy":
         out = []
@@ -357,7 +359,7 @@ def bench_backend(backend: str, plans: list[Plan], warmup: int) -> list[Result]:
     return out
 
 
-def _check(ok: bool, backend: str, plan: Plan) -> None:
+def _check(ok: bool, backend: str, plan: XferPlan) -> None:
     if not ok:
         raise RuntimeError(
             f"{backend}: destination blocks differ from the source after moving {plan.num_bytes} bytes"

@@ -182,10 +182,10 @@ def available_cores() -> int:
 
 
 def measure_link_gbps(num_bytes: int = 64 << 20, backend: str = "shm") -> float:
-    from kvmesh.loadgen.bench_xfer import Plan
+    from kvmesh.loadgen.bench_xfer import XferPlan
     from kvmesh.loadgen.xfer_backends import bench_backend
 
-    results = bench_backend(backend, [Plan.make(num_bytes, seed=0, runs=4)], 1)
+    results = bench_backend(backend, [XferPlan.make(num_bytes, seed=0, runs=4)], 1)
     return max(r.gbps for r in results)
 
 

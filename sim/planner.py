@@ -25,7 +25,7 @@ DEFAULT_CHUNKS = (1024, 2048, 4096, 8192)
 
 
 @dataclass(frozen=True, slots=True)
-class Candidate:
+class SimCandidate:
     result: SimResult
     sla_goodput: float
 
@@ -35,22 +35,22 @@ class Candidate:
 
 
 @dataclass(frozen=True, slots=True)
-class Plan:
+class SimPlan:
     sla: Sla
     num_gpus: int
-    splits: tuple[Candidate, ...]  # every P:D split at the default chunk, by P
-    chunks: tuple[Candidate, ...]  # the best split at every chunk size tried
-    best: Candidate
+    splits: tuple[SimCandidate, ...]  # every P:D split at the default chunk, by P
+    chunks: tuple[SimCandidate, ...]  # the best split at every chunk size tried
+    best: SimCandidate
 
 
 def evaluate(
     topology: Topology, cost: CostModel, requests: Sequence[SimRequest], sla: Sla
-) -> Candidate:
+) -> SimCandidate:
     result = simulate(topology, cost, requests, sla.slo)
-    return Candidate(result, sla.goodput(result.records, result.summary.duration_s))
+    return SimCandidate(result, sla.goodput(result.records, result.summary.duration_s))
 
 
-def _rank(c: Candidate) -> tuple[float, float]:
+def _rank(c: SimCandidate) -> tuple[float, float]:
     ttft = c.result.summary.ttft
     return (c.sla_goodput, -(ttft.p99_ms if ttft else float("inf")))
 
@@ -63,7 +63,7 @@ def plan(
     *,
     base: Topology | None = None,
     chunk_sizes: Sequence[int] = DEFAULT_CHUNKS,
-) -> Plan:
+) -> SimPlan:
     """Search the splits of ``num_gpus`` GPUs; ``base`` gives the other knobs (chunk, tp, ...)."""
     base = base or Topology("disagg", num_decode=1, num_prefill=1)
     num_workers = num_gpus // base.tp
@@ -87,10 +87,10 @@ def plan(
         else evaluate(replace(best_split.topology, chunk_tokens=size), cost, requests, sla)
         for size in sorted(set(chunk_sizes) | {base.chunk_tokens or DEFAULT_CHUNKS[1]})
     )
-    return Plan(sla, num_gpus, splits, chunks, max(chunks, key=_rank))
+    return SimPlan(sla, num_gpus, splits, chunks, max(chunks, key=_rank))
 
 
-def _bound(c: Candidate, sla: Sla) -> str:
+def _bound(c: SimCandidate, sla: Sla) -> str:
     s = c.result.summary
     ttft = s.ttft.p99_ms if s.ttft else float("inf")
     itl = s.itl.p99_ms if s.itl else float("inf")
@@ -102,7 +102,7 @@ def _bound(c: Candidate, sla: Sla) -> str:
     return "; ".join(misses) or "meets both p99 targets"
 
 
-def explain(p: Plan) -> list[str]:
+def explain(p: SimPlan) -> list[str]:
     """Why the best candidate won, in a few lines a person can check against the table."""
     best = p.best
     t = best.topology

@@ -12,14 +12,14 @@ from pathlib import Path
 
 from kvmesh.loadgen import plots
 from kvmesh.loadgen.serve_metrics import RequestRecord
-from kvmesh.sim.planner import Candidate
+from kvmesh.sim.planner import SimCandidate
 
 
 def itl_over_time(runs: Mapping[str, Sequence[RequestRecord]], path: Path) -> Path:
     return plots.token_gaps(runs, path, None)
 
 
-def goodput_vs_split(splits: Sequence[Candidate], path: Path, title: str) -> Path:
+def goodput_vs_split(splits: Sequence[SimCandidate], path: Path, title: str) -> Path:
     try:
         from matplotlib.figure import Figure
     except ImportError:

@@ -104,8 +104,8 @@ def serve_probe(
     ``run_probe`` so that ``--validate --probe-each-run`` can probe the very mesh it then
     validates on. ``seed`` draws the prompts: a second probe on the same mesh takes another, so
     that none of its prompts is in the prefix cache."""
-    from kvmesh.loadgen.sse_client import Endpoint, run_requests
-    from kvmesh.loadgen.workload import Prompt
+    from kvmesh.loadgen.sse_client import SseEndpoint, run_requests
+    from kvmesh.loadgen.workload import WorkloadPrompt
     from kvmesh.sim.validate import scrape
 
     rng = random.Random(seed)
@@ -116,9 +116,9 @@ def serve_probe(
     ]
     long_prompts = [tuple(rng.randrange(1, 250) for _ in range(LONG_INPUT)) for _ in range(LONG)]
     woken_prompts = [tuple(rng.randrange(1, 250) for _ in range(LONG_INPUT)) for _ in range(LONG)]
-    endpoint = Endpoint(mesh.url, model)
+    endpoint = SseEndpoint(mesh.url, model)
 
-    def serve(batch: list[Prompt]) -> list[RequestRecord]:
+    def serve(batch: list[WorkloadPrompt]) -> list[RequestRecord]:
         records, _ = asyncio.run(
             run_requests(endpoint, batch, [0.0] * len(batch), timeout_s=timeout_s)
         )
@@ -129,19 +129,19 @@ def serve_probe(
             )
         return records
 
-    serve([Prompt(prompts[-1], 4)])  # warm-up: first steps, connections
+    serve([WorkloadPrompt(prompts[-1], 4)])  # warm-up: first steps, connections
     urls = list(mesh.metrics_urls.values())
     scrapes = [scrape(urls)]
-    isolated = [serve([Prompt(p, ISOLATED_OUTPUT)])[0] for p in prompts[:ISOLATED]]
+    isolated = [serve([WorkloadPrompt(p, ISOLATED_OUTPUT)])[0] for p in prompts[:ISOLATED]]
     scrapes.append(scrape(urls))
-    long = [serve([Prompt(p, LONG_OUTPUT)])[0] for p in long_prompts]
+    long = [serve([WorkloadPrompt(p, LONG_OUTPUT)])[0] for p in long_prompts]
     scrapes.append(scrape(urls))
-    batch = serve([Prompt(p, BATCH_OUTPUT) for p in prompts[ISOLATED:-1]])
+    batch = serve([WorkloadPrompt(p, BATCH_OUTPUT) for p in prompts[ISOLATED:-1]])
     scrapes.append(scrape(urls))
     woken = []
     for p in woken_prompts:
         time.sleep(WAKE_PAUSE_S)
-        woken += serve([Prompt(p, LONG_OUTPUT)])
+        woken += serve([WorkloadPrompt(p, LONG_OUTPUT)])
     short = long_timings = None
     if all(s is not None for s in scrapes):
         a, b, c, d = scrapes

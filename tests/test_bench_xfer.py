@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from kvmesh.loadgen.bench_xfer import BLOCK_BYTES, Plan, format_table, parse_size, register_xfer
+from kvmesh.loadgen.bench_xfer import BLOCK_BYTES, XferPlan, format_table, parse_size, register_xfer
 from kvmesh.loadgen.xfer_backends import SPEC, blocks_crc, fill_source
 from kvmesh.shared.kv.kv_cache import KVPool
 
@@ -46,7 +46,7 @@ def test_bench_xfer_json_reports_every_backend_after_verifying_bytes():
 
 
 def test_plan_scatters_distinct_blocks_inside_a_larger_pool():
-    plan = Plan.make(64 << 20, seed=1)
+    plan = XferPlan.make(64 << 20, seed=1)
     assert len(plan.src_blocks) == len(set(plan.src_blocks)) == 32
     assert len(plan.dst_blocks) == len(set(plan.dst_blocks)) == 32
     assert plan.pool_blocks > 32
@@ -55,7 +55,7 @@ def test_plan_scatters_distinct_blocks_inside_a_larger_pool():
 
 
 def test_checksum_catches_a_block_that_did_not_arrive():
-    plan = Plan.make(8 << 20, seed=0)
+    plan = XferPlan.make(8 << 20, seed=0)
     src = KVPool(SPEC, plan.pool_blocks)
     fill_source(src, plan.src_blocks)
     dst = KVPool(SPEC, plan.pool_blocks)
@@ -125,6 +125,6 @@ def test_tcp_unix_moves_every_block_over_the_same_host_socket_and_is_not_a_defau
     from kvmesh.loadgen.bench_xfer import default_backends
     from kvmesh.loadgen.xfer_backends import bench_backend
 
-    (result,) = bench_backend("tcp-unix", [Plan.make(4 << 20, seed=0, runs=2)], warmup=1)
+    (result,) = bench_backend("tcp-unix", [XferPlan.make(4 << 20, seed=0, runs=2)], warmup=1)
     assert result.backend == "tcp-unix" and result.gbps > 0  # every block checked on arrival
     assert "tcp-unix" not in default_backends()

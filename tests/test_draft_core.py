@@ -122,7 +122,7 @@ def test_unpipelined_core_drafts_every_change_anew():
 
 
 def test_engine_drafter_tops_up_a_chain_with_the_tokens_it_would_have_drafted():
-    from kvmesh.services.draft.core import DraftJob
+    from kvmesh.services.draft.core import DraftSnapshot
     from kvmesh.services.draft.drafters import EngineDrafter
     from kvmesh.shared.engine.config import EngineConfig
     from kvmesh.shared.engine.llm_engine import LLMEngine
@@ -131,9 +131,9 @@ def test_engine_drafter_tops_up_a_chain_with_the_tokens_it_would_have_drafted():
     config = EngineConfig(num_blocks=64, block_size=8, enable_prefix_caching=True)
     drafter = EngineDrafter(LLMEngine(*load_model("kvmesh-tiny"), config), depth=6)
     context = tuple((5 * i + 3) % 250 for i in range(21))
-    [(whole, parents)] = drafter.propose([DraftJob("r", "d", context, 21)])
+    [(whole, parents)] = drafter.propose([DraftSnapshot("r", "d", context, 21)])
     assert len(whole) == 6 and parents == _chain(6)
-    [(rest, _)] = drafter.propose([DraftJob("r", "d", context, 21, ahead=whole[:4])])
+    [(rest, _)] = drafter.propose([DraftSnapshot("r", "d", context, 21, ahead=whole[:4])])
     assert rest == whole[4:]  # only the 2 tokens the chain lacked
 
 

@@ -352,7 +352,7 @@ def _done_future(value):
 
 
 async def test_prefill_writes_the_draft_kv_and_the_next_draft_computes_only_the_tail(tiny):
-    from kvmesh.services.draft.core import DraftJob
+    from kvmesh.services.draft.core import DraftSnapshot
     from kvmesh.services.draft.drafters import build_drafter
 
     prompt = [(7 * i) % 250 + 1 for i in range(100)]  # 6 full blocks + 4 tokens, 4 chunks
@@ -375,11 +375,11 @@ async def test_prefill_writes_the_draft_kv_and_the_next_draft_computes_only_the_
         assert _sample(receiver, "prompt_tokens_received_total") == 96
         assert bm.num_free_blocks == 64 and len(bm.hash_to_block) == 6  # cached, evictable
         context = (*prompt, result.done.first_token)
-        [tree] = drafter.propose([DraftJob("r", "d0", context, len(prompt))])
+        [tree] = drafter.propose([DraftSnapshot("r", "d0", context, len(prompt))])
         assert drafter.num_computed_tokens == len(context) - 96  # the tail only
 
     reference = build_drafter(_draft_config())  # computes the whole prompt itself
-    assert reference.propose([DraftJob("r", "d0", context, len(prompt))]) == [tree]
+    assert reference.propose([DraftSnapshot("r", "d0", context, len(prompt))]) == [tree]
     assert reference.num_computed_tokens == len(context)
 
 
@@ -418,7 +418,7 @@ async def test_expired_reservation_returns_the_draft_blocks(tiny):
 async def test_prefill_runs_the_draft_model_and_the_model_drafters_next_draft_computes_the_tail(
     tiny, small_draft
 ):
-    from kvmesh.services.draft.core import DraftJob
+    from kvmesh.services.draft.core import DraftSnapshot
 
     prompt = [(7 * i) % 250 + 1 for i in range(100)]  # 6 full blocks + 4 tokens, 4 chunks
     async with _mesh_in_process(tiny, small_draft) as (
@@ -459,11 +459,11 @@ async def test_prefill_runs_the_draft_model_and_the_model_drafters_next_draft_co
         )
         assert steps is not None and steps >= 4  # the draft engine's steps, timed
         context = (*prompt, result.done.first_token)
-        [tree] = drafter.propose([DraftJob("r", "d0", context, len(prompt))])
+        [tree] = drafter.propose([DraftSnapshot("r", "d0", context, len(prompt))])
         assert drafter.num_computed_tokens == len(context) - 96  # the tail only
 
     reference = _model_drafter(small_draft)  # computes the whole prompt itself
-    assert reference.propose([DraftJob("r", "d0", context, len(prompt))]) == [tree]
+    assert reference.propose([DraftSnapshot("r", "d0", context, len(prompt))]) == [tree]
     assert reference.num_computed_tokens == len(context) and len(tree[0]) == 5
 
 

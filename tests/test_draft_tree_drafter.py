@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from kvmesh.services.draft.config import DraftConfig
-from kvmesh.services.draft.core import DraftJob
+from kvmesh.services.draft.core import DraftSnapshot
 from kvmesh.services.draft.drafters import EngineDrafter, truncate_layers
 from kvmesh.services.draft.shape import TreeShape
 from kvmesh.services.draft.tree_drafter import EngineTreeDrafter
@@ -131,7 +131,7 @@ def _assert_top(logits: torch.Tensor, kids: list[int], where: str) -> None:
 def test_engine_tree_children_are_the_draft_models_top_tokens_at_each_node(draft_model, lookahead):
     engine = _engine(draft_model)
     drafter = EngineTreeDrafter(engine, TreeShape(WIDTHS), lookahead)
-    jobs = [DraftJob(f"r{i}", "d", c, len(c)) for i, c in enumerate(CONTEXTS)]
+    jobs = [DraftSnapshot(f"r{i}", "d", c, len(c)) for i, c in enumerate(CONTEXTS)]
     trees = drafter.propose(jobs)
     for context, tree in zip(CONTEXTS, trees, strict=True):
         assert len(tree[0]) == 2 + 4 + 4 + 4 + lookahead
@@ -169,7 +169,7 @@ def test_tree_drafting_leaves_the_draft_cache_that_chain_drafting_leaves(draft_m
     tree_engine, chain_engine = _engine(draft_model), _engine(draft_model)
     tree_drafter = EngineTreeDrafter(tree_engine, TreeShape(WIDTHS), LOOKAHEAD)
     chain_drafter = EngineDrafter(chain_engine, depth)
-    jobs = [DraftJob(f"r{i}", "d", c, len(c)) for i, c in enumerate(CONTEXTS)]
+    jobs = [DraftSnapshot(f"r{i}", "d", c, len(c)) for i, c in enumerate(CONTEXTS)]
     trees = tree_drafter.propose(jobs)
     chains = chain_drafter.propose(jobs)
     assert tree_drafter.num_computed_tokens == sum(len(c) for c in CONTEXTS)  # nothing cached
@@ -183,11 +183,11 @@ def test_tree_drafting_leaves_the_draft_cache_that_chain_drafting_leaves(draft_m
     # drafting on from there (three drafts accepted, then a token of the target's own): both
     # engines, with chains now, draft the same
     later = [
-        DraftJob(f"s{i}", "d", c + tuple(t[0][:3]) + (9,), len(c))
+        DraftSnapshot(f"s{i}", "d", c + tuple(t[0][:3]) + (9,), len(c))
         for i, (c, t) in enumerate(zip(CONTEXTS, chains, strict=True))
     ]
     assert EngineDrafter(tree_engine, depth).propose(later) == chain_drafter.propose(later)
-    again = [DraftJob(j.request_id, "d", j.context, len(j.context)) for j in later]
+    again = [DraftSnapshot(j.request_id, "d", j.context, len(j.context)) for j in later]
     tree_drafter.propose(again)  # every full block of these contexts is cached by now
     bs = tree_engine.block_manager.block_size
     tails = [len(j.context) - (len(j.context) - 1) // bs * bs for j in again]  # 1 .. bs each
@@ -206,7 +206,7 @@ def test_engine_tree_drafter_at_the_length_limit_proposes_the_levels_that_fit(dr
     engine = LLMEngine(model, tokenizer, config)
     context = tuple((3 * i + 1) % 200 for i in range(22))
     drafter = EngineTreeDrafter(engine, TreeShape(WIDTHS), LOOKAHEAD)
-    [tree] = drafter.propose([DraftJob("r", "d", context, len(context))])
+    [tree] = drafter.propose([DraftSnapshot("r", "d", context, len(context))])
     assert len(tree[0]) == 2 + 4 + 4 + 1 and DraftTree(*tree).depth == 4
     for path, kids in _children(tree).items():
         _assert_top(_logits_after(engine, context + path), kids, f"node {path}")

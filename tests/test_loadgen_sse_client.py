@@ -22,11 +22,11 @@ import aiohttp
 import pytest
 from aiohttp import web
 from kvmesh.loadgen.serve_metrics import RequestRecord
-from kvmesh.loadgen.sse import SseDecoder, Usage, read_chunk
-from kvmesh.loadgen.sse_client import CHAT, Endpoint, request_body, run_requests, send_request
-from kvmesh.loadgen.workload import Prompt
+from kvmesh.loadgen.sse import SseDecoder, StreamUsage, read_chunk
+from kvmesh.loadgen.sse_client import CHAT, SseEndpoint, request_body, run_requests, send_request
+from kvmesh.loadgen.workload import WorkloadPrompt
 
-PROMPT = Prompt(token_ids=(10, 11, 12), output_len=5, text="abc")
+PROMPT = WorkloadPrompt(token_ids=(10, 11, 12), output_len=5, text="abc")
 
 
 def sse(payload: dict[str, Any]) -> bytes:
@@ -140,10 +140,12 @@ def server() -> Iterator[FakeOpenAI]:
         yield fake
 
 
-async def send(url: str, model: str, prompt: Prompt = PROMPT, **options: Any) -> RequestRecord:
+async def send(
+    url: str, model: str, prompt: WorkloadPrompt = PROMPT, **options: Any
+) -> RequestRecord:
     path = options.pop("path", "/v1/completions")
     timeout_s = options.pop("timeout_s", 5.0)
-    endpoint = Endpoint(base_url=url, model=model, path=path, **options)
+    endpoint = SseEndpoint(base_url=url, model=model, path=path, **options)
     async with aiohttp.ClientSession() as session:
         return await send_request(
             session, endpoint, prompt, origin=time.perf_counter(), timeout_s=timeout_s
@@ -196,7 +198,7 @@ async def test_usage_token_count_wins_over_the_number_of_chunks(server):
 
 
 async def test_chunk_count_stands_in_when_the_server_sends_no_usage(server):
-    r = await send(server.url, "no-usage", Prompt((1, 2, 3, 4), 4))
+    r = await send(server.url, "no-usage", WorkloadPrompt((1, 2, 3, 4), 4))
     assert r.is_ok and r.num_output_tokens == 4 and r.prompt_len == 4
 
 
@@ -253,8 +255,8 @@ async def test_refused_connection_is_a_connection_error():
 
 async def test_requests_go_out_at_their_arrival_times(server):
     arrivals = [0.0, 0.1, 0.25]
-    prompts = [Prompt((1, 2), 2)] * 3
-    endpoint = Endpoint(base_url=server.url, model="ok")
+    prompts = [WorkloadPrompt((1, 2), 2)] * 3
+    endpoint = SseEndpoint(base_url=server.url, model="ok")
     seen: list[int] = []
     records, duration_s = await run_requests(
         endpoint, prompts, arrivals, timeout_s=5.0, on_record=lambda r: seen.append(r.index)
@@ -267,8 +269,8 @@ async def test_requests_go_out_at_their_arrival_times(server):
 
 
 async def test_max_concurrency_holds_requests_back(server):
-    prompts = [Prompt((1, 2), 3)] * 3
-    endpoint = Endpoint(base_url=server.url, model="ok")
+    prompts = [WorkloadPrompt((1, 2), 3)] * 3
+    endpoint = SseEndpoint(base_url=server.url, model="ok")
     records, _ = await run_requests(endpoint, prompts, [0.0] * 3, timeout_s=5.0, max_concurrency=1)
     assert all(r.is_ok for r in records)
     ordered = sorted(records, key=lambda r: r.send_s)
@@ -280,15 +282,15 @@ async def test_max_concurrency_holds_requests_back(server):
 
 
 def test_request_body_sends_text_or_ids_and_merges_extra_fields():
-    endpoint = Endpoint(base_url="http://h", model="m", send_ids=False, ignore_eos=False)
+    endpoint = SseEndpoint(base_url="http://h", model="m", send_ids=False, ignore_eos=False)
     body = request_body(endpoint, PROMPT)
     assert body["prompt"] == "abc" and "ignore_eos" not in body
-    with_extra = Endpoint(base_url="http://h", model="m", extra_body={"min_tokens": 5})
+    with_extra = SseEndpoint(base_url="http://h", model="m", extra_body={"min_tokens": 5})
     assert request_body(with_extra, PROMPT)["min_tokens"] == 5
-    no_text = Prompt((1, 2), 3)
+    no_text = WorkloadPrompt((1, 2), 3)
     assert request_body(endpoint, no_text)["prompt"] == [1, 2]
     with pytest.raises(ValueError, match="endpoint"):
-        Endpoint(base_url="http://h", model="m", path="/v1/embeddings")
+        SseEndpoint(base_url="http://h", model="m", path="/v1/embeddings")
 
 
 def test_sse_decoder_handles_any_split_crlf_comments_and_multiline_data():
@@ -306,7 +308,7 @@ def test_read_chunk_reads_content_usage_done_and_errors():
     usage = read_chunk(
         '{"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 7}}', False
     )
-    assert usage.usage == Usage(3, 7) and usage.content == ""
+    assert usage.usage == StreamUsage(3, 7) and usage.content == ""
     assert read_chunk("[DONE]", False).is_done
     assert read_chunk('{"id": "cmpl-7", "choices": []}', False).response_id == "cmpl-7"
     assert read_chunk('{"id": 7, "choices": []}', False).response_id == ""

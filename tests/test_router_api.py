@@ -491,7 +491,7 @@ def test_every_streamed_and_full_body_matches_its_published_schema():
         return Draft202012Validator(schema)
 
     for kind, full, chunk in (
-        ("completion", "Completion", "Completion"),
+        ("completion", "TextCompletion", "TextCompletion"),
         ("chat", "ChatCompletion", "ChatCompletionChunk"),
     ):
         for include_usage in (False, True):

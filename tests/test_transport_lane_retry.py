@@ -17,7 +17,7 @@ from kvmesh.shared.transport import (
     tcp_endpoint,
 )
 from kvmesh.shared.transport.endpoint_cache import EndpointCache
-from kvmesh.shared.transport.source_budget import SourceGuard, Verdict
+from kvmesh.shared.transport.source_budget import BudgetVerdict, SourceGuard
 from kvmesh.shared.transport.tcp import TcpTransport
 from support.transport_wire import remote
 
@@ -29,12 +29,12 @@ class ResetFirst:
     def __init__(self, guard: SourceGuard, n: int | None) -> None:
         self.guard, self.left = guard, n
 
-    def admit(self, source: str) -> Verdict:
+    def admit(self, source: str) -> BudgetVerdict:
         if self.left is None:
-            return Verdict.RATE_LIMITED
+            return BudgetVerdict.RATE_LIMITED
         if self.left:
             self.left -= 1
-            return Verdict.RATE_LIMITED
+            return BudgetVerdict.RATE_LIMITED
         return self.guard.admit(source)
 
 

@@ -7,10 +7,10 @@ import random
 import pytest
 from kvmesh.shared.transport.backoff import Backoff
 from kvmesh.shared.transport.source_budget import (
+    BudgetVerdict,
     SourceBudget,
     SourceLimits,
     TokenBucket,
-    Verdict,
     source_of,
 )
 
@@ -36,15 +36,15 @@ def test_token_bucket_ignores_a_clock_that_goes_back() -> None:
 def test_accepts_over_a_sources_rate_are_refused_while_other_sources_are_admitted() -> None:
     budget = SourceBudget(SourceLimits(accepts_per_s=10.0, accept_burst=5))
     flood = [budget.admit("127.0.0.2", now=0.0) for _ in range(8)]
-    assert flood == [Verdict.ADMIT] * 5 + [Verdict.RATE_LIMITED] * 3
-    assert budget.admit("127.0.0.1", now=0.0) is Verdict.ADMIT
-    assert budget.admit("127.0.0.2", now=0.1) is Verdict.ADMIT  # one token back after 0.1 s
+    assert flood == [BudgetVerdict.ADMIT] * 5 + [BudgetVerdict.RATE_LIMITED] * 3
+    assert budget.admit("127.0.0.1", now=0.0) is BudgetVerdict.ADMIT
+    assert budget.admit("127.0.0.2", now=0.1) is BudgetVerdict.ADMIT  # one token back after 0.1 s
 
 
 def test_accepts_per_source_are_bounded_by_the_rate_over_a_long_flood() -> None:
     budget = SourceBudget(SourceLimits(accepts_per_s=50.0, accept_burst=100))
     admitted = sum(
-        budget.admit("10.0.0.9", now=i / 20_000) is Verdict.ADMIT for i in range(200_000)
+        budget.admit("10.0.0.9", now=i / 20_000) is BudgetVerdict.ADMIT for i in range(200_000)
     )  # 20k connections a second for 10 s
     assert 100 + 50 * 10 - 1 <= admitted <= 100 + 50 * 10
 
@@ -52,10 +52,10 @@ def test_accepts_per_source_are_bounded_by_the_rate_over_a_long_flood() -> None:
 def test_a_source_that_spends_its_refusals_is_blocked_for_block_s() -> None:
     budget = SourceBudget(SourceLimits(max_refusals=4, block_s=10.0))
     assert [budget.refused("127.0.0.3", now=0.0) for _ in range(5)] == [False] * 4 + [True]
-    assert budget.admit("127.0.0.3", now=1.0) is Verdict.BLOCKED
-    assert budget.admit("127.0.0.1", now=1.0) is Verdict.ADMIT  # others are not
+    assert budget.admit("127.0.0.3", now=1.0) is BudgetVerdict.BLOCKED
+    assert budget.admit("127.0.0.1", now=1.0) is BudgetVerdict.ADMIT  # others are not
     assert budget.is_blocked("127.0.0.3", now=9.9)
-    assert budget.admit("127.0.0.3", now=10.1) is Verdict.ADMIT
+    assert budget.admit("127.0.0.3", now=10.1) is BudgetVerdict.ADMIT
 
 
 def test_refusal_guessing_per_source_is_bounded_by_the_budget_when_each_guess_is_a_fresh_lane() -> (
@@ -69,7 +69,7 @@ def test_refusal_guessing_per_source_is_bounded_by_the_budget_when_each_guess_is
     guesses = 0
     for i in range(16_700 * 60):  # a minute at the old rate
         now = i / 16_700
-        if budget.admit("127.0.0.4", now) is not Verdict.ADMIT:
+        if budget.admit("127.0.0.4", now) is not BudgetVerdict.ADMIT:
             continue
         guesses += 1
         budget.refused("127.0.0.4", now)

@@ -40,7 +40,7 @@ class DraftSequence:
 
 
 @dataclass(frozen=True, slots=True)
-class DraftJob:
+class DraftSnapshot:
     """One sequence to draft for: its whole context now (``position`` tokens), and the drafts
     past it that are kept (``ahead``): the drafter continues context + ahead."""
 
@@ -150,7 +150,7 @@ class DraftCore:
     def has_jobs(self) -> bool:
         return any(seq.is_dirty for seq in self.seqs.values())
 
-    def take_jobs(self, max_batch: int) -> list[DraftJob]:
+    def take_jobs(self, max_batch: int) -> list[DraftSnapshot]:
         """Up to ``max_batch`` sequences whose context changed, least recently updated first;
         they count as drafted from now on."""
         jobs = []
@@ -160,7 +160,7 @@ class DraftCore:
             if seq.is_dirty:
                 seq.is_dirty = False
                 jobs.append(
-                    DraftJob(
+                    DraftSnapshot(
                         seq.request_id,
                         seq.decode_worker_id,
                         tuple(seq.tokens),
@@ -171,7 +171,7 @@ class DraftCore:
         return jobs
 
     def proposal(
-        self, job: DraftJob, tokens: tuple[int, ...], parents: tuple[int, ...]
+        self, job: DraftSnapshot, tokens: tuple[int, ...], parents: tuple[int, ...]
     ) -> DraftProposal | None:
         """The message for a drafted tree that continues the job's context + ahead (an empty
         one too: it tells the decode worker this worker is alive and holds the context). A tree

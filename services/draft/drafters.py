@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from kvmesh.services.draft.config import DraftConfig
-from kvmesh.services.draft.core import DraftJob
+from kvmesh.services.draft.core import DraftSnapshot
 from kvmesh.services.draft.ngram import propose_ngram
 from kvmesh.services.draft.shape import TreeShape
 from kvmesh.shared.config.service_errors import ServiceStartError
@@ -25,7 +25,7 @@ Tree = tuple[tuple[int, ...], tuple[int, ...]]  # (tokens, parents)
 
 
 class Drafter(Protocol):
-    def propose(self, jobs: Sequence[DraftJob]) -> list[Tree]:
+    def propose(self, jobs: Sequence[DraftSnapshot]) -> list[Tree]:
         """One tree per job, in order, continuing its context + ahead (empty: nothing to
         propose)."""
         ...
@@ -37,7 +37,7 @@ class NgramDrafter:
     min_n: int
     max_n: int
 
-    def propose(self, jobs: Sequence[DraftJob]) -> list[Tree]:
+    def propose(self, jobs: Sequence[DraftSnapshot]) -> list[Tree]:
         return [
             propose_ngram(j.context + j.ahead, self.shape, self.min_n, self.max_n) for j in jobs
         ]
@@ -55,7 +55,7 @@ class EngineDrafter:
         # kept from earlier drafts or received through the data plane)
         self.num_computed_tokens = 0
 
-    def propose(self, jobs: Sequence[DraftJob]) -> list[Tree]:
+    def propose(self, jobs: Sequence[DraftSnapshot]) -> list[Tree]:
         from kvmesh.shared.engine.block_manager import OutOfBlocksError
         from kvmesh.shared.engine.sequence import RequestError
         from kvmesh.shared.text.sampling import SamplingOptions

@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from kvmesh.services.draft.core import DraftJob
+from kvmesh.services.draft.core import DraftSnapshot
 from kvmesh.services.draft.drafters import EngineDrafter, Tree
 from kvmesh.services.draft.shape import TreeShape
 from kvmesh.services.draft.tree_expansion import TreeExpansion
@@ -42,7 +42,7 @@ class EngineTreeDrafter(EngineDrafter):
         # context tokens this drafter computed itself (the rest were prefix-cache hits)
         self.num_computed_tokens = 0
 
-    def propose(self, jobs: Sequence[DraftJob]) -> list[Tree]:
+    def propose(self, jobs: Sequence[DraftSnapshot]) -> list[Tree]:
         from kvmesh.shared.engine.block_manager import OutOfBlocksError
         from kvmesh.shared.engine.sequence import RequestError
         from kvmesh.shared.text.sampling import SamplingOptions

@@ -1,9 +1,9 @@
 """The kv-registry's admin subjects: status, workers, drain/resume, log level.
 
 Each handler takes the request body (JSON bytes) and returns the reply, one of the admin messages
-of shared/bus/messages/admin.py; an ``AdminError`` becomes ``AdminFailure`` (``{"error": "..."}``). Drain and resume are forwarded to the worker
-(WorkerControl on ``worker_control(worker)``); the log level is broadcast (LogLevel on
-CONTROL_LOG_LEVEL).
+of shared/bus/messages/admin.py; an ``AdminRequestError`` becomes ``AdminFailure``
+(``{"error": "..."}``). Drain and resume are forwarded to the worker (WorkerControl on
+``worker_control(worker)``); the log level is broadcast (LogLevel on CONTROL_LOG_LEVEL).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ log = logs.get_logger(__name__)
 AdminHandler = Callable[[bytes], Awaitable[Message]]
 
 
-class AdminError(ValueError):
+class AdminRequestError(ValueError):
     """An admin request the registry cannot carry out; the message goes back as {"error": ...}."""
 
 
@@ -74,7 +74,7 @@ class RegistryAdmin:
         """Reply to one admin request with ``handle``'s result (or ``AdminFailure``)."""
         try:
             result = await handle(req.data)
-        except AdminError as exc:
+        except AdminRequestError as exc:
             result = AdminFailure(str(exc))
         await req.respond(encode_message(result))
 
@@ -111,7 +111,7 @@ class RegistryAdmin:
         except MessageError:
             worker_id = ""
         if not worker_id:
-            raise AdminError(
+            raise AdminRequestError(
                 f'{action} needs {{"worker": "<worker id>"}}; see `kvmesh admin workers`'
             )
         subject = self.subjects.worker_control(worker_id)
@@ -122,16 +122,18 @@ class RegistryAdmin:
                 timeout=self.config.admin_timeout_s,
             )
         except nats.errors.NoRespondersError:
-            raise AdminError(
+            raise AdminRequestError(
                 f"no worker {worker_id!r} answers on {subject}; `kvmesh admin workers` lists them"
             ) from None
         except nats.errors.TimeoutError:
-            raise AdminError(
+            raise AdminRequestError(
                 f"worker {worker_id!r} did not answer {action} within "
                 f"{self.config.admin_timeout_s:g}s"
             ) from None
         if msg.headers and ERROR_HEADER in msg.headers:
-            raise AdminError(f"worker {worker_id!r} refused {action}: {msg.headers[ERROR_HEADER]}")
+            raise AdminRequestError(
+                f"worker {worker_id!r} refused {action}: {msg.headers[ERROR_HEADER]}"
+            )
         self.core.mark_draining(worker_id, action == "drain")
         log.info("worker control forwarded", worker_id=worker_id, action=action)
         state = ""  # the worker answers with its heartbeat (answer_worker_control)
@@ -145,9 +147,9 @@ class RegistryAdmin:
         try:
             level = decode_message(body or b"{}", AdminLogLevel).level
         except MessageError as exc:
-            raise AdminError(f"{needs} ({exc})") from None
+            raise AdminRequestError(f"{needs} ({exc})") from None
         if level.strip().lower() not in logs.LEVELS:
-            raise AdminError(f"{needs}, got {level!r}")
+            raise AdminRequestError(f"{needs}, got {level!r}")
         level = level.strip().lower()
         await self.nc.publish(
             self.subjects.CONTROL_LOG_LEVEL, encode_message(LogLevel(level=level))
@@ -168,6 +170,6 @@ def _request_object(body: bytes) -> None:
     try:
         value = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
-        raise AdminError(f"the request body is not JSON: {exc}") from None
+        raise AdminRequestError(f"the request body is not JSON: {exc}") from None
     if not isinstance(value, dict):
-        raise AdminError("the request body must be a JSON object, e.g. '{}'")
+        raise AdminRequestError("the request body must be a JSON object, e.g. '{}'")

@@ -142,7 +142,9 @@ ROUTES: tuple[Route, ...] = (
         "POST",
         "/v1/completions",
         "completions",
-        _generate_operation("Complete a prompt", "CompletionRequest", "Completion", "Completion"),
+        _generate_operation(
+            "Complete a prompt", "CompletionRequest", "TextCompletion", "TextCompletion"
+        ),
     ),
     Route(
         "POST",

@@ -24,12 +24,12 @@ from kvmesh.services.router.schema import (
     ChatCompletionChunk,
     ChatDelta,
     ChatLogprobs,
-    Completion,
     CompletionChoice,
     CompletionLogprobs,
     FunctionCall,
     FunctionCallDelta,
     PromptLogprobs,
+    TextCompletion,
     ToolCall,
     ToolCallDelta,
     Usage,
@@ -38,7 +38,7 @@ from kvmesh.shared.text.tool_calls import CallDelta, ParsedCall, new_call_id
 
 SSE_DONE = b"data: [DONE]\n\n"
 
-Body = Completion | ChatCompletion | ChatCompletionChunk
+Body = TextCompletion | ChatCompletion | ChatCompletionChunk
 Logprobs = ChatLogprobs | CompletionLogprobs
 
 
@@ -97,7 +97,7 @@ class ResponseBuilder:
         choices: list[ChoiceResult],
         usage: Usage,
         prompt_logprobs: PromptLogprobs | None = None,
-    ) -> Completion | ChatCompletion:
+    ) -> TextCompletion | ChatCompletion:
         """The non-streamed response; ``prompt_logprobs``: vLLM's, when asked for (chat: of
         the answer; completions: of each choice)."""
         head = self._head()
@@ -127,7 +127,7 @@ class ResponseBuilder:
             )
             for c in choices
         ]
-        return Completion(object="text_completion", choices=plain, usage=usage, **head)
+        return TextCompletion(object="text_completion", choices=plain, usage=usage, **head)
 
     def role_chunk(self, index: int = 0) -> ChatCompletionChunk | None:
         """The chunk that opens a chat choice's stream (None for completions)."""
@@ -137,7 +137,7 @@ class ResponseBuilder:
 
     def text_chunk(
         self, text: str, index: int = 0, logprobs: Logprobs | None = None
-    ) -> Completion | ChatCompletionChunk:
+    ) -> TextCompletion | ChatCompletionChunk:
         if self._is_chat:
             return self._chat_chunk(index, ChatDelta(content=text), None, logprobs)
         return self._completion_chunk(index, text, None, logprobs)
@@ -151,17 +151,19 @@ class ResponseBuilder:
             function.name, call.id, call.type = delta.name, delta.id, "function"
         return self._chat_chunk(index, ChatDelta(tool_calls=[call]), None)
 
-    def finish_chunk(self, finish_reason: str, index: int = 0) -> Completion | ChatCompletionChunk:
+    def finish_chunk(
+        self, finish_reason: str, index: int = 0
+    ) -> TextCompletion | ChatCompletionChunk:
         if self._is_chat:
             return self._chat_chunk(index, ChatDelta(), finish_reason)
         return self._completion_chunk(index, "", finish_reason)
 
-    def usage_chunk(self, usage: Usage) -> Completion | ChatCompletionChunk:
+    def usage_chunk(self, usage: Usage) -> TextCompletion | ChatCompletionChunk:
         if self._is_chat:
             return ChatCompletionChunk(
                 object="chat.completion.chunk", choices=[], usage=usage, **self._head()
             )
-        return Completion(object="text_completion", choices=[], usage=usage, **self._head())
+        return TextCompletion(object="text_completion", choices=[], usage=usage, **self._head())
 
     def _chat_chunk(
         self,
@@ -186,14 +188,14 @@ class ResponseBuilder:
         text: str,
         finish_reason: str | None,
         logprobs: Logprobs | None = None,
-    ) -> Completion:
+    ) -> TextCompletion:
         choice = CompletionChoice(
             index=index,
             text=text,
             logprobs=logprobs,  # type: ignore[arg-type]
             finish_reason=finish_reason,
         )
-        return Completion(
+        return TextCompletion(
             object="text_completion", choices=[choice], **self._head(), **self._no_usage()
         )
 

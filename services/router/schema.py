@@ -366,7 +366,7 @@ class CompletionChoice(msgspec.Struct, kw_only=True):
     prompt_logprobs: PromptLogprobs | UnsetType = UNSET  # vLLM's, when asked for
 
 
-class Completion(msgspec.Struct, kw_only=True):
+class TextCompletion(msgspec.Struct, kw_only=True):
     """The answer of ``/v1/completions``, and each event of its stream."""
 
     id: str
@@ -478,7 +478,7 @@ REQUESTS = (
     DetokenizeRequest,
 )
 RESPONSES = (
-    Completion,
+    TextCompletion,
     ChatCompletion,
     ChatCompletionChunk,
     ModelList,

@@ -28,7 +28,7 @@ from kvmesh.shared.text.structured_output import StructuredOutputError
 
 
 @dataclass(eq=False)
-class Admission:
+class AdmissionRules:
     """An engine's admission rules over its vocabulary, length limit and KV pool."""
 
     tokenizer: TokenDecoder | None

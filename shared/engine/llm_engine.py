@@ -63,7 +63,7 @@ from typing import Any
 
 import torch
 from kvmesh.shared.engine import choices, draft_step, handoff, scoring
-from kvmesh.shared.engine.admission import Admission
+from kvmesh.shared.engine.admission import AdmissionRules
 from kvmesh.shared.engine.block_manager import BlockManager, OutOfBlocksError
 from kvmesh.shared.engine.choices import ChoiceGroups
 from kvmesh.shared.engine.config import EngineConfig
@@ -155,7 +155,7 @@ class LLMEngine:
             self.vocab_size,
         )
         # what a request is refused for, and the sequences admitted (admission.py)
-        self.admission = Admission(
+        self.admission = AdmissionRules(
             tokenizer,
             self.grammars,
             self.vocab_size,

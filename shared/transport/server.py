@@ -50,7 +50,7 @@ from typing import Protocol
 
 from kvmesh.shared.obs import logs
 from kvmesh.shared.transport.lane_auth import HelloRefused, LaneHello
-from kvmesh.shared.transport.source_budget import SourceGuard, Verdict, source_of
+from kvmesh.shared.transport.source_budget import BudgetVerdict, SourceGuard, source_of
 from kvmesh.shared.transport.threads import ThreadSet
 
 log = logs.get_logger(__name__)
@@ -234,8 +234,8 @@ class SocketServer:
                     continue
                 self._start_handshake(conn, source)
                 continue
-            verdict = Verdict.ADMIT if self.guard is None else self.guard.admit(source)
-            if verdict is Verdict.ADMIT:
+            verdict = BudgetVerdict.ADMIT if self.guard is None else self.guard.admit(source)
+            if verdict is BudgetVerdict.ADMIT:
                 self._start_handshake(conn, source)
                 continue
             self.num_throttled += 1  # reset before any byte: no challenge, no nonce, no slot

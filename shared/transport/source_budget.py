@@ -71,7 +71,7 @@ class TokenBucket:
         return self.tokens >= self.burst
 
 
-class Verdict(Enum):
+class BudgetVerdict(Enum):
     ADMIT = "admit"
     RATE_LIMITED = "rate limited"  # over the source's accepts per second
     BLOCKED = "blocked"  # the source spent its refusals
@@ -121,12 +121,12 @@ class SourceBudget:
         while len(self._sources) > self.limits.max_sources:
             self._sources.popitem(last=False)
 
-    def admit(self, source: str, now: float) -> Verdict:
+    def admit(self, source: str, now: float) -> BudgetVerdict:
         """A new connection from ``source``: admit it to the handshake, or reset it (why)."""
         entry = self._get(source, now)
         if entry.blocked_until > now:
-            return Verdict.BLOCKED
-        return Verdict.ADMIT if entry.accepts.take(now) else Verdict.RATE_LIMITED
+            return BudgetVerdict.BLOCKED
+        return BudgetVerdict.ADMIT if entry.accepts.take(now) else BudgetVerdict.RATE_LIMITED
 
     def refused(self, source: str, now: float) -> bool:
         """``source`` had an access refused; True when it is (now) blocked."""
@@ -149,7 +149,7 @@ class SourceGuard:
         self._lock = threading.Lock()
         self.num_blocked = 0  # refusals that found or left their source blocked
 
-    def admit(self, source: str) -> Verdict:
+    def admit(self, source: str) -> BudgetVerdict:
         with self._lock:
             return self._budget.admit(source, time.monotonic())
 
@@ -177,4 +177,11 @@ def source_of(address: object) -> str:
     return str(ipaddress.IPv6Network((ip, 64), strict=False))
 
 
-__all__ = ["SourceBudget", "SourceGuard", "SourceLimits", "TokenBucket", "Verdict", "source_of"]
+__all__ = [
+    "BudgetVerdict",
+    "SourceBudget",
+    "SourceGuard",
+    "SourceLimits",
+    "TokenBucket",
+    "source_of",
+]
