@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from kvmesh.services.decode.local_reads import LocalPrefixReads
 from kvmesh.services.decode.worker import DecodeWorker
 from kvmesh.shared.bus.messages.placement import ReserveRequest
 from kvmesh.shared.mesh.kv_store_client import put_cached_prefix
@@ -40,7 +41,11 @@ def worker_of(tiny, store: FakeStore | None = None) -> tuple[DecodeWorker, FakeS
     store = store or FakeStore(pool.raw, pool.spec.block_bytes)
     store.raw = pool.raw  # the fake store copies from and into this worker's pool
     reader = PrefixReader(store, OneStore(), engine.kv_spec, engine.block_manager, pool)
-    worker = DecodeWorker(engine, worker_id="d0", base_addr=pool.base_addr, reader=reader)
+    lock, wake = asyncio.Lock(), asyncio.Event()  # the engine's and the loop's, as composed
+    reads = LocalPrefixReads(reader, lock, wake)
+    worker = DecodeWorker(
+        engine, worker_id="d0", base_addr=pool.base_addr, lock=lock, wake=wake, reads=reads
+    )
     return worker, store
 
 

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 from kvmesh.services.decode.cache_reports import CacheReports
 from kvmesh.services.decode.config import DecodeConfig
+from kvmesh.services.decode.local_reads import LocalPrefixReads
 from kvmesh.services.decode.metrics import DecodeMetrics
 from kvmesh.services.decode.speculation import Speculation
 from kvmesh.services.decode.step_hooks import StepHook
@@ -23,7 +24,6 @@ from kvmesh.shared.engine.config import EngineConfig, worker_engine_config
 from kvmesh.shared.engine.llm_engine import LLMEngine
 from kvmesh.shared.kv.kv_cache import KVCacheSpec
 from kvmesh.shared.mesh.kv_store_client import KvStoreClient
-from kvmesh.shared.mesh.kv_store_prefix import PrefixReader
 from kvmesh.shared.mesh.store_link import StoreLink
 from kvmesh.shared.model.config import parse_dtype
 from kvmesh.shared.transport import Transport
@@ -78,6 +78,8 @@ class DecodeParts:
     region: MemoryRegion | None
     metrics: DecodeMetrics
     lock: asyncio.Lock  # the engine's, for the hooks whose background work touches the pool
+    # the worker's loop's: set by a feature's background work that brings it something to admit
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
     link: StoreLink | None = None
 
     def store_link(self) -> StoreLink | None:
@@ -108,6 +110,7 @@ FEATURES: tuple[Callable[[DecodeParts], Feature | None], ...] = (
     Speculation.compose,
     FinishedPuts.compose,
     Swaps.compose,
+    LocalPrefixReads.compose,
     CacheReports.compose,
 )
 
@@ -115,15 +118,18 @@ FEATURES: tuple[Callable[[DecodeParts], Feature | None], ...] = (
 @dataclass(frozen=True, slots=True)
 class DecodeFeatures:
     """What the config turned on: ``features`` in composition order (the store link, when one
-    uses it, first), of which ``hooks`` join the engine loop; ``reader``: local prefills read
-    their prefix from a kv-store (part of how requests enter)."""
+    uses it, first), of which ``hooks`` join the engine loop and ``reads`` takes part in how
+    local prefills enter (their prefix read from a kv-store first)."""
 
     features: Features
-    reader: PrefixReader | None = None
 
     @property
     def hooks(self) -> list[StepHook]:
         return self.features.of_type(StepHook)
+
+    @property
+    def reads(self) -> LocalPrefixReads | None:
+        return next(iter(self.features.of_type(LocalPrefixReads)), None)
 
 
 def compose_features(
@@ -133,10 +139,4 @@ def compose_features(
     """The features ``parts.config`` asks for on this worker (``factories``: FEATURES)."""
     made = [f for factory in factories if (f := factory(parts)) is not None]
     link = parts.link
-    reader = None
-    if link is not None:
-        engine = parts.engine
-        reader = PrefixReader(
-            link.client, link.stores, engine.kv_spec, engine.block_manager, engine.kv_pool
-        )
-    return DecodeFeatures(Features([link, *made] if link is not None else made), reader)
+    return DecodeFeatures(Features([link, *made] if link is not None else made))

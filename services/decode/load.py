@@ -47,4 +47,6 @@ class DecodeReach:
     block_size: int
     kv_spec: str  # kv_spec_fingerprint(); it also roots the prefix hashes
     model_spec: str
-    reads_kv_store: bool  # the registry may have it read a prefix from a kv-store
+    # the registry may have it read a prefix from a kv-store: its reads feature's advert field
+    # (local_reads.py) says so
+    reads_kv_store: bool = False

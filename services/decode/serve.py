@@ -97,7 +97,8 @@ async def decode_service(config: DecodeConfig) -> AsyncIterator[DecodeService]:
             metrics=metrics,
             hooks=features.hooks,
             lock=lock,
-            reader=features.reader,
+            reads=features.reads,
+            wake=parts.wake,
             grammar_compile_timeout_s=config.grammar_compile_timeout_s,
             resume_window_s=(
                 config.heartbeat_s if config.resume_window_s is None else config.resume_window_s
@@ -116,7 +117,6 @@ async def decode_service(config: DecodeConfig) -> AsyncIterator[DecodeService]:
                 block_size=engine.kv_pool.spec.block_size,
                 kv_spec=engine.kv_spec,
                 model_spec=model_spec(model.config),
-                reads_kv_store=features.reader is not None,
             ),
             started_at=started_at,
         )

@@ -15,7 +15,8 @@ Features join the loop as step hooks (``step_hooks.py``), composed by the servic
 config: speculative decoding (``speculation.py``), kv-store puts of finished requests
 (``store_puts.py``) and swaps of preempted ones (``swaps.py``). The worker calls them at fixed
 points, holding its lock, and knows none of them. Local prefills that read their prefix from a
-kv-store first (``reader``) are part of how requests enter, not a step hook.
+kv-store first (``reads``, a feature the composition hands in: ``local_reads.py``) are part of
+how requests enter, not a step hook.
 
 A request with a structured output waits, accepted, until its grammar is compiled: in a thread,
 within ``grammar_compile_timeout_s`` (``shared/engine/grammar_compile.py``), never on the event
@@ -51,7 +52,6 @@ from kvmesh.shared.engine.grammar_compile import GrammarCompiles
 from kvmesh.shared.engine.llm_engine import LLMEngine
 from kvmesh.shared.engine.sequence import RequestError, RequestOutput
 from kvmesh.shared.kv.imm import imm_slot, unpack_imm
-from kvmesh.shared.mesh.kv_store_prefix import PrefixReader
 from kvmesh.shared.obs import logs
 from kvmesh.shared.text.sampling import SamplingOptions
 from kvmesh.shared.text.structured_output import StructuredOutputError
@@ -76,13 +76,16 @@ class DecodeWorker:
         clock: Callable[[], float] = time.monotonic,
         hooks: Iterable[StepHook] = (),
         lock: asyncio.Lock | None = None,
-        reader: PrefixReader | None = None,
+        reads: LocalPrefixReads | None = None,
+        wake: asyncio.Event | None = None,
         grammar_compile_timeout_s: float = 10.0,
         resume_window_s: float = 0.0,
     ) -> None:
         """``hooks``: the features of the engine loop, called in this order; ``lock``: the
         engine lock, when the shell gave it to hooks whose background work touches the pool
-        (else the worker makes its own); ``grammar_compile_timeout_s``: the longest a
+        (else the worker makes its own); ``reads``: local prefills' prefix reads from a
+        kv-store, which set ``wake``, the engine loop's event (composed: given to both);
+        ``grammar_compile_timeout_s``: the longest a
         structured output's grammar may take to compile; ``resume_window_s``: how long a
         streaming sequence of a gone router waits for another router to take it over
         (``hand_over``) before it is aborted."""
@@ -98,7 +101,7 @@ class DecodeWorker:
         self._clock = clock
         self._lock = lock or asyncio.Lock()
         self.hooks = tuple(hooks)
-        self._wake = asyncio.Event()
+        self._wake = wake or asyncio.Event()  # the loop's: shared with ``reads`` when composed
         self._settled: list[Verdict] = []  # reservations leaving the table, applied by admit()
         self._settled_at: dict[str, float] = {}  # request id -> when its verdict came
         self.first_token = FirstTokenClock()  # local prefills' wait and prefill time
@@ -107,11 +110,7 @@ class DecodeWorker:
         # added to the engine by admit() between steps.
         self._incoming: list[tuple[str, list[int], SamplingOptions]] = []
         # None: local prefills use this worker's own prefix cache only, never a kv-store's
-        self.reads = (
-            LocalPrefixReads(reader, self._lock, self._queue_local, self._wake.set)
-            if reader is not None
-            else None
-        )
+        self.reads = reads  # a feature (local_reads.py): it sets ``wake`` when a read ended
         # Requests aborted and leases the registry gave up on, lately: a reservation for one
         # of them that arrives late (its messages took another path) is refused, not held for
         # nobody until its lease runs out.
@@ -158,6 +157,8 @@ class DecodeWorker:
         failures."""
         events: list[TokenEvent] = []
         async with self._lock:
+            if self.reads is not None:  # read: queued now, added below
+                self._incoming += self.reads.take_ended()
             incoming, self._incoming = self._incoming, []
             self._local_leases.clear()
             if self.reads is not None:
@@ -387,9 +388,6 @@ class DecodeWorker:
     def _start_grammar(self, params: SamplingOptions) -> None:
         with contextlib.suppress(StructuredOutputError):  # failed lately: admit() says so
             self._grammar_ready(params)
-
-    def _queue_local(self, rid: str, prompt: list[int], params: SamplingOptions) -> None:
-        self._incoming.append((rid, prompt, params))
 
     def _close_window(self, window: MemoryWindow | None) -> None:
         if window is not None and self.windows is not None:
