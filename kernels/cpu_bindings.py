@@ -6,6 +6,7 @@ definitions (``*_reference``) the tests hold them to.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -34,20 +35,22 @@ _SIGNATURES = {
     "kv_linear": (_ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64),
     # qkv, heads, kv heads, d, cos, sin, k, v, strides, block size, tables, width, context
     # lens, scale, out, scratch, scratch stride, part bounds, parts, fp8 or int8 (KVQuant* or NULL),
-    # tree rows (KVTree* or NULL)
+    # tree rows (KVTree* or NULL), the cache's element type (KV_DTYPE_CODES)
     "kv_decode_attention": (
         *(_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr),
         *(_i64, _i64, _i64, _ptr, _i64, _ptr, _f32, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _ptr),
+        _i64,
     ),
     # x, batch, hidden, attn norm, ffn norm, eps, wqkv, bqkv, wo, bo, wgu, bgu, wdown, bdown,
     # inter, xn, qkv, attn, gu, act, then the attention's: heads, kv heads, d, cos, sin, k, v,
     # strides, block size, tables, width, context lens, scale, scratch, scratch stride; threads;
-    # fp8 or int8 (KVQuant* or NULL); tree rows (KVTree* or NULL)
+    # fp8 or int8 (KVQuant* or NULL); tree rows (KVTree* or NULL); the cache's element type;
+    # room for the attention's partial results (NULL: split by whole units), floats a thread
     "kv_decode_layer": (
         *(_ptr, _i64, _i64, _ptr, _ptr, _f32, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr),
         *(_i64, _ptr, _ptr, _ptr, _ptr, _ptr),
         *(_i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _f32),
-        *(_ptr, _i64, _i64, _ptr, _ptr),
+        *(_ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _i64),
     ),
     # as kv_decode_layer's, with the four weights' format codes (int64 *) before the weights
     # and the quantized activation's room (xq, xs) after the work buffers
@@ -56,9 +59,11 @@ _SIGNATURES = {
         *(_ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr),
         *(_i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr),
         *(_i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _f32),
-        *(_ptr, _i64, _i64, _ptr, _ptr),
+        *(_ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _i64),
     ),
 }
+# an unquantized KV cache's element type as the kernels name it (KV_F32 ... in cpu_kernels.h)
+KV_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
 class CpuOps:
@@ -78,9 +83,13 @@ class CpuOps:
         self._decode_layer_quant = lib.kv_decode_layer_quant
         self._qlinear = lib.kv_qlinear
         lib.kv_quant_pairs.argtypes, lib.kv_quant_pairs.restype = (), _i64
+        # floats of a thread's room for attention partials (kv_attention_parts_floats)
+        self._parts_floats = lib.kv_attention_parts_floats
+        self._parts_floats.argtypes, self._parts_floats.restype = (_i64, _i64, _i64, _i64), _i64
         # whether the kernels read Q4 weights in the paired layout (quant.pair_blocks; the
         # VNNI build): attach_cpu_ops repacks the layers' Q4 weights then
         self.quant_pairs = bool(lib.kv_quant_pairs())
+        self._memo: _StepMemo | None = None  # the last decode step's layer arguments
 
     def quant_linear(
         self, x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = None
@@ -235,8 +244,35 @@ class CpuOps:
             bounds.shape[0] - 1,
             None if quant is None else ctypes.addressof(quant),
             _tree_arg(plan),
+            KV_DTYPE_CODES.get(k_cache.dtype, 0),
         )
         return out
+
+    def _step_args(
+        self, x: torch.Tensor, w: DecodeLayerWeights | QuantDecodeLayerWeights, kv: DecodeLayerKV
+    ) -> tuple[tuple, tuple, _StepMemo]:
+        """``_layer_attention_args`` and the work buffers of a decode step's layers: checked and
+        built by the step's first layer, reused by the others, which bring the same step (plan,
+        rotation rows, tables), shapes and threads and differ only in their K/V views (a step
+        calls ~30 layers from Python: this is most of Python's share of it). An fp8 or int8
+        cache's layers build their scale arguments each."""
+        memo, k, v = self._memo, kv.k_cache, kv.v_cache
+        rows = (kv.cos, kv.sin, kv.block_tables, kv.context_lens)
+        key = (x.shape, k.dtype, k.shape, k.stride(), v.dtype, v.shape, v.stride())
+        key += (w.hidden, w.num_q_heads, w.num_kv_heads, w.head_dim, w.scale)
+        key += (torch.get_num_threads(),)
+        if (
+            memo is not None
+            and kv.scales is None
+            and memo.plan is kv.plan
+            and all(a is b for a, b in zip(memo.rows, rows, strict=True))
+            and memo.key == key
+        ):
+            args = memo.args
+            return (*args[:5], k.data_ptr(), v.data_ptr(), *args[7:]), memo.keep, memo
+        args, keep = _layer_attention_args(x, w, kv, self._parts_floats)
+        self._memo = memo = _StepMemo(kv.plan, rows, key, args, keep)
+        return args, keep, memo
 
     def decode_layer(
         self, x: torch.Tensor, w: DecodeLayerWeights, kv: DecodeLayerKV
@@ -245,13 +281,13 @@ class CpuOps:
         residual stream x (batch, hidden) after attention and MLP, a new tensor. Rotates, stores
         and attends as ``decode_attention`` does, with ``kv``'s cache, tables and plan; runs on
         ``torch.get_num_threads()`` threads in one parallel region."""
-        attention, quant = _layer_attention_args(x, w, kv)
+        attention, keep, memo = self._step_args(x, w, kv)
         batch, hidden = x.shape
         n_qkv, n_attn, inter = w.wqkv.out_features, w.wo.panels.shape[1], w.inter
         out = x.clone()
         # one allocation, cut into contiguous (batch, n) buffers
         sizes = (hidden, n_qkv, n_attn, 2 * inter, inter)
-        work = x.new_empty(batch * sum(sizes)).split([batch * n for n in sizes])
+        work = memo.work(x, sizes)
         self._decode_layer(
             out.data_ptr(),
             batch,
@@ -267,7 +303,7 @@ class CpuOps:
             *(t.data_ptr() for t in work),  # xn, qkv, attn, gu, act
             *attention,
         )
-        del quant  # alive until the call returned
+        del keep  # alive until the call returned
         return out
 
     def decode_layer_quant(
@@ -277,13 +313,13 @@ class CpuOps:
         in ``cpu_layer.c``): each linear layer's input quantized per block of 32 to int8 as
         ``quant_linear`` does, so the result is bit for bit the per-module path's (``QuantLinear``
         on ``quant_linear``, the separate norm, SiLU and attention kernels). A new tensor."""
-        attention, quant = _layer_attention_args(x, w, kv)
+        attention, keep, memo = self._step_args(x, w, kv)
         batch, hidden = x.shape
         n_qkv, n_attn, inter = w.wqkv.rows, w.wo.cols, w.inter
         out = x.clone()
         sizes = (hidden, n_qkv, n_attn, 2 * inter, inter, quant_scale_stride(w.max_in_features))
-        work = x.new_empty(batch * sum(sizes)).split([batch * n for n in sizes])
-        xq = torch.empty(batch, w.max_in_features, dtype=torch.int8)
+        work = memo.work(x, sizes)
+        xq = memo.work(x, (w.max_in_features,), torch.int8)[0]
         self._decode_layer_quant(
             out.data_ptr(),
             batch,
@@ -302,16 +338,45 @@ class CpuOps:
             work[5].data_ptr(),  # xs
             *attention,
         )
-        del quant
+        del keep
         return out
 
 
+class _StepMemo:
+    """What ``CpuOps._step_args`` keeps of a decode step: its plan and rotation rows, tables and
+    lengths (compared by identity), the layer shapes and threads (``key``), the attention
+    arguments the first layer built, and work buffers by shape."""
+
+    __slots__ = ("args", "buffers", "keep", "key", "plan", "rows")
+
+    def __init__(self, plan: DecodePlan, rows: tuple, key: tuple, args: tuple, keep: tuple):
+        self.plan, self.rows, self.key, self.args, self.keep = plan, rows, key, args, keep
+        self.buffers: dict[tuple, list[torch.Tensor]] = {}
+
+    def work(
+        self, x: torch.Tensor, sizes: tuple[int, ...], dtype: torch.dtype = torch.float32
+    ) -> list[torch.Tensor]:
+        """Contiguous buffers of batch * n for each n of ``sizes``, one allocation, the same ones
+        for every layer of the step (each layer's call is done before the next one's)."""
+        found = self.buffers.get((sizes, dtype))
+        if found is None:
+            batch = x.shape[0]
+            flat = torch.empty(batch * sum(sizes), dtype=dtype)
+            found = list(flat.split([batch * n for n in sizes]))
+            self.buffers[(sizes, dtype)] = found
+        return found
+
+
 def _layer_attention_args(
-    x: torch.Tensor, w: DecodeLayerWeights | QuantDecodeLayerWeights, kv: DecodeLayerKV
-) -> tuple[tuple, KVQuant | None]:
+    x: torch.Tensor,
+    w: DecodeLayerWeights | QuantDecodeLayerWeights,
+    kv: DecodeLayerKV,
+    parts_floats: Callable[[int, int, int, int], int],
+) -> tuple[tuple, tuple]:
     """The fused layers' attention arguments (heads, cache, tables, plan, threads, fp8/int8
-    and tree structs) after checking them against x (batch, hidden) and the layer; and the
-    ``KVQuant`` they point into, to keep alive through the call."""
+    and tree structs, the room for partial results) after checking them against x (batch,
+    hidden) and the layer; and what they point into, to keep alive through the call.
+    ``parts_floats``: the library's ``kv_attention_parts_floats``."""
     check_f32_contiguous(x=x, cos=kv.cos, sin=kv.sin)
     batch, hidden = x.shape
     k_cache, v_cache, plan = kv.k_cache, kv.v_cache, kv.plan
@@ -357,8 +422,17 @@ def _layer_attention_args(
         num_threads,
         None if quant is None else ctypes.addressof(quant),
         _tree_arg(plan),
+        KV_DTYPE_CODES.get(k_cache.dtype, 0),
     )
-    return args, quant
+    # an unquantized cache's attention splits by chunks of context over the threads: each
+    # thread's room for the partial results of the units it shares with others
+    parts = None
+    if quant is None:
+        group = w.num_q_heads // num_kv_heads
+        parts_stride = parts_floats(width, block_size, group, d)
+        parts = torch.empty(num_threads * parts_stride)
+    args += (None, 0) if parts is None else (parts.data_ptr(), parts_stride)
+    return args, (quant, parts)
 
 
 def _tree_arg(plan: DecodePlan) -> int | None:
@@ -368,7 +442,7 @@ def _tree_arg(plan: DecodePlan) -> int | None:
 def _is_cache_dtype(dtype: torch.dtype, kv_scales: tuple[torch.Tensor, ...] | None) -> bool:
     """Whether the kernels read a cache of ``dtype`` with (or without) ``kv_scales``."""
     if kv_scales is None:
-        return dtype == torch.float32
+        return dtype in KV_DTYPE_CODES
     return dtype in (torch.float8_e4m3fn, torch.int8)
 
 

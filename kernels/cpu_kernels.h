@@ -10,16 +10,20 @@
 typedef struct kv_quant kv_quant; /* fp8 or int8 KV: see cpu_ops.c */
 typedef struct kv_tree kv_tree; /* draft-tree rows: see cpu_ops.c */
 
+/* The element type of an unquantized KV cache (kv_dtype arguments): float32, IEEE half or
+ * bfloat16; stored rounded to nearest even as torch's casts do, read back as float32. */
+enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 };
+
 void kv_rms_norm(const float *x, const float *w, float *out, int64_t rows, int64_t n, float eps);
 void kv_silu_mul(const float *gate_up, float *out, int64_t rows, int64_t n);
 void kv_linear_share(const float *x, int64_t m, int64_t k, const float *packed, int64_t n,
                      const float *bias, float *y, int64_t t, int64_t num_threads, int accumulate);
 void kv_decode_store_units(float *qkv, int64_t num_q_heads, int64_t num_kv_heads, int64_t d,
-                           const float *rope_cos, const float *rope_sin, float *k_cache,
-                           float *v_cache, int64_t block_stride, int64_t head_stride,
+                           const float *rope_cos, const float *rope_sin, void *k_cache,
+                           void *v_cache, int64_t block_stride, int64_t head_stride,
                            int64_t block_size, const int64_t *block_tables, int64_t table_width,
                            const int64_t *context_lens, int64_t u0, int64_t u1,
-                           const kv_tree *tree);
+                           const kv_tree *tree, int64_t kv_dtype);
 void kv_decode_store_quant(float *qkv, int64_t batch, int64_t num_q_heads, int64_t num_kv_heads,
                            int64_t d, const float *rope_cos, const float *rope_sin,
                            uint8_t *k_cache, uint8_t *v_cache, int64_t block_stride,
@@ -32,7 +36,20 @@ void kv_decode_attention_units(const float *qkv, int64_t num_q_heads, int64_t nu
                                const int64_t *block_tables, int64_t table_width,
                                const int64_t *context_lens, float scale, float *out,
                                float *scratch, int64_t u0, int64_t u1, const kv_quant *kq,
-                               const kv_tree *tree);
+                               const kv_tree *tree, int64_t kv_dtype);
+int64_t kv_attention_parts_floats(int64_t table_width, int64_t block_size, int64_t group,
+                                  int64_t d);
+void kv_decode_attention_split(const float *qkv, int64_t batch, int64_t num_q_heads,
+                               int64_t num_kv_heads, int64_t d, const void *k_pool,
+                               const void *v_pool, int64_t block_stride, int64_t head_stride,
+                               int64_t block_size, const int64_t *block_tables,
+                               int64_t table_width, const int64_t *context_lens, float scale,
+                               float *out, float *scratch, float *parts, int64_t parts_stride,
+                               int64_t t, int64_t nt, const kv_tree *tree, int64_t kv_dtype);
+void kv_decode_attention_merge(int64_t batch, int64_t num_q_heads, int64_t num_kv_heads,
+                               int64_t d, int64_t block_size, const int64_t *context_lens,
+                               float *out, float *parts, int64_t parts_stride, int64_t t,
+                               int64_t nt);
 /* cpu_quant.c: linear layers over Q8_0 / Q4_0 / Q4_1 weights, activations quantized per block */
 int64_t qk_scale_stride(int64_t k);
 void kv_quantize_rows(const float *x, int64_t r0, int64_t r1, int64_t k, int8_t *xq, float *xs);

@@ -18,7 +18,12 @@
  * as kv_decode_store_units's and kv_decode_attention_units's, scratch: num_threads rows of
  * scratch_stride floats; kq: NULL for a float32 cache, else an fp8 or int8 cache's scales
  * (kv_quant: it stores through kv_decode_store_quant, by KV head); tree: NULL, or the batch's
- * draft-tree rows (kv_tree in cpu_ops.c).
+ * draft-tree rows (kv_tree in cpu_ops.c); kv_dtype: an unquantized cache's element type (KV_F32,
+ * KV_F16 or KV_BF16: a half cache halves the bytes attention reads); parts: NULL, or room for
+ * the attention's partial results, parts_stride floats a thread (kv_attention_parts_floats):
+ * an unquantized cache's attention then splits by chunks of context, not by whole (sequence,
+ * KV head) units, so that a batch of fewer units than threads keeps every thread busy
+ * (kv_decode_attention_split; the same result bit for bit).
  */
 #include <stdint.h>
 
@@ -43,7 +48,8 @@ void kv_decode_layer(float *x, int64_t batch, int64_t hidden, const float *attn_
                      int64_t head_stride, int64_t block_size, const int64_t *block_tables,
                      int64_t table_width, const int64_t *context_lens, float scale,
                      float *scratch, int64_t scratch_stride, int64_t num_threads,
-                     const kv_quant *kq, const kv_tree *tree) {
+                     const kv_quant *kq, const kv_tree *tree, int64_t kv_dtype, float *parts,
+                     int64_t parts_stride) {
     int64_t n_qkv = (num_q_heads + 2 * num_kv_heads) * d, n_attn = num_q_heads * d;
     if (num_threads < 1) num_threads = 1;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
@@ -65,12 +71,22 @@ void kv_decode_layer(float *x, int64_t batch, int64_t hidden, const float *attn_
         else
             kv_decode_store_units(qkv, num_q_heads, num_kv_heads, d, rope_cos, rope_sin, k_cache,
                                   v_cache, block_stride, head_stride, block_size, block_tables,
-                                  table_width, context_lens, u0, u1, tree);
+                                  table_width, context_lens, u0, u1, tree, kv_dtype);
         BARRIER /* every row's new K/V stored: the rows of a draft chain read each other's */
-        kv_decode_attention_units(qkv, num_q_heads, num_kv_heads, d, k_cache, v_cache,
-                                  block_stride, head_stride, block_size, block_tables,
-                                  table_width, context_lens, scale, attn,
-                                  scratch + t * scratch_stride, u0, u1, kq, tree);
+        if (parts && !kq) { /* split by chunks of context: every thread busy at batch 1 */
+            kv_decode_attention_split(qkv, batch, num_q_heads, num_kv_heads, d, k_cache, v_cache,
+                                      block_stride, head_stride, block_size, block_tables,
+                                      table_width, context_lens, scale, attn,
+                                      scratch + t * scratch_stride, parts, parts_stride, t, nt,
+                                      tree, kv_dtype);
+            BARRIER
+            kv_decode_attention_merge(batch, num_q_heads, num_kv_heads, d, block_size,
+                                      context_lens, attn, parts, parts_stride, t, nt);
+        } else
+            kv_decode_attention_units(qkv, num_q_heads, num_kv_heads, d, k_cache, v_cache,
+                                      block_stride, head_stride, block_size, block_tables,
+                                      table_width, context_lens, scale, attn,
+                                      scratch + t * scratch_stride, u0, u1, kq, tree, kv_dtype);
         BARRIER
         kv_linear_share(attn, batch, n_attn, wo, hidden, bo, x, t, nt, 1);
         BARRIER
@@ -111,7 +127,8 @@ void kv_decode_layer_quant(float *x, int64_t batch, int64_t hidden, const float 
                            int64_t block_size, const int64_t *block_tables, int64_t table_width,
                            const int64_t *context_lens, float scale, float *scratch,
                            int64_t scratch_stride, int64_t num_threads, const kv_quant *kq,
-                           const kv_tree *tree) {
+                           const kv_tree *tree, int64_t kv_dtype, float *parts,
+                           int64_t parts_stride) {
     int64_t n_qkv = (num_q_heads + 2 * num_kv_heads) * d, n_attn = num_q_heads * d;
     if (num_threads < 1) num_threads = 1;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
@@ -133,12 +150,22 @@ void kv_decode_layer_quant(float *x, int64_t batch, int64_t hidden, const float 
         else
             kv_decode_store_units(qkv, num_q_heads, num_kv_heads, d, rope_cos, rope_sin, k_cache,
                                   v_cache, block_stride, head_stride, block_size, block_tables,
-                                  table_width, context_lens, u0, u1, tree);
+                                  table_width, context_lens, u0, u1, tree, kv_dtype);
         BARRIER
-        kv_decode_attention_units(qkv, num_q_heads, num_kv_heads, d, k_cache, v_cache,
-                                  block_stride, head_stride, block_size, block_tables,
-                                  table_width, context_lens, scale, attn,
-                                  scratch + t * scratch_stride, u0, u1, kq, tree);
+        if (parts && !kq) { /* split by chunks of context: every thread busy at batch 1 */
+            kv_decode_attention_split(qkv, batch, num_q_heads, num_kv_heads, d, k_cache, v_cache,
+                                      block_stride, head_stride, block_size, block_tables,
+                                      table_width, context_lens, scale, attn,
+                                      scratch + t * scratch_stride, parts, parts_stride, t, nt,
+                                      tree, kv_dtype);
+            BARRIER
+            kv_decode_attention_merge(batch, num_q_heads, num_kv_heads, d, block_size,
+                                      context_lens, attn, parts, parts_stride, t, nt);
+        } else
+            kv_decode_attention_units(qkv, num_q_heads, num_kv_heads, d, k_cache, v_cache,
+                                      block_stride, head_stride, block_size, block_tables,
+                                      table_width, context_lens, scale, attn,
+                                      scratch + t * scratch_stride, u0, u1, kq, tree, kv_dtype);
         BARRIER
         kv_quantize_rows(attn, r0, r1, n_attn, xq, xs);
         BARRIER

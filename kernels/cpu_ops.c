@@ -13,6 +13,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
 
 #include "cpu_kernels.h"
 #include "cpu_vec.h"
@@ -201,38 +204,131 @@ static inline vn hsumn(vn v[NL]) {
 }
 #endif
 
+/* Elements of an unquantized KV cache (kind: KV_F32, KV_F16 or KV_BF16 of cpu_kernels.h), read as
+ * vectors of NL float32 lanes: a half cache moves half of float32's bytes from memory, and
+ * converting costs one instruction per vector (F16C's vcvtph2ps; bfloat16 is float32's upper
+ * half). Addresses and strides stay in elements; kv_es gives the bytes of one. */
+static inline int64_t kv_es(int kind) { return kind == KV_F32 ? 4 : 2; }
+
+typedef uint16_t vnh __attribute__((vector_size(NL * sizeof(uint16_t))));
+typedef uint32_t vnu __attribute__((vector_size(NL * sizeof(uint32_t))));
+
+static inline float f16_to_float(uint16_t h) {
+    _Float16 x;
+    memcpy(&x, &h, sizeof x);
+    return (float)x;
+}
+
+static inline float bf16_to_float(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float x;
+    memcpy(&x, &u, sizeof x);
+    return x;
+}
+
+/* float32 -> IEEE half, round to nearest even (torch's cast). */
+static inline uint16_t f16_from_float(float x) {
+    _Float16 h = (_Float16)x;
+    uint16_t u;
+    memcpy(&u, &h, sizeof u);
+    return u;
+}
+
+/* float32 -> bfloat16, round to nearest even, NaN to 0x7fc0 (torch's cast). */
+static inline uint16_t bf16_from_float(float x) {
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
+}
+
+static inline vn load_f16(const uint16_t *p) {
+#if NL == 16
+    __m256i h;
+    memcpy(&h, p, sizeof h);
+    return (vn)_mm512_cvtph_ps(h);
+#elif NL == 8 && defined(__F16C__)
+    __m128i h;
+    memcpy(&h, p, sizeof h);
+    return (vn)_mm256_cvtph_ps(h);
+#else
+    vn v;
+    for (int i = 0; i < NL; i++) v[i] = f16_to_float(p[i]);
+    return v;
+#endif
+}
+
+static inline vn load_bf16(const uint16_t *p) {
+    vnh h;
+    memcpy(&h, p, sizeof h);
+    vnu u = __builtin_convertvector(h, vnu) << 16;
+    vn v;
+    memcpy(&v, &u, sizeof v);
+    return v;
+}
+
+/* The NL elements from element i of p, as floats. */
+static inline __attribute__((always_inline)) vn load_kv(const void *p, int64_t i, int kind) {
+    if (kind == KV_F16) return load_f16((const uint16_t *)p + i);
+    if (kind == KV_BF16) return load_bf16((const uint16_t *)p + i);
+    return loadn((const float *)p + i);
+}
+
+/* Element i of p as a float. */
+static inline __attribute__((always_inline)) float get_kv(const void *p, int64_t i, int kind) {
+    if (kind == KV_F16) return f16_to_float(((const uint16_t *)p)[i]);
+    if (kind == KV_BF16) return bf16_to_float(((const uint16_t *)p)[i]);
+    return ((const float *)p)[i];
+}
+
+/* The address of element i of p. */
+static inline const void *kv_at(const void *p, int64_t i, int kind) {
+    return (const char *)p + i * kv_es(kind);
+}
+
+/* x (n floats) stored from element i of p on, converted to the cache's kind. */
+static void store_kv(void *p, int64_t i, const float *x, int64_t n, int kind) {
+    if (kind == KV_F16)
+        for (int64_t j = 0; j < n; j++) ((uint16_t *)p)[i + j] = f16_from_float(x[j]);
+    else if (kind == KV_BF16)
+        for (int64_t j = 0; j < n; j++) ((uint16_t *)p)[i + j] = bf16_from_float(x[j]);
+    else
+        memcpy((float *)p + i, x, n * sizeof(float));
+}
+
 /* The tile (block_size rows of d) holding context position j0 (a multiple of block_size): read
  * through the block table, or, from tail_from on, from the tail: the rows of a draft-tree node's
  * context past its block-aligned start, gathered in order (kv_tree below). */
-static inline const float *tile_at(const float *cache, const int64_t *table, int64_t block_stride,
-                                   int64_t block_size, int64_t d, int64_t j0, int64_t tail_from,
-                                   const float *tail) {
-    if (j0 >= tail_from) return tail + (j0 - tail_from) * d;
-    return cache + table[j0 / block_size] * block_stride;
+static inline __attribute__((always_inline)) const void *tile_at(
+    const void *cache, const int64_t *table, int64_t block_stride, int64_t block_size, int64_t d,
+    int64_t j0, int64_t tail_from, const void *tail, int kind) {
+    if (j0 >= tail_from) return kv_at(tail, (j0 - tail_from) * d, kind);
+    return kv_at(cache, table[j0 / block_size] * block_stride, kind);
 }
 
-/* out rows g of gb query heads, floats i0..i0+2*NL of d: sum_j p_gj v_j[i0..], the accumulators
- * in registers; gb is a constant after inlining. */
+/* out rows g of gb query heads, floats i0..i0+2*NL of d: sum_j p_gj v_j[i0..] over positions
+ * [c0, c1) (p: gb rows of c1 - c0), the accumulators in registers; gb and kind are constants
+ * after inlining. Tiles up to pf_end (the unit's context) are asked for AHEAD tiles early. */
 static inline __attribute__((always_inline)) void weigh_values(
-    const float *p, const float *v_cache, const int64_t *table, int64_t block_stride,
-    int64_t block_size, int64_t ctx, int64_t d, int64_t i0, int gb, float *out,
-    int64_t tail_from, const float *v_tail) {
+    const float *p, const void *v_cache, const int64_t *table, int64_t block_stride,
+    int64_t block_size, int64_t c0, int64_t c1, int64_t pf_end, int64_t d, int64_t i0, int gb,
+    float *out, int64_t tail_from, const void *v_tail, int kind) {
     vn acc[4][2] = {{{0}}};
-    for (int64_t j0 = 0; j0 < ctx; j0 += block_size) {
-        const float *tile = tile_at(v_cache, table, block_stride, block_size, d, j0, tail_from, v_tail) + i0;
-        int64_t n = ctx - j0 < block_size ? ctx - j0 : block_size;
-        if (j0 + AHEAD * block_size < ctx && j0 + AHEAD * block_size < tail_from) {
-            const float *next = v_cache + table[j0 / block_size + AHEAD] * block_stride + i0;
-            for (int64_t j = 0; j < block_size; j++) { /* the strip's 2 * NL floats: 2 lines */
-                __builtin_prefetch(next + j * d, 0, 3);
-                __builtin_prefetch(next + j * d + 2 * NL - 1, 0, 3);
+    int64_t es = kv_es(kind), n_all = c1 - c0;
+    for (int64_t j0 = c0; j0 < c1; j0 += block_size) {
+        const void *tile = tile_at(v_cache, table, block_stride, block_size, d, j0, tail_from, v_tail, kind);
+        int64_t n = c1 - j0 < block_size ? c1 - j0 : block_size;
+        if (j0 + AHEAD * block_size < pf_end && j0 + AHEAD * block_size < tail_from) {
+            const char *next = kv_at(v_cache, table[j0 / block_size + AHEAD] * block_stride + i0, kind);
+            for (int64_t j = 0; j < block_size; j++) { /* the strip's 2 * NL elements: 1-2 lines */
+                __builtin_prefetch(next + j * d * es, 0, 3);
+                __builtin_prefetch(next + (j * d + 2 * NL - 1) * es, 0, 3);
             }
         }
         for (int64_t j = 0; j < n; j++) {
-            const float *vj = tile + j * d;
-            vn v0 = loadn(vj), v1 = loadn(vj + NL);
+            vn v0 = load_kv(tile, j * d + i0, kind), v1 = load_kv(tile, j * d + i0 + NL, kind);
             for (int g = 0; g < gb; g++) {
-                vn pj = splatn(p[g * ctx + j0 + j]);
+                vn pj = splatn(p[g * n_all + j0 - c0 + j]);
                 acc[g][0] += pj * v0;
                 acc[g][1] += pj * v1;
             }
@@ -244,20 +340,30 @@ static inline __attribute__((always_inline)) void weigh_values(
     }
 }
 
-/* Attention of one KV head's query group over one sequence's context: scores into scratch
- * (group rows of ctx), NL keys at a time for each query head while their K rows sit in L1;
- * softmax; then the weighted sum of values into out (group rows of d). Always inlined with d a
- * constant where it is a common head size, so that the loops over d unroll. */
-static inline __attribute__((always_inline)) void attend(
-    const float *q, const float *k_cache, const float *v_cache, const int64_t *table,
-    int64_t block_stride, int64_t block_size, int64_t ctx, int64_t group, int64_t d, float scale,
-    float *scratch, float *out, int64_t tail_from, const float *k_tail, const float *v_tail) {
-    for (int64_t j0 = 0; j0 < ctx; j0 += block_size) {
-        const float *tile = tile_at(k_cache, table, block_stride, block_size, d, j0, tail_from, k_tail);
-        int64_t n = ctx - j0 < block_size ? ctx - j0 : block_size;
-        if (j0 + AHEAD * block_size < ctx && j0 + AHEAD * block_size < tail_from) { /* the tile AHEAD tiles on, while this one computes */
-            const float *next = k_cache + table[j0 / block_size + AHEAD] * block_stride;
-            for (int64_t i = 0; i < block_size * d; i += 64 / sizeof(float)) __builtin_prefetch(next + i, 0, 3);
+/* A partial attention result of one query group over some of its context: for each head g the
+ * largest score m[g], the sum l[g] of exp(score - m[g]), and acc (group rows of d) the sum of
+ * exp(score - m[g]) v; PART_FLOATS floats, in that order. Two partials of consecutive positions
+ * fold into one (fold_part); acc / l is the attention's output. */
+#define PART_FLOATS(group, d) ((group) * ((d) + 2))
+
+/* The partial of one KV head's query group over context positions [c0, c1) (c0 a multiple of
+ * block_size): scores into scratch (group rows of c1 - c0), NL keys at a time for each query
+ * head while their K rows sit in L1; their maxima and exponentials; then the exponentials'
+ * weighted sum of values. Always inlined with d a constant where it is a common head size, so
+ * that the loops over d unroll, and with the cache's element kind a constant. */
+static inline __attribute__((always_inline)) void attend_part(
+    const float *q, const void *k_cache, const void *v_cache, const int64_t *table,
+    int64_t block_stride, int64_t block_size, int64_t c0, int64_t c1, int64_t pf_end,
+    int64_t group, int64_t d, float scale, float *scratch, float *part, int64_t tail_from,
+    const void *k_tail, const void *v_tail, int kind) {
+    int64_t n_all = c1 - c0;
+    for (int64_t j0 = c0; j0 < c1; j0 += block_size) {
+        const void *tile = tile_at(k_cache, table, block_stride, block_size, d, j0, tail_from, k_tail, kind);
+        int64_t n = c1 - j0 < block_size ? c1 - j0 : block_size;
+        float *sj = scratch + j0 - c0;
+        if (j0 + AHEAD * block_size < pf_end && j0 + AHEAD * block_size < tail_from) { /* the tile AHEAD tiles on, while this one computes */
+            const char *next = kv_at(k_cache, table[j0 / block_size + AHEAD] * block_stride, kind);
+            for (int64_t i = 0; i < block_size * d * kv_es(kind); i += 64) __builtin_prefetch(next + i, 0, 3);
         }
         int64_t j = 0;
         for (; j + NL <= n; j += NL) {
@@ -265,70 +371,147 @@ static inline __attribute__((always_inline)) void attend(
                 const float *qg = q + g * d;
                 vn acc[NL];
                 for (int r = 0; r < NL; r++) {
-                    const float *kj = tile + (j + r) * d;
+                    int64_t kj = (j + r) * d;
                     vn a = {0};
                     int64_t i = 0;
-                    for (; i + NL <= d; i += NL) a += loadn(qg + i) * loadn(kj + i);
-                    for (; i < d; i++) a[0] += qg[i] * kj[i];
+                    for (; i + NL <= d; i += NL) a += loadn(qg + i) * load_kv(tile, kj + i, kind);
+                    for (; i < d; i++) a[0] += qg[i] * get_kv(tile, kj + i, kind);
                     acc[BITREVN[r]] = a;
                 }
-                storen(scratch + g * ctx + j0 + j, hsumn(acc) * scale);
+                storen(sj + g * n_all + j, hsumn(acc) * scale);
             }
         }
         for (; j < n; j++) {
-            const float *kj = tile + j * d;
             for (int64_t g = 0; g < group; g++) {
                 const float *qg = q + g * d;
                 float dot = 0;
-                for (int64_t i = 0; i < d; i++) dot += qg[i] * kj[i];
-                scratch[g * ctx + j0 + j] = dot * scale;
+                for (int64_t i = 0; i < d; i++) dot += qg[i] * get_kv(tile, j * d + i, kind);
+                sj[g * n_all + j] = dot * scale;
             }
         }
     }
     for (int64_t g = 0; g < group; g++) {
-        float *s = scratch + g * ctx;
+        float *s = scratch + g * n_all;
         float m = s[0];
-        for (int64_t j = 1; j < ctx; j++) m = s[j] > m ? s[j] : m;
+        for (int64_t j = 1; j < n_all; j++) m = s[j] > m ? s[j] : m;
         vf vsum = {0};
         int64_t j = 0;
-        for (; j + LANES <= ctx; j += LANES) {
+        for (; j + LANES <= n_all; j += LANES) {
             vf e = vexp(load(s + j) - m);
             store(s + j, e);
             vsum += e;
         }
         float sum = hsum(vsum);
-        for (; j < ctx; j++) {
+        for (; j < n_all; j++) {
             s[j] = sexp(s[j] - m);
             sum += s[j];
         }
-        float inv = 1.0f / sum;
-        for (j = 0; j < ctx; j++) s[j] *= inv;
+        part[g] = m;
+        part[group + g] = sum;
     }
-    /* out_g = sum_j p_gj v_j, in strips of 2 * NL floats of d for up to 4 query heads at a time:
+    /* acc_g = sum_j p_gj v_j, in strips of 2 * NL floats of d for up to 4 query heads at a time:
      * each strip of V is read once per 4 heads, and the accumulators stay in registers. */
+    float *acc = part + 2 * group;
     for (int64_t g0 = 0; g0 < group; g0 += 4) {
         int64_t gn = group - g0 < 4 ? group - g0 : 4;
-        const float *p = scratch + g0 * ctx;
-        float *o = out + g0 * d;
+        const float *p = scratch + g0 * n_all;
+        float *o = acc + g0 * d;
         int64_t i0 = 0;
         for (; i0 + 2 * NL <= d; i0 += 2 * NL) {
             switch (gn) {
-            case 4: weigh_values(p, v_cache, table, block_stride, block_size, ctx, d, i0, 4, o, tail_from, v_tail); break;
-            case 3: weigh_values(p, v_cache, table, block_stride, block_size, ctx, d, i0, 3, o, tail_from, v_tail); break;
-            case 2: weigh_values(p, v_cache, table, block_stride, block_size, ctx, d, i0, 2, o, tail_from, v_tail); break;
-            default: weigh_values(p, v_cache, table, block_stride, block_size, ctx, d, i0, 1, o, tail_from, v_tail);
+            case 4: weigh_values(p, v_cache, table, block_stride, block_size, c0, c1, pf_end, d, i0, 4, o, tail_from, v_tail, kind); break;
+            case 3: weigh_values(p, v_cache, table, block_stride, block_size, c0, c1, pf_end, d, i0, 3, o, tail_from, v_tail, kind); break;
+            case 2: weigh_values(p, v_cache, table, block_stride, block_size, c0, c1, pf_end, d, i0, 2, o, tail_from, v_tail, kind); break;
+            default: weigh_values(p, v_cache, table, block_stride, block_size, c0, c1, pf_end, d, i0, 1, o, tail_from, v_tail, kind);
             }
         }
         for (int64_t g = 0; g < gn; g++) /* the rest of d, when it is no multiple of 2 * NL */
             for (int64_t i = i0; i < d; i++) {
                 float sum = 0;
-                for (int64_t j = 0; j < ctx; j++) {
+                for (int64_t j = c0; j < c1; j++) {
                     int64_t j0 = j - j % block_size;
-                    const float *tile = tile_at(v_cache, table, block_stride, block_size, d, j0, tail_from, v_tail);
-                    sum += p[g * ctx + j] * tile[(j % block_size) * d + i];
+                    const void *tile = tile_at(v_cache, table, block_stride, block_size, d, j0, tail_from, v_tail, kind);
+                    sum += p[g * n_all + j - c0] * get_kv(tile, (j % block_size) * d + i, kind);
                 }
                 o[g * d + i] = sum;
             }
+    }
+}
+
+/* a = the partial of a's positions followed by b's (both PART_FLOATS(group, d) floats). */
+static void fold_part(float *a, const float *b, int64_t group, int64_t d) {
+    for (int64_t g = 0; g < group; g++) {
+        float ma = a[g], mb = b[g], m = ma > mb ? ma : mb;
+        float fa = sexp(ma - m), fb = sexp(mb - m);
+        a[g] = m;
+        a[group + g] = a[group + g] * fa + b[group + g] * fb;
+        float *xa = a + 2 * group + g * d;
+        const float *xb = b + 2 * group + g * d;
+        for (int64_t i = 0; i < d; i++) xa[i] = xa[i] * fa + xb[i] * fb;
+    }
+}
+
+/* out (group rows of d) = the partial's acc / l: the attention's output. */
+static void finish_part(const float *part, float *out, int64_t group, int64_t d) {
+    for (int64_t g = 0; g < group; g++) {
+        float inv = 1.0f / part[group + g];
+        const float *x = part + 2 * group + g * d;
+        for (int64_t i = 0; i < d; i++) out[g * d + i] = x[i] * inv;
+    }
+}
+
+/* Positions per chunk of context: a unit's context is attended chunk by chunk, each chunk's
+ * partial folded into the ones before it in order, so that a unit's result is the same
+ * whichever threads computed its chunks (kv_decode_attention_split). */
+#ifndef CHUNK_POSITIONS
+#define CHUNK_POSITIONS 256
+#endif
+static inline int64_t chunk_len(int64_t block_size) {
+    return block_size >= CHUNK_POSITIONS ? block_size : CHUNK_POSITIONS / block_size * block_size;
+}
+
+/* attend_part with d a constant where it is a common head size, and the cache's element kind. */
+static void attend_part_any(const float *q, const void *k, const void *v, const int64_t *table,
+                            int64_t block_stride, int64_t block_size, int64_t c0, int64_t c1,
+                            int64_t pf_end, int64_t group, int64_t d, float scale,
+                            float *scratch, float *part, int64_t tail_from, const void *k_tail,
+                            const void *v_tail, int kind) {
+#define ATTEND(D, KIND)                                                                            \
+    attend_part(q, k, v, table, block_stride, block_size, c0, c1, pf_end, group, D, scale,        \
+                scratch, part, tail_from, k_tail, v_tail, KIND)
+#define KINDS(D)                                                                                   \
+    switch (kind) {                                                                                \
+    case KV_F16: ATTEND(D, KV_F16); break;                                                         \
+    case KV_BF16: ATTEND(D, KV_BF16); break;                                                       \
+    default: ATTEND(D, KV_F32);                                                                    \
+    }
+    if (d == 64) {
+        KINDS(64)
+    } else if (d == 128) {
+        KINDS(128)
+    } else {
+        KINDS(d)
+    }
+#undef KINDS
+#undef ATTEND
+}
+
+/* Chunks [ca, cb) of a unit's context of ctx positions (chunk c: positions [c * ch, min(ctx,
+ * (c + 1) * ch))): with each_apart, chunk c's partial into parts + (c - ca) * PART_FLOATS;
+ * otherwise the chunks folded in order into parts. */
+static void attend_chunks(const float *q, const void *k, const void *v, const int64_t *table,
+                          int64_t block_stride, int64_t block_size, int64_t ctx, int64_t ca,
+                          int64_t cb, int64_t group, int64_t d, float scale, float *scratch,
+                          float *parts, int each_apart, int64_t tail_from, const void *k_tail,
+                          const void *v_tail, int kind) {
+    int64_t ch = chunk_len(block_size), pf = PART_FLOATS(group, d);
+    float next[each_apart ? 1 : pf];
+    for (int64_t c = ca; c < cb; c++) {
+        int64_t c0 = c * ch, c1 = c0 + ch < ctx ? c0 + ch : ctx;
+        float *part = each_apart ? parts + (c - ca) * pf : c == ca ? parts : next;
+        attend_part_any(q, k, v, table, block_stride, block_size, c0, c1, ctx, group, d, scale,
+                        scratch, part, tail_from, k_tail, v_tail, kind);
+        if (!each_apart && c > ca) fold_part(parts, next, group, d);
     }
 }
 
@@ -545,17 +728,20 @@ static void quant_dequant_context(const uint8_t *k_cache, const uint8_t *v_cache
     }
 }
 
-/* Ask for the first AHEAD K and V tiles of one KV head of a sequence ahead of use (the loops in
- * attend ask for the later ones as they go): they come from DRAM, since a decode step reads
- * every layer's KV once, more than the caches hold. */
-static void prefetch_context(const float *k_cache, const float *v_cache, const int64_t *table,
-                             int64_t block_stride, int64_t block_size, int64_t ctx, int64_t d) {
-    for (int64_t j0 = 0; j0 < ctx && j0 < AHEAD * block_size; j0 += block_size) {
-        int64_t tile = table[j0 / block_size] * block_stride;
-        int64_t n = (ctx - j0 < block_size ? ctx - j0 : block_size) * d;
-        for (int64_t i = 0; i < n; i += 64 / sizeof(float)) {
-            __builtin_prefetch(k_cache + tile + i, 0, 2);
-            __builtin_prefetch(v_cache + tile + i, 0, 2);
+/* Ask for the first AHEAD K and V tiles from position start (a multiple of block_size) of one KV
+ * head of a sequence ahead of use (the loops in attend_part ask for the later ones as they go):
+ * they come from DRAM, since a decode step reads every layer's KV once, more than the caches
+ * hold. */
+static void prefetch_context(const void *k_cache, const void *v_cache, const int64_t *table,
+                             int64_t block_stride, int64_t block_size, int64_t start, int64_t ctx,
+                             int64_t d, int kind) {
+    int64_t es = kv_es(kind);
+    for (int64_t j0 = start; j0 < ctx && j0 < start + AHEAD * block_size; j0 += block_size) {
+        int64_t tile = table[j0 / block_size] * block_stride * es;
+        int64_t n = (ctx - j0 < block_size ? ctx - j0 : block_size) * d * es;
+        for (int64_t i = 0; i < n; i += 64) {
+            __builtin_prefetch((const char *)k_cache + tile + i, 0, 2);
+            __builtin_prefetch((const char *)v_cache + tile + i, 0, 2);
         }
     }
 }
@@ -575,7 +761,9 @@ static void prefetch_context(const float *k_cache, const float *v_cache, const i
  *      rotates each unit's q heads and k head in place by rope_cos, rope_sin: (batch, d), the
  *      rotation-table rows of each token's position.
  * k_cache, v_cache: this layer's first K and V tile; the tile of (block b, KV head h) starts
- *      b * block_stride + h * head_stride floats further on and holds block_size rows of d.
+ *      b * block_stride + h * head_stride elements further on and holds block_size rows of d;
+ *      elements of kv_dtype (KV_F32, KV_F16, KV_BF16: stored rounded to nearest even, as torch
+ *      casts; a quantized cache, kq given, is bytes and kv_dtype is KV_F32).
  * block_tables: (batch, table_width); context_lens: (batch,), counting the new token, which sits
  *      at position context_len - 1 and is written into its slot before attention reads it.
  * out: (batch, num_q_heads, d). Query head j attends with KV head j / (num_q_heads / num_kv_heads)
@@ -584,11 +772,11 @@ static void prefetch_context(const float *k_cache, const float *v_cache, const i
  *      the new token's own slot, are read through it.
  */
 void kv_decode_store_units(float *qkv, int64_t num_q_heads, int64_t num_kv_heads, int64_t d,
-                           const float *rope_cos, const float *rope_sin, float *k_cache,
-                           float *v_cache, int64_t block_stride, int64_t head_stride,
+                           const float *rope_cos, const float *rope_sin, void *k_cache,
+                           void *v_cache, int64_t block_stride, int64_t head_stride,
                            int64_t block_size, const int64_t *block_tables, int64_t table_width,
                            const int64_t *context_lens, int64_t u0, int64_t u1,
-                           const kv_tree *tree) {
+                           const kv_tree *tree, int64_t kv_dtype) {
     int64_t group = num_q_heads / num_kv_heads;
     int64_t row = (num_q_heads + 2 * num_kv_heads) * d;
     for (int64_t u = u0; u < u1; u++) {
@@ -601,9 +789,66 @@ void kv_decode_store_units(float *qkv, int64_t num_q_heads, int64_t num_kv_heads
         for (int64_t g = 0; g < group; g++) rope_head(q + g * d, rope_cos + b * d, rope_sin + b * d, d);
         rope_head(k, rope_cos + b * d, rope_sin + b * d, d);
         int64_t slot = table[pos / block_size] * block_stride + (pos % block_size) * d;
-        memcpy(k_cache + slot + h * head_stride, k, d * sizeof(float));
-        memcpy(v_cache + slot + h * head_stride, v, d * sizeof(float));
+        store_kv(k_cache, slot + h * head_stride, k, d, (int)kv_dtype);
+        store_kv(v_cache, slot + h * head_stride, v, d, (int)kv_dtype);
     }
+}
+
+/* What attending unit u (row u / num_kv_heads, KV head u % num_kv_heads) reads and writes: its
+ * group's queries and output rows, its KV head's view of the cache, its row's block table and
+ * context, and for a draft-tree row its context from its last whole block on, gathered into
+ * scratch (as elements of the cache's kind). */
+typedef struct {
+    const float *q;
+    float *out;
+    const void *kh, *vh;
+    const int64_t *table;
+    int64_t ctx, tail_from;
+    const void *k_tail, *v_tail;
+} unit_view;
+
+static unit_view unit_at(const float *qkv, int64_t num_q_heads, int64_t num_kv_heads, int64_t d,
+                         const void *k_pool, const void *v_pool, int64_t block_stride,
+                         int64_t head_stride, int64_t block_size, const int64_t *block_tables,
+                         int64_t table_width, const int64_t *context_lens, float *out,
+                         float *scratch, const kv_tree *tree, int64_t u, int kind) {
+    int64_t b = u / num_kv_heads, h = u % num_kv_heads, group = num_q_heads / num_kv_heads;
+    int64_t es = kv_es(kind);
+    unit_view w;
+    w.q = qkv + b * (num_q_heads + 2 * num_kv_heads) * d + h * group * d;
+    w.out = out + (b * num_q_heads + h * group) * d;
+    w.kh = kv_at(k_pool, h * head_stride, kind);
+    w.vh = kv_at(v_pool, h * head_stride, kind);
+    w.table = block_tables + b * table_width;
+    w.ctx = context_lens[b];
+    w.tail_from = INT64_MAX;
+    w.k_tail = w.v_tail = NULL;
+    if (tree != NULL && tree->starts[b] < w.ctx) {
+        w.tail_from = tree->starts[b] - tree->starts[b] % block_size;
+        char *k_tail = (char *)(scratch + tree->scratch_offset);
+        char *v_tail = k_tail + (w.ctx - w.tail_from) * d * es;
+        for (int64_t p = w.tail_from; p < w.ctx; p++) {
+            int64_t at = tree_position(tree, b, p);
+            int64_t slot = w.table[at / block_size] * block_stride + (at % block_size) * d;
+            memcpy(k_tail + (p - w.tail_from) * d * es, kv_at(w.kh, slot, kind), d * es);
+            memcpy(v_tail + (p - w.tail_from) * d * es, kv_at(w.vh, slot, kind), d * es);
+        }
+        w.k_tail = k_tail;
+        w.v_tail = v_tail;
+    }
+    return w;
+}
+
+/* Ask for the first tiles of unit u's chunks from chunk c on (see prefetch_context). */
+static void prefetch_unit(const void *k_pool, const void *v_pool, int64_t num_kv_heads,
+                          int64_t head_stride, int64_t block_stride, int64_t block_size,
+                          const int64_t *block_tables, int64_t table_width,
+                          const int64_t *context_lens, int64_t d, int64_t u, int64_t c,
+                          int kind) {
+    int64_t b = u / num_kv_heads, h = u % num_kv_heads;
+    prefetch_context(kv_at(k_pool, h * head_stride, kind), kv_at(v_pool, h * head_stride, kind),
+                     block_tables + b * table_width, block_stride, block_size,
+                     c * chunk_len(block_size), context_lens[b], d, kind);
 }
 
 void kv_decode_attention_units(const float *qkv, int64_t num_q_heads, int64_t num_kv_heads,
@@ -612,17 +857,17 @@ void kv_decode_attention_units(const float *qkv, int64_t num_q_heads, int64_t nu
                                const int64_t *block_tables, int64_t table_width,
                                const int64_t *context_lens, float scale, float *out,
                                float *scratch, int64_t u0, int64_t u1, const kv_quant *kq,
-                               const kv_tree *tree) {
-    const float *k_cache = k_pool, *v_cache = v_pool;
-    int64_t group = num_q_heads / num_kv_heads;
-    int64_t row = (num_q_heads + 2 * num_kv_heads) * d;
+                               const kv_tree *tree, int64_t kv_dtype) {
+    int kind = kq ? KV_F32 : (int)kv_dtype;
+    int64_t group = num_q_heads / num_kv_heads, ch = chunk_len(block_size);
+    float state[PART_FLOATS(group, d)];
     for (int64_t u = u0; u < u1; u++) {
         int64_t b = u / num_kv_heads, h = u % num_kv_heads;
-        const float *q = qkv + b * row + h * group * d;
-        int64_t ctx = context_lens[b];
-        const int64_t *table = block_tables + b * table_width;
-        float *oh = out + (b * num_q_heads + h * group) * d;
+        int64_t ctx = context_lens[b], chunks = (ctx + ch - 1) / ch;
         if (kq) { /* a quantized cache: this unit's context read back as floats, then as below */
+            const float *q = qkv + b * (num_q_heads + 2 * num_kv_heads) * d + h * group * d;
+            const int64_t *table = block_tables + b * table_width;
+            float *oh = out + (b * num_q_heads + h * group) * d;
             float *kd = scratch + kq->scratch_offset, *vd = kd + table_width * block_size * d;
             int64_t *ident = (int64_t *)(vd + table_width * block_size * d);
             quant_dequant_context(k_pool, v_pool, h, block_stride, head_stride, block_size, table,
@@ -635,51 +880,133 @@ void kv_decode_attention_units(const float *qkv, int64_t num_q_heads, int64_t nu
                 for (int64_t i = 0; i < group * d; i += INT8_GROUP) int8_rotate(qr + i);
             }
             const float *qa = kq->lut ? q : qr;
-            int64_t bsd = block_size * d;
-            if (d == 64)
-                attend(qa, kd, vd, ident, bsd, block_size, ctx, group, 64, scale, scratch, oh, INT64_MAX, NULL, NULL);
-            else if (d == 128)
-                attend(qa, kd, vd, ident, bsd, block_size, ctx, group, 128, scale, scratch, oh, INT64_MAX, NULL, NULL);
-            else
-                attend(qa, kd, vd, ident, bsd, block_size, ctx, group, d, scale, scratch, oh, INT64_MAX, NULL, NULL);
+            attend_chunks(qa, kd, vd, ident, block_size * d, block_size, ctx, 0, chunks, group, d,
+                          scale, scratch, state, 0, INT64_MAX, NULL, NULL, KV_F32);
+            finish_part(state, oh, group, d);
             if (!kq->lut)
                 for (int64_t i = 0; i < group * d; i += INT8_GROUP) int8_rotate(oh + i);
             continue;
         }
-        const float *kh = k_cache + h * head_stride, *vh = v_cache + h * head_stride;
-        /* a tree row: its context from its last whole block on, gathered into scratch */
-        int64_t tail_from = INT64_MAX;
-        float *k_tail = NULL, *v_tail = NULL;
-        if (tree != NULL && tree->starts[b] < ctx) {
-            tail_from = tree->starts[b] - tree->starts[b] % block_size;
-            k_tail = scratch + tree->scratch_offset;
-            v_tail = k_tail + (ctx - tail_from) * d;
-            for (int64_t p = tail_from; p < ctx; p++) {
-                int64_t at = tree_position(tree, b, p);
-                int64_t slot = table[at / block_size] * block_stride + (at % block_size) * d;
-                memcpy(k_tail + (p - tail_from) * d, kh + slot, d * sizeof(float));
-                memcpy(v_tail + (p - tail_from) * d, vh + slot, d * sizeof(float));
-            }
-        }
+        unit_view w = unit_at(qkv, num_q_heads, num_kv_heads, d, k_pool, v_pool, block_stride,
+                              head_stride, block_size, block_tables, table_width, context_lens,
+                              out, scratch, tree, u, kind);
         /* the tiles of the unit PREFETCH_PAIRS ahead, while this one computes (the first
          * units' tiles before the first one) */
-        for (int64_t ahead = u == u0 ? 0 : PREFETCH_PAIRS; ahead <= PREFETCH_PAIRS; ahead++) {
-            int64_t next = u + ahead;
-            if (next >= u1) break;
-            int64_t nb = next / num_kv_heads, nh = next % num_kv_heads;
-            prefetch_context(k_cache + nh * head_stride, v_cache + nh * head_stride,
-                             block_tables + nb * table_width, block_stride, block_size,
-                             context_lens[nb], d);
+        for (int64_t ahead = u == u0 ? 0 : PREFETCH_PAIRS; ahead <= PREFETCH_PAIRS; ahead++)
+            if (u + ahead < u1)
+                prefetch_unit(k_pool, v_pool, num_kv_heads, head_stride, block_stride, block_size,
+                              block_tables, table_width, context_lens, d, u + ahead, 0, kind);
+        attend_chunks(w.q, w.kh, w.vh, w.table, block_stride, block_size, ctx, 0, chunks, group,
+                      d, scale, scratch, state, 0, w.tail_from, w.k_tail, w.v_tail, kind);
+        finish_part(state, w.out, group, d);
+    }
+}
+
+/* The work items of a step's attention: each unit's chunks (chunk_len positions, the last one
+ * shorter), units in order, chunks in order. The first item of thread t of nt, runs of
+ * consecutive items with about equal work (positions). */
+static int64_t item_bound(const int64_t *context_lens, int64_t batch, int64_t num_kv_heads,
+                          int64_t ch, int64_t t, int64_t nt) {
+    if (t <= 0) return 0;
+    int64_t total = 0, items = 0;
+    for (int64_t b = 0; b < batch; b++) {
+        total += context_lens[b];
+        items += (context_lens[b] + ch - 1) / ch;
+    }
+    if (t >= nt) return items * num_kv_heads;
+    total *= num_kv_heads;
+    int64_t target = (total * t + nt - 1) / nt, sum = 0, i = 0;
+    for (int64_t u = 0; u < batch * num_kv_heads && sum < target; u++) {
+        int64_t ctx = context_lens[u / num_kv_heads];
+        for (int64_t c0 = 0; c0 < ctx && sum < target; c0 += ch, i++)
+            sum += ctx - c0 < ch ? ctx - c0 : ch;
+    }
+    return i;
+}
+
+int64_t kv_attention_parts_floats(int64_t table_width, int64_t block_size, int64_t group,
+                                  int64_t d) {
+    int64_t ch = chunk_len(block_size);
+    return (1 + (table_width * block_size + ch - 1) / ch) * PART_FLOATS(group, d);
+}
+
+/* Thread t's share of a step's attention over an unquantized cache, split by work items
+ * (item_bound) rather than by whole units, so that a batch of fewer units than threads (batch
+ * 1: one unit per KV head) keeps every thread busy. A unit whose chunks all fall to thread t is
+ * attended and written as kv_decode_attention_units does; of a unit cut between threads, the
+ * thread with its first chunk leaves the fold of its chunks at parts + t * parts_stride (the
+ * head slot), and every later one leaves each chunk's partial after that slot; after a barrier
+ * kv_decode_attention_merge folds them in order. The same chunks in the same order: the result is
+ * kv_decode_attention_units's bit for bit, whatever the split. parts_stride: at least
+ * kv_attention_parts_floats(table_width, block_size, group, d) floats. Other arguments as
+ * kv_decode_attention_units's; batch rows of the step. */
+void kv_decode_attention_split(const float *qkv, int64_t batch, int64_t num_q_heads,
+                               int64_t num_kv_heads, int64_t d, const void *k_pool,
+                               const void *v_pool, int64_t block_stride, int64_t head_stride,
+                               int64_t block_size, const int64_t *block_tables,
+                               int64_t table_width, const int64_t *context_lens, float scale,
+                               float *out, float *scratch, float *parts, int64_t parts_stride,
+                               int64_t t, int64_t nt, const kv_tree *tree, int64_t kv_dtype) {
+    int kind = (int)kv_dtype;
+    int64_t group = num_q_heads / num_kv_heads, ch = chunk_len(block_size);
+    int64_t pf = PART_FLOATS(group, d);
+    int64_t i0 = item_bound(context_lens, batch, num_kv_heads, ch, t, nt);
+    int64_t i1 = item_bound(context_lens, batch, num_kv_heads, ch, t + 1, nt);
+    float *mine = parts + t * parts_stride;
+    float state[pf];
+    int first = 1;
+    for (int64_t u = 0, idx = 0; u < batch * num_kv_heads && idx < i1; u++) {
+        int64_t ctx = context_lens[u / num_kv_heads], chunks = (ctx + ch - 1) / ch;
+        int64_t ca = i0 - idx > 0 ? i0 - idx : 0, cb = i1 - idx < chunks ? i1 - idx : chunks;
+        idx += chunks;
+        if (ca >= cb) continue;
+        if (first) /* this thread's first tiles */
+            prefetch_unit(k_pool, v_pool, num_kv_heads, head_stride, block_stride, block_size,
+                          block_tables, table_width, context_lens, d, u, ca, kind);
+        first = 0;
+        if (u + 1 < batch * num_kv_heads && idx < i1) /* the next unit's, while this computes */
+            prefetch_unit(k_pool, v_pool, num_kv_heads, head_stride, block_stride, block_size,
+                          block_tables, table_width, context_lens, d, u + 1, 0, kind);
+        unit_view w = unit_at(qkv, num_q_heads, num_kv_heads, d, k_pool, v_pool, block_stride,
+                              head_stride, block_size, block_tables, table_width, context_lens,
+                              out, scratch, tree, u, kind);
+        int whole = ca == 0 && cb == chunks;
+        float *dst = whole ? state : ca == 0 ? mine : mine + pf;
+        attend_chunks(w.q, w.kh, w.vh, w.table, block_stride, block_size, ctx, ca, cb, group, d,
+                      scale, scratch, dst, ca > 0, w.tail_from, w.k_tail, w.v_tail, kind);
+        if (whole) finish_part(state, w.out, group, d);
+    }
+}
+
+/* After kv_decode_attention_split's barrier: thread t folds the unit it holds the head slot of
+ * (its last unit, when cut), with the partials the later threads left, in chunk order, and
+ * writes its output. */
+void kv_decode_attention_merge(int64_t batch, int64_t num_q_heads, int64_t num_kv_heads,
+                               int64_t d, int64_t block_size, const int64_t *context_lens,
+                               float *out, float *parts, int64_t parts_stride, int64_t t,
+                               int64_t nt) {
+    int64_t group = num_q_heads / num_kv_heads, ch = chunk_len(block_size);
+    int64_t pf = PART_FLOATS(group, d);
+    int64_t i0 = item_bound(context_lens, batch, num_kv_heads, ch, t, nt);
+    int64_t i1 = item_bound(context_lens, batch, num_kv_heads, ch, t + 1, nt);
+    if (i0 >= i1) return;
+    for (int64_t u = 0, idx = 0; u < batch * num_kv_heads && idx < i1; u++) {
+        int64_t ctx = context_lens[u / num_kv_heads], chunks = (ctx + ch - 1) / ch;
+        int64_t start = idx;
+        idx += chunks;
+        /* the unit whose first chunk is this thread's and whose last is not */
+        if (start < i0 || start >= i1 || idx <= i1) continue;
+        float *state = parts + t * parts_stride;
+        int64_t c = i1 - start; /* the first chunk of a later thread */
+        for (int64_t j = t + 1; j < nt && c < chunks; j++) {
+            int64_t end = item_bound(context_lens, batch, num_kv_heads, ch, j + 1, nt) - start;
+            end = end < chunks ? end : chunks;
+            for (int64_t cc = c; cc < end; cc++)
+                fold_part(state, parts + j * parts_stride + pf + (cc - c) * pf, group, d);
+            c = end > c ? end : c;
         }
-        if (d == 64)
-            attend(q, kh, vh, table, block_stride, block_size, ctx, group, 64, scale, scratch, oh,
-                   tail_from, k_tail, v_tail);
-        else if (d == 128)
-            attend(q, kh, vh, table, block_stride, block_size, ctx, group, 128, scale, scratch, oh,
-                   tail_from, k_tail, v_tail);
-        else
-            attend(q, kh, vh, table, block_stride, block_size, ctx, group, d, scale, scratch, oh,
-                   tail_from, k_tail, v_tail);
+        int64_t b = u / num_kv_heads, h = u % num_kv_heads;
+        finish_part(state, out + (b * num_q_heads + h * group) * d, group, d);
     }
 }
 
@@ -705,14 +1032,14 @@ int64_t kv_attention_unit_bound(const int64_t *context_lens, int64_t batch, int6
  * soname), so they do not compete with another pool's spinning threads; built without it, the
  * runs go one after another. Arguments as kv_decode_attention_units's above; kq: NULL for a
  * float32 cache, else the cache is fp8 or int8 bytes (stored by KV head, kv_decode_store_quant);
- * tree: NULL, or the batch's draft-tree rows. */
+ * tree: NULL, or the batch's draft-tree rows; kv_dtype: an unquantized cache's element type. */
 void kv_decode_attention(float *qkv, int64_t num_q_heads, int64_t num_kv_heads, int64_t d,
                          const float *rope_cos, const float *rope_sin, void *k_cache,
                          void *v_cache, int64_t block_stride, int64_t head_stride,
                          int64_t block_size, const int64_t *block_tables, int64_t table_width,
                          const int64_t *context_lens, float scale, float *out, float *scratch,
                          int64_t scratch_stride, const int64_t *bounds, int64_t num_parts,
-                         const kv_quant *kq, const kv_tree *tree) {
+                         const kv_quant *kq, const kv_tree *tree, int64_t kv_dtype) {
 #pragma omp parallel num_threads(num_parts) if (num_parts > 1)
     {
         if (kq) {
@@ -728,7 +1055,7 @@ void kv_decode_attention(float *qkv, int64_t num_q_heads, int64_t num_kv_heads, 
             kv_decode_store_units(qkv, num_q_heads, num_kv_heads, d, rope_cos, rope_sin, k_cache,
                                   v_cache, block_stride, head_stride, block_size, block_tables,
                                   table_width, context_lens, bounds[p] * num_kv_heads,
-                                  bounds[p + 1] * num_kv_heads, tree);
+                                  bounds[p + 1] * num_kv_heads, tree, kv_dtype);
         }
         /* the loop's implicit barrier: every new K/V is stored before any row attends */
 #pragma omp for schedule(static, 1)
@@ -737,6 +1064,6 @@ void kv_decode_attention(float *qkv, int64_t num_q_heads, int64_t num_kv_heads, 
                                       block_stride, head_stride, block_size, block_tables,
                                       table_width, context_lens, scale, out,
                                       scratch + p * scratch_stride, bounds[p] * num_kv_heads,
-                                      bounds[p + 1] * num_kv_heads, kq, tree);
+                                      bounds[p + 1] * num_kv_heads, kq, tree, kv_dtype);
     }
 }

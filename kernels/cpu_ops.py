@@ -14,7 +14,11 @@ folder), and last a fresh private folder of this process's own, built anew.
 Each wrapper checks shapes, strides and dtypes; ``*_reference`` are the torch definitions the
 tests hold the kernels to. Decode attention splits its batch into runs of sequences with about
 equal context (``split_by_work``), one per torch thread, run on the OpenMP threads torch itself
-uses (the library is built with ``-fopenmp`` and binds to the libgomp already loaded).
+uses (the library is built with ``-fopenmp`` and binds to the libgomp already loaded). It reads a
+float32, float16 or bfloat16 cache (widened to float32 in registers) or an fp8/int8 one with its
+scales, each (sequence, KV head)'s context in chunks of 256 positions whose partial softmax
+results fold in order; the fused layers (``cpu_layer.c``) split the chunks themselves over the
+threads, so that batch 1 keeps every thread busy, with the same result bit for bit.
 
 This module builds and loads the library; ``CpuOps`` and the references are in
 ``cpu_bindings.py``, the kernels' argument layouts (packed weights, layer views, ``DecodePlan``)

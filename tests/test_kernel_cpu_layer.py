@@ -56,12 +56,12 @@ def _model(config, seed=0):
     return model
 
 
-def _decode_step(config, context_lens, block_size=16, seed=0):
+def _decode_step(config, context_lens, block_size=16, seed=0, kv_dtype=None):
     """A pool holding each sequence's earlier tokens, and a decode step's inputs and metadata."""
     g = torch.Generator().manual_seed(seed)
     width = max(-(-c // block_size) for c in context_lens)
     num_blocks = len(context_lens) * width + 2
-    pool = KVPool(kv_cache_spec(config, block_size), num_blocks)
+    pool = KVPool(kv_cache_spec(config, block_size, kv_dtype), num_blocks)
     pool.tensor.copy_(torch.randn(pool.tensor.shape, generator=g))
     ids = torch.randperm(num_blocks, generator=g)[: len(context_lens) * width]
     tables = ids.view(len(context_lens), width).contiguous()
@@ -117,6 +117,44 @@ def test_fused_decode_layer_matches_module_path(
     assert torch.equal(fused_pool.tensor, unfused_pool.tensor)
     torch.testing.assert_close(fused, reference, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(fused_pool.tensor, reference_pool.tensor, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("threads", "context_lens"), [(1, [16, 3, 33, 70]), (2, [500]), (3, [500, 40])]
+)
+def test_fused_decode_layer_over_half_caches_and_long_contexts(
+    ops, kv_dtype, threads, context_lens
+):
+    """A float16 or bfloat16 KV pool beside float32 weights: the fused layer stores and reads it
+    as the separate C kernels do (bit for bit) and as torch does (its cast, its upcast). A
+    context of several chunks (256 positions) is split over the threads chunk by chunk where the
+    separate kernels give each thread whole (sequence, KV head) units: the same result bit for
+    bit (500 tokens and 3 KV heads at batch 1: 6 chunks, cut between threads)."""
+    config = _config(48, 72, 6, 3, 16, False)
+    model = _model(config)
+    pool, meta, input_ids, pos = _decode_step(config, context_lens, kv_dtype=kv_dtype)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        fused, fused_pool = _run(model, ops, pool, meta, input_ids, pos)
+        unfused, unfused_pool = _run(model, ops, pool, meta, input_ids, pos, fused=False)
+        reference, reference_pool = _run(model, None, pool, meta, input_ids, pos)
+    finally:
+        torch.set_num_threads(saved)
+        attach_cpu_ops(model, None)
+    assert fused_pool.tensor.dtype == kv_dtype
+    assert torch.equal(fused, unfused)
+    assert torch.equal(fused_pool.tensor, unfused_pool.tensor)
+    # (a new K/V value that rounds to the neighbouring half moves the output a little more)
+    tol = 1e-4 if kv_dtype == torch.float32 else 1e-3
+    torch.testing.assert_close(fused, reference, rtol=tol, atol=tol)
+    # the new K/V: the C and torch linear layers differ in their last float32 bits, which a
+    # 16-bit rounding may carry one step of the 16-bit grid
+    step = {torch.float16: 2**-10, torch.bfloat16: 2**-7}.get(kv_dtype, 1e-5)
+    torch.testing.assert_close(
+        fused_pool.tensor.float(), reference_pool.tensor.float(), rtol=step, atol=1e-5
+    )
 
 
 def test_fused_decode_layer_is_attached_only_where_every_part_is_packed(ops):

@@ -80,6 +80,26 @@ def test_quant_decode_layer_matches_the_module_path(
     assert (got - expected).norm() / expected.norm() < 3e-2  # 1.4 % measured
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+def test_quant_decode_layer_splits_a_long_context_over_threads_bit_for_bit(ops, kv_dtype):
+    """Batch 1 with 3 KV heads and 500 tokens (2 chunks of context each) on 2 threads: the
+    fused layer splits the chunks, cutting units between threads, where the per-module kernels
+    give each thread whole units; the same hidden state and KV bit for bit."""
+    config = _config(96, 64, 6, 3, 16, False)
+    stored, _ = _quant_models(config, ("Q4_1",) * 4)
+    pool, meta, input_ids, pos = _decode_step(config, [500], kv_dtype=kv_dtype)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        fused, fused_pool = _run(stored, ops, pool, meta, input_ids, pos)
+        unfused, unfused_pool = _run(stored, ops, pool, meta, input_ids, pos, fused=False)
+    finally:
+        torch.set_num_threads(saved)
+        attach_cpu_ops(stored, None)
+    assert torch.equal(fused, unfused)
+    assert torch.equal(fused_pool.tensor, unfused_pool.tensor)
+
+
 def test_a_decode_batch_of_16_rows_and_more_stays_on_the_kernel(ops, monkeypatch):
     """The fused layer quantizes every decode row (up to PACKED_LINEAR_MAX_ROWS), where the
     per-module path turns to a float GEMM from FLOAT_GEMM_ROWS on (for prefill chunks): with that

@@ -103,11 +103,17 @@ def test_wrappers_refuse_wrong_dtype_and_layout(ops):
         ops.linear(torch.randn(8, 2).t(), pack_linear_weight(torch.randn(4, 2)))
 
 
-def _decode_case(num_q_heads, num_kv_heads, head_dim, context_lens, block_size=16, seed=0):
+def _decode_case(
+    num_q_heads, num_kv_heads, head_dim, context_lens, block_size=16, seed=0, dtype=torch.float32
+):
     """A pool holding earlier tokens of each sequence, and a decode step's inputs."""
     g = torch.Generator().manual_seed(seed)
     spec = KVCacheSpec(
-        num_layers=3, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size
+        num_layers=3,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
     )
     width = max(-(-c // block_size) for c in context_lens)
     num_blocks = len(context_lens) * width + 3
@@ -148,10 +154,12 @@ def test_decode_attention_matches_torch_path(
         torch.set_num_threads(saved)
 
 
-def _check_decode_attention(ops, num_q_heads, num_kv_heads, head_dim, context_lens, block_size):
+def _check_decode_attention(
+    ops, num_q_heads, num_kv_heads, head_dim, context_lens, block_size, dtype=torch.float32
+):
     bs = block_size
     pool, tables, ctx, qkv, cos, sin = _decode_case(
-        num_q_heads, num_kv_heads, head_dim, context_lens, bs
+        num_q_heads, num_kv_heads, head_dim, context_lens, bs, dtype=dtype
     )
     layer = 1
     ref_pool = KVPool(pool.spec, pool.num_blocks)
@@ -168,9 +176,36 @@ def _check_decode_attention(ops, num_q_heads, num_kv_heads, head_dim, context_le
 
     out = ops.decode_attention(qkv, cos, sin, *pool.layer(layer), tables, ctx, H, scale)
     torch.testing.assert_close(out, expected, rtol=2e-5, atol=2e-5)
-    # the rotary embedding is bit for bit torch's, and so is every stored key and value
+    # the rotary embedding is bit for bit torch's, and so is every stored key and value (a half
+    # cache's too: rounded to nearest even as torch's cast)
     assert torch.equal(qkv[:, :H], q)
     assert torch.equal(pool.tensor, ref_pool.tensor)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(
+    "num_q_heads,num_kv_heads,head_dim,context_lens,block_size",
+    [
+        (9, 3, 64, [1, 17, 1030], 16),  # SmolLM2's heads: a group of 3, 1k context
+        (3, 3, 80, [33], 16),  # a head size the kernel does not specialise
+        (2, 1, 40, [18, 64], 16),  # a partial vector: the scalar reads of half elements
+        (8, 1, 128, [7, 50], 8),  # a group of 8, blocks smaller than one vector of keys
+    ],
+)
+@pytest.mark.parametrize("threads", [1, 3])
+def test_decode_attention_over_a_half_cache_matches_torch_path(
+    ops, dtype, num_q_heads, num_kv_heads, head_dim, context_lens, block_size, threads
+):
+    """A float16 or bfloat16 pool (--kv-cache-dtype float16/bfloat16): the kernels store the
+    new K/V as torch's cast does and read the context as the torch path's float32 upcast."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _check_decode_attention(
+            ops, num_q_heads, num_kv_heads, head_dim, context_lens, block_size, dtype
+        )
+    finally:
+        torch.set_num_threads(saved)
 
 
 @pytest.mark.parametrize(
@@ -232,14 +267,19 @@ def test_build_is_cached_by_source_and_machine(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary left behind
 
 
-def test_engine_gives_the_same_tokens_with_and_without_cpu_kernels():
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "float16"])
+def test_engine_gives_the_same_tokens_with_and_without_cpu_kernels(kv_cache_dtype):
     model, tok = load_model("kvmesh-tiny")
     prompts = [list(range(3, 3 + n)) for n in (5, 40, 17, 90)]
     params = SamplingOptions(max_tokens=24, temperature=0, ignore_eos=True)
     outputs = []
     for cpu_kernels in (True, False):
-        engine = LLMEngine(model, tok, EngineConfig(num_blocks=64, cpu_kernels=cpu_kernels))
+        config = EngineConfig(num_blocks=64, cpu_kernels=cpu_kernels, kv_cache_dtype=kv_cache_dtype)
+        engine = LLMEngine(model, tok, config)
         assert (engine.runner.cpu_ops is not None) == cpu_kernels
+        assert engine.kv_pool.spec.dtype == (
+            torch.float16 if kv_cache_dtype == "float16" else torch.float32
+        )
         outputs.append(engine.generate(prompts, params))
     assert outputs[0] == outputs[1]
 

@@ -109,6 +109,8 @@ def random_tree(rng: random.Random, num_nodes: int) -> DraftTree:
         (48, 8, torch.float32),  # 48: a head size not specialised
         (64, 16, torch.float8_e4m3fn),
         (64, 16, torch.int8),
+        (64, 16, torch.float16),  # a half cache: its tail gathered as half elements
+        (48, 8, torch.bfloat16),
     ],
 )
 @pytest.mark.parametrize("threads", [1, 3])
@@ -207,7 +209,7 @@ def test_c_decode_kernels_verify_random_trees_as_the_tree_mask_does(
             width,
             bs,
             h_q // h_kv,
-            quant_head_dim=0 if kv_dtype == torch.float32 else head_dim,
+            quant_head_dim=head_dim if kv_dtype in (torch.float8_e4m3fn, torch.int8) else 0,
             tree_rows=tree_rows,
             head_dim=head_dim,
         )
@@ -226,7 +228,8 @@ def test_c_decode_kernels_verify_random_trees_as_the_tree_mask_does(
         )
     finally:
         torch.set_num_threads(saved)
-    tol = {torch.float32: 2e-5, torch.int8: 1e-4}.get(kv_dtype, 2e-2)
+    # a half cache: both paths compute in float32 on the same stored halves
+    tol = {torch.int8: 1e-4, torch.float8_e4m3fn: 2e-2}.get(kv_dtype, 2e-5)
     torch.testing.assert_close(out, expected, rtol=tol, atol=tol)
     if not fp8:  # every new key and value (and int8 scales) in its node's slot, as torch stores it
         assert torch.equal(pool.raw, ref_pool.raw)

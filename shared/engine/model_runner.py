@@ -10,9 +10,10 @@ as its new tokens: they take consecutive KV slots in node order, but node ``j`` 
 position ``last + depth(j)`` and attends only to its ancestors among the new tokens. A chain
 needs no mask: each of its tokens becomes a one-query row of its own (``_one_query_rows``), so a
 step verifying only chains is a decode batch and runs the decode kernels. Where the C decode
-kernels run the step (CPU, float32 model, float32, fp8 or int8 cache) and every other sequence
-decodes one token, trees become one-query rows too: node ``j``'s row reads its ancestors' slots
-through ``TreeRows``, and computes what a plain decode step at its position would, bit for bit.
+kernels run the step (CPU, float32 model, a cache they read: float32, float16, bfloat16, fp8 or
+int8) and every other sequence decodes one token, trees become one-query rows too: node ``j``'s
+row reads its ancestors' slots through ``TreeRows``, and computes what a plain decode step at its
+position would, bit for bit.
 Elsewhere a tree is verified by its mask (the torch path; Triton's tree kernel on CUDA).
 """
 
@@ -26,7 +27,7 @@ from kvmesh.shared.engine.draft_tree import DraftTree
 from kvmesh.shared.engine.sequence import Sequence
 from kvmesh.shared.kv.kv_cache import KVPool
 from kvmesh.shared.model.attention import AttentionMetadata, TreeRows
-from kvmesh.shared.model.llama import attach_cpu_ops
+from kvmesh.shared.model.llama import CPU_KV_DTYPES, attach_cpu_ops
 
 
 class ModelRunner:
@@ -53,7 +54,7 @@ class ModelRunner:
         self.tree_rows = (
             ops is not None
             and model.config.dtype == "float32"
-            and kv_pool.spec.dtype in (torch.float32, torch.float8_e4m3fn, torch.int8)
+            and kv_pool.spec.dtype in CPU_KV_DTYPES
         )
 
     def prepare(

@@ -41,9 +41,9 @@ CPU_OPS_MAX_ROWS = 256
 # Row counts up to which a linear layer multiplies by its prepacked weight (``CpuOps.linear``):
 # decode batches, bound by reading the weights; above it MKL's blocked GEMM computes faster.
 PACKED_LINEAR_MAX_ROWS = 64
-# KV caches the C decode attention reads: float32, fp8 e4m3 and int8 with scales (kv_quant.py,
-# kv_int8.py)
-CPU_KV_DTYPES = (torch.float32, torch.float8_e4m3fn, torch.int8)
+# KV caches the C decode attention reads: float32, float16, bfloat16, fp8 e4m3 and int8 with
+# scales (kv_quant.py, kv_int8.py)
+CPU_KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.int8)
 
 
 def _cpu_ops_sized(x: torch.Tensor) -> bool:
