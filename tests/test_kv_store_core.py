@@ -177,7 +177,7 @@ def test_store_checks_the_reserved_hash_at_commit() -> None:
 # --- layout and the registry's view -------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "fp8_e4m3"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "fp8_e4m3", "float16"])
 def test_store_layout_of_the_tiny_model_is_the_decode_engines_kv_spec(kv_cache_dtype: str) -> None:
     from kvmesh.services.kv_store.layout import store_layout
     from kvmesh.shared.engine.config import EngineConfig

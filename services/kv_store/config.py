@@ -25,7 +25,9 @@ class StoreConfig(KvLayoutConfig):
     )
     block_size: int = option(16, help="tokens per KV block (as the decode workers')")
     kv_cache_dtype: KvCacheDtype = option(
-        "auto", help="the workers' --kv-cache-dtype: auto (the model's dtype), int8 or fp8_e4m3"
+        "auto",
+        help="the workers' --kv-cache-dtype: auto (the model's dtype), int8, fp8_e4m3, float16 or "
+        "bfloat16",
     )
     num_blocks: int | None = option(
         None, help="blocks in the store's pool (default: --capacity-gb)"

@@ -36,7 +36,7 @@ from kvmesh.shared.config.subjects import DEFAULT_MESH, mesh_from_model
 # --transport's choices: a backend of shared/transport (auto.BACKENDS) or auto, the best of them
 TransportChoice = Literal["auto", "shm", "tcp", "rdma"]
 # --kv-cache-dtype's choices: the engine's KV_CACHE_DTYPES (shared/engine/config.py)
-KvCacheDtype = Literal["auto", "int8", "fp8_e4m3"]
+KvCacheDtype = Literal["auto", "int8", "fp8_e4m3", "float16", "bfloat16"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,8 +141,9 @@ class KvLayoutConfig(DataPlaneConfig):
     kv_cache_dtype: KvCacheDtype = option(
         "auto",
         help="KV cache dtype: auto (the model's), int8 (the recommended 8-bit format: a scale per "
-        "32 values of each token, 9/32 of float32's bytes) or fp8_e4m3 (float8 with per-(block, "
-        "KV head) scales, a quarter; changes a trained model's answers); prefill and decode "
+        "32 values of each token, 9/32 of float32's bytes), fp8_e4m3 (float8 with per-(block, "
+        "KV head) scales, a quarter; changes a trained model's answers), float16 or bfloat16 "
+        "(half of float32's bytes beside a float32 model); prefill and decode "
         "workers may differ in it: the prefill's writes convert (docs/kv_cache.md)",
     )
     num_blocks: int | None = option(

@@ -14,8 +14,9 @@ if TYPE_CHECKING:
 DEFAULT_KV_CACHE_BYTES = 256 * 1024 * 1024
 # "auto": the KV pool has the model's dtype (or EngineConfig.dtype); "int8": int8 with a scale per
 # 32 values of each token (the recommended 8-bit format); "fp8_e4m3": float8 e4m3 with
-# per-(block, KV head) scales (docs/kv_cache.md)
-KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
+# per-(block, KV head) scales (docs/kv_cache.md); "float16", "bfloat16": a 16-bit pool beside a
+# model computing in float32 (half its KV bytes; the CPU decode kernels read it directly)
+KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3", "float16", "bfloat16")
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +106,8 @@ class EngineConfig:
             return torch.float8_e4m3fn
         if self.kv_cache_dtype == "int8":
             return torch.int8
+        if self.kv_cache_dtype in ("float16", "bfloat16"):
+            return getattr(torch, self.kv_cache_dtype)
         return self.dtype or model_dtype
 
     def pool_spec(
