@@ -36,6 +36,14 @@ the same run is kvmesh's engine on the same checkpoint dequantized to float32 (`
 in the results), and ``--llama-weights same`` is the GGUF the checkpoint was imported from (kept
 beside it by ``kvmesh model fetch``). ``--memory`` adds the resident memory each system's model
 adds to a fresh process (``engine_rss.py``).
+
+``--kv-cache-dtype`` sets kvmesh's KV pool as the workers' flag does (the reference keeps its
+model's dtype): ``float16`` is llama.cpp's default KV type. Every run also reports the bytes a
+decode step moves (``decode_bytes``: each weight the step reads once, the LM head's included, plus
+the KV of every sequence's context at the middle of the timed steps) per token and as GB/s at the
+measured step time, beside ``memcpy``'s bandwidth measured in the same run on the same threads
+(``memcpy_gb_s``: a copy of 256 MiB, bytes read plus bytes written per second, best of 5): how
+close decode comes to the memory-bandwidth limit.
 """
 
 from __future__ import annotations
@@ -54,6 +62,9 @@ from typing import Any
 # cpu: the process's CPU time, which counts llama.cpp's compute wherever its library runs it
 CLOCKS: dict[str, Callable[[], float]] = {"cpu": time.process_time, "wall": time.perf_counter}
 AGAINST = ("transformers", "llama.cpp")
+# the engine's KV_CACHE_DTYPES (shared/engine/config.py imports torch: not at parser building)
+KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3", "float16", "bfloat16")
+MEMCPY_BYTES = 256 << 20
 
 
 def register_engine(sub: Any) -> argparse.ArgumentParser:
@@ -108,6 +119,13 @@ def register_engine(sub: Any) -> argparse.ArgumentParser:
         "q8_0 (converted to llama.cpp's 8-bit blocks), or a GGUF file run as it is (e.g. the "
         "Q4_1 file `kvmesh model fetch` keeps beside the checkpoint it imported); kvmesh runs "
         "--model in its own dtype",
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default="auto",
+        help="kvmesh's KV cache dtype, as the workers' flag: auto (the model's), float16 or "
+        "bfloat16 (half of float32's bytes: llama.cpp's default is f16), int8, fp8_e4m3",
     )
     p.add_argument(
         "--no-cpu-kernels",
@@ -175,6 +193,7 @@ class KvmeshRunner:
         cpu_kernels: bool = True,
         dequantize: bool = False,
         loaded: tuple[Any, Any] | None = None,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         from kvmesh.shared.engine.config import EngineConfig
         from kvmesh.shared.engine.llm_engine import LLMEngine
@@ -193,8 +212,10 @@ class KvmeshRunner:
                 max_num_batched_tokens=4096,
                 enable_prefix_caching=False,
                 cpu_kernels=cpu_kernels,
+                kv_cache_dtype=kv_cache_dtype,
             ),
         )
+        self.weight_bytes = decode_weight_bytes(model)
 
     def generate(self, prompts: list[list[int]], num_tokens: int) -> list[list[int]]:
         from kvmesh.shared.text.sampling import SamplingOptions
@@ -220,6 +241,70 @@ class KvmeshRunner:
             engine.step()
             times.append(clock() - t0)
         return times
+
+
+def decode_weight_bytes(model: Any) -> int:
+    """Bytes of the weights one decode step reads: every linear layer's weight as kept (stored
+    blocks, or float), and the LM head's (the embedding table where they are tied)."""
+    import torch
+    from kvmesh.shared.model.quant_layers import QuantEmbedding, QuantLinear
+
+    total = 0
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            total += m.qweight.data.nbytes
+        elif isinstance(m, torch.nn.Linear):
+            total += m.weight.nbytes
+    if getattr(model, "output", None) is None:  # tied: the head reads the embedding table
+        emb = model.tok_embeddings
+        total += emb.qweight.data.nbytes if isinstance(emb, QuantEmbedding) else emb.weight.nbytes
+    return total
+
+
+def decode_bytes(weight_bytes: int, kv_token_bytes: float, batch: int, context: float) -> float:
+    """Bytes a decode step of ``batch`` sequences at ``context`` tokens each reads: the weights
+    once, and every sequence's K and V (``kv_token_bytes`` a token, all layers)."""
+    return weight_bytes + batch * context * kv_token_bytes
+
+
+def memcpy_gb_s(repeats: int = 5, num_bytes: int = MEMCPY_BYTES) -> float:
+    """memcpy bandwidth on torch's threads: a copy of ``num_bytes`` (past every cache), bytes
+    read plus bytes written per second, best of ``repeats`` (wall clock)."""
+    import torch
+
+    src = torch.ones(num_bytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first copy faults the destination's pages in
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return round(2 * num_bytes / best / 1e9, 1)
+
+
+def bandwidth(
+    results: dict, runners: dict[str, Any], context: float, memcpy: float
+) -> dict[str, dict]:
+    """Per system with known bytes (kvmesh and its float32 reference): per batch size the MB a
+    decode step reads per token and the GB/s that is at the measured rate, and its share of
+    ``memcpy`` (GB/s)."""
+    out: dict[str, dict] = {}
+    for name, r in runners.items():
+        if not hasattr(r, "weight_bytes"):
+            continue
+        spec = r.engine.kv_pool.spec
+        kv_token = spec.block_bytes / spec.block_size
+        rows = {}
+        for b, tok_s in results[name]["decode_tok_s"].items():
+            step = decode_bytes(r.weight_bytes, kv_token, int(b), context)
+            gb_s = step / int(b) * tok_s / 1e9
+            rows[b] = {
+                "mb_per_token": round(step / int(b) / 1e6, 1),
+                "gb_s": round(gb_s, 1),
+                "of_memcpy": round(gb_s / memcpy, 2),
+            }
+        out[name] = {"kv_dtype": str(spec.dtype).removeprefix("torch."), "decode": rows}
+    return out
 
 
 def stored_formats(model: Any) -> list[str]:
@@ -399,7 +484,13 @@ def run(args: argparse.Namespace) -> int:
         in_flight = max(
             prompt_len, max(batch_sizes) * (args.decode_prompt_len + args.decode_tokens)
         )
-        kv = KvmeshRunner(args.model, in_flight, args.cpu_kernels, loaded=loaded)
+        kv = KvmeshRunner(
+            args.model,
+            in_flight,
+            args.cpu_kernels,
+            loaded=loaded,
+            kv_cache_dtype=args.kv_cache_dtype,
+        )
         del loaded
         if formats:  # transformers cannot read blocks: kvmesh on the same weights in float32
             reference = "kvmesh-float32"
@@ -429,6 +520,12 @@ def run(args: argparse.Namespace) -> int:
         results = measure(
             runners, prompt, decode_prompts, args.decode_tokens, args.repeats, CLOCKS[args.clock]
         )
+        memcpy = memcpy_gb_s()
+        context = args.decode_prompt_len + args.decode_tokens / 2
+        results["bandwidth"] = {
+            "memcpy_gb_s": memcpy,
+            **bandwidth(results, runners, context, memcpy),
+        }
         if args.memory:
             results["memory_mb"] = _memory(args.model, reference, gguf)
     k = results["kvmesh"]
@@ -446,6 +543,7 @@ def run(args: argparse.Namespace) -> int:
         "decode_prompt_len": args.decode_prompt_len,
         "decode_tokens": args.decode_tokens,
         "dtype": str(kv.dtype).removeprefix("torch."),
+        "kv_cache_dtype": results["bandwidth"]["kvmesh"]["kv_dtype"],
         "greedy_outputs_match": outputs_match,
         "greedy_outputs_match_llama_cpp": llama_match,
         "llama_kv_cache": args.llama_kv_cache if with_llama_cpp else None,
@@ -510,6 +608,21 @@ def print_table(results: dict) -> None:
             [results[s]["decode_tok_s"].get(b) for s in systems],
             [r["decode"].get(b) for _, r in against],
         )
+    band = results.get("bandwidth")
+    if band:
+        print(
+            f"bytes a decode step reads per token (MB) and GB/s at that rate; memcpy "
+            f"{band['memcpy_gb_s']} GB/s (read + write) in this run"
+        )
+        for s in systems:
+            if s not in band:
+                continue
+            cells = ", ".join(
+                f"batch {b}: {v['mb_per_token']} MB, {v['gb_s']} GB/s "
+                f"({v['of_memcpy']:.0%} of memcpy)"
+                for b, v in band[s]["decode"].items()
+            )
+            print(f"  {s} (KV {band[s]['kv_dtype']}): {cells}")
     memory = results.get("memory_mb")
     if memory:
         kv_mb = memory["kvmesh"]

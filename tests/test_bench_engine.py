@@ -92,7 +92,7 @@ def test_bench_engine_on_weights_as_stored_measures_against_kvmeshs_float32(stor
 
     path, cache = stored_gguf
     short = ["--prompt-len", "64", "--decode-prompt-len", "16", "--decode-tokens", "4"]
-    short += ["--batch-sizes", "1,2", "--repeats", "1"]
+    short += ["--batch-sizes", "1,2", "--repeats", "1", "--kv-cache-dtype", "float16"]
     bench = [sys.executable, "-m", "kvmesh.cli", "bench", "engine", "--json"]
     proc = subprocess.run(
         [*bench, "--model", str(path), *short],
@@ -111,3 +111,39 @@ def test_bench_engine_on_weights_as_stored_measures_against_kvmeshs_float32(stor
         assert all(v > 0 for v in result[system]["decode_tok_s"].values())
     ratio = result["kvmesh"]["decode_tok_s"]["1"] / result["kvmesh-float32"]["decode_tok_s"]["1"]
     assert result["ratios"]["decode"]["1"] == round(ratio, 2)
+    # bytes a step reads against memcpy's bandwidth measured in the run; --kv-cache-dtype is
+    # kvmesh's, the reference keeps its model's float32
+    band = result["bandwidth"]
+    assert band["memcpy_gb_s"] > 0
+    assert band["kvmesh"]["kv_dtype"] == result["config"]["kv_cache_dtype"] == "float16"
+    assert band["kvmesh-float32"]["kv_dtype"] == "float32"
+    for system in ("kvmesh", "kvmesh-float32"):
+        rows = band[system]["decode"]
+        assert set(rows) == {"1", "2"}
+        # batch 2 shares the weights' bytes between two tokens
+        assert 0 < rows["2"]["mb_per_token"] < rows["1"]["mb_per_token"]
+    # stored blocks and a half KV: fewer bytes a token than float32 weights and KV
+    assert (
+        band["kvmesh"]["decode"]["1"]["mb_per_token"]
+        < (band["kvmesh-float32"]["decode"]["1"]["mb_per_token"])
+    )
+
+
+def test_decode_bytes_count_every_weight_a_step_reads_and_the_context_kv():
+    import torch
+    from kvmesh.loadgen.bench_engine import (
+        KV_CACHE_DTYPES,
+        decode_bytes,
+        decode_weight_bytes,
+    )
+    from kvmesh.shared.engine.config import KV_CACHE_DTYPES as ENGINE_KV_CACHE_DTYPES
+    from kvmesh.shared.model import load_model
+
+    assert KV_CACHE_DTYPES == ENGINE_KV_CACHE_DTYPES
+    model, _ = load_model("kvmesh-tiny")
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    expected = sum(m.weight.numel() * 4 for m in linears)
+    if model.output is None:  # a tied head reads the embedding table
+        expected += model.tok_embeddings.weight.numel() * 4
+    assert decode_weight_bytes(model) == expected
+    assert decode_bytes(1000, 10.0, 3, 20.5) == 1000 + 3 * 20.5 * 10.0
