@@ -23,7 +23,7 @@ from kvmesh.kernels.cpu_plans import (
 )
 from kvmesh.shared.kv.kv_int8 import GROUP as INT8_GROUP
 from kvmesh.shared.kv.kv_quant import e4m3_lut
-from kvmesh.shared.model.quant import QuantWeight, block_terms, dequantize
+from kvmesh.shared.model.quant import FLOAT_FORMATS, QuantWeight, StackedWeight, dequantize
 
 _i64, _f32, _ptr, _int = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
 _SIGNATURES = {
@@ -92,14 +92,20 @@ class CpuOps:
         self._memo: _StepMemo | None = None  # the last decode step's layer arguments
 
     def quant_linear(
-        self, x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        weight: QuantWeight | StackedWeight,
+        bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """x (rows, in) @ w.T (+ bias) for w kept in its block format (``cpu_quant.c``), x
-        quantized per block of 32 to int8 on the way (``quant_linear_exact_reference``): (rows,
-        out). Runs on ``torch.get_num_threads()`` threads, each over its own output features."""
+        """x (rows, in) @ w.T (+ bias) for w kept in its format (``cpu_quant.c``,
+        ``cpu_kquant.c``), x quantized per block of 32 to int8 on the way for a block format,
+        read as float32 for F16 and BF16 (``quant_linear_exact_reference``): (rows, out). Runs on
+        ``torch.get_num_threads()`` threads, each over its own output features."""
         check_f32_contiguous(x=x)
         m, k = x.shape
         assert k == weight.cols and weight.data.is_cpu, (x.shape, weight.shape)
+        if isinstance(weight, StackedWeight):
+            assert all(p.data.is_cpu for p in weight.parts), "a part of the weight is not on CPU"
         if bias is not None:
             check_f32_contiguous(bias=bias)
             assert bias.shape == (weight.rows,), (bias.shape, weight.rows)
@@ -487,7 +493,9 @@ def _weight_bias(weight: PackedWeight, bias: torch.Tensor | None) -> tuple[int, 
     return weight.panels.data_ptr(), None if bias is None else bias.data_ptr()
 
 
-def _quant_weight_bias(weight: QuantWeight, bias: torch.Tensor | None) -> tuple[int, int | None]:
+def _quant_weight_bias(
+    weight: QuantWeight | StackedWeight, bias: torch.Tensor | None
+) -> tuple[int, int | None]:
     return weight.data.data_ptr(), None if bias is None else bias.data_ptr()
 
 
@@ -522,21 +530,25 @@ def quantize_activations_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch
 
 
 def quant_linear_reference(
-    x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = None
+    x: torch.Tensor, weight: QuantWeight | StackedWeight, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """The float definition: x @ dequantize(w).T (+ bias)."""
     return F.linear(x, dequantize(weight), bias)
 
 
 def quant_linear_exact_reference(
-    x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = None
+    x: torch.Tensor, weight: QuantWeight | StackedWeight, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """What ``CpuOps.quant_linear`` computes, in float64: x quantized per block
-    (``quantize_activations_reference``), then per block dw dx sum(qw qx) + mw dx sum(qx)."""
+    (``quantize_activations_reference``; for an F16 or BF16 weight x as it is) times the
+    weight's exact values (``dequantize`` in float64), so per block dw dx sum(qw qx) + mw dx
+    sum(qx) with exact integer sums. A stacked weight: each part's columns by its own format."""
     qx, dx = quantize_activations_reference(x)
-    qw, dw, mw = block_terms(weight)
-    isum = torch.einsum("rbi,nbi->rnb", qx.double(), qw.double())  # exact integer sums
-    sx = dx.double() * qx.double().sum(-1)  # (rows, blocks)
-    y = (isum * (dw.double()[None] * dx.double()[:, None])).sum(-1) + sx @ mw.double().T
-    y = y.float()
+    quantized = (qx.double() * dx.double().unsqueeze(-1)).reshape(x.shape)
+    parts = weight.parts if isinstance(weight, StackedWeight) else (weight,)
+    ys = [
+        (x.double() if p.format in FLOAT_FORMATS else quantized) @ dequantize(p, torch.float64).T
+        for p in parts
+    ]
+    y = torch.cat(ys, -1).float()
     return y if bias is None else y + bias

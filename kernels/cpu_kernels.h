@@ -50,12 +50,18 @@ void kv_decode_attention_merge(int64_t batch, int64_t num_q_heads, int64_t num_k
                                int64_t d, int64_t block_size, const int64_t *context_lens,
                                float *out, float *parts, int64_t parts_stride, int64_t t,
                                int64_t nt);
-/* cpu_quant.c: linear layers over Q8_0 / Q4_0 / Q4_1 weights, activations quantized per block */
+/* cpu_quant.c: linear layers over weights as stored (Q8_0, Q4_0, Q4_1; cpu_kquant.c: the
+ * K-quants, F16, BF16; a stacked weight of parts in several), activations quantized per block */
 int64_t qk_scale_stride(int64_t k);
+float kv_f16_to_f32(const uint8_t *p);
 void kv_quantize_rows(const float *x, int64_t r0, int64_t r1, int64_t k, int8_t *xq, float *xs);
-void kv_qlinear_share(const int8_t *xq, const float *xs, int64_t m, int64_t k, int fmt,
-                      const uint8_t *w, int64_t n, const float *bias, float *y, int64_t t,
-                      int64_t nt, int accumulate);
+void kv_qlinear_share(const float *x, const int8_t *xq, const float *xs, int64_t m, int64_t k,
+                      int fmt, const uint8_t *w, int64_t n, const float *bias, float *y,
+                      int64_t t, int64_t nt, int accumulate);
+int64_t kv_kq_row_bytes(int fmt, int64_t k);
+void kv_kq_cols(const float *x, const int8_t *xq, const float *xs, int64_t m, int64_t k, int fmt,
+                const uint8_t *w, int64_t c0, int64_t c1, const float *bias, float *y, int64_t n,
+                int accumulate);
 int64_t kv_attention_unit_bound(const int64_t *context_lens, int64_t batch, int64_t num_kv_heads,
                                 int64_t t, int64_t num_threads);
 

@@ -138,7 +138,8 @@ void kv_decode_layer_quant(float *x, int64_t batch, int64_t hidden, const float 
         kv_rms_norm(x + r0 * hidden, attn_norm, xn + r0 * hidden, r1 - r0, hidden, eps);
         kv_quantize_rows(xn, r0, r1, hidden, xq, xs);
         BARRIER
-        kv_qlinear_share(xq, xs, batch, hidden, (int)fmts[0], wqkv, n_qkv, bqkv, qkv, t, nt, 0);
+        kv_qlinear_share(xn, xq, xs, batch, hidden, (int)fmts[0], wqkv, n_qkv, bqkv, qkv, t, nt,
+                         0);
         BARRIER
         int64_t u0 = kv_attention_unit_bound(context_lens, batch, num_kv_heads, t, nt);
         int64_t u1 = kv_attention_unit_bound(context_lens, batch, num_kv_heads, t + 1, nt);
@@ -169,16 +170,19 @@ void kv_decode_layer_quant(float *x, int64_t batch, int64_t hidden, const float 
         BARRIER
         kv_quantize_rows(attn, r0, r1, n_attn, xq, xs);
         BARRIER
-        kv_qlinear_share(xq, xs, batch, n_attn, (int)fmts[1], wo, hidden, bo, x, t, nt, 1);
+        kv_qlinear_share(attn, xq, xs, batch, n_attn, (int)fmts[1], wo, hidden, bo, x, t, nt,
+                         1);
         BARRIER
         kv_rms_norm(x + r0 * hidden, ffn_norm, xn + r0 * hidden, r1 - r0, hidden, eps);
         kv_quantize_rows(xn, r0, r1, hidden, xq, xs);
         BARRIER
-        kv_qlinear_share(xq, xs, batch, hidden, (int)fmts[2], wgu, 2 * inter, bgu, gu, t, nt, 0);
+        kv_qlinear_share(xn, xq, xs, batch, hidden, (int)fmts[2], wgu, 2 * inter, bgu, gu, t,
+                         nt, 0);
         BARRIER
         kv_silu_mul(gu + r0 * 2 * inter, act + r0 * inter, r1 - r0, inter);
         kv_quantize_rows(act, r0, r1, inter, xq, xs);
         BARRIER
-        kv_qlinear_share(xq, xs, batch, inter, (int)fmts[3], wdown, hidden, bdown, x, t, nt, 1);
+        kv_qlinear_share(act, xq, xs, batch, inter, (int)fmts[3], wdown, hidden, bdown, x, t,
+                         nt, 1);
     }
 }

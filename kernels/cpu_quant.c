@@ -1,5 +1,6 @@
-/* Linear layers over weights kept in their GGUF block format (Q8_0, Q4_0, Q4_1; the layouts are
- * in shared/model/quant.py), for kvmesh's CPU path (kernels/cpu_bindings.py, CpuOps.quant_linear).
+/* Linear layers over weights kept in their GGUF block format (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 here;
+ * the K-quants and F16, BF16 in cpu_kquant.c; the layouts are in shared/model/quant.py), for
+ * kvmesh's CPU path (kernels/cpu_bindings.py, CpuOps.quant_linear).
  *
  * Why: a decode step reads every weight once, so bytes per weight is the speed. A Q4_1 weight is
  * 5 bits a value against float32's 32. The activations are quantized too, as llama.cpp does: each
@@ -7,13 +8,16 @@
  * half to even), and the block's sum of q; a block's dot product is then an integer one:
  *
  *   Q8_0: dw dx sum(qw qx)      Q4_0: dw dx (sum(qw qx) - 8 sum(qx))      Q4_1: dw dx sum(qw qx) + mw dx sum(qx)
+ *   Q5_0, Q5_1: as Q4_0 (with 16 for 8) and Q4_1, their values' fifth bits or-ed in from qh
  *
  * With AVX-512 VNNI, vpdpbusd multiplies 64 unsigned by 64 signed bytes and sums each 4 into an
  * int32: a pair of blocks per instruction. Q4 nibbles are unsigned already; Q8_0 takes |qw| and
  * moves qw's sign onto qx (llama.cpp's trick). Each int32 lane is scaled by its block's dw dx in
  * float and summed; the sum(qx) terms are folded in by lanes too (the activation rows carry, per
- * pair of blocks, dx and dx sum(qx) / 8 spread over each block's 8 lanes). Elsewhere a scalar
- * loop computes the same integer sums.
+ * pair of blocks, dx and dx sum(qx) / 8 spread over each block's 8 lanes). Where the compiler
+ * targets no AVX-512 VNNI, AVX2 (vpmaddubsw, vpmaddwd; with FMA and F16C) or else a scalar loop
+ * computes the same integer sums: the instruction set is the build's (-march=native on the
+ * machine that runs it, cpu_ops.py; tests build the others with -march=haswell and x86-64).
  *
  * Activation rows (kv_quantize_rows): xq (rows, k) int8 and xs (rows, qk_scale_stride(k)) float:
  * for pair p of blocks, xs[p * 32 + 0 .. 16) the dx of blocks 2p (lanes 0-7) and 2p + 1 (8-15),
@@ -29,6 +33,10 @@
  *
  * Threads split the output features: thread t of nt computes columns [n t / nt, n (t + 1) / nt)
  * of y for every row of x, reading its share of the weight once per block of x rows.
+ *
+ * A stacked weight (KV_STACKED, shared/model/quant.py's StackedWeight: a fused projection whose
+ * row ranges come in different formats, as a Q4_K_M file's q, k (Q4_K) and v (Q6_K)) passes a
+ * kv_wstack descriptor for w: each part's columns of y are computed by its own format's kernel.
  */
 #include <math.h>
 #include <stdint.h>
@@ -38,6 +46,9 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define QK_VNNI 1
+#include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define QK_AVX2 1
 #include <immintrin.h>
 #endif
 
@@ -50,10 +61,33 @@ static inline int omp_get_num_threads(void) { return 1; }
 
 #define QB 32       /* values per block */
 #define XMB 64      /* rows of x per cache block: its int8 rows stay in L2 while weights pass */
-enum { KV_Q8_0 = 0, KV_Q4_0 = 1, KV_Q4_1 = 2 }; /* FORMAT_CODES of shared/model/quant.py */
+/* FORMAT_CODES of shared/model/quant_formats.py (3 .. 7: cpu_kquant.c's) */
+enum { KV_Q8_0 = 0, KV_Q4_0 = 1, KV_Q4_1 = 2, KV_Q5_0 = 8, KV_Q5_1 = 9 };
 #define KV_PAIRED 16 /* or-ed into a Q4 format code: the paired layout (PAIRED_FLAG) */
+#define KV_FIRST_KQ 3 /* codes 3 .. 7: Q4_K, Q5_K, Q6_K, F16, BF16 (cpu_kquant.c) */
+#define KV_LAST_KQ 7
+#define KV_F16_CODE 6
+#define KV_BF16_CODE 7
+#define KV_STACKED 32 /* STACKED_CODE: w is a kv_wstack */
+#define KV_STACK_PARTS 4 /* MAX_STACKED_PARTS */
 
-static const int64_t block_bytes[3] = {34, 18, 20};
+/* A stacked weight's parts, in row order: format code, rows, address of its (rows, row bytes) */
+typedef struct {
+    int64_t count;
+    int64_t fmt[KV_STACK_PARTS];
+    int64_t rows[KV_STACK_PARTS];
+    int64_t data[KV_STACK_PARTS];
+} kv_wstack;
+
+static const int64_t block_bytes[10] = {34, 18, 20, 0, 0, 0, 0, 0, 22, 24};
+
+/* where a block's values start, and (Q5) its fifth bits */
+static inline int qs_offset(int fmt) {
+    return fmt == KV_Q4_0 ? 2 : fmt == KV_Q4_1 ? 4 : fmt == KV_Q5_0 ? 6 : 8;
+}
+static inline int qh_offset(int fmt) { return fmt == KV_Q5_0 ? 2 : 4; }
+static inline int has_min(int fmt) { return fmt == KV_Q4_1 || fmt == KV_Q5_1; }
+static inline int is_q5(int fmt) { return fmt == KV_Q5_0 || fmt == KV_Q5_1; }
 
 int64_t qk_scale_stride(int64_t k) { return (k / QB + 1) / 2 * 32; }
 
@@ -66,7 +100,7 @@ int64_t kv_quant_pairs(void) {
 #endif
 }
 
-static __attribute__((unused)) float f16_to_f32(const uint8_t *p) {
+float kv_f16_to_f32(const uint8_t *p) {
     uint16_t h;
     memcpy(&h, p, 2);
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
@@ -156,8 +190,8 @@ static inline __attribute__((always_inline)) __m512i load_pair(int fmt, int pair
         __m256i qb = has_b ? _mm256_loadu_si256((const __m256i *)(b + 2)) : _mm256_setzero_si256();
         return _mm512_inserti64x4(_mm512_castsi256_si512(qa), qb, 1);
     }
-    if (fmt == KV_Q4_1) *mw = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(halves, 1));
-    const int off = fmt == KV_Q4_1 ? 4 : 2;
+    if (has_min(fmt)) *mw = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(halves, 1));
+    const int off = qs_offset(fmt);
     __m128i qa = _mm_loadu_si128((const __m128i *)(a + off));
     __m128i qb = has_b ? _mm_loadu_si128((const __m128i *)(b + off)) : _mm_setzero_si128();
     __m256i ab = _mm256_inserti128_si256(_mm256_castsi128_si256(qa), qb, 1);
@@ -165,7 +199,15 @@ static inline __attribute__((always_inline)) __m512i load_pair(int fmt, int pair
     __m256i lo = _mm256_and_si256(ab, low), hi = _mm256_and_si256(_mm256_srli_epi16(ab, 4), low);
     /* [A lo, B lo, A hi, B hi] -> [A lo, A hi, B lo, B hi] */
     __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-    return _mm512_shuffle_i64x2(z, z, _MM_SHUFFLE(3, 1, 2, 0));
+    z = _mm512_shuffle_i64x2(z, z, _MM_SHUFFLE(3, 1, 2, 0));
+    if (is_q5(fmt)) { /* bit j of qh: value j's 16 */
+        uint32_t ha, hb = 0;
+        memcpy(&ha, a + qh_offset(fmt), 4);
+        if (has_b) memcpy(&hb, b + qh_offset(fmt), 4);
+        __mmask64 fifth = (__mmask64)ha | (__mmask64)hb << 32;
+        z = _mm512_mask_add_epi8(z, fifth, z, _mm512_set1_epi8(16));
+    }
+    return z;
 }
 
 /* out[r][c] = row r of x (R rows, R <= 4) . weight row c (C rows, C <= 4), before bias */
@@ -187,8 +229,8 @@ static inline __attribute__((always_inline)) void qtile(int fmt, int paired, con
             if (fmt == KV_Q8_0) {
                 neg[c] = _mm512_movepi8_mask(wv[c]);
                 wv[c] = _mm512_abs_epi8(wv[c]);
-            } else if (fmt == KV_Q4_0) {
-                mw[c] = _mm512_mul_ps(dw[c], _mm512_set1_ps(-8.0f));
+            } else if (fmt == KV_Q4_0 || fmt == KV_Q5_0) {
+                mw[c] = _mm512_mul_ps(dw[c], _mm512_set1_ps(fmt == KV_Q4_0 ? -8.0f : -16.0f));
             }
         }
         for (int r = 0; r < R; r++) {
@@ -211,6 +253,86 @@ static inline __attribute__((always_inline)) void qtile(int fmt, int paired, con
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) out[r][c] = _mm512_reduce_add_ps(acc[r][c]);
 }
+#elif defined(QK_AVX2)
+/* AVX2 (with FMA, F16C), a block of 32 at a time, GGUF layout only (kv_quant_pairs() is 0 here):
+ * vpmaddubsw multiplies unsigned weight bytes by signed activation bytes and sums pairs into
+ * int16 (Q8_0: |qw| with qw's sign moved onto qx, at most 2 * 128 * 127: no saturation),
+ * vpmaddwd sums pairs of those into 8 int32 lanes; the lanes are scaled by dw dx in float and the
+ * min terms (Q4) summed aside. */
+static inline float qk_hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static inline __attribute__((always_inline)) void qtile(int fmt, int paired, const int8_t *xq,
+                                                       const float *xs, int64_t k,
+                                                       const uint8_t *w, int64_t rb, int R,
+                                                       int C, float out[4][4]) {
+    (void)paired;
+    const int64_t nb = k / QB, xss = qk_scale_stride(k), bb = block_bytes[fmt];
+    const __m256i ones = _mm256_set1_epi16(1);
+    const __m128i low4 = _mm_set1_epi8(0x0f);
+    __m256 acc[4][4];
+    float macc[4][4];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps(), macc[r][c] = 0.0f;
+    for (int64_t b = 0; b < nb; b++) {
+        __m256i wv[4];
+        float dw[4], mw[4];
+        for (int c = 0; c < C; c++) {
+            const uint8_t *blk = w + c * rb + b * bb;
+            uint16_t h;
+            memcpy(&h, blk, 2);
+            dw[c] = _cvtsh_ss(h);
+            if (fmt == KV_Q8_0) {
+                wv[c] = _mm256_loadu_si256((const __m256i *)(blk + 2));
+                mw[c] = 0.0f;
+                continue;
+            }
+            __m128i qs = _mm_loadu_si128((const __m128i *)(blk + qs_offset(fmt)));
+            __m128i lo = _mm_and_si128(qs, low4);
+            __m128i hi = _mm_and_si128(_mm_srli_epi16(qs, 4), low4);
+            wv[c] = _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
+            if (is_q5(fmt)) { /* byte j gets bit j of qh: 16 where it is set */
+                uint32_t qh;
+                memcpy(&qh, blk + qh_offset(fmt), 4);
+                const __m256i spread = _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL,
+                                                         0x0101010101010101LL, 0);
+                const __m256i bits = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+                __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)qh), spread);
+                v = _mm256_cmpeq_epi8(_mm256_and_si256(v, bits), bits);
+                wv[c] = _mm256_or_si256(wv[c], _mm256_and_si256(v, _mm256_set1_epi8(16)));
+            }
+            if (has_min(fmt)) {
+                memcpy(&h, blk + 2, 2);
+                mw[c] = _cvtsh_ss(h);
+            } else {
+                mw[c] = (fmt == KV_Q4_0 ? -8.0f : -16.0f) * dw[c];
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + r * k + b * QB));
+            const float *lanes = xs + r * xss + (b / 2) * 32 + (b % 2) * 8;
+            float dx = lanes[0], sx = lanes[16] * 8.0f;
+            for (int c = 0; c < C; c++) {
+                __m256i a = wv[c], xs8 = xv;
+                if (fmt == KV_Q8_0) {
+                    xs8 = _mm256_sign_epi8(xv, a);
+                    a = _mm256_abs_epi8(a);
+                } else {
+                    macc[r][c] += mw[c] * sx;
+                }
+                __m256i dp = _mm256_madd_epi16(_mm256_maddubs_epi16(a, xs8), ones);
+                acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dp), _mm256_set1_ps(dw[c] * dx),
+                                            acc[r][c]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) out[r][c] = qk_hsum8(acc[r][c]) + macc[r][c];
+}
 #else
 /* The scalar definition: integer sums per block, then the block's float terms (GGUF layout only:
  * kv_quant_pairs() is 0 here, so no weight is paired for this build). */
@@ -224,17 +346,24 @@ static inline void qtile(int fmt, int paired, const int8_t *xq, const float *xs,
                 const uint8_t *blk = w + c * rb + b * bb;
                 const int8_t *qx = xq + r * k + b * QB;
                 const float *lanes = xs + r * xss + (b / 2) * 32 + (b % 2) * 8;
-                float dx = lanes[0], sx = lanes[16] * 8.0f, dw = f16_to_f32(blk);
+                float dx = lanes[0], sx = lanes[16] * 8.0f, dw = kv_f16_to_f32(blk);
                 int32_t isum = 0;
                 if (fmt == KV_Q8_0) {
                     const int8_t *qw = (const int8_t *)(blk + 2);
                     for (int i = 0; i < QB; i++) isum += qw[i] * qx[i];
                     acc += dw * dx * (float)isum;
                 } else {
-                    const uint8_t *qs = blk + (fmt == KV_Q4_1 ? 4 : 2);
-                    for (int i = 0; i < QB / 2; i++)
-                        isum += (qs[i] & 0x0f) * qx[i] + (qs[i] >> 4) * qx[i + QB / 2];
-                    float mw = fmt == KV_Q4_1 ? f16_to_f32(blk + 2) : -8.0f * dw;
+                    const uint8_t *qs = blk + qs_offset(fmt);
+                    uint32_t qh = 0;
+                    if (is_q5(fmt)) memcpy(&qh, blk + qh_offset(fmt), 4);
+                    for (int i = 0; i < QB / 2; i++) {
+                        int lo = (qs[i] & 0x0f) | (int)((qh >> i & 1) << 4);
+                        int hi = (qs[i] >> 4) | (int)((qh >> (i + QB / 2) & 1) << 4);
+                        isum += lo * qx[i] + hi * qx[i + QB / 2];
+                    }
+                    float mw = has_min(fmt)          ? kv_f16_to_f32(blk + 2)
+                               : fmt == KV_Q4_0 ? -8.0f * dw
+                                                : -16.0f * dw;
                     acc += dw * dx * (float)isum + mw * sx;
                 }
             }
@@ -287,6 +416,8 @@ static void qk_rows(int fmt, const int8_t *xq, const float *xs, int R, int64_t k
     case KV_Q8_0: QK_FORMAT_BODY(KV_Q8_0, 0) break;
     case KV_Q4_0: QK_FORMAT_BODY(KV_Q4_0, 0) break;
     case KV_Q4_1: QK_FORMAT_BODY(KV_Q4_1, 0) break;
+    case KV_Q5_0: QK_FORMAT_BODY(KV_Q5_0, 0) break;
+    case KV_Q5_1: QK_FORMAT_BODY(KV_Q5_1, 0) break;
 #ifdef QK_VNNI
     case KV_Q4_0 | KV_PAIRED: QK_FORMAT_BODY(KV_Q4_0, 1) break;
     default: QK_FORMAT_BODY(KV_Q4_1, 1) break;
@@ -296,14 +427,30 @@ static void qk_rows(int fmt, const int8_t *xq, const float *xs, int R, int64_t k
     }
 }
 
-/* Thread t of nt's share of y (m, n) = x (m, k) @ w.T (+ bias): columns [n t / nt, n (t+1) / nt).
- * x given quantized (kv_quantize_rows); w (n, k) in format fmt, rows back to back. accumulate:
- * y += instead (a residual add). */
-void kv_qlinear_share(const int8_t *xq, const float *xs, int64_t m, int64_t k, int fmt,
-                      const uint8_t *w, int64_t n, const float *bias, float *y, int64_t t,
-                      int64_t nt, int accumulate) {
+/* Columns [c0, c1) of y (m, n) = x @ w.T (+ bias) for every row: w's rows from 0 (a stacked
+ * weight: each part's rows from its first), bias and y's columns indexed alike. */
+static void qlinear_cols(const float *x, const int8_t *xq, const float *xs, int64_t m, int64_t k,
+                         int fmt, const uint8_t *w, int64_t c0, int64_t c1, const float *bias,
+                         float *y, int64_t n, int accumulate) {
+    if (fmt == KV_STACKED) {
+        const kv_wstack *s = (const kv_wstack *)w;
+        int64_t base = 0;
+        for (int64_t i = 0; i < s->count; i++) {
+            int64_t lo = c0 > base ? c0 : base, end = base + s->rows[i];
+            int64_t hi = c1 < end ? c1 : end;
+            const uint8_t *part = (const uint8_t *)(uintptr_t)s->data[i];
+            if (lo < hi)
+                qlinear_cols(x, xq, xs, m, k, (int)s->fmt[i], part, lo - base, hi - base,
+                             bias ? bias + base : NULL, y + base, n, accumulate);
+            base = end;
+        }
+        return;
+    }
+    if (fmt >= KV_FIRST_KQ && fmt <= KV_LAST_KQ) {
+        kv_kq_cols(x, xq, xs, m, k, fmt, w, c0, c1, bias, y, n, accumulate);
+        return;
+    }
     const int64_t rb = k / QB * block_bytes[fmt & ~KV_PAIRED], xss = qk_scale_stride(k);
-    const int64_t c0 = n * t / nt, c1 = n * (t + 1) / nt;
     for (int64_t r0 = 0; r0 < m; r0 += XMB) {
         int64_t r1 = m - r0 < XMB ? m : r0 + XMB;
         /* weight rows in runs of 16 against the whole block of x rows: both stay in cache */
@@ -318,16 +465,27 @@ void kv_qlinear_share(const int8_t *xq, const float *xs, int64_t m, int64_t k, i
     }
 }
 
+/* Thread t of nt's share of y (m, n) = x (m, k) @ w.T (+ bias): columns [n t / nt, n (t+1) / nt).
+ * x given as floats (read for F16 and BF16 weights) and quantized (kv_quantize_rows; read for
+ * the block formats); w (n, k) in format fmt, rows back to back, or a kv_wstack (KV_STACKED).
+ * accumulate: y += instead (a residual add). */
+void kv_qlinear_share(const float *x, const int8_t *xq, const float *xs, int64_t m, int64_t k,
+                      int fmt, const uint8_t *w, int64_t n, const float *bias, float *y,
+                      int64_t t, int64_t nt, int accumulate) {
+    qlinear_cols(x, xq, xs, m, k, fmt, w, n * t / nt, n * (t + 1) / nt, bias, y, n, accumulate);
+}
+
 /* y (m, n) = x (m, k) @ w.T (+ bias) on num_threads OpenMP threads; xq (m, k) and xs
- * (m, qk_scale_stride(k)): room for x quantized. */
+ * (m, qk_scale_stride(k)): room for x quantized (not written for an F16 or BF16 weight). */
 void kv_qlinear(const float *x, int64_t m, int64_t k, int fmt, const uint8_t *w, int64_t n,
                 const float *bias, float *y, int8_t *xq, float *xs, int64_t num_threads) {
     if (num_threads < 1) num_threads = 1;
+    const int is_float = fmt == KV_F16_CODE || fmt == KV_BF16_CODE;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
     {
         int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-        kv_quantize_rows(x, m * t / nt, m * (t + 1) / nt, k, xq, xs);
+        if (!is_float) kv_quantize_rows(x, m * t / nt, m * (t + 1) / nt, k, xq, xs);
 #pragma omp barrier
-        kv_qlinear_share(xq, xs, m, k, fmt, w, n, bias, y, t, nt, 0);
+        kv_qlinear_share(x, xq, xs, m, k, fmt, w, n, bias, y, t, nt, 0);
     }
 }

@@ -347,16 +347,17 @@ def test_sentencepiece_model_loads_and_gives_transformers_logits(sentencepiece) 
 
 @pytest.fixture(scope="module")
 def stored(synthetic, tmp_path_factory) -> Path:
-    """The synthetic GGUF imported by default: Q8_0, Q4_0, Q4_1 weights kept as stored."""
+    """The synthetic GGUF imported by default: F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K and Q6_K
+    weights kept as stored (F32 dequantized)."""
     directory = tmp_path_factory.mktemp("stored") / "imported"
     imported = import_gguf(synthetic[0], directory)
     assert not imported.is_dequantized and verify_import(directory).is_dequantized is False
     return directory
 
 
-def test_default_import_keeps_q8_q4_blocks_and_dequantizes_the_rest(synthetic, stored) -> None:
+def test_default_import_keeps_stored_formats_and_dequantizes_the_rest(synthetic, stored) -> None:
     from kvmesh.shared.model.gguf_weights import hf_name
-    from kvmesh.shared.model.quant import CHECKPOINT_KEY, QUANT_FORMATS
+    from kvmesh.shared.model.quant import CHECKPOINT_KEY, STORED_FORMATS
     from safetensors import safe_open
 
     types = {hf_name(n): t.type_name for n, t in read_gguf(synthetic[0]).tensors.items()}
@@ -364,9 +365,9 @@ def test_default_import_keeps_q8_q4_blocks_and_dequantizes_the_rest(synthetic, s
         formats = json.loads(f.metadata()[CHECKPOINT_KEY])
         dtypes = {name: f.get_tensor(name).dtype for name in f.keys()}  # noqa: SIM118
     expected = {
-        n: t for n, t in types.items() if t in QUANT_FORMATS and not n.endswith("norm.weight")
+        n: t for n, t in types.items() if t in STORED_FORMATS and not n.endswith("norm.weight")
     }
-    assert formats == expected and set(expected.values()) == set(QUANT_FORMATS)
+    assert formats == expected and set(expected.values()) == set(TYPES) - {"F32"}
     assert all((dtypes[n] == torch.uint8) == (n in formats) for n in dtypes)
     assert (stored / "model.safetensors").stat().st_size < (
         synthetic[1] / "model.safetensors"

@@ -1,22 +1,18 @@
 """kernels/cpu_quant.c: linear layers over Q8_0 / Q4_0 / Q4_1 weights as stored, held to the
 float definition (dequantize, then matmul) and to a float64 reference that quantizes the
-activations exactly as the kernel does; the portable scalar build (no AVX-512) too."""
+activations exactly as the kernel does (the AVX2 and portable scalar builds: in
+test_kernel_cpu_kquant.py, with the other formats)."""
 
 from __future__ import annotations
-
-import ctypes
-import shutil
-import subprocess
 
 import pytest
 import torch
 from kvmesh.kernels.cpu_bindings import (
     quant_linear_exact_reference,
     quant_linear_reference,
-    quant_scale_stride,
     quantize_activations_reference,
 )
-from kvmesh.kernels.cpu_ops import SOURCES, load_cpu_ops
+from kvmesh.kernels.cpu_ops import load_cpu_ops
 from kvmesh.shared.model.quant import FORMAT_CODES, QUANT_FORMATS, quantize
 
 ops = load_cpu_ops()
@@ -73,36 +69,6 @@ def test_activation_quantization_rounds_halves_to_even() -> None:
     x[0, 0], x[0, 1], x[0, 2] = 127.0, 2.5, -0.5
     q, d = quantize_activations_reference(x)
     assert d.item() == 1.0 and q[0, 0, :3].tolist() == [127.0, 2.0, -0.0]
-
-
-@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
-@pytest.mark.parametrize("format", QUANT_FORMATS)
-def test_portable_scalar_build_matches_the_exact_reference(format: str, tmp_path) -> None:
-    """cpu_quant.c built for plain x86-64 (or any CPU without AVX-512 VNNI): the scalar path."""
-    source = next(p for p in SOURCES if p.name == "cpu_quant.c")
-    lib_path = tmp_path / "scalar.so"
-    march = ["-march=x86-64"] if _is_x86() else []
-    flags = ["-O2", *march, "-ffp-contract=off", "-fPIC", "-shared", "-std=gnu11"]
-    subprocess.run(["cc", *flags, "-o", str(lib_path), str(source), "-lm"], check=True)
-    lib = ctypes.CDLL(str(lib_path))
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.kv_qlinear.argtypes = (p, i64, i64, ctypes.c_int, p, i64, p, p, p, p, i64)
-    lib.kv_qlinear.restype = None
-    x, w, b = _case(6, 96, 21, format, seed=11, bias=True)
-    xq = torch.empty(6, 96, dtype=torch.int8)
-    xs = torch.empty(6, quant_scale_stride(96))
-    y = torch.empty(6, 21)
-    lib.kv_qlinear(
-        x.data_ptr(), 6, 96, FORMAT_CODES[format], w.data.data_ptr(), 21, b.data_ptr(),
-        y.data_ptr(), xq.data_ptr(), xs.data_ptr(), 1,
-    )  # fmt: skip
-    _assert_exact(y, x, w, b)
-
-
-def _is_x86() -> bool:
-    import platform
-
-    return platform.machine() in ("x86_64", "AMD64")
 
 
 def test_residual_pass_cuts_the_activation_rounding_error() -> None:

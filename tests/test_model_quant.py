@@ -42,7 +42,7 @@ def test_dequantize_matches_gguf(format: str) -> None:
     expected = gguf_quants.dequantize(q.data.numpy(), GGMLQuantizationType[format])
     assert torch.equal(dequantize(q), torch.from_numpy(np.asarray(expected, dtype=np.float32)))
     # and the round trip is close to the float weight: half a step of each block at most
-    step = {"Q8_0": 1 / 127, "Q4_0": 1 / 7, "Q4_1": 1 / 15}[format]
+    step = {"Q8_0": 1 / 127, "Q4_0": 1 / 7, "Q4_1": 1 / 15, "Q5_0": 1 / 15, "Q5_1": 1 / 31}[format]
     span = w.reshape(19, 5, 32).abs().amax(-1, keepdim=True) * 2
     err = (dequantize(q) - w).abs().reshape(19, 5, 32)
     assert (err <= span * step + 1e-3).all()

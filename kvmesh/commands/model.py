@@ -70,9 +70,10 @@ def _register_import(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "import",
         help="turn a Llama GGUF file (llama.cpp's format) into a checkpoint directory",
-        description="Keeps Q8_0, Q4_0 and Q4_1 weights as stored (kvmesh computes with them as "
-        "they are) and dequantizes every other tensor (F32, F16, BF16, the K-quants ...: whatever "
-        "the gguf package reads) into model.safetensors in --dtype, and writes config.json, "
+        description="Keeps Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, F16 and BF16 weights "
+        "as stored (kvmesh computes with them as they are) and dequantizes every other tensor "
+        "(F32, norms, Q2_K, the IQ types ...: whatever the gguf package reads) into "
+        "model.safetensors in --dtype, and writes config.json, "
         "generation_config.json, tokenizer.json and tokenizer_config.json (with the chat "
         "template) from the file's metadata. kvmesh loads the result with --model DIR; with "
         "--dequantize (every tensor in --dtype) transformers' from_pretrained(DIR) does too.",

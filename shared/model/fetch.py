@@ -45,7 +45,7 @@ class FetchableModel:
     gguf_sha256: str
     description: str
     dtype: str = "float32"  # the dequantized weights' dtype (float32: the GGUF's values exactly)
-    # Q8_0/Q4_0/Q4_1 weights imported as stored (False: every weight dequantized to dtype)
+    # weights imported as stored where kvmesh reads their format (False: every weight dequantized)
     keeps_formats: bool = True
 
     @property

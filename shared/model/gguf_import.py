@@ -10,9 +10,10 @@ leaves no directory that looks complete. Every file is made mode 0644 and the fo
 whatever the umask or the writer chose (safetensors writes 0600): a container image that copies
 the checkpoint runs as another user, who must read it.
 
-The weights: Q8_0, Q4_0 and Q4_1 matrices keep their blocks as stored (uint8 tensors, their
-formats in the safetensors metadata under ``CHECKPOINT_KEY``; kvmesh computes with them as they
-are, transformers cannot read them), every other tensor is dequantized to the dtype asked for.
+The weights: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, F16 and BF16 matrices keep their
+bytes as stored (uint8 tensors, their formats in the safetensors metadata under ``CHECKPOINT_KEY``;
+kvmesh computes with them as they are, transformers cannot read them), every other tensor is
+dequantized to the dtype asked for.
 ``dequantize=True`` dequantizes every tensor: a plain HF checkpoint transformers loads too.
 """
 
@@ -32,7 +33,12 @@ from kvmesh.shared.model.gguf_config import generation_config, hf_config, model_
 from kvmesh.shared.model.gguf_file import GGUFError, read_gguf
 from kvmesh.shared.model.gguf_tokenizer import build_tokenizer
 from kvmesh.shared.model.gguf_weights import hf_tensors
-from kvmesh.shared.model.quant_formats import BLOCK, CHECKPOINT_KEY, row_bytes
+from kvmesh.shared.model.quant_formats import (
+    CHECKPOINT_KEY,
+    cols_multiple,
+    row_bytes,
+    row_values,
+)
 
 MARKER = "kvmesh-import.json"
 _CHUNK = 1 << 20
@@ -85,9 +91,7 @@ def import_gguf(
             metadata[CHECKPOINT_KEY] = json.dumps(formats, sort_keys=True)
         save_file(weights, str(partial / "model.safetensors"), metadata=metadata)
         num_parameters = sum(
-            t.shape[0] * t.shape[1] // row_bytes(formats[n], BLOCK) * BLOCK
-            if n in formats
-            else t.numel()
+            t.shape[0] * row_values(formats[n], t.shape[1]) if n in formats else t.numel()
             for n, t in weights.items()
         )
         del weights
@@ -163,7 +167,7 @@ def _torch_weights(
     gguf: Any, config: Any, keep_formats: bool
 ) -> tuple[dict[str, Any], dict[str, str]]:
     """HF-named torch tensors, exactly the tensors the model needs: in the config's dtype, or
-    (``keep_formats``) Q8_0/Q4_0/Q4_1 blocks as stored; and those tensors' formats."""
+    (``keep_formats``) the bytes of those kvmesh reads as stored; and those tensors' formats."""
     import torch
     from kvmesh.shared.model.loader import hf_weight_plan
 
@@ -188,7 +192,8 @@ def _torch_weights(
         got = tuple(out[name].shape)
         if name in formats:  # (rows, bytes): the logical shape needs whole blocks of columns
             stored_shape = (shape[0], row_bytes(formats[name], shape[1])) if len(shape) == 2 else ()
-            got = shape if got == stored_shape and shape[1] % BLOCK == 0 else got
+            whole = shape[1] % cols_multiple(formats[name]) == 0
+            got = shape if got == stored_shape and whole else got
         if got != shape:
             raise GGUFError(
                 f"{gguf.path}: tensor {name!r} (HF name) has shape {got}, the "

@@ -1,4 +1,5 @@
-"""A Llama GGUF's tensors as Hugging Face ``LlamaForCausalLM`` tensors, dequantized.
+"""A Llama GGUF's tensors as Hugging Face ``LlamaForCausalLM`` tensors, dequantized, or (with
+``keep_formats``) as stored where kvmesh computes with the format.
 
 llama.cpp names tensors ``blk.N.attn_q.weight`` where transformers says
 ``model.layers.N.self_attn.q_proj.weight``, stores every type ``gguf.quants`` knows (F32, F16,
@@ -14,7 +15,7 @@ from collections.abc import Iterator
 
 import numpy as np
 from kvmesh.shared.model.gguf_file import GGUFError, GGUFFile, GGUFTensor
-from kvmesh.shared.model.quant_formats import QUANT_FORMATS, row_bytes
+from kvmesh.shared.model.quant_formats import STORED_FORMATS, cols_multiple, row_bytes
 
 # GGUF tensor name -> HF name ({i}: the layer); names outside this table are refused.
 _GLOBAL_NAMES = {
@@ -90,26 +91,38 @@ def check_tensor_names(gguf: GGUFFile) -> None:
         )
 
 
+def is_storable(tensor: GGUFTensor) -> bool:
+    """Whether kvmesh computes with ``tensor`` as stored: a matrix in one of ``STORED_FORMATS``
+    (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, the K-quants, F16, BF16) whose rows hold whole blocks of
+    32 values (the kernels quantize the activations per 32)."""
+    return (
+        tensor.type_name in STORED_FORMATS
+        and len(tensor.shape) == 2
+        and tensor.shape[1] % cols_multiple(tensor.type_name) == 0
+    )
+
+
 def stored(tensor: GGUFTensor) -> np.ndarray:
-    """A 2-D tensor of a format kvmesh computes with as stored (``QUANT_FORMATS``): its raw
-    blocks as a (rows, row bytes) uint8 array, a copy."""
-    assert tensor.type_name in QUANT_FORMATS and len(tensor.shape) == 2, tensor.type_name
+    """A tensor kvmesh computes with as stored (``is_storable``): its raw blocks (or 2-byte
+    floats) as a (rows, row bytes) uint8 array, a copy."""
+    assert is_storable(tensor), (tensor.name, tensor.type_name, tensor.shape)
     rows, cols = tensor.shape
-    return np.array(tensor.raw, dtype=np.uint8).reshape(rows, row_bytes(tensor.type_name, cols))
+    raw = np.ascontiguousarray(tensor.raw).view(np.uint8)  # F16: float16 items, as bytes
+    return raw.reshape(rows, row_bytes(tensor.type_name, cols)).copy()
 
 
 def hf_tensors(
     gguf: GGUFFile, num_heads: int, num_kv_heads: int, keep_formats: bool = False
 ) -> Iterator[tuple[str, np.ndarray, str | None]]:
     """(HF name, array, format) for every tensor, Q and K rows unpermuted: float32 values and
-    None, or with ``keep_formats`` a 2-D Q8_0, Q4_0 or Q4_1 tensor's blocks (``stored``) and its
-    format (blocks lie along rows, so rows permute as bytes)."""
+    None, or with ``keep_formats`` a storable tensor's bytes (``stored``) and its format
+    (blocks lie along rows, so rows permute as bytes)."""
     check_tensor_names(gguf)
     for name, tensor in gguf.tensors.items():
         target = hf_name(name)
         if target is None:
             continue
-        is_kept = keep_formats and tensor.type_name in QUANT_FORMATS and len(tensor.shape) == 2
+        is_kept = keep_formats and is_storable(tensor)
         values = stored(tensor) if is_kept else dequantize(tensor, gguf.path)
         if name.endswith(".attn_q.weight"):
             values = unpermute_rows(values, num_heads)

@@ -20,7 +20,7 @@ from kvmesh.shared.model import quant
 from kvmesh.shared.model.checkpoint_info import ModelLoadError, load_config_and_tokenizer
 from kvmesh.shared.model.config import ModelConfig, ModelConfigError, parse_dtype
 from kvmesh.shared.model.llama import Transformer
-from kvmesh.shared.model.quant import CHECKPOINT_KEY, QuantWeight, cat_rows
+from kvmesh.shared.model.quant import CHECKPOINT_KEY, QuantWeight, StackedWeight, cat_rows
 from kvmesh.shared.model.quant_layers import use_quant_weights
 from kvmesh.shared.model.tiny import TINY_NAME, tiny_state_dict
 from kvmesh.shared.text.tokenizer import Tokenizer
@@ -42,8 +42,9 @@ def load_model(
 
     ``dtype`` (a torch dtype or a name such as "bfloat16") defaults to the checkpoint's own dtype,
     float32 when it names none; float32, bfloat16 and float16 are supported. Weights a checkpoint
-    keeps in a block format (Q8_0, Q4_0, Q4_1: ``kvmesh model import``) stay in it on the CPU
-    (``shared/model/quant_layers.py``); ``dequantize`` (and any other device) makes them ``dtype``.
+    keeps as stored (Q8_0 ... Q5_1, K-quants, F16, BF16: ``kvmesh model import``) stay so on
+    the CPU (``shared/model/quant_layers.py``); ``dequantize`` (and any other device) makes them
+    ``dtype``.
     """
     if dtype is not None:
         try:
@@ -113,7 +114,8 @@ def build_model(
     """Materialise a Transformer from HF-named tensors. ``available`` lists every tensor in the
     checkpoint; ``source`` names the checkpoint in errors. ``formats``: the tensors kept in a
     block format (name -> format, their tensors (rows, row bytes) uint8); a weight whose parts
-    all share one format stays in it on the CPU unless ``dequantize``."""
+    are all kept stays as stored on the CPU unless ``dequantize`` (parts in several formats: a
+    ``StackedWeight``)."""
     formats = dict(formats or {})
     available = set(available)
     plan = hf_weight_plan(config)
@@ -137,9 +139,7 @@ def build_model(
     kept = {
         param: parts
         for param, parts in plan.items()
-        if keep
-        and len({formats.get(name) for name, _ in parts} - {None}) == 1
-        and all(name in formats for name, _ in parts)
+        if keep and all(name in formats for name, _ in parts)
     }
     with torch.device("meta"):
         model = Transformer(config).to(dtype=config.torch_dtype)
@@ -196,7 +196,7 @@ def _quant_weight(
     formats: Mapping[str, str],
     get_tensor: Callable[[str], torch.Tensor],
     source: str,
-) -> QuantWeight:
+) -> QuantWeight | StackedWeight:
     weights = [_as_quant(name, get_tensor(name), shape, formats, source) for name, shape in parts]
     if len(weights) > 1:
         return cat_rows(weights)
@@ -261,9 +261,9 @@ def _stored_formats(handle, path: Path) -> dict[str, str]:
         raise ModelLoadError(
             f"{path}: metadata {CHECKPOINT_KEY!r} is not a name -> format object"
         ) from None
-    from kvmesh.shared.model.quant import QUANT_FORMATS
+    from kvmesh.shared.model.quant import STORED_FORMATS
 
-    unknown = sorted(set(formats.values()) - set(QUANT_FORMATS))
+    unknown = sorted(set(formats.values()) - set(STORED_FORMATS))
     if unknown:
         raise ModelLoadError(
             f"{path}: weights in format {unknown[0]!r}, which kvmesh does not read; import the "

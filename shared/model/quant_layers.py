@@ -1,11 +1,13 @@
-"""Linear layers and embeddings over weights kept in their block format (``QuantWeight``).
+"""Linear layers and embeddings over weights kept in their GGUF format (``QuantWeight``, or a
+``StackedWeight`` of parts in several).
 
 ``use_quant_weights(model, weights)`` swaps a built model's ``Linear`` and ``Embedding`` modules
 for these, by parameter name, from outside the model (the loader calls it on the meta-device
 model before the float weights are filled in). With a ``CpuOps`` attached
 (``llama.attach_cpu_ops``) a float32 CPU input runs ``CpuOps.quant_linear`` (the weight read as
-stored, the activations quantized per block of 32 to int8); otherwise the weight is dequantized
-for the call and multiplied in torch: the same function, slowly.
+stored, the activations quantized per block of 32 to int8 for a block format, float32 for F16
+and BF16); otherwise the weight is dequantized for the call and multiplied in torch: the same
+function, slowly.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-from kvmesh.shared.model.quant import QuantWeight, dequantize
+from kvmesh.shared.model.quant import FLOAT_FORMATS, QuantWeight, StackedWeight, dequantize
 from torch import nn
 
 if TYPE_CHECKING:
@@ -31,9 +33,10 @@ FLOAT_GEMM_ROWS = 16
 
 
 class QuantLinear(nn.Module):
-    """y = x @ w.T (+ bias) with w a ``QuantWeight`` (out_features, in_features)."""
+    """y = x @ w.T (+ bias) with w a ``QuantWeight`` or ``StackedWeight`` (out_features,
+    in_features)."""
 
-    def __init__(self, weight: QuantWeight, bias: nn.Parameter | None) -> None:
+    def __init__(self, weight: QuantWeight | StackedWeight, bias: nn.Parameter | None) -> None:
         super().__init__()
         self.qweight = weight
         self.in_features, self.out_features = weight.cols, weight.rows
@@ -67,9 +70,11 @@ class QuantEmbedding(nn.Module):
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits (rows, vocab). On the kernels, with the activations quantized twice (the
         hidden state, then what that left out): the logits' margins are what greedy decoding
-        turns on, and one int8 pass flips small ones (issue 41)."""
+        turns on, and one int8 pass flips small ones (issue 41). An F16 or BF16 head reads
+        the activations as float32: one pass."""
         head = self.head
-        if head.cpu_ops is None or not _is_kernel_input(hidden):
+        is_float = self.qweight.format in FLOAT_FORMATS
+        if head.cpu_ops is None or not _is_kernel_input(hidden) or is_float:
             return head(hidden)
         return residual_quant_linear(head.cpu_ops, hidden, self.qweight)
 
@@ -77,7 +82,9 @@ class QuantEmbedding(nn.Module):
         return f"{self.qweight.rows}, {self.qweight.cols}, {self.qweight.format}"
 
 
-def residual_quant_linear(ops: CpuOps, x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
+def residual_quant_linear(
+    ops: CpuOps, x: torch.Tensor, weight: QuantWeight | StackedWeight
+) -> torch.Tensor:
     """x @ w.T with x's int8 rounding error itself multiplied in: y = W q(x) + W q(x - q(x)),
     where q is the kernels' per-block int8 quantization. The two terms are about 16-bit
     activations, the weight still read as stored. x and its residual go through the kernel as
@@ -96,7 +103,7 @@ def _is_kernel_input(x: torch.Tensor) -> bool:
     return x.dtype == torch.float32 and x.dim() == 2 and x.is_cpu and x.is_contiguous()
 
 
-def use_quant_weights(model: nn.Module, weights: Mapping[str, QuantWeight]) -> None:
+def use_quant_weights(model: nn.Module, weights: Mapping[str, QuantWeight | StackedWeight]) -> None:
     """Replace the module owning each parameter named in ``weights`` (``layers.0.attention.wqkv.
     weight``, ``tok_embeddings.weight`` ...) by its quantized twin; a linear layer keeps its bias
     parameter."""

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from kvmesh.shared.kv.head_shards import KVHeadShards
 from kvmesh.shared.model.config import ModelConfig
 from kvmesh.shared.model.llama import Embedding, Linear, Transformer
-from kvmesh.shared.model.quant import BLOCK, QuantWeight, row_bytes
+from kvmesh.shared.model.quant import QuantWeight, StackedWeight, cols_multiple, row_bytes
 from kvmesh.shared.model.quant_layers import QuantEmbedding, QuantLinear
 from torch import nn
 
@@ -233,16 +233,26 @@ def _columns(
     bias = None if layer.bias is None else layer.bias.detach()
     if isinstance(layer, QuantLinear):
         w = layer.qweight
-        if start % BLOCK or end % BLOCK:
+        parts = w.parts if isinstance(w, StackedWeight) else (w,)
+        block = max(cols_multiple(p.format) for p in parts)
+        if start % block or end % block:
             raise TPShardError(
-                f"{name} is stored as {w.format} in blocks of {BLOCK} values along its rows; TP "
-                f"would split its rows at column {start if start % BLOCK else end}, inside a "
+                f"{name} is stored as {w.format} in blocks of {block} values along its rows; TP "
+                f"would split its rows at column {start if start % block else end}, inside a "
                 f"block. Load the model with --dequantize, or use a TP degree that splits "
-                f"{name}'s {w.cols} inputs into multiples of {BLOCK}"
+                f"{name}'s {w.cols} inputs into multiples of {block}"
             )
-        b0, b1 = row_bytes(w.format, start), row_bytes(w.format, end)
-        data = w.data[:, b0:b1].contiguous()
-        return QuantLinear(QuantWeight(w.format, data, w.rows, end - start), None), bias
+        shards = [
+            QuantWeight(
+                p.format,
+                p.data[:, row_bytes(p.format, start) : row_bytes(p.format, end)].contiguous(),
+                p.rows,
+                end - start,
+            )
+            for p in parts
+        ]
+        shard = shards[0] if len(shards) == 1 else StackedWeight(tuple(shards))
+        return QuantLinear(shard, None), bias
     assert isinstance(layer, Linear), type(layer)
     return _linear(layer.weight.detach()[:, start:end], None), bias
 

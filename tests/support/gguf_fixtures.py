@@ -148,21 +148,21 @@ def gguf_name(hf: str) -> str:
 
 
 def encode(values: np.ndarray, type_name: str, rng: np.random.Generator) -> np.ndarray:
-    """``values`` (rows, cols) in ggml type ``type_name`` (raw bytes for quantized types). Q4_K
-    and Q6_K, which gguf cannot quantize, get random blocks with sane scales instead."""
+    """``values`` (rows, cols) in ggml type ``type_name`` (raw bytes for quantized types). The
+    K-quants, which gguf cannot quantize, get random blocks with sane scales instead."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
     from gguf.quants import quantize
 
     qtype = GGMLQuantizationType[type_name]
     if type_name in ("F32", "F16", "I32"):  # I32: a type nothing dequantizes (bad-file tests)
         return values.astype({"F32": np.float32, "F16": np.float16, "I32": np.int32}[type_name])
-    if type_name not in ("Q4_K", "Q6_K"):
+    if type_name not in ("Q4_K", "Q5_K", "Q6_K"):
         return quantize(values, qtype)
     block, size = GGML_QUANT_SIZES[qtype]
     rows, cols = values.shape
     raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
     scale = np.frombuffer(np.float16(0.002).tobytes(), np.uint8)
-    if type_name == "Q4_K":  # d, dmin (f16) lead the block
+    if type_name in ("Q4_K", "Q5_K"):  # d, dmin (f16) lead the block
         raw[..., 0:2] = scale
         raw[..., 2:4] = scale
     else:  # Q6_K: d (f16) ends the block
