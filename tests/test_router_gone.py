@@ -69,7 +69,7 @@ async def test_decode_drops_a_gone_routers_sequences_and_frees_their_blocks(deco
     assert rec.tokens("other")[-1].finish_reason == "length"  # another router's: untouched
     assert sum(len(e.token_ids) for e in rec.tokens("other")) == 8
     assert worker.engine.block_manager.num_free_blocks == free
-    assert worker._routers == {}  # nothing of them is kept
+    assert len(worker.requests) == 0  # nothing of them is kept
     reply = await worker.reserve(_reserve("queued", 40, "rt1"))  # a late copy: refused
     assert not reply.ok and "aborted" in reply.error
 
@@ -80,7 +80,7 @@ async def test_requests_that_end_are_forgotten_by_router(decode_worker):
     assert (await worker.reserve(_reserve("b", 40, "rt1"))).ok
     worker.on_prefill_done(PrefillDone("b", "Lb", False, error="x"))
     await _drive(worker, rec)
-    assert worker._routers == {}
+    assert len(worker.requests) == 0
     assert worker.on_router_gone("rt1") == []
 
 
