@@ -203,12 +203,12 @@ async def test_a_prefill_feature_added_in_one_line_is_told_of_jobs_announced_and
     from kvmesh.shared.engine.config import EngineConfig
     from kvmesh.shared.engine.llm_engine import LLMEngine
 
-    config = PrefillConfig()
+    config = PrefillConfig(use_kv_store=False)
     engine = LLMEngine(*tiny, EngineConfig(num_blocks=64, max_num_batched_tokens=32))
     nc, lock = FakeNats(), asyncio.Lock()
     parts = PrefillParts(
         config, engine, "p0", "spec-a", nc, None, None, None, PrefillMetrics(), lock
-    )  # the data plane is the rig's; no feature on by default needs it
+    )  # the data plane is the rig's; no feature this config turns on needs it
     features = compose_features(parts, (*FEATURES, Announcing.compose))
     (hook,) = features.hooks
     prompt = [(3 * i) % 250 + 1 for i in range(40)]
