@@ -192,7 +192,7 @@ async def blocks_back_s(mesh: Any, since: float, timeout_s: float = 60.0) -> flo
     rows = await wait_blocks_returned(
         mesh.config.nats_url, mesh.nats_auth, timeout_s, workers=mesh.config.decode
     )
-    if rows and all(r.free_blocks == r.total_blocks for r in rows):
+    if rows and all(r.pool.free_blocks == r.pool.total_blocks for r in rows):
         return max(0.0, time.monotonic() - since)
     return None
 

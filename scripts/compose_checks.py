@@ -289,7 +289,7 @@ async def decode_rows_under_load(stack: Stack, timeout_s: float = 10.0) -> list[
     async with admin_client(stack.nats_url, auth=auth, mesh=stack.settings.mesh) as admin:
         while True:
             rows = msgspec.to_builtins((await admin.status()).decode)  # as the CLI prints
-            if any(r["running"] for r in rows) or time.monotonic() > deadline:
+            if any(r["load"]["num_running"] for r in rows) or time.monotonic() > deadline:
                 return rows
             await asyncio.sleep(0.1)
 
@@ -298,7 +298,13 @@ def busiest(rows: list[dict[str, Any]], ids_by_container: dict[str, list[str]]) 
     """The container of the decode worker holding the most requests (running, waiting, leased)
     in admin status ``rows``: placement follows cached prefixes, so with a few prompts repeated
     one worker may take them all."""
-    row = max(rows, key=lambda r: (r["running"] + r["waiting"] + r["leases"], r["worker_id"]))
+    row = max(
+        rows,
+        key=lambda r: (
+            r["load"]["num_running"] + r["load"]["num_waiting"] + r["leases"],
+            r["worker_id"],
+        ),
+    )
     for container, ids in ids_by_container.items():
         if ids and ids[-1] == row["worker_id"]:
             return container
@@ -318,7 +324,9 @@ async def check_kill(stack: Stack, expected: dict[str, str]) -> Verdict:
     await asyncio.sleep(6)
     rows = await decode_rows_under_load(stack)
     victim = busiest(rows, logs)
-    held = {r["worker_id"]: f"{r['running']} running, {r['leases']} leased" for r in rows}
+    held = {
+        r["worker_id"]: f"{r['load']['num_running']} running, {r['leases']} leased" for r in rows
+    }
     old_ids = logs[victim]
     run(["docker", "kill", victim], 60)
     results = await task
@@ -337,7 +345,7 @@ async def check_kill(stack: Stack, expected: dict[str, str]) -> Verdict:
     def probe() -> tuple[bool, dict[str, Any]]:
         rows = admin_status(stack)["decode"]
         ids = {r["worker_id"] for r in rows}
-        returned = all(r["free_blocks"] == r["total_blocks"] for r in rows)
+        returned = all(r["pool"]["free_blocks"] == r["pool"]["total_blocks"] for r in rows)
         rejoined = bool(new_ids) and new_ids[-1] in ids and not ids & set(old_ids)
         return returned and rejoined and len(rows) == stack.settings.scale["decode"], rows
 

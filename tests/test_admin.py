@@ -56,7 +56,7 @@ async def test_admin_commands_against_a_live_registry(nats_server: str) -> None:
         rc, out, err = await kvmesh_admin("status", "--json", url=nats_server)
         assert rc == 0, err
         status = json.loads(out)
-        assert status["decode"][0]["total_blocks"] == 64
+        assert status["decode"][0]["pool"]["total_blocks"] == 64
 
         rc, out, _ = await kvmesh_admin("workers", url=nats_server)
         assert rc == 0 and "decode-a" in out and "reg-1" in out and "kv-registry" in out
@@ -107,10 +107,10 @@ def test_the_workers_table_shows_each_workers_tensor_parallel_degree() -> None:
     from kvmesh.commands.admin import render
 
     rows = [
-        {"worker_id": "prefill-0", "role": "prefill", "state": "ready", "tp": 2},
-        {"worker_id": "decode-0", "role": "decode", "state": "ready", "tp": 1},
+        {"worker_id": "prefill-0", "role": "prefill", "load": {"state": "ready"}, "tp": 2},
+        {"worker_id": "decode-0", "role": "decode", "load": {"state": "ready"}, "tp": 1},
     ]
     header, *lines = render("workers", {"workers": rows}).splitlines()
-    columns = ["worker_id", "role", "state", "tp", "running", "waiting", "last_seen_s"]
+    columns = ["worker_id", "role", "state", "tp", "num_running", "num_waiting", "last_seen_s"]
     assert header.split() == columns
     assert [line.split()[3] for line in lines] == ["2", "1"]

@@ -44,17 +44,28 @@ def numbers_in(value: Any) -> list[int]:
     return []
 
 
+def field_names(cls: type) -> list[str]:
+    """Every field of a message type, its parts' too (``reach.descriptor``)."""
+    names = []
+    for f in msgspec.structs.fields(cls):
+        names.append(f.name)
+        if isinstance(f.type, type) and issubclass(f.type, msgspec.Struct):
+            names += [f"{f.name}.{n}" for n in field_names(f.type)]
+    return names
+
+
 def test_no_advert_type_has_an_address_field() -> None:
     for advert in (DecodeAdvert, StoreAdvert):
-        names = [f.name for f in msgspec.structs.fields(advert)]
+        names = field_names(advert)
+        assert "reach.block_bytes" in names or advert is StoreAdvert  # the parts are walked
         assert not [n for n in names if "addr" in n], (advert.__name__, names)
 
 
 async def test_the_decode_advert_names_no_address_of_its_region_the_reservation_does(tiny):
     from kvmesh.services.decode.config import DecodeConfig
-    from kvmesh.services.decode.load import DecodeReach
     from kvmesh.services.decode.service import DecodeService
     from kvmesh.services.decode.worker import DecodeWorker
+    from kvmesh.shared.bus.messages.workers import DecodeReach
     from kvmesh.shared.engine.config import EngineConfig
     from kvmesh.shared.engine.llm_engine import LLMEngine
     from kvmesh.shared.transport import Access, TransportConfig, create_transport

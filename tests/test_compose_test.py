@@ -238,8 +238,8 @@ def test_stack_settings_refuse_a_checkpoint_folder_others_cannot_list(tmp_path) 
 
 def test_the_busiest_decode_worker_is_the_one_killed() -> None:
     rows = [
-        {"worker_id": "decode-a", "running": 0, "waiting": 0, "leases": 0},
-        {"worker_id": "decode-b", "running": 2, "waiting": 1, "leases": 1},
+        {"worker_id": "decode-a", "load": {"num_running": 0, "num_waiting": 0}, "leases": 0},
+        {"worker_id": "decode-b", "load": {"num_running": 2, "num_waiting": 1}, "leases": 1},
     ]
     logs = {"c1": ["decode-a"], "c2": ["decode-old", "decode-b"]}
     assert checks.busiest(rows, logs) == "c2"

@@ -83,7 +83,7 @@ async def test_a_compile_past_the_limit_fails_that_request_only_while_another_co
     for rid, spec in (("slow", SLOW), ("plain", None), ("fast", FAST)):
         assert (await worker.reserve(request(rid, spec))).ok
     await worker.admit()  # the compiles start in their threads; this returns at once
-    load = await asyncio.wait_for(worker.load(), 0.2)  # the heartbeat is not held
+    load, _ = await asyncio.wait_for(worker.load(), 0.2)  # the heartbeat is not held
     assert load.num_waiting >= 1  # the slow one, accepted, waits for its grammar
     events = await drive(worker)
     slow = final(events["slow"])

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from kvmesh.services.kv_registry.stores import StoreTable
 from kvmesh.services.kv_store.core import BlockStore, GetGrant, PutGrant, StoreFull
-from kvmesh.shared.bus.messages.kv_store import StoreAdvert
+from kvmesh.shared.bus.messages.kv_store import StoreAdvert, StoreLoad, StoreReach
 from kvmesh.shared.kv.kv_block_header import (
     HEADER_BYTES,
     BlockHeader,
@@ -199,7 +199,23 @@ def test_registry_store_table_reports_hit_rate_and_drops_silent_stores() -> None
 
     def advert(epoch: str, hits: int, misses: int) -> StoreAdvert:
         return StoreAdvert(
-            "s0", epoch, desc, "spec", 64, 16, 10, 4, 1, hits, misses, 0, 0, 0, 0, "ready", 0.0
+            store_id="s0",
+            reach=StoreReach(
+                descriptor=desc, kv_spec="spec", block_bytes=64, block_size=16, epoch=epoch
+            ),
+            load=StoreLoad(
+                state="ready",
+                total_blocks=10,
+                used_blocks=4,
+                pinned_blocks=1,
+                hits=hits,
+                misses=misses,
+                evictions=0,
+                bytes_written=0,
+                bytes_read=0,
+                refused_accesses=0,
+            ),
+            sent_at=0.0,
         )
 
     table = StoreTable(timeout_s=3.0)
@@ -208,7 +224,7 @@ def test_registry_store_table_reports_hit_rate_and_drops_silent_stores() -> None
     assert table.observe(advert("e2", 0, 0), 1.5)  # restarted: a new epoch, an empty store
     table.observe(advert("e2", 3, 1), 2.0)
     [row] = table.status(2.0)
-    assert (row.hit_rate, row.used_blocks, row.capacity_bytes) == (0.75, 4, 640)
+    assert (row.hit_rate, row.load.used_blocks, row.capacity_bytes) == (0.75, 4, 640)
     assert table.expire(4.0) == [] and table.expire(5.1) == ["s0"] and table.status(6.0) == ()
 
 
@@ -220,7 +236,23 @@ def test_store_book_picks_the_lowest_ready_store_of_its_layout_heard_of_lately()
 
     def advert(store_id: str, kv_spec: str = "spec", block_bytes: int = 64, state: str = "ready"):
         return StoreAdvert(
-            store_id, "e", desc, kv_spec, block_bytes, 16, 8, 0, 0, 0, 0, 0, 0, 0, 0, state, 0.0
+            store_id=store_id,
+            reach=StoreReach(
+                descriptor=desc, kv_spec=kv_spec, block_bytes=block_bytes, block_size=16, epoch="e"
+            ),
+            load=StoreLoad(
+                state=state,
+                total_blocks=8,
+                used_blocks=0,
+                pinned_blocks=0,
+                hits=0,
+                misses=0,
+                evictions=0,
+                bytes_written=0,
+                bytes_read=0,
+                refused_accesses=0,
+            ),
+            sent_at=0.0,
         )
 
     now = [0.0]

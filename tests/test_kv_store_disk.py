@@ -84,25 +84,29 @@ async def test_block_evicted_from_host_is_a_disk_hit_and_its_bytes_verify(
         store_process(nats_server, "store-d", *flags) as advert,
         Client(nats_server, "tcp", advert) as c,
     ):
-        assert advert.disk_total_blocks == 16
+        assert advert.load.disk_total_blocks == 16
         torch.manual_seed(1)
         c.pool.copy_(torch.randint(0, 256, c.pool.shape, dtype=torch.uint8))
         sent = [c.block(s).clone() for s in range(8)]
-        first = await c.client.put(c.target, advert.kv_spec, c.blocks(TOKENS, [0, 1, 2, 3]))
+        first = await c.client.put(c.target, advert.reach.kv_spec, c.blocks(TOKENS, [0, 1, 2, 3]))
         assert len(first.committed) == 4
         # the host tier is full: these four evict the first four to disk
-        second = await c.client.put(c.target, advert.kv_spec, c.blocks(OTHER_TOKENS, [4, 5, 6, 7]))
+        second = await c.client.put(
+            c.target, advert.reach.kv_spec, c.blocks(OTHER_TOKENS, [4, 5, 6, 7])
+        )
         assert len(second.committed) == 4
         m = scrape_tiers(unused_tcp_port)
-        assert m['kvmesh_store_tier_used_bytes{tier="disk"}'] == 4 * advert.block_bytes
+        assert m['kvmesh_store_tier_used_bytes{tier="disk"}'] == 4 * advert.reach.block_bytes
         assert m["kvmesh_store_spills_total"] == 4
         c.pool.zero_()
-        got = await c.client.get(c.target, advert.kv_spec, c.blocks(TOKENS, [4, 5, 6, 7]))
+        got = await c.client.get(c.target, advert.reach.kv_spec, c.blocks(TOKENS, [4, 5, 6, 7]))
         assert (got.num_blocks, got.num_offered, got.error) == (4, 4, "")  # verified
         for i in range(4):
             assert torch.equal(c.block(4 + i), sent[i]), f"block {i} differs"
         # promoting them spilled the other four: those are disk hits in turn
-        got = await c.client.get(c.target, advert.kv_spec, c.blocks(OTHER_TOKENS, [0, 1, 2, 3]))
+        got = await c.client.get(
+            c.target, advert.reach.kv_spec, c.blocks(OTHER_TOKENS, [0, 1, 2, 3])
+        )
         assert (got.num_blocks, got.error) == (4, "")
         for i in range(4):
             assert torch.equal(c.block(i), sent[4 + i]), f"block {4 + i} differs"

@@ -81,7 +81,7 @@ async def next_advert(
 
         async def on_advert(msg) -> None:
             advert = decode_message(msg.data, StoreAdvert)
-            if advert.store_id == store_id and advert.epoch != after_epoch:
+            if advert.store_id == store_id and advert.reach.epoch != after_epoch:
                 adverts.put_nowait(advert)
 
         await nc.subscribe(SUBJECTS.REGISTRY_STORE_ADVERTISE, cb=on_advert)
@@ -138,12 +138,12 @@ class Client:
         self.t = await self._stack.enter_async_context(
             create_transport(self.backend, TransportConfig(peer_id="test-client"))
         )
-        bb = self.advert.block_bytes
+        bb = self.advert.reach.block_bytes
         self.pool = self.t.allocate(NUM_LOCAL * bb)
         self.region = self.t.register(self.pool, Access.LOCAL)
         self.client = KvStoreClient(self.nc, SUBJECTS, self.t, self.pool, self.region, bb, "test")
         self._stack.push_async_callback(self.client.aclose)
-        self.target = StoreTarget(self.advert.store_id, self.advert.descriptor)
+        self.target = StoreTarget(self.advert.store_id, self.advert.reach.descriptor)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -152,15 +152,15 @@ class Client:
     def blocks(self, tokens: list[int], slots: list[int], kv_spec: str = "") -> list[LocalBlock]:
         """The first len(slots) blocks of ``tokens``, named as the engine names them, lying in
         local blocks ``slots``."""
-        kv_spec = kv_spec or self.advert.kv_spec
+        kv_spec = kv_spec or self.advert.reach.kv_spec
         n = len(slots)
         hashes = prefix_block_hashes(tokens, BLOCK_SIZE, layout_root(kv_spec), n)
         digests = token_digests(tokens, BLOCK_SIZE, kv_spec, n)
-        bb = self.advert.block_bytes
+        bb = self.advert.reach.block_bytes
         return [LocalBlock(h, d, s * bb) for h, d, s in zip(hashes, digests, slots, strict=True)]
 
     def block(self, slot: int) -> torch.Tensor:
-        bb = self.advert.block_bytes
+        bb = self.advert.reach.block_bytes
         return self.pool[slot * bb : (slot + 1) * bb]
 
 
@@ -184,12 +184,12 @@ async def test_store_put_then_get_reads_back_the_same_bytes_one_sided(
         torch.manual_seed(0)
         c.pool.copy_(torch.randint(0, 256, c.pool.shape, dtype=torch.uint8))
         sent = [c.block(s).clone() for s in range(4)]
-        put = await c.client.put(c.target, advert.kv_spec, c.blocks(TOKENS, [0, 1, 2, 3]))
+        put = await c.client.put(c.target, advert.reach.kv_spec, c.blocks(TOKENS, [0, 1, 2, 3]))
         assert put.ok and len(put.committed) == 4 and put.rejected == ()
-        again = await c.client.put(c.target, advert.kv_spec, c.blocks(TOKENS, [0, 1, 2, 3]))
+        again = await c.client.put(c.target, advert.reach.kv_spec, c.blocks(TOKENS, [0, 1, 2, 3]))
         assert again.ok and again.present == put.committed and again.committed == ()
         c.pool.zero_()
-        got = await c.client.get(c.target, advert.kv_spec, c.blocks(TOKENS, [7, 5, 4, 6, 1]))
+        got = await c.client.get(c.target, advert.reach.kv_spec, c.blocks(TOKENS, [7, 5, 4, 6, 1]))
         assert (got.num_blocks, got.num_offered, got.error) == (4, 4, "")  # block 5 never put
         for i, slot in enumerate([7, 5, 4, 6]):
             assert torch.equal(c.block(slot), sent[i]), f"block {i} differs"
@@ -197,10 +197,10 @@ async def test_store_put_then_get_reads_back_the_same_bytes_one_sided(
         m = scrape(unused_tcp_port)
         assert m["kvmesh_store_hits_total"] == 4 and m["kvmesh_store_misses_total"] == 1
         assert m["kvmesh_store_commits_total"] == 4 and m["kvmesh_store_used_blocks"] == 4
-        assert m["kvmesh_store_bytes_written_total"] == 4 * (advert.block_bytes + 64)
+        assert m["kvmesh_store_bytes_written_total"] == 4 * (advert.reach.block_bytes + 64)
         # a one-sided read is counted when the reader's notice reaches the store (shm: its
         # READ_DONE on the side socket), which may come after the get returned: wait for it
-        read = 4 * (advert.block_bytes + 64)
+        read = 4 * (advert.reach.block_bytes + 64)
         deadline = time.monotonic() + 10
         while m["kvmesh_store_bytes_read_total"] < read and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
@@ -214,12 +214,14 @@ async def test_store_restart_loses_its_cache_and_a_get_is_a_miss(nats_server: st
         store_process(nats_server, "store-r", *flags) as first,
         Client(nats_server, "tcp", first) as c,
     ):
-        put = await c.client.put(c.target, first.kv_spec, c.blocks(TOKENS, [0, 1]))
+        put = await c.client.put(c.target, first.reach.kv_spec, c.blocks(TOKENS, [0, 1]))
         assert len(put.committed) == 2
-    async with store_process(nats_server, "store-r", *flags, after_epoch=first.epoch) as second:
-        assert second.used_blocks == 0
+    async with store_process(
+        nats_server, "store-r", *flags, after_epoch=first.reach.epoch
+    ) as second:
+        assert second.load.used_blocks == 0
         async with Client(nats_server, "tcp", second) as c:
-            got = await c.client.get(c.target, second.kv_spec, c.blocks(TOKENS, [0, 1]))
+            got = await c.client.get(c.target, second.reach.kv_spec, c.blocks(TOKENS, [0, 1]))
             assert (got.num_blocks, got.num_offered, got.error) == (0, 0, "")
 
 
@@ -240,7 +242,7 @@ async def test_a_starting_reader_gets_every_stores_advert_at_once_not_at_its_hea
         await nc.subscribe(SUBJECTS.REGISTRY_STORE_ADVERTISE, cb=on_advert)
         async with store_adverts_solicited(nc, SUBJECTS, "test-reader"):
             advert = await asyncio.wait_for(adverts.get(), 10.0)
-        assert (advert.store_id, advert.epoch) == ("store-s", first.epoch)
+        assert (advert.store_id, advert.reach.epoch) == ("store-s", first.reach.epoch)
         # a second solicit at once is within the store's interval: no second advert
         await nc.publish(
             SUBJECTS.REGISTRY_STORE_SOLICIT, encode_message(StoreSolicit("test-reader"))
@@ -256,12 +258,12 @@ async def test_store_full_of_pinned_blocks_refuses_a_put_at_once(nats_server: st
         Client(nats_server, "tcp", advert) as c,
     ):
         blocks = c.blocks(TOKENS, [0, 1, 2])
-        assert len((await c.client.put(c.target, advert.kv_spec, blocks[:2])).committed) == 2
-        hold = StoreGet("holder", advert.kv_spec, tuple(b.block_hash for b in blocks[:2]))
+        assert len((await c.client.put(c.target, advert.reach.kv_spec, blocks[:2])).committed) == 2
+        hold = StoreGet("holder", advert.reach.kv_spec, tuple(b.block_hash for b in blocks[:2]))
         msg = await c.nc.request(SUBJECTS.store_get("store-f"), encode_message(hold), timeout=5)
         assert len(decode_message(msg.data, StoreGetReply).block_hashes) == 2  # both pinned
         t0 = time.monotonic()
-        refused = await c.client.put(c.target, advert.kv_spec, blocks)
+        refused = await c.client.put(c.target, advert.reach.kv_spec, blocks)
         assert time.monotonic() - t0 < 2.0  # refused, not queued
         assert not refused.ok and "full of pinned blocks" in refused.error
         assert refused.retry_after_s > 0
@@ -271,8 +273,8 @@ async def test_store_refuses_a_request_naming_another_kv_layout(shared_store) ->
     url, proc, log, _ = shared_store
     advert = await next_advert(url, SHARED, proc, log)
     async with Client(url, "tcp", advert) as c:
-        stale = advert.kv_spec.replace("B16", "B32")
-        assert stale != advert.kv_spec
+        stale = advert.reach.kv_spec.replace("B16", "B32")
+        assert stale != advert.reach.kv_spec
         put = await c.client.put(c.target, stale, c.blocks(TOKENS, [0], kv_spec=stale))
         assert not put.ok and "stale or foreign KV layout" in put.error
         got = await c.client.get(c.target, stale, c.blocks(TOKENS, [0], kv_spec=stale))
@@ -284,13 +286,13 @@ async def test_store_block_under_a_colliding_hash_is_refused_by_the_reader(share
     advert = await next_advert(url, SHARED, proc, log)
     async with Client(url, "tcp", advert) as c:
         mine = c.blocks(TOKENS, [0, 1])
-        assert len((await c.client.put(c.target, advert.kv_spec, mine)).committed) == 2
+        assert len((await c.client.put(c.target, advert.reach.kv_spec, mine)).committed) == 2
         other_tokens = [7, *TOKENS[1:]]  # other tokens that (we pretend) hash the same
-        digests = token_digests(other_tokens, BLOCK_SIZE, advert.kv_spec, 2)
+        digests = token_digests(other_tokens, BLOCK_SIZE, advert.reach.kv_spec, 2)
         colliding = [
             LocalBlock(b.block_hash, d, b.offset) for b, d in zip(mine, digests, strict=True)
         ]
-        got = await c.client.get(c.target, advert.kv_spec, colliding)
+        got = await c.client.get(c.target, advert.reach.kv_spec, colliding)
         assert (got.num_blocks, got.num_offered) == (0, 2) and "token digest" in got.error
 
 
@@ -300,15 +302,15 @@ async def test_store_read_after_release_is_refused_and_counted(shared_store) -> 
     refused = scrape(port)["kvmesh_store_refused_accesses_total"]
     async with Client(url, "tcp", advert) as c:
         blocks = c.blocks(OTHER_TOKENS, [0])  # blocks no other test puts
-        assert len((await c.client.put(c.target, advert.kv_spec, blocks)).committed) == 1
-        ask = StoreGet("reader", advert.kv_spec, (blocks[0].block_hash,))
+        assert len((await c.client.put(c.target, advert.reach.kv_spec, blocks)).committed) == 1
+        ask = StoreGet("reader", advert.reach.kv_spec, (blocks[0].block_hash,))
         msg = await c.nc.request(SUBJECTS.store_get(SHARED), encode_message(ask), timeout=5)
         grant = decode_message(msg.data, StoreGetReply)
-        entry = WriteEntry(c.region, 0, grant.block_addrs[0], grant.rkey, advert.block_bytes)
+        entry = WriteEntry(c.region, 0, grant.block_addrs[0], grant.rkey, advert.reach.block_bytes)
         async with await c.t.connect(c.target.descriptor) as ep:
             await ep.read([entry])  # inside the window: served
             beside = WriteEntry(
-                c.region, 0, grant.block_addrs[0] + 64, grant.rkey, advert.block_bytes
+                c.region, 0, grant.block_addrs[0] + 64, grant.rkey, advert.reach.block_bytes
             )
             with pytest.raises(RemoteAccessError):  # not the slot's span: refused
                 await ep.read([beside])
@@ -332,32 +334,32 @@ async def test_admin_status_lists_the_store_with_its_use_and_hit_rate(nats_serve
         Client(nats_server, "tcp", advert) as c,
         admin_client(nats_server, mesh=MESH) as admin,
     ):
-        await c.client.put(c.target, advert.kv_spec, c.blocks(TOKENS, [0, 1]))
-        await c.client.get(c.target, advert.kv_spec, c.blocks(TOKENS, [2, 3, 4]))  # 2 of 3
+        await c.client.put(c.target, advert.reach.kv_spec, c.blocks(TOKENS, [0, 1]))
+        await c.client.get(c.target, advert.reach.kv_spec, c.blocks(TOKENS, [2, 3, 4]))  # 2 of 3
         for _ in range(100):  # the next advert carries the counts
             rows = (await admin.status()).stores
-            if rows and rows[0].hits == 2:
+            if rows and rows[0].load.hits == 2:
                 break
             await asyncio.sleep(0.1)
         [row] = rows
-        assert (row.store_id, row.total_blocks, row.used_blocks) == ("store-a", 4, 2)
-        assert (row.hits, row.misses, row.hit_rate) == (2, 1, round(2 / 3, 4))
+        assert (row.store_id, row.load.total_blocks, row.load.used_blocks) == ("store-a", 4, 2)
+        assert (row.load.hits, row.load.misses, row.hit_rate) == (2, 1, round(2 / 3, 4))
 
         # drained: no new put (with what to do), gets still served, "draining" advertised
         assert (await admin.drain("store-a")).state == "draining"
-        refused = await c.client.put(c.target, advert.kv_spec, c.blocks(TOKENS, [2]))
+        refused = await c.client.put(c.target, advert.reach.kv_spec, c.blocks(TOKENS, [2]))
         assert not refused.ok and "draining" in refused.error
         assert "kvmesh admin resume store-a" in refused.error
-        got = await c.client.get(c.target, advert.kv_spec, c.blocks(TOKENS, [0, 1]))
+        got = await c.client.get(c.target, advert.reach.kv_spec, c.blocks(TOKENS, [0, 1]))
         assert got.num_blocks == 2
         for _ in range(100):
             [row] = (await admin.status()).stores
-            if row.state == "draining":
+            if row.load.state == "draining":
                 break
             await asyncio.sleep(0.1)
-        assert row.state == "draining"
+        assert row.load.state == "draining"
         assert (await admin.resume("store-a")).state == "ready"
-        put = await c.client.put(c.target, advert.kv_spec, c.blocks(TOKENS, [2]))
+        put = await c.client.put(c.target, advert.reach.kv_spec, c.blocks(TOKENS, [2]))
         assert put.ok and not put.error  # taken again (its block already held: present)
 
 
@@ -375,14 +377,14 @@ async def test_store_evicts_a_dropped_workers_blocks_and_refuses_puts_from_other
         store_process(nats_server, "store-o", "--num-blocks", "8") as advert,
         Client(nats_server, "tcp", advert) as c,
     ):
-        put = await c.client.put(c.target, advert.kv_spec, c.blocks(TOKENS, [0, 1]))
+        put = await c.client.put(c.target, advert.reach.kv_spec, c.blocks(TOKENS, [0, 1]))
         assert put.ok and len(put.committed) == 2
-        got = await c.client.get(c.target, advert.kv_spec, c.blocks(TOKENS, [4, 5]))
+        got = await c.client.get(c.target, advert.reach.kv_spec, c.blocks(TOKENS, [4, 5]))
         assert got.num_blocks == 2
         gone = WorkerGone(worker_id="test", role="decode", last_seen_s=3.0)
         await c.nc.publish(SUBJECTS.REGISTRY_WORKER_GONE, encode_message(gone))
         for _ in range(100):
-            got = await c.client.get(c.target, advert.kv_spec, c.blocks(TOKENS, [4, 5]))
+            got = await c.client.get(c.target, advert.reach.kv_spec, c.blocks(TOKENS, [4, 5]))
             if got.num_blocks == 0:
                 break
             await asyncio.sleep(0.05)
@@ -390,7 +392,7 @@ async def test_store_evicts_a_dropped_workers_blocks_and_refuses_puts_from_other
 
         router = await nats.connect(nats_server, inbox_prefix=b"_INBOX_router")
         try:
-            body = StorePut("router-0", advert.kv_spec, (1, 2), 1000)
+            body = StorePut("router-0", advert.reach.kv_spec, (1, 2), 1000)
             msg = await router.request(
                 SUBJECTS.store_put(advert.store_id), encode_message(body), timeout=10
             )
@@ -411,9 +413,9 @@ async def test_store_starts_without_disk_tier_when_its_file_cannot_be_made(
         proc = spawn_store(nats_server, "store-nodisk", log, *flags, "--disk-capacity-gb", "1e9")
         try:
             advert = await next_advert(nats_server, "store-nodisk", proc, log)
-            assert (advert.total_blocks, advert.disk_total_blocks) == (8, 0)
+            assert (advert.load.total_blocks, advert.load.disk_total_blocks) == (8, 0)
             async with Client(nats_server, "tcp", advert) as c:  # it serves from host memory
-                put = await c.client.put(c.target, advert.kv_spec, c.blocks(TOKENS, [0, 1]))
+                put = await c.client.put(c.target, advert.reach.kv_spec, c.blocks(TOKENS, [0, 1]))
                 assert len(put.committed) == 2
         finally:
             stop_store(proc)

@@ -13,18 +13,18 @@ import subprocess
 import sys
 from pathlib import Path
 
-import msgspec
 import pytest
 from kvmesh.services.kv_registry.config import RegistryConfig
 from kvmesh.services.kv_registry.service import registry_service
 from kvmesh.shared.bus.liveness import LivenessBeacon
 from kvmesh.shared.bus.messages.codec import decode_message
-from kvmesh.shared.bus.messages.workers import WorkerGone, WorkerHeartbeat
+from kvmesh.shared.bus.messages.workers import WorkerGone, WorkerHeartbeat, WorkerLoad
 from kvmesh.shared.bus.nats_connect import connect_nats
 from kvmesh.shared.bus.nats_request import request_json
 from kvmesh.shared.config.subjects import DEFAULT_MESH, Subjects
 from kvmesh.shared.config.worker_config import ServiceConfig
 from nats.aio.client import Client
+from support.adverts import with_fields
 from support.registry_peers import wait_for
 
 CHILD = Path(__file__).parent / "support" / "liveness_child.py"
@@ -45,18 +45,20 @@ def never_opened():  # the pure tests never start the thread
 
 def test_the_beacon_beats_the_latest_record_until_the_loop_is_silent_past_the_limit() -> None:
     clock = Clock()
-    first = WorkerHeartbeat("w", "prefill", "ready", num_running=1, sent_at=1.0)
+    first = WorkerHeartbeat(
+        worker_id="w", role="prefill", load=WorkerLoad("ready", num_running=1), sent_at=1.0
+    )
     beacon = LivenessBeacon(
         never_opened, "hb", first, interval_s=1.0, stall_limit_s=5.0, clock=clock
     )
     beat = beacon.due()
-    assert beat is not None and beat.num_running == 1 and beat.sent_at > 1.0  # sent now
+    assert beat is not None and beat.load.num_running == 1 and beat.sent_at > 1.0  # sent now
     clock.now += 4.9  # the loop is busy (no record for 4.9 periods): the thread beats for it
     assert beacon.due() is not None
-    beacon.record(msgspec.structs.replace(first, state="draining"))
+    beacon.record(with_fields(first, state="draining"))
     clock.now += 5.0
     beat = beacon.due()
-    assert beat is not None and beat.state == "draining"  # the loop's latest word
+    assert beat is not None and beat.load.state == "draining"  # the loop's latest word
     clock.now += 0.1  # 5.1 s without a record: the loop is taken for dead
     assert beacon.due() is None
     clock.now += 60.0
@@ -66,7 +68,7 @@ def test_the_beacon_beats_the_latest_record_until_the_loop_is_silent_past_the_li
 
 
 def test_a_stall_limit_not_above_the_interval_is_refused() -> None:
-    first = WorkerHeartbeat("w", "prefill", "ready")
+    first = WorkerHeartbeat(worker_id="w", role="prefill", load=WorkerLoad("ready"))
     with pytest.raises(ValueError, match="stall limit"):
         LivenessBeacon(never_opened, "hb", first, interval_s=2.0, stall_limit_s=2.0)
     with pytest.raises(ValueError, match="loop_stall_limit_s"):

@@ -99,5 +99,5 @@ def test_mesh_survives_kills_of_decode_prefill_and_registry_under_load():
             assert error.split(":")[0] in ("429", "502", "503", "504"), error  # clear, not 500
             # the bound: an error ends within 10 s of the fault that caused it
             assert _since_last_fault(ended, kills) <= 10, (i, error)
-    assert rows and all(r.free_blocks == r.total_blocks for r in rows), rows
+    assert rows and all(r.pool.free_blocks == r.pool.total_blocks for r in rows), rows
     assert violations == []

@@ -119,7 +119,7 @@ async def test_request_waits_while_the_only_worker_is_drained_and_runs_once_resu
         waiting = asyncio.create_task(complete(s, colocated_mesh.url, prompt, 2))
         await asyncio.sleep(1.5)
         assert not waiting.done()  # accepted and queued, neither refused nor placed
-        assert (await admin.status()).decode[0].running == 0
+        assert (await admin.status()).decode[0].load.num_running == 0
         reply = await admin.resume(worker.worker_id)
         assert reply.ok and reply.state == "ready"
         done = await asyncio.wait_for(waiting, 30)

@@ -102,7 +102,7 @@ def test_killed_decode_worker_requests_run_again_on_the_other(mesh):
     assert _retries(mesh, "decode") >= 1  # some requests were on the killed worker
     rows = asyncio.run(wait_blocks_returned(mesh.config.nats_url, mesh.nats_auth))
     assert [r.worker_id for r in rows] == ["decode-1"]
-    assert all(r.free_blocks == r.total_blocks for r in rows)
+    assert all(r.pool.free_blocks == r.pool.total_blocks for r in rows)
 
 
 def test_killed_prefill_worker_jobs_run_again_on_the_other(mesh):
@@ -113,7 +113,7 @@ def test_killed_prefill_worker_jobs_run_again_on_the_other(mesh):
     assert elapsed < 30
     assert _retries(mesh, "prefill") >= 1
     rows = asyncio.run(wait_blocks_returned(mesh.config.nats_url, mesh.nats_auth))
-    assert all(r.free_blocks == r.total_blocks for r in rows)
+    assert all(r.pool.free_blocks == r.pool.total_blocks for r in rows)
     assert mesh.nats_violations() == []
 
 
@@ -125,5 +125,5 @@ def test_with_every_prefill_worker_dead_long_prompts_are_prefilled_on_decode(mes
     assert all(b["usage"]["completion_tokens"] == MAX_TOKENS for b in bodies)
     assert elapsed < 30  # not the 300 s first-token timeout of a job nobody will take
     rows = asyncio.run(wait_blocks_returned(mesh.config.nats_url, mesh.nats_auth))
-    assert all(r.free_blocks == r.total_blocks for r in rows)
+    assert all(r.pool.free_blocks == r.pool.total_blocks for r in rows)
     assert mesh.nats_violations() == []

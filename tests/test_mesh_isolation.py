@@ -93,7 +93,7 @@ async def test_two_meshes_on_one_nats_each_serve_their_own_model(two_meshes, oth
     for mesh in (tiny, other):
         rows = await wait_blocks_returned(url, mesh=mesh.mesh)
         assert [r.worker_id for r in rows] == ["decode-0"]
-        assert all(r.free_blocks == r.total_blocks for r in rows)
+        assert all(r.pool.free_blocks == r.pool.total_blocks for r in rows)
 
 
 async def test_admin_addresses_one_mesh_and_registry_refuses_another_model(two_meshes):
@@ -122,7 +122,7 @@ async def test_admin_addresses_one_mesh_and_registry_refuses_another_model(two_m
     async with admin_client(url, mesh="kvmesh-tiny") as admin:
         [tiny_decode] = (await admin.status()).decode
     [other_decode] = status["decode"]  # the JSON `kvmesh admin status --json` printed
-    assert tiny_decode.model_spec != other_decode["model_spec"]
+    assert tiny_decode.reach.model_spec != other_decode["reach"]["model_spec"]
 
     # a router of the other model asking the kvmesh-tiny mesh's registry: refused, with why
     place = PlaceRequest(
@@ -130,7 +130,7 @@ async def test_admin_addresses_one_mesh_and_registry_refuses_another_model(two_m
         prompt_ids=(1, 2, 3),
         sampling=SamplingOptions(max_tokens=2),
         local_prefill=True,
-        model_spec=other_decode["model_spec"],
+        model_spec=other_decode["reach"]["model_spec"],
     )
     async with connect_nats(url, "stray-router") as nc:
         msg = await nc.request(

@@ -87,11 +87,13 @@ async def run(mesh, offline: list[list[int]]) -> None:
         third = await ask([*SECOND, *second, *NEW], remote=True)
         assert [first, second, third] == offline[:3]
         try:
-            row = await wait_store(admin, lambda r: r.hits >= 11, "the second turn's store read")
+            row = await wait_store(
+                admin, lambda r: r.load.hits >= 11, "the second turn's store read"
+            )
         except AssertionError as exc:  # say which worker prefilled what (a fresh clone saw 3 hits)
             raise AssertionError(f"{exc}; prefill workers: {prefill_counts(mesh)}") from None
-        assert (row.hits, row.refused_accesses) == (11, 0)
-        assert row.used_blocks >= 13  # and the second turn's own, put after it
+        assert (row.load.hits, row.load.refused_accesses) == (11, 0)
+        assert row.load.used_blocks >= 13  # and the second turn's own, put after it
         store = scrape(mesh.metrics_urls["kv-store-0"])
         mesh.children["kv-store-0"][1].kill()  # a dead store costs prefills, not requests
         assert await ask(LAST, remote=True) == offline[3]

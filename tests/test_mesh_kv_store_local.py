@@ -71,7 +71,9 @@ async def run(mesh, offline: list[list[int]]) -> None:
                 stores
                 and stores[0].indexed_blocks >= 10  # the prefill's 8 and decode-0's 10
                 and decode["decode-0"].cached_blocks >= 10
-                and all(r.running == 0 and r.state == "ready" for r in decode.values())
+                and all(
+                    r.load.num_running == 0 and r.load.state == "ready" for r in decode.values()
+                )
             ),
             "the registry's view of the cached and stored prefix, both workers idle",
         )

@@ -95,7 +95,7 @@ async def _restart_the_only_decode_worker(launcher, prompts, max_tokens):
         states: list[str] = []
 
         async def on_beat(msg) -> None:
-            states.append(decode_message(msg.data, WorkerHeartbeat).state)
+            states.append(decode_message(msg.data, WorkerHeartbeat).load.state)
 
         await nc.subscribe(subjects.heartbeat("decode", "decode-0"), cb=on_beat)
         tasks = [
@@ -129,7 +129,7 @@ def test_streams_wait_for_a_restarting_decode_worker_and_finish_as_undisturbed(m
     assert states[0] == "starting" and "ready" in states  # coming, then serving
     rows = asyncio.run(wait_blocks_returned(mesh.config.nats_url, mesh.nats_auth))
     assert [r.worker_id for r in rows] == ["decode-0"]
-    assert all(r.free_blocks == r.total_blocks for r in rows)
+    assert all(r.pool.free_blocks == r.pool.total_blocks for r in rows)
 
 
 def _decode_requests(launcher) -> float:
@@ -210,7 +210,7 @@ def test_a_dead_routers_sequences_stop_and_free_their_blocks_when_it_is_announce
         _kill_the_router(mesh, short, long)
     )
     print(f"\nevery block back {back_s:.2f} s after the router was announced gone")
-    assert rows and all(r.free_blocks == r.total_blocks for r in rows), rows
+    assert rows and all(r.pool.free_blocks == r.pool.total_blocks for r in rows), rows
     assert running == 0 and still_decoding == set()
     aborted = [e for e in finals.values() if e.finish_reason == "abort"]
     assert len(aborted) == len(short)  # cut short: 1,000 tokens were asked for

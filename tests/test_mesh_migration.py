@@ -78,5 +78,5 @@ def test_killed_decode_worker_streams_migrate_with_the_same_greedy_tokens(mesh):
     assert elapsed < 20  # about one heartbeat timeout and a prefill, not the 30 s token timeout
     rows = asyncio.run(wait_blocks_returned(mesh.config.nats_url, mesh.nats_auth))
     assert [r.worker_id for r in rows] == ["decode-1"]
-    assert all(r.free_blocks == r.total_blocks for r in rows)
+    assert all(r.pool.free_blocks == r.pool.total_blocks for r in rows)
     assert mesh.nats_violations() == []

@@ -149,6 +149,6 @@ def test_streams_in_flight_survive_or_fail_clearly_and_the_mesh_serves_after_nat
             # blocks of requests that failed come back once their leases and quarantines run out
             wait_s = LEASE_S + QUARANTINE_S + 30
             rows = asyncio.run(wait_blocks_returned(mesh.config.nats_url, mesh.nats_auth, wait_s))
-            assert rows and all(r.free_blocks == r.total_blocks for r in rows), rows
+            assert rows and all(r.pool.free_blocks == r.pool.total_blocks for r in rows), rows
     finally:
         server.stop()

@@ -63,7 +63,9 @@ async def run(mesh, offline: list[list[int]]) -> None:
         await tap.wait_finished(first["id"])
         rows = await wait_status(
             admin,
-            lambda rows: rows["decode-1"].cached_blocks >= 8 and rows["decode-0"].state == "ready",
+            lambda rows: (
+                rows["decode-1"].cached_blocks >= 8 and rows["decode-0"].load.state == "ready"
+            ),
             "decode-1's cached prefix in the registry's index",
         )
         assert rows["decode-0"].cached_blocks == 0

@@ -53,7 +53,7 @@ def test_prefill_tp2_serves_tp1_answers_and_goes_down_with_a_rank():
     with launched(config, ENV) as launcher:
         assert asyncio.run(_ask(launcher)) == expected
         rows = asyncio.run(wait_blocks_returned(launcher.config.nats_url, launcher.nats_auth))
-        assert rows and all(row.free_blocks == row.total_blocks for row in rows), rows
+        assert rows and all(row.pool.free_blocks == row.pool.total_blocks for row in rows), rows
 
         _, prefill = launcher.children["prefill-0"]
         (follower,) = _follower_pids(prefill.pid)

@@ -46,13 +46,13 @@ async def test_serve_metrics_on_a_taken_port_says_which_flag_to_change() -> None
 
 
 def test_decode_metrics_count_steps_tokens_and_new_preemptions_only() -> None:
-    from kvmesh.services.decode.load import WorkerLoad
+    from kvmesh.shared.bus.messages.workers import BlockPool, WorkerLoad
 
     m = DecodeMetrics()
     m.observe_step(0.02, batch_size=3, num_tokens=3, num_preemptions=0)
     m.observe_step(0.04, batch_size=0, num_tokens=0, num_preemptions=2)
     m.observe_step(0.01, batch_size=2, num_tokens=2, num_preemptions=2)  # no new preemption
-    m.observe_load(WorkerLoad(64, 40, ((0, 40),), num_running=2, num_waiting=5, state="ready"))
+    m.observe_load(WorkerLoad("ready", num_running=2, num_waiting=5), BlockPool(64, 40, ((0, 40),)))
     value = m.registry.get_sample_value
     assert value("kvmesh_decode_step_seconds_count") == 3
     assert value("kvmesh_decode_batch_size_count") == 2  # idle steps are no batch

@@ -144,7 +144,7 @@ async def _check_no_block_leaked(mesh, timeout_s: float = 15.0) -> None:
             assert asyncio.get_running_loop().time() < deadline, "the registry never answered"
     assert len(rows) == 2, rows
     for row in rows:
-        assert row.free_blocks == row.total_blocks, row
+        assert row.pool.free_blocks == row.pool.total_blocks, row
 
 
 def test_links_delay_every_packet_by_the_asked_time(delayed_mesh):

@@ -7,10 +7,10 @@ import os
 import subprocess
 import sys
 
-import msgspec
 import pytest
 from kvmesh.services.prefill.config import PrefillConfig
 from kvmesh.services.prefill.core_loan import CoreLoan, DecodeIdleness, HeardLoad
+from support.adverts import with_fields
 
 
 def test_decode_is_idle_when_every_fresh_advert_says_nothing_runs() -> None:
@@ -124,7 +124,7 @@ async def test_the_worker_borrows_for_steps_while_decode_is_idle_and_not_after_a
         ).done.ok
         assert loan.widened[3:] == [False] * 3
         worker.idleness.settle_s = 0.0
-        worker.adverts.note(msgspec.structs.replace(advert, num_running=1))
+        worker.adverts.note(with_fields(advert, num_running=1))
         assert (
             await worker.prefill(prefill_job(worker, "c", prompt(2), region, [8, 9, 10, 11]))
         ).done.ok

@@ -162,7 +162,7 @@ async def test_prefill_worker_writes_each_chunk_into_the_reserved_blocks(tiny):
 async def test_prefill_worker_refuses_decode_worker_with_other_kv_spec(tiny):
     async with _prefill_setup(tiny) as (worker, _, region, _):
         spec = worker.engine.kv_pool.spec
-        descriptor = worker.adverts.get("d0").descriptor
+        descriptor = worker.adverts.get("d0").reach.descriptor
         worker.adverts.note(ready_advert(descriptor, region, spec, "spec-b"))
         job = prefill_job(worker, "r", range(1, 20), region, [0, 1])
         result = await worker.prefill(job)

@@ -21,7 +21,7 @@ from kvmesh.shared.bus.messages.prefill_jobs import PrefillJob
 from kvmesh.shared.kv.descriptor import TcpBackend, TransportDescriptor
 from kvmesh.shared.kv.kv_cache import KVCacheSpec
 from kvmesh.shared.text.sampling import SamplingOptions
-from support.adverts import idle_advert
+from support.adverts import idle_advert, with_fields
 from support.prefill_rig import prefill_job, prefill_rig, ready_advert
 
 PROMPT = list(range(3, 67))  # 64 tokens: 4 whole blocks of 16, chunks of 32 at most
@@ -53,11 +53,9 @@ async def test_a_tp1_prefill_writes_each_tp2_decode_rank_its_heads(tiny) -> None
             memory.zero_()
             ranks.append((remote_key(side, side.register(memory, Access.REMOTE_WRITE)), memory))
         advert = ready_advert(side.descriptor(), ranks[0][0], spec, "s", worker_id="d1")
-        worker.adverts.note(
-            msgspec.structs.replace(advert, block_bytes=half, tp=2, total_blocks=16)
-        )
+        worker.adverts.note(with_fields(advert, block_bytes=half, tp=2, total_blocks=16))
         addrs = [tuple(r.addr + b * half for b in BLOCKS) for r, _ in ranks]
-        descriptor = worker.adverts.get("d1").descriptor
+        descriptor = worker.adverts.get("d1").reach.descriptor
         job = PrefillJob(
             "tp",
             tuple(PROMPT),
@@ -130,7 +128,7 @@ def test_the_followers_hand_off_names_every_decode_rank_in_order() -> None:
 def test_a_job_must_name_as_many_ranks_as_the_advert_says_each_with_its_blocks() -> None:
     d0 = TransportDescriptor("d0", "h", (TcpBackend("127.0.0.1", 1, "ab" * 32),))
     tp2 = idle_advert("d0", d0, block_bytes=32, block_size=16, kv_spec="s", total_blocks=4)
-    tp2 = msgspec.structs.replace(tp2, tp=2)
+    tp2 = with_fields(tp2, tp=2)
     job = PrefillJob(
         "r", (1,), SamplingOptions(), "d0", "L", d0, 7, (64, 96), 32, 0.0,
         ranks=(DecodeRankTarget(8, (0, 32), d0),),

@@ -37,8 +37,10 @@ from kvmesh.shared.bus.messages.kv_store import (
     StoreCommitReply,
     StoreGet,
     StoreGetReply,
+    StoreLoad,
     StorePut,
     StorePutReply,
+    StoreReach,
     StoreRelease,
     StoreSolicit,
 )
@@ -66,15 +68,20 @@ from kvmesh.shared.bus.messages.token_streams import (
     TokenEvent,
 )
 from kvmesh.shared.bus.messages.workers import (
+    BlockPool,
+    DataPlaneRefusals,
     DecodeAdvert,
+    DecodeReach,
     LogLevel,
     WorkerControl,
     WorkerGone,
     WorkerHeartbeat,
+    WorkerLoad,
 )
 from kvmesh.shared.kv.descriptor import RdmaBackend, ShmBackend, TcpBackend, TransportDescriptor
 from kvmesh.shared.kv.region import Access, MemoryRegion
 from kvmesh.shared.text.sampling import SamplingOptions, TokenLogprobs
+from support.adverts import with_fields
 from support.nats_fuzz import message_types
 
 SECRET = "ab" * 32  # a tcp descriptor's lane secret (64 hex digits)
@@ -133,27 +140,46 @@ PLACE = PlaceRequest(
 ADVERT = DecodeAdvert(
     worker_id="d0",
     mode="disagg",
-    descriptor=DESCRIPTOR,
-    block_bytes=4096,
-    block_size=16,
-    kv_spec="4x2x64:f32",
-    total_blocks=10,
-    free_blocks=7,
-    free_block_ranges=((0, 3), (6, 10)),
-    num_running=1,
-    num_waiting=2,
-    state="ready",
+    reach=DecodeReach(
+        descriptor=DESCRIPTOR,
+        block_bytes=4096,
+        block_size=16,
+        kv_spec="4x2x64:f32",
+        model_spec="L2:m",
+        reads_kv_store=True,
+        tp=2,
+    ),
+    load=WorkerLoad("ready", num_running=1, num_waiting=2),
+    pool=BlockPool(total_blocks=10, free_blocks=7, free_block_ranges=((0, 3), (6, 10))),
     sent_at=1.5,
-    refused_accesses=1,
-    stray_immediates=2,
-    forged_announcements=3,
-    model_spec="L2:m",
-    reads_kv_store=True,
-    tp=2,
+    refusals=DataPlaneRefusals(refused_accesses=1, stray_immediates=2, forged_announcements=3),
 )
 
 # One message of every type, every field set to something other than its default.
-WORKER_ROW = WorkerRow("p0", "prefill", "ready", running=1, waiting=2, last_seen_s=0.5, tp=2)
+STORE_ADVERT = StoreAdvert(
+    store_id="s0",
+    reach=StoreReach(
+        descriptor=DESCRIPTOR, kv_spec="L2:m", block_bytes=4096, block_size=16, epoch="e1"
+    ),
+    load=StoreLoad(
+        state="draining",
+        total_blocks=10,
+        used_blocks=4,
+        pinned_blocks=1,
+        hits=5,
+        misses=2,
+        evictions=1,
+        bytes_written=8192,
+        bytes_read=4096,
+        refused_accesses=3,
+        disk_total_blocks=40,
+        disk_used_blocks=6,
+        disk_hits=2,
+        disk_evictions=1,
+    ),
+    sent_at=2.0,
+)
+WORKER_ROW = WorkerRow("p0", "prefill", WorkerLoad("ready", 1, 2), last_seen_s=0.5, tp=2)
 
 EXAMPLES: list[Message] = [
     PLACE,
@@ -220,11 +246,9 @@ EXAMPLES: list[Message] = [
     LeaseRenew("r1", "L1", lease_ms=1000),
     LeaseCancel("r1", "L1", reason="no reserve reply within 2s"),
     WorkerHeartbeat(
-        "d0",
-        "decode",
-        "draining",
-        num_running=2,
-        num_waiting=1,
+        worker_id="d0",
+        role="decode",
+        load=WorkerLoad("draining", num_running=2, num_waiting=1),
         started_at=1.0,
         sent_at=2.0,
         instance="i1",
@@ -294,29 +318,7 @@ EXAMPLES: list[Message] = [
     ),
     StoreRelease("g1", rkey=78),
     StoreAck(ok=True, error="e"),
-    StoreAdvert(
-        "s0",
-        epoch="e1",
-        descriptor=DESCRIPTOR,
-        kv_spec="L2:m",
-        block_bytes=4096,
-        block_size=16,
-        total_blocks=10,
-        used_blocks=4,
-        pinned_blocks=1,
-        hits=5,
-        misses=2,
-        evictions=1,
-        bytes_written=8192,
-        bytes_read=4096,
-        refused_accesses=3,
-        state="draining",
-        sent_at=2.0,
-        disk_total_blocks=40,
-        disk_used_blocks=6,
-        disk_hits=2,
-        disk_evictions=1,
-    ),
+    STORE_ADVERT,
     AdminWorker("d0"),
     AdminLogLevel("debug"),
     AdminFailure("no worker 'x'"),
@@ -328,22 +330,15 @@ EXAMPLES: list[Message] = [
             DecodeStatusRow(
                 "d0",
                 "decode",
-                "ready",
-                64,
-                60,
-                58,
-                1,
-                2,
-                1,
-                8,
-                True,
-                True,
-                1,
-                2,
-                3,
-                "L2:m",
-                "M1",
-                0.5,
+                load=WorkerLoad("ready", 1, 2),
+                pool=BlockPool(64, 60),
+                free_blocks_estimate=58,
+                leases=1,
+                cached_blocks=8,
+                cache_synced=True,
+                reach=ADVERT.reach,
+                refusals=ADVERT.refusals,
+                last_seen_s=0.5,
             ),
         ),
         workers=(WORKER_ROW,),
@@ -351,30 +346,16 @@ EXAMPLES: list[Message] = [
         stores=(
             StoreStatusRow(
                 "s0",
-                "ready",
-                64,
-                8,
-                2,
-                65536,
-                8192,
-                5,
-                3,
-                0.625,
-                1,
-                32,
-                4,
-                32768,
-                4096,
-                2,
-                1,
-                8192,
-                4096,
-                1,
-                8,
-                True,
-                "L2:m",
-                "e1",
-                0.25,
+                load=STORE_ADVERT.load,
+                reach=STORE_ADVERT.reach,
+                capacity_bytes=65536,
+                used_bytes=8192,
+                disk_capacity_bytes=32768,
+                disk_used_bytes=4096,
+                hit_rate=0.625,
+                indexed_blocks=8,
+                index_synced=True,
+                last_seen_s=0.25,
             ),
         ),
         registry=RegistryInfo("reg-0", "m", uptime_s=12.5, worker_timeout_s=3.0),
@@ -413,7 +394,7 @@ def test_defaults_fill_missing_optional_fields():
 
 
 def test_round_trip_of_a_colocated_advert_without_descriptor():
-    advert = msgspec.structs.replace(ADVERT, descriptor=None, mode="colocated")
+    advert = with_fields(ADVERT, descriptor=None, mode="colocated")
     assert decode_message(encode_message(advert), DecodeAdvert) == advert
 
 

@@ -4,10 +4,10 @@ import msgspec
 import pytest
 from kvmesh.services.kv_registry.core import Candidate, Refusal, RegistryState
 from kvmesh.shared.bus.messages.placement import DecodeRankTarget, PlaceRequest
-from kvmesh.shared.bus.messages.workers import DecodeAdvert, WorkerHeartbeat
+from kvmesh.shared.bus.messages.workers import DecodeAdvert, WorkerHeartbeat, WorkerLoad
 from kvmesh.shared.kv.descriptor import TcpBackend, TransportDescriptor
 from kvmesh.shared.text.sampling import SamplingOptions
-from support.adverts import idle_advert
+from support.adverts import idle_advert, with_fields
 
 SECRET = "ab" * 32  # a tcp descriptor's lane secret (64 hex digits)
 
@@ -24,7 +24,7 @@ def advert(worker_id: str, **kw: object) -> DecodeAdvert:
         kv_spec="4x2x64:bs16:float32",
         total_blocks=100,
     )
-    return msgspec.structs.replace(idle, **kw)
+    return with_fields(idle, **kw)
 
 
 def place(num_tokens: int, *, local: bool = False, request_id: str = "r1") -> PlaceRequest:
@@ -194,12 +194,14 @@ def test_local_prefill_grants_no_lease(registry: RegistryState) -> None:
 def test_silent_worker_is_dropped_with_its_leases(registry: RegistryState) -> None:
     registry.observe_advert(advert("a"), now=0.0)
     registry.observe_heartbeat(
-        WorkerHeartbeat(worker_id="p1", role="prefill", state="ready"), now=0.0
+        WorkerHeartbeat(worker_id="p1", role="prefill", load=WorkerLoad("ready")), now=0.0
     )
     choice = registry.choose(place(16), now=0.0)
     assert isinstance(choice, Candidate)
     registry.grant(choice, msgspec.structs.replace(place(16), lease_ms=60_000), "L", (0,), now=0.0)
-    registry.observe_heartbeat(WorkerHeartbeat(worker_id="a", role="decode", state="ready"), 2.5)
+    registry.observe_heartbeat(
+        WorkerHeartbeat(worker_id="a", role="decode", load=WorkerLoad("ready")), 2.5
+    )
     assert registry.expire(now=3.1) == (["p1"], [])  # the decode heartbeat kept "a" alive
     assert registry.expire(now=5.6) == ([], [])  # "a" was seen after 2.5 s: 3 x 2.5 s grace
     dropped, expired = registry.expire(now=10.1)
@@ -214,7 +216,7 @@ def test_a_worker_restarted_under_its_id_before_its_silence_counts_is_dropped_at
     """kill -9 and a restart within the heartbeat timeout: the new process's first heartbeat
     (another started_at) drops the old one with its leases, so its requests move now instead of
     waiting for tokens from a dead process."""
-    beat = WorkerHeartbeat(worker_id="a", role="decode", state="ready", started_at=100.0)
+    beat = WorkerHeartbeat(worker_id="a", role="decode", load=WorkerLoad("ready"), started_at=100.0)
     registry.observe_advert(advert("a"), now=0.0)
     assert registry.observe_heartbeat(beat, now=0.0) is None
     assert registry.observe_heartbeat(beat, now=1.0) is None  # the same process
@@ -229,7 +231,9 @@ def test_a_worker_restarted_under_its_id_before_its_silence_counts_is_dropped_at
     assert isinstance(registry.choose(place(16), now=1.7), Candidate)
     assert registry.observe_heartbeat(restarted, now=2.0) is None
     # a prefill worker too; a heartbeat without started_at (an old worker) never counts as one
-    prefill = WorkerHeartbeat(worker_id="p", role="prefill", state="ready", started_at=5.0)
+    prefill = WorkerHeartbeat(
+        worker_id="p", role="prefill", load=WorkerLoad("ready"), started_at=5.0
+    )
     registry.observe_heartbeat(prefill, now=2.0)
     assert registry.observe_heartbeat(prefill, now=2.5) is None
     again = msgspec.structs.replace(prefill, started_at=6.0)
@@ -251,24 +255,23 @@ def test_status_lists_decode_pools_and_peers(registry: RegistryState) -> None:
     registry.observe_advert(advert("d1", free_blocks=40, num_running=3), now=0.0)
     registry.observe_advert(advert("d2", tp=2), now=0.0)
     registry.observe_heartbeat(
-        WorkerHeartbeat("p1", "prefill", "ready", num_running=1, tp=4), now=0.0
+        WorkerHeartbeat(
+            worker_id="p1", role="prefill", load=WorkerLoad("ready", num_running=1), tp=4
+        ),
+        now=0.0,
     )
     status = registry.status(now=1.0)
     d1, _ = sorted(status.decode, key=lambda row: row.worker_id)
-    assert (d1.worker_id, d1.total_blocks, d1.free_blocks, d1.running) == (
-        "d1",
-        100,
-        40,
-        3,
-    )
-    assert d1.state == "ready" and d1.last_seen_s == 1.0
+    assert (d1.worker_id, d1.pool.total_blocks, d1.pool.free_blocks) == ("d1", 100, 40)
+    assert d1.pool.free_block_ranges == ()  # the advert's runs stay out of the table
+    assert d1.load == WorkerLoad("ready", num_running=3) and d1.last_seen_s == 1.0
     roles = {(w.worker_id, w.role, w.tp) for w in status.workers}
     assert roles == {("d1", "decode", 1), ("d2", "decode", 2), ("p1", "prefill", 4)}
     assert status.leases.active == 0
 
 
 def test_worker_heartbeating_slower_than_expected_is_not_dropped(registry: RegistryState) -> None:
-    beat = WorkerHeartbeat(worker_id="router-0", role="router", state="ready")
+    beat = WorkerHeartbeat(worker_id="router-0", role="router", load=WorkerLoad("ready"))
     for now in (0.0, 5.0, 10.0):  # every 5 s against an expected 1 s (timeout 3 s)
         registry.observe_heartbeat(beat, now=now)
         assert registry.expire(now=now) == ([], [])
@@ -278,7 +281,7 @@ def test_worker_heartbeating_slower_than_expected_is_not_dropped(registry: Regis
 
 def test_worker_slower_than_the_timeout_stops_flapping_once_it_returns() -> None:
     registry = RegistryState(worker_timeout_s=0.6)  # e.g. heartbeat_s 0.2 x 3 missed
-    beat = WorkerHeartbeat(worker_id="router-0", role="router", state="ready")
+    beat = WorkerHeartbeat(worker_id="router-0", role="router", load=WorkerLoad("ready"))
     registry.observe_heartbeat(beat, now=0.0)
     assert registry.expire(now=1.0) == (["router-0"], [])  # its 2 s interval is not known yet
     registry.observe_heartbeat(beat, now=2.0)  # back: the 2 s gap is learned

@@ -30,7 +30,7 @@ from kvmesh.shared.bus.messages.admin import (
 from kvmesh.shared.bus.messages.codec import decode_message, encode_message
 from kvmesh.shared.bus.messages.placement import PlaceReply, PlaceRequest
 from kvmesh.shared.bus.messages.prefill_jobs import PrefillDone
-from kvmesh.shared.bus.messages.workers import LogLevel, WorkerHeartbeat
+from kvmesh.shared.bus.messages.workers import LogLevel, WorkerHeartbeat, WorkerLoad
 from kvmesh.shared.bus.nats_connect import NatsUnavailableError, connect_nats, flush_to_server
 from kvmesh.shared.bus.nats_request import request_json
 from kvmesh.shared.bus.worker_presence import heartbeat_loop
@@ -179,7 +179,9 @@ async def test_silent_decode_worker_is_dropped_after_missed_heartbeats(nats_serv
 
 
 async def test_admin_status_and_workers_include_heartbeating_peers(nats_server: str) -> None:
-    beat = lambda: WorkerHeartbeat("prefill-1", "prefill", "ready", num_running=2)
+    beat = lambda: WorkerHeartbeat(
+        worker_id="prefill-1", role="prefill", load=WorkerLoad("ready", num_running=2)
+    )
     async with (
         registry_service(config(nats_server, worker_id="reg-1")),
         peer_decode(nats_server, "d1"),
@@ -197,9 +199,10 @@ async def test_admin_status_and_workers_include_heartbeating_peers(nats_server: 
         finally:
             task.cancel()
         (d1,) = status["decode"]
-        assert d1["total_blocks"] == 32 and d1["free_blocks"] == 32 and d1["state"] == "ready"
+        assert d1["pool"]["total_blocks"] == 32 and d1["pool"]["free_blocks"] == 32
+        assert d1["load"]["state"] == "ready"
         prefill = next(w for w in status["workers"] if w["worker_id"] == "prefill-1")
-        assert prefill["role"] == "prefill" and prefill["running"] == 2
+        assert prefill["role"] == "prefill" and prefill["load"]["num_running"] == 2
         assert status["registry"]["worker_id"] == "reg-1"
 
 
@@ -543,7 +546,9 @@ async def test_admin_client_refuses_a_reply_of_another_shape(nats_server: str) -
 
 
 async def test_admin_status_says_degraded_while_a_kv_store_is_silent(nats_server: str) -> None:
-    beat = lambda: WorkerHeartbeat("kv-store-0", "kv-store", "ready")
+    beat = lambda: WorkerHeartbeat(
+        worker_id="kv-store-0", role="kv-store", load=WorkerLoad("ready")
+    )
     liveness = config(nats_server, missed_heartbeats=3)
     async with registry_service(liveness), connect_nats(nats_server, "c") as nc:
 

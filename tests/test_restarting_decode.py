@@ -8,7 +8,6 @@ starting, instead of a 503 at once. The mesh test is tests/test_mesh_member_deat
 
 from __future__ import annotations
 
-import msgspec
 from kvmesh.services.kv_registry.core import Candidate, Refusal, RegistryState
 from kvmesh.services.router.errors import OverloadedError, ServiceUnavailableError
 from kvmesh.services.router.recovery import (
@@ -18,9 +17,9 @@ from kvmesh.services.router.recovery import (
 )
 from kvmesh.services.router.worker_pool import WorkerPool
 from kvmesh.shared.bus.messages.placement import PlaceRequest
-from kvmesh.shared.bus.messages.workers import DecodeAdvert, WorkerHeartbeat
+from kvmesh.shared.bus.messages.workers import DecodeAdvert, WorkerHeartbeat, WorkerLoad
 from kvmesh.shared.text.sampling import SamplingOptions
-from support.adverts import idle_advert
+from support.adverts import idle_advert, with_fields
 
 
 def advert(worker_id: str) -> DecodeAdvert:
@@ -35,7 +34,9 @@ def _place() -> PlaceRequest:
 
 def test_a_starting_decode_worker_is_kept_unplaceable_and_named_until_its_advert():
     registry = RegistryState(worker_timeout_s=3.0, retry_after_s=0.5)
-    beat = WorkerHeartbeat("d0", "decode", "starting", started_at=50.0)
+    beat = WorkerHeartbeat(
+        worker_id="d0", role="decode", load=WorkerLoad("starting"), started_at=50.0
+    )
     for now in (0.0, 2.0, 4.0, 6.0):  # loading its model for longer than the drop time
         assert registry.observe_heartbeat(beat, now) is None
         assert registry.expire(now + 0.5) == ([], [])  # heartbeating: never dropped
@@ -48,14 +49,19 @@ def test_a_starting_decode_worker_is_kept_unplaceable_and_named_until_its_advert
     assert isinstance(registry.choose(_place(), now=7.0), Candidate)
     assert registry.starting(7.0) == []
     # the same process's ready heartbeats do not count as a restart
-    assert registry.observe_heartbeat(msgspec.structs.replace(beat, state="ready"), 7.5) is None
+    assert registry.observe_heartbeat(with_fields(beat, state="ready"), 7.5) is None
 
 
 def test_a_starting_heartbeat_under_a_dead_workers_id_drops_the_dead_one_at_once():
     registry = RegistryState(worker_timeout_s=3.0, retry_after_s=0.5)
     registry.observe_advert(advert("d0"), now=0.0)
-    registry.observe_heartbeat(WorkerHeartbeat("d0", "decode", "ready", started_at=10.0), 0.0)
-    replacement = WorkerHeartbeat("d0", "decode", "starting", started_at=11.0)
+    registry.observe_heartbeat(
+        WorkerHeartbeat(worker_id="d0", role="decode", load=WorkerLoad("ready"), started_at=10.0),
+        0.0,
+    )
+    replacement = WorkerHeartbeat(
+        worker_id="d0", role="decode", load=WorkerLoad("starting"), started_at=11.0
+    )
     assert registry.observe_heartbeat(replacement, now=1.2) == "decode"  # announced gone
     assert "d0" not in registry.decode and registry.starting(1.2) == ["d0"]
 

@@ -9,7 +9,6 @@ import contextlib
 import logging
 from collections.abc import Iterator
 
-import msgspec
 from kvmesh.services.router.pool_capacity import PoolCapacity
 from kvmesh.shared.bus.messages.codec import encode_message
 from kvmesh.shared.bus.nats_connect import connect_nats, flush_to_server
@@ -17,7 +16,7 @@ from kvmesh.shared.config.subjects import DEFAULT_MESH, Subjects
 from kvmesh.shared.model.identity import model_spec
 from kvmesh.shared.model.tiny import tiny_config
 from kvmesh.shared.obs import logs
-from support.adverts import idle_advert
+from support.adverts import idle_advert, with_fields
 from test_router_service import LONG_PROMPT, MODEL, mesh_and_router
 
 
@@ -86,7 +85,7 @@ async def test_the_logged_max_model_len_is_the_one_v1_models_reports(nats_server
     advert = idle_advert(
         "decode-x", None, block_bytes=1, block_size=16, kv_spec="k", total_blocks=100
     )
-    advert = msgspec.structs.replace(advert, model_spec=spec)
+    advert = with_fields(advert, model_spec=spec)
     names = ("kvmesh.services.router.dispatch", "kvmesh.services.router.service")
     with captured(*names) as log:
         async with (
@@ -115,7 +114,7 @@ def test_the_context_is_the_model_s_until_a_smaller_pool_is_heard() -> None:
     capacity = PoolCapacity("m", model_len=4096)
     assert capacity.context(0.0) == 4096
     advert = idle_advert("d", None, block_bytes=1, block_size=16, kv_spec="k", total_blocks=1000)
-    capacity.note(msgspec.structs.replace(advert, model_spec="m"), 0)
+    capacity.note(with_fields(advert, model_spec="m"), 0)
     assert capacity.context(1.0) == 4096  # a pool of 16,000 tokens: the model's context binds
-    capacity.note(msgspec.structs.replace(advert, model_spec="m", total_blocks=10), 0)
+    capacity.note(with_fields(advert, model_spec="m", total_blocks=10), 0)
     assert capacity.context(1.0) == 160

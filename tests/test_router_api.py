@@ -36,7 +36,13 @@ from kvmesh.services.router.responses import (
 from kvmesh.services.router.timings import RequestTiming
 from kvmesh.shared.bus.messages.prefill_jobs import PrefillReport
 from kvmesh.shared.bus.messages.token_streams import TokenEvent
-from kvmesh.shared.bus.messages.workers import DecodeAdvert
+from kvmesh.shared.bus.messages.workers import (
+    BlockPool,
+    DataPlaneRefusals,
+    DecodeAdvert,
+    DecodeReach,
+    WorkerLoad,
+)
 from kvmesh.shared.config.service_config import ConfigError, config_from_args
 from kvmesh.shared.model.tiny import tiny_tokenizer
 from kvmesh.shared.text.sampling import SamplingOptions, TokenLogprobs
@@ -347,20 +353,14 @@ def test_pool_capacity_is_the_largest_live_pool_of_the_model():
 
     def advert(worker, blocks, spec="m1"):
         return DecodeAdvert(
-            worker,
-            "disagg",
-            None,
-            64,
-            16,
-            "kv",
-            blocks,
-            blocks,
-            (),
-            0,
-            0,
-            "ready",
-            0.0,
-            model_spec=spec,
+            worker_id=worker,
+            mode="disagg",
+            reach=DecodeReach(
+                descriptor=None, block_bytes=64, block_size=16, kv_spec="kv", model_spec=spec
+            ),
+            load=WorkerLoad("ready", num_running=0, num_waiting=0),
+            pool=BlockPool(total_blocks=blocks, free_blocks=blocks, free_block_ranges=()),
+            sent_at=0.0,
         )
 
     capacity = PoolCapacity("m1")
@@ -590,10 +590,7 @@ def test_metrics_render_is_prometheus_text():
 def test_metrics_mirror_each_decode_workers_refusals_until_it_is_gone():
 
     m = RouterMetrics()
-    advert = DecodeAdvert(
-        "decode-0", "disagg", None, 1024, 16, "spec", 8, 8, ((0, 8),), 0, 0, "ready", 0.0,
-        refused_accesses=5, stray_immediates=2, forged_announcements=1,
-    )  # fmt: skip
+    advert = DecodeAdvert(worker_id="decode-0", mode="disagg", reach=DecodeReach(descriptor=None, block_bytes=1024, block_size=16, kv_spec="spec"), load=WorkerLoad("ready", num_running=0, num_waiting=0), pool=BlockPool(total_blocks=8, free_blocks=8, free_block_ranges=((0, 8),)), sent_at=0.0, refusals=DataPlaneRefusals(refused_accesses=5, stray_immediates=2, forged_announcements=1))  # fmt: skip
     m.record_advert(advert)
     text = m.render()
     assert "# TYPE kvmesh_decode_refused_accesses_total counter" in text

@@ -16,7 +16,7 @@ import pytest
 from kvmesh.services.kv_registry.core import Candidate, RegistryState
 from kvmesh.shared.bus.messages.placement import PlaceRequest, ReserveRequest
 from kvmesh.shared.bus.messages.prefill_jobs import PrefillDone, PrefillJob, PrefillStarted
-from kvmesh.shared.bus.messages.workers import WorkerHeartbeat
+from kvmesh.shared.bus.messages.workers import WorkerHeartbeat, WorkerLoad
 from kvmesh.shared.text.sampling import SamplingOptions
 from test_decode_pending import _drive, _Events
 from test_restarting_decode import advert
@@ -87,7 +87,13 @@ async def test_requests_that_end_are_forgotten_by_router(decode_worker):
 def test_the_registry_drops_a_gone_routers_leases_and_names_its_instance():
     registry = RegistryState(worker_timeout_s=3.0, retry_after_s=0.5)
     registry.observe_advert(advert("d0"), now=0.0)
-    beat = WorkerHeartbeat("router-0", "router", "ready", started_at=5.0, instance="rt1")
+    beat = WorkerHeartbeat(
+        worker_id="router-0",
+        role="router",
+        load=WorkerLoad("ready"),
+        started_at=5.0,
+        instance="rt1",
+    )
     registry.observe_heartbeat(beat, now=0.0)
     for rid, router in (("r1", "rt1"), ("r2", "rt2")):
         request = PlaceRequest(
@@ -139,7 +145,13 @@ def test_a_router_heartbeating_slower_than_the_registry_is_not_dropped_between_b
     """A restarted registry (or one with a shorter interval) has not learned a router's interval
     from its first heartbeat; the interval the heartbeat says counts from the start."""
     registry = RegistryState(worker_timeout_s=0.9, missed_heartbeats=3)
-    beat = WorkerHeartbeat("router-0", "router", "ready", instance="rt1", interval_s=2.0)
+    beat = WorkerHeartbeat(
+        worker_id="router-0",
+        role="router",
+        load=WorkerLoad("ready"),
+        instance="rt1",
+        interval_s=2.0,
+    )
     registry.observe_heartbeat(beat, now=0.0)
     assert registry.expire(now=5.9) == ([], [])  # 3 x 2 s
     assert registry.expire(now=6.1) == (["router-0"], [])

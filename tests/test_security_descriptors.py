@@ -28,7 +28,7 @@ from kvmesh.shared.transport.shm import (
     check_segment_name,
     check_socket_path,
 )
-from support.adverts import idle_advert
+from support.adverts import idle_advert, with_fields
 
 SECRET = "ab" * 32  # a tcp descriptor's lane secret (64 hex digits)
 
@@ -41,7 +41,7 @@ def _forged(descriptor: TransportDescriptor, **shm: str) -> TransportDescriptor:
         _advert(descriptor=msgspec.structs.replace(descriptor, backends=(forged,), regions=()))
     )
     advert = decode_message(heartbeat, DecodeAdvert)
-    return advert.descriptor
+    return advert.reach.descriptor
 
 
 @pytest.fixture
@@ -152,7 +152,7 @@ def _advert(**changes):
         kv_spec="spec-a",
         total_blocks=8,
     )
-    return msgspec.structs.replace(idle, **changes)
+    return with_fields(idle, **changes)
 
 
 def _job(advert, **changes):
@@ -162,10 +162,10 @@ def _job(advert, **changes):
         sampling=SamplingOptions(temperature=0.0),
         decode_worker_id=advert.worker_id,
         lease_id="L",
-        descriptor=advert.descriptor,
+        descriptor=advert.reach.descriptor,
         rkey=7,
-        block_addrs=(BASE + 2 * advert.block_bytes, BASE + 5 * advert.block_bytes),
-        block_bytes=advert.block_bytes,
+        block_addrs=(BASE + 2 * advert.reach.block_bytes, BASE + 5 * advert.reach.block_bytes),
+        block_bytes=advert.reach.block_bytes,
         enqueued_at=0.0,
     )
     return PrefillJob(**{**fields, **changes})

@@ -11,6 +11,7 @@ import time
 
 import pytest
 import torch
+from kvmesh.shared.bus.messages.workers import BlockPool, DataPlaneRefusals, DecodeReach, WorkerLoad
 from kvmesh.shared.transport import Access, TransportConfig, WriteEntry, create_transport
 from kvmesh.shared.transport.lane_auth import HelloReader, answer_challenge, new_secret
 from kvmesh.shared.transport.server import SocketServer
@@ -172,13 +173,10 @@ def test_admin_status_shows_each_decode_workers_refused_accesses():
     from kvmesh.shared.bus.messages.workers import DecodeAdvert
 
     core = RegistryState(worker_timeout_s=3.0)
-    advert = DecodeAdvert(
-        "d0", "disagg", None, 1024, 16, "spec", 8, 8, ((0, 8),), 0, 0, "ready", 0.0,
-        refused_accesses=3, stray_immediates=2,
-    )  # fmt: skip
+    advert = DecodeAdvert(worker_id="d0", mode="disagg", reach=DecodeReach(descriptor=None, block_bytes=1024, block_size=16, kv_spec="spec"), load=WorkerLoad("ready", num_running=0, num_waiting=0), pool=BlockPool(total_blocks=8, free_blocks=8, free_block_ranges=((0, 8),)), sent_at=0.0, refusals=DataPlaneRefusals(refused_accesses=3, stray_immediates=2))  # fmt: skip
     core.observe_advert(advert, now=1.0)
     [row] = core.status(now=1.0).decode
-    assert (row.refused_accesses, row.stray_immediates) == (3, 2)
+    assert (row.refusals.refused_accesses, row.refusals.stray_immediates) == (3, 2)
 
 
 async def test_tcp_half_finished_writes_are_capped_per_connection():

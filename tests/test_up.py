@@ -14,6 +14,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from kvmesh.shared.bus.messages.workers import WorkerLoad
 from kvmesh.shared.bus.nats_connect import flush_to_server
 from kvmesh.shared.config.ports import free_port
 from kvmesh.shared.config.service_config import ConfigError, config_from_args
@@ -481,7 +482,7 @@ async def _beating(
     subjects = Subjects(mesh)
 
     async with connect_nats(nats_url, worker_id) as nc:
-        beat = WorkerHeartbeat(worker_id, "decode", "ready")
+        beat = WorkerHeartbeat(worker_id=worker_id, role="decode", load=WorkerLoad("ready"))
         while not stop.is_set():
             await nc.publish(subjects.heartbeat("decode", worker_id), encode_message(beat))
             await asyncio.sleep(0.2)

@@ -98,7 +98,7 @@ def test_up_restarts_a_killed_decode_worker_and_its_nats_server_and_serves_again
         assert 1 <= reply["usage"]["completion_tokens"] <= 3
         for _ in range(30):  # the new decode-0's advert, with every block back
             rows = [
-                (d["worker_id"], d["free_blocks"] == d["total_blocks"])
+                (d["worker_id"], d["pool"]["free_blocks"] == d["pool"]["total_blocks"])
                 for d in admin_status_json(nats_url, err)["decode"]
             ]
             if rows == [("decode-0", True)]:

@@ -10,7 +10,7 @@ import time
 
 import nats.micro
 from kvmesh.shared.bus.messages.codec import decode_message, encode_message
-from kvmesh.shared.bus.messages.workers import WorkerControl, WorkerHeartbeat
+from kvmesh.shared.bus.messages.workers import WorkerControl, WorkerHeartbeat, WorkerLoad
 from kvmesh.shared.bus.nats_connect import connect_nats, flush_to_server
 from kvmesh.shared.bus.worker_shell import control_endpoint
 from kvmesh.shared.config.subjects import Subjects
@@ -25,7 +25,12 @@ async def test_the_new_state_is_heard_on_the_heartbeat_subject_before_the_answer
     applied: list[str] = []
 
     def heartbeat() -> WorkerHeartbeat:
-        return WorkerHeartbeat("prefill-1", "prefill", state["state"], sent_at=time.time())
+        return WorkerHeartbeat(
+            worker_id="prefill-1",
+            role="prefill",
+            load=WorkerLoad(state["state"]),
+            sent_at=time.time(),
+        )
 
     async def apply(action: str) -> None:
         applied.append(action)
@@ -48,10 +53,10 @@ async def test_the_new_state_is_heard_on_the_heartbeat_subject_before_the_answer
             control = encode_message(WorkerControl(action))
             msg = await nc.request(SUBJECTS.worker_control("prefill-1"), control, timeout=5)
             answer = decode_message(msg.data, WorkerHeartbeat)
-            assert answer.state == expected
+            assert answer.load.state == expected
             # one connection hears messages in the order the server sent them: already queued
             beat = await beats.next_msg(timeout=0.05)
-            assert decode_message(beat.data, WorkerHeartbeat).state == expected
+            assert decode_message(beat.data, WorkerHeartbeat).load.state == expected
         bad = encode_message(WorkerControl("pause"))
         msg = await nc.request(SUBJECTS.worker_control("prefill-1"), bad, timeout=5)
         assert msg.headers and msg.headers.get("Nats-Service-Error-Code") == "400"

@@ -61,7 +61,7 @@ closed: list[str] = []  # features closed, in order
 class Finished(StepHook):
     """A decode feature: after each step, a DraftForget per finished request to
     ``draft_forget("tally")``; it hears of gone workers, advertises that it reads a kv-store
-    (any field the advert has will do) and notes when it is closed."""
+    (any field of the advert's reach will do) and notes when it is closed."""
 
     def __init__(self, worker_id: str) -> None:
         self.worker_id = worker_id
@@ -106,10 +106,10 @@ class Closing(Feature):
 async def test_a_decode_feature_added_in_one_line_is_wired_sent_advertised_and_closed(tiny):
     from kvmesh.services.decode.compose import FEATURES, DecodeParts, compose_features
     from kvmesh.services.decode.config import DecodeConfig
-    from kvmesh.services.decode.load import DecodeReach
     from kvmesh.services.decode.metrics import DecodeMetrics
     from kvmesh.services.decode.service import DecodeService
     from kvmesh.services.decode.worker import DecodeWorker
+    from kvmesh.shared.bus.messages.workers import DecodeReach
     from kvmesh.shared.engine.config import EngineConfig
     from kvmesh.shared.engine.llm_engine import LLMEngine
 
@@ -159,7 +159,7 @@ async def test_a_decode_feature_added_in_one_line_is_wired_sent_advertised_and_c
     await service.advertise()
     ((subject, data),) = nc.published
     assert subject == config.subjects.REGISTRY_ADVERTISE
-    assert decode_message(data, DecodeAdvert).reads_kv_store  # the feature's field
+    assert decode_message(data, DecodeAdvert).reach.reads_kv_store  # the feature's field
 
     closed.clear()
     await service.features.aclose()

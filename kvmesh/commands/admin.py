@@ -197,7 +197,7 @@ def render(action: str, result: Reply) -> str:
     if action == "workers":
         return table(
             cast("Sequence[Reply]", result["workers"]),
-            ("worker_id", "role", "state", "tp", "running", "waiting", "last_seen_s"),
+            ("worker_id", "role", "state", "tp", "num_running", "num_waiting", "last_seen_s"),
         )
     if action == "log-level":
         return f"log level set to {result['level']} on every service"
@@ -210,6 +210,14 @@ def render(action: str, result: Reply) -> str:
         )
     state = f" (now {result['state']})" if "state" in result else ""
     return f"{result['action']} sent to {result['worker']}{state}"
+
+
+def _flat(row: Reply) -> Reply:
+    """A row with its parts' fields beside its own (the parts' names do not overlap)."""
+    flat = {k: v for k, v in row.items() if not isinstance(v, dict)}
+    for part in (v for v in row.values() if isinstance(v, dict)):
+        flat.update(part)
+    return flat
 
 
 def _object(reply: Reply, key: str) -> Reply:
@@ -244,8 +252,8 @@ def render_status(status: Reply) -> str:
                 "state",
                 "total_blocks",
                 "free_blocks",
-                "running",
-                "waiting",
+                "num_running",
+                "num_waiting",
                 "leases",
                 "cached_blocks",
                 "refused_accesses",
@@ -287,7 +295,10 @@ def render_status(status: Reply) -> str:
         ),
         "",
         "other workers:",
-        table(others, ("worker_id", "role", "state", "tp", "running", "waiting", "last_seen_s")),
+        table(
+            others,
+            ("worker_id", "role", "state", "tp", "num_running", "num_waiting", "last_seen_s"),
+        ),
         "",
         "leases: " + ", ".join(f"{k} {v}" for k, v in leases.items()),
         "prefill queue: "
@@ -297,9 +308,11 @@ def render_status(status: Reply) -> str:
 
 
 def table(rows: Sequence[Reply], columns: Sequence[str]) -> str:
+    """``rows`` as a table of ``columns``; a column names a field of the row or of one of its
+    parts (a decode row's ``load``, ``pool``, ``reach`` and ``refusals``)."""
     if not rows:
         return "  (none)"
-    cells = [[str(row.get(c, "")) for c in columns] for row in rows]
+    cells = [[str(_flat(row).get(c, "")) for c in columns] for row in rows]
     widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
     line = lambda values: "  " + "  ".join(v.ljust(w) for v, w in zip(values, widths, strict=True))
     return "\n".join(line(r).rstrip() for r in [list(columns), *cells])

@@ -275,7 +275,7 @@ async def wait_blocks_returned(
                 await asyncio.sleep(0.2)
                 continue
             complete = workers is None or len(rows) == workers
-            if rows and complete and all(r.free_blocks == r.total_blocks for r in rows):
+            if rows and complete and all(r.pool.free_blocks == r.pool.total_blocks for r in rows):
                 return rows
             if loop.time() > deadline:
                 return rows

@@ -1,13 +1,20 @@
-"""What a decode worker reports of itself: its load (``WorkerLoad``, taken between steps) and
-how to reach it (``DecodeReach``, fixed at start). The service builds its DecodeAdvert and
-heartbeats from the two, and the load gauges of its metrics follow the adverts."""
+"""What a decode worker reports of itself, measured between steps: its load (``WorkerLoad``)
+and its pool (``BlockPool``), the wire's own parts (shared/bus/messages/workers.py). Its
+heartbeats carry the load, its DecodeAdverts both with its ``DecodeReach``, and the load gauges
+of its metrics follow the adverts."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from kvmesh.shared.kv.descriptor import TransportDescriptor
+from kvmesh.shared.bus.messages.workers import BlockPool, WorkerLoad
+
+if TYPE_CHECKING:
+    from kvmesh.shared.engine.llm_engine import LLMEngine
+
+# before the first measurement: nothing running, nothing known of the pool
+IDLE = (WorkerLoad("ready"), BlockPool(0, 0))
 
 
 def free_block_ranges(free_ids: Iterable[int]) -> tuple[tuple[int, int], ...]:
@@ -21,32 +28,9 @@ def free_block_ranges(free_ids: Iterable[int]) -> tuple[tuple[int, int], ...]:
     return tuple((s, e) for s, e in runs)
 
 
-@dataclass(frozen=True, slots=True)
-class WorkerLoad:
-    """The KV pool and the queue of a decode worker at one moment."""
-
-    total_blocks: int
-    free_blocks: int
-    free_block_ranges: tuple[tuple[int, int], ...]  # [start, end) runs of free block ids
-    num_running: int
-    num_waiting: int  # in the engine's queue, reserved for a prefill, or accepted not yet queued
-    state: str  # "ready" | "draining"
-
-    @classmethod
-    def idle(cls) -> WorkerLoad:
-        """Before the first measurement: nothing running, nothing known of the pool."""
-        return cls(0, 0, (), 0, 0, "ready")
-
-
-@dataclass(frozen=True, slots=True)
-class DecodeReach:
-    """How prefill workers and routers reach a decode worker and what it serves."""
-
-    descriptor: TransportDescriptor | None  # None: colocated, no remote writes
-    block_bytes: int
-    block_size: int
-    kv_spec: str  # kv_spec_fingerprint(); it also roots the prefix hashes
-    model_spec: str
-    # the registry may have it read a prefix from a kv-store: its reads feature's advert field
-    # (local_reads.py) says so
-    reads_kv_store: bool = False
+def measure(engine: LLMEngine, num_outside: int, state: str) -> tuple[WorkerLoad, BlockPool]:
+    """``engine``'s queue and pool now (between steps: a step mutates the free list), plus
+    ``num_outside`` requests accepted but not in its queue yet."""
+    bm, scheduler = engine.block_manager, engine.scheduler
+    load = WorkerLoad(state, len(scheduler.running), len(scheduler.waiting) + num_outside)
+    return load, BlockPool(bm.num_total_blocks, bm.num_free_blocks, free_block_ranges(bm.free))

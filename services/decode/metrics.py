@@ -8,7 +8,7 @@ of the transport are in the adverts too; the router exports those per worker
 
 from __future__ import annotations
 
-from kvmesh.services.decode.load import WorkerLoad
+from kvmesh.shared.bus.messages.workers import BlockPool, WorkerLoad
 from kvmesh.shared.obs.metric_set import MetricSet, seconds_buckets
 
 STEP_BUCKETS = seconds_buckets(0.001, 10.0)
@@ -168,9 +168,9 @@ class DecodeMetrics(MetricSet):
         self.swap_in_tokens.labels("read").inc(num_read)
         self.swap_in_tokens.labels("recomputed").inc(num_recomputed)
 
-    def observe_load(self, load: WorkerLoad) -> None:
-        """The worker's load (``DecodeWorker.load()``: what its advert reports)."""
+    def observe_load(self, load: WorkerLoad, pool: BlockPool) -> None:
+        """The worker's load and pool (``DecodeWorker.load()``: what its advert reports)."""
         self.running.set(load.num_running)
         self.waiting.set(load.num_waiting)
-        self.kv_blocks_total.set(load.total_blocks)
-        self.kv_blocks_used.set(load.total_blocks - load.free_blocks)
+        self.kv_blocks_total.set(pool.total_blocks)
+        self.kv_blocks_used.set(pool.total_blocks - pool.free_blocks)

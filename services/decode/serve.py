@@ -12,7 +12,6 @@ from collections.abc import AsyncIterator
 import torch
 from kvmesh.services.decode.compose import DecodeParts, build_engine, compose_features
 from kvmesh.services.decode.config import DecodeConfig
-from kvmesh.services.decode.load import DecodeReach
 from kvmesh.services.decode.metrics import DecodeMetrics
 from kvmesh.services.decode.service import DecodeService
 from kvmesh.services.decode.windows import LeaseWindows
@@ -21,7 +20,7 @@ from kvmesh.shared.bus.hearing import Hearing
 from kvmesh.shared.bus.messages.placement import LeaseCancel, LeaseRenew
 from kvmesh.shared.bus.messages.prefill_jobs import PrefillDone, PrefillStarted
 from kvmesh.shared.bus.messages.token_streams import Abort
-from kvmesh.shared.bus.messages.workers import WorkerGone, WorkerHeartbeat
+from kvmesh.shared.bus.messages.workers import DecodeReach, WorkerGone, WorkerHeartbeat, WorkerLoad
 from kvmesh.shared.bus.nats_connect import connect_nats
 from kvmesh.shared.bus.service_lifetime import background, serve_until_signal
 from kvmesh.shared.bus.worker_feature import Site
@@ -71,7 +70,11 @@ async def decode_service(config: DecodeConfig) -> AsyncIterator[DecodeService]:
                 config.role,
                 worker_id,
                 lambda: WorkerHeartbeat(
-                    worker_id, config.role, "starting", started_at=started_at, sent_at=time.time()
+                    worker_id,
+                    config.role,
+                    WorkerLoad("starting"),
+                    started_at=started_at,
+                    sent_at=time.time(),
                 ),
                 config.heartbeat_s,
             )

@@ -21,7 +21,7 @@ import time
 import msgspec
 import nats.errors
 from kvmesh.services.decode.config import DecodeConfig
-from kvmesh.services.decode.load import DecodeReach, WorkerLoad
+from kvmesh.services.decode.load import IDLE
 from kvmesh.services.decode.stream_handover import StreamHandover
 from kvmesh.services.decode.stream_log import StreamLog
 from kvmesh.services.decode.worker import DecodeWorker
@@ -31,7 +31,15 @@ from kvmesh.shared.bus.messages.codec import MessageError, decode_message, encod
 from kvmesh.shared.bus.messages.placement import LeaseCancel, LeaseRenew, ReserveRequest
 from kvmesh.shared.bus.messages.prefill_jobs import PrefillDone, PrefillStarted
 from kvmesh.shared.bus.messages.token_streams import Abort, StreamResume, TokenEvent
-from kvmesh.shared.bus.messages.workers import DecodeAdvert, WorkerGone, WorkerHeartbeat
+from kvmesh.shared.bus.messages.workers import (
+    BlockPool,
+    DataPlaneRefusals,
+    DecodeAdvert,
+    DecodeReach,
+    WorkerGone,
+    WorkerHeartbeat,
+    WorkerLoad,
+)
 from kvmesh.shared.bus.worker_feature import Features
 from kvmesh.shared.obs import logs
 from kvmesh.shared.transport import Transport
@@ -70,7 +78,7 @@ class DecodeService:
         self.reach = reach
         self.started_at = time.time() if started_at is None else started_at
         self.tg: asyncio.TaskGroup  # set by decode_service
-        self.last_load = WorkerLoad.idle()
+        self.last_load, self.last_pool = IDLE
         # set when the engine runs out of work or starts again: an advert goes out at once, so
         # prefill workers that borrow decode's idle cores (--borrow-cpus, core_loan.py) start
         # and stop borrowing on it, not a heartbeat later
@@ -84,46 +92,29 @@ class DecodeService:
             StreamLog(max_tokens=config.resume_max_tokens, grace_s=config.resume_grace_s),
         )
 
-    async def load(self) -> WorkerLoad:
-        self.last_load = await self.worker.load()
-        self.worker.metrics.observe_load(self.last_load)  # the load gauges follow the adverts
-        return self.last_load
+    async def load(self) -> tuple[WorkerLoad, BlockPool]:
+        self.last_load, self.last_pool = await self.worker.load()
+        # the load gauges follow the adverts
+        self.worker.metrics.observe_load(self.last_load, self.last_pool)
+        return self.last_load, self.last_pool
 
     def heartbeat(self) -> WorkerHeartbeat:
-        load = self.last_load
         return WorkerHeartbeat(
-            self.worker.worker_id,
-            self.config.role,
-            load.state,
-            load.num_running,
-            load.num_waiting,
-            self.started_at,
-            time.time(),
+            self.worker.worker_id, self.config.role, self.last_load, self.started_at, time.time()
         )
 
     async def advertise(self) -> None:
-        reach, load = self.reach, await self.load()
-        assert reach is not None, "a decode service without its reach does not advertise"
-        advert = DecodeAdvert(
-            worker_id=self.worker.worker_id,
-            mode=self.config.mode,
-            descriptor=reach.descriptor,
-            block_bytes=reach.block_bytes,
-            block_size=reach.block_size,
-            kv_spec=reach.kv_spec,
-            model_spec=reach.model_spec,
-            total_blocks=load.total_blocks,
-            free_blocks=load.free_blocks,
-            free_block_ranges=load.free_block_ranges,
-            num_running=load.num_running,
-            num_waiting=load.num_waiting,
-            state=load.state,
-            sent_at=time.time(),
+        assert self.reach is not None, "a decode service without its reach does not advertise"
+        load, pool = await self.load()
+        refusals = DataPlaneRefusals(
             refused_accesses=self.transport.stats().refused if self.transport else 0,
             stray_immediates=self.worker.pending.num_stray_immediates,
             forged_announcements=self.worker.pending.num_forged_announcements,
-            # a feature's fields (a kv-store read: reads_kv_store) over the reach's
-            **{"reads_kv_store": reach.reads_kv_store, **self.features.advert()},
+        )
+        # a feature's fields (a TP group's tp) over the reach's
+        reach = msgspec.structs.replace(self.reach, **self.features.advert())
+        advert = DecodeAdvert(
+            self.worker.worker_id, self.config.mode, reach, load, pool, time.time(), refusals
         )
         await self.nc.publish(self.config.subjects.REGISTRY_ADVERTISE, encode_message(advert))
 
@@ -290,7 +281,7 @@ class DecodeService:
         await self.advertise()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            load = await self.load()
+            load, _ = await self.load()
             if not load.num_running and not load.num_waiting:
                 return
             await asyncio.sleep(0.05)

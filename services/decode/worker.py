@@ -32,7 +32,7 @@ from typing import TypeVar
 from kvmesh.services.decode.events import failed_event
 from kvmesh.services.decode.first_token import FirstTokenClock
 from kvmesh.services.decode.grammar_gate import GrammarGate
-from kvmesh.services.decode.load import WorkerLoad, free_block_ranges
+from kvmesh.services.decode.load import measure
 from kvmesh.services.decode.local_reads import LocalPrefixReads
 from kvmesh.services.decode.metrics import DecodeMetrics
 from kvmesh.services.decode.remote_prefills import RemotePrefills
@@ -43,7 +43,7 @@ from kvmesh.services.decode.windows import LeaseWindows
 from kvmesh.shared.bus.messages.placement import ReserveReply, ReserveRequest
 from kvmesh.shared.bus.messages.prefill_jobs import PrefillDone, PrefillStarted
 from kvmesh.shared.bus.messages.token_streams import Abort, TokenEvent
-from kvmesh.shared.bus.messages.workers import WorkerGone
+from kvmesh.shared.bus.messages.workers import BlockPool, WorkerGone, WorkerLoad
 from kvmesh.shared.engine.llm_engine import LLMEngine
 from kvmesh.shared.engine.sequence import RequestError
 from kvmesh.shared.obs import logs
@@ -356,17 +356,9 @@ class DecodeWorker:
 
     # ---- state --------------------------------------------------------------------------------
 
-    async def load(self) -> WorkerLoad:
+    async def load(self) -> tuple[WorkerLoad, BlockPool]:
         """What the advert and heartbeat report (under the lock: a step mutates the free list)."""
         async with self._lock:
             reading = len(self.reads) if self.reads is not None else 0
             outside = len(self.pending) + self.requests.count(RequestPhase.QUEUED) + reading
-            bm, scheduler = self.engine.block_manager, self.engine.scheduler
-            return WorkerLoad(
-                total_blocks=bm.num_total_blocks,
-                free_blocks=bm.num_free_blocks,
-                free_block_ranges=free_block_ranges(bm.free),
-                num_running=len(scheduler.running),
-                num_waiting=len(scheduler.waiting) + outside,
-                state="draining" if self.is_draining else "ready",
-            )
+            return measure(self.engine, outside, "draining" if self.is_draining else "ready")

@@ -38,7 +38,7 @@ from kvmesh.shared.bus.messages.drafts import (
 )
 from kvmesh.shared.bus.messages.prefill_jobs import PrefillDone
 from kvmesh.shared.bus.messages.token_streams import Abort
-from kvmesh.shared.bus.messages.workers import WorkerGone, WorkerHeartbeat
+from kvmesh.shared.bus.messages.workers import WorkerGone, WorkerHeartbeat, WorkerLoad
 from kvmesh.shared.bus.nats_connect import connect_nats, flush_to_server
 from kvmesh.shared.bus.nats_subscribe import on_message
 from kvmesh.shared.bus.service_lifetime import serve_until_signal
@@ -84,8 +84,9 @@ class DraftService:
         return WorkerHeartbeat(
             self.core.worker_id,
             "draft",
-            "draining" if self.is_draining else "ready",
-            num_running=len(self.core.seqs),
+            WorkerLoad(
+                "draining" if self.is_draining else "ready", num_running=len(self.core.seqs)
+            ),
             started_at=self.started_at,
             sent_at=time.time(),
         )

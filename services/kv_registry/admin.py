@@ -138,7 +138,7 @@ class RegistryAdmin:
         log.info("worker control forwarded", worker_id=worker_id, action=action)
         state = ""  # the worker answers with its heartbeat (answer_worker_control)
         with contextlib.suppress(MessageError):
-            state = decode_message(msg.data, WorkerHeartbeat).state
+            state = decode_message(msg.data, WorkerHeartbeat).load.state
         return AdminControlled(ok=True, worker=worker_id, action=action, state=state)
 
     async def admin_log_level(self, body: bytes) -> AdminLogLevelSet:

@@ -131,7 +131,7 @@ class RegistryState:
         worker.advert = advert
         seen(worker, now, self.hearing)
         worker.reserved_since_advert = 0  # the advert counts every reservation replied before it
-        if advert.state == "ready":
+        if advert.load.state == "ready":
             worker.is_draining = False  # the worker says it resumed (or never drained)
         return False
 
@@ -242,7 +242,7 @@ class RegistryState:
     # --- placement ------------------------------------------------------------------------------
 
     def blocks_needed(self, worker: DecodeWorkerView, num_prompt_tokens: int) -> int:
-        return max(1, math.ceil(num_prompt_tokens / worker.advert.block_size))
+        return max(1, math.ceil(num_prompt_tokens / worker.advert.reach.block_size))
 
     def choose(
         self,
@@ -321,7 +321,7 @@ class RegistryState:
         best.num_inflight += 1
         got = reach[best.worker_id]
         self.prefix_index.touch(best.worker_id, got.own)
-        bs = best.advert.block_size
+        bs = best.advert.reach.block_size
         suffix = len(request.prompt_ids) - got.num_blocks * bs
         prefill_here = (
             not request.local_prefill
@@ -346,7 +346,7 @@ class RegistryState:
             w
             for w, p in self.peers.items()
             if p.heartbeat.role in ("decode", "colocated")
-            and p.heartbeat.state == "starting"
+            and p.heartbeat.load.state == "starting"
             and self._is_alive(p, now)
         )
 
@@ -374,22 +374,22 @@ class RegistryState:
         return prefix_score(reach, self.prefix_weight, self.store_block_weight)
 
     def _mismatch(self, worker: DecodeWorkerView, request: PlaceRequest) -> str:
-        if request.model_spec and worker.advert.model_spec != request.model_spec:
+        if request.model_spec and worker.advert.reach.model_spec != request.model_spec:
             return (
                 f"{worker.worker_id} serves another model or KV layout "
-                f"({worker.advert.model_spec or 'none advertised'}; the router's is "
+                f"({worker.advert.reach.model_spec or 'none advertised'}; the router's is "
                 f"{request.model_spec})"
             )
         if worker.state != "ready":
             return "draining"
         if not request.local_prefill and worker.advert.mode != "disagg":
             return "colocated workers take local-prefill requests only"
-        if self.kv_spec and worker.advert.kv_spec != self.kv_spec:
-            return f"KV layout {worker.advert.kv_spec!r} != {self.kv_spec!r}"
-        if self.blocks_needed(worker, len(request.prompt_ids)) > worker.advert.total_blocks:
+        if self.kv_spec and worker.advert.reach.kv_spec != self.kv_spec:
+            return f"KV layout {worker.advert.reach.kv_spec!r} != {self.kv_spec!r}"
+        if self.blocks_needed(worker, len(request.prompt_ids)) > worker.advert.pool.total_blocks:
             return (
                 f"prompt of {len(request.prompt_ids)} tokens exceeds a worker's whole KV pool "
-                f"({worker.advert.total_blocks} blocks of {worker.advert.block_size})"
+                f"({worker.advert.pool.total_blocks} blocks of {worker.advert.reach.block_size})"
             )
         return ""
 
@@ -424,12 +424,12 @@ class RegistryState:
                 retry_after_s=self.retry_after_s,
             )
         advert = worker.advert
-        if not candidate.is_local_prefill(request) and len(ranks) != advert.tp - 1:
+        if not candidate.is_local_prefill(request) and len(ranks) != advert.reach.tp - 1:
             return PlaceReply(
                 ok=False,
                 request_id=request.request_id,
                 error=(
-                    f"decode worker {candidate.worker_id} advertises TP {advert.tp} but its "
+                    f"decode worker {candidate.worker_id} advertises TP {advert.reach.tp} but its "
                     f"reservation names {len(ranks) + 1} ranks' blocks"
                 ),
                 retry_after_s=self.retry_after_s,
@@ -451,11 +451,11 @@ class RegistryState:
             request_id=request.request_id,
             worker_id=worker.worker_id,
             lease_id=lease_id,
-            descriptor=advert.descriptor,
+            descriptor=advert.reach.descriptor,
             rkey=rkey,
             block_ids=block_ids,
             block_addrs=block_addrs,
-            block_bytes=advert.block_bytes,
+            block_bytes=advert.reach.block_bytes,
             local_prefill=candidate.prefill_here,
             cached_tokens=candidate.cached_tokens,
             ranks=ranks,

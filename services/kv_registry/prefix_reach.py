@@ -3,7 +3,7 @@
 A worker reaches a prompt's leading blocks two ways: its own prefix cache holds them (the
 registry's ``PrefixIndex`` of decode workers, fed by their KV events), or the kv-store it reads
 holds them (``StoreTable``, fed by the stores' KV events) and the worker reads them one-sided
-into its pool before it prefills the rest itself (``DecodeAdvert.reads_kv_store``; the read is
+into its pool before it prefills the rest itself (``DecodeReach.reads_kv_store``; the read is
 ``PrefixReader`` in shared/mesh/kv_store_prefix.py). It reads only the blocks its cache lacks, past
 its own leading run, so what it reaches is ``max(own run, store run)`` leading blocks.
 
@@ -78,13 +78,13 @@ def prefix_reach(
         if not use_cache and store_table is None:
             reach[w.worker_id] = PrefixReach()
             continue
-        key = (w.block_size, w.kv_spec)
+        key = (w.reach.block_size, w.reach.kv_spec)
         if key not in chains:
-            root = request_root(w.kv_spec, cache_salt)
-            chains[key] = reusable_prefix_hashes(prompt_ids, w.block_size, root)
+            root = request_root(w.reach.kv_spec, cache_salt)
+            chains[key] = reusable_prefix_hashes(prompt_ids, w.reach.block_size, root)
         chain = chains[key]
         own = chain[: cached.matched_blocks(w.worker_id, chain)] if use_cache else []
-        in_store = store_table.matched_blocks(w.kv_spec, chain) if store_table else 0
-        reads = use_cache and use_stores and w.reads_kv_store and w.mode == "disagg"
+        in_store = store_table.matched_blocks(w.reach.kv_spec, chain) if store_table else 0
+        reads = use_cache and use_stores and w.reach.reads_kv_store and w.mode == "disagg"
         reach[w.worker_id] = PrefixReach(tuple(own), in_store, reads)
     return reach

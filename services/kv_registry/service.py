@@ -33,7 +33,7 @@ from kvmesh.shared.bus.messages.codec import encode_message
 from kvmesh.shared.bus.messages.kv_store import StoreAdvert
 from kvmesh.shared.bus.messages.placement import LeaseRenew
 from kvmesh.shared.bus.messages.prefill_jobs import PrefillDone
-from kvmesh.shared.bus.messages.workers import DecodeAdvert, WorkerGone, WorkerHeartbeat
+from kvmesh.shared.bus.messages.workers import DecodeAdvert, WorkerGone, WorkerHeartbeat, WorkerLoad
 from kvmesh.shared.bus.nats_connect import connect_nats
 from kvmesh.shared.bus.service_lifetime import serve_until_signal
 from kvmesh.shared.bus.store_solicit import store_adverts_solicited
@@ -99,8 +99,7 @@ class RegistryService:
         return WorkerHeartbeat(
             worker_id=self.worker_id,
             role=ROLE,
-            state="ready",
-            num_running=len(self.core.leases),
+            load=WorkerLoad("ready", num_running=len(self.core.leases)),
             started_at=self.started_at,
             sent_at=time.time(),
         )
@@ -113,8 +112,8 @@ class RegistryService:
                 "decode worker joined",
                 worker_id=advert.worker_id,
                 mode=advert.mode,
-                total_blocks=advert.total_blocks,
-                free_blocks=advert.free_blocks,
+                total_blocks=advert.pool.total_blocks,
+                free_blocks=advert.pool.free_blocks,
             )
 
     async def on_store_advert(self, advert: StoreAdvert) -> None:
@@ -122,8 +121,8 @@ class RegistryService:
             log.info(
                 "kv-store joined",
                 store_id=advert.store_id,
-                total_blocks=advert.total_blocks,
-                used_blocks=advert.used_blocks,
+                total_blocks=advert.load.total_blocks,
+                used_blocks=advert.load.used_blocks,
             )
 
     async def on_cache_events(self, msg: KvCacheEvents) -> None:

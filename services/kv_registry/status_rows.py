@@ -8,10 +8,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import msgspec
 from kvmesh.shared.bus.messages.admin import DecodeStatusRow, LeaseCounts, WorkerRow
+from kvmesh.shared.bus.messages.workers import WorkerLoad
 
 if TYPE_CHECKING:
     from kvmesh.services.kv_registry.core import RegistryState
+    from kvmesh.services.kv_registry.worker_views import DecodeWorkerView
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,21 +34,14 @@ def registry_status(state: RegistryState, now: float) -> RegistryRows:
         DecodeStatusRow(
             worker_id=w.worker_id,
             role=w.role,
-            state=w.state,
-            total_blocks=w.advert.total_blocks,
-            free_blocks=w.advert.free_blocks,
+            load=_load_of(w),
+            pool=msgspec.structs.replace(w.advert.pool, free_block_ranges=()),
             free_blocks_estimate=w.free_blocks,
-            running=w.advert.num_running,
-            waiting=w.advert.num_waiting,
             leases=leases_by_worker.get(w.worker_id, 0),
             cached_blocks=state.prefix_index.num_blocks(w.worker_id),
             cache_synced=state.prefix_index.is_synced(w.worker_id),
-            reads_kv_store=w.advert.reads_kv_store,
-            refused_accesses=w.advert.refused_accesses,
-            stray_immediates=w.advert.stray_immediates,
-            forged_announcements=w.advert.forged_announcements,
-            kv_spec=w.advert.kv_spec,
-            model_spec=w.advert.model_spec,
+            reach=w.advert.reach,
+            refusals=w.advert.refusals,
             last_seen_s=round(now - w.last_seen, 3),
         )
         for w in sorted(state.decode.values(), key=lambda w: w.worker_id)
@@ -64,30 +60,26 @@ def registry_status(state: RegistryState, now: float) -> RegistryRows:
 def worker_rows(state: RegistryState, now: float) -> tuple[WorkerRow, ...]:
     """Every known worker, decode ones included, one row each."""
     rows = [
-        WorkerRow(
-            worker_id=w.worker_id,
-            role=w.role,
-            state=w.state,
-            running=w.advert.num_running,
-            waiting=w.advert.num_waiting,
-            last_seen_s=round(now - w.last_seen, 3),
-            tp=w.advert.tp,
-        )
+        WorkerRow(w.worker_id, w.role, _load_of(w), round(now - w.last_seen, 3), w.advert.reach.tp)
         for w in state.decode.values()
     ]
     rows += [
         WorkerRow(
-            worker_id=p.heartbeat.worker_id,
-            role=p.heartbeat.role,
-            state=p.heartbeat.state,
-            running=p.heartbeat.num_running,
-            waiting=p.heartbeat.num_waiting,
-            last_seen_s=round(now - p.last_seen, 3),
-            tp=p.heartbeat.tp,
+            p.heartbeat.worker_id,
+            p.heartbeat.role,
+            p.heartbeat.load,
+            round(now - p.last_seen, 3),
+            p.heartbeat.tp,
         )
         for p in state.peers.values()
     ]
     return tuple(sorted(rows, key=lambda r: (r.role, r.worker_id)))
+
+
+def _load_of(worker: DecodeWorkerView) -> WorkerLoad:
+    """A decode worker's advertised load, its state the registry's (draining once admin drained
+    it, before the worker's next advert says so)."""
+    return msgspec.structs.replace(worker.advert.load, state=worker.state)
 
 
 __all__ = ["RegistryRows", "registry_status", "worker_rows"]

@@ -42,9 +42,9 @@ class StoreTable:
         known = self.stores.get(advert.store_id)
         self.stores[advert.store_id] = StoreView(advert, now)
         indexed = self.prefixes.workers.get(advert.store_id)
-        if indexed is not None and indexed.epoch != advert.epoch:
+        if indexed is not None and indexed.epoch != advert.reach.epoch:
             self.prefixes.drop_worker(advert.store_id)  # what the old process held is gone
-        return known is None or known.advert.epoch != advert.epoch
+        return known is None or known.advert.reach.epoch != advert.reach.epoch
 
     def heard(self, store_id: str, now: float) -> None:
         """The store's heartbeat: alive, though its adverts may lag (they come from its event
@@ -76,7 +76,7 @@ class StoreTable:
         ready = [
             sid
             for sid, v in self.stores.items()
-            if v.advert.kv_spec == kv_spec and v.advert.state == "ready"
+            if v.advert.reach.kv_spec == kv_spec and v.advert.load.state == "ready"
         ]
         return min(ready, default=None)
 
@@ -95,34 +95,20 @@ class StoreTable:
     def status(self, now: float) -> tuple[StoreStatusRow, ...]:
         rows = []
         for v in sorted(self.stores.values(), key=lambda v: v.advert.store_id):
-            a = v.advert
-            asked = a.hits + a.misses
+            load, block_bytes = v.advert.load, v.advert.reach.block_bytes
+            asked = load.hits + load.misses
             rows.append(
                 StoreStatusRow(
-                    store_id=a.store_id,
-                    state=a.state,
-                    total_blocks=a.total_blocks,
-                    used_blocks=a.used_blocks,
-                    pinned_blocks=a.pinned_blocks,
-                    capacity_bytes=a.total_blocks * a.block_bytes,
-                    used_bytes=a.used_blocks * a.block_bytes,
-                    hits=a.hits,
-                    misses=a.misses,
-                    hit_rate=round(a.hits / asked, 4) if asked else 0.0,
-                    evictions=a.evictions,
-                    disk_total_blocks=a.disk_total_blocks,
-                    disk_used_blocks=a.disk_used_blocks,
-                    disk_capacity_bytes=a.disk_total_blocks * a.block_bytes,
-                    disk_used_bytes=a.disk_used_blocks * a.block_bytes,
-                    disk_hits=a.disk_hits,
-                    disk_evictions=a.disk_evictions,
-                    bytes_written=a.bytes_written,
-                    bytes_read=a.bytes_read,
-                    refused_accesses=a.refused_accesses,
-                    indexed_blocks=self.prefixes.num_blocks(a.store_id),
-                    index_synced=self.prefixes.is_synced(a.store_id),
-                    kv_spec=a.kv_spec,
-                    epoch=a.epoch,
+                    store_id=v.advert.store_id,
+                    load=load,
+                    reach=v.advert.reach,
+                    capacity_bytes=load.total_blocks * block_bytes,
+                    used_bytes=load.used_blocks * block_bytes,
+                    disk_capacity_bytes=load.disk_total_blocks * block_bytes,
+                    disk_used_bytes=load.disk_used_blocks * block_bytes,
+                    hit_rate=round(load.hits / asked, 4) if asked else 0.0,
+                    indexed_blocks=self.prefixes.num_blocks(v.advert.store_id),
+                    index_synced=self.prefixes.is_synced(v.advert.store_id),
                     last_seen_s=round(now - v.last_seen, 3),
                 )
             )

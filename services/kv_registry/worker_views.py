@@ -35,16 +35,18 @@ class DecodeWorkerView:
 
     @property
     def state(self) -> str:
-        return "draining" if self.is_draining else self.advert.state
+        return "draining" if self.is_draining else self.advert.load.state
 
     @property
     def free_blocks(self) -> int:
         """Estimated free blocks: advertised, less what was handed out since (never < 0)."""
-        return max(0, self.advert.free_blocks - self.reserved_since_advert - self.inflight_blocks)
+        return max(
+            0, self.advert.pool.free_blocks - self.reserved_since_advert - self.inflight_blocks
+        )
 
     @property
     def load(self) -> int:
-        return self.advert.num_running + self.advert.num_waiting + self.num_inflight
+        return self.advert.load.num_running + self.advert.load.num_waiting + self.num_inflight
 
 
 @dataclass(slots=True)

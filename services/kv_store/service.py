@@ -35,11 +35,13 @@ from kvmesh.shared.bus.messages.kv_store import (
     StoreAdvert,
     StoreCommit,
     StoreGet,
+    StoreLoad,
     StorePut,
+    StoreReach,
     StoreRelease,
     StoreSolicit,
 )
-from kvmesh.shared.bus.messages.workers import WorkerGone, WorkerHeartbeat
+from kvmesh.shared.bus.messages.workers import WorkerGone, WorkerHeartbeat, WorkerLoad
 from kvmesh.shared.bus.nats_connect import connect_nats
 from kvmesh.shared.bus.service_lifetime import serve_until_signal
 from kvmesh.shared.bus.store_solicit import SolicitLimiter
@@ -67,6 +69,13 @@ class StoreService:
         self.transport = worker.transport
         self.store_id = worker.store_id
         self.epoch = secrets.token_hex(8)
+        self.reach = StoreReach(
+            descriptor=self.transport.descriptor().public(),
+            kv_spec=worker.kv_spec,
+            block_bytes=worker.block_bytes,
+            block_size=config.block_size,
+            epoch=self.epoch,
+        )
         self.held = HeldReporter(self.store_id, self.epoch)  # what it holds, for the registry
         self.started_at = time.time()
         self.metrics = StoreMetrics(worker.core, self.transport.stats, worker.block_bytes)
@@ -147,13 +156,8 @@ class StoreService:
         stats = self.transport.stats()
         core = self.worker.core
         c, disk = core.counters, core.disk
-        return StoreAdvert(
-            store_id=self.store_id,
-            epoch=self.epoch,
-            descriptor=self.transport.descriptor().public(),
-            kv_spec=self.worker.kv_spec,
-            block_bytes=self.worker.block_bytes,
-            block_size=self.config.block_size,
+        load = StoreLoad(
+            state="draining" if self.worker.is_draining else "ready",
             total_blocks=core.num_blocks,
             used_blocks=core.num_used,
             pinned_blocks=core.num_pinned,
@@ -163,20 +167,21 @@ class StoreService:
             bytes_written=stats.bytes,
             bytes_read=stats.read_bytes,
             refused_accesses=stats.refused,
-            state="draining" if self.worker.is_draining else "ready",
-            sent_at=time.time(),
             disk_total_blocks=disk.num_slots if disk else 0,
             disk_used_blocks=disk.num_used if disk else 0,
             disk_hits=c.disk_hits,
             disk_evictions=disk.num_evictions if disk else 0,
         )
+        return StoreAdvert(self.store_id, self.reach, load, time.time())
 
     def heartbeat(self) -> WorkerHeartbeat:
         return WorkerHeartbeat(
             worker_id=self.store_id,
             role=ROLE,
-            state="draining" if self.worker.is_draining else "ready",
-            num_running=self.worker.num_running,
+            load=WorkerLoad(
+                "draining" if self.worker.is_draining else "ready",
+                num_running=self.worker.num_running,
+            ),
             started_at=self.started_at,
             sent_at=time.time(),
         )

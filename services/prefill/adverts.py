@@ -44,7 +44,7 @@ class AdvertBook:
     def loads(self) -> list[HeardLoad]:
         """Each decode worker's latest load, with when it was heard (core_loan.py)."""
         return [
-            HeardLoad(wid, self._heard_at[wid], advert.num_running)
+            HeardLoad(wid, self._heard_at[wid], advert.load.num_running)
             for wid, advert in self._adverts.items()
         ]
 
@@ -81,16 +81,16 @@ def check_job_against_advert(job: PrefillJob, advert: DecodeAdvert, kv_spec: str
     """Raise UnvouchedJobError unless ``job`` targets blocks of ``advert``'s pool."""
     who = f"decode worker {advert.worker_id!r}"
     # equal specs, or specs that differ in the KV dtype alone (the writes convert it)
-    decode_kv_dtype(kv_spec, advert.kv_spec)
-    if job.descriptor != advert.descriptor:
+    decode_kv_dtype(kv_spec, advert.reach.kv_spec)
+    if job.descriptor != advert.reach.descriptor:
         raise UnvouchedJobError(f"the job's transport descriptor is not the one {who} advertises")
-    if job.block_bytes != advert.block_bytes:
+    if job.block_bytes != advert.reach.block_bytes:
         raise UnvouchedJobError(
-            f"the job's block_bytes {job.block_bytes} are not {who}'s {advert.block_bytes}"
+            f"the job's block_bytes {job.block_bytes} are not {who}'s {advert.reach.block_bytes}"
         )
-    if len(job.ranks) != advert.tp - 1:
+    if len(job.ranks) != advert.reach.tp - 1:
         raise UnvouchedJobError(
-            f"the job names {len(job.ranks) + 1} ranks' blocks but {who} runs at TP {advert.tp}"
+            f"the job names {len(job.ranks) + 1} ranks' blocks but {who} runs at TP {advert.reach.tp}"
         )
     _check_block_addrs(job.block_addrs, advert, who)
     for rank, target in enumerate(job.ranks, start=1):
@@ -112,8 +112,8 @@ def _check_block_addrs(block_addrs: tuple[int, ...], advert: DecodeAdvert, who: 
         if (
             addr < 0
             or addr in seen
-            or offset % advert.block_bytes
-            or offset // advert.block_bytes >= advert.total_blocks
+            or offset % advert.reach.block_bytes
+            or offset // advert.reach.block_bytes >= advert.pool.total_blocks
         ):
             raise UnvouchedJobError(f"block address {addr:#x} is not a block of {who}'s pool")
         seen.add(addr)

@@ -36,7 +36,7 @@ from kvmesh.shared.bus.message_guard import guard_of
 from kvmesh.shared.bus.messages.codec import MessageError, decode_message, encode_message
 from kvmesh.shared.bus.messages.prefill_jobs import PrefillJob
 from kvmesh.shared.bus.messages.token_streams import Abort
-from kvmesh.shared.bus.messages.workers import DecodeAdvert, WorkerGone, WorkerHeartbeat
+from kvmesh.shared.bus.messages.workers import DecodeAdvert, WorkerGone, WorkerHeartbeat, WorkerLoad
 from kvmesh.shared.bus.nats_connect import connect_nats
 from kvmesh.shared.bus.prefill_job_stream import PrefillJobQueue
 from kvmesh.shared.bus.service_lifetime import serve_until_signal
@@ -83,9 +83,10 @@ class PrefillService:
         return WorkerHeartbeat(
             self.worker.worker_id,
             "prefill",
-            "draining" if self.is_draining else "ready",
-            num_running=self.worker.num_jobs,
-            num_waiting=0,  # waiting jobs stay in the shared queue (admin status shows its depth)
+            # waiting jobs stay in the shared queue (admin status shows its depth)
+            WorkerLoad(
+                "draining" if self.is_draining else "ready", num_running=self.worker.num_jobs
+            ),
             started_at=self.started_at,
             sent_at=time.time(),
             tp=self.config.tp,

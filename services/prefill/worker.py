@@ -222,7 +222,7 @@ class PrefillWorker:
             return self._result(msg, None, "its router is gone (nobody reads its tokens)")
         try:
             advert = await self.adverts.vouch(msg, self._advert_wait_s)
-            dtype = decode_kv_dtype(self.kv_spec, advert.kv_spec)  # None: the same KV dtype
+            dtype = decode_kv_dtype(self.kv_spec, advert.reach.kv_spec)  # None: the same KV dtype
             if dtype is not None and self.tp is not None:
                 raise PlanError(
                     f"the decode worker keeps its KV as {dtype}: a tensor-parallel prefill "

@@ -90,7 +90,7 @@ class Dispatcher:
             **self.optional_pools,
         }
         pool = pools.get(beat.role, self.decode_pool)
-        pool.on_heartbeat(beat.worker_id, beat.state, time.monotonic())
+        pool.on_heartbeat(beat.worker_id, beat.load.state, time.monotonic())
 
     def degraded(self, now: float) -> str:
         """What the mesh serves without now ("" if nothing): optional services heard once and

@@ -47,11 +47,11 @@ class WorkerCounters(Collector):
     worker that restarts starts again from 0, which Prometheus reads as a counter reset)."""
 
     def __init__(self) -> None:
-        self.values: dict[str, dict[str, float]] = {}  # advert field -> worker id -> value
+        self.values: dict[str, dict[str, float]] = {}  # DataPlaneRefusals field -> worker id
 
     def record(self, advert: DecodeAdvert) -> None:
         for field in ADVERTISED_COUNTERS:
-            self.values.setdefault(field, {})[advert.worker_id] = getattr(advert, field)
+            self.values.setdefault(field, {})[advert.worker_id] = getattr(advert.refusals, field)
 
     def forget(self, worker_id: str) -> None:
         for by_worker in self.values.values():

@@ -24,9 +24,9 @@ class PoolCapacity:
     _tokens: dict[str, tuple[int, float]] = field(default_factory=dict)  # id -> (tokens, when)
 
     def note(self, advert: DecodeAdvert, now: float) -> None:
-        if self.model_spec and advert.model_spec != self.model_spec:
+        if self.model_spec and advert.reach.model_spec != self.model_spec:
             return
-        self._tokens[advert.worker_id] = (advert.total_blocks * advert.block_size, now)
+        self._tokens[advert.worker_id] = (advert.pool.total_blocks * advert.reach.block_size, now)
 
     def forget(self, worker_id: str) -> None:
         self._tokens.pop(worker_id, None)

@@ -16,7 +16,7 @@ from kvmesh.services.router.http_server import serve_http
 from kvmesh.services.router.model_info import load_model_info
 from kvmesh.shared.bus.hearing import Hearing
 from kvmesh.shared.bus.message_guard import guard_of
-from kvmesh.shared.bus.messages.workers import DecodeAdvert, WorkerGone, WorkerHeartbeat
+from kvmesh.shared.bus.messages.workers import DecodeAdvert, WorkerGone, WorkerHeartbeat, WorkerLoad
 from kvmesh.shared.bus.nats_connect import connect_nats
 from kvmesh.shared.bus.nats_subscribe import subscriptions
 from kvmesh.shared.bus.service_lifetime import serve_until_signal
@@ -58,8 +58,7 @@ async def serve_router(config: RouterConfig) -> AsyncIterator[RunningRouter]:
             return WorkerHeartbeat(
                 worker_id=worker_id,
                 role="router",
-                state="ready",
-                num_running=router.num_in_flight,
+                load=WorkerLoad("ready", num_running=router.num_in_flight),
                 started_at=started_at,
                 sent_at=time.time(),
                 instance=dispatcher.instance,  # its requests carry it; they die with it

@@ -16,7 +16,7 @@ Every method has a default that does nothing, so a feature implements only what 
 - ``loops(site)``: task bodies run for the worker's life (a periodic report);
 - ``outbox(subjects)``: the messages it queued, ``(subject, message)``, which the shell sends
   after each engine step (decode) and nothing waits for;
-- ``advert()``: the fields of the worker's advert it sets;
+- ``advert()``: the fields of the worker's advert it sets (a decode worker's: of its ``DecodeReach``);
 - ``aclose()``: wait for its background work; called in reverse composition order, after the
   worker stopped and before the NATS client closes.
 """

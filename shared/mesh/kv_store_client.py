@@ -338,7 +338,7 @@ class StoreBook:
         self._stores: dict[str, tuple[StoreAdvert, float]] = {}
 
     def note(self, advert: StoreAdvert) -> None:
-        if advert.kv_spec == self.kv_spec and advert.block_bytes == self.block_bytes:
+        if advert.reach.kv_spec == self.kv_spec and advert.reach.block_bytes == self.block_bytes:
             self._stores[advert.store_id] = (advert, self.clock())
 
     def forget(self, store_id: str) -> None:
@@ -354,13 +354,13 @@ class StoreBook:
             (
                 a
                 for a, seen in self._stores.values()
-                if now - seen <= STORE_ADVERT_TTL_S and a.state == "ready"
+                if now - seen <= STORE_ADVERT_TTL_S and a.load.state == "ready"
             ),
             key=lambda a: a.store_id,
         )
         if not live:
             return None
-        return StoreTarget(live[0].store_id, live[0].descriptor)
+        return StoreTarget(live[0].store_id, live[0].reach.descriptor)
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,9 +3,10 @@ a decode worker (the registry's core, a prefill worker's checks and rigs)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
-from kvmesh.shared.bus.messages.workers import DecodeAdvert
+import msgspec
+from kvmesh.shared.bus.messages.workers import BlockPool, DecodeAdvert, DecodeReach, WorkerLoad
 
 
 def idle_advert(
@@ -18,19 +19,37 @@ def idle_advert(
     total_blocks: int,
 ) -> DecodeAdvert:
     """A ready, disaggregated decode worker running nothing, every one of its ``total_blocks``
-    blocks free (one range); ``msgspec.structs.replace`` makes any other."""
+    blocks free (one range); ``with_fields`` makes any other."""
     return DecodeAdvert(
         worker_id=worker_id,
         mode="disagg",
-        descriptor=descriptor,
-        block_bytes=block_bytes,
-        block_size=block_size,
-        kv_spec=kv_spec,
-        total_blocks=total_blocks,
-        free_blocks=total_blocks,
-        free_block_ranges=((0, total_blocks),),
-        num_running=0,
-        num_waiting=0,
-        state="ready",
+        reach=DecodeReach(
+            descriptor=descriptor, block_bytes=block_bytes, block_size=block_size, kv_spec=kv_spec
+        ),
+        load=WorkerLoad("ready", num_running=0, num_waiting=0),
+        pool=BlockPool(
+            total_blocks=total_blocks,
+            free_blocks=total_blocks,
+            free_block_ranges=((0, total_blocks),),
+        ),
         sent_at=0.0,
     )
+
+
+M = TypeVar("M", bound=msgspec.Struct)
+
+
+def with_fields(message: M, **fields: Any) -> M:
+    """``message`` (an advert, a heartbeat, a row) with ``fields`` replaced, each in the part
+    that holds it: ``with_fields(advert, tp=2, total_blocks=16)`` sets its reach's tp and its
+    pool's total_blocks; a field of the message itself is set there."""
+    changes: dict[str, Any] = {}
+    for field in msgspec.structs.fields(message):
+        part = getattr(message, field.name)
+        if not isinstance(part, msgspec.Struct):
+            continue
+        names = {f.name for f in msgspec.structs.fields(part)}
+        mine = {k: fields.pop(k) for k in list(fields) if k in names}
+        if mine:
+            changes[field.name] = msgspec.structs.replace(part, **mine)
+    return msgspec.structs.replace(message, **changes, **fields)

@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from kvmesh.shared.bus.messages.workers import WorkerHeartbeat
+from kvmesh.shared.bus.messages.workers import WorkerHeartbeat, WorkerLoad
 from kvmesh.shared.bus.nats_connect import connect_nats
 from kvmesh.shared.bus.worker_presence import worker_presence
 from kvmesh.shared.config.subjects import DEFAULT_MESH, Subjects
@@ -23,7 +23,9 @@ async def main(url: str, worker_id: str, interval_s: float, stall_limit_s: float
     started_at = time.time()
 
     def beat() -> WorkerHeartbeat:
-        return WorkerHeartbeat(worker_id, "prefill", "ready", started_at=started_at)
+        return WorkerHeartbeat(
+            worker_id=worker_id, role="prefill", load=WorkerLoad("ready"), started_at=started_at
+        )
 
     async with (
         connect_nats(url, worker_id) as nc,

@@ -79,7 +79,7 @@ async def check_blocks_returned(mesh: Any) -> None:
     rows = await wait_blocks_returned(mesh.config.nats_url, mesh.nats_auth)
     assert rows, "no decode worker in the admin status"
     for row in rows:
-        assert row.free_blocks == row.total_blocks, row
+        assert row.pool.free_blocks == row.pool.total_blocks, row
     assert mesh.nats_violations() == []
 
 

@@ -100,7 +100,7 @@ def prefill_job(
         SamplingOptions(temperature=0.0),
         "d0",
         "L" + request_id,
-        worker.adverts.get("d0").descriptor if descriptor is None else descriptor,
+        worker.adverts.get("d0").reach.descriptor if descriptor is None else descriptor,
         region.rkey,
         tuple(region.addr + b * block_bytes for b in block_ids),
         block_bytes,

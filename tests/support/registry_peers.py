@@ -17,7 +17,14 @@ from typing import Any
 from kvmesh.shared.bus.messages.codec import decode_message, encode_message
 from kvmesh.shared.bus.messages.placement import LeaseCancel, ReserveReply, ReserveRequest
 from kvmesh.shared.bus.messages.prefill_jobs import PrefillDone
-from kvmesh.shared.bus.messages.workers import DecodeAdvert, WorkerControl, WorkerHeartbeat
+from kvmesh.shared.bus.messages.workers import (
+    BlockPool,
+    DecodeAdvert,
+    DecodeReach,
+    WorkerControl,
+    WorkerHeartbeat,
+    WorkerLoad,
+)
 from kvmesh.shared.bus.nats_connect import connect_nats, flush_to_server
 from kvmesh.shared.bus.service_lifetime import background
 from kvmesh.shared.bus.worker_presence import publish_every
@@ -55,18 +62,20 @@ class PeerDecode:
         return DecodeAdvert(
             worker_id=self.worker_id,
             mode=self.mode,
-            descriptor=TransportDescriptor(
-                self.worker_id, "h", (TcpBackend("127.0.0.1", 1, SECRET),)
+            reach=DecodeReach(
+                descriptor=TransportDescriptor(
+                    self.worker_id, "h", (TcpBackend("127.0.0.1", 1, SECRET),)
+                ),
+                block_bytes=BLOCK_BYTES,
+                block_size=BLOCK_SIZE,
+                kv_spec="test-spec",
             ),
-            block_bytes=BLOCK_BYTES,
-            block_size=BLOCK_SIZE,
-            kv_spec="test-spec",
-            total_blocks=self.total_blocks,
-            free_blocks=len(self.free),
-            free_block_ranges=tuple((b, b + 1) for b in sorted(self.free)),
-            num_running=len(self.leases),
-            num_waiting=0,
-            state=self.state,
+            load=WorkerLoad(self.state, num_running=len(self.leases), num_waiting=0),
+            pool=BlockPool(
+                total_blocks=self.total_blocks,
+                free_blocks=len(self.free),
+                free_block_ranges=tuple((b, b + 1) for b in sorted(self.free)),
+            ),
             sent_at=time.time(),
         )
 
@@ -99,7 +108,12 @@ class PeerDecode:
         action = decode_message(msg.data, WorkerControl).action
         self.controls.append(action)
         self.state = "draining" if action == "drain" else "ready"
-        beat = WorkerHeartbeat(self.worker_id, "decode", self.state, sent_at=time.time())
+        beat = WorkerHeartbeat(
+            worker_id=self.worker_id,
+            role="decode",
+            load=WorkerLoad(self.state),
+            sent_at=time.time(),
+        )
         await msg.respond(encode_message(beat))
 
     async def lease_loop(self) -> None:

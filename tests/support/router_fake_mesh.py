@@ -19,7 +19,7 @@ from kvmesh.shared.bus.messages.codec import decode_message, encode_message
 from kvmesh.shared.bus.messages.placement import LeaseRenew, PlaceReply, PlaceRequest
 from kvmesh.shared.bus.messages.prefill_jobs import PrefillJob, PrefillReport
 from kvmesh.shared.bus.messages.token_streams import Abort, TokenEvent
-from kvmesh.shared.bus.messages.workers import WorkerHeartbeat
+from kvmesh.shared.bus.messages.workers import WorkerHeartbeat, WorkerLoad
 from kvmesh.shared.bus.nats_connect import connect_nats, flush_to_server
 from kvmesh.shared.config.subjects import DEFAULT_MESH, Subjects
 from kvmesh.shared.kv.descriptor import TcpBackend, TransportDescriptor
@@ -114,7 +114,13 @@ class FakeMesh:
             )
             for role, alive in roles:
                 if alive:
-                    beat = WorkerHeartbeat(f"{role}-fake", role, "ready", 0, 0, 0.0, 0.0)
+                    beat = WorkerHeartbeat(
+                        worker_id=f"{role}-fake",
+                        role=role,
+                        load=WorkerLoad("ready", num_running=0, num_waiting=0),
+                        started_at=0.0,
+                        sent_at=0.0,
+                    )
                     subject = self.subjects.heartbeat(role, f"{role}-fake")
                     await self._nc.publish(subject, encode_message(beat))
             await asyncio.sleep(0.2)

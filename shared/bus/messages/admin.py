@@ -6,6 +6,8 @@ A request body is a JSON object ({} for status and workers); a reply is one of t
 from __future__ import annotations
 
 from kvmesh.shared.bus.messages.codec import Message, Part
+from kvmesh.shared.bus.messages.kv_store import StoreLoad, StoreReach
+from kvmesh.shared.bus.messages.workers import BlockPool, DataPlaneRefusals, DecodeReach, WorkerLoad
 
 
 class AdminWorker(Message):
@@ -27,36 +29,29 @@ class AdminFailure(Message):
 
 
 class DecodeStatusRow(Part):
-    """A decode (or colocated) worker as the registry sees it: its pool, cache and leases."""
+    """A decode (or colocated) worker as the registry sees it: its advert's parts (its load with
+    the registry's state: draining once admin drained it; its pool without the free ranges), and
+    what the registry adds: estimated free blocks, leases, the cache it indexed."""
 
     worker_id: str
     role: str  # "decode" or "colocated"
-    state: str
-    total_blocks: int
-    free_blocks: int  # as the worker last advertised
+    load: WorkerLoad
+    pool: BlockPool  # as the worker last advertised
     free_blocks_estimate: int  # less what the registry reserved since
-    running: int
-    waiting: int
     leases: int
     cached_blocks: int
     cache_synced: bool
-    reads_kv_store: bool
-    refused_accesses: int
-    stray_immediates: int
-    forged_announcements: int
-    kv_spec: str
-    model_spec: str
+    reach: DecodeReach
+    refusals: DataPlaneRefusals
     last_seen_s: float
 
 
 class WorkerRow(Part):
-    """Any known worker, one row: who, what role, its state and load, when last heard."""
+    """Any known worker, one row: who, what role, its load (state included), when last heard."""
 
     worker_id: str
     role: str
-    state: str
-    running: int
-    waiting: int
+    load: WorkerLoad
     last_seen_s: float
     tp: int = 1  # its tensor-parallel degree (a prefill's heartbeat, a decode's advert say it)
 
@@ -70,32 +65,19 @@ class LeaseCounts(Part):
 
 
 class StoreStatusRow(Part):
-    """A kv-store as its adverts describe it, with what the registry indexed of it."""
+    """A kv-store as its adverts describe it (their parts as they came), what that comes to in
+    bytes, and what the registry indexed of it."""
 
     store_id: str
-    state: str
-    total_blocks: int
-    used_blocks: int
-    pinned_blocks: int
+    load: StoreLoad
+    reach: StoreReach
     capacity_bytes: int
     used_bytes: int
-    hits: int
-    misses: int
-    hit_rate: float
-    evictions: int
-    disk_total_blocks: int
-    disk_used_blocks: int
     disk_capacity_bytes: int
     disk_used_bytes: int
-    disk_hits: int
-    disk_evictions: int
-    bytes_written: int
-    bytes_read: int
-    refused_accesses: int
+    hit_rate: float  # blocks served / blocks asked for
     indexed_blocks: int
     index_synced: bool
-    kv_spec: str
-    epoch: str  # a new one each time the store starts
     last_seen_s: float
 
 

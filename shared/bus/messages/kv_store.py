@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Annotated
 
 import msgspec
-from kvmesh.shared.bus.messages.codec import Message
+from kvmesh.shared.bus.messages.codec import Message, Part
 from kvmesh.shared.kv.descriptor import TransportDescriptor
 
 MAX_STORE_BLOCKS = 16_384  # hashes per put or get
@@ -97,15 +97,20 @@ class StoreAck(Message):
     error: str = ""
 
 
-class StoreAdvert(Message):
-    """Store -> registry (and clients), every heartbeat: how to reach it, what it holds."""
+class StoreReach(Part):
+    """How clients reach a kv-store and what it holds (fixed at start)."""
 
-    store_id: str
-    epoch: str  # this process's incarnation: a restarted store is empty
     descriptor: TransportDescriptor  # .public(): no region keys
     kv_spec: str
     block_bytes: int
     block_size: int
+    epoch: str  # this process's incarnation: a restarted store is empty
+
+
+class StoreLoad(Part):
+    """A kv-store's state, blocks and counters at one moment (counters since it started)."""
+
+    state: str  # ready or draining
     total_blocks: int
     used_blocks: int
     pinned_blocks: int
@@ -115,14 +120,21 @@ class StoreAdvert(Message):
     bytes_written: int
     bytes_read: int
     refused_accesses: int
-    state: str  # "ready" | "draining"
-    sent_at: float
     # the disk tier (--disk-path; all 0 without one): slots, blocks held, gets' blocks found
     # there (of ``hits``), blocks dropped from it to make room
     disk_total_blocks: int = 0
     disk_used_blocks: int = 0
     disk_hits: int = 0
     disk_evictions: int = 0
+
+
+class StoreAdvert(Message):
+    """Store -> registry (and clients), every heartbeat: how to reach it, what it holds."""
+
+    store_id: str
+    reach: StoreReach
+    load: StoreLoad
+    sent_at: float
 
 
 class StoreSolicit(Message):
