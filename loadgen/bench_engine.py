@@ -244,21 +244,21 @@ class KvmeshRunner:
 
 
 def decode_weight_bytes(model: Any) -> int:
-    """Bytes of the weights one decode step reads: every linear layer's weight as kept (stored
-    blocks, or float), and the LM head's (the embedding table where they are tied)."""
+    """Bytes of the weights one decode step reads: every decoder layer's linear weights as kept
+    (stored blocks, or float), and the LM head's (the embedding table where they are tied),
+    each tensor once."""
     import torch
     from kvmesh.shared.model.quant_layers import QuantEmbedding, QuantLinear
 
-    total = 0
-    for m in model.modules():
-        if isinstance(m, QuantLinear):
-            total += m.qweight.data.nbytes
-        elif isinstance(m, torch.nn.Linear):
-            total += m.weight.nbytes
-    if getattr(model, "output", None) is None:  # tied: the head reads the embedding table
-        emb = model.tok_embeddings
-        total += emb.qweight.data.nbytes if isinstance(emb, QuantEmbedding) else emb.weight.nbytes
-    return total
+    def tensors(m: Any) -> list:
+        if isinstance(m, QuantLinear | QuantEmbedding):
+            return [p.data for p in getattr(m.qweight, "parts", (m.qweight,))]
+        return [m.weight]
+
+    linears = [m for m in model.layers.modules() if isinstance(m, QuantLinear | torch.nn.Linear)]
+    head = getattr(model, "output", None) or model.tok_embeddings  # tied: the embedding table
+    seen = {t.data_ptr(): t.nbytes for m in (*linears, head) for t in tensors(m)}
+    return sum(seen.values())
 
 
 def decode_bytes(weight_bytes: int, kv_token_bytes: float, batch: int, context: float) -> float:

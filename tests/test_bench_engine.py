@@ -138,12 +138,19 @@ def test_decode_bytes_count_every_weight_a_step_reads_and_the_context_kv():
     )
     from kvmesh.shared.engine.config import KV_CACHE_DTYPES as ENGINE_KV_CACHE_DTYPES
     from kvmesh.shared.model import load_model
+    from kvmesh.shared.model.quant import quantize
+    from kvmesh.shared.model.quant_layers import use_quant_weights
 
     assert KV_CACHE_DTYPES == ENGINE_KV_CACHE_DTYPES
     model, _ = load_model("kvmesh-tiny")
-    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    expected = sum(m.weight.numel() * 4 for m in linears)
-    if model.output is None:  # a tied head reads the embedding table
-        expected += model.tok_embeddings.weight.numel() * 4
+    linears = [m for m in model.layers.modules() if isinstance(m, torch.nn.Linear)]
+    head = model.output if model.output is not None else model.tok_embeddings
+    expected = sum(m.weight.nbytes for m in linears) + head.weight.nbytes
+    assert decode_weight_bytes(model) == expected
+    # an embedding kept as stored: its table is read once, though its tied head is a module too
+    table = quantize(model.tok_embeddings.weight.detach(), "Q8_0")
+    use_quant_weights(model, {"tok_embeddings.weight": table})
+    if model.output is None:
+        expected += table.data.nbytes - head.weight.nbytes
     assert decode_weight_bytes(model) == expected
     assert decode_bytes(1000, 10.0, 3, 20.5) == 1000 + 3 * 20.5 * 10.0
