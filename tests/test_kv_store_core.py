@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from kvmesh.services.kv_registry.stores import StoreTable
 from kvmesh.services.kv_store.core import BlockStore, GetGrant, PutGrant, StoreFull
-from kvmesh.shared.bus.messages.kv_store import StoreAdvert, StoreLoad, StoreReach
+from kvmesh.shared.bus.messages.kv_store import StoreAdvert
 from kvmesh.shared.kv.kv_block_header import (
     HEADER_BYTES,
     BlockHeader,
@@ -17,6 +17,7 @@ from kvmesh.shared.kv.kv_block_header import (
     token_digests,
     verify_block,
 )
+from support.adverts import idle_store_advert, with_fields
 
 L = 7  # a layout root
 
@@ -198,25 +199,10 @@ def test_registry_store_table_reports_hit_rate_and_drops_silent_stores() -> None
     desc = TransportDescriptor("s", "h", (TcpBackend("x", 1, "ab" * 32),))
 
     def advert(epoch: str, hits: int, misses: int) -> StoreAdvert:
-        return StoreAdvert(
-            store_id="s0",
-            reach=StoreReach(
-                descriptor=desc, kv_spec="spec", block_bytes=64, block_size=16, epoch=epoch
-            ),
-            load=StoreLoad(
-                state="ready",
-                total_blocks=10,
-                used_blocks=4,
-                pinned_blocks=1,
-                hits=hits,
-                misses=misses,
-                evictions=0,
-                bytes_written=0,
-                bytes_read=0,
-                refused_accesses=0,
-            ),
-            sent_at=0.0,
+        empty = idle_store_advert(
+            "s0", desc, kv_spec="spec", block_bytes=64, block_size=16, total_blocks=10, epoch=epoch
         )
+        return with_fields(empty, used_blocks=4, pinned_blocks=1, hits=hits, misses=misses)
 
     table = StoreTable(timeout_s=3.0)
     assert table.observe(advert("e1", 3, 1), 0.0)
@@ -235,25 +221,10 @@ def test_store_book_picks_the_lowest_ready_store_of_its_layout_heard_of_lately()
     desc = TransportDescriptor("s", "h", (TcpBackend("x", 1, "ab" * 32),))
 
     def advert(store_id: str, kv_spec: str = "spec", block_bytes: int = 64, state: str = "ready"):
-        return StoreAdvert(
-            store_id=store_id,
-            reach=StoreReach(
-                descriptor=desc, kv_spec=kv_spec, block_bytes=block_bytes, block_size=16, epoch="e"
-            ),
-            load=StoreLoad(
-                state=state,
-                total_blocks=8,
-                used_blocks=0,
-                pinned_blocks=0,
-                hits=0,
-                misses=0,
-                evictions=0,
-                bytes_written=0,
-                bytes_read=0,
-                refused_accesses=0,
-            ),
-            sent_at=0.0,
+        empty = idle_store_advert(
+            store_id, desc, kv_spec=kv_spec, block_bytes=block_bytes, block_size=16, total_blocks=8
         )
+        return with_fields(empty, state=state)
 
     now = [0.0]
     book = StoreBook("spec", 64, clock=lambda: now[0])

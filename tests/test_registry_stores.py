@@ -14,9 +14,10 @@ from kvmesh.services.kv_store.core import BlockStore
 from kvmesh.services.kv_store.disk_tier import DiskSlots
 from kvmesh.services.kv_store.held_reports import HeldReporter, change_mark, held_hashes
 from kvmesh.shared.bus.messages.cache_events import KvCacheDigest, KvCacheEvents
-from kvmesh.shared.bus.messages.kv_store import StoreAdvert, StoreLoad, StoreReach
+from kvmesh.shared.bus.messages.kv_store import StoreAdvert
 from kvmesh.shared.kv.descriptor import TcpBackend, TransportDescriptor
 from kvmesh.shared.kv.prefix_hash import layout_root, prefix_block_hashes
+from support.adverts import idle_store_advert, with_fields
 from test_registry_core import BLOCK_SIZE, advert
 from test_registry_prefix import KV_SPEC, PREFIX, holds, place, prompt
 
@@ -29,25 +30,16 @@ def store_advert(
     store_id: str = "s0", epoch: str = "e1", *, kv_spec: str = KV_SPEC, state: str = "ready"
 ) -> StoreAdvert:
     desc = TransportDescriptor(store_id, "h", (TcpBackend("127.0.0.1", 1, SECRET),))
-    return StoreAdvert(
-        store_id=store_id,
-        reach=StoreReach(
-            descriptor=desc, kv_spec=kv_spec, block_bytes=64, block_size=BLOCK_SIZE, epoch=epoch
-        ),
-        load=StoreLoad(
-            state=state,
-            total_blocks=100,
-            used_blocks=0,
-            pinned_blocks=0,
-            hits=0,
-            misses=0,
-            evictions=0,
-            bytes_written=0,
-            bytes_read=0,
-            refused_accesses=0,
-        ),
-        sent_at=0.0,
+    empty = idle_store_advert(
+        store_id,
+        desc,
+        kv_spec=kv_spec,
+        block_bytes=64,
+        block_size=BLOCK_SIZE,
+        total_blocks=100,
+        epoch=epoch,
     )
+    return with_fields(empty, state=state)
 
 
 def committed(store: BlockStore, hashes: list[int], put_id: str) -> None:

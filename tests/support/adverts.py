@@ -1,4 +1,4 @@
-"""The advert of a decode worker that is ready and idle, for tests that need one without running
+"""The advert of a decode worker (and of a kv-store) that is ready and idle, for tests that need one without running
 a decode worker (the registry's core, a prefill worker's checks and rigs)."""
 
 from __future__ import annotations
@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any, TypeVar
 
 import msgspec
+from kvmesh.shared.bus.messages.kv_store import StoreAdvert, StoreLoad, StoreReach
 from kvmesh.shared.bus.messages.workers import BlockPool, DecodeAdvert, DecodeReach, WorkerLoad
 
 
@@ -33,6 +34,23 @@ def idle_advert(
             free_block_ranges=((0, total_blocks),),
         ),
         sent_at=0.0,
+    )
+
+
+def idle_store_advert(
+    store_id: str,
+    descriptor: Any,
+    *,
+    kv_spec: str,
+    block_bytes: int,
+    block_size: int,
+    total_blocks: int,
+    epoch: str = "e",
+) -> StoreAdvert:
+    """A ready kv-store holding nothing, asked nothing yet; ``with_fields`` makes any other."""
+    reach = StoreReach(descriptor, kv_spec, block_bytes, block_size, epoch)
+    return StoreAdvert(
+        store_id, reach, StoreLoad("ready", total_blocks, 0, 0, 0, 0, 0, 0, 0, 0), 0.0
     )
 
 
