@@ -181,12 +181,15 @@ def test_prefill_tp_refuses_what_one_rank_would_write():
         UpConfig(prefill_tp=0)
 
 
-def test_tp_ranks_split_the_workers_cpus_when_there_are_enough():
-    from kvmesh.services.prefill.tp_group import cpu_shares
+def test_tp_ranks_split_the_workers_cpus_and_threads_when_there_are_enough():
+    from kvmesh.shared.engine.tp_ranks import cpu_shares, rank_threads
 
     assert cpu_shares([0, 1, 2, 3], 2) == [[0, 1], [2, 3]]
     assert cpu_shares([4, 5, 6], 3) == [[4], [5], [6]]
     assert cpu_shares([0], 2) == [[0], [0]]
+    assert rank_threads(4, 4, 2) == 2  # --threads 4 at TP2: two a rank
+    assert rank_threads(None, 6, 3) == 2  # default: one a CPU, shared out
+    assert rank_threads(1, 1, 2) == 1  # never none
 
 
 async def test_leader_announces_a_job_once_every_follower_reported_its_writes():

@@ -6,8 +6,8 @@ them in a gloo group over 127.0.0.1, shards the leader's model and wraps its eng
 ``LeaderEngine``; each follower loads the model, keeps its shard and replays the leader's engine
 calls, writing its own heads of every chunk to the decode worker (``PrefillFollower``).
 
-Each rank runs on its share of the worker's CPUs (``cpu_shares``: equal runs when the worker
-has at least one CPU a rank, else all of them shared). The ranks live and die together: a follower whose leader is gone exits (its next collective
+Each rank runs on its share of the worker's CPUs and threads (``shared/engine/tp_ranks.py``:
+equal runs when the worker has at least one CPU a rank, else all of them shared). The ranks live and die together: a follower whose leader is gone exits (its next collective
 fails, and a watcher checks the parent every second); the leader's ``watch`` raises as soon as a
 follower exits, which takes the worker down (its leases then fail as for any dead worker, and
 the launcher restarts it).
@@ -21,12 +21,11 @@ the worker awaits before it announces the job.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import multiprocessing as mp
 import os
 import queue
 import signal
-import threading
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +33,14 @@ import msgspec
 from kvmesh.services.prefill.kv_writes import RankSlice, job_rank_slices, rank_block_slices
 from kvmesh.services.prefill.tp_follower import DecodeTarget, HandOff, RankReport
 from kvmesh.shared.config.ports import free_port
+from kvmesh.shared.engine.tp_ranks import (
+    RankProcesses,
+    exit_with_leader,
+    join_group,
+    rank_threads,
+    spawn_ranks,
+    whole_kv_spec,
+)
 from kvmesh.shared.kv.head_shards import KVHeadShards
 from kvmesh.shared.obs import logs
 
@@ -44,13 +51,8 @@ if TYPE_CHECKING:
 
 log = logs.get_logger(__name__)
 
-TP_INIT_TIMEOUT_S = 300.0  # the followers load the model before the group forms
 # how long the leader waits for its followers' word on a job once its own writes landed
 TP_REPORT_TIMEOUT_S = 30.0
-
-
-class TPGroupError(RuntimeError):
-    """A rank of a tensor-parallel prefill worker is gone: the worker goes down as a whole."""
 
 
 class RankReports:
@@ -124,13 +126,7 @@ class TPWrites:
     def kv_spec(engine: Any) -> str:
         """The worker's ``kv_spec``: the whole model's KV layout, as a TP1 worker's (decode
         workers compare it; each rank's pool holds only its share of the heads)."""
-        import dataclasses
-
-        from kvmesh.shared.model.identity import kv_spec_fingerprint
-
-        mc = engine.model.config
-        spec = dataclasses.replace(engine.kv_pool.spec, num_kv_heads=mc.num_key_value_heads)
-        return kv_spec_fingerprint(spec, mc)
+        return whole_kv_spec(engine)
 
     @staticmethod
     def note(msg: PrefillJob) -> HandOff:
@@ -149,9 +145,13 @@ class TPWrites:
 class TPGroup:
     """The leader's side: the follower processes, the group, the followers' reports."""
 
-    def __init__(self, processes: list[Any], reports: Any) -> None:
-        self.processes = processes
+    def __init__(self, ranks: RankProcesses, reports: Any) -> None:
+        self.ranks = ranks
         self._reports = reports  # a multiprocessing queue of RankReport
+
+    @property
+    def processes(self) -> list[Any]:
+        return self.ranks.processes
 
     async def relay(self, into: RankReports, poll_s: float = 0.5) -> None:
         """Hand the followers' reports to ``into`` as they come; returns never."""
@@ -168,72 +168,35 @@ class TPGroup:
 
     @property
     def tp_size(self) -> int:
-        return len(self.processes) + 1
+        return self.ranks.tp_size
 
     async def watch(self, interval_s: float = 1.0) -> None:
         """Return never; raise ``TPGroupError`` once a follower has exited."""
-        while True:
-            for rank, proc in enumerate(self.processes, start=1):
-                if not proc.is_alive():
-                    raise TPGroupError(
-                        f"tensor-parallel rank {rank} of {self.tp_size} exited (code "
-                        f"{proc.exitcode}); the prefill worker goes down with it"
-                    )
-            await asyncio.sleep(interval_s)
+        await self.ranks.watch(interval_s)
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """After ``LeaderEngine.close``: wait for the followers to end, kill the stragglers."""
-        deadline = time.monotonic() + timeout_s
-        for proc in self.processes:
-            proc.join(max(0.0, deadline - time.monotonic()))
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
+        self.ranks.stop(timeout_s)
 
 
 def start_tp_group(config: PrefillConfig, worker_id: str) -> tuple[TPGroup, int]:
     """Spawn ranks 1..tp-1 for ``config``; returns them and the port the group meets on. The
     caller then joins as rank 0 (``join_group``)."""
-    ctx = mp.get_context("spawn")
+    import torch
+
     port = free_port()
-    shares = cpu_shares(sorted(os.sched_getaffinity(0)), config.tp)
-    reports = ctx.Queue()
-    processes = [
-        ctx.Process(
-            target=follower_main,
-            args=(config, worker_id, rank, port, os.getpid(), shares[rank], reports),
-            name=f"{worker_id}-rank{rank}",
-            daemon=True,
-        )
-        for rank in range(1, config.tp)
-    ]
-    for proc in processes:
-        proc.start()
-    os.sched_setaffinity(0, shares[0])  # after the spawns, which inherit the whole set
-    return TPGroup(processes, reports), port
-
-
-def cpu_shares(cpus: list[int], tp: int) -> list[list[int]]:
-    """Each rank's CPUs: the worker's split into ``tp`` runs of equal length when there are
-    enough; all of them for every rank otherwise (the ranks then share them)."""
-    if len(cpus) < tp:
-        return [cpus] * tp
-    per_rank = len(cpus) // tp
-    return [cpus[r * per_rank : (r + 1) * per_rank] for r in range(tp)]
-
-
-def join_group(rank: int, tp_size: int, port: int) -> None:
-    import datetime
-
-    import torch.distributed as dist
-
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=tp_size,
-        timeout=datetime.timedelta(seconds=TP_INIT_TIMEOUT_S),
+    reports = mp.get_context("spawn").Queue()
+    threads = rank_threads(config.threads, len(os.sched_getaffinity(0)), config.tp)
+    rank_config = dataclasses.replace(config, threads=threads)
+    ranks = spawn_ranks(
+        follower_main,
+        lambda rank, cpus: (rank_config, worker_id, rank, port, os.getpid(), cpus, reports),
+        config.tp,
+        worker_id,
+        "prefill",
     )
+    torch.set_num_threads(threads)  # the leader's share too
+    return TPGroup(ranks, reports), port
 
 
 def follower_main(
@@ -250,7 +213,7 @@ def follower_main(
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     os.sched_setaffinity(0, cpus)
-    _exit_with(leader_pid)
+    exit_with_leader(leader_pid)
     logs.setup_logging()
     asyncio.run(_follow(config, worker_id, rank, port, reports))
 
@@ -266,7 +229,7 @@ async def _follow(
     from kvmesh.shared.model.tensor_parallel import shard_model
     from kvmesh.shared.transport import TransportConfig, create_transport
 
-    if config.threads is not None:
+    if config.threads is not None:  # its share of the worker's (start_tp_group)
         torch.set_num_threads(config.threads)
     dtype = parse_dtype(config.dtype, "--dtype") if config.dtype else None
     model, tokenizer = await asyncio.to_thread(load_model, config.model, dtype, config.device)
@@ -286,14 +249,3 @@ async def _follow(
         log.info("tp follower ready", worker_id=worker_id, rank=rank, tp=config.tp)
         stats = await follower.run()
         log.info("tp follower done", rank=rank, writes=stats.num_writes, failed=stats.num_failed)
-
-
-def _exit_with(leader_pid: int) -> None:
-    """Exit this process once the leader is gone (its parent changes)."""
-
-    def watch() -> None:
-        while os.getppid() == leader_pid:
-            time.sleep(1.0)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="leader-watch", daemon=True).start()

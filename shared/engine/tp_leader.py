@@ -8,6 +8,8 @@ engine state is broadcast to the followers (``EngineCall``, one ``broadcast_obje
 TP group) before the leader makes it, and ``follow`` on each follower makes it too, until the
 leader's ``close``. Reads (``kv_pool``, ``has_unfinished`` ...) are the leader's own.
 
+A call the engine refuses (``REFUSALS``: the same on every rank, the ranks being in the same
+state) raises on the leader, whose caller handles it, and is passed over on the followers.
 Callbacks do not travel: a follower's ``on_call`` gives the keyword arguments it adds to a call
 (its own ``on_chunk``), from the call's ``note`` (what the leader tells followers beside the call,
 such as where a prefill job's KV goes). Calls on a ``LeaderEngine`` must come from one thread at a
@@ -16,11 +18,13 @@ time, in the order the engine is to see them (the services already hold one engi
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
+from kvmesh.shared.engine.block_manager import OutOfBlocksError
 
 # LLMEngine methods that change its state: the followers make every one of them too
 FOLLOWED_METHODS = frozenset(
@@ -35,6 +39,10 @@ FOLLOWED_METHODS = frozenset(
     }
 )
 STOP = "stop"
+# What an engine call raises on every rank alike when it refuses its arguments (a request that
+# does not fit, no blocks left): the leader's caller handles it, a follower goes on. Anything
+# else (a collective that failed: RuntimeError) ends ``follow``.
+REFUSALS: tuple[type[Exception], ...] = (ValueError, OutOfBlocksError)
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +108,9 @@ def follow(
         if call.method == STOP:
             return num_calls
         extra = on_call(call) if on_call is not None else {}
-        getattr(engine, call.method)(*call.args, **call.kwargs, **extra)
+        # refused here as on the leader, whose caller handles it: go on in step
+        with contextlib.suppress(*REFUSALS):
+            getattr(engine, call.method)(*call.args, **call.kwargs, **extra)
         num_calls += 1
 
 

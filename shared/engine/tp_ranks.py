@@ -1,0 +1,155 @@
+"""The processes of a tensor-parallel worker's ranks, whichever the worker (docs/tp.md).
+
+A TP worker is one process that serves (rank 0, the leader) and N-1 it spawns (its followers);
+the prefill worker (``services/prefill/tp_group.py``) and the decode worker
+(``services/decode/tp_group.py``) start and watch them with this: ``spawn_ranks`` starts each
+follower on its share of the worker's CPUs (``cpu_shares``, ``rank_threads``), ``join_group``
+meets them in one gloo group over 127.0.0.1, ``RankProcesses.watch`` raises once a follower has
+exited (the leader then goes down and takes the worker with it), and a follower calls
+``exit_with_leader`` so that it never outlives its leader (nor holds anything after it).
+
+Torch-free at import: ``torch.distributed`` is imported when the group forms.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import multiprocessing as mp
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+TP_INIT_TIMEOUT_S = 300.0  # the followers load the model before the group forms
+
+
+class TPGroupError(RuntimeError):
+    """A rank of a tensor-parallel worker is gone: the worker goes down as a whole."""
+
+
+def cpu_shares(cpus: list[int], tp: int) -> list[list[int]]:
+    """Each rank's CPUs: the worker's split into ``tp`` runs of equal length when there are
+    enough; all of them for every rank otherwise (the ranks then share them)."""
+    if len(cpus) < tp:
+        return [cpus] * tp
+    per_rank = len(cpus) // tp
+    return [cpus[r * per_rank : (r + 1) * per_rank] for r in range(tp)]
+
+
+def rank_threads(threads: int | None, num_cpus: int, tp: int) -> int:
+    """Torch threads of each rank: an equal share of the worker's (``threads``, default one a
+    CPU of its ``num_cpus``), at least one."""
+    return max(1, (threads or num_cpus) // tp)
+
+
+class RankProcesses:
+    """The leader's side: its follower processes (ranks 1..N-1), watched."""
+
+    def __init__(self, processes: list[Any], role: str) -> None:
+        self.processes = processes
+        self.role = role  # in the error: "the <role> worker goes down with it"
+
+    @property
+    def tp_size(self) -> int:
+        return len(self.processes) + 1
+
+    def first_exited(self) -> TPGroupError | None:
+        for rank, proc in enumerate(self.processes, start=1):
+            if not proc.is_alive():
+                return TPGroupError(
+                    f"tensor-parallel rank {rank} of {self.tp_size} exited (code "
+                    f"{proc.exitcode}); the {self.role} worker goes down with it"
+                )
+        return None
+
+    async def watch(self, interval_s: float = 1.0) -> None:
+        """Return never; raise ``TPGroupError`` once a follower has exited."""
+        while True:
+            error = self.first_exited()
+            if error is not None:
+                raise error
+            await asyncio.sleep(interval_s)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """After the leader closed the group: wait for the followers to end, kill stragglers."""
+        deadline = time.monotonic() + timeout_s
+        for proc in self.processes:
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+
+
+def spawn_ranks(
+    target: Callable[..., None],
+    args: Callable[[int, list[int]], tuple[Any, ...]],
+    tp: int,
+    worker_id: str,
+    role: str,
+) -> RankProcesses:
+    """Start ranks 1..tp-1 as ``target(*args(rank, cpus))``, ``cpus`` the rank's share of this
+    process's CPUs, and pin this process (rank 0) to its own share."""
+    ctx = mp.get_context("spawn")
+    shares = cpu_shares(sorted(os.sched_getaffinity(0)), tp)
+    processes = [
+        ctx.Process(
+            target=target,
+            args=args(rank, shares[rank]),
+            name=f"{worker_id}-rank{rank}",
+            daemon=True,
+        )
+        for rank in range(1, tp)
+    ]
+    for proc in processes:
+        proc.start()
+    os.sched_setaffinity(0, shares[0])  # after the spawns, which inherit the whole set
+    return RankProcesses(processes, role)
+
+
+def join_group(rank: int, tp_size: int, port: int) -> None:
+    """Meet the other ranks in the default gloo group on 127.0.0.1:``port``."""
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=tp_size,
+        timeout=datetime.timedelta(seconds=TP_INIT_TIMEOUT_S),
+    )
+
+
+def exit_with_leader(leader_pid: int) -> None:
+    """Exit this process once the leader is gone (its parent changes)."""
+
+    def watch() -> None:
+        while os.getppid() == leader_pid:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="leader-watch", daemon=True).start()
+
+
+def whole_kv_spec(engine: Any) -> str:
+    """A TP worker's ``kv_spec``: the whole model's KV layout, as a TP1 worker's (its peers
+    compare it; each rank's pool holds only its share of the heads)."""
+    from kvmesh.shared.model.identity import kv_spec_fingerprint
+
+    mc = engine.model.config
+    spec = dataclasses.replace(engine.kv_pool.spec, num_kv_heads=mc.num_key_value_heads)
+    return kv_spec_fingerprint(spec, mc)
+
+
+def adopt_whole_layout(engine: Any) -> None:
+    """Have a rank's engine name the whole model's KV layout (``whole_kv_spec``) and root its
+    prefix hash chains in it, as a TP1 worker's do: the registry, which hashes a prompt from
+    the worker's advertised layout, then finds the worker's cached prefixes. Call on every rank
+    (their chains must stay the same) before the first request."""
+    from kvmesh.shared.kv.prefix_hash import layout_root
+
+    engine.kv_spec = whole_kv_spec(engine)
+    engine.block_manager.root_hash = layout_root(engine.kv_spec)
