@@ -1,7 +1,10 @@
-"""A mesh whose prefill worker runs tensor-parallel (`kvmesh up --prefill-tp 2`, docs/tp.md):
-two rank processes that appear as one worker, each writing its own KV head of every chunk to
-the TP1 decode worker. Its greedy answers are TP1's offline ones, every block comes back, and
-killing the follower rank takes the whole worker down."""
+"""Meshes whose workers run tensor-parallel (docs/tp.md): two rank processes that appear as one
+worker. `kvmesh up --prefill-tp 2`: each prefill rank writes its own KV head of every chunk to
+the TP1 decode worker; `kvmesh up --decode-tp 2`: the TP1 prefill worker writes each decode rank
+its head, and the decode worker admits a request once both ranks' writes are in, its ranks then
+decoding together. Either way the greedy answers are TP1's offline ones, every block comes
+back, and killing the follower rank takes the whole worker down. (2 -> 2 is the same decode
+side with one writer a rank: tests/test_tensor_parallel.py hands a prompt over at 2 -> 2.)"""
 
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ MAX_TOKENS = 6
 
 
 def _follower_pids(pid: int) -> list[int]:
-    """The prefill worker's rank processes: its children started by multiprocessing's spawn."""
+    """A TP worker's rank processes: its children started by multiprocessing's spawn."""
     children = []
     for task in Path(f"/proc/{pid}/task").iterdir():
         children += [int(c) for c in (task / "children").read_text().split()]
@@ -59,3 +62,17 @@ def test_prefill_tp2_serves_tp1_answers_and_goes_down_with_a_rank():
         (follower,) = _follower_pids(prefill.pid)
         os.kill(follower, signal.SIGKILL)
         assert prefill.wait(timeout=30) != 0  # the leader noticed and went down
+
+
+def test_decode_tp2_serves_tp1_answers_and_goes_down_with_a_rank():
+    expected = offline_greedy(PROMPTS, MAX_TOKENS, ignore_eos=True)
+    config = mesh_config(decode_tp=2, transport="shm", max_restarts=0, local_prefill_threshold=0)
+    with launched(config, ENV) as launcher:
+        assert asyncio.run(_ask(launcher)) == expected
+        rows = asyncio.run(wait_blocks_returned(launcher.config.nats_url, launcher.nats_auth))
+        assert rows and all(row.pool.free_blocks == row.pool.total_blocks for row in rows), rows
+
+        _, decode = launcher.children["decode-0"]
+        (follower,) = _follower_pids(decode.pid)
+        os.kill(follower, signal.SIGKILL)
+        assert decode.wait(timeout=30) != 0  # the leader noticed and went down

@@ -30,6 +30,7 @@ FLAG_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "prefill",
             "prefill_tp",
             "decode",
+            "decode_tp",
             "device",
             "transport",
             "kv_cache_bytes",
@@ -115,6 +116,12 @@ class UpConfig(NatsClientConfig):
         "(kvmesh serve prefill --tp N; docs/tp.md)",
     )
     decode: int = option(1, help="decode workers (colocated workers in colocated mode)")
+    decode_tp: int = option(
+        1,
+        help="tensor parallelism of each decode worker: N rank processes, one worker "
+        "(kvmesh serve decode --tp N; disagg mode, runs without --draft and the kv-store; "
+        "docs/tp.md)",
+    )
     transport: TransportChoice = option("auto", help="KV data plane")
     port: int = option(8000, help="router HTTP port (0: a free one)")
     routers: int = option(
@@ -242,7 +249,12 @@ class UpConfig(NatsClientConfig):
             "startup_timeout_s",
             "stop_timeout_s",
         )
-        check_at_least(self, 1, "prefill_tp")
+        check_at_least(self, 1, "prefill_tp", "decode_tp")
+        if self.decode_tp > 1 and (self.mode != "disagg" or self.draft):
+            raise ValueError(
+                "--decode-tp > 1 needs --mode disagg and no --draft (a tensor-parallel decode "
+                "worker runs without speculative decoding)"
+            )
         if self.prefill_tp > 1 and (self.mode != "disagg" or self.draft in ("early-exit", "model")):
             raise ValueError(
                 "--prefill-tp > 1 needs --mode disagg and no prompt draft KV (--draft early-exit "

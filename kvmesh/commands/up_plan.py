@@ -110,6 +110,8 @@ def plan(
     for i in range(config.decode):
         name = f"{decode_service}-{i}"
         argv = ("serve", decode_service, *worker(name), *engine, *decode_kv, *decode_threads)
+        if config.decode_tp > 1:  # N rank processes, one worker (docs/tp.md)
+            argv += ("--tp", str(config.decode_tp))
         specs.append(ChildSpec(name, "decode", argv, decode_env))
     if config.mode == "disagg":
         for i in range(config.prefill):

@@ -92,6 +92,14 @@ class DecodeConfig(EngineWorkerConfig):
         help="speculative decoding: send each sequence's context to the draft service "
         "(kvmesh serve draft) and verify its proposals in the next steps; never waits for them",
     )
+    tp: int = option(
+        1,
+        help="tensor parallelism: this worker runs as N rank processes (this one and N-1 it "
+        "starts), each holding 1/N of the model's heads and MLP and its KV heads in a pool of "
+        "its own, that appear as one worker (one advert, one lease a request); prefill workers "
+        "write each rank its heads (docs/tp.md). Disaggregated only; runs without "
+        "--speculative and the kv-store",
+    )
     use_kv_store: bool = option(
         True,
         help="put the KV blocks of finished requests (prompt and output) into a kv-store "
@@ -121,6 +129,12 @@ class DecodeConfig(EngineWorkerConfig):
             "max_num_batched_tokens_no_decode",
             "resume_grace_s",
         )
+        check_positive(self, "tp")
+        if self.tp > 1 and (self.mode != "disagg" or self.speculative):
+            raise ValueError(
+                f"--tp {self.tp} needs --mode disagg and no --speculative (a colocated or "
+                "speculative decode worker runs at TP1; docs/tp.md)"
+            )
         if self.resume_window_s is not None and self.resume_window_s < 0:
             raise ValueError(f"resume_window_s must be >= 0, got {self.resume_window_s}")
         if self.num_blocks is not None and self.num_blocks > MAX_SLOTS:

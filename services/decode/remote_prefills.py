@@ -55,7 +55,10 @@ class RemotePrefills:
         self.base_addr = base_addr
         self.block_bytes = engine.kv_pool.spec.block_bytes
         self.windows = windows
-        self.pending = PendingTable(quarantine_s)
+        # the lease rules; a tensor-parallel worker's windows count every rank's writes
+        self.pending = (
+            windows.pending_table(quarantine_s) if windows else PendingTable(quarantine_s)
+        )
         self.hooks = hooks
 
     def reserve(self, req: ReserveRequest, deadline: float) -> ReserveReply:
@@ -105,6 +108,7 @@ class RemotePrefills:
             block_ids=tuple(block_ids),
             rkey=res.rkey,
             block_addrs=tuple(self.base_addr + b * self.block_bytes for b in block_ids),
+            ranks=self.windows.ranks(window) if self.windows else (),
         )
 
     def _owed(self) -> int:
@@ -174,6 +178,11 @@ class RemotePrefills:
         assert verdict is not None and not verdict.notify  # the request lives elsewhere
         self._settle(verdict)
         return True
+
+    def on_verdict(self, verdict: Verdict | None) -> None:
+        """A verdict the table gave on news the worker does not see itself: a tensor-parallel
+        worker's other ranks' writes (``tp_group.py``)."""
+        self._settle(verdict)
 
     def _settle(self, verdict: Verdict | None) -> None:
         """A lease's verdict to the request table, for ``admit()`` (admit or free). Its window

@@ -14,7 +14,7 @@ from kvmesh.services.decode.compose import DecodeParts, build_engine, compose_fe
 from kvmesh.services.decode.config import DecodeConfig
 from kvmesh.services.decode.metrics import DecodeMetrics
 from kvmesh.services.decode.service import DecodeService
-from kvmesh.services.decode.windows import LeaseWindows
+from kvmesh.services.decode.tp_group import DecodeRanks, lease_windows, tp_config, with_ranks
 from kvmesh.services.decode.worker import DecodeWorker
 from kvmesh.shared.bus.hearing import Hearing
 from kvmesh.shared.bus.messages.placement import LeaseCancel, LeaseRenew
@@ -39,6 +39,7 @@ log = logs.get_logger(__name__)
 async def decode_service(config: DecodeConfig) -> AsyncIterator[DecodeService]:
     """Model, KV pool over transport memory, NATS, subscriptions and loops: ready to serve."""
     worker_id = config.worker_id or new_worker_id(config.role)
+    config = tp_config(config)
     placed = config.cpu_placement().apply()  # first: torch's and asyncio's threads inherit it
     if placed:
         log.info("cpu placement", applied=", ".join(placed))
@@ -83,7 +84,11 @@ async def decode_service(config: DecodeConfig) -> AsyncIterator[DecodeService]:
                 load_model, config.model,
                 parse_dtype(config.dtype, "--dtype") if config.dtype else None, config.device,
             )  # fmt: skip
+            # --tp N: N rank processes, this one the leader (docs/tp.md)
+            ranks = await DecodeRanks.start(config, worker_id, model) if config.tp > 1 else None
             engine = build_engine(config, model, tokenizer, transport)
+            if ranks is not None:
+                engine = ranks.lead(engine)
         region = transport.register(engine.kv_pool.raw, Access.REMOTE_WRITE) if disagg else None
         metrics = DecodeMetrics()
         lock = asyncio.Lock()  # the engine's: the worker's, and the puts' and swap-ins' later
@@ -95,7 +100,7 @@ async def decode_service(config: DecodeConfig) -> AsyncIterator[DecodeService]:
             worker_id=worker_id,
             base_addr=region.addr if region else engine.kv_pool.base_addr,
             colocated=not disagg,
-            windows=LeaseWindows(transport, region, block_bytes) if region else None,
+            windows=lease_windows(ranks, transport, region, block_bytes),
             quarantine_s=config.quarantine_s,
             metrics=metrics,
             hooks=features.hooks,
@@ -113,7 +118,7 @@ async def decode_service(config: DecodeConfig) -> AsyncIterator[DecodeService]:
             transport,
             nc,
             hearing,
-            features=features.features,
+            features=with_ranks(features.features, ranks and ranks.serve(worker)),
             reach=DecodeReach(
                 descriptor=transport.descriptor().public() if transport else None,
                 block_bytes=block_bytes,

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kvmesh.services.decode.pending import PendingTable
+from kvmesh.shared.bus.messages.placement import DecodeRankTarget
 from kvmesh.shared.transport.base import Access, MemoryRegion, MemoryWindow, Transport
 
 
@@ -31,3 +33,13 @@ class LeaseWindows:
 
     def close(self, window: MemoryWindow) -> None:
         self.transport.close_window(window)
+
+    def pending_table(self, quarantine_s: float) -> PendingTable:
+        """The table that counts the leases' writes: into this one pool (a tensor-parallel
+        worker's ``tp_leases.GroupWindows`` counts every rank's)."""
+        return PendingTable(quarantine_s)
+
+    def ranks(self, window: MemoryWindow | None) -> tuple[DecodeRankTarget, ...]:
+        """The lease's windows on a tensor-parallel worker's other ranks (``ReserveReply.ranks``;
+        none here: one pool, ``tp_leases.GroupWindows`` has them)."""
+        return ()
