@@ -166,9 +166,9 @@ static inline __attribute__((always_inline)) void kq_tile(int fmt, const int8_t 
     /* lane l of a pair's 16: its 32-block (Q4_K, Q5_K) or its 16 values (Q6_K) */
     const __m512i half = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
     const __m512i quarter = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-    __m512 acc[4][4];
+    __m512 acc[4][4], accm[4][4]; /* the min terms apart: two chains of FMAs, not one */
     for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++) acc[r][c] = _mm512_setzero_ps();
+        for (int c = 0; c < C; c++) acc[r][c] = accm[r][c] = _mm512_setzero_ps();
     for (int64_t s = 0; s < nsb; s++) {
         __m512 S[4];
         for (int c = 0; c < C; c++) S[c] = kq_scales(fmt, w + c * rb + s * bb);
@@ -196,37 +196,45 @@ static inline __attribute__((always_inline)) void kq_tile(int fmt, const int8_t 
                     if (fmt == KQ_Q6_K) dp = _mm512_sub_epi32(dp, x32);
                     acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dp), _mm512_mul_ps(dw[c], dx),
                                                 acc[r][c]);
-                    if (fmt != KQ_Q6_K) acc[r][c] = _mm512_fmadd_ps(mw[c], sx, acc[r][c]);
+                    if (fmt != KQ_Q6_K) accm[r][c] = _mm512_fmadd_ps(mw[c], sx, accm[r][c]);
                 }
             }
         }
     }
     for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++) out[r][c] = _mm512_reduce_add_ps(acc[r][c]);
+        for (int c = 0; c < C; c++)
+            out[r][c] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][c], accm[r][c]));
 }
 
 /* out[r][c] = row r of x (float) . weight row c, an F16 or BF16 weight */
 static inline __attribute__((always_inline)) void ft_tile(int fmt, const float *x, int64_t k,
                                                          const uint8_t *w, int64_t rb, int R,
                                                          int C, float out[4][4]) {
-    __m512 acc[4][4];
+    /* two accumulators per (r, c), for 16 values each of a step of 32: twice the independent
+     * FMA chains (a chain's latency, not the loads, bounds one row at a time otherwise) */
+    __m512 acc[2][4][4];
     for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++) acc[r][c] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < k; i += 16) {
-        __m512 wv[4];
-        for (int c = 0; c < C; c++) {
-            __m256i h = _mm256_loadu_si256((const __m256i *)(w + c * rb + 2 * i));
-            wv[c] = fmt == KQ_F16 ? _mm512_cvtph_ps(h)
-                                  : _mm512_castsi512_ps(
-                                        _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-        }
-        for (int r = 0; r < R; r++) {
-            __m512 xv = _mm512_loadu_ps(x + r * k + i);
-            for (int c = 0; c < C; c++) acc[r][c] = _mm512_fmadd_ps(wv[c], xv, acc[r][c]);
+        for (int c = 0; c < C; c++) acc[0][r][c] = acc[1][r][c] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < k; i += 32) {
+        for (int u = 0; u < 2; u++) {
+            __m512 wv[4];
+            for (int c = 0; c < C; c++) {
+                const uint8_t *p = w + c * rb + 2 * (i + 16 * u);
+                const __m256i h = _mm256_loadu_si256((const __m256i *)p);
+                wv[c] = fmt == KQ_F16 ? _mm512_cvtph_ps(h)
+                                      : _mm512_castsi512_ps(
+                                            _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+            }
+            for (int r = 0; r < R; r++) {
+                __m512 xv = _mm512_loadu_ps(x + r * k + i + 16 * u);
+                for (int c = 0; c < C; c++)
+                    acc[u][r][c] = _mm512_fmadd_ps(wv[c], xv, acc[u][r][c]);
+            }
         }
     }
     for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++) out[r][c] = _mm512_reduce_add_ps(acc[r][c]);
+        for (int c = 0; c < C; c++)
+            out[r][c] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][r][c], acc[1][r][c]));
 }
 #elif defined(KQ_AVX2)
 /* AVX2 (and FMA, F16C), 32 values at a time: vpmaddubsw multiplies the unsigned weight bytes by
