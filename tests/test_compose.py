@@ -88,7 +88,7 @@ def test_the_prefill_queue_is_made_once_as_admin_before_its_keeper_starts() -> N
 
 def test_decode_sends_contexts_to_the_compose_draft_service() -> None:
     services = kvmesh_services()
-    assert services["decode"]["environment"]["KVMESH_SPECULATIVE"] == "true"
+    assert interpolate(services["decode"]["environment"]["KVMESH_SPECULATIVE"]) == "true"
     assert interpolate(services["draft"]["environment"]["KVMESH_METHOD"]) == "ngram"
 
 
@@ -111,6 +111,18 @@ def test_command_is_a_kvmesh_entry_point_with_valid_env(name: str) -> None:
     _, config, log_config = build_service_config(name, args.service_args, env=env)
     assert config.nats_url == "nats://nats:4222"  # the compose network's NATS, not localhost
     assert log_config.log_format == "json"
+
+
+@pytest.mark.parametrize("name", ["prefill", "decode"])
+def test_worker_tp_is_a_setting_one_by_default(name: str) -> None:
+    env = kvmesh_services()[name]["environment"]
+    assert env["KVMESH_TP"] == f"${{KVMESH_{name.upper()}_TP:-1}}"
+    args = build_parser().parse_args(kvmesh_services()[name]["command"][1:])
+    tp2 = {k: interpolate(v) for k, v in env.items()} | {"KVMESH_TP": "2"}
+    if name == "decode":  # a TP decode worker runs without speculative decoding
+        tp2["KVMESH_SPECULATIVE"] = "false"
+    _, config, _ = build_service_config(name, args.service_args, env=tp2)
+    assert config.tp == 2
 
 
 @pytest.mark.parametrize("name", ["prefill", "decode"])
