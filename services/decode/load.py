@@ -9,12 +9,13 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from kvmesh.shared.bus.messages.workers import BlockPool, WorkerLoad
+from kvmesh.shared.bus.worker_state import WorkerState
 
 if TYPE_CHECKING:
     from kvmesh.shared.engine.llm_engine import LLMEngine
 
 # before the first measurement: nothing running, nothing known of the pool
-IDLE = (WorkerLoad("ready"), BlockPool(0, 0))
+IDLE = (WorkerLoad(WorkerState.READY), BlockPool(0, 0))
 
 
 def free_block_ranges(free_ids: Iterable[int]) -> tuple[tuple[int, int], ...]:
@@ -28,7 +29,9 @@ def free_block_ranges(free_ids: Iterable[int]) -> tuple[tuple[int, int], ...]:
     return tuple((s, e) for s, e in runs)
 
 
-def measure(engine: LLMEngine, num_outside: int, state: str) -> tuple[WorkerLoad, BlockPool]:
+def measure(
+    engine: LLMEngine, num_outside: int, state: WorkerState
+) -> tuple[WorkerLoad, BlockPool]:
     """``engine``'s queue and pool now (between steps: a step mutates the free list), plus
     ``num_outside`` requests accepted but not in its queue yet."""
     bm, scheduler = engine.block_manager, engine.scheduler

@@ -26,6 +26,7 @@ from kvmesh.shared.bus.service_lifetime import background, serve_until_signal
 from kvmesh.shared.bus.worker_feature import Site
 from kvmesh.shared.bus.worker_presence import heartbeat_loop, new_worker_id
 from kvmesh.shared.bus.worker_shell import WorkerShell, serve_worker
+from kvmesh.shared.bus.worker_state import WorkerState
 from kvmesh.shared.model.config import parse_dtype
 from kvmesh.shared.model.identity import model_spec
 from kvmesh.shared.model.loader import load_model
@@ -73,7 +74,7 @@ async def decode_service(config: DecodeConfig) -> AsyncIterator[DecodeService]:
                 lambda: WorkerHeartbeat(
                     worker_id,
                     config.role,
-                    WorkerLoad("starting"),
+                    WorkerLoad(WorkerState.STARTING),
                     started_at=started_at,
                     sent_at=time.time(),
                 ),

@@ -44,6 +44,7 @@ from kvmesh.shared.bus.messages.placement import ReserveReply, ReserveRequest
 from kvmesh.shared.bus.messages.prefill_jobs import PrefillDone, PrefillStarted
 from kvmesh.shared.bus.messages.token_streams import Abort, TokenEvent
 from kvmesh.shared.bus.messages.workers import BlockPool, WorkerGone, WorkerLoad
+from kvmesh.shared.bus.worker_state import WorkerState
 from kvmesh.shared.engine.llm_engine import LLMEngine
 from kvmesh.shared.engine.sequence import RequestError
 from kvmesh.shared.obs import logs
@@ -361,4 +362,4 @@ class DecodeWorker:
         async with self._lock:
             reading = len(self.reads) if self.reads is not None else 0
             outside = len(self.pending) + self.requests.count(RequestPhase.QUEUED) + reading
-            return measure(self.engine, outside, "draining" if self.is_draining else "ready")
+            return measure(self.engine, outside, WorkerState.of(self.is_draining))

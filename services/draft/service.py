@@ -44,6 +44,7 @@ from kvmesh.shared.bus.nats_subscribe import on_message
 from kvmesh.shared.bus.service_lifetime import serve_until_signal
 from kvmesh.shared.bus.worker_presence import new_worker_id
 from kvmesh.shared.bus.worker_shell import WorkerShell, serve_worker
+from kvmesh.shared.bus.worker_state import WorkerState
 from kvmesh.shared.config.subjects import DRAFT_QUEUE_GROUP
 from kvmesh.shared.obs import logs
 from kvmesh.shared.transport import Access, TransportConfig, create_transport
@@ -84,9 +85,7 @@ class DraftService:
         return WorkerHeartbeat(
             self.core.worker_id,
             "draft",
-            WorkerLoad(
-                "draining" if self.is_draining else "ready", num_running=len(self.core.seqs)
-            ),
+            WorkerLoad(WorkerState.of(self.is_draining), num_running=len(self.core.seqs)),
             started_at=self.started_at,
             sent_at=time.time(),
         )
@@ -97,7 +96,7 @@ class DraftService:
             "method": self.config.method,
             "k": self.config.num_speculative_tokens,
             "tree": ",".join(map(str, self.config.tree)),
-            "state": "draining" if self.is_draining else "ready",
+            "state": WorkerState.of(self.is_draining),
             **self.core.stats(),
         }
 

@@ -41,6 +41,7 @@ from kvmesh.shared.bus.messages.admin import WorkerRow
 from kvmesh.shared.bus.messages.cache_events import KvCacheDigest, KvCacheEvents
 from kvmesh.shared.bus.messages.placement import DecodeRankTarget, PlaceReply, PlaceRequest
 from kvmesh.shared.bus.messages.workers import DecodeAdvert, WorkerHeartbeat
+from kvmesh.shared.bus.worker_state import WorkerState
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,7 +132,7 @@ class RegistryState:
         worker.advert = advert
         seen(worker, now, self.hearing)
         worker.reserved_since_advert = 0  # the advert counts every reservation replied before it
-        if advert.load.state == "ready":
+        if advert.load.state == WorkerState.READY:
             worker.is_draining = False  # the worker says it resumed (or never drained)
         return False
 
@@ -346,7 +347,7 @@ class RegistryState:
             w
             for w, p in self.peers.items()
             if p.heartbeat.role in ("decode", "colocated")
-            and p.heartbeat.load.state == "starting"
+            and p.heartbeat.load.state == WorkerState.STARTING
             and self._is_alive(p, now)
         )
 
@@ -380,7 +381,7 @@ class RegistryState:
                 f"({worker.advert.reach.model_spec or 'none advertised'}; the router's is "
                 f"{request.model_spec})"
             )
-        if worker.state != "ready":
+        if worker.state != WorkerState.READY:
             return "draining"
         if not request.local_prefill and worker.advert.mode != "disagg":
             return "colocated workers take local-prefill requests only"

@@ -39,6 +39,7 @@ from kvmesh.shared.bus.service_lifetime import serve_until_signal
 from kvmesh.shared.bus.store_solicit import store_adverts_solicited
 from kvmesh.shared.bus.worker_presence import new_worker_id
 from kvmesh.shared.bus.worker_shell import WorkerShell, serve_worker
+from kvmesh.shared.bus.worker_state import WorkerState
 from kvmesh.shared.config.subjects import Subjects
 from kvmesh.shared.obs import logs
 from nats.aio.client import Client
@@ -99,7 +100,7 @@ class RegistryService:
         return WorkerHeartbeat(
             worker_id=self.worker_id,
             role=ROLE,
-            load=WorkerLoad("ready", num_running=len(self.core.leases)),
+            load=WorkerLoad(WorkerState.READY, num_running=len(self.core.leases)),
             started_at=self.started_at,
             sent_at=time.time(),
         )

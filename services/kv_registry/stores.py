@@ -21,6 +21,7 @@ from kvmesh.shared.bus.hearing import Hearing
 from kvmesh.shared.bus.messages.admin import StoreStatusRow
 from kvmesh.shared.bus.messages.cache_events import KvCacheDigest, KvCacheEvents
 from kvmesh.shared.bus.messages.kv_store import StoreAdvert
+from kvmesh.shared.bus.worker_state import WorkerState
 
 
 @dataclass(slots=True)
@@ -76,7 +77,7 @@ class StoreTable:
         ready = [
             sid
             for sid, v in self.stores.items()
-            if v.advert.reach.kv_spec == kv_spec and v.advert.load.state == "ready"
+            if v.advert.reach.kv_spec == kv_spec and v.advert.load.state == WorkerState.READY
         ]
         return min(ready, default=None)
 

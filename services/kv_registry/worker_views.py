@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from kvmesh.shared.bus.hearing import Hearing
 from kvmesh.shared.bus.messages.workers import DecodeAdvert, WorkerHeartbeat
+from kvmesh.shared.bus.worker_state import WorkerState
 
 
 @dataclass(slots=True)
@@ -34,8 +35,8 @@ class DecodeWorkerView:
         return "colocated" if self.advert.mode == "colocated" else "decode"
 
     @property
-    def state(self) -> str:
-        return "draining" if self.is_draining else self.advert.load.state
+    def state(self) -> WorkerState:
+        return WorkerState.DRAINING if self.is_draining else self.advert.load.state
 
     @property
     def free_blocks(self) -> int:

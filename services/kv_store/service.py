@@ -47,6 +47,7 @@ from kvmesh.shared.bus.service_lifetime import serve_until_signal
 from kvmesh.shared.bus.store_solicit import SolicitLimiter
 from kvmesh.shared.bus.worker_presence import new_worker_id, publish_every
 from kvmesh.shared.bus.worker_shell import WorkerShell, serve_worker
+from kvmesh.shared.bus.worker_state import WorkerState
 from kvmesh.shared.config.service_errors import ServiceStartError
 from kvmesh.shared.kv.kv_block_header import HEADER_BYTES
 from kvmesh.shared.obs import logs
@@ -157,7 +158,7 @@ class StoreService:
         core = self.worker.core
         c, disk = core.counters, core.disk
         load = StoreLoad(
-            state="draining" if self.worker.is_draining else "ready",
+            state=WorkerState.of(self.worker.is_draining),
             total_blocks=core.num_blocks,
             used_blocks=core.num_used,
             pinned_blocks=core.num_pinned,
@@ -179,7 +180,7 @@ class StoreService:
             worker_id=self.store_id,
             role=ROLE,
             load=WorkerLoad(
-                "draining" if self.worker.is_draining else "ready",
+                WorkerState.of(self.worker.is_draining),
                 num_running=self.worker.num_running,
             ),
             started_at=self.started_at,

@@ -43,6 +43,7 @@ from kvmesh.shared.bus.service_lifetime import serve_until_signal
 from kvmesh.shared.bus.worker_feature import Features, Site
 from kvmesh.shared.bus.worker_presence import new_worker_id
 from kvmesh.shared.bus.worker_shell import WorkerShell, serve_worker
+from kvmesh.shared.bus.worker_state import WorkerState
 from kvmesh.shared.config.subjects import Subjects
 from kvmesh.shared.engine.llm_engine import LLMEngine
 from kvmesh.shared.engine.tp_leader import LeaderEngine
@@ -84,9 +85,7 @@ class PrefillService:
             self.worker.worker_id,
             "prefill",
             # waiting jobs stay in the shared queue (admin status shows its depth)
-            WorkerLoad(
-                "draining" if self.is_draining else "ready", num_running=self.worker.num_jobs
-            ),
+            WorkerLoad(WorkerState.of(self.is_draining), num_running=self.worker.num_jobs),
             started_at=self.started_at,
             sent_at=time.time(),
             tp=self.config.tp,

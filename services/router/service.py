@@ -21,6 +21,7 @@ from kvmesh.shared.bus.nats_connect import connect_nats
 from kvmesh.shared.bus.nats_subscribe import subscriptions
 from kvmesh.shared.bus.service_lifetime import serve_until_signal
 from kvmesh.shared.bus.worker_presence import new_worker_id, worker_presence
+from kvmesh.shared.bus.worker_state import WorkerState
 from kvmesh.shared.obs import logs
 
 log = logs.get_logger(__name__)
@@ -58,7 +59,7 @@ async def serve_router(config: RouterConfig) -> AsyncIterator[RunningRouter]:
             return WorkerHeartbeat(
                 worker_id=worker_id,
                 role="router",
-                load=WorkerLoad("ready", num_running=router.num_in_flight),
+                load=WorkerLoad(WorkerState.READY, num_running=router.num_in_flight),
                 started_at=started_at,
                 sent_at=time.time(),
                 instance=dispatcher.instance,  # its requests carry it; they die with it

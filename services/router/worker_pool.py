@@ -17,6 +17,7 @@ outage, a worker is gone only once it has been silent for a whole window since t
 from __future__ import annotations
 
 from kvmesh.shared.bus.hearing import Hearing
+from kvmesh.shared.bus.worker_state import WorkerState
 
 MAX_GONE = 1024  # workers announced gone whose last heartbeat is remembered
 
@@ -58,7 +59,7 @@ class WorkerPool:
         return sorted(
             w
             for w, (seen, state) in self._seen.items()
-            if state == "starting" and self._is_alive(seen, now)
+            if state == WorkerState.STARTING and self._is_alive(seen, now)
         )
 
     def num_alive(self, now: float) -> int:
@@ -67,7 +68,8 @@ class WorkerPool:
     def num_ready(self, now: float) -> int:
         """Alive and taking new work (not draining)."""
         return sum(
-            self._is_alive(seen, now) and state == "ready" for seen, state in self._seen.values()
+            self._is_alive(seen, now) and state == WorkerState.READY
+            for seen, state in self._seen.values()
         )
 
     def silent(self, now: float) -> list[str]:

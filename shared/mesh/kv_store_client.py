@@ -29,6 +29,7 @@ from kvmesh.shared.bus.messages.kv_store import (
     StorePutReply,
     StoreRelease,
 )
+from kvmesh.shared.bus.worker_state import WorkerState
 from kvmesh.shared.config.subjects import Subjects
 from kvmesh.shared.engine.block_manager import BlockManager
 from kvmesh.shared.kv.kv_block_header import (
@@ -354,7 +355,7 @@ class StoreBook:
             (
                 a
                 for a, seen in self._stores.values()
-                if now - seen <= STORE_ADVERT_TTL_S and a.load.state == "ready"
+                if now - seen <= STORE_ADVERT_TTL_S and a.load.state == WorkerState.READY
             ),
             key=lambda a: a.store_id,
         )

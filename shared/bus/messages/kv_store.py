@@ -10,6 +10,7 @@ from typing import Annotated
 
 import msgspec
 from kvmesh.shared.bus.messages.codec import Message, Part
+from kvmesh.shared.bus.worker_state import WorkerState
 from kvmesh.shared.kv.descriptor import TransportDescriptor
 
 MAX_STORE_BLOCKS = 16_384  # hashes per put or get
@@ -110,7 +111,7 @@ class StoreReach(Part):
 class StoreLoad(Part):
     """A kv-store's state, blocks and counters at one moment (counters since it started)."""
 
-    state: str  # ready or draining
+    state: WorkerState  # ready or draining
     total_blocks: int
     used_blocks: int
     pinned_blocks: int

@@ -7,6 +7,7 @@ from typing import Annotated
 
 import msgspec
 from kvmesh.shared.bus.messages.codec import Message, Part
+from kvmesh.shared.bus.worker_state import WorkerState
 from kvmesh.shared.kv.descriptor import TransportDescriptor
 
 
@@ -16,7 +17,7 @@ class WorkerLoad(Part):
 
     # ready, draining, or starting (a decode worker that reached NATS and is loading its
     # model: not placeable yet, but coming; routers wait for it rather than refuse)
-    state: str
+    state: WorkerState
     num_running: int = 0
     # a decode worker's: in the engine's queue, reserved for a prefill, or accepted not yet queued
     num_waiting: int = 0
