@@ -25,8 +25,7 @@ def cached_engine(tiny_float32) -> LLMEngine:
 
 
 def writer_of(engine: LLMEngine, store: FakeStore, stores: OneStore) -> StoreWriter:
-    bm, pool = engine.block_manager, engine.kv_pool
-    return StoreWriter(store, stores, engine.kv_spec, bm, pool)  # type: ignore[arg-type]
+    return StoreWriter(store, stores, engine.kv_spec, engine)  # type: ignore[arg-type]
 
 
 async def test_the_cached_full_blocks_are_put_and_unpinned_after(tiny_float32) -> None:

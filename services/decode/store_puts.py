@@ -32,9 +32,7 @@ class FinishedPuts(StepHook):
         self.client = client
         self.kv_spec = stores.kv_spec
         self.stores = stores
-        self.writer = StoreWriter(
-            client, self.stores, self.kv_spec, engine.block_manager, engine.kv_pool
-        )
+        self.writer = StoreWriter(client, self.stores, self.kv_spec, engine)
 
     @classmethod
     def compose(cls, parts: DecodeParts) -> FinishedPuts | None:

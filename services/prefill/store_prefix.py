@@ -33,9 +33,7 @@ class StorePrefix(Feature):
         self.reader = PrefixReader(
             client, self.stores, kv_spec, engine.block_manager, engine.kv_pool
         )
-        self.writer = StoreWriter(
-            client, self.stores, kv_spec, engine.block_manager, engine.kv_pool
-        )
+        self.writer = StoreWriter(client, self.stores, kv_spec, engine)
 
     @classmethod
     def compose(cls, parts: PrefillParts) -> StorePrefix | None:

@@ -13,8 +13,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
-from kvmesh.shared.engine.block_manager import BlockManager
-from kvmesh.shared.kv.kv_cache import KVPool
+from kvmesh.shared.engine.llm_engine import LLMEngine
 from kvmesh.shared.mesh.kv_store_client import (
     KvStoreClient,
     StoreBook,
@@ -27,19 +26,12 @@ log = logs.get_logger(__name__)
 
 
 class StoreWriter:
+    """One engine's background puts (module docstring) of blocks laid out as ``kv_spec``."""
+
     def __init__(
-        self,
-        client: KvStoreClient,
-        stores: StoreBook,
-        kv_spec: str,
-        block_manager: BlockManager,
-        pool: KVPool,
+        self, client: KvStoreClient, stores: StoreBook, kv_spec: str, engine: LLMEngine
     ) -> None:
-        self.client = client
-        self.stores = stores
-        self.kv_spec = kv_spec
-        self.block_manager = block_manager
-        self.pool = pool
+        self.client, self.stores, self.kv_spec, self.engine = client, stores, kv_spec, engine
         self._puts: set[asyncio.Task[None]] = set()
 
     def put_later(self, token_ids: Sequence[int], lock: asyncio.Lock, cache_salt: str = "") -> None:
@@ -56,17 +48,10 @@ class StoreWriter:
     async def _put(
         self, store: StoreTarget, token_ids: Sequence[int], lock: asyncio.Lock, cache_salt: str
     ) -> None:
+        engine = self.engine
+        where = (self.client, store, self.kv_spec, engine.block_manager, engine.kv_pool)
         try:
-            result = await put_cached_prefix(
-                self.client,
-                store,
-                self.kv_spec,
-                self.block_manager,
-                self.pool,
-                token_ids,
-                lock,
-                cache_salt,
-            )
+            result = await put_cached_prefix(*where, token_ids, lock, cache_salt)
         except Exception as exc:  # best effort: the store misses these blocks
             log.warning("kv-store put failed", error=str(exc))
             self.stores.forget(store.store_id)
