@@ -5,8 +5,9 @@ or constant process at each ``--request-rate`` of a sweep (or from a ``--trace``
 exact token lengths made with the served model's tokenizer (or from a ShareGPT ``--dataset``), and
 reports TTFT, TPOT, ITL and E2E percentiles, throughputs, goodput under ``--slo`` and every failure
 by kind; ``--result-json`` keeps every request's timings, ``--plot-dir`` draws them. Prompts come
-from ``--seed`` alone, arrivals from ``--seed`` and the rate: every rate of a sweep sends the same
-prompts, in the same (time-scaled) pattern of gaps.
+from ``--seed`` alone, arrivals from ``--seed`` and the rate: every rate of a sweep sends prompts
+of the same lengths in the same (time-scaled) pattern of gaps, each rate with text of its own (no
+rate is served from the prefix cache an earlier one filled).
 
 ``--compare colocated,disagg,NAME=URL`` runs the identical workload (same seed: same prompts,
 same arrivals) against each target in turn and prints them side by side with the ratio of each
@@ -95,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
         tokenizer = resolve_ref(config.tokenizer or config.model, source)
         config = dataclasses.replace(config, tokenizer=tokenizer)
         prompts, trace_times = build_workload(config)
+        per_rate = rate_prompts(config, prompts)
         warmups = build_warmups(config, prompts, trace_times is not None)
     except (WorkloadError, ValueError) as exc:
         print(f"kvmesh bench serve: {exc}", file=sys.stderr)
@@ -103,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
     for target in config.compare or (Target("run", url=config.base_url),):
         with _target(config, target) as (base_url, roles):
             status = _sweep(
-                config, target.label, base_url, prompts, warmups, trace_times, results, roles
+                config, target.label, base_url, per_rate, warmups, trace_times, results, roles
             )
             if status:
                 return status
@@ -147,11 +149,33 @@ def resolve_ref(ref: str, source: str) -> str:
 
 
 def build_workload(config: ServeBenchConfig) -> tuple[list[WorkloadPrompt], list[float] | None]:
-    """The prompts (same for every rate and target) and, for a trace, its arrival times."""
+    """The prompts (same for every target) and, for a trace, its arrival times."""
     from kvmesh.shared.model.checkpoint_info import load_config_and_tokenizer
 
     model_config, tokenizer = load_config_and_tokenizer(config.tokenizer or config.model)
     return _prompts(config, model_config, tokenizer, random.Random(f"{config.seed}:prompts"))
+
+
+def rate_prompts(
+    config: ServeBenchConfig, first: Sequence[WorkloadPrompt]
+) -> list[Sequence[WorkloadPrompt]]:
+    """Each rate's prompts: the first rate sends ``first``; every later rate of a sweep the same
+    lengths (and output lengths) in the same order, with other text (drawn from a seed of the
+    rate's index), so that no server answers a later rate from the prefix cache the earlier ones
+    filled. A trace or a dataset sends the same prompts at every rate, as before."""
+    from kvmesh.shared.model.checkpoint_info import load_config_and_tokenizer
+
+    rates = config.request_rates
+    if len(rates) < 2 or config.trace is not None or config.dataset is not None:
+        return [first] * len(rates)
+    model_config, tokenizer = load_config_and_tokenizer(config.tokenizer or config.model)
+    out: list[Sequence[WorkloadPrompt]] = [first]
+    for index in range(1, len(rates)):
+        lengths_rng = random.Random(f"{config.seed}:prompts")
+        text_rng = random.Random(f"{config.seed}:prompts:rate{index}")
+        prompts, _ = _prompts(config, model_config, tokenizer, lengths_rng, text_rng)
+        out.append(prompts)
+    return out
 
 
 def build_warmups(
@@ -175,8 +199,14 @@ def build_warmups(
 
 
 def _prompts(
-    config: ServeBenchConfig, model_config: Any, tokenizer: Any, rng: random.Random
+    config: ServeBenchConfig,
+    model_config: Any,
+    tokenizer: Any,
+    rng: random.Random,
+    text_rng: random.Random | None = None,
 ) -> tuple[list[WorkloadPrompt], list[float] | None]:
+    """Prompt lengths from ``rng``, their text (or token ids) from ``text_rng`` where given, else
+    from ``rng`` as it stands after the lengths."""
     from kvmesh.loadgen import arrivals, workload
     from kvmesh.loadgen.corpus import DEFAULT_CORPUS, Corpus
 
@@ -204,10 +234,11 @@ def _prompts(
         long_input_len=config.long_input_len,
         long_fraction=config.long_fraction,
     )
+    text_rng = rng if text_rng is None else text_rng
     if config.prompt_source == "corpus":
         corpus = Corpus.load(tokenizer, config.corpus or DEFAULT_CORPUS)
-        return corpus.prompts(tokenizer, lengths, rng), None
-    return workload.random_prompts(tokenizer, lengths, rng, as_text=as_text), None
+        return corpus.prompts(tokenizer, lengths, text_rng), None
+    return workload.random_prompts(tokenizer, lengths, text_rng, as_text=as_text), None
 
 
 @contextlib.contextmanager
@@ -259,7 +290,7 @@ def _sweep(
     config: ServeBenchConfig,
     label: str,
     base_url: str,
-    prompts: Sequence[WorkloadPrompt],
+    per_rate: Sequence[Sequence[WorkloadPrompt]],
     warmups: Sequence[WorkloadPrompt],
     trace_times: list[float] | None,
     results: list[RunResult],
@@ -285,7 +316,7 @@ def _sweep(
             )
             return 1
     rates: Sequence[float | None] = (None,) if trace_times is not None else config.request_rates
-    for rate in rates:
+    for rate, prompts in zip(rates, per_rate, strict=True):
         if rate is None:
             times = trace_times or []
         else:

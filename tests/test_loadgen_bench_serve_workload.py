@@ -123,6 +123,22 @@ def test_slo_sweep_writes_attainment_per_rate_and_scale_and_goodput(server, tmp_
         assert (out / "slo_attainment.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_each_rate_of_a_sweep_sends_the_same_lengths_with_text_of_its_own(server, tmp_path):
+    """No rate is served from the prefix cache an earlier rate filled: same lengths, other text."""
+    flags = ["--model", "ok", "--workload", "longtail", "--num-prompts", "6", "--output-len", "2"]
+    flags += ["--warmups", "0", "--slo-sweep", "300,400", "--slo-dir", str(tmp_path)]
+    assert bench(server.url, *flags) == 0
+    first, second = server.bodies[:6], server.bodies[6:]
+    assert len(second) == 6
+    tokenizer = tiny_tokenizer()
+
+    def lengths(bodies):
+        return sorted(len(tokenizer.encode(b["prompt"], add_special_tokens=False)) for b in bodies)
+
+    assert lengths(first) == lengths(second)
+    assert {b["prompt"] for b in first}.isdisjoint(b["prompt"] for b in second)
+
+
 def test_slo_sweep_counts_slow_requests_as_missed(tmp_path):
     with fake_openai_server(ttft_s=0.3, gap_s=0.005) as slow:
         flags = ["--model", "ok", "--num-prompts", "3", "--input-len", "16", "--output-len", "3"]
