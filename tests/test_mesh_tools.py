@@ -133,7 +133,7 @@ def test_forced_tool_calls_validate_through_the_mesh_with_drafts(mesh):
         assert choice.finish_reason == "tool_calls", (s, choice)
         assert choice.message.content is None
         _check_calls(choice.message.tool_calls, tuple(SCHEMAS) if s % 2 else ("get_weather",))
-        if not s % 4 == 1:  # parallel_tool_calls false, or a named function: one call
+        if s % 4 != 1:  # parallel_tool_calls false, or a named function: one call
             assert len(choice.message.tool_calls) == 1
     assert finish == "tool_calls" and len(streamed) == 1
     _check_calls(_as_objects(streamed), ("get_weather",))
