@@ -298,15 +298,20 @@ def _escape_controls(text: str) -> str:
             continue
         out.append(ch)
         if in_string:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                in_string = False
+            in_string, escaped = _string_step(ch, escaped)
         elif ch == '"':
             in_string = True
     return "".join(out)
+
+
+def _string_step(ch: str, escaped: bool) -> tuple[bool, bool]:
+    """``ch`` read inside a JSON string (``escaped``: right after an unescaped backslash): whether
+    the string goes on past it, and whether the next character is escaped."""
+    if escaped:
+        return True, False
+    if ch == "\\":
+        return True, True
+    return ch != '"', False
 
 
 def _value_end(text: str, start: int) -> int | None:
@@ -320,14 +325,9 @@ def _value_end(text: str, start: int) -> int | None:
     for i in range(start, len(text)):
         ch = text[i]
         if in_string:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                in_string = False
-                if depth == 0:
-                    return i + 1
+            in_string, escaped = _string_step(ch, escaped)
+            if not in_string and depth == 0:
+                return i + 1
         elif ch == '"':
             in_string = True
         elif ch in "{[":
