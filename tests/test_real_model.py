@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.tool_specs import WEATHER, WEATHER_TOOL
 
 NAME = "smollm2-135m-instruct"
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -201,20 +202,6 @@ def test_kvmesh_up_answers_chats_as_transformers(up_mesh, real_model_float) -> N
     assert "Paris" in answers[0]  # a trained model, not noise
 
 
-WEATHER = {
-    "name": "get_weather",
-    "description": "The current weather in a city",
-    "parameters": {
-        "type": "object",
-        "properties": {
-            "city": {"type": "string", "maxLength": 20},
-            "unit": {"enum": ["celsius", "fahrenheit"]},
-        },
-        "required": ["city", "unit"],
-    },
-}
-
-
 @pytest.fixture(scope="module")
 def colocated_mesh(real_model_float) -> Iterator[str]:
     """The same model served colocated (``kvmesh up --mode colocated``: one worker prefills and
@@ -238,7 +225,7 @@ def test_a_small_agent_loop_runs_on_the_real_model_through_the_mesh(request, mes
     from jsonschema import Draft202012Validator
 
     url = request.getfixturevalue(mesh)
-    tools = [{"type": "function", "function": WEATHER}]
+    tools = [WEATHER_TOOL]
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
     messages: list[dict] = [{"role": "user", "content": "What is the weather in Paris?"}]
     asked = client.chat.completions.create(

@@ -21,23 +21,9 @@ from kvmesh.services.router.tools import check_tools
 from kvmesh.shared.bus.messages.token_streams import TokenEvent
 from kvmesh.shared.model.tiny import tiny_tokenizer
 from kvmesh.shared.text.structured_output import build_grammar
+from support.tool_specs import WEATHER_TOOL as WEATHER
 
 MODEL = "kvmesh-tiny"
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "maxLength": 20},
-                "unit": {"enum": ["celsius", "fahrenheit"]},
-            },
-            "required": ["city", "unit"],
-        },
-    },
-}
 TIME = {"type": "function", "function": {"name": "get_time"}}
 LIMITS = RouterConfig().schema_limits()
 USER = [{"role": "user", "content": "Weather in Paris?"}]
