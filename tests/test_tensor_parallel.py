@@ -81,6 +81,18 @@ def test_tp2_of_weights_kept_as_q8_0_decodes_as_tp1(rank_results, tp1):
     _check_ranks([rank_results[r]["tp2_q8"] for r in (2, 3)], tp1["Q8_0"])
 
 
+def test_a_decode_ranks_pool_holds_its_heads_of_the_tp1_pools_blocks(rank_results):
+    """``kvmesh serve decode --kv-cache-bytes N`` at TP1: N bytes of whole blocks; each rank of
+    a TP worker allocates and holds its heads of as many blocks (TP2: half; TP4 over 2 KV heads:
+    a replica of one, half)."""
+    tp1 = tp_ranks.decode_pool(tp_ranks.tiny_model(None))
+    assert tp1 == {"allocated": [4 << 20], "num_blocks": 64, "nbytes": 4 << 20}
+    half = {"allocated": [2 << 20], "num_blocks": 64, "nbytes": 2 << 20}
+    for case in ("tp4", "tp2", "tp2_q8"):
+        ranks = range(4) if case == "tp4" else ((0, 1) if case == "tp2" else (2, 3))
+        assert [rank_results[r][f"{case}_decode_pool"] for r in ranks] == [half] * len(ranks)
+
+
 def test_tp2_prefill_hands_its_heads_to_a_tp1_decode_that_decodes_as_tp1(rank_results, tp1):
     """Each prefill rank writes its head of every block (32 KiB a block, one head of tiny's two)
     into the one decode pool: a distinct immediate per chunk from each, then greedy as TP1."""

@@ -26,6 +26,7 @@ from kvmesh.shared.kv.kv_cache import KVCacheSpec
 from kvmesh.shared.mesh.kv_store_client import KvStoreClient
 from kvmesh.shared.mesh.store_link import StoreLink
 from kvmesh.shared.model.config import parse_dtype
+from kvmesh.shared.model.tensor_parallel import kv_heads_held
 from kvmesh.shared.transport import Transport
 from kvmesh.shared.transport.base import MemoryRegion
 from nats.aio.client import Client
@@ -41,10 +42,9 @@ def engine_config(config: DecodeConfig, model: Any) -> tuple[EngineConfig, KVCac
         max_num_batched_tokens_no_decode=config.max_num_batched_tokens_no_decode,
         reserve_output_tokens=config.reserve_output_tokens,
     )
-    # the pool is sized here, for all the model's KV heads (a TP rank's share: tp_group.py), so
-    # that its memory can be allocated before the engine is made
-    spec = econf.pool_spec(model.config, dtype)
-    num_blocks = econf.resolve_num_blocks(spec.block_bytes)
+    # the pool is sized here, as the engine sizes it (a TP rank: its KV heads of the whole
+    # model's blocks), so that its memory can be allocated before the engine is made
+    spec, num_blocks = econf.pool_layout(model.config, dtype, kv_heads_held(model))
     return replace(econf, num_blocks=num_blocks, kv_cache_bytes=None), spec
 
 

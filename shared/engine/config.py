@@ -124,6 +124,22 @@ class EngineConfig:
             dtype=self.kv_dtype(model_dtype),
         )
 
+    def pool_layout(
+        self, model_config: Any, model_dtype: torch.dtype, num_kv_heads: int | None = None
+    ) -> tuple[KVCacheSpec, int]:
+        """The KV pool of an engine holding ``num_kv_heads`` of the model's KV heads (a
+        tensor-parallel rank's share; default: all): its block layout and its blocks. The blocks
+        are the whole model's count: ``num_blocks``, else ``kv_cache_bytes`` over the whole
+        model's block, so a TP worker's ranks hold the blocks a TP1 pool of those bytes holds,
+        each rank its heads of every block (its pool's bytes its head slice's; docs/tp.md)."""
+        whole = self.pool_spec(model_config, model_dtype)
+        spec = (
+            whole
+            if num_kv_heads is None
+            else self.pool_spec(model_config, model_dtype, num_kv_heads)
+        )
+        return spec, self.resolve_num_blocks(whole.block_bytes)
+
     def resolve_num_blocks(self, block_bytes: int) -> int:
         if self.num_blocks is not None:
             return self.num_blocks

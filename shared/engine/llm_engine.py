@@ -114,9 +114,8 @@ class LLMEngine:
                 f"{mc.max_position_embeddings}"
             )
         model_dtype = getattr(mc, "torch_dtype", None) or next(model.parameters()).dtype
-        # this rank's share of the KV heads under tensor parallelism
-        spec = config.pool_spec(mc, model_dtype, kv_heads_held(model))
-        num_blocks = config.resolve_num_blocks(spec.block_bytes)
+        # this rank's share of the KV heads under tensor parallelism, in the whole model's blocks
+        spec, num_blocks = config.pool_layout(mc, model_dtype, kv_heads_held(model))
         self.kv_pool = KVPool(spec, num_blocks, device=config.device, buffer=kv_buffer)
         # what DecodeAdvert.kv_spec says; it roots the prefix hash chain (shared/kv/prefix_hash.py)
         self.kv_spec = kv_spec_fingerprint(spec, mc)

@@ -12,6 +12,7 @@ from typing import Any
 PROMPTS = [list(range(60, 100)), [7, 260, 65, 66, 67, 200, 9]]  # 40 tokens (chunked), 7
 MAX_TOKENS = 6
 NUM_BLOCKS = 16
+POOL_BYTES = 4 << 20  # a decode worker's --kv-cache-bytes: 64 of kvmesh-tiny's 64 KiB blocks
 WORLD = 4
 
 
@@ -49,6 +50,27 @@ def run_engine(model: Any) -> dict[str, Any]:
     }
 
 
+def decode_pool(model: Any) -> dict[str, Any]:
+    """What ``kvmesh serve decode`` (``build_engine``) allocates and builds for its KV pool over
+    ``model`` (a rank's share, or the whole model), given POOL_BYTES."""
+    import torch
+    from kvmesh.services.decode.compose import build_engine
+    from kvmesh.services.decode.config import DecodeConfig
+
+    class Allocations:  # the transport's part build_engine uses: memory for the pool
+        def __init__(self) -> None:
+            self.sizes: list[int] = []
+
+        def allocate(self, nbytes: int) -> torch.Tensor:
+            self.sizes.append(nbytes)
+            return torch.zeros(nbytes, dtype=torch.uint8)
+
+    memory = Allocations()
+    engine = build_engine(DecodeConfig(kv_cache_bytes=POOL_BYTES), model, None, memory)  # type: ignore[arg-type]
+    pool = engine.kv_pool
+    return {"allocated": memory.sizes, "num_blocks": pool.num_blocks, "nbytes": pool.nbytes}
+
+
 def rank_main(rank: int, port: int, queue: Any) -> None:
     """One rank of the world of 4: TP4 over all (kvmesh-tiny has 2 KV heads: each replicated on
     two ranks), then TP2 in pairs: ranks 0-1 on the float32 model, 2-3 on its Q8_0 twin."""
@@ -67,11 +89,13 @@ def rank_main(rank: int, port: int, queue: Any) -> None:
         model = tiny_model(None)
         layout = shard_model(model)
         results["tp4"] = run_engine(model) | {"kv_heads": layout.kv_heads}
+        results["tp4_decode_pool"] = decode_pool(model)
         quant = None if rank < 2 else "Q8_0"
         model = tiny_model(quant)
         layout = shard_model(model, pairs[rank // 2])
         case = "tp2" if quant is None else "tp2_q8"
         results[case] = run_engine(model) | {"kv_heads": layout.kv_heads}
+        results[f"{case}_decode_pool"] = decode_pool(model)
         pair = {(0, 1): pairs[0], (2, 3): pairs[1]}
         results["handoff_2_to_1"] = asyncio.run(handoff(rank, (0, 1), (2,), pair))
         results["handoff_1_to_2"] = asyncio.run(handoff(rank, (2,), (0, 1), pair))
