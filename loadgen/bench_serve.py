@@ -41,12 +41,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvmesh.loadgen.bench_serve_config import (
-    TINY_MODEL,
-    ServeBenchConfig,
-    add_arguments,
-    config_from_args,
-)
+from kvmesh.loadgen.bench_serve_config import TINY_MODEL, ServeBenchConfig
+from kvmesh.loadgen.bench_serve_flags import add_arguments, config_from_args
 from kvmesh.loadgen.compare_targets import Target
 from kvmesh.loadgen.serve_metrics import RequestRecord, Summary
 from kvmesh.loadgen.serve_report import RunResult, comparison_text, format_summary, rate_text

@@ -12,7 +12,7 @@ from pathlib import Path
 import orjson
 import pytest
 from kvmesh.loadgen.bench_serve import long_prompt_threshold
-from kvmesh.loadgen.bench_serve_config import parse_cpus
+from kvmesh.loadgen.bench_serve_flags import parse_cpus
 from kvmesh.loadgen.progress import ProgressBar
 from kvmesh.loadgen.serve_metrics import RequestRecord, summarize
 from kvmesh.loadgen.serve_report import RunResult, format_comparison

@@ -9,7 +9,7 @@ import statistics
 
 import orjson
 import pytest
-from kvmesh.loadgen.bench_serve_config import add_arguments, config_from_args
+from kvmesh.loadgen.bench_serve_flags import add_arguments, config_from_args
 from kvmesh.loadgen.corpus import DEFAULT_CORPUS
 from kvmesh.loadgen.slo_attainment import SloObjective
 from kvmesh.shared.model.tiny import tiny_tokenizer
