@@ -63,8 +63,8 @@ def run_real(config: ServeBenchConfig, mode: str, probe: bool = False) -> RealRu
     calibration probe on that mesh before the warm-up and the workload, and again (other
     prompts) after them."""
     from kvmesh.loadgen.arrivals import ArrivalProcess, arrival_times
-    from kvmesh.loadgen.bench_serve import build_workload
     from kvmesh.loadgen.cpu_steal import CpuTimes, read_cpu_times, steal_share, steal_share_over
+    from kvmesh.loadgen.serve_prompts import build_workload
     from kvmesh.loadgen.sse_client import run_requests
     from kvmesh.sim.probe import serve_probe
 

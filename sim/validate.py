@@ -1,6 +1,6 @@
 """The simulator against the real mesh: one workload, simulated and served, colocated and disagg.
 
-The real side is ``kvmesh bench serve --compare``'s machinery: ``bench_serve.build_workload``
+The real side is ``kvmesh bench serve --compare``'s machinery: ``serve_prompts.build_workload``
 makes the prompts (exact token lengths, from the seed), ``arrivals.arrival_times`` the send
 times, ``kvmesh.testing.mesh.local_mesh`` a fresh mesh of each mode on this machine's cores (kvmesh up's
 defaults, one prefill worker) and ``sse_client.run_requests`` the streamed requests. The

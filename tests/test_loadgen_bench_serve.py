@@ -11,10 +11,10 @@ from pathlib import Path
 
 import orjson
 import pytest
-from kvmesh.loadgen.bench_serve import long_prompt_threshold
 from kvmesh.loadgen.bench_serve_flags import parse_cpus
 from kvmesh.loadgen.progress import ProgressBar
 from kvmesh.loadgen.serve_metrics import RequestRecord, summarize
+from kvmesh.loadgen.serve_outputs import long_prompt_threshold
 from kvmesh.loadgen.serve_report import RunResult, format_comparison
 from test_loadgen_sse_client import fake_openai_server
 
