@@ -49,22 +49,20 @@ the run's clock): how close decode comes to the memory-bandwidth limit.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import random
-import statistics
 import tempfile
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-# cpu: the process's CPU time, which counts llama.cpp's compute wherever its library runs it
-CLOCKS: dict[str, Callable[[], float]] = {"cpu": time.process_time, "wall": time.perf_counter}
+from kvmesh.loadgen.engine_bandwidth import bandwidth, memcpy_gb_s
+from kvmesh.loadgen.engine_measure import CLOCKS, measure, ratios
+from kvmesh.loadgen.engine_runners import HFRunner, KvmeshRunner, export_tiny_to_hf, stored_formats
+from kvmesh.loadgen.engine_table import print_table
+
 AGAINST = ("transformers", "llama.cpp")
 # the engine's KV_CACHE_DTYPES (shared/engine/config.py imports torch: not at parser building)
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3", "float16", "bfloat16")
-MEMCPY_BYTES = 256 << 20
 
 
 def register_engine(sub: Any) -> argparse.ArgumentParser:
@@ -149,175 +147,6 @@ def register_engine(sub: Any) -> argparse.ArgumentParser:
     return p
 
 
-def export_tiny_to_hf(directory: Path) -> Path:
-    """Write kvmesh-tiny as a transformers Llama checkpoint (identical weights) with its byte-level
-    tokenizer (llama.cpp's converter needs one)."""
-    from kvmesh.shared.model.seeded import write_hf_weights, write_tokenizer
-    from kvmesh.shared.model.tiny import (
-        TINY_CHAT_TEMPLATE,
-        TINY_SPECIALS,
-        tiny_config,
-        tiny_state_dict,
-    )
-
-    directory.mkdir(parents=True, exist_ok=True)
-    write_hf_weights(directory, tiny_config(), tiny_state_dict())
-    write_tokenizer(directory, TINY_SPECIALS, "<|bos|>", "<|end|>", TINY_CHAT_TEMPLATE)
-    return directory
-
-
-def _best_pair(
-    fns: dict[str, Callable[[], Any]], repeats: int, clock: Callable[[], float]
-) -> dict[str, float]:
-    """Best wall time of each fn over ``repeats`` runs after one warm-up; the fns alternate so
-    that load from other processes hits both alike."""
-    for fn in fns.values():
-        fn()
-    best = dict.fromkeys(fns, float("inf"))
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            t0 = clock()
-            fn()
-            best[name] = min(best[name], clock() - t0)
-    return best
-
-
-class KvmeshRunner:
-    """kvmesh's engine on ``model_name`` (``dequantize``: weights kept as stored made float), or
-    on a model already ``loaded`` (model, tokenizer)."""
-
-    def __init__(
-        self,
-        model_name: str,
-        max_tokens_in_flight: int,
-        cpu_kernels: bool = True,
-        dequantize: bool = False,
-        loaded: tuple[Any, Any] | None = None,
-        kv_cache_dtype: str = "auto",
-    ) -> None:
-        from kvmesh.shared.engine.config import EngineConfig
-        from kvmesh.shared.engine.llm_engine import LLMEngine
-        from kvmesh.shared.model import load_model
-
-        model, tok = loaded or load_model(model_name, dequantize=dequantize)
-        self.dtype = model.config.torch_dtype
-        self.formats = stored_formats(model)
-        self.engine = LLMEngine(
-            model,
-            tok,
-            # No prefix caching: every repeat must compute its prompt, as transformers does.
-            EngineConfig(
-                num_blocks=max_tokens_in_flight // 16 + 64,
-                max_num_seqs=256,
-                max_num_batched_tokens=4096,
-                enable_prefix_caching=False,
-                cpu_kernels=cpu_kernels,
-                kv_cache_dtype=kv_cache_dtype,
-            ),
-        )
-        self.weight_bytes = decode_weight_bytes(model)
-
-    def generate(self, prompts: list[list[int]], num_tokens: int) -> list[list[int]]:
-        from kvmesh.shared.text.sampling import SamplingOptions
-
-        params = SamplingOptions(max_tokens=num_tokens, temperature=0, ignore_eos=True)
-        return self.engine.generate(prompts, params)
-
-    def decode_step_times(
-        self, prompts: list[list[int]], num_tokens: int, clock: Callable[[], float]
-    ) -> list[float]:
-        from kvmesh.shared.text.sampling import SamplingOptions
-
-        params = SamplingOptions(max_tokens=num_tokens, temperature=0, ignore_eos=True)
-        engine = self.engine
-        for i, prompt in enumerate(prompts):
-            engine.add_request(f"bench-{i}", prompt, params)
-        num_first = 0
-        while num_first < len(prompts):  # prefill, not timed
-            num_first += sum(1 for o in engine.step() if o.num_output_tokens == 1)
-        times = []
-        while engine.has_unfinished():
-            t0 = clock()
-            engine.step()
-            times.append(clock() - t0)
-        return times
-
-
-def decode_weight_bytes(model: Any) -> int:
-    """Bytes of the weights one decode step reads: every decoder layer's linear weights as kept
-    (stored blocks, or float), and the LM head's (the embedding table where they are tied),
-    each tensor once."""
-    import torch
-    from kvmesh.shared.model.quant_layers import QuantEmbedding, QuantLinear
-
-    def tensors(m: Any) -> list:
-        if isinstance(m, QuantLinear | QuantEmbedding):
-            return [p.data for p in getattr(m.qweight, "parts", (m.qweight,))]
-        return [m.weight]
-
-    linears = [m for m in model.layers.modules() if isinstance(m, QuantLinear | torch.nn.Linear)]
-    head = getattr(model, "output", None) or model.tok_embeddings  # tied: the embedding table
-    seen = {t.data_ptr(): t.nbytes for m in (*linears, head) for t in tensors(m)}
-    return sum(seen.values())
-
-
-def decode_bytes(weight_bytes: int, kv_token_bytes: float, batch: int, context: float) -> float:
-    """Bytes a decode step of ``batch`` sequences at ``context`` tokens each reads: the weights
-    once, and every sequence's K and V (``kv_token_bytes`` a token, all layers)."""
-    return weight_bytes + batch * context * kv_token_bytes
-
-
-def memcpy_gb_s(
-    clock: Callable[[], float] = time.perf_counter, repeats: int = 5, num_bytes: int = MEMCPY_BYTES
-) -> float:
-    """memcpy bandwidth on torch's threads: a copy of ``num_bytes`` (past every cache), bytes
-    read plus bytes written per second, best of ``repeats``, timed by ``clock`` (the run's: on a
-    shared machine the CPU clock keeps other processes' time out of it, as for the steps)."""
-    import torch
-
-    src = torch.ones(num_bytes, dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(repeats + 1):  # the first copy faults the destination's pages in
-        t0 = clock()
-        dst.copy_(src)
-        best = min(best, clock() - t0)
-    return round(2 * num_bytes / best / 1e9, 1)
-
-
-def bandwidth(
-    results: dict, runners: dict[str, Any], context: float, memcpy: float
-) -> dict[str, dict]:
-    """Per system with known bytes (kvmesh and its float32 reference): per batch size the MB a
-    decode step reads per token and the GB/s that is at the measured rate, and its share of
-    ``memcpy`` (GB/s)."""
-    out: dict[str, dict] = {}
-    for name, r in runners.items():
-        if not hasattr(r, "weight_bytes"):
-            continue
-        spec = r.engine.kv_pool.spec
-        kv_token = spec.block_bytes / spec.block_size
-        rows = {}
-        for b, tok_s in results[name]["decode_tok_s"].items():
-            step = decode_bytes(r.weight_bytes, kv_token, int(b), context)
-            gb_s = step / int(b) * tok_s / 1e9
-            rows[b] = {
-                "mb_per_token": round(step / int(b) / 1e6, 1),
-                "gb_s": round(gb_s, 1),
-                "of_memcpy": round(gb_s / memcpy, 2),
-            }
-        out[name] = {"kv_dtype": str(spec.dtype).removeprefix("torch."), "decode": rows}
-    return out
-
-
-def stored_formats(model: Any) -> list[str]:
-    """The block formats ``model``'s weights are kept in (empty: all float)."""
-    from kvmesh.shared.model.quant_layers import QuantEmbedding, QuantLinear
-
-    kinds = (QuantLinear, QuantEmbedding)
-    return sorted({m.qweight.format for m in model.modules() if isinstance(m, kinds)})
-
-
 def _source_gguf(checkpoint: Path) -> Path | None:
     """The GGUF file a checkpoint was imported from, where it is kept beside it."""
     try:
@@ -326,49 +155,6 @@ def _source_gguf(checkpoint: Path) -> Path | None:
         return None
     path = checkpoint / Path(source).name
     return path if path.is_file() else None
-
-
-class HFRunner:
-    def __init__(self, path: Path) -> None:
-        import torch
-        from transformers import AutoModelForCausalLM
-
-        self.torch = torch
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        self.model.generation_config.eos_token_id = None  # generate exactly max_new_tokens
-
-    def generate(self, prompts: list[list[int]], num_tokens: int) -> list[list[int]]:
-        ids = self.torch.tensor(prompts)
-        with self.torch.inference_mode():
-            out = self.model.generate(
-                ids,
-                attention_mask=self.torch.ones_like(ids),
-                max_new_tokens=num_tokens,
-                do_sample=False,
-                pad_token_id=0,
-            )
-        return out[:, ids.shape[1] :].tolist()
-
-    def decode_step_times(
-        self, prompts: list[list[int]], num_tokens: int, clock: Callable[[], float]
-    ) -> list[float]:
-        stamps: list[float] = []
-
-        def stamp(input_ids: Any, scores: Any) -> Any:  # called once per generation step
-            stamps.append(clock())
-            return scores
-
-        ids = self.torch.tensor(prompts)
-        with self.torch.inference_mode():
-            self.model.generate(
-                ids,
-                attention_mask=self.torch.ones_like(ids),
-                max_new_tokens=num_tokens,
-                do_sample=False,
-                pad_token_id=0,
-                logits_processor=[stamp],
-            )
-        return [b - a for a, b in itertools.pairwise(stamps)]
 
 
 def _llama_weights(
@@ -398,48 +184,6 @@ def _llama_weights(
             f"kvmesh bench engine: --llama-weights {choice!r}: not same, q8_0 or a .gguf file"
         )
     return path
-
-
-def measure(
-    runners: dict[str, Any],
-    prompt: list[int],
-    decode_prompts: dict[int, list[list[int]]],
-    n: int,
-    repeats: int,
-    clock: Callable[[], float],
-) -> dict[str, dict]:
-    prefill = _best_pair(
-        {k: lambda r=r: r.generate([prompt], 1) for k, r in runners.items()}, repeats, clock
-    )
-    results: dict[str, dict] = {
-        k: {"prefill_tok_s": round(len(prompt) / prefill[k], 1), "decode_tok_s": {}}
-        for k in runners
-    }
-    for b, ps in decode_prompts.items():
-        # llama.cpp's binding decodes one sequence: it runs the batch sizes it has
-        able = {k: r for k, r in runners.items() if getattr(r, "max_batch", b) >= b}
-        steps: dict[str, list[float]] = {k: [] for k in able}
-        for rep in range(repeats + 1):
-            for k, r in able.items():
-                times = r.decode_step_times(ps, n, clock)
-                assert len(times) == n - 1, (k, len(times))
-                if rep:  # the first round is the warm-up
-                    steps[k] += times
-        for k in able:
-            results[k]["decode_tok_s"][str(b)] = round(b / statistics.median(steps[k]), 1)
-    return results
-
-
-def _ratios(a: dict, b: dict) -> dict:
-    """a's tok/s over b's: prefill, and decode at the batch sizes both ran."""
-    return {
-        "prefill": round(a["prefill_tok_s"] / b["prefill_tok_s"], 2),
-        "decode": {
-            k: round(v / b["decode_tok_s"][k], 2)
-            for k, v in a["decode_tok_s"].items()
-            if k in b["decode_tok_s"]
-        },
-    }
 
 
 def run(args: argparse.Namespace) -> int:
@@ -532,9 +276,9 @@ def run(args: argparse.Namespace) -> int:
         if args.memory:
             results["memory_mb"] = _memory(args.model, reference, gguf)
     k = results["kvmesh"]
-    results["ratios"] = _ratios(k, results[reference])
+    results["ratios"] = ratios(k, results[reference])
     if with_llama_cpp:
-        results["ratios_llama_cpp"] = _ratios(k, results["llama.cpp"])
+        results["ratios_llama_cpp"] = ratios(k, results["llama.cpp"])
     results["config"] = {
         "model": args.model,
         "reference": reference,
@@ -570,67 +314,3 @@ def _memory(model: str, reference: str, gguf: Path | None) -> dict[str, float]:
     if gguf is not None:
         systems["llama.cpp"] = ("llama.cpp", str(gguf))
     return {name: engine_rss.measure(*how)["added_mb"] for name, how in systems.items()}
-
-
-def print_table(results: dict) -> None:
-    """The human-readable form: tok/s of every system, then kvmesh's ratios against each."""
-    config = results["config"]
-    reference = config["reference"]
-    systems = [s for s in ("kvmesh", reference, "llama.cpp") if s in results]
-    threads = config["threads"]
-    kernels = "C kernels" if config["cpu_kernels"] else "pure torch"
-    match = f"greedy tokens match {reference}: {config['greedy_outputs_match']}"
-    if config["greedy_outputs_match_llama_cpp"] is not None:
-        match += f", llama.cpp: {config['greedy_outputs_match_llama_cpp']}"
-        match += f" (llama.cpp weights: {config['llama_weights']}, KV cache: "
-        match += f"{config['llama_kv_cache']})"
-    print(
-        f"model {config['model']} (weights {config['weights']}), {threads} "
-        f"thread{'s' if threads > 1 else ''}, {config['clock']} clock, kvmesh on {kernels}; {match}"
-    )
-    against = [(reference, results["ratios"])]
-    if "ratios_llama_cpp" in results:
-        against.append(("llama.cpp", results["ratios_llama_cpp"]))
-    header = "".join(f"{s:>16}" for s in systems)
-    header += "".join(f"{'vs ' + name:>17}" for name, _ in against)
-    print(f"{'tok/s':26}{header}")
-
-    def row(label: str, values: list, ratios: list) -> None:
-        cells = "".join(f"{'-' if v is None else v:>16}" for v in values)
-        cells += "".join(f"{'-' if r is None else r:>17}" for r in ratios)
-        print(f"{label:26}{cells}")
-
-    row(
-        f"prefill ({config['prompt_len']} tokens)",
-        [results[s]["prefill_tok_s"] for s in systems],
-        [r["prefill"] for _, r in against],
-    )
-    for b in results["kvmesh"]["decode_tok_s"]:
-        row(
-            f"decode batch {b}",
-            [results[s]["decode_tok_s"].get(b) for s in systems],
-            [r["decode"].get(b) for _, r in against],
-        )
-    band = results.get("bandwidth")
-    if band:
-        print(
-            f"bytes a decode step reads per token (MB) and GB/s at that rate; memcpy "
-            f"{band['memcpy_gb_s']} GB/s (read + write) in this run"
-        )
-        for s in systems:
-            if s not in band:
-                continue
-            cells = ", ".join(
-                f"batch {b}: {v['mb_per_token']} MB, {v['gb_s']} GB/s "
-                f"({v['of_memcpy']:.0%} of memcpy)"
-                for b, v in band[s]["decode"].items()
-            )
-            print(f"  {s} (KV {band[s]['kv_dtype']}): {cells}")
-    memory = results.get("memory_mb")
-    if memory:
-        kv_mb = memory["kvmesh"]
-        row(
-            "memory added (RSS MB)",
-            [memory.get(s) for s in systems],
-            [round(kv_mb / memory[name], 2) if name in memory else None for name, _ in against],
-        )

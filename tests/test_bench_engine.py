@@ -131,11 +131,8 @@ def test_bench_engine_on_weights_as_stored_measures_against_kvmeshs_float32(stor
 
 def test_decode_bytes_count_every_weight_a_step_reads_and_the_context_kv():
     import torch
-    from kvmesh.loadgen.bench_engine import (
-        KV_CACHE_DTYPES,
-        decode_bytes,
-        decode_weight_bytes,
-    )
+    from kvmesh.loadgen.bench_engine import KV_CACHE_DTYPES
+    from kvmesh.loadgen.engine_bandwidth import decode_bytes, decode_weight_bytes
     from kvmesh.shared.engine.config import KV_CACHE_DTYPES as ENGINE_KV_CACHE_DTYPES
     from kvmesh.shared.model import load_model
     from kvmesh.shared.model.quant import quantize
