@@ -1,6 +1,6 @@
 """Faults under streaming load on one real mesh (kvmesh up's Launcher and supervisor, real
 processes: 1 prefill and 2 decode workers with n-gram drafts, kvmesh-tiny), each drill from
-kvmesh.loadgen.fault_drill:
+kvmesh.loadgen.fault_scenarios:
 
 - 20 clients that stop reading beside normal streams: each is cut off, its request aborted (its
   blocks and its draft context go), no traceback; the normal streams keep their token gaps,
@@ -25,13 +25,13 @@ from pathlib import Path
 
 import pytest
 from kvmesh.loadgen import prom_text
-from kvmesh.loadgen.fault_drill import (
+from kvmesh.loadgen.drill_streams import tally
+from kvmesh.loadgen.fault_scenarios import (
     ENV,
     decode_stop,
     nats_outage,
     registry_kill,
     stalled_clients,
-    tally,
     worker_kill,
 )
 
