@@ -226,7 +226,7 @@ def test_fit_engine_scale_takes_jitter_mean_off_loop_steps_not_chunks():
 
 
 def test_jitter_mean_integrates_its_quantile_function():
-    from kvmesh.sim.overheads import Jitter
+    from kvmesh.sim.probe_figures import Jitter
 
     # 0 to the median; 0->2 ms over 0.5-0.9; 2->6 ms over 0.9-0.99; 6->10 ms over 0.99-1
     j = Jitter(0.002, 0.006, 0.010)

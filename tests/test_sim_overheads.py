@@ -11,16 +11,9 @@ import pytest
 from kvmesh.loadgen.serve_metrics import RequestRecord
 from kvmesh.sim.cluster import simulate
 from kvmesh.sim.cost import CostModel, Slice
-from kvmesh.sim.overheads import (
-    Jitter,
-    MeshOverheads,
-    OverheadFitError,
-    ProbeFigures,
-    fit_overheads,
-    simulate_probe,
-    steady_gap_s,
-)
+from kvmesh.sim.overheads import MeshOverheads, fit_overheads, simulate_probe
 from kvmesh.sim.probe import ProbeRecords
+from kvmesh.sim.probe_figures import Jitter, OverheadFitError, ProbeFigures, steady_gap_s
 from kvmesh.sim.specs import DeviceSpec, SpecError, load_model
 from kvmesh.sim.topology import Topology
 from kvmesh.sim.validate import mesh_topology
@@ -229,7 +222,7 @@ def test_jitter_is_against_each_requests_own_median_and_pace_holds_the_rest():
 
 
 def test_pace_knots_have_mean_one_and_draws_follow_them():
-    from kvmesh.sim.overheads import pace_knots
+    from kvmesh.sim.probe_figures import pace_knots
 
     knots = pace_knots([1.0, 1.2, 1.5, 2.0, 3.0, 1.1, 1.3, 1.4, 1.6, 2.5])
     assert list(knots) == sorted(knots)
@@ -329,7 +322,7 @@ def test_fit_overheads_clamps_a_negative_term_to_zero_with_a_note():
 
 
 def test_mode_jitters_fall_back_to_the_other_mode():
-    from kvmesh.sim.overheads import mode_jitters
+    from kvmesh.sim.probe_figures import mode_jitters
 
     a, b = Jitter(0.001, 0.002, 0.003), Jitter(0.004, 0.005, 0.006)
     assert mode_jitters({"colocated": a, "disagg": b}) == (a, b)

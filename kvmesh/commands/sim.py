@@ -297,7 +297,7 @@ def _plan(args: argparse.Namespace, cost: CostModel, requests: list[SimRequest],
 def _calibrate(args: argparse.Namespace, model: ModelSpec) -> int:
     from kvmesh.sim.calibrate import calibrate
     from kvmesh.sim.fit import FitError
-    from kvmesh.sim.overheads import OverheadFitError
+    from kvmesh.sim.probe_figures import OverheadFitError
     from kvmesh.sim.specs import write_device
 
     if args.probe_runs < 1:
@@ -323,7 +323,7 @@ def _calibrate(args: argparse.Namespace, model: ModelSpec) -> int:
 def _validate(args: argparse.Namespace, cost: CostModel, requests: list[SimRequest]) -> int:
     from kvmesh.loadgen.bench_serve_config import ServeBenchConfig
     from kvmesh.sim import validate
-    from kvmesh.sim.overheads import OverheadFitError
+    from kvmesh.sim.probe_figures import OverheadFitError
 
     if args.trace is not None:
         return _fail("--validate runs a synthetic workload; leave out --trace")
