@@ -1,7 +1,7 @@
 """Pure-torch references of the paged attention kernels (``paged_attention.py``), the
 definitions the tests hold the Triton kernels to: each sequence's tokens gathered from its
 blocks (an fp8 or int8 cache dequantized), then plain softmax attention in fp32, masked by the
-tree bits for ``paged_tree_attention_ref``. No Triton needed.
+tree bits (a decode is a tree of one token that sees itself). No Triton needed.
 """
 
 from __future__ import annotations
@@ -19,22 +19,13 @@ def paged_decode_attention_ref(
     scale: float,
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Pure-torch reference: gather each sequence's tokens, then plain softmax attention in fp32."""
-    B, H_q, _ = q.shape
-    block_size, H_kv = k_cache.shape[1], k_cache.shape[2]
-    group = H_q // H_kv
-    out = torch.empty_like(q)
-    for b in range(B):
-        n = int(context_lens[b])
-        blocks = block_tables[b, : -(-n // block_size)].long()
-        keys = _read(k_cache, blocks, kv_scales, 0)[:n]  # (n, H_kv, D)
-        values = _read(v_cache, blocks, kv_scales, 1)[:n]
-        keys = keys.repeat_interleave(group, dim=1)  # (n, H_q, D)
-        values = values.repeat_interleave(group, dim=1)
-        scores = torch.einsum("hd,nhd->hn", q[b].float(), keys) * scale  # (H_q, n)
-        probs = scores.softmax(dim=-1)
-        out[b] = torch.einsum("hn,nhd->hd", probs, values).to(q.dtype)
-    return out
+    """Pure-torch reference of ``paged_decode_attention``: each sequence's one new token, which
+    sees its whole context (``paged_tree_attention_ref`` with one query a sequence)."""
+    B = q.shape[0]
+    bits = torch.ones(B, dtype=torch.int64, device=q.device)
+    return paged_tree_attention_ref(
+        q, k_cache, v_cache, block_tables, context_lens, [1] * B, bits, scale, kv_scales
+    )
 
 
 def _read(
