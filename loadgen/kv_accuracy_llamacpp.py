@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 from kvmesh.loadgen import llamacpp_runner
-from kvmesh.loadgen.kv_accuracy import FACT_MAX_TOKENS, FactAnswer, agreed_prefix
+from kvmesh.loadgen.kv_accuracy import FACT_MAX_TOKENS
+from kvmesh.loadgen.kv_accuracy_report import FactAnswer, agreed_prefix
 
 
 @dataclass(frozen=True, slots=True)
