@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvmesh.kernels.kv_pack import pack_converted
+from kvmesh.kernels.kv_convert import pack_converted
 from kvmesh.services.prefill.kv_writes import (
     KVDestination,
     KVLayoutError,

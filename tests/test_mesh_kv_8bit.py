@@ -15,7 +15,7 @@ import math
 
 import pytest
 import torch
-from kvmesh.kernels.kv_pack import pack_converted
+from kvmesh.kernels.kv_convert import pack_converted
 from kvmesh.loadgen import prom_text
 from kvmesh.shared.engine.config import EngineConfig
 from kvmesh.shared.engine.llm_engine import LLMEngine

@@ -9,7 +9,7 @@ import dataclasses
 
 import pytest
 import torch
-from kvmesh.kernels.kv_pack import pack_converted
+from kvmesh.kernels.kv_convert import pack_converted
 from kvmesh.shared.model.identity import kv_spec_fingerprint
 from kvmesh.shared.text.sampling import SamplingOptions
 from support.prefill_rig import prefill_job, prefill_rig

@@ -2,7 +2,7 @@
 
 ``--kv-cache-dtype`` may differ between the pools (int8 or fp8 e4m3 with scales on one side,
 the model's dtype or the other 8-bit format on the other). Their blocks then differ in bytes, so a chunk cannot be copied
-from the local pool as it is: its blocks are first converted (``kernels/kv_pack.pack_converted``)
+from the local pool as it is: its blocks are first converted (``kernels/kv_convert.pack_converted``)
 into a mirror pool in the decode's layout, block ``i`` of the mirror for local block ``i``, so the
 ``ChunkPlanner``'s spans (local block id times block bytes) address the mirror unchanged, and
 written from there. One mirror per decode dtype, registered with the transport and allocated on
@@ -18,7 +18,7 @@ import dataclasses
 from collections.abc import Sequence
 
 import torch
-from kvmesh.kernels.kv_pack import pack_converted
+from kvmesh.kernels.kv_convert import pack_converted
 from kvmesh.services.prefill.plan import KVSpecMismatchError
 from kvmesh.shared.kv.kv_cache import KVCacheSpec, KVPool
 from kvmesh.shared.transport import MemoryRegion

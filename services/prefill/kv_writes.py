@@ -19,7 +19,7 @@ holding it, into every decode rank holding it (docs/tp.md). ``ChunkPlanner``
   first call's tokens. Cut chunks at multiples of the larger block size.
 * Different KV dtype (``--kv-cache-dtype``: float32/bf16/fp16 against int8 or fp8 e4m3 with
   scales), same block size: the prefill rank converts each head piece into staging in the
-  decode's layout (``run_packs``, ``kvmesh.kernels.kv_pack.pack_converted``), and the entries read
+  decode's layout (``run_packs``, ``kvmesh.kernels.kv_convert.pack_converted``), and the entries read
   from there; an fp8 destination then takes a quarter of float32's bytes (half of bf16's), an
   int8 one 9/32 (its per-token scales included).
 * Different dtype and block size together, an fp8 or int8 side with a different block size (a
@@ -33,7 +33,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from kvmesh.kernels.kv_pack import pack_blocks, pack_converted, staging_shape
+from kvmesh.kernels.kv_convert import pack_converted
+from kvmesh.kernels.kv_pack import pack_blocks, staging_shape
 from kvmesh.shared.kv.head_shards import HeadPiece, KVHeadShards, reshard_pieces
 from kvmesh.shared.kv.kv_cache import KVCacheSpec, KVPool
 from kvmesh.shared.transport.base import MemoryRegion, WriteEntry
