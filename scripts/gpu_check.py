@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     if not dry and not torch.cuda.is_available():
         print("gpu-check: no CUDA device here (torch.cuda.is_available() is False); nothing run")
         return 0
-    from kvmesh.loadgen import gpu_bench
+    from kvmesh.loadgen import gpu_bench, gpu_sizes, realistic_model
 
     device = torch.device(args.device)
     summary: dict[str, Any] = {
@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     # the seeded 1.1 B-parameter checkpoint is drawn once (about a minute on the CPU) and shared
     # by the engine tests and the engine benchmark
     cache = tempfile.TemporaryDirectory(prefix="kvmesh-gpu-check-")
-    os.environ[gpu_bench.SEEDED_CACHE_ENV] = cache.name
+    os.environ[realistic_model.SEEDED_CACHE_ENV] = cache.name
     env = dict(os.environ)
     if not args.no_tests:
         _log(f"pytest -m gpu {' '.join(gpu_test_files())}")
@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
             ["-m", "gpu", *selection, *gpu_test_files()], env, TESTS_TIMEOUT_S
         )
     _log("benchmarks")
-    sizes = gpu_bench.DRY_SIZES if dry else gpu_bench.GPU_SIZES
+    sizes = gpu_sizes.DRY_SIZES if dry else gpu_sizes.GPU_SIZES
     summary["benchmarks"] = gpu_bench.run_all(sizes, device, dry_run=dry, only=args.bench)
     if dry or args.no_softroce:
         summary["softroce"] = "not attempted (dry run or --no-softroce)"

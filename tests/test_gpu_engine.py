@@ -103,7 +103,7 @@ def test_engine_bf16_greedy_agrees_with_transformers_on_cuda(tmp_path, name):
 @pytest.fixture(scope="module")
 def llama_1b_shape():
     """(kvmesh model, transformers model) of the seeded Llama-3.2-1B-shaped model in bf16."""
-    from kvmesh.loadgen.gpu_bench import realistic_config, seeded_models
+    from kvmesh.loadgen.realistic_model import realistic_config, seeded_models
 
     models = seeded_models(realistic_config(dtype=torch.bfloat16), seed=0, device=DEVICE)
     yield models
