@@ -23,6 +23,17 @@ async def _until(predicate, timeout_s: float = 5.0) -> None:
         await asyncio.sleep(0.01)
 
 
+def _recorder(answer: bytes):
+    """A handler that records each message's data and answers ``answer``, and its record."""
+    seen: list[bytes] = []
+
+    async def handle(msg) -> None:
+        seen.append(msg.data)
+        await msg.respond(answer)
+
+    return handle, seen
+
+
 async def _service(nc, subject: str, handler) -> nats.micro.Service:
     """A micro service whose one endpoint on ``subject`` is ``handler``, known to the server."""
     svc = await nats.micro.add_service(nc, name="guard-test", version="0.0.1")
@@ -31,20 +42,29 @@ async def _service(nc, subject: str, handler) -> nats.micro.Service:
     return svc
 
 
-async def test_a_request_without_a_reply_subject_never_reaches_its_handler(nats_client):
+@pytest.mark.parametrize(
+    ("reply", "counter"), [("", "no_reply"), ("kvmesh.m.registry.advertise", "bad_reply")]
+)
+async def test_a_request_with_no_inbox_to_answer_never_reaches_its_handler(
+    nats_client, reply, counter
+):
+    """No reply subject (nats-py's respond() would raise ValueError), or one that is no inbox
+    (issue 40: a reply goes out under ``allow_responses`` on whatever subject the request named,
+    so a put with ``reply=registry.advertise`` made the store publish there). Refused and
+    counted; nothing is published on that subject, and a request from an inbox is served."""
     nc = nats_client
     guard = guard_of(nc)
-    seen = []
-
-    async def handle(req) -> None:
-        seen.append(req.data)
-        await req.respond(b"ok")
-
+    handle, seen = _recorder(b"ok")
     svc = await _service(nc, "guard.e", guard.request(handle))
-    await nc.publish("guard.e", b"no reply")  # nats-py's respond() would raise ValueError
+    hijacked = await nc.subscribe(reply) if reply else None
+    await flush_to_server(nc)
+    await nc.publish("guard.e", b"refused", reply=reply)
     assert (await nc.request("guard.e", b"asked", timeout=5)).data == b"ok"
     assert seen == [b"asked"]
-    assert guard.counts["no_reply"] == 1
+    assert guard.counts[counter] == 1
+    if hijacked is not None:
+        with pytest.raises(nats.errors.TimeoutError):
+            await hijacked.next_msg(timeout=0.3)
     await svc.stop()
 
 
@@ -101,12 +121,7 @@ async def test_what_a_spawned_task_raises_does_not_fail_its_group():
 async def test_a_handler_error_on_a_plain_subscription_is_contained(nats_client):
     nc = nats_client
     guard = guard_of(nc)
-    handled = []
-
-    async def handle(msg) -> None:
-        handled.append(msg.data)
-        await msg.respond(b"answer")  # raises without a reply subject
-
+    handle, handled = _recorder(b"answer")  # its respond() raises without a reply subject
     await nc.subscribe("guard.raw", cb=guard.raw(handle, needs_reply=True))
     await flush_to_server(nc)
     await nc.publish("guard.raw", b"unanswerable")
@@ -145,39 +160,10 @@ async def test_a_request_the_client_gave_up_on_is_not_an_error(nats_client):
     await svc.stop()
 
 
-async def test_a_request_whose_reply_is_no_inbox_never_reaches_its_handler(nats_client):
-    """Issue 40: a reply goes out under ``allow_responses`` on whatever subject the request
-    named, so a put with ``reply=registry.advertise`` made the store publish there. Refused and
-    counted; nothing is published on that subject, and a request from an inbox is served."""
-    nc = nats_client
-    guard = guard_of(nc)
-    seen = []
-
-    async def handle(req) -> None:
-        seen.append(req.data)
-        await req.respond(b"ok")
-
-    svc = await _service(nc, "guard.g", guard.request(handle))
-    hijacked = await nc.subscribe("kvmesh.m.registry.advertise")
-    await flush_to_server(nc)
-    await nc.publish("guard.g", b"forged", reply="kvmesh.m.registry.advertise")
-    assert (await nc.request("guard.g", b"asked", timeout=5)).data == b"ok"
-    assert seen == [b"asked"]
-    assert guard.counts["bad_reply"] == 1
-    with pytest.raises(nats.errors.TimeoutError):
-        await hijacked.next_msg(timeout=0.3)
-    await svc.stop()
-
-
 async def test_a_plain_request_whose_reply_is_no_inbox_is_refused(nats_client):
     nc = nats_client
     guard = guard_of(nc)
-    handled = []
-
-    async def handle(msg) -> None:
-        handled.append(msg.data)
-        await msg.respond(b"answer")
-
+    handle, handled = _recorder(b"answer")
     await nc.subscribe("guard.raw2", cb=guard.raw(handle, needs_reply=True))
     await flush_to_server(nc)
     await nc.publish("guard.raw2", b"forged", reply="$JS.API.STREAM.DELETE.X")
