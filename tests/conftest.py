@@ -114,3 +114,12 @@ def tiny_float32() -> object:
     from kvmesh.shared.model.loader import load_model
 
     return load_model("kvmesh-tiny", torch.float32)
+
+
+@pytest.fixture(scope="module")
+def tiny() -> object:
+    """kvmesh-tiny in its own dtype, a (model, tokenizer) pair, loaded once per test module:
+    the engine, worker and mesh tests run on it."""
+    from kvmesh.shared.model.loader import load_model
+
+    return load_model("kvmesh-tiny")

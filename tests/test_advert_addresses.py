@@ -10,18 +10,10 @@ from typing import Any
 
 import msgspec
 import orjson
-import pytest
 from kvmesh.shared.bus.messages.kv_store import StoreAdvert
 from kvmesh.shared.bus.messages.placement import ReserveRequest
 from kvmesh.shared.bus.messages.workers import DecodeAdvert
 from kvmesh.shared.text.sampling import SamplingOptions
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    from kvmesh.shared.model.loader import load_model
-
-    return load_model("kvmesh-tiny")
 
 
 class Published:

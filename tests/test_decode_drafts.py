@@ -156,13 +156,6 @@ MAX_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    from kvmesh.shared.model.loader import load_model
-
-    return load_model("kvmesh-tiny")
-
-
-@pytest.fixture(scope="module")
 def reference(tiny) -> list[list[int]]:
     from kvmesh.shared.engine.config import EngineConfig
     from kvmesh.shared.engine.llm_engine import LLMEngine

@@ -21,13 +21,6 @@ FAST = StructuredOutputs(choice=("yes", "no"))
 BROKEN = StructuredOutputs(regex="[a-")
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    from kvmesh.shared.model.loader import load_model
-
-    return load_model("kvmesh-tiny")
-
-
 def slow_worker(tiny, timeout_s: float, slow_s: float) -> DecodeWorker:
     """A colocated worker whose compile of SLOW sleeps ``slow_s`` first (in its thread)."""
     from kvmesh.shared.engine.config import EngineConfig

@@ -209,13 +209,6 @@ class _Events:
         return [e for e in self.events if e.request_id == request_id]
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    from kvmesh.shared.model.loader import load_model
-
-    return load_model("kvmesh-tiny")
-
-
 @pytest.fixture
 def decode_worker(tiny):
     from kvmesh.services.decode.worker import DecodeWorker

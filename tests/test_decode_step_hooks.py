@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 
-import pytest
 from kvmesh.services.decode.step_hooks import Step, StepHook, StepPlan
 from kvmesh.services.decode.worker import DecodeWorker
 from kvmesh.shared.bus.messages.placement import ReserveRequest
@@ -18,13 +17,6 @@ from kvmesh.shared.engine.draft_tree import DraftTree
 from kvmesh.shared.kv.imm import imm_slot, pack_imm
 from kvmesh.shared.text.sampling import SamplingOptions
 from kvmesh.shared.transport.completions import Completion
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    from kvmesh.shared.model.loader import load_model
-
-    return load_model("kvmesh-tiny")
 
 
 class Recorder(StepHook):

@@ -62,13 +62,6 @@ async def _take(transport: Any, n: int) -> list[Any]:
     return await asyncio.wait_for(take(), 60)
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    from kvmesh.shared.model.loader import load_model
-
-    return load_model("kvmesh-tiny")
-
-
 async def test_a_lease_completes_once_every_rank_has_its_heads_of_every_chunk(tiny) -> None:
     from kvmesh.shared.engine.config import EngineConfig
     from kvmesh.shared.engine.llm_engine import LLMEngine

@@ -205,13 +205,6 @@ def test_model_draft_plan_refuses_a_reply_that_does_not_fit_this_workers_draft_m
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    from kvmesh.shared.model.loader import load_model
-
-    return load_model("kvmesh-tiny")
-
-
-@pytest.fixture(scope="module")
 def small_draft():
     """Makes a draft model that is not the target but shares its tokenizer: kvmesh-tiny's
     shape with 2 layers and weights of another seed (a fresh copy per call)."""

@@ -13,7 +13,6 @@ from kvmesh.shared.engine.config import EngineConfig
 from kvmesh.shared.engine.draft_tree import DraftTree
 from kvmesh.shared.engine.llm_engine import LLMEngine
 from kvmesh.shared.engine.sequence import RequestError
-from kvmesh.shared.model import load_model
 from kvmesh.shared.text.sampling import SamplingOptions
 from kvmesh.shared.text.structured_output import StructuredOutputs, json_schema_text
 from support.engine_handoff import prefill_handoff
@@ -34,11 +33,6 @@ SCHEMA = {
     "required": ["ok", "count", "tag", "items"],
 }
 JSON = StructuredOutputs(json=json_schema_text(SCHEMA))
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return load_model("kvmesh-tiny")
 
 
 def engine(tiny, kv_buffer=None, **kw) -> LLMEngine:

@@ -37,13 +37,6 @@ from support.transport_wire import over_the_wire
 NUM_BLOCKS = 32
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    from kvmesh.shared.model.loader import load_model
-
-    return load_model("kvmesh-tiny")
-
-
 class Mesh:
     """A decode worker whose pool is a tcp region, and one writer process-side endpoint."""
 

@@ -8,19 +8,11 @@ import asyncio
 import threading
 
 import msgspec
-import pytest
 from kvmesh.shared.text.structured_output import StructuredOutputs
 from support.prefill_rig import prefill_job, prefill_rig
 
 SLOW = StructuredOutputs(choice=("yes", "no"))  # its compile waits for the test below
 PROMPT = [(7 * i) % 250 + 1 for i in range(40)]
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    from kvmesh.shared.model.loader import load_model
-
-    return load_model("kvmesh-tiny")
 
 
 def held_engine(tiny):

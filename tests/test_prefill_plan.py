@@ -102,13 +102,6 @@ def test_timeline_queue_time_is_never_negative():
 # ---- PrefillWorker: engine + real tcp transport into a "decode" region, no NATS --------------
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    from kvmesh.shared.model.loader import load_model
-
-    return load_model("kvmesh-tiny")
-
-
 def _prefill_setup(tiny, num_remote_blocks=64, hooks=(), lock=None):
     """(worker, decode transport, region, memory): a prefill worker on kvmesh-tiny writing into
     ``num_remote_blocks`` decode blocks."""

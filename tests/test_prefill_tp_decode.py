@@ -28,13 +28,6 @@ PROMPT = list(range(3, 67))  # 64 tokens: 4 whole blocks of 16, chunks of 32 at 
 BLOCKS = [4, 9, 2, 6]
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    from kvmesh.shared.model.loader import load_model
-
-    return load_model("kvmesh-tiny")
-
-
 async def test_a_tp1_prefill_writes_each_tp2_decode_rank_its_heads(tiny) -> None:
     from kvmesh.shared.engine.config import EngineConfig
     from kvmesh.shared.engine.llm_engine import LLMEngine

@@ -9,7 +9,6 @@ from kvmesh.shared.engine.config import EngineConfig
 from kvmesh.shared.engine.draft_tree import DraftTree
 from kvmesh.shared.engine.llm_engine import LLMEngine
 from kvmesh.shared.engine.sequence import RequestError, RequestOutput
-from kvmesh.shared.model import load_model
 from kvmesh.shared.text.sampling import SamplingOptions
 from support.engine_runs import new_tokens, run_requests
 
@@ -19,11 +18,6 @@ PROMPT_LENGTHS = (13, 7, 30, 21)
 
 # (request id, tokens emitted so far) -> tree or None
 Drafter = Callable[[str, list[int]], DraftTree | None]
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return load_model("kvmesh-tiny")
 
 
 def make_engine(tiny, **kw) -> LLMEngine:

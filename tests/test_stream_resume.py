@@ -151,13 +151,6 @@ def test_an_id_past_what_the_stream_made_is_refused():
 # --- a gone router's streams: detached for the resume window -------------------------------------
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    from kvmesh.shared.model.loader import load_model
-
-    return load_model("kvmesh-tiny")
-
-
 def _worker(tiny):
     from kvmesh.services.decode.worker import DecodeWorker
     from kvmesh.shared.engine.config import EngineConfig

@@ -26,13 +26,6 @@ from kvmesh.shared.text.sampling import SamplingOptions
 from support.prefill_rig import prefill_job, prefill_rig
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    from kvmesh.shared.model.loader import load_model
-
-    return load_model("kvmesh-tiny")
-
-
 class FakeNats:
     """Records what is published; answers requests with ``reply`` (a message)."""
 
