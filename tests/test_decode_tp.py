@@ -23,13 +23,10 @@ from kvmesh.services.decode.tp_leases import (
     RankLeases,
     RankWrite,
 )
-from kvmesh.shared.bus.messages.placement import DecodeRankTarget
-from kvmesh.shared.bus.messages.prefill_jobs import PrefillDone, PrefillJob
+from kvmesh.shared.bus.messages.prefill_jobs import PrefillDone
 from kvmesh.shared.kv.imm import imm_slot, unpack_imm
-from kvmesh.shared.text.sampling import SamplingOptions
 from kvmesh.shared.transport.base import Access, MemoryRegion, MemoryWindow
-from support.adverts import with_fields
-from support.prefill_rig import prefill_rig, ready_advert
+from support.prefill_rig import prefill_rig, tp2_job
 
 PROMPT = list(range(3, 67))  # 64 tokens: 4 whole blocks of 16, chunks of 32 at most
 BLOCKS = [4, 9, 2, 6]
@@ -95,22 +92,9 @@ async def test_a_lease_completes_once_every_rank_has_its_heads_of_every_chunk(ti
         slot = imm_slot(regions[0].addr + BLOCKS[0] * half, half)
         table.add("tp", "Ltp", slot, tuple(BLOCKS), deadline=1e12, window=window)
 
-        advert = ready_advert(side.descriptor(), regions[0], spec, "s", worker_id="d1")
-        worker.adverts.note(with_fields(advert, block_bytes=half, tp=2, total_blocks=16))
-        descriptor = worker.adverts.get("d1").reach.descriptor
-        job = PrefillJob(
-            "tp",
-            tuple(PROMPT),
-            SamplingOptions(temperature=0.0),
-            "d1",
-            "Ltp",
-            descriptor,
-            window.rkey,
-            tuple(regions[0].addr + b * half for b in BLOCKS),
-            half,
-            enqueued_at=0.0,
-            ranks=(DecodeRankTarget(target.rkey, target.block_addrs, target.descriptor),),
-        )
+        to_rank1 = (target.rkey, target.block_addrs, target.descriptor)
+        addrs = [regions[0].addr + b * half for b in BLOCKS]
+        job = tp2_job(worker, side, regions[0], spec, PROMPT, window.rkey, addrs, to_rank1)
         result = await worker.prefill(job)
         assert result is not None and result.done.ok, result
         n = result.done.num_writes  # one rank's: a write a chunk, several chunks

@@ -22,7 +22,7 @@ from kvmesh.shared.kv.descriptor import TcpBackend, TransportDescriptor
 from kvmesh.shared.kv.kv_cache import KVCacheSpec
 from kvmesh.shared.text.sampling import SamplingOptions
 from support.adverts import idle_advert, with_fields
-from support.prefill_rig import prefill_job, prefill_rig, ready_advert
+from support.prefill_rig import prefill_job, prefill_rig, tp2_job
 
 PROMPT = list(range(3, 67))  # 64 tokens: 4 whole blocks of 16, chunks of 32 at most
 BLOCKS = [4, 9, 2, 6]
@@ -45,23 +45,9 @@ async def test_a_tp1_prefill_writes_each_tp2_decode_rank_its_heads(tiny) -> None
             memory = side.allocate(16 * half)
             memory.zero_()
             ranks.append((remote_key(side, side.register(memory, Access.REMOTE_WRITE)), memory))
-        advert = ready_advert(side.descriptor(), ranks[0][0], spec, "s", worker_id="d1")
-        worker.adverts.note(with_fields(advert, block_bytes=half, tp=2, total_blocks=16))
         addrs = [tuple(r.addr + b * half for b in BLOCKS) for r, _ in ranks]
-        descriptor = worker.adverts.get("d1").reach.descriptor
-        job = PrefillJob(
-            "tp",
-            tuple(PROMPT),
-            SamplingOptions(temperature=0.0),
-            "d1",
-            "Ltp",
-            descriptor,
-            ranks[0][0].rkey,
-            addrs[0],
-            half,
-            enqueued_at=0.0,
-            ranks=(DecodeRankTarget(ranks[1][0].rkey, addrs[1], descriptor),),
-        )
+        to_rank1 = (ranks[1][0].rkey, addrs[1], None)
+        job = tp2_job(worker, side, ranks[0][0], spec, PROMPT, ranks[0][0].rkey, addrs[0], to_rank1)
         result = await worker.prefill(job)
         assert result is not None and result.done.ok and result.report is not None, result
         # several chunks, and each decode rank counts one write a chunk

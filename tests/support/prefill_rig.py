@@ -8,11 +8,12 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
+from kvmesh.shared.bus.messages.placement import DecodeRankTarget
 from kvmesh.shared.bus.messages.prefill_jobs import PrefillJob
 from kvmesh.shared.bus.messages.workers import DecodeAdvert
 from kvmesh.shared.text.sampling import SamplingOptions
 
-from support.adverts import idle_advert
+from support.adverts import idle_advert, with_fields
 
 
 def ready_advert(
@@ -105,4 +106,40 @@ def prefill_job(
         tuple(region.addr + b * block_bytes for b in block_ids),
         block_bytes,
         enqueued_at=0.0,
+    )
+
+
+def tp2_job(
+    worker: Any,
+    side: Any,
+    region0: Any,
+    spec: Any,
+    prompt: Any,
+    rkey: int,
+    addrs: Any,
+    rank1: tuple[int, Any, Any],
+) -> PrefillJob:
+    """A greedy job "tp" (lease "Ltp") for "d1", a ready decode worker of two ranks that it
+    notes in ``worker``'s adverts (advertised by ``side`` with ``region0``; 16 blocks of half
+    ``spec``'s bytes a rank, each rank one of two KV heads): rank 0's blocks by ``rkey`` at
+    ``addrs``, rank 1's by the key, addresses and descriptor of ``rank1`` (descriptor None: the
+    one "d1" advertised)."""
+    half = spec.block_bytes // 2
+    advert = ready_advert(side.descriptor(), region0, spec, "s", worker_id="d1")
+    worker.adverts.note(with_fields(advert, block_bytes=half, tp=2, total_blocks=16))
+    descriptor = worker.adverts.get("d1").reach.descriptor
+    key, block_addrs, rank_descriptor = rank1
+    target = DecodeRankTarget(key, tuple(block_addrs), rank_descriptor or descriptor)
+    return PrefillJob(
+        "tp",
+        tuple(prompt),
+        SamplingOptions(temperature=0.0),
+        "d1",
+        "Ltp",
+        descriptor,
+        rkey,
+        tuple(addrs),
+        half,
+        enqueued_at=0.0,
+        ranks=(target,),
     )
