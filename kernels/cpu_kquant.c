@@ -34,6 +34,7 @@
 #include <string.h>
 
 #include "cpu_kernels.h"
+#include "cpu_vec.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) &&                     \
     defined(__AVX512VNNI__)
@@ -241,13 +242,6 @@ static inline __attribute__((always_inline)) void ft_tile(int fmt, const float *
  * the signed activation bytes and sums pairs into int16 (at most 2 * 63 * 127: no saturation),
  * vpmaddwd sums pairs of those into 8 int32 lanes of 4 values each; the lanes are scaled by
  * the block's d sc dx in float, the min terms summed aside. */
-static inline float kq_hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
 /* 32-value block j (0..7) of a super-block as unsigned bytes in x's order */
 static inline __attribute__((always_inline)) __m256i kq_load32(int fmt, const uint8_t *b, int j) {
     const __m256i low4 = _mm256_set1_epi8(0x0f);
@@ -329,7 +323,7 @@ static inline __attribute__((always_inline)) void kq_tile(int fmt, const int8_t 
         }
     }
     for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++) out[r][c] = kq_hsum8(acc[r][c]) + macc[r][c];
+        for (int c = 0; c < C; c++) out[r][c] = kv_hsum8(acc[r][c]) + macc[r][c];
 }
 
 static inline __attribute__((always_inline)) void ft_tile(int fmt, const float *x, int64_t k,
@@ -352,7 +346,7 @@ static inline __attribute__((always_inline)) void ft_tile(int fmt, const float *
         }
     }
     for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++) out[r][c] = kq_hsum8(acc[r][c]);
+        for (int c = 0; c < C; c++) out[r][c] = kv_hsum8(acc[r][c]);
 }
 #else
 /* The scalar definitions: the same integer sums per block and float terms per block */
@@ -417,19 +411,6 @@ static void ft_tile(int fmt, const float *x, int64_t k, const uint8_t *w, int64_
 }
 #endif
 
-static inline __attribute__((always_inline)) void kq_store(float out[4][4], int R, int C,
-                                                          const float *bias, float *y, int64_t n,
-                                                          int accumulate) {
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++) {
-            float v = out[r][c] + (bias ? bias[c] : 0.0f);
-            if (accumulate)
-                y[r * n + c] += v;
-            else
-                y[r * n + c] = v;
-        }
-}
-
 #define KQ_TILE(FMT, R, C, OUT, W)                                                                 \
     do {                                                                                           \
         if ((FMT) == KQ_F16 || (FMT) == KQ_BF16)                                                   \
@@ -445,11 +426,11 @@ static inline __attribute__((always_inline)) void kq_store(float out[4][4], int 
         int64_t c = c0;                                                                            \
         for (; c + C_MAIN <= c1; c += C_MAIN) {                                                    \
             KQ_TILE(FMT, R, C_MAIN, out, w + c * rb);                                              \
-            kq_store(out, R, C_MAIN, bias ? bias + c : NULL, y + c, n, accumulate);                \
+            kv_store_tile(out, R, C_MAIN, bias ? bias + c : NULL, y + c, n, accumulate);           \
         }                                                                                          \
         for (; c < c1; c++) {                                                                      \
             KQ_TILE(FMT, R, 1, out, w + c * rb);                                                   \
-            kq_store(out, R, 1, bias ? bias + c : NULL, y + c, n, accumulate);                     \
+            kv_store_tile(out, R, 1, bias ? bias + c : NULL, y + c, n, accumulate);                \
         }                                                                                          \
     } while (0)
 

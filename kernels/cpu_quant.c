@@ -43,6 +43,7 @@
 #include <string.h>
 
 #include "cpu_kernels.h"
+#include "cpu_vec.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define QK_VNNI 1
@@ -259,13 +260,6 @@ static inline __attribute__((always_inline)) void qtile(int fmt, int paired, con
  * int16 (Q8_0: |qw| with qw's sign moved onto qx, at most 2 * 128 * 127: no saturation),
  * vpmaddwd sums pairs of those into 8 int32 lanes; the lanes are scaled by dw dx in float and the
  * min terms (Q4) summed aside. */
-static inline float qk_hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
 static inline __attribute__((always_inline)) void qtile(int fmt, int paired, const int8_t *xq,
                                                        const float *xs, int64_t k,
                                                        const uint8_t *w, int64_t rb, int R,
@@ -331,7 +325,7 @@ static inline __attribute__((always_inline)) void qtile(int fmt, int paired, con
         }
     }
     for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++) out[r][c] = qk_hsum8(acc[r][c]) + macc[r][c];
+        for (int c = 0; c < C; c++) out[r][c] = kv_hsum8(acc[r][c]) + macc[r][c];
 }
 #else
 /* The scalar definition: integer sums per block, then the block's float terms (GGUF layout only:
@@ -372,19 +366,6 @@ static inline void qtile(int fmt, int paired, const int8_t *xq, const float *xs,
 }
 #endif
 
-static inline __attribute__((always_inline)) void store_tile(float out[4][4], int R, int C,
-                                                             const float *bias, float *y,
-                                                             int64_t n, int accumulate) {
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++) {
-            float v = out[r][c] + (bias ? bias[c] : 0.0f);
-            if (accumulate)
-                y[r * n + c] += v;
-            else
-                y[r * n + c] = v;
-        }
-}
-
 /* R rows of x against weight rows [c0, c1): C_MAIN at a time, then one by one */
 #define QK_ROWS(FMT, PAIRED, R, C_MAIN)                                                               \
     do {                                                                                           \
@@ -392,11 +373,11 @@ static inline __attribute__((always_inline)) void store_tile(float out[4][4], in
         int64_t c = c0;                                                                            \
         for (; c + C_MAIN <= c1; c += C_MAIN) {                                                    \
             qtile(FMT, PAIRED, xq, xs, k, w + c * rb, rb, R, C_MAIN, out);                         \
-            store_tile(out, R, C_MAIN, bias ? bias + c : NULL, y + c, n, accumulate);              \
+            kv_store_tile(out, R, C_MAIN, bias ? bias + c : NULL, y + c, n, accumulate);           \
         }                                                                                          \
         for (; c < c1; c++) {                                                                      \
             qtile(FMT, PAIRED, xq, xs, k, w + c * rb, rb, R, 1, out);                              \
-            store_tile(out, R, 1, bias ? bias + c : NULL, y + c, n, accumulate);                   \
+            kv_store_tile(out, R, 1, bias ? bias + c : NULL, y + c, n, accumulate);                \
         }                                                                                          \
     } while (0)
 
