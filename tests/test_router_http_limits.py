@@ -12,8 +12,7 @@ import time
 import aiohttp
 import pytest
 from kvmesh.services.router.config import HttpLimits, RouterConfig
-from kvmesh.services.router.service import serve_router
-from support.router_fake_mesh import FakeMesh
+from support.router_fake_mesh import FakeMesh, router_over
 
 HEADER_TIMEOUT_S, BODY_TIMEOUT_S, CAP = 1.0, 1.0, 16
 NUM_SLOW = 100
@@ -45,15 +44,12 @@ async def _slowloris(port: int, stop: asyncio.Event) -> float | None:
 
 @pytest.fixture
 async def router(nats_server):
-    config = RouterConfig(
-        nats_url=nats_server,
-        host="127.0.0.1",
-        port=0,
+    async with router_over(
+        FakeMesh(nats_server),
         header_timeout_s=HEADER_TIMEOUT_S,
         body_timeout_s=BODY_TIMEOUT_S,
         max_connections_per_client=CAP,
-    )
-    async with FakeMesh(nats_server).running(), serve_router(config) as running:
+    ) as running:
         yield running
 
 

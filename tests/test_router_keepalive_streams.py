@@ -18,8 +18,7 @@ import pytest
 from aiohttp import web
 from kvmesh.services.router.config import RouterConfig
 from kvmesh.services.router.http_limits import ConnectionTable, GuardedSite, request_done_middleware
-from kvmesh.services.router.service import serve_router
-from support.router_fake_mesh import FakeMesh
+from support.router_fake_mesh import FakeMesh, router_over
 
 HEADER_TIMEOUT_S = 0.5
 NUM_STREAM_TOKENS, TOKEN_DELAY_S = 80, 0.025  # a stream of about 2 s, 4x the header timeout
@@ -27,15 +26,10 @@ NUM_STREAM_TOKENS, TOKEN_DELAY_S = 80, 0.025  # a stream of about 2 s, 4x the he
 
 @pytest.fixture
 async def router(nats_server):
-    config = RouterConfig(
-        nats_url=nats_server,
-        host="127.0.0.1",
-        port=0,
-        header_timeout_s=HEADER_TIMEOUT_S,
-        body_timeout_s=HEADER_TIMEOUT_S,
-    )
     mesh = FakeMesh(nats_server, eos_at_end=False, token_delay_s=TOKEN_DELAY_S)
-    async with mesh.running(), serve_router(config) as running:
+    async with router_over(
+        mesh, header_timeout_s=HEADER_TIMEOUT_S, body_timeout_s=HEADER_TIMEOUT_S
+    ) as running:
         yield running
 
 

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvmesh.services.prefill_queue.keeper import ensure_queue
 from kvmesh.shared.bus.messages.codec import decode_message, encode_message
@@ -245,6 +246,18 @@ class FakeMesh:
     async def wait_for_abort(self, timeout_s: float = 5.0) -> Abort:
         await asyncio.wait_for(self.aborted.wait(), timeout_s)
         return self.aborts[0]
+
+
+@contextlib.asynccontextmanager
+async def router_over(mesh: FakeMesh, **options: Any) -> AsyncIterator[Any]:
+    """``mesh`` running and a router over it on a free loopback port, with the RouterConfig
+    ``options`` given; yields the running router."""
+    from kvmesh.services.router.config import RouterConfig
+    from kvmesh.services.router.service import serve_router
+
+    config = RouterConfig(nats_url=mesh.nats_url, host="127.0.0.1", port=0, **options)
+    async with mesh.running(), serve_router(config) as running:
+        yield running
 
 
 def _logprobs_of(token_id: int, num_top: int) -> TokenLogprobs:
