@@ -463,16 +463,8 @@ void kv_kq_cols(const float *x, const int8_t *xq, const float *xs, int64_t m, in
                 int accumulate) {
     const int64_t rb = kv_kq_row_bytes(fmt, k), xss = qk_scale_stride(k);
     const int is_float = fmt == KQ_F16 || fmt == KQ_BF16;
-    for (int64_t r0 = 0; r0 < m; r0 += KQ_XMB) {
-        int64_t r1 = m - r0 < KQ_XMB ? m : r0 + KQ_XMB;
-        for (int64_t cb = c0; cb < c1; cb += 16) {
-            int64_t ce = c1 - cb < 16 ? c1 : cb + 16;
-            for (int64_t r = r0; r < r1; r += 4) {
-                int R = r1 - r < 4 ? (int)(r1 - r) : 4;
-                kq_rows(fmt, x + r * k, is_float ? NULL : xq + r * k,
-                        is_float ? NULL : xs + r * xss, R, k, w, rb, cb, ce, bias, y + r * n, n,
-                        accumulate);
-            }
-        }
-    }
+    KV_FOR_ROW_TILES(m, c0, c1, KQ_XMB,
+                     kq_rows(fmt, x + r * k, is_float ? NULL : xq + r * k,
+                             is_float ? NULL : xs + r * xss, R, k, w, rb, cb, ce, bias, y + r * n,
+                             n, accumulate));
 }

@@ -432,18 +432,10 @@ static void qlinear_cols(const float *x, const int8_t *xq, const float *xs, int6
         return;
     }
     const int64_t rb = k / QB * block_bytes[fmt & ~KV_PAIRED], xss = qk_scale_stride(k);
-    for (int64_t r0 = 0; r0 < m; r0 += XMB) {
-        int64_t r1 = m - r0 < XMB ? m : r0 + XMB;
-        /* weight rows in runs of 16 against the whole block of x rows: both stay in cache */
-        for (int64_t cb = c0; cb < c1; cb += 16) {
-            int64_t ce = c1 - cb < 16 ? c1 : cb + 16;
-            for (int64_t r = r0; r < r1; r += 4) {
-                int R = r1 - r < 4 ? (int)(r1 - r) : 4;
-                qk_rows(fmt, xq + r * k, xs + r * xss, R, k, w, rb, cb, ce, bias, y + r * n, n,
-                        accumulate);
-            }
-        }
-    }
+    /* weight rows in runs of 16 against the whole block of x rows: both stay in cache */
+    KV_FOR_ROW_TILES(m, c0, c1, XMB,
+                     qk_rows(fmt, xq + r * k, xs + r * xss, R, k, w, rb, cb, ce, bias, y + r * n,
+                             n, accumulate));
 }
 
 /* Thread t of nt's share of y (m, n) = x (m, k) @ w.T (+ bias): columns [n t / nt, n (t+1) / nt).

@@ -34,6 +34,22 @@ static inline __attribute__((always_inline)) void kv_store_tile(float out[4][4],
         }
 }
 
+/* The blocking of a quantized matmul over columns [C0, C1) of M rows (cpu_quant.c, cpu_kquant.c):
+ * x's rows in blocks of XMB (their int8 rows stay in L2 while the weights pass), weight rows in
+ * runs of 16 against the whole block, then x's rows 4 at a time; ROWS runs with r, R (x's rows
+ * [r, r + R)) and cb, ce (weight rows [cb, ce)) in scope. */
+#define KV_FOR_ROW_TILES(M, C0, C1, XMB, ROWS)                                                     \
+    for (int64_t r0_ = 0; r0_ < (M); r0_ += (XMB)) {                                               \
+        int64_t r1_ = (M) - r0_ < (XMB) ? (M) : r0_ + (XMB);                                       \
+        for (int64_t cb = (C0); cb < (C1); cb += 16) {                                             \
+            int64_t ce = (C1) - cb < 16 ? (C1) : cb + 16;                                          \
+            for (int64_t r = r0_; r < r1_; r += 4) {                                               \
+                int R = r1_ - r < 4 ? (int)(r1_ - r) : 4;                                          \
+                ROWS;                                                                              \
+            }                                                                                      \
+        }                                                                                          \
+    }
+
 #ifdef __AVX2__
 #include <immintrin.h>
 
