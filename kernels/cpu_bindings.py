@@ -87,7 +87,7 @@ class CpuOps:
         self._parts_floats = lib.kv_attention_parts_floats
         self._parts_floats.argtypes, self._parts_floats.restype = (_i64, _i64, _i64, _i64), _i64
         # whether the kernels read Q4 weights in the paired layout (quant.pair_blocks; the
-        # VNNI build): attach_cpu_ops repacks the layers' Q4 weights then
+        # VNNI build): CpuBackend.install repacks the layers' Q4 weights then
         self.quant_pairs = bool(lib.kv_quant_pairs())
         self._memo: _StepMemo | None = None  # the last decode step's layer arguments
 

@@ -394,7 +394,7 @@ def test_stored_weights_load_as_the_dequantized_values(synthetic, stored) -> Non
 
 def test_stored_weights_give_the_dequantized_models_logits(synthetic, stored) -> None:
     from kvmesh.kernels.cpu_ops import load_cpu_ops
-    from kvmesh.shared.model.llama import attach_cpu_ops
+    from kvmesh.shared.model.backend import CpuBackend
 
     float_model, tokenizer = load_model(str(synthetic[1]))
     model, _ = load_model(str(stored))
@@ -404,7 +404,7 @@ def test_stored_weights_give_the_dequantized_models_logits(synthetic, stored) ->
     ops = load_cpu_ops()
     if ops is None:
         return
-    attach_cpu_ops(model, ops)  # the kernels: activations quantized to int8 per block of 32
+    CpuBackend(ops).install(model)  # the kernels: activations quantized to int8 per block of 32
     got = kvmesh_logits(model, ids)
     assert (got - expected).norm() / expected.norm() < 0.05
     assert (got.argmax(-1) == expected.argmax(-1)).float().mean() >= 0.9

@@ -13,7 +13,7 @@ import pytest
 import torch
 from kvmesh.kernels.cpu_bindings import quant_linear_exact_reference, quant_linear_reference
 from kvmesh.kernels.cpu_ops import QuantDecodeLayerWeights, load_cpu_ops
-from kvmesh.shared.model.llama import attach_cpu_ops
+from kvmesh.shared.model.cpu_modules import CpuQuantEmbedding, CpuQuantLinear
 from kvmesh.shared.model.quant import (
     FLOAT_FORMATS,
     K_FORMATS,
@@ -27,7 +27,7 @@ from kvmesh.shared.model.quant import (
 from kvmesh.shared.model.quant_layers import QuantEmbedding, use_quant_weights
 from support.kquant import quantize_k, random_k
 from support.quant_builds import build_quant_lib, cpu_has, qlinear
-from test_kernel_cpu_layer import _config, _decode_step, _model, _run
+from test_kernel_cpu_layer import _config, _decode_step, _model, _run, attach
 
 ops = load_cpu_ops()
 pytestmark = pytest.mark.skipif(ops is None, reason="no C compiler for the CPU kernels")
@@ -144,7 +144,8 @@ def test_float_tied_head_reads_the_activations_once() -> None:
     count x twice)."""
     weight = _weight("F16", 300, 256, seed=9)
     embedding = QuantEmbedding(weight, torch.float32)
-    embedding.head.cpu_ops = ops
+    CpuQuantEmbedding.install(embedding, ops)
+    CpuQuantLinear.install(embedding.head, ops)
     x = _x(2, 256, seed=10)
     torch.testing.assert_close(embedding.project(x), quant_linear_reference(x, weight))
 
@@ -214,12 +215,12 @@ def test_fused_decode_layer_takes_k_quants_floats_and_stacked_weights(
     torch.set_num_threads(threads)
     try:
         fused, fused_pool = _run(stored, ops, pool, meta, input_ids, pos)
-        assert all(isinstance(lay.decode_weights, QuantDecodeLayerWeights) for lay in stored.layers)
+        assert all(isinstance(lay.weights, QuantDecodeLayerWeights) for lay in stored.layers)
         unfused, unfused_pool = _run(stored, ops, pool, meta, input_ids, pos, fused=False)
         reference, _ = _run(floats, None, pool, meta, input_ids, pos)
     finally:
         torch.set_num_threads(saved)
-        attach_cpu_ops(stored, None)
+        attach(stored, None)
     assert torch.equal(fused, unfused)  # the same kernels in the same order
     assert torch.equal(fused_pool.tensor, unfused_pool.tensor)
     assert (fused - reference).norm() / reference.norm() < 5e-2  # int8 activations

@@ -8,8 +8,10 @@ import torch
 from kvmesh.kernels.cpu_ops import load_cpu_ops
 from kvmesh.shared.kv.kv_cache import KVPool
 from kvmesh.shared.model.attention import AttentionMetadata
+from kvmesh.shared.model.backend import CpuBackend, TorchBackend
 from kvmesh.shared.model.config import ModelConfig
-from kvmesh.shared.model.llama import Transformer, attach_cpu_ops, kv_cache_spec
+from kvmesh.shared.model.cpu_modules import FusedDecodeBlock
+from kvmesh.shared.model.llama import Transformer, kv_cache_spec
 
 
 @pytest.fixture(scope="module")
@@ -74,15 +76,19 @@ def _decode_step(config, context_lens, block_size=16, seed=0, kv_dtype=None):
     return pool, meta, input_ids, pos
 
 
+def attach(model, ops, fused=True):
+    """Install ``ops``' backend on ``model`` (None: the torch one); returns it."""
+    backend = TorchBackend() if ops is None else CpuBackend(ops, fuse_layers=fused)
+    backend.install(model)
+    return backend
+
+
 def _run(model, ops, pool, meta, input_ids, pos, fused=True):
     """The model's hidden states after one decode step with ``ops`` attached (None: torch)."""
-    attach_cpu_ops(model, ops)
-    if not fused:
-        for layer in model.layers:
-            layer.decode_weights = None
+    backend = attach(model, ops, fused)
     own = KVPool(pool.spec, pool.num_blocks)
     own.tensor.copy_(pool.tensor)
-    meta = dataclasses.replace(meta, cpu_plan=None)
+    meta = dataclasses.replace(meta, cpu_plan=backend.plan_step(meta, own))
     with torch.no_grad():
         return model(input_ids, pos, own, meta), own
 
@@ -111,7 +117,7 @@ def test_fused_decode_layer_matches_module_path(
         reference, reference_pool = _run(model, None, pool, meta, input_ids, pos)
     finally:
         torch.set_num_threads(saved)
-        attach_cpu_ops(model, None)
+        attach(model, None)
     # the same kernels in the same order: bit for bit the separate C calls
     assert torch.equal(fused, unfused)
     assert torch.equal(fused_pool.tensor, unfused_pool.tensor)
@@ -142,7 +148,7 @@ def test_fused_decode_layer_over_half_caches_and_long_contexts(
         reference, reference_pool = _run(model, None, pool, meta, input_ids, pos)
     finally:
         torch.set_num_threads(saved)
-        attach_cpu_ops(model, None)
+        attach(model, None)
     assert fused_pool.tensor.dtype == kv_dtype
     assert torch.equal(fused, unfused)
     assert torch.equal(fused_pool.tensor, unfused_pool.tensor)
@@ -160,13 +166,14 @@ def test_fused_decode_layer_over_half_caches_and_long_contexts(
 def test_fused_decode_layer_is_attached_only_where_every_part_is_packed(ops):
     config = _config(32, 64, 2, 1, 16, False)
     model = _model(config)
-    attach_cpu_ops(model, ops)
-    assert all(layer.decode_weights is not None for layer in model.layers)
+    attach(model, ops)
+    assert all(isinstance(layer, FusedDecodeBlock) for layer in model.layers)
     model.to(torch.float64)
-    attach_cpu_ops(model, ops)  # float64 weights are not packed: the layers run module by module
-    assert all(layer.decode_weights is None for layer in model.layers)
-    attach_cpu_ops(model, None)
-    assert all(layer.decode_weights is None for layer in model.layers)
+    attach(model, ops)  # float64 weights are not packed: the layers run module by module
+    assert not any(isinstance(layer, FusedDecodeBlock) for layer in model.layers)
+    attach(model, None)
+    assert not any(isinstance(layer, FusedDecodeBlock) for layer in model.layers)
+    assert not any(hasattr(m, "ops") or hasattr(m, "packed") for m in model.modules())
 
 
 def test_fused_decode_layer_steps_aside_for_prefill_chunks(ops, monkeypatch):
@@ -177,13 +184,14 @@ def test_fused_decode_layer_steps_aside_for_prefill_chunks(ops, monkeypatch):
     prefill = dataclasses.replace(
         prefill, context_lens=meta.context_lens[:1] + 1, block_tables=meta.block_tables[:1]
     )
-    attach_cpu_ops(model, ops)
     calls = []
     monkeypatch.setattr(type(ops), "decode_layer", lambda *a: calls.append(a))
+    backend = attach(model, ops)
     ids, positions = input_ids, torch.tensor([3, 4])
     slots = torch.cat([meta.slot_mapping[:1], meta.slot_mapping[:1] + 1])
     prefill = dataclasses.replace(prefill, slot_mapping=slots)
+    assert backend.plan_step(prefill, pool) is None  # a prefill chunk: no C decode step
     with torch.no_grad():
         model(ids, positions, pool, prefill)
-    attach_cpu_ops(model, None)
+    attach(model, None)
     assert calls == []

@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 from kvmesh.kernels.cpu_ops import QuantDecodeLayerWeights, load_cpu_ops
-from kvmesh.shared.model import quant_layers
-from kvmesh.shared.model.llama import attach_cpu_ops
+from kvmesh.shared.model import cpu_modules
+from kvmesh.shared.model.cpu_modules import FusedDecodeBlock
 from kvmesh.shared.model.quant import dequantize, quantize
 from kvmesh.shared.model.quant_layers import QuantLinear, use_quant_weights
-from test_kernel_cpu_layer import _config, _decode_step, _model, _run
+from test_kernel_cpu_layer import _config, _decode_step, _model, _run, attach
 
 LINEARS = ("attention.wqkv", "attention.wo", "feed_forward.w_gate_up", "feed_forward.w_down")
 
@@ -59,12 +59,12 @@ def test_quant_decode_layer_matches_the_module_path(
     torch.set_num_threads(threads)
     try:
         fused, fused_pool = _run(stored, ops, pool, meta, input_ids, pos)
-        assert all(isinstance(lay.decode_weights, QuantDecodeLayerWeights) for lay in stored.layers)
+        assert all(isinstance(lay.weights, QuantDecodeLayerWeights) for lay in stored.layers)
         unfused, unfused_pool = _run(stored, ops, pool, meta, input_ids, pos, fused=False)
         reference, reference_pool = _run(floats, None, pool, meta, input_ids, pos)
     finally:
         torch.set_num_threads(saved)
-        attach_cpu_ops(stored, None)
+        attach(stored, None)
     # the same kernels in the same order: bit for bit the per-module C calls
     assert torch.equal(fused, unfused)
     assert torch.equal(fused_pool.tensor, unfused_pool.tensor)
@@ -95,7 +95,7 @@ def test_quant_decode_layer_splits_a_long_context_over_threads_bit_for_bit(ops, 
         unfused, unfused_pool = _run(stored, ops, pool, meta, input_ids, pos, fused=False)
     finally:
         torch.set_num_threads(saved)
-        attach_cpu_ops(stored, None)
+        attach(stored, None)
     assert torch.equal(fused, unfused)
     assert torch.equal(fused_pool.tensor, unfused_pool.tensor)
 
@@ -106,31 +106,31 @@ def test_a_decode_batch_of_16_rows_and_more_stays_on_the_kernel(ops, monkeypatch
     threshold lifted, the two agree bit for bit, and each row is what it is alone."""
     config = _config(64, 96, 4, 2, 16, False)
     stored, _ = _quant_models(config, ("Q4_1",) * 4)
-    lens = [3 + 5 * i for i in range(quant_layers.FLOAT_GEMM_ROWS + 4)]
+    lens = [3 + 5 * i for i in range(cpu_modules.FLOAT_GEMM_ROWS + 4)]
     pool, meta, input_ids, pos = _decode_step(config, lens)
     fused, _ = _run(stored, ops, pool, meta, input_ids, pos)
-    monkeypatch.setattr(quant_layers, "FLOAT_GEMM_ROWS", 10_000)
+    monkeypatch.setattr(cpu_modules, "FLOAT_GEMM_ROWS", 10_000)
     unfused, _ = _run(stored, ops, pool, meta, input_ids, pos, fused=False)
-    attach_cpu_ops(stored, None)
+    attach(stored, None)
     assert torch.equal(fused, unfused)
 
 
 def test_quant_decode_layer_is_attached_only_where_every_linear_is_stored(ops):
     config = _config(64, 96, 4, 2, 16, False)
     stored, _ = _quant_models(config, ("Q4_1",) * 4)
-    attach_cpu_ops(stored, ops)
-    assert all(isinstance(lay.decode_weights, QuantDecodeLayerWeights) for lay in stored.layers)
+    attach(stored, ops)
+    assert all(isinstance(lay.weights, QuantDecodeLayerWeights) for lay in stored.layers)
     # Q4_1 (2), in the paired layout (+ 16) where the kernels read it
     code = 2 | (16 if ops.quant_pairs else 0)
-    assert stored.layers[0].decode_weights.formats.tolist() == [code] * 4
+    assert stored.layers[0].weights.formats.tolist() == [code] * 4
     # one float32 linear layer among stored ones: that block runs module by module
     half, _ = _quant_models(config, ("Q4_1",) * 4)
     layer = half.layers[1].feed_forward
     float_down = _model(config).layers[1].feed_forward.w_down
     layer.w_down = float_down
-    attach_cpu_ops(half, ops)
-    assert isinstance(half.layers[0].decode_weights, QuantDecodeLayerWeights)
-    assert half.layers[1].decode_weights is None
+    attach(half, ops)
+    assert isinstance(half.layers[0].weights, QuantDecodeLayerWeights)
+    assert not isinstance(half.layers[1], FusedDecodeBlock)
     assert isinstance(half.layers[0].attention.wqkv, QuantLinear)
-    attach_cpu_ops(stored, None)
-    assert all(layer.decode_weights is None for layer in stored.layers)
+    attach(stored, None)
+    assert not any(isinstance(layer, FusedDecodeBlock) for layer in stored.layers)

@@ -74,8 +74,8 @@ def test_activation_quantization_rounds_halves_to_even() -> None:
 def test_residual_pass_cuts_the_activation_rounding_error() -> None:
     """The LM head's two passes (x, then what x's int8 rounding left out) come within a small
     fraction of the float product's distance that one int8 pass leaves."""
+    from kvmesh.shared.model.cpu_modules import residual_quant_linear
     from kvmesh.shared.model.quant import dequantize
-    from kvmesh.shared.model.quant_layers import residual_quant_linear
 
     ops = load_cpu_ops()
     torch.manual_seed(3)
@@ -88,14 +88,15 @@ def test_residual_pass_cuts_the_activation_rounding_error() -> None:
 
 
 def test_quant_linear_takes_the_kernel_for_decode_rows_and_float_for_a_prefill_chunk() -> None:
+    from kvmesh.shared.model.cpu_modules import FLOAT_GEMM_ROWS, CpuQuantLinear
     from kvmesh.shared.model.quant import dequantize
-    from kvmesh.shared.model.quant_layers import FLOAT_GEMM_ROWS, QuantLinear
+    from kvmesh.shared.model.quant_layers import QuantLinear
 
     ops = load_cpu_ops()
     torch.manual_seed(4)
     weight = quantize(torch.randn(96, 128), "Q4_1")
     layer = QuantLinear(weight, None)
-    layer.cpu_ops = ops
+    CpuQuantLinear.install(layer, ops)
     decode = torch.randn(FLOAT_GEMM_ROWS - 1, 128)
     chunk = torch.randn(FLOAT_GEMM_ROWS, 128)
     assert torch.equal(layer(decode), ops.quant_linear(decode, weight))
@@ -105,7 +106,7 @@ def test_quant_linear_takes_the_kernel_for_decode_rows_and_float_for_a_prefill_c
 def test_residual_pass_reads_the_weight_once_for_both_terms() -> None:
     """x and its rounding error go through the kernel as one batch: the sum is bit for bit that
     of two separate calls (each row's result does not depend on the batch)."""
-    from kvmesh.shared.model.quant_layers import residual_quant_linear
+    from kvmesh.shared.model.cpu_modules import residual_quant_linear
 
     torch.manual_seed(5)
     weight = quantize(torch.randn(300, 192) * 0.05, "Q8_0")

@@ -84,7 +84,7 @@ def test_paired_layout_holds_the_same_values_in_the_same_bytes(format: str, cols
     if cols == 96:  # the last unpaired block as it was
         assert torch.equal(paired.data[:, 2 * bb :], weight.data[:, 2 * bb :])
     assert pair_blocks(quantize(torch.randn(2, 64), "Q8_0")).paired is False
-    # in place (what attach_cpu_ops does: no second copy), over more rows than one step
+    # in place (what CpuBackend.install does: no second copy), over more rows than one step
     tall = quantize(torch.randn(300, cols, generator=torch.Generator().manual_seed(1)), format)
     before = tall.data.clone()
     in_place = pair_blocks(tall, in_place=True)

@@ -11,12 +11,13 @@ from test_real_model import GGUF, real_model  # noqa: F401  (the fixture)
 
 PROMPT = "<|im_start|>user\nWrite a short story about a lighthouse keeper.<|im_end|>\n<|im_start|>assistant\n"
 NEW_TOKENS = 160
+BACKENDS = {}  # id(model) -> the CpuBackend installed on it
 
 
 @pytest.fixture(scope="module")
 def models(real_model):  # noqa: F811
     from kvmesh.kernels.cpu_ops import load_cpu_ops
-    from kvmesh.shared.model.llama import attach_cpu_ops
+    from kvmesh.shared.model.backend import CpuBackend
     from kvmesh.shared.model.loader import load_model
 
     ops = load_cpu_ops()
@@ -24,8 +25,9 @@ def models(real_model):  # noqa: F811
         pytest.skip("no C compiler for the CPU kernels")
     stored, tokenizer = load_model(str(real_model))
     floats, _ = load_model(str(real_model), dequantize=True)
-    attach_cpu_ops(stored, ops)
-    attach_cpu_ops(floats, ops)
+    for model in (stored, floats):
+        BACKENDS[id(model)] = CpuBackend(ops)
+        BACKENDS[id(model)].install(model)
     return stored, floats, tokenizer
 
 
@@ -46,7 +48,7 @@ def test_stored_weights_take_about_the_files_bytes(real_model, models) -> None: 
     formats = {m.qweight.format for m in quant}
     assert formats == {"Q4_1", "Q8_0"}
     total = sum(m.qweight.nbytes for m in quant if isinstance(m, QuantEmbedding))
-    total += sum(m.qweight.nbytes for m in stored.modules() if type(m) is QuantLinear)
+    total += sum(m.qweight.nbytes for m in stored.modules() if isinstance(m, QuantLinear))
     total -= stored.tok_embeddings.head.qweight.nbytes  # the tied head shares the embeddings
     total += sum(p.numel() * p.element_size() for p in stored.parameters())
     assert total <= (real_model / GGUF).stat().st_size * 1.02
@@ -60,7 +62,13 @@ def test_greedy_agrees_with_float32_until_it_hesitates(models) -> None:
     runs = []
     for model in (floats, stored):
         runs.append(
-            greedy_generate(model, prompt, NEW_TOKENS, *_pool(model, len(prompt) + NEW_TOKENS))
+            greedy_generate(
+                model,
+                prompt,
+                NEW_TOKENS,
+                *_pool(model, len(prompt) + NEW_TOKENS),
+                BACKENDS[id(model)],
+            )
         )
     expected, got = runs
     ids = prompt + expected
@@ -102,18 +110,23 @@ def test_fused_decode_layers_give_the_module_paths_tokens(models) -> None:
     """Decode on the stored weights runs each layer in one C call (``kv_decode_layer_quant``):
     greedy, its tokens are those of the same weights run module by module (bit for bit the same
     arithmetic)."""
-    from kvmesh.kernels.cpu_ops import QuantDecodeLayerWeights, load_cpu_ops
-    from kvmesh.shared.model.llama import attach_cpu_ops
+    from kvmesh.kernels.cpu_ops import QuantDecodeLayerWeights
+    from kvmesh.shared.model.backend import CpuBackend
+    from kvmesh.shared.model.cpu_modules import FusedDecodeBlock
     from support.hf_fixtures import greedy_generate
 
     stored, _, tokenizer = models
     prompt = tokenizer.encode(PROMPT)
-    assert all(isinstance(lay.decode_weights, QuantDecodeLayerWeights) for lay in stored.layers)
-    fused = greedy_generate(stored, prompt, 48, *_pool(stored, len(prompt) + 48))
-    for layer in stored.layers:
-        layer.decode_weights = None
+    assert all(isinstance(lay, FusedDecodeBlock) for lay in stored.layers)
+    assert all(isinstance(lay.weights, QuantDecodeLayerWeights) for lay in stored.layers)
+    backend = BACKENDS[id(stored)]
+    fused = greedy_generate(stored, prompt, 48, *_pool(stored, len(prompt) + 48), backend)
+    per_module_backend = CpuBackend(backend.cpu_ops, fuse_layers=False)
+    per_module_backend.install(stored)
     try:
-        per_module = greedy_generate(stored, prompt, 48, *_pool(stored, len(prompt) + 48))
+        per_module = greedy_generate(
+            stored, prompt, 48, *_pool(stored, len(prompt) + 48), per_module_backend
+        )
     finally:
-        attach_cpu_ops(stored, load_cpu_ops())
+        backend.install(stored)
     assert fused == per_module

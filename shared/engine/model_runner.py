@@ -27,7 +27,7 @@ from kvmesh.shared.engine.draft_tree import DraftTree
 from kvmesh.shared.engine.sequence import Sequence
 from kvmesh.shared.kv.kv_cache import KVPool
 from kvmesh.shared.model.attention import AttentionMetadata, TreeRows
-from kvmesh.shared.model.llama import CPU_KV_DTYPES, attach_cpu_ops
+from kvmesh.shared.model.backend import select_backend
 
 
 class ModelRunner:
@@ -42,20 +42,13 @@ class ModelRunner:
         self.kv_pool = kv_pool
         self.block_size = kv_pool.spec.block_size
         self.device = torch.device(device)
-        self.use_triton = self.device.type == "cuda"
-        ops = None
-        if cpu_kernels and self.device.type == "cpu":
-            from kvmesh.kernels.cpu_ops import load_cpu_ops
-
-            ops = load_cpu_ops()
-        attach_cpu_ops(model, ops)  # None also undoes an earlier engine's choice
-        self.cpu_ops = ops
+        # the kernels, chosen once: installed on the model here, planning each step in prepare
+        self.backend = select_backend(self.device, cpu_kernels)
+        self.backend.install(model)  # the torch backend also undoes an earlier engine's kernels
+        self.use_triton = self.backend.use_triton
+        self.cpu_ops = self.backend.cpu_ops
         # trees as one-query rows (TreeRows): only the C decode kernels read them
-        self.tree_rows = (
-            ops is not None
-            and model.config.dtype == "float32"
-            and kv_pool.spec.dtype in CPU_KV_DTYPES
-        )
+        self.tree_rows = self.backend.decodes_in_c(kv_pool.spec)
 
     def prepare(
         self,
@@ -124,6 +117,7 @@ class ModelRunner:
             tree_masks=tree_masks,
             tree_rows=tree_rows,
         )
+        meta.cpu_plan = self.backend.plan_step(meta, self.kv_pool)
         return torch.tensor(input_ids, dtype=torch.int64, device=dev), pos, meta
 
     @torch.inference_mode()

@@ -63,7 +63,8 @@ class AttentionMetadata:
     tree_masks: dict[int, torch.Tensor] = field(default_factory=dict)
     # Draft-tree nodes as one-query rows (only the C decode kernels read them; see TreeRows).
     tree_rows: TreeRows | None = None
-    # The C decode attention's split of the batch over threads, set by the first layer.
+    # The C decode kernels' split of the batch over threads, shared by every layer: made by the
+    # engine's backend before the pass (``CpuBackend.plan_step``); None: no C decode this step.
     cpu_plan: DecodePlan | None = None
     # Derived once per forward on first use and shared by every layer.
     _plan: _TorchPlan | None = field(default=None, repr=False)

@@ -82,7 +82,7 @@ def kv_heads_held(model: nn.Module) -> int:
 
 def shard_model(model: Transformer, group: dist.ProcessGroup | None = None) -> TPLayout:
     """Keep this rank's share of ``model`` (in place) for the ranks of ``group`` (default: the
-    whole world of ``torch.distributed``). Call before ``attach_cpu_ops`` (the engine does that)."""
+    whole world of ``torch.distributed``). Call before installing a backend (``backend.py``; the engine does that)."""
     config: ModelConfig = model.config
     if getattr(model, "tp_layout", None) is not None:
         raise TPShardError("this model is sharded already; shard a freshly loaded one")

@@ -206,9 +206,15 @@ def prefill_logits(
 
 
 def greedy_generate(
-    model, prompt_ids: list[int], max_new_tokens: int, pool: KVPool, block_table: list[int]
+    model,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    pool: KVPool,
+    block_table: list[int],
+    backend=None,
 ) -> list[int]:
-    """Prefill the prompt, then decode one token at a time through the paged cache; argmax sampling."""
+    """Prefill the prompt, then decode one token at a time through the paged cache; argmax
+    sampling. ``backend``: the one installed on ``model``, which plans each decode step."""
     out: list[int] = []
     with torch.inference_mode():
         meta = prefill_metadata(len(prompt_ids), block_table)
@@ -220,6 +226,8 @@ def greedy_generate(
                 break
             pos = len(prompt_ids) + step
             meta = prefill_metadata(1, block_table, start=pos)
+            if backend is not None:
+                meta.cpu_plan = backend.plan_step(meta, pool)
             hidden = model(torch.tensor([next_id]), torch.tensor([pos]), pool, meta)
             next_id = int(model.compute_logits(hidden).argmax(-1))
     return out
