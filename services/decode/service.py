@@ -27,7 +27,7 @@ from kvmesh.services.decode.stream_log import StreamLog
 from kvmesh.services.decode.worker import DecodeWorker
 from kvmesh.shared.bus.hearing import Hearing
 from kvmesh.shared.bus.message_guard import guard_of
-from kvmesh.shared.bus.messages.codec import MessageError, decode_message, encode_message
+from kvmesh.shared.bus.messages.codec import encode_message
 from kvmesh.shared.bus.messages.placement import LeaseCancel, LeaseRenew, ReserveRequest
 from kvmesh.shared.bus.messages.prefill_jobs import PrefillDone, PrefillStarted
 from kvmesh.shared.bus.messages.token_streams import Abort, StreamResume, TokenEvent
@@ -40,6 +40,7 @@ from kvmesh.shared.bus.messages.workers import (
     WorkerHeartbeat,
     WorkerLoad,
 )
+from kvmesh.shared.bus.nats_request import read_request
 from kvmesh.shared.bus.worker_feature import Features
 from kvmesh.shared.obs import logs
 from kvmesh.shared.transport import Transport
@@ -170,10 +171,8 @@ class DecodeService:
 
     async def on_stream_resume(self, req: Request) -> None:
         """A router takes over a stream whose client resumes it there (stream_handover.py)."""
-        try:
-            body = decode_message(req.data, StreamResume)
-        except MessageError as exc:
-            await req.respond_error("400", str(exc))
+        body = await read_request(req, StreamResume)
+        if body is None:
             return
         with logs.request_context(body.wire_id):
             replay = self.handover.replay(body)
@@ -218,10 +217,8 @@ class DecodeService:
         guard_of(self.nc).spawn(self.tg, self._reserve(req), req.subject)
 
     async def _reserve(self, req: Request) -> None:
-        try:
-            body = decode_message(req.data, ReserveRequest)
-        except MessageError as exc:
-            await req.respond_error("400", str(exc))
+        body = await read_request(req, ReserveRequest)
+        if body is None:
             return
         with logs.request_context(body.request_id):
             max_lease_ms = int(self.config.max_lease_s * 1000)

@@ -30,7 +30,7 @@ from kvmesh.services.kv_store.layout import store_layout
 from kvmesh.services.kv_store.metrics import StoreMetrics
 from kvmesh.services.kv_store.worker import StoreWorker
 from kvmesh.shared.bus.messages.cache_events import KvCacheDigest, KvCacheEvents
-from kvmesh.shared.bus.messages.codec import Message, MessageError, decode_message, encode_message
+from kvmesh.shared.bus.messages.codec import Message, encode_message
 from kvmesh.shared.bus.messages.kv_store import (
     StoreAdvert,
     StoreCommit,
@@ -43,6 +43,7 @@ from kvmesh.shared.bus.messages.kv_store import (
 )
 from kvmesh.shared.bus.messages.workers import WorkerGone, WorkerHeartbeat, WorkerLoad
 from kvmesh.shared.bus.nats_connect import connect_nats
+from kvmesh.shared.bus.nats_request import read_request
 from kvmesh.shared.bus.service_lifetime import serve_until_signal
 from kvmesh.shared.bus.store_solicit import SolicitLimiter
 from kvmesh.shared.bus.worker_presence import new_worker_id, publish_every
@@ -200,10 +201,8 @@ class StoreService:
         (``with_role``: ``handle(body, requester_role(reply subject))``)."""
 
         async def on_request(req: Request) -> None:
-            try:
-                body = decode_message(req.data, cls)
-            except MessageError as exc:
-                await req.respond_error("400", str(exc))
+            body = await read_request(req, cls)
+            if body is None:
                 return
             # nats.micro's Request keeps the reply subject on its message only
             role = requester_role(req._msg.reply or "") if with_role else None

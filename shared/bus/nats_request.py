@@ -11,6 +11,7 @@ import nats
 import nats.micro
 import orjson
 from kvmesh.shared.bus.message_guard import guard_of
+from kvmesh.shared.bus.messages.codec import M, MessageError, decode_message
 from kvmesh.shared.bus.nats_connect import NatsUnavailableError, flush_to_server
 from kvmesh.shared.obs.metrics_exporter import serve_metrics
 from nats.aio.client import Client
@@ -24,6 +25,16 @@ if TYPE_CHECKING:
 SERVICE_VERSION = "0.1.0"
 
 RequestHandler = Callable[[Request], Awaitable[None]]
+
+
+async def read_request(req: Request, cls: type[M]) -> M | None:
+    """``req``'s body as a ``cls``; a malformed one is answered with a 400 (the codec's error,
+    which names the type and the field) and gives None."""
+    try:
+        return decode_message(req.data, cls)
+    except MessageError as exc:
+        await req.respond_error("400", str(exc))
+        return None
 
 
 @contextlib.asynccontextmanager
