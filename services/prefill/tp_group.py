@@ -25,7 +25,6 @@ import dataclasses
 import multiprocessing as mp
 import os
 import queue
-import signal
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -35,7 +34,7 @@ from kvmesh.services.prefill.tp_follower import DecodeTarget, HandOff, RankRepor
 from kvmesh.shared.config.ports import free_port
 from kvmesh.shared.engine.tp_ranks import (
     RankProcesses,
-    exit_with_leader,
+    become_follower,
     join_group,
     rank_threads,
     spawn_ranks,
@@ -208,13 +207,8 @@ def follower_main(
     cpus: list[int],
     reports: Any,
 ) -> None:
-    """A follower rank's process: ends when the leader closes the group or is gone, not on the
-    signals a launcher sends the whole process group (the leader stops it once it drained)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    os.sched_setaffinity(0, cpus)
-    exit_with_leader(leader_pid)
-    logs.setup_logging()
+    """A follower rank's process (``become_follower``), until its leader closes the group."""
+    become_follower(leader_pid, cpus)
     asyncio.run(_follow(config, worker_id, rank, port, reports))
 
 

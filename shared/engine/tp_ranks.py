@@ -17,6 +17,7 @@ import asyncio
 import dataclasses
 import multiprocessing as mp
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -121,6 +122,19 @@ def join_group(rank: int, tp_size: int, port: int) -> None:
         world_size=tp_size,
         timeout=datetime.timedelta(seconds=TP_INIT_TIMEOUT_S),
     )
+
+
+def become_follower(leader_pid: int, cpus: list[int]) -> None:
+    """Set up a follower rank's process: on its ``cpus``, logging as the services do, ending
+    when its leader closes the group or is gone (``exit_with_leader``), not on the signals a
+    launcher sends the whole process group (the leader stops it once it drained)."""
+    from kvmesh.shared.obs import logs
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    os.sched_setaffinity(0, cpus)
+    exit_with_leader(leader_pid)
+    logs.setup_logging()
 
 
 def exit_with_leader(leader_pid: int) -> None:
