@@ -12,7 +12,7 @@ import jsonschema
 import msgspec
 import orjson
 import pytest
-from kvmesh.services.router import schema
+from kvmesh.services.router import response_bodies
 from kvmesh.services.router.config import RouterConfig
 from kvmesh.services.router.openapi import openapi_document
 from kvmesh.services.router.service import serve_router
@@ -394,9 +394,9 @@ async def test_models_health_openapi_and_unknown_route(nats_server):
         metrics = await http.get("/metrics")
         one = await http.get("/v1/models/other")
     # the answers are what the published schema says (every field there, of its type)
-    models = msgspec.json.decode(models_raw, type=schema.ModelList, strict=True)
+    models = msgspec.json.decode(models_raw, type=response_bodies.ModelList, strict=True)
     assert [m.id for m in models.data] == ["tiny"] and models.data[0].max_model_len > 0
-    assert msgspec.json.decode(card_raw, type=schema.Model) == models.data[0]
+    assert msgspec.json.decode(card_raw, type=response_bodies.Model) == models.data[0]
     assert health.status == 200 and (await health.json())["status"] == "ok"
     assert doc["openapi"].startswith("3.") and "/v1/chat/completions" in doc["paths"]
     assert missing.status == 404 and missing_body["error"]["code"] == "unknown_url"

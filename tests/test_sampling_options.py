@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 import pytest
-from kvmesh.services.router.schema import ChatCompletionRequest, CompletionRequest
+from kvmesh.services.router.request_bodies import ChatCompletionRequest, CompletionRequest
 from kvmesh.shared.bus.messages.codec import decode_message, encode_message
 from kvmesh.shared.bus.messages.placement import PlaceRequest
 from kvmesh.shared.text.sampling import SamplingOptions

@@ -4,8 +4,9 @@ Three steps, each with its own kind of error:
 
 1. refusals by name of what kvmesh cannot honour (``best_of``, ``echo``, ``functions``, batched prompts,
    non-text content parts) rather than ignoring them, and the served model;
-2. the request Structs of ``schema.py`` (the ones ``/openapi.json`` publishes) check every type
-   and bound; msgspec's error becomes a 400 naming the parameter and quoting the value;
+2. the request Structs of ``request_bodies.py`` (the ones ``/openapi.json`` publishes) check
+   every type and bound; msgspec's error becomes a 400 naming the parameter and quoting the
+   value;
 3. what a schema cannot say: ``stream_options`` needs ``stream``, ``top_logprobs`` needs
    ``logprobs``, ``max_completion_tokens`` wins over ``max_tokens``, ``logit_bias`` keys are
    token ids, the "developer" role is the system prompt.
@@ -34,7 +35,7 @@ from kvmesh.services.router.refusals import (
     refuse_unknown,
     refuse_unsupported,
 )
-from kvmesh.services.router.schema import (
+from kvmesh.services.router.request_bodies import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,

@@ -55,6 +55,7 @@ from kvmesh.services.router.metrics import RequestTimer, RouterMetrics
 from kvmesh.services.router.model_info import ModelInfo
 from kvmesh.services.router.openapi import ROUTES, openapi_document
 from kvmesh.services.router.prompt import Prompt, tokenize
+from kvmesh.services.router.response_bodies import Model, ModelList
 from kvmesh.services.router.responses import (
     Logprobs,
     ResponseBuilder,
@@ -64,7 +65,6 @@ from kvmesh.services.router.responses import (
     sse_done,
     sse_event,
 )
-from kvmesh.services.router.schema import Model, ModelList
 from kvmesh.services.router.shutdown import Shutdown
 from kvmesh.services.router.stream_ids import (
     DONE,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvmesh.services.router.schema import (
+from kvmesh.services.router.response_bodies import (
     ChatLogprobs,
     CompletionLogprobs,
     PromptLogprob,

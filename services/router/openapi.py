@@ -1,8 +1,9 @@
 """The router's routes (``ROUTES``) and their OpenAPI 3.1 document (served at ``/openapi.json``).
 
 One list makes both: ``app.py`` builds aiohttp's router from ``ROUTES`` and ``openapi_document``
-the paths. Every body's schema is generated from its Struct in ``schema.py`` (the same Structs
-that validate requests and encode answers); only the routes are written here.
+the paths. Every body's schema is generated from its Struct in ``request_bodies.py`` or
+``response_bodies.py`` (the same Structs that validate requests and encode answers); only the
+routes are written here.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import msgspec
-from kvmesh.services.router.schema import REQUESTS, RESPONSES
+from kvmesh.services.router.request_bodies import REQUESTS
+from kvmesh.services.router.response_bodies import RESPONSES
 from kvmesh.services.router.timings import STAGES
 
 OPENAPI_VERSION = "3.1.0"

@@ -1,4 +1,5 @@
-"""OpenAI response bodies and SSE chunks, built as the Structs of ``schema.py`` (pure, no I/O).
+"""OpenAI response bodies and SSE chunks, built as the Structs of ``response_bodies.py`` (pure,
+no I/O).
 
 Streams are framed as OpenAI frames them: one ``data: {json}\\n\\n`` event per chunk and a final
 ``data: [DONE]\\n\\n``. Chat streams open with a chunk carrying the assistant role; with
@@ -16,7 +17,8 @@ from typing import Any
 import msgspec
 from kvmesh.services.router.api import GenerateRequest
 from kvmesh.services.router.errors import ApiError
-from kvmesh.services.router.schema import (
+from kvmesh.services.router.request_bodies import FunctionCall, ToolCall
+from kvmesh.services.router.response_bodies import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
@@ -26,11 +28,9 @@ from kvmesh.services.router.schema import (
     ChatLogprobs,
     CompletionChoice,
     CompletionLogprobs,
-    FunctionCall,
     FunctionCallDelta,
     PromptLogprobs,
     TextCompletion,
-    ToolCall,
     ToolCallDelta,
     Usage,
 )

@@ -21,13 +21,12 @@ from kvmesh.services.router.api import (
 )
 from kvmesh.services.router.errors import InvalidRequestError
 from kvmesh.services.router.prompt import encode_chat
-from kvmesh.services.router.schema import (
+from kvmesh.services.router.request_bodies import (
     DetokenizeRequest,
-    DetokenizeResponse,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
-    TokenizeResponse,
 )
+from kvmesh.services.router.response_bodies import DetokenizeResponse, TokenizeResponse
 from kvmesh.shared.text.tokenizer import Tokenizer
 
 

@@ -12,7 +12,7 @@ from typing import Any
 import msgspec
 from kvmesh.services.router import structured
 from kvmesh.services.router.errors import InvalidRequestError, quote_value
-from kvmesh.services.router.schema import ChatCompletionRequest, FunctionDefinition
+from kvmesh.services.router.request_bodies import ChatCompletionRequest, FunctionDefinition
 from kvmesh.shared.text.schema_limits import SchemaLimits
 from kvmesh.shared.text.structured_output import (
     StructuredOutputError,

@@ -1,8 +1,8 @@
 """How to sample one request's output: ``SamplingOptions``, the one definition of every option.
 
 The same Struct is the options' type at every layer, so a new option is added here once:
-- the router's HTTP bodies (``services/router/schema.py``) subclass it, which puts its fields,
-  bounds and descriptions into request validation and ``/openapi.json``;
+- the router's HTTP bodies (``services/router/request_bodies.py``) subclass it, which puts its
+  fields, bounds and descriptions into request validation and ``/openapi.json``;
 - the NATS messages that carry a request (``PlaceRequest``, ``PrefillJob``, ...) hold it, and
   decoding them checks its bounds;
 - the engine samples by it (``Sequence.params``).
