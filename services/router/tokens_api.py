@@ -17,7 +17,6 @@ from kvmesh.services.router.api import (
     check_model,
     refuse_non_text_parts,
     refuse_unknown,
-    validate_body,
 )
 from kvmesh.services.router.errors import InvalidRequestError
 from kvmesh.services.router.prompt import encode_chat
@@ -27,6 +26,7 @@ from kvmesh.services.router.request_bodies import (
     TokenizeCompletionRequest,
 )
 from kvmesh.services.router.response_bodies import DetokenizeResponse, TokenizeResponse
+from kvmesh.services.router.validation import validate_body
 from kvmesh.shared.text.tokenizer import Tokenizer
 
 
