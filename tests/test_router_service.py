@@ -104,8 +104,8 @@ async def test_large_bodies_are_tokenized_in_a_worker_thread_and_small_ones_inli
     event loop. A large body's parse and tokenization now run in a worker thread."""
     import threading
 
-    from kvmesh.services.router import app
-    from kvmesh.services.router.app import INLINE_BODY_BYTES
+    from kvmesh.services.router import generation
+    from kvmesh.services.router.generation import INLINE_BODY_BYTES
 
     threads: list[str] = []
 
@@ -113,8 +113,8 @@ async def test_large_bodies_are_tokenized_in_a_worker_thread_and_small_ones_inli
         threads.append(threading.current_thread().name)
         return tokenize(*args)
 
-    tokenize = app.tokenize
-    monkeypatch.setattr(app, "tokenize", recording_tokenize)
+    tokenize = generation.tokenize
+    monkeypatch.setattr(generation, "tokenize", recording_tokenize)
     padding = "x" * (INLINE_BODY_BYTES + 1)
     async with mesh_and_router(nats_server) as (_, _, http):
         small = await _complete(http, [1, 2])
@@ -126,7 +126,7 @@ async def test_large_bodies_are_tokenized_in_a_worker_thread_and_small_ones_inli
 
 
 async def test_large_bodies_are_prepared_off_the_event_loop_with_the_same_result(nats_server):
-    from kvmesh.services.router.app import INLINE_BODY_BYTES
+    from kvmesh.services.router.generation import INLINE_BODY_BYTES
 
     padding = "x" * (INLINE_BODY_BYTES + 1)  # an ignored field makes the body large
     too_long = "y" * (INLINE_BODY_BYTES + 1)  # more tokens than kvmesh-tiny's context
