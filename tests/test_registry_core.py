@@ -2,7 +2,8 @@ from __future__ import annotations
 
 import msgspec
 import pytest
-from kvmesh.services.kv_registry.core import Candidate, Refusal, RegistryState
+from kvmesh.services.kv_registry.core import RegistryState
+from kvmesh.services.kv_registry.placement_policy import Candidate, Refusal
 from kvmesh.shared.bus.messages.placement import DecodeRankTarget, PlaceRequest
 from kvmesh.shared.bus.messages.workers import DecodeAdvert, WorkerHeartbeat, WorkerLoad
 from kvmesh.shared.kv.descriptor import TcpBackend, TransportDescriptor

@@ -4,7 +4,8 @@ the index following the workers (events only from known workers, dropped with th
 
 from __future__ import annotations
 
-from kvmesh.services.kv_registry.core import Candidate, RegistryState
+from kvmesh.services.kv_registry.core import RegistryState
+from kvmesh.services.kv_registry.placement_policy import Candidate
 from kvmesh.shared.bus.messages.cache_events import KvCacheDigest, KvCacheEvents
 from kvmesh.shared.bus.messages.placement import PlaceRequest
 from kvmesh.shared.kv.prefix_hash import layout_root, prefix_block_hashes

@@ -8,7 +8,8 @@ read (half a cached block each), and makes a local prefill of a short suffix pas
 
 from __future__ import annotations
 
-from kvmesh.services.kv_registry.core import Candidate, RegistryState
+from kvmesh.services.kv_registry.core import RegistryState
+from kvmesh.services.kv_registry.placement_policy import Candidate
 from kvmesh.services.kv_registry.stores import StoreTable
 from kvmesh.services.kv_store.core import BlockStore
 from kvmesh.services.kv_store.disk_tier import DiskSlots

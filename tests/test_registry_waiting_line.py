@@ -5,7 +5,8 @@ request is served as soon as its blocks free, before later small ones
 
 from __future__ import annotations
 
-from kvmesh.services.kv_registry.core import Candidate, Refusal, RegistryState
+from kvmesh.services.kv_registry.core import RegistryState
+from kvmesh.services.kv_registry.placement_policy import Candidate, Refusal
 from kvmesh.services.kv_registry.waiting_line import WaitingLine
 from test_registry_core import advert, place
 

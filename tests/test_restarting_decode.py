@@ -8,7 +8,8 @@ starting, instead of a 503 at once. The mesh test is tests/test_mesh_member_deat
 
 from __future__ import annotations
 
-from kvmesh.services.kv_registry.core import Candidate, Refusal, RegistryState
+from kvmesh.services.kv_registry.core import RegistryState
+from kvmesh.services.kv_registry.placement_policy import Candidate, Refusal
 from kvmesh.services.router.errors import OverloadedError, ServiceUnavailableError
 from kvmesh.services.router.recovery import (
     DECODE_RESTART_S,

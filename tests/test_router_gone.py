@@ -13,7 +13,8 @@ import time
 
 import msgspec
 import pytest
-from kvmesh.services.kv_registry.core import Candidate, RegistryState
+from kvmesh.services.kv_registry.core import RegistryState
+from kvmesh.services.kv_registry.placement_policy import Candidate
 from kvmesh.shared.bus.messages.placement import PlaceRequest, ReserveRequest
 from kvmesh.shared.bus.messages.prefill_jobs import PrefillDone, PrefillJob, PrefillStarted
 from kvmesh.shared.bus.messages.workers import WorkerHeartbeat, WorkerLoad

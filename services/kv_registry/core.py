@@ -1,38 +1,22 @@
-"""The registry's state and placement policy: pure, synchronous, clock passed in.
+"""The registry's state: its workers, their liveness and their leases (pure, synchronous, clock
+passed in).
 
 The decode workers own their free lists and enforce their leases; the registry keeps a soft view
 (the latest DecodeAdvert of each worker, corrected for the reservations granted since), picks a
 worker for each PlaceRequest, and tracks leases for status and expiry. Everything here can be
 rebuilt from the workers' periodic adverts, which is what a restarted registry does. The table's
-entries are worker_views.py's; what admin shows of the state, status_rows.py's.
-
-Placement policy (``choose``): skip dead, draining and mismatched workers (another model or KV
-layout than the router's ``PlaceRequest.model_spec``, mode, the registry's KV layout, a prompt
-larger than the whole pool); keep the workers with enough estimated free blocks for the whole
-prompt (feasibility first); among them take the highest
-
-    score = prefix_weight * (cached_blocks + store_block_weight * read_blocks)
-            - load_weight * load
-
-where ``cached_blocks`` is how many leading blocks of the prompt the worker's prefix cache holds
-(``prefix_index``, fed by its KV events; the prompt's hashes are computed as the engine computes
-them, shared/kv/prefix_hash.py), ``read_blocks`` how many more leading blocks the kv-store the
-worker reads holds (prefix_reach.py says why they weigh less), and ``load`` is running +
-waiting + reservations in flight; ties go to the lowest load, then the most free blocks, then
-the id. A remote-prefill request placed where at least one block is cached or readable, with at
-most ``local_max_suffix_tokens`` left past them, is turned into a local prefill: the decode
-worker reads the blocks its cache lacks from the store, computes only that suffix (its engine
-takes the cached and read blocks), and no prefill job is sent.
+entries are worker_views.py's; what admin shows of the state, status_rows.py's; which worker
+takes a prompt, placement_policy.py's (its weights are fields here).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 
+from kvmesh.services.kv_registry import placement_policy
+from kvmesh.services.kv_registry.placement_policy import Candidate, Refusal
 from kvmesh.services.kv_registry.prefix_index import PrefixIndex
-from kvmesh.services.kv_registry.prefix_reach import PrefixReach, prefix_reach, prefix_score
 from kvmesh.services.kv_registry.status_rows import RegistryRows, registry_status, worker_rows
 from kvmesh.services.kv_registry.stores import StoreTable
 from kvmesh.services.kv_registry.worker_views import DecodeWorkerView, PeerWorker, seen
@@ -53,35 +37,6 @@ class Lease:
     granted_at: float
     expires_at: float
     router: str = ""  # the instance of the router that holds it (PlaceRequest.router)
-
-
-@dataclass(frozen=True, slots=True)
-class Candidate:
-    """The worker ``choose`` picked and how many blocks to reserve there; how many leading
-    blocks of the prompt its prefix cache holds (and the store it reads), and whether the
-    registry turned a remote-prefill request into a local one there (only a short suffix is left
-    to compute past the cached and readable blocks)."""
-
-    worker_id: str
-    num_blocks: int
-    num_cached_blocks: int = 0
-    cached_tokens: int = 0
-    prefill_here: bool = False
-    store_cached_tokens: int = 0  # of the prompt's leading tokens, held by the store it reads
-    read_tokens: int = 0  # of them, past its cached ones, that it is expected to read
-
-    def is_local_prefill(self, request: PlaceRequest) -> bool:
-        return request.local_prefill or self.prefill_here
-
-
-@dataclass(frozen=True, slots=True)
-class Refusal:
-    """No placement: ``retry_after_s > 0`` means overloaded (try later), 0 means do not retry.
-    ``reason`` is one word for metrics: no_workers, draining, mismatch or full."""
-
-    error: str
-    retry_after_s: float = 0.0
-    reason: str = "mismatch"
 
 
 @dataclass(slots=True)
@@ -109,7 +64,7 @@ class RegistryState:
     # worker id -> last seen, for workers dropped recently: if one comes back, the gap teaches
     # the registry its interval (else a worker slower than 1/missed of the timeout would flap)
     dropped_at: dict[str, float] = field(default_factory=dict)
-    # prefix-aware placement (module docstring): prefix_weight 0 turns it off
+    # prefix-aware placement (placement_policy.py): prefix_weight 0 turns it off
     prefix_weight: float = 1.0
     store_block_weight: float = 0.5  # a block to read from a store, per cached block (0: off)
     load_weight: float = 4.0
@@ -195,8 +150,8 @@ class RegistryState:
         """Drop workers silent for longer than worker_timeout_s and leases past their TTL.
 
         Returns (dropped worker ids, expired leases)."""
-        dead = [w for w, d in self.decode.items() if not self._is_alive(d, now)]
-        dead += [w for w, p in self.peers.items() if not self._is_alive(p, now)]
+        dead = [w for w, d in self.decode.items() if not self.is_alive(d, now)]
+        dead += [w for w, p in self.peers.items() if not self.is_alive(p, now)]
         for worker_id in dead:
             self._drop(worker_id)
         for worker_id, last_seen in list(self.dropped_at.items()):
@@ -237,108 +192,8 @@ class RegistryState:
             interval = max(interval, entry.heartbeat.interval_s)
         return max(self.worker_timeout_s, self.missed_heartbeats * interval)
 
-    def _is_alive(self, entry: DecodeWorkerView | PeerWorker, now: float) -> bool:
+    def is_alive(self, entry: DecodeWorkerView | PeerWorker, now: float) -> bool:
         return self.hearing.silence(entry.last_seen, now) <= self.timeout_of(entry)
-
-    # --- placement ------------------------------------------------------------------------------
-
-    def blocks_needed(self, worker: DecodeWorkerView, num_prompt_tokens: int) -> int:
-        return max(1, math.ceil(num_prompt_tokens / worker.advert.reach.block_size))
-
-    def choose(
-        self,
-        request: PlaceRequest,
-        now: float,
-        exclude: frozenset[str] = frozenset(),
-        held_tokens: int = 0,
-    ) -> Candidate | Refusal:
-        """Pick a decode worker for ``request`` and count the reservation as in flight there.
-        ``held_tokens``: an older placement waiting for room (waiting_line.py) needs this many
-        tokens' blocks; ``request`` goes only where that one still fits after it.
-
-        The caller must follow up with ``grant`` or ``release_inflight``."""
-        live = [
-            w for w in self.decode.values() if self._is_alive(w, now) and w.worker_id not in exclude
-        ]
-        if not live:
-            starting = self.starting(now)
-            error = (
-                f"decode workers starting (loading their model): {', '.join(starting)}"
-                if starting
-                else "no live decode workers registered yet"
-            )
-            return Refusal(error, self.retry_after_s, reason="no_workers")
-        eligible, reasons = [], set()
-        for w in live:
-            reason = self._mismatch(w, request)
-            if reason:
-                reasons.add(reason)
-            else:
-                eligible.append(w)
-        if not eligible:
-            is_draining = reasons == {"draining"}
-            return Refusal(
-                f"no decode worker can take this request: {', '.join(sorted(reasons))}",
-                self.retry_after_s if is_draining else 0.0,
-                reason="draining" if is_draining else "mismatch",
-            )
-        with_room = [
-            w for w in eligible if w.free_blocks >= self.blocks_needed(w, len(request.prompt_ids))
-        ]
-        if with_room and held_tokens:
-            with_room = self._leaving_room(
-                eligible, with_room, len(request.prompt_ids), held_tokens
-            )
-            if not with_room:
-                return Refusal(
-                    "an older request waits for the room this one needs; retry later",
-                    self.retry_after_s,
-                    reason="full",
-                )
-        if not with_room:
-            return Refusal(
-                "every decode worker is full; retry later", self.retry_after_s, reason="full"
-            )
-        reach = prefix_reach(
-            [w.advert for w in with_room],
-            request.prompt_ids,
-            self.prefix_index,
-            self.stores,
-            use_cache=self.prefix_weight > 0,
-            use_stores=self.store_block_weight > 0,
-            cache_salt=request.sampling.cache_salt,
-        )
-        best = min(
-            with_room,
-            key=lambda w: (
-                self.load_weight * w.load - self._prefix_score(reach[w.worker_id]),
-                w.load,
-                -w.free_blocks,
-                w.worker_id,
-            ),
-        )
-        num_blocks = self.blocks_needed(best, len(request.prompt_ids))
-        best.inflight_blocks += num_blocks
-        best.num_inflight += 1
-        got = reach[best.worker_id]
-        self.prefix_index.touch(best.worker_id, got.own)
-        bs = best.advert.reach.block_size
-        suffix = len(request.prompt_ids) - got.num_blocks * bs
-        prefill_here = (
-            not request.local_prefill
-            and got.num_blocks > 0
-            and best.advert.mode == "disagg"
-            and suffix <= self.local_max_suffix_tokens
-        )
-        return Candidate(
-            best.worker_id,
-            num_blocks,
-            len(got.own),
-            len(got.own) * bs,
-            prefill_here,
-            got.store_blocks * bs,
-            got.read_blocks * bs,
-        )
 
     def starting(self, now: float) -> list[str]:
         """Decode (or colocated) workers that heartbeat "starting": they reached NATS and load
@@ -348,51 +203,22 @@ class RegistryState:
             for w, p in self.peers.items()
             if p.heartbeat.role in ("decode", "colocated")
             and p.heartbeat.load.state == WorkerState.STARTING
-            and self._is_alive(p, now)
+            and self.is_alive(p, now)
         )
 
-    def _leaving_room(
+    # --- placement ------------------------------------------------------------------------------
+
+    def choose(
         self,
-        eligible: list[DecodeWorkerView],
-        with_room: list[DecodeWorkerView],
-        num_tokens: int,
-        held_tokens: int,
-    ) -> list[DecodeWorkerView]:
-        """The workers of ``with_room`` that can take ``num_tokens`` and still leave room for
-        ``held_tokens`` somewhere: on themselves, or on another eligible worker."""
-
-        def fits_after(w: DecodeWorkerView, taken: int) -> bool:
-            return w.free_blocks - taken >= self.blocks_needed(w, held_tokens)
-
-        return [
-            w
-            for w in with_room
-            if fits_after(w, self.blocks_needed(w, num_tokens))
-            or any(o is not w and fits_after(o, 0) for o in eligible)
-        ]
-
-    def _prefix_score(self, reach: PrefixReach) -> float:
-        return prefix_score(reach, self.prefix_weight, self.store_block_weight)
-
-    def _mismatch(self, worker: DecodeWorkerView, request: PlaceRequest) -> str:
-        if request.model_spec and worker.advert.reach.model_spec != request.model_spec:
-            return (
-                f"{worker.worker_id} serves another model or KV layout "
-                f"({worker.advert.reach.model_spec or 'none advertised'}; the router's is "
-                f"{request.model_spec})"
-            )
-        if worker.state != WorkerState.READY:
-            return "draining"
-        if not request.local_prefill and worker.advert.mode != "disagg":
-            return "colocated workers take local-prefill requests only"
-        if self.kv_spec and worker.advert.reach.kv_spec != self.kv_spec:
-            return f"KV layout {worker.advert.reach.kv_spec!r} != {self.kv_spec!r}"
-        if self.blocks_needed(worker, len(request.prompt_ids)) > worker.advert.pool.total_blocks:
-            return (
-                f"prompt of {len(request.prompt_ids)} tokens exceeds a worker's whole KV pool "
-                f"({worker.advert.pool.total_blocks} blocks of {worker.advert.reach.block_size})"
-            )
-        return ""
+        request: PlaceRequest,
+        now: float,
+        exclude: frozenset[str] = frozenset(),
+        held_tokens: int = 0,
+    ) -> Candidate | Refusal:
+        """Pick a decode worker for ``request`` and count the reservation as in flight there
+        (placement_policy.py); ``held_tokens``: an older placement waiting for room needs this
+        many tokens' blocks. The caller must follow up with ``grant`` or ``release_inflight``."""
+        return placement_policy.choose(self, request, now, exclude, held_tokens)
 
     def release_inflight(self, candidate: Candidate) -> None:
         """The reservation failed (refused, timed out): forget it."""

@@ -1,9 +1,10 @@
 """The kv-registry's placement: answers PlaceRequest on REGISTRY_PLACE.
 
-``RegistryState.choose`` (the pure policy, prefix- and store-aware) picks a decode worker; this asks that worker to reserve
-the blocks (ReserveRequest on ``decode_reserve(worker)``) and, once it has, records the lease
-(``RegistryState.grant``) and replies with the block addresses. A refused or silent worker is
-skipped for the next candidate, up to ``max_reserve_attempts``.
+``RegistryState.choose`` (the pure policy of placement_policy.py, prefix- and store-aware) picks
+a decode worker; this asks that worker to reserve the blocks (ReserveRequest on
+``decode_reserve(worker)``) and, once it has, records the lease (``RegistryState.grant``) and
+replies with the block addresses. A refused or silent worker is skipped for the next candidate,
+up to ``max_reserve_attempts``.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from dataclasses import dataclass, field
 import nats.errors
 import orjson
 from kvmesh.services.kv_registry.config import RegistryConfig
-from kvmesh.services.kv_registry.core import Candidate, Refusal, RegistryState
+from kvmesh.services.kv_registry.core import RegistryState
 from kvmesh.services.kv_registry.metrics import RegistryMetrics
+from kvmesh.services.kv_registry.placement_policy import Candidate, Refusal
 from kvmesh.services.kv_registry.waiting_line import WaitingLine
 from kvmesh.shared.bus.messages.codec import MessageError, decode_message, encode_message
 from kvmesh.shared.bus.messages.placement import (
