@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 from kvmesh.services.kv_registry.stores import StoreTable
-from kvmesh.services.kv_store.core import BlockStore, GetGrant, PutGrant, StoreFull
+from kvmesh.services.kv_store.core import BlockStore
+from kvmesh.services.kv_store.grants import GetGrant, PutGrant, StoreFull
 from kvmesh.shared.bus.messages.kv_store import StoreAdvert
 from kvmesh.shared.kv.kv_block_header import (
     HEADER_BYTES,

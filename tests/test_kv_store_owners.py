@@ -4,8 +4,9 @@ holds at most its quota, and the blocks of a worker the kv-registry dropped are 
 
 from __future__ import annotations
 
-from kvmesh.services.kv_store.core import BlockStore, PutGrant, StoreFull
+from kvmesh.services.kv_store.core import BlockStore
 from kvmesh.services.kv_store.disk_tier import DiskSlots
+from kvmesh.services.kv_store.grants import PutGrant, StoreFull
 from kvmesh.services.kv_store.owners import BlockOwners, writer_quota
 
 L = 7  # a layout root

@@ -3,7 +3,8 @@
 A slot is free, reserved by one put (pinned until its commit or lease end), or committed: in the
 index under ``(block hash, layout)``. A committed slot is pinned while gets hold it and sits in
 the LRU otherwise; a put takes free slots first, then evicts the least recently used. Every
-verdict is explicit: the service (service.py) opens and closes the windows these slots need.
+verdict is explicit (grants.py): the service (service.py) opens and closes the windows these
+slots need.
 
 With a disk tier (``disk``, disk_tier.py) an evicted host block is *spilled* instead of dropped:
 the verdict names the copies (``Spill``) the service must make before it hands the host slot
@@ -18,100 +19,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvmesh.services.kv_store.disk_tier import DiskSlots
+from kvmesh.services.kv_store.grants import (
+    GetGrant,
+    HeldGet,
+    HeldPut,
+    Promotion,
+    PutGrant,
+    Spill,
+    StoreFull,
+)
 from kvmesh.services.kv_store.owners import BlockOwners
+from kvmesh.services.kv_store.store_counters import StoreCounters
 from kvmesh.services.kv_store.tier_slots import Key, TierSlots
-
-
-@dataclass(frozen=True, slots=True)
-class Spill:
-    """Copy host slot ``host_slot`` (block and header) to disk slot ``disk_slot``, then report
-    ``spilled``; the host slot's new holder may write it only after the copy."""
-
-    key: Key
-    host_slot: int
-    disk_slot: int
-
-
-@dataclass(frozen=True, slots=True)
-class Promotion:
-    """Copy disk slot ``disk_slot`` to host slot ``host_slot`` (after the op's spills), then
-    report ``promoted``; the reader may read the host slot only after the copy."""
-
-    key: Key
-    disk_slot: int
-    host_slot: int
-
-
-@dataclass(frozen=True, slots=True)
-class PutGrant:
-    """``present``: hashes already stored; ``slots[i]`` is where ``write_hashes[i]`` goes.
-    Hashes in neither found no room. ``spills``: copies to make before the reply."""
-
-    put_id: str
-    present: tuple[int, ...]
-    write_hashes: tuple[int, ...]
-    slots: tuple[int, ...]
-    spills: tuple[Spill, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class StoreFull:
-    """No slot for any missing hash: every slot is pinned by puts or gets in flight."""
-
-    num_pinned: int
-    num_blocks: int
-
-    @property
-    def error(self) -> str:
-        return (
-            f"the store is full of pinned blocks ({self.num_pinned} of {self.num_blocks} held "
-            "by puts and gets in flight, none evictable); retry later"
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class GetGrant:
-    """The leading run of the asked hashes that the store holds, pinned, and their host slots;
-    ``spills`` then ``promotions``: copies to make before the reply (disk hits)."""
-
-    get_id: str
-    block_hashes: tuple[int, ...]
-    slots: tuple[int, ...]
-    spills: tuple[Spill, ...] = ()
-    promotions: tuple[Promotion, ...] = ()
-
-
-@dataclass(slots=True)
-class _Put:
-    layout: int
-    hashes: tuple[int, ...]
-    slots: tuple[int, ...]
-    expires_at: float
-    owner: str = ""
-
-
-@dataclass(slots=True)
-class _Get:
-    slots: tuple[int, ...]
-    expires_at: float
-
-
-@dataclass(slots=True)
-class StoreCounters:
-    hits: int = 0  # blocks served by gets (either tier)
-    misses: int = 0  # blocks asked for and not served
-    commits: int = 0  # blocks indexed
-    rejected: int = 0  # blocks a commit refused (bad header or bytes)
-    evictions: int = 0  # blocks evicted from the host tier (spilled or dropped)
-    disk_hits: int = 0  # of ``hits``, blocks found on disk (promoted)
-    spills: int = 0  # host blocks copied to disk
-    promotions: int = 0  # disk blocks copied back to host
-    failed_copies: int = 0  # spills and promotions whose I/O failed (the block is dropped)
-    refused_puts: int = 0  # puts refused because every slot was pinned
-    quota_evictions: int = 0  # a writer's own blocks recycled for its puts past its quota
-    owner_drops: int = 0  # blocks evicted because the kv-registry dropped their writer
-    expired_puts: int = 0
-    expired_gets: int = 0
 
 
 @dataclass(slots=True)
@@ -120,8 +39,8 @@ class BlockStore(TierSlots):
 
     num_blocks: int
     pins: dict[int, int] = field(default_factory=dict)  # committed slot -> gets holding it
-    puts: dict[str, _Put] = field(default_factory=dict)
-    gets: dict[str, _Get] = field(default_factory=dict)
+    puts: dict[str, HeldPut] = field(default_factory=dict)
+    gets: dict[str, HeldGet] = field(default_factory=dict)
     counters: StoreCounters = field(default_factory=StoreCounters)
     disk: DiskSlots | None = None  # the disk tier, if any
     transit: set[Key] = field(default_factory=set)  # keys being spilled or promoted
@@ -167,7 +86,7 @@ class BlockStore(TierSlots):
         for h in present:
             self._touch((h, layout))
         if slots:
-            self.puts[put_id] = _Put(layout, write, tuple(slots), expires_at, owner)
+            self.puts[put_id] = HeldPut(layout, write, tuple(slots), expires_at, owner)
         return PutGrant(put_id, tuple(present), write, tuple(slots), tuple(spills))
 
     def commit(self, put_id: str, good: Sequence[bool]) -> tuple[list[int], list[int]]:
@@ -251,7 +170,7 @@ class BlockStore(TierSlots):
         self.counters.disk_hits += len(promotions)
         self.counters.misses += len(hashes) - len(run)
         if slots:
-            self.gets[get_id] = _Get(tuple(slots), expires_at)
+            self.gets[get_id] = HeldGet(tuple(slots), expires_at)
         return GetGrant(
             get_id, tuple(h for h, _ in run), tuple(slots), tuple(spills), tuple(promotions)
         )

@@ -21,9 +21,10 @@ from dataclasses import InitVar, dataclass
 from typing import Any
 
 from kvmesh.services.kv_store.config import StoreConfig
-from kvmesh.services.kv_store.core import BlockStore, Promotion, Spill, StoreFull
+from kvmesh.services.kv_store.core import BlockStore
 from kvmesh.services.kv_store.disk_file import DiskFile
 from kvmesh.services.kv_store.disk_tier import DiskSlots
+from kvmesh.services.kv_store.grants import Promotion, Spill, StoreFull
 from kvmesh.services.kv_store.owners import writer_quota
 from kvmesh.shared.bus.messages.kv_store import (
     StoreAck,
