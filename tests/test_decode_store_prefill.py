@@ -12,8 +12,8 @@ import pytest
 from kvmesh.services.decode.local_reads import LocalPrefixReads
 from kvmesh.services.decode.worker import DecodeWorker
 from kvmesh.shared.bus.messages.placement import ReserveRequest
-from kvmesh.shared.mesh.kv_store_client import put_cached_prefix
 from kvmesh.shared.mesh.kv_store_prefix import PrefixReader
+from kvmesh.shared.mesh.kv_store_writer import put_cached_prefix
 from kvmesh.shared.text.sampling import SamplingOptions
 from test_decode_swaps import FakeStore, OneStore
 

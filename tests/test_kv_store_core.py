@@ -217,7 +217,7 @@ def test_registry_store_table_reports_hit_rate_and_drops_silent_stores() -> None
 
 def test_store_book_picks_the_lowest_ready_store_of_its_layout_heard_of_lately() -> None:
     from kvmesh.shared.kv.descriptor import TcpBackend, TransportDescriptor
-    from kvmesh.shared.mesh.kv_store_client import StoreBook
+    from kvmesh.shared.mesh.store_book import StoreBook
 
     desc = TransportDescriptor("s", "h", (TcpBackend("x", 1, "ab" * 32),))
 

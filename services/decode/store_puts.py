@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING
 
 from kvmesh.services.decode.step_hooks import Step, StepHook
 from kvmesh.shared.engine.llm_engine import LLMEngine
-from kvmesh.shared.mesh.kv_store_client import KvStoreClient, StoreBook
+from kvmesh.shared.mesh.kv_store_client import KvStoreClient
 from kvmesh.shared.mesh.kv_store_writer import StoreWriter
+from kvmesh.shared.mesh.store_book import StoreBook
 
 if TYPE_CHECKING:
     from kvmesh.services.decode.compose import DecodeParts

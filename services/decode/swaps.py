@@ -33,16 +33,10 @@ from kvmesh.services.decode.metrics import DecodeMetrics
 from kvmesh.services.decode.step_hooks import Step, StepHook
 from kvmesh.shared.engine.llm_engine import LLMEngine
 from kvmesh.shared.engine.sequence import Sequence
-from kvmesh.shared.mesh.kv_store_client import (
-    KvStoreClient,
-    PinnedPrefix,
-    PutResult,
-    StoreBook,
-    StoreTarget,
-    pin_cached_prefix,
-    put_pinned,
-)
+from kvmesh.shared.mesh.kv_store_client import KvStoreClient, PutResult, StoreTarget
 from kvmesh.shared.mesh.kv_store_prefix import adopt_fetched, fetch_prefix
+from kvmesh.shared.mesh.kv_store_writer import PinnedPrefix, pin_cached_prefix, put_pinned
+from kvmesh.shared.mesh.store_book import StoreBook
 from kvmesh.shared.obs import logs
 
 if TYPE_CHECKING:

@@ -72,7 +72,7 @@ class StoreTable:
 
     def reader_store(self, kv_spec: str) -> str | None:
         """The store a worker of layout ``kv_spec`` reads: the ready one with the lowest id, as
-        the workers' ``StoreBook.target`` picks it (shared/mesh/kv_store_client.py), so that placement
+        the workers' ``StoreBook.target`` picks it (shared/mesh/store_book.py), so that placement
         counts the blocks of the store the worker will ask, not those of another."""
         ready = [
             sid

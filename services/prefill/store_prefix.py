@@ -15,9 +15,10 @@ from typing import TYPE_CHECKING
 
 from kvmesh.shared.bus.worker_feature import Feature
 from kvmesh.shared.engine.llm_engine import LLMEngine
-from kvmesh.shared.mesh.kv_store_client import KvStoreClient, StoreBook
+from kvmesh.shared.mesh.kv_store_client import KvStoreClient
 from kvmesh.shared.mesh.kv_store_prefix import Fetched, PrefixReader
 from kvmesh.shared.mesh.kv_store_writer import StoreWriter
+from kvmesh.shared.mesh.store_book import StoreBook
 
 if TYPE_CHECKING:
     from kvmesh.services.prefill.compose import PrefillParts

@@ -10,7 +10,6 @@ good; the caller uses those and computes the rest.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -20,7 +19,6 @@ from kvmesh.shared.bus.messages.codec import Message, MessageError, decode_messa
 from kvmesh.shared.bus.messages.kv_store import (
     MAX_STORE_BLOCKS,
     StoreAck,
-    StoreAdvert,
     StoreCommit,
     StoreCommitReply,
     StoreGet,
@@ -29,9 +27,7 @@ from kvmesh.shared.bus.messages.kv_store import (
     StorePutReply,
     StoreRelease,
 )
-from kvmesh.shared.bus.worker_state import WorkerState
 from kvmesh.shared.config.subjects import Subjects
-from kvmesh.shared.engine.block_manager import BlockManager
 from kvmesh.shared.kv.kv_block_header import (
     HEADER_BYTES,
     BlockVerifyError,
@@ -40,7 +36,7 @@ from kvmesh.shared.kv.kv_block_header import (
     verify_block,
 )
 from kvmesh.shared.kv.kv_cache import KVPool
-from kvmesh.shared.kv.prefix_hash import layout_root, prefix_block_hashes
+from kvmesh.shared.kv.prefix_hash import layout_root
 from kvmesh.shared.obs import logs
 from kvmesh.shared.transport import (
     Access,
@@ -321,107 +317,3 @@ class KvStoreClient:
             return decode_message(msg.data, cls)
         except MessageError as exc:
             raise StoreRequestError(str(exc)) from exc
-
-
-# --- what engine workers share: which store, and putting cached blocks -----------------------
-
-STORE_ADVERT_TTL_S = 5.0  # a store not heard of for this long is not asked
-
-
-class StoreBook:
-    """The stores a worker may use: the latest ``StoreAdvert`` of each store of its KV layout
-    and block size (others could hold none of its blocks)."""
-
-    def __init__(self, kv_spec: str, block_bytes: int, clock=time.monotonic) -> None:
-        self.kv_spec = kv_spec
-        self.block_bytes = block_bytes
-        self.clock = clock
-        self._stores: dict[str, tuple[StoreAdvert, float]] = {}
-
-    def note(self, advert: StoreAdvert) -> None:
-        if advert.reach.kv_spec == self.kv_spec and advert.reach.block_bytes == self.block_bytes:
-            self._stores[advert.store_id] = (advert, self.clock())
-
-    def forget(self, store_id: str) -> None:
-        """A request to the store failed: leave it out until its next advert (a live store
-        advertises every heartbeat), so that one dead store delays one request, not every one."""
-        self._stores.pop(store_id, None)
-
-    def target(self) -> StoreTarget | None:
-        """The ready store with the lowest id among those heard of lately (each store holds what
-        was put to it, so all workers of a mesh pick the same one)."""
-        now = self.clock()
-        live = sorted(
-            (
-                a
-                for a, seen in self._stores.values()
-                if now - seen <= STORE_ADVERT_TTL_S and a.load.state == WorkerState.READY
-            ),
-            key=lambda a: a.store_id,
-        )
-        if not live:
-            return None
-        return StoreTarget(live[0].store_id, live[0].reach.descriptor)
-
-
-@dataclass(frozen=True, slots=True)
-class PinnedPrefix:
-    """The leading full blocks of ``token_ids`` that the prefix cache held, each pinned (one
-    more reference) until the put that reads them ends: ``block_ids[i]`` holds ``hashes[i]``."""
-
-    token_ids: tuple[int, ...]
-    hashes: list[int]
-    block_ids: list[int]
-
-
-def pin_cached_prefix(
-    block_manager: BlockManager, block_size: int, token_ids: Sequence[int], cache_salt: str = ""
-) -> PinnedPrefix | None:
-    """Pin the full blocks of ``token_ids`` (of a request salted with ``cache_salt``) that the
-    prefix cache holds (the leading run); the caller holds the engine lock. None when none is
-    cached."""
-    hashes = prefix_block_hashes(token_ids, block_size, block_manager.root_of(cache_salt))
-    pinned = block_manager.pin_cached(hashes)
-    if not pinned:
-        return None
-    return PinnedPrefix(tuple(token_ids), hashes[: len(pinned)], pinned)
-
-
-async def put_pinned(
-    client: KvStoreClient,
-    store: StoreTarget,
-    kv_spec: str,
-    block_manager: BlockManager,
-    pool: KVPool,
-    pinned: PinnedPrefix,
-    lock: asyncio.Lock,
-) -> PutResult:
-    """Put pinned blocks into ``store``, then unpin them (under ``lock``, the engine's), whatever
-    the put's outcome. Raises what the put raises."""
-    try:
-        blocks = local_blocks(pool, kv_spec, pinned.token_ids, pinned.hashes, pinned.block_ids)
-        return await client.put(store, kv_spec, blocks)
-    finally:
-        async with lock:
-            block_manager.free_blocks(pinned.block_ids)
-
-
-async def put_cached_prefix(
-    client: KvStoreClient,
-    store: StoreTarget,
-    kv_spec: str,
-    block_manager: BlockManager,
-    pool: KVPool,
-    token_ids: Sequence[int],
-    lock: asyncio.Lock,
-    cache_salt: str = "",
-) -> PutResult | None:
-    """Put the full blocks of ``token_ids`` (of a request salted with ``cache_salt``) that the
-    engine's prefix cache holds (the leading run), pinned in the pool (under ``lock``, the
-    engine's) while the put reads them, unpinned after. None when none is cached. Raises what
-    the put raises."""
-    async with lock:
-        pinned = pin_cached_prefix(block_manager, pool.spec.block_size, token_ids, cache_salt)
-    if pinned is None:
-        return None
-    return await put_pinned(client, store, kv_spec, block_manager, pool, pinned, lock)

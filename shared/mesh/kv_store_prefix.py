@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from kvmesh.shared.engine.block_manager import BlockManager
 from kvmesh.shared.kv.kv_cache import KVPool
 from kvmesh.shared.kv.prefix_hash import reusable_prefix_hashes
-from kvmesh.shared.mesh.kv_store_client import KvStoreClient, StoreBook, StoreTarget, local_blocks
+from kvmesh.shared.mesh.kv_store_client import KvStoreClient, StoreTarget, local_blocks
+from kvmesh.shared.mesh.store_book import StoreBook
 from kvmesh.shared.obs import logs
 
 log = logs.get_logger(__name__)

@@ -15,7 +15,8 @@ from typing import Any
 from kvmesh.shared.bus.messages.kv_store import StoreAdvert
 from kvmesh.shared.bus.store_solicit import store_adverts_solicited
 from kvmesh.shared.bus.worker_feature import Feature, Route, Site
-from kvmesh.shared.mesh.kv_store_client import KvStoreClient, StoreBook
+from kvmesh.shared.mesh.kv_store_client import KvStoreClient
+from kvmesh.shared.mesh.store_book import StoreBook
 
 
 class StoreLink(Feature):
