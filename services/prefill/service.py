@@ -24,6 +24,7 @@ import torch
 from kvmesh.services.prefill.compose import PrefillParts, compose_features
 from kvmesh.services.prefill.config import PrefillConfig
 from kvmesh.services.prefill.draft_engine import load_draft_engine
+from kvmesh.services.prefill.job_results import PrefillResult
 from kvmesh.services.prefill.metrics import PrefillMetrics
 from kvmesh.services.prefill.tp_group import (
     RankReports,
@@ -31,7 +32,7 @@ from kvmesh.services.prefill.tp_group import (
     join_group,
     start_tp_group,
 )
-from kvmesh.services.prefill.worker import PrefillResult, PrefillWorker
+from kvmesh.services.prefill.worker import PrefillWorker
 from kvmesh.shared.bus.message_guard import guard_of
 from kvmesh.shared.bus.messages.codec import MessageError, decode_message, encode_message
 from kvmesh.shared.bus.messages.prefill_jobs import PrefillJob

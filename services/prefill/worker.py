@@ -24,34 +24,24 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvmesh.services.prefill.adverts import AdvertBook
-from kvmesh.services.prefill.convert import KVMirrors, decode_kv_dtype
+from kvmesh.services.prefill.convert import KVMirrors
 from kvmesh.services.prefill.core_loan import CoreLoan, DecodeIdleness
 from kvmesh.services.prefill.job import STOP, Job, RankTarget
-from kvmesh.services.prefill.job_hooks import Announcement, JobHook
-from kvmesh.services.prefill.kv_writes import RankSlice, job_rank_slices
+from kvmesh.services.prefill.job_hooks import JobHook
+from kvmesh.services.prefill.job_results import PrefillResult, job_result
+from kvmesh.services.prefill.job_writes import job_targets, write_chunk
 from kvmesh.services.prefill.metrics import PrefillMetrics
-from kvmesh.services.prefill.plan import (
-    ChunkPlanner,
-    ChunkWrite,
-    PlanError,
-    PrefillTimeline,
-)
+from kvmesh.services.prefill.plan import ChunkWrite, PlanError, PrefillTimeline
 from kvmesh.services.prefill.store_prefix import StorePrefix
-from kvmesh.shared.bus.messages.prefill_jobs import (
-    PrefillDone,
-    PrefillJob,
-    PrefillReport,
-    PrefillStarted,
-)
+from kvmesh.shared.bus.messages.prefill_jobs import PrefillJob, PrefillStarted
 from kvmesh.shared.engine.grammar_compile import AwaitedCompiles
 from kvmesh.shared.engine.llm_engine import LLMEngine
 from kvmesh.shared.engine.sequence import ChunkReady, RequestError
 from kvmesh.shared.obs import logs
-from kvmesh.shared.transport import MemoryRegion, TransportError, WriteEntry
+from kvmesh.shared.transport import MemoryRegion, TransportError
 from kvmesh.shared.transport.endpoint_cache import EndpointCache
 
 if TYPE_CHECKING:
@@ -61,18 +51,6 @@ log = logs.get_logger(__name__)
 
 # how long a gone router's queued jobs are refused (longer than any job waits in the queue)
 GONE_ROUTER_MEMORY_S = 600.0
-
-
-@dataclass(frozen=True, slots=True)
-class PrefillResult:
-    """How a job ended: ``done`` goes to its decode worker (always), ``report`` to its router
-    (None for a job refused before it started)."""
-
-    done: PrefillDone
-    report: PrefillReport | None = None
-    # (draft worker id, its announcement) when a hook wrote the prompt's draft KV there: sent
-    # before ``done``, so the draft worker has the KV when the decode's first context arrives
-    draft_done: Announcement | None = None
 
 
 class PrefillWorker:
@@ -222,42 +200,10 @@ class PrefillWorker:
             return self._result(msg, None, "its router is gone (nobody reads its tokens)")
         try:
             advert = await self.adverts.vouch(msg, self._advert_wait_s)
-            dtype = decode_kv_dtype(self.kv_spec, advert.reach.kv_spec)  # None: the same KV dtype
-            if dtype is not None and self.tp is not None:
-                raise PlanError(
-                    f"the decode worker keeps its KV as {dtype}: a tensor-parallel prefill "
-                    f"worker writes only to decode workers of its own KV dtype"
-                )
-            if dtype is not None and msg.ranks:
-                raise PlanError(
-                    f"the decode worker keeps its KV as {dtype} at TP {len(msg.ranks) + 1}: "
-                    f"tensor-parallel decode workers take only KV of their own dtype"
-                )
-            mirror = None if dtype is None else self.mirrors.get(dtype)
-            slices = self._rank_slices(len(msg.ranks) + 1)
-            planner = ChunkPlanner(
-                len(msg.prompt_ids),
-                self.block_size,
-                self.block_bytes if mirror is None else mirror.spec.block_bytes,
-                msg.block_addrs,
-                msg.block_bytes,
-                rank_slice=slices[0],
-            )
-            others = []
-            for rank_slice in slices[1:]:
-                rank = msg.ranks[rank_slice.dst_rank - 1]
-                other = ChunkPlanner(
-                    len(msg.prompt_ids),
-                    self.block_size,
-                    self.block_bytes,
-                    rank.block_addrs,
-                    msg.block_bytes,
-                    rank_slice=rank_slice,
-                )
-                rank_endpoint = await self.endpoints.get(rank.descriptor)
-                others.append(RankTarget(other, rank_endpoint, rank.rkey, rank.descriptor))
+            spec = self.engine.kv_pool.spec
+            where = (self.kv_spec, self.mirrors, self.endpoints, self.tp)
+            targets = await job_targets(msg, advert, spec, *where)  # job_writes.py
             params = msg.sampling
-            endpoint = await self.endpoints.get(msg.descriptor)
             if params.structured_outputs is not None and self.grammars is not None:
                 await self.grammars.ready(params.structured_outputs)  # off the loop and lock
         except (PlanError, TransportError, ValueError) as exc:  # StructuredOutputError too
@@ -265,8 +211,9 @@ class PrefillWorker:
             return self._result(msg, None, str(exc))
         if self._aborted.pop(rid, None) is not None:  # while it waited (its advert, grammar)
             return self._result(msg, None, f"aborted before prefill started on {self.worker_id}")
-        job = Job(msg, planner, PrefillTimeline(msg.enqueued_at, started_at), endpoint, mirror)
-        job.others = tuple(others)
+        timeline = PrefillTimeline(msg.enqueued_at, started_at)
+        job = Job(msg, targets.planner, timeline, targets.endpoint, targets.mirror)
+        job.others = targets.others
         self._jobs[rid] = job
         if self.tp is not None:  # the followers' word on their writes of it, from now on
             self.tp.reports.expect(rid)
@@ -298,7 +245,7 @@ class PrefillWorker:
                 for hook in self.hooks:
                     hook.start(job, tg)
                 while (chunk := await job.chunks.get()) is not STOP:
-                    write = planner.plan(
+                    write = job.planner.plan(
                         chunk.chunk_index, chunk.end_token, chunk.block_ids, chunk.is_last
                     )
                     tg.create_task(self._write(job, write, chunk))
@@ -339,48 +286,20 @@ class PrefillWorker:
     async def _write(
         self, job: Job, write: ChunkWrite, chunk: ChunkReady, rank: RankTarget | None = None
     ) -> None:
-        """Write ``chunk``'s ``write`` to the decode worker's rank 0, or to its ``rank``."""
+        """Write ``chunk``'s ``write`` to the decode worker's rank 0, or to its ``rank``
+        (job_writes.py); the first write that fails stops the job."""
         msg = job.msg
-        region = self.region
-        endpoint = job.endpoint if rank is None else rank.endpoint
-        rkey = msg.rkey if rank is None else rank.rkey
-        descriptor = msg.descriptor if rank is None else rank.descriptor
-        if job.mirror is not None:  # another KV dtype on the decode side: convert, then write
-            region = job.mirror.region
-            bs = self.block_size
-            num_tokens = chunk.end_token - (-(-chunk.end_token // bs) - len(chunk.block_ids)) * bs
-            pool = self.engine.kv_pool
-            await asyncio.to_thread(job.mirror.convert, pool, chunk.block_ids, num_tokens)
-        entries = [
-            WriteEntry(region, s.local_offset, s.remote_addr, rkey, s.length) for s in write.spans
-        ]
-        t0 = time.perf_counter()
+        pool = self.engine.kv_pool
         try:
-            await endpoint.write(entries, write.imm)
+            await write_chunk(job, write, chunk, rank, self.region, pool, self.metrics)
         except TransportError as exc:
             if not job.error:
                 job.error = (
                     f"KV write of chunk {write.chunk_index} to {msg.decode_worker_id} failed: {exc}"
                 )
                 log.warning("kv write failed", request_id=msg.request_id, error=str(exc))
-                await self.endpoints.forget(descriptor)
+                await self.endpoints.forget(msg.descriptor if rank is None else rank.descriptor)
                 await self._stop(job)
-            return
-        t1 = time.perf_counter()
-        job.timeline.on_write(t0, t1)
-        self.metrics.observe_write(sum(s.length for s in write.spans), t1 - t0)
-        if rank is None:  # each decode rank counts as many (PrefillDone.num_writes: one rank's)
-            job.num_writes += 1
-
-    def _rank_slices(self, decode_tp: int) -> list[RankSlice | None]:
-        """What this worker writes of every block into each decode rank it writes to, decode
-        rank 0 first; ``[None]`` (whole blocks) from TP1 to TP1."""
-        if self.tp is not None:
-            return list(self.tp.rank_slices(decode_tp))
-        if decode_tp == 1:
-            return [None]
-        spec = self.engine.kv_pool.spec
-        return list(job_rank_slices(spec, spec.num_kv_heads, 1, decode_tp))
 
     async def _stop(self, job: Job) -> None:
         """No more chunks for this job: the engines drop it, its queues get the stop marker."""
@@ -422,40 +341,15 @@ class PrefillWorker:
         return len(doomed)
 
     def _result(self, msg: PrefillJob, job: Job | None, error: str) -> PrefillResult:
+        """How the job ended (job_results.py), told to the hooks and counted."""
         ok = job is not None and not error
         if ok:  # its stream starts on the decode worker now: no loan until an advert counts it
             self.idleness.delivered(msg.decode_worker_id, time.monotonic())
         draft_done = None
         for hook in self.hooks:
             draft_done = hook.finish(msg, job, ok, error) or draft_done
-        done = PrefillDone(
-            msg.request_id,
-            msg.lease_id,
-            ok,
-            first_token=job.first_token if ok else -1,
-            first_logprobs=job.first_logprobs if ok else None,
-            prompt_logprobs=job.prompt_logprobs if ok else (),
-            # every writer's: the TP followers write each chunk too (ChunkPlanner.num_writes)
-            num_writes=(
-                job.num_writes * job.planner.rank_slice.num_writers if job is not None else 0
-            ),
-            error=error,
-            rkey=msg.rkey,
-            draft_worker_id=draft_done[0] if draft_done and draft_done[1].ok else "",
-        )
-        if job is None:
-            self.metrics.observe_job(None, ok=False)
-            return PrefillResult(done)
-        t = job.timeline.timing()
-        self.metrics.observe_job(t, ok=ok)
-        log.debug("prefill done", request_id=msg.request_id, ok=ok, error=error, timing=t)
-        report = PrefillReport(
-            msg.request_id,
-            self.worker_id,
-            queue_s=t.queue_s,
-            compute_s=t.compute_s,
-            transfer_s=t.transfer_s,
-            exposed_transfer_s=t.exposed_transfer_s,
-            num_chunks=t.num_chunks,
-        )
-        return PrefillResult(done, report, draft_done)
+        timing = job.timeline.timing() if job is not None else None
+        self.metrics.observe_job(timing, ok=ok)
+        if job is not None:
+            log.debug("prefill done", request_id=msg.request_id, ok=ok, error=error, timing=timing)
+        return job_result(self.worker_id, msg, job, error, timing, draft_done)
