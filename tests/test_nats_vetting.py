@@ -31,7 +31,8 @@ from kvmesh.shared.bus.nats_vetting import (
 )
 from kvmesh.shared.config.subjects import Subjects
 
-from kvmesh.commands.launcher import Launcher, LaunchError
+from kvmesh.commands.launch_error import LaunchError
+from kvmesh.commands.launcher import Launcher
 from kvmesh.commands.up_config import UpConfig
 
 REPO = Path(__file__).resolve().parents[1]

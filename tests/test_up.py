@@ -489,7 +489,8 @@ async def _beating(
 
 
 async def test_up_refuses_to_join_a_nats_that_already_carries_a_mesh(nats_server) -> None:
-    from kvmesh.commands.launcher import Launcher, LaunchError
+    from kvmesh.commands.launch_error import LaunchError
+    from kvmesh.commands.launcher import Launcher
 
     stop = asyncio.Event()
     other = asyncio.create_task(_beating(nats_server, "decode-0", stop))
@@ -507,14 +508,15 @@ async def test_up_refuses_to_join_a_nats_that_already_carries_a_mesh(nats_server
 
 
 async def test_up_joins_an_empty_nats(nats_server) -> None:
-    from kvmesh.commands.launcher import workers_on
+    from kvmesh.commands.mesh_nats import workers_on
 
     assert await workers_on(nats_server, listen_s=0.3, mesh="kvmesh-tiny") == set()
 
 
 async def test_up_joins_a_nats_that_carries_only_other_meshes(nats_server) -> None:
     """Another mesh's workers on the same NATS are no concern: their subjects are their own."""
-    from kvmesh.commands.launcher import Launcher, workers_on
+    from kvmesh.commands.launcher import Launcher
+    from kvmesh.commands.mesh_nats import check_mesh_absent, workers_on
 
     stop = asyncio.Event()
     other = asyncio.create_task(_beating(nats_server, "decode-0", stop, mesh="other-model"))
@@ -523,7 +525,8 @@ async def test_up_joins_a_nats_that_carries_only_other_meshes(nats_server) -> No
         assert await workers_on(nats_server, listen_s=0.5, mesh="other-model") == {"decode-0"}
         assert await workers_on(nats_server, listen_s=0.5, mesh="kvmesh-tiny") == set()
         launcher = Launcher(UpConfig(model="kvmesh-tiny", nats_url=nats_server, port=0))
-        await asyncio.to_thread(launcher._check_mesh_absent, nats_server)  # no refusal
+        check = (nats_server, launcher.mesh, launcher.nats_auth, launcher.config.nats_security)
+        await asyncio.to_thread(check_mesh_absent, *check)  # no refusal
     finally:
         stop.set()
         await other
@@ -547,11 +550,12 @@ def test_second_up_beside_another_meshs_nats_gets_its_own(capsys) -> None:
     from kvmesh.shared.config.service_config import DEFAULT_NATS_URL
 
     from kvmesh.commands.launcher import Launcher
+    from kvmesh.commands.mesh_nats import default_nats_url
 
     other = MeshState("other-model", DEFAULT_NATS_URL, os.getpid(), "http://127.0.0.1:8000")
     write_state(other)
     try:
-        url = Launcher(UpConfig(port=0))._default_nats_url()
+        url = default_nats_url(Launcher(UpConfig(port=0)).mesh)
         assert url.startswith("nats://127.0.0.1:") and url != DEFAULT_NATS_URL
         assert "is the nats-server of mesh 'other-model'" in capsys.readouterr().err
     finally:
@@ -561,7 +565,8 @@ def test_second_up_beside_another_meshs_nats_gets_its_own(capsys) -> None:
 def test_same_mesh_twice_on_one_machine_is_refused_in_one_line() -> None:
     from kvmesh.shared.bus.mesh_state import MeshState, remove_state, write_state
 
-    from kvmesh.commands.launcher import Launcher, LaunchError
+    from kvmesh.commands.launch_error import LaunchError
+    from kvmesh.commands.launcher import Launcher
 
     first = MeshState("kvmesh-tiny", "nats://127.0.0.1:4999", os.getpid(), "http://x:8000")
     write_state(first)

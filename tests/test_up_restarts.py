@@ -17,7 +17,8 @@ import pytest
 from support.proc_tree import cmdline, descendants
 from test_up import admin_status_json, chat, launch, wait_for_line
 
-from kvmesh.commands.launcher import Launcher, LaunchError
+from kvmesh.commands.launch_error import LaunchError
+from kvmesh.commands.launcher import Launcher
 from kvmesh.commands.restarts import LeaveDown, Restart, RestartPolicy, StopMesh
 from kvmesh.commands.up_config import UpConfig
 from kvmesh.commands.up_plan import ChildSpec

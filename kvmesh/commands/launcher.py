@@ -1,10 +1,9 @@
-"""``kvmesh up``'s launcher: starts the services of a plan in order (NATS first when none
-answers), watches and restarts them, and stops them tier by tier."""
+"""``kvmesh up``'s launcher: starts the services of a plan in order (on the NATS mesh_nats.py
+finds or starts), watches and restarts them, and stops them tier by tier."""
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import os
 import signal
@@ -17,31 +16,17 @@ from pathlib import Path
 from typing import BinaryIO
 
 from kvmesh.commands.cpu_plan import CpuPlan
+from kvmesh.commands.launch_error import LaunchError
+from kvmesh.commands.mesh_nats import default_nats_url, join_nats, make_queue, start_nats
 from kvmesh.commands.nats_supervisor import NatsSupervisor
 from kvmesh.commands.restarts import LeaveDown, RestartPolicy, StopMesh
 from kvmesh.commands.up_config import TIERS, UpConfig
 from kvmesh.commands.up_plan import ChildSpec, cpu_plan, plan, with_metrics_ports
-from kvmesh.shared.bus.mesh_state import MeshState, remove_state, running_meshes, write_state
-from kvmesh.shared.bus.nats_auth import (
-    ADMIN,
-    PASSWORD_FILE_ENV,
-    USER_ENV,
-    MeshCredentials,
-    NatsAuth,
-    auth_from_env,
-)
-from kvmesh.shared.config.nats_options import (
-    NatsSecurity,
-    redact_url,
-    strip_credentials,
-    url_has_credentials,
-)
+from kvmesh.shared.bus.mesh_state import MeshState, remove_state, write_state
+from kvmesh.shared.bus.nats_auth import MeshCredentials, NatsAuth, auth_from_env
+from kvmesh.shared.config.nats_options import strip_credentials, url_has_credentials
 from kvmesh.shared.config.ports import free_port
 from kvmesh.shared.config.service_config import DEFAULT_NATS_URL
-
-
-class LaunchError(RuntimeError):
-    """A service exited or did not become ready; the message says which and how to look."""
 
 
 class Launcher:
@@ -77,30 +62,17 @@ class Launcher:
 
     def start(self) -> None:
         from kvmesh.shared.bus.nats_server import nats_is_reachable
-        from kvmesh.shared.bus.nats_vetting import NatsVettingError, vet_nats_url
 
         url = self.config.nats_url
         if url == DEFAULT_NATS_URL:
-            url = self._default_nats_url()
+            url = default_nats_url(self.mesh)
         if not nats_is_reachable(url):
             self._start_nats(url)
-        else:
-            security = self.config.nats_security
-            try:  # joined only with credentials, and only where who runs it is known
-                vet_nats_url(
-                    url,
-                    insecure=self.config.nats_insecure,
-                    has_credentials=bool(
-                        self.nats_auth or url_has_credentials(url) or security.creds
-                    ),
-                    tls=security.uses_tls,
-                    trust_network=security.trust_network,
-                )
-            except NatsVettingError as exc:
-                raise LaunchError(str(exc)) from None
-            self._check_mesh_absent(url)
+        else:  # joined only with credentials, only where who runs it is known, not twice
+            join_nats(url, self.config, self.nats_auth)
+            self.nats_url = url
         if self.config.mode == "disagg":  # as admin, before any role connects: docs/security.md
-            self._make_prefill_queue()
+            make_queue(self.nats_url, self.mesh, self.nats_auth, self.config.nats_security)
         self.cpus = self._plan_cpus()
         specs = plan(self.config, self.nats_url, self.port, self.cpus)
         ports = {s.name: free_port() for s in specs if s.tier != "router"}  # kept across restarts
@@ -136,104 +108,12 @@ class Launcher:
             print(f"kvmesh up: {note}", file=sys.stderr, flush=True)
         return cpus
 
-    def _make_prefill_queue(self) -> None:
-        from kvmesh.commands.queue_setup import make_prefill_queue
-        from kvmesh.shared.bus.nats_connect import NatsUnavailableError
-        from kvmesh.shared.bus.prefill_job_stream import PrefillQueueError
-
-        try:
-            _run_sync(
-                make_prefill_queue(
-                    self.nats_url,
-                    self.mesh,
-                    auth=self.nats_auth,
-                    security=self.config.nats_security,
-                )
-            )
-        except (PrefillQueueError, NatsUnavailableError) as exc:
-            raise LaunchError(f"{exc} (or make it first: kvmesh admin prefill-queue)") from None
-
-    def _default_nats_url(self) -> str:
-        """The NATS URL of a launcher left at the default: the default, unless the server there
-        belongs to another ``kvmesh up``'s mesh, then a free port of our own. The same mesh
-        already up on this machine is refused."""
-        meshes = running_meshes()
-        same = [m for m in meshes if m.mesh == self.mesh]
-        if same:
-            other = same[0]
-            raise LaunchError(
-                f"mesh {self.mesh!r} is already up on this machine (kvmesh up pid {other.pid}, "
-                f"{other.router_url}, NATS {other.nats_url}); give this one another --mesh, or "
-                "stop that one first"
-            )
-        owner = next((m for m in meshes if m.nats_url == DEFAULT_NATS_URL), None)
-        if owner is None:
-            return DEFAULT_NATS_URL
-        url = f"nats://127.0.0.1:{free_port()}"
-        print(
-            f"kvmesh up: {DEFAULT_NATS_URL} is the nats-server of mesh {owner.mesh!r} (kvmesh up "
-            f"pid {owner.pid}); mesh {self.mesh!r} gets its own at {url} (kvmesh admin "
-            f"--mesh {self.mesh} finds it)",
-            file=sys.stderr,
-        )
-        return url
-
     def _start_nats(self, url: str) -> None:
-        from kvmesh.shared.bus.nats_server import NatsServer, parse_nats_url
-
-        if not url.startswith("nats://") or url_has_credentials(url):
-            raise LaunchError(
-                f"nothing answers at {redact_url(url)}, and kvmesh up starts a nats-server only "
-                "for a plain nats://HOST:PORT URL (credentials and TLS are the operator's "
-                "server's); start that server first, or give a nats:// URL"
-            )
-        host, nats_port = parse_nats_url(url)
-        self.credentials = MeshCredentials.generate()
-        self.nats = NatsServer(
-            nats_port,
-            host=host,
-            authorization=self.credentials.server_config(self.config.subjects),
-        )
-        self.nats.start()
-        self.nats_url = self.nats.url
-        self.nats_auth = self.credentials.auth(ADMIN)
-        self.admin_password_file = self.nats.state_dir / "admin.password"
-        fd = os.open(self.admin_password_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(self.nats_auth.password)
-        print(
-            f"kvmesh up: started nats-server at {self.nats.url} for mesh {self.mesh!r}, one "
-            f"user per role; for kvmesh admin: export {USER_ENV}={ADMIN} "
-            f"{PASSWORD_FILE_ENV}={self.admin_password_file} (kvmesh admin --mesh {self.mesh} "
-            "finds both by itself)",
-            file=sys.stderr,
-        )
-
-    def _check_mesh_absent(self, url: str) -> None:
-        """Join the NATS at ``url`` unless this mesh already runs there: its workers would count
-        as ours, and ours would take its requests. Other meshes there are no concern."""
-        from kvmesh.shared.bus.nats_connect import NatsUnavailableError
-
-        self.nats_url = url
-        try:
-            others = _run_sync(
-                workers_on(
-                    url, auth=self.nats_auth, mesh=self.mesh, security=self.config.nats_security
-                )
-            )
-        except NatsUnavailableError as exc:  # e.g. a server of another mesh, with its own users
-            raise LaunchError(
-                f"cannot join the NATS server at {redact_url(url)}: {exc}; or give this mesh a "
-                "nats-server of its own: --nats-url nats://127.0.0.1:PORT with a free PORT"
-            ) from None
-        if others:
-            raise LaunchError(
-                f"mesh {self.mesh!r} is already running on {redact_url(url)} (workers: "
-                f"{', '.join(sorted(others)[:6])}{', ...' if len(others) > 6 else ''}); start "
-                f"this one as another mesh (--mesh NAME), or on its own NATS (e.g. --nats-url "
-                "nats://127.0.0.1:4223; it is started here if nothing answers), or stop the "
-                "other one first"
-            )
+        """A nats-server of the mesh's own at ``url``; this process its admin."""
+        started = start_nats(url, self.mesh, self.config.subjects)
+        self.nats, self.credentials = started.server, started.credentials
+        self.nats_url, self.nats_auth = started.server.url, started.admin
+        self.admin_password_file = started.admin_password_file
 
     def _spawn(self, spec: ChildSpec) -> None:
         """Start ``spec``'s process; a restart gets the environment of the first start."""
@@ -402,45 +282,6 @@ class Launcher:
         if self.state is not None:
             remove_state(self.state)
             self.state = None
-
-
-async def workers_on(
-    nats_url: str,
-    listen_s: float = 1.2,
-    auth: NatsAuth | None = None,
-    *,
-    mesh: str,
-    security: NatsSecurity | None = None,
-) -> set[str]:
-    """Worker ids of mesh ``mesh`` heard on ``nats_url``: its registry's list, or heartbeats
-    for ``listen_s``."""
-    from kvmesh.shared.bus.admin_client import AdminError, admin_client
-    from kvmesh.shared.bus.messages.codec import MessageError, decode_message
-    from kvmesh.shared.bus.messages.workers import WorkerHeartbeat
-
-    async with admin_client(
-        nats_url, timeout_s=2.0, auth=auth, mesh=mesh, security=security
-    ) as admin:
-        try:
-            return {w.worker_id for w in await admin.workers()}
-        except AdminError:  # no registry: listen for heartbeats instead
-            pass
-        heard: set[str] = set()
-
-        async def on_beat(msg) -> None:
-            with contextlib.suppress(MessageError):
-                heard.add(decode_message(msg.data, WorkerHeartbeat).worker_id)
-
-        sub = await admin.nc.subscribe(admin.subjects.HEARTBEAT_ALL, cb=on_beat)
-        await asyncio.sleep(listen_s)
-        await sub.unsubscribe()
-        return heard
-
-
-def _run_sync(coro):
-    """Run a coroutine to completion from sync code, also when called inside an event loop."""
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        return pool.submit(asyncio.run, coro).result()
 
 
 def _signal_group(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:

@@ -21,7 +21,8 @@ import contextlib
 import signal
 import sys
 
-from kvmesh.commands.launcher import Launcher, LaunchError
+from kvmesh.commands.launch_error import LaunchError
+from kvmesh.commands.launcher import Launcher
 from kvmesh.commands.restarts import RestartPolicy
 from kvmesh.commands.up_config import EXAMPLES, FLAG_GROUPS, UpConfig
 from kvmesh.commands.up_model import ModelChoiceError, resolve_up_model
