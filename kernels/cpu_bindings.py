@@ -1,29 +1,36 @@
 """``CpuOps``: the kernels of one loaded C library (``cpu_ops.py`` builds and loads it) bound
-through ctypes, each behind a wrapper that checks shapes, strides and dtypes, and the torch
-definitions (``*_reference``) the tests hold them to.
+through ctypes, each behind a wrapper that checks shapes, strides and dtypes. The fused layers'
+arguments are built in ``cpu_layer_args.py``; the torch definitions the tests hold the kernels to
+are in ``cpu_references.py``.
 """
 
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
+from kvmesh.kernels.cpu_layer_args import (
+    KV_DTYPE_CODES,
+    StepMemo,
+    is_cache_dtype,
+    layer_attention_args,
+    quant_args,
+    quant_weight_bias,
+    tree_arg,
+    weight_bias,
+)
 from kvmesh.kernels.cpu_plans import (
     DecodeLayerKV,
     DecodeLayerWeights,
     DecodePlan,
-    KVQuant,
     PackedWeight,
     QuantDecodeLayerWeights,
     check_f32_contiguous,
     decode_plan,
+    quant_scale_stride,
 )
-from kvmesh.shared.kv.kv_int8 import GROUP as INT8_GROUP
-from kvmesh.shared.kv.kv_quant import e4m3_lut
-from kvmesh.shared.model.quant import FLOAT_FORMATS, QuantWeight, StackedWeight, dequantize
+from kvmesh.shared.model.quant import QuantWeight, StackedWeight
 
 _i64, _f32, _ptr, _int = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
 _SIGNATURES = {
@@ -62,8 +69,6 @@ _SIGNATURES = {
         *(_ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _i64),
     ),
 }
-# an unquantized KV cache's element type as the kernels name it (KV_F32 ... in cpu_kernels.h)
-KV_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
 class CpuOps:
@@ -89,7 +94,7 @@ class CpuOps:
         # whether the kernels read Q4 weights in the paired layout (quant.pair_blocks; the
         # VNNI build): CpuBackend.install repacks the layers' Q4 weights then
         self.quant_pairs = bool(lib.kv_quant_pairs())
-        self._memo: _StepMemo | None = None  # the last decode step's layer arguments
+        self._memo: StepMemo | None = None  # the last decode step's layer arguments
 
     def quant_linear(
         self,
@@ -202,7 +207,7 @@ class CpuOps:
         assert num_heads == num_q_heads + 2 * num_kv_heads and kd == d, (qkv.shape, k_cache.shape)
         assert num_q_heads % num_kv_heads == 0, (num_q_heads, num_kv_heads)
         assert cos.shape == sin.shape == (batch, 1, d), (cos.shape, sin.shape)
-        assert k_cache.dtype == v_cache.dtype and _is_cache_dtype(k_cache.dtype, kv_scales), (
+        assert k_cache.dtype == v_cache.dtype and is_cache_dtype(k_cache.dtype, kv_scales), (
             k_cache.dtype,
             v_cache.dtype,
         )
@@ -224,7 +229,7 @@ class CpuOps:
             plan.batch,
             plan.scratch.shape,
         )
-        quant = _quant_args(kv_scales, plan, k_cache)
+        quant = quant_args(kv_scales, plan, k_cache)
         scratch, bounds = plan.scratch, plan.bounds
         out = qkv.new_empty(batch, num_q_heads, d)
         self._decode_attention(
@@ -249,15 +254,15 @@ class CpuOps:
             bounds.data_ptr(),
             bounds.shape[0] - 1,
             None if quant is None else ctypes.addressof(quant),
-            _tree_arg(plan),
+            tree_arg(plan),
             KV_DTYPE_CODES.get(k_cache.dtype, 0),
         )
         return out
 
     def _step_args(
         self, x: torch.Tensor, w: DecodeLayerWeights | QuantDecodeLayerWeights, kv: DecodeLayerKV
-    ) -> tuple[tuple, tuple, _StepMemo]:
-        """``_layer_attention_args`` and the work buffers of a decode step's layers: checked and
+    ) -> tuple[tuple, tuple, StepMemo]:
+        """``layer_attention_args`` and the work buffers of a decode step's layers: checked and
         built by the step's first layer, reused by the others, which bring the same step (plan,
         rotation rows, tables), shapes and threads and differ only in their K/V views (a step
         calls ~30 layers from Python: this is most of Python's share of it). An fp8 or int8
@@ -276,8 +281,8 @@ class CpuOps:
         ):
             args = memo.args
             return (*args[:5], k.data_ptr(), v.data_ptr(), *args[7:]), memo.keep, memo
-        args, keep = _layer_attention_args(x, w, kv, self._parts_floats)
-        self._memo = memo = _StepMemo(kv.plan, rows, key, args, keep)
+        args, keep = layer_attention_args(x, w, kv, self._parts_floats)
+        self._memo = memo = StepMemo(kv.plan, rows, key, args, keep)
         return args, keep, memo
 
     def decode_layer(
@@ -301,10 +306,10 @@ class CpuOps:
             w.attn_norm.data_ptr(),
             w.ffn_norm.data_ptr(),
             w.eps,
-            *_weight_bias(w.wqkv, w.bqkv),
-            *_weight_bias(w.wo, w.bo),
-            *_weight_bias(w.w_gate_up, w.b_gate_up),
-            *_weight_bias(w.w_down, w.b_down),
+            *weight_bias(w.wqkv, w.bqkv),
+            *weight_bias(w.wo, w.bo),
+            *weight_bias(w.w_gate_up, w.b_gate_up),
+            *weight_bias(w.w_down, w.b_down),
             inter,
             *(t.data_ptr() for t in work),  # xn, qkv, attn, gu, act
             *attention,
@@ -334,10 +339,10 @@ class CpuOps:
             w.ffn_norm.data_ptr(),
             w.eps,
             w.formats.data_ptr(),
-            *_quant_weight_bias(w.wqkv, w.bqkv),
-            *_quant_weight_bias(w.wo, w.bo),
-            *_quant_weight_bias(w.w_gate_up, w.b_gate_up),
-            *_quant_weight_bias(w.w_down, w.b_down),
+            *quant_weight_bias(w.wqkv, w.bqkv),
+            *quant_weight_bias(w.wo, w.bo),
+            *quant_weight_bias(w.w_gate_up, w.b_gate_up),
+            *quant_weight_bias(w.w_down, w.b_down),
             inter,
             *(t.data_ptr() for t in work[:5]),  # xn, qkv, attn, gu, act
             xq.data_ptr(),
@@ -346,209 +351,3 @@ class CpuOps:
         )
         del keep
         return out
-
-
-class _StepMemo:
-    """What ``CpuOps._step_args`` keeps of a decode step: its plan and rotation rows, tables and
-    lengths (compared by identity), the layer shapes and threads (``key``), the attention
-    arguments the first layer built, and work buffers by shape."""
-
-    __slots__ = ("args", "buffers", "keep", "key", "plan", "rows")
-
-    def __init__(self, plan: DecodePlan, rows: tuple, key: tuple, args: tuple, keep: tuple):
-        self.plan, self.rows, self.key, self.args, self.keep = plan, rows, key, args, keep
-        self.buffers: dict[tuple, list[torch.Tensor]] = {}
-
-    def work(
-        self, x: torch.Tensor, sizes: tuple[int, ...], dtype: torch.dtype = torch.float32
-    ) -> list[torch.Tensor]:
-        """Contiguous buffers of batch * n for each n of ``sizes``, one allocation, the same ones
-        for every layer of the step (each layer's call is done before the next one's)."""
-        found = self.buffers.get((sizes, dtype))
-        if found is None:
-            batch = x.shape[0]
-            flat = torch.empty(batch * sum(sizes), dtype=dtype)
-            found = list(flat.split([batch * n for n in sizes]))
-            self.buffers[(sizes, dtype)] = found
-        return found
-
-
-def _layer_attention_args(
-    x: torch.Tensor,
-    w: DecodeLayerWeights | QuantDecodeLayerWeights,
-    kv: DecodeLayerKV,
-    parts_floats: Callable[[int, int, int, int], int],
-) -> tuple[tuple, tuple]:
-    """The fused layers' attention arguments (heads, cache, tables, plan, threads, fp8/int8
-    and tree structs, the room for partial results) after checking them against x (batch,
-    hidden) and the layer; and what they point into, to keep alive through the call.
-    ``parts_floats``: the library's ``kv_attention_parts_floats``."""
-    check_f32_contiguous(x=x, cos=kv.cos, sin=kv.sin)
-    batch, hidden = x.shape
-    k_cache, v_cache, plan = kv.k_cache, kv.v_cache, kv.plan
-    _, block_size, num_kv_heads, d = k_cache.shape
-    strides = k_cache.stride()
-    num_threads = torch.get_num_threads()
-    assert hidden == w.hidden and num_kv_heads == w.num_kv_heads and d == w.head_dim, (
-        x.shape,
-        k_cache.shape,
-    )
-    assert kv.cos.shape == kv.sin.shape == (batch, 1, d), (kv.cos.shape, kv.sin.shape)
-    assert k_cache.dtype == v_cache.dtype and _is_cache_dtype(k_cache.dtype, kv.scales)
-    assert k_cache.is_cpu
-    assert v_cache.shape == k_cache.shape and v_cache.stride() == strides
-    assert strides[1] == d and strides[3] == 1, strides
-    assert kv.block_tables.dtype == kv.context_lens.dtype == torch.int64
-    assert kv.block_tables.is_contiguous() and kv.context_lens.is_contiguous()
-    assert kv.block_tables.shape[0] == kv.context_lens.shape[0] == batch
-    width = kv.block_tables.shape[1]
-    stride = plan.scratch.shape[1]
-    assert plan.batch == batch and plan.scratch.shape[0] >= num_threads, (
-        "the plan was made for another step or thread count"
-    )
-    assert stride >= width * block_size * (w.num_q_heads // num_kv_heads), plan.scratch.shape
-    quant = _quant_args(kv.scales, plan, k_cache)
-    args = (
-        w.num_q_heads,
-        num_kv_heads,
-        d,
-        kv.cos.data_ptr(),
-        kv.sin.data_ptr(),
-        k_cache.data_ptr(),
-        v_cache.data_ptr(),
-        strides[0],
-        strides[2],
-        block_size,
-        kv.block_tables.data_ptr(),
-        width,
-        kv.context_lens.data_ptr(),
-        w.scale,
-        plan.scratch.data_ptr(),
-        stride,
-        num_threads,
-        None if quant is None else ctypes.addressof(quant),
-        _tree_arg(plan),
-        KV_DTYPE_CODES.get(k_cache.dtype, 0),
-    )
-    # an unquantized cache's attention splits by chunks of context over the threads: each
-    # thread's room for the partial results of the units it shares with others
-    parts = None
-    if quant is None:
-        group = w.num_q_heads // num_kv_heads
-        parts_stride = parts_floats(width, block_size, group, d)
-        parts = torch.empty(num_threads * parts_stride)
-    args += (None, 0) if parts is None else (parts.data_ptr(), parts_stride)
-    return args, (quant, parts)
-
-
-def _tree_arg(plan: DecodePlan) -> int | None:
-    return None if plan.tree is None else ctypes.addressof(plan.tree)
-
-
-def _is_cache_dtype(dtype: torch.dtype, kv_scales: tuple[torch.Tensor, ...] | None) -> bool:
-    """Whether the kernels read a cache of ``dtype`` with (or without) ``kv_scales``."""
-    if kv_scales is None:
-        return dtype in KV_DTYPE_CODES
-    return dtype in (torch.float8_e4m3fn, torch.int8)
-
-
-def _quant_args(
-    kv_scales: tuple[torch.Tensor, torch.Tensor] | None, plan: DecodePlan, k_cache: torch.Tensor
-) -> KVQuant | None:
-    """The kernels' quantized-cache argument for a cache with ``kv_scales`` (None for float32):
-    fp8 scales (num_blocks, H_kv), int8 scales (num_blocks, block_size, H_kv, D // 32)."""
-    if kv_scales is None:
-        return None
-    k_scales, v_scales = kv_scales
-    num_blocks, block_size, num_kv_heads, d = k_cache.shape
-    assert plan.quant_offset is not None, "the plan was made for a float32 cache"
-    assert k_scales.dtype == v_scales.dtype == torch.float32 and k_scales.is_cpu
-    assert k_scales.stride() == v_scales.stride(), (k_scales.stride(), v_scales.stride())
-    if k_cache.dtype == torch.int8:
-        shape = (num_blocks, block_size, num_kv_heads, d // INT8_GROUP)
-        assert k_scales.shape == v_scales.shape == shape, (k_scales.shape, shape)
-        block_stride, slot_stride, head_stride, group_stride = k_scales.stride()
-        assert group_stride == 1, k_scales.stride()
-        return KVQuant(
-            None,
-            k_scales.data_ptr(),
-            v_scales.data_ptr(),
-            block_stride,
-            head_stride,
-            slot_stride,
-            plan.quant_offset,
-        )
-    assert k_scales.shape == v_scales.shape == (num_blocks, num_kv_heads), k_scales.shape
-    return KVQuant(
-        e4m3_lut().data_ptr(),
-        k_scales.data_ptr(),
-        v_scales.data_ptr(),
-        *k_scales.stride(),
-        0,
-        plan.quant_offset,
-    )
-
-
-def _weight_bias(weight: PackedWeight, bias: torch.Tensor | None) -> tuple[int, int | None]:
-    return weight.panels.data_ptr(), None if bias is None else bias.data_ptr()
-
-
-def _quant_weight_bias(
-    weight: QuantWeight | StackedWeight, bias: torch.Tensor | None
-) -> tuple[int, int | None]:
-    return weight.data.data_ptr(), None if bias is None else bias.data_ptr()
-
-
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * x.square().mean(-1, keepdim=True).add(eps).rsqrt() * weight
-
-
-def linear_reference(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-) -> torch.Tensor:
-    return F.linear(x, weight, bias)
-
-
-def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
-def quant_scale_stride(k: int) -> int:
-    """Floats per row of a quantized activation's scales (``qk_scale_stride`` of cpu_quant.c):
-    32 per pair of blocks of 32 values."""
-    return (k // 32 + 1) // 2 * 32
-
-
-def quantize_activations_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (rows, k) as the kernels quantize it: per block of 32, dx = max|x| / 127 and q =
-    x / dx rounded half to even. Returns q (rows, k / 32, 32) float32 integers, dx (rows, k / 32)."""
-    blocks = x.float().reshape(x.shape[0], -1, 32)
-    d = blocks.abs().amax(-1) / 127
-    inv = torch.where(d == 0, 0.0, 1 / d)
-    return torch.round(blocks * inv.unsqueeze(-1)).clamp(-127, 127), d
-
-
-def quant_linear_reference(
-    x: torch.Tensor, weight: QuantWeight | StackedWeight, bias: torch.Tensor | None = None
-) -> torch.Tensor:
-    """The float definition: x @ dequantize(w).T (+ bias)."""
-    return F.linear(x, dequantize(weight), bias)
-
-
-def quant_linear_exact_reference(
-    x: torch.Tensor, weight: QuantWeight | StackedWeight, bias: torch.Tensor | None = None
-) -> torch.Tensor:
-    """What ``CpuOps.quant_linear`` computes, in float64: x quantized per block
-    (``quantize_activations_reference``; for an F16 or BF16 weight x as it is) times the
-    weight's exact values (``dequantize`` in float64), so per block dw dx sum(qw qx) + mw dx
-    sum(qx) with exact integer sums. A stacked weight: each part's columns by its own format."""
-    qx, dx = quantize_activations_reference(x)
-    quantized = (qx.double() * dx.double().unsqueeze(-1)).reshape(x.shape)
-    parts = weight.parts if isinstance(weight, StackedWeight) else (weight,)
-    ys = [
-        (x.double() if p.format in FLOAT_FORMATS else quantized) @ dequantize(p, torch.float64).T
-        for p in parts
-    ]
-    y = torch.cat(ys, -1).float()
-    return y if bias is None else y + bias

@@ -20,9 +20,9 @@ scales, each (sequence, KV head)'s context in chunks of 256 positions whose part
 results fold in order; the fused layers (``cpu_layer.c``) split the chunks themselves over the
 threads, so that batch 1 keeps every thread busy, with the same result bit for bit.
 
-This module builds and loads the library; ``CpuOps`` and the references are in
-``cpu_bindings.py``, the kernels' argument layouts (packed weights, layer views, ``DecodePlan``)
-in ``cpu_plans.py``. Every name callers use is importable from here.
+This module builds and loads the library; ``CpuOps`` is in ``cpu_bindings.py`` (the fused layers'
+call arguments in ``cpu_layer_args.py``), the references in ``cpu_references.py``, the kernels'
+argument layouts (packed weights, layer views, ``DecodePlan``) in ``cpu_plans.py``. Every name callers use is importable from here.
 """
 
 from __future__ import annotations
@@ -37,12 +37,7 @@ import tempfile
 from pathlib import Path
 
 import structlog
-from kvmesh.kernels.cpu_bindings import (
-    CpuOps,
-    linear_reference,
-    rms_norm_reference,
-    silu_mul_reference,
-)
+from kvmesh.kernels.cpu_bindings import CpuOps
 from kvmesh.kernels.cpu_plans import (
     MAX_TREE_TAIL,
     PANEL_WIDTH,
@@ -56,6 +51,11 @@ from kvmesh.kernels.cpu_plans import (
     decode_plan,
     pack_linear_weight,
     split_by_work,
+)
+from kvmesh.kernels.cpu_references import (
+    linear_reference,
+    rms_norm_reference,
+    silu_mul_reference,
 )
 from kvmesh.shared.config.cache_dir import cache_dir
 from kvmesh.shared.config.cache_dir import temp_cache_dir as _temp_cache_dir

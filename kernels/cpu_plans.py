@@ -258,3 +258,9 @@ def check_f32_contiguous(**tensors: torch.Tensor) -> None:
     for name, t in tensors.items():
         assert t.dtype == torch.float32, f"{name} must be float32, got {t.dtype}"
         assert t.is_cpu and t.is_contiguous(), f"{name} must be contiguous on CPU"
+
+
+def quant_scale_stride(k: int) -> int:
+    """Floats per row of a quantized activation's scales (``qk_scale_stride`` of cpu_quant.c):
+    32 per pair of blocks of 32 values."""
+    return (k // 32 + 1) // 2 * 32

@@ -11,8 +11,8 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from kvmesh.kernels.cpu_bindings import quant_linear_exact_reference, quant_linear_reference
 from kvmesh.kernels.cpu_ops import QuantDecodeLayerWeights, load_cpu_ops
+from kvmesh.kernels.cpu_references import quant_linear_exact_reference, quant_linear_reference
 from kvmesh.shared.model.cpu_modules import CpuQuantEmbedding, CpuQuantLinear
 from kvmesh.shared.model.quant import (
     FLOAT_FORMATS,

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvmesh.kernels.cpu_bindings import (
+from kvmesh.kernels.cpu_ops import load_cpu_ops
+from kvmesh.kernels.cpu_references import (
     quant_linear_exact_reference,
     quant_linear_reference,
     quantize_activations_reference,
 )
-from kvmesh.kernels.cpu_ops import load_cpu_ops
 from kvmesh.shared.model.quant import FORMAT_CODES, QUANT_FORMATS, quantize
 
 ops = load_cpu_ops()

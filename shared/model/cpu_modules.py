@@ -159,7 +159,7 @@ def residual_quant_linear(
     activations, the weight still read as stored. x and its residual go through the kernel as
     one batch of twice the rows, so the weight is read once (each row's result does not depend
     on the others). x: (rows, in) float32 contiguous."""
-    from kvmesh.kernels.cpu_bindings import quantize_activations_reference
+    from kvmesh.kernels.cpu_references import quantize_activations_reference
 
     qx, dx = quantize_activations_reference(x)
     residual = x - (qx * dx.unsqueeze(-1)).reshape(x.shape)

@@ -11,8 +11,8 @@ import subprocess
 from pathlib import Path
 
 import torch
-from kvmesh.kernels.cpu_bindings import quant_scale_stride
 from kvmesh.kernels.cpu_ops import SOURCES
+from kvmesh.kernels.cpu_plans import quant_scale_stride
 
 
 def build_quant_lib(directory: Path, march: str = "x86-64") -> ctypes.CDLL:
