@@ -196,11 +196,10 @@ def test_tp_configs_refuse_what_a_tp_decode_worker_cannot_run_and_up_passes_tp()
     from kvmesh.commands.up_plan import plan
 
     assert DecodeConfig(tp=2).tp == 2
-    with pytest.raises(ValueError, match="--tp 2 needs --mode disagg and no --speculative"):
-        DecodeConfig(tp=2, mode="colocated")
-    with pytest.raises(ValueError, match="--tp 2 needs --mode disagg"):
+    assert DecodeConfig(tp=2, mode="colocated").tp == 2
+    with pytest.raises(ValueError, match="--tp 2 needs no --speculative"):
         DecodeConfig(tp=2, speculative=True)
-    with pytest.raises(ValueError, match="--decode-tp > 1 needs --mode disagg and no --draft"):
+    with pytest.raises(ValueError, match="--decode-tp > 1 needs no --draft"):
         UpConfig(decode_tp=2, draft="ngram")
     specs = plan(UpConfig(decode_tp=2), "nats://127.0.0.1:4222", 8000)
     (decode,) = [s for s in specs if s.name == "decode-0"]
@@ -208,3 +207,7 @@ def test_tp_configs_refuse_what_a_tp_decode_worker_cannot_run_and_up_passes_tp()
     assert config.tp == 2  # kvmesh serve decode --tp 2
     (prefill,) = [s for s in specs if s.name == "prefill-0"]
     assert "--tp" not in prefill.argv
+    specs = plan(UpConfig(mode="colocated", decode_tp=2), "nats://127.0.0.1:4222", 8000)
+    (colocated,) = [s for s in specs if s.name == "colocated-0"]
+    _, config, _ = build_service_config("colocated", colocated.argv[2:], env={})
+    assert (config.mode, config.tp) == ("colocated", 2)  # kvmesh serve colocated --tp 2

@@ -119,8 +119,8 @@ class UpConfig(NatsClientConfig):
     decode_tp: int = option(
         1,
         help="tensor parallelism of each decode worker: N rank processes, one worker "
-        "(kvmesh serve decode --tp N; disagg mode, runs without --draft and the kv-store; "
-        "docs/tp.md)",
+        "(kvmesh serve decode --tp N, colocated workers too; runs without --draft and the "
+        "kv-store; docs/tp.md)",
     )
     transport: TransportChoice = option("auto", help="KV data plane")
     port: int = option(8000, help="router HTTP port (0: a free one)")
@@ -250,10 +250,10 @@ class UpConfig(NatsClientConfig):
             "stop_timeout_s",
         )
         check_at_least(self, 1, "prefill_tp", "decode_tp")
-        if self.decode_tp > 1 and (self.mode != "disagg" or self.draft):
+        if self.decode_tp > 1 and self.draft:
             raise ValueError(
-                "--decode-tp > 1 needs --mode disagg and no --draft (a tensor-parallel decode "
-                "worker runs without speculative decoding)"
+                "--decode-tp > 1 needs no --draft (a tensor-parallel decode worker runs without "
+                "speculative decoding)"
             )
         if self.prefill_tp > 1 and (self.mode != "disagg" or self.draft in ("early-exit", "model")):
             raise ValueError(

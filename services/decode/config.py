@@ -97,8 +97,7 @@ class DecodeConfig(EngineWorkerConfig):
         help="tensor parallelism: this worker runs as N rank processes (this one and N-1 it "
         "starts), each holding 1/N of the model's heads and MLP and its KV heads in a pool of "
         "its own, that appear as one worker (one advert, one lease a request); prefill workers "
-        "write each rank its heads (docs/tp.md). Disaggregated only; runs without "
-        "--speculative and the kv-store",
+        "write each rank its heads (docs/tp.md). Runs without --speculative and the kv-store",
     )
     use_kv_store: bool = option(
         True,
@@ -130,10 +129,10 @@ class DecodeConfig(EngineWorkerConfig):
             "resume_grace_s",
         )
         check_positive(self, "tp")
-        if self.tp > 1 and (self.mode != "disagg" or self.speculative):
+        if self.tp > 1 and self.speculative:
             raise ValueError(
-                f"--tp {self.tp} needs --mode disagg and no --speculative (a colocated or "
-                "speculative decode worker runs at TP1; docs/tp.md)"
+                f"--tp {self.tp} needs no --speculative (a speculative decode worker runs at "
+                "TP1; docs/tp.md)"
             )
         if self.resume_window_s is not None and self.resume_window_s < 0:
             raise ValueError(f"resume_window_s must be >= 0, got {self.resume_window_s}")

@@ -113,7 +113,8 @@ class DecodeRanks(Feature):
         self.ranks = ranks
         self.channels = channels
         self.seed = seed  # every rank's sampler's: unseeded requests sample alike on each
-        self.descriptors: list[TransportDescriptor] = []  # ready(): followers' transports
+        # ready(): followers' transports (None colocated: no data plane)
+        self.descriptors: list[TransportDescriptor | None] = []
         self.windows: GroupWindows | None = None  # make_windows'
         self.worker: DecodeWorker | None = None  # serve(): whose leases the followers' writes fill
         self.engine: Any = None  # lead()'s
@@ -166,7 +167,7 @@ class DecodeRanks(Feature):
         return group
 
     def _wait_ready(self, timeout_s: float) -> None:
-        ready: dict[int, TransportDescriptor] = {}
+        ready: dict[int, TransportDescriptor | None] = {}
         while len(ready) < len(self.channels):
             try:
                 msg = self.channels[0].replies.get(timeout=1.0)
@@ -180,8 +181,12 @@ class DecodeRanks(Feature):
                         "tensor-parallel ranks did not register their pools"
                     ) from None
                 continue
-            if isinstance(msg, RankReady):
-                ready[msg.rank] = msgspec.json.decode(msg.descriptor, type=TransportDescriptor)
+            if isinstance(msg, RankReady):  # colocated: no transport, no descriptor
+                ready[msg.rank] = (
+                    msgspec.json.decode(msg.descriptor, type=TransportDescriptor)
+                    if msg.descriptor
+                    else None
+                )
         self.descriptors = [ready[r] for r in range(1, self.tp_size)]
 
     def lead(self, engine: Any) -> Any:
@@ -205,7 +210,7 @@ class DecodeRanks(Feature):
             block_bytes,
             [c.control for c in self.channels],
             self.channels[0].replies,
-            self.descriptors,
+            [d for d in self.descriptors if d is not None],  # disagg: every follower's
         )
         return self.windows
 
@@ -217,6 +222,8 @@ class DecodeRanks(Feature):
     # ---- the feature ------------------------------------------------------------------------
 
     def loops(self, site: Site) -> Sequence[Loop]:
+        if self.windows is None:  # colocated: no data plane, no writes to count
+            return (self.ranks.watch,)
         return (self.ranks.watch, self.relay)
 
     def advert(self) -> Mapping[str, Any]:
@@ -288,14 +295,26 @@ async def _follow(
     model, tokenizer = await asyncio.to_thread(load_model, config.model, dtype, config.device)
     await asyncio.to_thread(join_group, rank, config.tp, port)
     shard_model(model)
+
+    def engine_over(transport: Any) -> Any:
+        engine = build_engine(config, model, tokenizer, transport)  # as the leader's
+        engine.sampler.generator.manual_seed(seed)  # the leader's (its unseeded requests' noise)
+        adopt_whole_layout(engine)  # as the leader's engine
+        return engine
+
+    if not config.uses_data_plane:  # colocated: no writes come, the engine calls are all
+        engine = engine_over(None)
+        channels.replies.put(RankReady(rank, b""))
+        log.info("tp follower ready", worker_id=worker_id, rank=rank, tp=config.tp)
+        num_calls = await asyncio.to_thread(follow, engine)  # until the leader closes
+        log.info("tp follower done", rank=rank, calls=num_calls)
+        return
     bind_host, advertise_host = config.transport_hosts()
     tconf = TransportConfig(
         peer_id=f"{worker_id}.rank{rank}", tcp_host=bind_host, tcp_advertise_host=advertise_host
     )
     async with create_transport(config.transport, tconf) as transport:
-        engine = build_engine(config, model, tokenizer, transport)  # as the leader's
-        engine.sampler.generator.manual_seed(seed)  # the leader's (its unseeded requests' noise)
-        adopt_whole_layout(engine)  # as the leader's engine
+        engine = engine_over(transport)
         region = transport.register(engine.kv_pool.raw, Access.REMOTE_WRITE)
         leases = RankLeases(rank, transport, region, engine.kv_pool.spec.block_bytes)
         descriptor = msgspec.json.encode(transport.descriptor().public())
