@@ -278,6 +278,8 @@ def calibrate(
         seq_overhead_s=fit.seq_overhead_s,
         chunk_overhead_s=fit.chunk_overhead_s,
         cache_bytes=float(cache),
+        attention_flops=fit.attention_flops,
+        attention_bandwidth=fit.attention_bandwidth,
         cores=cores,
         calibration_threads=threads,
         description=(

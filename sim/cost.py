@@ -16,6 +16,10 @@ any ``num_new``). For a step:
 - time = overhead + max(FLOPs / effective FLOP/s, bytes / effective bandwidth), where the
   overhead is the fixed part a calibration measures: ``step_overhead_s`` per step +
   ``seq_overhead_s`` per slice + ``chunk_overhead_s`` per prefill chunk (``num_new > 1``);
+  on a device whose attention runs as a phase of its own (``DeviceSpec.attention_flops``: a
+  calibrated CPU), the roofline is the matmuls' (their FLOPs and the LM head's, the weights'
+  bytes) plus the attention's (its FLOPs at ``attention_flops``, the KV's bytes at
+  ``attention_bandwidth``): the two phases run one after the other, each at its own limit;
 - a step of a mesh worker (``step(slices, role)``) is that times the device's
   ``engine_scale(role)``, plus its ``engine_extra_s(role)`` on the overhead (a colocated or
   decode worker's stall per step): the engine inside a mesh worker process, measured by calibration's
@@ -72,7 +76,7 @@ class StepCost:
     flops: float
     bytes: float
     overhead_s: float  # fixed costs: per step, per sequence, per prefill chunk
-    roofline_s: float  # max(compute, memory)
+    roofline_s: float  # max(compute, memory), per phase where the device splits them
 
     @property
     def seconds(self) -> float:
@@ -103,6 +107,10 @@ class CostModel:
         return int(free // self.kv_bytes_per_token)
 
     def step_flops(self, slices: Iterable[Slice]) -> float:
+        return sum(self.phase_flops(slices))
+
+    def phase_flops(self, slices: Iterable[Slice]) -> tuple[float, float]:
+        """A step's FLOPs as (the matmuls' with the LM head's, the attention's)."""
         m = self.model
         new_tokens = pairs = heads_out = 0
         for s in slices:
@@ -112,7 +120,7 @@ class CostModel:
         linear = 2 * m.num_layers * m.layer_params * new_tokens
         attention = 4 * m.num_layers * m.num_heads * m.head_dim * pairs
         lm_head = 2 * m.lm_head_params * heads_out
-        return float(linear + attention + lm_head)
+        return float(linear + lm_head), float(attention)
 
     @property
     def weights_resident(self) -> bool:
@@ -121,9 +129,32 @@ class CostModel:
 
     def step_bytes(self, slices: Iterable[Slice]) -> float:
         """Bytes a step moves to or from memory: weights (unless cached) and KV."""
+        return sum(self.phase_bytes(slices))
+
+    def phase_bytes(self, slices: Iterable[Slice]) -> tuple[float, float]:
+        """A step's memory traffic as (the weights', unless cached; the KV's)."""
         kv_tokens = sum(s.context + s.num_new for s in slices)
         weights = 0 if self.weights_resident else self.model.weight_bytes
-        return float(weights + kv_tokens * self.kv_bytes_per_token)
+        return float(weights), float(kv_tokens * self.kv_bytes_per_token)
+
+    def roofline_s(self, slices: Sequence[Slice]) -> float:
+        """The step's time at the device's limits (no overhead, no role): one roofline over
+        all its work, or the matmuls' and the attention's one after the other on a device that
+        runs attention as a phase of its own."""
+        d = self.device
+        flops, bandwidth = d.effective_flops * self.tp, d.effective_bandwidth * self.tp
+        (matmul_flops, attention_flops) = self.phase_flops(slices)
+        weight_bytes, kv_bytes = self.phase_bytes(slices)
+        if d.attention_flops <= 0:
+            return max(
+                (matmul_flops + attention_flops) / flops, (weight_bytes + kv_bytes) / bandwidth
+            )
+        matmuls = max(matmul_flops / flops, weight_bytes / bandwidth)
+        attention = max(
+            attention_flops / (d.attention_flops * self.tp),
+            kv_bytes / (d.attention_bandwidth * self.tp),
+        )
+        return matmuls + attention
 
     def step_overhead_s(self, slices: Iterable[Slice]) -> float:
         d = self.device
@@ -140,12 +171,10 @@ class CostModel:
         slices = list(slices)
         assert slices, "a step computes something"
         flops, num_bytes = self.step_flops(slices), self.step_bytes(slices)
-        compute = flops / (self.device.effective_flops * self.tp)
-        memory = num_bytes / (self.device.effective_bandwidth * self.tp)
         scale = 1.0 if role is None else self.device.engine_scale(role)
         extra = 0.0 if role is None else self.device.engine_extra_s(role)
         overhead = self.step_overhead_s(slices) * scale + extra
-        return StepCost(flops, num_bytes, overhead, max(compute, memory) * scale)
+        return StepCost(flops, num_bytes, overhead, self.roofline_s(slices) * scale)
 
     def loop_step(
         self,

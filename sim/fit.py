@@ -21,7 +21,7 @@ intercepts within noise are set to 0, with a note.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvmesh.sim.cost import CostModel, Slice
@@ -29,6 +29,7 @@ from kvmesh.sim.specs import DeviceSpec, ModelSpec
 
 _BANDWIDTH_GRID = (1e7, 1e14)  # bytes/s searched for the decode fit
 MAX_RELATIVE_ERROR = 0.5  # a point the fit misses by more is refused, not written
+ATTENTION_APART = 1.5  # attention this many times slower per FLOP than the matmuls: its own phase
 
 
 class FitError(ValueError):
@@ -83,6 +84,8 @@ class Fit:
     chunk_overhead_s: float
     residuals: tuple[Residual, ...]
     notes: tuple[str, ...]
+    attention_flops: float = 0.0  # > 0: attention a phase of its own (DeviceSpec's fields)
+    attention_bandwidth: float = 0.0
 
     @property
     def max_relative_error(self) -> float:
@@ -103,52 +106,47 @@ def fit_costs(
         raise FitError("a measured time is not positive")
     counts = CostModel(model, _device(1.0, 1.0, cache_bytes))
     notes: list[str] = []
+    a, flops, attention_flops = _fit_prefill_rates(counts, prefill)
 
-    # prefill: t = a + FLOPs / F
-    x = [counts.step_flops([Slice(p.tokens, p.context)]) for p in prefill]
-    t = [p.seconds for p in prefill]
-    a, inv_f = _weighted_lstsq([[1.0, xi] for xi in x], t)
-    if inv_f <= 0:
-        raise FitError(
-            "prefill time does not grow with prompt length ("
-            + ", ".join(f"{p.tokens}: {p.seconds * 1e3:.1f} ms" for p in prefill)
-            + "): the measurement is noise; calibrate on a quiet machine"
-        )
-    flops = 1 / inv_f
-
-    # decode: t = s + q * batch + max(FLOPs / F, bytes / B), B on a log grid
+    # decode: t = s + q * batch + roofline(B[, B_attention]), the bandwidths on log grids
     slices = [[Slice(1, p.context)] * p.batch for p in decode]
-    compute = [counts.step_flops(s) / flops for s in slices]
-    memory = [counts.step_bytes(s) for s in slices]
     td = [p.seconds for p in decode]
 
-    def solve(bandwidth: float) -> tuple[float, float, float]:
-        roof = [max(c, m / bandwidth) for c, m in zip(compute, memory, strict=True)]
+    def roofs(bandwidth: float, attention_bandwidth: float) -> list[float]:
+        device = _device(
+            flops, bandwidth, cache_bytes, attention=(attention_flops, attention_bandwidth)
+        )
+        cost = CostModel(model, device)
+        return [cost.roofline_s(sl) for sl in slices]
+
+    def solve(bandwidths: tuple[float, float]) -> tuple[float, float, float]:
+        roof = roofs(*bandwidths)
         y = [ti - r for ti, r in zip(td, roof, strict=True)]
         s, q = _weighted_lstsq([[1.0, float(p.batch)] for p in decode], y, td)
         if q < 0:  # the data do not show a per-sequence cost
             (s,) = _weighted_lstsq([[1.0] for _ in decode], y, td)
             q = 0.0
+        if s < 0:  # a bandwidth so low that the weights' read outgrows the steps: no overhead
+            s, (q,) = 0.0, _weighted_lstsq([[float(p.batch)] for p in decode], y, td)
+            q = max(q, 0.0)
         pred = [s + q * p.batch + r for p, r in zip(decode, roof, strict=True)]
         return sum(((pi - ti) / ti) ** 2 for pi, ti in zip(pred, td, strict=True)), s, q
 
-    lo, hi = (math.log10(b) for b in _BANDWIDTH_GRID)
-    grid = [10 ** (lo + (hi - lo) * i / 600) for i in range(601)]
-    best = min(grid, key=lambda b: solve(b)[0])
-    step = 10 ** ((hi - lo) / 600)
-    fine = [best * step ** (i / 50 - 1) for i in range(101)]
-    bandwidth = min((b for b in fine if _BANDWIDTH_GRID[0] <= b <= _BANDWIDTH_GRID[1]),
-                    key=lambda b: solve(b)[0])  # fmt: skip
-    _, s, q = solve(bandwidth)
-    if bandwidth >= _BANDWIDTH_GRID[1] / step:
+    bandwidth, attention_bandwidth = _grid_search(lambda b: solve(b)[0], split=attention_flops > 0)
+    _, s, q = solve((bandwidth, attention_bandwidth))
+    if bandwidth >= _BANDWIDTH_GRID[1] / 1.1:
         notes.append(
             "the memory term never binds on these points: bandwidth is the search's upper bound"
+        )
+    if attention_flops > 0:
+        notes.append(
+            f"attention runs as a phase of its own: {attention_flops / 1e9:.1f} GFLOP/s against "
+            f"the matmuls' {flops / 1e9:.1f}, its KV read at {attention_bandwidth / 1e9:.1f} GB/s"
         )
 
     # plausibility: the batch-1 steps take time the roofline does not explain -> overhead > 0
     smallest = min(decode, key=lambda p: (p.batch, p.context))
-    i = decode.index(smallest)
-    roof_small = max(compute[i], memory[i] / bandwidth)
+    roof_small = roofs(bandwidth, attention_bandwidth)[decode.index(smallest)]
     if s <= 0:
         if smallest.seconds > 2 * roof_small:
             raise FitError(
@@ -174,7 +172,16 @@ def fit_costs(
         chunk = 0.0
 
     fitted = CostModel(
-        model, _device(flops, bandwidth, cache_bytes, s, q, chunk)
+        model,
+        _device(
+            flops,
+            bandwidth,
+            cache_bytes,
+            s,
+            q,
+            chunk,
+            attention=(attention_flops, attention_bandwidth),
+        ),
     )  # the residuals of the model as the simulator will use it
     residuals = [
         Residual(p.label, p.seconds, fitted.step_seconds(sl))
@@ -193,7 +200,64 @@ def fit_costs(
             + "): the points are not one machine's steady costs (a busy machine?); "
             "not writing this spec"
         )
-    return Fit(flops, bandwidth, s, q, chunk, tuple(residuals), tuple(notes))
+    return Fit(
+        flops,
+        bandwidth,
+        s,
+        q,
+        chunk,
+        tuple(residuals),
+        tuple(notes),
+        attention_flops,
+        attention_bandwidth if attention_flops > 0 else 0.0,
+    )
+
+
+def _fit_prefill_rates(
+    counts: CostModel, prefill: Sequence[PrefillPoint]
+) -> tuple[float, float, float]:
+    """Prefill's fixed cost, the matmuls' FLOP/s and, where the points show the attention running well below it
+    (less than 1 / ``ATTENTION_APART`` of it), the attention's own FLOP/s (else 0: one rate)."""
+    phases = [counts.phase_flops([Slice(p.tokens, p.context)]) for p in prefill]
+    t = [p.seconds for p in prefill]
+    a, inv_f = _weighted_lstsq([[1.0, m + at] for m, at in phases], t)
+    if inv_f <= 0:
+        raise FitError(
+            "prefill time does not grow with prompt length ("
+            + ", ".join(f"{p.tokens}: {p.seconds * 1e3:.1f} ms" for p in prefill)
+            + "): the measurement is noise; calibrate on a quiet machine"
+        )
+    if len({(p.tokens, p.context) for p in prefill}) >= 4:
+        try:
+            a3, inv_m, inv_a = _weighted_lstsq([[1.0, m, at] for m, at in phases], t)
+        except FitError:
+            inv_m = inv_a = 0.0
+        if inv_m > 0 and inv_a > ATTENTION_APART * inv_m:
+            return a3, 1 / inv_m, 1 / inv_a
+    return a, 1 / inv_f, 0.0
+
+
+def _grid_search(error: Callable[[tuple[float, float]], float], split: bool) -> tuple[float, float]:
+    """The (bandwidth, attention bandwidth) with the least ``error``: a log grid over
+    ``_BANDWIDTH_GRID``, then two finer grids around the best (one axis unless ``split``)."""
+    lo, hi = (math.log10(b) for b in _BANDWIDTH_GRID)
+    steps = 96 if split else 600
+    axis = [10 ** (lo + (hi - lo) * i / steps) for i in range(steps + 1)]
+    grid = [(b, ba) for b in axis for ba in (axis if split else [b])]
+    best = min(grid, key=error)
+    ratio = 10 ** ((hi - lo) / steps)
+    for _ in range(2):
+        near = [best[0] * ratio ** (i / 10 - 1) for i in range(21)]
+        near_a = [best[1] * ratio ** (i / 10 - 1) for i in range(21)] if split else [None]
+        grid = [
+            (b, b if ba is None else ba)
+            for b in near
+            for ba in near_a
+            if _BANDWIDTH_GRID[0] <= b <= _BANDWIDTH_GRID[1]
+        ]
+        best = min(grid, key=error)
+        ratio **= 0.1
+    return best
 
 
 def _device(
@@ -203,7 +267,9 @@ def _device(
     step: float = 0.0,
     seq: float = 0.0,
     chunk: float = 0.0,
+    attention: tuple[float, float] = (0.0, 0.0),
 ) -> DeviceSpec:
+    attention_flops, attention_bandwidth = attention if attention[0] > 0 else (0.0, 0.0)
     return DeviceSpec(
         "fit",
         peak_flops=flops,
@@ -214,6 +280,8 @@ def _device(
         seq_overhead_s=seq,
         chunk_overhead_s=chunk,
         cache_bytes=cache_bytes,
+        attention_flops=attention_flops,
+        attention_bandwidth=attention_bandwidth,
     )
 
 

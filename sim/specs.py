@@ -93,7 +93,14 @@ class DeviceSpec:
     per-step jitter cannot give: it is redrawn every step. A sequence draws its pace from this
     distribution (piecewise linear through the knots at 0, 0.1, 0.5, 0.9 and 1, of mean 1:
     ``CostModel.pace``) and the steps of a batch of decodes take the mean of their sequences'
-    paces times what they would otherwise (jitter and warm-up apart). 1 in the GPU specs."""
+    paces times what they would otherwise (jitter and warm-up apart). 1 in the GPU specs.
+
+    ``attention_flops`` and ``attention_bandwidth``: where a calibration found the attention
+    running apart from the matmuls and slower than them (a CPU engine: its attention kernels
+    reach ~10 % of the matmuls' FLOP/s and read the paged KV at a fraction of the weights'
+    stream), the FLOP/s and KV bytes/s of that phase; a step then costs the matmuls' roofline
+    (their FLOPs, the weights' bytes) plus the attention's (its FLOPs, the KV's bytes) rather
+    than one roofline over both. 0 (the GPU specs): one roofline, as before."""
 
     name: str
     peak_flops: float
@@ -140,6 +147,8 @@ class DeviceSpec:
     colocated_pace_p50: float = 1.0
     colocated_pace_p90: float = 1.0
     colocated_pace_max: float = 1.0
+    attention_flops: float = 0.0
+    attention_bandwidth: float = 0.0
     description: str = ""
 
     def __post_init__(self) -> None:
@@ -190,6 +199,13 @@ class DeviceSpec:
             names = ", ".join(f"{prefix}pace_{k}" for k in PACE_KNOT_NAMES)
             _require(knots[0] > 0, self.name, f"{prefix}pace_min", "must be > 0")
             _require(list(knots) == sorted(knots), self.name, names, "must not decrease")
+        _require(
+            (self.attention_flops > 0) == (self.attention_bandwidth > 0)
+            and min(self.attention_flops, self.attention_bandwidth) >= 0,
+            self.name,
+            "attention_flops, attention_bandwidth",
+            "must both be > 0 (a phase of its own) or both 0 (one roofline)",
+        )
         for name in ("cores", "calibration_threads"):
             value = getattr(self, name)
             _require(isinstance(value, int) and value >= 1, self.name, name, "must be an int >= 1")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from kvmesh.sim.calibrate import last_level_cache_bytes, parse_size
 from kvmesh.sim.cost import CostModel, Slice
@@ -121,3 +123,39 @@ def test_fit_refuses_points_it_misses_by_more_than_half():
     ]
     with pytest.raises(FitError, match=r"misses decode batch 1 .* not writing"):
         fit_costs(TINY, 32 << 20, decode, prefill)
+
+
+def test_fit_recovers_an_attention_phase_of_its_own():
+    # a CPU engine: attention at a fifth of the matmuls' FLOP/s, its KV read at 2 GB/s beside
+    # weights streamed at 40: one roofline over both cannot describe it (the 23M model's points)
+    true = DeviceSpec(
+        "split",
+        peak_flops=20e9,
+        mem_bandwidth=40e9,
+        memory_bytes=1e9,
+        link_bandwidth=1e9,
+        step_overhead_s=2e-3,
+        seq_overhead_s=1e-4,
+        chunk_overhead_s=1e-3,
+        cache_bytes=0,
+        attention_flops=4e9,
+        attention_bandwidth=2e9,
+    )
+    cost = CostModel(TINY, true)
+    decode, prefill = _points(true)
+    chunks = [PrefillPoint(512, cost.step_seconds([Slice(512, c)]), context=c) for c in (512, 1024)]
+    fit = fit_costs(TINY, 0, decode, prefill + chunks)
+    assert fit.attention_flops == pytest.approx(4e9, rel=1e-3)
+    assert fit.flops == pytest.approx(20e9, rel=1e-3)
+    assert fit.attention_bandwidth == pytest.approx(2e9, rel=0.02)
+    assert fit.max_relative_error < 0.01
+    one_roofline = CostModel(
+        TINY, dataclasses.replace(true, attention_flops=0, attention_bandwidth=0)
+    )
+    long = [Slice(1, 520)] * 16  # the split costs the KV read on top of the matmuls
+    assert cost.step_seconds(long) > one_roofline.step_seconds(long) * 1.3
+
+
+def test_a_device_with_attention_flops_needs_its_bandwidth_too():
+    with pytest.raises(ValueError, match="attention_flops, attention_bandwidth"):
+        dataclasses.replace(_cpu(0), attention_flops=1e9)
