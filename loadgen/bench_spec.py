@@ -15,7 +15,7 @@ propose what the output repeats (kvmesh-tiny's random weights copy only when the
 loops); on a trained model, ``chat`` (questions, answers of new text) and ``copy`` (answers that
 copy from the prompt: repeat a text, edit code) in its chat template, stopping at EOS.
 
-Also the harness of tests/test_mesh_spec.py: ``spec_mesh`` (a local mesh with draft workers)
+Also the harness of tests/mesh/test_mesh_spec.py: ``spec_mesh`` (a local mesh with draft workers)
 and ``spec_counters`` (the decode worker's speculative counters).
 """
 

@@ -17,7 +17,7 @@ Each prints how many requests ended with the offline engine's greedy text, how m
 error (an HTTP error status, an SSE error event), how many hung; how long after the end of the
 load every decode block was free again; and, with stalled clients, the normal streams' worst
 token gap. The scenarios are in ``fault_scenarios.py`` (the fault tests run them too:
-tests/test_mesh_fault_drills.py), their clients in ``drill_streams.py``.
+tests/mesh/test_mesh_fault_drills.py), their clients in ``drill_streams.py``.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Hostile connections against a tcp receiver (issue #27), for ``kvmesh bench hostile`` and the
-bounded attack in ``tests/test_transport_hostile.py``.
+bounded attack in ``tests/transport/test_transport_hostile.py``.
 
 Each connection is one asyncio task that reconnects within a second of the receiver dropping
 it, so the pressure stays for the whole run. Kinds:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """``make gpu-check``: everything kvmesh knows how to prove on one CUDA GPU, in one run, as one JSON.
 
-On a machine with CUDA: the ``gpu``-marked tests (``pytest -m gpu tests/test_gpu_*.py``, each
+On a machine with CUDA: the ``gpu``-marked tests (``pytest -m gpu tests/gpu/test_gpu_*.py``, each
 outcome), the GPU benchmarks of ``kvmesh.loadgen.gpu_bench`` (figures and ratios against their
 references in the same run), the device name, torch / triton / transformers versions, and a
 SoftRoCE attempt (``modprobe rdma_rxe``; ``rdma link add rxe0 type rxe netdev <first non-lo
@@ -12,7 +12,7 @@ Without CUDA it says so in one line and exits 0.
 
 ``--device cpu`` is the dry run: the same benchmark code on the CPU at tiny sizes with Triton under
 ``TRITON_INTERPRET=1`` (and the gpu tests, which then skip), so the script's paths are exercised
-by the normal test suite (tests/test_gpu_check.py). Its figures are labelled as a dry run and
+by the normal test suite (tests/gpu/test_gpu_check.py). Its figures are labelled as a dry run and
 claim no goal. docs/gpu.md says what has and has not run on real hardware.
 """
 
@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-GPU_TESTS = "tests/test_gpu_*.py"
+GPU_TESTS = "tests/gpu/test_gpu_*.py"
 TESTS_TIMEOUT_S = 420
 RDMA_TIMEOUT_S = 180
 
@@ -186,7 +186,7 @@ def versions() -> dict[str, str]:
 
 
 def gpu_test_files() -> list[str]:
-    """tests/test_gpu_*.py but this script's own CPU test (which has no gpu tests)."""
+    """tests/gpu/test_gpu_*.py but this script's own CPU test (which has no gpu tests)."""
     paths = (os.path.relpath(p, ROOT) for p in glob.glob(str(ROOT / GPU_TESTS)))
     return sorted(p for p in paths if not p.endswith("test_gpu_check.py"))
 

@@ -1,4 +1,4 @@
-"""A worker for tests/test_liveness.py, run as its own process: it joins the mesh with
+"""A worker for tests/workers/test_liveness.py, run as its own process: it joins the mesh with
 ``worker_presence`` (heartbeats from the liveness beacon's thread) as a prefill worker, and
 blocks its event loop on request (``test.block.<id>``, the data a file's path) with time.sleep
 until that file exists, as a slow handler would.

@@ -1,4 +1,4 @@
-"""What tests/test_nats_fuzz.py sends: every subject some role reads, generated from
+"""What tests/bus/test_nats_fuzz.py sends: every subject some role reads, generated from
 ``Subjects`` and the roles' permissions (shared/bus/nats_auth.py), each with bodies generated from
 the protocol's message types (``msgspec.inspect``), and which role may publish it."""
 

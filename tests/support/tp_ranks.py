@@ -1,4 +1,4 @@
-"""Tensor-parallel engine runs for tests/test_tensor_parallel.py: the cases, one engine run each
+"""Tensor-parallel engine runs for tests/model/test_tensor_parallel.py: the cases, one engine run each
 (TP1 in the test's process, TP2 and TP4 in rank processes that share one gloo world of 4), and
 prefill-to-decode hand-offs between TP degrees through the shm transport (``handoff``)."""
 

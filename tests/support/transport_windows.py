@@ -1,5 +1,5 @@
-"""The set-up that tests/test_transport_windows.py, tests/test_transport_reads.py and
-tests/test_transport_rdma_windows.py share: a receiver whose pool of blocks is one registered
+"""The set-up that tests/transport/test_transport_windows.py, tests/transport/test_transport_reads.py and
+tests/transport/test_transport_rdma_windows.py share: a receiver whose pool of blocks is one registered
 region, a peer connected to it that holds a block to write from, and windows over the pool's
 blocks."""
 

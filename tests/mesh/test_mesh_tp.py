@@ -1,0 +1,105 @@
+"""Meshes whose workers run tensor-parallel (docs/tp.md): two rank processes that appear as one
+worker. `kvmesh up --prefill-tp 2`: each prefill rank writes its own KV head of every chunk to
+the TP1 decode worker; `kvmesh up --prefill-tp 2 --decode-tp 2`: each prefill rank writes the
+decode rank holding its head, and the decode worker admits a request once both ranks' writes are
+in, its ranks then decoding together. Either way the greedy answers are TP1's offline ones (in
+2 -> 2 a structured output's too, its grammar on every rank of both workers), every block comes
+back, and killing the follower rank takes the whole worker down. (1 -> 2 is the same decode side
+with one prefill writing both ranks: tests/workers/test_decode_tp.py and tests/workers/test_prefill_tp_decode.py
+run it worker to worker, tests/model/test_tensor_parallel.py engine to engine.)"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from kvmesh.testing.mesh import MeshTap, complete, launched, mesh_config, wait_blocks_returned
+from kvmesh.testing.offline import offline_greedy
+
+pytestmark = pytest.mark.slow
+
+# chunks of 32 tokens: a 70-token prompt is three writes from each rank
+ENV = {"KVMESH_CHUNK_TOKENS": "32", "KVMESH_BLOCK_SIZE": "16", "KVMESH_NUM_BLOCKS": "512"}
+PROMPTS = [list(range(40, 110)), [7, 260, 65, 66, 67, 200, 9, 30, 31, 32] * 3]
+MAX_TOKENS = 6
+REGEX = "[0-9]{3}-[a-z]{2}"  # a structured output's grammar (guided_regex)
+REGEX_PROMPT = [11, 250, 90, 12, 13, 70, 71, 72] * 3  # no prefix cached: prefilled remotely
+
+
+def _follower_pids(pid: int) -> list[int]:
+    """A TP worker's rank processes: its children started by multiprocessing's spawn."""
+    children = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        children += [int(c) for c in (task / "children").read_text().split()]
+    return [c for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+
+
+async def _ask(launcher, regex: bool = False) -> list[list[int]]:
+    """Each prompt's tokens, as its token subject carried them; each prefilled remotely.
+    ``regex``: REGEX_PROMPT's completion under REGEX too (greedy, to its end)."""
+    async with (
+        MeshTap(launcher.config.nats_url, launcher.nats_auth) as tap,
+        aiohttp.ClientSession() as session,
+    ):
+        asks = [{"max_tokens": MAX_TOKENS, "ignore_eos": True} for _ in PROMPTS]
+        prompts = [*PROMPTS, REGEX_PROMPT] if regex else PROMPTS
+        asks += [{"max_tokens": 16, "guided_regex": REGEX}] if regex else []
+        tokens = []
+        for prompt, ask in zip(prompts, asks, strict=True):
+            body = await complete(session, launcher.url, prompt, **ask)
+            await tap.wait_finished(body["id"])
+            assert body["id"] in tap.prefill_done, body["id"]
+            tokens.append(tap.tokens[body["id"]])
+            if "guided_regex" in ask:
+                assert re.fullmatch(REGEX, body["choices"][0]["text"]), body
+    return tokens
+
+
+def _offline_regex() -> list[int]:
+    """TP1's greedy tokens of REGEX_PROMPT under REGEX."""
+    from kvmesh.shared.engine.config import EngineConfig
+    from kvmesh.shared.engine.llm_engine import LLMEngine
+    from kvmesh.shared.model.loader import load_model
+    from kvmesh.shared.text.sampling import SamplingOptions
+    from kvmesh.shared.text.structured_output import StructuredOutputs
+
+    engine = LLMEngine(*load_model("kvmesh-tiny"), EngineConfig(num_blocks=64))
+    spec = StructuredOutputs(regex=REGEX)
+    params = SamplingOptions(max_tokens=16, temperature=0.0, structured_outputs=spec)
+    return engine.generate([REGEX_PROMPT], params)[0]
+
+
+def test_prefill_tp2_serves_tp1_answers_and_goes_down_with_a_rank():
+    expected = offline_greedy(PROMPTS, MAX_TOKENS, ignore_eos=True)
+    config = mesh_config(prefill_tp=2, transport="shm", max_restarts=0, local_prefill_threshold=0)
+    with launched(config, ENV) as launcher:
+        assert asyncio.run(_ask(launcher)) == expected
+        rows = asyncio.run(wait_blocks_returned(launcher.config.nats_url, launcher.nats_auth))
+        assert rows and all(row.pool.free_blocks == row.pool.total_blocks for row in rows), rows
+
+        _, prefill = launcher.children["prefill-0"]
+        (follower,) = _follower_pids(prefill.pid)
+        os.kill(follower, signal.SIGKILL)
+        assert prefill.wait(timeout=30) != 0  # the leader noticed and went down
+
+
+def test_prefill_tp2_to_decode_tp2_serves_tp1_answers_and_goes_down_with_a_rank():
+    expected = [*offline_greedy(PROMPTS, MAX_TOKENS, ignore_eos=True), _offline_regex()]
+    config = mesh_config(
+        prefill_tp=2, decode_tp=2, transport="shm", max_restarts=0, local_prefill_threshold=0
+    )
+    with launched(config, ENV) as launcher:
+        assert asyncio.run(_ask(launcher, regex=True)) == expected
+        rows = asyncio.run(wait_blocks_returned(launcher.config.nats_url, launcher.nats_auth))
+        assert rows and all(row.pool.free_blocks == row.pool.total_blocks for row in rows), rows
+
+        _, decode = launcher.children["decode-0"]
+        (follower,) = _follower_pids(decode.pid)
+        os.kill(follower, signal.SIGKILL)
+        assert decode.wait(timeout=30) != 0  # the leader noticed and went down
