@@ -64,6 +64,8 @@ def register_serve(sub: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.slo_judge is not None:
+        return judge_saved(args)
     try:
         asked = args.model
         if asked is not None and _starts_meshes(args.compare):  # they load it, as up would
@@ -111,6 +113,27 @@ def run(args: argparse.Namespace) -> int:
     if config.slo_base is not None:
         slo_sweep(config, results)
     return 1 if any(r.summary.num_completed == 0 for r in results) else 0
+
+
+def judge_saved(args: argparse.Namespace) -> int:
+    """``--slo-judge FILE``: a saved sweep's requests judged under this --slo-base and
+    --slo-scales (cores: --cores, else the saved run's)."""
+    import orjson
+    from kvmesh.loadgen.serve_outputs import saved_runs, write_slo_sweep
+    from kvmesh.loadgen.slo_attainment import SloObjective, parse_scales
+
+    try:
+        body = orjson.loads(args.slo_judge.read_bytes())
+        runs = saved_runs(body)
+        base, scales = SloObjective.parse(args.slo_base), parse_scales(args.slo_scales)
+        cores = args.cores or body.get("config", {}).get("cores")
+        if not cores:
+            raise ValueError("the saved run names no core count; give --cores")
+    except (OSError, orjson.JSONDecodeError, ValueError) as exc:
+        print(f"kvmesh bench serve: --slo-judge {args.slo_judge}: {exc}", file=sys.stderr)
+        return 2
+    write_slo_sweep(runs, base, scales, int(cores), args.slo_dir)
+    return 0
 
 
 def _starts_meshes(compare: str | None) -> bool:

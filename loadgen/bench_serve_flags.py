@@ -219,12 +219,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     slo.add_argument(
         "--slo-base",
         default="ttft_ms=3000,tpot_ms=50,gap_ms=250",
-        help="the base objective: TTFT, TPOT and each request's p99 token gap, in ms",
+        help="the base objective: TTFT, TPOT and each request's p99 token gap, in ms; a limit "
+        "left out is no limit (gap_ms=100 alone judges the token gaps only)",
     )
     slo.add_argument(
         "--slo-scales",
         default="0.5,1,2",
         help="three multiples of --slo-base: tight, medium, loose (NAME=X names one)",
+    )
+    slo.add_argument(
+        "--slo-judge",
+        type=Path,
+        metavar="RESULT_JSON",
+        help="judge a sweep's saved --result-json again under --slo-base/--slo-scales (its "
+        "requests as they were measured; nothing is sent)",
     )
     slo.add_argument(
         "--slo-dir",

@@ -3,17 +3,19 @@ request), ``--plot-dir``'s plots, and ``--slo-sweep``'s attainment table, JSON a
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 import os
 import statistics
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from kvmesh.loadgen.bench_serve_config import ServeBenchConfig
-from kvmesh.loadgen.serve_metrics import Summary
+from kvmesh.loadgen.serve_metrics import RequestRecord, Summary
 from kvmesh.loadgen.serve_report import RunResult, rate_text
+from kvmesh.loadgen.slo_attainment import SloObjective
 from kvmesh.loadgen.workload import WorkloadPrompt
 
 
@@ -64,24 +66,63 @@ def _plot(
 def slo_sweep(config: ServeBenchConfig, results: Sequence[RunResult]) -> None:
     """Print and write (``--slo-dir``) every target's SLO attainment per rate and scale and its
     goodput, also per core."""
-    import orjson
-    from kvmesh.loadgen import slo_attainment
-
     assert config.slo_base is not None
     cores = config.cores or len(config.mesh_cpus) or len(os.sched_getaffinity(0))
     runs = {(r.label, r.rate): r.records for r in results if r.rate is not None}
-    points, goodputs = slo_attainment.sweep(runs, config.slo_base, config.slo_scales, cores)
-    print("\n" + slo_attainment.format_sweep(points, goodputs, config.slo_base, config.slo_scales))
-    config.slo_dir.mkdir(parents=True, exist_ok=True)
-    path = config.slo_dir / "slo_sweep.json"
-    body = slo_attainment.sweep_json(points, goodputs, config.slo_base, config.slo_scales, cores)
+    write_slo_sweep(runs, config.slo_base, config.slo_scales, cores, config.slo_dir)
+
+
+def write_slo_sweep(
+    runs: Mapping[tuple[str, float], Sequence[RequestRecord]],
+    base: SloObjective,
+    scales: Sequence[tuple[str, float]],
+    cores: int,
+    slo_dir: Path,
+) -> None:
+    """The attainment table printed, slo_sweep.json and (with matplotlib) its plot written."""
+    import orjson
+    from kvmesh.loadgen import slo_attainment
+
+    points, goodputs = slo_attainment.sweep(runs, base, scales, cores)
+    print("\n" + slo_attainment.format_sweep(points, goodputs, base, scales))
+    slo_dir.mkdir(parents=True, exist_ok=True)
+    path = slo_dir / "slo_sweep.json"
+    body = slo_attainment.sweep_json(points, goodputs, base, scales, cores)
     path.write_bytes(orjson.dumps(body, option=orjson.OPT_INDENT_2))
     print(f"SLO sweep: {path}", file=sys.stderr)
     if importlib.util.find_spec("matplotlib") is not None:
         from kvmesh.loadgen import plots
 
-        plot = plots.slo_attainment(points, goodputs, config.slo_dir / "slo_attainment.png")
+        plot = plots.slo_attainment(points, goodputs, slo_dir / "slo_attainment.png")
         print(f"plot: {plot}", file=sys.stderr)
+
+
+def saved_runs(body: Mapping) -> dict[tuple[str, float], list[RequestRecord]]:
+    """Every rated run's requests from a ``--result-json`` file, to judge again (``--slo-judge``).
+    ValueError, saying what is wrong, for a file that is not one."""
+    fields = {f.name for f in dataclasses.fields(RequestRecord)}
+    runs: dict[tuple[str, float], list[RequestRecord]] = {}
+    try:
+        for run in body["runs"]:
+            rate = run["request_rate"]
+            if rate is None:  # a trace replay has no rate to sweep
+                continue
+            records = [
+                RequestRecord(
+                    **{
+                        k: tuple(v) if k == "chunk_times" else v
+                        for k, v in r.items()
+                        if k in fields
+                    }
+                )
+                for r in run["requests"]
+            ]
+            runs[(run["label"], float(rate))] = records
+    except (KeyError, TypeError) as exc:
+        raise ValueError(f"not a bench serve --result-json file (no {exc} in a run)") from None
+    if not runs:
+        raise ValueError("its runs have no request rate (a trace replay): nothing to sweep")
+    return runs
 
 
 def long_prompt_threshold(input_lens: Sequence[int], long_input_len: int | None) -> int | None:

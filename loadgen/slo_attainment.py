@@ -6,6 +6,8 @@ within ``gap_p99_ms`` (a stream that freezes once in a hundred gaps passes TPOT 
 *Attainment* at a rate is the share of all requests sent (failures count as missed) that attain
 it. The objective is given once (the base) and judged at several *scales*: each limit multiplied
 by the scale (tight < 1 < loose), since a system's ranking can change with how strict the SLO is.
+A limit left out of the base is no limit (``gap_ms=100`` alone judges the token gaps only, the
+objective under which disaggregation is meant to pay).
 
 *Goodput* is the highest request rate whose attainment is at least ``target`` (90%), taking the
 rates in increasing order and stopping at the first that misses, so one lucky run above a failing
@@ -25,23 +27,47 @@ DEFAULT_TARGET = 0.9
 DEFAULT_SCALES = (("tight", 0.5), ("medium", 1.0), ("loose", 2.0))
 
 
+LIMITS = ("ttft_ms", "tpot_ms", "gap_p99_ms")
+
+
 @dataclass(frozen=True, slots=True)
 class SloObjective:
-    """Limits in milliseconds, every one checked."""
+    """Limits in milliseconds, every one given checked; ``math.inf`` (or None): no limit."""
 
-    ttft_ms: float
-    tpot_ms: float
-    gap_p99_ms: float
+    ttft_ms: float = math.inf
+    tpot_ms: float = math.inf
+    gap_p99_ms: float = math.inf
 
     def __post_init__(self) -> None:
-        for name in ("ttft_ms", "tpot_ms", "gap_p99_ms"):
+        for name in LIMITS:
             value = getattr(self, name)
-            if not (math.isfinite(value) and value > 0):
+            if value is None:  # as slo_sweep.json writes a limit left out
+                object.__setattr__(self, name, math.inf)
+            elif not (value > 0 and (math.isfinite(value) or value == math.inf)):
                 raise ValueError(f"SLO {name} must be a number of ms > 0, got {value}")
+        if all(getattr(self, name) == math.inf for name in LIMITS):
+            raise ValueError("an SLO needs at least one of ttft_ms, tpot_ms and gap_ms")
+
+    def describe(self) -> str:
+        """``TTFT <= 3000 ms, TPOT <= 50 ms, p99 gap <= 100 ms``, the limits given."""
+        words = {"ttft_ms": "TTFT", "tpot_ms": "TPOT", "gap_p99_ms": "p99 gap"}
+        return ", ".join(
+            f"{words[name]} <= {getattr(self, name):g} ms"
+            for name in LIMITS
+            if getattr(self, name) != math.inf
+        )
+
+    def to_json(self) -> dict[str, float | None]:
+        """The limits, None where none is set (JSON has no infinity)."""
+        return {
+            name: None if getattr(self, name) == math.inf else getattr(self, name)
+            for name in LIMITS
+        }
 
     @classmethod
     def parse(cls, text: str) -> SloObjective:
-        """``"ttft_ms=3000,tpot_ms=50,gap_ms=200"`` (all three; ``gap_p99_ms`` = ``gap_ms``)."""
+        """``"ttft_ms=3000,tpot_ms=50,gap_ms=200"`` (``gap_p99_ms`` = ``gap_ms``); a limit left
+        out is no limit, at least one is needed."""
         names = {
             "ttft_ms": "ttft_ms",
             "tpot_ms": "tpot_ms",
@@ -60,9 +86,11 @@ class SloObjective:
                 values[names[key.strip()]] = float(raw)
             except ValueError:
                 raise ValueError(f"--slo-base {part!r}: {raw!r} is not a number of ms") from None
-        missing = [n for n in ("ttft_ms", "tpot_ms", "gap_p99_ms") if n not in values]
-        if missing:
-            raise ValueError(f"--slo-base needs ttft_ms, tpot_ms and gap_ms; missing {missing}")
+        for name, value in values.items():
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"--slo-base {name}: a limit is a number of ms > 0, got {value:g}")
+        if not values:
+            raise ValueError("--slo-base needs at least one of ttft_ms, tpot_ms and gap_ms")
         return cls(**values)
 
     def scaled(self, factor: float) -> SloObjective:
@@ -175,8 +203,9 @@ def format_sweep(
     """The attainment table (a row per label and rate, a column per scale) and the goodputs."""
     names = [name for name, _ in scales]
     lines = [
-        f"SLO attainment (TTFT <= {base.ttft_ms:g} ms, TPOT <= {base.tpot_ms:g} ms, p99 gap <= "
-        f"{base.gap_p99_ms:g} ms, times " + ", ".join(f"{n} {f:g}" for n, f in scales) + ")",
+        f"SLO attainment ({base.describe()}, times "
+        + ", ".join(f"{n} {f:g}" for n, f in scales)
+        + ")",
         f"{'target':<20}{'req/s':>8}" + "".join(f"{n:>10}" for n in names),
     ]
     by_key = {(p.label, p.rate, p.scale): p.attainment for p in points}
@@ -200,7 +229,7 @@ def sweep_json(
     target: float = DEFAULT_TARGET,
 ) -> dict:
     return {
-        "base": {"ttft_ms": base.ttft_ms, "tpot_ms": base.tpot_ms, "gap_p99_ms": base.gap_p99_ms},
+        "base": base.to_json(),
         "scales": {name: factor for name, factor in scales},
         "target_attainment": target,
         "cores": cores,

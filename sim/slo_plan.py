@@ -113,10 +113,7 @@ def format_best(plan: SloPlan) -> list[str]:
     for name, factor in plan.scales:
         winner = plan.best[name]
         objective = plan.base.scaled(factor)
-        limits = (
-            f"TTFT <= {objective.ttft_ms:g} ms, TPOT <= {objective.tpot_ms:g} ms, p99 gap <= "
-            f"{objective.gap_p99_ms:g} ms"
-        )
+        limits = objective.describe()
         if winner is None:
             lines.append(
                 f"  {name:<8}({limits}): none reaches {plan.target:.0%} even at "

@@ -105,7 +105,13 @@ def test_slo_sweep_writes_attainment_per_rate_and_scale_and_goodput(server, tmp_
     out = tmp_path / "slo"
     flags = ["--model", "ok", "--num-prompts", "4", "--input-len", "16", "--output-len", "4"]
     flags += ["--slo-sweep", "100,200", "--slo-base", "ttft_ms=2000,tpot_ms=1000,gap_ms=1000"]
-    assert bench(server.url, *flags, "--slo-dir", str(out), "--cores", "2") == 0
+    saved = tmp_path / "result.json"
+    assert (
+        bench(
+            server.url, *flags, "--slo-dir", str(out), "--cores", "2", "--result-json", str(saved)
+        )
+        == 0
+    )
     body = orjson.loads((out / "slo_sweep.json").read_bytes())
     assert body["base"] == {"ttft_ms": 2000.0, "tpot_ms": 1000.0, "gap_p99_ms": 1000.0}
     assert {(p["rate"], p["scale"]) for p in body["attainment"]} == {
@@ -121,6 +127,17 @@ def test_slo_sweep_writes_attainment_per_rate_and_scale_and_goodput(server, tmp_
     assert "SLO attainment" in capsys.readouterr().out
     if HAS_MATPLOTLIB:
         assert (out / "slo_attainment.png").read_bytes()[:4] == b"\x89PNG"
+    # the same requests judged again under a gap-only objective no stream can meet: nothing sent
+    again = tmp_path / "again"
+    judge = ["bench", "serve", "--slo-judge", str(saved), "--slo-dir", str(again)]
+    assert main([*judge, "--slo-base", "gap_ms=0.001"]) == 0
+    body = orjson.loads((again / "slo_sweep.json").read_bytes())
+    assert body["base"] == {"ttft_ms": None, "tpot_ms": None, "gap_p99_ms": 0.001}
+    assert body["cores"] == 2 and all(p["attainment"] == 0.0 for p in body["attainment"])
+    assert "SLO attainment (p99 gap <= 0.001 ms" in capsys.readouterr().out
+    saved.write_text("{}")
+    assert main(judge) == 2
+    assert "not a bench serve --result-json file" in capsys.readouterr().err
 
 
 def test_each_rate_of_a_sweep_sends_the_same_lengths_with_text_of_its_own(server, tmp_path):
@@ -159,7 +176,7 @@ def test_slo_sweep_counts_slow_requests_as_missed(tmp_path):
     "flags, message",
     [
         (["--slo-sweep", "1", "--request-rate", "2"], "--slo-sweep gives the request rates"),
-        (["--slo-sweep", "1", "--slo-base", "ttft_ms=1"], "--slo-base needs"),
+        (["--slo-sweep", "1", "--slo-base", "ttft_ms=-1"], "--slo-base ttft_ms: a limit"),
         (["--slo-scales", "1,2"], "three scales"),
         (["--input-len-dist", "normal"], "needs --input-len-sd"),
         (

@@ -3,6 +3,9 @@ the share per rate and scale, the highest rate at >= 90%, per core."""
 
 from __future__ import annotations
 
+import math
+
+import orjson
 import pytest
 from kvmesh.loadgen.serve_metrics import RequestRecord
 from kvmesh.loadgen.slo_attainment import (
@@ -91,7 +94,8 @@ def test_parse_reads_the_base_objective_and_the_scales():
         ("lax", 4.0),
     )
     for bad, message in [
-        ("ttft_ms=3000,tpot_ms=50", "missing"),
+        ("", "at least one"),
+        ("gap_ms=inf", "> 0"),
         ("ttft_ms=3000,tpot_ms=50,gap_ms=x", "not a number"),
         ("ttft=1,tpot_ms=50,gap_ms=1", "expected NAME=MS"),
         ("ttft_ms=0,tpot_ms=50,gap_ms=1", "> 0"),
@@ -101,3 +105,25 @@ def test_parse_reads_the_base_objective_and_the_scales():
     for bad in ("1,2", "2,1,3", "0,1,2", "1,1,2"):
         with pytest.raises(ValueError, match="--slo-scales"):
             parse_scales(bad)
+
+
+def test_a_limit_left_out_is_no_limit_and_is_written_as_null():
+    gaps_only = SloObjective.parse("gap_ms=100")
+    assert (gaps_only.ttft_ms, gaps_only.tpot_ms, gaps_only.gap_p99_ms) == (math.inf, math.inf, 100)
+    assert gaps_only.is_met(record(60.0, [0.09] * 50))  # a minute to the first token: no limit
+    assert not gaps_only.is_met(record(0.1, [0.02] * 95 + [0.5] * 5))
+    assert not gaps_only.is_met(record(0.1, [0.02], error="timeout"))
+    assert gaps_only.scaled(2) == SloObjective(gap_p99_ms=200)
+    assert gaps_only.describe() == "p99 gap <= 100 ms"
+    assert BASE.describe() == "TTFT <= 1000 ms, TPOT <= 50 ms, p99 gap <= 200 ms"
+    body = sweep_json(
+        *sweep({("a", 0.1): [record(0.1, [0.01])]}, gaps_only),
+        gaps_only,
+        parse_scales("0.5,1,2"),
+        cores=1,
+    )
+    written = orjson.loads(orjson.dumps(body))["base"]
+    assert written == {"ttft_ms": None, "tpot_ms": None, "gap_p99_ms": 100}
+    assert SloObjective(**written) == gaps_only  # as sim --slo-measured reads it back
+    with pytest.raises(ValueError, match="at least one"):
+        SloObjective()
