@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import random
 from dataclasses import replace
+from pathlib import Path
 
 import orjson
 import pytest
@@ -258,3 +259,18 @@ def test_cli_slo_plan_refuses_what_it_cannot_run(capsys, tmp_path):
     bad.write_text("{}")
     assert main(["sim", "--slo-plan", "--slo-measured", str(bad)]) == 2
     assert "not a bench serve slo_sweep.json" in capsys.readouterr().err
+
+
+def test_the_shipped_23m_spec_predicts_the_measured_longtail_sweep_within_25_percent(capsys):
+    """docs/data/slo_sweep_23m.json is bench serve --slo-sweep's measurement on this box (issue
+    42, docs/load.md); sim/specs/devices/cpu-23m.json the calibration of the same day. A change
+    to the simulator that moves a predicted goodput past 25 % of the measured one fails here."""
+    measured = Path(__file__).resolve().parents[2] / "docs" / "data" / "slo_sweep_23m.json"
+    args = ["sim", "--slo-plan", "--device", "cpu-23m", "--model", "seeded-23m"]
+    args += ["--workload", "longtail", "--num-requests", "20", "--slo-measured", str(measured)]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    rows = out[out.index("simulated goodput against") :].splitlines()[2:]
+    verdicts = {tuple(r.split()[:2]): r.split()[-1] for r in rows if r.strip()}
+    assert len(verdicts) == 6 and set(verdicts.values()) == {"yes"}, out
+    assert [r.split()[2:4] for r in rows if r.startswith("disagg     medium")] == [["0.2", "0.2"]]
