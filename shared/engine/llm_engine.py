@@ -20,18 +20,8 @@ tokens, stop strings and max_tokens as single tokens are, with ``accepted_drafts
 requests not decoding (prefilling, finished, unknown) are ignored. ``engine.last_spec_step``
 (``SpecStepStats``) and ``engine.spec_totals`` count drafts proposed and accepted and verify time.
 
-Speculative verification, lower level (decode side; call between steps)::
-
-    engine.score(request_id, draft_ids) -> logits (K+1, vocab)  # row i: after last token + drafts[:i]
-    engine.score_batch({request_id: draft_ids}) -> {request_id: logits}   # one forward pass
-    engine.accept(request_id, num_accepted, next_token) -> RequestOutput  # keep drafts[:n] + next
-    engine.rollback(request_id, num_tokens)    # drop the last tokens and their KV, back to decode
-    engine.score_trees({request_id: DraftTree}) -> {request_id: logits (len+1, vocab)}  # one pass
-    engine.keep_path(request_id, tree, path, next_token) -> RequestOutput  # or rollback(len(tree))
-
-After ``score`` the drafts sit in the sequence with their KV; ``accept`` (or ``rollback(K)``)
-must follow before the next ``step``; after ``score_trees`` (a drafter scoring its own tree, row 0
-after the last token, row 1 + j after node j), ``keep_path`` or ``rollback(len(tree))``.
+Speculative verification, lower level (``score``, ``score_trees``, ``accept``, ``keep_path``,
+``rollback``; decode side, between steps): ``SpecCalls`` in spec_calls.py.
 
 KV handoff::
 
@@ -39,14 +29,9 @@ KV handoff::
     # whole blocks except the last; the last one carries the first token. The request then ends
     # with finish_reason "prefill_done" and keeps its blocks until:
     engine.release(request_id)                # (abort() does the same)
-    # decode side:
+    # decode side (``PrefilledCalls`` in prefilled_calls.py):
     engine.reserve_blocks(num_tokens) -> list[int]   # raises OutOfBlocksError; free_reserved(ids)
     engine.admit_prefilled(request_id, prompt_ids, block_ids, first_token, params)
-
-The first token of an admitted request counts as already delivered: later outputs carry the tokens
-after it (if the first token already ends it, the next step() reports it finished with no tokens).
-An admitted request waits, holding its blocks, for a seat in the running batch
-(``max_num_seqs``); a preempted one is recomputed locally like any other.
 
 Errors: ``RequestError`` (``PromptTooLongError``, ``UnknownRequestError``) for requests the engine
 cannot take as given, ``OutOfBlocksError`` when KV blocks run out for a reservation or a score;
@@ -58,10 +43,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
-from collections.abc import Sequence as Sequence_
 from typing import Any
 
-import torch
 from kvmesh.shared.engine import choices, draft_step, handoff, scoring
 from kvmesh.shared.engine.admission import AdmissionRules
 from kvmesh.shared.engine.block_manager import BlockManager, OutOfBlocksError
@@ -71,6 +54,7 @@ from kvmesh.shared.engine.draft_tree import DraftTree
 from kvmesh.shared.engine.grammar import GrammarBook
 from kvmesh.shared.engine.model_runner import ModelRunner
 from kvmesh.shared.engine.outputs import collect_tokens, request_output, stop_check
+from kvmesh.shared.engine.prefilled_calls import PrefilledCalls
 from kvmesh.shared.engine.sampler import Sampler
 from kvmesh.shared.engine.scheduler import Scheduler
 from kvmesh.shared.engine.sequence import (
@@ -81,13 +65,14 @@ from kvmesh.shared.engine.sequence import (
     SequenceStatus,
     UnknownRequestError,
 )
+from kvmesh.shared.engine.spec_calls import SpecCalls
 from kvmesh.shared.engine.speculative import DraftVerifier, SpecStepStats, SpecTotals
 from kvmesh.shared.engine.step_rows import step_rows
 from kvmesh.shared.kv.kv_cache import KVPool
 from kvmesh.shared.kv.prefix_hash import layout_root
 from kvmesh.shared.model.identity import kv_spec_fingerprint
 from kvmesh.shared.model.tensor_parallel import kv_heads_held
-from kvmesh.shared.text.sampling import SamplingOptions, TokenLogprobs
+from kvmesh.shared.text.sampling import SamplingOptions
 
 __all__ = [
     "ChunkReady",
@@ -99,7 +84,7 @@ __all__ = [
 ]
 
 
-class LLMEngine:
+class LLMEngine(SpecCalls, PrefilledCalls):
     def __init__(
         self, model: Any, tokenizer: Any | None, config: EngineConfig, kv_buffer: Any | None = None
     ) -> None:
@@ -335,104 +320,3 @@ class LLMEngine:
             ids.append(f"generate-{self._num_generated}")
             self.add_request(ids[-1], prompt, p)
         return collect_tokens(self.step, ids)
-
-    # ---- speculative verification -------------------------------------------------------------
-
-    def score_batch(self, drafts: Mapping[str, list[int]]) -> dict[str, torch.Tensor]:
-        """Score each request's draft tokens in one forward pass (KV of the drafts is written)."""
-        return self.verifier.score([self._get(rid) for rid in drafts], drafts)
-
-    def score(self, request_id: str, draft_ids: list[int]) -> torch.Tensor:
-        return self.score_batch({request_id: draft_ids})[request_id]
-
-    def score_trees(self, trees: Mapping[str, DraftTree]) -> dict[str, torch.Tensor]:
-        """Score decoding requests' trees in one forward pass as ``step(drafts)`` does, without
-        acceptance: logits ``(len(tree) + 1, vocab)`` each; trees that do not fit left out."""
-        ids = list(trees)
-        logits = self.verifier.score_trees([self._get(rid) for rid in ids], list(trees.values()))
-        return {rid: rows for rid, rows in zip(ids, logits, strict=True) if rows is not None}
-
-    def keep_path(
-        self, request_id: str, tree: DraftTree, path: tuple[int, ...], next_token: int
-    ) -> RequestOutput:
-        """After ``score_trees``: keep ``path``'s nodes with their KV, drop the others, append
-        ``next_token``; returns the output for the path's tokens plus it."""
-        seq = self._get(request_id)
-        self.verifier.check_scored(seq, tree, path, next_token)
-        self.verifier.keep_path(seq, tree, path, next_token)
-        self.block_manager.commit(seq)
-        return self._emit(seq)
-
-    def rollback(self, request_id: str, num_tokens: int) -> None:
-        """Drop the last ``num_tokens`` tokens and their KV; blocks no longer used are freed. The
-        sequence is left decoding from its new last token."""
-        self.verifier.rollback(self._get(request_id), num_tokens)
-
-    def accept(self, request_id: str, num_accepted: int, next_token: int) -> RequestOutput:
-        """After ``score``: keep the first ``num_accepted`` drafts (their KV stays), append
-        ``next_token`` and return the output for the accepted drafts plus it."""
-        seq = self._get(request_id)
-        self.verifier.accept(seq, num_accepted, next_token)
-        return self._emit(seq)
-
-    # ---- KV handoff (decode side) ---------------------------------------------------------------
-
-    def can_reserve(self, num_tokens: int, max_tokens: int, num_promised: int = 0) -> bool:
-        """Whether ``reserve_blocks(num_tokens)`` leaves the output room owed to every sequence
-        (and ``num_promised`` more blocks the caller owes, e.g. to reservations in flight)."""
-        sched, bm = self.scheduler, self.block_manager
-        blocks = bm.num_blocks_for(num_tokens)
-        room = sched.output_room(num_tokens, max_tokens, blocks)
-        return blocks + room + sched.num_promised_blocks() + num_promised <= bm.num_free_blocks
-
-    def check_request(self, request_id: str, prompt_ids: list[int]) -> None:
-        """RequestError if ``add_request`` would refuse this prompt (needs no lock: reads only
-        what a step does not change but the id set, whose race add_request settles)."""
-        self.admission.check_prompt(request_id, prompt_ids, self.seqs)
-
-    def reserve_blocks(self, num_tokens: int) -> list[int]:
-        """Blocks for a remote writer to fill with ``num_tokens`` tokens of KV."""
-        return self.block_manager.allocate_blocks(self.block_manager.num_blocks_for(num_tokens))
-
-    def free_reserved(self, block_ids: list[int]) -> None:
-        self.block_manager.free_blocks(block_ids)
-
-    def admit_prefilled(
-        self,
-        request_id: str,
-        prompt_ids: list[int],
-        block_ids: list[int],
-        first_token: int,
-        params: SamplingOptions,
-        first_logprobs: TokenLogprobs | None = None,
-        prompt_logprobs: Sequence_[TokenLogprobs] = (),
-    ) -> None:
-        """Start decoding a request whose prompt KV is already in ``block_ids`` (from
-        ``reserve_blocks``; the engine takes them over and frees them when the request ends).
-        ``first_logprobs``: the first token's, when ``params.logprobs`` asks for them;
-        ``prompt_logprobs``: the prompt's, when ``params.prompt_logprobs`` does."""
-        seq = self.admission.prefilled(
-            request_id,
-            prompt_ids,
-            block_ids,
-            first_token,
-            params,
-            self.seqs,
-            first_logprobs,
-            prompt_logprobs,
-        )
-        self.seqs[request_id] = seq
-        self.scheduler.add_prefilled(seq)
-        self._fork_choices(seq)
-        out = self._emit(seq)  # stop checks on the first token, already delivered by prefill
-        if out.finished:
-            self._pending.append(
-                RequestOutput(
-                    request_id,
-                    [],
-                    True,
-                    out.finish_reason,
-                    out.num_prompt_tokens,
-                    out.num_output_tokens,
-                )
-            )
