@@ -1,11 +1,7 @@
 """How a prefill worker's features are put together from its config (``FEATURES``: each a
 ``Feature``, shared/bus/worker_feature.py; a ``JobHook``, job_hooks.py, where it joins a job's
 life). A new feature is a module of its own and one line in ``FEATURES``; ``worker.py`` and
-``service.py`` do not change.
-
-The kv-store's prompt prefixes (store_prefix.py) are a feature too, composed here, but the worker
-takes them by name (``store``): they read a prompt's prefix before the job is admitted and put
-its blocks after, steps of the job itself rather than hooks of it."""
+``service.py`` do not change."""
 
 from __future__ import annotations
 
@@ -66,17 +62,18 @@ class PrefillParts:
 # A prefill worker's job hooks, in the order the worker calls them. A feature is a module of its
 # own whose class builds itself from the parts (``compose``: None when the config leaves it off)
 # and one line here.
-FEATURES: tuple[Callable[[PrefillParts], JobHook | None], ...] = (DraftKv.compose,)
+FEATURES: tuple[Callable[[PrefillParts], JobHook | None], ...] = (
+    StorePrefix.compose,  # the kv-store's prompt prefixes: read before a job, put after it
+    DraftKv.compose,
+)
 
 
 @dataclass(frozen=True, slots=True)
 class PrefillFeatures:
     """What the config turned on: ``features`` in composition order (the store link first, when
-    one uses it), of which ``hooks`` join each job's life; ``store``: the kv-store's prompt
-    prefixes (module docstring)."""
+    one uses it), of which ``hooks`` join each job's life."""
 
     features: Features
-    store: StorePrefix | None = None
 
     @property
     def hooks(self) -> list[JobHook]:
@@ -88,7 +85,6 @@ def compose_features(
     factories: Sequence[Callable[[PrefillParts], Feature | None]] = FEATURES,
 ) -> PrefillFeatures:
     """The features ``parts.config`` asks for on this worker (``factories``: FEATURES)."""
-    store = StorePrefix.compose(parts)
     made = [f for factory in factories if (f := factory(parts)) is not None]
-    first = [f for f in (parts.link, store) if f is not None]
-    return PrefillFeatures(Features([*first, *made]), store)
+    first = [parts.link] if parts.link is not None else []  # closed after its users
+    return PrefillFeatures(Features([*first, *made]))

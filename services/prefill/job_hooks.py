@@ -4,6 +4,10 @@ The worker runs jobs (``PrefillWorker.prefill``) and steps its engine; a hook, c
 config (``compose.py``'s ``FEATURES``), is called at fixed points and never edits the worker:
 
 * ``on_received(msg)``: a job arrived (not a duplicate); before any wait of the worker's;
+* ``prepare(job)``: the job is taken, its prompt not yet in the engine; no lock held (a hook may
+  wait on I/O here, e.g. read the prompt's prefix from a kv-store);
+* ``before_add(job)``: under the engine lock, right before the prompt enters the engine (what
+  ``prepare`` fetched enters the prefix cache here, so nothing evicts it before the prompt uses it);
 * ``admit(job, prompt)``: the prompt is in the engine; called under the engine lock;
 * ``has_work()`` / ``step()``: the engine loop runs while any hook has work and calls ``step``
   after each target step (the hook takes the engine lock itself: it got it at construction);
@@ -16,7 +20,8 @@ config (``compose.py``'s ``FEATURES``), is called at fixed points and never edit
 * ``finish(msg, job, ok, error)``: the job's outcome, ``job`` None for one refused before it
   started; what to announce to another worker (``Announcement``), or None.
 
-Draft-KV writes (draft_writes.py) are the hook today. Every method has a no-op default, so a hook
+The kv-store's prompt prefixes (store_prefix.py) and draft-KV writes (draft_writes.py) are the
+hooks today. Every method has a no-op default, so a hook
 implements only what it uses. A ``JobHook`` is a ``Feature`` (shared/bus/worker_feature.py): its
 subscriptions, loops and ``aclose`` are the service shell's, which names none of them.
 """
@@ -41,6 +46,12 @@ class JobHook(Feature):
     """A prefill feature; the worker calls these in the order the module docstring gives."""
 
     def on_received(self, msg: PrefillJob) -> None:
+        return None
+
+    async def prepare(self, job: Job) -> None:
+        return None
+
+    def before_add(self, job: Job) -> None:
         return None
 
     def admit(self, job: Job, prompt: list[int]) -> None:

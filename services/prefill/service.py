@@ -267,7 +267,6 @@ async def prefill_service(config: PrefillConfig) -> AsyncIterator[PrefillService
             kv_spec=kv_spec,
             abort_memory_s=config.abort_memory_s,
             metrics=metrics,
-            store=features.store,
             hooks=features.hooks,
             lock=lock,
             loan=loan,

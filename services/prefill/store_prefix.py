@@ -13,7 +13,8 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING
 
-from kvmesh.shared.bus.worker_feature import Feature
+from kvmesh.services.prefill.job_hooks import JobHook
+from kvmesh.services.prefill.metrics import PrefillMetrics
 from kvmesh.shared.engine.llm_engine import LLMEngine
 from kvmesh.shared.mesh.kv_store_client import KvStoreClient
 from kvmesh.shared.mesh.kv_store_prefix import Fetched, PrefixReader
@@ -22,42 +23,62 @@ from kvmesh.shared.mesh.store_book import StoreBook
 
 if TYPE_CHECKING:
     from kvmesh.services.prefill.compose import PrefillParts
+    from kvmesh.services.prefill.job import Job
+    from kvmesh.shared.bus.messages.prefill_jobs import PrefillJob
 
 
-class StorePrefix(Feature):
-    def __init__(self, engine: LLMEngine, client: KvStoreClient, stores: StoreBook) -> None:
-        """``client``, ``stores``: the worker's kv-store link's (shared/mesh/store_link.py)."""
+class StorePrefix(JobHook):
+    """A job hook (job_hooks.py): ``prepare`` reads, ``before_add`` adopts, ``finish`` puts."""
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        client: KvStoreClient,
+        stores: StoreBook,
+        lock: asyncio.Lock,
+        metrics: PrefillMetrics,
+    ) -> None:
+        """``client``, ``stores``: the worker's kv-store link's (shared/mesh/store_link.py);
+        ``lock``: the engine lock."""
         self.engine = engine
         self.client = client
         self.kv_spec = kv_spec = stores.kv_spec
         self.stores = stores
+        self.lock = lock
+        self.metrics = metrics
         self.reader = PrefixReader(
             client, self.stores, kv_spec, engine.block_manager, engine.kv_pool
         )
         self.writer = StoreWriter(client, self.stores, kv_spec, engine)
+        self._fetched: dict[str, Fetched] = {}  # by request id, from prepare to before_add
 
     @classmethod
     def compose(cls, parts: PrefillParts) -> StorePrefix | None:
         link = parts.store_link()
-        return cls(parts.engine, link.client, link.stores) if link is not None else None
+        if link is None:
+            return None
+        return cls(parts.engine, link.client, link.stores, parts.lock, parts.metrics)
 
-    async def fetch(
-        self, prompt_ids: list[int], lock: asyncio.Lock, cache_salt: str = ""
-    ) -> Fetched | None:
+    async def prepare(self, job: Job) -> None:
         """Read the prompt's prefix blocks (named under the request's ``cache_salt``) the prefix
-        cache lacks from the store into fresh pool blocks (allocated under ``lock``, read
-        without it). None when there is nothing to read."""
-        return await self.reader.fetch(prompt_ids, lock, cache_salt)
+        cache lacks from the store into fresh pool blocks (allocated under the lock, read
+        without it)."""
+        msg = job.msg
+        fetched = await self.reader.fetch(list(msg.prompt_ids), self.lock, msg.sampling.cache_salt)
+        if fetched is not None:
+            self._fetched[msg.request_id] = fetched
 
-    def adopt(self, fetched: Fetched) -> int:
-        """Under the engine lock, right before the request is added: the verified blocks enter
-        the prefix cache, every fetched block is freed. Returns the tokens adopted."""
-        return self.reader.adopt(fetched)
+    def before_add(self, job: Job) -> None:
+        """Under the engine lock, right before the prompt is added: the verified blocks enter the
+        prefix cache, every fetched block is freed."""
+        fetched = self._fetched.pop(job.msg.request_id, None)
+        if fetched is not None:
+            self.metrics.store_hit_tokens.inc(self.reader.adopt(fetched))
 
-    def put_later(self, prompt_ids: list[int], lock: asyncio.Lock, cache_salt: str = "") -> None:
-        """Put the prompt's computed full blocks (named under ``cache_salt``) into the store in
-        the background."""
-        self.writer.put_later(prompt_ids, lock, cache_salt)
+    def finish(self, msg: PrefillJob, job: Job | None, ok: bool, error: str) -> None:
+        """A computed prompt's full blocks (still cached) go into the store in the background."""
+        if job is not None and job.is_computed and not error:
+            self.writer.put_later(list(msg.prompt_ids), self.lock, msg.sampling.cache_salt)
 
     async def aclose(self) -> None:
         """Wait for the puts in flight (they hold pool blocks; the link closes the client)."""

@@ -35,7 +35,6 @@ from kvmesh.services.prefill.job_results import PrefillResult, job_result
 from kvmesh.services.prefill.job_writes import job_targets, write_chunk
 from kvmesh.services.prefill.metrics import PrefillMetrics
 from kvmesh.services.prefill.plan import ChunkWrite, PlanError, PrefillTimeline
-from kvmesh.services.prefill.store_prefix import StorePrefix
 from kvmesh.shared.bus.messages.prefill_jobs import PrefillJob, PrefillStarted
 from kvmesh.shared.engine.grammar_compile import AwaitedCompiles
 from kvmesh.shared.engine.llm_engine import LLMEngine
@@ -65,7 +64,6 @@ class PrefillWorker:
         abort_memory_s: float = 60.0,
         advert_wait_s: float = 3.0,
         metrics: PrefillMetrics | None = None,
-        store: StorePrefix | None = None,
         hooks: Sequence[JobHook] = (),
         lock: asyncio.Lock | None = None,
         loan: CoreLoan | None = None,
@@ -90,7 +88,6 @@ class PrefillWorker:
         self.loan = loan
         self.idleness = DecodeIdleness()
         self.hooks = tuple(hooks)
-        self.store = store  # a kv-store's prefixes (read before, written after a job), if any
         self.metrics = metrics or PrefillMetrics()
         self.region = region  # the engine's KV pool, registered as the source of writes
         self.endpoints = endpoints  # decode workers' memory, reached over the transport
@@ -218,13 +215,12 @@ class PrefillWorker:
         if self.tp is not None:  # the followers' word on their writes of it, from now on
             self.tp.reports.expect(rid)
         prompt = list(msg.prompt_ids)
-        salt = msg.sampling.cache_salt
-        store = self.store
-        fetched = await store.fetch(prompt, self._lock, salt) if store is not None else None
+        for hook in self.hooks:
+            await hook.prepare(job)
         try:
             async with self._lock:
-                if fetched is not None:  # adopted and added at once: nothing evicts it between
-                    self.metrics.store_hit_tokens.inc(self.store.adopt(fetched))
+                for hook in self.hooks:  # what they prepared, and the prompt, added at once
+                    hook.before_add(job)
                 self.metrics.prompt_tokens.inc(len(prompt))
                 self.engine.add_request(
                     rid,
@@ -278,9 +274,6 @@ class PrefillWorker:
                 for hook in self.hooks:
                     hook.on_end(job)
             self._wake.set()
-        if self.store is not None and job.is_computed and not job.error:
-            # its full blocks stay cached meanwhile
-            self.store.put_later(prompt, self._lock, msg.sampling.cache_salt)
         return self._result(msg, job, job.error)
 
     async def _write(

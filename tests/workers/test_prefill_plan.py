@@ -235,6 +235,13 @@ class _RecordingHook(JobHook):
     def on_received(self, msg):
         self._note("received")
 
+    async def prepare(self, job):
+        self._note("prepare")
+        assert not self.lock.locked()  # free to wait on I/O
+
+    def before_add(self, job):
+        self._note("before add", locked=True)
+
     def admit(self, job, prompt):
         self._note("admit", locked=True)  # with the prompt in the engine
 
@@ -273,6 +280,8 @@ async def test_a_job_hook_sees_each_jobs_life_in_order_and_its_announcement_come
     assert result.done.ok
     assert hook.calls == [
         "received",
+        "prepare",
+        "before add",
         "admit",
         "start",
         "chunk 0",
