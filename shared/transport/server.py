@@ -31,6 +31,8 @@ A local user must not be able to exhaust it (issue #27). So:
   the same limits; each connection from it is first put to that socket's peer check (the
   peer's uid, ``unix_lanes``) and reset, before any byte, if refused. Those skip the
   per-source accept budget (one source: the users the check lets in).
+
+The two tables (handshakes pending, connections admitted) and their limits: connection_tables.py.
 """
 
 from __future__ import annotations
@@ -43,12 +45,16 @@ import socket
 import struct
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 from kvmesh.shared.obs import logs
+from kvmesh.shared.transport.connection_tables import (
+    AdmittedConnections,
+    Handshake,
+    PendingHandshake,
+    PendingHandshakes,
+)
 from kvmesh.shared.transport.lane_auth import HelloRefused, LaneHello
 from kvmesh.shared.transport.source_budget import BudgetVerdict, SourceGuard, source_of
 from kvmesh.shared.transport.threads import ThreadSet
@@ -72,22 +78,6 @@ def recv_exact(sock: socket.socket, view: memoryview) -> int:
     return got
 
 
-class Handshake(Protocol):
-    """One connection's hello, parsed as its bytes arrive (``lane_auth.HelloReader``)."""
-
-    def challenge(self) -> bytes:
-        """Sent as soon as the connection is accepted (may be empty)."""
-        ...
-
-    def need(self) -> int:
-        """Bytes wanted before the next step (> 0 until the hello is complete)."""
-        ...
-
-    def feed(self, data: bytes) -> LaneHello | None:
-        """The admitted hello once complete; raises HelloRefused."""
-        ...
-
-
 @dataclass(frozen=True, slots=True)
 class ServerLimits:
     max_connections: int = 256  # admitted connections, in all
@@ -96,14 +86,6 @@ class ServerLimits:
     max_pending_per_source: int = 256  # handshakes in progress from one source address
     handshake_timeout_s: float = 5.0
     max_accepts_per_round: int = 64  # accepted between two reads of the pending handshakes
-
-
-@dataclass(slots=True)
-class _Pending:
-    conn: socket.socket
-    handshake: Handshake
-    source: str
-    deadline: float
 
 
 class SocketServer:
@@ -129,11 +111,9 @@ class SocketServer:
         # per-source accepts and refusals, shared with the lanes (None: one source, e.g. shm's
         # unix socket in its owner's directory)
         self.guard = guard
-        self._lock = threading.Lock()
-        self._conns: dict[socket.socket, str] = {}  # admitted -> its peer id
-        self._per_peer: dict[str, int] = {}
-        self._pending: OrderedDict[socket.socket, _Pending] = OrderedDict()  # accept order
-        self._per_source: dict[str, int] = {}
+        limits = self.limits
+        self._conns = AdmittedConnections(limits.max_connections, limits.max_per_peer)
+        self._pending = PendingHandshakes(limits.max_pending, limits.max_pending_per_source)
         self._threads = ThreadSet()
         # each listening socket -> its peer check (a refusal reason, or None to go on); the
         # first listener has none: its connections are budgeted by source (``guard``)
@@ -144,8 +124,6 @@ class SocketServer:
         self._closed = False
         self._loop_done = threading.Event()
         self._started = False
-        self.num_accepted = 0  # connections admitted after their hello
-        self.peak_connections = 0
         self.num_refused = 0  # closed before admission: bad hello, timeout, pushed out, full
         self.num_throttled = 0  # reset at accept: over its source's budget, or blocked
         self.num_accept_errors = 0  # transient accept failures (EMFILE, ...) survived
@@ -168,8 +146,16 @@ class SocketServer:
     @property
     def num_connections(self) -> int:
         """Admitted connections (each holds a thread)."""
-        with self._lock:
-            return len(self._conns)
+        return len(self._conns)
+
+    @property
+    def num_accepted(self) -> int:
+        """Connections admitted after their hello, since the start."""
+        return self._conns.num_accepted
+
+    @property
+    def peak_connections(self) -> int:
+        return self._conns.peak
 
     @property
     def num_pending(self) -> int:
@@ -183,7 +169,7 @@ class SocketServer:
             while not self._closed:
                 self._tick()
         finally:
-            for pending in list(self._pending.values()):
+            for pending in list(self._pending):
                 self._drop(pending, "")
             with contextlib.suppress(Exception):
                 self._selector.close()
@@ -193,8 +179,8 @@ class SocketServer:
         """One round: advance the handshakes that have bytes, then accept a bounded number of
         new connections, then expire the late handshakes."""
         timeout = _TICK_S
-        if self._pending:
-            first = next(iter(self._pending.values()))
+        first = self._pending.oldest()
+        if first is not None:
             timeout = min(timeout, max(0.0, first.deadline - time.monotonic()))
         try:
             ready = []
@@ -265,26 +251,20 @@ class SocketServer:
 
     def _make_room(self, source: str) -> None:
         """Push out one pending handshake if ``source`` or the server is at its limit."""
-        limits = self.limits
-        if self._per_source.get(source, 0) >= limits.max_pending_per_source:
-            oldest = next(p for p in self._pending.values() if p.source == source)
+        oldest = self._pending.over_source_limit(source)
+        if oldest is not None:
             self._drop(oldest, "pushed out by a newer handshake from its source")
-        if len(self._pending) < limits.max_pending:
-            return
-        # Over the total: the oldest handshake of a source holding at least the average share
-        # (one always does). A source with a handshake or two is not pushed out by a flood.
-        fair = len(self._pending) / max(1, len(self._per_source))
-        victim = next(p for p in self._pending.values() if self._per_source[p.source] >= fair)
-        self._drop(victim, "pushed out by a newer handshake")
+        victim = self._pending.over_total_limit()
+        if victim is not None:
+            self._drop(victim, "pushed out by a newer handshake")
 
     def _start_handshake(self, conn: socket.socket, source: str) -> None:
-        limits = self.limits
         self._make_room(source)
         conn.setblocking(False)
         handshake = self._new_handshake()
-        pending = _Pending(conn, handshake, source, time.monotonic() + limits.handshake_timeout_s)
-        self._pending[conn] = pending
-        self._per_source[source] = self._per_source.get(source, 0) + 1
+        deadline = time.monotonic() + self.limits.handshake_timeout_s
+        pending = PendingHandshake(conn, handshake, source, deadline)
+        self._pending.add(pending)
         try:
             greeting = handshake.challenge()
             if greeting and conn.send(greeting) != len(greeting):
@@ -293,7 +273,7 @@ class SocketServer:
         except OSError:
             self._drop(pending, "")
 
-    def _advance(self, pending: _Pending) -> None:
+    def _advance(self, pending: PendingHandshake) -> None:
         try:
             data = pending.conn.recv(pending.handshake.need())
             if not data:
@@ -312,23 +292,15 @@ class SocketServer:
             self._admit(pending, hello)
 
     def _expire(self, now: float) -> None:
-        while self._pending:
-            first = next(iter(self._pending.values()))
-            if first.deadline > now:
-                return
-            self._drop(first, "hello not complete in time")
+        while (late := self._pending.expired(now)) is not None:
+            self._drop(late, "hello not complete in time")
 
-    def _forget(self, pending: _Pending) -> None:
-        self._pending.pop(pending.conn, None)
-        left = self._per_source.get(pending.source, 1) - 1
-        if left:
-            self._per_source[pending.source] = left
-        else:
-            self._per_source.pop(pending.source, None)
+    def _forget(self, pending: PendingHandshake) -> None:
+        self._pending.remove(pending)
         with contextlib.suppress(KeyError, ValueError, OSError):
             self._selector.unregister(pending.conn)
 
-    def _drop(self, pending: _Pending, reason: str) -> None:
+    def _drop(self, pending: PendingHandshake, reason: str) -> None:
         """Refuse a connection before admission: reset it, say nothing (no oracle)."""
         self._forget(pending)
         if reason:  # counted before the reset: a peer that saw the reset sees it counted
@@ -346,20 +318,12 @@ class SocketServer:
                 refused_total=self.num_refused,
             )
 
-    def _admit(self, pending: _Pending, hello: LaneHello) -> None:
+    def _admit(self, pending: PendingHandshake, hello: LaneHello) -> None:
         self._forget(pending)
-        conn, limits = pending.conn, self.limits
-        with self._lock:
-            full = len(self._conns) >= limits.max_connections
-            crowded = self._per_peer.get(hello.peer_id, 0) >= limits.max_per_peer
-            if not (full or crowded):
-                self._conns[conn] = hello.peer_id
-                self._per_peer[hello.peer_id] = self._per_peer.get(hello.peer_id, 0) + 1
-                self.num_accepted += 1
-                self.peak_connections = max(self.peak_connections, len(self._conns))
-        if full or crowded:
-            what = "connection limit reached" if full else "per-peer connection limit reached"
-            self._count_refused(what, pending.source)
+        conn = pending.conn
+        refusal = self._conns.admit(conn, hello.peer_id)
+        if refusal is not None:
+            self._count_refused(refusal, pending.source)
             _reset(conn)
             return
         try:
@@ -376,14 +340,7 @@ class SocketServer:
         self._threads.spawn(self._serve, self._name, conn, hello)
 
     def _release(self, conn: socket.socket) -> None:
-        with self._lock:
-            peer_id = self._conns.pop(conn, None)
-            if peer_id is not None:
-                left = self._per_peer[peer_id] - 1
-                if left:
-                    self._per_peer[peer_id] = left
-                else:
-                    del self._per_peer[peer_id]
+        self._conns.release(conn)
         with contextlib.suppress(OSError):
             conn.close()
 
@@ -402,9 +359,7 @@ class SocketServer:
             await asyncio.to_thread(self._loop_done.wait)
         for listener in self._listeners:
             listener.close()
-        with self._lock:
-            conns = list(self._conns)
-        for conn in conns:
+        for conn in self._conns.snapshot():
             with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_RDWR)
         await asyncio.to_thread(self._threads.join)
