@@ -151,7 +151,7 @@ def test_tiny_multi_turn_bench_computes_fewer_prefill_tokens_with_the_store_and_
 
 
 def test_routing_baseline_keeps_prefix_placement_and_caches_and_drops_only_the_store():
-    from kvmesh.loadgen.bench_kv_turns import variants
+    from kvmesh.loadgen.bench_kv_meshes import variants
 
     plain, store = variants("routing")
     assert (plain.kv_store, store.kv_store) == (0, 1)
