@@ -9,7 +9,6 @@ from kvmesh.shared.engine.config import EngineConfig
 from kvmesh.shared.engine.finish import finish_reason, stop_text_for
 from kvmesh.shared.engine.llm_engine import LLMEngine
 from kvmesh.shared.engine.sequence import RequestError, Sequence
-from kvmesh.shared.model import load_model
 from kvmesh.shared.text.detokenize import TextStream
 from kvmesh.shared.text.sampling import SamplingOptions
 
@@ -31,8 +30,8 @@ class Letters:
 
 
 @pytest.fixture(scope="module")
-def model():
-    return load_model("kvmesh-tiny")[0]
+def model(tiny):
+    return tiny[0]
 
 
 def engine(model, tokenizer) -> LLMEngine:

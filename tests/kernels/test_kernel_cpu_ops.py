@@ -19,7 +19,6 @@ from kvmesh.kernels.cpu_ops import (
 from kvmesh.shared.engine.config import EngineConfig
 from kvmesh.shared.engine.llm_engine import LLMEngine
 from kvmesh.shared.kv.kv_cache import KVCacheSpec, KVPool
-from kvmesh.shared.model import load_model
 from kvmesh.shared.model.attention import AttentionMetadata, paged_attention
 from kvmesh.shared.model.rope import apply_rope
 from kvmesh.shared.text.sampling import SamplingOptions
@@ -268,8 +267,8 @@ def test_build_is_cached_by_source_and_machine(tmp_path):
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "float16"])
-def test_engine_gives_the_same_tokens_with_and_without_cpu_kernels(kv_cache_dtype):
-    model, tok = load_model("kvmesh-tiny")
+def test_engine_gives_the_same_tokens_with_and_without_cpu_kernels(tiny, kv_cache_dtype):
+    model, tok = tiny
     prompts = [list(range(3, 3 + n)) for n in (5, 40, 17, 90)]
     params = SamplingOptions(max_tokens=24, temperature=0, ignore_eos=True)
     outputs = []

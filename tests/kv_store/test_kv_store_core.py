@@ -180,14 +180,15 @@ def test_store_checks_the_reserved_hash_at_commit() -> None:
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "fp8_e4m3", "float16"])
-def test_store_layout_of_the_tiny_model_is_the_decode_engines_kv_spec(kv_cache_dtype: str) -> None:
+def test_store_layout_of_the_tiny_model_is_the_decode_engines_kv_spec(
+    tiny, kv_cache_dtype: str
+) -> None:
     from kvmesh.services.kv_store.layout import store_layout
     from kvmesh.shared.engine.config import EngineConfig
     from kvmesh.shared.engine.llm_engine import LLMEngine
-    from kvmesh.shared.model.loader import load_model
 
     spec, kv_spec = store_layout("kvmesh-tiny", None, 16, kv_cache_dtype)
-    model, tokenizer = load_model("kvmesh-tiny")
+    model, tokenizer = tiny
     econf = EngineConfig(block_size=16, num_blocks=4, kv_cache_dtype=kv_cache_dtype)
     engine = LLMEngine(model, tokenizer, econf)
     assert kv_spec == engine.kv_spec

@@ -62,13 +62,12 @@ def test_reusable_hashes_leave_the_block_of_the_last_token_out() -> None:
     assert reusable_prefix_hashes([1], BS) == []
 
 
-def test_engine_hashes_of_a_real_prompt_match_what_the_registry_computes() -> None:
+def test_engine_hashes_of_a_real_prompt_match_what_the_registry_computes(tiny) -> None:
     """The engine roots its chain in its own kv_spec (the string its decode advert carries)."""
     from kvmesh.shared.engine.config import EngineConfig
     from kvmesh.shared.engine.llm_engine import LLMEngine
-    from kvmesh.shared.model.loader import load_model
 
-    model, tokenizer = load_model("kvmesh-tiny")
+    model, tokenizer = tiny
     engine = LLMEngine(model, tokenizer, EngineConfig(num_blocks=64, block_size=16))
     prompt = tokenizer.encode(
         "The registry places a request where its prefix is cached, so that the decode "

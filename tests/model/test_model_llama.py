@@ -161,8 +161,8 @@ def test_half_precision_checkpoint_loads_in_its_own_dtype(tmp_path):
     assert torch.equal(model.tok_embeddings.weight, ref.model.embed_tokens.weight)
 
 
-def test_kv_cache_spec_follows_config():
-    model, _ = load_model("kvmesh-tiny")
+def test_kv_cache_spec_follows_config(tiny):
+    model, _ = tiny
     spec = kv_cache_spec(model.config, block_size=16)
     assert (spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype) == (
         4,

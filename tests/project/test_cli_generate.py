@@ -3,7 +3,6 @@ import json
 import pytest
 from kvmesh.shared.engine.config import EngineConfig
 from kvmesh.shared.engine.llm_engine import LLMEngine
-from kvmesh.shared.model import load_model
 from kvmesh.shared.text.sampling import SamplingOptions
 
 from kvmesh.cli import main
@@ -14,9 +13,9 @@ def run_json(capsys, *argv: str) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
-def test_generate_json_prints_generated_ids_and_text(capsys):
+def test_generate_json_prints_generated_ids_and_text(capsys, tiny):
     out = run_json(capsys, "--prompt-ids", "1,2,3,4", "--max-tokens", "6", "--ignore-eos")
-    model, tok = load_model("kvmesh-tiny")
+    model, tok = tiny
     engine = LLMEngine(model, tok, EngineConfig(num_blocks=8))
     expected = engine.generate(
         [[1, 2, 3, 4]], SamplingOptions(max_tokens=6, temperature=0, ignore_eos=True)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 
-import pytest
 from kvmesh.services.decode.local_reads import LocalPrefixReads
 from kvmesh.services.decode.worker import DecodeWorker
 from kvmesh.shared.bus.messages.placement import ReserveRequest
@@ -23,13 +22,6 @@ FIRST = [*PREFIX, 3, 1, 4, 1, 5, 9, 2, 6]
 SECOND = [*PREFIX, 2, 7, 1, 8, 2, 8, 1, 8, 2, 8, 4, 5]  # 8 blocks read, 12 tokens computed
 MAX_TOKENS = 8
 OPTS = SamplingOptions(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    from kvmesh.shared.model.loader import load_model
-
-    return load_model("kvmesh-tiny")
 
 
 def worker_of(tiny, store: FakeStore | None = None) -> tuple[DecodeWorker, FakeStore]:

@@ -121,15 +121,14 @@ def test_unpipelined_core_drafts_every_change_anew():
     assert job.ahead == () and job.context == (1, 2, 3, 10, 11)
 
 
-def test_engine_drafter_tops_up_a_chain_with_the_tokens_it_would_have_drafted():
+def test_engine_drafter_tops_up_a_chain_with_the_tokens_it_would_have_drafted(tiny):
     from kvmesh.services.draft.core import DraftSnapshot
     from kvmesh.services.draft.drafters import EngineDrafter
     from kvmesh.shared.engine.config import EngineConfig
     from kvmesh.shared.engine.llm_engine import LLMEngine
-    from kvmesh.shared.model import load_model
 
     config = EngineConfig(num_blocks=64, block_size=8, enable_prefix_caching=True)
-    drafter = EngineDrafter(LLMEngine(*load_model("kvmesh-tiny"), config), depth=6)
+    drafter = EngineDrafter(LLMEngine(*tiny, config), depth=6)
     context = tuple((5 * i + 3) % 250 for i in range(21))
     [(whole, parents)] = drafter.propose([DraftSnapshot("r", "d", context, 21)])
     assert len(whole) == 6 and parents == _chain(6)

@@ -19,13 +19,6 @@ PROMPT = [(7 * i) % 250 + 1 for i in range(60)]  # 4 blocks: chunks of 32 + 16 +
 TARGETS = [9, 3, 4, 10]
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    from kvmesh.shared.model.loader import load_model
-
-    return load_model("kvmesh-tiny")
-
-
 def _engine(tiny, kv_cache_dtype: str, **kw):
     from kvmesh.shared.engine.config import EngineConfig
     from kvmesh.shared.engine.llm_engine import LLMEngine

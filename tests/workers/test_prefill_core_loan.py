@@ -97,15 +97,12 @@ class RecordingLoan:
         return step()
 
 
-async def test_the_worker_borrows_for_steps_while_decode_is_idle_and_not_after_a_delivery():
+async def test_the_worker_borrows_for_steps_while_decode_is_idle_and_not_after_a_delivery(tiny):
     from kvmesh.shared.engine.config import EngineConfig
     from kvmesh.shared.engine.llm_engine import LLMEngine
-    from kvmesh.shared.model.loader import load_model
     from support.prefill_rig import prefill_job, prefill_rig
 
-    engine = LLMEngine(
-        *load_model("kvmesh-tiny"), EngineConfig(num_blocks=64, max_num_batched_tokens=32)
-    )
+    engine = LLMEngine(*tiny, EngineConfig(num_blocks=64, max_num_batched_tokens=32))
     loan = RecordingLoan()
 
     def prompt(seed):  # three chunks of at most 32 tokens, none a prefix of another's

@@ -23,13 +23,6 @@ from test_decode_pending import _drive, _Events
 from test_restarting_decode import advert
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    from kvmesh.shared.model.loader import load_model
-
-    return load_model("kvmesh-tiny")
-
-
 @pytest.fixture
 def decode_worker(tiny):
     from kvmesh.services.decode.worker import DecodeWorker
