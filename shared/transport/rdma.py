@@ -54,15 +54,11 @@ from kvmesh.shared.transport.rdma_device import (
 )
 from kvmesh.shared.transport.rdma_endpoint import RdmaEndpoint
 from kvmesh.shared.transport.rdma_memory import RdmaMemory
+from kvmesh.shared.transport.rdma_mw_bind import NO_WINDOWS, MwBinder, choose_window_type
 from kvmesh.shared.transport.rdma_poller import CompletionPoller
 from kvmesh.shared.transport.rdma_qp import RECV_WR_ID_BIT, QPLimits, clamp_limits
 from kvmesh.shared.transport.rdma_side_channel import SideChannelServer, dial
-from kvmesh.shared.transport.rdma_windows import (
-    NO_WINDOWS,
-    WindowTable,
-    choose_window_type,
-    log_window_support,
-)
+from kvmesh.shared.transport.rdma_windows import WindowTable, log_window_support
 from kvmesh.shared.transport.registry import Registry
 
 __all__ = ["RdmaEndpoint", "RdmaTransport", "rdma_available"]
@@ -166,16 +162,15 @@ class RdmaTransport(BackendBase[RdmaBackend]):
         )
         log_window_support(self.device.name, self.memory_windows)
         if self.memory_windows != NO_WINDOWS:
-            self.windows = WindowTable(
+            binder = MwBinder(
                 v,
                 self._pd,
                 self.memory_windows,
                 self._ctrl_cq,
-                self._registry,
                 self.next_wr_id,
                 self.limits.send_depth // 2,
-                self.config.max_refusals,
             )
+            self.windows = WindowTable(binder, self._registry, self.config.max_refusals)
         self.poller = CompletionPoller(
             v,
             self._cq,

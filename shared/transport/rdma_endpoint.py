@@ -24,9 +24,9 @@ from kvmesh.shared.transport.errors import (
     TransportClosedError,
     TransportError,
 )
+from kvmesh.shared.transport.rdma_mw_bind import NO_WINDOWS, BoundSpan
 from kvmesh.shared.transport.rdma_qp import Span, build_segments
 from kvmesh.shared.transport.rdma_side_channel import MAX_REPLY_FRAME, read_frame, write_frame
-from kvmesh.shared.transport.rdma_windows import NO_WINDOWS, BoundSpan
 
 _MAX_CACHED_WINDOWS = 4096  # resolved windows remembered per endpoint (one per lease)
 

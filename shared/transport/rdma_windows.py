@@ -25,9 +25,8 @@ from __future__ import annotations
 
 import logging
 import secrets
-import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -38,7 +37,7 @@ from kvmesh.shared.transport.errors import (
     RemoteAccessError,
     TransportError,
 )
-from kvmesh.shared.transport.rdma_qp import status_name
+from kvmesh.shared.transport.rdma_mw_bind import NO_WINDOWS, BoundSpan, MwBinder, MwBinding
 
 if TYPE_CHECKING:
     from kvmesh.shared.transport.rdma_memory import Registration
@@ -46,68 +45,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-NO_WINDOWS = 0  # the NIC binds no memory windows: keys are the region's (unenforced_window)
-BIND_TIMEOUT_S = 2.0
 _MAX_RETIRED = 4096
-
-
-def choose_window_type(verbs: Any, device_attr: Any) -> int:
-    """The MW type to bind (``IBV_MW_TYPE_2`` over ``IBV_MW_TYPE_1``) or NO_WINDOWS, from
-    ``ibv_query_device``'s ``device_cap_flags``."""
-    e = verbs.e
-    flags = int(getattr(device_attr, "device_cap_flags", 0))
-    if flags & (e.IBV_DEVICE_MEM_WINDOW_TYPE_2A | e.IBV_DEVICE_MEM_WINDOW_TYPE_2B):
-        return int(e.IBV_MW_TYPE_2)
-    if flags & e.IBV_DEVICE_MEM_WINDOW:
-        return int(e.IBV_MW_TYPE_1)
-    return NO_WINDOWS
-
-
-def mw_access_flags(verbs: Any, access: Access) -> int:
-    e = verbs.e
-    flags = 0
-    if access & Access.REMOTE_WRITE:
-        flags |= e.IBV_ACCESS_REMOTE_WRITE
-    if access & Access.REMOTE_READ:
-        flags |= e.IBV_ACCESS_REMOTE_READ
-    return flags
-
-
-@dataclass(frozen=True, slots=True)
-class BoundSpan:
-    """One span of a window as a writer uses it: ``[addr, addr + length)`` in the receiver's
-    address space, reached with NIC key ``rkey`` at NIC address ``nic_addr`` (== addr for host
-    memory; the dma-buf offset for GPU memory)."""
-
-    addr: int
-    length: int
-    rkey: int
-    nic_addr: int
-
-    def to_list(self) -> list[int]:
-        return [self.addr, self.length, self.rkey, self.nic_addr]
-
-    @classmethod
-    def from_list(cls, item: Any) -> BoundSpan:
-        try:
-            addr, length, rkey, nic_addr = (int(x) for x in item)
-        except (TypeError, ValueError) as exc:
-            raise ProtocolError(f"malformed window span {item!r}: {exc}") from exc
-        if length <= 0 or not 0 <= rkey <= 0xFFFFFFFF:
-            raise ProtocolError(f"window span {item!r} has no length or a bad rkey")
-        return cls(addr, length, rkey, nic_addr)
-
-    def wire_addr(self, addr: int, length: int) -> int | None:
-        """The NIC address of ``[addr, addr + length)`` if this span holds it, else None."""
-        if self.addr <= addr and addr + length <= self.addr + self.length:
-            return self.nic_addr + (addr - self.addr)
-        return None
-
-
-@dataclass(slots=True)
-class _Binding:
-    mws: list[Any]
-    spans: tuple[BoundSpan, ...]
 
 
 @dataclass(slots=True)
@@ -115,46 +53,31 @@ class _Open:
     window: MemoryWindow
     reg: Registration
     in_registry: bool
-    bindings: dict[int, _Binding] = field(default_factory=dict)  # qpn -> its MWs
+    bindings: dict[int, MwBinding] = field(default_factory=dict)  # qpn -> its MWs
 
 
 class WindowTable:
-    """The open windows of one rdma transport and the MWs bound for them, per connection.
+    """The open windows of one rdma transport and the MWs ``binder`` bound for them, per
+    connection."""
 
-    ``ctrl_cq`` is the send CQ of every accepted QP: nothing but binds is ever posted there,
-    each batch is waited for before the next, so the event loop polls it inline.
-    """
-
-    def __init__(
-        self,
-        verbs: Any,
-        pd: Any,
-        mw_type: int,
-        ctrl_cq: Any,
-        registry: Registry,
-        next_wr_id: Callable[[], int],
-        max_batch: int,
-        max_refusals: int = 16,
-    ) -> None:
-        assert mw_type != NO_WINDOWS
-        self.verbs = verbs
-        self.pd = pd
-        self.mw_type = mw_type
-        self.ctrl_cq = ctrl_cq
+    def __init__(self, binder: MwBinder, registry: Registry, max_refusals: int = 16) -> None:
+        self.binder = binder
         self.registry = registry
-        self.next_wr_id = next_wr_id
-        self.max_batch = max(1, max_batch)  # binds posted at once: fits the QP's send queue
         self._open: dict[int, _Open] = {}
         self._retired: OrderedDict[int, None] = OrderedDict()
         # qpn -> the keys of the open windows bound on that connection. Replaced, never mutated:
         # the poller thread reads it to say whose authority an immediate came with.
         self._keys_by_qpn: dict[int, frozenset[int]] = {}
-        self.num_mws = 0  # allocated and not yet deallocated
         self.max_refusals = max_refusals  # refused resolutions before a connection is ended
         self._refusals_by_qpn: dict[int, int] = {}
 
     def __len__(self) -> int:
         return len(self._open)
+
+    @property
+    def num_mws(self) -> int:
+        """MWs allocated and not yet deallocated."""
+        return self.binder.num_mws
 
     def keys_bound_on(self, qpn: int) -> frozenset[int]:
         """The keys of the open windows that the connection on QP ``qpn`` resolved: the only
@@ -197,7 +120,7 @@ class WindowTable:
         while len(self._retired) > _MAX_RETIRED:
             self._retired.popitem(last=False)
         for qpn, binding in entry.bindings.items():
-            self._dealloc(binding.mws)
+            self.binder.dealloc(binding.mws)
             self._forget_key(qpn, window.rkey)
         if entry.in_registry:
             self.registry.close_window(window)
@@ -219,7 +142,7 @@ class WindowTable:
         for entry in self._open.values():
             binding = entry.bindings.pop(qpn, None)
             if binding is not None:
-                self._dealloc(binding.mws)
+                self.binder.dealloc(binding.mws)
 
     # -- resolution --------------------------------------------------------------------------------
 
@@ -266,7 +189,7 @@ class WindowTable:
             raise self.refusal(key)
         binding = entry.bindings.get(qp.qp_num)
         if binding is None:
-            binding = self._bind(entry, qp)
+            binding = self.binder.bind(entry.reg, entry.window, qp)
             entry.bindings[qp.qp_num] = binding
             self._keys_by_qpn[qp.qp_num] = self.keys_bound_on(qp.qp_num) | {key}
         return entry.window.access, binding.spans
@@ -277,102 +200,6 @@ class WindowTable:
             self._keys_by_qpn[qpn] = keys
         else:
             self._keys_by_qpn.pop(qpn, None)
-
-    def _bind(self, entry: _Open, qp: Any) -> _Binding:
-        v = self.verbs
-        reg, window = entry.reg, entry.window
-        flags = mw_access_flags(v, window.access)
-        mws: list[Any] = []
-        spans: list[BoundSpan] = []
-        try:
-            pending: list[tuple[Any, int, int, int]] = []  # (mw, addr, length, nic_addr)
-            for addr, length in window.spans:
-                mws.append(v.MW(self.pd, self.mw_type))
-                self.num_mws += 1
-                pending.append((mws[-1], addr, length, reg.iova + (addr - reg.region.addr)))
-            step = self.max_batch
-            for start in range(0, len(pending), step):
-                spans.extend(self._bind_batch(qp, reg.mr, pending[start : start + step], flags))
-        except v.PyverbsError as exc:
-            self._dealloc(mws)
-            raise TransportError(
-                f"binding {len(window.spans)} memory window(s) failed: {exc}; the device "
-                "may be out of memory windows (ibv_devinfo -v: max_mw)"
-            ) from exc
-        except TransportError:
-            self._dealloc(mws)
-            raise
-        return _Binding(mws, tuple(spans))
-
-    def _bind_batch(
-        self, qp: Any, mr: Any, batch: list[tuple[Any, int, int, int]], flags: int
-    ) -> list[BoundSpan]:
-        """Post one bind per MW, only the last signaled, and wait for it (RC send queues
-        complete in order, so the last one's success means every bind took)."""
-        v, e = self.verbs, self.verbs.e
-        wr_id = self.next_wr_id()
-        out = []
-        if self.mw_type == e.IBV_MW_TYPE_1:  # the bind verb; libibverbs updates mw.rkey
-            for i, (mw, addr, length, nic_addr) in enumerate(batch):
-                signaled = e.IBV_SEND_SIGNALED if i == len(batch) - 1 else 0
-                info = v.MWBindInfo(mr, nic_addr, length, flags)
-                qp.bind_mw(mw, v.MWBind(info, signaled, wr_id))
-                out.append(BoundSpan(addr, length, mw.rkey, nic_addr))
-        else:  # type 2: IBV_WR_BIND_MW work requests; the new rkey is the WR's
-            wrs, nxt = [], None
-            for i in range(len(batch) - 1, -1, -1):
-                mw, addr, length, nic_addr = batch[i]
-                signaled = e.IBV_SEND_SIGNALED if i == len(batch) - 1 else 0
-                wr = v.SendWR(
-                    wr_id=wr_id, opcode=e.IBV_WR_BIND_MW, send_flags=signaled, next_wr=nxt
-                )
-                wr.set_bind_wr(mw, v.MWBindInfo(mr, nic_addr, length, flags))
-                wrs.append(wr)
-                nxt = wr
-                out.append(BoundSpan(addr, length, wr.rkey, nic_addr))
-            out.reverse()
-            qp.post_send(nxt)
-        self._wait(wr_id, e.IBV_WC_BIND_MW, "bind")
-        return out
-
-    def _wait(self, wr_id: int, opcode: int, what: str) -> None:
-        """Poll the control CQ until ``wr_id`` completes; the first failure becomes the error."""
-        e = self.verbs.e
-        deadline = time.monotonic() + BIND_TIMEOUT_S
-        error = None
-        while True:
-            _, wcs = self.ctrl_cq.poll(16)
-            for wc in wcs:
-                if wc.status != e.IBV_WC_SUCCESS and error is None:
-                    error = TransportError(
-                        f"memory window {what} failed: {status_name(self.verbs, wc.status)} "
-                        f"(vendor error {wc.vendor_err:#x}); the connection it was bound on "
-                        "is now in the error state"
-                    )
-                if wc.wr_id == wr_id:
-                    if error is not None:
-                        raise error
-                    if wc.opcode != opcode:
-                        raise TransportError(
-                            f"memory window {what} completed with opcode {wc.opcode}, "
-                            f"expected {opcode}"
-                        )
-                    return
-            if time.monotonic() > deadline:
-                raise error or TransportError(
-                    f"memory window {what} did not complete within {BIND_TIMEOUT_S} s"
-                )
-            if not wcs:
-                time.sleep(0)
-
-    def _dealloc(self, mws: list[Any]) -> None:
-        for mw in mws:
-            try:
-                mw.close()
-            except self.verbs.PyverbsError as exc:  # it stays bound: say so loudly
-                log.error("deallocating a memory window failed (it may stay valid): %s", exc)
-            self.num_mws -= 1
-        mws.clear()
 
 
 def _check(

@@ -19,7 +19,7 @@ from kvmesh.shared.transport.base import Access, WriteEntry
 from kvmesh.shared.transport.config import TransportConfig
 from kvmesh.shared.transport.errors import PeerGoneError, RefusalReason, RemoteAccessError
 from kvmesh.shared.transport.rdma import RdmaTransport, rdma_available
-from kvmesh.shared.transport.rdma_windows import choose_window_type
+from kvmesh.shared.transport.rdma_mw_bind import choose_window_type
 from support.fake_pyverbs import FakeDevice, FakeVerbs, e
 from support.transport_windows import BLOCK, PoolPair
 
