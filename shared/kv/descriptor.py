@@ -7,8 +7,9 @@ backend, a missing field or a field of the wrong type is refused when it is deco
 transport sees it.
 
 The fields are data, never trusted paths or endpoints: the transports still check every name
-before they use it (``shm.check_segment_name``, ``shm.check_socket_path``), and a prefill worker
-writes only where the decode worker itself advertised (``services/prefill/adverts.py``).
+before they use it (``shm_segments.check_segment_name``, ``shm_segments.check_socket_path``),
+and a prefill worker writes only where the decode worker itself advertised
+(``services/prefill/adverts.py``).
 
 Transports produce and take this type alone: each backend builds its own part (``ShmBackend``,
 ``TcpBackend``, ``RdmaBackend``) in ``descriptor()`` and reads it back in ``connect``

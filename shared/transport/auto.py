@@ -29,7 +29,8 @@ from kvmesh.shared.transport.completions import Completion, CompletionQueue
 from kvmesh.shared.transport.config import TransportConfig
 from kvmesh.shared.transport.errors import BackendUnavailableError, PeerUnreachableError
 from kvmesh.shared.transport.registry import Registry
-from kvmesh.shared.transport.shm import SHM_DIR, ShmTransport, check_segment_name, check_socket_path
+from kvmesh.shared.transport.shm import ShmTransport
+from kvmesh.shared.transport.shm_segments import SHM_DIR, check_segment_name, check_socket_path
 from kvmesh.shared.transport.tcp import TcpTransport
 
 BACKENDS = ("rdma", "shm", "tcp")  # best first

@@ -15,18 +15,16 @@ import asyncio
 import contextlib
 import mmap
 import os
-import re
 import secrets
 import shutil
 import socket
-import stat
 import struct
 import threading
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from kvmesh.shared.config.stale_dirs import make_owned_dir, sweep_dead_owner_files
+from kvmesh.shared.config.stale_dirs import make_owned_dir
 from kvmesh.shared.kv.descriptor import ShmBackend, TransportDescriptor
 from kvmesh.shared.obs import logs
 from kvmesh.shared.transport.backend import HostMemoryBackend
@@ -42,13 +40,24 @@ from kvmesh.shared.transport.errors import PeerUnreachableError, RefusalReason, 
 from kvmesh.shared.transport.lane_auth import HelloRefused, LaneHello
 from kvmesh.shared.transport.registry import Registry
 from kvmesh.shared.transport.server import SocketServer
+from kvmesh.shared.transport.shm_segments import (
+    SHM_DIR,
+    SOCKET_NAME,
+    Segment,
+    UntrustedDescriptorError,
+    check_segment_name,
+    check_socket_path,
+    close_mapping,
+    map_segment,
+    segment_token,
+    sweep_stale_segments,
+)
 
 if TYPE_CHECKING:
     from kvmesh.shared.transport.shm_endpoint import ShmEndpoint
 
 log = logs.get_logger(__name__)
 
-SHM_DIR = "/dev/shm"
 PAGE = mmap.PAGESIZE
 TABLE_SLOTS = 8192
 # One slot per remotely accessible region, and one per span of each open window. state: 0 free, 1 live, 2 retired.
@@ -70,12 +79,6 @@ FREE, LIVE, RETIRED = 0, 1, 2
 # HELLO's payload: peer id.
 NOTE = struct.Struct("<BBHIIQQ")
 OP_HELLO, OP_WRITE_DONE, OP_READ_DONE, OP_REFUSED = 0, 1, 2, 3
-
-
-# Names a peer may ask us to map: "kvmesh-<pid>-<8 hex>-table" or "kvmesh-<pid>-<8 hex>-<n>".
-# A descriptor is data from the network: it names segments, never paths (no separators, no "..").
-SEGMENT_NAME = re.compile(r"kvmesh-[0-9]{1,10}-[0-9a-f]{8}-(?:table|[0-9]{1,6})")
-SOCKET_NAME = "notify.sock"
 
 
 class ShmHello:
@@ -106,98 +109,11 @@ class ShmHello:
         return LaneHello(0, 1, 0, self._buf.decode(errors="replace"))
 
 
-class UntrustedDescriptorError(PeerUnreachableError):
-    """A descriptor names something kvmesh did not create: a path instead of a segment name, a
-    file of another user, a symlink. Nothing was opened for writing."""
-
-
-def segment_token(name: str) -> str:
-    """``kvmesh-<pid>-<hex>`` of a valid segment name (the transport that created it)."""
-    return name.rsplit("-", 1)[0]
-
-
-def check_segment_name(name: object) -> str:
-    """``name`` if it is a kvmesh segment name; UntrustedDescriptorError otherwise."""
-    if not isinstance(name, str) or SEGMENT_NAME.fullmatch(name) is None:
-        raise UntrustedDescriptorError(
-            f"shm segment name {name!r} is not a kvmesh segment (kvmesh-<pid>-<hex>-<n>); "
-            "descriptors name segments, never paths"
-        )
-    return name
-
-
-def _check_own_file(st: os.stat_result, what: str, kind: int) -> None:
-    if stat.S_IFMT(st.st_mode) != kind:
-        raise UntrustedDescriptorError(f"{what} is not a {stat.filemode(kind)[0]!r}-type file")
-    if st.st_uid != os.geteuid():
-        raise UntrustedDescriptorError(
-            f"{what} belongs to uid {st.st_uid}, not to this process (uid {os.geteuid()}); "
-            "kvmesh maps only segments its own user created"
-        )
-
-
-def check_socket_path(path: object) -> str:
-    """``path`` if it is a receiver's notification socket: ``<dir>/kvmesh-*/notify.sock``,
-    normalized, with no symlink in its last two parts, both owned by this user."""
-    if not isinstance(path, str) or not os.path.isabs(path) or os.path.normpath(path) != path:
-        raise UntrustedDescriptorError(f"shm socket {path!r} is not a normalized absolute path")
-    folder, name = os.path.split(path)
-    if name != SOCKET_NAME or not os.path.basename(folder).startswith("kvmesh-"):
-        raise UntrustedDescriptorError(
-            f"shm socket {path!r} is not a kvmesh notification socket (kvmesh-*/{SOCKET_NAME})"
-        )
-    try:
-        _check_own_file(os.lstat(folder), f"shm socket folder {folder!r}", stat.S_IFDIR)
-        _check_own_file(os.lstat(path), f"shm socket {path!r}", stat.S_IFSOCK)
-    except FileNotFoundError as exc:
-        raise PeerUnreachableError(f"shm socket {path!r} does not exist: {exc}") from exc
-    return path
-
-
-def _map_segment(name: str, create_bytes: int = 0) -> mmap.mmap:
-    path = os.path.join(SHM_DIR, check_segment_name(name))
-    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
-    flags |= os.O_CREAT | os.O_EXCL if create_bytes else 0
-    fd = os.open(path, flags, 0o600)
-    try:
-        if create_bytes:
-            os.ftruncate(fd, create_bytes)
-        else:
-            _check_own_file(os.fstat(fd), f"shm segment {name!r}", stat.S_IFREG)
-        size = os.fstat(fd).st_size
-        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
-    finally:
-        os.close(fd)
-
-
 def _reason_name(code: int) -> str:
     try:
         return RefusalReason(code).name
     except ValueError:
         return f"code {code}"
-
-
-def sweep_stale_segments() -> list[str]:
-    """Unlink this user's segments of kvmesh processes that died without closing (SIGKILL, OOM):
-    their pools would otherwise pin host memory until reboot. Names carry the creator's pid."""
-    return sweep_dead_owner_files(SHM_DIR, "kvmesh-")
-
-
-def _close_mapping(mm: mmap.mmap) -> None:
-    # A KVPool may still view the memory; then the mapping dies with the last view.
-    with contextlib.suppress(BufferError):
-        mm.close()
-
-
-class _Segment:
-    __slots__ = ("addr", "mm", "name", "size", "tensor")
-
-    def __init__(self, name: str, size: int) -> None:
-        self.name = name
-        self.size = size
-        self.mm = _map_segment(name, size)
-        self.tensor = torch.frombuffer(self.mm, dtype=torch.uint8)  # (size,)
-        self.addr = self.tensor.data_ptr()
 
 
 class ShmTransport(HostMemoryBackend[ShmBackend]):
@@ -216,10 +132,10 @@ class ShmTransport(HostMemoryBackend[ShmBackend]):
         super().__init__(config, registry, completions)
         self._strict = strict  # refuse remote registrations outside a segment (no tcp fallback)
         self._token = f"kvmesh-{os.getpid()}-{secrets.token_hex(4)}"
-        self._segments: list[_Segment] = []
+        self._segments: list[Segment] = []
         self._window_slots: dict[int, list[int]] = {}
         self._unshared: set[int] = set()  # remote regions outside segments (strict=False only)
-        self._table_seg: _Segment | None = None
+        self._table_seg: Segment | None = None
         self._table: np.ndarray | None = None
         self._dir: str | None = None
         self._server: SocketServer | None = None
@@ -236,7 +152,7 @@ class ShmTransport(HostMemoryBackend[ShmBackend]):
         if self._server is not None:
             return
         sweep_stale_segments()
-        self._table_seg = _Segment(f"{self._token}-table", TABLE_SLOTS * TABLE_DTYPE.itemsize)
+        self._table_seg = Segment(f"{self._token}-table", TABLE_SLOTS * TABLE_DTYPE.itemsize)
         self._table = np.frombuffer(self._table_seg.mm, dtype=TABLE_DTYPE)
         # a receiver killed before closing left its socket folder: those of dead pids go first
         self._dir = make_owned_dir("kvmesh-", self.config.shm_dir, only=frozenset({SOCKET_NAME}))
@@ -258,10 +174,10 @@ class ShmTransport(HostMemoryBackend[ShmBackend]):
         self._table = None
         if self._table_seg is not None:
             self._table_seg.tensor = None  # type: ignore[assignment]
-            _close_mapping(self._table_seg.mm)
+            close_mapping(self._table_seg.mm)
         for seg in self._segments:
             seg.tensor = None  # type: ignore[assignment]
-            _close_mapping(seg.mm)
+            close_mapping(seg.mm)
         if self._dir:
             shutil.rmtree(self._dir, ignore_errors=True)
         self._queue.close()
@@ -272,7 +188,7 @@ class ShmTransport(HostMemoryBackend[ShmBackend]):
             raise ValueError(f"allocate needs a positive size, got {nbytes}")
         self._check_not_closed()
         size = -(-nbytes // PAGE) * PAGE
-        seg = _Segment(f"{self._token}-{len(self._segments)}", size)
+        seg = Segment(f"{self._token}-{len(self._segments)}", size)
         self._segments.append(seg)
         return seg.tensor[:nbytes]
 
@@ -310,7 +226,7 @@ class ShmTransport(HostMemoryBackend[ShmBackend]):
             for slot in slots:
                 self._table["state"][slot] = RETIRED
 
-    def _segment_holding(self, addr: int, end: int) -> _Segment | None:
+    def _segment_holding(self, addr: int, end: int) -> Segment | None:
         """The allocated segment that holds ``[addr, end)``, if any."""
         return next((s for s in self._segments if s.addr <= addr and end <= s.addr + s.size), None)
 
@@ -327,7 +243,7 @@ class ShmTransport(HostMemoryBackend[ShmBackend]):
         return [int(x) for x in np.concatenate([never_used, retired])[:n]]
 
     def _publish_row(
-        self, slot: int, rkey: int, addr: int, length: int, access: Access, seg: _Segment
+        self, slot: int, rkey: int, addr: int, length: int, access: Access, seg: Segment
     ) -> None:
         row = self._table[slot : slot + 1]
         row["state"] = FREE
@@ -395,7 +311,7 @@ class ShmTransport(HostMemoryBackend[ShmBackend]):
             raise UntrustedDescriptorError(f"shm table {table!r} is not a region table segment")
         socket_path = check_socket_path(info.socket)
         try:
-            table_mm = _map_segment(table)
+            table_mm = map_segment(table)
         except OSError as exc:
             raise PeerUnreachableError(
                 f"cannot map shm peer {descriptor.peer_id}'s table {table}: {exc}"
@@ -405,7 +321,7 @@ class ShmTransport(HostMemoryBackend[ShmBackend]):
                 asyncio.open_unix_connection(socket_path), self.config.connect_timeout_s
             )
         except (OSError, TimeoutError) as exc:
-            _close_mapping(table_mm)
+            close_mapping(table_mm)
             raise PeerUnreachableError(
                 f"cannot reach shm peer {descriptor.peer_id} at {info.socket}: {exc}"
             ) from exc

@@ -28,10 +28,12 @@ from kvmesh.shared.transport.shm import (
     OP_REFUSED,
     OP_WRITE_DONE,
     TABLE_DTYPE,
+)
+from kvmesh.shared.transport.shm_segments import (
     UntrustedDescriptorError,
-    _close_mapping,
-    _map_segment,
     check_segment_name,
+    close_mapping,
+    map_segment,
     segment_token,
 )
 
@@ -70,9 +72,9 @@ class ShmEndpoint(EndpointBase):
         with contextlib.suppress(OSError, ConnectionError):
             await self._writer.wait_closed()
         self._table = None  # type: ignore[assignment]
-        _close_mapping(self._table_mm)
+        close_mapping(self._table_mm)
         for mm, _ in self._mappings.values():
-            _close_mapping(mm)
+            close_mapping(mm)
         self._mappings.clear()
 
     def _remote_view(self, rkey: int, addr: int, length: int, access: Access) -> torch.Tensor:
@@ -111,7 +113,7 @@ class ShmEndpoint(EndpointBase):
                     f"a segment of another transport (expected {self._token}-<n>)"
                 )
             try:
-                mm = _map_segment(name)
+                mm = map_segment(name)
             except OSError as exc:
                 raise PeerGoneError(f"peer {self._peer_id} segment {name} is gone: {exc}") from exc
             mapping = self._mappings[name] = (mm, torch.frombuffer(mm, dtype=torch.uint8))

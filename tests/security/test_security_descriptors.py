@@ -20,10 +20,9 @@ from kvmesh.shared.bus.messages.workers import DecodeAdvert
 from kvmesh.shared.kv.descriptor import ShmBackend, TcpBackend, TransportDescriptor
 from kvmesh.shared.text.sampling import SamplingOptions
 from kvmesh.shared.transport import Access, PeerUnreachableError, TransportConfig, WriteEntry
-from kvmesh.shared.transport.shm import (
+from kvmesh.shared.transport.shm import TABLE_DTYPE, ShmTransport
+from kvmesh.shared.transport.shm_segments import (
     SHM_DIR,
-    TABLE_DTYPE,
-    ShmTransport,
     UntrustedDescriptorError,
     check_segment_name,
     check_socket_path,

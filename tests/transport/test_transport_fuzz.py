@@ -75,8 +75,8 @@ from kvmesh.shared.transport.shm import (
     OP_WRITE_DONE,
     RETIRED,
     ShmTransport,
-    UntrustedDescriptorError,
 )
+from kvmesh.shared.transport.shm_segments import UntrustedDescriptorError
 from kvmesh.shared.transport.tcp import (
     ACK,
     FLAG_NO_ACK,

@@ -11,7 +11,8 @@ import pytest
 import torch
 from kvmesh.shared.kv.descriptor import TransportDescriptor
 from kvmesh.shared.transport import Access, PeerUnreachableError, TransportConfig, WriteEntry
-from kvmesh.shared.transport.shm import SHM_DIR, ShmTransport
+from kvmesh.shared.transport.shm import ShmTransport
+from kvmesh.shared.transport.shm_segments import SHM_DIR
 from support.transport_wire import remote
 
 
