@@ -182,7 +182,7 @@ def fit_run(cost: CostModel, probe_runs: Sequence[Mapping[str, ProbeRecords]]) -
     """The engine scale and mesh overheads fitted to the median of ``probe_runs`` (each a probe
     by mode) on ``cost``'s engine figures (its own scales and overheads are not used), applied
     as ``calibrate.calibrate`` applies them: the scale, then the overheads."""
-    from kvmesh.sim.calibrate import fit_probe, pool_probe_runs
+    from kvmesh.sim.probe_fit import fit_probe, pool_probe_runs
 
     engine = engine_only(cost.device)
     mesh, scaled = fit_probe(engine, cost.model, pool_probe_runs(list(probe_runs)))

@@ -12,10 +12,11 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvmesh.sim.calibrate import Calibration, ProbeRun
+    from kvmesh.sim.calibrate import Calibration
     from kvmesh.sim.cost import CostModel
     from kvmesh.sim.engine_scale import EngineScale, EngineScaleFit
     from kvmesh.sim.overheads import MeshOverheads, OverheadFit
+    from kvmesh.sim.probe_fit import ProbeRun
     from kvmesh.sim.sla import Sla
     from kvmesh.sim.specs import DeviceSpec, ModelSpec
     from kvmesh.sim.validate import Comparison, RunFit, Served

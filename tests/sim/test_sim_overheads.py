@@ -361,7 +361,7 @@ def test_pooled_jitter_is_of_every_runs_gaps_together():
     """A validation pools its repeats' gaps: a run slower throughout than another widens the
     spread it measures, and so does it the pooled probe's request-to-request pace (not its
     step-to-step jitter: each request's gaps are constant)."""
-    from kvmesh.sim.calibrate import pool_probe_runs
+    from kvmesh.sim.probe_fit import pool_probe_runs
 
     def run(gap: float) -> dict[str, ProbeRecords]:
         isolated = tuple(_constant_gaps(i, gap) for i in range(4))
@@ -383,7 +383,7 @@ def test_pooled_jitter_is_of_every_runs_gaps_together():
 
 
 def test_pool_probe_runs_of_one_run_is_that_runs_figures():
-    from kvmesh.sim.calibrate import pool_probe_runs
+    from kvmesh.sim.probe_fit import pool_probe_runs
 
     jitters = {**_jitter(0.001, 0.002, 0.004), **_jitter(0.002, 0.004, 0.008, "colocated")}
     cost = _cpu(request_overhead_s=0.01, **jitters)
@@ -400,7 +400,7 @@ def test_pool_probe_runs_of_one_run_is_that_runs_figures():
 
 @pytest.mark.slow  # seconds: left out of make test-fast
 def test_fit_to_the_runs_medians_ignores_one_disturbed_run():
-    from kvmesh.sim.calibrate import fit_probe, pool_probe_runs
+    from kvmesh.sim.probe_fit import fit_probe, pool_probe_runs
 
     # the disturbed run's request path and hand-off are slow, its gaps as the others' (slower
     # gaps would widen the pooled jitter, as test_pooled_jitter_is_of_every_runs_gaps_together)
@@ -491,8 +491,8 @@ def test_fit_wake_recovers_the_wake_terms_the_woken_probe_had():
 
 @pytest.mark.slow  # seconds: left out of make test-fast
 def test_fit_probe_fits_the_wake_to_the_woken_long_prompts():
-    from kvmesh.sim.calibrate import fit_probe, pool_probe_runs
     from kvmesh.sim.probe import long_requests
+    from kvmesh.sim.probe_fit import fit_probe, pool_probe_runs
 
     truth = _cpu(request_overhead_s=0.02, colocated_wake_s=0.04, prefill_wake_s=0.01)
     run = {}
@@ -554,7 +554,7 @@ def test_warmup_is_the_first_gaps_excess_over_the_steady_gap_fitted_to_the_taper
 
 @pytest.mark.slow  # seconds: left out of make test-fast
 def test_fit_probe_measures_the_warm_up_on_the_long_prompts():
-    from kvmesh.sim.calibrate import fit_probe, pool_probe_runs
+    from kvmesh.sim.probe_fit import fit_probe, pool_probe_runs
 
     truth = _cpu(request_overhead_s=0.02, decode_warmup_s=0.0006, colocated_warmup_s=0.001)
     run = {m: simulated_probe(m, truth) for m in ("colocated", "disagg")}
