@@ -20,7 +20,6 @@ from kvmesh.loadgen import prom_text
 from kvmesh.shared.engine.config import EngineConfig
 from kvmesh.shared.engine.llm_engine import LLMEngine
 from kvmesh.shared.kv.kv_cache import KVCacheSpec
-from kvmesh.shared.model.loader import load_model
 from kvmesh.shared.text.sampling import SamplingOptions
 from support.mesh_checks import check_blocks_returned, check_equals_offline, load
 
@@ -38,11 +37,6 @@ ENV = {
 PROMPTS = random_prompts(12, 40, 150, seed=11)
 MAX_TOKENS = 12
 GREEDY = SamplingOptions(max_tokens=MAX_TOKENS, temperature=0.0)
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return load_model("kvmesh-tiny")
 
 
 def offline(tiny, kv_cache_dtype: str) -> list[list[int]]:

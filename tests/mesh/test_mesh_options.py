@@ -88,13 +88,12 @@ def mesh():
 
 
 @pytest.fixture(scope="module")
-def offline():
+def offline(tiny):
     """The offline engine's tokens and logprobs of each case and prompt."""
     from kvmesh.shared.engine.config import EngineConfig
     from kvmesh.shared.engine.llm_engine import LLMEngine
-    from kvmesh.shared.model.loader import load_model
 
-    model, tokenizer = load_model(MODEL)
+    model, tokenizer = tiny
     engine = LLMEngine(model, tokenizer, EngineConfig(num_blocks=512))
     out = {}
     for name, (_, params) in CASES.items():
@@ -197,12 +196,11 @@ def test_chat_logprobs_and_stop_string_kept_through_the_mesh(mesh):
     assert kept.choices[0].finish_reason == "stop"
 
 
-def offline_choices(prompt, params):
+def offline_choices(tiny, prompt, params):
     from kvmesh.shared.engine.config import EngineConfig
     from kvmesh.shared.engine.llm_engine import LLMEngine
-    from kvmesh.shared.model.loader import load_model
 
-    model, tokenizer = load_model(MODEL)
+    model, tokenizer = tiny
     engine = LLMEngine(model, tokenizer, EngineConfig(num_blocks=512))
     engine.add_request("r", prompt, params)
     got: dict[int, list[int]] = {}
@@ -213,10 +211,10 @@ def offline_choices(prompt, params):
 
 
 @pytest.mark.parametrize("prompt_index", [0, 2], ids=["local-prefill", "remote-prefill"])
-def test_n_choices_equal_the_offline_engines_streamed_and_not(mesh, prompt_index):
+def test_n_choices_equal_the_offline_engines_streamed_and_not(mesh, tiny, prompt_index):
     prompt = PROMPTS[prompt_index]
     params = SamplingOptions(max_tokens=12, temperature=1.0, seed=5, n=3, ignore_eos=True)
-    expected, tokenizer = offline_choices(prompt, params)
+    expected, tokenizer = offline_choices(tiny, prompt, params)
     body = {"max_tokens": 12, "temperature": 1.0, "seed": 5, "n": 3, "logprobs": 0}
 
     async def scenario():
@@ -343,13 +341,14 @@ def test_structured_outputs_through_the_mesh_with_the_openai_client(mesh):
 
 
 @pytest.mark.parametrize("prompt_index", [0, 2], ids=["local-prefill", "remote-prefill"])
-def test_echo_with_logprobs_and_prompt_logprobs_score_the_prompt_as_offline(mesh, prompt_index):
+def test_echo_with_logprobs_and_prompt_logprobs_score_the_prompt_as_offline(
+    mesh, tiny, prompt_index
+):
     from kvmesh.shared.engine.config import EngineConfig
     from kvmesh.shared.engine.llm_engine import LLMEngine
-    from kvmesh.shared.model.loader import load_model
 
     prompt = PROMPTS[prompt_index]
-    model, tokenizer = load_model(MODEL)
+    model, tokenizer = tiny
     engine = LLMEngine(model, tokenizer, EngineConfig(num_blocks=512))
     params = SamplingOptions(max_tokens=4, temperature=0, prompt_logprobs=1, ignore_eos=True)
     engine.add_request("r", prompt, params)
@@ -394,7 +393,7 @@ def test_echo_with_logprobs_and_prompt_logprobs_score_the_prompt_as_offline(mesh
         assert entry[str(token)]["rank"] == lp.rank
 
 
-def test_options_in_colocated_mode_equal_the_offline_engine():
+def test_options_in_colocated_mode_equal_the_offline_engine(tiny):
     """The colocated baseline runs the same options: n seeded choices with logprobs and
     penalties, and a JSON schema."""
     import json
@@ -407,7 +406,7 @@ def test_options_in_colocated_mode_equal_the_offline_engine():
     params = SamplingOptions(
         max_tokens=10, temperature=0.8, seed=2, n=2, repetition_penalty=1.2, ignore_eos=True
     )
-    expected, tokenizer = offline_choices(prompt, params)
+    expected, tokenizer = offline_choices(tiny, prompt, params)
 
     async def scenario(url: str):
         client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)

@@ -117,10 +117,7 @@ class TargetTable:
     """The target's exact next-token distribution (temperature, top-k) after ``PROMPT`` and
     each output prefix over the top-k tokens, up to ``MAX_TOKENS - 1`` tokens long."""
 
-    def __init__(self) -> None:
-        from kvmesh.shared.model.loader import load_model
-
-        model, _ = load_model("kvmesh-tiny")
+    def __init__(self, model) -> None:
         self.probs: dict[tuple[int, ...], dict[int, float]] = {}
         frontier: list[tuple[int, ...]] = [()]
         for _ in range(MAX_TOKENS):
@@ -182,8 +179,8 @@ def last_logits(model: Any, seqs: list[list[int]]) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def table() -> TargetTable:
-    return TargetTable()
+def table(tiny) -> TargetTable:
+    return TargetTable(tiny[0])
 
 
 @pytest.fixture(scope="module")
