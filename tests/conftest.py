@@ -123,3 +123,14 @@ def tiny() -> object:
     from kvmesh.shared.model.loader import load_model
 
     return load_model("kvmesh-tiny")
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+    """The default Llama and Qwen2 checkpoints of tests/support/hf_fixtures.py (``"llama"``,
+    ``"qwen2"``: their directories), written once per session: read them, never write into them
+    (copy one to break it)."""
+    from support.hf_fixtures import make_llama_checkpoint, make_qwen2_checkpoint
+
+    root = tmp_path_factory.mktemp("hf-checkpoints")
+    return {"llama": make_llama_checkpoint(root), "qwen2": make_qwen2_checkpoint(root)}

@@ -11,20 +11,14 @@ from kvmesh.shared.engine.sequence import PromptTooLongError, RequestError
 from kvmesh.shared.model import load_model
 from kvmesh.shared.text.sampling import SamplingOptions
 from support.engine_handoff import chunk_copier
-from support.hf_fixtures import load_hf_reference, make_llama_checkpoint, make_qwen2_checkpoint
+from support.hf_fixtures import load_hf_reference
 
 GREEDY = SamplingOptions(max_tokens=12, temperature=0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    root = tmp_path_factory.mktemp("ckpt")
-    return {"llama": make_llama_checkpoint(root), "qwen2": make_qwen2_checkpoint(root)}
-
-
-@pytest.fixture(scope="module")
-def llama(checkpoints):
-    return load_model(str(checkpoints["llama"]))
+def llama(hf_checkpoints):
+    return load_model(str(hf_checkpoints["llama"]))
 
 
 def prompts(n: int, lengths: tuple[int, ...] = (70, 23, 41, 5), seed: int = 0) -> list[list[int]]:
@@ -48,8 +42,8 @@ def hf_greedy(ref, prompt: list[int], n: int) -> list[int]:
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_greedy_matches_transformers_alone_and_in_a_mixed_batch(checkpoints, arch):
-    path = checkpoints[arch]
+def test_greedy_matches_transformers_alone_and_in_a_mixed_batch(hf_checkpoints, arch):
+    path = hf_checkpoints[arch]
     model_tok = load_model(str(path))
     ref = load_hf_reference(path)
     ps = prompts(3)

@@ -16,7 +16,7 @@ from kvmesh.shared.model import load_model
 from kvmesh.shared.text.sampling import SamplingOptions
 from support.engine_handoff import prefill_handoff
 from support.engine_runs import run_requests
-from support.hf_fixtures import load_hf_reference, make_llama_checkpoint
+from support.hf_fixtures import load_hf_reference
 
 EVERY_OPTION = SamplingOptions(
     max_tokens=14,
@@ -36,8 +36,8 @@ EVERY_OPTION = SamplingOptions(
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return make_llama_checkpoint(tmp_path_factory.mktemp("ckpt"))
+def checkpoint(hf_checkpoints):
+    return hf_checkpoints["llama"]
 
 
 @pytest.fixture(scope="module")

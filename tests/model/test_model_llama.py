@@ -16,7 +16,6 @@ from support.hf_fixtures import (
     load_hf_reference,
     make_llama_checkpoint,
     make_mistral_checkpoint,
-    make_qwen2_checkpoint,
     prefill_logits,
     prefill_metadata,
 )
@@ -28,11 +27,10 @@ TABLE_B = [4, 6, 9, 14]
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
+def checkpoints(tmp_path_factory, hf_checkpoints):
     root = tmp_path_factory.mktemp("ckpt")
     return {
-        "llama": make_llama_checkpoint(root),
-        "qwen2": make_qwen2_checkpoint(root),
+        **hf_checkpoints,
         "mistral": make_mistral_checkpoint(root),
         "llama_biases": make_llama_checkpoint(
             root, name="llama_biases", attention_bias=True, mlp_bias=True

@@ -14,13 +14,10 @@ from support.hf_fixtures import make_llama_checkpoint, make_qwen2_checkpoint
 
 
 @pytest.fixture(scope="module")
-def pristine(tmp_path_factory):
+def pristine(tmp_path_factory, hf_checkpoints):
     root = tmp_path_factory.mktemp("pristine")
-    return {
-        "llama": make_llama_checkpoint(root),
-        "sharded": make_llama_checkpoint(root, name="sharded", max_shard_size="40KB"),
-        "qwen2": make_qwen2_checkpoint(root),
-    }
+    sharded = make_llama_checkpoint(root, name="sharded", max_shard_size="40KB")
+    return {**hf_checkpoints, "sharded": sharded}
 
 
 @pytest.fixture
