@@ -8,20 +8,14 @@ import torch
 from kvmesh.shared.engine.config import EngineConfig
 from kvmesh.shared.engine.llm_engine import LLMEngine
 from kvmesh.shared.model import load_model
-from kvmesh.shared.model.seeded import SeededShape, num_parameters, write_seeded_checkpoint
+from kvmesh.shared.model.seeded import num_parameters, write_seeded_checkpoint
 from kvmesh.shared.text.sampling import SamplingOptions
 from support.hf_fixtures import load_hf_reference
+from support.small_models import small_shape
 
 from kvmesh.cli import main
 
-SMALL = SeededShape(
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    intermediate_size=160,
-    max_position_embeddings=512,
-)
+SMALL = small_shape()
 
 
 def _digest(path) -> str:
