@@ -31,8 +31,13 @@
  * order, where the GGUF layout takes two loads, an insert and a cross-lane shuffle. The values
  * and scales are the same, so the results are bit for bit those of the GGUF layout.
  *
- * Threads split the output features: thread t of nt computes columns [n t / nt, n (t + 1) / nt)
- * of y for every row of x, reading its share of the weight once per block of x rows.
+ * Interleaved groups (KV_PAIRED too, the same pair_blocks; Q8_0 as well): a paired weight's rows
+ * in whole groups of QG = 16 are stored block by block with the group's 16 rows side by side
+ * (qgroup below: one vpdpbusd lane per weight row); only the rows left over are in pairs.
+ *
+ * Threads split the output features at whole groups of QG: thread t of nt computes the columns
+ * of groups [G t / nt, G (t + 1) / nt) of y for every row of x, reading its share of the weight
+ * once per block of x rows.
  *
  * A stacked weight (KV_STACKED, shared/model/quant.py's StackedWeight: a fused projection whose
  * row ranges come in different formats, as a Q4_K_M file's q, k (Q4_K) and v (Q6_K)) passes a
@@ -40,6 +45,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "cpu_kernels.h"
@@ -62,6 +68,7 @@ static inline int omp_get_num_threads(void) { return 1; }
 
 #define QB 32       /* values per block */
 #define XMB 64      /* rows of x per cache block: its int8 rows stay in L2 while weights pass */
+#define QG 16       /* rows of a paired weight per interleaved group; threads split at groups */
 /* FORMAT_CODES of shared/model/quant_formats.py (3 .. 7: cpu_kquant.c's) */
 enum { KV_Q8_0 = 0, KV_Q4_0 = 1, KV_Q4_1 = 2, KV_Q5_0 = 8, KV_Q5_1 = 9 };
 #define KV_PAIRED 16 /* or-ed into a Q4 format code: the paired layout (PAIRED_FLAG) */
@@ -209,6 +216,108 @@ static inline __attribute__((always_inline)) __m512i load_pair(int fmt, int pair
         z = _mm512_mask_add_epi8(z, fifth, z, _mm512_set1_epi8(16));
     }
     return z;
+}
+
+/* Rows of a paired weight in whole groups of QG (the first rows / QG * QG), interleaved: for
+ * each block b, its 16 rows' dw (float16, 32 bytes), for Q4_1 their mw (32 bytes), then chunks
+ * of 64 bytes, chunk i's bytes 4c .. 4c + 4 being row c's value bytes 4i .. 4i + 4: Q4's 4 chunks
+ * of nibble bytes (values 4i + j in the low nibbles, 16 + 4i + j in the high ones), Q8_0's 8 of
+ * q + 128 (q xor 0x80: unsigned, as vpdpbusd takes its first operand; the 128 sum(qx) that adds
+ * is taken off in int32). A chunk's values are one vpdpbusd operand holding 4 values of each of
+ * the 16 rows, against x's 4 values broadcast: one int32 lane per weight row, so a block's 16
+ * dot products take 8 vpdpbusd and at most 12 unpacking instructions, and its scales one
+ * conversion and one or two multiply-adds per row of x for all 16 rows (a third of the
+ * instructions per weight byte of the pairs' tiles below). xsum: Q8_0's sum(qx) per row of x
+ * and block (NULL for Q4). */
+static inline __attribute__((always_inline)) void qgroup(int fmt, const int8_t *xq,
+                                                        const float *xs, const int32_t *xsum,
+                                                        int64_t k, const uint8_t *g, int R,
+                                                        __m512 out[4]) {
+    const int64_t nb = k / QB, xss = qk_scale_stride(k), gb = QG * block_bytes[fmt];
+    const int head = fmt == KV_Q4_1 ? 64 : 32;
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    __m512 acc[4], macc[4];
+    for (int r = 0; r < R; r++) acc[r] = macc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = g + b * gb;
+        __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk)), mw;
+        __m512i wv[8]; /* wv[j]: values 4j .. 4j + 4 of each row */
+        if (fmt == KV_Q8_0) {
+            for (int j = 0; j < 8; j++) wv[j] = _mm512_loadu_si512(blk + head + 64 * j);
+        } else {
+            mw = fmt == KV_Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32)))
+                                : _mm512_mul_ps(dw, _mm512_set1_ps(-8.0f));
+            for (int i = 0; i < 4; i++) {
+                __m512i p = _mm512_loadu_si512(blk + head + 64 * i);
+                wv[i] = _mm512_and_si512(p, low);
+                wv[i + 4] = _mm512_and_si512(_mm512_srli_epi16(p, 4), low);
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            const float *lanes = xs + r * xss + (b / 2) * 32 + (b % 2) * 8;
+            int32_t xv[8];
+            memcpy(xv, xq + r * k + b * QB, sizeof xv);
+            __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[0], _mm512_set1_epi32(xv[0]));
+            __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[1], _mm512_set1_epi32(xv[1]));
+            for (int j = 2; j < 8; j += 2) {
+                s0 = _mm512_dpbusd_epi32(s0, wv[j], _mm512_set1_epi32(xv[j]));
+                s1 = _mm512_dpbusd_epi32(s1, wv[j + 1], _mm512_set1_epi32(xv[j + 1]));
+            }
+            __m512i isum = _mm512_add_epi32(s0, s1);
+            if (fmt == KV_Q8_0) isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(128 * xsum[r * nb + b]));
+            __m512 dot = _mm512_cvtepi32_ps(isum);
+            acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(dw, _mm512_set1_ps(lanes[0])), acc[r]);
+            if (fmt != KV_Q8_0)
+                macc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(lanes[16] * 8.0f), macc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) out[r] = fmt == KV_Q8_0 ? acc[r] : _mm512_add_ps(acc[r], macc[r]);
+}
+
+#define QG_SUMS 4096 /* xsum entries kept on the stack (more: malloc) */
+
+/* Columns [c0, c1) of y for m rows of x from the groups of a paired weight that hold them (a
+ * group cut by c0 or c1 is computed whole and stored in part) */
+static void qk_groups(int fmt, const int8_t *xq, const float *xs, int64_t m, int64_t k,
+                      const uint8_t *w, int64_t c0, int64_t c1, const float *bias, float *y,
+                      int64_t n, int accumulate) {
+    const int64_t nb = k / QB, gbytes = QG * nb * block_bytes[fmt], xss = qk_scale_stride(k);
+    int32_t stack[QG_SUMS], *xsum = NULL;
+    if (fmt == KV_Q8_0) { /* sum(qx) back from dx sum(qx) / 8: exact, |sum| < 2^12 */
+        xsum = m * nb <= QG_SUMS ? stack : malloc(m * nb * sizeof *xsum);
+        if (!xsum) return; /* cannot happen at the sizes a step has */
+        for (int64_t r = 0; r < m; r++)
+            for (int64_t b = 0; b < nb; b++) {
+                const float *lanes = xs + r * xss + (b / 2) * 32 + (b % 2) * 8;
+                xsum[r * nb + b] =
+                    lanes[0] != 0.0f ? (int32_t)nearbyintf(lanes[16] * 8.0f / lanes[0]) : 0;
+            }
+    }
+    for (int64_t g = c0 / QG; g * QG < c1; g++) {
+        const int64_t lo = g * QG > c0 ? g * QG : c0, hi = (g + 1) * QG < c1 ? (g + 1) * QG : c1;
+        const __mmask16 keep = (__mmask16)(((1u << (hi - lo)) - 1) << (lo - g * QG));
+        const __m512 bv = bias ? _mm512_maskz_loadu_ps(keep, bias + g * QG) : _mm512_setzero_ps();
+        for (int64_t r = 0; r < m; r += 4) {
+            const int R = m - r < 4 ? (int)(m - r) : 4;
+            const int8_t *xr = xq + r * k;
+            const float *sr = xs + r * xss;
+            const uint8_t *wg = w + g * gbytes;
+            __m512 out[4];
+            if (fmt == KV_Q4_1)
+                qgroup(KV_Q4_1, xr, sr, NULL, k, wg, R, out);
+            else if (fmt == KV_Q4_0)
+                qgroup(KV_Q4_0, xr, sr, NULL, k, wg, R, out);
+            else
+                qgroup(KV_Q8_0, xr, sr, xsum + r * nb, k, wg, R, out);
+            for (int i = 0; i < R; i++) {
+                float *yr = y + (r + i) * n + g * QG;
+                __m512 v = _mm512_add_ps(out[i], bv);
+                if (accumulate) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(keep, yr));
+                _mm512_mask_storeu_ps(yr, keep, v);
+            }
+        }
+    }
+    if (xsum != stack) free(xsum);
 }
 
 /* out[r][c] = row r of x (R rows, R <= 4) . weight row c (C rows, C <= 4), before bias */
@@ -408,11 +517,11 @@ static void qk_rows(int fmt, const int8_t *xq, const float *xs, int R, int64_t k
     }
 }
 
-/* Columns [c0, c1) of y (m, n) = x @ w.T (+ bias) for every row: w's rows from 0 (a stacked
- * weight: each part's rows from its first), bias and y's columns indexed alike. */
+/* Columns [c0, c1) of y (m, n) = x @ w.T (+ bias) for every row: w's rows (wrows of them) from 0
+ * (a stacked weight: each part's rows from its first), bias and y's columns indexed alike. */
 static void qlinear_cols(const float *x, const int8_t *xq, const float *xs, int64_t m, int64_t k,
-                         int fmt, const uint8_t *w, int64_t c0, int64_t c1, const float *bias,
-                         float *y, int64_t n, int accumulate) {
+                         int fmt, const uint8_t *w, int64_t wrows, int64_t c0, int64_t c1,
+                         const float *bias, float *y, int64_t n, int accumulate) {
     if (fmt == KV_STACKED) {
         const kv_wstack *s = (const kv_wstack *)w;
         int64_t base = 0;
@@ -421,8 +530,8 @@ static void qlinear_cols(const float *x, const int8_t *xq, const float *xs, int6
             int64_t hi = c1 < end ? c1 : end;
             const uint8_t *part = (const uint8_t *)(uintptr_t)s->data[i];
             if (lo < hi)
-                qlinear_cols(x, xq, xs, m, k, (int)s->fmt[i], part, lo - base, hi - base,
-                             bias ? bias + base : NULL, y + base, n, accumulate);
+                qlinear_cols(x, xq, xs, m, k, (int)s->fmt[i], part, s->rows[i], lo - base,
+                             hi - base, bias ? bias + base : NULL, y + base, n, accumulate);
             base = end;
         }
         return;
@@ -432,6 +541,17 @@ static void qlinear_cols(const float *x, const int8_t *xq, const float *xs, int6
         return;
     }
     const int64_t rb = k / QB * block_bytes[fmt & ~KV_PAIRED], xss = qk_scale_stride(k);
+#ifdef QK_VNNI
+    if (fmt & KV_PAIRED) { /* the rows in whole groups interleaved, the rest in pairs */
+        const int64_t grouped = wrows / QG * QG;
+        if (c0 < grouped)
+            qk_groups(fmt & ~KV_PAIRED, xq, xs, m, k, w, c0, c1 < grouped ? c1 : grouped, bias, y,
+                      n, accumulate);
+        if (c1 <= grouped) return;
+        c0 = c0 > grouped ? c0 : grouped;
+        if ((fmt & ~KV_PAIRED) == KV_Q8_0) fmt = KV_Q8_0; /* its other rows: the GGUF layout */
+    }
+#endif
     /* weight rows in runs of 16 against the whole block of x rows: both stay in cache */
     KV_FOR_ROW_TILES(m, c0, c1, XMB,
                      qk_rows(fmt, xq + r * k, xs + r * xss, R, k, w, rb, cb, ce, bias, y + r * n,
@@ -445,7 +565,11 @@ static void qlinear_cols(const float *x, const int8_t *xq, const float *xs, int6
 void kv_qlinear_share(const float *x, const int8_t *xq, const float *xs, int64_t m, int64_t k,
                       int fmt, const uint8_t *w, int64_t n, const float *bias, float *y,
                       int64_t t, int64_t nt, int accumulate) {
-    qlinear_cols(x, xq, xs, m, k, fmt, w, n * t / nt, n * (t + 1) / nt, bias, y, n, accumulate);
+    /* cut at whole groups of QG columns (a paired weight's interleaved rows) */
+    const int64_t groups = (n + QG - 1) / QG, c0 = groups * t / nt * QG;
+    const int64_t c1 = t + 1 == nt ? n : groups * (t + 1) / nt * QG;
+    qlinear_cols(x, xq, xs, m, k, fmt, w, n, c0 < n ? c0 : n, c1 < n ? c1 : n, bias, y, n,
+                 accumulate);
 }
 
 /* y (m, n) = x (m, k) @ w.T (+ bias) on num_threads OpenMP threads; xq (m, k) and xs

@@ -88,9 +88,9 @@ class CpuBackend(TorchBackend):
     def install(self, model: Transformer) -> None:
         """Install the kernels on every module they compute for (``cpu_modules.py``). Float32
         linear layers get a packed copy of their weight (as much memory again as the layers'
-        weights); the layers' Q4 weights kept as stored are rewritten in place in the kernels'
-        paired layout where ``ops`` reads it (``quant.pair_blocks``: the same bytes, the same
-        values, faster to unpack)."""
+        weights); the Q4 and Q8_0 weights kept as stored (the tied LM head's too) are rewritten
+        in place in the kernels' paired layout where ``ops`` reads it (``quant.pair_blocks``:
+        the same bytes, the same values, 16 rows interleaved)."""
         remove_cpu_kernels(model)
         ops = self.cpu_ops
         for module in model.modules():
@@ -104,15 +104,17 @@ class CpuBackend(TorchBackend):
                 PackedLinear.install(module, ops, packed=packed)
             elif kind in _KERNELS:
                 _KERNELS[kind].install(module, ops)
+        for quant in model.modules():  # in the layout ops reads (paired: faster)
+            if isinstance(quant, (CpuQuantLinear, CpuQuantEmbedding)):
+                w = quant.qweight  # rewritten in place: no second copy stays resident
+                quant.qweight = (
+                    pair_blocks(w, in_place=True) if ops.quant_pairs else unpair_blocks(w)
+                )
+                if isinstance(quant, CpuQuantEmbedding):  # its head (next) shares the bytes
+                    quant.head.qweight = quant.qweight
         for block in model.modules():
             if not isinstance(block, TransformerBlock):
                 continue
-            for linear in block.modules():  # Q4 in the layout ops reads (paired: faster)
-                if isinstance(linear, CpuQuantLinear):
-                    w = linear.qweight  # rewritten in place: no second copy stays resident
-                    linear.qweight = (
-                        pair_blocks(w, in_place=True) if ops.quant_pairs else unpair_blocks(w)
-                    )
             weights = _decode_layer_weights(block)
             if weights is not None and self.fuse_layers:
                 decode = (

@@ -28,9 +28,14 @@ and concatenated as bytes. A weight whose row ranges come in different formats (
 q, k in Q4_K and v in Q6_K, fused into one projection) is a ``StackedWeight`` of parts.
 
 ``pair_blocks`` rewrites a Q4 weight's rows in the layout the VNNI kernels read fastest
-(``paired``): each pair of blocks A, B as dA, dB (mA, mB for Q4_1), then 32 bytes, byte j
-holding A's value j in its low nibble and B's value j in its high one; a last unpaired block
-stays as it was. The same bytes per row and the same values: ``dequantize`` reads both.
+(``paired``). The rows in whole groups of 16 (``GROUP``; the first ``rows // 16 * 16``) are
+interleaved: for each block b of the row, the group's 16 scales d (float16), for Q4_1 its 16
+m, then 4 chunks of 64 bytes, chunk i's bytes 4c .. 4c + 4 being row c's nibble bytes 4i .. 4i +
+4 (one int32 lane per row of a ``vpdpbusd``). The rows left over are paired: each pair of
+blocks A, B as dA, dB (mA, mB for Q4_1), then 32 bytes, byte j holding A's value j in its low
+nibble and B's value j in its high one; a last unpaired block stays as it was. The same bytes
+and the same values: ``dequantize`` reads both; a group's rows are not separable
+(``select_rows`` and ``cat_rows`` return the GGUF layout).
 """
 
 from __future__ import annotations
@@ -55,7 +60,8 @@ from kvmesh.shared.model.quant_formats import (  # noqa: F401  (re-exported)
     row_bytes,
 )
 
-PAIRABLE = ("Q4_0", "Q4_1")  # the formats pair_blocks rewrites
+PAIRABLE = ("Q4_0", "Q4_1", "Q8_0")  # the formats pair_blocks rewrites
+GROUP = 16  # rows interleaved together in the paired layout (cpu_quant.c's QG)
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,9 +101,9 @@ class QuantWeight:
         return self.data.numel()
 
     def select_rows(self, index: torch.Tensor) -> QuantWeight:
-        """The rows ``index`` (1-D int64), as a new QuantWeight."""
-        data = self.data.index_select(0, index)
-        return QuantWeight(self.format, data, index.numel(), self.cols, self.paired)
+        """The rows ``index`` (1-D int64), as a new QuantWeight (in the GGUF layout)."""
+        data = _paired_rows(self, index) if self.paired else self.data.index_select(0, index)
+        return QuantWeight(self.format, data, index.numel(), self.cols)
 
     def to(self, device: torch.device | str) -> QuantWeight:
         return QuantWeight(self.format, self.data.to(device), self.rows, self.cols, self.paired)
@@ -105,7 +111,8 @@ class QuantWeight:
 
 def cat_rows(weights: list[QuantWeight]) -> QuantWeight | StackedWeight:
     """Weights of one width stacked along rows (q, k, v into one projection): one QuantWeight
-    where they share a format and layout, else a ``StackedWeight`` of copies of them."""
+    where they share a format, else a ``StackedWeight`` of copies of them (in the GGUF layout)."""
+    weights = [unpair_blocks(w) for w in weights]
     first = weights[0]
     assert all(w.cols == first.cols for w in weights), [w.shape for w in weights]
     if any((w.format, w.paired) != (first.format, first.paired) for w in weights):
@@ -209,25 +216,83 @@ def _pair_view(weight: QuantWeight) -> tuple[torch.Tensor, int]:
     return weight.data[:, : pairs * 2 * bb].view(weight.rows, pairs, 2 * bb), pairs  # a view
 
 
+def _interleave(fmt: str, rows: torch.Tensor, cols: int) -> torch.Tensor:
+    """GGUF rows (groups * GROUP, row bytes) -> the same bytes interleaved by groups (above)."""
+    nb, bb, head = cols // BLOCK, BLOCK_BYTES[fmt], _scale_bytes(fmt)
+    blocks = rows.view(-1, GROUP, nb, bb).transpose(1, 2)  # (groups, nb, GROUP, bb)
+    scales = [blocks[..., i : i + 2] for i in range(0, head, 2)]  # d (and m) of each row
+    qs = blocks[..., head:].reshape(*blocks.shape[:2], GROUP, (bb - head) // 4, 4).transpose(2, 3)
+    if fmt == "Q8_0":
+        qs = qs ^ 0x80  # q + 128: unsigned
+    parts = [t.reshape(*blocks.shape[:2], -1) for t in [*scales, qs]]
+    return torch.cat(parts, -1).reshape(rows.shape)
+
+
+def _deinterleave(fmt: str, rows: torch.Tensor, cols: int) -> torch.Tensor:
+    """The inverse of ``_interleave``."""
+    nb, bb, head = cols // BLOCK, BLOCK_BYTES[fmt], _scale_bytes(fmt)
+    view = rows.view(-1, nb, GROUP * bb)
+    scales = [
+        view[..., GROUP * i : GROUP * (i + 2)].reshape(-1, nb, GROUP, 2) for i in range(0, head, 2)
+    ]
+    qs = view[..., GROUP * head :].reshape(-1, nb, (bb - head) // 4, GROUP, 4).transpose(2, 3)
+    if fmt == "Q8_0":
+        qs = qs ^ 0x80
+    blocks = torch.cat([*scales, qs.reshape(-1, nb, GROUP, bb - head)], -1)
+    return blocks.transpose(1, 2).reshape(rows.shape)  # (groups, nb, GROUP, bb) as rows
+
+
+def _scale_bytes(fmt: str) -> int:
+    return 4 if fmt == "Q4_1" else 2
+
+
+def _paired_rows(weight: QuantWeight, index: torch.Tensor) -> torch.Tensor:
+    """Rows ``index`` of a paired weight in the GGUF layout: only the groups holding them are
+    put back (an embedding lookup), a few hundred at a time."""
+    grouped, rb = weight.rows // GROUP * GROUP, weight.data.shape[1]
+    rest = unpair_blocks(
+        QuantWeight(weight.format, weight.data[grouped:], weight.rows - grouped, weight.cols, True)
+    ).data
+    if grouped == 0:
+        return rest.index_select(0, index)
+    out = torch.empty(index.numel(), rb, dtype=torch.uint8, device=weight.data.device)
+    groups = weight.data[:grouped].view(-1, GROUP * rb)
+    for start in range(0, index.numel(), 256):
+        idx = index[start : start + 256]
+        inside = idx < grouped
+        g = groups.index_select(0, torch.where(inside, idx, 0) // GROUP)
+        rows = _deinterleave(weight.format, g.view(-1, rb), weight.cols).view(-1, GROUP, rb)
+        picked = rows[torch.arange(idx.numel(), device=idx.device), idx % GROUP]
+        if rest.shape[0]:
+            picked[~inside] = rest.index_select(0, idx[~inside] - grouped)
+        out[start : start + idx.numel()] = picked
+    return out
+
+
 def pair_blocks(weight: QuantWeight | StackedWeight, in_place: bool = False):
     """A Q4 weight in the paired layout (the module docstring); any other is returned as is (a
     stacked weight: its Q4 parts paired). ``in_place``: rewrite ``weight.data`` itself (no
-    second copy stays resident; ``weight`` must not be used afterwards), one row at a time."""
+    second copy stays resident; ``weight`` must not be used afterwards), a few rows at a time."""
     if isinstance(weight, StackedWeight):
         return StackedWeight(tuple(pair_blocks(p, in_place) for p in weight.parts))
     if weight.paired or weight.format not in PAIRABLE:
         return weight
-    head = 4 if weight.format == "Q4_1" else 2  # scale bytes of a block
+    fmt, head = weight.format, _scale_bytes(weight.format)
     data = weight.data if in_place else weight.data.clone()
-    view, _ = _pair_view(QuantWeight(weight.format, data, weight.rows, weight.cols))
+    grouped = weight.rows // GROUP * GROUP
     step = 256  # rows at a time: the temporaries stay small
-    for r in range(0, weight.rows, step):
-        rows = view[r : r + step]
-        a, b = rows[..., : rows.shape[-1] // 2], rows[..., rows.shape[-1] // 2 :]
-        scales = [a[..., :2], b[..., :2]] + ([a[..., 2:4], b[..., 2:4]] if head == 4 else [])
-        values = _nibbles(a[..., head:]) | (_nibbles(b[..., head:]) << 4)
-        rows.copy_(torch.cat([*scales, values], -1))
-    return QuantWeight(weight.format, data, weight.rows, weight.cols, paired=True)
+    for r in range(0, grouped, step):
+        rows = data[r : min(r + step, grouped)]
+        rows.copy_(_interleave(fmt, rows, weight.cols))
+    rest = data[grouped:]
+    if fmt == "Q8_0":  # its rows left over keep the GGUF layout
+        return QuantWeight(fmt, data, weight.rows, weight.cols, paired=True)
+    view, _ = _pair_view(QuantWeight(fmt, rest, rest.shape[0], weight.cols))
+    a, b = view[..., : view.shape[-1] // 2], view[..., view.shape[-1] // 2 :]
+    scales = [a[..., :2], b[..., :2]] + ([a[..., 2:4], b[..., 2:4]] if head == 4 else [])
+    values = _nibbles(a[..., head:]) | (_nibbles(b[..., head:]) << 4)
+    view.copy_(torch.cat([*scales, values], -1))
+    return QuantWeight(fmt, data, weight.rows, weight.cols, paired=True)
 
 
 def unpair_blocks(weight: QuantWeight | StackedWeight):
@@ -236,17 +301,21 @@ def unpair_blocks(weight: QuantWeight | StackedWeight):
         return StackedWeight(tuple(unpair_blocks(p) for p in weight.parts))
     if not weight.paired:
         return weight
-    head = 4 if weight.format == "Q4_1" else 2
-    view, _ = _pair_view(weight)
+    fmt, head = weight.format, _scale_bytes(weight.format)
+    grouped = weight.rows // GROUP * GROUP
+    data = weight.data.clone()
+    data[:grouped] = _deinterleave(fmt, weight.data[:grouped], weight.cols)
+    rest = data[grouped:]
+    if fmt == "Q8_0":
+        return QuantWeight(fmt, data, weight.rows, weight.cols)
+    view, _ = _pair_view(QuantWeight(fmt, rest, rest.shape[0], weight.cols))
     values = view[..., 2 * head :]
     low, high = values & 0x0F, values >> 4  # A's 32 values, B's
     s = view[..., : 2 * head]
     a_scales = [s[..., 0:2]] + ([s[..., 4:6]] if head == 4 else [])
     b_scales = [s[..., 2:4]] + ([s[..., 6:8]] if head == 4 else [])
-    blocks = [*a_scales, _pack_nibbles(low), *b_scales, _pack_nibbles(high)]
-    data = weight.data.clone()
-    data[:, : view.shape[1] * view.shape[2]] = torch.cat(blocks, -1).flatten(1)
-    return QuantWeight(weight.format, data, weight.rows, weight.cols)
+    view.copy_(torch.cat([*a_scales, _pack_nibbles(low), *b_scales, _pack_nibbles(high)], -1))
+    return QuantWeight(fmt, data, weight.rows, weight.cols)
 
 
 def dequantize(weight: QuantWeight | StackedWeight, dtype: torch.dtype = torch.float32):

@@ -62,28 +62,39 @@ def test_quant_weight_refuses_a_shape_its_bytes_do_not_hold() -> None:
         QuantWeight("Q8_0", torch.zeros(4, 33, dtype=torch.uint8), 4, 32)
 
 
-@pytest.mark.parametrize("format", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("format", ["Q4_0", "Q4_1", "Q8_0"])
 @pytest.mark.parametrize("cols", [64, 96])  # an even and an odd number of blocks
 def test_paired_layout_holds_the_same_values_in_the_same_bytes(format: str, cols: int) -> None:
-    from kvmesh.shared.model.quant import BLOCK_BYTES, pair_blocks, unpair_blocks
+    from kvmesh.shared.model.quant import BLOCK_BYTES, GROUP, pair_blocks, unpair_blocks
 
-    weight = quantize(torch.randn(5, cols, generator=torch.Generator().manual_seed(cols)), format)
+    g = torch.Generator().manual_seed(cols)
+    weight = quantize(torch.randn(GROUP + 5, cols, generator=g), format)  # a group and 5 rows
     paired = pair_blocks(weight)
     assert paired.paired and paired.data.shape == weight.data.shape
     assert not torch.equal(paired.data, weight.data)
     assert torch.equal(unpair_blocks(paired).data, weight.data)
     assert torch.equal(dequantize(paired), dequantize(weight))
-    # the first pair of row 0: dA, dB (mA, mB), then A's value j | B's value j << 4
-    head = 4 if format == "Q4_1" else 2
-    bb = BLOCK_BYTES[format]
-    a, b = weight.data[0, :bb], weight.data[0, bb : 2 * bb]
-    scales = [a[:2], b[:2]] + ([a[2:4], b[2:4]] if head == 4 else [])
-    nibbles = [torch.cat([q & 15, q >> 4]) for q in (a[head:], b[head:])]
-    expected = torch.cat([*scales, nibbles[0] | (nibbles[1] << 4)])
-    assert torch.equal(paired.data[0, : 2 * bb], expected)
-    if cols == 96:  # the last unpaired block as it was
-        assert torch.equal(paired.data[:, 2 * bb :], weight.data[:, 2 * bb :])
-    assert pair_blocks(quantize(torch.randn(2, 64), "Q8_0")).paired is False
+    index = torch.tensor([20, 3, 16, 3, 0, 15])  # a lookup across the group and the rest
+    assert torch.equal(paired.select_rows(index).data, weight.select_rows(index).data)
+    head, bb = (4 if format == "Q4_1" else 2), BLOCK_BYTES[format]
+    # the group's first block: its 16 d (16 m), then chunk i's bytes 4c + j = row c's 4i + j
+    group = paired.data[:GROUP].flatten()[: GROUP * bb]
+    first = weight.data[:GROUP, :bb]
+    scales = [first[:, i : i + 2].flatten() for i in range(0, head, 2)]
+    values = first[:, head:].reshape(GROUP, -1, 4).transpose(0, 1).flatten()
+    values = values ^ 0x80 if format == "Q8_0" else values  # Q8_0's q + 128, unsigned
+    assert torch.equal(group, torch.cat([*scales, values]))
+    rest, paired_rest = weight.data[GROUP:], paired.data[GROUP:]
+    if format == "Q8_0":  # its rows left over as they were
+        assert torch.equal(paired_rest, rest)
+    else:  # the first pair of a row left over: dA, dB (mA, mB), then A's value j | B's << 4
+        a, b = rest[0, :bb], rest[0, bb : 2 * bb]
+        scales = [a[:2], b[:2]] + ([a[2:4], b[2:4]] if head == 4 else [])
+        nibbles = [torch.cat([q & 15, q >> 4]) for q in (a[head:], b[head:])]
+        expected = torch.cat([*scales, nibbles[0] | (nibbles[1] << 4)])
+        assert torch.equal(paired_rest[0, : 2 * bb], expected)
+        if cols == 96:  # the last unpaired block as it was
+            assert torch.equal(paired_rest[:, 2 * bb :], rest[:, 2 * bb :])
     # in place (what CpuBackend.install does: no second copy), over more rows than one step
     tall = quantize(torch.randn(300, cols, generator=torch.Generator().manual_seed(1)), format)
     before = tall.data.clone()
