@@ -61,45 +61,42 @@ async def _ask(launcher, regex: bool = False) -> list[list[int]]:
     return tokens
 
 
-def _offline_regex() -> list[int]:
+def _offline_regex(tiny) -> list[int]:
     """TP1's greedy tokens of REGEX_PROMPT under REGEX."""
     from kvmesh.shared.engine.config import EngineConfig
     from kvmesh.shared.engine.llm_engine import LLMEngine
-    from kvmesh.shared.model.loader import load_model
     from kvmesh.shared.text.sampling import SamplingOptions
     from kvmesh.shared.text.structured_output import StructuredOutputs
 
-    engine = LLMEngine(*load_model("kvmesh-tiny"), EngineConfig(num_blocks=64))
+    engine = LLMEngine(*tiny, EngineConfig(num_blocks=64))
     spec = StructuredOutputs(regex=REGEX)
     params = SamplingOptions(max_tokens=16, temperature=0.0, structured_outputs=spec)
     return engine.generate([REGEX_PROMPT], params)[0]
 
 
+def _serves_then_goes_down_with_a_rank(config, expected, worker: str, regex: bool) -> None:
+    """The mesh answers as TP1 and returns every block; then ``worker``'s follower is killed and
+    its leader notices and goes down."""
+    with launched(config, ENV) as launcher:
+        assert asyncio.run(_ask(launcher, regex=regex)) == expected
+        rows = asyncio.run(wait_blocks_returned(launcher.config.nats_url, launcher.nats_auth))
+        assert rows and all(row.pool.free_blocks == row.pool.total_blocks for row in rows), rows
+
+        _, leader = launcher.children[worker]
+        (follower,) = _follower_pids(leader.pid)
+        os.kill(follower, signal.SIGKILL)
+        assert leader.wait(timeout=30) != 0  # the leader noticed and went down
+
+
 def test_prefill_tp2_serves_tp1_answers_and_goes_down_with_a_rank():
     expected = offline_greedy(PROMPTS, MAX_TOKENS, ignore_eos=True)
     config = mesh_config(prefill_tp=2, transport="shm", max_restarts=0, local_prefill_threshold=0)
-    with launched(config, ENV) as launcher:
-        assert asyncio.run(_ask(launcher)) == expected
-        rows = asyncio.run(wait_blocks_returned(launcher.config.nats_url, launcher.nats_auth))
-        assert rows and all(row.pool.free_blocks == row.pool.total_blocks for row in rows), rows
-
-        _, prefill = launcher.children["prefill-0"]
-        (follower,) = _follower_pids(prefill.pid)
-        os.kill(follower, signal.SIGKILL)
-        assert prefill.wait(timeout=30) != 0  # the leader noticed and went down
+    _serves_then_goes_down_with_a_rank(config, expected, "prefill-0", regex=False)
 
 
-def test_prefill_tp2_to_decode_tp2_serves_tp1_answers_and_goes_down_with_a_rank():
-    expected = [*offline_greedy(PROMPTS, MAX_TOKENS, ignore_eos=True), _offline_regex()]
+def test_prefill_tp2_to_decode_tp2_serves_tp1_answers_and_goes_down_with_a_rank(tiny):
+    expected = [*offline_greedy(PROMPTS, MAX_TOKENS, ignore_eos=True), _offline_regex(tiny)]
     config = mesh_config(
         prefill_tp=2, decode_tp=2, transport="shm", max_restarts=0, local_prefill_threshold=0
     )
-    with launched(config, ENV) as launcher:
-        assert asyncio.run(_ask(launcher, regex=True)) == expected
-        rows = asyncio.run(wait_blocks_returned(launcher.config.nats_url, launcher.nats_auth))
-        assert rows and all(row.pool.free_blocks == row.pool.total_blocks for row in rows), rows
-
-        _, decode = launcher.children["decode-0"]
-        (follower,) = _follower_pids(decode.pid)
-        os.kill(follower, signal.SIGKILL)
-        assert decode.wait(timeout=30) != 0  # the leader noticed and went down
+    _serves_then_goes_down_with_a_rank(config, expected, "decode-0", regex=True)
