@@ -107,22 +107,25 @@ def _starts_processes(item: pytest.Item) -> bool:
 
 
 @pytest.fixture(scope="module")
-def tiny_float32() -> object:
-    """kvmesh-tiny in float32, a (model, tokenizer) pair: what the 8-bit KV cache tests
-    (test_engine_8bit.py, test_engine_fp8.py, test_engine_int8.py) measure against."""
-    import torch
-    from kvmesh.shared.model.loader import load_model
-
-    return load_model("kvmesh-tiny", torch.float32)
-
-
-@pytest.fixture(scope="module")
 def tiny() -> object:
     """kvmesh-tiny in its own dtype, a (model, tokenizer) pair, loaded once per test module:
     the engine, worker and mesh tests run on it."""
     from kvmesh.shared.model.loader import load_model
 
     return load_model("kvmesh-tiny")
+
+
+@pytest.fixture(scope="module")
+def tiny_float32(tiny: tuple[object, object]) -> object:
+    """kvmesh-tiny in float32, a (model, tokenizer) pair: what the 8-bit KV cache tests
+    (test_engine_8bit.py, test_engine_fp8.py, test_engine_int8.py) measure against. kvmesh-tiny's
+    own dtype is float32, so this is ``tiny`` (checked, should that dtype ever change)."""
+    import torch
+
+    model = tiny[0]
+    dtype = next(model.parameters()).dtype  # type: ignore[attr-defined]
+    assert dtype == torch.float32, f"kvmesh-tiny loads as {dtype}: load a float32 copy here"
+    return tiny
 
 
 @pytest.fixture(scope="session")
