@@ -6,6 +6,9 @@ connections it accepts the way it resets a source over its accept budget."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 import torch
@@ -51,17 +54,27 @@ def _count_tries(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return tries
 
 
+@contextlib.asynccontextmanager
+async def _resetting_pair(
+    resets: int | None, connect_retry_s: float
+) -> AsyncIterator[tuple[TcpTransport, TcpTransport, Any]]:
+    """A receiver that resets its first ``resets`` connections (None: every one) and a writer on
+    TCP lanes (no unix sockets) that tries for ``connect_retry_s``: (rx, tx, the receiver's server)."""
+    async with (
+        TcpTransport(TransportConfig()) as rx,
+        TcpTransport(TransportConfig(connect_retry_s=connect_retry_s, tcp_unix_lanes=False)) as tx,
+    ):
+        server = rx._server
+        assert server is not None and server.guard is not None
+        server.guard = ResetFirst(server.guard, resets)  # type: ignore[assignment]
+        yield rx, tx, server
+
+
 async def test_a_prefill_writer_retries_reset_handshakes_and_its_write_lands(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     tries = _count_tries(monkeypatch)
-    async with (
-        TcpTransport(TransportConfig()) as rx,
-        TcpTransport(TransportConfig(connect_retry_s=30.0, tcp_unix_lanes=False)) as tx,
-    ):
-        server = rx._server
-        assert server is not None and server.guard is not None
-        server.guard = ResetFirst(server.guard, 4)  # type: ignore[assignment]
+    async with _resetting_pair(4, connect_retry_s=30.0) as (rx, tx, server):
         mem = rx.allocate(4096)
         region = remote(rx, rx.register(mem, Access.REMOTE_WRITE))
         src = tx.register(torch.full((4096,), 9, dtype=torch.uint8))
@@ -81,13 +94,7 @@ async def test_a_writer_reset_every_time_gives_up_at_its_deadline_naming_its_tri
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     tries = _count_tries(monkeypatch)
-    async with (
-        TcpTransport(TransportConfig()) as rx,
-        TcpTransport(TransportConfig(connect_retry_s=0.3, tcp_unix_lanes=False)) as tx,
-    ):
-        server = rx._server
-        assert server is not None and server.guard is not None
-        server.guard = ResetFirst(server.guard, None)  # type: ignore[assignment]
+    async with _resetting_pair(None, connect_retry_s=0.3) as (rx, tx, server):
         with pytest.raises(PeerUnreachableError, match="cannot reach tcp peer") as refused:
             await tx.connect(rx.descriptor())
     assert len(tries) > 1 and set(tries) == {0}  # tried again; lane 1 never started
