@@ -76,6 +76,7 @@ class WindowOpened:
     rkey: int = 0
     block_addrs: tuple[int, ...] = ()
     error: str = ""
+    block_bytes: int = 0  # the rank's block (ranks of an uneven split differ)
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,7 +162,12 @@ class GroupWindows(LeaseWindows):
                 self.controls[reply.rank - 1].put(CloseWindow(reply.rkey))
             raise ValueError(error)
         self._ranks[window.rkey] = tuple(
-            DecodeRankTarget(opened[r].rkey, opened[r].block_addrs, self.descriptors[r - 1])
+            DecodeRankTarget(
+                opened[r].rkey,
+                opened[r].block_addrs,
+                self.descriptors[r - 1],
+                0 if opened[r].block_bytes == self.block_bytes else opened[r].block_bytes,
+            )
             for r in range(1, len(self.controls) + 1)
         )
         for reply in opened.values():
@@ -248,7 +254,7 @@ class RankLeases:
             self.windows.close(stale)
         self._by_slot[slot] = window
         self._slots[window.rkey] = slot
-        return WindowOpened(self.rank, msg.seq, window.rkey, addrs)
+        return WindowOpened(self.rank, msg.seq, window.rkey, addrs, block_bytes=self.block_bytes)
 
     def on_completion(self, completion: Completion) -> RankWrite | None:
         """A write landed here: the leader's to count if it came with the key of the window of

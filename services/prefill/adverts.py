@@ -92,17 +92,26 @@ def check_job_against_advert(job: PrefillJob, advert: DecodeAdvert, kv_spec: str
         raise UnvouchedJobError(
             f"the job names {len(job.ranks) + 1} ranks' blocks but {who} runs at TP {advert.reach.tp}"
         )
-    _check_block_addrs(job.block_addrs, advert, who)
+    _check_block_addrs(job.block_addrs, advert, who, advert.reach.block_bytes)
     for rank, target in enumerate(job.ranks, start=1):
         if len(target.block_addrs) != len(job.block_addrs):
             raise UnvouchedJobError(
                 f"the job names {len(job.block_addrs)} blocks but {len(target.block_addrs)} on "
                 f"rank {rank} of {who}"
             )
-        _check_block_addrs(target.block_addrs, advert, f"rank {rank} of {who}")
+        # an uneven split's rank holds fewer heads than rank 0 (the advert's), never more
+        block_bytes = target.block_bytes or advert.reach.block_bytes
+        if not 0 < block_bytes <= advert.reach.block_bytes:
+            raise UnvouchedJobError(
+                f"rank {rank} of {who} has {block_bytes}-byte blocks, more than rank 0's "
+                f"{advert.reach.block_bytes}"
+            )
+        _check_block_addrs(target.block_addrs, advert, f"rank {rank} of {who}", block_bytes)
 
 
-def _check_block_addrs(block_addrs: tuple[int, ...], advert: DecodeAdvert, who: str) -> None:
+def _check_block_addrs(
+    block_addrs: tuple[int, ...], advert: DecodeAdvert, who: str, block_bytes: int
+) -> None:
     # the advert carries no address (issue 40): the blocks must be whole blocks apart, distinct,
     # and span no more than the pool; the decode worker's transport checks each write's bounds
     lowest = min(block_addrs, default=0)
@@ -112,8 +121,8 @@ def _check_block_addrs(block_addrs: tuple[int, ...], advert: DecodeAdvert, who: 
         if (
             addr < 0
             or addr in seen
-            or offset % advert.reach.block_bytes
-            or offset // advert.reach.block_bytes >= advert.pool.total_blocks
+            or offset % block_bytes
+            or offset // block_bytes >= advert.pool.total_blocks
         ):
             raise UnvouchedJobError(f"block address {addr:#x} is not a block of {who}'s pool")
         seen.add(addr)

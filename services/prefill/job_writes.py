@@ -86,7 +86,7 @@ async def job_targets(
             spec.block_size,
             spec.block_bytes,
             rank.block_addrs,
-            msg.block_bytes,
+            rank.block_bytes or msg.block_bytes,
             rank_slice=rank_slice,
         )
         rank_endpoint = await endpoints.get(rank.descriptor)

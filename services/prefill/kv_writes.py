@@ -3,7 +3,8 @@
 Pure: given the prefill rank's pool (and the ``MemoryRegion`` it is registered under), the blocks
 to send, and where the matching decode blocks are, return one ``WriteEntry`` list per destination
 (decode) rank. Tensor-parallel degrees may differ on the two sides: ``KVHeadShards`` on each side
-says which heads a rank holds (replicated when there are fewer heads than ranks), and
+says which heads a rank holds (runs of different lengths when the ranks do not divide the
+heads; replicated when there are fewer heads than ranks), and
 ``reshard_pieces`` which of them this rank sends where: every head once, by the first rank
 holding it, into every decode rank holding it (docs/tp.md). ``ChunkPlanner``
 (``services/prefill/plan.py``) spans a chunk's blocks through ``head_slice_spans`` below.
@@ -11,7 +12,9 @@ holding it, into every decode rank holding it (docs/tp.md). ``ChunkPlanner``
 * Same layout (block size, dtype, head_dim, layers): every entry is a span of the registered prefill
   pool, no staging copy. Head-major blocks make a head range of a block one contiguous span, so a
   whole block goes as one entry (same TP) and a head slice as one entry landing at
-  ``h0 * head_bytes`` in the decode block (TP differs). Spans adjacent on both sides are coalesced.
+  ``h0 * head_bytes`` in the decode block (TP differs); uneven splits are spans of different
+  lengths, and decode ranks of different block sizes in bytes (each ``KVDestination`` its own).
+  Spans adjacent on both sides are coalesced.
 * Different block size: the prefill rank packs each head piece into a staging region, regrouped
   into decode-sized blocks (``run_packs``, the Triton pack kernel), and the entries read from there.
   Write whole decode blocks only: a short last block goes with a zero tail, so a caller that splits
@@ -30,7 +33,7 @@ holding it, into every decode rank holding it (docs/tp.md). ``ChunkPlanner``
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from kvmesh.kernels.kv_convert import pack_converted
@@ -48,7 +51,8 @@ class KVLayoutError(ValueError):
 @dataclass(frozen=True, slots=True)
 class KVDestination:
     """One destination (decode) rank's share of a write: its local KV layout (``spec.num_kv_heads``
-    is the number of heads that rank holds), the rkey of its registered pool and, in token order,
+    is the number of heads that rank holds: ranks differ in it when the split is uneven, in
+    nothing else), the rkey of its registered pool and, in token order,
     the address of each destination block in the receiver's address space."""
 
     spec: KVCacheSpec
@@ -122,9 +126,10 @@ def plan_kv_writes(
     """The write entries that move ``block_ids`` of this source rank's ``pool`` (registered as
     ``pool_region``) to ``destinations[r]`` for every destination (decode) TP rank ``r``.
 
-    ``num_kv_heads``: the model's KV heads in all (default: this rank's times ``src_tp``, none
-    replicated). Each side splits them as ``KVHeadShards`` says; ``pool.spec.num_kv_heads`` and
-    the destinations' ``spec.num_kv_heads`` must be the heads one rank holds there. Source
+    ``num_kv_heads``: the model's KV heads in all (default: this rank's times ``src_tp``, an
+    even split with none replicated; pass it for any other). Each side splits them as
+    ``KVHeadShards`` says; ``pool.spec.num_kv_heads`` and each destination's
+    ``spec.num_kv_heads`` must be the heads its rank holds there. Source
     block ``i`` goes to destination block ``i`` (same block size) or the tokens of the source
     blocks, as one run, fill the destination blocks in order (different block size; then a
     ``staging`` region of ``staging_bytes(...)`` bytes from ``staging_offset`` is needed).
@@ -283,10 +288,10 @@ def rank_block_slices(
     """What source rank ``src_rank`` (its pool laid out as ``spec``) writes of every block, per
     decode rank it writes to; none for a replica that is not its heads' writer.
     ``ChunkPlanner(rank_slice=...)`` plans a chunk's write from one of them."""
-    if spec.num_kv_heads != src.heads_per_rank:
+    if spec.num_kv_heads != src.num_heads(src_rank):
         raise KVLayoutError(
-            f"a rank of TP {src.tp_size} holds {src.heads_per_rank} of {src.num_kv_heads} KV "
-            f"heads, but its KV layout has {spec.num_kv_heads}"
+            f"rank {src_rank} of TP {src.tp_size} holds {src.num_heads(src_rank)} of "
+            f"{src.num_kv_heads} KV heads, but its KV layout has {spec.num_kv_heads}"
         )
     slices = []
     for piece in reshard_pieces(src, dst, src_rank):
@@ -362,15 +367,15 @@ def _check_layouts(
     src_tp: int,
     num_kv_heads: int | None,
 ) -> tuple[KVCacheSpec, list[HeadPiece]]:
-    """The destination ranks' common spec, once it is checked against the source's, and the head
-    pieces this source rank sends."""
+    """The destination ranks' spec (rank 0's: the ranks' differ in their head count alone), once
+    it is checked against the source's, and the head pieces this source rank sends."""
     if src_tp <= 0 or not 0 <= src_rank < src_tp:
         raise ValueError(f"src_rank must be in [0, src_tp={src_tp}), got {src_rank}")
     if not destinations:
         raise ValueError("no destinations: pass one KVDestination per decode TP rank")
     dst_spec = destinations[0].spec
     for rank, dst in enumerate(destinations):
-        if dst.spec != dst_spec:
+        if replace(dst.spec, num_kv_heads=dst_spec.num_kv_heads) != dst_spec:
             raise KVLayoutError(
                 f"decode TP ranks disagree on the KV layout: rank 0 has {dst_spec.fingerprint()}, "
                 f"rank {rank} {dst.spec.fingerprint()}"
@@ -398,15 +403,15 @@ def _check_layouts(
         dst_shards = KVHeadShards(total, len(destinations))
     except ValueError as exc:
         raise KVLayoutError(f"{exc} (the model has {total} KV heads)") from None
-    for side, shards, per_rank in (
-        ("prefill", src_shards, spec.num_kv_heads),
-        ("decode", dst_shards, dst_spec.num_kv_heads),
-    ):
-        if shards.heads_per_rank != per_rank:
+    held = [("prefill", src_shards, src_rank, spec.num_kv_heads)] + [
+        ("decode", dst_shards, rank, dst.spec.num_kv_heads) for rank, dst in enumerate(destinations)
+    ]
+    for side, shards, rank, per_rank in held:
+        if shards.num_heads(rank) != per_rank:
             raise KVLayoutError(
-                f"a {side} rank of TP {shards.tp_size} holds {shards.heads_per_rank} of the "
-                f"model's {total} KV heads, but its KV layout has {per_rank}: not the same model, "
-                f"or a TP rank is missing"
+                f"{side} rank {rank} of TP {shards.tp_size} holds {shards.num_heads(rank)} of "
+                f"the model's {total} KV heads, but its KV layout has {per_rank}: not the same "
+                f"model, a TP rank missing, or num_kv_heads not passed for an uneven split"
             )
     return dst_spec, reshard_pieces(src_shards, dst_shards, src_rank)
 

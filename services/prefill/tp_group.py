@@ -136,7 +136,12 @@ class TPWrites:
         for rank in msg.ranks:
             rank_descriptor = msgspec.json.encode(rank.descriptor)
             targets.append(
-                DecodeTarget(rank_descriptor, rank.rkey, tuple(rank.block_addrs), msg.block_bytes)
+                DecodeTarget(
+                    rank_descriptor,
+                    rank.rkey,
+                    tuple(rank.block_addrs),
+                    rank.block_bytes or msg.block_bytes,
+                )
             )
         return HandOff(tuple(targets))
 

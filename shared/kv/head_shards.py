@@ -1,9 +1,12 @@
 """Which KV heads each tensor-parallel rank holds (pure, torch-free).
 
-Rank ``r`` of ``tp_size`` holds heads ``[r * h, (r + 1) * h)`` with ``h = num_kv_heads / tp_size``
-when ``tp_size`` divides ``num_kv_heads``. With fewer KV heads than ranks (GQA; ``tp_size`` a
-multiple of ``num_kv_heads``) each head is replicated on ``tp_size / num_kv_heads`` consecutive
-ranks, one head each, as vLLM does: rank ``r`` holds head ``r // replicas``.
+With at least as many KV heads as ranks, rank ``r`` of ``tp_size`` holds a run of consecutive
+heads, the runs as even as the count allows: ``num_kv_heads // tp_size`` each, the first
+``num_kv_heads % tp_size`` ranks one more (3 heads at TP2: ``[0, 2)`` and ``[2, 3)``; a head
+with its query heads is a GQA group, the unit a rank holds: docs/tp.md). With fewer KV heads
+than ranks (GQA; ``tp_size`` a multiple of ``num_kv_heads``) each head is replicated on
+``tp_size / num_kv_heads`` consecutive ranks, one head each, as vLLM does: rank ``r`` holds head
+``r // replicas``. More ranks than heads otherwise is refused.
 """
 
 from __future__ import annotations
@@ -34,15 +37,17 @@ class KVHeadShards:
                 f"num_kv_heads and tp_size must be positive, got {self.num_kv_heads}, "
                 f"{self.tp_size}"
             )
-        if self.num_kv_heads % self.tp_size and self.tp_size % self.num_kv_heads:
+        if self.tp_size > self.num_kv_heads and self.tp_size % self.num_kv_heads:
             raise ValueError(
-                f"{self.num_kv_heads} KV heads cannot be split over TP {self.tp_size}: the TP "
-                f"degree must divide the KV head count or be a multiple of it"
+                f"{self.num_kv_heads} KV heads cannot be split over TP {self.tp_size}: with more "
+                f"ranks than KV heads each head is replicated on as many ranks, so the TP degree "
+                f"must be a multiple of the KV head count (or at most {self.num_kv_heads})"
             )
 
-    @property
-    def heads_per_rank(self) -> int:
-        return max(1, self.num_kv_heads // self.tp_size)
+    def num_heads(self, rank: int) -> int:
+        """How many heads rank ``rank`` holds."""
+        start, end = self.heads(rank)
+        return end - start
 
     @property
     def replicas(self) -> int:
@@ -52,8 +57,12 @@ class KVHeadShards:
     def heads(self, rank: int) -> tuple[int, int]:
         """The global heads ``[start, end)`` rank ``rank`` holds."""
         assert 0 <= rank < self.tp_size, (rank, self.tp_size)
-        start = (rank // self.replicas) * self.heads_per_rank
-        return start, start + self.heads_per_rank
+        if self.tp_size > self.num_kv_heads:
+            head = rank // self.replicas
+            return head, head + 1
+        base, extra = divmod(self.num_kv_heads, self.tp_size)
+        start = rank * base + min(rank, extra)
+        return start, start + base + (rank < extra)
 
     def is_writer(self, rank: int) -> bool:
         """Whether ``rank`` is the first of the ranks holding its heads: the one that sends them."""

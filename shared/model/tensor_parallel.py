@@ -10,7 +10,8 @@ the heads and columns they hold, unchanged:
   all-reduce; ``VocabParallelHead``: one all-gather of the logits);
 - norms and rotary tables replicated.
 
-KV heads follow ``KVHeadShards`` (replicated when there are fewer than ranks). Quantized weights
+Heads go by whole GQA groups, ``KVHeadShards``' split of the KV heads (uneven when the ranks do
+not divide them; replicated when there are fewer than ranks). Quantized weights
 kept as stored shard by whole rows, and by whole 32-value blocks along a row; a split that would
 cut a block raises ``TPShardError``.
 """
@@ -37,7 +38,9 @@ class TPShardError(ValueError):
 @dataclass(frozen=True, slots=True)
 class TPLayout:
     """What rank ``rank`` of ``tp_size`` holds of a model with ``num_heads`` query heads and
-    ``num_kv_heads`` KV heads."""
+    ``num_kv_heads`` KV heads: whole GQA groups (a KV head with its query heads), as evenly as
+    the groups allow (``KVHeadShards``: 3 groups at TP2 are 2 + 1), or, with fewer KV heads
+    than ranks, a replica of one KV head and an equal share of its group's query heads."""
 
     tp_size: int
     rank: int
@@ -47,15 +50,22 @@ class TPLayout:
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.tp_size:
             raise TPShardError(f"rank must be in [0, {self.tp_size}), got {self.rank}")
-        if self.num_heads % self.tp_size:
-            raise TPShardError(
-                f"{self.num_heads} attention heads do not split over TP {self.tp_size}; pick a "
-                f"TP degree that divides the head count"
-            )
         try:
-            KVHeadShards(self.num_kv_heads, self.tp_size)
+            kv = KVHeadShards(self.num_kv_heads, self.tp_size)
         except ValueError as exc:
             raise TPShardError(str(exc)) from exc
+        if self.num_heads % self.num_kv_heads:
+            raise TPShardError(
+                f"{self.num_heads} attention heads do not make groups of {self.num_kv_heads} KV "
+                f"heads"
+            )
+        if (self.num_heads // self.num_kv_heads) % kv.replicas:
+            raise TPShardError(
+                f"{self.num_heads} attention heads do not split over TP {self.tp_size}: each of "
+                f"the {self.num_kv_heads} KV heads is replicated on {kv.replicas} ranks, which "
+                f"share its {self.num_heads // self.num_kv_heads} query heads; pick a TP degree "
+                f"that divides the head count, or one of at most {self.num_kv_heads}"
+            )
 
     @property
     def kv(self) -> KVHeadShards:
@@ -63,8 +73,16 @@ class TPLayout:
 
     @property
     def q_heads(self) -> tuple[int, int]:
-        per_rank = self.num_heads // self.tp_size
-        return self.rank * per_rank, (self.rank + 1) * per_rank
+        """The query heads ``[start, end)`` of the rank: those of its KV heads' groups, or its
+        share of its replicated KV head's group (an equal share a replica)."""
+        group = self.num_heads // self.num_kv_heads
+        k0, k1 = self.kv_heads
+        replicas = self.kv.replicas
+        if replicas == 1:
+            return k0 * group, k1 * group
+        share = group // replicas
+        start = k0 * group + (self.rank % replicas) * share
+        return start, start + share
 
     @property
     def kv_heads(self) -> tuple[int, int]:
@@ -77,7 +95,8 @@ def kv_heads_held(model: nn.Module) -> int:
     layout: TPLayout | None = getattr(model, "tp_layout", None)
     if layout is None:
         return model.config.num_key_value_heads
-    return layout.kv.heads_per_rank
+    k0, k1 = layout.kv_heads
+    return k1 - k0
 
 
 def shard_model(model: Transformer, group: dist.ProcessGroup | None = None) -> TPLayout:

@@ -119,7 +119,7 @@ DESCRIPTOR = TransportDescriptor(
     regions=(MemoryRegion(addr=1 << 32, length=1 << 20, rkey=17, access=1, lkey=5),),
 )
 
-RANK1 = DecodeRankTarget(78, (8192,), DESCRIPTOR)  # a TP decode worker's rank 1
+RANK1 = DecodeRankTarget(78, (8192,), DESCRIPTOR, 4096)  # a TP decode worker's rank 1 (uneven)
 JOB = PrefillJob(
     "r1",
     (1, 2),

@@ -62,10 +62,12 @@ def _spec(heads: int, block_size: int = 4, dtype: torch.dtype = torch.float32) -
     )
 
 
-def _full_kv(seed: int, num_blocks: int, block_size: int, dtype: torch.dtype) -> torch.Tensor:
-    """The unsharded KV of ``num_blocks`` prefill blocks: (n, HEADS, L, 2, block_size, D)."""
+def _full_kv(
+    seed: int, num_blocks: int, block_size: int, dtype: torch.dtype, heads: int = HEADS
+) -> torch.Tensor:
+    """The unsharded KV of ``num_blocks`` prefill blocks: (n, heads, L, 2, block_size, D)."""
     g = torch.Generator().manual_seed(seed)
-    return torch.randn((num_blocks, HEADS, 2, 2, block_size, 8), generator=g).to(dtype)
+    return torch.randn((num_blocks, heads, 2, 2, block_size, 8), generator=g).to(dtype)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -113,8 +115,9 @@ def _apply(plan: KVWritePlan, local: dict[int, torch.Tensor], decodes: list[Deco
 
 
 def _shards(full: torch.Tensor, tp: int) -> list[torch.Tensor]:
-    """Each rank's heads of ``full`` (KVHeadShards: replicated over more ranks than heads)."""
-    shards = KVHeadShards(HEADS, tp)
+    """Each rank's heads of ``full`` (KVHeadShards: replicated over more ranks than heads,
+    uneven runs when the ranks do not divide them)."""
+    shards = KVHeadShards(full.shape[1], tp)
     return [full[:, slice(*shards.heads(r))] for r in range(tp)]
 
 
@@ -204,31 +207,36 @@ def test_tp_4_to_2_leaves_the_other_decode_rank_without_entries():
     assert plans[3].writes[1][1].remote_addr == decs[1].pool.base_addr + decs[1].bb + hb
 
 
-@pytest.mark.parametrize(
-    ("src_tp", "dst_tp"),
-    [(1, 1), (2, 1), (4, 2), (1, 2), (2, 4), (1, 4), (8, 1), (1, 8), (8, 2), (2, 8)],
-)
-def test_applied_entries_rebuild_every_decode_shard_and_spare_the_rest(src_tp, dst_tp):
-    """TP 8 over 4 heads holds each head on two ranks: the first sends it, into every replica."""
+# (KV heads, prefill TP, decode TP): 4 heads even or replicated; 3 heads (SmolLM2's) split
+# unevenly: TP2 holds 2 + 1, TP6 replicates each twice
+TP_PAIRS = [(4, 1, 1), (4, 2, 1), (4, 4, 2), (4, 1, 2), (4, 2, 4), (4, 1, 4), (4, 8, 1)]
+TP_PAIRS += [(4, 1, 8), (4, 8, 2), (4, 2, 8), (3, 2, 1), (3, 1, 2), (3, 2, 3), (3, 3, 2), (3, 2, 6)]
+
+
+@pytest.mark.parametrize(("heads", "src_tp", "dst_tp"), TP_PAIRS)
+def test_applied_entries_rebuild_every_decode_shard_and_spare_the_rest(heads, src_tp, dst_tp):
+    """TP 8 over 4 heads holds each head on two ranks: the first sends it, into every replica.
+    An uneven split's ranks hold pools of different block sizes; each gets its own slice."""
     src_ids, dst_ids = [3, 0, 1, 5], [2, 3, 6, 0]
-    full = _full_kv(seed=src_tp * 10 + dst_tp, num_blocks=6, block_size=4, dtype=torch.float32)
-    src_shards, dst_shards = KVHeadShards(HEADS, src_tp), KVHeadShards(HEADS, dst_tp)
+    full = _full_kv(src_tp * 10 + dst_tp, 6, 4, torch.float32, heads)
+    src_shards, dst_shards = KVHeadShards(heads, src_tp), KVHeadShards(heads, dst_tp)
     sources = []
     for rank, shard in enumerate(_shards(full, src_tp)):
-        s = Source(_spec(src_shards.heads_per_rank), 6, rkey=100 + rank)
+        s = Source(_spec(src_shards.num_heads(rank)), 6, rkey=100 + rank)
         s.pool.tensor.copy_(shard)
         sources.append(s)
-    decs = [Decode(_spec(dst_shards.heads_per_rank), 8) for _ in range(dst_tp)]
+    decs = [Decode(_spec(dst_shards.num_heads(r)), 8) for r in range(dst_tp)]
     dests = [d.destination(200 + r, dst_ids) for r, d in enumerate(decs)]
 
     head_bytes = _spec(1).head_bytes
     for rank, s in enumerate(sources):
         plan = plan_kv_writes(
-            s.pool, s.region, src_ids, dests, src_rank=rank, src_tp=src_tp, num_kv_heads=HEADS
+            s.pool, s.region, src_ids, dests, src_rank=rank, src_tp=src_tp, num_kv_heads=heads
         )
         assert all(e.local == s.region for w in plan.writes for e in w)  # no staging copy
         # a rank sends its head slice of every block once per decode rank holding it, or nothing
-        sent = src_shards.heads_per_rank * dst_shards.replicas if src_shards.is_writer(rank) else 0
+        held = src_shards.num_heads(rank)
+        sent = held * dst_shards.replicas if src_shards.is_writer(rank) else 0
         assert plan.num_bytes == len(src_ids) * sent * head_bytes
         _apply(plan, {s.region.rkey: s.mem}, decs)
 
@@ -238,22 +246,28 @@ def test_applied_entries_rebuild_every_decode_shard_and_spare_the_rest(src_tp, d
         assert d.guards_intact()
 
 
-@pytest.mark.parametrize(("src_tp", "dst_tp"), [(2, 1), (1, 2), (4, 2), (8, 2)])
-def test_chunk_planners_of_every_prefill_rank_fill_every_decode_rank_with_its_heads(src_tp, dst_tp):
+@pytest.mark.parametrize(
+    ("heads", "src_tp", "dst_tp"),
+    [(4, 2, 1), (4, 1, 2), (4, 4, 2), (4, 8, 2), (3, 2, 1), (3, 1, 2), (3, 2, 3)],
+)
+def test_chunk_planners_of_every_prefill_rank_fill_every_decode_rank_with_its_heads(
+    heads, src_tp, dst_tp
+):
     """The product's chunk planner (services/prefill/plan.py) given each rank's slices: two
     chunks of a 3-block prompt land as the unsharded KV, each rank sending its head slice, and
     each decode rank's write lease (the decode worker's PendingTable) is ready once every
-    writer's write of every chunk has landed and one announcement says how many."""
+    writer's write of every chunk has landed and one announcement says how many. 3 heads at TP2
+    are 2 + 1: spans of different lengths, into decode blocks of different sizes."""
     src_ids, dst_ids = [4, 1, 2], [5, 0, 3]
-    full = _full_kv(seed=7 * src_tp + dst_tp, num_blocks=6, block_size=4, dtype=torch.float32)
-    src_shards, dst_shards = KVHeadShards(HEADS, src_tp), KVHeadShards(HEADS, dst_tp)
-    decs = [Decode(_spec(dst_shards.heads_per_rank), 6) for _ in range(dst_tp)]
+    full = _full_kv(7 * src_tp + dst_tp, 6, 4, torch.float32, heads)
+    src_shards, dst_shards = KVHeadShards(heads, src_tp), KVHeadShards(heads, dst_tp)
+    decs = [Decode(_spec(dst_shards.num_heads(r)), 6) for r in range(dst_tp)]
     leases = [PendingTable() for _ in decs]
     for table, dec in zip(leases, decs, strict=True):
         table.add("r", "lease", imm_slot(dec.pool.block_addr(dst_ids[0]), dec.bb), (5,), 1e9)
     announced: dict[int, int] = {}
     for rank, shard in enumerate(_shards(full, src_tp)):
-        spec = _spec(src_shards.heads_per_rank)
+        spec = _spec(src_shards.num_heads(rank))
         pool = KVPool(spec, 6)
         pool.tensor.copy_(shard)
         slices = rank_block_slices(spec, src_shards, dst_shards, rank)
@@ -430,7 +444,17 @@ def _plan_args(**overrides: Any) -> dict[str, Any]:
         (
             {"src_tp": 1},
             KVLayoutError,
-            "decode rank of TP 1 holds 2 of the model's 2 KV heads, but its KV layout has 4",
+            "decode rank 0 of TP 1 holds 2 of the model's 2 KV heads, but its KV layout has 4",
+        ),
+        (  # 3 heads at TP2 are 2 + 1: a second decode rank laid out as the first is refused
+            {
+                "src_tp": 1,
+                "num_kv_heads": 3,
+                "pool": KVPool(_spec(3), 4),
+                "destinations": [KVDestination(_spec(2), 1, (0, 1))] * 2,
+            },
+            KVLayoutError,
+            "decode rank 1 of TP 2 holds 1 of the model's 3 KV heads, but its KV layout has 2",
         ),
         (
             {

@@ -6,11 +6,14 @@ float32 model and one on its Q8_0 twin (weights as stored, sharded by rows and b
 Each run's greedy tokens must be TP1's, and each rank's KV pool must hold exactly its heads of
 TP1's pool. Then a prompt is handed from prefill to decode across TP degrees (2 -> 1, 1 -> 2)
 through the shm transport, each prefill rank writing its own heads with the product's planners.
+The same for a seeded model of SmolLM2-135M's 9 heads and 3 KV heads, which TP2 splits unevenly
+(2 + 1 GQA groups).
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import pickle
 from typing import Any
 
 import pytest
@@ -23,6 +26,7 @@ from kvmesh.shared.model.tensor_parallel import TPLayout, TPShardError, _columns
 from support import tp_ranks
 
 HEAD_BYTES = 2 * 4 * 16 * 64 * 4  # kvmesh-tiny: K and V, 4 layers, 16 tokens, head_dim 64, float32
+UNEVEN_HEAD_BYTES = 2 * 2 * 16 * 32 * 4  # tp_ranks.uneven_model: 2 layers, head_dim 32
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +41,7 @@ def rank_results() -> dict[int, dict[str, Any]]:
     for p in procs:
         p.start()
     try:
-        results = dict(queue.get(timeout=300) for _ in procs)
+        results = {r: pickle.loads(data) for r, data in (queue.get(timeout=300) for _ in procs)}
     finally:
         for p in procs:
             p.join(timeout=30)
@@ -51,6 +55,12 @@ def rank_results() -> dict[int, dict[str, Any]]:
 def tp1() -> dict[str | None, dict[str, Any]]:
     torch.set_num_threads(1)
     return {quant: tp_ranks.run_engine(tp_ranks.tiny_model(quant)) for quant in (None, "Q8_0")}
+
+
+@pytest.fixture(scope="module")
+def tp1_uneven() -> dict[str, Any]:
+    torch.set_num_threads(1)
+    return tp_ranks.run_engine(tp_ranks.uneven_model())
 
 
 def _check_ranks(
@@ -126,11 +136,69 @@ def test_tp2_prefill_writes_each_tp2_decode_rank_its_head_from_the_rank_holding_
         assert rank_results[rank]["handoff_2_to_2"] == {"sent": 3 * HEAD_BYTES, "kv_heads_held": 1}
 
 
+def test_uneven_tp2_of_9_heads_holds_whole_gqa_groups_and_decodes_as_tp1(rank_results, tp1_uneven):
+    """9 heads, 3 KV heads at TP2 (both pairs of the world): rank 0 holds KV heads 0-1 with
+    query heads 0-5, rank 1 KV head 2 with query heads 6-8; TP1's tokens, each its heads' KV."""
+    runs = [rank_results[r]["uneven"] for r in range(4)]
+    assert [run["kv_heads"] for run in runs] == [(0, 2), (2, 3)] * 2
+    _check_ranks(runs, tp1_uneven, num_kv_heads=3)
+
+
+def test_uneven_decode_ranks_hold_as_many_blocks_each_its_heads_bytes(rank_results):
+    tp1 = tp_ranks.decode_pool(tp_ranks.uneven_model())
+    blocks, nbytes = tp1["num_blocks"], tp1["nbytes"]
+    for rank, held in ((0, 2), (1, 1), (2, 2), (3, 1)):
+        pool = rank_results[rank]["uneven_decode_pool"]
+        assert pool["num_blocks"] == blocks and pool["nbytes"] * 3 == nbytes * held
+
+
+def test_uneven_tp2_prefill_hands_each_rank_its_heads_to_a_tp1_decode(rank_results, tp1_uneven):
+    """2 -> 1: prefill rank 0 writes 2 heads of every block, rank 1 one head at head offset 2."""
+    decode = rank_results[2]["uneven_2_to_1"]
+    assert decode["tokens"] == tp1_uneven["tokens"][0]
+    assert decode["senders"] == [0, 1] and len(set(decode["imms"])) == 3 * 2
+    assert rank_results[0]["uneven_2_to_1"] == {
+        "sent": 3 * 2 * UNEVEN_HEAD_BYTES,
+        "kv_heads_held": 2,
+    }
+    assert rank_results[1]["uneven_2_to_1"] == {"sent": 3 * UNEVEN_HEAD_BYTES, "kv_heads_held": 1}
+
+
+def test_tp1_prefill_hands_an_uneven_tp2_decode_each_rank_its_heads(rank_results, tp1_uneven):
+    """1 -> 2: decode rank 0's blocks hold 2 heads, rank 1's one: spans of different lengths."""
+    for rank in (0, 1):
+        decode = rank_results[rank]["uneven_1_to_2"]
+        assert decode["tokens"] == tp1_uneven["tokens"][0]
+        assert decode["senders"] == [0] and len(decode["imms"]) == 3
+    assert rank_results[2]["uneven_1_to_2"] == {
+        "sent": 3 * 3 * UNEVEN_HEAD_BYTES,
+        "kv_heads_held": 3,
+    }
+
+
+def test_tp_layout_splits_by_whole_gqa_groups_as_evenly_as_they_allow():
+    assert [KVHeadShards(3, 2).heads(r) for r in range(2)] == [(0, 2), (2, 3)]
+    assert [KVHeadShards(5, 3).heads(r) for r in range(3)] == [(0, 2), (2, 4), (4, 5)]
+    assert [TPLayout(2, r, 9, 3).q_heads for r in range(2)] == [(0, 6), (6, 9)]
+    assert [TPLayout(3, r, 9, 3).q_heads for r in range(3)] == [(0, 3), (3, 6), (6, 9)]
+    # replicated (fewer KV heads than ranks): an equal share of the group's query heads
+    assert [TPLayout(4, r, 8, 2).q_heads for r in range(4)] == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    # 3 heads 2 -> 1 and 1 -> 2: one span a rank, of the length of its heads
+    src, dst = KVHeadShards(3, 2), KVHeadShards(3, 1)
+    assert [reshard_pieces(src, dst, r) for r in range(2)] == [
+        [HeadPiece(0, (0, 2), 0)],
+        [HeadPiece(0, (0, 1), 2)],
+    ]
+    assert reshard_pieces(dst, src, 0) == [HeadPiece(0, (0, 2), 0), HeadPiece(1, (2, 3), 0)]
+
+
 def test_tp_layout_refuses_head_counts_it_cannot_split():
     with pytest.raises(TPShardError, match="6 attention heads do not split over TP 4"):
         TPLayout(4, 0, num_heads=6, num_kv_heads=2)
-    with pytest.raises(TPShardError, match="3 KV heads cannot be split over TP 2"):
-        TPLayout(2, 0, num_heads=6, num_kv_heads=3)
+    with pytest.raises(TPShardError, match="3 KV heads cannot be split over TP 4"):
+        TPLayout(4, 0, num_heads=9, num_kv_heads=3)
+    with pytest.raises(TPShardError, match="9 attention heads do not split over TP 6"):
+        TPLayout(6, 0, num_heads=9, num_kv_heads=3)
 
 
 def test_row_parallel_split_inside_a_quant_block_is_refused_naming_dequantize():

@@ -118,18 +118,22 @@ def tp2_job(
     rkey: int,
     addrs: Any,
     rank1: tuple[int, Any, Any],
+    block_bytes: tuple[int, int] | None = None,
 ) -> PrefillJob:
     """A greedy job "tp" (lease "Ltp") for "d1", a ready decode worker of two ranks that it
-    notes in ``worker``'s adverts (advertised by ``side`` with ``region0``; 16 blocks of half
-    ``spec``'s bytes a rank, each rank one of two KV heads): rank 0's blocks by ``rkey`` at
-    ``addrs``, rank 1's by the key, addresses and descriptor of ``rank1`` (descriptor None: the
-    one "d1" advertised)."""
+    notes in ``worker``'s adverts (advertised by ``side`` with ``region0``; 16 blocks a rank of
+    ``block_bytes`` each (default: half ``spec``'s, each rank one of two KV heads)): rank 0's
+    blocks by ``rkey`` at ``addrs``, rank 1's by the key, addresses and descriptor of ``rank1``
+    (descriptor None: the one "d1" advertised)."""
     half = spec.block_bytes // 2
+    bytes0, bytes1 = block_bytes or (half, half)
     advert = ready_advert(side.descriptor(), region0, spec, "s", worker_id="d1")
-    worker.adverts.note(with_fields(advert, block_bytes=half, tp=2, total_blocks=16))
+    worker.adverts.note(with_fields(advert, block_bytes=bytes0, tp=2, total_blocks=16))
     descriptor = worker.adverts.get("d1").reach.descriptor
     key, block_addrs, rank_descriptor = rank1
-    target = DecodeRankTarget(key, tuple(block_addrs), rank_descriptor or descriptor)
+    target = DecodeRankTarget(
+        key, tuple(block_addrs), rank_descriptor or descriptor, 0 if bytes1 == bytes0 else bytes1
+    )
     return PrefillJob(
         "tp",
         tuple(prompt),
@@ -139,7 +143,7 @@ def tp2_job(
         descriptor,
         rkey,
         tuple(addrs),
-        half,
+        bytes0,
         enqueued_at=0.0,
         ranks=(target,),
     )

@@ -1,12 +1,15 @@
 """Tensor-parallel engine runs for tests/model/test_tensor_parallel.py: the cases, one engine run each
 (TP1 in the test's process, TP2 and TP4 in rank processes that share one gloo world of 4), and
-prefill-to-decode hand-offs between TP degrees through the shm transport (``handoff``)."""
+prefill-to-decode hand-offs between TP degrees through the shm transport (``handoff``). Besides
+kvmesh-tiny (4 heads, 2 KV heads), ``uneven_model``: 9 heads and 3 KV heads as SmolLM2-135M has,
+so TP2 splits it 2 + 1 GQA groups."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import os
+import pickle
 from typing import Any
 
 PROMPTS = [list(range(60, 100)), [7, 260, 65, 66, 67, 200, 9]]  # 40 tokens (chunked), 7
@@ -29,6 +32,19 @@ def tiny_model(quant: str | None) -> Any:
         weights = {n: quantize(model.get_parameter(n).detach(), quant) for n in names}
         use_quant_weights(model, weights)
     return model
+
+
+def uneven_model() -> Any:
+    """A seeded Llama of SmolLM2-135M's head counts at small dims: 9 query heads and 3 KV heads
+    of 32, 2 layers (TP2 holds 2 + 1 KV heads with their query heads)."""
+    from kvmesh.shared.model.loader import build_model
+    from kvmesh.shared.model.seeded import SeededShape
+    from kvmesh.shared.model.tiny import tiny_state_dict
+
+    # hidden 288, 2 layers, 9 heads, 3 KV heads, intermediate 256, 512 positions
+    config = SeededShape(288, 2, 9, 3, 256, 512).config()
+    weights = tiny_state_dict(config, seed=3)
+    return build_model(config, weights.__getitem__, weights, "seeded 9x3")
 
 
 def run_engine(model: Any) -> dict[str, Any]:
@@ -100,19 +116,34 @@ def rank_main(rank: int, port: int, queue: Any) -> None:
         results["handoff_2_to_1"] = asyncio.run(handoff(rank, (0, 1), (2,), pair))
         results["handoff_1_to_2"] = asyncio.run(handoff(rank, (2,), (0, 1), pair))
         results["handoff_2_to_2"] = asyncio.run(handoff(rank, (0, 1), (2, 3), pair))
-        queue.put((rank, results))
+        model = uneven_model()  # TP2 in both pairs: 2 + 1 KV heads
+        layout = shard_model(model, pairs[rank // 2])
+        results["uneven"] = run_engine(model) | {"kv_heads": layout.kv_heads}
+        results["uneven_decode_pool"] = decode_pool(model)
+        uneven = {"model_fn": uneven_model, "num_kv_heads": 3}
+        results["uneven_2_to_1"] = asyncio.run(handoff(rank, (0, 1), (2,), pair, **uneven))
+        results["uneven_1_to_2"] = asyncio.run(handoff(rank, (2,), (0, 1), pair, **uneven))
+        # pickled here, by value: a tensor put as it is travels as a file descriptor that the
+        # test's process may look for only after this process has exited
+        queue.put((rank, pickle.dumps(results)))
     finally:
         dist.destroy_process_group()
 
 
 async def handoff(
-    rank: int, prefill_ranks: tuple[int, ...], decode_ranks: tuple[int, ...], groups: dict
+    rank: int,
+    prefill_ranks: tuple[int, ...],
+    decode_ranks: tuple[int, ...],
+    groups: dict,
+    model_fn: Any = None,
+    num_kv_heads: int = 2,
 ) -> dict[str, Any] | None:
     """PROMPTS[0] prefilled at TP len(prefill_ranks), its KV written chunk by chunk by every
     prefill rank straight into the decode rank(s) holding its heads (``rank_block_slices`` and
     ``ChunkPlanner``, the product's planners, over the shm transport), then decoded at TP
     len(decode_ranks). Every rank of the world takes part in the two exchanges (the decode ranks'
-    block addresses, the first token); a decode rank returns its tokens and what it received."""
+    block addresses, the first token); a decode rank returns its tokens and what it received.
+    ``model_fn``: what makes the model (default kvmesh-tiny), of ``num_kv_heads`` KV heads."""
     import msgspec
     import torch.distributed as dist
     from kvmesh.services.prefill.kv_writes import decode_writers, rank_block_slices
@@ -146,16 +177,21 @@ async def handoff(
     )
     role_ranks = prefill_ranks if rank in prefill_ranks else decode_ranks
     is_idle = rank not in prefill_ranks + decode_ranks
-    src, dst = KVHeadShards(2, len(prefill_ranks)), KVHeadShards(2, len(decode_ranks))
+    make_model = model_fn or (lambda: tiny_model(None))
+    src = KVHeadShards(num_kv_heads, len(prefill_ranks))
+    dst = KVHeadShards(num_kv_heads, len(decode_ranks))
     async with contextlib.AsyncExitStack() as stack:
         tx = await stack.enter_async_context(create_transport("shm", TransportConfig()))
         engine = None
         mine = None
         if not is_idle:
-            model = tiny_model(None)
+            model = make_model()
+            c = model.config  # the whole model's blocks (float32, 16 tokens): any rank's fits
+            memory = tx.allocate(
+                NUM_BLOCKS * c.num_key_value_heads * 2 * c.num_hidden_layers * 16 * c.head_dim * 4
+            )
             if len(role_ranks) > 1:
                 shard_model(model, groups[role_ranks])
-            memory = tx.allocate(NUM_BLOCKS * 2 * 32768)  # 2 heads of tiny's 32 KiB: any rank
             engine = LLMEngine(model, None, config, kv_buffer=memory)
         if rank in decode_ranks:
             region = remote(tx, tx.register(memory, Access.REMOTE_WRITE))
@@ -172,7 +208,7 @@ async def handoff(
         is_follower = rank in prefill_ranks[1:]
         if is_follower:  # replays the leader's engine calls, writes its heads of each chunk
             source = tx.register(memory)
-            follower = PrefillFollower(engine, groups[prefill_ranks], tx, source, num_kv_heads=2)
+            follower = PrefillFollower(engine, groups[prefill_ranks], tx, source, num_kv_heads)
             sent = (await follower.run()).num_bytes
         elif rank in prefill_ranks:  # the leader: the prefill worker's part
             source = tx.register(memory)

@@ -183,6 +183,15 @@ def test_a_reservation_is_refused_when_a_rank_cannot_open_its_window() -> None:
     with pytest.raises(ValueError, match="tensor-parallel rank 1: cannot open a write window"):
         windows.open([0])
 
+    # an uneven split (3 KV heads at TP2): rank 1's blocks are half rank 0's; the target says so
+    # (0: rank 0's size, as every rank of an even split)
+    for rank_bytes, said in ((32, 32), (64, 0)):
+        replies = queue.Queue()
+        replies.put(WindowOpened(1, 1, 5, (8192,), block_bytes=rank_bytes))
+        windows = GroupWindows(transport, region, 64, [Inline(None, replies)], replies, ["d"])
+        (target,) = windows.ranks(windows.open([0]))
+        assert target.block_bytes == said
+
 
 def _region() -> MemoryRegion:
     return MemoryRegion(addr=4096, length=4096, rkey=1, access=Access.REMOTE_WRITE)

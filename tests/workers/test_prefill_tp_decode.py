@@ -9,7 +9,9 @@ leader writes to, the hand-off its followers get, the checks of a job against a 
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+from typing import Any
 
 import msgspec
 import pytest
@@ -72,6 +74,71 @@ async def test_a_tp1_prefill_writes_each_tp2_decode_rank_its_heads(tiny) -> None
         assert "names 1 ranks' blocks but decode worker 'd1' runs at TP 2" in refused.done.error
 
 
+async def test_a_tp1_prefill_writes_an_uneven_tp2_decode_each_rank_its_heads() -> None:
+    """3 KV heads (SmolLM2-135M's count) at decode TP2: rank 0's blocks hold heads 0-1, rank
+    1's head 2, a block a third of rank 0's (``DecodeRankTarget.block_bytes``); each gets its
+    span of every whole block, and the writes' immediates name each rank's own slot."""
+    from kvmesh.shared.engine.config import EngineConfig
+    from kvmesh.shared.engine.llm_engine import LLMEngine
+    from kvmesh.shared.kv.imm import imm_slot, unpack_imm
+    from kvmesh.shared.transport import Access
+    from support.tp_ranks import uneven_model
+    from support.transport_wire import remote as remote_key
+
+    engine = LLMEngine(uneven_model(), None, EngineConfig(num_blocks=32, max_num_batched_tokens=32))
+    spec = engine.kv_pool.spec
+    assert spec.num_kv_heads == 3
+    head = spec.head_bytes
+    sizes = (2 * head, head)  # rank 0: heads 0-1, rank 1: head 2
+    async with prefill_rig(engine, kv_spec="s", remote_blocks=16) as (worker, side, region, mem):
+        mem.zero_()
+        ranks = []
+        for size in sizes:
+            memory = side.allocate(16 * size)
+            memory.zero_()
+            ranks.append((remote_key(side, side.register(memory, Access.REMOTE_WRITE)), memory))
+        addrs = [
+            tuple(r.addr + b * size for b in BLOCKS)
+            for (r, _), size in zip(ranks, sizes, strict=True)
+        ]
+        to_rank1 = (ranks[1][0].rkey, addrs[1], None)
+        job = tp2_job(
+            worker, side, ranks[0][0], spec, PROMPT, ranks[0][0].rkey, addrs[0], to_rank1, sizes
+        )
+        assert job.block_bytes == sizes[0] and job.ranks[0].block_bytes == sizes[1]
+        result = await worker.prefill(job)
+        assert result is not None and result.done.ok and result.report is not None, result
+        n = result.done.num_writes  # a write a chunk to each rank
+        completions = await asyncio.wait_for(_take(side, 2 * n), 60)
+        by_slot: dict[int, int] = {}
+        for c in completions:
+            slot = unpack_imm(c.imm)[0]
+            by_slot[slot] = by_slot.get(slot, 0) + c.num_bytes
+        # each rank's writes name its own slot, and bring its heads' bytes of every block
+        assert by_slot == {
+            imm_slot(a[0], size): len(BLOCKS) * size for a, size in zip(addrs, sizes, strict=True)
+        }
+        ref = await worker.prefill(prefill_job(worker, "ref", PROMPT, region, BLOCKS))
+        assert ref is not None and ref.done.ok
+        starts = (0, 2 * head)
+        for (_, memory), size, start in zip(ranks, sizes, starts, strict=True):
+            for b in BLOCKS:
+                whole = mem[b * spec.block_bytes : (b + 1) * spec.block_bytes]
+                mine = memory[b * size : (b + 1) * size]
+                assert bool(mine.any()) and bool((mine == whole[start : start + size]).all())
+            untouched = [b for b in range(16) if b not in BLOCKS]
+            assert not any(bool(memory[b * size : (b + 1) * size].any()) for b in untouched)
+
+
+async def _take(transport: Any, n: int) -> list[Any]:
+    out = []
+    async for completion in transport.completions():
+        out.append(completion)
+        if len(out) == n:
+            break
+    return out
+
+
 SPEC = KVCacheSpec(num_layers=2, num_kv_heads=1, head_dim=8, block_size=16)
 
 
@@ -102,6 +169,9 @@ def test_the_followers_hand_off_names_every_decode_rank_in_order() -> None:
     assert [t.block_addrs for t in hand_off.targets] == [(64,), (96,)]
     assert msgspec.json.decode(hand_off.targets[1].descriptor, type=TransportDescriptor) == d1
     assert {t.block_bytes for t in hand_off.targets} == {32}
+    # an uneven split's rank 1 says its own block size
+    uneven = msgspec.structs.replace(job, ranks=(DecodeRankTarget(8, (96,), d1, 16),))
+    assert [t.block_bytes for t in TPWrites.note(uneven).targets] == [32, 16]
 
 
 def test_a_job_must_name_as_many_ranks_as_the_advert_says_each_with_its_blocks() -> None:
@@ -125,3 +195,9 @@ def test_a_job_must_name_as_many_ranks_as_the_advert_says_each_with_its_blocks()
         UnvouchedJobError, match="is not a block of rank 1 of decode worker 'd0''s pool"
     ):
         check_job_against_advert(far, tp2, "s")
+    # an uneven split's rank 1 of 16-byte blocks: its blocks 16 bytes apart, at most rank 0's
+    uneven = msgspec.structs.replace(job, ranks=(DecodeRankTarget(8, (0, 16), d0, 16),))
+    check_job_against_advert(uneven, tp2, "s")
+    big = msgspec.structs.replace(job, ranks=(DecodeRankTarget(8, (0, 64), d0, 64),))
+    with pytest.raises(UnvouchedJobError, match="64-byte blocks, more than rank 0's 32"):
+        check_job_against_advert(big, tp2, "s")

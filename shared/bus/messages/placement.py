@@ -44,11 +44,14 @@ class DecodeRankTarget(Message):
     """Where one tensor-parallel decode rank (1..TP-1) holds a reservation's blocks, for the
     prefill rank(s) writing that rank's KV heads (docs/tp.md): the key of the window it opened
     over the blocks for this lease alone, their addresses in its region, and its transport
-    descriptor. The blocks are the same ids on every rank; rank 0's are the message's own fields."""
+    descriptor. The blocks are the same ids on every rank; rank 0's are the message's own fields.
+    ``block_bytes``: the rank's block, when its share of the heads is not rank 0's (an uneven
+    split: 3 KV heads at TP2 are 2 + 1); 0 when it is rank 0's (``ReserveReply.block_bytes``)."""
 
     rkey: int
     block_addrs: tuple[int, ...]
     descriptor: TransportDescriptor
+    block_bytes: int = 0
 
 
 class ReserveReply(Message):
