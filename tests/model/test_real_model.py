@@ -277,3 +277,38 @@ def test_bench_serve_finds_every_process_of_the_mesh_by_role(up_mesh) -> None:
     roles = server_roles(up_mesh)
     assert set(roles) == {"router", "prefill", "decode", "kv-registry", "prefill-queue", "nats"}
     assert all(len(pids) == 1 for pids in roles.values())
+
+
+@pytest.mark.slow
+def test_tp2_holds_2_and_1_of_its_3_gqa_groups_and_decodes_as_tp1(real_model) -> None:
+    """TP2 over the weights as stored (Q4_1): 9 heads and 3 KV heads split by whole GQA
+    groups, rank 0 KV heads 0-1 with query heads 0-5, rank 1 KV head 2 with 6-8 (docs/tp.md);
+    both ranks' greedy tokens are TP1's (a 20-token prompt, 8 tokens)."""
+    import multiprocessing as mp
+
+    from kvmesh.shared.config.ports import free_port
+    from kvmesh.shared.model.loader import load_model
+    from support import tp_ranks
+
+    model, tokenizer = load_model(str(real_model))
+    prompt = tokenizer.encode(TEXTS[1])[:20]
+    assert len(prompt) == 20
+    expected = tp_ranks.greedy(model, prompt, 8)
+    ctx = mp.get_context("spawn")
+    queue, port = ctx.Queue(), free_port()
+    args = (port, queue, str(real_model), prompt, 8)
+    procs = [ctx.Process(target=tp_ranks.pair_main, args=(r, *args), daemon=True) for r in (0, 1)]
+    for proc in procs:
+        proc.start()
+    try:
+        ranks = dict(queue.get(timeout=240) for _ in procs)
+    finally:
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+    assert [(ranks[r]["kv_heads"], ranks[r]["q"]) for r in (0, 1)] == [
+        ((0, 2), (0, 6)),
+        ((2, 3), (6, 9)),
+    ]
+    assert ranks[0]["tokens"] == ranks[1]["tokens"] == expected

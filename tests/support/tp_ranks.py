@@ -268,3 +268,35 @@ async def handoff(
             (tokens,) = collect_tokens(engine.step, ["r"])
             return {"tokens": [first_token, *tokens], "imms": imms, "senders": senders}
         return None
+
+
+def greedy(model: Any, prompt: list[int], max_tokens: int) -> list[int]:
+    """Greedy tokens of one prompt through one engine over ``model``."""
+    from kvmesh.shared.engine.llm_engine import EngineConfig, LLMEngine
+    from kvmesh.shared.text.sampling import SamplingOptions
+
+    engine = LLMEngine(model, None, EngineConfig(block_size=16, num_blocks=NUM_BLOCKS))
+    params = SamplingOptions(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    (tokens,) = engine.generate([prompt], params)
+    return tokens
+
+
+def pair_main(
+    rank: int, port: int, queue: Any, path: str, prompt: list[int], max_tokens: int
+) -> None:
+    """One rank of a TP2 pair over the model at ``path`` as stored: its greedy tokens and the
+    KV heads it holds."""
+    import torch
+    import torch.distributed as dist
+    from kvmesh.shared.model.loader import load_model
+    from kvmesh.shared.model.tensor_parallel import shard_model
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        model, _ = load_model(path)
+        layout = shard_model(model)
+        tokens = greedy(model, prompt, max_tokens)
+        queue.put((rank, {"tokens": tokens, "kv_heads": layout.kv_heads, "q": layout.q_heads}))
+    finally:
+        dist.destroy_process_group()
