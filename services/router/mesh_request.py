@@ -21,7 +21,7 @@ from kvmesh.services.router.attempts import Attempts
 from kvmesh.services.router.config import RouterConfig
 from kvmesh.services.router.errors import GatewayTimeoutError, MeshError, OverloadedError
 from kvmesh.services.router.metrics import RequestTimer, RouterMetrics
-from kvmesh.services.router.placing import ask_registry, publish_prefill_job, renew_lease
+from kvmesh.services.router.placing import RemotePrefill, ask_registry, publish_abort
 from kvmesh.services.router.prompt import Prompt
 from kvmesh.services.router.queue_health import PrefillQueueHealth
 from kvmesh.services.router.recovery import (
@@ -36,12 +36,10 @@ from kvmesh.services.router.recovery import (
 )
 from kvmesh.services.router.request_events import AttemptEvents, MalformedEvent
 from kvmesh.services.router.worker_pool import WorkerPool
-from kvmesh.shared.bus.messages.codec import encode_message
 from kvmesh.shared.bus.messages.placement import PlaceReply, PlaceRequest
 from kvmesh.shared.bus.messages.prefill_jobs import PrefillReport, PrefillStarted
-from kvmesh.shared.bus.messages.token_streams import Abort, StreamReplay, TokenEvent
+from kvmesh.shared.bus.messages.token_streams import StreamReplay, TokenEvent
 from kvmesh.shared.bus.messages.workers import WorkerGone
-from kvmesh.shared.bus.prefill_job_stream import withdraw_job
 from kvmesh.shared.bus.wire_ids import attempt_of
 from kvmesh.shared.config.subjects import Subjects
 from nats.aio.client import Client as NATS
@@ -86,7 +84,6 @@ class MeshRequest:
         self.attempts = Attempts(request_id, prompt, config.max_retries)
         self.timer = timer
         self.is_finished = False  # a TokenEvent with finish_reason arrived
-        self._renewer: asyncio.Task[None] | None = None
         self._first_deadline = 0.0  # set by start(); retries share it, a migration starts anew
         self._last_event_at = 0.0  # of the last token event: the next-token timeout runs from it
         self._replayed: list[TokenEvent] = []  # a resumed stream's events so far (adopt)
@@ -122,7 +119,7 @@ class MeshRequest:
         self.request_id = wire_id
         self.placement: PlaceReply | None = None
         self.prefill_worker = ""  # from its PrefillStarted
-        self._job_seq = 0  # the prefill job's sequence in the queue (0: none published)
+        self._remote = RemotePrefill()  # its job and lease (the last attempt's closed: close())
         self._lost.clear()
         self.is_local_prefill = prefills_locally(
             self._config, len(self.attempts.prompt.prompt_ids), self._prefill_pool, time.monotonic()
@@ -147,7 +144,7 @@ class MeshRequest:
         self._sub = await self._nc.subscribe(self._subjects.request_events_all(self.request_id))
 
     async def close(self) -> None:
-        self.stop_renewing()
+        self._remote.stop_renewing()
         if self._sub is not None:
             with contextlib.suppress(nats.errors.Error):
                 await self._sub.unsubscribe()
@@ -258,25 +255,17 @@ class MeshRequest:
         if self.is_local_prefill:
             return
         # the router holds the decode worker's lease until the first token (placing.py)
-        renewal = renew_lease(
-            self._nc, self._subjects, self.request_id, reply, self._config.lease_ms
-        )
-        self._renewer = asyncio.create_task(renewal)
-        self._job_seq = await publish_prefill_job(
+        await self._remote.start(
             self._nc,
             self._subjects,
             self.request_id,
             self.attempts.prompt,
             reply,
+            lease_ms=self._config.lease_ms,
             left_s=max(0.0, deadline - time.monotonic()),
             queue=self._prefill_queue,
             router=self._router,
         )
-
-    def stop_renewing(self) -> None:
-        if self._renewer is not None:
-            self._renewer.cancel()
-            self._renewer = None
 
     async def _place(self) -> PlaceReply:
         """One placement attempt: OverloadedError when the mesh has no room now."""
@@ -370,7 +359,7 @@ class MeshRequest:
                 self.timer.stamps.decode_wait_s = event.wait_s
                 self.timer.stamps.decode_prefill_s = event.prefill_s
             self.is_finished = self.attempts.record(event)
-            self.stop_renewing()  # the decode worker admitted it: the lease is over
+            self._remote.stop_renewing()  # the decode worker admitted it: the lease is over
             self.timer.on_tokens(time.monotonic(), len(event.token_ids))
             if event.finish_reason in ("error", "abort"):
                 self.is_finished = True
@@ -387,16 +376,10 @@ class MeshRequest:
         self.is_aborted = True
         self._metrics.aborts.labels(reason).inc()
         # A job no worker has taken yet can be withdrawn: then its blocks are free at once.
-        withdrawn = (
-            self._job_seq > 0
-            and not self.prefill_worker
-            and await withdraw_job(self._nc, self._subjects, self._job_seq)
+        withdrawn = not self.prefill_worker and await self._remote.withdraw(
+            self._nc, self._subjects
         )
-        try:
-            abort = Abort(self.request_id, reason=reason, job_withdrawn=withdrawn)
-            await self._nc.publish(self._subjects.ABORT, encode_message(abort))
-        except nats.errors.Error as exc:  # the connection is gone: leases will expire instead
-            log.warning("could not publish abort for %s: %s", self.request_id, exc)
+        await publish_abort(self._nc, self._subjects, self.request_id, reason, withdrawn)
 
     def _record_report(self, report: PrefillReport) -> None:
         self._metrics.record_prefill(report)

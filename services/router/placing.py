@@ -1,5 +1,6 @@
 """One attempt's calls to get a request placed: the kv-registry's placement (request/reply), the
-prefill job on the JetStream queue, and the decode worker's lease kept alive while it waits.
+prefill job on the JetStream queue, and the decode worker's lease kept alive while it waits
+(``RemotePrefill`` holds those two); the abort that drops an attempt.
 
 Each call maps NATS's failures to the router's errors (what to do about them: ``recovery.py``);
 ``mesh_request.py`` makes the calls and keeps the attempt's state.
@@ -24,7 +25,8 @@ from kvmesh.services.router.worker_pool import WorkerPool
 from kvmesh.shared.bus.messages.codec import MessageError, decode_message, encode_message
 from kvmesh.shared.bus.messages.placement import LeaseRenew, PlaceReply, PlaceRequest
 from kvmesh.shared.bus.messages.prefill_jobs import PrefillJob
-from kvmesh.shared.bus.prefill_job_stream import PrefillQueueError, publish_job
+from kvmesh.shared.bus.messages.token_streams import Abort
+from kvmesh.shared.bus.prefill_job_stream import PrefillQueueError, publish_job, withdraw_job
 from kvmesh.shared.config.subjects import Subjects
 from nats.aio.client import Client as NATS
 
@@ -117,3 +119,55 @@ async def renew_lease(
             await nc.publish(subject, renew)
         except nats.errors.Error as exc:
             log.warning("could not renew the lease of %s: %s", request_id, exc)
+
+
+class RemotePrefill:
+    """An attempt's remote prefill as the router holds it: the decode worker's lease renewed
+    until the first token, and the prefill job's sequence in the queue (what an abort withdraws
+    while no prefill worker has taken the job)."""
+
+    def __init__(self) -> None:
+        self._renewer: asyncio.Task[None] | None = None
+        self.job_seq = 0  # 0: no job published
+
+    async def start(
+        self,
+        nc: NATS,
+        subjects: Subjects,
+        request_id: str,
+        prompt: Prompt,
+        reply: PlaceReply,
+        *,
+        lease_ms: int,
+        left_s: float,
+        queue: PrefillQueueHealth,
+        router: str,
+    ) -> None:
+        """Keep the lease ``reply`` gave alive, then queue the prefill job (a 503 if it cannot)."""
+        renewal = renew_lease(nc, subjects, request_id, reply, lease_ms)
+        self._renewer = asyncio.create_task(renewal)
+        self.job_seq = await publish_prefill_job(
+            nc, subjects, request_id, prompt, reply, left_s=left_s, queue=queue, router=router
+        )
+
+    def stop_renewing(self) -> None:
+        if self._renewer is not None:
+            self._renewer.cancel()
+            self._renewer = None
+
+    async def withdraw(self, nc: NATS, subjects: Subjects) -> bool:
+        """Take the job off the queue (its blocks are free at once); False if there was none or
+        a prefill worker had it already."""
+        return self.job_seq > 0 and await withdraw_job(nc, subjects, self.job_seq)
+
+
+async def publish_abort(
+    nc: NATS, subjects: Subjects, request_id: str, reason: str, job_withdrawn: bool
+) -> None:
+    """Tell prefill and decode to drop attempt ``request_id``; a lost connection is logged (the
+    leases expire instead)."""
+    try:
+        abort = Abort(request_id, reason=reason, job_withdrawn=job_withdrawn)
+        await nc.publish(subjects.ABORT, encode_message(abort))
+    except nats.errors.Error as exc:
+        log.warning("could not publish abort for %s: %s", request_id, exc)
