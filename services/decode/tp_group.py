@@ -51,6 +51,7 @@ from kvmesh.shared.engine.tp_ranks import (
     adopt_whole_layout,
     become_follower,
     join_group,
+    rank_device,
     rank_threads,
     spawn_ranks,
 )
@@ -157,7 +158,7 @@ class DecodeRanks(Feature):
         torch.set_num_threads(threads)  # the leader's share too
         group = DecodeRanks(ranks, channels, seed)
         try:
-            await asyncio.to_thread(join_group, 0, config.tp, port)
+            await asyncio.to_thread(join_group, 0, config.tp, port, config.device)
             shard_model(model)
             await asyncio.to_thread(group._wait_ready, TP_INIT_TIMEOUT_S)
         except BaseException:
@@ -291,9 +292,10 @@ async def _follow(
 
     if config.threads is not None:  # its share of the worker's (DecodeRanks.start)
         torch.set_num_threads(config.threads)
+    config = dataclasses.replace(config, device=rank_device(config.device, rank))  # its own GPU
     dtype = parse_dtype(config.dtype, "--dtype") if config.dtype else None
     model, tokenizer = await asyncio.to_thread(load_model, config.model, dtype, config.device)
-    await asyncio.to_thread(join_group, rank, config.tp, port)
+    await asyncio.to_thread(join_group, rank, config.tp, port, config.device)
     shard_model(model)
 
     def engine_over(transport: Any) -> Any:

@@ -225,7 +225,7 @@ async def prefill_service(config: PrefillConfig) -> AsyncIterator[PrefillService
     tp_group = tp_writes = None
     if config.tp > 1:  # this process leads N ranks that appear as one worker (docs/tp.md)
         tp_group, port = start_tp_group(config, worker_id)
-        await asyncio.to_thread(join_group, 0, config.tp, port)
+        await asyncio.to_thread(join_group, 0, config.tp, port, config.device)
         shard_model(model)
     engine = LLMEngine(model, tokenizer, econf)
     if tp_group is not None:

@@ -36,6 +36,7 @@ from kvmesh.shared.engine.tp_ranks import (
     RankProcesses,
     become_follower,
     join_group,
+    rank_device,
     rank_threads,
     spawn_ranks,
     whole_kv_spec,
@@ -230,9 +231,10 @@ async def _follow(
 
     if config.threads is not None:  # its share of the worker's (start_tp_group)
         torch.set_num_threads(config.threads)
+    config = dataclasses.replace(config, device=rank_device(config.device, rank))  # its own GPU
     dtype = parse_dtype(config.dtype, "--dtype") if config.dtype else None
     model, tokenizer = await asyncio.to_thread(load_model, config.model, dtype, config.device)
-    await asyncio.to_thread(join_group, rank, config.tp, port)
+    await asyncio.to_thread(join_group, rank, config.tp, port, config.device)
     shard_model(model)
     econf = config.engine_config(dtype, config.kv_cache_bytes, config.num_blocks)
     engine = LLMEngine(model, tokenizer, econf)

@@ -109,14 +109,33 @@ def spawn_ranks(
     return RankProcesses(processes, role)
 
 
-def join_group(rank: int, tp_size: int, port: int) -> None:
-    """Meet the other ranks in the default gloo group on 127.0.0.1:``port``."""
+def rank_device(device: str, rank: int) -> str:
+    """The device rank ``rank`` of a worker on ``device`` runs on: the CPU for every rank of a
+    CPU worker; one GPU each for a CUDA worker, counting from its own (``cuda:2`` at TP2: ranks
+    on ``cuda:2`` and ``cuda:3``; ``cuda``: from 0)."""
+    if not device.startswith("cuda"):
+        return device
+    _, _, index = device.partition(":")
+    return f"cuda:{int(index or 0) + rank}"
+
+
+def group_backend(device: str) -> str:
+    """torch.distributed's backend for ranks on ``device``: NCCL between GPUs, gloo on the CPU."""
+    return "nccl" if device.startswith("cuda") else "gloo"
+
+
+def join_group(rank: int, tp_size: int, port: int, device: str = "cpu") -> None:
+    """Meet the other ranks in the default group on 127.0.0.1:``port``: gloo on the CPU, NCCL
+    between GPUs, ``device`` this rank's own (``rank_device``)."""
     import datetime
 
+    import torch
     import torch.distributed as dist
 
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device).index or 0)
     dist.init_process_group(
-        "gloo",
+        group_backend(device),
         init_method=f"tcp://127.0.0.1:{port}",
         rank=rank,
         world_size=tp_size,

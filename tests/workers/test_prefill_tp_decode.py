@@ -20,6 +20,7 @@ from kvmesh.services.prefill.kv_writes import job_rank_slices
 from kvmesh.services.prefill.tp_group import TPWrites
 from kvmesh.shared.bus.messages.placement import DecodeRankTarget
 from kvmesh.shared.bus.messages.prefill_jobs import PrefillJob
+from kvmesh.shared.engine.tp_ranks import group_backend, rank_device
 from kvmesh.shared.kv.descriptor import TcpBackend, TransportDescriptor
 from kvmesh.shared.kv.kv_cache import KVCacheSpec
 from kvmesh.shared.text.sampling import SamplingOptions
@@ -201,3 +202,11 @@ def test_a_job_must_name_as_many_ranks_as_the_advert_says_each_with_its_blocks()
     big = msgspec.structs.replace(job, ranks=(DecodeRankTarget(8, (0, 64), d0, 64),))
     with pytest.raises(UnvouchedJobError, match="64-byte blocks, more than rank 0's 32"):
         check_job_against_advert(big, tp2, "s")
+
+
+def test_the_ranks_of_a_cuda_worker_use_one_gpu_each_in_an_nccl_group():
+    """kvmesh serve prefill|decode --tp N --device cuda: rank r on its own GPU, NCCL between them
+    (tests/gpu/test_gpu_tp.py runs it on two GPUs)."""
+    assert [rank_device("cuda", r) for r in range(2)] == ["cuda:0", "cuda:1"]
+    assert rank_device("cuda:2", 1) == "cuda:3" and rank_device("cpu", 1) == "cpu"
+    assert group_backend("cuda:1") == "nccl" and group_backend("cpu") == "gloo"
