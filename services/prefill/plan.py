@@ -15,7 +15,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from kvmesh.services.prefill.kv_writes import RankSlice, block_slice_spans
+from kvmesh.services.prefill.block_spans import block_slice_spans
+from kvmesh.services.prefill.kv_writes import RankSlice
 from kvmesh.shared.kv.imm import imm_slot, pack_imm
 
 
