@@ -82,9 +82,9 @@ OP_HELLO, OP_WRITE_DONE, OP_READ_DONE, OP_REFUSED = 0, 1, 2, 3
 
 
 class ShmHello:
-    """The receiver's side of an shm writer's hello (a ``connection_tables.Handshake``): ``NOTE`` with
-    ``OP_HELLO`` and the peer id's length, then the peer id. The socket's folder (0700, owner
-    checked) keeps other users out, so the hello proves nothing more."""
+    """The receiver's side of an shm writer's hello (a ``connection_tables.Handshake``):
+    ``NOTE`` with ``OP_HELLO`` and the peer id's length, then the peer id. The socket's folder
+    (0700, owner checked) keeps other users out, so the hello proves nothing more."""
 
     def __init__(self) -> None:
         self._n: int | None = None
