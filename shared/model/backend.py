@@ -3,9 +3,11 @@
 A backend ``install``s itself on a model when the engine is built and plans each step before
 the model's forward pass (``plan_step``); the model's modules (``llama.py``) are the math and
 choose nothing. ``TorchBackend``: the modules as they are (on CUDA, ``use_triton``: the
-metadata sends ``paged_attention`` to Triton's kernels). ``CpuBackend``: the C kernels of
-``kernels/cpu_ops.py`` installed as subclasses of the modules (``cpu_modules.py``), and for a
-decode step the ``DecodePlan`` that the C decode attention and the fused decoder layer share.
+metadata sends ``paged_attention`` to Triton's kernels, and the linear layers over weights kept
+as stored multiply with ``kernels/quant_matmul.py``, installed as ``triton_modules.py``'s
+subclasses). ``CpuBackend``: the C kernels of ``kernels/cpu_ops.py`` installed as subclasses of
+the modules (``cpu_modules.py``), and for a decode step the ``DecodePlan`` that the C decode
+attention and the fused decoder layer share.
 One backend per engine: it keeps what it needs of the model it was installed on.
 """
 
@@ -42,6 +44,7 @@ from kvmesh.shared.model.llama import (
 )
 from kvmesh.shared.model.quant import pair_blocks, unpair_blocks
 from kvmesh.shared.model.quant_layers import QuantEmbedding, QuantLinear
+from kvmesh.shared.model.triton_modules import install_triton_kernels, remove_triton_kernels
 from torch import nn
 
 if TYPE_CHECKING:
@@ -54,7 +57,8 @@ CPU_KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3
 
 
 class TorchBackend:
-    """The model's own torch modules; Triton's paged attention where ``use_triton``."""
+    """The model's own torch modules; Triton's paged attention and quantized linear layers
+    where ``use_triton``."""
 
     cpu_ops: CpuOps | None = None
 
@@ -62,7 +66,12 @@ class TorchBackend:
         self.use_triton = use_triton
 
     def install(self, model: nn.Module) -> None:
+        """Undo an earlier engine's kernels; where ``use_triton``, install the Triton ones
+        (``triton_modules.py``: the linear layers over weights kept as stored)."""
         remove_cpu_kernels(model)  # a model an earlier engine computed on with its kernels
+        remove_triton_kernels(model)
+        if self.use_triton:
+            install_triton_kernels(model)
 
     def decodes_in_c(self, spec: KVCacheSpec) -> bool:
         """Whether decode steps over a cache of ``spec`` run the C decode kernels (which alone
@@ -92,6 +101,7 @@ class CpuBackend(TorchBackend):
         in place in the kernels' paired layout where ``ops`` reads it (``quant.pair_blocks``:
         the same bytes, the same values, 16 rows interleaved)."""
         remove_cpu_kernels(model)
+        remove_triton_kernels(model)
         ops = self.cpu_ops
         for module in model.modules():
             kind = type(module)

@@ -28,6 +28,9 @@ from safetensors import safe_open
 
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+# devices a weight kept as stored is computed on: the C kernels (CPU), Triton's (CUDA,
+# kernels/quant_matmul.py); any other gets the weights dequantized
+KEEP_STORED_DEVICES = ("cpu", "cuda")
 # Tensors some exporters leave in checkpoints that carry nothing kvmesh needs.
 _HARMLESS_EXTRA = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 
@@ -43,8 +46,8 @@ def load_model(
     ``dtype`` (a torch dtype or a name such as "bfloat16") defaults to the checkpoint's own dtype,
     float32 when it names none; float32, bfloat16 and float16 are supported. Weights a checkpoint
     keeps as stored (Q8_0 ... Q5_1, K-quants, F16, BF16: ``kvmesh model import``) stay so on
-    the CPU (``shared/model/quant_layers.py``); ``dequantize`` (and any other device) makes them
-    ``dtype``.
+    the CPU and on CUDA (``shared/model/quant_layers.py``; CUDA multiplies them with
+    ``kernels/quant_matmul.py``); ``dequantize`` (and any other device) makes them ``dtype``.
     """
     if dtype is not None:
         try:
@@ -114,8 +117,8 @@ def build_model(
     """Materialise a Transformer from HF-named tensors. ``available`` lists every tensor in the
     checkpoint; ``source`` names the checkpoint in errors. ``formats``: the tensors kept in a
     block format (name -> format, their tensors (rows, row bytes) uint8); a weight whose parts
-    are all kept stays as stored on the CPU unless ``dequantize`` (parts in several formats: a
-    ``StackedWeight``)."""
+    are all kept stays as stored on the CPU or CUDA unless ``dequantize`` (parts in several
+    formats: a ``StackedWeight``)."""
     formats = dict(formats or {})
     available = set(available)
     plan = hf_weight_plan(config)
@@ -135,7 +138,7 @@ def build_model(
             + f"; they do not belong to a {config.architecture} with this config.json"
         )
 
-    keep = torch.device(device).type == "cpu" and not dequantize
+    keep = torch.device(device).type in KEEP_STORED_DEVICES and not dequantize
     kept = {
         param: parts
         for param, parts in plan.items()
@@ -145,7 +148,7 @@ def build_model(
         model = Transformer(config).to(dtype=config.torch_dtype)
     if kept:
         quant_weights = {
-            param: _quant_weight(parts, formats, get_tensor, source)
+            param: _quant_weight(parts, formats, get_tensor, source).to(device)
             for param, parts in kept.items()
         }
         use_quant_weights(model, quant_weights)

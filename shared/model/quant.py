@@ -102,6 +102,7 @@ class QuantWeight:
 
     def select_rows(self, index: torch.Tensor) -> QuantWeight:
         """The rows ``index`` (1-D int64), as a new QuantWeight (in the GGUF layout)."""
+        index = index.to(self.data.device)  # TP's row ranges come on the CPU
         data = _paired_rows(self, index) if self.paired else self.data.index_select(0, index)
         return QuantWeight(self.format, data, index.numel(), self.cols)
 

@@ -5,8 +5,6 @@ Runs on CPU under TRITON_INTERPRET=1 (set by `make test`), or on CUDA.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from kvmesh.kernels.kv_pack import (
@@ -19,13 +17,8 @@ from kvmesh.kernels.kv_pack import (
     staging_shape,
 )
 from kvmesh.shared.kv.kv_cache import KVCacheSpec, KVPool
+from support.triton_device import DEVICE, needs_triton
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
-needs_triton = pytest.mark.skipif(
-    not INTERPRET and not torch.cuda.is_available(),
-    reason="Triton kernels need CUDA or TRITON_INTERPRET=1",
-)
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn]
 
 
