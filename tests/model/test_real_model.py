@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.gguf_reference import parsed_once
 from support.tool_specs import WEATHER, WEATHER_TOOL
 
 NAME = "smollm2-135m-instruct"
@@ -67,10 +68,11 @@ def transformers_gguf(real_model, tmp_path_factory):
     pytest.importorskip("accelerate")
     alone = tmp_path_factory.mktemp("gguf-alone")
     (alone / GGUF).symlink_to(real_model / GGUF)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        alone, gguf_file=GGUF, dtype=torch.float32
-    )
-    tokenizer = transformers.AutoTokenizer.from_pretrained(alone, gguf_file=GGUF)
+    with parsed_once():  # the same model and tokenizer, the GGUF parsed once (support/)
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            alone, gguf_file=GGUF, dtype=torch.float32
+        )
+        tokenizer = transformers.AutoTokenizer.from_pretrained(alone, gguf_file=GGUF)
     return model.eval(), tokenizer
 
 
