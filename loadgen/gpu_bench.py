@@ -1,8 +1,9 @@
 """The benchmarks of ``make gpu-check`` (scripts/gpu_check.py), each against a reference in the
 same run, run one after another by ``run_all`` (one that fails does not stop the others):
 
-* ``bench_kv_pack`` and ``bench_paged_decode`` (``gpu_kernel_bench.py``): the KV pack and scatter
-  kernels against a device-to-device copy, paged decode attention against SDPA;
+* ``bench_kv_pack``, ``bench_paged_decode`` and ``bench_quant_matmul`` (``gpu_kernel_bench.py``):
+  the KV pack and scatter kernels against a device-to-device copy, paged decode attention
+  against SDPA, the quantized matmul against dequantize-then-matmul and the float matmul;
 * ``bench_engine_decode`` (``gpu_engine_bench.py``): the engine's decode tokens/s against
   transformers' on the seeded model of realistic shape (``realistic_model.py``).
 
@@ -19,12 +20,13 @@ from typing import Any
 
 import torch
 from kvmesh.loadgen.gpu_engine_bench import bench_engine_decode
-from kvmesh.loadgen.gpu_kernel_bench import bench_kv_pack, bench_paged_decode
+from kvmesh.loadgen.gpu_kernel_bench import bench_kv_pack, bench_paged_decode, bench_quant_matmul
 from kvmesh.loadgen.gpu_sizes import BenchSizes
 
 BENCHMARKS: dict[str, Callable[[BenchSizes, torch.device], dict[str, Any]]] = {
     "kv_pack": bench_kv_pack,
     "paged_decode_attention": bench_paged_decode,
+    "quant_matmul": bench_quant_matmul,
     "engine_decode": bench_engine_decode,
 }
 

@@ -6,6 +6,11 @@
 * ``bench_paged_decode``: the paged decode attention kernel (kernels/paged_attention.py) against
   ``torch.nn.functional.scaled_dot_product_attention`` on the same keys and values laid out
   unpaged, per batch size (goal: ratio >= 1.0 at batch 32 and up).
+* ``bench_quant_matmul``: the quantized matmul (kernels/quant_matmul.py) over a weight kept as
+  stored, per format and row count, against the path it replaces (``QuantLinear``: dequantize,
+  then ``F.linear``) and against ``F.linear`` over the weight already dequantized to the
+  activations' dtype (what a float model reads); the weight's GB/s at each (goal: faster than
+  dequantize-then-matmul at one row, every format).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from kvmesh.loadgen.device_timing import ratio, time_fn
 from kvmesh.loadgen.gpu_sizes import BenchSizes
 
 GOAL_PACK_RATIO = 0.8
+GOAL_QUANT_DECODE_RATIO = 1.0  # dequantize-then-matmul time / kernel time, one row of x
 GOAL_ATTENTION_RATIO = 1.0  # at batch >= ATTENTION_GOAL_MIN_BATCH
 ATTENTION_GOAL_MIN_BATCH = 32
 
@@ -129,3 +135,70 @@ def bench_paged_decode(sizes: BenchSizes, device: torch.device) -> dict[str, Any
         f"{ATTENTION_GOAL_MIN_BATCH}",
         "meets_goal": all(meets) if meets else None,
     }
+
+
+def bench_quant_matmul(sizes: BenchSizes, device: torch.device) -> dict[str, Any]:
+    """Microseconds per call and the weight's GB/s (its stored bytes over the call's time) of
+    quant_matmul, of dequantize-then-F.linear, and of F.linear over the dequantized weight, for
+    each format and row count of ``sizes``; the largest difference from the reference."""
+    import torch.nn.functional as F
+    from kvmesh.kernels.quant_matmul import quant_matmul, quant_matmul_ref
+    from kvmesh.shared.model.quant import K_FORMATS, dequantize, quantize
+
+    out_features, in_features = sizes.quant_shape
+    gen = torch.Generator().manual_seed(2)
+    floats = torch.randn(out_features, in_features, generator=gen) * 0.05
+    formats: dict[str, Any] = {}
+    for fmt in sizes.quant_formats:
+        if fmt in K_FORMATS:  # kvmesh writes no K-quants: valid blocks of random bytes
+            weight = _random_k(fmt, out_features, in_features, gen).to(device)
+        else:
+            weight = quantize(floats, fmt).to(device)
+        dense = dequantize(weight).to(sizes.dtype)
+        rows = {}
+        for m in sizes.quant_rows:
+            x = torch.randn(m, in_features, generator=gen).to(device, sizes.dtype)
+            err = (quant_matmul(x, weight).float() - quant_matmul_ref(x, weight).float()).abs()
+
+            def dequant_then_matmul(x=x, weight=weight):
+                return F.linear(x, dequantize(weight).to(x.dtype))
+
+            t_kernel = time_fn(lambda x=x, w=weight: quant_matmul(x, w), device, sizes.iters)
+            t_dequant = time_fn(dequant_then_matmul, device, sizes.iters)
+            t_dense = time_fn(lambda x=x, d=dense: F.linear(x, d), device, sizes.iters)
+            rows[str(m)] = {
+                "kernel_us": t_kernel * 1e6,
+                "dequantize_matmul_us": t_dequant * 1e6,
+                "float_matmul_us": t_dense * 1e6,
+                "kernel_weight_gb_per_s": weight.nbytes / t_kernel / 1e9,
+                "float_weight_gb_per_s": dense.numel() * dense.element_size() / t_dense / 1e9,
+                "ratio_vs_dequantize": ratio(t_dequant, t_kernel),  # > 1: the kernel is faster
+                "ratio_vs_float": ratio(t_dense, t_kernel),
+                "max_abs_err": err.max().item(),
+            }
+        formats[fmt] = {"weight_bytes": weight.nbytes, "rows": rows}
+    one_row = [
+        f["rows"][str(min(sizes.quant_rows))]["ratio_vs_dequantize"] for f in formats.values()
+    ]
+    goal = f"ratio_vs_dequantize >= {GOAL_QUANT_DECODE_RATIO} at {min(sizes.quant_rows)} row(s)"
+    return dict(
+        shape=f"{out_features} x {in_features}, x {str(sizes.dtype).removeprefix('torch.')}",
+        reference="QuantLinear's dequantize then F.linear; F.linear over the float weight",
+        formats=formats,
+        goal=goal + ", every format",
+        meets_goal=min(one_row) >= GOAL_QUANT_DECODE_RATIO,
+    )
+
+
+def _random_k(fmt: str, rows: int, cols: int, gen: torch.Generator):
+    """Random ``fmt`` super-blocks with small float16 scales (every other bit random)."""
+    from kvmesh.shared.model.quant import BLOCK_BYTES, QuantWeight
+
+    size = BLOCK_BYTES[fmt]
+    raw = torch.randint(0, 256, (rows, cols // 256, size), generator=gen, dtype=torch.uint8)
+    scale = torch.tensor([0.002, 0.002], dtype=torch.float16).view(torch.uint8)
+    if fmt == "Q6_K":
+        raw[..., size - 2 :] = scale[:2]
+    else:
+        raw[..., 0:4] = scale
+    return QuantWeight(fmt, raw.reshape(rows, -1).contiguous(), rows, cols)

@@ -31,6 +31,10 @@ class BenchSizes:
     engine_prompt_len: int
     engine_new_tokens: int
     model: dict[str, int]  # the seeded model's shape (realistic_config's arguments)
+    # quantized matmul: a (out, in) weight in each format, x of each row count
+    quant_shape: tuple[int, int]
+    quant_formats: tuple[str, ...]
+    quant_rows: tuple[int, ...]
     iters: int  # timed repetitions of a kernel
 
 
@@ -49,6 +53,9 @@ GPU_SIZES = BenchSizes(
     engine_prompt_len=128,
     engine_new_tokens=128,
     model=dict(hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8, vocab_size=32000),
+    quant_shape=(16384, 2048),  # Llama-3.2-1B's gate and up projections
+    quant_formats=("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"),
+    quant_rows=(1, 8, 512),
     iters=20,
 )
 
@@ -67,5 +74,8 @@ DRY_SIZES = BenchSizes(
     engine_prompt_len=8,
     engine_new_tokens=4,
     model=dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, vocab_size=300),
+    quant_shape=(64, 256),
+    quant_formats=("Q4_1", "Q4_K"),
+    quant_rows=(1, 3),
     iters=2,
 )

@@ -47,7 +47,7 @@ def test_dry_run_prints_one_json_of_every_benchmark_labelled_as_dry_run():
     assert summary["mode"] == "cpu-dry-run" and "none of these figures" in summary["note"]
     assert summary["versions"]["torch"] == torch.__version__
     benches = summary["benchmarks"]
-    assert set(benches) == {"kv_pack", "paged_decode_attention", "engine_decode"}
+    assert set(benches) == {"kv_pack", "paged_decode_attention", "engine_decode", "quant_matmul"}
     for name, result in benches.items():
         assert "error" not in result, (name, result)
         assert result["dry_run"] is True and result["meets_goal"] == "n/a (dry run)"
@@ -55,6 +55,11 @@ def test_dry_run_prints_one_json_of_every_benchmark_labelled_as_dry_run():
     attention = benches["paged_decode_attention"]["batches"]
     assert set(attention) == {"1", "2"}
     assert all(row["max_abs_err"] < 1e-4 for row in attention.values())  # float32, same data
+    quant = benches["quant_matmul"]["formats"]
+    assert set(quant) == {"Q4_1", "Q4_K"}
+    for fmt in quant.values():  # float32, the same weight: the kernel is its reference
+        assert all(row["max_abs_err"] < 1e-4 for row in fmt["rows"].values())
+        assert all(row["kernel_weight_gb_per_s"] > 0 for row in fmt["rows"].values())
     engine = benches["engine_decode"]["batches"]
     for row in engine.values():
         assert row["engine_tok_per_s"] > 0 and row["transformers_tok_per_s"] > 0
