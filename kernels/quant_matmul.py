@@ -35,16 +35,16 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 SUPPORTED_FORMATS = tuple(FORMAT_CODES)  # every stored format
 
 # format codes (quant_formats.FORMAT_CODES), as the kernel's compile-time constants
-_Q8_0: tl.constexpr = FORMAT_CODES["Q8_0"]
-_Q4_0: tl.constexpr = FORMAT_CODES["Q4_0"]
-_Q4_1: tl.constexpr = FORMAT_CODES["Q4_1"]
-_Q5_0: tl.constexpr = FORMAT_CODES["Q5_0"]
-_Q5_1: tl.constexpr = FORMAT_CODES["Q5_1"]
-_Q4_K: tl.constexpr = FORMAT_CODES["Q4_K"]
-_Q5_K: tl.constexpr = FORMAT_CODES["Q5_K"]
-_Q6_K: tl.constexpr = FORMAT_CODES["Q6_K"]
-_F16: tl.constexpr = FORMAT_CODES["F16"]
-_BF16: tl.constexpr = FORMAT_CODES["BF16"]
+_Q8_0 = tl.constexpr(FORMAT_CODES["Q8_0"])
+_Q4_0 = tl.constexpr(FORMAT_CODES["Q4_0"])
+_Q4_1 = tl.constexpr(FORMAT_CODES["Q4_1"])
+_Q5_0 = tl.constexpr(FORMAT_CODES["Q5_0"])
+_Q5_1 = tl.constexpr(FORMAT_CODES["Q5_1"])
+_Q4_K = tl.constexpr(FORMAT_CODES["Q4_K"])
+_Q5_K = tl.constexpr(FORMAT_CODES["Q5_K"])
+_Q6_K = tl.constexpr(FORMAT_CODES["Q6_K"])
+_F16 = tl.constexpr(FORMAT_CODES["F16"])
+_BF16 = tl.constexpr(FORMAT_CODES["BF16"])
 
 
 @triton.jit
@@ -81,6 +81,22 @@ def _k_scale_min(u8, offset, j, mask):
     sc = tl.where(j < 4, a & 63, (c & 0x0F) | ((e >> 6) << 4))
     mn = tl.where(j < 4, c & 63, (c >> 4) | ((a >> 6) << 4))
     return sc.to(tl.float32), mn.to(tl.float32)
+
+
+@triton.jit
+def _k_values(u8, h, row, k, mask, BB: tl.constexpr, FIFTH_BIT: tl.constexpr):
+    """Q4_K's (``BB`` 144) or Q5_K's (176, ``FIFTH_BIT``: its qh bytes) values k of the rows at
+    byte ``row``: d sc[j] q - dmin m[j] in sub-block j."""
+    v = k % 256
+    j, i = v // 32, v % 32
+    base = row + (k // 256) * BB
+    qs = base + BB - 128 + 32 * (j // 2) + i  # sub-blocks 2c, 2c + 1 share bytes 32c ..
+    q = (_byte(u8, qs, mask) >> (4 * (j % 2))) & 0x0F
+    if FIFTH_BIT:
+        q = q | (((_byte(u8, base + 16 + i, mask) >> j) & 1) << 4)
+    sc, mn = _k_scale_min(u8, base + 4, j, mask)
+    scale = _half(h, base, mask) * sc
+    return scale * q.to(tl.float32) - _half(h, base + 2, mask) * mn
 
 
 @triton.jit
@@ -122,19 +138,11 @@ def _dequant_tile(u8, i8, h, n, k, rb, mask, FMT: tl.constexpr):
         sc = tl.load(i8 + base + 192 + v // 16, mask=mask, other=0).to(tl.float32)
         scale = _half(h, base + 208, mask) * sc
         w = scale * ((low | (high << 4)) - 32).to(tl.float32)
-    else:  # Q4_K, Q5_K
-        tl.static_assert(FMT == _Q4_K or FMT == _Q5_K)  # noqa: SIM109
-        v = k % 256
-        j, i = v // 32, v % 32
-        bb: tl.constexpr = 144 if FMT == _Q4_K else 176
-        base = row + (k // 256) * bb
-        qs = base + bb - 128 + 32 * (j // 2) + i  # sub-blocks 2c, 2c + 1 share bytes 32c ..
-        q = (_byte(u8, qs, mask) >> (4 * (j % 2))) & 0x0F
-        if FMT == _Q5_K:
-            q = q | (((_byte(u8, base + 16 + i, mask) >> j) & 1) << 4)
-        sc, mn = _k_scale_min(u8, base + 4, j, mask)
-        scale = _half(h, base, mask) * sc
-        w = scale * q.to(tl.float32) - _half(h, base + 2, mask) * mn
+    elif FMT == _Q4_K:
+        w = _k_values(u8, h, row, k, mask, 144, False)
+    else:
+        tl.static_assert(FMT == _Q5_K)
+        w = _k_values(u8, h, row, k, mask, 176, True)
     return w
 
 
