@@ -76,6 +76,6 @@ DRY_SIZES = BenchSizes(
     model=dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, vocab_size=300),
     quant_shape=(64, 256),
     quant_formats=("Q4_1", "Q4_K"),
-    quant_rows=(1, 3),
+    quant_rows=(1,),
     iters=2,
 )
