@@ -354,31 +354,36 @@ def test_block_size_change_needs_a_big_enough_staging_region():
 
 @needs_interpreter
 @pytest.mark.parametrize(
-    ("src_bs", "dst_bs", "src_tp", "dst_tp"), [(4, 8, 2, 1), (8, 4, 1, 2), (4, 16, 1, 1)]
+    ("src_bs", "dst_bs", "src_tp", "dst_tp", "heads"),
+    [(4, 8, 2, 1, 4), (8, 4, 1, 2, 4), (4, 16, 1, 1, 4), (4, 8, 2, 1, 3), (8, 4, 1, 2, 3)],
 )
-def test_regrouped_writes_carry_the_token_run_into_decode_blocks(src_bs, dst_bs, src_tp, dst_tp):
+def test_regrouped_writes_carry_the_token_run_into_decode_blocks(
+    src_bs, dst_bs, src_tp, dst_tp, heads
+):
+    """3 heads: TP2's ranks hold 2 and 1, packed into staging pieces of those sizes."""
     dtype = torch.bfloat16
     src_ids = [4, 1, 2]
     num_tokens = len(src_ids) * src_bs
     n_dst = -(-num_tokens // dst_bs)
     dst_ids = [5, 0, 3, 2, 7, 6][:n_dst]
-    full = _full_kv(seed=src_bs + dst_bs, num_blocks=5, block_size=src_bs, dtype=dtype)
-    decs = [Decode(_spec(HEADS // dst_tp, dst_bs, dtype), 8) for _ in range(dst_tp)]
+    full = _full_kv(src_bs + dst_bs, 5, src_bs, dtype, heads)
+    src_shards, dst_shards = KVHeadShards(heads, src_tp), KVHeadShards(heads, dst_tp)
+    decs = [Decode(_spec(dst_shards.num_heads(r), dst_bs, dtype), 8) for r in range(dst_tp)]
     dests = [d.destination(50 + r, dst_ids) for r, d in enumerate(decs)]
 
     for rank, shard in enumerate(_shards(full, src_tp)):
-        s = Source(_spec(HEADS // src_tp, src_bs, dtype), 5)
+        s = Source(_spec(src_shards.num_heads(rank), src_bs, dtype), 5)
         s.pool.tensor.copy_(shard)
-        need = staging_bytes(s.pool.spec, len(src_ids), dests, src_rank=rank, src_tp=src_tp)
+        kw = {"src_rank": rank, "src_tp": src_tp, "num_kv_heads": heads}
+        need = staging_bytes(s.pool.spec, len(src_ids), dests, **kw)
+        assert need == n_dst * src_shards.num_heads(rank) * decs[0].pool.spec.head_bytes
         mem = torch.full((need,), 0x5A, dtype=torch.uint8)
         region = MemoryRegion(mem.data_ptr(), need, rkey=9)
-        plan = plan_kv_writes(
-            s.pool, s.region, src_ids, dests, src_rank=rank, src_tp=src_tp, staging=region
-        )
+        plan = plan_kv_writes(s.pool, s.region, src_ids, dests, staging=region, **kw)
         run_packs(plan, s.pool, mem)
         _apply(plan, {9: mem}, decs)
 
-    run = torch.cat(list(full[src_ids]), dim=3)  # (HEADS, L, 2, num_tokens, D)
+    run = torch.cat(list(full[src_ids]), dim=3)  # (heads, L, 2, num_tokens, D)
     for d, shard in zip(decs, _shards(run.unsqueeze(0), dst_tp), strict=True):
         got = torch.cat(list(d.pool.tensor[dst_ids]), dim=3)
         assert torch.equal(_bits(got[:, :, :, :num_tokens]), _bits(shard[0]))
