@@ -12,13 +12,16 @@ float16 ones with the tile cast to their dtype, as ``QuantLinear`` casts the deq
 on the tensor cores (products exact, sums in float32).
 
 Rows of x: any number (one for decode, thousands for prefill; the tile grows from 16 to 64 rows
-with them); every edge (rows, output features, a last partial K tile) is masked. The torch
+with them); every edge (rows, output features, a last partial K tile) is masked. A decode call
+with fewer output tiles than the GPU has SMs splits K over more programs (``_split_k``), their
+float32 partial sums added afterwards. The torch
 reference beside it is ``quant_matmul_ref`` (dequantize, then ``F.linear``). ``quant_dequantize``
 writes a weight (an embedding's looked-up rows) out in float by the same tile code.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -160,6 +163,8 @@ def _quant_matmul_kernel(
     rb,
     stride_xm,
     stride_ym,
+    k_split,
+    stride_ys,
     FMT: tl.constexpr,
     DOT_F32: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -171,7 +176,8 @@ def _quant_matmul_kernel(
     rk = tl.arange(0, BLOCK_K)
     n = rn.to(tl.int64)[None, :]  # byte offsets of big weights pass 2**31
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_begin = tl.program_id(2) * k_split  # split-K: values [k_begin, + k_split) of each row
+    for k0 in range(k_begin, tl.minimum(K, k_begin + k_split), BLOCK_K):
         k = k0 + rk
         x_mask = (rm[:, None] < M) & (k[None, :] < K)
         x = tl.load(x_ptr + rm[:, None] * stride_xm + k[None, :], mask=x_mask, other=0.0)
@@ -185,6 +191,7 @@ def _quant_matmul_kernel(
     if bias_ptr is not None:  # None: a compile-time constant
         acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
     y_mask = (rm[:, None] < M) & (rn[None, :] < N)
+    y_ptr += tl.program_id(2) * stride_ys  # a split's partial sums (float32) in its own slice
     tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty), y_mask)
 
 
@@ -238,11 +245,15 @@ def quant_dequantize(weight: QuantWeight | StackedWeight, dtype: torch.dtype) ->
 
 
 def quant_matmul(
-    x: torch.Tensor, weight: QuantWeight | StackedWeight, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: QuantWeight | StackedWeight,
+    bias: torch.Tensor | None = None,
+    split_k: int | None = None,
 ) -> torch.Tensor:
     """y = x @ dequantize(weight).T (+ bias): x (..., cols) float32, bfloat16 or float16 on
     the weight's device; returns (..., rows) in x's dtype. A stacked weight: each part's rows by
-    its own format into its columns of one output."""
+    its own format into its columns of one output. ``split_k``: how many ranges of K a decode
+    call's programs split each row into (``_split_k`` chooses from the device when None)."""
     parts = weight.parts if isinstance(weight, StackedWeight) else (weight,)
     _check_inputs(x, weight, parts, bias)
     x2 = x.reshape(-1, weight.cols)
@@ -254,7 +265,7 @@ def quant_matmul(
         end = start + part.rows
         part_bias = None if bias is None else bias[start:end]
         if x2.shape[0]:
-            _launch(x2, part, part_bias, out[:, start:end])
+            _launch(x2, part, part_bias, out[:, start:end], split_k)
         start = end
     return out.reshape(*x.shape[:-1], weight.rows)
 
@@ -273,28 +284,66 @@ def _tiles(rows: int) -> tuple[int, int, int]:
     return (16 if rows <= 16 else 64), 64, 64
 
 
-def _launch(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None, out: torch.Tensor) -> None:
+def _split_k(rows: int, programs: int, k_steps: int, device: torch.device) -> int:
+    """Ranges of K per row for a call of ``programs`` (output tiles) on ``device``: a decode
+    call (up to 16 rows) of a narrow weight has fewer tiles than the GPU has SMs (SmolLM2's
+    q, k, v: 15 on an H100's 132), and one program streaming a whole row range cannot keep the
+    memory busy; splitting K gives about two programs per SM, their float32 partial sums added
+    afterwards in a fixed order. 1 on the CPU (the interpreter), for prefill and wide weights."""
+    if device.type != "cuda" or rows > 16:
+        return 1
+    sms = _multiprocessors(device.index if device.index is not None else 0)
+    if programs >= sms:
+        return 1
+    return max(1, min(triton.cdiv(2 * sms, programs), k_steps))
+
+
+@functools.cache
+def _multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _launch(
+    x: torch.Tensor,
+    w: QuantWeight,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    split_k: int | None,
+) -> None:
     M, K = x.shape
     N = w.rows
     block_m, block_n, block_k = _tiles(M)
-    grid = (triton.cdiv(N, block_n), triton.cdiv(M, block_m))
-    _quant_matmul_kernel[grid](
+    grid_n, grid_m, k_steps = (
+        triton.cdiv(N, block_n),
+        triton.cdiv(M, block_m),
+        triton.cdiv(K, block_k),
+    )
+    split = split_k or _split_k(M, grid_n * grid_m, k_steps, x.device)
+    k_split = triton.cdiv(k_steps, min(split, k_steps)) * block_k  # whole K tiles per range
+    split = triton.cdiv(K, k_split)
+    y = out if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x.device)
+    _quant_matmul_kernel[(grid_n, grid_m, split)](
         x,
         *_byte_views(w),
-        bias,
-        out,
+        bias if split == 1 else None,
+        y,
         M,
         N,
         K,
         w.data.shape[1],
         x.stride(0),
-        out.stride(0),
+        y.stride(-2),
+        k_split,
+        y.stride(0) if split > 1 else 0,
         FMT=FORMAT_CODES[w.format],
         DOT_F32=x.dtype == torch.float32 or _INTERPRET,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
     )
+    if split > 1:
+        total = y.sum(0) if bias is None else y.sum(0) + bias.float()
+        out.copy_(total)
 
 
 def _byte_views(w: QuantWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

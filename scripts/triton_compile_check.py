@@ -21,6 +21,9 @@ import argparse
 import sys
 import time
 
+# quant_matmul's integer arguments (sizes, strides, the split-K range)
+_INT_ARGS = ("M", "N", "K", "rb", "stride_xm", "stride_ym", "k_split", "stride_ys")
+
 
 def variants():
     """(name, kernel, signature, constexprs) of every compiled variant."""
@@ -39,7 +42,7 @@ def variants():
                     "h": half,
                     "bias_ptr": f"*{x}" if bias else "constexpr",
                     "y_ptr": f"*{x}",
-                    **dict.fromkeys(("M", "N", "K", "rb", "stride_xm", "stride_ym"), "i32"),
+                    **dict.fromkeys(_INT_ARGS, "i32"),
                     **dict.fromkeys(
                         ("FMT", "DOT_F32", "BLOCK_M", "BLOCK_N", "BLOCK_K"), "constexpr"
                     ),

@@ -91,6 +91,21 @@ def test_decode_and_prefill_row_counts_with_bias_and_leading_dims(rows):
     torch.testing.assert_close(y[0].double(), _exact(x[0], w, bias), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize(("format", "cols", "split"), [("Q4_K", 512, 3), ("Q8_0", 96, 2)])
+def test_split_k_adds_the_ranges_partial_sums(format, cols, split):
+    """A decode call split over K (as on a GPU with more SMs than output tiles): 3 ranges of 3,
+    3 and 2 K tiles; 2 ranges, the second a half-masked tile; the bias added once."""
+    from kvmesh.kernels.quant_matmul import quant_matmul
+
+    w = _weight(format, 40, cols, seed=20)
+    bias = _x(1, 40, seed=21)[0]
+    x = _x(2, cols, seed=22)
+
+    y = quant_matmul(x, w, bias, split_k=split)
+
+    torch.testing.assert_close(y.double(), _exact(x, w, bias), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_activations_match_the_reference_within_their_rounding(dtype):
     from kvmesh.kernels.quant_matmul import quant_matmul, quant_matmul_ref
