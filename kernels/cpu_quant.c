@@ -31,9 +31,10 @@
  * order, where the GGUF layout takes two loads, an insert and a cross-lane shuffle. The values
  * and scales are the same, so the results are bit for bit those of the GGUF layout.
  *
- * Interleaved groups (KV_PAIRED too, the same pair_blocks; Q8_0 as well): a paired weight's rows
- * in whole groups of QG = 16 are stored block by block with the group's 16 rows side by side
- * (qgroup below: one vpdpbusd lane per weight row); only the rows left over are in pairs.
+ * Interleaved groups (KV_PAIRED too, the same pair_blocks; Q5_0, Q5_1 and Q8_0 as well): a
+ * paired weight's rows in whole groups of QG = 16 are stored block by block with the group's 16
+ * rows side by side (qgroup below: one vpdpbusd lane per weight row); only the Q4 rows left
+ * over are in pairs (Q5's and Q8_0's: the GGUF layout).
  *
  * Threads split the output features at whole groups of QG: thread t of nt computes the columns
  * of groups [G t / nt, G (t + 1) / nt) of y for every row of x, reading its share of the weight
@@ -219,9 +220,10 @@ static inline __attribute__((always_inline)) __m512i load_pair(int fmt, int pair
 }
 
 /* Rows of a paired weight in whole groups of QG (the first rows / QG * QG), interleaved: for
- * each block b, its 16 rows' dw (float16, 32 bytes), for Q4_1 their mw (32 bytes), then chunks
+ * each block b, its 16 rows' dw (float16, 32 bytes), for Q4_1, Q5_1 their mw (32 bytes), then chunks
  * of 64 bytes, chunk i's bytes 4c .. 4c + 4 being row c's value bytes 4i .. 4i + 4: Q4's 4 chunks
- * of nibble bytes (values 4i + j in the low nibbles, 16 + 4i + j in the high ones), Q8_0's 8 of
+ * of nibble bytes (values 4i + j in the low nibbles, 16 + 4i + j in the high ones; Q5: after 8
+ * masks of 64 bits, mask j's bit 4c + t the fifth bit of row c's value 4j + t), Q8_0's 8 of
  * q + 128 (q xor 0x80: unsigned, as vpdpbusd takes its first operand; the 128 sum(qx) that adds
  * is taken off in int32). A chunk's values are one vpdpbusd operand holding 4 values of each of
  * the 16 rows, against x's 4 values broadcast: one int32 lane per weight row, so a block's 16
@@ -234,7 +236,7 @@ static inline __attribute__((always_inline)) void qgroup(int fmt, const int8_t *
                                                         int64_t k, const uint8_t *g, int R,
                                                         __m512 out[4]) {
     const int64_t nb = k / QB, xss = qk_scale_stride(k), gb = QG * block_bytes[fmt];
-    const int head = fmt == KV_Q4_1 ? 64 : 32;
+    const int head = has_min(fmt) ? 64 : 32, bits = head + (is_q5(fmt) ? 64 : 0);
     const __m512i low = _mm512_set1_epi8(0x0f);
     __m512 acc[4], macc[4];
     for (int r = 0; r < R; r++) acc[r] = macc[r] = _mm512_setzero_ps();
@@ -245,13 +247,20 @@ static inline __attribute__((always_inline)) void qgroup(int fmt, const int8_t *
         if (fmt == KV_Q8_0) {
             for (int j = 0; j < 8; j++) wv[j] = _mm512_loadu_si512(blk + head + 64 * j);
         } else {
-            mw = fmt == KV_Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32)))
-                                : _mm512_mul_ps(dw, _mm512_set1_ps(-8.0f));
+            mw = has_min(fmt)
+                     ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32)))
+                     : _mm512_mul_ps(dw, _mm512_set1_ps(fmt == KV_Q4_0 ? -8.0f : -16.0f));
             for (int i = 0; i < 4; i++) {
-                __m512i p = _mm512_loadu_si512(blk + head + 64 * i);
+                __m512i p = _mm512_loadu_si512(blk + bits + 64 * i);
                 wv[i] = _mm512_and_si512(p, low);
                 wv[i + 4] = _mm512_and_si512(_mm512_srli_epi16(p, 4), low);
             }
+            if (is_q5(fmt)) /* the fifth bits of wv[j]'s bytes: a 64-bit mask each */
+                for (int j = 0; j < 8; j++) {
+                    __mmask64 h;
+                    memcpy(&h, blk + head + 8 * j, 8);
+                    wv[j] = _mm512_mask_add_epi8(wv[j], h, wv[j], _mm512_set1_epi8(16));
+                }
         }
         for (int r = 0; r < R; r++) {
             const float *lanes = xs + r * xss + (b / 2) * 32 + (b % 2) * 8;
@@ -303,12 +312,13 @@ static void qk_groups(int fmt, const int8_t *xq, const float *xs, int64_t m, int
             const float *sr = xs + r * xss;
             const uint8_t *wg = w + g * gbytes;
             __m512 out[4];
-            if (fmt == KV_Q4_1)
-                qgroup(KV_Q4_1, xr, sr, NULL, k, wg, R, out);
-            else if (fmt == KV_Q4_0)
-                qgroup(KV_Q4_0, xr, sr, NULL, k, wg, R, out);
-            else
-                qgroup(KV_Q8_0, xr, sr, xsum + r * nb, k, wg, R, out);
+            switch (fmt) {
+            case KV_Q4_1: qgroup(KV_Q4_1, xr, sr, NULL, k, wg, R, out); break;
+            case KV_Q4_0: qgroup(KV_Q4_0, xr, sr, NULL, k, wg, R, out); break;
+            case KV_Q5_1: qgroup(KV_Q5_1, xr, sr, NULL, k, wg, R, out); break;
+            case KV_Q5_0: qgroup(KV_Q5_0, xr, sr, NULL, k, wg, R, out); break;
+            default: qgroup(KV_Q8_0, xr, sr, xsum + r * nb, k, wg, R, out);
+            }
             for (int i = 0; i < R; i++) {
                 float *yr = y + (r + i) * n + g * QG;
                 __m512 v = _mm512_add_ps(out[i], bv);
@@ -549,7 +559,8 @@ static void qlinear_cols(const float *x, const int8_t *xq, const float *xs, int6
                       n, accumulate);
         if (c1 <= grouped) return;
         c0 = c0 > grouped ? c0 : grouped;
-        if ((fmt & ~KV_PAIRED) == KV_Q8_0) fmt = KV_Q8_0; /* its other rows: the GGUF layout */
+        const int base = fmt & ~KV_PAIRED; /* Q8_0's and Q5's other rows: the GGUF layout */
+        if (base == KV_Q8_0 || is_q5(base)) fmt = base;
     }
 #endif
     /* weight rows in runs of 16 against the whole block of x rows: both stay in cache */

@@ -27,13 +27,15 @@ back, so a (rows, cols) weight is a (rows, row bytes) uint8 matrix: rows can be 
 and concatenated as bytes. A weight whose row ranges come in different formats (a Q4_K_M file's
 q, k in Q4_K and v in Q6_K, fused into one projection) is a ``StackedWeight`` of parts.
 
-``pair_blocks`` rewrites a Q4 weight's rows in the layout the VNNI kernels read fastest
-(``paired``). The rows in whole groups of 16 (``GROUP``; the first ``rows // 16 * 16``) are
-interleaved: for each block b of the row, the group's 16 scales d (float16), for Q4_1 its 16
-m, then 4 chunks of 64 bytes, chunk i's bytes 4c .. 4c + 4 being row c's nibble bytes 4i .. 4i +
-4 (one int32 lane per row of a ``vpdpbusd``). The rows left over are paired: each pair of
-blocks A, B as dA, dB (mA, mB for Q4_1), then 32 bytes, byte j holding A's value j in its low
-nibble and B's value j in its high one; a last unpaired block stays as it was. The same bytes
+``pair_blocks`` rewrites a Q4, Q5 or Q8_0 weight's rows in the layout the VNNI kernels read
+fastest (``paired``). The rows in whole groups of 16 (``GROUP``; the first ``rows // 16 * 16``)
+are interleaved: for each block b of the row, the group's 16 scales d (float16), for Q4_1 and
+Q5_1 its 16 m, for Q5 8 masks of 64 bits (bit 4c + t of mask j: row c's value 4j + t's fifth
+bit), then chunks of 64 bytes, chunk i's bytes 4c .. 4c + 4 being row c's value bytes 4i .. 4i +
+4 (Q4, Q5: nibble bytes; Q8_0: q + 128, unsigned), so that one ``vpdpbusd`` lane holds one row.
+The Q4 rows left over are paired: each pair of blocks A, B as dA, dB (mA, mB for Q4_1), then 32
+bytes, byte j holding A's value j in its low nibble and B's value j in its high one; a last
+unpaired block stays as it was (Q5's and Q8_0's rows left over: as in the file). The same bytes
 and the same values: ``dequantize`` reads both; a group's rows are not separable
 (``select_rows`` and ``cat_rows`` return the GGUF layout).
 """
@@ -60,7 +62,7 @@ from kvmesh.shared.model.quant_formats import (  # noqa: F401  (re-exported)
     row_bytes,
 )
 
-PAIRABLE = ("Q4_0", "Q4_1", "Q8_0")  # the formats pair_blocks rewrites
+PAIRABLE = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")  # the formats pair_blocks rewrites
 GROUP = 16  # rows interleaved together in the paired layout (cpu_quant.c's QG)
 
 
@@ -219,32 +221,57 @@ def _pair_view(weight: QuantWeight) -> tuple[torch.Tensor, int]:
 
 def _interleave(fmt: str, rows: torch.Tensor, cols: int) -> torch.Tensor:
     """GGUF rows (groups * GROUP, row bytes) -> the same bytes interleaved by groups (above)."""
-    nb, bb, head = cols // BLOCK, BLOCK_BYTES[fmt], _scale_bytes(fmt)
+    nb, bb, head, vals = cols // BLOCK, BLOCK_BYTES[fmt], *_block_offsets(fmt)
     blocks = rows.view(-1, GROUP, nb, bb).transpose(1, 2)  # (groups, nb, GROUP, bb)
+    lead = blocks.shape[:2]
     scales = [blocks[..., i : i + 2] for i in range(0, head, 2)]  # d (and m) of each row
-    qs = blocks[..., head:].reshape(*blocks.shape[:2], GROUP, (bb - head) // 4, 4).transpose(2, 3)
+    qs = blocks[..., vals:].reshape(*lead, GROUP, (bb - vals) // 4, 4).transpose(2, 3)
     if fmt == "Q8_0":
         qs = qs ^ 0x80  # q + 128: unsigned
-    parts = [t.reshape(*blocks.shape[:2], -1) for t in [*scales, qs]]
+    fifth = []  # Q5: chunk j's fifth bits, bit 4c + t of mask j = row c's value 4j + t
+    if vals > head:
+        bits = _bits(blocks[..., head:vals]).reshape(*lead, GROUP, 8, 4).transpose(2, 3)
+        fifth = [_pack_bits(bits.reshape(*lead, 8, 4 * GROUP))]
+    parts = [t.reshape(*lead, -1) for t in [*scales, *fifth, qs]]
     return torch.cat(parts, -1).reshape(rows.shape)
 
 
 def _deinterleave(fmt: str, rows: torch.Tensor, cols: int) -> torch.Tensor:
     """The inverse of ``_interleave``."""
-    nb, bb, head = cols // BLOCK, BLOCK_BYTES[fmt], _scale_bytes(fmt)
+    nb, bb, head, vals = cols // BLOCK, BLOCK_BYTES[fmt], *_block_offsets(fmt)
     view = rows.view(-1, nb, GROUP * bb)
+    lead = view.shape[:2]
     scales = [
-        view[..., GROUP * i : GROUP * (i + 2)].reshape(-1, nb, GROUP, 2) for i in range(0, head, 2)
+        view[..., GROUP * i : GROUP * (i + 2)].reshape(*lead, GROUP, 2) for i in range(0, head, 2)
     ]
-    qs = view[..., GROUP * head :].reshape(-1, nb, (bb - head) // 4, GROUP, 4).transpose(2, 3)
+    start = GROUP * vals
+    fifth = []
+    if vals > head:
+        bits = _bits(view[..., GROUP * head : start]).reshape(*lead, 8, GROUP, 4).transpose(2, 3)
+        fifth = [_pack_bits(bits.reshape(*lead, GROUP, 32))]
+    qs = view[..., start:].reshape(*lead, (bb - vals) // 4, GROUP, 4).transpose(2, 3)
     if fmt == "Q8_0":
         qs = qs ^ 0x80
-    blocks = torch.cat([*scales, qs.reshape(-1, nb, GROUP, bb - head)], -1)
+    blocks = torch.cat([*scales, *fifth, qs.reshape(*lead, GROUP, bb - vals)], -1)
     return blocks.transpose(1, 2).reshape(rows.shape)  # (groups, nb, GROUP, bb) as rows
 
 
-def _scale_bytes(fmt: str) -> int:
-    return 4 if fmt == "Q4_1" else 2
+def _block_offsets(fmt: str) -> tuple[int, int]:
+    """Where a block's scales end and its values start (Q5: its fifth bits between)."""
+    head = 4 if fmt in ("Q4_1", "Q5_1") else 2
+    return head, head + (4 if fmt in ("Q5_0", "Q5_1") else 0)
+
+
+def _bits(data: torch.Tensor) -> torch.Tensor:
+    """(..., n) bytes -> (..., 8 n) bits, little-endian."""
+    return ((data.unsqueeze(-1) >> _shifts(*range(8)).view(8)) & 1).flatten(-2)
+
+
+def _pack_bits(bits: torch.Tensor) -> torch.Tensor:
+    """(..., 8 n) bits -> (..., n) bytes (the inverse of ``_bits``)."""
+    shaped = bits.reshape(*bits.shape[:-1], bits.shape[-1] // 8, 8).to(torch.uint8)
+    shaped = shaped << _shifts(*range(8)).view(8)
+    return shaped.sum(-1, dtype=torch.uint8)
 
 
 def _paired_rows(weight: QuantWeight, index: torch.Tensor) -> torch.Tensor:
@@ -278,7 +305,7 @@ def pair_blocks(weight: QuantWeight | StackedWeight, in_place: bool = False):
         return StackedWeight(tuple(pair_blocks(p, in_place) for p in weight.parts))
     if weight.paired or weight.format not in PAIRABLE:
         return weight
-    fmt, head = weight.format, _scale_bytes(weight.format)
+    fmt, head = weight.format, _block_offsets(weight.format)[0]
     data = weight.data if in_place else weight.data.clone()
     grouped = weight.rows // GROUP * GROUP
     step = 256  # rows at a time: the temporaries stay small
@@ -286,7 +313,7 @@ def pair_blocks(weight: QuantWeight | StackedWeight, in_place: bool = False):
         rows = data[r : min(r + step, grouped)]
         rows.copy_(_interleave(fmt, rows, weight.cols))
     rest = data[grouped:]
-    if fmt == "Q8_0":  # its rows left over keep the GGUF layout
+    if fmt not in ("Q4_0", "Q4_1"):  # Q8_0's and Q5's rows left over keep the GGUF layout
         return QuantWeight(fmt, data, weight.rows, weight.cols, paired=True)
     view, _ = _pair_view(QuantWeight(fmt, rest, rest.shape[0], weight.cols))
     a, b = view[..., : view.shape[-1] // 2], view[..., view.shape[-1] // 2 :]
@@ -302,12 +329,12 @@ def unpair_blocks(weight: QuantWeight | StackedWeight):
         return StackedWeight(tuple(unpair_blocks(p) for p in weight.parts))
     if not weight.paired:
         return weight
-    fmt, head = weight.format, _scale_bytes(weight.format)
+    fmt, head = weight.format, _block_offsets(weight.format)[0]
     grouped = weight.rows // GROUP * GROUP
     data = weight.data.clone()
     data[:grouped] = _deinterleave(fmt, weight.data[:grouped], weight.cols)
     rest = data[grouped:]
-    if fmt == "Q8_0":
+    if fmt not in ("Q4_0", "Q4_1"):
         return QuantWeight(fmt, data, weight.rows, weight.cols)
     view, _ = _pair_view(QuantWeight(fmt, rest, rest.shape[0], weight.cols))
     values = view[..., 2 * head :]

@@ -117,11 +117,11 @@ def test_residual_pass_reads_the_weight_once_for_both_terms() -> None:
     assert torch.equal(residual_quant_linear(ops, x, weight), two_calls)
 
 
-@pytest.mark.parametrize("format", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("format", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
 @pytest.mark.parametrize(("m", "k"), [(1, 576), (3, 96), (8, 160)])
 def test_paired_layout_matches_the_exact_reference_at_any_threads(format, m, k) -> None:
-    """The VNNI build reads Q4 and Q8_0 weights repacked (quant.pair_blocks: 16 rows
-    interleaved, the 6 left over of 70 in pairs of blocks): the same integer sums, held to the
+    """The VNNI build reads Q4, Q5 and Q8_0 weights repacked (quant.pair_blocks: 16 rows
+    interleaved, the 6 left over of 70 in pairs of blocks for Q4): the same integer sums, held to the
     float64 reference; a row's result does not depend on the batch or the threads' split."""
     from kvmesh.shared.model.quant import pair_blocks
 

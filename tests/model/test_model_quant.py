@@ -62,7 +62,7 @@ def test_quant_weight_refuses_a_shape_its_bytes_do_not_hold() -> None:
         QuantWeight("Q8_0", torch.zeros(4, 33, dtype=torch.uint8), 4, 32)
 
 
-@pytest.mark.parametrize("format", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("format", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
 @pytest.mark.parametrize("cols", [64, 96])  # an even and an odd number of blocks
 def test_paired_layout_holds_the_same_values_in_the_same_bytes(format: str, cols: int) -> None:
     from kvmesh.shared.model.quant import BLOCK_BYTES, GROUP, pair_blocks, unpair_blocks
@@ -76,16 +76,31 @@ def test_paired_layout_holds_the_same_values_in_the_same_bytes(format: str, cols
     assert torch.equal(dequantize(paired), dequantize(weight))
     index = torch.tensor([20, 3, 16, 3, 0, 15])  # a lookup across the group and the rest
     assert torch.equal(paired.select_rows(index).data, weight.select_rows(index).data)
-    head, bb = (4 if format == "Q4_1" else 2), BLOCK_BYTES[format]
-    # the group's first block: its 16 d (16 m), then chunk i's bytes 4c + j = row c's 4i + j
+    head, bb = (4 if format in ("Q4_1", "Q5_1") else 2), BLOCK_BYTES[format]
+    q5 = format.startswith("Q5")
+    # the group's first block: its 16 d (16 m), Q5's 8 masks of fifth bits (mask j's bit 4c + t:
+    # row c's value 4j + t), then chunk i's bytes 4c + j = row c's value bytes 4i + j
     group = paired.data[:GROUP].flatten()[: GROUP * bb]
     first = weight.data[:GROUP, :bb]
     scales = [first[:, i : i + 2].flatten() for i in range(0, head, 2)]
-    values = first[:, head:].reshape(GROUP, -1, 4).transpose(0, 1).flatten()
+    fifth = []
+    if q5:
+        qh = [
+            int.from_bytes(bytes(first[c, head : head + 4].tolist()), "little")
+            for c in range(GROUP)
+        ]
+        masks = [
+            sum(((qh[c] >> (4 * j + t)) & 1) << (4 * c + t) for c in range(GROUP) for t in range(4))
+            for j in range(8)
+        ]
+        fifth = [
+            torch.tensor(list(b"".join(m.to_bytes(8, "little") for m in masks)), dtype=torch.uint8)
+        ]
+    values = first[:, head + 4 * q5 :].reshape(GROUP, -1, 4).transpose(0, 1).flatten()
     values = values ^ 0x80 if format == "Q8_0" else values  # Q8_0's q + 128, unsigned
-    assert torch.equal(group, torch.cat([*scales, values]))
+    assert torch.equal(group, torch.cat([*scales, *fifth, values]))
     rest, paired_rest = weight.data[GROUP:], paired.data[GROUP:]
-    if format == "Q8_0":  # its rows left over as they were
+    if format in ("Q8_0", "Q5_0", "Q5_1"):  # its rows left over as they were
         assert torch.equal(paired_rest, rest)
     else:  # the first pair of a row left over: dA, dB (mA, mB), then A's value j | B's << 4
         a, b = rest[0, :bb], rest[0, bb : 2 * bb]
