@@ -46,7 +46,10 @@ class ReshardPiece(NamedTuple):
 
 def reshard_plan(num_kv_heads: int, src_tp: int, dst_tp: int) -> list[list[ReshardPiece]]:
     """For each source rank, the pieces it must write when KV heads move from TP ``src_tp`` to
-    ``dst_tp``. Rank r of a TP degree t holds heads ``[r * H / t, (r + 1) * H / t)``."""
+    ``dst_tp``. Rank r of a TP degree t holds heads ``[r * H / t, (r + 1) * H / t)``: even
+    splits only, the kernels' tests' and benchmarks' reference. The product plans with
+    ``shared/kv/head_shards.py`` (``reshard_pieces``: uneven splits and replicas too); the pack
+    and scatter kernels take any head range, so a piece of an uneven split packs as any other."""
     if num_kv_heads <= 0 or src_tp <= 0 or dst_tp <= 0:
         raise ValueError(
             f"num_kv_heads, src_tp and dst_tp must be positive, got {num_kv_heads}, {src_tp}, {dst_tp}"
