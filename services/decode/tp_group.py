@@ -203,7 +203,7 @@ class DecodeRanks(Feature):
     def make_windows(
         self, transport: Transport, region: MemoryRegion, block_bytes: int
     ) -> GroupWindows:
-        """The worker's lease windows, on every rank (``block_bytes``: one rank's block); their
+        """The worker's lease windows, on every rank (``block_bytes``: the leader's block); their
         ``pending_table`` counts every rank's writes."""
         self.windows = GroupWindows(
             transport,
