@@ -42,6 +42,7 @@ and the same values: ``dequantize`` reads both; a group's rows are not separable
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -276,25 +277,39 @@ def _pack_bits(bits: torch.Tensor) -> torch.Tensor:
 
 def _paired_rows(weight: QuantWeight, index: torch.Tensor) -> torch.Tensor:
     """Rows ``index`` of a paired weight in the GGUF layout: only the groups holding them are
-    put back (an embedding lookup), a few hundred at a time."""
-    grouped, rb = weight.rows // GROUP * GROUP, weight.data.shape[1]
-    rest = unpair_blocks(
-        QuantWeight(weight.format, weight.data[grouped:], weight.rows - grouped, weight.cols, True)
-    ).data
-    if grouped == 0:
-        return rest.index_select(0, index)
-    out = torch.empty(index.numel(), rb, dtype=torch.uint8, device=weight.data.device)
+    read back (an embedding lookup), a few hundred at a time; each row's bytes gathered through
+    ``_group_gather``'s map (Q5: its groups put back whole)."""
+    fmt, grouped, rb = weight.format, weight.rows // GROUP * GROUP, weight.data.shape[1]
+    if grouped == 0 or bool((index >= grouped).any()):  # a row left over: the slow way
+        return unpair_blocks(weight).data.index_select(0, index)
     groups = weight.data[:grouped].view(-1, GROUP * rb)
-    for start in range(0, index.numel(), 256):
-        idx = index[start : start + 256]
-        inside = idx < grouped
-        g = groups.index_select(0, torch.where(inside, idx, 0) // GROUP)
-        rows = _deinterleave(weight.format, g.view(-1, rb), weight.cols).view(-1, GROUP, rb)
-        picked = rows[torch.arange(idx.numel(), device=idx.device), idx % GROUP]
-        if rest.shape[0]:
-            picked[~inside] = rest.index_select(0, idx[~inside] - grouped)
-        out[start : start + idx.numel()] = picked
-    return out
+    if fmt.startswith("Q5"):  # its fifth bits are spread over bytes: groups put back whole
+        out = []
+        for start in range(0, index.numel(), 256):
+            idx = index[start : start + 256]
+            g = groups.index_select(0, idx // GROUP)
+            rows = _deinterleave(fmt, g.view(-1, rb), weight.cols).view(-1, GROUP, rb)
+            out.append(rows[torch.arange(idx.numel(), device=idx.device), idx % GROUP])
+        return torch.cat(out) if out else weight.data[:0]
+    src, flip = _group_gather(fmt, weight.cols, str(weight.data.device))
+    row = index % GROUP
+    picked = groups.view(-1)[((index - row) * rb).unsqueeze(1) + src[row]]
+    return picked ^ flip[row] if fmt == "Q8_0" else picked
+
+
+@functools.lru_cache(maxsize=32)
+def _group_gather(fmt: str, cols: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where each byte of a group's GGUF rows comes from in its paired bytes (GROUP, row bytes),
+    and what to xor it with after (Q8_0's 0x80): ``_deinterleave`` of the positions themselves,
+    written in base-256 digits (a Q4 or Q8_0 group is a permutation of its bytes)."""
+    rb = row_bytes(fmt, cols)
+    position = torch.arange(GROUP * rb, dtype=torch.int64)
+    flip = _deinterleave(fmt, torch.zeros(GROUP, rb, dtype=torch.uint8), cols)
+    src = torch.zeros(GROUP, rb, dtype=torch.int64)
+    for k in range(3):  # up to 2^24 bytes a group
+        digit = ((position >> (8 * k)) & 255).to(torch.uint8).view(GROUP, rb)
+        src += (_deinterleave(fmt, digit, cols) ^ flip).to(torch.int64) << (8 * k)
+    return src.to(device), flip.to(device)
 
 
 def pair_blocks(weight: QuantWeight | StackedWeight, in_place: bool = False):
