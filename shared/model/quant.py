@@ -366,6 +366,13 @@ def dequantize(weight: QuantWeight | StackedWeight, dtype: torch.dtype = torch.f
     values bit for bit; float64: every value exact, for the kernels' references)."""
     if isinstance(weight, StackedWeight):
         return torch.cat([dequantize(p, dtype) for p in weight.parts])
+    grouped = weight.rows // GROUP * GROUP if weight.paired else 0
+    if grouped:  # the groups read as they are (a prefill chunk dequantizes every weight)
+        rest = QuantWeight(
+            weight.format, weight.data[grouped:], weight.rows - grouped, weight.cols, True
+        )
+        head = _dequantize_groups(weight.format, weight.data[:grouped], weight.cols, dtype)
+        return torch.cat([head, dequantize(rest, dtype)]) if rest.rows else head
     weight = unpair_blocks(weight)
     fmt, rows, cols = weight.format, weight.rows, weight.cols
     if fmt in FLOAT_FORMATS:
@@ -387,6 +394,35 @@ def dequantize(weight: QuantWeight | StackedWeight, dtype: torch.dtype = torch.f
         q = _five_bits(blocks[..., 4:8], blocks[..., 8:]).to(dtype)
         values = d * q + _f16(blocks, 2).to(dtype)
     return values.reshape(rows, cols)
+
+
+def _dequantize_groups(fmt: str, rows: torch.Tensor, cols: int, dtype: torch.dtype) -> torch.Tensor:
+    """Interleaved groups of rows (the module docstring) as values, read in place: the integers
+    put in row order as bytes, then scaled."""
+    nb, bb, head, vals = cols // BLOCK, BLOCK_BYTES[fmt], *_block_offsets(fmt)
+    view = rows.view(-1, nb, GROUP * bb)
+    lead = view.shape[:2]
+
+    def scale(i: int) -> torch.Tensor:  # (groups, GROUP, nb, 1, 1): d (i = 0) or m (i = 1)
+        part = view[..., 2 * GROUP * i : 2 * GROUP * (i + 1)].contiguous().view(torch.float16)
+        return part.view(*lead, GROUP).transpose(1, 2).to(dtype).unsqueeze(-1).unsqueeze(-1)
+
+    q = view[..., GROUP * vals :].reshape(*lead, -1, GROUP, 4)  # chunk, row, byte
+    if fmt == "Q8_0":
+        q = (q ^ 0x80).view(torch.int8)
+    else:
+        q = torch.cat([q & 0x0F, q >> 4], 2)  # (groups, nb, 8, GROUP, 4): values 4j + t
+        if vals > head:  # Q5: mask j's bit 4c + t
+            q = q | (_bits(view[..., GROUP * head : GROUP * vals]).view(*lead, 8, GROUP, 4) << 4)
+    q = q.permute(0, 3, 1, 2, 4).to(dtype)  # (groups, GROUP, nb, 8, 4): rows in order
+    offset = {"Q4_0": -8, "Q5_0": -16}.get(fmt)
+    if fmt == "Q8_0":
+        values = scale(0) * q
+    elif offset is None:
+        values = scale(0) * q + scale(1)
+    else:
+        values = scale(0) * (q + offset)
+    return values.reshape(-1, cols)
 
 
 def _five_bits(qh: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
