@@ -4,6 +4,7 @@ the protocol's message types (``msgspec.inspect``), and which role may publish i
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import pkgutil
@@ -117,21 +118,29 @@ def example(info: msgspec.inspect.Type, rng: random.Random) -> Any:
     return None  # a type the protocol does not use: null, itself a wrong type
 
 
-def message_types() -> list[type[Message]]:
+@functools.cache
+def message_types() -> tuple[type[Message], ...]:
     """Every message type: what each module of shared/bus/messages/ defines."""
     found: dict[str, type[Message]] = {}
     for module in pkgutil.iter_modules(messages.__path__):
         for cls in vars(importlib.import_module(f"{messages.__name__}.{module.name}")).values():
             if isinstance(cls, type) and issubclass(cls, Message) and cls is not Message:
                 found[cls.__qualname__] = cls
-    return list(found.values())
+    return tuple(found.values())
+
+
+@functools.cache
+def type_info(cls: type[Message]) -> Any:
+    """``msgspec.inspect.type_info`` of ``cls``, read once (it evaluates every annotation: the
+    fuzz asks again for every subject)."""
+    return msgspec.inspect.type_info(cls)
 
 
 def bodies(rng: random.Random, max_payload: int) -> Iterator[tuple[str, bytes]]:
     """``(kind, body)``: one of every message type (the subject's own among them, valid), each
     also cut short, an empty body, junk, and one as large as the server carries."""
     for cls in message_types():
-        data = msgspec.json.encode(example(msgspec.inspect.type_info(cls), rng))
+        data = msgspec.json.encode(example(type_info(cls), rng))
         yield f"type:{cls.__name__}", data
         yield f"truncated:{cls.__name__}", data[: max(1, len(data) // 2)]
     yield "empty", b""
