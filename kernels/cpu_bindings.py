@@ -91,8 +91,8 @@ class CpuOps:
         # floats of a thread's room for attention partials (kv_attention_parts_floats)
         self._parts_floats = lib.kv_attention_parts_floats
         self._parts_floats.argtypes, self._parts_floats.restype = (_i64, _i64, _i64, _i64), _i64
-        # whether the kernels read Q4 weights in the paired layout (quant.pair_blocks; the
-        # VNNI build): CpuBackend.install repacks the layers' Q4 weights then
+        # whether the kernels read Q4, Q5 and Q8_0 weights in the paired layout (quant.pair_blocks;
+        # the VNNI build): CpuBackend.install repacks those weights (the tied head's too) then
         self.quant_pairs = bool(lib.kv_quant_pairs())
         self._memo: StepMemo | None = None  # the last decode step's layer arguments
 

@@ -52,7 +52,8 @@ FORMAT_CODES = {
     "Q5_0": 8,
     "Q5_1": 9,
 }
-# or-ed into a Q4 format code: the weight is in the kernels' paired layout (quant.pair_blocks)
+# or-ed into a Q4, Q5 or Q8_0 format code: the weight is in the kernels' paired layout
+# (quant.pair_blocks: rows interleaved in groups of 16)
 PAIRED_FLAG = 16
 # the code of a weight whose rows are parts in several formats (quant.StackedWeight: q, k and v
 # of a Q4_K_M file, Q4_K beside Q6_K); its data is the kernels' kv_wstack descriptor
