@@ -43,7 +43,7 @@ from kvmesh.shared.transport.server import SocketServer
 from kvmesh.shared.transport.shm_segments import (
     SHM_DIR,
     SOCKET_NAME,
-    Segment,
+    ShmSegment,
     UntrustedDescriptorError,
     check_segment_name,
     check_socket_path,
@@ -132,10 +132,10 @@ class ShmTransport(HostMemoryBackend[ShmBackend]):
         super().__init__(config, registry, completions)
         self._strict = strict  # refuse remote registrations outside a segment (no tcp fallback)
         self._token = f"kvmesh-{os.getpid()}-{secrets.token_hex(4)}"
-        self._segments: list[Segment] = []
+        self._segments: list[ShmSegment] = []
         self._window_slots: dict[int, list[int]] = {}
         self._unshared: set[int] = set()  # remote regions outside segments (strict=False only)
-        self._table_seg: Segment | None = None
+        self._table_seg: ShmSegment | None = None
         self._table: np.ndarray | None = None
         self._dir: str | None = None
         self._server: SocketServer | None = None
@@ -152,7 +152,7 @@ class ShmTransport(HostMemoryBackend[ShmBackend]):
         if self._server is not None:
             return
         sweep_stale_segments()
-        self._table_seg = Segment(f"{self._token}-table", TABLE_SLOTS * TABLE_DTYPE.itemsize)
+        self._table_seg = ShmSegment(f"{self._token}-table", TABLE_SLOTS * TABLE_DTYPE.itemsize)
         self._table = np.frombuffer(self._table_seg.mm, dtype=TABLE_DTYPE)
         # a receiver killed before closing left its socket folder: those of dead pids go first
         self._dir = make_owned_dir("kvmesh-", self.config.shm_dir, only=frozenset({SOCKET_NAME}))
@@ -188,7 +188,7 @@ class ShmTransport(HostMemoryBackend[ShmBackend]):
             raise ValueError(f"allocate needs a positive size, got {nbytes}")
         self._check_not_closed()
         size = -(-nbytes // PAGE) * PAGE
-        seg = Segment(f"{self._token}-{len(self._segments)}", size)
+        seg = ShmSegment(f"{self._token}-{len(self._segments)}", size)
         self._segments.append(seg)
         return seg.tensor[:nbytes]
 
@@ -226,7 +226,7 @@ class ShmTransport(HostMemoryBackend[ShmBackend]):
             for slot in slots:
                 self._table["state"][slot] = RETIRED
 
-    def _segment_holding(self, addr: int, end: int) -> Segment | None:
+    def _segment_holding(self, addr: int, end: int) -> ShmSegment | None:
         """The allocated segment that holds ``[addr, end)``, if any."""
         return next((s for s in self._segments if s.addr <= addr and end <= s.addr + s.size), None)
 
@@ -243,7 +243,7 @@ class ShmTransport(HostMemoryBackend[ShmBackend]):
         return [int(x) for x in np.concatenate([never_used, retired])[:n]]
 
     def _publish_row(
-        self, slot: int, rkey: int, addr: int, length: int, access: Access, seg: Segment
+        self, slot: int, rkey: int, addr: int, length: int, access: Access, seg: ShmSegment
     ) -> None:
         row = self._table[slot : slot + 1]
         row["state"] = FREE

@@ -101,7 +101,7 @@ def close_mapping(mm: mmap.mmap) -> None:
         mm.close()
 
 
-class Segment:
+class ShmSegment:
     __slots__ = ("addr", "mm", "name", "size", "tensor")
 
     def __init__(self, name: str, size: int) -> None:
