@@ -42,8 +42,8 @@ from kvmesh.shared.model.llama import (
     Transformer,
     TransformerBlock,
 )
-from kvmesh.shared.model.quant import pair_blocks, unpair_blocks
 from kvmesh.shared.model.quant_layers import QuantEmbedding, QuantLinear
+from kvmesh.shared.model.quant_paired import pair_blocks, unpair_blocks
 from kvmesh.shared.model.triton_modules import install_triton_kernels, remove_triton_kernels
 from torch import nn
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 import os
 
 import torch
-from kvmesh.shared.model.quant import unpair_blocks
 from kvmesh.shared.model.quant_layers import QuantEmbedding, QuantLinear
+from kvmesh.shared.model.quant_paired import unpair_blocks
 from torch import nn
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # quant_matmul.SUPPORTED_DTYPES

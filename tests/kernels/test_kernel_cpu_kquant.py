@@ -21,10 +21,10 @@ from kvmesh.shared.model.quant import (
     StackedWeight,
     cat_rows,
     dequantize,
-    pair_blocks,
     quantize,
 )
 from kvmesh.shared.model.quant_layers import QuantEmbedding, use_quant_weights
+from kvmesh.shared.model.quant_paired import pair_blocks
 from support.kquant import quantize_k, random_k
 from support.quant_builds import build_quant_lib, cpu_has, qlinear
 from test_kernel_cpu_layer import _config, _decode_step, _model, _run, attach

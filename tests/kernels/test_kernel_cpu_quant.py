@@ -123,7 +123,7 @@ def test_paired_layout_matches_the_exact_reference_at_any_threads(format, m, k) 
     """The VNNI build reads Q4, Q5 and Q8_0 weights repacked (quant.pair_blocks: 16 rows
     interleaved, the 6 left over of 70 in pairs of blocks for Q4): the same integer sums, held to the
     float64 reference; a row's result does not depend on the batch or the threads' split."""
-    from kvmesh.shared.model.quant import pair_blocks
+    from kvmesh.shared.model.quant_paired import pair_blocks
 
     if not ops.quant_pairs:
         pytest.skip("this build reads the GGUF layout only (no AVX-512 VNNI)")

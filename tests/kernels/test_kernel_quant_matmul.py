@@ -18,10 +18,10 @@ from kvmesh.shared.model.quant import (
     STORED_FORMATS,
     StackedWeight,
     dequantize,
-    pair_blocks,
     quantize,
 )
 from kvmesh.shared.model.quant_layers import QuantEmbedding, QuantLinear, use_quant_weights
+from kvmesh.shared.model.quant_paired import pair_blocks
 from support.kquant import quantize_k, random_k
 from support.triton_device import DEVICE, needs_triton
 from torch import nn

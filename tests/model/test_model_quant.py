@@ -65,7 +65,8 @@ def test_quant_weight_refuses_a_shape_its_bytes_do_not_hold() -> None:
 @pytest.mark.parametrize("format", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
 @pytest.mark.parametrize("cols", [64, 96])  # an even and an odd number of blocks
 def test_paired_layout_holds_the_same_values_in_the_same_bytes(format: str, cols: int) -> None:
-    from kvmesh.shared.model.quant import BLOCK_BYTES, GROUP, pair_blocks, unpair_blocks
+    from kvmesh.shared.model.quant import BLOCK_BYTES, GROUP
+    from kvmesh.shared.model.quant_paired import pair_blocks, unpair_blocks
 
     g = torch.Generator().manual_seed(cols)
     weight = quantize(torch.randn(GROUP + 5, cols, generator=g), format)  # a group and 5 rows
