@@ -9,31 +9,20 @@ yet run on real hardware (docs/gpu.md)."""
 from __future__ import annotations
 
 import pickle
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+from kvmesh.shared.config.ports import free_port
 from kvmesh.shared.engine.tp_ranks import rank_device
 
 pytestmark = pytest.mark.gpu
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _tokens(model, device: str) -> list[list[int]]:
+    from support.tp_ranks import run_engine
 
-
-def _run(model, device: str) -> list[list[int]]:
-    from kvmesh.shared.engine.llm_engine import EngineConfig, LLMEngine
-    from kvmesh.shared.text.sampling import SamplingOptions
-    from support.tp_ranks import MAX_TOKENS, PROMPTS
-
-    config = EngineConfig(block_size=16, num_blocks=16, device=device, enable_prefix_caching=False)
-    engine = LLMEngine(model, None, config)
-    params = SamplingOptions(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
-    return engine.generate(PROMPTS, params)
+    return run_engine(model, device)["tokens"]
 
 
 def _model(name: str, device: str):
@@ -52,7 +41,7 @@ def _rank(rank: int, port: int, name: str, queue) -> None:
     try:
         model = _model(name, device)
         layout = shard_model(model)
-        queue.put((rank, pickle.dumps((_run(model, device), layout.kv_heads))))
+        queue.put((rank, pickle.dumps((_tokens(model, device), layout.kv_heads))))
     finally:
         dist.destroy_process_group()
 
@@ -61,10 +50,10 @@ def _rank(rank: int, port: int, name: str, queue) -> None:
 def test_tp2_over_nccl_gives_tp1_greedy_tokens(name):
     if torch.cuda.device_count() < 2:
         pytest.skip(f"TP2 over NCCL needs two GPUs; this machine has {torch.cuda.device_count()}")
-    expected = _run(_model(name, "cuda:0"), "cuda:0")
+    expected = _tokens(_model(name, "cuda:0"), "cuda:0")
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank, args=(r, port, name, queue)) for r in range(2)]
     for p in procs:
         p.start()

@@ -47,14 +47,19 @@ def uneven_model() -> Any:
     return build_model(config, weights.__getitem__, weights, "seeded 9x3")
 
 
-def run_engine(model: Any) -> dict[str, Any]:
-    """Greedy tokens of PROMPTS through one engine (a long prompt prefilled in chunks while the
-    short one decodes), and the engine's KV pool afterwards: (blocks, heads held, L, 2, bs, D)."""
+def run_engine(model: Any, device: str = "cpu") -> dict[str, Any]:
+    """Greedy tokens of PROMPTS through one engine on ``device`` (a long prompt prefilled in
+    chunks while the short one decodes), and the engine's KV pool afterwards: (blocks, heads
+    held, L, 2, bs, D)."""
     from kvmesh.shared.engine.llm_engine import EngineConfig, LLMEngine
     from kvmesh.shared.text.sampling import SamplingOptions
 
     config = EngineConfig(
-        block_size=16, num_blocks=NUM_BLOCKS, max_num_batched_tokens=16, enable_prefix_caching=False
+        block_size=16,
+        num_blocks=NUM_BLOCKS,
+        max_num_batched_tokens=16,
+        enable_prefix_caching=False,
+        device=device,
     )
     engine = LLMEngine(model, None, config)
     params = SamplingOptions(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
