@@ -23,11 +23,11 @@ from kvmesh.shared.model.quant import (
     dequantize,
     quantize,
 )
-from kvmesh.shared.model.quant_layers import QuantEmbedding, use_quant_weights
+from kvmesh.shared.model.quant_layers import QuantEmbedding
 from kvmesh.shared.model.quant_paired import pair_blocks
+from support.cpu_layers import LINEARS, decode_step, layer_config, quantized_twins, run_step_ways
 from support.kquant import quantize_k, random_k
 from support.quant_builds import build_quant_lib, cpu_has, qlinear
-from test_kernel_cpu_layer import _config, _decode_step, _model, _run, attach
 
 ops = load_cpu_ops()
 pytestmark = pytest.mark.skipif(ops is None, reason="no C compiler for the CPU kernels")
@@ -164,35 +164,24 @@ def test_avx2_and_portable_builds_match_the_exact_reference(tmp_path, march) -> 
     _assert_exact(qlinear(lib, x, stacked, None), x, stacked)
 
 
-LINEARS = ("attention.wqkv", "attention.wo", "feed_forward.w_gate_up", "feed_forward.w_down")
-
-
 def _stored_layers(config, formats):
     """The model twice: its linear weights as stored, each in its own format (wqkv: q, k and v
     parts, stacked where they differ), and as the float32 values those hold."""
-    stored, floats = _model(config), _model(config)
+    format_of = dict(zip(LINEARS, formats, strict=True))
     n_q = config.num_attention_heads * config.head_dim
     n_kv = config.num_key_value_heads * config.head_dim
-    weights = {}
-    for i, layer in enumerate(stored.layers):
-        for name, format in zip(LINEARS, formats, strict=True):
-            w = layer.get_submodule(name).weight.detach() * 0.3
 
-            def q(t, fmt):
-                return quantize_k(t, fmt) if fmt in K_FORMATS else quantize(t, fmt)
+    def q(t, fmt):
+        return quantize_k(t, fmt) if fmt in K_FORMATS else quantize(t, fmt)
 
-            if isinstance(format, tuple):  # q, k, v
-                parts = w.split([n_q, n_kv, n_kv])
-                weights[f"layers.{i}.{name}.weight"] = cat_rows(
-                    [q(t, f) for t, f in zip(parts, format, strict=True)]
-                )
-            else:
-                weights[f"layers.{i}.{name}.weight"] = q(w, format)
-    with torch.no_grad():
-        for name, weight in weights.items():
-            floats.get_parameter(name).copy_(dequantize(weight))
-    use_quant_weights(stored, weights)
-    return stored, floats
+    def stored_weight(name, weight):
+        w, format = weight * 0.3, format_of[name]
+        if isinstance(format, tuple):  # q, k, v
+            parts = w.split([n_q, n_kv, n_kv])
+            return cat_rows([q(t, f) for t, f in zip(parts, format, strict=True)])
+        return q(w, format)
+
+    return quantized_twins(config, stored_weight)
 
 
 @pytest.mark.parametrize(
@@ -206,19 +195,10 @@ def _stored_layers(config, formats):
 def test_fused_decode_layer_takes_k_quants_floats_and_stacked_weights(
     formats, context_lens, threads
 ):
-    config = _config(256, 256, 4, 2, 64, False)
+    config = layer_config(256, 256, 4, 2, 64, False)
     stored, floats = _stored_layers(config, formats)
-    pool, meta, input_ids, pos = _decode_step(config, context_lens)
-    saved = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        fused, fused_pool = _run(stored, ops, pool, meta, input_ids, pos)
-        assert all(isinstance(lay.weights, QuantDecodeLayerWeights) for lay in stored.layers)
-        unfused, unfused_pool = _run(stored, ops, pool, meta, input_ids, pos, fused=False)
-        reference, _ = _run(floats, None, pool, meta, input_ids, pos)
-    finally:
-        torch.set_num_threads(saved)
-        attach(stored, None)
-    assert torch.equal(fused, unfused)  # the same kernels in the same order
-    assert torch.equal(fused_pool.tensor, unfused_pool.tensor)
-    assert (fused - reference).norm() / reference.norm() < 5e-2  # int8 activations
+    runs = run_step_ways(stored, ops, decode_step(config, context_lens), threads, floats)
+    assert all(isinstance(w, QuantDecodeLayerWeights) for w in runs.fused_weights)
+    assert torch.equal(runs.fused, runs.unfused)  # the same kernels in the same order
+    assert torch.equal(runs.fused_pool.tensor, runs.unfused_pool.tensor)
+    assert (runs.fused - runs.reference).norm() / runs.reference.norm() < 5e-2  # int8 activations
