@@ -136,6 +136,44 @@ def test_tp2_prefill_writes_each_tp2_decode_rank_its_head_from_the_rank_holding_
         assert rank_results[rank]["handoff_2_to_2"] == {"sent": 3 * HEAD_BYTES, "kv_heads_held": 1}
 
 
+def _held(tp: int, rank: int) -> set[int]:
+    """kvmesh-tiny's KV heads (of 2) a rank holds at TP 1, 2 or 4 (TP4: each on two ranks)."""
+    return {0, 1} if tp == 1 else {rank * 2 // tp}
+
+
+@pytest.mark.parametrize(("tp_p", "tp_d"), tp_ranks.GRID)
+def test_every_prefill_tp_to_decode_tp_of_1_2_4_hands_off_and_decodes_as_tp1(
+    rank_results, tp1, tp_p, tp_d
+):
+    """The rest of {1, 2, 4}^2 (2 -> 1, 1 -> 2, 2 -> 2 above), a process holding a prefill rank
+    and a decode rank where the sides overlap: each decode rank receives exactly its heads of
+    every block, each from the first prefill rank holding it (a replica writes nothing), with a
+    distinct immediate per chunk and writer, then decodes TP1's tokens."""
+    prefill, decode = tp_ranks.grid_ranks(tp_p, tp_d)
+    runs = {r: rank_results[r][f"grid_{tp_p}_to_{tp_d}"] for r in range(4)}
+    writers = [p for p in range(tp_p) if tp_p < 4 or p % 2 == 0]  # TP4: 1 and 3 hold replicas
+    for d, r in enumerate(decode):
+        run = runs[r]
+        assert run["tokens"] == tp1[None]["tokens"][0]
+        assert run["received"] == 3 * HEAD_BYTES * len(_held(tp_d, d))  # 3 blocks
+        senders = [p for p in writers if _held(tp_p, p) & _held(tp_d, d)]
+        assert run["senders"] == senders
+        assert len(set(run["imms"])) == len(run["imms"]) == 3 * len(senders)  # 3 chunks
+    for p, r in enumerate(prefill):
+        heads = [len(_held(tp_p, p) & _held(tp_d, d)) for d in range(tp_d)]
+        assert runs[r]["sent"] == (3 * HEAD_BYTES * sum(heads) if p in writers else 0)
+        assert runs[r]["kv_heads_held"] == len(_held(tp_p, p))
+
+
+def test_a_colocated_worker_at_tp2_and_tp4_decodes_as_tp1(rank_results, tp1):
+    """``kvmesh serve colocated --tp N``'s ranks (engines built as the worker's, the leader's
+    calls replayed by each follower): both prompts as TP1, at TP4 and in either TP2 pair."""
+    expected = tp1[None]["tokens"]
+    assert rank_results[0]["colocated_tp4"] == expected
+    assert rank_results[0]["colocated_tp2"] == rank_results[2]["colocated_tp2"] == expected
+    assert [rank_results[r]["colocated_tp2"] for r in (1, 3)] == [None, None]  # followers
+
+
 def test_uneven_tp2_of_9_heads_holds_whole_gqa_groups_and_decodes_as_tp1(rank_results, tp1_uneven):
     """9 heads, 3 KV heads at TP2 (both pairs of the world): rank 0 holds KV heads 0-1 with
     query heads 0-5, rank 1 KV head 2 with query heads 6-8; TP1's tokens, each its heads' KV."""

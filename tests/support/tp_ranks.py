@@ -92,6 +92,53 @@ def decode_pool(model: Any) -> dict[str, Any]:
     return {"allocated": memory.sizes, "num_blocks": pool.num_blocks, "nbytes": pool.nbytes}
 
 
+# the pairs of {1, 2, 4}^2 the hand-offs above leave: a prefill at TP_P (the world's first
+# TP_P ranks) to a decode at TP_D (its last TP_D), overlapping where they add up to more than 4
+GRID = ((1, 1), (1, 4), (4, 1), (2, 4), (4, 2), (4, 4))
+
+
+def grid_ranks(tp_p: int, tp_d: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The world's ranks of a GRID pair's prefill and decode sides."""
+    return tuple(range(tp_p)), tuple(range(WORLD - tp_d, WORLD))
+
+
+def colocated(group: Any) -> list[list[int]] | None:
+    """PROMPTS through a colocated worker's ranks at TP ``group``'s size (``kvmesh serve
+    colocated --tp N``): each rank builds its engine as the worker's ranks do (``build_engine``
+    without a data plane, the whole model's layout, one sampler seed), the leader drives its
+    own through ``LeaderEngine`` and each follower replays those calls (``follow``). The
+    leader's greedy tokens; None on a follower."""
+    import torch.distributed as dist
+    from kvmesh.services.decode.compose import build_engine
+    from kvmesh.services.decode.config import DecodeConfig
+    from kvmesh.shared.engine.outputs import collect_tokens
+    from kvmesh.shared.engine.tp_leader import LeaderEngine, follow
+    from kvmesh.shared.engine.tp_ranks import adopt_whole_layout
+    from kvmesh.shared.model.tensor_parallel import shard_model
+    from kvmesh.shared.text.sampling import SamplingOptions
+
+    tp = dist.get_world_size(group)
+    config = DecodeConfig(
+        mode="colocated", tp=tp, kv_cache_bytes=POOL_BYTES, max_num_batched_tokens=16
+    )
+    model = tiny_model(None)
+    shard_model(model, group)
+    engine = build_engine(config, model, None, None)
+    adopt_whole_layout(engine)
+    engine.sampler.generator.manual_seed(7)
+    if dist.get_rank(group) != 0:
+        follow(engine, group)
+        return None
+    leader = LeaderEngine(engine, group)
+    params = SamplingOptions(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    ids = [f"c{i}" for i in range(len(PROMPTS))]
+    for request_id, prompt in zip(ids, PROMPTS, strict=True):
+        leader.add_request(request_id, prompt, params)
+    tokens = collect_tokens(leader.step, ids)
+    leader.close()
+    return tokens
+
+
 def rank_main(rank: int, port: int, queue: Any) -> None:
     """One rank of the world of 4: TP4 over all (kvmesh-tiny has 2 KV heads: each replicated on
     two ranks), then TP2 in pairs: ranks 0-1 on the float32 model, 2-3 on its Q8_0 twin."""
@@ -121,6 +168,13 @@ def rank_main(rank: int, port: int, queue: Any) -> None:
         results["handoff_2_to_1"] = asyncio.run(handoff(rank, (0, 1), (2,), pair))
         results["handoff_1_to_2"] = asyncio.run(handoff(rank, (2,), (0, 1), pair))
         results["handoff_2_to_2"] = asyncio.run(handoff(rank, (0, 1), (2, 3), pair))
+        quad = dist.new_group(list(range(WORLD)))
+        groups = pair | {tuple(range(WORLD)): quad}
+        for tp_p, tp_d in GRID:
+            ranks = grid_ranks(tp_p, tp_d)
+            results[f"grid_{tp_p}_to_{tp_d}"] = asyncio.run(handoff(rank, *ranks, groups))
+        results["colocated_tp4"] = colocated(quad)
+        results["colocated_tp2"] = colocated(pairs[rank // 2])
         model = uneven_model()  # TP2 in both pairs: 2 + 1 KV heads
         layout = shard_model(model, pairs[rank // 2])
         results["uneven"] = run_engine(model) | {"kv_heads": layout.kv_heads}
@@ -142,13 +196,17 @@ async def handoff(
     groups: dict,
     model_fn: Any = None,
     num_kv_heads: int = 2,
+    prompt: list[int] | None = None,
 ) -> dict[str, Any] | None:
-    """PROMPTS[0] prefilled at TP len(prefill_ranks), its KV written chunk by chunk by every
-    prefill rank straight into the decode rank(s) holding its heads (``rank_block_slices`` and
-    ``ChunkPlanner``, the product's planners, over the shm transport), then decoded at TP
-    len(decode_ranks). Every rank of the world takes part in the two exchanges (the decode ranks'
-    block addresses, the first token); a decode rank returns its tokens and what it received.
-    ``model_fn``: what makes the model (default kvmesh-tiny), of ``num_kv_heads`` KV heads."""
+    """``prompt`` (default PROMPTS[0]) prefilled at TP len(prefill_ranks), its KV written chunk
+    by chunk by every prefill rank straight into the decode rank(s) holding its heads
+    (``rank_block_slices`` and ``ChunkPlanner``, the product's planners, over the shm transport),
+    then decoded at TP len(decode_ranks). Every rank of the world takes part in the two exchanges
+    (the decode ranks' block addresses, the first token). A process may hold a prefill rank and
+    a decode rank both, each role with its own engine and transport (two workers on one host).
+    A prefill rank returns what it sent; a decode rank its tokens and what it received.
+    ``model_fn``: what makes the model (default kvmesh-tiny), of ``num_kv_heads`` KV heads;
+    ``groups``: the TP group of each tuple of ranks."""
     import msgspec
     import torch.distributed as dist
     from kvmesh.services.prefill.kv_writes import decode_writers, rank_block_slices
@@ -170,58 +228,63 @@ async def handoff(
 
     from support.transport_wire import remote
 
-    async def exchange(value: Any) -> list[Any]:  # off the loop: the transport keeps serving
-        values: list[Any] = [None] * WORLD
+    async def exchange(value: Any) -> list[Any]:  # off the loop: the transports keep serving
+        values: list[Any] = [None] * dist.get_world_size()
         await asyncio.to_thread(dist.all_gather_object, values, value)
         return values
 
-    prompt = PROMPTS[0]
+    prompt = PROMPTS[0] if prompt is None else prompt
     params = SamplingOptions(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
     config = EngineConfig(
         block_size=16, num_blocks=NUM_BLOCKS, max_num_batched_tokens=16, enable_prefix_caching=False
     )
-    role_ranks = prefill_ranks if rank in prefill_ranks else decode_ranks
-    is_idle = rank not in prefill_ranks + decode_ranks
     make_model = model_fn or (lambda: tiny_model(None))
     src = KVHeadShards(num_kv_heads, len(prefill_ranks))
     dst = KVHeadShards(num_kv_heads, len(decode_ranks))
+    result: dict[str, Any] = {}
     async with contextlib.AsyncExitStack() as stack:
-        tx = await stack.enter_async_context(create_transport("shm", TransportConfig()))
-        engine = None
-        mine = None
-        if not is_idle:
+
+        async def role(ranks: tuple[int, ...]) -> tuple[Any, Any, Any]:
+            """This rank's transport, pool memory and engine of one side."""
+            tx = await stack.enter_async_context(create_transport("shm", TransportConfig()))
             model = make_model()
             c = model.config  # the whole model's blocks (float32, 16 tokens): any rank's fits
             memory = tx.allocate(
                 NUM_BLOCKS * c.num_key_value_heads * 2 * c.num_hidden_layers * 16 * c.head_dim * 4
             )
-            if len(role_ranks) > 1:
-                shard_model(model, groups[role_ranks])
-            engine = LLMEngine(model, None, config, kv_buffer=memory)
+            if len(ranks) > 1:
+                shard_model(model, groups[ranks])
+            return tx, memory, LLMEngine(model, None, config, kv_buffer=memory)
+
+        mine = None
         if rank in decode_ranks:
-            region = remote(tx, tx.register(memory, Access.REMOTE_WRITE))
-            block_ids = engine.reserve_blocks(len(prompt))
+            dtx, memory, dengine = await role(decode_ranks)
+            region = remote(dtx, dtx.register(memory, Access.REMOTE_WRITE))
+            block_ids = dengine.reserve_blocks(len(prompt))
             mine = {
-                "peer": msgspec.json.encode(tx.descriptor()),
+                "peer": msgspec.json.encode(dtx.descriptor()),
                 "rkey": region.rkey,
-                "addrs": [engine.kv_pool.block_addr(b) for b in block_ids],
-                "block_bytes": engine.kv_pool.spec.block_bytes,
+                "addrs": [dengine.kv_pool.block_addr(b) for b in block_ids],
+                "block_bytes": dengine.kv_pool.spec.block_bytes,
             }
-        decodes = [(await exchange(mine))[r] for r in decode_ranks]
+        everyone = await exchange(mine)
+        decodes = [everyone[r] for r in decode_ranks]
         first_token = None
-        sent = 0
-        is_follower = rank in prefill_ranks[1:]
-        if is_follower:  # replays the leader's engine calls, writes its heads of each chunk
-            source = tx.register(memory)
-            follower = PrefillFollower(engine, groups[prefill_ranks], tx, source, num_kv_heads)
+        if rank in prefill_ranks[1:]:  # replays the leader's engine calls, writes its heads
+            tx, memory, engine = await role(prefill_ranks)
+            follower = PrefillFollower(
+                engine, groups[prefill_ranks], tx, tx.register(memory), num_kv_heads
+            )
             sent = (await follower.run()).num_bytes
+            result |= {"sent": sent, "kv_heads_held": engine.kv_pool.spec.num_kv_heads}
         elif rank in prefill_ranks:  # the leader: the prefill worker's part
+            tx, memory, engine = await role(prefill_ranks)
             source = tx.register(memory)
             spec = engine.kv_pool.spec
             if len(prefill_ranks) > 1:
                 engine = LeaderEngine(engine, groups[prefill_ranks])
             writers = []
-            for rank_slice in rank_block_slices(spec, src, dst, prefill_ranks.index(rank)):
+            for rank_slice in rank_block_slices(spec, src, dst, 0):
                 info = decodes[rank_slice.dst_rank]
                 peer = msgspec.json.decode(info["peer"], type=TransportDescriptor)
                 endpoint = await stack.enter_async_context(await tx.connect(peer))
@@ -241,6 +304,7 @@ async def handoff(
             engine.add_request(
                 "r", prompt, params, prefill_only=True, on_chunk=chunks.append, **note
             )
+            sent = 0
             while engine.has_unfinished():
                 engine.step()
                 for chunk in chunks:
@@ -258,21 +322,25 @@ async def handoff(
                 chunks.clear()
             if isinstance(engine, LeaderEngine):
                 engine.close()
+            result |= {"sent": sent, "kv_heads_held": spec.num_kv_heads}
         if rank in decode_ranks:  # a chunk's write from every prefill rank holding its heads
             senders = decode_writers(src, dst, decode_ranks.index(rank))
             num_chunks = -(-len(prompt) // config.max_num_batched_tokens)
-            imms = [
-                (await asyncio.wait_for(tx.completion_queue.get(), 60)).imm
+            landed = [
+                await asyncio.wait_for(dtx.completion_queue.get(), 60)
                 for _ in range(num_chunks * len(senders))
             ]
         first_token = (await exchange(first_token))[prefill_ranks[0]]
-        if rank in prefill_ranks:
-            return {"sent": sent, "kv_heads_held": engine.kv_pool.spec.num_kv_heads}
         if rank in decode_ranks:
-            engine.admit_prefilled("r", prompt, block_ids, first_token, params)
-            (tokens,) = collect_tokens(engine.step, ["r"])
-            return {"tokens": [first_token, *tokens], "imms": imms, "senders": senders}
-        return None
+            dengine.admit_prefilled("r", prompt, block_ids, first_token, params)
+            (tokens,) = collect_tokens(dengine.step, ["r"])
+            result |= {
+                "tokens": [first_token, *tokens],
+                "imms": [c.imm for c in landed],
+                "received": sum(c.num_bytes for c in landed),
+                "senders": senders,
+            }
+        return result or None
 
 
 def greedy(model: Any, prompt: list[int], max_tokens: int) -> list[int]:
