@@ -5,16 +5,8 @@ import dataclasses
 
 import pytest
 import torch
-from kvmesh.kernels.cpu_ops import load_cpu_ops
 from kvmesh.shared.model.cpu_modules import FusedDecodeBlock
 from support.cpu_layers import attach, decode_step, layer_config, random_model, run_step_ways
-
-
-@pytest.fixture(scope="module")
-def ops():
-    ops = load_cpu_ops()
-    assert ops is not None, "gcc is part of the test machine; the C kernels must build"
-    return ops
 
 
 @pytest.mark.parametrize(

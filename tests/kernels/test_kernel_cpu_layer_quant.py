@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvmesh.kernels.cpu_ops import QuantDecodeLayerWeights, load_cpu_ops
+from kvmesh.kernels.cpu_ops import QuantDecodeLayerWeights
 from kvmesh.shared.model import cpu_modules
 from kvmesh.shared.model.cpu_modules import FusedDecodeBlock
 from kvmesh.shared.model.quant import quantize
@@ -22,13 +22,6 @@ from support.cpu_layers import (
     run_step,
     run_step_ways,
 )
-
-
-@pytest.fixture(scope="module")
-def ops():
-    ops = load_cpu_ops()
-    assert ops is not None, "gcc is part of the test machine; the C kernels must build"
-    return ops
 
 
 def _quant_models(config, formats):

@@ -24,13 +24,6 @@ from kvmesh.shared.model.rope import apply_rope
 from kvmesh.shared.text.sampling import SamplingOptions
 
 
-@pytest.fixture(scope="module")
-def ops():
-    ops = load_cpu_ops()
-    assert ops is not None, "gcc is part of the test machine; the C kernels must build"
-    return ops
-
-
 @pytest.mark.parametrize("shape", [(1, 256), (7, 100), (33, 17)])
 def test_rms_norm_matches_reference(ops, shape):
     torch.manual_seed(0)
