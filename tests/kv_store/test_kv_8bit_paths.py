@@ -91,12 +91,17 @@ def decode_meta() -> AttentionMetadata:
     )
 
 
-def test_torch_decode_attention_matches_reference(fmt):
+def layer_and_query(fmt: Format, seed: int):
+    """filled_pool's layer 1 (K, V, their scales), a decode step's query drawn from a generator
+    seeded ``seed``, and that generator."""
     pool = filled_pool(fmt)
     k, v = pool.layer(1)
-    scales = pool.layer_scales(1)
-    g = torch.Generator().manual_seed(4)
-    q = torch.randn(3, H_Q, D, generator=g)
+    g = torch.Generator().manual_seed(seed)
+    return k, v, pool.layer_scales(1), torch.randn(3, H_Q, D, generator=g), g
+
+
+def test_torch_decode_attention_matches_reference(fmt):
+    k, v, scales, q, g = layer_and_query(fmt, seed=4)
     new_k, new_v = torch.randn(3, H_KV, D, generator=g), torch.randn(3, H_KV, D, generator=g)
     out = paged_attention(q, new_k, new_v, k, v, decode_meta(), 0.125, scales)
     ref = paged_decode_attention_ref(q, k, v, TABLES, CONTEXT, 0.125, kv_scales=scales)
@@ -132,11 +137,7 @@ def test_torch_prefill_reads_its_own_blocks_back(fmt):
     reason="Triton runs under TRITON_INTERPRET=1 or on CUDA",
 )
 def test_triton_decode_and_tree_attention_match_reference(fmt):
-    pool = filled_pool(fmt)
-    k, v = pool.layer(1)
-    scales = pool.layer_scales(1)
-    g = torch.Generator().manual_seed(6)
-    q = torch.randn(3, H_Q, D, generator=g)
+    k, v, scales, q, g = layer_and_query(fmt, seed=6)
     out = paged_decode_attention(q, k, v, TABLES, CONTEXT, 0.125, kv_scales=scales)
     ref = paged_decode_attention_ref(q, k, v, TABLES, CONTEXT, 0.125, kv_scales=scales)
     fmt.close(out, ref)

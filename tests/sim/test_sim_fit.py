@@ -128,18 +128,8 @@ def test_fit_refuses_points_it_misses_by_more_than_half():
 def test_fit_recovers_an_attention_phase_of_its_own():
     # a CPU engine: attention at a fifth of the matmuls' FLOP/s, its KV read at 2 GB/s beside
     # weights streamed at 40: one roofline over both cannot describe it (the 23M model's points)
-    true = DeviceSpec(
-        "split",
-        peak_flops=20e9,
-        mem_bandwidth=40e9,
-        memory_bytes=1e9,
-        link_bandwidth=1e9,
-        step_overhead_s=2e-3,
-        seq_overhead_s=1e-4,
-        chunk_overhead_s=1e-3,
-        cache_bytes=0,
-        attention_flops=4e9,
-        attention_bandwidth=2e9,
+    true = dataclasses.replace(
+        _cpu(0), mem_bandwidth=40e9, attention_flops=4e9, attention_bandwidth=2e9
     )
     cost = CostModel(TINY, true)
     decode, prefill = _points(true)
