@@ -282,12 +282,15 @@ def test_bench_serve_finds_every_process_of_the_mesh_by_role(up_mesh) -> None:
 
 
 @pytest.mark.slow
-def test_tp2_holds_2_and_1_of_its_3_gqa_groups_and_decodes_as_tp1(real_model) -> None:
+def test_tp2_holds_2_and_1_of_its_3_gqa_groups_decodes_and_hands_off_as_tp1(real_model) -> None:
     """TP2 over the weights as stored (Q4_1): 9 heads and 3 KV heads split by whole GQA
     groups, rank 0 KV heads 0-1 with query heads 0-5, rank 1 KV head 2 with 6-8 (docs/tp.md);
     both ranks' greedy tokens are TP1's (a 20-token prompt, 8 tokens). The prompt counts, so
     that every greedy step wins by more than 3 logits: the weights' int8 activation rows make
-    TP's other summation order move logits by tenths at times (docs/tp.md)."""
+    TP's other summation order move logits by tenths at times (docs/tp.md). Then the prompt
+    prefilled at TP1 or TP2 and decoded at TP1 or TP2 (2 -> 1, 1 -> 2, 2 -> 2; 1 -> 1 is
+    ``kvmesh up``'s own, above), each prefill rank writing its heads with the product's
+    planners: TP1's tokens."""
     import multiprocessing as mp
 
     from kvmesh.shared.config.ports import free_port
@@ -321,3 +324,17 @@ def test_tp2_holds_2_and_1_of_its_3_gqa_groups_and_decodes_as_tp1(real_model) ->
         ((2, 3), (6, 9)),
     ]
     assert ranks[0]["tokens"] == ranks[1]["tokens"] == expected
+    # the prompt handed off 2 -> 1, 1 -> 2 and 2 -> 2 through the product's planners (2 blocks
+    # of 16 tokens, 2 chunks): each decode rank gets its heads of both blocks (2 + 1 at TP2,
+    # each from the prefill rank holding them) and decodes TP1's tokens
+    head_bytes = 2 * 30 * 16 * 64 * 4  # K and V, 30 layers, 16 tokens, head_dim 64, float32
+    held = {1: [3], 2: [2, 1]}  # KV heads a rank holds at TP1, TP2
+    senders = {"2_to_1": [[0, 1]], "1_to_2": [[0], [0]], "2_to_2": [[0], [1]]}
+    for name, (prefill, decode) in tp_ranks.PAIR_HANDOFFS.items():
+        for d, r in enumerate(decode):
+            run = ranks[r][name]
+            assert run["tokens"] == expected[: tp_ranks.MAX_TOKENS], name
+            assert run["received"] == 2 * head_bytes * held[len(decode)][d], name
+            assert run["senders"] == senders[name][d], name
+        for p, r in enumerate(prefill):  # its heads, once: no decode rank holds one twice
+            assert ranks[r][name]["sent"] == 2 * head_bytes * held[len(prefill)][p], name

@@ -354,11 +354,19 @@ def greedy(model: Any, prompt: list[int], max_tokens: int) -> list[int]:
     return tokens
 
 
+# a TP2 pair's hand-offs of the real model, {1, 2}^2 but 1 -> 1 (kvmesh up's own): the prefill
+# and decode ranks of the pair's two processes
+PAIR_HANDOFFS = {"2_to_1": ((0, 1), (1,)), "1_to_2": ((0,), (0, 1)), "2_to_2": ((0, 1), (0, 1))}
+
+
 def pair_main(
     rank: int, port: int, queue: Any, path: str, prompt: list[int], max_tokens: int
 ) -> None:
     """One rank of a TP2 pair over the model at ``path`` as stored: its greedy tokens and the
-    KV heads it holds."""
+    KV heads it holds; then ``prompt`` handed off between TP1 and TP2 (PAIR_HANDOFFS), what
+    this rank sent and received in each."""
+    import copy
+
     import torch
     import torch.distributed as dist
     from kvmesh.shared.model.loader import load_model
@@ -367,9 +375,17 @@ def pair_main(
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
-        model, _ = load_model(path)
+        whole, _ = load_model(path)
+        model = copy.deepcopy(whole)
         layout = shard_model(model)
         tokens = greedy(model, prompt, max_tokens)
-        queue.put((rank, {"tokens": tokens, "kv_heads": layout.kv_heads, "q": layout.q_heads}))
+        result = {"tokens": tokens, "kv_heads": layout.kv_heads, "q": layout.q_heads}
+        groups = {(0, 1): dist.new_group([0, 1])}
+        heads = whole.config.num_key_value_heads
+        for name, (prefill, decode) in PAIR_HANDOFFS.items():
+            result[name] = asyncio.run(
+                handoff(rank, prefill, decode, groups, lambda: copy.deepcopy(whole), heads, prompt)
+            )
+        queue.put((rank, result))  # plain values: no tensors
     finally:
         dist.destroy_process_group()
