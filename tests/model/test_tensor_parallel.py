@@ -26,6 +26,7 @@ from kvmesh.shared.model.tensor_parallel import TPLayout, TPShardError, _columns
 from support import tp_ranks
 
 HEAD_BYTES = 2 * 4 * 16 * 64 * 4  # kvmesh-tiny: K and V, 4 layers, 16 tokens, head_dim 64, float32
+INT8_HEAD_BYTES = 2 * 4 * 16 * 64 + 2 * 4 * 16 * 2 * 4  # int8 values, then a float32 per 32
 UNEVEN_HEAD_BYTES = 2 * 2 * 16 * 32 * 4  # tp_ranks.uneven_model: 2 layers, head_dim 32
 
 
@@ -54,7 +55,8 @@ def rank_results() -> dict[int, dict[str, Any]]:
 @pytest.fixture(scope="module")
 def tp1() -> dict[str | None, dict[str, Any]]:
     torch.set_num_threads(1)
-    return {quant: tp_ranks.run_engine(tp_ranks.tiny_model(quant)) for quant in (None, "Q8_0")}
+    runs = {quant: tp_ranks.run_engine(tp_ranks.tiny_model(quant)) for quant in (None, "Q8_0")}
+    return runs | {"int8": tp_ranks.run_engine(tp_ranks.tiny_model(None), kv_cache_dtype="int8")}
 
 
 @pytest.fixture(scope="module")
@@ -163,6 +165,22 @@ def test_every_prefill_tp_to_decode_tp_of_1_2_4_hands_off_and_decodes_as_tp1(
         heads = [len(_held(tp_p, p) & _held(tp_d, d)) for d in range(tp_d)]
         assert runs[r]["sent"] == (3 * HEAD_BYTES * sum(heads) if p in writers else 0)
         assert runs[r]["kv_heads_held"] == len(_held(tp_p, p))
+
+
+def test_int8_kv_hands_off_2_to_1_and_1_to_2_each_head_with_its_scales_as_tp1(rank_results, tp1):
+    """int8 pools on both sides (``--kv-cache-dtype int8`` with ``--prefill-tp``/``--decode-tp``):
+    a head's span carries its scales, so a rank's slice of a block is still one span; the
+    decode ranks give TP1's tokens over int8 KV."""
+    expected = tp1["int8"]["tokens"][0]
+    assert rank_results[2]["int8_2_to_1"]["tokens"] == expected
+    for rank in (0, 1):
+        assert rank_results[rank]["int8_2_to_1"] == {
+            "sent": 3 * INT8_HEAD_BYTES,
+            "kv_heads_held": 1,
+        }
+        decode = rank_results[rank]["int8_1_to_2"]
+        assert decode["tokens"] == expected and decode["received"] == 3 * INT8_HEAD_BYTES
+    assert rank_results[2]["int8_2_to_1"]["received"] == 2 * 3 * INT8_HEAD_BYTES
 
 
 def test_a_colocated_worker_at_tp2_and_tp4_decodes_as_tp1(rank_results, tp1):

@@ -47,7 +47,7 @@ def uneven_model() -> Any:
     return build_model(config, weights.__getitem__, weights, "seeded 9x3")
 
 
-def run_engine(model: Any, device: str = "cpu") -> dict[str, Any]:
+def run_engine(model: Any, device: str = "cpu", kv_cache_dtype: str = "auto") -> dict[str, Any]:
     """Greedy tokens of PROMPTS through one engine on ``device`` (a long prompt prefilled in
     chunks while the short one decodes), and the engine's KV pool afterwards: (blocks, heads
     held, L, 2, bs, D)."""
@@ -60,6 +60,7 @@ def run_engine(model: Any, device: str = "cpu") -> dict[str, Any]:
         max_num_batched_tokens=16,
         enable_prefix_caching=False,
         device=device,
+        kv_cache_dtype=kv_cache_dtype,
     )
     engine = LLMEngine(model, None, config)
     params = SamplingOptions(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
@@ -95,6 +96,10 @@ def decode_pool(model: Any) -> dict[str, Any]:
 # the pairs of {1, 2, 4}^2 the hand-offs above leave: a prefill at TP_P (the world's first
 # TP_P ranks) to a decode at TP_D (its last TP_D), overlapping where they add up to more than 4
 GRID = ((1, 1), (1, 4), (4, 1), (2, 4), (4, 2), (4, 4))
+
+
+# int8 KV pools on both sides (a scale per 32 values at the end of each head's span)
+INT8_HANDOFFS = {"int8_2_to_1": ((0, 1), (2,)), "int8_1_to_2": ((2,), (0, 1))}
 
 
 def grid_ranks(tp_p: int, tp_d: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -173,6 +178,8 @@ def rank_main(rank: int, port: int, queue: Any) -> None:
         for tp_p, tp_d in GRID:
             ranks = grid_ranks(tp_p, tp_d)
             results[f"grid_{tp_p}_to_{tp_d}"] = asyncio.run(handoff(rank, *ranks, groups))
+        for name, (prefill, decode) in INT8_HANDOFFS.items():  # head spans with their scales
+            results[name] = asyncio.run(handoff(rank, prefill, decode, pair, kv_cache_dtype="int8"))
         results["colocated_tp4"] = colocated(quad)
         results["colocated_tp2"] = colocated(pairs[rank // 2])
         model = uneven_model()  # TP2 in both pairs: 2 + 1 KV heads
@@ -197,6 +204,7 @@ async def handoff(
     model_fn: Any = None,
     num_kv_heads: int = 2,
     prompt: list[int] | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> dict[str, Any] | None:
     """``prompt`` (default PROMPTS[0]) prefilled at TP len(prefill_ranks), its KV written chunk
     by chunk by every prefill rank straight into the decode rank(s) holding its heads
@@ -206,7 +214,7 @@ async def handoff(
     a decode rank both, each role with its own engine and transport (two workers on one host).
     A prefill rank returns what it sent; a decode rank its tokens and what it received.
     ``model_fn``: what makes the model (default kvmesh-tiny), of ``num_kv_heads`` KV heads;
-    ``groups``: the TP group of each tuple of ranks."""
+    ``groups``: the TP group of each tuple of ranks; ``kv_cache_dtype``: both sides' pools'."""
     import msgspec
     import torch.distributed as dist
     from kvmesh.services.prefill.kv_writes import decode_writers, rank_block_slices
@@ -236,7 +244,11 @@ async def handoff(
     prompt = PROMPTS[0] if prompt is None else prompt
     params = SamplingOptions(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
     config = EngineConfig(
-        block_size=16, num_blocks=NUM_BLOCKS, max_num_batched_tokens=16, enable_prefix_caching=False
+        block_size=16,
+        num_blocks=NUM_BLOCKS,
+        max_num_batched_tokens=16,
+        enable_prefix_caching=False,
+        kv_cache_dtype=kv_cache_dtype,
     )
     make_model = model_fn or (lambda: tiny_model(None))
     src = KVHeadShards(num_kv_heads, len(prefill_ranks))
