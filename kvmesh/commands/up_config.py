@@ -229,6 +229,24 @@ class UpConfig(NatsClientConfig):
         "docs/security.md)",
     )
 
+    def _check_tp_beside(self) -> None:
+        """What tensor-parallel workers run without, refused here rather than failing each job
+        (docs/tp.md): KV converted between dtypes, and kv-stores no worker would use."""
+        tp = max(self.prefill_tp, self.decode_tp)
+        dtype = self.decode_kv_cache_dtype
+        if tp > 1 and dtype is not None and dtype != self.kv_cache_dtype:
+            raise ValueError(
+                f"--decode-kv-cache-dtype {dtype} beside --kv-cache-dtype {self.kv_cache_dtype} "
+                "needs --prefill-tp 1 and --decode-tp 1 (tensor-parallel workers write and take "
+                "KV of one dtype only): give both the same KV cache dtype"
+            )
+        all_tp = self.decode_tp > 1 and (self.mode == "colocated" or self.prefill_tp > 1)
+        if self.kv_store and all_tp:
+            raise ValueError(
+                f"--kv-store {self.kv_store} would serve no worker: tensor-parallel workers run "
+                "without the kv-store; drop --kv-store or run --decode-tp 1"
+            )
+
     def __post_init__(self) -> None:
         self.check_nats_options(mesh_from_model(self.model))
         if self.served_model_name == "":
@@ -260,6 +278,7 @@ class UpConfig(NatsClientConfig):
                 "--prefill-tp > 1 needs --mode disagg and no prompt draft KV (--draft early-exit "
                 "or model write it from one rank)"
             )
+        self._check_tp_beside()
         if (self.kv_store_disk_path is None) != (self.kv_store_disk_capacity_gb is None):
             raise ValueError(
                 "a kv-store disk tier needs both kv_store_disk_path and kv_store_disk_capacity_gb"

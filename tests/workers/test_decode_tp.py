@@ -220,3 +220,20 @@ def test_tp_configs_refuse_what_a_tp_decode_worker_cannot_run_and_up_passes_tp()
     (colocated,) = [s for s in specs if s.name == "colocated-0"]
     _, config, _ = build_service_config("colocated", colocated.argv[2:], env={})
     assert (config.mode, config.tp) == ("colocated", 2)  # kvmesh serve colocated --tp 2
+
+
+def test_up_refuses_at_start_what_tp_workers_would_refuse_or_ignore_later() -> None:
+    """A KV dtype conversion (every job would be refused) and kv-stores no worker would use
+    (every worker tensor-parallel): refused at ``kvmesh up``, saying what to change. A TP1
+    side keeps the kv-store in use, and one KV dtype on both sides is TP's own (int8 tested in
+    tests/model/test_tensor_parallel.py)."""
+    from kvmesh.commands.up_config import UpConfig
+
+    for tp in ({"prefill_tp": 2}, {"decode_tp": 2}):
+        with pytest.raises(ValueError, match="give both the same KV cache dtype"):
+            UpConfig(**tp, decode_kv_cache_dtype="int8")
+        assert UpConfig(**tp, kv_cache_dtype="int8", decode_kv_cache_dtype="int8").kv_store == 0
+        assert UpConfig(**tp, kv_store=1).kv_store == 1  # the TP1 side uses it
+    for all_tp in ({"prefill_tp": 2, "decode_tp": 2}, {"mode": "colocated", "decode_tp": 2}):
+        with pytest.raises(ValueError, match="--kv-store 1 would serve no worker"):
+            UpConfig(**all_tp, kv_store=1)
