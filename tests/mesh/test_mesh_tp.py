@@ -1,8 +1,9 @@
 """Meshes whose workers run tensor-parallel (docs/tp.md): two rank processes that appear as one
 worker. `kvmesh up --prefill-tp 2`: each prefill rank writes its own KV head of every chunk to
-the TP1 decode worker; `kvmesh up --prefill-tp 2 --decode-tp 2`: each prefill rank writes the
-decode rank holding its head, and the decode worker admits a request once both ranks' writes are
-in, its ranks then decoding together. Either way the greedy answers are TP1's offline ones (in
+the TP1 decode worker (speculating with the draft service: `--draft ngram`, its drafts never
+waited for, so whether any is verified is up to timing); `kvmesh up --prefill-tp 2
+--decode-tp 2`: each prefill rank writes the decode rank holding its head, and the decode worker
+admits a request once both ranks' writes are in, its ranks then decoding together. Either way the greedy answers are TP1's offline ones (in
 2 -> 2 a structured output's too, its grammar on every rank of both workers), every block comes
 back, and killing the follower rank takes the whole worker down. (1 -> 2 is the same decode side
 with one prefill writing both ranks: tests/workers/test_decode_tp.py and tests/workers/test_prefill_tp_decode.py
@@ -90,7 +91,9 @@ def _serves_then_goes_down_with_a_rank(config, expected, worker: str, regex: boo
 
 def test_prefill_tp2_serves_tp1_answers_and_goes_down_with_a_rank():
     expected = offline_greedy(PROMPTS, MAX_TOKENS, ignore_eos=True)
-    config = mesh_config(prefill_tp=2, transport="shm", max_restarts=0, local_prefill_threshold=0)
+    config = mesh_config(
+        prefill_tp=2, draft="ngram", transport="shm", max_restarts=0, local_prefill_threshold=0
+    )  # beside the draft service: the TP1 decode worker speculates
     _serves_then_goes_down_with_a_rank(config, expected, "prefill-0", regex=False)
 
 
