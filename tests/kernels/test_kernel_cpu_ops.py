@@ -22,6 +22,7 @@ from kvmesh.shared.kv.kv_cache import KVCacheSpec, KVPool
 from kvmesh.shared.model.attention import AttentionMetadata, paged_attention
 from kvmesh.shared.model.rope import apply_rope
 from kvmesh.shared.text.sampling import SamplingOptions
+from support.cpu_layers import random_cache
 
 
 @pytest.mark.parametrize("shape", [(1, 256), (7, 100), (33, 17)])
@@ -107,12 +108,7 @@ def _decode_case(
         block_size=block_size,
         dtype=dtype,
     )
-    width = max(-(-c // block_size) for c in context_lens)
-    num_blocks = len(context_lens) * width + 3
-    pool = KVPool(spec, num_blocks)
-    pool.tensor.copy_(torch.randn(pool.tensor.shape, generator=g))
-    ids = torch.randperm(num_blocks, generator=g)[: len(context_lens) * width]
-    tables = ids.view(len(context_lens), width).contiguous()
+    pool, tables = random_cache(spec, context_lens, g, spare_blocks=3)
     B = len(context_lens)
     qkv = torch.randn(B, num_q_heads + 2 * num_kv_heads, head_dim, generator=g)
     angles = torch.rand(B, 1, head_dim // 2, generator=g) * 6

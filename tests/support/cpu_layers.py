@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from kvmesh.shared.kv.kv_cache import KVPool
+from kvmesh.shared.kv.kv_cache import KVCacheSpec, KVPool
 from kvmesh.shared.model.attention import AttentionMetadata
 from kvmesh.shared.model.backend import CpuBackend, TorchBackend
 from kvmesh.shared.model.config import ModelConfig
@@ -76,15 +76,23 @@ def quantized_twins(
     return stored, floats
 
 
+def random_cache(spec: KVCacheSpec, context_lens, generator, spare_blocks: int):
+    """A pool of random values drawn from ``generator``, and each sequence's block table:
+    distinct shuffled blocks, as many as the longest of ``context_lens`` needs, and
+    ``spare_blocks`` blocks no table holds."""
+    width = max(-(-c // spec.block_size) for c in context_lens)
+    num_blocks = len(context_lens) * width + spare_blocks
+    pool = KVPool(spec, num_blocks)
+    pool.tensor.copy_(torch.randn(pool.tensor.shape, generator=generator))
+    ids = torch.randperm(num_blocks, generator=generator)[: len(context_lens) * width]
+    return pool, ids.view(len(context_lens), width).contiguous()
+
+
 def decode_step(config, context_lens, block_size=16, seed=0, kv_dtype=None):
     """A pool holding each sequence's earlier tokens, and a decode step's inputs and metadata."""
     g = torch.Generator().manual_seed(seed)
-    width = max(-(-c // block_size) for c in context_lens)
-    num_blocks = len(context_lens) * width + 2
-    pool = KVPool(kv_cache_spec(config, block_size, kv_dtype), num_blocks)
-    pool.tensor.copy_(torch.randn(pool.tensor.shape, generator=g))
-    ids = torch.randperm(num_blocks, generator=g)[: len(context_lens) * width]
-    tables = ids.view(len(context_lens), width).contiguous()
+    spec = kv_cache_spec(config, block_size, kv_dtype)
+    pool, tables = random_cache(spec, context_lens, g, spare_blocks=2)
     ctx = torch.tensor(context_lens)
     pos = ctx - 1
     slots = tables.gather(1, (pos // block_size)[:, None]).squeeze(1) * block_size
