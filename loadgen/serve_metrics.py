@@ -21,7 +21,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 PERCENTILES = (50, 90, 99)
@@ -98,6 +98,23 @@ class Stats:
         return cls(len(values), mean, p50, p90, p99, max(values) * 1e3)
 
 
+def parse_ms_limits(text: str, names: Mapping[str, str], what: str) -> dict[str, float]:
+    """``"NAME=MS,NAME=MS"`` (any subset, blanks skipped) as {field: ms}; ``names`` maps each
+    NAME it takes to its field (aliases map to the same one); errors name ``what`` (a flag)."""
+    values: dict[str, float] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, raw = part.partition("=")
+        if not sep or key.strip() not in names:
+            raise ValueError(
+                f"{what} {part!r}: expected NAME=MS with NAME one of {', '.join(names)}"
+            )
+        try:
+            values[names[key.strip()]] = float(raw)
+        except ValueError:
+            raise ValueError(f"{what} {part!r}: {raw!r} is not a number of milliseconds") from None
+    return values
+
+
 @dataclass(frozen=True, slots=True)
 class Slo:
     """Service-level objectives in milliseconds; None: not checked."""
@@ -125,18 +142,7 @@ class Slo:
             "tpot_ms": "tpot_ms",
             "e2e_ms": "e2e_ms",
         }
-        values: dict[str, float] = {}
-        for part in filter(None, (p.strip() for p in text.split(","))):
-            key, sep, raw = part.partition("=")
-            if not sep or key.strip() not in names:
-                raise ValueError(
-                    f"SLO {part!r}: expected NAME=MS with NAME one of ttft_ms, itl_ms, tpot_ms, e2e_ms"
-                )
-            try:
-                values[names[key.strip()]] = float(raw)
-            except ValueError:
-                raise ValueError(f"SLO {part!r}: {raw!r} is not a number of milliseconds") from None
-        return cls(**values)
+        return cls(**parse_ms_limits(text, names, "SLO"))
 
     def is_met(self, record: RequestRecord) -> bool:
         """Completed and within every objective (TPOT counts as met with < 2 output tokens)."""

@@ -21,7 +21,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from kvmesh.loadgen.serve_metrics import RequestRecord, percentile
+from kvmesh.loadgen.serve_metrics import RequestRecord, parse_ms_limits, percentile
 
 DEFAULT_TARGET = 0.9
 DEFAULT_SCALES = (("tight", 0.5), ("medium", 1.0), ("loose", 2.0))
@@ -74,18 +74,7 @@ class SloObjective:
             "gap_ms": "gap_p99_ms",
             "gap_p99_ms": "gap_p99_ms",
         }
-        values: dict[str, float] = {}
-        for part in filter(None, (p.strip() for p in text.split(","))):
-            key, sep, raw = part.partition("=")
-            if not sep or key.strip() not in names:
-                raise ValueError(
-                    f"--slo-base {part!r}: expected NAME=MS with NAME one of ttft_ms, tpot_ms, "
-                    "gap_ms"
-                )
-            try:
-                values[names[key.strip()]] = float(raw)
-            except ValueError:
-                raise ValueError(f"--slo-base {part!r}: {raw!r} is not a number of ms") from None
+        values = parse_ms_limits(text, names, "--slo-base")
         for name, value in values.items():
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"--slo-base {name}: a limit is a number of ms > 0, got {value:g}")
