@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-import orjson
+from kvmesh.shared.config.json_object import json_object
 
 ArrivalKind = Literal["poisson", "gamma", "constant"]
 ARRIVAL_KINDS: tuple[ArrivalKind, ...] = ("poisson", "gamma", "constant")
@@ -102,12 +102,7 @@ def parse_trace(lines: Iterable[str], source: str = "<trace>") -> list[TraceReco
         if not line.strip():
             continue
         where = f"{source}:{number}"
-        try:
-            row = orjson.loads(line)
-        except orjson.JSONDecodeError as exc:
-            raise TraceError(f"{where}: not a JSON object ({exc})") from None
-        if not isinstance(row, dict):
-            raise TraceError(f"{where}: expected a JSON object, got {type(row).__name__}")
+        row = json_object(line, where, TraceError)
         missing = [k for k in ("timestamp", "input_len", "output_len") if k not in row]
         if missing:
             raise TraceError(f"{where}: missing {', '.join(missing)}")

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvmesh.shared.config.json_object import json_object
+
 SPEC_DIR = Path(__file__).resolve().parent / "specs"
 PACE_QUANTILES = (0.0, 0.1, 0.5, 0.9, 1.0)  # where DeviceSpec.pace_knots sit
 PACE_KNOT_NAMES = ("min", "p10", "p50", "p90", "max")  # their fields: pace_<name>
@@ -342,12 +344,10 @@ def _read(kind: str, name_or_path: str | Path) -> dict[str, Any]:
             f"{', '.join(builtin_names(kind))}"
         )
     try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+        text = path.read_text()
+    except OSError as exc:
         raise SpecError(f"{path}: cannot read the spec ({exc})") from None
-    if not isinstance(data, dict):
-        raise SpecError(f"{path}: expected a JSON object")
-    return data
+    return json_object(text, str(path), SpecError)
 
 
 def _build(cls: type, data: dict[str, Any], source: str) -> Any:

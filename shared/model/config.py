@@ -10,11 +10,12 @@ reference (an active sliding window, an unknown activation or RoPE type) is refu
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from kvmesh.shared.config.json_object import json_object
 
 if TYPE_CHECKING:
     import torch
@@ -143,13 +144,7 @@ class ModelConfig:
             raise ModelConfigError(
                 f"{path}: file not found (a HF checkpoint needs config.json)"
             ) from None
-        try:
-            raw = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ModelConfigError(f"{path}: invalid JSON: {e}") from None
-        if not isinstance(raw, dict):
-            raise ModelConfigError(f"{path}: expected a JSON object, got {type(raw).__name__}")
-        return _from_hf_dict(raw, str(path))
+        return _from_hf_dict(json_object(text, str(path), ModelConfigError), str(path))
 
 
 def dtype_name(value: object, source: str) -> str:

@@ -10,12 +10,12 @@ Turning generated ids back into text, one token at a time, is ``kvmesh.shared.te
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+from kvmesh.shared.config.json_object import json_object
 from kvmesh.shared.text.chat_template import ChatTemplate, ChatTemplateError
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -290,13 +290,7 @@ def _token_text(value: Any) -> str | None:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise TokenizerError(f"{path}: invalid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise TokenizerError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data
+    return json_object(path.read_text(encoding="utf-8"), str(path), TokenizerError)
 
 
 def _load_hf_tokenizer(directory: Path, extra_eos_token_ids: Iterable[int]) -> Tokenizer:

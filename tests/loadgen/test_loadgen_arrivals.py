@@ -95,7 +95,7 @@ def test_trace_replays_its_timestamps_from_zero_in_order(tmp_path):
 @pytest.mark.parametrize(
     "line, message",
     [
-        ("not json", "t:1: not a JSON object"),
+        ("not json", "t:1: invalid JSON"),
         ('{"timestamp": 1, "input_len": 2}', "t:1: missing output_len"),
         ('{"timestamp": "x", "input_len": 2, "output_len": 2}', "timestamp must be a number"),
         ('{"timestamp": 1, "input_len": 0, "output_len": 2}', "input_len must be an integer >= 1"),
