@@ -120,13 +120,15 @@ def example(info: msgspec.inspect.Type, rng: random.Random) -> Any:
 
 @functools.cache
 def message_types() -> tuple[type[Message], ...]:
-    """Every message type: what each module of shared/bus/messages/ defines."""
+    """Every message type: what each module of shared/bus/messages/ defines, less the bases
+    that messages share fields through (e.g. StoreBlocks): never sent alone."""
     found: dict[str, type[Message]] = {}
     for module in pkgutil.iter_modules(messages.__path__):
         for cls in vars(importlib.import_module(f"{messages.__name__}.{module.name}")).values():
             if isinstance(cls, type) and issubclass(cls, Message) and cls is not Message:
                 found[cls.__qualname__] = cls
-    return tuple(found.values())
+    bases = {base for cls in found.values() for base in cls.__mro__[1:]}
+    return tuple(cls for cls in found.values() if cls not in bases)
 
 
 @functools.cache

@@ -16,8 +16,9 @@ from kvmesh.shared.kv.descriptor import TransportDescriptor
 MAX_STORE_BLOCKS = 16_384  # hashes per put or get
 
 
-class StorePut(Message):
-    """Writer -> store: reserve slots for these blocks (the ones it does not hold yet)."""
+class StoreBlocks(Message):
+    """What a put and a get ask of a store alike: blocks of layout ``kv_spec`` by their hashes,
+    held for ``lease_ms`` for ``client_id``."""
 
     client_id: str
     kv_spec: str
@@ -25,6 +26,10 @@ class StorePut(Message):
         tuple[int, ...], msgspec.Meta(min_length=1, max_length=MAX_STORE_BLOCKS)
     ]
     lease_ms: Annotated[int, msgspec.Meta(ge=1)] = 30_000
+
+
+class StorePut(StoreBlocks):
+    """Writer -> store: reserve slots for these blocks (the ones it does not hold yet)."""
 
 
 class StorePutReply(Message):
@@ -60,15 +65,8 @@ class StoreCommitReply(Message):
     error: str = ""
 
 
-class StoreGet(Message):
+class StoreGet(StoreBlocks):
     """Reader -> store: pin the longest leading run of these blocks that is stored."""
-
-    client_id: str
-    kv_spec: str
-    block_hashes: Annotated[
-        tuple[int, ...], msgspec.Meta(min_length=1, max_length=MAX_STORE_BLOCKS)
-    ]
-    lease_ms: Annotated[int, msgspec.Meta(ge=1)] = 30_000
 
 
 class StoreGetReply(Message):
