@@ -32,21 +32,28 @@ class StorePut(StoreBlocks):
     """Writer -> store: reserve slots for these blocks (the ones it does not hold yet)."""
 
 
-class StorePutReply(Message):
-    """Store -> writer: ``present`` are stored already; write ``write_hashes[i]`` at
-    ``block_addrs[i]`` and its header at ``header_addrs[i]`` with window key ``rkey``, then
-    commit. Hashes in neither list found no room."""
+class StoreSlots(Message):
+    """What a store answers a put and a get alike: ``ok`` (else ``error``), and a window onto
+    slots of its memory, key ``rkey``: blocks of ``block_bytes`` at ``block_addrs``, their
+    headers at ``header_addrs``."""
 
     ok: bool
     store_id: str
-    put_id: str = ""
     rkey: int = 0
-    present: tuple[int, ...] = ()
-    write_hashes: tuple[int, ...] = ()
     block_addrs: tuple[int, ...] = ()
     header_addrs: tuple[int, ...] = ()
     block_bytes: int = 0
     error: str = ""
+
+
+class StorePutReply(StoreSlots):
+    """Store -> writer: ``present`` are stored already; write ``write_hashes[i]`` at
+    ``block_addrs[i]`` and its header at ``header_addrs[i]`` with window key ``rkey``, then
+    commit. Hashes in neither list found no room."""
+
+    put_id: str = ""
+    present: tuple[int, ...] = ()
+    write_hashes: tuple[int, ...] = ()
     retry_after_s: float = 0.0  # > 0: full of pinned blocks right now
 
 
@@ -69,19 +76,12 @@ class StoreGet(StoreBlocks):
     """Reader -> store: pin the longest leading run of these blocks that is stored."""
 
 
-class StoreGetReply(Message):
+class StoreGetReply(StoreSlots):
     """Store -> reader: read ``block_hashes[i]`` from ``block_addrs[i]`` and its header from
     ``header_addrs[i]`` with read-window key ``rkey``, verify, then release. No hashes: a miss."""
 
-    ok: bool
-    store_id: str
     get_id: str = ""
-    rkey: int = 0
     block_hashes: tuple[int, ...] = ()
-    block_addrs: tuple[int, ...] = ()
-    header_addrs: tuple[int, ...] = ()
-    block_bytes: int = 0
-    error: str = ""
 
 
 class StoreRelease(Message):
