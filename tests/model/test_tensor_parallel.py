@@ -99,9 +99,15 @@ def test_a_decode_ranks_pool_holds_its_heads_of_the_tp1_pools_blocks(rank_result
     a replica of one, half)."""
     tp1 = tp_ranks.decode_pool(tp_ranks.tiny_model(None))
     assert tp1 == {"allocated": [4 << 20], "num_blocks": 64, "nbytes": 4 << 20}
-    half = {"allocated": [2 << 20], "num_blocks": 64, "nbytes": 2 << 20}
-    for case in ("tp4", "tp2", "tp2_q8"):
-        ranks = range(4) if case == "tp4" else ((0, 1) if case == "tp2" else (2, 3))
+    # the Q8_0 twin's TP1 pool: its own KV dtype's blocks ("auto": float16 over stored weights)
+    tp1_q8 = tp_ranks.decode_pool(tp_ranks.tiny_model("Q8_0"))
+    assert tp1_q8["allocated"] == [4 << 20] == [tp1_q8["nbytes"]]
+    for case, ranks, whole in (
+        ("tp4", range(4), tp1),
+        ("tp2", (0, 1), tp1),
+        ("tp2_q8", (2, 3), tp1_q8),
+    ):
+        half = whole | {"allocated": [whole["nbytes"] // 2], "nbytes": whole["nbytes"] // 2}
         assert [rank_results[r][f"{case}_decode_pool"] for r in ranks] == [half] * len(ranks)
 
 
