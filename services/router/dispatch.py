@@ -21,7 +21,7 @@ from contextlib import asynccontextmanager
 import nats.errors
 from kvmesh.services.router.config import RouterConfig
 from kvmesh.services.router.errors import GatewayTimeoutError
-from kvmesh.services.router.mesh_request import MeshRequest
+from kvmesh.services.router.mesh_request import MeshRequest, RouterMesh
 from kvmesh.services.router.metrics import RequestTimer, RouterMetrics
 from kvmesh.services.router.pool_capacity import PoolCapacity
 from kvmesh.services.router.prompt import Prompt
@@ -80,6 +80,18 @@ class Dispatcher:
         self.prefill_queue = PrefillQueueHealth()  # what publishes found (queue_health.py)
         # the decode workers' KV pools, by adverts: the context a request can use
         self.capacity = PoolCapacity(model_spec, model_len)
+        self.mesh = RouterMesh(
+            nc,
+            subjects,
+            config,
+            metrics,
+            self.prefill_pool,
+            self.decode_pool,
+            self.registry_pool,
+            model_spec,
+            self.prefill_queue,
+            self.instance,
+        )
         self._context_logged: int | None = None
 
     async def on_heartbeat(self, beat: WorkerHeartbeat) -> None:
@@ -154,21 +166,7 @@ class Dispatcher:
     ) -> AsyncIterator[MeshRequest]:
         """Place ``prompt`` on the mesh, or take over its stream where a client resumes it
         (``resume``); abort it if the block is left before it finishes."""
-        request = MeshRequest(
-            self._nc,
-            self._subjects,
-            self._config,
-            self._metrics,
-            request_id,
-            prompt,
-            timer,
-            self.prefill_pool,
-            self.decode_pool,
-            self.registry_pool,
-            self._model_spec,
-            self.prefill_queue,
-            self.instance,
-        )
+        request = MeshRequest(self.mesh, request_id, prompt, timer)
         key = request_id if resume is None else f"{request_id} resumed {id(request)}"
         self._live[key] = request
         try:

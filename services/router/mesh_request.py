@@ -15,6 +15,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
 import nats.errors
 from kvmesh.services.router.attempts import Attempts
@@ -48,40 +49,36 @@ from nats.aio.subscription import Subscription
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True, slots=True)
+class RouterMesh:
+    """What every request of one router shares (the Dispatcher holds it): the NATS connection,
+    subjects, config and metrics, the worker pools heard, the model served (only decode workers
+    serving ``model_spec`` take a request), the prefill queue's health, and the router's
+    ``instance`` (the mesh drops its requests when it dies)."""
+
+    nc: NATS
+    subjects: Subjects
+    config: RouterConfig
+    metrics: RouterMetrics
+    prefill_pool: WorkerPool | None = None
+    decode_pool: WorkerPool | None = None
+    registry_pool: WorkerPool | None = None
+    model_spec: str = ""
+    prefill_queue: PrefillQueueHealth = field(default_factory=PrefillQueueHealth)
+    instance: str = ""
+
+
 class MeshRequest:
     """One request in flight on the mesh; iterate ``events()`` for its tokens."""
 
-    def __init__(
-        self,
-        nc: NATS,
-        subjects: Subjects,
-        config: RouterConfig,
-        metrics: RouterMetrics,
-        request_id: str,
-        prompt: Prompt,
-        timer: RequestTimer,
-        prefill_pool: WorkerPool | None = None,
-        decode_pool: WorkerPool | None = None,
-        registry_pool: WorkerPool | None = None,
-        model_spec: str = "",
-        prefill_queue: PrefillQueueHealth | None = None,
-        router: str = "",
-    ) -> None:
-        self._nc = nc
-        self._router = router  # the router's instance: the mesh drops the request if it dies
-        self._prefill_queue = prefill_queue or PrefillQueueHealth()
-        self._subjects = subjects
-        self._model_spec = model_spec  # only decode workers serving this model take the request
+    def __init__(self, mesh: RouterMesh, request_id: str, prompt: Prompt, timer: RequestTimer):
+        self._mesh = mesh
+        self._nc, self._subjects, self._config = mesh.nc, mesh.subjects, mesh.config
         self._sub: Subscription | None = None
-        self._prefill_pool = prefill_pool
-        self._decode_pool = decode_pool
-        self._registry_pool = registry_pool
         self._lost: set[str] = set()  # workers whose loss also loses this request
-        self._config = config
-        self._metrics = metrics
         self.response_id = request_id  # what the client sees; constant across attempts
         # wire ids, runs again, the tokens sent so far and the current attempt's prompt
-        self.attempts = Attempts(request_id, prompt, config.max_retries)
+        self.attempts = Attempts(request_id, prompt, mesh.config.max_retries)
         self.timer = timer
         self.is_finished = False  # a TokenEvent with finish_reason arrived
         self._first_deadline = 0.0  # set by start(); retries share it, a migration starts anew
@@ -122,7 +119,10 @@ class MeshRequest:
         self._remote = RemotePrefill()  # its job and lease (the last attempt's closed: close())
         self._lost.clear()
         self.is_local_prefill = prefills_locally(
-            self._config, len(self.attempts.prompt.prompt_ids), self._prefill_pool, time.monotonic()
+            self._config,
+            len(self.attempts.prompt.prompt_ids),
+            self._mesh.prefill_pool,
+            time.monotonic(),
         )
         self.is_aborted = False
         self._may_hold_blocks = False  # a placement was asked for and not refused
@@ -190,7 +190,7 @@ class MeshRequest:
         subscribed and not placed yet."""
         await self.abort(why)
         await self.close()
-        self._metrics.retries.labels(role).inc()
+        self._mesh.metrics.retries.labels(role).inc()
         self._begin_attempt(self.attempts.next_wire_id("r"))
         await self.subscribe()
 
@@ -206,7 +206,7 @@ class MeshRequest:
         )
         await self.abort(why)
         await self.close()
-        self._metrics.retries.labels("decode-migrate").inc()
+        self._mesh.metrics.retries.labels("decode-migrate").inc()
         if not self.attempts.migrate():
             self.is_finished = True
             return TokenEvent(self.request_id, (), finish_reason="length")
@@ -218,7 +218,7 @@ class MeshRequest:
 
     async def _place_and_dispatch(self, started: float) -> None:
         deadline = self._first_deadline
-        self._metrics.waiting.inc()
+        self._mesh.metrics.waiting.inc()
         try:
             while True:
                 try:
@@ -236,7 +236,7 @@ class MeshRequest:
                 except OverloadedError as exc:  # queueing: it waits for room (recovery.py)
                     error = stop_waiting_for_room(
                         exc,
-                        no_decode_alive=no_decode_worker(self._decode_pool, time.monotonic()),
+                        no_decode_alive=no_decode_worker(self._mesh.decode_pool, time.monotonic()),
                         left_s=deadline - time.monotonic(),
                         request_id=self.request_id,
                         first_token_timeout_s=self._config.first_token_timeout_s,
@@ -245,8 +245,8 @@ class MeshRequest:
                         raise error from None
                     await asyncio.sleep(room_backoff_s(exc.retry_after_s))
         finally:
-            self._metrics.waiting.dec()
-        self._metrics.place.observe(time.monotonic() - started)
+            self._mesh.metrics.waiting.dec()
+        self._mesh.metrics.place.observe(time.monotonic() - started)
         self.placement = reply
         if reply.local_prefill:  # its prefix is cached there: the decode worker prefills the rest
             self.is_local_prefill = True
@@ -263,8 +263,8 @@ class MeshRequest:
             reply,
             lease_ms=self._config.lease_ms,
             left_s=max(0.0, deadline - time.monotonic()),
-            queue=self._prefill_queue,
-            router=self._router,
+            queue=self._mesh.prefill_queue,
+            router=self._mesh.instance,
         )
 
     async def _place(self) -> PlaceReply:
@@ -275,8 +275,8 @@ class MeshRequest:
             sampling=self.attempts.prompt.sampling,
             local_prefill=self.is_local_prefill,
             lease_ms=self._config.lease_ms,
-            model_spec=self._model_spec,
-            router=self._router,
+            model_spec=self._mesh.model_spec,
+            router=self._mesh.instance,
         )
         if not self._nc.is_connected:
             # NATS is down (restarting, or our link): what we sent now would wait in the
@@ -284,7 +284,7 @@ class MeshRequest:
             raise OverloadedError("NATS is reconnecting", retry_after_s=0.5)
         self._may_hold_blocks = True
         reply = await ask_registry(
-            self._nc, self._subjects, place, self._config.place_timeout_s, self._registry_pool
+            self._nc, self._subjects, place, self._config.place_timeout_s, self._mesh.registry_pool
         )
         if not reply.ok:
             self._may_hold_blocks = False
@@ -374,7 +374,7 @@ class MeshRequest:
         if self.is_finished or self.is_aborted or not self._may_hold_blocks:
             return
         self.is_aborted = True
-        self._metrics.aborts.labels(reason).inc()
+        self._mesh.metrics.aborts.labels(reason).inc()
         # A job no worker has taken yet can be withdrawn: then its blocks are free at once.
         withdrawn = not self.prefill_worker and await self._remote.withdraw(
             self._nc, self._subjects
@@ -382,7 +382,7 @@ class MeshRequest:
         await publish_abort(self._nc, self._subjects, self.request_id, reason, withdrawn)
 
     def _record_report(self, report: PrefillReport) -> None:
-        self._metrics.record_prefill(report)
+        self._mesh.metrics.record_prefill(report)
         stamps = self.timer.stamps
         stamps.remote_queue_s, stamps.remote_compute_s = report.queue_s, report.compute_s
         stamps.remote_transfer_s = report.exposed_transfer_s
