@@ -7,7 +7,8 @@ admits a request once both ranks' writes are in, its ranks then decoding togethe
 2 -> 2 a structured output's too, its grammar on every rank of both workers), every block comes
 back, and killing the follower rank takes the whole worker down. (1 -> 2 is the same decode side
 with one prefill writing both ranks: tests/workers/test_decode_tp.py and tests/workers/test_prefill_tp_decode.py
-run it worker to worker, tests/model/test_tensor_parallel.py engine to engine.)"""
+run it worker to worker, tests/model/test_tensor_parallel.py engine to engine.) Last, a
+colocated worker's TP2 rank group without NATS: TP1's answers, the follower gone with it."""
 
 from __future__ import annotations
 
@@ -103,3 +104,46 @@ def test_prefill_tp2_to_decode_tp2_serves_tp1_answers_and_goes_down_with_a_rank(
         prefill_tp=2, decode_tp=2, transport="shm", max_restarts=0, local_prefill_threshold=0
     )
     _serves_then_goes_down_with_a_rank(config, expected, "decode-0", regex=True)
+
+
+async def test_a_colocated_worker_at_tp2_answers_as_tp1_and_its_follower_ends_with_it():
+    """``kvmesh serve colocated --tp 2``'s rank group as its serving process makes it, here as
+    the leader, without NATS (a colocated mesh was checked by hand, docs/tp.md): the follower
+    process spawned and ready, its engine replaying the leader's calls; TP1's greedy tokens,
+    and the follower exits cleanly once the leader closes the group."""
+    import torch
+    import torch.distributed as dist
+    from kvmesh.services.decode.compose import build_engine
+    from kvmesh.services.decode.config import DecodeConfig
+    from kvmesh.services.decode.tp_group import DecodeRanks, tp_config
+    from kvmesh.shared.engine.outputs import collect_tokens
+    from kvmesh.shared.model.loader import load_model
+    from kvmesh.shared.text.sampling import SamplingOptions
+    from support.tp_ranks import MAX_TOKENS, POOL_BYTES, PROMPTS, run_engine, tiny_model
+
+    expected = run_engine(tiny_model(None))["tokens"]  # TP1's
+    config = tp_config(
+        DecodeConfig(
+            mode="colocated", tp=2, threads=1, kv_cache_bytes=POOL_BYTES, max_num_batched_tokens=16
+        )
+    )
+    model, tokenizer = load_model(config.model, torch.float32)
+    cpus, threads = os.sched_getaffinity(0), torch.get_num_threads()  # the leader's changes them
+    try:
+        ranks = await DecodeRanks.start(config, "colocated-tp-test", model)
+        try:
+            engine = ranks.lead(build_engine(config, model, tokenizer, None))
+            params = SamplingOptions(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+            ids = [f"c{i}" for i in range(len(PROMPTS))]
+            for request_id, prompt in zip(ids, PROMPTS, strict=True):
+                engine.add_request(request_id, prompt, params)
+            tokens = collect_tokens(engine.step, ids)
+        finally:
+            await ranks.aclose()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        os.sched_setaffinity(0, cpus)
+        torch.set_num_threads(threads)
+    assert tokens == expected
+    assert [p.exitcode for p in ranks.ranks.processes] == [0]
