@@ -49,25 +49,6 @@ from nats.aio.subscription import Subscription
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
-class RouterMesh:
-    """What every request of one router shares (the Dispatcher holds it): the NATS connection,
-    subjects, config and metrics, the worker pools heard, the model served (only decode workers
-    serving ``model_spec`` take a request), the prefill queue's health, and the router's
-    ``instance`` (the mesh drops its requests when it dies)."""
-
-    nc: NATS
-    subjects: Subjects
-    config: RouterConfig
-    metrics: RouterMetrics
-    prefill_pool: WorkerPool | None = None
-    decode_pool: WorkerPool | None = None
-    registry_pool: WorkerPool | None = None
-    model_spec: str = ""
-    prefill_queue: PrefillQueueHealth = field(default_factory=PrefillQueueHealth)
-    instance: str = ""
-
-
 class MeshRequest:
     """One request in flight on the mesh; iterate ``events()`` for its tokens."""
 
@@ -386,3 +367,22 @@ class MeshRequest:
         stamps = self.timer.stamps
         stamps.remote_queue_s, stamps.remote_compute_s = report.queue_s, report.compute_s
         stamps.remote_transfer_s = report.exposed_transfer_s
+
+
+@dataclass(frozen=True, slots=True)
+class RouterMesh:
+    """What every request of one router shares (the Dispatcher holds it): the NATS connection,
+    subjects, config and metrics, the worker pools heard, the model served (only decode workers
+    serving ``model_spec`` take a request), the prefill queue's health, and the router's
+    ``instance`` (the mesh drops its requests when it dies)."""
+
+    nc: NATS
+    subjects: Subjects
+    config: RouterConfig
+    metrics: RouterMetrics
+    prefill_pool: WorkerPool | None = None
+    decode_pool: WorkerPool | None = None
+    registry_pool: WorkerPool | None = None
+    model_spec: str = ""
+    prefill_queue: PrefillQueueHealth = field(default_factory=PrefillQueueHealth)
+    instance: str = ""
