@@ -62,7 +62,7 @@ from kvmesh.loadgen.engine_table import print_table
 
 AGAINST = ("transformers", "llama.cpp")
 # the engine's KV_CACHE_DTYPES (shared/engine/config.py imports torch: not at parser building)
-KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3", "float16", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3", "float16", "bfloat16", "float32")
 
 
 def register_engine(sub: Any) -> argparse.ArgumentParser:
@@ -122,8 +122,9 @@ def register_engine(sub: Any) -> argparse.ArgumentParser:
         "--kv-cache-dtype",
         choices=KV_CACHE_DTYPES,
         default="auto",
-        help="kvmesh's KV cache dtype, as the workers' flag: auto (the model's), float16 or "
-        "bfloat16 (half of float32's bytes: llama.cpp's default is f16), int8, fp8_e4m3",
+        help="kvmesh's KV cache dtype, as the workers' flag: auto (the model's; float16 for "
+        "weights kept quantized), float16 or "
+        "bfloat16 (half of float32's bytes: llama.cpp's default is f16), int8, fp8_e4m3, float32",
     )
     p.add_argument(
         "--no-cpu-kernels",

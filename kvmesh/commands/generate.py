@@ -63,7 +63,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--kv-cache-dtype",
         default="auto",
         choices=["auto", "int8", "fp8_e4m3"],
-        help="KV cache dtype: auto (the model's), int8 (recommended 8-bit) or fp8_e4m3 "
+        help="KV cache dtype: auto (the model's; float16 for a float32 model whose weights are "
+        "kept quantized), int8 (recommended 8-bit) or fp8_e4m3 "
         "(docs/kv_cache.md)",
     )
     # a mesh's flags: refused with what to do instead of argparse's "unrecognized arguments"

@@ -26,6 +26,7 @@ from kvmesh.shared.kv.kv_cache import KVCacheSpec
 from kvmesh.shared.mesh.kv_store_client import KvStoreClient
 from kvmesh.shared.mesh.store_link import StoreLink
 from kvmesh.shared.model.config import parse_dtype
+from kvmesh.shared.model.quant_layers import keeps_weights_stored
 from kvmesh.shared.model.tensor_parallel import kv_heads_held
 from kvmesh.shared.transport import Transport
 from kvmesh.shared.transport.base import MemoryRegion
@@ -44,7 +45,9 @@ def engine_config(config: DecodeConfig, model: Any) -> tuple[EngineConfig, KVCac
     )
     # the pool is sized here, as the engine sizes it (a TP rank: its KV heads of the whole
     # model's blocks), so that its memory can be allocated before the engine is made
-    spec, num_blocks = econf.pool_layout(model.config, dtype, kv_heads_held(model))
+    spec, num_blocks = econf.pool_layout(
+        model.config, dtype, kv_heads_held(model), keeps_weights_stored(model)
+    )
     return replace(econf, num_blocks=num_blocks, kv_cache_bytes=None), spec
 
 

@@ -37,7 +37,10 @@ def pool_bytes(model: Any, econf: Any) -> int:
     """Bytes of the KV pool LLMEngine makes for ``model`` under EngineConfig ``econf`` (to
     allocate it in transport memory first)."""
     mc = model.config
-    spec = econf.pool_spec(mc, getattr(mc, "torch_dtype", None) or next(model.parameters()).dtype)
+    from kvmesh.shared.model.quant_layers import keeps_weights_stored
+
+    dtype = getattr(mc, "torch_dtype", None) or next(model.parameters()).dtype
+    spec = econf.pool_spec(mc, dtype, weights_stored=keeps_weights_stored(model))
     return econf.resolve_num_blocks(spec.block_bytes) * spec.block_bytes
 
 

@@ -18,7 +18,8 @@ class StoreConfig(KvLayoutConfig):
     worker_id: str | None = option(None, help="store id (default: kv-store-<random>)")
     heartbeat_s: float = option(1.0, help="seconds between heartbeats and store adverts")
     model: str = option(
-        "kvmesh-tiny", help="model whose KV blocks it stores (config.json only; no weights)"
+        "kvmesh-tiny",
+        help="model whose KV blocks it stores (config.json and the safetensors headers; no weights)",
     )
     dtype: str | None = option(
         None, help="the decode workers' --dtype (float32, bfloat16, float16); default: the model's"
@@ -26,8 +27,8 @@ class StoreConfig(KvLayoutConfig):
     block_size: int = option(16, help="tokens per KV block (as the decode workers')")
     kv_cache_dtype: KvCacheDtype = option(
         "auto",
-        help="the workers' --kv-cache-dtype: auto (the model's dtype), int8, fp8_e4m3, float16 or "
-        "bfloat16",
+        help="the workers' --kv-cache-dtype: auto (the model's dtype; float16 for float32 over "
+        "weights kept quantized), int8, fp8_e4m3, float16, bfloat16 or float32",
     )
     num_blocks: int | None = option(
         None, help="blocks in the store's pool (default: --capacity-gb)"

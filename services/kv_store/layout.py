@@ -1,4 +1,5 @@
-"""The store's block layout: the mesh's KV layout and fingerprint, from config.json alone.
+"""The store's block layout: the mesh's KV layout and fingerprint, from config.json (and the
+safetensors headers, for whether "auto" KV is float16: weights kept as stored).
 
 A decode worker's engine builds ``KVCacheSpec(layers, KV heads, head size, block size, dtype)``
 from its loaded model and names it ``kv_spec_fingerprint(spec, model.config)``; the store does the
@@ -16,6 +17,7 @@ from kvmesh.shared.kv.kv_cache import KVCacheSpec
 from kvmesh.shared.model.config import parse_dtype
 from kvmesh.shared.model.identity import kv_spec_fingerprint
 from kvmesh.shared.model.loader import TINY_NAME, load_config_and_tokenizer
+from kvmesh.shared.model.quant_formats import checkpoint_keeps_stored
 
 
 def store_layout(
@@ -31,6 +33,8 @@ def store_layout(
         config.num_key_value_heads,
         config.head_dim,
         block_size,
-        EngineConfig(kv_cache_dtype=kv_cache_dtype).kv_dtype(config.torch_dtype),
+        EngineConfig(kv_cache_dtype=kv_cache_dtype).kv_dtype(
+            config.torch_dtype, model != TINY_NAME and checkpoint_keeps_stored(name)
+        ),
     )
     return spec, kv_spec_fingerprint(spec, config)

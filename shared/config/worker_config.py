@@ -36,7 +36,7 @@ from kvmesh.shared.config.subjects import DEFAULT_MESH, mesh_from_model
 # --transport's choices: a backend of shared/transport (auto.BACKENDS) or auto, the best of them
 TransportChoice = Literal["auto", "shm", "tcp", "rdma"]
 # --kv-cache-dtype's choices: the engine's KV_CACHE_DTYPES (shared/engine/config.py)
-KvCacheDtype = Literal["auto", "int8", "fp8_e4m3", "float16", "bfloat16"]
+KvCacheDtype = Literal["auto", "int8", "fp8_e4m3", "float16", "bfloat16", "float32"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,11 +140,13 @@ class KvLayoutConfig(DataPlaneConfig):
     block_size: int = option(16, help="tokens per KV block (prefill and decode workers must match)")
     kv_cache_dtype: KvCacheDtype = option(
         "auto",
-        help="KV cache dtype: auto (the model's), int8 (the recommended 8-bit format: a scale per "
+        help="KV cache dtype: auto (the model's; float16 where it is float32 and the weights are "
+        "kept quantized, as llama.cpp's default), int8 (the recommended 8-bit format: a scale per "
         "32 values of each token, 9/32 of float32's bytes), fp8_e4m3 (float8 with per-(block, "
         "KV head) scales, a quarter; changes a trained model's answers), float16 or bfloat16 "
-        "(half of float32's bytes beside a float32 model); prefill and decode "
-        "workers may differ in it: the prefill's writes convert (docs/kv_cache.md)",
+        "(half of float32's bytes beside a float32 model), float32 (whatever the weights); "
+        "prefill and decode workers may differ in it: the prefill's writes convert "
+        "(docs/kv_cache.md)",
     )
     num_blocks: int | None = option(
         None, help="KV blocks in this worker's pool (default: from kv_cache_bytes)"

@@ -12,11 +12,13 @@ if TYPE_CHECKING:
     from kvmesh.shared.config.worker_config import EngineWorkerConfig
 
 DEFAULT_KV_CACHE_BYTES = 256 * 1024 * 1024
-# "auto": the KV pool has the model's dtype (or EngineConfig.dtype); "int8": int8 with a scale per
-# 32 values of each token (the recommended 8-bit format); "fp8_e4m3": float8 e4m3 with
-# per-(block, KV head) scales (docs/kv_cache.md); "float16", "bfloat16": a 16-bit pool beside a
-# model computing in float32 (half its KV bytes; the CPU decode kernels read it directly)
-KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3", "float16", "bfloat16")
+# "auto": the KV pool has the model's dtype (or EngineConfig.dtype), float16 where that is float32
+# and the weights are kept quantized (llama.cpp's f16 default; EngineConfig.kv_dtype); "int8":
+# int8 with a scale per 32 values of each token (the recommended 8-bit format); "fp8_e4m3":
+# float8 e4m3 with per-(block, KV head) scales (docs/kv_cache.md); "float16", "bfloat16": a 16-bit
+# pool beside a model computing in float32 (half its KV bytes; the CPU decode kernels read it
+# directly); "float32": a float32 pool whatever the weights (auto's old choice for them)
+KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3", "float16", "bfloat16", "float32")
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,7 +27,8 @@ class EngineConfig:
     is divided by the block size in bytes. ``max_model_len`` defaults to the model's
     ``max_position_embeddings``. ``dtype`` is the KV cache dtype (default: the model's).
     ``cpu_kernels``: see kernels/cpu_ops.py. ``kv_cache_dtype``: "auto" keeps the KV pool in
-    ``dtype``; "int8" stores it as int8 with a float32 scale per 32 values of each token (1.125
+    ``dtype``, or float16 where that is float32 and the model's weights are kept as stored
+    (``kv_dtype``); "int8" stores it as int8 with a float32 scale per 32 values of each token (1.125
     bytes a value); "fp8_e4m3" as float8 e4m3 with per-(block, KV head) scales (docs/kv_cache.md),
     a quarter of float32's bytes, half of bf16's."""
 
@@ -100,43 +103,58 @@ class EngineConfig:
                 f"EngineConfig.device {self.device!r} is not a torch device: {exc}"
             ) from exc
 
-    def kv_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
-        """The KV pool's element dtype for a model computing in ``model_dtype``."""
+    def kv_dtype(self, model_dtype: torch.dtype, weights_stored: bool = False) -> torch.dtype:
+        """The KV pool's element dtype for a model computing in ``model_dtype``: the one place
+        "auto" is resolved (every engine's pool, the draft service's, the KV store's blocks).
+        "auto" is the compute dtype (``dtype``, else the model's), except that float32 compute
+        over weights kept as stored (``weights_stored``: Q4/Q8 blocks, F16/BF16 matrices; see
+        ``quant_layers.keeps_weights_stored``, ``quant_formats.checkpoint_keeps_stored``) gets
+        float16: llama.cpp's default KV, and vLLM's "auto" for a GGUF model; half the bytes a
+        decode step's attention reads. A float32 model keeps float32."""
         if self.kv_cache_dtype == "fp8_e4m3":
             return torch.float8_e4m3fn
         if self.kv_cache_dtype == "int8":
             return torch.int8
-        if self.kv_cache_dtype in ("float16", "bfloat16"):
+        if self.kv_cache_dtype in ("float16", "bfloat16", "float32"):
             return getattr(torch, self.kv_cache_dtype)
-        return self.dtype or model_dtype
+        compute = self.dtype or model_dtype
+        return torch.float16 if weights_stored and compute == torch.float32 else compute
 
     def pool_spec(
-        self, model_config: Any, model_dtype: torch.dtype, num_kv_heads: int | None = None
+        self,
+        model_config: Any,
+        model_dtype: torch.dtype,
+        num_kv_heads: int | None = None,
+        weights_stored: bool = False,
     ) -> KVCacheSpec:
         """The block layout of the KV pool for a model of ``model_config`` (its layers, KV heads,
         head size) computing in ``model_dtype``; ``num_kv_heads``: the heads a tensor-parallel
-        rank holds (default: all)."""
+        rank holds (default: all); ``weights_stored``: see ``kv_dtype``."""
         return KVCacheSpec(
             num_layers=model_config.num_hidden_layers,
             num_kv_heads=model_config.num_key_value_heads if num_kv_heads is None else num_kv_heads,
             head_dim=model_config.head_dim,
             block_size=self.block_size,
-            dtype=self.kv_dtype(model_dtype),
+            dtype=self.kv_dtype(model_dtype, weights_stored),
         )
 
     def pool_layout(
-        self, model_config: Any, model_dtype: torch.dtype, num_kv_heads: int | None = None
+        self,
+        model_config: Any,
+        model_dtype: torch.dtype,
+        num_kv_heads: int | None = None,
+        weights_stored: bool = False,
     ) -> tuple[KVCacheSpec, int]:
         """The KV pool of an engine holding ``num_kv_heads`` of the model's KV heads (a
         tensor-parallel rank's share; default: all): its block layout and its blocks. The blocks
         are the whole model's count: ``num_blocks``, else ``kv_cache_bytes`` over the whole
         model's block, so a TP worker's ranks hold the blocks a TP1 pool of those bytes holds,
         each rank its heads of every block (its pool's bytes its head slice's; docs/tp.md)."""
-        whole = self.pool_spec(model_config, model_dtype)
+        whole = self.pool_spec(model_config, model_dtype, None, weights_stored)
         spec = (
             whole
             if num_kv_heads is None
-            else self.pool_spec(model_config, model_dtype, num_kv_heads)
+            else self.pool_spec(model_config, model_dtype, num_kv_heads, weights_stored)
         )
         return spec, self.resolve_num_blocks(whole.block_bytes)
 

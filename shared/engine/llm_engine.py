@@ -71,6 +71,7 @@ from kvmesh.shared.engine.step_rows import step_rows
 from kvmesh.shared.kv.kv_cache import KVPool
 from kvmesh.shared.kv.prefix_hash import layout_root
 from kvmesh.shared.model.identity import kv_spec_fingerprint
+from kvmesh.shared.model.quant_layers import keeps_weights_stored
 from kvmesh.shared.model.tensor_parallel import kv_heads_held
 from kvmesh.shared.text.sampling import SamplingOptions
 
@@ -100,7 +101,9 @@ class LLMEngine(SpecCalls, PrefilledCalls):
             )
         model_dtype = getattr(mc, "torch_dtype", None) or next(model.parameters()).dtype
         # this rank's share of the KV heads under tensor parallelism, in the whole model's blocks
-        spec, num_blocks = config.pool_layout(mc, model_dtype, kv_heads_held(model))
+        spec, num_blocks = config.pool_layout(
+            mc, model_dtype, kv_heads_held(model), keeps_weights_stored(model)
+        )
         self.kv_pool = KVPool(spec, num_blocks, device=config.device, buffer=kv_buffer)
         # what DecodeAdvert.kv_spec says; it roots the prefix hash chain (shared/kv/prefix_hash.py)
         self.kv_spec = kv_spec_fingerprint(spec, mc)

@@ -4,6 +4,9 @@ torch definitions of the formats; the importer and the CLI read only this module
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 BLOCK = 32  # values per block of the 32-value formats (QUANT_FORMATS)
 # format -> bytes per block
 BLOCK_BYTES = {
@@ -75,3 +78,24 @@ def row_bytes(format: str, cols: int) -> int:
 def row_values(format: str, nbytes: int) -> int:
     """Values of one row of ``nbytes`` bytes in ``format`` (the inverse of ``row_bytes``)."""
     return nbytes // BLOCK_BYTES[format] * BLOCK_VALUES[format]
+
+
+def checkpoint_keeps_stored(directory: str | Path) -> bool:
+    """Whether the checkpoint folder ``directory`` keeps weights as stored: one of its
+    ``*.safetensors`` files names a tensor under ``CHECKPOINT_KEY`` in its metadata (only the
+    files' JSON headers are read). What "auto" KV resolves by where there is no model to look
+    at: the KV store's blocks (``EngineConfig.kv_dtype``)."""
+    return any(_stored_tensors(path) for path in sorted(Path(directory).glob("*.safetensors")))
+
+
+def _stored_tensors(path: Path) -> dict[str, str]:
+    try:
+        with path.open("rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(size))
+        formats = json.loads((header.get("__metadata__") or {}).get(CHECKPOINT_KEY) or "{}")
+    except (OSError, ValueError, AttributeError) as e:
+        raise ValueError(f"{path}: not a readable safetensors header: {e}") from None
+    if not isinstance(formats, dict):
+        raise ValueError(f"{path}: metadata {CHECKPOINT_KEY!r} is not a name -> format object")
+    return formats

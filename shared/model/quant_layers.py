@@ -58,6 +58,13 @@ class QuantEmbedding(nn.Module):
         return f"{self.qweight.rows}, {self.qweight.cols}, {self.qweight.format}"
 
 
+def keeps_weights_stored(model: nn.Module) -> bool:
+    """Whether any of ``model``'s weights is kept as stored (a ``QuantLinear`` or
+    ``QuantEmbedding``, or a backend's subclass of one): what "auto" KV reads
+    (``EngineConfig.kv_dtype``)."""
+    return any(isinstance(m, (QuantLinear, QuantEmbedding)) for m in model.modules())
+
+
 def use_quant_weights(model: nn.Module, weights: Mapping[str, QuantWeight | StackedWeight]) -> None:
     """Replace the module owning each parameter named in ``weights`` (``layers.0.attention.wqkv.
     weight``, ``tok_embeddings.weight`` ...) by its quantized twin; a linear layer keeps its bias

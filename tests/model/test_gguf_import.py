@@ -374,6 +374,28 @@ def test_default_import_keeps_stored_formats_and_dequantizes_the_rest(synthetic,
     ).stat().st_size
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "float32"])
+def test_auto_kv_is_float16_over_stored_weights_for_the_engine_and_the_store_alike(
+    synthetic, stored, kv_cache_dtype
+) -> None:
+    """ "auto" KV: float16 for a float32 model whose weights are kept as stored (llama.cpp's f16
+    default), float32 for the dequantized import; the KV store, which reads no weights, gets the
+    engine's layout from the checkpoint's headers. ``float32`` pins float32 over stored weights."""
+    from kvmesh.services.kv_store.layout import store_layout
+    from kvmesh.shared.engine.config import EngineConfig
+    from kvmesh.shared.engine.llm_engine import LLMEngine
+
+    expected = {stored: torch.float16 if kv_cache_dtype == "auto" else torch.float32}
+    expected[synthetic[1]] = torch.float32
+    for directory, dtype in expected.items():
+        model, tokenizer = load_model(str(directory))
+        config = EngineConfig(num_blocks=2, kv_cache_dtype=kv_cache_dtype, cpu_kernels=False)
+        engine = LLMEngine(model, tokenizer, config)
+        spec, kv_spec = store_layout(str(directory), None, 16, kv_cache_dtype)
+        assert engine.kv_pool.spec.dtype == spec.dtype == dtype, directory
+        assert kv_spec == engine.kv_spec
+
+
 def test_stored_weights_load_as_the_dequantized_values(synthetic, stored) -> None:
     from kvmesh.shared.model.quant import dequantize
     from kvmesh.shared.model.quant_layers import QuantEmbedding, QuantLinear

@@ -327,7 +327,8 @@ def test_tp2_holds_2_and_1_of_its_3_gqa_groups_decodes_and_hands_off_as_tp1(real
     # the prompt handed off 2 -> 1, 1 -> 2 and 2 -> 2 through the product's planners (2 blocks
     # of 16 tokens, 2 chunks): each decode rank gets its heads of both blocks (2 + 1 at TP2,
     # each from the prefill rank holding them) and decodes TP1's tokens
-    head_bytes = 2 * 30 * 16 * 64 * 4  # K and V, 30 layers, 16 tokens, head_dim 64, float32
+    # K and V, 30 layers, 16 tokens, head_dim 64, float16 ("auto" KV over the weights as stored)
+    head_bytes = 2 * 30 * 16 * 64 * 2
     held = {1: [3], 2: [2, 1]}  # KV heads a rank holds at TP1, TP2
     senders = {"2_to_1": [[0, 1]], "1_to_2": [[0], [0]], "2_to_2": [[0], [1]]}
     for name, (prefill, decode) in tp_ranks.PAIR_HANDOFFS.items():
