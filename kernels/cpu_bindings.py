@@ -40,6 +40,8 @@ _SIGNATURES = {
     "kv_silu_mul": (_ptr, _ptr, _i64, _i64),
     # x, rows, in, packed weight, out features, bias or NULL, y, threads
     "kv_linear": (_ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64),
+    # x, rows, in, row-major weight, out features, y, threads
+    "kv_linear_rows": (_ptr, _i64, _i64, _ptr, _i64, _ptr, _i64),
     # qkv, heads, kv heads, d, cos, sin, k, v, strides, block size, tables, width, context
     # lens, scale, out, scratch, scratch stride, part bounds, parts, fp8 or int8 (KVQuant* or NULL),
     # tree rows (KVTree* or NULL), the cache's element type (KV_DTYPE_CODES)
@@ -84,6 +86,7 @@ class CpuOps:
         self._silu_mul = lib.kv_silu_mul
         self._decode_attention = lib.kv_decode_attention
         self._linear = lib.kv_linear
+        self._linear_rows = lib.kv_linear_rows
         self._decode_layer = lib.kv_decode_layer
         self._decode_layer_quant = lib.kv_decode_layer_quant
         self._qlinear = lib.kv_qlinear
@@ -151,6 +154,27 @@ class CpuOps:
             weight.panels.data_ptr(),
             n,
             None if bias is None else bias.data_ptr(),
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
+        return out
+
+    def linear_rows(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x (rows, in) @ w.T for w (out, in) float32 row-major as it is, read in place (no
+        packed copy: a float32 model's tied LM head): (rows, out). Each row's result does not
+        depend on the others. Runs on ``torch.get_num_threads()`` threads over w's rows."""
+        check_f32_contiguous(x=x, weight=weight)
+        assert x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1], (
+            x.shape,
+            weight.shape,
+        )
+        out = x.new_empty(x.shape[0], weight.shape[0])
+        self._linear_rows(
+            x.data_ptr(),
+            x.shape[0],
+            x.shape[1],
+            weight.data_ptr(),
+            weight.shape[0],
             out.data_ptr(),
             torch.get_num_threads(),
         )

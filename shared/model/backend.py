@@ -26,6 +26,7 @@ from kvmesh.shared.kv.kv_cache import KVCacheSpec, KVPool
 from kvmesh.shared.model.attention import AttentionMetadata
 from kvmesh.shared.model.cpu_modules import (
     CpuDecodeAttention,
+    CpuEmbedding,
     CpuQuantEmbedding,
     CpuQuantLinear,
     CpuRMSNorm,
@@ -35,6 +36,7 @@ from kvmesh.shared.model.cpu_modules import (
     remove_cpu_kernels,
 )
 from kvmesh.shared.model.llama import (
+    Embedding,
     Linear,
     RMSNorm,
     RotaryPagedAttention,
@@ -105,7 +107,7 @@ class CpuBackend(TorchBackend):
         ops = self.cpu_ops
         for module in model.modules():
             kind = type(module)
-            if kind in (RMSNorm, Linear) and not _is_cpu_float32(module.weight):
+            if kind in (RMSNorm, Linear, Embedding) and not _is_cpu_float32(module.weight):
                 continue
             if kind in (QuantLinear, QuantEmbedding) and not module.qweight.data.is_cpu:
                 continue
@@ -159,6 +161,7 @@ class CpuBackend(TorchBackend):
 
 
 _KERNELS = {
+    Embedding: CpuEmbedding,  # its tied LM head (project)
     RMSNorm: CpuRMSNorm,
     SiluAndMul: CpuSiluAndMul,
     RotaryPagedAttention: CpuDecodeAttention,

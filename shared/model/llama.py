@@ -175,6 +175,11 @@ class Embedding(nn.Embedding):
         if not self.weight.is_meta:
             super().reset_parameters()
 
+    def project(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits (rows, vocab): hidden @ w.T (a tied LM head; the CPU backend's reads w in
+        place, ``cpu_modules.CpuEmbedding``)."""
+        return F.linear(hidden, self.weight)
+
 
 class Transformer(nn.Module):
     """The decoder. ``model(input_ids, positions, kv_pool, meta) -> (T, hidden_size)``."""
@@ -234,7 +239,7 @@ class Transformer(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, hidden_size) -> (N, vocab_size) float32."""
-        if self.output is None and isinstance(self.tok_embeddings, QuantEmbedding):
+        if self.output is None and isinstance(self.tok_embeddings, (Embedding, QuantEmbedding)):
             return self.tok_embeddings.project(hidden).float()
         if self.output is not None and not isinstance(self.output, Linear):
             return self.output(hidden).float()  # as stored, or split (tensor_parallel.py)
