@@ -231,62 +231,105 @@ static inline __attribute__((always_inline)) __m512i load_pair(int fmt, int pair
  * conversion and one or two multiply-adds per row of x for all 16 rows (a third of the
  * instructions per weight byte of the pairs' tiles below). xsum: Q8_0's sum(qx) per row of x
  * and block (NULL for Q4). */
-static inline __attribute__((always_inline)) void qgroup(int fmt, const int8_t *xq,
-                                                        const float *xs, const int32_t *xsum,
-                                                        int64_t k, const uint8_t *g, int R,
-                                                        __m512 out[4]) {
+static inline __attribute__((always_inline)) void qgroups(int fmt, int NG, const int8_t *xq,
+                                                         const float *xs, const int32_t *xsum,
+                                                         int64_t k, const uint8_t *const *gs,
+                                                         int R, __m512 out[2][4]) {
     const int64_t nb = k / QB, xss = qk_scale_stride(k), gb = QG * block_bytes[fmt];
     const int head = has_min(fmt) ? 64 : 32, bits = head + (is_q5(fmt) ? 64 : 0);
     const __m512i low = _mm512_set1_epi8(0x0f);
-    __m512 acc[4], macc[4];
-    for (int r = 0; r < R; r++) acc[r] = macc[r] = _mm512_setzero_ps();
+    __m512 acc[2][4], macc[2][4];
+    for (int gi = 0; gi < NG; gi++)
+        for (int r = 0; r < R; r++) acc[gi][r] = macc[gi][r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = g + b * gb;
-        __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk)), mw;
-        __m512i wv[8]; /* wv[j]: values 4j .. 4j + 4 of each row */
-        if (fmt == KV_Q8_0) {
-            for (int j = 0; j < 8; j++) wv[j] = _mm512_loadu_si512(blk + head + 64 * j);
-        } else {
-            mw = has_min(fmt)
-                     ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32)))
-                     : _mm512_mul_ps(dw, _mm512_set1_ps(fmt == KV_Q4_0 ? -8.0f : -16.0f));
+        __m512 dw[2], mw[2];
+        __m512i wv[2][8]; /* wv[gi][j]: values 4j .. 4j + 4 of each row of group gi */
+        for (int gi = 0; gi < NG; gi++) {
+            const uint8_t *blk = gs[gi] + b * gb;
+            dw[gi] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
+            if (fmt == KV_Q8_0) {
+                for (int j = 0; j < 8; j++) wv[gi][j] = _mm512_loadu_si512(blk + head + 64 * j);
+                continue;
+            }
+            mw[gi] = has_min(fmt)
+                         ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32)))
+                         : _mm512_mul_ps(dw[gi], _mm512_set1_ps(fmt == KV_Q4_0 ? -8.0f : -16.0f));
             for (int i = 0; i < 4; i++) {
                 __m512i p = _mm512_loadu_si512(blk + bits + 64 * i);
-                wv[i] = _mm512_and_si512(p, low);
-                wv[i + 4] = _mm512_and_si512(_mm512_srli_epi16(p, 4), low);
+                wv[gi][i] = _mm512_and_si512(p, low);
+                wv[gi][i + 4] = _mm512_and_si512(_mm512_srli_epi16(p, 4), low);
             }
             if (is_q5(fmt)) /* the fifth bits of wv[j]'s bytes: a 64-bit mask each */
                 for (int j = 0; j < 8; j++) {
                     __mmask64 h;
                     memcpy(&h, blk + head + 8 * j, 8);
-                    wv[j] = _mm512_mask_add_epi8(wv[j], h, wv[j], _mm512_set1_epi8(16));
+                    wv[gi][j] = _mm512_mask_add_epi8(wv[gi][j], h, wv[gi][j], _mm512_set1_epi8(16));
                 }
         }
         for (int r = 0; r < R; r++) {
             const float *lanes = xs + r * xss + (b / 2) * 32 + (b % 2) * 8;
             int32_t xv[8];
             memcpy(xv, xq + r * k + b * QB, sizeof xv);
-            __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[0], _mm512_set1_epi32(xv[0]));
-            __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[1], _mm512_set1_epi32(xv[1]));
-            for (int j = 2; j < 8; j += 2) {
-                s0 = _mm512_dpbusd_epi32(s0, wv[j], _mm512_set1_epi32(xv[j]));
-                s1 = _mm512_dpbusd_epi32(s1, wv[j + 1], _mm512_set1_epi32(xv[j + 1]));
+            for (int gi = 0; gi < NG; gi++) {
+                __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[gi][0],
+                                                 _mm512_set1_epi32(xv[0]));
+                __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[gi][1],
+                                                 _mm512_set1_epi32(xv[1]));
+                for (int j = 2; j < 8; j += 2) {
+                    s0 = _mm512_dpbusd_epi32(s0, wv[gi][j], _mm512_set1_epi32(xv[j]));
+                    s1 = _mm512_dpbusd_epi32(s1, wv[gi][j + 1], _mm512_set1_epi32(xv[j + 1]));
+                }
+                __m512i isum = _mm512_add_epi32(s0, s1);
+                if (fmt == KV_Q8_0)
+                    isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(128 * xsum[r * nb + b]));
+                __m512 dot = _mm512_cvtepi32_ps(isum);
+                acc[gi][r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(dw[gi], _mm512_set1_ps(lanes[0])),
+                                             acc[gi][r]);
+                if (fmt != KV_Q8_0)
+                    macc[gi][r] = _mm512_fmadd_ps(mw[gi], _mm512_set1_ps(lanes[16] * 8.0f),
+                                                  macc[gi][r]);
             }
-            __m512i isum = _mm512_add_epi32(s0, s1);
-            if (fmt == KV_Q8_0) isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(128 * xsum[r * nb + b]));
-            __m512 dot = _mm512_cvtepi32_ps(isum);
-            acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(dw, _mm512_set1_ps(lanes[0])), acc[r]);
-            if (fmt != KV_Q8_0)
-                macc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(lanes[16] * 8.0f), macc[r]);
         }
     }
-    for (int r = 0; r < R; r++) out[r] = fmt == KV_Q8_0 ? acc[r] : _mm512_add_ps(acc[r], macc[r]);
+    for (int gi = 0; gi < NG; gi++)
+        for (int r = 0; r < R; r++)
+            out[gi][r] = fmt == KV_Q8_0 ? acc[gi][r] : _mm512_add_ps(acc[gi][r], macc[gi][r]);
 }
 
 #define QG_SUMS 4096 /* xsum entries kept on the stack (more: malloc) */
 
 /* Columns [c0, c1) of y for m rows of x from the groups of a paired weight that hold them (a
  * group cut by c0 or c1 is computed whole and stored in part) */
+/* out's R rows (x's rows from r) into the columns of group g that [c0, c1) holds, plus bias */
+static inline void store_group(const __m512 *out, int R, int64_t r, int64_t g, int64_t c0,
+                               int64_t c1, const float *bias, float *y, int64_t n,
+                               int accumulate) {
+    const int64_t lo = g * QG > c0 ? g * QG : c0, hi = (g + 1) * QG < c1 ? (g + 1) * QG : c1;
+    const __mmask16 keep = (__mmask16)(((1u << (hi - lo)) - 1) << (lo - g * QG));
+    const __m512 bv = bias ? _mm512_maskz_loadu_ps(keep, bias + g * QG) : _mm512_setzero_ps();
+    for (int i = 0; i < R; i++) {
+        float *yr = y + (r + i) * n + g * QG;
+        __m512 v = _mm512_add_ps(out[i], bv);
+        if (accumulate) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(keep, yr));
+        _mm512_mask_storeu_ps(yr, keep, v);
+    }
+}
+
+/* NG groups (gs) against R rows of x from row r: each format's qgroups, with NG and R
+ * constants where they are given as such */
+#define QGROUPS_CALL(NG, R, r)                                                                     \
+    switch (fmt) {                                                                                 \
+    case KV_Q4_1: qgroups(KV_Q4_1, NG, xq + (r) * k, xs + (r) * xss, NULL, k, gs, R, out); break;  \
+    case KV_Q4_0: qgroups(KV_Q4_0, NG, xq + (r) * k, xs + (r) * xss, NULL, k, gs, R, out); break;  \
+    case KV_Q5_1: qgroups(KV_Q5_1, NG, xq + (r) * k, xs + (r) * xss, NULL, k, gs, R, out); break;  \
+    case KV_Q5_0: qgroups(KV_Q5_0, NG, xq + (r) * k, xs + (r) * xss, NULL, k, gs, R, out); break;  \
+    default: qgroups(KV_Q8_0, NG, xq + (r) * k, xs + (r) * xss, xsum + (r) * nb, k, gs, R, out);   \
+    }
+
+/* Columns [c0, c1) of y for m rows of x from the groups of a paired weight that hold them (a
+ * group cut by c0 or c1 is computed whole and stored in part). A decode step's one or two rows
+ * take two groups at a time, one from each half of the range: two streams from memory in flight
+ * instead of one (kv_linear_rows' runs, pair_row's panels), the same sums in the same order. */
 static void qk_groups(int fmt, const int8_t *xq, const float *xs, int64_t m, int64_t k,
                       const uint8_t *w, int64_t c0, int64_t c1, const float *bias, float *y,
                       int64_t n, int accumulate) {
@@ -302,29 +345,25 @@ static void qk_groups(int fmt, const int8_t *xq, const float *xs, int64_t m, int
                     lanes[0] != 0.0f ? (int32_t)nearbyintf(lanes[16] * 8.0f / lanes[0]) : 0;
             }
     }
-    for (int64_t g = c0 / QG; g * QG < c1; g++) {
-        const int64_t lo = g * QG > c0 ? g * QG : c0, hi = (g + 1) * QG < c1 ? (g + 1) * QG : c1;
-        const __mmask16 keep = (__mmask16)(((1u << (hi - lo)) - 1) << (lo - g * QG));
-        const __m512 bv = bias ? _mm512_maskz_loadu_ps(keep, bias + g * QG) : _mm512_setzero_ps();
+    const int64_t g0 = c0 / QG, g1 = (c1 + QG - 1) / QG, half = m <= 2 ? (g1 - g0) / 2 : 0;
+    for (int64_t i = 0; i < half; i++) { /* groups g0 + i and g0 + half + i */
+        const uint8_t *gs[2] = {w + (g0 + i) * gbytes, w + (g0 + half + i) * gbytes};
+        __m512 out[2][4];
+        if (m == 1) {
+            QGROUPS_CALL(2, 1, 0)
+        } else {
+            QGROUPS_CALL(2, 2, 0)
+        }
+        store_group(out[0], (int)m, 0, g0 + i, c0, c1, bias, y, n, accumulate);
+        store_group(out[1], (int)m, 0, g0 + half + i, c0, c1, bias, y, n, accumulate);
+    }
+    for (int64_t g = g0 + 2 * half; g < g1; g++) {
         for (int64_t r = 0; r < m; r += 4) {
             const int R = m - r < 4 ? (int)(m - r) : 4;
-            const int8_t *xr = xq + r * k;
-            const float *sr = xs + r * xss;
-            const uint8_t *wg = w + g * gbytes;
-            __m512 out[4];
-            switch (fmt) {
-            case KV_Q4_1: qgroup(KV_Q4_1, xr, sr, NULL, k, wg, R, out); break;
-            case KV_Q4_0: qgroup(KV_Q4_0, xr, sr, NULL, k, wg, R, out); break;
-            case KV_Q5_1: qgroup(KV_Q5_1, xr, sr, NULL, k, wg, R, out); break;
-            case KV_Q5_0: qgroup(KV_Q5_0, xr, sr, NULL, k, wg, R, out); break;
-            default: qgroup(KV_Q8_0, xr, sr, xsum + r * nb, k, wg, R, out);
-            }
-            for (int i = 0; i < R; i++) {
-                float *yr = y + (r + i) * n + g * QG;
-                __m512 v = _mm512_add_ps(out[i], bv);
-                if (accumulate) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(keep, yr));
-                _mm512_mask_storeu_ps(yr, keep, v);
-            }
+            const uint8_t *gs[1] = {w + g * gbytes};
+            __m512 out[2][4];
+            QGROUPS_CALL(1, R, r)
+            store_group(out[0], R, r, g, c0, c1, bias, y, n, accumulate);
         }
     }
     if (xsum != stack) free(xsum);
