@@ -60,7 +60,11 @@ def _greedy(model, prompts: list[list[int]], max_tokens: int) -> list[list[int]]
     from kvmesh.shared.engine.llm_engine import LLMEngine
     from kvmesh.shared.text.sampling import SamplingOptions
 
-    config = EngineConfig(num_blocks=256, device=DEVICE, max_num_seqs=len(prompts))
+    # float32 KV on both sides ("auto" is float16 over weights kept as stored): the test holds
+    # the kernels' sums, not the KV's rounding, to the float path's
+    config = EngineConfig(
+        num_blocks=256, device=DEVICE, max_num_seqs=len(prompts), kv_cache_dtype="float32"
+    )
     engine = LLMEngine(model, None, config)
     params = SamplingOptions(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     return engine.generate(prompts, params)
