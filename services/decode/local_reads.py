@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from kvmesh.shared.bus.worker_feature import Feature
-from kvmesh.shared.mesh.kv_store_prefix import Fetched, PrefixReader
+from kvmesh.shared.mesh.kv_store_prefix import Fetched, PoolIo, PrefixReader
 from kvmesh.shared.obs import logs
 from kvmesh.shared.text.sampling import SamplingOptions
 
@@ -49,9 +49,7 @@ class LocalPrefixReads(Feature):
         if link is None:
             return None
         engine = parts.engine
-        reader = PrefixReader(
-            link.client, link.stores, engine.kv_spec, engine.block_manager, engine.kv_pool
-        )
+        reader = PrefixReader(PoolIo.of(link.client, engine.kv_spec, engine), link.stores)
         return cls(reader, parts.lock, parts.wake)
 
     def advert(self) -> Mapping[str, Any]:

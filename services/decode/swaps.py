@@ -34,7 +34,7 @@ from kvmesh.services.decode.step_hooks import Step, StepHook
 from kvmesh.shared.engine.llm_engine import LLMEngine
 from kvmesh.shared.engine.sequence import Sequence
 from kvmesh.shared.mesh.kv_store_client import KvStoreClient, PutResult, StoreTarget
-from kvmesh.shared.mesh.kv_store_prefix import adopt_fetched, fetch_prefix
+from kvmesh.shared.mesh.kv_store_prefix import PoolIo, adopt_fetched, fetch_prefix
 from kvmesh.shared.mesh.kv_store_writer import PinnedPrefix, pin_cached_prefix, put_pinned
 from kvmesh.shared.mesh.store_book import StoreBook
 from kvmesh.shared.obs import logs
@@ -110,9 +110,8 @@ class Swaps(StepHook):
     ) -> None:
         self.engine = engine
         self.lock = lock  # the engine's: swap-outs unpin and swap-ins adopt under it
-        self.client = client
+        self.io = PoolIo.of(client, kv_spec, engine)
         self.stores = stores  # shared with the finished requests' puts
-        self.kv_spec = kv_spec
         self.metrics = metrics
         self.block_size = engine.kv_pool.spec.block_size
         self.swapped: dict[str, SwapOut] = {}
@@ -158,18 +157,9 @@ class Swaps(StepHook):
             task.add_done_callback(self._puts.discard)
 
     async def _put(self, store: StoreTarget, swap: SwapOut, pinned: PinnedPrefix) -> None:
-        engine = self.engine
         result: PutResult | None = None
         try:
-            result = await put_pinned(
-                self.client,
-                store,
-                self.kv_spec,
-                engine.block_manager,
-                engine.kv_pool,
-                pinned,
-                self.lock,
-            )
+            result = await put_pinned(self.io, store, pinned, self.lock)
         except Exception as exc:  # recomputed on readmission
             log.warning("kv-store swap-out failed", request_id=swap.request_id, error=str(exc))
             self.stores.forget(store.store_id)
@@ -216,11 +206,8 @@ class Swaps(StepHook):
         fetched = None
         if store is not None and store.store_id == swap.store_id:
             fetched = await fetch_prefix(
-                self.client,
+                self.io,
                 store,
-                self.kv_spec,
-                engine.block_manager,
-                engine.kv_pool,
                 seq.token_ids,
                 self.lock,
                 max_blocks=num_stored,

@@ -17,7 +17,7 @@ from kvmesh.services.prefill.job_hooks import JobHook
 from kvmesh.services.prefill.metrics import PrefillMetrics
 from kvmesh.shared.engine.llm_engine import LLMEngine
 from kvmesh.shared.mesh.kv_store_client import KvStoreClient
-from kvmesh.shared.mesh.kv_store_prefix import Fetched, PrefixReader
+from kvmesh.shared.mesh.kv_store_prefix import Fetched, PoolIo, PrefixReader
 from kvmesh.shared.mesh.kv_store_writer import StoreWriter
 from kvmesh.shared.mesh.store_book import StoreBook
 
@@ -46,9 +46,7 @@ class StorePrefix(JobHook):
         self.stores = stores
         self.lock = lock
         self.metrics = metrics
-        self.reader = PrefixReader(
-            client, self.stores, kv_spec, engine.block_manager, engine.kv_pool
-        )
+        self.reader = PrefixReader(PoolIo.of(client, kv_spec, engine), self.stores)
         self.writer = StoreWriter(client, self.stores, kv_spec, engine)
         self._fetched: dict[str, Fetched] = {}  # by request id, from prepare to before_add
 

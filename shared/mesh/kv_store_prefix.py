@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvmesh.shared.engine.block_manager import BlockManager
+from kvmesh.shared.engine.llm_engine import LLMEngine
 from kvmesh.shared.kv.kv_cache import KVPool
 from kvmesh.shared.kv.prefix_hash import reusable_prefix_hashes
 from kvmesh.shared.mesh.kv_store_client import KvStoreClient, StoreTarget, local_blocks
@@ -23,6 +24,22 @@ from kvmesh.shared.mesh.store_book import StoreBook
 from kvmesh.shared.obs import logs
 
 log = logs.get_logger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class PoolIo:
+    """One engine's KV pool as store puts and gets move it: ``client`` carries blocks laid out
+    as ``kv_spec`` between ``pool`` and a store; ``block_manager`` owns the pool's blocks (pins,
+    allocations, the prefix cache)."""
+
+    client: KvStoreClient
+    kv_spec: str
+    block_manager: BlockManager
+    pool: KVPool
+
+    @classmethod
+    def of(cls, client: KvStoreClient, kv_spec: str, engine: LLMEngine) -> PoolIo:
+        return cls(client, kv_spec, engine.block_manager, engine.kv_pool)
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,11 +60,8 @@ class Fetched:
 
 
 async def fetch_prefix(
-    client: KvStoreClient,
+    io: PoolIo,
     store: StoreTarget,
-    kv_spec: str,
-    block_manager: BlockManager,
-    pool: KVPool,
     token_ids: Sequence[int],
     lock: asyncio.Lock,
     max_blocks: int | None = None,
@@ -59,6 +73,7 @@ async def fetch_prefix(
     into fresh pool blocks, allocated under ``lock`` and read without it. None when there is
     nothing to read or no room for it. Never raises for the store's sake: a failed get reads
     nothing (``failed``)."""
+    client, kv_spec, block_manager, pool = io.client, io.kv_spec, io.block_manager, io.pool
     bs = pool.spec.block_size
     hashes = reusable_prefix_hashes(token_ids, bs, block_manager.root_of(cache_salt))
     if max_blocks is not None:
@@ -102,11 +117,8 @@ class PrefixReader:
     across I/O, then ``adopt`` under it right before the request is added. A store whose get
     failed is forgotten until its next advert."""
 
-    client: KvStoreClient
+    io: PoolIo
     stores: StoreBook
-    kv_spec: str
-    block_manager: BlockManager
-    pool: KVPool
 
     async def fetch(
         self, token_ids: Sequence[int], lock: asyncio.Lock, cache_salt: str = ""
@@ -115,20 +127,11 @@ class PrefixReader:
         store = self.stores.target()
         if store is None:
             return None
-        fetched = await fetch_prefix(
-            self.client,
-            store,
-            self.kv_spec,
-            self.block_manager,
-            self.pool,
-            token_ids,
-            lock,
-            cache_salt=cache_salt,
-        )
+        fetched = await fetch_prefix(self.io, store, token_ids, lock, cache_salt=cache_salt)
         if fetched is not None and fetched.failed:
             self.stores.forget(store.store_id)
         return fetched
 
     def adopt(self, fetched: Fetched) -> int:
         """``adopt_fetched`` (under the engine lock); returns the tokens adopted."""
-        return adopt_fetched(self.block_manager, fetched)
+        return adopt_fetched(self.io.block_manager, fetched)

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 
 from kvmesh.shared.engine.block_manager import BlockManager
 from kvmesh.shared.engine.llm_engine import LLMEngine
-from kvmesh.shared.kv.kv_cache import KVPool
 from kvmesh.shared.kv.prefix_hash import prefix_block_hashes
 from kvmesh.shared.mesh.kv_store_client import (
     KvStoreClient,
@@ -29,6 +28,7 @@ from kvmesh.shared.mesh.kv_store_client import (
     StoreTarget,
     local_blocks,
 )
+from kvmesh.shared.mesh.kv_store_prefix import PoolIo
 from kvmesh.shared.mesh.store_book import StoreBook
 from kvmesh.shared.obs import logs
 
@@ -59,30 +59,23 @@ def pin_cached_prefix(
 
 
 async def put_pinned(
-    client: KvStoreClient,
-    store: StoreTarget,
-    kv_spec: str,
-    block_manager: BlockManager,
-    pool: KVPool,
-    pinned: PinnedPrefix,
-    lock: asyncio.Lock,
+    io: PoolIo, store: StoreTarget, pinned: PinnedPrefix, lock: asyncio.Lock
 ) -> PutResult:
     """Put pinned blocks into ``store``, then unpin them (under ``lock``, the engine's), whatever
     the put's outcome. Raises what the put raises."""
     try:
-        blocks = local_blocks(pool, kv_spec, pinned.token_ids, pinned.hashes, pinned.block_ids)
-        return await client.put(store, kv_spec, blocks)
+        blocks = local_blocks(
+            io.pool, io.kv_spec, pinned.token_ids, pinned.hashes, pinned.block_ids
+        )
+        return await io.client.put(store, io.kv_spec, blocks)
     finally:
         async with lock:
-            block_manager.free_blocks(pinned.block_ids)
+            io.block_manager.free_blocks(pinned.block_ids)
 
 
 async def put_cached_prefix(
-    client: KvStoreClient,
+    io: PoolIo,
     store: StoreTarget,
-    kv_spec: str,
-    block_manager: BlockManager,
-    pool: KVPool,
     token_ids: Sequence[int],
     lock: asyncio.Lock,
     cache_salt: str = "",
@@ -92,10 +85,10 @@ async def put_cached_prefix(
     engine's) while the put reads them, unpinned after. None when none is cached. Raises what
     the put raises."""
     async with lock:
-        pinned = pin_cached_prefix(block_manager, pool.spec.block_size, token_ids, cache_salt)
+        pinned = pin_cached_prefix(io.block_manager, io.pool.spec.block_size, token_ids, cache_salt)
     if pinned is None:
         return None
-    return await put_pinned(client, store, kv_spec, block_manager, pool, pinned, lock)
+    return await put_pinned(io, store, pinned, lock)
 
 
 class StoreWriter:
@@ -104,7 +97,7 @@ class StoreWriter:
     def __init__(
         self, client: KvStoreClient, stores: StoreBook, kv_spec: str, engine: LLMEngine
     ) -> None:
-        self.client, self.stores, self.kv_spec, self.engine = client, stores, kv_spec, engine
+        self.io, self.stores = PoolIo.of(client, kv_spec, engine), stores
         self._puts: set[asyncio.Task[None]] = set()
 
     def put_later(self, token_ids: Sequence[int], lock: asyncio.Lock, cache_salt: str = "") -> None:
@@ -121,10 +114,8 @@ class StoreWriter:
     async def _put(
         self, store: StoreTarget, token_ids: Sequence[int], lock: asyncio.Lock, cache_salt: str
     ) -> None:
-        engine = self.engine
-        where = (self.client, store, self.kv_spec, engine.block_manager, engine.kv_pool)
         try:
-            result = await put_cached_prefix(*where, token_ids, lock, cache_salt)
+            result = await put_cached_prefix(self.io, store, token_ids, lock, cache_salt)
         except Exception as exc:  # best effort: the store misses these blocks
             log.warning("kv-store put failed", error=str(exc))
             self.stores.forget(store.store_id)

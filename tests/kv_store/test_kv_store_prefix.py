@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from kvmesh.shared.engine.block_manager import BlockManager
 from kvmesh.shared.kv.prefix_hash import reusable_prefix_hashes
 from kvmesh.shared.mesh.kv_store_client import GetResult
-from kvmesh.shared.mesh.kv_store_prefix import adopt_fetched, fetch_prefix
+from kvmesh.shared.mesh.kv_store_prefix import PoolIo, adopt_fetched, fetch_prefix
 
 BS = 4
 
@@ -53,7 +53,7 @@ def test_fetch_never_evicts_the_cached_blocks_the_read_continues():
     cache(bm, 999, (9, 9, 9, 9))  # ... and freed before an unrelated cached block
     store = AllThere()
     fetched = asyncio.run(
-        fetch_prefix(store, None, "", bm, Pool(), tokens, asyncio.Lock())  # type: ignore[arg-type]
+        fetch_prefix(PoolIo(store, "", bm, Pool()), None, tokens, asyncio.Lock())  # type: ignore[arg-type]
     )
     assert fetched is not None and fetched.num_cached == 1 and fetched.pinned == (first,)
     assert first not in store.asked and len(store.asked) == 3
@@ -69,7 +69,7 @@ def test_fetch_of_a_cached_prefix_reads_nothing_and_pins_nothing():
     cache(bm, hashes[0], tuple(tokens[:BS]))
     cache(bm, hashes[1], tuple(tokens[BS : 2 * BS]))
     fetched = asyncio.run(
-        fetch_prefix(AllThere(), None, "", bm, Pool(), tokens, asyncio.Lock())  # type: ignore[arg-type]
+        fetch_prefix(PoolIo(AllThere(), "", bm, Pool()), None, tokens, asyncio.Lock())  # type: ignore[arg-type]
     )
     assert fetched is None and bm.num_free_blocks == 4
     bm.check_invariants()

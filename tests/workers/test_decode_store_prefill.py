@@ -11,7 +11,7 @@ import asyncio
 from kvmesh.services.decode.local_reads import LocalPrefixReads
 from kvmesh.services.decode.worker import DecodeWorker
 from kvmesh.shared.bus.messages.placement import ReserveRequest
-from kvmesh.shared.mesh.kv_store_prefix import PrefixReader
+from kvmesh.shared.mesh.kv_store_prefix import PoolIo, PrefixReader
 from kvmesh.shared.mesh.kv_store_writer import put_cached_prefix
 from kvmesh.shared.text.sampling import SamplingOptions
 from support.fake_stores import FakeStore, OneStore
@@ -32,7 +32,7 @@ def worker_of(tiny, store: FakeStore | None = None) -> tuple[DecodeWorker, FakeS
     pool = engine.kv_pool
     store = store or FakeStore(pool.raw, pool.spec.block_bytes)
     store.raw = pool.raw  # the fake store copies from and into this worker's pool
-    reader = PrefixReader(store, OneStore(), engine.kv_spec, engine.block_manager, pool)
+    reader = PrefixReader(PoolIo.of(store, engine.kv_spec, engine), OneStore())
     lock, wake = asyncio.Lock(), asyncio.Event()  # the engine's and the loop's, as composed
     reads = LocalPrefixReads(reader, lock, wake)
     worker = DecodeWorker(
@@ -74,7 +74,7 @@ async def test_local_prefill_adopts_the_stored_prefix_and_computes_only_the_rest
     assert await ask(first, "r1", FIRST) == expected[0]
     engine = first.engine
     put = await put_cached_prefix(
-        store, None, engine.kv_spec, engine.block_manager, engine.kv_pool, FIRST, asyncio.Lock()
+        PoolIo.of(store, engine.kv_spec, engine), None, FIRST, asyncio.Lock()
     )
     assert put is not None and len(put.committed) == 8
     assert counted(first, "store_hit_tokens") == 0  # the store was empty for it
@@ -108,9 +108,7 @@ async def test_request_aborted_while_its_prefix_is_read_frees_every_block(tiny) 
     first, store = worker_of(tiny)
     await ask(first, "r1", FIRST)
     engine = first.engine
-    await put_cached_prefix(
-        store, None, engine.kv_spec, engine.block_manager, engine.kv_pool, FIRST, asyncio.Lock()
-    )
+    await put_cached_prefix(PoolIo.of(store, engine.kv_spec, engine), None, FIRST, asyncio.Lock())
     held = HeldStore(None, store.block_bytes)
     held.blocks = store.blocks
     second, _ = worker_of(tiny, held)
