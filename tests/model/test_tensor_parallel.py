@@ -4,8 +4,10 @@ Four rank processes share one gloo world, spawned once for the module: TP4 over 
 (kvmesh-tiny's 2 KV heads each replicated on two ranks), then TP2 in two pairs, one on the
 float32 model and one on its Q8_0 twin (weights as stored, sharded by rows and by whole blocks).
 Each run's greedy tokens must be TP1's, and each rank's KV pool must hold exactly its heads of
-TP1's pool. Then a prompt is handed from prefill to decode across TP degrees (2 -> 1, 1 -> 2)
-through the shm transport, each prefill rank writing its own heads with the product's planners.
+TP1's pool. Then a prompt is handed from prefill to decode across TP degrees (every pair of
+{1, 2, 4}^2, and 2 -> 1, 1 -> 2 in int8) through the shm transport, each prefill rank writing
+its own heads with the product's planners, and a colocated worker's ranks (the leader's engine
+calls replayed) answer at TP2 and TP4.
 The same for a seeded model of SmolLM2-135M's 9 heads and 3 KV heads, which TP2 splits unevenly
 (2 + 1 GQA groups).
 """

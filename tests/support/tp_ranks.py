@@ -1,6 +1,7 @@
 """Tensor-parallel engine runs for tests/model/test_tensor_parallel.py: the cases, one engine run each
 (TP1 in the test's process, TP2 and TP4 in rank processes that share one gloo world of 4), and
-prefill-to-decode hand-offs between TP degrees through the shm transport (``handoff``). Besides
+prefill-to-decode hand-offs between TP degrees through the shm transport (``handoff``: every
+pair of {1, 2, 4}^2; ``pair_main`` on the real model), a colocated worker's ranks. Besides
 kvmesh-tiny (4 heads, 2 KV heads), ``uneven_model``: 9 heads and 3 KV heads as SmolLM2-135M has,
 so TP2 splits it 2 + 1 GQA groups."""
 
@@ -146,7 +147,9 @@ def colocated(group: Any) -> list[list[int]] | None:
 
 def rank_main(rank: int, port: int, queue: Any) -> None:
     """One rank of the world of 4: TP4 over all (kvmesh-tiny has 2 KV heads: each replicated on
-    two ranks), then TP2 in pairs: ranks 0-1 on the float32 model, 2-3 on its Q8_0 twin."""
+    two ranks), then TP2 in pairs: ranks 0-1 on the float32 model, 2-3 on its Q8_0 twin; then
+    the hand-offs (every pair of {1, 2, 4}^2, int8 2 -> 1 and 1 -> 2), a colocated worker's
+    ranks at TP4 and TP2, and the uneven model's runs."""
     import torch
     import torch.distributed as dist
     from kvmesh.shared.model.tensor_parallel import shard_model
