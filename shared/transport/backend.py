@@ -12,7 +12,7 @@ endpoint shares: the peer it reaches, ``async with``, and a once-only ``aclose``
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Generic, Self, TypeVar
 
 from kvmesh.shared.kv.descriptor import RdmaBackend, ShmBackend, TcpBackend, TransportDescriptor
@@ -21,6 +21,7 @@ from kvmesh.shared.transport.base import (
     Buffer,
     MemoryRegion,
     MemoryWindow,
+    Spans,
     TransportStats,
     local_host_id,
     new_peer_id,
@@ -141,10 +142,7 @@ class KeyDelegate:
         self._keys.deregister(region)
 
     def open_window(
-        self,
-        region: MemoryRegion,
-        spans: Sequence[tuple[int, int]],
-        access: Access = Access.REMOTE_WRITE,
+        self, region: MemoryRegion, spans: Spans, access: Access = Access.REMOTE_WRITE
     ) -> MemoryWindow:
         return self._keys.open_window(region, spans, access)
 

@@ -111,7 +111,11 @@ class MemoryWindow:
         return any(a <= addr and addr + length <= a + n for a, n in self.spans)
 
 
-def merge_spans(spans: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+Spans = Sequence[tuple[int, int]]
+"""``(addr, length)`` byte ranges of a registered region, the ranges a window opens."""
+
+
+def merge_spans(spans: Spans) -> tuple[tuple[int, int], ...]:
     """Sorted ``(addr, length)`` spans with touching or overlapping ones joined; lengths > 0."""
     merged: list[list[int]] = []
     for addr, length in sorted(spans):
@@ -124,9 +128,7 @@ def merge_spans(spans: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]
     return tuple((a, n) for a, n in merged)
 
 
-def unenforced_window(
-    region: MemoryRegion, spans: Sequence[tuple[int, int]], access: Access
-) -> MemoryWindow:
+def unenforced_window(region: MemoryRegion, spans: Spans, access: Access) -> MemoryWindow:
     """The window of a backend that cannot narrow keys: the region's own key, spans unchecked."""
     if region.access & access != access:
         raise ValueError(f"region rkey={region.rkey} grants {region.access!r}, not {access!r}")
@@ -200,10 +202,7 @@ class Transport(Protocol):
     def deregister(self, region: MemoryRegion) -> None: ...
 
     def open_window(
-        self,
-        region: MemoryRegion,
-        spans: Sequence[tuple[int, int]],
-        access: Access = Access.REMOTE_WRITE,
+        self, region: MemoryRegion, spans: Spans, access: Access = Access.REMOTE_WRITE
     ) -> MemoryWindow:
         """A fresh secret key to ``spans`` of ``region`` alone (see MemoryWindow)."""
         ...

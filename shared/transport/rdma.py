@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -35,6 +35,7 @@ from kvmesh.shared.transport.base import (
     Buffer,
     MemoryRegion,
     MemoryWindow,
+    Spans,
     unenforced_window,
 )
 from kvmesh.shared.transport.completions import CompletionQueue
@@ -231,10 +232,7 @@ class RdmaTransport(BackendBase[RdmaBackend]):
         self.memory.deregister(region)
 
     def open_window(
-        self,
-        region: MemoryRegion,
-        spans: Sequence[tuple[int, int]],
-        access: Access = Access.REMOTE_WRITE,
+        self, region: MemoryRegion, spans: Spans, access: Access = Access.REMOTE_WRITE
     ) -> MemoryWindow:
         """A random key to ``spans`` of ``region`` alone: a writer resolves it into memory
         windows bound on its connection (rdma_windows.py). Where the NIC binds no memory windows

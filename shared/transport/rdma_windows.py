@@ -26,11 +26,10 @@ from __future__ import annotations
 import logging
 import secrets
 from collections import OrderedDict
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvmesh.shared.transport.base import Access, MemoryRegion, MemoryWindow, merge_spans
+from kvmesh.shared.transport.base import Access, MemoryRegion, MemoryWindow, Spans, merge_spans
 from kvmesh.shared.transport.errors import (
     ProtocolError,
     RefusalReason,
@@ -86,9 +85,7 @@ class WindowTable:
 
     # -- open / close ------------------------------------------------------------------------------
 
-    def open(
-        self, reg: Registration, spans: Sequence[tuple[int, int]], access: Access
-    ) -> MemoryWindow:
+    def open(self, reg: Registration, spans: Spans, access: Access) -> MemoryWindow:
         """A window with a fresh random key; nothing is bound until a writer resolves it."""
         region = reg.region
         stored = self.registry.get(region.rkey)  # the same region, without the lkey
@@ -202,9 +199,7 @@ class WindowTable:
             self._keys_by_qpn.pop(qpn, None)
 
 
-def _check(
-    region: MemoryRegion, spans: Sequence[tuple[int, int]], access: Access
-) -> tuple[tuple[int, int], ...]:
+def _check(region: MemoryRegion, spans: Spans, access: Access) -> tuple[tuple[int, int], ...]:
     """Registry.open_window's checks, for regions outside the registry (GPU memory)."""
     merged = merge_spans(spans)
     if not merged:

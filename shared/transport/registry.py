@@ -9,17 +9,16 @@ import secrets
 import threading
 import warnings
 from collections import OrderedDict
-from collections.abc import Sequence
 from typing import Protocol
 
 import numpy as np
 import torch
+from kvmesh.shared.kv.region import Access, MemoryRegion
 from kvmesh.shared.obs import logs
 from kvmesh.shared.transport.base import (
-    Access,
     Buffer,
-    MemoryRegion,
     MemoryWindow,
+    Spans,
     TransportStats,
     merge_spans,
 )
@@ -139,10 +138,7 @@ class Registry:
     # -- windows -----------------------------------------------------------------------------------
 
     def open_window(
-        self,
-        region: MemoryRegion,
-        spans: Sequence[tuple[int, int]],
-        access: Access = Access.REMOTE_WRITE,
+        self, region: MemoryRegion, spans: Spans, access: Access = Access.REMOTE_WRITE
     ) -> MemoryWindow:
         """A window with a fresh random key onto ``spans`` of the registered ``region``."""
         merged = merge_spans(spans)
