@@ -19,13 +19,7 @@ import time
 import aiohttp
 import pytest
 
-from kvmesh.testing.mesh import (
-    MeshTap,
-    complete,
-    local_mesh,
-    random_prompts,
-    wait_blocks_returned,
-)
+from kvmesh.testing.mesh import MeshTap, complete, local_mesh, random_prompts, wait_blocks_returned
 from kvmesh.testing.offline import offline_greedy
 
 pytestmark = pytest.mark.slow

@@ -21,13 +21,7 @@ import pytest
 from kvmesh.shared.bus.nats_server import NatsServer
 from support.small_models import write_small_seeded
 
-from kvmesh.testing.mesh import (
-    MeshTap,
-    complete,
-    local_mesh,
-    random_prompts,
-    wait_blocks_returned,
-)
+from kvmesh.testing.mesh import MeshTap, complete, local_mesh, random_prompts, wait_blocks_returned
 from kvmesh.testing.offline import offline_greedy
 
 pytestmark = pytest.mark.slow
