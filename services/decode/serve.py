@@ -133,11 +133,7 @@ async def decode_service(config: DecodeConfig) -> AsyncIterator[DecodeService]:
         service.tg = asyncio.TaskGroup()
         site = Site(nc, subjects, worker_id)
         shell = WorkerShell(
-            role=config.role,
-            worker_id=worker_id,
-            heartbeat=service.heartbeat,
-            config=config,
-            metrics=worker.metrics,
+            service,
             ready="decode worker ready",
             control=service.on_control,
             endpoints=(

@@ -71,9 +71,12 @@ class DecodeService:
         (None: it never advertises); ``started_at``: the process's start, as its heartbeats
         say (default: now)."""
         self.config = config
+        self.role = config.role
         self.features = features
         self.hearing = hearing or Hearing()
         self.worker = worker
+        self.worker_id = worker.worker_id
+        self.metrics = worker.metrics
         self.transport = transport
         self.nc = nc
         self.reach = reach
@@ -101,7 +104,7 @@ class DecodeService:
 
     def heartbeat(self) -> WorkerHeartbeat:
         return WorkerHeartbeat(
-            self.worker.worker_id, self.config.role, self.last_load, self.started_at, time.time()
+            self.worker_id, self.role, self.last_load, self.started_at, time.time()
         )
 
     async def advertise(self) -> None:

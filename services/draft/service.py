@@ -61,7 +61,9 @@ class DraftService:
 
     def __init__(self, config: DraftConfig, core: DraftCore, drafter: Drafter, nc: Client) -> None:
         self.config = config
+        self.role = "draft"
         self.core = core
+        self.worker_id = core.worker_id
         self.drafter = drafter
         self.nc = nc
         self.metrics = DraftMetrics()
@@ -83,8 +85,8 @@ class DraftService:
 
     def heartbeat(self) -> WorkerHeartbeat:
         return WorkerHeartbeat(
-            self.core.worker_id,
-            "draft",
+            self.worker_id,
+            self.role,
             WorkerLoad(WorkerState.of(self.is_draining), num_running=len(self.core.seqs)),
             started_at=self.started_at,
             sent_at=time.time(),
@@ -271,11 +273,7 @@ async def draft_service(config: DraftConfig) -> AsyncIterator[DraftService]:
         await service.join_queue()
         try:
             shell = WorkerShell(
-                role="draft",
-                worker_id=worker_id,
-                heartbeat=service.heartbeat,
-                config=config,
-                metrics=service.metrics,
+                service,
                 ready="draft worker ready",
                 control=service.on_control,
                 endpoints=(("status", subjects.draft_status(worker_id), service.on_status),),

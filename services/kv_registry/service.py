@@ -68,6 +68,7 @@ class RegistryService:
         self.nc = nc
         self.subjects = subjects
         self.tg = tg
+        self.role = ROLE
         self.worker_id = worker_id
         self.clock = clock
         self.started_at = time.time()
@@ -99,7 +100,7 @@ class RegistryService:
     def heartbeat(self) -> WorkerHeartbeat:
         return WorkerHeartbeat(
             worker_id=self.worker_id,
-            role=ROLE,
+            role=self.role,
             load=WorkerLoad(WorkerState.READY, num_running=len(self.core.leases)),
             started_at=self.started_at,
             sent_at=time.time(),
@@ -227,11 +228,7 @@ async def registry_service(config: RegistryConfig) -> AsyncIterator[RegistryServ
         expiry = tg.create_task(service.expiry_loop())
         try:
             shell = WorkerShell(
-                role=ROLE,
-                worker_id=worker_id,
-                heartbeat=service.heartbeat,
-                config=config,
-                metrics=service.metrics,
+                service,
                 ready="kv-registry ready",
                 endpoints=(
                     ("place", subjects.REGISTRY_PLACE, service.on_place),

@@ -69,7 +69,8 @@ class StoreService:
         self.nc = nc
         self.worker = worker
         self.transport = worker.transport
-        self.store_id = worker.store_id
+        self.role = ROLE
+        self.store_id = self.worker_id = worker.store_id
         self.epoch = secrets.token_hex(8)
         self.reach = StoreReach(
             descriptor=self.transport.descriptor().public(),
@@ -178,8 +179,8 @@ class StoreService:
 
     def heartbeat(self) -> WorkerHeartbeat:
         return WorkerHeartbeat(
-            worker_id=self.store_id,
-            role=ROLE,
+            worker_id=self.worker_id,
+            role=self.role,
             load=WorkerLoad(
                 WorkerState.of(self.worker.is_draining),
                 num_running=self.worker.num_running,
@@ -260,11 +261,7 @@ async def store_service(config: StoreConfig) -> AsyncIterator[StoreService]:
         )
         service = StoreService(config, nc, worker)
         shell = WorkerShell(
-            role=ROLE,
-            worker_id=store_id,
-            heartbeat=service.heartbeat,
-            config=config,
-            metrics=service.metrics,
+            service,
             ready="kv-store ready",
             control=service.on_control,
             endpoints=(

@@ -71,8 +71,11 @@ class PrefillService:
     ) -> None:
         """``features``: the worker's (compose.py), closed when it stops."""
         self.config = config
+        self.role = "prefill"
         self.features = features
         self.worker = worker
+        self.worker_id = worker.worker_id
+        self.metrics = worker.metrics
         self.nc = nc
         self.subjects: Subjects = config.subjects
         self.started_at = time.time()
@@ -83,8 +86,8 @@ class PrefillService:
 
     def heartbeat(self) -> WorkerHeartbeat:
         return WorkerHeartbeat(
-            self.worker.worker_id,
-            "prefill",
+            self.worker_id,
+            self.role,
             # waiting jobs stay in the shared queue (admin status shows its depth)
             WorkerLoad(WorkerState.of(self.is_draining), num_running=self.worker.num_jobs),
             started_at=self.started_at,
@@ -281,11 +284,7 @@ async def prefill_service(config: PrefillConfig) -> AsyncIterator[PrefillService
             service = PrefillService(config, worker, nc, tg, features.features)
             queue = PrefillJobQueue(nc, subjects)
             shell = WorkerShell(
-                role="prefill",
-                worker_id=worker_id,
-                heartbeat=service.heartbeat,
-                config=config,
-                metrics=worker.metrics,
+                service,
                 ready="prefill worker ready",
                 control=service.on_control,
                 routes=(

@@ -1,7 +1,9 @@
 """A worker's start-up on NATS, the same steps in the same order for every service.
 
 Each service shell (decode, prefill, draft, kv-store, kv-registry) says what it shows with one
-``WorkerShell`` and enters ``serve_worker``:
+``WorkerShell`` and enters ``serve_worker``. Who the worker is (its role and id, as its heartbeats
+say), its config and its metrics are its service object's (``ShellService``): said once there,
+not again in the shell. The steps:
 
 1. presence: the micro service (``$SRV``), heartbeats (from a thread of their own:
    shared/bus/liveness.py), the log-level control;
@@ -21,7 +23,7 @@ import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvmesh.shared.bus.nats_request import RequestHandler, open_for_requests
 from kvmesh.shared.bus.nats_subscribe import Handler, subscriptions
@@ -44,19 +46,30 @@ Loop = Callable[[], Coroutine[Any, Any, Any]]
 Control = Callable[[str], Awaitable[None]]
 
 
-@dataclass(frozen=True, slots=True)
-class WorkerShell:
-    """What one worker shows on NATS. ``endpoints``: (name, subject, handler) request
-    endpoints of its micro service; ``routes``: (subject, message type, handler) subscriptions;
-    ``loops`` and ``after_ready``: task bodies, called when their step starts; ``control``:
-    applies an action of ``kvmesh admin``, "drain" or "resume" (the ``control`` endpoint, see
-    ``control_endpoint``); ``ready_fields``: logged with the ready line."""
+class ShellService(Protocol):
+    """A worker's service object, as its shell needs it: ``role`` and ``worker_id`` (those of
+    its heartbeats), its config (heartbeat interval, stall limit, metrics port), the metrics
+    its /metrics serves, and ``heartbeat``, the heartbeat it sends now."""
 
     role: str
     worker_id: str
-    heartbeat: Callable[[], WorkerHeartbeat]
     config: MetricsServiceConfig
     metrics: MetricSet
+
+    def heartbeat(self) -> WorkerHeartbeat: ...
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerShell:
+    """What one worker shows on NATS. ``service``: who it is, its config, metrics and
+    heartbeat; ``ready``: the line logged once it answers; ``endpoints``: (name, subject,
+    handler) request endpoints of its micro service; ``routes``: (subject, message type,
+    handler) subscriptions; ``loops`` and ``after_ready``: task bodies, called when their step
+    starts; ``control``: applies an action of ``kvmesh admin``, "drain" or "resume" (the
+    ``control`` endpoint, see ``control_endpoint``); ``ready_fields``: logged with the ready
+    line."""
+
+    service: ShellService
     ready: str
     endpoints: Sequence[tuple[str, str, RequestHandler]] = ()
     routes: Sequence[tuple[str, type[Any], Handler]] = ()
@@ -96,16 +109,17 @@ async def serve_worker(
 ) -> AsyncIterator[int | None]:
     """Run ``shell``'s steps (module docstring) for the duration of the block; yields the
     metrics port (None: no metrics server)."""
+    service = shell.service
     async with contextlib.AsyncExitStack() as stack:
         svc = await stack.enter_async_context(
             worker_presence(
                 nc,
                 subjects,
-                role=shell.role,
-                worker_id=shell.worker_id,
-                heartbeat=shell.heartbeat,
-                interval_s=shell.config.heartbeat_s,
-                stall_limit_s=shell.config.stall_limit_s,
+                role=service.role,
+                worker_id=service.worker_id,
+                heartbeat=service.heartbeat,
+                interval_s=service.config.heartbeat_s,
+                stall_limit_s=service.config.stall_limit_s,
                 metadata=shell.metadata,
                 stats=shell.stats,
             )
@@ -118,18 +132,18 @@ async def serve_worker(
         endpoints = list(shell.endpoints)
         if shell.control is not None:
             endpoints.append(
-                control_endpoint(nc, subjects, shell.worker_id, shell.heartbeat, shell.control)
+                control_endpoint(nc, subjects, service.worker_id, service.heartbeat, shell.control)
             )
         port = await stack.enter_async_context(
             open_for_requests(
                 nc,
                 svc,
                 *endpoints,
-                metrics=shell.metrics,
-                config=shell.config,
+                metrics=service.metrics,
+                config=service.config,
                 logger=logger,
                 ready=shell.ready,
-                worker_id=shell.worker_id,
+                worker_id=service.worker_id,
                 **shell.ready_fields,
             )
         )
