@@ -151,3 +151,21 @@ def test_decode_bytes_count_every_weight_a_step_reads_and_the_context_kv():
         expected += table.data.nbytes - head.weight.nbytes
     assert decode_weight_bytes(model) == expected
     assert decode_bytes(1000, 10.0, 3, 20.5) == 1000 + 3 * 20.5 * 10.0
+
+
+def test_engine_rss_weights_count_a_tied_heads_storage_once():
+    """``--memory``'s weights figure: every tensor the model holds, a weight kept as stored and
+    the LM head sharing the embeddings' blocks counted once."""
+    import torch
+    from kvmesh.loadgen.engine_rss import weights_bytes
+    from kvmesh.shared.model.quant import quantize
+    from kvmesh.shared.model.quant_layers import QuantEmbedding, QuantLinear
+    from torch import nn
+
+    model = nn.Module()
+    model.embed = QuantEmbedding(quantize(torch.randn(64, 32), "Q8_0"), torch.float32)  # + head
+    model.proj = QuantLinear(quantize(torch.randn(16, 64), "Q4_1"), nn.Parameter(torch.ones(16)))
+    model.register_buffer("table", torch.zeros(8, 4))
+    assert model.embed.head.qweight is model.embed.qweight
+    expected = 64 * 34 + 16 * 2 * 20 + 16 * 4 + 8 * 4 * 4  # Q8_0, Q4_1 blocks, bias, buffer
+    assert weights_bytes(model) == expected
