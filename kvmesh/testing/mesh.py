@@ -133,7 +133,8 @@ def start_launcher(
 
 
 class MeshTap:
-    """Listens on every request's subjects: TokenEvents, PrefillReports, PrefillDones."""
+    """Listens on every request's subjects: TokenEvents, PrefillStarteds, PrefillReports,
+    PrefillDones."""
 
     def __init__(self, nats_url: str, auth: Any = None, *, mesh: str = DEFAULT_MESH) -> None:
         self.nats_url = nats_url
@@ -143,12 +144,18 @@ class MeshTap:
         self.finished: dict[str, Any] = {}  # request id -> final TokenEvent
         self.reports: dict[str, Any] = {}  # request id -> PrefillReport
         self.prefill_done: dict[str, Any] = {}  # request id -> PrefillDone
+        self.started: dict[str, Any] = {}  # request id -> PrefillStarted (a worker took its job)
+        self._any_started = asyncio.Event()
         self._events: dict[str, asyncio.Event] = defaultdict(asyncio.Event)
         self._answered: dict[str, asyncio.Event] = defaultdict(asyncio.Event)  # by reply id
 
     async def __aenter__(self) -> MeshTap:
         from kvmesh.shared.bus.messages.codec import decode_message
-        from kvmesh.shared.bus.messages.prefill_jobs import PrefillDone, PrefillReport
+        from kvmesh.shared.bus.messages.prefill_jobs import (
+            PrefillDone,
+            PrefillReport,
+            PrefillStarted,
+        )
         from kvmesh.shared.bus.messages.token_streams import TokenEvent
         from kvmesh.shared.bus.nats_connect import connect_nats, flush_to_server
         from kvmesh.shared.config.subjects import Subjects
@@ -172,6 +179,11 @@ class MeshTap:
             report = decode_message(msg.data, PrefillReport)
             self.reports[report.request_id] = report
 
+        async def on_started(msg: Any) -> None:
+            started = decode_message(msg.data, PrefillStarted)
+            self.started[started.request_id] = started
+            self._any_started.set()
+
         async def on_done(msg: Any) -> None:
             done = decode_message(msg.data, PrefillDone)
             self.prefill_done[done.request_id] = done
@@ -179,6 +191,7 @@ class MeshTap:
         s = Subjects(self.mesh)
         await nc.subscribe(s.request_tokens("*"), cb=on_tokens)
         await nc.subscribe(s.request_prefill_report("*"), cb=on_report)
+        await nc.subscribe(s.request_prefill_started("*"), cb=on_started)
         await nc.subscribe(s.decode_prefill_done("*"), cb=on_done)
         await flush_to_server(nc)
         return self
@@ -190,6 +203,12 @@ class MeshTap:
         """The final TokenEvent of the wire id ``request_id`` (one attempt), once it comes."""
         await asyncio.wait_for(self._events[request_id].wait(), timeout_s)
         return self.finished[request_id]
+
+    async def wait_started(self, timeout_s: float = 30.0) -> Any:
+        """The first PrefillStarted heard (a prefill worker announced it took a job, before it
+        runs it), once one comes."""
+        await asyncio.wait_for(self._any_started.wait(), timeout_s)
+        return next(iter(self.started.values()))
 
     def attempts(self, reply_id: str) -> list[str]:
         """The wire ids heard of the request the router answered as ``reply_id``, in attempt

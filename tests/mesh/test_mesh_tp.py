@@ -5,7 +5,8 @@ waited for, so whether any is verified is up to timing); `kvmesh up --prefill-tp
 --decode-tp 2`: each prefill rank writes the decode rank holding its head, and the decode worker
 admits a request once both ranks' writes are in, its ranks then decoding together. Either way the greedy answers are TP1's offline ones (in
 2 -> 2 a structured output's too, its grammar on every rank of both workers), every block comes
-back, and killing the follower rank takes the whole worker down. (1 -> 2 is the same decode side
+back, and killing the follower rank takes the whole worker down: in 2 -> 1 mid-prefill (the
+request then answered as TP1 by its retry), in 2 -> 2 idle. (1 -> 2 is the same decode side
 with one prefill writing both ranks: tests/workers/test_decode_tp.py and tests/workers/test_prefill_tp_decode.py
 run it worker to worker, tests/model/test_tensor_parallel.py engine to engine.) Last, a
 colocated worker's TP2 rank group without NATS: TP1's answers, the follower gone with it."""
@@ -13,6 +14,7 @@ colocated worker's TP2 rank group without NATS: TP1's answers, the follower gone
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import signal
@@ -32,6 +34,7 @@ PROMPTS = [list(range(40, 110)), [7, 260, 65, 66, 67, 200, 9, 30, 31, 32] * 3]
 MAX_TOKENS = 6
 REGEX = "[0-9]{3}-[a-z]{2}"  # a structured output's grammar (guided_regex)
 REGEX_PROMPT = [11, 250, 90, 12, 13, 70, 71, 72] * 3  # no prefix cached: prefilled remotely
+KILL_PROMPT = [5, 180, 33, 34, 35, 120, 8] * 6  # asked as a rank dies: no prefix of it cached
 
 
 def _follower_pids(pid: int) -> list[int]:
@@ -76,34 +79,73 @@ def _offline_regex(tiny) -> list[int]:
     return engine.generate([REGEX_PROMPT], params)[0]
 
 
-def _serves_then_goes_down_with_a_rank(config, expected, worker: str, regex: bool) -> None:
-    """The mesh answers as TP1 and returns every block; then ``worker``'s follower is killed and
-    its leader notices and goes down."""
-    with launched(config, ENV) as launcher:
-        assert asyncio.run(_ask(launcher, regex=regex)) == expected
-        rows = asyncio.run(wait_blocks_returned(launcher.config.nats_url, launcher.nats_auth))
-        assert rows and all(row.pool.free_blocks == row.pool.total_blocks for row in rows), rows
+def _serves_as_tp1(launcher, expected, regex: bool) -> None:
+    """The mesh answers as TP1 and returns every block."""
+    assert asyncio.run(_ask(launcher, regex=regex)) == expected
+    rows = asyncio.run(wait_blocks_returned(launcher.config.nats_url, launcher.nats_auth))
+    assert rows and all(row.pool.free_blocks == row.pool.total_blocks for row in rows), rows
 
-        _, leader = launcher.children[worker]
-        (follower,) = _follower_pids(leader.pid)
+
+async def _kill_mid_prefill(launcher, follower: int, expected: list[int]) -> None:
+    """With ``follower`` stopped, ask KILL_PROMPT; once the leader announced that it took the
+    job (``PrefillStarted``: acknowledged, never redelivered; its prefill cannot end, the
+    follower being in none of its collectives) kill the follower. The router runs the request
+    again (the prefill worker gone: the decode worker prefills it, no other being ready), and it
+    is answered with TP1's tokens."""
+    async with (
+        MeshTap(launcher.config.nats_url, launcher.nats_auth) as tap,
+        aiohttp.ClientSession() as session,
+    ):
+        ask = complete(session, launcher.url, KILL_PROMPT, MAX_TOKENS, ignore_eos=True)
+        asked = asyncio.create_task(ask)
+        started = await tap.wait_started()
         os.kill(follower, signal.SIGKILL)
-        assert leader.wait(timeout=30) != 0  # the leader noticed and went down
+        body = await asked
+        _, tokens = await tap.wait_answered(body["id"])
+    assert started.worker_id.startswith("prefill"), started
+    assert started.request_id == body["id"]  # its first attempt: the job the group held
+    assert tap.attempts(body["id"])[-1] != body["id"]  # answered by a retry
+    assert body["id"] not in tap.prefill_done  # the dead group announced nothing of its job
+    assert tokens == expected
 
 
-def test_prefill_tp2_serves_tp1_answers_and_goes_down_with_a_rank():
-    expected = offline_greedy(PROMPTS, MAX_TOKENS, ignore_eos=True)
+def test_prefill_tp2_serves_tp1_answers_and_a_rank_killed_mid_prefill_takes_it_down():
+    """The mesh answers as TP1; then the follower rank is stopped, the leader takes a job and
+    the follower is killed: the leader exits non-zero, the request is answered as TP1, and every
+    decode block comes back (no lease of the job left on the decode worker)."""
+    *expected, after_kill = offline_greedy([*PROMPTS, KILL_PROMPT], MAX_TOKENS, ignore_eos=True)
     config = mesh_config(
         prefill_tp=2, draft="ngram", transport="shm", max_restarts=0, local_prefill_threshold=0
     )  # beside the draft service: the TP1 decode worker speculates
-    _serves_then_goes_down_with_a_rank(config, expected, "prefill-0", regex=False)
+    with launched(config, ENV) as launcher:
+        _serves_as_tp1(launcher, expected, regex=False)
+        _, leader = launcher.children["prefill-0"]
+        (follower,) = _follower_pids(leader.pid)
+        os.kill(follower, signal.SIGSTOP)  # the leader's next collective waits on it
+        try:
+            asyncio.run(_kill_mid_prefill(launcher, follower, after_kill))
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(follower, signal.SIGKILL)
+        assert leader.wait(timeout=30) != 0  # the leader noticed and went down
+        rows = asyncio.run(wait_blocks_returned(launcher.config.nats_url, launcher.nats_auth))
+        # the decode worker freed the job's blocks on hearing the group gone: its lease is over
+        assert rows and all(row.pool.free_blocks == row.pool.total_blocks for row in rows), rows
 
 
 def test_prefill_tp2_to_decode_tp2_serves_tp1_answers_and_goes_down_with_a_rank(tiny):
+    """The mesh answers as TP1; then the decode worker's follower is killed, idle, and its
+    leader notices and goes down."""
     expected = [*offline_greedy(PROMPTS, MAX_TOKENS, ignore_eos=True), _offline_regex(tiny)]
     config = mesh_config(
         prefill_tp=2, decode_tp=2, transport="shm", max_restarts=0, local_prefill_threshold=0
     )
-    _serves_then_goes_down_with_a_rank(config, expected, "decode-0", regex=True)
+    with launched(config, ENV) as launcher:
+        _serves_as_tp1(launcher, expected, regex=True)
+        _, leader = launcher.children["decode-0"]
+        (follower,) = _follower_pids(leader.pid)
+        os.kill(follower, signal.SIGKILL)
+        assert leader.wait(timeout=30) != 0  # the leader noticed and went down
 
 
 async def test_a_colocated_worker_at_tp2_answers_as_tp1_and_its_follower_ends_with_it():
