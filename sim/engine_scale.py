@@ -17,12 +17,12 @@ worker's step, a prefill worker's chunk) are set against the simulator's for the
 - ``decode_long``: its mean step over the long prompts' phase (1,024 tokens of context);
 - ``prefill``: the disagg mesh's prefill worker's mean chunk over the whole probe.
 
-The prefill role's engine costs (``DeviceSpec.prefill_engine_scale``; ``CostModel.step(slices,
-role)``) are multiplied by a scale. A disagg decode step is ``decode_engine_scale`` times its
-engine costs plus ``decode_engine_extra_s``, fitted to its two figures as the colocated pair
+The fit is an ``EngineScale`` (``specs.py``; a device spec's ``engine``). The prefill role's
+engine costs (its ``prefill``; ``CostModel.step(slices, role)``) are multiplied by a scale. A
+disagg decode step is ``decode`` times its engine costs plus ``decode_extra_s``, fitted to its two figures as the colocated pair
 below (one factor fitted to the short contexts' steps charged the validation's 1,000-token
 contexts' KV reads x1.4-2.7: disagg ITL p50 1.37x in one run). A colocated step is
-``colocated_engine_scale`` times its engine costs plus ``colocated_engine_extra_s``: its decode
+``colocated`` times its engine costs plus ``colocated_extra_s``: its decode
 steps came out 4-5x the in-process engine's and its chunks 1.5x (2.80 against 0.62 ms, 22.8
 against 13.4 ms in one calibration), so one factor fitted to the decode steps overcharged the
 validation's decode steps over 1,000-token contexts 1.5-2.9x (their KV reads times 5), and one
@@ -53,7 +53,7 @@ from kvmesh.sim.cluster import simulate
 from kvmesh.sim.cost import CostModel
 from kvmesh.sim.engine_timings import EngineTimings, pooled
 from kvmesh.sim.probe import long_requests, probe_requests
-from kvmesh.sim.specs import DeviceSpec
+from kvmesh.sim.specs import EngineScale
 from kvmesh.sim.topology import Topology
 
 ROUNDS = 10
@@ -64,33 +64,6 @@ STALLED = {
     "colocated": ("colocated", "colocated", "colocated_chunk"),
     "decode": ("disagg", "decode", "decode_long"),
 }
-
-
-@dataclass(frozen=True, slots=True)
-class EngineScale:
-    colocated: float = 1.0
-    decode: float = 1.0
-    prefill: float = 1.0
-    colocated_extra_s: float = 0.0
-    decode_extra_s: float = 0.0
-
-    def apply(self, device: DeviceSpec) -> DeviceSpec:
-        return dataclasses.replace(
-            device,
-            colocated_engine_scale=self.colocated,
-            decode_engine_scale=self.decode,
-            prefill_engine_scale=self.prefill,
-            colocated_engine_extra_s=self.colocated_extra_s,
-            decode_engine_extra_s=self.decode_extra_s,
-        )
-
-    def terms(self) -> tuple[tuple[str, str], ...]:
-        """The fitted terms as (name, value) for the tables calibration prints."""
-        return (
-            ("colocated", f"x{self.colocated:.2f} + {self.colocated_extra_s * 1e3:.2f} ms"),
-            ("decode", f"x{self.decode:.2f} + {self.decode_extra_s * 1e3:.2f} ms"),
-            ("prefill", f"x{self.prefill:.2f}"),
-        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,6 +27,33 @@ class SpecError(ValueError):
 
 
 @dataclass(frozen=True, slots=True)
+class EngineScale:
+    """How much slower (> 1) a worker of each role runs the engine inside the mesh than the
+    in-process calibration (a step of that role costs its engine figures times the factor), and
+    what a colocated or disagg decode step pays on top whatever it computes (``*_extra_s``: a
+    fixed stall, its OpenMP threads waiting on one that the router or NATS preempted). A device
+    spec holds one (``DeviceSpec.engine``); ``engine_scale.py`` fits it to the mesh's probe."""
+
+    colocated: float = 1.0
+    decode: float = 1.0
+    prefill: float = 1.0
+    colocated_extra_s: float = 0.0
+    decode_extra_s: float = 0.0
+
+    def apply(self, device: DeviceSpec) -> DeviceSpec:
+        """``device`` with this scale in place of its own."""
+        return dataclasses.replace(device, engine=self)
+
+    def terms(self) -> tuple[tuple[str, str], ...]:
+        """The terms as (role, value) for the tables calibration and the reports print."""
+        return (
+            ("colocated", f"x{self.colocated:.2f} + {self.colocated_extra_s * 1e3:.2f} ms"),
+            ("decode", f"x{self.decode:.2f} + {self.decode_extra_s * 1e3:.2f} ms"),
+            ("prefill", f"x{self.prefill:.2f}"),
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class DeviceSpec:
     """One accelerator (or a CPU host) as the roofline sees it.
 
@@ -64,18 +91,10 @@ class DeviceSpec:
     router and NATS, so a preempted thread stalls the whole step); ``CostModel.jitter_s`` draws
     from those distributions.
 
-    ``colocated_engine_scale``, ``decode_engine_scale`` and ``prefill_engine_scale``: how much
-    slower (> 1) a worker of that role runs the engine inside the mesh than the in-process
-    calibration the roofline and step figures come from (``engine_scale.py``: measured from the
-    mesh's own step and chunk histograms during the calibration probe); a step of that role
-    costs its engine figures times the scale. A colocated step also pays
-    ``colocated_engine_extra_s`` on top, whatever it computes: the probe shows a colocated
-    worker's decode steps 4-5x the in-process engine's and its prefill chunks 1.5x, which one
-    factor cannot both be; a fixed stall per step (its OpenMP threads waiting on one that the
-    router or NATS preempted) and a factor on the rest are. A disagg decode step likewise pays
-    ``decode_engine_extra_s`` (fitted to the probe's short- and long-context decode steps: one
-    factor fitted at 64-192 tokens of context charged its KV reads at 1,000 tokens x1.4-2.7).
-    1 and 0 in the GPU specs (nothing measured them).
+    ``engine`` (an ``EngineScale``): how much slower each role's worker runs the engine inside
+    the mesh than the in-process calibration the roofline and step figures come from, and the
+    stall its step pays on top (``engine_scale.py`` fits it; 1 and 0 in the GPU specs, where
+    nothing measured them).
 
     ``colocated_wake_s`` and ``prefill_wake_s``: what the first step of a colocated or prefill
     worker that has been idle for ``cost.WAKE_AFTER_S`` or longer costs on top (its threads
@@ -130,11 +149,7 @@ class DeviceSpec:
     colocated_jitter_p90_s: float = 0.0
     colocated_jitter_p99_s: float = 0.0
     colocated_jitter_max_s: float = 0.0
-    colocated_engine_scale: float = 1.0
-    decode_engine_scale: float = 1.0
-    prefill_engine_scale: float = 1.0
-    colocated_engine_extra_s: float = 0.0
-    decode_engine_extra_s: float = 0.0
+    engine: EngineScale = EngineScale()
     colocated_wake_s: float = 0.0
     prefill_wake_s: float = 0.0
     colocated_warmup_s: float = 0.0
@@ -176,8 +191,6 @@ class DeviceSpec:
             "colocated_jitter_p90_s",
             "colocated_jitter_p99_s",
             "colocated_jitter_max_s",
-            "colocated_engine_extra_s",
-            "decode_engine_extra_s",
             "colocated_wake_s",
             "prefill_wake_s",
             "colocated_warmup_s",
@@ -193,8 +206,10 @@ class DeviceSpec:
                 f"{prefix}jitter_p90_s, {prefix}jitter_p99_s, {prefix}jitter_max_s",
                 "must not decrease",
             )
-        for name in ("colocated_engine_scale", "decode_engine_scale", "prefill_engine_scale"):
-            _require(getattr(self, name) > 0, self.name, name, "must be > 0")
+        for name in ("colocated", "decode", "prefill"):
+            _require(getattr(self.engine, name) > 0, self.name, f"engine.{name}", "must be > 0")
+        for name in ("colocated_extra_s", "decode_extra_s"):
+            _require(getattr(self.engine, name) >= 0, self.name, f"engine.{name}", "must be >= 0")
         for role in ("decode", "colocated"):
             knots = self.pace_knots(role)
             prefix = "colocated_" if role == "colocated" else ""
@@ -215,14 +230,14 @@ class DeviceSpec:
     def engine_scale(self, role: str) -> float:
         """The engine's slowdown in the mesh for a worker of ``role`` (colocated, decode or
         prefill)."""
-        return getattr(self, f"{role}_engine_scale")
+        return getattr(self.engine, role)
 
     def engine_extra_s(self, role: str) -> float:
         """What a mesh step of ``role`` pays on top of its scaled engine figures (a colocated
         or decode worker's stall per step; 0 for a prefill worker)."""
         if role == "colocated":
-            return self.colocated_engine_extra_s
-        return self.decode_engine_extra_s if role == "decode" else 0.0
+            return self.engine.colocated_extra_s
+        return self.engine.decode_extra_s if role == "decode" else 0.0
 
     def wake_s(self, role: str) -> float:
         """What the first step of a ``role`` worker that has idled ``cost.WAKE_AFTER_S`` or
@@ -363,12 +378,17 @@ def _build(cls: type, data: dict[str, Any], source: str) -> Any:
 
 def load_device(name_or_path: str | Path) -> DeviceSpec:
     data = _read("devices", name_or_path)
-    for key, value in data.items():
+    engine = data.pop("engine", {})
+    if not isinstance(engine, dict):
+        raise SpecError(f"device spec {name_or_path}: engine must be an object, got {engine!r}")
+    numbers = {**data, **{f"engine.{k}": v for k, v in engine.items()}}
+    for key, value in numbers.items():
         if key not in ("name", "description") and not (
             isinstance(value, int | float) and math.isfinite(value)
         ):
             raise SpecError(f"device spec {name_or_path}: {key} must be a number, got {value!r}")
-    return _build(DeviceSpec, data, str(name_or_path))
+    scale = _build(EngineScale, engine, f"{name_or_path} (engine)")
+    return _build(DeviceSpec, {**data, "engine": scale}, str(name_or_path))
 
 
 def load_model(name_or_path: str | Path) -> ModelSpec:

@@ -271,10 +271,8 @@ def print_spec_terms(d: DeviceSpec) -> None:
             )
         )
         + ("" if d.request_overhead_s else " (none measured: run --calibrate first)")
-        + f"; engine in the mesh x{d.colocated_engine_scale:.2f} + "
-        f"{d.colocated_engine_extra_s * 1e3:.2f} ms colocated, "
-        f"x{d.decode_engine_scale:.2f} + {d.decode_engine_extra_s * 1e3:.2f} ms decode, "
-        f"x{d.prefill_engine_scale:.2f} prefill"
+        + "; engine in the mesh "
+        + ", ".join(f"{value} {role}" for role, value in d.engine.terms())
     )
 
 

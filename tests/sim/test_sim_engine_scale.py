@@ -46,13 +46,8 @@ def _phases(short: EngineTimings, long: EngineTimings | None = None) -> PhaseTim
 def _scaled_by_role(colocated_extra_s: float, **fields: float) -> CostModel:
     """Fixed 10 ms steps, the engine 1.5 times slower colocated (and ``colocated_extra_s`` on
     top), 2 times on decode, 3 times on prefill; ``fields`` on top."""
-    return fixed_steps(
-        colocated_engine_scale=1.5,
-        colocated_engine_extra_s=colocated_extra_s,
-        decode_engine_scale=2.0,
-        prefill_engine_scale=3.0,
-        **fields,
-    )
+    scale = EngineScale(colocated=1.5, decode=2.0, prefill=3.0, colocated_extra_s=colocated_extra_s)
+    return fixed_steps(engine=scale, **fields)
 
 
 def test_step_with_role_costs_engine_times_that_roles_scale():
@@ -206,9 +201,9 @@ def test_engine_scale_round_trips_through_spec_file(tmp_path):
 
 def test_engine_scale_of_zero_is_refused():
     with pytest.raises(SpecError):
-        dataclasses.replace(fixed_steps().device, decode_engine_scale=0.0)
+        EngineScale(decode=0.0).apply(fixed_steps().device)
     with pytest.raises(SpecError):
-        dataclasses.replace(fixed_steps().device, colocated_engine_extra_s=-0.001)
+        EngineScale(colocated_extra_s=-0.001).apply(fixed_steps().device)
 
 
 def test_fit_engine_scale_takes_jitter_mean_off_loop_steps_not_chunks():

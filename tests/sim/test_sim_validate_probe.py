@@ -15,7 +15,7 @@ from kvmesh.loadgen.serve_metrics import RequestRecord
 from kvmesh.sim import validate
 from kvmesh.sim.cluster import simulate
 from kvmesh.sim.cost import CostModel
-from kvmesh.sim.specs import DeviceSpec, load_model
+from kvmesh.sim.specs import DeviceSpec, EngineScale, load_model
 from kvmesh.sim.validate import (
     RealRun,
     SetAside,
@@ -60,8 +60,7 @@ def _config() -> ServeBenchConfig:
 def test_engine_only_drops_the_specs_scales_and_overheads():
     spec = dataclasses.replace(
         _engine(),
-        colocated_engine_scale=3.0,
-        prefill_engine_scale=2.0,
+        engine=EngineScale(colocated=3.0, prefill=2.0),
         request_overhead_s=1.0,
         loop_overhead_s=0.01,
         jitter_p99_s=0.02,
@@ -82,7 +81,7 @@ def test_each_repeat_is_simulated_with_the_fit_to_its_own_probe(monkeypatch):
 
     monkeypatch.setattr(validate, "run_real", run_real)
     # the spec's own scale and overheads (a stale calibration) must not be used
-    stale = dataclasses.replace(_engine(), request_overhead_s=0.5, colocated_engine_scale=3.0)
+    stale = dataclasses.replace(_engine(), request_overhead_s=0.5, engine=EngineScale(3.0))
     runs = validate.serve(_config(), MODES, repeats=2, probe=True).runs
     comparisons = validate.compare_served(runs, CostModel(TINY, stale), REQUESTS, fit="each")
     assert served == [("colocated", True), ("disagg", True)] * 2  # the modes in turn, probed
@@ -92,7 +91,7 @@ def test_each_repeat_is_simulated_with_the_fit_to_its_own_probe(monkeypatch):
         assert fitted == [pytest.approx(0.010, rel=0.2), pytest.approx(0.080, rel=0.1)]
         for f in c.fits:
             assert f.engine_scale is not None
-            assert f.cost.device.colocated_engine_scale == pytest.approx(1.0, rel=0.1)
+            assert f.cost.device.engine.colocated == pytest.approx(1.0, rel=0.1)
             assert f.mesh.checks  # the long prompts' TTFT checked on each repeat's fit
         # each run against its own simulation: the fitted mesh reproduces it
         for values in c.run_ratios():

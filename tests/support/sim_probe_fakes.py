@@ -13,7 +13,7 @@ from kvmesh.sim.topology import Topology
 from kvmesh.sim.validate import mesh_topology
 
 
-def fixed_steps(**fields: float) -> CostModel:
+def fixed_steps(**fields: object) -> CostModel:
     """kvmesh-tiny on a device whose steps cost 10 ms of fixed overhead only (no compute, no
     memory, an instant link), with ``fields`` on top."""
     device = DeviceSpec("fixed", 1e30, 1e30, 1e30, 1e30, step_overhead_s=0.01, **fields)
