@@ -2,7 +2,8 @@
 dtype's KV, for every 8-bit format (``--kv-cache-dtype int8`` and ``fp8_e4m3``).
 
 ``kvmesh model kv-accuracy MODEL`` runs the fixture prompts (``FIXTURE_PROMPTS``) through offline
-engines that differ only in ``kv_cache_dtype`` ("auto", the model's dtype, is the reference) and
+engines that differ only in ``kv_cache_dtype`` (the model's own dtype is the reference: named,
+since "auto" is float16 over weights kept quantized) and
 reports, per format and prompt:
 
 * ``agreed_tokens``: how many greedy tokens the 8-bit engine produces before its first one that
@@ -116,6 +117,10 @@ def measure_formats(
     longest = max(len(p) for p in [*prompts, *facts]) + max(max_tokens, FACT_MAX_TOKENS)
     num_blocks = max(len(prompts), len(facts)) * (-(-longest // block_size) + 1) + 8
 
+    # the reference's KV in the model's own dtype (float32, bfloat16 or float16), not "auto",
+    # which is float16 over weights kept as stored
+    own = str(model.config.torch_dtype).removeprefix("torch.")
+
     def engine(dtype: str) -> LLMEngine:
         is_yardstick = dtype == YARDSTICK
         config = EngineConfig(
@@ -123,7 +128,7 @@ def measure_formats(
             num_blocks=num_blocks,
             enable_prefix_caching=False,
             dtype=torch.bfloat16 if is_yardstick else None,
-            kv_cache_dtype="auto" if is_yardstick else dtype,
+            kv_cache_dtype="auto" if is_yardstick else own if dtype == "auto" else dtype,
         )
         return LLMEngine(model, None, config)
 
