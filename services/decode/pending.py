@@ -14,7 +14,6 @@ and acts on what it returns.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from kvmesh.shared.mesh.write_lease import (
     LeaseVerdict,
@@ -24,10 +23,6 @@ from kvmesh.shared.mesh.write_lease import (
 )
 from kvmesh.shared.obs import logs
 from kvmesh.shared.text.sampling import SamplingOptions
-
-if TYPE_CHECKING:
-    from kvmesh.shared.transport.base import MemoryWindow
-
 
 log = logs.get_logger(__name__)
 
@@ -62,24 +57,10 @@ class PendingTable(WriteLeaseTable[Reservation]):
 
     error_type = ReservationError
     noun = "a reservation"
+    lease_type = Reservation  # add(..., admission=Admission(...))
 
     def reservations(self) -> list[Reservation]:
         return self.leases()
-
-    def add(
-        self,
-        request_id: str,
-        lease_id: str,
-        slot: int,
-        block_ids: tuple[int, ...],
-        deadline: float,
-        admission: Admission | None = None,
-        window: MemoryWindow | None = None,
-    ) -> Reservation:
-        res = Reservation(
-            request_id, lease_id, slot, tuple(block_ids), deadline, window, admission=admission
-        )
-        return self._insert(res)
 
     def renew(self, request_id: str, lease_id: str, deadline: float) -> bool:
         """The holder of a live lease says it still wants the blocks: the deadline moves to

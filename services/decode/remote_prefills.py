@@ -94,8 +94,8 @@ class RemotePrefills:
                 slot,
                 tuple(block_ids),
                 deadline,
-                Admission(tuple(prompt), params),
                 window,
+                admission=Admission(tuple(prompt), params),
             )
         except ReservationError as exc:
             self.close_window(window)

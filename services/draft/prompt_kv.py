@@ -21,7 +21,6 @@ from kvmesh.shared.mesh.write_lease import (
     WriteLeaseError,
     WriteLeaseTable,
 )
-from kvmesh.shared.transport.base import MemoryWindow
 
 
 class PromptKvError(WriteLeaseError):
@@ -41,27 +40,7 @@ class PromptKvTable(WriteLeaseTable[PromptKvLease]):
 
     error_type = PromptKvError
     noun = "a prompt-KV lease"
-
-    def add(
-        self,
-        request_id: str,
-        lease_id: str,
-        slot: int,
-        block_ids: tuple[int, ...],
-        token_ids: tuple[int, ...],
-        deadline: float,
-        window: MemoryWindow | None = None,
-    ) -> PromptKvLease:
-        lease = PromptKvLease(
-            request_id,
-            lease_id,
-            slot,
-            tuple(block_ids),
-            deadline,
-            window,
-            token_ids=tuple(token_ids),
-        )
-        return self._insert(lease)
+    lease_type = PromptKvLease  # add(..., token_ids=...)
 
     def _frees_at_expiry(self, lease: PromptKvLease) -> bool:
         return lease.window is None or lease.window.enforced

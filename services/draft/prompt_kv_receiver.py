@@ -110,9 +110,9 @@ class PromptKvReceiver:
                     req.lease_id,
                     slot,
                     tuple(block_ids),
-                    tuple(req.prompt_ids[: num_full * bs]),
                     self.clock() + lease_s,
                     window,
+                    token_ids=tuple(req.prompt_ids[: num_full * bs]),
                 )
             except PromptKvError as exc:
                 self.transport.close_window(window)

@@ -21,7 +21,7 @@ announced write landed) or after a further ``quarantine_s`` without word from it
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 from kvmesh.shared.bus.messages.prefill_jobs import PrefillDone
 from kvmesh.shared.transport.base import MemoryWindow
@@ -74,6 +74,7 @@ class WriteLeaseTable(Generic[L]):
 
     error_type: type[WriteLeaseError] = WriteLeaseError
     noun = "a write lease"  # in error messages: "request 'r' already holds <noun> here"
+    lease_type: type[WriteLease] = WriteLease  # what ``add`` records (a subclass: L)
 
     def __init__(self, quarantine_s: float = 30.0) -> None:
         self.quarantine_s = quarantine_s
@@ -106,6 +107,23 @@ class WriteLeaseTable(Generic[L]):
 
     def num_reserved_blocks(self) -> int:
         return sum(len(x.block_ids) for x in self._by_request.values())
+
+    def add(
+        self,
+        request_id: str,
+        lease_id: str,
+        slot: int,
+        block_ids: tuple[int, ...],
+        deadline: float,
+        window: MemoryWindow | None = None,
+        **extra: Any,
+    ) -> L:
+        """Record a new lease of ``lease_type`` (``extra``: its own fields); refused with
+        ``error_type`` when the request already holds one here or the slot is taken."""
+        lease = self.lease_type(
+            request_id, lease_id, slot, tuple(block_ids), deadline, window, **extra
+        )
+        return self._insert(cast(L, lease))
 
     def _insert(self, lease: L) -> L:
         if lease.request_id in self._by_request:

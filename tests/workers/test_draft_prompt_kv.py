@@ -39,7 +39,7 @@ def _done(num_writes: int, ok: bool = True, rkey: int = 5, lease: str = "L") -> 
 @pytest.mark.parametrize("done_first", [True, False])
 def test_lease_is_ready_once_the_done_and_every_write_are_in_either_order(done_first):
     table = PromptKvTable()
-    table.add("r", "L", 3, (7, 8), tuple(range(32)), deadline=10.0, window=_window())
+    table.add("r", "L", 3, (7, 8), deadline=10.0, token_ids=tuple(range(32)), window=_window())
     if done_first:
         assert table.on_done(_done(2)) is None
     assert table.on_immediate(3, 0, frozenset({5})) is None
@@ -53,7 +53,7 @@ def test_lease_is_ready_once_the_done_and_every_write_are_in_either_order(done_f
 
 def test_writes_without_the_window_key_and_forged_dones_are_ignored():
     table = PromptKvTable()
-    table.add("r", "L", 3, (7,), tuple(range(16)), deadline=10.0, window=_window())
+    table.add("r", "L", 3, (7,), deadline=10.0, token_ids=tuple(range(16)), window=_window())
     assert table.on_immediate(3, 0, frozenset({99})) is None  # another key
     assert table.on_immediate(4, 0, frozenset({5})) is None  # no lease in that slot
     assert table.num_stray_immediates == 2
@@ -66,14 +66,14 @@ def test_writes_without_the_window_key_and_forged_dones_are_ignored():
 
 def test_a_write_twice_a_failed_done_or_too_many_writes_fail_the_lease():
     table = PromptKvTable()
-    table.add("a", "L", 1, (1,), tuple(range(16)), deadline=10.0)
+    table.add("a", "L", 1, (1,), deadline=10.0, token_ids=tuple(range(16)))
     table.on_immediate(1, 0)
     verdict = table.on_immediate(1, 0)
     assert verdict is not None and not verdict.ok and "twice" in verdict.error
-    table.add("r", "L", 2, (2,), tuple(range(16)), deadline=10.0)
+    table.add("r", "L", 2, (2,), deadline=10.0, token_ids=tuple(range(16)))
     verdict = table.on_done(_done(1, ok=False))
     assert verdict is not None and not verdict.ok and verdict.release
-    table.add("r", "L", 2, (2,), tuple(range(16)), deadline=10.0)
+    table.add("r", "L", 2, (2,), deadline=10.0, token_ids=tuple(range(16)))
     table.on_immediate(2, 0)
     table.on_immediate(2, 1)
     verdict = table.on_done(_done(1))
@@ -83,17 +83,17 @@ def test_a_write_twice_a_failed_done_or_too_many_writes_fail_the_lease():
 
 def test_duplicate_request_or_busy_slot_is_refused():
     table = PromptKvTable()
-    table.add("r", "L", 1, (1,), tuple(range(16)), deadline=10.0)
+    table.add("r", "L", 1, (1,), deadline=10.0, token_ids=tuple(range(16)))
     with pytest.raises(PromptKvError, match="already holds"):
-        table.add("r", "L", 2, (2,), tuple(range(16)), deadline=10.0)
+        table.add("r", "L", 2, (2,), deadline=10.0, token_ids=tuple(range(16)))
     with pytest.raises(PromptKvError, match="slot 1"):
-        table.add("q", "L", 1, (2,), tuple(range(16)), deadline=10.0)
+        table.add("q", "L", 1, (2,), deadline=10.0, token_ids=tuple(range(16)))
 
 
 def test_expired_lease_frees_at_once_under_an_enforced_window_else_after_quarantine():
     table = PromptKvTable(quarantine_s=5.0)
-    table.add("a", "L", 1, (1,), tuple(range(16)), deadline=1.0, window=_window(5))
-    table.add("r", "L", 2, (2,), tuple(range(16)), deadline=1.0, window=_window(6, False))
+    table.add("a", "L", 1, (1,), deadline=1.0, token_ids=tuple(range(16)), window=_window(5))
+    table.add("r", "L", 2, (2,), deadline=1.0, token_ids=tuple(range(16)), window=_window(6, False))
     verdicts = {v.lease.request_id: v for v in table.expire(now=1.5)}
     assert not verdicts["a"].ok and verdicts["a"].release  # no write can land any more
     assert not verdicts["r"].ok and not verdicts["r"].release  # a late write still could
