@@ -12,7 +12,6 @@ sequence with the engine and its scheduler is the caller's.
 from __future__ import annotations
 
 from collections.abc import Callable, Container
-from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +22,7 @@ from kvmesh.shared.engine.grammar import GrammarBook
 from kvmesh.shared.engine.sequence import ChunkReady, PromptTooLongError, RequestError, Sequence
 from kvmesh.shared.kv.kv_cache import KVPool
 from kvmesh.shared.text.detokenize import TokenDecoder
-from kvmesh.shared.text.sampling import SamplingOptions, TokenLogprobs
+from kvmesh.shared.text.sampling import SamplingOptions
 from kvmesh.shared.text.structured_output import StructuredOutputError
 
 
@@ -115,39 +114,20 @@ class AdmissionRules:
             seq.stop_text = stop_text_for(seq, self.tokenizer)
         return seq
 
-    def prefilled(
-        self,
-        request_id: str,
-        prompt_ids: list[int],
-        block_ids: list[int],
-        first_token: int,
-        params: SamplingOptions,
-        in_use: Container[str],
-        first_logprobs: TokenLogprobs | None,
-        prompt_logprobs: Sequence_[TokenLogprobs],
-    ) -> Sequence:
-        """A decoding sequence over ``block_ids`` (the engine takes them over), its first token
-        not yet emitted (``num_emitted_tokens`` 0)."""
-        self.check_prompt(request_id, prompt_ids, in_use)
-        self.check_stop(request_id, params)
-        matcher = self.grammar_for(request_id, params)
-        if matcher is not None and not matcher.accept_token(first_token):
+    def prefilled(self, req: handoff.PrefilledRequest, in_use: Container[str]) -> Sequence:
+        """A decoding sequence over ``req.block_ids`` (the engine takes them over), its first
+        token not yet emitted (``num_emitted_tokens`` 0)."""
+        self.check_prompt(req.request_id, req.prompt_ids, in_use)
+        self.check_stop(req.request_id, req.params)
+        matcher = self.grammar_for(req.request_id, req.params)
+        if matcher is not None and not matcher.accept_token(req.first_token):
             raise RequestError(
-                f"request {request_id!r}: the first token {first_token} breaks its structured "
-                "output's grammar"
+                f"request {req.request_id!r}: the first token {req.first_token} breaks its "
+                "structured output's grammar"
             )
-        seq = handoff.prefilled_sequence(
-            request_id,
-            prompt_ids,
-            block_ids,
-            first_token,
-            params,
-            self.block_manager,
-            self.vocab_size,
-            first_logprobs,
-        )
+        seq = handoff.prefilled_sequence(req, self.block_manager, self.vocab_size)
         seq.grammar = matcher
-        seq.prompt_logprobs = list(prompt_logprobs)
+        seq.prompt_logprobs = list(req.prompt_logprobs)
         seq.num_emitted_tokens = 0
         seq.stop_text = stop_text_for(seq, self.tokenizer)
         return seq

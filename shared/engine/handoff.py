@@ -3,10 +3,14 @@
 Prefill side: after every step that computed prompt tokens of a ``prefill_only`` sequence,
 ``report_chunk`` hands its new blocks to ``on_chunk`` as a ``ChunkReady``; chunks are whole blocks
 except the last, which carries the first token. Decode side: ``prefilled_sequence`` builds a
-sequence over blocks a remote writer filled with its prompt KV, ready to decode its first token.
+sequence over blocks a remote writer filled with its prompt KV (a ``PrefilledRequest``: what
+``LLMEngine.admit_prefilled`` was given), ready to decode its first token.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence as Sequence_
+from dataclasses import dataclass
 
 from kvmesh.shared.engine.block_manager import BlockManager
 from kvmesh.shared.engine.sequence import ChunkReady, RequestError, Sequence
@@ -42,38 +46,45 @@ def report_chunk(
         seq.on_chunk(chunk)
 
 
+@dataclass(frozen=True, slots=True)
+class PrefilledRequest:
+    """A request whose prompt KV a remote prefill wrote into ``block_ids``, with the first token
+    it sampled (and the first token's and the prompt's log-probabilities, when asked for)."""
+
+    request_id: str
+    prompt_ids: list[int]
+    block_ids: list[int]
+    first_token: int
+    params: SamplingOptions
+    first_logprobs: TokenLogprobs | None = None
+    prompt_logprobs: Sequence_[TokenLogprobs] = ()
+
+
 def prefilled_sequence(
-    request_id: str,
-    prompt_ids: list[int],
-    block_ids: list[int],
-    first_token: int,
-    params: SamplingOptions,
-    block_manager: BlockManager,
-    vocab_size: int,
-    first_logprobs: TokenLogprobs | None = None,
+    req: PrefilledRequest, block_manager: BlockManager, vocab_size: int
 ) -> Sequence:
-    """A decoding sequence whose prompt KV is already in ``block_ids``, its full blocks committed
-    to the prefix cache. The prompt itself is checked by the caller."""
-    need = block_manager.num_blocks_for(len(prompt_ids))
-    if len(block_ids) != need:
+    """A decoding sequence whose prompt KV is already in ``req.block_ids``, its full blocks
+    committed to the prefix cache. The prompt itself is checked by the caller."""
+    rid, prompt = req.request_id, req.prompt_ids
+    need = block_manager.num_blocks_for(len(prompt))
+    if len(req.block_ids) != need:
         raise RequestError(
-            f"request {request_id!r}: {len(prompt_ids)} prompt tokens need {need} blocks, got {len(block_ids)}"
+            f"request {rid!r}: {len(prompt)} prompt tokens need {need} blocks, "
+            f"got {len(req.block_ids)}"
         )
-    if not 0 <= first_token < vocab_size:
+    if not 0 <= req.first_token < vocab_size:
         raise RequestError(
-            f"request {request_id!r}: first token {first_token} is outside the vocabulary"
+            f"request {rid!r}: first token {req.first_token} is outside the vocabulary"
         )
-    seq = Sequence(
-        request_id, [*prompt_ids, first_token], params, num_prompt_tokens=len(prompt_ids)
-    )
-    if params.logprobs is not None:
-        if first_logprobs is None:
+    seq = Sequence(rid, [*prompt, req.first_token], req.params, num_prompt_tokens=len(prompt))
+    if req.params.logprobs is not None:
+        if req.first_logprobs is None:
             raise RequestError(
-                f"request {request_id!r} asks for logprobs; its first token came without them"
+                f"request {rid!r} asks for logprobs; its first token came without them"
             )
-        seq.logprobs.append(first_logprobs)
-    seq.block_table = list(block_ids)
-    seq.num_computed_tokens = len(prompt_ids)
+        seq.logprobs.append(req.first_logprobs)
+    seq.block_table = list(req.block_ids)
+    seq.num_computed_tokens = len(prompt)
     block_manager.share_cached(seq)  # the cache's copies of the prompt stay held while it runs
     block_manager.commit(seq)
     return seq

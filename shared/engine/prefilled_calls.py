@@ -16,6 +16,7 @@ from collections.abc import Sequence as Sequence_
 
 from kvmesh.shared.engine.admission import AdmissionRules
 from kvmesh.shared.engine.block_manager import BlockManager
+from kvmesh.shared.engine.handoff import PrefilledRequest
 from kvmesh.shared.engine.scheduler import Scheduler
 from kvmesh.shared.engine.sequence import RequestOutput, Sequence
 from kvmesh.shared.text.sampling import SamplingOptions, TokenLogprobs
@@ -67,16 +68,10 @@ class PrefilledCalls:
         ``reserve_blocks``; the engine takes them over and frees them when the request ends).
         ``first_logprobs``: the first token's, when ``params.logprobs`` asks for them;
         ``prompt_logprobs``: the prompt's, when ``params.prompt_logprobs`` does."""
-        seq = self.admission.prefilled(
-            request_id,
-            prompt_ids,
-            block_ids,
-            first_token,
-            params,
-            self.seqs,
-            first_logprobs,
-            prompt_logprobs,
+        req = PrefilledRequest(
+            request_id, prompt_ids, block_ids, first_token, params, first_logprobs, prompt_logprobs
         )
+        seq = self.admission.prefilled(req, self.seqs)
         self.seqs[request_id] = seq
         self.scheduler.add_prefilled(seq)
         self._fork_choices(seq)

@@ -1,6 +1,6 @@
 import pytest
 from kvmesh.shared.engine.block_manager import BlockManager, OutOfBlocksError, block_hash
-from kvmesh.shared.engine.handoff import prefilled_sequence
+from kvmesh.shared.engine.handoff import PrefilledRequest, prefilled_sequence
 from kvmesh.shared.engine.sequence import Sequence
 from kvmesh.shared.text.sampling import SamplingOptions
 
@@ -227,10 +227,14 @@ def test_prefilled_sequence_keeps_its_cached_prompt_chain_when_the_pool_is_press
     allocations while it runs evict them and the chain a kv-store put walks breaks there."""
     bm = BlockManager(6, BS)
     params = SamplingOptions(temperature=0)
-    turn1 = prefilled_sequence("t1", list(range(8)), bm.allocate_blocks(2), 50, params, bm, 100)
+    turn1 = prefilled_sequence(
+        PrefilledRequest("t1", list(range(8)), bm.allocate_blocks(2), 50, params), bm, 100
+    )
     bm.deallocate(turn1)  # finished: its 2 blocks stay cached in the free list
     prompt = [*range(8), 50, 51, 52, 53]  # the history again and 4 new tokens: 3 full blocks
-    turn2 = prefilled_sequence("t2", prompt, bm.allocate_blocks(3), 60, params, bm, 100)
+    turn2 = prefilled_sequence(
+        PrefilledRequest("t2", prompt, bm.allocate_blocks(3), 60, params), bm, 100
+    )
     hashes = list(turn2.block_hashes)
     others = bm.allocate_blocks(bm.num_free_blocks)  # other requests take every free block
     assert bm.num_cached(hashes) == 3  # the leading run a put of turn 2 would pin
