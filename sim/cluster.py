@@ -3,7 +3,7 @@
 Events are kept in one heap ordered by time (ties: the order they were made, so a run is
 deterministic). The request path follows the mesh's:
 
-1. a request reaches placement ``request_overhead_s`` after it was sent (the device spec's
+1. a request reaches placement ``mesh.request_s`` after it was sent (the device spec's
    measured fixed latency of the path outside the engine: HTTP, tokenization, the registry, the
    reservation, the first token's way back), then is placed on the colocated or decode worker
    with the most free KV tokens that can reserve its prompt and output (the kv-registry's placement); when none can,
@@ -12,7 +12,7 @@ deterministic). The request path follows the mesh's:
    disagg: it joins the one prefill queue, pulled by whichever prefill worker has a free slot;
 3. a prefill worker's chunk, once computed, is sent over that worker's link (one transfer at a
    time, in order) while the next chunk computes (the job holds its prefill slot until its last
-   write has landed); ``handoff_overhead_s`` after the last chunk's
+   write has landed); ``mesh.handoff_s`` after the last chunk's
    KV has landed (PrefillDone and what it takes), the decode worker admits the sequence between
    its steps (at once if it is idle, else when its step in flight ends): that is when the first
    token is announced, and the sequence decodes from the next step on;
@@ -156,7 +156,7 @@ class Cluster:
         heapq.heappush(self._events, (time, next(self._counter), kind, who, version))
 
     def run(self, slo: Slo | None = None) -> SimResult:
-        delay = self.cost.device.request_overhead_s
+        delay = self.cost.device.mesh.request_s
         for s in self.seqs:
             self._push(s.arrival_s + delay, _ARRIVAL, s.index)
         now = 0.0
@@ -307,7 +307,7 @@ class Cluster:
             if w.seq.index in prefilled:
                 landed = self.link_free[worker.index]
                 self._push(landed, _JOB_SENT, worker.index)
-                self._push(landed + self.cost.device.handoff_overhead_s, _KV_LANDED, w.seq.index)
+                self._push(landed + self.cost.device.mesh.handoff_s, _KV_LANDED, w.seq.index)
 
     def _kv_landed(self, seq: SimSeq, now: float) -> None:
         home = self.homes[seq.home]

@@ -30,7 +30,7 @@ shared by several workers the overhead is serial (one core's Python and dispatch
 roofline part runs on all of a worker's threads (``sharing.py``).
 
 A decode or colocated worker's step, as the mesh runs it (``loop_step``), also pays its loop's
-fixed cost and each streamed token's (``loop_overhead_s``, ``token_overhead_s``: measured by
+fixed cost and each streamed token's (the spec's ``mesh.loop_s``, ``mesh.token_s``: measured by
 calibration on a real mesh, ``overheads.py``), on the serial part, and a jitter drawn from the
 measured distribution of that role (``jitter_s``). Each sequence decodes at its own pace
 (``pace``, drawn once per sequence from the role's measured distribution, of mean 1): a step of
@@ -47,7 +47,8 @@ import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from kvmesh.sim.specs import PACE_QUANTILES, DeviceSpec, ModelSpec
+from kvmesh.sim.mesh_terms import PACE_QUANTILES
+from kvmesh.sim.specs import DeviceSpec, ModelSpec
 
 WAKE_AFTER_S = 0.2  # a worker idle this long pays its wake term on its next step
 WARMUP_STEPS = 4  # a sequence's first decode steps pay its role's warm-up term, tapering
@@ -192,11 +193,11 @@ class CostModel:
         assert num_tokens >= 0
         role = "colocated" if is_colocated else "decode"
         step = engine if engine is not None else self.step(slices, role)
-        d = self.device
+        m = self.device.mesh
         if is_colocated:
-            loop = d.colocated_loop_overhead_s + d.colocated_token_overhead_s * num_tokens
+            loop = m.colocated_loop_s + m.colocated_token_s * num_tokens
         else:
-            loop = d.loop_overhead_s + d.token_overhead_s * num_tokens
+            loop = m.loop_s + m.token_s * num_tokens
         return StepCost(step.flops, step.bytes, step.overhead_s + loop, step.roofline_s)
 
     def warmup_s(self, role: str, decode_step: int) -> float:

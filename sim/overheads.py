@@ -8,9 +8,9 @@ measured jitter says, and the overheads move by what it misses, until it reprodu
 figures (a few rounds: the terms add up nearly, but not exactly, once workers share the host's
 cores):
 
-- ``request_overhead_s``: by the colocated TTFT's miss;
-- ``handoff_overhead_s``: by the disaggregated TTFT's miss less the colocated one's;
-- ``loop_overhead_s`` and ``token_overhead_s`` (disagg's decode worker) and their
+- ``request_s``: by the colocated TTFT's miss;
+- ``handoff_s``: by the disaggregated TTFT's miss less the colocated one's;
+- ``loop_s`` and ``token_s`` (disagg's decode worker) and their
   ``colocated_`` twins: by the line ``miss = loop + token * batch`` through that mode's two gaps
   (at batch 1 and ``BATCH``). Apart, because the same loop and router cost a colocated worker
   more: its threads take every core (one shared pair of terms left colocated gaps 10-18 % short
@@ -26,11 +26,12 @@ from __future__ import annotations
 import dataclasses
 import statistics
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvmesh.loadgen.serve_metrics import RequestRecord
 from kvmesh.sim.cluster import simulate
 from kvmesh.sim.cost import WARMUP_STEPS, CostModel, warmup_taper
+from kvmesh.sim.mesh_terms import MeshOverheads
 from kvmesh.sim.probe import BATCH, LONG_INPUT, long_requests, probe_requests
 from kvmesh.sim.probe_figures import (
     Jitter,
@@ -40,54 +41,10 @@ from kvmesh.sim.probe_figures import (
     mode_jitters,
     steady_span,
 )
-from kvmesh.sim.specs import PACE_KNOT_NAMES, DeviceSpec
 from kvmesh.sim.topology import Topology
 
 ROUNDS = 8
 WARN_RELATIVE_ERROR = 0.25  # a figure the fitted simulator misses by more is reported
-
-
-@dataclass(frozen=True, slots=True)
-class MeshOverheads:
-    loop_s: float = 0.0
-    token_s: float = 0.0
-    colocated_loop_s: float = 0.0
-    colocated_token_s: float = 0.0
-    request_s: float = 0.0
-    handoff_s: float = 0.0
-    jitter: Jitter = field(default_factory=Jitter)  # the disagg decode worker's
-    colocated_jitter: Jitter = field(default_factory=Jitter)
-    colocated_wake_s: float = 0.0
-    prefill_wake_s: float = 0.0
-    colocated_warmup_s: float = 0.0
-    decode_warmup_s: float = 0.0
-
-    def apply(self, device: DeviceSpec) -> DeviceSpec:
-        return dataclasses.replace(
-            device,
-            loop_overhead_s=self.loop_s,
-            token_overhead_s=self.token_s,
-            colocated_loop_overhead_s=self.colocated_loop_s,
-            colocated_token_overhead_s=self.colocated_token_s,
-            request_overhead_s=self.request_s,
-            handoff_overhead_s=self.handoff_s,
-            jitter_p90_s=self.jitter.p90_s,
-            jitter_p99_s=self.jitter.p99_s,
-            jitter_max_s=self.jitter.max_s,
-            colocated_jitter_p90_s=self.colocated_jitter.p90_s,
-            colocated_jitter_p99_s=self.colocated_jitter.p99_s,
-            colocated_jitter_max_s=self.colocated_jitter.max_s,
-            **_pace_fields("", self.jitter.pace),
-            **_pace_fields("colocated_", self.colocated_jitter.pace),
-            colocated_wake_s=self.colocated_wake_s,
-            prefill_wake_s=self.prefill_wake_s,
-            colocated_warmup_s=self.colocated_warmup_s,
-            decode_warmup_s=self.decode_warmup_s,
-        )
-
-
-def _pace_fields(prefix: str, pace: Sequence[float]) -> dict[str, float]:
-    return {f"{prefix}pace_{k}": x for k, x in zip(PACE_KNOT_NAMES, pace, strict=True)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,7 +129,8 @@ def fit_wake(
             measured[mode] = median_ttft_s(records)
 
     def simulated(mode: str) -> float:
-        trial = CostModel(cost.model, dataclasses.replace(cost.device, **terms), cost.tp)
+        device = dataclasses.replace(cost.device.mesh, **terms).apply(cost.device)
+        trial = CostModel(cost.model, device, cost.tp)
         return median_ttft_s(simulate(topology_for(mode, trial), trial, long_requests()).records)
 
     for _ in range(rounds):

@@ -1,6 +1,6 @@
 """What a real mesh's probe shows (pure; ``probe.py`` serves it, ``overheads.py`` fits the
 mesh's overheads to it): three figures of each mode's probe, taken the same way from the real
-records and the simulated ones (``ProbeFigures``), and the jitter of its gaps (``Jitter``).
+records and the simulated ones (``ProbeFigures``), and the jitter of its gaps (``jitter_of``: a ``mesh_terms.Jitter``).
 
 - ``ttft_s``: the median TTFT of the isolated requests;
 - ``gap_1_s``: the isolated requests' steady gap, the mean gap over the second half of each
@@ -11,7 +11,7 @@ Mean gaps, not single ones: a client on a busy machine reads several SSE events 
 shows as gaps of 0 beside a long one, but leaves their mean alone. Pooled, so that the stalls
 below, counted over the same gaps, are part of the same mean.
 
-The jitter (``Jitter.of``) is measured before the fit, from each mode's isolated requests'
+The jitter (``jitter_of``) is measured before the fit, from each mode's isolated requests'
 gaps (the second half of each stream): how far their 90th and 99th percentiles and their
 largest exceed their own request's median, and how each request's steady gap spreads around
 their mean (the pace). The simulator draws every loop step's jitter from its mode's
@@ -39,9 +39,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from kvmesh.loadgen.serve_metrics import RequestRecord
-from kvmesh.sim.cost import jitter_quantiles, pace_quantiles, quantile_mean
+from kvmesh.sim.cost import pace_quantiles, quantile_mean
+from kvmesh.sim.mesh_terms import PACE_QUANTILES, Jitter
 from kvmesh.sim.probe import BATCH
-from kvmesh.sim.specs import PACE_QUANTILES
 
 
 class OverheadFitError(ValueError):
@@ -116,44 +116,20 @@ class ProbeFigures:
         )
 
 
-@dataclass(frozen=True, slots=True)
-class Jitter:
-    """How a loop step's gap varies at batch 1, from request to request and from step to step.
-
-    Step to step: how far a step's gap exceeds its own request's median gap, at the 90th and
-    99th percentiles and at most (seconds). Request to request: each request's steady gap (the
-    mean of the second half of its stream) against the mean over requests, as the paces at
-    ``specs.PACE_QUANTILES`` (0, 0.1, 0.5, 0.9, 1) scaled so that the piecewise-linear
-    distribution through them has mean 1 (``DeviceSpec.pace_knots``). Measured against each
-    request's own median, the step jitter leaves out what the pace holds: against the common
-    median (before), a slow request's every step was jitter."""
-
-    p90_s: float = 0.0
-    p99_s: float = 0.0
-    max_s: float = 0.0
-    pace: tuple[float, ...] = (1.0,) * len(PACE_QUANTILES)
-
-    @property
-    def mean_s(self) -> float:
-        """The mean of ``CostModel.jitter_s``'s distribution (0 to the median, then linear
-        through the 90th and 99th percentiles to the largest)."""
-        return quantile_mean(jitter_quantiles(self.p90_s, self.p99_s, self.max_s))
-
-    @classmethod
-    def of(cls, records: Sequence[RequestRecord]) -> Jitter:
-        """The jitter of the gaps of the second half of each (batch-1) stream (a stream with
-        fewer than 2 such gaps is left out)."""
-        halves = [h for r in records if len(h := r.itl_s[len(r.itl_s) // 2 :]) >= 2]
-        if not halves:
-            return cls()
-        excess = [g - statistics.median(h) for h in halves for g in h]
-        cuts = statistics.quantiles(excess, n=100, method="inclusive")
-        return cls(
-            max(0.0, cuts[89]),
-            max(0.0, cuts[98]),
-            max(0.0, max(excess)),
-            pace_knots([sum(h) / len(h) for h in halves]),
-        )
+def jitter_of(records: Sequence[RequestRecord]) -> Jitter:
+    """The jitter (``mesh_terms.Jitter``) of the gaps of the second half of each (batch-1)
+    stream (a stream with fewer than 2 such gaps is left out)."""
+    halves = [h for r in records if len(h := r.itl_s[len(r.itl_s) // 2 :]) >= 2]
+    if not halves:
+        return Jitter()
+    excess = [g - statistics.median(h) for h in halves for g in h]
+    cuts = statistics.quantiles(excess, n=100, method="inclusive")
+    return Jitter(
+        max(0.0, cuts[89]),
+        max(0.0, cuts[98]),
+        max(0.0, max(excess)),
+        pace_knots([sum(h) / len(h) for h in halves]),
+    )
 
 
 def pace_knots(steady_gaps: Sequence[float]) -> tuple[float, ...]:

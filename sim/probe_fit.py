@@ -13,14 +13,14 @@ from dataclasses import dataclass
 
 from kvmesh.loadgen.serve_metrics import RequestRecord
 from kvmesh.sim.engine_scale import EngineScale, EngineScaleFit, PhaseTimings, median_phases
+from kvmesh.sim.mesh_terms import Jitter, MeshOverheads
 from kvmesh.sim.overheads import (
-    Jitter,
-    MeshOverheads,
     OverheadFit,
     ProbeFigures,
     mode_jitters,
 )
 from kvmesh.sim.probe import ProbeRecords
+from kvmesh.sim.probe_figures import jitter_of
 from kvmesh.sim.specs import DeviceSpec, ModelSpec
 
 
@@ -41,7 +41,7 @@ class ProbeRun:
 @dataclass(frozen=True, slots=True)
 class PooledProbe:
     """Several probe runs as the fit takes them: each figure and engine mean the median over
-    the runs; the jitter of every run's batch-1 gaps together (``Jitter.of`` their union: a
+    the runs; the jitter of every run's batch-1 gaps together (``jitter_of`` their union: a
     validation pools its runs' gaps, so how far the runs differ is part of the tail it
     measures); the long prompts' records of every run (the check's median TTFT is over all of
     them)."""
@@ -56,7 +56,7 @@ class PooledProbe:
 def probe_run(records: Mapping[str, ProbeRecords]) -> ProbeRun:
     """One probe run's figures (``records``: that run's probe of each mode)."""
     figures = {mode: ProbeFigures.of(r.isolated, r.batch) for mode, r in records.items()}
-    jitter = {mode: Jitter.of(r.isolated) for mode, r in records.items()}
+    jitter = {mode: jitter_of(r.isolated) for mode, r in records.items()}
     long = {
         mode: statistics.median(x.ttft_s for x in r.long if x.ttft_s is not None)
         for mode, r in records.items()
@@ -78,7 +78,7 @@ def pool_probe_runs(runs: Sequence[Mapping[str, ProbeRecords]]) -> PooledProbe:
     modes = [m for m in ("colocated", "disagg") if any(m in r for r in runs)]
     return PooledProbe(
         {m: ProbeFigures.median([r.figures[m] for r in each if m in r.figures]) for m in modes},
-        {m: Jitter.of([x for r in runs if m in r for x in r[m].isolated]) for m in modes},
+        {m: jitter_of([x for r in runs if m in r for x in r[m].isolated]) for m in modes},
         {m: tuple(x for r in runs if m in r for x in r[m].long) for m in modes},
         {
             m: median_phases([r.timings[m] for r in each if m in r.timings])

@@ -11,15 +11,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kvmesh.shared.config.json_object import json_object
+from kvmesh.sim.mesh_terms import PACE_QUANTILES, Jitter, MeshOverheads
 
 SPEC_DIR = Path(__file__).resolve().parent / "specs"
-PACE_QUANTILES = (0.0, 0.1, 0.5, 0.9, 1.0)  # where DeviceSpec.pace_knots sit
-PACE_KNOT_NAMES = ("min", "p10", "p50", "p90", "max")  # their fields: pace_<name>
 
 
 class SpecError(ValueError):
@@ -73,48 +72,14 @@ class DeviceSpec:
     proportionally slower. ``link_bandwidth`` (bytes/s) and ``link_latency_s``: the KV transfer
     link of one worker.
 
-    What the mesh adds to the engine on this host (``overheads.py``; 0 in the GPU specs, where
-    nothing measured them): ``loop_overhead_s`` per step of a decode or colocated worker's loop
-    (admission, the step's hand-off to its thread, metrics) and ``token_overhead_s`` per token
-    that step streams (its event's encoding, NATS, the router, SSE), both paid on the step's
-    serial part; ``colocated_loop_overhead_s`` and ``colocated_token_overhead_s`` the same for a
-    colocated worker, measured apart (its threads take every core, so the router's and NATS's
-    work for each token slows it more than a disagg decode worker on some of them); ``request_overhead_s``, a request's fixed latency outside the engine (HTTP,
-    tokenization, placement, the reservation, the first token's way back); and
-    ``handoff_overhead_s``, what a disaggregated request pays on top (the prefill job's dispatch,
-    the last write's completion, PrefillDone, the decode worker's admission). Loop steps also
-    jitter: the gaps a disagg decode worker shows at batch 1 exceed their median by up to
-    ``jitter_p90_s`` in 90 % of steps, ``jitter_p99_s`` in 99 %, ``jitter_max_s`` at most (the
-    garbage collector, heartbeats, a process the OS runs first, a late read), and a colocated
-    worker's by ``colocated_jitter_p90_s``, ``colocated_jitter_p99_s`` and
-    ``colocated_jitter_max_s`` (measured apart: its two OpenMP threads share every core with the
-    router and NATS, so a preempted thread stalls the whole step); ``CostModel.jitter_s`` draws
-    from those distributions.
+    ``mesh`` (a ``mesh_terms.MeshOverheads``): what the mesh adds to the engine on this host
+    (its loop, token, request and hand-off overheads, each mode's jitter and pace, the wake and
+    warm-up terms; ``overheads.py`` fits it; 0, and paces of 1, in the GPU specs).
 
     ``engine`` (an ``EngineScale``): how much slower each role's worker runs the engine inside
     the mesh than the in-process calibration the roofline and step figures come from, and the
     stall its step pays on top (``engine_scale.py`` fits it; 1 and 0 in the GPU specs, where
     nothing measured them).
-
-    ``colocated_wake_s`` and ``prefill_wake_s``: what the first step of a colocated or prefill
-    worker that has been idle for ``cost.WAKE_AFTER_S`` or longer costs on top (its threads
-    asleep, its caches cold: on this 2-core VM a 1,024-token prompt sent to a mesh idle for
-    0.3-1 s took 25-30 % longer than one sent right after the previous request ended). 0 in the
-    GPU specs.
-
-    ``colocated_warmup_s`` and ``decode_warmup_s``: what a sequence's first decode step after
-    its first token adds to a colocated or decode worker's step, tapering linearly to 0 over
-    ``cost.WARMUP_STEPS`` steps (on this VM the first gaps of a 500-1,500-token request were
-    15-37 % longer than its later ones, the next three 5-22 %). 0 in the GPU specs.
-
-    ``pace_min``, ``pace_p10``, ``pace_p50``, ``pace_p90`` and ``pace_max`` (a disagg decode
-    worker's) and their ``colocated_`` twins: how fast each sequence decodes, against the
-    mean. On this VM each request decodes at its own steady speed (steady gaps of 1.1-2.9 ms
-    at batch 1 in one run, not explained by its prompt, by overlap or by idling), which the
-    per-step jitter cannot give: it is redrawn every step. A sequence draws its pace from this
-    distribution (piecewise linear through the knots at 0, 0.1, 0.5, 0.9 and 1, of mean 1:
-    ``CostModel.pace``) and the steps of a batch of decodes take the mean of their sequences'
-    paces times what they would otherwise (jitter and warm-up apart). 1 in the GPU specs.
 
     ``attention_flops`` and ``attention_bandwidth``: where a calibration found the attention
     running apart from the matmuls and slower than them (a CPU engine: its attention kernels
@@ -137,33 +102,8 @@ class DeviceSpec:
     cores: int = 1
     calibration_threads: int = 1
     link_latency_s: float = 0.0
-    loop_overhead_s: float = 0.0
-    token_overhead_s: float = 0.0
-    colocated_loop_overhead_s: float = 0.0
-    colocated_token_overhead_s: float = 0.0
-    request_overhead_s: float = 0.0
-    handoff_overhead_s: float = 0.0
-    jitter_p90_s: float = 0.0
-    jitter_p99_s: float = 0.0
-    jitter_max_s: float = 0.0
-    colocated_jitter_p90_s: float = 0.0
-    colocated_jitter_p99_s: float = 0.0
-    colocated_jitter_max_s: float = 0.0
+    mesh: MeshOverheads = field(default_factory=MeshOverheads)
     engine: EngineScale = EngineScale()
-    colocated_wake_s: float = 0.0
-    prefill_wake_s: float = 0.0
-    colocated_warmup_s: float = 0.0
-    decode_warmup_s: float = 0.0
-    pace_min: float = 1.0
-    pace_p10: float = 1.0
-    pace_p50: float = 1.0
-    pace_p90: float = 1.0
-    pace_max: float = 1.0
-    colocated_pace_min: float = 1.0
-    colocated_pace_p10: float = 1.0
-    colocated_pace_p50: float = 1.0
-    colocated_pace_p90: float = 1.0
-    colocated_pace_max: float = 1.0
     attention_flops: float = 0.0
     attention_bandwidth: float = 0.0
     description: str = ""
@@ -179,43 +119,25 @@ class DeviceSpec:
             "chunk_overhead_s",
             "cache_bytes",
             "link_latency_s",
-            "loop_overhead_s",
-            "token_overhead_s",
-            "colocated_loop_overhead_s",
-            "colocated_token_overhead_s",
-            "request_overhead_s",
-            "handoff_overhead_s",
-            "jitter_p90_s",
-            "jitter_p99_s",
-            "jitter_max_s",
-            "colocated_jitter_p90_s",
-            "colocated_jitter_p99_s",
-            "colocated_jitter_max_s",
-            "colocated_wake_s",
-            "prefill_wake_s",
-            "colocated_warmup_s",
-            "decode_warmup_s",
         ):
             _require(getattr(self, name) >= 0, self.name, name, "must be >= 0")
-        for prefix in ("", "colocated_"):
-            _require(
-                getattr(self, f"{prefix}jitter_p90_s")
-                <= getattr(self, f"{prefix}jitter_p99_s")
-                <= getattr(self, f"{prefix}jitter_max_s"),
-                self.name,
-                f"{prefix}jitter_p90_s, {prefix}jitter_p99_s, {prefix}jitter_max_s",
-                "must not decrease",
-            )
+        m = self.mesh
+        for f in dataclasses.fields(m):
+            value = getattr(m, f.name)
+            if isinstance(value, Jitter):
+                knots = (value.p90_s, value.p99_s, value.max_s)
+                what = f"mesh.{f.name}.p90_s, p99_s, max_s"
+                _require(0 <= knots[0] <= knots[1] <= knots[2], self.name, what, _RISING)
+                pace = f"mesh.{f.name}.pace"
+                _require(len(value.pace) == len(PACE_QUANTILES), self.name, pace, _PACE_LEN)
+                _require(value.pace[0] > 0, self.name, pace, "must start > 0")
+                _require(list(value.pace) == sorted(value.pace), self.name, pace, _RISING)
+            else:
+                _require(value >= 0, self.name, f"mesh.{f.name}", "must be >= 0")
         for name in ("colocated", "decode", "prefill"):
             _require(getattr(self.engine, name) > 0, self.name, f"engine.{name}", "must be > 0")
         for name in ("colocated_extra_s", "decode_extra_s"):
             _require(getattr(self.engine, name) >= 0, self.name, f"engine.{name}", "must be >= 0")
-        for role in ("decode", "colocated"):
-            knots = self.pace_knots(role)
-            prefix = "colocated_" if role == "colocated" else ""
-            names = ", ".join(f"{prefix}pace_{k}" for k in PACE_KNOT_NAMES)
-            _require(knots[0] > 0, self.name, f"{prefix}pace_min", "must be > 0")
-            _require(list(knots) == sorted(knots), self.name, names, "must not decrease")
         _require(
             (self.attention_flops > 0) == (self.attention_bandwidth > 0)
             and min(self.attention_flops, self.attention_bandwidth) >= 0,
@@ -243,34 +165,27 @@ class DeviceSpec:
         """What the first step of a ``role`` worker that has idled ``cost.WAKE_AFTER_S`` or
         longer pays on top (a colocated or prefill worker; 0 for the others)."""
         if role == "colocated":
-            return self.colocated_wake_s
-        return self.prefill_wake_s if role == "prefill" else 0.0
+            return self.mesh.colocated_wake_s
+        return self.mesh.prefill_wake_s if role == "prefill" else 0.0
 
     def warmup_s(self, role: str) -> float:
         """What a sequence's first decode step after its first token costs a ``role`` worker's
         step on top (``cost.WARMUP_STEPS`` steps, tapering; a colocated or decode worker, 0
         for a prefill worker)."""
         if role == "colocated":
-            return self.colocated_warmup_s
-        return self.decode_warmup_s if role == "decode" else 0.0
+            return self.mesh.colocated_warmup_s
+        return self.mesh.decode_warmup_s if role == "decode" else 0.0
 
     def jitter_knots(self, role: str) -> tuple[float, float, float]:
         """The jitter's excess over the median gap at p90, p99 and at most, of a ``role``
         (colocated, or decode) worker's loop steps."""
-        if role == "colocated":
-            return (
-                self.colocated_jitter_p90_s,
-                self.colocated_jitter_p99_s,
-                self.colocated_jitter_max_s,
-            )
-        return self.jitter_p90_s, self.jitter_p99_s, self.jitter_max_s
+        j = self.mesh.jitter_of(role)
+        return j.p90_s, j.p99_s, j.max_s
 
-    def pace_knots(self, role: str) -> tuple[float, float, float, float, float]:
+    def pace_knots(self, role: str) -> tuple[float, ...]:
         """A ``role`` (colocated, or decode) worker's sequences' paces at the quantiles
         ``PACE_QUANTILES`` (0, 0.1, 0.5, 0.9, 1)."""
-        prefix = "colocated_" if role == "colocated" else ""
-        knots = tuple(getattr(self, f"{prefix}pace_{k}") for k in PACE_KNOT_NAMES)
-        return knots  # type: ignore[return-value]
+        return tuple(self.mesh.jitter_of(role).pace)
 
     @property
     def effective_flops(self) -> float:
@@ -339,6 +254,10 @@ class ModelSpec:
         return 2 * self.num_layers * self.kv_size * self.dtype_bytes
 
 
+_RISING = "must not decrease"
+_PACE_LEN = f"must hold {len(PACE_QUANTILES)} knots (at quantiles {PACE_QUANTILES})"
+
+
 def _require(ok: bool, spec: str, field: str, what: str) -> None:
     if not ok:
         raise SpecError(f"spec {spec!r}: {field} {what}")
@@ -378,17 +297,44 @@ def _build(cls: type, data: dict[str, Any], source: str) -> Any:
 
 def load_device(name_or_path: str | Path) -> DeviceSpec:
     data = _read("devices", name_or_path)
-    engine = data.pop("engine", {})
-    if not isinstance(engine, dict):
-        raise SpecError(f"device spec {name_or_path}: engine must be an object, got {engine!r}")
-    numbers = {**data, **{f"engine.{k}": v for k, v in engine.items()}}
-    for key, value in numbers.items():
+    source = str(name_or_path)
+    for key, value in _leaves(data):
         if key not in ("name", "description") and not (
             isinstance(value, int | float) and math.isfinite(value)
         ):
-            raise SpecError(f"device spec {name_or_path}: {key} must be a number, got {value!r}")
-    scale = _build(EngineScale, engine, f"{name_or_path} (engine)")
-    return _build(DeviceSpec, {**data, "engine": scale}, str(name_or_path))
+            raise SpecError(f"device spec {source}: {key} must be a number, got {value!r}")
+    stale = sorted(k for k in data if k not in {f.name for f in dataclasses.fields(DeviceSpec)})
+    if stale:
+        raise SpecError(
+            f"{source}: unknown field(s) {', '.join(stale)} (a spec written before 2026-12-06 "
+            "held the mesh overheads and engine scales as flat fields: they are now its mesh and "
+            "engine objects, docs/sim.md; run kvmesh sim --calibrate again)"
+        )
+    engine = _build(EngineScale, _object(data.pop("engine", {}), source, "engine"), source)
+    mesh = _object(data.pop("mesh", {}), source, "mesh")
+    for key in ("jitter", "colocated_jitter"):
+        if key in mesh:
+            jitter = _object(mesh[key], source, f"mesh.{key}")
+            if "pace" in jitter:
+                jitter["pace"] = tuple(jitter["pace"])
+            mesh[key] = _build(Jitter, jitter, f"{source} (mesh.{key})")
+    mesh_terms = _build(MeshOverheads, mesh, f"{source} (mesh)")
+    return _build(DeviceSpec, {**data, "engine": engine, "mesh": mesh_terms}, source)
+
+
+def _object(value: Any, source: str, key: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise SpecError(f"device spec {source}: {key} must be an object, got {value!r}")
+    return value
+
+
+def _leaves(value: Any, key: str = "") -> list[tuple[str, Any]]:
+    """A spec's values below its objects and lists, each with its dotted key."""
+    if isinstance(value, dict):
+        return [x for k, v in value.items() for x in _leaves(v, f"{key}.{k}" if key else k)]
+    if isinstance(value, list):
+        return [x for i, v in enumerate(value) for x in _leaves(v, f"{key}[{i}]")]
+    return [(key, value)]
 
 
 def load_model(name_or_path: str | Path) -> ModelSpec:

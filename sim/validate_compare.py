@@ -16,7 +16,8 @@ from kvmesh.sim.cluster import SimResult, simulate
 from kvmesh.sim.cost import CostModel
 from kvmesh.sim.engine_scale import EngineScale, EngineScaleFit
 from kvmesh.sim.engine_timings import EngineTimings, pooled
-from kvmesh.sim.overheads import MeshOverheads, OverheadFit
+from kvmesh.sim.mesh_terms import MeshOverheads
+from kvmesh.sim.overheads import OverheadFit
 from kvmesh.sim.probe import ProbeRecords
 from kvmesh.sim.real_runs import RealRun, Steal
 from kvmesh.sim.specs import DeviceSpec

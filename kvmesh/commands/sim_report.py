@@ -15,7 +15,8 @@ if TYPE_CHECKING:
     from kvmesh.sim.calibrate import Calibration
     from kvmesh.sim.cost import CostModel
     from kvmesh.sim.engine_scale import EngineScale, EngineScaleFit
-    from kvmesh.sim.overheads import MeshOverheads, OverheadFit
+    from kvmesh.sim.mesh_terms import MeshOverheads
+    from kvmesh.sim.overheads import OverheadFit
     from kvmesh.sim.probe_fit import ProbeRun
     from kvmesh.sim.sla import Sla
     from kvmesh.sim.specs import DeviceSpec, ModelSpec
@@ -245,16 +246,17 @@ def print_engine_figures(d: DeviceSpec) -> None:
 
 def print_spec_terms(d: DeviceSpec) -> None:
     """The spec's engine figures, mesh overheads and engine scales the simulation uses."""
+    m = d.mesh
     print(
         f"simulated on {d.name}: {d.peak_flops / 1e9:.1f} GFLOP/s, {d.mem_bandwidth / 1e9:.2f} GB/s, "
         f"{d.step_overhead_s * 1e3:.2f} ms per step; mesh overheads: colocated loop "
-        f"{d.colocated_loop_overhead_s * 1e3:.2f} ms + {d.colocated_token_overhead_s * 1e3:.3f} ms "
-        f"per token, decode loop {d.loop_overhead_s * 1e3:.2f} ms + "
-        f"{d.token_overhead_s * 1e3:.3f} ms per token, request "
-        f"{d.request_overhead_s * 1e3:.1f} ms, hand-off {d.handoff_overhead_s * 1e3:.1f} ms, "
-        f"wake colocated {d.colocated_wake_s * 1e3:.1f} ms, prefill "
-        f"{d.prefill_wake_s * 1e3:.1f} ms, warm-up colocated "
-        f"{d.colocated_warmup_s * 1e3:.2f} ms, decode {d.decode_warmup_s * 1e3:.2f} ms, "
+        f"{m.colocated_loop_s * 1e3:.2f} ms + {m.colocated_token_s * 1e3:.3f} ms "
+        f"per token, decode loop {m.loop_s * 1e3:.2f} ms + "
+        f"{m.token_s * 1e3:.3f} ms per token, request "
+        f"{m.request_s * 1e3:.1f} ms, hand-off {m.handoff_s * 1e3:.1f} ms, "
+        f"wake colocated {m.colocated_wake_s * 1e3:.1f} ms, prefill "
+        f"{m.prefill_wake_s * 1e3:.1f} ms, warm-up colocated "
+        f"{m.colocated_warmup_s * 1e3:.2f} ms, decode {m.decode_warmup_s * 1e3:.2f} ms, "
         + ", ".join(
             f"{who} jitter p90 {p90 * 1e3:.2f} ms, p99 {p99 * 1e3:.2f} ms, max {top * 1e3:.1f} ms"
             for who, (p90, p99, top) in (
@@ -270,7 +272,7 @@ def print_spec_terms(d: DeviceSpec) -> None:
                 ("decode", d.pace_knots("decode")),
             )
         )
-        + ("" if d.request_overhead_s else " (none measured: run --calibrate first)")
+        + ("" if m.request_s else " (none measured: run --calibrate first)")
         + "; engine in the mesh "
         + ", ".join(f"{value} {role}" for role, value in d.engine.terms())
     )

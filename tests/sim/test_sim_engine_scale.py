@@ -15,6 +15,7 @@ from kvmesh.sim.engine_scale import (
     simulate_probe_timings,
 )
 from kvmesh.sim.engine_timings import EngineTimings, pooled
+from kvmesh.sim.mesh_terms import MeshOverheads
 from kvmesh.sim.specs import DeviceSpec, SpecError, load_device, load_model, write_device
 from kvmesh.sim.topology import Topology
 from kvmesh.sim.validate import mesh_topology
@@ -51,7 +52,7 @@ def _scaled_by_role(colocated_extra_s: float, **fields: float) -> CostModel:
 
 
 def test_step_with_role_costs_engine_times_that_roles_scale():
-    cost = _scaled_by_role(0.003, loop_overhead_s=0.002)
+    cost = _scaled_by_role(0.003, mesh=MeshOverheads(loop_s=0.002))
     slices = [Slice(1, 100)]
     assert cost.step(slices).seconds == pytest.approx(0.010)
     # a colocated step: its engine times the scale, and the stall on top, whatever it computes

@@ -11,9 +11,10 @@ import pytest
 from kvmesh.loadgen.serve_metrics import RequestRecord
 from kvmesh.sim.cluster import simulate
 from kvmesh.sim.cost import CostModel, Slice
-from kvmesh.sim.overheads import MeshOverheads, fit_overheads, simulate_probe
+from kvmesh.sim.mesh_terms import Jitter, MeshOverheads
+from kvmesh.sim.overheads import fit_overheads, simulate_probe
 from kvmesh.sim.probe import ProbeRecords
-from kvmesh.sim.probe_figures import Jitter, OverheadFitError, ProbeFigures, steady_gap_s
+from kvmesh.sim.probe_figures import OverheadFitError, ProbeFigures, jitter_of, steady_gap_s
 from kvmesh.sim.specs import DeviceSpec, SpecError, load_model
 from kvmesh.sim.topology import Topology
 from kvmesh.sim.validate import mesh_topology
@@ -30,10 +31,9 @@ def _gaps(record: RequestRecord) -> list[float]:
 
 def test_loop_step_adds_loop_and_per_token_overheads():
     cost = fixed_steps(
-        loop_overhead_s=0.002,
-        token_overhead_s=0.0005,
-        colocated_loop_overhead_s=0.003,
-        colocated_token_overhead_s=0.001,
+        mesh=MeshOverheads(
+            loop_s=0.002, token_s=0.0005, colocated_loop_s=0.003, colocated_token_s=0.001
+        )
     )
     slices = [Slice(1, 100)] * 4
     engine = cost.step(slices)
@@ -48,7 +48,7 @@ def test_request_overhead_delays_the_first_token_not_the_gaps():
     requests = [SimRequest(0.0, 100, 5)]
     topology = Topology("colocated", 1, kv_capacity_tokens=10_000)
     plain = simulate(topology, fixed_steps(), requests).records[0]
-    slow = simulate(topology, fixed_steps(request_overhead_s=0.3), requests).records[0]
+    slow = simulate(topology, fixed_steps(mesh=MeshOverheads(request_s=0.3)), requests).records[0]
     assert slow.ttft_s == pytest.approx(plain.ttft_s + 0.3)
     assert _gaps(slow) == pytest.approx(_gaps(plain))
 
@@ -57,11 +57,11 @@ def test_handoff_overhead_delays_disagg_first_token_only():
     requests = [SimRequest(0.0, 100, 5)]
     topology = Topology("disagg", 1, 1, chunk_tokens=512, kv_capacity_tokens=10_000)
     plain = simulate(topology, fixed_steps(), requests).records[0]
-    slow = simulate(topology, fixed_steps(handoff_overhead_s=0.2), requests).records[0]
+    slow = simulate(topology, fixed_steps(mesh=MeshOverheads(handoff_s=0.2)), requests).records[0]
     assert slow.ttft_s == pytest.approx(plain.ttft_s + 0.2)
     # colocated has no hand-off
     colocated = Topology("colocated", 1, kv_capacity_tokens=10_000)
-    assert simulate(colocated, fixed_steps(handoff_overhead_s=0.2), requests).records[
+    assert simulate(colocated, fixed_steps(mesh=MeshOverheads(handoff_s=0.2)), requests).records[
         0
     ].ttft_s == pytest.approx(simulate(colocated, fixed_steps(), requests).records[0].ttft_s)
 
@@ -71,7 +71,7 @@ def test_colocated_gap_is_step_plus_loop_plus_token_cost_per_sequence():
     topology = Topology("colocated", 1, kv_capacity_tokens=10_000)
     # the decode worker's terms are not the colocated worker's
     cost = fixed_steps(
-        colocated_loop_overhead_s=0.004, colocated_token_overhead_s=0.001, loop_overhead_s=1.0
+        mesh=MeshOverheads(colocated_loop_s=0.004, colocated_token_s=0.001, loop_s=1.0)
     )
     result = simulate(topology, cost, requests)
     # the first request's step starts alone, the other three join the next; then four decode
@@ -141,47 +141,46 @@ def test_jitter_is_how_far_the_gaps_exceed_their_median():
     gaps = [0.01] * 100 + [0.01 + k * 1e-4 for k in range(1, 100)] + [0.06]
     times = (0.0, *(0.1 + sum(gaps[:i]) for i in range(len(gaps) + 1)))  # a first gap of 0.1 s
     record = RequestRecord(0, 0.0, 0.0, times[-1], 16, len(times), len(times), times)
-    jitter = Jitter.of([record])
+    jitter = jitter_of([record])
     steady = sorted(record.itl_s[len(record.itl_s) // 2 :])  # the second half only
     median = steady[len(steady) // 2]
     assert jitter.max_s == pytest.approx(0.06 - median)
     assert 0 < jitter.p90_s < jitter.p99_s < jitter.max_s
-    assert Jitter.of([]) == Jitter()
+    assert jitter_of([]) == Jitter()
 
 
-def _jitter(p90_s: float, p99_s: float, max_s: float, role: str = "") -> dict[str, float]:
-    """A role's jitter quantiles as DeviceSpec fields (no role: the decode worker's)."""
-    prefix = f"{role}_" if role else ""
-    return {
-        f"{prefix}jitter_p90_s": p90_s,
-        f"{prefix}jitter_p99_s": p99_s,
-        f"{prefix}jitter_max_s": max_s,
-    }
+def _jitter(p90_s: float, p99_s: float, max_s: float, role: str = "") -> MeshOverheads:
+    """Mesh terms with only a role's jitter quantiles (no role: the decode worker's)."""
+    return MeshOverheads(**{f"{role}_jitter" if role else "jitter": Jitter(p90_s, p99_s, max_s)})
 
 
 def test_jitter_draws_follow_the_measured_quantiles():
-    cost = fixed_steps(**_jitter(0.002, 0.01, 0.05))
+    cost = fixed_steps(mesh=_jitter(0.002, 0.01, 0.05))
     assert cost.jitter_s(0.3) == 0.0  # up to the median
     assert cost.jitter_s(0.7) == pytest.approx(0.001)
     assert cost.jitter_s(0.9) == pytest.approx(0.002)
     assert cost.jitter_s(0.99) == pytest.approx(0.01)
     assert cost.jitter_s(0.995) == pytest.approx(0.03)
     with pytest.raises(SpecError, match="must not decrease"):
-        fixed_steps(**_jitter(0.01, 0.002, 0.05))
+        fixed_steps(mesh=_jitter(0.01, 0.002, 0.05))
 
 
 def test_each_role_draws_its_own_jitter():
-    cost = fixed_steps(**_jitter(0.002, 0.01, 0.05), **_jitter(0.004, 0.02, 0.1, "colocated"))
+    cost = fixed_steps(
+        mesh=MeshOverheads(
+            jitter=Jitter(0.002, 0.01, 0.05), colocated_jitter=Jitter(0.004, 0.02, 0.1)
+        )
+    )
     assert cost.jitter_s(0.9) == pytest.approx(0.002)
     assert cost.jitter_s(0.9, "decode") == pytest.approx(0.002)
     assert cost.jitter_s(0.9, "colocated") == pytest.approx(0.004)
     assert cost.jitter_s(0.995, "colocated") == pytest.approx(0.06)
-    with pytest.raises(SpecError, match="colocated_jitter_p90_s"):
-        fixed_steps(colocated_jitter_p90_s=0.01, colocated_jitter_p99_s=0.002)
+    with pytest.raises(SpecError, match=r"mesh\.colocated_jitter\.p90_s"):
+        fixed_steps(mesh=_jitter(0.01, 0.002, 0.05, "colocated"))
 
 
 def test_loop_steps_jitter_by_seeded_draws():
-    cost = fixed_steps(**_jitter(0.002, 0.01, 0.05, "colocated"))
+    cost = fixed_steps(mesh=_jitter(0.002, 0.01, 0.05, "colocated"))
     topology = Topology("colocated", 1, kv_capacity_tokens=10_000)
     gaps = _gaps(simulate(topology, cost, [SimRequest(0.0, 16, 2000)]).records[0])
     assert min(gaps) == pytest.approx(0.01)  # no jitter below the median
@@ -192,7 +191,7 @@ def test_loop_steps_jitter_by_seeded_draws():
     again = _gaps(simulate(topology, cost, [SimRequest(0.0, 16, 2000)]).records[0])
     assert again == gaps  # the same draws every run
     # the decode worker's jitter is not the colocated worker's
-    steady = fixed_steps(**_jitter(0.002, 0.01, 0.05))
+    steady = fixed_steps(mesh=_jitter(0.002, 0.01, 0.05))
     flat = _gaps(simulate(topology, steady, [SimRequest(0.0, 16, 200)]).records[0])
     assert max(flat) == pytest.approx(0.01)
 
@@ -208,7 +207,7 @@ def test_jitter_is_against_each_requests_own_median_and_pace_holds_the_rest():
         return RequestRecord(index, 0.0, 0.0, times[-1], 16, len(times), len(times), times)
 
     records = [record(0, 0.002), record(1, 0.004)]
-    jitter = Jitter.of(records)
+    jitter = jitter_of(records)
     assert jitter.max_s == pytest.approx(0.005)
     assert jitter.p90_s == pytest.approx(0.0, abs=1e-12)
     # steady gaps (the second half's means) about 2.2 and 4.2 ms: the knots interpolate
@@ -218,7 +217,7 @@ def test_jitter_is_against_each_requests_own_median_and_pace_holds_the_rest():
     assert jitter.pace[0] == pytest.approx(steady[0] / mean)
     assert jitter.pace[2] == pytest.approx(1.0)
     assert jitter.pace[4] == pytest.approx(steady[1] / mean)
-    assert Jitter.of([record(0, 0.002)]).pace == (1.0,) * 5  # one request: no spread
+    assert jitter_of([record(0, 0.002)]).pace == (1.0,) * 5  # one request: no spread
 
 
 def test_pace_knots_have_mean_one_and_draws_follow_them():
@@ -230,18 +229,15 @@ def test_pace_knots_have_mean_one_and_draws_follow_them():
     mean += 0.4 * (knots[2] + knots[3]) / 2 + 0.1 * (knots[3] + knots[4]) / 2
     assert mean == pytest.approx(1.0)
     assert knots[4] / knots[0] == pytest.approx(3.0)
-    cost = fixed_steps(**dict(zip(PACE_FIELDS, knots, strict=True)))
+    cost = fixed_steps(mesh=MeshOverheads(jitter=Jitter(pace=tuple(knots))))
     assert cost.pace(0.0) == pytest.approx(knots[0])
     assert cost.pace(0.3) == pytest.approx((knots[1] + knots[2]) / 2)
     assert cost.pace(1.0) == pytest.approx(knots[4])
     assert cost.pace(0.5, "colocated") == 1.0  # the colocated worker's own: none given
     with pytest.raises(SpecError, match="must not decrease"):
-        fixed_steps(pace_p10=2.0)
-    with pytest.raises(SpecError, match="pace_min"):
-        fixed_steps(colocated_pace_min=0.0)
-
-
-PACE_FIELDS = ("pace_min", "pace_p10", "pace_p50", "pace_p90", "pace_max")
+        fixed_steps(mesh=MeshOverheads(jitter=Jitter(pace=(1.0, 2.0, 1.0, 1.0, 1.0))))
+    with pytest.raises(SpecError, match=r"colocated_jitter\.pace must start > 0"):
+        fixed_steps(mesh=MeshOverheads(colocated_jitter=Jitter(pace=(0.0, 1.0, 1.0, 1.0, 1.0))))
 
 
 def test_each_sequence_decodes_at_its_own_pace():
@@ -251,7 +247,7 @@ def test_each_sequence_decodes_at_its_own_pace():
     from kvmesh.sim.cluster import pace_quantile
 
     knots = (0.5, 0.6, 1.0, 1.4, 1.5)
-    cost = fixed_steps(**dict(zip(PACE_FIELDS, knots, strict=True)))
+    cost = fixed_steps(mesh=MeshOverheads(jitter=Jitter(pace=tuple(knots))))
     topology = Topology("disagg", 1, 1, kv_capacity_tokens=100_000)
     apart = [SimRequest(10.0 * i, 16, 40) for i in range(8)]
     records = simulate(topology, cost, apart, wake=False).records
@@ -374,7 +370,7 @@ def test_pooled_jitter_is_of_every_runs_gaps_together():
     assert alone.max_s == pytest.approx(0.0, abs=1e-12)
     assert alone.pace == pytest.approx((1.0,) * 5)
     union = [*run(0.003)["colocated"].isolated, *run(0.004)["colocated"].isolated]
-    assert pooled.jitter == {"colocated": Jitter.of(union)}
+    assert pooled.jitter == {"colocated": jitter_of(union)}
     jitter = pooled.jitter["colocated"]
     assert jitter.max_s == pytest.approx(0.0, abs=1e-12)
     # knots 3, 3, 3.5, 4, 4 ms; their piecewise-linear mean 3.5 ms
@@ -385,8 +381,11 @@ def test_pooled_jitter_is_of_every_runs_gaps_together():
 def test_pool_probe_runs_of_one_run_is_that_runs_figures():
     from kvmesh.sim.probe_fit import pool_probe_runs
 
-    jitters = {**_jitter(0.001, 0.002, 0.004), **_jitter(0.002, 0.004, 0.008, "colocated")}
-    cost = _cpu(request_overhead_s=0.01, **jitters)
+    jitters = {
+        "jitter": Jitter(0.001, 0.002, 0.004),
+        "colocated_jitter": Jitter(0.002, 0.004, 0.008),
+    }
+    cost = _cpu(mesh=MeshOverheads(request_s=0.01, **jitters))
     run = {m: simulated_probe(m, cost) for m in ("colocated", "disagg")}
     pooled = pool_probe_runs([run])
     for m in ("colocated", "disagg"):
@@ -394,7 +393,7 @@ def test_pool_probe_runs_of_one_run_is_that_runs_figures():
         assert pooled.timings[m].short == run[m].short_timings
         assert pooled.long[m] == run[m].long
     # each mode's jitter from its own gaps
-    assert pooled.jitter == {m: Jitter.of(run[m].isolated) for m in ("colocated", "disagg")}
+    assert pooled.jitter == {m: jitter_of(run[m].isolated) for m in ("colocated", "disagg")}
     assert pooled.jitter["colocated"] != pooled.jitter["disagg"]
 
 
@@ -404,8 +403,8 @@ def test_fit_to_the_runs_medians_ignores_one_disturbed_run():
 
     # the disturbed run's request path and hand-off are slow, its gaps as the others' (slower
     # gaps would widen the pooled jitter, as test_pooled_jitter_is_of_every_runs_gaps_together)
-    quiet = _cpu(request_overhead_s=0.02, handoff_overhead_s=0.01, loop_overhead_s=0.001)
-    busy = _cpu(request_overhead_s=0.2, handoff_overhead_s=0.05, loop_overhead_s=0.001)
+    quiet = _cpu(mesh=MeshOverheads(request_s=0.02, handoff_s=0.01, loop_s=0.001))
+    busy = _cpu(mesh=MeshOverheads(request_s=0.2, handoff_s=0.05, loop_s=0.001))
     a = {m: simulated_probe(m, quiet) for m in ("colocated", "disagg")}
     b = {m: simulated_probe(m, busy) for m in ("colocated", "disagg")}
     pooled = pool_probe_runs([a, b, a])
@@ -440,7 +439,7 @@ def test_fit_to_the_runs_medians_ignores_one_disturbed_run():
 def test_a_worker_that_idled_pays_its_wake_term_on_its_next_step():
     from kvmesh.sim.cost import WAKE_AFTER_S
 
-    cost = fixed_steps(colocated_wake_s=0.05)
+    cost = fixed_steps(mesh=MeshOverheads(colocated_wake_s=0.05))
     topology = Topology("colocated", 1, kv_capacity_tokens=10_000)
     # three requests of 3 steps (30 ms each): the second sent as the first ends, the third after
     # the worker has idled longer than WAKE_AFTER_S
@@ -455,26 +454,26 @@ def test_a_worker_that_idled_pays_its_wake_term_on_its_next_step():
     asleep = simulate(topology, cost, requests, wake=False).records
     assert [r.ttft_s for r in asleep] == pytest.approx([0.01, 0.01, 0.01])
     # a decode worker has no wake term; a prefill worker has its own
-    disagg = fixed_steps(colocated_wake_s=0.05, prefill_wake_s=0.02)
+    disagg = fixed_steps(mesh=MeshOverheads(colocated_wake_s=0.05, prefill_wake_s=0.02))
     one = [SimRequest(0.0, 16, 3)]
     plain = simulate(Topology("disagg", 1, 1, kv_capacity_tokens=10_000), fixed_steps(), one)
     with_wake = simulate(Topology("disagg", 1, 1, kv_capacity_tokens=10_000), disagg, one)
     assert with_wake.records[0].ttft_s == pytest.approx(plain.records[0].ttft_s + 0.02)
     assert with_wake.records[0].itl_s == pytest.approx(plain.records[0].itl_s)
     with pytest.raises(SpecError, match="prefill_wake_s"):
-        fixed_steps(prefill_wake_s=-0.01)
+        fixed_steps(mesh=MeshOverheads(prefill_wake_s=-0.01))
 
 
 def test_fit_wake_recovers_the_wake_terms_the_woken_probe_had():
     from kvmesh.sim.overheads import fit_wake
     from kvmesh.sim.probe import long_requests
 
-    truth = _cpu(request_overhead_s=0.01, colocated_wake_s=0.03, prefill_wake_s=0.012)
+    truth = _cpu(mesh=MeshOverheads(request_s=0.01, colocated_wake_s=0.03, prefill_wake_s=0.012))
     woken = {
         m: simulate(_topology(m, truth), truth, long_requests()).records
         for m in ("colocated", "disagg")
     }
-    fitted, residuals = fit_wake(_cpu(request_overhead_s=0.01), woken, _topology)
+    fitted, residuals = fit_wake(_cpu(mesh=MeshOverheads(request_s=0.01)), woken, _topology)
     assert fitted.colocated_wake_s == pytest.approx(0.03, rel=0.05)
     assert fitted.prefill_wake_s == pytest.approx(0.012, rel=0.1)
     assert [r.label for r in residuals] == [
@@ -483,7 +482,7 @@ def test_fit_wake_recovers_the_wake_terms_the_woken_probe_had():
     ]
     assert all(abs(r.relative) < 0.02 for r in residuals)
     # a mesh no slower after idling: no wake (never negative); no woken records: 0
-    plain = _cpu(request_overhead_s=0.01)
+    plain = _cpu(mesh=MeshOverheads(request_s=0.01))
     same = {"colocated": simulate(_topology("colocated", plain), plain, long_requests()).records}
     assert fit_wake(plain, same, _topology)[0].colocated_wake_s == pytest.approx(0.0, abs=1e-6)
     assert fit_wake(plain, {}, _topology)[0] == MeshOverheads()
@@ -494,7 +493,7 @@ def test_fit_probe_fits_the_wake_to_the_woken_long_prompts():
     from kvmesh.sim.probe import long_requests
     from kvmesh.sim.probe_fit import fit_probe, pool_probe_runs
 
-    truth = _cpu(request_overhead_s=0.02, colocated_wake_s=0.04, prefill_wake_s=0.01)
+    truth = _cpu(mesh=MeshOverheads(request_s=0.02, colocated_wake_s=0.04, prefill_wake_s=0.01))
     run = {}
     for m in ("colocated", "disagg"):
         woken = simulate(_topology(m, truth), truth, long_requests()).records
@@ -517,17 +516,17 @@ def test_a_sequences_first_decode_steps_pay_the_warm_up_tapering():
     for mode, field in (("colocated", "colocated_warmup_s"), ("disagg", "decode_warmup_s")):
         topology = Topology(mode, 1, 1 if mode == "disagg" else 0, kv_capacity_tokens=10_000)
         plain = simulate(topology, fixed_steps(), one).records[0]
-        warm = simulate(topology, fixed_steps(**{field: 0.004}), one).records[0]
+        warm = simulate(topology, fixed_steps(mesh=MeshOverheads(**{field: 0.004})), one).records[0]
         extra = [w - p for w, p in zip(warm.itl_s, plain.itl_s, strict=True)]
         assert extra == pytest.approx([0.004, 0.003, 0.002, 0.001, 0, 0, 0, 0, 0], abs=1e-9)
         assert warm.ttft_s == pytest.approx(plain.ttft_s)  # the first token does not pay it
     # a batch's step pays it for each sequence in its first steps; a prefill worker never
-    cost = fixed_steps(decode_warmup_s=0.004, colocated_warmup_s=0.002)
+    cost = fixed_steps(mesh=MeshOverheads(decode_warmup_s=0.004, colocated_warmup_s=0.002))
     assert cost.warmup_s("decode", 0) == pytest.approx(0.004)
     assert cost.warmup_s("colocated", 2) == pytest.approx(0.001)
     assert cost.warmup_s("decode", 4) == cost.warmup_s("prefill", 0) == 0.0
     with pytest.raises(SpecError, match="decode_warmup_s"):
-        fixed_steps(decode_warmup_s=-0.001)
+        fixed_steps(mesh=MeshOverheads(decode_warmup_s=-0.001))
 
 
 def _record(gaps: list[float]) -> RequestRecord:
@@ -556,9 +555,11 @@ def test_warmup_is_the_first_gaps_excess_over_the_steady_gap_fitted_to_the_taper
 def test_fit_probe_measures_the_warm_up_on_the_long_prompts():
     from kvmesh.sim.probe_fit import fit_probe, pool_probe_runs
 
-    truth = _cpu(request_overhead_s=0.02, decode_warmup_s=0.0006, colocated_warmup_s=0.001)
+    truth = _cpu(
+        mesh=MeshOverheads(request_s=0.02, decode_warmup_s=0.0006, colocated_warmup_s=0.001)
+    )
     run = {m: simulated_probe(m, truth) for m in ("colocated", "disagg")}
     fit, _ = fit_probe(_cpu().device, TINY, pool_probe_runs([run]))
     assert fit.overheads.decode_warmup_s == pytest.approx(0.0006, rel=0.15)
     assert fit.overheads.colocated_warmup_s == pytest.approx(0.001, rel=0.15)
-    assert fit.overheads.apply(_cpu().device).decode_warmup_s == fit.overheads.decode_warmup_s
+    assert fit.overheads.apply(_cpu().device).mesh.decode_warmup_s == fit.overheads.decode_warmup_s

@@ -9,6 +9,7 @@ from kvmesh.loadgen.serve_metrics import RequestRecord
 from kvmesh.sim.cluster import simulate
 from kvmesh.sim.cost import CostModel
 from kvmesh.sim.engine_timings import EngineTimings, merge_scrapes
+from kvmesh.sim.mesh_terms import MeshOverheads
 from kvmesh.sim.per_request import by_load, format_pairs, in_flight_at, pair
 from kvmesh.sim.specs import DeviceSpec, load_model
 from kvmesh.sim.topology import Topology
@@ -113,7 +114,15 @@ def test_long_prompt_check_compares_median_ttft_with_the_simulated_one():
     # a 1024-token prompt in 512-token steps of 10 ms each, reached 5 ms after it was sent
     cost = CostModel(
         load_model("kvmesh-tiny"),
-        DeviceSpec("fixed", 1e30, 1e30, 1e30, 1e30, step_overhead_s=0.01, request_overhead_s=0.005),
+        DeviceSpec(
+            "fixed",
+            1e30,
+            1e30,
+            1e30,
+            1e30,
+            step_overhead_s=0.01,
+            mesh=MeshOverheads(request_s=0.005),
+        ),
     )
     measured = [
         _record(i, 0.0, (ttft, ttft + 0.01), prompt=1024)

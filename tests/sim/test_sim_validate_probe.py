@@ -15,6 +15,7 @@ from kvmesh.loadgen.serve_metrics import RequestRecord
 from kvmesh.sim import validate
 from kvmesh.sim.cluster import simulate
 from kvmesh.sim.cost import CostModel
+from kvmesh.sim.mesh_terms import Jitter, MeshOverheads
 from kvmesh.sim.specs import DeviceSpec, EngineScale, load_model
 from kvmesh.sim.validate import (
     RealRun,
@@ -43,7 +44,7 @@ def _engine() -> DeviceSpec:
 
 def _mesh(request_s: float) -> CostModel:
     """The 'real' mesh of one repeat: the engine plus a request overhead of ``request_s``."""
-    return CostModel(TINY, dataclasses.replace(_engine(), request_overhead_s=request_s))
+    return CostModel(TINY, dataclasses.replace(_engine(), mesh=MeshOverheads(request_s=request_s)))
 
 
 def _real_run(mode: str, cost: CostModel) -> RealRun:
@@ -61,10 +62,7 @@ def test_engine_only_drops_the_specs_scales_and_overheads():
     spec = dataclasses.replace(
         _engine(),
         engine=EngineScale(colocated=3.0, prefill=2.0),
-        request_overhead_s=1.0,
-        loop_overhead_s=0.01,
-        jitter_p99_s=0.02,
-        jitter_max_s=0.03,
+        mesh=MeshOverheads(request_s=1.0, loop_s=0.01, jitter=Jitter(0.0, 0.02, 0.03)),
     )
     assert engine_only(spec) == _engine()
 
@@ -81,13 +79,15 @@ def test_each_repeat_is_simulated_with_the_fit_to_its_own_probe(monkeypatch):
 
     monkeypatch.setattr(validate, "run_real", run_real)
     # the spec's own scale and overheads (a stale calibration) must not be used
-    stale = dataclasses.replace(_engine(), request_overhead_s=0.5, engine=EngineScale(3.0))
+    stale = dataclasses.replace(
+        _engine(), engine=EngineScale(3.0), mesh=MeshOverheads(request_s=0.5)
+    )
     runs = validate.serve(_config(), MODES, repeats=2, probe=True).runs
     comparisons = validate.compare_served(runs, CostModel(TINY, stale), REQUESTS, fit="each")
     assert served == [("colocated", True), ("disagg", True)] * 2  # the modes in turn, probed
     for c in comparisons:
         assert len(c.fits) == 2 and len(c.sim_runs) == 2 and c.sim_once is None
-        fitted = [f.cost.device.request_overhead_s for f in c.fits]
+        fitted = [f.cost.device.mesh.request_s for f in c.fits]
         assert fitted == [pytest.approx(0.010, rel=0.2), pytest.approx(0.080, rel=0.1)]
         for f in c.fits:
             assert f.engine_scale is not None
@@ -121,12 +121,12 @@ def test_the_pooled_fit_is_to_the_median_of_every_probe_run(monkeypatch):
     assert served == [("colocated", True), ("disagg", True)] * 3
     assert len(validate.probe_runs(runs)) == 6  # two a mesh
     assert len(validate.probe_runs(runs, 2)) == 2
-    stale = dataclasses.replace(_engine(), request_overhead_s=0.5)
+    stale = dataclasses.replace(_engine(), mesh=MeshOverheads(request_s=0.5))
     comparisons = validate.compare_served(runs, CostModel(TINY, stale), REQUESTS, fit="pooled")
     for c in comparisons:
         (fit,) = c.fits
         # the median of six probe runs, four of them undisturbed: not the mean (~33 ms)
-        assert fit.cost.device.request_overhead_s == pytest.approx(0.010, rel=0.2)
+        assert fit.cost.device.mesh.request_s == pytest.approx(0.010, rel=0.2)
         assert c.sim_runs == () and c.sim_once is not None
         assert (
             c.sim_records == simulate(mesh_topology(c.mode, fit.cost), fit.cost, REQUESTS).records
