@@ -153,7 +153,7 @@ WARMUP_ROLE = {"colocated": "colocated_warmup_s", "disagg": "decode_warmup_s"}
 
 
 def warmup_of(records: Sequence[RequestRecord]) -> float:
-    """The warm-up term (``DeviceSpec.decode_warmup_s``) of a mode's long-prompt probe
+    """The warm-up term (``MeshOverheads.decode_warmup_s``) of a mode's long-prompt probe
     requests: how much longer a sequence's first ``WARMUP_STEPS`` gaps after its first token
     are than its steady gap (the mean of the second half of its stream), each the median over
     the requests, fitted by least squares to the taper the simulator charges (the term at the
