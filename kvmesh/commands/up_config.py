@@ -173,7 +173,7 @@ class UpConfig(NatsClientConfig):
     kv_cache_dtype: KvCacheDtype = option(
         "auto",
         help="KV cache dtype of every prefill and decode worker: auto (the model's; float16 where "
-        "it is float32 and the weights are kept quantized, as llama.cpp's default), int8 (the "
+        "it is float32 and the weights are kept quantized, as llama.cpp picks), int8 (the "
         "recommended 8-bit format: a scale per 32 values of each token), fp8_e4m3 (float8 with "
         "per-(block, KV head) scales; docs/kv_cache.md), float16 or bfloat16 (half of float32's "
         "bytes beside a float32 model), float32 (whatever the weights)",

@@ -141,7 +141,7 @@ class KvLayoutConfig(DataPlaneConfig):
     kv_cache_dtype: KvCacheDtype = option(
         "auto",
         help="KV cache dtype: auto (the model's; float16 where it is float32 and the weights are "
-        "kept quantized, as llama.cpp's default), int8 (the recommended 8-bit format: a scale per "
+        "kept quantized, as llama.cpp picks), int8 (the recommended 8-bit format: a scale per "
         "32 values of each token, 9/32 of float32's bytes), fp8_e4m3 (float8 with per-(block, "
         "KV head) scales, a quarter; changes a trained model's answers), float16 or bfloat16 "
         "(half of float32's bytes beside a float32 model), float32 (whatever the weights); "
