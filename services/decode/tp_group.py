@@ -70,7 +70,11 @@ def tp_config(config: DecodeConfig) -> DecodeConfig:
     """What a TP decode worker runs with: no kv-store (its puts, swaps and prefix reads are one
     pool's), the rest as asked (``DecodeConfig`` refuses what it cannot run)."""
     if config.tp > 1 and config.use_kv_store:
-        log.info("a tensor-parallel decode worker runs without the kv-store", tp=config.tp)
+        log.warning(
+            "the kv-store is off at --tp > 1: finished requests' KV is not kept for later "
+            "turns and preempted sequences are recomputed (--no-use-kv-store says so)",
+            tp=config.tp,
+        )
         return dataclasses.replace(config, use_kv_store=False)
     return config
 
@@ -197,7 +201,7 @@ class DecodeRanks(Feature):
 
         engine.sampler.generator.manual_seed(self.seed)
         adopt_whole_layout(engine)  # its kv_spec and prefix hashes: the whole model's
-        self.engine = LeaderEngine(engine)
+        self.engine = LeaderEngine(engine, on_broken=self.ranks.mark_broken)
         return self.engine
 
     def make_windows(

@@ -236,7 +236,7 @@ async def prefill_service(config: PrefillConfig) -> AsyncIterator[PrefillService
         tp_writes = TPWrites.for_leader(
             engine.kv_pool.spec, model.config.num_key_value_heads, config.tp, reports
         )
-        engine = LeaderEngine(engine)
+        engine = LeaderEngine(engine, on_broken=tp_group.ranks.mark_broken)
     draft_engine = None
     if config.draft_model:  # start-up errors (vocabulary) before anything connects
         draft_engine = await asyncio.to_thread(load_draft_engine, config, tokenizer)

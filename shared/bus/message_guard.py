@@ -83,7 +83,9 @@ class MessageGuard:
         self._logged_at[reason] = now
         since, self._unlogged[reason] = self._unlogged[reason], 0
         log.warning(
-            "refused a NATS message",
+            # a handler that raised took the message in: its error is the service's, not the
+            # message's (a broken TP group, a lost connection), and is said so
+            "handling a NATS message failed" if reason == "failed" else "refused a NATS message",
             reason=reason,
             subject=subject,
             error=detail,

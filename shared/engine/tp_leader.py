@@ -14,17 +14,26 @@ Callbacks do not travel: a follower's ``on_call`` gives the keyword arguments it
 (its own ``on_chunk``), from the call's ``note`` (what the leader tells followers beside the call,
 such as where a prefill job's KV goes). Calls on a ``LeaderEngine`` must come from one thread at a
 time, in the order the engine is to see them (the services already hold one engine lock).
+
+Each collective has a timeout (``TP_COLLECTIVE_TIMEOUT_S``), a follower's wait for the next call
+too. So an idle leader sends a keepalive (``KEEPALIVE``, passed over by ``follow``) whenever no
+call went out for ``keepalive_s``, and a call or keepalive that fails (a follower hung past the
+timeout, or gone) marks the leader broken: ``on_broken(error)`` (the worker's ``RankProcesses``
+then takes it down) and every later call raises ``TPGroupError`` at once.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
 from kvmesh.shared.engine.block_manager import OutOfBlocksError
+from kvmesh.shared.engine.tp_ranks import TP_COLLECTIVE_TIMEOUT_S, TPGroupError
 
 # LLMEngine methods that change its state: the followers make every one of them too
 FOLLOWED_METHODS = frozenset(
@@ -39,6 +48,7 @@ FOLLOWED_METHODS = frozenset(
     }
 )
 STOP = "stop"
+KEEPALIVE = "keepalive"  # an idle leader's: keeps the followers' wait under the timeout
 # What an engine call raises on every rank alike when it refuses its arguments (a request that
 # does not fit, no blocks left): the leader's caller handles it, a follower goes on. Anything
 # else (a collective that failed: RuntimeError) ends ``follow``.
@@ -55,18 +65,34 @@ class EngineCall:
     note: Any = None
 
     def __post_init__(self) -> None:
-        assert self.method in FOLLOWED_METHODS or self.method == STOP, self.method
+        assert self.method in FOLLOWED_METHODS or self.method in (STOP, KEEPALIVE), self.method
 
 
 class LeaderEngine:
     """The leader's engine: an ``LLMEngine`` whose state-changing calls the followers replay."""
 
-    def __init__(self, engine: Any, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        group: dist.ProcessGroup | None = None,
+        on_broken: Callable[[BaseException], None] | None = None,
+        keepalive_s: float = TP_COLLECTIVE_TIMEOUT_S / 4,
+    ) -> None:
         assert dist.get_rank(group) == 0, "the leader is rank 0 of its TP group"
         self.engine = engine
         self.group = group
         self.tp_size = dist.get_world_size(group)
         self.is_closed = False
+        self.broken: BaseException | None = None
+        self.on_broken = on_broken
+        self.keepalive_s = keepalive_s
+        self._lock = threading.Lock()  # a call (broadcast, then the engine's) or a keepalive
+        self._last_sent = time.monotonic()
+        self._closing = threading.Event()
+        self._keepalive = threading.Thread(
+            target=self._keep_alive, name="tp-keepalive", daemon=True
+        )
+        self._keepalive.start()
 
     def __getattr__(self, name: str) -> Any:
         if name in FOLLOWED_METHODS:
@@ -78,20 +104,62 @@ class LeaderEngine:
         their own); ``note`` goes to the followers only."""
         assert not self.is_closed, "the followers stopped: this leader engine is closed"
         sent = {k: v for k, v in kwargs.items() if k != "on_chunk"}
-        _broadcast(EngineCall(method, args, sent, note), self.group)
-        return getattr(self.engine, method)(*args, **kwargs)
+        with self._lock:
+            self._check()
+            try:
+                self._send(EngineCall(method, args, sent, note))
+                return getattr(self.engine, method)(*args, **kwargs)
+            except REFUSALS:
+                raise
+            except RuntimeError as exc:  # a collective failed (gloo, NCCL): the group is gone
+                self._break(exc)
+                raise TPGroupError(f"tensor-parallel {method} failed: {exc}") from exc
 
     def close(self) -> bool:
-        """Stop the followers (their ``follow`` returns). False when a follower was gone
-        already (the group is broken: nothing to tell)."""
+        """Stop the followers (their ``follow`` returns). False when the group was broken
+        already (a follower gone or hung: nothing to tell)."""
         if self.is_closed:
-            return True
+            return self.broken is None
         self.is_closed = True
-        try:
-            _broadcast(EngineCall(STOP), self.group)
-        except RuntimeError:  # gloo: a peer's connection closed
-            return False
+        self._closing.set()
+        with self._lock:
+            if self.broken is not None:
+                return False
+            try:
+                self._send(EngineCall(STOP))
+            except RuntimeError as exc:  # gloo: a peer's connection closed
+                self._break(exc)
+                return False
         return True
+
+    def _send(self, call: EngineCall) -> None:
+        _broadcast(call, self.group)
+        self._last_sent = time.monotonic()
+
+    def _check(self) -> None:
+        if self.broken is not None:
+            raise TPGroupError(f"the tensor-parallel group is broken: {self.broken}")
+
+    def _break(self, error: BaseException) -> None:
+        if self.broken is None:
+            self.broken = error
+            if self.on_broken is not None:
+                self.on_broken(error)
+
+    def _keep_alive(self) -> None:
+        """Send a keepalive whenever no call went out for ``keepalive_s`` (a call in flight
+        holds the lock: its collectives keep the followers busy meanwhile)."""
+        while not self._closing.wait(self.keepalive_s / 4):
+            if time.monotonic() - self._last_sent < self.keepalive_s:
+                continue
+            with self._lock:
+                if self._closing.is_set() or self.broken is not None:
+                    return
+                try:
+                    self._send(EngineCall(KEEPALIVE))
+                except RuntimeError as exc:
+                    self._break(exc)
+                    return
 
 
 def follow(
@@ -107,6 +175,8 @@ def follow(
         call = _broadcast(None, group)
         if call.method == STOP:
             return num_calls
+        if call.method == KEEPALIVE:
+            continue
         extra = on_call(call) if on_call is not None else {}
         # refused here as on the leader, whose caller handles it: go on in step
         with contextlib.suppress(*REFUSALS):

@@ -24,6 +24,11 @@ from collections.abc import Callable
 from typing import Any
 
 TP_INIT_TIMEOUT_S = 300.0  # the followers load the model before the group forms
+# Once formed, a collective that waits longer than this fails: a rank that hangs (stopped,
+# swapped out, deadlocked) takes its worker down within it rather than in TP_INIT_TIMEOUT_S.
+# An idle leader keeps its followers' wait for the next call under it (``LeaderEngine``'s
+# keepalive). Long enough for a rank's slowest step between two collectives on a loaded box.
+TP_COLLECTIVE_TIMEOUT_S = 60.0
 
 
 class TPGroupError(RuntimeError):
@@ -56,7 +61,20 @@ class RankProcesses:
     def tp_size(self) -> int:
         return len(self.processes) + 1
 
+    broken: TPGroupError | None = None  # mark_broken's
+
+    def mark_broken(self, error: BaseException) -> None:
+        """The leader's collective failed (a follower hung or its connection closed): the
+        group is no more, and ``watch`` takes the worker down as for an exited follower."""
+        if self.broken is None:
+            self.broken = TPGroupError(
+                f"tensor-parallel group of {self.tp_size} broken ({error}); the {self.role} "
+                "worker goes down with it"
+            )
+
     def first_exited(self) -> TPGroupError | None:
+        if self.broken is not None:
+            return self.broken
         for rank, proc in enumerate(self.processes, start=1):
             if not proc.is_alive():
                 return TPGroupError(
@@ -66,7 +84,8 @@ class RankProcesses:
         return None
 
     async def watch(self, interval_s: float = 1.0) -> None:
-        """Return never; raise ``TPGroupError`` once a follower has exited."""
+        """Return never; raise ``TPGroupError`` once a follower has exited or the leader's
+        collectives failed (``mark_broken``)."""
         while True:
             error = self.first_exited()
             if error is not None:
@@ -124,9 +143,16 @@ def group_backend(device: str) -> str:
     return "nccl" if device.startswith("cuda") else "gloo"
 
 
-def join_group(rank: int, tp_size: int, port: int, device: str = "cpu") -> None:
+def join_group(
+    rank: int,
+    tp_size: int,
+    port: int,
+    device: str = "cpu",
+    collective_timeout_s: float = TP_COLLECTIVE_TIMEOUT_S,
+) -> None:
     """Meet the other ranks in the default group on 127.0.0.1:``port``: gloo on the CPU, NCCL
-    between GPUs, ``device`` this rank's own (``rank_device``)."""
+    between GPUs, ``device`` this rank's own (``rank_device``). Waits up to TP_INIT_TIMEOUT_S
+    for them; each collective after that up to ``collective_timeout_s``."""
     import datetime
 
     import torch
@@ -141,6 +167,10 @@ def join_group(rank: int, tp_size: int, port: int, device: str = "cpu") -> None:
         world_size=tp_size,
         timeout=datetime.timedelta(seconds=TP_INIT_TIMEOUT_S),
     )
+    # torch has no public setter; _set_pg_timeout is in every torch this project takes (>= 2.4)
+    from torch.distributed import distributed_c10d
+
+    distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=collective_timeout_s))
 
 
 def become_follower(leader_pid: int, cpus: list[int]) -> None:
