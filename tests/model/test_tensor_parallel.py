@@ -76,7 +76,10 @@ def _check_ranks(
         h0, h1 = run["kv_heads"]
         assert run["block_bytes"] * num_kv_heads == reference["block_bytes"] * (h1 - h0)
         assert run["kv"].shape[1] == h1 - h0
-        torch.testing.assert_close(run["kv"], full_kv[:, h0:h1], atol=2e-4, rtol=1e-4)
+        # a 16-bit pool (Q8_0 weights' "auto" KV) rounds values the ranks' sums leave a hair
+        # apart to neighbouring float16s now and then: one of its steps (2^-10 relative) is allowed
+        rtol = 2**-10 if full_kv.dtype == torch.float16 else 1e-4
+        torch.testing.assert_close(run["kv"], full_kv[:, h0:h1], atol=2e-4, rtol=rtol)
 
 
 def test_tp4_with_replicated_kv_heads_decodes_as_tp1(rank_results, tp1):
