@@ -7,10 +7,12 @@ import asyncio
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 from typing import BinaryIO
@@ -203,7 +205,8 @@ class Launcher:
             await asyncio.sleep(poll_s)
 
     async def wait_ready(self) -> None:
-        """Router /health OK and the registry sees every decode (and prefill) worker."""
+        """Router /health OK, the registry sees every decode (and prefill) worker, and every
+        service's /metrics port takes connections."""
         from kvmesh.shared.bus.admin_client import AdminError, admin_client
 
         deadline = time.monotonic() + self.config.startup_timeout_s
@@ -241,6 +244,10 @@ class Launcher:
                         waiting_for = "the prefill queue (prefill-queue-0)"
                     elif not await asyncio.to_thread(self._router_healthy):
                         waiting_for = "the router"
+                    elif closed := await asyncio.to_thread(self._metrics_not_listening):
+                        # a worker heartbeats a step before its /metrics listens: a scrape
+                        # right after "ready" was refused
+                        waiting_for = f"the /metrics of {', '.join(closed)}"
                     else:
                         return
                 await asyncio.sleep(0.25)
@@ -253,6 +260,19 @@ class Launcher:
         """What the nats-server we started refused a role (empty: every role kept to its
         permissions, or the server is not ours)."""
         return self.nats.permission_violations() if self.nats is not None else []
+
+    def _metrics_not_listening(self) -> list[str]:
+        """The services (not left down) whose metrics port refuses a connection."""
+        closed = []
+        for name, url in self.metrics_urls.items():
+            parts = urllib.parse.urlsplit(url)
+            if name in self.left_down or parts.port is None:
+                continue
+            try:
+                socket.create_connection((parts.hostname, parts.port), timeout=1.0).close()
+            except OSError:
+                closed.append(name)
+        return closed
 
     def _router_healthy(self) -> bool:
         try:

@@ -25,7 +25,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import aiohttp
 import msgspec
@@ -143,19 +142,10 @@ async def _check_long_prompts_draft_kv_from_the_data_plane(
 
 
 def _draft_metrics(mesh) -> dict[str, float]:
-    """draft-0's counters. ``kvmesh up`` is ready once the registry hears the draft worker's
-    heartbeats, which start a step before its /metrics listens: the first scrape waits for it."""
+    """draft-0's counters (``kvmesh up`` is ready only once every service's /metrics listens)."""
     from kvmesh.loadgen import prom_text
 
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            values = prom_text.scrape(mesh.metrics_urls["draft-0"], timeout_s=5)
-            break
-        except OSError:  # connection refused (urllib's URLError is an OSError)
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
+    values = prom_text.scrape(mesh.metrics_urls["draft-0"], timeout_s=5)
     names = ("prompt_tokens_received", "context_tokens_computed", "prompt_kv_refused")
     return {name: values.get(f"kvmesh_draft_{name}_total", 0.0) for name in names}
 
