@@ -30,12 +30,21 @@ from kvmesh.kernels.cpu_plans import (
     decode_plan,
     quant_scale_stride,
 )
-from kvmesh.shared.model.quant import QuantWeight, StackedWeight
+from kvmesh.shared.model.quant import (
+    GROUP,
+    PAIRABLE,
+    QuantWeight,
+    StackedWeight,
+    dequantize,
+)
+from kvmesh.shared.model.quant_formats import FORMAT_CODES
 
 _i64, _f32, _ptr, _int = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
 _SIGNATURES = {
     # x, rows, in, format, weight, out features, bias or NULL, y, xq, xs, threads
     "kv_qlinear": (_ptr, _i64, _i64, _int, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64),
+    # format (without the paired flag), weight, groups of 16 rows, in, out, threads
+    "kv_dequant_groups": (_int, _ptr, _i64, _i64, _ptr, _i64),
     "kv_rms_norm": (_ptr, _ptr, _ptr, _i64, _i64, _f32),
     "kv_silu_mul": (_ptr, _ptr, _i64, _i64),
     # x, rows, in, packed weight, out features, bias or NULL, y, threads
@@ -90,6 +99,7 @@ class CpuOps:
         self._decode_layer = lib.kv_decode_layer
         self._decode_layer_quant = lib.kv_decode_layer_quant
         self._qlinear = lib.kv_qlinear
+        self._dequant_groups = lib.kv_dequant_groups
         lib.kv_quant_pairs.argtypes, lib.kv_quant_pairs.restype = (), _i64
         # floats of a thread's room for attention partials (kv_attention_parts_floats)
         self._parts_floats = lib.kv_attention_parts_floats
@@ -133,6 +143,31 @@ class CpuOps:
             xs.data_ptr(),
             torch.get_num_threads(),
         )
+        return out
+
+    def dequantize(self, weight: QuantWeight | StackedWeight) -> torch.Tensor:
+        """The weight as float32 (rows, in): ``quant.dequantize``'s values, bit for bit; a
+        paired weight's interleaved groups of rows in C (``cpu_dequant.c``, on
+        ``torch.get_num_threads()`` threads), what is left in torch."""
+        if isinstance(weight, StackedWeight):
+            return torch.cat([self.dequantize(p) for p in weight.parts])
+        grouped = weight.rows // GROUP * GROUP
+        if not (weight.paired and weight.format in PAIRABLE and grouped and weight.data.is_cpu):
+            return dequantize(weight)
+        out = torch.empty(weight.rows, weight.cols)
+        self._dequant_groups(
+            FORMAT_CODES[weight.format],
+            weight.data.data_ptr(),
+            grouped // GROUP,
+            weight.cols,
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
+        if grouped < weight.rows:  # the rows left over: pairs (Q4) or the file's layout
+            rest = weight.data[grouped:]
+            out[grouped:] = dequantize(
+                QuantWeight(weight.format, rest, weight.rows - grouped, weight.cols, True)
+            )
         return out
 
     def linear(

@@ -54,6 +54,8 @@ void kv_decode_attention_merge(int64_t batch, int64_t num_q_heads, int64_t num_k
  * K-quants, F16, BF16; a stacked weight of parts in several), activations quantized per block */
 int64_t qk_scale_stride(int64_t k);
 float kv_f16_to_f32(const uint8_t *p);
+void kv_dequant_groups(int fmt, const uint8_t *w, int64_t groups, int64_t k, float *out,
+                       int64_t num_threads);
 void kv_quantize_rows(const float *x, int64_t r0, int64_t r1, int64_t k, int8_t *xq, float *xs);
 void kv_qlinear_share(const float *x, const int8_t *xq, const float *xs, int64_t m, int64_t k,
                       int fmt, const uint8_t *w, int64_t n, const float *bias, float *y,

@@ -94,7 +94,14 @@ __all__ = [
 
 SOURCES = tuple(
     Path(__file__).with_name(n)
-    for n in ("cpu_ops.c", "cpu_linear.c", "cpu_layer.c", "cpu_quant.c", "cpu_kquant.c")
+    for n in (
+        "cpu_ops.c",
+        "cpu_linear.c",
+        "cpu_layer.c",
+        "cpu_quant.c",
+        "cpu_kquant.c",
+        "cpu_dequant.c",
+    )
 )
 # the headers the sources include (cpu_kernels.h: every one), part of the build's cache key
 HEADERS = tuple(Path(__file__).with_name(n) for n in ("cpu_kernels.h", "cpu_vec.h"))

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
+import torch.nn.functional as F
 from kvmesh.kernels.cpu_plans import (
     DecodeLayerKV,
     DecodeLayerWeights,
@@ -147,9 +148,11 @@ class CpuQuantLinear(CpuKernel, QuantLinear):
     torch_class = QuantLinear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _is_kernel_input(x) and x.shape[0] < FLOAT_GEMM_ROWS:
+        if not _is_kernel_input(x):
+            return super().forward(x)
+        if x.shape[0] < FLOAT_GEMM_ROWS:
             return self.ops.quant_linear(x, self.qweight, self.bias)
-        return super().forward(x)
+        return F.linear(x, self.ops.dequantize(self.qweight), self.bias)  # torch's values, in C
 
 
 class CpuQuantEmbedding(CpuKernel, QuantEmbedding):

@@ -101,6 +101,32 @@ def test_quant_linear_takes_the_kernel_for_decode_rows_and_float_for_a_prefill_c
     chunk = torch.randn(FLOAT_GEMM_ROWS, 128)
     assert torch.equal(layer(decode), ops.quant_linear(decode, weight))
     assert torch.equal(layer(chunk), torch.nn.functional.linear(chunk, dequantize(weight)))
+    assert torch.equal(layer(chunk), QuantLinear(weight, None)(chunk))  # torch's, in C
+
+
+@pytest.mark.parametrize("format", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
+@pytest.mark.parametrize(("rows", "k"), [(70, 96), (16, 64), (5, 160), (48, 576)])
+def test_dequantize_in_c_gives_torchs_values_bit_for_bit_at_any_threads(format, rows, k) -> None:
+    """A prefill chunk's weight (``CpuOps.dequantize``): a paired weight's interleaved groups in
+    C, the rows left over (6 of 70; all 5 of 5) and odd block counts (96: 3 blocks) as torch
+    dequantizes them; the values of the GGUF layout, bit for bit, whatever the threads."""
+    from kvmesh.shared.model.quant import StackedWeight, dequantize
+    from kvmesh.shared.model.quant_paired import pair_blocks
+
+    g = torch.Generator().manual_seed(rows + k)
+    w = quantize(torch.randn(rows, k, generator=g) * 0.1 - 0.01, format)
+    expected = dequantize(w)
+    layout = pair_blocks(w) if ops.quant_pairs else w
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 3):
+            torch.set_num_threads(n)
+            assert torch.equal(ops.dequantize(layout), expected)
+    finally:
+        torch.set_num_threads(threads)
+    other = quantize(torch.randn(16, k, generator=g), "Q8_0")  # a fused projection's part
+    stacked = StackedWeight((layout, pair_blocks(other)))
+    assert torch.equal(ops.dequantize(stacked), torch.cat([expected, dequantize(other)]))
 
 
 def test_residual_pass_reads_the_weight_once_for_both_terms() -> None:
