@@ -47,12 +47,19 @@ compose-test: $(STAMP)
 LLAMA_CPP_PYTHON := 0.3.36
 LLAMA_CPP_SDIST := llama_cpp_python-$(LLAMA_CPP_PYTHON)
 LLAMA_CPP_SHARE := $(VENV)/share/kvmesh/llama.cpp
+# Tuned for this CPU (GGML_NATIVE), except on one with AMX: 0.3.36's ggml then takes its AMX
+# path for Q8_0 and Q4 weights, which segfaults in llama_decode on SmolLM2 (seen on a
+# Sapphire Rapids VM, 2026-12-06); there every x86 extension of the CPU but AMX is named.
+LLAMA_CPP_ISA := $(shell grep -qw amx_int8 /proc/cpuinfo 2>/dev/null \
+	&& echo -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+	-DGGML_BMI2=ON -DGGML_AVX_VNNI=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON \
+	-DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON || echo -DGGML_NATIVE=ON)
 
 bench-deps: $(STAMP)
 	mkdir -p $(LLAMA_CPP_SHARE)
 	test -f $(LLAMA_CPP_SHARE)/$(LLAMA_CPP_SDIST).tar.gz || $(BIN)/pip download -q --no-deps \
 		--no-binary :all: -d $(LLAMA_CPP_SHARE) 'llama-cpp-python==$(LLAMA_CPP_PYTHON)'
-	CMAKE_ARGS="-DGGML_NATIVE=ON" $(BIN)/pip install $(LLAMA_CPP_SHARE)/$(LLAMA_CPP_SDIST).tar.gz \
+	CMAKE_ARGS="$(LLAMA_CPP_ISA)" $(BIN)/pip install $(LLAMA_CPP_SHARE)/$(LLAMA_CPP_SDIST).tar.gz \
 		'sentencepiece>=0.2'
 	tar xzf $(LLAMA_CPP_SHARE)/$(LLAMA_CPP_SDIST).tar.gz -C $(LLAMA_CPP_SHARE) --strip-components=3 \
 		$(LLAMA_CPP_SDIST)/vendor/llama.cpp/convert_hf_to_gguf.py \
@@ -73,7 +80,7 @@ $(BIN)/llama-server:
 	tar xzf $(LLAMA_CPP_SHARE)/$(LLAMA_CPP_SDIST).tar.gz -C $(LLAMA_SERVER_SRC) --strip-components=3 \
 		$(LLAMA_CPP_SDIST)/vendor/llama.cpp
 	cmake -S $(LLAMA_SERVER_SRC) -B $(LLAMA_SERVER_BUILD) -DCMAKE_BUILD_TYPE=Release \
-		-DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF \
+		$(LLAMA_CPP_ISA) -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF \
 		-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
 		-DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF -DGGML_CUDA=OFF -DGGML_METAL=OFF
 	cmake --build $(LLAMA_SERVER_BUILD) --target llama-server -j $$(nproc)
