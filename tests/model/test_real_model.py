@@ -192,16 +192,46 @@ def up_mesh(real_model_float, tmp_path_factory) -> Iterator[str]:
         proc.wait(60)
 
 
+@pytest.fixture(scope="module")
+def float_answers(real_model_float) -> list[str]:
+    """transformers' greedy answers to CHATS on the float32 import."""
+    return _transformers_answers(real_model_float)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_kvmesh_up_answers_chats_as_transformers(up_mesh, real_model_float) -> None:
+def test_kvmesh_up_answers_chats_as_transformers(up_mesh, float_answers) -> None:
     """Through the mesh, the greedy answers equal transformers' on the same weights. (The
     default, the Q4_1 weights as stored with int8 activations, computes something slightly
     different: tests/model/test_real_model_quant.py.)"""
     answers = asyncio.run(_ask(up_mesh))
-    expected = _transformers_answers(real_model_float)
-    assert answers == expected
+    assert answers == float_answers
     assert "Paris" in answers[0]  # a trained model, not noise
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2)], ids=["2to1", "1to2"])
+def test_tensor_parallel_meshes_answer_chats_as_transformers(
+    real_model_float, float_answers, prefill_tp: int, decode_tp: int
+) -> None:
+    """``kvmesh up --prefill-tp 2`` (and ``--decode-tp 2``) on the real model: every prompt
+    prefilled remotely, each prefill rank writing its heads (2 + 1 of the 3 KV heads) straight
+    into the decode rank(s) that hold them (docs/tp.md); the greedy answers are transformers'
+    (and so TP1's, above). In float32, where TP's other summation order moves logits by about
+    1e-6, far below these answers' margins; on the Q4_1 weights near-ties can part (docs/tp.md)."""
+    from kvmesh.testing.mesh import launched, mesh_config
+
+    config = mesh_config(
+        model=str(real_model_float),
+        served_model_name=NAME,
+        prefill_tp=prefill_tp,
+        decode_tp=decode_tp,
+        local_prefill_threshold=0,
+    )
+    with launched(config) as launcher:
+        answers = asyncio.run(_ask(launcher.url))
+    assert answers == float_answers
 
 
 @pytest.fixture(scope="module")
