@@ -30,13 +30,7 @@ from kvmesh.kernels.cpu_plans import (
     decode_plan,
     quant_scale_stride,
 )
-from kvmesh.shared.model.quant import (
-    GROUP,
-    PAIRABLE,
-    QuantWeight,
-    StackedWeight,
-    dequantize,
-)
+from kvmesh.shared.model.quant import GROUP, QuantWeight, StackedWeight, dequantize
 from kvmesh.shared.model.quant_formats import FORMAT_CODES
 
 _i64, _f32, _ptr, _int = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
@@ -146,28 +140,26 @@ class CpuOps:
         return out
 
     def dequantize(self, weight: QuantWeight | StackedWeight) -> torch.Tensor:
-        """The weight as float32 (rows, in): ``quant.dequantize``'s values, bit for bit; a
+        """The weight as float32 (rows, in): ``quant.dequantize``'s values, bit for bit, a
         paired weight's interleaved groups of rows in C (``cpu_dequant.c``, on
-        ``torch.get_num_threads()`` threads), what is left in torch."""
-        if isinstance(weight, StackedWeight):
-            return torch.cat([self.dequantize(p) for p in weight.parts])
-        grouped = weight.rows // GROUP * GROUP
-        if not (weight.paired and weight.format in PAIRABLE and grouped and weight.data.is_cpu):
-            return dequantize(weight)
-        out = torch.empty(weight.rows, weight.cols)
+        ``torch.get_num_threads()`` threads), the rest in torch."""
+        return dequantize(weight, torch.float32, self._dequantize_groups)
+
+    def _dequantize_groups(
+        self, format: str, rows: torch.Tensor, cols: int, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """``quant_paired._dequantize_groups`` in C: ``rows`` (groups * 16, row bytes) of a
+        paired weight on the CPU, as float32."""
+        assert dtype == torch.float32 and rows.is_cpu and rows.is_contiguous(), (dtype, rows)
+        out = torch.empty(rows.shape[0], cols)
         self._dequant_groups(
-            FORMAT_CODES[weight.format],
-            weight.data.data_ptr(),
-            grouped // GROUP,
-            weight.cols,
+            FORMAT_CODES[format],
+            rows.data_ptr(),
+            rows.shape[0] // GROUP,
+            cols,
             out.data_ptr(),
             torch.get_num_threads(),
         )
-        if grouped < weight.rows:  # the rows left over: pairs (Q4) or the file's layout
-            rest = weight.data[grouped:]
-            out[grouped:] = dequantize(
-                QuantWeight(weight.format, rest, weight.rows - grouped, weight.cols, True)
-            )
         return out
 
     def linear(

@@ -13,7 +13,7 @@
  * (and sum) of the float16 scales widened, no fused multiply-add (the build's
  * -ffp-contract=off).
  *
- * One group (QG = 16 rows, every block b of them) is GROUP * block bytes per block: the 16 d
+ * One group (QG = 16 rows, every block b of them) is QG * block_bytes[fmt] a block: the 16 d
  * (float16), for Q4_1 and Q5_1 the 16 m, for Q5 8 masks of 64 bits (bit 4c + t of mask j: row c's
  * value 4j + t's fifth bit), then chunks of 64 bytes, chunk i's bytes 4c .. 4c + 4 being row c's
  * value bytes 4i .. 4i + 4: Q8_0's 8 chunks of q + 128, Q4's and Q5's 4 of nibble bytes (value
@@ -24,39 +24,24 @@
 
 #include "cpu_kernels.h"
 
-#define DQ_BLOCK 32
-#define DQ_GROUP 16
-enum { DQ_Q8_0 = 0, DQ_Q4_0 = 1, DQ_Q4_1 = 2, DQ_Q5_0 = 8, DQ_Q5_1 = 9 };
-
-static int64_t group_block_bytes(int fmt) {
-    switch (fmt) {
-    case DQ_Q8_0: return DQ_GROUP * 34;
-    case DQ_Q4_0: return DQ_GROUP * 18;
-    case DQ_Q4_1: return DQ_GROUP * 20;
-    case DQ_Q5_0: return DQ_GROUP * 22;
-    case DQ_Q5_1: return DQ_GROUP * 24;
-    default: return 0;
-    }
-}
-
-/* Block b of the group at gb (its DQ_GROUP rows) into out's rows (row stride k) at column b * 32:
+/* Block b of the group at gb (its QG rows) into out's rows (row stride k) at column b * 32:
  * the integers first into a tile in row order (the chunks read in sequence), then each row
  * scaled (loops the compiler vectorizes). */
 static void dequant_group_block(int fmt, const uint8_t *gb, float *out, int64_t k) {
-    const int has_m = fmt == DQ_Q4_1 || fmt == DQ_Q5_1, q5 = fmt == DQ_Q5_0 || fmt == DQ_Q5_1;
-    float d[DQ_GROUP], m[DQ_GROUP], q[DQ_GROUP][DQ_BLOCK];
-    for (int c = 0; c < DQ_GROUP; c++) {
+    const int has_m = fmt == KV_Q4_1 || fmt == KV_Q5_1, q5 = fmt == KV_Q5_0 || fmt == KV_Q5_1;
+    float d[QG], m[QG], q[QG][QB];
+    for (int c = 0; c < QG; c++) {
         d[c] = kv_f16_to_f32(gb + 2 * c);
-        m[c] = has_m ? kv_f16_to_f32(gb + 2 * DQ_GROUP + 2 * c) : 0.0f;
+        m[c] = has_m ? kv_f16_to_f32(gb + 2 * QG + 2 * c) : 0.0f;
     }
-    const uint8_t *masks = gb + 2 * DQ_GROUP * (1 + has_m);
+    const uint8_t *masks = gb + 2 * QG * (1 + has_m);
     const uint8_t *chunks = masks + (q5 ? 8 * 8 : 0);
-    if (fmt == DQ_Q8_0) {
+    if (fmt == KV_Q8_0) {
         for (int i = 0; i < 8; i++)
             for (int n = 0; n < 64; n++) /* byte n: row n / 4, value 4 i + n % 4 */
                 q[n >> 2][4 * i + (n & 3)] = (float)(int8_t)(chunks[i * 64 + n] ^ 0x80);
-        for (int c = 0; c < DQ_GROUP; c++)
-            for (int j = 0; j < DQ_BLOCK; j++) out[c * k + j] = d[c] * q[c][j];
+        for (int c = 0; c < QG; c++)
+            for (int j = 0; j < QB; j++) out[c * k + j] = d[c] * q[c][j];
         return;
     }
     for (int i = 0; i < 4; i++)
@@ -72,25 +57,25 @@ static void dequant_group_block(int fmt, const uint8_t *gb, float *out, int64_t 
             for (int n = 0; n < 64; n++)
                 if ((mask >> n) & 1) q[n >> 2][4 * j + (n & 3)] += 16.0f;
         }
-    const float offset = fmt == DQ_Q4_0 ? -8.0f : fmt == DQ_Q5_0 ? -16.0f : 0.0f;
-    for (int c = 0; c < DQ_GROUP; c++) {
+    const float offset = fmt == KV_Q4_0 ? -8.0f : fmt == KV_Q5_0 ? -16.0f : 0.0f;
+    for (int c = 0; c < QG; c++) {
         float *row = out + c * k;
         if (has_m)
-            for (int j = 0; j < DQ_BLOCK; j++) row[j] = d[c] * q[c][j] + m[c];
+            for (int j = 0; j < QB; j++) row[j] = d[c] * q[c][j] + m[c];
         else
-            for (int j = 0; j < DQ_BLOCK; j++) row[j] = d[c] * (q[c][j] + offset);
+            for (int j = 0; j < QB; j++) row[j] = d[c] * (q[c][j] + offset);
     }
 }
 
-/* out (groups * 16, k) float32 = the groups of a paired weight (fmt without the paired flag)
+/* out (groups * QG, k) float32 = the groups of a paired weight (fmt a KV_ code, no paired flag)
  * dequantized, on num_threads OpenMP threads (each its own groups). */
 void kv_dequant_groups(int fmt, const uint8_t *w, int64_t groups, int64_t k, float *out,
                        int64_t num_threads) {
-    const int64_t nb = k / DQ_BLOCK, gbb = group_block_bytes(fmt);
+    const int64_t nb = k / QB, gbb = QG * block_bytes[fmt];
     if (num_threads < 1) num_threads = 1;
 #pragma omp parallel for num_threads(num_threads) if (num_threads > 1) schedule(static)
     for (int64_t g = 0; g < groups; g++)
         for (int64_t b = 0; b < nb; b++)
-            dequant_group_block(fmt, w + (g * nb + b) * gbb, out + g * DQ_GROUP * k + b * DQ_BLOCK,
+            dequant_group_block(fmt, w + (g * nb + b) * gbb, out + g * QG * k + b * QB,
                                 k);
 }

@@ -14,6 +14,14 @@ typedef struct kv_tree kv_tree; /* draft-tree rows: see cpu_ops.c */
  * bfloat16; stored rounded to nearest even as torch's casts do, read back as float32. */
 enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 };
 
+/* The block formats of cpu_quant.c and cpu_dequant.c: FORMAT_CODES of shared/model/
+ * quant_formats.py (3 .. 7: cpu_kquant.c's), QB values a block of block_bytes[format] bytes, a
+ * paired weight's rows interleaved QG at a time (shared/model/quant_paired.py) */
+#define QB 32 /* values per block */
+#define QG 16 /* rows of a paired weight per interleaved group; threads split at groups */
+enum { KV_Q8_0 = 0, KV_Q4_0 = 1, KV_Q4_1 = 2, KV_Q5_0 = 8, KV_Q5_1 = 9 };
+static const int64_t block_bytes[10] = {34, 18, 20, 0, 0, 0, 0, 0, 22, 24};
+
 void kv_rms_norm(const float *x, const float *w, float *out, int64_t rows, int64_t n, float eps);
 void kv_silu_mul(const float *gate_up, float *out, int64_t rows, int64_t n);
 void kv_linear_share(const float *x, int64_t m, int64_t k, const float *packed, int64_t n,

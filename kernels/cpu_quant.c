@@ -67,11 +67,7 @@ static inline int omp_get_thread_num(void) { return 0; }
 static inline int omp_get_num_threads(void) { return 1; }
 #endif
 
-#define QB 32       /* values per block */
 #define XMB 64      /* rows of x per cache block: its int8 rows stay in L2 while weights pass */
-#define QG 16       /* rows of a paired weight per interleaved group; threads split at groups */
-/* FORMAT_CODES of shared/model/quant_formats.py (3 .. 7: cpu_kquant.c's) */
-enum { KV_Q8_0 = 0, KV_Q4_0 = 1, KV_Q4_1 = 2, KV_Q5_0 = 8, KV_Q5_1 = 9 };
 #define KV_PAIRED 16 /* or-ed into a Q4 format code: the paired layout (PAIRED_FLAG) */
 #define KV_FIRST_KQ 3 /* codes 3 .. 7: Q4_K, Q5_K, Q6_K, F16, BF16 (cpu_kquant.c) */
 #define KV_LAST_KQ 7
@@ -88,7 +84,6 @@ typedef struct {
     int64_t data[KV_STACK_PARTS];
 } kv_wstack;
 
-static const int64_t block_bytes[10] = {34, 18, 20, 0, 0, 0, 0, 0, 22, 24};
 
 /* where a block's values start, and (Q5) its fifth bits */
 static inline int qs_offset(int fmt) {

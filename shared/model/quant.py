@@ -33,6 +33,7 @@ kernels read fastest (``paired``); ``dequantize`` reads both layouts.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -209,15 +210,21 @@ def _nibbles(qs: torch.Tensor) -> torch.Tensor:
     return torch.cat([qs & 0x0F, qs >> 4], dim=-1)
 
 
-def dequantize(weight: QuantWeight | StackedWeight, dtype: torch.dtype = torch.float32):
+def dequantize(
+    weight: QuantWeight | StackedWeight,
+    dtype: torch.dtype = torch.float32,
+    groups: Callable[[str, torch.Tensor, int, torch.dtype], torch.Tensor] | None = None,
+):
     """The weight as a (rows, cols) tensor, as ggml dequantizes it (float32, the default: its
-    values bit for bit; float64: every value exact, for the kernels' references)."""
+    values bit for bit; float64: every value exact, for the kernels' references). ``groups``:
+    what dequantizes a paired weight's interleaved groups of rows (``dequantize_paired``; the
+    CPU kernels' ``CpuOps.dequantize`` passes its C one), torch's by default."""
     if isinstance(weight, StackedWeight):
-        return torch.cat([dequantize(p, dtype) for p in weight.parts])
+        return torch.cat([dequantize(p, dtype, groups) for p in weight.parts])
     if weight.paired:
         from kvmesh.shared.model.quant_paired import dequantize_paired
 
-        return dequantize_paired(weight, dtype)
+        return dequantize_paired(weight, dtype, groups)
     fmt, rows, cols = weight.format, weight.rows, weight.cols
     if fmt in FLOAT_FORMATS:
         half = torch.float16 if fmt == "F16" else torch.bfloat16

@@ -17,6 +17,7 @@ and the same values: ``dequantize`` reads both; a group's rows are not separable
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 from kvmesh.shared.model.quant import (
@@ -32,16 +33,21 @@ from kvmesh.shared.model.quant import (
 from kvmesh.shared.model.quant_formats import BLOCK, BLOCK_BYTES, row_bytes
 
 
-def dequantize_paired(weight: QuantWeight, dtype: torch.dtype) -> torch.Tensor:
+def dequantize_paired(
+    weight: QuantWeight,
+    dtype: torch.dtype,
+    groups: Callable[[str, torch.Tensor, int, torch.dtype], torch.Tensor] | None = None,
+) -> torch.Tensor:
     """``dequantize`` of a paired weight: its groups read as they are (a prefill chunk
-    dequantizes every weight), the rows left over put back in the GGUF layout first."""
+    dequantizes every weight) by ``groups`` (``_dequantize_groups``'s arguments; it by default),
+    the rows left over put back in the GGUF layout first."""
     grouped = weight.rows // GROUP * GROUP
     if not grouped:
         return dequantize(unpair_blocks(weight), dtype)
     rest = QuantWeight(
         weight.format, weight.data[grouped:], weight.rows - grouped, weight.cols, True
     )
-    head = _dequantize_groups(weight.format, weight.data[:grouped], weight.cols, dtype)
+    head = (groups or _dequantize_groups)(weight.format, weight.data[:grouped], weight.cols, dtype)
     if not rest.rows:
         return head
     return torch.cat([head, dequantize(unpair_blocks(rest), dtype)])
