@@ -31,7 +31,7 @@ class SumEngine:
         return float(x[0])
 
 
-def rank_main(rank: int, port: int, results: Any) -> None:
+def rank_main(rank: int, port: int, results: Any, go: str) -> None:
     from kvmesh.shared.engine.tp_leader import LeaderEngine, follow
     from kvmesh.shared.engine.tp_ranks import join_group
 
@@ -48,7 +48,7 @@ def rank_main(rank: int, port: int, results: Any) -> None:
     time.sleep(IDLE_S)  # the follower waits for the next call all along: kept alive
     results.put(("after_idle", leader.step()))
     results.put(("stop_follower", None))
-    assert go_ahead()  # the test has stopped the follower
+    assert go_ahead(go)  # the test has stopped the follower
     started = time.monotonic()
     try:
         leader.step()
@@ -64,9 +64,8 @@ def rank_main(rank: int, port: int, results: Any) -> None:
     results.put(("closed", leader.close()))
 
 
-def go_ahead() -> bool:
-    """Wait for the test to say it stopped the follower (the file KVMESH_TEST_GO names)."""
-    path = os.environ["KVMESH_TEST_GO"]
+def go_ahead(path: str) -> bool:
+    """Wait for the test to say it stopped the follower (the file ``path``)."""
     deadline = time.monotonic() + 30
     while not os.path.exists(path):
         if time.monotonic() > deadline:
@@ -77,16 +76,17 @@ def go_ahead() -> bool:
 
 @pytest.mark.slow
 def test_idle_leader_keeps_its_followers_and_a_hung_one_breaks_the_group_in_the_timeout(
-    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Any,
 ) -> None:
     from kvmesh.shared.config.ports import free_port
 
     go = tmp_path / "go"
-    monkeypatch.setenv("KVMESH_TEST_GO", str(go))
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=rank_main, args=(r, port, results), daemon=True) for r in (0, 1)]
+    procs = [
+        ctx.Process(target=rank_main, args=(r, port, results, str(go)), daemon=True) for r in (0, 1)
+    ]
     for proc in procs:
         proc.start()
     seen: dict[str, Any] = {}
