@@ -369,17 +369,56 @@ def greedy(model: Any, prompt: list[int], max_tokens: int) -> list[int]:
     return tokens
 
 
+def scored(model: Any, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+    """Greedy tokens of ``prompt`` through one engine over ``model``, with each step's two
+    likeliest (ids, log-probabilities), and ``teacher(model, prompt + tokens)``."""
+    from kvmesh.shared.engine.llm_engine import EngineConfig, LLMEngine
+    from kvmesh.shared.text.sampling import SamplingOptions
+
+    engine = LLMEngine(model, None, EngineConfig(block_size=16, num_blocks=NUM_BLOCKS))
+    params = SamplingOptions(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=2)
+    engine.add_request("greedy", prompt, params)
+    tokens: list[int] = []
+    steps: list[tuple[tuple[int, ...], tuple[float, ...]]] = []
+    while len(tokens) < max_tokens:
+        for out in engine.step():
+            tokens += out.new_token_ids
+            steps += [(lp.top_ids, lp.top_logprobs) for lp in out.logprobs]
+    return {"tokens": tokens, "steps": steps, "teacher": teacher(model, prompt + tokens)}
+
+
+def teacher(model: Any, ids: list[int]) -> list[tuple[tuple[int, ...], tuple[float, ...]]]:
+    """``ids`` scored in one prefill (teacher forcing): at each position after the first, the
+    two likeliest next tokens (ids, log-probabilities) given those before it."""
+    from kvmesh.shared.engine.llm_engine import EngineConfig, LLMEngine
+    from kvmesh.shared.text.sampling import SamplingOptions
+
+    engine = LLMEngine(model, None, EngineConfig(block_size=16, num_blocks=NUM_BLOCKS))
+    params = SamplingOptions(max_tokens=1, temperature=0, ignore_eos=True, prompt_logprobs=2)
+    engine.add_request("teacher", ids, params)
+    while not (outs := [o for o in engine.step() if o.prompt_logprobs is not None]):
+        pass
+    return [(lp.top_ids, lp.top_logprobs) for lp in outs[0].prompt_logprobs]
+
+
 # a TP2 pair's hand-offs of the real model, {1, 2}^2 but 1 -> 1 (kvmesh up's own): the prefill
 # and decode ranks of the pair's two processes
 PAIR_HANDOFFS = {"2_to_1": ((0, 1), (1,)), "1_to_2": ((0,), (0, 1)), "2_to_2": ((0, 1), (0, 1))}
 
 
 def pair_main(
-    rank: int, port: int, queue: Any, path: str, prompt: list[int], max_tokens: int
+    rank: int,
+    port: int,
+    queue: Any,
+    path: str,
+    prompt: list[int],
+    max_tokens: int,
+    chat: list[int],
+    chat_tokens: int,
 ) -> None:
     """One rank of a TP2 pair over the model at ``path`` as stored: its greedy tokens and the
-    KV heads it holds; then ``prompt`` handed off between TP1 and TP2 (PAIR_HANDOFFS), what
-    this rank sent and received in each."""
+    KV heads it holds; ``chat``'s greedy answer scored (``scored``); then ``prompt`` handed off
+    between TP1 and TP2 (PAIR_HANDOFFS), what this rank sent and received in each."""
     import copy
 
     import torch
@@ -395,6 +434,7 @@ def pair_main(
         layout = shard_model(model)
         tokens = greedy(model, prompt, max_tokens)
         result = {"tokens": tokens, "kv_heads": layout.kv_heads, "q": layout.q_heads}
+        result["chat"] = scored(model, chat, chat_tokens)
         groups = {(0, 1): dist.new_group([0, 1])}
         heads = whole.config.num_key_value_heads
         for name, (prefill, decode) in PAIR_HANDOFFS.items():
