@@ -319,9 +319,9 @@ def test_tp2_holds_2_and_1_of_its_3_gqa_groups_decodes_and_hands_off_as_tp1(real
     that every greedy step wins by more than 3 logits: the weights' int8 activation rows make
     TP's other summation order move logits by tenths at times (docs/tp.md); a chat's 64-token
     answer is held to TP1's up to its near-ties (``_answers_as_tp1_until_it_hesitates``). Then
-    the prompt prefilled at TP1 or TP2 and decoded at TP1 or TP2 (2 -> 1, 1 -> 2, 2 -> 2; 1 -> 1 is
-    ``kvmesh up``'s own, above), each prefill rank writing its heads with the product's
-    planners: TP1's tokens."""
+    the prompt prefilled at TP1 or TP2 and decoded at TP1 or TP2 (2 -> 1, 1 -> 2, 2 -> 2;
+    1 -> 1 is ``kvmesh up``'s own, above), each prefill rank writing its heads with the
+    product's planners: TP1's tokens."""
     import multiprocessing as mp
 
     from kvmesh.shared.config.ports import free_port

@@ -371,7 +371,7 @@ def greedy(model: Any, prompt: list[int], max_tokens: int) -> list[int]:
 
 def scored(model: Any, prompt: list[int], max_tokens: int) -> dict[str, Any]:
     """Greedy tokens of ``prompt`` through one engine over ``model``, with each step's two
-    likeliest (ids, log-probabilities), and ``teacher(model, prompt + tokens)``."""
+    likeliest (ids, log-probabilities)."""
     from kvmesh.shared.engine.llm_engine import EngineConfig, LLMEngine
     from kvmesh.shared.text.sampling import SamplingOptions
 
@@ -384,7 +384,7 @@ def scored(model: Any, prompt: list[int], max_tokens: int) -> dict[str, Any]:
         for out in engine.step():
             tokens += out.new_token_ids
             steps += [(lp.top_ids, lp.top_logprobs) for lp in out.logprobs]
-    return {"tokens": tokens, "steps": steps, "teacher": teacher(model, prompt + tokens)}
+    return {"tokens": tokens, "steps": steps}
 
 
 def teacher(model: Any, ids: list[int]) -> list[tuple[tuple[int, ...], tuple[float, ...]]]:
@@ -417,8 +417,9 @@ def pair_main(
     chat_tokens: int,
 ) -> None:
     """One rank of a TP2 pair over the model at ``path`` as stored: its greedy tokens and the
-    KV heads it holds; ``chat``'s greedy answer scored (``scored``); then ``prompt`` handed off
-    between TP1 and TP2 (PAIR_HANDOFFS), what this rank sent and received in each."""
+    KV heads it holds; ``chat``'s greedy answer (``scored``), and the chat with it scored in one
+    prefill (``teacher``); then ``prompt`` handed off between TP1 and TP2 (PAIR_HANDOFFS), what
+    this rank sent and received in each."""
     import copy
 
     import torch
@@ -434,7 +435,8 @@ def pair_main(
         layout = shard_model(model)
         tokens = greedy(model, prompt, max_tokens)
         result = {"tokens": tokens, "kv_heads": layout.kv_heads, "q": layout.q_heads}
-        result["chat"] = scored(model, chat, chat_tokens)
+        result["chat"] = answer = scored(model, chat, chat_tokens)
+        answer["teacher"] = teacher(model, chat + answer["tokens"])
         groups = {(0, 1): dist.new_group([0, 1])}
         heads = whole.config.num_key_value_heads
         for name, (prefill, decode) in PAIR_HANDOFFS.items():
