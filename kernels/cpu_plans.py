@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
+from kvmesh.shared.config.huge_pages import HugePageArena
 from kvmesh.shared.model.quant import QuantWeight
 
 if TYPE_CHECKING:
@@ -36,15 +37,22 @@ class PackedWeight:
     out_features: int
 
 
-def pack_linear_weight(weight: torch.Tensor) -> PackedWeight:
-    """The panels of a float32 (out, in) weight (any strides), for ``CpuOps.linear``."""
+def packed_shape(weight: torch.Tensor) -> tuple[int, int, int]:
+    """The shape of ``pack_linear_weight``'s panels for ``weight``: (panels, in, PANEL_WIDTH)."""
+    n, k = weight.shape
+    return -(-n // PANEL_WIDTH), k, PANEL_WIDTH
+
+
+def pack_linear_weight(weight: torch.Tensor, arena: HugePageArena | None = None) -> PackedWeight:
+    """The panels of a float32 (out, in) weight (any strides), for ``CpuOps.linear``; taken from
+    ``arena`` where one is given (huge pages: the backend packs a model's layers into one)."""
     assert weight.dtype == torch.float32 and weight.dim() == 2, (weight.dtype, weight.shape)
     n, k = weight.shape
-    num_panels = -(-n // PANEL_WIDTH)
+    num_panels = packed_shape(weight)[0]
     padded = weight.new_zeros(num_panels * PANEL_WIDTH, k)
     padded[:n] = weight
-    panels = padded.view(num_panels, PANEL_WIDTH, k).transpose(1, 2).contiguous()
-    return PackedWeight(panels, n)
+    panels = padded.view(num_panels, PANEL_WIDTH, k).transpose(1, 2)
+    return PackedWeight(panels.contiguous() if arena is None else arena.copy(panels), n)
 
 
 class KVQuant(ctypes.Structure):

@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from kvmesh.shared.config.huge_pages import huge_page_empty
 from kvmesh.shared.kv.kv_int8 import GROUP as INT8_GROUP
 
 
@@ -130,7 +131,11 @@ class KVPool:
         self.spec = spec
         self.num_blocks = num_blocks
         nbytes = num_blocks * spec.block_bytes
-        if buffer is None:
+        if buffer is None and torch.device(device).type == "cpu":
+            raw = huge_page_empty(
+                nbytes
+            )  # decode's scattered tiles: a TLB miss each in 4 KiB pages
+        elif buffer is None:
             raw = torch.zeros(nbytes, dtype=torch.uint8, device=device)
         elif isinstance(buffer, torch.Tensor):
             raw = buffer.view(torch.uint8).reshape(-1)

@@ -13,6 +13,8 @@ One backend per engine: it keeps what it needs of the model it was installed on.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -21,7 +23,9 @@ from kvmesh.kernels.cpu_plans import (
     QuantDecodeLayerWeights,
     decode_plan,
     pack_linear_weight,
+    packed_shape,
 )
+from kvmesh.shared.config.huge_pages import HugePageArena
 from kvmesh.shared.kv.kv_cache import KVCacheSpec, KVPool
 from kvmesh.shared.model.attention import AttentionMetadata
 from kvmesh.shared.model.cpu_modules import (
@@ -44,6 +48,7 @@ from kvmesh.shared.model.llama import (
     Transformer,
     TransformerBlock,
 )
+from kvmesh.shared.model.quant import QuantWeight, StackedWeight
 from kvmesh.shared.model.quant_layers import QuantEmbedding, QuantLinear
 from kvmesh.shared.model.quant_paired import pair_blocks, unpair_blocks
 from kvmesh.shared.model.triton_modules import install_triton_kernels, remove_triton_kernels
@@ -101,10 +106,14 @@ class CpuBackend(TorchBackend):
         linear layers get a packed copy of their weight (as much memory again as the layers'
         weights); the Q4 and Q8_0 weights kept as stored (the tied LM head's too) are rewritten
         in place in the kernels' paired layout where ``ops`` reads it (``quant.pair_blocks``:
-        the same bytes, the same values, 16 rows interleaved)."""
+        the same bytes, the same values, 16 rows interleaved). Everything a decode step streams
+        (the packed layers, the weights kept as stored, a float32 tied head) moves into one
+        huge-page arena (``shared/config/huge_pages.py``), the old copies freed."""
         remove_cpu_kernels(model)
         remove_triton_kernels(model)
         ops = self.cpu_ops
+        arena = HugePageArena(_streamed_bytes(model))
+        moved: dict[int, QuantWeight | StackedWeight] = {}
         for module in model.modules():
             kind = type(module)
             if kind in (RMSNorm, Linear, Embedding) and not _is_cpu_float32(module.weight):
@@ -112,9 +121,16 @@ class CpuBackend(TorchBackend):
             if kind in (QuantLinear, QuantEmbedding) and not module.qweight.data.is_cpu:
                 continue
             if kind is Linear:
-                packed = pack_linear_weight(module.weight.detach())
+                packed = pack_linear_weight(module.weight.detach(), arena)
                 PackedLinear.install(module, ops, packed=packed)
             elif kind in _KERNELS:
+                if kind is Embedding:  # the tied head's rows stream by in every decode step
+                    module.weight.data = arena.copy(module.weight.data)
+                elif kind in (QuantLinear, QuantEmbedding):  # shared weights move once
+                    w = module.qweight
+                    if id(w) not in moved:
+                        moved[id(w)] = _quant_in_arena(w, arena)
+                    module.qweight = moved[id(w)]
                 _KERNELS[kind].install(module, ops)
         for quant in model.modules():  # in the layout ops reads (paired: faster)
             if isinstance(quant, (CpuQuantLinear, CpuQuantEmbedding)):
@@ -158,6 +174,37 @@ class CpuBackend(TorchBackend):
             tree_rows=meta.tree_rows,
             head_dim=self._head_dim,
         )
+
+
+def _streamed_bytes(model: Transformer) -> int:
+    """The arena ``CpuBackend.install`` moves a model's streamed weights into (see there)."""
+    total, seen = 0, set()
+    for module in model.modules():
+        kind = type(module)
+        if kind in (Linear, Embedding) and _is_cpu_float32(module.weight):
+            w = module.weight
+            numel = math.prod(packed_shape(w)) if kind is Linear else w.numel()
+            total += HugePageArena.padded(numel * 4)
+        elif kind in (QuantLinear, QuantEmbedding) and module.qweight.data.is_cpu:
+            w = module.qweight
+            total += (
+                0 if id(w) in seen else sum(HugePageArena.padded(p.data.numel()) for p in _parts(w))
+            )
+            seen.add(id(w))
+    return total
+
+
+def _parts(weight: QuantWeight | StackedWeight) -> tuple[QuantWeight, ...]:
+    return weight.parts if isinstance(weight, StackedWeight) else (weight,)
+
+
+def _quant_in_arena(
+    weight: QuantWeight | StackedWeight, arena: HugePageArena
+) -> QuantWeight | StackedWeight:
+    """``weight`` with its bytes copied into ``arena`` (a stacked weight: each part's)."""
+    if isinstance(weight, StackedWeight):
+        return StackedWeight(tuple(_quant_in_arena(p, arena) for p in weight.parts))
+    return dataclasses.replace(weight, data=arena.copy(weight.data))
 
 
 _KERNELS = {

@@ -14,6 +14,7 @@ import re
 import stat
 
 import torch
+from kvmesh.shared.config.huge_pages import advise_huge_pages
 from kvmesh.shared.config.stale_dirs import sweep_dead_owner_files
 from kvmesh.shared.transport.errors import PeerUnreachableError
 
@@ -108,5 +109,6 @@ class ShmSegment:
         self.name = name
         self.size = size
         self.mm = map_segment(name, size)
+        advise_huge_pages(self.mm, 0, size)  # honoured where shmem_enabled allows (advise)
         self.tensor = torch.frombuffer(self.mm, dtype=torch.uint8)  # (size,)
         self.addr = self.tensor.data_ptr()
