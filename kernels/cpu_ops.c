@@ -165,7 +165,7 @@ static void rope_head(float *x, const float *cos, const float *sin, int64_t d) {
 /* How many KV tiles ahead of use the attention loops ask for (a tile is a fresh stream from
  * DRAM that the hardware prefetchers pick up only after a few misses). */
 #ifndef AHEAD
-#define AHEAD 2
+#define AHEAD 3
 #endif
 typedef float vn __attribute__((vector_size(NL * sizeof(float))));
 typedef int32_t vni __attribute__((vector_size(NL * sizeof(int32_t))));
@@ -306,38 +306,45 @@ static inline __attribute__((always_inline)) const void *tile_at(
     return kv_at(cache, table[j0 / block_size] * block_stride, kind);
 }
 
-/* out rows g of gb query heads, floats i0..i0+2*NL of d: sum_j p_gj v_j[i0..] over positions
- * [c0, c1) (p: gb rows of c1 - c0), the accumulators in registers; gb and kind are constants
- * after inlining. Tiles up to pf_end (the unit's context) are asked for AHEAD tiles early. */
+/* Vectors of NL floats in a strip of d that weigh_values keeps in registers for each of up to 4
+ * query heads: 4 * SW accumulators and SW values (AVX-512's 32 registers hold 4 * 4 + 4; AVX2's
+ * and SSE's 16 hold 4 * 2 + 2). */
+#if NL == 16
+#define SW 4
+#else
+#define SW 2
+#endif
+
+/* out rows g of gb query heads, floats i0..i0+sw*NL of d (sw <= SW): sum_j p_gj v_j[i0..] over
+ * positions [c0, c1) (p: gb rows of c1 - c0), the accumulators in registers; gb, sw and kind
+ * are constants
+ * after inlining. Each row's strip of the tile AHEAD tiles on (up to pf_end, the unit's context)
+ * is asked for as the same row of this tile is weighed. */
 static inline __attribute__((always_inline)) void weigh_values(
     const float *p, const void *v_cache, const int64_t *table, int64_t block_stride,
     int64_t block_size, int64_t c0, int64_t c1, int64_t pf_end, int64_t d, int64_t i0, int gb,
-    float *out, int64_t tail_from, const void *v_tail, int kind) {
-    vn acc[4][2] = {{{0}}};
+    int sw, float *out, int64_t tail_from, const void *v_tail, int kind) {
+    vn acc[4][SW] = {{{0}}};
     int64_t es = kv_es(kind), n_all = c1 - c0;
     for (int64_t j0 = c0; j0 < c1; j0 += block_size) {
         const void *tile = tile_at(v_cache, table, block_stride, block_size, d, j0, tail_from, v_tail, kind);
         int64_t n = c1 - j0 < block_size ? c1 - j0 : block_size;
-        if (j0 + AHEAD * block_size < pf_end && j0 + AHEAD * block_size < tail_from) {
-            const char *next = kv_at(v_cache, table[j0 / block_size + AHEAD] * block_stride + i0, kind);
-            for (int64_t j = 0; j < block_size; j++) { /* the strip's 2 * NL elements: 1-2 lines */
-                __builtin_prefetch(next + j * d * es, 0, 3);
-                __builtin_prefetch(next + (j * d + 2 * NL - 1) * es, 0, 3);
-            }
-        }
+        const char *next = 0;
+        if (j0 + AHEAD * block_size < pf_end && j0 + AHEAD * block_size < tail_from)
+            next = kv_at(v_cache, table[j0 / block_size + AHEAD] * block_stride + i0, kind);
         for (int64_t j = 0; j < n; j++) {
-            vn v0 = load_kv(tile, j * d + i0, kind), v1 = load_kv(tile, j * d + i0 + NL, kind);
+            if (next) /* the strip's sw * NL elements: 1-4 lines, into L2 */
+                for (int64_t i = 0; i < sw * NL * es; i += 64) __builtin_prefetch(next + j * d * es + i, 0, 2);
+            vn v[SW];
+            for (int s = 0; s < sw; s++) v[s] = load_kv(tile, j * d + i0 + s * NL, kind);
             for (int g = 0; g < gb; g++) {
                 vn pj = splatn(p[g * n_all + j0 - c0 + j]);
-                acc[g][0] += pj * v0;
-                acc[g][1] += pj * v1;
+                for (int s = 0; s < sw; s++) acc[g][s] += pj * v[s];
             }
         }
     }
-    for (int g = 0; g < gb; g++) {
-        storen(out + g * d + i0, acc[g][0]);
-        storen(out + g * d + i0 + NL, acc[g][1]);
-    }
+    for (int g = 0; g < gb; g++)
+        for (int s = 0; s < sw; s++) storen(out + g * d + i0 + s * NL, acc[g][s]);
 }
 
 /* A partial attention result of one query group over some of its context: for each head g the
@@ -361,10 +368,13 @@ static inline __attribute__((always_inline)) void attend_part(
         const void *tile = tile_at(k_cache, table, block_stride, block_size, d, j0, tail_from, k_tail, kind);
         int64_t n = c1 - j0 < block_size ? c1 - j0 : block_size;
         float *sj = scratch + j0 - c0;
-        if (j0 + AHEAD * block_size < pf_end && j0 + AHEAD * block_size < tail_from) { /* the tile AHEAD tiles on, while this one computes */
-            const char *next = kv_at(k_cache, table[j0 / block_size + AHEAD] * block_stride, kind);
-            for (int64_t i = 0; i < block_size * d * kv_es(kind); i += 64) __builtin_prefetch(next + i, 0, 3);
-        }
+        /* the tile AHEAD tiles on, into L2 a row at a time while this tile's rows compute (a
+         * burst of a whole tile's lines stalls on the fill buffers, and the page walks of 4 KiB
+         * pages come on top: the pool is in huge pages, shared/config/huge_pages.py) */
+        const char *next = 0;
+        if (j0 + AHEAD * block_size < pf_end && j0 + AHEAD * block_size < tail_from)
+            next = kv_at(k_cache, table[j0 / block_size + AHEAD] * block_stride, kind);
+        int64_t row_bytes = d * kv_es(kind);
         int64_t j = 0;
         for (; j + NL <= n; j += NL) {
             for (int64_t g = 0; g < group; g++) {
@@ -372,6 +382,8 @@ static inline __attribute__((always_inline)) void attend_part(
                 vn acc[NL];
                 for (int r = 0; r < NL; r++) {
                     int64_t kj = (j + r) * d;
+                    if (g == 0 && next)
+                        for (int64_t i = 0; i < row_bytes; i += 64) __builtin_prefetch(next + (j + r) * row_bytes + i, 0, 2);
                     vn a = {0};
                     int64_t i = 0;
                     for (; i + NL <= d; i += NL) a += loadn(qg + i) * load_kv(tile, kj + i, kind);
@@ -382,6 +394,8 @@ static inline __attribute__((always_inline)) void attend_part(
             }
         }
         for (; j < n; j++) {
+            if (next)
+                for (int64_t i = 0; i < row_bytes; i += 64) __builtin_prefetch(next + j * row_bytes + i, 0, 2);
             for (int64_t g = 0; g < group; g++) {
                 const float *qg = q + g * d;
                 float dot = 0;
@@ -393,10 +407,18 @@ static inline __attribute__((always_inline)) void attend_part(
     for (int64_t g = 0; g < group; g++) {
         float *s = scratch + g * n_all;
         float m = s[0];
-        for (int64_t j = 1; j < n_all; j++) m = s[j] > m ? s[j] : m;
-        vf vsum = {0};
         int64_t j = 0;
-        for (; j + LANES <= n_all; j += LANES) {
+        if (n_all >= LANES) { /* the largest score: exact in any order */
+            vf vm = load(s);
+            for (j = LANES; j + LANES <= n_all; j += LANES) {
+                vf x = load(s + j);
+                vm = blend(x > vm, x, vm);
+            }
+            for (int i = 0; i < LANES; i++) m = vm[i] > m ? vm[i] : m;
+        }
+        for (; j < n_all; j++) m = s[j] > m ? s[j] : m;
+        vf vsum = {0};
+        for (j = 0; j + LANES <= n_all; j += LANES) {
             vf e = vexp(load(s + j) - m);
             store(s + j, e);
             vsum += e;
@@ -409,7 +431,7 @@ static inline __attribute__((always_inline)) void attend_part(
         part[g] = m;
         part[group + g] = sum;
     }
-    /* acc_g = sum_j p_gj v_j, in strips of 2 * NL floats of d for up to 4 query heads at a time:
+    /* acc_g = sum_j p_gj v_j, in strips of SW * NL floats of d for up to 4 query heads at a time:
      * each strip of V is read once per 4 heads, and the accumulators stay in registers. */
     float *acc = part + 2 * group;
     for (int64_t g0 = 0; g0 < group; g0 += 4) {
@@ -417,15 +439,17 @@ static inline __attribute__((always_inline)) void attend_part(
         const float *p = scratch + g0 * n_all;
         float *o = acc + g0 * d;
         int64_t i0 = 0;
-        for (; i0 + 2 * NL <= d; i0 += 2 * NL) {
-            switch (gn) {
-            case 4: weigh_values(p, v_cache, table, block_stride, block_size, c0, c1, pf_end, d, i0, 4, o, tail_from, v_tail, kind); break;
-            case 3: weigh_values(p, v_cache, table, block_stride, block_size, c0, c1, pf_end, d, i0, 3, o, tail_from, v_tail, kind); break;
-            case 2: weigh_values(p, v_cache, table, block_stride, block_size, c0, c1, pf_end, d, i0, 2, o, tail_from, v_tail, kind); break;
-            default: weigh_values(p, v_cache, table, block_stride, block_size, c0, c1, pf_end, d, i0, 1, o, tail_from, v_tail, kind);
-            }
-        }
-        for (int64_t g = 0; g < gn; g++) /* the rest of d, when it is no multiple of 2 * NL */
+#define WEIGH(SWN)                                                                                 \
+    switch (gn) {                                                                                  \
+    case 4: weigh_values(p, v_cache, table, block_stride, block_size, c0, c1, pf_end, d, i0, 4, SWN, o, tail_from, v_tail, kind); break; \
+    case 3: weigh_values(p, v_cache, table, block_stride, block_size, c0, c1, pf_end, d, i0, 3, SWN, o, tail_from, v_tail, kind); break; \
+    case 2: weigh_values(p, v_cache, table, block_stride, block_size, c0, c1, pf_end, d, i0, 2, SWN, o, tail_from, v_tail, kind); break; \
+    default: weigh_values(p, v_cache, table, block_stride, block_size, c0, c1, pf_end, d, i0, 1, SWN, o, tail_from, v_tail, kind); \
+    }
+        for (; i0 + SW * NL <= d; i0 += SW * NL) WEIGH(SW)
+        for (; i0 + NL <= d; i0 += NL) WEIGH(1) /* d no multiple of SW * NL: e.g. 80 or 96 */
+#undef WEIGH
+        for (int64_t g = 0; g < gn; g++) /* the rest of d, when it is no multiple of NL */
             for (int64_t i = i0; i < d; i++) {
                 float sum = 0;
                 for (int64_t j = c0; j < c1; j++) {
