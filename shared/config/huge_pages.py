@@ -19,6 +19,7 @@ honoured when ``shmem_enabled`` allows).
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 
 import torch
@@ -101,3 +102,16 @@ class HugePageArena:
     def copy(self, tensor: torch.Tensor) -> torch.Tensor:
         """A contiguous copy of a CPU ``tensor`` in the arena."""
         return self.take(tuple(tensor.shape), tensor.dtype).copy_(tensor)
+
+
+def release_freed_heap() -> bool:
+    """Hand the C heap's freed pages back to the OS (glibc's ``malloc_trim(0)``): tensors moved
+    into huge pages leave their old copies freed but resident, in holes of the heap that glibc
+    would keep. False where the C library has no ``malloc_trim`` (musl, macOS)."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (AttributeError, OSError):
+        return False
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    trim(0)
+    return True

@@ -25,7 +25,7 @@ from kvmesh.kernels.cpu_plans import (
     pack_linear_weight,
     packed_shape,
 )
-from kvmesh.shared.config.huge_pages import HugePageArena
+from kvmesh.shared.config.huge_pages import HugePageArena, release_freed_heap
 from kvmesh.shared.kv.kv_cache import KVCacheSpec, KVPool
 from kvmesh.shared.model.attention import AttentionMetadata
 from kvmesh.shared.model.cpu_modules import (
@@ -140,6 +140,7 @@ class CpuBackend(TorchBackend):
                 )
                 if isinstance(quant, CpuQuantEmbedding):  # its head (next) shares the bytes
                     quant.head.qweight = quant.qweight
+        release_freed_heap()  # the weights' old copies, freed above
         for block in model.modules():
             if not isinstance(block, TransformerBlock):
                 continue

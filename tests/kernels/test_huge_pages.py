@@ -7,11 +7,17 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import platform
 from pathlib import Path
 
 import pytest
 import torch
-from kvmesh.shared.config.huge_pages import HUGE_PAGE, HugePageArena, huge_page_empty
+from kvmesh.shared.config.huge_pages import (
+    HUGE_PAGE,
+    HugePageArena,
+    huge_page_empty,
+    release_freed_heap,
+)
 from kvmesh.shared.kv.kv_cache import KVCacheSpec, KVPool
 from kvmesh.shared.model.backend import CpuBackend
 from kvmesh.shared.model.cpu_modules import CpuQuantLinear, PackedLinear
@@ -101,3 +107,8 @@ def test_the_backend_moves_what_decode_streams_into_one_advised_arena(ops, store
     assert all(t.untyped_storage().data_ptr() == arena for t in tensors)
     assert all(_thp_eligible(t.data_ptr()) for t in tensors)
     torch.testing.assert_close(model.compute_logits(hidden), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc_trim is glibc's")
+def test_freed_heap_goes_back_to_the_os_on_glibc():
+    assert release_freed_heap() is True
