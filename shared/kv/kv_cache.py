@@ -132,9 +132,8 @@ class KVPool:
         self.num_blocks = num_blocks
         nbytes = num_blocks * spec.block_bytes
         if buffer is None and torch.device(device).type == "cpu":
-            raw = huge_page_empty(
-                nbytes
-            )  # decode's scattered tiles: a TLB miss each in 4 KiB pages
+            # huge pages: in 4 KiB ones each of decode's scattered tiles costs a TLB miss
+            raw = huge_page_empty(nbytes)
         elif buffer is None:
             raw = torch.zeros(nbytes, dtype=torch.uint8, device=device)
         elif isinstance(buffer, torch.Tensor):
