@@ -317,9 +317,8 @@ static inline __attribute__((always_inline)) const void *tile_at(
 
 /* out rows g of gb query heads, floats i0..i0+sw*NL of d (sw <= SW): sum_j p_gj v_j[i0..] over
  * positions [c0, c1) (p: gb rows of c1 - c0), the accumulators in registers; gb, sw and kind
- * are constants
- * after inlining. Each row's strip of the tile AHEAD tiles on (up to pf_end, the unit's context)
- * is asked for as the same row of this tile is weighed. */
+ * are constants after inlining. Each row's strip of the tile AHEAD tiles on (up to pf_end, the
+ * unit's context) is asked for as the same row of this tile is weighed. */
 static inline __attribute__((always_inline)) void weigh_values(
     const float *p, const void *v_cache, const int64_t *table, int64_t block_stride,
     int64_t block_size, int64_t c0, int64_t c1, int64_t pf_end, int64_t d, int64_t i0, int gb,
