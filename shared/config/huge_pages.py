@@ -25,8 +25,6 @@ import mmap
 import torch
 
 HUGE_PAGE = 2 << 20
-# below this a tensor is not worth a mapping of its own: it cannot fill one huge page
-MIN_BYTES = HUGE_PAGE
 
 _MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)  # Linux only
 
@@ -37,7 +35,7 @@ def huge_page_empty(nbytes: int) -> torch.Tensor:
     ``MADV_HUGEPAGE``). The mapping lives as long as the tensor and its views."""
     if nbytes < 0:
         raise ValueError(f"nbytes must not be negative, got {nbytes}")
-    if nbytes < MIN_BYTES or _MADV_HUGEPAGE is None:
+    if nbytes < HUGE_PAGE or _MADV_HUGEPAGE is None:  # under one page: not worth a mapping
         return torch.zeros(nbytes, dtype=torch.uint8)
     whole_pages = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
     # private: a shared anonymous mapping is shmem, under shmem_enabled (often never)
@@ -58,13 +56,6 @@ def advise_huge_pages(mm: mmap.mmap, offset: int, nbytes: int) -> bool:
     except OSError:  # EINVAL: a kernel built without transparent huge pages
         return False
     return True
-
-
-def huge_page_like(tensor: torch.Tensor) -> torch.Tensor:
-    """A contiguous copy of a CPU ``tensor`` in huge-page memory (``huge_page_empty``)."""
-    nbytes = tensor.numel() * tensor.element_size()
-    out = huge_page_empty(nbytes).view(tensor.dtype).view(tensor.shape)
-    return out.copy_(tensor)
 
 
 class HugePageArena:

@@ -186,12 +186,13 @@ def _streamed_bytes(model: Transformer) -> int:
             w = module.weight
             numel = math.prod(packed_shape(w)) if kind is Linear else w.numel()
             total += HugePageArena.padded(numel * 4)
-        elif kind in (QuantLinear, QuantEmbedding) and module.qweight.data.is_cpu:
-            w = module.qweight
-            total += (
-                0 if id(w) in seen else sum(HugePageArena.padded(p.data.numel()) for p in _parts(w))
-            )
-            seen.add(id(w))
+        elif (
+            kind in (QuantLinear, QuantEmbedding)
+            and module.qweight.data.is_cpu
+            and id(module.qweight) not in seen  # shared weights move once
+        ):
+            seen.add(id(module.qweight))
+            total += sum(HugePageArena.padded(p.data.numel()) for p in _parts(module.qweight))
     return total
 
 
