@@ -27,7 +27,7 @@ from kvmesh.commands.up_plan import ChildSpec, cpu_plan, plan, with_metrics_port
 from kvmesh.shared.bus.mesh_state import MeshState, remove_state, write_state
 from kvmesh.shared.bus.nats_auth import MeshCredentials, NatsAuth, auth_from_env
 from kvmesh.shared.config.nats_options import strip_credentials, url_has_credentials
-from kvmesh.shared.config.ports import free_port
+from kvmesh.shared.config.ports import held_port
 from kvmesh.shared.config.service_config import DEFAULT_NATS_URL
 
 
@@ -36,7 +36,8 @@ class Launcher:
         self.config = config
         self.log = log  # where the services' output goes (None: this process's stderr)
         self.nats_url = config.nats_url  # where the mesh's NATS is (set by start)
-        self.port = config.port or free_port()
+        self.port = config.port  # the router's; a free one held for it by start when 0
+        self._held: list[socket.socket] = []  # ports kept for children until stop (held_port)
         self.children: dict[str, tuple[ChildSpec, subprocess.Popen[bytes]]] = {}
         self.nats = None  # NatsServer we started, if any
         # One NATS user per role on a server we start (shared/bus/nats_auth.py); on a server we
@@ -76,8 +77,10 @@ class Launcher:
         if self.config.mode == "disagg":  # as admin, before any role connects: docs/security.md
             make_queue(self.nats_url, self.mesh, self.nats_auth, self.config.nats_security)
         self.cpus = self._plan_cpus()
+        if not self.config.port:
+            self.port = self._hold(self.config.host or "127.0.0.1")
         specs = plan(self.config, self.nats_url, self.port, self.cpus)
-        ports = {s.name: free_port() for s in specs if s.tier != "router"}  # kept across restarts
+        ports = {s.name: self._hold("127.0.0.1") for s in specs if s.tier != "router"}
         self.metrics_urls = {
             s.name: f"{self.url}/metrics"
             if s.tier == "router"
@@ -95,6 +98,13 @@ class Launcher:
         write_state(self.state)
         for spec in with_metrics_ports(specs, ports):
             self._spawn(spec)
+
+    def _hold(self, host: str) -> int:
+        """A port on ``host`` held for a child until stop, across its restarts: no other
+        process's pick (free_port) takes it before the child binds it (ports.held_port)."""
+        sock = held_port(host)
+        self._held.append(sock)
+        return sock.getsockname()[1]
 
     def _plan_cpus(self) -> CpuPlan:
         """The cores' plan, off the cores other meshes' workers are pinned to where this machine
@@ -302,6 +312,9 @@ class Launcher:
         if self.state is not None:
             remove_state(self.state)
             self.state = None
+        for sock in self._held:
+            sock.close()
+        self._held.clear()
 
 
 def _signal_group(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:

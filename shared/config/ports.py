@@ -1,7 +1,9 @@
-"""Local ports for services that bind them later, picked below the kernel's ephemeral range."""
+"""Local ports for services that bind them later, picked below the kernel's ephemeral range and,
+for `kvmesh up`'s children, held until they bind them."""
 
 from __future__ import annotations
 
+import errno
 import random
 import socket
 from pathlib import Path
@@ -41,3 +43,25 @@ def free_port(rng: random.Random | None = None, path: Path = EPHEMERAL_PORTS) ->
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def held_port(host: str = "127.0.0.1", rng: random.Random | None = None) -> socket.socket:
+    """A port free now and kept for a child until the returned socket is closed: bound, not
+    listening, with SO_REUSEADDR. A child's server binds it all the same (asyncio's and aiohttp's
+    servers set SO_REUSEADDR on Unix, and Linux lets two such sockets share a port while neither
+    listens), while a bind without that option fails on it: free_port's pick (a TP group's
+    rendezvous in another worker took a worker's metrics port between free_port's check and the
+    worker's bind). Connections to it are refused until the child listens and after it exits."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    for _ in range(64):
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, free_port(rng)))
+        except OSError as exc:
+            sock.close()
+            if exc.errno != errno.EADDRINUSE:  # not a race: an address this machine lacks
+                raise
+            continue  # taken since the pick
+        return sock
+    raise OSError(errno.EADDRINUSE, f"no free port to hold on {host} after 64 picks")

@@ -779,6 +779,30 @@ def test_free_port_is_bindable_and_below_the_ephemeral_range(tmp_path):
     assert free_port(random.Random(3), ranges) >= 1024
 
 
+async def test_held_port_refuses_other_picks_until_closed_and_lets_a_server_bind_it():
+    """kvmesh up holds each child's port from its pick to its stop: a TP group's free_port in
+    another worker once took a draft worker's metrics port before the worker bound it."""
+    import socket
+
+    from kvmesh.shared.config.ports import held_port
+
+    held = held_port()
+    port = held.getsockname()[1]
+    try:
+        assert not _bindable(port)  # free_port's check (a plain bind) skips it
+        with socket.socket() as probe:
+            assert probe.connect_ex(("127.0.0.1", port)) != 0  # nobody listens yet
+        server = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", port)
+        async with server:  # the child's bind (SO_REUSEADDR, as aiohttp's) succeeds
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.close()
+        assert not _bindable(port)  # still held after the child is gone (its restart)
+    finally:
+        held.close()
+    with pytest.raises(OSError):  # an address this machine lacks: an error, not a loop
+        held_port("192.0.2.1").close()
+
+
 def _bindable(port: int) -> bool:
     import socket
 
