@@ -6,10 +6,14 @@ from __future__ import annotations
 import errno
 import random
 import socket
+from collections import deque
 from pathlib import Path
 
 EPHEMERAL_PORTS = Path("/proc/sys/net/ipv4/ip_local_port_range")
 LOWEST_FREE_PORT = 10_000  # free_port's picks start here (below: well-known services)
+# This process's last picks, not handed out again: two picks before either is bound (a mesh's
+# router and its NATS) must differ, and each free_port call releases its check.
+_handed: deque[int] = deque(maxlen=256)
 
 
 def ephemeral_port_range(path: Path = EPHEMERAL_PORTS) -> tuple[int, int]:
@@ -28,21 +32,27 @@ def free_port(rng: random.Random | None = None, path: Path = EPHEMERAL_PORTS) ->
     would hand out an ephemeral port, which any outgoing connection (the workers' NATS
     clients start meanwhile) may take before the child binds it (a child of `kvmesh up` once
     exited on "address already in use" for its metrics port). Outside that range only another
-    explicit bind can take it. Falls back to a port-0 bind."""
+    explicit bind can take it; and this process does not hand out one of its last 256 picks
+    again. Falls back to a port-0 bind."""
     low, _ = ephemeral_port_range(path)
     rng = rng or random.SystemRandom()
     if low - LOWEST_FREE_PORT >= 1000:
         for _ in range(64):
             port = rng.randrange(LOWEST_FREE_PORT, low)
+            if port in _handed:
+                continue
             with socket.socket() as sock:
                 try:
                     sock.bind(("127.0.0.1", port))
                 except OSError:
                     continue
-                return port
+            _handed.append(port)
+            return port
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        port = sock.getsockname()[1]
+    _handed.append(port)
+    return port
 
 
 def held_port(host: str = "127.0.0.1", rng: random.Random | None = None) -> socket.socket:

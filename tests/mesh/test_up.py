@@ -747,7 +747,7 @@ def test_free_port_is_bindable_and_below_the_ephemeral_range(tmp_path):
     import random
     import socket
 
-    from kvmesh.shared.config.ports import LOWEST_FREE_PORT, ephemeral_port_range
+    from kvmesh.shared.config.ports import LOWEST_FREE_PORT, _handed, ephemeral_port_range
 
     ranges = tmp_path / "ip_local_port_range"
     ranges.write_text("32768\t60999\n")
@@ -763,17 +763,20 @@ def test_free_port_is_bindable_and_below_the_ephemeral_range(tmp_path):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         held = taken.getsockname()[1]
-        other = next(p for p in range(20_000, 32_000) if p != held and _bindable(p))
+        free = (p for p in range(20_000, 32_000) if p not in (held, *_handed) and _bindable(p))
+        other, third = next(free), next(free)
 
         class Picks:
-            def __init__(self) -> None:
-                self.picks = iter([held, other])
+            def __init__(self, *picks: int) -> None:
+                self.picks = iter(picks)
 
             def randrange(self, low: int, high: int) -> int:
                 return next(self.picks)
 
         ranges.write_text("32768 60999\n")
-        assert free_port(Picks(), ranges) == other  # type: ignore[arg-type]
+        assert free_port(Picks(held, other), ranges) == other  # type: ignore[arg-type]
+        # a port this process handed out is not handed out again, though still free
+        assert free_port(Picks(other, third), ranges) == third  # type: ignore[arg-type]
     # no room below the range: a port-0 bind's port
     ranges.write_text("10100 60999\n")
     assert free_port(random.Random(3), ranges) >= 1024
