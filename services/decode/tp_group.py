@@ -43,7 +43,7 @@ from kvmesh.services.decode.tp_leases import (
 )
 from kvmesh.services.decode.windows import LeaseWindows
 from kvmesh.shared.bus.worker_feature import Feature, Features, Loop, Site
-from kvmesh.shared.config.ports import free_port
+from kvmesh.shared.config.ports import held_port
 from kvmesh.shared.engine.tp_ranks import (
     TP_INIT_TIMEOUT_S,
     RankProcesses,
@@ -137,7 +137,8 @@ class DecodeRanks(Feature):
         from kvmesh.shared.model.tensor_parallel import shard_model
 
         ctx = mp.get_context("spawn")
-        port = free_port()
+        meeting = held_port()  # until rank 0's store binds it: no other pick takes it
+        port = meeting.getsockname()[1]
         replies, writes = ctx.Queue(), ctx.Queue()
         channels = [RankChannels(ctx.Queue(), replies, writes) for _ in range(1, config.tp)]
         threads = rank_threads(config.threads, len(os.sched_getaffinity(0)), config.tp)
@@ -162,7 +163,8 @@ class DecodeRanks(Feature):
         torch.set_num_threads(threads)  # the leader's share too
         group = DecodeRanks(ranks, channels, seed)
         try:
-            await asyncio.to_thread(join_group, 0, config.tp, port, config.device)
+            with meeting:
+                await asyncio.to_thread(join_group, 0, config.tp, port, config.device)
             shard_model(model)
             await asyncio.to_thread(group._wait_ready, TP_INIT_TIMEOUT_S)
         except BaseException:

@@ -227,8 +227,10 @@ async def prefill_service(config: PrefillConfig) -> AsyncIterator[PrefillService
     econf = config.engine_config(dtype, config.kv_cache_bytes, config.num_blocks)
     tp_group = tp_writes = None
     if config.tp > 1:  # this process leads N ranks that appear as one worker (docs/tp.md)
-        tp_group, port = start_tp_group(config, worker_id)
-        await asyncio.to_thread(join_group, 0, config.tp, port, config.device)
+        tp_group, meeting = start_tp_group(config, worker_id)
+        with meeting:  # held until rank 0's store binds it
+            port = meeting.getsockname()[1]
+            await asyncio.to_thread(join_group, 0, config.tp, port, config.device)
         shard_model(model)
     engine = LLMEngine(model, tokenizer, econf)
     if tp_group is not None:

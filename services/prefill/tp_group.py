@@ -25,13 +25,14 @@ import dataclasses
 import multiprocessing as mp
 import os
 import queue
+import socket
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 from kvmesh.services.prefill.kv_writes import RankSlice, job_rank_slices, rank_block_slices
 from kvmesh.services.prefill.tp_follower import DecodeTarget, HandOff, RankReport
-from kvmesh.shared.config.ports import free_port
+from kvmesh.shared.config.ports import held_port
 from kvmesh.shared.engine.tp_ranks import (
     RankProcesses,
     become_follower,
@@ -184,12 +185,13 @@ class TPGroup:
         self.ranks.stop(timeout_s)
 
 
-def start_tp_group(config: PrefillConfig, worker_id: str) -> tuple[TPGroup, int]:
-    """Spawn ranks 1..tp-1 for ``config``; returns them and the port the group meets on. The
-    caller then joins as rank 0 (``join_group``)."""
+def start_tp_group(config: PrefillConfig, worker_id: str) -> tuple[TPGroup, socket.socket]:
+    """Spawn ranks 1..tp-1 for ``config``; returns them and the port the group meets on, held
+    (``held_port``) until the caller has joined as rank 0 (``join_group``) and closes it."""
     import torch
 
-    port = free_port()
+    meeting = held_port()
+    port = meeting.getsockname()[1]
     reports = mp.get_context("spawn").Queue()
     threads = rank_threads(config.threads, len(os.sched_getaffinity(0)), config.tp)
     rank_config = dataclasses.replace(config, threads=threads)
@@ -201,7 +203,7 @@ def start_tp_group(config: PrefillConfig, worker_id: str) -> tuple[TPGroup, int]
         "prefill",
     )
     torch.set_num_threads(threads)  # the leader's share too
-    return TPGroup(ranks, reports), port
+    return TPGroup(ranks, reports), meeting
 
 
 def follower_main(
