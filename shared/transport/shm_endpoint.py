@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+from kvmesh.shared.config.mapped_memory import mapping_tensor
 from kvmesh.shared.kv.imm import check_imm
 from kvmesh.shared.transport.backend import EndpointBase
 from kvmesh.shared.transport.base import Access, WriteEntry
@@ -116,7 +117,7 @@ class ShmEndpoint(EndpointBase):
                 mm = map_segment(name)
             except OSError as exc:
                 raise PeerGoneError(f"peer {self._peer_id} segment {name} is gone: {exc}") from exc
-            mapping = self._mappings[name] = (mm, torch.frombuffer(mm, dtype=torch.uint8))
+            mapping = self._mappings[name] = (mm, mapping_tensor(mm))
         start = int(row["seg_offset"]) + addr - base
         if start + length > mapping[1].numel():  # a slice would be cut short: a silent no-op
             raise UntrustedDescriptorError(

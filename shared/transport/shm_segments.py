@@ -97,7 +97,8 @@ def sweep_stale_segments() -> list[str]:
 
 
 def close_mapping(mm: mmap.mmap) -> None:
-    # A KVPool may still view the memory; then the mapping dies with the last view.
+    # Viewed through mapping_tensor (a writer's copy in flight): unmapped with its last view.
+    # A plain torch.frombuffer view holds no export: it is unmapped now, under the view.
     with contextlib.suppress(BufferError):
         mm.close()
 

@@ -70,7 +70,11 @@ async def _load_then_kill(launcher, prompts, victim: str, delay_s: float):
         ]
         await asyncio.sleep(delay_s)
         if victim.startswith("prefill"):
-            await asyncio.wait_for(took_job.wait(), 30)
+            try:
+                await asyncio.wait_for(took_job.wait(), 30)
+            except TimeoutError:  # say whether it was alive to take one
+                exited = {spec.name: code for spec, code in launcher.dead()}
+                raise AssertionError(f"{victim} took no job in 30 s; exited: {exited}") from None
         _kill(launcher, victim)
         bodies = await asyncio.wait_for(asyncio.gather(*tasks), 60)
         elapsed = time.monotonic() - started

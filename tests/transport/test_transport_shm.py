@@ -67,6 +67,57 @@ async def test_writes_through_a_sub_region_land_at_the_right_offset() -> None:
         assert int(mem[:4096].sum()) == 0 and int(mem[8192:].sum()) == 0
 
 
+# A write's copy into the peer's segment runs in a thread; the endpoint is closed (a failed
+# write's teardown, the peer killed) while it runs, then the copy goes on. Run apart: before
+# mapping_tensor, the close unmapped the segment under the copy and the process segfaulted.
+_COPY_AFTER_CLOSE = """
+import asyncio, threading, torch
+from kvmesh.shared.transport import Access, TransportConfig, WriteEntry
+from kvmesh.shared.transport import shm_endpoint
+from kvmesh.shared.transport.shm import ShmTransport
+
+go, copying = threading.Event(), threading.Event()
+copy_all = shm_endpoint._copy_all
+
+def held_copy(pairs):
+    copying.set()
+    go.wait(10)
+    copy_all(pairs)
+
+shm_endpoint._copy_all = held_copy
+
+async def main():
+    async with ShmTransport(TransportConfig()) as rx, ShmTransport(TransportConfig()) as tx:
+        mem = rx.allocate(1 << 20)
+        region = rx.register(mem, Access.REMOTE_WRITE)
+        rkey = rx.open_window(region, [(region.addr, region.length)], region.access).rkey
+        src = torch.full((1 << 20,), 7, dtype=torch.uint8)
+        local = tx.register(src)
+        ep = await tx.connect(rx.descriptor())
+        write = asyncio.ensure_future(ep.write([WriteEntry(local, 0, region.addr, rkey, 1 << 20)], 1))
+        await asyncio.to_thread(copying.wait, 10)
+        await ep.aclose()  # the mappings closed under the copy
+        go.set()
+        await asyncio.gather(write, return_exceptions=True)  # its notice: the endpoint is closed
+        assert int(mem.sum()) == 7 << 20, int(mem.sum())
+    print("copied")
+
+asyncio.run(main())
+"""
+
+
+def test_a_copy_in_flight_outlives_the_endpoint_closing_its_mappings() -> None:
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", _COPY_AFTER_CLOSE], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "copied", (
+        done.returncode,
+        done.stderr[-2000:],
+    )
+
+
 async def test_connect_to_another_host_is_unreachable() -> None:
     async with ShmTransport(TransportConfig()) as rx, ShmTransport(TransportConfig()) as tx:
         d = rx.descriptor()
