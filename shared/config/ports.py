@@ -57,11 +57,12 @@ def free_port(rng: random.Random | None = None, path: Path = EPHEMERAL_PORTS) ->
 
 def held_port(host: str = "127.0.0.1", rng: random.Random | None = None) -> socket.socket:
     """A port free now and kept for a child until the returned socket is closed: bound, not
-    listening, with SO_REUSEADDR. A child's server binds it all the same (asyncio's and aiohttp's
-    servers set SO_REUSEADDR on Unix, and Linux lets two such sockets share a port while neither
-    listens), while a bind without that option fails on it: free_port's pick (a TP group's
-    rendezvous in another worker took a worker's metrics port between free_port's check and the
-    worker's bind). Connections to it are refused until the child listens and after it exits."""
+    listening, with SO_REUSEADDR. A child's server binds and listens on it all the same
+    (asyncio's and aiohttp's servers set SO_REUSEADDR on Unix, and Linux lets such a socket
+    share a port with others that set it and do not listen), while a bind without that option
+    fails on it: free_port's check, so no other pick takes it (a draft worker once found its
+    metrics port taken between the launcher's pick and its bind). Connections to it are refused
+    until the child listens and after it exits."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     for _ in range(64):
         sock = socket.socket(family, socket.SOCK_STREAM)

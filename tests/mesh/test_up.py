@@ -783,8 +783,9 @@ def test_free_port_is_bindable_and_below_the_ephemeral_range(tmp_path):
 
 
 async def test_held_port_refuses_other_picks_until_closed_and_lets_a_server_bind_it():
-    """kvmesh up holds each child's port from its pick to its stop: a TP group's free_port in
-    another worker once took a draft worker's metrics port before the worker bound it."""
+    """kvmesh up holds each child's port from its pick to its stop: a draft worker once found
+    its metrics port taken between the pick and its bind (by another pick: a TP group's in
+    another worker, or a second of the launcher's own)."""
     import socket
 
     from kvmesh.shared.config.ports import held_port
