@@ -81,7 +81,7 @@ class HugePageArena:
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised contiguous tensor (zero where never written) of the arena."""
-        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
         if self.padded(nbytes) > self.free:
             raise ValueError(
                 f"a {nbytes}-byte tensor does not fit the arena's {self.free} bytes left"
