@@ -112,22 +112,3 @@ def test_the_backend_moves_what_decode_streams_into_one_advised_arena(ops, store
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc_trim is glibc's")
 def test_freed_heap_goes_back_to_the_os_on_glibc():
     assert release_freed_heap() is True
-
-
-def test_a_mapping_tensor_keeps_its_mapping_until_the_last_view_is_gone():
-    """torch.frombuffer on an mmap holds no export: mm.close() unmapped it under live tensors.
-    mapping_tensor's does: close is refused (BufferError) while a view lives."""
-    import mmap
-
-    from kvmesh.shared.config.mapped_memory import mapping_tensor
-
-    mm = mmap.mmap(-1, 1 << 16)
-    view = mapping_tensor(mm)[4096:8192]
-    with pytest.raises(BufferError):
-        mm.close()
-    view.fill_(3)  # still mapped
-    assert mm[4096] == 3 and not mm.closed
-    del view
-    gc.collect()
-    mm.close()  # no view left: closes
-    assert mm.closed

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import subprocess
 
@@ -116,6 +117,25 @@ def test_a_copy_in_flight_outlives_the_endpoint_closing_its_mappings() -> None:
         done.returncode,
         done.stderr[-2000:],
     )
+
+
+def test_a_mapping_tensor_keeps_its_mapping_until_the_last_view_is_gone():
+    """torch.frombuffer on an mmap holds no export: mm.close() unmapped it under live tensors.
+    mapping_tensor's does: close is refused (BufferError) while a view lives."""
+    import mmap
+
+    from kvmesh.shared.config.mapped_memory import mapping_tensor
+
+    mm = mmap.mmap(-1, 1 << 16)
+    view = mapping_tensor(mm)[4096:8192]
+    with pytest.raises(BufferError):
+        mm.close()
+    view.fill_(3)  # still mapped
+    assert mm[4096] == 3 and not mm.closed
+    del view
+    gc.collect()
+    mm.close()  # no view left: closes
+    assert mm.closed
 
 
 async def test_connect_to_another_host_is_unreachable() -> None:
